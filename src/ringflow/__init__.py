@@ -1,0 +1,12 @@
+"""ringflow: stream data through a GPU with every stage overlapped and every buffer owned by
+exactly one stage at a time.
+
+>>> import ringflow as rf
+>>> dev = rf.device("sim")            # or "auto" / "cuda:0"
+"""
+
+from .device import cuda_available, device
+from .errors import DeviceError, HazardError, LaunchError, RingflowError, StageError
+
+__version__ = "0.1.0"
+__all__ = ["device", "cuda_available", "HazardError", "StageError", "DeviceError", "LaunchError", "RingflowError"]

@@ -1,0 +1,100 @@
+"""Host and device buffers of the simulated GPU.
+
+Both hold their bytes in a numpy uint8 array. Device memory is not reachable from the host
+except through copies. Every host view and every release goes through the device's
+happens-before checker. In checked mode a fresh device allocation is filled with 0xCD and a
+released pinned buffer with 0xEE, so a read of never-written or already-released bytes shows
+up as a wrong result.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..protocol import DeviceBuffer, HostBuffer, typed_view
+from .hazard import AccessKind
+
+if TYPE_CHECKING:
+    from .device import SimDevice
+    from .stream import SimStream
+
+UNINITIALISED = 0xCD
+RELEASED = 0xEE
+_ids = itertools.count(1)
+
+
+class _SimBufferMixin:
+    _dev: "SimDevice"
+    _mem: np.ndarray
+    label: str
+
+    def _access(self, kind: AccessKind, start: int, end: int, op: str, actor=None, tick: bool = True) -> None:
+        self._dev._check_access(self, kind, start, end, op, actor=actor, tick=tick)
+
+
+class SimHostBuffer(_SimBufferMixin, HostBuffer):
+    def __init__(self, dev: "SimDevice", nbytes: int, array: np.ndarray | None = None):
+        super().__init__(nbytes)
+        self._dev = dev
+        self.id = next(_ids)
+        self.registered = array is not None
+        self.label = f"{'registered' if self.registered else 'pinned'} host buffer #{self.id}"
+        if array is None:
+            self._mem = np.empty(nbytes, np.uint8)
+            self._mem.fill(UNINITIALISED if dev.poison else 0)
+        else:
+            self._mem = array.reshape(-1).view(np.uint8)
+
+    def __repr__(self) -> str:
+        return f"<{self.label} {self.nbytes} B{' closed' if self._closed else ''}>"
+
+    def view(self, dtype: Any = np.uint8, *, offset: int = 0, count: int | None = None, access: str = "rw"):
+        self._check_open()
+        out = typed_view(self._mem, dtype, offset, count, access)
+        with self._dev._lock:
+            self._dev._host_api()
+            end = offset + out.nbytes
+            if "r" in access:
+                self._access(AccessKind.READ, offset, end, f"host view ({access})")
+            if "w" in access:
+                self._access(AccessKind.WRITE, offset, end, f"host view ({access})", tick="r" not in access)
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        with self._dev._lock:
+            self._closed = True
+            self._dev._live["host_buffers"] -= 1
+            self._access(AccessKind.RELEASE, 0, self.nbytes, "host buffer close")
+            if self._dev.poison and not self.registered:
+                self._mem.fill(RELEASED)
+
+
+class SimDeviceBuffer(_SimBufferMixin, DeviceBuffer):
+    def __init__(self, dev: "SimDevice", nbytes: int):
+        super().__init__(nbytes)
+        self._dev = dev
+        self.id = next(_ids)
+        self.label = f"device buffer #{self.id}"
+        self._mem = np.empty(nbytes, np.uint8)
+        self._mem.fill(UNINITIALISED if dev.poison else 0)
+
+    def __repr__(self) -> str:
+        return f"<{self.label} {self.nbytes} B{' closed' if self._closed else ''}>"
+
+    def close(self, stream: "SimStream | None" = None) -> None:
+        if self._closed:
+            return
+        with self._dev._lock:
+            actor = None
+            if stream is not None:
+                stream._begin(0.0)
+                actor = stream.actor
+            self._closed = True
+            self._dev._live["device_buffers"] -= 1
+            self._access(AccessKind.RELEASE, 0, self.nbytes, "device buffer free"
+                         + (f" on {stream.name}" if stream is not None else ""), actor=actor)

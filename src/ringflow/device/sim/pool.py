@@ -1,0 +1,142 @@
+"""Host worker pools on the simulated clock.
+
+A pool of ``workers`` lanes is a resource of the engine: a submitted task waits for a free
+lane, runs its callable at the instant it starts (as that lane's actor, so its host views are
+checked with the lane's vector clock), and completes after its virtual duration: the
+``sim_seconds`` given, else the time to copy ``nbytes`` at the profile's per-thread host copy
+rate, plus whatever the callable charged with :func:`charge`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..protocol import HostTask, WorkerPool
+from .engine import Op
+
+if TYPE_CHECKING:
+    from .device import SimDevice
+
+_ids = itertools.count(1)
+_current = threading.local()  # the sim task running on this thread, if any
+
+
+def charge(seconds: float) -> None:
+    """Add ``seconds`` of virtual CPU time to the sim host task running now.
+
+    Lets a test's prepare or consume callable stand for slow CPU work without sleeping; a
+    no-op outside a simulated host task (so the same callable runs on a real GPU)."""
+    task = getattr(_current, "task", None)
+    if task is not None:
+        task._charged += float(seconds)
+
+
+class SimHostTask(HostTask):
+    def __init__(self, pool: "SimWorkerPool", fn: Callable[..., Any], args: tuple, seconds: float, snapshot: dict):
+        self._pool = pool
+        self._fn = fn
+        self._args = args
+        self._seconds = seconds
+        self._submit_clock = snapshot
+        self._end_clock: dict | None = None
+        self._charged = 0.0
+        self._value: Any = None
+        self._exc: BaseException | None = None
+        self.op: Op | None = None
+
+    def __repr__(self) -> str:
+        name = getattr(self._fn, "__name__", "task")
+        return f"<SimHostTask {name} {'done' if self.op and self.op.done else 'pending'}>"
+
+    def _run(self, op: Op) -> None:
+        pool, dev = self._pool, self._pool._dev
+        lane = pool._free_lanes.pop()
+        op.lane = lane
+        actor = (pool.actor_prefix, lane)
+        dev._checker.merge(actor, self._submit_clock)
+        previous_actor = dev._tls_actor_override()
+        dev._set_actor_override(actor)
+        _current.task = self
+        try:
+            self._value = self._fn(*self._args)
+        except BaseException as exc:  # noqa: BLE001 - delivered by result()
+            self._exc = exc
+        finally:
+            _current.task = None
+            dev._set_actor_override(previous_actor)
+        dev._checker.tick(actor)
+        self._end_clock = dev._checker.snapshot(actor)
+        op.remaining = dev._engine._jitter(self._seconds + self._charged)
+        self._fn = self._args = None  # drop references once run
+
+    def _done(self, op: Op) -> None:
+        self._pool._free_lanes.append(op.lane)
+
+    @property
+    def is_done(self) -> bool:
+        dev = self._pool._dev
+        with dev._lock:
+            dev._host_api()
+            if self.op.done:
+                dev._checker_merge(self._end_clock)
+                return True
+            return False
+
+    def sync(self) -> None:
+        dev = self._pool._dev
+        with dev._lock:
+            dev._block_until(lambda: self.op.done, what=repr(self))
+            dev._checker_merge(self._end_clock)
+
+    def result(self) -> Any:
+        if not self.op.done:
+            raise RuntimeError(f"{self!r} is not done; wait for it (sync or wait_any) before asking its result")
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+
+class SimWorkerPool(WorkerPool):
+    def __init__(self, dev: "SimDevice", workers: int):
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"a worker pool needs at least 1 worker, got {workers!r}")
+        self._dev = dev
+        self.workers = workers
+        self.id = next(_ids)
+        self.actor_prefix = f"pool{self.id}"
+        self._resource = f"host pool {self.id}"
+        self._queue = dev._engine.add_queue(self._resource, resource=self._resource, lanes=workers)
+        self._free_lanes = list(range(workers - 1, -1, -1))
+        for lane in range(workers):
+            dev._checker.add_actor((self.actor_prefix, lane), f"host worker {lane} of pool {self.id}")
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0, sim_seconds: float | None = None) -> SimHostTask:
+        dev = self._dev
+        with dev._lock:
+            if self._closed:
+                raise RuntimeError("this worker pool is closed; create a new one")
+            dev._host_api()
+            p = dev.profile
+            if sim_seconds is None:
+                per_thread = p.host_copy_rate(self.workers) / self.workers * 1e9
+                sim_seconds = p.host_task_overhead_s + nbytes / per_thread
+            snapshot = dev._checker.snapshot(dev._actor())
+            dev._checker.tick(dev._actor())
+            task = SimHostTask(self, fn, args, float(sim_seconds), snapshot)
+            task.op = dev._engine.enqueue(Op(self._queue, f"host task {getattr(fn, '__name__', 'fn')}",
+                                             resource=self._resource, seconds=0.0,
+                                             on_start=task._run, on_complete=task._done))
+            return task
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        dev = self._dev
+        with dev._lock:
+            self._closed = True
+            dev._block_until(lambda: not self._queue.pending and not dev._engine._busy[self._resource],
+                             what="worker pool drain")
+            dev._engine.remove_queue(self._queue)
