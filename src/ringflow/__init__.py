@@ -7,6 +7,7 @@ exactly one stage at a time.
 
 from .device import cuda_available, device
 from .errors import DeviceError, HazardError, LaunchError, RingflowError, StageError
+from .pipeline import ChunkState, Pipeline, PipelineStats, SlotCounts, SlotState, stream_map
 
 __version__ = "0.1.0"
-__all__ = ["device", "cuda_available", "HazardError", "StageError", "DeviceError", "LaunchError", "RingflowError"]
+__all__ = ["Pipeline", "stream_map", "SlotCounts", "PipelineStats", "ChunkState", "SlotState", "device", "cuda_available", "HazardError", "StageError", "DeviceError", "LaunchError", "RingflowError"]

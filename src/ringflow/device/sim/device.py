@@ -120,8 +120,17 @@ class SimDevice(Device):
         nbytes = check_nbytes(nbytes, "allocate size")
         with self._lock:
             self._check_usable()
+            if stream is not None:
+                if not isinstance(stream, SimStream) or stream._dev is not self:
+                    raise ValueError(f"allocate(stream=...) needs a stream of this device, got {stream!r}")
+                stream._begin(0.0)
+            buf = SimDeviceBuffer(self, nbytes)
+            if stream is not None:
+                # A stream-ordered allocation is usable on its stream at once and on another stream
+                # only once that stream is ordered after it: record it as that stream's write.
+                buf._access(AccessKind.WRITE, 0, nbytes, "stream-ordered allocate", actor=stream.actor)
             self._live["device_buffers"] += 1
-            return SimDeviceBuffer(self, nbytes)
+            return buf
 
     def create_worker_pool(self, workers: int) -> SimWorkerPool:
         with self._lock:
@@ -133,6 +142,10 @@ class SimDevice(Device):
         if not waitables:
             raise ValueError("wait_any needs at least one event or host task")
         ops = [self._op_of(w) for w in waitables]
+        for w in waitables:
+            owner = w._dev if isinstance(w, SimEvent) else getattr(getattr(w, "_pool", None), "_dev", None)
+            if owner is not self:
+                raise ValueError(f"wait_any got {w!r} of another device; wait only on this device's events and tasks")
         with self._lock:
             self._host_api(self.profile.event_overhead_s)
             until = math.inf if timeout is None else self._engine.now + max(0.0, timeout)

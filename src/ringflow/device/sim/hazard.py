@@ -53,7 +53,8 @@ class Access:
     op: str
 
     def overlaps(self, other: "Access") -> bool:
-        return self.start < other.end and other.start < self.end
+        # an empty range touches no byte, so it overlaps nothing
+        return self.start < self.end and other.start < other.end and self.start < other.end and other.start < self.end
 
     def describe(self) -> str:
         return (f"{self.kind.value} of {self.buffer_name} bytes [{self.start}, {self.end}) by {self.op} "

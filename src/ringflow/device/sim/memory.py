@@ -67,9 +67,10 @@ class SimHostBuffer(_SimBufferMixin, HostBuffer):
         if self._closed:
             return
         with self._dev._lock:
+            # check the release first: a refused close (HazardError) leaves the buffer open and counted
+            self._access(AccessKind.RELEASE, 0, self.nbytes, "host buffer close")
             self._closed = True
             self._dev._live["host_buffers"] -= 1
-            self._access(AccessKind.RELEASE, 0, self.nbytes, "host buffer close")
             if self._dev.poison and not self.registered:
                 self._mem.fill(RELEASED)
 
@@ -92,9 +93,12 @@ class SimDeviceBuffer(_SimBufferMixin, DeviceBuffer):
         with self._dev._lock:
             actor = None
             if stream is not None:
+                if getattr(stream, "_dev", None) is not self._dev:
+                    raise ValueError(f"close(stream=...) needs a stream of this buffer's device, got {stream!r}")
                 stream._begin(0.0)
                 actor = stream.actor
+            # check the release first: a refused free (HazardError) leaves the buffer open and counted
+            op = "stream-ordered device buffer free" if stream is not None else "device buffer free"
+            self._access(AccessKind.RELEASE, 0, self.nbytes, op, actor=actor)
             self._closed = True
             self._dev._live["device_buffers"] -= 1
-            self._access(AccessKind.RELEASE, 0, self.nbytes, "device buffer free"
-                         + (f" on {stream.name}" if stream is not None else ""), actor=actor)

@@ -41,7 +41,8 @@ class SimEvent(Event):
     @property
     def is_done(self) -> bool:
         with self._dev._lock:
-            self._dev._host_api()
+            # a query is a host call and costs its overhead, so a polling loop lets virtual time move
+            self._dev._host_api(self._dev.profile.event_overhead_s)
             if self._op.done:
                 self._observed()
                 return True
@@ -97,6 +98,13 @@ class SimStream(Stream):
         self._dev._host_api(overhead)
         self._dev._checker.merge(self.actor, self._dev._checker.snapshot(self._dev._actor()))
 
+    def _own(self, sl: BufferSlice) -> BufferSlice:
+        """Refuse a buffer of another device (its checker has never heard of this stream)."""
+        if getattr(sl.buffer, "_dev", None) is not self._dev:
+            raise ValueError(f"{sl.buffer!r} belongs to another device; a stream can only use buffers "
+                             "allocated on its own device (allocate them with this stream's device)")
+        return sl
+
     def _enqueue(self, label: str, **kw) -> Op:
         op = Op(self._queue, label, **kw)
         return self._dev._engine.enqueue(op)
@@ -117,6 +125,8 @@ class SimStream(Stream):
     def wait(self, event: Event) -> None:
         if not isinstance(event, SimEvent):
             raise TypeError(f"a sim stream can only wait on a SimEvent, got {type(event).__name__}")
+        if event._dev is not self._dev:
+            raise ValueError(f"{event!r} was recorded on another device; wait only on events of this stream's device")
         with self._dev._lock:
             self._begin(self._dev.profile.event_overhead_s)
             self._dev._checker.merge(self.actor, event._snapshot)
@@ -127,6 +137,7 @@ class SimStream(Stream):
     def copy(self, dst, src, nbytes: int | None = None) -> None:
         with self._dev._lock:
             d, s = copy_extent(dst, src, nbytes)
+            self._own(d), self._own(s)
             self._begin(self._dev.profile.copy_overhead_s)
             direction = {(True, False): "h2d", (False, True): "d2h"}.get((s.buffer.is_host, d.buffer.is_host))
             op_name = f"copy {direction or ('h2h' if d.buffer.is_host else 'd2d')} {d.nbytes} B"
@@ -142,7 +153,7 @@ class SimStream(Stream):
 
     def fill(self, dst, byte: int) -> None:
         with self._dev._lock:
-            d = as_slice(dst)
+            d = self._own(as_slice(dst))
             if not 0 <= int(byte) <= 255:
                 raise ValueError(f"fill byte must be in 0..255, got {byte}")
             self._begin(self._dev.profile.copy_overhead_s)
@@ -161,11 +172,12 @@ class SimStream(Stream):
             raise TypeError(f"launch needs a callable, got {type(fn).__name__}")
         with self._dev._lock:
             self._begin(self._dev.profile.launch_overhead_s)
-            read_set = [as_slice(r) for r in reads]
-            write_set = [as_slice(w) for w in writes]
+            read_set = [self._own(as_slice(r)) for r in reads]
+            write_set = [self._own(as_slice(w)) for w in writes]
             named = {(x.buffer, x.offset, x.nbytes) for x in read_set + write_set}
             for a in args:
                 if isinstance(a, ArrayArg):
+                    self._own(as_slice(a))
                     if a.where.buffer.is_host:
                         raise ValueError("launch takes device memory; copy host data to a device buffer first")
                     if (a.where.buffer, a.where.offset, a.where.nbytes) not in named:
@@ -185,9 +197,12 @@ class SimStream(Stream):
                 touched += sl.nbytes
             p = self._dev.profile
             seconds = sim_seconds if sim_seconds is not None else max(p.kernel_min_s, touched / (p.device_GBps * 1e9))
+            # an array named only in reads= is handed to fn read-only, so an undeclared write fails
+            # loudly (a LaunchError) instead of slipping past the checker
+            read_only = [isinstance(a, ArrayArg) and not any(_overlap(a.where, w) for w in write_set) for a in args]
 
             def run(op: Op) -> None:
-                arrays = [_materialise(a) for a in args]
+                arrays = [_materialise(a, ro) for a, ro in zip(args, read_only)]
                 try:
                     fn(*arrays)
                 except Exception as exc:  # noqa: BLE001 - reported through the next event
@@ -216,8 +231,15 @@ class SimStream(Stream):
             self._dev._engine.remove_queue(self._queue)
 
 
-def _materialise(a: Any) -> Any:
+def _overlap(a: BufferSlice, b: BufferSlice) -> bool:
+    return a.buffer is b.buffer and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
+
+
+def _materialise(a: Any, read_only: bool = False) -> Any:
     if isinstance(a, ArrayArg):
         mem = a.where.buffer._mem
-        return mem[a.where.offset:a.where.offset + a.where.nbytes].view(a.dtype).reshape(a.shape)
+        out = mem[a.where.offset:a.where.offset + a.where.nbytes].view(a.dtype).reshape(a.shape)
+        if read_only:
+            out.flags.writeable = False
+        return out
     return a

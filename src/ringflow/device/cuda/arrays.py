@@ -1,0 +1,146 @@
+"""Framework adapters: what a launched callable receives on a CUDA device.
+
+``array="cupy"`` gives ``cupy.ndarray``; ``"torch"`` gives ``torch.Tensor``; ``"dlpack"`` gives a
+``cuda.core.utils.StridedMemoryView`` (it has ``__dlpack__`` and ``.ptr``, so any framework can
+import it with its ``from_dlpack``); ``"auto"`` picks CuPy, else PyTorch, else DLPack. Every
+array is a zero-copy view of the buffer range: it does not own the memory, and it must not be
+used after the buffer is closed (or, for device memory, after the stream-ordered free).
+
+While a launched callable runs, the framework's current stream is the launching stream, and
+:func:`current_stream` returns it (that is how :class:`ringflow.Kernel` finds it under
+``"dlpack"``, which has no stream of its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+
+from ..protocol import ArrayArg
+from ._lib import core
+
+if TYPE_CHECKING:
+    from .stream import CudaStream
+
+ARRAY_KINDS = ("auto", "cupy", "torch", "dlpack")
+
+_CURRENT: contextvars.ContextVar["CudaStream | None"] = contextvars.ContextVar("ringflow_cuda_stream", default=None)
+
+
+def current_stream() -> "CudaStream | None":
+    """The ringflow stream whose ``launch`` is running ``fn`` in this thread, if any."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def using_stream(stream: "CudaStream") -> Iterator[None]:
+    token = _CURRENT.set(stream)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def _address(arg: ArrayArg) -> int:
+    s = arg.where
+    return s.buffer._ptr + s.offset
+
+
+class _CudaArrayInterface:
+    """A minimal ``__cuda_array_interface__`` (v3) exporter; holds the buffer object."""
+
+    __slots__ = ("__cuda_array_interface__", "owner")
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype, owner: Any):
+        self.owner = owner
+        # stream None: no synchronisation needed, the launching stream is already current.
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": dtype.str, "data": (ptr, False),
+                                         "strides": None, "version": 3, "stream": None}
+
+
+class CupyAdapter:
+    name = "cupy"
+
+    def __init__(self) -> None:
+        import cupy
+
+        self._cp = cupy
+
+    def array(self, arg: ArrayArg, index: int) -> Any:
+        cp = self._cp
+        mem = cp.cuda.UnownedMemory(_address(arg), arg.where.nbytes, arg.where.buffer, index)
+        return cp.ndarray(arg.shape, dtype=arg.dtype, memptr=cp.cuda.MemoryPointer(mem, 0))
+
+    def stream_context(self, stream: "CudaStream") -> contextlib.AbstractContextManager:
+        cp = self._cp
+        cs = stream._framework_streams.get("cupy")
+        if cs is None:
+            if hasattr(cp.cuda.Stream, "from_external"):  # CuPy >= 14
+                cs = cp.cuda.Stream.from_external(stream)
+            else:
+                cs = cp.cuda.ExternalStream(stream.handle, stream._device.index)
+            stream._framework_streams["cupy"] = cs
+        stack = contextlib.ExitStack()
+        stack.enter_context(cp.cuda.Device(stream._device.index))
+        stack.enter_context(cs)
+        return stack
+
+
+class TorchAdapter:
+    name = "torch"
+
+    def __init__(self) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("PyTorch is installed but sees no CUDA GPU (a CPU-only build?)")
+        self._torch = torch
+
+    def array(self, arg: ArrayArg, index: int) -> Any:
+        torch = self._torch
+        return torch.as_tensor(_CudaArrayInterface(_address(arg), arg.shape, arg.dtype, arg.where.buffer),
+                               device=torch.device("cuda", index))
+
+    def stream_context(self, stream: "CudaStream") -> contextlib.AbstractContextManager:
+        torch = self._torch
+        ts = stream._framework_streams.get("torch")
+        if ts is None:
+            ts = torch.cuda.ExternalStream(stream.handle, device=torch.device("cuda", stream._device.index))
+            stream._framework_streams["torch"] = ts
+        return torch.cuda.stream(ts)
+
+
+class DlpackAdapter:
+    name = "dlpack"
+
+    def array(self, arg: ArrayArg, index: int) -> Any:
+        from cuda.core.utils import StridedMemoryView
+
+        buf = core().Buffer.from_handle(_address(arg), arg.where.nbytes, owner=arg.where.buffer)
+        return StridedMemoryView.from_buffer(buf, tuple(arg.shape), dtype=arg.dtype)
+
+    def stream_context(self, stream: "CudaStream") -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+def resolve(kind: str) -> CupyAdapter | TorchAdapter | DlpackAdapter:
+    """The adapter for ``array=kind``; ``"auto"`` tries CuPy, then PyTorch, then DLPack."""
+    if kind not in ARRAY_KINDS:
+        raise ValueError(f"unknown array type {kind!r}; choose one of {', '.join(map(repr, ARRAY_KINDS))}")
+    if kind == "dlpack":
+        return DlpackAdapter()
+    errors = []
+    for name, cls in (("cupy", CupyAdapter), ("torch", TorchAdapter)):
+        if kind not in ("auto", name):
+            continue
+        try:
+            return cls()
+        except Exception as exc:  # noqa: BLE001 - missing or unusable framework
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+    if kind == "auto":
+        return DlpackAdapter()
+    raise RuntimeError(f"array={kind!r} is not usable here ({'; '.join(errors)}); install it, or pass "
+                       "array='auto' or array='dlpack'")

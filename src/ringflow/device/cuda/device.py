@@ -1,0 +1,217 @@
+"""``CudaDevice``: one NVIDIA GPU through cuda.core (the primary context of that GPU).
+
+Threads: every entry point makes the device's primary context current on the calling thread
+first (once per thread), so streams, buffers and events may be used from any thread,
+including worker-pool threads. CuPy and PyTorch use the same primary context.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+import warnings
+import weakref
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..protocol import Capabilities, Device, LiveCounts, close_quietly
+from ._lib import check, core, driver, translate
+from ._live import LiveRegistry
+from .arrays import resolve
+from .memory import CudaDeviceBuffer, PinnedHostBuffer, RegisteredHostBuffer
+from .pool import CudaHostTask, ThreadWorkerPool
+from .probe import probe
+from .stream import CudaStream
+
+# Keep the pool's freed memory instead of returning it to the OS at every synchronisation.
+_POOL_RELEASE_THRESHOLD = (1 << 64) - 1
+_WAIT_FIRST_SLEEP_S = 20e-6  # wait_any polls; its sleeps grow from this ...
+_WAIT_MAX_SLEEP_S = 200e-6   # ... to this, so a completion is seen within ~0.2 ms
+
+
+class CudaDevice(Device):
+    """GPU ``index`` as a ringflow device. ``array`` picks what launched callables receive:
+    ``"cupy"``, ``"torch"``, ``"dlpack"`` or ``"auto"`` (CuPy, else PyTorch, else DLPack)."""
+
+    backend = "cuda"
+
+    def __init__(self, index: int = 0, array: str = "auto"):
+        ok, reason = probe()
+        if not ok:
+            raise RuntimeError(f"no usable CUDA GPU: {reason}. Use ringflow.device('sim') instead")
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"GPU index must be an int, got {type(index).__name__}")
+        cc = core()
+        count = len(cc.Device.get_all_devices())
+        if not 0 <= index < count:
+            raise ValueError(f"there is no cuda:{index}; this machine has {count} GPU(s): use cuda:0..cuda:{count - 1}")
+        self.index = index
+        self._tls = threading.local()
+        self._closed = False
+        self._live = LiveRegistry()
+        self._pools: "weakref.WeakSet[ThreadWorkerPool]" = weakref.WeakSet()
+        self._cc = cc.Device(index)
+        self._ensure_current()
+        self.name = self._cc.name
+        self._adapter = resolve(array)
+        self.array_type = self._adapter.name
+        self._caps: Capabilities | None = None
+        props = self._cc.properties
+        self._read_only_register = bool(props.read_only_host_register_supported)
+        with translate("setting up cuda:%d" % index):
+            # An internal stream (not counted as live) orders allocate()/close() without a stream.
+            self._internal_stream = self._cc.create_stream(options=cc.StreamOptions(nonblocking=True))
+            self._pinned_mr = cc.LegacyPinnedMemoryResource()
+            if props.memory_pools_supported:
+                self._device_mr = cc.DeviceMemoryResource(index)  # the device's current pool
+                self._keep_pool_memory()
+            else:
+                self._device_mr = self._cc.memory_resource  # synchronous cuMemAlloc fallback
+
+    # -- internals -----------------------------------------------------------------------------
+    def _ensure_current(self) -> None:
+        if not getattr(self._tls, "current", False):
+            core().Device(self.index).set_current()  # cuda.core Device objects are per thread
+            self._tls.current = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed; create a new device with ringflow.device(...)")
+
+    def _check_stream(self, stream: Any) -> CudaStream:
+        if not isinstance(stream, CudaStream) or stream._device is not self:
+            raise TypeError(f"expected a stream created by {self!r}, got {stream!r}")
+        stream._check_open()
+        return stream
+
+    def _keep_pool_memory(self) -> None:
+        drv = driver()
+        try:
+            # cuda.core exposes the pool's attributes read-only: set the threshold via cuda.bindings.
+            check(drv.cuMemPoolSetAttribute(self._device_mr.handle,
+                                            drv.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                                            drv.cuuint64_t(_POOL_RELEASE_THRESHOLD)),
+                  "cuMemPoolSetAttribute(RELEASE_THRESHOLD)")
+        except Exception as exc:  # noqa: BLE001 - only a performance hint
+            warnings.warn(f"could not keep freed pool memory cached: {exc}", RuntimeWarning, stacklevel=2)
+
+    # -- protocol ------------------------------------------------------------------------------
+    @property
+    def capabilities(self) -> Capabilities:
+        if self._caps is None:
+            self._ensure_current()
+            p = self._cc.properties
+            drv = driver()
+            least, greatest = check(drv.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+            # cuda.core has no total-memory query: cuDeviceTotalMem from cuda.bindings.
+            total = check(drv.cuDeviceTotalMem(self.index), "cuDeviceTotalMem")
+            cap = self._cc.compute_capability
+            self._caps = Capabilities(
+                name=self.name, backend="cuda", compute_capability=(int(cap.major), int(cap.minor)),
+                sm_count=int(p.multiprocessor_count), async_engine_count=int(p.async_engine_count),
+                concurrent_kernels=bool(p.concurrent_kernels), memory_pools=bool(p.memory_pools_supported),
+                stream_priorities=(int(least), int(greatest)), host_register=bool(p.host_register_supported),
+                unified_addressing=bool(p.unified_addressing), total_memory=int(total))
+        return self._caps
+
+    @property
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def create_stream(self, priority: int = 0) -> CudaStream:
+        """A non-blocking stream; lower ``priority`` numbers run first when streams compete.
+        A priority outside ``capabilities.stream_priorities`` raises ValueError (as on the sim)."""
+        self._check_open()
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise TypeError(f"stream priority must be an int, got {type(priority).__name__}")
+        least, greatest = self.capabilities.stream_priorities
+        if not greatest <= priority <= least:
+            raise ValueError(f"stream priority {priority} is outside the device's range "
+                             f"[{greatest} (highest), {least} (lowest)]")
+        return CudaStream(self, int(priority))
+
+    def allocate_host(self, nbytes: int) -> PinnedHostBuffer:
+        self._check_open()
+        return PinnedHostBuffer(self, nbytes)
+
+    def register_host(self, array: np.ndarray) -> RegisteredHostBuffer:
+        self._check_open()
+        return RegisteredHostBuffer(self, array)
+
+    def allocate(self, nbytes: int, stream: CudaStream | None = None) -> CudaDeviceBuffer:
+        """Device memory from the stream-ordered pool. With ``stream`` it is usable there at once
+        and on other streams once ordered after it; without, it is usable everywhere (the
+        allocation is waited for)."""
+        self._check_open()
+        if stream is not None:
+            self._check_stream(stream)
+        return CudaDeviceBuffer(self, nbytes, stream)
+
+    def create_worker_pool(self, workers: int) -> ThreadWorkerPool:
+        self._check_open()
+        pool = ThreadWorkerPool(workers, on_close=self._pools.discard)
+        self._pools.add(pool)
+        return pool
+
+    def wait_any(self, waitables: Sequence[Any], timeout: float | None = None) -> list[Any]:
+        """Block until at least one event / host task is done or ``timeout`` seconds pass;
+        return those done (empty on timeout). Events are polled, with sleeps growing from
+        20 us to 200 us; host tasks wake the wait as soon as they finish. An event that hit a
+        sticky device error counts as done (its ``error`` is set)."""
+        waitables = list(waitables)
+        if not waitables:
+            raise ValueError("wait_any needs at least one event or host task to wait for")
+        for w in waitables:
+            if not hasattr(w, "is_done"):
+                raise TypeError(f"wait_any waits for events and host tasks, got {type(w).__name__}")
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
+        futures = [w._future for w in waitables if isinstance(w, CudaHostTask)]
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        delay = _WAIT_FIRST_SLEEP_S
+        while True:
+            done = [w for w in waitables if w.is_done]
+            if done:
+                return done
+            step = delay
+            if deadline is not None:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    return []
+                step = min(step, left)
+            if futures:
+                cf.wait(futures, timeout=step, return_when=cf.FIRST_COMPLETED)
+            else:
+                time.sleep(step)
+            delay = min(delay * 2, _WAIT_MAX_SLEEP_S)
+
+    def live(self) -> LiveCounts:
+        return self._live.counts()
+
+    def close(self) -> None:
+        """Wait for the device's work, then close every buffer, stream and worker pool still
+        open. Harmless twice; failures become warnings."""
+        if self._closed:
+            return
+        try:
+            self._ensure_current()
+            self._cc.sync()
+        except Exception as exc:  # noqa: BLE001 - cleanup never raises
+            warnings.warn(f"synchronising {self!r} before closing failed: {exc}", RuntimeWarning, stacklevel=2)
+        for pool in list(self._pools):
+            close_quietly(pool, "a worker pool")
+        leftovers = self._live.open_objects()
+        # Buffers first (their stream-ordered frees use the internal stream), then streams.
+        for obj in sorted(leftovers, key=lambda o: isinstance(o, CudaStream)):
+            close_quietly(obj, repr(obj))
+        self._closed = True
+        try:
+            self._internal_stream.close()
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"closing the internal stream failed: {exc}", RuntimeWarning, stacklevel=2)
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return f"<CudaDevice cuda:{self.index} {getattr(self, 'name', '?')}{state}>"

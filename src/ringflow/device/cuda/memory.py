@@ -1,0 +1,191 @@
+"""Host and device buffers on a CUDA GPU.
+
+Lifetimes, and why:
+
+* **Pinned host buffers** come from cuda.core's ``LegacyPinnedMemoryResource``
+  (``cuMemAllocHost``). The memory is reached from numpy through a ctypes array that holds
+  the cuda.core buffer, so every numpy view keeps the allocation alive: ``close()`` drops the
+  buffer's own references and the memory is freed as soon as no view is left. A view kept
+  past ``close()`` therefore never points at freed memory (it only delays the free).
+* **Registered host buffers** pin the caller's numpy array in place (``cuMemHostRegister``,
+  through cuda.bindings: cuda.core has no call for it). The buffer holds the array, so the
+  array outlives the registration; ``close()`` (or collection) unregisters it.
+* **Device buffers** come from the device's stream-ordered pool (``cuMemAllocAsync`` via
+  cuda.core's ``DeviceMemoryResource``). ``close(stream)`` frees in that stream's order; the
+  caller must have ordered every other stream's use before it. ``close()`` with no stream
+  waits for all work on the device first, so it is always safe (and blocking).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..protocol import DeviceBuffer, HostBuffer, check_nbytes
+from ._lib import check, core, driver, translate
+
+if TYPE_CHECKING:
+    from .device import CudaDevice
+    from .stream import CudaStream
+
+
+def _byte_view(base: np.ndarray, nbytes: int, dtype: Any, offset: int, count: int | None, what: str) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or not 0 <= offset <= nbytes:
+        raise ValueError(f"view offset {offset!r} is outside {what} of {nbytes} bytes")
+    avail = nbytes - int(offset)
+    if count is None:
+        if avail % dtype.itemsize:
+            raise ValueError(f"the {avail} bytes from offset {offset} of {what} are not a whole number of "
+                             f"{dtype} items ({dtype.itemsize} bytes each); pass count=")
+        count = avail // dtype.itemsize
+    if count < 0 or count * dtype.itemsize > avail:
+        raise ValueError(f"a view of {count} {dtype} items from offset {offset} needs {count * dtype.itemsize} "
+                         f"bytes but {what} has {avail} bytes there")
+    return base[offset:offset + count * dtype.itemsize].view(dtype)
+
+
+class _CudaHostBuffer(HostBuffer):
+    """Common part of pinned and registered host memory: a pointer and a numpy byte view."""
+
+    def __init__(self, device: "CudaDevice", nbytes: int, ptr: int, base: np.ndarray):
+        super().__init__(nbytes)
+        self._device = device
+        self._ptr = ptr
+        self._base: np.ndarray | None = base  # 1-D uint8 over the whole allocation
+
+    @property
+    def ptr(self) -> int:
+        """Address of the first byte (valid on the host and, with unified addressing, the device)."""
+        self._check_open()
+        return self._ptr
+
+    def view(self, dtype: Any = np.uint8, *, offset: int = 0, count: int | None = None) -> np.ndarray:
+        self._check_open()
+        return _byte_view(self._base, self.nbytes, dtype, offset, count, repr(self))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._base = None
+        self._device._live.forget(self)
+        self._finalizer()  # uncount; unregisters registered memory
+
+    def __repr__(self) -> str:
+        kind = "registered" if self.registered else "pinned"
+        state = " closed" if self._closed else ""
+        return f"<CudaHostBuffer {kind} {self.nbytes} B at {self._ptr:#x}{state}>"
+
+
+class PinnedHostBuffer(_CudaHostBuffer):
+    """Page-locked memory from ``cuMemAllocHost``; freed once closed and no numpy view is left."""
+
+    registered = False
+
+    def __init__(self, device: "CudaDevice", nbytes: int):
+        nbytes = check_nbytes(nbytes, "allocate_host(nbytes)")
+        device._ensure_current()
+        with translate(f"allocating {nbytes} bytes of pinned host memory"):
+            cc_buf = device._pinned_mr.allocate(nbytes)
+        ptr = int(cc_buf.handle)
+        raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
+        raw._ringflow_owner = cc_buf  # every numpy view -> raw -> cc_buf: the memory outlives its views
+        super().__init__(device, nbytes, ptr, np.frombuffer(raw, dtype=np.uint8))
+        self._finalizer = device._live.track(self, "host_buffers")
+
+
+class RegisteredHostBuffer(_CudaHostBuffer):
+    """An existing numpy array pinned in place; closing (or collection) unregisters it."""
+
+    registered = True
+
+    def __init__(self, device: "CudaDevice", array: np.ndarray):
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"register_host needs a numpy array, got {type(array).__name__}")
+        if not array.flags.c_contiguous:
+            raise ValueError("register_host needs a C-contiguous array; pass np.ascontiguousarray(a) "
+                             "(a copy) or register the contiguous base array")
+        if array.dtype.hasobject:
+            raise TypeError("register_host cannot pin an array of Python objects")
+        nbytes = check_nbytes(array.nbytes, "register_host(array).nbytes")
+        device._ensure_current()
+        drv = driver()
+        ptr = int(array.ctypes.data)
+        flags = drv.CU_MEMHOSTREGISTER_PORTABLE
+        if not array.flags.writeable and device._read_only_register:
+            flags |= drv.CU_MEMHOSTREGISTER_READ_ONLY
+        # cuda.core has no host-registration call: cuMemHostRegister through cuda.bindings.
+        check(drv.cuMemHostRegister(ptr, nbytes, flags),
+              f"cuMemHostRegister of {nbytes} bytes at {ptr:#x} (is it registered already?)")
+        super().__init__(device, nbytes, ptr, array.reshape(-1).view(np.uint8))
+        self.array = array
+        # The finalizer holds the array, so the memory stays valid until it is unregistered.
+        self._finalizer = device._live.track(self, "host_buffers",
+                                             cleanup=_Unregister(device.index, ptr, array))
+
+
+class _Unregister:
+    """Unregisters host memory; also run by the garbage collector, so it sets the context."""
+
+    def __init__(self, index: int, ptr: int, array: np.ndarray):
+        self.index, self.ptr, self.array = index, ptr, array
+
+    def __call__(self) -> None:
+        core().Device(self.index).set_current()
+        check(driver().cuMemHostUnregister(self.ptr), f"cuMemHostUnregister at {self.ptr:#x}")
+        self.array = None
+
+
+class CudaDeviceBuffer(DeviceBuffer):
+    """Device memory from the stream-ordered pool."""
+
+    def __init__(self, device: "CudaDevice", nbytes: int, stream: "CudaStream | None"):
+        nbytes = check_nbytes(nbytes, "allocate(nbytes)")
+        super().__init__(nbytes)
+        device._ensure_current()
+        cc_stream = stream._cc if stream is not None else device._internal_stream
+        with translate(f"allocating {nbytes} bytes of device memory"):
+            self._cc = device._device_mr.allocate(nbytes, stream=cc_stream)
+        if stream is None:
+            # Allocated in the internal stream's order: wait so any stream may use it at once.
+            with translate("synchronising the allocation stream"):
+                device._internal_stream.sync()
+        self._device = device
+        self._ptr = int(self._cc.handle)
+        self._finalizer = device._live.track(self, "device_buffers")
+
+    @property
+    def ptr(self) -> int:
+        self._check_open()
+        return self._ptr
+
+    def close(self, stream: "CudaStream | None" = None) -> None:
+        """Free the memory. With ``stream``: after the work already enqueued there (the caller
+        ordered other streams' use before it). Without: after all work on the device."""
+        if self._closed:
+            return
+        if stream is not None:
+            self._device._check_stream(stream)
+        self._closed = True
+        dev = self._device
+        try:
+            dev._ensure_current()
+            if stream is not None:
+                self._cc.close(stream._cc)
+            else:
+                dev._cc.sync()
+                self._cc.close(dev._internal_stream)
+        except Exception as exc:  # noqa: BLE001 - cleanup never raises
+            warnings.warn(f"freeing {self!r} failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+        finally:
+            self._cc = None
+            dev._live.forget(self)
+            self._finalizer()
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return f"<CudaDeviceBuffer {self.nbytes} B at {self._ptr:#x} on cuda:{self._device.index}{state}>"

@@ -1,0 +1,67 @@
+"""CPU workers for the host stages, on a ThreadPoolExecutor.
+
+numpy copies release the GIL, so staging into pinned memory scales with threads. A task's
+effects are visible to a thread that has observed it done (``is_done``, ``sync`` or
+``Device.wait_any``): completing a future and observing it go through one lock.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from typing import Any, Callable
+
+from ..protocol import HostTask, WorkerPool
+
+
+class CudaHostTask(HostTask):
+    def __init__(self, future: cf.Future, name: str):
+        self._future = future
+        self._name = name
+
+    @property
+    def is_done(self) -> bool:
+        return self._future.done()
+
+    def sync(self) -> None:
+        cf.wait([self._future])
+
+    def result(self) -> Any:
+        if not self._future.done():
+            raise RuntimeError(f"{self!r} has not finished; sync() it or wait for it with Device.wait_any first")
+        return self._future.result()
+
+    def __repr__(self) -> str:
+        state = "done" if self._future.done() else "pending"
+        return f"<CudaHostTask {self._name} {state}>"
+
+
+class ThreadWorkerPool(WorkerPool):
+    def __init__(self, workers: int, on_close: Callable[["ThreadWorkerPool"], None] | None = None):
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"a worker pool needs at least 1 worker, got {workers!r}")
+        self.workers = workers
+        self._executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ringflow-host")
+        self._lock = threading.Lock()
+        self._closed = False
+        self._on_close = on_close
+
+    def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0, sim_seconds: float | None = None) -> HostTask:
+        """Run ``fn(*args)`` on a worker thread; ``nbytes``/``sim_seconds`` only matter on the sim."""
+        if not callable(fn):
+            raise TypeError(f"submit needs a callable, got {type(fn).__name__}")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this worker pool is closed; create a new one with device.create_worker_pool()")
+            fut = self._executor.submit(fn, *args)
+        return CudaHostTask(fut, getattr(fn, "__qualname__", type(fn).__name__))
+
+    def close(self) -> None:
+        """Wait for submitted tasks, then stop the threads. Harmless twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._executor.shutdown(wait=True)
+        if self._on_close is not None:
+            self._on_close(self)

@@ -1,0 +1,247 @@
+"""Streams and events on a CUDA GPU (cuda.core ``Stream`` / ``Event``).
+
+Ordering facts:
+
+* Every stream is created non-blocking: it never synchronises with the legacy default stream,
+  so work that other libraries put there cannot stall a pipeline.
+* Copies, fills and launches return once enqueued. ``Stream.launch`` calls ``fn`` at enqueue
+  time, on the calling thread, with the framework's current stream set to this stream: the
+  kernels ``fn`` enqueues run in this stream's order, after everything enqueued before.
+* An event is done once every operation enqueued on its stream before ``record`` has
+  completed; observing it done (``is_done``, ``sync``, ``Device.wait_any``) orders the host
+  after that work. Events are made without timing unless ``timing=True``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from ...errors import DeviceError, LaunchError
+from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Stream, as_slice, copy_extent
+from ._lib import check, core, device_error, driver, is_sticky, translate
+from .arrays import using_stream
+
+if TYPE_CHECKING:
+    from .device import CudaDevice
+
+
+class CudaEvent(Event):
+    """A recorded cuda.core event. A sticky device error seen while querying it makes it done,
+    with :attr:`error` set, so pollers notice; :meth:`sync` raises it."""
+
+    def __init__(self, device: "CudaDevice", cc_event: Any, timing: bool, stream: "CudaStream"):
+        self._device = device
+        self._cc = cc_event
+        self.timing = timing
+        self.stream_name = repr(stream)
+        self._error: DeviceError | None = None
+        self._done = False  # once True it stays True: completion cannot be undone
+        self._finalizer = device._live.track(self, "events", closeable=False)
+
+    @property
+    def is_done(self) -> bool:
+        if self._done:
+            return True
+        if self._cc is None:
+            raise RuntimeError(f"{self!r} is closed")
+        self._device._ensure_current()
+        try:
+            with translate(f"querying {self!r}"):
+                self._done = bool(self._cc.is_done)
+        except DeviceError as exc:
+            self._error, self._done = exc, True
+        return self._done
+
+    def sync(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._done:
+            return
+        if self._cc is None:
+            raise RuntimeError(f"{self!r} is closed")
+        self._device._ensure_current()
+        try:
+            with translate(f"waiting for {self!r}"):
+                self._cc.sync()
+        except DeviceError as exc:
+            self._error, self._done = exc, True
+            raise
+        self._done = True
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def elapsed_since(self, earlier: Event) -> float:
+        if not isinstance(earlier, CudaEvent) or earlier._device is not self._device:
+            raise TypeError("elapsed_since needs another event recorded on the same CUDA device")
+        if not (self.timing and earlier.timing):
+            raise ValueError("elapsed_since needs two timing events: record both with stream.record(timing=True)")
+        if not (self.is_done and earlier.is_done):
+            raise RuntimeError("both events must be done before reading the time between them; sync() them first")
+        if self._cc is None or earlier._cc is None:
+            raise RuntimeError("one of the events is closed")
+        with translate("reading the time between two events"):
+            return (self._cc - earlier._cc) / 1e3  # cuda.core returns milliseconds
+
+    def close(self) -> None:
+        """Release the CUDA event now instead of at collection. Harmless twice."""
+        if self._cc is None:
+            return
+        cc, self._cc = self._cc, None
+        try:
+            cc.close()
+        except Exception as exc:  # noqa: BLE001 - cleanup never raises
+            warnings.warn(f"destroying {self!r} failed: {exc}", RuntimeWarning, stacklevel=2)
+        finally:
+            self._finalizer()
+
+    def __repr__(self) -> str:
+        kind = "timing event" if self.timing else "event"
+        return f"<CudaEvent {kind} on {self.stream_name}>"
+
+
+class CudaStream(Stream):
+    """A non-blocking cuda.core stream with a priority (lower number = higher priority)."""
+
+    def __init__(self, device: "CudaDevice", priority: int):
+        device._ensure_current()
+        cc = core()
+        with translate(f"creating a stream with priority {priority}"):
+            self._cc = device._cc.create_stream(options=cc.StreamOptions(nonblocking=True, priority=priority))
+        self._device = device
+        self.priority = int(self._cc.priority)
+        self.handle = int(self._cc.handle)
+        self._framework_streams: dict[str, Any] = {}  # CuPy / PyTorch wrappers of this stream
+        self._closed = False
+        self._finalizer = device._live.track(self, "streams")
+
+    # -- helpers -------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed; create a new stream instead of reusing a closed one")
+        self._device._check_open()
+
+    def _check_buffer(self, s: BufferSlice) -> int:
+        buf = s.buffer
+        if getattr(buf, "_device", None) is not self._device:
+            raise ValueError(f"{buf!r} does not belong to {self._device!r}; copy only between buffers of one device")
+        return buf._ptr + s.offset
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """The CUDA stream protocol, so other libraries can wrap this stream."""
+        self._check_open()
+        return (0, self.handle)
+
+    # -- protocol ------------------------------------------------------------------------------
+    def record(self, *, timing: bool = False) -> CudaEvent:
+        self._check_open()
+        self._device._ensure_current()
+        with translate(f"recording an event on {self!r}"):
+            ev = self._cc.record(options=core().EventOptions(timing_enabled=bool(timing)))
+        return CudaEvent(self._device, ev, bool(timing), self)
+
+    def wait(self, event: Event) -> None:
+        self._check_open()
+        if not isinstance(event, CudaEvent) or event._device is not self._device:
+            raise TypeError(f"{self!r} can only wait for an event recorded on the same CUDA device, got {event!r}")
+        if event._cc is None:
+            raise RuntimeError(f"{event!r} is closed")
+        self._device._ensure_current()
+        with translate(f"making {self!r} wait for {event!r}"):
+            self._cc.wait(event._cc)
+
+    def copy(self, dst: Buffer | BufferSlice, src: Buffer | BufferSlice, nbytes: int | None = None) -> None:
+        """Enqueue a copy in any direction (host<->device, device<->device, host<->host between
+        pinned/registered buffers); the driver infers it from the unified addresses."""
+        self._check_open()
+        d, s = copy_extent(dst, src, nbytes)
+        dptr, sptr = self._check_buffer(d), self._check_buffer(s)
+        self._device._ensure_current()
+        # cuda.core copies whole Buffers only; byte ranges need cuMemcpyAsync from cuda.bindings.
+        check(driver().cuMemcpyAsync(dptr, sptr, d.nbytes, self._cc.handle),
+              f"copy of {d.nbytes} bytes from {s.buffer!r} to {d.buffer!r} on {self!r}")
+
+    def fill(self, dst: Buffer | BufferSlice, byte: int) -> None:
+        self._check_open()
+        if isinstance(byte, bool) or not isinstance(byte, int) or not 0 <= byte <= 255:
+            raise ValueError(f"fill value must be a byte (an int in 0..255), got {byte!r}")
+        d = as_slice(dst)
+        if d.nbytes == 0:
+            return
+        ptr = self._check_buffer(d)
+        self._device._ensure_current()
+        # cuda.core fills whole Buffers only; a byte range needs cuMemsetD8Async from cuda.bindings.
+        check(driver().cuMemsetD8Async(ptr, byte, d.nbytes, self._cc.handle),
+              f"fill of {d.nbytes} bytes of {d.buffer!r} on {self!r}")
+
+    def launch(self, fn: Callable[..., Any], *args: Any, reads: Iterable[Any] = (), writes: Iterable[Any] = (),
+               sim_seconds: float | None = None) -> None:
+        """Call ``fn(*args)`` now, on this thread, with each :class:`ArrayArg` turned into the
+        device's array type (a CuPy array, a PyTorch tensor, or a DLPack-capable view) over
+        that device memory, and with the framework's current stream set to this stream, so
+        the kernels ``fn`` enqueues are ordered on it. ``reads``/``writes`` are checked (open,
+        this device) but otherwise only matter on the simulator; ``sim_seconds`` is ignored.
+
+        An exception from ``fn`` is raised here as :class:`LaunchError` (original as
+        ``__cause__``), or as a sticky :class:`DeviceError` when the context is broken.
+        """
+        self._check_open()
+        if not callable(fn):
+            raise TypeError(f"launch needs a callable, got {type(fn).__name__}")
+        for obj in (*reads, *writes):
+            self._check_buffer(as_slice(obj))
+        dev = self._device
+        dev._ensure_current()
+        adapter = dev._adapter
+        converted = []
+        for a in args:
+            if isinstance(a, ArrayArg):
+                self._check_buffer(as_slice(a))
+                if a.where.buffer.is_host:
+                    raise ValueError("launch takes device memory; copy host data to a device buffer first")
+                converted.append(adapter.array(a, dev.index))
+            elif isinstance(a, (Buffer, BufferSlice)):
+                raise TypeError("pass buffers to launch as typed arrays: buf.array(dtype, shape)")
+            else:
+                converted.append(a)
+        name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+        try:
+            with using_stream(self), adapter.stream_context(self):
+                fn(*converted)
+        except DeviceError:
+            raise
+        except Exception as exc:
+            if is_sticky(exc):
+                raise device_error(f"compute callable {name} on {self!r}", exc) from exc
+            raise LaunchError(f"compute callable {name} raised {type(exc).__name__}: {exc}") from exc
+
+    def sync(self) -> None:
+        self._check_open()
+        self._device._ensure_current()
+        with translate(f"synchronising {self!r}"):
+            self._cc.sync()
+
+    def close(self) -> None:
+        """Destroy the stream. Work already enqueued still runs to completion (CUDA's rule);
+        closing twice is harmless and never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        self._framework_streams.clear()
+        try:
+            self._cc.close()
+        except Exception as exc:  # noqa: BLE001 - cleanup never raises
+            warnings.warn(f"destroying {self!r} failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+        finally:
+            self._device._live.forget(self)
+            self._finalizer()
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return f"<CudaStream {self.handle:#x} priority {self.priority} on cuda:{self._device.index}{state}>"

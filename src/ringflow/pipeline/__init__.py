@@ -1,0 +1,11 @@
+"""The pipeline: ownership states, rings, admission and backpressure, the scheduler, the API."""
+
+from .api import Pipeline, stream_map
+from .chunk import ChunkFuture
+from .config import PipelineConfig, SlotCounts
+from .scheduler import GUARDS
+from .states import ChunkState, IllegalTransition, RingKind, SlotState
+from .stats import PipelineStats
+
+__all__ = ["Pipeline", "stream_map", "ChunkFuture", "PipelineConfig", "SlotCounts", "GUARDS", "ChunkState",
+           "SlotState", "RingKind", "IllegalTransition", "PipelineStats"]

@@ -1,0 +1,331 @@
+"""The public API: :class:`Pipeline` and :func:`stream_map`.
+
+>>> import numpy as np, ringflow as rf
+>>> def f(x, y):              # runs on the device: y[:] = 2x + 1
+...     y[:] = x * 2 + 1
+>>> x = np.random.rand(1 << 20).astype(np.float32)
+>>> y = rf.stream_map(f, x, device=rf.device("sim"), chunk_bytes=1 << 18)
+>>> bool(np.array_equal(y, x * 2 + 1))
+True
+
+Progress happens inside the calls made on a pipeline (``map``, ``submit``, ``close``,
+``cancel`` and waiting on a returned future); no background thread runs the scheduler.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import warnings
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import numpy as np
+
+from ..device import device as make_device
+from ..device.protocol import Device
+from ..errors import StageError
+from .chunk import Chunk, ChunkFuture
+from .config import PipelineConfig, SlotCounts
+from .scheduler import Scheduler
+from .states import ChunkState
+from .stats import PipelineStats
+
+DEFAULT_CHUNK_BYTES = 8 << 20
+
+
+def _copy_array_in(arr: np.ndarray, raw: np.ndarray, slot_bytes: int, parameter: str = "chunk_bytes") -> tuple:
+    if arr.nbytes > slot_bytes:
+        raise ValueError(f"an item of {arr.nbytes} bytes (shape {arr.shape}, {arr.dtype}) does not fit a slot of "
+                         f"{slot_bytes} bytes; raise {parameter} to at least {arr.nbytes} or split the item")
+    dst = raw[:arr.nbytes].view(arr.dtype).reshape(arr.shape)
+    np.copyto(dst, arr, casting="no")
+    return arr.shape, arr.dtype
+
+
+def _copy_out(index: int, item: Any, view: np.ndarray) -> np.ndarray:
+    return np.array(view, copy=True)
+
+
+class Pipeline:
+    """Five overlapped stages with per-buffer ownership, backpressure and cancellation.
+
+    ``compute(x, y)`` runs on the device with ``x`` the chunk's input and ``y`` an output of
+    the same shape and dtype (device arrays: numpy on the simulated GPU, CuPy or PyTorch on a
+    real one); it must write ``y`` (with ``inplace=True`` it gets the same array twice).
+    ``prepare(item) -> ndarray`` (CPU) turns an item into the array to send (default: the item
+    itself); ``consume(index, item, result) -> value`` (CPU) gets a read-only view of the
+    result valid only during the call (default: a copy of it). A compute callable may carry a
+    ``sim_seconds`` attribute (seconds, or a function of the chunk's bytes) for its duration on
+    the simulated GPU.
+
+    ``slots`` (None: derived by :mod:`ringflow.plan`; an int for every ring; or a
+    :class:`SlotCounts`) and ``chunk_bytes`` (the slot size) bound pinned memory at
+    ``(slots.host_in + slots.host_out) * chunk_bytes``. At most ``max_in_flight`` accepted
+    chunks are unfinished (including results a ``map`` has not handed out yet); ``submit``
+    blocks while that many are, and ``map`` pulls input only as capacity frees up.
+    """
+
+    def __init__(self, compute: Callable, *, device: "Device | str | None" = None, prepare: Optional[Callable] = None,
+                 consume: Optional[Callable] = None, slots: "int | SlotCounts | None" = None,
+                 chunk_bytes: Optional[int] = None, max_in_flight: Optional[int] = None, ordered: bool = True,
+                 on_error: str = "raise", profile: bool = False, workers: Optional[int] = None,
+                 inplace: bool = False, checked: bool = False, item_nbytes: Optional[Callable] = None,
+                 _disabled_guards: Iterable[str] = (), _fill=None, _drain=None, _slot_hook=None):
+        if not callable(compute):
+            raise TypeError(f"compute must be a callable f(x, y), got {type(compute).__name__}")
+        self.device = make_device(device or "auto") if not isinstance(device, Device) else device
+        slot_bytes = int(chunk_bytes) if chunk_bytes is not None else DEFAULT_CHUNK_BYTES
+        if slot_bytes < 1:
+            raise ValueError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes}")
+        if workers is None:
+            workers = 4 if self.device.backend == "sim" else max(1, min(8, os.cpu_count() or 1))
+        counts = self._resolve_slots(slots, slot_bytes, inplace, workers, compute)
+        if max_in_flight is None:
+            max_in_flight = counts.host_in + counts.device_in + counts.device_out + counts.host_out
+        self.config = PipelineConfig(slot_bytes=slot_bytes, slots=counts, max_in_flight=max_in_flight,
+                                     workers=workers, inplace=inplace, ordered=ordered, on_error=on_error,
+                                     profile=profile, checked=checked)
+        self._prepare = prepare
+        fill = _fill or self._default_fill
+        drain = _drain or (consume if consume is not None else _copy_out)
+        self._closed = False
+        self._sched = Scheduler(self.device, compute, fill, drain, self.config,
+                                item_nbytes=item_nbytes or (lambda item: getattr(item, "nbytes", 0)),
+                                disabled_guards=_disabled_guards, slot_hook=_slot_hook,
+                                on_chunk_end=self._on_chunk_end)
+
+    # -- set-up -------------------------------------------------------------------------------
+    def _resolve_slots(self, slots, slot_bytes, inplace, workers, compute) -> SlotCounts:
+        if isinstance(slots, SlotCounts):
+            return slots
+        if isinstance(slots, bool):
+            raise TypeError("slots must be None, an int or a SlotCounts")
+        if isinstance(slots, int):
+            return SlotCounts(slots, slots, 0 if inplace else slots, slots)
+        if slots is not None:
+            raise TypeError(f"slots must be None, an int or a SlotCounts, got {type(slots).__name__}")
+        from .. import plan
+
+        profile = getattr(self.device, "profile", "h200-pcie5")
+        sim = getattr(compute, "sim_seconds", None)
+        guess = sim(slot_bytes) if callable(sim) else sim
+        times = plan.model_stage_times(profile, slot_bytes, compute=guess, workers=workers)
+        if guess is None:  # unknown compute: plan for one as long as a copy (a balanced pipeline)
+            times = plan.StageTimes(**{**times.__dict__, "compute": max(times.compute, times.h2d)})
+        return plan.plan_slots(times, inplace=inplace).slots
+
+    def _default_fill(self, item: Any, raw: np.ndarray) -> tuple:
+        arr = self._prepare(item) if self._prepare is not None else item
+        if not isinstance(arr, np.ndarray):
+            raise TypeError(f"prepare must return a numpy array, got {type(arr).__name__}")
+        return _copy_array_in(arr, raw, self.config.slot_bytes)
+
+    def _check_item(self, item: Any) -> None:
+        """Refuse, before acceptance, an item that can never fit (when its size is known)."""
+        if self._prepare is None and self._sched.fill == self._default_fill:
+            if not isinstance(item, np.ndarray):
+                raise TypeError(f"items must be numpy arrays (or pass prepare=), got {type(item).__name__}")
+            if item.nbytes > self.config.slot_bytes:
+                raise ValueError(f"an item of {item.nbytes} bytes (shape {item.shape}, {item.dtype}) does not fit "
+                                 f"a slot of {self.config.slot_bytes} bytes; raise chunk_bytes to at least "
+                                 f"{item.nbytes} or split the item")
+
+    # -- submitting and mapping ---------------------------------------------------------------
+    def submit(self, item: Any, timeout: Optional[float] = None) -> ChunkFuture:
+        """Accept one item; blocks while ``max_in_flight`` chunks are unfinished.
+
+        Returns a future whose result is the consumer's value; raises TimeoutError if no
+        capacity frees up within ``timeout`` seconds, ValueError for an item that cannot fit."""
+        self._check_open()
+        self._check_item(item)
+        s = self._sched
+        s.run_until(lambda: s.has_capacity() or not s.accepting or s.broken is not None, timeout)
+        return s.accept(item).future
+
+    def map(self, items: Iterable[Any]) -> Iterator[Any]:
+        """Results of ``items`` (ordered unless ``ordered=False``), pulling input only as capacity
+        frees up. With ``on_error="raise"`` the first failure cancels the rest and is raised here
+        (once, as StageError); with ``"continue"`` failed items are skipped (see ``failures``)."""
+        self._check_open()
+        s = self._sched
+        source = iter(items)
+        pending: collections.OrderedDict[int, Chunk] = collections.OrderedDict()
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and s.has_capacity():
+                    try:
+                        item = next(source)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    try:
+                        self._check_item(item)
+                    except (TypeError, ValueError):
+                        self._settle_after_error()
+                        raise
+                    chunk = s.accept(item)
+                    chunk.in_map = True
+                    pending[chunk.index] = chunk
+                chunk = self._next_ready(pending)
+                if chunk is not None:
+                    del pending[chunk.index]
+                    s.unclaimed -= 1
+                    if chunk.state is ChunkState.DELIVERED:
+                        yield chunk.value
+                    elif chunk.state is ChunkState.FAILED:
+                        if self.config.on_error == "raise" or s.broken is not None:
+                            self._settle_after_error()
+                            raise s.broken if s.broken is not None and chunk.error is s.broken else chunk.error
+                    else:  # cancelled: the pipeline was cancelled (or failed) under this map
+                        self._settle_after_error()
+                        if s.first_error is not None and self.config.on_error == "raise":
+                            raise s.first_error
+                        return
+                    continue
+                if not pending and exhausted:
+                    return
+                s.run_until(lambda: self._next_ready(pending) is not None
+                            or (not exhausted and s.has_capacity()))
+        finally:
+            for chunk in pending.values():  # the caller stopped early: stop tracking these
+                chunk.in_map = False
+                if chunk.state.final:
+                    s.unclaimed -= 1
+
+    def _next_ready(self, pending: "collections.OrderedDict[int, Chunk]") -> Optional[Chunk]:
+        if not pending:
+            return None
+        if self.config.ordered:
+            head = next(iter(pending.values()))
+            return head if head.state.final else None
+        for chunk in pending.values():
+            if chunk.state.final:
+                return chunk
+        return None
+
+    def _on_chunk_end(self, chunk: Chunk) -> None:
+        if getattr(chunk, "in_map", False):
+            self._sched.unclaimed += 1
+
+    def _settle_after_error(self) -> None:
+        if self.config.on_error == "raise":
+            self._sched.cancel_pending()
+        self._sched.settle()
+
+    # -- ending ----------------------------------------------------------------------------------
+    def cancel(self) -> None:
+        """Stop admission; chunks not yet on a stream end CANCELLED at once; enqueued chunks
+        end CANCELLED once their events complete (their slots are released only then).
+        Returns with ``stats().in_flight == 0``. Harmless to call twice."""
+        if self._closed:
+            return
+        self._sched.cancel_pending()
+        self._sched.settle()
+
+    def close(self) -> None:
+        """Finish every accepted chunk, then release rings, streams and workers. Harmless twice."""
+        if self._closed:
+            return
+        try:
+            self._sched.accepting = False
+            self._sched.settle()
+        finally:
+            self._closed = True
+            self._sched.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Pipeline is closed; create a new one to submit more work")
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and not self._closed:
+            try:
+                self.cancel()
+            except Exception as err:  # noqa: BLE001 - never mask the user's exception
+                warnings.warn(f"cancelling the pipeline after an error failed: {err!r}", RuntimeWarning)
+            finally:
+                try:
+                    self._closed = True
+                    self._sched.close()
+                except Exception:  # noqa: BLE001
+                    pass
+            return
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        if getattr(self, "_sched", None) is not None and self._sched.chunks:
+            warnings.warn("a Pipeline with work in flight was garbage-collected; cancelling it. "
+                          "Use it as a context manager or call close()", ResourceWarning)
+        try:
+            self.cancel()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
+        try:
+            self._closed = True
+            self._sched.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    # -- introspection ---------------------------------------------------------------------------
+    def stats(self) -> PipelineStats:
+        return self._sched.stats()
+
+    @property
+    def failures(self) -> list[StageError]:
+        """Every StageError so far (with ``on_error="continue"`` map skips these items)."""
+        return list(self._sched.failures)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._sched
+
+
+def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, device: "Device | str | None" = None,
+               chunk_bytes: Optional[int] = None, **pipeline_options: Any) -> np.ndarray:
+    """Apply ``f(x_chunk, y_chunk)`` on the device to ``x`` in chunks along axis 0; returns ``out``.
+
+    ``x`` is any numpy array (pageable or not, contiguous or not, any dtype); ``out`` (allocated
+    if None) must have the same shape and dtype and receives the result in place. An empty
+    ``x`` gives an empty result without touching the device."""
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"stream_map takes a numpy array, got {type(x).__name__}")
+    if x.ndim == 0:
+        raise ValueError("stream_map splits along axis 0; pass an array with at least one dimension "
+                         "(x.reshape(1))")
+    if out is None:
+        out = np.empty(x.shape, x.dtype)
+    elif not isinstance(out, np.ndarray) or out.shape != x.shape or out.dtype != x.dtype:
+        raise ValueError(f"out must be a numpy array of shape {x.shape} and dtype {x.dtype}, got "
+                         f"{getattr(out, 'shape', None)} {getattr(out, 'dtype', type(out).__name__)}")
+    if x.shape[0] == 0 or x.size == 0:
+        return out
+    row_bytes = x.nbytes // x.shape[0]
+    slot = int(chunk_bytes) if chunk_bytes is not None else max(DEFAULT_CHUNK_BYTES, row_bytes)
+    if row_bytes > slot:
+        raise ValueError(f"one row of x along axis 0 is {row_bytes} bytes but chunk_bytes is {slot}; "
+                         f"raise chunk_bytes to at least {row_bytes} or reshape x")
+    rows = max(1, slot // row_bytes)
+    ranges = [(a, min(a + rows, x.shape[0])) for a in range(0, x.shape[0], rows)]
+    tail = x.shape[1:]
+
+    def fill(item, raw):
+        a, b = item
+        dst = raw[:(b - a) * row_bytes].view(x.dtype).reshape((b - a,) + tail)
+        np.copyto(dst, x[a:b])
+        return (b - a,) + tail, x.dtype
+
+    def drain(index, item, view):
+        a, b = item
+        out[a:b] = view
+
+    with Pipeline(f, device=device, chunk_bytes=rows * row_bytes, _fill=fill, _drain=drain,
+                  item_nbytes=lambda item: (item[1] - item[0]) * row_bytes, **pipeline_options) as pipe:
+        for _ in pipe.map(ranges):
+            pass
+    return out

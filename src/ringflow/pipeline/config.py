@@ -1,0 +1,56 @@
+"""The resolved settings of one pipeline (options as a frozen dataclass, as in cuda.core)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotCounts:
+    host_in: int
+    device_in: int
+    device_out: int  # 0 when compute is in place (device-in aliases device-out)
+    host_out: int
+
+    def __post_init__(self) -> None:
+        for name in ("host_in", "device_in", "host_out"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"slots.{name} must be at least 1, got {getattr(self, name)}")
+        if self.device_out < 0:
+            raise ValueError(f"slots.device_out must be >= 0, got {self.device_out}")
+
+    @property
+    def pinned_slots(self) -> int:
+        return self.host_in + self.host_out
+
+    def minus(self, ring: str) -> "SlotCounts":
+        """The same counts with one slot fewer of ``ring`` (to show it was needed)."""
+        return dataclasses.replace(self, **{ring: getattr(self, ring) - 1})
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    slot_bytes: int
+    slots: SlotCounts
+    max_in_flight: int
+    workers: int
+    inplace: bool = False
+    ordered: bool = True
+    on_error: str = "raise"  # "raise": cancel the rest and raise; "continue": the others complete
+    profile: bool = False
+    checked: bool = False  # poison every released slot so a premature reuse gives a wrong result
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ("raise", "continue"):
+            raise ValueError(f"on_error must be 'raise' or 'continue', got {self.on_error!r}")
+        if isinstance(self.max_in_flight, bool) or not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be an int >= 1, got {self.max_in_flight!r}; "
+                             "it bounds how many accepted chunks may be unfinished at once")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.slot_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {self.slot_bytes}")
+        if self.inplace and self.slots.device_out != 0:
+            raise ValueError("in-place compute uses no device-out ring; leave slots.device_out at 0")
+        if not self.inplace and self.slots.device_out < 1:
+            raise ValueError("slots.device_out must be at least 1 unless compute is in place")

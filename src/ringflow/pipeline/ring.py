@@ -1,0 +1,86 @@
+"""Rings of equally sized slots, one ring per kind of buffer.
+
+A ring owns one allocation carved into ``count`` slots of ``slot_bytes``; each :class:`Slot`
+records its state, the chunk that owns it, and the event (or host task) whose completion
+lets it go back to FREE. Slots are handed out oldest-freed first so reuse rotates through
+the ring (a reuse fault then shows up within one wrap-around instead of hiding).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Callable, Optional
+
+from ..device.protocol import Buffer, BufferSlice, close_quietly
+from .states import LEGAL_SLOT_TRANSITIONS, IllegalTransition, RingKind, SlotState
+
+# Called as hook(ring_kind, slot, old_state, new_state) on every transition (tests, tracer).
+TransitionHook = Callable[[RingKind, "Slot", SlotState, SlotState], None]
+
+
+@dataclasses.dataclass(eq=False)
+class Slot:
+    ring: "Ring"
+    index: int
+    where: BufferSlice
+    state: SlotState = SlotState.FREE
+    owner: Optional[int] = None  # chunk index
+    fence: Any = None  # the event / host task that must complete before the slot is free
+    ready: Any = None  # event a new owner's stream must wait on first (a poison fill), or None
+
+    def __repr__(self) -> str:
+        return f"<{self.ring.kind.value} slot {self.index} {self.state.name} owner={self.owner}>"
+
+
+class Ring:
+    def __init__(self, kind: RingKind, buffer: Buffer, count: int, slot_bytes: int,
+                 hook: Optional[TransitionHook] = None):
+        if count < 1:
+            raise ValueError(f"a {kind.value} ring needs at least 1 slot, got {count}")
+        self.kind = kind
+        self.buffer = buffer
+        self.slot_bytes = slot_bytes
+        self.slots = [Slot(self, i, buffer.slice(i * slot_bytes, slot_bytes)) for i in range(count)]
+        self._free: collections.deque[Slot] = collections.deque(self.slots)
+        self._legal = LEGAL_SLOT_TRANSITIONS[kind]
+        self._hook = hook
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    @property
+    def busy_count(self) -> int:
+        return len(self.slots) - len(self._free)
+
+    def acquire(self, owner: int, state: SlotState) -> Optional[Slot]:
+        """Take the longest-free slot for chunk ``owner`` into ``state``; None if none is free."""
+        if not self._free:
+            return None
+        slot = self._free.popleft()
+        slot.owner = owner
+        self.move(slot, state)
+        return slot
+
+    def move(self, slot: Slot, new: SlotState) -> None:
+        old = slot.state
+        if (old, new) not in self._legal:
+            raise IllegalTransition(f"{self.kind.value} slot {slot.index} (chunk {slot.owner}): "
+                                    f"illegal transition {old.name} -> {new.name}")
+        slot.state = new
+        if self._hook is not None:
+            self._hook(self.kind, slot, old, new)
+
+    def release(self, slot: Slot) -> None:
+        """Back to FREE. The caller has observed every event that used the slot complete."""
+        self.move(slot, SlotState.FREE)
+        slot.owner = None
+        slot.fence = None
+        self._free.append(slot)
+
+    def close(self) -> None:
+        close_quietly(self.buffer, f"{self.kind.value} ring buffer")

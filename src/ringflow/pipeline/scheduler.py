@@ -1,0 +1,598 @@
+"""The scheduler: moves chunks through prepare -> h2d -> compute -> d2h -> consume.
+
+It runs inside the caller's calls (``step``/``run_until``); CPU stages run on a worker pool
+and GPU stages on three streams. Two rules make it correct:
+
+* **Hand-offs by events.** After each GPU operation an event is recorded; the next stage's
+  stream waits on it (never the device); the CPU learns of completion only by querying that
+  event (or the host task), never by time or a successful enqueue.
+* **A slot is freed only by the completion of its fence.** Every busy slot holds the event or
+  host task after which its current owner is done with it (``Slot.fence``). One polling loop
+  (:meth:`Scheduler._observe`) finds completed fences and calls the handler for the slot's
+  ring and state; that is the only place slots go back to FREE, on success, failure and
+  cancellation alike.
+
+The GPU chain of a chunk is enqueued as early as slots allow (h2d, then compute as soon as a
+device-out slot is free, then d2h as soon as a host-out slot is free), so the streams stay
+fed without the CPU in the loop between stages. Stages are enqueued in admission order, so
+each stream runs chunks in order.
+
+``GUARDS`` names every wait and release guard. A test can switch one off through the
+test-only ``disabled_guards`` argument to show that the checks catch its absence.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
+
+from ..device.protocol import BufferSlice, Device
+from ..errors import DeviceError, StageError
+from .chunk import Chunk, ChunkFuture
+from .config import PipelineConfig
+from .ring import Ring, Slot
+from .states import ChunkState, RingKind, SlotState
+from .stats import PipelineStats
+
+GUARDS = (
+    "h2d.wait_slot_ready",  # h2d waits until the device-in slot's poison fill is done
+    "compute.wait_h2d",  # compute waits for the chunk's h2d
+    "compute.wait_slot_ready",  # compute waits until the device-out slot's poison fill is done
+    "d2h.wait_compute",  # d2h waits for the chunk's compute
+    "host_in.release_after_h2d",  # host-in goes FREE only after its h2d event completes
+    "device_in.release_after_compute",  # device-in goes FREE only after its compute completes
+    "device_out.release_after_d2h",  # device-out goes FREE only after its d2h completes
+    "consume.after_d2h",  # the consumer starts only after the d2h event completes
+    "host_out.release_after_consume",  # host-out goes FREE only after the consumer returns
+)
+
+POISON_BYTE = 0xEE
+Fill = Callable[[Any, np.ndarray], tuple]  # (item, writable uint8 view of the slot) -> (shape, dtype)
+Drain = Callable[[int, Any, np.ndarray], Any]  # (index, item, read-only typed view) -> value
+
+
+class Scheduler:
+    def __init__(self, device: Device, compute: Callable, fill: Fill, drain: Drain, config: PipelineConfig, *,
+                 item_nbytes: Callable[[Any], int] = lambda item: 0, disabled_guards: Iterable[str] = (),
+                 slot_hook=None, on_chunk_end: Optional[Callable[[Chunk], None]] = None):
+        unknown = set(disabled_guards) - set(GUARDS)
+        if unknown:
+            raise ValueError(f"unknown guards {sorted(unknown)}; known: {GUARDS}")
+        self.device = device
+        self.compute = compute
+        self.fill = fill
+        self.drain = drain
+        self.config = config
+        self.item_nbytes = item_nbytes
+        self._guard_off = frozenset(disabled_guards)
+        self._on_chunk_end = on_chunk_end
+        self._sim_compute = getattr(compute, "sim_seconds", None)
+
+        self._streams = []
+        self._rings: list[Ring] = []
+        self.pool = None
+        try:
+            self.h2d_stream = self._stream()
+            self.compute_stream = self._stream()
+            self.d2h_stream = self._stream()
+            self.poison_stream = self._stream() if config.checked else None
+            n, c = config.slot_bytes, config.slots
+            self.host_in = self._ring(RingKind.HOST_IN, device.allocate_host(n * c.host_in), c.host_in, slot_hook)
+            if config.inplace:
+                self.dev_in = self._ring(RingKind.DEVICE_INPLACE, device.allocate(n * c.device_in), c.device_in,
+                                         slot_hook)
+                self.dev_out = None
+            else:
+                self.dev_in = self._ring(RingKind.DEVICE_IN, device.allocate(n * c.device_in), c.device_in, slot_hook)
+                self.dev_out = self._ring(RingKind.DEVICE_OUT, device.allocate(n * c.device_out), c.device_out,
+                                          slot_hook)
+            self.host_out = self._ring(RingKind.HOST_OUT, device.allocate_host(n * c.host_out), c.host_out, slot_hook)
+            self.pool = device.create_worker_pool(config.workers)
+        except BaseException:
+            self._release_resources()
+            raise
+
+        self.chunks: dict[int, Chunk] = {}  # not yet final
+        self._accepted_q: collections.deque[Chunk] = collections.deque()
+        self._h2d_q: collections.deque[Chunk] = collections.deque()
+        self._compute_q: collections.deque[Chunk] = collections.deque()
+        self._d2h_q: collections.deque[Chunk] = collections.deque()
+        self._next_index = 0
+        self.accepting = True
+        self.broken: Optional[DeviceError] = None
+        self.first_error: Optional[StageError] = None
+        self.failures: list[StageError] = []
+        self.counts = collections.Counter()
+        self.unclaimed = 0  # final chunks whose result a map() has not handed out yet
+        self.steps = 0
+        self.host_seconds = 0.0  # CPU time spent in scheduling steps (host overhead per chunk)
+
+    # -- set-up and tear-down ------------------------------------------------------------------
+    def _stream(self):
+        s = self.device.create_stream()
+        self._streams.append(s)
+        return s
+
+    def _ring(self, kind, buffer, count, hook) -> Ring:
+        ring = Ring(kind, buffer, count, self.config.slot_bytes, hook)
+        self._rings.append(ring)
+        return ring
+
+    def _release_resources(self) -> None:
+        from ..device.protocol import close_quietly
+
+        if self.pool is not None:
+            close_quietly(self.pool, "worker pool")
+        for ring in self._rings:
+            for slot in ring.slots:
+                if slot.ready is not None:  # a poison fill still owns the slot until it is done
+                    close_quietly(_Syncer(slot.ready), "poison fill")
+                    slot.ready = None
+        for ring in self._rings:
+            ring.close()
+        for s in self._streams:
+            close_quietly(s, "stream")
+        self._rings, self._streams = [], []
+
+    @property
+    def rings(self) -> list[Ring]:
+        return list(self._rings)
+
+    # -- admission -----------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        return len(self.chunks)
+
+    def has_capacity(self) -> bool:
+        return self.accepting and len(self.chunks) + self.unclaimed < self.config.max_in_flight
+
+    def accept(self, item: Any) -> Chunk:
+        if self.broken is not None:
+            raise self.broken
+        if not self.accepting:
+            raise RuntimeError("the pipeline no longer accepts work (it was closed or cancelled); "
+                               "create a new Pipeline")
+        if not self.has_capacity():
+            raise RuntimeError("admission is full; wait for capacity before accepting")
+        index = self._next_index
+        self._next_index += 1
+        chunk = Chunk(index, item, ChunkFuture(self, index))
+        self.chunks[index] = chunk
+        self._accepted_q.append(chunk)
+        self.counts["accepted"] += 1
+        return chunk
+
+    def stats(self) -> PipelineStats:
+        c = self.counts
+        return PipelineStats(accepted=c["accepted"], delivered=c["delivered"], failed=c["failed"],
+                             cancelled=c["cancelled"], in_flight=len(self.chunks))
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One pass: observe completions, then start whatever the free slots allow."""
+        t0 = time.perf_counter()
+        self.steps += 1
+        try:
+            progressed = self._observe()
+            if self.broken is None:
+                progressed |= self._start_prepares()
+                progressed |= self._enqueue_h2d()
+                progressed |= self._enqueue_compute()
+                progressed |= self._enqueue_d2h()
+        except DeviceError as err:
+            if not err.sticky:
+                raise
+            self._break(err)
+            progressed = True
+        self.host_seconds += time.perf_counter() - t0
+        return progressed
+
+    def pending_fences(self) -> list:
+        return [s.fence for ring in self._rings for s in ring.slots if s.fence is not None]
+
+    def run_until(self, done: Callable[[], bool], timeout: float | None = None) -> None:
+        """Drive the pipeline until ``done()`` holds; raises TimeoutError after ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done():
+            if self.step():
+                continue
+            if done():
+                return
+            fences = self.pending_fences()
+            if not fences:
+                if self._accepted_q and self.broken is None:
+                    continue  # a slot is free now; the next step starts it
+                raise RuntimeError("the pipeline is idle but the awaited result can never arrive "
+                                   "(nothing is in flight); this is a ringflow bug")
+            wait = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
+            try:
+                self.device.wait_any(fences, timeout=wait)
+            except DeviceError as err:
+                if not err.sticky:
+                    raise
+                self._break(err)
+            if deadline is not None and time.monotonic() >= deadline and not done():
+                raise TimeoutError(f"timed out after {timeout} s waiting on the pipeline")
+
+    # -- observing fences ----------------------------------------------------------------------
+    def _observe(self) -> bool:
+        progressed = False
+        for ring in self._rings:
+            for slot in ring.slots:
+                fence = slot.fence
+                if fence is None or not fence.is_done:
+                    continue
+                slot.fence = None
+                progressed = True
+                self._on_fence_done(ring, slot)
+        return progressed
+
+    def _on_fence_done(self, ring: Ring, slot: Slot) -> None:
+        state, kind = slot.state, ring.kind
+        chunk = self.chunks.get(slot.owner)
+        if state is SlotState.DRAINING or chunk is None:
+            # draining, or (only with a guard switched off) its chunk already ended: the slot's
+            # last operation is complete, so it can go
+            self._free(ring, slot)
+            if chunk is not None:
+                self._maybe_end(chunk)
+            return
+        if kind is RingKind.HOST_IN and state is SlotState.FILLING:
+            self._on_prepared(chunk)
+        elif kind is RingKind.HOST_IN and state is SlotState.COPYING_IN:
+            self._free(ring, slot)
+        elif kind in (RingKind.DEVICE_IN, RingKind.DEVICE_INPLACE) and state is SlotState.COMPUTING:
+            if self._compute_failed(chunk):
+                return
+            if kind is RingKind.DEVICE_IN:
+                self._free(ring, slot)
+        elif kind is RingKind.DEVICE_OUT and state is SlotState.COPYING_OUT:
+            self._free(ring, slot)
+        elif kind is RingKind.DEVICE_INPLACE and state is SlotState.COPYING_OUT:
+            self._free(ring, slot)
+        elif kind is RingKind.HOST_OUT and state is SlotState.COPYING_OUT:
+            if not self._compute_failed(chunk):
+                self._start_consume(chunk)
+        elif kind is RingKind.HOST_OUT and state is SlotState.CONSUMING:
+            self._on_consumed(chunk)
+        # other (ring, state) pairs: the op finished but a later stage already owns the next
+        # fence or has not been enqueued yet; nothing to do
+
+    def _free(self, ring: Ring, slot: Slot) -> None:
+        """Return a slot to FREE; in checked mode poison it first so a reuse fault is visible."""
+        if self.config.checked:
+            if slot.state is not SlotState.DRAINING:
+                ring.move(slot, SlotState.DRAINING)
+            self._poison(ring, slot)
+        ring.release(slot)
+
+    def _poison(self, ring: Ring, slot: Slot) -> None:
+        where = slot.where
+        if ring.buffer.is_host:
+            where.buffer.view(np.uint8, offset=where.offset, count=where.nbytes, access="w").fill(POISON_BYTE)
+        else:
+            self.poison_stream.fill(where, POISON_BYTE)
+            slot.ready = self.poison_stream.record()
+
+    def _wait_ready(self, stream, slot: Slot, guard: str) -> None:
+        ready = slot.ready
+        if ready is not None:
+            if guard not in self._guard_off:
+                stream.wait(ready)
+            slot.ready = None
+
+    # -- CPU stages ----------------------------------------------------------------------------
+    def _start_prepares(self) -> bool:
+        progressed = False
+        while self._accepted_q:
+            chunk = self._accepted_q[0]
+            slot = self.host_in.acquire(chunk.index, SlotState.FILLING)
+            if slot is None:
+                break
+            self._accepted_q.popleft()
+            chunk.host_in = slot
+            chunk.move(ChunkState.PREPARING)
+            chunk.stamps["prepare"] = [self.device.now, None]
+            chunk.prepare_task = self.pool.submit(self._run_fill, chunk, slot.where,
+                                                  nbytes=self.item_nbytes(chunk.item))
+            slot.fence = chunk.prepare_task
+            self._h2d_q.append(chunk)
+            progressed = True
+        return progressed
+
+    def _run_fill(self, chunk: Chunk, where: BufferSlice) -> tuple:
+        raw = where.buffer.view(np.uint8, offset=where.offset, count=where.nbytes, access="w")
+        shape, dtype = self.fill(chunk.item, raw)
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes > where.nbytes:
+            raise ValueError(f"prepare produced {nbytes} bytes but a slot holds {where.nbytes}; "
+                             f"raise chunk_bytes to at least {nbytes} or split the item")
+        return tuple(shape), dtype, nbytes
+
+    def _on_prepared(self, chunk: Chunk) -> None:
+        chunk.stamps["prepare"][1] = self.device.now
+        try:
+            chunk.shape, chunk.dtype, chunk.nbytes = chunk.prepare_task.result()
+        except Exception as exc:  # noqa: BLE001 - the user's prepare failed for this chunk
+            self._fail(chunk, "prepare", exc)
+            return
+        self.host_in.move(chunk.host_in, SlotState.FILLED)
+        chunk.move(ChunkState.PREPARED)
+
+    def _start_consume(self, chunk: Chunk) -> None:
+        slot = chunk.host_out
+        self.host_out.move(slot, SlotState.CONSUMING)
+        chunk.move(ChunkState.CONSUMING)
+        chunk.stamps["consume"] = [self.device.now, None]
+        chunk.consume_task = self.pool.submit(self._run_drain, chunk, slot.where, nbytes=chunk.nbytes)
+        slot.fence = chunk.consume_task
+
+    def _run_drain(self, chunk: Chunk, where: BufferSlice) -> Any:
+        count = int(np.prod(chunk.shape, dtype=np.int64))
+        view = where.buffer.view(chunk.dtype, offset=where.offset, count=count, access="r").reshape(chunk.shape)
+        return self.drain(chunk.index, chunk.item, view)
+
+    def _on_consumed(self, chunk: Chunk) -> None:
+        task = chunk.consume_task
+        chunk.stamps["consume"][1] = self.device.now
+        try:
+            value = task.result()
+        except Exception as exc:  # noqa: BLE001 - the user's consumer failed for this chunk
+            self._fail(chunk, "consume", exc)
+            return
+        self._free(self.host_out, chunk.host_out)
+        chunk.host_out = None
+        chunk.value = value
+        self._end(chunk, ChunkState.DELIVERED)
+
+    # -- GPU stages ----------------------------------------------------------------------------
+    def _enqueue_h2d(self) -> bool:
+        progressed = False
+        while self._h2d_q and self._h2d_q[0].state is ChunkState.PREPARED:
+            chunk = self._h2d_q[0]
+            slot = self.dev_in.acquire(chunk.index, SlotState.COPYING_IN)
+            if slot is None:
+                break
+            self._h2d_q.popleft()
+            chunk.dev_in = slot
+            s = self.h2d_stream
+            self._wait_ready(s, slot, "h2d.wait_slot_ready")
+            n = chunk.nbytes
+            self._mark(chunk, s, "h2d", start=True)
+            s.copy(_head(slot.where, n), _head(chunk.host_in.where, n), n)
+            event = self._mark(chunk, s, "h2d")
+            self.host_in.move(chunk.host_in, SlotState.COPYING_IN)
+            chunk.h2d_event = event
+            if "host_in.release_after_h2d" in self._guard_off:
+                self.host_in.release(chunk.host_in)
+            else:
+                chunk.host_in.fence = event
+            slot.fence = event
+            chunk.move(ChunkState.ON_DEVICE)
+            self._compute_q.append(chunk)
+            progressed = True
+        return progressed
+
+    def _enqueue_compute(self) -> bool:
+        progressed = False
+        while self._compute_q:
+            chunk = self._compute_q[0]
+            if self.dev_out is not None:
+                out_slot = self.dev_out.acquire(chunk.index, SlotState.COMPUTING)
+                if out_slot is None:
+                    break
+            else:
+                out_slot = chunk.dev_in
+            self._compute_q.popleft()
+            chunk.dev_out = out_slot
+            s = self.compute_stream
+            if "compute.wait_h2d" not in self._guard_off:
+                s.wait(chunk.h2d_event)
+            if self.dev_out is not None:
+                self._wait_ready(s, out_slot, "compute.wait_slot_ready")
+            self.dev_in.move(chunk.dev_in, SlotState.COMPUTING)
+            x = chunk.dev_in.where.array(chunk.dtype, chunk.shape)
+            y = out_slot.where.array(chunk.dtype, chunk.shape)
+            self._mark(chunk, s, "compute", start=True)
+            try:
+                if self.dev_out is None:
+                    s.launch(self.compute, x, x, writes=[x], sim_seconds=self._sim_seconds(chunk))
+                else:
+                    s.launch(self.compute, x, y, reads=[x], writes=[y], sim_seconds=self._sim_seconds(chunk))
+            except DeviceError as err:
+                if err.sticky:
+                    raise
+                self._fail(chunk, "compute", err)
+                progressed = True
+                continue
+            except Exception as exc:  # noqa: BLE001 - the user's compute raised while enqueueing
+                self._fail(chunk, "compute", exc)
+                progressed = True
+                continue
+            event = self._mark(chunk, s, "compute")
+            chunk.compute_event = event
+            if "device_in.release_after_compute" in self._guard_off and self.dev_out is not None:
+                self.dev_in.release(chunk.dev_in)
+            else:
+                chunk.dev_in.fence = event
+            out_slot.fence = event
+            self._d2h_q.append(chunk)
+            progressed = True
+        return progressed
+
+    def _enqueue_d2h(self) -> bool:
+        progressed = False
+        while self._d2h_q:
+            chunk = self._d2h_q[0]
+            slot = self.host_out.acquire(chunk.index, SlotState.COPYING_OUT)
+            if slot is None:
+                break
+            self._d2h_q.popleft()
+            chunk.host_out = slot
+            s = self.d2h_stream
+            if "d2h.wait_compute" not in self._guard_off:
+                s.wait(chunk.compute_event)
+            ring_out = self.dev_out or self.dev_in
+            ring_out.move(chunk.dev_out, SlotState.COPYING_OUT)
+            n = chunk.nbytes
+            self._mark(chunk, s, "d2h", start=True)
+            s.copy(_head(slot.where, n), _head(chunk.dev_out.where, n), n)
+            event = self._mark(chunk, s, "d2h")
+            chunk.d2h_event = event
+            if "device_out.release_after_d2h" in self._guard_off:
+                ring_out.release(chunk.dev_out)
+            else:
+                chunk.dev_out.fence = event
+            if "consume.after_d2h" in self._guard_off:
+                self._start_consume(chunk)
+            else:
+                slot.fence = event
+            progressed = True
+        return progressed
+
+    def _sim_seconds(self, chunk: Chunk) -> Optional[float]:
+        cost = self._sim_compute
+        if cost is None:
+            return None
+        return float(cost(chunk.nbytes)) if callable(cost) else float(cost)
+
+    def _mark(self, chunk: Chunk, stream, stage: str, start: bool = False):
+        """Record the event that ends ``stage`` (timing only when profiling); with ``start``
+        record the profiling start event, or nothing when not profiling."""
+        if start:
+            if self.config.profile:
+                chunk.events[stage + ".start"] = stream.record(timing=True)
+            return None
+        event = stream.record(timing=self.config.profile)
+        if self.config.profile:
+            chunk.events[stage + ".end"] = event
+        return event
+
+    # -- failure, cancellation, the end of a chunk ----------------------------------------------
+    def _compute_failed(self, chunk: Chunk) -> bool:
+        """Check the compute event's error once (the sim reports a failed launch there)."""
+        if chunk.state in (ChunkState.DRAINING,) or chunk.state.final:
+            return True
+        event = chunk.compute_event
+        err = event.error if event is not None and event.is_done else None
+        if err is None:
+            return False
+        self._fail(chunk, "compute", err.__cause__ or err)
+        return True
+
+    def _fail(self, chunk: Chunk, stage: str, exc: BaseException) -> None:
+        err = StageError(stage, chunk.index, exc)
+        chunk.error = err
+        self.failures.append(err)
+        if self.first_error is None:
+            self.first_error = err
+        self._drain(chunk, ChunkState.FAILED)
+        if self.config.on_error == "raise":
+            self.cancel_pending()
+
+    def _drain(self, chunk: Chunk, ending: ChunkState) -> None:
+        """End ``chunk`` as ``ending`` once every slot it holds has seen its fence complete."""
+        for q in (self._accepted_q, self._h2d_q, self._compute_q, self._d2h_q):
+            if chunk in q:
+                q.remove(chunk)
+        chunk.ending = ending
+        if chunk.state is not ChunkState.DRAINING:
+            chunk.move(ChunkState.DRAINING)
+        for ring in self._rings:
+            for slot in ring.slots:
+                if slot.owner != chunk.index or slot.state in (SlotState.FREE, SlotState.DRAINING):
+                    continue
+                ring.move(slot, SlotState.DRAINING)
+                if slot.fence is None:
+                    self._free(ring, slot)
+        self._maybe_end(chunk)
+
+    def _maybe_end(self, chunk: Chunk) -> None:
+        if chunk.state is not ChunkState.DRAINING:
+            return
+        if any(s.owner == chunk.index and s.state is not SlotState.FREE for r in self._rings for s in r.slots):
+            return
+        self._end(chunk, chunk.ending)
+
+    def _end(self, chunk: Chunk, final: ChunkState) -> None:
+        chunk.move(final)
+        del self.chunks[chunk.index]
+        self.counts[final.value] += 1
+        fut = chunk.future
+        if fut.done():  # the caller cancelled the future itself; the chunk still ran to its end
+            pass
+        elif final is ChunkState.DELIVERED:
+            fut.set_result(chunk.value)
+        elif final is ChunkState.FAILED:
+            fut.set_exception(chunk.error)
+        else:
+            fut.cancel()
+            fut.set_running_or_notify_cancel()
+        if self._on_chunk_end is not None:
+            self._on_chunk_end(chunk)
+
+    def cancel_pending(self) -> None:
+        """Stop admission; end not-yet-enqueued chunks CANCELLED at once; drain the rest."""
+        self.accepting = False
+        for chunk in sorted(self.chunks.values(), key=lambda c: c.index):
+            if chunk.state in (ChunkState.DRAINING, ChunkState.CONSUMING) or chunk.state.final:
+                continue
+            if chunk.state in (ChunkState.ACCEPTED, ChunkState.PREPARING, ChunkState.PREPARED):
+                # nothing of it is on a stream: it ends now; a running prepare keeps its
+                # host-in slot DRAINING until the task returns
+                for q in (self._accepted_q, self._h2d_q):
+                    if chunk in q:
+                        q.remove(chunk)
+                for ring in self._rings:
+                    for slot in ring.slots:
+                        if slot.owner == chunk.index and slot.state not in (SlotState.FREE, SlotState.DRAINING):
+                            ring.move(slot, SlotState.DRAINING)
+                            if slot.fence is None:
+                                self._free(ring, slot)
+                self._end(chunk, ChunkState.CANCELLED)
+            else:
+                self._drain(chunk, ChunkState.CANCELLED)
+
+    def settle(self) -> None:
+        """Block until every chunk has ended and every slot is FREE."""
+        self.run_until(lambda: not self.chunks and not self.pending_fences())
+
+    def _break(self, err: DeviceError) -> None:
+        """A sticky device error: nothing on the device will complete; end everything FAILED."""
+        self.broken = err
+        self.accepting = False
+        for chunk in sorted(self.chunks.values(), key=lambda c: c.index):
+            chunk.error = err
+            chunk.ending = ChunkState.FAILED
+            if chunk.state is not ChunkState.DRAINING:
+                chunk.move(ChunkState.DRAINING)
+        for ring in self._rings:
+            for slot in ring.slots:
+                slot.fence = None
+                if slot.state is not SlotState.FREE:
+                    if slot.state is not SlotState.DRAINING:
+                        ring.move(slot, SlotState.DRAINING)
+                    ring.release(slot)  # the context is dead: no operation can still touch it
+        for q in (self._accepted_q, self._h2d_q, self._compute_q, self._d2h_q):
+            q.clear()
+        for chunk in sorted(self.chunks.values(), key=lambda c: c.index):
+            self._end(chunk, ChunkState.FAILED)
+
+    def close(self) -> None:
+        self._release_resources()
+
+
+class _Syncer:
+    """Adapts an event to close_quietly (sync it; a failure becomes a warning)."""
+
+    def __init__(self, event):
+        self.close = event.sync
+
+
+def _head(where: BufferSlice, nbytes: int) -> BufferSlice:
+    return BufferSlice(where.buffer, where.offset, nbytes)

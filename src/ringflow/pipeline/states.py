@@ -1,0 +1,100 @@
+"""Ownership states of slots and chunks, and the only transitions allowed between them.
+
+A slot is owned by exactly one stage at a time. Each ring kind has its own path through the
+states, because each buffer's lifetime ends at a different operation:
+
+* host-in:    FREE -> FILLING (prepare on a CPU worker) -> FILLED -> COPYING_IN (H2D) -> FREE
+  (free once the H2D has completed: nothing else reads it)
+* device-in:  FREE -> COPYING_IN -> COMPUTING -> FREE (free once the compute has completed)
+* device-out: FREE -> COMPUTING -> COPYING_OUT (D2H) -> FREE (free once the D2H has completed)
+* host-out:   FREE -> COPYING_OUT -> CONSUMING (CPU consumer) -> FREE (free once it returns)
+* device in-place (device-in aliases device-out): FREE -> COPYING_IN -> COMPUTING ->
+  COPYING_OUT -> FREE
+
+Every ring also allows ``X -> DRAINING -> FREE`` from any busy state: the chunk was cancelled or
+failed, and the slot waits for the events of operations already enqueued on it before it is
+free (work on a stream cannot be recalled). An illegal transition raises
+:class:`IllegalTransition` at once: it is a bug in the scheduler, never a user error.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class IllegalTransition(AssertionError):
+    """The scheduler tried to move a slot or chunk along a transition its table forbids."""
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    FILLING = "filling"
+    FILLED = "filled"
+    COPYING_IN = "copying_in"
+    COMPUTING = "computing"
+    COPYING_OUT = "copying_out"
+    CONSUMING = "consuming"
+    DRAINING = "draining"
+
+
+class RingKind(enum.Enum):
+    HOST_IN = "host-in"
+    DEVICE_IN = "device-in"
+    DEVICE_OUT = "device-out"
+    HOST_OUT = "host-out"
+    DEVICE_INPLACE = "device-inplace"
+
+
+S = SlotState
+_PATHS: dict[RingKind, tuple[SlotState, ...]] = {
+    RingKind.HOST_IN: (S.FREE, S.FILLING, S.FILLED, S.COPYING_IN, S.FREE),
+    RingKind.DEVICE_IN: (S.FREE, S.COPYING_IN, S.COMPUTING, S.FREE),
+    RingKind.DEVICE_OUT: (S.FREE, S.COMPUTING, S.COPYING_OUT, S.FREE),
+    RingKind.HOST_OUT: (S.FREE, S.COPYING_OUT, S.CONSUMING, S.FREE),
+    RingKind.DEVICE_INPLACE: (S.FREE, S.COPYING_IN, S.COMPUTING, S.COPYING_OUT, S.FREE),
+}
+
+
+def _table(path: tuple[SlotState, ...]) -> frozenset[tuple[SlotState, SlotState]]:
+    edges = set(zip(path, path[1:]))
+    busy = set(path) - {S.FREE}
+    edges |= {(b, S.DRAINING) for b in busy} | {(S.DRAINING, S.FREE)}
+    return frozenset(edges)
+
+
+LEGAL_SLOT_TRANSITIONS: dict[RingKind, frozenset[tuple[SlotState, SlotState]]] = {
+    kind: _table(path) for kind, path in _PATHS.items()}
+
+
+class ChunkState(enum.Enum):
+    """Where a chunk is. The three final states are DELIVERED, FAILED and CANCELLED."""
+
+    ACCEPTED = "accepted"
+    PREPARING = "preparing"
+    PREPARED = "prepared"
+    ON_DEVICE = "on_device"  # H2D, compute and D2H enqueued (as far as slots allowed)
+    CONSUMING = "consuming"
+    DRAINING = "draining"  # failed or cancelled; waiting for enqueued work before its end
+    DELIVERED = "delivered"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def final(self) -> bool:
+        return self in (ChunkState.DELIVERED, ChunkState.FAILED, ChunkState.CANCELLED)
+
+
+C = ChunkState
+_CHUNK_PATH = (C.ACCEPTED, C.PREPARING, C.PREPARED, C.ON_DEVICE, C.CONSUMING, C.DELIVERED)
+LEGAL_CHUNK_TRANSITIONS: frozenset[tuple[ChunkState, ChunkState]] = frozenset(
+    set(zip(_CHUNK_PATH, _CHUNK_PATH[1:]))
+    | {(c, C.DRAINING) for c in _CHUNK_PATH[:-1]}
+    | {(c, C.CANCELLED) for c in _CHUNK_PATH[:-1]}
+    | {(c, C.FAILED) for c in _CHUNK_PATH[:-1]}
+    | {(C.DRAINING, C.FAILED), (C.DRAINING, C.CANCELLED)}
+)
+
+
+def check_chunk_transition(index: int, old: ChunkState, new: ChunkState) -> None:
+    if (old, new) not in LEGAL_CHUNK_TRANSITIONS:
+        raise IllegalTransition(f"chunk {index}: illegal transition {old.name} -> {new.name}")

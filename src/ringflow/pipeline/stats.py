@@ -1,0 +1,20 @@
+"""Counts of chunks by how they ended."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineStats:
+    """A snapshot. At all times ``accepted == delivered + failed + cancelled + in_flight``;
+    after ``close()`` or ``cancel()`` returns, ``in_flight == 0``."""
+
+    accepted: int
+    delivered: int
+    failed: int
+    cancelled: int
+    in_flight: int
+
+    def balanced(self) -> bool:
+        return self.accepted == self.delivered + self.failed + self.cancelled + self.in_flight

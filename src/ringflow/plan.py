@@ -1,0 +1,136 @@
+"""Buffer counts from lifetimes, the ideal bound, and the stage-time model.
+
+A ring needs as many slots as chunks are alive in it at once when the pipeline runs at its
+bottleneck interval ``T`` (Little's law): ``ceil(lifetime / T)``. A slot's lifetime runs from
+the latest moment it must be taken, so that the stage it feeds is not delayed, to the moment
+the CPU sees its last operation complete:
+
+==============  =============================================  ============================
+ring            taken when                                       free when
+==============  =============================================  ============================
+host-in         prepare starts                                   its H2D completes
+device-in       its H2D is enqueued                              compute completes
+device-out      compute must be enqueued (by its H2D's end)      its D2H completes
+host-out        D2H must be enqueued (by compute's end)          the consumer returns
+device in-place its H2D is enqueued                              its D2H completes
+==============  =============================================  ============================
+
+so ``host_in = P + H``, ``device_in = H + C``, ``device_out = C + D``, ``host_out = D + K``
+(in place: ``H + C + D``), each plus the hand-off latency of the host noticing a completion.
+``T`` is the slowest stage, where the CPU stages share a pool of ``workers`` threads so they
+contribute ``(P + K) / workers``. Double buffering is not assumed: two slots suffice only when
+a lifetime spans at most two intervals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from .device.sim.profile import SimProfile, get_profile
+from .pipeline.config import SlotCounts
+
+STAGES = ("prepare", "h2d", "compute", "d2h", "consume")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTimes:
+    """Seconds one chunk spends in each stage running alone (copies at their concurrent rate)."""
+
+    prepare: float
+    h2d: float
+    compute: float
+    d2h: float
+    consume: float
+    workers: int = 1
+    handoff: float = 0.0  # from an operation completing to the host enqueueing the next
+
+    def as_dict(self) -> dict[str, float]:
+        return {s: getattr(self, s) for s in STAGES}
+
+    @property
+    def cpu_interval(self) -> float:
+        return (self.prepare + self.consume) / self.workers
+
+    @property
+    def interval(self) -> float:
+        """The steady interval between chunks: the slowest resource."""
+        return max(self.h2d, self.compute, self.d2h, self.cpu_interval)
+
+    @property
+    def bottleneck(self) -> str:
+        options = {"h2d": self.h2d, "compute": self.compute, "d2h": self.d2h, "cpu (prepare+consume)": self.cpu_interval}
+        return max(options, key=options.get)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotPlan:
+    slots: SlotCounts
+    interval: float
+    bottleneck: str
+    lifetimes: dict
+
+    def describe(self) -> str:
+        parts = [f"{k}={getattr(self.slots, k)} (lifetime {v * 1e3:.3f} ms)" for k, v in self.lifetimes.items()]
+        return f"interval {self.interval * 1e3:.3f} ms ({self.bottleneck}); " + ", ".join(parts)
+
+
+def slots_for(lifetime: float, interval: float) -> int:
+    if interval <= 0:
+        return 1
+    return max(1, math.ceil(lifetime / interval - 1e-9))
+
+
+def plan_slots(times: StageTimes, *, inplace: bool = False) -> SlotPlan:
+    """Slot counts that let the pipeline run at its bottleneck interval (see module doc)."""
+    t, h = times, times.handoff
+    T = t.interval
+    lifetimes = {"host_in": t.prepare + t.h2d + h}
+    if inplace:
+        lifetimes["device_in"] = t.h2d + t.compute + t.d2h + h
+    else:
+        lifetimes["device_in"] = t.h2d + t.compute + h
+        lifetimes["device_out"] = t.compute + t.d2h + h
+    lifetimes["host_out"] = t.d2h + t.consume + h
+    counts = {k: slots_for(v, T) for k, v in lifetimes.items()}
+    counts.setdefault("device_out", 0)
+    return SlotPlan(SlotCounts(**counts), T, t.bottleneck, lifetimes)
+
+
+def ideal_total(times: StageTimes, n: int) -> float:
+    """Ideal wall time of ``n`` chunks: the first traverses every stage, the rest follow one
+    interval apart: ``sum + (n - 1) * max``. Over whole-job stage times this is DESIGN.md's
+    ``max + (sum - max) / n`` multiplied by n."""
+    if n <= 0:
+        return 0.0
+    stages = [times.h2d, times.compute, times.d2h, times.cpu_interval]
+    first = times.prepare + times.h2d + times.compute + times.d2h + times.consume
+    return first + (n - 1) * max(stages)
+
+
+def model_stage_times(profile: "str | SimProfile", chunk_bytes: int, *, compute: Optional[float] = None,
+                      prepare: Optional[float] = None, consume: Optional[float] = None, workers: int = 1,
+                      out_bytes: Optional[int] = None) -> StageTimes:
+    """Per-chunk stage times predicted by a profile.
+
+    Copies use the bandwidth-by-size curve; when both directions run (the steady state) they
+    share the link's duplex bandwidth. ``compute`` defaults to a memory-bound pass over input and
+    output; ``prepare``/``consume`` default to one memcpy of the chunk at the per-thread host copy
+    rate of a pool of ``workers`` threads."""
+    p = get_profile(profile)
+    n_in, n_out = chunk_bytes, out_bytes if out_bytes is not None else chunk_bytes
+    r_h = p.copy_GBps("h2d", n_in) * 1e9
+    r_d = p.copy_GBps("d2h", n_out) * 1e9
+    scale = min(1.0, p.duplex_GBps * 1e9 / (r_h + r_d))
+    per_thread = p.host_copy_rate(workers) / workers * 1e9
+    host_task = p.host_task_overhead_s
+    return StageTimes(
+        prepare=prepare if prepare is not None else host_task + n_in / per_thread,
+        h2d=n_in / (r_h * scale),
+        compute=compute if compute is not None else max(p.kernel_min_s, (n_in + n_out) / (p.device_GBps * 1e9)),
+        d2h=n_out / (r_d * scale),
+        consume=consume if consume is not None else host_task + n_out / per_thread,
+        workers=workers,
+        handoff=p.event_overhead_s + max(p.copy_overhead_s, p.launch_overhead_s),
+    )
