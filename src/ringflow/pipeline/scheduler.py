@@ -107,6 +107,7 @@ class Scheduler:
         self.first_error: Optional[StageError] = None
         self.failures: list[StageError] = []
         self.counts = collections.Counter()
+        self._loose_tasks: list[Chunk] = []  # consumers whose slot a disabled guard freed early
         self.unclaimed = 0  # final chunks whose result a map() has not handed out yet
         self.steps = 0
         self.host_seconds = 0.0  # CPU time spent in scheduling steps (host overhead per chunk)
@@ -192,7 +193,8 @@ class Scheduler:
         return progressed
 
     def pending_fences(self) -> list:
-        return [s.fence for ring in self._rings for s in ring.slots if s.fence is not None]
+        fences = [s.fence for ring in self._rings for s in ring.slots if s.fence is not None]
+        return fences + [c.consume_task for c in self._loose_tasks]
 
     def run_until(self, done: Callable[[], bool], timeout: float | None = None) -> None:
         """Drive the pipeline until ``done()`` holds; raises TimeoutError after ``timeout``."""
@@ -229,6 +231,11 @@ class Scheduler:
                 slot.fence = None
                 progressed = True
                 self._on_fence_done(ring, slot)
+        for chunk in list(self._loose_tasks):
+            if chunk.consume_task.is_done:
+                self._loose_tasks.remove(chunk)
+                self._on_consumed(chunk)
+                progressed = True
         return progressed
 
     def _on_fence_done(self, ring: Ring, slot: Slot) -> None:
@@ -330,7 +337,12 @@ class Scheduler:
         chunk.move(ChunkState.CONSUMING)
         chunk.stamps["consume"] = [self.device.now, None]
         chunk.consume_task = self.pool.submit(self._run_drain, chunk, slot.where, nbytes=chunk.nbytes)
-        slot.fence = chunk.consume_task
+        if "host_out.release_after_consume" in self._guard_off:
+            self.host_out.release(slot)  # the fault under test: freed while the consumer reads
+            chunk.host_out = None
+            self._loose_tasks.append(chunk)
+        else:
+            slot.fence = chunk.consume_task
 
     def _run_drain(self, chunk: Chunk, where: BufferSlice) -> Any:
         count = int(np.prod(chunk.shape, dtype=np.int64))
@@ -345,8 +357,9 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - the user's consumer failed for this chunk
             self._fail(chunk, "consume", exc)
             return
-        self._free(self.host_out, chunk.host_out)
-        chunk.host_out = None
+        if chunk.host_out is not None:
+            self._free(self.host_out, chunk.host_out)
+            chunk.host_out = None
         chunk.value = value
         self._end(chunk, ChunkState.DELIVERED)
 

@@ -24,28 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..protocol import DeviceBuffer, HostBuffer, check_nbytes
+from ..protocol import DeviceBuffer, HostBuffer, check_nbytes, typed_view
 from ._lib import check, core, driver, translate
 
 if TYPE_CHECKING:
     from .device import CudaDevice
     from .stream import CudaStream
-
-
-def _byte_view(base: np.ndarray, nbytes: int, dtype: Any, offset: int, count: int | None, what: str) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or not 0 <= offset <= nbytes:
-        raise ValueError(f"view offset {offset!r} is outside {what} of {nbytes} bytes")
-    avail = nbytes - int(offset)
-    if count is None:
-        if avail % dtype.itemsize:
-            raise ValueError(f"the {avail} bytes from offset {offset} of {what} are not a whole number of "
-                             f"{dtype} items ({dtype.itemsize} bytes each); pass count=")
-        count = avail // dtype.itemsize
-    if count < 0 or count * dtype.itemsize > avail:
-        raise ValueError(f"a view of {count} {dtype} items from offset {offset} needs {count * dtype.itemsize} "
-                         f"bytes but {what} has {avail} bytes there")
-    return base[offset:offset + count * dtype.itemsize].view(dtype)
 
 
 class _CudaHostBuffer(HostBuffer):
@@ -63,9 +47,12 @@ class _CudaHostBuffer(HostBuffer):
         self._check_open()
         return self._ptr
 
-    def view(self, dtype: Any = np.uint8, *, offset: int = 0, count: int | None = None) -> np.ndarray:
+    def view(self, dtype: Any = np.uint8, *, offset: int = 0, count: int | None = None,
+             access: str = "rw") -> np.ndarray:
+        """A numpy view of the bytes (``access="r"`` makes it read-only). Nothing checks it
+        against device work here: order host access after the events that hand the buffer over."""
         self._check_open()
-        return _byte_view(self._base, self.nbytes, dtype, offset, count, repr(self))
+        return typed_view(self._base, dtype, offset, count, access)
 
     def close(self) -> None:
         if self._closed:

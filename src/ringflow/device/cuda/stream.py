@@ -17,7 +17,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from ...errors import DeviceError, LaunchError
+from ...errors import DeviceError
 from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Stream, as_slice, copy_extent
 from ._lib import check, core, device_error, driver, is_sticky, translate
 from .arrays import using_stream
@@ -188,8 +188,9 @@ class CudaStream(Stream):
         the kernels ``fn`` enqueues are ordered on it. ``reads``/``writes`` are checked (open,
         this device) but otherwise only matter on the simulator; ``sim_seconds`` is ignored.
 
-        An exception from ``fn`` is raised here as :class:`LaunchError` (original as
-        ``__cause__``), or as a sticky :class:`DeviceError` when the context is broken.
+        An exception from ``fn`` propagates from here unchanged (the simulator, which runs
+        ``fn`` later, reports it through the next event instead), except one that says the
+        CUDA context is broken: that becomes a sticky :class:`DeviceError`.
         """
         self._check_open()
         if not callable(fn):
@@ -219,7 +220,7 @@ class CudaStream(Stream):
         except Exception as exc:
             if is_sticky(exc):
                 raise device_error(f"compute callable {name} on {self!r}", exc) from exc
-            raise LaunchError(f"compute callable {name} raised {type(exc).__name__}: {exc}") from exc
+            raise
 
     def sync(self) -> None:
         self._check_open()
