@@ -1,0 +1,111 @@
+"""Slot counts derived from lifetimes reach the bottleneck interval on the simulated GPU, and
+one slot fewer of a ring that needs more than one is measurably slower."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow import plan
+from ringflow.device.sim import charge
+
+MB = 10**6
+MiB = 1 << 20
+
+
+def steady_interval(profile, chunk, slots, *, compute_s, workers, consume_extra_s=0.0, n=60):
+    """Mean interval between consumer completions, away from fill and drain."""
+    dev = rf.device("sim", profile=profile)
+
+    def f(x, y):
+        y[:] = x
+
+    f.sim_seconds = compute_s
+
+    def consume(index, item, view):
+        charge(consume_extra_s)
+
+    done = []
+    dev.add_op_observer(lambda op: done.append(op.done_at) if op.label.startswith("host task _run_drain") else None)
+    items = [np.ones(chunk // 4, np.float32) for _ in range(n)]
+    with rf.Pipeline(f, device=dev, chunk_bytes=chunk, slots=slots, consume=consume, workers=workers,
+                     max_in_flight=64) as pipe:
+        for _ in pipe.map(items):
+            pass
+    assert len(done) == n
+    return (done[-10] - done[10]) / (len(done) - 20)
+
+
+# (name, compute seconds, extra consume seconds, workers): the unit profile copies 1 MB in 1 ms,
+# each CPU worker copies 1 MB in 1 ms, with no host overheads, so every number is exact.
+UNIT_MIXES = [
+    ("copy-bound", 0.3e-3, 0.0, 4),
+    ("compute-bound", 2.5e-3, 0.0, 4),
+    ("consume-bound", 0.3e-3, 3e-3, 2),
+]
+
+
+def unit_times(compute_s, consume_extra_s, workers):
+    t = plan.model_stage_times("unit", MB, compute=compute_s, workers=workers)
+    return dataclasses.replace(t, consume=t.consume + consume_extra_s)
+
+
+@pytest.mark.parametrize("name,compute_s,consume_extra_s,workers", UNIT_MIXES, ids=[m[0] for m in UNIT_MIXES])
+def test_planned_slots_reach_the_bottleneck_and_one_fewer_is_slower(name, compute_s, consume_extra_s, workers):
+    times = unit_times(compute_s, consume_extra_s, workers)
+    p = plan.plan_slots(times)
+    assert p.bottleneck.startswith({"copy-bound": "h2d", "compute-bound": "compute", "consume-bound": "cpu"}[name])
+    measured = steady_interval("unit", MB, p.slots, compute_s=compute_s, workers=workers,
+                               consume_extra_s=consume_extra_s)
+    assert measured == pytest.approx(p.interval, rel=0.05)
+    shrinkable = [r for r in ("host_in", "device_in", "device_out", "host_out") if getattr(p.slots, r) > 1]
+    assert shrinkable, "every mix here needs more than one slot of some ring"
+    for ring in shrinkable:
+        slower = steady_interval("unit", MB, p.slots.minus(ring), compute_s=compute_s, workers=workers,
+                                 consume_extra_s=consume_extra_s)
+        assert slower > 1.2 * p.interval, f"one {ring} slot fewer should be slower ({slower} vs {p.interval})"
+
+
+def test_double_buffering_is_not_assumed():
+    # copy-bound with a slow prepare: a host-in slot lives prepare + h2d = 2 intervals, a
+    # host-out slot d2h + consume = 2: exactly double buffering; compute-bound needs 1 host slot
+    copy = plan.plan_slots(unit_times(0.3e-3, 0.0, 4)).slots
+    assert (copy.host_in, copy.host_out) == (2, 2)
+    heavy_consume = plan.plan_slots(unit_times(0.3e-3, 3e-3, 2)).slots
+    assert heavy_consume.host_out == 2 and heavy_consume.host_in == 1
+    # a consumer 3.5 intervals long needs 4 host-out slots, not 2
+    t = dataclasses.replace(unit_times(0.3e-3, 0.0, 16), consume=3.0e-3)
+    assert plan.plan_slots(t).slots.host_out == 4
+
+
+@pytest.mark.parametrize("compute_s,workers", [(400e-6, 16), (1e-3, 8)], ids=["cpu-bound", "compute-bound"])
+def test_plan_on_the_h200_profile_within_5_percent(compute_s, workers):
+    chunk = 8 * MiB
+    p = plan.plan_slots(plan.model_stage_times("h200-pcie5", chunk, compute=compute_s, workers=workers))
+    measured = steady_interval("h200-pcie5", chunk, p.slots, compute_s=compute_s, workers=workers)
+    assert measured == pytest.approx(p.interval, rel=0.05)
+    ring = max(("host_in", "device_in", "device_out", "host_out"),
+               key=lambda r: p.lifetimes[r] / p.interval if getattr(p.slots, r) > 1 else 0)
+    slower = steady_interval("h200-pcie5", chunk, p.slots.minus(ring), compute_s=compute_s, workers=workers)
+    assert slower > 1.05 * measured
+
+
+def test_inplace_plan_has_no_device_out_ring():
+    p = plan.plan_slots(unit_times(0.3e-3, 0.0, 4), inplace=True)
+    assert p.slots.device_out == 0
+    assert p.lifetimes["device_in"] == pytest.approx(1e-3 + 0.3e-3 + 1e-3)
+
+
+def test_ideal_total_matches_hand_computation():
+    t = plan.StageTimes(prepare=1.0, h2d=2.0, compute=3.0, d2h=2.0, consume=1.0, workers=1)
+    # first chunk 9 s end to end, then one every max(2, 3, 2, (1+1)/1) = 3 s
+    assert plan.ideal_total(t, 1) == 9.0
+    assert plan.ideal_total(t, 10) == 9.0 + 9 * 3.0
+    assert plan.ideal_total(t, 0) == 0.0
+
+
+def test_model_uses_concurrent_link_bandwidth():
+    t = plan.model_stage_times("h200-pcie5", 256 * MiB)
+    # alone 54.8 GB/s; both directions at once share 98.4 GB/s
+    assert 256 * MiB / t.h2d / 1e9 == pytest.approx(98.4 * 54.8 / (54.8 + 54.7), rel=1e-3)
