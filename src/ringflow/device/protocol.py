@@ -296,6 +296,12 @@ class HostTask(abc.ABC):
     def result(self) -> Any:
         """The callable's return value; raises its exception. Only after the task is done."""
 
+    @property
+    def span(self) -> "tuple[float, float | None] | None":
+        """(start, end) of the callable's run on the device's host clock, once it has started
+        (end None while running); None if the backend does not know."""
+        return None
+
 
 class WorkerPool(abc.ABC):
     """CPU workers for the host stages (staging copies release the GIL, so threads scale)."""

@@ -29,6 +29,9 @@ from .config import PipelineConfig, SlotCounts
 from .scheduler import Scheduler
 from .states import ChunkState
 from .stats import PipelineStats
+from ..trace import nvtx
+from ..trace.report import Report, memory_of
+from ..trace.timeline import Anchor, Span, Timeline, record_chunk, stall_spans
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 
@@ -88,11 +91,18 @@ class Pipeline:
         self._prepare = prepare
         fill = _fill or self._default_fill
         drain = _drain or (consume if consume is not None else _copy_out)
+        if profile:
+            fill, drain = nvtx.ranged(fill, "prepare"), nvtx.ranged(drain, "consume")
         self._closed = False
+        self._timeline = Timeline(meta={"device": self.device.name, "chunk_bytes": slot_bytes,
+                                        "slots": counts.__dict__, "workers": workers}) if profile else None
+        self._anchor = None
         self._sched = Scheduler(self.device, compute, fill, drain, self.config,
                                 item_nbytes=item_nbytes or (lambda item: getattr(item, "nbytes", 0)),
                                 disabled_guards=_disabled_guards, slot_hook=_slot_hook,
                                 on_chunk_end=self._on_chunk_end)
+        if profile:
+            self._anchor = Anchor(self.device, self._sched.h2d_stream)
 
     # -- set-up -------------------------------------------------------------------------------
     def _resolve_slots(self, slots, slot_bytes, inplace, workers, compute) -> SlotCounts:
@@ -139,7 +149,11 @@ class Pipeline:
         self._check_open()
         self._check_item(item)
         s = self._sched
+        t0 = self.device.now
+        blocked = not s.has_capacity()
         s.run_until(lambda: s.has_capacity() or not s.accepting or s.broken is not None, timeout)
+        if blocked:
+            self._stall("stall: producer", "producer blocked by backpressure", t0)
         return s.accept(item).future
 
     def map(self, items: Iterable[Any]) -> Iterator[Any]:
@@ -185,8 +199,13 @@ class Pipeline:
                     continue
                 if not pending and exhausted:
                     return
+                t0 = self.device.now
                 s.run_until(lambda: self._next_ready(pending) is not None
                             or (not exhausted and s.has_capacity()))
+                if self._next_ready(pending) is not None:
+                    self._stall("stall: consumer", "consumer waiting for data", t0)
+                else:
+                    self._stall("stall: producer", "producer blocked by backpressure", t0)
         finally:
             for chunk in pending.values():  # the caller stopped early: stop tracking these
                 chunk.in_map = False
@@ -207,6 +226,16 @@ class Pipeline:
     def _on_chunk_end(self, chunk: Chunk) -> None:
         if getattr(chunk, "in_map", False):
             self._sched.unclaimed += 1
+        if self._timeline is not None:
+            self._timeline.records.append(record_chunk(chunk, self._anchor))
+            self._timeline.stalls.extend(stall_spans(chunk.stamps, chunk.index))
+
+    def _stall(self, track: str, name: str, start: float) -> None:
+        """Record that the caller was blocked from ``start`` until now."""
+        if self._timeline is not None:
+            end = self.device.now
+            if end > start:
+                self._timeline.stalls.append(Span(track, name, start, end))
 
     def _settle_after_error(self) -> None:
         if self.config.on_error == "raise":
@@ -284,6 +313,14 @@ class Pipeline:
     @property
     def scheduler(self) -> Scheduler:
         return self._sched
+
+    def report(self) -> Report:
+        """Stage times, bottleneck, ideal bound, efficiency, latency, stalls and memory of the
+        chunks finished so far; needs ``profile=True``."""
+        if self._timeline is None:
+            raise RuntimeError("report() needs a pipeline made with profile=True")
+        return Report.build(self._timeline, workers=self.config.workers, memory=memory_of(self._sched),
+                            host_seconds=self._sched.host_seconds)
 
 
 def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, device: "Device | str | None" = None,

@@ -44,6 +44,7 @@ class Ring:
         self.slots = [Slot(self, i, buffer.slice(i * slot_bytes, slot_bytes)) for i in range(count)]
         self._free: collections.deque[Slot] = collections.deque(self.slots)
         self._legal = LEGAL_SLOT_TRANSITIONS[kind]
+        self.high_water = 0  # most slots busy at once
         self._hook = hook
 
     def __len__(self) -> int:
@@ -62,6 +63,7 @@ class Ring:
         if not self._free:
             return None
         slot = self._free.popleft()
+        self.high_water = max(self.high_water, len(self.slots) - len(self._free))
         slot.owner = owner
         self.move(slot, state)
         return slot

@@ -137,7 +137,8 @@ class Scheduler:
             ring.close()
         for s in self._streams:
             close_quietly(s, "stream")
-        self._rings, self._streams = [], []
+        # the ring objects stay for introspection (states, high-water marks); their memory is gone
+        self._streams = []
 
     @property
     def rings(self) -> list[Ring]:
@@ -162,6 +163,7 @@ class Scheduler:
         index = self._next_index
         self._next_index += 1
         chunk = Chunk(index, item, ChunkFuture(self, index))
+        chunk.stamps["accepted"] = self.device.now
         self.chunks[index] = chunk
         self._accepted_q.append(chunk)
         self.counts["accepted"] += 1
@@ -377,8 +379,10 @@ class Scheduler:
             self._wait_ready(s, slot, "h2d.wait_slot_ready")
             n = chunk.nbytes
             self._mark(chunk, s, "h2d", start=True)
-            s.copy(_head(slot.where, n), _head(chunk.host_in.where, n), n)
+            if n:  # a zero-length item moves no bytes (a copy needs at least one)
+                s.copy(_head(slot.where, n), _head(chunk.host_in.where, n), n)
             event = self._mark(chunk, s, "h2d")
+            chunk.stamps["h2d.enqueued"] = self.device.now
             self.host_in.move(chunk.host_in, SlotState.COPYING_IN)
             chunk.h2d_event = event
             if "host_in.release_after_h2d" in self._guard_off:
@@ -413,7 +417,9 @@ class Scheduler:
             y = out_slot.where.array(chunk.dtype, chunk.shape)
             self._mark(chunk, s, "compute", start=True)
             try:
-                if self.dev_out is None:
+                if chunk.nbytes == 0:
+                    pass  # a zero-length chunk has nothing to compute (its result is empty too)
+                elif self.dev_out is None:
                     s.launch(self.compute, x, x, writes=[x], sim_seconds=self._sim_seconds(chunk))
                 else:
                     s.launch(self.compute, x, y, reads=[x], writes=[y], sim_seconds=self._sim_seconds(chunk))
@@ -428,6 +434,7 @@ class Scheduler:
                 progressed = True
                 continue
             event = self._mark(chunk, s, "compute")
+            chunk.stamps["compute.enqueued"] = self.device.now
             chunk.compute_event = event
             if "device_in.release_after_compute" in self._guard_off and self.dev_out is not None:
                 self.dev_in.release(chunk.dev_in)
@@ -454,8 +461,10 @@ class Scheduler:
             ring_out.move(chunk.dev_out, SlotState.COPYING_OUT)
             n = chunk.nbytes
             self._mark(chunk, s, "d2h", start=True)
-            s.copy(_head(slot.where, n), _head(chunk.dev_out.where, n), n)
+            if n:
+                s.copy(_head(slot.where, n), _head(chunk.dev_out.where, n), n)
             event = self._mark(chunk, s, "d2h")
+            chunk.stamps["d2h.enqueued"] = self.device.now
             chunk.d2h_event = event
             if "device_out.release_after_d2h" in self._guard_off:
                 ring_out.release(chunk.dev_out)
@@ -534,6 +543,7 @@ class Scheduler:
 
     def _end(self, chunk: Chunk, final: ChunkState) -> None:
         chunk.move(final)
+        chunk.stamps["ended"] = self.device.now
         del self.chunks[chunk.index]
         self.counts[final.value] += 1
         fut = chunk.future

@@ -90,6 +90,11 @@ class SimHostTask(HostTask):
             dev._block_until(lambda: self.op.done, what=repr(self))
             dev._checker_merge(self._end_clock)
 
+    @property
+    def span(self):
+        op = self.op
+        return None if op is None or op.started_at is None else (op.started_at, op.done_at)
+
     def result(self) -> Any:
         if not self.op.done:
             raise RuntimeError(f"{self!r} is not done; wait for it (sync or wait_any) before asking its result")

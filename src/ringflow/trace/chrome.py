@@ -1,0 +1,54 @@
+"""Chrome / Perfetto trace JSON (opens in ui.perfetto.dev and chrome://tracing).
+
+One process, one track (thread) per stage and per stream, plus one per kind of stall. Every
+span is a complete event (``ph: "X"``) with microsecond ``ts``/``dur`` relative to the run's
+first accepted chunk, and ``args`` carrying the chunk index and bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .timeline import Span, Timeline, track_sort_key
+
+
+def to_chrome(timeline: Timeline, *, name: str = "ringflow") -> dict[str, Any]:
+    spans = timeline.spans()
+    t0 = timeline.start
+    tracks = sorted({s.track for s in spans}, key=track_sort_key)
+    tid = {t: i + 1 for i, t in enumerate(tracks)}
+    events: list[dict[str, Any]] = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": name}}]
+    for track, i in tid.items():
+        events.append({"ph": "M", "pid": 1, "tid": i, "name": "thread_name", "args": {"name": track}})
+        events.append({"ph": "M", "pid": 1, "tid": i, "name": "thread_sort_index", "args": {"sort_index": i}})
+    for s in sorted(spans, key=lambda s: (s.start, tid[s.track])):
+        args = dict(s.args)
+        if s.chunk is not None:
+            args["chunk"] = s.chunk
+        events.append({"ph": "X", "pid": 1, "tid": tid[s.track], "name": s.name if s.chunk is None else
+                       f"{s.name} #{s.chunk}", "cat": s.name, "ts": (s.start - t0) * 1e6,
+                       "dur": max(0.0, s.end - s.start) * 1e6, "args": args})
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": timeline.meta}
+
+
+def save_chrome(timeline: Timeline, path: str, **kw: Any) -> str:
+    with open(path, "w") as fh:
+        json.dump(to_chrome(timeline, **kw), fh)
+    return path
+
+
+def load_spans(path: str) -> list[Span]:
+    """Read the complete events of a Chrome trace back as spans (seconds from the start)."""
+    with open(path) as fh:
+        data = json.load(fh)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    out = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        start = float(e["ts"]) / 1e6
+        out.append(Span(names.get(e.get("tid"), str(e.get("tid"))), e.get("cat", e["name"]), start,
+                        start + float(e.get("dur", 0.0)) / 1e6, e.get("args", {}).get("chunk"), e.get("args", {})))
+    return out

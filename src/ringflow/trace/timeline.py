@@ -1,0 +1,165 @@
+"""Spans on one clock: every chunk's five stages, and the stalls between them.
+
+CPU spans come from the host clock (``Device.now``). GPU spans come from timing events
+placed on one device clock and aligned to the host clock by an **anchor**: a timing event the
+scheduler records and syncs at start-up, noting the host time right after. A GPU time is
+``anchor_host + event.elapsed_since(anchor)``. On the simulated GPU both clocks are the
+virtual clock and the alignment is exact; on a real one it is off by the sync latency (a few
+microseconds, the same for every span, so durations and overlaps are exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+STAGES = ("prepare", "h2d", "compute", "d2h", "consume")
+GPU_STAGES = ("h2d", "compute", "d2h")
+
+# Stalls: a chunk eligible for a stage but waiting for a free slot of the ring it needs.
+SLOT_WAITS = (
+    ("prepare", "wait host-in slot", "accepted", "prepare"),
+    ("h2d", "wait device-in slot", "prepare.end", "h2d.enqueued"),
+    ("compute", "wait device-out slot", "h2d.enqueued", "compute.enqueued"),
+    ("d2h", "wait host-out slot", "compute.enqueued", "d2h.enqueued"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    track: str
+    name: str
+    start: float  # seconds on the host clock
+    end: float
+    chunk: Optional[int] = None
+    args: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclasses.dataclass
+class ChunkRecord:
+    index: int
+    nbytes: int
+    final: str
+    accepted: float
+    ended: float
+    stages: dict  # stage -> (start, end)
+
+    @property
+    def latency(self) -> float:
+        return self.ended - self.accepted
+
+
+class Anchor:
+    """Maps timing events onto the host clock (see the module doc)."""
+
+    def __init__(self, device, stream):
+        self.event = stream.record(timing=True)
+        self.event.sync()
+        self.host = device.now
+
+    def time_of(self, event) -> Optional[float]:
+        if event is None or not event.is_done:
+            return None
+        return self.host + event.elapsed_since(self.event)
+
+
+def record_chunk(chunk, anchor: Optional[Anchor]) -> ChunkRecord:
+    """Turn a finished chunk's stamps, host-task spans and timing events into a record."""
+    st = chunk.stamps
+    stages: dict[str, tuple[float, float]] = {}
+    for stage, task in (("prepare", chunk.prepare_task), ("consume", chunk.consume_task)):
+        span = getattr(task, "span", None) if task is not None else None
+        if span is not None and span[1] is not None:
+            stages[stage] = tuple(span)
+        elif stage in st and st[stage][1] is not None:
+            stages[stage] = tuple(st[stage])
+    if anchor is not None:
+        for stage in GPU_STAGES:
+            start = anchor.time_of(chunk.events.get(stage + ".start"))
+            end = anchor.time_of(chunk.events.get(stage + ".end"))
+            if start is not None and end is not None:
+                stages[stage] = (start, end)
+    return ChunkRecord(index=chunk.index, nbytes=chunk.nbytes, final=chunk.state.value,
+                       accepted=st.get("accepted", 0.0), ended=st.get("ended", 0.0), stages=stages)
+
+
+def stall_spans(chunk_stamps: dict, index: int) -> list[Span]:
+    out = []
+    st = dict(chunk_stamps)
+    if "prepare" in st:
+        st["prepare.end"] = st["prepare"][1]
+        st["prepare"] = st["prepare"][0]
+    for _, name, a, b in SLOT_WAITS:
+        if st.get(a) is not None and st.get(b) is not None and st[b] > st[a]:
+            out.append(Span("stall: slots", name, st[a], st[b], index))
+    return out
+
+
+@dataclasses.dataclass
+class Timeline:
+    """Everything one profiled run produced, on the host clock."""
+
+    records: list = dataclasses.field(default_factory=list)
+    stalls: list = dataclasses.field(default_factory=list)  # Span
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    def spans(self, *, lanes: bool = True) -> list[Span]:
+        """Every span. With ``lanes`` overlapping spans of one track (CPU stages on several
+        workers, stalls of several chunks) go to numbered sub-tracks, so none overlap."""
+        out = self._raw_spans()
+        return assign_lanes(out) if lanes else out
+
+    def _raw_spans(self) -> list[Span]:
+        out = []
+        for r in self.records:
+            for stage in STAGES:
+                if stage in r.stages:
+                    a, b = r.stages[stage]
+                    out.append(Span(TRACKS[stage], stage, a, b, r.index, {"bytes": r.nbytes}))
+        return out + list(self.stalls)
+
+    @property
+    def start(self) -> float:
+        return min((r.accepted for r in self.records), default=0.0)
+
+    @property
+    def end(self) -> float:
+        return max((r.ended for r in self.records), default=0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"records": [dataclasses.asdict(r) for r in self.records],
+                "stalls": [dataclasses.asdict(s) for s in self.stalls], "meta": self.meta}
+
+
+TRACKS = {"prepare": "cpu: prepare", "h2d": "gpu: h2d stream", "compute": "gpu: compute stream",
+          "d2h": "gpu: d2h stream", "consume": "cpu: consume"}
+
+
+def assign_lanes(spans: list[Span]) -> list[Span]:
+    """Greedy interval partitioning per track: a span moves to ``"<track> [k]"`` for the first
+    lane k whose last span ended before it starts (lane 0 keeps the plain track name)."""
+    out: list[Span] = []
+    lane_ends: dict[str, list[float]] = {}
+    for s in sorted(spans, key=lambda s: (s.track, s.start, s.end)):
+        ends = lane_ends.setdefault(s.track, [])
+        for k, end in enumerate(ends):
+            if end <= s.start:
+                break
+        else:
+            k = len(ends)
+            ends.append(0.0)
+        ends[k] = s.end
+        out.append(s if k == 0 else dataclasses.replace(s, track=f"{s.track} [{k}]"))
+    return out
+
+
+def track_sort_key(track: str):
+    """Stage tracks in pipeline order (each with its lanes), then every other track by name."""
+    base = track.split(" [")[0]
+    lane = int(track.split(" [")[1].rstrip("]")) if " [" in track else 0
+    order = [TRACKS[s] for s in STAGES]
+    return (order.index(base) if base in order else len(order), base, lane)
