@@ -134,3 +134,35 @@ def model_stage_times(profile: "str | SimProfile", chunk_bytes: int, *, compute:
         workers=workers,
         handoff=p.event_overhead_s + max(p.copy_overhead_s, p.launch_overhead_s),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class HostStrategy:
+    """How an ordinary (pageable) numpy source and destination reach the copy engines."""
+
+    choice: str  # "stage" or "register"
+    stage_s: float
+    register_s: float
+
+    def describe(self) -> str:
+        return (f"{self.choice}: staging through the pinned ring ~{self.stage_s * 1e3:.1f} ms of host work, "
+                f"registering in place ~{self.register_s * 1e3:.1f} ms")
+
+
+def choose_host_strategy(profile: "str | SimProfile", nbytes_in: int, nbytes_out: int, *, workers: int,
+                         out_is_fresh: bool) -> HostStrategy:
+    """Stage or register, by the profile's measured host costs.
+
+    Staging costs two memcpy passes on ``workers`` threads (in, then out; a fresh output is
+    first-touched by those same copies). Registering costs a registration of each array (a
+    fresh output first-touched in parallel first, since registering it faults its pages in one
+    thread), its unregistration, and nothing per chunk. Both then move the same bytes on the link.
+    """
+    p = get_profile(profile)
+    copy_rate = p.host_copy_rate(workers) * 1e9
+    stage = (nbytes_in + nbytes_out) / copy_rate
+    register = nbytes_in / (p.register_GBps * 1e9) + nbytes_out / (p.register_GBps * 1e9)
+    register += (nbytes_in + nbytes_out) / (p.unregister_GBps * 1e9)
+    if out_is_fresh:
+        register += nbytes_out / (p.first_touch_rate(workers) * 1e9)
+    return HostStrategy("register" if register < stage else "stage", stage, register)

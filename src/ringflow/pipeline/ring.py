@@ -35,13 +35,17 @@ class Slot:
 
 class Ring:
     def __init__(self, kind: RingKind, buffer: Buffer, count: int, slot_bytes: int,
-                 hook: Optional[TransitionHook] = None):
+                 hook: Optional[TransitionHook] = None, *, external: bool = False):
+        """``external``: ``buffer`` is the caller's own (pinned or registered) memory, one slot per
+        chunk in order; the ring neither poisons nor closes it, and the last slot may be short."""
         if count < 1:
             raise ValueError(f"a {kind.value} ring needs at least 1 slot, got {count}")
         self.kind = kind
         self.buffer = buffer
         self.slot_bytes = slot_bytes
-        self.slots = [Slot(self, i, buffer.slice(i * slot_bytes, slot_bytes)) for i in range(count)]
+        self.external = external
+        self.slots = [Slot(self, i, buffer.slice(i * slot_bytes, min(slot_bytes, buffer.nbytes - i * slot_bytes)))
+                      for i in range(count)]
         self._free: collections.deque[Slot] = collections.deque(self.slots)
         self._legal = LEGAL_SLOT_TRANSITIONS[kind]
         self.high_water = 0  # most slots busy at once
@@ -85,4 +89,6 @@ class Ring:
         self._free.append(slot)
 
     def close(self) -> None:
+        if self.external:
+            return
         close_quietly(self.buffer, f"{self.kind.value} ring buffer")

@@ -58,7 +58,12 @@ Drain = Callable[[int, Any, np.ndarray], Any]  # (index, item, read-only typed v
 class Scheduler:
     def __init__(self, device: Device, compute: Callable, fill: Fill, drain: Drain, config: PipelineConfig, *,
                  item_nbytes: Callable[[Any], int] = lambda item: 0, disabled_guards: Iterable[str] = (),
-                 slot_hook=None, on_chunk_end: Optional[Callable[[Chunk], None]] = None):
+                 slot_hook=None, on_chunk_end: Optional[Callable[[Chunk], None]] = None,
+                 host_in_buffer=None, host_out_buffer=None):
+        """``host_in_buffer``/``host_out_buffer``: the caller's pinned or registered memory holding
+        every chunk's input / receiving every chunk's output back to back (chunk i at
+        ``i * slot_bytes``). The copy engines then read and write it in place: no staging ring,
+        and prepare/consume only describe the chunk."""
         unknown = set(disabled_guards) - set(GUARDS)
         if unknown:
             raise ValueError(f"unknown guards {sorted(unknown)}; known: {GUARDS}")
@@ -81,7 +86,7 @@ class Scheduler:
             self.d2h_stream = self._stream()
             self.poison_stream = self._stream() if config.checked else None
             n, c = config.slot_bytes, config.slots
-            self.host_in = self._ring(RingKind.HOST_IN, device.allocate_host(n * c.host_in), c.host_in, slot_hook)
+            self.host_in = self._host_ring(RingKind.HOST_IN, host_in_buffer, c.host_in, slot_hook)
             if config.inplace:
                 self.dev_in = self._ring(RingKind.DEVICE_INPLACE, device.allocate(n * c.device_in), c.device_in,
                                          slot_hook)
@@ -90,7 +95,7 @@ class Scheduler:
                 self.dev_in = self._ring(RingKind.DEVICE_IN, device.allocate(n * c.device_in), c.device_in, slot_hook)
                 self.dev_out = self._ring(RingKind.DEVICE_OUT, device.allocate(n * c.device_out), c.device_out,
                                           slot_hook)
-            self.host_out = self._ring(RingKind.HOST_OUT, device.allocate_host(n * c.host_out), c.host_out, slot_hook)
+            self.host_out = self._host_ring(RingKind.HOST_OUT, host_out_buffer, c.host_out, slot_hook)
             self.pool = device.create_worker_pool(config.workers)
         except BaseException:
             self._release_resources()
@@ -118,10 +123,16 @@ class Scheduler:
         self._streams.append(s)
         return s
 
-    def _ring(self, kind, buffer, count, hook) -> Ring:
-        ring = Ring(kind, buffer, count, self.config.slot_bytes, hook)
+    def _ring(self, kind, buffer, count, hook, external: bool = False) -> Ring:
+        ring = Ring(kind, buffer, count, self.config.slot_bytes, hook, external=external)
         self._rings.append(ring)
         return ring
+
+    def _host_ring(self, kind, external_buffer, count, hook) -> Ring:
+        n = self.config.slot_bytes
+        if external_buffer is None:
+            return self._ring(kind, self.device.allocate_host(n * count), count, hook)
+        return self._ring(kind, external_buffer, -(-external_buffer.nbytes // n), hook, external=True)
 
     def _release_resources(self) -> None:
         from ..device.protocol import close_quietly
@@ -280,6 +291,8 @@ class Scheduler:
         ring.release(slot)
 
     def _poison(self, ring: Ring, slot: Slot) -> None:
+        if ring.external:  # the caller's own input or result: never overwrite it
+            return
         where = slot.where
         if ring.buffer.is_host:
             where.buffer.view(np.uint8, offset=where.offset, count=where.nbytes, access="w").fill(POISON_BYTE)
@@ -314,7 +327,9 @@ class Scheduler:
         return progressed
 
     def _run_fill(self, chunk: Chunk, where: BufferSlice) -> tuple:
-        raw = where.buffer.view(np.uint8, offset=where.offset, count=where.nbytes, access="w")
+        # an external host-in ring already holds the chunk: fill only describes it
+        raw = None if self.host_in.external else \
+            where.buffer.view(np.uint8, offset=where.offset, count=where.nbytes, access="w")
         shape, dtype = self.fill(chunk.item, raw)
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize

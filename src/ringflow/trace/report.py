@@ -119,6 +119,8 @@ def memory_of(scheduler) -> dict[str, int]:
     """Pinned and device bytes allocated by the rings, and their high-water marks in use."""
     pinned = device = pinned_hw = device_hw = 0
     for ring in scheduler.rings:
+        if ring.external:  # the caller's registered memory, not ours
+            continue
         size = len(ring) * ring.slot_bytes
         hw = ring.high_water * ring.slot_bytes
         if ring.buffer.is_host:

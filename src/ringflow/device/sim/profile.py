@@ -32,6 +32,10 @@ class SimProfile:
     event_overhead_s: float  # host time to record / query an event or wait on one
     host_copy_GBps: tuple[tuple[int, float], ...]  # (threads, GB/s) pageable -> pinned memcpy
     host_task_overhead_s: float  # scheduling cost of one host task
+    register_GBps: float  # cudaHostRegister of memory already touched
+    register_fresh_GBps: float  # cudaHostRegister of never-touched memory (it faults pages in)
+    unregister_GBps: float
+    first_touch_GBps: tuple[tuple[int, float], ...]  # (threads, GB/s) first write to fresh pages
     async_engine_count: int
     sm_count: int
     compute_capability: tuple[int, int]
@@ -46,6 +50,9 @@ class SimProfile:
     def host_copy_rate(self, threads: int) -> float:
         """GB/s of host memcpy with ``threads`` threads copying at once (all threads together)."""
         return _interp_loglog(self.host_copy_GBps, max(1, threads))
+
+    def first_touch_rate(self, threads: int) -> float:
+        return _interp_loglog(self.first_touch_GBps, max(1, threads))
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -80,6 +87,10 @@ H200_PCIE5 = SimProfile(
     event_overhead_s=1.0e-6,
     host_copy_GBps=((1, 10.0), (4, 21.0), (8, 31.4), (16, 41.1)),
     host_task_overhead_s=5.0e-6,
+    register_GBps=GiB / 34e-3 / 1e9,
+    register_fresh_GBps=GiB / 140e-3 / 1e9,
+    unregister_GBps=GiB / 21e-3 / 1e9,
+    first_touch_GBps=((1, GiB / 284e-3 / 1e9), (16, GiB / 34e-3 / 1e9)),
     async_engine_count=3,
     sm_count=132,
     compute_capability=(9, 0),
@@ -102,6 +113,10 @@ UNIT_TEST = SimProfile(
     event_overhead_s=0.0,
     host_copy_GBps=((1, 1.0), (2, 2.0), (4, 4.0), (8, 8.0), (16, 16.0)),
     host_task_overhead_s=0.0,
+    register_GBps=1.0,
+    register_fresh_GBps=0.5,
+    unregister_GBps=1.0,
+    first_touch_GBps=((1, 1.0), (16, 16.0)),
     async_engine_count=2,
     sm_count=1,
     compute_capability=(0, 0),
