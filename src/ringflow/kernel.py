@@ -43,18 +43,6 @@ import numpy as np
 __all__ = ["Kernel"]
 
 
-class _RawStream:
-    """A bare stream handle in the CUDA stream protocol, for cuda.core's ``launch``."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = int(ptr)
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.ptr)
-
-
 class Kernel:
     def __init__(self, source: str, name: str, reference: Callable[..., Any] | None = None, *,
                  block: int = 256, elementwise: bool = True, options: dict[str, Any] | None = None):
@@ -104,7 +92,7 @@ class Kernel:
 
     # -- calling -------------------------------------------------------------------------------
     def __call__(self, *args: Any, stream: Any = None) -> Any:
-        arrays = [a for a in args if not isinstance(a, np.generic)]
+        arrays = [a for a in args if not isinstance(a, (np.generic, bool, int, float, complex))]
         if not arrays:
             raise TypeError(f"kernel {self.name!r} needs at least one array argument")
         if all(isinstance(a, np.ndarray) for a in arrays):
@@ -190,20 +178,23 @@ def _c_contiguous(shape, strides, typestr: str | None = None) -> bool:
 
 def _pick_stream(stream: Any, device: int, kinds: set[str]) -> Any:
     """The stream to launch on: explicit, else the running ringflow launch's, else the framework's."""
-    if stream is not None:
-        return stream
-    from .device.cuda.arrays import current_stream
+    from cuda.core import Stream
 
+    from .device.cuda.arrays import current_stream
+    from .device.cuda.stream import CudaStream
+
+    if stream is not None:
+        return stream._cc if isinstance(stream, CudaStream) else stream  # or any __cuda_stream__ object
     rs = current_stream()
     if rs is not None and rs._device.index == device:
-        return rs
+        return rs._cc
     if "torch" in kinds:
         import torch
 
-        return _RawStream(torch.cuda.current_stream(device).cuda_stream)
+        return Stream.from_handle(torch.cuda.current_stream(device).cuda_stream)
     if "cupy" in kinds:
         import cupy
 
         with cupy.cuda.Device(device):
-            return _RawStream(cupy.cuda.get_current_stream().ptr)
+            return Stream.from_handle(cupy.cuda.get_current_stream().ptr)
     raise RuntimeError("no stream to launch on: call the kernel inside stream.launch(...) or pass stream=")

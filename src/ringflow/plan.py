@@ -166,3 +166,53 @@ def choose_host_strategy(profile: "str | SimProfile", nbytes_in: int, nbytes_out
     if out_is_fresh:
         register += nbytes_out / (p.first_touch_rate(workers) * 1e9)
     return HostStrategy("register" if register < stage else "stage", stage, register)
+
+
+# Host time the scheduler spends per chunk (enqueues, event queries, pool hand-offs) beyond the
+# profile's per-call overheads; a model parameter for choose_chunk_bytes, checked against the
+# scheduler's own measured host time per chunk in `ringflow bench` (see bench/results).
+SCHEDULER_S_PER_CHUNK = 40e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkChoice:
+    chunk_bytes: int
+    chunks: int
+    predicted_s: float
+    table: tuple  # (chunk_bytes, chunks, predicted seconds) for every candidate
+
+    def describe(self) -> str:
+        return (f"chunk {self.chunk_bytes / 2**20:g} MiB x {self.chunks}: predicted "
+                f"{self.predicted_s * 1e3:.3f} ms")
+
+
+def choose_chunk_bytes(profile: "str | SimProfile", total_bytes: int, *, compute_s_per_byte: float = 0.0,
+                       workers: int = 1, host_stages: bool = True, pinned_budget: Optional[int] = None,
+                       align: int = 1, candidates: Optional[list] = None) -> ChunkChoice:
+    """The chunk size minimising the predicted wall time of ``total_bytes``.
+
+    Small chunks copy slowly (the bandwidth-by-size curve) and pay the per-chunk host cost many
+    times; large chunks leave the pipeline's fill and drain (the first chunk traverses every
+    stage alone) a large share. Each candidate is predicted as ``ideal_total`` over its chunk
+    count plus the per-chunk scheduling cost; the planned slots must fit ``pinned_budget``.
+    ``host_stages=False`` when the copy engines read the caller's pinned memory directly.
+    """
+    if total_bytes <= 0:
+        raise ValueError("total_bytes must be positive")
+    p = get_profile(profile)
+    cands = candidates or [1 << k for k in range(16, 29)]
+    rows = []
+    for c in cands:
+        c = max(align, (min(c, total_bytes) // align) * align)
+        n = -(-total_bytes // c)
+        t = model_stage_times(p, c, compute=compute_s_per_byte * c, workers=workers)
+        if not host_stages:
+            t = dataclasses.replace(t, prepare=p.host_task_overhead_s, consume=p.host_task_overhead_s)
+        plan = plan_slots(t)
+        if pinned_budget is not None and host_stages and (plan.slots.host_in + plan.slots.host_out) * c > pinned_budget:
+            continue
+        rows.append((c, n, ideal_total(t, n) + n * SCHEDULER_S_PER_CHUNK))
+    if not rows:
+        raise ValueError(f"no chunk size fits a pinned budget of {pinned_budget} bytes; raise the budget")
+    best = min(rows, key=lambda r: (r[2], -r[0]))
+    return ChunkChoice(best[0], best[1], best[2], tuple(rows))

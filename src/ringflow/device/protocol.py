@@ -368,6 +368,13 @@ class Device(abc.ABC):
         """Block until at least one of the events / host tasks is done (or ``timeout`` seconds
         pass); returns those done. Observing one done orders the caller after it."""
 
+    def sleep(self, seconds: float) -> None:
+        """Let ``seconds`` pass on the host clock without doing host work (the sim advances its
+        virtual clock, running the device meanwhile)."""
+        import time
+
+        time.sleep(max(0.0, seconds))
+
     @abc.abstractmethod
     def live(self) -> LiveCounts:
         """Buffers, streams and events handed out and not yet released."""

@@ -326,13 +326,14 @@ class Pipeline:
 
 
 def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, device: "Device | str | None" = None,
-               chunk_bytes: Optional[int] = None, host: str = "auto", x_buffer=None, out_buffer=None,
+               chunk_bytes: "int | str | None" = None, host: str = "auto", x_buffer=None, out_buffer=None,
                **pipeline_options: Any) -> np.ndarray:
     """Apply ``f(x_chunk, y_chunk)`` on the device to ``x`` in chunks along axis 0; returns ``out``.
 
     ``x`` is any numpy array (pageable or not, contiguous or not, any dtype); ``out`` (allocated
     if None) must have the same shape and dtype and receives the result in place (``out=x`` is
     allowed). An empty ``x`` gives an empty result without touching the device.
+    ``chunk_bytes="auto"`` chooses the chunk size with :func:`ringflow.plan.choose_chunk_bytes`.
 
     ``host`` says how ordinary host memory reaches the copy engines: ``"stage"`` copies each
     chunk through the pinned ring on the CPU workers; ``"register"`` pins ``x`` and ``out`` in
@@ -355,9 +356,33 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
     elif not isinstance(out, np.ndarray) or out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out must be a numpy array of shape {x.shape} and dtype {x.dtype}, got "
                          f"{getattr(out, 'shape', None)} {getattr(out, 'dtype', type(out).__name__)}")
+    return _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer, pipeline_options)[0]
+
+
+def stream_map_report(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, **kw: Any):
+    """:func:`stream_map` with profiling on; returns ``(out, report)`` (report None if x is empty)."""
+    kw["profile"] = True
+    result = {}
+    kw["_on_pipeline"] = lambda pipe: result.setdefault("pipe", pipe)
+    out = stream_map(f, x, out, **kw)
+    pipe = result.get("pipe")
+    return out, (pipe.report() if pipe is not None else None)
+
+
+def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer, pipeline_options):
     if x.shape[0] == 0 or x.size == 0:
-        return out
+        return out, None
     row_bytes = x.nbytes // x.shape[0]
+    dev = make_device(device or "auto") if not isinstance(device, Device) else device
+    if chunk_bytes == "auto":
+        from .. import plan
+
+        sim = getattr(f, "sim_seconds", None)
+        per_byte = (sim(1 << 20) / (1 << 20)) if callable(sim) else 0.0
+        chunk_bytes = plan.choose_chunk_bytes(getattr(dev, "profile", "h200-pcie5"), x.nbytes,
+                                              compute_s_per_byte=per_byte, align=row_bytes,
+                                              workers=pipeline_options.get("workers") or _default_workers(dev),
+                                              host_stages=x_buffer is None).chunk_bytes
     slot = int(chunk_bytes) if chunk_bytes is not None else max(DEFAULT_CHUNK_BYTES, row_bytes)
     if row_bytes > slot:
         raise ValueError(f"one row of x along axis 0 is {row_bytes} bytes but chunk_bytes is {slot}; "
@@ -365,7 +390,6 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
     rows = max(1, slot // row_bytes)
     ranges = [(a, min(a + rows, x.shape[0])) for a in range(0, x.shape[0], rows)]
     tail = x.shape[1:]
-    dev = make_device(device or "auto") if not isinstance(device, Device) else device
     contiguous = x.flags.c_contiguous and out.flags.c_contiguous
     if (x_buffer is None) != (out_buffer is None):
         raise ValueError("pass both x_buffer and out_buffer (the pinned memory behind x and out), or neither")
@@ -399,6 +423,7 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
             out[a:b] = view
 
     options = dict(pipeline_options)
+    on_pipeline = options.pop("_on_pipeline", None)
     registered = []
     try:
         if strategy == "register":
@@ -414,6 +439,8 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
                       else (lambda item: 0),
                       _host_in_buffer=x_buffer if strategy != "stage" else None,
                       _host_out_buffer=out_buffer if strategy != "stage" else None, **options) as pipe:
+            if on_pipeline is not None:
+                on_pipeline(pipe)
             for _ in pipe.map(ranges):
                 pass
     finally:
@@ -421,7 +448,7 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
             from ..device.protocol import close_quietly
 
             close_quietly(buf, "registration")
-    return out
+    return out, None
 
 
 def _default_workers(dev: Device) -> int:

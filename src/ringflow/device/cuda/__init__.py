@@ -1,5 +1,8 @@
-"""The real GPU backend, on NVIDIA's cuda.core (>= 1.2) with cuda.bindings for the few calls
-cuda.core lacks (byte-range copies and fills, host registration, pool threshold, priority range).
+"""The real GPU backend, on NVIDIA's cuda.core (>= 1.2), with cuda.bindings only for calls
+cuda.core lacks: byte-range copies and fills (cuMemcpyAsync, cuMemsetD8Async), host
+registration (cuMemHostRegister/Unregister), the pool's release threshold
+(cuMemPoolSetAttribute), the stream-priority range and total memory; the doctor also uses
+cuMemcpy (synchronous pageable copies) and cuDriverGetVersion.
 
 Importing this package needs neither cuda.core nor a driver: they are imported on first use,
 and :func:`probe` says whether a GPU is usable here.

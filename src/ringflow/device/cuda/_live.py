@@ -33,7 +33,9 @@ class LiveRegistry:
             self._counts[kind] += 1
             if closeable:
                 self._open.add(obj)
-        return weakref.finalize(obj, self._release, kind, cleanup)
+        fin = weakref.finalize(obj, self._release, kind, cleanup)
+        fin.atexit = False  # at interpreter exit the process (and its CUDA context) goes anyway
+        return fin
 
     def forget(self, obj: Any) -> None:
         with self._lock:

@@ -158,9 +158,16 @@ def _pageable(dev: CudaDevice, s: CudaStream, d: Any, big: int, rng: np.random.G
 
     h2d = wall(lambda: raw_copy(s, d.ptr, src.ctypes.data, big))
     d2h = wall(lambda: raw_copy(s, dst.ctypes.data, d.ptr, big))
-    out = {"h2d": summary(h2d, big), "d2h": summary(d2h, big), "bit_exact": bool(np.array_equal(src, dst)),
-           "method": "host clock around cuMemcpyAsync + stream sync (the host stages pageable memory)"}
-    return out
+    exact = bool(np.array_equal(src, dst))
+    # The synchronous cuMemcpy (legacy default stream), as torch's .cuda()/.cpu() and cudaMemcpy use.
+    dst.fill(1.0)
+    h2d_sync = wall(lambda: check(driver().cuMemcpy(d.ptr, src.ctypes.data, big), "cuMemcpy"))
+    d2h_sync = wall(lambda: check(driver().cuMemcpy(dst.ctypes.data, d.ptr, big), "cuMemcpy"))
+    exact = exact and bool(np.array_equal(src, dst))
+    return {"h2d": summary(h2d, big), "d2h": summary(d2h, big),
+            "h2d_sync": summary(h2d_sync, big), "d2h_sync": summary(d2h_sync, big), "bit_exact": exact,
+            "method": "host clock around the copy + stream sync (the host stages pageable memory); "
+                      "h2d/d2h: cuMemcpyAsync on a non-blocking stream; *_sync: synchronous cuMemcpy"}
 
 
 def _by_size(s: CudaStream, h_src: Any, h_dst: Any, d: Any, big: int) -> tuple[list, list]:

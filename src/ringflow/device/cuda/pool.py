@@ -9,15 +9,29 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import time
 from typing import Any, Callable
 
 from ..protocol import HostTask, WorkerPool
 
 
 class CudaHostTask(HostTask):
-    def __init__(self, future: cf.Future, name: str):
-        self._future = future
+    def __init__(self, name: str):
+        self._future: cf.Future | None = None
         self._name = name
+        self._start: float | None = None
+        self._end: float | None = None
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        self._start = time.perf_counter()  # the device's host clock (CudaDevice.now)
+        try:
+            return fn(*args)
+        finally:
+            self._end = time.perf_counter()
+
+    @property
+    def span(self) -> "tuple[float, float | None] | None":
+        return None if self._start is None else (self._start, self._end)
 
     @property
     def is_done(self) -> bool:
@@ -50,11 +64,12 @@ class ThreadWorkerPool(WorkerPool):
         """Run ``fn(*args)`` on a worker thread; ``nbytes``/``sim_seconds`` only matter on the sim."""
         if not callable(fn):
             raise TypeError(f"submit needs a callable, got {type(fn).__name__}")
+        task = CudaHostTask(getattr(fn, "__qualname__", type(fn).__name__))
         with self._lock:
             if self._closed:
                 raise RuntimeError("this worker pool is closed; create a new one with device.create_worker_pool()")
-            fut = self._executor.submit(fn, *args)
-        return CudaHostTask(fut, getattr(fn, "__qualname__", type(fn).__name__))
+            task._future = self._executor.submit(task._run, fn, args)
+        return task
 
     def close(self) -> None:
         """Wait for submitted tasks, then stop the threads. Harmless twice."""

@@ -155,6 +155,13 @@ class SimDevice(Device):
                 self._checker_merge(w._snapshot if isinstance(w, SimEvent) else w._end_clock)
             return done
 
+    def sleep(self, seconds: float) -> None:
+        with self._lock:
+            if self._in_engine:
+                raise RuntimeError("a host task on the simulated GPU must not sleep; use charge(seconds)")
+            self._check_usable()
+            self._run_engine(self._engine.now + max(0.0, seconds))
+
     def live(self) -> LiveCounts:
         return LiveCounts(**self._live)
 

@@ -1,0 +1,1 @@
+"""Named workloads, baselines and the runner behind `ringflow bench` and `ringflow demo`."""

@@ -1,0 +1,122 @@
+"""``ringflow bench``: run named workloads, print a table, write JSON (and a trace and PNG)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from typing import Any
+
+import numpy as np
+
+import ringflow as rf
+
+from .workloads import WORKLOADS, run_workload
+
+
+def environment(dev) -> dict[str, Any]:
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": dev.name, "backend": dev.backend, "python": platform.python_version(),
+           "numpy": np.__version__, "ringflow": rf.__version__, "command": " ".join(sys.argv),
+           "host_cpus": os.cpu_count()}
+    if dev.backend == "cuda":
+        try:
+            from ..doctor import versions
+
+            env["versions"] = versions()
+        except Exception as exc:  # noqa: BLE001 - versions are informative only
+            env["versions"] = {"error": repr(exc)}
+    return env
+
+
+def run_bench(device: str = "auto", workloads=WORKLOADS, *, quick: bool = False, out_dir: str | None = None,
+              trace: str | None = None, plot: str | None = None, console=None) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = console or Console()
+    dev = rf.device(device)
+    result: dict[str, Any] = {"environment": environment(dev), "workloads": {}}
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=True) as progress:
+        task = progress.add_task("starting", total=None)
+
+        def say(text: str) -> None:
+            progress.update(task, description=text)
+
+        for name in workloads:
+            say(name)
+            try:
+                result["workloads"][name] = run_workload(dev, name, quick=quick, progress=say)
+            except Exception as exc:  # noqa: BLE001 - one failed workload must not hide the others
+                result["workloads"][name] = {"workload": name, "error": f"{type(exc).__name__}: {exc}"}
+        if trace or plot:
+            say("profiled trace of the seed shape")
+            _trace_run(dev, trace, plot, quick)
+    for name, res in result["workloads"].items():
+        console.print(table(res))
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%S")
+        path = os.path.join(out_dir, f"bench-{dev.backend}-{stamp}.json")
+        with open(path, "w") as fh:
+            json.dump(result, fh, indent=1, default=_jsonable)
+        console.print(f"wrote {path}")
+        result["path"] = path
+    dev.close()
+    return result
+
+
+def _trace_run(dev, trace, plot, quick) -> None:
+    from . import kernels
+    from .measure import fresh_random
+    from ..pipeline.api import stream_map_report
+
+    x = fresh_random((8 if quick else 64) * (1 << 20) // 4, seed=5)
+    _, rep = stream_map_report(kernels.affine(64), x, device=dev, chunk_bytes=(1 << 20) * (1 if quick else 4))
+    if trace:
+        rep.save_trace(trace)
+    if plot:
+        rep.plot(plot)
+
+
+def _jsonable(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    return str(o)
+
+
+def table(res: dict[str, Any]):
+    from rich.table import Table
+
+    title = res.get("workload", "?")
+    for key in ("ideal_ms", "efficiency", "ringflow_ms"):
+        if key in res and isinstance(res[key], float):
+            title += f"  {key}={res[key]:.3f}"
+    t = Table(title=title)
+    t.add_column("run")
+    t.add_column("median ms", justify="right")
+    t.add_column("p10..p90 ms", justify="right")
+    t.add_column("ok")
+    t.add_column("notes")
+    if "error" in res:
+        t.add_row("error", "", "", "", res["error"])
+        return t
+    for row in res.get("rows", []):
+        if "skipped" in row:
+            t.add_row(row["name"], "-", "-", "-", "skipped: " + row["skipped"][:70])
+            continue
+        med = row.get("ms_median")
+        notes = []
+        for k in ("efficiency", "ideal_ms", "p50_ms", "p99_ms", "p99_over_isolated", "bottleneck"):
+            if k in row:
+                v = row[k]
+                notes.append(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}")
+        t.add_row(row["name"], f"{med:.3f}" if med is not None else "-",
+                  f"{row['ms_p10']:.3f}..{row['ms_p90']:.3f}" if "ms_p10" in row else "-",
+                  {True: "yes", False: "NO"}.get(row.get("correct"), "-"), " ".join(notes))
+    return t

@@ -1,0 +1,322 @@
+"""The named workloads of ``ringflow bench``; each returns a JSON-ready dict of rows.
+
+Every workload runs ringflow and its baselines side by side in one process, on fresh random
+data, checks every output against numpy, and reports the ideal bound computed from the
+stage times measured in the same run (a profiled ringflow run, whose copies run at the
+concurrent H2D/D2H rate). Baselines that need a GPU framework (torch, CuPy, nvcc) are skipped
+with the reason on the simulated GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+import ringflow as rf
+
+from .. import plan
+from ..device.protocol import Device
+from ..pipeline.api import stream_map_report
+from . import kernels
+from .measure import Timing, fresh_random, time_calls
+
+MiB = 1 << 20
+Row = dict[str, Any]
+
+
+def _row(name: str, timing: Timing | None = None, **extra: Any) -> Row:
+    row = {"name": name}
+    if timing is not None:
+        row.update(timing.as_dict())
+    row.update(extra)
+    return row
+
+
+def _skip(name: str, reason: str) -> Row:
+    return {"name": name, "skipped": reason}
+
+
+def _baseline(name: str, call: Callable[[], Row]) -> Row:
+    """Run a baseline from :mod:`.baselines`; any failure to run becomes a skipped row."""
+    try:
+        row = call()
+    except Exception as exc:  # noqa: BLE001 - a missing framework or nvcc is not our failure
+        return _skip(name, f"{type(exc).__name__}: {exc}")
+    row = dict(row)
+    row["name"] = name
+    return row
+
+
+# -- the ringflow runs ---------------------------------------------------------------------------
+def serial_protocol_baseline(dev: Device, f, x: np.ndarray, expected: np.ndarray, repeats: int) -> Row:
+    """Copy everything in, compute once, copy everything out: one stream, no overlap."""
+    n = x.nbytes
+    hin = dev.allocate_host(n)
+    hout = dev.allocate_host(n)
+    din, dout = dev.allocate(n), dev.allocate(n)
+    s = dev.create_stream()
+    hin.view(x.dtype, access="w")[:] = x.reshape(-1)
+    sim = getattr(f, "sim_seconds", None)
+
+    def once():
+        s.copy(din, hin)
+        s.launch(f, din.array(x.dtype, x.shape), dout.array(x.dtype, x.shape), reads=[din], writes=[dout],
+                 sim_seconds=sim(n) if callable(sim) else None)
+        s.copy(hout, dout)
+        s.sync()
+
+    try:
+        timing = time_calls(lambda: dev.now, once, warmup=1, repeats=repeats)
+        got = hout.view(x.dtype, access="r").reshape(x.shape)
+        ok = bool(np.allclose(got, expected, rtol=1e-5, atol=1e-6))
+    finally:
+        for b in (din, dout):
+            b.close()
+        for b in (hin, hout):
+            b.close()
+        s.close()
+    return _row("serial copy-compute-copy (pinned, one stream)", timing, correct=ok,
+                note="pinned buffers prepared outside the timed region")
+
+
+def _gpu_only(dev: Device) -> str | None:
+    return None if dev.backend == "cuda" else "needs a CUDA GPU (this run is on the simulated GPU)"
+
+
+# -- seed, balanced, compute-bound ----------------------------------------------------------------
+def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repeats: int,
+                   chunk_counts=(8, 16, 32, 64), progress=None) -> dict[str, Any]:
+    """The tutorial's shape: float32 in pinned host memory, processed in place, ``iters``
+    iterations of ``v*0.999+0.001`` per element. ringflow runs at its chosen chunk size and at
+    each of ``chunk_counts``; baselines: serial, the hand-written CUDA C++ pipeline."""
+    n = size_bytes // 4
+    f = kernels.affine(iters)
+    hb = dev.allocate_host(n * 4)
+    rows: list[Row] = []
+    try:
+        x = hb.view(np.float32, access="rw")
+        x0 = fresh_random(n, seed=1)
+        expected = kernels.affine_expected(x0, iters)
+
+        def refill():
+            hb.view(np.float32, access="w")[:] = x0
+
+        def run(chunk_bytes):
+            return rf.stream_map(f, x, x, device=dev, chunk_bytes=chunk_bytes, x_buffer=hb, out_buffer=hb,
+                                 inplace=True)
+
+        auto = plan.choose_chunk_bytes(getattr(dev, "profile", "h200-pcie5"), n * 4, host_stages=False,
+                                       compute_s_per_byte=f.sim_seconds(MiB) / MiB, align=4)
+        sizes = sorted({auto.chunk_bytes} | {n * 4 // c for c in chunk_counts})
+        results = {}
+        for cb in sizes:
+            if progress:
+                progress(f"{name}: ringflow, {n * 4 // cb} chunks")
+            refill()
+            run(cb)
+            ok = bool(np.allclose(hb.view(np.float32, access="r"), expected, rtol=1e-5, atol=1e-6))
+            timing = time_calls(lambda: dev.now, lambda: run(cb), warmup=1, repeats=repeats, before=refill)
+            refill()
+            _, rep = stream_map_report(f, x, x, device=dev, chunk_bytes=cb, x_buffer=hb, out_buffer=hb, inplace=True)
+            results[cb] = (timing, ok, rep)
+            rows.append(_row(f"ringflow {n * 4 // cb} chunks of {cb / MiB:g} MiB" + (" (auto)" if cb == auto.chunk_bytes else ""),
+                             timing, correct=ok, chunk_bytes=cb, chunks=-(-n * 4 // cb), ideal_ms=rep.ideal_s * 1e3,
+                             efficiency=rep.ideal_s * 1e3 / timing.median_ms,
+                             host_us_per_chunk=rep.host_overhead_per_chunk_s * 1e6,
+                             stage_ms={k: v * 1e3 for k, v in rep.stage_median_s.items()},
+                             bottleneck=rep.bottleneck, predicted_ms=_predict(dev, n * 4, cb, f)))
+        if progress:
+            progress(f"{name}: serial baseline")
+        rows.append(serial_protocol_baseline(dev, f, x0, expected, repeats))
+        reason = _gpu_only(dev)
+        if reason:
+            rows.append(_skip("hand-written CUDA C++ pipeline", reason))
+        else:
+            from . import baselines
+
+            if progress:
+                progress(f"{name}: CUDA C++ baseline")
+            rows.append(_baseline("hand-written CUDA C++ pipeline",
+                                  lambda: baselines.cuda_cpp_pipeline(n, chunks=list(chunk_counts), streams=4,
+                                                                      iters=iters)))
+    finally:
+        hb.close()
+    best_cb = min(results, key=lambda cb: results[cb][0].median_ms)
+    auto_t, _, auto_rep = results[auto.chunk_bytes]
+    min_eff_chunk = min((cb for cb in results if results[cb][2].ideal_s * 1e3 / results[cb][0].median_ms >= 0.9),
+                        default=None)
+    return {"workload": name, "size_bytes": n * 4, "iters": iters, "rows": rows,
+            "auto_chunk_bytes": auto.chunk_bytes, "auto_prediction": auto.describe(),
+            "ringflow_ms": auto_t.median_ms, "ideal_ms": auto_rep.ideal_s * 1e3,
+            "efficiency": auto_rep.ideal_s * 1e3 / auto_t.median_ms, "best_chunk_bytes": best_cb,
+            "smallest_chunk_with_efficiency_0.9": min_eff_chunk}
+
+
+def _predict(dev: Device, total: int, chunk: int, f) -> float:
+    prof = getattr(dev, "profile", "h200-pcie5")
+    t = plan.model_stage_times(prof, chunk, compute=f.sim_seconds(chunk))
+    p = plan.get_profile(prof)
+    t = plan.StageTimes(**{**t.__dict__, "prepare": p.host_task_overhead_s, "consume": p.host_task_overhead_s})
+    return plan.ideal_total(t, -(-total // chunk)) * 1e3
+
+
+def calibrate_iters(dev: Device, chunk_bytes: int, ratio: float) -> int:
+    """Iterations that make the kernel ``ratio`` times as long as one chunk's H2D copy."""
+    prof = getattr(dev, "profile", None)
+    if prof is not None:  # sim: from the kernel model
+        copy = plan.model_stage_times(prof, chunk_bytes).h2d
+        per_iter = kernels._ITER_S_PER_BYTE * chunk_bytes
+        return max(1, round((ratio * copy - 2 * chunk_bytes / kernels._DEVICE_BPS) / per_iter))
+    from .gpu_calibrate import kernel_and_copy_ms
+
+    k1, k65, copy = kernel_and_copy_ms(dev, chunk_bytes)
+    per_iter = max(1e-6, (k65 - k1) / 64)
+    return max(1, round((ratio * copy - k1) / per_iter))
+
+
+# -- pageable -----------------------------------------------------------------------------------------
+def pageable(dev: Device, *, size_bytes: int, repeats: int, progress=None) -> dict[str, Any]:
+    """A fresh ordinary numpy array in, a new array out, ``y = 2x + 1``, end to end."""
+    n = size_bytes // 4
+    f = kernels.scale_shift()
+    rows: list[Row] = []
+    x = fresh_random(n, seed=2)
+    expected = x * np.float32(2) + np.float32(1)
+    results = {}
+    for host in ("stage", "register", "auto"):
+        if progress:
+            progress(f"pageable: ringflow host={host}")
+        y = rf.stream_map(f, x, device=dev, chunk_bytes="auto", host=host)
+        ok = bool(np.array_equal(y, expected))
+        del y
+        timing = time_calls(lambda: dev.now, lambda: rf.stream_map(f, x, device=dev, chunk_bytes="auto", host=host),
+                            warmup=0, repeats=repeats)
+        results[host] = timing
+        rows.append(_row(f"ringflow stream_map host={host}", timing, correct=ok))
+    choice = plan.choose_host_strategy(getattr(dev, "profile", "h200-pcie5"), x.nbytes, x.nbytes,
+                                       workers=_workers(dev), out_is_fresh=True)
+    reason = _gpu_only(dev)
+    floors: dict[str, Any] = {}
+    if reason:
+        for b in ("torch naive .cuda()/.cpu()", "hand-written torch 3-stream pipeline"):
+            rows.append(_skip(b, reason))
+        p = plan.get_profile(dev.profile)
+        floors["link_ms"] = 1e3 * 2 * x.nbytes / (p.duplex_GBps * 1e9)
+    else:
+        from . import baselines
+
+        if progress:
+            progress("pageable: torch baselines")
+        rows.append(_baseline("torch naive .cuda()/.cpu()", lambda: baselines.torch_naive(x, "scale_shift")))
+        rows.append(_baseline("hand-written torch 3-stream pipeline",
+                              lambda: baselines.torch_streams_pipeline(x, "scale_shift")))
+        if progress:
+            progress("pageable: floors")
+        try:
+            floors.update(baselines.link_floor(x.nbytes, x.nbytes))
+            floors.update(baselines.host_floor(x.nbytes))
+        except Exception as exc:  # noqa: BLE001
+            floors["error"] = f"{type(exc).__name__}: {exc}"
+    return {"workload": "pageable", "size_bytes": x.nbytes, "rows": rows, "floors": floors,
+            "host_strategy_rule": choice.describe(),
+            "ringflow_ms": min(t.median_ms for t in results.values())}
+
+
+def _workers(dev: Device) -> int:
+    from ..pipeline.api import _default_workers
+
+    return _default_workers(dev)
+
+
+# -- requests -----------------------------------------------------------------------------------------
+def requests(dev: Device, *, loads=(0.5, 0.8, 0.95), count: int = 200, slot_bytes: int = 8 * MiB,
+             progress=None) -> dict[str, Any]:
+    """Lognormal request sizes (median 1 MiB, capped at a slot), open-loop Poisson arrivals at
+    fractions of the measured capacity; latency p50/p99 against the isolated single-request
+    latency, and the rings' high-water marks (memory stays bounded)."""
+    rng = np.random.default_rng(3)
+    sizes = np.minimum(slot_bytes // 4, np.maximum(1024, rng.lognormal(np.log(MiB // 4), 1.0, count).astype(int)))
+    items = [fresh_random(int(s), seed=i) for i, s in enumerate(sizes)]
+    f = kernels.scale_shift()
+
+    def make():
+        return rf.Pipeline(f, device=dev, chunk_bytes=slot_bytes, profile=True)
+
+    # isolated: one request at a time
+    if progress:
+        progress("requests: isolated latency")
+    with make() as pipe:
+        iso = []
+        for it in items[:30]:
+            t0 = dev.now
+            pipe.submit(it).result()
+            iso.append(dev.now - t0)
+    isolated = float(np.median(iso))
+    # capacity: closed loop, as fast as admission allows
+    if progress:
+        progress("requests: capacity")
+    with make() as pipe:
+        t0 = dev.now
+        futs = [pipe.submit(it) for it in items]
+        for fu in futs:
+            fu.result()
+        capacity = count / (dev.now - t0)
+    levels = []
+    for load in loads:
+        if progress:
+            progress(f"requests: {int(load * 100)}% load")
+        rate = load * capacity
+        gaps = rng.exponential(1.0 / rate, count)
+        with make() as pipe:
+            s = pipe.scheduler
+            start = dev.now
+            arrival = start
+            lat, futs = [], []
+            for it, gap in zip(items, gaps):
+                arrival += gap
+                while dev.now < arrival:
+                    if not s.step():
+                        fences = s.pending_fences()
+                        if fences:
+                            dev.wait_any(fences, timeout=arrival - dev.now)
+                        else:
+                            dev.sleep(arrival - dev.now)
+                futs.append((dev.now, pipe.submit(it)))
+            for t_sub, fu in futs:
+                fu.result()
+            rep = pipe.report()
+            ok = all(np.array_equal(fu.result(), it * np.float32(2) + np.float32(1))
+                     for (t, fu), it in zip(futs, items))
+            lat = sorted(r.latency for r in rep.timeline.records)
+            levels.append({"load": load, "offered_per_s": rate, "p50_ms": 1e3 * float(np.percentile(lat, 50)),
+                           "p99_ms": 1e3 * float(np.percentile(lat, 99)), "correct": ok,
+                           "p99_over_isolated": float(np.percentile(lat, 99)) / isolated,
+                           "pinned_high_water_MiB": rep.memory["pinned high-water"] / MiB,
+                           "pinned_allocated_MiB": rep.memory["pinned allocated"] / MiB})
+    return {"workload": "requests", "count": count, "isolated_ms": isolated * 1e3,
+            "capacity_per_s": capacity, "levels": levels,
+            "rows": [{"name": f"ringflow at {int(lv['load'] * 100)}% load", **lv} for lv in levels]}
+
+
+WORKLOADS = ("seed", "balanced", "compute-bound", "pageable", "requests")
+
+
+def run_workload(dev: Device, name: str, *, quick: bool = False, progress=None) -> dict[str, Any]:
+    sim = dev.backend == "sim"
+    repeats = 3 if (quick or sim) else 7
+    if name == "seed":
+        size = (16 if quick else 64 if sim else 256) * MiB
+        return inplace_pinned(dev, name="seed", size_bytes=size, iters=64, repeats=repeats, progress=progress)
+    if name in ("balanced", "compute-bound"):
+        size = (16 if quick else 64 if sim else 256) * MiB
+        iters = calibrate_iters(dev, size // 32, 1.0 if name == "balanced" else 3.0)
+        return inplace_pinned(dev, name=name, size_bytes=size, iters=iters, repeats=repeats, progress=progress,
+                              chunk_counts=(16, 32))
+    if name == "pageable":
+        size = (16 if quick else 64 if sim else 1024) * MiB
+        return pageable(dev, size_bytes=size, repeats=repeats, progress=progress)
+    if name == "requests":
+        return requests(dev, count=60 if (quick or sim) else 300, progress=progress)
+    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")

@@ -1,0 +1,178 @@
+"""GPU: buffers, fills, copies in every direction, bad input, leak accounting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow.device.cuda import CudaDevice
+
+pytestmark = pytest.mark.gpu
+
+
+def test_factory_gives_the_cuda_backend():
+    with rf.device("cuda:0") as dev:
+        assert dev.backend == "cuda"
+        caps = dev.capabilities
+        assert caps.backend == "cuda" and caps.sm_count > 0 and caps.total_memory > 0
+        assert caps.async_engine_count >= 1
+        least, greatest = caps.stream_priorities
+        assert greatest <= least
+        assert caps.unified_addressing
+        t0 = dev.now
+        assert dev.now >= t0
+
+
+def test_copies_in_every_direction_bit_exact(cuda_device):
+    dev = cuda_device
+    n = 3 * (1 << 20) + 7  # not a round size
+    rng = np.random.default_rng(5)
+    s = dev.create_stream()
+    h1, h2, h3 = dev.allocate_host(n), dev.allocate_host(n), dev.allocate_host(n)
+    d1, d2 = dev.allocate(n, stream=s), dev.allocate(n, stream=s)
+    data = rng.integers(0, 256, n, dtype=np.uint8)
+    h1.view()[:] = data
+    h2.view().fill(0)
+    h3.view().fill(0)
+    s.copy(d1, h1)          # H2D
+    s.copy(d2, d1)          # D2D
+    s.copy(h2, d2)          # D2H
+    s.copy(h3, h1)          # H2H (pinned to pinned)
+    s.sync()
+    np.testing.assert_array_equal(h2.view(), data)
+    np.testing.assert_array_equal(h3.view(), data)
+    # byte ranges: copy the middle of d1 to the start of h2
+    h2.view().fill(0)
+    s.copy(h2.slice(0, 1000), d1.slice(12345, 1000))
+    s.sync()
+    np.testing.assert_array_equal(h2.view(count=1000), data[12345:13345])
+    assert not h2.view()[1000:].any()
+    for b in (d1, d2):
+        b.close(stream=s)
+    s.close()
+    for b in (h1, h2, h3):
+        b.close()
+    assert dev.live().total == 0, dev.live()
+
+
+def test_fill_device_and_pinned_host(cuda_device):
+    dev = cuda_device
+    s = dev.create_stream()
+    n = 1 << 16
+    d, h = dev.allocate(n, stream=s), dev.allocate_host(n)
+    s.fill(d, 0x5A)
+    s.fill(d.slice(100, 50), 7)
+    s.copy(h, d)
+    s.sync()
+    expect = np.full(n, 0x5A, np.uint8)
+    expect[100:150] = 7
+    np.testing.assert_array_equal(h.view(), expect)
+    s.fill(h, 0x33)  # memset straight into pinned host memory
+    s.sync()
+    assert (h.view() == 0x33).all()
+    with pytest.raises(ValueError, match="byte"):
+        s.fill(d, 256)
+    d.close()
+    h.close()
+    s.close()
+
+
+def test_bad_input_is_refused(cuda_device):
+    dev = cuda_device
+    s = dev.create_stream()
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="positive"):
+            dev.allocate(bad, stream=s)
+        with pytest.raises(ValueError, match="positive"):
+            dev.allocate_host(bad)
+    with pytest.raises(TypeError):
+        dev.allocate(1.5)
+    small, big = dev.allocate(100, stream=s), dev.allocate_host(1000)
+    with pytest.raises(ValueError, match="does not fit"):
+        s.copy(small, big, 200)
+    with pytest.raises(ValueError, match="does not fit"):
+        s.copy(big, small, 101)
+    with pytest.raises(ValueError):
+        small.slice(50, 51)
+    with pytest.raises(ValueError, match="device memory"):
+        s.launch(lambda x: None, big.array(np.uint8, 10))
+    with pytest.raises(TypeError, match="typed arrays"):
+        s.launch(lambda x: None, small)
+    with pytest.raises(ValueError):
+        dev.register_host(np.zeros((8, 8))[:, ::2])
+    with pytest.raises(TypeError):
+        dev.register_host([1, 2, 3])
+    with pytest.raises(ValueError):
+        dev.register_host(np.zeros(0))
+    with pytest.raises(ValueError, match="priority"):
+        dev.create_stream(priority=dev.capabilities.stream_priorities[0] + 1)
+    small.close(stream=s)
+    small.close()  # twice: harmless
+    with pytest.raises(RuntimeError, match="closed"):
+        s.copy(small, big, 10)
+    with pytest.raises(RuntimeError, match="closed"):
+        small.array(np.uint8, 10)
+    big.close()
+    s.close()
+    s.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        s.record()
+    with pytest.raises(RuntimeError, match="closed"):
+        dev.allocate(10, stream=s)
+    other = CudaDevice(0)
+    try:
+        s2, foreign = dev.create_stream(), other.allocate_host(64)
+        mine = dev.allocate_host(64)
+        with pytest.raises(ValueError, match="does not belong"):
+            s2.copy(mine, foreign)
+        mine.close()
+        s2.close()
+    finally:
+        other.close()
+    assert other.live().total == 0
+
+
+def test_pinned_view_outlives_close(cuda_device):
+    h = cuda_device.allocate_host(1 << 20)
+    v = h.view(np.float32)
+    h.close()
+    assert cuda_device.live().host_buffers == 0
+    v[:] = 1.5  # the memory is still alive: the view holds it
+    assert float(v.sum()) == 1.5 * v.size
+    with pytest.raises(RuntimeError, match="closed"):
+        h.view()
+
+
+def test_registered_buffer_unregisters_on_close(cuda_device):
+    dev = cuda_device
+    a = np.arange(1 << 18, dtype=np.float64)
+    h = dev.register_host(a)
+    h.close()
+    h2 = dev.register_host(a)  # registering again works only if close unregistered it
+    assert h2.view(np.float64)[5] == 5.0
+    h2.close()
+    ro = np.arange(1024, dtype=np.uint8)
+    ro.flags.writeable = False
+    h3 = dev.register_host(ro)
+    assert not h3.view(access="rw").flags.writeable
+    h3.close()
+
+
+def test_device_close_releases_leftovers():
+    dev = CudaDevice(0)
+    s = dev.create_stream()
+    kept = [dev.allocate(1 << 20, stream=s), dev.allocate(1 << 20)]  # noqa: F841 - held, never closed
+    h = dev.allocate_host(1 << 20)
+    e = s.record()
+    assert dev.live().total == 5
+    dev.close()
+    assert dev.live() == type(dev.live())(0, 0, 0, 1)  # the event we still hold
+    del e
+    assert dev.live().total == 0
+    assert all(b.closed for b in kept)
+    dev.close()  # twice: harmless
+    with pytest.raises(RuntimeError, match="closed"):
+        dev.allocate(10)
+    with pytest.raises(RuntimeError, match="closed"):
+        h.view()

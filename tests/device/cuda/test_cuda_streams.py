@@ -1,0 +1,154 @@
+"""GPU: priorities, timing events, wait_any, worker pools, errors from launches."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from ringflow.device.cuda.measure import Spin
+
+pytestmark = pytest.mark.gpu
+
+
+def test_priorities(cuda_device):
+    least, greatest = cuda_device.capabilities.stream_priorities
+    lo, hi = cuda_device.create_stream(priority=least), cuda_device.create_stream(priority=greatest)
+    assert (lo.priority, hi.priority) == (least, greatest)
+    with pytest.raises(ValueError):
+        cuda_device.create_stream(priority=greatest - 1)
+    lo.close()
+    hi.close()
+
+
+def test_timing_events_measure_a_kernel(cuda_device):
+    dev = cuda_device
+    s = dev.create_stream()
+    spin = Spin(dev)
+    e0 = s.record(timing=True)
+    spin(s, 2e-3)
+    e1 = s.record(timing=True)
+    plain = s.record()
+    assert plain.timing is False
+    e1.sync()
+    assert 1.9e-3 <= e1.elapsed_since(e0) < 50e-3
+    with pytest.raises(ValueError, match="timing"):
+        plain.elapsed_since(e0)
+    spin.close()
+    s.close()
+
+
+def test_ordering_across_streams_with_wait(cuda_device):
+    """A copy on s2 that waits for a slow kernel-then-fill on s1 sees the fill's bytes."""
+    dev = cuda_device
+    s1, s2 = dev.create_stream(), dev.create_stream()
+    spin = Spin(dev)
+    d, h = dev.allocate(1 << 20, stream=s1), dev.allocate_host(1 << 20)
+    s1.fill(d, 1)
+    spin(s1, 20e-3)
+    s1.fill(d, 2)
+    s2.wait(s1.record())
+    s2.copy(h, d)
+    s2.sync()
+    assert (h.view() == 2).all()
+    d.close(stream=s1)
+    spin.close()
+    h.close()
+    s1.close()
+    s2.close()
+
+
+def test_wait_any_events_and_host_tasks(cuda_device):
+    dev = cuda_device
+    s = dev.create_stream()
+    spin = Spin(dev)
+    spin(s, 0.2)
+    slow = s.record()
+    with dev.create_worker_pool(2) as pool:
+        task = pool.submit(time.sleep, 0.01)
+        t0 = time.perf_counter()
+        done = dev.wait_any([slow, task])
+        assert done == [task] and time.perf_counter() - t0 < 0.15
+        assert task.result() is None
+        assert dev.wait_any([slow], timeout=0) == []
+        t0 = time.perf_counter()
+        assert dev.wait_any([slow], timeout=0.01) == []
+        assert time.perf_counter() - t0 < 0.1
+        assert dev.wait_any([slow]) == [slow]
+        assert slow.is_done and slow.error is None
+        failing = pool.submit(lambda: 1 / 0)
+        failing.sync()
+        with pytest.raises(ZeroDivisionError):
+            failing.result()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit(print)
+    with pytest.raises(ValueError):
+        dev.wait_any([])
+    spin.close()
+    s.close()
+
+
+def test_launch_error_propagates_unchanged(cuda_device):
+    dev = cuda_device
+    s = dev.create_stream()
+    d = dev.allocate(64, stream=s)
+    boom = ValueError("user compute failed")
+
+    def fn(x):
+        raise boom
+
+    with pytest.raises(ValueError) as info:
+        s.launch(fn, d.array(np.float32, 16))
+    assert info.value is boom
+    s.record().sync()  # the stream is still usable
+    d.close(stream=s)
+    s.close()
+
+
+def test_live_counts_follow_close(cuda_device):
+    dev = cuda_device
+    s = dev.create_stream()
+    events = [s.record() for _ in range(10)]
+    bufs = [dev.allocate(1024, stream=s) for _ in range(3)] + [dev.allocate_host(1024)]
+    live = dev.live()
+    assert (live.streams, live.events, live.device_buffers, live.host_buffers) == (1, 10, 3, 1)
+    events[0].close()
+    events[0].close()
+    assert dev.live().events == 9
+    del events
+    for b in bufs:
+        b.close()
+    s.close()
+    assert dev.live().total == 0, dev.live()
+
+
+STICKY = textwrap.dedent(r'''
+    import numpy as np, ringflow as rf
+    from ringflow.errors import DeviceError
+    from ringflow.kernel import Kernel
+    bad = Kernel(r"""extern "C" __global__ void bad(const unsigned* x, unsigned* y, size_t n) {
+        unsigned* p = (unsigned*)0x10; p[threadIdx.x] = 1u; }""", "bad")
+    dev = rf.device("cuda:0", array="dlpack")
+    s = dev.create_stream()
+    buf = dev.allocate(1024, stream=s)
+    s.launch(bad, buf.array(np.uint32, 256), buf.array(np.uint32, 256))
+    e = s.record()
+    try:
+        e.sync()
+        print("NO ERROR")
+    except DeviceError as exc:
+        print("STICKY", exc.sticky, "|", exc)
+    print("DONE", e.is_done, type(e.error).__name__)
+''')
+
+
+def test_sticky_error_becomes_device_error():
+    """An illegal address breaks the context: run it in a child process, not this one."""
+    out = subprocess.run([sys.executable, "-c", STICKY], capture_output=True, text=True, timeout=120)
+    assert "STICKY True" in out.stdout, out.stdout + out.stderr
+    assert "context is broken" in out.stdout
+    assert "DONE True DeviceError" in out.stdout

@@ -1,0 +1,141 @@
+"""rf.Kernel: the numpy reference on the simulated GPU, NVRTC on a real one."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow.kernel import Kernel
+
+SAXPY = r"""
+extern "C" __global__ void saxpy(const float* x, float* y, float a, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        y[i] = a * x[i] + y[i];
+}
+"""
+
+
+def saxpy_ref(x, y, a):
+    y += a * x
+
+
+def make_saxpy(**kw):
+    return Kernel(SAXPY, "saxpy", reference=saxpy_ref, **kw)
+
+
+def test_reference_runs_on_numpy_arrays():
+    k = make_saxpy()
+    x, y = np.arange(10, dtype=np.float32), np.ones(10, np.float32)
+    k(x, y, np.float32(2))
+    np.testing.assert_array_equal(y, 1 + 2 * np.arange(10, dtype=np.float32))
+    assert k.__name__ == "saxpy" and "saxpy" in repr(k)
+
+
+def test_bad_construction_and_calls():
+    with pytest.raises(ValueError):
+        Kernel("", "k")
+    with pytest.raises(ValueError):
+        Kernel(SAXPY, "")
+    with pytest.raises(ValueError):
+        Kernel(SAXPY, "saxpy", block=0)
+    with pytest.raises(TypeError):
+        Kernel(SAXPY, "saxpy", reference=3)
+    no_ref = Kernel(SAXPY, "saxpy")
+    with pytest.raises(TypeError, match="reference"):
+        no_ref(np.zeros(3, np.float32), np.zeros(3, np.float32))
+    with pytest.raises(TypeError, match="at least one array"):
+        make_saxpy()(np.float32(1))
+
+
+def test_kernel_as_compute_on_the_simulated_gpu():
+    """stream.launch(kernel, x_arg, y_arg, scalar) runs the reference on sim."""
+    dev = rf.device("sim")
+    n = 1000
+    s = dev.create_stream()
+    hx, hy = dev.allocate_host(4 * n), dev.allocate_host(4 * n)
+    dx, dy = dev.allocate(4 * n, stream=s), dev.allocate(4 * n, stream=s)
+    x = np.random.default_rng(0).random(n, dtype=np.float32)
+    hx.view(np.float32)[:] = x
+    hy.view(np.float32)[:] = 1
+    s.copy(dx, hx)
+    s.copy(dy, hy)
+    s.launch(make_saxpy(), dx.array(np.float32, n), dy.array(np.float32, n), np.float32(3),
+             reads=[dx, dy], writes=[dy])
+    s.copy(hy, dy)
+    s.sync()
+    np.testing.assert_array_equal(hy.view(np.float32), np.float32(3) * x + np.float32(1))
+    for b in (dx, dy, hx, hy, s):
+        b.close()
+    dev.close()
+
+
+def _kinds():
+    out = []
+    for kind in ("cupy", "torch", "dlpack"):
+        missing = kind != "dlpack" and importlib.util.find_spec(kind) is None
+        out.append(pytest.param(kind, marks=pytest.mark.skipif(missing, reason=f"{kind} not installed")))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", _kinds())
+def test_kernel_compiles_and_matches_reference_on_gpu(kind):
+    n = (1 << 20) + 3  # not a multiple of the block
+    x = np.random.default_rng(1).random(n, dtype=np.float32)
+    y0 = np.random.default_rng(2).random(n, dtype=np.float32)
+    # fmad=False: a * x + y as two roundings, exactly as numpy does it
+    k = make_saxpy(options={"fma": False})
+    with rf.device("cuda:0", array=kind) as dev:
+        s = dev.create_stream()
+        hx, hy = dev.allocate_host(4 * n), dev.allocate_host(4 * n)
+        dx, dy = dev.allocate(4 * n, stream=s), dev.allocate(4 * n, stream=s)
+        hx.view(np.float32)[:] = x
+        hy.view(np.float32)[:] = y0
+        s.copy(dx, hx)
+        s.copy(dy, hy)
+        s.launch(k, dx.array(np.float32, n), dy.array(np.float32, n), np.float32(3))
+        s.copy(hy, dy)
+        s.sync()
+        expect = y0.copy()
+        saxpy_ref(x, expect, np.float32(3))
+        np.testing.assert_array_equal(hy.view(np.float32), expect)
+        with pytest.raises(TypeError, match="numpy scalars"):
+            s.launch(k, dx.array(np.float32, n), dy.array(np.float32, n), 3.0)
+        with pytest.raises(ValueError, match="at least n"):
+            s.launch(k, dx.array(np.float32, n), dy.array(np.float32, n - 1), np.float32(3))
+        for b in (dx, dy):
+            b.close(stream=s)
+        for b in (hx, hy, s):
+            b.close()
+        assert dev.live().total == 0
+
+
+@pytest.mark.gpu
+def test_template_kernel_and_compile_errors():
+    src = r"""
+    template <typename T> __global__ void twice(const T* x, T* y, size_t n) {
+        size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+        if (i < n) y[i] = x[i] + x[i];
+    }
+    """
+    k = Kernel(src, "twice<int>", reference=lambda x, y: np.add(x, x, out=y))
+    with rf.device("cuda:0", array="dlpack") as dev:
+        s = dev.create_stream()
+        n = 5000
+        h = dev.allocate_host(4 * n)
+        d_in, d_out = dev.allocate(4 * n, stream=s), dev.allocate(4 * n, stream=s)
+        x = np.random.default_rng(3).integers(-2**20, 2**20, n, dtype=np.int32)
+        h.view(np.int32)[:] = x
+        s.copy(d_in, h)
+        s.launch(k, d_in.array(np.int32, n), d_out.array(np.int32, n))
+        s.copy(h, d_out)
+        s.sync()
+        np.testing.assert_array_equal(h.view(np.int32), 2 * x)
+        broken = Kernel("extern \"C\" __global__ void oops(float* x, size_t n) { x[0] = undefined_name; }", "oops")
+        with pytest.raises(RuntimeError, match="oops"):
+            broken.compile(0)
+        for b in (d_in, d_out, h, s):
+            b.close()
