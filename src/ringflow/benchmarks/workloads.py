@@ -50,7 +50,8 @@ def _baseline(name: str, call: Callable[[], Row]) -> Row:
 
 
 # -- the ringflow runs ---------------------------------------------------------------------------
-def serial_protocol_baseline(dev: Device, f, x: np.ndarray, expected: np.ndarray, repeats: int) -> Row:
+def serial_protocol_baseline(dev: Device, f, x: np.ndarray, expected: np.ndarray, repeats: int,
+                             sample: np.ndarray) -> Row:
     """Copy everything in, compute once, copy everything out: one stream, no overlap."""
     n = x.nbytes
     hin = dev.allocate_host(n)
@@ -69,7 +70,7 @@ def serial_protocol_baseline(dev: Device, f, x: np.ndarray, expected: np.ndarray
 
     try:
         timing = time_calls(lambda: dev.now, once, warmup=1, repeats=repeats)
-        got = hout.view(x.dtype, access="r").reshape(x.shape)
+        got = hout.view(x.dtype, access="r").reshape(-1)[sample]
         ok = bool(np.allclose(got, expected, rtol=1e-5, atol=1e-6))
     finally:
         for b in (din, dout):
@@ -79,6 +80,12 @@ def serial_protocol_baseline(dev: Device, f, x: np.ndarray, expected: np.ndarray
         s.close()
     return _row("serial copy-compute-copy (pinned, one stream)", timing, correct=ok,
                 note="pinned buffers prepared outside the timed region")
+
+
+def _baselines():
+    from . import baselines
+
+    return baselines
 
 
 def _gpu_only(dev: Device) -> str | None:
@@ -98,7 +105,10 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
     try:
         x = hb.view(np.float32, access="rw")
         x0 = fresh_random(n, seed=1)
-        expected = kernels.affine_expected(x0, iters)
+        # the reference on a random sample of elements (every chunk is hit): a full numpy
+        # reference of hundreds of iterations over 256 MiB would take minutes
+        sample = np.sort(np.random.default_rng(9).choice(n, size=min(n, 1 << 18), replace=False))
+        expected = kernels.affine_expected(x0[sample], iters)
 
         def refill():
             hb.view(np.float32, access="w")[:] = x0
@@ -116,7 +126,7 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
                 progress(f"{name}: ringflow, {n * 4 // cb} chunks")
             refill()
             run(cb)
-            ok = bool(np.allclose(hb.view(np.float32, access="r"), expected, rtol=1e-5, atol=1e-6))
+            ok = bool(np.allclose(hb.view(np.float32, access="r")[sample], expected, rtol=1e-5, atol=1e-6))
             timing = time_calls(lambda: dev.now, lambda: run(cb), warmup=1, repeats=repeats, before=refill)
             refill()
             _, rep = stream_map_report(f, x, x, device=dev, chunk_bytes=cb, x_buffer=hb, out_buffer=hb, inplace=True)
@@ -129,18 +139,16 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
                              bottleneck=rep.bottleneck, predicted_ms=_predict(dev, n * 4, cb, f)))
         if progress:
             progress(f"{name}: serial baseline")
-        rows.append(serial_protocol_baseline(dev, f, x0, expected, repeats))
+        rows.append(serial_protocol_baseline(dev, f, x0, expected, repeats, sample))
         reason = _gpu_only(dev)
         if reason:
             rows.append(_skip("hand-written CUDA C++ pipeline", reason))
         else:
-            from . import baselines
-
             if progress:
                 progress(f"{name}: CUDA C++ baseline")
             rows.append(_baseline("hand-written CUDA C++ pipeline",
-                                  lambda: baselines.cuda_cpp_pipeline(n, chunks=list(chunk_counts), streams=4,
-                                                                      iters=iters)))
+                                  lambda: _baselines().cuda_cpp_pipeline(n, chunks=list(chunk_counts), streams=4,
+                                                                         iters=iters)))
     finally:
         hb.close()
     best_cb = min(results, key=lambda cb: results[cb][0].median_ms)
@@ -205,18 +213,16 @@ def pageable(dev: Device, *, size_bytes: int, repeats: int, progress=None) -> di
         p = plan.get_profile(dev.profile)
         floors["link_ms"] = 1e3 * 2 * x.nbytes / (p.duplex_GBps * 1e9)
     else:
-        from . import baselines
-
         if progress:
             progress("pageable: torch baselines")
-        rows.append(_baseline("torch naive .cuda()/.cpu()", lambda: baselines.torch_naive(x, "scale_shift")))
+        rows.append(_baseline("torch naive .cuda()/.cpu()", lambda: _baselines().torch_naive(x, "scale_shift")))
         rows.append(_baseline("hand-written torch 3-stream pipeline",
-                              lambda: baselines.torch_streams_pipeline(x, "scale_shift")))
+                              lambda: _baselines().torch_streams_pipeline(x, "scale_shift")))
         if progress:
             progress("pageable: floors")
         try:
-            floors.update(baselines.link_floor(x.nbytes, x.nbytes))
-            floors.update(baselines.host_floor(x.nbytes))
+            floors.update(_baselines().link_floor(x.nbytes, x.nbytes))
+            floors.update(_baselines().host_floor(x.nbytes))
         except Exception as exc:  # noqa: BLE001
             floors["error"] = f"{type(exc).__name__}: {exc}"
     return {"workload": "pageable", "size_bytes": x.nbytes, "rows": rows, "floors": floors,

@@ -15,6 +15,7 @@ Progress happens inside the calls made on a pipeline (``map``, ``submit``, ``clo
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -83,7 +84,8 @@ class Pipeline:
             raise ValueError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes}")
         if workers is None:
             workers = _default_workers(self.device)
-        counts = self._resolve_slots(slots, slot_bytes, inplace, workers, compute)
+        counts = self._resolve_slots(slots, slot_bytes, inplace, workers, compute,
+                                     external=(_host_in_buffer is not None, _host_out_buffer is not None))
         if max_in_flight is None:
             max_in_flight = counts.host_in + counts.device_in + counts.device_out + counts.host_out
         self.config = PipelineConfig(slot_bytes=slot_bytes, slots=counts, max_in_flight=max_in_flight,
@@ -107,7 +109,7 @@ class Pipeline:
             self._anchor = Anchor(self.device, self._sched.h2d_stream)
 
     # -- set-up -------------------------------------------------------------------------------
-    def _resolve_slots(self, slots, slot_bytes, inplace, workers, compute) -> SlotCounts:
+    def _resolve_slots(self, slots, slot_bytes, inplace, workers, compute, external=(False, False)) -> SlotCounts:
         if isinstance(slots, SlotCounts):
             return slots
         if isinstance(slots, bool):
@@ -123,7 +125,13 @@ class Pipeline:
         guess = sim(slot_bytes) if callable(sim) else sim
         times = plan.model_stage_times(profile, slot_bytes, compute=guess, workers=workers)
         if guess is None:  # unknown compute: plan for one as long as a copy (a balanced pipeline)
-            times = plan.StageTimes(**{**times.__dict__, "compute": max(times.compute, times.h2d)})
+            times = dataclasses.replace(times, compute=max(times.compute, times.h2d))
+        # the caller's pinned memory: prepare and consume only describe the chunk
+        overhead = plan.get_profile(profile).host_task_overhead_s
+        if external[0]:
+            times = dataclasses.replace(times, prepare=overhead)
+        if external[1]:
+            times = dataclasses.replace(times, consume=overhead)
         return plan.plan_slots(times, inplace=inplace).slots
 
     def _default_fill(self, item: Any, raw: np.ndarray) -> tuple:
