@@ -118,11 +118,15 @@ def run_cancel(dev, items, slots, cancel_after):
 
 
 def run_guard_off(dev, guard, seed):
-    """A pipeline with one guard off: does the poison make a premature reuse visible?"""
+    """A pipeline with one guard off: does the poison make a premature reuse visible? The
+    kernel spins ~0.2 ms (2e5 cycles at ~2 GHz) so the GPU lags the host, as under load."""
+    from ringflow.benchmarks.kernels import slow_scale_shift
+
     rng = np.random.default_rng(seed)
-    x = rng.uniform(0.5, 1.5, 1 << 22).astype(np.float32)
+    x = rng.uniform(0.5, 1.5, 1 << 20).astype(np.float32)
+    f = slow_scale_shift(400_000, 200e-6)
     try:
-        y = rf.stream_map(twice_plus_one, x, device=dev, chunk_bytes=1 << 16, slots=1, checked=True,
+        y = rf.stream_map(f, x, device=dev, chunk_bytes=1 << 16, slots=2, checked=True,
                           _disabled_guards=[guard], host="stage")
         wrong = int(np.count_nonzero(y != expected(x)))
         return {"guard": guard, "wrong_elements": wrong, "caught": wrong > 0}

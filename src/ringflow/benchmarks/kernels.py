@@ -26,6 +26,15 @@ extern "C" __global__ void scale_shift(const float* x, float* y, size_t n) {
 }
 """
 
+SLOW_SCALE_SHIFT_SRC = r"""
+extern "C" __global__ void slow_scale_shift(const float* x, float* y, long long spin, size_t n) {
+    long long start = clock64();
+    while (clock64() - start < spin) { }
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        y[i] = x[i] * 2.0f + 1.0f;
+}
+"""
+
 # Simulated kernel cost on the H200 profile: a pass over input and output at device bandwidth,
 # plus ~2.7e-14 s per byte per iteration (the tutorial's 64-iteration kernel on 256 MiB ~0.47 ms).
 _DEVICE_BPS = 4.3e12
@@ -33,8 +42,8 @@ _ITER_S_PER_BYTE = 2.7e-14
 
 
 def affine_reference(x: np.ndarray, y: np.ndarray, iters) -> None:
-    v = np.array(x, dtype=np.float32, copy=True)
-    a, b = np.float32(0.999), np.float32(0.001)
+    v = np.array(x, copy=True)  # float32 on the sim; float64 for a reference
+    a, b = v.dtype.type(0.999), v.dtype.type(0.001)
     for _ in range(int(iters)):
         v *= a
         v += b
@@ -46,6 +55,8 @@ def scale_shift_reference(x: np.ndarray, y: np.ndarray) -> None:
     y += np.float32(1.0)
 
 
+SLOW_SCALE_SHIFT = Kernel(SLOW_SCALE_SHIFT_SRC, "slow_scale_shift",
+                          reference=lambda x, y, spin: scale_shift_reference(x, y))
 AFFINE_ITER = Kernel(AFFINE_ITER_SRC, "affine_iter", reference=affine_reference)
 SCALE_SHIFT = Kernel(SCALE_SHIFT_SRC, "scale_shift", reference=scale_shift_reference)
 
@@ -72,6 +83,18 @@ def scale_shift() -> Callable:
 
 
 def affine_expected(x: np.ndarray, iters: int) -> np.ndarray:
+    """The reference in x's own precision (pass float64 for an accurate one)."""
     y = np.empty_like(x)
     affine_reference(x, y, iters)
     return y
+
+
+def slow_scale_shift(spin_cycles: int, sim_seconds: float) -> Callable:
+    """``y = 2x + 1`` after every thread spins ``spin_cycles`` clocks: a kernel slow enough that
+    the GPU lags the host, so a missing wait or an early release shows up on a real device."""
+    def f(x, y):
+        SLOW_SCALE_SHIFT(x, y, np.int64(spin_cycles))
+
+    f.__name__ = "slow_scale_shift"
+    f.sim_seconds = sim_seconds
+    return f

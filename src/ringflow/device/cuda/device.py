@@ -7,7 +7,6 @@ including worker-pool threads. CuPy and PyTorch use the same primary context.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import threading
 import time
 import warnings
@@ -27,7 +26,8 @@ from .stream import CudaStream
 
 # Keep the pool's freed memory instead of returning it to the OS at every synchronisation.
 _POOL_RELEASE_THRESHOLD = (1 << 64) - 1
-_WAIT_FIRST_SLEEP_S = 20e-6  # wait_any polls; its sleeps grow from this ...
+_WAIT_SPIN_S = 0.005  # wait_any first polls with a yield between polls for this long ...
+_WAIT_FIRST_SLEEP_S = 20e-6  # ... then sleeps, from this ...
 _WAIT_MAX_SLEEP_S = 200e-6   # ... to this, so a completion is seen within ~0.2 ms
 
 
@@ -157,9 +157,14 @@ class CudaDevice(Device):
 
     def wait_any(self, waitables: Sequence[Any], timeout: float | None = None) -> list[Any]:
         """Block until at least one event / host task is done or ``timeout`` seconds pass;
-        return those done (empty on timeout). Events are polled, with sleeps growing from
-        20 us to 200 us; host tasks wake the wait as soon as they finish. An event that hit a
-        sticky device error counts as done (its ``error`` is set)."""
+        return those done (empty on timeout). An event that hit a sticky device error counts
+        as done (its ``error`` is set).
+
+        Completions are polled: first for ``_WAIT_SPIN_S`` with a GIL-releasing yield between
+        polls (a pipeline hands off every few hundred microseconds, and a sleeping poller adds
+        its sleep to every hand-off: measured on the H200, 20-200 us sleeps made a 16-chunk
+        pipeline 2.8x slower than its ideal), then with sleeps growing from 20 us to 200 us so
+        an idle wait does not burn a core."""
         waitables = list(waitables)
         if not waitables:
             raise ValueError("wait_any needs at least one event or host task to wait for")
@@ -168,23 +173,22 @@ class CudaDevice(Device):
                 raise TypeError(f"wait_any waits for events and host tasks, got {type(w).__name__}")
         if timeout is not None and timeout < 0:
             raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
-        futures = [w._future for w in waitables if isinstance(w, CudaHostTask)]
-        deadline = None if timeout is None else time.perf_counter() + timeout
+        now = time.perf_counter
+        start = now()
+        deadline = None if timeout is None else start + timeout
         delay = _WAIT_FIRST_SLEEP_S
         while True:
             done = [w for w in waitables if w.is_done]
             if done:
                 return done
-            step = delay
-            if deadline is not None:
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    return []
-                step = min(step, left)
-            if futures:
-                cf.wait(futures, timeout=step, return_when=cf.FIRST_COMPLETED)
-            else:
-                time.sleep(step)
+            t = now()
+            if deadline is not None and t >= deadline:
+                return []
+            if t - start < _WAIT_SPIN_S:
+                time.sleep(0)  # yield the GIL to the workers, then poll again
+                continue
+            step = delay if deadline is None else min(delay, deadline - t)
+            time.sleep(max(0.0, step))
             delay = min(delay * 2, _WAIT_MAX_SLEEP_S)
 
     def live(self) -> LiveCounts:
