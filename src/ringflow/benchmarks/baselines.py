@@ -35,6 +35,7 @@ import math
 import os
 import threading
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -226,7 +227,7 @@ class BaselineKernel:
         cupy = _cupy()
         ext = _ext_streams.get(stream_ptr)
         if ext is None:
-            ext = _ext_streams[stream_ptr] = cupy.cuda.ExternalStream(stream_ptr)
+            ext = _ext_streams[stream_ptr] = _external_stream(cupy, stream_ptr)
         blocks = min(-(-n // BLOCK), 0x7FFFFFFF)
         if self.kind == "affine_iter":
             args = (np.uint64(src_ptr), np.uint64(dst_ptr), np.int32(self.iters), np.uint64(n))
@@ -234,6 +235,27 @@ class BaselineKernel:
             args = (np.uint64(src_ptr), np.uint64(dst_ptr), np.uint64(n))
         with ext:
             fn((blocks,), (BLOCK,), args)
+
+
+class _StreamHandle:
+    """A raw stream handle in the CUDA stream protocol, for ``cupy.cuda.Stream.from_external``."""
+
+    def __init__(self, ptr: int):
+        self.ptr = int(ptr)
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def _external_stream(cupy, ptr: int):
+    """CuPy's view of a stream it did not create (``ExternalStream``, deprecated in CuPy 14 in
+    favour of ``Stream.from_external``, which newer releases keep)."""
+    ext = getattr(cupy.cuda, "ExternalStream", None)
+    if ext is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return ext(ptr)
+    return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
 
 
 def resolve_kernel(spec: Any = "seed", iters: int = 64) -> BaselineKernel:
@@ -373,7 +395,6 @@ def serial_copy_compute_copy(x: np.ndarray, kernel: Any = "seed", *, iters: int 
            "timing": "cuda_events" if host == "pinned" else "host_clock", "bytes_in": x.nbytes,
            "bytes_out": x.nbytes, "chunks": 1, "streams": 1}
     res["GBps"] = 2 * x.nbytes / (res["ms_median"] * 1e6)
-    del d_in, d_out, p_in, p_out
     return res
 
 
@@ -689,7 +710,6 @@ def link_floor(nbytes_in: int, nbytes_out: int, *, probe_cap: int = 256 * MiB, w
         back.copy_(d_in, non_blocking=True)
     s1.synchronize()
     res["link_correct"] = bool(np.array_equal(back.numpy()[:pin], h_in.numpy()[:pin]))
-    del h_in, h_out, d_in, d_out, back
     return res
 
 
@@ -837,7 +857,6 @@ def host_floor(nbytes: int, *, threads: Sequence[int] = (1, 4, 8, 16), touch_thr
         a = holder.pop("a")
         sec, _ = rate_runs(lambda: ((lambda lo, hi: np.copyto(a[lo:hi], np.uint8(2))), lambda: None), t)
         touched[str(t)] = sec * 1e3
-        del a
     res["host_first_touch_ms"] = first
     res["host_fill_touched_ms"] = touched
     pool.shutdown(wait=True)
@@ -875,5 +894,4 @@ def host_floor(nbytes: int, *, threads: Sequence[int] = (1, 4, 8, 16), touch_thr
     res["host_staging_ms_estimate"] = (nbytes / best_in + nbytes / best_out_fresh) / 1e6
     res["host_register_ms_estimate"] = (res["host_register_touched_ms"] + res["host_register_fresh_ms"]
                                         + res["host_unregister_touched_ms"] + res["host_unregister_fresh_ms"])
-    del src, back, pin
     return res
