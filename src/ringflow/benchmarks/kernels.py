@@ -61,14 +61,21 @@ AFFINE_ITER = Kernel(AFFINE_ITER_SRC, "affine_iter", reference=affine_reference)
 SCALE_SHIFT = Kernel(SCALE_SHIFT_SRC, "scale_shift", reference=scale_shift_reference)
 
 
-def affine(iters: int) -> Callable:
-    """``f(x, y)``: ``iters`` times ``v = v*0.999 + 0.001`` (the tutorial's kernel at 64)."""
+def affine(iters: int, numeric_iters: int | None = None) -> Callable:
+    """``f(x, y)``: ``iters`` times ``v = v*0.999 + 0.001`` (the tutorial's kernel at 64).
+
+    ``numeric_iters`` (simulated GPU only) computes fewer iterations in numpy while the sim
+    still charges the duration of ``iters``: virtual time does not depend on the numbers, and
+    hundreds of numpy passes per chunk would make a sim benchmark take minutes."""
+    n = iters if numeric_iters is None else numeric_iters
+
     def f(x, y):
-        AFFINE_ITER(x, y, np.int32(iters))
+        AFFINE_ITER(x, y, np.int32(n))
 
     f.__name__ = f"affine_iter_{iters}"
     f.sim_seconds = lambda nbytes: 2 * nbytes / _DEVICE_BPS + iters * nbytes * _ITER_S_PER_BYTE
     f.iters = iters
+    f.numeric_iters = n
     return f
 
 

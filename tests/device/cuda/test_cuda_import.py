@@ -52,11 +52,14 @@ def test_sticky_error_names_are_recognised():
 
 
 def test_thread_worker_pool_runs_tasks_without_a_gpu():
+    import concurrent.futures as cf
+
     from ringflow.device.cuda.pool import ThreadWorkerPool
 
+    executor = cf.ThreadPoolExecutor(2)
     with pytest.raises(ValueError):
-        ThreadWorkerPool(0)
-    pool = ThreadWorkerPool(2)
+        ThreadWorkerPool(0, executor)
+    pool = ThreadWorkerPool(2, executor)
     ok = pool.submit(sum, [1, 2, 3])
     bad = pool.submit(lambda: 1 / 0)
     for task in (ok, bad):
@@ -71,3 +74,10 @@ def test_thread_worker_pool_runs_tasks_without_a_gpu():
     pool.close()
     with pytest.raises(RuntimeError, match="closed"):
         pool.submit(print)
+    # the threads belong to the executor (the device's): closing a pool leaves them running
+    again = ThreadWorkerPool(2, executor)
+    task = again.submit(sum, [4])
+    task.sync()
+    assert task.result() == 4
+    again.close()
+    executor.shutdown()

@@ -11,6 +11,7 @@ import threading
 import time
 import warnings
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
@@ -19,7 +20,7 @@ from ..protocol import Capabilities, Device, LiveCounts, close_quietly
 from ._lib import check, core, driver, translate
 from ._live import LiveRegistry
 from .arrays import resolve
-from .memory import CudaDeviceBuffer, PinnedHostBuffer, RegisteredHostBuffer
+from .memory import CudaDeviceBuffer, PinnedCache, PinnedHostBuffer, RegisteredHostBuffer
 from .pool import CudaHostTask, ThreadWorkerPool
 from .probe import probe
 from .stream import CudaStream
@@ -52,6 +53,8 @@ class CudaDevice(Device):
         self._closed = False
         self._live = LiveRegistry()
         self._pools: "weakref.WeakSet[ThreadWorkerPool]" = weakref.WeakSet()
+        self._executors: dict[int, ThreadPoolExecutor] = {}  # shared by pools of that size
+        self._pinned_cache = PinnedCache()
         self._cc = cc.Device(index)
         self._ensure_current()
         self.name = self._cc.name
@@ -151,7 +154,13 @@ class CudaDevice(Device):
 
     def create_worker_pool(self, workers: int) -> ThreadWorkerPool:
         self._check_open()
-        pool = ThreadWorkerPool(workers, on_close=self._pools.discard)
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"a worker pool needs at least 1 worker, got {workers!r}")
+        executor = self._executors.get(workers)
+        if executor is None:
+            executor = self._executors[workers] = ThreadPoolExecutor(max_workers=workers,
+                                                                     thread_name_prefix=f"ringflow-host{workers}")
+        pool = ThreadWorkerPool(workers, executor, on_close=self._pools.discard)
         self._pools.add(pool)
         return pool
 
@@ -206,6 +215,10 @@ class CudaDevice(Device):
             warnings.warn(f"synchronising {self!r} before closing failed: {exc}", RuntimeWarning, stacklevel=2)
         for pool in list(self._pools):
             close_quietly(pool, "a worker pool")
+        for executor in self._executors.values():
+            executor.shutdown(wait=True)
+        self._executors.clear()
+        self._pinned_cache.clear()
         leftovers = self._live.open_objects()
         # Buffers first (their stream-ordered frees use the internal stream), then streams.
         for obj in sorted(leftovers, key=lambda o: isinstance(o, CudaStream)):

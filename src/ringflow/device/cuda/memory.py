@@ -7,6 +7,12 @@ Lifetimes, and why:
   the cuda.core buffer, so every numpy view keeps the allocation alive: ``close()`` drops the
   buffer's own references and the memory is freed as soon as no view is left. A view kept
   past ``close()`` therefore never points at freed memory (it only delays the free).
+* **Pinned memory is recycled** (as CuPy's pinned pool does): closing a pinned buffer that no
+  numpy view still references hands its allocation to the device's cache, and the next
+  ``allocate_host`` of the same size takes it instead of calling ``cuMemAllocHost`` again
+  (allocating and freeing a pipeline's staging ring cost milliseconds per call). Closing a
+  buffer that an enqueued copy may still use is a bug either way; the pipeline closes its
+  rings only after every fence completed, and the simulated GPU's checker catches the bug.
 * **Registered host buffers** pin the caller's numpy array in place (``cuMemHostRegister``,
   through cuda.bindings: cuda.core has no call for it). The buffer holds the array, so the
   array outlives the registration; ``close()`` (or collection) unregisters it.
@@ -19,6 +25,7 @@ Lifetimes, and why:
 from __future__ import annotations
 
 import ctypes
+import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -75,14 +82,49 @@ class PinnedHostBuffer(_CudaHostBuffer):
 
     def __init__(self, device: "CudaDevice", nbytes: int):
         nbytes = check_nbytes(nbytes, "allocate_host(nbytes)")
-        device._ensure_current()
-        with translate(f"allocating {nbytes} bytes of pinned host memory"):
-            cc_buf = device._pinned_mr.allocate(nbytes)
-        ptr = int(cc_buf.handle)
-        raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
-        raw._ringflow_owner = cc_buf  # every numpy view -> raw -> cc_buf: the memory outlives its views
-        super().__init__(device, nbytes, ptr, np.frombuffer(raw, dtype=np.uint8))
+        base = device._pinned_cache.take(nbytes)
+        if base is None:
+            device._ensure_current()
+            with translate(f"allocating {nbytes} bytes of pinned host memory"):
+                cc_buf = device._pinned_mr.allocate(nbytes)
+            raw = (ctypes.c_uint8 * nbytes).from_address(int(cc_buf.handle))
+            raw._ringflow_owner = cc_buf  # every numpy view -> raw -> cc_buf: the memory outlives its views
+            base = np.frombuffer(raw, dtype=np.uint8)
+        super().__init__(device, nbytes, int(base.ctypes.data), base)
         self._finalizer = device._live.track(self, "host_buffers")
+
+    def close(self) -> None:
+        base = self._base
+        super().close()
+        # recycle only when no numpy view is left (this frame's reference and getrefcount's)
+        if base is not None and sys.getrefcount(base) <= 2:
+            self._device._pinned_cache.give(base)
+
+
+class PinnedCache:
+    """Closed pinned allocations by size, up to ``limit`` bytes in all; cleared on device close."""
+
+    def __init__(self, limit: int = 4 << 30):
+        self.limit = limit
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._bytes = 0
+
+    def take(self, nbytes: int) -> "np.ndarray | None":
+        bucket = self._free.get(nbytes)
+        if not bucket:
+            return None
+        self._bytes -= nbytes
+        return bucket.pop()
+
+    def give(self, base: np.ndarray) -> None:
+        if self._bytes + base.nbytes > self.limit:
+            return  # dropping the last reference frees it
+        self._free.setdefault(base.nbytes, []).append(base)
+        self._bytes += base.nbytes
+
+    def clear(self) -> None:
+        self._free.clear()
+        self._bytes = 0
 
 
 class RegisteredHostBuffer(_CudaHostBuffer):
