@@ -1,0 +1,110 @@
+"""The profiled timeline, its Chrome/Perfetto export, the report and the plot."""
+
+import json
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow.trace import STAGES, load_spans
+from ringflow.trace.summary import summarise
+
+MB = 10**6
+
+
+def profiled_run(n=10, chaos=False, seed=0, compute_s=0.5e-3):
+    dev = rf.device("sim", profile="unit", chaos=chaos, seed=seed)
+
+    def f(x, y):
+        y[:] = x * 2 + 1
+
+    f.sim_seconds = compute_s
+    items = [np.full(MB // 4, i + 1, np.float32) for i in range(n)]
+    with rf.Pipeline(f, device=dev, chunk_bytes=MB, workers=4, profile=True, slots=4) as pipe:
+        out = list(pipe.map(items))
+    assert all(np.array_equal(o, i * 2 + 1) for o, i in zip(out, items))
+    return pipe.report()
+
+
+def test_report_ideal_bound_matches_hand_computation():
+    rep = profiled_run()
+    # unit profile: 1 MB copies take 1 ms (H2D and D2H together still 1 GB/s each), each CPU
+    # worker copies 1 MB in 1 ms, compute 0.5 ms, no host overheads: per chunk prepare 1, h2d 1,
+    # compute 0.5, d2h 1, consume 1 (ms); 4 workers share prepare + consume -> 0.5 ms per chunk.
+    med = rep.stage_median_s
+    assert med["prepare"] == pytest.approx(1e-3)
+    assert med["h2d"] == pytest.approx(1e-3)
+    assert med["compute"] == pytest.approx(0.5e-3)
+    assert med["d2h"] == pytest.approx(1e-3)
+    assert med["consume"] == pytest.approx(1e-3)
+    # first chunk through all five stages (4.5 ms), then one per max(1, 0.5, 1, 0.5) = 1 ms
+    assert rep.ideal_s == pytest.approx(4.5e-3 + 9 * 1e-3)
+    assert rep.bottleneck in ("h2d", "d2h")  # a tie: both copies take 1 ms
+    assert 0.9 < rep.efficiency <= 1.0 + 1e-9
+    assert rep.chunks == 10 and rep.latency_s["p50"] > 0
+    assert rep.memory["pinned allocated"] == 8 * MB  # 4 host-in + 4 host-out slots of 1 MB
+
+
+def test_chrome_trace_is_valid_and_every_chunk_has_five_spans_in_stage_order(tmp_path):
+    rep = profiled_run(chaos=True, seed=3)
+    path = rep.save_trace(str(tmp_path / "t.json"))
+    data = json.loads(open(path).read())
+    events = data["traceEvents"]
+    assert all({"ph", "pid"} <= set(e) for e in events)
+    complete = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 and isinstance(e["tid"], int) for e in complete)
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"gpu: h2d stream", "gpu: compute stream", "gpu: d2h stream"} <= names
+    spans = load_spans(path)
+    by_chunk = {}
+    for s in spans:
+        if s.name in STAGES:
+            by_chunk.setdefault(s.chunk, {})[s.name] = s
+    assert len(by_chunk) == 10
+    for chunk, stages in by_chunk.items():
+        assert list(stages) and set(stages) == set(STAGES), chunk
+        ordered = [stages[s] for s in STAGES]
+        for a, b in zip(ordered, ordered[1:]):
+            assert a.end <= b.start + 1e-9, (chunk, a, b)
+    # overlapping spans of one track are split into lanes, so no thread has overlapping X events
+    by_tid = {}
+    for e in complete:
+        by_tid.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    for tid, iv in by_tid.items():
+        iv.sort()
+        assert all(a[1] <= b[0] + 1e-6 for a, b in zip(iv, iv[1:])), tid
+
+
+def test_trace_summary_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    rep = profiled_run()
+    path = rep.save_trace(str(tmp_path / "t.json"))
+    info = summarise(path)
+    assert info["chunks"] == 10
+    assert info["stages"]["h2d"]["count"] == 10
+    assert info["gpu_overlap"] > 1.0  # the three GPU stages ran at once some of the time
+    png = rep.plot(str(tmp_path / "t.png"))
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "efficiency" in str(rep)
+
+
+def test_report_needs_profiling():
+    dev = rf.device("sim")
+    with rf.Pipeline(lambda x, y: None, device=dev, chunk_bytes=1024) as pipe:
+        with pytest.raises(RuntimeError, match="profile=True"):
+            pipe.report()
+
+
+def test_stalls_are_recorded_when_slots_run_short():
+    dev = rf.device("sim", profile="unit")
+
+    def f(x, y):
+        y[:] = x
+
+    f.sim_seconds = 3e-3  # compute-bound with one device-in slot: chunks wait for it
+    items = [np.ones(MB // 4, np.float32) for _ in range(6)]
+    with rf.Pipeline(f, device=dev, chunk_bytes=MB, slots=1, profile=True) as pipe:
+        list(pipe.map(items))
+    rep = pipe.report()
+    assert rep.stall_s.get("wait device-in slot", 0) > 0
+    assert rep.stall_s.get("consumer waiting for data", 0) > 0
