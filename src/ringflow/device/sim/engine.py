@@ -27,6 +27,17 @@ from typing import Callable, Optional
 EPS = 1e-15
 
 
+def check_seconds(seconds, what: str) -> float:
+    """A virtual duration given by the caller: a finite number of seconds, zero or more."""
+    try:
+        s = float(seconds)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what} must be a number of seconds, got {type(seconds).__name__}") from None
+    if not (math.isfinite(s) and s >= 0):
+        raise ValueError(f"{what} must be a finite number of seconds >= 0, got {seconds!r}")
+    return s
+
+
 @dataclasses.dataclass(eq=False)
 class Op:
     queue: "Queue"
@@ -134,7 +145,7 @@ class Engine:
             if stop is not None and stop():
                 return True
             t_next = self._next_completion()
-            if t_next > until:
+            if t_next > until or math.isinf(t_next):  # inf > inf is False: nothing running is caught here too
                 if math.isinf(until):
                     raise RuntimeError(
                         "the simulated device is idle and the awaited work can never complete: "

@@ -14,7 +14,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..protocol import HostTask, WorkerPool
-from .engine import Op
+from .engine import Op, check_seconds
 
 if TYPE_CHECKING:
     from .device import SimDevice
@@ -28,9 +28,10 @@ def charge(seconds: float) -> None:
 
     Lets a test's prepare or consume callable stand for slow CPU work without sleeping; a
     no-op outside a simulated host task (so the same callable runs on a real GPU)."""
+    seconds = check_seconds(seconds, "charge(seconds)")
     task = getattr(_current, "task", None)
     if task is not None:
-        task._charged += float(seconds)
+        task._charged += seconds
 
 
 class SimHostTask(HostTask):
@@ -123,6 +124,13 @@ class SimWorkerPool(WorkerPool):
         with dev._lock:
             if self._closed:
                 raise RuntimeError("this worker pool is closed; create a new one")
+            if not callable(fn):
+                raise TypeError(f"submit needs a callable, got {type(fn).__name__}")
+            if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__") or nbytes < 0:
+                raise ValueError(f"submit nbytes is the bytes the task copies: an int >= 0, got {nbytes!r}")
+            nbytes = int(nbytes)
+            if sim_seconds is not None:
+                sim_seconds = check_seconds(sim_seconds, "submit sim_seconds")
             dev._host_api()
             p = dev.profile
             if sim_seconds is None:

@@ -14,7 +14,7 @@ import numpy as np
 
 from ...errors import LaunchError
 from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Stream, as_slice, copy_extent
-from .engine import Op
+from .engine import Op, check_seconds
 from .hazard import AccessKind
 
 if TYPE_CHECKING:
@@ -170,6 +170,8 @@ class SimStream(Stream):
                sim_seconds: float | None = None) -> None:
         if not callable(fn):
             raise TypeError(f"launch needs a callable, got {type(fn).__name__}")
+        if sim_seconds is not None:
+            sim_seconds = check_seconds(sim_seconds, "launch sim_seconds")
         with self._dev._lock:
             self._begin(self._dev.profile.launch_overhead_s)
             read_set = [self._own(as_slice(r)) for r in reads]

@@ -1,0 +1,341 @@
+"""Misuse of the device API gets a clear ValueError / TypeError / RuntimeError that says what to
+change; nothing crashes the interpreter and nothing is left half-done."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow.device.sim import charge
+from tests.helpers import unit_device
+
+
+@pytest.fixture
+def dev():
+    return unit_device()
+
+
+# -- devices and profiles -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["gpu7", "GPU", "cuda:x", "sim:0", "", "cpu"])
+def test_unknown_device_string(spec):
+    with pytest.raises(ValueError, match="unknown device") as info:
+        rf.device(spec)
+    msg = str(info.value)
+    assert repr(spec) in msg and "'auto'" in msg and "'sim'" in msg and "cuda:N" in msg
+
+
+def test_device_spec_must_be_a_string():
+    with pytest.raises(TypeError, match="must be a string"):
+        rf.device(0)
+
+
+def test_cuda_without_a_gpu_says_to_use_sim():
+    ok, _ = rf.cuda_available()
+    if ok:
+        pytest.skip("a GPU is usable here")
+    with pytest.raises(RuntimeError, match="not usable") as info:
+        rf.device("cuda:0")
+    assert "device('sim')" in str(info.value)
+
+
+def test_unsupported_profile_lists_the_choices():
+    with pytest.raises(ValueError, match="unknown sim profile 'h100'") as info:
+        rf.device("sim", profile="h100")
+    assert "h200-pcie5" in str(info.value) and "unit" in str(info.value)
+
+
+def test_unknown_sim_option():
+    with pytest.raises(TypeError, match="bogus"):
+        rf.device("sim", bogus=1)
+
+
+def test_using_a_closed_device(dev):
+    s = dev.create_stream()
+    dev.close()
+    for call in (lambda: dev.create_stream(), lambda: dev.allocate(8), lambda: dev.allocate_host(8),
+                 lambda: s.record(), lambda: dev.create_worker_pool(1)):
+        with pytest.raises(RuntimeError, match="closed; create a new one"):
+            call()
+
+
+# -- sizes --------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("nbytes", [0, -1, -(1 << 40)])
+@pytest.mark.parametrize("what", ["allocate", "allocate_host"])
+def test_non_positive_sizes(dev, what, nbytes):
+    with pytest.raises(ValueError, match="positive number of bytes") as info:
+        getattr(dev, what)(nbytes)
+    assert str(nbytes) in str(info.value) and "at least 1 byte" in str(info.value)
+    assert dev.live().total == 0
+
+
+@pytest.mark.parametrize("nbytes", [1.5, "64", None, True])
+def test_sizes_must_be_ints(dev, nbytes):
+    with pytest.raises(TypeError, match="must be an int number of bytes"):
+        dev.allocate(nbytes)
+
+
+def test_numpy_int_sizes_are_fine(dev):
+    assert dev.allocate(np.int64(64)).nbytes == 64
+
+
+def test_register_host_needs_a_contiguous_array(dev):
+    with pytest.raises(ValueError, match="C-contiguous") as info:
+        dev.register_host(np.zeros((8, 8), np.float32)[:, ::2])
+    assert "ascontiguousarray" in str(info.value)
+    with pytest.raises(TypeError, match="numpy array"):
+        dev.register_host([1, 2, 3])
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        dev.register_host(np.zeros(0, np.float32))
+
+
+# -- copies ------------------------------------------------------------------------------------------------------------
+def test_copying_more_bytes_than_a_buffer_holds(dev):
+    s = dev.create_stream()
+    small, big = dev.allocate_host(64), dev.allocate(128)
+    with pytest.raises(ValueError, match="does not fit") as info:
+        s.copy(big, small, 100)
+    msg = str(info.value)
+    assert "100 bytes" in msg and "source holds 64" in msg and "destination 128" in msg and "at most" in msg
+    with pytest.raises(ValueError, match="does not fit"):
+        s.copy(small, big, 128)
+
+
+@pytest.mark.parametrize("n", [0, -8])
+def test_copying_no_bytes(dev, n):
+    s = dev.create_stream()
+    with pytest.raises(ValueError, match="copy at least 1 byte"):
+        s.copy(dev.allocate(8), dev.allocate_host(8), n)
+
+
+def test_copy_of_unequal_buffers_defaults_to_the_smaller(dev):
+    s = dev.create_stream()
+    h, d = dev.allocate_host(64), dev.allocate(32)
+    h.view(np.uint8, access="w")[:] = 5
+    s.copy(d, h)
+    back = dev.allocate_host(32)
+    s.copy(back, d)
+    s.sync()
+    assert (back.view(np.uint8, access="r") == 5).all()
+
+
+def test_a_failed_copy_records_nothing(dev):
+    s = dev.create_stream()
+    h, d = dev.allocate_host(8), dev.allocate(16)
+    with pytest.raises(ValueError):
+        s.copy(d, h, 16)
+    h.view(np.uint8, access="w")  # no pending access was left behind by the refused copy
+
+
+def test_copy_needs_buffers(dev):
+    s = dev.create_stream()
+    with pytest.raises(TypeError, match="expected a Buffer"):
+        s.copy(np.zeros(8, np.uint8), dev.allocate_host(8))
+
+
+# -- closed things ------------------------------------------------------------------------------------------------------
+def test_using_a_closed_buffer(dev):
+    s = dev.create_stream()
+    h, d = dev.allocate_host(8), dev.allocate(8)
+    d.close()
+    h2 = dev.allocate_host(8)
+    h2.close()
+    for call in (lambda: s.copy(d, h), lambda: s.copy(h, d), lambda: s.fill(d, 0), lambda: h2.view(np.uint8),
+                 lambda: d.slice(0, 4), lambda: d.array(np.uint8, 8),
+                 lambda: s.launch(lambda a: None, h.array(np.uint8, 8), reads=[d])):
+        with pytest.raises(RuntimeError, match="is closed; allocate a new buffer"):
+            call()
+
+
+def test_using_a_slice_of_a_buffer_closed_since(dev):
+    s = dev.create_stream()
+    d = dev.allocate(8)
+    part = d.slice(0, 4)
+    arr = d.array(np.uint8, 8)
+    d.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        s.fill(part, 0)
+    with pytest.raises(RuntimeError, match="closed"):
+        s.launch(lambda a: None, arr)
+
+
+def test_using_a_closed_stream(dev):
+    s = dev.create_stream()
+    e = s.record()
+    s.close()
+    h, d = dev.allocate_host(8), dev.allocate(8)
+    for call in (lambda: s.copy(d, h), lambda: s.record(), lambda: s.wait(e), lambda: s.fill(d, 0),
+                 lambda: s.launch(lambda a: None, d.array(np.uint8, 8)), lambda: d.close(stream=s),
+                 lambda: dev.allocate(8, stream=s)):
+        with pytest.raises(RuntimeError, match="is closed; create a new stream"):
+            call()
+    assert not d.closed
+
+
+def test_a_closed_stream_still_finishes_its_work(dev):
+    s = dev.create_stream()
+    h, d = dev.allocate_host(1000), dev.allocate(1000)
+    s.copy(d, h)
+    e = s.record()
+    s.close()
+    e.sync()
+    assert dev.now == pytest.approx(1e-6)
+
+
+def test_using_a_closed_pool(dev):
+    pool = dev.create_worker_pool(1)
+    pool.close()
+    with pytest.raises(RuntimeError, match="pool is closed; create a new one"):
+        pool.submit(lambda: None)
+
+
+def test_closing_everything_twice_is_harmless(dev):
+    s, h, d, pool = dev.create_stream(), dev.allocate_host(8), dev.allocate(8), dev.create_worker_pool(1)
+    d2 = dev.allocate(8)
+    for _ in range(2):
+        s.close()
+        h.close()
+        d.close()
+        d2.close(stream=None)
+        pool.close()
+    dev.close()
+    dev.close()
+    assert dev.live().total == 0
+
+
+# -- views ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw", [dict(count=17), dict(offset=60, count=2), dict(offset=68), dict(offset=-4),
+                                dict(count=-1)])
+def test_view_out_of_range(dev, kw):
+    h = dev.allocate_host(64)
+    with pytest.raises(ValueError, match="the buffer holds 64") as info:
+        h.view(np.float32, **kw)
+    assert "fewer items or a smaller offset" in str(info.value)
+
+
+def test_view_access_mode(dev):
+    h = dev.allocate_host(8)
+    with pytest.raises(ValueError, match="access must be 'r', 'w' or 'rw'"):
+        h.view(np.uint8, access="x")
+    v = h.view(np.uint8, access="r")
+    with pytest.raises(ValueError, match="read-only"):
+        v[0] = 1
+
+
+@pytest.mark.parametrize("offset,nbytes", [(-1, 4), (0, 9), (8, 1), (4, -1)])
+def test_slice_out_of_range(dev, offset, nbytes):
+    with pytest.raises(ValueError, match="outside") as info:
+        dev.allocate(8).slice(offset, nbytes)
+    assert "keep offset + nbytes within the buffer" in str(info.value)
+
+
+def test_array_larger_than_its_buffer(dev):
+    with pytest.raises(ValueError, match="outside"):
+        dev.allocate(16).array(np.float32, 5)
+
+
+# -- launches, fills, waits ----------------------------------------------------------------------------------------------
+def test_launch_needs_a_callable(dev):
+    with pytest.raises(TypeError, match="callable"):
+        dev.create_stream().launch("not a function")
+
+
+def test_launch_takes_device_memory(dev):
+    h = dev.allocate_host(8)
+    with pytest.raises(ValueError, match="copy host data to a device buffer first"):
+        dev.create_stream().launch(lambda a: None, h.array(np.uint8, 8))
+
+
+def test_launch_takes_typed_arrays_not_raw_buffers(dev):
+    d = dev.allocate(8)
+    with pytest.raises(TypeError, match=r"buf.array\(dtype, shape\)"):
+        dev.create_stream().launch(lambda a: None, d)
+
+
+@pytest.mark.parametrize("seconds", [-1.0, float("nan"), float("inf")])
+def test_bad_sim_seconds(dev, seconds):
+    d = dev.allocate(8)
+    with pytest.raises(ValueError, match="finite number of seconds >= 0"):
+        dev.create_stream().launch(lambda a: None, d.array(np.uint8, 8), sim_seconds=seconds)
+    with pytest.raises(ValueError, match="finite number of seconds >= 0"):
+        dev.create_worker_pool(1).submit(lambda: None, sim_seconds=seconds)
+
+
+def test_bad_task_sizes_and_charges(dev):
+    pool = dev.create_worker_pool(1)
+    with pytest.raises(ValueError, match="int >= 0"):
+        pool.submit(lambda: None, nbytes=-1)
+    with pytest.raises(TypeError, match="callable"):
+        pool.submit(None)
+    t = pool.submit(lambda: charge(-1.0))
+    t.sync()
+    with pytest.raises(ValueError, match="finite number of seconds"):
+        t.result()
+
+
+@pytest.mark.parametrize("workers", [0, -2, 1.5, True, "4"])
+def test_bad_worker_counts(dev, workers):
+    with pytest.raises(ValueError, match="at least 1 worker"):
+        dev.create_worker_pool(workers)
+
+
+@pytest.mark.parametrize("byte", [-1, 256, 1000])
+def test_fill_byte_out_of_range(dev, byte):
+    with pytest.raises(ValueError, match=r"0\.\.255"):
+        dev.create_stream().fill(dev.allocate(8), byte)
+
+
+@pytest.mark.parametrize("priority", [1, -6, 100])
+def test_stream_priority_out_of_range(dev, priority):
+    with pytest.raises(ValueError, match=r"outside the device's range \[-5 \(highest\), 0 \(lowest\)\]"):
+        dev.create_stream(priority=priority)
+
+
+def test_wait_takes_an_event(dev):
+    with pytest.raises(TypeError, match="SimEvent"):
+        dev.create_stream().wait("event")
+
+
+def test_wait_any_needs_something_to_wait_for(dev):
+    with pytest.raises(ValueError, match="at least one"):
+        dev.wait_any([])
+    with pytest.raises(TypeError, match="events and host tasks"):
+        dev.wait_any([object()])
+
+
+def test_elapsed_since_needs_done_timing_events(dev):
+    s = dev.create_stream()
+    a = s.record(timing=True)
+    s.launch(lambda x: None, dev.allocate(8).array(np.uint8, 8), sim_seconds=1.0)
+    b = s.record(timing=True)
+    with pytest.raises(RuntimeError, match="sync them first"):
+        b.elapsed_since(a)
+
+
+# -- objects of another device -----------------------------------------------------------------------------------------
+def test_buffers_of_another_device_are_refused(dev):
+    other = unit_device()
+    s = dev.create_stream()
+    mine_h, mine_d = dev.allocate_host(8), dev.allocate(8)
+    theirs_h, theirs_d = other.allocate_host(8), other.allocate(8)
+    for call in (lambda: s.copy(mine_d, theirs_h), lambda: s.copy(theirs_d, mine_h), lambda: s.fill(theirs_d, 0),
+                 lambda: s.launch(lambda a: None, theirs_d.array(np.uint8, 8)),
+                 lambda: s.launch(lambda a: None, mine_d.array(np.uint8, 8), reads=[theirs_d])):
+        with pytest.raises(ValueError, match="belongs to another device"):
+            call()
+
+
+def test_events_and_streams_of_another_device_are_refused(dev):
+    other = unit_device()
+    theirs = other.create_stream()
+    e = theirs.record()
+    with pytest.raises(ValueError, match="another device"):
+        dev.create_stream().wait(e)
+    with pytest.raises(ValueError, match="another device"):
+        dev.wait_any([e])
+    with pytest.raises(ValueError, match="stream of this device"):
+        dev.allocate(8, stream=theirs)
+    d = dev.allocate(8)
+    with pytest.raises(ValueError, match="stream of this buffer's device"):
+        d.close(stream=theirs)
+    assert not d.closed

@@ -1,0 +1,499 @@
+"""The happens-before checker on its own, with synthetic actor and buffer ids.
+
+Mirrors the cases of PyTorch's CUDA sanitizer tests (test/test_cuda_sanitizer.py,
+TestEventHandler) and adds releases, byte ranges, host threads and the error message; a
+hypothesis test compares the checker against a brute-force happens-before oracle.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ringflow import HazardError
+from ringflow.device.sim.hazard import Access, AccessKind, HappensBeforeChecker
+
+R, W, REL = AccessKind.READ, AccessKind.WRITE, AccessKind.RELEASE
+SIZE = 100  # bytes of every synthetic buffer
+
+
+def stream(i: int) -> tuple:
+    return ("stream", i)
+
+
+class Harness:
+    """The sanitizer's vocabulary on top of the checker: kernel launches, event record / wait."""
+
+    def __init__(self) -> None:
+        self.c = HappensBeforeChecker()
+        self.events: dict = {}
+
+    def actor(self, a) -> None:
+        self.c.add_actor(a, f"{a[0]} {a[1]}" if isinstance(a, tuple) else str(a))
+
+    def launch(self, s: int, read_only=(), read_write=(), ranges=None, op="kernel") -> None:
+        """One operation on stream ``s``: one tick, one access per buffer (as the sim does)."""
+        a = stream(s)
+        self.actor(a)
+        self.c.tick(a)
+        ranges = ranges or {}
+        for b in read_only:
+            lo, hi = ranges.get(b, (0, SIZE))
+            self.c.access(a, R, b, f"buffer {b}", lo, hi, op, tick=False)
+        for b in read_write:
+            lo, hi = ranges.get(b, (0, SIZE))
+            self.c.access(a, R, b, f"buffer {b}", lo, hi, op, tick=False)
+            self.c.access(a, W, b, f"buffer {b}", lo, hi, op, tick=False)
+
+    def good(self, s: int, read_only=(), read_write=(), **kw) -> None:
+        self.launch(s, read_only, read_write, **kw)
+
+    def bad(self, s: int, read_only=(), read_write=(), **kw) -> HazardError:
+        with pytest.raises(HazardError) as info:
+            self.launch(s, read_only, read_write, **kw)
+        return info.value
+
+    def record(self, e: int, s: int) -> None:
+        self.actor(stream(s))
+        self.c.tick(stream(s))
+        self.events[e] = self.c.snapshot(stream(s))
+
+    def wait(self, e: int, s: int) -> None:
+        self.actor(stream(s))
+        self.c.merge(stream(s), self.events.get(e, {}))  # a never-recorded event carries nothing
+
+
+@pytest.fixture
+def h() -> Harness:
+    return Harness()
+
+
+# -- the sanitizer's cases ----------------------------------------------------------------------
+def test_empty_kernel_launch(h):
+    h.good(0)
+
+
+def test_read_after_read_on_two_streams_is_fine(h):
+    h.good(1, read_only=[1])
+    h.good(2, read_only=[1])
+
+
+def test_write_after_read_unsynchronised(h):
+    h.good(1, read_only=[1])
+    h.bad(2, read_write=[1])
+
+
+def test_read_after_write_unsynchronised(h):
+    h.good(1, read_write=[1])
+    h.bad(2, read_only=[1])
+
+
+def test_write_after_write_unsynchronised(h):
+    h.good(1, read_write=[1])
+    h.bad(2, read_write=[1])
+
+
+@pytest.mark.parametrize("first,second", [("r", "w"), ("w", "r"), ("w", "w")])
+def test_record_then_wait_orders_each_conflict(h, first, second):
+    h.good(1, **({"read_only": [1]} if first == "r" else {"read_write": [1]}))
+    h.record(0, 1)
+    h.wait(0, 2)
+    h.good(2, **({"read_only": [1]} if second == "r" else {"read_write": [1]}))
+
+
+def test_same_stream_is_program_ordered(h):
+    h.good(1, read_write=[1])
+    h.good(1, read_only=[1])
+    h.good(1, read_write=[1])
+
+
+def test_reads_check_last_write(h):
+    # not only the first read after a write is checked against it: every later one is
+    h.good(1, read_write=[1])
+    h.record(0, 1)
+    h.wait(0, 2)
+    h.good(2, read_only=[1])
+    h.bad(3, read_only=[1])
+
+
+def test_branch_sync(h):
+    # two streams may read after both wait for a third, but neither may then write
+    h.good(1, read_write=[1])
+    h.record(0, 1)
+    h.wait(0, 2)
+    h.wait(0, 3)
+    h.good(2, read_only=[1])
+    h.good(3, read_only=[1])
+    h.bad(2, read_write=[1])
+
+
+def test_chain_sync_through_ten_streams(h):
+    h.good(0, read_only=[1])
+    for i in range(10):
+        h.record(i, i)
+        h.wait(i, i + 1)
+    h.good(10, read_write=[1])
+
+
+def test_chain_with_one_link_missing_is_caught(h):
+    h.good(0, read_only=[1])
+    for i in range(10):
+        if i != 6:
+            h.record(i, i)
+            h.wait(i, i + 1)
+    h.bad(10, read_write=[1])
+
+
+def test_expired_record(h):
+    # the event was recorded before the access it was meant to order
+    h.good(1, read_only=[1])
+    h.record(0, 1)
+    h.good(1, read_only=[1])
+    h.wait(0, 2)
+    h.bad(2, read_write=[1])
+
+
+def test_expired_record_of_a_write(h):
+    h.record(0, 1)
+    h.good(1, read_write=[1])
+    h.wait(0, 2)
+    h.bad(2, read_only=[1])
+
+
+def test_wait_on_a_never_recorded_event_orders_nothing(h):
+    # the sanitizer's "deleted record": an event with no record carries no ordering
+    h.good(1, read_only=[1])
+    h.wait(99, 2)
+    h.bad(2, read_write=[1])
+
+
+def test_all_reads_checked_failing(h):
+    for i in range(1, 11):
+        h.good(i, read_only=[1])
+        h.record(i, i)
+    for i in range(1, 10):  # stream 10's read is not waited for
+        h.wait(i, 0)
+    err = h.bad(0, read_write=[1])
+    assert err.first.actor == stream(10)
+
+
+def test_all_reads_checked_passing(h):
+    for i in range(1, 10):
+        h.good(i, read_only=[1])
+        h.record(i, i)
+    for i in range(1, 10):
+        h.wait(i, 0)
+    h.good(0, read_write=[1])
+
+
+def test_correct_state_merging(h):
+    # after a wait a stream's clock is the pointwise max of its own and the event's
+    h.good(1, read_write=[1])
+    h.good(2, read_write=[2])
+    h.record(1, 1)
+    h.record(2, 2)
+    h.good(1, read_write=[1])
+    h.good(2, read_write=[2])
+    h.wait(1, 2)
+    h.wait(2, 1)
+    h.record(3, 2)
+    h.wait(3, 1)
+    h.good(1, read_write=[1, 2])
+
+
+def test_record_override(h):
+    # re-recording an event replaces what it carries
+    h.good(1, read_only=[1])
+    h.good(2, read_only=[2])
+    h.record(1, 1)
+    h.record(1, 2)
+    h.wait(1, 3)
+    h.bad(3, read_write=[1])
+
+
+def test_multiple_wait(h):
+    h.good(1, read_write=[1])
+    h.record(1, 1)
+    h.wait(1, 2)
+    h.wait(1, 3)
+    h.good(2, read_only=[1])
+    h.good(3, read_only=[1])
+
+
+def test_diamond(h):
+    # 0 writes; 1 and 2 each fix up half after waiting on 0; 3 reads all after waiting on both
+    h.good(0, read_write=[1])
+    h.record(0, 0)
+    h.wait(0, 1)
+    h.wait(0, 2)
+    h.good(1, read_write=[1], ranges={1: (0, 50)})
+    h.good(2, read_write=[1], ranges={1: (50, 100)})
+    h.record(1, 1)
+    h.record(2, 2)
+    h.wait(1, 3)
+    h.wait(2, 3)
+    h.good(3, read_write=[1])
+
+
+def test_diamond_missing_one_side(h):
+    h.good(0, read_write=[1])
+    h.record(0, 0)
+    h.wait(0, 1)
+    h.wait(0, 2)
+    h.good(1, read_write=[1], ranges={1: (0, 50)})
+    h.good(2, read_write=[1], ranges={1: (50, 100)})
+    h.record(1, 1)
+    h.wait(1, 3)
+    err = h.bad(3, read_only=[1])
+    assert err.first.actor == stream(2) and (err.first.start, err.first.end) == (50, 100)
+
+
+def test_transitive_order_through_an_intermediate_stream(h):
+    # 1 writes; 2 waits on 1 (touching nothing); 3 waits on 2: 3 is ordered after 1
+    h.good(1, read_write=[1])
+    h.record(1, 1)
+    h.wait(1, 2)
+    h.record(2, 2)
+    h.wait(2, 3)
+    h.good(3, read_write=[1])
+
+
+# -- byte ranges ---------------------------------------------------------------------------------
+def test_disjoint_ranges_do_not_conflict(h):
+    h.good(1, read_write=[1], ranges={1: (0, 50)})
+    h.good(2, read_write=[1], ranges={1: (50, 100)})
+
+
+def test_partial_overlap_conflicts(h):
+    h.good(1, read_write=[1], ranges={1: (0, 51)})
+    err = h.bad(2, read_only=[1], ranges={1: (50, 100)})
+    assert (err.first.start, err.first.end, err.second.start, err.second.end) == (0, 51, 50, 100)
+
+
+def test_different_buffers_do_not_conflict(h):
+    h.good(1, read_write=[1])
+    h.good(2, read_write=[2])
+
+
+def test_empty_range_touches_nothing(h):
+    h.good(1, read_write=[1])
+    h.good(2, read_write=[1], ranges={1: (10, 10)})
+
+
+def test_a_covering_write_keeps_older_conflicts_visible(h):
+    # stream 2's write of [0,100) is ordered after stream 1's read of [0,50) and supersedes it;
+    # stream 3 must still be caught (now against stream 2's write)
+    h.good(1, read_only=[1], ranges={1: (0, 50)})
+    h.record(1, 1)
+    h.wait(1, 2)
+    h.good(2, read_write=[1])
+    err = h.bad(3, read_only=[1], ranges={1: (0, 10)})
+    assert err.first.actor == stream(2)
+
+
+def test_a_write_covering_only_part_of_an_older_one_keeps_the_rest_visible(h):
+    h.good(1, read_write=[1], ranges={1: (0, 60)})
+    h.record(1, 1)
+    h.wait(1, 2)
+    h.good(2, read_write=[1], ranges={1: (50, 100)})  # ordered after stream 1, covers only [50, 100)
+    err = h.bad(3, read_only=[1], ranges={1: (0, 10)})
+    assert err.first.actor == stream(1) and (err.first.start, err.first.end) == (0, 60)
+
+
+def test_merge_takes_the_pointwise_maximum():
+    from ringflow.device.sim.hazard import merge_into
+
+    target = {"a": 3, "b": 1}
+    merge_into(target, {"a": 2, "b": 2, "c": 5})
+    assert target == {"a": 3, "b": 2, "c": 5}
+
+
+def test_reads_of_other_streams_are_not_superseded(h):
+    h.good(1, read_only=[1])
+    h.good(2, read_only=[1])  # a second reader does not hide the first
+    h.record(2, 2)
+    h.wait(2, 3)
+    err = h.bad(3, read_write=[1])
+    assert err.first.actor == stream(1)
+
+
+# -- releases ----------------------------------------------------------------------------------
+def test_release_conflicts_with_an_unordered_read(h):
+    h.good(1, read_only=[1])
+    h.actor("host")
+    with pytest.raises(HazardError, match="release"):
+        h.c.access("host", REL, 1, "buffer 1", 0, SIZE, "free")
+
+
+def test_release_conflicts_with_earlier_accesses_that_were_superseded_in_range(h):
+    # the release covers everything, even ranges no single access covered
+    h.good(1, read_only=[1], ranges={1: (90, 100)})
+    h.actor("host")
+    with pytest.raises(HazardError):
+        h.c.access("host", REL, 1, "buffer 1", 0, SIZE, "free")
+
+
+def test_release_after_sync_is_fine_and_forgets_history(h):
+    h.good(1, read_write=[1])
+    h.record(1, 1)
+    h.actor("host")
+    h.c.merge("host", h.events[1])
+    h.c.access("host", REL, 1, "buffer 1", 0, SIZE, "free")
+    assert h.c.live_buffers() == 0
+    h.good(2, read_write=[1])  # a new buffer under the same id starts clean
+
+
+def test_stream_ordered_release_on_the_reading_stream(h):
+    h.good(1, read_only=[1])
+    h.c.access(stream(1), REL, 1, "buffer 1", 0, SIZE, "free on stream 1")
+
+
+def test_stream_ordered_release_on_another_stream_needs_a_wait(h):
+    h.good(1, read_only=[1])
+    h.actor(stream(2))
+    with pytest.raises(HazardError):
+        h.c.access(stream(2), REL, 1, "buffer 1", 0, SIZE, "free on stream 2")
+
+
+# -- host actors ---------------------------------------------------------------------------------
+def test_host_sync_merges_like_a_wait(h):
+    h.good(1, read_write=[1])
+    h.record(1, 1)
+    h.actor("host")
+    with pytest.raises(HazardError):
+        h.c.access("host", R, 1, "buffer 1", 0, SIZE, "host read")
+    h.c.merge("host", h.events[1])
+    h.c.access("host", R, 1, "buffer 1", 0, SIZE, "host read")
+
+
+def test_unknown_actor_is_refused():
+    c = HappensBeforeChecker()
+    with pytest.raises(KeyError, match="add_actor"):
+        c.access("nobody", R, 1, "b", 0, 1, "read")
+
+
+# -- the error -----------------------------------------------------------------------------------
+def test_hazard_error_names_both_accesses():
+    c = HappensBeforeChecker()
+    c.add_actor(stream(1), "stream 1")
+    c.add_actor(stream(2), "stream 2")
+    c.access(stream(1), W, "b7", "device buffer #7", 16, 48, "copy h2d 32 B")
+    with pytest.raises(HazardError) as info:
+        c.access(stream(2), R, "b7", "device buffer #7", 0, 32, "launch scale")
+    err, msg = info.value, str(info.value)
+    for part in ("copy h2d 32 B", "launch scale", "stream 1", "stream 2", "device buffer #7", "[16, 48)", "[0, 32)",
+                 "write", "read"):
+        assert part in msg, (part, msg)
+    assert "wait" in msg  # says what to change
+    assert isinstance(err.first, Access) and isinstance(err.second, Access)
+    assert (err.first.op, err.first.kind, err.first.actor) == ("copy h2d 32 B", W, stream(1))
+    assert (err.second.op, err.second.kind, err.second.actor) == ("launch scale", R, stream(2))
+
+
+def test_checked_counts_every_access(h):
+    before = h.c.checked
+    h.good(1, read_only=[1, 2], read_write=[3])
+    assert h.c.checked - before == 4  # two reads, then a read and a write of buffer 3
+
+
+# -- differential test against a brute-force oracle -----------------------------------------------
+# The oracle keeps, per actor, the set of every operation that happened before its current point
+# (no vector clocks, no pruning); an access is a hazard iff some earlier conflicting access of
+# the same buffer is not in that set. The checker must raise at exactly the first such access.
+
+ACTORS = [stream(0), stream(1), stream(2), "host"]
+BUFS = [1, 1, 1, 2]  # mostly one buffer, so conflicts are common
+rng_st = st.tuples(st.integers(0, 3), st.integers(1, 3)).map(lambda t: (t[0] * 8, min(32, t[0] * 8 + t[1] * 8)))
+step_st = st.one_of(
+    st.tuples(st.just("access"), st.sampled_from(ACTORS), st.sampled_from([R, W]), st.sampled_from(BUFS), rng_st),
+    st.tuples(st.just("launch"), st.sampled_from(ACTORS[:3]), st.sampled_from(BUFS), rng_st, st.sampled_from(BUFS),
+              rng_st),
+    st.tuples(st.just("record"), st.sampled_from(ACTORS)),
+    st.tuples(st.just("wait"), st.sampled_from(ACTORS), st.integers(0, 50)),
+    st.tuples(st.just("wait"), st.sampled_from(ACTORS), st.integers(0, 50)),  # twice: waits are common
+    st.tuples(st.just("release"), st.sampled_from(ACTORS), st.sampled_from(BUFS)),
+)
+
+
+class Oracle:
+    def __init__(self) -> None:
+        self.known = {a: set() for a in ACTORS}
+        self.history: dict = {b: [] for b in BUFS}  # (op_id, actor, kind, lo, hi)
+        self.next_id = 0
+
+    def op(self, actor) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def hazard(self, op_id, actor, kind, buf, lo, hi) -> bool:
+        for (pid, pactor, pkind, plo, phi) in self.history[buf]:
+            if pid == op_id or pid in self.known[actor]:
+                continue
+            if plo < hi and lo < phi and (pkind is not R or kind is not R):
+                return True
+        return False
+
+    def add(self, op_id, actor, kind, buf, lo, hi) -> None:
+        self.history[buf].append((op_id, actor, kind, lo, hi))
+
+    def done(self, op_id, actor) -> None:
+        self.known[actor].add(op_id)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(step_st, min_size=1, max_size=40))
+def test_checker_matches_brute_force_oracle(steps):
+    c = HappensBeforeChecker()
+    for a in ACTORS:
+        c.add_actor(a, str(a))
+    o = Oracle()
+    events: list = []  # (vector clock snapshot, oracle known set)
+    for step in steps:
+        kind = step[0]
+        if kind in ("access", "launch", "release"):
+            if kind == "access":
+                _, actor, k, buf, (lo, hi) = step
+                accesses = [(k, buf, lo, hi)]
+            elif kind == "launch":
+                _, actor, b1, (lo1, hi1), b2, (lo2, hi2) = step
+                accesses = [(R, b1, lo1, hi1), (W, b2, lo2, hi2)]
+            else:
+                _, actor, buf = step
+                accesses = [(REL, buf, 0, SIZE)]
+            op_id = o.op(actor)
+            expect = False
+            for (k, buf, lo, hi) in accesses:
+                if o.hazard(op_id, actor, k, buf, lo, hi):
+                    expect = True
+                    break
+                o.add(op_id, actor, k, buf, lo, hi)
+            c.tick(actor)
+            if expect:
+                with pytest.raises(HazardError) as info:
+                    for (k, buf, lo, hi) in accesses:
+                        c.access(actor, k, buf, str(buf), lo, hi, kind, tick=False)
+                err = info.value
+                # the pair it names really is unordered and conflicting
+                assert err.second.actor == actor and err.first.actor != actor
+                assert err.first.overlaps(err.second)
+                assert err.first.kind.writes or err.second.kind.writes
+                return
+            for (k, buf, lo, hi) in accesses:
+                c.access(actor, k, buf, str(buf), lo, hi, kind, tick=False)
+            o.done(op_id, actor)
+            if kind == "release":
+                o.history[accesses[0][1]] = []
+        elif kind == "record":
+            _, actor = step
+            c.tick(actor)
+            op_id = o.op(actor)
+            o.done(op_id, actor)
+            events.append((c.snapshot(actor), frozenset(o.known[actor])))
+        else:
+            _, actor, idx = step
+            if not events:
+                continue
+            snap, known = events[idx % len(events)]
+            c.merge(actor, snap)
+            o.known[actor] |= known

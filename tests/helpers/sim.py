@@ -1,0 +1,42 @@
+"""Small helpers for tests of the simulated GPU: devices, timelines, profiles."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ringflow as rf
+from ringflow.device.sim.profile import UNIT_TEST, SimProfile
+
+
+def unit_device(**options: Any):
+    """A sim device on the ``unit`` profile: 1 GB/s copies, 10 GB/s device memory, no host
+    overheads, so expected virtual times can be computed by hand."""
+    return rf.device("sim", profile="unit", **options)
+
+
+def slowed(stage: str, factor: float = 4.0, base: SimProfile = UNIT_TEST) -> SimProfile:
+    """``base`` with one copy direction ``factor`` times slower ('h2d' or 'd2h'), for tests that
+    need that stage to be the bottleneck."""
+    if stage not in ("h2d", "d2h"):
+        raise ValueError(f"slowed() slows 'h2d' or 'd2h', got {stage!r}")
+    curve = getattr(base, f"{stage}_curve")
+    return dataclasses.replace(base, name=f"{base.name}-slow-{stage}",
+                               **{f"{stage}_curve": tuple((n, gbps / factor) for n, gbps in curve)})
+
+
+class Timeline:
+    """Collects every op as it completes (``dev.add_op_observer``)."""
+
+    def __init__(self, dev: Any):
+        self.ops: list = []
+        dev.add_op_observer(self.ops.append)
+
+    def rows(self) -> list[tuple[int, str, float, float]]:
+        """(queue, label, started_at, done_at) of each completed op, in completion order. Queues are
+        numbered by first appearance, so two devices' runs compare equal whatever their stream ids."""
+        number: dict = {}
+        return [(number.setdefault(op.queue, len(number)), op.label, op.started_at, op.done_at) for op in self.ops]
+
+    def of(self, prefix: str) -> list:
+        return [op for op in self.ops if op.label.startswith(prefix)]
