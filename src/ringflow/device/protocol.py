@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 import warnings
 from typing import Any, Callable, Iterable, Sequence
 
@@ -112,7 +113,7 @@ class Buffer(abc.ABC):
         """A typed view of this buffer's bytes to pass to :meth:`Stream.launch`."""
         dtype = np.dtype(dtype)
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         return ArrayArg(self.slice(offset, nbytes), dtype, shape)
 
     @abc.abstractmethod

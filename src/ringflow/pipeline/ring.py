@@ -47,6 +47,7 @@ class Ring:
         self.slots = [Slot(self, i, buffer.slice(i * slot_bytes, min(slot_bytes, buffer.nbytes - i * slot_bytes)))
                       for i in range(count)]
         self._free: collections.deque[Slot] = collections.deque(self.slots)
+        self.busy: dict[int, Slot] = {}  # slot index -> slot, for the slots not FREE
         self._legal = LEGAL_SLOT_TRANSITIONS[kind]
         self.high_water = 0  # most slots busy at once
         self._hook = hook
@@ -67,7 +68,8 @@ class Ring:
         if not self._free:
             return None
         slot = self._free.popleft()
-        self.high_water = max(self.high_water, len(self.slots) - len(self._free))
+        self.busy[slot.index] = slot
+        self.high_water = max(self.high_water, len(self.busy))
         slot.owner = owner
         self.move(slot, state)
         return slot
@@ -84,6 +86,7 @@ class Ring:
     def release(self, slot: Slot) -> None:
         """Back to FREE. The caller has observed every event that used the slot complete."""
         self.move(slot, SlotState.FREE)
+        del self.busy[slot.index]
         slot.owner = None
         slot.fence = None
         self._free.append(slot)

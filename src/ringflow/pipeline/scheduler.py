@@ -206,7 +206,7 @@ class Scheduler:
         return progressed
 
     def pending_fences(self) -> list:
-        fences = [s.fence for ring in self._rings for s in ring.slots if s.fence is not None]
+        fences = [s.fence for ring in self._rings for s in ring.busy.values() if s.fence is not None]
         return fences + [c.consume_task for c in self._loose_tasks]
 
     def run_until(self, done: Callable[[], bool], timeout: float | None = None) -> None:
@@ -237,7 +237,7 @@ class Scheduler:
     def _observe(self) -> bool:
         progressed = False
         for ring in self._rings:
-            for slot in ring.slots:
+            for slot in list(ring.busy.values()):
                 fence = slot.fence
                 if fence is None or not fence.is_done:
                     continue
@@ -319,6 +319,14 @@ class Scheduler:
             chunk.host_in = slot
             chunk.move(ChunkState.PREPARING)
             chunk.stamps["prepare"] = [self.device.now, None]
+            if self.host_in.external:
+                # the caller's pinned memory already holds the chunk: describing it is a few
+                # microseconds of Python, cheaper inline than a round trip through the pool
+                chunk.prepare_task = _InlineTask(self.device, self._run_fill, chunk, slot.where)
+                self._h2d_q.append(chunk)
+                self._on_prepared(chunk)
+                progressed = True
+                continue
             chunk.prepare_task = self.pool.submit(self._run_fill, chunk, slot.where,
                                                   nbytes=self.item_nbytes(chunk.item))
             slot.fence = chunk.prepare_task
@@ -332,7 +340,7 @@ class Scheduler:
             where.buffer.view(np.uint8, offset=where.offset, count=where.nbytes, access="w")
         shape, dtype = self.fill(chunk.item, raw)
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > where.nbytes:
             raise ValueError(f"prepare produced {nbytes} bytes but a slot holds {where.nbytes}; "
                              f"raise chunk_bytes to at least {nbytes} or split the item")
@@ -353,9 +361,12 @@ class Scheduler:
         self.host_out.move(slot, SlotState.CONSUMING)
         chunk.move(ChunkState.CONSUMING)
         chunk.stamps["consume"] = [self.device.now, None]
-        # an external host-out ring already holds the result: the consumer copies nothing
-        nbytes = 0 if self.host_out.external else chunk.nbytes
-        chunk.consume_task = self.pool.submit(self._run_drain, chunk, slot.where, nbytes=nbytes)
+        if self.host_out.external and "host_out.release_after_consume" not in self._guard_off:
+            # the result is already in the caller's memory: the consumer copies nothing
+            chunk.consume_task = _InlineTask(self.device, self._run_drain, chunk, slot.where)
+            self._on_consumed(chunk)
+            return
+        chunk.consume_task = self.pool.submit(self._run_drain, chunk, slot.where, nbytes=chunk.nbytes)
         if "host_out.release_after_consume" in self._guard_off:
             self.host_out.release(slot)  # the fault under test: freed while the consumer reads
             chunk.host_out = None
@@ -364,7 +375,7 @@ class Scheduler:
             slot.fence = chunk.consume_task
 
     def _run_drain(self, chunk: Chunk, where: BufferSlice) -> Any:
-        count = int(np.prod(chunk.shape, dtype=np.int64))
+        count = math.prod(chunk.shape)
         view = where.buffer.view(chunk.dtype, offset=where.offset, count=count, access="r").reshape(chunk.shape)
         return self.drain(chunk.index, chunk.item, view)
 
@@ -554,7 +565,7 @@ class Scheduler:
     def _maybe_end(self, chunk: Chunk) -> None:
         if chunk.state is not ChunkState.DRAINING:
             return
-        if any(s.owner == chunk.index and s.state is not SlotState.FREE for r in self._rings for s in r.slots):
+        if any(s.owner == chunk.index for r in self._rings for s in r.busy.values()):
             return
         self._end(chunk, chunk.ending)
 
@@ -607,10 +618,11 @@ class Scheduler:
         self.broken = err
         self.accepting = False
         for chunk in sorted(self.chunks.values(), key=lambda c: c.index):
+            if chunk.state is ChunkState.DRAINING:
+                continue  # already failing (its own StageError) or cancelled: it keeps that ending
             chunk.error = err
             chunk.ending = ChunkState.FAILED
-            if chunk.state is not ChunkState.DRAINING:
-                chunk.move(ChunkState.DRAINING)
+            chunk.move(ChunkState.DRAINING)
         for ring in self._rings:
             for slot in ring.slots:
                 slot.fence = None
@@ -621,10 +633,30 @@ class Scheduler:
         for q in (self._accepted_q, self._h2d_q, self._compute_q, self._d2h_q):
             q.clear()
         for chunk in sorted(self.chunks.values(), key=lambda c: c.index):
-            self._end(chunk, ChunkState.FAILED)
+            self._end(chunk, chunk.ending)
 
     def close(self) -> None:
         self._release_resources()
+
+
+class _InlineTask:
+    """A host stage run at once on the scheduler's thread, shaped like a finished HostTask."""
+
+    is_done = True
+
+    def __init__(self, device, fn, *args):
+        start = device.now
+        self._value = self._exc = None
+        try:
+            self._value = fn(*args)
+        except Exception as exc:  # noqa: BLE001 - delivered by result(), as a pool task's would be
+            self._exc = exc
+        self.span = (start, device.now)
+
+    def result(self):
+        if self._exc is not None:
+            raise self._exc
+        return self._value
 
 
 class _Syncer:
