@@ -6,11 +6,13 @@ and GPU stages on three streams. Two rules make it correct:
 * **Hand-offs by events.** After each GPU operation an event is recorded; the next stage's
   stream waits on it (never the device); the CPU learns of completion only by querying that
   event (or the host task), never by time or a successful enqueue.
-* **A slot is freed only by the completion of its fence.** Every busy slot holds the event or
-  host task after which its current owner is done with it (``Slot.fence``). One polling loop
-  (:meth:`Scheduler._observe`) finds completed fences and calls the handler for the slot's
-  ring and state; that is the only place slots go back to FREE, on success, failure and
-  cancellation alike.
+* **A slot is reused only after its last use completed.** A host slot (which the CPU fills or
+  reads) holds the event or host task after which its owner is done with it (``Slot.fence``);
+  one polling loop (:meth:`Scheduler._observe`) finds completed fences and calls the handler
+  for the slot's ring and state: only there do host slots go back to FREE, on success,
+  failure and cancellation alike. A device slot goes back to FREE when its last operation is
+  *enqueued*, carrying that operation's event as ``Slot.ready``; the next owner's stream
+  waits on it before touching the slot, so the GPU orders the reuse without a host round trip.
 
 The GPU chain of a chunk is enqueued as early as slots allow (h2d, then compute as soon as a
 device-out slot is free, then d2h as soon as a host-out slot is free), so the streams stay
@@ -265,15 +267,8 @@ class Scheduler:
             self._on_prepared(chunk)
         elif kind is RingKind.HOST_IN and state is SlotState.COPYING_IN:
             self._free(ring, slot)
-        elif kind in (RingKind.DEVICE_IN, RingKind.DEVICE_INPLACE) and state is SlotState.COMPUTING:
-            if self._compute_failed(chunk):
-                return
-            if kind is RingKind.DEVICE_IN:
-                self._free(ring, slot)
-        elif kind is RingKind.DEVICE_OUT and state is SlotState.COPYING_OUT:
-            self._free(ring, slot)
-        elif kind is RingKind.DEVICE_INPLACE and state is SlotState.COPYING_OUT:
-            self._free(ring, slot)
+        elif kind in (RingKind.DEVICE_OUT, RingKind.DEVICE_INPLACE) and state is SlotState.COMPUTING:
+            self._compute_failed(chunk)  # fail early; the slot itself is handed back at d2h enqueue
         elif kind is RingKind.HOST_OUT and state is SlotState.COPYING_OUT:
             if not self._compute_failed(chunk):
                 self._start_consume(chunk)
@@ -299,6 +294,27 @@ class Scheduler:
         else:
             self.poison_stream.fill(where, POISON_BYTE)
             slot.ready = self.poison_stream.record()
+
+    def _release_on_device(self, ring: Ring, slot: Slot, last_use, guard: str) -> None:
+        """Hand a device slot back as soon as its last operation is enqueued.
+
+        The slot's next owner does not wait for the host to see ``last_use`` complete: its first
+        stream operation waits on the slot's ``ready`` event (``last_use``, or the poison fill
+        ordered after it in checked mode), so the GPU orders the reuse and the host stays out
+        of the loop between chunks, as the stream-ordered allocator does. With ``guard``
+        switched off (tests only) the slot is handed back with no ordering: the poison fill
+        and the next owner may then overwrite it while ``last_use`` still reads it."""
+        ordered = guard not in self._guard_off
+        if self.config.checked:
+            ring.move(slot, SlotState.DRAINING)
+            if ordered:
+                self.poison_stream.wait(last_use)
+            self.poison_stream.fill(slot.where, POISON_BYTE)
+            ready = self.poison_stream.record()
+        else:
+            ready = last_use if ordered else None
+        ring.release(slot)
+        slot.ready = ready
 
     def _wait_ready(self, stream, slot: Slot, guard: str) -> None:
         ready = slot.ready
@@ -368,7 +384,7 @@ class Scheduler:
             return
         chunk.consume_task = self.pool.submit(self._run_drain, chunk, slot.where, nbytes=chunk.nbytes)
         if "host_out.release_after_consume" in self._guard_off:
-            self.host_out.release(slot)  # the fault under test: freed while the consumer reads
+            self._free(self.host_out, slot)  # the fault under test: freed (poisoned) while the consumer reads
             chunk.host_out = None
             self._loose_tasks.append(chunk)
         else:
@@ -414,7 +430,7 @@ class Scheduler:
             self.host_in.move(chunk.host_in, SlotState.COPYING_IN)
             chunk.h2d_event = event
             if "host_in.release_after_h2d" in self._guard_off:
-                self.host_in.release(chunk.host_in)
+                self._free(self.host_in, chunk.host_in)  # the fault under test: freed before its H2D ran
             else:
                 chunk.host_in.fence = event
             slot.fence = event
@@ -464,10 +480,8 @@ class Scheduler:
             event = self._mark(chunk, s, "compute")
             chunk.stamps["compute.enqueued"] = self.device.now
             chunk.compute_event = event
-            if "device_in.release_after_compute" in self._guard_off and self.dev_out is not None:
-                self.dev_in.release(chunk.dev_in)
-            else:
-                chunk.dev_in.fence = event
+            if self.dev_out is not None:
+                self._release_on_device(self.dev_in, chunk.dev_in, event, "device_in.release_after_compute")
             out_slot.fence = event
             self._d2h_q.append(chunk)
             progressed = True
@@ -494,10 +508,7 @@ class Scheduler:
             event = self._mark(chunk, s, "d2h")
             chunk.stamps["d2h.enqueued"] = self.device.now
             chunk.d2h_event = event
-            if "device_out.release_after_d2h" in self._guard_off:
-                ring_out.release(chunk.dev_out)
-            else:
-                chunk.dev_out.fence = event
+            self._release_on_device(ring_out, chunk.dev_out, event, "device_out.release_after_d2h")
             if "consume.after_d2h" in self._guard_off:
                 self._start_consume(chunk)
             else:
