@@ -168,10 +168,11 @@ def choose_host_strategy(profile: "str | SimProfile", nbytes_in: int, nbytes_out
     return HostStrategy("register" if register < stage else "stage", stage, register)
 
 
-# Host time the scheduler spends per chunk (enqueues, event queries, pool hand-offs) beyond the
-# profile's per-call overheads; a model parameter for choose_chunk_bytes, checked against the
-# scheduler's own measured host time per chunk in `ringflow bench` (see bench/results).
-SCHEDULER_S_PER_CHUNK = 40e-6
+# Host time the scheduler spends per chunk (enqueues, event queries, pool hand-offs): the
+# scheduler's own measured host time per chunk on the H200 host was 230-340 us with profiling
+# on (bench/results/bench-cuda-*.json, rows' host_us_per_chunk); a model parameter of
+# choose_chunk_bytes.
+SCHEDULER_S_PER_CHUNK = 250e-6
 
 
 @dataclasses.dataclass(frozen=True)

@@ -112,7 +112,8 @@ def table(res: dict[str, Any]):
             continue
         med = row.get("ms_median")
         notes = []
-        for k in ("efficiency", "ideal_ms", "p50_ms", "p99_ms", "p99_over_isolated", "bottleneck"):
+        for k in ("efficiency", "ideal_ms", "p50_ms", "p99_ms", "p99_over_isolated", "p99_slowdown_per_request",
+                  "bottleneck"):
             if k in row:
                 v = row[k]
                 notes.append(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}")
