@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..device.timing import time_events
 from . import kernels
 
 
@@ -19,16 +20,7 @@ def kernel_and_copy_ms(dev, chunk_bytes: int, repeats: int = 5) -> tuple[float, 
         arr = d.array(np.float32, n)
 
         def timed(enqueue) -> float:
-            enqueue()
-            s.sync()
-            out = []
-            for _ in range(repeats):
-                a = s.record(timing=True)
-                enqueue()
-                b = s.record(timing=True)
-                b.sync()
-                out.append(b.elapsed_since(a))
-            return float(np.median(out))
+            return float(np.median(time_events(s, enqueue, warmup=1, repeats=repeats)))
 
         copy = timed(lambda: s.copy(d, hb))
         k1 = timed(lambda: s.launch(kernels.affine(1), arr, arr, writes=[arr]))

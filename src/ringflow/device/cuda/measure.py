@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..timing import time_events
 from ._lib import check, core, driver
 from .device import CudaDevice
 from .stream import CudaStream
@@ -63,21 +64,6 @@ class Spin:
 
     def close(self) -> None:
         self.out.close()
-
-
-def time_events(stream: CudaStream, enqueue: Callable[[], None], warmup: int, repeats: int) -> list[float]:
-    """Seconds between timing events around ``enqueue()`` on one stream, each repeat synced."""
-    for _ in range(warmup):
-        enqueue()
-    stream.sync()
-    times = []
-    for _ in range(repeats):
-        e0 = stream.record(timing=True)
-        enqueue()
-        e1 = stream.record(timing=True)
-        e1.sync()
-        times.append(e1.elapsed_since(e0))
-    return times
 
 
 def time_together(s1: CudaStream, s2: CudaStream, spin: Spin, f1: Callable[[CudaStream], None],
