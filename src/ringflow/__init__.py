@@ -5,7 +5,8 @@ exactly one stage at a time.
 >>> dev = rf.device("sim")            # or "auto" / "cuda:0"
 """
 
-from .device import cuda_available, device
+from . import device  # the package is callable: rf.device("sim")
+from .device import cuda_available
 from .errors import DeviceError, HazardError, LaunchError, RingflowError, StageError
 from .pipeline import ChunkState, Pipeline, PipelineStats, SlotCounts, SlotState, stream_map
 

@@ -7,6 +7,7 @@ otherwise; ``"cuda:N"`` insists on a GPU; ``"sim"`` builds the simulator from a 
 from __future__ import annotations
 
 import re
+import sys
 
 from .protocol import (ArrayArg, Buffer, BufferSlice, Capabilities, Device, DeviceBuffer, Event, HostBuffer,
                        HostTask, LiveCounts, Stream, WorkerPool)
@@ -57,3 +58,14 @@ def device(spec: str = "auto", **options) -> Device:
 
         return CudaDevice(int(m.group(1) or 0), **options)
     raise ValueError(f"unknown device {spec!r}; use 'auto', 'cuda', 'cuda:N' (N = GPU index) or 'sim'")
+
+
+class _CallableModule(type(sys)):
+    """``ringflow.device`` is this package and the factory at once: ``rf.device("sim")`` calls
+    :func:`device`, while ``import ringflow.device.cuda`` and ``rf.device.Device`` still work."""
+
+    def __call__(self, spec: str = "auto", **options) -> Device:
+        return device(spec, **options)
+
+
+sys.modules[__name__].__class__ = _CallableModule
