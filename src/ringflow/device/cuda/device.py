@@ -7,6 +7,7 @@ including worker-pool threads. CuPy and PyTorch use the same primary context.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import threading
 import time
 import warnings
@@ -186,6 +187,9 @@ class CudaDevice(Device):
         start = now()
         deadline = None if timeout is None else start + timeout
         delay = _WAIT_FIRST_SLEEP_S
+        # with host tasks among them, block on their futures for a moment instead of yielding:
+        # a yield per poll makes 16 busy copy workers hand the GIL back and forth needlessly
+        futures = [w._future for w in waitables if isinstance(w, CudaHostTask)]
         while True:
             done = [w for w in waitables if w.is_done]
             if done:
@@ -194,7 +198,10 @@ class CudaDevice(Device):
             if deadline is not None and t >= deadline:
                 return []
             if t - start < _WAIT_SPIN_S:
-                time.sleep(0)  # yield the GIL to the workers, then poll again
+                if futures:
+                    cf.wait(futures, timeout=_WAIT_FIRST_SLEEP_S, return_when=cf.FIRST_COMPLETED)
+                else:
+                    time.sleep(0)  # yield the GIL to the workers, then poll again
                 continue
             step = delay if deadline is None else min(delay, deadline - t)
             time.sleep(max(0.0, step))
