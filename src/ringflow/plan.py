@@ -45,6 +45,7 @@ class StageTimes:
     consume: float
     workers: int = 1
     handoff: float = 0.0  # from an operation completing to the host enqueueing the next
+    scheduler: float = 0.0  # host time the scheduler thread spends per chunk (a resource too)
 
     def as_dict(self) -> dict[str, float]:
         return {s: getattr(self, s) for s in STAGES}
@@ -56,11 +57,12 @@ class StageTimes:
     @property
     def interval(self) -> float:
         """The steady interval between chunks: the slowest resource."""
-        return max(self.h2d, self.compute, self.d2h, self.cpu_interval)
+        return max(self.h2d, self.compute, self.d2h, self.cpu_interval, self.scheduler)
 
     @property
     def bottleneck(self) -> str:
-        options = {"h2d": self.h2d, "compute": self.compute, "d2h": self.d2h, "cpu (prepare+consume)": self.cpu_interval}
+        options = {"h2d": self.h2d, "compute": self.compute, "d2h": self.d2h, "cpu (prepare+consume)": self.cpu_interval,
+                   "scheduler (host)": self.scheduler}
         return max(options, key=options.get)
 
 
@@ -104,9 +106,8 @@ def ideal_total(times: StageTimes, n: int) -> float:
     ``max + (sum - max) / n`` multiplied by n."""
     if n <= 0:
         return 0.0
-    stages = [times.h2d, times.compute, times.d2h, times.cpu_interval]
-    first = times.prepare + times.h2d + times.compute + times.d2h + times.consume
-    return first + (n - 1) * max(stages)
+    first = times.scheduler + times.prepare + times.h2d + times.compute + times.d2h + times.consume
+    return first + (n - 1) * times.interval
 
 
 def model_stage_times(profile: "str | SimProfile", chunk_bytes: int, *, compute: Optional[float] = None,
@@ -175,6 +176,22 @@ def choose_host_strategy(profile: "str | SimProfile", nbytes_in: int, nbytes_out
 SCHEDULER_S_PER_CHUNK = 250e-6
 
 
+def predict_seconds(profile: "str | SimProfile", total_bytes: int, chunk_bytes: int, *,
+                    compute_s_per_byte: float = 0.0, workers: int = 1,
+                    host_stages: bool = True) -> tuple[StageTimes, float]:
+    """(per-chunk stage times, predicted wall seconds) of streaming ``total_bytes`` in chunks of
+    ``chunk_bytes``: the bound of the five stages plus the scheduler's host time per chunk as a
+    sixth resource (it overlaps the GPU until it becomes the bottleneck with small chunks).
+    With ``host_stages=False`` the copy engines use the caller's pinned memory (no staging)."""
+    p = get_profile(profile)
+    n = -(-total_bytes // chunk_bytes)
+    t = model_stage_times(p, chunk_bytes, compute=compute_s_per_byte * chunk_bytes, workers=workers)
+    t = dataclasses.replace(t, scheduler=SCHEDULER_S_PER_CHUNK)
+    if not host_stages:
+        t = dataclasses.replace(t, prepare=p.host_task_overhead_s, consume=p.host_task_overhead_s)
+    return t, ideal_total(t, n)
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkChoice:
     chunk_bytes: int
@@ -200,19 +217,17 @@ def choose_chunk_bytes(profile: "str | SimProfile", total_bytes: int, *, compute
     """
     if total_bytes <= 0:
         raise ValueError("total_bytes must be positive")
-    p = get_profile(profile)
     cands = candidates or [1 << k for k in range(16, 29)]
     rows = []
     for c in cands:
         c = max(align, (min(c, total_bytes) // align) * align)
         n = -(-total_bytes // c)
-        t = model_stage_times(p, c, compute=compute_s_per_byte * c, workers=workers)
-        if not host_stages:
-            t = dataclasses.replace(t, prepare=p.host_task_overhead_s, consume=p.host_task_overhead_s)
+        t, predicted = predict_seconds(profile, total_bytes, c, compute_s_per_byte=compute_s_per_byte,
+                                       workers=workers, host_stages=host_stages)
         plan = plan_slots(t)
         if pinned_budget is not None and host_stages and (plan.slots.host_in + plan.slots.host_out) * c > pinned_budget:
             continue
-        rows.append((c, n, ideal_total(t, n) + n * SCHEDULER_S_PER_CHUNK))
+        rows.append((c, n, predicted))
     if not rows:
         raise ValueError(f"no chunk size fits a pinned budget of {pinned_budget} bytes; raise the budget")
     best = min(rows, key=lambda r: (r[2], -r[0]))

@@ -29,13 +29,10 @@ def plan_command(args) -> int:
         chunk = choice.chunk_bytes
     else:
         chunk, choice = parse_bytes(args.chunk), None
-    t = plan.model_stage_times(args.profile, chunk, compute=per_byte * chunk, workers=args.workers)
-    if args.pinned:
-        p = plan.get_profile(args.profile)
-        t = plan.StageTimes(**{**t.__dict__, "prepare": p.host_task_overhead_s, "consume": p.host_task_overhead_s})
+    t, predicted = plan.predict_seconds(args.profile, total, chunk, compute_s_per_byte=per_byte,
+                                        workers=args.workers, host_stages=not args.pinned)
     slots = plan.plan_slots(t)
     n = -(-total // chunk)
-    predicted = plan.ideal_total(t, n) + n * plan.SCHEDULER_S_PER_CHUNK
     console = Console()
     table = Table(title=f"{args.bytes} in chunks of {chunk / 2**20:g} MiB x {n} on profile {args.profile}")
     table.add_column("what")

@@ -71,11 +71,21 @@ def test_chunk_choice_trades_transfer_efficiency_against_fill_and_drain():
     assert rows[64 << 10] > small.predicted_s  # tiny copies are slow (2.5 GB/s at 64 KiB)
     assert rows[256 << 20] > small.predicted_s  # one chunk: nothing overlaps
     budget = plan.choose_chunk_bytes("h200-pcie5", 1 << 30, workers=16, pinned_budget=64 << 20)
-    t = plan.model_stage_times("h200-pcie5", budget.chunk_bytes, workers=16)
+    t, _ = plan.predict_seconds("h200-pcie5", 1 << 30, budget.chunk_bytes, workers=16)
     slots = plan.plan_slots(t).slots
     assert (slots.host_in + slots.host_out) * budget.chunk_bytes <= 64 << 20
     with pytest.raises(ValueError, match="budget"):
         plan.choose_chunk_bytes("h200-pcie5", 1 << 30, workers=16, pinned_budget=1 << 10)
+
+
+def test_prediction_counts_the_scheduler_as_a_resource():
+    # 256 MiB in 64 KiB chunks: 4096 chunks of scheduler time dominate; in 16 MiB chunks the
+    # scheduler hides behind the copies
+    t_small, small = plan.predict_seconds("h200-pcie5", 256 << 20, 64 << 10, host_stages=False)
+    assert t_small.bottleneck == "scheduler (host)"
+    assert small >= 4096 * plan.SCHEDULER_S_PER_CHUNK
+    t_big, big = plan.predict_seconds("h200-pcie5", 256 << 20, 16 << 20, host_stages=False)
+    assert t_big.bottleneck in ("h2d", "d2h") and big < small
 
 
 def test_stream_map_auto_chunk_size():

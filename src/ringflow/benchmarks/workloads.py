@@ -170,11 +170,10 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
 
 
 def _predict(dev: Device, total: int, chunk: int, f) -> float:
-    prof = getattr(dev, "profile", "h200-pcie5")
-    t = plan.model_stage_times(prof, chunk, compute=f.sim_seconds(chunk))
-    p = plan.get_profile(prof)
-    t = plan.StageTimes(**{**t.__dict__, "prepare": p.host_task_overhead_s, "consume": p.host_task_overhead_s})
-    return plan.ideal_total(t, -(-total // chunk)) * 1e3
+    """The h200-pcie5 profile's prediction (ms) for the in-place pinned workload."""
+    _, seconds = plan.predict_seconds("h200-pcie5", total, chunk, compute_s_per_byte=f.sim_seconds(chunk) / chunk,
+                                      host_stages=False)
+    return seconds * 1e3
 
 
 def calibrate_iters(dev: Device, chunk_bytes: int, ratio: float) -> int:
