@@ -143,7 +143,16 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
                              efficiency=rep.ideal_s * 1e3 / timing.median_ms,
                              host_us_per_chunk=rep.host_overhead_per_chunk_s * 1e6,
                              stage_ms={k: v * 1e3 for k, v in rep.stage_median_s.items()},
-                             bottleneck=rep.bottleneck, predicted_ms=_predict(dev, n * 4, cb, f)))
+                             bottleneck=rep.bottleneck, predicted_ms=_predict(dev, n * 4, cb, f),
+                             prediction_error=_predict(dev, n * 4, cb, f) / timing.median_ms - 1))
+        # what profiling costs: the auto chunk size again with profile=True (timing events, records)
+        refill()
+        profiled = time_calls(lambda: dev.now, lambda: rf.stream_map(f, x, x, device=dev, chunk_bytes=auto.chunk_bytes,
+                                                                     x_buffer=hb, out_buffer=hb, inplace=True,
+                                                                     profile=True),
+                              warmup=1, repeats=repeats, before=refill)
+        rows.append(_row(f"ringflow {n * 4 // auto.chunk_bytes} chunks, profile=True", profiled,
+                         overhead_vs_unprofiled=profiled.median_ms / results[auto.chunk_bytes][0].median_ms - 1))
         if progress:
             progress(f"{name}: serial baseline")
         rows.append(serial_protocol_baseline(dev, f, x0, expected, repeats, sample, rtol))
