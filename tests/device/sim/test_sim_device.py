@@ -714,3 +714,20 @@ def test_fresh_device_memory_is_poisoned_when_checked(dev):
     s.copy(h, d)
     s.sync()
     assert (h.view(np.uint8, access="r") == 0xCD).all()
+
+
+def test_after_a_sticky_error_buffers_close_without_hazards():
+    import warnings
+
+    dev = rf.device("sim")
+    s = dev.create_stream()
+    h, d = dev.allocate_host(1024), dev.allocate(1024)
+    s.copy(d, h)  # pending when the context dies: nothing can ever order it now
+    dev.inject_sticky_error()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        h.close()
+        d.close()
+    assert dev.live().host_buffers == 0 and dev.live().device_buffers == 0
+    with pytest.raises(rf.DeviceError, match="sticky"):
+        s.record()

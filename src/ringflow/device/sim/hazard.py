@@ -137,5 +137,9 @@ class HappensBeforeChecker:
         history.append(new)
         return new
 
+    def forget(self, buffer: Hashable) -> None:
+        """Drop a buffer's history without a check (its device context is gone)."""
+        self._history.pop(buffer, None)
+
     def live_buffers(self) -> int:
         return len(self._history)
