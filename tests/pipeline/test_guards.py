@@ -1,0 +1,96 @@
+"""Test the tests: switch off each event wait and slot-release guard in turn (through the
+test-only ``_disabled_guards`` seam, not by editing source) and show the suite's checks
+catch its absence: a HazardError from the sim's checker, a StageError caused by one, or a
+wrong result. Parametrized over ``GUARDS``, so a guard added without coverage fails here.
+
+Also: with the sim's own checker off (``rf.device("sim", checked=False)``), the pipeline's
+checked mode (poison every released slot) turns each premature release into a wrong result.
+That is what the run on the real GPU relies on, where no checker watches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow.pipeline import GUARDS
+from tests.helpers.pipeline_checks import Harness, caught, guard_outcome, random_sizes, run_map
+
+# (runner, slots, seed): the harness's own map runs (int64 payloads tagged per item, every
+# result checked) and stream_map as the brief's hand check ran it
+CONFIGS = [(runner, slots, seed) for seed in range(3) for slots in (1, 2, 3) for runner in ("harness", "stream_map")]
+X = np.random.default_rng(0).standard_normal(256 * 1024).astype(np.float32)
+RELEASE_GUARDS = [g for g in GUARDS if ".release_after_" in g]
+# the guards that order the poison fills themselves can only be seen by the checker
+POISON_VISIBLE = [g for g in GUARDS if not g.endswith(".wait_slot_ready")]
+
+
+def f(x, y):
+    y[...] = x * 3 + 1
+
+
+f.sim_seconds = 20e-6
+
+
+def run_config(runner: str, slots: int, seed: int, guards=(), checker: bool = True):
+    dev = rf.device("sim", seed=seed, chaos=True, checked=checker)
+
+    def harness():
+        h = Harness(device=dev, slots=slots, chunk_bytes=512, compute_seconds=20e-6, disabled_guards=guards)
+        run_map(h, random_sizes(np.random.default_rng(seed), 60, 64))
+        return True
+
+    def stream():
+        y = rf.stream_map(f, X, device=dev, chunk_bytes=1 << 15, slots=slots, checked=True, host="stage",
+                          _disabled_guards=guards)
+        return np.array_equal(y, X * 3 + 1)
+
+    return guard_outcome(harness if runner == "harness" else stream)
+
+
+def describe(outcome) -> str:
+    if outcome is True:
+        return "all results right"
+    if outcome is False:
+        return "wrong data"
+    return f"{type(outcome).__name__}: {str(outcome)[:120]}"
+
+
+def test_guards_are_listed():
+    assert len(GUARDS) == len(set(GUARDS)) >= 9
+    assert RELEASE_GUARDS, "no release guards found by name"
+    with pytest.raises(ValueError, match="unknown guards"):
+        rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=512, slots=1, _disabled_guards=["no.such_guard"])
+
+
+@pytest.mark.parametrize("runner,slots,seed", CONFIGS[:6])
+def test_configs_pass_with_every_guard_on(runner, slots, seed):
+    # no false alarms: the configurations below catch a missing guard, not a healthy pipeline
+    assert run_config(runner, slots, seed) is True
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_each_guard_is_needed(guard):
+    tried = []
+    for config in CONFIGS:
+        outcome = run_config(*config, guards=[guard])
+        if caught(outcome):
+            return
+        tried.append(f"{config}: {describe(outcome)}")
+    pytest.fail(f"switching off {guard!r} went unnoticed in every configuration:\n" + "\n".join(tried))
+
+
+@pytest.mark.parametrize("guard", POISON_VISIBLE)
+def test_poison_mode_catches_premature_reuse_without_the_checker(guard):
+    tried = []
+    for config in CONFIGS:
+        outcome = run_config(*config, guards=[guard], checker=False)
+        assert not isinstance(outcome, rf.HazardError), "the checker was meant to be off"
+        if outcome is False:
+            return
+        tried.append(f"{config}: {describe(outcome)}")
+    pytest.fail(f"with the checker off, switching off {guard!r} never gave a wrong result:\n" + "\n".join(tried))
+
+
+def test_release_guards_are_poison_visible():
+    assert set(RELEASE_GUARDS) <= set(POISON_VISIBLE)

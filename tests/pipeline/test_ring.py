@@ -1,0 +1,130 @@
+"""Rings: slot hand-out order, ownership bookkeeping, the transition check and the hook."""
+
+import pytest
+
+import ringflow as rf
+from ringflow.pipeline.ring import Ring
+from ringflow.pipeline.states import IllegalTransition, RingKind, SlotState
+
+S = SlotState
+
+
+@pytest.fixture
+def dev():
+    d = rf.device("sim")
+    yield d
+    d.close()
+
+
+def make_ring(dev, kind=RingKind.HOST_IN, count=3, slot_bytes=64, hook=None):
+    buf = dev.allocate_host(count * slot_bytes) if kind in (RingKind.HOST_IN, RingKind.HOST_OUT) \
+        else dev.allocate(count * slot_bytes)
+    return Ring(kind, buf, count, slot_bytes, hook)
+
+
+def test_slots_tile_the_buffer(dev):
+    ring = make_ring(dev, count=4, slot_bytes=32)
+    assert len(ring) == 4 and ring.free_count == 4 and ring.busy_count == 0
+    assert [s.where.range for s in ring.slots] == [(0, 32), (32, 64), (64, 96), (96, 128)]
+    assert all(s.where.buffer is ring.buffer for s in ring.slots)
+    ring.close()
+    assert ring.buffer.closed
+
+
+def test_acquire_until_full_then_none(dev):
+    ring = make_ring(dev, count=2)
+    a = ring.acquire(0, S.FILLING)
+    b = ring.acquire(1, S.FILLING)
+    assert (a.owner, b.owner) == (0, 1) and a is not b
+    assert a.state is S.FILLING and ring.busy_count == 2
+    assert ring.acquire(2, S.FILLING) is None
+    ring.close()
+
+
+def test_oldest_freed_first_rotation(dev):
+    ring = make_ring(dev, kind=RingKind.DEVICE_IN, count=3)
+    order = []
+    for owner in range(7):
+        slot = ring.acquire(owner, S.COPYING_IN)
+        order.append(slot.index)
+        ring.move(slot, S.COMPUTING)
+        ring.release(slot)
+    assert order == [0, 1, 2, 0, 1, 2, 0]  # reuse rotates through the whole ring
+    ring.close()
+
+
+def test_release_clears_owner_and_fence(dev):
+    ring = make_ring(dev, kind=RingKind.HOST_OUT, count=1)
+    slot = ring.acquire(5, S.COPYING_OUT)
+    slot.fence = object()
+    ring.move(slot, S.CONSUMING)
+    ring.release(slot)
+    assert slot.state is S.FREE and slot.owner is None and slot.fence is None
+    assert ring.free_count == 1
+    ring.close()
+
+
+@pytest.mark.parametrize("kind,first,bad", [
+    (RingKind.HOST_IN, S.FILLING, S.COPYING_IN),  # skipping FILLED
+    (RingKind.DEVICE_IN, S.COPYING_IN, S.COPYING_OUT),  # device-in never copies out
+    (RingKind.DEVICE_OUT, S.COMPUTING, S.FREE),  # freed before its D2H
+    (RingKind.HOST_OUT, S.COPYING_OUT, S.FREE),  # freed before the consumer ran
+    (RingKind.DEVICE_INPLACE, S.COPYING_IN, S.COPYING_OUT),  # skipped compute
+])
+def test_illegal_move_raises_at_once_and_leaves_state(dev, kind, first, bad):
+    ring = make_ring(dev, kind=kind, count=1)
+    slot = ring.acquire(3, first)
+    with pytest.raises(IllegalTransition, match=rf"chunk 3\): illegal transition {first.name} -> {bad.name}"):
+        ring.move(slot, bad)
+    assert slot.state is first
+    ring.close()
+
+
+def test_acquire_into_illegal_state_raises(dev):
+    ring = make_ring(dev, kind=RingKind.HOST_IN, count=1)
+    with pytest.raises(IllegalTransition):
+        ring.acquire(0, S.COMPUTING)
+    ring.close()
+
+
+def test_draining_path(dev):
+    ring = make_ring(dev, kind=RingKind.DEVICE_OUT, count=1)
+    slot = ring.acquire(0, S.COMPUTING)
+    ring.move(slot, S.DRAINING)
+    with pytest.raises(IllegalTransition):
+        ring.move(slot, S.COPYING_OUT)  # a draining slot only goes FREE
+    ring.release(slot)
+    assert slot.state is S.FREE
+    with pytest.raises(IllegalTransition):
+        ring.move(slot, S.DRAINING)  # a free slot has nothing to drain
+    ring.close()
+
+
+def test_hook_sees_every_transition(dev):
+    seen = []
+    ring = make_ring(dev, kind=RingKind.HOST_IN, count=1, hook=lambda k, s, o, n: seen.append((k, s.owner, o, n)))
+    slot = ring.acquire(9, S.FILLING)
+    ring.move(slot, S.FILLED)
+    ring.move(slot, S.COPYING_IN)
+    ring.release(slot)
+    assert seen == [(RingKind.HOST_IN, 9, S.FREE, S.FILLING), (RingKind.HOST_IN, 9, S.FILLING, S.FILLED),
+                    (RingKind.HOST_IN, 9, S.FILLED, S.COPYING_IN), (RingKind.HOST_IN, 9, S.COPYING_IN, S.FREE)]
+    ring.close()
+
+
+def test_zero_slots_refused(dev):
+    buf = dev.allocate_host(64)
+    with pytest.raises(ValueError, match="at least 1 slot"):
+        Ring(RingKind.HOST_IN, buf, 0, 64)
+    buf.close()
+
+
+def test_slot_counts_validation():
+    with pytest.raises(ValueError, match="host_in"):
+        rf.SlotCounts(0, 1, 1, 1)
+    with pytest.raises(ValueError, match="host_out"):
+        rf.SlotCounts(1, 1, 1, 0)
+    with pytest.raises(ValueError, match="device_out"):
+        rf.SlotCounts(1, 1, -1, 1)
+    c = rf.SlotCounts(2, 3, 4, 5)
+    assert c.pinned_slots == 7 and c.minus("device_in") == rf.SlotCounts(2, 2, 4, 5)
