@@ -326,7 +326,11 @@ class Scheduler:
     # -- CPU stages ----------------------------------------------------------------------------
     def _start_prepares(self) -> bool:
         progressed = False
-        while self._accepted_q:
+        # describing chunks of an external ring is inline work: do no more of it per step than
+        # the device can take now, so the first copy is enqueued without waiting for the rest
+        budget = self.dev_in.free_count + 1 if self.host_in.external else len(self._accepted_q)
+        while self._accepted_q and budget > 0:
+            budget -= 1
             chunk = self._accepted_q[0]
             slot = self.host_in.acquire(chunk.index, SlotState.FILLING)
             if slot is None:
