@@ -24,8 +24,11 @@ def demo(device: str = "auto", out_dir: str = "ringflow-demo") -> int:
     from .benchmarks.workloads import inplace_pinned, pageable
     from .pipeline.api import stream_map_report
 
+    from .benchmarks.runner import quiet_gc
+
     console = Console()
     dev = rf.device(device)
+    quiet_gc()
     if dev.backend == "sim":
         ok, reason = rf.cuda_available()
         console.print(f"[yellow]No usable GPU ({reason}).[/] Running on the simulated H200 "
