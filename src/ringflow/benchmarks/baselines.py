@@ -866,23 +866,23 @@ def host_floor(nbytes: int, *, threads: Sequence[int] = (1, 4, 8, 16), touch_thr
     small[:] = 1
     register(small.ctypes.data, small.nbytes)
     unregister(small.ctypes.data)
+    def register_cycle(ptr: int) -> tuple[float, float]:
+        """Seconds to register ``nbytes`` at ``ptr``, then to unregister them."""
+        t0 = time.perf_counter()
+        register(ptr, nbytes)
+        t1 = time.perf_counter()
+        unregister(ptr)
+        return t1 - t0, time.perf_counter() - t1
+
     reg_t, unreg_t, reg_f, unreg_f = [], [], [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        register(src.ctypes.data, nbytes)
-        t1 = time.perf_counter()
-        unregister(src.ctypes.data)
-        t2 = time.perf_counter()
-        reg_t.append(t1 - t0)
-        unreg_t.append(t2 - t1)
+        r, u = register_cycle(src.ctypes.data)
+        reg_t.append(r)
+        unreg_t.append(u)
         fresh = _aligned_empty(nbytes)
-        t0 = time.perf_counter()
-        register(fresh.ctypes.data, nbytes)
-        t1 = time.perf_counter()
-        unregister(fresh.ctypes.data)
-        t2 = time.perf_counter()
-        reg_f.append(t1 - t0)
-        unreg_f.append(t2 - t1)
+        r, u = register_cycle(fresh.ctypes.data)
+        reg_f.append(r)
+        unreg_f.append(u)
         del fresh
     res["host_register_touched_ms"] = float(np.median(reg_t)) * 1e3
     res["host_unregister_touched_ms"] = float(np.median(unreg_t)) * 1e3
