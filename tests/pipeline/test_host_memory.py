@@ -92,3 +92,19 @@ def test_stream_map_auto_chunk_size():
     dev = rf.device("sim")
     x = np.random.default_rng(1).uniform(0.5, 1.5, 1 << 20).astype(np.float32)
     assert np.array_equal(rf.stream_map(f, x, device=dev, chunk_bytes="auto"), x * 2 + 1)
+
+
+def test_pinned_budget_caps_the_pinned_rings():
+    dev = rf.device("sim", chaos=True, seed=2)
+    chunk = 1 << 16
+    with rf.Pipeline(f, device=dev, chunk_bytes=chunk, workers=16, pinned_budget=5 * chunk) as pipe:
+        c = pipe.config.slots
+        assert (c.host_in + c.host_out) * chunk <= 5 * chunk and min(c.host_in, c.host_out) >= 1
+        items = [np.random.default_rng(i).uniform(0.5, 1.5, chunk // 4).astype(np.float32) for i in range(40)]
+        assert all(np.array_equal(o, i * 2 + 1) for o, i in zip(pipe.map(items), items))
+        pinned = sum(len(r) * r.slot_bytes for r in pipe.scheduler.rings if r.buffer.is_host)
+        assert pinned <= 5 * chunk
+    with pytest.raises(ValueError, match="pinned_budget"):
+        rf.Pipeline(f, device=dev, chunk_bytes=chunk, slots=4, pinned_budget=5 * chunk)
+    with pytest.raises(ValueError, match="pinned_budget"):
+        rf.Pipeline(f, device=dev, chunk_bytes=chunk, pinned_budget=chunk)

@@ -64,7 +64,8 @@ class Pipeline:
 
     ``slots`` (None: derived by :mod:`ringflow.plan`; an int for every ring; or a
     :class:`SlotCounts`) and ``chunk_bytes`` (the slot size) bound pinned memory at
-    ``(slots.host_in + slots.host_out) * chunk_bytes``. At most ``max_in_flight`` accepted
+    ``(slots.host_in + slots.host_out) * chunk_bytes``, which ``pinned_budget`` (bytes) caps: planned
+    slots shrink to fit it, explicit ones that do not fit are refused. At most ``max_in_flight`` accepted
     chunks are unfinished (including results a ``map`` has not handed out yet); ``submit``
     blocks while that many are, and ``map`` pulls input only as capacity frees up.
     """
@@ -74,7 +75,7 @@ class Pipeline:
                  chunk_bytes: Optional[int] = None, max_in_flight: Optional[int] = None, ordered: bool = True,
                  on_error: str = "raise", profile: bool = False, workers: Optional[int] = None,
                  inplace: bool = False, checked: bool = False, item_nbytes: Optional[Callable] = None,
-                 _disabled_guards: Iterable[str] = (), _fill=None, _drain=None, _slot_hook=None,
+                 pinned_budget: Optional[int] = None, _disabled_guards: Iterable[str] = (), _fill=None, _drain=None, _slot_hook=None,
                  _host_in_buffer=None, _host_out_buffer=None):
         if not callable(compute):
             raise TypeError(f"compute must be a callable f(x, y), got {type(compute).__name__}")
@@ -86,6 +87,8 @@ class Pipeline:
             workers = _default_workers(self.device)
         counts = self._resolve_slots(slots, slot_bytes, inplace, workers, compute,
                                      external=(_host_in_buffer is not None, _host_out_buffer is not None))
+        if pinned_budget is not None:
+            counts = fit_pinned_budget(counts, slot_bytes, int(pinned_budget), explicit=slots is not None)
         if max_in_flight is None:
             max_in_flight = counts.host_in + counts.device_in + counts.device_out + counts.host_out
         self.config = PipelineConfig(slot_bytes=slot_bytes, slots=counts, max_in_flight=max_in_flight,
@@ -199,9 +202,11 @@ class Pipeline:
                     if chunk.state is ChunkState.DELIVERED:
                         yield chunk.value
                     elif chunk.state is ChunkState.FAILED:
-                        if self.config.on_error == "raise" or s.broken is not None:
+                        # with "continue" a chunk's own StageError is skipped even once the device
+                        # broke; a chunk the broken device ended raises that device error
+                        if self.config.on_error == "raise" or (s.broken is not None and chunk.error is s.broken):
                             self._settle_after_error()
-                            raise s.broken if s.broken is not None and chunk.error is s.broken else chunk.error
+                            raise chunk.error
                     else:  # cancelled: the pipeline was cancelled (or failed) under this map
                         self._settle_after_error()
                         if s.first_error is not None and self.config.on_error == "raise":
@@ -222,8 +227,10 @@ class Pipeline:
                         raise s.first_error
                     return
                 t0 = self.device.now
+                # also stop waiting if the pipeline stops taking work meanwhile (a failure, a broken
+                # device) while nothing of this map is pending: no capacity would ever come
                 s.run_until(lambda: self._next_ready(pending) is not None
-                            or (not exhausted and s.has_capacity()))
+                            or (not exhausted and (s.has_capacity() or (not pending and not s.accepting))))
                 if self._next_ready(pending) is not None:
                     self._stall("stall: consumer", "consumer waiting for data", t0)
                 else:
@@ -469,6 +476,26 @@ def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
 
             close_quietly(buf, "registration")
     return out, None
+
+
+def fit_pinned_budget(counts: SlotCounts, slot_bytes: int, budget: int, *, explicit: bool) -> SlotCounts:
+    """Slot counts whose pinned rings (host-in + host-out) fit ``budget`` bytes.
+
+    Planned counts shrink, the larger ring first (the pipeline then runs below its bottleneck
+    rate, never above its memory); counts the caller gave explicitly are refused instead."""
+    def pinned(c: SlotCounts) -> int:
+        return (c.host_in + c.host_out) * slot_bytes
+
+    if pinned(counts) <= budget:
+        return counts
+    if explicit or 2 * slot_bytes > budget:
+        raise ValueError(f"the pinned rings need {pinned(counts)} bytes ({counts.host_in} host-in + {counts.host_out} "
+                         f"host-out slots of {slot_bytes} bytes) but pinned_budget is {budget}; raise pinned_budget, "
+                         "lower chunk_bytes, or give fewer slots")
+    while pinned(counts) > budget:
+        ring = "host_in" if counts.host_in >= counts.host_out else "host_out"
+        counts = counts.minus(ring)
+    return counts
 
 
 def _default_workers(dev: Device) -> int:
