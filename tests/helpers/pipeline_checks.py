@@ -8,8 +8,10 @@ The pieces:
 * :class:`Harness`: builds a :class:`ringflow.Pipeline` wired to the test callables, records
   every chunk the scheduler accepts (through an instance-level wrapper of ``accept``) and
   every slot transition (through the ``_slot_hook`` seam), and checks the invariants of
-  DESIGN.md section 2 after any step: legal transitions only, a slot goes FREE only after the
-  events/tasks of its lifetime are complete, bounded in-flight work and ring occupancy,
+  DESIGN.md section 2 after any step: legal transitions only, a slot is reused only after its
+  last owner's operations completed (a host slot goes FREE only then; a device slot may go
+  FREE at enqueue but must then carry the event its next owner waits on), bounded in-flight
+  work and ring occupancy,
   ``accepted == delivered + failed + cancelled + in_flight``, unique and correct deliveries,
   and, after close, every slot FREE and nothing live on the device.
 * :func:`caught`: whether an outcome is one of the ways the suite catches a missing guard
@@ -25,14 +27,20 @@ import concurrent.futures
 import dataclasses
 import gc
 import warnings
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
 import ringflow as rf
 from ringflow.device.sim import charge
 from ringflow.errors import DeviceError, HazardError, StageError
-from ringflow.pipeline.states import LEGAL_SLOT_TRANSITIONS, ChunkState, RingKind, SlotState
+from ringflow.pipeline.states import (
+    LEGAL_SLOT_TRANSITIONS,
+    ChunkState,
+    RingKind,
+    SlotState,
+)
 
 TAG_SHIFT = 20  # payload = tag << TAG_SHIFT | position: unique across items of < 2**20 elements
 DTYPE = np.dtype(np.int64)
@@ -57,7 +65,7 @@ class MarkedFault(Exception):
 class Item:
     tag: int
     arr: np.ndarray
-    fault: Optional[str] = None  # one of FAULTS, or None
+    fault: str | None = None  # one of FAULTS, or None
     consume_cost: float = 0.0  # virtual CPU seconds the consumer charges
 
     @property
@@ -69,7 +77,7 @@ def payload(tag: int, n: int) -> np.ndarray:
     return (np.int64(tag) << TAG_SHIFT) + np.arange(n, dtype=np.int64)
 
 
-def make_item(tag: int, n: int, fault: Optional[str] = None, consume_cost: float = 0.0) -> Item:
+def make_item(tag: int, n: int, fault: str | None = None, consume_cost: float = 0.0) -> Item:
     return Item(tag, payload(tag, n), fault, consume_cost)
 
 
@@ -84,7 +92,7 @@ def expected_of(arr: np.ndarray) -> np.ndarray:
     return out
 
 
-def tag_of(x: np.ndarray) -> Optional[int]:
+def tag_of(x: np.ndarray) -> int | None:
     return int(x.reshape(-1)[0]) >> TAG_SHIFT if x.size else None
 
 
@@ -124,7 +132,7 @@ class Callables:
             return np.zeros(self.slot_bytes // DTYPE.itemsize + 1, DTYPE)
         return item.arr
 
-    def consume(self, index: int, item: Item, view: np.ndarray) -> "Result":
+    def consume(self, index: int, item: Item, view: np.ndarray) -> Result:
         if item.consume_cost:
             charge(item.consume_cost)
         if item.fault == "consume":
@@ -162,7 +170,7 @@ def caused_by_hazard(exc: BaseException) -> bool:
     return False
 
 
-def caught(outcome: "BaseException | bool | None") -> bool:
+def caught(outcome: BaseException | bool | None) -> bool:
     """A missing guard is caught when the run raised a HazardError (directly or as the cause of
     a StageError), or its output was wrong (``outcome is False``)."""
     if outcome is False:
@@ -181,11 +189,11 @@ class Harness:
     """A pipeline under observation. Every check raises :class:`InvariantError` (an
     AssertionError) naming what broke."""
 
-    def __init__(self, *, seed: int = 0, chaos: bool = True, slots: "int | rf.SlotCounts" = 2,
-                 chunk_bytes: int = 1024, max_in_flight: Optional[int] = None, ordered: bool = True,
+    def __init__(self, *, seed: int = 0, chaos: bool = True, slots: int | rf.SlotCounts = 2,
+                 chunk_bytes: int = 1024, max_in_flight: int | None = None, ordered: bool = True,
                  on_error: str = "raise", inplace: bool = False, workers: int = 2, checked: bool = True,
                  compute_seconds: float = 5e-6, device=None, disabled_guards: Iterable[str] = (),
-                 on_transition: Optional[Callable] = None, check_fences: bool = True):
+                 on_transition: Callable | None = None, check_fences: bool = True):
         self.dev = device if device is not None else rf.device("sim", seed=seed, chaos=chaos)
         self.calls = Callables(chunk_bytes, compute_seconds)
         self.transitions: list[tuple[RingKind, int, SlotState, SlotState]] = []
@@ -214,10 +222,10 @@ class Harness:
 
         self.sched.accept = recording_accept  # instance attribute: map() and submit() call it
         self.closed = False
-        self.final: Optional[dict[int, ChunkState]] = None  # set once closed and checked
+        self.final: dict[int, ChunkState] | None = None  # set once closed and checked
 
     # -- items --------------------------------------------------------------------------------
-    def item(self, tag: int, n: int, fault: Optional[str] = None, consume_cost: float = 0.0) -> Item:
+    def item(self, tag: int, n: int, fault: str | None = None, consume_cost: float = 0.0) -> Item:
         if n == 0 and fault in ("compute", "badshape"):
             fault = None  # a zero-length chunk runs no compute, so it cannot fail there
         it = self.calls.register(make_item(tag, n, fault, consume_cost))
@@ -253,7 +261,7 @@ class Harness:
             if previous is not None and slot.ready is None:
                 self._check_done(kind, slot, previous, f"was taken by chunk {slot.owner} with no ready event")
 
-    def _check_done(self, kind: RingKind, slot, owner: Optional[int], what: str) -> None:
+    def _check_done(self, kind: RingKind, slot, owner: int | None, what: str) -> None:
         chunk = self.chunks.get(owner)
         if chunk is None:
             return
@@ -412,7 +420,7 @@ class Harness:
         return last
 
 
-def drop_tracebacks(errors: Iterable[Optional[BaseException]]) -> None:
+def drop_tracebacks(errors: Iterable[BaseException | None]) -> None:
     """Forget the tracebacks of ``errors`` and their causes.
 
     The sim runs host tasks and kernels inside the caller's own stack (in virtual time), so an
@@ -438,7 +446,7 @@ def _done(w) -> bool:
     return bool(w.is_done)
 
 
-def check_result(value: Any, item: Item, index: Optional[int] = None) -> None:
+def check_result(value: Any, item: Item, index: int | None = None) -> None:
     if not isinstance(value, Result):
         raise InvariantError(f"chunk {index}: consumer value {value!r} is not a Result")
     if index is not None and value.index != index:
@@ -492,7 +500,7 @@ def random_sizes(rng: np.random.Generator, n: int, max_elems: int, zero_frac: fl
     return [int(s) for s in sizes]
 
 
-def run_map(h: Harness, sizes: list[int], *, start_tag: int = 1, costs: Optional[list[float]] = None) -> list:
+def run_map(h: Harness, sizes: list[int], *, start_tag: int = 1, costs: list[float] | None = None) -> list:
     """Run ``sizes`` through ``h.pipe.map`` and verify every result (order too when ordered).
     ``costs``: virtual seconds each item's consumer charges (varied costs make consumers finish
     out of order). Returns the results; raises InvariantError on any wrong one."""
@@ -512,7 +520,7 @@ def run_map(h: Harness, sizes: list[int], *, start_tag: int = 1, costs: Optional
     return out
 
 
-def guard_outcome(run: Callable[[], bool]) -> "BaseException | bool":
+def guard_outcome(run: Callable[[], bool]) -> BaseException | bool:
     """Run ``run`` (True: every output right) and classify: True, False (wrong data) or the
     exception it raised."""
     try:

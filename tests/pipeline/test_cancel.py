@@ -207,6 +207,29 @@ def test_map_on_a_stopped_pipeline_says_why(how):
     h.close()
 
 
+@pytest.mark.parametrize("how", ["raise", "sticky"])
+def test_map_waiting_for_capacity_when_the_pipeline_stops(how):
+    # the map has nothing pending and waits for capacity held by a submitted chunk; that chunk
+    # fails (on_error="raise") or the device breaks, so the pipeline stops taking work while
+    # the map waits: it used to wait on ("the pipeline is idle ... this is a ringflow bug")
+    h = Harness(seed=9, slots=1, chunk_bytes=512, max_in_flight=1)
+    fut = h.pipe.submit(h.item(1, 5, "prepare" if how == "raise" else None))
+    if how == "sticky":
+        h.dev.inject_sticky_error()
+    items = [h.item(k + 2, 5) for k in range(3)]
+    if how == "raise":
+        with pytest.raises(RuntimeError, match="no longer accepts work"):
+            list(h.pipe.map(items))
+        assert isinstance(fut.exception(), StageError)
+    else:
+        with pytest.raises(DeviceError, match="sticky"):
+            list(h.pipe.map(items))
+        assert fut.exception() is h.sched.broken
+    assert h.pipe.stats().in_flight == 0 and h.pipe.stats().accepted == 1
+    del fut
+    h.close()
+
+
 def test_gc_while_running_cancels_with_resource_warning():
     dev = rf.device("sim", seed=4, chaos=True)
     pipe = rf.Pipeline(f_affine, device=dev, chunk_bytes=1024, slots=1, checked=True)

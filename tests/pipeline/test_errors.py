@@ -11,8 +11,15 @@ import pytest
 
 import ringflow as rf
 from ringflow.errors import DeviceError, StageError
-from tests.helpers.pipeline_checks import (FAULTS, Harness, MarkedFault, check_result, check_stage_error,
-                                           future_outcome)
+from ringflow.pipeline.states import SlotState
+from tests.helpers.pipeline_checks import (
+    FAULTS,
+    Harness,
+    MarkedFault,
+    check_result,
+    check_stage_error,
+    future_outcome,
+)
 
 N, BAD = 12, 5  # items per run; the index of the faulty one
 
@@ -252,6 +259,45 @@ def test_sticky_error_breaks_the_pipeline(after_steps):
     h.pipe.cancel()
     h.close()
     h.pipe.close()
+
+
+@pytest.mark.parametrize("after_steps", range(0, 40, 3))
+def test_cancel_on_a_dead_device_returns_with_nothing_in_flight(after_steps):
+    # the device breaks unnoticed; cancel() then poisons a drained device slot, the first call
+    # to hit the dead context. It used to raise the DeviceError out of cancel() with chunks
+    # still in flight; now it breaks the pipeline as step() would and returns with none
+    h = Harness(seed=1, slots=2, chunk_bytes=512, checked=True)
+    futs = [h.pipe.submit(h.item(k + 1, 30), timeout=0) for k in range(6)]
+    for _ in range(after_steps):
+        h.sched.step()
+    h.dev.inject_sticky_error()
+    h.pipe.cancel()
+    s = h.pipe.stats()
+    assert s.in_flight == 0 and s.balanced()
+    assert all(slot.state is SlotState.FREE for ring in h.sched.rings for slot in ring.slots)
+    assert all(f.done() for f in futs)
+    h.check()
+    del futs
+    h.close()
+
+
+def test_continue_map_skips_its_own_failures_after_the_device_broke():
+    # a chunk failed in prepare (on_error="continue": the map skips it); then the device breaks
+    # before the map reaches it. The map used to raise that chunk's StageError because the
+    # pipeline was broken; it must skip it and report the broken device instead
+    h = Harness(seed=2, slots=2, chunk_bytes=512, on_error="continue")
+    items = [h.item(1, 10, consume_cost=1e-3), h.item(2, 10, "prepare"), h.item(3, 10, consume_cost=5e-3)]
+    gen = h.pipe.map(items)
+    check_result(next(gen), items[0])
+    assert h.chunks[1].state is rf.ChunkState.FAILED and not h.chunks[2].state.final
+    h.dev.inject_sticky_error()
+    h.sched.step()  # the pipeline notices the dead context (polling chunk 2's consumer)
+    assert h.sched.broken is not None
+    with pytest.raises(DeviceError, match="sticky device error"):
+        next(gen)
+    assert [type(e) for e in h.pipe.failures] == [StageError]
+    del gen
+    h.close()
 
 
 def test_sticky_error_under_map():

@@ -14,7 +14,13 @@ import pytest
 
 import ringflow as rf
 from ringflow.pipeline import GUARDS
-from tests.helpers.pipeline_checks import Harness, caught, guard_outcome, random_sizes, run_map
+from tests.helpers.pipeline_checks import (
+    Harness,
+    caught,
+    guard_outcome,
+    random_sizes,
+    run_map,
+)
 
 # (runner, slots, seed): the harness's own map runs (int64 payloads tagged per item, every
 # result checked) and stream_map as the brief's hand check ran it

@@ -4,8 +4,15 @@ import itertools
 
 import pytest
 
-from ringflow.pipeline.states import (LEGAL_CHUNK_TRANSITIONS, LEGAL_SLOT_TRANSITIONS, ChunkState,
-                                      IllegalTransition, RingKind, SlotState, check_chunk_transition)
+from ringflow.pipeline.states import (
+    LEGAL_CHUNK_TRANSITIONS,
+    LEGAL_SLOT_TRANSITIONS,
+    ChunkState,
+    IllegalTransition,
+    RingKind,
+    SlotState,
+    check_chunk_transition,
+)
 
 S, C = SlotState, ChunkState
 

@@ -8,8 +8,15 @@ import pytest
 
 import ringflow as rf
 from ringflow.pipeline.states import RingKind, SlotState
-from tests.helpers.pipeline_checks import (FAULTS, Harness, check_result, check_stage_error, random_costs,
-                                           random_sizes, run_map)
+from tests.helpers.pipeline_checks import (
+    FAULTS,
+    Harness,
+    check_result,
+    check_stage_error,
+    random_costs,
+    random_sizes,
+    run_map,
+)
 
 MAX = 64  # int64 elements: 512-byte slots
 

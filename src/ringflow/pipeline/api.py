@@ -158,7 +158,8 @@ class Pipeline:
         """Accept one item; blocks while ``max_in_flight`` chunks are unfinished.
 
         Returns a future whose result is the consumer's value; raises TimeoutError if no
-        capacity frees up within ``timeout`` seconds, ValueError for an item that cannot fit."""
+        capacity frees up within ``timeout`` seconds of the device's host clock (virtual seconds
+        on the simulated GPU), ValueError for an item that cannot fit."""
         self._check_open()
         self._check_item(item)
         s = self._sched

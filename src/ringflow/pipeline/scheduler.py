@@ -213,7 +213,7 @@ class Scheduler:
 
     def run_until(self, done: Callable[[], bool], timeout: float | None = None) -> None:
         """Drive the pipeline until ``done()`` holds; raises TimeoutError after ``timeout``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else self.device.now + timeout
         while not done():
             if self.step():
                 continue
@@ -225,14 +225,14 @@ class Scheduler:
                     continue  # a slot is free now; the next step starts it
                 raise RuntimeError("the pipeline is idle but the awaited result can never arrive "
                                    "(nothing is in flight); this is a ringflow bug")
-            wait = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
+            wait = 0.05 if deadline is None else max(0.0, min(0.05, deadline - self.device.now))
             try:
                 self.device.wait_any(fences, timeout=wait)
             except DeviceError as err:
                 if not err.sticky:
                     raise
                 self._break(err)
-            if deadline is not None and time.monotonic() >= deadline and not done():
+            if deadline is not None and self.device.now >= deadline and not done():
                 raise TimeoutError(f"timed out after {timeout} s waiting on the pipeline")
 
     # -- observing fences ----------------------------------------------------------------------
@@ -605,6 +605,14 @@ class Scheduler:
     def cancel_pending(self) -> None:
         """Stop admission; end not-yet-enqueued chunks CANCELLED at once; drain the rest."""
         self.accepting = False
+        try:
+            self._cancel_pending()
+        except DeviceError as err:  # a poison fill found the context dead: break, as step() does
+            if not err.sticky:
+                raise
+            self._break(err)
+
+    def _cancel_pending(self) -> None:
         for chunk in sorted(self.chunks.values(), key=lambda c: c.index):
             if chunk.state in (ChunkState.DRAINING, ChunkState.CONSUMING) or chunk.state.final:
                 continue
