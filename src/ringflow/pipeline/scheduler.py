@@ -568,14 +568,19 @@ class Scheduler:
         chunk.ending = ending
         if chunk.state is not ChunkState.DRAINING:
             chunk.move(ChunkState.DRAINING)
+        self._drain_slots(chunk)
+        self._maybe_end(chunk)
+
+    def _drain_slots(self, chunk: Chunk) -> None:
+        """Every busy slot of ``chunk`` to DRAINING: freed now if no operation is pending on it,
+        else once its fence completes (work enqueued on a stream cannot be recalled)."""
         for ring in self._rings:
-            for slot in ring.slots:
-                if slot.owner != chunk.index or slot.state in (SlotState.FREE, SlotState.DRAINING):
+            for slot in list(ring.busy.values()):
+                if slot.owner != chunk.index or slot.state is SlotState.DRAINING:
                     continue
                 ring.move(slot, SlotState.DRAINING)
                 if slot.fence is None:
                     self._free(ring, slot)
-        self._maybe_end(chunk)
 
     def _maybe_end(self, chunk: Chunk) -> None:
         if chunk.state is not ChunkState.DRAINING:
@@ -622,12 +627,7 @@ class Scheduler:
                 for q in (self._accepted_q, self._h2d_q):
                     if chunk in q:
                         q.remove(chunk)
-                for ring in self._rings:
-                    for slot in ring.slots:
-                        if slot.owner == chunk.index and slot.state not in (SlotState.FREE, SlotState.DRAINING):
-                            ring.move(slot, SlotState.DRAINING)
-                            if slot.fence is None:
-                                self._free(ring, slot)
+                self._drain_slots(chunk)
                 self._end(chunk, ChunkState.CANCELLED)
             else:
                 self._drain(chunk, ChunkState.CANCELLED)
