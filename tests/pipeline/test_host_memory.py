@@ -108,3 +108,12 @@ def test_pinned_budget_caps_the_pinned_rings():
         rf.Pipeline(f, device=dev, chunk_bytes=chunk, slots=4, pinned_budget=5 * chunk)
     with pytest.raises(ValueError, match="pinned_budget"):
         rf.Pipeline(f, device=dev, chunk_bytes=chunk, pinned_budget=chunk)
+
+
+def test_an_item_too_large_is_refused_before_acceptance_with_profiling_too():
+    dev = rf.device("sim")
+    for profile in (False, True):
+        with rf.Pipeline(f, device=dev, chunk_bytes=64, profile=profile) as pipe:
+            with pytest.raises(ValueError, match="chunk_bytes"):
+                pipe.submit(np.zeros(100, np.float32) + 1)
+            assert pipe.stats().accepted == 0

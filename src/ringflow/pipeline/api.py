@@ -96,6 +96,7 @@ class Pipeline:
                                      profile=profile, checked=checked)
         self._prepare = prepare
         fill = _fill or self._default_fill
+        self._items_are_arrays = _fill is None and prepare is None  # sizes known before acceptance
         drain = _drain or (consume if consume is not None else _copy_out)
         if profile:
             fill, drain = nvtx.ranged(fill, "prepare"), nvtx.ranged(drain, "consume")
@@ -145,7 +146,7 @@ class Pipeline:
 
     def _check_item(self, item: Any) -> None:
         """Refuse, before acceptance, an item that can never fit (when its size is known)."""
-        if self._prepare is None and self._sched.fill == self._default_fill:
+        if self._items_are_arrays:
             if not isinstance(item, np.ndarray):
                 raise TypeError(f"items must be numpy arrays (or pass prepare=), got {type(item).__name__}")
             if item.nbytes > self.config.slot_bytes:
