@@ -9,7 +9,6 @@ with the reason on the simulated GPU.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import numpy as np

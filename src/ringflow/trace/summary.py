@@ -7,7 +7,7 @@ import collections
 import numpy as np
 
 from .chrome import load_spans
-from .timeline import STAGES, TRACKS
+from .timeline import STAGES
 
 
 def summarise(path: str) -> dict:

@@ -17,7 +17,6 @@ reorders completions only where no dependency forbids it.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import itertools
 import math
 import random

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-import numpy as np
 
 from ...errors import LaunchError
 from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Stream, as_slice, copy_extent
