@@ -242,7 +242,9 @@ def test_a_host_read_mid_flight_sees_old_data_unchecked():
     assert (out.view(np.uint8, access="r") == 42).all()
 
 
-def test_a_missing_wait_gives_wrong_data_unchecked():
+def copy_then_increment(wait: bool) -> tuple[np.ndarray, np.ndarray]:
+    """H2D on one stream, ``b = a + 1`` and D2H on another, with or without the wait between
+    them, on an unchecked sim (so a missing wait shows as data, not as a HazardError)."""
     dev = unit_device(checked=False)
     s1, s2 = dev.create_stream(), dev.create_stream()
     h, d = pair(dev)
@@ -255,30 +257,25 @@ def test_a_missing_wait_gives_wrong_data_unchecked():
 
     s1.copy(d, h)
     e = s1.record()
-    # s2.wait(e) is missing: the kernel runs at once and reads device memory the copy has not reached
+    if wait:
+        s2.wait(e)
     s2.launch(inc, d.array(np.uint8, MB), dout.array(np.uint8, MB), reads=[d], writes=[dout], sim_seconds=1e-6)
     s2.copy(hout, dout)
     s2.sync()
     e.sync()
-    got = hout.view(np.uint8, access="r")
+    return hout.view(np.uint8, access="r"), x
+
+
+def test_a_missing_wait_gives_wrong_data_unchecked():
+    # without the wait the kernel runs at once and reads device memory the copy has not reached
+    got, x = copy_then_increment(wait=False)
     assert not np.array_equal(got, x + 1)
     assert (got == 1).all()  # it read the zeros of fresh (unpoisoned) memory
 
 
 def test_the_same_program_with_the_wait_is_right():
-    dev = unit_device(checked=False)
-    s1, s2 = dev.create_stream(), dev.create_stream()
-    h, d = pair(dev)
-    dout, hout = dev.allocate(MB), dev.allocate_host(MB)
-    x = np.arange(MB, dtype=np.uint8)
-    h.view(np.uint8, access="w")[:] = x
-    s1.copy(d, h)
-    s2.wait(s1.record())
-    s2.launch(lambda a, b: b.__setitem__(slice(None), a + 1), d.array(np.uint8, MB), dout.array(np.uint8, MB),
-              reads=[d], writes=[dout], sim_seconds=1e-6)
-    s2.copy(hout, dout)
-    s2.sync()
-    assert np.array_equal(hout.view(np.uint8, access="r"), x + 1)
+    got, x = copy_then_increment(wait=True)
+    assert np.array_equal(got, x + 1)
 
 
 def test_a_kernel_runs_at_its_completion_not_at_launch():
