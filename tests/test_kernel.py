@@ -139,3 +139,50 @@ def test_template_kernel_and_compile_errors():
             broken.compile(0)
         for b in (d_in, d_out, h, s):
             b.close()
+
+
+def test_bind_fixes_trailing_scalars():
+    k = make_saxpy()
+    f = k.bind(np.float32(2), name="saxpy2")
+    x, y = np.arange(10, dtype=np.float32), np.ones(10, np.float32)
+    f(x, y)
+    np.testing.assert_array_equal(y, 1 + 2 * np.arange(10, dtype=np.float32))
+    assert f.__name__ == "saxpy2" and "saxpy" in repr(f)
+    assert k.bind().__name__ == "saxpy"
+    f.sim_seconds = 1e-3  # a compute function may carry its simulated duration
+    with pytest.raises(TypeError, match="numpy scalars"):
+        k.bind(2.0)
+
+
+@pytest.mark.gpu
+def test_fast_and_general_launch_paths_agree_on_gpu():
+    """A kernel (bound or not) launched through a stream takes the pointer fast path; the same
+    kernel called inside a plain function gets framework arrays: both give numpy's result."""
+    n = (1 << 18) + 5
+    x = np.random.default_rng(3).random(n, dtype=np.float32)
+    y0 = np.random.default_rng(4).random(n, dtype=np.float32)
+    k = make_saxpy(options={"fma": False})
+    expect = y0.copy()
+    saxpy_ref(x, expect, np.float32(3))
+    with rf.device("cuda:0") as dev:
+        s = dev.create_stream()
+        hx, hy = dev.allocate_host(4 * n), dev.allocate_host(4 * n)
+        dx, dy = dev.allocate(4 * n, stream=s), dev.allocate(4 * n, stream=s)
+        hx.view(np.float32)[:] = x
+        s.copy(dx, hx)
+        for fn, extra in ((k, (np.float32(3),)), (k.bind(np.float32(3)), ()),
+                          (lambda a, b: k(a, b, np.float32(3)), ())):
+            hy.view(np.float32)[:] = y0
+            s.copy(dy, hy)
+            s.launch(fn, dx.array(np.float32, n), dy.array(np.float32, n), *extra)
+            s.copy(hy, dy)
+            s.sync()
+            np.testing.assert_array_equal(hy.view(np.float32), expect)
+        host_arg = hx.array(np.float32, n)  # a host buffer is refused on either path
+        with pytest.raises(ValueError, match="device memory"):
+            s.launch(k.bind(np.float32(3)), host_arg, dy.array(np.float32, n))
+        for b in (dx, dy):
+            b.close(stream=s)
+        for b in (hx, hy, s):
+            b.close()
+        assert dev.live().total == 0

@@ -24,6 +24,7 @@ def test_every_host_strategy_gives_the_same_result_under_chaos(host, seed):
     assert rf.stream_map(f, z, out=z, device=dev, chunk_bytes=4096, host=host) is z  # in place
     assert np.array_equal(z, x * 2 + 1)
     gc.collect()
+    assert rf.drop_warm_pipelines(dev) == 1  # the unchecked call's pipeline was kept warm
     assert dev.live().total == 0
 
 

@@ -68,11 +68,7 @@ def affine(iters: int, numeric_iters: int | None = None) -> Callable:
     still charges the duration of ``iters``: virtual time does not depend on the numbers, and
     hundreds of numpy passes per chunk would make a sim benchmark take minutes."""
     n = iters if numeric_iters is None else numeric_iters
-
-    def f(x, y):
-        AFFINE_ITER(x, y, np.int32(n))
-
-    f.__name__ = f"affine_iter_{iters}"
+    f = AFFINE_ITER.bind(np.int32(n), name=f"affine_iter_{iters}")
     f.sim_seconds = lambda nbytes: 2 * nbytes / _DEVICE_BPS + iters * nbytes * _ITER_S_PER_BYTE
     f.iters = iters
     f.numeric_iters = n
@@ -81,10 +77,7 @@ def affine(iters: int, numeric_iters: int | None = None) -> Callable:
 
 def scale_shift() -> Callable:
     """``f(x, y)``: ``y = 2x + 1`` (bit-exact between the GPU and numpy)."""
-    def f(x, y):
-        SCALE_SHIFT(x, y)
-
-    f.__name__ = "scale_shift"
+    f = SCALE_SHIFT.bind(name="scale_shift")
     f.sim_seconds = lambda nbytes: 2 * nbytes / _DEVICE_BPS
     return f
 
@@ -99,9 +92,6 @@ def affine_expected(x: np.ndarray, iters: int) -> np.ndarray:
 def slow_scale_shift(spin_cycles: int, sim_seconds: float) -> Callable:
     """``y = 2x + 1`` after every thread spins ``spin_cycles`` clocks: a kernel slow enough that
     the GPU lags the host, so a missing wait or an early release shows up on a real device."""
-    def f(x, y):
-        SLOW_SCALE_SHIFT(x, y, np.int64(spin_cycles))
-
-    f.__name__ = "slow_scale_shift"
+    f = SLOW_SCALE_SHIFT.bind(np.int64(spin_cycles), name="slow_scale_shift")
     f.sim_seconds = sim_seconds
     return f

@@ -144,6 +144,14 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
                              stage_ms={k: v * 1e3 for k, v in rep.stage_median_s.items()},
                              bottleneck=rep.bottleneck, predicted_ms=_predict(dev, n * 4, cb, f),
                              prediction_error=_predict(dev, n * 4, cb, f) / timing.median_ms - 1))
+        # the first call of a shape sets its pipeline up (later calls reuse it warm): time that too
+        def cold_refill():
+            refill()
+            rf.drop_warm_pipelines(dev)
+
+        cold = time_calls(lambda: dev.now, lambda: run(auto.chunk_bytes), warmup=1, repeats=repeats, before=cold_refill)
+        rows.append(_row(f"ringflow {n * 4 // auto.chunk_bytes} chunks, first call (pipeline set up)", cold,
+                         overhead_vs_warm=cold.median_ms / results[auto.chunk_bytes][0].median_ms - 1))
         # what profiling costs: the auto chunk size again with profile=True (timing events, records)
         refill()
         profiled = time_calls(lambda: dev.now, lambda: rf.stream_map(f, x, x, device=dev, chunk_bytes=auto.chunk_bytes,

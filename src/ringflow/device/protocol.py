@@ -380,6 +380,10 @@ class Device(abc.ABC):
     def live(self) -> LiveCounts:
         """Buffers, streams and events handed out and not yet released."""
 
+    @property
+    def closed(self) -> bool:
+        return bool(getattr(self, "_closed", False))
+
     @abc.abstractmethod
     def close(self) -> None: ...
 

@@ -52,6 +52,23 @@ class Ring:
         self.high_water = 0  # most slots busy at once
         self._hook = hook
 
+    def rebind(self, buffer: Optional[Buffer]) -> None:
+        """An idle external ring takes over another caller buffer laid out the same way (slot i
+        at ``i * slot_bytes``); None forgets the buffer. Slots are handed out in index order
+        again, as external rings need (chunk i in slot i)."""
+        if not self.external or self.busy:
+            raise RuntimeError(f"only an idle external ring can be rebound ({self.kind.value}: "
+                               f"external={self.external}, {len(self.busy)} slots busy)")
+        if buffer is not None and -(-buffer.nbytes // self.slot_bytes) != len(self.slots):
+            raise ValueError(f"a buffer of {buffer.nbytes} bytes does not give this ring's {len(self.slots)} slots "
+                             f"of {self.slot_bytes} bytes")
+        self.buffer = buffer
+        n = self.slot_bytes
+        for slot in self.slots:
+            slot.where = None if buffer is None else BufferSlice(buffer, slot.index * n,
+                                                                 min(n, buffer.nbytes - slot.index * n))
+        self._free = collections.deque(self.slots)
+
     def __len__(self) -> int:
         return len(self.slots)
 
@@ -91,7 +108,24 @@ class Ring:
         slot.fence = None
         self._free.append(slot)
 
-    def close(self) -> None:
+    def close(self, stream=None) -> None:
+        """Release the ring's memory (never the caller's, for an external ring). A device ring
+        with ``stream`` is freed in that stream's order: the caller has ordered every other
+        stream's use of it before that point."""
         if self.external:
             return
-        close_quietly(self.buffer, f"{self.kind.value} ring buffer")
+        what = f"{self.kind.value} ring buffer"
+        if stream is not None and not self.buffer.is_host:
+            close_quietly(_FreeOn(self.buffer, stream), what)
+        else:
+            close_quietly(self.buffer, what)
+
+
+class _FreeOn:
+    """Adapts a stream-ordered free to close_quietly."""
+
+    def __init__(self, buffer, stream):
+        self.buffer, self.stream = buffer, stream
+
+    def close(self) -> None:
+        self.buffer.close(stream=self.stream)

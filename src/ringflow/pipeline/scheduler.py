@@ -52,6 +52,12 @@ GUARDS = (
     "host_out.release_after_consume",  # host-out goes FREE only after the consumer returns
 )
 
+# Slot states whose fences, within one ring, are events of a single stream recorded in the
+# order the slots were acquired: h2d events (host-in, device-in/in-place COPYING_IN), compute
+# events (COMPUTING), d2h events (host-out COPYING_OUT). FILLING and CONSUMING fences are host
+# tasks, which finish in any order; DRAINING slots wait on whatever their stage left.
+_STREAM_ORDERED = frozenset({SlotState.COPYING_IN, SlotState.COMPUTING, SlotState.COPYING_OUT})
+
 POISON_BYTE = 0xEE
 Fill = Callable[[Any, np.ndarray], tuple]  # (item, writable uint8 view of the slot) -> (shape, dtype)
 Drain = Callable[[int, Any, np.ndarray], Any]  # (index, item, read-only typed view) -> value
@@ -141,17 +147,33 @@ class Scheduler:
 
         if self.pool is not None:
             close_quietly(self.pool, "worker pool")
+        # A device slot's ``ready`` event (its last use or poison fill) may still be pending: the
+        # stream-ordered free below comes after every stream of the pipeline, so it needs no
+        # host wait (and a launch that failed there was already reported by its chunk).
         for ring in self._rings:
             for slot in ring.slots:
-                if slot.ready is not None:  # a poison fill still owns the slot until it is done
-                    close_quietly(_Syncer(slot.ready), "poison fill")
-                    slot.ready = None
+                slot.ready = None
+        free_on = self._order_frees()
         for ring in self._rings:
-            ring.close()
+            ring.close(stream=free_on)
         for s in self._streams:
             close_quietly(s, "stream")
         # the ring objects stay for introspection (states, high-water marks); their memory is gone
         self._streams = []
+
+    def _order_frees(self):
+        """A stream ordered after everything enqueued on the pipeline's streams, for freeing the
+        device rings without waiting for the whole device; None (free after a device-wide
+        wait) if there is no such stream or ordering it failed."""
+        if not self._streams:
+            return None
+        first, *others = self._streams
+        try:
+            for s in others:
+                first.wait(s.record())
+        except Exception:  # noqa: BLE001 - a broken device: fall back to the plain close
+            return None
+        return first
 
     @property
     def rings(self) -> list[Ring]:
@@ -196,9 +218,10 @@ class Scheduler:
             progressed = self._observe()
             if self.broken is None:
                 progressed |= self._start_prepares()
-                progressed |= self._enqueue_h2d()
-                progressed |= self._enqueue_compute()
-                progressed |= self._enqueue_d2h()
+                # chunk by chunk rather than stage by stage: a chunk's d2h (which hands its
+                # device slot to a later chunk's h2d) is enqueued before the next chunk's h2d
+                while self._enqueue_h2d(1) | self._enqueue_compute(1) | self._enqueue_d2h(1):
+                    progressed = True
         except DeviceError as err:
             if not err.sticky:
                 raise
@@ -208,7 +231,22 @@ class Scheduler:
         return progressed
 
     def pending_fences(self) -> list:
-        fences = [s.fence for ring in self._rings for s in ring.busy.values() if s.fence is not None]
+        """The fences worth waiting on: every pending one except those queued behind an earlier
+        pending event of the same stream (see :meth:`_observe`). Empty only when no fence is
+        pending at all."""
+        fences = []
+        for ring in self._rings:
+            seen = set()
+            for slot in ring.busy.values():
+                fence = slot.fence
+                if fence is None:
+                    continue
+                state = slot.state
+                if state in _STREAM_ORDERED:
+                    if state in seen:
+                        continue
+                    seen.add(state)
+                fences.append(fence)
         return fences + [c.consume_task for c in self._loose_tasks]
 
     def run_until(self, done: Callable[[], bool], timeout: float | None = None) -> None:
@@ -237,11 +275,24 @@ class Scheduler:
 
     # -- observing fences ----------------------------------------------------------------------
     def _observe(self) -> bool:
+        """Handle every completed fence. In a stream-ordered state (``_STREAM_ORDERED``) a ring's
+        fences are events of one stream recorded in the order the slots were acquired (the
+        order of ``ring.busy``), so they complete in that order: after the first pending one,
+        the rest of that state are pending too and are not queried (a query costs a few
+        microseconds of driver time, and a ring can hold dozens of chunks)."""
         progressed = False
         for ring in self._rings:
+            stalled = set()
             for slot in list(ring.busy.values()):
                 fence = slot.fence
-                if fence is None or not fence.is_done:
+                if fence is None:
+                    continue
+                state = slot.state
+                if state in stalled:
+                    continue
+                if not fence.is_done:
+                    if state in _STREAM_ORDERED:
+                        stalled.add(state)
                     continue
                 slot.fence = None
                 progressed = True
@@ -414,9 +465,10 @@ class Scheduler:
         self._end(chunk, ChunkState.DELIVERED)
 
     # -- GPU stages ----------------------------------------------------------------------------
-    def _enqueue_h2d(self) -> bool:
+    def _enqueue_h2d(self, limit: int) -> bool:
         progressed = False
-        while self._h2d_q and self._h2d_q[0].state is ChunkState.PREPARED:
+        while limit and self._h2d_q and self._h2d_q[0].state is ChunkState.PREPARED:
+            limit -= 1
             chunk = self._h2d_q[0]
             slot = self.dev_in.acquire(chunk.index, SlotState.COPYING_IN)
             if slot is None:
@@ -443,9 +495,10 @@ class Scheduler:
             progressed = True
         return progressed
 
-    def _enqueue_compute(self) -> bool:
+    def _enqueue_compute(self, limit: int) -> bool:
         progressed = False
-        while self._compute_q:
+        while limit and self._compute_q:
+            limit -= 1
             chunk = self._compute_q[0]
             if self.dev_out is not None:
                 out_slot = self.dev_out.acquire(chunk.index, SlotState.COMPUTING)
@@ -491,9 +544,10 @@ class Scheduler:
             progressed = True
         return progressed
 
-    def _enqueue_d2h(self) -> bool:
+    def _enqueue_d2h(self, limit: int) -> bool:
         progressed = False
-        while self._d2h_q:
+        while limit and self._d2h_q:
+            limit -= 1
             chunk = self._d2h_q[0]
             slot = self.host_out.acquire(chunk.index, SlotState.COPYING_OUT)
             if slot is None:
@@ -661,6 +715,50 @@ class Scheduler:
     def close(self) -> None:
         self._release_resources()
 
+    # -- reuse by a later job (see ringflow.pipeline.warm) ---------------------------------------
+    def idle(self) -> bool:
+        """Nothing accepted is unfinished, every slot is FREE, nothing failed and the device
+        works: the rings, streams and workers could serve another job as they are."""
+        return (self.broken is None and self.accepting and not self.chunks and not self.failures
+                and not self._loose_tasks and self.unclaimed == 0
+                and not any(ring.busy for ring in self._rings)
+                and not (self._accepted_q or self._h2d_q or self._compute_q or self._d2h_q))
+
+    def park(self) -> None:
+        """Forget the finished job: its stage callbacks and the caller's memory behind
+        external rings (so a kept scheduler keeps none of the caller's arrays alive)."""
+        self.fill = self.drain = _no_job
+        self.item_nbytes = lambda item: 0
+        for ring in (self.host_in, self.host_out):
+            if ring.external:
+                ring.rebind(None)
+
+    def rearm(self, fill: Fill, drain: Drain, item_nbytes: Callable[[Any], int], *,
+              host_in_buffer=None, host_out_buffer=None) -> None:
+        """Take a new job on an idle, parked scheduler: new stage callbacks, the new caller
+        buffers behind external rings (laid out as the old ones), counters from zero. Device
+        slots keep their ``ready`` events: the next owner waits on them as within one job."""
+        if not self.idle():
+            raise RuntimeError("only an idle scheduler can take a new job")
+        if self.host_in.external != (host_in_buffer is not None) or \
+                self.host_out.external != (host_out_buffer is not None):
+            raise ValueError("rearm needs caller buffers exactly where this scheduler has external rings")
+        if host_in_buffer is not None:
+            self.host_in.rebind(host_in_buffer)
+        if host_out_buffer is not None:
+            self.host_out.rebind(host_out_buffer)
+        self.fill, self.drain, self.item_nbytes = fill, drain, item_nbytes
+        self.counts.clear()
+        self.first_error = None
+        self.steps = 0
+        self.host_seconds = 0.0
+        for ring in self._rings:
+            ring.high_water = 0
+
+
+def _no_job(*args: Any) -> Any:
+    raise RuntimeError("this scheduler is parked between jobs; rearm() it first")
+
 
 class _InlineTask:
     """A host stage run at once on the scheduler's thread, shaped like a finished HostTask."""
@@ -680,13 +778,6 @@ class _InlineTask:
         if self._exc is not None:
             raise self._exc
         return self._value
-
-
-class _Syncer:
-    """Adapts an event to close_quietly (sync it; a failure becomes a warning)."""
-
-    def __init__(self, event):
-        self.close = event.sync
 
 
 def _head(where: BufferSlice, nbytes: int) -> BufferSlice:

@@ -27,6 +27,10 @@ class IllegalTransition(AssertionError):
 
 
 class SlotState(enum.Enum):
+    # members are singletons compared by identity: hash them by identity too (Enum's own hash is
+    # Python code, and the scheduler checks a transition table on every move)
+    __hash__ = object.__hash__
+
     FREE = "free"
     FILLING = "filling"
     FILLED = "filled"
@@ -38,6 +42,8 @@ class SlotState(enum.Enum):
 
 
 class RingKind(enum.Enum):
+    __hash__ = object.__hash__
+
     HOST_IN = "host-in"
     DEVICE_IN = "device-in"
     DEVICE_OUT = "device-out"
@@ -68,6 +74,8 @@ LEGAL_SLOT_TRANSITIONS: dict[RingKind, frozenset[tuple[SlotState, SlotState]]] =
 
 class ChunkState(enum.Enum):
     """Where a chunk is. The three final states are DELIVERED, FAILED and CANCELLED."""
+
+    __hash__ = object.__hash__
 
     ACCEPTED = "accepted"
     PREPARING = "preparing"

@@ -152,3 +152,69 @@ def test_sticky_error_becomes_device_error():
     assert "STICKY True" in out.stdout, out.stdout + out.stderr
     assert "context is broken" in out.stdout
     assert "DONE True DeviceError" in out.stdout
+
+
+def test_closed_streams_are_reused_only_when_idle():
+    """A closed stream's CUDA stream goes to the device's idle list; create_stream hands it out
+    again only once the work it still had has finished, so no new owner queues behind it."""
+    import ringflow as rf
+
+    with rf.device("cuda:0") as dev:  # a device of its own: an empty idle list
+        spin = Spin(dev)
+        s = dev.create_stream()
+        handle = s.handle
+        s.close()
+        s2 = dev.create_stream()
+        assert s2.handle == handle  # idle: reused
+        spin(s2, 0.2)
+        s2.close()  # still spinning
+        s3 = dev.create_stream()
+        assert s3.handle != handle  # busy: a new stream instead
+        t0 = time.perf_counter()
+        s3.record().sync()  # not queued behind the spin
+        assert time.perf_counter() - t0 < 0.1
+        time.sleep(0.25)
+        s4 = dev.create_stream()
+        assert s4.handle == handle  # the spin finished: reused now
+        for st in (s3, s4):
+            st.close()
+        spin.close()
+        assert dev.live().total == 0
+
+
+def test_recycled_events_keep_earlier_waits():
+    """An event whose CudaEvent was collected is re-recorded by a later record(); a wait
+    enqueued before that keeps waiting for the point it captured, not the new one."""
+    import ringflow as rf
+
+    with rf.device("cuda:0") as dev:
+        s1, s2 = dev.create_stream(), dev.create_stream()
+        spin = Spin(dev)
+        d, h = dev.allocate(1 << 20, stream=s1), dev.allocate_host(1 << 20)
+        s1.fill(d, 1)
+        spin(s1, 20e-3)
+        s1.fill(d, 2)
+        e = s1.record()
+        s2.wait(e)
+        reused = e._cc
+        del e  # its CUDA event goes back to the device
+        spin(s1, 300e-3)
+        s1.fill(d, 3)
+        late = s1.record()
+        assert late._cc is reused  # re-recorded after the second spin
+        s2.copy(h, d)
+        t0 = time.perf_counter()
+        s2.sync()
+        assert time.perf_counter() - t0 < 0.2  # waited for the first point only
+        assert (h.view() == 2).all()
+        assert not late.is_done
+        late.sync()
+        assert dev.live().events == 1
+        del late
+        assert dev.live().events == 0
+        d.close(stream=s1)
+        h.close()
+        spin.close()
+        for st in (s1, s2):
+            st.close()
+        assert dev.live().total == 0

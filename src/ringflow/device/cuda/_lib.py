@@ -66,10 +66,18 @@ def is_sticky(exc: BaseException) -> bool:
     return any(p in text for p in _STICKY_PHRASES)
 
 
-def device_error(what: str, exc: BaseException) -> DeviceError:
-    """A :class:`DeviceError` for ``exc`` raised while doing ``what``; ``sticky`` set where it is."""
+def _text(what: Any) -> str:
+    """``what`` is the message, or a callable making it: hot paths describe their operation
+    lazily, so the text (a few reprs) costs nothing unless a call fails."""
+    return what() if callable(what) else str(what)
+
+
+def device_error(what: Any, exc: BaseException) -> DeviceError:
+    """A :class:`DeviceError` for ``exc`` raised while doing ``what`` (text, or a callable
+    returning it); ``sticky`` set where it is."""
     if isinstance(exc, DeviceError):
         return exc
+    what = _text(what)
     sticky = is_sticky(exc)
     msg = f"{what} failed: {type(exc).__name__}: {exc}"
     if sticky:
@@ -86,10 +94,11 @@ def cuda_errors() -> tuple[type[BaseException], ...]:
     return (CUDAError,)
 
 
-def check(result: Any, what: str) -> Any:
+def check(result: Any, what: Any) -> Any:
     """Check a ``cuda.bindings`` return tuple ``(CUresult, *values)``; return the values.
 
-    Raises :class:`DeviceError` (``sticky`` when the context is broken) naming ``what``.
+    Raises :class:`DeviceError` (``sticky`` when the context is broken) naming ``what`` (text,
+    or a callable returning it, evaluated only on failure).
     """
     if isinstance(result, tuple):
         err, rest = result[0], result[1:]
@@ -98,7 +107,7 @@ def check(result: Any, what: str) -> Any:
     if int(err) != 0:
         name = getattr(err, "name", None) or f"CUresult {int(err)}"
         sticky = name in STICKY_ERRORS
-        msg = f"{what} failed: {name}"
+        msg = f"{_text(what)} failed: {name}"
         if sticky:
             msg += f"; {BROKEN_CONTEXT}"
         raise DeviceError(msg, sticky=sticky)
@@ -108,11 +117,12 @@ def check(result: Any, what: str) -> Any:
 
 
 class translate:
-    """Context manager: a CUDA error raised by cuda.core inside becomes a :class:`DeviceError`."""
+    """Context manager: a CUDA error raised by cuda.core inside becomes a :class:`DeviceError`.
+    ``what`` is the operation's description, or a callable returning it (evaluated on failure)."""
 
     __slots__ = ("what",)
 
-    def __init__(self, what: str):
+    def __init__(self, what: Any):
         self.what = what
 
     def __enter__(self):

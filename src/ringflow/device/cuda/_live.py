@@ -37,6 +37,16 @@ class LiveRegistry:
         fin.atexit = False  # at interpreter exit the process (and its CUDA context) goes anyway
         return fin
 
+    def add(self, kind: str) -> None:
+        """Count one more live ``kind`` whose owner calls :meth:`drop` exactly once itself (events:
+        cheaper than a finalizer per object on the hot path)."""
+        with self._lock:
+            self._counts[kind] += 1
+
+    def drop(self, kind: str) -> None:
+        with self._lock:
+            self._counts[kind] -= 1
+
     def forget(self, obj: Any) -> None:
         with self._lock:
             self._open.discard(obj)

@@ -31,6 +31,8 @@ _POOL_RELEASE_THRESHOLD = (1 << 64) - 1
 _WAIT_SPIN_S = 0.005  # wait_any first polls with a yield between polls for this long ...
 _WAIT_FIRST_SLEEP_S = 20e-6  # ... then sleeps, from this ...
 _WAIT_MAX_SLEEP_S = 200e-6   # ... to this, so a completion is seen within ~0.2 ms
+_IDLE_STREAMS_MAX = 16  # closed streams kept per priority for reuse
+_IDLE_EVENTS_MAX = 4096  # untimed events kept for reuse (a pipeline holds a few per slot)
 
 
 class CudaDevice(Device):
@@ -56,6 +58,11 @@ class CudaDevice(Device):
         self._pools: "weakref.WeakSet[ThreadWorkerPool]" = weakref.WeakSet()
         self._executors: dict[int, ThreadPoolExecutor] = {}  # shared by pools of that size
         self._pinned_cache = PinnedCache()
+        # untimed CUDA events whose CudaEvent was collected, re-recorded by the next record()
+        # (list append/pop are atomic under the GIL, so any thread may give or take)
+        self._idle_events: list[Any] = []
+        # closed streams by priority, oldest first; reused once idle (see _take_idle_stream)
+        self._idle_streams: dict[int, list[Any]] = {}
         self._cc = cc.Device(index)
         self._ensure_current()
         self.name = self._cc.name
@@ -75,6 +82,41 @@ class CudaDevice(Device):
                 self._device_mr = self._cc.memory_resource  # synchronous cuMemAlloc fallback
 
     # -- internals -----------------------------------------------------------------------------
+    def _take_idle_event(self) -> Any:
+        try:
+            return self._idle_events.pop()
+        except IndexError:
+            return None
+
+    def _take_idle_stream(self, priority: int) -> Any:
+        """A closed stream of ``priority`` with nothing left to run, or None. A stream still
+        running a closed owner's work is never handed on: the new owner's work would queue
+        behind it."""
+        idle = self._idle_streams.get(priority)
+        if not idle:
+            return None
+        drv = driver()
+        for i, cc_stream in enumerate(idle):
+            # cuda.core has no stream query: cuStreamQuery from cuda.bindings
+            (err,) = drv.cuStreamQuery(cc_stream.handle)
+            if err == drv.CUresult.CUDA_SUCCESS:
+                return idle.pop(i)
+        return None
+
+    def _recycle_stream(self, cc_stream: Any, priority: int) -> bool:
+        """Keep a closed stream for reuse; False when the caller should destroy it instead."""
+        if self._closed:
+            return False
+        idle = self._idle_streams.setdefault(priority, [])
+        if len(idle) >= _IDLE_STREAMS_MAX:
+            return False
+        idle.append(cc_stream)
+        return True
+
+    def _recycle_event(self, cc_event: Any) -> None:
+        if not self._closed and len(self._idle_events) < _IDLE_EVENTS_MAX:
+            self._idle_events.append(cc_event)
+
     def _ensure_current(self) -> None:
         if not getattr(self._tls, "current", False):
             core().Device(self.index).set_current()  # cuda.core Device objects are per thread
@@ -230,7 +272,16 @@ class CudaDevice(Device):
         # Buffers first (their stream-ordered frees use the internal stream), then streams.
         for obj in sorted(leftovers, key=lambda o: isinstance(o, CudaStream)):
             close_quietly(obj, repr(obj))
-        self._closed = True
+        self._closed = True  # from here closed streams and collected events are destroyed, not kept
+        idle, self._idle_events = self._idle_events, []
+        for streams in self._idle_streams.values():
+            idle.extend(streams)
+        self._idle_streams = {}
+        for cc_object in idle:
+            try:
+                cc_object.close()
+            except Exception:  # noqa: BLE001 - cleanup never raises; the context goes with the process
+                pass
         try:
             self._internal_stream.close()
         except Exception as exc:  # noqa: BLE001

@@ -14,8 +14,11 @@ Ordering facts:
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import numpy as np
 
 from ...errors import DeviceError
 from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Stream, as_slice, copy_extent
@@ -34,10 +37,33 @@ class CudaEvent(Event):
         self._device = device
         self._cc = cc_event
         self.timing = timing
-        self.stream_name = repr(stream)
+        self._stream = stream
         self._error: DeviceError | None = None
         self._done = False  # once True it stays True: completion cannot be undone
-        self._finalizer = device._live.track(self, "events", closeable=False)
+        # counted live until closed or collected; one per recorded event, so no finalizer object
+        self._counted = True
+        device._live.add("events")
+
+    @property
+    def stream_name(self) -> str:
+        return repr(self._stream)
+
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            self._device._live.drop("events")
+
+    def __del__(self) -> None:
+        # The last reference is gone, so nothing can query or wait on this event again: an
+        # untimed CUDA event goes back to the device for a later record (re-recording overwrites
+        # its captured work; waits enqueued earlier keep the state they captured). Never raises.
+        try:
+            cc, self._cc = self._cc, None
+            if cc is not None and not self.timing and self._error is None:
+                self._device._recycle_event(cc)
+            self._uncount()
+        except Exception:  # noqa: BLE001 - a finaliser must not raise
+            pass
 
     @property
     def is_done(self) -> bool:
@@ -47,7 +73,7 @@ class CudaEvent(Event):
             raise RuntimeError(f"{self!r} is closed")
         self._device._ensure_current()
         try:
-            with translate(f"querying {self!r}"):
+            with translate(lambda: f"querying {self!r}"):
                 self._done = bool(self._cc.is_done)
         except DeviceError as exc:
             self._error, self._done = exc, True
@@ -62,7 +88,7 @@ class CudaEvent(Event):
             raise RuntimeError(f"{self!r} is closed")
         self._device._ensure_current()
         try:
-            with translate(f"waiting for {self!r}"):
+            with translate(lambda: f"waiting for {self!r}"):
                 self._cc.sync()
         except DeviceError as exc:
             self._error, self._done = exc, True
@@ -95,11 +121,16 @@ class CudaEvent(Event):
         except Exception as exc:  # noqa: BLE001 - cleanup never raises
             warnings.warn(f"destroying {self!r} failed: {exc}", RuntimeWarning, stacklevel=2)
         finally:
-            self._finalizer()
+            self._uncount()
 
     def __repr__(self) -> str:
         kind = "timing event" if self.timing else "event"
         return f"<CudaEvent {kind} on {self.stream_name}>"
+
+
+@functools.lru_cache(maxsize=2)
+def _event_options(timing: bool) -> Any:
+    return core().EventOptions(timing_enabled=timing)
 
 
 class CudaStream(Stream):
@@ -107,9 +138,13 @@ class CudaStream(Stream):
 
     def __init__(self, device: "CudaDevice", priority: int):
         device._ensure_current()
-        cc = core()
-        with translate(f"creating a stream with priority {priority}"):
-            self._cc = device._cc.create_stream(options=cc.StreamOptions(nonblocking=True, priority=priority))
+        # a stream closed earlier and now idle, else a new one: creating a CUDA stream and its
+        # first use cost ~0.1 ms on our H200 host, and a pipeline opens three per call
+        self._cc = device._take_idle_stream(priority)
+        if self._cc is None:
+            cc = core()
+            with translate(f"creating a stream with priority {priority}"):
+                self._cc = device._cc.create_stream(options=cc.StreamOptions(nonblocking=True, priority=priority))
         self._device = device
         self.priority = int(self._cc.priority)
         self.handle = int(self._cc.handle)
@@ -140,21 +175,32 @@ class CudaStream(Stream):
 
     # -- protocol ------------------------------------------------------------------------------
     def record(self, *, timing: bool = False) -> CudaEvent:
-        self._check_open()
-        self._device._ensure_current()
-        with translate(f"recording an event on {self!r}"):
-            ev = self._cc.record(options=core().EventOptions(timing_enabled=bool(timing)))
-        return CudaEvent(self._device, ev, bool(timing), self)
+        """Returns once enqueued; the event is done when everything enqueued on this stream
+        before it has completed. An untimed record reuses a CUDA event whose previous
+        :class:`CudaEvent` was collected (creating one costs more than recording it)."""
+        if self._closed:
+            self._check_open()
+        dev = self._device
+        dev._ensure_current()
+        reuse = dev._take_idle_event() if not timing else None
+        with translate(lambda: f"recording an event on {self!r}"):
+            if reuse is not None:
+                ev = self._cc.record(event=reuse)
+            else:
+                ev = self._cc.record(options=_event_options(bool(timing)))
+        return CudaEvent(dev, ev, bool(timing), self)
 
     def wait(self, event: Event) -> None:
-        self._check_open()
-        if not isinstance(event, CudaEvent) or event._device is not self._device:
+        if self._closed:
+            self._check_open()
+        if type(event) is not CudaEvent or event._device is not self._device:
             raise TypeError(f"{self!r} can only wait for an event recorded on the same CUDA device, got {event!r}")
-        if event._cc is None:
+        cc_event = event._cc
+        if cc_event is None:
             raise RuntimeError(f"{event!r} is closed")
         self._device._ensure_current()
-        with translate(f"making {self!r} wait for {event!r}"):
-            self._cc.wait(event._cc)
+        with translate(lambda: f"making {self!r} wait for {event!r}"):
+            self._cc.wait(cc_event)
 
     def copy(self, dst: Buffer | BufferSlice, src: Buffer | BufferSlice, nbytes: int | None = None) -> None:
         """Enqueue a copy in any direction (host<->device, device<->device, host<->host between
@@ -164,8 +210,8 @@ class CudaStream(Stream):
         dptr, sptr = self._check_buffer(d), self._check_buffer(s)
         self._device._ensure_current()
         # cuda.core copies whole Buffers only; byte ranges need cuMemcpyAsync from cuda.bindings.
-        check(driver().cuMemcpyAsync(dptr, sptr, d.nbytes, self._cc.handle),
-              f"copy of {d.nbytes} bytes from {s.buffer!r} to {d.buffer!r} on {self!r}")
+        check(driver().cuMemcpyAsync(dptr, sptr, d.nbytes, self.handle),
+              lambda: f"copy of {d.nbytes} bytes from {s.buffer!r} to {d.buffer!r} on {self!r}")
 
     def fill(self, dst: Buffer | BufferSlice, byte: int) -> None:
         self._check_open()
@@ -177,8 +223,8 @@ class CudaStream(Stream):
         ptr = self._check_buffer(d)
         self._device._ensure_current()
         # cuda.core fills whole Buffers only; a byte range needs cuMemsetD8Async from cuda.bindings.
-        check(driver().cuMemsetD8Async(ptr, byte, d.nbytes, self._cc.handle),
-              f"fill of {d.nbytes} bytes of {d.buffer!r} on {self!r}")
+        check(driver().cuMemsetD8Async(ptr, byte, d.nbytes, self.handle),
+              lambda: f"fill of {d.nbytes} bytes of {d.buffer!r} on {self!r}")
 
     def launch(self, fn: Callable[..., Any], *args: Any, reads: Iterable[Any] = (), writes: Iterable[Any] = (),
                sim_seconds: float | None = None) -> None:
@@ -199,6 +245,19 @@ class CudaStream(Stream):
             self._check_buffer(as_slice(obj))
         dev = self._device
         dev._ensure_current()
+        fast = getattr(fn, "__ringflow_launch__", None)
+        if fast is not None:
+            raw = _raw_kernel_args(args, dev)
+            if raw is not None:
+                try:
+                    fast(self._cc, dev.index, *raw)
+                    return
+                except DeviceError:
+                    raise
+                except Exception as exc:
+                    if is_sticky(exc):
+                        raise device_error(lambda: f"kernel {fn!r} on {self!r}", exc) from exc
+                    raise
         adapter = dev._adapter
         converted = []
         for a in args:
@@ -225,18 +284,22 @@ class CudaStream(Stream):
     def sync(self) -> None:
         self._check_open()
         self._device._ensure_current()
-        with translate(f"synchronising {self!r}"):
+        with translate(lambda: f"synchronising {self!r}"):
             self._cc.sync()
 
     def close(self) -> None:
-        """Destroy the stream. Work already enqueued still runs to completion (CUDA's rule);
-        closing twice is harmless and never raises."""
+        """Close the stream. Work already enqueued still runs to completion (CUDA's rule); the
+        device may hand the same CUDA stream to a later ``create_stream`` once that work is
+        done. Closing twice is harmless and never raises."""
         if self._closed:
             return
         self._closed = True
         self._framework_streams.clear()
         try:
-            self._cc.close()
+            # Work already enqueued still runs; the CUDA stream goes to the device's idle list
+            # and is handed to a later create_stream only once that work is done (or destroyed)
+            if not self._device._recycle_stream(self._cc, self.priority):
+                self._cc.close()
         except Exception as exc:  # noqa: BLE001 - cleanup never raises
             warnings.warn(f"destroying {self!r} failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
         finally:
@@ -246,3 +309,29 @@ class CudaStream(Stream):
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
         return f"<CudaStream {self.handle:#x} priority {self.priority} on cuda:{self._device.index}{state}>"
+
+
+def _raw_kernel_args(args: tuple, device: "CudaDevice") -> "tuple[list, list] | None":
+    """For a kernel's fast path: the arguments with each device :class:`ArrayArg` turned into its
+    address, and the element counts of those arrays; None when an argument needs the general
+    path, which checks it and says what is wrong (a host or closed buffer, another device's,
+    anything but an ArrayArg or a numpy scalar)."""
+    kernel_args, sizes = [], []
+    for a in args:
+        if type(a) is ArrayArg:
+            where = a.where
+            buf = where.buffer
+            if buf.is_host or buf.closed or getattr(buf, "_device", None) is not device:
+                return None
+            kernel_args.append(buf._ptr + where.offset)
+            n = 1
+            for d in a.shape:
+                n *= d
+            sizes.append(n)
+        elif isinstance(a, np.generic):
+            kernel_args.append(a)
+        else:
+            return None
+    if not sizes:
+        return None
+    return kernel_args, sizes

@@ -189,6 +189,13 @@ class Engine:
             op.on_complete(op)
         for observer in self.on_op_done:
             observer(op)
+        # A done op orders nothing and runs nothing again: drop what it reaches (the ops before
+        # it, the closures over buffers), so an event kept for ordering (a slot's ``ready``)
+        # does not keep the whole history of the stream, and its memory, alive.
+        op.deps = []
+        op.on_start = op.on_complete = None
+        if op.queue.last is op:
+            op.queue.last = None
 
     def _start_ready(self) -> None:
         progressed = True

@@ -1,0 +1,170 @@
+"""stream_map keeps its finished pipeline warm for the next call of the same shape."""
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow.errors import StageError
+from ringflow.pipeline import warm
+
+
+def f(x, y):
+    y[:] = x * 2 + 1
+
+
+@pytest.fixture(autouse=True)
+def empty_cache():
+    rf.drop_warm_pipelines()
+    yield
+    rf.drop_warm_pipelines()
+
+
+def run(x, dev, **kw):
+    """stream_map returning (result, the pipeline that ran it)."""
+    seen = {}
+    y = rf.stream_map(f, x, device=dev, _on_pipeline=lambda p: seen.setdefault("pipe", p), **kw)
+    return y, seen["pipe"]
+
+
+def fresh(n, seed):
+    return np.random.default_rng(seed).uniform(0.5, 1.5, n).astype(np.float32)
+
+
+def test_the_next_call_of_the_same_shape_reuses_the_pipeline():
+    dev = rf.device("sim", seed=1, chaos=True)
+    pipes = []
+    for i in range(4):
+        x = fresh(5000, i)
+        y, pipe = run(x, dev, chunk_bytes=4096)
+        assert np.array_equal(y, x * 2 + 1)
+        pipes.append(pipe)
+    assert all(p is pipes[0] for p in pipes)
+    assert pipes[0].stats().accepted == -(-5000 * 4 // 4096)  # counters restart with each call
+    _, other = run(fresh(5000, 9), dev, chunk_bytes=8192)  # another chunk size: another pipeline
+    assert other is not pipes[0]
+    _, again = run(fresh(5000, 10), dev, chunk_bytes=4096)
+    assert again is pipes[0]  # both shapes fit the cache (capacity 2)
+    assert rf.drop_warm_pipelines(dev) == 2
+    assert dev.live().total == 0
+
+
+def test_keep_warm_false_closes_the_pipeline():
+    dev = rf.device("sim")
+    run(fresh(1000, 0), dev, chunk_bytes=1024, keep_warm=False)
+    assert len(warm.WARM) == 0
+    assert dev.live().total == 0
+
+
+def test_profiled_and_checked_calls_are_not_kept():
+    dev = rf.device("sim")
+    x = fresh(1000, 0)
+    rf.stream_map(f, x, device=dev, chunk_bytes=1024, checked=True)
+    rf.stream_map(f, x, device=dev, chunk_bytes=1024)
+    assert rf.drop_warm_pipelines(dev) == 1  # only the plain call's
+    from ringflow.pipeline.api import stream_map_report
+
+    stream_map_report(f, x, device=dev, chunk_bytes=1024)
+    assert len(warm.WARM) == 0
+
+
+def test_a_kept_pipeline_holds_none_of_the_callers_arrays():
+    dev = rf.device("sim")
+    for host in ("stage", "register"):
+        x = fresh(4096, 3)
+        out = np.empty_like(x)
+        rf.stream_map(f, x, out, device=dev, chunk_bytes=2048, host=host)
+        refs = weakref.ref(x), weakref.ref(out)
+        del x, out
+        gc.collect()
+        assert refs[0]() is None and refs[1]() is None, host
+    assert rf.drop_warm_pipelines(dev) == 2
+
+
+def test_pinned_buffers_are_rebound_each_call():
+    """x_buffer/out_buffer: the kept pipeline's external rings point at each call's buffers."""
+    dev = rf.device("sim", seed=4, chaos=True)
+    n = 3000
+    bufs = [(dev.allocate_host(4 * n), dev.allocate_host(4 * n)) for _ in range(3)]
+    pipes = set()
+    for i, (hx, hy) in enumerate(bufs * 2):
+        x = hx.view(np.float32, access="rw")
+        x[:] = fresh(n, i)
+        y = hy.view(np.float32, access="rw")
+        seen = {}
+        rf.stream_map(f, x, y, device=dev, chunk_bytes=1024, x_buffer=hx, out_buffer=hy,
+                      _on_pipeline=lambda p: seen.setdefault("p", p))
+        pipes.add(id(seen["p"]))
+        assert np.array_equal(y, x * 2 + 1)
+    assert len(pipes) == 1
+    rf.drop_warm_pipelines(dev)
+    for hx, hy in bufs:
+        hx.close()
+        hy.close()
+    assert dev.live().total == 0
+
+
+def test_in_place_calls_reuse_and_stay_correct_under_chaos():
+    for seed in range(6):
+        dev = rf.device("sim", seed=seed, chaos=True)
+        for i in range(5):
+            x = fresh(7777, seed * 10 + i)
+            want = x * 2 + 1
+            assert rf.stream_map(f, x, x, device=dev, chunk_bytes=4096, inplace=True) is x
+            assert np.array_equal(x, want)
+        rf.drop_warm_pipelines(dev)
+        assert dev.live().total == 0
+
+
+def test_a_failed_call_is_not_kept_and_the_next_one_works():
+    dev = rf.device("sim")
+    calls = {"n": 0}
+
+    def flaky(x, y):
+        calls["n"] += 1
+        if calls["n"] == 6:  # the second chunk of the second call
+            raise RuntimeError("boom")
+        y[:] = x * 2 + 1
+
+    x = fresh(4096, 0)
+    rf.stream_map(flaky, x, device=dev, chunk_bytes=4096)  # 4 chunks of 4 KiB, kept
+    assert len(warm.WARM) == 1
+    with pytest.raises(StageError, match="boom"):
+        rf.stream_map(flaky, x, device=dev, chunk_bytes=4096)  # reuses it; a chunk fails: dropped
+    assert len(warm.WARM) == 0
+    assert np.array_equal(rf.stream_map(flaky, x, device=dev, chunk_bytes=4096), x * 2 + 1)
+    rf.drop_warm_pipelines()
+    assert dev.live().total == 0
+
+
+def test_a_broken_device_is_not_kept():
+    dev = rf.device("sim")
+    x = fresh(4096, 0)
+    rf.stream_map(f, x, device=dev, chunk_bytes=1024)
+    dev.inject_sticky_error()
+    with pytest.raises(rf.DeviceError):
+        rf.stream_map(f, x, device=dev, chunk_bytes=1024)
+    assert len(warm.WARM) == 0
+
+
+def test_a_pipeline_of_a_closed_device_is_discarded():
+    dev = rf.device("sim")
+    x = fresh(4096, 0)
+    rf.stream_map(f, x, device=dev, chunk_bytes=1024)
+    dev.close()
+    assert warm.WARM.take(next(iter(warm.WARM._parked))) is None
+    dev2 = rf.device("sim")
+    assert np.array_equal(rf.stream_map(f, x, device=dev2, chunk_bytes=1024), x * 2 + 1)
+
+
+def test_least_recently_used_is_closed_beyond_capacity():
+    dev = rf.device("sim")
+    x = fresh(4096, 0)
+    firsts = []
+    for cb in (512, 1024, 2048):
+        _, p = run(x, dev, chunk_bytes=cb)
+        firsts.append(p)
+    assert len(warm.WARM) == warm.DEFAULT_CAPACITY == 2
+    assert firsts[0]._closed and not firsts[1]._closed and not firsts[2]._closed
