@@ -199,13 +199,11 @@ def phases(dev, out: dict, chunks: int = 16) -> None:
                 else:
                     spent[name] = spent.get(name, 0.0) + (t - opened.pop(name, t)) * 1e6
             runs.append({"total_ms": (t1 - t0) * 1e3,
-                         "init_start_us": (first["Pipeline.__init__>"] - t0) * 1e6,
-                         "init_end_us": (first["Pipeline.__init__<"] - t0) * 1e6,
+                         "init_us": [(first[k] - t0) * 1e6 if k in first else None
+                                     for k in ("Pipeline.__init__>", "Pipeline.__init__<")],
                          "first_h2d_enqueue_us": (first["enqueue_h2d<"] - t0) * 1e6,
                          "last_consumed_ms": (last["on_consumed<"] - t0) * 1e3,
-                         "close_start_ms": (first["Pipeline.close>"] - t0) * 1e3,
-                         "release_ms": [(first["release>"] - t0) * 1e3, (first["release<"] - t0) * 1e3],
-                         "close_end_ms": (last["Pipeline.close<"] - t0) * 1e3,
+                         "closed": "Pipeline.close>" in first,  # False: kept warm
                          "returned_ms": (t1 - t0) * 1e3,
                          "us_in": {k: round(v, 1) for k, v in spent.items()},
                          "calls": {k[:-1]: sum(1 for lb, _ in log if lb == k) for k in first if k.endswith(">")}})

@@ -14,7 +14,7 @@ MB = 10**6
 MiB = 1 << 20
 
 
-def steady_interval(profile, chunk, slots, *, compute_s, workers, consume_extra_s=0.0, n=60):
+def steady_interval(profile, chunk, slots, *, compute_s, workers, consume_extra_s=0.0, n=60, inplace=False):
     """Mean interval between consumer completions, away from fill and drain."""
     dev = rf.device("sim", profile=profile)
 
@@ -30,7 +30,7 @@ def steady_interval(profile, chunk, slots, *, compute_s, workers, consume_extra_
     dev.add_op_observer(lambda op: done.append(op.done_at) if op.label.startswith("host task _run_drain") else None)
     items = [np.ones(chunk // 4, np.float32) for _ in range(n)]
     with rf.Pipeline(f, device=dev, chunk_bytes=chunk, slots=slots, consume=consume, workers=workers,
-                     max_in_flight=64) as pipe:
+                     max_in_flight=64, inplace=inplace) as pipe:
         for _ in pipe.map(items):
             pass
     assert len(done) == n
@@ -109,3 +109,35 @@ def test_model_uses_concurrent_link_bandwidth():
     t = plan.model_stage_times("h200-pcie5", 256 * MiB)
     # alone 54.8 GB/s; both directions at once share 98.4 GB/s
     assert 256 * MiB / t.h2d / 1e9 == pytest.approx(98.4 * 54.8 / (54.8 + 54.7), rel=1e-3)
+
+
+def test_device_rings_get_slack_for_any_compute_time():
+    """Whatever compute the plan assumed, device rings hold one slot per stage they span plus
+    one: in place 4, device-in and device-out 3; larger planned counts stay."""
+    from ringflow.pipeline.config import SlotCounts
+
+    c = plan.with_device_slack(SlotCounts(2, 1, 1, 2), inplace=False)
+    assert (c.host_in, c.device_in, c.device_out, c.host_out) == (2, 3, 3, 2)
+    assert plan.with_device_slack(SlotCounts(2, 2, 0, 2), inplace=True).device_in == 4
+    assert plan.with_device_slack(SlotCounts(2, 6, 0, 2), inplace=True).device_in == 6
+    dev = rf.device("sim", profile="unit")
+
+    def f(x, y):
+        y[:] = x
+
+    f.sim_seconds = 0.1e-3  # the plan believes compute is short
+    with rf.Pipeline(f, device=dev, chunk_bytes=MB, inplace=True) as pipe:
+        assert pipe.config.slots.device_in == 4
+
+
+def test_balanced_in_place_pipeline_runs_at_the_bottleneck_with_its_slack():
+    """compute = copy, in place: the slot count the pipeline gets keeps the bottleneck rate
+    (2 slots, what a short compute guess plans, would not)."""
+    from ringflow.pipeline.config import SlotCounts
+
+    t = plan.model_stage_times("unit", MB, compute=1e-3, workers=4)
+    slots = plan.with_device_slack(SlotCounts(4, 2, 0, 4), inplace=True)
+    fast = steady_interval("unit", MB, slots, compute_s=1e-3, workers=4, inplace=True)
+    assert fast == pytest.approx(t.interval, rel=0.05)
+    slow = steady_interval("unit", MB, SlotCounts(4, 2, 0, 4), compute_s=1e-3, workers=4, inplace=True)
+    assert slow > 1.2 * t.interval

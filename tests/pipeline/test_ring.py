@@ -128,3 +128,34 @@ def test_slot_counts_validation():
         rf.SlotCounts(1, 1, -1, 1)
     c = rf.SlotCounts(2, 3, 4, 5)
     assert c.pinned_slots == 7 and c.minus("device_in") == rf.SlotCounts(2, 2, 4, 5)
+
+
+def test_external_ring_slots_cover_the_callers_buffer_when_taken(dev):
+    """One slot per chunk of the caller's buffer, the last one short; ranges are made when a
+    slot is taken, and rebinding to another buffer hands slots out in index order again."""
+    buf = dev.allocate_host(100)
+    ring = Ring(RingKind.HOST_IN, buf, 4, 32, external=True)
+    assert all(s.where is None for s in ring.slots)
+    got = [ring.acquire(i, S.FILLING) for i in range(4)]
+    assert [s.where.range for s in got] == [(0, 32), (32, 64), (64, 96), (96, 100)]
+    assert all(s.where.buffer is buf for s in got)
+    with pytest.raises(RuntimeError, match="idle"):
+        ring.rebind(None)
+    for s in reversed(got):
+        ring.move(s, S.DRAINING)
+        ring.release(s)
+    other = dev.allocate_host(97)
+    ring.rebind(other)
+    again = [ring.acquire(i, S.FILLING) for i in range(4)]
+    assert [s.index for s in again] == [0, 1, 2, 3]
+    assert [s.where.range for s in again] == [(0, 32), (32, 64), (64, 96), (96, 97)]
+    assert all(s.where.buffer is other for s in again)
+    for s in again:
+        ring.move(s, S.DRAINING)
+        ring.release(s)
+    with pytest.raises(ValueError, match="slots"):
+        ring.rebind(dev.allocate_host(200))
+    ring.close()
+    assert not buf.closed  # the caller's memory is never closed by the ring
+    buf.close()
+    other.close()

@@ -8,9 +8,15 @@ from ..device.timing import time_events
 from . import kernels
 
 
-def kernel_and_copy_ms(dev, chunk_bytes: int, repeats: int = 5) -> tuple[float, float, float]:
-    """(seconds of the 1-iteration kernel, of the 65-iteration kernel, of one H2D copy) on a
-    chunk of ``chunk_bytes``, each the median of ``repeats`` event-timed runs after a warm-up."""
+def iters_for(dev, chunk_bytes: int, ratio: float, repeats: int = 5, rounds: int = 6) -> tuple[int, float, float]:
+    """Iterations of the affine kernel whose time on a ``chunk_bytes`` chunk is ``ratio`` times
+    that chunk's H2D copy; returns (iterations, kernel seconds, copy seconds), each time the
+    median of ``repeats`` event-timed runs after a warm-up.
+
+    The kernel's time is a pass over memory plus a cost per iteration, and on the H200 one
+    iteration over a chunk costs a hundredth of its copy, so a slope taken from a few
+    iterations is noise: instead the count is scaled by target/measured until the measured
+    time is within 3% of the target (two or three rounds)."""
     n = chunk_bytes // 4
     s = dev.create_stream()
     hb = dev.allocate_host(n * 4)
@@ -23,9 +29,15 @@ def kernel_and_copy_ms(dev, chunk_bytes: int, repeats: int = 5) -> tuple[float, 
             return float(np.median(time_events(s, enqueue, warmup=1, repeats=repeats)))
 
         copy = timed(lambda: s.copy(d, hb))
-        k1 = timed(lambda: s.launch(kernels.affine(1), arr, arr, writes=[arr]))
-        k65 = timed(lambda: s.launch(kernels.affine(65), arr, arr, writes=[arr]))
-        return k1, k65, copy
+        target = ratio * copy
+        iters, seconds = 64, 0.0
+        for _ in range(rounds):
+            f = kernels.affine(iters)
+            seconds = timed(lambda: s.launch(f, arr, arr, writes=[arr]))
+            if abs(seconds - target) <= 0.03 * target:
+                break
+            iters = max(1, round(iters * target / seconds))
+        return iters, seconds, copy
     finally:
         d.close(stream=s)
         s.sync()

@@ -199,11 +199,9 @@ def calibrate_iters(dev: Device, chunk_bytes: int, ratio: float) -> int:
         copy = plan.model_stage_times(prof, chunk_bytes).h2d
         per_iter = kernels._ITER_S_PER_BYTE * chunk_bytes
         return max(1, round((ratio * copy - 2 * chunk_bytes / kernels._DEVICE_BPS) / per_iter))
-    from .gpu_calibrate import kernel_and_copy_ms
+    from .gpu_calibrate import iters_for
 
-    k1, k65, copy = kernel_and_copy_ms(dev, chunk_bytes)
-    per_iter = max(1e-6, (k65 - k1) / 64)
-    return max(1, round((ratio * copy - k1) / per_iter))
+    return iters_for(dev, chunk_bytes, ratio)[0]
 
 
 # -- pageable -----------------------------------------------------------------------------------------

@@ -137,7 +137,7 @@ class Pipeline:
             times = dataclasses.replace(times, prepare=overhead)
         if external[1]:
             times = dataclasses.replace(times, consume=overhead)
-        return plan.plan_slots(times, inplace=inplace).slots
+        return plan.with_device_slack(plan.plan_slots(times, inplace=inplace).slots, inplace=inplace)
 
     def _default_fill(self, item: Any, raw: np.ndarray) -> tuple:
         arr = self._prepare(item) if self._prepare is not None else item

@@ -23,7 +23,7 @@ TransitionHook = Callable[[RingKind, "Slot", SlotState, SlotState], None]
 class Slot:
     ring: "Ring"
     index: int
-    where: BufferSlice
+    where: Optional[BufferSlice]  # None only for an external ring's slot not taken yet
     state: SlotState = SlotState.FREE
     owner: Optional[int] = None  # chunk index
     fence: Any = None  # the event / host task that must complete before the slot is free
@@ -44,7 +44,10 @@ class Ring:
         self.buffer = buffer
         self.slot_bytes = slot_bytes
         self.external = external
-        self.slots = [Slot(self, i, buffer.slice(i * slot_bytes, min(slot_bytes, buffer.nbytes - i * slot_bytes)))
+        # an external ring has a slot per chunk of the caller's array: its byte range is made
+        # when the slot is first taken (a call's start-up should not pay for all of them)
+        self.slots = [Slot(self, i, None if external else
+                           buffer.slice(i * slot_bytes, min(slot_bytes, buffer.nbytes - i * slot_bytes)))
                       for i in range(count)]
         self._free: collections.deque[Slot] = collections.deque(self.slots)
         self.busy: dict[int, Slot] = {}  # slot index -> slot, for the slots not FREE
@@ -63,10 +66,8 @@ class Ring:
             raise ValueError(f"a buffer of {buffer.nbytes} bytes does not give this ring's {len(self.slots)} slots "
                              f"of {self.slot_bytes} bytes")
         self.buffer = buffer
-        n = self.slot_bytes
         for slot in self.slots:
-            slot.where = None if buffer is None else BufferSlice(buffer, slot.index * n,
-                                                                 min(n, buffer.nbytes - slot.index * n))
+            slot.where = None  # made again from the new buffer when taken
         self._free = collections.deque(self.slots)
 
     def __len__(self) -> int:
@@ -85,6 +86,9 @@ class Ring:
         if not self._free:
             return None
         slot = self._free.popleft()
+        if slot.where is None:  # external: the slot's range of the caller's buffer
+            off = slot.index * self.slot_bytes
+            slot.where = BufferSlice(self.buffer, off, min(self.slot_bytes, self.buffer.nbytes - off))
         self.busy[slot.index] = slot
         self.high_water = max(self.high_water, len(self.busy))
         slot.owner = owner

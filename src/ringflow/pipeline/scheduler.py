@@ -216,12 +216,12 @@ class Scheduler:
         self.steps += 1
         try:
             progressed = self._observe()
-            if self.broken is None:
-                progressed |= self._start_prepares()
-                # chunk by chunk rather than stage by stage: a chunk's d2h (which hands its
-                # device slot to a later chunk's h2d) is enqueued before the next chunk's h2d
-                while self._enqueue_h2d(1) | self._enqueue_compute(1) | self._enqueue_d2h(1):
-                    progressed = True
+            # chunk by chunk rather than stage by stage: the first chunk's copy is enqueued
+            # before the next chunk is prepared, and a chunk's d2h (which hands its device slot
+            # to a later chunk's h2d) before the next chunk's h2d
+            while self.broken is None and (self._start_prepares(1) | self._enqueue_h2d(1)
+                                           | self._enqueue_compute(1) | self._enqueue_d2h(1)):
+                progressed = True
         except DeviceError as err:
             if not err.sticky:
                 raise
@@ -375,11 +375,11 @@ class Scheduler:
             slot.ready = None
 
     # -- CPU stages ----------------------------------------------------------------------------
-    def _start_prepares(self) -> bool:
+    def _start_prepares(self, limit: int) -> bool:
         progressed = False
-        # describing chunks of an external ring is inline work: do no more of it per step than
-        # the device can take now, so the first copy is enqueued without waiting for the rest
-        budget = self.dev_in.free_count + 1 if self.host_in.external else len(self._accepted_q)
+        # describing chunks of an external ring is inline work: describe no further ahead than
+        # the device can take now (the rest are described as device slots come free)
+        budget = min(limit, self.dev_in.free_count + 1) if self.host_in.external else limit
         while self._accepted_q and budget > 0:
             budget -= 1
             chunk = self._accepted_q[0]
