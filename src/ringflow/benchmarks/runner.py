@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import platform
@@ -40,8 +41,10 @@ def run_bench(device: str = "auto", workloads=WORKLOADS, *, quick: bool = False,
     dev = rf.device(device)
     result: dict[str, Any] = {"environment": environment(dev), "workloads": {}}
     if dev.backend == "cuda":
-        try:  # import the baselines' frameworks before anything is timed
-            from . import baselines  # noqa: F401
+        try:  # import the baselines' frameworks before anything is timed or frozen
+            from . import baselines
+
+            result["environment"]["frameworks"] = baselines.preload_frameworks()
         except Exception:  # noqa: BLE001 - a missing framework only skips baselines
             pass
     result["environment"]["gc"] = quiet_gc()
@@ -54,6 +57,8 @@ def run_bench(device: str = "auto", workloads=WORKLOADS, *, quick: bool = False,
 
         for name in workloads:
             say(name)
+            gc.collect()
+            gc.freeze()  # what the previous workload left behind stays out of the collector's walks
             try:
                 result["workloads"][name] = run_workload(dev, name, quick=quick, progress=say)
             except Exception as exc:  # noqa: BLE001 - one failed workload must not hide the others
@@ -80,7 +85,6 @@ def quiet_gc() -> dict[str, Any]:
     cyclic collector's reach, as a latency-sensitive service would: otherwise a full collection
     now and then stalls the scheduler thread for as long as it walks that heap. Returns the
     time of one full collection before and after, measured here."""
-    import gc
     import time
 
     t0 = time.perf_counter()

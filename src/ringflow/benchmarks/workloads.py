@@ -9,6 +9,9 @@ with the reason on the simulated GPU.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -302,7 +305,7 @@ def requests(dev: Device, *, loads=(0.5, 0.8, 0.95), count: int = 200, slot_byte
             progress(f"requests: {int(load * 100)}% load")
         rate = load * capacity
         gaps = rng.exponential(1.0 / rate, count)
-        with make() as pipe:
+        with make() as pipe, _gc_pauses() as pauses:
             s = pipe.scheduler
             arrival = dev.now
             lat = np.zeros(count)
@@ -326,11 +329,32 @@ def requests(dev: Device, *, loads=(0.5, 0.8, 0.95), count: int = 200, slot_byte
                        "p99_ms": 1e3 * float(np.percentile(lat, 99)), "correct": ok,
                        "p99_over_isolated": float(np.percentile(lat, 99)) / isolated,
                        "p99_slowdown_per_request": float(np.percentile(lat / iso, 99)),
-                       "pinned_high_water_MiB": pinned_hw / MiB, "pinned_allocated_MiB": pinned / MiB})
+                       "pinned_high_water_MiB": pinned_hw / MiB, "pinned_allocated_MiB": pinned / MiB,
+                       "gc_pauses": len(pauses), "gc_pause_max_ms": 1e3 * max(pauses, default=0.0)})
     return {"workload": "requests", "count": count, "isolated_p99_ms": isolated * 1e3,
             "isolated_p50_ms": float(np.percentile(iso, 50)) * 1e3,
             "capacity_per_s": capacity, "levels": levels,
             "rows": [{"name": f"ringflow at {int(lv['load'] * 100)}% load", **lv} for lv in levels]}
+
+
+@contextlib.contextmanager
+def _gc_pauses():
+    """Durations (host seconds) of the garbage collector's runs inside the block: a request
+    that waits behind one shows its whole length as latency."""
+    pauses: list[float] = []
+    started: list[float] = []
+
+    def note(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append(time.perf_counter() - started.pop())
+
+    gc.callbacks.append(note)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(note)
 
 
 WORKLOADS = ("seed", "balanced", "compute-bound", "pageable", "requests")
