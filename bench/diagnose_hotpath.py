@@ -369,9 +369,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--parts", default="seed,setup,requests")
     ap.add_argument("--seed-mib", type=int, default=256)
+    ap.add_argument("--preload", action="store_true", help="import torch and CuPy first, as the bench does")
     args = ap.parse_args(argv)
     dev = rf.device(args.device)
     out = {"environment": environment(dev)}
+    if args.preload:
+        from ringflow.benchmarks import baselines
+
+        out["frameworks"] = baselines.preload_frameworks()
     gc.freeze()
     for part in args.parts.split(","):
         try:
