@@ -43,3 +43,20 @@ def iters_for(dev, chunk_bytes: int, ratio: float, repeats: int = 5, rounds: int
         s.sync()
         hb.close()
         s.close()
+
+
+def kernel_seconds(dev, f, chunk_bytes: int, repeats: int = 5) -> float:
+    """Seconds of one launch of compute function ``f(x, x)`` on a float32 chunk of
+    ``chunk_bytes`` (median of ``repeats`` event-timed runs after a warm-up)."""
+    n = chunk_bytes // 4
+    s = dev.create_stream()
+    d = dev.allocate(n * 4, stream=s)
+    try:
+        s.fill(d, 0x3F)  # ~0.75 as float32: finite values, like the workload's
+        arr = d.array(np.float32, n)
+        return float(np.median(time_events(s, lambda: s.launch(f, arr, arr, writes=[arr]), warmup=1,
+                                           repeats=repeats)))
+    finally:
+        d.close(stream=s)
+        s.sync()
+        s.close()

@@ -108,6 +108,14 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
     each of ``chunk_counts``; baselines: serial, the hand-written CUDA C++ pipeline."""
     n = size_bytes // 4
     f = kernels.affine(iters, numeric_iters=min(iters, 16) if dev.backend == "sim" else None)
+    measured_per_byte = None
+    if dev.backend == "cuda":
+        # the planner (slots, chunk size) takes compute time from f.sim_seconds, a model of the
+        # simulated GPU; on a real one give it this kernel's measured time instead
+        from .gpu_calibrate import kernel_seconds
+
+        measured_per_byte = kernel_seconds(dev, f, 16 * MiB) / (16 * MiB)
+        f.sim_seconds = lambda nbytes: measured_per_byte * nbytes
     hb = dev.allocate_host(n * 4)
     rows: list[Row] = []
     try:
@@ -182,6 +190,7 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
     min_eff_chunk = min((cb for cb in results if results[cb][2].ideal_s * 1e3 / results[cb][0].median_ms >= 0.9),
                         default=None)
     return {"workload": name, "size_bytes": n * 4, "iters": iters, "rows": rows,
+            "kernel_ms_per_MiB_measured": None if measured_per_byte is None else measured_per_byte * MiB * 1e3,
             "auto_chunk_bytes": auto.chunk_bytes, "auto_prediction": auto.describe(),
             "ringflow_ms": auto_t.median_ms, "ideal_ms": auto_rep.ideal_s * 1e3,
             "efficiency": auto_rep.ideal_s * 1e3 / auto_t.median_ms, "best_chunk_bytes": best_cb,
