@@ -141,3 +141,19 @@ def test_balanced_in_place_pipeline_runs_at_the_bottleneck_with_its_slack():
     assert fast == pytest.approx(t.interval, rel=0.05)
     slow = steady_interval("unit", MB, SlotCounts(4, 2, 0, 4), compute_s=1e-3, workers=4, inplace=True)
     assert slow > 1.2 * t.interval
+
+
+def test_staging_rings_hold_a_slot_per_worker_unless_the_budget_says_otherwise():
+    from ringflow.pipeline.config import SlotCounts
+
+    c = plan.with_worker_slots(SlotCounts(3, 3, 3, 20), workers=8)
+    assert (c.host_in, c.host_out) == (8, 20)
+    dev = rf.device("sim", profile="unit")
+
+    def f(x, y):
+        y[:] = x
+
+    with rf.Pipeline(f, device=dev, chunk_bytes=MB, workers=6) as pipe:
+        assert pipe.config.slots.host_in >= 6 and pipe.config.slots.host_out >= 6
+    with rf.Pipeline(f, device=dev, chunk_bytes=MB, workers=6, pinned_budget=6 * MB) as pipe:
+        assert pipe.config.slots.host_in + pipe.config.slots.host_out <= 6  # the budget wins

@@ -116,6 +116,18 @@ def with_device_slack(counts: SlotCounts, *, inplace: bool) -> SlotCounts:
     return dataclasses.replace(counts, device_in=max(counts.device_in, 3), device_out=max(counts.device_out, 3))
 
 
+def with_worker_slots(counts: SlotCounts, workers: int) -> SlotCounts:
+    """Staging rings with at least one slot per CPU worker in each direction.
+
+    A worker can only copy a chunk that holds a host slot. The plan's per-thread copy rate is
+    measured with the threads alone; in a pipeline they contend with each other, with the
+    copy engines and with page faults of a fresh output, so chunks stay in the CPU stages
+    longer than planned and a ring sized by the plan leaves workers idle. Measured on the H200
+    (1 GiB staged in and out, ``bench/tune_pageable.py``): 9/9 planned slots 91 ms, 16/16
+    slots 82 ms, against a host floor of 71 ms."""
+    return dataclasses.replace(counts, host_in=max(counts.host_in, workers), host_out=max(counts.host_out, workers))
+
+
 def ideal_total(times: StageTimes, n: int) -> float:
     """Ideal wall time of ``n`` chunks: the first traverses every stage, the rest follow one
     interval apart: ``sum + (n - 1) * max``. Over whole-job stage times this is DESIGN.md's

@@ -65,9 +65,10 @@ class Ring:
         if buffer is not None and -(-buffer.nbytes // self.slot_bytes) != len(self.slots):
             raise ValueError(f"a buffer of {buffer.nbytes} bytes does not give this ring's {len(self.slots)} slots "
                              f"of {self.slot_bytes} bytes")
+        if self.buffer is not None:  # ranges of the old buffer go (made again when taken)
+            for slot in self.slots:
+                slot.where = None
         self.buffer = buffer
-        for slot in self.slots:
-            slot.where = None  # made again from the new buffer when taken
         self._free = collections.deque(self.slots)
 
     def __len__(self) -> int:

@@ -7,7 +7,6 @@ including worker-pool threads. CuPy and PyTorch use the same primary context.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import threading
 import time
 import warnings
@@ -56,6 +55,9 @@ class CudaDevice(Device):
         self._closed = False
         self._live = LiveRegistry()
         self._pools: "weakref.WeakSet[ThreadWorkerPool]" = weakref.WeakSet()
+        # set by any host task of this device finishing (after its future is done): wait_any
+        # waits on this one flag instead of registering a waiter on every pending future
+        self._host_task_done = threading.Event()
         self._executors: dict[int, ThreadPoolExecutor] = {}  # shared by pools of that size
         self._pinned_cache = PinnedCache()
         # untimed CUDA events whose CudaEvent was collected, re-recorded by the next record()
@@ -203,7 +205,7 @@ class CudaDevice(Device):
         if executor is None:
             executor = self._executors[workers] = ThreadPoolExecutor(max_workers=workers,
                                                                      thread_name_prefix=f"ringflow-host{workers}")
-        pool = ThreadWorkerPool(workers, executor, on_close=self._pools.discard)
+        pool = ThreadWorkerPool(workers, executor, on_close=self._pools.discard, on_task_done=self._host_task_done.set)
         self._pools.add(pool)
         return pool
 
@@ -229,10 +231,15 @@ class CudaDevice(Device):
         start = now()
         deadline = None if timeout is None else start + timeout
         delay = _WAIT_FIRST_SLEEP_S
-        # with host tasks among them, block on their futures for a moment instead of yielding:
-        # a yield per poll makes 16 busy copy workers hand the GIL back and forth needlessly
-        futures = [w._future for w in waitables if isinstance(w, CudaHostTask)]
+        # with host tasks among them, block for a moment on the device's task-done flag instead
+        # of yielding: a yield per poll makes 16 busy copy workers hand the GIL back and forth
+        # needlessly. The flag is cleared before each poll, so a task finishing after the poll
+        # sets it and the wait returns at once.
+        tasks = any(isinstance(w, CudaHostTask) for w in waitables)
+        flag = self._host_task_done
         while True:
+            if tasks:
+                flag.clear()
             done = [w for w in waitables if w.is_done]
             if done:
                 return done
@@ -240,8 +247,8 @@ class CudaDevice(Device):
             if deadline is not None and t >= deadline:
                 return []
             if t - start < _WAIT_SPIN_S:
-                if futures:
-                    cf.wait(futures, timeout=_WAIT_FIRST_SLEEP_S, return_when=cf.FIRST_COMPLETED)
+                if tasks:
+                    flag.wait(_WAIT_FIRST_SLEEP_S)
                 else:
                     time.sleep(0)  # yield the GIL to the workers, then poll again
                 continue

@@ -59,7 +59,8 @@ class ThreadWorkerPool(WorkerPool):
     """A view of a shared executor that tracks the tasks submitted through it."""
 
     def __init__(self, workers: int, executor: cf.ThreadPoolExecutor,
-                 on_close: Callable[["ThreadWorkerPool"], None] | None = None):
+                 on_close: Callable[["ThreadWorkerPool"], None] | None = None,
+                 on_task_done: Callable[[], None] | None = None):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"a worker pool needs at least 1 worker, got {workers!r}")
         self.workers = workers
@@ -68,6 +69,7 @@ class ThreadWorkerPool(WorkerPool):
         self._lock = threading.Lock()
         self._closed = False
         self._on_close = on_close
+        self._on_task_done = on_task_done  # called once each task's future is done
 
     def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0, sim_seconds: float | None = None) -> HostTask:
         """Run ``fn(*args)`` on a worker thread; ``nbytes``/``sim_seconds`` only matter on the sim."""
@@ -86,6 +88,8 @@ class ThreadWorkerPool(WorkerPool):
     def _forget(self, fut: cf.Future) -> None:
         with self._lock:
             self._pending.discard(fut)
+        if self._on_task_done is not None:
+            self._on_task_done()
 
     def close(self) -> None:
         """Wait for the tasks submitted through this pool (the threads stay with the device).
