@@ -146,8 +146,10 @@ def test_balanced_in_place_pipeline_runs_at_the_bottleneck_with_its_slack():
 def test_staging_rings_hold_a_slot_per_worker_unless_the_budget_says_otherwise():
     from ringflow.pipeline.config import SlotCounts
 
-    c = plan.with_worker_slots(SlotCounts(3, 3, 3, 20), workers=8)
+    c = plan.with_worker_slots(SlotCounts(3, 3, 3, 20), workers=8, slot_bytes=MB)
     assert (c.host_in, c.host_out) == (8, 20)
+    big = plan.with_worker_slots(SlotCounts(3, 3, 3, 3), workers=15, slot_bytes=64 << 20)
+    assert (big.host_in, big.host_out) == (3, 3)  # 64 MiB slots: the floor stays within its pinned cap
     dev = rf.device("sim", profile="unit")
 
     def f(x, y):

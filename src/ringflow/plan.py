@@ -116,7 +116,10 @@ def with_device_slack(counts: SlotCounts, *, inplace: bool) -> SlotCounts:
     return dataclasses.replace(counts, device_in=max(counts.device_in, 3), device_out=max(counts.device_out, 3))
 
 
-def with_worker_slots(counts: SlotCounts, workers: int) -> SlotCounts:
+WORKER_SLOTS_PINNED_CAP = 256 << 20  # pinned bytes the one-slot-per-worker floor may take
+
+
+def with_worker_slots(counts: SlotCounts, workers: int, slot_bytes: int) -> SlotCounts:
     """Staging rings with at least one slot per CPU worker in each direction.
 
     A worker can only copy a chunk that holds a host slot. The plan's per-thread copy rate is
@@ -124,8 +127,11 @@ def with_worker_slots(counts: SlotCounts, workers: int) -> SlotCounts:
     copy engines and with page faults of a fresh output, so chunks stay in the CPU stages
     longer than planned and a ring sized by the plan leaves workers idle. Measured on the H200
     (1 GiB staged in and out, ``bench/tune_pageable.py``): 9/9 planned slots 91 ms, 16/16
-    slots 82 ms, against a host floor of 71 ms."""
-    return dataclasses.replace(counts, host_in=max(counts.host_in, workers), host_out=max(counts.host_out, workers))
+    slots 82 ms, against a host floor of 71 ms. The floor takes at most
+    ``WORKER_SLOTS_PINNED_CAP`` of pinned memory for both rings (large chunks get fewer slots:
+    a worker is busy longer with each)."""
+    floor = min(workers, max(1, WORKER_SLOTS_PINNED_CAP // (2 * slot_bytes)))
+    return dataclasses.replace(counts, host_in=max(counts.host_in, floor), host_out=max(counts.host_out, floor))
 
 
 def ideal_total(times: StageTimes, n: int) -> float:

@@ -118,3 +118,15 @@ def test_an_item_too_large_is_refused_before_acceptance_with_profiling_too():
             with pytest.raises(ValueError, match="chunk_bytes"):
                 pipe.submit(np.zeros(100, np.float32) + 1)
             assert pipe.stats().accepted == 0
+
+
+def test_a_short_stream_map_takes_no_more_slots_than_chunks():
+    dev = rf.device("sim")
+    x = np.random.default_rng(0).uniform(0.5, 1.5, 3 * 256).astype(np.float32)  # 3 chunks of 1 KiB
+    seen = {}
+    y = rf.stream_map(f, x, device=dev, chunk_bytes=1024, host="stage", workers=8,
+                      _on_pipeline=lambda p: seen.setdefault("p", p))
+    assert np.array_equal(y, x * 2 + 1)
+    slots = seen["p"].config.slots
+    assert max(slots.host_in, slots.device_in, slots.device_out, slots.host_out) <= 3
+    rf.drop_warm_pipelines(dev)

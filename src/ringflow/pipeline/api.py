@@ -77,7 +77,7 @@ class Pipeline:
                  on_error: str = "raise", profile: bool = False, workers: Optional[int] = None,
                  inplace: bool = False, checked: bool = False, item_nbytes: Optional[Callable] = None,
                  pinned_budget: Optional[int] = None, _disabled_guards: Iterable[str] = (), _fill=None, _drain=None, _slot_hook=None,
-                 _host_in_buffer=None, _host_out_buffer=None):
+                 _host_in_buffer=None, _host_out_buffer=None, _max_chunks: Optional[int] = None):
         if not callable(compute):
             raise TypeError(f"compute must be a callable f(x, y), got {type(compute).__name__}")
         self.device = make_device(device or "auto") if not isinstance(device, Device) else device
@@ -88,6 +88,10 @@ class Pipeline:
             workers = _default_workers(self.device)
         counts = self._resolve_slots(slots, slot_bytes, inplace, workers, compute,
                                      external=(_host_in_buffer is not None, _host_out_buffer is not None))
+        if slots is None and _max_chunks is not None:
+            # a job of known length (stream_map) never uses more slots in a ring than it has chunks
+            counts = SlotCounts(*(min(c, _max_chunks) if c else 0 for c in
+                                  (counts.host_in, counts.device_in, counts.device_out, counts.host_out)))
         if pinned_budget is not None:
             counts = fit_pinned_budget(counts, slot_bytes, int(pinned_budget), explicit=slots is not None)
         if max_in_flight is None:
@@ -139,7 +143,7 @@ class Pipeline:
             times = dataclasses.replace(times, consume=overhead)
         counts = plan.with_device_slack(plan.plan_slots(times, inplace=inplace).slots, inplace=inplace)
         if not external[0] and not external[1]:  # both host rings are staging rings the workers copy through
-            counts = plan.with_worker_slots(counts, workers)
+            counts = plan.with_worker_slots(counts, workers, slot_bytes)
         return counts
 
     def _default_fill(self, item: Any, raw: np.ndarray) -> tuple:
@@ -509,7 +513,8 @@ def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
             pipe._rearm(describe, deliver, item_nbytes, host_in, host_out)
         else:
             pipe = Pipeline(f, device=dev, chunk_bytes=rows * row_bytes, _fill=describe, _drain=deliver,
-                            item_nbytes=item_nbytes, _host_in_buffer=host_in, _host_out_buffer=host_out, **options)
+                            item_nbytes=item_nbytes, _host_in_buffer=host_in, _host_out_buffer=host_out,
+                            _max_chunks=n_chunks, **options)
         parked = False
         try:
             if on_pipeline is not None:
