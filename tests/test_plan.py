@@ -155,7 +155,15 @@ def test_staging_rings_hold_a_slot_per_worker_unless_the_budget_says_otherwise()
     def f(x, y):
         y[:] = x
 
-    with rf.Pipeline(f, device=dev, chunk_bytes=MB, workers=6) as pipe:
-        assert pipe.config.slots.host_in >= 6 and pipe.config.slots.host_out >= 6
-    with rf.Pipeline(f, device=dev, chunk_bytes=MB, workers=6, pinned_budget=6 * MB) as pipe:
-        assert pipe.config.slots.host_in + pipe.config.slots.host_out <= 6  # the budget wins
+    x = np.ones(64 * MB // 4, np.float32)
+    seen = {}
+    rf.stream_map(f, x, device=dev, chunk_bytes=MB, workers=6, host="stage", keep_warm=False,
+                  _on_pipeline=lambda p: seen.setdefault("bulk", p))
+    assert seen["bulk"].config.slots.host_in >= 6 and seen["bulk"].config.slots.host_out >= 6
+    rf.stream_map(f, x, device=dev, chunk_bytes=MB, workers=6, host="stage", pinned_budget=6 * MB, keep_warm=False,
+                  _on_pipeline=lambda p: seen.setdefault("budget", p))
+    budget = seen["budget"].config.slots
+    assert budget.host_in + budget.host_out <= 6  # the budget wins
+    with rf.Pipeline(f, device=dev, chunk_bytes=MB, workers=6) as pipe:  # a request stream: planned rings
+        planned = plan.plan_slots(plan.model_stage_times("unit", MB, compute=None, workers=6)).slots
+        assert pipe.config.slots.host_in == planned.host_in

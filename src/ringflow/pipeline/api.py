@@ -77,7 +77,8 @@ class Pipeline:
                  on_error: str = "raise", profile: bool = False, workers: Optional[int] = None,
                  inplace: bool = False, checked: bool = False, item_nbytes: Optional[Callable] = None,
                  pinned_budget: Optional[int] = None, _disabled_guards: Iterable[str] = (), _fill=None, _drain=None, _slot_hook=None,
-                 _host_in_buffer=None, _host_out_buffer=None, _max_chunks: Optional[int] = None):
+                 _host_in_buffer=None, _host_out_buffer=None, _max_chunks: Optional[int] = None,
+                 _bulk: bool = False):
         if not callable(compute):
             raise TypeError(f"compute must be a callable f(x, y), got {type(compute).__name__}")
         self.device = make_device(device or "auto") if not isinstance(device, Device) else device
@@ -87,7 +88,7 @@ class Pipeline:
         if workers is None:
             workers = _default_workers(self.device)
         counts = self._resolve_slots(slots, slot_bytes, inplace, workers, compute,
-                                     external=(_host_in_buffer is not None, _host_out_buffer is not None))
+                                     external=(_host_in_buffer is not None, _host_out_buffer is not None), bulk=_bulk)
         if slots is None and _max_chunks is not None:
             # a job of known length (stream_map) never uses more slots in a ring than it has chunks
             counts = SlotCounts(*(min(c, _max_chunks) if c else 0 for c in
@@ -118,7 +119,12 @@ class Pipeline:
             self._anchor = Anchor(self.device, self._sched.h2d_stream)
 
     # -- set-up -------------------------------------------------------------------------------
-    def _resolve_slots(self, slots, slot_bytes, inplace, workers, compute, external=(False, False)) -> SlotCounts:
+    def _resolve_slots(self, slots, slot_bytes, inplace, workers, compute, external=(False, False),
+                       bulk: bool = False) -> SlotCounts:
+        """The slot counts: given, or planned from modelled stage times (device rings with slack).
+        ``bulk`` (a whole array, stream_map): staging rings also get a slot per worker, for
+        throughput; a stream of requests keeps the planned rings, whose shorter queues keep
+        latency down."""
         if isinstance(slots, SlotCounts):
             return slots
         if isinstance(slots, bool):
@@ -142,7 +148,7 @@ class Pipeline:
         if external[1]:
             times = dataclasses.replace(times, consume=overhead)
         counts = plan.with_device_slack(plan.plan_slots(times, inplace=inplace).slots, inplace=inplace)
-        if not external[0] and not external[1]:  # both host rings are staging rings the workers copy through
+        if bulk and not external[0] and not external[1]:  # both host rings are staging rings
             counts = plan.with_worker_slots(counts, workers, slot_bytes)
         return counts
 
@@ -514,7 +520,7 @@ def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
         else:
             pipe = Pipeline(f, device=dev, chunk_bytes=rows * row_bytes, _fill=describe, _drain=deliver,
                             item_nbytes=item_nbytes, _host_in_buffer=host_in, _host_out_buffer=host_out,
-                            _max_chunks=n_chunks, **options)
+                            _max_chunks=n_chunks, _bulk=True, **options)
         parked = False
         try:
             if on_pipeline is not None:
