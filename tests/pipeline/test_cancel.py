@@ -264,3 +264,56 @@ def test_gc_of_an_idle_unclosed_pipeline_is_quiet_and_clean():
         del pipe
         gc.collect()
     assert dev.live().total == 0
+
+
+# -- one future cancelled by its caller --------------------------------------------------------
+def _one(i):
+    return np.arange(64, dtype=np.int64) + 1000 * i
+
+
+def test_cancelling_a_queued_future_cancels_its_chunk_only():
+    dev = rf.device("sim", seed=11, chaos=True)
+    with rf.Pipeline(lambda x, y: np.multiply(x, 2, out=y), device=dev, chunk_bytes=512, slots=1,
+                     checked=True) as pipe:
+        futs = [pipe.submit(_one(i)) for i in range(3)]
+        assert futs[2].cancel() and futs[2].cancelled()  # still accepted only: ends at once
+        assert pipe.scheduler.chunks.get(2) is None
+        assert [f.result().tolist() for f in futs[:2]] == [(_one(i) * 2).tolist() for i in range(2)]
+        with pytest.raises(concurrent.futures.CancelledError):
+            futs[2].result()
+        assert not futs[0].cancel()  # delivered: too late
+        s = pipe.stats()
+        assert (s.delivered, s.cancelled, s.in_flight) == (2, 1, 0) and s.balanced()
+
+
+def test_cancelling_an_enqueued_chunk_stops_it_and_frees_its_slots_after_its_work():
+    """Its copies and kernel are on the streams: the future is cancelled at once, the chunk ends
+    CANCELLED once that work completes (never delivered), and the checker sees no reuse of its
+    slots before then."""
+    dev = rf.device("sim", seed=12, chaos=True)
+    with rf.Pipeline(lambda x, y: np.multiply(x, 2, out=y), device=dev, chunk_bytes=512, slots=2,
+                     checked=True) as pipe:
+        futs = [pipe.submit(_one(i)) for i in range(4)]
+        s = pipe.scheduler
+        while s.chunks[1].state is not ChunkState.ON_DEVICE:
+            s.step()
+        chunk = s.chunks[1]
+        assert futs[1].cancel() and futs[1].cancelled() and futs[1].done()
+        assert chunk.state is ChunkState.DRAINING
+        for i in (0, 2, 3):
+            assert futs[i].result().tolist() == (_one(i) * 2).tolist()
+        pipe.cancel()  # settle
+        assert chunk.state is ChunkState.CANCELLED
+        st = pipe.stats()
+        assert (st.delivered, st.cancelled, st.in_flight) == (3, 1, 0) and st.balanced()
+        assert all(slot.state is SlotState.FREE for ring in s.rings for slot in ring.slots)
+
+
+def test_map_on_a_closed_pipeline_refuses_when_called():
+    pipe = rf.Pipeline(lambda x, y: None, device=rf.device("sim"), chunk_bytes=64)
+    gen = pipe.map([np.zeros(2)])  # made while open, iterated after close: refused then
+    pipe.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe.map([np.zeros(2)])
+    with pytest.raises(RuntimeError, match="closed"):
+        next(gen)

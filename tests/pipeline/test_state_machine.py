@@ -67,6 +67,7 @@ class PipelineMachine(RuleBasedStateMachine):
         self.futs: dict[int, tuple] = {}  # chunk index -> (future, item)
         self.map = None  # the active map: {"gen", "items", "pos", "taken", "started"}
         self.cancelled = self.closed = self.sticky = False
+        self.user_cancelled: set[int] = set()  # chunks whose future the caller cancelled
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -88,7 +89,8 @@ class PipelineMachine(RuleBasedStateMachine):
         elif kind == "error":
             check_stage_error(value, item, index)
         else:
-            assert self.cancelled or self.stopped_by_error(), f"chunk {index} cancelled for no reason"
+            assert self.cancelled or self.stopped_by_error() or index in self.user_cancelled, \
+                f"chunk {index} cancelled for no reason"
 
     # -- rules ---------------------------------------------------------------------------------
     def _submit(self, item):
@@ -146,6 +148,24 @@ class PipelineMachine(RuleBasedStateMachine):
             pass
         assert fut.done()
         self.check_outcome(index, item, *future_outcome(fut))
+
+    @precondition(lambda self: not self.closed and any(not f.done() for f, _ in self.futs.values()))
+    @rule(data=st.data())
+    def cancel_future(self, data):
+        """The caller cancels one submitted chunk's future: the chunk stops (at once, or once its
+        enqueued work completes), the others go on."""
+        index = data.draw(st.sampled_from(sorted(i for i, (f, _) in self.futs.items() if not f.done())))
+        fut, item = self.futs[index]
+        chunk = self.h.chunks[index]
+        # its consumer runs, or it is already ending (failing, or drained by a cancel)
+        too_late = chunk.state in (ChunkState.CONSUMING, ChunkState.DRAINING)
+        ok = fut.cancel()
+        if ok:
+            self.user_cancelled.add(index)
+            assert fut.cancelled() and fut.done()
+            assert chunk.state in (ChunkState.CANCELLED, ChunkState.DRAINING), chunk.state
+        else:
+            assert too_late or chunk.state.final, chunk.state
 
     @precondition(lambda self: self.map is None and not self.closed)
     @rule(sizes=st.lists(SIZES, min_size=0, max_size=16), faults=st.lists(st.sampled_from((None,) * 6 + FAULTS)),
@@ -291,7 +311,7 @@ class PipelineMachine(RuleBasedStateMachine):
         reported = [e.index for e in self.h.pipe.failures]
         assert len(reported) == len(set(reported)), "a failure was reported twice"
         assert set(reported) == failed_stage, (reported, failed_stage)
-        if any(c.state is ChunkState.CANCELLED for c in self.h.chunks.values()):
+        if any(c.state is ChunkState.CANCELLED and c.index not in self.user_cancelled for c in self.h.chunks.values()):
             assert self.cancelled or self.stopped_by_error(), "chunks cancelled without a cancel or an error"
 
     def teardown(self):

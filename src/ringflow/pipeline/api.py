@@ -188,8 +188,13 @@ class Pipeline:
     def map(self, items: Iterable[Any]) -> Iterator[Any]:
         """Results of ``items`` (ordered unless ``ordered=False``), pulling input only as capacity
         frees up. With ``on_error="raise"`` the first failure cancels the rest and is raised here
-        (once, as StageError); with ``"continue"`` failed items are skipped (see ``failures``)."""
+        (once, as StageError); with ``"continue"`` failed items are skipped (see ``failures``).
+        Raises RuntimeError at once (not when iterated) on a closed pipeline."""
         self._check_open()
+        return self._map(items)
+
+    def _map(self, items: Iterable[Any]) -> Iterator[Any]:
+        self._check_open()  # again: the pipeline may have closed before the first next()
         s = self._sched
         source = iter(items)
         pending: collections.OrderedDict[int, Chunk] = collections.OrderedDict()

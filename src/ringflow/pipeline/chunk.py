@@ -36,6 +36,23 @@ class ChunkFuture(concurrent.futures.Future):
         self._scheduler.run_until(self.done, timeout)
         return super().exception(timeout=0)
 
+    def cancel(self) -> bool:
+        """Cancel this chunk, not only the future: a chunk not yet on the device ends CANCELLED
+        at once; one whose copies or kernel are enqueued stops there and ends CANCELLED once
+        that work completes (its buffers are freed only then). The future is cancelled at once
+        either way. Returns False if the chunk's consumer is running or it has ended."""
+        if self.done():
+            return False
+        if not self._scheduler.cancel_chunk(self.index):
+            return self.cancelled()
+        if not self.done():  # still draining: the future does not wait for that
+            self._mark_cancelled()
+        return True
+
+    def _mark_cancelled(self) -> None:
+        concurrent.futures.Future.cancel(self)
+        self.set_running_or_notify_cancel()
+
 
 @dataclasses.dataclass(eq=False)
 class Chunk:

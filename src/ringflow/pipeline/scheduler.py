@@ -649,15 +649,14 @@ class Scheduler:
         del self.chunks[chunk.index]
         self.counts[final.value] += 1
         fut = chunk.future
-        if fut.done():  # the caller cancelled the future itself; the chunk still ran to its end
+        if fut.done():  # cancelled by its caller while its enqueued work drained
             pass
         elif final is ChunkState.DELIVERED:
             fut.set_result(chunk.value)
         elif final is ChunkState.FAILED:
             fut.set_exception(chunk.error)
         else:
-            fut.cancel()
-            fut.set_running_or_notify_cancel()
+            fut._mark_cancelled()
         if self._on_chunk_end is not None:
             self._on_chunk_end(chunk)
 
@@ -673,18 +672,38 @@ class Scheduler:
 
     def _cancel_pending(self) -> None:
         for chunk in sorted(self.chunks.values(), key=lambda c: c.index):
-            if chunk.state in (ChunkState.DRAINING, ChunkState.CONSUMING) or chunk.state.final:
-                continue
-            if chunk.state in (ChunkState.ACCEPTED, ChunkState.PREPARING, ChunkState.PREPARED):
-                # nothing of it is on a stream: it ends now; a running prepare keeps its
-                # host-in slot DRAINING until the task returns
-                for q in (self._accepted_q, self._h2d_q):
-                    if chunk in q:
-                        q.remove(chunk)
-                self._drain_slots(chunk)
-                self._end(chunk, ChunkState.CANCELLED)
-            else:
-                self._drain(chunk, ChunkState.CANCELLED)
+            self._cancel_chunk(chunk)
+
+    def _cancel_chunk(self, chunk: Chunk) -> bool:
+        """End ``chunk`` CANCELLED: at once if nothing of it is on a stream, else once the work
+        already enqueued completes. False for a chunk already consuming, draining or ended."""
+        if chunk.state in (ChunkState.DRAINING, ChunkState.CONSUMING) or chunk.state.final:
+            return False
+        if chunk.state in (ChunkState.ACCEPTED, ChunkState.PREPARING, ChunkState.PREPARED):
+            # nothing of it is on a stream: it ends now; a running prepare keeps its
+            # host-in slot DRAINING until the task returns
+            for q in (self._accepted_q, self._h2d_q):
+                if chunk in q:
+                    q.remove(chunk)
+            self._drain_slots(chunk)
+            self._end(chunk, ChunkState.CANCELLED)
+        else:
+            self._drain(chunk, ChunkState.CANCELLED)
+        return True
+
+    def cancel_chunk(self, index: int) -> bool:
+        """Cancel one accepted chunk (its future's ``cancel``); the rest go on. Returns False if
+        it can no longer be cancelled (its consumer is running, or it has ended)."""
+        chunk = self.chunks.get(index)
+        if chunk is None:
+            return False
+        try:
+            return self._cancel_chunk(chunk)
+        except DeviceError as err:  # a poison fill found the context dead: break, as step() does
+            if not err.sticky:
+                raise
+            self._break(err)
+            return False
 
     def settle(self) -> None:
         """Block until every chunk has ended and every slot is FREE."""
