@@ -134,13 +134,17 @@ def with_worker_slots(counts: SlotCounts, workers: int, slot_bytes: int) -> Slot
     return dataclasses.replace(counts, host_in=max(counts.host_in, floor), host_out=max(counts.host_out, floor))
 
 
-def ideal_total(times: StageTimes, n: int) -> float:
+def ideal_total(times: StageTimes, n: int, first_chunk_s: Optional[float] = None) -> float:
     """Ideal wall time of ``n`` chunks: the first traverses every stage, the rest follow one
     interval apart: ``sum + (n - 1) * max``. Over whole-job stage times this is DESIGN.md's
-    ``max + (sum - max) / n`` multiplied by n."""
+    ``max + (sum - max) / n`` multiplied by n. ``first_chunk_s`` replaces the first chunk's
+    ``sum`` (a report passes the fastest observed time of each stage: a chunk alone in the
+    pipeline meets none of the contention in the medians)."""
     if n <= 0:
         return 0.0
     first = times.scheduler + times.prepare + times.h2d + times.compute + times.d2h + times.consume
+    if first_chunk_s is not None:
+        first = first_chunk_s
     return first + (n - 1) * times.interval
 
 

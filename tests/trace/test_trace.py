@@ -113,3 +113,23 @@ def test_stalls_are_recorded_when_slots_run_short():
     assert rep.stall_s.get("consumer waiting for data", 0) > 0
     h2d_starts = sorted(r.stages["h2d"][0] for r in rep.timeline.records)
     assert all(b - a >= 3e-3 - 1e-9 for a, b in zip(h2d_starts, h2d_starts[1:]))  # one slot: serial
+
+
+def test_the_first_chunk_counts_at_each_stages_fastest_time():
+    """Loaded medians (contention) would overstate the lone first chunk: the bound takes the
+    fastest observed time of each stage for it, and the medians for the interval."""
+    from ringflow.trace.report import Report
+    from ringflow.trace.timeline import ChunkRecord, Timeline
+
+    ms = 1e-3
+    recs = []
+    t = 0.0
+    for i, scale in enumerate([1.0, 3.0, 3.0, 3.0]):  # chunk 0 alone is 3x faster on the CPU
+        stages = {"prepare": (t, t + scale * ms), "h2d": (t, t + 0.5 * ms), "compute": (t, t + 0.1 * ms),
+                  "d2h": (t, t + 0.5 * ms), "consume": (t, t + scale * ms)}
+        recs.append(ChunkRecord(index=i, nbytes=1, final="delivered", accepted=t, ended=t + 10 * ms, stages=stages))
+        t += 1 * ms
+    rep = Report.build(Timeline(records=recs), workers=2, memory={}, host_seconds=0.0)
+    interval = (3 + 3) * ms / 2  # medians: prepare 3, consume 3, shared by 2 workers
+    first = (1 + 0.5 + 0.1 + 0.5 + 1) * ms
+    assert rep.ideal_s == pytest.approx(first + 3 * interval)
