@@ -207,11 +207,13 @@ def choose_host_strategy(profile: "str | SimProfile", nbytes_in: int, nbytes_out
     return HostStrategy("register" if register < stage else "stage", stage, register)
 
 
-# Host time the scheduler spends per chunk (enqueues, event queries, pool hand-offs): the
-# scheduler's own measured host time per chunk on the H200 host was 230-340 us with profiling
-# on (bench/results/bench-cuda-*.json, rows' host_us_per_chunk); a model parameter of
-# choose_chunk_bytes.
-SCHEDULER_S_PER_CHUNK = 250e-6
+# Host time the scheduler spends per chunk (enqueues, event queries, pool hand-offs), a model
+# parameter of choose_chunk_bytes. Measured on the H200 host (bench/results/
+# bench-h200-2026-11-30-run4.json): the 64-chunk seed run, where the host is the bottleneck,
+# took 9.0 ms, 140 us a chunk (with profiling on, rows' host_us_per_chunk read 165-210 us).
+# With 250 us, the value before this session's hot-path work, the h200 profile over-predicted
+# 32 chunks by 36%; with 140 us it predicts them host-bound no more.
+SCHEDULER_S_PER_CHUNK = 140e-6
 
 
 def predict_seconds(profile: "str | SimProfile", total_bytes: int, chunk_bytes: int, *,
