@@ -168,3 +168,38 @@ def test_least_recently_used_is_closed_beyond_capacity():
         firsts.append(p)
     assert len(warm.WARM) == warm.DEFAULT_CAPACITY == 2
     assert firsts[0]._closed and not firsts[1]._closed and not firsts[2]._closed
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_warm_calls_mixing_host_strategies_stay_correct_under_chaos(seed):
+    """Consecutive calls on one chaotic device, each strategy reusing its kept pipeline: staged,
+    registered, the caller's pinned buffers rebound, in place. The checker sees every access."""
+    reused, last = [], None
+    dev = rf.device("sim", seed=seed, chaos=True)
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1000, 20000))
+    hx, hy = dev.allocate_host(4 * n), dev.allocate_host(4 * n)
+    for i in range(12):
+        x = fresh(n, seed * 100 + i)
+        mode = (seed + i // 3) % 4  # three calls of a kind in a row: the second and third reuse
+        seen = {}
+        hook = dict(_on_pipeline=lambda p: seen.setdefault("p", p))
+        if mode == 0:
+            y = rf.stream_map(f, x, device=dev, chunk_bytes=4096, host="stage", **hook)
+        elif mode == 1:
+            y = rf.stream_map(f, x, device=dev, chunk_bytes=4096, host="register", **hook)
+        elif mode == 2:
+            xv, y = hx.view(np.float32, access="rw"), hy.view(np.float32, access="rw")
+            xv[:] = x
+            rf.stream_map(f, xv, y, device=dev, chunk_bytes=4096, x_buffer=hx, out_buffer=hy, **hook)
+        else:
+            y = x.copy()
+            rf.stream_map(f, y, y, device=dev, chunk_bytes=8192, inplace=True, **hook)
+        assert np.array_equal(y, x * 2 + 1), (seed, i, mode)
+        reused.append(i % 3 and seen["p"] is last)
+        last = seen["p"]
+    assert sum(reused) == 8  # every second and third call of a kind ran on the kept pipeline
+    rf.drop_warm_pipelines(dev)
+    hx.close()
+    hy.close()
+    assert dev.live().total == 0
