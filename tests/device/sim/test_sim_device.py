@@ -731,3 +731,21 @@ def test_after_a_sticky_error_buffers_close_without_hazards():
     assert dev.live().host_buffers == 0 and dev.live().device_buffers == 0
     with pytest.raises(rf.DeviceError, match="sticky"):
         s.record()
+
+
+def test_each_call_on_a_dead_context_raises_its_own_sticky_error():
+    """Like each failing CUDA call: a new DeviceError per call, caused by the first, so each
+    traceback shows where that call was made."""
+    from ringflow.errors import DeviceError
+
+    dev = rf.device("sim")
+    dev.inject_sticky_error()
+    errors = []
+    for _ in range(2):
+        with pytest.raises(DeviceError) as info:
+            dev.create_stream()
+        errors.append(info.value)
+    a, b = errors
+    assert a is not b and a.sticky and b.sticky
+    assert a.__cause__ is b.__cause__ is dev._sticky
+    assert str(a) == str(dev._sticky)

@@ -202,9 +202,17 @@ class SimDevice(Device):
         self._engine.on_op_done.append(fn)
 
     # -- internals shared by streams, buffers and pools ------------------------------------------
+    def _sticky_error(self) -> DeviceError:
+        """A new DeviceError for each call that meets the dead context (as each failing CUDA call
+        returns its own error), caused by the first: raising one shared object again and again
+        would leave it with the traceback of whichever raise came last."""
+        err = DeviceError(str(self._sticky), sticky=True)
+        err.__cause__ = self._sticky
+        return err
+
     def _check_usable(self) -> None:
         if self._sticky is not None:
-            raise self._sticky
+            raise self._sticky_error()
         if self._closed:
             raise RuntimeError("this simulated device is closed; create a new one with ringflow.device('sim')")
 
@@ -257,7 +265,7 @@ class SimDevice(Device):
         self._check_usable()
         self._run_engine(until, cond)
         if self._sticky is not None:
-            raise self._sticky
+            raise self._sticky_error()
 
     def _new_event(self, op: Op, snapshot: dict, timing: bool, stream_name: str) -> SimEvent:
         ev = SimEvent(self, op, snapshot, timing, stream_name)
