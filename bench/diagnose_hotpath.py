@@ -32,6 +32,7 @@ import ringflow as rf
 from ringflow.benchmarks import kernels
 from ringflow.benchmarks.measure import fresh_random, time_calls
 from ringflow.benchmarks.runner import environment
+from ringflow.benchmarks.workloads import drive_until
 from ringflow.pipeline.api import stream_map_report
 
 MiB = 1 << 20
@@ -324,14 +325,7 @@ def requests(dev, out: dict, count: int = 300, load: float = 0.8) -> None:
             submitted = []
             for i, (it, gap) in enumerate(zip(items, gaps)):
                 arrival += gap
-                while dev.now < arrival:
-                    if not s.step():
-                        fences = s.pending_fences()
-                        left = max(0.0, arrival - dev.now)
-                        if fences:
-                            dev.wait_any(fences, timeout=left)
-                        else:
-                            dev.sleep(left)
+                drive_until(dev, s, arrival)
                 t_sub = dev.now
                 submitted.append(t_sub)
                 fu = pipe.submit(it)

@@ -109,8 +109,9 @@ def with_device_slack(counts: SlotCounts, *, inplace: bool) -> SlotCounts:
     fed whatever the compute costs, and one more absorbs jitter between them. A planned count
     rests on a compute time that is only a guess before the first launch (a simulator model,
     or none), and a device slot is cheap next to a GPU's memory: measured on the H200, the
-    balanced workload (compute = copy) ran 1.5x its ideal with the 2 in-place slots a wrong
-    guess gave, and at the ideal with 4."""
+    balanced workload (compute = copy) ran at 0.67 of its ideal with the 2 in-place slots a
+    wrong guess gave, and at 0.96-0.98 with 4 (bench/results/bench-h200-2026-11-30-s2-balanced-2-slots.json,
+    -run3.json, -run4.json)."""
     if inplace:
         return dataclasses.replace(counts, device_in=max(counts.device_in, 4))
     return dataclasses.replace(counts, device_in=max(counts.device_in, 3), device_out=max(counts.device_out, 3))

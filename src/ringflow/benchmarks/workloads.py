@@ -328,14 +328,7 @@ def requests(dev: Device, *, loads=(0.5, 0.8, 0.95), count: int = 200, slot_byte
             futs = []
             for i, (it, gap) in enumerate(zip(items, gaps)):
                 arrival += gap
-                while dev.now < arrival:  # drive the pipeline until the next arrival
-                    if not s.step():
-                        fences = s.pending_fences()
-                        left = max(0.0, arrival - dev.now)
-                        if fences:
-                            dev.wait_any(fences, timeout=left)
-                        else:
-                            dev.sleep(left)
+                drive_until(dev, s, arrival)
                 submitted[i] = dev.now - start
                 futs.append(submit_timed(pipe, i, it, lat))
             # wait for every result before checking any: the pipeline progresses inside calls made
@@ -360,6 +353,19 @@ def requests(dev: Device, *, loads=(0.5, 0.8, 0.95), count: int = 200, slot_byte
             "isolated_p50_ms": float(np.percentile(iso, 50)) * 1e3,
             "capacity_per_s": capacity, "levels": levels,
             "rows": [{"name": f"ringflow at {int(lv['load'] * 100)}% load", **lv} for lv in levels]}
+
+
+def drive_until(dev: Device, scheduler, t: float) -> None:
+    """Let the pipeline make progress until the host clock reads ``t`` (an open-loop arrival):
+    step while there is work to start, else wait for a fence (or just the time) to pass."""
+    while dev.now < t:
+        if not scheduler.step():
+            fences = scheduler.pending_fences()
+            left = max(0.0, t - dev.now)
+            if fences:
+                dev.wait_any(fences, timeout=left)
+            else:
+                dev.sleep(left)
 
 
 @contextlib.contextmanager

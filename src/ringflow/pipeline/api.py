@@ -410,7 +410,8 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
     ``keep_warm`` (default True): when the call ends cleanly its pipeline (streams, rings,
     workers) is kept, without any reference to ``x`` or ``out``, and the next call with the same
     device, ``f``, chunk size, host strategy, chunk count and options reuses it instead of
-    setting one up (about half a millisecond on our H200 host). Kept pipelines count as live
+    setting one up (0.27-0.32 ms a call on our H200 host: the first-call rows of
+    bench/results/bench-h200-2026-11-30-run4.json). Kept pipelines count as live
     resources of the device until :func:`ringflow.drop_warm_pipelines` closes them; profiled
     and checked calls are never kept. Returns once every chunk's result is in ``out``.
     """
