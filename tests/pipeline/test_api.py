@@ -440,3 +440,22 @@ def test_submit_blocks_until_capacity_then_accepts():
     assert [f.done() for f in futs] == [True] * 4 + [False]
     assert np.array_equal(futs[-1].result(), (np.arange(4.0) + 4) * 3 + 1)
     pipe.close()
+
+
+def test_default_workers_request_streams_get_few_bulk_jobs_get_a_core_each(monkeypatch):
+    """Whole-array jobs split one copy over many chunks (a worker per core but one); request
+    streams keep at most 4 busy threads, which contend with the scheduler for the GIL."""
+    import types
+
+    from ringflow.pipeline import api
+
+    gpu = types.SimpleNamespace(backend="cuda")
+    monkeypatch.setattr(api.os, "cpu_count", lambda: 16)
+    assert api._default_workers(gpu, bulk=True) == 15
+    assert api._default_workers(gpu, bulk=False) == 4
+    monkeypatch.setattr(api.os, "cpu_count", lambda: 3)
+    assert api._default_workers(gpu, bulk=True) == 2
+    assert api._default_workers(gpu, bulk=False) == 2
+    monkeypatch.setattr(api.os, "cpu_count", lambda: 64)
+    assert api._default_workers(gpu, bulk=True) == 16
+    assert api._default_workers(types.SimpleNamespace(backend="sim"), bulk=False) == 4

@@ -86,7 +86,7 @@ class Pipeline:
         if slot_bytes < 1:
             raise ValueError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes}")
         if workers is None:
-            workers = _default_workers(self.device)
+            workers = _default_workers(self.device, bulk=_bulk)
         counts = self._resolve_slots(slots, slot_bytes, inplace, workers, compute,
                                      external=(_host_in_buffer is not None, _host_out_buffer is not None), bulk=_bulk)
         if slots is None and _max_chunks is not None:
@@ -569,12 +569,24 @@ def fit_pinned_budget(counts: SlotCounts, slot_bytes: int, budget: int, *, expli
     return counts
 
 
-def _default_workers(dev: Device) -> int:
-    """CPU workers for prepare/consume: staging copies release the GIL and scale to ~16 threads
-    on our H200 host (10 GB/s on one, 41 GB/s on 16: DESIGN.md section 6). One core is left to
-    the scheduler, which runs on the caller's thread: with a worker on every core it waits for
-    a core at each hand-off (measured on the H200, 1 GiB staged: 15 workers 87 ms, 16 workers 93)."""
-    return 4 if dev.backend == "sim" else max(1, min(16, (os.cpu_count() or 2) - 1))
+def _default_workers(dev: Device, bulk: bool = True) -> int:
+    """CPU workers for prepare/consume.
+
+    A whole-array job (``bulk``: stream_map) splits one large copy over many chunks at once:
+    staging copies release the GIL and scale to ~16 threads on our H200 host (10 GB/s on one,
+    41 GB/s on 16: DESIGN.md section 6), so it gets a worker per core but one, which is left
+    to the scheduler on the caller's thread (with a worker on every core it waits for a core
+    at each hand-off; measured, 1 GiB staged: 15 workers 87 ms, 16 workers 93).
+
+    A stream of requests (``Pipeline.submit``/``map``) has only a few chunks in its host
+    stages at a time, and every busy worker competes with the scheduler for the GIL at each of
+    its hand-offs: on the H200 the ``requests`` workload's p99 at 80% load was 1.8x its
+    isolated p99 with 4 workers and 3.4x with 15, with 2-3 no better than 4
+    (``bench/results/diagnose-requests-h200-2026-11-30-s3.json``), so it gets at most 4."""
+    if dev.backend == "sim":
+        return 4
+    cores = max(1, min(16, (os.cpu_count() or 2) - 1))
+    return cores if bulk else min(4, cores)
 
 
 def parallel_first_touch(arr: np.ndarray, workers: int) -> None:
