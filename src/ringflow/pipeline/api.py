@@ -580,9 +580,10 @@ def _default_workers(dev: Device, bulk: bool = True) -> int:
 
     A stream of requests (``Pipeline.submit``/``map``) has only a few chunks in its host
     stages at a time, and every busy worker competes with the scheduler for the GIL at each of
-    its hand-offs: on the H200 the ``requests`` workload's p99 at 80% load was 1.8x its
-    isolated p99 with 4 workers and 3.4x with 15, with 2-3 no better than 4
-    (``bench/results/diagnose-requests-h200-2026-11-30-s3.json``), so it gets at most 4."""
+    its hand-offs: on the H200 the ``requests`` workload's p99 at 80% load was 3.4-4.3x its
+    isolated p99 with 15 workers (three runs) and 1.6-2.1x with 4 (three runs), with 2-3 no
+    better than 4 (``bench/results/diagnose-requests-h200-2026-11-30-s3-open-loop.txt``,
+    ``bench-h200-2026-11-30-s3-requests-4workers-run*.json``), so it gets at most 4."""
     if dev.backend == "sim":
         return 4
     cores = max(1, min(16, (os.cpu_count() or 2) - 1))
