@@ -146,6 +146,11 @@ def table(res: dict[str, Any]):
             if k in row:
                 v = row[k]
                 notes.append(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}")
+        if "timing" in row and "chunks" in row:  # a native baseline: its clock and chunk count
+            notes.append(f"{row['timing']}, {row['chunks']} chunks")
+        if isinstance(row.get("host_clock"), dict):
+            hc = row["host_clock"]
+            notes.append(f"host clock {hc['ms_median']:.3f} ms ({hc['chunks']} chunks)")
         t.add_row(row["name"], f"{med:.3f}" if med is not None else "-",
                   f"{row['ms_p10']:.3f}..{row['ms_p90']:.3f}" if "ms_p10" in row else "-",
                   {True: "yes", False: "NO"}.get(row.get("correct"), "-"), " ".join(notes))

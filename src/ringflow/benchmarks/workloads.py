@@ -186,6 +186,18 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
     finally:
         hb.close()
     best_cb = min(results, key=lambda cb: results[cb][0].median_ms)
+    cpp = next((r for r in rows if r.get("name") == "hand-written CUDA C++ pipeline" and "ms_median" in r), None)
+    versus_cpp = None
+    if cpp is not None:
+        # ringflow is timed on the host clock around each call; the C++ program both with CUDA events
+        # (its GPU span, as the tutorial reports it) and on the host clock around enqueue + synchronize
+        ours = results[best_cb][0].median_ms
+        host = cpp.get("host_clock", {})
+        versus_cpp = {"ringflow_best_ms": ours, "ringflow_best_chunks": -(-n * 4 // best_cb),
+                      "cpp_best_ms_cuda_events": cpp["ms_median"], "cpp_best_chunks_cuda_events": cpp.get("chunks"),
+                      "cpp_best_ms_host_clock": host.get("ms_median"), "cpp_best_chunks_host_clock": host.get("chunks"),
+                      "ratio_vs_cuda_events": ours / cpp["ms_median"],
+                      "ratio_vs_host_clock": ours / host["ms_median"] if host.get("ms_median") else None}
     auto_t, _, auto_rep = results[auto.chunk_bytes]
     min_eff_chunk = min((cb for cb in results if results[cb][2].ideal_s * 1e3 / results[cb][0].median_ms >= 0.9),
                         default=None)
@@ -194,7 +206,7 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
             "auto_chunk_bytes": auto.chunk_bytes, "auto_prediction": auto.describe(),
             "ringflow_ms": auto_t.median_ms, "ideal_ms": auto_rep.ideal_s * 1e3,
             "efficiency": auto_rep.ideal_s * 1e3 / auto_t.median_ms, "best_chunk_bytes": best_cb,
-            "smallest_chunk_with_efficiency_0.9": min_eff_chunk}
+            "smallest_chunk_with_efficiency_0.9": min_eff_chunk, "versus_cpp": versus_cpp}
 
 
 def _predict(dev: Device, total: int, chunk: int, f) -> float:

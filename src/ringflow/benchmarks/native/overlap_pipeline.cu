@@ -1,7 +1,11 @@
 // overlap_pipeline.cu - ringflow's hand-written CUDA C++ baseline: the tutorial's overlap.cu,
 // made measurable. Pinned host memory, the whole array copied in / computed / copied out either
 // serially on one stream or chunked round-robin over N non-blocking streams; every figure is the
-// median (and p10/p90) of repeated runs timed with CUDA events after warm-up; the output of the
+// median (and p10/p90) of repeated runs timed with CUDA events after warm-up (GPU span: start event
+// to stop event), and each pipelined run also on the host clock, as a caller of the C++ function
+// would see it (steady_clock from before the first enqueue to after the stop event's
+// synchronize: the enqueue and the wake-up included), to compare with ringflow's host-timed
+// calls on the same clock; the output of the
 // last run of each configuration is poisoned beforehand and checked against a CPU reference on
 // random data. Prints one JSON object on stdout.
 //
@@ -14,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -220,10 +225,13 @@ int main(int argc, char** argv) {
     // Run `body()` warmup + repeats times, timing the repeats between events on streams[0]; the
     // other `fan` streams wait for the start event and are joined before the stop event. With
     // poison_last, h_out is filled with NaN before the last repeat, whose output is checked.
+    std::vector<double> host_ms;  // the host-clock time of each repeat of the last timed() call
     auto timed = [&](int fan, auto body, bool poison_last) {
         std::vector<double> ms;
+        host_ms.clear();
         for (int k = -c.warmup; k < c.repeats; ++k) {
             if (poison_last && k == c.repeats - 1) std::memset(h_out, 0xFF, bytes);  // NaN everywhere
+            const auto h0 = std::chrono::steady_clock::now();
             CUDA_CHECK(cudaEventRecord(t0, streams[0]));
             for (int i = 1; i < fan; ++i) CUDA_CHECK(cudaStreamWaitEvent(streams[i], t0, 0));
             body();
@@ -233,9 +241,13 @@ int main(int argc, char** argv) {
             }
             CUDA_CHECK(cudaEventRecord(t1, streams[0]));
             CUDA_CHECK(cudaEventSynchronize(t1));
+            const auto h1 = std::chrono::steady_clock::now();
             float f = 0.f;
             CUDA_CHECK(cudaEventElapsedTime(&f, t0, t1));
-            if (k >= 0) ms.push_back(f);
+            if (k >= 0) {
+                ms.push_back(f);
+                host_ms.push_back(std::chrono::duration<double, std::milli>(h1 - h0).count());
+            }
         }
         return stats(ms);
     };
@@ -299,10 +311,14 @@ int main(int argc, char** argv) {
                     CUDA_CHECK(cudaMemcpyAsync(h_out + lo, d_out + lo, len * sizeof(float), cudaMemcpyDeviceToHost, s));
                 }
             }, true);
+            Stats host = stats(host_ms);
             Check pc = check(c, h_in, h_out);
             all_ok = all_ok && pc.mismatches == 0;
             std::fprintf(g_out, "%s\n  {\"chunks\": %d, \"streams\": %d, ", first ? "" : ",", nc, ns);
             print_stats(p);
+            std::fprintf(g_out, ", \"host_clock\": {");
+            print_stats(host);
+            std::fprintf(g_out, "}");
             std::fprintf(g_out, ", \"correct\": %s, \"mismatches\": %zu, \"max_abs_err\": %s}", pc.mismatches == 0 ? "true" : "false",
                         pc.mismatches, jnum(pc.max_abs_err, buf));
             first = false;
