@@ -141,7 +141,7 @@ def table(res: dict[str, Any]):
             continue
         med = row.get("ms_median")
         notes = []
-        for k in ("efficiency", "ideal_ms", "p50_ms", "p99_ms", "p99_over_isolated", "p99_slowdown_per_request",
+        for k in ("ms_median_no_refill", "efficiency", "ideal_ms", "p50_ms", "p99_ms", "p99_over_isolated", "p99_slowdown_per_request",
                   "bottleneck"):
             if k in row:
                 v = row[k]

@@ -134,8 +134,10 @@ def _csv(v: int | Sequence[int]) -> str:
 
 def run(exe: str, *, n_floats: int, chunks: int | Sequence[int] = (8, 16, 32, 64),
         streams: int | Sequence[int] = (4, 1), iters: int = 64, kernel: str = "seed", repeats: int = 10,
-        warmup: int = 3, seed: int = 12345, timeout: float = 300) -> dict[str, Any]:
+        warmup: int = 3, seed: int = 12345, timeout: float = 300, refill: bool = False) -> dict[str, Any]:
     """Run the built program; returns its JSON plus ``"command"``, ``"returncode"`` and ``"wall_s"``.
+    With ``refill`` each pipelined configuration is also timed with its input rewritten by the
+    CPU before every repeat (``"refilled"``), as ringflow's in-place bench runs are.
 
     Raises ``BaselineUnavailable`` when the program finds no GPU, ``RuntimeError`` on a CUDA or
     argument error. A wrong result is not raised: the dict says ``"correct": false``.
@@ -144,7 +146,7 @@ def run(exe: str, *, n_floats: int, chunks: int | Sequence[int] = (8, 16, 32, 64
         raise ValueError(f"n_floats must be >= 1, got {n_floats!r}")
     cmd = [str(exe), "--n", str(int(n_floats)), "--chunks", _csv(chunks), "--streams", _csv(streams),
            "--iters", str(int(iters)), "--kernel", kernel, "--repeats", str(int(repeats)),
-           "--warmup", str(int(warmup)), "--seed", str(int(seed))]
+           "--warmup", str(int(warmup)), "--seed", str(int(seed))] + (["--refill", "1"] if refill else [])
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
