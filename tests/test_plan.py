@@ -167,3 +167,19 @@ def test_staging_rings_hold_a_slot_per_worker_unless_the_budget_says_otherwise()
     with rf.Pipeline(f, device=dev, chunk_bytes=MB, workers=6) as pipe:  # a request stream: planned rings
         planned = plan.plan_slots(plan.model_stage_times("unit", MB, compute=None, workers=6)).slots
         assert pipe.config.slots.host_in == planned.host_in
+
+
+def test_choose_chunk_bytes_is_remembered_per_arguments():
+    """stream_map(chunk_bytes="auto") plans on every call: the same question is answered once
+    (the answer is immutable), a different one is computed afresh."""
+    from ringflow import plan
+
+    a = plan.choose_chunk_bytes("h200-pcie5", 256 << 20, compute_s_per_byte=1e-12, align=4, host_stages=False)
+    b = plan.choose_chunk_bytes("h200-pcie5", 256 << 20, compute_s_per_byte=1e-12, align=4, host_stages=False)
+    assert a is b
+    c = plan.choose_chunk_bytes("h200-pcie5", 256 << 20, compute_s_per_byte=1e-12, align=4, host_stages=True,
+                                workers=4)
+    assert c is not a and c.table != a.table  # host stages change the prediction
+    d = plan.choose_chunk_bytes(plan.get_profile("h200-pcie5"), 256 << 20, compute_s_per_byte=1e-12, align=4,
+                                host_stages=False)  # a profile object is planned directly, not cached
+    assert d == a and d is not a
