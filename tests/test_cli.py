@@ -29,6 +29,11 @@ def test_bench_runs_every_workload_on_the_sim(tmp_path, capsys):
         for row in w["rows"]:
             assert row.get("correct", True) is not False, (name, row)
     assert res["workloads"]["seed"]["efficiency"] > 0.9
+    # ringflow's rows are also timed with the input untouched between calls, as the C++ program's are
+    seed = res["workloads"]["seed"]
+    assert seed["efficiency_no_refill"] > 0.9
+    sized = [r for r in seed["rows"] if "chunk_bytes" in r]  # one per chunk size tried
+    assert sized and all(r["ms_median_no_refill"] > 0 for r in sized)
     assert main(["trace", str(tmp_path / "t.json")]) == 0
 
 

@@ -229,6 +229,9 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
             "auto_chunk_bytes": auto.chunk_bytes, "auto_prediction": auto.describe(),
             "ringflow_ms": auto_t.median_ms, "ideal_ms": auto_rep.ideal_s * 1e3,
             "efficiency": auto_rep.ideal_s * 1e3 / auto_t.median_ms, "best_chunk_bytes": best_cb,
+            # the same chunk size with the input untouched between calls (the C++ program's method)
+            "ringflow_ms_no_refill": untouched_ms[auto.chunk_bytes],
+            "efficiency_no_refill": auto_rep.ideal_s * 1e3 / untouched_ms[auto.chunk_bytes],
             "smallest_chunk_with_efficiency_0.9": min_eff_chunk, "versus_cpp": versus_cpp}
 
 
