@@ -180,6 +180,15 @@ def phases(dev, out: dict, chunks: int = 16, refill_modes=(False, True)) -> None
     wrap(scheduler.Scheduler, "_release_resources", "release")
     wrap(scheduler.Scheduler, "_enqueue_h2d", "enqueue_h2d")
     wrap(scheduler.Scheduler, "_on_consumed", "on_consumed")
+    import ringflow.pipeline.warm as warm_mod
+    wrap(warm_mod.WarmPipelines, "take", "warm.take")
+    wrap(api.Pipeline, "_rearm", "rearm")
+    wrap(api.Pipeline, "map", "map")
+    wrap(scheduler.Scheduler, "_observe", "observe")
+    wrap(scheduler.Scheduler, "_start_prepares", "start_prepares")
+    wrap(scheduler.Scheduler, "_wait_ready", "wait_ready")
+    wrap(cuda_stream_mod.CudaStream, "copy", "stream.copy")
+    wrap(cuda_stream_mod.CudaStream, "wait", "stream.wait")
     mark = scheduler.Scheduler._mark
     originals[(scheduler.Scheduler, "_mark")] = mark
 
@@ -214,7 +223,9 @@ def phases(dev, out: dict, chunks: int = 16, refill_modes=(False, True)) -> None
                         opened[name] = t
                     else:
                         spent[name] = spent.get(name, 0.0) + (t - opened.pop(name, t)) * 1e6
-                runs.append({"refill": refill, "total_ms": (t1 - t0) * 1e3,
+                first_copy = next((i for i, (lb, _) in enumerate(log) if lb == "h2d!"), len(log))
+            runs.append({"refill": refill, "total_ms": (t1 - t0) * 1e3,
+                         "until_first_copy_us": [(lb, round((t - t0) * 1e6, 1)) for lb, t in log[:first_copy + 1]],
                              "enqueued_us": {st: [round((t - t0) * 1e6, 1) for lb, t in log if lb == st + "!"]
                                              for st in ("h2d", "compute", "d2h")},
                              "consumed_us": [round((t - t0) * 1e6, 1) for lb, t in log if lb == "on_consumed<"],
