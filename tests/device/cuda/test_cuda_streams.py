@@ -62,6 +62,33 @@ def test_ordering_across_streams_with_wait(cuda_device):
     s2.close()
 
 
+def test_waiting_on_an_event_the_host_saw_complete_still_orders(cuda_device):
+    """A wait on an event already seen done is skipped (no driver call); what the second stream
+    enqueues afterwards still sees the first stream's work, and a pending event is waited on."""
+    dev = cuda_device
+    s1, s2 = dev.create_stream(), dev.create_stream()
+    spin = Spin(dev)
+    d, h = dev.allocate(1 << 20, stream=s1), dev.allocate_host(1 << 20)
+    s1.fill(d, 3)
+    done = s1.record()
+    done.sync()
+    assert done.is_done
+    s2.wait(done)  # skipped: the fill is complete
+    spin(s1, 20e-3)
+    s1.fill(d, 4)
+    pending = s1.record()
+    assert not pending.is_done
+    s2.wait(pending)  # enqueued: the copy below must wait for the second fill
+    s2.copy(h, d)
+    s2.sync()
+    assert (h.view() == 4).all()
+    d.close(stream=s1)
+    spin.close()
+    h.close()
+    s1.close()
+    s2.close()
+
+
 def test_wait_any_events_and_host_tasks(cuda_device):
     dev = cuda_device
     s = dev.create_stream()
