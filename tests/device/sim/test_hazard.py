@@ -367,6 +367,35 @@ def test_host_sync_merges_like_a_wait(h):
     h.c.access("host", R, 1, "buffer 1", 0, SIZE, "host read")
 
 
+def test_restart_forgets_what_the_actor_learned_before(h):
+    """A pool task restarts its actor from the submitter's clock: an order the actor's previous
+    program learned (here: stream 0's write) does not carry over to the next program."""
+    task = ("task", 0)
+    h.actor(task)
+    h.good(0, read_write=[1])
+    h.record(1, 0)
+    h.c.merge(task, h.events[1])  # program 1 of the task waited for stream 0's write
+    h.c.access(task, R, 1, "buffer 1", 0, SIZE, "host view")
+    # program 2 starts from a clock that has seen program 1's last operation and nothing else
+    h.c.restart(task, {task: h.c.snapshot(task)[task]})
+    with pytest.raises(HazardError):
+        h.c.access(task, W, 1, "buffer 1", 0, SIZE, "host view")  # stream 0's write is not ordered before
+
+
+def test_restart_from_a_clock_that_missed_the_actors_last_operation_is_refused():
+    c = HappensBeforeChecker()
+    c.add_actor("task", "task")
+    c.add_actor("host", "host")
+    c.tick("task")
+    assert not c.has_seen(c.snapshot("host"), "task")
+    with pytest.raises(ValueError, match="has not seen its last operation"):
+        c.restart("task", c.snapshot("host"))
+    c.merge("host", c.snapshot("task"))
+    assert c.has_seen(c.snapshot("host"), "task")
+    c.restart("task", c.snapshot("host"))
+    assert c.tick("task") == 2  # the numbering continues
+
+
 def test_unknown_actor_is_refused():
     c = HappensBeforeChecker()
     with pytest.raises(KeyError, match="add_actor"):

@@ -47,6 +47,12 @@ class _NullChecker:
     def merge(self, actor, snapshot):
         pass
 
+    def restart(self, actor, snapshot):
+        pass
+
+    def has_seen(self, snapshot, actor):
+        return True  # no clocks: a pool needs one actor
+
     def access(self, *a, **k):
         return None
 

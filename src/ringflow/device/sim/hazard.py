@@ -4,7 +4,10 @@ Pure Python and independent of the simulator, so it can be unit-tested with synt
 and buffer ids (as PyTorch's CUDA sanitizer is). The model:
 
 * An **actor** is anything that runs accesses in program order: a stream, a host thread, a
-  host worker lane. Each keeps a vector clock; its own component counts its operations.
+  pool task. Each keeps a vector clock; its own component counts its operations. Pool tasks
+  reuse an actor only when the new task is truly ordered after the actor's previous one
+  (:meth:`HappensBeforeChecker.restart`), so no false order arises and the number of actors
+  stays bounded by how many tasks run unobserved at once.
 * Every access ticks its actor and is stamped with the actor's new own component.
 * **Events** snapshot the recording stream's clock; a stream that **waits** on an event and a
   host thread that **syncs** (or sees ``is_done``) merge that snapshot into their clocks.
@@ -96,6 +99,23 @@ class HappensBeforeChecker:
     def snapshot(self, actor: Actor) -> VectorClock:
         """A copy of ``actor``'s clock: what an event recorded now carries."""
         return dict(self._clock(actor))
+
+    def restart(self, actor: Actor, snapshot: VectorClock) -> None:
+        """``actor`` starts a new program that knows exactly what ``snapshot`` knows (a pool task
+        starting from its submitter's clock), forgetting what its earlier programs learned.
+        ``snapshot`` must have seen ``actor``'s own last stamp: its earlier accesses are then
+        truly ordered before the new ones, so continuing its numbering claims no false order."""
+        clock = self._clock(actor)
+        own = clock.get(actor, 0)
+        if snapshot.get(actor, 0) < own:
+            raise ValueError(f"{self._names.get(actor, actor)} cannot restart from a clock that has not seen its "
+                             f"last operation (#{own}); its next program would be taken as ordered after it")
+        self._clocks[actor] = dict(snapshot)
+        self._clocks[actor][actor] = max(own, snapshot.get(actor, 0))
+
+    def has_seen(self, snapshot: VectorClock, actor: Actor) -> bool:
+        """``snapshot`` has seen every operation ``actor`` has made so far."""
+        return snapshot.get(actor, 0) >= self._clock(actor).get(actor, 0)
 
     def merge(self, actor: Actor, snapshot: VectorClock) -> None:
         """``actor`` learns of everything ``snapshot`` has seen (a wait, sync or query)."""

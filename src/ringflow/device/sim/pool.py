@@ -1,8 +1,9 @@
 """Host worker pools on the simulated clock.
 
 A pool of ``workers`` lanes is a resource of the engine: a submitted task waits for a free
-lane, runs its callable at the instant it starts (as that lane's actor, so its host views are
-checked with the lane's vector clock), and completes after its virtual duration: the
+lane, runs its callable at the instant it starts (as a checker actor of its own that starts
+from its submitter's clock, so its host views are ordered after what the submitter had seen and
+after nothing else), and completes after its virtual duration: the
 ``sim_seconds`` given, else the time to copy ``nbytes`` at the profile's per-thread host copy
 rate, plus whatever the callable charged with :func:`charge`.
 """
@@ -53,10 +54,9 @@ class SimHostTask(HostTask):
 
     def _run(self, op: Op) -> None:
         pool, dev = self._pool, self._pool._dev
-        lane = pool._free_lanes.pop()
-        op.lane = lane
-        actor = (pool.actor_prefix, lane)
-        dev._checker.merge(actor, self._submit_clock)
+        op.lane = pool._free_lanes.pop()  # the worker thread, for timing; the checker's actor is separate
+        actor = pool._take_actor(self._submit_clock)
+        dev._checker.restart(actor, self._submit_clock)
         previous_actor = dev._tls_actor_override()
         dev._set_actor_override(actor)
         _current.task = self
@@ -69,6 +69,7 @@ class SimHostTask(HostTask):
             dev._set_actor_override(previous_actor)
         dev._checker.tick(actor)
         self._end_clock = dev._checker.snapshot(actor)
+        pool._running_actors.discard(actor)
         op.remaining = dev._engine._jitter(self._seconds + self._charged)
         self._fn = self._args = None  # drop references once run
 
@@ -115,9 +116,25 @@ class SimWorkerPool(WorkerPool):
         self._resource = f"host pool {self.id}"
         self._queue = dev._engine.add_queue(self._resource, resource=self._resource, lanes=workers)
         self._free_lanes = list(range(workers - 1, -1, -1))
-        for lane in range(workers):
-            dev._checker.add_actor((self.actor_prefix, lane), f"host worker {lane} of pool {self.id}")
+        # The checker's actors for this pool's tasks. A task takes one whose previous task its
+        # submitter has seen finish (so the two really are ordered), else a new one: a task
+        # never inherits the order of an unrelated task that happened to run on the same
+        # thread before it, and the actors number at most the tasks ever unobserved at once.
+        self._actors: list = []
+        self._running_actors: set = set()
         self._closed = False
+
+    def _take_actor(self, submit_clock: dict):
+        checker = self._dev._checker
+        for actor in self._actors:
+            if actor not in self._running_actors and checker.has_seen(submit_clock, actor):
+                break
+        else:
+            actor = (self.actor_prefix, len(self._actors))
+            checker.add_actor(actor, f"host worker {len(self._actors)} of pool {self.id}")
+            self._actors.append(actor)
+        self._running_actors.add(actor)
+        return actor
 
     def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0, sim_seconds: float | None = None) -> SimHostTask:
         dev = self._dev
