@@ -790,3 +790,33 @@ def test_each_call_on_a_dead_context_raises_its_own_sticky_error():
     assert a is not b and a.sticky and b.sticky
     assert a.__cause__ is b.__cause__ is dev._sticky
     assert str(a) == str(dev._sticky)
+
+
+def test_a_fault_of_the_sim_while_starting_a_task_fails_the_task_not_the_wait(monkeypatch):
+    """An error raised while the sim starts a task (not by the task's callable) is the task's
+    result; the task still completes, so a pipeline reports it instead of hanging in close."""
+    from ringflow.device.sim import pool as sim_pool
+
+    original = sim_pool.SimWorkerPool._take_actor
+    calls = []
+
+    def fails_fifth(self, clock):
+        calls.append(1)
+        if len(calls) == 5:
+            raise AttributeError("a fault inside the simulator")
+        return original(self, clock)
+
+    monkeypatch.setattr(sim_pool.SimWorkerPool, "_take_actor", fails_fifth)
+    dev = rf.device("sim")
+    x = np.random.default_rng(0).random(1 << 14).astype(np.float32)
+
+    def f(a, b):
+        b[...] = a
+
+    with pytest.raises(rf.StageError) as info:
+        rf.stream_map(f, x, device=dev, chunk_bytes=1 << 10, host="stage")
+    assert isinstance(info.value.__cause__, AttributeError)
+    del info  # its traceback holds the failed chunks' events
+    gc.collect()
+    rf.drop_warm_pipelines(dev)
+    assert dev.live().total == 0

@@ -55,23 +55,30 @@ class SimHostTask(HostTask):
     def _run(self, op: Op) -> None:
         pool, dev = self._pool, self._pool._dev
         op.lane = pool._free_lanes.pop()  # the worker thread, for timing; the checker's actor is separate
-        actor = pool._take_actor(self._submit_clock)
-        dev._checker.restart(actor, self._submit_clock)
+        actor = None
         previous_actor = dev._tls_actor_override()
-        dev._set_actor_override(actor)
-        _current.task = self
         try:
+            actor = pool._take_actor(self._submit_clock)
+            dev._checker.restart(actor, self._submit_clock)
+            dev._set_actor_override(actor)
+            _current.task = self
             self._value = self._fn(*self._args)
         except BaseException as exc:  # noqa: BLE001 - delivered by result()
+            # the callable's own error, a hazard found in its accesses, or a fault of the sim
+            # itself: each becomes the task's result, and the task still completes (an op that
+            # never completes would leave every later wait, close included, hanging)
             self._exc = exc
         finally:
             _current.task = None
             dev._set_actor_override(previous_actor)
-        dev._checker.tick(actor)
-        self._end_clock = dev._checker.snapshot(actor)
-        pool._running_actors.discard(actor)
-        op.remaining = dev._engine._jitter(self._seconds + self._charged)
-        self._fn = self._args = None  # drop references once run
+            if actor is not None:
+                dev._checker.tick(actor)
+                self._end_clock = dev._checker.snapshot(actor)
+                pool._running_actors.discard(actor)
+            else:
+                self._end_clock = dict(self._submit_clock)
+            op.remaining = dev._engine._jitter(self._seconds + self._charged)
+            self._fn = self._args = None  # drop references once run
 
     def _done(self, op: Op) -> None:
         self._pool._free_lanes.append(op.lane)
