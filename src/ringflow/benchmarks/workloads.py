@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -193,34 +193,7 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
     finally:
         hb.close()
     best_cb = min(results, key=lambda cb: results[cb][0].median_ms)
-    cpp = next((r for r in rows if r.get("name") == "hand-written CUDA C++ pipeline" and "ms_median" in r), None)
-    versus_cpp = None
-    if cpp is not None:
-        # like with like: ringflow's calls are timed on the host clock, the C++ program's runs with CUDA
-        # events (its GPU span, as the tutorial reports it) and on the host clock around enqueue +
-        # synchronize; each both with the input untouched between repeats (the C++ program's own
-        # method) and rewritten by the CPU before every repeat (the bench's ringflow rows)
-        def best_of(ms_by_cb):
-            cb = min(ms_by_cb, key=ms_by_cb.get)
-            return ms_by_cb[cb], -(-n * 4 // cb)
-
-        ours_untouched, ours_untouched_chunks = best_of(untouched_ms)
-        ours_refilled, ours_refilled_chunks = best_of({cb: r[0].median_ms for cb, r in results.items()})
-        host = cpp.get("host_clock", {})
-        refilled = cpp.get("refilled", {})
-        versus_cpp = {
-            "untouched_input": {"ringflow_best_ms": ours_untouched, "ringflow_chunks": ours_untouched_chunks,
-                                "cpp_best_ms_cuda_events": cpp["ms_median"], "cpp_chunks_cuda_events": cpp.get("chunks"),
-                                "cpp_best_ms_host_clock": host.get("ms_median"), "cpp_chunks_host_clock": host.get("chunks")},
-            "refilled_input": {"ringflow_best_ms": ours_refilled, "ringflow_chunks": ours_refilled_chunks,
-                               "cpp_best_ms_cuda_events": refilled.get("ms_median"),
-                               "cpp_chunks_cuda_events": refilled.get("chunks"),
-                               "cpp_best_ms_host_clock": refilled.get("host_clock", {}).get("ms_median"),
-                               "cpp_chunks_host_clock": refilled.get("host_clock", {}).get("chunks")}}
-        for case in versus_cpp.values():
-            for clock in ("cuda_events", "host_clock"):
-                ref = case[f"cpp_best_ms_{clock}"]
-                case[f"ratio_vs_{clock}"] = case["ringflow_best_ms"] / ref if ref else None
+    versus_cpp = _versus_cpp(rows, {cb: r[0].median_ms for cb, r in results.items()}, untouched_ms, n * 4)
     auto_t, _, auto_rep = results[auto.chunk_bytes]
     min_eff_chunk = min((cb for cb in results if results[cb][2].ideal_s * 1e3 / results[cb][0].median_ms >= 0.9),
                         default=None)
@@ -233,6 +206,37 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
             "ringflow_ms_no_refill": untouched_ms[auto.chunk_bytes],
             "efficiency_no_refill": auto_rep.ideal_s * 1e3 / untouched_ms[auto.chunk_bytes],
             "smallest_chunk_with_efficiency_0.9": min_eff_chunk, "versus_cpp": versus_cpp}
+
+
+def _versus_cpp(rows: list, refilled_ms: dict, untouched_ms: dict, total_bytes: int) -> Optional[dict]:
+    """ringflow's best against the CUDA C++ program's best, like with like. ringflow's calls are
+    timed on the host clock, the C++ program's runs with CUDA events (its GPU span, as the
+    tutorial reports it) and on the host clock around enqueue + synchronize; each both with the
+    input untouched between repeats (the C++ program's own method) and rewritten by the CPU
+    before every repeat (the bench's ringflow rows). ``*_ms``: chunk bytes -> median ms."""
+    cpp = next((r for r in rows if r.get("name") == "hand-written CUDA C++ pipeline" and "ms_median" in r), None)
+    if cpp is None:
+        return None
+
+    def best_of(ms_by_cb):
+        cb = min(ms_by_cb, key=ms_by_cb.get)
+        return ms_by_cb[cb], -(-total_bytes // cb)
+
+    host = cpp.get("host_clock", {})
+    refilled = cpp.get("refilled", {})
+    cases = {"untouched_input": (best_of(untouched_ms), cpp["ms_median"], cpp.get("chunks"),
+                                 host.get("ms_median"), host.get("chunks")),
+             "refilled_input": (best_of(refilled_ms), refilled.get("ms_median"), refilled.get("chunks"),
+                                refilled.get("host_clock", {}).get("ms_median"),
+                                refilled.get("host_clock", {}).get("chunks"))}
+    out = {}
+    for name, ((ours, chunks), events_ms, events_chunks, host_ms, host_chunks) in cases.items():
+        out[name] = {"ringflow_best_ms": ours, "ringflow_chunks": chunks,
+                     "cpp_best_ms_cuda_events": events_ms, "cpp_chunks_cuda_events": events_chunks,
+                     "cpp_best_ms_host_clock": host_ms, "cpp_chunks_host_clock": host_chunks,
+                     "ratio_vs_cuda_events": ours / events_ms if events_ms else None,
+                     "ratio_vs_host_clock": ours / host_ms if host_ms else None}
+    return out
 
 
 def _predict(dev: Device, total: int, chunk: int, f) -> float:
