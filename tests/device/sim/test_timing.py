@@ -308,3 +308,33 @@ def test_wait_any_mixes_events_and_tasks():
     t = pool.submit(lambda: None, sim_seconds=3e-3)
     assert dev.wait_any([t, e]) == [e]
     assert dev.now == pytest.approx(1e-3)
+
+
+# -- stream priorities ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chaos", [False, True])
+def test_a_higher_priority_streams_kernel_runs_first_when_both_wait(chaos):
+    """Two kernels become ready while a third holds the compute engine: the one on the
+    higher-priority stream (the lower number) runs next, although it was enqueued second."""
+    dev = rf.device("sim", profile="unit", chaos=chaos, seed=1)
+    tl = Timeline(dev)
+    busy, low, high = dev.create_stream(), dev.create_stream(priority=0), dev.create_stream(priority=-5)
+    busy.launch(lambda a: None, dev.allocate(8).array(np.uint8, 8), sim_seconds=1e-3)
+    dev.sleep(1e-4)  # the busy kernel now holds the engine
+    for s in (low, high):  # each on its own buffer: nothing orders them but the engine
+        s.launch(lambda a: None, dev.allocate(8).array(np.uint8, 8), sim_seconds=1e-3)
+    for s in (busy, low, high):
+        s.sync()
+    first, second, third = sorted(tl.of("launch"), key=lambda op: op.started_at)
+    assert first.queue is busy._queue and second.queue is high._queue and third.queue is low._queue
+
+
+def test_equal_priorities_keep_the_order_kernels_were_enqueued():
+    dev = rf.device("sim", profile="unit")
+    tl = Timeline(dev)
+    busy, a, b = (dev.create_stream(priority=-2) for _ in range(3))
+    for s in (busy, a, b):
+        s.launch(lambda x: None, dev.allocate(8).array(np.uint8, 8), sim_seconds=1e-3)
+    for s in (busy, a, b):
+        s.sync()
+    order = [op.queue for op in sorted(tl.of("launch"), key=lambda op: op.started_at)]
+    assert order == [busy._queue, a._queue, b._queue]

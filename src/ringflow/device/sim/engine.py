@@ -67,6 +67,7 @@ class Queue:
 
     def __init__(self, name: str):
         self.name = name
+        self.priority = 0  # a stream's priority: lower runs its kernels first (as in CUDA)
         self.pending: deque[Op] = deque()
         self.last: Optional[Op] = None  # most recently enqueued op (for stream order)
 
@@ -218,6 +219,9 @@ class Engine:
                 self.rng.shuffle(candidates)
             else:
                 candidates.sort(key=lambda o: o.seq)
+            # among ready kernels the higher-priority stream's goes first (a stable sort keeps the
+            # order above within one priority); copy engines take no notice of priority, as in CUDA
+            candidates.sort(key=lambda o: o.queue.priority if o.resource == "compute" else 0)
             for op in candidates:
                 if op.resource is not None and self._busy[op.resource] >= self._capacity[op.resource]:
                     continue

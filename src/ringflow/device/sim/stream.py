@@ -79,6 +79,7 @@ class SimStream(Stream):
         self.name = f"stream {self.id}"
         self.actor = ("stream", self.id)
         self._queue = dev._engine.add_queue(self.name)
+        self._queue.priority = priority
         self._pending_error: BaseException | None = None
         self._closed = False
         dev._checker.add_actor(self.actor, self.name)
