@@ -3,9 +3,10 @@
 from .api import Pipeline, stream_map
 from .chunk import ChunkFuture
 from .config import PipelineConfig, SlotCounts
+from .job import MapJob
 from .scheduler import GUARDS
 from .states import ChunkState, IllegalTransition, RingKind, SlotState
 from .stats import PipelineStats
 
-__all__ = ["Pipeline", "stream_map", "ChunkFuture", "PipelineConfig", "SlotCounts", "GUARDS", "ChunkState",
+__all__ = ["Pipeline", "stream_map", "MapJob", "ChunkFuture", "PipelineConfig", "SlotCounts", "GUARDS", "ChunkState",
            "SlotState", "RingKind", "IllegalTransition", "PipelineStats"]

@@ -415,20 +415,26 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
     resources of the device until :func:`ringflow.drop_warm_pipelines` closes them; profiled
     and checked calls are never kept. Returns once every chunk's result is in ``out``.
     """
+    out, fresh_out = _check_map_args(x, out, host, "stream_map")
+    return _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer, pipeline_options)[0]
+
+
+def _check_map_args(x, out, host: str, who: str) -> tuple[np.ndarray, bool]:
+    """Refuse what a whole-array job cannot take; returns ``out`` (allocated when None) and
+    whether it is fresh (never touched: its pages are faulted in by the job)."""
     if not isinstance(x, np.ndarray):
-        raise TypeError(f"stream_map takes a numpy array, got {type(x).__name__}")
+        raise TypeError(f"{who} takes a numpy array, got {type(x).__name__}")
     if x.ndim == 0:
-        raise ValueError("stream_map splits along axis 0; pass an array with at least one dimension "
+        raise ValueError(f"{who} splits along axis 0; pass an array with at least one dimension "
                          "(x.reshape(1))")
     if host not in ("auto", "stage", "register"):
         raise ValueError(f"host must be 'auto', 'stage' or 'register', got {host!r}")
-    fresh_out = out is None
     if out is None:
-        out = np.empty(x.shape, x.dtype)
-    elif not isinstance(out, np.ndarray) or out.shape != x.shape or out.dtype != x.dtype:
+        return np.empty(x.shape, x.dtype), True
+    if not isinstance(out, np.ndarray) or out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out must be a numpy array of shape {x.shape} and dtype {x.dtype}, got "
                          f"{getattr(out, 'shape', None)} {getattr(out, 'dtype', type(out).__name__)}")
-    return _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer, pipeline_options)[0]
+    return out, False
 
 
 def stream_map_report(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, **kw: Any):
@@ -441,9 +447,36 @@ def stream_map_report(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = No
     return out, (pipe.report() if pipe is not None else None)
 
 
-def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer, pipeline_options):
-    if x.shape[0] == 0 or x.size == 0:
-        return out, None
+@dataclasses.dataclass(frozen=True)
+class MapLayout:
+    """How a whole-array job is cut and moved: ``rows`` rows of ``row_bytes`` per chunk (the last
+    may be shorter), the host strategy, and the stage callbacks bound to ``x`` and ``out``."""
+    dev: Device
+    row_bytes: int
+    rows: int
+    length: int
+    strategy: str  # "stage", "register" or "pinned"
+    describe: Callable
+    deliver: Callable
+    item_nbytes: Callable
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.length // self.rows)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    def ranges(self) -> Iterator[tuple[int, int]]:
+        """Each chunk's rows ``(start, stop)``, made as the pipeline pulls them."""
+        rows, length = self.rows, self.length
+        return ((a, min(a + rows, length)) for a in range(0, length, rows))
+
+
+def _layout_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer, pipeline_options) -> MapLayout:
+    """Check a whole-array job's arguments and lay it out (x non-empty). Raises ValueError for a
+    row larger than a chunk, half a pair of pinned buffers, or registration of strided arrays."""
     row_bytes = x.nbytes // x.shape[0]
     dev = make_device(device or "auto") if not isinstance(device, Device) else device
     if chunk_bytes == "auto":
@@ -460,9 +493,6 @@ def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
         raise ValueError(f"one row of x along axis 0 is {row_bytes} bytes but chunk_bytes is {slot}; "
                          f"raise chunk_bytes to at least {row_bytes} or reshape x")
     rows = max(1, slot // row_bytes)
-    length = x.shape[0]
-    n_chunks = -(-length // rows)
-    ranges = ((a, min(a + rows, length)) for a in range(0, length, rows))  # made as the pipeline pulls them
     tail = x.shape[1:]
     contiguous = x.flags.c_contiguous and out.flags.c_contiguous
     if (x_buffer is None) != (out_buffer is None):
@@ -496,20 +526,40 @@ def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
             a, b = item
             out[a:b] = view
 
+    item_nbytes = (lambda item: (item[1] - item[0]) * row_bytes) if strategy == "stage" else (lambda item: 0)
+    return MapLayout(dev, row_bytes, rows, x.shape[0], strategy, describe, deliver, item_nbytes)
+
+
+def _register(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool, workers: int) -> list:
+    """Pin ``x`` and ``out`` in place (one registration when they are the same array), first
+    touching a fresh ``out`` in parallel; returns the registrations, ``x``'s first."""
+    if fresh_out:
+        parallel_first_touch(out, workers)
+    registered = [dev.register_host(x)]
+    try:
+        if out is not x:
+            registered.append(dev.register_host(out))
+    except BaseException:
+        from ..device.protocol import close_quietly
+
+        close_quietly(registered[0], "registration")
+        raise
+    return registered
+
+
+def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer, pipeline_options):
+    if x.shape[0] == 0 or x.size == 0:
+        return out, None
+    layout = _layout_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer, pipeline_options)
+    dev, strategy = layout.dev, layout.strategy
     options = dict(pipeline_options)
     on_pipeline = options.pop("_on_pipeline", None)
     keep_warm = options.pop("keep_warm", True)
     registered = []
     try:
         if strategy == "register":
-            if fresh_out:
-                parallel_first_touch(out, options.get("workers") or _default_workers(dev))
-            x_buffer = dev.register_host(x)
-            registered.append(x_buffer)
-            out_buffer = x_buffer if out is x else dev.register_host(out)
-            if out_buffer is not x_buffer:
-                registered.append(out_buffer)
-        item_nbytes = (lambda item: (item[1] - item[0]) * row_bytes) if strategy == "stage" else (lambda item: 0)
+            registered = _register(dev, x, out, fresh_out, options.get("workers") or _default_workers(dev))
+            x_buffer, out_buffer = registered[0], registered[-1]
         host_in = x_buffer if strategy != "stage" else None
         host_out = out_buffer if strategy != "stage" else None
         # the pipeline's shape: a warm one parked under the same key serves this call as it is
@@ -517,21 +567,21 @@ def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
         if keep_warm and not options.get("profile") and not options.get("checked"):
             opts = warm.options_key(options)
             if opts is not None:
-                key = (id(dev), id(f), rows * row_bytes, strategy, n_chunks,
+                key = (id(dev), id(f), layout.slot_bytes, strategy, layout.n_chunks,
                        host_in.nbytes if host_in is not None else None,
                        host_out.nbytes if host_out is not None else None, host_in is host_out, opts)
         pipe = warm.WARM.take(key) if key is not None else None
         if pipe is not None:
-            pipe._rearm(describe, deliver, item_nbytes, host_in, host_out)
+            pipe._rearm(layout.describe, layout.deliver, layout.item_nbytes, host_in, host_out)
         else:
-            pipe = Pipeline(f, device=dev, chunk_bytes=rows * row_bytes, _fill=describe, _drain=deliver,
-                            item_nbytes=item_nbytes, _host_in_buffer=host_in, _host_out_buffer=host_out,
-                            _max_chunks=n_chunks, _bulk=True, **options)
+            pipe = Pipeline(f, device=dev, chunk_bytes=layout.slot_bytes, _fill=layout.describe,
+                            _drain=layout.deliver, item_nbytes=layout.item_nbytes, _host_in_buffer=host_in,
+                            _host_out_buffer=host_out, _max_chunks=layout.n_chunks, _bulk=True, **options)
         parked = False
         try:
             if on_pipeline is not None:
                 on_pipeline(pipe)
-            for _ in pipe.map(ranges):
+            for _ in pipe.map(layout.ranges()):
                 pass
             if key is not None and pipe._park():
                 warm.WARM.park(key, pipe)

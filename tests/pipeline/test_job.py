@@ -1,0 +1,134 @@
+"""MapJob: a whole-array job set up once and run many times on changing contents."""
+
+import doctest
+import gc
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow.errors import StageError
+from ringflow.pipeline import job as job_module
+
+
+def f(x, y):
+    y[:] = x * 2 + 1
+
+
+def contents(shape, seed):
+    return np.random.default_rng(seed).uniform(0.5, 1.5, shape).astype(np.float32)
+
+
+def test_the_module_example_runs():
+    assert doctest.testmod(job_module).failed == 0
+
+
+@pytest.mark.parametrize("host", ["stage", "register", "pinned"])
+@pytest.mark.parametrize("seed", range(5))
+def test_every_call_computes_the_current_contents_under_chaos(host, seed):
+    dev = rf.device("sim", seed=seed, chaos=True)
+    shape = (777, 5)
+    kw = {}
+    if host == "pinned":
+        hx, hy = dev.allocate_host(777 * 5 * 4), dev.allocate_host(777 * 5 * 4)
+        x, out = hx.view(np.float32).reshape(shape), hy.view(np.float32).reshape(shape)
+        kw = {"x_buffer": hx, "out_buffer": hy}
+    else:
+        x, out = np.empty(shape, np.float32), None
+        kw = {"host": host}
+    with rf.MapJob(f, x, out, device=dev, chunk_bytes=5 * 4 * 61, checked=True, **kw) as job:
+        assert job.strategy == host and job.chunks == 13
+        for call in range(4):
+            x[...] = contents(shape, 10 * seed + call)  # the host writes between calls
+            y = job()
+            assert y is job.out
+            np.testing.assert_array_equal(y, x * 2 + 1)
+    assert rf.drop_warm_pipelines(dev) == 0  # a job keeps its own pipeline, never the shared cache
+    if host == "pinned":
+        hx.close()
+        hy.close()
+    assert dev.live().total == 0
+
+
+def test_in_place_and_given_out():
+    dev = rf.device("sim", seed=3, chaos=True)
+    x = contents(4000, 1)
+    expected = x * 2 + 1
+    with rf.MapJob(f, x, x, device=dev, chunk_bytes=4096, inplace=True) as job:
+        assert job() is x
+    np.testing.assert_array_equal(x, expected)
+    out = np.zeros_like(x)
+    with rf.MapJob(f, x, out, device=dev, chunk_bytes=4096) as job:
+        assert job() is out
+    np.testing.assert_array_equal(out, x * 2 + 1)
+
+
+def test_register_pins_once_for_the_jobs_life():
+    dev = rf.device("sim")
+    registered = []
+    original = dev.register_host
+
+    def counting(arr):
+        buf = original(arr)
+        registered.append(buf)
+        return buf
+
+    dev.register_host = counting
+    x = contents(3000, 2)
+    job = rf.MapJob(f, x, device=dev, chunk_bytes=4096, host="register")
+    for _ in range(5):
+        np.testing.assert_array_equal(job(), x * 2 + 1)
+    assert len(registered) == 2  # x and out, once each, however many calls
+    assert dev.live().host_buffers == 2
+    job.close()
+    job.close()  # harmless twice
+    assert dev.live().total == 0
+
+
+def test_a_failing_call_closes_the_job_and_loses_nothing():
+    dev = rf.device("sim")
+    calls = []
+
+    def flaky(x, y):
+        calls.append(1)
+        if len(calls) == 7:
+            raise RuntimeError("the kernel refused")
+        y[:] = x
+
+    x = contents(4000, 3)
+    job = rf.MapJob(flaky, x, device=dev, chunk_bytes=4096, host="register")
+    np.testing.assert_array_equal(job(), x)  # 4 chunks: calls 1-4
+    with pytest.raises(StageError) as info:
+        job()
+    assert isinstance(info.value.__cause__, RuntimeError) and job.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        job()
+    del info
+    gc.collect()
+    assert dev.live().total == 0  # pipeline and registrations released with the failure
+
+
+def test_bad_arguments_say_what_to_change():
+    dev = rf.device("sim")
+    with pytest.raises(TypeError, match="numpy array"):
+        rf.MapJob(f, [1.0, 2.0], device=dev)
+    with pytest.raises(ValueError, match="at least one element"):
+        rf.MapJob(f, np.empty((0, 3), np.float32), device=dev)
+    with pytest.raises(ValueError, match="stream_map_report"):
+        rf.MapJob(f, np.ones(8, np.float32), device=dev, profile=True)
+    with pytest.raises(ValueError, match="host must be"):
+        rf.MapJob(f, np.ones(8, np.float32), device=dev, host="pin")
+    with pytest.raises(ValueError, match="out must be"):
+        rf.MapJob(f, np.ones(8, np.float32), np.ones(9, np.float32), device=dev)
+    with pytest.raises(ValueError, match="raise chunk_bytes"):
+        rf.MapJob(f, np.ones((4, 100), np.float32), device=dev, chunk_bytes=64)
+    assert dev.live().total == 0
+
+
+def test_matches_stream_map_for_the_same_arguments():
+    dev = rf.device("sim", seed=4, chaos=True)
+    x = contents((1234, 3), 5)
+    with rf.MapJob(f, x, device=dev, chunk_bytes="auto") as job:
+        y = job().copy()
+    np.testing.assert_array_equal(y, rf.stream_map(f, x, device=dev, chunk_bytes="auto"))
+    assert "chunks" in repr(job) and "closed" in repr(job)
