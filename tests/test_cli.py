@@ -33,6 +33,8 @@ def test_bench_runs_every_workload_on_the_sim(tmp_path, capsys):
     seed = res["workloads"]["seed"]
     assert seed["efficiency_no_refill"] > 0.9
     sized = [r for r in seed["rows"] if "chunk_bytes" in r]  # one per chunk size tried
+    (job_row,) = [r for r in seed["rows"] if "MapJob" in r["name"]]  # the same job bound once
+    assert job_row["correct"] is True and job_row["efficiency"] > 0.9
     assert sized and all(r["ms_median_no_refill"] > 0 for r in sized)
     assert main(["trace", str(tmp_path / "t.json")]) == 0
 
