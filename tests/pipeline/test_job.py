@@ -5,6 +5,8 @@ import gc
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import ringflow as rf
 from ringflow.errors import StageError
@@ -132,3 +134,26 @@ def test_matches_stream_map_for_the_same_arguments():
         y = job().copy()
     np.testing.assert_array_equal(y, rf.stream_map(f, x, device=dev, chunk_bytes="auto"))
     assert "chunks" in repr(job) and "closed" in repr(job)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(1, 400), width=st.integers(1, 9), dtype=st.sampled_from(["float32", "float64", "int32"]),
+       rows_per_chunk=st.integers(1, 64), host=st.sampled_from(["stage", "register", "auto"]),
+       calls=st.integers(1, 4), seed=st.integers(0, 2**16), in_place=st.booleans())
+def test_any_shape_any_chunking_any_strategy(rows, width, dtype, rows_per_chunk, host, calls, seed, in_place):
+    dev = rf.device("sim", seed=seed, chaos=True)
+    rng = np.random.default_rng(seed)
+    x = (rng.uniform(-100, 100, (rows, width))).astype(dtype)
+    out = x if in_place else None
+    item = x.itemsize * width
+
+    def g(a, b):
+        b[...] = a * 3 - 1
+
+    with rf.MapJob(g, x, out, device=dev, chunk_bytes=rows_per_chunk * item, host=host, inplace=in_place) as job:
+        for _ in range(calls):
+            new = (rng.uniform(-100, 100, (rows, width))).astype(dtype)
+            x[...] = new
+            y = job()
+            np.testing.assert_array_equal(y, new * 3 - 1)
+    assert dev.live().total == 0
