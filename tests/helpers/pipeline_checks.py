@@ -500,6 +500,21 @@ def random_sizes(rng: np.random.Generator, n: int, max_elems: int, zero_frac: fl
     return [int(s) for s in sizes]
 
 
+def map_skipping_faults(h: Harness, items: list[Item]) -> list[Item]:
+    """Map ``items`` through a pipeline made with ``on_error="continue"`` and check the outcome:
+    the items without a fault come back in order, each right, and every faulty item left exactly
+    one StageError naming its stage and index. Returns the good items."""
+    got = list(h.pipe.map(items))
+    good = [it for it in items if it.fault is None]
+    assert [v.tag for v in got] == [it.tag for it in good]
+    for value in got:
+        check_result(value, h.items[value.tag])
+    assert len(h.pipe.failures) == len(items) - len(good)
+    for err in h.pipe.failures:
+        check_stage_error(err, items[err.index], err.index)
+    return good
+
+
 def run_map(h: Harness, sizes: list[int], *, start_tag: int = 1, costs: list[float] | None = None) -> list:
     """Run ``sizes`` through ``h.pipe.map`` and verify every result (order too when ordered).
     ``costs``: virtual seconds each item's consumer charges (varied costs make consumers finish
