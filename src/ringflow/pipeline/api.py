@@ -473,6 +473,17 @@ class MapLayout:
         rows, length = self.rows, self.length
         return ((a, min(a + rows, length)) for a in range(0, length, rows))
 
+    def host_rings(self, x_buffer, out_buffer) -> tuple:
+        """The caller's pinned memory behind the host rings: none when staging (the pipeline
+        stages through rings of its own), else ``x``'s and ``out``'s buffers."""
+        return (None, None) if self.strategy == "stage" else (x_buffer, out_buffer)
+
+    def pipeline(self, f: Callable, host_in, host_out, options: dict) -> "Pipeline":
+        """A new pipeline shaped for this job (its stage callbacks, slot size, chunk count)."""
+        return Pipeline(f, device=self.dev, chunk_bytes=self.slot_bytes, _fill=self.describe, _drain=self.deliver,
+                        item_nbytes=self.item_nbytes, _host_in_buffer=host_in, _host_out_buffer=host_out,
+                        _max_chunks=self.n_chunks, _bulk=True, **options)
+
 
 def _layout_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer, pipeline_options) -> MapLayout:
     """Check a whole-array job's arguments and lay it out (x non-empty). Raises ValueError for a
@@ -560,8 +571,7 @@ def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
         if strategy == "register":
             registered = _register(dev, x, out, fresh_out, options.get("workers") or _default_workers(dev))
             x_buffer, out_buffer = registered[0], registered[-1]
-        host_in = x_buffer if strategy != "stage" else None
-        host_out = out_buffer if strategy != "stage" else None
+        host_in, host_out = layout.host_rings(x_buffer, out_buffer)
         # the pipeline's shape: a warm one parked under the same key serves this call as it is
         key = None
         if keep_warm and not options.get("profile") and not options.get("checked"):
@@ -574,9 +584,7 @@ def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
         if pipe is not None:
             pipe._rearm(layout.describe, layout.deliver, layout.item_nbytes, host_in, host_out)
         else:
-            pipe = Pipeline(f, device=dev, chunk_bytes=layout.slot_bytes, _fill=layout.describe,
-                            _drain=layout.deliver, item_nbytes=layout.item_nbytes, _host_in_buffer=host_in,
-                            _host_out_buffer=host_out, _max_chunks=layout.n_chunks, _bulk=True, **options)
+            pipe = layout.pipeline(f, host_in, host_out, options)
         parked = False
         try:
             if on_pipeline is not None:

@@ -60,12 +60,7 @@ class MapJob:
                 self._registered = _register(layout.dev, x, out, fresh_out,
                                              pipeline_options.get("workers") or _default_workers(layout.dev))
                 x_buffer, out_buffer = self._registered[0], self._registered[-1]
-            staged = layout.strategy == "stage"
-            self._pipe = Pipeline(f, device=layout.dev, chunk_bytes=layout.slot_bytes, _fill=layout.describe,
-                                  _drain=layout.deliver, item_nbytes=layout.item_nbytes,
-                                  _host_in_buffer=None if staged else x_buffer,
-                                  _host_out_buffer=None if staged else out_buffer,
-                                  _max_chunks=layout.n_chunks, _bulk=True, **pipeline_options)
+            self._pipe = layout.pipeline(f, *layout.host_rings(x_buffer, out_buffer), pipeline_options)
         except BaseException:
             self.close()
             raise
