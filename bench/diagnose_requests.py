@@ -172,6 +172,11 @@ def main(argv=None) -> int:
              "workers1": {"workers": 1},
              "workers2-slots8": {"workers": 2, "slots": rf.SlotCounts(8, 3, 3, 8), "max_in_flight": 22},
              "workers4-slots8": {"workers": 4, "slots": rf.SlotCounts(8, 3, 3, 8), "max_in_flight": 22}}
+    def save():  # after every part, so a run cut short still leaves what it measured
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(res, fh, indent=1, default=str)
+
     res["open_loop"] = []
     for w in filter(None, args.open_workers.split(",")):
         from ringflow.benchmarks import workloads
@@ -183,16 +188,12 @@ def main(argv=None) -> int:
                                               "pinned_high_water_MiB")} for lv in r["levels"]]}
         res["open_loop"].append(row)
         print("open loop", json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "w") as fh:
-                json.dump(res, fh, indent=1, default=str)
+        save()
     res["variants"] = []
     for name in filter(None, args.variants.split(",")):
         res["variants"].append(variant(dev, items, name, (1, 2, 4, 8, 16, 32), stage_n=8,
                                        profile_n=16 if name == "default" else None, **table[name]))
-        if args.out:
-            with open(args.out, "w") as fh:
-                json.dump(res, fh, indent=1, default=str)
+        save()
     return 0
 
 
