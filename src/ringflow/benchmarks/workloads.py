@@ -130,6 +130,9 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
         def refill():
             hb.view(np.float32, access="w")[:] = x0
 
+        def correct() -> bool:  # the sampled elements of one call on refilled input
+            return bool(np.allclose(hb.view(np.float32, access="r")[sample], expected, rtol=rtol, atol=rtol))
+
         def run(chunk_bytes):
             return rf.stream_map(f, x, x, device=dev, chunk_bytes=chunk_bytes, x_buffer=hb, out_buffer=hb,
                                  inplace=True)
@@ -144,7 +147,7 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
                 progress(f"{name}: ringflow, {n * 4 // cb} chunks")
             refill()
             run(cb)
-            ok = bool(np.allclose(hb.view(np.float32, access="r")[sample], expected, rtol=rtol, atol=rtol))
+            ok = correct()
             timing = time_calls(lambda: dev.now, lambda: run(cb), warmup=1, repeats=repeats, before=refill)
             # the same calls back to back with the input left as the last call wrote it (still random,
             # iterated further): how the C++ baseline's repeats run, with no CPU write in between
@@ -175,7 +178,7 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
                        inplace=True) as job:
             refill()
             job()
-            job_ok = bool(np.allclose(hb.view(np.float32, access="r")[sample], expected, rtol=rtol, atol=rtol))
+            job_ok = correct()
             job_t = time_calls(lambda: dev.now, job, warmup=1, repeats=repeats, before=refill)
             job_untouched = time_calls(lambda: dev.now, job, warmup=1, repeats=repeats)
         auto_ideal = results[auto.chunk_bytes][2].ideal_s * 1e3
