@@ -183,3 +183,41 @@ def test_choose_chunk_bytes_is_remembered_per_arguments():
     d = plan.choose_chunk_bytes(plan.get_profile("h200-pcie5"), 256 << 20, compute_s_per_byte=1e-12, align=4,
                                 host_stages=False)  # a profile object is planned directly, not cached
     assert d == a and d is not a
+
+
+def test_staged_chunks_cost_the_scheduler_two_pool_hand_offs_more():
+    """On the H200 host a staged 1 GiB job in 4 MiB chunks was bound by the scheduler (106.5 ms)
+    and 8 MiB chunks ran in 79.5 ms (diagnose-pageable-h200-2026-11-30-s4.json): the planner must
+    count the pool hand-offs of staging, and so choose at least 8 MiB there, while the same job
+    from pinned memory (no pool tasks) is planned with the bare per-chunk cost."""
+    from ringflow import plan
+
+    staged, _ = plan.predict_seconds("h200-pcie5", 1 << 30, 4 << 20, workers=15, host_stages=True)
+    pinned, _ = plan.predict_seconds("h200-pcie5", 1 << 30, 4 << 20, workers=15, host_stages=False)
+    assert staged.scheduler == pytest.approx(plan.SCHEDULER_S_PER_CHUNK + 2 * plan.SCHEDULER_S_PER_HOST_TASK)
+    assert pinned.scheduler == pytest.approx(plan.SCHEDULER_S_PER_CHUNK)
+    choice = plan.choose_chunk_bytes("h200-pcie5", 1 << 30, workers=15, host_stages=True)
+    assert choice.chunk_bytes >= 8 << 20
+    by_size = {c: s for c, _, s in choice.table}
+    assert by_size[4 << 20] > by_size[8 << 20] * 1.3  # scheduler-bound at 4 MiB, as measured
+
+
+def test_auto_chunk_is_planned_for_the_host_strategy_actually_used():
+    """A registered (or pinned) job has no staging tasks: its chunk is planned without them, so
+    host="register" and host="stage" may cut the same array differently."""
+    import numpy as np
+
+    import ringflow as rf
+    from ringflow import plan
+    from ringflow.pipeline.api import _layout_map
+
+    dev = rf.device("sim")
+    x = np.ones(1 << 28 >> 2, np.float32)
+    chosen = {}
+    for host in ("stage", "register"):
+        layout = _layout_map(lambda a, b: None, x, x, False, dev, "auto", host, None, None, {"workers": 15})
+        chosen[host] = layout.slot_bytes
+        expect = plan.choose_chunk_bytes(dev.profile, x.nbytes, align=4, workers=15,
+                                         host_stages=host == "stage").chunk_bytes
+        assert layout.slot_bytes == expect
+    assert chosen["stage"] != chosen["register"]

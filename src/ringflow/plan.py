@@ -216,6 +216,17 @@ def choose_host_strategy(profile: "str | SimProfile", nbytes_in: int, nbytes_out
 # With 250 us, the value before this session's hot-path work, the h200 profile over-predicted
 # 32 chunks by 36%; with 140 us it predicts them host-bound no more.
 SCHEDULER_S_PER_CHUNK = 140e-6
+# Each CPU stage a chunk runs on the worker pool (staging's copy in and copy out) adds a hand-off
+# to a worker and back, and its completion, to the scheduler's time per chunk. Measured on the
+# H200 host (bench/results/diagnose-pageable-h200-2026-11-30-s4.json): the staged 1 GiB pageable
+# job in 256 chunks of 4 MiB, bound by the scheduler, took 106.5 ms, 416 us a chunk; (416 - 140) / 2.
+# With no such term the planner chose those 4 MiB chunks (106.5 ms) over 8 MiB (79.5 ms).
+SCHEDULER_S_PER_HOST_TASK = 138e-6
+
+
+def scheduler_seconds_per_chunk(host_stages: bool) -> float:
+    """The scheduler thread's host time per chunk, with or without two pool tasks (staging)."""
+    return SCHEDULER_S_PER_CHUNK + (2 * SCHEDULER_S_PER_HOST_TASK if host_stages else 0.0)
 
 
 def predict_seconds(profile: "str | SimProfile", total_bytes: int, chunk_bytes: int, *,
@@ -228,7 +239,7 @@ def predict_seconds(profile: "str | SimProfile", total_bytes: int, chunk_bytes: 
     p = get_profile(profile)
     n = -(-total_bytes // chunk_bytes)
     t = model_stage_times(p, chunk_bytes, compute=compute_s_per_byte * chunk_bytes, workers=workers)
-    t = dataclasses.replace(t, scheduler=SCHEDULER_S_PER_CHUNK)
+    t = dataclasses.replace(t, scheduler=scheduler_seconds_per_chunk(host_stages))
     if not host_stages:
         t = dataclasses.replace(t, prepare=p.host_task_overhead_s, consume=p.host_task_overhead_s)
     return t, ideal_total(t, n)

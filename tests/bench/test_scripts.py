@@ -44,3 +44,11 @@ def test_diagnose_hotpath(tmp_path):
 def test_tune_pageable(tmp_path):
     r = run_script(tmp_path, "tune_pageable.py", "--gib", "0.01", "--repeats", "1")
     assert r["rows"] and all(row["correct"] is True and row["ms_median"] > 0 for row in r["rows"])
+
+
+def test_diagnose_pageable(tmp_path):
+    r = run_script(tmp_path, "diagnose_pageable.py", "--gib", "0.004", "--repeats", "1", "--no-floors",
+                   "--trace", str(tmp_path / "trace.json"))
+    assert [run["name"] for run in r["runs"]][0] == "defaults" and all(run["correct"] for run in r["runs"])
+    assert r["report_correct"] is True and r["report"]["chunks"] > 0
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]

@@ -317,3 +317,15 @@ def test_host_floor_gpu():
     assert r["host_register_touched_ms"] > 0 and r["host_register_fresh_ms"] > 0
     assert r["host_first_touch_ms"]["1"] > 0 and r["host_staging_ms_estimate"] > 0
     json.dumps(r)
+
+
+@pytest.mark.gpu
+def test_staging_floor_gpu():
+    r = bl.staging_floor(64 << 20, splits=((2, 2), (1, 3)), chunk=4 << 20, ring_slots=4, repeats=1)
+    assert set(r["staging_together_ms"]) == {"2+2", "1+3"}
+    assert r["staging_together_best_ms"] == min(r["staging_together_ms"].values()) > 0
+    # the run includes the GPU's copies, so it cannot beat them on an idle host by much
+    assert r["staging_together_best_ms"] >= r["staging_link_alone_ms"] * 0.9 and r["staging_host_part_ms"] > 0
+    alone = bl.staging_floor(64 << 20, splits=((2, 2),), chunk=4 << 20, ring_slots=4, repeats=1, with_link=False)
+    assert "staging_link_alone_ms" not in alone and alone["staging_together_best_ms"] > 0
+    json.dumps(r)

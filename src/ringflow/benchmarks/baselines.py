@@ -929,3 +929,103 @@ def host_floor(nbytes: int, *, threads: Sequence[int] = (1, 4, 8, 16), touch_thr
     res["host_register_ms_estimate"] = (res["host_register_touched_ms"] + res["host_register_fresh_ms"]
                                         + res["host_unregister_touched_ms"] + res["host_unregister_fresh_ms"])
     return res
+
+
+def staging_floor(nbytes: int, *, splits: Sequence[tuple[int, int]] = ((8, 8), (6, 10)), chunk: int = 16 * MiB,
+                  ring_slots: int = 16, repeats: int = 3, with_link: bool = True) -> dict[str, Any]:
+    """All of the staged pageable path's memory work at once, with no pipeline around it: ``t_in``
+    threads copy a touched pageable array into a pinned ring, ``t_out`` threads copy a pinned ring
+    into a fresh pageable array (its pages faulted in by the copy), and — with ``with_link`` —
+    the GPU moves ``nbytes`` pinned->device and ``nbytes`` device->pinned on two streams, all
+    started together. Nothing waits on anything else, so no schedule of the same work can finish
+    sooner: this is the staged path's floor when its parts share the host's memory bandwidth
+    (``host_floor`` times each part alone and adds them, which assumes they do not).
+
+    Returns ``staging_together_ms[f"{t_in}+{t_out}"]`` (median wall time, host clock) per split,
+    ``staging_together_best_ms``, ``staging_host_part_ms`` (when the CPU copies finished, median
+    over every run) and, with the link, ``staging_link_alone_ms`` (the GPU's copies on an idle host,
+    CUDA events)."""
+    torch = _torch()
+    nbytes = int(nbytes)
+    slot = min(int(chunk), nbytes)
+    pin_in_t = _pinned(torch, slot * ring_slots, torch.uint8)
+    pin_out_t = _pinned(torch, slot * ring_slots, torch.uint8)
+    pin_in, pin_out = pin_in_t.numpy(), pin_out_t.numpy()
+    src = _aligned_empty(nbytes)
+    src[:] = 0x5A
+    pin_in[:] = 1
+    pin_out[:] = 2
+    dev_in = torch.empty(slot * ring_slots, dtype=torch.uint8, device="cuda")
+    dev_out = torch.ones(slot * ring_slots, dtype=torch.uint8, device="cuda")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    chunks = [(lo, min(nbytes, lo + slot)) for lo in range(0, nbytes, slot)]
+
+    def link_start(done: torch.cuda.Event):
+        for i, (lo, hi) in enumerate(chunks):
+            k = (i % ring_slots) * slot
+            with torch.cuda.stream(s1):
+                dev_in[k:k + hi - lo].copy_(pin_in_t[k:k + hi - lo], non_blocking=True)
+            with torch.cuda.stream(s2):
+                pin_out_t[k:k + hi - lo].copy_(dev_out[k:k + hi - lo], non_blocking=True)
+        s1.wait_stream(s2)
+        done.record(s1)
+
+    res: dict[str, Any] = {"staging_bytes": nbytes, "staging_chunk": slot, "staging_ring_slots": ring_slots,
+                           "staging_with_link": with_link, "staging_timing": "host_clock"}
+    together: dict[str, float] = {}
+    link_ms: list[float] = []
+    host_ms: list[float] = []
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(a + b for a, b in splits))
+    try:
+        for t_in, t_out in splits:
+            samples = []
+            for i in range(repeats + 1):
+                dst = _aligned_empty(nbytes)
+                in_parts = [chunks[j::t_in] for j in range(t_in)]
+                out_parts = [chunks[j::t_out] for j in range(t_out)]
+
+                def copy_in(part):
+                    for lo, hi in part:
+                        k = ((lo // slot) % ring_slots) * slot
+                        np.copyto(pin_in[k:k + hi - lo], src[lo:hi])
+
+                def copy_out(part):
+                    for lo, hi in part:
+                        k = ((lo // slot) % ring_slots) * slot
+                        np.copyto(dst[lo:hi], pin_out[k:k + hi - lo])
+
+                torch.cuda.synchronize()
+                done = torch.cuda.Event()
+                t0 = time.perf_counter()
+                if with_link:
+                    link_start(done)
+                futures = [pool.submit(copy_in, p) for p in in_parts] + [pool.submit(copy_out, p) for p in out_parts]
+                for f in futures:
+                    f.result()
+                t_host = time.perf_counter()
+                if with_link:
+                    done.synchronize()
+                t1 = time.perf_counter()
+                if i:  # the first run warms the pool, the pinned pages and the copy path
+                    samples.append(t1 - t0)
+                    host_ms.append((t_host - t0) * 1e3)
+                del dst
+            together[f"{t_in}+{t_out}"] = float(np.median(samples)) * 1e3
+        if with_link:
+            # the link's copies alone, events around them, for comparison
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                e0.record(s1)
+                s2.wait_event(e0)
+                link_start(e1)
+                e1.synchronize()
+                link_ms.append(e0.elapsed_time(e1))
+    finally:
+        pool.shutdown(wait=True)
+    res["staging_together_ms"] = together
+    res["staging_together_best_ms"] = min(together.values())
+    res["staging_host_part_ms"] = float(np.median(host_ms))
+    if link_ms:
+        res["staging_link_alone_ms"] = float(np.median(link_ms))
+    return res

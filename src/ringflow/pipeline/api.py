@@ -490,20 +490,6 @@ def _layout_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
     row larger than a chunk, half a pair of pinned buffers, or registration of strided arrays."""
     row_bytes = x.nbytes // x.shape[0]
     dev = make_device(device or "auto") if not isinstance(device, Device) else device
-    if chunk_bytes == "auto":
-        from .. import plan
-
-        sim = getattr(f, "sim_seconds", None)
-        per_byte = (sim(1 << 20) / (1 << 20)) if callable(sim) else 0.0
-        chunk_bytes = plan.choose_chunk_bytes(getattr(dev, "profile", "h200-pcie5"), x.nbytes,
-                                              compute_s_per_byte=per_byte, align=row_bytes,
-                                              workers=pipeline_options.get("workers") or _default_workers(dev),
-                                              host_stages=x_buffer is None).chunk_bytes
-    slot = int(chunk_bytes) if chunk_bytes is not None else max(DEFAULT_CHUNK_BYTES, row_bytes)
-    if row_bytes > slot:
-        raise ValueError(f"one row of x along axis 0 is {row_bytes} bytes but chunk_bytes is {slot}; "
-                         f"raise chunk_bytes to at least {row_bytes} or reshape x")
-    rows = max(1, slot // row_bytes)
     tail = x.shape[1:]
     contiguous = x.flags.c_contiguous and out.flags.c_contiguous
     if (x_buffer is None) != (out_buffer is None):
@@ -524,6 +510,20 @@ def _layout_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
         if strategy == "register" and not contiguous:
             raise ValueError("host='register' needs C-contiguous x and out; use host='stage' "
                              "(or np.ascontiguousarray) for strided arrays")
+    if chunk_bytes == "auto":
+        from .. import plan
+
+        sim = getattr(f, "sim_seconds", None)
+        per_byte = (sim(1 << 20) / (1 << 20)) if callable(sim) else 0.0
+        chunk_bytes = plan.choose_chunk_bytes(getattr(dev, "profile", "h200-pcie5"), x.nbytes,
+                                              compute_s_per_byte=per_byte, align=row_bytes,
+                                              workers=pipeline_options.get("workers") or _default_workers(dev),
+                                              host_stages=strategy == "stage").chunk_bytes
+    slot = int(chunk_bytes) if chunk_bytes is not None else max(DEFAULT_CHUNK_BYTES, row_bytes)
+    if row_bytes > slot:
+        raise ValueError(f"one row of x along axis 0 is {row_bytes} bytes but chunk_bytes is {slot}; "
+                         f"raise chunk_bytes to at least {row_bytes} or reshape x")
+    rows = max(1, slot // row_bytes)
 
     def describe(item, raw):
         a, b = item
