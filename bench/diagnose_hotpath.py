@@ -163,7 +163,7 @@ def phases(dev, out: dict, chunks: int = 16, refill_modes=(False, True)) -> None
     import ringflow.plan as plan_mod
 
     wrap(api.Pipeline, "__init__", "Pipeline.__init__")
-    wrap(api.Pipeline, "_resolve_slots", "resolve_slots")
+    wrap(api, "resolve_slots", "resolve_slots")
     wrap(scheduler.Scheduler, "__init__", "Scheduler.__init__")
     wrap(ring_mod.Ring, "__init__", "Ring.__init__")
     wrap(ring_mod.Ring, "close", "Ring.close")
@@ -172,7 +172,7 @@ def phases(dev, out: dict, chunks: int = 16, refill_modes=(False, True)) -> None
     wrap(cuda_device_mod.CudaDevice, "create_worker_pool", "create_worker_pool")
     wrap(cuda_stream_mod.CudaStream, "close", "stream.close")
     wrap(cuda_memory_mod.CudaDeviceBuffer, "close", "devbuf.close")
-    wrap(scheduler.Scheduler, "_order_frees", "order_frees")
+    wrap(scheduler, "stream_after", "order_frees")
     wrap(scheduler.Scheduler, "settle", "settle")
     wrap(scheduler.Scheduler, "accept", "accept")
     wrap(scheduler.Scheduler, "step", "step")
@@ -247,6 +247,8 @@ def phases(dev, out: dict, chunks: int = 16, refill_modes=(False, True)) -> None
 
 
 def setup_profile(dev, out: dict) -> None:
+    from ringflow.pipeline import api
+
     f = kernels.affine(64)
     hb = dev.allocate_host(64 * MiB)
     x = hb.view(np.float32, access="rw")
@@ -281,9 +283,7 @@ def setup_profile(dev, out: dict) -> None:
     big = dev.allocate_host(256 * MiB)
     kw16 = dict(device=dev, chunk_bytes=16 * MiB, _host_in_buffer=big, _host_out_buffer=big, inplace=True)
     per_call_us("Pipeline seed shape create+close", lambda: rf.Pipeline(f, **kw16).close(), n=20)
-    p = rf.Pipeline(f, **kw16)
-    per_call_us("Pipeline._resolve_slots", lambda: p._resolve_slots(None, 16 * MiB, True, 16, f, external=(True, True)))
-    p.close()
+    per_call_us("resolve_slots", lambda: api.resolve_slots(dev, None, 16 * MiB, True, 16, f, external=(True, True)))
     s0.sync()
     s0.close()
     big.close()

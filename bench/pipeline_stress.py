@@ -23,6 +23,7 @@ import numpy as np
 
 import ringflow as rf
 from ringflow.pipeline import GUARDS, SlotCounts
+from ringflow.pipeline.direct import GUARDS as DIRECT_GUARDS
 
 DTYPES = [np.float32, np.float64, np.int32, np.int16, np.uint8, np.complex64]
 
@@ -134,6 +135,42 @@ def run_guard_off(dev, guard, seed):
         return {"guard": guard, "error": f"{type(exc).__name__}: {exc}"[:300], "caught": True}
 
 
+def run_direct(dev, *, calls, seed):
+    """MapJob's direct engine (one pass, no scheduler) over registered memory in checked mode,
+    tight device rings, in place and not, a fresh random x before every call, every result
+    compared bit for bit. Returns chunks run and wrong results."""
+    rng = np.random.default_rng(seed)
+    chunks = wrong = 0
+    for slots, inplace, dt in ((1, False, np.float32), (2, True, np.int32), (1, True, np.float64),
+                               (2, False, np.complex64), (3, False, np.uint8)):
+        x = np.empty((int(rng.integers(2000, 6000)), 33), dt)
+        out = x if inplace else None
+        with rf.MapJob(twice_plus_one, x, out, device=dev, chunk_bytes=33 * x.itemsize * 40, host="register",
+                       slots=slots, inplace=inplace, checked=True) as job:
+            assert job.engine == "direct"
+            for _ in range(calls):
+                x[...] = rng.integers(1, 100, x.shape).astype(dt)
+                want = expected(x)
+                wrong += int(not np.array_equal(job(), want))
+                chunks += job.chunks
+    return {"chunks": chunks, "wrong_calls": wrong}
+
+
+def run_direct_guard_off(dev, guard, seed):
+    """The direct engine with one wait switched off, checked mode: a wrong result expected."""
+    from ringflow.benchmarks.kernels import slow_scale_shift
+
+    x = np.random.default_rng(seed).uniform(0.5, 1.5, 1 << 20).astype(np.float32)
+    f = slow_scale_shift(400_000, 200e-6)
+    try:
+        with rf.MapJob(f, x, device=dev, chunk_bytes=1 << 16, host="register", slots=2, checked=True,
+                       engine="direct", _disabled_guards=[guard]) as job:
+            wrong = sum(int(np.count_nonzero(job() != expected(x))) for _ in range(3))
+        return {"guard": guard, "engine": "direct", "wrong_elements": wrong, "caught": wrong > 0}
+    except Exception as exc:  # noqa: BLE001
+        return {"guard": guard, "engine": "direct", "error": f"{type(exc).__name__}: {exc}"[:300], "caught": True}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="auto")
@@ -170,9 +207,11 @@ def main(argv=None) -> int:
     x = rng.uniform(0.5, 1.5, (12345, 7)).astype(np.float32)
     big = rf.stream_map(twice_plus_one, x[:, ::2], device=dev, chunk_bytes=4096, checked=True)
     summary["stream_map_strided_ok"] = bool(np.array_equal(big, expected(x[:, ::2])))
+    summary["direct"] = run_direct(dev, calls=max(4, args.chunks // 2000), seed=1)
     summary["live_after"] = dev.live().__dict__
     if args.guards:
         summary["guard_off"] = [run_guard_off(dev, g, 1) for g in GUARDS]
+        summary["guard_off"] += [run_direct_guard_off(dev, g, 1) for g in DIRECT_GUARDS]
     summary["chunks_total"] = total
     summary["mismatches_total"] = sum(r["mismatches"] for r in summary["runs"])
     summary["cancel_wrong_total"] = sum(r["wrong"] for r in summary["cancel_runs"])
@@ -180,7 +219,7 @@ def main(argv=None) -> int:
         r["in_flight"] == 0 for r in summary["runs"])
     summary["seconds"] = time.perf_counter() - t0
     ok = summary["mismatches_total"] == 0 and summary["cancel_wrong_total"] == 0 and summary["all_balanced"] \
-        and summary["stream_map_strided_ok"]
+        and summary["stream_map_strided_ok"] and summary["direct"]["wrong_calls"] == 0
     summary["ok"] = ok
     text = json.dumps(summary, indent=1)
     if args.out:

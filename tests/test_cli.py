@@ -32,9 +32,12 @@ def test_bench_runs_every_workload_on_the_sim(tmp_path, capsys):
     # ringflow's rows are also timed with the input untouched between calls, as the C++ program's are
     seed = res["workloads"]["seed"]
     assert seed["efficiency_no_refill"] > 0.9
-    sized = [r for r in seed["rows"] if "chunk_bytes" in r]  # one per chunk size tried
-    (job_row,) = [r for r in seed["rows"] if "MapJob" in r["name"]]  # the same job bound once
-    assert job_row["correct"] is True and job_row["efficiency"] > 0.9
+    sized = [r for r in seed["rows"] if "chunk_bytes" in r and "engine" not in r]  # one per chunk size tried
+    # the same job bound once (MapJob): the direct engine at every size, the scheduler's at the chosen one
+    jobs = [r for r in seed["rows"] if "MapJob" in r["name"]]
+    assert {r["engine"] for r in jobs} == {"direct", "pipeline"} and len(jobs) == len(sized) + 1
+    assert all(r["correct"] is True and r["efficiency"] > 0.9 for r in jobs)
+    assert seed["mapjob_efficiency"] > 0.9 and seed["mapjob_best_ms"] <= seed["mapjob_ms"]
     assert sized and all(r["ms_median_no_refill"] > 0 for r in sized)
     assert main(["trace", str(tmp_path / "t.json")]) == 0
 

@@ -124,7 +124,7 @@ def table(res: dict[str, Any]):
 
     title = res.get("workload", "?")
     for key in ("ideal_ms", "efficiency", "ringflow_ms", "efficiency_no_refill", "vs_cpp_like_with_like",
-                "floor_ms", "efficiency_vs_floor"):
+                "floor_ms", "efficiency_vs_floor", "mapjob_efficiency"):
         if key in res and isinstance(res[key], float):
             title += f"  {key}={res[key]:.3f}"
     t = Table(title=title)

@@ -173,19 +173,28 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
         cold = time_calls(lambda: dev.now, lambda: run(auto.chunk_bytes), warmup=1, repeats=repeats, before=cold_refill)
         rows.append(_row(f"ringflow {n * 4 // auto.chunk_bytes} chunks, first call (pipeline set up)", cold,
                          overhead_vs_warm=cold.median_ms / results[auto.chunk_bytes][0].median_ms - 1))
-        # the same job bound once (rf.MapJob): no per-call planning, cache lookup or rearming
-        with rf.MapJob(f, x, x, device=dev, chunk_bytes=auto.chunk_bytes, x_buffer=hb, out_buffer=hb,
-                       inplace=True) as job:
-            refill()
-            job()
-            job_ok = correct()
-            job_t = time_calls(lambda: dev.now, job, warmup=1, repeats=repeats, before=refill)
-            job_untouched = time_calls(lambda: dev.now, job, warmup=1, repeats=repeats)
-        auto_ideal = results[auto.chunk_bytes][2].ideal_s * 1e3
-        rows.append(_row(f"ringflow MapJob {n * 4 // auto.chunk_bytes} chunks (set up once)", job_t, correct=job_ok,
-                         ideal_ms=auto_ideal, efficiency=auto_ideal / job_t.median_ms,
-                         ms_median_no_refill=job_untouched.median_ms,
-                         efficiency_no_refill=auto_ideal / job_untouched.median_ms))
+        # the same job bound once (rf.MapJob): no per-call planning, cache lookup or rearming; its
+        # default engine here enqueues a whole call in one pass (direct), at every chunk size; the
+        # scheduler's engine at the chosen size for comparison
+        job_ms = {}
+        for cb, engine in [(cb, "direct") for cb in sizes] + [(auto.chunk_bytes, "pipeline")]:
+            if progress:
+                progress(f"{name}: MapJob {engine}, {n * 4 // cb} chunks")
+            with rf.MapJob(f, x, x, device=dev, chunk_bytes=cb, x_buffer=hb, out_buffer=hb, inplace=True,
+                           engine=engine) as job:
+                refill()
+                job()
+                job_ok = correct()
+                job_t = time_calls(lambda: dev.now, job, warmup=1, repeats=repeats, before=refill)
+                job_untouched = time_calls(lambda: dev.now, job, warmup=1, repeats=repeats)
+            ideal = results[cb][2].ideal_s * 1e3
+            job_ms[(cb, engine)] = (job_t.median_ms, job_untouched.median_ms)
+            label = "" if engine == "direct" else ", engine=pipeline"
+            rows.append(_row(f"ringflow MapJob {n * 4 // cb} chunks (set up once){label}"
+                             + (" (auto)" if cb == auto.chunk_bytes else ""), job_t, correct=job_ok,
+                             engine=engine, chunk_bytes=cb, ideal_ms=ideal, efficiency=ideal / job_t.median_ms,
+                             ms_median_no_refill=job_untouched.median_ms,
+                             efficiency_no_refill=ideal / job_untouched.median_ms))
         # what profiling costs: the auto chunk size again with profile=True (timing events, records)
         refill()
         profiled = time_calls(lambda: dev.now, lambda: rf.stream_map(f, x, x, device=dev, chunk_bytes=auto.chunk_bytes,
@@ -223,7 +232,11 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
             "efficiency_no_refill": auto_rep.ideal_s * 1e3 / untouched_ms[auto.chunk_bytes],
             "smallest_chunk_with_efficiency_0.9": min_eff_chunk, "versus_cpp": versus_cpp,
             # ringflow's best over the C++ program's best, both on the host clock and untouched input
-            "vs_cpp_like_with_like": (versus_cpp or {}).get("untouched_input", {}).get("ratio_vs_host_clock")}
+            "vs_cpp_like_with_like": (versus_cpp or {}).get("untouched_input", {}).get("ratio_vs_host_clock"),
+            # the same chosen chunk size bound once as a MapJob (direct engine), refilled input
+            "mapjob_ms": job_ms[(auto.chunk_bytes, "direct")][0],
+            "mapjob_efficiency": auto_rep.ideal_s * 1e3 / job_ms[(auto.chunk_bytes, "direct")][0],
+            "mapjob_best_ms": min(v[0] for (cb, e), v in job_ms.items() if e == "direct")}
 
 
 def _versus_cpp(rows: list, refilled_ms: dict, untouched_ms: dict, total_bytes: int) -> Optional[dict]:

@@ -70,6 +70,30 @@ def close_quietly(obj: Any, what: str) -> None:
         warnings.warn(f"closing {what} failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
 
 
+def free_quietly(buffer: "DeviceBuffer", stream: "Stream | None", what: str) -> None:
+    """Free device memory in ``stream``'s order (at once, with None), as close_quietly does."""
+    class _FreeOn:
+        def close(self) -> None:
+            buffer.close(stream=stream)
+
+    close_quietly(_FreeOn() if stream is not None else buffer, what)
+
+
+def stream_after(streams: Sequence["Stream"]) -> "Stream | None":
+    """The first of ``streams``, made to wait for everything enqueued so far on the others: a
+    stream-ordered free there comes after all of their work. None when there are no streams
+    or ordering failed (a broken device): free after a device-wide wait instead."""
+    if not streams:
+        return None
+    first, *others = streams
+    try:
+        for s in others:
+            first.wait(s.record())
+    except Exception:  # noqa: BLE001 - a broken device: the caller falls back to a plain free
+        return None
+    return first
+
+
 def check_nbytes(nbytes: int, what: str) -> int:
     if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
         raise TypeError(f"{what} must be an int number of bytes, got {type(nbytes).__name__}")

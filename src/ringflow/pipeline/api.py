@@ -51,6 +51,44 @@ def _copy_out(index: int, item: Any, view: np.ndarray) -> np.ndarray:
     return np.array(view, copy=True)
 
 
+def resolve_slots(device: Device, slots, slot_bytes: int, inplace: bool, workers: int, compute: Callable,
+                  external=(False, False), bulk: bool = False, max_chunks: Optional[int] = None) -> SlotCounts:
+    """The slot counts: given, or planned from modelled stage times (device rings with slack).
+    ``bulk`` (a whole array, stream_map): staging rings also get a slot per worker, for
+    throughput; a stream of requests keeps the planned rings, whose shorter queues keep
+    latency down. A job of known length (``max_chunks``, a whole array) never gets more slots in a
+    ring than it has chunks, unless ``slots`` says so."""
+    if isinstance(slots, SlotCounts):
+        return slots
+    if isinstance(slots, bool):
+        raise TypeError("slots must be None, an int or a SlotCounts")
+    if isinstance(slots, int):
+        return SlotCounts(slots, slots, 0 if inplace else slots, slots)
+    if slots is not None:
+        raise TypeError(f"slots must be None, an int or a SlotCounts, got {type(slots).__name__}")
+    from .. import plan
+
+    profile = getattr(device, "profile", "h200-pcie5")
+    sim = getattr(compute, "sim_seconds", None)
+    guess = sim(slot_bytes) if callable(sim) else sim
+    times = plan.model_stage_times(profile, slot_bytes, compute=guess, workers=workers)
+    if guess is None:  # unknown compute: plan for one as long as a copy (a balanced pipeline)
+        times = dataclasses.replace(times, compute=max(times.compute, times.h2d))
+    # the caller's pinned memory: prepare and consume only describe the chunk
+    overhead = plan.get_profile(profile).host_task_overhead_s
+    if external[0]:
+        times = dataclasses.replace(times, prepare=overhead)
+    if external[1]:
+        times = dataclasses.replace(times, consume=overhead)
+    counts = plan.with_device_slack(plan.plan_slots(times, inplace=inplace).slots, inplace=inplace)
+    if bulk and not external[0] and not external[1]:  # both host rings are staging rings
+        counts = plan.with_worker_slots(counts, workers, slot_bytes)
+    if max_chunks is not None:
+        counts = SlotCounts(*(min(c, max_chunks) if c else 0 for c in
+                              (counts.host_in, counts.device_in, counts.device_out, counts.host_out)))
+    return counts
+
+
 class Pipeline:
     """Five overlapped stages with per-buffer ownership, backpressure and cancellation.
 
@@ -87,12 +125,9 @@ class Pipeline:
             raise ValueError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes}")
         if workers is None:
             workers = _default_workers(self.device, bulk=_bulk)
-        counts = self._resolve_slots(slots, slot_bytes, inplace, workers, compute,
-                                     external=(_host_in_buffer is not None, _host_out_buffer is not None), bulk=_bulk)
-        if slots is None and _max_chunks is not None:
-            # a job of known length (stream_map) never uses more slots in a ring than it has chunks
-            counts = SlotCounts(*(min(c, _max_chunks) if c else 0 for c in
-                                  (counts.host_in, counts.device_in, counts.device_out, counts.host_out)))
+        counts = resolve_slots(self.device, slots, slot_bytes, inplace, workers, compute,
+                               external=(_host_in_buffer is not None, _host_out_buffer is not None), bulk=_bulk,
+                               max_chunks=_max_chunks)
         if pinned_budget is not None:
             counts = fit_pinned_budget(counts, slot_bytes, int(pinned_budget), explicit=slots is not None)
         if max_in_flight is None:
@@ -119,39 +154,6 @@ class Pipeline:
             self._anchor = Anchor(self.device, self._sched.h2d_stream)
 
     # -- set-up -------------------------------------------------------------------------------
-    def _resolve_slots(self, slots, slot_bytes, inplace, workers, compute, external=(False, False),
-                       bulk: bool = False) -> SlotCounts:
-        """The slot counts: given, or planned from modelled stage times (device rings with slack).
-        ``bulk`` (a whole array, stream_map): staging rings also get a slot per worker, for
-        throughput; a stream of requests keeps the planned rings, whose shorter queues keep
-        latency down."""
-        if isinstance(slots, SlotCounts):
-            return slots
-        if isinstance(slots, bool):
-            raise TypeError("slots must be None, an int or a SlotCounts")
-        if isinstance(slots, int):
-            return SlotCounts(slots, slots, 0 if inplace else slots, slots)
-        if slots is not None:
-            raise TypeError(f"slots must be None, an int or a SlotCounts, got {type(slots).__name__}")
-        from .. import plan
-
-        profile = getattr(self.device, "profile", "h200-pcie5")
-        sim = getattr(compute, "sim_seconds", None)
-        guess = sim(slot_bytes) if callable(sim) else sim
-        times = plan.model_stage_times(profile, slot_bytes, compute=guess, workers=workers)
-        if guess is None:  # unknown compute: plan for one as long as a copy (a balanced pipeline)
-            times = dataclasses.replace(times, compute=max(times.compute, times.h2d))
-        # the caller's pinned memory: prepare and consume only describe the chunk
-        overhead = plan.get_profile(profile).host_task_overhead_s
-        if external[0]:
-            times = dataclasses.replace(times, prepare=overhead)
-        if external[1]:
-            times = dataclasses.replace(times, consume=overhead)
-        counts = plan.with_device_slack(plan.plan_slots(times, inplace=inplace).slots, inplace=inplace)
-        if bulk and not external[0] and not external[1]:  # both host rings are staging rings
-            counts = plan.with_worker_slots(counts, workers, slot_bytes)
-        return counts
-
     def _default_fill(self, item: Any, raw: np.ndarray) -> tuple:
         arr = self._prepare(item) if self._prepare is not None else item
         if not isinstance(arr, np.ndarray):

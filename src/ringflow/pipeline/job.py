@@ -12,10 +12,16 @@
 True
 
 ``stream_map`` works out, on every call, how to cut the arrays, how host memory reaches the copy
-engines, and which kept pipeline fits; a job does that once. It holds its pipeline (streams,
-rings, workers) and, with ``host="register"``, keeps ``x`` and ``out`` pinned for its whole life
-instead of registering them around every call (about 34 ms per GiB on our H200 host). Only the
-contents of ``x`` may change between calls; the arrays themselves, and ``out``, are fixed.
+engines, and which kept pipeline fits; a job does that once. It holds its streams and rings and,
+with ``host="register"``, keeps ``x`` and ``out`` pinned for its whole life instead of
+registering them around every call (about 34 ms per GiB on our H200 host). Only the contents of
+``x`` may change between calls; the arrays themselves, and ``out``, are fixed.
+
+Two engines run a job. When the copy engines read ``x`` and write ``out`` in place (``host=
+"register"``, or ``x_buffer``/``out_buffer``) nothing runs on the CPU between the copies, so by
+default every call is enqueued in one pass with no scheduler (``engine="direct"``,
+:mod:`ringflow.pipeline.direct`), as a hand-written CUDA program does. Staging (CPU copies on
+worker threads) and ``on_error="continue"`` need the pipeline's scheduler (``engine="pipeline"``).
 """
 
 from __future__ import annotations
@@ -25,7 +31,29 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ..device.protocol import close_quietly
-from .api import Pipeline, _check_map_args, _default_workers, _layout_map, _register
+from . import direct
+from .api import Pipeline, _check_map_args, _default_workers, _layout_map, _register, resolve_slots
+
+ENGINES = ("auto", "direct", "pipeline")
+# pipeline options that mean the same for the direct engine, or nothing there (it has no staging
+# rings, workers or admission queue: a call is the whole array)
+_DIRECT_OPTIONS = {"inplace", "slots", "checked", "workers", "pinned_budget", "max_in_flight", "ordered",
+                   "on_error", "_disabled_guards"}
+
+
+def why_not_direct(strategy: str, options: dict) -> Optional[str]:
+    """Why a job with this host strategy and these pipeline options needs the scheduler, or None."""
+    if strategy == "stage":
+        return "host='stage' copies x and out through pinned rings on CPU workers"
+    if options.get("on_error", "raise") != "raise":
+        return "on_error='continue' completes the other chunks around a failed one"
+    unknown = sorted(set(options) - _DIRECT_OPTIONS)
+    if unknown:
+        return f"the option(s) {unknown} are the pipeline's"
+    guards = sorted(set(options.get("_disabled_guards", ())) - set(direct.GUARDS))
+    if guards:
+        return f"the guard(s) {guards} are the pipeline's"
+    return None
 
 
 class MapJob:
@@ -33,13 +61,18 @@ class MapJob:
     with the same arguments, set up once; each call runs the whole array again and returns
     ``out`` once every chunk's result is in it.
 
+    ``engine``: "auto" (direct where it can run, see the module's doc), "direct" (ValueError
+    saying why where it cannot) or "pipeline".
+
     A call that fails (a stage error, a broken device) closes the job and raises; so does
-    calling a closed job. ``close()`` (or leaving a ``with`` block) releases the pipeline and any
-    registration; it never raises."""
+    calling a closed job. ``out``'s contents after a failed call are unspecified. ``close()`` (or
+    leaving a ``with`` block) releases the streams, rings and any registration; it never raises."""
 
     def __init__(self, f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, device=None,
                  chunk_bytes: "int | str | None" = None, host: str = "auto", x_buffer=None, out_buffer=None,
-                 **pipeline_options: Any):
+                 engine: str = "auto", **pipeline_options: Any):
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         out, fresh_out = _check_map_args(x, out, host, "MapJob")
         if x.shape[0] == 0 or x.size == 0:
             raise ValueError("MapJob needs at least one element in x; for an empty array call stream_map, "
@@ -52,18 +85,39 @@ class MapJob:
         self._layout = layout = _layout_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer,
                                             pipeline_options)
         self.device = layout.dev
+        reason = why_not_direct(layout.strategy, pipeline_options)
+        if engine == "direct" and reason is not None:
+            raise ValueError(f"engine='direct' cannot run this job: {reason}; use engine='pipeline' (or 'auto')")
+        self.engine = "direct" if engine != "pipeline" and reason is None else "pipeline"
         self._registered: list = []
-        self._pipe: Optional[Pipeline] = None
+        self._runner: "direct.DirectSchedule | _PipelineRunner | None" = None
         try:
             if layout.strategy == "register":
                 # pinned for the job's life: later calls pay no registration and no first touch
                 self._registered = _register(layout.dev, x, out, fresh_out,
                                              pipeline_options.get("workers") or _default_workers(layout.dev))
                 x_buffer, out_buffer = self._registered[0], self._registered[-1]
-            self._pipe = layout.pipeline(f, *layout.host_rings(x_buffer, out_buffer), pipeline_options)
+            if self.engine == "direct":
+                self._runner = self._direct(f, x_buffer, out_buffer, pipeline_options)
+            else:
+                pipe = layout.pipeline(f, *layout.host_rings(x_buffer, out_buffer), pipeline_options)
+                self._runner = _PipelineRunner(pipe, layout.ranges)
         except BaseException:
             self.close()
             raise
+
+    def _direct(self, f: Callable, x_buffer, out_buffer, options: dict) -> "direct.DirectSchedule":
+        layout, x = self._layout, self.x
+        inplace = bool(options.get("inplace", False))
+        slots = resolve_slots(layout.dev, options.get("slots"), layout.slot_bytes, inplace,
+                              options.get("workers") or 1, f, external=(True, True), bulk=True,
+                              max_chunks=layout.n_chunks)
+        chunks = [(a * layout.row_bytes, (b - a) * layout.row_bytes, (b - a,) + x.shape[1:])
+                  for a, b in layout.ranges()]
+        return direct.DirectSchedule(layout.dev, f, x_buffer, out_buffer, chunks, x.dtype,
+                                     slot_bytes=layout.slot_bytes, slots=slots, inplace=inplace,
+                                     checked=bool(options.get("checked", False)),
+                                     disabled_guards=options.get("_disabled_guards", ()))
 
     @property
     def strategy(self) -> str:
@@ -76,27 +130,29 @@ class MapJob:
 
     @property
     def closed(self) -> bool:
-        return self._pipe is None
+        return self._runner is None
 
     def __call__(self) -> np.ndarray:
-        pipe = self._pipe
-        if pipe is None:
+        """Run ``f`` over ``x``'s current contents; returns ``out`` once every chunk's result is
+        in it (every operation of the call has then completed: ``x`` may be rewritten)."""
+        runner = self._runner
+        if runner is None:
             raise RuntimeError("this MapJob is closed; create a new one")
         try:
-            for _ in pipe.map(self._layout.ranges()):
-                pass
+            runner.run()
         except BaseException as exc:
-            self._pipe = None
-            pipe.__exit__(type(exc), exc, exc.__traceback__)  # cancel, settle, close; never masks exc
+            self._runner = None
+            runner.fail(exc)  # settled and closed; never masks exc
             self._release_registrations()
             raise
         return self.out
 
     def close(self) -> None:
-        """Close the pipeline and drop the registrations. Harmless twice; never raises."""
-        pipe, self._pipe = self._pipe, None
-        if pipe is not None:
-            close_quietly(pipe, "MapJob pipeline")
+        """Close the engine (streams, rings, workers) and drop the registrations. Harmless
+        twice; never raises."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            close_quietly(runner, "MapJob engine")
         self._release_registrations()
 
     def _release_registrations(self) -> None:
@@ -111,6 +167,23 @@ class MapJob:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._pipe is None else "open"
+        state = "closed" if self._runner is None else "open"
         return (f"<MapJob {self.x.shape} {self.x.dtype} in {self.chunks} chunks of {self._layout.slot_bytes} "
-                f"bytes, host={self.strategy}, {state}>")
+                f"bytes, host={self.strategy}, engine={self.engine}, {state}>")
+
+
+class _PipelineRunner:
+    """A job's pipeline, run over the whole array by each call."""
+
+    def __init__(self, pipe: Pipeline, ranges: Callable):
+        self.pipe, self.ranges = pipe, ranges
+
+    def run(self) -> None:
+        for _ in self.pipe.map(self.ranges()):
+            pass
+
+    def fail(self, exc: BaseException) -> None:
+        self.pipe.__exit__(type(exc), exc, exc.__traceback__)  # cancel, settle, close; never masks exc
+
+    def close(self) -> None:
+        self.pipe.close()

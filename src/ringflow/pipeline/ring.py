@@ -12,7 +12,7 @@ import collections
 import dataclasses
 from typing import Any, Callable, Optional
 
-from ..device.protocol import Buffer, BufferSlice, close_quietly
+from ..device.protocol import Buffer, BufferSlice, close_quietly, free_quietly
 from .states import LEGAL_SLOT_TRANSITIONS, IllegalTransition, RingKind, SlotState
 
 # Called as hook(ring_kind, slot, old_state, new_state) on every transition (tests, tracer).
@@ -120,17 +120,8 @@ class Ring:
         if self.external:
             return
         what = f"{self.kind.value} ring buffer"
-        if stream is not None and not self.buffer.is_host:
-            close_quietly(_FreeOn(self.buffer, stream), what)
-        else:
+        if self.buffer.is_host:
             close_quietly(self.buffer, what)
+        else:
+            free_quietly(self.buffer, stream, what)
 
-
-class _FreeOn:
-    """Adapts a stream-ordered free to close_quietly."""
-
-    def __init__(self, buffer, stream):
-        self.buffer, self.stream = buffer, stream
-
-    def close(self) -> None:
-        self.buffer.close(stream=self.stream)

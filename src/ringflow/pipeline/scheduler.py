@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from ..device.protocol import BufferSlice, Device
+from ..device.protocol import BufferSlice, Device, stream_after
 from ..errors import DeviceError, StageError
 from .chunk import Chunk, ChunkFuture
 from .config import PipelineConfig
@@ -153,27 +153,13 @@ class Scheduler:
         for ring in self._rings:
             for slot in ring.slots:
                 slot.ready = None
-        free_on = self._order_frees()
+        free_on = stream_after(self._streams)
         for ring in self._rings:
             ring.close(stream=free_on)
         for s in self._streams:
             close_quietly(s, "stream")
         # the ring objects stay for introspection (states, high-water marks); their memory is gone
         self._streams = []
-
-    def _order_frees(self):
-        """A stream ordered after everything enqueued on the pipeline's streams, for freeing the
-        device rings without waiting for the whole device; None (free after a device-wide
-        wait) if there is no such stream or ordering it failed."""
-        if not self._streams:
-            return None
-        first, *others = self._streams
-        try:
-            for s in others:
-                first.wait(s.record())
-        except Exception:  # noqa: BLE001 - a broken device: fall back to the plain close
-            return None
-        return first
 
     @property
     def rings(self) -> list[Ring]:

@@ -1,0 +1,212 @@
+"""A whole-array job enqueued in one pass, with no scheduler: :class:`DirectSchedule`.
+
+When the copy engines read ``x`` and write ``out`` where they lie (pinned or registered host
+memory) and no stage runs on the CPU, a whole-array job is a sequence of stream operations
+known before it starts: for chunk ``i``, copy its bytes in, compute, copy the result out. A
+hand-written CUDA program enqueues that sequence in one loop and waits once; so does this.
+The host then does a few microseconds of work per operation and none between chunks, so the
+first copy starts at once and the enqueueing runs far ahead of the GPU — on the H200 a warm
+:class:`~ringflow.MapJob` call went through the scheduler's loop of events and slot states
+in 0.2-0.3 ms more than the same GPU work needed after the CPU had rewritten ``x`` and its
+caches were cold (bench/results/bench-h200-2026-11-30-s4-run1.json).
+
+Ownership is carried by events, as in the pipeline: device slot ``k`` of a ring of ``K`` is
+used by chunks ``k, k + K, ...``; a chunk's first operation on a slot waits on the event that
+ended the slot's previous use (its copy out, or for a separate input ring its compute), so the
+GPU hands each slot from one owner to the next without the host. With ``checked=True`` a
+slot is poisoned after each use (ordered after it, and before the next), so a missing wait
+shows up as a wrong result on a real GPU, as the pipeline's checked mode does.
+
+``run()`` returns once every result is in ``out_buffer``: the host has then seen every
+operation of the call complete, so it may rewrite ``x`` before the next call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from ..device.protocol import BufferSlice, Device, close_quietly, free_quietly, stream_after
+from ..errors import DeviceError, StageError
+from .config import SlotCounts
+
+# The waits that order the job, named as the pipeline's guards for the same waits; a test can
+# switch one off (``disabled_guards``) to show the sim's checker catches its absence.
+GUARDS = (
+    "h2d.wait_slot_ready",  # a chunk's copy in waits for its device slot's previous use
+    "compute.wait_h2d",  # compute waits for the chunk's copy in
+    "compute.wait_slot_ready",  # compute waits for its device-out slot's previous use
+    "d2h.wait_compute",  # the copy out waits for the chunk's compute
+)
+POISON_BYTE = 0xEE
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkOps:
+    """One chunk's operations, their arguments made once (a call only enqueues them)."""
+    index: int
+    nbytes: int
+    host_in: BufferSlice
+    host_out: BufferSlice
+    slot_in: int  # device-in (or in-place) slot
+    slot_out: int  # device-out slot; -1 in place
+    dev_in: BufferSlice  # the chunk's bytes in its device-in slot
+    dev_out: BufferSlice  # ... in its device-out slot (dev_in in place)
+    x: Any  # dev_in as the compute's array argument
+    y: Any  # dev_out as the compute's array argument (x in place)
+    sim_seconds: Optional[float]
+
+
+class DirectSchedule:
+    """``compute(x, y)`` over ``chunks`` — ``(offset, nbytes, shape)`` byte ranges of
+    ``x_buffer``, results to the same ranges of ``out_buffer`` — through device rings of
+    ``slots.device_in`` (and ``slots.device_out``) slots of ``slot_bytes``.
+
+    Owns three streams (a fourth for poison fills when ``checked``) and the device rings;
+    ``close()`` frees them, stream-ordered after everything enqueued, and never raises."""
+
+    def __init__(self, device: Device, compute: Callable, x_buffer, out_buffer,
+                 chunks: Sequence[tuple[int, int, tuple]], dtype: Any, *, slot_bytes: int, slots: SlotCounts,
+                 inplace: bool, checked: bool = False, disabled_guards: Iterable[str] = ()):
+        unknown = set(disabled_guards) - set(GUARDS)
+        if unknown:
+            raise ValueError(f"unknown guards {sorted(unknown)}; known: {GUARDS}")
+        self.device = device
+        self.compute = compute
+        self.inplace = inplace
+        self.checked = checked
+        self._guard_off = frozenset(disabled_guards)
+        self._streams: list = []
+        self._rings: list = []
+        try:
+            self.h2d_stream, self.compute_stream, self.d2h_stream = (device.create_stream() for _ in range(3))
+            self._streams += [self.h2d_stream, self.compute_stream, self.d2h_stream]
+            self.poison_stream = device.create_stream() if checked else None
+            if self.poison_stream is not None:
+                self._streams.append(self.poison_stream)
+            n_in = min(slots.device_in, len(chunks))
+            n_out = 0 if inplace else min(slots.device_out, len(chunks))
+            self.dev_in = device.allocate(slot_bytes * n_in)
+            self._rings.append(self.dev_in)
+            self.dev_out = None if inplace else device.allocate(slot_bytes * n_out)
+            if self.dev_out is not None:
+                self._rings.append(self.dev_out)
+        except BaseException:
+            self.close()
+            raise
+        self.slot_bytes = slot_bytes
+        # the event each device slot's next owner waits on (its last use, or the poison fill after it)
+        self._in_ready: list = [None] * n_in
+        self._out_ready: list = [None] * n_out
+        sim = getattr(compute, "sim_seconds", None)
+        self.ops: list[ChunkOps] = []
+        for i, (offset, nbytes, shape) in enumerate(chunks):
+            k_in, k_out = i % n_in, (-1 if inplace else i % n_out)
+            dev_in = self.dev_in.slice(k_in * slot_bytes, nbytes)
+            dev_out = dev_in if inplace else self.dev_out.slice(k_out * slot_bytes, nbytes)
+            x = dev_in.array(dtype, shape)
+            self.ops.append(ChunkOps(
+                index=i, nbytes=nbytes, host_in=x_buffer.slice(offset, nbytes),
+                host_out=out_buffer.slice(offset, nbytes), slot_in=k_in, slot_out=k_out, dev_in=dev_in,
+                dev_out=dev_out, x=x, y=x if inplace else dev_out.array(dtype, shape),
+                sim_seconds=(float(sim(nbytes)) if callable(sim) else float(sim)) if sim is not None else None))
+
+    @property
+    def closed(self) -> bool:
+        return not self._streams
+
+    def run(self) -> None:
+        """Enqueue every chunk, then block until the last result is in ``out_buffer``.
+
+        Raises :class:`~ringflow.errors.StageError` for a compute that failed (while being
+        enqueued, or on the device), or the device's sticky error; either way every operation
+        already enqueued has completed before it returns or raises, so nothing still reads or
+        writes the host buffers. ``out_buffer``'s contents are then unspecified."""
+        if self.closed:
+            raise RuntimeError("this DirectSchedule is closed")
+        try:
+            compute_events = [self._enqueue(op) for op in self.ops]
+            self.d2h_stream.record().sync()
+        except BaseException:
+            self.settle()  # nothing enqueued may still touch the host buffers when the caller sees this
+            raise
+        for op, event in zip(self.ops, compute_events):
+            err = event.error
+            if err is not None:  # a launch that failed on the device (reported by its event)
+                cause = err.__cause__ or err  # the callable's own exception, as the pipeline reports it
+                raise StageError("compute", op.index, cause) from cause
+
+    def _enqueue(self, op: ChunkOps):
+        """Enqueue one chunk's copy in, compute and copy out; returns the compute's event."""
+        off = self._guard_off
+        h2d, comp, d2h = self.h2d_stream, self.compute_stream, self.d2h_stream
+        ready = self._in_ready[op.slot_in]
+        if ready is not None and "h2d.wait_slot_ready" not in off:
+            h2d.wait(ready)
+        h2d.copy(op.dev_in, op.host_in, op.nbytes)
+        copied_in = h2d.record()
+        if "compute.wait_h2d" not in off:
+            comp.wait(copied_in)
+        if not self.inplace:
+            ready = self._out_ready[op.slot_out]
+            if ready is not None and "compute.wait_slot_ready" not in off:
+                comp.wait(ready)
+        try:
+            if self.inplace:
+                comp.launch(self.compute, op.x, op.x, writes=[op.x], sim_seconds=op.sim_seconds)
+            else:
+                comp.launch(self.compute, op.x, op.y, reads=[op.x], writes=[op.y], sim_seconds=op.sim_seconds)
+        except DeviceError as err:
+            if err.sticky:
+                raise
+            raise StageError("compute", op.index, err) from err
+        except Exception as exc:  # noqa: BLE001 - the compute callable raised while it was enqueued
+            raise StageError("compute", op.index, exc) from exc
+        computed = comp.record()
+        if not self.inplace:
+            self._in_ready[op.slot_in] = self._after_use(op.dev_in, computed)
+        if "d2h.wait_compute" not in off:
+            d2h.wait(computed)
+        d2h.copy(op.host_out, op.dev_out, op.nbytes)
+        copied_out = d2h.record()
+        if self.inplace:
+            self._in_ready[op.slot_in] = self._after_use(op.dev_in, copied_out)
+        else:
+            self._out_ready[op.slot_out] = self._after_use(op.dev_out, copied_out)
+        return computed
+
+    def _after_use(self, where, last_use):
+        """The event a slot's next owner waits on: ``last_use``, or in checked mode the poison
+        fill ordered after it (a premature reuse then reads poison, not the old chunk)."""
+        if self.poison_stream is None:
+            return last_use
+        self.poison_stream.wait(last_use)
+        self.poison_stream.fill(where, POISON_BYTE)
+        return self.poison_stream.record()
+
+    def fail(self, exc: BaseException) -> None:
+        """After ``run`` raised ``exc``: settle and close; never raises."""
+        self.settle()
+        self.close()
+
+    def settle(self) -> None:
+        """Block until everything enqueued has completed; never raises (a broken device
+        completes nothing more, and its error was or will be reported by ``run``)."""
+        for s in self._streams:
+            try:
+                s.sync()
+            except Exception:  # noqa: BLE001 - settling must not mask the error being handled
+                pass
+
+    def close(self) -> None:
+        """Free the device rings (stream-ordered after all the job's work) and the streams.
+        Harmless twice; never raises."""
+        streams, self._streams = self._streams, []
+        rings, self._rings = self._rings, []
+        self._in_ready = [None] * len(getattr(self, "_in_ready", ()))
+        self._out_ready = [None] * len(getattr(self, "_out_ready", ()))
+        free_on = stream_after(streams)
+        for ring in rings:
+            free_quietly(ring, free_on, "device ring")
+        for s in streams:
+            close_quietly(s, "stream")

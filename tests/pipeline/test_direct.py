@@ -1,0 +1,238 @@
+"""The direct engine (``ringflow.pipeline.direct``): a whole-array job enqueued in one pass.
+
+Its safety rests on four event waits; each is switched off in turn (through the test-only
+``_disabled_guards`` seam) to show the sim's happens-before checker — and, with the checker
+off, the checked mode's poison — catches its absence. With every wait on it must agree with
+the pipeline engine exactly, under chaos, for every ring size down to one slot."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow.errors import StageError
+from ringflow.pipeline import direct
+from ringflow.pipeline.job import why_not_direct
+from tests.helpers.pipeline_checks import caught, guard_outcome
+
+
+def f(x, y):
+    y[...] = x * 3 + 1
+
+
+f.sim_seconds = 20e-6
+
+
+def fast(x, y):  # a kernel far shorter than a chunk's copy out
+    y[...] = x * 3 + 1
+
+
+fast.sim_seconds = 1e-7
+SHAPE = (1000, 7)  # 28,000 bytes: 14 chunks of 2016 bytes (72 rows), the last shorter
+CHUNK = 72 * 7 * 4
+
+
+def contents(seed, shape=SHAPE):
+    return np.random.default_rng(seed).uniform(0.5, 1.5, shape).astype(np.float32)
+
+
+def run_job(dev, *, engine="auto", slots=None, inplace=False, checked=False, guards=(), calls=3, seed=0,
+            big=False):
+    """MapJob over registered x (and out), the host rewriting x between calls; True when every
+    call's result is right. ``big``: 64x the rows and chunk, and a kernel far shorter than a copy."""
+    scale = 64 if big else 1
+    shape = (SHAPE[0] * scale, SHAPE[1])
+    x = np.empty(shape, np.float32)
+    out = x if inplace else None
+    kw = {"slots": slots} if slots is not None else {}
+    with rf.MapJob(fast if big else f, x, out, device=dev, chunk_bytes=CHUNK * scale, host="register", engine=engine,
+                   inplace=inplace, checked=checked, _disabled_guards=guards, **kw) as job:
+        assert job.engine == ("pipeline" if engine == "pipeline" else "direct") and job.chunks == 14
+        for call in range(calls):
+            x[...] = contents(100 * seed + call, shape)
+            expected = x * 3 + 1
+            if not np.array_equal(job(), expected):
+                return False
+    return True
+
+
+def test_engine_choice():
+    dev = rf.device("sim")
+    x = contents(0)
+    with rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, host="register") as job:
+        assert job.engine == "direct" and "engine=direct" in repr(job)
+    with rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, host="stage") as job:
+        assert job.engine == "pipeline"
+    with rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, host="register", on_error="continue") as job:
+        assert job.engine == "pipeline"
+    with rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, host="register", engine="pipeline") as job:
+        assert job.engine == "pipeline"
+    with pytest.raises(ValueError, match="host='stage' copies x and out"):
+        rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, host="stage", engine="direct")
+    with pytest.raises(ValueError, match="engine must be one of"):
+        rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, engine="fast")
+    assert why_not_direct("register", {"_disabled_guards": ["consume.after_d2h"]}).startswith("the guard")
+    assert why_not_direct("pinned", {"inplace": True, "checked": True, "slots": 2}) is None
+    with pytest.raises(ValueError, match="unknown guards"):
+        direct.DirectSchedule(dev, f, None, None, [], np.float32, slot_bytes=8, slots=rf.SlotCounts(1, 1, 1, 1),
+                              inplace=False, disabled_guards=["no.such_guard"])
+    assert dev.live().total == 0
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("slots", [1, 2, 3, None])
+@pytest.mark.parametrize("seed", range(4))
+def test_direct_agrees_with_the_pipeline_under_chaos(inplace, slots, seed):
+    for engine in ("direct", "pipeline"):
+        dev = rf.device("sim", seed=seed, chaos=True)
+        assert run_job(dev, engine=engine, slots=slots, inplace=inplace, checked=seed % 2 == 1, seed=seed)
+        assert dev.live().total == 0
+
+
+CONFIGS = [(slots, inplace, seed, big) for big in (False, True) for seed in range(3) for slots in (1, 2)
+           for inplace in (False, True)]
+
+
+def _outcome(guard, slots, inplace, seed, big, checker=True):
+    dev = rf.device("sim", seed=seed, chaos=True, checked=checker)
+    return guard_outcome(lambda: run_job(dev, engine="direct", slots=slots, inplace=inplace, checked=not checker,
+                                         guards=[guard], seed=seed, big=big))
+
+
+def test_every_config_passes_with_every_guard_on():
+    # no false alarms: the configurations below catch a missing wait, not a healthy job
+    for slots, inplace, seed, big in CONFIGS:
+        assert run_job(rf.device("sim", seed=seed, chaos=True), slots=slots, inplace=inplace, seed=seed, big=big)
+        assert run_job(rf.device("sim", seed=seed, chaos=True, checked=False), slots=slots, inplace=inplace,
+                       checked=True, seed=seed, big=big)
+
+
+@pytest.mark.parametrize("guard", direct.GUARDS)
+def test_each_wait_is_needed(guard):
+    if guard == "compute.wait_slot_ready":
+        configs = [c for c in CONFIGS if not c[1]]  # only a separate device-out ring has this wait
+    else:
+        configs = CONFIGS
+    tried = []
+    for config in configs:
+        outcome = _outcome(guard, *config)
+        if caught(outcome):
+            return
+        tried.append(f"{config}: {outcome!r}"[:200])
+    pytest.fail(f"switching off {guard!r} went unnoticed:\n" + "\n".join(tried))
+
+
+@pytest.mark.parametrize("guard", direct.GUARDS)
+def test_poison_shows_a_missing_wait_without_the_checker(guard):
+    configs = [c for c in CONFIGS if not c[1]] if guard == "compute.wait_slot_ready" else CONFIGS
+    tried = []
+    for config in configs:
+        outcome = _outcome(guard, *config, checker=False)
+        assert not isinstance(outcome, rf.HazardError), "the checker was meant to be off"
+        if outcome is False:
+            return
+        tried.append(f"{config}: {outcome!r}"[:200])
+    pytest.fail(f"with the checker off, switching off {guard!r} never gave a wrong result:\n" + "\n".join(tried))
+
+
+def test_a_failed_compute_is_reported_for_its_chunk_and_nothing_leaks():
+    dev = rf.device("sim", seed=1, chaos=True)
+    seen = []
+
+    def sixth_fails(x, y):
+        seen.append(1)
+        if len(seen) == 6:
+            raise ValueError("bad chunk")
+        y[...] = x
+
+    x = contents(2)
+    job = rf.MapJob(sixth_fails, x, device=dev, chunk_bytes=CHUNK, host="register")
+    with pytest.raises(StageError) as info:
+        job()
+    assert info.value.stage == "compute" and info.value.index == 5
+    assert isinstance(info.value.__cause__, ValueError) and job.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        job()
+    del info  # its traceback holds the call's frames, and so their events
+    gc.collect()
+    assert dev.live().total == 0  # streams, rings, events and the registrations are gone
+
+
+def test_an_error_while_enqueueing_stops_the_call_after_settling():
+    """A callable that fails as it is enqueued (on a real GPU an rf.Kernel checks its arguments
+    then): the chunks before it were enqueued and complete before the error reaches the caller."""
+    dev = rf.device("sim", seed=2, chaos=True)
+    x = contents(3)
+    job = rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, host="register")
+    np.testing.assert_array_equal(job(), x * 3 + 1)
+    schedule = job._runner
+    launch = schedule.compute_stream.launch
+    count = []
+
+    def failing_launch(fn, *args, **kw):
+        count.append(1)
+        if len(count) == 4:
+            raise TypeError("argument 2 has the wrong dtype")
+        return launch(fn, *args, **kw)
+
+    schedule.compute_stream.launch = failing_launch
+    with pytest.raises(StageError) as info:
+        job()
+    assert info.value.index == 3 and isinstance(info.value.__cause__, TypeError) and job.closed
+    del info, schedule, launch
+    gc.collect()
+    assert dev.live().total == 0
+
+
+def test_interrupt_while_waiting_settles_before_raising(monkeypatch):
+    dev = rf.device("sim", seed=4, chaos=True)
+    x = contents(4)
+    job = rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, host="register")
+    schedule = job._runner
+    record = schedule.d2h_stream.record
+    calls = []
+
+    class Interrupting:
+        def __init__(self, event):
+            self.event = event
+
+        def sync(self):
+            raise KeyboardInterrupt
+
+        def __getattr__(self, name):
+            return getattr(self.event, name)
+
+    def record_and_interrupt_last(*a, **kw):
+        event = record(*a, **kw)
+        calls.append(event)
+        return Interrupting(event) if len(calls) == len(schedule.ops) + 1 else event
+
+    schedule.d2h_stream.record = record_and_interrupt_last
+    with pytest.raises(KeyboardInterrupt):
+        job()
+    assert job.closed
+    del schedule, record, calls
+    gc.collect()
+    assert dev.live().total == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("checked", [False, True])
+def test_direct_on_the_gpu_is_bit_exact_call_after_call(cuda_device, inplace, checked):
+    def twice_plus_one(x, y):  # CuPy or torch arrays on the launch stream
+        y[...] = x * 2 + 1
+
+    rng = np.random.default_rng(7)
+    x = np.empty((3000, 257), np.int32)  # 3 MiB in 12 chunks of 64 KiB-ish rows, the last shorter
+    out = x if inplace else None
+    with rf.MapJob(twice_plus_one, x, out, device=cuda_device, chunk_bytes=257 * 4 * 256, host="register",
+                   slots=2, inplace=inplace, checked=checked) as job:
+        assert job.engine == "direct" and job.chunks == 12
+        for _ in range(5):
+            x[...] = rng.integers(-1000, 1000, x.shape, dtype=np.int32)
+            want = x * 2 + 1
+            np.testing.assert_array_equal(job(), want)
