@@ -15,7 +15,8 @@ import pytest
 import ringflow as rf
 from ringflow.errors import StageError
 from ringflow.pipeline import direct
-from ringflow.pipeline.job import why_not_direct
+from ringflow.pipeline.api import stream_map_report
+from ringflow.pipeline.direct import why_not_direct
 from tests.helpers.pipeline_checks import caught, guard_outcome
 
 
@@ -236,3 +237,57 @@ def test_direct_on_the_gpu_is_bit_exact_call_after_call(cuda_device, inplace, ch
             x[...] = rng.integers(-1000, 1000, x.shape, dtype=np.int32)
             want = x * 2 + 1
             np.testing.assert_array_equal(job(), want)
+
+
+def test_stream_map_runs_pinned_and_registered_jobs_directly_and_keeps_the_schedule_warm():
+    from ringflow.pipeline import warm
+
+    dev = rf.device("sim", seed=5, chaos=True)
+    rf.drop_warm_pipelines()
+    hb = dev.allocate_host(28_000)
+    x = hb.view(np.float32, access="rw").reshape(SHAPE)
+    seen = []
+    for call in range(3):
+        x[...] = contents(call)
+        want = x * 3 + 1
+        y = rf.stream_map(f, x, x, device=dev, chunk_bytes=CHUNK, x_buffer=hb, out_buffer=hb, inplace=True)
+        np.testing.assert_array_equal(y, want)
+        (parked,) = warm.WARM._parked.values()
+        assert isinstance(parked, direct.DirectSchedule)
+        assert all(op.host_in is None and op.host_out is None for op in parked.ops)  # no slice of the caller's
+        seen.append(parked)
+    assert seen[0] is seen[1] is seen[2]  # one schedule served every call
+    x2 = contents(9)
+    np.testing.assert_array_equal(rf.stream_map(f, x2, device=dev, chunk_bytes=CHUNK, host="register"), x2 * 3 + 1)
+    assert len(warm.WARM) == 2
+    # a profiled call (the report comes from the pipeline's timeline) and an observed one use the pipeline
+    _, report = stream_map_report(f, x, x, device=dev, chunk_bytes=CHUNK, x_buffer=hb, out_buffer=hb, inplace=True)
+    assert report is not None and report.chunks == 14
+    pipes = []
+    rf.stream_map(f, x, x, device=dev, chunk_bytes=CHUNK, x_buffer=hb, out_buffer=hb, inplace=True,
+                  _on_pipeline=pipes.append)
+    assert len(pipes) == 1
+    del pipes
+    assert rf.drop_warm_pipelines(dev) >= 2
+    hb.close()
+    gc.collect()
+    assert dev.live().total == 0
+
+
+def test_stream_map_direct_failure_closes_the_schedule_and_raises_for_the_chunk():
+    dev = rf.device("sim", seed=6, chaos=True)
+    rf.drop_warm_pipelines()
+    calls = []
+
+    def third_fails(x, y):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ArithmeticError("overflow")
+        y[...] = x
+
+    with pytest.raises(StageError) as info:
+        rf.stream_map(third_fails, contents(1), device=dev, chunk_bytes=CHUNK, host="register")
+    assert info.value.index == 2 and isinstance(info.value.__cause__, ArithmeticError)
+    del info
+    gc.collect()
+    assert rf.drop_warm_pipelines(dev) == 0 and dev.live().total == 0

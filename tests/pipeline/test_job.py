@@ -25,9 +25,10 @@ def test_the_module_example_runs():
     assert doctest.testmod(job_module).failed == 0
 
 
+@pytest.mark.parametrize("engine", ["auto", "pipeline"])
 @pytest.mark.parametrize("host", ["stage", "register", "pinned"])
 @pytest.mark.parametrize("seed", range(5))
-def test_every_call_computes_the_current_contents_under_chaos(host, seed):
+def test_every_call_computes_the_current_contents_under_chaos(host, seed, engine):
     dev = rf.device("sim", seed=seed, chaos=True)
     shape = (777, 5)
     kw = {}
@@ -38,8 +39,9 @@ def test_every_call_computes_the_current_contents_under_chaos(host, seed):
     else:
         x, out = np.empty(shape, np.float32), None
         kw = {"host": host}
-    with rf.MapJob(f, x, out, device=dev, chunk_bytes=5 * 4 * 61, checked=True, **kw) as job:
+    with rf.MapJob(f, x, out, device=dev, chunk_bytes=5 * 4 * 61, checked=True, engine=engine, **kw) as job:
         assert job.strategy == host and job.chunks == 13
+        assert job.engine == ("direct" if engine == "auto" and host != "stage" else "pipeline")
         for call in range(4):
             x[...] = contents(shape, 10 * seed + call)  # the host writes between calls
             y = job()
@@ -139,8 +141,9 @@ def test_matches_stream_map_for_the_same_arguments():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rows=st.integers(1, 400), width=st.integers(1, 9), dtype=st.sampled_from(["float32", "float64", "int32"]),
        rows_per_chunk=st.integers(1, 64), host=st.sampled_from(["stage", "register", "auto"]),
-       calls=st.integers(1, 4), seed=st.integers(0, 2**16), in_place=st.booleans())
-def test_any_shape_any_chunking_any_strategy(rows, width, dtype, rows_per_chunk, host, calls, seed, in_place):
+       calls=st.integers(1, 4), seed=st.integers(0, 2**16), in_place=st.booleans(),
+       engine=st.sampled_from(["auto", "pipeline"]))
+def test_any_shape_any_chunking_any_strategy(rows, width, dtype, rows_per_chunk, host, calls, seed, in_place, engine):
     dev = rf.device("sim", seed=seed, chaos=True)
     rng = np.random.default_rng(seed)
     x = (rng.uniform(-100, 100, (rows, width))).astype(dtype)
@@ -150,7 +153,8 @@ def test_any_shape_any_chunking_any_strategy(rows, width, dtype, rows_per_chunk,
     def g(a, b):
         b[...] = a * 3 - 1
 
-    with rf.MapJob(g, x, out, device=dev, chunk_bytes=rows_per_chunk * item, host=host, inplace=in_place) as job:
+    with rf.MapJob(g, x, out, device=dev, chunk_bytes=rows_per_chunk * item, host=host, inplace=in_place,
+                   engine=engine) as job:
         for _ in range(calls):
             new = (rng.uniform(-100, 100, (rows, width))).astype(dtype)
             x[...] = new

@@ -171,7 +171,7 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
             rf.drop_warm_pipelines(dev)
 
         cold = time_calls(lambda: dev.now, lambda: run(auto.chunk_bytes), warmup=1, repeats=repeats, before=cold_refill)
-        rows.append(_row(f"ringflow {n * 4 // auto.chunk_bytes} chunks, first call (pipeline set up)", cold,
+        rows.append(_row(f"ringflow {n * 4 // auto.chunk_bytes} chunks, first call (set up)", cold,
                          overhead_vs_warm=cold.median_ms / results[auto.chunk_bytes][0].median_ms - 1))
         # the same job bound once (rf.MapJob): no per-call planning, cache lookup or rearming; its
         # default engine here enqueues a whole call in one pass (direct), at every chunk size; the
@@ -187,6 +187,9 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
                 job_ok = correct()
                 job_t = time_calls(lambda: dev.now, job, warmup=1, repeats=repeats, before=refill)
                 job_untouched = time_calls(lambda: dev.now, job, warmup=1, repeats=repeats)
+                refill()
+                job()
+                enqueue_s = job.enqueue_seconds  # after a refill, as the timed calls run
             ideal = results[cb][2].ideal_s * 1e3
             job_ms[(cb, engine)] = (job_t.median_ms, job_untouched.median_ms)
             label = "" if engine == "direct" else ", engine=pipeline"
@@ -194,7 +197,8 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
                              + (" (auto)" if cb == auto.chunk_bytes else ""), job_t, correct=job_ok,
                              engine=engine, chunk_bytes=cb, ideal_ms=ideal, efficiency=ideal / job_t.median_ms,
                              ms_median_no_refill=job_untouched.median_ms,
-                             efficiency_no_refill=ideal / job_untouched.median_ms))
+                             efficiency_no_refill=ideal / job_untouched.median_ms,
+                             host_us_per_chunk=None if enqueue_s is None else enqueue_s * 1e6 / -(-n * 4 // cb)))
         # what profiling costs: the auto chunk size again with profile=True (timing events, records)
         refill()
         profiled = time_calls(lambda: dev.now, lambda: rf.stream_map(f, x, x, device=dev, chunk_bytes=auto.chunk_bytes,

@@ -27,7 +27,7 @@ from ..device.protocol import Device
 from ..errors import StageError
 from .chunk import Chunk, ChunkFuture
 from .config import PipelineConfig, SlotCounts
-from . import warm
+from . import direct, warm
 from .scheduler import Scheduler
 from .states import ChunkState
 from .stats import PipelineStats
@@ -486,6 +486,18 @@ class MapLayout:
                         item_nbytes=self.item_nbytes, _host_in_buffer=host_in, _host_out_buffer=host_out,
                         _max_chunks=self.n_chunks, _bulk=True, **options)
 
+    def direct_schedule(self, f: Callable, x: np.ndarray, x_buffer, out_buffer, options: dict):
+        """A :class:`~ringflow.pipeline.direct.DirectSchedule` for this job (``x``'s chunks, the
+        planned device rings); host buffers bound now, or None to give them to each run."""
+        inplace = bool(options.get("inplace", False))
+        slots = resolve_slots(self.dev, options.get("slots"), self.slot_bytes, inplace, options.get("workers") or 1,
+                              f, external=(True, True), bulk=True, max_chunks=self.n_chunks)
+        tail, row = x.shape[1:], self.row_bytes
+        chunks = [(a * row, (b - a) * row, (b - a,) + tail) for a, b in self.ranges()]
+        return direct.DirectSchedule(self.dev, f, x_buffer, out_buffer, chunks, x.dtype, slot_bytes=self.slot_bytes,
+                              slots=slots, inplace=inplace, checked=bool(options.get("checked", False)),
+                              disabled_guards=options.get("_disabled_guards", ()))
+
 
 def _layout_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer, pipeline_options) -> MapLayout:
     """Check a whole-array job's arguments and lay it out (x non-empty). Raises ValueError for a
@@ -574,6 +586,9 @@ def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
             registered = _register(dev, x, out, fresh_out, options.get("workers") or _default_workers(dev))
             x_buffer, out_buffer = registered[0], registered[-1]
         host_in, host_out = layout.host_rings(x_buffer, out_buffer)
+        if on_pipeline is None and direct.why_not_direct(strategy, options) is None:
+            _run_direct(f, x, layout, host_in, host_out, options, keep_warm)
+            return out, None
         # the pipeline's shape: a warm one parked under the same key serves this call as it is
         key = None
         if keep_warm and not options.get("profile") and not options.get("checked"):
@@ -607,6 +622,29 @@ def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
 
             close_quietly(buf, "registration")
     return out, None
+
+
+def _run_direct(f, x: np.ndarray, layout: MapLayout, x_buffer, out_buffer, options: dict, keep_warm: bool) -> None:
+    """One call through the direct engine (no scheduler: :mod:`ringflow.pipeline.direct`), with
+    a warm schedule of the same shape reused and parked again, as pipelines are. A parked
+    schedule holds no slice of the caller's buffers (they are given to each run)."""
+    key = None
+    if keep_warm and not options.get("checked"):
+        opts = warm.options_key(options)
+        if opts is not None:
+            key = ("direct", id(layout.dev), id(f), layout.slot_bytes, x.shape, x.dtype.str, opts)
+    schedule = warm.WARM.take(key) if key is not None else None
+    if schedule is None:
+        schedule = layout.direct_schedule(f, x, None, None, options)
+    try:
+        schedule.run(x_buffer, out_buffer)
+    except BaseException as exc:
+        schedule.fail(exc)  # settled and closed; never masks exc
+        raise
+    if key is not None:
+        warm.WARM.park(key, schedule)
+    else:
+        schedule.close()
 
 
 def fit_pinned_budget(counts: SlotCounts, slot_bytes: int, budget: int, *, explicit: bool) -> SlotCounts:

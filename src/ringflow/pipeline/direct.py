@@ -24,6 +24,7 @@ operation of the call complete, so it may rewrite ``x`` before the next call.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from ..device.protocol import BufferSlice, Device, close_quietly, free_quietly, stream_after
@@ -39,15 +40,38 @@ GUARDS = (
     "d2h.wait_compute",  # the copy out waits for the chunk's compute
 )
 POISON_BYTE = 0xEE
+# pipeline options that mean the same here, or nothing (there are no staging rings, workers or
+# admission queue: a call is the whole array)
+_OPTIONS = {"inplace", "slots", "checked", "workers", "pinned_budget", "max_in_flight", "ordered", "on_error",
+            "profile", "_disabled_guards"}
+
+
+def why_not_direct(strategy: str, options: dict) -> Optional[str]:
+    """Why a whole-array job with this host strategy and these pipeline options needs the
+    pipeline's scheduler, or None when the direct engine runs it the same."""
+    if strategy == "stage":
+        return "host='stage' copies x and out through pinned rings on CPU workers"
+    if options.get("on_error", "raise") != "raise":
+        return "on_error='continue' completes the other chunks around a failed one"
+    if options.get("profile"):
+        return "profile=True records the pipeline's timeline"
+    unknown = sorted(set(options) - _OPTIONS)
+    if unknown:
+        return f"the option(s) {unknown} are the pipeline's"
+    guards = sorted(set(options.get("_disabled_guards", ())) - set(GUARDS))
+    if guards:
+        return f"the guard(s) {guards} are the pipeline's"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkOps:
     """One chunk's operations, their arguments made once (a call only enqueues them)."""
     index: int
+    offset: int  # of the chunk's bytes in x and out
     nbytes: int
-    host_in: BufferSlice
-    host_out: BufferSlice
+    host_in: Optional[BufferSlice]  # the chunk in x_buffer / out_buffer when bound at construction
+    host_out: Optional[BufferSlice]
     slot_in: int  # device-in (or in-place) slot
     slot_out: int  # device-out slot; -1 in place
     dev_in: BufferSlice  # the chunk's bytes in its device-in slot
@@ -60,7 +84,8 @@ class ChunkOps:
 class DirectSchedule:
     """``compute(x, y)`` over ``chunks`` — ``(offset, nbytes, shape)`` byte ranges of
     ``x_buffer``, results to the same ranges of ``out_buffer`` — through device rings of
-    ``slots.device_in`` (and ``slots.device_out``) slots of ``slot_bytes``.
+    ``slots.device_in`` (and ``slots.device_out``) slots of ``slot_bytes``. The host buffers
+    may be bound once here (their slices are then made once) or given to each ``run``.
 
     Owns three streams (a fourth for poison fills when ``checked``) and the device rings;
     ``close()`` frees them, stream-ordered after everything enqueued, and never raises."""
@@ -95,6 +120,7 @@ class DirectSchedule:
             self.close()
             raise
         self.slot_bytes = slot_bytes
+        self.enqueue_seconds = 0.0  # host time the last run spent enqueueing (its host overhead)
         # the event each device slot's next owner waits on (its last use, or the poison fill after it)
         self._in_ready: list = [None] * n_in
         self._out_ready: list = [None] * n_out
@@ -105,9 +131,10 @@ class DirectSchedule:
             dev_in = self.dev_in.slice(k_in * slot_bytes, nbytes)
             dev_out = dev_in if inplace else self.dev_out.slice(k_out * slot_bytes, nbytes)
             x = dev_in.array(dtype, shape)
+            bound = x_buffer is not None
             self.ops.append(ChunkOps(
-                index=i, nbytes=nbytes, host_in=x_buffer.slice(offset, nbytes),
-                host_out=out_buffer.slice(offset, nbytes), slot_in=k_in, slot_out=k_out, dev_in=dev_in,
+                index=i, offset=offset, nbytes=nbytes, host_in=x_buffer.slice(offset, nbytes) if bound else None,
+                host_out=out_buffer.slice(offset, nbytes) if bound else None, slot_in=k_in, slot_out=k_out, dev_in=dev_in,
                 dev_out=dev_out, x=x, y=x if inplace else dev_out.array(dtype, shape),
                 sim_seconds=(float(sim(nbytes)) if callable(sim) else float(sim)) if sim is not None else None))
 
@@ -115,8 +142,9 @@ class DirectSchedule:
     def closed(self) -> bool:
         return not self._streams
 
-    def run(self) -> None:
-        """Enqueue every chunk, then block until the last result is in ``out_buffer``.
+    def run(self, x_buffer=None, out_buffer=None) -> None:
+        """Enqueue every chunk, then block until the last result is in ``out_buffer`` (the
+        buffers bound at construction, or these; a chunk's slices are made as it is enqueued).
 
         Raises :class:`~ringflow.errors.StageError` for a compute that failed (while being
         enqueued, or on the device), or the device's sticky error; either way every operation
@@ -124,8 +152,18 @@ class DirectSchedule:
         writes the host buffers. ``out_buffer``'s contents are then unspecified."""
         if self.closed:
             raise RuntimeError("this DirectSchedule is closed")
+        if (x_buffer is None) != (out_buffer is None):
+            raise ValueError("pass both x_buffer and out_buffer, or neither (the ones bound at construction)")
+        if x_buffer is None and self.ops and self.ops[0].host_in is None:
+            raise ValueError("no host buffers were bound at construction; pass x_buffer and out_buffer")
+        t0 = time.perf_counter()
         try:
-            compute_events = [self._enqueue(op) for op in self.ops]
+            if x_buffer is None:
+                compute_events = [self._enqueue(op, op.host_in, op.host_out) for op in self.ops]
+            else:
+                compute_events = [self._enqueue(op, x_buffer.slice(op.offset, op.nbytes),
+                                                out_buffer.slice(op.offset, op.nbytes)) for op in self.ops]
+            self.enqueue_seconds = time.perf_counter() - t0
             self.d2h_stream.record().sync()
         except BaseException:
             self.settle()  # nothing enqueued may still touch the host buffers when the caller sees this
@@ -136,14 +174,14 @@ class DirectSchedule:
                 cause = err.__cause__ or err  # the callable's own exception, as the pipeline reports it
                 raise StageError("compute", op.index, cause) from cause
 
-    def _enqueue(self, op: ChunkOps):
+    def _enqueue(self, op: ChunkOps, host_in: BufferSlice, host_out: BufferSlice):
         """Enqueue one chunk's copy in, compute and copy out; returns the compute's event."""
         off = self._guard_off
         h2d, comp, d2h = self.h2d_stream, self.compute_stream, self.d2h_stream
         ready = self._in_ready[op.slot_in]
         if ready is not None and "h2d.wait_slot_ready" not in off:
             h2d.wait(ready)
-        h2d.copy(op.dev_in, op.host_in, op.nbytes)
+        h2d.copy(op.dev_in, host_in, op.nbytes)
         copied_in = h2d.record()
         if "compute.wait_h2d" not in off:
             comp.wait(copied_in)
@@ -167,7 +205,7 @@ class DirectSchedule:
             self._in_ready[op.slot_in] = self._after_use(op.dev_in, computed)
         if "d2h.wait_compute" not in off:
             d2h.wait(computed)
-        d2h.copy(op.host_out, op.dev_out, op.nbytes)
+        d2h.copy(host_out, op.dev_out, op.nbytes)
         copied_out = d2h.record()
         if self.inplace:
             self._in_ready[op.slot_in] = self._after_use(op.dev_in, copied_out)

@@ -32,28 +32,9 @@ import numpy as np
 
 from ..device.protocol import close_quietly
 from . import direct
-from .api import Pipeline, _check_map_args, _default_workers, _layout_map, _register, resolve_slots
+from .api import Pipeline, _check_map_args, _default_workers, _layout_map, _register
 
 ENGINES = ("auto", "direct", "pipeline")
-# pipeline options that mean the same for the direct engine, or nothing there (it has no staging
-# rings, workers or admission queue: a call is the whole array)
-_DIRECT_OPTIONS = {"inplace", "slots", "checked", "workers", "pinned_budget", "max_in_flight", "ordered",
-                   "on_error", "_disabled_guards"}
-
-
-def why_not_direct(strategy: str, options: dict) -> Optional[str]:
-    """Why a job with this host strategy and these pipeline options needs the scheduler, or None."""
-    if strategy == "stage":
-        return "host='stage' copies x and out through pinned rings on CPU workers"
-    if options.get("on_error", "raise") != "raise":
-        return "on_error='continue' completes the other chunks around a failed one"
-    unknown = sorted(set(options) - _DIRECT_OPTIONS)
-    if unknown:
-        return f"the option(s) {unknown} are the pipeline's"
-    guards = sorted(set(options.get("_disabled_guards", ())) - set(direct.GUARDS))
-    if guards:
-        return f"the guard(s) {guards} are the pipeline's"
-    return None
 
 
 class MapJob:
@@ -85,7 +66,7 @@ class MapJob:
         self._layout = layout = _layout_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer,
                                             pipeline_options)
         self.device = layout.dev
-        reason = why_not_direct(layout.strategy, pipeline_options)
+        reason = direct.why_not_direct(layout.strategy, pipeline_options)
         if engine == "direct" and reason is not None:
             raise ValueError(f"engine='direct' cannot run this job: {reason}; use engine='pipeline' (or 'auto')")
         self.engine = "direct" if engine != "pipeline" and reason is None else "pipeline"
@@ -98,26 +79,13 @@ class MapJob:
                                              pipeline_options.get("workers") or _default_workers(layout.dev))
                 x_buffer, out_buffer = self._registered[0], self._registered[-1]
             if self.engine == "direct":
-                self._runner = self._direct(f, x_buffer, out_buffer, pipeline_options)
+                self._runner = layout.direct_schedule(f, x, x_buffer, out_buffer, pipeline_options)
             else:
                 pipe = layout.pipeline(f, *layout.host_rings(x_buffer, out_buffer), pipeline_options)
                 self._runner = _PipelineRunner(pipe, layout.ranges)
         except BaseException:
             self.close()
             raise
-
-    def _direct(self, f: Callable, x_buffer, out_buffer, options: dict) -> "direct.DirectSchedule":
-        layout, x = self._layout, self.x
-        inplace = bool(options.get("inplace", False))
-        slots = resolve_slots(layout.dev, options.get("slots"), layout.slot_bytes, inplace,
-                              options.get("workers") or 1, f, external=(True, True), bulk=True,
-                              max_chunks=layout.n_chunks)
-        chunks = [(a * layout.row_bytes, (b - a) * layout.row_bytes, (b - a,) + x.shape[1:])
-                  for a, b in layout.ranges()]
-        return direct.DirectSchedule(layout.dev, f, x_buffer, out_buffer, chunks, x.dtype,
-                                     slot_bytes=layout.slot_bytes, slots=slots, inplace=inplace,
-                                     checked=bool(options.get("checked", False)),
-                                     disabled_guards=options.get("_disabled_guards", ()))
 
     @property
     def strategy(self) -> str:
@@ -127,6 +95,11 @@ class MapJob:
     @property
     def chunks(self) -> int:
         return self._layout.n_chunks
+
+    @property
+    def enqueue_seconds(self) -> Optional[float]:
+        """Host time the last call spent enqueueing its chunks (direct engine), else None."""
+        return getattr(self._runner, "enqueue_seconds", None)
 
     @property
     def closed(self) -> bool:
