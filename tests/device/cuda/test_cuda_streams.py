@@ -42,19 +42,15 @@ def test_timing_events_measure_a_kernel(cuda_device):
     s.close()
 
 
-def test_ordering_across_streams_with_wait(cuda_device):
-    """A copy on s2 that waits for a slow kernel-then-fill on s1 sees the fill's bytes."""
+@pytest.fixture
+def two_streams(cuda_device):
+    """(device, s1, s2, spin, a 1 MiB device buffer allocated on s1, a 1 MiB pinned buffer),
+    all released after the test."""
     dev = cuda_device
     s1, s2 = dev.create_stream(), dev.create_stream()
     spin = Spin(dev)
     d, h = dev.allocate(1 << 20, stream=s1), dev.allocate_host(1 << 20)
-    s1.fill(d, 1)
-    spin(s1, 20e-3)
-    s1.fill(d, 2)
-    s2.wait(s1.record())
-    s2.copy(h, d)
-    s2.sync()
-    assert (h.view() == 2).all()
+    yield dev, s1, s2, spin, d, h
     d.close(stream=s1)
     spin.close()
     h.close()
@@ -62,13 +58,22 @@ def test_ordering_across_streams_with_wait(cuda_device):
     s2.close()
 
 
-def test_waiting_on_an_event_the_host_saw_complete_still_orders(cuda_device):
+def test_ordering_across_streams_with_wait(two_streams):
+    """A copy on s2 that waits for a slow kernel-then-fill on s1 sees the fill's bytes."""
+    dev, s1, s2, spin, d, h = two_streams
+    s1.fill(d, 1)
+    spin(s1, 20e-3)
+    s1.fill(d, 2)
+    s2.wait(s1.record())
+    s2.copy(h, d)
+    s2.sync()
+    assert (h.view() == 2).all()
+
+
+def test_waiting_on_an_event_the_host_saw_complete_still_orders(two_streams):
     """A wait on an event already seen done is skipped (no driver call); what the second stream
     enqueues afterwards still sees the first stream's work, and a pending event is waited on."""
-    dev = cuda_device
-    s1, s2 = dev.create_stream(), dev.create_stream()
-    spin = Spin(dev)
-    d, h = dev.allocate(1 << 20, stream=s1), dev.allocate_host(1 << 20)
+    dev, s1, s2, spin, d, h = two_streams
     s1.fill(d, 3)
     done = s1.record()
     done.sync()
@@ -82,11 +87,6 @@ def test_waiting_on_an_event_the_host_saw_complete_still_orders(cuda_device):
     s2.copy(h, d)
     s2.sync()
     assert (h.view() == 4).all()
-    d.close(stream=s1)
-    spin.close()
-    h.close()
-    s1.close()
-    s2.close()
 
 
 def test_wait_any_events_and_host_tasks(cuda_device):
