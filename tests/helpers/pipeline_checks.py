@@ -557,3 +557,18 @@ def guard_outcome(run: Callable[[], bool]) -> BaseException | bool:
             return exc
         finally:
             gc.collect()
+
+
+def copy_failing_on_call(n: int, exc: BaseException) -> Callable:
+    """A compute ``f(x, y)`` that copies ``x`` into ``y`` and raises a new exception like ``exc``
+    (same type and arguments: one raised object would keep its traceback, and so the frames and
+    events of the failed call, alive) on its ``n``-th call, counting every chunk of every job."""
+    calls = []
+
+    def f(x, y):
+        calls.append(1)
+        if len(calls) == n:
+            raise type(exc)(*exc.args)
+        y[...] = x
+
+    return f

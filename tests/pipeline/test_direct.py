@@ -17,7 +17,7 @@ from ringflow.errors import StageError
 from ringflow.pipeline import direct
 from ringflow.pipeline.api import stream_map_report
 from ringflow.pipeline.direct import why_not_direct
-from tests.helpers.pipeline_checks import caught, guard_outcome
+from tests.helpers.pipeline_checks import caught, copy_failing_on_call, guard_outcome
 
 
 def f(x, y):
@@ -141,14 +141,7 @@ def test_poison_shows_a_missing_wait_without_the_checker(guard):
 
 def test_a_failed_compute_is_reported_for_its_chunk_and_nothing_leaks():
     dev = rf.device("sim", seed=1, chaos=True)
-    seen = []
-
-    def sixth_fails(x, y):
-        seen.append(1)
-        if len(seen) == 6:
-            raise ValueError("bad chunk")
-        y[...] = x
-
+    sixth_fails = copy_failing_on_call(6, ValueError("bad chunk"))
     x = contents(2)
     job = rf.MapJob(sixth_fails, x, device=dev, chunk_bytes=CHUNK, host="register")
     with pytest.raises(StageError) as info:
@@ -277,14 +270,7 @@ def test_stream_map_runs_pinned_and_registered_jobs_directly_and_keeps_the_sched
 def test_stream_map_direct_failure_closes_the_schedule_and_raises_for_the_chunk():
     dev = rf.device("sim", seed=6, chaos=True)
     rf.drop_warm_pipelines()
-    calls = []
-
-    def third_fails(x, y):
-        calls.append(1)
-        if len(calls) == 3:
-            raise ArithmeticError("overflow")
-        y[...] = x
-
+    third_fails = copy_failing_on_call(3, ArithmeticError("overflow"))
     with pytest.raises(StageError) as info:
         rf.stream_map(third_fails, contents(1), device=dev, chunk_bytes=CHUNK, host="register")
     assert info.value.index == 2 and isinstance(info.value.__cause__, ArithmeticError)

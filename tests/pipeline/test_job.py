@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import ringflow as rf
 from ringflow.errors import StageError
 from ringflow.pipeline import job as job_module
+from tests.helpers.pipeline_checks import copy_failing_on_call
 
 
 def f(x, y):
@@ -91,13 +92,7 @@ def test_register_pins_once_for_the_jobs_life():
 
 def test_a_failing_call_closes_the_job_and_loses_nothing():
     dev = rf.device("sim")
-    calls = []
-
-    def flaky(x, y):
-        calls.append(1)
-        if len(calls) == 7:
-            raise RuntimeError("the kernel refused")
-        y[:] = x
+    flaky = copy_failing_on_call(7, RuntimeError("the kernel refused"))
 
     x = contents(4000, 3)
     job = rf.MapJob(flaky, x, device=dev, chunk_bytes=4096, host="register")

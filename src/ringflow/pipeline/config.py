@@ -5,6 +5,14 @@ from __future__ import annotations
 import dataclasses
 
 
+def refuse_unknown_guards(disabled, known) -> frozenset:
+    """The test-only set of switched-off guards, checked against the engine's ``known`` names."""
+    unknown = set(disabled) - set(known)
+    if unknown:
+        raise ValueError(f"unknown guards {sorted(unknown)}; known: {known}")
+    return frozenset(disabled)
+
+
 @dataclasses.dataclass(frozen=True)
 class SlotCounts:
     host_in: int

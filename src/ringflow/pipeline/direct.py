@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from ..device.protocol import BufferSlice, Device, close_quietly, free_quietly, stream_after
 from ..errors import DeviceError, StageError
-from .config import SlotCounts
+from .config import SlotCounts, refuse_unknown_guards
 
 # The waits that order the job, named as the pipeline's guards for the same waits; a test can
 # switch one off (``disabled_guards``) to show the sim's checker catches its absence.
@@ -93,14 +93,12 @@ class DirectSchedule:
     def __init__(self, device: Device, compute: Callable, x_buffer, out_buffer,
                  chunks: Sequence[tuple[int, int, tuple]], dtype: Any, *, slot_bytes: int, slots: SlotCounts,
                  inplace: bool, checked: bool = False, disabled_guards: Iterable[str] = ()):
-        unknown = set(disabled_guards) - set(GUARDS)
-        if unknown:
-            raise ValueError(f"unknown guards {sorted(unknown)}; known: {GUARDS}")
+        guard_off = refuse_unknown_guards(disabled_guards, GUARDS)
         self.device = device
         self.compute = compute
         self.inplace = inplace
         self.checked = checked
-        self._guard_off = frozenset(disabled_guards)
+        self._guard_off = guard_off
         self._streams: list = []
         self._rings: list = []
         try:

@@ -35,7 +35,7 @@ import numpy as np
 from ..device.protocol import BufferSlice, Device, stream_after
 from ..errors import DeviceError, StageError
 from .chunk import Chunk, ChunkFuture
-from .config import PipelineConfig
+from .config import PipelineConfig, refuse_unknown_guards
 from .ring import Ring, Slot
 from .states import ChunkState, RingKind, SlotState
 from .stats import PipelineStats
@@ -72,16 +72,14 @@ class Scheduler:
         every chunk's input / receiving every chunk's output back to back (chunk i at
         ``i * slot_bytes``). The copy engines then read and write it in place: no staging ring,
         and prepare/consume only describe the chunk."""
-        unknown = set(disabled_guards) - set(GUARDS)
-        if unknown:
-            raise ValueError(f"unknown guards {sorted(unknown)}; known: {GUARDS}")
+        guard_off = refuse_unknown_guards(disabled_guards, GUARDS)
         self.device = device
         self.compute = compute
         self.fill = fill
         self.drain = drain
         self.config = config
         self.item_nbytes = item_nbytes
-        self._guard_off = frozenset(disabled_guards)
+        self._guard_off = guard_off
         self._on_chunk_end = on_chunk_end
         self._sim_compute = getattr(compute, "sim_seconds", None)
 
