@@ -207,7 +207,8 @@ def phases(dev, out: dict, chunks: int = 16, refill_modes=(False, True)) -> None
                     x[:] = x0
                 log.clear()
                 t0 = time.perf_counter()
-                rf.stream_map(f, x, x, device=dev, chunk_bytes=n * 4 // chunks, x_buffer=hb, out_buffer=hb, inplace=True)
+                rf.stream_map(f, x, x, device=dev, chunk_bytes=n * 4 // chunks, x_buffer=hb, out_buffer=hb, inplace=True,
+                              engine="pipeline")
                 t1 = time.perf_counter()
                 first = {}
                 last = {}
@@ -224,7 +225,7 @@ def phases(dev, out: dict, chunks: int = 16, refill_modes=(False, True)) -> None
                     else:
                         spent[name] = spent.get(name, 0.0) + (t - opened.pop(name, t)) * 1e6
                 first_copy = next((i for i, (lb, _) in enumerate(log) if lb == "h2d!"), len(log))
-            runs.append({"refill": refill, "total_ms": (t1 - t0) * 1e3,
+            runs.append({"engine": "pipeline", "refill": refill, "total_ms": (t1 - t0) * 1e3,
                          "until_first_copy_us": [(lb, round((t - t0) * 1e6, 1)) for lb, t in log[:first_copy + 1]],
                              "enqueued_us": {st: [round((t - t0) * 1e6, 1) for lb, t in log if lb == st + "!"]
                                              for st in ("h2d", "compute", "d2h")},
@@ -237,6 +238,22 @@ def phases(dev, out: dict, chunks: int = 16, refill_modes=(False, True)) -> None
                              "returned_ms": (t1 - t0) * 1e3,
                              "us_in": {k: round(v, 1) for k, v in spent.items()},
                              "calls": {k[:-1]: sum(1 for lb, _ in log if lb == k) for k in first if k.endswith(">")}})
+        # the direct engine (what stream_map runs here by default): when the first copy is
+        # enqueued, when the last operation is, and when the call returns
+        for refill in refill_modes:
+            for _ in range(6):
+                if refill:
+                    x[:] = x0
+                log.clear()
+                t0 = time.perf_counter()
+                rf.stream_map(f, x, x, device=dev, chunk_bytes=n * 4 // chunks, x_buffer=hb, out_buffer=hb, inplace=True,
+                              engine="direct")
+                t1 = time.perf_counter()
+                copies = [t for lb, t in log if lb == "stream.copy>"]
+            runs.append({"engine": "direct", "refill": refill, "total_ms": (t1 - t0) * 1e3,
+                         "first_copy_us": round((copies[0] - t0) * 1e6, 1) if copies else None,
+                         "last_copy_us": round((copies[-1] - t0) * 1e6, 1) if copies else None,
+                         "copies": len(copies)})
     finally:
         for (cls, name), fn in originals.items():
             setattr(cls, name, fn)

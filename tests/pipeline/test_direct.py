@@ -277,3 +277,21 @@ def test_stream_map_direct_failure_closes_the_schedule_and_raises_for_the_chunk(
     del info
     gc.collect()
     assert rf.drop_warm_pipelines(dev) == 0 and dev.live().total == 0
+
+
+def test_stream_map_engine_option():
+    from ringflow.pipeline import warm
+
+    dev = rf.device("sim", seed=7, chaos=True)
+    rf.drop_warm_pipelines()
+    x = contents(3)
+    for engine in ("pipeline", "direct", "auto"):
+        np.testing.assert_array_equal(rf.stream_map(f, x, device=dev, chunk_bytes=CHUNK, host="register",
+                                                    engine=engine), x * 3 + 1)
+    kinds = sorted(type(e).__name__ for e in warm.WARM._parked.values())
+    assert kinds == ["DirectSchedule", "Pipeline"]  # auto reused the direct one
+    with pytest.raises(ValueError, match="engine='direct' cannot run this job: host='stage'"):
+        rf.stream_map(f, x, device=dev, chunk_bytes=CHUNK, host="stage", engine="direct")
+    with pytest.raises(ValueError, match="engine must be"):
+        rf.stream_map(f, x, device=dev, chunk_bytes=CHUNK, engine="graph")
+    assert rf.drop_warm_pipelines(dev) == 2 and dev.live().total == 0

@@ -409,7 +409,12 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
     bytes are ``x`` / ``out``) when the arrays are already pinned: nothing is staged or
     registered then.
 
-    ``keep_warm`` (default True): when the call ends cleanly its pipeline (streams, rings,
+    ``engine``: where the copy engines read ``x`` and write ``out`` in place (``x_buffer``, or
+    ``host="register"``) the call is enqueued in one pass with no scheduler (``"direct"``, the
+    default there; :mod:`ringflow.pipeline.direct`); ``"pipeline"`` runs it on the scheduler, as
+    staging, ``profile=True`` and ``on_error="continue"`` always do.
+
+    ``keep_warm`` (default True): when the call ends cleanly its engine (streams, rings,
     workers) is kept, without any reference to ``x`` or ``out``, and the next call with the same
     device, ``f``, chunk size, host strategy, chunk count and options reuses it instead of
     setting one up (0.27-0.32 ms a call on our H200 host: the first-call rows of
@@ -580,13 +585,19 @@ def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
     options = dict(pipeline_options)
     on_pipeline = options.pop("_on_pipeline", None)
     keep_warm = options.pop("keep_warm", True)
+    engine = options.pop("engine", "auto")
+    if engine not in ("auto", "direct", "pipeline"):
+        raise ValueError(f"engine must be 'auto', 'direct' or 'pipeline', got {engine!r}")
+    why_not = direct.why_not_direct(strategy, options)
+    if engine == "direct" and why_not is not None:
+        raise ValueError(f"engine='direct' cannot run this job: {why_not}; use engine='pipeline' (or 'auto')")
     registered = []
     try:
         if strategy == "register":
             registered = _register(dev, x, out, fresh_out, options.get("workers") or _default_workers(dev))
             x_buffer, out_buffer = registered[0], registered[-1]
         host_in, host_out = layout.host_rings(x_buffer, out_buffer)
-        if on_pipeline is None and direct.why_not_direct(strategy, options) is None:
+        if engine != "pipeline" and on_pipeline is None and why_not is None:
             _run_direct(f, x, layout, host_in, host_out, options, keep_warm)
             return out, None
         # the pipeline's shape: a warm one parked under the same key serves this call as it is
