@@ -33,6 +33,8 @@ RUNS = [  # (name, stream_map options beyond host="stage")
     ("12 workers", {"workers": 12}),
     ("32 MiB chunks", {"chunk_bytes": 32 * MiB}),
     ("8 MiB chunks", {"chunk_bytes": 8 * MiB}),
+    ("16 MiB chunks", {"chunk_bytes": 16 * MiB}),
+    ("4 MiB chunks", {"chunk_bytes": 4 * MiB}),
 ]
 
 
@@ -44,6 +46,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--trace", default=None)
     ap.add_argument("--no-floors", action="store_true", help="skip the floors (they need torch and a GPU)")
+    ap.add_argument("--runs", default=None, help="comma-separated names of RUNS to time (default: all)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also cProfile the calling thread (the scheduler) over one staged call at the defaults")
     args = ap.parse_args(argv)
     dev = rf.device(args.device)
     if not args.no_floors:
@@ -55,7 +60,10 @@ def main(argv=None) -> int:
     f = kernels.scale_shift()
     res: dict = {"environment": environment(dev), "bytes": x.nbytes, "runs": []}
 
+    wanted = set(args.runs.split(",")) if args.runs else None
     for name, opts in RUNS:
+        if wanted is not None and name not in wanted:
+            continue
         kw = {"chunk_bytes": "auto", "host": "stage", **opts}
         ok = bool(np.array_equal(rf.stream_map(f, x, device=dev, **kw), expected))
         t = time_calls(lambda: dev.now, lambda: rf.stream_map(f, x, device=dev, **kw), warmup=0,
@@ -63,6 +71,19 @@ def main(argv=None) -> int:
         res["runs"].append({"name": name, **t.as_dict(), "correct": ok})
         print(f"{name:20s} {t.median_ms:8.2f} ms (p10 {t.p10_ms:.2f}, p90 {t.p90_ms:.2f}) ok={ok}", flush=True)
 
+    if args.profile:
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        rf.stream_map(f, x, device=dev, chunk_bytes="auto", host="stage")
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        res["caller_thread_profile"] = text.getvalue()
+        print(text.getvalue()[:6000], flush=True)
     y, report = stream_map_report(f, x, device=dev, chunk_bytes="auto", host="stage")
     res["report"] = report.as_dict()
     res["report_correct"] = bool(np.array_equal(y, expected))
