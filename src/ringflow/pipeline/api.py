@@ -585,19 +585,14 @@ def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
     options = dict(pipeline_options)
     on_pipeline = options.pop("_on_pipeline", None)
     keep_warm = options.pop("keep_warm", True)
-    engine = options.pop("engine", "auto")
-    if engine not in ("auto", "direct", "pipeline"):
-        raise ValueError(f"engine must be 'auto', 'direct' or 'pipeline', got {engine!r}")
-    why_not = direct.why_not_direct(strategy, options)
-    if engine == "direct" and why_not is not None:
-        raise ValueError(f"engine='direct' cannot run this job: {why_not}; use engine='pipeline' (or 'auto')")
+    engine = direct.choose_engine(options.pop("engine", "auto"), strategy, options)
     registered = []
     try:
         if strategy == "register":
             registered = _register(dev, x, out, fresh_out, options.get("workers") or _default_workers(dev))
             x_buffer, out_buffer = registered[0], registered[-1]
         host_in, host_out = layout.host_rings(x_buffer, out_buffer)
-        if engine != "pipeline" and on_pipeline is None and why_not is None:
+        if engine == "direct" and on_pipeline is None:
             _run_direct(f, x, layout, host_in, host_out, options, keep_warm)
             return out, None
         # the pipeline's shape: a warm one parked under the same key serves this call as it is

@@ -46,6 +46,20 @@ _OPTIONS = {"inplace", "slots", "checked", "workers", "pinned_budget", "max_in_f
             "profile", "_disabled_guards"}
 
 
+ENGINES = ("auto", "direct", "pipeline")
+
+
+def choose_engine(engine: str, strategy: str, options: dict) -> str:
+    """"direct" or "pipeline" for a whole-array job: ``engine`` "auto" picks direct wherever it
+    runs the job the same; "direct" where it cannot is a ValueError saying why."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    reason = why_not_direct(strategy, options)
+    if engine == "direct" and reason is not None:
+        raise ValueError(f"engine='direct' cannot run this job: {reason}; use engine='pipeline' (or 'auto')")
+    return "direct" if engine != "pipeline" and reason is None else "pipeline"
+
+
 def why_not_direct(strategy: str, options: dict) -> Optional[str]:
     """Why a whole-array job with this host strategy and these pipeline options needs the
     pipeline's scheduler, or None when the direct engine runs it the same."""

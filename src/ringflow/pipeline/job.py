@@ -34,9 +34,6 @@ from ..device.protocol import close_quietly
 from . import direct
 from .api import Pipeline, _check_map_args, _default_workers, _layout_map, _register
 
-ENGINES = ("auto", "direct", "pipeline")
-
-
 class MapJob:
     """``f(x_chunk, y_chunk)`` over ``x`` into ``out`` (allocated if None), as :func:`stream_map`
     with the same arguments, set up once; each call runs the whole array again and returns
@@ -52,8 +49,8 @@ class MapJob:
     def __init__(self, f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, device=None,
                  chunk_bytes: "int | str | None" = None, host: str = "auto", x_buffer=None, out_buffer=None,
                  engine: str = "auto", **pipeline_options: Any):
-        if engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        if engine not in direct.ENGINES:  # before any work on the arrays
+            raise ValueError(f"engine must be one of {direct.ENGINES}, got {engine!r}")
         out, fresh_out = _check_map_args(x, out, host, "MapJob")
         if x.shape[0] == 0 or x.size == 0:
             raise ValueError("MapJob needs at least one element in x; for an empty array call stream_map, "
@@ -66,10 +63,7 @@ class MapJob:
         self._layout = layout = _layout_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer,
                                             pipeline_options)
         self.device = layout.dev
-        reason = direct.why_not_direct(layout.strategy, pipeline_options)
-        if engine == "direct" and reason is not None:
-            raise ValueError(f"engine='direct' cannot run this job: {reason}; use engine='pipeline' (or 'auto')")
-        self.engine = "direct" if engine != "pipeline" and reason is None else "pipeline"
+        self.engine = direct.choose_engine(engine, layout.strategy, pipeline_options)
         self._registered: list = []
         self._runner: "direct.DirectSchedule | _PipelineRunner | None" = None
         try:
