@@ -200,56 +200,55 @@ def phases(dev, out: dict, chunks: int = 16, refill_modes=(False, True)) -> None
     scheduler.Scheduler._mark = marked
     runs = []
     x0 = x.copy()
+
+    def last_of_six(engine: str, refill: bool) -> tuple[float, float]:
+        """Six warm calls on ``engine``; the last one's start and end (its stamps are in ``log``)."""
+        for _ in range(6):
+            if refill:  # the bench's method: the CPU rewrites the 256 MiB input before each call
+                x[:] = x0
+            log.clear()
+            t0 = time.perf_counter()
+            rf.stream_map(f, x, x, device=dev, chunk_bytes=n * 4 // chunks, x_buffer=hb, out_buffer=hb, inplace=True,
+                          engine=engine)
+            t1 = time.perf_counter()
+        return t0, t1
+
     try:
         for refill in refill_modes:
-            for _ in range(6):
-                if refill:  # the bench's method: the CPU rewrites the 256 MiB input before each call
-                    x[:] = x0
-                log.clear()
-                t0 = time.perf_counter()
-                rf.stream_map(f, x, x, device=dev, chunk_bytes=n * 4 // chunks, x_buffer=hb, out_buffer=hb, inplace=True,
-                              engine="pipeline")
-                t1 = time.perf_counter()
-                first = {}
-                last = {}
-                spent = {}
-                opened = {}
-                for label, t in log:
-                    first.setdefault(label, t)
-                    last[label] = t
-                    name, edge = label[:-1], label[-1]
-                    if edge == "!":
-                        continue
-                    if edge == ">":
-                        opened[name] = t
-                    else:
-                        spent[name] = spent.get(name, 0.0) + (t - opened.pop(name, t)) * 1e6
-                first_copy = next((i for i, (lb, _) in enumerate(log) if lb == "h2d!"), len(log))
+            t0, t1 = last_of_six("pipeline", refill)
+            first = {}
+            last = {}
+            spent = {}
+            opened = {}
+            for label, t in log:
+                first.setdefault(label, t)
+                last[label] = t
+                name, edge = label[:-1], label[-1]
+                if edge == "!":
+                    continue
+                if edge == ">":
+                    opened[name] = t
+                else:
+                    spent[name] = spent.get(name, 0.0) + (t - opened.pop(name, t)) * 1e6
+            first_copy = next((i for i, (lb, _) in enumerate(log) if lb == "h2d!"), len(log))
             runs.append({"engine": "pipeline", "refill": refill, "total_ms": (t1 - t0) * 1e3,
                          "until_first_copy_us": [(lb, round((t - t0) * 1e6, 1)) for lb, t in log[:first_copy + 1]],
-                             "enqueued_us": {st: [round((t - t0) * 1e6, 1) for lb, t in log if lb == st + "!"]
-                                             for st in ("h2d", "compute", "d2h")},
-                             "consumed_us": [round((t - t0) * 1e6, 1) for lb, t in log if lb == "on_consumed<"],
-                             "init_us": [(first[k] - t0) * 1e6 if k in first else None
-                                         for k in ("Pipeline.__init__>", "Pipeline.__init__<")],
-                             "first_h2d_enqueue_us": (first["enqueue_h2d<"] - t0) * 1e6,
-                             "last_consumed_ms": (last["on_consumed<"] - t0) * 1e3,
-                             "closed": "Pipeline.close>" in first,  # False: kept warm
-                             "returned_ms": (t1 - t0) * 1e3,
-                             "us_in": {k: round(v, 1) for k, v in spent.items()},
-                             "calls": {k[:-1]: sum(1 for lb, _ in log if lb == k) for k in first if k.endswith(">")}})
+                         "enqueued_us": {st: [round((t - t0) * 1e6, 1) for lb, t in log if lb == st + "!"]
+                                         for st in ("h2d", "compute", "d2h")},
+                         "consumed_us": [round((t - t0) * 1e6, 1) for lb, t in log if lb == "on_consumed<"],
+                         "init_us": [(first[k] - t0) * 1e6 if k in first else None
+                                     for k in ("Pipeline.__init__>", "Pipeline.__init__<")],
+                         "first_h2d_enqueue_us": (first["enqueue_h2d<"] - t0) * 1e6,
+                         "last_consumed_ms": (last["on_consumed<"] - t0) * 1e3,
+                         "closed": "Pipeline.close>" in first,  # False: kept warm
+                         "returned_ms": (t1 - t0) * 1e3,
+                         "us_in": {k: round(v, 1) for k, v in spent.items()},
+                         "calls": {k[:-1]: sum(1 for lb, _ in log if lb == k) for k in first if k.endswith(">")}})
         # the direct engine (what stream_map runs here by default): when the first copy is
         # enqueued, when the last operation is, and when the call returns
         for refill in refill_modes:
-            for _ in range(6):
-                if refill:
-                    x[:] = x0
-                log.clear()
-                t0 = time.perf_counter()
-                rf.stream_map(f, x, x, device=dev, chunk_bytes=n * 4 // chunks, x_buffer=hb, out_buffer=hb, inplace=True,
-                              engine="direct")
-                t1 = time.perf_counter()
-                copies = [t for lb, t in log if lb == "stream.copy>"]
+            t0, t1 = last_of_six("direct", refill)
+            copies = [t for lb, t in log if lb == "stream.copy>"]
             runs.append({"engine": "direct", "refill": refill, "total_ms": (t1 - t0) * 1e3,
                          "first_copy_us": round((copies[0] - t0) * 1e6, 1) if copies else None,
                          "last_copy_us": round((copies[-1] - t0) * 1e6, 1) if copies else None,
