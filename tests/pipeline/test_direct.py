@@ -295,3 +295,62 @@ def test_stream_map_engine_option():
     with pytest.raises(ValueError, match="engine must be"):
         rf.stream_map(f, x, device=dev, chunk_bytes=CHUNK, engine="graph")
     assert rf.drop_warm_pipelines(dev) == 2 and dev.live().total == 0
+
+
+def test_a_profiled_direct_run_has_a_timeline_on_one_clock():
+    """profile=True on the direct engine: every chunk's copy in, compute and copy out from
+    timing events aligned to the host clock, in stream order and each after the one before it,
+    plus the host's enqueueing of each chunk; the report and the Chrome trace come from it."""
+    import json
+
+    from ringflow.trace.chrome import to_chrome
+    from ringflow.trace.timeline import ENQUEUE_TRACK
+
+    dev = rf.device("sim", seed=8, chaos=True)
+    rf.drop_warm_pipelines()
+    x = contents(5)
+    y, report = stream_map_report(f, x, device=dev, chunk_bytes=CHUNK, host="register")
+    np.testing.assert_array_equal(y, x * 3 + 1)
+    assert report.timeline.meta["engine"] == "direct" and report.chunks == 14
+    recs = sorted(report.timeline.records, key=lambda r: r.index)
+    for r in recs:
+        (h0, h1), (c0, c1), (d0, d1) = (r.stages[s] for s in ("h2d", "compute", "d2h"))
+        assert r.accepted <= h0 < h1 <= c0 < c1 <= d0 < d1 <= r.ended
+        assert "prepare" not in r.stages and "consume" not in r.stages  # no CPU stage runs
+    for stage in ("h2d", "compute", "d2h"):  # one stream each: its spans in chunk order, never overlapping
+        spans = [r.stages[stage] for r in recs]
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    enqueues = [s for s in report.timeline.host if s.track == ENQUEUE_TRACK]
+    assert [s.chunk for s in enqueues] == list(range(14)) and all(s.end >= s.start for s in enqueues)
+    assert 0 < report.ideal_s <= report.measured_s and report.stage_median_s["compute"] > 0
+    assert report.host_overhead_per_chunk_s > 0 and report.memory["device allocated"] > 0
+    trace = json.loads(json.dumps(to_chrome(report.timeline)))
+    names = {e.get("name", "").split(" #")[0] for e in trace["traceEvents"]}
+    assert {"h2d", "compute", "d2h", "enqueue"} <= names
+    # staging still profiles on the pipeline, with its five stages
+    _, staged = stream_map_report(f, x, device=dev, chunk_bytes=CHUNK, host="stage")
+    assert "engine" not in staged.timeline.meta and all("prepare" in r.stages for r in staged.timeline.records)
+    rf.drop_warm_pipelines(dev)
+
+
+def test_an_unprofiled_direct_run_records_no_timing_event():
+    dev = rf.device("sim", seed=9)
+    x = contents(6)
+    with rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, host="register") as job:
+        schedule = job._runner
+        timed = []
+        for s in (schedule.h2d_stream, schedule.compute_stream, schedule.d2h_stream):
+            record = s.record
+
+            def counting(*a, _record=record, **kw):
+                timed.append(kw.get("timing", False))
+                return _record(*a, **kw)
+
+            s.record = counting
+        job()
+        assert timed and not any(timed)
+        schedule.run(profile=True)
+        assert any(timed) and schedule.report().chunks == 14
+        job()  # unprofiled again: the last timeline is dropped
+        with pytest.raises(RuntimeError, match="no profiled run"):
+            schedule.report()

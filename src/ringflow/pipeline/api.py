@@ -412,7 +412,7 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
     ``engine``: where the copy engines read ``x`` and write ``out`` in place (``x_buffer``, or
     ``host="register"``) the call is enqueued in one pass with no scheduler (``"direct"``, the
     default there; :mod:`ringflow.pipeline.direct`); ``"pipeline"`` runs it on the scheduler, as
-    staging, ``profile=True`` and ``on_error="continue"`` always do.
+    staging and ``on_error="continue"`` always do. ``profile=True`` profiles either engine.
 
     ``keep_warm`` (default True): when the call ends cleanly its engine (streams, rings,
     workers) is kept, without any reference to ``x`` or ``out``, and the next call with the same
@@ -445,13 +445,13 @@ def _check_map_args(x, out, host: str, who: str) -> tuple[np.ndarray, bool]:
 
 
 def stream_map_report(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, **kw: Any):
-    """:func:`stream_map` with profiling on; returns ``(out, report)`` (report None if x is empty)."""
+    """:func:`stream_map` with profiling on, on the engine it would run on anyway; returns
+    ``(out, report)`` (report None if x is empty)."""
     kw["profile"] = True
-    result = {}
-    kw["_on_pipeline"] = lambda pipe: result.setdefault("pipe", pipe)
+    result: dict = {}
+    kw["_report_to"] = result
     out = stream_map(f, x, out, **kw)
-    pipe = result.get("pipe")
-    return out, (pipe.report() if pipe is not None else None)
+    return out, result.get("report")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -584,6 +584,7 @@ def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
     dev, strategy = layout.dev, layout.strategy
     options = dict(pipeline_options)
     on_pipeline = options.pop("_on_pipeline", None)
+    report_to = options.pop("_report_to", None)
     keep_warm = options.pop("keep_warm", True)
     engine = direct.choose_engine(options.pop("engine", "auto"), strategy, options)
     registered = []
@@ -593,7 +594,7 @@ def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
             x_buffer, out_buffer = registered[0], registered[-1]
         host_in, host_out = layout.host_rings(x_buffer, out_buffer)
         if engine == "direct" and on_pipeline is None:
-            _run_direct(f, x, layout, host_in, host_out, options, keep_warm)
+            _run_direct(f, x, layout, host_in, host_out, options, keep_warm, report_to)
             return out, None
         # the pipeline's shape: a warm one parked under the same key serves this call as it is
         key = None
@@ -614,6 +615,8 @@ def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
                 on_pipeline(pipe)
             for _ in pipe.map(layout.ranges()):
                 pass
+            if report_to is not None:
+                report_to["report"] = pipe.report()
             if key is not None and pipe._park():
                 warm.WARM.park(key, pipe)
                 parked = True
@@ -630,10 +633,14 @@ def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
     return out, None
 
 
-def _run_direct(f, x: np.ndarray, layout: MapLayout, x_buffer, out_buffer, options: dict, keep_warm: bool) -> None:
+def _run_direct(f, x: np.ndarray, layout: MapLayout, x_buffer, out_buffer, options: dict, keep_warm: bool,
+                report_to: Optional[dict] = None) -> None:
     """One call through the direct engine (no scheduler: :mod:`ringflow.pipeline.direct`), with
     a warm schedule of the same shape reused and parked again, as pipelines are. A parked
-    schedule holds no slice of the caller's buffers (they are given to each run)."""
+    schedule holds no slice of the caller's buffers (they are given to each run). Profiling is
+    a property of the run, not of the schedule: a profiled call may use a warm one."""
+    options = dict(options)
+    profile = bool(options.pop("profile", False))
     key = None
     if keep_warm and not options.get("checked"):
         opts = warm.options_key(options)
@@ -643,7 +650,9 @@ def _run_direct(f, x: np.ndarray, layout: MapLayout, x_buffer, out_buffer, optio
     if schedule is None:
         schedule = layout.direct_schedule(f, x, None, None, options)
     try:
-        schedule.run(x_buffer, out_buffer)
+        schedule.run(x_buffer, out_buffer, profile=profile)
+        if report_to is not None:
+            report_to["report"] = schedule.report() if profile else None
     except BaseException as exc:
         schedule.fail(exc)  # settled and closed; never masks exc
         raise

@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from ..device.protocol import BufferSlice, Device, close_quietly, free_quietly, stream_after
 from ..errors import DeviceError, StageError
+from ..trace.report import Report
+from ..trace.timeline import ENQUEUE_TRACK, GPU_STAGES, Anchor, ChunkRecord, Span, Timeline
 from .config import SlotCounts, refuse_unknown_guards
 
 # The waits that order the job, named as the pipeline's guards for the same waits; a test can
@@ -67,8 +69,6 @@ def why_not_direct(strategy: str, options: dict) -> Optional[str]:
         return "host='stage' copies x and out through pinned rings on CPU workers"
     if options.get("on_error", "raise") != "raise":
         return "on_error='continue' completes the other chunks around a failed one"
-    if options.get("profile"):
-        return "profile=True records the pipeline's timeline"
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:
         return f"the option(s) {unknown} are the pipeline's"
@@ -133,6 +133,8 @@ class DirectSchedule:
             raise
         self.slot_bytes = slot_bytes
         self.enqueue_seconds = 0.0  # host time the last run spent enqueueing (its host overhead)
+        self._timeline: Optional[Timeline] = None  # the last profiled run's
+        self._profiled = None
         # the event each device slot's next owner waits on (its last use, or the poison fill after it)
         self._in_ready: list = [None] * n_in
         self._out_ready: list = [None] * n_out
@@ -154,9 +156,12 @@ class DirectSchedule:
     def closed(self) -> bool:
         return not self._streams
 
-    def run(self, x_buffer=None, out_buffer=None) -> None:
+    def run(self, x_buffer=None, out_buffer=None, *, profile: bool = False) -> None:
         """Enqueue every chunk, then block until the last result is in ``out_buffer`` (the
         buffers bound at construction, or these; a chunk's slices are made as it is enqueued).
+        With ``profile`` every operation is bracketed by timing events and the run's timeline
+        kept for :meth:`report` (GPU spans aligned to the host clock, and each chunk's enqueueing
+        on the host); without it no timing event is recorded.
 
         Raises :class:`~ringflow.errors.StageError` for a compute that failed (while being
         enqueued, or on the device), or the device's sticky error; either way every operation
@@ -168,9 +173,12 @@ class DirectSchedule:
             raise ValueError("pass both x_buffer and out_buffer, or neither (the ones bound at construction)")
         if x_buffer is None and self.ops and self.ops[0].host_in is None:
             raise ValueError("no host buffers were bound at construction; pass x_buffer and out_buffer")
+        self._timeline = None
         t0 = time.perf_counter()
         try:
-            if x_buffer is None:
+            if profile:
+                compute_events = self._run_profiled(x_buffer, out_buffer)
+            elif x_buffer is None:
                 compute_events = [self._enqueue(op, op.host_in, op.host_out) for op in self.ops]
             else:
                 compute_events = [self._enqueue(op, x_buffer.slice(op.offset, op.nbytes),
@@ -180,27 +188,35 @@ class DirectSchedule:
         except BaseException:
             self.settle()  # nothing enqueued may still touch the host buffers when the caller sees this
             raise
+        if profile:
+            self._finish_timeline()
         for op, event in zip(self.ops, compute_events):
             err = event.error
             if err is not None:  # a launch that failed on the device (reported by its event)
                 cause = err.__cause__ or err  # the callable's own exception, as the pipeline reports it
                 raise StageError("compute", op.index, cause) from cause
 
-    def _enqueue(self, op: ChunkOps, host_in: BufferSlice, host_out: BufferSlice):
-        """Enqueue one chunk's copy in, compute and copy out; returns the compute's event."""
+    def _enqueue(self, op: ChunkOps, host_in: BufferSlice, host_out: BufferSlice, events: Optional[dict] = None):
+        """Enqueue one chunk's copy in, compute and copy out; returns the compute's event. With
+        ``events`` (profiling) each operation is bracketed by timing events, stored there."""
         off = self._guard_off
+        timing = events is not None
         h2d, comp, d2h = self.h2d_stream, self.compute_stream, self.d2h_stream
         ready = self._in_ready[op.slot_in]
         if ready is not None and "h2d.wait_slot_ready" not in off:
             h2d.wait(ready)
+        if timing:
+            events["h2d.start"] = h2d.record(timing=True)
         h2d.copy(op.dev_in, host_in, op.nbytes)
-        copied_in = h2d.record()
+        copied_in = h2d.record(timing=timing)
         if "compute.wait_h2d" not in off:
             comp.wait(copied_in)
         if not self.inplace:
             ready = self._out_ready[op.slot_out]
             if ready is not None and "compute.wait_slot_ready" not in off:
                 comp.wait(ready)
+        if timing:
+            events["compute.start"] = comp.record(timing=True)
         try:
             if self.inplace:
                 comp.launch(self.compute, op.x, op.x, writes=[op.x], sim_seconds=op.sim_seconds)
@@ -212,18 +228,71 @@ class DirectSchedule:
             raise StageError("compute", op.index, err) from err
         except Exception as exc:  # noqa: BLE001 - the compute callable raised while it was enqueued
             raise StageError("compute", op.index, exc) from exc
-        computed = comp.record()
+        computed = comp.record(timing=timing)
         if not self.inplace:
             self._in_ready[op.slot_in] = self._after_use(op.dev_in, computed)
         if "d2h.wait_compute" not in off:
             d2h.wait(computed)
+        if timing:
+            events["d2h.start"] = d2h.record(timing=True)
         d2h.copy(host_out, op.dev_out, op.nbytes)
-        copied_out = d2h.record()
+        copied_out = d2h.record(timing=timing)
+        if timing:
+            events.update({"h2d.end": copied_in, "compute.end": computed, "d2h.end": copied_out})
         if self.inplace:
             self._in_ready[op.slot_in] = self._after_use(op.dev_in, copied_out)
         else:
             self._out_ready[op.slot_out] = self._after_use(op.dev_out, copied_out)
         return computed
+
+    def _run_profiled(self, x_buffer, out_buffer) -> list:
+        """``run``'s enqueue pass with timing events and host stamps (kept for the timeline)."""
+        now = self.device.now
+        anchor = Anchor(self.device, self.h2d_stream)  # seen done: every event recorded later times after it
+        started = now
+        chunk_events, enqueued, compute_events = [], [], []
+        for op in self.ops:
+            events: dict = {}
+            a = now
+            if x_buffer is None:
+                hin, hout = op.host_in, op.host_out
+            else:
+                hin, hout = x_buffer.slice(op.offset, op.nbytes), out_buffer.slice(op.offset, op.nbytes)
+            compute_events.append(self._enqueue(op, hin, hout, events))
+            chunk_events.append(events)
+            now = self.device.now
+            enqueued.append((a, now))
+        self._profiled = (anchor, started, chunk_events, enqueued)
+        return compute_events
+
+    def _finish_timeline(self) -> None:
+        anchor, started, chunk_events, enqueued = self._profiled
+        self._profiled = None
+        ended = self.device.now
+        timeline = Timeline(meta={"device": self.device.name, "chunk_bytes": self.slot_bytes, "engine": "direct",
+                                  "slots": {"device_in": len(self._in_ready), "device_out": len(self._out_ready)},
+                                  "workers": 0})
+        for op, events, (a, b) in zip(self.ops, chunk_events, enqueued):
+            stages = {}
+            for stage in GPU_STAGES:
+                start, end = anchor.time_of(events.get(stage + ".start")), anchor.time_of(events.get(stage + ".end"))
+                if start is not None and end is not None:
+                    stages[stage] = (start, end)
+            timeline.records.append(ChunkRecord(index=op.index, nbytes=op.nbytes, final="delivered",
+                                                accepted=started, ended=ended, stages=stages))
+            timeline.host.append(Span(ENQUEUE_TRACK, "enqueue", a, b, op.index))
+        self._timeline = timeline
+
+    def report(self) -> Report:
+        """The last profiled run's report (stage times, ideal bound, efficiency, ...). Chunks
+        are all accepted when the call starts and delivered when it returns."""
+        if self._timeline is None:
+            raise RuntimeError("no profiled run to report; call run(..., profile=True) first")
+        device_bytes = sum(ring.nbytes for ring in self._rings)
+        memory = {"pinned allocated": 0, "pinned high-water": 0, "device allocated": device_bytes,
+                  "device high-water": device_bytes}
+        return Report.build(self._timeline, workers=1, memory=memory,
+                            host_seconds=self.enqueue_seconds)
 
     def _after_use(self, where, last_use):
         """The event a slot's next owner waits on: ``last_use``, or in checked mode the poison

@@ -106,6 +106,7 @@ class Timeline:
     records: list = dataclasses.field(default_factory=list)
     stalls: list = dataclasses.field(default_factory=list)  # Span
     meta: dict = dataclasses.field(default_factory=dict)
+    host: list = dataclasses.field(default_factory=list)  # Span: CPU work that is no stage (enqueueing)
 
     def spans(self, *, lanes: bool = True) -> list[Span]:
         """Every span. With ``lanes`` overlapping spans of one track (CPU stages on several
@@ -120,7 +121,7 @@ class Timeline:
                 if stage in r.stages:
                     a, b = r.stages[stage]
                     out.append(Span(TRACKS[stage], stage, a, b, r.index, {"bytes": r.nbytes}))
-        return out + list(self.stalls)
+        return out + list(self.host) + list(self.stalls)
 
     @property
     def start(self) -> float:
@@ -132,11 +133,14 @@ class Timeline:
 
     def to_dict(self) -> dict[str, Any]:
         return {"records": [dataclasses.asdict(r) for r in self.records],
-                "stalls": [dataclasses.asdict(s) for s in self.stalls], "meta": self.meta}
+                "stalls": [dataclasses.asdict(s) for s in self.stalls],
+                "host": [dataclasses.asdict(s) for s in self.host], "meta": self.meta}
 
 
 TRACKS = {"prepare": "cpu: prepare", "h2d": "gpu: h2d stream", "compute": "gpu: compute stream",
           "d2h": "gpu: d2h stream", "consume": "cpu: consume"}
+# the direct engine's host work: enqueueing a chunk's operations (it has no prepare or consume)
+ENQUEUE_TRACK = "cpu: enqueue"
 
 
 def assign_lanes(spans: list[Span]) -> list[Span]:
@@ -161,5 +165,5 @@ def track_sort_key(track: str):
     """Stage tracks in pipeline order (each with its lanes), then every other track by name."""
     base = track.split(" [")[0]
     lane = int(track.split(" [")[1].rstrip("]")) if " [" in track else 0
-    order = [TRACKS[s] for s in STAGES]
+    order = [TRACKS["prepare"], ENQUEUE_TRACK] + [TRACKS[s] for s in STAGES[1:]]
     return (order.index(base) if base in order else len(order), base, lane)
