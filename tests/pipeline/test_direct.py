@@ -354,3 +354,19 @@ def test_an_unprofiled_direct_run_records_no_timing_event():
         job()  # unprofiled again: the last timeline is dropped
         with pytest.raises(RuntimeError, match="no profiled run"):
             schedule.report()
+
+
+@pytest.mark.gpu
+def test_direct_profile_on_the_gpu(cuda_device):
+    def twice_plus_one(x, y):
+        y[...] = x * 2 + 1
+
+    x = np.random.default_rng(3).integers(-1000, 1000, (4096, 256), dtype=np.int32)  # 4 MiB, 8 chunks
+    y, report = stream_map_report(twice_plus_one, x, device=cuda_device, chunk_bytes=512 << 10, host="register",
+                                  keep_warm=False)
+    np.testing.assert_array_equal(y, x * 2 + 1)
+    assert report.timeline.meta["engine"] == "direct" and report.chunks == 8
+    for r in report.timeline.records:
+        (h0, h1), (c0, c1), (d0, d1) = (r.stages[s] for s in ("h2d", "compute", "d2h"))
+        assert h0 < h1 <= c0 + 1e-6 and c0 < c1 <= d0 + 1e-6 and d0 < d1  # event times: stream order
+    assert 0 < report.ideal_s <= report.measured_s * 1.05
