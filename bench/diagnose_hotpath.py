@@ -33,7 +33,7 @@ from ringflow.benchmarks import kernels
 from ringflow.benchmarks.measure import fresh_random, time_calls
 from ringflow.benchmarks.runner import environment
 from ringflow.benchmarks.workloads import drive_until
-from ringflow.pipeline.api import stream_map_report
+from ringflow.pipeline.whole_array import stream_map_report
 
 MiB = 1 << 20
 
@@ -160,7 +160,6 @@ def phases(dev, out: dict, chunks: int = 16, refill_modes=(False, True)) -> None
 
     from ringflow.pipeline import ring as ring_mod
     from ringflow.device.cuda import device as cuda_device_mod, stream as cuda_stream_mod, memory as cuda_memory_mod
-    import ringflow.plan as plan_mod
 
     wrap(api.Pipeline, "__init__", "Pipeline.__init__")
     wrap(api, "resolve_slots", "resolve_slots")

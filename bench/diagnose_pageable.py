@@ -24,7 +24,7 @@ import ringflow as rf
 from ringflow.benchmarks import baselines, kernels
 from ringflow.benchmarks.measure import fresh_random, time_calls
 from ringflow.benchmarks.runner import environment
-from ringflow.pipeline.api import stream_map_report
+from ringflow.pipeline.whole_array import stream_map_report
 
 MiB = 1 << 20
 RUNS = [  # (name, stream_map options beyond host="stage")

@@ -209,7 +209,7 @@ def test_auto_chunk_is_planned_for_the_host_strategy_actually_used():
 
     import ringflow as rf
     from ringflow import plan
-    from ringflow.pipeline.api import _layout_map
+    from ringflow.pipeline.whole_array import _layout_map
 
     dev = rf.device("sim")
     x = np.ones(1 << 28 >> 2, np.float32)

@@ -22,7 +22,7 @@ def demo(device: str = "auto", out_dir: str = "ringflow-demo") -> int:
     from .benchmarks.measure import fresh_random
     from .benchmarks.runner import table
     from .benchmarks.workloads import inplace_pinned, pageable
-    from .pipeline.api import stream_map_report
+    from .pipeline.whole_array import stream_map_report
 
     from .benchmarks.runner import quiet_gc
 

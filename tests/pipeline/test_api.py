@@ -459,3 +459,13 @@ def test_default_workers_request_streams_get_few_bulk_jobs_get_a_core_each(monke
     monkeypatch.setattr(api.os, "cpu_count", lambda: 64)
     assert api._default_workers(gpu, bulk=True) == 16
     assert api._default_workers(types.SimpleNamespace(backend="sim"), bulk=False) == 4
+
+
+def test_the_module_examples_run():
+    import doctest
+
+    from ringflow.pipeline import api as api_module, whole_array
+
+    for module in (api_module, whole_array):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

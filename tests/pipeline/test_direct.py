@@ -15,7 +15,7 @@ import pytest
 import ringflow as rf
 from ringflow.errors import StageError
 from ringflow.pipeline import direct
-from ringflow.pipeline.api import stream_map_report
+from ringflow.pipeline.whole_array import stream_map_report
 from ringflow.pipeline.direct import why_not_direct
 from tests.helpers.pipeline_checks import caught, copy_failing_on_call, guard_outcome
 

@@ -101,7 +101,7 @@ def quiet_gc() -> dict[str, Any]:
 def _trace_run(dev, trace, plot, quick) -> None:
     from . import kernels
     from .measure import fresh_random
-    from ..pipeline.api import stream_map_report
+    from ..pipeline.whole_array import stream_map_report
 
     x = fresh_random((8 if quick else 64) * (1 << 20) // 4, seed=5)
     _, rep = stream_map_report(kernels.affine(64), x, device=dev, chunk_bytes=(1 << 20) * (1 if quick else 4))

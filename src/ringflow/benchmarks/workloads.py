@@ -20,7 +20,7 @@ import ringflow as rf
 
 from .. import plan
 from ..device.protocol import Device
-from ..pipeline.api import stream_map_report
+from ..pipeline.whole_array import stream_map_report
 from . import kernels
 from .measure import Timing, fresh_random, time_calls
 

@@ -32,7 +32,8 @@ import numpy as np
 
 from ..device.protocol import close_quietly
 from . import direct
-from .api import Pipeline, _check_map_args, _default_workers, _layout_map, _register
+from .api import Pipeline, _default_workers
+from .whole_array import _check_map_args, _layout_map, _register
 
 class MapJob:
     """``f(x_chunk, y_chunk)`` over ``x`` into ``out`` (allocated if None), as :func:`stream_map`
