@@ -5,7 +5,8 @@ runs slower than the host floor measured part by part, on a real GPU:
   first touch; ``link_floor``) and all of the path's memory work at once with no pipeline
   (``staging_floor``: CPU copies in and out and the GPU's copies together, with and without the
   GPU part) — if the parts contend for the host's memory bandwidth the second is the real floor;
-* ``runs``: stream_map(host="stage") for a few worker counts and chunk sizes, median of 5;
+* ``runs``: stream_map(host="stage") for a few worker counts, chunk sizes and host ring sizes,
+  median of 5 (``--runs`` picks some by name);
 * ``report``: one profiled run at the defaults (stage medians, stalls) and its trace.
 
     PYTHONPATH=src python3 bench/diagnose_pageable.py --device cuda:0 --out diag.json --trace trace.json
@@ -35,6 +36,10 @@ RUNS = [  # (name, stream_map options beyond host="stage")
     ("8 MiB chunks", {"chunk_bytes": 8 * MiB}),
     ("16 MiB chunks", {"chunk_bytes": 16 * MiB}),
     ("4 MiB chunks", {"chunk_bytes": 4 * MiB}),
+    # host ring sizes (host-in / host-out slots; device rings 3 each)
+    ("8 MiB, 16/16 host slots", {"chunk_bytes": 8 * MiB, "slots": rf.SlotCounts(16, 3, 3, 16)}),
+    ("8 MiB, 12/16 host slots", {"chunk_bytes": 8 * MiB, "slots": rf.SlotCounts(12, 3, 3, 16)}),
+    ("16 MiB, 8/12 host slots", {"chunk_bytes": 16 * MiB, "slots": rf.SlotCounts(8, 3, 3, 12)}),
 ]
 
 

@@ -41,11 +41,6 @@ def test_diagnose_hotpath(tmp_path):
     assert r["requests"]["p99_ms"] > 0 and r["setup"]["parts_us"]
 
 
-def test_tune_pageable(tmp_path):
-    r = run_script(tmp_path, "tune_pageable.py", "--gib", "0.01", "--repeats", "1")
-    assert r["rows"] and all(row["correct"] is True and row["ms_median"] > 0 for row in r["rows"])
-
-
 def test_diagnose_pageable(tmp_path):
     r = run_script(tmp_path, "diagnose_pageable.py", "--gib", "0.004", "--repeats", "1", "--no-floors",
                    "--trace", str(tmp_path / "trace.json"))
