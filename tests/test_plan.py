@@ -189,13 +189,13 @@ def test_staged_chunks_cost_the_scheduler_two_pool_hand_offs_more():
     """On the H200 host a staged 1 GiB job in 4 MiB chunks was bound by the scheduler (106.5 ms)
     and 8 MiB chunks ran in 79.5 ms (diagnose-pageable-h200-2026-11-30-s4.json): the planner must
     count the pool hand-offs of staging, and so choose at least 8 MiB there, while the same job
-    from pinned memory (no pool tasks) is planned with the bare per-chunk cost."""
+    from pinned memory (no pool tasks: the direct engine) is planned with its enqueueing cost."""
     from ringflow import plan
 
     staged, _ = plan.predict_seconds("h200-pcie5", 1 << 30, 4 << 20, workers=15, host_stages=True)
     pinned, _ = plan.predict_seconds("h200-pcie5", 1 << 30, 4 << 20, workers=15, host_stages=False)
     assert staged.scheduler == pytest.approx(plan.SCHEDULER_S_PER_CHUNK + 2 * plan.SCHEDULER_S_PER_HOST_TASK)
-    assert pinned.scheduler == pytest.approx(plan.SCHEDULER_S_PER_CHUNK)
+    assert pinned.scheduler == pytest.approx(plan.DIRECT_S_PER_CHUNK)
     choice = plan.choose_chunk_bytes("h200-pcie5", 1 << 30, workers=15, host_stages=True)
     assert choice.chunk_bytes >= 8 << 20
     by_size = {c: s for c, _, s in choice.table}
@@ -212,7 +212,7 @@ def test_auto_chunk_is_planned_for_the_host_strategy_actually_used():
     from ringflow.pipeline.whole_array import _layout_map
 
     dev = rf.device("sim")
-    x = np.ones(1 << 28 >> 2, np.float32)
+    x = np.empty(1 << 28, np.float32)  # 1 GiB, never touched: only laid out
     chosen = {}
     for host in ("stage", "register"):
         layout = _layout_map(lambda a, b: None, x, x, False, dev, "auto", host, None, None, {"workers": 15})
@@ -221,3 +221,25 @@ def test_auto_chunk_is_planned_for_the_host_strategy_actually_used():
                                          host_stages=host == "stage").chunk_bytes
         assert layout.slot_bytes == expect
     assert chosen["stage"] != chosen["register"]
+
+
+def test_chunk_choice_for_queued_copies_matches_the_h200_runs():
+    """With the direct engine, 8 MiB chunks beat 16 MiB and 4 MiB for seed, balanced and
+    compute-bound on every H200 lease this session (bench-h200-2026-11-30-s4-*.json); the old model
+    (copies timed alone, 140 us of scheduler a chunk) chose 16, 16 and 4 MiB. The queued-copy
+    model chooses 8 MiB for all three and predicts the measured times within 5%."""
+    from ringflow import plan
+
+    MiB = 1 << 20
+    measured = {  # ms, median of the refilled stream_map rows of three leases, per chunk size
+        "seed": (0.0023, {4: 5.973, 8: 5.800, 16: 5.878, 32: 6.114}),
+        "balanced": (0.0205, {8: 5.896, 16: 6.092}),
+        "compute-bound": (0.063, {4: 16.665, 8: 16.333, 16: 16.440}),
+    }
+    for name, (ms_per_mib, times) in measured.items():
+        choice = plan.choose_chunk_bytes("h200-pcie5", 256 * MiB, compute_s_per_byte=ms_per_mib * 1e-3 / MiB,
+                                         host_stages=False, align=4)
+        assert choice.chunk_bytes == 8 * MiB, (name, choice.describe())
+        predicted = {c // MiB: s * 1e3 for c, _, s in choice.table}
+        for mib, ms in times.items():
+            assert predicted[mib] == pytest.approx(ms, rel=0.05), (name, mib)

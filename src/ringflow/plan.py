@@ -224,21 +224,50 @@ SCHEDULER_S_PER_CHUNK = 140e-6
 SCHEDULER_S_PER_HOST_TASK = 138e-6
 
 
+# A job whose copy engines use the caller's memory in place runs on the direct engine
+# (ringflow.pipeline.direct), whose host cost is its enqueueing: 30-98 us a chunk on the H200 host,
+# cold caches included (bench/results/bench-h200-2026-11-30-s4-run*.json, MapJob and profiled rows).
+DIRECT_S_PER_CHUNK = 60e-6
+# Copies queued back to back on a copy engine, as a pipeline queues them, stream at the link's
+# rate and lose a small fixed cost each -- unlike one copy timed alone, which the profile's
+# bandwidth-by-size curve describes (launch latency included). Fitted to the H200's profiled stage
+# medians of 4-32 MiB copies under duplex traffic (bench-h200-2026-11-30-s4-run5-profiled-direct.json:
+# 0.089-0.102 ms for 4 MiB, 0.165-0.178 for 8 MiB, 0.323-0.340 for 16 MiB).
+QUEUED_COPY_OVERHEAD_S = 8e-6
+
+
 def scheduler_seconds_per_chunk(host_stages: bool) -> float:
-    """The scheduler thread's host time per chunk, with or without two pool tasks (staging)."""
-    return SCHEDULER_S_PER_CHUNK + (2 * SCHEDULER_S_PER_HOST_TASK if host_stages else 0.0)
+    """The host's time per chunk: the scheduler's, with two pool tasks when staging; the direct
+    engine's enqueueing without."""
+    return SCHEDULER_S_PER_CHUNK + 2 * SCHEDULER_S_PER_HOST_TASK if host_stages else DIRECT_S_PER_CHUNK
+
+
+def queued_stage_times(profile: "str | SimProfile", chunk_bytes: int, *, compute: float, workers: int) -> StageTimes:
+    """Per-chunk stage times of a long run of chunks: copies at the link's streaming rate
+    (shared when both directions run) plus :data:`QUEUED_COPY_OVERHEAD_S`, kernels plus the
+    profile's launch overhead (each waits on an event from another stream); host stages as in
+    :func:`model_stage_times`."""
+    p = get_profile(profile)
+    peak_h = p.copy_GBps("h2d", p.h2d_curve[-1][0]) * 1e9
+    peak_d = p.copy_GBps("d2h", p.d2h_curve[-1][0]) * 1e9
+    share = min(1.0, p.duplex_GBps * 1e9 / (peak_h + peak_d))
+    t = model_stage_times(p, chunk_bytes, compute=compute, workers=workers)
+    return dataclasses.replace(t, h2d=chunk_bytes / (peak_h * share) + QUEUED_COPY_OVERHEAD_S,
+                               d2h=chunk_bytes / (peak_d * share) + QUEUED_COPY_OVERHEAD_S,
+                               compute=compute + p.launch_overhead_s)
 
 
 def predict_seconds(profile: "str | SimProfile", total_bytes: int, chunk_bytes: int, *,
                     compute_s_per_byte: float = 0.0, workers: int = 1,
                     host_stages: bool = True) -> tuple[StageTimes, float]:
     """(per-chunk stage times, predicted wall seconds) of streaming ``total_bytes`` in chunks of
-    ``chunk_bytes``: the bound of the five stages plus the scheduler's host time per chunk as a
-    sixth resource (it overlaps the GPU until it becomes the bottleneck with small chunks).
-    With ``host_stages=False`` the copy engines use the caller's pinned memory (no staging)."""
+    ``chunk_bytes``: the bound of the five stages (:func:`queued_stage_times`) plus the host's
+    time per chunk as a sixth resource (it overlaps the GPU until it becomes the bottleneck with
+    small chunks). With ``host_stages=False`` the copy engines use the caller's pinned memory (no
+    staging: the direct engine)."""
     p = get_profile(profile)
     n = -(-total_bytes // chunk_bytes)
-    t = model_stage_times(p, chunk_bytes, compute=compute_s_per_byte * chunk_bytes, workers=workers)
+    t = queued_stage_times(p, chunk_bytes, compute=compute_s_per_byte * chunk_bytes, workers=workers)
     t = dataclasses.replace(t, scheduler=scheduler_seconds_per_chunk(host_stages))
     if not host_stages:
         t = dataclasses.replace(t, prepare=p.host_task_overhead_s, consume=p.host_task_overhead_s)
