@@ -370,3 +370,6 @@ def test_direct_profile_on_the_gpu(cuda_device):
         (h0, h1), (c0, c1), (d0, d1) = (r.stages[s] for s in ("h2d", "compute", "d2h"))
         assert h0 < h1 <= c0 + 1e-6 and c0 < c1 <= d0 + 1e-6 and d0 < d1  # event times: stream order
     assert 0 < report.ideal_s <= report.measured_s * 1.05
+    with rf.MapJob(twice_plus_one, x, device=cuda_device, chunk_bytes=512 << 10, host="register") as job:
+        np.testing.assert_array_equal(job(profile=True), x * 2 + 1)  # host buffers bound once
+        assert job.report().chunks == 8 and job.report().stage_median_s["d2h"] > 0

@@ -56,10 +56,11 @@ class MapJob:
         if x.shape[0] == 0 or x.size == 0:
             raise ValueError("MapJob needs at least one element in x; for an empty array call stream_map, "
                              "which returns at once")
-        for option in ("profile", "keep_warm"):
-            if option in pipeline_options:
-                raise ValueError(f"MapJob does not take {option}=; use stream_map_report for a profiled "
-                                 "run (a job keeps its pipeline for its own life)")
+        if "profile" in pipeline_options:
+            raise ValueError("MapJob does not take profile=; profile one call with job(profile=True) and "
+                             "read job.report()")
+        if "keep_warm" in pipeline_options:
+            raise ValueError("MapJob does not take keep_warm=: a job keeps its engine for its own life")
         self.x, self.out = x, out
         self._layout = layout = _layout_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer,
                                             pipeline_options)
@@ -91,6 +92,15 @@ class MapJob:
     def chunks(self) -> int:
         return self._layout.n_chunks
 
+    def report(self):
+        """The :class:`~ringflow.trace.report.Report` of the last call made with ``profile=True``
+        (stage times, ideal bound, efficiency, trace and plot); RuntimeError if the last call was
+        not profiled."""
+        runner = self._runner
+        if runner is None or self.engine != "direct":
+            raise RuntimeError("report() needs an open job on the direct engine and a call with profile=True")
+        return runner.report()
+
     @property
     def enqueue_seconds(self) -> Optional[float]:
         """Host time the last call spent enqueueing its chunks (direct engine), else None."""
@@ -100,14 +110,23 @@ class MapJob:
     def closed(self) -> bool:
         return self._runner is None
 
-    def __call__(self) -> np.ndarray:
+    def __call__(self, *, profile: bool = False) -> np.ndarray:
         """Run ``f`` over ``x``'s current contents; returns ``out`` once every chunk's result is
-        in it (every operation of the call has then completed: ``x`` may be rewritten)."""
+        in it (every operation of the call has then completed: ``x`` may be rewritten).
+
+        ``profile=True`` (direct engine) times this call's copies and kernels with events and keeps
+        its timeline for :meth:`report`; an unprofiled call records no timing event."""
         runner = self._runner
         if runner is None:
             raise RuntimeError("this MapJob is closed; create a new one")
+        if profile and self.engine != "direct":
+            raise ValueError("job(profile=True) profiles the direct engine; this job runs on the pipeline "
+                             "(staging or on_error='continue'): use stream_map_report for a profiled run")
         try:
-            runner.run()
+            if profile:
+                runner.run(profile=True)
+            else:
+                runner.run()
         except BaseException as exc:
             self._runner = None
             runner.fail(exc)  # settled and closed; never masks exc
