@@ -161,33 +161,23 @@ def phases(dev, out: dict, chunks: int = 16, refill_modes=(False, True)) -> None
     from ringflow.pipeline import ring as ring_mod
     from ringflow.device.cuda import device as cuda_device_mod, stream as cuda_stream_mod, memory as cuda_memory_mod
 
-    wrap(api.Pipeline, "__init__", "Pipeline.__init__")
-    wrap(api, "resolve_slots", "resolve_slots")
-    wrap(scheduler.Scheduler, "__init__", "Scheduler.__init__")
-    wrap(ring_mod.Ring, "__init__", "Ring.__init__")
-    wrap(ring_mod.Ring, "close", "Ring.close")
-    wrap(cuda_device_mod.CudaDevice, "create_stream", "create_stream")
-    wrap(cuda_device_mod.CudaDevice, "allocate", "allocate")
-    wrap(cuda_device_mod.CudaDevice, "create_worker_pool", "create_worker_pool")
-    wrap(cuda_stream_mod.CudaStream, "close", "stream.close")
-    wrap(cuda_memory_mod.CudaDeviceBuffer, "close", "devbuf.close")
-    wrap(scheduler, "stream_after", "order_frees")
-    wrap(scheduler.Scheduler, "settle", "settle")
-    wrap(scheduler.Scheduler, "accept", "accept")
-    wrap(scheduler.Scheduler, "step", "step")
-    wrap(api.Pipeline, "close", "Pipeline.close")
-    wrap(scheduler.Scheduler, "_release_resources", "release")
-    wrap(scheduler.Scheduler, "_enqueue_h2d", "enqueue_h2d")
-    wrap(scheduler.Scheduler, "_on_consumed", "on_consumed")
     import ringflow.pipeline.warm as warm_mod
-    wrap(warm_mod.WarmPipelines, "take", "warm.take")
-    wrap(api.Pipeline, "_rearm", "rearm")
-    wrap(api.Pipeline, "map", "map")
-    wrap(scheduler.Scheduler, "_observe", "observe")
-    wrap(scheduler.Scheduler, "_start_prepares", "start_prepares")
-    wrap(scheduler.Scheduler, "_wait_ready", "wait_ready")
-    wrap(cuda_stream_mod.CudaStream, "copy", "stream.copy")
-    wrap(cuda_stream_mod.CudaStream, "wait", "stream.wait")
+
+    Sched, Pipe = scheduler.Scheduler, api.Pipeline
+    Dev, Stream = cuda_device_mod.CudaDevice, cuda_stream_mod.CudaStream
+    for owner, name, label in (
+            (Pipe, "__init__", "Pipeline.__init__"), (api, "resolve_slots", "resolve_slots"),
+            (Sched, "__init__", "Scheduler.__init__"), (ring_mod.Ring, "__init__", "Ring.__init__"),
+            (ring_mod.Ring, "close", "Ring.close"), (Dev, "create_stream", "create_stream"),
+            (Dev, "allocate", "allocate"), (Dev, "create_worker_pool", "create_worker_pool"),
+            (Stream, "close", "stream.close"), (cuda_memory_mod.CudaDeviceBuffer, "close", "devbuf.close"),
+            (scheduler, "stream_after", "order_frees"), (Sched, "settle", "settle"), (Sched, "accept", "accept"),
+            (Sched, "step", "step"), (Pipe, "close", "Pipeline.close"), (Sched, "_release_resources", "release"),
+            (Sched, "_enqueue_h2d", "enqueue_h2d"), (Sched, "_on_consumed", "on_consumed"),
+            (warm_mod.WarmPipelines, "take", "warm.take"), (Pipe, "_rearm", "rearm"), (Pipe, "map", "map"),
+            (Sched, "_observe", "observe"), (Sched, "_start_prepares", "start_prepares"),
+            (Sched, "_wait_ready", "wait_ready"), (Stream, "copy", "stream.copy"), (Stream, "wait", "stream.wait")):
+        wrap(owner, name, label)
     mark = scheduler.Scheduler._mark
     originals[(scheduler.Scheduler, "_mark")] = mark
 

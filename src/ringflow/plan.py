@@ -236,7 +236,7 @@ DIRECT_S_PER_CHUNK = 60e-6
 QUEUED_COPY_OVERHEAD_S = 8e-6
 
 
-def scheduler_seconds_per_chunk(host_stages: bool) -> float:
+def host_seconds_per_chunk(host_stages: bool) -> float:
     """The host's time per chunk: the scheduler's, with two pool tasks when staging; the direct
     engine's enqueueing without."""
     return SCHEDULER_S_PER_CHUNK + 2 * SCHEDULER_S_PER_HOST_TASK if host_stages else DIRECT_S_PER_CHUNK
@@ -268,7 +268,7 @@ def predict_seconds(profile: "str | SimProfile", total_bytes: int, chunk_bytes: 
     p = get_profile(profile)
     n = -(-total_bytes // chunk_bytes)
     t = queued_stage_times(p, chunk_bytes, compute=compute_s_per_byte * chunk_bytes, workers=workers)
-    t = dataclasses.replace(t, scheduler=scheduler_seconds_per_chunk(host_stages))
+    t = dataclasses.replace(t, scheduler=host_seconds_per_chunk(host_stages))
     if not host_stages:
         t = dataclasses.replace(t, prepare=p.host_task_overhead_s, consume=p.host_task_overhead_s)
     return t, ideal_total(t, n)

@@ -977,29 +977,28 @@ def staging_floor(nbytes: int, *, splits: Sequence[tuple[int, int]] = ((8, 8), (
     host_ms: list[float] = []
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(a + b for a, b in splits))
     try:
+        def copy_in(part):
+            for lo, hi in part:
+                k = ((lo // slot) % ring_slots) * slot
+                np.copyto(pin_in[k:k + hi - lo], src[lo:hi])
+
+        def copy_out(part, dst):
+            for lo, hi in part:
+                k = ((lo // slot) % ring_slots) * slot
+                np.copyto(dst[lo:hi], pin_out[k:k + hi - lo])
+
         for t_in, t_out in splits:
             samples = []
+            in_parts = [chunks[j::t_in] for j in range(t_in)]
+            out_parts = [chunks[j::t_out] for j in range(t_out)]
             for i in range(repeats + 1):
-                dst = _aligned_empty(nbytes)
-                in_parts = [chunks[j::t_in] for j in range(t_in)]
-                out_parts = [chunks[j::t_out] for j in range(t_out)]
-
-                def copy_in(part):
-                    for lo, hi in part:
-                        k = ((lo // slot) % ring_slots) * slot
-                        np.copyto(pin_in[k:k + hi - lo], src[lo:hi])
-
-                def copy_out(part):
-                    for lo, hi in part:
-                        k = ((lo // slot) % ring_slots) * slot
-                        np.copyto(dst[lo:hi], pin_out[k:k + hi - lo])
-
+                dst = _aligned_empty(nbytes)  # fresh pages every run, as a new output array has
                 torch.cuda.synchronize()
                 done = torch.cuda.Event()
                 t0 = time.perf_counter()
                 if with_link:
                     link_start(done)
-                futures = [pool.submit(copy_in, p) for p in in_parts] + [pool.submit(copy_out, p) for p in out_parts]
+                futures = [pool.submit(copy_in, p) for p in in_parts] + [pool.submit(copy_out, p, dst) for p in out_parts]
                 for f in futures:
                     f.result()
                 t_host = time.perf_counter()

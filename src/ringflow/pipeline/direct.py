@@ -5,10 +5,10 @@ memory) and no stage runs on the CPU, a whole-array job is a sequence of stream 
 known before it starts: for chunk ``i``, copy its bytes in, compute, copy the result out. A
 hand-written CUDA program enqueues that sequence in one loop and waits once; so does this.
 The host then does a few microseconds of work per operation and none between chunks, so the
-first copy starts at once and the enqueueing runs far ahead of the GPU — on the H200 a warm
-:class:`~ringflow.MapJob` call went through the scheduler's loop of events and slot states
-in 0.2-0.3 ms more than the same GPU work needed after the CPU had rewritten ``x`` and its
-caches were cold (bench/results/bench-h200-2026-11-30-s4-run1.json).
+enqueueing runs far ahead of the GPU: on the H200 a warm 16-chunk call's first copy goes out 26 us
+after the call (150-160 us with the CPU caches cold after a rewrite of ``x``) against 88-176 and
+337-348 us through the scheduler's loop of events and slot states, and the call ends 0.17-0.28 ms
+sooner (bench/results/phases-h200-2026-11-30-s4-*.json, bench-h200-2026-11-30-s4-mapjob-direct.json).
 
 Ownership is carried by events, as in the pipeline: device slot ``k`` of a ring of ``K`` is
 used by chunks ``k, k + K, ...``; a chunk's first operation on a slot waits on the event that
@@ -32,6 +32,7 @@ from ..errors import DeviceError, StageError
 from ..trace.report import Report
 from ..trace.timeline import ENQUEUE_TRACK, GPU_STAGES, Anchor, ChunkRecord, Span, Timeline
 from .config import SlotCounts, refuse_unknown_guards
+from .scheduler import sim_seconds_for
 
 # The waits that order the job, named as the pipeline's guards for the same waits; a test can
 # switch one off (``disabled_guards``) to show the sim's checker catches its absence.
@@ -134,23 +135,22 @@ class DirectSchedule:
         self.slot_bytes = slot_bytes
         self.enqueue_seconds = 0.0  # host time the last run spent enqueueing (its host overhead)
         self._timeline: Optional[Timeline] = None  # the last profiled run's
-        self._profiled = None
         # the event each device slot's next owner waits on (its last use, or the poison fill after it)
         self._in_ready: list = [None] * n_in
         self._out_ready: list = [None] * n_out
         sim = getattr(compute, "sim_seconds", None)
+        bound = x_buffer is not None
         self.ops: list[ChunkOps] = []
         for i, (offset, nbytes, shape) in enumerate(chunks):
             k_in, k_out = i % n_in, (-1 if inplace else i % n_out)
             dev_in = self.dev_in.slice(k_in * slot_bytes, nbytes)
             dev_out = dev_in if inplace else self.dev_out.slice(k_out * slot_bytes, nbytes)
             x = dev_in.array(dtype, shape)
-            bound = x_buffer is not None
             self.ops.append(ChunkOps(
                 index=i, offset=offset, nbytes=nbytes, host_in=x_buffer.slice(offset, nbytes) if bound else None,
                 host_out=out_buffer.slice(offset, nbytes) if bound else None, slot_in=k_in, slot_out=k_out, dev_in=dev_in,
                 dev_out=dev_out, x=x, y=x if inplace else dev_out.array(dtype, shape),
-                sim_seconds=(float(sim(nbytes)) if callable(sim) else float(sim)) if sim is not None else None))
+                sim_seconds=sim_seconds_for(sim, nbytes)))
 
     @property
     def closed(self) -> bool:
@@ -173,23 +173,26 @@ class DirectSchedule:
             raise ValueError("pass both x_buffer and out_buffer, or neither (the ones bound at construction)")
         if x_buffer is None and self.ops and self.ops[0].host_in is None:
             raise ValueError("no host buffers were bound at construction; pass x_buffer and out_buffer")
+        if x_buffer is None:
+            def host(op):
+                return op.host_in, op.host_out
+        else:
+            def host(op):  # made as each chunk is enqueued, after the ones before it are on their way
+                return x_buffer.slice(op.offset, op.nbytes), out_buffer.slice(op.offset, op.nbytes)
         self._timeline = None
         t0 = time.perf_counter()
         try:
             if profile:
-                compute_events = self._run_profiled(x_buffer, out_buffer)
-            elif x_buffer is None:
-                compute_events = [self._enqueue(op, op.host_in, op.host_out) for op in self.ops]
+                compute_events, stamps = self._enqueue_profiled(host)
             else:
-                compute_events = [self._enqueue(op, x_buffer.slice(op.offset, op.nbytes),
-                                                out_buffer.slice(op.offset, op.nbytes)) for op in self.ops]
+                compute_events = [self._enqueue(op, *host(op)) for op in self.ops]
             self.enqueue_seconds = time.perf_counter() - t0
             self.d2h_stream.record().sync()
         except BaseException:
             self.settle()  # nothing enqueued may still touch the host buffers when the caller sees this
             raise
         if profile:
-            self._finish_timeline()
+            self._timeline = self._timeline_of(*stamps)
         for op, event in zip(self.ops, compute_events):
             err = event.error
             if err is not None:  # a launch that failed on the device (reported by its event)
@@ -245,8 +248,9 @@ class DirectSchedule:
             self._out_ready[op.slot_out] = self._after_use(op.dev_out, copied_out)
         return computed
 
-    def _run_profiled(self, x_buffer, out_buffer) -> list:
-        """``run``'s enqueue pass with timing events and host stamps (kept for the timeline)."""
+    def _enqueue_profiled(self, host: Callable) -> tuple[list, tuple]:
+        """``run``'s enqueue pass with timing events and host stamps; returns the compute events
+        and what :meth:`_timeline_of` needs once the run is done."""
         now = self.device.now
         anchor = Anchor(self.device, self.h2d_stream)  # seen done: every event recorded later times after it
         started = now
@@ -254,20 +258,15 @@ class DirectSchedule:
         for op in self.ops:
             events: dict = {}
             a = now
-            if x_buffer is None:
-                hin, hout = op.host_in, op.host_out
-            else:
-                hin, hout = x_buffer.slice(op.offset, op.nbytes), out_buffer.slice(op.offset, op.nbytes)
-            compute_events.append(self._enqueue(op, hin, hout, events))
+            compute_events.append(self._enqueue(op, *host(op), events))
             chunk_events.append(events)
             now = self.device.now
             enqueued.append((a, now))
-        self._profiled = (anchor, started, chunk_events, enqueued)
-        return compute_events
+        return compute_events, (anchor, started, chunk_events, enqueued)
 
-    def _finish_timeline(self) -> None:
-        anchor, started, chunk_events, enqueued = self._profiled
-        self._profiled = None
+    def _timeline_of(self, anchor, started: float, chunk_events: list, enqueued: list) -> Timeline:
+        """The finished profiled run on the host clock: every chunk accepted when the call
+        started and delivered when its end was seen (now)."""
         ended = self.device.now
         timeline = Timeline(meta={"device": self.device.name, "chunk_bytes": self.slot_bytes, "engine": "direct",
                                   "slots": {"device_in": len(self._in_ready), "device_out": len(self._out_ready)},
@@ -281,7 +280,7 @@ class DirectSchedule:
             timeline.records.append(ChunkRecord(index=op.index, nbytes=op.nbytes, final="delivered",
                                                 accepted=started, ended=ended, stages=stages))
             timeline.host.append(Span(ENQUEUE_TRACK, "enqueue", a, b, op.index))
-        self._timeline = timeline
+        return timeline
 
     def report(self) -> Report:
         """The last profiled run's report (stage times, ideal bound, efficiency, ...). Chunks

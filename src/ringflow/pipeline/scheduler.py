@@ -559,10 +559,7 @@ class Scheduler:
         return progressed
 
     def _sim_seconds(self, chunk: Chunk) -> Optional[float]:
-        cost = self._sim_compute
-        if cost is None:
-            return None
-        return float(cost(chunk.nbytes)) if callable(cost) else float(cost)
+        return sim_seconds_for(self._sim_compute, chunk.nbytes)
 
     def _mark(self, chunk: Chunk, stream, stage: str, start: bool = False):
         """Record the event that ends ``stage`` (timing only when profiling); with ``start``
@@ -757,6 +754,14 @@ class Scheduler:
         self.host_seconds = 0.0
         for ring in self._rings:
             ring.high_water = 0
+
+
+def sim_seconds_for(cost, nbytes: int) -> Optional[float]:
+    """A compute callable's ``sim_seconds`` (seconds, or a function of the chunk's bytes) for a
+    chunk of ``nbytes``; None when it has none."""
+    if cost is None:
+        return None
+    return float(cost(nbytes)) if callable(cost) else float(cost)
 
 
 def _no_job(*args: Any) -> Any:
