@@ -225,8 +225,8 @@ def test_auto_chunk_is_planned_for_the_host_strategy_actually_used():
 
 def test_chunk_choice_for_queued_copies_matches_the_h200_runs():
     """With the direct engine, 8 MiB chunks beat 16 MiB and 4 MiB for seed, balanced and
-    compute-bound on 4 of the 5 H200 leases measured at both sizes (16 MiB won on one slow host:
-    bench-h200-2026-11-30-s4-run6-chunk-8mib.json); the old model
+    compute-bound on 4 of the 6 H200 leases measured at both sizes (16 MiB won on two slow hosts:
+    bench-h200-2026-11-30-s4-run6-chunk-8mib.json, -review.json); the old model
     (copies timed alone, 140 us of scheduler a chunk) chose 16, 16 and 4 MiB. The queued-copy
     model chooses 8 MiB for all three and predicts the measured times within 5%."""
     from ringflow import plan
