@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run every baseline of ringflow.benchmarks.baselines on the GPU, small and representative sizes,
+"""Run every baseline of ringflow._bench.baselines on the GPU, small and representative sizes,
 in one device-machine call; write JSON to $OUT/baselines.json after every step (so a timeout
 keeps what finished) and print a short table last.
 
@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from ringflow.benchmarks import baselines as bl  # noqa: E402
-from ringflow.benchmarks import native  # noqa: E402
+from ringflow._bench import baselines as bl  # noqa: E402
+from ringflow._bench import native  # noqa: E402
 
 MiB = 1 << 20
 

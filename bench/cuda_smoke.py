@@ -14,7 +14,7 @@ import traceback
 import numpy as np
 
 import ringflow as rf
-from ringflow.kernel import Kernel
+from ringflow._kernel import Kernel
 
 AFFINE = Kernel(r"""
 extern "C" __global__ void affine(const float* x, float* y, size_t n) {

@@ -29,11 +29,11 @@ import time
 import numpy as np
 
 import ringflow as rf
-from ringflow.benchmarks import kernels
-from ringflow.benchmarks.measure import fresh_random, time_calls
-from ringflow.benchmarks.runner import environment
-from ringflow.benchmarks.workloads import drive_until
-from ringflow.pipeline.whole_array import stream_map_report
+from ringflow._bench import kernels
+from ringflow._bench.measure import fresh_random, time_calls
+from ringflow._bench.runner import environment
+from ringflow._bench.workloads import drive_until
+from ringflow._pipeline.whole_array import stream_map_report
 
 MiB = 1 << 20
 
@@ -136,7 +136,7 @@ def phases(dev, out: dict, chunks: int = 16, refill_modes=(False, True)) -> None
     """Host timestamps of an unprofiled seed call's phases, from wrappers around the scheduler
     and pipeline methods (a few microseconds each): when set-up ends, when the first copy is
     enqueued, when the last d2h is seen complete, when close starts and ends."""
-    from ringflow.pipeline import api, scheduler
+    from ringflow._pipeline import api, scheduler
 
     n = (256 * MiB) // 4
     f = kernels.affine(64)
@@ -158,10 +158,10 @@ def phases(dev, out: dict, chunks: int = 16, refill_modes=(False, True)) -> None
                 log.append((label + "<", time.perf_counter()))
         setattr(cls, name, wrapper)
 
-    from ringflow.pipeline import ring as ring_mod
-    from ringflow.device.cuda import device as cuda_device_mod, stream as cuda_stream_mod, memory as cuda_memory_mod
+    from ringflow._pipeline import ring as ring_mod
+    from ringflow._device.cuda import device as cuda_device_mod, stream as cuda_stream_mod, memory as cuda_memory_mod
 
-    import ringflow.pipeline.warm as warm_mod
+    import ringflow._pipeline.warm as warm_mod
 
     Sched, Pipe = scheduler.Scheduler, api.Pipeline
     Dev, Stream = cuda_device_mod.CudaDevice, cuda_stream_mod.CudaStream
@@ -252,7 +252,7 @@ def phases(dev, out: dict, chunks: int = 16, refill_modes=(False, True)) -> None
 
 
 def setup_profile(dev, out: dict) -> None:
-    from ringflow.pipeline import api
+    from ringflow._pipeline import api
 
     f = kernels.affine(64)
     hb = dev.allocate_host(64 * MiB)
@@ -282,8 +282,8 @@ def setup_profile(dev, out: dict) -> None:
     s0 = dev.create_stream()
     per_call_us("allocate 48 MiB on a stream + close", lambda: dev.allocate(48 * MiB, stream=s0).close(stream=s0))
     per_call_us("create_worker_pool+close", lambda: dev.create_worker_pool(16).close())
-    from ringflow.pipeline.ring import Ring
-    from ringflow.pipeline.states import RingKind
+    from ringflow._pipeline.ring import Ring
+    from ringflow._pipeline.states import RingKind
     per_call_us("Ring of 16 external slots", lambda: Ring(RingKind.HOST_IN, hb, 16, 4 * MiB, external=True))
     big = dev.allocate_host(256 * MiB)
     kw16 = dict(device=dev, chunk_bytes=16 * MiB, _host_in_buffer=big, _host_out_buffer=big, inplace=True)
@@ -402,7 +402,7 @@ def main(argv=None) -> int:
     dev = rf.device(args.device)
     out = {"environment": environment(dev)}
     if args.preload:
-        from ringflow.benchmarks import baselines
+        from ringflow._bench import baselines
 
         out["frameworks"] = baselines.preload_frameworks()
     gc.freeze()

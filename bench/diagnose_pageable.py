@@ -22,10 +22,10 @@ import sys
 import numpy as np
 
 import ringflow as rf
-from ringflow.benchmarks import baselines, kernels
-from ringflow.benchmarks.measure import fresh_random, time_calls
-from ringflow.benchmarks.runner import environment
-from ringflow.pipeline.whole_array import stream_map_report
+from ringflow._bench import baselines, kernels
+from ringflow._bench.measure import fresh_random, time_calls
+from ringflow._bench.runner import environment
+from ringflow._pipeline.whole_array import stream_map_report
 
 MiB = 1 << 20
 RUNS = [  # (name, stream_map options beyond host="stage")

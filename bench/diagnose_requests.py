@@ -33,9 +33,9 @@ import time
 import numpy as np
 
 import ringflow as rf
-from ringflow.benchmarks import kernels
-from ringflow.benchmarks.measure import fresh_random
-from ringflow.benchmarks.runner import environment
+from ringflow._bench import kernels
+from ringflow._bench.measure import fresh_random
+from ringflow._bench.runner import environment
 
 MiB = 1 << 20
 STAGES = ("prepare", "h2d", "compute", "d2h", "consume")
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
                     "(1000 requests at 50/80/95%% load) with these worker counts, e.g. 2,4,15")
     args = ap.parse_args(argv)
     dev = rf.device(args.device)
-    from ringflow.benchmarks import baselines
+    from ringflow._bench import baselines
 
     res = {"environment": environment(dev), "frameworks": baselines.preload_frameworks()}
     items = make_items(args.count)
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
 
     res["open_loop"] = []
     for w in filter(None, args.open_workers.split(",")):
-        from ringflow.benchmarks import workloads
+        from ringflow._bench import workloads
 
         r = workloads.requests(dev, count=1000, pipeline_options={"workers": int(w)})
         row = {"workers": int(w), "capacity_per_s": r["capacity_per_s"], "capacity_passes_per_s": r["capacity_passes_per_s"], "isolated_p99_ms": r["isolated_p99_ms"],

@@ -25,12 +25,12 @@ echo "== stream_map smoke (the pipeline on this backend; informative, never fail
 timeout 120 python3 bench/cuda_smoke.py 1024 2>&1 | tee "$OUT/smoke.log"
 
 echo "== ringflow doctor"
-timeout 180 python3 -m ringflow.cli doctor --json --device cuda:0 --output "$OUT/doctor.json" > /dev/null 2> "$OUT/doctor.err"
+timeout 180 python3 -m ringflow._cli doctor --json --device cuda:0 --output "$OUT/doctor.json" > /dev/null 2> "$OUT/doctor.err"
 echo "doctor exit: $?"
 tail -20 "$OUT/doctor.err"
 python3 - "$OUT/doctor.json" <<'PY' 2>&1 | tee "$OUT/doctor.txt"
 import json, sys
 from rich.console import Console
-from ringflow.doctor import render
+from ringflow._doctor import render
 Console(width=110).print(render(json.load(open(sys.argv[1]))))
 PY

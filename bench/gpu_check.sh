@@ -17,11 +17,11 @@ if [ "$part" = check ]; then
   echo "== pipeline stress" | tee -a "$LOG"
   timeout 200 python3 bench/pipeline_stress.py --device cuda:0 --chunks 10000 --guards --out "$OUT/pipeline_stress.json" 2>&1 | tail -12 | tee -a "$LOG"
   echo "== demo" | tee -a "$LOG"
-  ( time timeout 100 python3 -m ringflow.cli demo --out /tmp/ringflow-demo ) 2>&1 | tail -30 | tee -a "$LOG"
+  ( time timeout 100 python3 -m ringflow._cli demo --out /tmp/ringflow-demo ) 2>&1 | tail -30 | tee -a "$LOG"
   echo "== phases of a seed call" | tee -a "$LOG"
   timeout 60 python3 bench/diagnose_hotpath.py --device cuda:0 --parts phases --out "$OUT/phases.json" 2>&1 | tail -6 | cut -c1-400 | tee -a "$LOG"
 else
   echo "== bench" | tee -a "$LOG"
-  timeout 420 python3 -m ringflow.cli bench ${BENCH_ARGS:-} --device cuda:0 --out "$OUT" --trace "$OUT/trace.json" --plot "$OUT/timeline.png" 2>&1 | tail -150 | tee -a "$LOG"
+  timeout 420 python3 -m ringflow._cli bench ${BENCH_ARGS:-} --device cuda:0 --out "$OUT" --trace "$OUT/trace.json" --plot "$OUT/timeline.png" 2>&1 | tail -150 | tee -a "$LOG"
   timeout 100 python3 bench/profile_host.py --device cuda:0 --out "$OUT/profile.txt" 2>&1 | head -16
 fi

@@ -22,8 +22,8 @@ import time
 import numpy as np
 
 import ringflow as rf
-from ringflow.pipeline import GUARDS, SlotCounts
-from ringflow.pipeline.direct import GUARDS as DIRECT_GUARDS
+from ringflow._pipeline import GUARDS, SlotCounts
+from ringflow._pipeline.direct import GUARDS as DIRECT_GUARDS
 
 DTYPES = [np.float32, np.float64, np.int32, np.int16, np.uint8, np.complex64]
 
@@ -121,7 +121,7 @@ def run_cancel(dev, items, slots, cancel_after):
 def run_guard_off(dev, guard, seed):
     """A pipeline with one guard off: does the poison make a premature reuse visible? The
     kernel spins ~0.2 ms (2e5 cycles at ~2 GHz) so the GPU lags the host, as under load."""
-    from ringflow.benchmarks.kernels import slow_scale_shift
+    from ringflow._bench.kernels import slow_scale_shift
 
     rng = np.random.default_rng(seed)
     x = rng.uniform(0.5, 1.5, 1 << 20).astype(np.float32)
@@ -158,7 +158,7 @@ def run_direct(dev, *, calls, seed):
 
 def run_direct_guard_off(dev, guard, seed):
     """The direct engine with one wait switched off, checked mode: a wrong result expected."""
-    from ringflow.benchmarks.kernels import slow_scale_shift
+    from ringflow._bench.kernels import slow_scale_shift
 
     x = np.random.default_rng(seed).uniform(0.5, 1.5, 1 << 20).astype(np.float32)
     f = slow_scale_shift(400_000, 200e-6)

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 import ringflow as rf
-from ringflow.benchmarks import kernels
+from ringflow._bench import kernels
 
 
 def per_call_us(fn, n=200) -> float:

@@ -6,7 +6,7 @@ import pytest
 
 
 def _cuda() -> tuple[bool, str]:
-    from ringflow.device import cuda_available
+    from ringflow._device import cuda_available
 
     return cuda_available()
 
@@ -29,7 +29,7 @@ def cuda_device():
     ok, reason = _cuda()
     if not ok:
         pytest.skip(f"no usable CUDA GPU: {reason}")
-    from ringflow.device.cuda import CudaDevice
+    from ringflow._device.cuda import CudaDevice
 
     dev = CudaDevice(0)
     yield dev

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from ringflow.cli import main
+from ringflow._cli import main
 
 
 def test_demo_runs_on_the_simulated_gpu(tmp_path, capsys):

@@ -7,8 +7,8 @@ import json
 import pytest
 
 import ringflow as rf
-from ringflow import doctor
-from ringflow.cli import main
+from ringflow import _doctor as doctor
+from ringflow._cli import main
 
 
 def _render_text(report) -> str:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ringflow as rf
-from ringflow.kernel import Kernel
+from ringflow._kernel import Kernel
 
 SAXPY = r"""
 extern "C" __global__ void saxpy(const float* x, float* y, float a, size_t n) {

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import ringflow as rf
-from ringflow import plan
-from ringflow.device.sim import charge
+from ringflow import _plan as plan
+from ringflow._device.sim import charge
 
 MB = 10**6
 MiB = 1 << 20
@@ -114,7 +114,7 @@ def test_model_uses_concurrent_link_bandwidth():
 def test_device_rings_get_slack_for_any_compute_time():
     """Whatever compute the plan assumed, device rings hold one slot per stage they span plus
     one: in place 4, device-in and device-out 3; larger planned counts stay."""
-    from ringflow.pipeline.config import SlotCounts
+    from ringflow._pipeline.config import SlotCounts
 
     c = plan.with_device_slack(SlotCounts(2, 1, 1, 2), inplace=False)
     assert (c.host_in, c.device_in, c.device_out, c.host_out) == (2, 3, 3, 2)
@@ -133,7 +133,7 @@ def test_device_rings_get_slack_for_any_compute_time():
 def test_balanced_in_place_pipeline_runs_at_the_bottleneck_with_its_slack():
     """compute = copy, in place: the slot count the pipeline gets keeps the bottleneck rate
     (2 slots, what a short compute guess plans, would not)."""
-    from ringflow.pipeline.config import SlotCounts
+    from ringflow._pipeline.config import SlotCounts
 
     t = plan.model_stage_times("unit", MB, compute=1e-3, workers=4)
     slots = plan.with_device_slack(SlotCounts(4, 2, 0, 4), inplace=True)
@@ -144,7 +144,7 @@ def test_balanced_in_place_pipeline_runs_at_the_bottleneck_with_its_slack():
 
 
 def test_staging_rings_hold_a_slot_per_worker_unless_the_budget_says_otherwise():
-    from ringflow.pipeline.config import SlotCounts
+    from ringflow._pipeline.config import SlotCounts
 
     c = plan.with_worker_slots(SlotCounts(3, 3, 3, 20), workers=8, slot_bytes=MB)
     assert (c.host_in, c.host_out) == (8, 20)
@@ -172,7 +172,7 @@ def test_staging_rings_hold_a_slot_per_worker_unless_the_budget_says_otherwise()
 def test_choose_chunk_bytes_is_remembered_per_arguments():
     """stream_map(chunk_bytes="auto") plans on every call: the same question is answered once
     (the answer is immutable), a different one is computed afresh."""
-    from ringflow import plan
+    from ringflow import _plan as plan
 
     a = plan.choose_chunk_bytes("h200-pcie5", 256 << 20, compute_s_per_byte=1e-12, align=4, host_stages=False)
     b = plan.choose_chunk_bytes("h200-pcie5", 256 << 20, compute_s_per_byte=1e-12, align=4, host_stages=False)
@@ -190,7 +190,7 @@ def test_staged_chunks_cost_the_scheduler_two_pool_hand_offs_more():
     and 8 MiB chunks ran in 79.5 ms (diagnose-pageable-h200-2026-11-30-s4.json): the planner must
     count the pool hand-offs of staging, and so choose at least 8 MiB there, while the same job
     from pinned memory (no pool tasks: the direct engine) is planned with its enqueueing cost."""
-    from ringflow import plan
+    from ringflow import _plan as plan
 
     staged, _ = plan.predict_seconds("h200-pcie5", 1 << 30, 4 << 20, workers=15, host_stages=True)
     pinned, _ = plan.predict_seconds("h200-pcie5", 1 << 30, 4 << 20, workers=15, host_stages=False)
@@ -208,8 +208,8 @@ def test_auto_chunk_is_planned_for_the_host_strategy_actually_used():
     import numpy as np
 
     import ringflow as rf
-    from ringflow import plan
-    from ringflow.pipeline.whole_array import _layout_map
+    from ringflow import _plan as plan
+    from ringflow._pipeline.whole_array import _layout_map
 
     dev = rf.device("sim")
     x = np.empty(1 << 28, np.float32)  # 1 GiB, never touched: only laid out
@@ -229,7 +229,7 @@ def test_chunk_choice_for_queued_copies_matches_the_h200_runs():
     bench-h200-2026-11-30-s4-run6-chunk-8mib.json, -review.json); the old model
     (copies timed alone, 140 us of scheduler a chunk) chose 16, 16 and 4 MiB. The queued-copy
     model chooses 8 MiB for all three and predicts the measured times within 5%."""
-    from ringflow import plan
+    from ringflow import _plan as plan
 
     MiB = 1 << 20
     measured = {  # ms, median of the refilled stream_map rows of three leases, per chunk size

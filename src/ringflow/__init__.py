@@ -3,13 +3,25 @@ exactly one stage at a time.
 
 >>> import ringflow as rf
 >>> dev = rf.device("sim")            # or "auto" / "cuda:0"
+
+The public surface is exactly :data:`__all__`; every other module is private (``_``-prefixed)
+and may change without notice.
 """
 
-from . import device  # the package is callable: rf.device("sim")
-from .device import cuda_available
-from .errors import DeviceError, HazardError, LaunchError, RingflowError, StageError
-from .pipeline import ChunkState, MapJob, Pipeline, PipelineStats, SlotCounts, SlotState, stream_map
-from .pipeline.warm import drop_warm_pipelines
+from ._device import cuda_available, device
+from ._device.protocol import Device
+from ._errors import DeviceError, HazardError, LaunchError, RingflowError, StageError
+from ._kernel import Kernel
+from ._pipeline import ChunkState, MapJob, Pipeline, PipelineStats, SlotCounts, SlotState, stream_map
+from ._pipeline.warm import drop_warm_pipelines
+from ._pipeline.whole_array import stream_map_report
+from ._trace.report import Report
+from ._version import __version__
 
-__version__ = "0.1.0"
-__all__ = ["Pipeline", "stream_map", "MapJob", "drop_warm_pipelines", "SlotCounts", "PipelineStats", "ChunkState", "SlotState", "device", "cuda_available", "HazardError", "StageError", "DeviceError", "LaunchError", "RingflowError"]
+__all__ = [
+    "Pipeline", "stream_map", "stream_map_report", "MapJob", "Kernel", "drop_warm_pipelines",
+    "device", "cuda_available", "Device",
+    "Report", "PipelineStats", "SlotCounts", "ChunkState", "SlotState",
+    "RingflowError", "StageError", "HazardError", "DeviceError", "LaunchError",
+    "__version__",
+]

@@ -12,14 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ringflow.benchmarks import baselines as bl
-from ringflow.benchmarks import native
+from ringflow._bench import baselines as bl
+from ringflow._bench import native
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gpu() -> bool:
-    from ringflow.device import cuda_available
+    from ringflow._device import cuda_available
 
     return cuda_available()[0]
 
@@ -41,7 +41,7 @@ def test_cu_source_is_package_data_with_both_kernels():
     assert "affine_iter" in ks and "scale_shift" in ks and "#include" not in ks
     # declared as package data, so a wheel carries it
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r'\[tool\.setuptools\.package-data\][^\[]*"ringflow\.benchmarks\.native"\s*=\s*\[[^\]]*\*\.cu',
+    assert re.search(r'\[tool\.setuptools\.package-data\][^\[]*"ringflow\._bench\.native"\s*=\s*\[[^\]]*\*\.cu',
                      pyproject)
 
 
@@ -51,12 +51,12 @@ def _norm(src: str) -> str:
 
 def test_kernels_match_ringflows_own():
     """ringflow and every baseline must run the same kernel code, or the comparison is unfair."""
-    kernels = pytest.importorskip("ringflow.benchmarks.kernels")
+    kernels = pytest.importorskip("ringflow._bench.kernels")
     ks = _norm(native.kernel_source())
     for attr in ("AFFINE_ITER_SRC", "SCALE_SHIFT_SRC"):
         src = getattr(kernels, attr, None)
         if src is None:
-            pytest.skip(f"ringflow.benchmarks.kernels has no {attr}")
+            pytest.skip(f"ringflow._bench.kernels has no {attr}")
         assert _norm(src) in ks, f"{attr} differs from native/overlap_pipeline.cu's kernel block"
 
 
@@ -69,7 +69,7 @@ def test_resolve_kernel_names():
         k = bl.resolve_kernel(name)
         assert k.kind == "scale_shift" and not k.inplace and k.native_name == "scale_shift"
 
-    def affine_iter_9(x, y):  # shaped like ringflow.benchmarks.kernels.affine(9)
+    def affine_iter_9(x, y):  # shaped like ringflow._bench.kernels.affine(9)
         pass
 
     affine_iter_9.iters = 9

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ringflow.benchmarks.workloads import _versus_cpp
+from ringflow._bench.workloads import _versus_cpp
 
 MiB = 1 << 20
 

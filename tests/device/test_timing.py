@@ -3,7 +3,7 @@
 import pytest
 
 import ringflow as rf
-from ringflow.device.timing import time_events
+from ringflow._device.timing import time_events
 
 
 def test_time_events_measures_the_enqueued_work():

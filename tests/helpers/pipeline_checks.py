@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 
 import ringflow as rf
-from ringflow.device.sim import charge
-from ringflow.errors import DeviceError, HazardError, StageError
-from ringflow.pipeline.states import (
+from ringflow._device.sim import charge
+from ringflow._errors import DeviceError, HazardError, StageError
+from ringflow._pipeline.states import (
     LEGAL_SLOT_TRANSITIONS,
     ChunkState,
     RingKind,

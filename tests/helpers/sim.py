@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 import ringflow as rf
-from ringflow.device.sim.profile import UNIT_TEST, SimProfile
+from ringflow._device.hardware import UNIT_TEST, SimProfile
 
 
 def unit_device(**options: Any):

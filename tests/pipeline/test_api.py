@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ringflow as rf
-from ringflow.device.sim import charge
+from ringflow._device.sim import charge
 from tests.helpers.pipeline_checks import (
     Harness,
     check_result,
@@ -447,7 +447,7 @@ def test_default_workers_request_streams_get_few_bulk_jobs_get_a_core_each(monke
     streams keep at most 4 busy threads, which contend with the scheduler for the GIL."""
     import types
 
-    from ringflow.pipeline import api
+    from ringflow._pipeline import api
 
     gpu = types.SimpleNamespace(backend="cuda")
     monkeypatch.setattr(api.os, "cpu_count", lambda: 16)
@@ -464,7 +464,7 @@ def test_default_workers_request_streams_get_few_bulk_jobs_get_a_core_each(monke
 def test_the_module_examples_run():
     import doctest
 
-    from ringflow.pipeline import api as api_module, whole_array
+    from ringflow._pipeline import api as api_module, whole_array
 
     for module in (api_module, whole_array):
         result = doctest.testmod(module)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import ringflow as rf
-from ringflow.errors import DeviceError, StageError
-from ringflow.pipeline.states import ChunkState, SlotState
+from ringflow._errors import DeviceError, StageError
+from ringflow._pipeline.states import ChunkState, SlotState
 from tests.helpers.pipeline_checks import Harness, check_result, future_outcome
 
 SIZES = [40, 0, 64, 1, 17, 64, 33, 50]  # 8 chunks of int64 (a 64-element chunk fills a 512-byte slot)

@@ -1,4 +1,4 @@
-"""The direct engine (``ringflow.pipeline.direct``): a whole-array job enqueued in one pass.
+"""The direct engine (``ringflow._pipeline.direct``): a whole-array job enqueued in one pass.
 
 Its safety rests on four event waits; each is switched off in turn (through the test-only
 ``_disabled_guards`` seam) to show the sim's happens-before checker — and, with the checker
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import ringflow as rf
-from ringflow.errors import StageError
-from ringflow.pipeline import direct
-from ringflow.pipeline.whole_array import stream_map_report
-from ringflow.pipeline.direct import why_not_direct
+from ringflow._errors import StageError
+from ringflow._pipeline import direct
+from ringflow._pipeline.whole_array import stream_map_report
+from ringflow._pipeline.direct import why_not_direct
 from tests.helpers.pipeline_checks import caught, copy_failing_on_call, guard_outcome
 
 
@@ -233,7 +233,7 @@ def test_direct_on_the_gpu_is_bit_exact_call_after_call(cuda_device, inplace, ch
 
 
 def test_stream_map_runs_pinned_and_registered_jobs_directly_and_keeps_the_schedule_warm():
-    from ringflow.pipeline import warm
+    from ringflow._pipeline import warm
 
     dev = rf.device("sim", seed=5, chaos=True)
     rf.drop_warm_pipelines()
@@ -280,7 +280,7 @@ def test_stream_map_direct_failure_closes_the_schedule_and_raises_for_the_chunk(
 
 
 def test_stream_map_engine_option():
-    from ringflow.pipeline import warm
+    from ringflow._pipeline import warm
 
     dev = rf.device("sim", seed=7, chaos=True)
     rf.drop_warm_pipelines()
@@ -303,8 +303,8 @@ def test_a_profiled_direct_run_has_a_timeline_on_one_clock():
     plus the host's enqueueing of each chunk; the report and the Chrome trace come from it."""
     import json
 
-    from ringflow.trace.chrome import to_chrome
-    from ringflow.trace.timeline import ENQUEUE_TRACK
+    from ringflow._trace.chrome import to_chrome
+    from ringflow._trace.timeline import ENQUEUE_TRACK
 
     dev = rf.device("sim", seed=8, chaos=True)
     rf.drop_warm_pipelines()

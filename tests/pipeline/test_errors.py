@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import ringflow as rf
-from ringflow.errors import DeviceError, StageError
-from ringflow.pipeline.states import SlotState
+from ringflow._errors import DeviceError, StageError
+from ringflow._pipeline.states import SlotState
 from tests.helpers.pipeline_checks import (
     FAULTS,
     Harness,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ringflow as rf
-from ringflow.pipeline import GUARDS
+from ringflow._pipeline import GUARDS
 from tests.helpers.pipeline_checks import (
     Harness,
     caught,

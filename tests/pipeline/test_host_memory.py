@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ringflow as rf
-from ringflow import plan
+from ringflow import _plan as plan
 
 
 def f(x, y):

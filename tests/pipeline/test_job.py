@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ringflow as rf
-from ringflow.errors import StageError
-from ringflow.pipeline import job as job_module
+from ringflow._errors import StageError
+from ringflow._pipeline import job as job_module
 from tests.helpers.pipeline_checks import copy_failing_on_call
 
 

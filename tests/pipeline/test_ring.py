@@ -3,8 +3,8 @@
 import pytest
 
 import ringflow as rf
-from ringflow.pipeline.ring import Ring
-from ringflow.pipeline.states import IllegalTransition, RingKind, SlotState
+from ringflow._pipeline.ring import Ring
+from ringflow._pipeline.states import IllegalTransition, RingKind, SlotState
 
 S = SlotState
 

@@ -35,8 +35,8 @@ from hypothesis.stateful import (
 )
 
 import ringflow as rf
-from ringflow.errors import DeviceError, StageError
-from ringflow.pipeline.states import ChunkState, RingKind, SlotState
+from ringflow._errors import DeviceError, StageError
+from ringflow._pipeline.states import ChunkState, RingKind, SlotState
 from tests.helpers.pipeline_checks import (
     FAULTS,
     Harness,

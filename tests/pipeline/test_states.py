@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from ringflow.pipeline.states import (
+from ringflow._pipeline.states import (
     LEGAL_CHUNK_TRANSITIONS,
     LEGAL_SLOT_TRANSITIONS,
     ChunkState,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import ringflow as rf
-from ringflow.pipeline.states import RingKind, SlotState
+from ringflow._pipeline.states import RingKind, SlotState
 from tests.helpers.pipeline_checks import (
     FAULTS,
     Harness,

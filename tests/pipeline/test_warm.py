@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import ringflow as rf
-from ringflow.errors import StageError
-from ringflow.pipeline import warm
+from ringflow._errors import StageError
+from ringflow._pipeline import warm
 
 
 def f(x, y):
@@ -64,7 +64,7 @@ def test_profiled_and_checked_calls_are_not_kept():
     rf.stream_map(f, x, device=dev, chunk_bytes=1024, checked=True)
     rf.stream_map(f, x, device=dev, chunk_bytes=1024)
     assert rf.drop_warm_pipelines(dev) == 1  # only the plain call's
-    from ringflow.pipeline.whole_array import stream_map_report
+    from ringflow._pipeline.whole_array import stream_map_report
 
     stream_map_report(f, x, device=dev, chunk_bytes=1024)
     assert len(warm.WARM) == 0

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import ringflow as rf
-from ringflow.trace import STAGES, load_spans
-from ringflow.trace.summary import summarise
+from ringflow._trace import STAGES, load_spans
+from ringflow._trace.summary import summarise
 
 MB = 10**6
 
@@ -118,8 +118,8 @@ def test_stalls_are_recorded_when_slots_run_short():
 def test_the_first_chunk_counts_at_each_stages_fastest_time():
     """Loaded medians (contention) would overstate the lone first chunk: the bound takes the
     fastest observed time of each stage for it, and the medians for the interval."""
-    from ringflow.trace.report import Report
-    from ringflow.trace.timeline import ChunkRecord, Timeline
+    from ringflow._trace.report import Report
+    from ringflow._trace.timeline import ChunkRecord, Timeline
 
     ms = 1e-3
     recs = []

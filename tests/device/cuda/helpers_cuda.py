@@ -7,7 +7,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from ringflow.kernel import Kernel
+from ringflow._kernel import Kernel
 
 AFFINE_U32 = Kernel(r"""
 extern "C" __global__ void affine_u32(const unsigned int* x, unsigned int* y, size_t n) {

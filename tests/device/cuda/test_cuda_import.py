@@ -10,19 +10,19 @@ import ringflow as rf
 
 
 def test_backend_imports_without_a_gpu():
-    cuda = importlib.import_module("ringflow.device.cuda")
+    cuda = importlib.import_module("ringflow._device.cuda")
     ok, reason = cuda.probe()
     assert isinstance(ok, bool)
     assert isinstance(reason, str) and reason
 
 
 def test_probe_and_factory_agree():
-    cuda = importlib.import_module("ringflow.device.cuda")
+    cuda = importlib.import_module("ringflow._device.cuda")
     assert cuda.probe() == rf.cuda_available()
 
 
 def test_no_gpu_here_gives_clear_errors():
-    cuda = importlib.import_module("ringflow.device.cuda")
+    cuda = importlib.import_module("ringflow._device.cuda")
     ok, reason = cuda.probe()
     if ok:
         pytest.skip("a GPU is usable here")
@@ -34,7 +34,7 @@ def test_no_gpu_here_gives_clear_errors():
 
 
 def test_unknown_array_kind_is_refused():
-    from ringflow.device.cuda.arrays import resolve
+    from ringflow._device.cuda.arrays import resolve
 
     with pytest.raises(ValueError, match="unknown array type"):
         resolve("jax")
@@ -42,7 +42,7 @@ def test_unknown_array_kind_is_refused():
 
 
 def test_sticky_error_names_are_recognised():
-    from ringflow.device.cuda._lib import device_error, is_sticky
+    from ringflow._device.cuda._lib import device_error, is_sticky
 
     assert is_sticky(RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered"))
     assert is_sticky(RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered"))
@@ -54,7 +54,7 @@ def test_sticky_error_names_are_recognised():
 def test_thread_worker_pool_runs_tasks_without_a_gpu():
     import concurrent.futures as cf
 
-    from ringflow.device.cuda.pool import ThreadWorkerPool
+    from ringflow._device.cuda.pool import ThreadWorkerPool
 
     executor = cf.ThreadPoolExecutor(2)
     with pytest.raises(ValueError):

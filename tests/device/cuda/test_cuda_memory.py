@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ringflow as rf
-from ringflow.device.cuda import CudaDevice
+from ringflow._device.cuda import CudaDevice
 
 pytestmark = pytest.mark.gpu
 

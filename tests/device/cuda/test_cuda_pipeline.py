@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ringflow.device.cuda import CudaDevice
+from ringflow._device.cuda import CudaDevice
 
 from .helpers_cuda import AFFINE_U32, affine_u32_expected, array_kinds
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from ringflow.device.cuda.measure import Spin
+from ringflow._device.cuda.measure import Spin
 
 pytestmark = pytest.mark.gpu
 
@@ -155,8 +155,8 @@ def test_live_counts_follow_close(cuda_device):
 
 STICKY = textwrap.dedent(r'''
     import numpy as np, ringflow as rf
-    from ringflow.errors import DeviceError
-    from ringflow.kernel import Kernel
+    from ringflow._errors import DeviceError
+    from ringflow._kernel import Kernel
     bad = Kernel(r"""extern "C" __global__ void bad(const unsigned* x, unsigned* y, size_t n) {
         unsigned* p = (unsigned*)0x10; p[threadIdx.x] = 1u; }""", "bad")
     dev = rf.device("cuda:0", array="dlpack")

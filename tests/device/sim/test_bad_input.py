@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import ringflow as rf
-from ringflow.device.sim import charge
+from ringflow._device.sim import charge
 from tests.helpers import unit_device
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import ringflow as rf
-from ringflow.device.sim.engine import Engine, Op
-from ringflow.device.sim.profile import H200_PCIE5, UNIT_TEST
+from ringflow._device.sim.engine import Engine, Op
+from ringflow._device.hardware import H200_PCIE5, UNIT_TEST
 from tests.helpers import Timeline, run_ring, unit_device
 
 MB = 1_000_000  # on the unit profile a copy of 1 MB takes exactly 1 ms

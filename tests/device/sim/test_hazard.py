@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ringflow import HazardError
-from ringflow.device.sim.hazard import Access, AccessKind, HappensBeforeChecker
+from ringflow._device.sim.hazard import Access, AccessKind, HappensBeforeChecker
 
 R, W, REL = AccessKind.READ, AccessKind.WRITE, AccessKind.RELEASE
 SIZE = 100  # bytes of every synthetic buffer
@@ -302,7 +302,7 @@ def test_a_write_covering_only_part_of_an_older_one_keeps_the_rest_visible(h):
 
 
 def test_merge_takes_the_pointwise_maximum():
-    from ringflow.device.sim.hazard import merge_into
+    from ringflow._device.sim.hazard import merge_into
 
     target = {"a": 3, "b": 1}
     merge_into(target, {"a": 2, "b": 2, "c": 5})

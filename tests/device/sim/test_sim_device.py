@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ringflow as rf
-from ringflow.device.protocol import Capabilities, LiveCounts
+from ringflow._device.protocol import Capabilities, LiveCounts
 from tests.helpers import unit_device
 
 N = 256  # float32 items per buffer
@@ -777,7 +777,7 @@ def test_after_a_sticky_error_buffers_close_without_hazards():
 def test_each_call_on_a_dead_context_raises_its_own_sticky_error():
     """Like each failing CUDA call: a new DeviceError per call, caused by the first, so each
     traceback shows where that call was made."""
-    from ringflow.errors import DeviceError
+    from ringflow._errors import DeviceError
 
     dev = rf.device("sim")
     dev.inject_sticky_error()
@@ -795,7 +795,7 @@ def test_each_call_on_a_dead_context_raises_its_own_sticky_error():
 def test_a_fault_of_the_sim_while_starting_a_task_fails_the_task_not_the_wait(monkeypatch):
     """An error raised while the sim starts a task (not by the task's callable) is the task's
     result; the task still completes, so a pipeline reports it instead of hanging in close."""
-    from ringflow.device.sim import pool as sim_pool
+    from ringflow._device.sim import pool as sim_pool
 
     original = sim_pool.SimWorkerPool._take_actor
     calls = []

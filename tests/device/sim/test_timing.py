@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import ringflow as rf
-from ringflow.device.sim import charge
-from ringflow.device.sim.profile import H200_PCIE5, UNIT_TEST
+from ringflow._device.sim import charge
+from ringflow._device.hardware import H200_PCIE5, UNIT_TEST
 from tests.helpers import Timeline, run_ring, unit_device
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -1,0 +1,1030 @@
+"""The baselines ``ringflow bench`` compares against, each run on the real GPU.
+
+Every baseline runs one workload and returns a JSON-ready dict::
+
+    {"name", "ms_median", "ms_p10", "ms_p90", "ms_min", "ms_max", "runs", "correct",
+     "timing": "cuda_events" | "host_clock", "kernel", "host", "bytes_in", "bytes_out",
+     "chunks", "streams", ...}
+
+Rules (DESIGN.md section 5): warm-up runs first, then ``repeats`` timed runs, median and
+spread; CUDA events around regions that are GPU-only (data already in pinned memory), the host
+clock after a synchronize for end-to-end regions (a pageable numpy array in, a new numpy array
+out); the output of the last timed run is poisoned (NaN) beforehand and checked against an
+exact float64 reference on the caller's data (use :func:`random_input`: fresh random values,
+never zeros).
+
+The kernels are the ``affine_iter`` (the tutorial's ``v*0.999+0.001`` repeated ``iters``
+times; 64 for the ``seed`` workload) and ``scale_shift`` (``y = x*2+1``) kernels of
+``native/overlap_pipeline.cu``, compiled with NVRTC through CuPy and launched on PyTorch's
+streams, one thread per element in blocks of 256 -- the same code the CUDA C++ baseline and
+ringflow's own :mod:`ringflow._bench.kernels` run, so every comparison is of the pipeline.
+
+Baselines need PyTorch and CuPy with a CUDA GPU (``cuda_cpp_pipeline`` needs nvcc and a GPU);
+where those are missing they raise :class:`BaselineUnavailable`, whose message says what is
+missing (:func:`run_or_skip` turns that into ``{"name", "skipped": reason}``).
+
+``link_floor`` and ``host_floor`` measure what the fastest possible pipeline is bound by; their
+keys are prefixed ``link_`` and ``host_`` so the two dicts merge.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import os
+import threading
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+__all__ = [
+    "BaselineUnavailable", "BaselineKernel", "resolve_kernel", "random_input", "gpu_available", "availability",
+    "run_or_skip", "serial_copy_compute_copy", "torch_naive", "torch_streams_pipeline", "cuda_cpp_pipeline",
+    "link_floor", "host_floor", "versions",
+]
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+BLOCK = 256
+PAGE = 4096
+
+
+class BaselineUnavailable(RuntimeError):
+    """This baseline cannot run here: no GPU, or PyTorch, CuPy or nvcc is missing (the message says which)."""
+
+
+def run_or_skip(fn: Callable[..., dict], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """``fn(*args, **kwargs)``, or ``{"name": fn.__name__, "skipped": reason}`` if it is unavailable here."""
+    try:
+        return fn(*args, **kwargs)
+    except BaselineUnavailable as exc:
+        return {"name": getattr(fn, "__name__", str(fn)), "skipped": str(exc)}
+
+
+# -- what is installed ----------------------------------------------------------------------------
+def _torch():
+    try:
+        import torch
+    except Exception as exc:  # noqa: BLE001 - any import failure means no PyTorch here
+        raise BaselineUnavailable(f"PyTorch is not installed or does not import ({type(exc).__name__}: {exc})") from None
+    if not torch.cuda.is_available():
+        raise BaselineUnavailable("PyTorch sees no CUDA GPU (torch.cuda.is_available() is False)")
+    return torch
+
+
+def preload_frameworks() -> dict[str, str]:
+    """Import PyTorch and CuPy now (each if usable), so that nothing imports them inside a
+    timed region and their objects exist before the benchmark freezes the garbage collector's
+    heap. Returns what each import gave ("ok" or why not)."""
+    out = {}
+    for name, load in (("torch", _torch), ("cupy", _cupy)):
+        try:
+            load()
+            out[name] = "ok"
+        except Exception as exc:  # noqa: BLE001 - a missing framework only skips its baselines
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+_cupy_ok = False
+
+
+def _cupy():
+    global _cupy_ok
+    try:
+        import cupy
+    except Exception as exc:  # noqa: BLE001
+        raise BaselineUnavailable(f"CuPy is not installed or does not import ({type(exc).__name__}: {exc})") from None
+    if not _cupy_ok:
+        try:
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # noqa: BLE001 - no driver, no device
+            raise BaselineUnavailable(f"CuPy sees no CUDA GPU ({type(exc).__name__}: {exc})") from None
+        if count < 1:
+            raise BaselineUnavailable("CuPy sees no CUDA GPU (device count 0)")
+        _cupy_ok = True
+    return cupy
+
+
+def gpu_available() -> tuple[bool, str]:
+    """(usable, reason): whether any of ringflow's CUDA backend, CuPy or PyTorch sees a GPU."""
+    reasons = []
+    try:
+        from .._device import cuda_available
+
+        ok, why = cuda_available()
+        if ok:
+            return True, why
+        reasons.append(f"ringflow: {why}")
+    except Exception as exc:  # noqa: BLE001
+        reasons.append(f"ringflow: {type(exc).__name__}: {exc}")
+    for probe in (_cupy, _torch):
+        try:
+            probe()
+            return True, f"{probe.__name__.strip('_')} sees a GPU"
+        except BaselineUnavailable as exc:
+            reasons.append(str(exc))
+    return False, "; ".join(reasons)
+
+
+def availability() -> dict[str, str]:
+    """What each baseline needs and whether it is here: ``{"torch", "cupy", "nvcc", "gpu"}`` -> "ok" or why not."""
+    from . import native
+
+    out = {}
+    for key, probe in (("torch", _torch), ("cupy", _cupy)):
+        try:
+            probe()
+            out[key] = "ok"
+        except BaselineUnavailable as exc:
+            out[key] = str(exc)
+    nvcc = native.find_nvcc()
+    out["nvcc"] = f"ok ({nvcc})" if nvcc else "nvcc not found"
+    ok, why = gpu_available()
+    out["gpu"] = "ok" if ok else why
+    return out
+
+
+# -- the kernels ----------------------------------------------------------------------------------
+_AFFINE_NAMES = {"seed", "affine", "affine_iter", "v*0.999+0.001", "heavy"}
+_SCALE_NAMES = {"scale_shift", "x*2+1", "2x+1", "axpb", "pageable"}
+_A32, _B32 = float(np.float32(0.999)), float(np.float32(0.001))
+_functions: dict[str, Any] = {}
+_functions_lock = threading.Lock()
+_ext_streams: dict[int, Any] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class BaselineKernel:
+    """One of the two kernels, with its exact float64 reference.
+
+    ``kind`` is ``"affine_iter"`` (``iters`` times ``v = v*0.999f + 0.001f``, run in place on
+    the device as the tutorial does) or ``"scale_shift"`` (``y = x*2 + 1``, out of place).
+    """
+
+    kind: str
+    iters: int = 64
+
+    def __post_init__(self):
+        if self.kind not in ("affine_iter", "scale_shift"):
+            raise ValueError(f"kernel kind must be 'affine_iter' or 'scale_shift', got {self.kind!r}")
+        if isinstance(self.iters, bool) or not isinstance(self.iters, (int, np.integer)) or self.iters < 0:
+            raise ValueError(f"iters must be a non-negative integer, got {self.iters!r}")
+
+    @property
+    def name(self) -> str:
+        return f"affine_iter_{self.iters}" if self.kind == "affine_iter" else "scale_shift"
+
+    @property
+    def inplace(self) -> bool:
+        return self.kind == "affine_iter"
+
+    @property
+    def native_name(self) -> str:
+        """The ``--kernel`` argument of the CUDA C++ program."""
+        return "seed" if self.kind == "affine_iter" else "scale_shift"
+
+    def tolerance(self) -> tuple[float, float]:
+        """(rtol, atol) against the reference: float32 rounding of the recurrence is at most
+        ~6e-8 per step, damped by 0.999 a step; ``x*2+1`` is compared bit for bit with numpy's
+        float32 result (``x*2`` is exact, so the one rounding of ``+1`` is the same with or
+        without an FMA)."""
+        if self.kind == "scale_shift":
+            return 0.0, 0.0
+        return 1e-5, max(1e-5, 6e-8 * min(int(self.iters), 1000))
+
+    def reference(self, x: np.ndarray) -> np.ndarray:
+        """``x*2+1`` in float32 as the GPU computes it; the affine recurrence exactly in float64
+        (closed form: a^k (v - c) + c)."""
+        if self.kind == "scale_shift":
+            v = np.asarray(x, dtype=np.float32)
+            return (v * np.float32(2) + np.float32(1)).astype(np.float64)
+        v = np.asarray(x, dtype=np.float64)
+        fix = _B32 / (1.0 - _A32)
+        return _A32 ** int(self.iters) * (v - fix) + fix
+
+    def check(self, x: np.ndarray, y: np.ndarray, block: int = 1 << 22) -> dict[str, Any]:
+        """Compare ``y`` with the reference of ``x``, block by block (bounded memory); NaN fails."""
+        x, y = np.ravel(x), np.ravel(y)
+        if x.shape != y.shape:
+            return {"correct": False, "mismatches": max(x.size, y.size), "max_abs_err": None}
+        rtol, atol = self.tolerance()
+        bad, worst = 0, 0.0
+        for lo in range(0, x.size, block):
+            ref = self.reference(x[lo:lo + block])
+            err = np.abs(y[lo:lo + block].astype(np.float64) - ref)
+            ok = err <= atol + rtol * np.abs(ref)  # False for NaN
+            nbad = int(ok.size - np.count_nonzero(ok))
+            bad += nbad
+            if nbad and not np.isfinite(err).all():
+                worst = math.inf
+            elif err.size:
+                worst = max(worst, float(np.nanmax(err)))
+        return {"correct": bad == 0, "mismatches": bad, "max_abs_err": None if math.isinf(worst) else worst}
+
+    def compile(self) -> Any:
+        """The CuPy ``RawKernel`` (compiled once per process from ``native.kernel_source()``)."""
+        cupy = _cupy()
+        with _functions_lock:
+            if not _functions:
+                from . import native
+
+                module = cupy.RawModule(code=native.kernel_source())
+                for name in ("affine_iter", "scale_shift"):
+                    _functions[name] = module.get_function(name)
+            return _functions[self.kind]
+
+    def launch(self, src_ptr: int, dst_ptr: int, n: int, stream_ptr: int) -> None:
+        """Launch on the CUDA stream ``stream_ptr`` (a ``torch.cuda.Stream().cuda_stream``; 0 is
+        the legacy default stream): ``ceil(n / 256)`` blocks of 256 threads, like ``rf.Kernel``."""
+        if n <= 0:
+            return
+        fn = self.compile()
+        cupy = _cupy()
+        ext = _ext_streams.get(stream_ptr)
+        if ext is None:
+            ext = _ext_streams[stream_ptr] = _external_stream(cupy, stream_ptr)
+        blocks = min(-(-n // BLOCK), 0x7FFFFFFF)
+        if self.kind == "affine_iter":
+            args = (np.uint64(src_ptr), np.uint64(dst_ptr), np.int32(self.iters), np.uint64(n))
+        else:
+            args = (np.uint64(src_ptr), np.uint64(dst_ptr), np.uint64(n))
+        with ext:
+            fn((blocks,), (BLOCK,), args)
+
+
+class _StreamHandle:
+    """A raw stream handle in the CUDA stream protocol, for ``cupy.cuda.Stream.from_external``."""
+
+    def __init__(self, ptr: int):
+        self.ptr = int(ptr)
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def _external_stream(cupy, ptr: int):
+    """CuPy's view of a stream it did not create (``ExternalStream``, deprecated in CuPy 14 in
+    favour of ``Stream.from_external``, which newer releases keep)."""
+    ext = getattr(cupy.cuda, "ExternalStream", None)
+    if ext is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return ext(ptr)
+    return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+
+
+def resolve_kernel(spec: Any = "seed", iters: int = 64) -> BaselineKernel:
+    """A :class:`BaselineKernel` from a name (``"seed"``/``"affine_iter"``/``"affine_iter_64"``,
+    ``"scale_shift"``/``"x*2+1"``), a :class:`BaselineKernel`, or one of
+    :mod:`ringflow._bench.kernels`' functions (``affine(iters)``, ``scale_shift()``)."""
+    if isinstance(spec, BaselineKernel):
+        return spec
+    name = spec if isinstance(spec, str) else getattr(spec, "__name__", None)
+    if isinstance(name, str):
+        key = name.strip().replace(" ", "").lower()
+        if key in _SCALE_NAMES:
+            return BaselineKernel("scale_shift")
+        if key in _AFFINE_NAMES:
+            return BaselineKernel("affine_iter", int(getattr(spec, "iters", iters)))
+        if key.startswith("affine_iter_") and key[len("affine_iter_"):].isdigit():
+            return BaselineKernel("affine_iter", int(key[len("affine_iter_"):]))
+    raise ValueError(f"unknown baseline kernel {spec!r}: use 'seed' (affine_iter, iters=...) or 'scale_shift' (x*2+1)")
+
+
+def random_input(n: int, seed: int | None = None) -> np.ndarray:
+    """``n`` fresh random float32 values in [-1, 1) (never zeros: zeros hide unwritten outputs)."""
+    rng = np.random.default_rng(seed)
+    x = rng.random(int(n), dtype=np.float32)
+    x *= 2
+    x -= 1
+    return x
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def _stats(ms: Sequence[float]) -> dict[str, Any]:
+    a = np.asarray(ms, dtype=np.float64)
+    return {"ms_median": float(np.median(a)), "ms_p10": float(np.percentile(a, 10)),
+            "ms_p90": float(np.percentile(a, 90)), "ms_min": float(a.min()), "ms_max": float(a.max()),
+            "runs": int(a.size)}
+
+
+def _as_f32(x: Any) -> np.ndarray:
+    x = np.asarray(x)
+    if x.dtype != np.float32:
+        raise TypeError(f"baselines take float32 arrays, got {x.dtype}")
+    if x.size == 0:
+        raise ValueError("baselines need a non-empty array")
+    if not x.flags.c_contiguous:
+        raise ValueError("baselines need a C-contiguous array")
+    return x.reshape(-1)
+
+
+def _counts(v: int | Sequence[int], what: str) -> list[int]:
+    vals = [v] if isinstance(v, (int, np.integer)) else list(v)
+    if not vals or any(isinstance(c, bool) or int(c) < 1 for c in vals):
+        raise ValueError(f"{what} must be positive integers, got {v!r}")
+    return [int(c) for c in vals]
+
+
+def _bounds(n: int, chunks: int) -> list[tuple[int, int]]:
+    return [(n * i // chunks, n * (i + 1) // chunks) for i in range(chunks) if n * (i + 1) // chunks > n * i // chunks]
+
+
+def _pinned(torch, n: int, dtype=None):
+    return torch.empty(int(n), dtype=dtype or torch.float32, pin_memory=True)
+
+
+def _check_setup(kernel: BaselineKernel):
+    torch = _torch()
+    kernel.compile()  # NVRTC compile outside any timed region
+    return torch
+
+
+def versions() -> dict[str, Any]:
+    """Versions of numpy, PyTorch and CuPy (those that import)."""
+    out: dict[str, Any] = {"numpy": np.__version__}
+    for mod in ("torch", "cupy"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+# -- 1. serial copy-compute-copy ------------------------------------------------------------------
+def serial_copy_compute_copy(x: np.ndarray, kernel: Any = "seed", *, iters: int = 64, host: str = "pinned",
+                             warmup: int = 2, repeats: int = 10) -> dict[str, Any]:
+    """One big H2D, the kernel, one big D2H, on one stream: the tutorial's serial version.
+
+    ``host="pinned"``: ``x`` is copied into a pinned buffer beforehand (untimed) and the output
+    stays in a second pinned buffer; the region H2D -> kernel -> D2H is timed with CUDA events.
+    ``host="pageable"``: end to end from the numpy array ``x`` to a new numpy array, staged
+    through pinned buffers by one thread; host clock.
+    """
+    k = resolve_kernel(kernel, iters)
+    if host not in ("pinned", "pageable"):
+        raise ValueError(f"host must be 'pinned' or 'pageable', got {host!r}")
+    x = _as_f32(x)
+    torch = _check_setup(k)
+    n = x.size
+    s = torch.cuda.Stream()
+    d_in = torch.empty(n, dtype=torch.float32, device="cuda")
+    d_out = d_in if k.inplace else torch.empty_like(d_in)
+    p_in, p_out = _pinned(torch, n), _pinned(torch, n)
+    a_in, a_out = p_in.numpy(), p_out.numpy()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if host == "pinned":
+        np.copyto(a_in, x)
+    torch.cuda.synchronize()
+
+    def enqueue():
+        with torch.cuda.stream(s):
+            d_in.copy_(p_in, non_blocking=True)
+            k.launch(d_in.data_ptr(), d_out.data_ptr(), n, s.cuda_stream)
+            p_out.copy_(d_out, non_blocking=True)
+
+    times, y = [], None
+    for i in range(warmup + repeats):
+        last = i == warmup + repeats - 1
+        if last:
+            a_out.fill(np.nan)
+        if host == "pinned":
+            e0.record(s)
+            enqueue()
+            e1.record(s)
+            e1.synchronize()
+            ms = e0.elapsed_time(e1)
+        else:
+            t0 = time.perf_counter()
+            y = np.empty_like(x)
+            np.copyto(a_in, x)
+            enqueue()
+            s.synchronize()
+            np.copyto(y, a_out)
+            ms = (time.perf_counter() - t0) * 1e3
+        if i >= warmup:
+            times.append(ms)
+    out = a_out if host == "pinned" else y
+    chk = k.check(x, out)
+    res = {"name": "serial_copy_compute_copy", **_stats(times), **chk, "kernel": k.name, "host": host,
+           "timing": "cuda_events" if host == "pinned" else "host_clock", "bytes_in": x.nbytes,
+           "bytes_out": x.nbytes, "chunks": 1, "streams": 1}
+    res["GBps"] = 2 * x.nbytes / (res["ms_median"] * 1e6)
+    return res
+
+
+# -- 2. torch naive -------------------------------------------------------------------------------
+def torch_naive(x: np.ndarray, fn: Any = "scale_shift", *, iters: int = 64, warmup: int = 1, repeats: int = 5,
+                reference: Callable[[np.ndarray], np.ndarray] | None = None) -> dict[str, Any]:
+    """``torch.from_numpy(x).cuda()``, the kernel, ``.cpu().numpy()``: the way people do it
+    today. End to end (pageable numpy in, new numpy out), host clock.
+
+    ``fn`` is a kernel spec (see :func:`resolve_kernel`), or any callable on a CUDA tensor that
+    returns a CUDA tensor, checked against ``reference(x)`` if given (else ``correct`` is None).
+    """
+    x = _as_f32(x)
+    try:
+        k: BaselineKernel | None = resolve_kernel(fn, iters)
+    except ValueError:
+        if not callable(fn):
+            raise
+        k = None
+    torch = _check_setup(k) if k is not None else _torch()
+    n = x.size
+
+    def once():
+        d = torch.from_numpy(x).cuda()
+        if k is not None:
+            out = d if k.inplace else torch.empty_like(d)
+            k.launch(d.data_ptr(), out.data_ptr(), n, torch.cuda.current_stream().cuda_stream)
+        else:
+            out = fn(d)
+        return out.cpu().numpy()
+
+    times, y = [], None
+    torch.cuda.synchronize()
+    for i in range(warmup + repeats):
+        del y
+        t0 = time.perf_counter()
+        y = once()
+        ms = (time.perf_counter() - t0) * 1e3
+        if i >= warmup:
+            times.append(ms)
+    if k is not None:
+        chk = k.check(x, y)
+    elif reference is not None:
+        ref = np.asarray(reference(x), dtype=np.float64).reshape(-1)
+        yy = np.asarray(y, dtype=np.float64).reshape(-1)
+        chk = {"correct": bool(yy.shape == ref.shape and np.allclose(yy, ref, rtol=1e-5, atol=1e-6))}
+    else:
+        chk = {"correct": None}
+    res = {"name": "torch_naive", **_stats(times), **chk, "kernel": k.name if k else getattr(fn, "__name__", "fn"),
+           "host": "pageable", "timing": "host_clock", "bytes_in": x.nbytes, "bytes_out": x.nbytes, "chunks": 1,
+           "streams": 1}
+    res["GBps"] = 2 * x.nbytes / (res["ms_median"] * 1e6)
+    return res
+
+
+# -- 3. hand-written torch multi-stream pipeline --------------------------------------------------
+def _pipeline_pinned(torch, x, k, nchunks, nstreams, warmup, repeats):
+    n = x.size
+    strs = [torch.cuda.Stream() for _ in range(nstreams)]
+    p_in, p_out = _pinned(torch, n), _pinned(torch, n)
+    a_in, a_out = p_in.numpy(), p_out.numpy()
+    np.copyto(a_in, x)
+    d_in = torch.empty(n, dtype=torch.float32, device="cuda")
+    d_out = d_in if k.inplace else torch.empty_like(d_in)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    joins = [torch.cuda.Event() for _ in strs]
+    bounds = _bounds(n, nchunks)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(warmup + repeats):
+        if i == warmup + repeats - 1:
+            a_out.fill(np.nan)
+        e0.record(strs[0])
+        for s in strs[1:]:
+            s.wait_event(e0)
+        for c, (lo, hi) in enumerate(bounds):
+            s = strs[c % nstreams]
+            with torch.cuda.stream(s):
+                d_in[lo:hi].copy_(p_in[lo:hi], non_blocking=True)
+                k.launch(d_in[lo:hi].data_ptr(), d_out[lo:hi].data_ptr(), hi - lo, s.cuda_stream)
+                p_out[lo:hi].copy_(d_out[lo:hi], non_blocking=True)
+        for s, ev in zip(strs[1:], joins[1:]):
+            ev.record(s)
+            strs[0].wait_event(ev)
+        e1.record(strs[0])
+        e1.synchronize()
+        if i >= warmup:
+            times.append(e0.elapsed_time(e1))
+    chk = k.check(x, a_out)
+    return times, chk, {}
+
+
+def _pipeline_pageable(torch, x, k, nchunks, nstreams, warmup, repeats):
+    n = x.size
+    bounds = _bounds(n, nchunks)
+    nstreams = min(nstreams, len(bounds))
+    m = max(hi - lo for lo, hi in bounds)
+    strs = [torch.cuda.Stream() for _ in range(nstreams)]
+    t0 = time.perf_counter()
+    pin_in = [_pinned(torch, m) for _ in strs]
+    pin_out = [_pinned(torch, m) for _ in strs]
+    alloc_ms = (time.perf_counter() - t0) * 1e3
+    a_in, a_out = [p.numpy() for p in pin_in], [p.numpy() for p in pin_out]
+    d_in = [torch.empty(m, dtype=torch.float32, device="cuda") for _ in strs]
+    d_out = d_in if k.inplace else [torch.empty(m, dtype=torch.float32, device="cuda") for _ in strs]
+    done = [torch.cuda.Event() for _ in strs]
+    torch.cuda.synchronize()
+
+    def once():
+        y = np.empty_like(x)  # the new output array the caller gets (its first touch is part of the cost)
+        pending: list[int | None] = [None] * nstreams
+
+        def drain(slot):
+            c = pending[slot]
+            lo, hi = bounds[c]
+            done[slot].synchronize()
+            np.copyto(y[lo:hi], a_out[slot][:hi - lo])
+            pending[slot] = None
+
+        for c, (lo, hi) in enumerate(bounds):
+            slot = c % nstreams
+            if pending[slot] is not None:  # the slot's previous chunk must be out before reuse
+                drain(slot)
+            np.copyto(a_in[slot][:hi - lo], x[lo:hi])
+            s = strs[slot]
+            with torch.cuda.stream(s):
+                d_in[slot][:hi - lo].copy_(pin_in[slot][:hi - lo], non_blocking=True)
+                k.launch(d_in[slot].data_ptr(), d_out[slot].data_ptr(), hi - lo, s.cuda_stream)
+                pin_out[slot][:hi - lo].copy_(d_out[slot][:hi - lo], non_blocking=True)
+                done[slot].record(s)
+            pending[slot] = c
+        for c in range(len(bounds)):  # drain the last chunks in order
+            slot = c % nstreams
+            if pending[slot] == c:
+                drain(slot)
+        return y
+
+    times, y = [], None
+    for i in range(warmup + repeats):
+        if i == warmup + repeats - 1:
+            for a in a_out:
+                a.fill(np.nan)
+        del y
+        t0 = time.perf_counter()
+        y = once()
+        ms = (time.perf_counter() - t0) * 1e3
+        if i >= warmup:
+            times.append(ms)
+    chk = k.check(x, y)
+    return times, chk, {"staging_alloc_ms": alloc_ms, "staging_bytes": 2 * nstreams * m * 4}
+
+
+def torch_streams_pipeline(x: np.ndarray, fn: Any = "scale_shift", chunks: int | Sequence[int] = (8, 32, 128),
+                           streams: int = 3, *, iters: int = 64, host: str = "pageable", warmup: int = 1,
+                           repeats: int = 5) -> dict[str, Any]:
+    """A hand-written pinned-memory multi-stream pipeline in PyTorch; the best of ``chunks``.
+
+    Chunk ``c`` goes to stream ``c % streams``: non-blocking H2D, the kernel, non-blocking D2H.
+
+    ``host="pageable"`` (default; ``x`` is an ordinary numpy array): end to end into a new
+    numpy array, host clock. One pinned in/out staging slot per stream; the thread copies chunk
+    ``c`` of ``x`` into its slot after draining the slot's previous chunk (event wait, then copy
+    out of pinned memory into the result) -- the staging copies are what the user has to do,
+    so they are timed. The staging slots are allocated once, outside the timed region.
+    ``host="pinned"``: ``x`` sits in pinned memory beforehand and the output stays in pinned
+    memory (the tutorial's setting); CUDA events around the whole pipeline.
+
+    Returns the best chunk count's figures at the top level (``chunks``) and every count's under
+    ``by_chunks``.
+    """
+    k = resolve_kernel(fn, iters)
+    if host not in ("pinned", "pageable"):
+        raise ValueError(f"host must be 'pinned' or 'pageable', got {host!r}")
+    counts = _counts(chunks, "chunks")
+    (nstreams,) = _counts(streams, "streams")
+    x = _as_f32(x)
+    torch = _check_setup(k)
+    runner = _pipeline_pinned if host == "pinned" else _pipeline_pageable
+    rows = []
+    for nc in counts:
+        times, chk, extra = runner(torch, x, k, nc, nstreams, warmup, repeats)
+        rows.append({"chunks": nc, "streams": nstreams, **_stats(times), **chk, **extra})
+        torch.cuda.synchronize()
+    best = min(rows, key=lambda r: r["ms_median"])
+    res = {"name": "torch_streams_pipeline", **{k_: v for k_, v in best.items()}, "kernel": k.name, "host": host,
+           "timing": "cuda_events" if host == "pinned" else "host_clock", "bytes_in": x.nbytes, "bytes_out": x.nbytes,
+           "correct": all(r["correct"] for r in rows), "by_chunks": rows}
+    res["GBps"] = 2 * x.nbytes / (res["ms_median"] * 1e6)
+    return res
+
+
+# -- 4. hand-written CUDA C++ pipeline ------------------------------------------------------------
+def cuda_cpp_pipeline(n_floats: int, chunks: int | Sequence[int] = (8, 16, 32, 64),
+                      streams: int | Sequence[int] = (4, 1), iters: int = 64, kernel: Any = "seed", *,
+                      repeats: int = 10, warmup: int = 3, arch: str = "sm_90", seed: int = 12345,
+                      timeout: float = 300, refill: bool = False) -> dict[str, Any]:
+    """Our own CUDA C++ program like the tutorial's overlap.cu, built with ``nvcc -O3 -arch=sm_90``.
+
+    ``n_floats`` float32 in pinned memory, processed serially (one H2D, kernel, one D2H on one
+    stream) and pipelined for every (streams, chunks) pair, chunked round-robin over
+    non-blocking streams; CUDA events; every configuration's output checked on random data.
+    ``kernel`` is ``"seed"`` (``iters`` iterations of ``v*0.999+0.001``, in place on the
+    device) or ``"scale_shift"`` (``x*2+1``).
+
+    Top level: the best pipelined configuration among those with more than one stream (all, if
+    only one stream count is asked for), timed with CUDA events (the GPU span); ``host_clock``:
+    the best of the same runs timed on the host clock around enqueue and synchronize;
+    ``refilled`` (with ``refill``): the best when the CPU rewrites the input before every repeat;
+    also ``serial_ms``, ``serial``, ``pipelined`` (every
+    configuration), ``stages`` (isolated whole-array H2D, D2H, both at once, kernel) and the
+    build (``nvcc_version``, ``build_command``, ``build_s``).
+    """
+    from . import native
+
+    k = resolve_kernel(kernel, iters)
+    chunk_list, stream_list = _counts(chunks, "chunks"), _counts(streams, "streams")
+    if int(n_floats) < 1:
+        raise ValueError(f"n_floats must be >= 1, got {n_floats!r}")
+    if native.find_nvcc() is None:
+        raise BaselineUnavailable("nvcc not found (not on PATH, $CUDA_HOME or /usr/local/cuda): "
+                                  "the CUDA C++ baseline needs it")
+    ok, why = gpu_available()
+    if not ok:
+        raise BaselineUnavailable(f"no usable CUDA GPU for the CUDA C++ baseline: {why}")
+    b = native.build(arch)
+    r = native.run(b["exe"], n_floats=int(n_floats), chunks=chunk_list, streams=stream_list, iters=k.iters,
+                   kernel=k.native_name, repeats=repeats, warmup=warmup, seed=seed, timeout=timeout, refill=refill)
+    rows = r["pipelined"]
+    multi = [p for p in rows if p["streams"] > 1] or rows
+    best = min(multi, key=lambda p: p["ms_median"])
+    nbytes = int(n_floats) * 4
+    res = {"name": "cuda_cpp_pipeline", **{key: best[key] for key in
+                                           ("ms_median", "ms_p10", "ms_p90", "ms_min", "ms_max", "runs")},
+           "correct": bool(r["correct"]), "chunks": best["chunks"], "streams": best["streams"], "kernel": k.name,
+           "host": "pinned", "timing": "cuda_events", "bytes_in": nbytes, "bytes_out": nbytes,
+           "n_floats": int(n_floats), "serial_ms": r["serial"]["ms_median"], "serial": r["serial"],
+           "pipelined": rows, "stages": r["stages"], "device": r.get("device"),
+           "cuda_runtime": r.get("cuda_runtime"), "cuda_driver": r.get("cuda_driver"), "arch": b["arch"],
+           "nvcc_version": b["nvcc_version"], "build_command": b["command"], "build_s": b["build_s"],
+           "run_command": r["command"]}
+    res["GBps"] = 2 * nbytes / (res["ms_median"] * 1e6)
+    timed_on_host = [p for p in multi if "host_clock" in p]
+    if timed_on_host:
+        # the same runs on the host clock (enqueue + GPU span + synchronize): what a caller of the
+        # C++ function waits, comparable with ringflow's host-timed calls
+        best_host = min(timed_on_host, key=lambda p: p["host_clock"]["ms_median"])
+        res["host_clock"] = {"chunks": best_host["chunks"], "streams": best_host["streams"], **best_host["host_clock"]}
+    refilled = [p for p in multi if "refilled" in p]
+    if refilled:
+        best_ev = min(refilled, key=lambda p: p["refilled"]["ms_median"])
+        best_host = min(refilled, key=lambda p: p["refilled"]["host_clock"]["ms_median"])
+        res["refilled"] = {"chunks": best_ev["chunks"], "ms_median": best_ev["refilled"]["ms_median"],
+                           "host_clock": {"chunks": best_host["chunks"],
+                                          **best_host["refilled"]["host_clock"]}}
+    return res
+
+
+# -- floors ---------------------------------------------------------------------------------------
+def link_floor(nbytes_in: int, nbytes_out: int, *, probe_cap: int = 256 * MiB, warmup: int = 2,
+               repeats: int = 10) -> dict[str, Any]:
+    """The PCIe link's floor for moving ``nbytes_in`` to the GPU and ``nbytes_out`` back, from
+    pinned memory: H2D alone, D2H alone and both at once (two streams), timed with CUDA events.
+
+    Each is measured as one copy of the real size (scaled down together to at most
+    ``probe_cap`` bytes, where the rate has flattened, and scaled back up), so the floor is
+    ``link_floor_ms = min(both at once, H2D then D2H)``. Keys are prefixed ``link_``; GB/s are
+    1e9 bytes per second (``link_duplex_GBps`` counts both directions' bytes).
+    """
+    torch = _torch()
+    nin, nout = int(nbytes_in), int(nbytes_out)
+    if nin < 0 or nout < 0 or nin + nout == 0:
+        raise ValueError("link_floor needs a positive byte count in at least one direction")
+    scale = min(1.0, probe_cap / max(nin, nout))
+    pin, pout = int(nin * scale), int(nout * scale)
+    rng = np.random.default_rng()
+    h_in = _pinned(torch, max(pin, 1), torch.uint8)
+    h_out = _pinned(torch, max(pout, 1), torch.uint8)
+    h_in.numpy()[:] = np.frombuffer(rng.bytes(h_in.numel()), np.uint8)
+    d_in = torch.empty(max(pin, 1), dtype=torch.uint8, device="cuda")
+    d_out = torch.randint(0, 256, (max(pout, 1),), dtype=torch.uint8, device="cuda")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    e0, e1, join = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), torch.cuda.Event()
+    torch.cuda.synchronize()
+
+    def timed(h2d: bool, d2h: bool) -> list[float]:
+        ms = []
+        for i in range(warmup + repeats):
+            e0.record(s1)
+            s2.wait_event(e0)
+            if h2d and pin:
+                with torch.cuda.stream(s1):
+                    d_in.copy_(h_in, non_blocking=True)
+            if d2h and pout:
+                with torch.cuda.stream(s2):
+                    h_out.copy_(d_out, non_blocking=True)
+            join.record(s2)
+            s1.wait_event(join)
+            e1.record(s1)
+            e1.synchronize()
+            if i >= warmup:
+                ms.append(e0.elapsed_time(e1))
+        return ms
+
+    res: dict[str, Any] = {"link_bytes_in": nin, "link_bytes_out": nout, "link_probe_bytes_in": pin,
+                           "link_probe_bytes_out": pout, "link_timing": "cuda_events"}
+    t_h2d = _stats(timed(True, False)) if pin else None
+    t_d2h = _stats(timed(False, True)) if pout else None
+    t_both = _stats(timed(True, True)) if pin and pout else None
+    if t_h2d:
+        res["link_h2d_ms"] = t_h2d["ms_median"] / scale
+        res["link_h2d_GBps"] = pin / (t_h2d["ms_median"] * 1e6)
+        res["link_h2d_spread_ms"] = [t_h2d["ms_p10"] / scale, t_h2d["ms_p90"] / scale]
+    if t_d2h:
+        res["link_d2h_ms"] = t_d2h["ms_median"] / scale
+        res["link_d2h_GBps"] = pout / (t_d2h["ms_median"] * 1e6)
+        res["link_d2h_spread_ms"] = [t_d2h["ms_p10"] / scale, t_d2h["ms_p90"] / scale]
+    serial_ms = res.get("link_h2d_ms", 0.0) + res.get("link_d2h_ms", 0.0)
+    if t_both:
+        res["link_duplex_ms"] = t_both["ms_median"] / scale
+        res["link_duplex_GBps"] = (pin + pout) / (t_both["ms_median"] * 1e6)
+        res["link_duplex_spread_ms"] = [t_both["ms_p10"] / scale, t_both["ms_p90"] / scale]
+        res["link_floor_ms"] = min(res["link_duplex_ms"], serial_ms)
+    else:
+        res["link_floor_ms"] = serial_ms
+    # the round trip moved the right bytes
+    with torch.cuda.stream(s1):
+        d_in.copy_(h_in, non_blocking=True)
+        back = _pinned(torch, d_in.numel(), torch.uint8)
+        back.copy_(d_in, non_blocking=True)
+    s1.synchronize()
+    res["link_correct"] = bool(np.array_equal(back.numpy()[:pin], h_in.numpy()[:pin]))
+    return res
+
+
+def _aligned_empty(nbytes: int) -> np.ndarray:
+    """An untouched, page-aligned uint8 array (large allocations are fresh mmap'd pages)."""
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+    off = (-raw.ctypes.data) % PAGE
+    return raw[off:off + nbytes]
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges of ``n`` bytes, page-aligned boundaries."""
+    pages = -(-n // PAGE)
+    out = []
+    for i in range(parts):
+        lo, hi = min(n, pages * i // parts * PAGE), min(n, pages * (i + 1) // parts * PAGE)
+        if hi > lo:
+            out.append((lo, hi))
+    return out
+
+
+def _parallel(pool: concurrent.futures.ThreadPoolExecutor, ranges, fn) -> None:
+    futures = [pool.submit(fn, lo, hi) for lo, hi in ranges]
+    for f in futures:
+        f.result()
+
+
+def _host_register_api():
+    """(register(ptr, nbytes), unregister(ptr)) through CuPy's runtime, else cuda.bindings."""
+    try:
+        cupy = _cupy()
+        rt = cupy.cuda.runtime
+        return (lambda p, n: rt.hostRegister(p, n, 0)), (lambda p: rt.hostUnregister(p)), "cupy.cuda.runtime"
+    except BaselineUnavailable:
+        pass
+    try:
+        from cuda.bindings import runtime as crt
+    except Exception as exc:  # noqa: BLE001
+        raise BaselineUnavailable(f"neither CuPy nor cuda.bindings can call cudaHostRegister ({exc})") from None
+
+    def reg(p, n):
+        (err,) = crt.cudaHostRegister(p, n, 0)
+        if err != crt.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaHostRegister failed: {err}")
+
+    def unreg(p):
+        (err,) = crt.cudaHostUnregister(p)
+        if err != crt.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaHostUnregister failed: {err}")
+
+    return reg, unreg, "cuda.bindings.runtime"
+
+
+def host_floor(nbytes: int, *, threads: Sequence[int] = (1, 4, 8, 16), touch_threads: Sequence[int] = (1, 16),
+               repeats: int = 3, warmup: int = 1) -> dict[str, Any]:
+    """The host side of the pageable path, for ``nbytes`` in and ``nbytes`` out:
+
+    * ``host_copy_in_GBps[t]``: parallel ``np.copyto`` (releases the GIL) from a touched
+      pageable array into pinned memory on ``t`` threads; ``host_copy_out_GBps[t]``: pinned into
+      a touched pageable array; ``host_copy_out_fresh_GBps[t]``: pinned into a fresh array
+      (the first touch of its pages is part of the copy, as for a new output array);
+    * ``host_register_touched_ms`` / ``host_unregister_touched_ms`` and ``..._fresh_ms``:
+      cudaHostRegister / cudaHostUnregister of a touched and of a fresh (never touched) array;
+    * ``host_first_touch_ms[t]``: writing every page of a fresh array on ``t`` threads, and
+      ``host_fill_touched_ms[t]`` the same write to pages already touched (the difference is the
+      page-fault cost);
+    * estimates of the host time of the two strategies: ``host_staging_ms_estimate`` (copy in +
+      copy out into a fresh array, each at its best thread count) and
+      ``host_register_ms_estimate`` (register a touched input and a fresh output, unregister both).
+
+    Thread-count keys are strings (JSON). Median of ``repeats`` after ``warmup``.
+    """
+    nbytes = int(nbytes)
+    if nbytes < PAGE:
+        raise ValueError(f"host_floor needs at least {PAGE} bytes, got {nbytes}")
+    torch = None
+    try:
+        torch = _torch()
+    except BaselineUnavailable:
+        _cupy()  # pinned memory from CuPy instead; raises if neither is usable
+    register, unregister, reg_api = _host_register_api()
+    if torch is not None:
+        pin_t = _pinned(torch, nbytes, torch.uint8)
+        pin = pin_t.numpy()
+    else:
+        import cupy
+
+        pin_mem = cupy.cuda.alloc_pinned_memory(nbytes)
+        pin = np.frombuffer(pin_mem, np.uint8, nbytes)
+    src = _aligned_empty(nbytes)
+    src[:] = 0x5A  # touched (every page written), non-zero; a copy's speed does not depend on the values
+    back = _aligned_empty(nbytes)
+    back[:] = 0xA5
+    pin[:] = 0x3C
+
+    max_t = max(max(threads), max(touch_threads))
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_t)
+    res: dict[str, Any] = {"host_bytes": nbytes, "host_cpus": os.cpu_count(), "host_register_api": reg_api,
+                           "host_timing": "host_clock"}
+
+    def rate_runs(fn_make, t) -> tuple[float, list[float]]:
+        """Median seconds of fn(ranges) over repeats; fn_make() -> (callable, cleanup) per run."""
+        ranges = _split(nbytes, t)
+        samples = []
+        for i in range(warmup + repeats):
+            fn, after = fn_make()
+            t0 = time.perf_counter()
+            _parallel(pool, ranges, fn)
+            dt = time.perf_counter() - t0
+            after()
+            if i >= warmup:
+                samples.append(dt)
+        return float(np.median(samples)), samples
+
+    def gbps(sec):
+        return nbytes / sec / 1e9
+
+    copy_in, copy_out, copy_out_fresh = {}, {}, {}
+    for t in threads:
+        sec, _ = rate_runs(lambda: ((lambda lo, hi: np.copyto(pin[lo:hi], src[lo:hi])), lambda: None), t)
+        copy_in[str(t)] = gbps(sec)
+        sec, _ = rate_runs(lambda: ((lambda lo, hi: np.copyto(back[lo:hi], pin[lo:hi])), lambda: None), t)
+        copy_out[str(t)] = gbps(sec)
+
+        def fresh_copy():
+            dst = _aligned_empty(nbytes)
+            return (lambda lo, hi: np.copyto(dst[lo:hi], pin[lo:hi])), (lambda: None)
+
+        sec, _ = rate_runs(fresh_copy, t)
+        copy_out_fresh[str(t)] = gbps(sec)
+    res["host_copy_in_GBps"] = copy_in
+    res["host_copy_out_GBps"] = copy_out
+    res["host_copy_out_fresh_GBps"] = copy_out_fresh
+
+    first, touched = {}, {}
+    for t in touch_threads:
+        holder: dict[str, np.ndarray] = {}
+
+        def fresh_fill():
+            holder["a"] = a = _aligned_empty(nbytes)
+            return (lambda lo, hi: np.copyto(a[lo:hi], np.uint8(1))), (lambda: None)
+
+        sec, _ = rate_runs(fresh_fill, t)
+        first[str(t)] = sec * 1e3
+        a = holder.pop("a")
+        sec, _ = rate_runs(lambda: ((lambda lo, hi: np.copyto(a[lo:hi], np.uint8(2))), lambda: None), t)
+        touched[str(t)] = sec * 1e3
+    res["host_first_touch_ms"] = first
+    res["host_fill_touched_ms"] = touched
+    pool.shutdown(wait=True)
+
+    # registration: warm the context and the call path on a small array first
+    small = _aligned_empty(1 * MiB)
+    small[:] = 1
+    register(small.ctypes.data, small.nbytes)
+    unregister(small.ctypes.data)
+    def register_cycle(ptr: int) -> tuple[float, float]:
+        """Seconds to register ``nbytes`` at ``ptr``, then to unregister them."""
+        t0 = time.perf_counter()
+        register(ptr, nbytes)
+        t1 = time.perf_counter()
+        unregister(ptr)
+        return t1 - t0, time.perf_counter() - t1
+
+    reg_t, unreg_t, reg_f, unreg_f = [], [], [], []
+    for _ in range(repeats):
+        r, u = register_cycle(src.ctypes.data)
+        reg_t.append(r)
+        unreg_t.append(u)
+        fresh = _aligned_empty(nbytes)
+        r, u = register_cycle(fresh.ctypes.data)
+        reg_f.append(r)
+        unreg_f.append(u)
+        del fresh
+    res["host_register_touched_ms"] = float(np.median(reg_t)) * 1e3
+    res["host_unregister_touched_ms"] = float(np.median(unreg_t)) * 1e3
+    res["host_register_fresh_ms"] = float(np.median(reg_f)) * 1e3
+    res["host_unregister_fresh_ms"] = float(np.median(unreg_f)) * 1e3
+
+    best_in = max(copy_in.values())
+    best_out_fresh = max(copy_out_fresh.values())
+    res["host_staging_ms_estimate"] = (nbytes / best_in + nbytes / best_out_fresh) / 1e6
+    res["host_register_ms_estimate"] = (res["host_register_touched_ms"] + res["host_register_fresh_ms"]
+                                        + res["host_unregister_touched_ms"] + res["host_unregister_fresh_ms"])
+    return res
+
+
+def staging_floor(nbytes: int, *, splits: Sequence[tuple[int, int]] = ((8, 8), (6, 10)), chunk: int = 16 * MiB,
+                  ring_slots: int = 16, repeats: int = 3, with_link: bool = True) -> dict[str, Any]:
+    """All of the staged pageable path's memory work at once, with no pipeline around it: ``t_in``
+    threads copy a touched pageable array into a pinned ring, ``t_out`` threads copy a pinned ring
+    into a fresh pageable array (its pages faulted in by the copy), and — with ``with_link`` —
+    the GPU moves ``nbytes`` pinned->device and ``nbytes`` device->pinned on two streams, all
+    started together. Nothing waits on anything else, so no schedule of the same work can finish
+    sooner: this is the staged path's floor when its parts share the host's memory bandwidth
+    (``host_floor`` times each part alone and adds them, which assumes they do not).
+
+    Returns ``staging_together_ms[f"{t_in}+{t_out}"]`` (median wall time, host clock) per split,
+    ``staging_together_best_ms``, ``staging_host_part_ms`` (when the CPU copies finished, median
+    over every run) and, with the link, ``staging_link_alone_ms`` (the GPU's copies on an idle host,
+    CUDA events)."""
+    torch = _torch()
+    nbytes = int(nbytes)
+    slot = min(int(chunk), nbytes)
+    pin_in_t = _pinned(torch, slot * ring_slots, torch.uint8)
+    pin_out_t = _pinned(torch, slot * ring_slots, torch.uint8)
+    pin_in, pin_out = pin_in_t.numpy(), pin_out_t.numpy()
+    src = _aligned_empty(nbytes)
+    src[:] = 0x5A
+    pin_in[:] = 1
+    pin_out[:] = 2
+    dev_in = torch.empty(slot * ring_slots, dtype=torch.uint8, device="cuda")
+    dev_out = torch.ones(slot * ring_slots, dtype=torch.uint8, device="cuda")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    chunks = [(lo, min(nbytes, lo + slot)) for lo in range(0, nbytes, slot)]
+
+    def link_start(done: torch.cuda.Event):
+        for i, (lo, hi) in enumerate(chunks):
+            k = (i % ring_slots) * slot
+            with torch.cuda.stream(s1):
+                dev_in[k:k + hi - lo].copy_(pin_in_t[k:k + hi - lo], non_blocking=True)
+            with torch.cuda.stream(s2):
+                pin_out_t[k:k + hi - lo].copy_(dev_out[k:k + hi - lo], non_blocking=True)
+        s1.wait_stream(s2)
+        done.record(s1)
+
+    res: dict[str, Any] = {"staging_bytes": nbytes, "staging_chunk": slot, "staging_ring_slots": ring_slots,
+                           "staging_with_link": with_link, "staging_timing": "host_clock"}
+    together: dict[str, float] = {}
+    link_ms: list[float] = []
+    host_ms: list[float] = []
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(a + b for a, b in splits))
+    try:
+        def copy_in(part):
+            for lo, hi in part:
+                k = ((lo // slot) % ring_slots) * slot
+                np.copyto(pin_in[k:k + hi - lo], src[lo:hi])
+
+        def copy_out(part, dst):
+            for lo, hi in part:
+                k = ((lo // slot) % ring_slots) * slot
+                np.copyto(dst[lo:hi], pin_out[k:k + hi - lo])
+
+        for t_in, t_out in splits:
+            samples = []
+            in_parts = [chunks[j::t_in] for j in range(t_in)]
+            out_parts = [chunks[j::t_out] for j in range(t_out)]
+            for i in range(repeats + 1):
+                dst = _aligned_empty(nbytes)  # fresh pages every run, as a new output array has
+                torch.cuda.synchronize()
+                done = torch.cuda.Event()
+                t0 = time.perf_counter()
+                if with_link:
+                    link_start(done)
+                futures = [pool.submit(copy_in, p) for p in in_parts] + [pool.submit(copy_out, p, dst) for p in out_parts]
+                for f in futures:
+                    f.result()
+                t_host = time.perf_counter()
+                if with_link:
+                    done.synchronize()
+                t1 = time.perf_counter()
+                if i:  # the first run warms the pool, the pinned pages and the copy path
+                    samples.append(t1 - t0)
+                    host_ms.append((t_host - t0) * 1e3)
+                del dst
+            together[f"{t_in}+{t_out}"] = float(np.median(samples)) * 1e3
+        if with_link:
+            # the link's copies alone, events around them, for comparison
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                e0.record(s1)
+                s2.wait_event(e0)
+                link_start(e1)
+                e1.synchronize()
+                link_ms.append(e0.elapsed_time(e1))
+    finally:
+        pool.shutdown(wait=True)
+    res["staging_together_ms"] = together
+    res["staging_together_best_ms"] = min(together.values())
+    res["staging_host_part_ms"] = float(np.median(host_ms))
+    if link_ms:
+        res["staging_link_alone_ms"] = float(np.median(link_ms))
+    return res

@@ -1,0 +1,342 @@
+"""Streams and events on a CUDA GPU (cuda.core ``Stream`` / ``Event``).
+
+Ordering facts:
+
+* Every stream is created non-blocking: it never synchronises with the legacy default stream,
+  so work that other libraries put there cannot stall a pipeline.
+* Copies, fills and launches return once enqueued. ``Stream.launch`` calls ``fn`` at enqueue
+  time, on the calling thread, with the framework's current stream set to this stream: the
+  kernels ``fn`` enqueues run in this stream's order, after everything enqueued before.
+* An event is done once every operation enqueued on its stream before ``record`` has
+  completed; observing it done (``is_done``, ``sync``, ``Device.wait_any``) orders the host
+  after that work. Events are made without timing unless ``timing=True``.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import numpy as np
+
+from ..._errors import DeviceError
+from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Stream, as_slice, copy_extent
+from ._lib import check, core, device_error, driver, is_sticky, translate
+from .arrays import using_stream
+
+if TYPE_CHECKING:
+    from .device import CudaDevice
+
+
+class CudaEvent(Event):
+    """A recorded cuda.core event. A sticky device error seen while querying it makes it done,
+    with :attr:`error` set, so pollers notice; :meth:`sync` raises it."""
+
+    def __init__(self, device: "CudaDevice", cc_event: Any, timing: bool, stream: "CudaStream"):
+        self._device = device
+        self._cc = cc_event
+        self.timing = timing
+        self._stream = stream
+        self._error: DeviceError | None = None
+        self._done = False  # once True it stays True: completion cannot be undone
+        # counted live until closed or collected; one per recorded event, so no finalizer object
+        self._counted = True
+        device._live.add("events")
+
+    @property
+    def stream_name(self) -> str:
+        return repr(self._stream)
+
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            self._device._live.drop("events")
+
+    def __del__(self) -> None:
+        # The last reference is gone, so nothing can query or wait on this event again: an
+        # untimed CUDA event goes back to the device for a later record (re-recording overwrites
+        # its captured work; waits enqueued earlier keep the state they captured). Never raises.
+        try:
+            cc, self._cc = self._cc, None
+            if cc is not None and not self.timing and self._error is None:
+                self._device._recycle_event(cc)
+            self._uncount()
+        except Exception:  # noqa: BLE001 - a finaliser must not raise
+            pass
+
+    @property
+    def is_done(self) -> bool:
+        if self._done:
+            return True
+        if self._cc is None:
+            raise RuntimeError(f"{self!r} is closed")
+        self._device._ensure_current()
+        try:
+            with translate(lambda: f"querying {self!r}"):
+                self._done = bool(self._cc.is_done)
+        except DeviceError as exc:
+            self._error, self._done = exc, True
+        return self._done
+
+    def sync(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._done:
+            return
+        if self._cc is None:
+            raise RuntimeError(f"{self!r} is closed")
+        self._device._ensure_current()
+        try:
+            with translate(lambda: f"waiting for {self!r}"):
+                self._cc.sync()
+        except DeviceError as exc:
+            self._error, self._done = exc, True
+            raise
+        self._done = True
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def elapsed_since(self, earlier: Event) -> float:
+        if not isinstance(earlier, CudaEvent) or earlier._device is not self._device:
+            raise TypeError("elapsed_since needs another event recorded on the same CUDA device")
+        if not (self.timing and earlier.timing):
+            raise ValueError("elapsed_since needs two timing events: record both with stream.record(timing=True)")
+        if not (self.is_done and earlier.is_done):
+            raise RuntimeError("both events must be done before reading the time between them; sync() them first")
+        if self._cc is None or earlier._cc is None:
+            raise RuntimeError("one of the events is closed")
+        with translate("reading the time between two events"):
+            return (self._cc - earlier._cc) / 1e3  # cuda.core returns milliseconds
+
+    def close(self) -> None:
+        """Release the CUDA event now instead of at collection. Harmless twice."""
+        if self._cc is None:
+            return
+        cc, self._cc = self._cc, None
+        try:
+            cc.close()
+        except Exception as exc:  # noqa: BLE001 - cleanup never raises
+            warnings.warn(f"destroying {self!r} failed: {exc}", RuntimeWarning, stacklevel=2)
+        finally:
+            self._uncount()
+
+    def __repr__(self) -> str:
+        kind = "timing event" if self.timing else "event"
+        return f"<CudaEvent {kind} on {self.stream_name}>"
+
+
+@functools.lru_cache(maxsize=2)
+def _event_options(timing: bool) -> Any:
+    return core().EventOptions(timing_enabled=timing)
+
+
+class CudaStream(Stream):
+    """A non-blocking cuda.core stream with a priority (lower number = higher priority)."""
+
+    def __init__(self, device: "CudaDevice", priority: int):
+        device._ensure_current()
+        # a stream closed earlier and now idle, else a new one: a pipeline opens three streams
+        # per call, and creating one is a driver call plus a cuda.core object each time
+        self._cc = device._take_idle_stream(priority)
+        if self._cc is None:
+            cc = core()
+            with translate(f"creating a stream with priority {priority}"):
+                self._cc = device._cc.create_stream(options=cc.StreamOptions(nonblocking=True, priority=priority))
+        self._device = device
+        self.priority = int(self._cc.priority)
+        self.handle = int(self._cc.handle)
+        self._framework_streams: dict[str, Any] = {}  # CuPy / PyTorch wrappers of this stream
+        self._closed = False
+        self._finalizer = device._live.track(self, "streams")
+
+    # -- helpers -------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed; create a new stream instead of reusing a closed one")
+        self._device._check_open()
+
+    def _check_buffer(self, s: BufferSlice) -> int:
+        buf = s.buffer
+        if getattr(buf, "_device", None) is not self._device:
+            raise ValueError(f"{buf!r} does not belong to {self._device!r}; copy only between buffers of one device")
+        return buf._ptr + s.offset
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """The CUDA stream protocol, so other libraries can wrap this stream."""
+        self._check_open()
+        return (0, self.handle)
+
+    # -- protocol ------------------------------------------------------------------------------
+    def record(self, *, timing: bool = False) -> CudaEvent:
+        """Returns once enqueued; the event is done when everything enqueued on this stream
+        before it has completed. An untimed record reuses a CUDA event whose previous
+        :class:`CudaEvent` was collected (creating one costs more than recording it)."""
+        if self._closed:
+            self._check_open()
+        dev = self._device
+        dev._ensure_current()
+        reuse = dev._take_idle_event() if not timing else None
+        with translate(lambda: f"recording an event on {self!r}"):
+            if reuse is not None:
+                ev = self._cc.record(event=reuse)
+            else:
+                ev = self._cc.record(options=_event_options(bool(timing)))
+        return CudaEvent(dev, ev, bool(timing), self)
+
+    def wait(self, event: Event) -> None:
+        if self._closed:
+            self._check_open()
+        if type(event) is not CudaEvent or event._device is not self._device:
+            raise TypeError(f"{self!r} can only wait for an event recorded on the same CUDA device, got {event!r}")
+        if event._done and event._error is None:
+            # the host has seen it complete, so everything enqueued from now on already follows
+            # it: the wait would be a no-op costing a driver call (10-30 us on our H200 host at
+            # the start of a call, when a warm pipeline's slots wait on its previous call's copies)
+            return
+        cc_event = event._cc
+        if cc_event is None:
+            raise RuntimeError(f"{event!r} is closed")
+        self._device._ensure_current()
+        with translate(lambda: f"making {self!r} wait for {event!r}"):
+            self._cc.wait(cc_event)
+
+    def copy(self, dst: Buffer | BufferSlice, src: Buffer | BufferSlice, nbytes: int | None = None) -> None:
+        """Enqueue a copy in any direction (host<->device, device<->device, host<->host between
+        pinned/registered buffers); the driver infers it from the unified addresses."""
+        self._check_open()
+        d, s = copy_extent(dst, src, nbytes)
+        dptr, sptr = self._check_buffer(d), self._check_buffer(s)
+        self._device._ensure_current()
+        # cuda.core copies whole Buffers only; byte ranges need cuMemcpyAsync from cuda.bindings.
+        check(driver().cuMemcpyAsync(dptr, sptr, d.nbytes, self.handle),
+              lambda: f"copy of {d.nbytes} bytes from {s.buffer!r} to {d.buffer!r} on {self!r}")
+
+    def fill(self, dst: Buffer | BufferSlice, byte: int) -> None:
+        self._check_open()
+        if isinstance(byte, bool) or not isinstance(byte, int) or not 0 <= byte <= 255:
+            raise ValueError(f"fill value must be a byte (an int in 0..255), got {byte!r}")
+        d = as_slice(dst)
+        if d.nbytes == 0:
+            return
+        ptr = self._check_buffer(d)
+        self._device._ensure_current()
+        # cuda.core fills whole Buffers only; a byte range needs cuMemsetD8Async from cuda.bindings.
+        check(driver().cuMemsetD8Async(ptr, byte, d.nbytes, self.handle),
+              lambda: f"fill of {d.nbytes} bytes of {d.buffer!r} on {self!r}")
+
+    def launch(self, fn: Callable[..., Any], *args: Any, reads: Iterable[Any] = (), writes: Iterable[Any] = (),
+               sim_seconds: float | None = None) -> None:
+        """Call ``fn(*args)`` now, on this thread, with each :class:`ArrayArg` turned into the
+        device's array type (a CuPy array, a PyTorch tensor, or a DLPack-capable view) over
+        that device memory, and with the framework's current stream set to this stream, so
+        the kernels ``fn`` enqueues are ordered on it. ``reads``/``writes`` are checked (open,
+        this device) but otherwise only matter on the simulator; ``sim_seconds`` is ignored.
+
+        An exception from ``fn`` propagates from here unchanged (the simulator, which runs
+        ``fn`` later, reports it through the next event instead), except one that says the
+        CUDA context is broken: that becomes a sticky :class:`DeviceError`.
+        """
+        self._check_open()
+        if not callable(fn):
+            raise TypeError(f"launch needs a callable, got {type(fn).__name__}")
+        for obj in (*reads, *writes):
+            self._check_buffer(as_slice(obj))
+        dev = self._device
+        dev._ensure_current()
+        fast = getattr(fn, "__ringflow_launch__", None)
+        if fast is not None:
+            raw = _raw_kernel_args(args, dev)
+            if raw is not None:
+                try:
+                    fast(self._cc, dev.index, *raw)
+                    return
+                except DeviceError:
+                    raise
+                except Exception as exc:
+                    if is_sticky(exc):
+                        raise device_error(lambda: f"kernel {fn!r} on {self!r}", exc) from exc
+                    raise
+        adapter = dev._adapter
+        converted = []
+        for a in args:
+            if isinstance(a, ArrayArg):
+                self._check_buffer(as_slice(a))
+                if a.where.buffer.is_host:
+                    raise ValueError("launch takes device memory; copy host data to a device buffer first")
+                converted.append(adapter.array(a, dev.index))
+            elif isinstance(a, (Buffer, BufferSlice)):
+                raise TypeError("pass buffers to launch as typed arrays: buf.array(dtype, shape)")
+            else:
+                converted.append(a)
+        name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+        try:
+            with using_stream(self), adapter.stream_context(self):
+                fn(*converted)
+        except DeviceError:
+            raise
+        except Exception as exc:
+            if is_sticky(exc):
+                raise device_error(f"compute callable {name} on {self!r}", exc) from exc
+            raise
+
+    def sync(self) -> None:
+        self._check_open()
+        self._device._ensure_current()
+        with translate(lambda: f"synchronising {self!r}"):
+            self._cc.sync()
+
+    def close(self) -> None:
+        """Close the stream. Work already enqueued still runs to completion (CUDA's rule); the
+        device may hand the same CUDA stream to a later ``create_stream`` once that work is
+        done. Closing twice is harmless and never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        self._framework_streams.clear()
+        try:
+            # Work already enqueued still runs; the CUDA stream goes to the device's idle list
+            # and is handed to a later create_stream only once that work is done (or destroyed)
+            if not self._device._recycle_stream(self._cc, self.priority):
+                self._cc.close()
+        except Exception as exc:  # noqa: BLE001 - cleanup never raises
+            warnings.warn(f"destroying {self!r} failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+        finally:
+            self._device._live.forget(self)
+            self._finalizer()
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return f"<CudaStream {self.handle:#x} priority {self.priority} on cuda:{self._device.index}{state}>"
+
+
+def _raw_kernel_args(args: tuple, device: "CudaDevice") -> "tuple[list, list] | None":
+    """For a kernel's fast path: the arguments with each device :class:`ArrayArg` turned into its
+    address, and the element counts of those arrays; None when an argument needs the general
+    path, which checks it and says what is wrong (a host or closed buffer, another device's,
+    anything but an ArrayArg or a numpy scalar)."""
+    kernel_args, sizes = [], []
+    for a in args:
+        if type(a) is ArrayArg:
+            where = a.where
+            buf = where.buffer
+            if buf.is_host or buf.closed or getattr(buf, "_device", None) is not device:
+                return None
+            kernel_args.append(buf._ptr + where.offset)
+            n = 1
+            for d in a.shape:
+                n *= d
+            sizes.append(n)
+        elif isinstance(a, np.generic):
+            kernel_args.append(a)
+        else:
+            return None
+    if not sizes:
+        return None
+    return kernel_args, sizes

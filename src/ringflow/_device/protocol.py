@@ -1,0 +1,439 @@
+"""The device seam: the few primitives a backend implements.
+
+Names follow NVIDIA's cuda.core. Everything above this layer (the pipeline, the planner, the
+tracer) talks to a device only through these classes, so the same pipeline runs on the real
+GPU (``ringflow._device.cuda``) and on the simulated one (``ringflow._device.sim``).
+
+Ordering facts every backend keeps:
+
+* Operations enqueued on one :class:`Stream` run in enqueue order; operations on different
+  streams are unordered unless a :meth:`Stream.wait` orders them.
+* Enqueueing returns at once. Data written by an operation is valid only after an event
+  recorded after it has completed; the host learns that only from :attr:`Event.is_done`,
+  :meth:`Event.sync` or :meth:`Device.wait_any`, never from elapsed time.
+* A host task (:meth:`WorkerPool.submit`) is the CPU's counterpart of a stream operation:
+  its effects are visible to the submitting thread once the task is observed done.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import warnings
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+ByteRange = tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What the device can overlap, read from its attributes (or from the sim profile)."""
+
+    name: str
+    backend: str  # "cuda" or "sim"
+    compute_capability: tuple[int, int]
+    sm_count: int
+    async_engine_count: int  # copy engines: 2+ lets H2D and D2H run at once beside compute
+    concurrent_kernels: bool
+    memory_pools: bool  # stream-ordered allocation (cudaMallocAsync) is supported
+    stream_priorities: tuple[int, int]  # (least, greatest); CUDA's greatest is numerically lowest
+    host_register: bool  # an existing host allocation can be pinned in place
+    unified_addressing: bool
+    total_memory: int  # bytes of device memory
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveCounts:
+    """Objects a device has handed out and not yet released; all zero after a clean close."""
+
+    host_buffers: int
+    device_buffers: int
+    streams: int
+    events: int
+
+    @property
+    def total(self) -> int:
+        return self.host_buffers + self.device_buffers + self.streams + self.events
+
+
+def close_quietly(obj: Any, what: str) -> None:
+    """Close ``obj``; a failure becomes a warning so it never masks the caller's exception."""
+    try:
+        obj.close()
+    except Exception as exc:  # noqa: BLE001 - cleanup must not raise
+        warnings.warn(f"closing {what} failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+
+
+def free_quietly(buffer: "DeviceBuffer", stream: "Stream | None", what: str) -> None:
+    """Free device memory in ``stream``'s order (at once, with None), as close_quietly does."""
+    class _FreeOn:
+        def close(self) -> None:
+            buffer.close(stream=stream)
+
+    close_quietly(_FreeOn() if stream is not None else buffer, what)
+
+
+def stream_after(streams: Sequence["Stream"]) -> "Stream | None":
+    """The first of ``streams``, made to wait for everything enqueued so far on the others: a
+    stream-ordered free there comes after all of their work. None when there are no streams
+    or ordering failed (a broken device): free after a device-wide wait instead."""
+    if not streams:
+        return None
+    first, *others = streams
+    try:
+        for s in others:
+            first.wait(s.record())
+    except Exception:  # noqa: BLE001 - a broken device: the caller falls back to a plain free
+        return None
+    return first
+
+
+def check_nbytes(nbytes: int, what: str) -> int:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
+        raise TypeError(f"{what} must be an int number of bytes, got {type(nbytes).__name__}")
+    nbytes = int(nbytes)
+    if nbytes <= 0:
+        raise ValueError(f"{what} must be a positive number of bytes, got {nbytes}; ask for at least 1 byte")
+    return nbytes
+
+
+class Buffer(abc.ABC):
+    """A contiguous allocation. Closing twice is harmless; using a closed buffer raises."""
+
+    nbytes: int
+    is_host: bool
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed; allocate a new buffer instead of reusing a closed one")
+
+    def slice(self, offset: int, nbytes: int | None = None) -> "BufferSlice":
+        """A byte range of this buffer, for copies and launches that touch only part of it."""
+        self._check_open()
+        if nbytes is None:
+            nbytes = self.nbytes - offset
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(
+                f"slice [{offset}, {offset + nbytes}) is outside {self!r} of {self.nbytes} bytes; "
+                "keep offset + nbytes within the buffer"
+            )
+        return BufferSlice(self, offset, nbytes)
+
+    def array(self, dtype: Any, shape: Sequence[int] | int, offset: int = 0) -> "ArrayArg":
+        """A typed view of this buffer's bytes to pass to :meth:`Stream.launch`."""
+        dtype = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        return ArrayArg(self.slice(offset, nbytes), dtype, shape)
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        close_quietly(self, repr(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferSlice:
+    """Bytes ``[offset, offset + nbytes)`` of ``buffer``."""
+
+    buffer: Buffer
+    offset: int
+    nbytes: int
+
+    @property
+    def range(self) -> ByteRange:
+        return (self.offset, self.offset + self.nbytes)
+
+    def array(self, dtype: Any, shape: Sequence[int] | int) -> "ArrayArg":
+        return self.buffer.array(dtype, shape, self.offset)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayArg:
+    """A typed view (dtype, shape) of a buffer range; launch hands ``fn`` the backend's array."""
+
+    where: BufferSlice
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+
+def as_slice(obj: "Buffer | BufferSlice | ArrayArg") -> BufferSlice:
+    if isinstance(obj, BufferSlice):
+        obj.buffer._check_open()
+        return obj
+    if isinstance(obj, ArrayArg):
+        obj.where.buffer._check_open()
+        return obj.where
+    if isinstance(obj, Buffer):
+        obj._check_open()
+        return BufferSlice(obj, 0, obj.nbytes)
+    raise TypeError(f"expected a Buffer, BufferSlice or ArrayArg, got {type(obj).__name__}")
+
+
+def copy_extent(dst: "Buffer | BufferSlice", src: "Buffer | BufferSlice", nbytes: int | None) -> tuple[BufferSlice, BufferSlice]:
+    """Resolve the ranges a copy touches, refusing a copy larger than either side."""
+    d, s = as_slice(dst), as_slice(src)
+    n = min(d.nbytes, s.nbytes) if nbytes is None else int(nbytes)
+    if n <= 0:
+        raise ValueError(f"copy of {n} bytes: copy at least 1 byte")
+    if n > s.nbytes or n > d.nbytes:
+        raise ValueError(
+            f"copy of {n} bytes does not fit: source holds {s.nbytes} bytes and destination {d.nbytes}; "
+            "copy at most the smaller of the two"
+        )
+    return BufferSlice(d.buffer, d.offset, n), BufferSlice(s.buffer, s.offset, n)
+
+
+class HostBuffer(Buffer):
+    """Host memory the copy engines can read and write directly (pinned or registered)."""
+
+    is_host = True
+    registered: bool = False  # True when an existing array was pinned in place
+
+    @abc.abstractmethod
+    def view(self, dtype: Any = np.uint8, *, offset: int = 0, count: int | None = None,
+             access: str = "rw") -> np.ndarray:
+        """A numpy view of ``count`` items (default: all that fit) from byte ``offset``.
+
+        ``access`` is ``"r"``, ``"w"`` or ``"rw"``; an ``"r"`` view is read-only. On the
+        simulated GPU each call is a checked host access at that moment: take a fresh view for
+        each access instead of keeping one across device operations."""
+
+
+class DeviceBuffer(Buffer):
+    """Device memory from the stream-ordered pool."""
+
+    is_host = False
+
+    @abc.abstractmethod
+    def close(self, stream: "Stream | None" = None) -> None:
+        """Free the memory. With ``stream`` the free is stream-ordered: it happens after the work
+        already enqueued there, and the caller must have ordered other streams' use before it."""
+
+
+class Event(abc.ABC):
+    """Marks a point in a stream: done once every operation enqueued before it has completed."""
+
+    timing: bool
+
+    @property
+    @abc.abstractmethod
+    def is_done(self) -> bool:
+        """Non-blocking query. True also tells the querying thread that the work before the
+        event is complete (the same ordering a sync gives)."""
+
+    @abc.abstractmethod
+    def sync(self) -> None:
+        """Block the calling thread until the event is done; raises the error of a failed
+        launch before it (:class:`~ringflow._errors.LaunchError`) or a sticky device error."""
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error a failed operation before this event reported, once done; else None."""
+        return None
+
+    @abc.abstractmethod
+    def elapsed_since(self, earlier: "Event") -> float:
+        """Seconds between two timing events (both recorded with ``timing=True``, both done)."""
+
+
+class Stream(abc.ABC):
+    """An in-order queue of device work; never synchronises with the legacy default stream."""
+
+    priority: int
+
+    @abc.abstractmethod
+    def record(self, *, timing: bool = False) -> Event:
+        """Enqueue an event; it completes after everything enqueued on this stream before it.
+        Events for ordering are made without timing; ``timing=True`` only when profiling."""
+
+    @abc.abstractmethod
+    def wait(self, event: Event) -> None:
+        """Make later work on this stream wait for ``event``; the host does not block."""
+
+    @abc.abstractmethod
+    def copy(self, dst: Buffer | BufferSlice, src: Buffer | BufferSlice, nbytes: int | None = None) -> None:
+        """Enqueue an asynchronous copy in any direction; returns once enqueued. ``dst`` holds
+        the data after an event recorded later on this stream completes. ``src`` must not be
+        written, and ``dst`` not touched, until then."""
+
+    @abc.abstractmethod
+    def fill(self, dst: Buffer | BufferSlice, byte: int) -> None:
+        """Enqueue a memset of ``dst`` to ``byte`` (used to poison released slots)."""
+
+    @abc.abstractmethod
+    def launch(self, fn: Callable[..., Any], *args: Any, reads: Iterable[Any] = (), writes: Iterable[Any] = (),
+               sim_seconds: float | None = None) -> None:
+        """Run a compute callable on this stream; returns once enqueued.
+
+        ``args`` are passed to ``fn``; each :class:`ArrayArg` becomes the backend's array (numpy
+        on ``sim``, CuPy or PyTorch on ``cuda``). ``reads``/``writes`` name the buffers (or
+        slices, or array args) ``fn`` reads and writes; array args named in neither are taken
+        as read and written. While ``fn`` runs, the array framework's current stream is this
+        stream. ``sim_seconds`` is the kernel's duration on the simulated GPU (ignored on a
+        real one; by default the sim models a memory-bound kernel over the bytes touched).
+        """
+
+    @abc.abstractmethod
+    def sync(self) -> None:
+        """Block until all work enqueued on this stream is done."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        close_quietly(self, repr(self))
+
+
+class HostTask(abc.ABC):
+    """A CPU job submitted to a :class:`WorkerPool`; waitable like an :class:`Event`."""
+
+    @property
+    @abc.abstractmethod
+    def is_done(self) -> bool: ...
+
+    @abc.abstractmethod
+    def sync(self) -> None:
+        """Block until the task has run (its exception is not raised here; see ``result``)."""
+
+    @abc.abstractmethod
+    def result(self) -> Any:
+        """The callable's return value; raises its exception. Only after the task is done."""
+
+    @property
+    def span(self) -> "tuple[float, float | None] | None":
+        """(start, end) of the callable's run on the device's host clock, once it has started
+        (end None while running); None if the backend does not know."""
+        return None
+
+
+class WorkerPool(abc.ABC):
+    """CPU workers for the host stages (staging copies release the GIL, so threads scale)."""
+
+    workers: int
+
+    @abc.abstractmethod
+    def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0, sim_seconds: float | None = None) -> HostTask:
+        """Run ``fn(*args)`` on a worker. ``nbytes`` (bytes the job copies) and ``sim_seconds``
+        set its duration on the simulated GPU's virtual clock; a real pool ignores both."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Wait for submitted tasks and stop the workers."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        close_quietly(self, repr(self))
+
+
+Waitable = "Event | HostTask"
+
+
+class Device(abc.ABC):
+    """One GPU (or the simulated one). Made by :func:`ringflow._device`."""
+
+    backend: str  # "cuda" or "sim"
+    name: str
+
+    @property
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    @property
+    @abc.abstractmethod
+    def now(self) -> float:
+        """The host clock in seconds (virtual time on the sim)."""
+
+    @abc.abstractmethod
+    def create_stream(self, priority: int = 0) -> Stream:
+        """A new non-blocking stream; lower numbers are higher priority, as in CUDA."""
+
+    @abc.abstractmethod
+    def allocate_host(self, nbytes: int) -> HostBuffer:
+        """Pinned (page-locked) host memory."""
+
+    @abc.abstractmethod
+    def register_host(self, array: np.ndarray) -> HostBuffer:
+        """Pin an existing C-contiguous numpy array in place (cudaHostRegister); the array must
+        outlive the buffer, and closing the buffer unregisters it."""
+
+    @abc.abstractmethod
+    def allocate(self, nbytes: int, stream: Stream | None = None) -> DeviceBuffer:
+        """Device memory from the stream-ordered pool; usable on ``stream`` at once and on
+        other streams once they are ordered after it."""
+
+    @abc.abstractmethod
+    def create_worker_pool(self, workers: int) -> WorkerPool: ...
+
+    @abc.abstractmethod
+    def wait_any(self, waitables: Sequence[Any], timeout: float | None = None) -> list[Any]:
+        """Block until at least one of the events / host tasks is done (or ``timeout`` seconds
+        pass); returns those done. Observing one done orders the caller after it."""
+
+    def sleep(self, seconds: float) -> None:
+        """Let ``seconds`` pass on the host clock without doing host work (the sim advances its
+        virtual clock, running the device meanwhile)."""
+        import time
+
+        time.sleep(max(0.0, seconds))
+
+    @abc.abstractmethod
+    def live(self) -> LiveCounts:
+        """Buffers, streams and events handed out and not yet released."""
+
+    @property
+    def closed(self) -> bool:
+        return bool(getattr(self, "_closed", False))
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        close_quietly(self, repr(self))
+
+
+def typed_view(raw: np.ndarray, dtype: Any, offset: int, count: int | None, access: str) -> np.ndarray:
+    """A ``dtype`` view of ``count`` items of the uint8 array ``raw`` from byte ``offset``.
+
+    Shared by every backend's :meth:`HostBuffer.view`; refuses ranges outside the buffer."""
+    if access not in ("r", "w", "rw"):
+        raise ValueError(f"access must be 'r', 'w' or 'rw', got {access!r}")
+    dtype = np.dtype(dtype)
+    nbytes = raw.nbytes
+    if count is None:
+        count = (nbytes - offset) // dtype.itemsize
+    end = offset + count * dtype.itemsize
+    if offset < 0 or count < 0 or end > nbytes:
+        raise ValueError(f"a view of {count} x {dtype} at byte {offset} needs bytes [{offset}, {end}) but the "
+                         f"buffer holds {nbytes}; ask for fewer items or a smaller offset")
+    out = raw[offset:end].view(dtype)
+    if access == "r":
+        out = out.view()
+        out.flags.writeable = False
+    return out

@@ -1,0 +1,290 @@
+"""The simulated GPU: a :class:`~ringflow._device.protocol.Device` on virtual time.
+
+Not a mock. Streams are FIFO queues on an event-driven engine whose copy engines, compute
+and link have the bandwidths and latencies of a measured profile; data moves only when an
+operation completes; every access is checked for happens-before against every earlier
+conflicting one (release included). Host calls cost the profile's enqueue overheads, and
+virtual time advances only inside host calls (an enqueue's overhead, a sync, a wait), so a
+run is a pure function of the calls made and, with ``chaos=True``, of the ``seed``.
+
+``checked=True`` (default) runs the happens-before checker and poisons fresh and released
+memory; ``checked=False`` only simulates (for large timing sweeps).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..._errors import DeviceError
+from ..protocol import Capabilities, Device, LiveCounts, check_nbytes
+from .engine import Engine, Op
+from .hazard import AccessKind, HappensBeforeChecker
+from .memory import SimDeviceBuffer, SimHostBuffer
+from .pool import SimWorkerPool
+from ..hardware import SimProfile, get_profile
+from .stream import SimEvent, SimStream
+
+
+class _NullChecker:
+    """Stands in for the checker when ``checked=False``: clocks and history are not kept."""
+
+    checked = 0
+
+    def add_actor(self, actor, name):
+        pass
+
+    def tick(self, actor):
+        return 0
+
+    def snapshot(self, actor):
+        return {}
+
+    def merge(self, actor, snapshot):
+        pass
+
+    def restart(self, actor, snapshot):
+        pass
+
+    def has_seen(self, snapshot, actor):
+        return True  # no clocks: a pool needs one actor
+
+    def access(self, *a, **k):
+        return None
+
+    def forget(self, buffer):
+        pass
+
+
+class SimDevice(Device):
+    backend = "sim"
+
+    def __init__(self, profile: "str | SimProfile" = "h200-pcie5", *, seed: int = 0, chaos: bool = False,
+                 checked: bool = True):
+        self.profile = get_profile(profile)
+        self.name = f"simulated {self.profile.name}"
+        self.seed = seed
+        self.chaos = chaos
+        self.checked = checked
+        self.poison = checked
+        self._engine = Engine(self.profile, seed=seed, chaos=chaos)
+        self._checker = HappensBeforeChecker() if checked else _NullChecker()
+        self._lock = threading.RLock()
+        self._tls = threading.local()
+        self._live = {"host_buffers": 0, "device_buffers": 0, "streams": 0, "events": 0}
+        self._sticky: DeviceError | None = None
+        self._in_engine = False
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<SimDevice {self.profile.name} seed={self.seed} chaos={self.chaos}>"
+
+    # -- the protocol ------------------------------------------------------------------------
+    @property
+    def capabilities(self) -> Capabilities:
+        p = self.profile
+        return Capabilities(name=self.name, backend="sim", compute_capability=p.compute_capability,
+                            sm_count=p.sm_count, async_engine_count=p.async_engine_count, concurrent_kernels=True,
+                            memory_pools=True, stream_priorities=(0, -5), host_register=True,
+                            unified_addressing=True, total_memory=p.total_memory)
+
+    @property
+    def now(self) -> float:
+        return self._engine.now
+
+    def create_stream(self, priority: int = 0) -> SimStream:
+        with self._lock:
+            self._check_usable()
+            least, greatest = self.capabilities.stream_priorities
+            if not greatest <= priority <= least:
+                raise ValueError(f"stream priority {priority} is outside the device's range "
+                                 f"[{greatest} (highest), {least} (lowest)]")
+            self._live["streams"] += 1
+            return SimStream(self, priority)
+
+    def allocate_host(self, nbytes: int) -> SimHostBuffer:
+        nbytes = check_nbytes(nbytes, "allocate_host size")
+        with self._lock:
+            self._check_usable()
+            self._live["host_buffers"] += 1
+            return SimHostBuffer(self, nbytes)
+
+    def register_host(self, array: np.ndarray) -> SimHostBuffer:
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"register_host takes a numpy array, got {type(array).__name__}")
+        if not array.flags.c_contiguous:
+            raise ValueError("register_host needs a C-contiguous array; pass np.ascontiguousarray(a) "
+                             "or stage the data through allocate_host")
+        nbytes = check_nbytes(array.nbytes, "registered array size")
+        with self._lock:
+            self._check_usable()
+            self._live["host_buffers"] += 1
+            return SimHostBuffer(self, nbytes, array)
+
+    def allocate(self, nbytes: int, stream: SimStream | None = None) -> SimDeviceBuffer:
+        nbytes = check_nbytes(nbytes, "allocate size")
+        with self._lock:
+            self._check_usable()
+            if stream is not None:
+                if not isinstance(stream, SimStream) or stream._dev is not self:
+                    raise ValueError(f"allocate(stream=...) needs a stream of this device, got {stream!r}")
+                stream._begin(0.0)
+            buf = SimDeviceBuffer(self, nbytes)
+            if stream is not None:
+                # A stream-ordered allocation is usable on its stream at once and on another stream
+                # only once that stream is ordered after it: record it as that stream's write.
+                buf._access(AccessKind.WRITE, 0, nbytes, "stream-ordered allocate", actor=stream.actor)
+            self._live["device_buffers"] += 1
+            return buf
+
+    def create_worker_pool(self, workers: int) -> SimWorkerPool:
+        with self._lock:
+            self._check_usable()
+            return SimWorkerPool(self, workers)
+
+    def wait_any(self, waitables: Sequence[Any], timeout: float | None = None) -> list[Any]:
+        waitables = list(waitables)
+        if not waitables:
+            raise ValueError("wait_any needs at least one event or host task")
+        ops = [self._op_of(w) for w in waitables]
+        for w in waitables:
+            owner = w._dev if isinstance(w, SimEvent) else getattr(getattr(w, "_pool", None), "_dev", None)
+            if owner is not self:
+                raise ValueError(f"wait_any got {w!r} of another device; wait only on this device's events and tasks")
+        with self._lock:
+            self._host_api(self.profile.event_overhead_s)
+            until = math.inf if timeout is None else self._engine.now + max(0.0, timeout)
+            self._block_until(lambda: any(op.done for op in ops), what="wait_any", until=until)
+            done = [w for w, op in zip(waitables, ops) if op.done]
+            for w in done:
+                self._checker_merge(w._snapshot if isinstance(w, SimEvent) else w._end_clock)
+            return done
+
+    def sleep(self, seconds: float) -> None:
+        with self._lock:
+            if self._in_engine:
+                raise RuntimeError("a host task on the simulated GPU must not sleep; use charge(seconds)")
+            self._check_usable()
+            self._run_engine(self._engine.now + max(0.0, seconds))
+
+    def live(self) -> LiveCounts:
+        return LiveCounts(**self._live)
+
+    def synchronize(self) -> None:
+        """Run every enqueued operation to completion (device-wide; tests and close only)."""
+        with self._lock:
+            self._block_until(self._engine.idle, what="device synchronize")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.synchronize()
+        except Exception:  # noqa: BLE001 - closing must not raise over a user's error
+            pass
+        self._closed = True
+
+    # -- test hooks ----------------------------------------------------------------------------
+    def inject_sticky_error(self, message: str = "simulated illegal address in a kernel") -> None:
+        """Break the context as a faulting kernel would: every later call raises DeviceError."""
+        with self._lock:
+            self._sticky = DeviceError(f"sticky device error: {message}; the CUDA context is unusable, "
+                                       "restart the process to use the GPU again", sticky=True)
+
+    @property
+    def checks(self) -> int:
+        """How many accesses the happens-before checker has checked so far."""
+        return self._checker.checked
+
+    @property
+    def ops_completed(self) -> int:
+        return self._engine.completed
+
+    def add_op_observer(self, fn: Callable[[Op], None]) -> None:
+        self._engine.on_op_done.append(fn)
+
+    # -- internals shared by streams, buffers and pools ------------------------------------------
+    def _sticky_error(self) -> DeviceError:
+        """A new DeviceError for each call that meets the dead context (as each failing CUDA call
+        returns its own error), caused by the first: raising one shared object again and again
+        would leave it with the traceback of whichever raise came last."""
+        err = DeviceError(str(self._sticky), sticky=True)
+        err.__cause__ = self._sticky
+        return err
+
+    def _check_usable(self) -> None:
+        if self._sticky is not None:
+            raise self._sticky_error()
+        if self._closed:
+            raise RuntimeError("this simulated device is closed; create a new one with ringflow.device('sim')")
+
+    def _actor(self):
+        override = self._tls_actor_override()
+        if override is not None:
+            return override
+        ident = threading.get_ident()
+        actor = ("thread", ident)
+        if not getattr(self._tls, "registered", False):
+            self._checker.add_actor(actor, f"host thread {threading.current_thread().name}")
+            self._tls.registered = True
+        return actor
+
+    def _tls_actor_override(self):
+        return getattr(self._tls, "actor", None)
+
+    def _set_actor_override(self, actor) -> None:
+        self._tls.actor = actor
+
+    def _checker_merge(self, snapshot: dict) -> None:
+        self._checker.merge(self._actor(), snapshot)
+
+    def _check_access(self, buf, kind: AccessKind, start: int, end: int, op: str, actor=None, tick=True) -> None:
+        if kind is AccessKind.RELEASE and self._sticky is not None:
+            # the context is dead: no operation will ever run again, so none can race with a
+            # release (and no event can be synced to order it); freeing is always safe now
+            self._checker.forget(("buf", buf.id))
+            return
+        self._checker.access(actor if actor is not None else self._actor(), kind, ("buf", buf.id), buf.label,
+                             start, end, op, tick=tick)
+
+    def _host_api(self, seconds: float = 0.0) -> None:
+        """A host call: fail if the context is broken, and spend its host overhead."""
+        self._check_usable()
+        if seconds > 0 and not self._in_engine:
+            self._run_engine(self._engine.now + seconds)
+
+    def _run_engine(self, until: float, stop: Callable[[], bool] | None = None) -> bool:
+        self._in_engine = True
+        try:
+            return self._engine.advance(until, stop)
+        finally:
+            self._in_engine = False
+
+    def _block_until(self, cond: Callable[[], bool], *, what: str, until: float = math.inf) -> None:
+        if self._in_engine:
+            raise RuntimeError(f"{what}: a host task on the simulated GPU must not block; "
+                               "return and let the pipeline wait instead")
+        self._check_usable()
+        self._run_engine(until, cond)
+        if self._sticky is not None:
+            raise self._sticky_error()
+
+    def _new_event(self, op: Op, snapshot: dict, timing: bool, stream_name: str) -> SimEvent:
+        ev = SimEvent(self, op, snapshot, timing, stream_name)
+        self._live["events"] += 1
+        weakref.finalize(ev, self._event_gone)
+        return ev
+
+    def _event_gone(self) -> None:
+        self._live["events"] -= 1
+
+    @staticmethod
+    def _op_of(w: Any) -> Op:
+        op = getattr(w, "_op", None) or getattr(w, "op", None)
+        if not isinstance(op, Op):
+            raise TypeError(f"wait_any takes events and host tasks of this device, got {type(w).__name__}")
+        return op

@@ -1,0 +1,247 @@
+"""Streams and events of the simulated GPU.
+
+Every enqueue is checked by the happens-before checker at the moment it is enqueued, with
+the stream's vector clock (which already holds everything the stream waited on), and
+becomes an :class:`~.engine.Op` whose data effect happens when it completes in virtual time.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+
+from ..._errors import LaunchError
+from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Stream, as_slice, copy_extent
+from .engine import Op, check_seconds
+from .hazard import AccessKind
+
+if TYPE_CHECKING:
+    from .device import SimDevice
+
+_ids = itertools.count(1)
+
+
+class SimEvent(Event):
+    def __init__(self, dev: "SimDevice", op: Op, snapshot: dict, timing: bool, stream_name: str):
+        self._dev = dev
+        self._op = op
+        self._snapshot = snapshot
+        self.timing = timing
+        self.stream_name = stream_name
+
+    def __repr__(self) -> str:
+        return f"<SimEvent on {self.stream_name} {'done' if self._op.done else 'pending'}>"
+
+    def _observed(self) -> None:
+        """The calling thread learned the event completed: it is now ordered after it."""
+        self._dev._checker_merge(self._snapshot)
+
+    @property
+    def is_done(self) -> bool:
+        with self._dev._lock:
+            # a query is a host call and costs its overhead, so a polling loop lets virtual time move
+            self._dev._host_api(self._dev.profile.event_overhead_s)
+            if self._op.done:
+                self._observed()
+                return True
+            return False
+
+    def sync(self) -> None:
+        with self._dev._lock:
+            self._dev._block_until(lambda: self._op.done, what=repr(self))
+            self._observed()
+        if self._op.error is not None:
+            raise self._op.error
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._op.error if self._op.done else None
+
+    @property
+    def done_at(self) -> float | None:
+        """Virtual time the event completed (None while pending)."""
+        return self._op.done_at
+
+    def elapsed_since(self, earlier: Event) -> float:
+        if not (self.timing and getattr(earlier, "timing", False)):
+            raise RuntimeError("elapsed_since needs two events recorded with timing=True")
+        if not isinstance(earlier, SimEvent) or earlier._op.done_at is None or self._op.done_at is None:
+            raise RuntimeError("elapsed_since needs both events done; sync them first")
+        return self._op.done_at - earlier._op.done_at
+
+
+class SimStream(Stream):
+    def __init__(self, dev: "SimDevice", priority: int = 0):
+        self._dev = dev
+        self.priority = priority
+        self.id = next(_ids)
+        self.name = f"stream {self.id}"
+        self.actor = ("stream", self.id)
+        self._queue = dev._engine.add_queue(self.name)
+        self._queue.priority = priority
+        self._pending_error: BaseException | None = None
+        self._closed = False
+        dev._checker.add_actor(self.actor, self.name)
+
+    def __repr__(self) -> str:
+        return f"<SimStream {self.id} priority={self.priority}{' closed' if self._closed else ''}>"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed; create a new stream")
+
+    def _begin(self, overhead: float) -> None:
+        """Start a host call that enqueues on this stream. The enqueued op runs after the call,
+        so it is ordered after everything the calling thread did (and saw) before it."""
+        self._check_open()
+        self._dev._host_api(overhead)
+        self._dev._checker.merge(self.actor, self._dev._checker.snapshot(self._dev._actor()))
+
+    def _own(self, sl: BufferSlice) -> BufferSlice:
+        """Refuse a buffer of another device (its checker has never heard of this stream)."""
+        if getattr(sl.buffer, "_dev", None) is not self._dev:
+            raise ValueError(f"{sl.buffer!r} belongs to another device; a stream can only use buffers "
+                             "allocated on its own device (allocate them with this stream's device)")
+        return sl
+
+    def _enqueue(self, label: str, **kw) -> Op:
+        op = Op(self._queue, label, **kw)
+        return self._dev._engine.enqueue(op)
+
+    # -- ordering ----------------------------------------------------------------------
+    def record(self, *, timing: bool = False) -> SimEvent:
+        with self._dev._lock:
+            self._begin(self._dev.profile.event_overhead_s)
+            self._dev._checker.tick(self.actor)
+            snapshot = self._dev._checker.snapshot(self.actor)
+
+            def take_error(op: Op) -> None:
+                op.error, self._pending_error = self._pending_error, None
+
+            op = self._enqueue("event record", on_complete=take_error)
+            return self._dev._new_event(op, snapshot, timing, self.name)
+
+    def wait(self, event: Event) -> None:
+        if not isinstance(event, SimEvent):
+            raise TypeError(f"a sim stream can only wait on a SimEvent, got {type(event).__name__}")
+        if event._dev is not self._dev:
+            raise ValueError(f"{event!r} was recorded on another device; wait only on events of this stream's device")
+        with self._dev._lock:
+            self._begin(self._dev.profile.event_overhead_s)
+            self._dev._checker.merge(self.actor, event._snapshot)
+            if not event._op.done:
+                self._enqueue("wait", deps=[event._op])
+
+    # -- work ----------------------------------------------------------------------------
+    def copy(self, dst, src, nbytes: int | None = None) -> None:
+        with self._dev._lock:
+            d, s = copy_extent(dst, src, nbytes)
+            self._own(d), self._own(s)
+            self._begin(self._dev.profile.copy_overhead_s)
+            direction = {(True, False): "h2d", (False, True): "d2h"}.get((s.buffer.is_host, d.buffer.is_host))
+            op_name = f"copy {direction or ('h2h' if d.buffer.is_host else 'd2d')} {d.nbytes} B"
+            s.buffer._access(AccessKind.READ, s.offset, s.offset + s.nbytes, op_name, actor=self.actor)
+            d.buffer._access(AccessKind.WRITE, d.offset, d.offset + d.nbytes, op_name, actor=self.actor, tick=False)
+            src_mem, dst_mem = s.buffer._mem, d.buffer._mem
+
+            def move(op: Op) -> None:
+                dst_mem[d.offset:d.offset + d.nbytes] = src_mem[s.offset:s.offset + s.nbytes]
+
+            self._enqueue(op_name, resource=direction or "d2d", nbytes=d.nbytes, direction=direction,
+                          on_complete=self._guard(move))
+
+    def fill(self, dst, byte: int) -> None:
+        with self._dev._lock:
+            d = self._own(as_slice(dst))
+            if not 0 <= int(byte) <= 255:
+                raise ValueError(f"fill byte must be in 0..255, got {byte}")
+            self._begin(self._dev.profile.copy_overhead_s)
+            op_name = f"fill 0x{int(byte):02x} {d.nbytes} B"
+            d.buffer._access(AccessKind.WRITE, d.offset, d.offset + d.nbytes, op_name, actor=self.actor)
+            mem = d.buffer._mem
+
+            def memset(op: Op) -> None:
+                mem[d.offset:d.offset + d.nbytes] = int(byte)
+
+            self._enqueue(op_name, resource="d2d", nbytes=d.nbytes, on_complete=self._guard(memset))
+
+    def launch(self, fn: Callable[..., Any], *args: Any, reads: Iterable[Any] = (), writes: Iterable[Any] = (),
+               sim_seconds: float | None = None) -> None:
+        if not callable(fn):
+            raise TypeError(f"launch needs a callable, got {type(fn).__name__}")
+        if sim_seconds is not None:
+            sim_seconds = check_seconds(sim_seconds, "launch sim_seconds")
+        with self._dev._lock:
+            self._begin(self._dev.profile.launch_overhead_s)
+            read_set = [self._own(as_slice(r)) for r in reads]
+            write_set = [self._own(as_slice(w)) for w in writes]
+            named = {(x.buffer, x.offset, x.nbytes) for x in read_set + write_set}
+            for a in args:
+                if isinstance(a, ArrayArg):
+                    self._own(as_slice(a))
+                    if a.where.buffer.is_host:
+                        raise ValueError("launch takes device memory; copy host data to a device buffer first")
+                    if (a.where.buffer, a.where.offset, a.where.nbytes) not in named:
+                        read_set.append(a.where)
+                        write_set.append(a.where)
+                elif isinstance(a, (Buffer, BufferSlice)):
+                    raise TypeError("pass buffers to launch as typed arrays: buf.array(dtype, shape)")
+            name = getattr(fn, "__name__", type(fn).__name__)
+            op_name = f"launch {name}"
+            self._dev._checker.tick(self.actor)
+            touched = 0
+            for sl in read_set:
+                sl.buffer._access(AccessKind.READ, sl.offset, sl.offset + sl.nbytes, op_name, actor=self.actor, tick=False)
+                touched += sl.nbytes
+            for sl in write_set:
+                sl.buffer._access(AccessKind.WRITE, sl.offset, sl.offset + sl.nbytes, op_name, actor=self.actor, tick=False)
+                touched += sl.nbytes
+            p = self._dev.profile
+            seconds = sim_seconds if sim_seconds is not None else max(p.kernel_min_s, touched / (p.device_GBps * 1e9))
+            # an array named only in reads= is handed to fn read-only, so an undeclared write fails
+            # loudly (a LaunchError) instead of slipping past the checker
+            read_only = [isinstance(a, ArrayArg) and not any(_overlap(a.where, w) for w in write_set) for a in args]
+
+            def run(op: Op) -> None:
+                arrays = [_materialise(a, ro) for a, ro in zip(args, read_only)]
+                try:
+                    fn(*arrays)
+                except Exception as exc:  # noqa: BLE001 - reported through the next event
+                    err = LaunchError(f"{op_name} on {self.name} failed: {type(exc).__name__}: {exc}")
+                    err.__cause__ = exc
+                    self._pending_error = self._pending_error or err
+
+            self._enqueue(op_name, resource="compute", seconds=seconds, on_complete=self._guard(run))
+
+    def _guard(self, effect: Callable[[Op], None]) -> Callable[[Op], None]:
+        """Skip an op's effect once the device has a sticky error (the context is dead)."""
+        def guarded(op: Op) -> None:
+            if self._dev._sticky is None:
+                effect(op)
+        return guarded
+
+    def sync(self) -> None:
+        self.record().sync()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        with self._dev._lock:
+            self._closed = True
+            self._dev._live["streams"] -= 1
+            self._dev._engine.remove_queue(self._queue)
+
+
+def _overlap(a: BufferSlice, b: BufferSlice) -> bool:
+    return a.buffer is b.buffer and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
+
+
+def _materialise(a: Any, read_only: bool = False) -> Any:
+    if isinstance(a, ArrayArg):
+        mem = a.where.buffer._mem
+        out = mem[a.where.offset:a.where.offset + a.where.nbytes].view(a.dtype).reshape(a.shape)
+        if read_only:
+            out.flags.writeable = False
+        return out
+    return a

@@ -1,0 +1,64 @@
+"""The exceptions ringflow raises.
+
+Every error says what was wrong and, where the caller can fix it, what to change.
+"""
+
+from __future__ import annotations
+
+
+class RingflowError(Exception):
+    """Base class of ringflow's own errors."""
+
+
+class HazardError(RingflowError):
+    """Two accesses to the same bytes are not ordered by any stream, event or sync.
+
+    Raised by the simulated GPU's happens-before checker. ``first`` and ``second`` are the
+    two conflicting :class:`~ringflow._device.sim.hazard.Access` records; the message names
+    the operation, the actor (stream or host thread), the buffer and the byte range of each.
+    """
+
+    def __init__(self, message: str, first=None, second=None):
+        super().__init__(message)
+        self.first = first
+        self.second = second
+
+
+class DeviceError(RingflowError):
+    """The device reported an error.
+
+    ``sticky`` is True when the error poisons the whole context (an illegal address in a
+    kernel, say): every later call fails too and the process must create a new context.
+    """
+
+    def __init__(self, message: str, *, sticky: bool = False):
+        super().__init__(message)
+        self.sticky = sticky
+
+
+class LaunchError(DeviceError):
+    """A launched compute callable failed while it ran on the device.
+
+    On the simulated GPU a callable runs when its operation completes in virtual time, so
+    its exception is reported by the first event recorded after it on the same stream
+    (``Event.error``, and raised by ``Event.sync()``); the original is ``__cause__``.
+    """
+
+
+class StageError(RingflowError):
+    """A pipeline stage failed for one chunk.
+
+    ``stage`` is one of ``"prepare"``, ``"h2d"``, ``"compute"``, ``"d2h"``, ``"consume"``;
+    ``index`` is the chunk's submission index; the original exception is ``__cause__``.
+    """
+
+    def __init__(self, stage: str, index: int, cause: BaseException | None = None):
+        what = f"{type(cause).__name__}: {cause}" if cause is not None else "failed"
+        super().__init__(f"stage {stage!r} failed for chunk {index}: {what}")
+        self.stage = stage
+        self.index = index
+        if cause is not None:
+            self.__cause__ = cause
+
+    def __reduce__(self):
+        return (type(self), (self.stage, self.index, self.__cause__))

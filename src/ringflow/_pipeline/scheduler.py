@@ -1,0 +1,792 @@
+"""The scheduler: moves chunks through prepare -> h2d -> compute -> d2h -> consume.
+
+It runs inside the caller's calls (``step``/``run_until``); CPU stages run on a worker pool
+and GPU stages on three streams. Two rules make it correct:
+
+* **Hand-offs by events.** After each GPU operation an event is recorded; the next stage's
+  stream waits on it (never the device); the CPU learns of completion only by querying that
+  event (or the host task), never by time or a successful enqueue.
+* **A slot is reused only after its last use completed.** A host slot (which the CPU fills or
+  reads) holds the event or host task after which its owner is done with it (``Slot.fence``);
+  one polling loop (:meth:`Scheduler._observe`) finds completed fences and calls the handler
+  for the slot's ring and state: only there do host slots go back to FREE, on success,
+  failure and cancellation alike. A device slot goes back to FREE when its last operation is
+  *enqueued*, carrying that operation's event as ``Slot.ready``; the next owner's stream
+  waits on it before touching the slot, so the GPU orders the reuse without a host round trip.
+
+The GPU chain of a chunk is enqueued as early as slots allow (h2d, then compute as soon as a
+device-out slot is free, then d2h as soon as a host-out slot is free), so the streams stay
+fed without the CPU in the loop between stages. Stages are enqueued in admission order, so
+each stream runs chunks in order.
+
+``GUARDS`` names every wait and release guard. A test can switch one off through the
+test-only ``disabled_guards`` argument to show that the checks catch its absence.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
+
+from .._device.protocol import BufferSlice, Device, stream_after
+from .._errors import DeviceError, StageError
+from .chunk import Chunk, ChunkFuture
+from .config import PipelineConfig, refuse_unknown_guards
+from .ring import Ring, Slot
+from .states import ChunkState, RingKind, SlotState
+from .stats import PipelineStats
+
+GUARDS = (
+    "h2d.wait_slot_ready",  # h2d waits until the device-in slot's poison fill is done
+    "compute.wait_h2d",  # compute waits for the chunk's h2d
+    "compute.wait_slot_ready",  # compute waits until the device-out slot's poison fill is done
+    "d2h.wait_compute",  # d2h waits for the chunk's compute
+    "host_in.release_after_h2d",  # host-in goes FREE only after its h2d event completes
+    "device_in.release_after_compute",  # device-in goes FREE only after its compute completes
+    "device_out.release_after_d2h",  # device-out goes FREE only after its d2h completes
+    "consume.after_d2h",  # the consumer starts only after the d2h event completes
+    "host_out.release_after_consume",  # host-out goes FREE only after the consumer returns
+)
+
+# Slot states whose fences, within one ring, are events of a single stream recorded in the
+# order the slots were acquired: h2d events (host-in, device-in/in-place COPYING_IN), compute
+# events (COMPUTING), d2h events (host-out COPYING_OUT). FILLING and CONSUMING fences are host
+# tasks, which finish in any order; DRAINING slots wait on whatever their stage left.
+_STREAM_ORDERED = frozenset({SlotState.COPYING_IN, SlotState.COMPUTING, SlotState.COPYING_OUT})
+
+POISON_BYTE = 0xEE
+Fill = Callable[[Any, np.ndarray], tuple]  # (item, writable uint8 view of the slot) -> (shape, dtype)
+Drain = Callable[[int, Any, np.ndarray], Any]  # (index, item, read-only typed view) -> value
+
+
+class Scheduler:
+    def __init__(self, device: Device, compute: Callable, fill: Fill, drain: Drain, config: PipelineConfig, *,
+                 item_nbytes: Callable[[Any], int] = lambda item: 0, disabled_guards: Iterable[str] = (),
+                 slot_hook=None, on_chunk_end: Optional[Callable[[Chunk], None]] = None,
+                 host_in_buffer=None, host_out_buffer=None):
+        """``host_in_buffer``/``host_out_buffer``: the caller's pinned or registered memory holding
+        every chunk's input / receiving every chunk's output back to back (chunk i at
+        ``i * slot_bytes``). The copy engines then read and write it in place: no staging ring,
+        and prepare/consume only describe the chunk."""
+        guard_off = refuse_unknown_guards(disabled_guards, GUARDS)
+        self.device = device
+        self.compute = compute
+        self.fill = fill
+        self.drain = drain
+        self.config = config
+        self.item_nbytes = item_nbytes
+        self._guard_off = guard_off
+        self._on_chunk_end = on_chunk_end
+        self._sim_compute = getattr(compute, "sim_seconds", None)
+
+        self._streams = []
+        self._rings: list[Ring] = []
+        self.pool = None
+        try:
+            self.h2d_stream = self._stream()
+            self.compute_stream = self._stream()
+            self.d2h_stream = self._stream()
+            self.poison_stream = self._stream() if config.checked else None
+            n, c = config.slot_bytes, config.slots
+            self.host_in = self._host_ring(RingKind.HOST_IN, host_in_buffer, c.host_in, slot_hook)
+            if config.inplace:
+                self.dev_in = self._ring(RingKind.DEVICE_INPLACE, device.allocate(n * c.device_in), c.device_in,
+                                         slot_hook)
+                self.dev_out = None
+            else:
+                self.dev_in = self._ring(RingKind.DEVICE_IN, device.allocate(n * c.device_in), c.device_in, slot_hook)
+                self.dev_out = self._ring(RingKind.DEVICE_OUT, device.allocate(n * c.device_out), c.device_out,
+                                          slot_hook)
+            self.host_out = self._host_ring(RingKind.HOST_OUT, host_out_buffer, c.host_out, slot_hook)
+            self.pool = device.create_worker_pool(config.workers)
+        except BaseException:
+            self._release_resources()
+            raise
+
+        self.chunks: dict[int, Chunk] = {}  # not yet final
+        self._accepted_q: collections.deque[Chunk] = collections.deque()
+        self._h2d_q: collections.deque[Chunk] = collections.deque()
+        self._compute_q: collections.deque[Chunk] = collections.deque()
+        self._d2h_q: collections.deque[Chunk] = collections.deque()
+        self._next_index = 0
+        self.accepting = True
+        self.broken: Optional[DeviceError] = None
+        self.first_error: Optional[StageError] = None
+        self.failures: list[StageError] = []
+        self.counts = collections.Counter()
+        self._loose_tasks: list[Chunk] = []  # consumers whose slot a disabled guard freed early
+        self.unclaimed = 0  # final chunks whose result a map() has not handed out yet
+        self.steps = 0
+        self.host_seconds = 0.0  # CPU time spent in scheduling steps (host overhead per chunk)
+
+    # -- set-up and tear-down ------------------------------------------------------------------
+    def _stream(self):
+        s = self.device.create_stream()
+        self._streams.append(s)
+        return s
+
+    def _ring(self, kind, buffer, count, hook, external: bool = False) -> Ring:
+        ring = Ring(kind, buffer, count, self.config.slot_bytes, hook, external=external)
+        self._rings.append(ring)
+        return ring
+
+    def _host_ring(self, kind, external_buffer, count, hook) -> Ring:
+        n = self.config.slot_bytes
+        if external_buffer is None:
+            return self._ring(kind, self.device.allocate_host(n * count), count, hook)
+        return self._ring(kind, external_buffer, -(-external_buffer.nbytes // n), hook, external=True)
+
+    def _release_resources(self) -> None:
+        from .._device.protocol import close_quietly
+
+        if self.pool is not None:
+            close_quietly(self.pool, "worker pool")
+        # A device slot's ``ready`` event (its last use or poison fill) may still be pending: the
+        # stream-ordered free below comes after every stream of the pipeline, so it needs no
+        # host wait (and a launch that failed there was already reported by its chunk).
+        for ring in self._rings:
+            for slot in ring.slots:
+                slot.ready = None
+        free_on = stream_after(self._streams)
+        for ring in self._rings:
+            ring.close(stream=free_on)
+        for s in self._streams:
+            close_quietly(s, "stream")
+        # the ring objects stay for introspection (states, high-water marks); their memory is gone
+        self._streams = []
+
+    @property
+    def rings(self) -> list[Ring]:
+        return list(self._rings)
+
+    # -- admission -----------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        return len(self.chunks)
+
+    def has_capacity(self) -> bool:
+        return self.accepting and len(self.chunks) + self.unclaimed < self.config.max_in_flight
+
+    def accept(self, item: Any) -> Chunk:
+        if self.broken is not None:
+            raise self.broken
+        if not self.accepting:
+            raise RuntimeError("the pipeline no longer accepts work (it was closed or cancelled); "
+                               "create a new Pipeline")
+        if not self.has_capacity():
+            raise RuntimeError("admission is full; wait for capacity before accepting")
+        index = self._next_index
+        self._next_index += 1
+        chunk = Chunk(index, item, ChunkFuture(self, index))
+        chunk.stamps["accepted"] = self.device.now
+        self.chunks[index] = chunk
+        self._accepted_q.append(chunk)
+        self.counts["accepted"] += 1
+        return chunk
+
+    def stats(self) -> PipelineStats:
+        c = self.counts
+        return PipelineStats(accepted=c["accepted"], delivered=c["delivered"], failed=c["failed"],
+                             cancelled=c["cancelled"], in_flight=len(self.chunks))
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One pass: observe completions, then start whatever the free slots allow."""
+        t0 = time.perf_counter()
+        self.steps += 1
+        try:
+            progressed = self._observe()
+            # chunk by chunk rather than stage by stage: the first chunk's copy is enqueued
+            # before the next chunk is prepared, and a chunk's d2h (which hands its device slot
+            # to a later chunk's h2d) before the next chunk's h2d
+            while self.broken is None and (self._start_prepares(1) | self._enqueue_h2d(1)
+                                           | self._enqueue_compute(1) | self._enqueue_d2h(1)):
+                progressed = True
+        except DeviceError as err:
+            if not err.sticky:
+                raise
+            self._break(err)
+            progressed = True
+        self.host_seconds += time.perf_counter() - t0
+        return progressed
+
+    def pending_fences(self) -> list:
+        """The fences worth waiting on: every pending one except those queued behind an earlier
+        pending event of the same stream (see :meth:`_observe`). Empty only when no fence is
+        pending at all."""
+        fences = []
+        for ring in self._rings:
+            seen = set()
+            for slot in ring.busy.values():
+                fence = slot.fence
+                if fence is None:
+                    continue
+                state = slot.state
+                if state in _STREAM_ORDERED:
+                    if state in seen:
+                        continue
+                    seen.add(state)
+                fences.append(fence)
+        return fences + [c.consume_task for c in self._loose_tasks]
+
+    def run_until(self, done: Callable[[], bool], timeout: float | None = None) -> None:
+        """Drive the pipeline until ``done()`` holds; raises TimeoutError after ``timeout``."""
+        deadline = None if timeout is None else self.device.now + timeout
+        while not done():
+            if self.step():
+                continue
+            if done():
+                return
+            fences = self.pending_fences()
+            if not fences:
+                if self._accepted_q and self.broken is None:
+                    continue  # a slot is free now; the next step starts it
+                raise RuntimeError("the pipeline is idle but the awaited result can never arrive "
+                                   "(nothing is in flight); this is a ringflow bug")
+            wait = 0.05 if deadline is None else max(0.0, min(0.05, deadline - self.device.now))
+            try:
+                self.device.wait_any(fences, timeout=wait)
+            except DeviceError as err:
+                if not err.sticky:
+                    raise
+                self._break(err)
+            if deadline is not None and self.device.now >= deadline and not done():
+                raise TimeoutError(f"timed out after {timeout} s waiting on the pipeline")
+
+    # -- observing fences ----------------------------------------------------------------------
+    def _observe(self) -> bool:
+        """Handle every completed fence. In a stream-ordered state (``_STREAM_ORDERED``) a ring's
+        fences are events of one stream recorded in the order the slots were acquired (the
+        order of ``ring.busy``), so they complete in that order: after the first pending one,
+        the rest of that state are pending too and are not queried (a query costs a few
+        microseconds of driver time, and a ring can hold dozens of chunks)."""
+        progressed = False
+        for ring in self._rings:
+            stalled = set()
+            for slot in list(ring.busy.values()):
+                fence = slot.fence
+                if fence is None:
+                    continue
+                state = slot.state
+                if state in stalled:
+                    continue
+                if not fence.is_done:
+                    if state in _STREAM_ORDERED:
+                        stalled.add(state)
+                    continue
+                slot.fence = None
+                progressed = True
+                self._on_fence_done(ring, slot)
+        for chunk in list(self._loose_tasks):
+            if chunk.consume_task.is_done:
+                self._loose_tasks.remove(chunk)
+                self._on_consumed(chunk)
+                progressed = True
+        return progressed
+
+    def _on_fence_done(self, ring: Ring, slot: Slot) -> None:
+        state, kind = slot.state, ring.kind
+        chunk = self.chunks.get(slot.owner)
+        if state is SlotState.DRAINING or chunk is None:
+            # draining, or (only with a guard switched off) its chunk already ended: the slot's
+            # last operation is complete, so it can go
+            self._free(ring, slot)
+            if chunk is not None:
+                self._maybe_end(chunk)
+            return
+        if kind is RingKind.HOST_IN and state is SlotState.FILLING:
+            self._on_prepared(chunk)
+        elif kind is RingKind.HOST_IN and state is SlotState.COPYING_IN:
+            self._free(ring, slot)
+        elif kind in (RingKind.DEVICE_OUT, RingKind.DEVICE_INPLACE) and state is SlotState.COMPUTING:
+            self._compute_failed(chunk)  # fail early; the slot itself is handed back at d2h enqueue
+        elif kind is RingKind.HOST_OUT and state is SlotState.COPYING_OUT:
+            if not self._compute_failed(chunk):
+                self._start_consume(chunk)
+        elif kind is RingKind.HOST_OUT and state is SlotState.CONSUMING:
+            self._on_consumed(chunk)
+        # other (ring, state) pairs: the op finished but a later stage already owns the next
+        # fence or has not been enqueued yet; nothing to do
+
+    def _free(self, ring: Ring, slot: Slot) -> None:
+        """Return a slot to FREE; in checked mode poison it first so a reuse fault is visible."""
+        if self.config.checked:
+            if slot.state is not SlotState.DRAINING:
+                ring.move(slot, SlotState.DRAINING)
+            self._poison(ring, slot)
+        ring.release(slot)
+
+    def _poison(self, ring: Ring, slot: Slot) -> None:
+        if ring.external:  # the caller's own input or result: never overwrite it
+            return
+        where = slot.where
+        if ring.buffer.is_host:
+            where.buffer.view(np.uint8, offset=where.offset, count=where.nbytes, access="w").fill(POISON_BYTE)
+        else:
+            self.poison_stream.fill(where, POISON_BYTE)
+            slot.ready = self.poison_stream.record()
+
+    def _release_on_device(self, ring: Ring, slot: Slot, last_use, guard: str) -> None:
+        """Hand a device slot back as soon as its last operation is enqueued.
+
+        The slot's next owner does not wait for the host to see ``last_use`` complete: its first
+        stream operation waits on the slot's ``ready`` event (``last_use``, or the poison fill
+        ordered after it in checked mode), so the GPU orders the reuse and the host stays out
+        of the loop between chunks, as the stream-ordered allocator does. With ``guard``
+        switched off (tests only) the slot is handed back with no ordering: the poison fill
+        and the next owner may then overwrite it while ``last_use`` still reads it."""
+        ordered = guard not in self._guard_off
+        if self.config.checked:
+            ring.move(slot, SlotState.DRAINING)
+            if ordered:
+                self.poison_stream.wait(last_use)
+            self.poison_stream.fill(slot.where, POISON_BYTE)
+            ready = self.poison_stream.record()
+        else:
+            ready = last_use if ordered else None
+        ring.release(slot)
+        slot.ready = ready
+
+    def _wait_ready(self, stream, slot: Slot, guard: str) -> None:
+        ready = slot.ready
+        if ready is not None:
+            if guard not in self._guard_off:
+                stream.wait(ready)
+            slot.ready = None
+
+    # -- CPU stages ----------------------------------------------------------------------------
+    def _start_prepares(self, limit: int) -> bool:
+        progressed = False
+        # describing chunks of an external ring is inline work: describe no further ahead than
+        # the device can take now (the rest are described as device slots come free)
+        budget = min(limit, self.dev_in.free_count + 1) if self.host_in.external else limit
+        while self._accepted_q and budget > 0:
+            budget -= 1
+            chunk = self._accepted_q[0]
+            slot = self.host_in.acquire(chunk.index, SlotState.FILLING)
+            if slot is None:
+                break
+            self._accepted_q.popleft()
+            chunk.host_in = slot
+            chunk.move(ChunkState.PREPARING)
+            chunk.stamps["prepare"] = [self.device.now, None]
+            if self.host_in.external:
+                # the caller's pinned memory already holds the chunk: describing it is a few
+                # microseconds of Python, cheaper inline than a round trip through the pool
+                chunk.prepare_task = _InlineTask(self.device, self._run_fill, chunk, slot.where)
+                self._h2d_q.append(chunk)
+                self._on_prepared(chunk)
+                progressed = True
+                continue
+            chunk.prepare_task = self.pool.submit(self._run_fill, chunk, slot.where,
+                                                  nbytes=self.item_nbytes(chunk.item))
+            slot.fence = chunk.prepare_task
+            self._h2d_q.append(chunk)
+            progressed = True
+        return progressed
+
+    def _run_fill(self, chunk: Chunk, where: BufferSlice) -> tuple:
+        # an external host-in ring already holds the chunk: fill only describes it
+        raw = None if self.host_in.external else \
+            where.buffer.view(np.uint8, offset=where.offset, count=where.nbytes, access="w")
+        shape, dtype = self.fill(chunk.item, raw)
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > where.nbytes:
+            raise ValueError(f"prepare produced {nbytes} bytes but a slot holds {where.nbytes}; "
+                             f"raise chunk_bytes to at least {nbytes} or split the item")
+        return tuple(shape), dtype, nbytes
+
+    def _on_prepared(self, chunk: Chunk) -> None:
+        chunk.stamps["prepare"][1] = self.device.now
+        try:
+            chunk.shape, chunk.dtype, chunk.nbytes = chunk.prepare_task.result()
+        except Exception as exc:  # noqa: BLE001 - the user's prepare failed for this chunk
+            self._fail(chunk, "prepare", exc)
+            return
+        self.host_in.move(chunk.host_in, SlotState.FILLED)
+        chunk.move(ChunkState.PREPARED)
+
+    def _start_consume(self, chunk: Chunk) -> None:
+        slot = chunk.host_out
+        self.host_out.move(slot, SlotState.CONSUMING)
+        chunk.move(ChunkState.CONSUMING)
+        chunk.stamps["consume"] = [self.device.now, None]
+        if self.host_out.external and "host_out.release_after_consume" not in self._guard_off:
+            # the result is already in the caller's memory: the consumer copies nothing
+            chunk.consume_task = _InlineTask(self.device, self._run_drain, chunk, slot.where)
+            self._on_consumed(chunk)
+            return
+        chunk.consume_task = self.pool.submit(self._run_drain, chunk, slot.where, nbytes=chunk.nbytes)
+        if "host_out.release_after_consume" in self._guard_off:
+            self._free(self.host_out, slot)  # the fault under test: freed (poisoned) while the consumer reads
+            chunk.host_out = None
+            self._loose_tasks.append(chunk)
+        else:
+            slot.fence = chunk.consume_task
+
+    def _run_drain(self, chunk: Chunk, where: BufferSlice) -> Any:
+        count = math.prod(chunk.shape)
+        view = where.buffer.view(chunk.dtype, offset=where.offset, count=count, access="r").reshape(chunk.shape)
+        return self.drain(chunk.index, chunk.item, view)
+
+    def _on_consumed(self, chunk: Chunk) -> None:
+        task = chunk.consume_task
+        chunk.stamps["consume"][1] = self.device.now
+        try:
+            value = task.result()
+        except Exception as exc:  # noqa: BLE001 - the user's consumer failed for this chunk
+            self._fail(chunk, "consume", exc)
+            return
+        if chunk.host_out is not None:
+            self._free(self.host_out, chunk.host_out)
+            chunk.host_out = None
+        chunk.value = value
+        self._end(chunk, ChunkState.DELIVERED)
+
+    # -- GPU stages ----------------------------------------------------------------------------
+    def _enqueue_h2d(self, limit: int) -> bool:
+        progressed = False
+        while limit and self._h2d_q and self._h2d_q[0].state is ChunkState.PREPARED:
+            limit -= 1
+            chunk = self._h2d_q[0]
+            slot = self.dev_in.acquire(chunk.index, SlotState.COPYING_IN)
+            if slot is None:
+                break
+            self._h2d_q.popleft()
+            chunk.dev_in = slot
+            s = self.h2d_stream
+            self._wait_ready(s, slot, "h2d.wait_slot_ready")
+            n = chunk.nbytes
+            self._mark(chunk, s, "h2d", start=True)
+            if n:  # a zero-length item moves no bytes (a copy needs at least one)
+                s.copy(_head(slot.where, n), _head(chunk.host_in.where, n), n)
+            event = self._mark(chunk, s, "h2d")
+            chunk.stamps["h2d.enqueued"] = self.device.now
+            self.host_in.move(chunk.host_in, SlotState.COPYING_IN)
+            chunk.h2d_event = event
+            if "host_in.release_after_h2d" in self._guard_off:
+                self._free(self.host_in, chunk.host_in)  # the fault under test: freed before its H2D ran
+            else:
+                chunk.host_in.fence = event
+            slot.fence = event
+            chunk.move(ChunkState.ON_DEVICE)
+            self._compute_q.append(chunk)
+            progressed = True
+        return progressed
+
+    def _enqueue_compute(self, limit: int) -> bool:
+        progressed = False
+        while limit and self._compute_q:
+            limit -= 1
+            chunk = self._compute_q[0]
+            if self.dev_out is not None:
+                out_slot = self.dev_out.acquire(chunk.index, SlotState.COMPUTING)
+                if out_slot is None:
+                    break
+            else:
+                out_slot = chunk.dev_in
+            self._compute_q.popleft()
+            chunk.dev_out = out_slot
+            s = self.compute_stream
+            if "compute.wait_h2d" not in self._guard_off:
+                s.wait(chunk.h2d_event)
+            if self.dev_out is not None:
+                self._wait_ready(s, out_slot, "compute.wait_slot_ready")
+            self.dev_in.move(chunk.dev_in, SlotState.COMPUTING)
+            x = chunk.dev_in.where.array(chunk.dtype, chunk.shape)
+            y = out_slot.where.array(chunk.dtype, chunk.shape)
+            self._mark(chunk, s, "compute", start=True)
+            try:
+                if chunk.nbytes == 0:
+                    pass  # a zero-length chunk has nothing to compute (its result is empty too)
+                elif self.dev_out is None:
+                    s.launch(self.compute, x, x, writes=[x], sim_seconds=self._sim_seconds(chunk))
+                else:
+                    s.launch(self.compute, x, y, reads=[x], writes=[y], sim_seconds=self._sim_seconds(chunk))
+            except DeviceError as err:
+                if err.sticky:
+                    raise
+                self._fail(chunk, "compute", err)
+                progressed = True
+                continue
+            except Exception as exc:  # noqa: BLE001 - the user's compute raised while enqueueing
+                self._fail(chunk, "compute", exc)
+                progressed = True
+                continue
+            event = self._mark(chunk, s, "compute")
+            chunk.stamps["compute.enqueued"] = self.device.now
+            chunk.compute_event = event
+            if self.dev_out is not None:
+                self._release_on_device(self.dev_in, chunk.dev_in, event, "device_in.release_after_compute")
+            out_slot.fence = event
+            self._d2h_q.append(chunk)
+            progressed = True
+        return progressed
+
+    def _enqueue_d2h(self, limit: int) -> bool:
+        progressed = False
+        while limit and self._d2h_q:
+            limit -= 1
+            chunk = self._d2h_q[0]
+            slot = self.host_out.acquire(chunk.index, SlotState.COPYING_OUT)
+            if slot is None:
+                break
+            self._d2h_q.popleft()
+            chunk.host_out = slot
+            s = self.d2h_stream
+            if "d2h.wait_compute" not in self._guard_off:
+                s.wait(chunk.compute_event)
+            ring_out = self.dev_out or self.dev_in
+            ring_out.move(chunk.dev_out, SlotState.COPYING_OUT)
+            n = chunk.nbytes
+            self._mark(chunk, s, "d2h", start=True)
+            if n:
+                s.copy(_head(slot.where, n), _head(chunk.dev_out.where, n), n)
+            event = self._mark(chunk, s, "d2h")
+            chunk.stamps["d2h.enqueued"] = self.device.now
+            chunk.d2h_event = event
+            self._release_on_device(ring_out, chunk.dev_out, event, "device_out.release_after_d2h")
+            if "consume.after_d2h" in self._guard_off:
+                self._start_consume(chunk)
+            else:
+                slot.fence = event
+            progressed = True
+        return progressed
+
+    def _sim_seconds(self, chunk: Chunk) -> Optional[float]:
+        return sim_seconds_for(self._sim_compute, chunk.nbytes)
+
+    def _mark(self, chunk: Chunk, stream, stage: str, start: bool = False):
+        """Record the event that ends ``stage`` (timing only when profiling); with ``start``
+        record the profiling start event, or nothing when not profiling."""
+        if start:
+            if self.config.profile:
+                chunk.events[stage + ".start"] = stream.record(timing=True)
+            return None
+        event = stream.record(timing=self.config.profile)
+        if self.config.profile:
+            chunk.events[stage + ".end"] = event
+        return event
+
+    # -- failure, cancellation, the end of a chunk ----------------------------------------------
+    def _compute_failed(self, chunk: Chunk) -> bool:
+        """Check the compute event's error once (the sim reports a failed launch there)."""
+        if chunk.state in (ChunkState.DRAINING,) or chunk.state.final:
+            return True
+        event = chunk.compute_event
+        err = event.error if event is not None and event.is_done else None
+        if err is None:
+            return False
+        self._fail(chunk, "compute", err.__cause__ or err)
+        return True
+
+    def _fail(self, chunk: Chunk, stage: str, exc: BaseException) -> None:
+        err = StageError(stage, chunk.index, exc)
+        chunk.error = err
+        self.failures.append(err)
+        if self.first_error is None:
+            self.first_error = err
+        self._drain(chunk, ChunkState.FAILED)
+        if self.config.on_error == "raise":
+            self.cancel_pending()
+
+    def _drain(self, chunk: Chunk, ending: ChunkState) -> None:
+        """End ``chunk`` as ``ending`` once every slot it holds has seen its fence complete."""
+        for q in (self._accepted_q, self._h2d_q, self._compute_q, self._d2h_q):
+            if chunk in q:
+                q.remove(chunk)
+        chunk.ending = ending
+        if chunk.state is not ChunkState.DRAINING:
+            chunk.move(ChunkState.DRAINING)
+        self._drain_slots(chunk)
+        self._maybe_end(chunk)
+
+    def _drain_slots(self, chunk: Chunk) -> None:
+        """Every busy slot of ``chunk`` to DRAINING: freed now if no operation is pending on it,
+        else once its fence completes (work enqueued on a stream cannot be recalled)."""
+        for ring in self._rings:
+            for slot in list(ring.busy.values()):
+                if slot.owner != chunk.index or slot.state is SlotState.DRAINING:
+                    continue
+                ring.move(slot, SlotState.DRAINING)
+                if slot.fence is None:
+                    self._free(ring, slot)
+
+    def _maybe_end(self, chunk: Chunk) -> None:
+        if chunk.state is not ChunkState.DRAINING:
+            return
+        if any(s.owner == chunk.index for r in self._rings for s in r.busy.values()):
+            return
+        self._end(chunk, chunk.ending)
+
+    def _end(self, chunk: Chunk, final: ChunkState) -> None:
+        chunk.move(final)
+        chunk.stamps["ended"] = self.device.now
+        del self.chunks[chunk.index]
+        self.counts[final.value] += 1
+        fut = chunk.future
+        if fut.done():  # cancelled by its caller while its enqueued work drained
+            pass
+        elif final is ChunkState.DELIVERED:
+            fut.set_result(chunk.value)
+        elif final is ChunkState.FAILED:
+            fut.set_exception(chunk.error)
+        else:
+            fut._mark_cancelled()
+        if self._on_chunk_end is not None:
+            self._on_chunk_end(chunk)
+
+    def cancel_pending(self) -> None:
+        """Stop admission; end not-yet-enqueued chunks CANCELLED at once; drain the rest."""
+        self.accepting = False
+        try:
+            self._cancel_pending()
+        except DeviceError as err:  # a poison fill found the context dead: break, as step() does
+            if not err.sticky:
+                raise
+            self._break(err)
+
+    def _cancel_pending(self) -> None:
+        for chunk in sorted(self.chunks.values(), key=lambda c: c.index):
+            self._cancel_chunk(chunk)
+
+    def _cancel_chunk(self, chunk: Chunk) -> bool:
+        """End ``chunk`` CANCELLED: at once if nothing of it is on a stream, else once the work
+        already enqueued completes. False for a chunk already consuming, draining or ended."""
+        if chunk.state in (ChunkState.DRAINING, ChunkState.CONSUMING) or chunk.state.final:
+            return False
+        if chunk.state in (ChunkState.ACCEPTED, ChunkState.PREPARING, ChunkState.PREPARED):
+            # nothing of it is on a stream: it ends now; a running prepare keeps its
+            # host-in slot DRAINING until the task returns
+            for q in (self._accepted_q, self._h2d_q):
+                if chunk in q:
+                    q.remove(chunk)
+            self._drain_slots(chunk)
+            self._end(chunk, ChunkState.CANCELLED)
+        else:
+            self._drain(chunk, ChunkState.CANCELLED)
+        return True
+
+    def cancel_chunk(self, index: int) -> bool:
+        """Cancel one accepted chunk (its future's ``cancel``); the rest go on. Returns False if
+        it can no longer be cancelled (its consumer is running, or it has ended)."""
+        chunk = self.chunks.get(index)
+        if chunk is None:
+            return False
+        try:
+            return self._cancel_chunk(chunk)
+        except DeviceError as err:  # a poison fill found the context dead: break, as step() does
+            if not err.sticky:
+                raise
+            self._break(err)
+            return False
+
+    def settle(self) -> None:
+        """Block until every chunk has ended and every slot is FREE."""
+        self.run_until(lambda: not self.chunks and not self.pending_fences())
+
+    def _break(self, err: DeviceError) -> None:
+        """A sticky device error: nothing on the device will complete; end everything FAILED."""
+        self.broken = err
+        self.accepting = False
+        for chunk in sorted(self.chunks.values(), key=lambda c: c.index):
+            if chunk.state is ChunkState.DRAINING:
+                continue  # already failing (its own StageError) or cancelled: it keeps that ending
+            chunk.error = err
+            chunk.ending = ChunkState.FAILED
+            chunk.move(ChunkState.DRAINING)
+        for ring in self._rings:
+            for slot in ring.slots:
+                slot.fence = None
+                if slot.state is not SlotState.FREE:
+                    if slot.state is not SlotState.DRAINING:
+                        ring.move(slot, SlotState.DRAINING)
+                    ring.release(slot)  # the context is dead: no operation can still touch it
+        for q in (self._accepted_q, self._h2d_q, self._compute_q, self._d2h_q):
+            q.clear()
+        for chunk in sorted(self.chunks.values(), key=lambda c: c.index):
+            self._end(chunk, chunk.ending)
+
+    def close(self) -> None:
+        self._release_resources()
+
+    # -- reuse by a later job (see ringflow._pipeline.warm) ---------------------------------------
+    def idle(self) -> bool:
+        """Nothing accepted is unfinished, every slot is FREE, nothing failed and the device
+        works: the rings, streams and workers could serve another job as they are."""
+        return (self.broken is None and self.accepting and not self.chunks and not self.failures
+                and not self._loose_tasks and self.unclaimed == 0
+                and not any(ring.busy for ring in self._rings)
+                and not (self._accepted_q or self._h2d_q or self._compute_q or self._d2h_q))
+
+    def park(self) -> None:
+        """Forget the finished job: its stage callbacks and the caller's memory behind
+        external rings (so a kept scheduler keeps none of the caller's arrays alive)."""
+        self.fill = self.drain = _no_job
+        self.item_nbytes = lambda item: 0
+        for ring in (self.host_in, self.host_out):
+            if ring.external:
+                ring.rebind(None)
+
+    def rearm(self, fill: Fill, drain: Drain, item_nbytes: Callable[[Any], int], *,
+              host_in_buffer=None, host_out_buffer=None) -> None:
+        """Take a new job on an idle, parked scheduler: new stage callbacks, the new caller
+        buffers behind external rings (laid out as the old ones), counters from zero. Device
+        slots keep their ``ready`` events: the next owner waits on them as within one job."""
+        if not self.idle():
+            raise RuntimeError("only an idle scheduler can take a new job")
+        if self.host_in.external != (host_in_buffer is not None) or \
+                self.host_out.external != (host_out_buffer is not None):
+            raise ValueError("rearm needs caller buffers exactly where this scheduler has external rings")
+        if host_in_buffer is not None:
+            self.host_in.rebind(host_in_buffer)
+        if host_out_buffer is not None:
+            self.host_out.rebind(host_out_buffer)
+        self.fill, self.drain, self.item_nbytes = fill, drain, item_nbytes
+        self.counts.clear()
+        self.first_error = None
+        self.steps = 0
+        self.host_seconds = 0.0
+        for ring in self._rings:
+            ring.high_water = 0
+
+
+def sim_seconds_for(cost, nbytes: int) -> Optional[float]:
+    """A compute callable's ``sim_seconds`` (seconds, or a function of the chunk's bytes) for a
+    chunk of ``nbytes``; None when it has none."""
+    if cost is None:
+        return None
+    return float(cost(nbytes)) if callable(cost) else float(cost)
+
+
+def _no_job(*args: Any) -> Any:
+    raise RuntimeError("this scheduler is parked between jobs; rearm() it first")
+
+
+class _InlineTask:
+    """A host stage run at once on the scheduler's thread, shaped like a finished HostTask."""
+
+    is_done = True
+
+    def __init__(self, device, fn, *args):
+        start = device.now
+        self._value = self._exc = None
+        try:
+            self._value = fn(*args)
+        except Exception as exc:  # noqa: BLE001 - delivered by result(), as a pool task's would be
+            self._exc = exc
+        self.span = (start, device.now)
+
+    def result(self):
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+
+def _head(where: BufferSlice, nbytes: int) -> BufferSlice:
+    return BufferSlice(where.buffer, where.offset, nbytes)

@@ -1,0 +1,108 @@
+"""Finished :func:`~ringflow.stream_map` pipelines kept warm for the next call of the same shape.
+
+Setting a pipeline up and tearing it down (planning its slots, three streams, the device
+rings, the slot objects) cost 0.69 ms of Python on our H200 host for a small staged pipeline
+measured alone (create 0.50 + close 0.19, bench/results/host-profile-h200-2026-11-30-run4.txt) and 0.27-0.32 ms of a seed call's time
+(the first-call rows of bench-h200-2026-11-30-run4.json), paid on every call. So ``stream_map`` parks its pipeline here when the
+call ends cleanly, and the next call with the same device, compute function, chunk size,
+host strategy and options takes it back instead of building one (as PyTorch's caching
+allocator keeps freed blocks).
+
+Lifetimes, and why:
+
+* A parked pipeline has finished everything: no chunk in flight, every slot FREE, nothing
+  failed. Its device slots may still carry a ``ready`` event (the last use, possibly still
+  running); the next owner's stream waits on it as within one call.
+* Parking forgets the job: the stage callbacks (closures over the caller's arrays) and the
+  caller's memory behind external rings are dropped, so a parked pipeline never keeps the
+  caller's arrays alive.
+* At most ``capacity`` pipelines are parked (least recently used are closed first). They
+  hold their streams, device rings and pinned rings, which therefore count as live in
+  ``device.live()`` until :func:`drop_warm_pipelines` (or eviction) closes them. A pipeline
+  parked on a device closed since is discarded when found.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import warnings
+from typing import TYPE_CHECKING, Any, Hashable, Optional
+
+if TYPE_CHECKING:
+    from .._device.protocol import Device
+    from .api import Pipeline
+
+DEFAULT_CAPACITY = 2
+
+
+class WarmPipelines:
+    """A small LRU of parked pipelines, keyed by everything that shapes one."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY):
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._parked: collections.OrderedDict[Hashable, "Pipeline"] = collections.OrderedDict()
+
+    def take(self, key: Hashable) -> Optional["Pipeline"]:
+        """The pipeline parked under ``key`` (removed from the cache), or None."""
+        with self._lock:
+            pipe = self._parked.pop(key, None)
+        if pipe is not None and pipe.device.closed:
+            _close(pipe)
+            return None
+        return pipe
+
+    def park(self, key: Hashable, pipe: "Pipeline") -> None:
+        """Keep ``pipe`` (idle, already forgotten its job) for a later :meth:`take`."""
+        with self._lock:
+            old = self._parked.pop(key, None)
+            self._parked[key] = pipe
+            evicted = [old] if old is not None else []
+            while len(self._parked) > self.capacity:
+                evicted.append(self._parked.popitem(last=False)[1])
+        for p in evicted:
+            _close(p)
+
+    def drop(self, device: "Device | None" = None) -> int:
+        """Close the parked pipelines (of ``device`` only, if given); returns how many."""
+        with self._lock:
+            keys = [k for k, p in self._parked.items() if device is None or p.device is device]
+            dropped = [self._parked.pop(k) for k in keys]
+        for p in dropped:
+            _close(p)
+        return len(dropped)
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+
+def _close(pipe: "Pipeline") -> None:
+    try:
+        with warnings.catch_warnings():
+            if pipe.device.closed:  # its resources went with the device
+                warnings.simplefilter("ignore")
+            pipe.close()
+    except Exception as exc:  # noqa: BLE001 - dropping a cache entry never raises
+        warnings.warn(f"closing a warm pipeline failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+
+
+WARM = WarmPipelines()
+
+
+def drop_warm_pipelines(device: "Device | None" = None) -> int:
+    """Close the pipelines :func:`~ringflow.stream_map` keeps warm (for ``device``, or all) and
+    release their streams and memory; returns how many were closed. Call it before checking
+    ``device.live()`` for leaks, or to hand their memory back early."""
+    return WARM.drop(device)
+
+
+def options_key(options: dict[str, Any]) -> Optional[Hashable]:
+    """A hashable form of the pipeline options, or None when they cannot be keyed (then the
+    pipeline is not kept)."""
+    try:
+        key = tuple(sorted(options.items()))
+        hash(key)
+    except TypeError:
+        return None
+    return key

@@ -1,0 +1,333 @@
+"""Buffer counts from lifetimes, the ideal bound, and the stage-time model.
+
+A ring needs as many slots as chunks are alive in it at once when the pipeline runs at its
+bottleneck interval ``T`` (Little's law): ``ceil(lifetime / T)``. A slot's lifetime runs from
+the latest moment it must be taken, so that the stage it feeds is not delayed, to the moment
+the CPU sees its last operation complete:
+
+==============  =============================================  ============================
+ring            taken when                                       free when
+==============  =============================================  ============================
+host-in         prepare starts                                   its H2D completes
+device-in       its H2D is enqueued                              compute completes
+device-out      compute must be enqueued (by its H2D's end)      its D2H completes
+host-out        D2H must be enqueued (by compute's end)          the consumer returns
+device in-place its H2D is enqueued                              its D2H completes
+==============  =============================================  ============================
+
+so ``host_in = P + H``, ``device_in = H + C``, ``device_out = C + D``, ``host_out = D + K``
+(in place: ``H + C + D``), each plus the hand-off latency of the host noticing a completion.
+``T`` is the slowest stage, where the CPU stages share a pool of ``workers`` threads so they
+contribute ``(P + K) / workers``. Double buffering is not assumed: two slots suffice only when
+a lifetime spans at most two intervals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+from ._device.hardware import SimProfile, get_profile
+from ._pipeline.config import SlotCounts
+
+STAGES = ("prepare", "h2d", "compute", "d2h", "consume")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTimes:
+    """Seconds one chunk spends in each stage running alone (copies at their concurrent rate)."""
+
+    prepare: float
+    h2d: float
+    compute: float
+    d2h: float
+    consume: float
+    workers: int = 1
+    handoff: float = 0.0  # from an operation completing to the host enqueueing the next
+    scheduler: float = 0.0  # host time the scheduler thread spends per chunk (a resource too)
+
+    def as_dict(self) -> dict[str, float]:
+        return {s: getattr(self, s) for s in STAGES}
+
+    @property
+    def cpu_interval(self) -> float:
+        return (self.prepare + self.consume) / self.workers
+
+    @property
+    def interval(self) -> float:
+        """The steady interval between chunks: the slowest resource."""
+        return max(self.h2d, self.compute, self.d2h, self.cpu_interval, self.scheduler)
+
+    @property
+    def bottleneck(self) -> str:
+        options = {"h2d": self.h2d, "compute": self.compute, "d2h": self.d2h, "cpu (prepare+consume)": self.cpu_interval,
+                   "scheduler (host)": self.scheduler}
+        return max(options, key=options.get)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotPlan:
+    slots: SlotCounts
+    interval: float
+    bottleneck: str
+    lifetimes: dict
+
+    def describe(self) -> str:
+        parts = [f"{k}={getattr(self.slots, k)} (lifetime {v * 1e3:.3f} ms)" for k, v in self.lifetimes.items()]
+        return f"interval {self.interval * 1e3:.3f} ms ({self.bottleneck}); " + ", ".join(parts)
+
+
+def slots_for(lifetime: float, interval: float) -> int:
+    if interval <= 0:
+        return 1
+    return max(1, math.ceil(lifetime / interval - 1e-9))
+
+
+def plan_slots(times: StageTimes, *, inplace: bool = False) -> SlotPlan:
+    """Slot counts that let the pipeline run at its bottleneck interval (see module doc)."""
+    t, h = times, times.handoff
+    T = t.interval
+    lifetimes = {"host_in": t.prepare + t.h2d + h}
+    if inplace:
+        lifetimes["device_in"] = t.h2d + t.compute + t.d2h + h
+    else:
+        lifetimes["device_in"] = t.h2d + t.compute + h
+        lifetimes["device_out"] = t.compute + t.d2h + h
+    lifetimes["host_out"] = t.d2h + t.consume + h
+    counts = {k: slots_for(v, T) for k, v in lifetimes.items()}
+    counts.setdefault("device_out", 0)
+    return SlotPlan(SlotCounts(**counts), T, t.bottleneck, lifetimes)
+
+
+def with_device_slack(counts: SlotCounts, *, inplace: bool) -> SlotCounts:
+    """Device rings sized for any compute time, plus one slot of slack.
+
+    A device slot is reused in GPU order: it is busy for the GPU time of the stages it spans
+    (in place: H2D, compute and D2H; device-in: H2D and compute; device-out: compute and D2H),
+    and each stage takes at most one bottleneck interval, so ``stages`` slots keep the streams
+    fed whatever the compute costs, and one more absorbs jitter between them. A planned count
+    rests on a compute time that is only a guess before the first launch (a simulator model,
+    or none), and a device slot is cheap next to a GPU's memory: measured on the H200, the
+    balanced workload (compute = copy) ran at 0.67 of its ideal with the 2 in-place slots a
+    wrong guess gave, and at 0.96-0.98 with 4 (bench/results/bench-h200-2026-11-30-s2-balanced-2-slots.json,
+    -run3.json, -run4.json)."""
+    if inplace:
+        return dataclasses.replace(counts, device_in=max(counts.device_in, 4))
+    return dataclasses.replace(counts, device_in=max(counts.device_in, 3), device_out=max(counts.device_out, 3))
+
+
+WORKER_SLOTS_PINNED_CAP = 256 << 20  # pinned bytes the one-slot-per-worker floor may take
+
+
+def with_worker_slots(counts: SlotCounts, workers: int, slot_bytes: int) -> SlotCounts:
+    """Staging rings with at least one slot per CPU worker in each direction.
+
+    A worker can only copy a chunk that holds a host slot. The plan's per-thread copy rate is
+    measured with the threads alone; in a pipeline they contend with each other, with the
+    copy engines and with page faults of a fresh output, so chunks stay in the CPU stages
+    longer than planned and a ring sized by the plan leaves workers idle. Measured on the H200
+    (1 GiB staged in and out, ``bench/tune_pageable.py``): 9/9 planned slots 91 ms, 16/16
+    slots 82 ms, against a host floor of 71 ms. The floor takes at most
+    ``WORKER_SLOTS_PINNED_CAP`` of pinned memory for both rings (large chunks get fewer slots:
+    a worker is busy longer with each)."""
+    floor = min(workers, max(1, WORKER_SLOTS_PINNED_CAP // (2 * slot_bytes)))
+    return dataclasses.replace(counts, host_in=max(counts.host_in, floor), host_out=max(counts.host_out, floor))
+
+
+def ideal_total(times: StageTimes, n: int, first_chunk_s: Optional[float] = None) -> float:
+    """Ideal wall time of ``n`` chunks: the first traverses every stage, the rest follow one
+    interval apart: ``sum + (n - 1) * max``. Over whole-job stage times this is DESIGN.md's
+    ``max + (sum - max) / n`` multiplied by n. ``first_chunk_s`` replaces the first chunk's
+    ``sum`` (a report passes the fastest observed time of each stage: a chunk alone in the
+    pipeline meets none of the contention in the medians)."""
+    if n <= 0:
+        return 0.0
+    first = times.scheduler + times.prepare + times.h2d + times.compute + times.d2h + times.consume
+    if first_chunk_s is not None:
+        first = first_chunk_s
+    return first + (n - 1) * times.interval
+
+
+def model_stage_times(profile: "str | SimProfile", chunk_bytes: int, *, compute: Optional[float] = None,
+                      prepare: Optional[float] = None, consume: Optional[float] = None, workers: int = 1,
+                      out_bytes: Optional[int] = None) -> StageTimes:
+    """Per-chunk stage times predicted by a profile.
+
+    Copies use the bandwidth-by-size curve; when both directions run (the steady state) they
+    share the link's duplex bandwidth. ``compute`` defaults to a memory-bound pass over input and
+    output; ``prepare``/``consume`` default to one memcpy of the chunk at the per-thread host copy
+    rate of a pool of ``workers`` threads."""
+    p = get_profile(profile)
+    n_in, n_out = chunk_bytes, out_bytes if out_bytes is not None else chunk_bytes
+    r_h = p.copy_GBps("h2d", n_in) * 1e9
+    r_d = p.copy_GBps("d2h", n_out) * 1e9
+    scale = min(1.0, p.duplex_GBps * 1e9 / (r_h + r_d))
+    per_thread = p.host_copy_rate(workers) / workers * 1e9
+    host_task = p.host_task_overhead_s
+    return StageTimes(
+        prepare=prepare if prepare is not None else host_task + n_in / per_thread,
+        h2d=n_in / (r_h * scale),
+        compute=compute if compute is not None else max(p.kernel_min_s, (n_in + n_out) / (p.device_GBps * 1e9)),
+        d2h=n_out / (r_d * scale),
+        consume=consume if consume is not None else host_task + n_out / per_thread,
+        workers=workers,
+        handoff=p.event_overhead_s + max(p.copy_overhead_s, p.launch_overhead_s),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class HostStrategy:
+    """How an ordinary (pageable) numpy source and destination reach the copy engines."""
+
+    choice: str  # "stage" or "register"
+    stage_s: float
+    register_s: float
+
+    def describe(self) -> str:
+        return (f"{self.choice}: staging through the pinned ring ~{self.stage_s * 1e3:.1f} ms of host work, "
+                f"registering in place ~{self.register_s * 1e3:.1f} ms")
+
+
+def choose_host_strategy(profile: "str | SimProfile", nbytes_in: int, nbytes_out: int, *, workers: int,
+                         out_is_fresh: bool) -> HostStrategy:
+    """Stage or register, by the profile's measured host costs.
+
+    Staging costs two memcpy passes on ``workers`` threads (in, then out; a fresh output is
+    first-touched by those same copies). Registering costs a registration of each array (a
+    fresh output first-touched in parallel first, since registering it faults its pages in one
+    thread), its unregistration, and nothing per chunk. Both then move the same bytes on the link.
+    """
+    p = get_profile(profile)
+    copy_rate = p.host_copy_rate(workers) * 1e9
+    stage = (nbytes_in + nbytes_out) / copy_rate
+    register = nbytes_in / (p.register_GBps * 1e9) + nbytes_out / (p.register_GBps * 1e9)
+    register += (nbytes_in + nbytes_out) / (p.unregister_GBps * 1e9)
+    if out_is_fresh:
+        register += nbytes_out / (p.first_touch_rate(workers) * 1e9)
+    return HostStrategy("register" if register < stage else "stage", stage, register)
+
+
+# Host time the scheduler spends per chunk (enqueues, event queries, pool hand-offs), a model
+# parameter of choose_chunk_bytes. Measured on the H200 host (bench/results/
+# bench-h200-2026-11-30-run4.json): the 64-chunk seed run, where the host is the bottleneck,
+# took 9.0 ms, 140 us a chunk (with profiling on, rows' host_us_per_chunk read 165-210 us).
+# With 250 us, the value before this session's hot-path work, the h200 profile over-predicted
+# 32 chunks by 36%; with 140 us it predicts them host-bound no more.
+SCHEDULER_S_PER_CHUNK = 140e-6
+# Each CPU stage a chunk runs on the worker pool (staging's copy in and copy out) adds a hand-off
+# to a worker and back, and its completion, to the scheduler's time per chunk. Measured on the
+# H200 host (bench/results/diagnose-pageable-h200-2026-11-30-s4.json): the staged 1 GiB pageable
+# job in 256 chunks of 4 MiB, bound by the scheduler, took 106.5 ms, 416 us a chunk; (416 - 140) / 2.
+# With no such term the planner chose those 4 MiB chunks (106.5 ms) over 8 MiB (79.5 ms).
+SCHEDULER_S_PER_HOST_TASK = 138e-6
+
+
+# A job whose copy engines use the caller's memory in place runs on the direct engine
+# (ringflow._pipeline.direct), whose host cost is its enqueueing: 30-98 us a chunk on the H200 host,
+# cold caches included (bench/results/bench-h200-2026-11-30-s4-run*.json, MapJob and profiled rows).
+DIRECT_S_PER_CHUNK = 60e-6
+# Copies queued back to back on a copy engine, as a pipeline queues them, stream at the link's
+# rate and lose a small fixed cost each -- unlike one copy timed alone, which the profile's
+# bandwidth-by-size curve describes (launch latency included). Fitted to the H200's profiled stage
+# medians of 4-32 MiB copies under duplex traffic (bench-h200-2026-11-30-s4-run5-profiled-direct.json:
+# 0.089-0.102 ms for 4 MiB, 0.165-0.178 for 8 MiB, 0.323-0.340 for 16 MiB).
+QUEUED_COPY_OVERHEAD_S = 8e-6
+
+
+def host_seconds_per_chunk(host_stages: bool) -> float:
+    """The host's time per chunk: the scheduler's, with two pool tasks when staging; the direct
+    engine's enqueueing without."""
+    return SCHEDULER_S_PER_CHUNK + 2 * SCHEDULER_S_PER_HOST_TASK if host_stages else DIRECT_S_PER_CHUNK
+
+
+def queued_stage_times(profile: "str | SimProfile", chunk_bytes: int, *, compute: float, workers: int) -> StageTimes:
+    """Per-chunk stage times of a long run of chunks: copies at the link's streaming rate
+    (shared when both directions run) plus :data:`QUEUED_COPY_OVERHEAD_S`, kernels plus the
+    profile's launch overhead (each waits on an event from another stream); host stages as in
+    :func:`model_stage_times`."""
+    p = get_profile(profile)
+    peak_h = p.copy_GBps("h2d", p.h2d_curve[-1][0]) * 1e9
+    peak_d = p.copy_GBps("d2h", p.d2h_curve[-1][0]) * 1e9
+    share = min(1.0, p.duplex_GBps * 1e9 / (peak_h + peak_d))
+    t = model_stage_times(p, chunk_bytes, compute=compute, workers=workers)
+    return dataclasses.replace(t, h2d=chunk_bytes / (peak_h * share) + QUEUED_COPY_OVERHEAD_S,
+                               d2h=chunk_bytes / (peak_d * share) + QUEUED_COPY_OVERHEAD_S,
+                               compute=compute + p.launch_overhead_s)
+
+
+def predict_seconds(profile: "str | SimProfile", total_bytes: int, chunk_bytes: int, *,
+                    compute_s_per_byte: float = 0.0, workers: int = 1,
+                    host_stages: bool = True) -> tuple[StageTimes, float]:
+    """(per-chunk stage times, predicted wall seconds) of streaming ``total_bytes`` in chunks of
+    ``chunk_bytes``: the bound of the five stages (:func:`queued_stage_times`) plus the host's
+    time per chunk as a sixth resource (it overlaps the GPU until it becomes the bottleneck with
+    small chunks). With ``host_stages=False`` the copy engines use the caller's pinned memory (no
+    staging: the direct engine)."""
+    p = get_profile(profile)
+    n = -(-total_bytes // chunk_bytes)
+    t = queued_stage_times(p, chunk_bytes, compute=compute_s_per_byte * chunk_bytes, workers=workers)
+    t = dataclasses.replace(t, scheduler=host_seconds_per_chunk(host_stages))
+    if not host_stages:
+        t = dataclasses.replace(t, prepare=p.host_task_overhead_s, consume=p.host_task_overhead_s)
+    return t, ideal_total(t, n)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkChoice:
+    chunk_bytes: int
+    chunks: int
+    predicted_s: float
+    table: tuple  # (chunk_bytes, chunks, predicted seconds) for every candidate
+
+    def describe(self) -> str:
+        return (f"chunk {self.chunk_bytes / 2**20:g} MiB x {self.chunks}: predicted "
+                f"{self.predicted_s * 1e3:.3f} ms")
+
+
+def choose_chunk_bytes(profile: "str | SimProfile", total_bytes: int, *, compute_s_per_byte: float = 0.0,
+                       workers: int = 1, host_stages: bool = True, pinned_budget: Optional[int] = None,
+                       align: int = 1, candidates: Optional[list] = None) -> ChunkChoice:
+    """The chunk size minimising the predicted wall time of ``total_bytes``.
+
+    Small chunks copy slowly (the bandwidth-by-size curve) and pay the per-chunk host cost many
+    times; large chunks leave the pipeline's fill and drain (the first chunk traverses every
+    stage alone) a large share. Each candidate is predicted as ``ideal_total`` over its chunk
+    count plus the per-chunk scheduling cost; the planned slots must fit ``pinned_budget``.
+    ``host_stages=False`` when the copy engines read the caller's pinned memory directly.
+    """
+    if total_bytes <= 0:
+        raise ValueError("total_bytes must be positive")
+    if isinstance(profile, str):
+        # the answer depends only on these arguments; a call evaluates 13 candidates (~0.2 ms of
+        # Python, 4% of a 256 MiB seed call), too much to pay on every stream_map(chunk_bytes="auto")
+        return _choose_chunk_bytes_cached(profile, int(total_bytes), float(compute_s_per_byte), int(workers),
+                                          bool(host_stages), pinned_budget, int(align),
+                                          tuple(candidates) if candidates else None)
+    return _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_stages, pinned_budget,
+                               align, candidates)
+
+
+@functools.lru_cache(maxsize=256)
+def _choose_chunk_bytes_cached(*args) -> ChunkChoice:
+    return _choose_chunk_bytes(*args)
+
+
+def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_stages, pinned_budget, align,
+                        candidates) -> ChunkChoice:
+    cands = candidates or [1 << k for k in range(16, 29)]
+    rows = []
+    for c in cands:
+        c = max(align, (min(c, total_bytes) // align) * align)
+        n = -(-total_bytes // c)
+        t, predicted = predict_seconds(profile, total_bytes, c, compute_s_per_byte=compute_s_per_byte,
+                                       workers=workers, host_stages=host_stages)
+        plan = plan_slots(t)
+        if pinned_budget is not None and host_stages and (plan.slots.host_in + plan.slots.host_out) * c > pinned_budget:
+            continue
+        rows.append((c, n, predicted))
+    if not rows:
+        raise ValueError(f"no chunk size fits a pinned budget of {pinned_budget} bytes; raise the budget")
+    best = min(rows, key=lambda r: (r[2], -r[0]))
+    return ChunkChoice(best[0], best[1], best[2], tuple(rows))
