@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 import ringflow as rf
+from tests.helpers.hooks import engines
 from ringflow._bench import kernels
 from ringflow._bench.measure import fresh_random, time_calls
 from ringflow._bench.runner import environment
@@ -111,8 +112,8 @@ def timeline(dev, hb, x, refill, f, n) -> dict:
     got = {}
     pipe_box = {}
     t0 = dev.now
-    y = rf.stream_map(f, x, x, device=dev, chunk_bytes=cb, x_buffer=hb, out_buffer=hb, inplace=True, profile=True,
-                      _on_pipeline=lambda p: pipe_box.setdefault("p", p))
+    with engines(on=lambda p: pipe_box.setdefault("p", p)):
+        y = rf.stream_map(f, x, x, device=dev, chunk_bytes=cb, x_buffer=hb, out_buffer=hb, inplace=True, profile=True)
     t_ret = dev.now
     del y
     pipe = pipe_box["p"]
@@ -252,18 +253,24 @@ def phases(dev, out: dict, chunks: int = 16, refill_modes=(False, True)) -> None
 
 
 def setup_profile(dev, out: dict) -> None:
-    from ringflow._pipeline import api
+    from ringflow._pipeline import sizing
 
     f = kernels.affine(64)
+
+    def whole_array_pipeline(f, **kw):  # a whole-array job's pipeline over the caller's pinned memory
+        return rf.Pipeline._for_whole_array(f, prepare=lambda item, raw: ((0,), np.uint8),
+                                            consume=lambda *a: None, item_nbytes=lambda item: 0, max_chunks=None,
+                                            **kw)
+
     hb = dev.allocate_host(64 * MiB)
     x = hb.view(np.float32, access="rw")
     x[:] = 1.0
-    kw = dict(device=dev, chunk_bytes=4 * MiB, _host_in_buffer=hb, _host_out_buffer=hb, inplace=True)
-    rf.Pipeline(f, **kw).close()
+    kw = dict(device=dev, chunk_bytes=4 * MiB, host_in_buffer=hb, host_out_buffer=hb, inplace=True)
+    whole_array_pipeline(f, **kw).close()
     times = {"create": [], "close": []}
     for _ in range(20):
         t0 = time.perf_counter()
-        p = rf.Pipeline(f, **kw)
+        p = whole_array_pipeline(f, **kw)
         t1 = time.perf_counter()
         p.close()
         t2 = time.perf_counter()
@@ -286,9 +293,9 @@ def setup_profile(dev, out: dict) -> None:
     from ringflow._pipeline.states import RingKind
     per_call_us("Ring of 16 external slots", lambda: Ring(RingKind.HOST_IN, hb, 16, 4 * MiB, external=True))
     big = dev.allocate_host(256 * MiB)
-    kw16 = dict(device=dev, chunk_bytes=16 * MiB, _host_in_buffer=big, _host_out_buffer=big, inplace=True)
-    per_call_us("Pipeline seed shape create+close", lambda: rf.Pipeline(f, **kw16).close(), n=20)
-    per_call_us("resolve_slots", lambda: api.resolve_slots(dev, None, 16 * MiB, True, 16, f, external=(True, True)))
+    kw16 = dict(device=dev, chunk_bytes=16 * MiB, host_in_buffer=big, host_out_buffer=big, inplace=True)
+    per_call_us("Pipeline seed shape create+close", lambda: whole_array_pipeline(f, **kw16).close(), n=20)
+    per_call_us("resolve_slots", lambda: sizing.resolve_slots(dev, None, 16 * MiB, True, 16, f, external=(True, True)))
     s0.sync()
     s0.close()
     big.close()
@@ -296,7 +303,7 @@ def setup_profile(dev, out: dict) -> None:
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(20):
-        rf.Pipeline(f, **kw).close()
+        whole_array_pipeline(f, **kw).close()
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
@@ -309,11 +316,11 @@ def setup_profile(dev, out: dict) -> None:
 
 def requests(dev, out: dict, count: int = 300, load: float = 0.8) -> None:
     rng = np.random.default_rng(3)
-    slot_bytes = 8 * MiB
-    sizes = np.minimum(slot_bytes // 4, np.maximum(1024, rng.lognormal(np.log(MiB // 4), 1.0, count).astype(int)))
+    chunk_bytes = 8 * MiB
+    sizes = np.minimum(chunk_bytes // 4, np.maximum(1024, rng.lognormal(np.log(MiB // 4), 1.0, count).astype(int)))
     items = [fresh_random(int(s), seed=i) for i, s in enumerate(sizes)]
     f = kernels.scale_shift()
-    with rf.Pipeline(f, device=dev, chunk_bytes=slot_bytes) as pipe:
+    with rf.Pipeline(f, device=dev, chunk_bytes=chunk_bytes) as pipe:
         iso = np.zeros(count)
         for i, it in enumerate(items):
             t0 = dev.now
@@ -340,7 +347,7 @@ def requests(dev, out: dict, count: int = 300, load: float = 0.8) -> None:
     long_steps = []
     try:
         gaps = rng.exponential(1.0 / (load * capacity), count)
-        with rf.Pipeline(f, device=dev, chunk_bytes=slot_bytes, profile=True) as pipe:
+        with rf.Pipeline(f, device=dev, chunk_bytes=chunk_bytes, profile=True) as pipe:
             s = pipe.scheduler
             orig_step = s.step
 

@@ -41,9 +41,9 @@ MiB = 1 << 20
 STAGES = ("prepare", "h2d", "compute", "d2h", "consume")
 
 
-def make_items(count: int, slot_bytes: int = 8 * MiB):
+def make_items(count: int, chunk_bytes: int = 8 * MiB):
     rng = np.random.default_rng(3)
-    sizes = np.minimum(slot_bytes // 4, np.maximum(1024, rng.lognormal(np.log(MiB // 4), 1.0, count).astype(int)))
+    sizes = np.minimum(chunk_bytes // 4, np.maximum(1024, rng.lognormal(np.log(MiB // 4), 1.0, count).astype(int)))
     return [fresh_random(int(s), seed=i) for i, s in enumerate(sizes)]
 
 

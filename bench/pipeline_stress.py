@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 import ringflow as rf
+from ringflow import _testing
 from ringflow._pipeline import GUARDS, SlotCounts
 from ringflow._pipeline.direct import GUARDS as DIRECT_GUARDS
 
@@ -127,8 +128,8 @@ def run_guard_off(dev, guard, seed):
     x = rng.uniform(0.5, 1.5, 1 << 20).astype(np.float32)
     f = slow_scale_shift(400_000, 200e-6)
     try:
-        y = rf.stream_map(f, x, device=dev, chunk_bytes=1 << 16, slots=2, checked=True,
-                          _disabled_guards=[guard], host="stage")
+        with _testing.inject(guards_off=[guard]):
+            y = rf.stream_map(f, x, device=dev, chunk_bytes=1 << 16, slots=2, checked=True, host="stage")
         wrong = int(np.count_nonzero(y != expected(x)))
         return {"guard": guard, "wrong_elements": wrong, "caught": wrong > 0}
     except Exception as exc:  # noqa: BLE001
@@ -163,8 +164,9 @@ def run_direct_guard_off(dev, guard, seed):
     x = np.random.default_rng(seed).uniform(0.5, 1.5, 1 << 20).astype(np.float32)
     f = slow_scale_shift(400_000, 200e-6)
     try:
-        with rf.MapJob(f, x, device=dev, chunk_bytes=1 << 16, host="register", slots=2, checked=True,
-                       engine="direct", _disabled_guards=[guard]) as job:
+        with _testing.inject(guards_off=[guard]), \
+                rf.MapJob(f, x, device=dev, chunk_bytes=1 << 16, host="register", slots=2, checked=True,
+                          engine="direct") as job:
             wrong = sum(int(np.count_nonzero(job() != expected(x))) for _ in range(3))
         return {"guard": guard, "engine": "direct", "wrong_elements": wrong, "caught": wrong > 0}
     except Exception as exc:  # noqa: BLE001

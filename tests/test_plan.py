@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import ringflow as rf
+from tests.helpers.hooks import engines
 from ringflow import _plan as plan
 from ringflow._device.sim import charge
 
@@ -27,7 +28,7 @@ def steady_interval(profile, chunk, slots, *, compute_s, workers, consume_extra_
         charge(consume_extra_s)
 
     done = []
-    dev.add_op_observer(lambda op: done.append(op.done_at) if op.label.startswith("host task _run_drain") else None)
+    dev.add_op_observer(lambda op: done.append(op.done_at) if op.label.startswith("host task _run_consume") else None)
     items = [np.ones(chunk // 4, np.float32) for _ in range(n)]
     with rf.Pipeline(f, device=dev, chunk_bytes=chunk, slots=slots, consume=consume, workers=workers,
                      max_in_flight=64, inplace=inplace) as pipe:
@@ -146,9 +147,9 @@ def test_balanced_in_place_pipeline_runs_at_the_bottleneck_with_its_slack():
 def test_staging_rings_hold_a_slot_per_worker_unless_the_budget_says_otherwise():
     from ringflow._pipeline.config import SlotCounts
 
-    c = plan.with_worker_slots(SlotCounts(3, 3, 3, 20), workers=8, slot_bytes=MB)
+    c = plan.with_worker_slots(SlotCounts(3, 3, 3, 20), workers=8, chunk_bytes=MB)
     assert (c.host_in, c.host_out) == (8, 20)
-    big = plan.with_worker_slots(SlotCounts(3, 3, 3, 3), workers=15, slot_bytes=64 << 20)
+    big = plan.with_worker_slots(SlotCounts(3, 3, 3, 3), workers=15, chunk_bytes=64 << 20)
     assert (big.host_in, big.host_out) == (3, 3)  # 64 MiB slots: the floor stays within its pinned cap
     dev = rf.device("sim", profile="unit")
 
@@ -157,11 +158,11 @@ def test_staging_rings_hold_a_slot_per_worker_unless_the_budget_says_otherwise()
 
     x = np.ones(64 * MB // 4, np.float32)
     seen = {}
-    rf.stream_map(f, x, device=dev, chunk_bytes=MB, workers=6, host="stage", keep_warm=False,
-                  _on_pipeline=lambda p: seen.setdefault("bulk", p))
+    with engines(on=lambda p: seen.setdefault("bulk", p)):
+        rf.stream_map(f, x, device=dev, chunk_bytes=MB, workers=6, host="stage", keep_warm=False)
     assert seen["bulk"].config.slots.host_in >= 6 and seen["bulk"].config.slots.host_out >= 6
-    rf.stream_map(f, x, device=dev, chunk_bytes=MB, workers=6, host="stage", pinned_budget=6 * MB, keep_warm=False,
-                  _on_pipeline=lambda p: seen.setdefault("budget", p))
+    with engines(on=lambda p: seen.setdefault("budget", p)):
+        rf.stream_map(f, x, device=dev, chunk_bytes=MB, workers=6, host="stage", pinned_budget=6 * MB, keep_warm=False)
     budget = seen["budget"].config.slots
     assert budget.host_in + budget.host_out <= 6  # the budget wins
     with rf.Pipeline(f, device=dev, chunk_bytes=MB, workers=6) as pipe:  # a request stream: planned rings
@@ -209,17 +210,17 @@ def test_auto_chunk_is_planned_for_the_host_strategy_actually_used():
 
     import ringflow as rf
     from ringflow import _plan as plan
-    from ringflow._pipeline.whole_array import _layout_map
+    from ringflow._pipeline.whole_array import MapLayout
 
     dev = rf.device("sim")
     x = np.empty(1 << 28, np.float32)  # 1 GiB, never touched: only laid out
     chosen = {}
     for host in ("stage", "register"):
-        layout = _layout_map(lambda a, b: None, x, x, False, dev, "auto", host, None, None, {"workers": 15})
-        chosen[host] = layout.slot_bytes
+        layout = MapLayout.plan(lambda a, b: None, x, x, False, dev, "auto", host, None, None, {"workers": 15})
+        chosen[host] = layout.chunk_bytes
         expect = plan.choose_chunk_bytes(dev.profile, x.nbytes, align=4, workers=15,
                                          host_stages=host == "stage").chunk_bytes
-        assert layout.slot_bytes == expect
+        assert layout.chunk_bytes == expect
     assert chosen["stage"] != chosen["register"]
 
 

@@ -29,10 +29,35 @@ import functools
 import math
 from typing import Optional
 
-from ._device.hardware import SimProfile, get_profile
-from ._pipeline.config import SlotCounts
+from ._device.hardware import HardwareProfile, get_profile
 
 STAGES = ("prepare", "h2d", "compute", "d2h", "consume")
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotCounts:
+    """Slots per ring: host-in, device-in, device-out (0 when compute is in place: device-in
+    aliases device-out) and host-out."""
+
+    host_in: int
+    device_in: int
+    device_out: int  # 0 when compute is in place (device-in aliases device-out)
+    host_out: int
+
+    def __post_init__(self) -> None:
+        for name in ("host_in", "device_in", "host_out"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"slots.{name} must be at least 1, got {getattr(self, name)}")
+        if self.device_out < 0:
+            raise ValueError(f"slots.device_out must be >= 0, got {self.device_out}")
+
+    @property
+    def pinned_slots(self) -> int:
+        return self.host_in + self.host_out
+
+    def minus(self, ring: str) -> "SlotCounts":
+        """The same counts with one slot fewer of ``ring`` (to show it was needed)."""
+        return dataclasses.replace(self, **{ring: getattr(self, ring) - 1})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +146,7 @@ def with_device_slack(counts: SlotCounts, *, inplace: bool) -> SlotCounts:
 WORKER_SLOTS_PINNED_CAP = 256 << 20  # pinned bytes the one-slot-per-worker floor may take
 
 
-def with_worker_slots(counts: SlotCounts, workers: int, slot_bytes: int) -> SlotCounts:
+def with_worker_slots(counts: SlotCounts, workers: int, chunk_bytes: int) -> SlotCounts:
     """Staging rings with at least one slot per CPU worker in each direction.
 
     A worker can only copy a chunk that holds a host slot. The plan's per-thread copy rate is
@@ -132,7 +157,7 @@ def with_worker_slots(counts: SlotCounts, workers: int, slot_bytes: int) -> Slot
     slots 82 ms, against a host floor of 71 ms. The floor takes at most
     ``WORKER_SLOTS_PINNED_CAP`` of pinned memory for both rings (large chunks get fewer slots:
     a worker is busy longer with each)."""
-    floor = min(workers, max(1, WORKER_SLOTS_PINNED_CAP // (2 * slot_bytes)))
+    floor = min(workers, max(1, WORKER_SLOTS_PINNED_CAP // (2 * chunk_bytes)))
     return dataclasses.replace(counts, host_in=max(counts.host_in, floor), host_out=max(counts.host_out, floor))
 
 
@@ -150,7 +175,7 @@ def ideal_total(times: StageTimes, n: int, first_chunk_s: Optional[float] = None
     return first + (n - 1) * times.interval
 
 
-def model_stage_times(profile: "str | SimProfile", chunk_bytes: int, *, compute: Optional[float] = None,
+def model_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, compute: Optional[float] = None,
                       prepare: Optional[float] = None, consume: Optional[float] = None, workers: int = 1,
                       out_bytes: Optional[int] = None) -> StageTimes:
     """Per-chunk stage times predicted by a profile.
@@ -190,7 +215,7 @@ class HostStrategy:
                 f"registering in place ~{self.register_s * 1e3:.1f} ms")
 
 
-def choose_host_strategy(profile: "str | SimProfile", nbytes_in: int, nbytes_out: int, *, workers: int,
+def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbytes_out: int, *, workers: int,
                          out_is_fresh: bool) -> HostStrategy:
     """Stage or register, by the profile's measured host costs.
 
@@ -242,7 +267,7 @@ def host_seconds_per_chunk(host_stages: bool) -> float:
     return SCHEDULER_S_PER_CHUNK + 2 * SCHEDULER_S_PER_HOST_TASK if host_stages else DIRECT_S_PER_CHUNK
 
 
-def queued_stage_times(profile: "str | SimProfile", chunk_bytes: int, *, compute: float, workers: int) -> StageTimes:
+def queued_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, compute: float, workers: int) -> StageTimes:
     """Per-chunk stage times of a long run of chunks: copies at the link's streaming rate
     (shared when both directions run) plus :data:`QUEUED_COPY_OVERHEAD_S`, kernels plus the
     profile's launch overhead (each waits on an event from another stream); host stages as in
@@ -257,7 +282,7 @@ def queued_stage_times(profile: "str | SimProfile", chunk_bytes: int, *, compute
                                compute=compute + p.launch_overhead_s)
 
 
-def predict_seconds(profile: "str | SimProfile", total_bytes: int, chunk_bytes: int, *,
+def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_bytes: int, *,
                     compute_s_per_byte: float = 0.0, workers: int = 1,
                     host_stages: bool = True) -> tuple[StageTimes, float]:
     """(per-chunk stage times, predicted wall seconds) of streaming ``total_bytes`` in chunks of
@@ -286,7 +311,7 @@ class ChunkChoice:
                 f"{self.predicted_s * 1e3:.3f} ms")
 
 
-def choose_chunk_bytes(profile: "str | SimProfile", total_bytes: int, *, compute_s_per_byte: float = 0.0,
+def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *, compute_s_per_byte: float = 0.0,
                        workers: int = 1, host_stages: bool = True, pinned_budget: Optional[int] = None,
                        align: int = 1, candidates: Optional[list] = None) -> ChunkChoice:
     """The chunk size minimising the predicted wall time of ``total_bytes``.

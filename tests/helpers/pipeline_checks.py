@@ -7,7 +7,7 @@ The pieces:
   the expected one; plus a fault marker telling the test callables where to fail.
 * :class:`Harness`: builds a :class:`ringflow.Pipeline` wired to the test callables, records
   every chunk the scheduler accepts (through an instance-level wrapper of ``accept``) and
-  every slot transition (through the ``_slot_hook`` seam), and checks the invariants of
+  every slot transition (through ``ringflow._testing``'s ``slot_hook``), and checks the invariants of
   DESIGN.md section 2 after any step: legal transitions only, a slot is reused only after its
   last owner's operations completed (a host slot goes FREE only then; a device slot may go
   FREE at enqueue but must then carry the event its next owner waits on), bounded in-flight
@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 import ringflow as rf
+from ringflow import _testing
 from ringflow._device.sim import charge
 from ringflow._errors import DeviceError, HazardError, StageError
 from ringflow._pipeline.states import (
@@ -99,8 +100,8 @@ def tag_of(x: np.ndarray) -> int | None:
 class Callables:
     """prepare / compute / consume for :class:`Item` inputs, failing where an item is marked."""
 
-    def __init__(self, slot_bytes: int, compute_seconds: float = 5e-6):
-        self.slot_bytes = slot_bytes
+    def __init__(self, chunk_bytes: int, compute_seconds: float = 5e-6):
+        self.chunk_bytes = chunk_bytes
         self.compute_faults: set[int] = set()
         self.badshape: set[int] = set()
         self.compute_calls = 0
@@ -129,7 +130,7 @@ class Callables:
         if item.fault == "prepare":
             raise MarkedFault(f"prepare fault for tag {item.tag}")
         if item.fault == "oversize":  # more bytes than a slot holds
-            return np.zeros(self.slot_bytes // DTYPE.itemsize + 1, DTYPE)
+            return np.zeros(self.chunk_bytes // DTYPE.itemsize + 1, DTYPE)
         return item.arr
 
     def consume(self, index: int, item: Item, view: np.ndarray) -> Result:
@@ -205,11 +206,11 @@ class Harness:
         self.chunks: dict[int, Any] = {}  # every chunk ever accepted, by index
         self.items: dict[int, Item] = {}  # tag -> item
         self.verified: set[int] = set()
-        self.pipe = rf.Pipeline(self.calls.compute, device=self.dev, prepare=self.calls.prepare,
-                                consume=self.calls.consume, slots=slots, chunk_bytes=chunk_bytes,
-                                max_in_flight=max_in_flight, ordered=ordered, on_error=on_error,
-                                inplace=inplace, workers=workers, checked=checked,
-                                _disabled_guards=tuple(disabled_guards), _slot_hook=self._hook)
+        with _testing.inject(guards_off=disabled_guards, slot_hook=self._hook):
+            self.pipe = rf.Pipeline(self.calls.compute, device=self.dev, prepare=self.calls.prepare,
+                                    consume=self.calls.consume, slots=slots, chunk_bytes=chunk_bytes,
+                                    max_in_flight=max_in_flight, ordered=ordered, on_error=on_error,
+                                    inplace=inplace, workers=workers, checked=checked)
         self.sched = self.pipe.scheduler
         accept = self.sched.accept
 
@@ -393,7 +394,7 @@ class Harness:
                    for c in self.chunks.values() for e in (c.h2d_event, c.compute_event, c.d2h_event)]
         # and a host task keeps its callable's exception (a cancelled chunk's prepare, say)
         errors += [getattr(t, "_exc", None) for c in self.chunks.values() for t in (c.prepare_task, c.consume_task)]
-        for stream in (self.sched.h2d_stream, self.sched.compute_stream, self.sched.d2h_stream):
+        for stream in (self.sched.streams.h2d, self.sched.streams.compute, self.sched.streams.d2h):
             errors.append(getattr(getattr(getattr(stream, "_queue", None), "last", None), "error", None))
         self.chunks = {}
         drop_tracebacks(errors)

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 import ringflow as rf
-from ringflow._device.hardware import UNIT_TEST, SimProfile
+from ringflow._device.hardware import UNIT_TEST, HardwareProfile
 
 
 def unit_device(**options: Any):
@@ -15,7 +15,7 @@ def unit_device(**options: Any):
     return rf.device("sim", profile="unit", **options)
 
 
-def slowed(stage: str, factor: float = 4.0, base: SimProfile = UNIT_TEST) -> SimProfile:
+def slowed(stage: str, factor: float = 4.0, base: HardwareProfile = UNIT_TEST) -> HardwareProfile:
     """``base`` with one copy direction ``factor`` times slower ('h2d' or 'd2h'), for tests that
     need that stage to be the bottleneck."""
     if stage not in ("h2d", "d2h"):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import ringflow as rf
+from ringflow import _testing
 from ringflow._device.sim import charge
 from tests.helpers.pipeline_checks import (
     Harness,
@@ -129,10 +130,10 @@ def test_stream_map_empty_input_gives_empty_result(shape):
     assert dev.live().total == 0
 
 
-def test_stream_map_in_place_and_unordered():
+def test_stream_map_in_place_and_few_slots():
     x = np.arange(50000, dtype=np.float32)
-    for kw in ({"inplace": True, "slots": rf.SlotCounts(2, 2, 0, 2)}, {"ordered": False, "slots": 2},
-               {"inplace": True, "ordered": False, "slots": 1}):
+    for kw in ({"inplace": True, "slots": rf.SlotCounts(2, 2, 0, 2)}, {"slots": 2},
+               {"inplace": True, "slots": 1}):
         y = rf.stream_map(f_affine, x, device=sim(), chunk_bytes=CHUNK, checked=True, **kw)
         assert np.array_equal(y, x * 3 + 1), kw
 
@@ -379,9 +380,9 @@ def test_stalled_consumer_stops_intake_and_memory_stays_bounded():
     counts = rf.SlotCounts(2, 1, 1, 2)
     chunk = 2048
     samples = []
-    pipe = rf.Pipeline(f_affine, device=dev, chunk_bytes=chunk, slots=counts, max_in_flight=6,
-                       consume=stalled_consumer(1.0), checked=True,
-                       _slot_hook=lambda *a: samples.append(dev.live()))
+    with _testing.inject(slot_hook=lambda *a: samples.append(dev.live())):
+        pipe = rf.Pipeline(f_affine, device=dev, chunk_bytes=chunk, slots=counts, max_in_flight=6,
+                           consume=stalled_consumer(1.0), checked=True)
     rings = pipe.scheduler.rings
     pinned = sum(r.buffer.nbytes for r in rings if r.buffer.is_host)
     assert pinned == counts.pinned_slots * chunk == (counts.host_in + counts.host_out) * chunk
@@ -447,18 +448,18 @@ def test_default_workers_request_streams_get_few_bulk_jobs_get_a_core_each(monke
     streams keep at most 4 busy threads, which contend with the scheduler for the GIL."""
     import types
 
-    from ringflow._pipeline import api
+    from ringflow._pipeline import sizing
 
     gpu = types.SimpleNamespace(backend="cuda")
-    monkeypatch.setattr(api.os, "cpu_count", lambda: 16)
-    assert api._default_workers(gpu, bulk=True) == 15
-    assert api._default_workers(gpu, bulk=False) == 4
-    monkeypatch.setattr(api.os, "cpu_count", lambda: 3)
-    assert api._default_workers(gpu, bulk=True) == 2
-    assert api._default_workers(gpu, bulk=False) == 2
-    monkeypatch.setattr(api.os, "cpu_count", lambda: 64)
-    assert api._default_workers(gpu, bulk=True) == 16
-    assert api._default_workers(types.SimpleNamespace(backend="sim"), bulk=False) == 4
+    monkeypatch.setattr(sizing.os, "cpu_count", lambda: 16)
+    assert sizing.default_workers(gpu, bulk=True) == 15
+    assert sizing.default_workers(gpu, bulk=False) == 4
+    monkeypatch.setattr(sizing.os, "cpu_count", lambda: 3)
+    assert sizing.default_workers(gpu, bulk=True) == 2
+    assert sizing.default_workers(gpu, bulk=False) == 2
+    monkeypatch.setattr(sizing.os, "cpu_count", lambda: 64)
+    assert sizing.default_workers(gpu, bulk=True) == 16
+    assert sizing.default_workers(types.SimpleNamespace(backend="sim"), bulk=False) == 4
 
 
 def test_the_module_examples_run():

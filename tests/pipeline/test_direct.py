@@ -1,7 +1,7 @@
 """The direct engine (``ringflow._pipeline.direct``): a whole-array job enqueued in one pass.
 
 Its safety rests on four event waits; each is switched off in turn (through the test-only
-``_disabled_guards`` seam) to show the sim's happens-before checker — and, with the checker
+``ringflow._testing.inject(guards_off=...)`` seam) to show the sim's happens-before checker — and, with the checker
 off, the checked mode's poison — catches its absence. With every wait on it must agree with
 the pipeline engine exactly, under chaos, for every ring size down to one slot."""
 
@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 
 import ringflow as rf
+from tests.helpers.hooks import engines
 from ringflow._errors import StageError
 from ringflow._pipeline import direct
 from ringflow._pipeline.whole_array import stream_map_report
-from ringflow._pipeline.direct import why_not_direct
+from ringflow import _testing
+from ringflow._pipeline.engine import why_not_direct
 from tests.helpers.pipeline_checks import caught, copy_failing_on_call, guard_outcome
 
 
@@ -49,8 +51,9 @@ def run_job(dev, *, engine="auto", slots=None, inplace=False, checked=False, gua
     x = np.empty(shape, np.float32)
     out = x if inplace else None
     kw = {"slots": slots} if slots is not None else {}
-    with rf.MapJob(fast if big else f, x, out, device=dev, chunk_bytes=CHUNK * scale, host="register", engine=engine,
-                   inplace=inplace, checked=checked, _disabled_guards=guards, **kw) as job:
+    with _testing.inject(guards_off=guards), \
+            rf.MapJob(fast if big else f, x, out, device=dev, chunk_bytes=CHUNK * scale, host="register", engine=engine,
+                      inplace=inplace, checked=checked, **kw) as job:
         assert job.engine == ("pipeline" if engine == "pipeline" else "direct") and job.chunks == 14
         for call in range(calls):
             x[...] = contents(100 * seed + call, shape)
@@ -75,11 +78,11 @@ def test_engine_choice():
         rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, host="stage", engine="direct")
     with pytest.raises(ValueError, match="engine must be one of"):
         rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, engine="fast")
-    assert why_not_direct("register", {"_disabled_guards": ["consume.after_d2h"]}).startswith("the guard")
+    with _testing.inject(guards_off=["consume.after_d2h"]):
+        assert why_not_direct("register", {}).startswith("the guard")
     assert why_not_direct("pinned", {"inplace": True, "checked": True, "slots": 2}) is None
-    with pytest.raises(ValueError, match="unknown guards"):
-        direct.DirectSchedule(dev, f, None, None, [], np.float32, slot_bytes=8, slots=rf.SlotCounts(1, 1, 1, 1),
-                              inplace=False, disabled_guards=["no.such_guard"])
+    with pytest.raises(ValueError, match="unknown guards"), _testing.inject(guards_off=["no.such_guard"]):
+        direct.DirectSchedule(dev, f, [], np.float32, chunk_bytes=8, slots=rf.SlotCounts(1, 1, 1, 1), inplace=False)
     assert dev.live().total == 0
 
 
@@ -162,8 +165,8 @@ def test_an_error_while_enqueueing_stops_the_call_after_settling():
     x = contents(3)
     job = rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, host="register")
     np.testing.assert_array_equal(job(), x * 3 + 1)
-    schedule = job._runner
-    launch = schedule.compute_stream.launch
+    schedule = job._held.engine
+    launch = schedule.streams.compute.launch
     count = []
 
     def failing_launch(fn, *args, **kw):
@@ -172,7 +175,7 @@ def test_an_error_while_enqueueing_stops_the_call_after_settling():
             raise TypeError("argument 2 has the wrong dtype")
         return launch(fn, *args, **kw)
 
-    schedule.compute_stream.launch = failing_launch
+    schedule.streams.compute.launch = failing_launch
     with pytest.raises(StageError) as info:
         job()
     assert info.value.index == 3 and isinstance(info.value.__cause__, TypeError) and job.closed
@@ -185,8 +188,8 @@ def test_interrupt_while_waiting_settles_before_raising(monkeypatch):
     dev = rf.device("sim", seed=4, chaos=True)
     x = contents(4)
     job = rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, host="register")
-    schedule = job._runner
-    record = schedule.d2h_stream.record
+    schedule = job._held.engine
+    record = schedule.streams.d2h.record
     calls = []
 
     class Interrupting:
@@ -204,7 +207,7 @@ def test_interrupt_while_waiting_settles_before_raising(monkeypatch):
         calls.append(event)
         return Interrupting(event) if len(calls) == len(schedule.ops) + 1 else event
 
-    schedule.d2h_stream.record = record_and_interrupt_last
+    schedule.streams.d2h.record = record_and_interrupt_last
     with pytest.raises(KeyboardInterrupt):
         job()
     assert job.closed
@@ -257,8 +260,8 @@ def test_stream_map_runs_pinned_and_registered_jobs_directly_and_keeps_the_sched
     _, report = stream_map_report(f, x, x, device=dev, chunk_bytes=CHUNK, x_buffer=hb, out_buffer=hb, inplace=True)
     assert report is not None and report.chunks == 14
     pipes = []
-    rf.stream_map(f, x, x, device=dev, chunk_bytes=CHUNK, x_buffer=hb, out_buffer=hb, inplace=True,
-                  _on_pipeline=pipes.append)
+    with engines(on=pipes.append):
+        rf.stream_map(f, x, x, device=dev, chunk_bytes=CHUNK, x_buffer=hb, out_buffer=hb, inplace=True)
     assert len(pipes) == 1
     del pipes
     assert rf.drop_warm_pipelines(dev) >= 2
@@ -289,7 +292,7 @@ def test_stream_map_engine_option():
         np.testing.assert_array_equal(rf.stream_map(f, x, device=dev, chunk_bytes=CHUNK, host="register",
                                                     engine=engine), x * 3 + 1)
     kinds = sorted(type(e).__name__ for e in warm.WARM._parked.values())
-    assert kinds == ["DirectSchedule", "Pipeline"]  # auto reused the direct one
+    assert kinds == ["DirectSchedule", "ScheduledEngine"]  # auto reused the direct one
     with pytest.raises(ValueError, match="engine='direct' cannot run this job: host='stage'"):
         rf.stream_map(f, x, device=dev, chunk_bytes=CHUNK, host="stage", engine="direct")
     with pytest.raises(ValueError, match="engine must be"):
@@ -337,9 +340,9 @@ def test_an_unprofiled_direct_run_records_no_timing_event():
     dev = rf.device("sim", seed=9)
     x = contents(6)
     with rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, host="register") as job:
-        schedule = job._runner
+        schedule = job._held.engine
         timed = []
-        for s in (schedule.h2d_stream, schedule.compute_stream, schedule.d2h_stream):
+        for s in (schedule.streams.h2d, schedule.streams.compute, schedule.streams.d2h):
             record = s.record
 
             def counting(*a, _record=record, **kw):
@@ -352,7 +355,7 @@ def test_an_unprofiled_direct_run_records_no_timing_event():
         schedule.run(profile=True)
         assert any(timed) and schedule.report().chunks == 14
         job()  # unprofiled again: the last timeline is dropped
-        with pytest.raises(RuntimeError, match="no profiled run"):
+        with pytest.raises(RuntimeError, match="no profiled call"):
             schedule.report()
 
 

@@ -148,13 +148,15 @@ def test_error_messages_name_stage_index_and_sizes():
     h.close()
 
 
-def test_fill_that_overflows_a_slot_is_a_prepare_error():
-    # a custom fill (as stream_map uses) that reports more bytes than the slot holds
-    def fill(item, raw):
+def test_stage_prepare_that_overflows_a_slot_is_a_prepare_error():
+    # a stage prepare (as whole-array jobs use) that reports more bytes than the slot holds
+    def prepare(item, raw):
         return (raw.nbytes // 4 + 1,), np.float32
 
-    pipe = rf.Pipeline(lambda x, y: None, device=rf.device("sim"), chunk_bytes=256, slots=1, _fill=fill,
-                       on_error="continue")
+    pipe = rf.Pipeline._for_whole_array(lambda x, y: None, prepare=prepare, consume=lambda i, item, v: None,
+                                        item_nbytes=lambda item: 0, host_in_buffer=None, host_out_buffer=None,
+                                        max_chunks=4, device=rf.device("sim"), chunk_bytes=256, slots=1,
+                                        on_error="continue")
     err = pipe.submit(object()).exception()
     assert isinstance(err, StageError) and err.stage == "prepare"
     assert isinstance(err.__cause__, ValueError)

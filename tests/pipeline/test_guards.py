@@ -1,5 +1,5 @@
 """Test the tests: switch off each event wait and slot-release guard in turn (through the
-test-only ``_disabled_guards`` seam, not by editing source) and show the suite's checks
+``ringflow._testing.inject(guards_off=...)`` seam, not by editing source) and show the suite's checks
 catch its absence: a HazardError from the sim's checker, a StageError caused by one, or a
 wrong result. Parametrized over ``GUARDS``, so a guard added without coverage fails here.
 
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import ringflow as rf
+from ringflow import _testing
 from ringflow._pipeline import GUARDS
 from tests.helpers.pipeline_checks import (
     Harness,
@@ -47,8 +48,8 @@ def run_config(runner: str, slots: int, seed: int, guards=(), checker: bool = Tr
         return True
 
     def stream():
-        y = rf.stream_map(f, X, device=dev, chunk_bytes=1 << 15, slots=slots, checked=True, host="stage",
-                          _disabled_guards=guards)
+        with _testing.inject(guards_off=guards):
+            y = rf.stream_map(f, X, device=dev, chunk_bytes=1 << 15, slots=slots, checked=True, host="stage")
         return np.array_equal(y, X * 3 + 1)
 
     return guard_outcome(harness if runner == "harness" else stream)
@@ -66,7 +67,8 @@ def test_guards_are_listed():
     assert len(GUARDS) == len(set(GUARDS)) >= 9
     assert RELEASE_GUARDS, "no release guards found by name"
     with pytest.raises(ValueError, match="unknown guards"):
-        rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=512, slots=1, _disabled_guards=["no.such_guard"])
+        with _testing.inject(guards_off=["no.such_guard"]):
+            rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=512, slots=1)
 
 
 @pytest.mark.parametrize("runner,slots,seed", CONFIGS[:6])

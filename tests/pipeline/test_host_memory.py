@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import ringflow as rf
+from tests.helpers.hooks import engines
 from ringflow import _plan as plan
 
 
@@ -103,7 +104,7 @@ def test_pinned_budget_caps_the_pinned_rings():
         assert (c.host_in + c.host_out) * chunk <= 5 * chunk and min(c.host_in, c.host_out) >= 1
         items = [np.random.default_rng(i).uniform(0.5, 1.5, chunk // 4).astype(np.float32) for i in range(40)]
         assert all(np.array_equal(o, i * 2 + 1) for o, i in zip(pipe.map(items), items))
-        pinned = sum(len(r) * r.slot_bytes for r in pipe.scheduler.rings if r.buffer.is_host)
+        pinned = sum(len(r) * r.chunk_bytes for r in pipe.scheduler.rings if r.buffer.is_host)
         assert pinned <= 5 * chunk
     with pytest.raises(ValueError, match="pinned_budget"):
         rf.Pipeline(f, device=dev, chunk_bytes=chunk, slots=4, pinned_budget=5 * chunk)
@@ -124,8 +125,8 @@ def test_a_short_stream_map_takes_no_more_slots_than_chunks():
     dev = rf.device("sim")
     x = np.random.default_rng(0).uniform(0.5, 1.5, 3 * 256).astype(np.float32)  # 3 chunks of 1 KiB
     seen = {}
-    y = rf.stream_map(f, x, device=dev, chunk_bytes=1024, host="stage", workers=8,
-                      _on_pipeline=lambda p: seen.setdefault("p", p))
+    with engines(on=lambda p: seen.setdefault("p", p)):
+        y = rf.stream_map(f, x, device=dev, chunk_bytes=1024, host="stage", workers=8)
     assert np.array_equal(y, x * 2 + 1)
     slots = seen["p"].config.slots
     assert max(slots.host_in, slots.device_in, slots.device_out, slots.host_out) <= 3

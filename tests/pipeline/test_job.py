@@ -113,7 +113,7 @@ def test_bad_arguments_say_what_to_change():
         rf.MapJob(f, [1.0, 2.0], device=dev)
     with pytest.raises(ValueError, match="at least one element"):
         rf.MapJob(f, np.empty((0, 3), np.float32), device=dev)
-    with pytest.raises(ValueError, match=r"job\(profile=True\)"):
+    with pytest.raises(TypeError, match="profile"):  # a job is profiled per call: job(profile=True)
         rf.MapJob(f, np.ones(8, np.float32), device=dev, profile=True)
     with pytest.raises(ValueError, match="host must be"):
         rf.MapJob(f, np.ones(8, np.float32), device=dev, host="pin")
@@ -159,22 +159,20 @@ def test_any_shape_any_chunking_any_strategy(rows, width, dtype, rows_per_chunk,
 
 
 def test_one_call_profiled():
-    """job(profile=True) times that call (direct engine) and job.report() reads it; the next
-    unprofiled call drops it; a staged job says how to profile instead."""
+    """job(profile=True) times that call and job.report() reads it, on either engine; the next
+    unprofiled call drops it."""
     dev = rf.device("sim", seed=4, chaos=True)
     x = contents((900, 3), 2)
-    with rf.MapJob(f, x, device=dev, chunk_bytes=3 * 4 * 100, host="register") as job:
-        with pytest.raises(RuntimeError, match="profile=True"):
-            job.report()
-        np.testing.assert_array_equal(job(profile=True), x * 2 + 1)
-        report = job.report()
-        assert report.chunks == job.chunks == 9 and report.ideal_s <= report.measured_s
-        assert {"h2d", "compute", "d2h"} <= set(report.stage_median_s) and report.stage_median_s["h2d"] > 0
-        job()
-        with pytest.raises(RuntimeError, match="no profiled run"):
-            job.report()
-    with rf.MapJob(f, x, device=dev, chunk_bytes=3 * 4 * 100, host="stage") as staged:
-        with pytest.raises(ValueError, match="stream_map_report"):
-            staged(profile=True)
-        assert not staged.closed  # a refused call changes nothing
+    for host, engine in (("register", "direct"), ("stage", "pipeline"), ("register", "pipeline")):
+        with rf.MapJob(f, x, device=dev, chunk_bytes=3 * 4 * 100, host=host) as job:
+            assert job.engine == engine or host == "register"
+            with pytest.raises(RuntimeError, match="profile=True"):
+                job.report()
+            np.testing.assert_array_equal(job(profile=True), x * 2 + 1)
+            report = job.report()
+            assert report.chunks == job.chunks == 9 and report.ideal_s <= report.measured_s
+            assert {"h2d", "compute", "d2h"} <= set(report.stage_median_s) and report.stage_median_s["h2d"] > 0
+            np.testing.assert_array_equal(job(), x * 2 + 1)
+            with pytest.raises(RuntimeError, match="no profiled call"):
+                job.report()
     assert dev.live().total == 0

@@ -16,14 +16,14 @@ def dev():
     d.close()
 
 
-def make_ring(dev, kind=RingKind.HOST_IN, count=3, slot_bytes=64, hook=None):
-    buf = dev.allocate_host(count * slot_bytes) if kind in (RingKind.HOST_IN, RingKind.HOST_OUT) \
-        else dev.allocate(count * slot_bytes)
-    return Ring(kind, buf, count, slot_bytes, hook)
+def make_ring(dev, kind=RingKind.HOST_IN, count=3, chunk_bytes=64, hook=None):
+    buf = dev.allocate_host(count * chunk_bytes) if kind in (RingKind.HOST_IN, RingKind.HOST_OUT) \
+        else dev.allocate(count * chunk_bytes)
+    return Ring(kind, buf, count, chunk_bytes, hook)
 
 
 def test_slots_tile_the_buffer(dev):
-    ring = make_ring(dev, count=4, slot_bytes=32)
+    ring = make_ring(dev, count=4, chunk_bytes=32)
     assert len(ring) == 4 and ring.free_count == 4 and ring.busy_count == 0
     assert [s.where.range for s in ring.slots] == [(0, 32), (32, 64), (64, 96), (96, 128)]
     assert all(s.where.buffer is ring.buffer for s in ring.slots)

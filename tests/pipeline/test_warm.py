@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import ringflow as rf
+from tests.helpers.hooks import engines
 from ringflow._errors import StageError
 from ringflow._pipeline import warm
 
@@ -25,7 +26,8 @@ def empty_cache():
 def run(x, dev, **kw):
     """stream_map returning (result, the pipeline that ran it)."""
     seen = {}
-    y = rf.stream_map(f, x, device=dev, _on_pipeline=lambda p: seen.setdefault("pipe", p), **kw)
+    with engines(on=lambda p: seen.setdefault("pipe", p)):
+        y = rf.stream_map(f, x, device=dev, **kw)
     return y, seen["pipe"]
 
 
@@ -94,8 +96,8 @@ def test_pinned_buffers_are_rebound_each_call():
         x[:] = fresh(n, i)
         y = hy.view(np.float32, access="rw")
         seen = {}
-        rf.stream_map(f, x, y, device=dev, chunk_bytes=1024, x_buffer=hx, out_buffer=hy,
-                      _on_pipeline=lambda p: seen.setdefault("p", p))
+        with engines(on=lambda p: seen.setdefault("p", p)):
+            rf.stream_map(f, x, y, device=dev, chunk_bytes=1024, x_buffer=hx, out_buffer=hy)
         pipes.add(id(seen["p"]))
         assert np.array_equal(y, x * 2 + 1)
     assert len(pipes) == 1
@@ -183,18 +185,18 @@ def test_warm_calls_mixing_host_strategies_stay_correct_under_chaos(seed):
         x = fresh(n, seed * 100 + i)
         mode = (seed + i // 3) % 4  # three calls of a kind in a row: the second and third reuse
         seen = {}
-        hook = dict(_on_pipeline=lambda p: seen.setdefault("p", p))
-        if mode == 0:
-            y = rf.stream_map(f, x, device=dev, chunk_bytes=4096, host="stage", **hook)
-        elif mode == 1:
-            y = rf.stream_map(f, x, device=dev, chunk_bytes=4096, host="register", **hook)
-        elif mode == 2:
-            xv, y = hx.view(np.float32, access="rw"), hy.view(np.float32, access="rw")
-            xv[:] = x
-            rf.stream_map(f, xv, y, device=dev, chunk_bytes=4096, x_buffer=hx, out_buffer=hy, **hook)
-        else:
-            y = x.copy()
-            rf.stream_map(f, y, y, device=dev, chunk_bytes=8192, inplace=True, **hook)
+        with engines(on=lambda p: seen.setdefault("p", p)):
+            if mode == 0:
+                y = rf.stream_map(f, x, device=dev, chunk_bytes=4096, host="stage")
+            elif mode == 1:
+                y = rf.stream_map(f, x, device=dev, chunk_bytes=4096, host="register")
+            elif mode == 2:
+                xv, y = hx.view(np.float32, access="rw"), hy.view(np.float32, access="rw")
+                xv[:] = x
+                rf.stream_map(f, xv, y, device=dev, chunk_bytes=4096, x_buffer=hx, out_buffer=hy)
+            else:
+                y = x.copy()
+                rf.stream_map(f, y, y, device=dev, chunk_bytes=8192, inplace=True)
         assert np.array_equal(y, x * 2 + 1), (seed, i, mode)
         reused.append(i % 3 and seen["p"] is last)
         last = seen["p"]

@@ -367,13 +367,13 @@ def pageable(dev: Device, *, size_bytes: int, repeats: int, progress=None) -> di
 
 
 def _workers(dev: Device) -> int:
-    from .._pipeline.api import _default_workers
+    from .._pipeline.sizing import default_workers
 
-    return _default_workers(dev)
+    return default_workers(dev)
 
 
 # -- requests -----------------------------------------------------------------------------------------
-def requests(dev: Device, *, loads=(0.5, 0.8, 0.95), count: int = 200, slot_bytes: int = 8 * MiB,
+def requests(dev: Device, *, loads=(0.5, 0.8, 0.95), count: int = 200, chunk_bytes: int = 8 * MiB,
              warmup: int = 30, progress=None, pipeline_options: dict | None = None) -> dict[str, Any]:
     """Lognormal request sizes (median 1 MiB, capped at a slot), open-loop Poisson arrivals at
     fractions of the measured capacity; latency p50/p99 (submit to result, on the host clock)
@@ -383,13 +383,13 @@ def requests(dev: Device, *, loads=(0.5, 0.8, 0.95), count: int = 200, slot_byte
     every request submitted as fast as admission allows, the median of three passes. ``pipeline_options`` (keyword
     arguments of :class:`ringflow.Pipeline`) are for experiments; the bench leaves them out."""
     rng = np.random.default_rng(3)
-    sizes = np.minimum(slot_bytes // 4, np.maximum(1024, rng.lognormal(np.log(MiB // 4), 1.0, count).astype(int)))
+    sizes = np.minimum(chunk_bytes // 4, np.maximum(1024, rng.lognormal(np.log(MiB // 4), 1.0, count).astype(int)))
     items = [fresh_random(int(s), seed=i) for i, s in enumerate(sizes)]
     expected = [it * np.float32(2) + np.float32(1) for it in items]
     f = kernels.scale_shift()
 
     def make():
-        return rf.Pipeline(f, device=dev, chunk_bytes=slot_bytes, **(pipeline_options or {}))
+        return rf.Pipeline(f, device=dev, chunk_bytes=chunk_bytes, **(pipeline_options or {}))
 
     def submit_timed(pipe, i, it, lat):
         t0 = dev.now
@@ -446,8 +446,8 @@ def requests(dev: Device, *, loads=(0.5, 0.8, 0.95), count: int = 200, slot_byte
             ok = all(np.array_equal(r, e) for r, e in zip(results, expected))
             del results
             mem = pipe.scheduler.rings
-            pinned_hw = sum(r.high_water * r.slot_bytes for r in mem if r.buffer.is_host)
-            pinned = sum(len(r) * r.slot_bytes for r in mem if r.buffer.is_host)
+            pinned_hw = sum(r.high_water * r.chunk_bytes for r in mem if r.buffer.is_host)
+            pinned = sum(len(r) * r.chunk_bytes for r in mem if r.buffer.is_host)
         levels.append({"load": load, "offered_per_s": rate, "p50_ms": 1e3 * float(np.percentile(lat, 50)),
                        "p99_ms": 1e3 * float(np.percentile(lat, 99)), "correct": ok,
                        "p99_over_isolated": float(np.percentile(lat, 99)) / isolated,

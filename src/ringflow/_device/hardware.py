@@ -17,7 +17,7 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
-class SimProfile:
+class HardwareProfile:
     name: str
     # (bytes, GB/s) points of a pinned copy's bandwidth by size, one direction alone.
     h2d_curve: tuple[tuple[int, float], ...]
@@ -71,7 +71,7 @@ def _interp_loglog(points: tuple[tuple[int, float], ...], x: float) -> float:
     return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
 
 
-H200_PCIE5 = SimProfile(
+H200_PCIE5 = HardwareProfile(
     name="h200-pcie5",
     h2d_curve=((64 * KiB, 2.5), (256 * KiB, 10.4), (1 * MiB, 26.8), (4 * MiB, 43.1), (16 * MiB, 49.4),
                (256 * MiB, 54.8)),
@@ -99,7 +99,7 @@ H200_PCIE5 = SimProfile(
 
 # A small, round-numbered profile for tests whose expected values are computed by hand:
 # 1 GB/s copies of any size, 2 GB/s when both directions run, no host overheads.
-UNIT_TEST = SimProfile(
+UNIT_TEST = HardwareProfile(
     name="unit",
     h2d_curve=((1, 1.0), (1 << 40, 1.0)),
     d2h_curve=((1, 1.0), (1 << 40, 1.0)),
@@ -124,14 +124,14 @@ UNIT_TEST = SimProfile(
     chaos_spread=0.25,
 )
 
-PROFILES: dict[str, SimProfile] = {p.name: p for p in (H200_PCIE5, UNIT_TEST)}
+PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H200_PCIE5, UNIT_TEST)}
 
 
-def get_profile(profile: "str | SimProfile") -> SimProfile:
-    if isinstance(profile, SimProfile):
+def get_profile(profile: "str | HardwareProfile") -> HardwareProfile:
+    if isinstance(profile, HardwareProfile):
         return profile
     try:
         return PROFILES[profile]
     except KeyError:
         raise ValueError(f"unknown sim profile {profile!r}; choose one of {sorted(PROFILES)} "
-                         "or pass a SimProfile") from None
+                         "or pass a HardwareProfile") from None

@@ -21,9 +21,12 @@ import abc
 import dataclasses
 import math
 import warnings
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .hardware import HardwareProfile
 
 ByteRange = tuple[int, int]
 
@@ -208,6 +211,18 @@ class HostBuffer(Buffer):
     is_host = True
     registered: bool = False  # True when an existing array was pinned in place
 
+    def holds(self, array: np.ndarray) -> bool:
+        """Whether ``array``'s bytes are this buffer's, from its first byte (C-contiguous and no
+        longer than the buffer). No device work is checked or ordered by this query."""
+        self._check_open()
+        mem = self._memory()
+        return (isinstance(array, np.ndarray) and array.flags.c_contiguous and array.nbytes <= self.nbytes
+                and array.__array_interface__["data"][0] == mem.__array_interface__["data"][0])
+
+    @abc.abstractmethod
+    def _memory(self) -> np.ndarray:
+        """The 1-D uint8 array over the buffer's bytes, for queries that touch no byte."""
+
     @abc.abstractmethod
     def view(self, dtype: Any = np.uint8, *, offset: int = 0, count: int | None = None,
              access: str = "rw") -> np.ndarray:
@@ -361,6 +376,15 @@ class Device(abc.ABC):
     @property
     @abc.abstractmethod
     def capabilities(self) -> Capabilities: ...
+
+    @property
+    def hardware(self) -> "HardwareProfile":
+        """The hardware model (link and copy rates by size, host copy and registration rates,
+        launch costs) that the planner sizes chunks and rings with for this device. A real GPU
+        uses the profile measured on the H200 until it is calibrated."""
+        from .hardware import get_profile
+
+        return get_profile("h200-pcie5")
 
     @property
     @abc.abstractmethod

@@ -31,6 +31,7 @@ from .._device.protocol import Device
 from .._errors import StageError
 from .chunk import Chunk, ChunkFuture
 from .config import PipelineConfig, SlotCounts
+from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, resolve_slots
 from .scheduler import Scheduler
 from .states import ChunkState
 from .stats import PipelineStats
@@ -38,13 +39,12 @@ from .._trace import nvtx
 from .._trace.report import Report, memory_of
 from .._trace.timeline import Anchor, Span, Timeline, record_chunk, stall_spans
 
-DEFAULT_CHUNK_BYTES = 8 << 20
 
 
-def _copy_array_in(arr: np.ndarray, raw: np.ndarray, slot_bytes: int, parameter: str = "chunk_bytes") -> tuple:
-    if arr.nbytes > slot_bytes:
+def _copy_array_in(arr: np.ndarray, raw: np.ndarray, chunk_bytes: int, parameter: str = "chunk_bytes") -> tuple:
+    if arr.nbytes > chunk_bytes:
         raise ValueError(f"an item of {arr.nbytes} bytes (shape {arr.shape}, {arr.dtype}) does not fit a slot of "
-                         f"{slot_bytes} bytes; raise {parameter} to at least {arr.nbytes} or split the item")
+                         f"{chunk_bytes} bytes; raise {parameter} to at least {arr.nbytes} or split the item")
     dst = raw[:arr.nbytes].view(arr.dtype).reshape(arr.shape)
     np.copyto(dst, arr, casting="no")
     return arr.shape, arr.dtype
@@ -52,44 +52,6 @@ def _copy_array_in(arr: np.ndarray, raw: np.ndarray, slot_bytes: int, parameter:
 
 def _copy_out(index: int, item: Any, view: np.ndarray) -> np.ndarray:
     return np.array(view, copy=True)
-
-
-def resolve_slots(device: Device, slots, slot_bytes: int, inplace: bool, workers: int, compute: Callable,
-                  external=(False, False), bulk: bool = False, max_chunks: Optional[int] = None) -> SlotCounts:
-    """The slot counts: given, or planned from modelled stage times (device rings with slack).
-    ``bulk`` (a whole array, stream_map): staging rings also get a slot per worker, for
-    throughput; a stream of requests keeps the planned rings, whose shorter queues keep
-    latency down. A job of known length (``max_chunks``, a whole array) never gets more slots in a
-    ring than it has chunks, unless ``slots`` says so."""
-    if isinstance(slots, SlotCounts):
-        return slots
-    if isinstance(slots, bool):
-        raise TypeError("slots must be None, an int or a SlotCounts")
-    if isinstance(slots, int):
-        return SlotCounts(slots, slots, 0 if inplace else slots, slots)
-    if slots is not None:
-        raise TypeError(f"slots must be None, an int or a SlotCounts, got {type(slots).__name__}")
-    from .. import _plan as plan
-
-    profile = getattr(device, "profile", "h200-pcie5")
-    sim = getattr(compute, "sim_seconds", None)
-    guess = sim(slot_bytes) if callable(sim) else sim
-    times = plan.model_stage_times(profile, slot_bytes, compute=guess, workers=workers)
-    if guess is None:  # unknown compute: plan for one as long as a copy (a balanced pipeline)
-        times = dataclasses.replace(times, compute=max(times.compute, times.h2d))
-    # the caller's pinned memory: prepare and consume only describe the chunk
-    overhead = plan.get_profile(profile).host_task_overhead_s
-    if external[0]:
-        times = dataclasses.replace(times, prepare=overhead)
-    if external[1]:
-        times = dataclasses.replace(times, consume=overhead)
-    counts = plan.with_device_slack(plan.plan_slots(times, inplace=inplace).slots, inplace=inplace)
-    if bulk and not external[0] and not external[1]:  # both host rings are staging rings
-        counts = plan.with_worker_slots(counts, workers, slot_bytes)
-    if max_chunks is not None:
-        counts = SlotCounts(*(min(c, max_chunks) if c else 0 for c in
-                              (counts.host_in, counts.device_in, counts.device_out, counts.host_out)))
-    return counts
 
 
 class Pipeline:
@@ -117,60 +79,78 @@ class Pipeline:
                  chunk_bytes: Optional[int] = None, max_in_flight: Optional[int] = None, ordered: bool = True,
                  on_error: str = "raise", profile: bool = False, workers: Optional[int] = None,
                  inplace: bool = False, checked: bool = False, item_nbytes: Optional[Callable] = None,
-                 pinned_budget: Optional[int] = None, _disabled_guards: Iterable[str] = (), _fill=None, _drain=None, _slot_hook=None,
-                 _host_in_buffer=None, _host_out_buffer=None, _max_chunks: Optional[int] = None,
-                 _bulk: bool = False):
+                 pinned_budget: Optional[int] = None):
+        self._build(compute, device=device, user_prepare=prepare, consume=consume, slots=slots,
+                    chunk_bytes=chunk_bytes, max_in_flight=max_in_flight, ordered=ordered, on_error=on_error,
+                    profile=profile, workers=workers, inplace=inplace, checked=checked, item_nbytes=item_nbytes,
+                    pinned_budget=pinned_budget)
+
+    @classmethod
+    def _for_whole_array(cls, compute: Callable, *, prepare: Callable, consume: Callable, item_nbytes: Callable,
+                         host_in_buffer, host_out_buffer, max_chunks: int, **options: Any) -> "Pipeline":
+        """A pipeline for a whole-array job (:mod:`.scheduled`): its stage callbacks describe or
+        stage rows of the caller's arrays, and its host rings may be the caller's pinned memory."""
+        pipe = cls.__new__(cls)
+        pipe._build(compute, stage_prepare=prepare, consume=consume, item_nbytes=item_nbytes,
+                    host_in_buffer=host_in_buffer, host_out_buffer=host_out_buffer, max_chunks=max_chunks,
+                    bulk=True, **options)
+        return pipe
+
+    def _build(self, compute: Callable, *, device=None, user_prepare: Optional[Callable] = None,
+               stage_prepare: Optional[Callable] = None, consume: Optional[Callable] = None, slots=None,
+               chunk_bytes=None, max_in_flight=None, ordered: bool = True, on_error: str = "raise",
+               profile: bool = False, workers=None, inplace: bool = False, checked: bool = False,
+               item_nbytes=None, pinned_budget=None, host_in_buffer=None, host_out_buffer=None,
+               max_chunks: Optional[int] = None, bulk: bool = False) -> None:
+        self._closed = True  # until built: a finaliser or close() on a half-built pipeline does nothing
         if not callable(compute):
             raise TypeError(f"compute must be a callable f(x, y), got {type(compute).__name__}")
-        self.device = make_device(device or "auto") if not isinstance(device, Device) else device
-        slot_bytes = int(chunk_bytes) if chunk_bytes is not None else DEFAULT_CHUNK_BYTES
-        if slot_bytes < 1:
-            raise ValueError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes}")
+        self.device = make_device(device) if not isinstance(device, Device) else device
+        chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         if workers is None:
-            workers = _default_workers(self.device, bulk=_bulk)
-        counts = resolve_slots(self.device, slots, slot_bytes, inplace, workers, compute,
-                               external=(_host_in_buffer is not None, _host_out_buffer is not None), bulk=_bulk,
-                               max_chunks=_max_chunks)
+            workers = default_workers(self.device, bulk=bulk)
+        counts = resolve_slots(self.device, slots, chunk_bytes, inplace, workers, compute,
+                               external=(host_in_buffer is not None, host_out_buffer is not None), bulk=bulk,
+                               max_chunks=max_chunks)
         if pinned_budget is not None:
-            counts = fit_pinned_budget(counts, slot_bytes, int(pinned_budget), explicit=slots is not None)
+            counts = fit_pinned_budget(counts, chunk_bytes, pinned_budget, explicit=slots is not None)
         if max_in_flight is None:
             max_in_flight = counts.host_in + counts.device_in + counts.device_out + counts.host_out
-        self.config = PipelineConfig(slot_bytes=slot_bytes, slots=counts, max_in_flight=max_in_flight,
+        self.config = PipelineConfig(chunk_bytes=chunk_bytes, slots=counts, max_in_flight=max_in_flight,
                                      workers=workers, inplace=inplace, ordered=ordered, on_error=on_error,
                                      profile=profile, checked=checked)
-        self._prepare = prepare
-        fill = _fill or self._default_fill
-        self._items_are_arrays = _fill is None and prepare is None  # sizes known before acceptance
-        drain = _drain or (consume if consume is not None else _copy_out)
+        self._prepare = user_prepare
+        prepare_stage = stage_prepare or self._default_prepare
+        self._items_are_arrays = stage_prepare is None and user_prepare is None  # sizes known before acceptance
+        consume_stage = consume if consume is not None else _copy_out
         if profile:
-            fill, drain = nvtx.ranged(fill, "prepare"), nvtx.ranged(drain, "consume")
-        self._closed = False
-        self._timeline = Timeline(meta={"device": self.device.name, "chunk_bytes": slot_bytes,
+            prepare_stage, consume_stage = nvtx.ranged(prepare_stage, "prepare"), nvtx.ranged(consume_stage, "consume")
+        self._timeline = Timeline(meta={"device": self.device.name, "chunk_bytes": chunk_bytes,
                                         "slots": counts.__dict__, "workers": workers}) if profile else None
         self._anchor = None
-        self._sched = Scheduler(self.device, compute, fill, drain, self.config,
+        self._sched = Scheduler(self.device, compute, prepare_stage, consume_stage, self.config,
                                 item_nbytes=item_nbytes or (lambda item: getattr(item, "nbytes", 0)),
-                                disabled_guards=_disabled_guards, slot_hook=_slot_hook,
-                                on_chunk_end=self._on_chunk_end, host_in_buffer=_host_in_buffer,
-                                host_out_buffer=_host_out_buffer)
+                                on_chunk_end=self._on_chunk_end, host_in_buffer=host_in_buffer,
+                                host_out_buffer=host_out_buffer)
+        self._closed = False
         if profile:
-            self._anchor = Anchor(self.device, self._sched.h2d_stream)
+            self._anchor = Anchor(self.device, self._sched.streams.h2d)
 
     # -- set-up -------------------------------------------------------------------------------
-    def _default_fill(self, item: Any, raw: np.ndarray) -> tuple:
+    def _default_prepare(self, item: Any, raw: np.ndarray) -> tuple:
         arr = self._prepare(item) if self._prepare is not None else item
         if not isinstance(arr, np.ndarray):
             raise TypeError(f"prepare must return a numpy array, got {type(arr).__name__}")
-        return _copy_array_in(arr, raw, self.config.slot_bytes)
+        return _copy_array_in(arr, raw, self.config.chunk_bytes)
 
     def _check_item(self, item: Any) -> None:
         """Refuse, before acceptance, an item that can never fit (when its size is known)."""
         if self._items_are_arrays:
             if not isinstance(item, np.ndarray):
                 raise TypeError(f"items must be numpy arrays (or pass prepare=), got {type(item).__name__}")
-            if item.nbytes > self.config.slot_bytes:
+            if item.nbytes > self.config.chunk_bytes:
                 raise ValueError(f"an item of {item.nbytes} bytes (shape {item.shape}, {item.dtype}) does not fit "
-                                 f"a slot of {self.config.slot_bytes} bytes; raise chunk_bytes to at least "
+                                 f"a slot of {self.config.chunk_bytes} bytes; raise chunk_bytes to at least "
                                  f"{item.nbytes} or split the item")
 
     # -- submitting and mapping ---------------------------------------------------------------
@@ -319,8 +299,13 @@ class Pipeline:
             self._sched.accepting = False
             self._sched.settle()
         finally:
-            self._closed = True
-            self._sched.close()
+            self._release()
+
+    def _release(self) -> None:
+        """Closed from now on: release rings, streams, workers and the profiling anchor's event."""
+        self._closed = True
+        self._anchor = None
+        self._sched.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -337,8 +322,7 @@ class Pipeline:
                 warnings.warn(f"cancelling the pipeline after an error failed: {err!r}", RuntimeWarning)
             finally:
                 try:
-                    self._closed = True
-                    self._sched.close()
+                    self._release()
                 except Exception:  # noqa: BLE001
                     pass
             return
@@ -355,8 +339,7 @@ class Pipeline:
         except Exception:  # noqa: BLE001 - never raise from a finaliser
             pass
         try:
-            self._closed = True
-            self._sched.close()
+            self._release()
         except Exception:  # noqa: BLE001
             pass
 
@@ -369,8 +352,9 @@ class Pipeline:
         s.park()
         return True
 
-    def _rearm(self, fill, drain, item_nbytes, host_in_buffer=None, host_out_buffer=None) -> None:
-        self._sched.rearm(fill, drain, item_nbytes, host_in_buffer=host_in_buffer, host_out_buffer=host_out_buffer)
+    def _rearm(self, prepare, consume, item_nbytes, host_in_buffer=None, host_out_buffer=None) -> None:
+        self._sched.rearm(prepare, consume, item_nbytes, host_in_buffer=host_in_buffer,
+                          host_out_buffer=host_out_buffer)
 
     # -- introspection ---------------------------------------------------------------------------
     def stats(self) -> PipelineStats:
@@ -392,44 +376,3 @@ class Pipeline:
             raise RuntimeError("report() needs a pipeline made with profile=True")
         return Report.build(self._timeline, workers=self.config.workers, memory=memory_of(self._sched),
                             host_seconds=self._sched.host_seconds)
-
-
-def fit_pinned_budget(counts: SlotCounts, slot_bytes: int, budget: int, *, explicit: bool) -> SlotCounts:
-    """Slot counts whose pinned rings (host-in + host-out) fit ``budget`` bytes.
-
-    Planned counts shrink, the larger ring first (the pipeline then runs below its bottleneck
-    rate, never above its memory); counts the caller gave explicitly are refused instead."""
-    def pinned(c: SlotCounts) -> int:
-        return (c.host_in + c.host_out) * slot_bytes
-
-    if pinned(counts) <= budget:
-        return counts
-    if explicit or 2 * slot_bytes > budget:
-        raise ValueError(f"the pinned rings need {pinned(counts)} bytes ({counts.host_in} host-in + {counts.host_out} "
-                         f"host-out slots of {slot_bytes} bytes) but pinned_budget is {budget}; raise pinned_budget, "
-                         "lower chunk_bytes, or give fewer slots")
-    while pinned(counts) > budget:
-        ring = "host_in" if counts.host_in >= counts.host_out else "host_out"
-        counts = counts.minus(ring)
-    return counts
-
-
-def _default_workers(dev: Device, bulk: bool = True) -> int:
-    """CPU workers for prepare/consume.
-
-    A whole-array job (``bulk``: stream_map) splits one large copy over many chunks at once:
-    staging copies release the GIL and scale to ~16 threads on our H200 host (10 GB/s on one,
-    41 GB/s on 16: DESIGN.md section 6), so it gets a worker per core but one, which is left
-    to the scheduler on the caller's thread (with a worker on every core it waits for a core
-    at each hand-off; measured, 1 GiB staged: 15 workers 87 ms, 16 workers 93).
-
-    A stream of requests (``Pipeline.submit``/``map``) has only a few chunks in its host
-    stages at a time, and every busy worker competes with the scheduler for the GIL at each of
-    its hand-offs: on the H200 the ``requests`` workload's p99 at 80% load was 3.4-4.3x its
-    isolated p99 with 15 workers (three runs) and 1.6-2.1x with 4 (three runs), with 2-3 no
-    better than 4 (``bench/results/diagnose-requests-h200-2026-11-30-s3-open-loop.txt``,
-    ``bench-h200-2026-11-30-s3-requests-4workers-run*.json``), so it gets at most 4."""
-    if dev.backend == "sim":
-        return 4
-    cores = max(1, min(16, (os.cpu_count() or 2) - 1))
-    return cores if bulk else min(4, cores)

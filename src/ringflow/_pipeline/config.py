@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from .._plan import SlotCounts
+
+__all__ = ["PipelineConfig", "SlotCounts", "refuse_unknown_guards"]
+
 
 def refuse_unknown_guards(disabled, known) -> frozenset:
     """The test-only set of switched-off guards, checked against the engine's ``known`` names."""
@@ -14,31 +18,8 @@ def refuse_unknown_guards(disabled, known) -> frozenset:
 
 
 @dataclasses.dataclass(frozen=True)
-class SlotCounts:
-    host_in: int
-    device_in: int
-    device_out: int  # 0 when compute is in place (device-in aliases device-out)
-    host_out: int
-
-    def __post_init__(self) -> None:
-        for name in ("host_in", "device_in", "host_out"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"slots.{name} must be at least 1, got {getattr(self, name)}")
-        if self.device_out < 0:
-            raise ValueError(f"slots.device_out must be >= 0, got {self.device_out}")
-
-    @property
-    def pinned_slots(self) -> int:
-        return self.host_in + self.host_out
-
-    def minus(self, ring: str) -> "SlotCounts":
-        """The same counts with one slot fewer of ``ring`` (to show it was needed)."""
-        return dataclasses.replace(self, **{ring: getattr(self, ring) - 1})
-
-
-@dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    slot_bytes: int
+    chunk_bytes: int
     slots: SlotCounts
     max_in_flight: int
     workers: int
@@ -56,8 +37,8 @@ class PipelineConfig:
                              "it bounds how many accepted chunks may be unfinished at once")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
-        if self.slot_bytes < 1:
-            raise ValueError(f"chunk_bytes must be >= 1, got {self.slot_bytes}")
+        if self.chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
         if self.inplace and self.slots.device_out != 0:
             raise ValueError("in-place compute uses no device-out ring; leave slots.device_out at 0")
         if not self.inplace and self.slots.device_out < 1:

@@ -12,76 +12,99 @@
 True
 
 ``stream_map`` works out, on every call, how to cut the arrays, how host memory reaches the copy
-engines, and which kept pipeline fits; a job does that once. It holds its streams and rings and,
-with ``host="register"``, keeps ``x`` and ``out`` pinned for its whole life instead of
-registering them around every call (about 34 ms per GiB on our H200 host). Only the contents of
-``x`` may change between calls; the arrays themselves, and ``out``, are fixed.
-
-Two engines run a job. When the copy engines read ``x`` and write ``out`` in place (``host=
-"register"``, or ``x_buffer``/``out_buffer``) nothing runs on the CPU between the copies, so by
-default every call is enqueued in one pass with no scheduler (``engine="direct"``,
-:mod:`ringflow._pipeline.direct`), as a hand-written CUDA program does. Staging (CPU copies on
-worker threads) and ``on_error="continue"`` need the pipeline's scheduler (``engine="pipeline"``).
+engines, and which kept engine fits; a job does that once. It holds its engine and, with
+``host="register"``, keeps ``x`` and ``out`` pinned for its whole life instead of registering them
+around every call. Only the contents of ``x`` may change between calls; the arrays themselves,
+and ``out``, are fixed.
 """
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .._device.protocol import close_quietly
-from . import direct
-from .api import Pipeline, _default_workers
-from .whole_array import _check_map_args, _layout_map, _register
+from .._device import device as make_device
+from .._device.protocol import Device, close_quietly
+from .engine import Arrays, Engine, choose_engine, make_engine
+from .whole_array import MapLayout, check_arrays, register, run_call
+from .validate import check_flag, check_options
+
+
+class _Held:
+    """What a job holds that must be released: its engine and its registrations. Shared with the
+    job's finaliser, which must not refer to the job itself."""
+
+    def __init__(self) -> None:
+        self.engine: Optional[Engine] = None
+        self.registered: list = []
+
+    def release(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            close_quietly(engine, "MapJob engine")
+        registered, self.registered = self.registered, []
+        for buf in registered:
+            close_quietly(buf, "registration")
+
+
+def _collected(held: _Held, what: str) -> None:
+    if held.engine is not None or held.registered:
+        warnings.warn(f"{what} was garbage-collected without close(); its streams, device memory and "
+                      "registrations were released now. Use it as a context manager or call close()",
+                      ResourceWarning, stacklevel=2)
+    held.release()
+
 
 class MapJob:
-    """``f(x_chunk, y_chunk)`` over ``x`` into ``out`` (allocated if None), as :func:`stream_map`
-    with the same arguments, set up once; each call runs the whole array again and returns
-    ``out`` once every chunk's result is in it.
+    """``f(x_chunk, y_chunk)`` over ``x`` into ``out``, as :func:`~ringflow.stream_map` with the
+    same arguments, set up once; each call runs the whole array again.
 
-    ``engine``: "auto" (direct where it can run, see the module's doc), "direct" (ValueError
-    saying why where it cannot) or "pipeline".
+    Args:
+        f, x, out, device, chunk_bytes, host, x_buffer, out_buffer, engine, inplace, slots,
+        workers, checked, on_error, pinned_budget: as for :func:`~ringflow.stream_map`. ``x`` must
+            have at least one element.
 
-    A call that fails (a stage error, a broken device) closes the job and raises; so does
+    Raises:
+        TypeError, ValueError: a bad argument (the message names it and what it accepts).
+
+    A call that fails (a stage error, a broken device, Ctrl-C) closes the job and raises; so does
     calling a closed job. ``out``'s contents after a failed call are unspecified. ``close()`` (or
-    leaving a ``with`` block) releases the streams, rings and any registration; it never raises."""
+    leaving a ``with`` block) releases the streams, rings and any registration; it never raises.
+    A job dropped without ``close()`` is released by its finaliser, with a ResourceWarning.
+    """
 
-    def __init__(self, f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, device=None,
-                 chunk_bytes: "int | str | None" = None, host: str = "auto", x_buffer=None, out_buffer=None,
-                 engine: str = "auto", **pipeline_options: Any):
-        if engine not in direct.ENGINES:  # before any work on the arrays
-            raise ValueError(f"engine must be one of {direct.ENGINES}, got {engine!r}")
-        out, fresh_out = _check_map_args(x, out, host, "MapJob")
+    def __init__(self, f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *,
+                 device: "Device | str | None" = None, chunk_bytes: "int | str | None" = None, host: str = "auto",
+                 x_buffer=None, out_buffer=None, engine: str = "auto", inplace: bool = False, slots=None,
+                 workers: Optional[int] = None, checked: bool = False, on_error: str = "raise",
+                 pinned_budget: "int | str | None" = None):
+        self._held = _Held()
+        opts = check_options(chunk_bytes=chunk_bytes, allow_auto_chunk=True, inplace=inplace, slots=slots,
+                             workers=workers, checked=checked, on_error=on_error, pinned_budget=pinned_budget)
+        out, fresh_out = check_arrays(f, x, out, host, engine, "MapJob")
         if x.shape[0] == 0 or x.size == 0:
             raise ValueError("MapJob needs at least one element in x; for an empty array call stream_map, "
                              "which returns at once")
-        if "profile" in pipeline_options:
-            raise ValueError("MapJob does not take profile=; profile one call with job(profile=True) and "
-                             "read job.report()")
-        if "keep_warm" in pipeline_options:
-            raise ValueError("MapJob does not take keep_warm=: a job keeps its engine for its own life")
         self.x, self.out = x, out
-        self._layout = layout = _layout_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer,
-                                            pipeline_options)
-        self.device = layout.dev
-        self.engine = direct.choose_engine(engine, layout.strategy, pipeline_options)
-        self._registered: list = []
-        self._runner: "direct.DirectSchedule | _PipelineRunner | None" = None
+        dev = make_device(device) if not isinstance(device, Device) else device
+        self._layout = layout = MapLayout.plan(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer,
+                                               out_buffer, opts)
+        self.device = layout.device
+        self.engine = choose_engine(engine, layout.strategy, opts)
         try:
             if layout.strategy == "register":
                 # pinned for the job's life: later calls pay no registration and no first touch
-                self._registered = _register(layout.dev, x, out, fresh_out,
-                                             pipeline_options.get("workers") or _default_workers(layout.dev))
-                x_buffer, out_buffer = self._registered[0], self._registered[-1]
-            if self.engine == "direct":
-                self._runner = layout.direct_schedule(f, x, x_buffer, out_buffer, pipeline_options)
-            else:
-                pipe = layout.pipeline(f, *layout.host_rings(x_buffer, out_buffer), pipeline_options)
-                self._runner = _PipelineRunner(pipe, layout.ranges)
+                self._held.registered = register(layout.device, x, out, fresh_out, opts.get("workers"))
+                x_buffer, out_buffer = self._held.registered[0], self._held.registered[-1]
+            self._arrays = Arrays(x, out, x_buffer, out_buffer)
+            self._held.engine = make_engine(self.engine, f, layout, opts, self._arrays, bind=True)
         except BaseException:
-            self.close()
+            self._held.release()
             raise
+        self._finalizer = weakref.finalize(self, _collected, self._held, repr(self))
 
     @property
     def strategy(self) -> str:
@@ -90,62 +113,67 @@ class MapJob:
 
     @property
     def chunks(self) -> int:
+        """How many chunks each call runs."""
         return self._layout.n_chunks
 
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes per chunk (the last may be shorter)."""
+        return self._layout.chunk_bytes
+
     def report(self):
-        """The :class:`~ringflow._trace.report.Report` of the last call made with ``profile=True``
-        (stage times, ideal bound, efficiency, trace and plot); RuntimeError if the last call was
-        not profiled."""
-        runner = self._runner
-        if runner is None or self.engine != "direct":
-            raise RuntimeError("report() needs an open job on the direct engine and a call with profile=True")
-        return runner.report()
+        """The :class:`~ringflow.Report` of the last call made with ``profile=True`` (stage times,
+        ideal bound, efficiency, trace and plot).
+
+        Raises:
+            RuntimeError: the job is closed or its last call was not profiled.
+        """
+        engine = self._held.engine
+        if engine is None:
+            raise RuntimeError("this MapJob is closed")
+        return engine.report()
 
     @property
     def enqueue_seconds(self) -> Optional[float]:
-        """Host time the last call spent enqueueing its chunks (direct engine), else None."""
-        return getattr(self._runner, "enqueue_seconds", None)
+        """Host time (s) the last call spent enqueueing its chunks (direct engine), else None."""
+        return getattr(self._held.engine, "enqueue_seconds", None)
 
     @property
     def closed(self) -> bool:
-        return self._runner is None
+        return self._held.engine is None
 
     def __call__(self, *, profile: bool = False) -> np.ndarray:
-        """Run ``f`` over ``x``'s current contents; returns ``out`` once every chunk's result is
-        in it (every operation of the call has then completed: ``x`` may be rewritten).
+        """Run ``f`` over ``x``'s current contents.
 
-        ``profile=True`` (direct engine) times this call's copies and kernels with events and keeps
-        its timeline for :meth:`report`; an unprofiled call records no timing event."""
-        runner = self._runner
-        if runner is None:
+        Args:
+            profile: time this call's copies and kernels (and CPU stages) for :meth:`report`.
+
+        Returns:
+            ``out``, once every chunk's result is in it (every operation of the call has then
+            completed: ``x`` may be rewritten).
+
+        Raises:
+            RuntimeError: the job is closed.
+            StageError: a chunk failed; the job is then closed.
+            DeviceError: the device broke; the job is then closed.
+        """
+        profile = check_flag("profile", profile)
+        engine = self._held.engine
+        if engine is None:
             raise RuntimeError("this MapJob is closed; create a new one")
-        if profile and self.engine != "direct":
-            raise ValueError("job(profile=True) profiles the direct engine; this job runs on the pipeline "
-                             "(staging or on_error='continue'): use stream_map_report for a profiled run")
         try:
-            if profile:
-                runner.run(profile=True)
-            else:
-                runner.run()
-        except BaseException as exc:
-            self._runner = None
-            runner.fail(exc)  # settled and closed; never masks exc
-            self._release_registrations()
+            run_call(engine, self._arrays, profile)
+        except BaseException:
+            self._held.engine = None  # run_call closed it
+            self.close()
             raise
         return self.out
 
     def close(self) -> None:
         """Close the engine (streams, rings, workers) and drop the registrations. Harmless
         twice; never raises."""
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            close_quietly(runner, "MapJob engine")
-        self._release_registrations()
-
-    def _release_registrations(self) -> None:
-        registered, self._registered = self._registered, []
-        for buf in registered:
-            close_quietly(buf, "registration")
+        self._finalizer.detach()
+        self._held.release()
 
     def __enter__(self) -> "MapJob":
         return self
@@ -154,23 +182,6 @@ class MapJob:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._runner is None else "open"
-        return (f"<MapJob {self.x.shape} {self.x.dtype} in {self.chunks} chunks of {self._layout.slot_bytes} "
+        state = "closed" if self._held.engine is None and hasattr(self, "_finalizer") else "open"
+        return (f"<MapJob {self.x.shape} {self.x.dtype} in {self.chunks} chunks of {self._layout.chunk_bytes} "
                 f"bytes, host={self.strategy}, engine={self.engine}, {state}>")
-
-
-class _PipelineRunner:
-    """A job's pipeline, run over the whole array by each call."""
-
-    def __init__(self, pipe: Pipeline, ranges: Callable):
-        self.pipe, self.ranges = pipe, ranges
-
-    def run(self) -> None:
-        for _ in self.pipe.map(self.ranges()):
-            pass
-
-    def fail(self, exc: BaseException) -> None:
-        self.pipe.__exit__(type(exc), exc, exc.__traceback__)  # cancel, settle, close; never masks exc
-
-    def close(self) -> None:
-        self.pipe.close()

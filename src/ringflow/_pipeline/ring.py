@@ -1,6 +1,6 @@
 """Rings of equally sized slots, one ring per kind of buffer.
 
-A ring owns one allocation carved into ``count`` slots of ``slot_bytes``; each :class:`Slot`
+A ring owns one allocation carved into ``count`` slots of ``chunk_bytes``; each :class:`Slot`
 records its state, the chunk that owns it, and the event (or host task) whose completion
 lets it go back to FREE. Slots are handed out oldest-freed first so reuse rotates through
 the ring (a reuse fault then shows up within one wrap-around instead of hiding).
@@ -34,7 +34,7 @@ class Slot:
 
 
 class Ring:
-    def __init__(self, kind: RingKind, buffer: Buffer, count: int, slot_bytes: int,
+    def __init__(self, kind: RingKind, buffer: Buffer, count: int, chunk_bytes: int,
                  hook: Optional[TransitionHook] = None, *, external: bool = False):
         """``external``: ``buffer`` is the caller's own (pinned or registered) memory, one slot per
         chunk in order; the ring neither poisons nor closes it, and the last slot may be short."""
@@ -42,12 +42,12 @@ class Ring:
             raise ValueError(f"a {kind.value} ring needs at least 1 slot, got {count}")
         self.kind = kind
         self.buffer = buffer
-        self.slot_bytes = slot_bytes
+        self.chunk_bytes = chunk_bytes
         self.external = external
         # an external ring has a slot per chunk of the caller's array: its byte range is made
         # when the slot is first taken (a call's start-up should not pay for all of them)
         self.slots = [Slot(self, i, None if external else
-                           buffer.slice(i * slot_bytes, min(slot_bytes, buffer.nbytes - i * slot_bytes)))
+                           buffer.slice(i * chunk_bytes, min(chunk_bytes, buffer.nbytes - i * chunk_bytes)))
                       for i in range(count)]
         self._free: collections.deque[Slot] = collections.deque(self.slots)
         self.busy: dict[int, Slot] = {}  # slot index -> slot, for the slots not FREE
@@ -57,14 +57,14 @@ class Ring:
 
     def rebind(self, buffer: Optional[Buffer]) -> None:
         """An idle external ring takes over another caller buffer laid out the same way (slot i
-        at ``i * slot_bytes``); None forgets the buffer. Slots are handed out in index order
+        at ``i * chunk_bytes``); None forgets the buffer. Slots are handed out in index order
         again, as external rings need (chunk i in slot i)."""
         if not self.external or self.busy:
             raise RuntimeError(f"only an idle external ring can be rebound ({self.kind.value}: "
                                f"external={self.external}, {len(self.busy)} slots busy)")
-        if buffer is not None and -(-buffer.nbytes // self.slot_bytes) != len(self.slots):
+        if buffer is not None and -(-buffer.nbytes // self.chunk_bytes) != len(self.slots):
             raise ValueError(f"a buffer of {buffer.nbytes} bytes does not give this ring's {len(self.slots)} slots "
-                             f"of {self.slot_bytes} bytes")
+                             f"of {self.chunk_bytes} bytes")
         if self.buffer is not None:  # ranges of the old buffer go (made again when taken)
             for slot in self.slots:
                 slot.where = None
@@ -88,8 +88,8 @@ class Ring:
             return None
         slot = self._free.popleft()
         if slot.where is None:  # external: the slot's range of the caller's buffer
-            off = slot.index * self.slot_bytes
-            slot.where = BufferSlice(self.buffer, off, min(self.slot_bytes, self.buffer.nbytes - off))
+            off = slot.index * self.chunk_bytes
+            slot.where = BufferSlice(self.buffer, off, min(self.chunk_bytes, self.buffer.nbytes - off))
         self.busy[slot.index] = slot
         self.high_water = max(self.high_water, len(self.busy))
         slot.owner = owner

@@ -19,8 +19,8 @@ device-out slot is free, then d2h as soon as a host-out slot is free), so the st
 fed without the CPU in the loop between stages. Stages are enqueued in admission order, so
 each stream runs chunks in order.
 
-``GUARDS`` names every wait and release guard. A test can switch one off through the
-test-only ``disabled_guards`` argument to show that the checks catch its absence.
+``GUARDS`` names every wait and release guard. A test can switch one off through
+``ringflow._testing.inject(guards_off=...)`` to show that the checks catch its absence.
 """
 
 from __future__ import annotations
@@ -28,16 +28,18 @@ from __future__ import annotations
 import collections
 import math
 import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .._device.protocol import BufferSlice, Device, stream_after
+from .._device.protocol import BufferSlice, Device
 from .._errors import DeviceError, StageError
+from .._testing import current as current_hooks
 from .chunk import Chunk, ChunkFuture
 from .config import PipelineConfig, refuse_unknown_guards
 from .ring import Ring, Slot
 from .states import ChunkState, RingKind, SlotState
+from .stages import POISON_BYTE, StageStreams, launch_compute, mark, poison_after, sim_seconds_for, writes_into_y
 from .stats import PipelineStats
 
 GUARDS = (
@@ -58,40 +60,39 @@ GUARDS = (
 # tasks, which finish in any order; DRAINING slots wait on whatever their stage left.
 _STREAM_ORDERED = frozenset({SlotState.COPYING_IN, SlotState.COMPUTING, SlotState.COPYING_OUT})
 
-POISON_BYTE = 0xEE
-Fill = Callable[[Any, np.ndarray], tuple]  # (item, writable uint8 view of the slot) -> (shape, dtype)
-Drain = Callable[[int, Any, np.ndarray], Any]  # (index, item, read-only typed view) -> value
+# The scheduler's stage callbacks: prepare writes the chunk into its host-in slot (or, for the
+# caller's own pinned memory, only describes it) and says what it wrote; consume turns the
+# chunk's result, a read-only view valid during the call, into the value delivered.
+Prepare = Callable[[Any, Optional[np.ndarray]], tuple]  # (item, writable uint8 view or None) -> (shape, dtype)
+Consume = Callable[[int, Any, np.ndarray], Any]  # (index, item, read-only typed view) -> value
 
 
 class Scheduler:
-    def __init__(self, device: Device, compute: Callable, fill: Fill, drain: Drain, config: PipelineConfig, *,
-                 item_nbytes: Callable[[Any], int] = lambda item: 0, disabled_guards: Iterable[str] = (),
-                 slot_hook=None, on_chunk_end: Optional[Callable[[Chunk], None]] = None,
-                 host_in_buffer=None, host_out_buffer=None):
+    def __init__(self, device: Device, compute: Callable, prepare: Prepare, consume: Consume, config: PipelineConfig,
+                 *, item_nbytes: Callable[[Any], int] = lambda item: 0,
+                 on_chunk_end: Optional[Callable[[Chunk], None]] = None, host_in_buffer=None, host_out_buffer=None):
         """``host_in_buffer``/``host_out_buffer``: the caller's pinned or registered memory holding
         every chunk's input / receiving every chunk's output back to back (chunk i at
-        ``i * slot_bytes``). The copy engines then read and write it in place: no staging ring,
+        ``i * chunk_bytes``). The copy engines then read and write it in place: no staging ring,
         and prepare/consume only describe the chunk."""
-        guard_off = refuse_unknown_guards(disabled_guards, GUARDS)
+        hooks = current_hooks()
+        guard_off = refuse_unknown_guards(hooks.guards_off, GUARDS)
+        slot_hook = hooks.slot_hook
         self.device = device
-        self.compute = compute
-        self.fill = fill
-        self.drain = drain
+        self.compute = writes_into_y(compute)
+        self.prepare = prepare
+        self.consume = consume
         self.config = config
         self.item_nbytes = item_nbytes
         self._guard_off = guard_off
         self._on_chunk_end = on_chunk_end
         self._sim_compute = getattr(compute, "sim_seconds", None)
 
-        self._streams = []
         self._rings: list[Ring] = []
         self.pool = None
+        self.streams = StageStreams(device, checked=config.checked)
         try:
-            self.h2d_stream = self._stream()
-            self.compute_stream = self._stream()
-            self.d2h_stream = self._stream()
-            self.poison_stream = self._stream() if config.checked else None
-            n, c = config.slot_bytes, config.slots
+            n, c = config.chunk_bytes, config.slots
             self.host_in = self._host_ring(RingKind.HOST_IN, host_in_buffer, c.host_in, slot_hook)
             if config.inplace:
                 self.dev_in = self._ring(RingKind.DEVICE_INPLACE, device.allocate(n * c.device_in), c.device_in,
@@ -124,18 +125,13 @@ class Scheduler:
         self.host_seconds = 0.0  # CPU time spent in scheduling steps (host overhead per chunk)
 
     # -- set-up and tear-down ------------------------------------------------------------------
-    def _stream(self):
-        s = self.device.create_stream()
-        self._streams.append(s)
-        return s
-
     def _ring(self, kind, buffer, count, hook, external: bool = False) -> Ring:
-        ring = Ring(kind, buffer, count, self.config.slot_bytes, hook, external=external)
+        ring = Ring(kind, buffer, count, self.config.chunk_bytes, hook, external=external)
         self._rings.append(ring)
         return ring
 
     def _host_ring(self, kind, external_buffer, count, hook) -> Ring:
-        n = self.config.slot_bytes
+        n = self.config.chunk_bytes
         if external_buffer is None:
             return self._ring(kind, self.device.allocate_host(n * count), count, hook)
         return self._ring(kind, external_buffer, -(-external_buffer.nbytes // n), hook, external=True)
@@ -151,13 +147,11 @@ class Scheduler:
         for ring in self._rings:
             for slot in ring.slots:
                 slot.ready = None
-        free_on = stream_after(self._streams)
+        free_on = self.streams.free_after()
         for ring in self._rings:
             ring.close(stream=free_on)
-        for s in self._streams:
-            close_quietly(s, "stream")
+        self.streams.close()
         # the ring objects stay for introspection (states, high-water marks); their memory is gone
-        self._streams = []
 
     @property
     def rings(self) -> list[Ring]:
@@ -327,8 +321,7 @@ class Scheduler:
         if ring.buffer.is_host:
             where.buffer.view(np.uint8, offset=where.offset, count=where.nbytes, access="w").fill(POISON_BYTE)
         else:
-            self.poison_stream.fill(where, POISON_BYTE)
-            slot.ready = self.poison_stream.record()
+            slot.ready = poison_after(self.streams.poison, where, None)
 
     def _release_on_device(self, ring: Ring, slot: Slot, last_use, guard: str) -> None:
         """Hand a device slot back as soon as its last operation is enqueued.
@@ -342,10 +335,7 @@ class Scheduler:
         ordered = guard not in self._guard_off
         if self.config.checked:
             ring.move(slot, SlotState.DRAINING)
-            if ordered:
-                self.poison_stream.wait(last_use)
-            self.poison_stream.fill(slot.where, POISON_BYTE)
-            ready = self.poison_stream.record()
+            ready = poison_after(self.streams.poison, slot.where, last_use if ordered else None)
         else:
             ready = last_use if ordered else None
         ring.release(slot)
@@ -377,23 +367,23 @@ class Scheduler:
             if self.host_in.external:
                 # the caller's pinned memory already holds the chunk: describing it is a few
                 # microseconds of Python, cheaper inline than a round trip through the pool
-                chunk.prepare_task = _InlineTask(self.device, self._run_fill, chunk, slot.where)
+                chunk.prepare_task = _InlineTask(self.device, self._run_prepare, chunk, slot.where)
                 self._h2d_q.append(chunk)
                 self._on_prepared(chunk)
                 progressed = True
                 continue
-            chunk.prepare_task = self.pool.submit(self._run_fill, chunk, slot.where,
+            chunk.prepare_task = self.pool.submit(self._run_prepare, chunk, slot.where,
                                                   nbytes=self.item_nbytes(chunk.item))
             slot.fence = chunk.prepare_task
             self._h2d_q.append(chunk)
             progressed = True
         return progressed
 
-    def _run_fill(self, chunk: Chunk, where: BufferSlice) -> tuple:
-        # an external host-in ring already holds the chunk: fill only describes it
+    def _run_prepare(self, chunk: Chunk, where: BufferSlice) -> tuple:
+        # an external host-in ring already holds the chunk: prepare only describes it
         raw = None if self.host_in.external else \
             where.buffer.view(np.uint8, offset=where.offset, count=where.nbytes, access="w")
-        shape, dtype = self.fill(chunk.item, raw)
+        shape, dtype = self.prepare(chunk.item, raw)
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > where.nbytes:
@@ -418,10 +408,10 @@ class Scheduler:
         chunk.stamps["consume"] = [self.device.now, None]
         if self.host_out.external and "host_out.release_after_consume" not in self._guard_off:
             # the result is already in the caller's memory: the consumer copies nothing
-            chunk.consume_task = _InlineTask(self.device, self._run_drain, chunk, slot.where)
+            chunk.consume_task = _InlineTask(self.device, self._run_consume, chunk, slot.where)
             self._on_consumed(chunk)
             return
-        chunk.consume_task = self.pool.submit(self._run_drain, chunk, slot.where, nbytes=chunk.nbytes)
+        chunk.consume_task = self.pool.submit(self._run_consume, chunk, slot.where, nbytes=chunk.nbytes)
         if "host_out.release_after_consume" in self._guard_off:
             self._free(self.host_out, slot)  # the fault under test: freed (poisoned) while the consumer reads
             chunk.host_out = None
@@ -429,10 +419,10 @@ class Scheduler:
         else:
             slot.fence = chunk.consume_task
 
-    def _run_drain(self, chunk: Chunk, where: BufferSlice) -> Any:
+    def _run_consume(self, chunk: Chunk, where: BufferSlice) -> Any:
         count = math.prod(chunk.shape)
         view = where.buffer.view(chunk.dtype, offset=where.offset, count=count, access="r").reshape(chunk.shape)
-        return self.drain(chunk.index, chunk.item, view)
+        return self.consume(chunk.index, chunk.item, view)
 
     def _on_consumed(self, chunk: Chunk) -> None:
         task = chunk.consume_task
@@ -459,7 +449,7 @@ class Scheduler:
                 break
             self._h2d_q.popleft()
             chunk.dev_in = slot
-            s = self.h2d_stream
+            s = self.streams.h2d
             self._wait_ready(s, slot, "h2d.wait_slot_ready")
             n = chunk.nbytes
             self._mark(chunk, s, "h2d", start=True)
@@ -492,7 +482,7 @@ class Scheduler:
                 out_slot = chunk.dev_in
             self._compute_q.popleft()
             chunk.dev_out = out_slot
-            s = self.compute_stream
+            s = self.streams.compute
             if "compute.wait_h2d" not in self._guard_off:
                 s.wait(chunk.h2d_event)
             if self.dev_out is not None:
@@ -501,23 +491,14 @@ class Scheduler:
             x = chunk.dev_in.where.array(chunk.dtype, chunk.shape)
             y = out_slot.where.array(chunk.dtype, chunk.shape)
             self._mark(chunk, s, "compute", start=True)
-            try:
-                if chunk.nbytes == 0:
-                    pass  # a zero-length chunk has nothing to compute (its result is empty too)
-                elif self.dev_out is None:
-                    s.launch(self.compute, x, x, writes=[x], sim_seconds=self._sim_seconds(chunk))
-                else:
-                    s.launch(self.compute, x, y, reads=[x], writes=[y], sim_seconds=self._sim_seconds(chunk))
-            except DeviceError as err:
-                if err.sticky:
-                    raise
-                self._fail(chunk, "compute", err)
-                progressed = True
-                continue
-            except Exception as exc:  # noqa: BLE001 - the user's compute raised while enqueueing
-                self._fail(chunk, "compute", exc)
-                progressed = True
-                continue
+            if chunk.nbytes:  # a zero-length chunk has nothing to compute (its result is empty too)
+                try:
+                    launch_compute(s, self.compute, x, y, inplace=self.dev_out is None,
+                                   sim_seconds=sim_seconds_for(self._sim_compute, chunk.nbytes), index=chunk.index)
+                except StageError as err:
+                    self._fail(chunk, "compute", err.__cause__)
+                    progressed = True
+                    continue
             event = self._mark(chunk, s, "compute")
             chunk.stamps["compute.enqueued"] = self.device.now
             chunk.compute_event = event
@@ -538,7 +519,7 @@ class Scheduler:
                 break
             self._d2h_q.popleft()
             chunk.host_out = slot
-            s = self.d2h_stream
+            s = self.streams.d2h
             if "d2h.wait_compute" not in self._guard_off:
                 s.wait(chunk.compute_event)
             ring_out = self.dev_out or self.dev_in
@@ -558,20 +539,9 @@ class Scheduler:
             progressed = True
         return progressed
 
-    def _sim_seconds(self, chunk: Chunk) -> Optional[float]:
-        return sim_seconds_for(self._sim_compute, chunk.nbytes)
-
     def _mark(self, chunk: Chunk, stream, stage: str, start: bool = False):
-        """Record the event that ends ``stage`` (timing only when profiling); with ``start``
-        record the profiling start event, or nothing when not profiling."""
-        if start:
-            if self.config.profile:
-                chunk.events[stage + ".start"] = stream.record(timing=True)
-            return None
-        event = stream.record(timing=self.config.profile)
-        if self.config.profile:
-            chunk.events[stage + ".end"] = event
-        return event
+        """:func:`~.stages.mark` for ``chunk``: its timing events are kept only when profiling."""
+        return mark(stream, stage, chunk.events if self.config.profile else None, start=start)
 
     # -- failure, cancellation, the end of a chunk ----------------------------------------------
     def _compute_failed(self, chunk: Chunk) -> bool:
@@ -727,13 +697,13 @@ class Scheduler:
     def park(self) -> None:
         """Forget the finished job: its stage callbacks and the caller's memory behind
         external rings (so a kept scheduler keeps none of the caller's arrays alive)."""
-        self.fill = self.drain = _no_job
+        self.prepare = self.consume = _no_job
         self.item_nbytes = lambda item: 0
         for ring in (self.host_in, self.host_out):
             if ring.external:
                 ring.rebind(None)
 
-    def rearm(self, fill: Fill, drain: Drain, item_nbytes: Callable[[Any], int], *,
+    def rearm(self, prepare: Prepare, consume: Consume, item_nbytes: Callable[[Any], int], *,
               host_in_buffer=None, host_out_buffer=None) -> None:
         """Take a new job on an idle, parked scheduler: new stage callbacks, the new caller
         buffers behind external rings (laid out as the old ones), counters from zero. Device
@@ -747,21 +717,13 @@ class Scheduler:
             self.host_in.rebind(host_in_buffer)
         if host_out_buffer is not None:
             self.host_out.rebind(host_out_buffer)
-        self.fill, self.drain, self.item_nbytes = fill, drain, item_nbytes
+        self.prepare, self.consume, self.item_nbytes = prepare, consume, item_nbytes
         self.counts.clear()
         self.first_error = None
         self.steps = 0
         self.host_seconds = 0.0
         for ring in self._rings:
             ring.high_water = 0
-
-
-def sim_seconds_for(cost, nbytes: int) -> Optional[float]:
-    """A compute callable's ``sim_seconds`` (seconds, or a function of the chunk's bytes) for a
-    chunk of ``nbytes``; None when it has none."""
-    if cost is None:
-        return None
-    return float(cost(nbytes)) if callable(cost) else float(cost)
 
 
 def _no_job(*args: Any) -> Any:

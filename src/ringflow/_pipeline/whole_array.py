@@ -1,6 +1,7 @@
-"""Whole arrays through the GPU: :func:`stream_map` and how a whole-array job is laid out
-(:class:`MapLayout`: chunking, host strategy, registration) and run — on the direct engine
-where the copy engines use the caller's memory in place, else on a :class:`~.api.Pipeline`.
+"""Whole arrays through the GPU: :func:`stream_map`, :func:`stream_map_report`, and what every
+whole-array job shares with :class:`~ringflow.MapJob`: checking its arguments, laying it out
+(:class:`MapLayout`: chunking and the host strategy), pinning its arrays, and running a call on
+an engine (:mod:`.engine`).
 
 >>> import numpy as np, ringflow as rf
 >>> def f(x, y):              # runs on the device: y[:] = 2x + 1
@@ -9,6 +10,9 @@ where the copy engines use the caller's memory in place, else on a :class:`~.api
 >>> y = rf.stream_map(f, x, device=rf.device("sim"), chunk_bytes=1 << 18)
 >>> bool(np.array_equal(y, x * 2 + 1))
 True
+
+``stream_map`` is a ``MapJob`` made, run once and parked: the engine a call used is kept warm
+(:mod:`.warm`) for the next call of the same shape, without any reference to its arrays.
 """
 
 from __future__ import annotations
@@ -19,186 +23,258 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
+from .. import _plan as plan
 from .._device import device as make_device
 from .._device.protocol import Device, close_quietly
-from . import direct, warm
-from .api import DEFAULT_CHUNK_BYTES, Pipeline, _default_workers, resolve_slots
+from .._testing import current as current_hooks
+from . import warm
+from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine
+from .sizing import DEFAULT_CHUNK_BYTES, default_workers, resolve_slots
+from .validate import check_choice, check_options, check_out
+
+HOSTS = ("auto", "stage", "register")
 
 
 def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, device: "Device | str | None" = None,
                chunk_bytes: "int | str | None" = None, host: str = "auto", x_buffer=None, out_buffer=None,
-               **pipeline_options: Any) -> np.ndarray:
-    """Apply ``f(x_chunk, y_chunk)`` on the device to ``x`` in chunks along axis 0; returns ``out``.
+               engine: str = "auto", keep_warm: bool = True, inplace: bool = False,
+               slots: "int | plan.SlotCounts | None" = None, workers: Optional[int] = None, checked: bool = False,
+               on_error: str = "raise", pinned_budget: "int | str | None" = None, profile: bool = False) -> np.ndarray:
+    """Apply ``f(x_chunk, y_chunk)`` on the device to ``x`` in chunks along axis 0; returns ``out``
+    once every chunk's result is in it.
 
-    ``x`` is any numpy array (pageable or not, contiguous or not, any dtype); ``out`` (allocated
-    if None) must have the same shape and dtype and receives the result in place (``out=x`` is
-    allowed). An empty ``x`` gives an empty result without touching the device.
-    ``chunk_bytes="auto"`` chooses the chunk size with :func:`ringflow._plan.choose_chunk_bytes`.
+    Args:
+        f: the compute, called as ``f(x, y)`` with device arrays (numpy on the simulated GPU, CuPy
+            or PyTorch on a real one) of one chunk; it must write its result into ``y`` and return
+            None. A ``sim_seconds`` attribute (seconds, or a function of the chunk's bytes) sets its
+            duration on the simulated GPU.
+        x: any numpy array with at least one dimension (pageable or pinned, contiguous or not).
+        out: where the result goes: same shape and dtype as ``x``, ``x`` itself (in place) or
+            memory that does not overlap it; allocated when None. An empty ``x`` returns at once.
+        device: a device, a spec such as ``"cuda:0"`` or ``"sim"``, or None for
+            ``ringflow.device()`` (the ``RINGFLOW_DEVICE`` environment variable, else "auto").
+        chunk_bytes: bytes per chunk (an int or a size such as ``"8MiB"``), ``"auto"`` to let the
+            planner choose, or None for 8 MiB. Never larger than the array needs.
+        host: how ordinary host memory reaches the copy engines: ``"stage"`` copies each chunk
+            through pinned rings on CPU workers; ``"register"`` pins ``x`` and ``out`` in place for
+            the call; ``"auto"`` picks by the planner's model.
+        x_buffer, out_buffer: pinned memory whose bytes are ``x`` / ``out`` (``device.allocate_host``
+            or ``device.register_host``); then nothing is staged or registered.
+        engine: ``"direct"`` enqueues the call in one pass where the copy engines use ``x`` and
+            ``out`` in place; ``"pipeline"`` runs it on the scheduler (as staging and
+            ``on_error="continue"`` always do); ``"auto"`` picks direct wherever it can.
+        keep_warm: keep the call's engine (streams, device rings; never the arrays) for the next
+            call of the same shape; :func:`ringflow.drop_warm_pipelines` releases them.
+        inplace: ``f`` gets the same device array as ``x`` and ``y`` (one device ring, not two).
+        slots: slots per ring: None (planned), an int, or a :class:`ringflow.SlotCounts`.
+        workers: CPU threads for staging (None: one per core but one).
+        checked: poison every released slot so a premature reuse gives a wrong result.
+        on_error: ``"raise"`` stops at the first failed chunk; ``"continue"`` completes the
+            others, then raises the first failure.
+        pinned_budget: bytes of pinned staging memory at most.
+        profile: time every stage (use :func:`stream_map_report` to get the report).
 
-    ``host`` says how ordinary host memory reaches the copy engines: ``"stage"`` copies each
-    chunk through the pinned ring on the CPU workers; ``"register"`` pins ``x`` and ``out`` in
-    place for the call (cudaHostRegister) so the copy engines read and write them directly;
-    ``"auto"`` picks by :func:`ringflow._plan.choose_host_strategy`. Pass ``x_buffer`` /
-    ``out_buffer`` (HostBuffers from ``device.allocate_host`` or ``device.register_host`` whose
-    bytes are ``x`` / ``out``) when the arrays are already pinned: nothing is staged or
-    registered then.
+    Returns:
+        ``out``.
 
-    ``engine``: where the copy engines read ``x`` and write ``out`` in place (``x_buffer``, or
-    ``host="register"``) the call is enqueued in one pass with no scheduler (``"direct"``, the
-    default there; :mod:`ringflow._pipeline.direct`); ``"pipeline"`` runs it on the scheduler, as
-    staging and ``on_error="continue"`` always do. ``profile=True`` profiles either engine.
-
-    ``keep_warm`` (default True): when the call ends cleanly its engine (streams, rings,
-    workers) is kept, without any reference to ``x`` or ``out``, and the next call with the same
-    device, ``f``, chunk size, host strategy, chunk count and options reuses it instead of
-    setting one up (0.27-0.32 ms a call on our H200 host: the first-call rows of
-    bench/results/bench-h200-2026-11-30-run4.json). Kept pipelines count as live
-    resources of the device until :func:`ringflow.drop_warm_pipelines` closes them; profiled
-    and checked calls are never kept. Returns once every chunk's result is in ``out``.
+    Raises:
+        TypeError, ValueError: a bad argument (the message names it and what it accepts).
+        StageError: a chunk failed (its stage and index named; the original as ``__cause__``).
+        DeviceError: the device broke.
     """
-    out, fresh_out = _check_map_args(x, out, host, "stream_map")
-    return _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer, pipeline_options)[0]
+    return _stream_map(f, x, out, device=device, chunk_bytes=chunk_bytes, host=host, x_buffer=x_buffer,
+                       out_buffer=out_buffer, engine=engine, keep_warm=keep_warm, inplace=inplace, slots=slots,
+                       workers=workers, checked=checked, on_error=on_error, pinned_budget=pinned_budget,
+                       profile=profile)[0]
 
 
-def _check_map_args(x, out, host: str, who: str) -> tuple[np.ndarray, bool]:
+def stream_map_report(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, **options: Any):
+    """:func:`stream_map` with profiling on, on the engine it would run on anyway.
+
+    Returns:
+        ``(out, report)``: the result and its :class:`ringflow.Report` (None if ``x`` is empty).
+    """
+    options["profile"] = True
+    return _stream_map(f, x, out, **options)
+
+
+def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buffer=None, out_buffer=None,
+                engine="auto", keep_warm=True, profile=False, **options) -> tuple:
+    opts = check_options(chunk_bytes=chunk_bytes, allow_auto_chunk=True, keep_warm=keep_warm, profile=profile,
+                         **_with_flag_defaults(options))
+    out, fresh_out = check_arrays(f, x, out, host, engine, "stream_map")
+    if x.shape[0] == 0 or x.size == 0:
+        return out, None
+    keep_warm, profile = opts.pop("keep_warm"), opts.pop("profile")
+    layout = MapLayout.plan(f, x, out, fresh_out, make_device(device) if not isinstance(device, Device) else device,
+                            opts.pop("chunk_bytes"), host, x_buffer, out_buffer, opts)
+    kind = choose_engine(engine, layout.strategy, opts)
+    registered: list = []
+    try:
+        if layout.strategy == "register":
+            registered = register(layout.device, x, out, fresh_out, opts.get("workers"))
+            x_buffer, out_buffer = registered[0], registered[-1]
+        arrays = Arrays(x, out, x_buffer, out_buffer)
+        key = None
+        if keep_warm and not opts.get("checked"):
+            opts_key = warm.options_key(opts)
+            if opts_key is not None:
+                key = ("map", id(layout.device), id(f), layout.key, kind, out is x,
+                       None if x_buffer is None else (x_buffer.nbytes, out_buffer.nbytes), opts_key)
+        eng = warm.WARM.take(key) if key is not None else None
+        if eng is None:
+            eng = make_engine(kind, f, layout, opts, arrays)
+        run_call(eng, arrays, profile)
+        report = eng.report() if profile else None
+        if key is not None and eng.park():
+            warm.WARM.park(key, eng)
+        else:
+            eng.close()
+    finally:
+        for buf in registered:
+            close_quietly(buf, "registration")
+    return out, report
+
+
+def _with_flag_defaults(options: dict) -> dict:
+    """The boolean options a whole-array job takes, defaulted (``inplace``, ``checked``)."""
+    unknown = set(options) - {"inplace", "checked", "slots", "workers", "on_error", "pinned_budget"}
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}")
+    return {"inplace": False, "checked": False, **options}
+
+
+def run_call(engine: Engine, arrays: Arrays, profile: bool) -> None:
+    """One call of a whole-array job on ``engine``; if it raises (any BaseException, Ctrl-C
+    included) the engine is settled and closed first, so nothing still touches the arrays."""
+    hooks = current_hooks()
+    if hooks.on_engine is not None:
+        hooks.on_engine(engine)
+    try:
+        engine.run(arrays, profile=profile)
+    except BaseException as exc:
+        engine.fail(exc)  # settled and closed; never masks exc
+        raise
+
+
+def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str) -> tuple[np.ndarray, bool]:
     """Refuse what a whole-array job cannot take; returns ``out`` (allocated when None) and
-    whether it is fresh (never touched: its pages are faulted in by the job)."""
+    whether it is fresh (never touched: its pages are faulted in by the job).
+
+    Raises:
+        TypeError: ``f`` not callable, ``x`` or ``out`` not a numpy array.
+        ValueError: a 0-d ``x``, ``out`` of another shape or dtype or overlapping ``x``, or an
+            unknown ``host`` or ``engine``.
+    """
+    if not callable(f):
+        raise TypeError(f"{who} needs a callable f(x, y) as its first argument, got {type(f).__name__}")
     if not isinstance(x, np.ndarray):
-        raise TypeError(f"{who} takes a numpy array, got {type(x).__name__}")
+        raise TypeError(f"{who} takes a numpy array x, got {type(x).__name__}; convert with np.asarray(x)")
     if x.ndim == 0:
-        raise ValueError(f"{who} splits along axis 0; pass an array with at least one dimension "
-                         "(x.reshape(1))")
-    if host not in ("auto", "stage", "register"):
-        raise ValueError(f"host must be 'auto', 'stage' or 'register', got {host!r}")
+        raise ValueError(f"{who} splits x along axis 0; pass an array with at least one dimension (x.reshape(1))")
+    if x.dtype.hasobject:
+        raise TypeError(f"{who} moves raw bytes; x has dtype {x.dtype} (Python objects), use a numeric dtype")
+    check_choice("host", host, HOSTS)
+    check_choice("engine", engine, ENGINES)
     if out is None:
         return np.empty(x.shape, x.dtype), True
     if not isinstance(out, np.ndarray) or out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out must be a numpy array of shape {x.shape} and dtype {x.dtype}, got "
                          f"{getattr(out, 'shape', None)} {getattr(out, 'dtype', type(out).__name__)}")
+    if not out.flags.writeable:
+        raise ValueError("out is read-only; pass a writeable array (or out=None to allocate one)")
+    check_out(x, out)
     return out, False
-
-
-def stream_map_report(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, **kw: Any):
-    """:func:`stream_map` with profiling on, on the engine it would run on anyway; returns
-    ``(out, report)`` (report None if x is empty)."""
-    kw["profile"] = True
-    result: dict = {}
-    kw["_report_to"] = result
-    out = stream_map(f, x, out, **kw)
-    return out, result.get("report")
 
 
 @dataclasses.dataclass(frozen=True)
 class MapLayout:
-    """How a whole-array job is cut and moved: ``rows`` rows of ``row_bytes`` per chunk (the last
-    may be shorter), the host strategy, and the stage callbacks bound to ``x`` and ``out``."""
-    dev: Device
+    """How a whole-array job is cut and moved: chunks of ``rows`` rows of ``row_bytes`` (the
+    last may be shorter) over ``length`` rows, and the host strategy ("stage", "register" or
+    "pinned")."""
+
+    device: Device
     row_bytes: int
     rows: int
     length: int
-    strategy: str  # "stage", "register" or "pinned"
-    describe: Callable
-    deliver: Callable
-    item_nbytes: Callable
+    tail: tuple
+    dtype: np.dtype
+    strategy: str
 
     @property
     def n_chunks(self) -> int:
         return -(-self.length // self.rows)
 
     @property
-    def slot_bytes(self) -> int:
+    def chunk_bytes(self) -> int:
         return self.rows * self.row_bytes
 
+    @property
+    def key(self) -> tuple:
+        """What shapes an engine built for this layout (for the warm cache)."""
+        return (self.row_bytes, self.rows, self.length, self.tail, self.dtype.str, self.strategy)
+
     def ranges(self) -> Iterator[tuple[int, int]]:
-        """Each chunk's rows ``(start, stop)``, made as the pipeline pulls them."""
+        """Each chunk's rows ``(start, stop)``, made as they are pulled."""
         rows, length = self.rows, self.length
         return ((a, min(a + rows, length)) for a in range(0, length, rows))
 
-    def host_rings(self, x_buffer, out_buffer) -> tuple:
-        """The caller's pinned memory behind the host rings: none when staging (the pipeline
-        stages through rings of its own), else ``x``'s and ``out``'s buffers."""
-        return (None, None) if self.strategy == "stage" else (x_buffer, out_buffer)
+    def slots(self, f: Callable, options: dict, *, external: bool) -> "plan.SlotCounts":
+        """The ring sizes for this job (``external``: the copy engines use the caller's memory)."""
+        return resolve_slots(self.device, options.get("slots"), self.chunk_bytes, bool(options.get("inplace")),
+                             options.get("workers") or 1, f, external=(external, external), bulk=True,
+                             max_chunks=self.n_chunks)
 
-    def pipeline(self, f: Callable, host_in, host_out, options: dict) -> "Pipeline":
-        """A new pipeline shaped for this job (its stage callbacks, slot size, chunk count)."""
-        return Pipeline(f, device=self.dev, chunk_bytes=self.slot_bytes, _fill=self.describe, _drain=self.deliver,
-                        item_nbytes=self.item_nbytes, _host_in_buffer=host_in, _host_out_buffer=host_out,
-                        _max_chunks=self.n_chunks, _bulk=True, **options)
+    @classmethod
+    def plan(cls, f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, dev: Device, chunk_bytes,
+             host: str, x_buffer, out_buffer, options: dict) -> "MapLayout":
+        """Lay out a non-empty whole-array job.
 
-    def direct_schedule(self, f: Callable, x: np.ndarray, x_buffer, out_buffer, options: dict):
-        """A :class:`~ringflow._pipeline.direct.DirectSchedule` for this job (``x``'s chunks, the
-        planned device rings); host buffers bound now, or None to give them to each run."""
-        inplace = bool(options.get("inplace", False))
-        slots = resolve_slots(self.dev, options.get("slots"), self.slot_bytes, inplace, options.get("workers") or 1,
-                              f, external=(True, True), bulk=True, max_chunks=self.n_chunks)
-        tail, row = x.shape[1:], self.row_bytes
-        chunks = [(a * row, (b - a) * row, (b - a,) + tail) for a, b in self.ranges()]
-        return direct.DirectSchedule(self.dev, f, x_buffer, out_buffer, chunks, x.dtype, slot_bytes=self.slot_bytes,
-                              slots=slots, inplace=inplace, checked=bool(options.get("checked", False)),
-                              disabled_guards=options.get("_disabled_guards", ()))
-
-
-def _layout_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer, pipeline_options) -> MapLayout:
-    """Check a whole-array job's arguments and lay it out (x non-empty). Raises ValueError for a
-    row larger than a chunk, half a pair of pinned buffers, or registration of strided arrays."""
-    row_bytes = x.nbytes // x.shape[0]
-    dev = make_device(device or "auto") if not isinstance(device, Device) else device
-    tail = x.shape[1:]
-    contiguous = x.flags.c_contiguous and out.flags.c_contiguous
-    if (x_buffer is None) != (out_buffer is None):
-        raise ValueError("pass both x_buffer and out_buffer (the pinned memory behind x and out), or neither")
-    if x_buffer is not None:
-        if not contiguous or x_buffer.nbytes < x.nbytes or out_buffer.nbytes < out.nbytes:
-            raise ValueError("x_buffer/out_buffer must hold x/out whole, and x/out must be C-contiguous")
-        strategy = "pinned"
-    elif host == "auto":
-        from .. import _plan as plan
-
-        workers = pipeline_options.get("workers") or _default_workers(dev)
-        strategy = plan.choose_host_strategy(getattr(dev, "profile", "h200-pcie5"), x.nbytes, out.nbytes,
-                                             workers=workers, out_is_fresh=fresh_out).choice
-        strategy = strategy if contiguous else "stage"
-    else:
-        strategy = host
-        if strategy == "register" and not contiguous:
-            raise ValueError("host='register' needs C-contiguous x and out; use host='stage' "
-                             "(or np.ascontiguousarray) for strided arrays")
-    if chunk_bytes == "auto":
-        from .. import _plan as plan
-
-        sim = getattr(f, "sim_seconds", None)
-        per_byte = (sim(1 << 20) / (1 << 20)) if callable(sim) else 0.0
-        chunk_bytes = plan.choose_chunk_bytes(getattr(dev, "profile", "h200-pcie5"), x.nbytes,
-                                              compute_s_per_byte=per_byte, align=row_bytes,
-                                              workers=pipeline_options.get("workers") or _default_workers(dev),
-                                              host_stages=strategy == "stage").chunk_bytes
-    slot = int(chunk_bytes) if chunk_bytes is not None else max(DEFAULT_CHUNK_BYTES, row_bytes)
-    if row_bytes > slot:
-        raise ValueError(f"one row of x along axis 0 is {row_bytes} bytes but chunk_bytes is {slot}; "
-                         f"raise chunk_bytes to at least {row_bytes} or reshape x")
-    rows = max(1, slot // row_bytes)
-
-    def describe(item, raw):
-        a, b = item
-        if raw is not None:  # staging: copy the rows into the pinned slot
-            dst = raw[:(b - a) * row_bytes].view(x.dtype).reshape((b - a,) + tail)
-            np.copyto(dst, x[a:b])
-        return (b - a,) + tail, x.dtype
-
-    def deliver(index, item, view):
-        if strategy == "stage":
-            a, b = item
-            out[a:b] = view
-
-    item_nbytes = (lambda item: (item[1] - item[0]) * row_bytes) if strategy == "stage" else (lambda item: 0)
-    return MapLayout(dev, row_bytes, rows, x.shape[0], strategy, describe, deliver, item_nbytes)
+        Raises:
+            ValueError: a row larger than a chunk, half a pair of pinned buffers, pinned buffers
+                that are not ``x``'s and ``out``'s memory, or registration of strided arrays.
+        """
+        row_bytes = x.nbytes // x.shape[0]
+        contiguous = x.flags.c_contiguous and out.flags.c_contiguous
+        workers = options.get("workers") or default_workers(dev)
+        if (x_buffer is None) != (out_buffer is None):
+            raise ValueError("pass both x_buffer and out_buffer (the pinned memory behind x and out), or neither")
+        if x_buffer is not None:
+            for name, buf, arr in (("x_buffer", x_buffer, x), ("out_buffer", out_buffer, out)):
+                if not getattr(buf, "is_host", False):
+                    raise TypeError(f"{name} must be a host buffer from device.allocate_host or device.register_host, "
+                                    f"got {type(buf).__name__}")
+                if not buf.holds(arr):
+                    raise ValueError(f"{name} must be the pinned memory behind {name[:-7]} (C-contiguous, starting at "
+                                     f"the buffer's first byte): make it with buffer.view(...) or register_host")
+            strategy = "pinned"
+        elif host == "auto":
+            strategy = plan.choose_host_strategy(dev.hardware, x.nbytes, out.nbytes, workers=workers,
+                                                 out_is_fresh=fresh_out).choice
+            strategy = strategy if contiguous else "stage"
+        else:
+            strategy = host
+            if strategy == "register" and not contiguous:
+                raise ValueError("host='register' needs C-contiguous x and out; use host='stage' "
+                                 "(or np.ascontiguousarray) for strided arrays")
+        if chunk_bytes == "auto":
+            sim = getattr(f, "sim_seconds", None)
+            per_byte = (sim(1 << 20) / (1 << 20)) if callable(sim) else 0.0
+            chunk_bytes = plan.choose_chunk_bytes(dev.hardware, x.nbytes, compute_s_per_byte=per_byte, align=row_bytes,
+                                                  workers=workers, host_stages=strategy == "stage").chunk_bytes
+        slot = chunk_bytes if chunk_bytes is not None else max(DEFAULT_CHUNK_BYTES, row_bytes)
+        if row_bytes > slot:
+            raise ValueError(f"one row of x along axis 0 is {row_bytes} bytes but chunk_bytes is {slot}; "
+                             f"raise chunk_bytes to at least {row_bytes} or reshape x")
+        rows = min(max(1, slot // row_bytes), x.shape[0])  # a chunk is never larger than the array
+        return cls(dev, row_bytes, rows, x.shape[0], x.shape[1:], x.dtype, strategy)
 
 
-def _register(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool, workers: int) -> list:
+def register(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool, workers: Optional[int]) -> list:
     """Pin ``x`` and ``out`` in place (one registration when they are the same array), first
     touching a fresh ``out`` in parallel; returns the registrations, ``x``'s first."""
     if fresh_out:
-        parallel_first_touch(out, workers)
+        parallel_first_touch(out, workers or default_workers(dev))
     registered = [dev.register_host(x)]
     try:
         if out is not x:
@@ -209,92 +285,9 @@ def _register(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool, work
     return registered
 
 
-def _stream_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer, pipeline_options):
-    if x.shape[0] == 0 or x.size == 0:
-        return out, None
-    layout = _layout_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_buffer, pipeline_options)
-    dev, strategy = layout.dev, layout.strategy
-    options = dict(pipeline_options)
-    on_pipeline = options.pop("_on_pipeline", None)
-    report_to = options.pop("_report_to", None)
-    keep_warm = options.pop("keep_warm", True)
-    engine = direct.choose_engine(options.pop("engine", "auto"), strategy, options)
-    registered = []
-    try:
-        if strategy == "register":
-            registered = _register(dev, x, out, fresh_out, options.get("workers") or _default_workers(dev))
-            x_buffer, out_buffer = registered[0], registered[-1]
-        host_in, host_out = layout.host_rings(x_buffer, out_buffer)
-        if engine == "direct" and on_pipeline is None:
-            _run_direct(f, x, layout, host_in, host_out, options, keep_warm, report_to)
-            return out, None
-        # the pipeline's shape: a warm one parked under the same key serves this call as it is
-        key = None
-        if keep_warm and not options.get("profile") and not options.get("checked"):
-            opts = warm.options_key(options)
-            if opts is not None:
-                key = (id(dev), id(f), layout.slot_bytes, strategy, layout.n_chunks,
-                       host_in.nbytes if host_in is not None else None,
-                       host_out.nbytes if host_out is not None else None, host_in is host_out, opts)
-        pipe = warm.WARM.take(key) if key is not None else None
-        if pipe is not None:
-            pipe._rearm(layout.describe, layout.deliver, layout.item_nbytes, host_in, host_out)
-        else:
-            pipe = layout.pipeline(f, host_in, host_out, options)
-        parked = False
-        try:
-            if on_pipeline is not None:
-                on_pipeline(pipe)
-            for _ in pipe.map(layout.ranges()):
-                pass
-            if report_to is not None:
-                report_to["report"] = pipe.report()
-            if key is not None and pipe._park():
-                warm.WARM.park(key, pipe)
-                parked = True
-        except BaseException as exc:
-            pipe.__exit__(type(exc), exc, exc.__traceback__)  # cancel, settle, close; never masks exc
-            raise
-        if not parked:
-            pipe.close()
-    finally:
-        for buf in registered:
-            close_quietly(buf, "registration")
-    return out, None
-
-
-def _run_direct(f, x: np.ndarray, layout: MapLayout, x_buffer, out_buffer, options: dict, keep_warm: bool,
-                report_to: Optional[dict] = None) -> None:
-    """One call through the direct engine (no scheduler: :mod:`ringflow._pipeline.direct`), with
-    a warm schedule of the same shape reused and parked again, as pipelines are. A parked
-    schedule holds no slice of the caller's buffers (they are given to each run). Profiling is
-    a property of the run, not of the schedule: a profiled call may use a warm one."""
-    options = dict(options)
-    profile = bool(options.pop("profile", False))
-    key = None
-    if keep_warm and not options.get("checked"):
-        opts = warm.options_key(options)
-        if opts is not None:
-            key = ("direct", id(layout.dev), id(f), layout.slot_bytes, x.shape, x.dtype.str, opts)
-    schedule = warm.WARM.take(key) if key is not None else None
-    if schedule is None:
-        schedule = layout.direct_schedule(f, x, None, None, options)
-    try:
-        schedule.run(x_buffer, out_buffer, profile=profile)
-        if report_to is not None:
-            report_to["report"] = schedule.report() if profile else None
-    except BaseException as exc:
-        schedule.fail(exc)  # settled and closed; never masks exc
-        raise
-    if key is not None:
-        warm.WARM.park(key, schedule)
-    else:
-        schedule.close()
-
-
 def parallel_first_touch(arr: np.ndarray, workers: int) -> None:
-    """Fault in a fresh array's pages on ``workers`` threads (one thread is ~8x slower on our
-    H200 host: 284 vs 34 ms per GiB)."""
+    """Fault in a fresh array's pages on ``workers`` threads (first touch is bound by the page
+    faults one thread can take; docs/design.md has the measured rates)."""
     flat = arr.reshape(-1).view(np.uint8)
     if workers <= 1 or flat.nbytes < (64 << 20):
         flat[::4096] = 0

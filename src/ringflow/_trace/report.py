@@ -125,8 +125,8 @@ def memory_of(scheduler) -> dict[str, int]:
     for ring in scheduler.rings:
         if ring.external:  # the caller's registered memory, not ours
             continue
-        size = len(ring) * ring.slot_bytes
-        hw = ring.high_water * ring.slot_bytes
+        size = len(ring) * ring.chunk_bytes
+        hw = ring.high_water * ring.chunk_bytes
         if ring.buffer.is_host:
             pinned, pinned_hw = pinned + size, pinned_hw + hw
         else:

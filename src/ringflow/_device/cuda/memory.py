@@ -54,6 +54,9 @@ class _CudaHostBuffer(HostBuffer):
         self._check_open()
         return self._ptr
 
+    def _memory(self) -> np.ndarray:
+        return self._base
+
     def view(self, dtype: Any = np.uint8, *, offset: int = 0, count: int | None = None,
              access: str = "rw") -> np.ndarray:
         """A numpy view of the bytes (``access="r"`` makes it read-only). Nothing checks it

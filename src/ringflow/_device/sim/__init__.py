@@ -3,7 +3,7 @@
 from .device import SimDevice
 from .hazard import Access, AccessKind, HappensBeforeChecker
 from .pool import charge
-from ..hardware import PROFILES, SimProfile, get_profile
+from ..hardware import PROFILES, HardwareProfile, get_profile
 
-__all__ = ["SimDevice", "SimProfile", "PROFILES", "get_profile", "charge", "HappensBeforeChecker", "Access",
+__all__ = ["SimDevice", "HardwareProfile", "PROFILES", "get_profile", "charge", "HappensBeforeChecker", "Access",
            "AccessKind"]

@@ -26,7 +26,7 @@ from .engine import Engine, Op
 from .hazard import AccessKind, HappensBeforeChecker
 from .memory import SimDeviceBuffer, SimHostBuffer
 from .pool import SimWorkerPool
-from ..hardware import SimProfile, get_profile
+from ..hardware import HardwareProfile, get_profile
 from .stream import SimEvent, SimStream
 
 
@@ -63,7 +63,7 @@ class _NullChecker:
 class SimDevice(Device):
     backend = "sim"
 
-    def __init__(self, profile: "str | SimProfile" = "h200-pcie5", *, seed: int = 0, chaos: bool = False,
+    def __init__(self, profile: "str | HardwareProfile" = "h200-pcie5", *, seed: int = 0, chaos: bool = False,
                  checked: bool = True):
         self.profile = get_profile(profile)
         self.name = f"simulated {self.profile.name}"
@@ -82,6 +82,11 @@ class SimDevice(Device):
 
     def __repr__(self) -> str:
         return f"<SimDevice {self.profile.name} seed={self.seed} chaos={self.chaos}>"
+
+    @property
+    def hardware(self) -> HardwareProfile:
+        """The profile this simulated GPU runs on (the same model the planner uses)."""
+        return self.profile
 
     # -- the protocol ------------------------------------------------------------------------
     @property

@@ -51,6 +51,9 @@ class SimHostBuffer(_SimBufferMixin, HostBuffer):
     def __repr__(self) -> str:
         return f"<{self.label} {self.nbytes} B{' closed' if self._closed else ''}>"
 
+    def _memory(self) -> np.ndarray:
+        return self._mem
+
     def view(self, dtype: Any = np.uint8, *, offset: int = 0, count: int | None = None, access: str = "rw"):
         self._check_open()
         out = typed_view(self._mem, dtype, offset, count, access)

@@ -1,0 +1,112 @@
+"""The scheduled engine: a whole-array job run by the pipeline's scheduler
+(:class:`ScheduledEngine`), for jobs the direct engine cannot run the same — staging through
+pinned rings on CPU workers, or ``on_error="continue"``.
+
+Each chunk is the item ``(start, stop)`` of ``x``'s rows. Its prepare stage copies those rows
+into a pinned slot (staging) or only describes them (the copy engines read the caller's pinned
+memory in place); its consume stage copies the result rows into ``out`` (staging) or does
+nothing (the copy engine wrote ``out`` in place).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+
+from .._device.protocol import close_quietly
+from .api import Pipeline
+from .engine import Arrays
+
+
+class ScheduledEngine:
+    """A whole-array job on a :class:`~ringflow.Pipeline` built for its layout. Its stage
+    callbacks are bound to one call's arrays at a time; a parked engine holds none."""
+
+    def __init__(self, f: Callable, layout, options: dict, arrays: Arrays):
+        self.f = f
+        self.layout = layout
+        self.options = dict(options)
+        self.device = layout.device
+        self._arrays: Optional[Arrays] = None
+        self.pipe: Optional[Pipeline] = self._new_pipeline(arrays, profile=False)
+
+    def _stages(self, arrays: Arrays) -> tuple:
+        """The prepare and consume stages (and the bytes a prepare copies) for ``arrays``."""
+        x, out, layout = arrays.x, arrays.out, self.layout
+        row_bytes, tail, staging = layout.row_bytes, layout.tail, layout.strategy == "stage"
+
+        def prepare(item, raw):
+            a, b = item
+            if raw is not None:  # staging: copy the rows into the pinned slot
+                dst = raw[:(b - a) * row_bytes].view(x.dtype).reshape((b - a,) + tail)
+                np.copyto(dst, x[a:b])
+            return (b - a,) + tail, x.dtype
+
+        def consume(index, item, view):
+            if staging:
+                a, b = item
+                out[a:b] = view
+
+        item_nbytes = (lambda item: (item[1] - item[0]) * row_bytes) if staging else (lambda item: 0)
+        return prepare, consume, item_nbytes
+
+    def _host_rings(self, arrays: Arrays) -> tuple:
+        """The caller's pinned memory behind the host rings: none when staging."""
+        return (None, None) if self.layout.strategy == "stage" else (arrays.x_buffer, arrays.out_buffer)
+
+    def _new_pipeline(self, arrays: Arrays, *, profile: bool) -> Pipeline:
+        prepare, consume, item_nbytes = self._stages(arrays)
+        host_in, host_out = self._host_rings(arrays)
+        layout = self.layout
+        pipe = Pipeline._for_whole_array(self.f, prepare=prepare, consume=consume, item_nbytes=item_nbytes,
+                                         host_in_buffer=host_in, host_out_buffer=host_out,
+                                         max_chunks=layout.n_chunks, device=layout.device,
+                                         chunk_bytes=layout.chunk_bytes, profile=profile, **self.options)
+        self._arrays = arrays
+        return pipe
+
+    def run(self, arrays: Arrays, *, profile: bool = False) -> None:
+        """Run every chunk through the pipeline; a profiled call gets a pipeline of its own (its
+        report covers that call alone). See :class:`~.engine.Engine`."""
+        pipe = self.pipe
+        if pipe is None:
+            raise RuntimeError("this engine is closed")
+        if profile or pipe.config.profile:
+            self.pipe = None
+            pipe.close()
+            pipe = self.pipe = self._new_pipeline(arrays, profile=profile)
+        elif arrays is not self._arrays:
+            pipe._rearm(*self._stages(arrays), *self._host_rings(arrays))
+            self._arrays = arrays
+        for _ in pipe.map(self.layout.ranges()):
+            pass
+
+    def report(self):
+        """The last profiled call's :class:`~ringflow.Report`. Raises RuntimeError if none."""
+        if self.pipe is None or not self.pipe.config.profile:
+            raise RuntimeError("no profiled call to report; run with profile=True first")
+        return self.pipe.report()
+
+    def fail(self, exc: BaseException) -> None:
+        """After ``run`` raised ``exc``: cancel, settle and close; never raises or masks ``exc``."""
+        pipe, self.pipe = self.pipe, None
+        self._arrays = None
+        if pipe is not None:
+            pipe.__exit__(type(exc), exc, exc.__traceback__)
+
+    def park(self) -> bool:
+        """Forget the call's arrays; True if the pipeline can serve another call as it is."""
+        self._arrays = None
+        return self.pipe is not None and self.pipe._park()
+
+    def close(self) -> None:
+        """Close the pipeline (streams, rings, workers); harmless twice; never raises."""
+        pipe, self.pipe = self.pipe, None
+        self._arrays = None
+        if pipe is not None:
+            close_quietly(pipe, "pipeline")
+
+    @property
+    def closed(self) -> bool:
+        return self.pipe is None

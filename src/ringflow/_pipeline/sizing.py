@@ -1,0 +1,83 @@
+"""How big a pipeline's rings are and how many CPU workers it gets: given by the caller, or
+planned from the device's hardware model (:mod:`ringflow._plan`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Optional
+
+from .. import _plan as plan
+from .._device.protocol import Device
+from .._plan import SlotCounts
+
+DEFAULT_CHUNK_BYTES = 8 << 20
+
+
+def resolve_slots(device: Device, slots, chunk_bytes: int, inplace: bool, workers: int, compute: Callable,
+                  external=(False, False), bulk: bool = False, max_chunks: Optional[int] = None) -> SlotCounts:
+    """The slot counts: given, or planned from modelled stage times (device rings with slack).
+    ``bulk`` (a whole array, stream_map): staging rings also get a slot per worker, for
+    throughput; a stream of requests keeps the planned rings, whose shorter queues keep
+    latency down. A job of known length (``max_chunks``, a whole array) never gets more slots in a
+    ring than it has chunks, unless ``slots`` says so."""
+    if isinstance(slots, SlotCounts):
+        return slots
+    if isinstance(slots, bool):
+        raise TypeError("slots must be None, an int or a SlotCounts")
+    if isinstance(slots, int):
+        return SlotCounts(slots, slots, 0 if inplace else slots, slots)
+    if slots is not None:
+        raise TypeError(f"slots must be None, an int or a SlotCounts, got {type(slots).__name__}")
+    profile = device.hardware
+    sim = getattr(compute, "sim_seconds", None)
+    guess = sim(chunk_bytes) if callable(sim) else sim
+    times = plan.model_stage_times(profile, chunk_bytes, compute=guess, workers=workers)
+    if guess is None:  # unknown compute: plan for one as long as a copy (a balanced pipeline)
+        times = dataclasses.replace(times, compute=max(times.compute, times.h2d))
+    # the caller's pinned memory: prepare and consume only describe the chunk
+    overhead = plan.get_profile(profile).host_task_overhead_s
+    if external[0]:
+        times = dataclasses.replace(times, prepare=overhead)
+    if external[1]:
+        times = dataclasses.replace(times, consume=overhead)
+    counts = plan.with_device_slack(plan.plan_slots(times, inplace=inplace).slots, inplace=inplace)
+    if bulk and not external[0] and not external[1]:  # both host rings are staging rings
+        counts = plan.with_worker_slots(counts, workers, chunk_bytes)
+    if max_chunks is not None:
+        counts = SlotCounts(*(min(c, max_chunks) if c else 0 for c in
+                              (counts.host_in, counts.device_in, counts.device_out, counts.host_out)))
+    return counts
+
+
+def fit_pinned_budget(counts: SlotCounts, chunk_bytes: int, budget: int, *, explicit: bool) -> SlotCounts:
+    """Slot counts whose pinned rings (host-in + host-out) fit ``budget`` bytes.
+
+    Planned counts shrink, the larger ring first (the pipeline then runs below its bottleneck
+    rate, never above its memory); counts the caller gave explicitly are refused instead."""
+    def pinned(c: SlotCounts) -> int:
+        return (c.host_in + c.host_out) * chunk_bytes
+
+    if pinned(counts) <= budget:
+        return counts
+    if explicit or 2 * chunk_bytes > budget:
+        raise ValueError(f"the pinned rings need {pinned(counts)} bytes ({counts.host_in} host-in + {counts.host_out} "
+                         f"host-out slots of {chunk_bytes} bytes) but pinned_budget is {budget}; raise pinned_budget, "
+                         "lower chunk_bytes, or give fewer slots")
+    while pinned(counts) > budget:
+        ring = "host_in" if counts.host_in >= counts.host_out else "host_out"
+        counts = counts.minus(ring)
+    return counts
+
+
+def default_workers(dev: Device, bulk: bool = True) -> int:
+    """CPU workers for prepare/consume (see docs/design.md, "CPU workers", for the measurements).
+
+    A whole-array job (``bulk``) splits one large copy over many chunks at once and staging
+    copies release the GIL, so it gets a worker per core but one (left to the thread that
+    enqueues). A stream of requests has only a few chunks in its CPU stages at a time, and every
+    busy worker competes for the GIL at each hand-off, so it gets at most 4."""
+    if dev.backend == "sim":
+        return 4
+    cores = max(1, min(16, (os.cpu_count() or 2) - 1))
+    return cores if bulk else min(4, cores)

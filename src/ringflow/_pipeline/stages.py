@@ -1,0 +1,139 @@
+"""What both engines do the same way on the GPU side: the stage streams, the compute launch
+and its error wrapping, poison-after-use in checked mode, and the profiling marks.
+
+The scheduler (:mod:`.scheduler`) and the direct engine (:mod:`.direct`) differ only in who
+decides when each operation is enqueued; the operations themselves are made here, once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from .._device.protocol import Device, Event, Stream, close_quietly, stream_after
+from .._errors import DeviceError, StageError
+
+POISON_BYTE = 0xEE  # what checked mode writes into every released slot
+GPU_STAGES = ("h2d", "compute", "d2h")
+
+
+class StageStreams:
+    """The streams of one engine: ``h2d``, ``compute`` and ``d2h``, and ``poison`` (checked
+    mode only) on which released slots are overwritten.
+
+    Built all or nothing: a failure while creating one closes those already made."""
+
+    def __init__(self, device: Device, *, checked: bool):
+        self.all: list[Stream] = []
+        try:
+            self.h2d = self._new(device)
+            self.compute = self._new(device)
+            self.d2h = self._new(device)
+            self.poison = self._new(device) if checked else None
+        except BaseException:
+            self.close()
+            raise
+
+    def _new(self, device: Device) -> Stream:
+        s = device.create_stream()
+        self.all.append(s)
+        return s
+
+    @property
+    def closed(self) -> bool:
+        return not self.all
+
+    def free_after(self) -> Optional[Stream]:
+        """A stream on which a stream-ordered free comes after all work enqueued so far (see
+        :func:`~ringflow._device.protocol.stream_after`); None when closed or broken."""
+        return stream_after(self.all)
+
+    def settle(self) -> None:
+        """Block until everything enqueued has completed; never raises (a broken device
+        completes nothing more, and its error is reported where the work is)."""
+        for s in self.all:
+            try:
+                s.sync()
+            except Exception:  # noqa: BLE001 - settling must not mask the error being handled
+                pass
+
+    def close(self) -> None:
+        """Close every stream; harmless twice; never raises."""
+        streams, self.all = self.all, []
+        for s in streams:
+            close_quietly(s, "stream")
+
+
+def poison_after(poison: Stream, where, last_use: Optional[Event]) -> Event:
+    """Overwrite ``where`` with :data:`POISON_BYTE` on ``poison`` after ``last_use`` (no wait when
+    None: only a switched-off guard passes None); returns the event the slot's next owner waits on.
+    A premature reuse then reads poison instead of the previous chunk's data."""
+    if last_use is not None:
+        poison.wait(last_use)
+    poison.fill(where, POISON_BYTE)
+    return poison.record()
+
+
+def writes_into_y(compute: Callable) -> Callable:
+    """``compute`` wrapped so that returning anything but None or ``y`` itself is an error: a
+    compute must write its result into ``y``; a returned array would be dropped and ``y`` copied
+    back unwritten. (``np.add(x, 1, out=y)`` returns ``y``, which is fine.) A kernel's fast launch
+    path (``__ringflow_launch__``) is kept."""
+    if getattr(compute, "_ringflow_writes_into_y", False):
+        return compute
+
+    def checked(x: Any, y: Any) -> None:
+        value = compute(x, y)
+        if value is not None and value is not y:
+            raise TypeError(f"compute returned a {type(value).__name__} instead of writing into y; write the "
+                            "result into y (y[...] = ...) and return None")
+
+    checked._ringflow_writes_into_y = True  # type: ignore[attr-defined]
+    checked.sim_seconds = getattr(compute, "sim_seconds", None)  # type: ignore[attr-defined]
+    fast = getattr(compute, "__ringflow_launch__", None)
+    if fast is not None:
+        checked.__ringflow_launch__ = fast  # type: ignore[attr-defined]
+    return checked
+
+
+def launch_compute(stream: Stream, compute: Callable, x: Any, y: Any, *, inplace: bool,
+                   sim_seconds: Optional[float], index: int) -> None:
+    """Enqueue ``compute(x, y)`` on ``stream`` (``compute(x, x)`` in place).
+
+    Raises:
+        StageError: the compute failed while being enqueued, or the device refused the launch
+            (not sticky); ``__cause__`` is the original error.
+        DeviceError: a sticky device error: the context is dead and the engine must break.
+    """
+    try:
+        if inplace:
+            stream.launch(compute, x, x, writes=[x], sim_seconds=sim_seconds)
+        else:
+            stream.launch(compute, x, y, reads=[x], writes=[y], sim_seconds=sim_seconds)
+    except DeviceError as err:
+        if err.sticky:
+            raise
+        raise StageError("compute", index, err) from err
+    except Exception as exc:  # noqa: BLE001 - the user's compute raised while it was enqueued
+        raise StageError("compute", index, exc) from exc
+
+
+def mark(stream: Stream, stage: str, events: Optional[dict], *, start: bool = False) -> Optional[Event]:
+    """Record the event that ends ``stage`` on ``stream`` (a timing event when ``events`` is given:
+    profiling; it is kept there as ``stage + ".end"``). With ``start``, record the profiling start
+    event ``stage + ".start"``, or nothing when not profiling, and return None."""
+    if start:
+        if events is not None:
+            events[stage + ".start"] = stream.record(timing=True)
+        return None
+    event = stream.record(timing=events is not None)
+    if events is not None:
+        events[stage + ".end"] = event
+    return event
+
+
+def sim_seconds_for(cost, nbytes: int) -> Optional[float]:
+    """A compute callable's ``sim_seconds`` (seconds, or a function of the chunk's bytes) for a
+    chunk of ``nbytes``; None when it has none."""
+    if cost is None:
+        return None
+    return float(cost(nbytes)) if callable(cost) else float(cost)

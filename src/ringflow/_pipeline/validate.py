@@ -1,0 +1,170 @@
+"""Argument checks shared by every public entry point (``Pipeline``, ``stream_map``, ``MapJob``).
+
+One function per kind of argument, one message style: each error names the argument, what it
+got and what it accepts, so both engines and every front door refuse the same input the same
+way before any device work starts.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from typing import Any, Optional
+
+import numpy as np
+
+from .._plan import SlotCounts
+
+MAX_CHUNK_BYTES = 1 << 40  # 1 TiB: larger than any GPU's memory, so surely a mistake
+MAX_WORKERS = 1024
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10 ** 3, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30, "t": 1 << 40, "tb": 10 ** 12, "tib": 1 << 40}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def _got(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def parse_size(text: str) -> Optional[int]:
+    """Bytes written as ``"8MiB"``, ``"1 GiB"``, ``"512k"``, ``"1e6"`` or ``"4096"``; None if ``text``
+    is not a size."""
+    m = _SIZE.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        return None
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    return int(value) if math.isfinite(value) and value == int(value) else None
+
+
+def check_count(name: str, value: Any, *, minimum: int = 1, maximum: Optional[int] = None,
+                hint: str = "") -> int:
+    """``value`` as an int in ``[minimum, maximum]``.
+
+    Raises:
+        TypeError: not an integer (a bool, a float, a string, None).
+        ValueError: out of range.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {_got(value)}{hint}")
+    value = int(value)
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
+        raise ValueError(f"{name} must be {bound}, got {value}{hint}")
+    return value
+
+
+def check_bytes(name: str, value: Any, *, allow_auto: bool = False, maximum: int = MAX_CHUNK_BYTES) -> "int | str":
+    """A byte count: a positive int, an integral float (``8e6``), or a size string (``"8MiB"``);
+    ``"auto"`` too when ``allow_auto``.
+
+    Raises:
+        TypeError: a type that cannot be a size.
+        ValueError: NaN, infinite, fractional, not positive, larger than ``maximum``, or an
+            unreadable string.
+    """
+    accepted = "an int number of bytes or a size such as '8MiB'" + (", or 'auto'" if allow_auto else "")
+    if isinstance(value, str):
+        if allow_auto and value == "auto":
+            return value
+        parsed = parse_size(value)
+        if parsed is None:
+            raise ValueError(f"{name} must be {accepted}, got {value!r}")
+        value = parsed
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {accepted}, got {_got(value)}")
+    elif not isinstance(value, numbers.Integral):
+        f = float(value)
+        if not math.isfinite(f) or f != int(f):
+            raise ValueError(f"{name} must be a whole number of bytes, got {value!r}")
+        value = int(f)
+    value = int(value)
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1 byte, got {value}")
+    if value > maximum:
+        raise ValueError(f"{name} must be at most {maximum} bytes, got {value}; use a smaller chunk "
+                         "(8MiB suits most jobs, or 'auto')" if allow_auto else
+                         f"{name} must be at most {maximum} bytes, got {value}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: tuple) -> Any:
+    """``value`` if it is one of ``choices``. Raises ValueError naming them."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """A bool (numpy's too). Raises TypeError for anything else (a string 'False' is not False)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {_got(value)}")
+    return bool(value)
+
+
+def check_timeout(value: Any) -> Optional[float]:
+    """None (wait as long as it takes) or a finite number of seconds >= 0.
+
+    Raises:
+        TypeError: not a number.
+        ValueError: NaN, infinite or negative (use None to wait without limit).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"timeout must be None or a number of seconds, got {_got(value)}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"timeout must be a finite number of seconds >= 0 (or None to wait without limit), "
+                         f"got {value}")
+    return value
+
+
+def check_slots(value: Any) -> "int | SlotCounts | None":
+    """None (planned), an int >= 1 for every ring, or a :class:`~ringflow.SlotCounts`."""
+    if value is None or isinstance(value, SlotCounts):
+        return value
+    return check_count("slots", value, maximum=1 << 16,
+                       hint="; pass None (planned), an int for every ring, or a SlotCounts")
+
+
+def check_options(*, chunk_bytes: Any = None, allow_auto_chunk: bool = False, workers: Any = None,
+                  max_in_flight: Any = None, pinned_budget: Any = None, slots: Any = None,
+                  on_error: str = "raise", **flags: Any) -> dict:
+    """Every engine option a front door takes, checked and normalised; returns them as a dict
+    (``None`` meaning "planned"). ``flags`` are booleans (``ordered``, ``profile``, ``checked``,
+    ``inplace``, ``keep_warm``).
+
+    Raises:
+        TypeError, ValueError: naming the argument, what it got and what it accepts.
+    """
+    out: dict[str, Any] = {}
+    out["chunk_bytes"] = None if chunk_bytes is None else check_bytes("chunk_bytes", chunk_bytes,
+                                                                       allow_auto=allow_auto_chunk)
+    out["workers"] = None if workers is None else check_count("workers", workers, maximum=MAX_WORKERS)
+    out["max_in_flight"] = None if max_in_flight is None else check_count("max_in_flight", max_in_flight)
+    out["pinned_budget"] = None if pinned_budget is None else check_bytes("pinned_budget", pinned_budget,
+                                                                           maximum=1 << 50)
+    out["slots"] = check_slots(slots)
+    out["on_error"] = check_choice("on_error", on_error, ("raise", "continue"))
+    for name, value in flags.items():
+        out[name] = check_flag(name, value)
+    return out
+
+
+def check_out(x: np.ndarray, out: np.ndarray) -> None:
+    """``out`` may be ``x`` itself (in place) or memory that does not overlap ``x``.
+
+    Raises:
+        ValueError: ``out`` and ``x`` overlap other than exactly: chunk ``i``'s result would
+            overwrite input that a later chunk still has to read.
+    """
+    if out is x or not np.may_share_memory(x, out):
+        return
+    same = (x.__array_interface__["data"][0] == out.__array_interface__["data"][0] and x.strides == out.strides
+            and x.shape == out.shape)
+    if same:
+        return
+    if np.shares_memory(x, out, max_work=10 ** 6):
+        raise ValueError("out overlaps x without being x itself: results would overwrite input still to be read; "
+                         "pass out=x to work in place, or a separate array")
