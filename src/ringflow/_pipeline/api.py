@@ -32,6 +32,7 @@ from .._errors import StageError
 from .chunk import Chunk, ChunkFuture
 from .config import PipelineConfig, SlotCounts
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, resolve_slots
+from .validate import check_options, check_timeout
 from .scheduler import Scheduler
 from .states import ChunkState
 from .stats import PipelineStats
@@ -105,6 +106,14 @@ class Pipeline:
         self._closed = True  # until built: a finaliser or close() on a half-built pipeline does nothing
         if not callable(compute):
             raise TypeError(f"compute must be a callable f(x, y), got {type(compute).__name__}")
+        for name, fn in (("prepare", user_prepare), ("consume", consume), ("item_nbytes", item_nbytes)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}")
+        opts = check_options(chunk_bytes=chunk_bytes, workers=workers, max_in_flight=max_in_flight,
+                             pinned_budget=pinned_budget, slots=slots, on_error=on_error, ordered=ordered,
+                             profile=profile, inplace=inplace, checked=checked)
+        chunk_bytes, workers, max_in_flight, pinned_budget, slots = (
+            opts["chunk_bytes"], opts["workers"], opts["max_in_flight"], opts["pinned_budget"], opts["slots"])
         self.device = make_device(device) if not isinstance(device, Device) else device
         chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         if workers is None:
@@ -160,6 +169,7 @@ class Pipeline:
         Returns a future whose result is the consumer's value; raises TimeoutError if no
         capacity frees up within ``timeout`` seconds of the device's host clock (virtual seconds
         on the simulated GPU), ValueError for an item that cannot fit."""
+        timeout = check_timeout(timeout)
         self._check_open()
         self._check_item(item)
         s = self._sched

@@ -165,6 +165,10 @@ def check_out(x: np.ndarray, out: np.ndarray) -> None:
             and x.shape == out.shape)
     if same:
         return
-    if np.shares_memory(x, out, max_work=10 ** 6):
+    try:
+        overlap = np.shares_memory(x, out, max_work=10 ** 6)
+    except np.exceptions.TooHardError:  # too costly to decide exactly: refuse, as if they overlap
+        overlap = True
+    if overlap:
         raise ValueError("out overlaps x without being x itself: results would overwrite input still to be read; "
                          "pass out=x to work in place, or a separate array")

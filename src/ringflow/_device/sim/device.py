@@ -115,8 +115,9 @@ class SimDevice(Device):
         nbytes = check_nbytes(nbytes, "allocate_host size")
         with self._lock:
             self._check_usable()
+            buf = SimHostBuffer(self, nbytes)  # may raise MemoryError: count only what exists
             self._live["host_buffers"] += 1
-            return SimHostBuffer(self, nbytes)
+            return buf
 
     def register_host(self, array: np.ndarray) -> SimHostBuffer:
         if not isinstance(array, np.ndarray):
@@ -127,8 +128,9 @@ class SimDevice(Device):
         nbytes = check_nbytes(array.nbytes, "registered array size")
         with self._lock:
             self._check_usable()
+            buf = SimHostBuffer(self, nbytes, array)
             self._live["host_buffers"] += 1
-            return SimHostBuffer(self, nbytes, array)
+            return buf
 
     def allocate(self, nbytes: int, stream: SimStream | None = None) -> SimDeviceBuffer:
         nbytes = check_nbytes(nbytes, "allocate size")
