@@ -106,6 +106,50 @@ def test_ideal_total_matches_hand_computation():
     assert plan.ideal_total(t, 0) == 0.0
 
 
+def test_ideal_total_lets_workers_take_chunks_side_by_side():
+    # 4 workers, 4 chunks of CPU work: all four prepare at once, so the run is one chunk's
+    # latency (4 + 4 s), not a first chunk plus three intervals of (4 + 4) / 4 s
+    t = plan.StageTimes(prepare=4.0, h2d=0.0, compute=0.0, d2h=0.0, consume=4.0, workers=4)
+    assert plan.ideal_total(t, 4) == 8.0
+    # 5 chunks: the fifth waits for a worker; 12 chunks: the pool's work, 12 * 8 / 4
+    assert plan.ideal_total(t, 5) == 12.0
+    assert plan.ideal_total(t, 12) == 24.0
+    # copies run one at a time: the last of 6 H2Ds ends 6 s after the first prepare
+    t = plan.StageTimes(prepare=4.0, h2d=1.0, compute=0.5, d2h=1.0, consume=4.0, workers=4)
+    assert plan.ideal_total(t, 6) == pytest.approx(4.0 + 6 * 1.0 + 0.5 + 1.0 + 4.0)
+    # the scheduler's host time per chunk is a resource of its own
+    t = plan.StageTimes(prepare=0.0, h2d=1.0, compute=0.0, d2h=0.0, consume=0.0, scheduler=3.0)
+    assert plan.ideal_total(t, 10) == 30.0
+
+
+@pytest.mark.parametrize("workers,compute_s,consume_extra_s,n",
+                         [(4, 0.2e-3, 3e-3, 4), (2, 0.2e-3, 3e-3, 12), (1, 0.2e-3, 0.0, 6), (3, 2e-3, 0.0, 9),
+                          (8, 0.1e-3, 6e-3, 10)])
+def test_no_simulated_run_beats_ideal_total(workers, compute_s, consume_extra_s, n):
+    """The unit profile's stage times are exact: ideal_total over them is at most the wall time
+    of a run on the simulated GPU (whatever the slots), and not far below it."""
+    times = unit_times(compute_s, consume_extra_s, workers)
+    dev = rf.device("sim", profile="unit")
+
+    def f(x, y):
+        y[:] = x
+
+    f.sim_seconds = compute_s
+
+    def consume(index, item, result):
+        charge(consume_extra_s)
+        return None
+
+    items = [np.ones(MB // 4, np.float32) for _ in range(n)]
+    with rf.Pipeline(f, device=dev, chunk_bytes=MB, workers=workers, consume=consume, slots=workers + 3) as pipe:
+        t0 = dev.now
+        list(pipe.map(items))
+        wall = dev.now - t0
+    bound = plan.ideal_total(times, n)
+    assert bound <= wall * (1 + 1e-9)
+    assert bound > 0.6 * wall
+
+
 def test_model_uses_concurrent_link_bandwidth():
     t = plan.model_stage_times("h200-pcie5", 256 * MiB)
     # alone 54.8 GB/s; both directions at once share 98.4 GB/s

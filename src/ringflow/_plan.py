@@ -161,18 +161,58 @@ def with_worker_slots(counts: SlotCounts, workers: int, chunk_bytes: int) -> Slo
     return dataclasses.replace(counts, host_in=max(counts.host_in, floor), host_out=max(counts.host_out, floor))
 
 
-def ideal_total(times: StageTimes, n: int, first_chunk_s: Optional[float] = None) -> float:
-    """Ideal wall time of ``n`` chunks: the first traverses every stage, the rest follow one
-    interval apart: ``sum + (n - 1) * max``. Over whole-job stage times this is DESIGN.md's
-    ``max + (sum - max) / n`` multiplied by n. ``first_chunk_s`` replaces the first chunk's
-    ``sum`` (a report passes the fastest observed time of each stage: a chunk alone in the
-    pipeline meets none of the contention in the medians)."""
+def ideal_total(times: StageTimes, n: int) -> float:
+    """A lower bound on the wall time of ``n`` chunks of these stage times: no schedule beats it.
+
+    Each stage runs on a resource of some parallelism: the H2D copy engine, the compute stream
+    and the D2H copy engine take one chunk at a time; prepare and consume share the pool of
+    ``workers`` CPU threads, each of which takes one chunk's stage at a time; the scheduler's
+    host time per chunk is a resource of one. A chunk passes its stages in order, so before a
+    resource can start anything the first chunk has spent the stages before it, and after the
+    resource's last piece of work that chunk still has the stages after it. With ``L`` the sum
+    of the five stage times (one chunk's latency, the pipeline's fill and drain) the bound is the
+    largest of:
+
+    * ``L``;
+    * for each stage ``s`` of time ``t`` on ``W`` lanes (``W = 1`` for the copies and compute,
+      ``workers`` for prepare and consume): ``L + (ceil(n / W) - 1) * t``, the stages before it,
+      its ``n`` chunks with some lane taking ``ceil(n / W)`` of them, and the stages after it;
+    * for the CPU pool as a whole (its first work, a prepare, needs nothing before it; its last,
+      a consume, nothing after): ``n * (prepare + consume) / workers``, or the
+      ``ceil(2n / workers)`` shortest of its ``2n`` pieces, which some thread must take;
+    * ``n * scheduler``.
+
+    As ``n`` grows the bound rises by the steady interval per chunk: the largest work per chunk
+    of a resource over its parallelism (:attr:`StageTimes.interval`). The copy and compute
+    terms are ``sum + (n - 1) * stage``; the CPU pool's needs no fill, since its threads run
+    earlier chunks' consumes while later chunks are prepared, and its stages' terms count
+    ``workers`` chunks side by side. Copy times are those of the steady state: when both
+    directions run at once they share the link, so they are taken at the duplex rate.
+
+    Args:
+        times: seconds per chunk of each stage, ``workers`` the CPU pool's threads, ``scheduler``
+            the host seconds per chunk.
+        n: chunks (0 or less gives 0).
+
+    Returns:
+        seconds.
+    """
     if n <= 0:
         return 0.0
-    first = times.scheduler + times.prepare + times.h2d + times.compute + times.d2h + times.consume
-    if first_chunk_s is not None:
-        first = first_chunk_s
-    return first + (n - 1) * times.interval
+    t = times.as_dict()
+    workers = max(1, times.workers)
+    lanes = {"prepare": workers, "h2d": 1, "compute": 1, "d2h": 1, "consume": workers}
+    latency = sum(t.values())
+    short, long = sorted((t["prepare"], t["consume"]))
+    k = math.ceil(2 * n / workers)  # the pieces some thread of the pool takes
+    pool = max(n * (short + long) / workers, min(k, n) * short + max(0, k - n) * long)
+    bound = max(latency, pool, n * times.scheduler)
+    before = 0.0
+    for stage in STAGES:
+        after = latency - before - t[stage]
+        bound = max(bound, before + math.ceil(n / lanes[stage]) * t[stage] + after)
+        before += t[stage]
+    return bound
 
 
 def model_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, compute: Optional[float] = None,
@@ -296,7 +336,18 @@ def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     t = dataclasses.replace(t, scheduler=host_seconds_per_chunk(host_stages))
     if not host_stages:
         t = dataclasses.replace(t, prepare=p.host_task_overhead_s, consume=p.host_task_overhead_s)
-    return t, ideal_total(t, n)
+    return t, predicted_total(t, n)
+
+
+def predicted_total(times: StageTimes, n: int) -> float:
+    """The planner's prediction (not a bound) of the wall time of ``n`` chunks: the first chunk
+    traverses every stage, the rest follow one steady interval apart. Unlike
+    :func:`ideal_total` it charges every chunk size the pipeline's fill, which is what makes
+    very large staged chunks slow in practice (their pinned rings and first touch are not
+    modelled otherwise)."""
+    if n <= 0:
+        return 0.0
+    return sum(times.as_dict().values()) + times.scheduler + (n - 1) * times.interval
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +369,7 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *, co
 
     Small chunks copy slowly (the bandwidth-by-size curve) and pay the per-chunk host cost many
     times; large chunks leave the pipeline's fill and drain (the first chunk traverses every
-    stage alone) a large share. Each candidate is predicted as ``ideal_total`` over its chunk
+    stage alone) a large share. Each candidate is predicted as ``predicted_total`` over its chunk
     count plus the per-chunk scheduling cost; the planned slots must fit ``pinned_budget``.
     ``host_stages=False`` when the copy engines read the caller's pinned memory directly.
     """

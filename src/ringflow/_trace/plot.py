@@ -1,27 +1,44 @@
-"""A Gantt chart of one run: a row per stage track, a bar per chunk, stalls in grey."""
+"""A Gantt chart of one run: a row per stage track, a bar per chunk, stalls in grey.
+
+Drawn on a ``matplotlib.figure.Figure`` made here, or on the caller's ``Axes``: pyplot is never
+imported and the backend never switched, so a notebook's inline plots keep working."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 from .timeline import Timeline, track_sort_key
 
 COLOURS = {"prepare": "#4c72b0", "h2d": "#dd8452", "compute": "#55a868", "d2h": "#c44e52", "consume": "#8172b3"}
 
 
-def plot_gantt(timeline: Timeline, path: str, *, title: str = "") -> str:
-    try:
-        import matplotlib
+def plot_gantt(timeline: Timeline, path: Optional[str] = None, *, ax=None, title: str = ""):
+    """Draw ``timeline`` (see :meth:`ringflow.Report.plot`); returns the Figure drawn on.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    Raises RuntimeError without matplotlib, TypeError when ``ax`` is not a matplotlib Axes."""
+    try:
+        from matplotlib.axes import Axes
+        from matplotlib.figure import Figure
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise RuntimeError("report.plot needs matplotlib: pip install 'ringflow[plot]'") from exc
     # stage tracks split into lanes (one per worker); stalls drawn as one row per kind
     spans = [s for s in timeline.spans() if not s.track.startswith("stall")]
     spans += [s for s in timeline.spans(lanes=False) if s.track.startswith("stall")]
-    t0 = timeline.start
     rows = sorted({s.track for s in spans}, key=track_sort_key)
+    if ax is None:
+        fig = Figure(figsize=(12, 0.6 * len(rows) + 1.5), dpi=110)
+        ax = fig.add_subplot()
+        own = True
+    elif isinstance(ax, Axes):
+        fig = ax.figure
+        while getattr(fig, "figure", fig) is not fig:  # a subfigure's axes: save the whole figure
+            fig = fig.figure
+        own = False
+    else:
+        raise TypeError(f"plot(ax=...) takes a matplotlib Axes to draw into, or None for a new figure; "
+                        f"got {type(ax).__name__}")
+    t0 = timeline.start
     y = {r: len(rows) - 1 - i for i, r in enumerate(rows)}
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(rows) + 1.5), dpi=110)
     for s in spans:
         colour = COLOURS.get(s.name, "#b0b0b0")
         ax.barh(y[s.track], (s.end - s.start) * 1e3, left=(s.start - t0) * 1e3, height=0.7, color=colour,
@@ -30,7 +47,8 @@ def plot_gantt(timeline: Timeline, path: str, *, title: str = "") -> str:
     ax.set_xlabel("ms since the first chunk was accepted")
     ax.set_title(title, fontsize=9)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    if own:  # the caller's figure keeps the layout the caller gave it
+        fig.tight_layout()
+    if path is not None:
+        fig.savefig(path)
+    return fig

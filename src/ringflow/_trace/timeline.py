@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from .._device.protocol import HostTask
+
 STAGES = ("prepare", "h2d", "compute", "d2h", "consume")
 GPU_STAGES = ("h2d", "compute", "d2h")
 
@@ -47,6 +49,8 @@ class ChunkRecord:
     accepted: float
     ended: float
     stages: dict  # stage -> (start, end)
+    # the host stages that ran on the worker pool; the others ran inline on the scheduler's thread
+    pooled: tuple = ("prepare", "consume")
 
     @property
     def latency(self) -> float:
@@ -71,7 +75,10 @@ def record_chunk(chunk, anchor: Optional[Anchor]) -> ChunkRecord:
     """Turn a finished chunk's stamps, host-task spans and timing events into a record."""
     st = chunk.stamps
     stages: dict[str, tuple[float, float]] = {}
+    pooled = []
     for stage, task in (("prepare", chunk.prepare_task), ("consume", chunk.consume_task)):
+        if isinstance(task, HostTask):
+            pooled.append(stage)
         span = getattr(task, "span", None) if task is not None else None
         if span is not None and span[1] is not None:
             stages[stage] = tuple(span)
@@ -84,7 +91,8 @@ def record_chunk(chunk, anchor: Optional[Anchor]) -> ChunkRecord:
             if start is not None and end is not None:
                 stages[stage] = (start, end)
     return ChunkRecord(index=chunk.index, nbytes=chunk.nbytes, final=chunk.state.value,
-                       accepted=st.get("accepted", 0.0), ended=st.get("ended", 0.0), stages=stages)
+                       accepted=st.get("accepted", 0.0), ended=st.get("ended", 0.0), stages=stages,
+                       pooled=tuple(pooled))
 
 
 def stall_spans(chunk_stamps: dict, index: int) -> list[Span]:

@@ -1,0 +1,209 @@
+"""The report's ideal bound is a lower bound on the run's wall time: no run beats it.
+
+On the simulated GPU stage durations are exact: ``charge`` sets a prepare's or consume's CPU
+time, a compute callable's ``sim_seconds`` its kernel time, and the ``unit`` profile copies
+1 MB in 1 ms each way (the two directions together fit its duplex link) with one CPU worker
+copying 1 MB in 1 ms. A stage served by W workers may run W chunks at once, so a bound
+that lets chunks pass a CPU stage only one interval apart after a first chunk overshoots.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ringflow as rf
+from ringflow import _plan as plan
+from ringflow._device.sim.pool import charge
+from ringflow._trace.report import Report, ideal_seconds
+from ringflow._trace.timeline import STAGES, ChunkRecord, Timeline
+
+MB = 10**6
+ms = 1e-3
+
+
+def run_pipeline(*, workers, prepare_s, consume_s, compute_s, n, chaos=False, seed=0, slots=None,
+                 profile="unit"):
+    dev = rf.device("sim", profile=profile, chaos=chaos, seed=seed)
+
+    def f(x, y):
+        y[:] = x + 1
+
+    f.sim_seconds = compute_s
+
+    def prepare(item):
+        charge(prepare_s)
+        return item
+
+    def consume(index, item, result):
+        charge(consume_s)
+        return float(result[0])
+
+    items = [np.full(MB // 4, i, np.float32) for i in range(n)]
+    with rf.Pipeline(f, device=dev, chunk_bytes=MB, workers=workers, profile=True, prepare=prepare,
+                     consume=consume, slots=slots if slots is not None else max(4, workers + 2)) as pipe:
+        out = list(pipe.map(items))
+    assert out == [i + 1.0 for i in range(n)]
+    return pipe.report()
+
+
+def run_stream_map(*, workers, compute_s, n, host="stage", chaos=False, seed=0, profile="unit", **kw):
+    dev = rf.device("sim", profile=profile, chaos=chaos, seed=seed)
+
+    def f(x, y):
+        y[:] = x * 2
+
+    f.sim_seconds = compute_s
+    x = np.arange(n * MB // 4 + 100, dtype=np.float32)  # a short last chunk
+    y, rep = rf.stream_map_report(f, x, device=dev, chunk_bytes=MB, workers=workers, host=host, **kw)
+    assert np.array_equal(y, x * 2)
+    return rep
+
+
+def assert_sound(rep, floor=0.5):
+    assert rep.ideal_s <= rep.measured_s * (1 + 1e-9), rep.headline()
+    assert rep.efficiency <= 1.0 + 1e-9, rep.headline()
+    assert rep.efficiency > floor, rep.headline()
+
+
+# -- by hand ----------------------------------------------------------------------------------
+
+def test_workers_each_take_a_chunk_at_once_so_the_first_chunk_is_not_alone():
+    """4 workers, 4 chunks: their prepares run side by side, so the bound is set by the four
+    H2Ds in a row, not by a first chunk plus three intervals of (prepare + consume) / 4."""
+    rep = run_pipeline(workers=4, prepare_s=3 * ms, consume_s=3 * ms, compute_s=0.0, n=4)
+    latency = 4 + 1 + 0 + 1 + 4  # ms: prepare, h2d, compute, d2h, consume
+    # four H2Ds in a row, then the last chunk's compute, D2H and consume
+    h2d_bound = 4 + 4 * 1 + 0 + 1 + 4
+    assert rep.ideal_s == pytest.approx(max(latency, h2d_bound) * ms)
+    assert_sound(rep, floor=0.9)
+
+
+def test_cpu_bound_pipeline_with_parallel_workers_was_over_its_bound():
+    """The run that used to report efficiency 1.06: 2 workers, prepare and consume 4 ms each."""
+    rep = run_pipeline(workers=2, prepare_s=3 * ms, consume_s=3 * ms, compute_s=0.2 * ms, n=12)
+    # the pool holds 12 * (4 + 4) ms of work (each CPU stage also copies 1 MB: 1 ms) on 2 workers
+    assert rep.ideal_s == pytest.approx(12 * 8 * ms / 2)
+    assert rep.bottleneck == "cpu (prepare+consume)"
+    assert_sound(rep, floor=0.9)
+
+
+def test_the_demo_run_on_the_simulated_h200_is_within_its_bound():
+    """The demo's profiled run: a pageable array staged by 4 workers on the H200 profile."""
+    dev = rf.device("sim")
+    x = np.random.default_rng(7).random(16 * (1 << 20) // 4, dtype=np.float32)
+
+    def f(x, y):
+        y[:] = x * 2 + 1
+
+    y, rep = rf.stream_map_report(f, x, device=dev, chunk_bytes=1 << 20, workers=4)
+    assert np.array_equal(y, x * 2 + 1)
+    assert_sound(rep, floor=0.7)
+
+
+def records(durations, *, gap=0.0):
+    """ChunkRecords whose stages follow one another, chunk ``i`` accepted at ``i * gap``."""
+    out = []
+    for i, d in enumerate(durations):
+        t = i * gap
+        stages = {}
+        for stage in STAGES:
+            stages[stage] = (t, t + d[stage])
+            t += d[stage]
+        out.append(ChunkRecord(index=i, nbytes=1, final="delivered", accepted=i * gap, ended=t, stages=stages))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0.0, 5.0), min_size=5, max_size=5), st.integers(1, 40), st.integers(1, 9))
+def test_identical_chunks_give_the_planners_bound(times, n, workers):
+    """Over n identical chunks the report's bound is :func:`ringflow._plan.ideal_total`."""
+    d = dict(zip(STAGES, times))
+    t = plan.StageTimes(workers=workers, **d)
+    assert ideal_seconds(records([d] * n), workers) == pytest.approx(plan.ideal_total(t, n), rel=1e-9, abs=1e-12)
+
+
+def test_a_short_last_chunk_counts_its_own_time_and_hides_no_fill():
+    """Medians times n would overstate a run whose last chunk is short, and a bound taking the
+    shortest fill and drain of any chunk would take them from that short chunk: over the full
+    chunks alone the H2D stream still needs a full prepare before and a full tail after."""
+    full = {"prepare": 0.1, "h2d": 1.0, "compute": 0.1, "d2h": 0.1, "consume": 0.1}
+    short = {k: v / 10 for k, v in full.items()}
+    recs = records([full, full, full, short])
+    # the three full chunks: a prepare (0.1), three H2Ds (3.0), compute, D2H and consume (0.3)
+    assert ideal_seconds(recs, 1) == pytest.approx(0.1 + 3.0 + 0.3)
+    # with the short chunk first, the last full chunk still ends 0.3 s after the H2Ds: not beaten
+    assert ideal_seconds(recs, 1) < plan.ideal_total(plan.StageTimes(workers=1, **full), 4)
+
+
+def test_host_stages_run_inline_count_on_the_scheduler_thread_not_the_pool():
+    d = {"prepare": 1.0, "h2d": 0.1, "compute": 0.1, "d2h": 0.1, "consume": 1.0}
+    pooled = records([d] * 8)
+    inline = [ChunkRecord(r.index, r.nbytes, r.final, r.accepted, r.ended, r.stages, pooled=()) for r in pooled]
+    # on a pool of 4: 8 chunks x 2 s / 4 workers; inline, one thread does all 16 s
+    assert ideal_seconds(pooled, 4) == pytest.approx(max(16 / 4, 2 * 1.0 + 1.3))
+    assert ideal_seconds(inline, 4) == pytest.approx(16.0)
+
+
+def test_report_uses_the_bound_and_names_the_busiest_resource():
+    d = {"prepare": 1.0, "h2d": 0.5, "compute": 0.1, "d2h": 0.5, "consume": 3.0}
+    rep = Report.build(Timeline(records=records([d] * 6, gap=2.0)), workers=2, memory={}, host_seconds=0.0)
+    assert rep.ideal_s == pytest.approx(ideal_seconds(rep.timeline.records, 2)) == pytest.approx(6 * 4.0 / 2)
+    assert rep.bottleneck == "cpu (prepare+consume)"
+    assert rep.efficiency == pytest.approx(rep.ideal_s / rep.measured_s)
+
+
+def test_an_empty_report_has_no_bound():
+    rep = Report.build(Timeline(), workers=1, memory={}, host_seconds=0.0)
+    assert rep.ideal_s == 0.0 and rep.chunks == 0 and math.isnan(rep.efficiency)
+
+
+# -- no run beats it --------------------------------------------------------------------------
+
+MIXES = {
+    # (prepare s, consume s, compute s) charged per chunk; each CPU stage also copies 1 MB (1 ms
+    # on one worker), each copy takes 1 ms
+    "cpu": (3 * ms, 3 * ms, 0.2 * ms),
+    "copy": (0.0, 0.0, 0.3 * ms),
+    "compute": (0.0, 0.0, 3 * ms),
+}
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mix=st.sampled_from(sorted(MIXES)), workers=st.integers(1, 8), n=st.integers(2, 14),
+       chaos=st.booleans(), seed=st.integers(0, 10_000))
+def test_no_pipeline_run_beats_its_bound(mix, workers, n, chaos, seed):
+    prepare_s, consume_s, compute_s = MIXES[mix]
+    if mix == "copy":
+        workers = max(workers, 4)  # (1 + 1) ms of CPU per chunk on >= 4 workers: the copies bind
+    rep = run_pipeline(workers=workers, prepare_s=prepare_s, consume_s=consume_s, compute_s=compute_s, n=n,
+                       chaos=chaos, seed=seed)
+    assert_sound(rep)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(host=st.sampled_from(["stage", "register", "pinned-pipeline"]), workers=st.integers(1, 6),
+       compute_ms=st.sampled_from([0.1, 1.0, 3.0]), n=st.integers(2, 10), chaos=st.booleans(),
+       seed=st.integers(0, 10_000), profile=st.sampled_from(["unit", "h200-pcie5"]))
+def test_no_stream_map_run_beats_its_bound(host, workers, compute_ms, n, chaos, seed, profile):
+    """Staged (CPU copies on the workers: CPU-bound with one worker, copy-bound with several),
+    registered (the direct engine) and pinned on the pipeline engine (host stages inline)."""
+    kw = {}
+    if host == "pinned-pipeline":
+        host, kw = "register", {"engine": "pipeline"}
+    rep = run_stream_map(workers=workers, compute_s=compute_ms * ms, n=n, host=host, chaos=chaos, seed=seed,
+                         profile=profile, **kw)
+    assert_sound(rep)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_every_mix_with_chaos_stays_within_its_bound(mix, seed):
+    prepare_s, consume_s, compute_s = MIXES[mix]
+    rep = run_pipeline(workers=4, prepare_s=prepare_s, consume_s=consume_s, compute_s=compute_s, n=10,
+                       chaos=True, seed=seed)
+    assert_sound(rep)
+    expected = {"cpu": "cpu (prepare+consume)", "copy": ("h2d", "d2h"), "compute": "compute"}[mix]
+    assert rep.bottleneck in expected

@@ -1,0 +1,129 @@
+"""How a report shows itself: one-line repr, HTML for notebooks, rich, text, and its plot."""
+
+import gc
+import warnings
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+
+MB = 10**6
+
+
+@pytest.fixture(scope="module")
+def rep():
+    dev = rf.device("sim", profile="unit")
+
+    def f(x, y):
+        y[:] = x * 2 + 1
+
+    f.sim_seconds = 0.5e-3
+    items = [np.full(MB // 4, i + 1, np.float32) for i in range(6)]
+    with rf.Pipeline(f, device=dev, chunk_bytes=MB, workers=2, profile=True, slots=3) as pipe:
+        list(pipe.map(items))
+    return pipe.report()
+
+
+def test_repr_is_one_short_line_with_the_headline_figures(rep):
+    text = repr(rep)
+    assert "\n" not in text and len(text) < 200, text
+    assert text.startswith("<Report ") and text.endswith(">")
+    assert "6 chunks" in text
+    assert f"{rep.measured_s * 1e3:.3f} ms" in text
+    assert f"bottleneck {rep.bottleneck}" in text
+    assert f"efficiency {rep.efficiency:.2f}" in text
+
+
+def test_html_is_a_small_table_of_the_figures_that_matter(rep):
+    html = rep._repr_html_()
+    assert html.lstrip().startswith("<") and html.count("<table") == 1 and len(html) < 6000
+    for stage in ("prepare", "h2d", "compute", "d2h", "consume"):
+        assert f"<td>{stage}</td>" in html
+    for label in ("bottleneck", "ideal bound", "efficiency", "latency p50", "latency p99"):
+        assert label in html
+    assert f"{rep.ideal_s * 1e3:.3f}" in html and f"{rep.efficiency:.2f}" in html
+    assert f"{rep.latency_s['p99'] * 1e3:.3f}" in html
+    assert f"{rep.stage_median_s['compute'] * 1e3:.4f}" in html
+
+
+def test_html_escapes_what_it_shows(rep):
+    import dataclasses
+
+    odd = dataclasses.replace(rep, bottleneck="<script>x</script>")
+    html = odd._repr_html_()
+    assert "<script>" not in html and "&lt;script&gt;" in html
+
+
+def test_rich_renders_the_table(rep):
+    from rich.console import Console
+
+    console = Console(width=100, record=True, file=__import__("io").StringIO())
+    console.print(rep)
+    text = console.export_text()
+    assert "efficiency" in text and "h2d" in text and "latency p50/p95/p99" in text
+    assert "<Report" not in text  # rendered as the table, not as its repr
+
+
+def test_str_is_the_table_and_leaks_no_file():
+    """``str`` renders through rich; a console writing to a file it never closes would show
+    up as a ResourceWarning once collected."""
+    dev = rf.device("sim", profile="unit")
+    with rf.Pipeline(lambda x, y: None, device=dev, chunk_bytes=1024, profile=True) as pipe:
+        list(pipe.map([np.zeros(8, np.float32)] * 2))
+    report = pipe.report()
+    gc.collect()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            text = str(report)
+        gc.collect()
+    leaks = [w for w in caught if issubclass(w.category, ResourceWarning)]
+    assert not leaks, [str(w.message) for w in leaks]
+    assert "efficiency" in text and "consume" in text
+
+
+# -- plot -------------------------------------------------------------------------------------
+
+def test_plot_leaves_the_backend_and_pyplot_alone_and_returns_the_figure(rep, tmp_path):
+    matplotlib = pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+    import matplotlib.pyplot as plt
+
+    before = matplotlib.get_backend()
+    try:
+        matplotlib.use("svg")  # any backend but Agg: plot must not switch it
+        figs = plt.get_fignums()
+        fig = rep.plot()
+        assert isinstance(fig, Figure)
+        assert matplotlib.get_backend() == "svg"
+        assert plt.get_fignums() == figs  # nothing registered with pyplot
+        assert len(fig.axes) == 1 and len(fig.axes[0].patches) >= 5 * rep.chunks
+        path = tmp_path / "t.png"
+        fig2 = rep.plot(str(path))
+        assert isinstance(fig2, Figure) and matplotlib.get_backend() == "svg"
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert plt.get_fignums() == figs
+    finally:
+        matplotlib.use(before)
+
+
+def test_plot_draws_into_the_given_axes(rep, tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    ax, other = fig.subplots(1, 2)
+    got = rep.plot(ax=ax)
+    assert got is fig
+    assert len(ax.patches) >= 5 * rep.chunks and len(other.patches) == 0
+    assert ax.get_xlabel().startswith("ms")
+    path = tmp_path / "ax.svg"
+    assert rep.plot(str(path), ax=other) is fig and path.read_text().lstrip().startswith("<?xml")
+    assert len(other.patches) >= 5 * rep.chunks
+
+
+def test_plot_refuses_an_axes_that_is_not_one(rep):
+    pytest.importorskip("matplotlib")
+    with pytest.raises(TypeError, match="matplotlib Axes"):
+        rep.plot(ax="left")
