@@ -1,0 +1,94 @@
+"""The documentation agrees with the code and with the measured results it quotes."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import pytest
+
+import ringflow
+from ringflow._cli import build_parser
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+RESULTS = ROOT / "bench" / "results"
+
+
+def test_the_reference_documents_every_public_name():
+    documented = set(re.findall(r"^::: ringflow\.(\w+)$", (DOCS / "reference.md").read_text(), re.MULTILINE))
+    assert documented == set(ringflow.__all__)
+
+
+def test_every_page_is_in_the_navigation():
+    nav = set(re.findall(r":\s*([\w/.-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.MULTILINE))
+    pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
+    assert nav == pages
+
+
+def test_the_cli_page_covers_every_subcommand():
+    text = (DOCS / "cli.md").read_text()
+    sub = next(a for a in build_parser()._subparsers._group_actions if a.choices)
+    for name in sub.choices:
+        assert f"## `ringflow {name}`" in text and f"<!-- ringflow-help: {name} -->" in text, name
+
+
+def _seed_like(file: str, workload: str) -> tuple[float, float]:
+    """stream_map's best time and the C++ program's best, input rewritten, host clock (ms)."""
+    refilled = json.loads((RESULTS / file).read_text())["workloads"][workload]["versus_cpp"]["refilled_input"]
+    return refilled["ringflow_best_ms"], refilled["cpp_best_ms_host_clock"]
+
+
+def _pageable(file: str, ringflow_row: str, reference: str) -> tuple[float, float]:
+    w = json.loads((RESULTS / file).read_text())["workloads"]["pageable"]
+    rows = {r["name"]: r for r in w["rows"]}
+    refs = {"link": w["floors"]["link_floor_ms"], "floor": w["floor_ms"]}
+    ref = refs[reference] if reference in refs else rows[reference]["ms_median"]
+    return rows[ringflow_row]["ms_median"], ref
+
+
+RUN5 = "bench-h200-2026-11-30-s4-run5-profiled-direct.json"
+FULL = "bench-h200-2026-11-30-s4-stream-map-direct.json"
+STAGED = "ringflow stream_map host=auto"
+# (the start of the table row, ringflow ms, reference ms, digits)
+HEADLINE = [
+    ("| `seed`: 256 MiB pinned, in place, the tutorial's kernel |", *_seed_like(RUN5, "seed"), 2),
+    ("| `balanced`: the kernel takes one copy's time |", *_seed_like(RUN5, "balanced"), 2),
+    ("| `compute-bound`: the kernel takes three copies' time |", *_seed_like(RUN5, "compute-bound"), 2),
+    ("| 1 GiB in, 1 GiB out, arrays pinned once",
+     *_pageable(FULL, "ringflow MapJob host=register, repeated calls (x, out pinned once)", "link"), 1),
+    ("| 1 GiB ordinary numpy array in, a new one out (`stream_map`) |", *_pageable(FULL, STAGED, "floor"), 1),
+    ("| the same | 81.1 ms | hand-written PyTorch", *_pageable(FULL, STAGED, "hand-written torch 3-stream pipeline"), 1),
+    ("| the same | 81.1 ms | naive PyTorch", *_pageable(FULL, STAGED, "torch naive .cuda()/.cpu()"), 1),
+]
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/performance.md"])
+@pytest.mark.parametrize("start, ours, ref, digits", HEADLINE, ids=[h[0] for h in HEADLINE])
+def test_headline_figures_are_the_measured_ones(page, start, ours, ref, digits):
+    lines = [line for line in (ROOT / page).read_text().splitlines() if line.startswith(start)]
+    assert len(lines) == 1, f"{page}: {len(lines)} rows start with {start!r}"
+    cells = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert cells[1] == f"{ours:.{digits}f} ms"
+    assert cells[2].endswith(f", {ref:.{digits}f} ms")
+    assert cells[3] == f"{ours / ref:.2f}"
+
+
+def test_every_results_file_is_listed():
+    listing = (RESULTS / "README.md").read_text()
+    for path in RESULTS.iterdir():
+        if path.name == "README.md":
+            continue
+        # rows name a run's sibling files by their tail: `name-run1.json`, `-run2.json`
+        tail = re.search(r"-(run\d+\.json)$", path.name)
+        assert path.name in listing or (tail and f"`-{tail.group(1)}`" in listing), path.name
+
+
+@pytest.mark.parametrize("page", ["README.md", "bench/results/README.md",
+                                  *(str(p.relative_to(ROOT)) for p in sorted(DOCS.rglob("*.md"))),
+                                  *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "examples").glob("*.py")))])
+def test_pages_speak_of_the_project_only(page):
+    text = (ROOT / page).read_text()
+    assert not re.search(r"\b(session|sessions|lease|leases)\b|issue #", text, re.IGNORECASE)
+    assert "DESIGN.md" not in text and "../shared" not in text
