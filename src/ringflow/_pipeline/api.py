@@ -122,7 +122,7 @@ class Pipeline:
                  _bulk: bool = False):
         if not callable(compute):
             raise TypeError(f"compute must be a callable f(x, y), got {type(compute).__name__}")
-        self.device = make_device(device or "auto") if not isinstance(device, Device) else device
+        self.device = make_device(device) if not isinstance(device, Device) else device
         slot_bytes = int(chunk_bytes) if chunk_bytes is not None else DEFAULT_CHUNK_BYTES
         if slot_bytes < 1:
             raise ValueError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes}")

@@ -142,7 +142,7 @@ def _layout_map(f, x, out, fresh_out, device, chunk_bytes, host, x_buffer, out_b
     """Check a whole-array job's arguments and lay it out (x non-empty). Raises ValueError for a
     row larger than a chunk, half a pair of pinned buffers, or registration of strided arrays."""
     row_bytes = x.nbytes // x.shape[0]
-    dev = make_device(device or "auto") if not isinstance(device, Device) else device
+    dev = make_device(device) if not isinstance(device, Device) else device
     tail = x.shape[1:]
     contiguous = x.flags.c_contiguous and out.flags.c_contiguous
     if (x_buffer is None) != (out_buffer is None):
