@@ -232,7 +232,7 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(device_pkg, "cuda_available", lambda: (True, "1 CUDA GPU(s)"))
     monkeypatch.setattr(device_pkg, "_gpu_count", lambda: 1)
     monkeypatch.setattr(cuda_pkg, "CudaDevice", FakeCudaDevice)
-    monkeypatch.setattr(measure_mod, "measure", lambda dev, repeats: fake_measurements(h2d=54.81234))
+    monkeypatch.setattr(measure_mod, "measure", lambda dev, repeats: fake_measurements(h2d=54.81234, duplex=101.14))
     monkeypatch.setattr(doctor, "SYSFS", make_sysfs(tmp_path, current_link_speed="2.5 GT/s PCIe"))
 
 
@@ -243,7 +243,27 @@ def test_collect_on_a_gpu_reads_its_link(fake_gpu):
     assert report["link"]["comparison"]["basis"] == "max"  # read at Gen1 after the copies: idle
     assert report["measurements"]["h2d_pinned"]["GBps"] == 54.8
     assert any("measuring" in s for s in said)
+    rows = {r["what"]: r for r in report["checks"]}
+    assert rows["pinned H2D+D2H at once (sum)"]["measured"] == 101.1  # GB/s keep their decimal
     _render_text(report)
+
+
+def test_bus_id_from_the_driver_when_cuda_core_lacks_it(monkeypatch):
+    import sys
+    import types
+
+    class NoProps(FakeCudaDevice):
+        def __init__(self):
+            super().__init__(0)
+            self._cc = object()  # no .properties
+
+    driver = types.SimpleNamespace(cuDeviceGetPCIBusId=lambda n, index: (0, b"0000:00:06.0\x00" + b" " * 19))
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.driver = driver
+    monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    assert doctor._bus_id(NoProps()) == "0000:00:06.0"
+    assert doctor._bus_id(FakeCudaDevice()) == "0000:1b:00.0"
 
 
 def test_collect_refuses_a_gpu_index_beyond_the_count(fake_gpu):

@@ -197,7 +197,8 @@ def _bus_id(dev) -> "str | None":
 
         err, text = driver.cuDeviceGetPCIBusId(32, dev.index)
         if int(err) == 0:
-            return (text.decode() if isinstance(text, bytes) else str(text)).strip("\x00 ")
+            raw = text.decode("ascii", "replace") if isinstance(text, (bytes, bytearray)) else str(text)
+            return raw.split("\x00")[0].strip()  # a C buffer: the address, a NUL, then padding
     except Exception:  # noqa: BLE001 - no way to tell: the comparison is skipped
         pass
     return None
@@ -283,7 +284,7 @@ def rounded(obj: Any, key: str = "") -> Any:
     """A copy of a report with its figures rounded: GB/s to 1 decimal, times and other floats to
     3 significant digits, fractions and shares to 3 decimals. Ints, strings and bools are kept."""
     if isinstance(obj, dict):
-        return {k: rounded(v, str(k)) for k, v in obj.items()}
+        return {k: v if k == "measured" else rounded(v, str(k)) for k, v in obj.items()}  # checks round their own
     if isinstance(obj, (list, tuple)):
         if "GBps" in key and len(obj) == 2 and all(isinstance(v, (int, float)) for v in obj):
             return [obj[0], round(float(obj[1]), 1)]  # a (size or threads, GB/s) point
