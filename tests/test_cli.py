@@ -2,9 +2,13 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
+import ringflow
+import ringflow as rf
 from ringflow._cli import main
 
 
@@ -56,3 +60,249 @@ def test_plan_command(capsys):
 
 def test_doctor_without_a_gpu_reports_the_profile(capsys):
     assert main(["doctor", "--json", "--device", "sim"]) == 0
+
+
+# -- user mistakes: one stderr line, a non-zero exit, never a traceback -----------------------------------------------
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(ringflow.__file__)))
+
+
+def run_cli(*args: str, env_extra: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """``python -m ringflow ARGS`` with this checkout's package, no GPU choice inherited."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RINGFLOW_DEVICE", "RINGFLOW_DEBUG")}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "ringflow", *args], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    """Files that are not traces or bench results, and a file to put paths under."""
+    d = tmp_path_factory.mktemp("bad")
+    contents = {"empty.json": "", "blank.json": "  \n", "corrupt.json": "not json{", "events_int.json": '{"traceEvents": 5}',
+                "list_of_ints.json": "[1, 2, 3]", "no_events.json": '{"a": 1}', "x_without_ts.json": '[{"ph": "X"}]',
+                "ts_text.json": '[{"ph": "X", "ts": "abc", "name": "h2d"}]', "null.json": "null",
+                "negative_dur.json": '[{"ph": "X", "ts": 0, "dur": -5, "name": "h2d"}]',
+                "nan_ts.json": '[{"ph": "X", "ts": NaN, "dur": 1, "name": "h2d"}]',
+                "bad_thread_name.json": '[{"ph": "M", "name": "thread_name", "tid": 1, "args": 3}]',
+                "bench_list.json": "[1]", "bench_rows_bad.json": '{"workloads": {"seed": {"rows": 5}}}',
+                "afile": "x"}
+    for name, text in contents.items():
+        (d / name).write_text(text)
+    (d / "binary.json").write_bytes(b"\xff\xfe\x00\x81garbage")
+    return d
+
+
+# (arguments, the command named in the error, a phrase the one line must contain); {d} is the bad_files folder
+MISTAKES = [
+    (["plan", "--bytes", "abc"], "plan", "argument --bytes: 'abc' is not a size (use e.g. 512MiB, 1GiB or 1073741824)"),
+    (["plan", "--bytes", "-1"], "plan", "argument --bytes: '-1'"),
+    (["plan", "--bytes", "nan"], "plan", "argument --bytes: 'nan'"),
+    (["plan", "--bytes", "inf"], "plan", "argument --bytes: 'inf'"),
+    (["plan", "--bytes", "1e400"], "plan", "argument --bytes: '1e400'"),
+    (["plan", "--bytes", "0"], "plan", "at least 1 byte"),
+    (["plan", "--bytes", "0.1"], "plan", "at least 1 byte"),
+    (["plan", "--bytes", ""], "plan", "argument --bytes"),
+    (["plan", "--bytes", "1.5.5MiB"], "plan", "'1.5.5MiB' is not a size"),
+    (["plan", "--bytes", "1XiB"], "plan", "'1XiB' is not a size"),
+    (["plan", "--bytes", "99999PiB"], "plan", "too large"),
+    (["plan", "--workers", "0"], "plan", "argument --workers: '0'"),
+    (["plan", "--workers", "-3"], "plan", "argument --workers: '-3'"),
+    (["plan", "--workers", "x"], "plan", "argument --workers: 'x'"),
+    (["plan", "--workers", "2.5"], "plan", "argument --workers: '2.5'"),
+    (["plan", "--chunk", "abc"], "plan", "argument --chunk: 'abc' is not a size"),
+    (["plan", "--chunk", "0"], "plan", "argument --chunk"),
+    (["plan", "--chunk", "-5"], "plan", "argument --chunk"),
+    (["plan", "--compute-ms-per-gib", "x"], "plan", "argument --compute-ms-per-gib: 'x'"),
+    (["plan", "--compute-ms-per-gib", "-1"], "plan", "argument --compute-ms-per-gib: '-1'"),
+    (["plan", "--compute-ms-per-gib", "nan"], "plan", "argument --compute-ms-per-gib: 'nan'"),
+    (["plan", "--compute-ms-per-gib", "inf"], "plan", "argument --compute-ms-per-gib: 'inf'"),
+    (["plan", "--profile", "nope"], "plan", "argument --profile: unknown sim profile 'nope'"),
+    (["plan", "--compare", "{d}/missing.json"], "plan", "missing.json"),
+    (["plan", "--compare", "{d}/corrupt.json"], "plan", "not JSON"),
+    (["plan", "--compare", "{d}/bench_list.json"], "plan", "bench"),
+    (["plan", "--compare", "{d}/bench_rows_bad.json"], "plan", "rows"),
+    (["plan", "--compare", "{d}"], "plan", "folder"),
+    (["plan", "--nosuchopt"], "plan", "unrecognized arguments: --nosuchopt"),
+    (["trace", "{d}/missing.json"], "trace", "missing.json"),
+    (["trace", "{d}/empty.json"], "trace", "empty"),
+    (["trace", "{d}/blank.json"], "trace", "empty"),
+    (["trace", "{d}/corrupt.json"], "trace", "not JSON"),
+    (["trace", "{d}/binary.json"], "trace", "binary.json"),
+    (["trace", "{d}/events_int.json"], "trace", "traceEvents"),
+    (["trace", "{d}/list_of_ints.json"], "trace", "event 0"),
+    (["trace", "{d}/no_events.json"], "trace", "traceEvents"),
+    (["trace", "{d}/null.json"], "trace", "not a Chrome trace"),
+    (["trace", "{d}/x_without_ts.json"], "trace", "'ts'"),
+    (["trace", "{d}/ts_text.json"], "trace", "'ts'"),
+    (["trace", "{d}/nan_ts.json"], "trace", "'ts'"),
+    (["trace", "{d}/negative_dur.json"], "trace", "'dur'"),
+    (["trace", "{d}/bad_thread_name.json"], "trace", "args"),
+    (["trace", "{d}"], "trace", "folder"),
+    (["trace"], "trace", "the following arguments are required: file"),
+    (["doctor", "--device", "bogus"], "doctor", "argument --device: 'bogus' is not a device"),
+    (["doctor", "--device", "cuda:abc"], "doctor", "argument --device: 'cuda:abc'"),
+    (["doctor", "--device", ""], "doctor", "argument --device"),
+    (["doctor", "--device", "cuda:7"], "doctor", "cuda:7"),
+    (["doctor", "--device", "sim", "--output", "/proc/x/doctor.json"], "doctor", "argument --output"),
+    (["doctor", "--device", "sim", "--output", "{d}/afile/x.json"], "doctor", "argument --output"),
+    (["doctor", "--device", "sim", "--output", "{d}"], "doctor", "folder"),
+    (["demo", "--device", "bogus"], "demo", "argument --device: 'bogus' is not a device"),
+    (["demo", "--device", "cuda:7"], "demo", "cuda:7"),
+    (["demo", "--device", "sim", "--out", "/proc/x"], "demo", "argument --out"),
+    (["demo", "--device", "sim", "--out", "{d}/afile/sub"], "demo", "argument --out"),
+    (["demo", "--device", "sim", "--out", "{d}/afile"], "demo", "argument --out"),
+    (["bench", "--device", "bogus", "seed"], "bench", "argument --device: 'bogus' is not a device"),
+    (["bench", "--device", "cuda:7", "seed"], "bench", "cuda:7"),
+    (["bench", "nosuchworkload"], "bench", "unknown workload"),
+    (["bench", "--device", "sim", "--quick", "seed", "--out", "/proc/x"], "bench", "argument --out"),
+    (["bench", "--device", "sim", "--quick", "seed", "--trace", "{d}/afile/t.json"], "bench", "argument --trace"),
+    (["bench", "--device", "sim", "--quick", "seed", "--plot", "/proc/x/t.png"], "bench", "argument --plot"),
+    (["demo", "--device", "sim", "--out", ""], "demo", "argument --out: give a folder name"),
+    (["trace", "/dev/zero"], "trace", "not a regular file"),  # would never end
+    (["doctor", "--device", "sim", "--json", "--output", "/dev/full"], "doctor", "/dev/full: No space left on device"),
+    (["bench", "--device", "sim", "--quick", "seed", "--plot", "{d}/x.txt"], "bench", "cannot write .txt"),
+    (["plan", "--workers", "1025"], "plan", "give 1 to 1024"),
+    (["nosuchcommand"], None, "invalid choice: 'nosuchcommand'"),
+    (["--nosuch"], None, "unrecognized arguments: --nosuch"),
+]
+
+
+def check_one_line(code, err, command, phrase):
+    lines = err.strip().splitlines()
+    assert code != 0
+    assert "Traceback" not in err
+    assert len(lines) == 1, err
+    prefix = f"ringflow {command}: error: " if command else "ringflow: error: "
+    assert lines[0].startswith(prefix), lines[0]
+    assert phrase in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args, command, phrase", MISTAKES, ids=[" ".join(m[0]) or "-" for m in MISTAKES])
+def test_a_mistake_is_one_stderr_line_and_a_non_zero_exit(bad_files, monkeypatch, capsys, args, command, phrase):
+    monkeypatch.delenv("RINGFLOW_DEVICE", raising=False)
+    monkeypatch.delenv("RINGFLOW_DEBUG", raising=False)
+    code = main([a.replace("{d}", str(bad_files)) for a in args])
+    check_one_line(code, capsys.readouterr().err, command, phrase)
+
+
+# one of each kind of mistake, run as a user would: a fresh interpreter, its real stderr
+IN_A_PROCESS = ["plan --bytes abc", "plan --workers 0", "plan --compare {d}/corrupt.json", "trace {d}/missing.json",
+                "trace {d}/empty.json", "trace {d}/corrupt.json", "trace {d}/events_int.json", "doctor --device bogus",
+                "doctor --device cuda:7", "demo --device cuda:7", "demo --device sim --out {d}/afile/sub",
+                "bench --device bogus seed", "bench nosuchworkload", "doctor --device sim --output /proc/x/doctor.json",
+                "nosuchcommand"]
+
+
+@pytest.mark.parametrize("line", IN_A_PROCESS)
+def test_a_mistake_in_a_fresh_process(bad_files, line):
+    (args, command, phrase), = [m for m in MISTAKES if " ".join(m[0]) == line]
+    proc = run_cli(*[a.replace("{d}", str(bad_files)) for a in args])
+    check_one_line(proc.returncode, proc.stderr, command, phrase)
+
+
+def test_usage_mistakes_exit_2():
+    proc = run_cli("plan", "--bytes", "abc")
+    assert proc.returncode == 2 and proc.stdout == ""
+
+
+def test_doctor_on_a_missing_gpu_still_prints_the_report(bad_files):
+    proc = run_cli("doctor", "--json", "--device", "cuda:7")
+    assert proc.returncode == 1
+    if json.loads(proc.stdout or "{}").get("cuda_usable") is False:  # no CUDA here: the report says why
+        assert json.loads(proc.stdout)["cuda_reason"]
+
+
+def test_an_unwritable_output_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    import ringflow._bench.runner as runner
+
+    def must_not_run(*a, **k):
+        raise AssertionError("the bench ran although its output folder cannot be written")
+
+    monkeypatch.setattr(runner, "run_bench", must_not_run)
+    (tmp_path / "afile").write_text("x")
+    assert main(["bench", "--device", "sim", "--out", str(tmp_path / "afile" / "sub")]) == 2
+    assert "argument --out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("exc, code, phrase", [
+    (KeyError("boom"), 1, "internal error"),
+    (ZeroDivisionError("boom"), 1, "internal error"),
+    (KeyboardInterrupt(), 130, "interrupted"),
+    (ValueError("bad value\nsecond line"), 1, "error: bad value second line"),
+    (OSError(28, "No space left on device", "/x/y"), 1, "No space left on device"),
+    (rf.StageError("compute", 3, RuntimeError("kernel failed")), 1, "stage 'compute' failed for chunk 3"),
+])
+def test_main_turns_every_exception_into_one_line(monkeypatch, capsys, exc, code, phrase):
+    import ringflow._cli as cli
+
+    def boom(args):
+        raise exc
+
+    monkeypatch.delenv("RINGFLOW_DEBUG", raising=False)
+    monkeypatch.setattr(cli, "_plan", boom)
+    assert main(["plan"]) == code
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("ringflow plan: ") and phrase in err
+    if phrase == "internal error":
+        assert "RINGFLOW_DEBUG=1" in err and type(exc).__name__ in err
+
+
+def test_ringflow_debug_shows_the_traceback(monkeypatch, capsys):
+    import ringflow._cli as cli
+
+    def boom(args):
+        raise KeyError("boom")
+
+    monkeypatch.setenv("RINGFLOW_DEBUG", "1")
+    monkeypatch.setattr(cli, "_plan", boom)
+    assert main(["plan"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "KeyError" in err and "internal error" in err
+
+
+def test_an_auto_fallback_warning_is_one_line(monkeypatch, capsys):
+    import warnings
+
+    import ringflow._cli as cli
+
+    def warns(args):
+        warnings.warn("first\nsecond", RuntimeWarning)
+        return 0
+
+    monkeypatch.setattr(cli, "_plan", warns)
+    assert main(["plan"]) == 0
+    assert capsys.readouterr().err == "ringflow plan: warning: first second\n"
+
+
+# -- --version, --help, python -m ringflow ----------------------------------------------------------------------------
+def test_version():
+    proc = run_cli("--version")
+    assert proc.returncode == 0 and proc.stdout == f"ringflow {ringflow.__version__}\n"
+
+
+def test_python_m_ringflow_help():
+    proc = run_cli("--help")
+    assert proc.returncode == 0 and proc.stderr == ""
+    for command in ("doctor", "demo", "bench", "trace", "plan"):
+        assert command in proc.stdout
+    assert run_cli("plan", "--help").stdout.count("--bytes") >= 1
+
+
+def test_device_defaults_to_ringflow_device(monkeypatch, capsys):
+    monkeypatch.setenv("RINGFLOW_DEVICE", "cuda:abc")  # read because --device is left out
+    assert main(["doctor", "--json"]) == 1
+    err = capsys.readouterr().err
+    assert "RINGFLOW_DEVICE" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setenv("RINGFLOW_DEVICE", "sim")
+    assert main(["doctor", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["device"]["backend"] == "sim"
+
+
+def test_plan_accepts_the_size_forms(capsys):
+    from ringflow._planning_cli import parse_bytes
+
+    assert parse_bytes("1GiB") == 1 << 30 and parse_bytes("512 MiB") == 512 << 20 and parse_bytes("1073741824") == 1 << 30
+    assert parse_bytes("1.5KiB") == 1536 and parse_bytes("2mb") == 2 * 10**6 and parse_bytes("1e6") == 10**6
+    assert main(["plan", "--bytes", "64MiB", "--workers", "1", "--compute-ms-per-gib", "0.5"]) == 0

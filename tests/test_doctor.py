@@ -55,13 +55,259 @@ def test_cli_without_command_prints_help(capsys):
     assert main([]) == 2
 
 
-def test_checks_compare_with_design_figures():
-    m = {"h2d_pinned": {"GBps": 54.0}, "d2h_pinned": {"GBps": 40.0}, "duplex_pinned": {"GBps": 99.0},
-         "overlap": {"fraction": 0.95}, "roundtrip_bit_exact": True, "pageable": {"bit_exact": True}}
-    rows = {r["what"]: r for r in doctor.checks(m, "NVIDIA H200")}
-    assert rows["pinned H2D 256 MiB"]["ok"] and not rows["pinned D2H 256 MiB"]["ok"]
+def fake_measurements(h2d=54.8, d2h=54.7, duplex=98.4, overlap=0.95):
+    def bw(x):
+        return {"GBps": x, "GBps_min": x - 0.04, "GBps_max": x + 0.04, "repeats": 10, "median_ms": 4.897654321,
+                "min_ms": 4.8912, "max_ms": 4.9011, "bytes": 256 << 20}
+
+    sizes = [64 << 10, 256 << 10, 1 << 20]
+    return {"h2d_pinned": bw(h2d), "d2h_pinned": bw(d2h), "duplex_pinned": bw(duplex),
+            "roundtrip_bit_exact": True,
+            "pageable": {"h2d": bw(15.91234), "d2h": bw(11.3), "h2d_sync": bw(9.87654), "d2h_sync": bw(8.1),
+                         "bit_exact": True},
+            "pinned_h2d_by_size": [dict(bw(2.512345), bytes=n) for n in sizes],
+            "pinned_d2h_by_size": [dict(bw(2.498765), bytes=n) for n in sizes],
+            "overlap": {"t_copy_ms": 4.8976543, "t_kernel_ms": 4.91234, "t_both_ms": 5.1234567, "fraction": overlap},
+            "seconds": 12.345678}
+
+
+GEN5_X16 = doctor.link_rate(32.0, 16)
+
+
+def test_link_rate_per_generation():
+    assert GEN5_X16["GBps"] == pytest.approx(32 * 16 * 128 / 130 / 8) and GEN5_X16["generation"] == 5
+    assert doctor.link_rate(8.0, 8)["GBps"] == pytest.approx(8 * 8 * 128 / 130 / 8)  # Gen3 x8
+    assert doctor.link_rate(2.5, 1)["GBps"] == pytest.approx(0.25)  # Gen1: 8b/10b
+    assert doctor.link_rate(64.0, 16)["generation"] == 6
+
+
+def make_sysfs(root, bus="0000:1b:00.0", **files):
+    """A fake /sys with one PCI device; files maps e.g. current_link_speed -> its text (None: absent)."""
+    folder = root / "bus" / "pci" / "devices" / bus
+    folder.mkdir(parents=True)
+    defaults = {"current_link_speed": "32.0 GT/s PCIe\n", "current_link_width": "16\n",
+                "max_link_speed": "32.0 GT/s PCIe\n", "max_link_width": "16\n"}
+    defaults.update(files)
+    for name, text in defaults.items():
+        if text is not None:
+            (folder / name).write_text(text)
+    return str(root)
+
+
+def test_read_pcie_link_from_sysfs(tmp_path):
+    sysfs = make_sysfs(tmp_path)
+    for spelling in ("0000:1b:00.0", "00000000:1B:00.0", "1b:00.0"):  # as sysfs, CUDA and NVML print it
+        link = doctor.read_pcie_link(spelling, sysfs)
+        assert link["reason"] is None and link["bus_id"] == "0000:1b:00.0"
+        assert link["current"] == GEN5_X16 and link["max"] == GEN5_X16
+
+
+def test_read_pcie_link_older_kernel_format(tmp_path):
+    sysfs = make_sysfs(tmp_path, current_link_speed="8 GT/s\n", current_link_width="x8")
+    link = doctor.read_pcie_link("0000:1b:00.0", sysfs)
+    assert link["current"]["generation"] == 3 and link["current"]["width"] == 8
+
+
+@pytest.mark.parametrize("files, phrase", [
+    ({"current_link_speed": None}, "cannot read"),
+    ({"current_link_width": None}, "cannot read"),
+    ({"current_link_speed": "Unknown\n"}, "'Unknown'"),
+    ({"current_link_speed": "fast"}, "not a link speed"),
+    ({"current_link_speed": "-5 GT/s"}, "not a link speed"),
+    ({"current_link_width": "0\n"}, "not a link width"),
+    ({"current_link_width": "sixteen"}, "not a link width"),
+    ({"current_link_width": "\xff\xfe"}, "not a link width"),
+])
+def test_read_pcie_link_missing_or_garbled_files(tmp_path, files, phrase):
+    link = doctor.read_pcie_link("0000:1b:00.0", make_sysfs(tmp_path, **files))
+    assert link["current"] is None and phrase in link["reason"]
+    rows = {r["what"]: r for r in doctor.checks(fake_measurements(), link)}
+    row = rows["pinned H2D 256 MiB"]
+    assert row["applies"] is False and row["ok"] is None and phrase in row["expected"]  # skipped, with the reason
+
+
+def test_read_pcie_link_without_the_device_or_an_address(tmp_path):
+    assert "cannot read" in doctor.read_pcie_link("0000:02:00.0", make_sysfs(tmp_path))["reason"]
+    assert "not a PCI address" in doctor.read_pcie_link("GPU-1234", str(tmp_path))["reason"]
+    assert doctor.read_pcie_link("0000:1b:00.0", str(tmp_path / "nowhere"))["current"] is None
+
+
+def test_missing_max_link_keeps_the_current_one(tmp_path):
+    link = doctor.read_pcie_link("0000:1b:00.0", make_sysfs(tmp_path, max_link_speed=None))
+    assert link["current"] == GEN5_X16 and link["max"] is None and link["reason"] is None
+    assert doctor.compare_with_link(fake_measurements(), link)["basis"] == "current"
+
+
+def test_checks_compare_with_the_link():
+    link = {"current": GEN5_X16, "max": GEN5_X16}
+    rows = {r["what"]: r for r in doctor.checks(fake_measurements(h2d=54.0, d2h=40.0, duplex=99.0), link)}
+    h2d, d2h, duplex = rows["pinned H2D 256 MiB"], rows["pinned D2H 256 MiB"], rows["pinned H2D+D2H at once (sum)"]
+    assert h2d["ok"] and h2d["share"] == pytest.approx(54.0 / GEN5_X16["GBps"], abs=1e-3)
+    assert not d2h["ok"] and d2h["applies"]  # 40 of 63 GB/s: below 75% of the link
+    assert duplex["ok"] and duplex["share"] == pytest.approx(99.0 / (2 * GEN5_X16["GBps"]), abs=1e-3)
+    assert "63.0 GB/s" in h2d["expected"] and "126.0 GB/s" in duplex["expected"]
     assert rows["copy/kernel overlap fraction"]["ok"] and rows["round trips bit-exact"]["ok"]
-    assert not any(r["applies"] for r in doctor.checks(m, "NVIDIA A100") if "MiB" in r["what"])
+    assert not {r["what"]: r for r in doctor.checks(fake_measurements(overlap=0.3), link)}[
+        "copy/kernel overlap fraction"]["ok"]
+
+
+def test_an_idle_downshifted_link_is_compared_at_its_maximum():
+    gen1 = doctor.link_rate(2.5, 16)
+    basis = doctor.compare_with_link(fake_measurements(), {"current": gen1, "max": GEN5_X16})
+    assert basis["basis"] == "max" and basis["rate"] == GEN5_X16 and "Gen1" in basis["note"]
+
+
+def test_a_link_below_its_maximum_is_reported():
+    gen4 = doctor.link_rate(16.0, 16)
+    basis = doctor.compare_with_link(fake_measurements(h2d=25.0, d2h=25.0), {"current": gen4, "max": GEN5_X16})
+    assert basis["basis"] == "current" and "below its maximum" in basis["note"] and "Gen4" in basis["note"]
+
+
+def test_rounding():
+    r = doctor.rounded({"measurements": fake_measurements(h2d=54.81234)})
+    m = r["measurements"]
+    assert m["h2d_pinned"]["GBps"] == 54.8 and m["pageable"]["h2d"]["GBps"] == 15.9
+    assert m["h2d_pinned"]["median_ms"] == 4.9 and m["overlap"]["t_both_ms"] == 5.12
+    assert m["seconds"] == 12.3 and m["h2d_pinned"]["bytes"] == 256 << 20 and m["roundtrip_bit_exact"] is True
+    assert doctor.rounded({"host_copy_GBps": ((1, 10.04), (4, 21.06))}) == {"host_copy_GBps": [[1, 10.0], [4, 21.1]]}
+    assert doctor.rounded({"kernel_min_s": 2.0e-6, "launch_overhead_s": 1.1234e-5}) == {
+        "kernel_min_s": 2e-6, "launch_overhead_s": 1.12e-5}
+
+
+def cuda_report(link):
+    m = doctor.rounded(fake_measurements(h2d=54.81234))
+    return {"device": {"backend": "cuda", "name": "NVIDIA H200", "index": 0, "array_type": "cupy"},
+            "versions": {"python": "3.11"}, "capabilities": {"sm_count": 132}, "measurements": m,
+            "link": dict(link, source="sysfs", comparison=doctor._comparison_summary(m, link)),
+            "checks": doctor.checks(m, link)}
+
+
+def test_render_a_gpu_report_rounded_with_its_link():
+    text = _render_text(cuda_report({"bus_id": "0000:1b:00.0", "current": GEN5_X16, "max": GEN5_X16, "reason": None}))
+    assert "54.8 GB/s" in text and "54.81" not in text
+    assert "PCIe Gen5 x16 (63.0 GB/s per direction)" in text and "87%" in text
+    assert "4.9 ms" in text and "5.12 ms" in text  # the overlap times, 3 significant digits
+    assert "H200" in text and "of the link" in text
+
+
+def test_render_a_gpu_report_without_a_link():
+    text = _render_text(cuda_report({"bus_id": None, "current": None, "max": None, "reason": "no sysfs here"}))
+    assert "no sysfs here" in text and "n/a" in text
+
+
+def test_sim_report_models_its_profiles_link(capsys):
+    report = doctor.collect("sim")
+    assert report["link"]["current"]["generation"] == 5 and report["link"]["current"]["width"] == 16
+    assert report["link"]["comparison"]["h2d_share"] == pytest.approx(54.8 / GEN5_X16["GBps"], abs=1e-3)
+    assert report["sim_profile"]["register_GBps"] == round(report["sim_profile"]["register_GBps"], 1)
+    text = _render_text(report)
+    assert "PCIe Gen5 x16" in text and "2 µs" in text
+
+
+class FakeProps:
+    pci_domain_id, pci_bus_id, pci_device_id = 0, 0x1B, 0
+
+
+class FakeCudaDevice:
+    """What collect() touches of a CudaDevice."""
+
+    def __init__(self, index=0):
+        self.index, self.name, self.array_type, self.closed = index, "NVIDIA H200", "cupy", False
+        self._cc = type("CC", (), {"properties": FakeProps()})()
+
+    @property
+    def capabilities(self):
+        return type("Caps", (), {"as_dict": lambda self: {"sm_count": 132}})()
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    import ringflow._device as device_pkg
+    import ringflow._device.cuda as cuda_pkg
+    import ringflow._device.cuda.measure as measure_mod
+
+    monkeypatch.setattr(device_pkg, "cuda_available", lambda: (True, "1 CUDA GPU(s)"))
+    monkeypatch.setattr(device_pkg, "_gpu_count", lambda: 1)
+    monkeypatch.setattr(cuda_pkg, "CudaDevice", FakeCudaDevice)
+    monkeypatch.setattr(measure_mod, "measure", lambda dev, repeats: fake_measurements(h2d=54.81234, duplex=101.14))
+    monkeypatch.setattr(doctor, "SYSFS", make_sysfs(tmp_path, current_link_speed="2.5 GT/s PCIe"))
+
+
+def test_collect_on_a_gpu_reads_its_link(fake_gpu):
+    said = []
+    report = doctor.collect("cuda:0", progress=said.append)
+    assert report["device"]["name"] == "NVIDIA H200" and report["link"]["bus_id"] == "0000:1b:00.0"
+    assert report["link"]["comparison"]["basis"] == "max"  # read at Gen1 after the copies: idle
+    assert report["measurements"]["h2d_pinned"]["GBps"] == 54.8
+    assert any("measuring" in s for s in said)
+    rows = {r["what"]: r for r in report["checks"]}
+    assert rows["pinned H2D+D2H at once (sum)"]["measured"] == 101.1  # GB/s keep their decimal
+    _render_text(report)
+
+
+def test_bus_id_from_the_driver_when_cuda_core_lacks_it(monkeypatch):
+    import sys
+    import types
+
+    class NoProps(FakeCudaDevice):
+        def __init__(self):
+            super().__init__(0)
+            self._cc = object()  # no .properties
+
+    driver = types.SimpleNamespace(cuDeviceGetPCIBusId=lambda n, index: (0, b"0000:00:06.0\x00" + b" " * 19))
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.driver = driver
+    monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    assert doctor._bus_id(NoProps()) == "0000:00:06.0"
+    assert doctor._bus_id(FakeCudaDevice()) == "0000:1b:00.0"
+
+
+def test_collect_refuses_a_gpu_index_beyond_the_count(fake_gpu):
+    with pytest.raises(ValueError, match="has 1 CUDA GPU"):
+        doctor.collect("cuda:7")
+
+
+def test_progress_only_on_a_terminal_and_never_with_json(capsys):
+    tty = type("Tty", (), {"isatty": lambda self: True})()
+    pipe = type("Pipe", (), {"isatty": lambda self: False})()
+    assert doctor.show_progress(False, tty) and not doctor.show_progress(True, tty)
+    assert not doctor.show_progress(False, pipe) and not doctor.show_progress(False, object())
+    assert doctor.doctor_command(json_out=True, device="sim") == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_shows_on_a_terminal(fake_gpu, monkeypatch):
+    shown = []
+
+    class Status:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, text):
+            shown.append(text)
+
+    import rich.console
+
+    monkeypatch.setattr(rich.console.Console, "status", lambda self, text: Status())
+    monkeypatch.setattr(doctor, "show_progress", lambda json_out, stream=None: not json_out)
+    assert doctor.doctor_command(json_out=False, device="cuda:0") == 0
+    assert any("measuring" in s for s in shown)
+    shown.clear()
+    assert doctor.doctor_command(json_out=True, device="cuda:0") == 0
+    assert shown == []
+
+
+def test_a_bad_device_is_refused():
+    with pytest.raises(ValueError, match="unknown device 'bogus'"):
+        doctor.doctor_command(device="bogus")
+    assert main(["doctor", "--device", "bogus"]) == 2
 
 
 @pytest.mark.gpu

@@ -1,43 +1,223 @@
 """The ``ringflow`` command line: ``ringflow demo | bench | doctor | trace | plan``.
 
 Each subcommand is a small function taking the parsed arguments and returning an exit status.
+A mistake on the command line or in a file it names is reported as one line on stderr,
+``ringflow <command>: error: <what is wrong and what to change>``, never a traceback:
+
+* exit 2: the command line itself (a bad option value, an unwritable output path);
+* exit 1: the command failed (a file that is not a trace, a GPU that is not there, ...);
+* exit 130: interrupted (Ctrl-C).
+
+Anything else is a bug in ringflow: one line says so, and ``RINGFLOW_DEBUG=1`` shows the
+traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
+import math
+import os
+import re
 import sys
+import tempfile
+import warnings
+from typing import Iterator, NoReturn
+
+from ._errors import RingflowError
+
+DEBUG_VAR = "RINGFLOW_DEBUG"
+_DEVICE_HELP = "auto, cuda, cuda:N or sim (default: $RINGFLOW_DEVICE, else auto)"
 
 
+class UsageError(Exception):
+    """A command-line value the parser could not check by itself (exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr: ``<prog>: error: <message>``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {_one_line(message)}\n")
+
+
+def _one_line(text: object) -> str:
+    return re.sub(r"\s*\n\s*", " ", str(text)).strip()
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for an expected error: OSError as 'path: reason', others by their message."""
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        return _one_line(f"{where}{exc.strerror}")
+    return _one_line(exc) or type(exc).__name__
+
+
+# -- argument types: each raises ArgumentTypeError, which argparse reports as one line -----------------------------
+def size(text: str) -> int:
+    """A byte count as :func:`ringflow._planning_cli.parse_bytes` reads it (e.g. ``512MiB``).
+
+    Raises:
+        argparse.ArgumentTypeError: not a size, below 1 byte or above 8 PiB.
+    """
+    from ._planning_cli import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def chunk_size(text: str) -> "int | str":
+    """``auto`` or a :func:`size`."""
+    return "auto" if str(text).strip().lower() == "auto" else size(text)
+
+
+def workers(text: str) -> int:
+    """A CPU worker count, 1 .. 1024."""
+    try:
+        n = int(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of workers (use e.g. 1, 8 or 16)") from None
+    if not 1 <= n <= 1024:
+        raise argparse.ArgumentTypeError(f"{text!r} workers: give 1 to 1024 (e.g. 8)")
+    return n
+
+
+def ms_per_gib(text: str) -> float:
+    """Milliseconds of kernel time per GiB: a finite number, 0 .. 1e9."""
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of milliseconds (use e.g. 0, 2.5 or 40)") from None
+    if not math.isfinite(value) or not 0 <= value <= 1e9:
+        raise argparse.ArgumentTypeError(f"{text!r} ms per GiB: give a number from 0 to 1e9 (e.g. 0, 2.5 or 40)")
+    return value
+
+
+def sim_profile(text: str) -> str:
+    """The name of a simulated GPU profile."""
+    from ._device.hardware import PROFILES
+
+    if text not in PROFILES:
+        raise argparse.ArgumentTypeError(f"unknown sim profile {text!r}; choose one of {', '.join(sorted(PROFILES))}")
+    return text
+
+
+def device_spec(text: str) -> str:
+    """A device spec as :func:`ringflow.device` takes it, checked for spelling only."""
+    from ._device import parse_spec
+
+    try:
+        parse_spec(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use auto, cuda, cuda:N (N = GPU index 0, 1, ...) "
+                                         "or sim") from None
+    return text
+
+
+# -- output paths, checked before any work ----------------------------------------------------------------------------
+def check_out_dir(path: str, option: str) -> str:
+    """Check the folder ``path`` can be made (if missing) and written, without making it: its
+    nearest existing ancestor must be a folder that takes a new file.
+
+    Raises:
+        UsageError: naming ``option`` and what to change.
+    """
+    if not path.strip():
+        raise UsageError(f"argument {option}: give a folder name, not an empty string")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"argument {option}: {path!r} is a file, not a folder; give a folder name")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"argument {option}: cannot make folder {path!r}: {existing!r} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise UsageError(f"argument {option}: cannot write into {existing!r} to make folder {path!r} "
+                         f"({_describe(exc)})") from None
+    return path
+
+
+def check_out_file(path: str, option: str) -> str:
+    """Check the file ``path`` can be written: its folder exists and takes a new file, and it is
+    not itself a folder. Nothing is left behind.
+
+    Raises:
+        UsageError: naming ``option`` and what to change.
+    """
+    if not path.strip():
+        raise UsageError(f"argument {option}: give a file name, not an empty string")
+    if os.path.isdir(path):
+        raise UsageError(f"argument {option}: {path!r} is a folder; give a file name inside it")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        what = "is a file, not a folder" if os.path.exists(folder) else "does not exist; create it first"
+        raise UsageError(f"argument {option}: cannot write {path!r}: {folder!r} {what}")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise UsageError(f"argument {option}: cannot write {path!r} ({_describe(exc)})") from None
+    return path
+
+
+def _check_plot_type(path: str) -> None:
+    """The chart needs matplotlib, and a file type it writes (PNG when the name has none)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("argument --plot: the chart needs matplotlib: pip install 'ringflow[plot]'")
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    if ext:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        if ext not in FigureCanvasBase.get_supported_filetypes():
+            raise UsageError(f"argument --plot: matplotlib cannot write .{ext} files; name the file .png, .svg or .pdf")
+
+
+# -- the subcommands --------------------------------------------------------------------------------------------------
 def _doctor(args: argparse.Namespace) -> int:
     from ._doctor import doctor_command
 
+    if args.output is not None:
+        check_out_file(args.output, "--output")
     return doctor_command(json_out=args.json, device=args.device, output=args.output)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ._bench.runner import run_bench
     from ._bench.workloads import WORKLOADS
 
     names = args.workloads or list(WORKLOADS)
-    unknown = set(names) - set(WORKLOADS)
+    unknown = sorted(set(names) - set(WORKLOADS))
     if unknown:
-        print(f"unknown workload(s) {sorted(unknown)}; choose from {', '.join(WORKLOADS)}", file=sys.stderr)
-        return 2
-    res = run_bench(args.device, names, quick=args.quick, out_dir=args.out, trace=args.trace, plot=args.plot)
+        raise UsageError(f"unknown workload(s) {', '.join(map(repr, unknown))}; choose from {', '.join(WORKLOADS)}")
+    if args.out is not None:
+        check_out_dir(args.out, "--out")
+    if args.trace is not None:
+        check_out_file(args.trace, "--trace")
+    if args.plot is not None:
+        check_out_file(args.plot, "--plot")
+        _check_plot_type(args.plot)
+    from ._bench import runner
+
+    res = runner.run_bench(args.device, names, quick=args.quick, out_dir=args.out, trace=args.trace, plot=args.plot)
     return 1 if any("error" in w for w in res["workloads"].values()) else 0
 
 
 def _demo(args: argparse.Namespace) -> int:
     from ._demo import demo
 
+    check_out_dir(args.out, "--out")
     return demo(device=args.device, out_dir=args.out)
 
 
 def _trace(args: argparse.Namespace) -> int:
     from ._trace.summary import print_summary
 
-    return print_summary(args.file)
+    return print_summary(args.file, json_out=args.json)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -47,52 +227,105 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ringflow", description="Stream data through a GPU, every stage overlapped.")
+    from ._version import __version__
+
+    parser = _Parser(prog="ringflow", description="Stream data through a GPU, every stage overlapped.",
+                     epilog=f"Errors are one line; set {DEBUG_VAR}=1 to see a traceback.")
+    parser.add_argument("--version", action="version", version=f"ringflow {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("doctor", help="show the GPU, versions and capabilities, and measure copy bandwidth and overlap")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
-    p.add_argument("--device", default="auto", help="auto (default), cuda, cuda:N or sim")
+    p.add_argument("--device", type=device_spec, default=None, help=_DEVICE_HELP)
     p.add_argument("--output", "-o", default=None, help="also write the JSON report to this file")
     p.set_defaults(func=_doctor)
 
     p = sub.add_parser("demo", help="the main job: a short pageable and seed comparison, with a trace and PNG")
-    p.add_argument("--device", default="auto", help="auto (default: the GPU if usable, else the simulated H200), "
-                   "cuda:N or sim")
-    p.add_argument("--out", default="ringflow-demo", help="folder for the trace JSON and PNG")
+    p.add_argument("--device", type=device_spec, default=None, help=_DEVICE_HELP + "; without a usable GPU, "
+                   "auto runs the simulated H200")
+    p.add_argument("--out", default="ringflow-demo", help="folder for the trace JSON and PNG (made if missing)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("bench", help="named workloads against every baseline and the ideal bound")
     p.add_argument("workloads", nargs="*", help="seed, balanced, compute-bound, pageable, requests (default: all)")
-    p.add_argument("--device", default="auto", help="auto, cuda:N or sim")
+    p.add_argument("--device", type=device_spec, default=None, help=_DEVICE_HELP)
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats")
     p.add_argument("--out", default=None, help="write the JSON results into this folder (e.g. bench/results)")
-    p.add_argument("--trace", default=None, help="also write a Perfetto trace of a profiled run here")
-    p.add_argument("--plot", default=None, help="also write a PNG Gantt chart of that run here")
+    p.add_argument("--trace", default=None, help="also write a Perfetto trace of a profiled run to this file")
+    p.add_argument("--plot", default=None, help="also write a PNG Gantt chart of that run to this file")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("trace", help="summarise a saved Chrome/Perfetto trace")
-    p.add_argument("file")
+    p.add_argument("file", help="a trace JSON written by Report.save_trace or ringflow bench --trace")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     p.set_defaults(func=_trace)
 
     p = sub.add_parser("plan", help="predict stage times, slot counts and chunk size for a workload")
-    p.add_argument("--bytes", default="1GiB", help="total bytes to stream (e.g. 256MiB, 1GiB)")
-    p.add_argument("--chunk", default="auto", help="chunk size (e.g. 8MiB) or auto")
-    p.add_argument("--compute-ms-per-gib", type=float, default=0.0, help="kernel time per GiB of input")
-    p.add_argument("--workers", type=int, default=8, help="CPU workers for prepare/consume")
+    p.add_argument("--bytes", type=size, default="1GiB", help="total bytes to stream (e.g. 512MiB, 1GiB or 1073741824; default 1GiB)")
+    p.add_argument("--chunk", type=chunk_size, default="auto", help="chunk size (e.g. 8MiB) or auto (default)")
+    p.add_argument("--compute-ms-per-gib", type=ms_per_gib, default=0.0, help="kernel time per GiB of input, ms")
+    p.add_argument("--workers", type=workers, default=8, help="CPU workers for prepare/consume (default 8)")
     p.add_argument("--pinned", action="store_true", help="data already in pinned memory (no staging)")
-    p.add_argument("--profile", default="h200-pcie5", help="the sim profile to predict with")
+    p.add_argument("--profile", type=sim_profile, default="h200-pcie5", help="the sim profile to predict with")
     p.add_argument("--compare", default=None, help="a bench JSON measured on the GPU: report the prediction error")
     p.set_defaults(func=_plan)
+    parser._ringflow_commands = sub.choices  # type: ignore[attr-defined]
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+@contextlib.contextmanager
+def _warnings_as_lines(prog: str) -> Iterator[None]:
+    """Show each warning as one stderr line, ``<prog>: warning: <message>``."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"{prog}: warning: {_one_line(message)}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    """Run the command line; returns the exit status (see the module docstring)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # reported by the subcommand's parser, so the message names the subcommand
+            commands = parser._ringflow_commands  # type: ignore[attr-defined]
+            (commands.get(getattr(args, "command", None)) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help, --version, or a one-line usage error already printed
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    return args.func(args)
+    prog = f"ringflow {args.command}"
+    debug = os.environ.get(DEBUG_VAR, "").strip() not in ("", "0")
+    try:
+        with _warnings_as_lines(prog):
+            return args.func(args)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (e.g. `| head`): nothing more to say
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except UsageError as exc:
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except (RingflowError, ValueError, TypeError, OSError) as exc:
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        print(f"{prog}: error: {_describe(exc)}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - the last resort: a bug, said in one line
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        print(f"{prog}: internal error (a bug in ringflow): {type(exc).__name__}: {_describe(exc)}; "
+              f"run again with {DEBUG_VAR}=1 to see the traceback", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

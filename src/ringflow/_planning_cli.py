@@ -3,38 +3,104 @@
 from __future__ import annotations
 
 import json
+import math
 import re
+from typing import Any
 
-from . import _plan as plan
-
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
+          "t": 1 << 40, "tib": 1 << 40, "p": 1 << 50, "pib": 1 << 50, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+          "tb": 10**12, "pb": 10**15}
+_SIZE = re.compile(r"\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*")
+MAX_BYTES = 1 << 53  # 8 PiB: far beyond any host's memory, and exact as a float
+SIZE_HINT = "use e.g. 512MiB, 1GiB or 1073741824"
 
 
 def parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size; write e.g. 8MiB, 1GiB or 65536")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """A byte count written as a number with an optional unit: B, KiB, MiB, GiB, TiB, PiB
+    (K, M, G, T, P mean the same), kB, MB, GB, TB, PB; any case; ``1e6`` and ``1.5GiB`` too.
+
+    Returns:
+        The size in bytes, fractions of a byte rounded down: 1 .. 8 PiB.
+
+    Raises:
+        ValueError: not a size, less than 1 byte or more than 8 PiB (the message says which).
+    """
+    m = _SIZE.fullmatch(str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size ({SIZE_HINT})")
+    value = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value > MAX_BYTES:
+        raise ValueError(f"{text!r} is too large; sizes go up to 8 PiB ({SIZE_HINT})")
+    if value < 1:
+        raise ValueError(f"{text!r} is less than 1 byte; give at least 1 byte ({SIZE_HINT})")
+    return int(value)
+
+
+def read_bench_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
+    """The ``(workload, row)`` pairs of a bench JSON (as ``ringflow bench --out`` writes).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not JSON, or not shaped like a bench result (the message says where).
+    """
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except IsADirectoryError:
+        raise ValueError(f"--compare {path!r} is a folder; give a bench JSON file inside it") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--compare {path!r} is not a text file; give a bench JSON from ringflow bench --out") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--compare {path!r} is not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
+                         "give a bench JSON from ringflow bench --out") from None
+    workloads = data.get("workloads") if isinstance(data, dict) else None
+    if not isinstance(workloads, dict):
+        raise ValueError(f"--compare {path!r} is not a bench result: it has no 'workloads' table "
+                         "(write one with ringflow bench --out FOLDER)")
+    out = []
+    for name, w in workloads.items():
+        rows = w.get("rows", []) if isinstance(w, dict) else None
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ValueError(f"--compare {path!r}: workload {name!r} has 'rows' that are not a list of tables")
+        out.extend((name, r) for r in rows)
+    return out
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 def plan_command(args) -> int:
+    """Print the plan for ``args`` (the parsed ``ringflow plan`` options, sizes already in bytes).
+
+    Returns:
+        0.
+
+    Raises:
+        OSError, ValueError: the ``--compare`` file cannot be read or is not a bench result.
+    """
     from rich.console import Console
     from rich.table import Table
 
-    total = parse_bytes(args.bytes)
+    from . import _plan as plan
+
+    total = args.bytes if isinstance(args.bytes, int) else parse_bytes(args.bytes)
+    compare = read_bench_rows(args.compare) if args.compare else []
     per_byte = args.compute_ms_per_gib * 1e-3 / (1 << 30)
     if args.chunk == "auto":
         choice = plan.choose_chunk_bytes(args.profile, total, compute_s_per_byte=per_byte, workers=args.workers,
                                          host_stages=not args.pinned)
         chunk = choice.chunk_bytes
     else:
-        chunk, choice = parse_bytes(args.chunk), None
+        chunk = args.chunk if isinstance(args.chunk, int) else parse_bytes(args.chunk)
+        choice = None
     t, predicted = plan.predict_seconds(args.profile, total, chunk, compute_s_per_byte=per_byte,
                                         workers=args.workers, host_stages=not args.pinned)
     slots = plan.plan_slots(t)
     n = -(-total // chunk)
     console = Console()
-    table = Table(title=f"{args.bytes} in chunks of {chunk / 2**20:g} MiB x {n} on profile {args.profile}")
+    table = Table(title=f"{_human(total)} in chunks of {chunk / 2**20:g} MiB x {n} on profile {args.profile}")
     table.add_column("what")
     table.add_column("value", justify="right")
     for stage, sec in t.as_dict().items():
@@ -46,13 +112,16 @@ def plan_command(args) -> int:
     console.print(table)
     if choice is not None:
         console.print("candidates: " + ", ".join(f"{c / 2**20:g} MiB: {s * 1e3:.2f} ms" for c, _, s in choice.table))
-    if args.compare:
-        with open(args.compare) as fh:
-            bench = json.load(fh)
-        for name, w in bench.get("workloads", {}).items():
-            for row in w.get("rows", []):
-                if row.get("chunk_bytes") and row.get("predicted_ms") and row.get("ms_median"):
-                    err = row["predicted_ms"] / row["ms_median"] - 1
-                    console.print(f"{name} {row['name']}: predicted {row['predicted_ms']:.3f} ms, measured "
-                                  f"{row['ms_median']:.3f} ms, error {err * 100:+.1f}%")
+    for name, row in compare:
+        if _number(row.get("chunk_bytes")) and _number(row.get("predicted_ms")) and _number(row.get("ms_median")):
+            err = row["predicted_ms"] / row["ms_median"] - 1
+            console.print(f"{name} {row.get('name', '?')}: predicted {row['predicted_ms']:.3f} ms, measured "
+                          f"{row['ms_median']:.3f} ms, error {err * 100:+.1f}%")
     return 0
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"

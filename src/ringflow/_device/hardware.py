@@ -41,6 +41,7 @@ class HardwareProfile:
     compute_capability: tuple[int, int]
     total_memory: int
     chaos_spread: float = 0.25  # with chaos on, durations vary by up to this fraction
+    pcie_link: "tuple[float, int] | None" = None  # (GT/s per lane, lanes) of the GPU's host link, if known
 
     def copy_GBps(self, direction: str, nbytes: int) -> float:
         """Bandwidth of one pinned copy of ``nbytes`` running alone (direction 'h2d' or 'd2h')."""
@@ -95,6 +96,7 @@ H200_PCIE5 = HardwareProfile(
     sm_count=132,
     compute_capability=(9, 0),
     total_memory=141 * 10**9,
+    pcie_link=(32.0, 16),  # PCIe Gen5 x16
 )
 
 # A small, round-numbered profile for tests whose expected values are computed by hand:

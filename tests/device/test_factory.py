@@ -1,0 +1,203 @@
+"""ringflow.device(): the spec forms, RINGFLOW_DEVICE, the 'auto' fallback warning, and the
+errors for every misspelt spec or option. CI has no GPU: the cuda:N paths run against a
+monkeypatched probe."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow import _device
+
+FORMS = ("'auto'", "'cuda'", "cuda:N", "'sim'")
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """CUDA unusable for a known reason, the one-time warning not yet given, no RINGFLOW_DEVICE."""
+    monkeypatch.setattr(_device, "cuda_available", lambda: (False, "cuda.core is not installed; pip install X"))
+    monkeypatch.setattr(_device, "_gpu_count", lambda: 0)
+    monkeypatch.setattr(_device, "_fallback_warned", False)
+    monkeypatch.delenv("RINGFLOW_DEVICE", raising=False)
+
+
+class FakeCuda:
+    """Stands in for CudaDevice: records how the factory built it."""
+
+    made: list = []
+
+    def __init__(self, index=0, **options):
+        FakeCuda.made.append((index, options))
+        self.backend = "cuda"
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """A machine with two usable GPUs, as far as the factory can tell."""
+    import ringflow._device.cuda as cuda_pkg
+
+    monkeypatch.setattr(_device, "cuda_available", lambda: (True, "2 CUDA GPU(s); cuda:0 is Fake"))
+    monkeypatch.setattr(_device, "_gpu_count", lambda: 2)
+    monkeypatch.setattr(cuda_pkg, "CudaDevice", FakeCuda)
+    FakeCuda.made = []
+    monkeypatch.delenv("RINGFLOW_DEVICE", raising=False)
+
+
+# -- the package logger ---------------------------------------------------------------------------------------------
+def test_the_package_logger_has_only_a_null_handler():
+    handlers = logging.getLogger("ringflow").handlers
+    assert len(handlers) == 1 and isinstance(handlers[0], logging.NullHandler)
+    assert _device.logger.name.startswith("ringflow.")  # its records reach the package logger
+
+
+# -- RINGFLOW_DEVICE and None ---------------------------------------------------------------------------------------
+def test_no_argument_reads_the_environment(no_gpu, monkeypatch):
+    monkeypatch.setenv("RINGFLOW_DEVICE", "sim")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an explicit "sim" gives no fallback warning
+        assert rf.device().backend == "sim"
+        assert rf.device(None).backend == "sim"
+
+
+def test_a_bad_environment_value_names_the_variable(no_gpu, monkeypatch):
+    monkeypatch.setenv("RINGFLOW_DEVICE", "gpu")
+    with pytest.raises(ValueError, match="RINGFLOW_DEVICE") as info:
+        rf.device()
+    assert all(f in str(info.value) for f in FORMS)
+
+
+def test_an_explicit_spec_wins_over_the_environment(no_gpu, monkeypatch):
+    monkeypatch.setenv("RINGFLOW_DEVICE", "cuda:abc")
+    assert rf.device("sim").backend == "sim"
+
+
+def test_unset_environment_means_auto(no_gpu):
+    with pytest.warns(RuntimeWarning):
+        assert rf.device().backend == "sim"
+
+
+@pytest.mark.parametrize("entry", ["pipeline", "stream_map"])
+def test_pipeline_and_stream_map_pass_none_to_the_factory(no_gpu, monkeypatch, entry):
+    def f(x, y):
+        y[:] = x
+
+    x = np.arange(64, dtype=np.float32)
+    monkeypatch.setenv("RINGFLOW_DEVICE", "cuda:abc")  # proves the environment is read
+    with pytest.raises(ValueError, match="RINGFLOW_DEVICE"):
+        if entry == "pipeline":
+            rf.Pipeline(f, chunk_bytes=256)
+        else:
+            rf.stream_map(f, x, chunk_bytes=256)
+    monkeypatch.setenv("RINGFLOW_DEVICE", "sim")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        if entry == "pipeline":
+            with rf.Pipeline(f, chunk_bytes=256) as pipe:
+                assert pipe.device.backend == "sim"
+        else:
+            assert np.array_equal(rf.stream_map(f, x, chunk_bytes=256), x)
+
+
+# -- the 'auto' fallback --------------------------------------------------------------------------------------------
+def test_auto_fallback_warns_once_with_the_reason_and_logs_every_time(no_gpu, caplog):
+    caplog.set_level(logging.INFO, logger="ringflow")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # the once-only rule must be ringflow's, not the filter's
+        assert rf.device("auto").backend == "sim"
+        assert rf.device("auto").backend == "sim"
+        assert rf.device().backend == "sim"
+    fallback = [w for w in seen if issubclass(w.category, RuntimeWarning)]
+    assert len(fallback) == 1
+    text = str(fallback[0].message)
+    assert "cuda.core is not installed; pip install X" in text  # why
+    assert "device('sim')" in text and "RINGFLOW_DEVICE=sim" in text  # how to silence it
+    assert fallback[0].filename == __file__  # points at the caller's line, not ringflow's
+    records = [r for r in caplog.records if r.name.startswith("ringflow") and "simulated GPU" in r.getMessage()]
+    assert len(records) == 3 and all(r.levelno == logging.INFO for r in records)
+
+
+def test_auto_with_a_gpu_gives_cuda_0_without_a_warning(two_gpus):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert rf.device("auto", array="dlpack", profile="unit").backend == "cuda"
+    assert FakeCuda.made == [(0, {"array": "dlpack"})]  # sim options are not passed to the GPU
+
+
+# -- cuda:N ---------------------------------------------------------------------------------------------------------
+def test_cuda_index_beyond_the_gpus_names_the_count(two_gpus):
+    with pytest.raises(ValueError, match="cuda:7") as info:
+        rf.device("cuda:7")
+    assert "2 CUDA GPU(s)" in str(info.value) and "cuda:0..cuda:1" in str(info.value)
+    assert FakeCuda.made == []
+
+
+def test_cuda_index_within_the_gpus_builds_that_gpu(two_gpus):
+    assert rf.device("cuda:1", array="torch").backend == "cuda"
+    assert rf.device("cuda").backend == "cuda"
+    assert FakeCuda.made == [(1, {"array": "torch"}), (0, {})]
+
+
+def test_cuda_without_cuda_is_a_ringflow_error_and_a_runtime_error(no_gpu):
+    with pytest.raises(rf.RingflowError, match="not usable") as info:
+        rf.device("cuda:0")
+    assert isinstance(info.value, RuntimeError)
+    assert "pip install X" in str(info.value) and "device('sim')" in str(info.value)
+
+
+def test_gpu_count_is_zero_when_cuda_is_not_usable():
+    cuda_probe = importlib.import_module("ringflow._device.cuda.probe")
+    ok, _ = cuda_probe.probe()
+    if ok:
+        assert cuda_probe.gpu_count() >= 1
+    else:
+        assert cuda_probe.gpu_count() == 0
+
+
+# -- misspelt specs and options -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["", " ", "cuda:-1", "cuda:abc", "cuda:", "cuda: 1", "cuda:1.0", "cuda:١",
+                                  "sim:x", "sim:0", "simulated", "CUDA", "gpu7", "auto:0"])
+def test_bad_spec_is_a_value_error_naming_the_argument_and_the_forms(no_gpu, spec):
+    with pytest.raises(ValueError, match="unknown device") as info:
+        rf.device(spec)
+    msg = str(info.value)
+    assert repr(spec) in msg and "spec argument" in msg
+    assert all(f in msg for f in FORMS)
+
+
+@pytest.mark.parametrize("spec", [3, 0, b"sim", ["sim"], 1.5])
+def test_non_string_spec_is_a_type_error(spec):
+    with pytest.raises(TypeError, match="spec must be a string") as info:
+        rf.device(spec)
+    assert type(spec).__name__ in str(info.value)
+
+
+@pytest.mark.parametrize("spec, bad, accepted", [
+    ("sim", "profle", "profile, seed, chaos, checked"),
+    ("sim", "array", "profile, seed, chaos, checked"),
+    ("auto", "sead", "profile, seed, chaos, checked, array"),
+])
+def test_unknown_option_is_a_type_error_naming_it_and_the_accepted_ones(no_gpu, spec, bad, accepted):
+    with pytest.raises(TypeError, match=f"'{bad}'") as info:
+        rf.device(spec, **{bad: "x"})
+    assert accepted in str(info.value)
+
+
+def test_unknown_cuda_option_is_refused_before_touching_the_gpu(two_gpus):
+    with pytest.raises(TypeError, match="'profile'.*accepts array"):
+        rf.device("cuda:0", profile="unit")
+    assert FakeCuda.made == []
+
+
+def test_parse_spec_forms(no_gpu, monkeypatch):
+    assert _device.parse_spec("auto") == ("auto", None)
+    assert _device.parse_spec("sim") == ("sim", None)
+    assert _device.parse_spec("cuda") == ("cuda", 0)
+    assert _device.parse_spec("cuda:12") == ("cuda", 12)
+    assert _device.parse_spec(None) == ("auto", None)
+    monkeypatch.setenv("RINGFLOW_DEVICE", " cuda:3 ")
+    assert _device.parse_spec(None) == ("cuda", 3)

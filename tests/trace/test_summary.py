@@ -1,0 +1,113 @@
+"""ringflow trace: the summary's figures, its legend, --json, and traces it must refuse."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from ringflow._cli import main
+from ringflow._trace.summary import LEGEND, read_spans, summarise
+
+
+def write_trace(path, spans, *, names=None):
+    """A Chrome trace of (tid, cat, start_ms, end_ms, chunk) spans; ``names`` maps tid -> track."""
+    events = [{"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": name}}
+              for tid, name in (names or {}).items()]
+    for tid, cat, a, b, chunk in spans:
+        events.append({"ph": "X", "pid": 1, "tid": tid, "name": f"{cat} #{chunk}", "cat": cat, "ts": a * 1e3,
+                       "dur": (b - a) * 1e3, "args": {"chunk": chunk}})
+    path.write_text(json.dumps({"traceEvents": events}))
+    return str(path)
+
+
+@pytest.fixture
+def two_workers(tmp_path):
+    """prepare on two worker tracks: [0, 4] and [4, 8] ms on one, [2, 6] ms on the other; h2d
+    [4, 6] and compute [5, 8] ms on their streams. Wall time 8 ms."""
+    return write_trace(tmp_path / "t.json", [
+        (1, "prepare", 0, 4, 0), (1, "prepare", 4, 8, 2), (2, "prepare", 2, 6, 1),
+        (3, "h2d", 4, 6, 0), (4, "compute", 5, 8, 0)],
+        names={1: "cpu: prepare", 2: "cpu: prepare [1]", 3: "gpu: h2d stream", 4: "gpu: compute stream"})
+
+
+def test_busy_figures_by_hand(two_workers):
+    info = summarise(two_workers)
+    assert info["wall_ms"] == pytest.approx(8.0) and info["chunks"] == 3 and info["spans"] == 5
+    prep = info["stages"]["prepare"]
+    assert prep["count"] == 3 and prep["tracks"] == 2
+    assert prep["total_ms"] == pytest.approx(12.0) and prep["median_ms"] == pytest.approx(4.0)
+    assert prep["busy_fraction"] == pytest.approx(1.0)  # some prepare ran all 8 ms
+    assert prep["per_track_fraction"] == pytest.approx(12 / 16)  # two tracks, 12 of 16 track-ms
+    h2d = info["stages"]["h2d"]
+    assert h2d["busy_fraction"] == pytest.approx(2 / 8) and h2d["per_track_fraction"] == pytest.approx(2 / 8)
+    # h2d [4, 6] and compute [5, 8]: 5 ms of span time over a 4 ms union
+    assert info["gpu_busy_union_ms"] == pytest.approx(4.0) and info["gpu_overlap"] == pytest.approx(5 / 4)
+    assert list(info["stages"]) == ["prepare", "h2d", "compute"]  # pipeline order
+
+
+def test_no_figure_tops_100_percent_and_a_legend_explains_them(two_workers, capsys):
+    assert main(["trace", two_workers]) == 0
+    out = capsys.readouterr().out
+    assert all(int(p) <= 100 for p in re.findall(r"(\d+)%", out)), out
+    assert "75%" in out  # busy/track of prepare
+    for key in ("busy =", "tracks =", "busy/track =", "GPU stage overlap ="):
+        assert key in out, key
+    assert "x1.25" in out
+
+
+def test_json_summary_on_stdout(two_workers, capsys):
+    assert main(["trace", "--json", two_workers]) == 0
+    captured = capsys.readouterr()
+    info = json.loads(captured.out)
+    assert captured.err == ""
+    assert info["stages"]["prepare"]["per_track_fraction"] == pytest.approx(0.75)
+    assert info["stages"]["prepare"]["tracks"] == 2 and info["file"] == two_workers
+    assert set(info["legend"]) == set(LEGEND) and "at most 100%" in info["legend"]["busy_fraction"]
+
+
+def test_a_profiled_run_stays_within_100_percent(tmp_path, capsys):
+    from tests.trace.test_trace import profiled_run
+
+    path = profiled_run().save_trace(str(tmp_path / "run.json"))
+    info = summarise(path)
+    assert info["stages"]["prepare"]["tracks"] > 1  # four workers overlapped
+    for name, st in info["stages"].items():
+        assert 0 < st["busy_fraction"] <= 1 + 1e-9 and 0 < st["per_track_fraction"] <= 1 + 1e-9, name
+    assert main(["trace", "--json", path]) == 0
+    assert json.loads(capsys.readouterr().out)["chunks"] == 10
+
+
+def test_a_trace_without_spans(tmp_path, capsys):
+    path = write_trace(tmp_path / "none.json", [])
+    assert summarise(path)["spans"] == 0
+    assert main(["trace", path]) == 0
+    assert "no spans" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text, phrase", [
+    ("", "empty"),
+    ("{", "not JSON"),
+    ('{"traceEvents": {}}', "must be a list"),
+    ('[5]', "event 0 is not a JSON object (got int)"),
+    ('[{"ph": "X", "ts": 1, "dur": 1}]', "no 'cat' or 'name'"),
+    ('[{"ph": "X", "ts": true, "dur": 1, "name": "h2d"}]', "numeric 'ts'"),
+    ('[{"ph": "X", "ts": 1, "dur": "2", "name": "h2d"}]', "'dur'"),
+    ('[{"ph": "X", "ts": 1, "dur": 1, "name": "h2d", "args": []}]', "'args'"),
+    ('[{"ph": "X", "ts": 1, "dur": 1, "name": "h2d", "args": {"chunk": [1]}}]', "args.chunk"),
+    ('[{"ph": "M", "name": "thread_name", "tid": 1, "args": {"name": 3}}]', "args.name"),
+])
+def test_malformed_traces_are_value_errors_naming_the_file(tmp_path, text, phrase):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(phrase)) as info:
+        read_spans(str(path))
+    assert str(path) in str(info.value)
+
+
+def test_unhashable_thread_ids_are_read(tmp_path):
+    path = tmp_path / "tid.json"
+    path.write_text(json.dumps([{"ph": "X", "tid": [1, 2], "ts": 0, "dur": 5, "name": "h2d"}]))
+    (span,) = read_spans(str(path))
+    assert span.name == "h2d" and span.end == pytest.approx(5e-6)
