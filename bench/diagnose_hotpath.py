@@ -33,7 +33,7 @@ from tests.helpers.hooks import engines
 from ringflow._bench import kernels
 from ringflow._bench.measure import fresh_random, time_calls
 from ringflow._bench.runner import environment
-from ringflow._bench.workloads import drive_until
+from ringflow._bench.workloads import wait_until
 from ringflow._pipeline.whole_array import stream_map_report
 
 MiB = 1 << 20
@@ -118,7 +118,8 @@ def timeline(dev, hb, x, refill, f, n) -> dict:
     del y
     pipe = pipe_box["p"]
     rows = []
-    for r in sorted(pipe._timeline.records, key=lambda r: r.index):
+    timeline = getattr(pipe, "_timeline", None) or pipe._recorder.timeline
+    for r in sorted(timeline.records, key=lambda r: r.index):
         row = {"chunk": r.index, "accepted_ms": (r.accepted - t0) * 1e3, "ended_ms": (r.ended - t0) * 1e3}
         for stage, (a, b) in r.stages.items():
             row[stage] = [round((a - t0) * 1e3, 4), round((b - t0) * 1e3, 4)]
@@ -366,7 +367,7 @@ def requests(dev, out: dict, count: int = 300, load: float = 0.8) -> None:
             submitted = []
             for i, (it, gap) in enumerate(zip(items, gaps)):
                 arrival += gap
-                drive_until(dev, s, arrival)
+                wait_until(pipe, dev, arrival)
                 t_sub = dev.now
                 submitted.append(t_sub)
                 fu = pipe.submit(it)
@@ -374,7 +375,7 @@ def requests(dev, out: dict, count: int = 300, load: float = 0.8) -> None:
                 futs.append(fu)
             for fu in futs:
                 fu.result()
-            records = {r.index: r for r in pipe._timeline.records}
+            records = {r.index: r for r in pipe._recorder.timeline.records}
     finally:
         gc.callbacks.remove(on_gc)
     worst = np.argsort(lat)[::-1][:8]

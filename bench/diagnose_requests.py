@@ -136,7 +136,7 @@ def variant(dev, items, name: str, ns, stage_n: int, profile_n: int | None, **op
     if stage_n:
         with rf.Pipeline(f, device=dev, chunk_bytes=8 * MiB, profile=True, **opts) as pipe:
             stamps = {}
-            end = pipe._on_chunk_end
+            end = pipe._sched._on_chunk_end
 
             def keep_stamps(chunk, *a, **k):
                 stamps[chunk.index] = {s: list(v) if isinstance(v, list) else v for s, v in chunk.stamps.items()}
@@ -146,9 +146,9 @@ def variant(dev, items, name: str, ns, stage_n: int, profile_n: int | None, **op
             out["stages"] = {}
             for n in (1, stage_n):
                 closed_loop(dev, pipe, items[:30], n)
-                first = pipe.scheduler._next_index
+                first = pipe.stats().accepted
                 row = closed_loop(dev, pipe, items[:400], n)
-                out["stages"][n] = {"closed": row, "breakdown": stage_breakdown(pipe._timeline.records, first, stamps)}
+                out["stages"][n] = {"closed": row, "breakdown": stage_breakdown(pipe._recorder.timeline.records, first, stamps)}
             print(name, "stages", json.dumps(out["stages"]), flush=True)
     return out
 

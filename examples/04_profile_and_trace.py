@@ -39,7 +39,8 @@ def main():
     trace = report.save_trace(os.path.join(out_dir, "trace.json"))
     print(f"trace: {trace} (open at https://ui.perfetto.dev)")
     try:
-        png = report.plot(os.path.join(out_dir, "timeline.png"))
+        png = os.path.join(out_dir, "timeline.png")
+        report.plot(png)  # returns the matplotlib Figure; with a path it also saves it there
         print(f"timeline: {png}")
     except (ImportError, RuntimeError) as exc:  # matplotlib is the `plot` extra
         print(f"no timeline PNG: {exc}")

@@ -214,8 +214,8 @@ class Harness:
         self.sched = self.pipe.scheduler
         accept = self.sched.accept
 
-        def recording_accept(item):
-            chunk = accept(item)
+        def recording_accept(item, *args, **kw):
+            chunk = accept(item, *args, **kw)
             if chunk.index in self.chunks:
                 raise InvariantError(f"chunk index {chunk.index} handed out twice")
             self.chunks[chunk.index] = chunk
@@ -320,9 +320,10 @@ class Harness:
                 if chunk.state.final:
                     raise InvariantError(f"chunk {index} is final but still in flight")
         counts = {st: 0 for st in (ChunkState.DELIVERED, ChunkState.FAILED, ChunkState.CANCELLED)}
+        waiting = {c.index for c in self.sched.inbox}  # accepted, handed over, not yet admitted
         for index, chunk in self.chunks.items():
             final = chunk.state.final
-            if final == (index in self.sched.chunks):
+            if final == (index in self.sched.chunks or index in waiting):
                 raise InvariantError(f"chunk {index} in state {chunk.state.name} is "
                                      f"{'still' if final else 'not'} in flight")
             if final:

@@ -395,7 +395,7 @@ def test_stalled_consumer_stops_intake_and_memory_stays_bounded():
         with pytest.raises(TimeoutError):
             pipe.submit(np.arange(3.0), timeout=0)
         for _ in range(50):
-            pipe.scheduler.step()
+            pipe._step()
         assert pipe.stats().accepted == 6 and pipe.stats().in_flight == 6
     # the chunks that cannot advance wait without taking memory: pinned and device allocations
     # never grow beyond the rings made at construction

@@ -58,7 +58,7 @@ class CancelRun:
                 h.check()
             if self.hit or (not pending and all(f.done() for f in self.futs)):
                 break
-            sched.run_until(boundary)
+            h.pipe._drive_until(boundary)
             h.check()
         self.submitted = len(self.futs)
         self.at_cancel = {i: c.state for i, c in h.chunks.items()}
@@ -295,8 +295,8 @@ def test_cancelling_an_enqueued_chunk_stops_it_and_frees_its_slots_after_its_wor
                      checked=True) as pipe:
         futs = [pipe.submit(_one(i)) for i in range(4)]
         s = pipe.scheduler
-        while s.chunks[1].state is not ChunkState.ON_DEVICE:
-            s.step()
+        while 1 not in s.chunks or s.chunks[1].state is not ChunkState.ON_DEVICE:
+            pipe._step()
         chunk = s.chunks[1]
         assert futs[1].cancel() and futs[1].cancelled() and futs[1].done()
         assert chunk.state is ChunkState.DRAINING

@@ -224,7 +224,7 @@ def test_sticky_error_breaks_the_pipeline(after_steps):
     items = [h.item(k + 1, 30) for k in range(10)]
     futs = [h.pipe.submit(it, timeout=0) for it in items[:6]]
     for _ in range(after_steps):
-        h.sched.step()
+        h.pipe._step()
         h.check()
     pending = [f for f in futs if not f.done()]
     h.dev.inject_sticky_error()
@@ -264,7 +264,7 @@ def test_cancel_on_a_dead_device_returns_with_nothing_in_flight(after_steps):
     h = Harness(seed=1, slots=2, chunk_bytes=512, checked=True)
     futs = [h.pipe.submit(h.item(k + 1, 30), timeout=0) for k in range(6)]
     for _ in range(after_steps):
-        h.sched.step()
+        h.pipe._step()
     h.dev.inject_sticky_error()
     h.pipe.cancel()
     s = h.pipe.stats()
@@ -286,7 +286,7 @@ def test_continue_map_skips_its_own_failures_after_the_device_broke():
     check_result(next(gen), items[0])
     assert h.chunks[1].state is rf.ChunkState.FAILED and not h.chunks[2].state.final
     h.dev.inject_sticky_error()
-    h.sched.step()  # the pipeline notices the dead context (polling chunk 2's consumer)
+    h.pipe._step()  # the pipeline notices the dead context (polling chunk 2's consumer)
     assert h.sched.broken is not None
     with pytest.raises(DeviceError, match="sticky device error"):
         next(gen)

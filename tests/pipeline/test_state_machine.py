@@ -135,7 +135,7 @@ class PipelineMachine(RuleBasedStateMachine):
     @rule(k=st.integers(1, 25))
     def step(self, k):
         for _ in range(k):
-            self.sched.step()
+            self.h.pipe._step()
 
     @precondition(lambda self: not self.closed and any(not f.done() for f, _ in self.futs.values()))
     @rule(data=st.data())

@@ -18,6 +18,7 @@ Ordering facts every backend keeps:
 from __future__ import annotations
 
 import abc
+import threading
 import dataclasses
 import math
 import warnings
@@ -413,9 +414,21 @@ class Device(abc.ABC):
     def create_worker_pool(self, workers: int) -> WorkerPool: ...
 
     @abc.abstractmethod
-    def wait_any(self, waitables: Sequence[Any], timeout: float | None = None) -> list[Any]:
-        """Block until at least one of the events / host tasks is done (or ``timeout`` seconds
-        pass); returns those done. Observing one done orders the caller after it."""
+    def wait_any(self, waitables: Sequence[Any], timeout: float | None = None,
+                 wake: "threading.Event | None" = None) -> list[Any]:
+        """Block until at least one of the events / host tasks is done, ``timeout`` seconds pass,
+        or ``wake`` is set (by another thread: new work to start); returns those done. Observing
+        one done orders the caller after it."""
+
+    def publish(self) -> Any:
+        """A token of everything the calling host thread has done and seen, for another thread
+        to :meth:`observe` when it takes over work from this one (a queue put, a future set).
+        Real GPUs need no token (the hand-off's own lock orders the threads); the simulated one's
+        happens-before checker does."""
+        return None
+
+    def observe(self, token: Any) -> None:
+        """Order the calling host thread after the hand-off that made ``token`` (:meth:`publish`)."""
 
     def sleep(self, seconds: float) -> None:
         """Let ``seconds`` pass on the host clock without doing host work (the sim advances its

@@ -1,5 +1,4 @@
-"""The pipeline: :class:`Pipeline` (five overlapped stages, a stream of items) and how its rings
-are sized (:func:`resolve_slots`, :func:`fit_pinned_budget`) and its workers counted.
+"""The pipeline: :class:`Pipeline`, five overlapped stages over a stream of items.
 
 >>> import numpy as np, ringflow as rf
 >>> def f(x, y):              # runs on the device: y[:] = 2x + 1
@@ -10,19 +9,20 @@ are sized (:func:`resolve_slots`, :func:`fit_pinned_budget`) and its workers cou
 >>> all(np.array_equal(r, a * 2 + 1) for r, a in zip(results, items))
 True
 
-Whole arrays (``stream_map``, ``MapJob``) are cut and moved by :mod:`ringflow._pipeline.whole_array`.
-
-Progress happens inside the calls made on a pipeline (``map``, ``submit``, ``close``,
-``cancel`` and waiting on a returned future); no background thread runs the scheduler.
+A pipeline advances on a progress thread of its own (:mod:`.driver`): its futures complete while
+the caller's code runs, and every method may be called from any thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
-import dataclasses
-import os
+import concurrent.futures
+import functools
+import itertools
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Optional
+import weakref
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from .._device import device as make_device
 from .._device.protocol import Device
 from .._errors import StageError
 from .chunk import Chunk, ChunkFuture
+from .driver import CallerDriver, ProgressThread, resolve
 from .config import PipelineConfig, SlotCounts
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, resolve_slots
 from .validate import check_options, check_timeout
@@ -49,6 +50,16 @@ def _copy_array_in(arr: np.ndarray, raw: np.ndarray, chunk_bytes: int, parameter
     dst = raw[:arr.nbytes].view(arr.dtype).reshape(arr.shape)
     np.copyto(dst, arr, casting="no")
     return arr.shape, arr.dtype
+
+
+def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any, raw: np.ndarray) -> tuple:
+    """The prepare stage of a pipeline of arrays: ``user_prepare(item)`` (or the item itself)
+    copied into the pinned slot. A module function, not a method: the scheduler must not hold
+    the pipeline (a pipeline dropped without close() is collected and its finaliser cleans up)."""
+    arr = user_prepare(item) if user_prepare is not None else item
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"prepare must return a numpy array, got {type(arr).__name__}")
+    return _copy_array_in(arr, raw, chunk_bytes)
 
 
 def _copy_out(index: int, item: Any, view: np.ndarray) -> np.ndarray:
@@ -128,35 +139,33 @@ class Pipeline:
         self.config = PipelineConfig(chunk_bytes=chunk_bytes, slots=counts, max_in_flight=max_in_flight,
                                      workers=workers, inplace=inplace, ordered=ordered, on_error=on_error,
                                      profile=profile, checked=checked)
-        self._prepare = user_prepare
-        prepare_stage = stage_prepare or self._default_prepare
+        prepare_stage = stage_prepare or functools.partial(_prepare_array, user_prepare, chunk_bytes)
         self._items_are_arrays = stage_prepare is None and user_prepare is None  # sizes known before acceptance
         consume_stage = consume if consume is not None else _copy_out
         if profile:
             prepare_stage, consume_stage = nvtx.ranged(prepare_stage, "prepare"), nvtx.ranged(consume_stage, "consume")
-        self._timeline = Timeline(meta={"device": self.device.name, "chunk_bytes": chunk_bytes,
-                                        "slots": counts.__dict__, "workers": workers}) if profile else None
-        self._anchor = None
+        self._recorder = _Recorder(self.device, chunk_bytes, counts, workers) if profile else None
         self._sched = Scheduler(self.device, compute, prepare_stage, consume_stage, self.config,
                                 item_nbytes=item_nbytes or (lambda item: getattr(item, "nbytes", 0)),
-                                on_chunk_end=self._on_chunk_end, host_in_buffer=host_in_buffer,
-                                host_out_buffer=host_out_buffer)
+                                on_chunk_end=self._recorder.on_chunk_end if profile else None,
+                                host_in_buffer=host_in_buffer, host_out_buffer=host_out_buffer)
+        if self._recorder is not None:
+            self._recorder.start(self._sched.streams.h2d)
+        if bulk:
+            self._driver = CallerDriver(self._sched)  # a whole-array call: its caller drives
+        else:
+            self._driver = ProgressThread(self._sched, name=f"ringflow-progress-{next(_NAMES)}")
+        self._finalizer = weakref.finalize(self, _abandon, self._driver, self._sched)
         self._closed = False
-        if profile:
-            self._anchor = Anchor(self.device, self._sched.streams.h2d)
 
     # -- set-up -------------------------------------------------------------------------------
-    def _default_prepare(self, item: Any, raw: np.ndarray) -> tuple:
-        arr = self._prepare(item) if self._prepare is not None else item
-        if not isinstance(arr, np.ndarray):
-            raise TypeError(f"prepare must return a numpy array, got {type(arr).__name__}")
-        return _copy_array_in(arr, raw, self.config.chunk_bytes)
-
     def _check_item(self, item: Any) -> None:
         """Refuse, before acceptance, an item that can never fit (when its size is known)."""
         if self._items_are_arrays:
             if not isinstance(item, np.ndarray):
                 raise TypeError(f"items must be numpy arrays (or pass prepare=), got {type(item).__name__}")
+            if item.dtype.hasobject:
+                raise TypeError(f"items are moved as raw bytes; dtype {item.dtype} holds Python objects")
             if item.nbytes > self.config.chunk_bytes:
                 raise ValueError(f"an item of {item.nbytes} bytes (shape {item.shape}, {item.dtype}) does not fit "
                                  f"a slot of {self.config.chunk_bytes} bytes; raise chunk_bytes to at least "
@@ -164,102 +173,144 @@ class Pipeline:
 
     # -- submitting and mapping ---------------------------------------------------------------
     def submit(self, item: Any, timeout: Optional[float] = None) -> ChunkFuture:
-        """Accept one item; blocks while ``max_in_flight`` chunks are unfinished.
+        """Accept one item; blocks while ``max_in_flight`` chunks are unfinished. Safe from any
+        thread.
 
-        Returns a future whose result is the consumer's value; raises TimeoutError if no
-        capacity frees up within ``timeout`` seconds of the device's host clock (virtual seconds
-        on the simulated GPU), ValueError for an item that cannot fit."""
+        Args:
+            item: a numpy array (or anything ``prepare`` turns into one).
+            timeout: seconds of the device's host clock (virtual on the simulated GPU) to wait for
+                capacity; None waits as long as it takes.
+
+        Returns:
+            a :class:`concurrent.futures.Future` of the consumer's value.
+
+        Raises:
+            TimeoutError: no capacity freed up within ``timeout``.
+            TypeError, ValueError: an item that can never fit, or a bad ``timeout``.
+            RuntimeError: the pipeline is closed or no longer accepts work.
+        """
         timeout = check_timeout(timeout)
         self._check_open()
         self._check_item(item)
-        s = self._sched
-        t0 = self.device.now
-        blocked = not s.has_capacity()
-        s.run_until(lambda: s.has_capacity() or not s.accepting or s.broken is not None, timeout)
-        if blocked:
-            self._stall("stall: producer", "producer blocked by backpressure", t0)
-        return s.accept(item).future
+        d, s = self._driver, self._sched
+        with d.cv:
+            if not s.has_capacity():
+                t0 = self.device.now
+                d.wait_for(lambda: s.has_capacity() or not s.accepting or s.broken is not None, timeout,
+                           "capacity")
+                self._stall("stall: producer", "producer blocked by backpressure", t0)
+            chunk = s.accept(item, d)
+            d.notify()
+        return chunk.future
 
     def map(self, items: Iterable[Any]) -> Iterator[Any]:
-        """Results of ``items`` (ordered unless ``ordered=False``), pulling input only as capacity
-        frees up. With ``on_error="raise"`` the first failure cancels the rest and is raised here
-        (once, as StageError); with ``"continue"`` failed items are skipped (see ``failures``).
-        Raises RuntimeError at once (not when iterated) on a closed pipeline."""
+        """Results of ``items`` (in order unless ``ordered=False``), pulling input only as capacity
+        frees up. Several threads may each run a map on one pipeline; each gets its own items'
+        results.
+
+        With ``on_error="raise"`` the first failure cancels the rest and is raised here (once, as
+        StageError, or the original KeyboardInterrupt/SystemExit); with ``"continue"`` failed
+        items are skipped (see :attr:`failures`).
+
+        Raises:
+            RuntimeError: at once (not when iterated) on a closed pipeline.
+        """
         self._check_open()
         return self._map(items)
 
     def _map(self, items: Iterable[Any]) -> Iterator[Any]:
         self._check_open()  # again: the pipeline may have closed before the first next()
-        s = self._sched
+        d, s = self._driver, self._sched
         source = iter(items)
         pending: collections.OrderedDict[int, Chunk] = collections.OrderedDict()
         exhausted = started = False
         try:
             while True:
-                while not exhausted and s.has_capacity():
+                # take input while there is room (outside the lock: the caller's iterator is user code)
+                while not exhausted:
+                    with d.cv:
+                        room = s.has_capacity()
+                    if not room:
+                        break
                     try:
                         item = next(source)
                     except StopIteration:
                         exhausted = True
                         break
-                    try:
-                        self._check_item(item)
-                    except (TypeError, ValueError):
-                        self._settle_after_error()
-                        raise
-                    chunk = s.accept(item)
-                    chunk.in_map = True
-                    pending[chunk.index] = chunk
-                    if not started:
-                        # start the device on the first chunk now; the rest are accepted while
-                        # its copy runs (accepting a chunk costs a few microseconds each)
+                    self._check_item_or_settle(item)
+                    with d.cv:
+                        if not s.accepting:
+                            break
+                        chunk = s.accept(item, d, in_map=True)
+                        pending[chunk.index] = chunk
                         started = True
-                        s.step()
-                chunk = self._next_ready(pending)
-                if chunk is not None:
+                        d.notify()
+                with d.cv:
+                    chunk = self._next_ready(pending)
+                    if chunk is None:
+                        outcome = self._map_wait(pending, exhausted, started)
+                        if outcome == "stop":
+                            return
+                        continue
                     del pending[chunk.index]
                     s.unclaimed -= 1
-                    if chunk.state is ChunkState.DELIVERED:
-                        yield chunk.value
-                    elif chunk.state is ChunkState.FAILED:
-                        # with "continue" a chunk's own StageError is skipped even once the device
-                        # broke; a chunk the broken device ended raises that device error
-                        if self.config.on_error == "raise" or (s.broken is not None and chunk.error is s.broken):
-                            self._settle_after_error()
-                            raise chunk.error
-                    else:  # cancelled: the pipeline was cancelled (or failed) under this map
+                    broke = s.broken is not None and chunk.error is s.broken
+                self.device.observe(chunk.future.token)
+                if chunk.state is ChunkState.DELIVERED:
+                    yield chunk.value
+                elif chunk.state is ChunkState.FAILED:
+                    # with "continue" a chunk's own StageError is skipped even once the device
+                    # broke; a chunk the broken device ended raises that device error
+                    if self.config.on_error == "raise" or broke:
                         self._settle_after_error()
-                        if s.first_error is not None and self.config.on_error == "raise":
-                            raise s.first_error
-                        return
-                    continue
-                if not pending and exhausted:
-                    return
-                if not pending and not s.accepting:
-                    # input is left but the pipeline takes no more (cancelled, closed, stopped by an
-                    # error or a broken device): nothing could ever arrive, so do not wait for it
-                    if s.broken is not None:
-                        raise s.broken
-                    if not started:
-                        raise RuntimeError("the pipeline no longer accepts work (it was closed, cancelled or "
-                                           "stopped by an error); create a new Pipeline")
+                        raise chunk.error
+                else:  # cancelled: the pipeline was cancelled (or failed) under this map
+                    self._settle_after_error()
                     if s.first_error is not None and self.config.on_error == "raise":
                         raise s.first_error
                     return
-                t0 = self.device.now
-                # also stop waiting if the pipeline stops taking work meanwhile (a failure, a broken
-                # device) while nothing of this map is pending: no capacity would ever come
-                s.run_until(lambda: self._next_ready(pending) is not None
-                            or (not exhausted and (s.has_capacity() or (not pending and not s.accepting))))
-                if self._next_ready(pending) is not None:
-                    self._stall("stall: consumer", "consumer waiting for data", t0)
-                else:
-                    self._stall("stall: producer", "producer blocked by backpressure", t0)
         finally:
-            for chunk in pending.values():  # the caller stopped early: stop tracking these
-                chunk.in_map = False
-                if chunk.state.final:
-                    s.unclaimed -= 1
+            with d.cv:
+                for chunk in pending.values():  # the caller stopped early: stop tracking these
+                    chunk.in_map = False
+                    if chunk.state.final:
+                        s.unclaimed -= 1
+
+    def _check_item_or_settle(self, item: Any) -> None:
+        try:
+            self._check_item(item)
+        except (TypeError, ValueError):
+            self._settle_after_error()
+            raise
+
+    def _map_wait(self, pending, exhausted: bool, started: bool) -> Optional[str]:
+        """Wait (lock held) for the next result of a map, or for room to take more input; "stop"
+        when nothing more can come."""
+        d, s = self._driver, self._sched
+        if not pending and exhausted:
+            return "stop"
+        if not pending and not s.accepting:
+            # input is left but the pipeline takes no more (cancelled, closed, stopped by an
+            # error or a broken device): nothing could ever arrive, so do not wait for it
+            if s.broken is not None:
+                raise s.broken
+            if not started:
+                raise RuntimeError("the pipeline no longer accepts work (it was closed, cancelled or "
+                                   "stopped by an error); create a new Pipeline")
+            if s.first_error is not None and self.config.on_error == "raise":
+                raise s.first_error
+            return "stop"
+        t0 = self.device.now
+        # also stop waiting if the pipeline stops taking work meanwhile (a failure, a broken
+        # device) while nothing of this map is pending: no capacity would ever come
+        d.wait_for(lambda: self._next_ready(pending) is not None
+                   or (not exhausted and (s.has_capacity() or (not pending and not s.accepting))), None,
+                   "the next result")
+        if self._next_ready(pending) is not None:
+            self._stall("stall: consumer", "consumer waiting for data", t0)
+        else:
+            self._stall("stall: producer", "producer blocked by backpressure", t0)
+        return None
 
     def _next_ready(self, pending: "collections.OrderedDict[int, Chunk]") -> Optional[Chunk]:
         if not pending:
@@ -272,50 +323,123 @@ class Pipeline:
                 return chunk
         return None
 
-    def _on_chunk_end(self, chunk: Chunk) -> None:
-        if getattr(chunk, "in_map", False):
-            self._sched.unclaimed += 1
-        if self._timeline is not None:
-            self._timeline.records.append(record_chunk(chunk, self._anchor))
-            self._timeline.stalls.extend(stall_spans(chunk.stamps, chunk.index))
-
     def _stall(self, track: str, name: str, start: float) -> None:
-        """Record that the caller was blocked from ``start`` until now."""
-        if self._timeline is not None:
-            end = self.device.now
-            if end > start:
-                self._timeline.stalls.append(Span(track, name, start, end))
+        """Record that the caller was blocked from ``start`` until now (lock held)."""
+        if self._recorder is not None:
+            self._recorder.stall(track, name, start)
 
     def _settle_after_error(self) -> None:
-        if self.config.on_error == "raise":
-            self._sched.cancel_pending()
-        self._sched.settle()
+        d, s = self._driver, self._sched
+        with d.cv:
+            if self.config.on_error == "raise":
+                d.command(s.cancel_pending)
+            d.wait_for(s.finished, None, "the pipeline to settle")
+
+    # -- asyncio --------------------------------------------------------------------------------
+    async def asubmit(self, item: Any, timeout: Optional[float] = None) -> Any:
+        """``await pipe.asubmit(item)``: :meth:`submit` without blocking the event loop, then the
+        consumer's value. Waiting for capacity happens on the loop's default executor.
+
+        Raises:
+            as :meth:`submit`, and the chunk's error (StageError, or CancelledError).
+        """
+        fut = await self._asubmit_future(item, timeout)
+        return await asyncio.wrap_future(fut)
+
+    async def _asubmit_future(self, item: Any, timeout: Optional[float] = None) -> ChunkFuture:
+        timeout = check_timeout(timeout)
+        self._check_open()
+        self._check_item(item)
+        d, s = self._driver, self._sched
+        with d.cv:
+            if s.has_capacity():
+                chunk = s.accept(item, d)
+                d.notify()
+                return chunk.future
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.submit, item, timeout)
+
+    async def amap(self, items: "Iterable[Any] | AsyncIterator[Any]") -> AsyncIterator[Any]:
+        """``async for r in pipe.amap(items)``: the results of ``items`` (a sync or async iterable)
+        in order, as :meth:`map` gives them, without blocking the event loop. At most
+        ``max_in_flight`` items are taken ahead of the results handed out.
+
+        Raises:
+            as :meth:`map`.
+        """
+        self._check_open()
+        window: collections.deque = collections.deque()
+        limit = self.config.max_in_flight
+        iterator = items.__aiter__() if hasattr(items, "__aiter__") else iter(items)
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(window) < limit:
+                    try:
+                        item = (await iterator.__anext__()) if hasattr(iterator, "__anext__") else next(iterator)
+                    except (StopIteration, StopAsyncIteration):
+                        exhausted = True
+                        break
+                    fut = await self._asubmit_future(item)
+                    window.append(asyncio.wrap_future(fut))
+                if not window:
+                    return
+                head = window.popleft()
+                try:
+                    value = await head
+                except (StageError, concurrent.futures.CancelledError, asyncio.CancelledError) as err:
+                    if self.config.on_error == "continue" and isinstance(err, StageError):
+                        continue
+                    raise
+                yield value
+        finally:
+            for fut in window:
+                fut.cancel()
 
     # -- ending ----------------------------------------------------------------------------------
     def cancel(self) -> None:
         """Stop admission; chunks not yet on a stream end CANCELLED at once; enqueued chunks
         end CANCELLED once their events complete (their slots are released only then).
-        Returns with ``stats().in_flight == 0``. Harmless to call twice."""
+        Returns with ``stats().in_flight == 0``. Harmless to call twice; safe from any thread."""
         if self._closed:
             return
-        self._sched.cancel_pending()
-        self._sched.settle()
+        d, s = self._driver, self._sched
+        with d.cv:
+            d.command(s.cancel_pending)
+            d.wait_for(s.finished, None, "cancelled chunks to drain")
 
     def close(self) -> None:
-        """Finish every accepted chunk, then release rings, streams and workers. Harmless twice."""
+        """Finish every accepted chunk, then release rings, streams, workers and the progress
+        thread. Harmless twice; safe from any thread (one of them closes, the others return
+        once it is closed)."""
+        d, s = self._driver, self._sched
+        with d.cv:
+            if self._closed:
+                return
+            try:
+                d.command(s.stop_admission)
+                d.wait_for(s.finished, None, "the pipeline to finish")
+            except BaseException:
+                self._shut()
+                raise
+            self._shut()
+
+    def _shut(self) -> None:
+        """Closed from now on: stop the driver, then release the scheduler's resources (lock held;
+        never raises)."""
         if self._closed:
             return
-        try:
-            self._sched.accepting = False
-            self._sched.settle()
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        """Closed from now on: release rings, streams, workers and the profiling anchor's event."""
         self._closed = True
-        self._anchor = None
-        self._sched.close()
+        self._finalizer.detach()
+        d = self._driver
+        try:
+            if d.background:
+                with _released(d.cv):
+                    d.close()
+        finally:
+            self._sched.close()
+            if self._recorder is not None:
+                self._recorder.stop()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -325,39 +449,27 @@ class Pipeline:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and not self._closed:
+        if exc_type is None:
+            self.close()
+            return
+        # an error (Ctrl-C included) left the block: cancel what is left, never mask the error
+        d = self._driver
+        with d.cv:
+            if self._closed:
+                return
             try:
-                self.cancel()
+                d.command(self._sched.cancel_pending)
+                d.wait_for(self._sched.finished, None, "cancelled chunks to drain")
             except Exception as err:  # noqa: BLE001 - never mask the user's exception
                 warnings.warn(f"cancelling the pipeline after an error failed: {err!r}", RuntimeWarning)
             finally:
-                try:
-                    self._release()
-                except Exception:  # noqa: BLE001
-                    pass
-            return
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_closed", True):
-            return
-        if getattr(self, "_sched", None) is not None and self._sched.chunks:
-            warnings.warn("a Pipeline with work in flight was garbage-collected; cancelling it. "
-                          "Use it as a context manager or call close()", ResourceWarning)
-        try:
-            self.cancel()
-        except Exception:  # noqa: BLE001 - never raise from a finaliser
-            pass
-        try:
-            self._release()
-        except Exception:  # noqa: BLE001
-            pass
+                self._shut()
 
     # -- kept warm between stream_map calls (ringflow._pipeline.warm) -------------------------------
     def _park(self) -> bool:
         """Forget the finished job and report whether this pipeline can be kept for another."""
         s = self._sched
-        if self._closed or self._timeline is not None or not s.idle():
+        if self._closed or self._recorder is not None or not s.idle():
             return False
         s.park()
         return True
@@ -368,21 +480,116 @@ class Pipeline:
 
     # -- introspection ---------------------------------------------------------------------------
     def stats(self) -> PipelineStats:
-        return self._sched.stats()
+        """Counts of accepted, delivered, failed, cancelled and in-flight chunks, taken at one
+        instant: ``accepted == delivered + failed + cancelled + in_flight``."""
+        with self._driver.cv:
+            return self._sched.stats()
 
     @property
     def failures(self) -> list[StageError]:
-        """Every StageError so far (with ``on_error="continue"`` map skips these items)."""
-        return list(self._sched.failures)
+        """The most recent StageErrors (at most 1024 are kept; with ``on_error="continue"`` map
+        skips these items)."""
+        with self._driver.cv:
+            return list(self._sched.failures)
 
     @property
     def scheduler(self) -> Scheduler:
         return self._sched
 
+    def _step(self) -> bool:
+        """One scheduler pass on the calling thread (tests: on the simulated GPU the progress
+        thread runs only while someone waits, so a test may step a pipeline by hand)."""
+        d = self._driver
+        with d.cv:
+            d.take_over()
+            try:
+                progressed = self._sched.step()
+            finally:
+                d.hand_back()
+            resolve(self._sched.take_resolved())
+            return progressed
+
+    def _drive_until(self, pred: Callable[[], bool], timeout: Optional[float] = None) -> None:
+        """Wait until ``pred()`` holds while the driver works (tests)."""
+        with self._driver.cv:
+            self._driver.wait_for(pred, timeout)
+
     def report(self) -> Report:
         """Stage times, bottleneck, ideal bound, efficiency, latency, stalls and memory of the
-        chunks finished so far; needs ``profile=True``."""
-        if self._timeline is None:
+        chunks finished so far.
+
+        Raises:
+            RuntimeError: the pipeline was not made with ``profile=True``.
+        """
+        if self._recorder is None:
             raise RuntimeError("report() needs a pipeline made with profile=True")
-        return Report.build(self._timeline, workers=self.config.workers, memory=memory_of(self._sched),
-                            host_seconds=self._sched.host_seconds)
+        with self._driver.cv:
+            return Report.build(self._recorder.timeline, workers=self.config.workers, memory=memory_of(self._sched),
+                                host_seconds=self._sched.host_seconds)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (f"<Pipeline {state} on {self.device.name}: chunk_bytes={self.config.chunk_bytes}, "
+                f"slots={self.config.slots}, max_in_flight={self.config.max_in_flight}>")
+
+
+_NAMES = itertools.count(1)
+
+
+class _released:
+    """Let go of a (possibly re-entered) lock for the duration of a block."""
+
+    def __init__(self, cv):
+        self.cv, self.depth = cv, 0
+
+    def __enter__(self):
+        while True:
+            try:
+                self.cv.release()
+            except RuntimeError:
+                break
+            self.depth += 1
+
+    def __exit__(self, *exc):
+        for _ in range(self.depth):
+            self.cv.acquire()
+
+
+class _Recorder:
+    """A profiled pipeline's timeline: each chunk's record when it ends, and the callers' stalls."""
+
+    def __init__(self, device: Device, chunk_bytes: int, counts: SlotCounts, workers: int):
+        self.device = device
+        self.timeline = Timeline(meta={"device": device.name, "chunk_bytes": chunk_bytes,
+                                       "slots": counts.__dict__, "workers": workers})
+        self.anchor = None
+
+    def start(self, stream) -> None:
+        self.anchor = Anchor(self.device, stream)
+
+    def stop(self) -> None:
+        self.anchor = None  # its event goes back
+
+    def on_chunk_end(self, chunk: Chunk) -> None:
+        self.timeline.records.append(record_chunk(chunk, self.anchor))
+        self.timeline.stalls.extend(stall_spans(chunk.stamps, chunk.index))
+
+    def stall(self, track: str, name: str, start: float) -> None:
+        end = self.device.now
+        if end > start:
+            self.timeline.stalls.append(Span(track, name, start, end))
+
+
+def _abandon(driver, sched) -> None:
+    """A pipeline dropped without ``close()``: warn, and have its driver cancel, drain and release.
+    Never blocks and never raises (it runs in whichever thread the collector runs)."""
+    try:
+        if sched.chunks or sched.inbox:
+            warnings.warn("a Pipeline with work in flight was garbage-collected; cancelling it. "
+                          "Use it as a context manager or call close()", ResourceWarning)
+        if driver.background:
+            driver.abandon()
+        else:
+            sched.close()
+    except Exception:  # noqa: BLE001 - never raise from a finaliser
+        pass

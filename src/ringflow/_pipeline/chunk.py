@@ -3,38 +3,59 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from .ring import Slot
 from .states import ChunkState, check_chunk_transition
 
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
 
 
 class ChunkFuture(concurrent.futures.Future):
-    """A :class:`concurrent.futures.Future` that drives the pipeline while it is waited on.
+    """The :class:`concurrent.futures.Future` of one accepted chunk.
 
-    The pipeline makes progress inside the calls made on it (``map``, ``submit``, ``close``
-    and this future's ``result``/``exception``), so waiting on a future never deadlocks even
-    though no background thread runs the scheduler.
+    Its result is set by the pipeline's driver (a progress thread of the pipeline's own, or, for a
+    whole-array job, the waiting caller), so ``concurrent.futures.wait``, ``as_completed``,
+    ``add_done_callback`` and ``asyncio.wrap_future`` work from any thread. Done-callbacks run on
+    the progress thread, outside the pipeline's lock.
     """
 
-    def __init__(self, scheduler: "Scheduler", index: int):
+    def __init__(self, driver: Any, index: int):
         super().__init__()
-        self._scheduler = scheduler
+        self._driver = driver
         self.index = index
+        self.token: Any = None  # the driver's hand-off token, observed by the thread taking the result
+        self._waiters = _Waiters(self)  # where concurrent.futures.wait / as_completed register
+
+    def _await(self, timeout: Optional[float]) -> None:
+        if not self.done():
+            driver = self._driver
+            with driver.cv:
+                driver.wait_for(self.done, timeout, f"chunk {self.index}")
 
     def result(self, timeout: float | None = None) -> Any:
-        self._scheduler.run_until(self.done, timeout)
+        """The consumer's value; raises the chunk's error (a StageError, or the original
+        KeyboardInterrupt/SystemExit), CancelledError, or TimeoutError after ``timeout`` seconds
+        of the device's host clock (virtual seconds on the simulated GPU)."""
+        self._await(timeout)
+        self._driver.device.observe(self.token)
         return super().result(timeout=0)
 
     def exception(self, timeout: float | None = None) -> Optional[BaseException]:
-        self._scheduler.run_until(self.done, timeout)
+        self._await(timeout)
+        self._driver.device.observe(self.token)
         return super().exception(timeout=0)
+
+    def add_done_callback(self, fn: Callable[["ChunkFuture"], Any]) -> None:
+        """As :meth:`concurrent.futures.Future.add_done_callback`; someone now waits for this
+        chunk, so the pipeline keeps advancing until it ends (on the simulated GPU too)."""
+        if not self.done() and getattr(self._driver, "background", False):
+            entry = self._driver.add_interest(self.done)
+            super().add_done_callback(lambda f: self._driver.drop_interest(entry))
+        super().add_done_callback(fn)
 
     def cancel(self) -> bool:
         """Cancel this chunk, not only the future: a chunk not yet on the device ends CANCELLED
@@ -43,15 +64,51 @@ class ChunkFuture(concurrent.futures.Future):
         either way. Returns False if the chunk's consumer is running or it has ended."""
         if self.done():
             return False
-        if not self._scheduler.cancel_chunk(self.index):
-            return self.cancelled()
-        if not self.done():  # still draining: the future does not wait for that
-            self._mark_cancelled()
+        driver = self._driver
+        with driver.cv:
+            if self.done():
+                return False
+            cancelled = driver.command(lambda: driver.sched.cancel_chunk(self.index))
+            if not cancelled:
+                return self.cancelled()
+            if not self.done():  # still draining: the future does not wait for that
+                self._mark_cancelled()
         return True
 
+    def _invoke_callbacks(self) -> None:
+        # set by the progress thread under the pipeline's lock: its callbacks run once it lets go
+        thread = getattr(self._driver, "thread", None)
+        if thread is not None and thread is threading.current_thread():
+            self._driver.sched.resolved.append(self)
+        else:
+            super()._invoke_callbacks()
+
     def _mark_cancelled(self) -> None:
-        concurrent.futures.Future.cancel(self)
-        self.set_running_or_notify_cancel()
+        if concurrent.futures.Future.cancel(self):
+            self.set_running_or_notify_cancel()
+
+
+class _Waiters(list):
+    """A future's waiter list: ``concurrent.futures.wait`` and ``as_completed`` append to it, which
+    tells the progress thread someone waits (it may then advance the simulated clock). Appends run
+    under the future's own lock, so the interest is registered without the pipeline's lock."""
+
+    def __init__(self, fut: ChunkFuture):
+        super().__init__()
+        self._fut = fut
+        self._entries: dict = {}
+
+    def append(self, waiter: Any) -> None:
+        super().append(waiter)
+        driver = self._fut._driver
+        if getattr(driver, "background", False) and not self._fut.done():
+            self._entries[id(waiter)] = driver.add_interest(self._fut.done)
+
+    def remove(self, waiter: Any) -> None:
+        super().remove(waiter)
+        entry = self._entries.pop(id(waiter), None)
+        if entry is not None:
+            self._fut._driver.drop_interest(entry)
 
 
 @dataclasses.dataclass(eq=False)
@@ -74,6 +131,7 @@ class Chunk:
     compute_event: Any = None
     d2h_event: Any = None
     in_map: bool = False  # a map() will hand out this chunk's result
+    token: Any = None  # the accepting thread's hand-off token, observed when the chunk is admitted
     ending: Optional[ChunkState] = None  # FAILED or CANCELLED once draining
     error: Optional[BaseException] = None
     value: Any = None

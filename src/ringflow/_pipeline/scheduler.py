@@ -26,8 +26,10 @@ each stream runs chunks in order.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import time
+import traceback
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -116,8 +118,12 @@ class Scheduler:
         self._next_index = 0
         self.accepting = True
         self.broken: Optional[DeviceError] = None
-        self.first_error: Optional[StageError] = None
-        self.failures: list[StageError] = []
+        self.first_error: Optional[BaseException] = None
+        # the most recent failures (a long run keeps a bounded number: memory stays flat)
+        self.failures: collections.deque[StageError] = collections.deque(maxlen=MAX_KEPT_FAILURES)
+        self.inbox: collections.deque[Chunk] = collections.deque()  # accepted by any thread, not yet admitted
+        self.resolved: list = []  # futures whose done-callbacks run once the driver lets go of its lock
+        self._indices = itertools.count()
         self.counts = collections.Counter()
         self._loose_tasks: list[Chunk] = []  # consumers whose slot a disabled guard freed early
         self.unclaimed = 0  # final chunks whose result a map() has not handed out yet
@@ -163,9 +169,17 @@ class Scheduler:
         return len(self.chunks)
 
     def has_capacity(self) -> bool:
-        return self.accepting and len(self.chunks) + self.unclaimed < self.config.max_in_flight
+        return (self.accepting and len(self.chunks) + len(self.inbox) + self.unclaimed
+                < self.config.max_in_flight)
 
-    def accept(self, item: Any) -> Chunk:
+    def accept(self, item: Any, driver: Any, *, in_map: bool = False) -> Chunk:
+        """Accept ``item`` from any thread holding the driver's lock: the chunk goes into the inbox
+        (one append: the commit point) and the driving thread admits it at its next step.
+
+        Raises:
+            DeviceError: the device is broken.
+            RuntimeError: the pipeline takes no more work, or is full.
+        """
         if self.broken is not None:
             raise self.broken
         if not self.accepting:
@@ -173,19 +187,43 @@ class Scheduler:
                                "create a new Pipeline")
         if not self.has_capacity():
             raise RuntimeError("admission is full; wait for capacity before accepting")
-        index = self._next_index
-        self._next_index += 1
-        chunk = Chunk(index, item, ChunkFuture(self, index))
+        index = next(self._indices)
+        chunk = Chunk(index, item, ChunkFuture(driver, index), in_map=in_map, token=self.device.publish())
         chunk.stamps["accepted"] = self.device.now
-        self.chunks[index] = chunk
-        self._accepted_q.append(chunk)
-        self.counts["accepted"] += 1
+        self.inbox.append(chunk)
         return chunk
+
+    def _admit(self) -> bool:
+        """Take the inbox's chunks in (driving thread)."""
+        admitted = False
+        while self.inbox:
+            chunk = self.inbox.popleft()
+            self.device.observe(chunk.token)
+            chunk.token = None
+            self.counts["accepted"] += 1
+            if chunk.future.done():  # cancelled by its caller before it was admitted
+                self.counts["cancelled"] += 1
+                chunk.move(ChunkState.CANCELLED)
+                self._finish(chunk)
+                continue
+            self.chunks[chunk.index] = chunk
+            self._accepted_q.append(chunk)
+            admitted = True
+        return admitted
+
+    def has_queued_work(self) -> bool:
+        """Chunks wait for a slot while no fence is pending (the next step can start one)."""
+        return bool(self.inbox or self._accepted_q) and self.broken is None
+
+    def finished(self) -> bool:
+        """Nothing accepted is unfinished and no operation is pending: safe to stop driving."""
+        return not self.chunks and not self.inbox and not self.pending_fences()
 
     def stats(self) -> PipelineStats:
         c = self.counts
-        return PipelineStats(accepted=c["accepted"], delivered=c["delivered"], failed=c["failed"],
-                             cancelled=c["cancelled"], in_flight=len(self.chunks))
+        waiting = len(self.inbox)
+        return PipelineStats(accepted=c["accepted"] + waiting, delivered=c["delivered"], failed=c["failed"],
+                             cancelled=c["cancelled"], in_flight=len(self.chunks) + waiting)
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -193,7 +231,8 @@ class Scheduler:
         t0 = time.perf_counter()
         self.steps += 1
         try:
-            progressed = self._observe()
+            progressed = self._admit()
+            progressed = self._observe() or progressed
             # chunk by chunk rather than stage by stage: the first chunk's copy is enqueued
             # before the next chunk is prepared, and a chunk's d2h (which hands its device slot
             # to a later chunk's h2d) before the next chunk's h2d
@@ -203,7 +242,7 @@ class Scheduler:
         except DeviceError as err:
             if not err.sticky:
                 raise
-            self._break(err)
+            self.break_on(err)
             progressed = True
         self.host_seconds += time.perf_counter() - t0
         return progressed
@@ -226,30 +265,6 @@ class Scheduler:
                     seen.add(state)
                 fences.append(fence)
         return fences + [c.consume_task for c in self._loose_tasks]
-
-    def run_until(self, done: Callable[[], bool], timeout: float | None = None) -> None:
-        """Drive the pipeline until ``done()`` holds; raises TimeoutError after ``timeout``."""
-        deadline = None if timeout is None else self.device.now + timeout
-        while not done():
-            if self.step():
-                continue
-            if done():
-                return
-            fences = self.pending_fences()
-            if not fences:
-                if self._accepted_q and self.broken is None:
-                    continue  # a slot is free now; the next step starts it
-                raise RuntimeError("the pipeline is idle but the awaited result can never arrive "
-                                   "(nothing is in flight); this is a ringflow bug")
-            wait = 0.05 if deadline is None else max(0.0, min(0.05, deadline - self.device.now))
-            try:
-                self.device.wait_any(fences, timeout=wait)
-            except DeviceError as err:
-                if not err.sticky:
-                    raise
-                self._break(err)
-            if deadline is not None and self.device.now >= deadline and not done():
-                raise TimeoutError(f"timed out after {timeout} s waiting on the pipeline")
 
     # -- observing fences ----------------------------------------------------------------------
     def _observe(self) -> bool:
@@ -395,7 +410,7 @@ class Scheduler:
         chunk.stamps["prepare"][1] = self.device.now
         try:
             chunk.shape, chunk.dtype, chunk.nbytes = chunk.prepare_task.result()
-        except Exception as exc:  # noqa: BLE001 - the user's prepare failed for this chunk
+        except BaseException as exc:  # noqa: BLE001 - the user's prepare failed for this chunk (Ctrl-C too)
             self._fail(chunk, "prepare", exc)
             return
         self.host_in.move(chunk.host_in, SlotState.FILLED)
@@ -429,7 +444,7 @@ class Scheduler:
         chunk.stamps["consume"][1] = self.device.now
         try:
             value = task.result()
-        except Exception as exc:  # noqa: BLE001 - the user's consumer failed for this chunk
+        except BaseException as exc:  # noqa: BLE001 - the user's consumer failed for this chunk (Ctrl-C too)
             self._fail(chunk, "consume", exc)
             return
         if chunk.host_out is not None:
@@ -556,11 +571,15 @@ class Scheduler:
         return True
 
     def _fail(self, chunk: Chunk, stage: str, exc: BaseException) -> None:
+        """End ``chunk`` FAILED: its future raises a StageError naming the stage (the original as
+        ``__cause__``), or, for a BaseException that is not an Exception (KeyboardInterrupt,
+        SystemExit), the original itself, so an interrupt stays an interrupt for the caller."""
+        forget_frames(exc)
         err = StageError(stage, chunk.index, exc)
-        chunk.error = err
+        chunk.error = err if isinstance(exc, Exception) else exc
         self.failures.append(err)
         if self.first_error is None:
-            self.first_error = err
+            self.first_error = chunk.error
         self._drain(chunk, ChunkState.FAILED)
         if self.config.on_error == "raise":
             self.cancel_pending()
@@ -599,7 +618,12 @@ class Scheduler:
         chunk.stamps["ended"] = self.device.now
         del self.chunks[chunk.index]
         self.counts[final.value] += 1
+        if chunk.in_map:
+            self.unclaimed += 1  # a map() hands it out; it holds capacity until then
+        if self._on_chunk_end is not None:
+            self._on_chunk_end(chunk)
         fut = chunk.future
+        fut.token = self.device.publish()  # the thread that takes the result is ordered after this
         if fut.done():  # cancelled by its caller while its enqueued work drained
             pass
         elif final is ChunkState.DELIVERED:
@@ -608,8 +632,25 @@ class Scheduler:
             fut.set_exception(chunk.error)
         else:
             fut._mark_cancelled()
-        if self._on_chunk_end is not None:
-            self._on_chunk_end(chunk)
+        self._finish(chunk)
+
+    def take_resolved(self) -> list:
+        """Futures set since the last call whose done-callbacks wait to run outside the lock."""
+        out, self.resolved = self.resolved, []
+        return out
+
+    @staticmethod
+    def _finish(chunk: Chunk) -> None:
+        """Drop what an ended chunk no longer needs (events, tasks, slots): a result held by a map
+        must not pin them."""
+        chunk.host_in = chunk.dev_in = chunk.dev_out = chunk.host_out = None
+        chunk.prepare_task = chunk.consume_task = None
+        chunk.h2d_event = chunk.compute_event = chunk.d2h_event = None
+        chunk.events = {}
+
+    def stop_admission(self) -> None:
+        """Take no more work; what was accepted (the inbox too) still runs to its end."""
+        self.accepting = False
 
     def cancel_pending(self) -> None:
         """Stop admission; end not-yet-enqueued chunks CANCELLED at once; drain the rest."""
@@ -619,9 +660,10 @@ class Scheduler:
         except DeviceError as err:  # a poison fill found the context dead: break, as step() does
             if not err.sticky:
                 raise
-            self._break(err)
+            self.break_on(err)
 
     def _cancel_pending(self) -> None:
+        self._admit()  # handed over before the cancel: admitted, then ended CANCELLED with the rest
         for chunk in sorted(self.chunks.values(), key=lambda c: c.index):
             self._cancel_chunk(chunk)
 
@@ -645,6 +687,7 @@ class Scheduler:
     def cancel_chunk(self, index: int) -> bool:
         """Cancel one accepted chunk (its future's ``cancel``); the rest go on. Returns False if
         it can no longer be cancelled (its consumer is running, or it has ended)."""
+        self._admit()  # it may still be in the inbox
         chunk = self.chunks.get(index)
         if chunk is None:
             return False
@@ -653,14 +696,14 @@ class Scheduler:
         except DeviceError as err:  # a poison fill found the context dead: break, as step() does
             if not err.sticky:
                 raise
-            self._break(err)
+            self.break_on(err)
             return False
 
     def settle(self) -> None:
         """Block until every chunk has ended and every slot is FREE."""
         self.run_until(lambda: not self.chunks and not self.pending_fences())
 
-    def _break(self, err: DeviceError) -> None:
+    def break_on(self, err: DeviceError) -> None:
         """A sticky device error: nothing on the device will complete; end everything FAILED."""
         self.broken = err
         self.accepting = False
@@ -726,6 +769,21 @@ class Scheduler:
             ring.high_water = 0
 
 
+MAX_KEPT_FAILURES = 1024
+
+
+def forget_frames(exc: BaseException) -> None:
+    """Clear the local variables of the frames ``exc``'s traceback passes through (its causes'
+    too): a failure kept for inspection then keeps its message and traceback lines but not the
+    chunk, its input or its events alive."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
 def _no_job(*args: Any) -> Any:
     raise RuntimeError("this scheduler is parked between jobs; rearm() it first")
 
@@ -740,7 +798,7 @@ class _InlineTask:
         self._value = self._exc = None
         try:
             self._value = fn(*args)
-        except Exception as exc:  # noqa: BLE001 - delivered by result(), as a pool task's would be
+        except BaseException as exc:  # noqa: BLE001 - delivered by result(), as a pool task's would be
             self._exc = exc
         self.span = (start, device.now)
 

@@ -209,7 +209,8 @@ class CudaDevice(Device):
         self._pools.add(pool)
         return pool
 
-    def wait_any(self, waitables: Sequence[Any], timeout: float | None = None) -> list[Any]:
+    def wait_any(self, waitables: Sequence[Any], timeout: float | None = None,
+                 wake: "threading.Event | None" = None) -> list[Any]:
         """Block until at least one event / host task is done or ``timeout`` seconds pass;
         return those done (empty on timeout). An event that hit a sticky device error counts
         as done (its ``error`` is set).
@@ -241,7 +242,7 @@ class CudaDevice(Device):
             if tasks:
                 flag.clear()
             done = [w for w in waitables if w.is_done]
-            if done:
+            if done or (wake is not None and wake.is_set()):
                 return done
             t = now()
             if deadline is not None and t >= deadline:
@@ -253,7 +254,10 @@ class CudaDevice(Device):
                     time.sleep(0)  # yield the GIL to the workers, then poll again
                 continue
             step = delay if deadline is None else min(delay, deadline - t)
-            time.sleep(max(0.0, step))
+            if wake is not None:
+                wake.wait(max(0.0, step))  # a sleep that new work cuts short
+            else:
+                time.sleep(max(0.0, step))
             delay = min(delay * 2, _WAIT_MAX_SLEEP_S)
 
     def live(self) -> LiveCounts:

@@ -153,7 +153,17 @@ class SimDevice(Device):
             self._check_usable()
             return SimWorkerPool(self, workers)
 
-    def wait_any(self, waitables: Sequence[Any], timeout: float | None = None) -> list[Any]:
+    def publish(self) -> dict:
+        with self._lock:
+            return self._checker.snapshot(self._actor())
+
+    def observe(self, token: Any) -> None:
+        if token is not None:
+            with self._lock:
+                self._checker_merge(token)
+
+    def wait_any(self, waitables: Sequence[Any], timeout: float | None = None,
+                 wake: "threading.Event | None" = None) -> list[Any]:
         waitables = list(waitables)
         if not waitables:
             raise ValueError("wait_any needs at least one event or host task")
@@ -165,7 +175,10 @@ class SimDevice(Device):
         with self._lock:
             self._host_api(self.profile.event_overhead_s)
             until = math.inf if timeout is None else self._engine.now + max(0.0, timeout)
-            self._block_until(lambda: any(op.done for op in ops), what="wait_any", until=until)
+            if wake is None:
+                self._block_until(lambda: any(op.done for op in ops), what="wait_any", until=until)
+            else:  # another thread's new work ends the wait (virtual time stops where it is)
+                self._block_until(lambda: wake.is_set() or any(op.done for op in ops), what="wait_any", until=until)
             done = [w for w, op in zip(waitables, ops) if op.done]
             for w in done:
                 self._checker_merge(w._snapshot if isinstance(w, SimEvent) else w._end_clock)

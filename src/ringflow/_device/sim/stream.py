@@ -207,7 +207,7 @@ class SimStream(Stream):
                 arrays = [_materialise(a, ro) for a, ro in zip(args, read_only)]
                 try:
                     fn(*arrays)
-                except Exception as exc:  # noqa: BLE001 - reported through the next event
+                except BaseException as exc:  # noqa: BLE001 - reported through the next event, Ctrl-C included
                     err = LaunchError(f"{op_name} on {self.name} failed: {type(exc).__name__}: {exc}")
                     err.__cause__ = exc
                     self._pending_error = self._pending_error or err

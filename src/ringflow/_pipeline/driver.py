@@ -1,0 +1,330 @@
+"""Who runs a scheduler's loop: the thread that waits (:class:`CallerDriver`) or a thread of the
+pipeline's own (:class:`ProgressThread`).
+
+Both share one rule: **only the driving thread changes the scheduler's state**, always with the
+driver's lock held. Other threads hand work over through the scheduler's inbox (an accepted
+chunk) or a command (cancel a chunk, stop admission), each a single append under the lock, and
+then wait on the lock's condition. A KeyboardInterrupt raised in a user's thread therefore lands
+either before the hand-off (nothing happened) or after it (the work is the driver's and is
+carried out whole): no stage change is ever half made.
+
+A :class:`~ringflow.Pipeline` gets a progress thread, so work advances while the user's own
+code runs and its futures complete by themselves. A whole-array call (``stream_map``,
+``MapJob``) blocks its caller until the job is done, so the caller drives: there is nothing
+for another thread to overlap with.
+
+On the simulated GPU the progress thread advances virtual time only while some thread waits on
+the pipeline (``result()``, ``map()``, a full ``submit()``, ``close()``, a future someone waits on
+through ``concurrent.futures`` or asyncio), and stops as soon as every wait is satisfied: with
+one submitting thread the virtual timeline is the same on every run.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+from typing import Any, Callable, Optional
+
+from .._errors import DeviceError
+
+_POLL_S = 0.05  # the longest a driver waits on the device before looking at its deadlines again
+
+
+class Command:
+    """Work a user thread hands to the driver: run under the lock by the driving thread."""
+
+    __slots__ = ("fn", "token", "done", "value", "error", "out_token")
+
+    def __init__(self, fn: Callable[[], Any], token: Any):
+        self.fn, self.token = fn, token
+        self.done = False
+        self.value = self.error = self.out_token = None
+
+
+def resolve(batch: list) -> None:
+    """Run the done-callbacks of futures set under the lock (they run user code, so outside it)."""
+    for fut in batch:
+        concurrent.futures.Future._invoke_callbacks(fut)
+
+
+class _Driver:
+    """The lock, the waits and the commands both drivers share."""
+
+    def __init__(self, sched):
+        self.sched = sched
+        self.device = sched.device
+        self.cv = threading.Condition(threading.RLock())
+        self.commands: collections.deque[Command] = collections.deque()
+        self.interest: list = []  # [predicate, deadline] of every wait in progress
+        self.wake = threading.Event()
+        self._stepper: Any = None  # the thread that last drove the scheduler, and what it had seen
+        self._stepper_token: Any = None
+
+    def take_over(self) -> None:
+        """The calling thread is about to drive the scheduler (lock held): order it after all the
+        previous driving thread did and saw (its completions observed, its operations enqueued)."""
+        me = threading.get_ident()
+        if self._stepper != me:
+            if self._stepper is not None:
+                self.device.observe(self._stepper_token)
+            self._stepper = me
+
+    def hand_back(self) -> None:
+        """The calling thread stops driving for now (lock held): leave a token for the next one."""
+        self._stepper_token = self.device.publish()
+
+    # -- used by any thread ----------------------------------------------------------------
+    def notify(self) -> None:
+        """New work or a new wait: rouse the driver (from its lock wait or its device wait)."""
+        self.wake.set()
+        self.cv.notify_all()
+
+    def command(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the driving thread with the lock held; returns its value or raises its
+        error. The caller must hold the lock."""
+        cmd = Command(fn, self.device.publish())
+        self.commands.append(cmd)
+        self.notify()
+        self.wait_for(lambda: cmd.done, None)
+        self.device.observe(cmd.out_token)
+        if cmd.error is not None:
+            raise cmd.error
+        return cmd.value
+
+    def run_commands(self) -> bool:
+        """Carry out the commands handed over so far (driving thread, lock held)."""
+        ran = False
+        while self.commands:
+            cmd = self.commands.popleft()
+            self.device.observe(cmd.token)
+            try:
+                cmd.value = cmd.fn()
+            except BaseException as exc:  # noqa: BLE001 - handed back to the thread that asked
+                cmd.error = exc
+            cmd.out_token = self.device.publish()
+            cmd.done = True
+            ran = True
+        if ran:
+            self.cv.notify_all()
+        return ran
+
+    def deadline_of(self, timeout: Optional[float]) -> Optional[float]:
+        return None if timeout is None else self.device.now + timeout
+
+
+class CallerDriver(_Driver):
+    """The waiting thread drives: each wait runs the scheduler until its condition holds."""
+
+    background = False
+
+    def wait_for(self, pred: Callable[[], bool], timeout: Optional[float], what: str = "the pipeline") -> None:
+        """Drive until ``pred()`` holds (lock held). Raises TimeoutError after ``timeout`` seconds
+        of the device's host clock."""
+        deadline = self.deadline_of(timeout)
+        sched = self.sched
+        self.take_over()
+        try:
+            self._drive(pred, deadline, timeout, what)
+        finally:
+            self.hand_back()
+
+    def _drive(self, pred, deadline, timeout, what) -> None:
+        sched = self.sched
+        while True:
+            self.run_commands()
+            resolve(sched.take_resolved())
+            if pred():
+                return
+            if sched.step():
+                resolve(sched.take_resolved())
+                continue
+            if pred():
+                return
+            if deadline is not None and self.device.now >= deadline:
+                raise concurrent.futures.TimeoutError(f"timed out after {timeout} s waiting for {what}")
+            fences = sched.pending_fences()
+            if not fences:
+                if sched.has_queued_work():
+                    continue  # a slot is free now; the next step starts it
+                raise RuntimeError("the pipeline is idle but the awaited result can never arrive "
+                                   "(nothing is in flight); this is a ringflow bug")
+            wait = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - self.device.now))
+            try:
+                self.device.wait_any(fences, timeout=wait)
+            except DeviceError as err:
+                if not err.sticky:
+                    raise
+                sched.break_on(err)
+
+    def close(self) -> None:
+        pass
+
+
+class ProgressThread(_Driver):
+    """A daemon thread that runs the scheduler whenever there is work, and sleeps otherwise.
+
+    It holds no reference to the pipeline object, only to the scheduler: a pipeline dropped
+    without ``close()`` is collected, and its finaliser sets :attr:`abandoned`; the thread then
+    cancels what is left, releases the scheduler's resources and ends."""
+
+    background = True
+
+    def __init__(self, sched, *, name: str):
+        super().__init__(sched)
+        self.gated = self.device.backend == "sim"  # see the module's doc
+        self.stopping = False
+        self.abandoned = False
+        self.failure: Optional[BaseException] = None  # what killed the thread: a ringflow bug
+        self.final_token: Any = None
+        self.thread = threading.Thread(target=_run, args=(self,), name=name, daemon=True)
+        self.thread.start()
+
+    # -- waits, from user threads ------------------------------------------------------------
+    def wait_for(self, pred: Callable[[], bool], timeout: Optional[float], what: str = "the pipeline") -> None:
+        """Block (lock held, released while waiting) until ``pred()`` holds. Raises TimeoutError
+        after ``timeout`` seconds of the device's host clock (virtual on the sim)."""
+        if pred():
+            return
+        deadline = self.deadline_of(timeout)
+        entry = [pred, deadline]
+        self.interest.append(entry)
+        self.notify()
+        try:
+            while not pred():
+                if self.failure is not None:
+                    raise RuntimeError(f"the pipeline's progress thread died: {self.failure!r}; this is a "
+                                       "ringflow bug") from self.failure
+                if deadline is not None and self.device.now >= deadline:
+                    raise concurrent.futures.TimeoutError(f"timed out after {timeout} s waiting for {what}")
+                if deadline is None or self.gated:
+                    self.cv.wait(None if self.gated else _POLL_S)
+                else:
+                    self.cv.wait(max(0.0, min(_POLL_S, deadline - self.device.now)))
+        finally:
+            self.interest.remove(entry)
+
+    def add_interest(self, pred: Callable[[], bool]) -> list:
+        """Someone waits for ``pred`` outside the pipeline's own calls (a future's waiter or
+        done-callback): the thread may advance until it holds. Returns the entry to drop.
+        Takes no lock (it runs under a future's lock, which the progress thread takes while
+        holding its own): a list append, and the wake flag."""
+        entry = [pred, None]
+        self.interest.append(entry)
+        self.wake.set()
+        return entry
+
+    def drop_interest(self, entry: list) -> None:
+        try:
+            self.interest.remove(entry)
+        except ValueError:
+            pass
+
+    def someone_waits(self) -> bool:
+        now = None
+        for pred, deadline in list(self.interest):
+            if pred():
+                continue
+            if deadline is not None:
+                now = self.device.now if now is None else now
+                if now >= deadline:
+                    continue
+            return True
+        return False
+
+    def next_deadline(self) -> Optional[float]:
+        deadlines = [d for p, d in list(self.interest) if d is not None]
+        return min(deadlines) if deadlines else None
+
+    def abandon(self) -> None:
+        """The pipeline was dropped without ``close()``: have the thread cancel, drain, release and
+        end. Never blocks (a finaliser may run on any thread, this one included)."""
+        self.abandoned = True
+        self.wake.set()
+
+    def close(self) -> None:
+        """Stop the thread once the scheduler has nothing left to do; join it. Lock NOT held."""
+        with self.cv:
+            self.stopping = True
+            self.notify()
+        if self.thread is not threading.current_thread():
+            self.thread.join()
+        self.device.observe(self.final_token)
+
+    # -- the thread ------------------------------------------------------------------------------
+    def step_once(self) -> bool:
+        """One turn of the loop; False when the thread should end."""
+        sched, cv = self.sched, self.cv
+        with cv:
+            self.take_over()
+            try:
+                plan = self._plan_turn(sched)
+                if plan is not None and plan[0] == "sleep":  # the sim: let virtual time reach a deadline
+                    self.device.sleep(plan[1])
+                    plan = (None, None, None)
+            finally:
+                self.hand_back()
+            batch = sched.take_resolved()
+            cv.notify_all()
+            if plan is None:
+                return False
+            idle, fences, wait = plan
+            if idle is not None or fences:
+                self.wake.clear()
+        if batch:
+            resolve(batch)
+            with cv:
+                cv.notify_all()
+        if idle is not None:
+            self.wake.wait(idle)
+        elif fences:
+            try:
+                self.device.wait_any(fences, timeout=wait, wake=self.wake)
+            except DeviceError as err:
+                if not err.sticky:
+                    raise
+                with cv:
+                    sched.break_on(err)
+        return True
+
+    def _plan_turn(self, sched) -> "tuple | None":
+        """Under the lock: run commands and one step; returns what to wait on next as
+        ``(idle seconds or None, fences or None, device wait timeout)``, or None to end."""
+        self.run_commands()
+        if self.abandoned and not self.stopping:
+            self.stopping = True
+            sched.cancel_pending()
+        if self.stopping and sched.finished() and not sched.resolved:
+            if self.abandoned:
+                sched.close()
+            return None
+        if self.gated and not (self.someone_waits() or self.stopping or sched.resolved):
+            return 0.25, None, None
+        if sched.step() or sched.resolved:
+            return None, None, None
+        fences = sched.pending_fences()
+        deadline = self.next_deadline()
+        now = self.device.now
+        if not fences:
+            if sched.has_queued_work():
+                return 0.001, None, None
+            if self.gated and deadline is not None and now < deadline and self.someone_waits():
+                return "sleep", deadline - now  # nothing in flight: only time can pass
+            return (0.25 if self.gated else _POLL_S), None, None
+        if deadline is not None and now >= deadline and self.gated and not self.someone_waits():
+            return 0.25, None, None  # the only waits left have timed out
+        return None, fences, (_POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - now)))
+
+
+def _run(driver: "ProgressThread") -> None:
+    """The progress thread's body."""
+    try:
+        while driver.step_once():
+            pass
+        driver.final_token = driver.device.publish()
+    except BaseException as exc:  # noqa: BLE001 - a ringflow bug: make every waiter raise it
+        with driver.cv:
+            driver.failure = exc
+            driver.final_token = driver.device.publish()
+            driver.cv.notify_all()
+
