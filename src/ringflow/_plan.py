@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Optional
 
 from ._device.hardware import HardwareProfile, get_profile
@@ -45,6 +46,10 @@ class SlotCounts:
     host_out: int
 
     def __post_init__(self) -> None:
+        for name in ("host_in", "device_in", "device_out", "host_out"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"slots.{name} must be an int, got {value!r} ({type(value).__name__})")
         for name in ("host_in", "device_in", "host_out"):
             if getattr(self, name) < 1:
                 raise ValueError(f"slots.{name} must be at least 1, got {getattr(self, name)}")

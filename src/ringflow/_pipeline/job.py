@@ -93,6 +93,7 @@ class MapJob:
         self._layout = layout = MapLayout.plan(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer,
                                                out_buffer, opts)
         self.device = layout.device
+        opts = layout.engine_options(opts)
         self.engine = choose_engine(engine, layout.strategy, opts)
         try:
             if layout.strategy == "register":

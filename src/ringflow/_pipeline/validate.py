@@ -65,8 +65,11 @@ def check_bytes(name: str, value: Any, *, allow_auto: bool = False, maximum: int
     """
     accepted = "an int number of bytes or a size such as '8MiB'" + (", or 'auto'" if allow_auto else "")
     if isinstance(value, str):
-        if allow_auto and value == "auto":
-            return value
+        if value == "auto":
+            if allow_auto:
+                return value
+            whole = " ('auto' is for whole arrays: stream_map, MapJob)" if name == "chunk_bytes" else ""
+            raise ValueError(f"{name} must be a number of bytes such as 8388608 or '8MiB' here, got 'auto'{whole}")
         parsed = parse_size(value)
         if parsed is None:
             raise ValueError(f"{name} must be {accepted}, got {value!r}")
@@ -75,7 +78,9 @@ def check_bytes(name: str, value: Any, *, allow_auto: bool = False, maximum: int
         raise TypeError(f"{name} must be {accepted}, got {_got(value)}")
     elif not isinstance(value, numbers.Integral):
         f = float(value)
-        if not math.isfinite(f) or f != int(f):
+        if not math.isfinite(f):
+            raise ValueError(f"{name} must be a finite whole number of bytes, got {value!r}")
+        if f != int(f):
             raise ValueError(f"{name} must be a whole number of bytes, got {value!r}")
         value = int(f)
     value = int(value)
@@ -120,11 +125,31 @@ def check_timeout(value: Any) -> Optional[float]:
     return value
 
 
-def check_slots(value: Any) -> "int | SlotCounts | None":
-    """None (planned), an int >= 1 for every ring, or a :class:`~ringflow.SlotCounts`."""
-    if value is None or isinstance(value, SlotCounts):
+MAX_SLOTS = 1 << 16
+
+
+def check_slots(value: Any, *, inplace: bool = False) -> "int | SlotCounts | None":
+    """None (planned), an int >= 1 for every ring, or a :class:`~ringflow.SlotCounts` whose
+    counts are ints of at most :data:`MAX_SLOTS`, with ``device_out`` 0 exactly when ``inplace``
+    (an in-place compute has no device-out ring).
+
+    Raises:
+        TypeError: not None, an int or a SlotCounts; a count that is not an int.
+        ValueError: a count out of range, or ``device_out`` that does not match ``inplace``.
+    """
+    if value is None:
         return value
-    return check_count("slots", value, maximum=1 << 16,
+    if isinstance(value, SlotCounts):
+        for ring in ("host_in", "device_in", "device_out", "host_out"):
+            check_count(f"slots.{ring}", getattr(value, ring), minimum=0 if ring == "device_out" else 1,
+                        maximum=MAX_SLOTS)
+        if inplace and value.device_out != 0:
+            raise ValueError(f"slots.device_out must be 0 with inplace=True (an in-place compute has no "
+                             f"device-out ring), got {value.device_out}")
+        if not inplace and value.device_out < 1:
+            raise ValueError("slots.device_out must be at least 1 unless inplace=True, got 0")
+        return value
+    return check_count("slots", value, maximum=MAX_SLOTS,
                        hint="; pass None (planned), an int for every ring, or a SlotCounts")
 
 
@@ -145,11 +170,19 @@ def check_options(*, chunk_bytes: Any = None, allow_auto_chunk: bool = False, wo
     out["max_in_flight"] = None if max_in_flight is None else check_count("max_in_flight", max_in_flight)
     out["pinned_budget"] = None if pinned_budget is None else check_bytes("pinned_budget", pinned_budget,
                                                                            maximum=1 << 50)
-    out["slots"] = check_slots(slots)
     out["on_error"] = check_choice("on_error", on_error, ("raise", "continue"))
     for name, value in flags.items():
         out[name] = check_flag(name, value)
+    # after the flags: whether a SlotCounts may have a device-out ring depends on inplace
+    out["slots"] = check_slots(slots, inplace=out.get("inplace", False))
     return out
+
+
+def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` are views of exactly the same bytes in the same layout (``x`` and
+    ``x[...]``): every element of one is the element of the other at the same index."""
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.strides == b.strides
+            and a.shape == b.shape and a.dtype == b.dtype)
 
 
 def check_out(x: np.ndarray, out: np.ndarray) -> None:
@@ -159,11 +192,7 @@ def check_out(x: np.ndarray, out: np.ndarray) -> None:
         ValueError: ``out`` and ``x`` overlap other than exactly: chunk ``i``'s result would
             overwrite input that a later chunk still has to read.
     """
-    if out is x or not np.may_share_memory(x, out):
-        return
-    same = (x.__array_interface__["data"][0] == out.__array_interface__["data"][0] and x.strides == out.strides
-            and x.shape == out.shape)
-    if same:
+    if out is x or not np.may_share_memory(x, out) or same_memory(x, out):
         return
     try:
         overlap = np.shares_memory(x, out, max_work=10 ** 6)

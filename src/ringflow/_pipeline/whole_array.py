@@ -30,7 +30,7 @@ from .._testing import current as current_hooks
 from . import warm
 from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, resolve_slots
-from .validate import check_choice, check_options, check_out
+from .validate import check_choice, check_options, check_out, same_memory
 
 HOSTS = ("auto", "stage", "register")
 
@@ -108,6 +108,7 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
     keep_warm, profile = opts.pop("keep_warm"), opts.pop("profile")
     layout = MapLayout.plan(f, x, out, fresh_out, make_device(device) if not isinstance(device, Device) else device,
                             opts.pop("chunk_bytes"), host, x_buffer, out_buffer, opts)
+    opts = layout.engine_options(opts)
     kind = choose_engine(engine, layout.strategy, opts)
     registered: list = []
     try:
@@ -219,6 +220,14 @@ class MapLayout:
         rows, length = self.rows, self.length
         return ((a, min(a + rows, length)) for a in range(0, length, rows))
 
+    def engine_options(self, options: dict) -> dict:
+        """``options`` as either engine takes them for this layout: ``pinned_budget`` bounds
+        staging memory, so it binds nothing where nothing is staged (the copy engines then use
+        the caller's memory) and the scheduler must not refuse what the direct engine runs."""
+        if self.strategy != "stage" and options.get("pinned_budget") is not None:
+            return {**options, "pinned_budget": None}
+        return options
+
     def slots(self, f: Callable, options: dict, *, external: bool) -> "plan.SlotCounts":
         """The ring sizes for this job (``external``: the copy engines use the caller's memory)."""
         return resolve_slots(self.device, options.get("slots"), self.chunk_bytes, bool(options.get("inplace")),
@@ -231,14 +240,19 @@ class MapLayout:
         """Lay out a non-empty whole-array job.
 
         Raises:
+            TypeError: ``x_buffer`` or ``out_buffer`` that is not a host buffer.
             ValueError: a row larger than a chunk, half a pair of pinned buffers, pinned buffers
-                that are not ``x``'s and ``out``'s memory, or registration of strided arrays.
+                without ``out`` or that are not ``x``'s and ``out``'s memory, or registration of
+                strided arrays.
         """
         row_bytes = x.nbytes // x.shape[0]
         contiguous = x.flags.c_contiguous and out.flags.c_contiguous
         workers = options.get("workers") or default_workers(dev)
         if (x_buffer is None) != (out_buffer is None):
             raise ValueError("pass both x_buffer and out_buffer (the pinned memory behind x and out), or neither")
+        if x_buffer is not None and fresh_out:
+            raise ValueError("out_buffer is given but out is not: pass out too, the array whose memory out_buffer "
+                             "is (out=out_buffer.view(...))")
         if x_buffer is not None:
             for name, buf, arr in (("x_buffer", x_buffer, x), ("out_buffer", out_buffer, out)):
                 if not getattr(buf, "is_host", False):
@@ -271,13 +285,14 @@ class MapLayout:
 
 
 def register(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool, workers: Optional[int]) -> list:
-    """Pin ``x`` and ``out`` in place (one registration when they are the same array), first
+    """Pin ``x`` and ``out`` in place (one registration when they are the same memory), first
     touching a fresh ``out`` in parallel; returns the registrations, ``x``'s first."""
     if fresh_out:
         parallel_first_touch(out, workers or default_workers(dev))
     registered = [dev.register_host(x)]
     try:
-        if out is not x:
+        # out=x[...] is x's memory: pinning it twice is an error on a real GPU (already registered)
+        if out is not x and not same_memory(x, out):
             registered.append(dev.register_host(out))
     except BaseException:
         close_quietly(registered[0], "registration")

@@ -1,0 +1,502 @@
+"""Hostile input to every public entry point (``stream_map``, ``MapJob``, ``Pipeline``) gets the
+same answer on both whole-array engines and at every front door: a TypeError or ValueError whose
+message names the argument and what to change, never a raw numpy or ``int()`` error, a hang, a
+wrong result or a leaked stream, ring or registration."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import ringflow as rf
+from ringflow import SlotCounts, StageError
+from tests.helpers import unit_device
+from tests.helpers.hostile import (BAD, DOOR_OPTIONS, ENGINE_SETTINGS, GOOD, GOOD_WHOLE_ARRAY_CHUNKS, NAN, INF,
+                                   call, compute, expected, named, outcome, settle)
+
+N = 64  # float32 elements: 256 bytes, a few chunks of 64 bytes
+PIPE_CHUNK = 1024  # a Pipeline's slot, when a test gives none
+WHOLE_ARRAY_DOORS = ("stream_map", "MapJob")
+ALL_DOORS = WHOLE_ARRAY_DOORS + ("Pipeline",)
+
+
+@pytest.fixture
+def dev():
+    device = unit_device()
+    yield device
+    assert settle(device) == 0, f"left live: {device.live()}"
+
+
+def data(n: int = N) -> np.ndarray:
+    return np.arange(n, dtype=np.float32) - 7.5
+
+
+def variants(option: str):
+    """Every (door, engine setting) where ``option`` is an argument; the Pipeline has no engine
+    setting (it is the scheduler)."""
+    for door in ALL_DOORS:
+        if option not in DOOR_OPTIONS[door]:
+            continue
+        if door == "Pipeline":
+            yield door, None
+        else:
+            for setting in ENGINE_SETTINGS:
+                yield door, setting
+
+
+_DATA = object()
+
+
+def run(door: str, setting, dev, x=_DATA, out=None, **options):
+    """``door`` on engine ``setting`` over ``x`` (default :func:`data`) in 64-byte chunks unless
+    ``options`` say otherwise."""
+    if setting is not None:
+        options = {**ENGINE_SETTINGS[setting], **options}
+    options.setdefault("chunk_bytes", 64)
+    return call(door, dev, data() if x is _DATA else x, out, **options)
+
+
+# -- 1. every option, every bad value: the same refusal at every door and on both engines -----------------------------
+BAD_CASES = [(option, value) for option, values in BAD.items() for value in values]
+
+
+@pytest.mark.parametrize("option,value", BAD_CASES, ids=[f"{o}={v!r}"[:40] for o, v in BAD_CASES])
+def test_bad_option_refused_alike_everywhere(dev, option, value):
+    seen = {}
+    for door, setting in variants(option):
+        seen[(door, setting)] = outcome(lambda: run(door, setting, dev, **{option: value}))
+        rf.drop_warm_pipelines()  # a refusal made no events either, so no collection is needed
+        assert dev.live().total == 0, f"{door}/{setting} left {dev.live()} after refusing {option}={value!r}"
+    assert seen
+    for where, got in seen.items():
+        assert got[0] in (TypeError, ValueError), f"{where} accepted or mis-raised {option}={value!r}: {got}"
+        assert option in got[1], f"{where}: the message does not name {option}: {got[2]!r}"
+    kinds = {(got[0], got[1]) for got in seen.values()}
+    assert len(kinds) == 1, f"{option}={value!r} is refused differently: {seen}"
+
+
+def test_slotcounts_of_zero_refused_naming_slots():
+    with pytest.raises(ValueError, match=r"slots\.host_in must be at least 1"):
+        SlotCounts(0, 1, 1, 1)
+    with pytest.raises(TypeError, match=r"slots\.host_in must be an int, got '2'"):
+        SlotCounts("2", 1, 1, 1)
+    with pytest.raises(TypeError, match=r"slots\.device_in must be an int, got 1\.5"):
+        SlotCounts(1, 1.5, 1, 1)
+
+
+@pytest.mark.parametrize("slots,inplace", [(SlotCounts(2, 2, 2, 2), True), (SlotCounts(2, 2, 0, 2), False)])
+def test_slotcounts_that_do_not_match_inplace_refused_alike(dev, slots, inplace):
+    seen = {where: outcome(lambda: run(*where, dev, slots=slots, inplace=inplace)) for where in variants("slots")}
+    for where, got in seen.items():
+        assert got[0] is ValueError and "slots.device_out" in got[2] and "inplace" in got[2], (where, got)
+
+
+@pytest.mark.parametrize("chunk_bytes", GOOD_WHOLE_ARRAY_CHUNKS, ids=repr)
+@pytest.mark.parametrize("door,setting", [(d, s) for d in WHOLE_ARRAY_DOORS for s in ENGINE_SETTINGS])
+def test_good_chunk_sizes_accepted_for_whole_arrays(dev, door, setting, chunk_bytes):
+    x = data()
+    assert np.array_equal(run(door, setting, dev, x, chunk_bytes=chunk_bytes), expected(x))
+
+
+@pytest.mark.parametrize("chunk_bytes", [8192, 8192.0, "8KiB", np.int64(256), "1 KiB", "1e3"], ids=repr)
+def test_good_chunk_sizes_accepted_by_pipeline(dev, chunk_bytes):
+    x = data()
+    assert np.array_equal(call("Pipeline", dev, x, chunk_bytes=chunk_bytes), expected(x))
+
+
+def test_auto_chunk_is_for_whole_arrays_only(dev):
+    with pytest.raises(ValueError, match=r"chunk_bytes must be a number of bytes .*'auto' is for whole arrays"):
+        rf.Pipeline(compute, device=dev, chunk_bytes="auto")
+    for door in ALL_DOORS:
+        with pytest.raises(ValueError, match=r"pinned_budget must be a number of bytes .*got 'auto'$"):
+            call(door, dev, data(), pinned_budget="auto")
+
+
+@pytest.mark.parametrize("value,message", [(NAN, "finite"), (INF, "finite"), (1.5, "whole number"),
+                                           (10 ** 30, "at most"), ("8 parsecs", "size such as '8MiB'")])
+def test_chunk_bytes_messages_say_what_to_change(dev, value, message):
+    with pytest.raises(ValueError, match=message):
+        rf.stream_map(compute, data(), device=dev, chunk_bytes=value)
+
+
+@pytest.mark.parametrize("setting", ENGINE_SETTINGS)
+@pytest.mark.parametrize("door", WHOLE_ARRAY_DOORS)
+def test_pinned_budget_binds_only_staging_memory_on_both_engines(dev, door, setting):
+    """A budget far below any staging ring: staging is refused naming pinned_budget; registered
+    memory has no staging ring, so both engines run it the same."""
+    got = outcome(lambda: run(door, setting, dev, pinned_budget=8))
+    if setting == "stage":
+        assert got[0] is ValueError and "pinned_budget" in got[1], got
+    else:
+        assert got[0] == "ok" and np.array_equal(got[1], expected(data())), got
+
+
+def test_direct_engine_refusals_name_engine_and_the_reason(dev):
+    for options, reason in (({"host": "stage"}, "host='stage'"), ({"host": "register", "on_error": "continue"},
+                                                                   "on_error='continue'")):
+        for door in WHOLE_ARRAY_DOORS:
+            with pytest.raises(ValueError, match="engine='direct' cannot run this job") as info:
+                call(door, dev, data(), engine="direct", chunk_bytes=64, **options)
+            assert reason in str(info.value) and "engine='pipeline'" in str(info.value)
+
+
+@pytest.mark.parametrize("door", ALL_DOORS)
+def test_compute_that_is_not_callable_is_refused(dev, door):
+    with pytest.raises(TypeError, match=r"callable f\(x, y\)") as info:
+        call(door, dev, data(), f=np.float32(2), chunk_bytes=64)
+    assert "float32" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["prepare", "consume", "item_nbytes"])
+def test_pipeline_callbacks_that_are_not_callable_are_refused(dev, name):
+    with pytest.raises(TypeError, match=f"{name} must be a callable or None, got str"):
+        rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, **{name: "nope"})
+
+
+@pytest.mark.parametrize("setting", ENGINE_SETTINGS)
+def test_mapjob_call_refuses_a_non_bool_profile_and_stays_usable(dev, setting):
+    x = data()
+    with rf.MapJob(compute, x, device=dev, chunk_bytes=64, **ENGINE_SETTINGS[setting]) as job:
+        with pytest.raises(TypeError, match="profile must be True or False"):
+            job(profile="yes")
+        assert not job.closed and np.array_equal(job(), expected(x))
+
+
+# -- 2. submit(timeout=) --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("timeout,kind", [(NAN, ValueError), (INF, ValueError), (-1, ValueError),
+                                          ("1", TypeError), (True, TypeError), ([1], TypeError)], ids=repr)
+def test_submit_bad_timeout_refused_and_pipeline_still_usable(dev, timeout, kind):
+    x = data(16)
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
+        with pytest.raises(kind, match="timeout") as info:
+            pipe.submit(x, timeout=timeout)
+        assert "None" in str(info.value)  # says how to wait without limit
+        assert pipe.stats().in_flight == 0
+        assert np.array_equal(pipe.submit(x, timeout=5).result(), expected(x))
+        assert np.array_equal(pipe.submit(x).result(), expected(x))
+
+
+# -- 3. out overlapping x -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("setting", ENGINE_SETTINGS)
+@pytest.mark.parametrize("door", WHOLE_ARRAY_DOORS)
+def test_out_overlapping_x_is_refused(dev, door, setting):
+    buf = np.arange(2 * N, dtype=np.float32)
+    before = buf.copy()
+    for x, out in ((buf[:N], buf[1:N + 1]), (buf[1:N + 1], buf[:N]), (buf[:N], buf[N - 1:2 * N - 1]),
+                   (buf[:N], buf[:N][::-1])):
+        with pytest.raises(ValueError, match="overlap") as info:
+            run(door, setting, dev, x, out)
+        assert "out=x" in str(info.value)
+    assert np.array_equal(buf, before)  # nothing was written
+
+
+@pytest.mark.parametrize("setting", ENGINE_SETTINGS)
+@pytest.mark.parametrize("door", WHOLE_ARRAY_DOORS)
+@pytest.mark.parametrize("which", ["x itself", "x[...]", "separate", "other half"])
+def test_out_that_is_x_or_apart_from_it_is_correct(dev, door, setting, which):
+    buf = np.arange(2 * N, dtype=np.float32) - 3
+    x = buf[:N]
+    want = expected(x.copy())
+    out = {"x itself": x, "x[...]": x[...], "separate": np.zeros(N, np.float32), "other half": buf[N:]}[which]
+    result = run(door, setting, dev, x, out)
+    assert result is out and np.array_equal(out, want)
+
+
+@pytest.mark.parametrize("door", WHOLE_ARRAY_DOORS)
+@pytest.mark.parametrize("engine", ["direct", "pipeline"])
+def test_out_with_the_memory_of_x_is_registered_once(dev, monkeypatch, door, engine):
+    """Registering the same host memory twice fails on a real GPU; ``out=x[...]`` must pin once."""
+    pinned = []
+    register = dev.register_host
+    monkeypatch.setattr(dev, "register_host", lambda a: pinned.append(a) or register(a))
+    x = data()
+    want = expected(x)
+    assert np.array_equal(call(door, dev, x, x[...], host="register", engine=engine, chunk_bytes=64), want)
+    assert len(pinned) == 1
+
+
+# -- 4. a compute that returns its result -----------------------------------------------------------------------------
+def returns_value(x, y):
+    return x * 2
+
+
+def returns_y(x, y):
+    return np.multiply(x, 2, out=y)
+
+
+@pytest.mark.parametrize("door,setting", [(d, s) for d in WHOLE_ARRAY_DOORS for s in ENGINE_SETTINGS]
+                         + [("Pipeline", None)])
+def test_compute_returning_a_value_is_a_stage_error(dev, door, setting):
+    with pytest.raises(StageError) as info:
+        run(door, setting, dev, f=returns_value)
+    err = info.value
+    assert err.stage == "compute" and isinstance(err.__cause__, TypeError)
+    assert "write the result into y" in str(err.__cause__)
+    del info, err  # its traceback holds the failed call's events until dropped
+    assert settle(dev) == 0
+    x = data()
+    assert np.array_equal(run(door, setting, dev, x, f=returns_y), x * 2)
+
+
+# -- 5. pinned buffers that are not the memory behind x and out -------------------------------------------------------
+@pytest.fixture
+def pinned(dev):
+    """Pinned x and out (the buffers and their views), another pinned buffer of the same size, and a
+    larger one whose float32 view starts 16 bytes in."""
+    bufs = {name: dev.allocate_host(N * 4 + (16 if name == "big" else 0)) for name in ("x", "out", "other", "big")}
+    x = bufs["x"].view(np.float32)
+    x[:] = data()
+    shifted = bufs["big"].view(np.float32, offset=16)
+    shifted[:] = data()
+    yield bufs, x, bufs["out"].view(np.float32), shifted
+    for b in bufs.values():
+        b.close()
+
+
+@pytest.mark.parametrize("engine", ["auto", "direct", "pipeline"])
+@pytest.mark.parametrize("door", WHOLE_ARRAY_DOORS)
+def test_pinned_buffers_must_be_the_memory_behind_x_and_out(dev, pinned, door, engine):
+    bufs, x, out, shifted = pinned
+    cases = [
+        ("x_buffer", ValueError, dict(x=x, out=out, x_buffer=bufs["other"], out_buffer=bufs["out"])),
+        ("out_buffer", ValueError, dict(x=x, out=out, x_buffer=bufs["x"], out_buffer=bufs["other"])),
+        ("x_buffer", ValueError, dict(x=shifted, out=out, x_buffer=bufs["big"], out_buffer=bufs["out"])),
+        ("x_buffer", TypeError, dict(x=x, out=out, x_buffer=x, out_buffer=bufs["out"])),
+        ("out_buffer", TypeError, dict(x=x, out=out, x_buffer=bufs["x"], out_buffer="out")),
+        ("out_buffer", ValueError, dict(x=x, out=out, x_buffer=bufs["x"])),
+        ("out_buffer", ValueError, dict(x=x, out=None, x_buffer=bufs["x"], out_buffer=bufs["out"])),
+    ]
+    for name, kind, kw in cases:
+        arr, result = kw.pop("x"), kw.pop("out")
+        with pytest.raises(kind) as info:
+            call(door, dev, arr, result, engine=engine, chunk_bytes=64, **kw)
+        assert name in named(str(info.value)), (name, str(info.value))
+        if result is None:  # says that out is missing, not that it is the wrong memory
+            assert "pass out too" in str(info.value)
+    assert dev.live().host_buffers == len(bufs)  # nothing registered or allocated behind them
+    out[:] = 0
+    assert call(door, dev, x, out, engine=engine, chunk_bytes=64, x_buffer=bufs["x"], out_buffer=bufs["out"]) is out
+    assert np.array_equal(out, expected(data()))
+
+
+# -- 6. a MapJob dropped without close() ------------------------------------------------------------------------------
+@pytest.mark.parametrize("setting", ENGINE_SETTINGS)
+def test_mapjob_dropped_without_close_warns_and_releases(dev, setting):
+    x = data()
+    job = rf.MapJob(compute, x, device=dev, chunk_bytes=64, **ENGINE_SETTINGS[setting])
+    assert np.array_equal(job(), expected(x))
+    assert dev.live().total > 0
+    with pytest.warns(ResourceWarning, match="without close"):
+        del job
+        gc.collect()
+    assert settle(dev) == 0
+
+
+@pytest.mark.parametrize("setting", ENGINE_SETTINGS)
+def test_mapjob_closed_twice_is_harmless_and_a_closed_job_refuses_calls(dev, setting):
+    x = data()
+    job = rf.MapJob(compute, x, device=dev, chunk_bytes=64, **ENGINE_SETTINGS[setting])
+    job.close()
+    assert dev.live().total == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ResourceWarning either when collected later
+        job.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            job()
+        with pytest.raises(RuntimeError, match="closed"):
+            job.report()
+        del job
+        gc.collect()
+
+
+# -- 7. a tiny array with a huge chunk size --------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk_bytes", [1 << 30, "1TiB", "auto"])
+@pytest.mark.parametrize("door,setting", [(d, s) for d in WHOLE_ARRAY_DOORS for s in ENGINE_SETTINGS])
+def test_tiny_array_with_huge_chunk_allocates_only_its_bytes(dev, monkeypatch, door, setting, chunk_bytes):
+    sizes = []
+    for name in ("allocate", "allocate_host"):
+        real = getattr(dev, name)
+        monkeypatch.setattr(dev, name, lambda n, *a, _real=real, **k: sizes.append(n) or _real(n, *a, **k))
+    x = np.arange(10, dtype=np.float32)  # 40 bytes: one chunk, so one slot per ring
+    assert np.array_equal(run(door, setting, dev, x, chunk_bytes=chunk_bytes), expected(x))
+    assert sizes and max(sizes) <= x.nbytes, sizes
+
+
+# -- 8. allocation failures on the simulated device -------------------------------------------------------------------
+def test_failed_host_allocation_is_not_counted(dev):
+    held = dev.allocate_host(64)
+    before = dev.live()
+    with pytest.raises(MemoryError):
+        dev.allocate_host(1 << 60)
+    assert dev.live() == before
+    held.close()
+
+
+@pytest.mark.parametrize("failing", ["allocate", "allocate_host", "create_stream", "register_host"])
+@pytest.mark.parametrize("door,setting", [(d, s) for d in WHOLE_ARRAY_DOORS for s in ENGINE_SETTINGS]
+                         + [("Pipeline", None)])
+def test_allocation_failing_while_building_leaves_nothing(dev, monkeypatch, door, setting, failing):
+    """The second allocation of a kind fails (as an exhausted device or host would); whatever was
+    made before it is released and the MemoryError reaches the caller."""
+    real, calls = getattr(dev, failing), []
+
+    def second_fails(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise MemoryError(f"simulated: {failing} out of memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dev, failing, second_fails)
+    x = data()
+    got = outcome(lambda: run(door, setting, dev, x))
+    if len(calls) >= 2:
+        assert got[0] is MemoryError, got
+    else:  # this engine makes at most one of these
+        assert got[0] == "ok" and np.array_equal(got[1], expected(x)), got
+    assert settle(dev) == 0, dev.live()
+
+
+# -- 9. hostile arrays and items --------------------------------------------------------------------------------------
+NOT_ARRAYS = {"list": [1.0, 2.0], "str": "abc", "bytes": b"abcd", "None": None, "int": 3}
+
+
+@pytest.mark.parametrize("what", NOT_ARRAYS)
+@pytest.mark.parametrize("door,setting", [(d, s) for d in WHOLE_ARRAY_DOORS for s in ENGINE_SETTINGS])
+def test_whole_array_refuses_what_is_not_an_array(dev, door, setting, what):
+    with pytest.raises(TypeError, match="numpy array x") as info:
+        run(door, setting, dev, NOT_ARRAYS[what])
+    assert "np.asarray" in str(info.value)
+
+
+@pytest.mark.parametrize("what", NOT_ARRAYS)
+def test_pipeline_refuses_items_that_are_not_arrays(dev, what):
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
+        with pytest.raises(TypeError, match="items must be numpy arrays"):
+            pipe.submit(NOT_ARRAYS[what])
+        with pytest.raises(TypeError, match="items must be numpy arrays"):
+            list(pipe.map([data(4), NOT_ARRAYS[what]]))
+
+
+@pytest.mark.parametrize("door,setting", [(d, s) for d in WHOLE_ARRAY_DOORS for s in ENGINE_SETTINGS])
+def test_whole_array_refuses_object_and_0d_arrays(dev, door, setting):
+    with pytest.raises(TypeError, match="dtype object"):
+        run(door, setting, dev, np.array([1, "a", None], dtype=object))
+    with pytest.raises(ValueError, match="at least one dimension"):
+        run(door, setting, dev, np.array(3.0, np.float32))
+
+
+@pytest.mark.xfail(strict=True, reason="Pipeline._check_item accepts object arrays; prepare then fails inside "
+                                       "numpy ('Cannot change data-type for array of references')")
+def test_pipeline_refuses_object_items_before_accepting_them(dev):
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
+        with pytest.raises(TypeError, match="dtype object"):
+            pipe.submit(np.array([1, "a", None], dtype=object))
+
+
+@pytest.mark.parametrize("door,setting", [(d, s) for d in WHOLE_ARRAY_DOORS for s in ENGINE_SETTINGS])
+def test_read_only_out_is_refused(dev, door, setting):
+    out = np.zeros(N, np.float32)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="out is read-only"):
+        run(door, setting, dev, data(), out)
+    assert not out.any()
+
+
+@pytest.mark.parametrize("door,setting", [(d, s) for d in WHOLE_ARRAY_DOORS for s in ENGINE_SETTINGS]
+                         + [("Pipeline", None)])
+def test_nan_and_inf_flow_through(dev, door, setting):
+    x = data()
+    x[1::7], x[2::11], x[::3] = INF, -INF, NAN
+    result = run(door, setting, dev, x.copy())
+    assert np.array_equal(result, expected(x), equal_nan=True)
+    assert np.isnan(result[::3]).all() and np.array_equal(np.isinf(result), np.isinf(x))
+
+
+@pytest.mark.parametrize("door,setting", [(d, s) for d in WHOLE_ARRAY_DOORS for s in ENGINE_SETTINGS]
+                         + [("Pipeline", None)])
+def test_sixty_four_dimensions(dev, door, setting):
+    x = (np.arange(8, dtype=np.float32) - 2).reshape((8,) + (1,) * 63)
+    result = run(door, setting, dev, x, chunk_bytes=8)
+    assert result.reshape(-1).tolist() == expected(x).reshape(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [bool, np.complex128, ">f4", "U3", [("a", "f4"), ("b", "i2")], "datetime64[s]"])
+@pytest.mark.parametrize("setting", ENGINE_SETTINGS)
+def test_any_fixed_size_dtype_moves_as_bytes(dev, setting, dtype):
+    x = np.arange(12).astype(np.float32).astype(dtype) if dtype != "U3" else np.array(list("abcdefghijkl"), "U3")
+
+    def copy(a, b):
+        b[...] = a
+
+    out = run("stream_map", setting, dev, x, f=copy, chunk_bytes=x.itemsize * 5)
+    assert out.dtype == x.dtype and out.tobytes() == x.tobytes()
+
+
+@pytest.mark.parametrize("shape", [(0,), (4, 0), (0, 3)])
+@pytest.mark.parametrize("setting", ENGINE_SETTINGS)
+def test_zero_size_array_returns_at_once_with_no_device_work(dev, monkeypatch, setting, shape):
+    ops = []
+    dev.add_op_observer(ops.append)
+    for name in ("allocate", "allocate_host", "register_host", "create_stream"):
+        monkeypatch.setattr(dev, name, lambda *a, _n=name, **k: pytest.fail(f"{_n} called for an empty array"))
+    x = np.zeros(shape, np.float32)
+    result = run("stream_map", setting, dev, x)
+    assert result.shape == shape and result.dtype == x.dtype
+    out = np.zeros(shape, np.float32)
+    assert run("stream_map", setting, dev, x, out) is out
+    with pytest.raises(ValueError, match="at least one element in x"):
+        run("MapJob", setting, dev, x)
+    assert ops == []
+
+
+# -- 10. random mixes of good and bad options --------------------------------------------------------------------------
+def _conflicts(door: str, opts: dict) -> set:
+    """Arguments that good values of other arguments make wrong together (each such refusal
+    names one of them)."""
+    found = set()
+    if door != "Pipeline" and opts.get("engine") == "direct" and (opts.get("host", "auto") != "register"
+                                                                 or opts.get("on_error") == "continue"):
+        found |= {"engine", "host", "on_error"}
+    slots = opts.get("slots")
+    if isinstance(slots, SlotCounts) and (slots.device_out != 0) == bool(opts.get("inplace", False)):
+        found |= {"slots", "inplace"}
+    return found
+
+
+@st.composite
+def door_and_options(draw):
+    door = draw(st.sampled_from(ALL_DOORS))
+    names = DOOR_OPTIONS[door]
+    opts = {}
+    for name in names:
+        good = GOOD_WHOLE_ARRAY_CHUNKS if (name == "chunk_bytes" and door != "Pipeline") else GOOD[name]
+        if draw(st.booleans()):
+            opts[name] = draw(st.sampled_from(good))
+    spoiled = draw(st.permutations(names))[:draw(st.integers(0, 3))]
+    for name in spoiled:
+        opts[name] = draw(st.sampled_from(BAD[name]))
+    return door, opts, set(spoiled)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(door_and_options())
+def test_random_options_run_right_or_are_refused_by_name(case):
+    door, opts, spoiled = case
+    dev = unit_device()
+    x = data()
+    got = outcome(lambda: call(door, dev, x.copy(), **opts))
+    event(f"{door}: {'ran' if got[0] == 'ok' else 'refused'}")
+    if got[0] == "ok":
+        assert not spoiled, f"{door} accepted bad {sorted(spoiled)}: {opts}"
+        assert np.array_equal(got[1], expected(x))
+    else:
+        assert got[0] in (TypeError, ValueError), f"{door}({opts}) raised {got}"
+        allowed = spoiled | _conflicts(door, opts)
+        assert allowed, f"{door} refused good options {opts}: {got[2]}"
+        assert got[1] & allowed, f"{door}({opts}): {got[2]!r} names none of {sorted(allowed)}"
+    assert settle(dev) == 0, f"{door}({opts}) left {dev.live()}"
