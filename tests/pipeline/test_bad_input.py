@@ -390,8 +390,6 @@ def test_whole_array_refuses_object_and_0d_arrays(dev, door, setting):
         run(door, setting, dev, np.array(3.0, np.float32))
 
 
-@pytest.mark.xfail(strict=True, reason="Pipeline._check_item accepts object arrays; prepare then fails inside "
-                                       "numpy ('Cannot change data-type for array of references')")
 def test_pipeline_refuses_object_items_before_accepting_them(dev):
     with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
         with pytest.raises(TypeError, match="dtype object"):

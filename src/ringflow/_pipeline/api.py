@@ -59,6 +59,9 @@ def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any
     arr = user_prepare(item) if user_prepare is not None else item
     if not isinstance(arr, np.ndarray):
         raise TypeError(f"prepare must return a numpy array, got {type(arr).__name__}")
+    if arr.dtype.hasobject:
+        raise TypeError(f"prepare returned dtype {arr.dtype} (Python objects); items are moved as raw bytes, "
+                        "use a numeric dtype")
     return _copy_array_in(arr, raw, chunk_bytes)
 
 
