@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 import ringflow as rf
-from tests.helpers.hooks import engines
+from ringflow import _testing
 from ringflow._bench import kernels
 from ringflow._bench.measure import fresh_random, time_calls
 from ringflow._bench.runner import environment
@@ -112,7 +112,7 @@ def timeline(dev, hb, x, refill, f, n) -> dict:
     got = {}
     pipe_box = {}
     t0 = dev.now
-    with engines(on=lambda p: pipe_box.setdefault("p", p)):
+    with _testing.inject(on_engine=lambda e: pipe_box.setdefault("p", getattr(e, "pipe", e))):
         y = rf.stream_map(f, x, x, device=dev, chunk_bytes=cb, x_buffer=hb, out_buffer=hb, inplace=True, profile=True)
     t_ret = dev.now
     del y
@@ -161,6 +161,7 @@ def phases(dev, out: dict, chunks: int = 16, refill_modes=(False, True)) -> None
         setattr(cls, name, wrapper)
 
     from ringflow._pipeline import ring as ring_mod
+    from ringflow._pipeline import stages
     from ringflow._device.cuda import device as cuda_device_mod, stream as cuda_stream_mod, memory as cuda_memory_mod
 
     import ringflow._pipeline.warm as warm_mod
@@ -168,12 +169,12 @@ def phases(dev, out: dict, chunks: int = 16, refill_modes=(False, True)) -> None
     Sched, Pipe = scheduler.Scheduler, api.Pipeline
     Dev, Stream = cuda_device_mod.CudaDevice, cuda_stream_mod.CudaStream
     for owner, name, label in (
-            (Pipe, "__init__", "Pipeline.__init__"), (api, "resolve_slots", "resolve_slots"),
+            (Pipe, "_build", "Pipeline._build"), (api, "resolve_slots", "resolve_slots"),
             (Sched, "__init__", "Scheduler.__init__"), (ring_mod.Ring, "__init__", "Ring.__init__"),
             (ring_mod.Ring, "close", "Ring.close"), (Dev, "create_stream", "create_stream"),
             (Dev, "allocate", "allocate"), (Dev, "create_worker_pool", "create_worker_pool"),
             (Stream, "close", "stream.close"), (cuda_memory_mod.CudaDeviceBuffer, "close", "devbuf.close"),
-            (scheduler, "stream_after", "order_frees"), (Sched, "settle", "settle"), (Sched, "accept", "accept"),
+            (stages.StageStreams, "free_after", "order_frees"), (Sched, "accept", "accept"),
             (Sched, "step", "step"), (Pipe, "close", "Pipeline.close"), (Sched, "_release_resources", "release"),
             (Sched, "_enqueue_h2d", "enqueue_h2d"), (Sched, "_on_consumed", "on_consumed"),
             (warm_mod.WarmPipelines, "take", "warm.take"), (Pipe, "_rearm", "rearm"), (Pipe, "map", "map"),

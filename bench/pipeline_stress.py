@@ -102,7 +102,7 @@ def run_cancel(dev, items, slots, cancel_after):
     pipe = rf.Pipeline(twice_plus_one, device=dev, slots=slots, chunk_bytes=max(a.nbytes for a in items), checked=True)
     futs = [pipe.submit(a) for a in items[:cancel_after]]
     for _ in range(cancel_after // 3):
-        pipe.scheduler.step()
+        pipe._step()
     pipe.cancel()
     st = pipe.stats()
     pipe.close()

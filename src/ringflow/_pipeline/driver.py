@@ -94,6 +94,8 @@ class _Driver:
 
     def run_commands(self) -> bool:
         """Carry out the commands handed over so far (driving thread, lock held)."""
+        if not self.commands:
+            return False
         ran = False
         while self.commands:
             cmd = self.commands.popleft()
@@ -105,8 +107,8 @@ class _Driver:
             cmd.out_token = self.device.publish()
             cmd.done = True
             ran = True
-        if ran:
-            self.cv.notify_all()
+        self.sched.version += 1  # their callers wait on cmd.done
+        self.cv.notify_all()
         return ran
 
     def deadline_of(self, timeout: Optional[float]) -> Optional[float]:
@@ -175,6 +177,7 @@ class ProgressThread(_Driver):
         self.gated = self.device.backend == "sim"  # see the module's doc
         self.stopping = False
         self.abandoned = False
+        self._seen_version = -1
         self.failure: Optional[BaseException] = None  # what killed the thread: a ringflow bug
         self.final_token: Any = None
         self.thread = threading.Thread(target=_run, args=(self,), name=name, daemon=True)
@@ -232,6 +235,10 @@ class ProgressThread(_Driver):
             return True
         return False
 
+    def _deadline_passed(self) -> bool:
+        deadline = self.next_deadline()
+        return deadline is not None and self.device.now >= deadline
+
     def next_deadline(self) -> Optional[float]:
         deadlines = [d for p, d in list(self.interest) if d is not None]
         return min(deadlines) if deadlines else None
@@ -265,7 +272,11 @@ class ProgressThread(_Driver):
             finally:
                 self.hand_back()
             batch = sched.take_resolved()
-            cv.notify_all()
+            # wake the waiting threads only when what they wait for may have changed: a wake-up
+            # that finds nothing costs a GIL hand-off (on the sim every step may matter to a test)
+            if self.gated or plan is None or sched.version != self._seen_version or self._deadline_passed():
+                self._seen_version = sched.version
+                cv.notify_all()
             if plan is None:
                 return False
             idle, fences, wait = plan
@@ -273,8 +284,6 @@ class ProgressThread(_Driver):
                 self.wake.clear()
         if batch:
             resolve(batch)
-            with cv:
-                cv.notify_all()
         if idle is not None:
             self.wake.wait(idle)
         elif fences:

@@ -123,6 +123,7 @@ class Scheduler:
         self.failures: collections.deque[StageError] = collections.deque(maxlen=MAX_KEPT_FAILURES)
         self.inbox: collections.deque[Chunk] = collections.deque()  # accepted by any thread, not yet admitted
         self.resolved: list = []  # futures whose done-callbacks run once the driver lets go of its lock
+        self.version = 0  # bumped whenever a waiter's condition may have changed (a chunk ended, admission stopped)
         self._indices = itertools.count()
         self.counts = collections.Counter()
         self._loose_tasks: list[Chunk] = []  # consumers whose slot a disabled guard freed early
@@ -618,6 +619,7 @@ class Scheduler:
         chunk.stamps["ended"] = self.device.now
         del self.chunks[chunk.index]
         self.counts[final.value] += 1
+        self.version += 1
         if chunk.in_map:
             self.unclaimed += 1  # a map() hands it out; it holds capacity until then
         if self._on_chunk_end is not None:
@@ -651,10 +653,12 @@ class Scheduler:
     def stop_admission(self) -> None:
         """Take no more work; what was accepted (the inbox too) still runs to its end."""
         self.accepting = False
+        self.version += 1
 
     def cancel_pending(self) -> None:
         """Stop admission; end not-yet-enqueued chunks CANCELLED at once; drain the rest."""
         self.accepting = False
+        self.version += 1
         try:
             self._cancel_pending()
         except DeviceError as err:  # a poison fill found the context dead: break, as step() does
