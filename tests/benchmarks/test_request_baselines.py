@@ -125,9 +125,11 @@ def test_open_loop_submits_each_request_at_its_arrival():
         if i == 1:
             clock.t += 5.0  # a slow submit: request 2 arrives meanwhile and goes in right after
 
-    submitted = bl.open_loop(clock, [1.0, 2.0, 0.5, 6.0], submit, advance)
+    clock.t = 10.0
+    arrived, submitted = bl.open_loop(clock, [1.0, 2.0, 0.5, 6.0], submit, advance)
     assert [i for i, _ in seen] == [0, 1, 2, 3]
-    np.testing.assert_allclose(submitted, [1.0, 3.0, 8.0, 9.5])
+    np.testing.assert_allclose(arrived, [11.0, 13.0, 13.5, 19.5])
+    np.testing.assert_allclose(submitted, [11.0, 13.0, 18.0, 19.5])
 
 
 def test_sync_server_records_each_call():
@@ -149,8 +151,11 @@ def test_sync_server_records_each_call():
 def test_measure_request_server_on_a_fake_ring(slots):
     items = _items(40, seed=slots)
     expected = [bl.scale_shift_expected(a) for a in items]
-    ring = bl.RingServer(FakeRing(slots, auto_after=3), slots, clock=Clock())
+    backend = FakeRing(slots, auto_after=3)
+    ring = bl.RingServer(backend, slots, clock=Clock())
     m = bl.measure_request_server(ring, items, expected, warmup=5, loads=(0.5, 0.8), passes=3)
+    # an untimed pass over every request, the isolated pass, 3 capacity passes, 5 + 40 per load
+    assert backend.started == 40 + 40 + 3 * 40 + 2 * (5 + 40)
     assert m["correct"] is True and m["requests"] == 40 and len(m["capacity_passes_per_s"]) == 3
     assert m["capacity_per_s"] == float(np.median(m["capacity_passes_per_s"])) > 0
     assert 0 < m["isolated_p50_ms"] <= m["isolated_p99_ms"]
@@ -165,11 +170,35 @@ def test_measure_request_server_on_a_fake_ring(slots):
     json.dumps(row)
 
 
+def test_loaded_latency_counts_from_arrival():
+    """A server that takes each request inside submit() hides its queue from a clock started at
+    submit(): under load the latency must run from the arrival."""
+    clock = Clock(step=0.0)
+
+    def serve(a):
+        clock.t += 1e-3  # each request takes 1 ms of the server's time
+        return bl.scale_shift_expected(a)
+
+    def advance(t):
+        clock.t = max(clock.t, t)
+
+    srv = bl.SyncServer(serve, clock=clock)
+    srv.advance = advance
+    items = _items(200, seed=5)
+    m = bl.measure_request_server(srv, items, [bl.scale_shift_expected(a) for a in items], warmup=5,
+                                  loads=(0.8,), passes=1)
+    assert m["capacity_per_s"] == pytest.approx(1000.0) and m["isolated_p99_ms"] == pytest.approx(1.0)
+    (level,) = m["levels"]
+    assert level["p99_from_submit_ms"] == pytest.approx(1.0)  # what submit-to-result would report
+    assert level["p99_ms"] > 2.0 and level["p99_over_isolated"] > 2.0  # requests queued behind others
+
+
 def test_measure_request_server_catches_a_wrong_result():
     items = _items(12, seed=3)
     expected = [bl.scale_shift_expected(a) for a in items]
-    # the 20th request started is wrong: a capacity pass (after 5 warm-up and 12 isolated ones)
-    ring = bl.RingServer(FakeRing(2, auto_after=1, wrong={19}), 2, clock=Clock())
+    # the 31st request started is wrong: in the first capacity pass (after a warm-up pass over the 12
+    # requests and the 12 isolated ones)
+    ring = bl.RingServer(FakeRing(2, auto_after=1, wrong={30}), 2, clock=Clock())
     m = bl.measure_request_server(ring, items, expected, warmup=5, loads=(0.8,), passes=2)
     assert m["correct"] is False and m["levels"][0]["correct"] is True
     with pytest.raises(ValueError, match="expected"):
