@@ -47,3 +47,23 @@ def test_diagnose_pageable(tmp_path):
     assert [run["name"] for run in r["runs"]][0] == "defaults" and all(run["correct"] for run in r["runs"])
     assert r["report_correct"] is True and r["report"]["chunks"] > 0
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+
+
+def _threads_ok(r: dict, threads: int, requests: int) -> None:
+    assert r["ok"] is True, {k: v for k, v in r.items() if k != "versions"}
+    assert r["checked_total"] == threads * requests and r["wrong_total"] == 0 and r["errors_total"] == 0
+    after = r["stats_after_close"]
+    assert after["in_flight"] == 0 and after["accepted"] == after["delivered"] == threads * requests
+    assert r["live_total_after_close"] == 0 and r["machine"] and r["command"] and r["date"]
+
+
+def test_threads_check_one_thread(tmp_path):
+    r = run_script(tmp_path, "threads_check.py", "--threads", "1", "--requests", "50", "--max-elems", "4096")
+    _threads_ok(r, 1, 50)
+
+
+def test_threads_check_many_threads(tmp_path):
+    r = run_script(tmp_path, "threads_check.py", "--threads", "4", "--requests", "50", "--max-elems", "4096",
+                   "--timeout", "60")
+    _threads_ok(r, 4, 50)
+    assert {t["mode"] for t in r["per_thread"]} == {"submit", "map"}

@@ -25,10 +25,17 @@ missing (:func:`run_or_skip` turns that into ``{"name", "skipped": reason}``).
 
 ``link_floor`` and ``host_floor`` measure what the fastest possible pipeline is bound by; their
 keys are prefixed ``link_`` and ``host_`` so the two dicts merge.
+
+The request-stream baselines (``torch_requests_naive``, ``torch_requests_ring``) measure a
+stream of small requests instead of one array: capacity in requests per second and latency
+percentiles (:func:`measure_request_server`), every result compared with numpy's ``x*2+1`` bit
+for bit. They need PyTorch with a CUDA GPU only; the request servers and the open-loop driver
+they run on (:class:`SyncServer`, :class:`RingServer`, :func:`open_loop`) need no GPU.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import math
@@ -43,7 +50,8 @@ import numpy as np
 __all__ = [
     "BaselineUnavailable", "BaselineKernel", "resolve_kernel", "random_input", "gpu_available", "availability",
     "run_or_skip", "serial_copy_compute_copy", "torch_naive", "torch_streams_pipeline", "cuda_cpp_pipeline",
-    "link_floor", "host_floor", "versions",
+    "link_floor", "host_floor", "versions", "scale_shift_expected", "open_loop", "SyncServer", "RingServer",
+    "measure_request_server", "torch_requests_naive", "torch_requests_ring",
 ]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -1028,3 +1036,355 @@ def staging_floor(nbytes: int, *, splits: Sequence[tuple[int, int]] = ((8, 8), (
     if link_ms:
         res["staging_link_alone_ms"] = float(np.median(link_ms))
     return res
+
+
+# -- 5. request streams ---------------------------------------------------------------------------
+# A request server in these baselines is single-threaded and has four calls: ``submit(i, item)``
+# (start request ``i``, first completing the oldest if it must), ``poll()`` (complete the oldest
+# request if its work is done; True if it did), ``advance(t)`` (make progress until the clock
+# reads ``t``) and ``drain()`` (complete everything in flight). It records, per request, when
+# ``submit`` was entered and when the result was a fresh numpy array.
+def scale_shift_expected(a: np.ndarray) -> np.ndarray:
+    """``a*2+1`` in float32, as numpy computes it: what the ``requests`` workload checks every
+    result against, bit for bit."""
+    return a * np.float32(2) + np.float32(1)
+
+
+def open_loop(clock: Callable[[], float], gaps: Sequence[float], submit: Callable[[int], Any],
+              advance: Callable[[float], Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Open-loop arrivals: request ``i`` arrives ``sum(gaps[:i + 1])`` seconds after the start;
+    ``advance(t)`` makes progress until ``clock()`` reads ``t`` (returning at once if it already
+    does), then ``submit(i)`` runs. A request that arrives while the previous ``submit`` still
+    blocks is submitted as soon as it returns, so its latency must count from its arrival, not
+    from its submit: a server that falls behind would otherwise hide its queue.
+
+    Returns ``(arrived, submitted)``: the clock readings (seconds) at which each request
+    arrived and at which its ``submit`` began (float64 arrays)."""
+    arrived = np.zeros(len(gaps))
+    submitted = np.zeros(len(gaps))
+    arrival = clock()
+    for i, gap in enumerate(gaps):
+        arrival += gap
+        advance(arrival)
+        arrived[i] = arrival
+        submitted[i] = clock()
+        submit(i)
+    return arrived, submitted
+
+
+class _Recorder:
+    """Per-request times and results of a request server (see the comment above ``open_loop``)."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock = clock
+        self.reset(0)
+
+    def reset(self, count: int) -> None:
+        """Forget every result and time; make room for requests ``0 .. count - 1``."""
+        self.results: list[Any] = [None] * count
+        self.submitted = np.full(count, np.nan)
+        self.done = np.full(count, np.nan)
+
+    def latencies(self) -> np.ndarray:
+        """Seconds from entering ``submit`` to the result, per request (NaN: not completed)."""
+        return self.done - self.submitted
+
+
+class SyncServer(_Recorder):
+    """Runs each request to completion inside ``submit``: ``call(item) -> result``."""
+
+    def __init__(self, call: Callable[[np.ndarray], np.ndarray], clock: Callable[[], float] = time.perf_counter):
+        super().__init__(clock)
+        self.call = call
+
+    def submit(self, i: int, item: np.ndarray) -> None:
+        self.submitted[i] = self.clock()
+        self.results[i] = self.call(item)
+        self.done[i] = self.clock()
+
+    def poll(self) -> bool:
+        return False
+
+    def advance(self, t: float) -> None:
+        while self.clock() < t:  # nothing in flight: wait for the arrival, as a server would
+            pass
+
+    def drain(self) -> None:
+        pass
+
+    @property
+    def in_flight(self) -> int:
+        return 0
+
+
+class RingServer(_Recorder):
+    """Up to ``slots`` requests in flight over a ring of ``slots`` buffers, completed oldest first.
+
+    Request after request takes the next slot round the ring; when all ``slots`` are in flight,
+    ``submit`` first completes the oldest, whose slot is the one it needs (completion is in
+    submission order, so the oldest request always holds the next slot). ``backend`` does the
+    work: ``start(slot, item)`` enqueues it, ``ready(slot)`` says whether it is done without
+    waiting, ``finish(slot) -> result`` waits for it and returns a fresh array.
+    """
+
+    def __init__(self, backend: Any, slots: int, clock: Callable[[], float] = time.perf_counter):
+        (self.slots,) = _counts(slots, "slots")
+        super().__init__(clock)
+        self.backend = backend
+        self._pending: collections.deque = collections.deque()  # (request, slot), oldest first
+        self._next = 0
+
+    def submit(self, i: int, item: np.ndarray) -> None:
+        self.submitted[i] = self.clock()
+        if len(self._pending) == self.slots:
+            self._complete_oldest()
+        slot = self._next
+        self._next = (slot + 1) % self.slots
+        self.backend.start(slot, item)
+        self._pending.append((i, slot))
+
+    def poll(self) -> bool:
+        if self._pending and self.backend.ready(self._pending[0][1]):
+            self._complete_oldest()
+            return True
+        return False
+
+    def advance(self, t: float) -> None:
+        while self.clock() < t:
+            self.poll()
+
+    def drain(self) -> None:
+        while self._pending:
+            self._complete_oldest()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def _complete_oldest(self) -> None:
+        i, slot = self._pending.popleft()
+        self.results[i] = self.backend.finish(slot)
+        self.done[i] = self.clock()
+
+
+def _percentile_ms(seconds: np.ndarray, q: float) -> float:
+    return 1e3 * float(np.percentile(seconds, q))
+
+
+def measure_request_server(server: Any, items: Sequence[np.ndarray], expected: Sequence[np.ndarray], *,
+                           warmup: int = 30, loads: Sequence[float] = (0.8,), passes: int = 3,
+                           seed: int = 11) -> dict[str, Any]:
+    """The ``requests`` workload's measurements of a request server over ``items``.
+
+    * isolated latency: each request alone (submitted, then drained), p50/p99 in ms;
+    * capacity: every request submitted as fast as the server takes them, then drained; requests
+      per second, the median of ``passes`` passes;
+    * at each load in ``loads`` (a fraction of that capacity): open-loop arrivals with
+      exponential gaps (:func:`open_loop`), latency from each request's arrival to its result,
+      p50/p99 in ms and the p99 over the isolated p99 (also the p99 from entering ``submit``,
+      which leaves out the time a request waited for the server to take it).
+
+    Every request runs once untimed first (a framework's caching allocator takes device memory
+    the first time it meets each request size, and that is set-up, not the steady state asked
+    about), and ``warmup`` requests again before each load. Every result of every measured run
+    is compared with ``expected`` bit for bit (``correct``), after the run."""
+    count = len(items)
+    if count < 1 or len(expected) != count:
+        raise ValueError(f"need at least one request and one expected result per request, got {count} requests "
+                         f"and {len(expected)} expected results")
+    clock = server.clock
+    ok = True
+
+    def warm(n: int) -> None:
+        server.reset(count)
+        for i, it in enumerate(items[:n]):
+            server.submit(i, it)
+        server.drain()
+
+    def check() -> bool:
+        good = all(r is not None and r.shape == e.shape and np.array_equal(r, e)
+                   for r, e in zip(server.results, expected))
+        server.reset(count)  # drop the results: a pass holds every output until it is checked
+        return good
+
+    warm(count)
+    server.reset(count)
+    for i, it in enumerate(items):
+        server.submit(i, it)
+        server.drain()
+    iso = server.latencies()
+    ok &= check()
+    rates = []
+    for _ in range(passes):
+        t0 = clock()
+        for i, it in enumerate(items):
+            server.submit(i, it)
+        server.drain()
+        rates.append(count / (clock() - t0))
+        ok &= check()
+    capacity = float(np.median(rates))
+    rng = np.random.default_rng(seed)
+    levels = []
+    for load in loads:
+        rate = float(load) * capacity
+        gaps = rng.exponential(1.0 / rate, count)
+        warm(warmup)
+        server.reset(count)
+        arrived, _ = open_loop(clock, gaps, lambda i: server.submit(i, items[i]), server.advance)
+        server.drain()
+        lat = server.done - arrived
+        from_submit = server.latencies()
+        good = check()
+        ok &= good
+        levels.append({"load": float(load), "offered_per_s": rate, "p50_ms": _percentile_ms(lat, 50),
+                       "p99_ms": _percentile_ms(lat, 99), "p99_over_isolated": float(np.percentile(lat, 99)
+                                                                                     / np.percentile(iso, 99)),
+                       "p99_from_submit_ms": _percentile_ms(from_submit, 99), "correct": good})
+    return {"requests": count, "capacity_per_s": capacity, "capacity_passes_per_s": rates,
+            "isolated_p50_ms": _percentile_ms(iso, 50), "isolated_p99_ms": _percentile_ms(iso, 99),
+            "levels": levels, "correct": bool(ok), "timing": "host_clock"}
+
+
+def _request_row(name: str, measured: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """A result of :func:`measure_request_server` as a bench row: capacity, isolated latency
+    and, at the first load measured, p50/p99 at top level."""
+    row = {"name": name, **measured, **extra}
+    if measured["levels"]:
+        first = measured["levels"][0]
+        row.update({"load": first["load"], "p50_ms": first["p50_ms"], "p99_ms": first["p99_ms"],
+                    "p99_over_isolated": first["p99_over_isolated"]})
+    return row
+
+
+def _torch_scale_shift(torch):
+    """``compute(x, y, stream=None)``: ``y = 1 + 2*x`` in one elementwise kernel
+    (``torch.add(one, x, alpha=2)``). ``2*x`` is exact in float32, so the one rounding of the
+    sum makes it equal to numpy's ``x*2+1`` bit for bit, with or without an FMA."""
+    one = torch.ones((), dtype=torch.float32, device="cuda")
+
+    def compute(x, y=None):
+        return torch.add(one, x, alpha=2.0, out=y) if y is not None else torch.add(one, x, alpha=2.0)
+
+    return compute
+
+
+def _bit_exact_sample(torch, compute) -> bool:
+    """``compute`` against :func:`scale_shift_expected` on a sample that includes values whose
+    sum ``2x + 1`` needs rounding."""
+    x = np.random.default_rng(17).uniform(0.5, 1.5, 1 << 16).astype(np.float32)
+    got = compute(torch.from_numpy(x).cuda()).cpu().numpy()
+    return bool(np.array_equal(got, scale_shift_expected(x)))
+
+
+def _request_items(items: Sequence[np.ndarray], expected: Sequence[np.ndarray] | None):
+    items = [_as_f32(a) for a in items]
+    if not items:
+        raise ValueError("need at least one request")
+    return items, ([scale_shift_expected(a) for a in items] if expected is None else list(expected))
+
+
+def torch_requests_naive(items: Sequence[np.ndarray], expected: Sequence[np.ndarray] | None = None, *,
+                         warmup: int = 30, loads: Sequence[float] = (0.8,), passes: int = 3) -> dict[str, Any]:
+    """The request stream the way people write it today: per request
+    ``torch.from_numpy(a).cuda()``, ``y = 1 + 2*x`` on the current stream, ``.cpu().numpy()``
+    (pageable copies, one request at a time). ``items``: 1-D float32 arrays; ``expected``
+    (default ``a*2+1``): what each result must equal bit for bit.
+
+    Returns :func:`measure_request_server`'s figures (capacity in requests/s, latency in ms on
+    the host clock), with p50/p99 at the first of ``loads`` at top level."""
+    items, expected = _request_items(items, expected)
+    torch = _torch()
+    compute = _torch_scale_shift(torch)
+    exact = _bit_exact_sample(torch, compute)
+
+    def call(a: np.ndarray) -> np.ndarray:
+        return compute(torch.from_numpy(a).cuda()).cpu().numpy()
+
+    torch.cuda.synchronize()
+    measured = measure_request_server(SyncServer(call), items, expected, warmup=warmup, loads=loads, passes=passes)
+    return _request_row("torch_requests_naive", measured, compute="torch.add(1, x, alpha=2)",
+                        compute_bit_exact_on_sample=exact, host="pageable", in_flight=1)
+
+
+class _TorchRingBackend:
+    """The buffers and streams of the hand-written ring: per slot a pinned input and output of
+    ``slot_floats`` float32 and a device input and output; an H2D stream, a compute stream and
+    a D2H stream; per slot an event after each of the three steps."""
+
+    def __init__(self, torch, slots: int, slot_floats: int, compute):
+        self.torch, self.compute = torch, compute
+        self.p_in = [_pinned(torch, slot_floats) for _ in range(slots)]
+        self.p_out = [_pinned(torch, slot_floats) for _ in range(slots)]
+        self.a_in = [p.numpy() for p in self.p_in]
+        self.a_out = [p.numpy() for p in self.p_out]
+        self.d_in = [torch.empty(slot_floats, dtype=torch.float32, device="cuda") for _ in range(slots)]
+        self.d_out = [torch.empty(slot_floats, dtype=torch.float32, device="cuda") for _ in range(slots)]
+        self.h2d, self.comp, self.d2h = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+        self.copied_in = [torch.cuda.Event() for _ in range(slots)]
+        self.computed = [torch.cuda.Event() for _ in range(slots)]
+        self.copied_out = [torch.cuda.Event() for _ in range(slots)]
+        self.shape: list[tuple] = [()] * slots
+        self.slot_floats = slot_floats
+        torch.cuda.synchronize()
+
+    def start(self, slot: int, item: np.ndarray) -> None:
+        torch, n = self.torch, item.size
+        if n > self.slot_floats:
+            raise ValueError(f"a request of {item.nbytes} bytes does not fit a slot of {self.slot_floats * 4} bytes; "
+                             f"raise slot_bytes")
+        # the slot's previous request is complete (the ring waited for it), so its buffers are free
+        np.copyto(self.a_in[slot][:n], item.reshape(-1))
+        with torch.cuda.stream(self.h2d):
+            self.d_in[slot][:n].copy_(self.p_in[slot][:n], non_blocking=True)
+            self.copied_in[slot].record(self.h2d)
+        self.comp.wait_event(self.copied_in[slot])
+        with torch.cuda.stream(self.comp):
+            self.compute(self.d_in[slot][:n], self.d_out[slot][:n])
+            self.computed[slot].record(self.comp)
+        self.d2h.wait_event(self.computed[slot])
+        with torch.cuda.stream(self.d2h):
+            self.p_out[slot][:n].copy_(self.d_out[slot][:n], non_blocking=True)
+            self.copied_out[slot].record(self.d2h)
+        self.shape[slot] = item.shape
+
+    def ready(self, slot: int) -> bool:
+        return bool(self.copied_out[slot].query())
+
+    def finish(self, slot: int) -> np.ndarray:
+        self.copied_out[slot].synchronize()
+        shape = self.shape[slot]
+        y = np.empty(shape, np.float32)
+        np.copyto(y.reshape(-1), self.a_out[slot][:y.size])
+        return y
+
+
+def torch_requests_ring(items: Sequence[np.ndarray], expected: Sequence[np.ndarray] | None = None, *,
+                        slots: int = 4, slot_bytes: int | None = None, warmup: int = 30,
+                        loads: Sequence[float] = (0.8,), passes: int = 3) -> dict[str, Any]:
+    """A hand-written single-threaded pinned ring in PyTorch, for a request stream: ``slots``
+    pinned input and output buffers and device buffers of ``slot_bytes`` (default: the largest
+    request). Per request: a CPU copy into the next pinned input slot, a non-blocking H2D on a
+    copy stream, ``y = 1 + 2*x`` on a compute stream after the H2D's event, a non-blocking D2H
+    into the pinned output slot on a second copy stream after the compute's event, an event;
+    up to ``slots`` requests in flight, the oldest completed (event synchronize, copy out of the
+    pinned slot into a fresh numpy array) when the ring is full, or between arrivals once its
+    event has passed (:class:`RingServer`).
+
+    Returns :func:`measure_request_server`'s figures (capacity in requests/s, latency in ms on
+    the host clock), with p50/p99 at the first of ``loads`` at top level."""
+    items, expected = _request_items(items, expected)
+    (slots,) = _counts(slots, "slots")
+    need = max(a.nbytes for a in items)
+    if slot_bytes is None:
+        slot_bytes = need
+    elif isinstance(slot_bytes, bool) or int(slot_bytes) < need:
+        raise ValueError(f"slot_bytes must hold the largest request ({need} bytes), got {slot_bytes!r}")
+    torch = _torch()
+    compute = _torch_scale_shift(torch)
+    exact = _bit_exact_sample(torch, compute)
+    backend = _TorchRingBackend(torch, slots, -(-int(slot_bytes) // 4), compute)
+    measured = measure_request_server(RingServer(backend, slots), items, expected, warmup=warmup, loads=loads,
+                                      passes=passes)
+    return _request_row("torch_requests_ring", measured, compute="torch.add(1, x, alpha=2)",
+                        compute_bit_exact_on_sample=exact, host="pinned ring", slots=slots,
+                        slot_bytes=int(slot_bytes), streams=3, in_flight=slots)

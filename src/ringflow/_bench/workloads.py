@@ -22,6 +22,7 @@ from .. import _plan as plan
 from .._device.protocol import Device
 from .._pipeline.whole_array import stream_map_report
 from . import kernels
+from .baselines import open_loop
 from .measure import Timing, fresh_random, time_calls
 
 MiB = 1 << 20
@@ -376,12 +377,19 @@ def _workers(dev: Device) -> int:
 def requests(dev: Device, *, loads=(0.5, 0.8, 0.95), count: int = 200, chunk_bytes: int = 8 * MiB,
              warmup: int = 30, progress=None, pipeline_options: dict | None = None) -> dict[str, Any]:
     """Lognormal request sizes (median 1 MiB, capped at a slot), open-loop Poisson arrivals at
-    fractions of the measured capacity; latency p50/p99 (submit to result, on the host clock)
+    fractions of the measured capacity; latency p50/p99 (arrival to result, on the host clock;
+    ``*_from_submit_ms``: from the call to ``submit``, which leaves out a wait for admission)
     against the same requests' isolated latency (each alone: ``p99_over_isolated`` compares the
     two p99s, ``p99_slowdown_per_request`` is the p99 of each request's loaded/isolated ratio),
     and the rings' high-water marks (memory stays bounded). Capacity is measured closed-loop:
     every request submitted as fast as admission allows, the median of three passes. ``pipeline_options`` (keyword
-    arguments of :class:`ringflow.Pipeline`) are for experiments; the bench leaves them out."""
+    arguments of :class:`ringflow.Pipeline`) are for experiments; the bench leaves them out.
+
+    On a CUDA GPU the same requests then go through two torch baselines (a naive
+    ``.cuda()``/``.cpu()`` per request and a hand-written single-threaded pinned ring), each
+    measured the same way at 80% of its own capacity after an untimed pass over every request
+    (:func:`ringflow._bench.baselines.measure_request_server`); :func:`versus_torch` sets the
+    figures side by side (skipped rows, null ratios on the simulated GPU)."""
     rng = np.random.default_rng(3)
     sizes = np.minimum(chunk_bytes // 4, np.maximum(1024, rng.lognormal(np.log(MiB // 4), 1.0, count).astype(int)))
     items = [fresh_random(int(s), seed=i) for i, s in enumerate(sizes)]
@@ -391,11 +399,16 @@ def requests(dev: Device, *, loads=(0.5, 0.8, 0.95), count: int = 200, chunk_byt
     def make():
         return rf.Pipeline(f, device=dev, chunk_bytes=chunk_bytes, **(pipeline_options or {}))
 
-    def submit_timed(pipe, i, it, lat):
+    def submit_timed(pipe, i, it, lat, done=None):
         t0 = dev.now
         fut = pipe.submit(it)
-        # runs when the result lands (inside the scheduler's step): submit-to-result latency
-        fut.add_done_callback(lambda _f: lat.__setitem__(i, dev.now - t0))
+
+        def landed(_f):  # runs when the result lands (inside the scheduler's step)
+            lat[i] = dev.now - t0  # submit to result
+            if done is not None:
+                done[i] = dev.now
+
+        fut.add_done_callback(landed)
         return fut
 
     if progress:
@@ -429,37 +442,111 @@ def requests(dev: Device, *, loads=(0.5, 0.8, 0.95), count: int = 200, chunk_byt
             # its rings and streams, the workers' first tasks); the latency asked about is steady
             for fu in [pipe.submit(it) for it in items[:warmup]]:
                 fu.result()
-            arrival = start = dev.now
-            lat = np.zeros(count)
-            submitted = np.zeros(count)
+            from_submit = np.zeros(count)
+            done = np.zeros(count)
             futs = []
-            for i, (it, gap) in enumerate(zip(items, gaps)):
-                arrival += gap
-                wait_until(pipe, dev, arrival)
-                submitted[i] = dev.now - start
-                futs.append(submit_timed(pipe, i, it, lat))
+            arrived, submitted = open_loop(lambda: dev.now, gaps,
+                                           lambda i: futs.append(submit_timed(pipe, i, items[i], from_submit, done)),
+                                           lambda t: wait_until(pipe, dev, t))
             # wait for every result before checking any: the pipeline progresses inside calls made
             # on it, so checking (MiBs compared per request) between waits would hold the last
             # requests' completions back and count the checking as their latency
             results = [fu.result() for fu in futs]
             ok = all(np.array_equal(r, e) for r, e in zip(results, expected))
             del results
+            # from each request's arrival: a request that arrived while submit() was blocked by
+            # backpressure waited for admission, and that wait is part of its latency
+            lat = done - arrived
+            start = arrived[0] - gaps[0]
             mem = pipe.scheduler.rings
             pinned_hw = sum(r.high_water * r.chunk_bytes for r in mem if r.buffer.is_host)
             pinned = sum(len(r) * r.chunk_bytes for r in mem if r.buffer.is_host)
         levels.append({"load": load, "offered_per_s": rate, "p50_ms": 1e3 * float(np.percentile(lat, 50)),
                        "p99_ms": 1e3 * float(np.percentile(lat, 99)), "correct": ok,
+                       "p50_from_submit_ms": 1e3 * float(np.percentile(from_submit, 50)),
+                       "p99_from_submit_ms": 1e3 * float(np.percentile(from_submit, 99)),
                        "p99_over_isolated": float(np.percentile(lat, 99)) / isolated,
                        "p99_slowdown_per_request": float(np.percentile(lat / iso, 99)),
                        "pinned_high_water_MiB": pinned_hw / MiB, "pinned_allocated_MiB": pinned / MiB,
                        "gc_pauses": len(pauses), "gc_pause_max_ms": 1e3 * max(pauses, default=0.0),
-                       "slowest": [{"request": int(i), "submitted_ms": 1e3 * float(submitted[i]),
+                       "slowest": [{"request": int(i), "arrived_ms": 1e3 * float(arrived[i] - start),
+                                    "submitted_ms": 1e3 * float(submitted[i] - start),
                                     "latency_ms": 1e3 * float(lat[i]), "bytes": int(items[i].nbytes)}
                                    for i in np.argsort(lat)[::-1][:5]]})
+    ours = {"capacity_per_s": capacity, "isolated_p50_ms": float(np.percentile(iso, 50)) * 1e3,
+            "isolated_p99_ms": isolated * 1e3, "levels": levels}
+    rows = [{"name": f"ringflow at {int(lv['load'] * 100)}% load", **lv} for lv in levels]
+    rows.append({"name": "ringflow capacity, isolated latency", **{k: v for k, v in ours.items() if k != "levels"},
+                 "correct": all(lv["correct"] for lv in levels)})
+    torch_rows = _torch_request_baselines(dev, items, expected, chunk_bytes=chunk_bytes, warmup=warmup,
+                                          progress=progress)
     return {"workload": "requests", "count": count, "warmup_requests_per_level": warmup, "isolated_p99_ms": isolated * 1e3,
-            "isolated_p50_ms": float(np.percentile(iso, 50)) * 1e3,
+            "isolated_p50_ms": ours["isolated_p50_ms"],
             "capacity_per_s": capacity, "capacity_passes_per_s": passes, "levels": levels,
-            "rows": [{"name": f"ringflow at {int(lv['load'] * 100)}% load", **lv} for lv in levels]}
+            **versus_torch(ours, torch_rows), "rows": rows + torch_rows}
+
+
+TORCH_NAIVE = "torch naive .cuda()/.cpu() per request"
+TORCH_RING = "hand-written torch pinned ring (one thread)"
+
+
+def _torch_request_baselines(dev: Device, items, expected, *, chunk_bytes: int, warmup: int,
+                             progress=None) -> list[Row]:
+    """The torch baselines of the ``requests`` workload on the same requests (skipped rows with
+    the reason on the simulated GPU or where PyTorch cannot run)."""
+    reason = _gpu_only(dev)
+    if reason:
+        return [_skip(TORCH_NAIVE, reason), _skip(TORCH_RING, reason)]
+    rows = []
+    for name, run in ((TORCH_NAIVE, lambda: _baselines().torch_requests_naive(items, expected, warmup=warmup)),
+                      (TORCH_RING, lambda: _baselines().torch_requests_ring(items, expected, slot_bytes=chunk_bytes,
+                                                                            warmup=warmup))):
+        if progress:
+            progress(f"requests: {name}")
+        gc.collect()
+        rows.append(_baseline(name, run))
+    return rows
+
+
+def _level_80(levels: list) -> Optional[dict]:
+    return next((lv for lv in levels if abs(lv["load"] - 0.8) < 1e-9), None)
+
+
+def _at(level: Optional[dict], key: str) -> Any:
+    return None if level is None else level[key]
+
+
+def versus_torch(ours: dict[str, Any], torch_rows: list[Row]) -> dict[str, Any]:
+    """ringflow's request figures beside the torch baselines'. ``ours``: ``capacity_per_s``,
+    ``isolated_p50_ms``, ``isolated_p99_ms`` and ``levels`` (each with ``load``, ``p50_ms``,
+    ``p99_ms``, ``p99_over_isolated``); ``torch_rows``: rows named :data:`TORCH_NAIVE` and
+    :data:`TORCH_RING`, measured or skipped.
+
+    Returns ``ringflow_vs_torch_ring`` and ``ringflow_vs_torch_naive`` (ringflow's capacity over
+    the baseline's; None where the baseline did not run), ``p99_80_over_isolated`` (ringflow's
+    p99 at 80% load over its isolated p99; None without that level) and ``side_by_side``: per
+    system its capacity (requests/s), isolated p50/p99 and p50/p99 at 80% of its own capacity
+    (ms), or why it was skipped."""
+    at80 = _level_80(ours.get("levels", []))
+    side = [{"name": "ringflow", "capacity_per_s": ours["capacity_per_s"],
+             "isolated_p50_ms": ours["isolated_p50_ms"], "isolated_p99_ms": ours["isolated_p99_ms"],
+             "p50_80_ms": _at(at80, "p50_ms"), "p99_80_ms": _at(at80, "p99_ms"),
+             "p99_80_over_isolated": _at(at80, "p99_over_isolated")}]
+    out: dict[str, Any] = {"p99_80_over_isolated": side[0]["p99_80_over_isolated"]}
+    for key, name in (("torch_ring", TORCH_RING), ("torch_naive", TORCH_NAIVE)):
+        row = next((r for r in torch_rows if r.get("name") == name), None)
+        cap = None if row is None else row.get("capacity_per_s")
+        out[f"ringflow_vs_{key}"] = ours["capacity_per_s"] / cap if cap else None
+        if row is None or "skipped" in row or not cap:
+            side.append({"name": name, "skipped": (row or {}).get("skipped", "not run")})
+            continue
+        level = _level_80(row.get("levels", []))
+        side.append({"name": name, "capacity_per_s": cap, "isolated_p50_ms": row["isolated_p50_ms"],
+                     "isolated_p99_ms": row["isolated_p99_ms"], "p50_80_ms": _at(level, "p50_ms"),
+                     "p99_80_ms": _at(level, "p99_ms"), "p99_80_over_isolated": _at(level, "p99_over_isolated"),
+                     "correct": row.get("correct")})
+    out["side_by_side"] = side
+    return out
 
 
 def wait_until(pipe, dev: Device, t: float) -> None:

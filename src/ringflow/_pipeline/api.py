@@ -227,31 +227,34 @@ class Pipeline:
         source = iter(items)
         pending: collections.OrderedDict[int, Chunk] = collections.OrderedDict()
         exhausted = started = False
+        carried: list = []  # an item pulled while another thread took the room it was pulled for
         try:
             while True:
                 # take input while there is room (outside the lock: the caller's iterator is user code)
-                while not exhausted:
-                    with d.cv:
-                        room = s.has_capacity()
-                    if not room:
-                        break
-                    try:
-                        item = next(source)
-                    except StopIteration:
-                        exhausted = True
-                        break
-                    self._check_item_or_settle(item)
-                    with d.cv:
-                        if not s.accepting:
+                while not exhausted or carried:
+                    if not carried:
+                        with d.cv:
+                            room = s.has_capacity()
+                        if not room:
                             break
-                        chunk = s.accept(item, d, in_map=True)
+                        try:
+                            item = next(source)
+                        except StopIteration:
+                            exhausted = True
+                            break
+                        self._check_item_or_settle(item)
+                        carried.append(item)
+                    with d.cv:
+                        if not s.accepting or not s.has_capacity():
+                            break
+                        chunk = s.accept(carried.pop(), d, in_map=True)
                         pending[chunk.index] = chunk
                         started = True
                         d.notify()
                 with d.cv:
                     chunk = self._next_ready(pending)
                     if chunk is None:
-                        outcome = self._map_wait(pending, exhausted, started)
+                        outcome = self._map_wait(pending, exhausted and not carried, started)
                         if outcome == "stop":
                             return
                         continue
