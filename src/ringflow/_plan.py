@@ -139,10 +139,8 @@ def with_device_slack(counts: SlotCounts, *, inplace: bool) -> SlotCounts:
     and each stage takes at most one bottleneck interval, so ``stages`` slots keep the streams
     fed whatever the compute costs, and one more absorbs jitter between them. A planned count
     rests on a compute time that is only a guess before the first launch (a simulator model,
-    or none), and a device slot is cheap next to a GPU's memory: measured on the H200, the
-    balanced workload (compute = copy) ran at 0.67 of its ideal with the 2 in-place slots a
-    wrong guess gave, and at 0.96-0.98 with 4 (bench/results/bench-h200-2026-11-30-s2-balanced-2-slots.json,
-    -run3.json, -run4.json)."""
+    or none), and a device slot is cheap next to a GPU's memory (docs/design.md, "Slot
+    lifetimes", has what a wrong guess cost on the H200)."""
     if inplace:
         return dataclasses.replace(counts, device_in=max(counts.device_in, 4))
     return dataclasses.replace(counts, device_in=max(counts.device_in, 3), device_out=max(counts.device_out, 3))
@@ -279,30 +277,19 @@ def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbyte
     return HostStrategy("register" if register < stage else "stage", stage, register)
 
 
-# Host time the scheduler spends per chunk (enqueues, event queries, pool hand-offs), a model
-# parameter of choose_chunk_bytes. Measured on the H200 host (bench/results/
-# bench-h200-2026-11-30-run4.json): the 64-chunk seed run, where the host is the bottleneck,
-# took 9.0 ms, 140 us a chunk (with profiling on, rows' host_us_per_chunk read 165-210 us).
-# With 250 us, the value before this session's hot-path work, the h200 profile over-predicted
-# 32 chunks by 36%; with 140 us it predicts them host-bound no more.
+# The host's costs per chunk, parameters of the chunk-size model. Each was fitted to profiled runs
+# on the H200; docs/design.md ("Calibration notes") gives the runs and the fits.
+# The scheduler's time per chunk: enqueues, event queries, pool hand-offs.
 SCHEDULER_S_PER_CHUNK = 140e-6
 # Each CPU stage a chunk runs on the worker pool (staging's copy in and copy out) adds a hand-off
-# to a worker and back, and its completion, to the scheduler's time per chunk. Measured on the
-# H200 host (bench/results/diagnose-pageable-h200-2026-11-30-s4.json): the staged 1 GiB pageable
-# job in 256 chunks of 4 MiB, bound by the scheduler, took 106.5 ms, 416 us a chunk; (416 - 140) / 2.
-# With no such term the planner chose those 4 MiB chunks (106.5 ms) over 8 MiB (79.5 ms).
+# to a worker and back, and its completion, to the scheduler's time per chunk.
 SCHEDULER_S_PER_HOST_TASK = 138e-6
-
-
-# A job whose copy engines use the caller's memory in place runs on the direct engine
-# (ringflow._pipeline.direct), whose host cost is its enqueueing: 30-98 us a chunk on the H200 host,
-# cold caches included (bench/results/bench-h200-2026-11-30-s4-run*.json, MapJob and profiled rows).
+# A job whose copy engines use the caller's memory in place runs on the direct engine, whose host
+# cost is its enqueueing.
 DIRECT_S_PER_CHUNK = 60e-6
 # Copies queued back to back on a copy engine, as a pipeline queues them, stream at the link's
 # rate and lose a small fixed cost each -- unlike one copy timed alone, which the profile's
-# bandwidth-by-size curve describes (launch latency included). Fitted to the H200's profiled stage
-# medians of 4-32 MiB copies under duplex traffic (bench-h200-2026-11-30-s4-run5-profiled-direct.json:
-# 0.089-0.102 ms for 4 MiB, 0.165-0.178 for 8 MiB, 0.323-0.340 for 16 MiB).
+# bandwidth-by-size curve describes (launch latency included).
 QUEUED_COPY_OVERHEAD_S = 8e-6
 
 

@@ -1,9 +1,8 @@
 """Finished :func:`~ringflow.stream_map` pipelines kept warm for the next call of the same shape.
 
-Setting a pipeline up and tearing it down (planning its slots, three streams, the device
-rings, the slot objects) cost 0.69 ms of Python on our H200 host for a small staged pipeline
-measured alone (create 0.50 + close 0.19, bench/results/host-profile-h200-2026-11-30-run4.txt) and 0.27-0.32 ms of a seed call's time
-(the first-call rows of bench-h200-2026-11-30-run4.json), paid on every call. So ``stream_map`` parks its pipeline here when the
+Setting an engine up and tearing it down (planning its slots, three streams, the device
+rings, the slot objects) costs a large share of a short call's time when paid on every call
+(docs/design.md has the measurements). So ``stream_map`` parks its engine here when the
 call ends cleanly, and the next call with the same device, compute function, chunk size,
 host strategy and options takes it back instead of building one (as PyTorch's caching
 allocator keeps freed blocks).
