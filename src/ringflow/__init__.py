@@ -10,6 +10,7 @@ and may change without notice.
 
 from ._device import cuda_available, device
 from ._device.protocol import Device
+from . import _host as host
 from ._errors import DeviceError, HazardError, LaunchError, RingflowError, StageError
 from ._kernel import Kernel
 from ._pipeline import ChunkState, MapJob, Pipeline, PipelineStats, SlotCounts, SlotState, stream_map
@@ -20,7 +21,7 @@ from ._version import __version__
 
 __all__ = [
     "Pipeline", "stream_map", "stream_map_report", "MapJob", "Kernel", "drop_warm_pipelines",
-    "device", "cuda_available", "Device",
+    "device", "cuda_available", "Device", "host",
     "Report", "PipelineStats", "SlotCounts", "ChunkState", "SlotState",
     "RingflowError", "StageError", "HazardError", "DeviceError", "LaunchError",
     "__version__",

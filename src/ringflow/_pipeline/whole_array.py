@@ -25,7 +25,8 @@ import numpy as np
 
 from .. import _plan as plan
 from .._device import device as make_device
-from .._device.protocol import Device, close_quietly
+from .._device import host_pool
+from .._device.protocol import Device, HostBuffer, close_quietly
 from .._testing import current as current_hooks
 from . import warm
 from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine
@@ -34,10 +35,15 @@ from .validate import check_choice, check_options, check_out, same_memory
 
 HOSTS = ("auto", "stage", "register")
 
+# Where stream_map puts a result when no out is given. False: a new ordinary numpy array. True:
+# an array from the device's host pool (pinned, reused once dropped), which the copy engines
+# write in place; a request the pool cannot serve still gets an ordinary array.
+POOLED_OUT = False
+
 
 def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, device: "Device | str | None" = None,
-               chunk_bytes: "int | str | None" = None, host: str = "auto", x_buffer=None, out_buffer=None,
-               engine: str = "auto", keep_warm: bool = True, inplace: bool = False,
+               chunk_bytes: "int | str | None" = None, host: str = "auto", x_buffer: Optional[HostBuffer] = None,
+               out_buffer: Optional[HostBuffer] = None, engine: str = "auto", keep_warm: bool = True, inplace: bool = False,
                slots: "int | plan.SlotCounts | None" = None, workers: Optional[int] = None, checked: bool = False,
                on_error: str = "raise", pinned_budget: "int | str | None" = None, profile: bool = False) -> np.ndarray:
     """Apply ``f(x_chunk, y_chunk)`` on the device to ``x`` in chunks along axis 0; returns ``out``
@@ -51,15 +57,20 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
         x: any numpy array with at least one dimension (pageable or pinned, contiguous or not).
         out: where the result goes: same shape and dtype as ``x``, ``x`` itself (in place) or
             memory that does not overlap it; allocated when None. An empty ``x`` returns at once.
-        device: a device, a spec such as ``"cuda:0"`` or ``"sim"``, or None for
+        device: a device, a spec such as ``"cuda:0"`` or ``"sim"``, or None: the device of ``x``'s
+            (else ``out``'s) memory when it came from :func:`ringflow.host.empty`, else
             ``ringflow.device()`` (the ``RINGFLOW_DEVICE`` environment variable, else "auto").
         chunk_bytes: bytes per chunk (an int or a size such as ``"8MiB"``), ``"auto"`` to let the
             planner choose, or None for 8 MiB. Never larger than the array needs.
         host: how ordinary host memory reaches the copy engines: ``"stage"`` copies each chunk
             through pinned rings on CPU workers; ``"register"`` pins ``x`` and ``out`` in place for
             the call; ``"auto"`` picks by the planner's model.
-        x_buffer, out_buffer: pinned memory whose bytes are ``x`` / ``out`` (``device.allocate_host``
-            or ``device.register_host``); then nothing is staged or registered.
+        x_buffer: pinned memory whose bytes are ``x`` (``device.allocate_host`` or
+            ``device.register_host``); with ``out_buffer``, nothing is staged or registered.
+            Found without asking for an ``x`` from :func:`ringflow.host.empty` of the call's
+            device (unless ``host="stage"``), and then used in place even where ``out`` is
+            registered.
+        out_buffer: the same for ``out``; pass both buffers or neither.
         engine: ``"direct"`` enqueues the call in one pass where the copy engines use ``x`` and
             ``out`` in place; ``"pipeline"`` runs it on the scheduler (as staging and
             ``on_error="continue"`` always do); ``"auto"`` picks direct wherever it can.
@@ -88,7 +99,7 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
                        profile=profile)[0]
 
 
-def stream_map_report(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, **options: Any):
+def stream_map_report(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, **options: Any) -> tuple:
     """:func:`stream_map` with profiling on, on the engine it would run on anyway.
 
     Returns:
@@ -106,15 +117,27 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
     if x.shape[0] == 0 or x.size == 0:
         return out, None
     keep_warm, profile = opts.pop("keep_warm"), opts.pop("profile")
-    layout = MapLayout.plan(f, x, out, fresh_out, make_device(device) if not isinstance(device, Device) else device,
-                            opts.pop("chunk_bytes"), host, x_buffer, out_buffer, opts)
+    if device is None:  # arrays from ringflow.host name their device
+        device = host_pool.device_of(x)
+        if device is None and not fresh_out:
+            device = host_pool.device_of(out)
+    dev = make_device(device) if not isinstance(device, Device) else device
+    if fresh_out and POOLED_OUT and x_buffer is None and out_buffer is None and host != "stage":
+        out = host_pool.pool_for(dev).empty(x.shape, x.dtype)
+        fresh_out = host_pool.buffer_behind(out, dev) is None  # a pageable fallback is still untouched
+    pooled = pooled_buffers(dev, x, out, fresh_out, host, x_buffer, out_buffer)
+    if None not in pooled:
+        x_buffer, out_buffer = pooled
+    layout = MapLayout.plan(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer, out_buffer, opts)
     opts = layout.engine_options(opts)
     kind = choose_engine(engine, layout.strategy, opts)
     registered: list = []
     try:
         if layout.strategy == "register":
-            registered = register(layout.device, x, out, fresh_out, opts.get("workers"))
-            x_buffer, out_buffer = registered[0], registered[-1]
+            registered = register(layout.device, x, out, fresh_out, opts.get("workers"), pinned=pooled)
+            mine = iter(registered)
+            x_buffer = pooled[0] if pooled[0] is not None else next(mine)
+            out_buffer = pooled[1] if pooled[1] is not None else next(mine, x_buffer)
         arrays = Arrays(x, out, x_buffer, out_buffer)
         key = None
         if keep_warm and not opts.get("checked"):
@@ -284,18 +307,32 @@ class MapLayout:
         return cls(dev, row_bytes, rows, x.shape[0], x.shape[1:], x.dtype, strategy)
 
 
-def register(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool, workers: Optional[int]) -> list:
+def pooled_buffers(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool, host: str, x_buffer,
+                   out_buffer) -> tuple:
+    """The pinned buffers behind ``x`` and ``out`` where they are arrays from ``dev``'s host pool
+    (:mod:`ringflow.host`), each None where not; both None when the caller passed buffers or
+    asked for staging."""
+    if x_buffer is not None or out_buffer is not None or host == "stage":
+        return None, None
+    return host_pool.buffer_behind(x, dev), None if fresh_out else host_pool.buffer_behind(out, dev)
+
+
+def register(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool, workers: Optional[int],
+             pinned: tuple = (None, None)) -> list:
     """Pin ``x`` and ``out`` in place (one registration when they are the same memory), first
-    touching a fresh ``out`` in parallel; returns the registrations, ``x``'s first."""
+    touching a fresh ``out`` in parallel; returns the registrations, ``x``'s first. ``pinned``:
+    buffers already behind ``x`` / ``out`` (pooled pinned memory), used instead of registering
+    that side: pinned memory cannot be pinned again."""
     if fresh_out:
         parallel_first_touch(out, workers or default_workers(dev))
-    registered = [dev.register_host(x)]
+    registered = [dev.register_host(x)] if pinned[0] is None else []
     try:
         # out=x[...] is x's memory: pinning it twice is an error on a real GPU (already registered)
-        if out is not x and not same_memory(x, out):
+        if pinned[1] is None and out is not x and not same_memory(x, out):
             registered.append(dev.register_host(out))
     except BaseException:
-        close_quietly(registered[0], "registration")
+        for buf in registered:
+            close_quietly(buf, "registration")
         raise
     return registered
 

@@ -1,0 +1,648 @@
+"""A caching allocator of pinned host memory whose numpy arrays return to the pool when dropped.
+
+One :class:`HostPool` per device (:func:`pool_for`). ``pool.empty(shape, dtype)`` hands out a
+numpy array over a cached pinned block (a :class:`~ringflow._device.protocol.HostBuffer` from
+``device.allocate_host``); allocating and freeing pinned memory costs far more than reusing it.
+The design follows PyTorch's ``CachingHostAllocator``:
+
+* **Size classes.** A request is rounded up to its class: a multiple of 512 bytes up to 64 KiB,
+  above that one of four classes per power of two (``2**k`` times 1, 1.25, 1.5 or 1.75), so a
+  block is at most a quarter larger than the request. A block serves only requests of its own
+  class.
+* **Return on drop.** Every view of a handed-out array keeps one owner object alive; when the
+  owner is collected its block goes back to the pool. The finalizer only queues the block (it
+  may run on any thread, at any allocation); the queue is drained by the next :meth:`empty`,
+  :meth:`collect` or :meth:`stats`.
+* **Held while a device operation may still use it.** Whoever enqueues a copy into or out of a
+  pooled array tells the pool with :meth:`HostPool.record_use` (the event recorded after the
+  copy). A dropped block whose recorded events are not all done is *pending*: it is handed out
+  again only once every one of them is done (queried at the next :meth:`empty` or
+  :meth:`collect`; ``collect(wait=True)`` waits for them).
+* **Budget.** The pool holds at most ``budget`` bytes of pinned memory (in use, pending and
+  cached together). A request that does not fit after freeing cached blocks, or whose pinning
+  the device refuses, gets an ordinary pageable numpy array instead, with one logged note per
+  pool on the ``"ringflow"`` logger.
+
+Ordering on the simulated GPU: every hand-out takes a fresh checked host view of the block (a
+write and a read by the allocating thread), so a block handed out while a copy into it is
+pending is a :class:`~ringflow.HazardError`. The thread that drops an array publishes what it
+has done (:meth:`Device.publish`) and whoever takes the block next observes that, so a block
+passed between threads through the pool is ordered as a queue hand-off is.
+
+Nothing here knows about pipelines; :func:`buffer_behind` lets a caller find the pinned buffer
+behind a pooled array to copy it in place.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import operator
+import os
+import threading
+import weakref
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from .._errors import DeviceError
+from .protocol import Device, HostBuffer, check_nbytes
+
+logger = logging.getLogger(__name__)
+
+SMALL_BYTES = 64 << 10  # up to here classes are multiples of SMALL_STEP
+SMALL_STEP = 512
+POISON = 0xEE  # a block returned to the cache on a checked simulated GPU is filled with this
+_PRUNE_AT = 16  # events kept per block before done ones are dropped
+
+# Test-only switch: False hands a dropped block out again at once, even while a recorded
+# copy into or out of it is pending. Tests turn it off to show the checker catches the reuse.
+_HOLD_UNTIL_DONE = True
+
+
+def default_budget() -> int:
+    """The pinned bytes a new pool may hold: a quarter of physical memory, at most 4 GiB (4 GiB
+    where the size of physical memory is unknown)."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 4 << 30
+    return max(SMALL_BYTES, min(4 << 30, ram // 4))
+
+
+def size_class(nbytes: int) -> int:
+    """The block size (bytes) that serves a request of ``nbytes`` (> 0) bytes."""
+    if nbytes <= SMALL_BYTES:
+        return -(-nbytes // SMALL_STEP) * SMALL_STEP
+    k = (nbytes - 1).bit_length() - 1  # 2**k < nbytes <= 2**(k + 1)
+    step = 1 << (k - 2)
+    return -(-nbytes // step) * step
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPoolStats:
+    """A pool's counters at one moment.
+
+    Attributes:
+        budget: bytes of pinned memory the pool may hold (in use, pending and cached).
+        cached_bytes: bytes in free blocks, ready to be handed out again.
+        in_use_bytes: bytes in blocks behind live arrays.
+        pending_bytes: bytes in blocks whose arrays were dropped while a recorded device
+            operation on them was not yet known to be done.
+        allocations: pinned allocations the pool made (``device.allocate_host`` calls).
+        hits: requests served from the cache.
+        fallbacks: requests answered with pageable memory (over budget, or pinning refused).
+        releases: blocks the pool freed to keep within its budget or when asked to.
+    """
+
+    budget: int
+    cached_bytes: int
+    in_use_bytes: int
+    pending_bytes: int
+    allocations: int
+    hits: int
+    fallbacks: int
+    releases: int
+
+    @property
+    def held_bytes(self) -> int:
+        """Pinned bytes the pool holds: cached, in use and pending."""
+        return self.cached_bytes + self.in_use_bytes + self.pending_bytes
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "held_bytes": self.held_bytes}
+
+
+_FREE, _IN_USE, _PENDING, _CHECKING, _RELEASED = "free", "in use", "pending", "checking", "released"
+
+
+class _Block:
+    """One pinned allocation and what the pool knows of its use."""
+
+    __slots__ = ("buffer", "size", "state", "events", "tokens")
+
+    def __init__(self, buffer: HostBuffer, size: int):
+        self.buffer = buffer
+        self.size = size
+        self.state = _IN_USE
+        self.events: list = []  # recorded uses not yet known to be done
+        self.tokens: list = []  # hand-off tokens whoever takes the block next must observe
+
+    def __repr__(self) -> str:
+        return f"<pooled block {self.size} B {self.state} {self.buffer!r}>"
+
+
+class _Owner:
+    """What every view of a handed-out array keeps alive: its bytes (exposed to numpy through
+    ``__array_interface__``) and its block. Collected once the last view is gone."""
+
+    __slots__ = ("__array_interface__", "_memory", "block", "pool", "__weakref__")
+
+
+class HostPool:
+    """Cached pinned blocks of one device, handed out as numpy arrays. Thread-safe.
+
+    Args:
+        device: the device whose ``allocate_host`` makes the blocks.
+        budget: bytes of pinned memory the pool may hold; None for :func:`default_budget`.
+    """
+
+    def __init__(self, device: Device, budget: Optional[int] = None):
+        if not isinstance(device, Device):
+            raise TypeError(f"HostPool needs a ringflow Device, got {type(device).__name__}")
+        self._device = device
+        self._budget = default_budget() if budget is None else check_nbytes(budget, "budget")
+        self._lock = threading.Lock()
+        # pool threads pin and free one at a time: allocation is slow and serialised by the OS
+        # anyway, and a backend's own cache of freed pinned memory need not be thread-safe
+        self._device_lock = threading.Lock()
+        self._free: dict[int, list[_Block]] = {}
+        self._blocks: dict[int, _Block] = {}  # id(buffer) -> block, every block not yet released
+        self._pending: list[_Block] = []
+        self._returned: collections.deque = collections.deque()  # (block, token) from finalizers
+        self._bytes = {_FREE: 0, _IN_USE: 0, _PENDING: 0}
+        self._reserved = 0  # bytes of allocations under way outside the lock
+        self._counts = {"allocations": 0, "hits": 0, "fallbacks": 0, "releases": 0}
+        self._noted = False
+
+    def __repr__(self) -> str:
+        return f"<HostPool of {self._device!r}: {self.stats().held_bytes} B held, budget {self._budget} B>"
+
+    @property
+    def device(self) -> Device:
+        return self._device
+
+    @property
+    def budget(self) -> int:
+        """Bytes of pinned memory the pool may hold."""
+        return self._budget
+
+    # -- handing out ---------------------------------------------------------------------------
+    def empty(self, shape: "int | Sequence[int]", dtype: Any = np.float64) -> np.ndarray:
+        """A C-contiguous array of uninitialised pinned memory from the pool.
+
+        Its block returns to the pool once the array and every view of it are collected, and
+        is handed out again only after every use recorded with :meth:`record_use` is done.
+
+        Args:
+            shape: the array's shape (an int or a sequence of ints, each >= 0).
+            dtype: any numpy dtype without Python objects.
+
+        Returns:
+            A plain ``numpy.ndarray``. Pinned unless the request did not fit the budget or the
+            device refused to pin it: then ordinary pageable memory (:meth:`stats` counts it as
+            a fallback). An array of 0 bytes is never pinned.
+
+        Raises:
+            TypeError: ``shape`` is not an int or a sequence of ints, or ``dtype`` holds objects.
+            ValueError: a negative dimension.
+            HazardError: (simulated GPU) the block's previous use is not ordered before this
+                thread: a missing :meth:`record_use`, or a pool bug.
+        """
+        shape, dtype = _check_request(shape, dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return np.empty(shape, dtype)
+        self._process()
+        size = size_class(nbytes)
+        block, reserved, to_release = self._take(size)
+        self._release_blocks(to_release)
+        if block is None:
+            block = self._allocate(size) if reserved else None
+            if block is None:
+                if not reserved:
+                    self._fallback(size, f"the pool's budget of {self._budget} bytes is taken")
+                return np.empty(shape, dtype)
+        try:
+            return self._hand_out(block, nbytes, shape, dtype)
+        except BaseException:
+            with self._lock:  # the block was never handed out: it is free again as it was
+                self._move(block, _FREE)
+                self._free.setdefault(block.size, []).append(block)
+            raise
+
+    def _take(self, size: int) -> tuple[Optional[_Block], bool, list[_Block]]:
+        """A free block of ``size``; or None and whether room is reserved for a new one (no room:
+        fall back); and the cached blocks dropped to make room, to release outside the lock."""
+        with self._lock:
+            bucket = self._free.get(size)
+            if bucket:
+                block = bucket.pop()  # the most recently used: its pages are the warmest
+                self._move(block, _IN_USE)
+                self._counts["hits"] += 1
+                return block, False, []
+            to_release = self._make_room(size)
+            reserved = self._held() + size <= self._budget
+            if reserved:
+                self._reserved += size
+            return None, reserved, to_release
+
+    def _make_room(self, size: int) -> list[_Block]:
+        """Drop cached blocks (largest first) until ``size`` more bytes fit the budget or none is
+        left; returns them. Under the lock."""
+        dropped: list[_Block] = []
+        if self._held() + size <= self._budget:
+            return dropped
+        for cls in sorted(self._free, reverse=True):
+            bucket = self._free[cls]
+            while bucket and self._held() + size > self._budget:
+                block = bucket.pop()
+                self._move(block, _RELEASED)
+                dropped.append(block)
+        return dropped
+
+    def _allocate(self, size: int) -> Optional[_Block]:
+        """A new block of ``size`` bytes (its room reserved by :meth:`_take`), or None when the
+        device refuses to pin it even with the cache freed: fall back."""
+        try:
+            try:
+                with self._device_lock:
+                    buffer = self._device.allocate_host(size)
+            except (MemoryError, DeviceError) as exc:
+                if isinstance(exc, DeviceError) and exc.sticky:
+                    raise
+                # pinned memory may be short because the cache holds it: free the cache and retry
+                self.release_cached()
+                try:
+                    with self._device_lock:
+                        buffer = self._device.allocate_host(size)
+                except (MemoryError, DeviceError) as exc2:
+                    if isinstance(exc2, DeviceError) and exc2.sticky:
+                        raise
+                    self._fallback(size, f"the device refused to pin {size} bytes ({type(exc2).__name__}: {exc2})")
+                    return None
+            block = _Block(buffer, size)
+            with self._lock:
+                self._blocks[id(buffer)] = block
+                self._bytes[_IN_USE] += size
+                self._counts["allocations"] += 1
+            return block
+        finally:
+            with self._lock:
+                self._reserved -= size
+
+    def _fallback(self, size: int, why: str) -> None:
+        with self._lock:
+            self._counts["fallbacks"] += 1
+            note, self._noted = not self._noted, True
+        if note:
+            logger.warning("ringflow.host: %s; a request for a %d-byte block gets ordinary pageable memory "
+                           "instead (noted once per device; raise the budget with "
+                           "ringflow.host.set_budget(nbytes))", why, size)
+
+    def _hand_out(self, block: _Block, nbytes: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
+        """The array over ``block``'s first ``nbytes``: ordered after its previous use, checked
+        as a host access (simulated GPU), and tied to a new owner whose collection returns it."""
+        self._observe(block)
+        memory = block.buffer.view(np.uint8, count=nbytes, access="rw")
+        with self._lock:
+            block.tokens = []
+        owner = _Owner()
+        owner._memory = memory
+        owner.block = block
+        owner.pool = self
+        owner.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "version": 3,
+                                     "data": (memory.__array_interface__["data"][0], False)}
+        fin = weakref.finalize(owner, _on_owner_collected, self, block)
+        fin.atexit = False  # at interpreter exit the device may be gone: nothing to give back then
+        return np.asarray(owner).view(dtype).reshape(shape)
+
+    # -- giving back ---------------------------------------------------------------------------
+    def _give_back(self, block: _Block, token: Any) -> None:
+        """Called by an owner's finalizer, on whatever thread dropped the last view: only
+        queues the block (deque appends need no lock, so a collection inside a pool call on
+        this thread cannot deadlock)."""
+        self._returned.append((block, token))
+
+    def record_use(self, obj: "np.ndarray | HostBuffer", event: Any) -> bool:
+        """Tell the pool that a device operation using ``obj``'s memory completes at ``event``:
+        once ``obj`` is dropped, its block is not handed out again before ``event`` is done.
+
+        Call it for every copy into or out of a pooled array that may still be pending when
+        the array could be dropped (an event recorded on the copy's stream after the copy).
+
+        Args:
+            obj: an array (or a view of one) from this pool, or a pooled block's buffer.
+            event: an :class:`~ringflow._device.protocol.Event` or host task (anything with
+                ``is_done``) of this pool's device.
+
+        Returns:
+            True if recorded; False if ``obj`` is not memory from this pool (a pageable fallback
+            or any other array), which needs nothing held.
+
+        Raises:
+            TypeError: ``obj`` is neither a numpy array nor a host buffer, or ``event`` has no
+                ``is_done``.
+            ValueError: ``obj`` is a pooled buffer already back in the cache (no live array).
+        """
+        if not hasattr(event, "is_done"):
+            raise TypeError(f"record_use needs an event (or host task) with is_done, got {type(event).__name__}")
+        block = self._block_of(obj)
+        if block is None:
+            return False
+        with self._lock:
+            if block.state not in (_IN_USE, _PENDING, _CHECKING):
+                raise ValueError(f"record_use: {block.buffer!r} is {block.state}, not behind a live array; record "
+                                 "uses while an array from the pool holds it")
+            block.events.append(event)
+            events = list(block.events) if len(block.events) > _PRUNE_AT else None
+        if events is not None:
+            done = [e for e in events if _is_done(e)]
+            if done:
+                token = self._device.publish()  # this thread saw them done: whoever takes the block next must too
+                with self._lock:
+                    block.events = [e for e in block.events if not any(e is d for d in done)]
+                    block.tokens.append(token)
+        return True
+
+    def collect(self, *, wait: bool = False) -> int:
+        """Return dropped arrays' blocks to the cache: those whose recorded uses are all done
+        (with ``wait``, after waiting for the rest).
+
+        Returns:
+            Bytes that became free for reuse by this call.
+
+        Raises:
+            HazardError: (simulated GPU, checked) poisoning a returned block was not ordered after
+                its last use.
+        """
+        return self._process(wait=wait)
+
+    def _process(self, *, wait: bool = False) -> int:
+        with self._lock:
+            while self._returned:
+                block, token = self._returned.popleft()
+                if block.state != _IN_USE:
+                    continue
+                block.tokens.append(token)
+                self._move(block, _PENDING)
+                self._pending.append(block)
+            claimed = [b for b in self._pending if b.state == _PENDING]
+            for block in claimed:
+                block.state = _CHECKING  # bytes stay counted as pending; another thread skips it
+        freed = 0
+        try:
+            while claimed:
+                block = claimed.pop()
+                if self._settled(block, wait):
+                    freed += block.size
+                else:
+                    with self._lock:
+                        block.state = _PENDING
+        except BaseException:
+            with self._lock:
+                for block in claimed:
+                    if block.state == _CHECKING:
+                        block.state = _PENDING
+            raise
+        return freed
+
+    def _settled(self, block: _Block, wait: bool) -> bool:
+        """Move a claimed pending block to the cache if its recorded uses are all done (waiting
+        for them with ``wait``). Outside the lock: event queries are device calls."""
+        with self._lock:
+            events = list(block.events)
+        if _HOLD_UNTIL_DONE:
+            for ev in events:
+                if wait:
+                    _wait(ev)
+                elif not _is_done(ev):
+                    return False
+        self._observe(block)
+        try:
+            if getattr(self._device, "poison", False):
+                # a checked simulated GPU: stale bytes read through a later array show up as 0xEE,
+                # and this write is itself checked against the block's last device use
+                block.buffer.view(np.uint8, access="w").fill(POISON)
+            token = self._device.publish()
+        except BaseException:
+            with self._lock:
+                block.state = _PENDING
+            raise
+        with self._lock:
+            block.events.clear()
+            block.tokens = [token]
+            self._pending.remove(block)
+            self._move(block, _FREE)
+            self._free.setdefault(block.size, []).append(block)
+        return True
+
+    def _observe(self, block: _Block) -> None:
+        """Order this thread after the block's previous holders (their hand-off tokens)."""
+        with self._lock:
+            tokens = list(block.tokens)
+        for token in tokens:
+            self._device.observe(token)
+
+    # -- budget and release --------------------------------------------------------------------
+    def set_budget(self, nbytes: int) -> None:
+        """Let the pool hold at most ``nbytes`` of pinned memory; cached blocks beyond it are
+        freed now. Blocks in use stay; later requests fall back until they fit.
+
+        Raises:
+            TypeError, ValueError: ``nbytes`` is not a positive int.
+        """
+        nbytes = check_nbytes(nbytes, "set_budget(nbytes)")
+        self._process()
+        with self._lock:
+            self._budget = nbytes
+            dropped = self._make_room(0)
+        self._release_blocks(dropped)
+
+    def release_cached(self) -> int:
+        """Free every cached block back to the device (blocks in use and pending stay).
+
+        Returns:
+            Bytes freed.
+        """
+        self._process()
+        with self._lock:
+            dropped = [b for bucket in self._free.values() for b in bucket]
+            self._free.clear()
+            for block in dropped:
+                self._move(block, _RELEASED)
+        self._release_blocks(dropped)
+        return sum(b.size for b in dropped)
+
+    def _release_blocks(self, blocks: list[_Block]) -> None:
+        """Close released blocks' buffers, ordered after their last use (outside the lock)."""
+        for block in blocks:
+            self._observe(block)
+            with self._lock:
+                self._blocks.pop(id(block.buffer), None)
+                self._counts["releases"] += 1
+            try:
+                with self._device_lock:
+                    block.buffer.close()
+            except Exception as exc:  # noqa: BLE001 - a failed free must not fail an allocation
+                logger.warning("ringflow.host: freeing %r failed: %s: %s", block.buffer, type(exc).__name__, exc)
+
+    # -- queries -------------------------------------------------------------------------------
+    def stats(self) -> HostPoolStats:
+        """The pool's counters (dropped arrays' blocks are taken back first)."""
+        self._process()
+        with self._lock:
+            return HostPoolStats(budget=self._budget, cached_bytes=self._bytes[_FREE],
+                                 in_use_bytes=self._bytes[_IN_USE], pending_bytes=self._bytes[_PENDING],
+                                 **self._counts)
+
+    def buffer_of(self, obj: Any) -> Optional[HostBuffer]:
+        """The pinned buffer behind a pooled array of this pool (or a view of one), or None."""
+        block = self._block_of(obj) if isinstance(obj, np.ndarray) else None
+        return block.buffer if block is not None else None
+
+    def _block_of(self, obj: Any) -> Optional[_Block]:
+        if isinstance(obj, HostBuffer):
+            with self._lock:
+                return self._blocks.get(id(obj))
+        if not isinstance(obj, np.ndarray):
+            raise TypeError(f"expected a numpy array from ringflow.host or a pooled host buffer, "
+                            f"got {type(obj).__name__}")
+        owner = owner_of(obj)
+        return owner.block if owner is not None and owner.pool is self else None
+
+    # -- internals -----------------------------------------------------------------------------
+    def _held(self) -> int:
+        return self._bytes[_FREE] + self._bytes[_IN_USE] + self._bytes[_PENDING] + self._reserved
+
+    def _move(self, block: _Block, state: str) -> None:
+        """Change a block's state, keeping the byte counts. Under the lock."""
+        old = _PENDING if block.state == _CHECKING else block.state
+        if old in self._bytes:
+            self._bytes[old] -= block.size
+        if state in self._bytes:
+            self._bytes[state] += block.size
+        block.state = state
+
+
+def _on_owner_collected(pool: HostPool, block: _Block) -> None:
+    """An owner's finalizer: publish what this thread did, then queue the block. Never raises."""
+    try:
+        token = pool._device.publish()
+    except Exception:  # noqa: BLE001 - a finalizer must not raise
+        token = None
+    pool._give_back(block, token)
+
+
+def _is_done(event: Any) -> bool:
+    """Whether a recorded use is done. A query that fails (a closed device, which completed its
+    work when it closed; a broken one, where nothing will run again) counts as done."""
+    try:
+        return bool(event.is_done)
+    except Exception:  # noqa: BLE001 - see above
+        return True
+
+
+def _wait(event: Any) -> None:
+    try:
+        event.sync()
+    except Exception:  # noqa: BLE001 - a failed operation before the event: the event is done anyway
+        pass
+
+
+def _check_request(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """``shape`` as a tuple of ints and ``dtype`` as a numpy dtype (a subarray dtype's shape
+    appended, as ``np.empty`` does); refuses what cannot be pinned."""
+    bad = f"shape must be an int or a sequence of ints, got {shape!r}"
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
+        shape = (shape,)
+    if isinstance(shape, (str, bytes, bool, np.bool_)):
+        raise TypeError(bad)
+    try:
+        items = tuple(shape)
+    except TypeError:
+        raise TypeError(bad) from None
+    dims = []
+    for d in items:
+        if isinstance(d, (bool, np.bool_)):
+            raise TypeError(bad)
+        try:
+            dims.append(operator.index(d))
+        except TypeError:
+            raise TypeError(bad) from None
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape {tuple(dims)} has a negative dimension; every dimension must be >= 0")
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"dtype {dtype!r} is not a numpy dtype ({exc})") from None
+    if dt.hasobject:
+        raise TypeError(f"dtype {dt} holds Python objects, which cannot live in pinned memory; use a numeric dtype")
+    if dt.subdtype is not None:  # np.empty((n,), (np.float32, 3)) is an (n, 3) float32 array
+        dt, sub = dt.subdtype
+        dims.extend(sub)
+    return tuple(dims), dt
+
+
+# -- which pool, which array -------------------------------------------------------------------
+_pools_lock = threading.Lock()
+_all_pools: "weakref.WeakSet[HostPool]" = weakref.WeakSet()
+_ATTR = "_ringflow_host_pool"  # the pool lives on its device: it is collected with it
+
+
+def pool_for(device: Device, *, create: bool = True) -> Optional[HostPool]:
+    """The host pool of ``device`` (made on first use when ``create``; else None if none yet)."""
+    if not isinstance(device, Device):
+        raise TypeError(f"expected a ringflow Device (ringflow.device(...)), got {type(device).__name__}")
+    pool = device.__dict__.get(_ATTR)
+    if pool is None and create:
+        with _pools_lock:
+            pool = device.__dict__.get(_ATTR)
+            if pool is None:
+                pool = HostPool(device, _default_budget)
+                setattr(device, _ATTR, pool)
+                _all_pools.add(pool)
+    return pool
+
+
+def pools() -> list[HostPool]:
+    """Every host pool alive now."""
+    with _pools_lock:
+        return list(_all_pools)
+
+
+_default_budget: Optional[int] = None  # None: default_budget(); set_default_budget changes it
+
+
+def set_default_budget(nbytes: int) -> None:
+    """The budget of pools made from now on, and of every pool alive now.
+
+    Raises:
+        TypeError, ValueError: ``nbytes`` is not a positive int.
+    """
+    global _default_budget
+    nbytes = check_nbytes(nbytes, "set_budget(nbytes)")
+    with _pools_lock:
+        _default_budget = nbytes
+        alive = list(_all_pools)
+    for pool in alive:
+        pool.set_budget(nbytes)
+
+
+def owner_of(array: np.ndarray) -> Optional[_Owner]:
+    """The pool owner behind ``array`` (an array from a pool or any view of one), or None."""
+    base = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return base if isinstance(base, _Owner) else None
+
+
+def buffer_behind(array: Any, device: Optional[Device] = None) -> Optional[HostBuffer]:
+    """The pinned buffer whose bytes ``array`` is, from the buffer's first byte (what a copy
+    engine can use in place: ``buffer.holds(array)``), if ``array`` came from a host pool (of
+    ``device``, when given); else None. No device work is checked or ordered by this query."""
+    if not isinstance(array, np.ndarray):
+        return None
+    owner = owner_of(array)
+    if owner is None or (device is not None and owner.pool.device is not device):
+        return None
+    buffer = owner.block.buffer
+    return buffer if buffer.holds(array) else None
+
+
+def device_of(array: Any) -> Optional[Device]:
+    """The device whose pool ``array``'s memory came from, or None."""
+    owner = owner_of(array) if isinstance(array, np.ndarray) else None
+    return owner.pool.device if owner is not None else None

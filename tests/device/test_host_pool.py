@@ -1,0 +1,357 @@
+"""The caching pinned host allocator (``ringflow._device.host_pool``) on the simulated GPU, whose
+happens-before checker sees every hand-out of a block (a checked host view) and every free."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow._device import host_pool
+from ringflow._device.host_pool import HostPool, pool_for, size_class
+from ringflow._errors import DeviceError
+
+N = 1 << 20  # bytes of the arrays the ordering tests copy into and out of
+
+
+def slow_fill(dev, stream, dbuf, value, seconds=1.0):
+    """A kernel of ``seconds`` of virtual time writing ``value`` into ``dbuf``: the copy enqueued
+    after it is still pending for that long, whatever the host does meanwhile."""
+
+    def kernel(a):
+        a[:] = value
+
+    stream.launch(kernel, dbuf.array(np.uint8, dbuf.nbytes), sim_seconds=seconds)
+
+
+def pending_copy(dev, pool, direction):
+    """A pooled array with a copy into it (``"d2h"``) or out of it (``"h2d"``) pending behind a
+    one-second kernel, recorded with ``record_use``; returns (array, its buffer, the event)."""
+    stream = dev.create_stream()
+    dbuf = dev.allocate(N)
+    a = pool.empty(N, np.uint8)
+    a[:] = 3
+    buf = pool.buffer_of(a)
+    slow_fill(dev, stream, dbuf, 7)
+    if direction == "d2h":
+        stream.copy(buf, dbuf)
+    else:
+        stream.copy(dbuf, buf)
+    ev = stream.record()
+    assert pool.record_use(a, ev) is True
+    return a, buf, ev, (stream, dbuf)
+
+
+def test_size_classes_round_up_by_at_most_a_quarter():
+    assert [size_class(n) for n in (1, 512, 513, 64 << 10)] == [512, 512, 1024, 64 << 10]
+    assert size_class((64 << 10) + 1) == 80 << 10  # 1.25 x 64 KiB
+    assert [size_class(n) for n in (1 << 20, (1 << 20) + 1, 1_400_000, 1 << 30)] == \
+        [1 << 20, 1_310_720, 1_572_864, 1 << 30]
+    rng = np.random.default_rng(0)
+    for n in rng.integers(1, 1 << 34, 2000):
+        n = int(n)
+        c = size_class(n)
+        assert n <= c and (c - n) <= max(511, n // 4)
+        assert size_class(c) == c  # a class serves itself
+
+
+def test_empty_is_a_plain_pinned_array_of_the_asked_shape():
+    dev = rf.device("sim")
+    pool = pool_for(dev)
+    a = pool.empty((3, 5), np.float32)
+    assert type(a) is np.ndarray and a.shape == (3, 5) and a.dtype == np.float32
+    assert a.flags.c_contiguous and a.flags.writeable
+    buf = pool.buffer_of(a)
+    assert buf is not None and buf.holds(a) and buf.nbytes == 512
+    a[:] = 2.5
+    assert float(a.sum()) == 37.5
+    sub = pool.empty(4, np.dtype((np.int16, 3)))  # a subarray dtype adds its shape, as np.empty does
+    assert sub.shape == (4, 3) and sub.dtype == np.int16
+    z = pool.empty((0, 7), np.float64)
+    assert z.shape == (0, 7) and pool.buffer_of(z) is None  # nothing to pin
+    assert pool.buffer_of(np.zeros(3)) is None
+    assert host_pool.device_of(a) is dev and host_pool.device_of(np.zeros(3)) is None
+
+
+@pytest.mark.parametrize("shape, dtype, error, match", [
+    (-1, np.float32, ValueError, "negative"),
+    ((2, -3), np.float32, ValueError, "negative"),
+    ("10", np.float32, TypeError, "shape"),
+    (2.5, np.float32, TypeError, "shape"),
+    ((2, 1.5), np.float32, TypeError, "shape"),
+    (True, np.float32, TypeError, "shape"),
+    (None, np.float32, TypeError, "shape"),
+    (4, object, TypeError, "Python objects"),
+    (4, "not a dtype", TypeError, "dtype"),
+])
+def test_empty_refuses_bad_requests_by_name(shape, dtype, error, match):
+    pool = pool_for(rf.device("sim"))
+    with pytest.raises(error, match=match):
+        pool.empty(shape, dtype)
+    assert pool.stats().in_use_bytes == 0
+
+
+def test_a_dropped_array_returns_its_block_only_once_every_view_is_gone():
+    dev = rf.device("sim")
+    pool = pool_for(dev)
+    a = pool.empty(1000, np.float64)
+    buf = pool.buffer_of(a)
+    view = a[10:20].reshape(2, 5).T
+    del a
+    assert pool.stats().in_use_bytes == size_class(8000)  # the view still holds it
+    assert pool.buffer_of(view) is buf and not buf.holds(view)
+    b = pool.empty(1000, np.float64)
+    assert pool.buffer_of(b) is not buf
+    del view
+    s = pool.stats()
+    assert (s.cached_bytes, s.in_use_bytes, s.allocations, s.hits) == (8192, 8192, 2, 0)
+    c = pool.empty(990, np.float64)  # another size of the same class
+    assert pool.buffer_of(c) is buf and pool.stats().hits == 1
+    assert dev.live().host_buffers == 2
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_a_block_is_not_handed_out_while_a_recorded_copy_is_pending(direction):
+    dev = rf.device("sim")
+    pool = pool_for(dev)
+    a, buf, ev, keep = pending_copy(dev, pool, direction)
+    del a
+    b = pool.empty(N, np.uint8)  # same size class: not the pending block
+    assert pool.buffer_of(b) is not buf
+    s = pool.stats()
+    assert s.pending_bytes == N and s.in_use_bytes == N and s.cached_bytes == 0
+    assert pool.collect() == 0 and not ev.is_done
+    ev.sync()
+    assert pool.collect() == N
+    c = pool.empty(N, np.uint8)
+    assert pool.buffer_of(c) is buf  # now it may, and the checked view of it is ordered
+    assert (c == host_pool.POISON).all()  # returned blocks are poisoned on a checked device
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_without_the_hold_rule_the_checker_catches_the_reuse(monkeypatch, direction):
+    dev = rf.device("sim")
+    pool = pool_for(dev)
+    a, buf, ev, keep = pending_copy(dev, pool, direction)
+    del a
+    monkeypatch.setattr(host_pool, "_HOLD_UNTIL_DONE", False)
+    with pytest.raises(rf.HazardError, match="pinned host buffer"):
+        pool.empty(N, np.uint8)
+    monkeypatch.setattr(host_pool, "_HOLD_UNTIL_DONE", True)
+    ev.sync()
+    assert pool.collect() == N  # after the refused reuse the block is still accounted for
+
+
+def test_without_record_use_the_checker_catches_the_reuse():
+    dev = rf.device("sim")
+    pool = pool_for(dev)
+    stream = dev.create_stream()
+    dbuf = dev.allocate(N)
+    a = pool.empty(N, np.uint8)
+    slow_fill(dev, stream, dbuf, 7)
+    stream.copy(pool.buffer_of(a), dbuf)
+    ev = stream.record()  # not recorded with the pool
+    del a
+    with pytest.raises(rf.HazardError):
+        pool.empty(N, np.uint8)
+    ev.sync()
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_without_the_hold_rule_a_late_copy_overwrites_the_next_owner(monkeypatch, hold):
+    dev = rf.device("sim", checked=False)  # no checker: only the values tell
+    monkeypatch.setattr(host_pool, "_HOLD_UNTIL_DONE", hold)
+    pool = pool_for(dev)
+    a, buf, ev, keep = pending_copy(dev, pool, "d2h")
+    del a
+    b = pool.empty(N, np.uint8)
+    assert (pool.buffer_of(b) is buf) is not hold
+    b[:] = 1
+    ev.sync()  # the copy of 7s lands now
+    assert bool((b == 1).all()) is hold
+    if not hold:
+        assert (b == 7).all()  # the next owner's data was overwritten
+
+
+def test_a_dropped_result_with_its_copy_in_flight_is_held_then_waited_for():
+    dev = rf.device("sim")
+    pool = pool_for(dev)
+    result, buf, ev, keep = pending_copy(dev, pool, "d2h")
+    del result  # dropped before anyone waited for it
+    assert pool.release_cached() == 0  # a pending block is never freed (the free would be checked)
+    assert not buf.closed and pool.stats().pending_bytes == N
+    others = [pool.empty(N, np.uint8) for _ in range(3)]
+    assert all(pool.buffer_of(o) is not buf for o in others)
+    assert pool.collect(wait=True) == N and ev.is_done
+    s = pool.stats()
+    assert (s.pending_bytes, s.cached_bytes) == (0, N)
+    assert pool.release_cached() == N and buf.closed  # its free is ordered after the copy
+    assert dev.live().host_buffers == 3
+
+
+def test_record_use_refuses_what_it_cannot_record():
+    dev = rf.device("sim")
+    pool = pool_for(dev)
+    ev = dev.create_stream().record()
+    assert pool.record_use(np.zeros(4), ev) is False  # not pooled: nothing to hold
+    a = pool.empty(4, np.float32)
+    with pytest.raises(TypeError, match="is_done"):
+        pool.record_use(a, object())
+    with pytest.raises(TypeError, match="numpy array"):
+        pool.record_use([1, 2], ev)
+    buf = pool.buffer_of(a)
+    assert pool.record_use(buf, ev) is True
+    del a
+    ev.sync()
+    pool.collect()
+    with pytest.raises(ValueError, match="not behind a live array"):
+        pool.record_use(buf, ev)
+    other = pool_for(rf.device("sim"))
+    b = pool.empty(4, np.float32)
+    assert other.record_use(b, ev) is False  # another pool's array
+
+
+def test_many_recorded_uses_are_pruned_and_stay_ordered():
+    dev = rf.device("sim")
+    pool = pool_for(dev)
+    stream = dev.create_stream()
+    dbuf = dev.allocate(4096)
+    a = pool.empty(4096, np.uint8)
+    buf = pool.buffer_of(a)
+    for _ in range(40):
+        stream.copy(dbuf, buf)
+        ev = stream.record()
+        ev.sync()
+        pool.record_use(a, ev)
+    assert len(pool._block_of(a).events) <= host_pool._PRUNE_AT + 1
+    del a
+    assert pool.buffer_of(pool.empty(4096, np.uint8)) is buf
+
+
+# -- budget ----------------------------------------------------------------------------------------
+
+def test_over_budget_requests_fall_back_to_pageable_memory_noted_once(caplog):
+    dev = rf.device("sim")
+    pool = HostPool(dev, budget=3 << 20)
+    a = pool.empty(2 << 20, np.uint8)
+    with caplog.at_level(logging.WARNING, logger="ringflow"):
+        b = pool.empty(2 << 20, np.uint8)
+        c = pool.empty(2 << 20, np.uint8)
+    assert pool.buffer_of(a) is not None
+    assert pool.buffer_of(b) is None and pool.buffer_of(c) is None
+    assert type(b) is np.ndarray and b.shape == (2 << 20,)
+    b[:] = 1
+    notes = [r for r in caplog.records if "budget" in r.getMessage()]
+    assert len(notes) == 1 and "set_budget" in notes[0].getMessage()
+    s = pool.stats()
+    assert (s.fallbacks, s.allocations, s.in_use_bytes, s.budget) == (2, 1, 2 << 20, 3 << 20)
+
+
+def test_cached_blocks_are_freed_to_make_room_and_when_the_budget_shrinks():
+    dev = rf.device("sim")
+    pool = HostPool(dev, budget=4 << 20)
+    a, b = pool.empty(2 << 20, np.uint8), pool.empty(1 << 20, np.uint8)
+    del a, b
+    assert pool.stats().cached_bytes == 3 << 20
+    c = pool.empty(3 << 20, np.uint8)  # another class: the largest cached block goes
+    s = pool.stats()
+    assert (s.releases, s.cached_bytes, s.in_use_bytes, s.fallbacks) == (1, 1 << 20, 3 << 20, 0)
+    pool.set_budget(3 << 20)
+    assert pool.stats().cached_bytes == 0 and pool.stats().releases == 2
+    assert dev.live().host_buffers == 1
+    with pytest.raises(ValueError, match="positive"):
+        pool.set_budget(0)
+    with pytest.raises(TypeError, match="int"):
+        pool.set_budget("1GiB")
+    del c
+
+
+def test_refused_pinning_frees_the_cache_then_falls_back(monkeypatch, caplog):
+    dev = rf.device("sim")
+    pool = HostPool(dev)
+    pool.empty(1 << 20, np.uint8)  # dropped at once
+    assert pool.stats().cached_bytes == 1 << 20
+    real = dev.allocate_host
+    calls = []
+
+    def refuse(nbytes):
+        calls.append(nbytes)
+        raise MemoryError("no pinned memory left")
+
+    monkeypatch.setattr(dev, "allocate_host", refuse)
+    with caplog.at_level(logging.WARNING, logger="ringflow"):
+        x = pool.empty(2 << 20, np.uint8)
+    assert pool.buffer_of(x) is None and calls == [2 << 20, 2 << 20]
+    s = pool.stats()
+    assert (s.cached_bytes, s.releases, s.fallbacks) == (0, 1, 1)
+    assert "refused to pin" in caplog.text
+    monkeypatch.setattr(dev, "allocate_host", lambda n: (_ for _ in ()).throw(DeviceError("broken", sticky=True)))
+    with pytest.raises(DeviceError, match="broken"):
+        pool.empty(1 << 20, np.uint8)  # a broken device is not a shortage
+    monkeypatch.setattr(dev, "allocate_host", real)
+    assert pool.buffer_of(pool.empty(1 << 20, np.uint8)) is not None
+    assert pool.stats().in_use_bytes == 0  # nothing leaked in the accounting
+
+
+# -- devices and threads ---------------------------------------------------------------------------
+
+def test_each_device_has_its_own_pool_collected_with_it():
+    d1, d2 = rf.device("sim"), rf.device("sim")
+    p1, p2 = pool_for(d1), pool_for(d2)
+    assert p1 is not p2 and pool_for(d1) is p1 and pool_for(d2, create=False) is p2
+    assert pool_for(rf.device("sim"), create=False) is None
+    a = p1.empty(4096, np.uint8)
+    buf = p1.buffer_of(a)
+    del a
+    b = p2.empty(4096, np.uint8)  # d1's cached block is not d2's
+    assert p2.buffer_of(b) is not buf and p2.buffer_of(b)._dev is d2
+    assert host_pool.buffer_behind(b, d2) is not None and host_pool.buffer_behind(b, d1) is None
+    assert (p1.stats().cached_bytes, p2.stats().in_use_bytes) == (4096, 4096)
+    gone = weakref.ref(d1)
+    del d1, p1, buf
+    gc.collect()
+    assert gone() is None
+
+
+def test_threads_allocating_and_dropping_at_once_never_share_a_block():
+    dev = rf.device("sim")
+    pool = HostPool(dev, budget=64 << 20)
+    sizes = [1000, 5000, 70_000, 300_000]
+    workers, rounds = 6, 60
+    start = threading.Barrier(workers)
+    errors: list = []
+
+    def work(k):
+        rng = np.random.default_rng(k)
+        held = []
+        try:
+            start.wait()
+            for i in range(rounds):
+                a = pool.empty(int(rng.choice(sizes)), np.uint8)
+                a[:] = k
+                held.append(a)
+                if len(held) > 3 or rng.random() < 0.5:
+                    victim = held.pop(int(rng.integers(len(held))))
+                    assert (victim == k).all(), "another thread wrote into this thread's block"
+                    del victim
+            assert all((h == k).all() for h in held)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(1, workers + 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    gc.collect()
+    s = pool.stats()
+    assert s.in_use_bytes == 0 and s.pending_bytes == 0 and s.fallbacks == 0
+    assert s.hits > 0 and s.hits + s.allocations == workers * rounds
+    assert s.cached_bytes == sum(b.size for bucket in pool._free.values() for b in bucket)
+    assert dev.live().host_buffers == s.allocations - s.releases

@@ -1,0 +1,244 @@
+"""``ringflow.host``: pinned arrays from the caching pool, and ``stream_map`` using them in place."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow import _host
+from ringflow._device import host_pool
+from ringflow._pipeline import whole_array
+from tests.helpers.hooks import engines
+
+
+def f(x, y):
+    y[:] = x * 2 + 1
+
+
+@pytest.fixture
+def default_sim(monkeypatch):
+    """A simulated GPU as the default device of ``ringflow.host``."""
+    dev = rf.device("sim", chaos=True, seed=3)
+    monkeypatch.setattr(_host, "_default_device", dev)
+    return dev
+
+
+@pytest.fixture
+def layouts(monkeypatch):
+    """The layout (host strategy and chunking) of every whole-array call made in the test."""
+    seen = []
+    plan = whole_array.MapLayout.plan
+
+    def spy(*args, **kwargs):
+        seen.append(plan(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(whole_array.MapLayout, "plan", spy)
+    return seen
+
+
+@pytest.fixture
+def host_calls(monkeypatch):
+    """Wrap a device's allocate_host and register_host to list the calls made through them."""
+    calls = []
+
+    def watch(dev):
+        for name in ("allocate_host", "register_host"):
+            real = getattr(dev, name)
+
+            def wrapped(arg, _real=real, _name=name):
+                calls.append(_name)
+                return _real(arg)
+
+            monkeypatch.setattr(dev, name, wrapped)
+        return calls
+
+    return watch
+
+
+def test_host_is_public_and_its_arrays_are_plain_pinned_numpy(default_sim):
+    assert "host" in rf.__all__ and rf.host is _host
+    x = rf.host.empty((100, 3), np.float32)
+    assert type(x) is np.ndarray and x.shape == (100, 3) and x.dtype == np.float32
+    assert rf.host.buffer(x) is not None and rf.host.buffer(x).holds(x)
+    assert host_pool.device_of(x) is default_sim  # the default device, made once and kept
+    y = rf.host.empty_like(x)
+    assert host_pool.device_of(y) is default_sim and y.shape == x.shape and y.dtype == x.dtype
+    z = rf.host.empty_like(np.zeros((2, 2), np.int8), np.float64)
+    assert z.dtype == np.float64 and rf.host.buffer(z) is not None
+    s = rf.host.stats()
+    assert s.in_use_bytes == 2 * host_pool.size_class(1200) + 512 and s.allocations == 3 and set(s.as_dict()) >= {
+        "budget", "cached_bytes", "in_use_bytes", "pending_bytes", "allocations", "hits", "fallbacks", "held_bytes"}
+    assert rf.host.buffer(np.zeros(3)) is None
+
+
+def test_stream_map_uses_pooled_arrays_in_place_without_staging_or_registering(default_sim, layouts, host_calls):
+    dev = default_sim
+    x = rf.host.empty((999, 13), np.float32)
+    x[:] = np.random.default_rng(0).uniform(0.5, 1.5, x.shape)
+    out = rf.host.empty_like(x)
+    calls = host_calls(dev)
+    ops = []
+    dev.add_op_observer(lambda op: ops.append(op.label))
+    with engines() as seen:
+        y = rf.stream_map(f, x, out=out, chunk_bytes=13 * 4 * 100)  # no device: x's
+    assert y is out and np.array_equal(y, x * 2 + 1)
+    assert [lay.strategy for lay in layouts] == ["pinned"] and layouts[0].device is dev
+    assert calls == []  # no staging ring, no registration
+    assert type(seen[0]).__name__ == "DirectSchedule"
+    assert sum(lbl.startswith("copy h2d") for lbl in ops) == 10 == sum(lbl.startswith("copy d2h") for lbl in ops)
+    # the call has completed every copy when it returns: the result's block is free once dropped
+    out_buf = rf.host.buffer(out)
+    del y, out
+    assert rf.host.stats().cached_bytes == out_buf.nbytes
+    again = rf.host.empty_like(x)
+    assert rf.host.buffer(again) is out_buf  # checked: its hand-out is ordered after the call's copies
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pooled_arrays_in_place_under_chaos_checked_and_in_place(seed, layouts):
+    dev = rf.device("sim", chaos=True, seed=seed)
+    x = rf.host.empty(5000, np.float64, device=dev)
+    x[:] = np.arange(5000)
+    out = rf.host.empty_like(x)
+    assert rf.stream_map(f, x, out=out, device=dev, chunk_bytes=4096, checked=True) is out
+    assert np.array_equal(out, np.arange(5000) * 2 + 1)
+    assert rf.stream_map(f, x, out=x, device=dev, chunk_bytes=4096, engine="pipeline") is x  # in place
+    assert np.array_equal(x, np.arange(5000) * 2 + 1)
+    assert [lay.strategy for lay in layouts] == ["pinned", "pinned"]
+    rf.drop_warm_pipelines(dev)
+    del x, out
+    gc.collect()
+    s = rf.host.stats(device=dev)
+    block = host_pool.size_class(40000)
+    assert s.in_use_bytes == 0 and s.cached_bytes == 2 * block
+    assert dev.live().host_buffers == 2 and rf.host.release_cached(device=dev) == 2 * block
+    assert dev.live().total == 0
+
+
+@pytest.mark.parametrize("pooled", ["x", "out"])
+def test_one_pooled_side_is_used_in_place_and_only_the_other_is_registered(pooled, layouts, host_calls):
+    dev = rf.device("sim")
+    data = np.random.default_rng(1).uniform(size=(400, 8))
+    x = rf.host.empty(data.shape, device=dev) if pooled == "x" else data.copy()
+    x[:] = data
+    out = rf.host.empty_like(x, device=dev) if pooled == "out" else np.empty_like(x)
+    calls = host_calls(dev)
+    y = rf.stream_map(f, x, out=out, device=dev, chunk_bytes=4096, host="register")
+    assert np.array_equal(y, data * 2 + 1)
+    # the pageable side only: pinned memory cannot be pinned again (a real GPU refuses)
+    assert layouts[0].strategy == "register" and calls == ["register_host"]
+    assert dev.live().host_buffers == 1  # the pool's block; the registration is closed
+    assert rf.host.stats(device=dev).in_use_bytes == host_pool.size_class(data.nbytes)
+
+
+def test_a_pooled_x_with_a_fresh_out_and_explicit_staging(layouts, host_calls):
+    dev = rf.device("sim")
+    x = rf.host.empty(1 << 14, np.float32, device=dev)
+    x[:] = 1
+    y = rf.stream_map(f, x, device=dev, chunk_bytes=1 << 13)  # out allocated as before: pageable
+    assert rf.host.buffer(y) is None and (y == 3).all()
+    out = rf.host.empty_like(x)
+    z = rf.stream_map(f, x, out=out, device=dev, chunk_bytes=1 << 13, host="stage")
+    assert (z == 3).all() and layouts[-1].strategy == "stage"  # asked for: honoured
+
+
+def test_arrays_of_another_devices_pool_are_not_used_in_place(layouts):
+    d1, d2 = rf.device("sim"), rf.device("sim")
+    x = rf.host.empty(4096, np.float32, device=d1)
+    x[:] = 2
+    out = rf.host.empty_like(x)
+    y = rf.stream_map(f, x, out=out, device=d2, chunk_bytes=4096)
+    assert (y == 5).all() and layouts[0].strategy != "pinned"
+    assert rf.host.stats(device=d2).allocations == 0
+
+
+def test_mapjob_takes_the_pool_buffers():
+    dev = rf.device("sim")
+    x = rf.host.empty(2048, np.float32, device=dev)
+    out = rf.host.empty_like(x)
+    with rf.MapJob(f, x, out, device=dev, chunk_bytes=2048, x_buffer=rf.host.buffer(x),
+                   out_buffer=rf.host.buffer(out)) as job:
+        assert job.strategy == "pinned"
+        for k in range(3):
+            x[:] = k
+            assert (job() == 2 * k + 1).all()
+
+
+def test_record_use_holds_memory_for_your_own_copies():
+    dev = rf.device("sim")
+    stream = dev.create_stream()
+    d = dev.allocate(1 << 20)
+    stream.launch(lambda a: a.fill(9), d.array(np.uint8, 1 << 20), sim_seconds=1.0)
+    result = rf.host.empty(1 << 20, np.uint8, device=dev)
+    buf = rf.host.buffer(result)
+    stream.copy(buf, d)
+    assert rf.host.record_use(result, stream.record()) is True
+    del result
+    assert rf.host.stats(device=dev).pending_bytes == 1 << 20
+    other = rf.host.empty(1 << 20, np.uint8, device=dev)
+    assert rf.host.buffer(other) is not buf
+    assert rf.host.collect(device=dev, wait=True) == 1 << 20
+    assert rf.host.record_use(np.zeros(3), stream.record()) is False
+    with pytest.raises(TypeError, match="event"):
+        rf.host.record_use(np.zeros(3), "not an event")
+    with pytest.raises(TypeError, match="numpy array"):
+        rf.host.record_use([0], stream.record())
+
+
+def test_set_budget_applies_to_every_pool_and_empty_falls_back(monkeypatch):
+    monkeypatch.setattr(host_pool, "_default_budget", None)
+    d1 = rf.device("sim")
+    a = rf.host.empty(1 << 20, np.uint8, device=d1)
+    rf.host.set_budget(1 << 20)
+    try:
+        assert rf.host.stats(device=d1).budget == 1 << 20
+        d2 = rf.device("sim")
+        assert rf.host.stats(device=d2).budget == 1 << 20  # and pools made later
+        b = rf.host.empty(1 << 20, np.uint8, device=d1)
+        assert rf.host.buffer(b) is None and rf.host.stats(device=d1).fallbacks == 1
+        rf.host.set_budget(8 << 20, device=d2)
+        assert (rf.host.stats(device=d1).budget, rf.host.stats(device=d2).budget) == (1 << 20, 8 << 20)
+    finally:
+        for pool in host_pool.pools():
+            pool.set_budget(host_pool.default_budget())
+    del a
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: rf.host.empty(4, device="sim"), TypeError, "takes a Device, not the spec 'sim'"),
+    (lambda: rf.host.empty(4, device=3), TypeError, "Device or None"),
+    (lambda: rf.host.empty_like([1, 2]), TypeError, "numpy array"),
+    (lambda: rf.host.buffer("x"), TypeError, "numpy array"),
+    (lambda: rf.host.set_budget(0), ValueError, "positive"),
+    (lambda: rf.host.set_budget(2.5), TypeError, "int"),
+    (lambda: rf.host.empty(-2, device=rf.device("sim")), ValueError, "negative"),
+    (lambda: rf.host.empty(3, object, device=rf.device("sim")), TypeError, "Python objects"),
+])
+def test_hostile_input_is_refused_by_name(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+@pytest.mark.parametrize("budget", [None, 1024])
+def test_the_pooled_default_out_switch(monkeypatch, layouts, budget):
+    """``whole_array.POOLED_OUT`` (off by default) makes a missing ``out`` a pool array that the
+    copy engines write in place; a request the pool cannot serve still gets an ordinary array."""
+    dev = rf.device("sim")
+    x = rf.host.empty((300, 5), np.float32, device=dev)
+    x[:] = 4
+    if budget is not None:  # x's block stays; nothing more fits
+        rf.host.set_budget(budget, device=dev)
+    y = rf.stream_map(f, x, chunk_bytes=2000)
+    assert rf.host.buffer(y) is None and layouts[-1].strategy != "pinned"  # off: as before
+    monkeypatch.setattr(whole_array, "POOLED_OUT", True)
+    y = rf.stream_map(f, x, chunk_bytes=2000)
+    assert (y == 9).all() and y.shape == x.shape and y.dtype == x.dtype
+    if budget is None:
+        assert rf.host.buffer(y) is not None and layouts[-1].strategy == "pinned"
+        assert rf.stream_map(f, np.ones(10), device=dev).flags.c_contiguous  # a pageable x: out pooled
+    else:
+        assert rf.host.buffer(y) is None and rf.host.stats(device=dev).fallbacks == 1
