@@ -17,6 +17,7 @@ import re
 import sys
 import threading
 import warnings
+from typing import Any
 
 from .._errors import RingflowError
 from .protocol import (ArrayArg, Buffer, BufferSlice, Capabilities, Device, DeviceBuffer, Event, HostBuffer,
@@ -140,7 +141,7 @@ def _caller_stacklevel() -> int:
     return level
 
 
-def device(spec: "str | None" = None, **options) -> Device:
+def device(spec: "str | None" = None, **options: Any) -> Device:
     """Make a device.
 
     Args:

@@ -427,8 +427,9 @@ class Device(abc.ABC):
         happens-before checker does."""
         return None
 
-    def observe(self, token: Any) -> None:
+    def observe(self, token: Any) -> None:  # noqa: B027 - a no-op by default, not abstract
         """Order the calling host thread after the hand-off that made ``token`` (:meth:`publish`)."""
+        return None
 
     def sleep(self, seconds: float) -> None:
         """Let ``seconds`` pass on the host clock without doing host work (the sim advances its

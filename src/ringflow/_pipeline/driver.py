@@ -124,7 +124,6 @@ class CallerDriver(_Driver):
         """Drive until ``pred()`` holds (lock held). Raises TimeoutError after ``timeout`` seconds
         of the device's host clock."""
         deadline = self.deadline_of(timeout)
-        sched = self.sched
         self.take_over()
         try:
             self._drive(pred, deadline, timeout, what)

@@ -62,10 +62,9 @@ class MapJob:
     """``f(x_chunk, y_chunk)`` over ``x`` into ``out``, as :func:`~ringflow.stream_map` with the
     same arguments, set up once; each call runs the whole array again.
 
-    Args:
-        f, x, out, device, chunk_bytes, host, x_buffer, out_buffer, engine, inplace, slots,
-        workers, checked, on_error, pinned_budget: as for :func:`~ringflow.stream_map`. ``x`` must
-            have at least one element.
+    Every argument means what it means for :func:`~ringflow.stream_map` (``x`` must have at least
+    one element); ``profile`` and ``keep_warm`` are not taken here: a job is profiled per call
+    (``job(profile=True)``) and keeps its engine for its own life.
 
     Raises:
         TypeError, ValueError: a bad argument (the message names it and what it accepts).

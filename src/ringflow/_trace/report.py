@@ -191,7 +191,7 @@ class Report:
         """Write the Chrome/Perfetto JSON of the run (open it in ui.perfetto.dev); returns ``path``."""
         return save_chrome(self.timeline, path)
 
-    def plot(self, path: Optional[str] = None, *, ax=None):
+    def plot(self, path: Optional[str] = None, *, ax: Any = None) -> Any:
         """A Gantt chart of the run: a row per stage track (CPU stages a row per worker lane), a
         bar per chunk, stalls in grey; times in ms since the first chunk was accepted.
 
