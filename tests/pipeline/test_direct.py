@@ -166,20 +166,22 @@ def test_an_error_while_enqueueing_stops_the_call_after_settling():
     job = rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, host="register")
     np.testing.assert_array_equal(job(), x * 3 + 1)
     schedule = job._held.engine
-    launch = schedule.streams.compute.launch
     count = []
 
-    def failing_launch(fn, *args, **kw):
-        count.append(1)
-        if len(count) == 4:
-            raise TypeError("argument 2 has the wrong dtype")
-        return launch(fn, *args, **kw)
+    def failing(launch):  # every compute stream counts into the one tally
+        def failing_launch(fn, *args, **kw):
+            count.append(1)
+            if len(count) == 4:
+                raise TypeError("argument 2 has the wrong dtype")
+            return launch(fn, *args, **kw)
+        return failing_launch
 
-    schedule.streams.compute.launch = failing_launch
+    for s in schedule.streams.computes:
+        s.launch = failing(s.launch)
     with pytest.raises(StageError) as info:
         job()
     assert info.value.index == 3 and isinstance(info.value.__cause__, TypeError) and job.closed
-    del info, schedule, launch
+    del info, schedule, s
     gc.collect()
     assert dev.live().total == 0
 
@@ -342,7 +344,7 @@ def test_an_unprofiled_direct_run_records_no_timing_event():
     with rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, host="register") as job:
         schedule = job._held.engine
         timed = []
-        for s in (schedule.streams.h2d, schedule.streams.compute, schedule.streams.d2h):
+        for s in (schedule.streams.h2d, *schedule.streams.computes, schedule.streams.d2h):
             record = s.record
 
             def counting(*a, _record=record, **kw):
@@ -376,3 +378,23 @@ def test_direct_profile_on_the_gpu(cuda_device):
     with rf.MapJob(twice_plus_one, x, device=cuda_device, chunk_bytes=512 << 10, host="register") as job:
         np.testing.assert_array_equal(job(profile=True), x * 2 + 1)  # host buffers bound once
         assert job.report().chunks == 8 and job.report().stage_median_s["d2h"] > 0
+
+
+@pytest.mark.parametrize("slots", [1, 2, 4, 6])
+def test_kernels_of_chunks_in_different_slots_run_on_streams_of_their_own(slots):
+    """Compute is spread over one stream per device slot (at most four), so kernels of different
+    chunks may overlap; the result stays right under chaos, and the report's bound counts one
+    compute lane per stream (no run beats it)."""
+    dev = rf.device("sim", seed=slots, chaos=True)
+    x = contents(slots)
+    with rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, host="register", slots=slots, checked=True) as job:
+        schedule = job._held.engine
+        assert schedule.compute_streams == min(slots, direct.MAX_COMPUTE_STREAMS)
+        assert len({id(s) for s in schedule.streams.computes}) == schedule.compute_streams
+        for _ in range(2):
+            np.testing.assert_array_equal(job(profile=True), x * 3 + 1)
+        report = job.report()
+        assert report.timeline.meta["compute_lanes"] == schedule.compute_streams
+        assert report.ideal_s <= report.measured_s * (1 + 1e-9)
+        del schedule
+    assert dev.live().total == 0

@@ -34,6 +34,8 @@ from .config import SlotCounts, refuse_unknown_guards
 from .engine import Arrays
 from .stages import GPU_STAGES, StageStreams, launch_compute, mark, poison_after, sim_seconds_for, writes_into_y
 
+MAX_COMPUTE_STREAMS = 4  # kernels of different chunks side by side, at most
+
 # The waits that order the job, named as the scheduler's guards for the same waits; a test can
 # switch one off (``ringflow._testing.inject(guards_off=...)``) to show the checks catch it.
 GUARDS = (
@@ -72,7 +74,7 @@ class DirectSchedule:
 
     def __init__(self, device: Device, compute: Callable, chunks: Sequence[tuple[int, int, tuple]], dtype: Any, *,
                  chunk_bytes: int, slots: SlotCounts, inplace: bool, checked: bool = False,
-                 bound: Optional[Arrays] = None):
+                 bound: Optional[Arrays] = None, compute_streams: int = MAX_COMPUTE_STREAMS):
         self._guard_off = refuse_unknown_guards(current_hooks().guards_off, GUARDS)
         self.device = device
         self.compute = writes_into_y(compute)
@@ -82,7 +84,11 @@ class DirectSchedule:
         self._rings: list = []
         n_in = min(slots.device_in, len(chunks))
         n_out = 0 if inplace else min(slots.device_out, len(chunks))
-        self.streams = StageStreams(device, checked=checked)
+        # kernels of chunks in different device slots touch different memory, so each may run on
+        # a stream of its own and overlap the others where the GPU has room; the waits on slot
+        # events order every reuse whichever stream the previous owner ran on
+        self.compute_streams = max(1, min(compute_streams, n_in))
+        self.streams = StageStreams(device, checked=checked, computes=self.compute_streams)
         try:
             self.dev_in = device.allocate(chunk_bytes * n_in)
             self._rings.append(self.dev_in)
@@ -181,7 +187,7 @@ class DirectSchedule:
         ``events`` (profiling) each operation is bracketed by timing events, stored there."""
         off = self._guard_off
         st = self.streams
-        h2d, comp, d2h = st.h2d, st.compute, st.d2h
+        h2d, comp, d2h = st.h2d, st.computes[op.index % self.compute_streams], st.d2h
         ready = self._in_ready[op.slot_in]
         if ready is not None and "h2d.wait_slot_ready" not in off:
             h2d.wait(ready)
@@ -233,7 +239,7 @@ class DirectSchedule:
         ended = self.device.now
         timeline = Timeline(meta={"device": self.device.name, "chunk_bytes": self.chunk_bytes, "engine": "direct",
                                   "slots": {"device_in": len(self._in_ready), "device_out": len(self._out_ready)},
-                                  "workers": 0})
+                                  "workers": 0, "compute_lanes": self._compute_lanes()})
         for op, events, (a, b) in zip(self.ops, chunk_events, enqueued):
             stages = {}
             for stage in GPU_STAGES:
@@ -244,6 +250,13 @@ class DirectSchedule:
                                                 accepted=started, ended=ended, stages=stages))
             timeline.host.append(Span(ENQUEUE_TRACK, "enqueue", a, b, op.index))
         return timeline
+
+    def _compute_lanes(self) -> int:
+        """The compute resource's lanes for the ideal bound: its stream count. A kernel's timed span
+        runs from its stream's start event to its end, so it may include waiting for another
+        stream's kernel; but at most one span per stream is open at any moment, so the spans add
+        up to at most the stream count times the wall time, whatever the GPU overlaps."""
+        return self.compute_streams
 
     def report(self) -> Report:
         """The last profiled run's report (stage times, ideal bound, efficiency, ...). Chunks

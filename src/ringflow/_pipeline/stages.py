@@ -17,16 +17,18 @@ GPU_STAGES = ("h2d", "compute", "d2h")
 
 
 class StageStreams:
-    """The streams of one engine: ``h2d``, ``compute`` and ``d2h``, and ``poison`` (checked
-    mode only) on which released slots are overwritten.
+    """The streams of one engine: ``h2d``, ``compute`` (and ``computes``, ``compute`` first, when
+    kernels of different chunks may run side by side), ``d2h``, and ``poison`` (checked mode
+    only) on which released slots are overwritten.
 
     Built all or nothing: a failure while creating one closes those already made."""
 
-    def __init__(self, device: Device, *, checked: bool):
+    def __init__(self, device: Device, *, checked: bool, computes: int = 1):
         self.all: list[Stream] = []
         try:
             self.h2d = self._new(device)
             self.compute = self._new(device)
+            self.computes = [self.compute] + [self._new(device) for _ in range(max(1, computes) - 1)]
             self.d2h = self._new(device)
             self.poison = self._new(device) if checked else None
         except BaseException:

@@ -42,10 +42,12 @@ def _duration(record: ChunkRecord, stage: str) -> float:
     return max(0.0, span[1] - span[0]) if span is not None else 0.0
 
 
-def _resource(record: ChunkRecord, stage: str, workers: int) -> tuple[str, int]:
+def _resource(record: ChunkRecord, stage: str, workers: int, compute_lanes: int = 1) -> tuple[str, int]:
     """(resource, lanes) that ran ``stage`` of ``record``."""
+    if stage == "compute":
+        return stage, compute_lanes  # kernels on several streams may run side by side
     if stage in GPU_STAGES:
-        return stage, 1  # one stream each, and a stream runs one operation at a time
+        return stage, 1  # one copy engine each way, one copy at a time
     return (CPU_POOL, workers) if stage in record.pooled else (CPU_INLINE, 1)
 
 
@@ -76,7 +78,7 @@ def _resource_bound(pieces: list, lanes: int) -> float:
     return best
 
 
-def ideal_seconds(records: Sequence[ChunkRecord], workers: int) -> float:
+def ideal_seconds(records: Sequence[ChunkRecord], workers: int, compute_lanes: int = 1) -> float:
     """A lower bound on the wall time (first accepted to last ended) of a run of these chunks.
 
     Each chunk passes its stages in order, each stage taking the time it took in the run. A
@@ -102,6 +104,8 @@ def ideal_seconds(records: Sequence[ChunkRecord], workers: int) -> float:
     Args:
         records: the run's delivered chunks; a stage missing from a record takes no time.
         workers: threads of the CPU pool (values below 1 count as 1).
+        compute_lanes: kernels that may run at once (one per compute stream on a GPU with
+            concurrent kernels): the compute resource's lanes.
 
     Returns:
         seconds; 0.0 for no records.
@@ -119,7 +123,7 @@ def ideal_seconds(records: Sequence[ChunkRecord], workers: int) -> float:
         before = 0.0
         for stage in STAGES:
             if stage in r.stages:
-                res, n_lanes = _resource(r, stage, workers)
+                res, n_lanes = _resource(r, stage, workers, compute_lanes)
                 lanes[res] = n_lanes
                 pieces.setdefault(res, {}).setdefault(stage, []).append((d[stage], before, latency - before - d[stage]))
             before += d[stage]
@@ -131,7 +135,7 @@ def ideal_seconds(records: Sequence[ChunkRecord], workers: int) -> float:
     return bound
 
 
-def bottleneck_of(records: Sequence[ChunkRecord], workers: int) -> str:
+def bottleneck_of(records: Sequence[ChunkRecord], workers: int, compute_lanes: int = 1) -> str:
     """The resource with the most work per chunk over its lanes ("none" for no records)."""
     if not records:
         return "none"
@@ -140,7 +144,7 @@ def bottleneck_of(records: Sequence[ChunkRecord], workers: int) -> str:
     for r in records:
         for stage in r.stages:
             if stage in STAGES:
-                res, n_lanes = _resource(r, stage, workers)
+                res, n_lanes = _resource(r, stage, workers, compute_lanes)
                 load[res] = load.get(res, 0.0) + _duration(r, stage) / n_lanes
     return max(load, key=load.get)
 
@@ -172,7 +176,8 @@ class Report:
             d = [_duration(r, stage) for r in recs if stage in r.stages]
             med[stage] = _pct(d, 50) if d else 0.0
             spread[stage] = (_pct(d, 10), _pct(d, 90)) if d else (0.0, 0.0)
-        ideal = ideal_seconds(recs, workers)
+        compute_lanes = int(timeline.meta.get("compute_lanes", 1))
+        ideal = ideal_seconds(recs, workers, compute_lanes)
         measured = (max(r.ended for r in recs) - min(r.accepted for r in recs)) if recs else 0.0
         lat = [r.latency for r in recs]
         stalls: dict[str, float] = {}
@@ -180,7 +185,7 @@ class Report:
             stalls[s.name] = stalls.get(s.name, 0.0) + s.duration
         nbytes = sum(r.nbytes for r in recs)
         return cls(timeline=timeline, chunks=n, bytes_in=nbytes, measured_s=measured, stage_median_s=med,
-                   stage_spread_s=spread, workers=workers, bottleneck=bottleneck_of(recs, workers), ideal_s=ideal,
+                   stage_spread_s=spread, workers=workers, bottleneck=bottleneck_of(recs, workers, compute_lanes), ideal_s=ideal,
                    efficiency=(ideal / measured) if measured > 0 else float("nan"),
                    latency_s={"p50": _pct(lat, 50), "p95": _pct(lat, 95), "p99": _pct(lat, 99)},
                    throughput_GBps=(nbytes / measured / 1e9) if measured > 0 else 0.0, stall_s=stalls,
