@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Everything this repo checks and times on the GPU; results under $OUT. Two parts, so that each
 # fits one device call (10 minutes):
-#   bash bench/gpu_check.sh check   pytest -m gpu, 10k-chunk stress, demo, start/end phases
+#   bash bench/gpu_check.sh check   pytest -m gpu, 10k-chunk stress, 8 threads x 10k requests, demo, phases
 #   bash bench/gpu_check.sh bench   ringflow bench (all workloads, trace, PNG), host profile
-# $OUT gets: log.txt, pipeline_stress.json, phases.json (check); bench-cuda-*.json, trace.json,
+# $OUT gets: log.txt, pipeline_stress.json, threads.json, phases.json (check); bench-cuda-*.json, trace.json,
 # timeline.png, profile.txt (bench).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
@@ -16,6 +16,8 @@ if [ "$part" = check ]; then
   timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tail -25 | tee -a "$LOG"
   echo "== pipeline stress" | tee -a "$LOG"
   timeout 200 python3 bench/pipeline_stress.py --device cuda:0 --chunks 10000 --guards --out "$OUT/pipeline_stress.json" 2>&1 | tail -12 | tee -a "$LOG"
+  echo "== threads" | tee -a "$LOG"
+  timeout 200 python3 bench/threads_check.py --device cuda:0 --threads 8 --requests 10000 --out "$OUT/threads.json" 2>&1 | grep -E '"(ok|wrong_total|errors_total|requests_per_s|live_total_after_close|wall_s)"' | tee -a "$LOG"
   echo "== demo" | tee -a "$LOG"
   ( time timeout 100 python3 -m ringflow._cli demo --out /tmp/ringflow-demo ) 2>&1 | tail -30 | tee -a "$LOG"
   echo "== phases of a seed call" | tee -a "$LOG"
