@@ -321,3 +321,189 @@ def test_gpu_report_measures():
     assert len(m["pinned_h2d_by_size"]) == 7
     assert 0 <= m["overlap"]["fraction"] <= 1.2
     _render_text(report)
+
+
+# -- saving a hardware profile (--save), with fake measurements ---------------------------------------------------------
+def fake_model_measurements():
+    return {"bytes": 256 << 20, "threads": [1, 4, 8, 16], "device_GBps": 4012.34, "kernel_min_s": 2.1e-6,
+            "launch_overhead_s": 6.5e-6, "copy_overhead_s": 3.2e-6, "event_overhead_s": 1.1e-6,
+            "host_task_overhead_s": 4.4e-6, "host_copy_GBps": [[1, 9.8], [4, 20.5], [8, 30.9], [16, 40.2]],
+            "register_GBps": 30.1, "register_fresh_GBps": 7.5, "unregister_GBps": 50.2,
+            "first_touch_GBps": [[1, 3.7], [16, 30.5]], "seconds": 2.5}
+
+
+class FullCudaDevice(FakeCudaDevice):
+    """A fake GPU whose capabilities hold everything a profile takes from them."""
+
+    @property
+    def capabilities(self):
+        caps = {"sm_count": 132, "async_engine_count": 3, "compute_capability": (9, 0), "total_memory": 150 * 10**9}
+        return type("Caps", (), {"as_dict": lambda self: dict(caps)})()
+
+
+@pytest.fixture
+def fake_calibration(fake_gpu, monkeypatch, tmp_path):
+    """fake_gpu, with the profile's extra measurements faked and the per-GPU cache in tmp_path."""
+    import ringflow._device.cuda as cuda_pkg
+    import ringflow._device.cuda.measure as measure_mod
+    from ringflow._device import hardware
+
+    monkeypatch.setattr(cuda_pkg, "CudaDevice", FullCudaDevice)
+    monkeypatch.setattr(measure_mod, "measure_model", lambda dev, repeats: fake_model_measurements())
+    monkeypatch.setattr(hardware, "gpu_driver_version", lambda: "580.159.04")
+    monkeypatch.setattr(hardware, "_for_gpu", {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "ringflow" / "profiles" / "nvidia-h200-580.159.04.json"
+
+
+def test_save_writes_a_profile_of_the_measurements_that_round_trips(fake_calibration, tmp_path, capsys):
+    from ringflow._device.hardware import HardwareProfile, get_profile
+
+    path = tmp_path / "h200.json"
+    assert main(["doctor", "--device", "cuda:0", "--save", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"saved hardware profile nvidia-h200-580.159.04 to {path}" in out and "plan --profile" in out
+    assert "Launch, host copy and registration costs" in out
+    p = get_profile(str(path))
+    assert p == HardwareProfile.from_json(path.read_text())
+    assert (p.gpu_name, p.driver, p.name) == ("NVIDIA H200", "580.159.04", "nvidia-h200-580.159.04")
+    assert p.measured_at and p.pcie_link == (32.0, 16)  # the link the copies ran on (its maximum: see fake_gpu)
+    m = fake_measurements(h2d=54.81234, duplex=101.14)
+    assert p.h2d_curve == tuple((r["bytes"], r["GBps"]) for r in m["pinned_h2d_by_size"])  # unrounded
+    assert p.duplex_GBps == 101.14 and p.pageable_h2d_GBps == 15.91234
+    assert p.launch_overhead_s == 6.5e-6 and p.host_copy_GBps == ((1, 9.8), (4, 20.5), (8, 30.9), (16, 40.2))
+    assert p.first_touch_GBps == ((1, 3.7), (16, 30.5)) and p.device_GBps == 4012.34
+    assert (p.sm_count, p.async_engine_count, p.compute_capability, p.total_memory) == (132, 3, (9, 0), 150 * 10**9)
+    assert not fake_calibration.exists()  # a path was given: the cache is left alone
+
+
+def test_save_without_a_path_fills_the_cache_this_gpu_plans_with(fake_calibration, capsys):
+    from ringflow._device import hardware
+    from ringflow._device.protocol import Device
+
+    assert main(["doctor", "--device", "cuda:0", "--json", "--save"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # stdout stays JSON; the note goes to stderr
+    assert report["profile"]["path"] == str(fake_calibration) and "now plans with it" in captured.err
+    assert report["model_measurements"]["device_GBps"] == 4012.3  # rounded in the report, not in the profile
+    saved = hardware.load_profile(fake_calibration)
+    assert saved.device_GBps == 4012.34
+    gpu = FullCudaDevice()
+    assert Device.hardware.fget(gpu) == saved  # the real GPU's model is now its own
+
+
+def test_calibrate_on_first_use_measures_and_caches(fake_calibration, monkeypatch):
+    from ringflow._device import hardware
+
+    monkeypatch.setenv(hardware.CALIBRATE_VAR, "1")
+    profile = hardware.profile_for_gpu("NVIDIA H200", device=FullCudaDevice())
+    assert profile.gpu_name == "NVIDIA H200" and profile.launch_overhead_s == 6.5e-6
+    assert hardware.load_profile(fake_calibration) == profile
+
+
+def test_plan_reads_a_saved_profile(fake_calibration, tmp_path, capsys):
+    path = tmp_path / "h200.json"
+    assert main(["doctor", "--device", "cuda:0", "--save", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--bytes", "256MiB", "--pinned", "--profile", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "nvidia-h200-580.159.04" in out and "predicted total" in out and "slots host_in" in out
+    assert "measured on NVIDIA H200 (driver 580.159.04)" in out
+
+
+def test_plan_on_the_gen4_profile(capsys):
+    assert main(["plan", "--bytes", "16MiB", "--pinned", "--profile", "pcie4-x16"]) == 0
+    out = capsys.readouterr().out
+    assert "pcie4-x16" in out and "chunks of 2 MiB x 8" in out  # tests/test_plan.py works out why
+
+
+@pytest.mark.parametrize("content, phrase", [
+    ('{"schema": "ringflow-hardware-profile"', "not JSON"),
+    ("[1]", "not a hardware profile"),
+])
+def test_plan_refuses_a_corrupt_profile_in_one_line(tmp_path, capsys, content, phrase):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    assert main(["plan", "--profile", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ringflow plan: error: ") and phrase in err[0] and "bad.json" in err[0]
+
+
+def test_plan_refuses_a_profile_with_a_bad_field(tmp_path, capsys):
+    from ringflow._device.hardware import H200_PCIE5
+
+    data = json.loads(H200_PCIE5.to_json())
+    data["model"]["duplex_GBps"] = -1
+    path = tmp_path / "neg.json"
+    path.write_text(json.dumps(data))
+    assert main(["plan", "--profile", str(path)]) == 1
+    assert "'model.duplex_GBps' must be a finite number more than 0, got -1.0" in capsys.readouterr().err
+
+
+def test_the_simulated_profile_can_be_saved_as_a_starting_point(tmp_path, capsys):
+    from ringflow._device.hardware import H200_PCIE5, load_profile
+
+    path = tmp_path / "start.json"
+    assert main(["doctor", "--device", "sim", "--save", str(path)]) == 0
+    assert load_profile(path) == H200_PCIE5
+    assert main(["doctor", "--device", "sim", "--save"]) == 1  # no GPU to cache a profile for
+    assert "give a file name (--save FILE)" in capsys.readouterr().err
+
+
+def test_save_without_a_gpu_says_why(tmp_path, capsys, monkeypatch):
+    import ringflow._device as device_pkg
+
+    monkeypatch.setattr(device_pkg, "cuda_available", lambda: (False, "no driver here"))
+    assert main(["doctor", "--save", str(tmp_path / "p.json")]) == 1
+    err = capsys.readouterr().err
+    assert "--save: no usable GPU to measure (no driver here)" in err and not (tmp_path / "p.json").exists()
+
+
+def test_save_refuses_an_unwritable_path_before_measuring(fake_calibration, tmp_path, capsys):
+    assert main(["doctor", "--device", "cuda:0", "--save", str(tmp_path / "nowhere" / "p.json")]) == 2
+    assert "argument --save" in capsys.readouterr().err
+
+
+def test_a_report_without_the_model_measurements_makes_no_profile():
+    report = cuda_report({"bus_id": None, "current": None, "max": None, "reason": "none"})
+    with pytest.raises(ValueError, match="ringflow doctor --save"):
+        doctor.profile_from_report(report)
+    with pytest.raises(ValueError, match="real GPU"):
+        doctor.profile_from_report(doctor.collect("sim"))
+    report["model_measurements"] = dict(fake_model_measurements(), register_GBps=-3.0)  # a failed measurement
+    report["capabilities"] = FullCudaDevice().capabilities.as_dict()
+    with pytest.raises(ValueError, match="register_GBps must be a finite number more than 0"):
+        doctor.profile_from_report(report)
+
+
+def _no_op():
+    pass
+
+
+def test_measure_model_reads_back_the_simulated_gpus_figures():
+    """The new measurements, run on the simulated GPU (whose costs are its profile's exactly),
+    recover the profile: the arithmetic and the gating of device spans are right."""
+    from ringflow._device.cuda.measure import measure_model
+
+    dev = rf.device("sim", profile="pcie4-x16", checked=False)
+    p = dev.hardware
+    m = measure_model(dev, nbytes=8 << 20, repeats=3, calls=20, cpus=2,
+                      kernel=lambda stream, seconds: stream.launch(_no_op, sim_seconds=seconds or None))
+    assert m["device_GBps"] == pytest.approx(p.device_GBps, rel=1e-9)
+    assert m["kernel_min_s"] == pytest.approx(p.kernel_min_s, rel=1e-9)
+    for name in ("launch_overhead_s", "copy_overhead_s", "event_overhead_s", "host_task_overhead_s"):
+        assert m[name] == pytest.approx(getattr(p, name), rel=1e-9), name
+    assert m["threads"] == [1, 2] and [t for t, _ in m["host_copy_GBps"]] == [1, 2]
+    assert [t for t, _ in m["first_touch_GBps"]] == [1, 2]
+    for key in ("register_GBps", "register_fresh_GBps", "unregister_GBps"):
+        assert m[key] > 0  # the host's own work, on the host clock
+    assert all(rate > 0 for _, rate in m["host_copy_GBps"] + m["first_touch_GBps"])
+    assert dev.live().streams == 0 and dev.live().device_buffers == 0 and dev.live().host_buffers == 0
+
+
+@pytest.mark.parametrize("cpus, expected", [(1, (1,)), (2, (1, 2)), (6, (1, 4, 6)), (16, (1, 4, 8, 16)),
+                                            (64, (1, 4, 8, 16)), (None, (1,))])
+def test_host_copies_are_timed_on_the_threads_there_are(cpus, expected):
+    from ringflow._device.cuda.measure import thread_counts
+
+    assert thread_counts(cpus) == expected

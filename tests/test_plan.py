@@ -289,3 +289,107 @@ def test_chunk_choice_for_queued_copies_matches_the_h200_runs():
         predicted = {c // MiB: s * 1e3 for c, _, s in choice.table}
         for mib, ms in times.items():
             assert predicted[mib] == pytest.approx(ms, rel=0.05), (name, mib)
+
+
+# -- a PCIe Gen4 x16 host: what the model says changes, worked out by hand ---------------------------------------------
+def test_a_gen4_link_halves_the_chunk_that_covers_the_host_cost():
+    """16 MiB in place from pinned memory, no compute (the direct engine: host_stages=False).
+
+    Per chunk of ``c`` bytes the model charges (predict_seconds, queued_stage_times): each copy
+    ``c / (peak x share) + 8 us``, where both directions share the link: share = duplex / (peak
+    H2D + peak D2H) = 98.4 / 109.5 on Gen5 and 49.2 / 54.75 on Gen4 (the same 0.8986), so a
+    copy streams at 49.25 GB/s (H2D) and 49.16 (D2H) on Gen5, half that on Gen4; compute is the
+    launch overhead (11 us; 13.75 on Gen4); prepare and consume one host task each (5 us;
+    6.25); the host enqueues for 60 us a chunk. The interval is the slowest of the copies and
+    the host's 60 us; the total is one chunk's five stages + 60 us + (n - 1) intervals.
+
+    Gen5 (times in us, D2H the slower copy):
+      2 MiB: copies 42.59 + 8 = 50.59 and 50.66 < 60, so host-bound:
+             5 + 50.59 + 11 + 50.66 + 5 + 60 + 7 x 60 = 602.25
+      4 MiB: copies 93.17 and 93.33: 5 + 93.17 + 11 + 93.33 + 5 + 60 + 3 x 93.33 = 547.48
+      8 MiB: copies 178.34 and 178.66: 5 + 178.34 + 11 + 178.66 + 5 + 60 + 178.66 = 616.66
+    Gen4 (each copy's streaming part doubled):
+      1 MiB: copies 50.59 and 50.66 < 60: 6.25 + 50.59 + 13.75 + 50.66 + 6.25 + 60 + 15 x 60 = 1087.5
+      2 MiB: copies 93.17 and 93.33: 6.25 + 93.17 + 13.75 + 93.33 + 6.25 + 60 + 7 x 93.33 = 926.05
+      4 MiB: copies 178.34 and 178.66: 6.25 + 178.34 + 13.75 + 178.66 + 6.25 + 60 + 3 x 178.66 = 979.22
+
+    The best chunk is the smallest whose copy outlasts the host's 60 us: on Gen5 that is 4 MiB
+    (2 MiB copies leave the host the bottleneck), on Gen4 a 2 MiB copy already does, so the
+    chunk halves, 4 MiB -> 2 MiB.
+    """
+    hand = {"h200-pcie5": {2: 602.25, 4: 547.48, 8: 616.66}, "pcie4-x16": {1: 1087.5, 2: 926.05, 4: 979.22}}
+    for name, expected in hand.items():
+        choice = plan.choose_chunk_bytes(name, 16 * MiB, host_stages=False, workers=8)
+        table = {c // MiB: s * 1e6 for c, _, s in choice.table if c >= MiB}
+        for mib, us in expected.items():
+            assert table[mib] == pytest.approx(us, abs=0.01), (name, mib)
+    assert plan.choose_chunk_bytes("h200-pcie5", 16 * MiB, host_stages=False, workers=8).chunk_bytes == 4 * MiB
+    assert plan.choose_chunk_bytes("pcie4-x16", 16 * MiB, host_stages=False, workers=8).chunk_bytes == 2 * MiB
+
+
+def gen4_host_slot_times(profile):
+    """Stage times of 4 MiB staged chunks, 4 workers, a 1 ms kernel (model_stage_times)."""
+    return plan.model_stage_times(profile, 4 * MiB, compute=1e-3, workers=4)
+
+
+def test_a_gen4_link_needs_a_second_host_slot_when_compute_bound():
+    """4 MiB staged chunks, 4 workers, a 1 ms kernel: compute-bound at 1 ms on both links.
+
+    A host-in slot lives prepare + H2D + hand-off, a host-out slot D2H + consume + hand-off
+    (plan_slots). Prepare = consume = a host task + 4 MiB at the per-thread copy rate of 4
+    threads (21 GB/s / 4 = 5.25 GB/s): 5 + 798.92 = 803.92 us on Gen5, 6.25 + 798.92 = 805.17
+    on Gen4. A lone 4 MiB copy runs at 43.1 GB/s on Gen5 (the curve's 4 MiB point; both
+    directions, 86.2, fit the duplex 98.4) and 21.55 on Gen4 (fitting 49.2): 97.32 and 194.63
+    us. The hand-off is an event plus the longer of launch and copy enqueueing: 1 + 11 = 12
+    us on Gen5, 1.25 + 13.75 = 15 on Gen4.
+
+      Gen5: 803.92 + 97.32 + 12 = 913.24 us < 1 ms: one slot each way;
+      Gen4: 805.17 + 194.63 + 15 = 1014.80 us > 1 ms: two slots each way.
+
+    The device rings (H2D + compute + hand-off) span two intervals on both.
+    """
+    g5, g4 = plan.plan_slots(gen4_host_slot_times("h200-pcie5")), plan.plan_slots(gen4_host_slot_times("pcie4-x16"))
+    assert g5.interval == g4.interval == pytest.approx(1e-3) and g5.bottleneck == g4.bottleneck == "compute"
+    assert g5.lifetimes["host_in"] * 1e6 == pytest.approx(913.24, abs=0.01)
+    assert g4.lifetimes["host_in"] * 1e6 == pytest.approx(1014.80, abs=0.01)
+    assert g5.lifetimes["host_out"] * 1e6 == pytest.approx(913.24, abs=0.01)
+    assert g4.lifetimes["host_out"] * 1e6 == pytest.approx(1014.80, abs=0.01)
+    assert g5.slots == plan.SlotCounts(host_in=1, device_in=2, device_out=2, host_out=1)
+    assert g4.slots == plan.SlotCounts(host_in=2, device_in=2, device_out=2, host_out=2)
+
+
+def test_the_simulated_gen4_host_needs_the_slots_the_plan_gives_it():
+    """On the simulated Gen4 host the planned rings keep the kernel busy, and the Gen5 plan's
+    single host slots (a slot's life is 1.015 intervals there) leave it waiting."""
+    g4 = plan.plan_slots(gen4_host_slot_times("pcie4-x16"))
+    planned = steady_interval("pcie4-x16", 4 * MiB, g4.slots, compute_s=1e-3, workers=4)
+    assert planned == pytest.approx(g4.interval, rel=0.01)
+    gen5_slots = plan.plan_slots(gen4_host_slot_times("h200-pcie5")).slots
+    assert steady_interval("pcie4-x16", 4 * MiB, gen5_slots, compute_s=1e-3, workers=4) > 1.005 * planned
+    assert steady_interval("h200-pcie5", 4 * MiB, gen5_slots, compute_s=1e-3, workers=4) == pytest.approx(
+        1e-3, rel=0.01)  # enough on Gen5
+
+
+@pytest.mark.parametrize("ms_per_mib", [0.0, 0.0205], ids=["copy-bound", "balanced"])
+def test_a_simulated_run_on_the_gen4_profile_agrees_with_the_plan(ms_per_mib):
+    """stream_map of 256 MiB in place from pinned memory on the simulated Gen4 host: the chunk
+    the planner chose, and the wall time it predicted within 10%."""
+    dev = rf.device("sim", profile="pcie4-x16", checked=False)
+    assert dev.hardware.name == "pcie4-x16"
+    per_byte = ms_per_mib * 1e-3 / MiB
+    buf = dev.allocate_host(256 * MiB)
+    x = buf.view(np.float32)
+
+    def f(a, b):
+        pass
+
+    f.sim_seconds = lambda nbytes: per_byte * nbytes
+    choice = plan.choose_chunk_bytes(dev.hardware, 256 * MiB, compute_s_per_byte=per_byte, host_stages=False,
+                                     align=4)
+    rf.stream_map(f, x, x, device=dev, chunk_bytes="auto", x_buffer=buf, out_buffer=buf, inplace=True)  # warm
+    _, report = rf.stream_map_report(f, x, x, device=dev, chunk_bytes="auto", x_buffer=buf, out_buffer=buf,
+                                     inplace=True)
+    assert report.chunks == 256 * MiB // choice.chunk_bytes
+    assert report.measured_s == pytest.approx(choice.predicted_s, rel=0.10)
+    h200 = plan.choose_chunk_bytes("h200-pcie5", 256 * MiB, compute_s_per_byte=per_byte, host_stages=False, align=4)
+    assert choice.predicted_s > 1.9 * h200.predicted_s  # link-bound: about twice as long on half the link

@@ -97,11 +97,12 @@ def ms_per_gib(text: str) -> float:
 
 
 def sim_profile(text: str) -> str:
-    """The name of a simulated GPU profile."""
-    from ._device.hardware import PROFILES
+    """The name of a hardware profile, or the path of a profile JSON file (checked when read)."""
+    from ._device.hardware import PROFILES, looks_like_path
 
-    if text not in PROFILES:
-        raise argparse.ArgumentTypeError(f"unknown sim profile {text!r}; choose one of {', '.join(sorted(PROFILES))}")
+    if text not in PROFILES and not looks_like_path(text):
+        raise argparse.ArgumentTypeError(f"unknown sim profile {text!r}; choose one of {', '.join(sorted(PROFILES))} "
+                                         "or give a profile JSON file (ringflow doctor --save writes one)")
     return text
 
 
@@ -184,7 +185,9 @@ def _doctor(args: argparse.Namespace) -> int:
 
     if args.output is not None:
         check_out_file(args.output, "--output")
-    return doctor_command(json_out=args.json, device=args.device, output=args.output)
+    if isinstance(args.save, str):
+        check_out_file(args.save, "--save")
+    return doctor_command(json_out=args.json, device=args.device, output=args.output, save=args.save)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -237,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
     p.add_argument("--device", type=device_spec, default=None, help=_DEVICE_HELP)
     p.add_argument("--output", "-o", default=None, help="also write the JSON report to this file")
+    p.add_argument("--save", nargs="?", const=True, default=None, metavar="PATH",
+                   help="also measure launch, host copy and registration costs and save this GPU's hardware "
+                        "profile: to PATH, or without PATH to the per-GPU cache that ringflow plans with on "
+                        "this GPU model and driver")
     p.set_defaults(func=_doctor)
 
     p = sub.add_parser("demo", help="the main job: a short pageable and seed comparison, with a trace and PNG")
@@ -265,7 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-ms-per-gib", type=ms_per_gib, default=0.0, help="kernel time per GiB of input, ms")
     p.add_argument("--workers", type=workers, default=8, help="CPU workers for prepare/consume (default 8)")
     p.add_argument("--pinned", action="store_true", help="data already in pinned memory (no staging)")
-    p.add_argument("--profile", type=sim_profile, default="h200-pcie5", help="the sim profile to predict with")
+    p.add_argument("--profile", type=sim_profile, default="h200-pcie5",
+                   help="the hardware profile to predict with: a name (h200-pcie5, pcie4-x16) or a profile JSON "
+                        "file from ringflow doctor --save (default h200-pcie5)")
     p.add_argument("--compare", default=None, help="a bench JSON measured on the GPU: report the prediction error")
     p.set_defaults(func=_plan)
     parser._ringflow_commands = sub.choices  # type: ignore[attr-defined]

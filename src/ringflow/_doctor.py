@@ -7,6 +7,10 @@ streams really overlap. The copy rates are compared with the PCIe link the GPU s
 from sysfs (:func:`read_pcie_link`). Without a usable GPU it says why and reports the
 simulated GPU's profile, and the link that profile models, instead. :func:`render` turns a
 report into rich tables; :func:`doctor_command` is the CLI entry.
+
+With ``--save`` it also measures launch, host copy and registration costs and writes the GPU's
+hardware profile (:func:`profile_from_report`), by default into the per-GPU cache that a real
+GPU's ``Device.hardware`` reads; :func:`calibrate` does the same without a report.
 """
 
 from __future__ import annotations
@@ -302,7 +306,7 @@ def rounded(obj: Any, key: str = "") -> Any:
 
 # -- collecting --------------------------------------------------------------------------------------------------
 def collect(device_spec: "str | None" = None, *, repeats: int = 10,
-            progress: "Callable[[str], None] | None" = None) -> dict[str, Any]:
+            progress: "Callable[[str], None] | None" = None, model: bool = False) -> dict[str, Any]:
     """Everything the doctor knows about a device.
 
     Args:
@@ -310,6 +314,9 @@ def collect(device_spec: "str | None" = None, *, repeats: int = 10,
             ``RINGFLOW_DEVICE`` (``"auto"`` when unset), as :func:`ringflow.device` does.
         repeats: timed repeats of each measurement on a real GPU.
         progress: called with a short description before each slow step (on a real GPU).
+        model: on a real GPU, also measure what a hardware profile needs beyond the copies
+            (:func:`ringflow._device.cuda.measure.measure_model`, a few seconds more), under
+            ``model_measurements``.
 
     Returns:
         The JSON-ready report, figures rounded (:func:`rounded`). Without a usable GPU (or for
@@ -319,6 +326,12 @@ def collect(device_spec: "str | None" = None, *, repeats: int = 10,
         TypeError, ValueError: ``device_spec`` is not a device spec, or names a GPU this
             machine does not have.
     """
+    return rounded(_collect(device_spec, repeats=repeats, progress=progress, model=model))
+
+
+def _collect(device_spec: "str | None", *, repeats: int, progress: "Callable[[str], None] | None",
+             model: bool) -> dict[str, Any]:
+    """:func:`collect`'s report before rounding (a profile is built from these figures)."""
     from ._device import _gpu_count, cuda_available, parse_spec
 
     kind, index = parse_spec(device_spec)
@@ -332,33 +345,153 @@ def collect(device_spec: "str | None" = None, *, repeats: int = 10,
     ok, reason = cuda_available()
     report["cuda_usable"], report["cuda_reason"] = ok, reason
     if kind == "sim" or not ok:
-        return rounded(_simulated(report, kind, reason))
+        return _simulated(report, kind, reason)
     index = index or 0
     count = _gpu_count()
     if index >= count:
         raise ValueError(f"device 'cuda:{index}': there is no GPU {index}; this machine has {count} CUDA GPU(s), "
                          f"so use cuda:0..cuda:{count - 1}")
     from ._device.cuda import CudaDevice
-    from ._device.cuda.measure import measure
 
     say(f"opening cuda:{index}")
     dev = CudaDevice(index)
     try:
-        caps = dev.capabilities
-        report["device"] = {"backend": "cuda", "index": index, "name": dev.name, "array_type": dev.array_type}
-        report["capabilities"] = caps.as_dict()
-        say(f"measuring copy bandwidth and copy/kernel overlap on {dev.name}")
-        report["measurements"] = measure(dev, repeats=repeats)
-        bus = _bus_id(dev)
-        # read right after the copies, while the link is still at the speed they ran at
-        report["link"] = read_pcie_link(bus, SYSFS) if bus else {"bus_id": None, "current": None, "max": None,
-                                                          "reason": "the GPU's PCI address is unknown"}
-        report["link"]["source"] = "sysfs"
-        report["link"]["comparison"] = _comparison_summary(report["measurements"], report["link"])
-        report["checks"] = checks(report["measurements"], report["link"])
+        report.update(_measure_gpu(dev, repeats=repeats, say=say, model=model))
     finally:
         dev.close()
-    return rounded(report)
+    return report
+
+
+def _measure_gpu(dev, *, repeats: int, say: Callable[[str], None], model: bool) -> dict[str, Any]:
+    """The GPU parts of a report, measured on the open CudaDevice ``dev`` (unrounded)."""
+    from ._device.cuda.measure import measure, measure_model
+    from ._device.hardware import gpu_driver_version
+
+    out: dict[str, Any] = {}
+    caps = dev.capabilities
+    out["device"] = {"backend": "cuda", "index": dev.index, "name": dev.name, "array_type": dev.array_type,
+                     "driver": gpu_driver_version()}
+    out["capabilities"] = caps.as_dict()
+    say(f"measuring copy bandwidth and copy/kernel overlap on {dev.name}")
+    out["measurements"] = measure(dev, repeats=repeats)
+    bus = _bus_id(dev)
+    # read right after the copies, while the link is still at the speed they ran at
+    out["link"] = read_pcie_link(bus, SYSFS) if bus else {"bus_id": None, "current": None, "max": None,
+                                                           "reason": "the GPU's PCI address is unknown"}
+    out["link"]["source"] = "sysfs"
+    out["link"]["comparison"] = _comparison_summary(out["measurements"], out["link"])
+    out["checks"] = checks(out["measurements"], out["link"])
+    if model:
+        say(f"measuring launch, host copy and registration costs on {dev.name}")
+        out["model_measurements"] = measure_model(dev, repeats=max(3, repeats // 2))
+    return out
+
+
+# -- hardware profiles -----------------------------------------------------------------------------------------
+def profile_from_report(report: dict[str, Any]):
+    """The hardware profile that a real GPU's report (measured with ``model=True``) describes.
+
+    Copy curves from the pinned copies by size, both directions at once from the 256 MiB duplex
+    copy, pageable rates from the asynchronous pageable copies, the PCIe link the copies ran on
+    (:func:`compare_with_link`'s basis), the counts from the capabilities, and the rest from
+    ``model_measurements``.
+
+    Returns:
+        a :class:`~ringflow._device.hardware.HardwareProfile` named ``<gpu>-<driver>``, with the
+        GPU's name, its driver and the report's date.
+
+    Raises:
+        ValueError: the report is not a real GPU's, or lacks the model measurements (measure
+            with ``ringflow doctor --save``); ProfileError (a ValueError) when a figure is out of
+            range (a failed measurement), naming it.
+    """
+    from ._device.hardware import HardwareProfile, ProfileError, slug
+
+    dev = report.get("device") or {}
+    if dev.get("backend") != "cuda":
+        raise ValueError("a hardware profile is measured on a real GPU, and this report is of "
+                         f"{dev.get('name') or 'no GPU'}; run ringflow doctor --save where the GPU is")
+    m, mm = report.get("measurements"), report.get("model_measurements")
+    if not m or not mm:
+        raise ValueError("this report lacks the measurements a hardware profile needs; measure with "
+                         "ringflow doctor --save")
+    basis = compare_with_link(m, report.get("link"))
+    rate = basis.get("rate")
+    caps = report.get("capabilities") or {}
+    name, driver = dev["name"], dev.get("driver")
+    try:
+        return HardwareProfile(
+            name=f"{slug(name)}-{slug(driver or 'unknown-driver')}",
+            h2d_curve=tuple((r["bytes"], r["GBps"]) for r in m["pinned_h2d_by_size"]),
+            d2h_curve=tuple((r["bytes"], r["GBps"]) for r in m["pinned_d2h_by_size"]),
+            duplex_GBps=m["duplex_pinned"]["GBps"],
+            pageable_h2d_GBps=m["pageable"]["h2d"]["GBps"],
+            pageable_d2h_GBps=m["pageable"]["d2h"]["GBps"],
+            device_GBps=mm["device_GBps"],
+            kernel_min_s=mm["kernel_min_s"],
+            launch_overhead_s=mm["launch_overhead_s"],
+            copy_overhead_s=mm["copy_overhead_s"],
+            event_overhead_s=mm["event_overhead_s"],
+            host_copy_GBps=tuple(tuple(p) for p in mm["host_copy_GBps"]),
+            host_task_overhead_s=mm["host_task_overhead_s"],
+            register_GBps=mm["register_GBps"],
+            register_fresh_GBps=mm["register_fresh_GBps"],
+            unregister_GBps=mm["unregister_GBps"],
+            first_touch_GBps=tuple(tuple(p) for p in mm["first_touch_GBps"]),
+            async_engine_count=caps["async_engine_count"],
+            sm_count=caps["sm_count"],
+            compute_capability=tuple(caps["compute_capability"]),
+            total_memory=caps["total_memory"],
+            pcie_link=None if rate is None else (rate["GTps"], rate["width"]),
+            gpu_name=name, driver=driver, measured_at=report.get("date"))
+    except ProfileError as exc:
+        raise ProfileError(f"the measurements do not make a valid hardware profile ({exc}); run ringflow doctor "
+                           "--save again") from None
+    except KeyError as exc:
+        raise ValueError(f"this report lacks {exc.args[0]!r}, which a hardware profile needs; measure with "
+                         "ringflow doctor --save") from None
+
+
+def calibrate(dev, path: "str | None" = None, *, repeats: int = 6):
+    """Measure the open CudaDevice ``dev`` and save its hardware profile (what ``ringflow doctor
+    --save`` does, without the report): seconds of copies, launches and host work.
+
+    Args:
+        dev: a :class:`~ringflow._device.cuda.CudaDevice`.
+        path: where to write the profile; None is the per-GPU cache file
+            (:func:`ringflow._device.hardware.cached_profile_path`), its folder made if missing.
+        repeats: timed repeats of each copy measurement.
+
+    Returns:
+        the profile.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    from ._device.hardware import cached_profile_path
+
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    report.update(_measure_gpu(dev, repeats=repeats, say=lambda text: None, model=True))
+    profile = profile_from_report(report)
+    save_to(profile, path if path is not None else cached_profile_path(profile.gpu_name, profile.driver))
+    return profile
+
+
+def save_to(profile, path: str) -> str:
+    """Write ``profile`` to ``path``, making the per-GPU cache folder if ``path`` is inside it.
+
+    Raises:
+        OSError: the file cannot be written (the error names it).
+    """
+    from ._device.hardware import cache_dir
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.abspath(folder) == os.path.abspath(cache_dir()):
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, folder) from None
+    return profile.save(path)
 
 
 def _comparison_summary(m: dict[str, Any], link: dict[str, Any]) -> dict[str, Any]:
@@ -422,7 +555,7 @@ def _profile_rows(prof: dict[str, Any]) -> dict[str, Any]:
     """A sim profile's figures with their units; the by-size curves are left out."""
     rows: dict[str, Any] = {}
     for k, v in prof.items():
-        if k.endswith("curve"):
+        if k.endswith("curve") or v is None:
             continue
         if k.endswith("_s") and isinstance(v, (int, float)):
             v = _duration(v)
@@ -504,6 +637,10 @@ def render(report: dict[str, Any]):
     parts.append(_kv_table("Copy / kernel overlap on two streams", {
         "copy alone": _ms(o["t_copy_ms"]), "kernel alone": _ms(o["t_kernel_ms"]),
         "both at once": _ms(o["t_both_ms"]), "overlap fraction": f"{o['fraction']:.2f}"}))
+    if report.get("model_measurements"):
+        parts.append(_kv_table("Launch, host copy and registration costs (for the hardware profile)",
+                               _profile_rows({k: v for k, v in report["model_measurements"].items()
+                                              if k not in ("bytes", "threads", "seconds")})))
     c = Table(title="Checks", title_justify="left")
     for col in ("what", "measured", "expected", "result"):
         c.add_column(col)
@@ -534,13 +671,26 @@ def show_progress(json_out: bool, stream=None) -> bool:
     return not json_out and callable(isatty) and bool(isatty())
 
 
-def doctor_command(json_out: bool = False, device: "str | None" = None, output: "str | None" = None) -> int:
+def doctor_command(json_out: bool = False, device: "str | None" = None, output: "str | None" = None,
+                   save: "str | bool | None" = None) -> int:
     """Print the report (rich tables, or JSON with ``json_out``), with progress on stderr when it
-    is a terminal and ``json_out`` is off; optionally save the JSON to ``output``.
+    is a terminal and ``json_out`` is off; optionally save the JSON to ``output``, and the
+    hardware profile to ``save``.
+
+    Args:
+        json_out: print JSON instead of tables.
+        device: the device spec (None reads ``RINGFLOW_DEVICE``).
+        output: also write the JSON report to this file.
+        save: also measure what a hardware profile needs and write the profile: True writes
+            it to the per-GPU cache file (:func:`ringflow._device.hardware.cached_profile_path`),
+            which this GPU model and driver then plan with; a string writes it there. On the
+            simulated GPU (``device="sim"``) a string path gets the simulated profile (a
+            starting point to edit), and True is refused.
 
     Returns:
-        The exit status: 1 when a CUDA device was asked for and CUDA is not usable here (the
-        report still prints, and one stderr line says why), else 0.
+        The exit status: 1 when a CUDA device was asked for and CUDA is not usable here, or a
+        profile was asked for and none could be measured or written (the report still prints,
+        and one stderr line says why), else 0.
 
     Raises:
         TypeError, ValueError: ``device`` is not a device spec or names a missing GPU.
@@ -550,7 +700,14 @@ def doctor_command(json_out: bool = False, device: "str | None" = None, output: 
 
     kind, index = parse_spec(device)
     with _status(show_progress(json_out)) as say:
-        report = collect(device, progress=say)
+        raw = _collect(device, repeats=10, progress=say, model=bool(save))
+    problem = None
+    if save:
+        try:
+            raw["profile"] = _save_profile(raw, kind, save)
+        except (ValueError, OSError) as exc:
+            problem = _describe_error(exc)
+    report = rounded(raw)
     text = json.dumps(report, indent=2, default=str)
     if output:
         try:
@@ -568,4 +725,44 @@ def doctor_command(json_out: bool = False, device: "str | None" = None, output: 
         print(f"ringflow doctor: error: device 'cuda:{index}' is not usable: {report['cuda_reason']}",
               file=sys.stderr)
         return 1
+    if problem is not None:
+        print(f"ringflow doctor: error: --save: {problem}", file=sys.stderr)
+        return 1
+    if save:
+        saved = raw["profile"]
+        print(f"ringflow doctor: saved hardware profile {saved['name']} to {saved['path']}; {saved['use']}",
+              file=sys.stderr if json_out else sys.stdout)
     return 0
+
+
+def _describe_error(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    return str(exc)
+
+
+def _save_profile(raw: dict[str, Any], kind: str, save: "str | bool") -> dict[str, Any]:
+    """Build and write the profile of a collected (unrounded) report; returns where and how to
+    use it. Raises ValueError when there is nothing to measure, OSError when it cannot be written."""
+    from ._device.hardware import cached_profile_path, get_profile
+
+    if raw["device"]["backend"] == "sim":
+        if kind != "sim":
+            raise ValueError(f"no usable GPU to measure ({raw['cuda_reason']}); run it where the GPU is, or pass "
+                             "--device sim --save FILE to write the simulated profile as a starting point")
+        if save is True:
+            raise ValueError("on the simulated GPU, give a file name (--save FILE): it writes the simulated "
+                             "profile there, a starting point to edit; the per-GPU cache is for measured GPUs")
+        profile = get_profile(raw["sim_profile"]["name"])
+        path = save_to(profile, save)
+        return {"name": profile.name, "path": path,
+                "use": f"plan with it: ringflow plan --profile {path}, or ringflow.device('sim', profile=...)"}
+    profile = profile_from_report(raw)
+    cache = cached_profile_path(profile.gpu_name, profile.driver)
+    path = save_to(profile, cache if save is True else save)
+    if os.path.abspath(path) == os.path.abspath(cache):
+        use = f"ringflow now plans with it on {profile.gpu_name} under driver {profile.driver}"
+    else:
+        use = (f"plan with it: ringflow plan --profile {path}; for this GPU to use it by itself, save it to "
+               f"{cache} (ringflow doctor --save with no file name)")
+    return {"name": profile.name, "path": path, "use": use}

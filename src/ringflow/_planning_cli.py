@@ -79,28 +79,34 @@ def plan_command(args) -> int:
 
     Raises:
         OSError, ValueError: the ``--compare`` file cannot be read or is not a bench result.
+        ValueError: ``--profile`` names no built-in profile, or a file that is not a valid
+            profile (:class:`~ringflow._device.hardware.ProfileError`, naming the field).
     """
     from rich.console import Console
     from rich.table import Table
 
     from . import _plan as plan
+    from ._device.hardware import PROFILES, get_profile
 
+    # read once: the planner is then given the profile itself, never the file again
+    profile = get_profile(args.profile)
+    where = "" if isinstance(args.profile, str) and args.profile in PROFILES else f" (from {args.profile})"
     total = args.bytes if isinstance(args.bytes, int) else parse_bytes(args.bytes)
     compare = read_bench_rows(args.compare) if args.compare else []
     per_byte = args.compute_ms_per_gib * 1e-3 / (1 << 30)
     if args.chunk == "auto":
-        choice = plan.choose_chunk_bytes(args.profile, total, compute_s_per_byte=per_byte, workers=args.workers,
+        choice = plan.choose_chunk_bytes(profile, total, compute_s_per_byte=per_byte, workers=args.workers,
                                          host_stages=not args.pinned)
         chunk = choice.chunk_bytes
     else:
         chunk = args.chunk if isinstance(args.chunk, int) else parse_bytes(args.chunk)
         choice = None
-    t, predicted = plan.predict_seconds(args.profile, total, chunk, compute_s_per_byte=per_byte,
+    t, predicted = plan.predict_seconds(profile, total, chunk, compute_s_per_byte=per_byte,
                                         workers=args.workers, host_stages=not args.pinned)
     slots = plan.plan_slots(t)
     n = -(-total // chunk)
     console = Console()
-    table = Table(title=f"{_human(total)} in chunks of {chunk / 2**20:g} MiB x {n} on profile {args.profile}")
+    table = Table(title=f"{_human(total)} in chunks of {chunk / 2**20:g} MiB x {n} on profile {profile.name}{where}")
     table.add_column("what")
     table.add_column("value", justify="right")
     for stage, sec in t.as_dict().items():
@@ -110,6 +116,9 @@ def plan_command(args) -> int:
         table.add_row(f"slots {ring}", f"{getattr(slots.slots, ring)} (lifetime {slots.lifetimes.get(ring, 0) * 1e3:.3f} ms)")
     table.add_row("predicted total", f"{predicted * 1e3:.3f} ms")
     console.print(table)
+    if profile.gpu_name:
+        console.print(f"profile {profile.name}: measured on {profile.gpu_name} (driver {profile.driver or 'unknown'})"
+                      + (f" at {profile.measured_at}" if profile.measured_at else ""))
     if choice is not None:
         console.print("candidates: " + ", ".join(f"{c / 2**20:g} MiB: {s * 1e3:.2f} ms" for c, _, s in choice.table))
     for name, row in compare:

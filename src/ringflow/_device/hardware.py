@@ -1,23 +1,75 @@
-"""Named performance profiles for the simulated GPU.
+"""Hardware profiles: the model of a GPU and its host that the planner and the simulated GPU use.
 
-``h200-pcie5`` is built from the figures measured on our H200 (DESIGN.md section 6): pinned
-copies by size, both directions at once, pageable copies, launch overhead, host copy rates.
-A copy of ``n`` bytes takes ``n / bandwidth(n)``, the bandwidth read off the measured
-bandwidth-by-size curve (log-log interpolation), so small copies are as slow as measured.
+A :class:`HardwareProfile` holds pinned copy bandwidth by size in each direction, both
+directions at once, pageable copies, device memory, launch / copy / event overheads, host copy
+rates by thread count, host registration and first-touch rates, and the device's counts. A copy
+of ``n`` bytes takes ``n / bandwidth(n)``, the bandwidth read off the bandwidth-by-size curve
+(log-log interpolation), so small copies are as slow as measured.
+
+Profiles come from three places:
+
+* built in, by name (:data:`PROFILES`): ``h200-pcie5`` from the figures measured on our H200,
+  ``pcie4-x16`` the same GPU behind a PCIe Gen4 x16 link, and ``unit`` with round numbers for
+  tests;
+* measured: ``ringflow doctor --save`` measures this machine's GPU and writes a JSON file
+  (:meth:`HardwareProfile.to_json`), by default into the per-GPU cache
+  (:func:`cached_profile_path`), which a real GPU's ``Device.hardware`` reads
+  (:func:`profile_for_gpu`);
+* any such JSON file, by path: :func:`get_profile` takes a name, a profile or a path.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import datetime
+import functools
+import json
+import logging
 import math
-from typing import Any
+import numbers
+import os
+import re
+import threading
+from typing import Any, Optional
+
+from .._errors import RingflowError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+logger = logging.getLogger("ringflow")
+
+SCHEMA = "ringflow-hardware-profile"
+SCHEMA_VERSION = 1
+CALIBRATE_VAR = "RINGFLOW_CALIBRATE"  # "1": measure a GPU with no cached profile on first use
+
+
+class ProfileError(RingflowError, ValueError):
+    """A hardware profile that cannot be used: a field missing, of the wrong type or out of
+    range, or a file that is not a profile. The message names the file and the field."""
+
+
+# -- the profile -------------------------------------------------------------------------------------------------------
+# Field groups, for validation and for the JSON layout. Curves are (x, GB/s) points, x rising.
+_BYTE_CURVES = ("h2d_curve", "d2h_curve")  # x: copy size in bytes
+_THREAD_CURVES = ("host_copy_GBps", "first_touch_GBps")  # x: threads
+_RATES = ("duplex_GBps", "pageable_h2d_GBps", "pageable_d2h_GBps", "device_GBps", "register_GBps",
+          "register_fresh_GBps", "unregister_GBps")  # GB/s, > 0
+_SECONDS = ("kernel_min_s", "launch_overhead_s", "copy_overhead_s", "event_overhead_s",
+            "host_task_overhead_s")  # seconds, >= 0
+_COUNTS = ("async_engine_count", "sm_count", "total_memory")  # ints >= 1
+_MACHINE = ("gpu_name", "driver", "pcie_link")  # where it was measured: the JSON's "machine"
+_META = ("name", "measured_at") + _MACHINE
 
 
 @dataclasses.dataclass(frozen=True)
 class HardwareProfile:
+    """The performance model of one GPU and its host (see the module doc).
+
+    Constructing one checks every field: a curve of no points, a negative or non-finite
+    bandwidth, a count below 1 or a value of the wrong type raises :class:`ProfileError`.
+    """
+
     name: str
     # (bytes, GB/s) points of a pinned copy's bandwidth by size, one direction alone.
     h2d_curve: tuple[tuple[int, float], ...]
@@ -42,6 +94,14 @@ class HardwareProfile:
     total_memory: int
     chaos_spread: float = 0.25  # with chaos on, durations vary by up to this fraction
     pcie_link: "tuple[float, int] | None" = None  # (GT/s per lane, lanes) of the GPU's host link, if known
+    gpu_name: Optional[str] = None  # the GPU it was measured on (None for a model)
+    driver: Optional[str] = None  # that GPU's driver version
+    measured_at: Optional[str] = None  # ISO 8601 date and time of the measurement
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = _check_field(f.name, getattr(self, f.name), f"HardwareProfile.{f.name}")
+            object.__setattr__(self, f.name, value)
 
     def copy_GBps(self, direction: str, nbytes: int) -> float:
         """Bandwidth of one pinned copy of ``nbytes`` running alone (direction 'h2d' or 'd2h')."""
@@ -53,10 +113,220 @@ class HardwareProfile:
         return _interp_loglog(self.host_copy_GBps, max(1, threads))
 
     def first_touch_rate(self, threads: int) -> float:
+        """GB/s of first writes to fresh pages with ``threads`` threads (all threads together)."""
         return _interp_loglog(self.first_touch_GBps, max(1, threads))
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    # -- JSON ------------------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The profile as its JSON document (:meth:`to_json`), a dict of plain JSON values."""
+        model = {}
+        for f in dataclasses.fields(self):
+            if f.name in _META:
+                continue
+            value = getattr(self, f.name)
+            model[f.name] = [list(p) for p in value] if f.name in _BYTE_CURVES + _THREAD_CURVES else (
+                list(value) if isinstance(value, tuple) else value)
+        link = None if self.pcie_link is None else {"GTps": self.pcie_link[0], "width": self.pcie_link[1]}
+        return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "name": self.name, "date": self.measured_at,
+                "machine": {"gpu": self.gpu_name, "driver": self.driver, "pcie_link": link}, "model": model}
+
+    def to_json(self) -> str:
+        """The profile as JSON text: ``schema``, ``schema_version``, ``name``, ``date`` (when
+        measured, ISO 8601), ``machine`` (``gpu``, ``driver``, ``pcie_link``: ``GTps`` per lane
+        and ``width`` in lanes) and ``model`` (every other field, bandwidths in GB/s = 1e9 B/s,
+        times in seconds, curves as ``[x, GB/s]`` pairs). :meth:`from_json` reads it back."""
+        text = json.dumps(self.to_dict(), indent=2)
+        # one line per [x, y] point or [major, minor] pair: a curve reads as a table
+        return re.sub(r"\[\n\s*([-+.\deE]+),\n\s*([-+.\deE]+)\n\s*\]", r"[\1, \2]", text) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "hardware profile") -> "HardwareProfile":
+        """A profile from its JSON document (as :meth:`to_dict` makes it), every field checked.
+
+        Args:
+            data: the parsed JSON.
+            source: what to call the document in errors (a file name, say).
+
+        Raises:
+            ProfileError: not a profile, a newer schema version, a field missing, unknown, of
+                the wrong type or out of range (the message names ``source`` and the field).
+        """
+        hint = "write one with ringflow doctor --save"
+        if not isinstance(data, dict):
+            raise ProfileError(f"{source}: not a hardware profile (a JSON {_json_type(data)}, not an object); {hint}")
+        if data.get("schema") != SCHEMA:
+            what = ("a ringflow doctor report, not a hardware profile" if "measurements" in data or "versions" in data
+                    else f"not a hardware profile ('schema' is {data.get('schema')!r}, not {SCHEMA!r})")
+            raise ProfileError(f"{source}: {what}; {hint}")
+        version = data.get("schema_version")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ProfileError(f"{source}: 'schema_version' must be a whole number, got {version!r}")
+        if version > SCHEMA_VERSION:
+            raise ProfileError(f"{source}: written by a newer ringflow (schema_version {version}; this one reads "
+                               f"up to {SCHEMA_VERSION}): upgrade ringflow or measure again with ringflow doctor --save")
+        if version < 1:
+            raise ProfileError(f"{source}: 'schema_version' must be 1 or more, got {version}")
+        _require(data, ("schema", "schema_version", "name", "date", "machine", "model"), "", source)
+        machine, model = data["machine"], data["model"]
+        for key, part in (("machine", machine), ("model", model)):
+            if not isinstance(part, dict):
+                raise ProfileError(f"{source}: '{key}' must be a JSON object, got {_json_type(part)} {part!r:.60}")
+        _require(machine, ("gpu", "driver", "pcie_link"), "machine.", source)
+        model_fields = [f.name for f in dataclasses.fields(cls) if f.name not in _META]
+        _require(model, model_fields, "model.", source)
+        link = machine["pcie_link"]
+        if link is not None:
+            if not isinstance(link, dict):
+                raise ProfileError(f"{source}: 'machine.pcie_link' must be null or an object with GTps and width, "
+                                   f"got {_json_type(link)} {link!r:.60}")
+            _require(link, ("GTps", "width"), "machine.pcie_link.", source)
+            link = (link["GTps"], link["width"])
+        values = {"name": data["name"], "measured_at": data["date"], "gpu_name": machine["gpu"],
+                  "driver": machine["driver"], "pcie_link": link, **model}
+        where = {"name": "name", "measured_at": "date", "gpu_name": "machine.gpu", "driver": "machine.driver",
+                 "pcie_link": "machine.pcie_link"}
+        checked = {k: _check_field(k, v, f"{source}: '{where.get(k, 'model.' + k)}'") for k, v in values.items()}
+        return cls(**checked)
+
+    @classmethod
+    def from_json(cls, text: "str | bytes", *, source: str = "hardware profile") -> "HardwareProfile":
+        """A profile from :meth:`to_json`'s text; see :meth:`from_dict`.
+
+        Raises:
+            ProfileError: the text is not JSON, or not a valid profile (the message says where).
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"{source}: not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
+                               "a hardware profile is the JSON file ringflow doctor --save writes") from None
+        except (UnicodeDecodeError, TypeError):
+            raise ProfileError(f"{source}: not a text file; a hardware profile is the JSON file ringflow doctor "
+                               "--save writes") from None
+        return cls.from_dict(data, source=source)
+
+    def save(self, path: "str | os.PathLike") -> str:
+        """Write :meth:`to_json` to ``path`` (replacing it whole: a reader never sees half a file).
+
+        Returns:
+            ``path`` as a string.
+
+        Raises:
+            OSError: the file cannot be written (the error names it).
+        """
+        path = os.fspath(path)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.write(self.to_json())
+            os.replace(tmp, path)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise OSError(exc.errno, exc.strerror, path) from None
+        return path
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number" if isinstance(value, (int, float)) else type(value).__name__)
+
+
+def _require(obj: dict, names, prefix: str, source: str) -> None:
+    missing = [n for n in names if n not in obj]
+    if missing:
+        raise ProfileError(f"{source}: missing field(s) {', '.join(prefix + n for n in missing)}; measure again with "
+                           "ringflow doctor --save, or copy them from a built-in profile's to_json()")
+    unknown = sorted(set(obj) - set(names))
+    if unknown:
+        raise ProfileError(f"{source}: unknown field(s) {', '.join(prefix + n for n in unknown)}; remove them "
+                           "(is a name misspelt?)")
+
+
+def _real(value: Any, where: str, *, positive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ProfileError(f"{where} must be a number, got {_json_type(value)} {value!r:.60}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "more than 0" if positive else "0 or more"
+        raise ProfileError(f"{where} must be a finite number {bound}, got {value!r}")
+    return value
+
+
+def _whole(value: Any, where: str, *, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ProfileError(f"{where} must be a whole number, got {_json_type(value)} {value!r:.60}")
+    if value < least:
+        raise ProfileError(f"{where} must be at least {least}, got {value}")
+    return int(value)
+
+
+def _curve(value: Any, where: str, x_name: str) -> tuple[tuple[int, float], ...]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ProfileError(f"{where} must be a non-empty list of [{x_name}, GB/s] pairs, got {value!r:.60}")
+    points = []
+    for i, p in enumerate(value):
+        if not isinstance(p, (list, tuple)) or len(p) != 2:
+            raise ProfileError(f"{where}[{i}] must be a [{x_name}, GB/s] pair, got {p!r:.60}")
+        x = _whole(p[0], f"{where}[{i}][0] ({x_name})", least=1)
+        if points and x <= points[-1][0]:
+            raise ProfileError(f"{where}: the {x_name} must rise from point to point, but point {i} has {x} after "
+                               f"{points[-1][0]}")
+        points.append((x, _real(p[1], f"{where}[{i}][1] (GB/s)", positive=True)))
+    return tuple(points)
+
+
+def _check_field(name: str, value: Any, where: str) -> Any:
+    """``value`` checked for field ``name`` (and made the type the field holds); raises
+    :class:`ProfileError` naming ``where``."""
+    if name in _BYTE_CURVES:
+        return _curve(value, where, "bytes")
+    if name in _THREAD_CURVES:
+        return _curve(value, where, "threads")
+    if name in _RATES:
+        return _real(value, where, positive=True)
+    if name in _SECONDS:
+        return _real(value, where, positive=False)
+    if name in _COUNTS:
+        return _whole(value, where, least=1)
+    if name == "compute_capability":
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise ProfileError(f"{where} must be a [major, minor] pair, got {value!r:.60}")
+        return (_whole(value[0], f"{where}[0]", least=0), _whole(value[1], f"{where}[1]", least=0))
+    if name == "chaos_spread":
+        spread = _real(value, where, positive=False)
+        if spread >= 1:
+            raise ProfileError(f"{where} must be below 1 (a fraction of each duration), got {spread}")
+        return spread
+    if name == "pcie_link":
+        if value is None:
+            return None
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise ProfileError(f"{where} must be None or a (GT/s per lane, lanes) pair, got {value!r:.60}")
+        return (_real(value[0], f"{where} GT/s", positive=True), _whole(value[1], f"{where} width", least=1))
+    if name == "name":
+        if not isinstance(value, str) or not value.strip():
+            raise ProfileError(f"{where} must be a non-empty string, got {value!r:.60}")
+        return value
+    if name in ("gpu_name", "driver"):
+        if value is not None and not isinstance(value, str):
+            raise ProfileError(f"{where} must be a string or null, got {_json_type(value)} {value!r:.60}")
+        return value
+    if name == "measured_at":
+        if value is None:
+            return None
+        try:
+            datetime.datetime.fromisoformat(value)
+        except (TypeError, ValueError):
+            raise ProfileError(f"{where} must be an ISO 8601 date such as 2026-12-01T09:30:00+00:00, "
+                               f"got {value!r:.60}") from None
+        return value
+    raise ProfileError(f"{where}: no such field")  # a field added to the class without a check
 
 
 def _interp_loglog(points: tuple[tuple[int, float], ...], x: float) -> float:
@@ -72,6 +342,7 @@ def _interp_loglog(points: tuple[tuple[int, float], ...], x: float) -> float:
     return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
 
 
+# -- built-in profiles ---------------------------------------------------------------------------------------------
 H200_PCIE5 = HardwareProfile(
     name="h200-pcie5",
     h2d_curve=((64 * KiB, 2.5), (256 * KiB, 10.4), (1 * MiB, 26.8), (4 * MiB, 43.1), (16 * MiB, 49.4),
@@ -98,6 +369,52 @@ H200_PCIE5 = HardwareProfile(
     total_memory=141 * 10**9,
     pcie_link=(32.0, 16),  # PCIe Gen5 x16
 )
+
+# How much longer a host-side call takes on the host a Gen4 GPU sits in (see pcie4_x16).
+GEN4_HOST_CALL_FACTOR = 1.25
+
+
+def pcie4_x16(base: HardwareProfile = H200_PCIE5) -> HardwareProfile:
+    """``base`` (a Gen5 x16 profile) behind a PCIe Gen4 x16 link, on the host such a GPU sits in.
+
+    Assumptions:
+
+    * The link: Gen4 moves half of Gen5's bytes per second per lane with the same encoding, so a
+      pinned copy of any size, in either direction, runs at half ``base``'s bandwidth (the
+      by-size curves halved point by point), and both directions at once at half its duplex
+      rate.
+    * Pageable copies: the driver stages them through its own pinned buffer, a host pass in
+      series with the link, so the host's share of ``base``'s pageable time is kept and the
+      link's share doubled.
+    * Host-side calls: a Gen4 host's CPU is a generation older, so enqueueing a kernel or a copy,
+      recording or querying an event, and scheduling a host task each take
+      :data:`GEN4_HOST_CALL_FACTOR` times ``base``'s time.
+    * Unchanged: the GPU (its memory bandwidth, shortest kernel, copy engines, SMs, memory) and
+      the host's memory rates (memcpy by threads, registration, first touch), which depend on
+      the memory system rather than the link.
+
+    Returns:
+        the profile, named ``pcie4-x16``, with ``pcie_link`` (16.0 GT/s, 16 lanes).
+    """
+    def halve(curve):
+        return tuple((n, rate / 2) for n, rate in curve)
+
+    def pageable(rate: float, link: float) -> float:
+        host_s_per_byte = 1 / rate - 1 / link  # what the link leaves of base's pageable time
+        return 1 / (host_s_per_byte + 2 / link)
+
+    slower = GEN4_HOST_CALL_FACTOR
+    return dataclasses.replace(
+        base, name="pcie4-x16", h2d_curve=halve(base.h2d_curve), d2h_curve=halve(base.d2h_curve),
+        duplex_GBps=base.duplex_GBps / 2,
+        pageable_h2d_GBps=pageable(base.pageable_h2d_GBps, base.h2d_curve[-1][1]),
+        pageable_d2h_GBps=pageable(base.pageable_d2h_GBps, base.d2h_curve[-1][1]),
+        launch_overhead_s=base.launch_overhead_s * slower, copy_overhead_s=base.copy_overhead_s * slower,
+        event_overhead_s=base.event_overhead_s * slower, host_task_overhead_s=base.host_task_overhead_s * slower,
+        pcie_link=(16.0, 16), gpu_name=None, driver=None, measured_at=None)
+
+
+PCIE4_X16 = pcie4_x16()
 
 # A small, round-numbered profile for tests whose expected values are computed by hand:
 # 1 GB/s copies of any size, 2 GB/s when both directions run, no host overheads.
@@ -126,14 +443,203 @@ UNIT_TEST = HardwareProfile(
     chaos_spread=0.25,
 )
 
-PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H200_PCIE5, UNIT_TEST)}
+PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H200_PCIE5, PCIE4_X16, UNIT_TEST)}
+DEFAULT_PROFILE = "h200-pcie5"
 
 
-def get_profile(profile: "str | HardwareProfile") -> HardwareProfile:
+# -- files -------------------------------------------------------------------------------------------------------------
+_loaded: dict[tuple, HardwareProfile] = {}
+_MAX_FILE_BYTES = 1 << 20  # a profile is a few kilobytes: anything this large is some other file
+_loaded_lock = threading.Lock()
+
+
+def save_profile(profile: HardwareProfile, path: "str | os.PathLike") -> str:
+    """Write ``profile`` as JSON to ``path``; see :meth:`HardwareProfile.save`."""
+    if not isinstance(profile, HardwareProfile):
+        raise TypeError(f"save_profile(profile): expected a HardwareProfile, got {type(profile).__name__}")
+    return profile.save(path)
+
+
+def load_profile(path: "str | os.PathLike") -> HardwareProfile:
+    """The profile in the JSON file at ``path`` (as ``ringflow doctor --save`` writes it).
+
+    A file is read once while it keeps its size and modification time.
+
+    Raises:
+        ProfileError: the file is missing, a folder, not JSON or not a valid profile (the
+            message names the file and, for a bad field, the field).
+    """
+    path = os.fspath(path)
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise ProfileError(f"hardware profile {path!r}: cannot read it ({exc.strerror or type(exc).__name__}); "
+                           "give the path of a profile JSON (ringflow doctor --save writes one) or a name: "
+                           f"{', '.join(sorted(PROFILES))}") from None
+    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
+    with _loaded_lock:
+        hit = _loaded.get(key)
+    if hit is not None:
+        return hit
+    if os.path.isdir(path):
+        raise ProfileError(f"hardware profile {path!r} is a folder; give a profile JSON file inside it")
+    if st.st_size > _MAX_FILE_BYTES:
+        raise ProfileError(f"hardware profile {path!r} is {st.st_size} bytes, too large for a profile (a few "
+                           "kilobytes); give the JSON file ringflow doctor --save writes")
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(_MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ProfileError(f"hardware profile {path!r}: cannot read it ({exc.strerror or type(exc).__name__})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProfileError(f"hardware profile {path!r}: not a text file; a hardware profile is the JSON file "
+                           "ringflow doctor --save writes") from None
+    profile = HardwareProfile.from_json(text, source=f"hardware profile {path!r}")
+    with _loaded_lock:
+        _loaded[key] = profile
+    return profile
+
+
+def looks_like_path(text: str) -> bool:
+    """Whether ``text``, which names no built-in profile, is meant as a file: it holds a path
+    separator, ends in ``.json``, starts with ``~`` or names an existing file."""
+    return (os.sep in text or (os.altsep is not None and os.altsep in text) or text.lower().endswith(".json")
+            or text.startswith("~") or os.path.isfile(text))
+
+
+def get_profile(profile: "str | os.PathLike | HardwareProfile") -> HardwareProfile:
+    """The hardware profile that ``profile`` names.
+
+    Args:
+        profile: a :class:`HardwareProfile` (returned as is), the name of a built-in profile
+            (:data:`PROFILES`), or the path of a profile JSON file (a ``str`` that contains a
+            path separator, ends in ``.json`` or names an existing file, or an ``os.PathLike``).
+
+    Raises:
+        ValueError: an unknown name (the message lists the names); :class:`ProfileError` (a
+            ValueError) for a file that cannot be read or is not a valid profile.
+        TypeError: ``profile`` is none of these.
+    """
     if isinstance(profile, HardwareProfile):
         return profile
+    if isinstance(profile, str):
+        hit = PROFILES.get(profile)
+        if hit is not None:
+            return hit
+        if looks_like_path(profile):
+            return load_profile(os.path.expanduser(profile))
+        raise ValueError(f"unknown sim profile {profile!r}; choose one of {sorted(PROFILES)}, pass a HardwareProfile, "
+                         "or give the path of a profile JSON file (ringflow doctor --save writes one)")
+    if isinstance(profile, os.PathLike):
+        return load_profile(profile)
+    raise TypeError(f"profile must be a profile name ({', '.join(sorted(PROFILES))}), a HardwareProfile or the path "
+                    f"of a profile JSON file, got {type(profile).__name__}")
+
+
+# -- the per-GPU cache -------------------------------------------------------------------------------------------------
+def cache_dir() -> str:
+    """Where measured profiles are cached: ``$XDG_CACHE_HOME/ringflow/profiles``, or
+    ``~/.cache/ringflow/profiles`` when ``XDG_CACHE_HOME`` is unset or not an absolute path."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ringflow", "profiles")
+
+
+def slug(text: str) -> str:
+    """``text`` in lower case with every run of characters other than letters, digits and dots
+    made one ``-`` ("NVIDIA H200" -> "nvidia-h200")."""
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-.") or "unknown"
+
+
+def cached_profile_path(gpu_name: str, driver: "str | None") -> str:
+    """The cache file of the profile measured on a ``gpu_name`` GPU under driver ``driver``:
+    ``<cache_dir()>/<slug(gpu_name)>-<slug(driver)>.json``."""
+    return os.path.join(cache_dir(), f"{slug(gpu_name)}-{slug(driver or 'unknown-driver')}.json")
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_driver_version() -> "str | None":
+    """The GPU driver's version ("580.159.03" from NVML; the CUDA driver API version, "cuda-13.0",
+    where NVML is missing), or None without a driver. Never raises."""
     try:
-        return PROFILES[profile]
-    except KeyError:
-        raise ValueError(f"unknown sim profile {profile!r}; choose one of {sorted(PROFILES)} "
-                         "or pass a HardwareProfile") from None
+        from cuda.core import system
+
+        return ".".join(map(str, system.get_kernel_mode_driver_version()))
+    except Exception:  # noqa: BLE001 - NVML missing: the driver API's version instead
+        pass
+    try:
+        from cuda.bindings import driver
+
+        err, v = driver.cuDriverGetVersion()
+        if int(err) == 0:
+            return f"cuda-{v // 1000}.{v % 1000 // 10}"
+    except Exception:  # noqa: BLE001 - no driver here
+        pass
+    return None
+
+
+_for_gpu: dict[tuple, tuple] = {}  # (gpu, driver, path) -> (file state, profile): one lookup per file version
+_for_gpu_lock = threading.Lock()
+
+
+def profile_for_gpu(gpu_name: str, driver: "str | None" = None, *, device: Any = None) -> HardwareProfile:
+    """The hardware model of a real GPU: the profile cached for its model and driver.
+
+    Looks for :func:`cached_profile_path` (``ringflow doctor --save`` writes it). When there is
+    none: with ``RINGFLOW_CALIBRATE=1`` in the environment and ``device`` given, that device is
+    measured now (seconds of copies and host work, once per GPU model and driver) and the profile
+    saved there; otherwise the ``h200-pcie5`` profile, with one note on the ``"ringflow"``
+    logger. A cached file that cannot be used is logged as a warning, and ``h200-pcie5`` used.
+
+    Args:
+        gpu_name: the GPU's name as CUDA reports it ("NVIDIA H200").
+        driver: its driver version; None reads :func:`gpu_driver_version`.
+        device: the CUDA device to measure when calibrating on first use.
+
+    Returns:
+        the profile (the same object while the file is unchanged).
+    """
+    driver = gpu_driver_version() if driver is None else driver
+    path = cached_profile_path(gpu_name, driver)
+    try:
+        st = os.stat(path)
+        state: "tuple | None" = (st.st_mtime_ns, st.st_size)
+    except OSError:
+        state = None
+    key = (gpu_name, driver, path)
+    with _for_gpu_lock:
+        seen = _for_gpu.get(key)
+        if seen is not None and seen[0] == state:
+            return seen[1]
+        if state is None and device is not None and os.environ.get(CALIBRATE_VAR, "").strip() == "1":
+            from .._doctor import calibrate
+
+            logger.info("ringflow: no hardware profile cached for %s (driver %s); measuring one now "
+                        "(%s=1)", gpu_name, driver, CALIBRATE_VAR)
+            try:
+                profile = calibrate(device, path)
+                st = os.stat(path)
+                _for_gpu[key] = ((st.st_mtime_ns, st.st_size), profile)
+                return profile
+            except Exception as exc:  # noqa: BLE001 - a failed measurement must not fail the caller's job
+                logger.warning("ringflow: measuring %s's hardware profile failed (%s: %s); planning with the "
+                               "h200-pcie5 profile", gpu_name, type(exc).__name__, exc)
+                _for_gpu[key] = (state, H200_PCIE5)
+                return H200_PCIE5
+        if state is None:
+            logger.info("ringflow: no hardware profile cached for %s (driver %s) at %s; planning with the "
+                        "h200-pcie5 profile. Run `ringflow doctor --save` once on this machine (or set %s=1) "
+                        "to plan with this GPU's own figures", gpu_name, driver, path, CALIBRATE_VAR)
+            profile = H200_PCIE5
+        else:
+            try:
+                profile = load_profile(path)
+            except ProfileError as exc:
+                logger.warning("ringflow: %s; planning with the h200-pcie5 profile. Run `ringflow doctor --save` "
+                               "to measure it again", exc)
+                profile = H200_PCIE5
+        _for_gpu[key] = (state, profile)
+        return profile

@@ -382,10 +382,13 @@ class Device(abc.ABC):
     def hardware(self) -> "HardwareProfile":
         """The hardware model (link and copy rates by size, host copy and registration rates,
         launch costs) that the planner sizes chunks and rings with for this device. A real GPU
-        uses the profile measured on the H200 until it is calibrated."""
-        from .hardware import get_profile
+        uses the profile ``ringflow doctor --save`` cached for its model and driver, else the
+        H200 profile with a note on the ``"ringflow"`` logger (see
+        :func:`ringflow._device.hardware.profile_for_gpu`; ``RINGFLOW_CALIBRATE=1`` measures
+        it on first use instead)."""
+        from .hardware import profile_for_gpu
 
-        return get_profile("h200-pcie5")
+        return profile_for_gpu(self.name, device=self)
 
     @property
     @abc.abstractmethod

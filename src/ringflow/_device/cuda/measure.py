@@ -1,10 +1,10 @@
-"""Measurements of a real GPU for ``ringflow doctor``: copy bandwidth and copy/compute overlap.
+"""Measurements of a real GPU for ``ringflow doctor``: copy bandwidth and copy/compute overlap
+(:func:`measure`), and the rest of a hardware profile (:func:`measure_model`).
 
-Rules (DESIGN.md section 5): device time comes from timing events around the region; every
-figure is the median of several repeats after warm-up, reported with its spread; data is
-random, never zeros; a round trip is checked bit-exact so a broken copy cannot look fast.
-Pageable copies are timed with the host clock around copy + sync, since the host does the
-staging.
+Rules: device time comes from timing events around the region; every figure is the median of
+several repeats after warm-up, reported with its spread; data is random, never zeros; a round
+trip is checked bit-exact so a broken copy cannot look fast. Pageable copies, enqueue costs and
+host work are timed with the host clock, since the host does that work.
 """
 
 from __future__ import annotations
@@ -184,3 +184,167 @@ def _overlap(s1: CudaStream, s2: CudaStream, spin: Spin, d: Any, h_src: Any, rep
             "t_both": summary(both), "fraction": fraction,
             "kernel": f"NVRTC spin kernel on {spin.grid} blocks x 32 threads, sized to the copy",
             "copy": f"pinned H2D of {d.nbytes} bytes"}
+
+
+# -- what a hardware profile needs beyond the copies above ---------------------------------------------------------
+HOST_THREADS = (1, 4, 8, 16)  # thread counts of the host copy rates (capped by the CPUs there are)
+
+
+def thread_counts(cpus: "int | None") -> tuple[int, ...]:
+    """The thread counts to time host copies with on ``cpus`` CPUs: :data:`HOST_THREADS` up to
+    ``cpus``, and ``cpus`` itself when it falls between them (at most 16)."""
+    cpus = max(1, min(16, cpus or 1))
+    return tuple(sorted({t for t in HOST_THREADS if t <= cpus} | {cpus}))
+
+
+def measure_model(dev: Any, *, nbytes: int = 256 * MiB, repeats: int = 5, calls: int = 200,
+                  cpus: "int | None" = None, kernel: "Callable[[Any, float], None] | None" = None) -> dict[str, Any]:
+    """The figures of a hardware profile that :func:`measure` does not take, on ``dev`` and
+    this host; returns a JSON-ready dict.
+
+    * ``device_GBps``: a device-to-device copy of ``nbytes``, bytes read plus written per second;
+    * ``kernel_min_s``: the shortest kernel (``kernel`` asked to wait 0 s), event-timed;
+    * ``launch_overhead_s``, ``copy_overhead_s``, ``event_overhead_s``: host seconds per
+      kernel launch, per 4 KiB copy enqueued, per event recorded or queried (``calls`` calls
+      timed on the device's host clock, ``dev.now``, the stream synced afterwards);
+    * ``host_task_overhead_s``: host seconds per empty task through a one-worker pool;
+    * ``host_copy_GBps``: ``[threads, GB/s]`` of a parallel memcpy of ``nbytes`` from touched
+      pageable memory into pinned memory, for :func:`thread_counts`;
+    * ``register_GBps``, ``register_fresh_GBps``, ``unregister_GBps``: pinning ``nbytes`` of
+      touched and of never-touched pageable memory in place, and unpinning it;
+    * ``first_touch_GBps``: ``[threads, GB/s]`` of the first write to ``nbytes`` of fresh
+      pages, on one thread and on the most threads timed.
+
+    Each figure is the median of ``repeats`` after a warm-up (seconds, GB/s = 1e9 B/s). Device
+    spans are timed behind a gate kernel, so that the host's enqueueing is not part of them.
+
+    Args:
+        dev: the device (any backend: on the simulated GPU the device figures come back as its
+            profile has them, which tests the arithmetic).
+        kernel: ``kernel(stream, seconds)`` enqueues a kernel that runs for ``seconds`` (0:
+            as short as the device allows); None compiles the spin kernel (a real GPU).
+    """
+    import concurrent.futures
+    import os
+
+    t_start = time.perf_counter()
+    threads = thread_counts(cpus if cpus is not None else os.cpu_count())
+    res: dict[str, Any] = {"bytes": nbytes, "threads": list(threads)}
+    s = dev.create_stream()
+    d_a, d_b = dev.allocate(nbytes, stream=s), dev.allocate(nbytes, stream=s)
+    h_pin = dev.allocate_host(nbytes)
+    spin = Spin(dev) if kernel is None else None
+    launch = kernel if kernel is not None else spin
+    pool = dev.create_worker_pool(1)
+    executor = concurrent.futures.ThreadPoolExecutor(max(threads))
+    try:
+        s.fill(d_a, 0x3F)
+
+        def gated(enqueue: Callable[[], None]) -> float:
+            times = []
+            for i in range(repeats + 2):
+                launch(s, 200e-6)  # holds the stream while the region is enqueued
+                e0 = s.record(timing=True)
+                enqueue()
+                e1 = s.record(timing=True)
+                e1.sync()
+                if i >= 2:
+                    times.append(e1.elapsed_since(e0))
+            return statistics.median(times)
+
+        res["device_GBps"] = 2 * nbytes / gated(lambda: s.copy(d_b, d_a)) / 1e9
+        res["kernel_min_s"] = gated(lambda: launch(s, 0.0))
+
+        def per_call(fn: Callable[[], Any], ops_per_call: int = 1) -> float:
+            samples = []
+            for _ in range(repeats + 1):
+                s.sync()
+                t0 = dev.now
+                for _ in range(calls):
+                    fn()
+                samples.append((dev.now - t0) / (calls * ops_per_call))
+                s.sync()
+            return statistics.median(samples[1:])
+
+        small_d, small_h = d_b.slice(0, 4 * KiB), h_pin.slice(0, 4 * KiB)
+        res["launch_overhead_s"] = per_call(lambda: launch(s, 0.0))
+        res["copy_overhead_s"] = per_call(lambda: s.copy(small_d, small_h))
+        res["event_overhead_s"] = per_call(lambda: s.record().is_done, ops_per_call=2)
+
+        def tasks() -> float:
+            t0 = dev.now
+            last = None
+            for _ in range(calls):
+                last = pool.submit(_nothing)
+            last.sync()
+            return (dev.now - t0) / calls
+
+        tasks()
+        res["host_task_overhead_s"] = statistics.median(tasks() for _ in range(repeats))
+
+        src = np.empty(nbytes, np.uint8)
+        src.fill(0x5A)  # touched, as a caller's array is
+        pinned = h_pin.view(np.uint8)
+
+        def parallel(t: int, fn: Callable[[int, int], None]) -> float:
+            step = -(-nbytes // t)
+            t0 = time.perf_counter()
+            list(executor.map(lambda a: fn(a, min(a + step, nbytes)), range(0, nbytes, step)))
+            return time.perf_counter() - t0
+
+        def copy_part(a: int, b: int) -> None:
+            np.copyto(pinned[a:b], src[a:b])
+
+        res["host_copy_GBps"] = []
+        for t in threads:
+            runs = [parallel(t, copy_part) for _ in range(repeats + 1)][1:]
+            res["host_copy_GBps"].append([t, _rate(nbytes, runs)])
+
+        reg, unreg, reg_fresh = [], [], []
+        for i in range(repeats + 1):
+            for fresh in (False, True):
+                arr = np.empty(nbytes, np.uint8)  # a large allocation: fresh pages, never touched
+                if not fresh:
+                    arr.fill(1)
+                t0 = time.perf_counter()
+                buf = dev.register_host(arr)
+                t1 = time.perf_counter()
+                buf.close()
+                t2 = time.perf_counter()
+                if i:
+                    (reg_fresh if fresh else reg).append(t1 - t0)
+                    if not fresh:
+                        unreg.append(t2 - t1)
+                del buf, arr
+        res["register_GBps"] = _rate(nbytes, reg)
+        res["register_fresh_GBps"] = _rate(nbytes, reg_fresh)
+        res["unregister_GBps"] = _rate(nbytes, unreg)
+
+        res["first_touch_GBps"] = []
+        for t in sorted({1, threads[-1]}):
+            runs = []
+            for i in range(repeats + 1):
+                fresh_arr = np.empty(nbytes, np.uint8)
+                seconds = parallel(t, lambda a, b, arr=fresh_arr: arr[a:b].fill(1))
+                if i:
+                    runs.append(seconds)
+                del fresh_arr
+            res["first_touch_GBps"].append([t, _rate(nbytes, runs)])
+    finally:
+        executor.shutdown(wait=True)
+        s.sync()
+        for obj in (pool, spin, d_a, d_b, h_pin, s):
+            if obj is not None:
+                obj.close()
+    res["seconds"] = time.perf_counter() - t_start
+    return res
+
+
+def _rate(nbytes: int, seconds: list[float]) -> float:
+    """GB/s of ``nbytes`` in the median of ``seconds`` (a clock's tick at the least: a call too
+    quick to time reads as very fast, not as a division by zero)."""
+    return nbytes / max(statistics.median(seconds), 1e-9) / 1e9
+
+
+def _nothing() -> None:
+    """An empty host task."""

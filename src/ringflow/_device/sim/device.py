@@ -14,6 +14,7 @@ memory; ``checked=False`` only simulates (for large timing sweeps).
 from __future__ import annotations
 
 import math
+import os
 import threading
 import weakref
 from typing import Any, Callable, Sequence
@@ -63,8 +64,18 @@ class _NullChecker:
 class SimDevice(Device):
     backend = "sim"
 
-    def __init__(self, profile: "str | HardwareProfile" = "h200-pcie5", *, seed: int = 0, chaos: bool = False,
-                 checked: bool = True):
+    def __init__(self, profile: "str | os.PathLike | HardwareProfile" = "h200-pcie5", *, seed: int = 0,
+                 chaos: bool = False, checked: bool = True):
+        """A simulated GPU on ``profile``: a built-in profile's name (``h200-pcie5``,
+        ``pcie4-x16``, ``unit``), a :class:`~ringflow._device.hardware.HardwareProfile`, or the
+        path of a profile JSON file (``ringflow doctor --save`` writes one on a real GPU), to see
+        what a job would do on that machine.
+
+        Raises:
+            ValueError: an unknown name, or a file that is not a valid profile (the message
+                names the file and the field).
+            TypeError: ``profile`` is none of these.
+        """
         self.profile = get_profile(profile)
         self.name = f"simulated {self.profile.name}"
         self.seed = seed

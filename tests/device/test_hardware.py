@@ -1,0 +1,298 @@
+"""Hardware profiles: JSON round trips, validation, lookup by name or path, the per-GPU cache a
+real GPU plans with, and the PCIe Gen4 profile's assumptions."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import types
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow._device import hardware
+from ringflow._device.hardware import H200_PCIE5, PCIE4_X16, HardwareProfile, ProfileError, get_profile
+from ringflow._device.protocol import Device
+
+MEASURED = dataclasses.replace(H200_PCIE5, name="nvidia-h200-580.159.04", gpu_name="NVIDIA H200",
+                               driver="580.159.04", measured_at="2026-12-01T09:30:00+00:00",
+                               launch_overhead_s=6.5e-6, host_copy_GBps=((1, 9.5), (2, 15.0)))
+
+
+@pytest.fixture
+def fresh_lookups(monkeypatch, tmp_path):
+    """An empty per-GPU cache under tmp_path, and no lookups remembered from other tests."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(hardware.CALIBRATE_VAR, raising=False)
+    monkeypatch.setattr(hardware, "_for_gpu", {})
+    monkeypatch.setattr(hardware, "gpu_driver_version", lambda: "580.159.04")
+    return tmp_path / "cache" / "ringflow" / "profiles"
+
+
+# -- JSON -------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("profile", [H200_PCIE5, PCIE4_X16, hardware.UNIT_TEST, MEASURED], ids=lambda p: p.name)
+def test_a_profile_round_trips_through_json(profile, tmp_path):
+    text = profile.to_json()
+    data = json.loads(text)
+    assert data["schema"] == hardware.SCHEMA and data["schema_version"] == hardware.SCHEMA_VERSION
+    assert data["name"] == profile.name and data["date"] == profile.measured_at
+    assert data["machine"]["gpu"] == profile.gpu_name and data["machine"]["driver"] == profile.driver
+    every = {f.name for f in dataclasses.fields(HardwareProfile)}
+    assert set(data["model"]) == every - {"name", "measured_at", "gpu_name", "driver", "pcie_link"}
+    assert HardwareProfile.from_json(text) == profile
+    path = tmp_path / "p.json"
+    assert hardware.save_profile(profile, path) == str(path)
+    assert hardware.load_profile(path) == profile
+    assert get_profile(str(path)) == profile and get_profile(path) == profile  # str and PathLike
+
+
+def test_the_json_names_the_machine_and_its_link():
+    data = json.loads(MEASURED.to_json())
+    assert data["machine"] == {"gpu": "NVIDIA H200", "driver": "580.159.04", "pcie_link": {"GTps": 32.0, "width": 16}}
+    assert data["date"] == "2026-12-01T09:30:00+00:00"
+    assert data["model"]["host_copy_GBps"] == [[1, 9.5], [2, 15.0]]
+    assert json.loads(PCIE4_X16.to_json())["machine"]["pcie_link"] == {"GTps": 16.0, "width": 16}
+
+
+def _doc(**changes):
+    """MEASURED's JSON document with ``changes`` applied: "model.x": value sets, None deletes."""
+    data = json.loads(MEASURED.to_json())
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        obj = data
+        for p in parents:
+            obj = obj[p]
+        if value is None:
+            del obj[leaf]
+        else:
+            obj[leaf] = value
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize("changes, phrase", [
+    ({"model.duplex_GBps": None}, "missing field(s) model.duplex_GBps"),
+    ({"machine.driver": None}, "missing field(s) machine.driver"),
+    ({"date": None}, "missing field(s) date"),
+    ({"model.duplx_GBps": 98.4}, "unknown field(s) model.duplx_GBps"),
+    ({"model.duplex_GBps": "fast"}, "'model.duplex_GBps' must be a number, got string 'fast'"),
+    ({"model.duplex_GBps": True}, "'model.duplex_GBps' must be a number"),
+    ({"model.duplex_GBps": -98.4}, "'model.duplex_GBps' must be a finite number more than 0, got -98.4"),
+    ({"model.register_GBps": 0}, "'model.register_GBps' must be a finite number more than 0"),
+    ({"model.launch_overhead_s": -1e-6}, "'model.launch_overhead_s' must be a finite number 0 or more"),
+    ({"model.h2d_curve": []}, "'model.h2d_curve' must be a non-empty list of [bytes, GB/s] pairs"),
+    ({"model.h2d_curve": [[65536, 2.5], [1024, 10.0]]}, "the bytes must rise from point to point"),
+    ({"model.h2d_curve": [[65536, -2.5]]}, "'model.h2d_curve'[0][1] (GB/s) must be a finite number more than 0"),
+    ({"model.h2d_curve": [[65536.5, 2.5]]}, "[0][0] (bytes) must be a whole number"),
+    ({"model.host_copy_GBps": [[0, 1.0]]}, "(threads) must be at least 1"),
+    ({"model.sm_count": 0}, "'model.sm_count' must be at least 1"),
+    ({"model.total_memory": "141GB"}, "'model.total_memory' must be a whole number"),
+    ({"model.compute_capability": [9]}, "'model.compute_capability' must be a [major, minor] pair"),
+    ({"model.chaos_spread": 1.5}, "'model.chaos_spread' must be below 1"),
+    ({"machine.pcie_link": "gen5"}, "'machine.pcie_link' must be null or an object"),
+    ({"machine.pcie_link": {"GTps": 32.0}}, "missing field(s) machine.pcie_link.width"),
+    ({"machine.gpu": 5}, "'machine.gpu' must be a string or null"),
+    ({"date": "yesterday"}, "'date' must be an ISO 8601 date"),
+    ({"name": ""}, "'name' must be a non-empty string"),
+    ({"model": [1, 2]}, "'model' must be a JSON object"),
+    ({"schema_version": 2}, "written by a newer ringflow (schema_version 2"),
+    ({"schema_version": "1"}, "'schema_version' must be a whole number"),
+    ({"schema": "something-else"}, "not a hardware profile ('schema' is 'something-else'"),
+])
+def test_a_bad_field_is_named(changes, phrase):
+    with pytest.raises(ProfileError) as info:
+        HardwareProfile.from_json(_doc(**changes), source="p.json")
+    assert phrase in str(info.value) and str(info.value).startswith("p.json: ")
+
+
+@pytest.mark.parametrize("content, phrase", [
+    ("", "not JSON"), ("{not json", "not JSON (Expecting property name"), ("[1, 2]", "a JSON array, not an object"),
+    ("null", "a JSON null, not an object"),
+    ('{"date": "x", "versions": {}, "measurements": {}}', "a ringflow doctor report, not a hardware profile"),
+])
+def test_a_file_that_is_no_profile_says_so(tmp_path, content, phrase):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ProfileError) as info:
+        get_profile(str(path))
+    assert phrase in str(info.value) and "bad.json" in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_binary_missing_and_folder_files_are_refused(tmp_path):
+    (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00\x81")
+    with pytest.raises(ProfileError, match="not a text file"):
+        get_profile(str(tmp_path / "bin.json"))
+    with pytest.raises(ProfileError, match="missing.json.*cannot read it"):
+        get_profile(str(tmp_path / "missing.json"))
+    with pytest.raises(ProfileError, match="is a folder"):
+        get_profile(tmp_path)
+    (tmp_path / "big.json").write_text(" " * (2 << 20))
+    with pytest.raises(ProfileError, match="too large for a profile"):
+        get_profile(str(tmp_path / "big.json"))
+
+
+def test_constructing_a_profile_checks_it_too():
+    with pytest.raises(ProfileError, match="HardwareProfile.duplex_GBps must be a finite number more than 0"):
+        dataclasses.replace(H200_PCIE5, duplex_GBps=float("nan"))
+    with pytest.raises(ProfileError, match="HardwareProfile.d2h_curve"):
+        dataclasses.replace(H200_PCIE5, d2h_curve=())
+
+
+def test_a_rewritten_file_is_read_again(tmp_path):
+    path = tmp_path / "p.json"
+    MEASURED.save(path)
+    assert get_profile(str(path)) is get_profile(str(path))  # read once while unchanged
+    faster = dataclasses.replace(MEASURED, duplex_GBps=120.0)
+    faster.save(path)
+    os.utime(path, ns=(1, 1))  # a new modification time even on a coarse clock
+    assert get_profile(str(path)).duplex_GBps == 120.0
+
+
+def test_get_profile_takes_names_profiles_and_paths_only():
+    assert get_profile("pcie4-x16") is PCIE4_X16 and get_profile(MEASURED) is MEASURED
+    with pytest.raises(ValueError, match="unknown sim profile 'h100'.*pcie4-x16.*profile JSON file"):
+        get_profile("h100")
+    with pytest.raises(TypeError, match="profile must be a profile name .* got int"):
+        get_profile(5)
+
+
+# -- the simulated GPU on a file -----------------------------------------------------------------------------------
+def test_the_simulated_gpu_runs_on_a_saved_profile(tmp_path):
+    slow = dataclasses.replace(MEASURED, name="slow-link", h2d_curve=((1, 0.5), (1 << 40, 0.5)),
+                               d2h_curve=((1, 0.5), (1 << 40, 0.5)), duplex_GBps=1.0)
+    path = slow.save(tmp_path / "slow.json")
+    dev = rf.device("sim", profile=path)
+    assert dev.hardware == slow and dev.name == "simulated slow-link"
+    s = dev.create_stream()
+    h, d = dev.allocate_host(10**6), dev.allocate(10**6)
+    t0 = dev.now
+    s.copy(d, h)
+    s.sync()
+    assert dev.now - t0 == pytest.approx(10**6 / 0.5e9, rel=0.02)  # 1 MB at 0.5 GB/s, plus enqueue costs
+    with pytest.raises(ProfileError, match="cannot read it"):
+        rf.device("sim", profile=str(tmp_path / "nope.json"))
+
+
+# -- the per-GPU cache ------------------------------------------------------------------------------------------------
+def test_the_cache_path_honours_xdg_cache_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert hardware.cached_profile_path("NVIDIA H200", "580.159.04") == str(
+        tmp_path / "ringflow" / "profiles" / "nvidia-h200-580.159.04.json")
+    assert hardware.cached_profile_path("NVIDIA GeForce RTX 4090 (x)", None).endswith(
+        "nvidia-geforce-rtx-4090-x-unknown-driver.json")
+    for unset in ("", "relative/cache"):  # unset, or relative (which XDG says to ignore)
+        monkeypatch.setenv("XDG_CACHE_HOME", unset)
+        assert hardware.cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "ringflow", "profiles")
+
+
+def test_a_gpu_without_a_cached_profile_plans_with_the_h200_one_and_says_so(fresh_lookups, caplog):
+    with caplog.at_level(logging.INFO, logger="ringflow"):
+        assert hardware.profile_for_gpu("NVIDIA H200") is H200_PCIE5
+        assert hardware.profile_for_gpu("NVIDIA H200") is H200_PCIE5
+    notes = [r for r in caplog.records if "no hardware profile cached" in r.getMessage()]
+    assert len(notes) == 1 and "ringflow doctor --save" in notes[0].getMessage()  # once, not per call
+    assert str(fresh_lookups / "nvidia-h200-580.159.04.json") in notes[0].getMessage()
+
+
+def test_a_gpu_plans_with_the_profile_cached_for_its_model_and_driver(fresh_lookups):
+    fresh_lookups.mkdir(parents=True)
+    MEASURED.save(fresh_lookups / "nvidia-h200-580.159.04.json")
+    assert hardware.profile_for_gpu("NVIDIA H200") == MEASURED
+    assert hardware.profile_for_gpu("NVIDIA H200", "570.1") is H200_PCIE5  # another driver: not that file
+    assert hardware.profile_for_gpu("NVIDIA H100") is H200_PCIE5  # another model neither
+    # Device.hardware of a real GPU is this lookup by its name
+    assert Device.hardware.fget(types.SimpleNamespace(name="NVIDIA H200")) == MEASURED
+
+
+def test_a_profile_saved_after_the_first_lookup_is_used(fresh_lookups):
+    assert hardware.profile_for_gpu("NVIDIA H200") is H200_PCIE5
+    fresh_lookups.mkdir(parents=True)
+    MEASURED.save(fresh_lookups / "nvidia-h200-580.159.04.json")
+    assert hardware.profile_for_gpu("NVIDIA H200") == MEASURED
+
+
+def test_a_corrupt_cached_profile_is_a_warning_and_the_h200_profile(fresh_lookups, caplog):
+    fresh_lookups.mkdir(parents=True)
+    (fresh_lookups / "nvidia-h200-580.159.04.json").write_text('{"schema": "ringflow-hardware-profile"')
+    with caplog.at_level(logging.INFO, logger="ringflow"):
+        assert hardware.profile_for_gpu("NVIDIA H200") is H200_PCIE5
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "not JSON" in warning.getMessage() and "nvidia-h200-580.159.04.json" in warning.getMessage()
+
+
+def test_calibrating_on_first_use_is_opt_in(fresh_lookups, monkeypatch):
+    from ringflow import _doctor
+
+    calls = []
+
+    def fake_calibrate(dev, path):
+        calls.append((dev, path))
+        MEASURED.save(path)
+        return MEASURED
+
+    monkeypatch.setattr(_doctor, "calibrate", fake_calibrate)
+    gpu = object()
+    assert hardware.profile_for_gpu("NVIDIA H200", device=gpu) is H200_PCIE5  # not asked for: no measuring
+    assert calls == []
+    monkeypatch.setattr(hardware, "_for_gpu", {})
+    monkeypatch.setenv(hardware.CALIBRATE_VAR, "1")
+    fresh_lookups.mkdir(parents=True)
+    assert hardware.profile_for_gpu("NVIDIA H200", device=gpu) == MEASURED
+    assert hardware.profile_for_gpu("NVIDIA H200", device=gpu) == MEASURED
+    assert calls == [(gpu, str(fresh_lookups / "nvidia-h200-580.159.04.json"))]  # measured once
+
+
+# -- the PCIe Gen4 profile --------------------------------------------------------------------------------------------
+def test_the_gen4_profile_halves_the_link_and_keeps_the_rest():
+    g5, g4 = H200_PCIE5, PCIE4_X16
+    assert g4.pcie_link == (16.0, 16) and g5.pcie_link == (32.0, 16)
+    for curve in ("h2d_curve", "d2h_curve"):
+        assert getattr(g4, curve) == tuple((n, r / 2) for n, r in getattr(g5, curve))
+    for n in (4 << 10, 3 << 20, 100 << 20, 1 << 30):  # between and beyond the points too
+        assert g4.copy_GBps("h2d", n) == pytest.approx(g5.copy_GBps("h2d", n) / 2)
+    assert g4.duplex_GBps == g5.duplex_GBps / 2
+    # pageable: the host's share of the Gen5 time kept, the link's doubled
+    host_s = 1 / 15.9 - 1 / 54.8
+    assert g4.pageable_h2d_GBps == pytest.approx(1 / (host_s + 2 / 54.8))
+    for name in ("launch_overhead_s", "copy_overhead_s", "event_overhead_s", "host_task_overhead_s"):
+        assert getattr(g4, name) == pytest.approx(getattr(g5, name) * 1.25)
+    for name in ("device_GBps", "kernel_min_s", "host_copy_GBps", "register_GBps", "register_fresh_GBps",
+                 "unregister_GBps", "first_touch_GBps", "async_engine_count", "sm_count", "compute_capability",
+                 "total_memory"):
+        assert getattr(g4, name) == getattr(g5, name), name
+
+
+def test_the_gen4_profile_runs_copies_at_half_speed_on_the_simulated_gpu():
+    seconds = {}
+    for name in ("h200-pcie5", "pcie4-x16"):
+        dev = rf.device("sim", profile=name)
+        s = dev.create_stream()
+        h, d = dev.allocate_host(64 << 20), dev.allocate(64 << 20)
+        h.view(np.uint8)[:] = 7
+        s.sync()
+        e0 = s.record(timing=True)
+        s.copy(d, h)
+        e1 = s.record(timing=True)
+        e1.sync()
+        seconds[name] = e1.elapsed_since(e0)
+    # the span also holds the host's time to enqueue the copy, which the Gen4 host takes longer over
+    link = {name: seconds[name] - get_profile(name).copy_overhead_s for name in seconds}
+    assert link["pcie4-x16"] == pytest.approx(2 * link["h200-pcie5"], rel=1e-9)
+
+
+def test_a_failed_calibration_is_a_warning_and_the_h200_profile(fresh_lookups, monkeypatch, caplog):
+    from ringflow import _doctor
+
+    def broken(dev, path):
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(_doctor, "calibrate", broken)
+    monkeypatch.setenv(hardware.CALIBRATE_VAR, "1")
+    with caplog.at_level(logging.INFO, logger="ringflow"):
+        assert hardware.profile_for_gpu("NVIDIA H200", device=object()) is H200_PCIE5
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "measuring NVIDIA H200's hardware profile failed" in warning.getMessage()
+    assert "No space left on device" in warning.getMessage()
