@@ -138,7 +138,7 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
             return rf.stream_map(f, x, x, device=dev, chunk_bytes=chunk_bytes, x_buffer=hb, out_buffer=hb,
                                  inplace=True)
 
-        auto = plan.choose_chunk_bytes(getattr(dev, "profile", "h200-pcie5"), n * 4, host_stages=False,
+        auto = plan.choose_chunk_bytes(dev.hardware, n * 4, host_stages=False,
                                        compute_s_per_byte=f.sim_seconds(MiB) / MiB, align=4)
         sizes = sorted({auto.chunk_bytes} | {n * 4 // c for c in chunk_counts})
         results = {}
@@ -284,8 +284,8 @@ def _versus_cpp(rows: list, refilled_ms: dict, untouched_ms: dict, total_bytes: 
 
 
 def _predict(dev: Device, total: int, chunk: int, f) -> float:
-    """The h200-pcie5 profile's prediction (ms) for the in-place pinned workload."""
-    _, seconds = plan.predict_seconds("h200-pcie5", total, chunk, compute_s_per_byte=f.sim_seconds(chunk) / chunk,
+    """The device's hardware model's prediction (ms) for the in-place pinned workload."""
+    _, seconds = plan.predict_seconds(dev.hardware, total, chunk, compute_s_per_byte=f.sim_seconds(chunk) / chunk,
                                       host_stages=False)
     return seconds * 1e3
 
@@ -333,7 +333,7 @@ def pageable(dev: Device, *, size_bytes: int, repeats: int, progress=None) -> di
         job_t = time_calls(lambda: dev.now, job, warmup=0, repeats=repeats)
     rows.append(_row("ringflow MapJob host=register, repeated calls (x, out pinned once)", job_t, correct=job_ok,
                      setup_ms=setup_ms))
-    choice = plan.choose_host_strategy(getattr(dev, "profile", "h200-pcie5"), x.nbytes, x.nbytes,
+    choice = plan.choose_host_strategy(dev.hardware, x.nbytes, x.nbytes,
                                        workers=_workers(dev), out_is_fresh=True)
     reason = _gpu_only(dev)
     floors: dict[str, Any] = {}

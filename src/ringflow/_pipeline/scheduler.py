@@ -30,6 +30,7 @@ import itertools
 import math
 import time
 import traceback
+import warnings
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -144,6 +145,16 @@ class Scheduler:
         return self._ring(kind, external_buffer, -(-external_buffer.nbytes // n), hook, external=True)
 
     def _release_resources(self) -> None:
+        if getattr(self.device, "closed", False):
+            # the device went first and took every stream, buffer and pool with it (a pipeline
+            # collected after its device was closed): nothing is left to release or warn about
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._release_on_live_device()
+            return
+        self._release_on_live_device()
+
+    def _release_on_live_device(self) -> None:
         from .._device.protocol import close_quietly
 
         if self.pool is not None:
