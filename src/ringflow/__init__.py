@@ -16,11 +16,12 @@ from ._kernel import Kernel
 from ._pipeline import ChunkState, MapJob, Pipeline, PipelineStats, SlotCounts, SlotState, stream_map
 from ._pipeline.warm import drop_warm_pipelines
 from ._pipeline.whole_array import stream_map_report
+from ._ray import RayMapper  # imports no Ray: Ray constructs and calls it
 from ._trace.report import Report
 from ._version import __version__
 
 __all__ = [
-    "Pipeline", "stream_map", "stream_map_report", "MapJob", "Kernel", "drop_warm_pipelines",
+    "Pipeline", "stream_map", "stream_map_report", "MapJob", "Kernel", "drop_warm_pipelines", "RayMapper",
     "device", "cuda_available", "Device", "host",
     "Report", "PipelineStats", "SlotCounts", "ChunkState", "SlotState",
     "RingflowError", "StageError", "HazardError", "DeviceError", "LaunchError",

@@ -777,6 +777,7 @@ class Scheduler:
             self.host_out.rebind(host_out_buffer)
         self.prepare, self.consume, self.item_nbytes = prepare, consume, item_nbytes
         self.counts.clear()
+        self._indices = itertools.count()  # a new job's chunks count from 0 (a StageError's index)
         self.first_error = None
         self.steps = 0
         self.host_seconds = 0.0

@@ -1,0 +1,308 @@
+"""Ray Data batches through a GPU: :class:`RayMapper`, a callable class for
+``ray.data.Dataset.map_batches`` that streams each batch's columns through
+:func:`~ringflow.stream_map` on its actor's device.
+
+Nothing here imports Ray: Ray constructs the class in each actor and calls it with batches (a
+dict of numpy arrays or a pandas DataFrame), so ``import ringflow`` and ``ringflow.RayMapper``
+work without Ray installed; nor is pandas imported (a DataFrame batch comes from a process that
+has imported it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import pickle
+import sys
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from ._device import device as make_device
+from ._device.protocol import Device, close_quietly
+from ._errors import StageError
+from ._pipeline.validate import check_options
+from ._pipeline.warm import WARM
+from ._pipeline.whole_array import MapLayout, check_arrays, stream_map
+
+# stream_map's keyword options a mapper passes through unchanged (device and keep_warm are its own)
+PASSED_OPTIONS = ("chunk_bytes", "host", "engine", "inplace", "slots", "workers", "checked", "on_error",
+                  "pinned_budget")
+
+
+class RayMapper:
+    """A callable class for ``ray.data.Dataset.map_batches``: each Ray actor makes its device
+    once and streams every batch's selected columns through ``f`` with
+    :func:`~ringflow.stream_map`, whose engine stays warm across the actor's batches.
+
+    >>> ds = ds.map_batches(rf.RayMapper, fn_constructor_kwargs={"f": f, "columns": ["x"],
+    ...                     "output_columns": ["y"]}, batch_format="numpy", batch_size=65536,
+    ...                     num_gpus=1, compute=ray.data.ActorPoolStrategy(size=4))
+
+    How columns map: one selected column is streamed as it is (shape ``(rows, ...)``, any
+    numeric dtype); several are stacked side by side into one C-contiguous array of shape
+    ``(rows, k, ...)`` (so ``f`` sees all of a row's columns in one chunk) and the result is split
+    back, column ``i`` of the result going to ``output_columns[i]``. Output columns replace
+    columns of the same name and are added otherwise; every other column passes through
+    unchanged. A "numpy" batch (dict of arrays) comes back as a dict, a "pandas" batch
+    (DataFrame) as a DataFrame.
+
+    Args:
+        f: the compute, ``f(x_chunk, y_chunk)`` as for :func:`~ringflow.stream_map`; it must
+            pickle (Ray ships it to every actor).
+        columns: the column name(s) to stream, a string or a sequence of strings; None takes
+            every column of the batch.
+        output_columns: where the result goes, one name per entry of ``columns``; None writes
+            the results over ``columns``.
+        dtype: the numpy dtype the selected columns are cast to before streaming; None
+            requires them to share one dtype.
+        id_column: a column whose values identify rows across the dataset; a failure then also
+            names the first and last of them among the failed rows.
+        device: a device spec (``"auto"``, ``"cuda"``, ``"cuda:N"``, ``"sim"``), made once in
+            each actor; None reads ``RINGFLOW_DEVICE`` there, else ``"auto"``. Under Ray
+            ``num_gpus=1``, ``"auto"``/``"cuda"`` is the actor's own GPU (Ray sets
+            ``CUDA_VISIBLE_DEVICES``); in an actor without one, ``"auto"`` gives the simulated
+            GPU (with a warning) and ``"cuda"`` raises.
+        device_options: keyword options for :func:`ringflow.device` (``profile``,
+            ``seed``, ``array``, ...).
+        **options: :func:`~ringflow.stream_map`'s options ``chunk_bytes``, ``host``,
+            ``engine``, ``inplace``, ``slots``, ``workers``, ``checked``, ``on_error``,
+            ``pinned_budget``.
+
+    Raises:
+        TypeError, ValueError: a bad argument, when the mapper is constructed (the message
+            names it and what it accepts).
+        DeviceUnavailableError: ``device`` asks for CUDA and the actor has no usable GPU.
+    """
+
+    def __init__(self, f: Callable, columns: "str | Sequence[str] | None" = None,
+                 output_columns: "str | Sequence[str] | None" = None, *, dtype: Any = None,
+                 id_column: Optional[str] = None, device: Optional[str] = None,
+                 device_options: Optional[dict] = None, **options: Any):
+        if not callable(f):
+            raise TypeError(f"RayMapper needs a callable f(x, y) as its first argument, got {type(f).__name__}")
+        self.f = f
+        self.columns = _names("columns", columns)
+        self.output_columns = _names("output_columns", output_columns)
+        if self.output_columns is not None and self.columns is None:
+            raise ValueError("output_columns needs columns: name the input columns whose results go to "
+                             f"{list(self.output_columns)}")
+        if self.output_columns is not None and len(self.output_columns) != len(self.columns):
+            raise ValueError(f"output_columns must name one column per entry of columns: got "
+                             f"{len(self.output_columns)} for {len(self.columns)} ({list(self.columns)})")
+        if self.output_columns is not None and len(set(self.output_columns)) != len(self.output_columns):
+            raise ValueError(f"output_columns names a column twice: {list(self.output_columns)}")
+        try:
+            self.dtype = None if dtype is None else np.dtype(dtype)
+        except TypeError as exc:
+            raise TypeError(f"dtype must be a numpy dtype such as 'float32', got {dtype!r}") from exc
+        if self.dtype is not None and self.dtype.hasobject:
+            raise TypeError(f"dtype must be a numeric numpy dtype (ringflow moves raw bytes), got {self.dtype}")
+        if id_column is not None and not isinstance(id_column, str):
+            raise TypeError(f"id_column must be a column name (a string) or None, got {type(id_column).__name__}")
+        self.id_column = id_column
+        if isinstance(device, Device):
+            raise TypeError("RayMapper's device must be a spec string such as 'auto', 'cuda' or 'sim' (or None): "
+                            "each Ray actor makes its own device from it, and a Device does not travel between "
+                            "processes")
+        if device_options is not None and not isinstance(device_options, dict):
+            raise TypeError(f"device_options must be a dict of ringflow.device keyword options, got "
+                            f"{type(device_options).__name__}")
+        unknown = sorted(set(options) - set(PASSED_OPTIONS))
+        if unknown:
+            raise TypeError(f"RayMapper got unexpected keyword argument(s) {unknown}; it passes these to "
+                            f"stream_map: {', '.join(PASSED_OPTIONS)}")
+        # refuse bad options here, where the actor starts, not at the first batch
+        check_options(allow_auto_chunk=True, **{k: v for k, v in options.items() if k not in ("host", "engine")})
+        check_arrays(f, np.zeros(1, np.uint8), None, options.get("host", "auto"), options.get("engine", "auto"),
+                     "RayMapper")
+        self.options = options
+        self.device = make_device(device, **(device_options or {}))
+        # Ray ends an actor by ending its process. Release the kept engines and the device then
+        # (or when the mapper is collected) through close(), which finishes each engine first; an
+        # atexit hook registered now runs before the engines' own exit-time finalisers.
+        self._at_exit = functools.partial(_release, self.device)
+        self._finalizer = weakref.finalize(self, self._at_exit)
+        self._finalizer.atexit = False
+        atexit.register(self._at_exit)
+
+    def __call__(self, batch: Any) -> Any:
+        """Stream one batch's columns through ``f``; returns the batch with the results in
+        ``output_columns``, every chunk's result in place.
+
+        Args:
+            batch: a dict of numpy arrays (``batch_format="numpy"``) or a pandas DataFrame
+                (``batch_format="pandas"``).
+
+        Returns:
+            The same kind of batch: the input's columns, with ``output_columns`` replaced or added.
+
+        Raises:
+            StageError: a chunk failed; its message names the stage, the batch's rows the chunk
+                held and the device, and it carries ``stage``, ``index`` (the chunk),
+                ``rows`` (``(start, stop)`` within the batch), ``batch_rows`` and ``ids``
+                (the first and last ``id_column`` values of those rows, or None); the
+                original is ``__cause__``. It pickles, so Ray reports it as the task's error.
+            TypeError, ValueError: a batch that is neither kind, a missing or non-numeric
+                column, columns of different dtypes or shapes without ``dtype``.
+        """
+        frame = _is_dataframe(batch)
+        if not frame and not isinstance(batch, dict):
+            raise TypeError(f"RayMapper takes a batch as a dict of numpy arrays (batch_format='numpy') or a "
+                            f"pandas DataFrame (batch_format='pandas'), got {type(batch).__name__}")
+        names = self.columns if self.columns is not None else tuple(str(c) for c in batch.keys())
+        if not names:
+            raise ValueError("RayMapper got a batch with no columns; pass columns=[...] naming what to stream")
+        x = self._gather(batch, names, frame)
+        try:
+            y = stream_map(self.f, x, device=self.device, keep_warm=True, **self.options)
+        except StageError as exc:
+            raise self._failure(exc, x, batch, frame) from exc.__cause__
+        outputs = self.output_columns if self.output_columns is not None else names
+        if len(names) == 1:
+            results = {outputs[0]: y}
+        else:
+            results = {name: np.ascontiguousarray(y[:, i]) for i, name in enumerate(outputs)}
+        if frame:
+            return batch.assign(**results)
+        return {**batch, **results}
+
+    def close(self) -> None:
+        """Release this mapper's kept engines and its device; harmless twice. It also runs when
+        the mapper is collected or the process exits (as a Ray actor's does)."""
+        if hasattr(self, "_at_exit"):
+            atexit.unregister(self._at_exit)
+            self._finalizer()
+
+    def __repr__(self) -> str:
+        cols = "every column" if self.columns is None else list(self.columns)
+        outs = "" if self.output_columns is None else f" -> {list(self.output_columns)}"
+        return f"<RayMapper {getattr(self.f, '__name__', type(self.f).__name__)} on {cols}{outs}, {self.device.name}>"
+
+    def _gather(self, batch: Any, names: Sequence[str], frame: bool) -> np.ndarray:
+        """The selected columns as one numpy array (stacked along axis 1 when several)."""
+        cols = []
+        for name in names:
+            if name not in batch:
+                have = [str(c) for c in batch.keys()]
+                raise ValueError(f"RayMapper: the batch has no column {name!r} (it has {have}); fix columns=")
+            col = batch[name].to_numpy() if frame else batch[name]
+            if not isinstance(col, np.ndarray):
+                col = np.asarray(col)
+            if col.dtype.hasobject or col.dtype.kind not in "biufc":
+                why = (" (a pandas column of objects, strings or nullable values; convert it to a numpy dtype "
+                       "first, or use batch_format='numpy' for tensor columns)") if frame else ""
+                pick = "" if self.columns is not None else "; name the columns to stream with columns=[...]"
+                raise TypeError(f"RayMapper streams numeric columns; column {name!r} has dtype {col.dtype}{why}{pick}")
+            cols.append(col)
+        if self.dtype is None:
+            dtypes = {c.dtype for c in cols}
+            if len(dtypes) > 1:
+                found = ", ".join(f"{n}: {c.dtype}" for n, c in zip(names, cols))
+                raise ValueError(f"RayMapper stacks columns {list(names)} into one array, but their dtypes differ "
+                                 f"({found}); pass dtype= (e.g. dtype='float32') to cast them to one")
+        if len(cols) == 1:
+            return np.ascontiguousarray(cols[0], dtype=self.dtype)
+        shapes = {c.shape for c in cols}
+        if len(shapes) > 1:
+            found = ", ".join(f"{n}: {c.shape}" for n, c in zip(names, cols))
+            raise ValueError(f"RayMapper stacks columns {list(names)} side by side, so they need one shape per row "
+                             f"({found}); map them with separate RayMappers instead")
+        x = np.empty((cols[0].shape[0], len(cols), *cols[0].shape[1:]), self.dtype or cols[0].dtype)
+        for i, c in enumerate(cols):
+            x[:, i] = c
+        return x
+
+    def _failure(self, exc: StageError, x: np.ndarray, batch: Any, frame: bool) -> "BatchStageError":
+        """``exc`` restated in the batch's rows: the chunk's rows come from laying ``x`` out
+        exactly as the failed call did."""
+        rows = _rows_per_chunk(self.f, x, self.device, self.options)
+        start = min(exc.index * rows, len(x)) if rows else 0
+        stop = min(start + rows, len(x)) if rows else len(x)
+        ids = None
+        if self.id_column is not None and self.id_column in batch and stop > start:
+            col = batch[self.id_column].to_numpy() if frame else np.asarray(batch[self.id_column])
+            ids = (_plain(col[start]), _plain(col[stop - 1]))
+        return BatchStageError(exc.stage, exc.index, (start, stop), len(x), ids, self.id_column, self.device.name,
+                               exc.__cause__)
+
+
+class BatchStageError(StageError):
+    """A :class:`~ringflow.StageError` restated in a batch's rows: ``rows`` is the failed
+    chunk's ``(start, stop)`` within the batch, ``batch_rows`` the batch's length, ``ids`` the
+    first and last ``id_column`` values of those rows (or None), ``where`` the device's name.
+
+    It pickles (Ray ships it from the actor to the driver); an original exception that does not
+    pickle travels as a RuntimeError carrying its type name and message."""
+
+    def __init__(self, stage: str, index: int, rows: tuple, batch_rows: int, ids: Optional[tuple] = None,
+                 id_column: Optional[str] = None, where: str = "", cause: Optional[BaseException] = None):
+        super().__init__(stage, index, cause)
+        self.rows, self.batch_rows, self.ids, self.id_column, self.where = tuple(rows), batch_rows, ids, id_column, where
+        what = f"{type(cause).__name__}: {cause}" if cause is not None else "failed"
+        span = f"rows {rows[0]}..{rows[1] - 1}" if rows[1] > rows[0] else "no rows"
+        named = f"{id_column} {ids[0]!r}..{ids[1]!r}, " if ids is not None else ""
+        on = f" on {where}" if where else ""
+        self.args = (f"stage {stage!r} failed for {span} of a batch of {batch_rows} rows ({named}chunk {index}){on}: "
+                     f"{what}",)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+    def __reduce__(self):
+        cause = self.__cause__
+        if cause is not None:
+            try:
+                pickle.dumps(cause)
+            except Exception:  # noqa: BLE001 - any failure to pickle: send a stand-in that does
+                cause = RuntimeError(f"{type(cause).__name__}: {cause}")
+        # the message as it was made, whatever stands in for the cause
+        return (type(self), (self.stage, self.index, self.rows, self.batch_rows, self.ids, self.id_column,
+                             self.where, cause), {"args": self.args})
+
+
+def _release(dev: Device) -> None:
+    """Close ``dev``'s kept engines, then ``dev``; never raises."""
+    if not dev.closed:
+        WARM.drop(dev)
+        close_quietly(dev, "device")
+
+
+def _names(arg: str, value: Any) -> "tuple[str, ...] | None":
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return (value,)
+    try:
+        names = tuple(value)
+    except TypeError:
+        raise TypeError(f"{arg} must be a column name or a list of column names, got {type(value).__name__}") from None
+    if not names or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"{arg} must be a non-empty list of column names (strings), got {list(names)!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{arg} names a column twice: {list(names)}")
+    return names
+
+
+def _is_dataframe(batch: Any) -> bool:
+    # a DataFrame exists only where pandas is imported already: never import it for a dict batch
+    pandas = sys.modules.get("pandas")
+    return pandas is not None and isinstance(batch, pandas.DataFrame)
+
+
+def _rows_per_chunk(f: Callable, x: np.ndarray, dev: Device, options: dict) -> int:
+    """Rows per chunk of the call ``stream_map(f, x, device=dev, **options)`` made (0 if
+    ``x`` is empty): the same layout, from the same planner."""
+    if x.shape[0] == 0 or x.size == 0:
+        return 0
+    opts = check_options(allow_auto_chunk=True, **{k: v for k, v in options.items() if k not in ("host", "engine")})
+    out = np.empty(x.shape, x.dtype)  # as stream_map allocates it: fresh, contiguous, never touched here
+    layout = MapLayout.plan(f, x, out, True, dev, opts.pop("chunk_bytes"), options.get("host", "auto"), None, None,
+                            opts)
+    return layout.rows
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar as the Python value (so messages and pickles carry no numpy types)."""
+    return value.item() if isinstance(value, np.generic) else value

@@ -1,0 +1,326 @@
+"""rf.RayMapper: batches through the GPU function called directly, then end to end on a local
+Ray instance with the simulated GPU (CPU-only actors)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import pickle
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow._ray import BatchStageError
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Ray Data's own context warns about its deprecated settings whenever it is copied
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")
+
+
+def affine(x, y):
+    y[...] = x * 2 + 1
+
+
+def fails_on_2345(x, y):
+    if (x == 2345).any():
+        raise ValueError("row value 2345 is refused")
+    y[...] = x * 2 + 1
+
+
+class Unpicklable(Exception):
+    def __init__(self, message):
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+def fails_unpicklably(x, y):
+    raise Unpicklable("holds a lock")
+
+
+@pytest.fixture
+def mapper_factory():
+    made = []
+
+    def make(*args, **kwargs):
+        kwargs.setdefault("device", "sim")
+        m = rf.RayMapper(*args, **kwargs)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.close()
+        assert m.device.closed
+
+
+def numeric_batch(n=10_000):
+    return {"id": np.arange(n) + 1000, "a": np.arange(n, dtype=np.float32),
+            "b": np.linspace(-1, 1, n, dtype=np.float32), "label": np.array(["r"] * n)}
+
+
+# -- called directly (no Ray needed) ---------------------------------------------------------
+
+
+def test_one_column_to_a_new_column_others_pass_through(mapper_factory):
+    m = mapper_factory(affine, ["a"], ["y"], chunk_bytes=4096)
+    batch = numeric_batch()
+    out = m(batch)
+    assert list(out) == ["id", "a", "b", "label", "y"]
+    np.testing.assert_array_equal(out["y"], batch["a"] * 2 + 1)
+    assert out["a"] is batch["a"] and out["label"] is batch["label"]
+
+
+def test_several_columns_stacked_and_split_back(mapper_factory):
+    seen = []
+
+    def f(x, y):
+        seen.append(x.shape)
+        y[...] = x * 2 + 1
+
+    m = mapper_factory(f, ["a", "b"], ["a2", "b2"], chunk_bytes=8192)
+    batch = numeric_batch()
+    out = m(batch)
+    np.testing.assert_array_equal(out["a2"], batch["a"] * 2 + 1)
+    np.testing.assert_array_equal(out["b2"], batch["b"] * 2 + 1)
+    assert out["a2"].flags.c_contiguous and out["a2"].shape == (10_000,)
+    assert seen[0] == (1024, 2)  # a chunk holds whole rows of both columns
+
+
+def test_results_replace_the_columns_by_default_and_tensor_columns_keep_their_shape(mapper_factory):
+    m = mapper_factory(affine, "t", chunk_bytes=4096)
+    t = np.arange(3000 * 4, dtype=np.float64).reshape(3000, 4)
+    out = m({"t": t})
+    assert list(out) == ["t"] and out["t"].shape == (3000, 4)
+    np.testing.assert_array_equal(out["t"], t * 2 + 1)
+
+
+def test_a_read_only_zero_copy_batch_is_streamed(mapper_factory):
+    a = np.arange(5000, dtype=np.int32)
+    a.flags.writeable = False  # as Ray hands out zero-copy batches
+    out = mapper_factory(affine, "a", "y", chunk_bytes=2048)({"a": a})
+    np.testing.assert_array_equal(out["y"], a * 2 + 1)
+
+
+def test_a_pandas_batch_comes_back_as_a_dataframe(mapper_factory):
+    pd = pytest.importorskip("pandas")
+    batch = numeric_batch(5000)
+    df = pd.DataFrame(batch)
+    out = mapper_factory(affine, ["a", "b"], ["a2", "b2"], chunk_bytes=4096)(df)
+    assert isinstance(out, pd.DataFrame)
+    assert list(out.columns) == ["id", "a", "b", "label", "a2", "b2"]
+    np.testing.assert_array_equal(out["a2"].to_numpy(), batch["a"] * 2 + 1)
+    np.testing.assert_array_equal(out["b2"].to_numpy(), batch["b"] * 2 + 1)
+    assert list(df.columns) == ["id", "a", "b", "label"]  # the input frame is left as it was
+
+
+def test_dtype_casts_columns_of_different_dtypes(mapper_factory):
+    batch = {"i": np.arange(1000, dtype=np.int64), "f": np.ones(1000, np.float32)}
+    with pytest.raises(ValueError, match=r"dtypes differ \(i: int64, f: float32\); pass dtype="):
+        mapper_factory(affine, ["i", "f"])(batch)
+    out = mapper_factory(affine, ["i", "f"], dtype="float32")(batch)
+    assert out["i"].dtype == np.float32
+    np.testing.assert_array_equal(out["i"], np.arange(1000) * 2 + 1)
+
+
+@pytest.mark.parametrize("batch, message", [
+    ({"a": np.zeros(10)}, r"no column 'x' \(it has \['a'\]\); fix columns="),
+    ({"x": np.array(["s"] * 10, object)}, r"numeric columns; column 'x' has dtype object"),
+    ({"x": np.array(["s"] * 10)}, r"numeric columns; column 'x' has dtype <U1"),
+    ([1, 2, 3], r"dict of numpy arrays \(batch_format='numpy'\) or a pandas DataFrame"),
+])
+def test_batches_it_cannot_stream_are_refused_by_name(mapper_factory, batch, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        mapper_factory(affine, "x")(batch)
+
+
+def test_without_columns_every_column_is_stacked_and_a_text_column_is_named(mapper_factory):
+    out = mapper_factory(affine, chunk_bytes=4096)({"a": np.arange(3000.0), "b": np.ones(3000)})
+    np.testing.assert_array_equal(out["a"], np.arange(3000.0) * 2 + 1)
+    np.testing.assert_array_equal(out["b"], 3)
+    with pytest.raises(TypeError, match=r"column 'label' has dtype <U1; name the columns to stream with columns="):
+        mapper_factory(affine)(numeric_batch(100))
+
+
+def test_columns_of_different_shapes_are_not_stacked(mapper_factory):
+    with pytest.raises(ValueError, match=r"need one shape per row \(a: \(10,\), t: \(10, 2\)\)"):
+        mapper_factory(affine, ["a", "t"])({"a": np.zeros(10), "t": np.zeros((10, 2))})
+
+
+@pytest.mark.parametrize("args, kwargs, message", [
+    (("not callable",), {}, r"needs a callable f\(x, y\)"),
+    ((affine, 3), {}, r"columns must be a column name or a list"),
+    ((affine, []), {}, r"columns must be a non-empty list"),
+    ((affine, ["a", "a"]), {}, r"columns names a column twice"),
+    ((affine, None, ["y"]), {}, r"output_columns needs columns"),
+    ((affine, ["a", "b"], ["y"]), {}, r"one column per entry of columns: got 1 for 2"),
+    ((affine, "a"), {"dtype": "no such dtype"}, r"dtype must be a numpy dtype"),
+    ((affine, "a"), {"dtype": object}, r"dtype must be a numeric numpy dtype"),
+    ((affine, "a"), {"id_column": 3}, r"id_column must be a column name"),
+    ((affine, "a"), {"chunk_bytes": -1}, r"chunk_bytes"),
+    ((affine, "a"), {"host": "pinned"}, r"host"),
+    ((affine, "a"), {"out": np.zeros(3)}, r"unexpected keyword argument\(s\) \['out'\]"),
+    ((affine, "a"), {"device": "gpu"}, r"unknown device 'gpu'"),
+    ((affine, "a"), {"device_options": "x"}, r"device_options must be a dict"),
+])
+def test_bad_arguments_are_refused_when_the_mapper_is_made(args, kwargs, message):
+    kwargs.setdefault("device", "sim")
+    with pytest.raises((TypeError, ValueError), match=message):
+        rf.RayMapper(*args, **kwargs)
+
+
+def test_a_device_object_is_refused_it_does_not_travel_to_actors():
+    dev = rf.device("sim")
+    with pytest.raises(TypeError, match="device must be a spec string"):
+        rf.RayMapper(affine, "a", device=dev)
+    dev.close()
+
+
+def test_the_device_spec_comes_from_the_environment_when_not_given(monkeypatch):
+    monkeypatch.setenv("RINGFLOW_DEVICE", "sim")
+    m = rf.RayMapper(affine, "a", device=None, device_options={"profile": "h200-pcie5"})
+    assert m.device.name == "simulated h200-pcie5"
+    m.close()
+
+
+@pytest.mark.parametrize("host", ["stage", "register"])
+def test_a_failed_chunk_names_its_rows_in_the_batch_also_on_a_warm_engine(mapper_factory, host):
+    m = mapper_factory(fails_on_2345, "a", "y", id_column="id", chunk_bytes=1024, host=host)
+    good = numeric_batch(5000)
+    good["a"] = good["a"] + 10_000
+    for _ in range(2):  # the engine is kept warm between these calls and the failing one
+        m(good)
+    with pytest.raises(rf.StageError) as info:
+        m(numeric_batch(5000))
+    err = info.value
+    # 256 rows of float32 per 1 KiB chunk: row 2345 is in chunk 9, rows 2304..2559
+    assert (err.stage, err.index, err.rows, err.batch_rows, err.ids) == ("compute", 9, (2304, 2560), 5000,
+                                                                        (3304, 3559))
+    assert str(err) == ("stage 'compute' failed for rows 2304..2559 of a batch of 5000 rows (id 3304..3559, chunk 9) "
+                        "on simulated h200-pcie5: ValueError: row value 2345 is refused")
+    assert isinstance(err.__cause__, ValueError)
+    out = m(good)  # the mapper goes on after a failed batch
+    np.testing.assert_array_equal(out["y"], good["a"] * 2 + 1)
+
+
+def test_the_rows_follow_the_planners_chunking_with_chunk_bytes_auto(mapper_factory):
+    m = mapper_factory(fails_on_2345, "a", chunk_bytes="auto")
+    x = np.arange(1 << 20, dtype=np.float32)
+    with pytest.raises(rf.StageError) as info:
+        m({"a": x})
+    start, stop = info.value.rows
+    assert start <= 2345 < stop and stop - start < len(x)
+
+
+def test_the_error_pickles_with_its_rows_and_cause(mapper_factory):
+    with pytest.raises(rf.StageError) as info:
+        mapper_factory(fails_on_2345, "a", id_column="id", chunk_bytes=1024)(numeric_batch(5000))
+    err = info.value
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is BatchStageError and str(back) == str(err)
+    assert (back.stage, back.index, back.rows, back.batch_rows, back.ids, back.id_column, back.where) == \
+        (err.stage, err.index, err.rows, err.batch_rows, err.ids, err.id_column, err.where)
+    assert type(back.__cause__) is ValueError and str(back.__cause__) == "row value 2345 is refused"
+
+
+def test_a_cause_that_does_not_pickle_travels_as_its_name_and_message(mapper_factory):
+    with pytest.raises(rf.StageError) as info:
+        mapper_factory(fails_unpicklably, "a", chunk_bytes=1024)(numeric_batch(3000))
+    with pytest.raises(TypeError):
+        pickle.dumps(info.value.__cause__)
+    back = pickle.loads(pickle.dumps(info.value))
+    assert str(back) == str(info.value) and "rows 0..255 of a batch of 3000 rows (chunk 0)" in str(back)
+    assert type(back.__cause__) is RuntimeError and str(back.__cause__) == "Unpicklable: holds a lock"
+
+
+def test_close_releases_the_kept_engines_and_the_device():
+    m = rf.RayMapper(affine, "a", device="sim", chunk_bytes=1024, host="stage")
+    m(numeric_batch(3000))
+    assert m.device.live().streams > 0  # an engine is kept warm between batches
+    m.close()
+    m.close()
+    assert m.device.closed
+
+
+def test_ringflow_and_the_mapper_import_without_ray_or_pandas():
+    code = ("import sys, numpy as np, ringflow as rf\n"
+            "m = rf.RayMapper(lambda x, y: None, 'a', device='sim')\n"
+            "m({'a': np.zeros(4)}); m.close()\n"
+            "print(sorted(k for k in ('ray', 'pandas', 'pyarrow') if k in sys.modules))")
+    src = str(pathlib.Path(rf.__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+# -- end to end on a local Ray instance --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ringflow[ray]')")
+    pytest.importorskip("ray.data", reason="Ray Data is not installed (pip install 'ringflow[ray]')")
+    # the workers import ringflow and this module as the driver does
+    path = os.pathsep.join(p for p in (str(pathlib.Path(rf.__file__).parent.parent), str(ROOT),
+                                       os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"RINGFLOW_DEVICE": "sim", "PYTHONPATH": path}})
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def dataset(ray, n=20_000, blocks=10):
+    """Rows ``id`` 0..n-1 and ``x`` = id as float32, in blocks of n/blocks rows."""
+    return ray.data.range(n, override_num_blocks=blocks).map_batches(
+        lambda b: {"id": b["id"], "x": b["id"].astype(np.float32)}, batch_format="numpy")
+
+
+def map_kwargs(ray, f, batch_format, **constructor):
+    # CPU-only actors taking a quarter CPU each: the read tasks that feed them, and the next test's
+    # actors while these shut down, find CPUs free
+    return dict(fn_constructor_kwargs={"f": f, **constructor}, batch_format=batch_format, batch_size=2000,
+                num_gpus=0, num_cpus=0.25, compute=ray.data.ActorPoolStrategy(size=2))
+
+
+@pytest.mark.parametrize("batch_format", ["numpy", "pandas"])
+def test_ray_data_map_batches_matches_numpy(ray_local, batch_format):
+    ds = dataset(ray_local).map_batches(rf.RayMapper, **map_kwargs(ray_local, affine, batch_format, columns=["x"],
+                                                                    output_columns=["y"], chunk_bytes=2048))
+    rows = ds.take_all()
+    assert len(rows) == 20_000
+    ids = np.array([r["id"] for r in rows])
+    y = np.array([r["y"] for r in rows])
+    assert sorted(rows[0]) == ["id", "x", "y"]
+    np.testing.assert_array_equal(np.sort(ids), np.arange(20_000))
+    np.testing.assert_array_equal(y, ids.astype(np.float32) * 2 + 1)
+
+
+def test_ray_data_reports_the_failed_stage_and_rows(ray_local):
+    ds = dataset(ray_local).map_batches(rf.RayMapper, **map_kwargs(ray_local, fails_on_2345, "numpy", columns="x",
+                                                                    id_column="id", chunk_bytes=1024))
+    with pytest.raises(Exception) as info:
+        ds.materialize()
+    # blocks and batches are 2000 rows, chunks 256: row 2345 is row 345 of batch 1, in chunk 1
+    assert ("stage 'compute' failed for rows 256..511 of a batch of 2000 rows (id 2256..2511, chunk 1) on simulated "
+            "h200-pcie5: ValueError: row value 2345 is refused") in str(info.value)
+
+
+def test_ray_data_raises_the_stage_error_itself_when_asked(ray_local):
+    ctx = ray_local.data.DataContext.get_current()
+    ctx.raise_original_map_exception = True
+    try:
+        ds = dataset(ray_local).map_batches(rf.RayMapper, **map_kwargs(ray_local, fails_on_2345, "pandas", columns="x",
+                                                                        chunk_bytes=1024))
+        with pytest.raises(rf.StageError) as info:
+            ds.materialize()
+    finally:
+        ctx.raise_original_map_exception = False
+    assert (info.value.stage, info.value.rows, info.value.batch_rows) == ("compute", (256, 512), 2000)
