@@ -46,6 +46,9 @@ from ringflow._pipeline.states import (
 TAG_SHIFT = 20  # payload = tag << TAG_SHIFT | position: unique across items of < 2**20 elements
 DTYPE = np.dtype(np.int64)
 FAULTS = ("prepare", "compute", "consume", "oversize", "badshape")
+# a KeyboardInterrupt raised by the user's own prepare, compute or consume (Ctrl-C landing in a
+# callable): the chunk fails and its future raises that very KeyboardInterrupt, not a StageError
+INTERRUPTS = ("interrupt-prepare", "interrupt-compute", "interrupt-consume")
 
 
 HOST_RINGS = (RingKind.HOST_IN, RingKind.HOST_OUT)
@@ -60,6 +63,12 @@ LAST_USES = {  # the operations of a chunk that use each kind of slot
 
 class MarkedFault(Exception):
     """The exception a test callable raises for an item marked to fail."""
+
+
+def interrupt_for(stage: str, tag: int) -> KeyboardInterrupt:
+    """The KeyboardInterrupt a test callable raises for an item marked ``interrupt-<stage>``; its
+    message names the tag, so a future that raised another chunk's interrupt is caught."""
+    return KeyboardInterrupt(f"interrupt in {stage} for tag {tag}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -104,6 +113,7 @@ class Callables:
         self.chunk_bytes = chunk_bytes
         self.compute_faults: set[int] = set()
         self.badshape: set[int] = set()
+        self.compute_interrupts: set[int] = set()
         self.compute_calls = 0
 
         def compute(x, y):
@@ -111,6 +121,8 @@ class Callables:
             tag = tag_of(x)
             if tag in self.compute_faults:
                 raise MarkedFault(f"compute fault for tag {tag}")
+            if tag in self.compute_interrupts:
+                raise interrupt_for("compute", tag)
             if tag in self.badshape:
                 y[...] = np.zeros(x.shape[0] + 1, x.dtype)  # wrong shape: broadcast fails
                 return
@@ -124,11 +136,15 @@ class Callables:
             self.compute_faults.add(item.tag)
         elif item.fault == "badshape":
             self.badshape.add(item.tag)
+        elif item.fault == "interrupt-compute":
+            self.compute_interrupts.add(item.tag)
         return item
 
     def prepare(self, item: Item) -> np.ndarray:
         if item.fault == "prepare":
             raise MarkedFault(f"prepare fault for tag {item.tag}")
+        if item.fault == "interrupt-prepare":
+            raise interrupt_for("prepare", item.tag)
         if item.fault == "oversize":  # more bytes than a slot holds
             return np.zeros(self.chunk_bytes // DTYPE.itemsize + 1, DTYPE)
         return item.arr
@@ -138,6 +154,8 @@ class Callables:
             charge(item.consume_cost)
         if item.fault == "consume":
             raise MarkedFault(f"consume fault for tag {item.tag}")
+        if item.fault == "interrupt-consume":
+            raise interrupt_for("consume", item.tag)
         assert not view.flags.writeable, "the consumer must get a read-only view"
         return Result(index, item.tag, np.array(view, copy=True))
 
@@ -157,6 +175,9 @@ def expected_error(item: Item) -> tuple[str, type]:
         "consume": ("consume", MarkedFault),
         "oversize": ("prepare", ValueError),
         "badshape": ("compute", ValueError),
+        "interrupt-prepare": ("prepare", KeyboardInterrupt),
+        "interrupt-compute": ("compute", KeyboardInterrupt),
+        "interrupt-consume": ("consume", KeyboardInterrupt),
     }[item.fault]
 
 
@@ -274,7 +295,12 @@ class Harness:
 
     # -- invariants ---------------------------------------------------------------------------
     def check(self) -> None:
-        """The invariants that hold after every step."""
+        """The invariants that hold after every step. Holds the pipeline's lock, so other threads
+        (submitters, the progress thread) cannot change the state half way through."""
+        with self.pipe._driver.cv:
+            self._check()
+
+    def _check(self) -> None:
         if self.illegal:
             raise InvariantError(f"illegal slot transitions: {self.illegal[:5]}")
         if self.early_release:
@@ -353,7 +379,7 @@ class Harness:
                 raise InvariantError(f"chunk {chunk.index}: future holds {err!r}, chunk {chunk.error!r}")
             if isinstance(err, DeviceError) and err.sticky:
                 return
-            check_stage_error(err, item, chunk.index)
+            check_chunk_error(err, item, chunk.index)
         else:
             if not fut.cancelled():
                 raise InvariantError(f"chunk {chunk.index} CANCELLED but its future is not")
@@ -385,7 +411,7 @@ class Harness:
         for kind, state in self._slot_states().items():
             if state is not SlotState.FREE:
                 raise InvariantError(f"{kind} is {state.name} after close")
-        self.check()
+        self._check()
         # the recorded chunks hold their events; keep only their final states from here on
         self.final = self.final_states()
         errors = [c.error for c in self.chunks.values()] + self.pipe.failures + [self.sched.first_error,
@@ -473,6 +499,18 @@ def check_stage_error(err: BaseException, item: Item, index: int) -> None:
         raise InvariantError(f"chunk {index} (fault {item.fault}): expected StageError({stage}, {index}) caused "
                              f"by {cause.__name__}, got stage={err.stage} index={err.index} "
                              f"cause={err.__cause__!r}")
+
+
+def check_chunk_error(err: BaseException, item: Item, index: int) -> None:
+    """What a failed chunk's future raises: the original KeyboardInterrupt for an item marked
+    ``interrupt-<stage>`` (that item's own, by its message), a StageError otherwise."""
+    if item.fault in INTERRUPTS:
+        stage = item.fault.split("-", 1)[1]
+        if type(err) is not KeyboardInterrupt or str(err) != str(interrupt_for(stage, item.tag)):
+            raise InvariantError(f"chunk {index} (fault {item.fault}, tag {item.tag}) raised {err!r}, "
+                                 f"not its own KeyboardInterrupt")
+        return
+    check_stage_error(err, item, index)
 
 
 def _first_diff(a: np.ndarray, b: np.ndarray):

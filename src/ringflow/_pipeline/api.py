@@ -374,33 +374,56 @@ class Pipeline:
             as :meth:`map`.
         """
         self._check_open()
-        window: collections.deque = collections.deque()
+        s = self._sched
+        window: collections.deque = collections.deque()  # (chunk future, its asyncio future), in order
         limit = self.config.max_in_flight
         iterator = items.__aiter__() if hasattr(items, "__aiter__") else iter(items)
-        exhausted = False
+        exhausted = started = False
         try:
             while True:
-                while not exhausted and len(window) < limit:
+                while not exhausted and len(window) < limit and s.accepting:
                     try:
                         item = (await iterator.__anext__()) if hasattr(iterator, "__anext__") else next(iterator)
                     except (StopIteration, StopAsyncIteration):
                         exhausted = True
                         break
-                    fut = await self._asubmit_future(item)
-                    window.append(asyncio.wrap_future(fut))
+                    try:
+                        fut = await self._asubmit_future(item)
+                    except RuntimeError:
+                        if s.accepting:
+                            raise
+                        break  # stopped meanwhile (cancelled, closed, a failure): as map, take no more
+                    started = True
+                    window.append((fut, asyncio.wrap_future(fut)))
                 if not window:
-                    return
-                head = window.popleft()
+                    if exhausted:
+                        return
+                    # input is left but the pipeline takes no more work: end as map does
+                    if s.broken is not None:
+                        raise s.broken
+                    if not started:
+                        raise RuntimeError("the pipeline no longer accepts work (it was closed, cancelled or "
+                                           "stopped by an error); create a new Pipeline")
+                    break
+                fut, head = window[0]
                 try:
-                    value = await head
-                except (StageError, concurrent.futures.CancelledError, asyncio.CancelledError) as err:
-                    if self.config.on_error == "continue" and isinstance(err, StageError):
-                        continue
-                    raise
+                    # shielded: a cancellation of the awaiting task must not look like the chunk's
+                    value = await asyncio.shield(head)
+                except BaseException as err:
+                    if fut.cancelled():
+                        break  # the pipeline was cancelled, or a failure stopped it, under this map
+                    if self.config.on_error == "continue" and fut.done() and err is not s.broken and \
+                            concurrent.futures.Future.exception(fut, timeout=0) is err:
+                        window.popleft()
+                        continue  # a failed chunk (whatever its stage raised) is skipped, as map does
+                    raise  # (the task was cancelled: finally cancels this chunk with the others)
+                window.popleft()
                 yield value
         finally:
-            for fut in window:
-                fut.cancel()
+            for _, head in window:
+                head.cancel()
+        if s.first_error is not None and self.config.on_error == "raise":
+            raise s.first_error
 
     # -- ending ----------------------------------------------------------------------------------
     def cancel(self) -> None:
@@ -530,7 +553,11 @@ class Pipeline:
         if self._recorder is None:
             raise RuntimeError("report() needs a pipeline made with profile=True")
         with self._driver.cv:
-            return Report.build(self._recorder.timeline, workers=self.config.workers, memory=memory_of(self._sched),
+            # a copy: the recorder's timeline keeps growing as the run goes on, a report must not
+            live = self._recorder.timeline
+            timeline = Timeline(records=list(live.records), stalls=list(live.stalls), meta=dict(live.meta),
+                                host=list(live.host))
+            return Report.build(timeline, workers=self.config.workers, memory=memory_of(self._sched),
                                 host_seconds=self._sched.host_seconds)
 
     def __repr__(self) -> str:

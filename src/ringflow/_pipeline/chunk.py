@@ -20,7 +20,8 @@ class ChunkFuture(concurrent.futures.Future):
     Its result is set by the pipeline's driver (a progress thread of the pipeline's own, or, for a
     whole-array job, the waiting caller), so ``concurrent.futures.wait``, ``as_completed``,
     ``add_done_callback`` and ``asyncio.wrap_future`` work from any thread. Done-callbacks run on
-    the progress thread, outside the pipeline's lock.
+    the progress thread, outside the pipeline's lock; one may call the pipeline (``submit``,
+    ``result``, ``cancel``, ``close``), which then advances on that thread while it waits.
     """
 
     def __init__(self, driver: Any, index: int):

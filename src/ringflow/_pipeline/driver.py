@@ -115,14 +115,9 @@ class _Driver:
         return None if timeout is None else self.device.now + timeout
 
 
-class CallerDriver(_Driver):
-    """The waiting thread drives: each wait runs the scheduler until its condition holds."""
-
-    background = False
-
-    def wait_for(self, pred: Callable[[], bool], timeout: Optional[float], what: str = "the pipeline") -> None:
-        """Drive until ``pred()`` holds (lock held). Raises TimeoutError after ``timeout`` seconds
-        of the device's host clock."""
+    def drive_here(self, pred: Callable[[], bool], timeout: Optional[float], what: str) -> None:
+        """The calling thread drives the scheduler until ``pred()`` holds (lock held). Raises
+        TimeoutError after ``timeout`` seconds of the device's host clock."""
         deadline = self.deadline_of(timeout)
         self.take_over()
         try:
@@ -158,6 +153,17 @@ class CallerDriver(_Driver):
                     raise
                 sched.break_on(err)
 
+
+class CallerDriver(_Driver):
+    """The waiting thread drives: each wait runs the scheduler until its condition holds."""
+
+    background = False
+
+    def wait_for(self, pred: Callable[[], bool], timeout: Optional[float], what: str = "the pipeline") -> None:
+        """Drive until ``pred()`` holds (lock held). Raises TimeoutError after ``timeout`` seconds
+        of the device's host clock."""
+        self.drive_here(pred, timeout, what)
+
     def close(self) -> None:
         pass
 
@@ -184,9 +190,17 @@ class ProgressThread(_Driver):
 
     # -- waits, from user threads ------------------------------------------------------------
     def wait_for(self, pred: Callable[[], bool], timeout: Optional[float], what: str = "the pipeline") -> None:
-        """Block (lock held, released while waiting) until ``pred()`` holds. Raises TimeoutError
-        after ``timeout`` seconds of the device's host clock (virtual on the sim)."""
+        """Block (lock held, released while waiting) until ``pred()`` holds; on the progress
+        thread itself (a done-callback waiting on the pipeline) drive the scheduler here instead.
+        Raises TimeoutError after ``timeout`` seconds of the device's host clock (virtual on the
+        sim)."""
         if pred():
+            return
+        if threading.current_thread() is self.thread:
+            # a done-callback (they run on this thread) waits for the pipeline: submit() on a
+            # full pipeline, result() of a pending chunk, cancel(), close(). No other thread
+            # would advance it, so this one drives it here, as a whole-array call's caller does
+            self.drive_here(pred, timeout, what)
             return
         deadline = self.deadline_of(timeout)
         entry = [pred, deadline]

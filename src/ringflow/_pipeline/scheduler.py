@@ -26,8 +26,10 @@ each stream runs chunks in order.
 from __future__ import annotations
 
 import collections
+import inspect
 import itertools
 import math
+import os
 import time
 import traceback
 import warnings
@@ -131,6 +133,7 @@ class Scheduler:
         self.unclaimed = 0  # final chunks whose result a map() has not handed out yet
         self.steps = 0
         self.host_seconds = 0.0  # CPU time spent in scheduling steps (host overhead per chunk)
+        self._forget_again: list = []  # failures whose traceback's frames were still running
 
     # -- set-up and tear-down ------------------------------------------------------------------
     def _ring(self, kind, buffer, count, hook, external: bool = False) -> Ring:
@@ -242,6 +245,7 @@ class Scheduler:
         """One pass: observe completions, then start whatever the free slots allow."""
         t0 = time.perf_counter()
         self.steps += 1
+        self._forget_finished_frames()
         try:
             progressed = self._admit()
             progressed = self._observe() or progressed
@@ -587,6 +591,9 @@ class Scheduler:
         ``__cause__``), or, for a BaseException that is not an Exception (KeyboardInterrupt,
         SystemExit), the original itself, so an interrupt stays an interrupt for the caller."""
         forget_frames(exc)
+        # the scheduler's own frames in the traceback (the call that saw the failure, holding the
+        # chunk) are still running: their locals are cleared once they have returned
+        self._forget_again.append(exc)
         err = StageError(stage, chunk.index, exc)
         chunk.error = err if isinstance(exc, Exception) else exc
         self.failures.append(err)
@@ -741,7 +748,14 @@ class Scheduler:
             self._end(chunk, chunk.ending)
 
     def close(self) -> None:
+        self._forget_finished_frames()
         self._release_resources()
+
+    def _forget_finished_frames(self) -> None:
+        """:func:`forget_frames` again for the failures of earlier steps (those steps have returned)."""
+        again, self._forget_again = self._forget_again, []
+        for exc in again:
+            forget_frames(exc)
 
     # -- reuse by a later job (see ringflow._pipeline.warm) ---------------------------------------
     def idle(self) -> bool:
@@ -790,14 +804,38 @@ MAX_KEPT_FAILURES = 1024
 
 def forget_frames(exc: BaseException) -> None:
     """Clear the local variables of the frames ``exc``'s traceback passes through (its causes'
-    too): a failure kept for inspection then keeps its message and traceback lines but not the
-    chunk, its input or its events alive."""
+    too), and of the finished frames that called them: a failure kept for inspection then keeps
+    its message and traceback lines but not the chunk, its input or its events alive."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if exc.__traceback__ is not None:
-            traceback.clear_frames(exc.__traceback__)
+        tb = exc.__traceback__
+        if tb is not None:
+            traceback.clear_frames(tb)
+        while tb is not None:
+            _forget_callers(tb.tb_frame)
+            tb = tb.tb_next
         exc = exc.__cause__ or exc.__context__
+
+
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+_OWN_CODE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # ringflow's package
+
+
+def _forget_callers(frame) -> None:
+    """Clear the locals of ringflow's frames that called ``frame`` and have returned since. A
+    traceback's frames keep their callers alive (``f_back``); on the simulated GPU a host task or
+    kernel runs inside whatever scheduler call advanced virtual time, so those callers hold other
+    chunks, slots and events. Stops at the first caller still running, outside ringflow (the
+    user's frames are the user's), or of a generator or coroutine (clearing a suspended one would
+    close it)."""
+    f = frame.f_back
+    while f is not None and not f.f_code.co_flags & _SUSPENDABLE and f.f_code.co_filename.startswith(_OWN_CODE):
+        try:
+            f.clear()
+        except RuntimeError:  # still running: so are its callers
+            return
+        f = f.f_back
 
 
 def _no_job(*args: Any) -> Any:

@@ -1,0 +1,95 @@
+"""Threads for the pipeline's concurrency tests, bounded in real time.
+
+Every helper here waits in **real** seconds (``concurrent.futures`` over plain futures, never a
+pipeline's own virtual-clock timeouts), so a deadlock fails the test with the stacks of the
+threads that hung instead of hanging the run. The threads are daemons: a hung one cannot keep
+the interpreter alive after the test has failed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import resource
+import signal
+import sys
+import threading
+import traceback
+from typing import Any, Callable, Iterable, Optional
+
+JOIN_S = 60.0  # real seconds any one test waits for its threads before calling it a hang
+
+
+class Hang(AssertionError):
+    """Threads did not finish within the real-time bound."""
+
+
+def start(fn: Callable[..., Any], *args: Any, name: Optional[str] = None) -> concurrent.futures.Future:
+    """Run ``fn(*args)`` on a new daemon thread; returns a plain future of its value (or of what
+    it raised, BaseException included)."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    fut.set_running_or_notify_cancel()
+
+    def body() -> None:
+        try:
+            value = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test through the future
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+
+    thread = threading.Thread(target=body, name=name or f"test-{getattr(fn, '__name__', 'thread')}", daemon=True)
+    fut.thread = thread  # type: ignore[attr-defined]
+    thread.start()
+    return fut
+
+
+def join(futs: Iterable[concurrent.futures.Future], timeout: float = JOIN_S) -> list:
+    """Wait (real seconds) for every future of :func:`start`; returns their values in order.
+
+    Raises:
+        Hang: some did not finish in ``timeout`` (the message holds every thread's stack).
+        the first exception a thread raised, once all have finished.
+    """
+    futs = list(futs)
+    done, not_done = concurrent.futures.wait(futs, timeout=timeout)
+    if not_done:
+        raise Hang(f"{len(not_done)} of {len(futs)} threads still running after {timeout} real seconds:\n"
+                   + all_stacks())
+    return [f.result() for f in futs]
+
+
+def run_all(fns: Iterable[Callable[[], Any]], timeout: float = JOIN_S) -> list:
+    """Start every ``fn`` on its own thread at once and :func:`join` them."""
+    return join([start(fn, name=f"test-worker-{k}") for k, fn in enumerate(fns)], timeout)
+
+
+def bounded(fn: Callable[[], Any], timeout: float = JOIN_S) -> Any:
+    """``fn()`` on another thread, waited for at most ``timeout`` real seconds (for calls that
+    must not hang: ``close()``, ``cancel()``)."""
+    return join([start(fn)], timeout)[0]
+
+
+def all_stacks() -> str:
+    frames = sys._current_frames()
+    out = []
+    for thread in threading.enumerate():
+        frame = frames.get(thread.ident)
+        if frame is not None:
+            out.append(f"--- {thread.name}\n" + "".join(traceback.format_stack(frame)[-8:]))
+    return "\n".join(out)
+
+
+def interrupt_main() -> None:
+    """Deliver a real SIGINT to the main thread: unlike ``_thread.interrupt_main`` it also wakes a
+    main thread blocked in a lock or condition wait, which then raises KeyboardInterrupt."""
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
+def rss_bytes() -> int:
+    """The process's resident set size now, in bytes (Linux /proc; falls back to the peak)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,459 @@
+"""A pipeline's futures as ``concurrent.futures`` and asyncio see them (the chaotic simulated GPU).
+
+On the simulated GPU the progress thread advances only while someone waits on the pipeline, and
+a waiter it does not know of would wait for ever: so each test here waits only through the
+standard library (``concurrent.futures.wait``, ``as_completed``, a done-callback, asyncio)
+while the test's own thread does nothing else, bounded in real seconds. The asyncio tests also
+check that the event loop is never blocked: capacity there is freed only by a task on the loop,
+so an ``asubmit``/``amap`` that blocked the loop while waiting for capacity would hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import threading
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow._errors import StageError
+from tests.helpers.pipeline_checks import Harness, MarkedFault, check_result, drop_tracebacks
+from tests.helpers.threads import JOIN_S, bounded, join, start
+
+
+def f_affine(x, y):
+    y[...] = x * 3 + 1
+
+
+def _pipe(seed: int, **options):
+    dev = rf.device("sim", seed=seed, chaos=True)
+    options = {"chunk_bytes": 512, "slots": 2, "checked": True, **options}
+    return dev, rf.Pipeline(f_affine, device=dev, **options)
+
+
+def _items(n: int, base: float = 0.0) -> list:
+    return [np.arange(16.0) + base + 100 * k for k in range(n)]
+
+
+def _closed_clean(dev, pipe) -> None:
+    bounded(pipe.close)
+    # a failure's traceback runs through the sim's own stack (kernels run inside host calls on
+    # the simulated GPU) and so keeps that stack's events alive: drop it before counting
+    drop_tracebacks(pipe.failures)
+    gc.collect()
+    assert dev.live().total == 0, dev.live()
+
+
+# -- concurrent.futures ---------------------------------------------------------------------------------
+def test_wait_sees_every_future_done_while_the_caller_does_nothing_else():
+    h = Harness(seed=1, chaos=True, checked=True, slots=2, max_in_flight=16, chunk_bytes=512)
+    items = [h.item(i + 1, 4 + i) for i in range(16)]
+    futs = [h.pipe.submit(it) for it in items]
+    done, pending = concurrent.futures.wait(futs, timeout=JOIN_S)
+    assert not pending, f"{len(pending)} of {len(futs)} futures still pending after {JOIN_S} real seconds"
+    for fut, it in zip(futs, items):
+        check_result(concurrent.futures.Future.result(fut, timeout=0), it, fut.index)
+    h.check()
+    h.close()
+
+
+def test_wait_first_completed_and_first_exception():
+    h = Harness(seed=2, chaos=True, checked=True, slots=1, max_in_flight=8, chunk_bytes=512, on_error="continue")
+    items = [h.item(i + 1, 8, fault="compute" if i == 4 else None) for i in range(8)]
+    futs = [h.pipe.submit(it) for it in items]
+    done, pending = concurrent.futures.wait(futs, timeout=JOIN_S, return_when=concurrent.futures.FIRST_COMPLETED)
+    assert done
+    done, pending = concurrent.futures.wait(futs, timeout=JOIN_S, return_when=concurrent.futures.FIRST_EXCEPTION)
+    assert futs[4] in done
+    assert isinstance(futs[4].exception(timeout=0), StageError)
+    done, pending = concurrent.futures.wait(futs, timeout=JOIN_S)
+    assert not pending
+    h.check()
+    h.close()
+
+
+def test_as_completed_yields_every_future_once():
+    h = Harness(seed=3, chaos=True, checked=True, slots=2, max_in_flight=12, workers=3, chunk_bytes=512,
+                ordered=False)
+    items = [h.item(i + 1, 8, consume_cost=(4e-5 if i % 2 else 0.0)) for i in range(12)]
+    futs = [h.pipe.submit(it) for it in items]
+    by_index = {f.index: it for f, it in zip(futs, items)}
+    seen = []
+    for fut in concurrent.futures.as_completed(futs, timeout=JOIN_S):
+        seen.append(fut.index)
+        check_result(fut.result(timeout=0), by_index[fut.index], fut.index)
+    assert sorted(seen) == sorted(by_index)
+    h.check()
+    h.close()
+
+
+def test_done_callback_added_from_another_thread_fires_outside_the_lock():
+    dev, pipe = _pipe(4, max_in_flight=8)
+    x = _items(8)
+    futs = [pipe.submit(a) for a in x]
+    fired = threading.Event()
+    seen = {}
+
+    def callback(fut):
+        seen["thread"] = threading.current_thread().name
+        seen["value"] = fut.result(timeout=0)
+        # outside the pipeline's lock: another thread can take it meanwhile
+        seen["stats"] = join([start(pipe.stats)], timeout=JOIN_S / 2)[0]
+        fired.set()
+
+    join([start(futs[-1].add_done_callback, callback)])
+    assert fired.wait(JOIN_S), "the done-callback never fired"
+    assert seen["thread"].startswith("ringflow-progress")
+    assert np.array_equal(seen["value"], x[-1] * 3 + 1)
+    assert seen["stats"].delivered >= 1
+    _closed_clean(dev, pipe)
+
+
+def test_done_callback_added_after_done_runs_at_once():
+    dev, pipe = _pipe(5)
+    fut = pipe.submit(_items(1)[0])
+    fut.result()
+    got = []
+    fut.add_done_callback(got.append)
+    assert got == [fut]
+    _closed_clean(dev, pipe)
+
+
+def test_done_callbacks_that_wait_on_the_pipeline_do_not_deadlock_it():
+    """Done-callbacks run on the progress thread: one that submits to a full pipeline, waits for a
+    pending chunk, cancels or closes must not wait for a thread that is waiting for it."""
+    dev, pipe = _pipe(6, slots=1, max_in_flight=2)
+    x = _items(6)
+    chained = []
+    errors = []
+
+    def submit_two_more(fut):
+        try:
+            chained.append(pipe.submit(x[2]))  # full: waits for capacity
+            chained.append(pipe.submit(x[3]))
+            chained.append(chained[0].result())  # waits for a pending chunk
+        except BaseException as exc:  # noqa: BLE001 - reported below (a callback's error is only logged)
+            errors.append(exc)
+
+    futs = [pipe.submit(x[0]), pipe.submit(x[1])]
+    futs[0].add_done_callback(submit_two_more)
+    done, pending = concurrent.futures.wait(futs, timeout=10)
+    assert not pending, "the first callback never returned: the progress thread waited on itself"
+    assert not errors, errors
+    done, pending = concurrent.futures.wait(chained[:2], timeout=10)
+    assert not pending, "the chained submits never completed: the progress thread waited on itself"
+    assert np.array_equal(chained[2], x[2] * 3 + 1)
+    assert np.array_equal(chained[1].result(timeout=0), x[3] * 3 + 1)
+
+    closed = threading.Event()
+    last = [pipe.submit(x[4]), pipe.submit(x[5])]
+    last[0].add_done_callback(lambda f: (pipe.close(), closed.set()))
+    concurrent.futures.wait(last, timeout=JOIN_S)
+    assert closed.wait(JOIN_S), "close() from a done-callback did not return"
+    assert all(f.done() for f in last)
+    assert np.array_equal(last[1].result(timeout=0), x[5] * 3 + 1)
+    bounded(pipe.close)
+    assert dev.live().total == 0
+
+
+def test_cancel_from_a_done_callback():
+    dev, pipe = _pipe(7, slots=1, max_in_flight=6)
+    futs = [pipe.submit(a) for a in _items(6)]
+    futs[0].add_done_callback(lambda f: pipe.cancel())
+    done, pending = concurrent.futures.wait(futs, timeout=JOIN_S)
+    assert not pending
+    assert futs[0].result(timeout=0) is not None and any(f.cancelled() for f in futs[1:])
+    _closed_clean(dev, pipe)
+
+
+# -- asyncio ----------------------------------------------------------------------------------------------
+def _run(coro_fn, timeout: float = JOIN_S):
+    """``asyncio.run(coro_fn())`` on its own thread, bounded in real seconds (a blocked loop hangs)."""
+    return bounded(lambda: asyncio.run(coro_fn()), timeout)
+
+
+def test_wrap_future():
+    dev, pipe = _pipe(8)
+    x = _items(4)
+
+    async def main():
+        futs = [pipe.submit(a) for a in x]
+        return await asyncio.gather(*(asyncio.wrap_future(f) for f in futs))
+
+    for got, a in zip(_run(main), x):
+        assert np.array_equal(got, a * 3 + 1)
+    _closed_clean(dev, pipe)
+
+
+def test_asubmit_returns_the_value_and_raises_the_stage_error():
+    dev = rf.device("sim", seed=9, chaos=True)
+
+    def compute(x, y):
+        if x[0] == -1:
+            raise MarkedFault("bad item")
+        y[...] = x * 3 + 1
+
+    pipe = rf.Pipeline(compute, device=dev, chunk_bytes=512, slots=2, on_error="continue", checked=True)
+    x = _items(3)
+
+    async def main():
+        values = await asyncio.gather(*(pipe.asubmit(a) for a in x))
+        with pytest.raises(StageError) as caught:
+            await pipe.asubmit(np.full(4, -1.0))
+        assert isinstance(caught.value.__cause__, MarkedFault)
+        return values
+
+    for got, a in zip(_run(main), x):
+        assert np.array_equal(got, a * 3 + 1)
+    _closed_clean(dev, pipe)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_amap_gives_ordered_correct_results(kind):
+    h = Harness(seed=10, chaos=True, checked=True, slots=2, max_in_flight=3, workers=3, chunk_bytes=512)
+    items = [h.item(i + 1, 4 + i % 20, consume_cost=(4e-5 if i % 3 == 0 else 0.0)) for i in range(30)]
+
+    async def agen():
+        for it in items:
+            await asyncio.sleep(0)
+            yield it
+
+    async def main():
+        source = items if kind == "sync" else agen()
+        return [r async for r in h.pipe.amap(source)]
+
+    got = _run(main)
+    assert [r.tag for r in got] == [it.tag for it in items]
+    for r in got:
+        check_result(r, h.items[r.tag])
+    h.check()
+    h.close()
+
+
+def test_amap_with_on_error_raise_raises_the_stage_error():
+    h = Harness(seed=11, chaos=True, checked=True, slots=2, max_in_flight=3, chunk_bytes=512, on_error="raise")
+    items = [h.item(i + 1, 8, fault="consume" if i == 6 else None) for i in range(20)]
+
+    async def main():
+        got = []
+        with pytest.raises(StageError) as caught:
+            async for r in h.pipe.amap(items):
+                got.append(r)
+        return got, caught.value
+
+    got, err = _run(main)
+    assert (err.stage, err.index) == ("consume", 6) and isinstance(err.__cause__, MarkedFault)
+    assert [r.tag for r in got] == [1, 2, 3, 4, 5, 6][:len(got)]
+    for r in got:
+        check_result(r, h.items[r.tag])
+    del err
+    bounded(h.pipe.close)
+    h.close()
+
+
+@pytest.mark.parametrize("stage", ["prepare", "compute", "consume"])
+def test_amap_with_on_error_raise_raises_the_stage_error_not_a_cancellation(stage):
+    """The failure cancels the chunks behind it, and some ahead of it too (those still on their
+    way): amap, like map, raises the StageError, never a CancelledError of a chunk it cancelled."""
+    for seed in range(4):
+        h = Harness(seed=30 + seed, chaos=True, checked=True, slots=2, max_in_flight=6, chunk_bytes=512,
+                    on_error="raise")
+        items = [h.item(i + 1, 8, fault=stage if i == 4 else None) for i in range(20)]
+
+        async def main():
+            got = []
+            try:
+                async for r in h.pipe.amap(items):
+                    got.append(r)
+            except StageError as err:
+                return got, err
+            raise AssertionError("amap ended without raising")
+
+        got, err = _run(main)
+        assert (err.stage, err.index) == (stage, 4) and isinstance(err.__cause__, MarkedFault)
+        assert [r.tag for r in got] == [1, 2, 3, 4][:len(got)]
+        del err
+        bounded(h.pipe.close)
+        h.close()
+
+
+def test_amap_with_continue_skips_an_item_whose_stage_raised_keyboard_interrupt():
+    """As map does: with on_error="continue" a failed item is skipped, whatever its stage raised."""
+    h = Harness(seed=13, chaos=True, checked=True, slots=2, max_in_flight=3, chunk_bytes=512, on_error="continue")
+    items = [h.item(i + 1, 8, fault="interrupt-compute" if i == 3 else None) for i in range(8)]
+
+    async def main():
+        return [r async for r in h.pipe.amap(items)]
+
+    got = _run(main)
+    assert [r.tag for r in got] == [1, 2, 3, 5, 6, 7, 8]
+    assert [r.tag for r in h.pipe.map(items[:5])] == [1, 2, 3, 5]  # map, for comparison
+    h.check()
+    h.close()
+
+
+def test_amap_ends_like_map_when_the_pipeline_is_cancelled():
+    """cancel() from another thread while an amap runs: the amap ends with a prefix of the results,
+    as map does, instead of raising the CancelledError of a chunk it did not cancel."""
+    h = Harness(seed=14, chaos=True, checked=True, slots=2, max_in_flight=3, chunk_bytes=512)
+    items = [h.item(i + 1, 8) for i in range(300)]
+    two = threading.Event()
+
+    async def main():
+        got = []
+        async for r in h.pipe.amap(items):
+            got.append(r)
+            if len(got) == 2:
+                two.set()
+        return got
+
+    def canceller():
+        assert two.wait(JOIN_S)
+        h.pipe.cancel()
+
+    c = start(canceller)
+    got = _run(main)
+    join([c])
+    assert 2 <= len(got) < len(items)
+    assert [r.tag for r in got] == [it.tag for it in items[:len(got)]]
+    h.check()
+    h.close()
+
+
+def test_cancelling_the_task_awaiting_amap_cancels_the_task():
+    """A cancelled consumer task ends with CancelledError (amap does not mistake it for a cancelled
+    chunk and end quietly); the amap takes no more input and the pipeline still works."""
+    h = Harness(seed=15, chaos=True, checked=True, slots=2, max_in_flight=3, chunk_bytes=512)
+    items = [h.item(i + 1, 8, consume_cost=1e-3) for i in range(50)]
+
+    async def consumer(got):
+        async for r in h.pipe.amap(items):
+            got.append(r)
+
+    async def main():
+        got = []
+        task = asyncio.create_task(consumer(got))
+        while len(got) < 2:
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return got
+
+    got = _run(main)
+    assert [r.tag for r in got] == [it.tag for it in items[:len(got)]]
+    s = bounded(lambda: (h.pipe.submit(h.item(999, 4)).result(), h.pipe.stats())[1])  # still takes work
+    assert s.accepted < len(items) and s.balanced(), s
+    h.check()
+    h.close()
+
+
+def test_amap_with_on_error_continue_skips_failed_items():
+    h = Harness(seed=12, chaos=True, checked=True, slots=2, max_in_flight=3, chunk_bytes=512, on_error="continue")
+    items = [h.item(i + 1, 8, fault="compute" if i in (3, 9) else None) for i in range(12)]
+
+    async def main():
+        return [r async for r in h.pipe.amap(items)]
+
+    got = _run(main)
+    assert [r.tag for r in got] == [it.tag for it in items if it.fault is None]
+    h.check()
+    h.close()
+
+
+@pytest.mark.parametrize("how", ["asubmit", "amap"])
+def test_the_event_loop_is_never_blocked(how):
+    """The pipeline is full and its progress thread is held (in a done-callback) until a task on
+    the loop has ticked a few times after the call began: an asubmit or amap that blocked the
+    loop while waiting for capacity would wait for ever."""
+    dev, pipe = _pipe(13, max_in_flight=2)
+    first = [pipe.submit(a) for a in _items(2, base=5.0)]
+    holding, release = threading.Event(), threading.Event()
+
+    def hold(_fut):  # on the progress thread, outside the lock: nothing advances meanwhile
+        holding.set()
+        release.wait(JOIN_S)
+
+    first[0].add_done_callback(hold)
+    assert holding.wait(JOIN_S)
+    x = _items(5, base=7.0)
+    ticks = []
+
+    async def ticker(started: asyncio.Event):
+        await started.wait()
+        for k in range(5):
+            ticks.append(k)
+            await asyncio.sleep(0)
+        release.set()  # the pipeline moves again only now
+
+    async def main():
+        started = asyncio.Event()
+        tick = asyncio.create_task(ticker(started))
+        started.set()
+        if how == "asubmit":
+            got = await asyncio.gather(*(pipe.asubmit(a) for a in x))
+        else:
+            got = [r async for r in pipe.amap(x)]
+        await tick
+        return got
+
+    try:
+        got = _run(main, timeout=30)
+    finally:
+        release.set()
+    assert ticks == list(range(5))
+    for r, a in zip(got, x):
+        assert np.array_equal(r, a * 3 + 1)
+    assert np.array_equal(first[1].result(), _items(2, base=5.0)[1] * 3 + 1)
+    _closed_clean(dev, pipe)
+
+
+def test_a_task_keeps_ticking_while_amap_runs():
+    dev, pipe = _pipe(14, slots=1, max_in_flight=2)
+    x = _items(40)
+    ticks = []
+
+    async def ticker(stop: asyncio.Event):
+        while not stop.is_set():
+            ticks.append(1)
+            await asyncio.sleep(0)
+
+    async def main():
+        stop = asyncio.Event()
+        tick = asyncio.create_task(ticker(stop))
+        got, between = [], []
+        async for r in pipe.amap(x):
+            got.append(r)
+            between.append(len(ticks))
+        stop.set()
+        await tick
+        return got, between
+
+    got, between = _run(main)
+    for r, a in zip(got, x):
+        assert np.array_equal(r, a * 3 + 1)
+    # the ticker ran while the results were awaited, not only before or after
+    assert between[-1] > between[0]
+    _closed_clean(dev, pipe)
+
+
+def test_asubmit_timeout_is_a_timeout_error():
+    """Capacity frees only after a consumer's virtual second: asubmit waiting 10 virtual ms for it
+    times out, and the pipeline is fine afterwards."""
+    h = Harness(seed=15, chaos=True, checked=True, slots=2, max_in_flight=2, chunk_bytes=512)
+    full = [h.pipe.submit(h.item(i + 1, 8, consume_cost=1.0)) for i in range(2)]
+    late = h.item(3, 8)
+
+    async def main():
+        with pytest.raises(concurrent.futures.TimeoutError, match="capacity"):
+            await h.pipe.asubmit(late, timeout=0.01)
+        return await h.pipe.asubmit(late)
+
+    check_result(_run(main), late)
+    for fut in full:
+        check_result(fut.result(), h.chunks[fut.index].item, fut.index)
+    h.check()
+    h.close()

@@ -1,0 +1,344 @@
+"""KeyboardInterrupt and SystemExit, one case per test (all on the chaotic simulated GPU).
+
+Two kinds of interrupt reach a pipeline:
+
+* raised by the user's own prepare, compute or consume (Ctrl-C landing in a callable, or a
+  ``sys.exit()`` there): that chunk fails and its future raises the very exception object, not
+  a StageError; with ``on_error="raise"`` the rest are cancelled, with ``"continue"`` they
+  deliver; no future ever holds another chunk's data;
+* raised in the user's thread while it waits (in ``result()``, inside ``map()``) or by the
+  iterable feeding ``map()``: the pipeline is left consistent, and ``close()`` finishes it and
+  releases everything.
+
+Every close is bounded in real seconds (tests/helpers/threads), so a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import gc
+import signal
+import threading
+import traceback
+import warnings
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow._errors import StageError
+from tests.helpers.pipeline_checks import Harness, check_chunk_error, check_result, future_outcome
+from tests.helpers.threads import JOIN_S, bounded, interrupt_main, join, start
+
+STAGES = ("prepare", "compute", "consume")
+
+
+def _settle(futs) -> None:
+    done, pending = concurrent.futures.wait(futs, timeout=JOIN_S)
+    assert not pending, f"{len(pending)} futures never ended"
+
+
+def _need_sigint():
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("delivers SIGINT to the main thread: the test must run there")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default KeyboardInterrupt handler here")
+
+
+# -- an interrupt raised by the user's prepare, compute or consume -----------------------------------------
+@pytest.mark.parametrize("stage", STAGES)
+def test_interrupt_in_a_stage_fails_its_chunk_and_cancels_the_rest(stage):
+    h = Harness(seed=1, chaos=True, checked=True, slots=2, max_in_flight=12, chunk_bytes=512, on_error="raise")
+    items = [h.item(i + 1, 8 + i, fault=f"interrupt-{stage}" if i == 3 else None) for i in range(12)]
+    futs = [h.pipe.submit(it) for it in items]
+    _settle(futs)
+    kinds = []
+    for fut, it in zip(futs, items):
+        kind, value = future_outcome(fut)
+        kinds.append(kind)
+        if it.fault is not None:
+            assert kind == "error"
+            check_chunk_error(value, it, fut.index)  # the KeyboardInterrupt its own callable raised
+            with pytest.raises(KeyboardInterrupt, match=f"tag {it.tag}$"):
+                fut.result()
+        elif kind == "value":
+            check_result(value, it, fut.index)
+        else:
+            assert kind == "cancelled", (fut.index, kind, value)
+    assert kinds.count("error") == 1 and "cancelled" in kinds
+    with pytest.raises(RuntimeError, match="no longer accepts work"):
+        h.pipe.submit(h.item(99, 4))
+    [err] = h.pipe.failures
+    assert err.stage == stage and err.index == 3 and isinstance(err.__cause__, KeyboardInterrupt)
+    h.check()
+    bounded(h.pipe.close)
+    h.close()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_interrupt_in_a_stage_with_continue_lets_the_others_deliver(stage):
+    h = Harness(seed=2, chaos=True, checked=True, slots=2, max_in_flight=12, chunk_bytes=512, on_error="continue")
+    items = [h.item(i + 1, 8 + i, fault=f"interrupt-{stage}" if i in (2, 7) else None) for i in range(12)]
+    futs = [h.pipe.submit(it) for it in items]
+    _settle(futs)
+    for fut, it in zip(futs, items):
+        kind, value = future_outcome(fut)
+        if it.fault is not None:
+            assert kind == "error"
+            check_chunk_error(value, it, fut.index)
+        else:
+            assert kind == "value", (fut.index, kind, value)
+            check_result(value, it, fut.index)
+    assert sorted(e.index for e in h.pipe.failures) == [2, 7]
+    h.pipe.submit(h.item(99, 4)).result()  # the pipeline still takes work
+    h.check()
+    bounded(h.pipe.close)
+    h.close()
+
+
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_future_raises_the_original_exception_object(exc_type, stage):
+    dev = rf.device("sim", seed=3, chaos=True)
+    boom = exc_type(f"stop in {stage}")
+    bad = 5.0  # the item whose first element is 5 fails
+
+    def prepare(item):
+        if stage == "prepare" and item[0] == bad:
+            raise boom
+        return item
+
+    def compute(x, y):
+        if stage == "compute" and x[0] == bad:
+            raise boom
+        y[...] = x * 3 + 1
+
+    def consume(index, item, view):
+        if stage == "consume" and item[0] == bad:
+            raise boom
+        return np.array(view)
+
+    pipe = rf.Pipeline(compute, device=dev, prepare=prepare, consume=consume, chunk_bytes=512, slots=2,
+                       max_in_flight=8, on_error="continue", checked=True)
+    items = [np.arange(16.0) + k for k in range(8)]
+    futs = [pipe.submit(it) for it in items]
+    _settle(futs)
+    with pytest.raises(exc_type) as caught:
+        futs[5].result()
+    assert caught.value is boom and futs[5].exception() is boom
+    for k, fut in enumerate(futs):
+        if k != 5:
+            assert np.array_equal(fut.result(), items[k] * 3 + 1)
+    [err] = pipe.failures
+    assert isinstance(err, StageError) and err.stage == stage and err.__cause__ is boom
+    bounded(pipe.close)
+    del caught, err
+    boom.__traceback__ = None
+    gc.collect()
+    assert dev.live().total == 0
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_map_raises_the_interrupt_itself(stage):
+    h = Harness(seed=4, chaos=True, checked=True, slots=2, max_in_flight=4, chunk_bytes=512, on_error="raise")
+    items = [h.item(i + 1, 8, fault=f"interrupt-{stage}" if i == 5 else None) for i in range(10)]
+    got = []
+    with pytest.raises(KeyboardInterrupt, match=f"interrupt in {stage} for tag 6$"):
+        for r in h.pipe.map(items):
+            got.append(r)
+    # an ordered prefix: chunks before the interrupted one may have been cancelled by its failure
+    assert [r.tag for r in got] == [1, 2, 3, 4, 5][:len(got)]
+    for r in got:
+        check_result(r, h.items[r.tag])
+    h.check()
+    bounded(h.pipe.close)
+    h.close()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_map_with_continue_skips_the_interrupted_item(stage):
+    h = Harness(seed=5, chaos=True, checked=True, slots=2, max_in_flight=4, chunk_bytes=512, on_error="continue")
+    items = [h.item(i + 1, 8, fault=f"interrupt-{stage}" if i == 5 else None) for i in range(10)]
+    got = list(h.pipe.map(items))
+    assert [r.tag for r in got] == [1, 2, 3, 4, 5, 7, 8, 9, 10]
+    for r in got:
+        check_result(r, h.items[r.tag])
+    h.check()
+    bounded(h.pipe.close)
+    h.close()
+
+
+# -- Ctrl-C in the user's thread ----------------------------------------------------------------------------
+def test_ctrl_c_while_waiting_in_result_leaves_a_pipeline_close_finishes():
+    _need_sigint()
+    h = Harness(seed=6, chaos=True, checked=True, slots=1, max_in_flight=12, chunk_bytes=512)
+    items = [h.item(i + 1, 16) for i in range(12)]
+    futs = [h.pipe.submit(it) for it in items]
+    waiting, caught = threading.Event(), threading.Event()
+
+    def on_first_done(_fut):
+        # runs on the progress thread: it holds the pipeline still until Ctrl-C has landed
+        if waiting.wait(JOIN_S):
+            interrupt_main()
+            caught.wait(JOIN_S)
+
+    futs[0].add_done_callback(on_first_done)
+    landed_while_pending = None
+    try:
+        waiting.set()
+        futs[-1].result()
+    except KeyboardInterrupt:
+        landed_while_pending = not futs[-1].done()
+        caught.set()
+    assert landed_while_pending, "Ctrl-C did not interrupt the wait"
+    h.check()
+    bounded(h.pipe.close)
+    for fut, it in zip(futs, items):  # close finished what was accepted
+        check_result(fut.result(timeout=0), it, fut.index)
+    h.close()
+
+
+def test_ctrl_c_inside_map_leaves_a_pipeline_close_finishes():
+    _need_sigint()
+    dev = rf.device("sim", seed=7, chaos=True)
+    caught = threading.Event()
+    consumed = []
+
+    def consume(index, item, view):
+        consumed.append(index)
+        if len(consumed) == 3:
+            # Ctrl-C lands before this consumer returns: the map waits for this chunk, and its
+            # wait ends with the KeyboardInterrupt (a consumer must not block on the main
+            # thread: it may run while the pipeline's lock is held)
+            interrupt_main()
+        return np.array(view)
+
+    pipe = rf.Pipeline(lambda x, y: np.copyto(y, x * 3 + 1), device=dev, consume=consume, chunk_bytes=512, slots=1,
+                       max_in_flight=4, checked=True)
+    items = [np.arange(16.0) + k for k in range(30)]
+    got = []
+    with contextlib.closing(pipe.map(items)) as gen:
+        try:
+            for r in gen:
+                got.append(r)
+        except KeyboardInterrupt as exc:
+            caught.set()
+            inside = any(frame.f_code.co_name == "_map" for frame, _ in traceback.walk_tb(exc.__traceback__))
+    assert caught.is_set() and len(got) == 2, len(got)
+    assert inside, "Ctrl-C landed outside the map's wait"
+    for k, r in enumerate(got):
+        assert np.array_equal(r, items[k] * 3 + 1)
+    bounded(pipe.close)
+    s = pipe.stats()
+    assert s.in_flight == 0 and s.balanced() and s.failed == 0 and s.delivered == s.accepted
+    gc.collect()
+    assert dev.live().total == 0
+
+
+def test_iterable_feeding_map_raises_keyboard_interrupt():
+    h = Harness(seed=8, chaos=True, checked=True, slots=2, max_in_flight=8, chunk_bytes=512)
+    boom = KeyboardInterrupt("from the feeding iterable")
+
+    def feed():
+        for i in range(10):
+            if i == 6:
+                raise boom
+            yield h.item(i + 1, 8)
+
+    with pytest.raises(KeyboardInterrupt) as caught:
+        list(h.pipe.map(feed()))
+    assert caught.value is boom
+    del caught
+    boom.__traceback__ = None
+    h.check()
+    bounded(h.pipe.close)
+    s = h.pipe.stats()
+    assert (s.accepted, s.delivered) == (6, 6)  # what was accepted still ran to its end
+    h.close()
+
+
+def test_with_block_left_by_ctrl_c_cancels_and_releases():
+    dev = rf.device("sim", seed=9, chaos=True)
+    futs = []
+    with pytest.raises(KeyboardInterrupt):
+        with rf.Pipeline(lambda x, y: np.copyto(y, x + 1), device=dev, chunk_bytes=512, slots=1,
+                         max_in_flight=6, checked=True) as pipe:
+            futs = [pipe.submit(np.arange(8.0) + k) for k in range(6)]
+            raise KeyboardInterrupt
+    assert all(f.done() for f in futs)
+    assert any(f.cancelled() for f in futs)
+    s = pipe.stats()
+    assert s.in_flight == 0 and s.balanced()
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe.submit(np.arange(8.0))
+    del futs
+    gc.collect()
+    assert dev.live().total == 0
+
+
+# -- dropped without close ------------------------------------------------------------------------------------
+def test_dropped_after_ctrl_c_without_close_warns_and_releases():
+    dev = rf.device("sim", seed=10, chaos=True)
+    pipe, thread = _new_pipeline(device=dev, slots=1, max_in_flight=6)
+
+    def feed():
+        for k in range(20):
+            if k == 5:
+                raise KeyboardInterrupt
+            yield np.arange(8.0) + k
+
+    with pytest.raises(KeyboardInterrupt):
+        list(pipe.map(feed()))
+    assert pipe.stats().in_flight > 0  # work still in flight when it is dropped
+    with pytest.warns(ResourceWarning, match="garbage-collected; cancelling it"):
+        del pipe
+        gc.collect()
+    assert _released(dev, thread), dev.live()
+
+
+def test_dropped_while_another_thread_waits_on_a_future():
+    """The waiter holds a future, not the pipeline: the pipeline is collected, its chunks are
+    cancelled, and the waiter gets CancelledError instead of waiting for ever."""
+    dev = rf.device("sim", seed=11, chaos=True)
+    pipe, thread = _new_pipeline(device=dev, slots=1, max_in_flight=8)
+    futs = [pipe.submit(np.arange(8.0) + k) for k in range(8)]
+    last = futs[-1]
+    del futs
+    release = threading.Event()
+
+    def waiter(fut):
+        release.wait(JOIN_S)
+        try:
+            return "value", fut.result()
+        except concurrent.futures.CancelledError:
+            return "cancelled", None
+
+    w = start(waiter, last)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del pipe
+        gc.collect()
+        release.set()
+        kind, _ = join([w])[0]
+    assert any(issubclass(x.category, ResourceWarning) for x in caught)
+    assert kind == "cancelled"
+    del last, w
+    assert _released(dev, thread), dev.live()
+
+
+def _new_pipeline(**options):
+    """A pipeline and its progress thread (the thread it started, found by name), so a test can
+    join that thread after dropping the pipeline."""
+    before = set(threading.enumerate())
+    pipe = rf.Pipeline(lambda x, y: np.copyto(y, x + 1), chunk_bytes=512, checked=True, **options)
+    [thread] = [t for t in set(threading.enumerate()) - before if t.name.startswith("ringflow-progress")]
+    return pipe, thread
+
+
+def _released(dev, thread) -> bool:
+    """Whether the dropped pipeline's progress thread ended (it cancels, drains and releases on its
+    own once the pipeline is collected) within the real-time bound and left nothing live."""
+    thread.join(JOIN_S)
+    gc.collect()
+    return not thread.is_alive() and dev.live().total == 0
