@@ -53,8 +53,8 @@ def test_the_split_covers_every_row_once_balanced_by_rows(length, parts, rows):
     assert len(shards) == min(parts, length)
     assert shards[0][0] == 0 and shards[-1][1] == length
     assert all(a < b for a, b in shards) and all(b == c for (_, b), (c, _) in zip(shards, shards[1:]))
-    sizes = [b - a for a, b in shards]
-    assert max(sizes) - min(sizes) <= 2 * (rows // 8) + 1
+    even = length / len(shards)
+    assert all(abs((b - a) - even) <= 2 * (rows // 8) + 1 for a, b in shards)  # each boundary moved by an eighth at most
 
 
 def test_shards_are_whole_chunks_where_balance_allows():
@@ -108,6 +108,9 @@ def test_strided_arrays_are_staged_on_every_device():
     assert len(seen) == 3 and all(hasattr(e, "submit") for e in seen)  # three scheduled pipelines
     with pytest.raises(ValueError, match="C-contiguous"):
         rf.stream_map(f, x, device=devs, host="register")
+    with pytest.raises(ValueError, match="engine='direct' cannot run this job") as info:
+        rf.stream_map(f, x, device=devs, engine="direct")
+    assert not getattr(info.value, "__notes__", None)  # refused once, before any shard ran
 
 
 def test_empty_x_returns_at_once_over_a_list():

@@ -38,7 +38,7 @@ import numpy as np
 from .._device import device_label, host_pool
 from .._device.protocol import Device
 from .._errors import DeviceError, LaunchError, StageError
-from .engine import Arrays
+from .engine import Arrays, choose_engine
 from .whole_array import MapLayout, run_whole
 
 # Threads that run shards. Shared by every call and reused, so a call pays no thread start-up and
@@ -99,18 +99,19 @@ def split_rows(length: int, parts: int, rows: int) -> list[tuple[int, int]]:
 
 
 def plan_shards(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, devices: Sequence[Device], chunk_bytes,
-                host: str, opts: dict) -> list[Shard]:
+                host: str, engine: str, opts: dict) -> list[Shard]:
     """Cut a non-empty job into shards, one per device (fewer when ``x`` has fewer rows than
     there are devices; the devices left over get nothing). Every shard is cut into chunks of the
     same rows, planned once for a shard's share of the array (``chunk_bytes="auto"`` included).
 
     Raises:
         ValueError: as :meth:`MapLayout.plan` (a row larger than a chunk, registration of
-            strided arrays).
+            strided arrays) and :func:`choose_engine` (``engine="direct"`` where it cannot run).
     """
     n = x.shape[0]
     share = -(-n // min(len(devices), n))
     probe = MapLayout.plan(f, x[:share], out[:share], fresh_out, devices[0], chunk_bytes, host, None, None, opts)
+    choose_engine(engine, probe.strategy, probe.engine_options(opts))  # refused once, not once per shard
     shards, first = [], 0
     for i, (a, b) in enumerate(split_rows(n, len(devices), probe.rows)):
         rows = min(probe.rows, b - a)
@@ -342,7 +343,7 @@ def stream_map_sharded(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: b
     """A checked, non-empty ``stream_map`` call over several devices; returns ``(out, report)``
     (a :class:`ShardedReport` when ``profile``, else None)."""
     host = host_for_shards(x, out, fresh_out, host, x_buffer, out_buffer)
-    shards = plan_shards(f, x, out, fresh_out, devices, chunk_bytes, host, opts)
+    shards = plan_shards(f, x, out, fresh_out, devices, chunk_bytes, host, engine, opts)
 
     def work(shard: Shard) -> Any:
         xs = x[shard.start:shard.stop]
@@ -395,7 +396,7 @@ class ShardedJob:
                 settled and the ones made closed first).
         """
         host = host_for_shards(x, out, fresh_out, host, x_buffer, out_buffer)
-        shards = plan_shards(f, x, out, fresh_out, devices, chunk_bytes, host, opts)
+        shards = plan_shards(f, x, out, fresh_out, devices, chunk_bytes, host, engine, opts)
 
         def make(shard: Shard) -> Any:
             xs = x[shard.start:shard.stop]
