@@ -2,8 +2,11 @@
 
 ``ringflow.device("auto")`` gives cuda:0 when a GPU is usable and the simulated H200
 otherwise (with a warning saying why); ``"cuda:N"`` insists on a GPU; ``"sim"`` builds the
-simulator from a named profile. ``ringflow.device()`` (or ``None``) reads the spec from the
-``RINGFLOW_DEVICE`` environment variable, ``"auto"`` when it is unset.
+simulator from a named profile, and ``"sim:N"`` is the process's N-th simulated GPU (the same
+device for the same name, as ``"cuda:N"`` is the same GPU). ``ringflow.device()`` (or
+``None``) reads the spec from the ``RINGFLOW_DEVICE`` environment variable, ``"auto"`` when it
+is unset. :func:`devices` turns a list of devices or specs, or ``"cuda:all"``, into the devices
+of one job spread over several GPUs.
 
 Messages go to the ``"ringflow"`` logger, which has only a NullHandler: an application that
 configures logging sees them, one that does not sees nothing.
@@ -23,7 +26,7 @@ from .._errors import RingflowError
 from .protocol import (ArrayArg, Buffer, BufferSlice, Capabilities, Device, DeviceBuffer, Event, HostBuffer,
                        HostTask, LiveCounts, Stream, WorkerPool)
 
-__all__ = ["device", "cuda_available", "parse_spec", "Device", "Stream", "Event", "Buffer", "HostBuffer",
+__all__ = ["device", "devices", "device_list", "device_label", "cuda_available", "parse_spec", "Device", "Stream", "Event", "Buffer", "HostBuffer",
            "DeviceBuffer", "BufferSlice", "ArrayArg", "Capabilities", "LiveCounts", "HostTask", "WorkerPool",
            "DeviceUnavailableError", "SimulatedFallbackWarning", "ENV_VAR"]
 
@@ -34,12 +37,20 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "RINGFLOW_DEVICE"
 _CUDA_SPEC = re.compile(r"cuda(?::(.*))?", re.DOTALL)
-_FORMS = "use 'auto', 'cuda', 'cuda:N' (N = GPU index 0, 1, ...) or 'sim'"
+_SIM_SPEC = re.compile(r"sim:(.*)", re.DOTALL)
+_FORMS = "use 'auto', 'cuda', 'cuda:N' (N = GPU index 0, 1, ...), 'sim' or 'sim:N' (the N-th simulated GPU)"
+ALL_GPUS = "cuda:all"
 SIM_OPTIONS = ("profile", "seed", "chaos", "checked")
 CUDA_OPTIONS = ("array",)
 
 _fallback_lock = threading.Lock()
 _fallback_warned = False
+
+# "sim:N" names one simulated GPU for the life of the process, as "cuda:N" names one GPU: a job
+# over ["sim:0", "sim:1"] and a later call naming "sim:0" meet the same device (its warm engines,
+# its clock). Each entry is (device, the options it was made with).
+_named_sims: dict[int, tuple[Any, dict]] = {}
+_named_lock = threading.Lock()
 
 
 class DeviceUnavailableError(RingflowError, RuntimeError):
@@ -74,12 +85,12 @@ def parse_spec(spec: "str | None" = None) -> tuple[str, "int | None"]:
     """Check a device spec's spelling without touching any device.
 
     Args:
-        spec: ``"auto"``, ``"sim"``, ``"cuda"`` or ``"cuda:N"``; None reads the
+        spec: ``"auto"``, ``"sim"``, ``"sim:N"``, ``"cuda"`` or ``"cuda:N"``; None reads the
             ``RINGFLOW_DEVICE`` environment variable (``"auto"`` when unset or empty).
 
     Returns:
         ``(kind, index)``: kind is ``"auto"``, ``"sim"`` or ``"cuda"``; index is the GPU index
-        for ``"cuda:N"`` (0 for plain ``"cuda"``) and None otherwise.
+        for ``"cuda:N"`` (0 for plain ``"cuda"``), N for ``"sim:N"``, and None otherwise.
 
     Raises:
         TypeError: ``spec`` is not a string or None.
@@ -94,6 +105,10 @@ def parse_spec(spec: "str | None" = None) -> tuple[str, "int | None"]:
                         f"got {type(spec).__name__} {spec!r}")
     if spec in ("auto", "sim"):
         return spec, None
+    if spec == ALL_GPUS:
+        raise ValueError(f"unknown device {spec!r} ({where}): 'cuda:all' names every GPU, and a device is one; "
+                         f"pass 'cuda:all' as the device= of stream_map or MapJob, which spread a job over "
+                         f"several GPUs; {_FORMS}")
     m = _CUDA_SPEC.fullmatch(spec)
     if m:
         index = m.group(1)
@@ -103,8 +118,16 @@ def parse_spec(spec: "str | None" = None) -> tuple[str, "int | None"]:
             return "cuda", int(index)
         raise ValueError(f"unknown device {spec!r} ({where}): the GPU index after 'cuda:' must be a whole "
                          f"number >= 0, got {index!r}; {_FORMS}")
+    m = _SIM_SPEC.fullmatch(spec)
+    if m:
+        index = m.group(1)
+        if index.isascii() and index.isdigit():
+            return "sim", int(index)
+        raise ValueError(f"unknown device {spec!r} ({where}): the number after 'sim:' must be a whole number "
+                         f">= 0, got {index!r}; pass the simulator's options as keywords, e.g. "
+                         f"device('sim', profile='h200-pcie5'); {_FORMS}")
     if spec.startswith("sim"):
-        raise ValueError(f"unknown device {spec!r} ({where}): 'sim' takes no suffix; pass its options as "
+        raise ValueError(f"unknown device {spec!r} ({where}): 'sim' takes no suffix but ':N'; pass its options as "
                          f"keywords, e.g. device('sim', profile='h200-pcie5'); {_FORMS}")
     empty = ", an empty string" if not spec.strip() else ""
     raise ValueError(f"unknown device {spec!r} ({where}{empty}); {_FORMS}")
@@ -148,8 +171,10 @@ def device(spec: "str | None" = None, **options: Any) -> Device:
         spec: ``"auto"`` (cuda:0 when a GPU is usable, else the simulated GPU with a
             :class:`SimulatedFallbackWarning` once per process and a log record on the
             ``"ringflow"`` logger each time), ``"cuda"`` / ``"cuda:N"`` (GPU N, counted from 0),
-            or ``"sim"``. None (the default) reads the ``RINGFLOW_DEVICE`` environment variable,
-            ``"auto"`` when it is unset.
+            ``"sim"`` (a new simulated GPU, independent of every other), or ``"sim:N"`` (the
+            process's N-th simulated GPU: made on first use, the same device for every later
+            ``"sim:N"``; a closed one is replaced by a new one). None (the default) reads the
+            ``RINGFLOW_DEVICE`` environment variable, ``"auto"`` when it is unset.
         **options: for ``"sim"``: ``profile`` (default ``"h200-pcie5"``), ``seed``, ``chaos``,
             ``checked``; for ``"cuda"``: ``array`` (``"cupy"``, ``"torch"`` or ``"dlpack"``);
             ``"auto"`` takes both sets and passes each backend its own.
@@ -159,14 +184,17 @@ def device(spec: "str | None" = None, **options: Any) -> Device:
 
     Raises:
         TypeError: ``spec`` is not a string, or an option is not one the backend accepts.
-        ValueError: ``spec`` is not an accepted form, or ``cuda:N`` names a GPU this machine
-            does not have (the message gives the count).
+        ValueError: ``spec`` is not an accepted form, ``cuda:N`` names a GPU this machine
+            does not have (the message gives the count), or ``sim:N`` exists already with other
+            options (a named simulated GPU's options are fixed when it is made).
         DeviceUnavailableError: ``cuda``/``cuda:N`` was asked for and CUDA is not usable here
             (also a RuntimeError).
     """
     kind, index = parse_spec(spec)
     if kind == "sim":
         _check_options("sim", options, SIM_OPTIONS)
+        if index is not None:
+            return _named_sim(index, options)
         from .sim import SimDevice
 
         return SimDevice(**options)
@@ -194,3 +222,119 @@ def device(spec: "str | None" = None, **options: Any) -> Device:
     from .cuda import CudaDevice
 
     return CudaDevice(index, **options)
+
+
+def _named_sim(index: int, options: dict) -> Device:
+    """The process's ``index``-th simulated GPU, made with ``options`` on first use."""
+    from .sim import SimDevice
+
+    with _named_lock:
+        entry = _named_sims.get(index)
+        if entry is not None and not entry[0].closed:
+            dev, made_with = entry
+            if options and options != made_with:
+                raise ValueError(f"device 'sim:{index}' exists already, made with options {made_with or 'none'}; "
+                                 f"a named simulated GPU keeps the options it was made with: pass none (or the same), "
+                                 f"or make an independent one with device('sim', **options)")
+            return dev
+        dev = SimDevice(**options)
+        _named_sims[index] = (dev, dict(options))
+        return dev
+
+
+def device_label(dev: Any) -> str:
+    """A short name for ``dev`` in messages and traces: ``"cuda:N"``, ``"sim:N"`` for a named
+    simulated GPU, else its repr."""
+    if getattr(dev, "backend", None) == "cuda" and isinstance(getattr(dev, "index", None), int):
+        return f"cuda:{dev.index}"
+    with _named_lock:
+        for index, (named, _) in _named_sims.items():
+            if named is dev:
+                return f"sim:{index}"
+    return repr(dev)
+
+
+def _is_many(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) or (isinstance(value, str) and value.strip() == ALL_GPUS)
+
+
+def device_list(value: Any, *, name: str = "device") -> "list[Device] | None":
+    """The devices a job's ``device=`` argument names when it names a list of them (a list or
+    tuple, ``"cuda:all"``, or None with ``RINGFLOW_DEVICE=cuda:all``); None when it names one
+    device (a :class:`Device`, a single spec, or None otherwise).
+
+    Raises:
+        TypeError: ``value`` is none of these.
+        others: as :func:`devices`.
+    """
+    if value is None:
+        env = os.environ.get(ENV_VAR, "").strip()
+        return devices(env, name=f"{name} (from the {ENV_VAR} environment variable)") if env == ALL_GPUS else None
+    if _is_many(value):
+        return devices(value, name=name)
+    if not isinstance(value, (str, Device)):
+        raise TypeError(f"{name} must be a device, a device spec such as 'cuda:0' or 'sim', a list or tuple of "
+                        f"them, or 'cuda:all'; got {type(value).__name__} {value!r}")
+    return None
+
+
+def devices(spec: Any, *, name: str = "device") -> list[Device]:
+    """The devices of one job spread over several GPUs.
+
+    Args:
+        spec: ``"cuda:all"`` (every GPU this machine has, in index order), or a list or tuple
+            whose items are each a :class:`Device` or a spec naming one device (``"cuda:N"``,
+            ``"sim:N"``, ``"sim"``); all of one backend, none twice.
+        name: the argument's name in error messages.
+
+    Returns:
+        The devices, in the order given.
+
+    Raises:
+        TypeError: ``spec`` is not a list, tuple or ``"cuda:all"``, or an item is neither a
+            device nor a string.
+        ValueError: an empty list, an item that is no device spec (``"auto"`` too: name each
+            GPU), the same device twice, or simulated and real GPUs mixed.
+        DeviceUnavailableError: ``"cuda:all"`` or ``"cuda:N"`` where CUDA is not usable.
+    """
+    if isinstance(spec, str) and spec.strip() == ALL_GPUS:
+        ok, reason = cuda_available()
+        if not ok:
+            raise DeviceUnavailableError(f"{name}='cuda:all' is not usable: {reason}. Use a list of simulated GPUs "
+                                         f"such as ['sim:0', 'sim:1'] instead")
+        count = _gpu_count()
+        if count < 1:
+            raise DeviceUnavailableError(f"{name}='cuda:all': the driver sees no GPU")
+        from .cuda import CudaDevice
+
+        return [CudaDevice(i) for i in range(count)]
+    if not isinstance(spec, (list, tuple)):
+        raise TypeError(f"{name} must be a device, a device spec, a list or tuple of them, or 'cuda:all'; "
+                        f"got {type(spec).__name__} {spec!r}")
+    if not spec:
+        raise ValueError(f"{name} is an empty {type(spec).__name__}: it names no device; pass at least one, "
+                         f"e.g. ['cuda:0', 'cuda:1'] or ['sim:0', 'sim:1']")
+    out: list[Device] = []
+    for i, item in enumerate(spec):
+        if isinstance(item, Device):
+            dev = item
+        elif isinstance(item, str):
+            if item.strip() in ("auto", ALL_GPUS):
+                raise ValueError(f"{name}[{i}] is {item!r}; in a list name each device: 'cuda:N' or 'sim:N'")
+            try:
+                dev = device(item)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{name}[{i}]: {exc}") from None
+        else:
+            raise TypeError(f"{name}[{i}] must be a device or a device spec such as 'cuda:1' or 'sim:1', "
+                            f"got {type(item).__name__} {item!r}")
+        for j, other in enumerate(out):
+            if other is dev or (dev.backend == "cuda" and other.backend == "cuda"
+                                and getattr(dev, "index", None) == getattr(other, "index", -1)):
+                raise ValueError(f"{name}[{j}] and {name}[{i}] are the same device ({device_label(dev)}); "
+                                 f"name each device once")
+        if out and dev.backend != out[0].backend:
+            raise ValueError(f"{name} mixes a {out[0].backend} device ({name}[0]) with a {dev.backend} one "
+                             f"({name}[{i}]): use devices of one kind, all 'cuda:N' or all simulated")
+        out.append(dev)
+    return out

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from .._device import device as make_device
+from .._device import device_list
 from .._device.protocol import Device, close_quietly
 from .engine import Arrays, Engine, choose_engine, make_engine
 from .whole_array import MapLayout, check_arrays, register, run_call
@@ -66,6 +67,11 @@ class MapJob:
     one element); ``profile`` and ``keep_warm`` are not taken here: a job is profiled per call
     (``job(profile=True)``) and keeps its engine for its own life.
 
+    Over several devices (``device=`` a list, or ``"cuda:all"``) the job holds a single-device
+    job per shard of rows, set up at once on every device, and each call runs them side by side;
+    ``job.device`` is then the tuple of devices, ``job.strategy`` and ``job.engine`` are the
+    shards' (``"mixed"`` where they differ), and :meth:`report` gives a ``ShardedReport``.
+
     Raises:
         TypeError, ValueError: a bad argument (the message names it and what it accepts).
 
@@ -88,9 +94,25 @@ class MapJob:
             raise ValueError("MapJob needs at least one element in x; for an empty array call stream_map, "
                              "which returns at once")
         self.x, self.out = x, out
-        dev = make_device(device) if not isinstance(device, Device) else device
-        self._layout = layout = MapLayout.plan(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer,
-                                               out_buffer, opts)
+        many = device_list(device)
+        if many is not None and len(many) > 1:  # a job per device over its rows (one list of one is one)
+            from .sharded import ShardedJob
+
+            sharded = ShardedJob.build(f, x, out, fresh_out, many, opts.pop("chunk_bytes"), host, x_buffer,
+                                       out_buffer, engine, opts, part=MapJob._part)
+            self._layout, self.device, self.engine = sharded.layout, sharded.devices, sharded.layout.kind
+            self._arrays = Arrays(x, out)
+            self._held.engine = sharded
+        else:
+            dev = many[0] if many else make_device(device) if not isinstance(device, Device) else device
+            self._bind(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer, out_buffer, engine, opts)
+        self._finalizer = weakref.finalize(self, _collected, self._held, repr(self))
+
+    def _bind(self, f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x_buffer, out_buffer,
+              engine: str, opts: dict) -> None:
+        """Lay the job out on ``dev``, pin its arrays (``host="register"``) and build its engine."""
+        self._layout = layout = MapLayout.plan(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer,
+                                               opts)
         self.device = layout.device
         opts = layout.engine_options(opts)
         self.engine = choose_engine(engine, layout.strategy, opts)
@@ -104,7 +126,17 @@ class MapJob:
         except BaseException:
             self._held.release()
             raise
-        self._finalizer = weakref.finalize(self, _collected, self._held, repr(self))
+
+    @classmethod
+    def _part(cls, f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, engine: str,
+              opts: dict) -> "MapJob":
+        """A job on one device over arrays already checked: one shard of a job over several."""
+        job = cls.__new__(cls)
+        job._held = _Held()
+        job.x, job.out = x, out
+        job._bind(f, x, out, fresh_out, dev, chunk_bytes, host, None, None, engine, opts)
+        job._finalizer = weakref.finalize(job, _collected, job._held, repr(job))
+        return job
 
     @property
     def strategy(self) -> str:

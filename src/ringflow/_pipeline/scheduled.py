@@ -79,8 +79,13 @@ class ScheduledEngine:
         elif arrays is not self._arrays:
             pipe._rearm(*self._stages(arrays), *self._host_rings(arrays))
             self._arrays = arrays
+        earlier = {id(err) for err in pipe.failures}
         for _ in pipe.map(self.layout.ranges()):
             pass
+        # on_error="continue": map skipped the failed chunks; the call still fails, with the first
+        failed = [err for err in pipe.failures if id(err) not in earlier]
+        if failed:
+            raise min(failed, key=lambda err: err.index)
 
     def report(self):
         """The last profiled call's :class:`~ringflow.Report`. Raises RuntimeError if none."""

@@ -15,10 +15,11 @@ Lifetimes, and why:
 * Parking forgets the job: the stage callbacks (closures over the caller's arrays) and the
   caller's memory behind external rings are dropped, so a parked pipeline never keeps the
   caller's arrays alive.
-* At most ``capacity`` pipelines are parked (least recently used are closed first). They
-  hold their streams, device rings and pinned rings, which therefore count as live in
-  ``device.live()`` until :func:`drop_warm_pipelines` (or eviction) closes them. A pipeline
-  parked on a device closed since is discarded when found.
+* At most ``capacity`` pipelines are parked per device, and ``capacity * MAX_DEVICES`` in
+  all (least recently used are closed first): a call spread over several GPUs parks one per
+  device. They hold their streams, device rings and pinned rings, which therefore count as
+  live in ``device.live()`` until :func:`drop_warm_pipelines` (or eviction) closes them. A
+  pipeline parked on a device closed since is discarded when found.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from .api import Pipeline
 
 DEFAULT_CAPACITY = 2
+MAX_DEVICES = 8  # devices kept warm at once (a host's GPUs); beyond, the least recently used go
 
 
 class WarmPipelines:
@@ -58,7 +60,10 @@ class WarmPipelines:
             old = self._parked.pop(key, None)
             self._parked[key] = pipe
             evicted = [old] if old is not None else []
-            while len(self._parked) > self.capacity:
+            same = [k for k, p in self._parked.items() if p.device is pipe.device]
+            for k in same[:max(0, len(same) - self.capacity)]:
+                evicted.append(self._parked.pop(k))
+            while len(self._parked) > self.capacity * MAX_DEVICES:
                 evicted.append(self._parked.popitem(last=False)[1])
         for p in evicted:
             _close(p)

@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import _plan as plan
 from .._device import device as make_device
+from .._device import device_list
 from .._device import host_pool
 from .._device.protocol import Device, HostBuffer, close_quietly
 from .._testing import current as current_hooks
@@ -60,6 +61,12 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
         device: a device, a spec such as ``"cuda:0"`` or ``"sim"``, or None: the device of ``x``'s
             (else ``out``'s) memory when it came from :func:`ringflow.host.empty`, else
             ``ringflow.device()`` (the ``RINGFLOW_DEVICE`` environment variable, else "auto").
+            Several devices: a list or tuple of devices or specs (``["cuda:0", "cuda:1"]``,
+            ``["sim:0", "sim:1"]``) or ``"cuda:all"``; the rows of ``x`` are split into one
+            contiguous shard per device, balanced by rows, and the shards run at once, each an
+            ordinary call on its own device (a list of one is that device). Every other
+            argument applies to each shard; ``x_buffer``/``out_buffer`` are refused, and arrays
+            from :func:`ringflow.host.empty` are staged. See the multi-GPU guide.
         chunk_bytes: bytes per chunk (an int or a size such as ``"8MiB"``), ``"auto"`` to let the
             planner choose, or None for 8 MiB. Never larger than the array needs.
         host: how ordinary host memory reaches the copy engines: ``"stage"`` copies each chunk
@@ -91,7 +98,9 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
     Raises:
         TypeError, ValueError: a bad argument (the message names it and what it accepts).
         StageError: a chunk failed (its stage and index named; the original as ``__cause__``).
-        DeviceError: the device broke.
+            Over several devices the index counts chunks over the whole array, and the device
+            and rows are named; every shard has ended (finished or failed) first.
+        DeviceError: the device broke (over several devices: a new error naming it).
     """
     return _stream_map(f, x, out, device=device, chunk_bytes=chunk_bytes, host=host, x_buffer=x_buffer,
                        out_buffer=out_buffer, engine=engine, keep_warm=keep_warm, inplace=inplace, slots=slots,
@@ -103,7 +112,11 @@ def stream_map_report(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = No
     """:func:`stream_map` with profiling on, on the engine it would run on anyway.
 
     Returns:
-        ``(out, report)``: the result and its :class:`ringflow.Report` (None if ``x`` is empty).
+        ``(out, report)``: the result and its :class:`ringflow.Report` (None if ``x`` is empty);
+        over several devices the report is a ``ShardedReport``: a ``Report`` per shard
+        (``reports``), each shard's time on its device's clock (``elapsed_s``) and the call's
+        (``wall_s``, the largest; ``predicted_s`` on simulated GPUs), and ``save_trace`` writing
+        one Chrome trace with a process per device.
     """
     options["profile"] = True
     return _stream_map(f, x, out, **options)
@@ -117,18 +130,36 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
     if x.shape[0] == 0 or x.size == 0:
         return out, None
     keep_warm, profile = opts.pop("keep_warm"), opts.pop("profile")
-    if device is None:  # arrays from ringflow.host name their device
+    many = device_list(device)
+    if many is not None and len(many) > 1:  # the rows are split over the devices (one list of one is one)
+        from .sharded import stream_map_sharded
+
+        return stream_map_sharded(f, x, out, fresh_out, many, opts.pop("chunk_bytes"), host, x_buffer, out_buffer,
+                                  engine, keep_warm, profile, opts)
+    if many is not None:
+        device = many[0]
+    elif device is None:  # arrays from ringflow.host name their device
         device = host_pool.device_of(x)
         if device is None and not fresh_out:
             device = host_pool.device_of(out)
     dev = make_device(device) if not isinstance(device, Device) else device
-    if fresh_out and POOLED_OUT and x_buffer is None and out_buffer is None and host != "stage":
+    return run_whole(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer, out_buffer, engine,
+                     keep_warm, profile, opts)
+
+
+def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x_buffer, out_buffer, engine: str,
+              keep_warm: bool, profile: bool, opts: dict, *, pooled_out: bool = True) -> tuple:
+    """One checked, non-empty whole-array call on ``dev`` (``opts`` as :func:`check_options`
+    returns them, less ``chunk_bytes``, ``keep_warm`` and ``profile``); returns ``(out, report)``.
+    ``pooled_out``: a fresh ``out`` may be replaced by a pool array (:data:`POOLED_OUT`); a shard
+    of a call over several devices writes the caller's ``out`` and passes False."""
+    if pooled_out and fresh_out and POOLED_OUT and x_buffer is None and out_buffer is None and host != "stage":
         out = host_pool.pool_for(dev).empty(x.shape, x.dtype)
         fresh_out = host_pool.buffer_behind(out, dev) is None  # a pageable fallback is still untouched
     pooled = pooled_buffers(dev, x, out, fresh_out, host, x_buffer, out_buffer)
     if None not in pooled:
         x_buffer, out_buffer = pooled
-    layout = MapLayout.plan(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer, out_buffer, opts)
+    layout = MapLayout.plan(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer, opts)
     opts = layout.engine_options(opts)
     kind = choose_engine(engine, layout.strategy, opts)
     registered: list = []

@@ -1,0 +1,539 @@
+"""Whole-array jobs over several devices (``device=`` a list): the rows split into one shard per
+simulated GPU, every shard run at once on its own device, errors named for the whole array, every
+shard settled before a call returns or raises, and the predicted time that of the slowest shard."""
+
+import doctest
+import gc
+import json
+import signal
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ringflow as rf
+from ringflow import _device
+from ringflow._errors import DeviceError, StageError
+from ringflow._pipeline import sharded
+from tests.helpers.hooks import engines
+
+MiB = 1 << 20
+
+
+def f(x, y):
+    y[:] = x * 2 + 1
+
+
+def contents(shape, seed):
+    return np.random.default_rng(seed).uniform(0.5, 1.5, shape).astype(np.float32)
+
+
+def sims(n, seed=0, **kw):
+    return [rf.device("sim", seed=seed * 10 + i, chaos=True, **kw) for i in range(n)]
+
+
+def assert_nothing_live(devs):
+    rf.drop_warm_pipelines()
+    gc.collect()
+    for dev in devs:
+        assert dev.live().total == 0, (dev, dev.live())
+
+
+def test_the_module_example_runs():
+    assert doctest.testmod(sharded).failed == 0
+
+
+# -- the split -------------------------------------------------------------------------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(length=st.integers(1, 5000), parts=st.integers(1, 9), rows=st.integers(1, 700))
+def test_the_split_covers_every_row_once_balanced_by_rows(length, parts, rows):
+    shards = sharded.split_rows(length, parts, rows)
+    assert len(shards) == min(parts, length)
+    assert shards[0][0] == 0 and shards[-1][1] == length
+    assert all(a < b for a, b in shards) and all(b == c for (_, b), (c, _) in zip(shards, shards[1:]))
+    even = length / len(shards)
+    assert all(abs((b - a) - even) <= 2 * (rows // 8) + 1 for a, b in shards)  # each boundary moved by an eighth at most
+
+
+def test_shards_are_whole_chunks_where_balance_allows():
+    assert sharded.split_rows(1024, 2, 64) == [(0, 512), (512, 1024)]
+    assert sharded.split_rows(1030, 2, 64) == [(0, 512), (512, 1030)]  # 3 rows off: on the chunk boundary
+    assert sharded.split_rows(1100, 2, 64) == [(0, 550), (550, 1100)]  # 38 rows off: balance wins
+    assert sharded.split_rows(3, 4, 64) == [(0, 1), (1, 2), (2, 3)]  # fewer rows than devices
+
+
+# -- results ---------------------------------------------------------------------------------------------------------
+SHAPES = [(1001,), (777, 5), (4097, 3), (3,), (2, 7), (1, 4)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("host", ["stage", "register"])
+@pytest.mark.parametrize("seed", range(3))
+def test_one_two_and_four_devices_give_bit_identical_results_under_chaos(shape, host, seed):
+    x = contents(shape, seed)
+    row = x.nbytes // shape[0]
+    results = []
+    used = []
+    for n in (1, 2, 4):
+        devs = sims(n, seed, checked=True)
+        used += devs
+        y = rf.stream_map(f, x, device=devs, chunk_bytes=row * 37, host=host, checked=True)
+        results.append(y)
+    for y in results:
+        assert y.tobytes() == (x * 2 + 1).tobytes()
+    assert_nothing_live(used)
+
+
+@pytest.mark.parametrize("engine", ["auto", "pipeline"])
+@pytest.mark.parametrize("seed", range(3))
+def test_in_place_over_two_devices_under_chaos(engine, seed):
+    x = contents((5000, 2), seed)
+    expected = x * 2 + 1
+    devs = sims(2, seed)
+    assert rf.stream_map(f, x, x, device=devs, chunk_bytes=8 * 100, inplace=True, engine=engine,
+                         host="register") is x
+    np.testing.assert_array_equal(x, expected)
+    assert_nothing_live(devs)
+
+
+def test_strided_arrays_are_staged_on_every_device():
+    base = contents((400, 6), 1)
+    x = base[:, ::2]  # not contiguous: each shard x[a:b] neither
+    devs = sims(3)
+    with engines() as seen:
+        y = rf.stream_map(f, x, device=devs, chunk_bytes=12 * 10)
+    np.testing.assert_array_equal(y, x * 2 + 1)
+    assert len(seen) == 3 and all(hasattr(e, "submit") for e in seen)  # three scheduled pipelines
+    with pytest.raises(ValueError, match="C-contiguous"):
+        rf.stream_map(f, x, device=devs, host="register")
+    with pytest.raises(ValueError, match="engine='direct' cannot run this job") as info:
+        rf.stream_map(f, x, device=devs, engine="direct")
+    assert not getattr(info.value, "__notes__", None)  # refused once, before any shard ran
+
+
+def test_empty_x_returns_at_once_over_a_list():
+    for x in (np.empty(0, np.float32), np.empty((0, 4), np.float32), np.empty((5, 0), np.float32)):
+        y = rf.stream_map(f, x, device=sims(2))
+        assert y.shape == x.shape
+        out, report = rf.stream_map_report(f, x, device=sims(2))
+        assert report is None and out.shape == x.shape
+
+
+def test_fewer_rows_than_devices_uses_one_device_a_row():
+    x = contents((3, 4), 2)
+    devs = sims(4)
+    with engines() as seen:
+        y, report = rf.stream_map_report(f, x, device=devs)
+    np.testing.assert_array_equal(y, x * 2 + 1)
+    assert len(seen) == 3 and report.rows == ((0, 1), (1, 2), (2, 3))
+    assert report.devices == tuple(f"device[{i}] {devs[i]!r}" for i in range(3))
+    assert devs[3].live().total == 0 and devs[3].now == 0.0  # the fourth device was never touched
+
+
+def test_each_device_runs_its_own_rows_on_its_own_engine():
+    x = contents((1000, 4), 3)
+    devs = sims(2)
+    with engines() as seen:
+        y, report = rf.stream_map_report(f, x, device=devs, chunk_bytes=16 * 100, host="register")
+    np.testing.assert_array_equal(y, x * 2 + 1)
+    assert len(seen) == 2 and seen[0] is not seen[1]
+    assert report.rows == ((0, 500), (500, 1000))
+    assert [r.chunks for r in report.reports] == [5, 5] and report.chunks == 10
+    assert all(d.now > 0 for d in devs)
+
+
+def test_one_device_in_a_list_is_exactly_that_device():
+    dev = rf.device("sim", seed=5, chaos=True)
+    x = contents((3000, 2), 5)
+    with engines() as seen:
+        rf.stream_map(f, x, device=dev, chunk_bytes=8 * 100, host="register")
+        y = rf.stream_map(f, x, device=[dev], chunk_bytes=8 * 100, host="register")
+        z = rf.stream_map(f, x, device=(dev,), chunk_bytes=8 * 100, host="register")
+    np.testing.assert_array_equal(y, x * 2 + 1)
+    np.testing.assert_array_equal(z, y)
+    assert seen[0] is seen[1] is seen[2]  # the same warm engine: the single-device path, no shard thread
+    _, report = rf.stream_map_report(f, x, device=[dev], chunk_bytes=8 * 100)
+    assert isinstance(report, rf.Report)
+    with rf.MapJob(f, x, device=[dev], chunk_bytes=8 * 100) as job:
+        assert job.device is dev and job.chunks == 30
+
+
+# -- named simulated GPUs -------------------------------------------------------------------------------------------
+def test_sim_n_names_one_device_per_process():
+    a, b = rf.device("sim:7"), rf.device("sim:8")
+    assert a is rf.device("sim:7") and a is not b
+    assert _device.device_label(a) == "sim:7"
+    x = contents((600,), 1)
+    with engines() as seen:
+        rf.stream_map(f, x, device=["sim:7", "sim:8"], chunk_bytes=400)
+        rf.stream_map(f, x, device=["sim:7", "sim:8"], chunk_bytes=400)
+    assert {id(e) for e in seen[:2]} == {id(e) for e in seen[2:]}  # each device's engine kept warm
+    with pytest.raises(ValueError, match="sim:7.*exists already"):
+        rf.device("sim:7", seed=3)
+    c = rf.device("sim:9", seed=3, chaos=True)
+    assert rf.device("sim:9", seed=3, chaos=True) is c and c.seed == 3
+    c.close()
+    assert rf.device("sim:9") is not c  # a closed one is replaced
+    rf.drop_warm_pipelines()
+
+
+# -- errors ----------------------------------------------------------------------------------------------------------
+class Boom(Exception):
+    pass
+
+
+def failing_at(row_value):
+    def compute(x, y):
+        if (x == row_value).any():
+            raise Boom(f"row {row_value}")
+        y[:] = x * 2 + 1
+
+    return compute
+
+
+@pytest.mark.parametrize("host", ["stage", "register"])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_stage_error_names_the_global_chunk_the_rows_and_the_device(host, seed):
+    x = np.arange(2000, dtype=np.float32)  # 2 shards of 10 chunks of 100 rows
+    out = np.zeros_like(x)
+    devs = sims(2, seed)
+    with pytest.raises(StageError) as info:
+        rf.stream_map(failing_at(1234.0), x, out, device=devs, chunk_bytes=400, host=host)
+    err = info.value
+    assert err.stage == "compute" and err.index == 12 and err.rows == (1200, 1300) and err.device is devs[1]
+    assert "chunk 12" in str(err) and "x[1200:1300]" in str(err) and "device[1]" in str(err)
+    assert isinstance(err.__cause__, Boom)
+    np.testing.assert_array_equal(out[:1000], x[:1000] * 2 + 1)  # the other shard finished
+    del info, err  # its traceback holds the call's frames, and so their events
+    assert_nothing_live(devs)
+
+
+def test_on_error_continue_finishes_every_other_chunk_then_raises_the_first():
+    x = np.arange(2000, dtype=np.float32)
+    out = np.zeros_like(x)
+    devs = sims(2, 1)
+    with pytest.raises(StageError) as info:
+        rf.stream_map(failing_at(1234.0), x, out, device=devs, chunk_bytes=400, on_error="continue")
+    assert info.value.index == 12
+    good = np.ones(2000, bool)
+    good[1200:1300] = False
+    np.testing.assert_array_equal(out[good], x[good] * 2 + 1)
+    del info
+    assert_nothing_live(devs)
+
+
+def test_on_error_continue_on_one_device_raises_the_first_failure_too():
+    x = np.arange(2000, dtype=np.float32)
+    out = np.zeros_like(x)
+    with pytest.raises(StageError) as info:
+        rf.stream_map(failing_at(1234.0), x, out, device=rf.device("sim"), chunk_bytes=400, on_error="continue")
+    assert info.value.index == 12
+    np.testing.assert_array_equal(out[1300:], x[1300:] * 2 + 1)
+
+
+def test_four_devices_keep_their_engines_warm_between_calls():
+    devs = sims(4, 2)
+    x = contents((4000,), 2)
+    with engines() as seen:
+        for _ in range(3):
+            np.testing.assert_array_equal(rf.stream_map(f, x, device=devs, chunk_bytes=400), x * 2 + 1)
+    assert len(seen) == 12 and len({id(e) for e in seen}) == 4  # one engine per device, taken back warm
+    assert_nothing_live(devs)
+
+
+def test_when_both_shards_fail_the_first_in_row_order_is_raised_and_the_other_noted():
+    def compute(x, y):
+        if (x == 150.0).any() or (x == 1850.0).any():
+            raise Boom("here")
+        y[:] = x * 2 + 1
+
+    x = np.arange(2000, dtype=np.float32)
+    with pytest.raises(StageError) as info:
+        rf.stream_map(compute, x, device=sims(2), chunk_bytes=400)
+    assert info.value.index == 1
+    assert any("1 other shard(s) failed" in n and "chunk 8" in n for n in info.value.__notes__)
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+@pytest.mark.parametrize("host", ["stage", "register"])
+def test_a_sticky_error_on_one_of_two_devices_fails_its_shard_only(when, host):
+    devs = sims(2, 4)
+    x = np.arange(4000, dtype=np.float32)
+    out = np.zeros_like(x)
+
+    def compute(x_, y):
+        if when == "during" and (x_ == 3000.0).any():
+            devs[1].inject_sticky_error()
+        y[:] = x_ * 2 + 1
+
+    if when == "before":
+        devs[1].inject_sticky_error()
+    with pytest.raises((DeviceError, StageError)) as info:
+        rf.stream_map(compute, x, out, device=devs, chunk_bytes=800, host=host)
+    err = info.value
+    text = str(err) + "".join(getattr(err, "__notes__", []))
+    assert "device[1]" in text and "sticky" in text.lower()
+    if isinstance(err, DeviceError):
+        assert err.sticky and err.device is devs[1]
+    np.testing.assert_array_equal(out[:2000], x[:2000] * 2 + 1)  # the healthy device's rows are right
+    del info, err
+    assert_nothing_live(devs[:1])
+    # the healthy device still works; the broken one refuses every later call
+    np.testing.assert_array_equal(rf.stream_map(f, x, device=devs[0]), x * 2 + 1)
+    with pytest.raises(DeviceError):
+        rf.stream_map(f, x, device=devs[1])
+
+
+def test_a_compute_raising_keyboard_interrupt_on_one_shard_settles_every_shard():
+    devs = sims(2, 6)
+    x = np.arange(4000, dtype=np.float32)
+    out = np.zeros_like(x)
+    done = []
+
+    def compute(x_, y):
+        if (x_ == 2500.0).any():
+            raise KeyboardInterrupt
+        y[:] = x_ * 2 + 1
+        done.append(float(x_[0]))
+
+    # staged: the scheduler delivers a compute's KeyboardInterrupt as itself
+    with pytest.raises(KeyboardInterrupt):
+        rf.stream_map(compute, x, out, device=devs, chunk_bytes=800, host="stage")
+    np.testing.assert_array_equal(out[:2000], x[:2000] * 2 + 1)  # shard 0 ran to its end
+    assert sorted(v for v in done if v < 2000) == [0.0, 200.0, 400.0, 600.0, 800.0, 1000.0, 1200.0, 1400.0,
+                                                    1600.0, 1800.0]
+    assert_nothing_live(devs)
+
+
+def test_an_interrupt_while_the_caller_waits_settles_every_shard_first(monkeypatch):
+    devs = sims(2, 7)
+    x = contents((200_000,), 7)
+    out = np.zeros_like(x)
+    real_wait = sharded._wait
+
+    def interrupted(futures):
+        raise KeyboardInterrupt  # Ctrl-C lands as soon as the caller starts waiting
+
+    monkeypatch.setattr(sharded, "_wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        rf.stream_map(f, x, out, device=devs, chunk_bytes=4096, host="register")
+    # nothing still runs: every shard had finished when the interrupt reached the caller
+    np.testing.assert_array_equal(out, x * 2 + 1)
+    monkeypatch.setattr(sharded, "_wait", real_wait)
+    assert_nothing_live(devs)
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+def test_a_real_sigint_while_the_caller_waits_settles_every_shard_first():
+    devs = sims(2, 8)
+    x = contents((100_000,), 8)
+    out = np.zeros_like(x)
+    main = threading.main_thread().ident
+    sent = []
+
+    def compute(x_, y):
+        if threading.get_ident() != main and not sent:
+            sent.append(True)
+            signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C, delivered to the waiting caller
+        y[:] = x_ * 2 + 1
+
+    with pytest.raises(KeyboardInterrupt):
+        rf.stream_map(compute, x, out, device=devs, chunk_bytes=4096, host="register")
+    assert sent
+    np.testing.assert_array_equal(out, x * 2 + 1)
+    assert_nothing_live(devs)
+
+
+# -- MapJob ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("host", ["stage", "register"])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_job_over_two_devices_called_again_and_again(host, seed):
+    devs = sims(2, seed)
+    shape = (777, 5)
+    x = np.empty(shape, np.float32)
+    with rf.MapJob(f, x, device=devs, chunk_bytes=5 * 4 * 61, host=host, checked=True) as job:
+        assert job.device == tuple(devs) and job.strategy == host and job.chunks == 14  # 7 + 7 chunks
+        assert job.engine == ("direct" if host == "register" else "pipeline")
+        for call in range(4):
+            x[...] = contents(shape, 10 * seed + call)
+            y = job(profile=call == 3)
+            assert y is job.out
+            np.testing.assert_array_equal(y, x * 2 + 1)
+        report = job.report()
+        assert report.rows == ((0, 389), (389, 777)) and len(report.reports) == 2
+    assert job.closed and "closed" in repr(job)
+    assert_nothing_live(devs)
+
+
+def test_a_failed_call_closes_a_job_over_two_devices():
+    devs = sims(2, 2)
+    x = np.arange(2000, dtype=np.float32)
+    job = rf.MapJob(failing_at(-1.0), x, device=devs, chunk_bytes=400, host="register")
+    job()
+    x[1500] = -1.0
+    with pytest.raises(StageError) as info:
+        job()
+    assert info.value.index == 15 and job.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        job()
+    del info
+    assert_nothing_live(devs)
+
+
+def test_a_job_whose_set_up_fails_on_one_device_releases_the_others():
+    devs = sims(2, 3)
+    devs[1].inject_sticky_error()
+    with pytest.raises(DeviceError, match="device\\[1\\]") as info:
+        rf.MapJob(f, np.ones(4000, np.float32), device=devs, chunk_bytes=800, host="register")
+    del info
+    assert_nothing_live(devs[:1])
+
+
+# -- prediction ------------------------------------------------------------------------------------------------------
+def seed_like():
+    """The seed workload's shape: 256 MiB of float32 in place, a 64-iteration kernel's time."""
+    def affine(x, y):
+        np.multiply(x, np.float32(0.999), out=y)
+        y += np.float32(0.001)
+
+    affine.sim_seconds = lambda nbytes: 2 * nbytes / 4.3e12 + 64 * nbytes * 2.7e-14
+    return affine, np.ones(256 * MiB // 4, np.float32)
+
+
+def call_seconds(job, devs):
+    job()  # warm
+    start = [d.now for d in devs]
+    job()
+    return max(d.now - s for d, s in zip(devs, start))
+
+
+def test_two_simulated_gpus_predict_at_least_1_9x_one_on_the_seed_workload():
+    g, x = seed_like()
+    one = [rf.device("sim", checked=False)]
+    two = [rf.device("sim", checked=False) for _ in range(2)]
+    with rf.MapJob(g, x, x, device=one, inplace=True, host="register") as job:
+        t1 = call_seconds(job, one)
+    with rf.MapJob(g, x, x, device=two, inplace=True, host="register") as job:
+        t2 = call_seconds(job, two)
+        start = [d.now for d in two]
+        job(profile=True)
+        profiled = [d.now - s for d, s in zip(two, start)]
+        report = job.report()
+    assert t1 / t2 >= 1.9
+    assert report.simulated and report.predicted_s == report.wall_s == max(profiled)
+    assert report.elapsed_s == pytest.approx(profiled)
+
+
+def test_a_sharded_report_is_the_slowest_shard_and_one_trace_with_a_process_per_device(tmp_path):
+    devs = [rf.device("sim"), rf.device("sim", profile="h200-pcie5")]
+    x = contents((3000, 4), 1)
+    y, report = rf.stream_map_report(f, x, device=devs, chunk_bytes=16 * 150, host="register")
+    np.testing.assert_array_equal(y, x * 2 + 1)
+    assert isinstance(report, sharded.ShardedReport)
+    assert report.wall_s == max(report.elapsed_s) and all(e > 0 for e in report.elapsed_s)
+    assert report.bytes_in == x.nbytes and report.chunks == 20
+    assert all(r.measured_s <= e for r, e in zip(report.reports, report.elapsed_s))
+    assert report.as_dict()["wall_s"] == report.wall_s and "2 devices" in report.headline()
+    path = report.save_trace(str(tmp_path / "trace.json"))
+    events = json.load(open(path))["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert names == {1: f"ringflow on device[0] {devs[0]!r}", 2: f"ringflow on device[1] {devs[1]!r}"}
+    spans = [e for e in events if e.get("ph") == "X"]
+    assert {e["pid"] for e in spans} == {1, 2}
+    for pid in (1, 2):
+        end = max(e["ts"] + e["dur"] for e in spans if e["pid"] == pid)
+        assert end <= report.elapsed_s[pid - 1] * 1e6 + 1e-6  # within the shard's own time from the call's start
+
+
+# -- hostile device= values ------------------------------------------------------------------------------------------
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    import ringflow._device.cuda as cuda_pkg
+
+    class FakeCuda:
+        backend = "cuda"
+
+        def __init__(self, index=0, **options):
+            self.index = index
+
+    monkeypatch.setattr(_device, "cuda_available", lambda: (True, "2 fake GPUs"))
+    monkeypatch.setattr(_device, "_gpu_count", lambda: 2)
+    monkeypatch.setattr(cuda_pkg, "CudaDevice", FakeCuda)
+    return FakeCuda
+
+
+HOSTILE = [
+    ([], ValueError, "device is an empty list"),
+    ((), ValueError, "device is an empty tuple"),
+    ([3], TypeError, r"device\[0\] must be a device"),
+    ([None], TypeError, r"device\[0\] must be a device"),
+    (["sim:0", object()], TypeError, r"device\[1\] must be a device"),
+    (["sim:0", "gpu"], ValueError, r"device\[1\]: unknown device 'gpu'"),
+    (["auto", "sim:0"], ValueError, r"device\[0\] is 'auto'"),
+    (["sim:0", "cuda:all"], ValueError, r"device\[1\] is 'cuda:all'"),
+    (["sim:0", "sim:0"], ValueError, r"device\[0\] and device\[1\] are the same device \(sim:0\)"),
+    ({"sim:0"}, TypeError, "device must be a device"),
+    (3, TypeError, "device must be a device"),
+]
+
+
+@pytest.mark.parametrize("value, exc, message", HOSTILE)
+@pytest.mark.parametrize("door", ["stream_map", "MapJob"])
+def test_hostile_device_values_are_refused_naming_device(value, exc, message, door):
+    x = np.ones(100, np.float32)
+    with pytest.raises(exc, match=message):
+        if door == "stream_map":
+            rf.stream_map(f, x, device=value)
+        else:
+            rf.MapJob(f, x, device=value)
+
+
+def test_the_same_device_object_twice_is_refused():
+    dev = rf.device("sim")
+    with pytest.raises(ValueError, match=r"device\[0\] and device\[2\] are the same device"):
+        rf.stream_map(f, np.ones(8, np.float32), device=[dev, rf.device("sim"), dev])
+
+
+def test_cuda_all_without_a_gpu_names_device(monkeypatch):
+    monkeypatch.setattr(_device, "cuda_available", lambda: (False, "no driver"))
+    with pytest.raises(_device.DeviceUnavailableError, match="device='cuda:all' is not usable: no driver"):
+        rf.stream_map(f, np.ones(8, np.float32), device="cuda:all")
+    monkeypatch.setenv("RINGFLOW_DEVICE", "cuda:all")
+    with pytest.raises(_device.DeviceUnavailableError, match="RINGFLOW_DEVICE"):
+        rf.stream_map(f, np.ones(8, np.float32))
+    with pytest.raises(ValueError, match="'cuda:all' names every GPU"):
+        rf.device("cuda:all")
+
+
+def test_cuda_all_and_a_mix_of_kinds(fake_gpus):
+    assert [d.index for d in _device.devices("cuda:all")] == [0, 1]
+    with pytest.raises(ValueError, match=r"device\[0\] and device\[1\] are the same device \(cuda:1\)"):
+        _device.devices(["cuda:1", "cuda:1"])
+    with pytest.raises(ValueError, match=r"device mixes a sim device \(device\[0\]\) with a cuda one \(device\[1\]\)"):
+        rf.stream_map(f, np.ones(8, np.float32), device=["sim:0", "cuda:0"])
+
+
+def test_one_devices_pinned_memory_is_refused_over_several():
+    devs = sims(2)
+    hb = devs[0].allocate_host(400)
+    x = hb.view(np.float32)
+    with pytest.raises(ValueError, match="x_buffer and out_buffer are one device's pinned memory"):
+        rf.stream_map(f, x, x, device=devs, x_buffer=hb, out_buffer=hb)
+    hb.close()
+
+
+def test_arrays_from_the_host_pool_are_staged_over_several_devices():
+    devs = sims(2)
+    x = rf.host.empty((1000,), np.float32, device=devs[0])
+    x[:] = contents(1000, 3)
+    with engines() as seen:
+        y = rf.stream_map(f, x, device=devs, chunk_bytes=400)
+    np.testing.assert_array_equal(y, x * 2 + 1)
+    assert all(hasattr(e, "submit") for e in seen)  # staged: scheduled pipelines
+    with pytest.raises(ValueError, match="host='register' cannot pin arrays from ringflow.host"):
+        rf.stream_map(f, x, device=devs, host="register")
+    del x
+    gc.collect()
+    rf.host.release_cached(device=devs[0])
