@@ -236,9 +236,12 @@ def test_gc_while_running_cancels_with_resource_warning():
     for i in range(4):
         pipe.submit(np.arange(50.0) + i)
     assert pipe.stats().in_flight == 4
+    thread = pipe._driver.thread  # the progress thread cleans up after the finaliser asks it to
     with pytest.warns(ResourceWarning, match="garbage-collected; cancelling it"):
         del pipe
         gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
     gc.collect()
     assert dev.live().total == 0
 
@@ -248,9 +251,12 @@ def test_gc_while_a_map_is_suspended():
     pipe = rf.Pipeline(f_affine, device=dev, chunk_bytes=1024, slots=2, checked=True)
     gen = pipe.map(np.arange(50.0) + i for i in range(20))
     assert np.array_equal(next(gen), np.arange(50.0) * 3 + 1)
+    thread = pipe._driver.thread
     with pytest.warns(ResourceWarning):
         del pipe, gen
         gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
     gc.collect()
     assert dev.live().total == 0
 
@@ -259,10 +265,14 @@ def test_gc_of_an_idle_unclosed_pipeline_is_quiet_and_clean():
     dev = rf.device("sim", seed=6)
     pipe = rf.Pipeline(f_affine, device=dev, chunk_bytes=1024, slots=1)
     assert np.array_equal(pipe.submit(np.arange(3.0)).result(), np.arange(3.0) * 3 + 1)
+    thread = pipe._driver.thread
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         del pipe
         gc.collect()
+        thread.join(timeout=10)
+    assert not thread.is_alive()
+    gc.collect()
     assert dev.live().total == 0
 
 
