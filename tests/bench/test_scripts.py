@@ -67,3 +67,9 @@ def test_threads_check_many_threads(tmp_path):
                    "--timeout", "60")
     _threads_ok(r, 4, 50)
     assert {t["mode"] for t in r["per_thread"]} == {"submit", "map"}
+
+
+def test_device_list_cost(tmp_path):
+    r = run_script(tmp_path, "device_list_cost.py", "--mib", "2", "--calls", "3")
+    assert set(r["median_ms"]) == {"device", "device_list"} and r["list_over_single"] > 0
+    assert r["machine"] and r["command"] and r["date"]
