@@ -73,3 +73,9 @@ def test_device_list_cost(tmp_path):
     r = run_script(tmp_path, "device_list_cost.py", "--mib", "2", "--calls", "3")
     assert set(r["median_ms"]) == {"device", "device_list"} and r["list_over_single"] > 0
     assert r["machine"] and r["command"] and r["date"]
+
+
+def test_diagnose_compute_streams(tmp_path):
+    r = run_script(tmp_path, "diagnose_compute_streams.py", "--mib", "4", "--iters", "2", "--calls", "2")
+    row = r["rows"][0]
+    assert row["compute_streams_default"] >= 1 and row["default_over_one"] > 0 and r["machine"]
