@@ -1,7 +1,7 @@
 """One compute stream against several, on one machine in one run: warm ``MapJob`` calls of the
 in-place pinned workloads (256 MiB float32, the affine kernel at the seed's 64 iterations and at
 the balanced and compute-bound bench's counts), alternating the direct engine's compute streams
-between 1 and its default on the same job. Writes medians, spreads and their ratio as JSON.
+between 1 and ``--streams`` on the same job (made with that many). Writes medians, spreads and their ratio as JSON.
 
     python3 bench/diagnose_compute_streams.py --device cuda:0 --out FILE [--iters 64,1838,7966]
 """
@@ -27,6 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--iters", default="64,1838,7966", help="kernel iterations per workload, comma-separated")
     ap.add_argument("--calls", type=int, default=15)
+    ap.add_argument("--streams", type=int, default=4, help="compute streams to compare with one")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = rf.device(args.device)
@@ -37,7 +38,8 @@ def main(argv=None) -> int:
     rows = []
     for iters in (int(v) for v in args.iters.split(",")):
         f = kernels.affine(iters, numeric_iters=min(iters, 16) if dev.backend == "sim" else None)
-        with rf.MapJob(f, x, x, device=dev, chunk_bytes=8 << 20, x_buffer=hb, out_buffer=hb, inplace=True) as job:
+        with rf.MapJob(f, x, x, device=dev, chunk_bytes=8 << 20, x_buffer=hb, out_buffer=hb, inplace=True,
+                       compute_streams=args.streams) as job:
             engine = job._held.engine
             default = engine.compute_streams
             times: dict = {1: [], default: []}

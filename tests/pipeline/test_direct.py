@@ -380,16 +380,17 @@ def test_direct_profile_on_the_gpu(cuda_device):
         assert job.report().chunks == 8 and job.report().stage_median_s["d2h"] > 0
 
 
-@pytest.mark.parametrize("slots", [1, 2, 4, 6])
-def test_kernels_of_chunks_in_different_slots_run_on_streams_of_their_own(slots):
-    """Compute is spread over one stream per device slot (at most four), so kernels of different
-    chunks may overlap; the result stays right under chaos, and the report's bound counts one
-    compute lane per stream (no run beats it)."""
+@pytest.mark.parametrize("slots,streams", [(1, 4), (2, 4), (4, 4), (6, 4), (4, 1), (3, 2)])
+def test_kernels_of_chunks_in_different_slots_run_on_streams_of_their_own(slots, streams):
+    """compute_streams spreads compute over that many streams (never more than device slots), so
+    kernels of different chunks may overlap; the result stays right under chaos and checked mode,
+    and the report's bound counts one compute lane per stream (no run beats it)."""
     dev = rf.device("sim", seed=slots, chaos=True)
     x = contents(slots)
-    with rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, host="register", slots=slots, checked=True) as job:
+    with rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, host="register", slots=slots, checked=True,
+                   compute_streams=streams) as job:
         schedule = job._held.engine
-        assert schedule.compute_streams == min(slots, direct.MAX_COMPUTE_STREAMS)
+        assert schedule.compute_streams == min(slots, streams)
         assert len({id(s) for s in schedule.streams.computes}) == schedule.compute_streams
         for _ in range(2):
             np.testing.assert_array_equal(job(profile=True), x * 3 + 1)
@@ -398,3 +399,5 @@ def test_kernels_of_chunks_in_different_slots_run_on_streams_of_their_own(slots)
         assert report.ideal_s <= report.measured_s * (1 + 1e-9)
         del schedule
     assert dev.live().total == 0
+    with pytest.raises(ValueError, match="compute_streams"):
+        rf.stream_map(f, x, device=dev, host="register", compute_streams=0)

@@ -388,7 +388,10 @@ class Device(abc.ABC):
         it on first use instead)."""
         from .hardware import profile_for_gpu
 
-        return profile_for_gpu(self.name, device=self)
+        cached = getattr(self, "_hardware", None)  # looked up once per device object: the planner asks on every call
+        if cached is None:
+            cached = self._hardware = profile_for_gpu(self.name, device=self)
+        return cached
 
     @property
     @abc.abstractmethod

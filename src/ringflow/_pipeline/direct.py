@@ -34,8 +34,6 @@ from .config import SlotCounts, refuse_unknown_guards
 from .engine import Arrays
 from .stages import GPU_STAGES, StageStreams, launch_compute, mark, poison_after, sim_seconds_for, writes_into_y
 
-MAX_COMPUTE_STREAMS = 4  # kernels of different chunks side by side, at most
-
 # The waits that order the job, named as the scheduler's guards for the same waits; a test can
 # switch one off (``ringflow._testing.inject(guards_off=...)``) to show the checks catch it.
 GUARDS = (
@@ -74,7 +72,7 @@ class DirectSchedule:
 
     def __init__(self, device: Device, compute: Callable, chunks: Sequence[tuple[int, int, tuple]], dtype: Any, *,
                  chunk_bytes: int, slots: SlotCounts, inplace: bool, checked: bool = False,
-                 bound: Optional[Arrays] = None, compute_streams: int = MAX_COMPUTE_STREAMS):
+                 bound: Optional[Arrays] = None, compute_streams: int = 1):
         self._guard_off = refuse_unknown_guards(current_hooks().guards_off, GUARDS)
         self.device = device
         self.compute = writes_into_y(compute)
@@ -128,7 +126,8 @@ class DirectSchedule:
         chunks = [(a * row, (b - a) * row, (b - a,) + layout.tail) for a, b in layout.ranges()]
         return cls(layout.device, f, chunks, layout.dtype, chunk_bytes=layout.chunk_bytes,
                    slots=layout.slots(f, options, external=True), inplace=inplace,
-                   checked=bool(options.get("checked", False)), bound=bound)
+                   checked=bool(options.get("checked", False)), bound=bound,
+                   compute_streams=int(options.get("compute_streams", 1)))
 
     @property
     def closed(self) -> bool:

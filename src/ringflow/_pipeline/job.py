@@ -85,10 +85,11 @@ class MapJob:
                  device: "Device | str | None" = None, chunk_bytes: "int | str | None" = None, host: str = "auto",
                  x_buffer=None, out_buffer=None, engine: str = "auto", inplace: bool = False, slots=None,
                  workers: Optional[int] = None, checked: bool = False, on_error: str = "raise",
-                 pinned_budget: "int | str | None" = None):
+                 pinned_budget: "int | str | None" = None, compute_streams: int = 1):
         self._held = _Held()
         opts = check_options(chunk_bytes=chunk_bytes, allow_auto_chunk=True, inplace=inplace, slots=slots,
-                             workers=workers, checked=checked, on_error=on_error, pinned_budget=pinned_budget)
+                             workers=workers, checked=checked, on_error=on_error, pinned_budget=pinned_budget,
+                             compute_streams=compute_streams)
         out, fresh_out = check_arrays(f, x, out, host, engine, "MapJob")
         if x.shape[0] == 0 or x.size == 0:
             raise ValueError("MapJob needs at least one element in x; for an empty array call stream_map, "

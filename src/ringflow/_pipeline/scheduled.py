@@ -26,7 +26,8 @@ class ScheduledEngine:
     def __init__(self, f: Callable, layout, options: dict, arrays: Arrays):
         self.f = f
         self.layout = layout
-        self.options = dict(options)
+        # the scheduler runs kernels on one compute stream: the direct engine's option means nothing here
+        self.options = {k: v for k, v in options.items() if k != "compute_streams"}
         self.device = layout.device
         self._arrays: Optional[Arrays] = None
         self.pipe: Optional[Pipeline] = self._new_pipeline(arrays, profile=False)

@@ -18,6 +18,7 @@ from .._plan import SlotCounts
 
 MAX_CHUNK_BYTES = 1 << 40  # 1 TiB: larger than any GPU's memory, so surely a mistake
 MAX_WORKERS = 1024
+MAX_COMPUTE_STREAMS = 16
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10 ** 3, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30, "t": 1 << 40, "tb": 10 ** 12, "tib": 1 << 40}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
@@ -155,7 +156,7 @@ def check_slots(value: Any, *, inplace: bool = False) -> "int | SlotCounts | Non
 
 def check_options(*, chunk_bytes: Any = None, allow_auto_chunk: bool = False, workers: Any = None,
                   max_in_flight: Any = None, pinned_budget: Any = None, slots: Any = None,
-                  on_error: str = "raise", **flags: Any) -> dict:
+                  on_error: str = "raise", compute_streams: Any = 1, **flags: Any) -> dict:
     """Every engine option a front door takes, checked and normalised; returns them as a dict
     (``None`` meaning "planned"). ``flags`` are booleans (``ordered``, ``profile``, ``checked``,
     ``inplace``, ``keep_warm``).
@@ -171,6 +172,8 @@ def check_options(*, chunk_bytes: Any = None, allow_auto_chunk: bool = False, wo
     out["pinned_budget"] = None if pinned_budget is None else check_bytes("pinned_budget", pinned_budget,
                                                                            maximum=1 << 50)
     out["on_error"] = check_choice("on_error", on_error, ("raise", "continue"))
+    out["compute_streams"] = check_count("compute_streams", compute_streams, maximum=MAX_COMPUTE_STREAMS,
+                                         hint="; kernels of that many chunks may run side by side")
     for name, value in flags.items():
         out[name] = check_flag(name, value)
     # after the flags: whether a SlotCounts may have a device-out ring depends on inplace

@@ -46,7 +46,8 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
                chunk_bytes: "int | str | None" = None, host: str = "auto", x_buffer: Optional[HostBuffer] = None,
                out_buffer: Optional[HostBuffer] = None, engine: str = "auto", keep_warm: bool = True, inplace: bool = False,
                slots: "int | plan.SlotCounts | None" = None, workers: Optional[int] = None, checked: bool = False,
-               on_error: str = "raise", pinned_budget: "int | str | None" = None, profile: bool = False) -> np.ndarray:
+               on_error: str = "raise", pinned_budget: "int | str | None" = None, compute_streams: int = 1,
+               profile: bool = False) -> np.ndarray:
     """Apply ``f(x_chunk, y_chunk)`` on the device to ``x`` in chunks along axis 0; returns ``out``
     once every chunk's result is in it.
 
@@ -90,6 +91,10 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
         on_error: ``"raise"`` stops at the first failed chunk; ``"continue"`` completes the
             others, then raises the first failure.
         pinned_budget: bytes of pinned staging memory at most.
+        compute_streams: streams the direct engine spreads kernels over (chunks in different
+            device slots), so kernels of several chunks may run side by side. 1 (the default)
+            suits kernels shorter than a copy; long kernels (compute-bound jobs) gain from 2-4
+            (docs/performance.md has the measurements). The scheduled engine uses one.
         profile: time every stage (use :func:`stream_map_report` to get the report).
 
     Returns:
@@ -105,7 +110,7 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
     return _stream_map(f, x, out, device=device, chunk_bytes=chunk_bytes, host=host, x_buffer=x_buffer,
                        out_buffer=out_buffer, engine=engine, keep_warm=keep_warm, inplace=inplace, slots=slots,
                        workers=workers, checked=checked, on_error=on_error, pinned_budget=pinned_budget,
-                       profile=profile)[0]
+                       compute_streams=compute_streams, profile=profile)[0]
 
 
 def stream_map_report(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, **options: Any) -> tuple:
@@ -193,7 +198,8 @@ def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x
 
 def _with_flag_defaults(options: dict) -> dict:
     """The boolean options a whole-array job takes, defaulted (``inplace``, ``checked``)."""
-    unknown = set(options) - {"inplace", "checked", "slots", "workers", "on_error", "pinned_budget"}
+    unknown = set(options) - {"inplace", "checked", "slots", "workers", "on_error", "pinned_budget",
+                              "compute_streams"}
     if unknown:
         raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}")
     return {"inplace": False, "checked": False, **options}
