@@ -79,3 +79,15 @@ def test_diagnose_compute_streams(tmp_path):
     r = run_script(tmp_path, "diagnose_compute_streams.py", "--mib", "64", "--iters", "2", "--calls", "2")
     row = r["rows"][0]
     assert row["compute_streams_default"] == 4 and row["default_over_one"] > 0 and r["machine"]
+
+
+def test_multi_gpu_check(tmp_path):
+    out = tmp_path / "mg.json"
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "multi_gpu_check.py"), "--devices", "sim:0,sim:1",
+                           "--mib-per-gpu", "8", "--pageable-mib", "16", "--calls", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert "median_ms" in r["seed_like"]["all"] and "median_ms" in r["pageable"]["all"]
+    assert r["sim_prediction"]["throughput_scaling"] > 1.5

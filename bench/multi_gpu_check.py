@@ -1,0 +1,107 @@
+"""Whole arrays over two GPUs against one, in one run: warm ``MapJob`` calls of the seed shape
+(float32 in place, registered once, the affine kernel at 64 iterations; 256 MiB per GPU) and
+staged ``stream_map`` calls of a fresh 1 GiB pageable array, on ``[dev0]`` and on ``[dev0, dev1]``
+alternately; and the simulated GPUs' prediction of the same two jobs. Writes medians, spreads
+and the ratios as JSON.
+
+    python3 bench/multi_gpu_check.py --devices cuda:0,cuda:1 --out FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import ringflow as rf
+from ringflow._bench import kernels
+
+MiB = 1 << 20
+
+
+def timed(fn, calls: int, warmup: int = 2) -> list:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def seed_like(devs, mib_per_gpu: int, calls: int, sim: bool) -> dict:
+    n = mib_per_gpu * len(devs) * MiB // 4
+    x = np.random.default_rng(0).uniform(0.5, 1.5, n).astype(np.float32)
+    f = kernels.affine(64, numeric_iters=4 if sim else None)
+    with rf.MapJob(f, x, x, device=devs, chunk_bytes=8 * MiB, host="register", inplace=True) as job:
+        t = timed(job, calls)
+    return {"median_ms": statistics.median(t), "spread_ms": [min(t), max(t)], "bytes_in": x.nbytes}
+
+
+def pageable(devs, mib: int, calls: int, sim: bool) -> dict:
+    x = np.random.default_rng(1).uniform(0.5, 1.5, mib * MiB // 4).astype(np.float32)
+    f = kernels.affine(1, numeric_iters=1)
+    t = timed(lambda: rf.stream_map(f, x, device=devs, chunk_bytes=8 * MiB, host="stage"), calls, warmup=1)
+    return {"median_ms": statistics.median(t), "spread_ms": [min(t), max(t)], "bytes_in": x.nbytes}
+
+
+def predicted(mib_per_gpu: int, n_dev: int) -> float:
+    """The simulated GPUs' time (ms) for the seed-like job on ``n_dev`` devices: the slowest shard."""
+    devs = [rf.device(f"sim:{i}") for i in range(n_dev)]
+    n = mib_per_gpu * n_dev * MiB // 4
+    x = np.ones(n, np.float32)
+    f = kernels.affine(64, numeric_iters=1)
+    _, rep = rf.stream_map_report(f, x, x, device=devs if n_dev > 1 else devs[0], chunk_bytes=8 * MiB,
+                                  host="register", inplace=True)
+    return (rep.wall_s if hasattr(rep, "wall_s") else rep.measured_s) * 1e3
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--devices", default="cuda:0,cuda:1")
+    ap.add_argument("--mib-per-gpu", type=int, default=256)
+    ap.add_argument("--pageable-mib", type=int, default=1024)
+    ap.add_argument("--calls", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    devs = [rf.device(s) for s in args.devices.split(",")]
+    sim = devs[0].backend == "sim"
+    out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "machine": [d.name for d in devs], "command": "python3 " + " ".join(sys.argv), "ringflow": rf.__version__}
+    for name, run, size in (("seed_like", seed_like, args.mib_per_gpu), ("pageable", pageable, args.pageable_mib)):
+        row = {}
+        for label, use in (("one", devs[:1]), ("all", devs)):
+            try:
+                # seed_like: size is per GPU, so N devices move N times the bytes of one
+                row[label] = run(use, size, args.calls, sim)
+            except Exception as exc:  # noqa: BLE001 - record what a GPU refused (e.g. a registration)
+                row[label] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+        one, alln = row["one"].get("median_ms"), row["all"].get("median_ms")
+        if name == "seed_like" and one and alln:
+            # each device gets mib_per_gpu: one device moves 1/N of the bytes of N devices
+            row["throughput_scaling"] = (row["all"]["bytes_in"] / alln) / (row["one"]["bytes_in"] / one)
+        elif one and alln:
+            row["speedup"] = one / alln
+        out[name] = row
+        print(name, row, flush=True)
+    try:
+        p1, pn = predicted(args.mib_per_gpu, 1), predicted(args.mib_per_gpu, len(devs))
+        out["sim_prediction"] = {"one_ms": p1, "all_ms": pn, "throughput_scaling": len(devs) * p1 / pn}
+    except Exception as exc:  # noqa: BLE001
+        out["sim_prediction"] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+    print("sim", out["sim_prediction"], flush=True)
+    rf.drop_warm_pipelines()
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
