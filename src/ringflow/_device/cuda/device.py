@@ -34,6 +34,9 @@ _IDLE_STREAMS_MAX = 16  # closed streams kept per priority for reuse
 _IDLE_EVENTS_MAX = 4096  # untimed events kept for reuse (a pipeline holds a few per slot)
 
 
+_THREAD = threading.local()  # .current: the index of the GPU whose context is current on this thread
+
+
 class CudaDevice(Device):
     """GPU ``index`` as a ringflow device. ``array`` picks what launched callables receive:
     ``"cupy"``, ``"torch"``, ``"dlpack"`` or ``"auto"`` (CuPy, else PyTorch, else DLPack)."""
@@ -120,9 +123,11 @@ class CudaDevice(Device):
             self._idle_events.append(cc_event)
 
     def _ensure_current(self) -> None:
-        if not getattr(self._tls, "current", False):
+        # the current context is the thread's, shared by every device object: another GPU's calls
+        # on this thread change it, so remember which GPU made it current, not whether this one did
+        if getattr(_THREAD, "current", None) != self.index:
             core().Device(self.index).set_current()  # cuda.core Device objects are per thread
-            self._tls.current = True
+            _THREAD.current = self.index
 
     def _check_open(self) -> None:
         if self._closed:
