@@ -6,7 +6,7 @@ Every baseline runs one workload and returns a JSON-ready dict::
      "timing": "cuda_events" | "host_clock", "kernel", "host", "bytes_in", "bytes_out",
      "chunks", "streams", ...}
 
-Rules (DESIGN.md section 5): warm-up runs first, then ``repeats`` timed runs, median and
+Measurement rules: warm-up runs first, then ``repeats`` timed runs, median and
 spread; CUDA events around regions that are GPU-only (data already in pinned memory), the host
 clock after a synchronize for end-to-end regions (a pageable numpy array in, a new numpy array
 out); the output of the last timed run is poisoned (NaN) beforehand and checked against an

@@ -197,8 +197,8 @@ class CudaStream(Stream):
             raise TypeError(f"{self!r} can only wait for an event recorded on the same CUDA device, got {event!r}")
         if event._done and event._error is None:
             # the host has seen it complete, so everything enqueued from now on already follows
-            # it: the wait would be a no-op costing a driver call (10-30 us on our H200 host at
-            # the start of a call, when a warm pipeline's slots wait on its previous call's copies)
+            # it: the wait would be a no-op costing a driver call (at the start of a call a warm
+            # engine's slots wait on its previous call's copies; docs/design.md has the cost)
             return
         cc_event = event._cc
         if cc_event is None:
