@@ -8,13 +8,12 @@ the seed shape (256 MiB float32, pinned, in place) and writes medians and their 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
 import time
 
-import numpy as np
+from _script import header, pinned_random, write
 
 import ringflow as rf
 from ringflow._bench import kernels
@@ -28,10 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = rf.device(args.device)
-    n = args.mib * (1 << 20) // 4
-    hb = dev.allocate_host(n * 4)
-    x = hb.view(np.float32, access="rw")
-    x[:] = np.random.default_rng(0).uniform(0.5, 1.5, n).astype(np.float32)
+    hb, x = pinned_random(dev, args.mib)
     f = kernels.scale_shift()
     forms = {"device": dev, "device_list": [dev]}  # the same device object: hb is its memory
     times: dict = {k: [] for k in forms}
@@ -42,18 +38,13 @@ def main(argv=None) -> int:
         if i >= 4:
             times[name].append((time.perf_counter() - t0) * 1e3)
     med = {k: statistics.median(v) for k, v in times.items()}
-    out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": dev.name, "command": "python3 " + " ".join(sys.argv), "ringflow": rf.__version__,
-           "calls_each": args.calls, "mib": args.mib, "median_ms": med,
+    out = {**header(dev.name), "calls_each": args.calls, "mib": args.mib, "median_ms": med,
            "spread_ms": {k: [min(v), max(v)] for k, v in times.items()},
            "list_over_single": med["device_list"] / med["device"]}
     rf.drop_warm_pipelines()
     hb.close()
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
+    print(json.dumps(out, indent=1))
+    write(out, args.out)
     return 0
 
 

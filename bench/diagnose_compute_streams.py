@@ -9,13 +9,11 @@ between 1 and ``--streams`` on the same job (made with that many). Writes median
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 import time
 
-import numpy as np
+from _script import header, pinned_random, write
 
 import ringflow as rf
 from ringflow._bench import kernels
@@ -31,10 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = rf.device(args.device)
-    n = args.mib * (1 << 20) // 4
-    hb = dev.allocate_host(n * 4)
-    x = hb.view(np.float32, access="rw")
-    x[:] = np.random.default_rng(0).uniform(0.5, 1.5, n).astype(np.float32)
+    hb, x = pinned_random(dev, args.mib)
     rows = []
     for iters in (int(v) for v in args.iters.split(",")):
         f = kernels.affine(iters, numeric_iters=min(iters, 16) if dev.backend == "sim" else None)
@@ -56,13 +51,9 @@ def main(argv=None) -> int:
                      "spread_ms": {str(k): [min(v), max(v)] for k, v in times.items()},
                      "default_over_one": med[str(default)] / med["1"]})
         print(rows[-1], flush=True)
-    out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": dev.name, "command": "python3 " + " ".join(sys.argv), "ringflow": rf.__version__,
-           "mib": args.mib, "chunk_bytes": 8 << 20, "calls_each": args.calls, "rows": rows}
+    out = {**header(dev.name), "mib": args.mib, "chunk_bytes": 8 << 20, "calls_each": args.calls, "rows": rows}
     hb.close()
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(json.dumps(out, indent=1))
+    write(out, args.out)
     return 0
 
 

@@ -10,11 +10,11 @@ and the ratios as JSON.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 import time
+
+from _script import header, write
 
 import numpy as np
 
@@ -72,8 +72,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     devs = [rf.device(s) for s in args.devices.split(",")]
     sim = devs[0].backend == "sim"
-    out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": [d.name for d in devs], "command": "python3 " + " ".join(sys.argv), "ringflow": rf.__version__}
+    out = header([d.name for d in devs])
     for name, run, size in (("seed_like", seed_like, args.mib_per_gpu), ("pageable", pageable, args.pageable_mib)):
         row = {}
         for label, use in (("one", devs[:1]), ("all", devs)):
@@ -97,9 +96,7 @@ def main(argv=None) -> int:
         out["sim_prediction"] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
     print("sim", out["sim_prediction"], flush=True)
     rf.drop_warm_pipelines()
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(json.dumps(out, indent=1))
+    write(out, args.out)
     return 0
 
 
