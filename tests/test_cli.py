@@ -306,3 +306,12 @@ def test_plan_accepts_the_size_forms(capsys):
     assert parse_bytes("1GiB") == 1 << 30 and parse_bytes("512 MiB") == 512 << 20 and parse_bytes("1073741824") == 1 << 30
     assert parse_bytes("1.5KiB") == 1536 and parse_bytes("2mb") == 2 * 10**6 and parse_bytes("1e6") == 10**6
     assert main(["plan", "--bytes", "64MiB", "--workers", "1", "--compute-ms-per-gib", "0.5"]) == 0
+
+
+def test_demo_names_the_install_command_with_its_extra(tmp_path, capsys, monkeypatch):
+    """The fallback reason holds "ringflow[cuda]": printed as text, not eaten as rich markup."""
+    from ringflow import _demo
+
+    monkeypatch.setattr("ringflow.cuda_available", lambda: (False, "cuda.core is missing: pip install 'ringflow[cuda]'"))
+    _demo.demo("sim", out_dir=str(tmp_path))
+    assert "ringflow[cuda]" in capsys.readouterr().out

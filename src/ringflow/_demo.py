@@ -28,6 +28,7 @@ def demo(device: "str | None" = None, out_dir: str = "ringflow-demo") -> int:
         OSError: ``out_dir`` cannot be made or written.
     """
     from rich.console import Console
+    from rich.markup import escape
 
     from ._bench import kernels
     from ._bench.measure import fresh_random
@@ -43,7 +44,8 @@ def demo(device: "str | None" = None, out_dir: str = "ringflow-demo") -> int:
     quiet_gc()
     if dev.backend == "sim":
         ok, reason = rf.cuda_available()
-        why = "As asked, running" if ok else f"[yellow]No usable GPU ({reason}).[/] Running"
+        # the reason may hold brackets ("pip install 'ringflow[cuda]'"): not rich markup
+        why = "As asked, running" if ok else f"[yellow]No usable GPU ({escape(reason)}).[/] Running"
         console.print(f"{why} on the simulated H200 (profile {dev.profile.name}): times below are virtual, "
                       "from measured H200 figures.")
     else:
