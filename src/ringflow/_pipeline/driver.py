@@ -96,7 +96,6 @@ class _Driver:
         """Carry out the commands handed over so far (driving thread, lock held)."""
         if not self.commands:
             return False
-        ran = False
         while self.commands:
             cmd = self.commands.popleft()
             self.device.observe(cmd.token)
@@ -106,14 +105,12 @@ class _Driver:
                 cmd.error = exc
             cmd.out_token = self.device.publish()
             cmd.done = True
-            ran = True
         self.sched.version += 1  # their callers wait on cmd.done
         self.cv.notify_all()
-        return ran
+        return True
 
     def deadline_of(self, timeout: Optional[float]) -> Optional[float]:
         return None if timeout is None else self.device.now + timeout
-
 
     def drive_here(self, pred: Callable[[], bool], timeout: Optional[float], what: str) -> None:
         """The calling thread drives the scheduler until ``pred()`` holds (lock held). Raises

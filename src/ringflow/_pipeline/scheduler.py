@@ -1,7 +1,8 @@
 """The scheduler: moves chunks through prepare -> h2d -> compute -> d2h -> consume.
 
-It runs inside the caller's calls (``step``/``run_until``); CPU stages run on a worker pool
-and GPU stages on three streams. Two rules make it correct:
+Its driver (:mod:`.driver`: a pipeline's progress thread, or a whole-array call's caller) calls
+:meth:`Scheduler.step` and waits on :meth:`Scheduler.pending_fences`; CPU stages run on a worker
+pool and GPU stages on three streams. Two rules make it correct:
 
 * **Hand-offs by events.** After each GPU operation an event is recorded; the next stage's
   stream waits on it (never the device); the CPU learns of completion only by querying that
@@ -118,7 +119,6 @@ class Scheduler:
         self._h2d_q: collections.deque[Chunk] = collections.deque()
         self._compute_q: collections.deque[Chunk] = collections.deque()
         self._d2h_q: collections.deque[Chunk] = collections.deque()
-        self._next_index = 0
         self.accepting = True
         self.broken: Optional[DeviceError] = None
         self.first_error: Optional[BaseException] = None
@@ -720,10 +720,6 @@ class Scheduler:
                 raise
             self.break_on(err)
             return False
-
-    def settle(self) -> None:
-        """Block until every chunk has ended and every slot is FREE."""
-        self.run_until(lambda: not self.chunks and not self.pending_fences())
 
     def break_on(self, err: DeviceError) -> None:
         """A sticky device error: nothing on the device will complete; end everything FAILED."""

@@ -303,6 +303,3 @@ def memory_of(scheduler) -> dict[str, int]:
     return {"pinned allocated": pinned, "pinned high-water": pinned_hw, "device allocated": device,
             "device high-water": device_hw}
 
-
-def report_or_none(timeline: Optional[Timeline], **kw) -> Optional[Report]:
-    return Report.build(timeline, **kw) if timeline is not None else None
