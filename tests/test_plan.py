@@ -30,8 +30,10 @@ def steady_interval(profile, chunk, slots, *, compute_s, workers, consume_extra_
     done = []
     dev.add_op_observer(lambda op: done.append(op.done_at) if op.label.startswith("host task _run_consume") else None)
     items = [np.ones(chunk // 4, np.float32) for _ in range(n)]
-    with rf.Pipeline(f, device=dev, chunk_bytes=chunk, slots=slots, consume=consume, workers=workers,
-                     max_in_flight=64, inplace=inplace) as pipe:
+    # a prepare callable sends every item through the host-in ring and a CPU worker, the path
+    # the model describes (plain arrays would be staged into pinned memory by map() itself)
+    with rf.Pipeline(f, device=dev, chunk_bytes=chunk, slots=slots, prepare=np.asarray, consume=consume,
+                     workers=workers, max_in_flight=64, inplace=inplace) as pipe:
         for _ in pipe.map(items):
             pass
     assert len(done) == n
@@ -141,7 +143,9 @@ def test_no_simulated_run_beats_ideal_total(workers, compute_s, consume_extra_s,
         return None
 
     items = [np.ones(MB // 4, np.float32) for _ in range(n)]
-    with rf.Pipeline(f, device=dev, chunk_bytes=MB, workers=workers, consume=consume, slots=workers + 3) as pipe:
+    # prepare=: every item through the host-in ring and the workers, the path the model describes
+    with rf.Pipeline(f, device=dev, chunk_bytes=MB, workers=workers, prepare=np.asarray, consume=consume,
+                     slots=workers + 3) as pipe:
         t0 = dev.now
         list(pipe.map(items))
         wall = dev.now - t0

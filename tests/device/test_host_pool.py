@@ -112,7 +112,7 @@ def test_a_dropped_array_returns_its_block_only_once_every_view_is_gone():
     assert (s.cached_bytes, s.in_use_bytes, s.allocations, s.hits) == (8192, 8192, 2, 0)
     c = pool.empty(990, np.float64)  # another size of the same class
     assert pool.buffer_of(c) is buf and pool.stats().hits == 1
-    assert dev.live().host_buffers == 2
+    assert dev.live().pooled_host_buffers == 2 and dev.live().host_buffers == 0
 
 
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
@@ -191,7 +191,7 @@ def test_a_dropped_result_with_its_copy_in_flight_is_held_then_waited_for():
     s = pool.stats()
     assert (s.pending_bytes, s.cached_bytes) == (0, N)
     assert pool.release_cached() == N and buf.closed  # its free is ordered after the copy
-    assert dev.live().host_buffers == 3
+    assert dev.live().pooled_host_buffers == 3
 
 
 def test_record_use_refuses_what_it_cannot_record():
@@ -263,7 +263,7 @@ def test_cached_blocks_are_freed_to_make_room_and_when_the_budget_shrinks():
     assert (s.releases, s.cached_bytes, s.in_use_bytes, s.fallbacks) == (1, 1 << 20, 3 << 20, 0)
     pool.set_budget(3 << 20)
     assert pool.stats().cached_bytes == 0 and pool.stats().releases == 2
-    assert dev.live().host_buffers == 1
+    assert dev.live().pooled_host_buffers == 1
     with pytest.raises(ValueError, match="positive"):
         pool.set_budget(0)
     with pytest.raises(TypeError, match="int"):
@@ -354,4 +354,4 @@ def test_threads_allocating_and_dropping_at_once_never_share_a_block():
     assert s.in_use_bytes == 0 and s.pending_bytes == 0 and s.fallbacks == 0
     assert s.hits > 0 and s.hits + s.allocations == workers * rounds
     assert s.cached_bytes == sum(b.size for bucket in pool._free.values() for b in bucket)
-    assert dev.live().host_buffers == s.allocations - s.releases
+    assert dev.live().pooled_host_buffers == s.allocations - s.releases

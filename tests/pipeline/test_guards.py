@@ -24,8 +24,10 @@ from tests.helpers.pipeline_checks import (
 )
 
 # (runner, slots, seed): the harness's own map runs (int64 payloads tagged per item, every
-# result checked) and stream_map as the brief's hand check ran it
-CONFIGS = [(runner, slots, seed) for seed in range(3) for slots in (1, 2, 3) for runner in ("harness", "stream_map")]
+# result checked), stream_map staging a pageable array, and a pipeline of plain arrays whose
+# results land in pinned pool arrays (half the items pool arrays read in place)
+RUNNERS = ("harness", "stream_map", "pooled")
+CONFIGS = [(runner, slots, seed) for seed in range(3) for slots in (1, 2, 3) for runner in RUNNERS]
 X = np.random.default_rng(0).standard_normal(256 * 1024).astype(np.float32)
 RELEASE_GUARDS = [g for g in GUARDS if ".release_after_" in g]
 # the guards that order the poison fills themselves can only be seen by the checker
@@ -52,7 +54,21 @@ def run_config(runner: str, slots: int, seed: int, guards=(), checker: bool = Tr
             y = rf.stream_map(f, X, device=dev, chunk_bytes=1 << 15, slots=slots, checked=True, host="stage")
         return np.array_equal(y, X * 3 + 1)
 
-    return guard_outcome(harness if runner == "harness" else stream)
+    def pooled():
+        rng = np.random.default_rng(seed)
+        items = []
+        for i in range(40):
+            n = int(rng.integers(1, 1024))
+            a = rf.host.empty(n, np.float32, device=dev) if i % 2 else np.empty(n, np.float32)
+            a[:] = rng.standard_normal(n)
+            items.append(a)
+        with _testing.inject(guards_off=guards):
+            with rf.Pipeline(f, device=dev, chunk_bytes=1 << 12, slots=slots, checked=True) as pipe:
+                results = list(pipe.map(items))
+        pooled = sum(rf.host.buffer(r) is not None for r in results)  # at least the staged items'
+        return pooled >= len(items) // 2 and all(np.array_equal(r, a * 3 + 1) for r, a in zip(results, items))
+
+    return guard_outcome({"harness": harness, "stream_map": stream, "pooled": pooled}[runner])
 
 
 def describe(outcome) -> str:
@@ -71,7 +87,7 @@ def test_guards_are_listed():
             rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=512, slots=1)
 
 
-@pytest.mark.parametrize("runner,slots,seed", CONFIGS[:6])
+@pytest.mark.parametrize("runner,slots,seed", CONFIGS[:3 * len(RUNNERS)])
 def test_configs_pass_with_every_guard_on(runner, slots, seed):
     # no false alarms: the configurations below catch a missing guard, not a healthy pipeline
     assert run_config(runner, slots, seed) is True

@@ -20,7 +20,9 @@ def profiled_run(n=10, chaos=False, seed=0, compute_s=0.5e-3):
 
     f.sim_seconds = compute_s
     items = [np.full(MB // 4, i + 1, np.float32) for i in range(n)]
-    with rf.Pipeline(f, device=dev, chunk_bytes=MB, workers=4, profile=True, slots=4) as pipe:
+    # prepare=: items copied by the four CPU workers (the hand computations below count on
+    # them); plain arrays alone would be copied into pinned memory by map() on this thread
+    with rf.Pipeline(f, device=dev, chunk_bytes=MB, workers=4, profile=True, slots=4, prepare=np.asarray) as pipe:
         out = list(pipe.map(items))
     assert all(np.array_equal(o, i * 2 + 1) for o, i in zip(out, items))
     return pipe.report()
@@ -106,6 +108,10 @@ def test_stalls_are_recorded_when_slots_run_short():
     f.sim_seconds = 3e-3  # compute-bound with one slot of each ring: chunks queue for slots
     items = [np.ones(MB // 4, np.float32) for _ in range(6)]
     with rf.Pipeline(f, device=dev, chunk_bytes=MB, slots=1, profile=True) as pipe:
+        list(pipe.map(items))
+    # staged by map() itself, items wait at the device-in slot
+    assert pipe.report().stall_s.get("wait device-in slot", 0) > 3 * 3e-3
+    with rf.Pipeline(f, device=dev, chunk_bytes=MB, slots=1, profile=True, prepare=np.asarray) as pipe:
         list(pipe.map(items))
     rep = pipe.report()
     # a device slot is handed back when its last use is enqueued (the GPU orders the reuse),

@@ -48,7 +48,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from .._errors import DeviceError
-from .protocol import Device, HostBuffer, check_nbytes
+from .protocol import Device, HostBuffer, LiveCounts, check_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +166,8 @@ class HostPool:
         self._reserved = 0  # bytes of allocations under way outside the lock
         self._counts = {"allocations": 0, "hits": 0, "fallbacks": 0, "releases": 0}
         self._noted = False
+        with _pools_lock:
+            _all_pools.add(self)
 
     def __repr__(self) -> str:
         return f"<HostPool of {self._device!r}: {self.stats().held_bytes} B held, budget {self._budget} B>"
@@ -202,19 +204,43 @@ class HostPool:
                 thread: a missing :meth:`record_use`, or a pool bug.
         """
         shape, dtype = _check_request(shape, dtype)
+        pinned = self.take(shape, dtype)
+        return np.empty(shape, dtype) if pinned is None else pinned
+
+    def take(self, shape: tuple, dtype: np.dtype, *, allocate: bool = True) -> Optional[np.ndarray]:
+        """As :meth:`empty` for a checked ``shape`` (a tuple of ints >= 0) and ``dtype`` (a numpy
+        dtype), but None where :meth:`empty` would fall back to pageable memory (a pipeline then
+        uses its own staging ring); 0 bytes are never pinned (None). ``allocate=False`` takes only
+        a cached block: no pinning or freeing (which may wait for the whole device) on the
+        caller's thread."""
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
-            return np.empty(shape, dtype)
+            return None
         self._process()
         size = size_class(nbytes)
+        if not allocate:
+            with self._lock:
+                bucket = self._free.get(size)
+                if not bucket:
+                    return None
+                block = bucket.pop()
+                self._move(block, _IN_USE)
+                self._counts["hits"] += 1
+            return self._handed_out(block, nbytes, shape, dtype)
         block, reserved, to_release = self._take(size)
-        self._release_blocks(to_release)
+        if block is not None:
+            return self._handed_out(block, nbytes, shape, dtype)
+        if to_release:
+            self._release_blocks(to_release)
+        block = self._allocate(size) if reserved else None
         if block is None:
-            block = self._allocate(size) if reserved else None
-            if block is None:
-                if not reserved:
-                    self._fallback(size, f"the pool's budget of {self._budget} bytes is taken")
-                return np.empty(shape, dtype)
+            if not reserved:
+                self._fallback(size, f"the pool's budget of {self._budget} bytes is taken")
+            return None
+        return self._handed_out(block, nbytes, shape, dtype)
+
+    def _handed_out(self, block: _Block, nbytes: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
+        """:meth:`_hand_out`, putting the block back in the cache if that fails."""
         try:
             return self._hand_out(block, nbytes, shape, dtype)
         except BaseException:
@@ -371,6 +397,8 @@ class HostPool:
         return self._process(wait=wait)
 
     def _process(self, *, wait: bool = False) -> int:
+        if getattr(self._device, "closed", False):
+            return 0  # the device took every block's memory with it: nothing can be checked or reused
         with self._lock:
             while self._returned:
                 block, token = self._returned.popleft()
@@ -448,6 +476,8 @@ class HostPool:
         self._process()
         with self._lock:
             self._budget = nbytes
+            if getattr(self._device, "closed", False):
+                return  # its blocks went with the device
             dropped = self._make_room(0)
         self._release_blocks(dropped)
 
@@ -577,7 +607,7 @@ def _check_request(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
 
 
 # -- which pool, which array -------------------------------------------------------------------
-_pools_lock = threading.Lock()
+_pools_lock = threading.RLock()  # pool_for holds it while a new pool registers itself
 _all_pools: "weakref.WeakSet[HostPool]" = weakref.WeakSet()
 _ATTR = "_ringflow_host_pool"  # the pool lives on its device: it is collected with it
 
@@ -593,8 +623,20 @@ def pool_for(device: Device, *, create: bool = True) -> Optional[HostPool]:
             if pool is None:
                 pool = HostPool(device, _default_budget)
                 setattr(device, _ATTR, pool)
-                _all_pools.add(pool)
     return pool
+
+
+def without_pooled(device: Device, counts: "LiveCounts") -> "LiveCounts":
+    """``counts`` (a device's live objects) with the blocks of ``device``'s host pools moved from
+    ``host_buffers`` to ``pooled_host_buffers``."""
+    n = 0
+    for pool in pools():
+        if pool._device is device:
+            with pool._lock:
+                n += len(pool._blocks)
+    if not n:
+        return counts
+    return dataclasses.replace(counts, host_buffers=counts.host_buffers - n, pooled_host_buffers=n)
 
 
 def pools() -> list[HostPool]:

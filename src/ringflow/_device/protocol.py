@@ -54,12 +54,17 @@ class Capabilities:
 
 @dataclasses.dataclass(frozen=True)
 class LiveCounts:
-    """Objects a device has handed out and not yet released; all zero after a clean close."""
+    """Objects a device has handed out and not yet released; all zero after a clean close.
+
+    ``pooled_host_buffers`` are the device's host pool's blocks (cached, or behind arrays still
+    alive): the pool's to keep until ``release_cached``, so they are not in ``host_buffers`` or
+    ``total``."""
 
     host_buffers: int
     device_buffers: int
     streams: int
     events: int
+    pooled_host_buffers: int = 0
 
     @property
     def total(self) -> int:
@@ -443,6 +448,12 @@ class Device(abc.ABC):
         import time
 
         time.sleep(max(0.0, seconds))
+
+    def host_copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Copy ``src`` into ``dst`` (same shape and dtype) on the calling thread, outside any
+        worker pool; the simulated GPU charges the calling thread the copy's time at one
+        thread's host copy rate (:attr:`hardware`)."""
+        np.copyto(dst, src, casting="no")
 
     @abc.abstractmethod
     def live(self) -> LiveCounts:

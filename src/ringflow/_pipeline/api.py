@@ -27,7 +27,8 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Optional
 import numpy as np
 
 from .._device import device as make_device
-from .._device.protocol import Device
+from .._device import host_pool
+from .._device.protocol import BufferSlice, Device
 from .._errors import StageError
 from .chunk import Chunk, ChunkFuture
 from .driver import CallerDriver, ProgressThread, resolve
@@ -65,8 +66,19 @@ def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any
     return _copy_array_in(arr, raw, chunk_bytes)
 
 
-def _copy_out(index: int, item: Any, view: np.ndarray) -> np.ndarray:
-    return np.array(view, copy=True)
+# Items up to this size are copied into pinned memory by the accepting thread; larger ones by
+# the CPU workers, which copy several at once (one thread copies at about a quarter of the host's
+# rate, and a large copy outweighs the round trip to a worker). See docs/design.md.
+STAGE_AT_ACCEPT_BYTES = 4 << 20
+
+
+def _pinned_source(device: Device, item: Any) -> Optional[tuple]:
+    """Where an item is an array from ``device``'s host pool (:mod:`ringflow.host`), from its
+    block's first byte: its bytes, shape and dtype, which the h2d reads in place; else None."""
+    buffer = host_pool.buffer_behind(item, device)
+    if buffer is None:
+        return None
+    return BufferSlice(buffer, 0, item.nbytes), item.shape, item.dtype
 
 
 class Pipeline:
@@ -77,7 +89,12 @@ class Pipeline:
     real one); it must write ``y`` (with ``inplace=True`` it gets the same array twice).
     ``prepare(item) -> ndarray`` (CPU) turns an item into the array to send (default: the item
     itself); ``consume(index, item, result) -> value`` (CPU) gets a read-only view of the
-    result valid only during the call (default: a copy of it). A compute callable may carry a
+    result, valid during the call (default: the result itself). Without ``prepare``, ``submit``
+    and ``map`` copy each array into pinned memory from :mod:`ringflow.host`'s pool on the
+    calling thread (the caller may reuse its array once ``submit`` returns; an array from that
+    pool is read in place), and the result comes back in that same pinned array, which goes back
+    to the pool once dropped; where the pool has no room, items are copied by the CPU workers and
+    results are new numpy arrays. A compute callable may carry a
     ``sim_seconds`` attribute (seconds, or a function of the chunk's bytes) for its duration on
     the simulated GPU.
 
@@ -144,14 +161,21 @@ class Pipeline:
                                      profile=profile, checked=checked)
         prepare_stage = stage_prepare or functools.partial(_prepare_array, user_prepare, chunk_bytes)
         self._items_are_arrays = stage_prepare is None and user_prepare is None  # sizes known before acceptance
-        consume_stage = consume if consume is not None else _copy_out
+        consume_stage = consume
         if profile:
-            prepare_stage, consume_stage = nvtx.ranged(prepare_stage, "prepare"), nvtx.ranged(consume_stage, "consume")
+            prepare_stage = nvtx.ranged(prepare_stage, "prepare")
+            consume_stage = None if consume is None else nvtx.ranged(consume, "consume")
+        # a stream of items gets its results in pinned pool arrays (docs/design.md, "Pinned
+        # staging and results"); a whole-array job has the caller's out or its own host-out ring
+        results = None if bulk else host_pool.pool_for(self.device)
+        self._pool = results
+        source_of = functools.partial(_pinned_source, self.device) if self._items_are_arrays else None
         self._recorder = _Recorder(self.device, chunk_bytes, counts, workers) if profile else None
         self._sched = Scheduler(self.device, compute, prepare_stage, consume_stage, self.config,
                                 item_nbytes=item_nbytes or (lambda item: getattr(item, "nbytes", 0)),
                                 on_chunk_end=self._recorder.on_chunk_end if profile else None,
-                                host_in_buffer=host_in_buffer, host_out_buffer=host_out_buffer)
+                                host_in_buffer=host_in_buffer, host_out_buffer=host_out_buffer,
+                                results=results, source_of=source_of)
         if self._recorder is not None:
             self._recorder.start(self._sched.streams.h2d)
         if bulk:
@@ -174,6 +198,22 @@ class Pipeline:
                                  f"a slot of {self.config.chunk_bytes} bytes; raise chunk_bytes to at least "
                                  f"{item.nbytes} or split the item")
 
+    def _staged_copy(self, item: Any) -> Optional[tuple]:
+        """``(array, (start, end))``: a plain array item copied into a pinned pool array on the
+        accepting thread (the copy lets go of the GIL) and when (host clock); or None: the item
+        is a pool array itself (read in place), larger than :data:`STAGE_AT_ACCEPT_BYTES` or
+        the pool has no room (it goes through a host-in slot and a CPU worker), or items are
+        not plain arrays. See docs/design.md, "Pinned staging and results"."""
+        if not self._items_are_arrays or self._pool is None or item.nbytes > STAGE_AT_ACCEPT_BYTES \
+                or host_pool.buffer_behind(item, self.device) is not None:
+            return None
+        t0 = self.device.now
+        staged = self._pool.take(item.shape, item.dtype)
+        if staged is None:
+            return None
+        self.device.host_copy(staged, item)
+        return staged, (t0, self.device.now)
+
     # -- submitting and mapping ---------------------------------------------------------------
     def submit(self, item: Any, timeout: Optional[float] = None) -> ChunkFuture:
         """Accept one item; blocks while ``max_in_flight`` chunks are unfinished. Safe from any
@@ -195,6 +235,7 @@ class Pipeline:
         timeout = check_timeout(timeout)
         self._check_open()
         self._check_item(item)
+        staged, staged_at = self._staged_copy(item) or (None, None)
         d, s = self._driver, self._sched
         with d.cv:
             if not s.has_capacity():
@@ -202,7 +243,7 @@ class Pipeline:
                 d.wait_for(lambda: s.has_capacity() or not s.accepting or s.broken is not None, timeout,
                            "capacity")
                 self._stall("stall: producer", "producer blocked by backpressure", t0)
-            chunk = s.accept(item, d)
+            chunk = s.accept(item, d, staged=staged, staged_at=staged_at)
             d.notify()
         return chunk.future
 
@@ -243,11 +284,12 @@ class Pipeline:
                             exhausted = True
                             break
                         self._check_item_or_settle(item)
-                        carried.append(item)
+                        carried.append((item, self._staged_copy(item) or (None, None)))
                     with d.cv:
                         if not s.accepting or not s.has_capacity():
                             break
-                        chunk = s.accept(carried.pop(), d, in_map=True)
+                        item, (staged, staged_at) = carried.pop()
+                        chunk = s.accept(item, d, in_map=True, staged=staged, staged_at=staged_at)
                         pending[chunk.index] = chunk
                         started = True
                         d.notify()

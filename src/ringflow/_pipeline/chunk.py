@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import dataclasses
+import threading
+import weakref
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -54,8 +55,10 @@ class ChunkFuture(concurrent.futures.Future):
         """As :meth:`concurrent.futures.Future.add_done_callback`; someone now waits for this
         chunk, so the pipeline keeps advancing until it ends (on the simulated GPU too)."""
         if not self.done() and getattr(self._driver, "background", False):
-            entry = self._driver.add_interest(self.done)
-            super().add_done_callback(lambda f: self._driver.drop_interest(entry))
+            # the entry holds the future only weakly and the callback only the entry: no cycle
+            # keeps a finished future (and its result) alive until the cyclic collector runs
+            entry = self._driver.add_interest(_done_of(self))
+            super().add_done_callback(lambda f, _entry=entry: f._driver.drop_interest(_entry))
         super().add_done_callback(fn)
 
     def cancel(self) -> bool:
@@ -89,6 +92,17 @@ class ChunkFuture(concurrent.futures.Future):
             self.set_running_or_notify_cancel()
 
 
+def _done_of(fut: ChunkFuture) -> Callable[[], bool]:
+    """``fut.done`` without holding ``fut`` (a collected future is done)."""
+    ref = weakref.ref(fut)
+
+    def done() -> bool:
+        f = ref()
+        return f is None or f.done()
+
+    return done
+
+
 class _Waiters(list):
     """A future's waiter list: ``concurrent.futures.wait`` and ``as_completed`` append to it, which
     tells the progress thread someone waits (it may then advance the simulated clock). Appends run
@@ -96,20 +110,23 @@ class _Waiters(list):
 
     def __init__(self, fut: ChunkFuture):
         super().__init__()
-        self._fut = fut
+        # weakly: a future and its waiter list in a cycle would keep every result alive until
+        # the cyclic collector runs (pinned result blocks would pile up between collections)
+        self._fut = weakref.ref(fut)
+        self._driver = fut._driver
         self._entries: dict = {}
 
     def append(self, waiter: Any) -> None:
         super().append(waiter)
-        driver = self._fut._driver
-        if getattr(driver, "background", False) and not self._fut.done():
-            self._entries[id(waiter)] = driver.add_interest(self._fut.done)
+        fut = self._fut()
+        if fut is not None and getattr(self._driver, "background", False) and not fut.done():
+            self._entries[id(waiter)] = self._driver.add_interest(_done_of(fut))
 
     def remove(self, waiter: Any) -> None:
         super().remove(waiter)
         entry = self._entries.pop(id(waiter), None)
         if entry is not None:
-            self._fut._driver.drop_interest(entry)
+            self._driver.drop_interest(entry)
 
 
 @dataclasses.dataclass(eq=False)
@@ -126,6 +143,9 @@ class Chunk:
     dev_in: Optional[Slot] = None
     dev_out: Optional[Slot] = None
     host_out: Optional[Slot] = None
+    staged: Optional[np.ndarray] = None  # a pinned pool copy of the item made at acceptance, or None
+    source: Any = None  # the pinned memory the h2d reads in place (a BufferSlice), or None
+    result: Optional[np.ndarray] = None  # the pinned pool array the d2h writes, or None (the host-out slot)
     prepare_task: Any = None
     consume_task: Any = None
     h2d_event: Any = None

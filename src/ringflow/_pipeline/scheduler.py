@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from .._device.host_pool import buffer_behind
 from .._device.protocol import BufferSlice, Device
 from .._errors import DeviceError, StageError
 from .._testing import current as current_hooks
@@ -71,16 +72,31 @@ _STREAM_ORDERED = frozenset({SlotState.COPYING_IN, SlotState.COMPUTING, SlotStat
 # chunk's result, a read-only view valid during the call, into the value delivered.
 Prepare = Callable[[Any, Optional[np.ndarray]], tuple]  # (item, writable uint8 view or None) -> (shape, dtype)
 Consume = Callable[[int, Any, np.ndarray], Any]  # (index, item, read-only typed view) -> value
+# Where an item already is in pinned memory the copy engine can read: (its bytes, shape, dtype)
+# or None (the item is prepared into a host-in slot).
+SourceOf = Callable[[Any], Optional[tuple]]
 
 
 class Scheduler:
-    def __init__(self, device: Device, compute: Callable, prepare: Prepare, consume: Consume, config: PipelineConfig,
-                 *, item_nbytes: Callable[[Any], int] = lambda item: 0,
-                 on_chunk_end: Optional[Callable[[Chunk], None]] = None, host_in_buffer=None, host_out_buffer=None):
+    def __init__(self, device: Device, compute: Callable, prepare: Prepare, consume: Optional[Consume],
+                 config: PipelineConfig, *, item_nbytes: Callable[[Any], int] = lambda item: 0,
+                 on_chunk_end: Optional[Callable[[Chunk], None]] = None, host_in_buffer=None, host_out_buffer=None,
+                 results=None, source_of: Optional[SourceOf] = None):
         """``host_in_buffer``/``host_out_buffer``: the caller's pinned or registered memory holding
         every chunk's input / receiving every chunk's output back to back (chunk i at
         ``i * chunk_bytes``). The copy engines then read and write it in place: no staging ring,
-        and prepare/consume only describe the chunk."""
+        and prepare/consume only describe the chunk.
+
+        ``consume`` None delivers the result itself. ``results``: a host pool
+        (:class:`~ringflow._device.host_pool.HostPool`) whose pinned arrays receive the results:
+        each chunk's d2h writes straight into an array taken for it, which the consumer gets (and
+        a None consume delivers) with no copy; where the pool has no room, the chunk goes through
+        its host-out slot as without a pool. ``source_of``: finds items already in pinned memory,
+        which the h2d then reads in place (their prepare is skipped).
+
+        Host-out and host-in slots stay the tickets of those chunks (acquired, fenced and freed
+        as for any chunk), so the bounds on chunks in each stage do not change; their own bytes
+        are then unused."""
         hooks = current_hooks()
         guard_off = refuse_unknown_guards(hooks.guards_off, GUARDS)
         slot_hook = hooks.slot_hook
@@ -88,6 +104,8 @@ class Scheduler:
         self.compute = writes_into_y(compute)
         self.prepare = prepare
         self.consume = consume
+        self.results = results
+        self.source_of = source_of
         self.config = config
         self.item_nbytes = item_nbytes
         self._guard_off = guard_off
@@ -187,9 +205,13 @@ class Scheduler:
         return (self.accepting and len(self.chunks) + len(self.inbox) + self.unclaimed
                 < self.config.max_in_flight)
 
-    def accept(self, item: Any, driver: Any, *, in_map: bool = False) -> Chunk:
+    def accept(self, item: Any, driver: Any, *, in_map: bool = False, staged: Optional[np.ndarray] = None,
+               staged_at: Optional[tuple] = None) -> Chunk:
         """Accept ``item`` from any thread holding the driver's lock: the chunk goes into the inbox
         (one append: the commit point) and the driving thread admits it at its next step.
+        ``staged``: a pinned pool array holding the item's bytes (made by the accepting thread),
+        which the h2d reads and, for a result of the same shape and dtype, the d2h writes;
+        ``staged_at``: when that copy started and ended (host clock), the chunk's prepare span.
 
         Raises:
             DeviceError: the device is broken.
@@ -203,8 +225,12 @@ class Scheduler:
         if not self.has_capacity():
             raise RuntimeError("admission is full; wait for capacity before accepting")
         index = next(self._indices)
-        chunk = Chunk(index, item, ChunkFuture(driver, index), in_map=in_map, token=self.device.publish())
+        chunk = Chunk(index, item, ChunkFuture(driver, index), in_map=in_map, token=self.device.publish(),
+                      staged=staged)
         chunk.stamps["accepted"] = self.device.now
+        if staged_at is not None:  # its prepare was the copy the accepting thread just made
+            chunk.stamps["accepted"] = staged_at[0]
+            chunk.stamps["prepare"] = list(staged_at)
         self.inbox.append(chunk)
         return chunk
 
@@ -394,11 +420,19 @@ class Scheduler:
             self._accepted_q.popleft()
             chunk.host_in = slot
             chunk.move(ChunkState.PREPARING)
-            chunk.stamps["prepare"] = [self.device.now, None]
-            if self.host_in.external:
+            if chunk.staged is None:
+                chunk.stamps["prepare"] = [self.device.now, None]
+            found = self._found(chunk)
+            if self.host_in.external or found is not None:
                 # the caller's pinned memory already holds the chunk: describing it is a few
                 # microseconds of Python, cheaper inline than a round trip through the pool
-                chunk.prepare_task = _InlineTask(self.device, self._run_prepare, chunk, slot.where)
+                if found is not None:
+                    chunk.source, shape, dtype = found
+                    chunk.prepare_task = _InlineTask(self.device, _described, shape, dtype)
+                    if chunk.staged is not None:  # the accepting thread's copy was its prepare
+                        chunk.prepare_task.span = tuple(chunk.stamps["prepare"])
+                else:
+                    chunk.prepare_task = _InlineTask(self.device, self._run_prepare, chunk, slot.where)
                 self._h2d_q.append(chunk)
                 self._on_prepared(chunk)
                 progressed = True
@@ -409,6 +443,13 @@ class Scheduler:
             self._h2d_q.append(chunk)
             progressed = True
         return progressed
+
+    def _found(self, chunk: Chunk) -> Optional[tuple]:
+        """Where ``chunk``'s input already is in pinned memory: (its bytes, shape, dtype), or None."""
+        staged = chunk.staged
+        if staged is not None:
+            return BufferSlice(buffer_behind(staged), 0, staged.nbytes), staged.shape, staged.dtype
+        return self.source_of(chunk.item) if self.source_of is not None else None
 
     def _run_prepare(self, chunk: Chunk, where: BufferSlice) -> tuple:
         # an external host-in ring already holds the chunk: prepare only describes it
@@ -423,7 +464,8 @@ class Scheduler:
         return tuple(shape), dtype, nbytes
 
     def _on_prepared(self, chunk: Chunk) -> None:
-        chunk.stamps["prepare"][1] = self.device.now
+        if chunk.staged is None:
+            chunk.stamps["prepare"][1] = self.device.now
         try:
             chunk.shape, chunk.dtype, chunk.nbytes = chunk.prepare_task.result()
         except BaseException as exc:  # noqa: BLE001 - the user's prepare failed for this chunk (Ctrl-C too)
@@ -437,8 +479,10 @@ class Scheduler:
         self.host_out.move(slot, SlotState.CONSUMING)
         chunk.move(ChunkState.CONSUMING)
         chunk.stamps["consume"] = [self.device.now, None]
-        if self.host_out.external and "host_out.release_after_consume" not in self._guard_off:
-            # the result is already in the caller's memory: the consumer copies nothing
+        if (self.host_out.external or (chunk.result is not None and self.consume is None)) \
+                and "host_out.release_after_consume" not in self._guard_off:
+            # the result is already in the caller's memory or in a pooled array of its own:
+            # the consumer copies nothing
             chunk.consume_task = _InlineTask(self.device, self._run_consume, chunk, slot.where)
             self._on_consumed(chunk)
             return
@@ -451,8 +495,19 @@ class Scheduler:
             slot.fence = chunk.consume_task
 
     def _run_consume(self, chunk: Chunk, where: BufferSlice) -> Any:
+        result = chunk.result
+        if result is not None:  # the d2h wrote a pooled array of the chunk's own
+            where = BufferSlice(buffer_behind(result), 0, chunk.nbytes)
         count = math.prod(chunk.shape)
+        # a checked read (simulated GPU): the consumer reads the result now, ordered after its d2h
         view = where.buffer.view(chunk.dtype, offset=where.offset, count=count, access="r").reshape(chunk.shape)
+        if result is not None:
+            if self.consume is None:
+                return result
+            view = result.view()  # a view of the pooled array holds its block: one kept stays valid
+            view.flags.writeable = False
+        elif self.consume is None:
+            return np.array(view, copy=True)
         return self.consume(chunk.index, chunk.item, view)
 
     def _on_consumed(self, chunk: Chunk) -> None:
@@ -485,7 +540,7 @@ class Scheduler:
             n = chunk.nbytes
             self._mark(chunk, s, "h2d", start=True)
             if n:  # a zero-length item moves no bytes (a copy needs at least one)
-                s.copy(_head(slot.where, n), _head(chunk.host_in.where, n), n)
+                s.copy(_head(slot.where, n), _head(chunk.source or chunk.host_in.where, n), n)
             event = self._mark(chunk, s, "h2d")
             chunk.stamps["h2d.enqueued"] = self.device.now
             self.host_in.move(chunk.host_in, SlotState.COPYING_IN)
@@ -556,9 +611,12 @@ class Scheduler:
             ring_out = self.dev_out or self.dev_in
             ring_out.move(chunk.dev_out, SlotState.COPYING_OUT)
             n = chunk.nbytes
+            dest = slot.where
+            if self.results is not None and n:
+                dest = self._result_for(chunk) or dest
             self._mark(chunk, s, "d2h", start=True)
             if n:
-                s.copy(_head(slot.where, n), _head(chunk.dev_out.where, n), n)
+                s.copy(_head(dest, n), _head(chunk.dev_out.where, n), n)
             event = self._mark(chunk, s, "d2h")
             chunk.stamps["d2h.enqueued"] = self.device.now
             chunk.d2h_event = event
@@ -569,6 +627,26 @@ class Scheduler:
                 slot.fence = event
             progressed = True
         return progressed
+
+    def _result_for(self, chunk: Chunk) -> Optional[BufferSlice]:
+        """A pinned pool array for ``chunk``'s result; its bytes, or None (no cached block).
+
+        A chunk staged at acceptance gets its result back in its own staging array: the d2h
+        waits for the compute, which waited for the h2d that read it. Any other chunk takes a
+        cached block only (pinning new memory can wait for the whole device: not on the thread
+        that drives the streams). The chunk holds the array until it ends, and a chunk ends only
+        after its d2h completed (a cancelled or failed one drains first), so the pool never gets
+        the block back while the copy into it may be pending; a dead context (sticky error) runs
+        nothing more."""
+        staged = chunk.staged
+        if staged is not None and staged.shape == chunk.shape and staged.dtype == chunk.dtype:
+            arr = staged
+        else:
+            arr = self.results.take(chunk.shape, chunk.dtype, allocate=False)
+            if arr is None:
+                return None
+        chunk.result = arr
+        return BufferSlice(buffer_behind(arr), 0, chunk.nbytes)
 
     def _mark(self, chunk: Chunk, stream, stage: str, start: bool = False):
         """:func:`~.stages.mark` for ``chunk``: its timing events are kept only when profiling."""
@@ -664,6 +742,7 @@ class Scheduler:
         """Drop what an ended chunk no longer needs (events, tasks, slots): a result held by a map
         must not pin them."""
         chunk.host_in = chunk.dev_in = chunk.dev_out = chunk.host_out = None
+        chunk.staged = chunk.source = chunk.result = None
         chunk.prepare_task = chunk.consume_task = None
         chunk.h2d_event = chunk.compute_event = chunk.d2h_event = None
         chunk.events = {}
@@ -856,6 +935,11 @@ class _InlineTask:
         if self._exc is not None:
             raise self._exc
         return self._value
+
+
+def _described(shape: tuple, dtype: np.dtype) -> tuple:
+    """The prepare of an item already in pinned memory: only what it is."""
+    return shape, dtype, math.prod(shape) * dtype.itemsize
 
 
 def _head(where: BufferSlice, nbytes: int) -> BufferSlice:

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..host_pool import without_pooled
 from ..protocol import Capabilities, Device, LiveCounts, close_quietly
 from ._lib import check, core, driver, translate
 from ._live import LiveRegistry
@@ -266,7 +267,7 @@ class CudaDevice(Device):
             delay = min(delay * 2, _WAIT_MAX_SLEEP_S)
 
     def live(self) -> LiveCounts:
-        return self._live.counts()
+        return without_pooled(self, self._live.counts())
 
     def close(self) -> None:
         """Wait for the device's work, then close every buffer, stream and worker pool still

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..._errors import DeviceError
+from ..host_pool import without_pooled
 from ..protocol import Capabilities, Device, LiveCounts, check_nbytes
 from .engine import Engine, Op
 from .hazard import AccessKind, HappensBeforeChecker
@@ -202,8 +203,13 @@ class SimDevice(Device):
             self._check_usable()
             self._run_engine(self._engine.now + max(0.0, seconds))
 
+    def host_copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        np.copyto(dst, src, casting="no")
+        if dst.nbytes:
+            self.sleep(dst.nbytes / (self.hardware.host_copy_rate(1) * 1e9))
+
     def live(self) -> LiveCounts:
-        return LiveCounts(**self._live)
+        return without_pooled(self, LiveCounts(**self._live))
 
     def synchronize(self) -> None:
         """Run every enqueued operation to completion (device-wide; tests and close only)."""

@@ -1,0 +1,184 @@
+"""A pipeline's results land in pinned pool arrays (``ringflow.host``), and pooled items are read
+in place: the d2h writes the result the caller gets, the h2d reads the caller's array.
+
+Ordering of both paths is pinned by ``test_guards.py`` (its "pooled" runner); here: what the
+caller sees, the fallback when the pool has no room, reuse of dropped results, and that the
+pool's blocks are counted apart from a pipeline's own (nothing leaks)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow._device import host_pool
+from ringflow._pipeline import scheduler as scheduler_module
+
+
+def f(x, y):
+    y[...] = x * 2 + 1
+
+
+def items_of(sizes, seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(n).astype(dtype) for n in sizes]
+
+
+@pytest.fixture
+def dev():
+    return rf.device("sim", chaos=True, seed=5)
+
+
+def test_results_are_pinned_pool_arrays_of_the_pipelines_device(dev):
+    items = items_of([1, 7, 300, 1024])
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096) as pipe:
+        results = list(pipe.map(items))
+        futs = [pipe.submit(a) for a in items]
+        from_futures = [fu.result() for fu in futs]
+    for r, a in zip(results + from_futures, items + items):
+        assert np.array_equal(r, a * 2 + 1) and r.dtype == a.dtype and r.shape == a.shape
+        assert rf.host.buffer(r) is not None and host_pool.device_of(r) is dev
+        assert r.flags.writeable and r.flags.c_contiguous  # the caller's to keep and change
+
+
+def test_without_room_in_the_pool_results_are_ordinary_arrays(dev, caplog):
+    rf.host.set_budget(1024, device=dev)  # no result of 4 KiB fits
+    items = items_of([1000] * 12, seed=1)
+    with caplog.at_level("WARNING", logger="ringflow"):
+        with rf.Pipeline(f, device=dev, chunk_bytes=4096) as pipe:
+            results = list(pipe.map(items))
+    assert all(np.array_equal(r, a * 2 + 1) for r, a in zip(results, items))
+    assert all(rf.host.buffer(r) is None for r in results)
+    assert rf.host.stats(device=dev).fallbacks == len(items)
+    assert sum("budget" in rec.getMessage() for rec in caplog.records) == 1  # said once, not per result
+
+
+@pytest.mark.parametrize("how", ["map", "futures"])
+def test_dropped_results_are_reused_so_pinned_memory_stays_flat(dev, how):
+    items = items_of([1024] * 200, seed=2)
+    gc.disable()  # a result must go back when dropped, not when the cyclic collector next runs
+    try:
+        with rf.Pipeline(f, device=dev, chunk_bytes=4096, slots=2) as pipe:
+            if how == "map":
+                for a, r in zip(items, pipe.map(items)):
+                    assert np.array_equal(r, a * 2 + 1)
+                    del r  # the caller is done with it: its block goes back to the pool
+            else:
+                for a in items:
+                    fut = pipe.submit(a)
+                    fut.add_done_callback(lambda fu: None)
+                    assert concurrent.futures.wait([fut]).done == {fut}
+                    assert np.array_equal(fut.result(), a * 2 + 1)
+                    del fut
+        s = rf.host.stats(device=dev)
+    finally:
+        gc.enable()
+    # a block per result alive at once (admission bounds them), not one per item
+    assert s.allocations <= pipe.config.max_in_flight + 2 < len(items)
+    assert s.hits >= len(items) - s.allocations and s.in_use_bytes == 0
+
+
+def test_a_consumer_gets_a_read_only_view_of_the_pooled_result(dev):
+    seen = []
+
+    def consume(index, item, result):
+        seen.append((result.flags.writeable, rf.host.buffer(result) is not None))
+        return float(result.sum())
+
+    items = items_of([10, 20], seed=3)
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096, consume=consume) as pipe:
+        sums = list(pipe.map(items))
+    assert sums == pytest.approx([float((a * 2 + 1).sum()) for a in items])
+    assert seen == [(False, True), (False, True)]
+
+
+def test_pooled_items_are_read_in_place_without_a_prepare(dev, monkeypatch):
+    prepared = []
+    real = scheduler_module.Scheduler._run_prepare
+
+    def counting(self, chunk, where):
+        prepared.append(chunk.index)
+        return real(self, chunk, where)
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "_run_prepare", counting)
+    pooled = rf.host.empty(500, np.float32, device=dev)
+    pooled[:] = np.arange(500)
+    view = pooled[1:]  # not from the block's first byte: staged like any pageable array
+    pageable = np.arange(300, dtype=np.float32)
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096) as pipe:
+        results = list(pipe.map([pooled, view, pageable]))
+    assert [np.array_equal(r, a * 2 + 1) for r, a in zip(results, [pooled, view, pageable])] == [True] * 3
+    # the pool array is read in place, the others were copied into pool arrays by map() itself:
+    # no chunk needed a prepare on a worker
+    assert prepared == []
+    # the copies carried their results back; the caller's own pool array kept its input (its
+    # result takes a cached block only, and none was cached yet)
+    assert [rf.host.buffer(r) is not None for r in results] == [False, True, True]
+    rf.host.set_budget(1, device=dev)  # no room: the view and the pageable array are prepared into slots
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096) as pipe:
+        results = list(pipe.map([pooled, view, pageable]))
+    assert [np.array_equal(r, a * 2 + 1) for r, a in zip(results, [pooled, view, pageable])] == [True] * 3
+    assert prepared == [1, 2]
+
+
+def test_an_item_changed_after_submit_returns_does_not_change_its_result(dev):
+    """A plain array is copied into pinned memory by submit() itself: the caller may reuse it at once."""
+    a = np.arange(1000, dtype=np.float32)
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096) as pipe:
+        futs = []
+        for k in range(20):
+            a[:] = k
+            futs.append(pipe.submit(a))
+        assert [float(fu.result()[0]) for fu in futs] == [2.0 * k + 1 for k in range(20)]
+
+
+def test_a_pool_array_of_another_device_is_staged(dev, monkeypatch):
+    other = rf.device("sim", seed=6)
+    a = rf.host.empty(100, np.float32, device=other)
+    a[:] = 3
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096) as pipe:
+        r = pipe.submit(a).result()
+    assert np.array_equal(r, np.full(100, 7, np.float32)) and host_pool.device_of(r) is dev
+
+
+def test_pool_blocks_are_counted_apart_from_a_pipelines_own_buffers(dev):
+    items = items_of([100] * 5, seed=4)
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096) as pipe:
+        kept = list(pipe.map(items))
+    live = dev.live()
+    assert live.total == 0, live  # the pipeline's rings, streams and events are all gone
+    assert live.pooled_host_buffers >= 1  # the blocks behind `kept` (and any cached) are the pool's
+    del kept
+    gc.collect()
+    rf.host.collect(device=dev, wait=True)
+    rf.host.release_cached(device=dev)
+    assert dev.live().pooled_host_buffers == 0
+
+
+def test_a_zero_length_item_gets_an_empty_result(dev):
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096) as pipe:
+        r = pipe.submit(np.empty((0, 3), np.float32)).result()
+    assert r.shape == (0, 3) and r.dtype == np.float32
+
+
+def test_a_staged_run_reports_its_copies_as_prepare_and_no_run_beats_its_bound():
+    dev = rf.device("sim", profile="unit", chaos=True, seed=1)
+
+    def g(x, y):
+        y[...] = x * 2 + 1
+
+    g.sim_seconds = 0.2e-3
+    items = [np.full((1 << 20) // 4, i, np.float32) for i in range(12)]
+    with rf.Pipeline(g, device=dev, chunk_bytes=1 << 20, profile=True) as pipe:
+        t0 = dev.now
+        out = list(pipe.map(items))
+        wall = dev.now - t0
+    assert all(rf.host.buffer(o) is not None and np.array_equal(o, i * 2 + 1) for o, i in zip(out, items))
+    rep = pipe.report()
+    spans = [s for s in rep.timeline.spans(lanes=False) if s.name.startswith("prepare")]
+    # the unit profile copies 1 GB/s on one thread: each staging copy is charged to map()
+    assert len(spans) == len(items) and all(s.end - s.start == pytest.approx((1 << 20) / 1e9) for s in spans)
+    assert 0 < rep.efficiency <= 1 + 1e-9 and wall >= 12e-3
