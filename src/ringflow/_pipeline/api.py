@@ -20,6 +20,7 @@ import collections
 import concurrent.futures
 import functools
 import itertools
+import math
 import warnings
 import weakref
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Optional
@@ -34,7 +35,7 @@ from .chunk import Chunk, ChunkFuture
 from .driver import CallerDriver, ProgressThread, resolve
 from .config import PipelineConfig, SlotCounts
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, resolve_slots
-from .validate import check_options, check_timeout
+from .validate import as_host_array, check_options, check_output_spec, check_timeout
 from .scheduler import Scheduler
 from .states import ChunkState
 from .stats import PipelineStats
@@ -94,7 +95,12 @@ class Pipeline:
     calling thread (the caller may reuse its array once ``submit`` returns; an array from that
     pool is read in place), and the result comes back in that same pinned array, which goes back
     to the pool once dropped; where the pool has no room, items are copied by the CPU workers and
-    results are new numpy arrays. A compute callable may carry a
+    results are new numpy arrays.
+
+    ``output`` gives the result's shape and dtype where they are not the input's: one
+    ``(shape, dtype)`` pair for every item, or ``output(item) -> (shape, dtype)``, called by
+    ``submit``/``map`` on the accepting thread. ``compute`` then gets ``y`` of that shape and
+    dtype, only its bytes are copied back, and it must fit a slot (``chunk_bytes``). A compute callable may carry a
     ``sim_seconds`` attribute (seconds, or a function of the chunk's bytes) for its duration on
     the simulated GPU.
 
@@ -111,11 +117,11 @@ class Pipeline:
                  chunk_bytes: Optional[int] = None, max_in_flight: Optional[int] = None, ordered: bool = True,
                  on_error: str = "raise", profile: bool = False, workers: Optional[int] = None,
                  inplace: bool = False, checked: bool = False, item_nbytes: Optional[Callable] = None,
-                 pinned_budget: Optional[int] = None):
+                 pinned_budget: Optional[int] = None, output: "tuple | Callable | None" = None):
         self._build(compute, device=device, user_prepare=prepare, consume=consume, slots=slots,
                     chunk_bytes=chunk_bytes, max_in_flight=max_in_flight, ordered=ordered, on_error=on_error,
                     profile=profile, workers=workers, inplace=inplace, checked=checked, item_nbytes=item_nbytes,
-                    pinned_budget=pinned_budget)
+                    pinned_budget=pinned_budget, output=output)
 
     @classmethod
     def _for_whole_array(cls, compute: Callable, *, prepare: Callable, consume: Callable, item_nbytes: Callable,
@@ -133,7 +139,7 @@ class Pipeline:
                chunk_bytes=None, max_in_flight=None, ordered: bool = True, on_error: str = "raise",
                profile: bool = False, workers=None, inplace: bool = False, checked: bool = False,
                item_nbytes=None, pinned_budget=None, host_in_buffer=None, host_out_buffer=None,
-               max_chunks: Optional[int] = None, bulk: bool = False) -> None:
+               max_chunks: Optional[int] = None, bulk: bool = False, output=None) -> None:
         self._closed = True  # until built: a finaliser or close() on a half-built pipeline does nothing
         if not callable(compute):
             raise TypeError(f"compute must be a callable f(x, y), got {type(compute).__name__}")
@@ -143,6 +149,13 @@ class Pipeline:
         opts = check_options(chunk_bytes=chunk_bytes, workers=workers, max_in_flight=max_in_flight,
                              pinned_budget=pinned_budget, slots=slots, on_error=on_error, ordered=ordered,
                              profile=profile, inplace=inplace, checked=checked)
+        if output is not None:
+            if opts["inplace"]:
+                raise ValueError("output= cannot be used with inplace=True: an in-place compute writes its result "
+                                 "over its input, so the result is shaped as the input; drop one of them")
+            if not callable(output):
+                output = check_output_spec(output)
+        self._output = output
         chunk_bytes, workers, max_in_flight, pinned_budget, slots = (
             opts["chunk_bytes"], opts["workers"], opts["max_in_flight"], opts["pinned_budget"], opts["slots"])
         self.device = make_device(device) if not isinstance(device, Device) else device
@@ -186,17 +199,50 @@ class Pipeline:
         self._closed = False
 
     # -- set-up -------------------------------------------------------------------------------
-    def _check_item(self, item: Any) -> None:
-        """Refuse, before acceptance, an item that can never fit (when its size is known)."""
+    def _check_item(self, item: Any) -> Any:
+        """The item to accept: a plain array item viewed as a numpy array (:func:`as_host_array`);
+        refused, before acceptance, if it can never fit (when its size is known)."""
         if self._items_are_arrays:
-            if not isinstance(item, np.ndarray):
-                raise TypeError(f"items must be numpy arrays (or pass prepare=), got {type(item).__name__}")
+            item = as_host_array(item)
             if item.dtype.hasobject:
                 raise TypeError(f"items are moved as raw bytes; dtype {item.dtype} holds Python objects")
             if item.nbytes > self.config.chunk_bytes:
                 raise ValueError(f"an item of {item.nbytes} bytes (shape {item.shape}, {item.dtype}) does not fit "
                                  f"a slot of {self.config.chunk_bytes} bytes; raise chunk_bytes to at least "
                                  f"{item.nbytes} or split the item")
+        return item
+
+    def _output_spec(self, item: Any) -> Optional[tuple]:
+        """The result's ``(shape, dtype)`` for ``item`` when an ``output`` spec was given, checked
+        against the slot size; None: shaped as the prepared input.
+
+        Raises:
+            TypeError, ValueError: the spec (or what ``output(item)`` returned) is not a valid
+                ``(shape, dtype)``, or its bytes do not fit a slot.
+        """
+        spec = self._output
+        if spec is None:
+            return None
+        if callable(spec):
+            spec = check_output_spec(spec(item), "output(item)")
+        shape, dtype = spec
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > self.config.chunk_bytes:
+            raise ValueError(f"an output of {nbytes} bytes (shape {shape}, {dtype}) does not fit a slot of "
+                             f"{self.config.chunk_bytes} bytes; raise chunk_bytes to at least {nbytes}")
+        return spec
+
+    def _accepting(self, item: Any) -> dict:
+        """What the accepting thread prepares for ``item`` before taking the lock: its output spec,
+        its pinned staging copy, and a pinned result array where the result is shaped otherwise
+        (keyword arguments of :meth:`Scheduler.accept`)."""
+        out_spec = self._output_spec(item)
+        staged, staged_at = self._staged_copy(item) or (None, None)
+        result = None
+        if out_spec is not None and self._pool is not None and \
+                (staged is None or (staged.shape, staged.dtype) != out_spec):
+            result = self._pool.take(*out_spec)  # pinned on this thread, not on the progress thread
+        return {"staged": staged, "staged_at": staged_at, "out_spec": out_spec, "result": result}
 
     def _staged_copy(self, item: Any) -> Optional[tuple]:
         """``(array, (start, end))``: a plain array item copied into a pinned pool array on the
@@ -234,8 +280,8 @@ class Pipeline:
         """
         timeout = check_timeout(timeout)
         self._check_open()
-        self._check_item(item)
-        staged, staged_at = self._staged_copy(item) or (None, None)
+        item = self._check_item(item)
+        accepting = self._accepting(item)
         d, s = self._driver, self._sched
         with d.cv:
             if not s.has_capacity():
@@ -243,7 +289,7 @@ class Pipeline:
                 d.wait_for(lambda: s.has_capacity() or not s.accepting or s.broken is not None, timeout,
                            "capacity")
                 self._stall("stall: producer", "producer blocked by backpressure", t0)
-            chunk = s.accept(item, d, staged=staged, staged_at=staged_at)
+            chunk = s.accept(item, d, **accepting)
             d.notify()
         return chunk.future
 
@@ -283,13 +329,17 @@ class Pipeline:
                         except StopIteration:
                             exhausted = True
                             break
-                        self._check_item_or_settle(item)
-                        carried.append((item, self._staged_copy(item) or (None, None)))
+                        item = self._check_item_or_settle(item)
+                        try:
+                            carried.append((item, self._accepting(item)))
+                        except (TypeError, ValueError):  # a bad output spec for this item
+                            self._settle_after_error()
+                            raise
                     with d.cv:
                         if not s.accepting or not s.has_capacity():
                             break
-                        item, (staged, staged_at) = carried.pop()
-                        chunk = s.accept(item, d, in_map=True, staged=staged, staged_at=staged_at)
+                        item, accepting = carried.pop()
+                        chunk = s.accept(item, d, in_map=True, **accepting)
                         pending[chunk.index] = chunk
                         started = True
                         d.notify()
@@ -324,9 +374,9 @@ class Pipeline:
                     if chunk.state.final:
                         s.unclaimed -= 1
 
-    def _check_item_or_settle(self, item: Any) -> None:
+    def _check_item_or_settle(self, item: Any) -> Any:
         try:
-            self._check_item(item)
+            return self._check_item(item)
         except (TypeError, ValueError):
             self._settle_after_error()
             raise
@@ -397,13 +447,17 @@ class Pipeline:
     async def _asubmit_future(self, item: Any, timeout: Optional[float] = None) -> ChunkFuture:
         timeout = check_timeout(timeout)
         self._check_open()
-        self._check_item(item)
+        item = self._check_item(item)
         d, s = self._driver, self._sched
         with d.cv:
-            if s.has_capacity():
-                chunk = s.accept(item, d)
-                d.notify()
-                return chunk.future
+            room = s.has_capacity()
+        if room:  # the staging copy may take a while: made outside the lock, on the loop's thread
+            accepting = self._accepting(item)
+            with d.cv:
+                if s.has_capacity():
+                    chunk = s.accept(item, d, **accepting)
+                    d.notify()
+                    return chunk.future
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, self.submit, item, timeout)
 

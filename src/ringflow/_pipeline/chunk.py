@@ -139,6 +139,12 @@ class Chunk:
     shape: tuple[int, ...] = ()
     dtype: Optional[np.dtype] = None
     nbytes: int = 0
+    # what compute writes and the d2h brings back (the input's shape and dtype unless an output
+    # spec says otherwise)
+    out_spec: Optional[tuple] = None
+    out_shape: tuple[int, ...] = ()
+    out_dtype: Optional[np.dtype] = None
+    out_nbytes: int = 0
     host_in: Optional[Slot] = None
     dev_in: Optional[Slot] = None
     dev_out: Optional[Slot] = None

@@ -206,12 +206,15 @@ class Scheduler:
                 < self.config.max_in_flight)
 
     def accept(self, item: Any, driver: Any, *, in_map: bool = False, staged: Optional[np.ndarray] = None,
-               staged_at: Optional[tuple] = None) -> Chunk:
+               staged_at: Optional[tuple] = None, out_spec: Optional[tuple] = None,
+               result: Optional[np.ndarray] = None) -> Chunk:
         """Accept ``item`` from any thread holding the driver's lock: the chunk goes into the inbox
         (one append: the commit point) and the driving thread admits it at its next step.
         ``staged``: a pinned pool array holding the item's bytes (made by the accepting thread),
         which the h2d reads and, for a result of the same shape and dtype, the d2h writes;
         ``staged_at``: when that copy started and ended (host clock), the chunk's prepare span.
+        ``out_spec``: the result's ``(shape, dtype)`` when it is not the prepared input's;
+        ``result``: a pinned pool array of that spec for the d2h to write.
 
         Raises:
             DeviceError: the device is broken.
@@ -226,7 +229,7 @@ class Scheduler:
             raise RuntimeError("admission is full; wait for capacity before accepting")
         index = next(self._indices)
         chunk = Chunk(index, item, ChunkFuture(driver, index), in_map=in_map, token=self.device.publish(),
-                      staged=staged)
+                      staged=staged, out_spec=out_spec, result=result)
         chunk.stamps["accepted"] = self.device.now
         if staged_at is not None:  # its prepare was the copy the accepting thread just made
             chunk.stamps["accepted"] = staged_at[0]
@@ -471,6 +474,11 @@ class Scheduler:
         except BaseException as exc:  # noqa: BLE001 - the user's prepare failed for this chunk (Ctrl-C too)
             self._fail(chunk, "prepare", exc)
             return
+        if chunk.out_spec is None:
+            chunk.out_shape, chunk.out_dtype, chunk.out_nbytes = chunk.shape, chunk.dtype, chunk.nbytes
+        else:
+            chunk.out_shape, chunk.out_dtype = chunk.out_spec
+            chunk.out_nbytes = math.prod(chunk.out_shape) * chunk.out_dtype.itemsize
         self.host_in.move(chunk.host_in, SlotState.FILLED)
         chunk.move(ChunkState.PREPARED)
 
@@ -486,7 +494,7 @@ class Scheduler:
             chunk.consume_task = _InlineTask(self.device, self._run_consume, chunk, slot.where)
             self._on_consumed(chunk)
             return
-        chunk.consume_task = self.pool.submit(self._run_consume, chunk, slot.where, nbytes=chunk.nbytes)
+        chunk.consume_task = self.pool.submit(self._run_consume, chunk, slot.where, nbytes=chunk.out_nbytes)
         if "host_out.release_after_consume" in self._guard_off:
             self._free(self.host_out, slot)  # the fault under test: freed (poisoned) while the consumer reads
             chunk.host_out = None
@@ -497,10 +505,11 @@ class Scheduler:
     def _run_consume(self, chunk: Chunk, where: BufferSlice) -> Any:
         result = chunk.result
         if result is not None:  # the d2h wrote a pooled array of the chunk's own
-            where = BufferSlice(buffer_behind(result), 0, chunk.nbytes)
-        count = math.prod(chunk.shape)
+            where = BufferSlice(buffer_behind(result), 0, chunk.out_nbytes)
+        count = math.prod(chunk.out_shape)
         # a checked read (simulated GPU): the consumer reads the result now, ordered after its d2h
-        view = where.buffer.view(chunk.dtype, offset=where.offset, count=count, access="r").reshape(chunk.shape)
+        view = where.buffer.view(chunk.out_dtype, offset=where.offset, count=count,
+                                 access="r").reshape(chunk.out_shape)
         if result is not None:
             if self.consume is None:
                 return result
@@ -575,9 +584,9 @@ class Scheduler:
                 self._wait_ready(s, out_slot, "compute.wait_slot_ready")
             self.dev_in.move(chunk.dev_in, SlotState.COMPUTING)
             x = chunk.dev_in.where.array(chunk.dtype, chunk.shape)
-            y = out_slot.where.array(chunk.dtype, chunk.shape)
+            y = out_slot.where.array(chunk.out_dtype, chunk.out_shape)
             self._mark(chunk, s, "compute", start=True)
-            if chunk.nbytes:  # a zero-length chunk has nothing to compute (its result is empty too)
+            if chunk.out_nbytes:  # a zero-length result has nothing to compute
                 try:
                     launch_compute(s, self.compute, x, y, inplace=self.dev_out is None,
                                    sim_seconds=sim_seconds_for(self._sim_compute, chunk.nbytes), index=chunk.index)
@@ -610,7 +619,7 @@ class Scheduler:
                 s.wait(chunk.compute_event)
             ring_out = self.dev_out or self.dev_in
             ring_out.move(chunk.dev_out, SlotState.COPYING_OUT)
-            n = chunk.nbytes
+            n = chunk.out_nbytes
             dest = slot.where
             if self.results is not None and n:
                 dest = self._result_for(chunk) or dest
@@ -639,14 +648,16 @@ class Scheduler:
         the block back while the copy into it may be pending; a dead context (sticky error) runs
         nothing more."""
         staged = chunk.staged
-        if staged is not None and staged.shape == chunk.shape and staged.dtype == chunk.dtype:
+        if chunk.result is not None:  # taken for the output spec at acceptance
+            arr = chunk.result
+        elif staged is not None and staged.shape == chunk.out_shape and staged.dtype == chunk.out_dtype:
             arr = staged
         else:
-            arr = self.results.take(chunk.shape, chunk.dtype, allocate=False)
+            arr = self.results.take(chunk.out_shape, chunk.out_dtype, allocate=False)
             if arr is None:
                 return None
         chunk.result = arr
-        return BufferSlice(buffer_behind(arr), 0, chunk.nbytes)
+        return BufferSlice(buffer_behind(arr), 0, chunk.out_nbytes)
 
     def _mark(self, chunk: Chunk, stream, stage: str, start: bool = False):
         """:func:`~.stages.mark` for ``chunk``: its timing events are kept only when profiling."""

@@ -204,3 +204,70 @@ def check_out(x: np.ndarray, out: np.ndarray) -> None:
     if overlap:
         raise ValueError("out overlaps x without being x itself: results would overwrite input still to be read; "
                          "pass out=x to work in place, or a separate array")
+
+
+def check_output_spec(spec: Any, where: str = "output") -> tuple:
+    """An output spec ``(shape, dtype)`` checked and normalised to ``(tuple of ints, numpy dtype)``.
+
+    Raises:
+        TypeError: not a pair, a shape that is not an int or a sequence of ints, or a dtype numpy
+            does not know or that holds Python objects.
+        ValueError: a negative dimension.
+    """
+    if not isinstance(spec, (tuple, list)) or len(spec) != 2:
+        raise TypeError(f"{where} must be a (shape, dtype) pair such as ((64, 10), 'float16'), got {_got(spec)}")
+    shape, dtype = spec
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        shape = (shape,)
+    if not isinstance(shape, (tuple, list)) or \
+            not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in shape):
+        raise TypeError(f"{where}: the shape must be an int or a sequence of ints, got {_got(shape)}")
+    shape = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"{where}: the shape {shape} has a negative dimension")
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"{where}: {dtype!r} is not a numpy dtype ({exc})") from None
+    if dtype.hasobject:
+        raise TypeError(f"{where}: dtype {dtype} holds Python objects; results are moved as raw bytes")
+    return shape, dtype
+
+
+_DLPACK_CPU = (1, 3)  # kDLCPU, kDLCUDAHost (pinned host memory): bytes the CPU can read
+
+
+def as_host_array(item: Any, where: str = "items") -> np.ndarray:
+    """``item`` as a numpy array over the same memory where it can be one without a copy: a
+    numpy array as it is; a CPU DLPack producer (a torch CPU tensor, pinned or not) through
+    ``np.from_dlpack``; any other object with ``__array__`` through ``np.asarray``.
+
+    Raises:
+        TypeError: a device array (``__cuda_array_interface__`` or a DLPack device that is not
+            the CPU), or an object numpy cannot view as an array, naming ``where``.
+    """
+    if isinstance(item, np.ndarray):
+        return item
+    if hasattr(item, "__cuda_array_interface__"):
+        raise TypeError(f"{where} must be host arrays; got a device array ({type(item).__name__}); copy it to the "
+                        "host first (e.g. .get() or .cpu()), or compute on it directly")
+    if hasattr(item, "__dlpack__") and hasattr(item, "__dlpack_device__"):
+        try:
+            kind = int(item.__dlpack_device__()[0])
+        except Exception as exc:  # noqa: BLE001 - a producer that cannot say where it lives
+            raise TypeError(f"{where}: {type(item).__name__}.__dlpack_device__() failed ({exc})") from None
+        if kind not in _DLPACK_CPU:
+            raise TypeError(f"{where} must be host arrays; got a {type(item).__name__} on DLPack device type {kind} "
+                            "(not the CPU); copy it to the host first (e.g. .cpu())")
+        try:
+            return np.from_dlpack(item)
+        except (TypeError, BufferError, RuntimeError) as exc:
+            if not hasattr(item, "__array__"):
+                raise TypeError(f"{where}: numpy cannot view this {type(item).__name__} ({exc})") from None
+    if hasattr(item, "__array__"):
+        arr = np.asarray(item)
+        if arr.dtype.hasobject:
+            raise TypeError(f"{where}: a {type(item).__name__} holds Python objects; items are moved as raw bytes")
+        return arr
+    raise TypeError(f"{where} must be numpy arrays, torch CPU tensors, DLPack producers or objects with __array__ "
+                    f"(or pass prepare=), got {type(item).__name__}")

@@ -1,0 +1,55 @@
+"""GPU: a pipeline's items of every host kind and results of another shape and dtype, bit-exact;
+results in pinned pool arrays and items read in place from them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+
+pytestmark = pytest.mark.gpu
+
+
+def channel_means(x, y):
+    n = x.shape[0]
+    y[...] = (x.reshape(n, 3, -1).sum(axis=2, dtype=np.float32) / (x.shape[2] * x.shape[3])).astype(y.dtype)
+
+
+def test_uint8_images_in_float16_rows_out(cuda_device):
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 256, (8, 3, 32, 32), dtype=np.uint8) for _ in range(40)]
+    with rf.Pipeline(channel_means, device=cuda_device, chunk_bytes=1 << 20, output=((8, 3), np.float16)) as pipe:
+        out = list(pipe.map(batches))
+    for b, r in zip(batches, out):
+        want = (b.reshape(8, 3, -1).sum(axis=2, dtype=np.float32) / 1024).astype(np.float16)
+        assert r.dtype == np.float16 and r.shape == (8, 3)
+        np.testing.assert_array_equal(r, want)
+        assert rf.host.buffer(r) is not None
+
+
+def scale_shift(x, y):
+    y[...] = x * 2 + 1
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "torch-pinned", "pool"])
+def test_items_of_every_host_kind_bit_exact(cuda_device, kind):
+    rng = np.random.default_rng(1)
+    arrays = [rng.standard_normal(int(n)).astype(np.float32) for n in rng.integers(1, 300_000, 60)]
+    if kind.startswith("torch"):
+        torch = pytest.importorskip("torch")
+        items = [torch.from_numpy(a) for a in arrays]
+        if kind == "torch-pinned":
+            items = [t.pin_memory() for t in items]
+    elif kind == "pool":
+        items = []
+        for a in arrays:
+            p = rf.host.empty(a.shape, a.dtype, device=cuda_device)
+            p[:] = a
+            items.append(p)
+    else:
+        items = arrays
+    with rf.Pipeline(scale_shift, device=cuda_device, chunk_bytes=2 << 20, checked=True) as pipe:
+        out = list(pipe.map(items))
+    for a, r in zip(arrays, out):
+        np.testing.assert_array_equal(r, a * np.float32(2) + np.float32(1))

@@ -1,0 +1,133 @@
+"""``Pipeline(output=...)``: results of another shape and dtype than the input.
+
+The compute below writes ``2 * x`` (as the output dtype) into the first elements of ``y`` and 7
+into the rest, so every result is known exactly whatever the spec: smaller, larger, another
+dtype, per item or fixed, staged by ``submit`` or by the workers, pooled or not."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ringflow as rf
+
+
+def spread(x, y):
+    flat, out = x.reshape(-1), y.reshape(-1)
+    n = min(flat.size, out.size)
+    out[:n] = (flat[:n] * 2).astype(out.dtype)
+    out[n:] = 7
+
+
+def expected(item: np.ndarray, shape, dtype) -> np.ndarray:
+    out = np.full(int(np.prod(shape)), 7, dtype)
+    flat = item.reshape(-1)
+    n = min(flat.size, out.size)
+    out[:n] = (flat[:n] * 2).astype(dtype)
+    return out.reshape(shape)
+
+
+DTYPES = ["uint8", "int16", "float16", "float32", "float64", "int64"]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs=st.lists(st.tuples(st.integers(0, 300), st.lists(st.integers(0, 40), min_size=1, max_size=3),
+                                st.sampled_from(DTYPES)), min_size=1, max_size=12),
+       seed=st.integers(0, 2 ** 16), budget=st.sampled_from([None, 1]), staged_by=st.sampled_from(["submit", "workers"]))
+def test_random_output_specs_come_back_exact(specs, seed, budget, staged_by):
+    dev = rf.device("sim", chaos=True, seed=seed, checked=True)
+    if budget is not None:
+        rf.host.set_budget(budget, device=dev)  # no pool: every result through the host-out ring
+    rng = np.random.default_rng(seed)
+    items = [rng.integers(0, 100, n).astype(np.float32) for n, _, _ in specs]
+    shapes = {id(it): (tuple(shape), np.dtype(dt)) for it, (_, shape, dt) in zip(items, specs)}
+    prepare = np.asarray if staged_by == "workers" else None
+    with rf.Pipeline(spread, device=dev, chunk_bytes=1 << 19, output=lambda it: shapes[id(it)], prepare=prepare,
+                     checked=True) as pipe:
+        results = list(pipe.map(items))
+    for it, r in zip(items, results):
+        shape, dtype = shapes[id(it)]
+        assert r.shape == shape and r.dtype == dtype
+        np.testing.assert_array_equal(r, expected(it, shape, dtype))
+
+
+def test_a_fixed_spec_for_every_item_uint8_in_float16_out():
+    """The inference shape: uint8 images in, a float16 row of scores out."""
+    dev = rf.device("sim", chaos=True, seed=2)
+    images = [np.random.default_rng(i).integers(0, 255, (3, 8, 8), dtype=np.uint8) for i in range(10)]
+
+    def scores(x, y):
+        y[...] = x.reshape(3, -1).mean(axis=1).astype(y.dtype)
+
+    with rf.Pipeline(scores, device=dev, chunk_bytes=4096, output=((3,), "float16")) as pipe:
+        futs = [pipe.submit(im) for im in images]
+        out = [fu.result() for fu in futs]
+    for im, r in zip(images, out):
+        assert r.dtype == np.float16 and r.shape == (3,)
+        np.testing.assert_array_equal(r, im.reshape(3, -1).mean(axis=1).astype(np.float16))
+        assert rf.host.buffer(r) is not None  # taken from the pool by submit for the other shape
+
+
+def test_a_consumer_sees_the_output_shape():
+    seen = []
+    with rf.Pipeline(spread, device=rf.device("sim"), chunk_bytes=4096, output=((2, 3), np.int16),
+                     consume=lambda i, item, r: seen.append((r.shape, r.dtype, r.flags.writeable))) as pipe:
+        list(pipe.map([np.ones(10, np.float32)] * 3))
+    assert seen == [((2, 3), np.dtype(np.int16), False)] * 3
+
+
+@pytest.mark.parametrize("output, error, match", [
+    ((4,), TypeError, r"output must be a \(shape, dtype\) pair"),
+    (((4,), "no-such-type"), TypeError, "not a numpy dtype"),
+    (((4,), object), TypeError, "holds Python objects"),
+    (((-1, 4), "float32"), ValueError, "negative dimension"),
+    ((("a",), "float32"), TypeError, "shape must be an int or a sequence of ints"),
+    ((4.5, "float32"), TypeError, "shape must be an int"),
+])
+def test_bad_fixed_specs_are_refused_at_construction(output, error, match):
+    with pytest.raises(error, match=match):
+        rf.Pipeline(spread, device=rf.device("sim"), chunk_bytes=4096, output=output)
+
+
+def test_bad_per_item_specs_are_refused_by_submit_and_map_and_the_pipeline_goes_on():
+    dev = rf.device("sim")
+    bad = {"pair": 5, "big": ((10_000,), "float64"), "raise": None}
+
+    def output(item):
+        kind = bad.get(str(item.dtype) if False else item.tobytes()[:0].decode() or None)
+        return ((item.size,), item.dtype) if kind is None else kind
+
+    def spec(item):
+        n = int(item[0])
+        if n == 1:
+            return 5
+        if n == 2:
+            return ((10_000,), "float64")
+        if n == 3:
+            raise KeyError("no spec for this item")
+        return ((item.size,), "float32")
+
+    with rf.Pipeline(spread, device=dev, chunk_bytes=4096, output=spec) as pipe:
+        with pytest.raises(TypeError, match=r"output\(item\) must be a \(shape, dtype\) pair"):
+            pipe.submit(np.full(4, 1, np.float32))
+        with pytest.raises(ValueError, match="does not fit a slot of 4096 bytes; raise chunk_bytes"):
+            pipe.submit(np.full(4, 2, np.float32))
+        with pytest.raises(KeyError):
+            pipe.submit(np.full(4, 3, np.float32))
+        assert np.array_equal(pipe.submit(np.full(4, 4, np.float32)).result(), np.full(4, 8, np.float32))
+        with pytest.raises(TypeError, match="pair"):
+            list(pipe.map([np.full(4, 4, np.float32), np.full(4, 1, np.float32)]))
+    assert pipe.stats().in_flight == 0
+
+
+def test_output_with_inplace_is_refused():
+    with pytest.raises(ValueError, match="output= cannot be used with inplace=True"):
+        rf.Pipeline(spread, device=rf.device("sim"), chunk_bytes=4096, inplace=True, output=((4,), "float32"))
+
+
+def test_a_zero_byte_output_delivers_an_empty_result():
+    with rf.Pipeline(spread, device=rf.device("sim"), chunk_bytes=4096, output=((0, 5), "int8")) as pipe:
+        r = pipe.submit(np.ones(8, np.float32)).result()
+    assert r.shape == (0, 5) and r.dtype == np.int8
