@@ -14,6 +14,7 @@ from . import _host as host
 from ._errors import DeviceError, HazardError, LaunchError, RingflowError, StageError
 from ._kernel import Kernel
 from ._pipeline import ChunkState, MapJob, Pipeline, PipelineStats, SlotCounts, SlotState, stream_map
+from ._pipeline.delivered import DeviceResult
 from ._pipeline.warm import drop_warm_pipelines
 from ._pipeline.whole_array import stream_map_report
 from ._ray import RayMapper  # imports no Ray: Ray constructs and calls it
@@ -21,7 +22,8 @@ from ._trace.report import Report
 from ._version import __version__
 
 __all__ = [
-    "Pipeline", "stream_map", "stream_map_report", "MapJob", "Kernel", "drop_warm_pipelines", "RayMapper",
+    "Pipeline", "DeviceResult", "stream_map", "stream_map_report", "MapJob", "Kernel", "drop_warm_pipelines",
+    "RayMapper",
     "device", "cuda_available", "Device", "host",
     "Report", "PipelineStats", "SlotCounts", "ChunkState", "SlotState",
     "RingflowError", "StageError", "HazardError", "DeviceError", "LaunchError",

@@ -25,8 +25,9 @@ from tests.helpers.pipeline_checks import (
 
 # (runner, slots, seed): the harness's own map runs (int64 payloads tagged per item, every
 # result checked), stream_map staging a pageable array, and a pipeline of plain arrays whose
-# results land in pinned pool arrays (half the items pool arrays read in place)
-RUNNERS = ("harness", "stream_map", "pooled")
+# results land in pinned pool arrays (half the items pool arrays read in place), and one whose
+# results stay on the device, read there by a slow consumer kernel before each release
+RUNNERS = ("harness", "stream_map", "pooled", "device")
 CONFIGS = [(runner, slots, seed) for seed in range(3) for slots in (1, 2, 3) for runner in RUNNERS]
 X = np.random.default_rng(0).standard_normal(256 * 1024).astype(np.float32)
 RELEASE_GUARDS = [g for g in GUARDS if ".release_after_" in g]
@@ -68,7 +69,29 @@ def run_config(runner: str, slots: int, seed: int, guards=(), checker: bool = Tr
         pooled = sum(rf.host.buffer(r) is not None for r in results)  # at least the staged items'
         return pooled >= len(items) // 2 and all(np.array_equal(r, a * 3 + 1) for r, a in zip(results, items))
 
-    return guard_outcome({"harness": harness, "stream_map": stream, "pooled": pooled}[runner])
+    def on_device():
+        rng = np.random.default_rng(seed)
+        items = [rng.standard_normal(int(rng.integers(1, 256))).astype(np.float32) for _ in range(24)]
+        user = dev.create_stream()
+        got = []
+
+        def read(a, out):
+            out[...] = a
+
+        read.sim_seconds = 60e-6  # longer than a compute: a premature reuse lands inside it
+        with _testing.inject(guards_off=guards):
+            with rf.Pipeline(f, device=dev, chunk_bytes=1024, deliver="device", checked=True,
+                             slots=rf.SlotCounts(host_in=2, device_in=2, device_out=slots, host_out=1)) as pipe:
+                for res in pipe.map(items):
+                    out = np.empty(res.shape, res.dtype)
+                    user.launch(read, res.array, out, reads=[res.array])
+                    res.release(stream=user)
+                    got.append(out)
+                user.sync()
+        user.close()
+        return all(np.array_equal(o, a * 3 + 1) for o, a in zip(got, items))
+
+    return guard_outcome({"harness": harness, "stream_map": stream, "pooled": pooled, "device": on_device}[runner])
 
 
 def describe(outcome) -> str:

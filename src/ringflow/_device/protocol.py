@@ -449,6 +449,26 @@ class Device(abc.ABC):
 
         time.sleep(max(0.0, seconds))
 
+    def record_on(self, stream: Any) -> "Event | None":
+        """An event on ``stream`` (one of this device's streams; a real GPU also takes foreign
+        streams, see its backend), after which work already enqueued there is done; None for
+        ``stream=None`` here: nothing to order after (a real GPU records on its default stream).
+
+        Raises:
+            TypeError: ``stream`` is not a stream this device can record on.
+        """
+        if stream is None:
+            return None
+        if isinstance(stream, Stream):
+            return stream.record()
+        raise TypeError(f"stream must be a stream of {self!r} (device.create_stream()) or None, "
+                        f"got {type(stream).__name__}")
+
+    def device_array(self, arg: "ArrayArg") -> Any:
+        """``arg`` as the caller can use it outside a launch: a framework array on a real GPU;
+        on the simulated GPU the argument itself (its memory is reached through launches)."""
+        return arg
+
     def host_copy(self, dst: np.ndarray, src: np.ndarray) -> None:
         """Copy ``src`` into ``dst`` (same shape and dtype) on the calling thread, outside any
         worker pool; the simulated GPU charges the calling thread the copy's time at one

@@ -34,8 +34,8 @@ from .._errors import StageError
 from .chunk import Chunk, ChunkFuture
 from .driver import CallerDriver, ProgressThread, resolve
 from .config import PipelineConfig, SlotCounts
-from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, resolve_slots
-from .validate import as_host_array, check_options, check_output_spec, check_timeout
+from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, lent_slots, resolve_slots
+from .validate import as_host_array, check_choice, check_options, check_output_spec, check_timeout
 from .scheduler import Scheduler
 from .states import ChunkState
 from .stats import PipelineStats
@@ -100,7 +100,13 @@ class Pipeline:
     ``output`` gives the result's shape and dtype where they are not the input's: one
     ``(shape, dtype)`` pair for every item, or ``output(item) -> (shape, dtype)``, called by
     ``submit``/``map`` on the accepting thread. ``compute`` then gets ``y`` of that shape and
-    dtype, only its bytes are copied back, and it must fit a slot (``chunk_bytes``). A compute callable may carry a
+    dtype, only its bytes are copied back, and it must fit a slot (``chunk_bytes``).
+
+    ``deliver="device"`` leaves each result on the device: ``map``, ``submit`` and the rest give
+    :class:`~ringflow.DeviceResult` objects (the device array, lent until released) instead of
+    host arrays, and nothing is copied back; ``consume`` cannot be given then. Each result held
+    keeps its device slot: release it (``with res as y:``, ``res.release(stream)``, or drop it)
+    before waiting for more than a few further results, or the pipeline waits for the slot. A compute callable may carry a
     ``sim_seconds`` attribute (seconds, or a function of the chunk's bytes) for its duration on
     the simulated GPU.
 
@@ -117,11 +123,12 @@ class Pipeline:
                  chunk_bytes: Optional[int] = None, max_in_flight: Optional[int] = None, ordered: bool = True,
                  on_error: str = "raise", profile: bool = False, workers: Optional[int] = None,
                  inplace: bool = False, checked: bool = False, item_nbytes: Optional[Callable] = None,
-                 pinned_budget: Optional[int] = None, output: "tuple | Callable | None" = None):
+                 pinned_budget: Optional[int] = None, output: "tuple | Callable | None" = None,
+                 deliver: str = "host"):
         self._build(compute, device=device, user_prepare=prepare, consume=consume, slots=slots,
                     chunk_bytes=chunk_bytes, max_in_flight=max_in_flight, ordered=ordered, on_error=on_error,
                     profile=profile, workers=workers, inplace=inplace, checked=checked, item_nbytes=item_nbytes,
-                    pinned_budget=pinned_budget, output=output)
+                    pinned_budget=pinned_budget, output=output, deliver=deliver)
 
     @classmethod
     def _for_whole_array(cls, compute: Callable, *, prepare: Callable, consume: Callable, item_nbytes: Callable,
@@ -139,7 +146,7 @@ class Pipeline:
                chunk_bytes=None, max_in_flight=None, ordered: bool = True, on_error: str = "raise",
                profile: bool = False, workers=None, inplace: bool = False, checked: bool = False,
                item_nbytes=None, pinned_budget=None, host_in_buffer=None, host_out_buffer=None,
-               max_chunks: Optional[int] = None, bulk: bool = False, output=None) -> None:
+               max_chunks: Optional[int] = None, bulk: bool = False, output=None, deliver: str = "host") -> None:
         self._closed = True  # until built: a finaliser or close() on a half-built pipeline does nothing
         if not callable(compute):
             raise TypeError(f"compute must be a callable f(x, y), got {type(compute).__name__}")
@@ -149,6 +156,10 @@ class Pipeline:
         opts = check_options(chunk_bytes=chunk_bytes, workers=workers, max_in_flight=max_in_flight,
                              pinned_budget=pinned_budget, slots=slots, on_error=on_error, ordered=ordered,
                              profile=profile, inplace=inplace, checked=checked)
+        deliver = check_choice("deliver", deliver, ("host", "device"))
+        if deliver == "device" and consume is not None:
+            raise ValueError("consume= cannot be used with deliver='device': the results stay on the device and "
+                             "go to whoever iterates the pipeline (each a DeviceResult to release when done)")
         if output is not None:
             if opts["inplace"]:
                 raise ValueError("output= cannot be used with inplace=True: an in-place compute writes its result "
@@ -165,13 +176,15 @@ class Pipeline:
         counts = resolve_slots(self.device, slots, chunk_bytes, inplace, workers, compute,
                                external=(host_in_buffer is not None, host_out_buffer is not None), bulk=bulk,
                                max_chunks=max_chunks)
+        if deliver == "device" and slots is None:
+            counts = lent_slots(counts, inplace)
         if pinned_budget is not None:
             counts = fit_pinned_budget(counts, chunk_bytes, pinned_budget, explicit=slots is not None)
         if max_in_flight is None:
             max_in_flight = counts.host_in + counts.device_in + counts.device_out + counts.host_out
         self.config = PipelineConfig(chunk_bytes=chunk_bytes, slots=counts, max_in_flight=max_in_flight,
                                      workers=workers, inplace=inplace, ordered=ordered, on_error=on_error,
-                                     profile=profile, checked=checked)
+                                     profile=profile, checked=checked, deliver=deliver)
         prepare_stage = stage_prepare or functools.partial(_prepare_array, user_prepare, chunk_bytes)
         self._items_are_arrays = stage_prepare is None and user_prepare is None  # sizes known before acceptance
         consume_stage = consume
@@ -180,8 +193,8 @@ class Pipeline:
             consume_stage = None if consume is None else nvtx.ranged(consume, "consume")
         # a stream of items gets its results in pinned pool arrays (docs/design.md, "Pinned
         # staging and results"); a whole-array job has the caller's out or its own host-out ring
-        results = None if bulk else host_pool.pool_for(self.device)
-        self._pool = results
+        self._pool = None if bulk else host_pool.pool_for(self.device)
+        results = self._pool if deliver == "host" else None
         source_of = functools.partial(_pinned_source, self.device) if self._items_are_arrays else None
         self._recorder = _Recorder(self.device, chunk_bytes, counts, workers) if profile else None
         self._sched = Scheduler(self.device, compute, prepare_stage, consume_stage, self.config,

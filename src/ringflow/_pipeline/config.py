@@ -28,6 +28,7 @@ class PipelineConfig:
     on_error: str = "raise"  # "raise": cancel the rest and raise; "continue": the others complete
     profile: bool = False
     checked: bool = False  # poison every released slot so a premature reuse gives a wrong result
+    deliver: str = "host"  # "device": results stay in their device slot, lent to the consumer
 
     def __post_init__(self) -> None:
         if self.on_error not in ("raise", "continue"):

@@ -182,6 +182,7 @@ class ProgressThread(_Driver):
         self._seen_version = -1
         self.failure: Optional[BaseException] = None  # what killed the thread: a ringflow bug
         self.final_token: Any = None
+        sched.wake_driver = self.wake.set  # a result released on the device: its slot is waiting
         self.thread = threading.Thread(target=_run, args=(self,), name=name, daemon=True)
         self.thread.start()
 
@@ -292,6 +293,8 @@ class ProgressThread(_Driver):
             idle, fences, wait = plan
             if idle is not None or fences:
                 self.wake.clear()
+                if sched.returns:  # released after this turn's step took them: take it now
+                    idle, fences = None, None
         if batch:
             resolve(batch)
         if idle is not None:

@@ -31,6 +31,7 @@ import inspect
 import itertools
 import math
 import os
+import threading
 import time
 import traceback
 import warnings
@@ -59,6 +60,7 @@ GUARDS = (
     "device_out.release_after_d2h",  # device-out goes FREE only after its d2h completes
     "consume.after_d2h",  # the consumer starts only after the d2h event completes
     "host_out.release_after_consume",  # host-out goes FREE only after the consumer returns
+    "device_out.release_after_consumer",  # a lent slot's next compute waits for the consumer's release event
 )
 
 # Slot states whose fences, within one ring, are events of a single stream recorded in the
@@ -148,6 +150,14 @@ class Scheduler:
         self._indices = itertools.count()
         self.counts = collections.Counter()
         self._loose_tasks: list[Chunk] = []  # consumers whose slot a disabled guard freed early
+        # results delivered on the device: (ring, slot, lending number) by slot, and the
+        # releases handed back by any thread (ring, slot, lending, event, token), taken at a step
+        self.lent: dict[int, int] = {}  # id(slot) -> its current lending number
+        self._lendings = itertools.count()
+        self.returns: collections.deque = collections.deque()
+        self._closed = False
+        self._lend_lock = threading.Lock()  # releases after close, with no driver left
+        self.wake_driver: Optional[Callable[[], None]] = None  # set by the driver: a release is waiting
         self.unclaimed = 0  # final chunks whose result a map() has not handed out yet
         self.steps = 0
         self.host_seconds = 0.0  # CPU time spent in scheduling steps (host overhead per chunk)
@@ -188,6 +198,8 @@ class Scheduler:
                 slot.ready = None
         free_on = self.streams.free_after()
         for ring in self._rings:
+            if ring.busy and any(s.state is SlotState.LENT for s in ring.busy.values()):
+                continue  # results on the device are still the consumer's: freed when the last comes back
             ring.close(stream=free_on)
         self.streams.close()
         # the ring objects stay for introspection (states, high-water marks); their memory is gone
@@ -277,6 +289,7 @@ class Scheduler:
         self._forget_finished_frames()
         try:
             progressed = self._admit()
+            progressed = self._take_returns() or progressed
             progressed = self._observe() or progressed
             # chunk by chunk rather than stage by stage: the first chunk's copy is enqueued
             # before the next chunk is prepared, and a chunk's d2h (which hands its device slot
@@ -357,7 +370,9 @@ class Scheduler:
         elif kind is RingKind.HOST_IN and state is SlotState.COPYING_IN:
             self._free(ring, slot)
         elif kind in (RingKind.DEVICE_OUT, RingKind.DEVICE_INPLACE) and state is SlotState.COMPUTING:
-            self._compute_failed(chunk)  # fail early; the slot itself is handed back at d2h enqueue
+            # fail early; the slot itself is handed back at d2h enqueue (or lent, on the device)
+            if not self._compute_failed(chunk) and self.config.deliver == "device":
+                self._lend(ring, slot, chunk)
         elif kind is RingKind.HOST_OUT and state is SlotState.COPYING_OUT:
             if not self._compute_failed(chunk):
                 self._start_consume(chunk)
@@ -600,7 +615,8 @@ class Scheduler:
             if self.dev_out is not None:
                 self._release_on_device(self.dev_in, chunk.dev_in, event, "device_in.release_after_compute")
             out_slot.fence = event
-            self._d2h_q.append(chunk)
+            if self.config.deliver != "device":
+                self._d2h_q.append(chunk)
             progressed = True
         return progressed
 
@@ -635,6 +651,60 @@ class Scheduler:
             else:
                 slot.fence = event
             progressed = True
+        return progressed
+
+    # -- results delivered on the device ---------------------------------------------------------
+    def _lend(self, ring: Ring, slot: Slot, chunk: Chunk) -> None:
+        """The compute of ``chunk`` is complete: its device slot goes to the consumer (LENT) as a
+        :class:`~.delivered.DeviceResult`, and the chunk ends DELIVERED."""
+        from .delivered import DeviceResult
+
+        ring.move(slot, SlotState.LENT)
+        lending = next(self._lendings)
+        self.lent[id(slot)] = lending
+        arg = slot.where.array(chunk.out_dtype, chunk.out_shape)
+        returns = self.returns
+        wake = self._wake
+
+        def give_back(event, token, _ring=ring, _slot=slot, _lending=lending):
+            returns.append((_ring, _slot, _lending, event, token))  # any thread, a finaliser too
+            wake()
+
+        chunk.dev_out = None
+        chunk.value = DeviceResult(chunk.index, arg, self.device, give_back)
+        self._end(chunk, ChunkState.DELIVERED)
+
+    def _wake(self) -> None:
+        """Let the driver know a release is waiting; once the scheduler is closed (no driver
+        left) take it at once. The lock orders this against :meth:`close`: a release either
+        comes before close takes the waiting ones, or sees the scheduler closed."""
+        with self._lend_lock:
+            if self._closed:
+                self._take_returns()
+                return
+        if self.wake_driver is not None:
+            self.wake_driver()
+
+    def _take_returns(self) -> bool:
+        """Hand back the lent slots whose results were released: each one's next compute waits
+        for the event recorded on the consumer's stream (without this guard: for nothing)."""
+        progressed = False
+        while self.returns:
+            ring, slot, lending, event, token = self.returns.popleft()
+            self.device.observe(token)
+            if slot.state is not SlotState.LENT or self.lent.get(id(slot)) != lending:
+                continue  # the context broke meanwhile and every slot was taken back
+            del self.lent[id(slot)]
+            progressed = True
+            if self._closed:  # the streams are gone: free the ring once its last lent slot is back
+                if event is not None:
+                    event.sync()
+                ring.move(slot, SlotState.DRAINING)
+                ring.release(slot)
+                if not ring.busy:
+                    ring.close()
+                continue
+            self._release_on_device(ring, slot, event, "device_out.release_after_consumer")
         return progressed
 
     def _result_for(self, chunk: Chunk) -> Optional[BufferSlice]:
@@ -835,7 +905,10 @@ class Scheduler:
 
     def close(self) -> None:
         self._forget_finished_frames()
-        self._release_resources()
+        with self._lend_lock:
+            self._take_returns()
+            self._closed = True
+            self._release_resources()
 
     def _forget_finished_frames(self) -> None:
         """:func:`forget_frames` again for the failures of earlier steps (those steps have returned)."""

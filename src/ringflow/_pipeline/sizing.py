@@ -50,6 +50,20 @@ def resolve_slots(device: Device, slots, chunk_bytes: int, inplace: bool, worker
     return counts
 
 
+# Device slots added for results delivered on the device: the consumer holds one while its step
+# runs and the next is being computed, beyond what the plan counted for the d2h it replaces.
+LENT_SLACK = 2
+
+
+def lent_slots(counts: SlotCounts, inplace: bool) -> SlotCounts:
+    """Planned slots for results delivered on the device (``deliver="device"``): the ring the
+    compute writes gets :data:`LENT_SLACK` slots more (the consumer holds results while it
+    works), and the unused host-out ring one slot."""
+    if inplace:
+        return dataclasses.replace(counts, device_in=counts.device_in + LENT_SLACK, host_out=1)
+    return dataclasses.replace(counts, device_out=counts.device_out + LENT_SLACK, host_out=1)
+
+
 def fit_pinned_budget(counts: SlotCounts, chunk_bytes: int, budget: int, *, explicit: bool) -> SlotCounts:
     """Slot counts whose pinned rings (host-in + host-out) fit ``budget`` bytes.
 

@@ -10,6 +10,9 @@ states, because each buffer's lifetime ends at a different operation:
 * host-out:   FREE -> COPYING_OUT -> CONSUMING (CPU consumer) -> FREE (free once it returns)
 * device in-place (device-in aliases device-out): FREE -> COPYING_IN -> COMPUTING ->
   COPYING_OUT -> FREE
+* with results delivered on the device, the slot the compute wrote goes COMPUTING -> LENT (the
+  consumer owns it) -> FREE once the consumer releases it; its next owner's stream waits for
+  the event the release recorded on the consumer's stream
 
 Every ring also allows ``X -> DRAINING -> FREE`` from any busy state: the chunk was cancelled or
 failed, and the slot waits for the events of operations already enqueued on it before it is
@@ -38,6 +41,7 @@ class SlotState(enum.Enum):
     COMPUTING = "computing"
     COPYING_OUT = "copying_out"
     CONSUMING = "consuming"
+    LENT = "lent"
     DRAINING = "draining"
 
 
@@ -61,15 +65,21 @@ _PATHS: dict[RingKind, tuple[SlotState, ...]] = {
 }
 
 
-def _table(path: tuple[SlotState, ...]) -> frozenset[tuple[SlotState, SlotState]]:
-    edges = set(zip(path, path[1:]))
+# a result delivered on the device: the slot the compute wrote is lent to the consumer
+_LENDING = {RingKind.DEVICE_OUT: ((S.COMPUTING, S.LENT), (S.LENT, S.FREE)),
+            RingKind.DEVICE_INPLACE: ((S.COMPUTING, S.LENT), (S.LENT, S.FREE))}
+
+
+def _table(path: tuple[SlotState, ...], extra=()) -> frozenset[tuple[SlotState, SlotState]]:
+    edges = set(zip(path, path[1:])) | set(extra)
+    path = tuple(path) + tuple(b for _, b in extra)
     busy = set(path) - {S.FREE}
     edges |= {(b, S.DRAINING) for b in busy} | {(S.DRAINING, S.FREE)}
     return frozenset(edges)
 
 
 LEGAL_SLOT_TRANSITIONS: dict[RingKind, frozenset[tuple[SlotState, SlotState]]] = {
-    kind: _table(path) for kind, path in _PATHS.items()}
+    kind: _table(path, _LENDING.get(kind, ())) for kind, path in _PATHS.items()}
 
 
 class ChunkState(enum.Enum):
@@ -100,6 +110,7 @@ LEGAL_CHUNK_TRANSITIONS: frozenset[tuple[ChunkState, ChunkState]] = frozenset(
     | {(c, C.CANCELLED) for c in _CHUNK_PATH[:-1]}
     | {(c, C.FAILED) for c in _CHUNK_PATH[:-1]}
     | {(C.DRAINING, C.FAILED), (C.DRAINING, C.CANCELLED)}
+    | {(C.ON_DEVICE, C.DELIVERED)}  # a result delivered on the device: no copy back, no consumer
 )
 
 

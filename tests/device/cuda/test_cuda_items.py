@@ -53,3 +53,42 @@ def test_items_of_every_host_kind_bit_exact(cuda_device, kind):
         out = list(pipe.map(items))
     for a, r in zip(arrays, out):
         np.testing.assert_array_equal(r, a * np.float32(2) + np.float32(1))
+
+
+@pytest.mark.parametrize("consumer", ["cupy-default", "cupy-stream", "torch-stream", "dropped"])
+def test_results_delivered_on_the_device_bit_exact(cuda_device, consumer):
+    """A consumer reads each delivered result on the GPU (a copy into a buffer of its own) on
+    its stream, releases, and the pipeline reuses the slot only after that read."""
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(2)
+    arrays = [rng.standard_normal(int(n)).astype(np.float32) for n in rng.integers(1000, 200_000, 40)]
+    stream = None
+    if consumer == "cupy-stream":
+        stream = cp.cuda.Stream(non_blocking=True)
+    elif consumer == "torch-stream":
+        torch = pytest.importorskip("torch")
+        stream = torch.cuda.Stream()
+    copies = []
+    with rf.Pipeline(scale_shift, device=cuda_device, chunk_bytes=1 << 20, deliver="device",
+                     slots=rf.SlotCounts(host_in=2, device_in=2, device_out=2, host_out=1)) as pipe:
+        for res in pipe.map(arrays):
+            a = cp.asarray(res.array)  # CuPy (or DLPack) view of the slot
+            if consumer == "cupy-stream":
+                with stream:
+                    copies.append(a * 1)
+                res.release(stream=stream)
+            elif consumer == "torch-stream":
+                import torch
+
+                with torch.cuda.stream(stream):
+                    copies.append(cp.asarray(torch.as_tensor(a, device="cuda") * 1))
+                res.release(stream=stream)
+            elif consumer == "dropped":
+                copies.append(a * 1)
+                del a, res  # released on the default stream when collected
+            else:
+                copies.append(a * 1)
+                res.release()
+    cp.cuda.Device().synchronize()
+    for x, c in zip(arrays, copies):
+        np.testing.assert_array_equal(cp.asnumpy(c), x * np.float32(2) + np.float32(1))

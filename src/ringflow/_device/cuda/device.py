@@ -266,6 +266,44 @@ class CudaDevice(Device):
                 time.sleep(max(0.0, step))
             delay = min(delay * 2, _WAIT_MAX_SLEEP_S)
 
+    def record_on(self, stream: Any) -> Any:
+        """An event on ``stream``: one of this device's streams; a foreign stream given by the
+        CUDA stream protocol (``__cuda_stream__``), PyTorch's ``cuda_stream`` or CuPy's ``ptr``;
+        or None for the legacy default stream (where CuPy and PyTorch put work unless told
+        otherwise, and which every blocking stream of the context is ordered with).
+
+        Raises:
+            TypeError: ``stream`` is none of these.
+        """
+        from .stream import CudaEvent, CudaStream, _event_options
+
+        if isinstance(stream, CudaStream):
+            return stream.record()
+        if stream is None:
+            handle = 0
+        elif hasattr(stream, "__cuda_stream__"):
+            handle = int(stream.__cuda_stream__()[1])
+        elif hasattr(stream, "cuda_stream"):
+            handle = int(stream.cuda_stream)
+        elif hasattr(stream, "ptr"):
+            handle = int(stream.ptr)
+        else:
+            raise TypeError(f"stream must be a CUDA stream (an object with __cuda_stream__, a torch.cuda.Stream, a "
+                            f"cupy.cuda.Stream or one of {self!r}'s streams) or None, got {type(stream).__name__}")
+        self._ensure_current()
+        cc = core()
+        foreign = getattr(cc, "LEGACY_DEFAULT_STREAM", None) if handle == 0 else None
+        if foreign is None:
+            foreign = cc.Stream.from_handle(handle)
+        with translate(lambda: f"recording an event on stream {handle:#x}"):
+            ev = foreign.record(options=_event_options(False))
+        return CudaEvent(self, ev, False, _Foreign(handle))
+
+    def device_array(self, arg: Any) -> Any:
+        """``arg`` as an array of this device's framework (CuPy, PyTorch or DLPack)."""
+        self._ensure_current()
+        return self._adapter.array(arg, self.index)
+
     def live(self) -> LiveCounts:
         return without_pooled(self, self._live.counts())
 
@@ -307,3 +345,13 @@ class CudaDevice(Device):
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
         return f"<CudaDevice cuda:{self.index} {getattr(self, 'name', '?')}{state}>"
+
+
+class _Foreign:
+    """Names a stream ringflow did not make, for an event's repr."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __repr__(self) -> str:
+        return f"<stream {self.handle:#x}>"

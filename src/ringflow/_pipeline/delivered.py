@@ -1,0 +1,99 @@
+"""Results that stay on the GPU: :class:`DeviceResult`, what ``Pipeline(deliver="device")`` hands out.
+
+A delivered result owns the device slot the compute wrote (the slot is LENT) until the consumer
+releases it. The release records an event on the consumer's stream and hands the slot back with
+that event as its ``ready`` event: the next compute into the slot waits for it on the GPU, so the
+slot is reused only after the consumer's work on it, without the host waiting. The release is
+queued (a deque append: safe from any thread and from a finaliser) and carried out by the
+pipeline's driver at its next step.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+
+class DeviceResult:
+    """One result left on the device (``Pipeline(deliver="device")``).
+
+    ``array`` is the result as ``compute`` wrote it: a CuPy or PyTorch array on a CUDA GPU (the
+    framework the device uses), a launch argument on the simulated GPU. It is valid until
+    :meth:`release`; use it as a context manager (``with res as y:``) to release on exit, or drop
+    it: a collected result releases itself on the default stream.
+
+    Attributes:
+        index: the chunk's index (submission order).
+        shape, dtype: the result's shape and numpy dtype.
+    """
+
+    __slots__ = ("index", "shape", "dtype", "_arg", "_array", "_device", "_give_back", "_lock", "_released",
+                 "_finalizer", "__weakref__")
+
+    def __init__(self, index: int, arg: Any, device: Any, give_back):
+        self.index = index
+        self.shape = arg.shape
+        self.dtype = arg.dtype
+        self._arg = arg
+        self._array = None
+        self._device = device
+        self._give_back = give_back  # give_back(event_or_None, token): hands the slot back
+        self._lock = threading.Lock()
+        self._released = False
+        self._finalizer = weakref.finalize(self, _release_dropped, device, give_back)
+        self._finalizer.atexit = False
+
+    @property
+    def array(self) -> Any:
+        """The device array; raises RuntimeError once released (the slot may hold another result)."""
+        if self._released:
+            raise RuntimeError(f"result {self.index} was released: its device memory now belongs to the pipeline "
+                               "again; keep the result until your work on it is enqueued, then release it")
+        if self._array is None:
+            self._array = self._device.device_array(self._arg)
+        return self._array
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self, stream: Any = None) -> None:
+        """Hand the slot back once the work enqueued on ``stream`` so far is done (the GPU orders
+        the reuse: this call does not wait). ``stream``: the stream the consumer's work on
+        ``array`` runs on; None for the device's default stream (CuPy's and PyTorch's unless told
+        otherwise; on the simulated GPU, None orders after nothing). A second call does nothing.
+
+        Raises:
+            TypeError: ``stream`` is not a stream the device can record on.
+        """
+        with self._lock:
+            if self._released:
+                return
+            event = self._device.record_on(stream)
+            self._released = True
+            self._array = None
+            self._finalizer.detach()
+        self._give_back(event, self._device.publish())
+
+    def __enter__(self) -> Any:
+        return self.array
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "on the device"
+        return f"<DeviceResult {self.index} {self.dtype} {self.shape} {state}>"
+
+
+def _release_dropped(device: Any, give_back) -> None:
+    """A collected result's release on the default stream. Never raises (a finaliser)."""
+    try:
+        event = device.record_on(None)
+    except Exception:  # noqa: BLE001 - a dead device: nothing runs on it any more
+        event = None
+    try:
+        give_back(event, device.publish())
+    except Exception:  # noqa: BLE001 - a finaliser must not raise
+        pass

@@ -1,0 +1,202 @@
+"""``Pipeline(deliver="device")``: results stay on the device, lent to the consumer until it
+releases them, and the release is ordered after the consumer's stream.
+
+On the simulated GPU the consumer reads a result by launching on a stream of its own
+(``reads=[res.array]``); the checker sees that read against the next compute into the slot."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ringflow as rf
+from ringflow import _testing
+from ringflow._pipeline.states import SlotState
+from tests.helpers.pipeline_checks import caught
+
+
+def f(x, y):
+    y[...] = x * 2 + 1
+
+
+f.sim_seconds = 20e-6
+
+
+def copy_out(dev, stream, res, seconds=50e-6):
+    """Read a delivered result the way a consumer's model step would: a kernel on ``stream``;
+    returns a host array the kernel filled (a checked copy on the device's side)."""
+    out = np.empty(res.shape, res.dtype)
+
+    def read(a):
+        out[...] = a
+
+    read.sim_seconds = seconds
+    stream.launch(read, res.array, reads=[res.array])
+    return out
+
+
+def run(seed, *, slots=2, n=30, release_order="fifo", guards=(), use_stream=True, hold=2):
+    dev = rf.device("sim", chaos=True, seed=seed, checked=True)
+    rng = np.random.default_rng(seed)
+    items = [rng.standard_normal(int(rng.integers(1, 256))).astype(np.float32) for _ in range(n)]
+    user = dev.create_stream()
+    held, got = [], {}
+    with _testing.inject(guards_off=guards):
+        with rf.Pipeline(f, device=dev, chunk_bytes=1024, deliver="device", checked=True,
+                         slots=rf.SlotCounts(host_in=2, device_in=2, device_out=slots, host_out=1)) as pipe:
+            order = random.Random(seed)
+            for res in pipe.map(items):
+                got[res.index] = copy_out(dev, user, res)
+                held.append(res)
+                if len(held) >= hold:  # release some of what is held, in the order asked
+                    k = order.randrange(len(held)) if release_order == "random" else 0
+                    held.pop(k).release(stream=user if use_stream else None)
+            for res in held:
+                res.release(stream=user if use_stream else None)
+            user.sync()
+    user.close()
+    return dev, items, got, pipe
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 16), order=st.sampled_from(["fifo", "random"]), slots=st.integers(1, 4),
+       hold=st.integers(1, 3))
+def test_device_results_are_right_under_chaos_with_any_release_order(seed, order, slots, hold):
+    hold = min(hold, slots)  # holding every slot while waiting for another result would wait forever
+    dev, items, got, pipe = run(seed, slots=slots, release_order=order, hold=hold)
+    for i, a in enumerate(items):
+        np.testing.assert_array_equal(got[i], a * 2 + 1)
+    s = pipe.stats()
+    assert (s.delivered, s.in_flight) == (len(items), 0)
+    gc.collect()
+    assert dev.live().total == 0
+
+
+def test_a_release_not_ordered_after_the_consumer_is_caught():
+    """Switch off the guard (the next compute waits for the consumer's release event): the
+    checker sees the consumer's read of a slot and the next write into it unordered."""
+    outcomes = []
+    for seed in range(6):
+        try:
+            run(seed, slots=1, hold=1, guards=["device_out.release_after_consumer"])
+            outcomes.append(True)
+        except BaseException as exc:  # noqa: BLE001 - what the checker raised, however it surfaced
+            outcomes.append(exc)
+    assert any(caught(o) for o in outcomes), outcomes
+
+
+def test_a_consumer_releasing_on_the_wrong_stream_is_caught():
+    """Released with stream=None after launching its read on its own stream: on the simulated GPU
+    nothing orders the next compute after that read."""
+    outcomes = []
+    for seed in range(6):
+        try:
+            run(seed, slots=1, hold=1, use_stream=False)
+            outcomes.append(True)
+        except BaseException as exc:  # noqa: BLE001
+            outcomes.append(exc)
+    assert any(caught(o) for o in outcomes), outcomes
+
+
+def test_the_array_of_a_released_result_is_refused_and_a_late_read_is_caught():
+    outcomes = []
+    for seed in range(6):
+        dev = rf.device("sim", seed=seed, chaos=True, checked=True)
+        user = dev.create_stream()
+        try:
+            with rf.Pipeline(f, device=dev, chunk_bytes=1024, deliver="device",
+                             slots=rf.SlotCounts(host_in=1, device_in=1, device_out=1, host_out=1)) as pipe:
+                first = pipe.submit(np.ones(8, np.float32)).result()
+                kept = first.array  # a reference kept past the release: the user's bug
+                first.release(stream=user)
+                with pytest.raises(RuntimeError, match="was released"):
+                    _ = first.array
+                fut = pipe.submit(np.zeros(8, np.float32))  # its compute reuses the one slot
+                late = np.empty(8, np.float32)
+
+                def read(a):
+                    late[...] = a
+
+                read.sim_seconds = 1e-3
+                user.launch(read, kept, reads=[kept])  # after the release: races that compute
+                fut.result().release(stream=user)
+                user.sync()
+            outcomes.append(True)
+        except BaseException as exc:  # noqa: BLE001 - however the checker's error surfaced
+            outcomes.append(exc)
+    assert any(caught(o) for o in outcomes), outcomes
+
+
+def test_results_dropped_without_release_go_back_and_the_pipeline_goes_on():
+    dev = rf.device("sim", seed=2)
+    with rf.Pipeline(f, device=dev, chunk_bytes=1024, deliver="device",
+                     slots=rf.SlotCounts(host_in=1, device_in=1, device_out=1, host_out=1)) as pipe:
+        for k in range(20):  # one device-out slot: each result must come back for the next
+            res = pipe.submit(np.full(4, k, np.float32)).result(timeout=10)
+            assert res.shape == (4,) and res.dtype == np.float32
+            del res
+    assert pipe.stats().delivered == 20
+
+
+def test_closing_with_results_still_held_frees_their_slots_when_released():
+    dev = rf.device("sim", seed=3)
+    user = dev.create_stream()
+    pipe = rf.Pipeline(f, device=dev, chunk_bytes=1024, deliver="device")
+    held = list(pipe.map([np.ones(16, np.float32)] * 3))
+    pipe.close()  # bounded: does not wait for the consumer
+    assert dev.live().device_buffers >= 1  # the lent slots' ring is still the consumer's
+    out = copy_out(dev, user, held[0])
+    for res in held:
+        res.release(stream=user)
+    user.sync()
+    np.testing.assert_array_equal(out, np.full(16, 3, np.float32))
+    assert dev.live().device_buffers == 0
+
+
+def test_output_specs_and_device_delivery_together():
+    dev = rf.device("sim", seed=4)
+    user = dev.create_stream()
+
+    def means(x, y):
+        y[...] = x.reshape(2, -1).mean(axis=1).astype(y.dtype)
+
+    with rf.Pipeline(means, device=dev, chunk_bytes=4096, deliver="device", output=((2,), "float16")) as pipe:
+        res = pipe.submit(np.arange(10, dtype=np.uint8)).result()
+        with res:
+            out = copy_out(dev, user, res)
+            res.release(stream=user)
+        user.sync()
+    np.testing.assert_array_equal(out, np.array([2, 7], np.float16))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"deliver": "gpu"}, ValueError, "deliver"),
+    ({"deliver": "device", "consume": lambda i, it, r: r}, ValueError, "consume= cannot be used with deliver"),
+])
+def test_bad_deliver_options_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=1024, **kwargs)
+
+
+def test_release_refuses_what_is_not_a_stream():
+    with rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=1024, deliver="device") as pipe:
+        res = pipe.submit(np.ones(4, np.float32)).result()
+        with pytest.raises(TypeError, match="stream must be"):
+            res.release(stream="default")
+        assert not res.released
+        res.release()
+        res.release()  # twice: nothing
+        assert res.released and "released" in repr(res)
+
+
+def test_lent_is_a_slot_state_of_the_device_rings_only():
+    from ringflow._pipeline.states import LEGAL_SLOT_TRANSITIONS, RingKind
+
+    for kind, table in LEGAL_SLOT_TRANSITIONS.items():
+        has = (SlotState.COMPUTING, SlotState.LENT) in table
+        assert has == (kind in (RingKind.DEVICE_OUT, RingKind.DEVICE_INPLACE)), kind
