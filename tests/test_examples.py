@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import pathlib
@@ -32,9 +33,14 @@ EXPECTED = {
     "06_ray_data.py": [r"^ray data: 200000 rows through f on 2 CPU actors \(simulated GPU\), result matches numpy$",
                        r"^error: stage 'compute' failed for rows 12288\.\.16383 of a batch of 25000 rows "
                        r"\(id 12288\.\.16383\): ValueError: 12345 is not allowed$"],
+    "07_feed_model.py": [r"^fed 32 batches of 8 images \(3x32x32, float16\) to the model step on the device; "
+                         r"outputs match numpy$"],
 }
 # examples that need an optional extra: skipped, with the reason, where it is not installed
 NEEDS = {"06_ray_data.py": ("ray.data", "Ray Data is not installed (pip install 'ringflow[ray]')")}
+# examples of a ringflow feature still being built: skipped, with the reason, until it is in
+UNTIL = {"07_feed_model.py": (lambda: "deliver" in inspect.signature(ringflow.Pipeline).parameters,
+                              "Pipeline(deliver='device') is not in this ringflow yet")}
 
 
 def run_example(name: str, cwd: pathlib.Path, *args: str) -> str:
@@ -56,6 +62,8 @@ def test_every_example_is_checked():
 def test_example_runs_on_the_simulated_gpu(name, tmp_path):
     if name in NEEDS:
         pytest.importorskip(NEEDS[name][0], reason=NEEDS[name][1])
+    if name in UNTIL and not UNTIL[name][0]():
+        pytest.skip(UNTIL[name][1])
     lines = run_example(name, tmp_path).splitlines()
     for pattern in EXPECTED[name]:
         assert any(re.search(pattern, line) for line in lines), f"{name}: no line matches {pattern!r}:\n" + "\n".join(lines)

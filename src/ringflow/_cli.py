@@ -191,12 +191,13 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ._bench.workloads import WORKLOADS
+    from ._bench.workloads import BY_NAME_ONLY, WORKLOADS
 
     names = args.workloads or list(WORKLOADS)
-    unknown = sorted(set(names) - set(WORKLOADS))
+    unknown = sorted(set(names) - set(WORKLOADS + BY_NAME_ONLY))
     if unknown:
-        raise UsageError(f"unknown workload(s) {', '.join(map(repr, unknown))}; choose from {', '.join(WORKLOADS)}")
+        raise UsageError(f"unknown workload(s) {', '.join(map(repr, unknown))}; choose from "
+                         f"{', '.join(WORKLOADS + BY_NAME_ONLY)}")
     if args.out is not None:
         check_out_dir(args.out, "--out")
     if args.trace is not None:
@@ -253,7 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("bench", help="named workloads against every baseline and the ideal bound")
-    p.add_argument("workloads", nargs="*", help="seed, balanced, compute-bound, pageable, requests (default: all)")
+    p.add_argument("workloads", nargs="*", help="seed, balanced, compute-bound, pageable, requests (default: these five); "
+                   "feed (batches of images fed to a model on the GPU, against PyTorch's DataLoader) "
+                   "runs only when named: ringflow bench feed")
     p.add_argument("--device", type=device_spec, default=None, help=_DEVICE_HELP)
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats")
     p.add_argument("--out", default=None, help="write the JSON results into this folder (e.g. bench/results)")

@@ -125,7 +125,8 @@ def table(res: dict[str, Any]):
     title = res.get("workload", "?")
     for key in ("ideal_ms", "efficiency", "ringflow_ms", "efficiency_no_refill", "vs_cpp_like_with_like",
                 "floor_ms", "efficiency_vs_floor", "mapjob_efficiency", "ringflow_vs_torch_ring",
-                "ringflow_vs_torch_naive", "p99_80_over_isolated"):
+                "ringflow_vs_torch_naive", "p99_80_over_isolated", "bound_ms", "ringflow_fraction_of_bound",
+                "ringflow_vs_dataloader"):
         if key in res and isinstance(res[key], float):
             title += f"  {key}={res[key]:.3f}"
     t = Table(title=title)
@@ -144,7 +145,8 @@ def table(res: dict[str, Any]):
         med = row.get("ms_median")
         notes = []
         for k in ("ms_median_no_refill", "efficiency", "ideal_ms", "capacity_per_s", "isolated_p50_ms", "isolated_p99_ms",
-                  "load", "p50_ms", "p99_ms", "p99_over_isolated", "p99_slowdown_per_request", "bottleneck"):
+                  "load", "p50_ms", "p99_ms", "p99_over_isolated", "p99_slowdown_per_request", "bottleneck",
+                  "batches_per_s", "fraction_of_bound", "gpu_idle_fraction", "ms_per_batch", "bound"):
             if k in row:
                 v = row[k]
                 notes.append(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}")

@@ -589,6 +589,8 @@ def _gc_pauses():
 
 
 WORKLOADS = ("seed", "balanced", "compute-bound", "pageable", "requests")
+# run only when named (``ringflow bench feed``): each would lengthen every default run
+BY_NAME_ONLY = ("feed",)
 
 
 def run_workload(dev: Device, name: str, *, quick: bool = False, progress=None) -> dict[str, Any]:
@@ -608,4 +610,10 @@ def run_workload(dev: Device, name: str, *, quick: bool = False, progress=None) 
     if name == "requests":
         return requests(dev, count=60 if (quick or sim) else 1000, warmup=10 if (quick or sim) else 30,
                         progress=progress)
-    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    if name == "feed":
+        from .feed import feed
+
+        if sim:  # tiny images: the sim checks the plumbing, its clock is virtual
+            return feed(dev, batch=4, size=16, batches=24, workers=4, rounds=2, progress=progress)
+        return feed(dev, batches=60 if quick else 200, rounds=2 if quick else 3, check=16, progress=progress)
+    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS + BY_NAME_ONLY)}")
