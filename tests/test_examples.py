@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import pathlib
@@ -38,9 +37,6 @@ EXPECTED = {
 }
 # examples that need an optional extra: skipped, with the reason, where it is not installed
 NEEDS = {"06_ray_data.py": ("ray.data", "Ray Data is not installed (pip install 'ringflow[ray]')")}
-# examples of a ringflow feature still being built: skipped, with the reason, until it is in
-UNTIL = {"07_feed_model.py": (lambda: "deliver" in inspect.signature(ringflow.Pipeline).parameters,
-                              "Pipeline(deliver='device') is not in this ringflow yet")}
 
 
 def run_example(name: str, cwd: pathlib.Path, *args: str) -> str:
@@ -62,8 +58,6 @@ def test_every_example_is_checked():
 def test_example_runs_on_the_simulated_gpu(name, tmp_path):
     if name in NEEDS:
         pytest.importorskip(NEEDS[name][0], reason=NEEDS[name][1])
-    if name in UNTIL and not UNTIL[name][0]():
-        pytest.skip(UNTIL[name][1])
     lines = run_example(name, tmp_path).splitlines()
     for pattern in EXPECTED[name]:
         assert any(re.search(pattern, line) for line in lines), f"{name}: no line matches {pattern!r}:\n" + "\n".join(lines)

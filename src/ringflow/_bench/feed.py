@@ -21,15 +21,12 @@ one's end). Every delivered batch of a checking pass is copied back and compared
 with numpy.
 
 On the simulated GPU the torch rows are skipped with the reason and the model step is
-launched on a stream of the simulated device; until ``Pipeline`` takes ``deliver=``, ringflow's
-results come back to the host and the consumer copies them to the device
-(:func:`delivers_on_device`).
+launched on a stream of the simulated device.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
 import math
 import os
@@ -59,16 +56,8 @@ INV_STD = 1.0 / 64
 SIM_CPU_SECONDS_PER_BYTE = 3e-9
 
 RINGFLOW = "ringflow Pipeline(prepare=decode_augment, deliver='device')"
-RINGFLOW_VIA_HOST = "ringflow Pipeline(prepare=decode_augment), results copied to the device by the consumer"
 DATALOADER = "torch DataLoader(pin_memory=True, num_workers=N) + .cuda(non_blocking=True)"
 STAGES = ("cpu_decode_augment", "h2d_copy", "gpu_normalise_model")
-
-
-def delivers_on_device() -> bool:
-    """Whether this ringflow's :class:`ringflow.Pipeline` takes ``deliver="device"``. Without it
-    the workload runs ringflow with results delivered to the host, and the consumer copies each
-    to the device before the model step (the row says so)."""
-    return "deliver" in inspect.signature(rf.Pipeline).parameters
 
 
 def default_workers() -> int:
@@ -223,7 +212,7 @@ def fraction_of_bound(row: Row, bound: dict[str, Any]) -> Optional[float]:
 class _ModelSide:
     """Where the model step runs, for both systems: ``stream`` (what results are released on),
     ``clock`` (the host clock, seconds) and the backend's ``mark``/``seconds``/``sync``/
-    ``launch_model``/``launch_normalise``/``scratch``/``read``/``upload``."""
+    ``launch_model``/``launch_normalise``/``scratch``/``read``."""
 
     stream: Any = None
     clock: Callable[[], float]
@@ -276,8 +265,8 @@ class SimSide(_ModelSide):
         self.clock = lambda: dev.now
         w = model_weights(images.features, hidden)
         self._buffers = [dev.allocate(w.nbytes), dev.allocate(images.batch * hidden * 2),
-                         dev.allocate(images.nbytes), dev.allocate(images.nbytes * 2), dev.allocate_host(images.nbytes * 2)]
-        wbuf, obuf, xbuf, ybuf, self._staging = self._buffers
+                         dev.allocate(images.nbytes), dev.allocate(images.nbytes * 2)]
+        wbuf, obuf, xbuf, ybuf = self._buffers
         self._w, self._out = wbuf.array(np.float16, w.shape), obuf.array(np.float16, (images.batch, hidden))
         self._x, self._y = xbuf.array(np.uint8, images.shape), ybuf.array(np.float16, images.shape)
         with dev.allocate_host(w.nbytes) as host:
@@ -312,13 +301,6 @@ class SimSide(_ModelSide):
         self.stream.sync()
         return out
 
-    def upload(self, host: np.ndarray):
-        """``host`` (a delivered float16 batch) copied to a device buffer of ours; the previous
-        upload's copy and step finish first (the staging buffer is reused)."""
-        self.stream.sync()
-        self._staging.view(np.float16, access="w")[:] = np.asarray(host).reshape(-1)
-        self.stream.copy(self._y.where, self._staging)
-        return self._y
 
     def close(self) -> None:
         self.stream.sync()
@@ -364,8 +346,6 @@ class TorchSide(_ModelSide):
     def read(self, x) -> np.ndarray:
         return self.torch.as_tensor(x, device="cuda").cpu().numpy()
 
-    def upload(self, host: np.ndarray):
-        return self.torch.from_numpy(np.asarray(host)).cuda()
 
 
 def model_side(dev: Device, images: ImageBatches, hidden: int) -> _ModelSide:
@@ -460,27 +440,21 @@ def ringflow_feed(dev: Device, images: ImageBatches, side: _ModelSide, *, worker
     """ringflow's side: one :class:`ringflow.Pipeline` that prepares batches on ``workers``
     threads (``prepare``, default :meth:`ImageBatches.decode_augment`), normalises them on the
     device and delivers each there (``deliver="device"``) to the model step, then releases it on
-    ``side.stream``; measured by :func:`measure_feed`. Where ``deliver`` is not in this ringflow
-    (:func:`delivers_on_device`), results come to the host and ``side.upload`` copies each to the device.
+    ``side.stream``; measured by :func:`measure_feed`.
 
     Returns:
-        :func:`measure_feed`'s row, with ``deliver`` ("device" or "host") and ``workers``.
+        :func:`measure_feed`'s row, with ``deliver`` ("device") and ``workers``.
     """
-    on_device = delivers_on_device()
-    options = {"deliver": "device"} if on_device else {}
     with rf.Pipeline(normalise, device=dev, prepare=prepare or images.decode_augment, chunk_bytes=images.nbytes * 2,
-                     workers=workers, output=(images.shape, "float16"), **options) as pipe:
+                     workers=workers, output=(images.shape, "float16"), deliver="device") as pipe:
 
         def one_pass(count: int, consume: Callable[[int, Any], None]) -> None:
             for i, res in enumerate(pipe.map(range(count))):
-                if on_device:
-                    consume(i, res.array)
-                    res.release(stream=side.stream)  # stream-ordered: after the step just enqueued
-                else:
-                    consume(i, side.upload(res))
+                consume(i, res.array)
+                res.release(stream=side.stream)  # stream-ordered: after the step just enqueued
 
-        return measure_feed(RINGFLOW if on_device else RINGFLOW_VIA_HOST, one_pass, side, images, batches=batches,
-                            rounds=rounds, check=check, deliver="device" if on_device else "host", workers=workers)
+        return measure_feed(RINGFLOW, one_pass, side, images, batches=batches, rounds=rounds, check=check,
+                            deliver="device", workers=workers)
 
 
 class BatchDataset:
@@ -565,7 +539,7 @@ def feed(dev: Device, *, batch: int = 64, size: int = 224, batches: int = 200, w
     prepare = functools.partial(charged, images) if dev.backend == "sim" else images.decode_augment
     out: dict[str, Any] = {"workload": "feed", "batch": batch, "image": [3, size, size], "batches": batches,
                            "rounds": rounds, "workers": workers, "hidden": hidden,
-                           "deliver": "device" if delivers_on_device() else "host"}
+                           "deliver": "device"}
     try:
         side = model_side(dev, images, hidden)
     except BaselineUnavailable as exc:  # no PyTorch on this GPU: no model step to feed, say why
