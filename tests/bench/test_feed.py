@@ -174,3 +174,9 @@ def test_feed_on_a_gpu():
     assert ours["correct"] is True and theirs.get("correct") is True, (ours, theirs)
     assert res["ringflow_vs_dataloader"] > 0 and 0 <= res["ringflow_gpu_idle_fraction"] <= 1
     assert 0 <= res["dataloader_gpu_idle_fraction"] <= 1
+
+
+def test_the_cpu_stage_on_worker_processes_is_measured():
+    images = fd.ImageBatches(2, 8)
+    seconds = fd.cpu_stage_seconds_processes(images, 2, 4)
+    assert 0 < seconds < 5

@@ -26,9 +26,11 @@ launched on a stream of the simulated device.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
 import math
+import multiprocessing
 import os
 import time
 from typing import Any, Callable, Iterable, Optional
@@ -56,6 +58,7 @@ INV_STD = 1.0 / 64
 SIM_CPU_SECONDS_PER_BYTE = 3e-9
 
 RINGFLOW = "ringflow Pipeline(prepare=decode_augment, deliver='device')"
+RINGFLOW_PROCESSES = "ringflow Pipeline(prepare=decode_augment, deliver='device', processes=True)"
 DATALOADER = "torch DataLoader(pin_memory=True, num_workers=N) + .cuda(non_blocking=True)"
 STAGES = ("cpu_decode_augment", "h2d_copy", "gpu_normalise_model")
 
@@ -378,6 +381,31 @@ def cpu_stage_seconds(dev: Device, prepare: Callable[[int], np.ndarray], workers
     return elapsed / count
 
 
+_WORKER_IMAGES: dict = {}  # in a worker process of cpu_stage_seconds_processes: the batches
+
+
+def _set_images(images: "ImageBatches") -> None:
+    _WORKER_IMAGES["images"] = images
+
+
+def _decode_sum(index: int) -> int:
+    """In a worker process: batch ``index`` made, and a checksum returned instead of its bytes."""
+    return int(_WORKER_IMAGES["images"].decode_augment(index)[0, 0, 0, :8].sum())
+
+
+def cpu_stage_seconds_processes(images: "ImageBatches", workers: int, count: int) -> float:
+    """:meth:`ImageBatches.decode_augment` of batches ``0 .. count - 1`` on ``workers`` worker
+    processes (a forkserver pool, each given the batches once), after one untimed batch on each:
+    wall seconds per batch. The CPU stage a process-based loader (or ``processes=True``) can reach."""
+    ctx = multiprocessing.get_context("forkserver")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_set_images,
+                                                initargs=(images,)) as pool:
+        list(pool.map(_decode_sum, range(workers)))  # start and warm every worker
+        t0 = time.perf_counter()
+        list(pool.map(_decode_sum, range(count)))
+        return (time.perf_counter() - t0) / count
+
+
 def h2d_stage_seconds(dev: Device, nbytes: int, reps: int) -> float:
     """One batch's copy from pinned host memory to the device alone: ``reps`` copies back to back
     on one stream after one untimed, timed with the device's events; seconds per copy."""
@@ -436,25 +464,27 @@ def measure_feed(name: str, one_pass: OnePass, side: _ModelSide, images: ImageBa
 
 
 def ringflow_feed(dev: Device, images: ImageBatches, side: _ModelSide, *, workers: int, batches: int, rounds: int,
-                  check: int, prepare: Optional[Callable[[int], np.ndarray]] = None) -> Row:
+                  check: int, prepare: Optional[Callable[[int], np.ndarray]] = None, processes: bool = False) -> Row:
     """ringflow's side: one :class:`ringflow.Pipeline` that prepares batches on ``workers``
     threads (``prepare``, default :meth:`ImageBatches.decode_augment`), normalises them on the
     device and delivers each there (``deliver="device"``) to the model step, then releases it on
-    ``side.stream``; measured by :func:`measure_feed`.
+    ``side.stream``; measured by :func:`measure_feed`. ``processes``: the CPU workers are
+    processes (``Pipeline(processes=True)``) instead of threads.
 
     Returns:
-        :func:`measure_feed`'s row, with ``deliver`` ("device") and ``workers``.
+        :func:`measure_feed`'s row, with ``deliver`` ("device"), ``workers`` and ``processes``.
     """
     with rf.Pipeline(normalise, device=dev, prepare=prepare or images.decode_augment, chunk_bytes=images.nbytes * 2,
-                     workers=workers, output=(images.shape, "float16"), deliver="device") as pipe:
+                     workers=workers, output=(images.shape, "float16"), deliver="device",
+                     processes=processes) as pipe:
 
         def one_pass(count: int, consume: Callable[[int, Any], None]) -> None:
             for i, res in enumerate(pipe.map(range(count))):
                 consume(i, res.array)
                 res.release(stream=side.stream)  # stream-ordered: after the step just enqueued
 
-        return measure_feed(RINGFLOW, one_pass, side, images, batches=batches, rounds=rounds, check=check,
-                            deliver="device", workers=workers)
+        return measure_feed(RINGFLOW_PROCESSES if processes else RINGFLOW, one_pass, side, images, batches=batches,
+                            rounds=rounds, check=check, deliver="device", workers=workers, processes=processes)
 
 
 class BatchDataset:
@@ -547,13 +577,22 @@ def feed(dev: Device, *, batch: int = 64, size: int = 224, batches: int = 200, w
         return {**out, **_summary([_skip(RINGFLOW, reason), _skip(DATALOADER, reason)], None)}
     try:
         say("feed: each stage alone")
-        stages = {"cpu_decode_augment": cpu_stage_seconds(dev, prepare, workers, 4 * workers),
+        cpu = {"threads": cpu_stage_seconds(dev, prepare, workers, 4 * workers)}
+        if dev.backend != "sim":  # the simulated GPU charges a modelled cost to its own threads only
+            cpu["processes"] = cpu_stage_seconds_processes(images, workers, 4 * workers)
+        # the bound is the fastest the CPU stage goes either way: no system may beat it
+        stages = {"cpu_decode_augment": min(cpu.values()),
                   "h2d_copy": h2d_stage_seconds(dev, images.nbytes, 8),
                   "gpu_normalise_model": side.gpu_stage_seconds(8)}
         bound = stage_bound(stages)
+        out["cpu_stage_ms"] = {k: v * 1e3 for k, v in cpu.items()}
         say("feed: ringflow")
         rows = [ringflow_feed(dev, images, side, workers=workers, batches=batches, rounds=rounds, check=check,
                               prepare=prepare)]
+        if dev.backend != "sim":
+            say("feed: ringflow, prepare in worker processes")
+            rows.append(ringflow_feed(dev, images, side, workers=workers, batches=batches, rounds=rounds,
+                                      check=check, processes=True))
         reason = _gpu_only(dev)
         if reason:
             rows.append(_skip(DATALOADER, reason))
@@ -569,17 +608,21 @@ def feed(dev: Device, *, batch: int = 64, size: int = 224, batches: int = 200, w
 
 
 def _summary(rows: Iterable[Row], bound: Optional[dict]) -> dict[str, Any]:
-    """The two systems' figures side by side (None where a system was skipped), each measured
-    row given its ``fraction_of_bound``."""
+    """The systems' figures side by side (None where a system was skipped or not run), each
+    measured row given its ``fraction_of_bound``: ``ringflow_*`` (threads), ``ringflow_processes_*``
+    and ``dataloader_*``, and each ringflow row's batches per second over the DataLoader's."""
     rows = list(rows)
-    by_system = {"ringflow": rows[0], "dataloader": rows[1]}
+    names = {"ringflow": RINGFLOW, "ringflow_processes": RINGFLOW_PROCESSES, "dataloader": DATALOADER}
     out: dict[str, Any] = {"rows": rows}
-    for key, row in by_system.items():
-        if bound is not None and "skipped" not in row:
+    for key, name in names.items():
+        row = next((r for r in rows if r.get("name") == name), {})
+        if bound is not None and row and "skipped" not in row:
             row["fraction_of_bound"] = fraction_of_bound(row, bound)
         out[f"{key}_batches_per_s"] = row.get("batches_per_s")
         out[f"{key}_fraction_of_bound"] = row.get("fraction_of_bound")
         out[f"{key}_gpu_idle_fraction"] = row.get("gpu_idle_fraction")
-    ours, theirs = out["ringflow_batches_per_s"], out["dataloader_batches_per_s"]
-    out["ringflow_vs_dataloader"] = ours / theirs if ours and theirs else None
+    theirs = out["dataloader_batches_per_s"]
+    for key in ("ringflow", "ringflow_processes"):
+        ours = out[f"{key}_batches_per_s"]
+        out[f"{key}_vs_dataloader"] = ours / theirs if ours and theirs else None
     return out

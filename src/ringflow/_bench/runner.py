@@ -126,7 +126,7 @@ def table(res: dict[str, Any]):
     for key in ("ideal_ms", "efficiency", "ringflow_ms", "efficiency_no_refill", "vs_cpp_like_with_like",
                 "floor_ms", "efficiency_vs_floor", "mapjob_efficiency", "ringflow_vs_torch_ring",
                 "ringflow_vs_torch_naive", "p99_80_over_isolated", "bound_ms", "ringflow_fraction_of_bound",
-                "ringflow_vs_dataloader"):
+                "ringflow_vs_dataloader", "ringflow_processes_fraction_of_bound", "ringflow_processes_vs_dataloader"):
         if key in res and isinstance(res[key], float):
             title += f"  {key}={res[key]:.3f}"
     t = Table(title=title)

@@ -35,7 +35,7 @@ from .chunk import Chunk, ChunkFuture
 from .driver import CallerDriver, ProgressThread, resolve
 from .config import PipelineConfig, SlotCounts
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, lent_slots, resolve_slots
-from .validate import as_host_array, check_choice, check_options, check_output_spec, check_timeout
+from .validate import as_host_array, check_choice, check_flag, check_options, check_output_spec, check_timeout
 from .scheduler import Scheduler
 from .states import ChunkState
 from .stats import PipelineStats
@@ -95,7 +95,8 @@ class Pipeline:
     calling thread (the caller may reuse its array once ``submit`` returns; an array from that
     pool is read in place), and the result comes back in that same pinned array, which goes back
     to the pool once dropped; where the pool has no room, items are copied by the CPU workers and
-    results are new numpy arrays.
+    results are new numpy arrays. A compute callable may carry a ``sim_seconds`` attribute
+    (seconds, or a function of the chunk's bytes) for its duration on the simulated GPU.
 
     ``output`` gives the result's shape and dtype where they are not the input's: one
     ``(shape, dtype)`` pair for every item, or ``output(item) -> (shape, dtype)``, called by
@@ -106,9 +107,12 @@ class Pipeline:
     :class:`~ringflow.DeviceResult` objects (the device array, lent until released) instead of
     host arrays, and nothing is copied back; ``consume`` cannot be given then. Each result held
     keeps its device slot: release it (``with res as y:``, ``res.release(stream)``, or drop it)
-    before waiting for more than a few further results, or the pipeline waits for the slot. A compute callable may carry a
-    ``sim_seconds`` attribute (seconds, or a function of the chunk's bytes) for its duration on
-    the simulated GPU.
+    before waiting for more than a few further results, or the pipeline waits for the slot.
+
+    ``processes=True`` runs ``prepare`` in ``workers`` worker processes instead of threads (no
+    GIL between them), each writing its array straight into the pipeline's pinned host-in slot
+    (shared memory); ``prepare`` and the items must then be picklable (a module-level function),
+    as for a DataLoader's workers.
 
     ``slots`` (None: derived by :mod:`ringflow._plan`; an int for every ring; or a
     :class:`SlotCounts`) and ``chunk_bytes`` (the slot size) bound pinned memory at
@@ -124,11 +128,11 @@ class Pipeline:
                  on_error: str = "raise", profile: bool = False, workers: Optional[int] = None,
                  inplace: bool = False, checked: bool = False, item_nbytes: Optional[Callable] = None,
                  pinned_budget: Optional[int] = None, output: "tuple | Callable | None" = None,
-                 deliver: str = "host"):
+                 deliver: str = "host", processes: bool = False):
         self._build(compute, device=device, user_prepare=prepare, consume=consume, slots=slots,
                     chunk_bytes=chunk_bytes, max_in_flight=max_in_flight, ordered=ordered, on_error=on_error,
                     profile=profile, workers=workers, inplace=inplace, checked=checked, item_nbytes=item_nbytes,
-                    pinned_budget=pinned_budget, output=output, deliver=deliver)
+                    pinned_budget=pinned_budget, output=output, deliver=deliver, processes=processes)
 
     @classmethod
     def _for_whole_array(cls, compute: Callable, *, prepare: Callable, consume: Callable, item_nbytes: Callable,
@@ -146,7 +150,8 @@ class Pipeline:
                chunk_bytes=None, max_in_flight=None, ordered: bool = True, on_error: str = "raise",
                profile: bool = False, workers=None, inplace: bool = False, checked: bool = False,
                item_nbytes=None, pinned_budget=None, host_in_buffer=None, host_out_buffer=None,
-               max_chunks: Optional[int] = None, bulk: bool = False, output=None, deliver: str = "host") -> None:
+               max_chunks: Optional[int] = None, bulk: bool = False, output=None, deliver: str = "host",
+               processes: bool = False) -> None:
         self._closed = True  # until built: a finaliser or close() on a half-built pipeline does nothing
         if not callable(compute):
             raise TypeError(f"compute must be a callable f(x, y), got {type(compute).__name__}")
@@ -157,6 +162,9 @@ class Pipeline:
                              pinned_budget=pinned_budget, slots=slots, on_error=on_error, ordered=ordered,
                              profile=profile, inplace=inplace, checked=checked)
         deliver = check_choice("deliver", deliver, ("host", "device"))
+        if check_flag("processes", processes) and user_prepare is None:
+            raise ValueError("processes=True runs prepare in worker processes: pass prepare= (a module-level "
+                             "function); plain array items are copied on the calling thread")
         if deliver == "device" and consume is not None:
             raise ValueError("consume= cannot be used with deliver='device': the results stay on the device and "
                              "go to whoever iterates the pipeline (each a DeviceResult to release when done)")
@@ -185,7 +193,12 @@ class Pipeline:
         self.config = PipelineConfig(chunk_bytes=chunk_bytes, slots=counts, max_in_flight=max_in_flight,
                                      workers=workers, inplace=inplace, ordered=ordered, on_error=on_error,
                                      profile=profile, checked=checked, deliver=deliver)
-        prepare_stage = stage_prepare or functools.partial(_prepare_array, user_prepare, chunk_bytes)
+        procs = None
+        if processes:
+            from .processes import ProcessPrepare
+
+            procs = ProcessPrepare(self.device, user_prepare, counts.host_in * chunk_bytes, chunk_bytes, workers)
+        prepare_stage = stage_prepare or procs or functools.partial(_prepare_array, user_prepare, chunk_bytes)
         self._items_are_arrays = stage_prepare is None and user_prepare is None  # sizes known before acceptance
         consume_stage = consume
         if profile:
@@ -197,11 +210,17 @@ class Pipeline:
         results = self._pool if deliver == "host" else None
         source_of = functools.partial(_pinned_source, self.device) if self._items_are_arrays else None
         self._recorder = _Recorder(self.device, chunk_bytes, counts, workers) if profile else None
-        self._sched = Scheduler(self.device, compute, prepare_stage, consume_stage, self.config,
-                                item_nbytes=item_nbytes or (lambda item: getattr(item, "nbytes", 0)),
-                                on_chunk_end=self._recorder.on_chunk_end if profile else None,
-                                host_in_buffer=host_in_buffer, host_out_buffer=host_out_buffer,
-                                results=results, source_of=source_of)
+        try:
+            self._sched = Scheduler(self.device, compute, prepare_stage, consume_stage, self.config,
+                                    item_nbytes=item_nbytes or (lambda item: getattr(item, "nbytes", 0)),
+                                    on_chunk_end=self._recorder.on_chunk_end if profile else None,
+                                    host_in_buffer=host_in_buffer, host_out_buffer=host_out_buffer,
+                                    results=results, source_of=source_of,
+                                    host_in_memory=procs.buffer if procs else None, owned=(procs,) if procs else ())
+        except BaseException:
+            if procs is not None:
+                procs.close()
+            raise
         if self._recorder is not None:
             self._recorder.start(self._sched.streams.h2d)
         if bulk:

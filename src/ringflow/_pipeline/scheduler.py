@@ -83,7 +83,7 @@ class Scheduler:
     def __init__(self, device: Device, compute: Callable, prepare: Prepare, consume: Optional[Consume],
                  config: PipelineConfig, *, item_nbytes: Callable[[Any], int] = lambda item: 0,
                  on_chunk_end: Optional[Callable[[Chunk], None]] = None, host_in_buffer=None, host_out_buffer=None,
-                 results=None, source_of: Optional[SourceOf] = None):
+                 results=None, source_of: Optional[SourceOf] = None, host_in_memory=None, owned=()):
         """``host_in_buffer``/``host_out_buffer``: the caller's pinned or registered memory holding
         every chunk's input / receiving every chunk's output back to back (chunk i at
         ``i * chunk_bytes``). The copy engines then read and write it in place: no staging ring,
@@ -98,7 +98,11 @@ class Scheduler:
 
         Host-out and host-in slots stay the tickets of those chunks (acquired, fenced and freed
         as for any chunk), so the bounds on chunks in each stage do not change; their own bytes
-        are then unused."""
+        are then unused.
+
+        ``host_in_memory``: a host buffer to carve the host-in ring from instead of a new pinned
+        allocation (shared memory that worker processes write); the ring closes it. ``owned``:
+        objects whose ``close()`` runs once the rings are released (never raising)."""
         hooks = current_hooks()
         guard_off = refuse_unknown_guards(hooks.guards_off, GUARDS)
         slot_hook = hooks.slot_hook
@@ -116,6 +120,8 @@ class Scheduler:
 
         self._rings: list[Ring] = []
         self.pool = None
+        self._owned = list(owned)
+        self._host_in_memory = host_in_memory
         self.streams = StageStreams(device, checked=config.checked)
         try:
             n, c = config.chunk_bytes, config.slots
@@ -171,6 +177,9 @@ class Scheduler:
 
     def _host_ring(self, kind, external_buffer, count, hook) -> Ring:
         n = self.config.chunk_bytes
+        if kind is RingKind.HOST_IN and self._host_in_memory is not None:
+            memory, self._host_in_memory = self._host_in_memory, None
+            return self._ring(kind, memory, count, hook)
         if external_buffer is None:
             return self._ring(kind, self.device.allocate_host(n * count), count, hook)
         return self._ring(kind, external_buffer, -(-external_buffer.nbytes // n), hook, external=True)
@@ -202,6 +211,12 @@ class Scheduler:
                 continue  # results on the device are still the consumer's: freed when the last comes back
             ring.close(stream=free_on)
         self.streams.close()
+        if self._host_in_memory is not None:  # made, but no ring took it (set-up failed first)
+            close_quietly(self._host_in_memory, "host-in memory")
+            self._host_in_memory = None
+        owned, self._owned = self._owned, []
+        for obj in owned:
+            close_quietly(obj, repr(obj))
         # the ring objects stay for introspection (states, high-water marks); their memory is gone
 
     @property

@@ -92,3 +92,13 @@ def test_results_delivered_on_the_device_bit_exact(cuda_device, consumer):
     cp.cuda.Device().synchronize()
     for x, c in zip(arrays, copies):
         np.testing.assert_array_equal(cp.asnumpy(c), x * np.float32(2) + np.float32(1))
+
+
+def test_prepare_in_worker_processes_bit_exact(cuda_device):
+    from tests.helpers import process_prepare as pp
+
+    with rf.Pipeline(scale_shift, device=cuda_device, chunk_bytes=1 << 16, prepare=pp.ramp, processes=True,
+                     workers=3, checked=True) as pipe:
+        out = list(pipe.map(range(200)))
+    for i, r in enumerate(out):
+        np.testing.assert_array_equal(r, pp.ramp(i) * np.float32(2) + np.float32(1))

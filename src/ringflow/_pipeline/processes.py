@@ -1,0 +1,114 @@
+"""``prepare`` in worker processes (``Pipeline(processes=True)``), writing into pinned shared memory.
+
+Threads share the GIL: a ``prepare`` that spends its time in Python, or in many small numpy
+calls, runs little faster on eight threads than on one. Worker processes do not share it, as
+PyTorch's DataLoader workers do not; unlike a DataLoader, they write each array straight into
+the pipeline's pinned host-in slot, so nothing is pickled back or copied again to pin it.
+
+The host-in ring is one block of POSIX shared memory (``multiprocessing.shared_memory``), made
+before the workers start and registered with the device (``Device.register_host``), so its copy
+engine reads it as pinned memory. A worker attaches the block by name when it starts; a task
+carries the item and the slot's offset, and returns the array's shape and dtype. The workers
+run from a ``forkserver``: a clean process, started before any of them, that forks each worker
+(forking the pipeline's own process, whose threads may hold locks, could deadlock a child).
+
+Ordering: the task is submitted, and waited for, by the scheduler's CPU worker thread that owns
+the slot's prepare (its checked view declares the write on the simulated GPU); the slot's h2d is
+enqueued only after that thread's task is seen complete, as for a prepare on a thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import pickle
+from multiprocessing import shared_memory
+from typing import Any, Callable
+
+import numpy as np
+
+from .._device.protocol import Device, HostBuffer
+
+_SHARED: dict = {}  # in a worker: the attached block and its bytes
+
+
+class ProcessPrepare:
+    """A pool of ``workers`` processes that run ``prepare(item)`` and copy its array into a slot
+    of one shared, pinned block (:attr:`buffer`, ``nbytes`` long).
+
+    Raises:
+        TypeError: ``prepare`` cannot be pickled (a lambda or a nested function): workers get
+            it by reference, so it must be a module-level function or a picklable object.
+    """
+
+    def __init__(self, device: Device, prepare: Callable, nbytes: int, chunk_bytes: int, workers: int):
+        try:
+            pickled = pickle.dumps(prepare)
+        except Exception as exc:  # noqa: BLE001 - what pickle raises varies (PicklingError, AttributeError, ...)
+            raise TypeError(f"processes=True sends prepare to worker processes, but it cannot be pickled ({exc}); "
+                            "define it at module level (not a lambda or a nested function)") from None
+        self._chunk_bytes = chunk_bytes
+        self._shm = shared_memory.SharedMemory(create=True, size=nbytes)
+        self._pool = None
+        self.buffer: HostBuffer | None = None
+        try:
+            view = np.ndarray((nbytes,), np.uint8, buffer=self._shm.buf)
+            self._base = view.__array_interface__["data"][0]
+            self.buffer = device.register_host(view)
+            del view
+            ctx = multiprocessing.get_context("forkserver")
+            # prepare goes to each worker once, at its start (it may carry data: a dataset)
+            self._pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_attach,
+                                                                initargs=(self._shm.name, pickled))
+        except BaseException:
+            self.close()
+            raise
+
+    def __call__(self, item: Any, raw: np.ndarray) -> tuple:
+        """The prepare stage for one chunk (on a CPU worker thread): ``raw`` is the chunk's slot,
+        a view of :attr:`buffer`. Waits for the worker process; returns ``(shape, dtype)``.
+
+        Raises:
+            whatever ``prepare`` raised in the worker (TypeError/ValueError for an array that is
+            not one or does not fit), or BrokenProcessPool if a worker died.
+        """
+        offset = raw.__array_interface__["data"][0] - self._base
+        shape, dtype = self._pool.submit(_prepare_in_worker, self._chunk_bytes, item, offset, raw.nbytes).result()
+        return shape, np.dtype(dtype)
+
+    def close(self) -> None:
+        """Stop the workers and free the block (after the ring that used it is closed). Never raises."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            try:
+                pool.shutdown(wait=True, cancel_futures=True)
+            except Exception:  # noqa: BLE001 - cleanup never raises
+                pass
+        shm, self._shm = self._shm, None
+        if shm is not None:
+            try:
+                shm.close()
+            except BufferError:  # a view of it is still alive somewhere: the mapping goes with it
+                pass
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def _attach(name: str, prepare: bytes) -> None:
+    """A worker's initializer: map the shared block and take the prepare callable."""
+    shm = shared_memory.SharedMemory(name=name)
+    _SHARED["shm"] = shm
+    _SHARED["bytes"] = np.ndarray((shm.size,), np.uint8, buffer=shm.buf)
+    _SHARED["prepare"] = pickle.loads(prepare)
+
+
+def _prepare_in_worker(chunk_bytes: int, item: Any, offset: int, nbytes: int) -> tuple:
+    """In a worker: ``prepare(item)`` copied into the slot at ``offset`` (as a thread's prepare
+    does it); returns ``(shape, dtype string)``."""
+    from .api import _prepare_array
+
+    raw = _SHARED["bytes"][offset:offset + nbytes]
+    shape, dtype = _prepare_array(_SHARED["prepare"], chunk_bytes, item, raw)
+    return tuple(shape), np.dtype(dtype).str

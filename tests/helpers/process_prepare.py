@@ -1,0 +1,32 @@
+"""Module-level prepare functions for ``Pipeline(processes=True)`` tests: worker processes get
+them by reference, so they cannot live inside a test."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+def ramp(item: int) -> np.ndarray:
+    """A float32 array of ``item % 97 + 1`` elements counting up from ``item``."""
+    return np.arange(item, item + item % 97 + 1, dtype=np.float32)
+
+
+def ramp_and_pid(item: int) -> np.ndarray:
+    """Element 0: the worker's process id (as float64); then :func:`ramp` of ``item``."""
+    return np.concatenate([[float(os.getpid())], ramp(item).astype(np.float64)])
+
+
+def fails_on_7(item: int) -> np.ndarray:
+    if item == 7:
+        raise ValueError("item 7 is broken")
+    return ramp(item)
+
+
+def not_an_array(item: int):
+    return [item]
+
+
+def too_big(item: int) -> np.ndarray:
+    return np.zeros(1 << 20, np.uint8)

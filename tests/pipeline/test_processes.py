@@ -1,0 +1,80 @@
+"""``Pipeline(processes=True)``: prepare in worker processes writing into shared pinned slots."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from tests.helpers import process_prepare as pp
+
+
+def f(x, y):
+    y[...] = x * 2 + 1
+
+
+@pytest.fixture
+def dev():
+    return rf.device("sim", chaos=True, seed=7, checked=True)
+
+
+def shm_segments() -> set:
+    return set(glob.glob("/dev/shm/psm_*"))
+
+
+def test_results_are_exact_and_come_from_other_processes(dev):
+    before = shm_segments()
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.ramp_and_pid, processes=True, workers=3,
+                     checked=True) as pipe:
+        out = list(pipe.map(range(60)))
+    pids = set()
+    for i, r in enumerate(out):
+        pids.add(int((r[0] - 1) / 2))
+        np.testing.assert_array_equal(r[1:], pp.ramp(i).astype(np.float64) * 2 + 1)
+    assert os.getpid() not in pids and 1 <= len(pids) <= 3
+    assert shm_segments() <= before  # the shared block is gone with the pipeline
+    assert dev.live().total == 0
+
+
+def test_a_failing_prepare_fails_its_chunk_with_the_workers_error(dev):
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.fails_on_7, processes=True, workers=2,
+                     on_error="continue") as pipe:
+        out = list(pipe.map(range(12)))
+        failures = pipe.failures
+    assert len(out) == 11
+    assert len(failures) == 1 and failures[0].stage == "prepare" and failures[0].index == 7
+    assert isinstance(failures[0].__cause__, ValueError) and "item 7 is broken" in str(failures[0].__cause__)
+
+
+@pytest.mark.parametrize("prepare, error, match", [
+    (pp.not_an_array, TypeError, "prepare must return a numpy array"),
+    (pp.too_big, ValueError, "does not fit a slot of 4096 bytes"),
+])
+def test_what_a_worker_returns_is_checked_as_on_a_thread(dev, prepare, error, match):
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=prepare, processes=True, workers=1) as pipe:
+        with pytest.raises(rf.StageError) as info:
+            pipe.submit(3).result()
+    assert isinstance(info.value.__cause__, error) and match in str(info.value.__cause__)
+
+
+def test_an_unpicklable_prepare_is_refused_at_construction(dev):
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=lambda i: np.ones(4), processes=True)
+
+
+def test_processes_without_prepare_is_refused(dev):
+    with pytest.raises(ValueError, match="processes=True runs prepare in worker processes: pass prepare="):
+        rf.Pipeline(f, device=dev, chunk_bytes=4096, processes=True)
+
+
+def test_cancel_and_close_stop_the_workers_and_free_the_block(dev):
+    before = shm_segments()
+    pipe = rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.ramp, processes=True, workers=2)
+    futs = [pipe.submit(i) for i in range(8)]
+    pipe.cancel()
+    pipe.close()
+    assert all(fu.done() for fu in futs)
+    assert shm_segments() <= before and dev.live().total == 0
