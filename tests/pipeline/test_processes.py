@@ -78,3 +78,25 @@ def test_cancel_and_close_stop_the_workers_and_free_the_block(dev):
     pipe.close()
     assert all(fu.done() for fu in futs)
     assert shm_segments() <= before and dev.live().total == 0
+
+
+def slow_prepare(item: int) -> np.ndarray:
+    """1 ms of (simulated) CPU work per item."""
+    from ringflow._device.sim.pool import charge
+
+    charge(1e-3)
+    return np.full(16, item, np.float32)
+
+
+@pytest.mark.parametrize("workers", [2, 6])
+def test_a_user_prepare_keeps_every_worker_busy(workers):
+    """The model cannot know a prepare's cost: the host-in ring gets a slot per worker (and one
+    for the copy in flight), so n items of 1 ms on W workers take about n / W ms."""
+    dev = rf.device("sim", seed=1)
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=slow_prepare, workers=workers) as pipe:
+        assert pipe.config.slots.host_in >= workers + 1
+        t0 = dev.now
+        out = list(pipe.map(range(60)))
+        wall = dev.now - t0
+    assert [float(r[0]) for r in out] == [2.0 * i + 1 for i in range(60)]
+    assert wall < 1.3 * 60e-3 / workers

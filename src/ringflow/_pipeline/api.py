@@ -183,7 +183,7 @@ class Pipeline:
             workers = default_workers(self.device, bulk=bulk)
         counts = resolve_slots(self.device, slots, chunk_bytes, inplace, workers, compute,
                                external=(host_in_buffer is not None, host_out_buffer is not None), bulk=bulk,
-                               max_chunks=max_chunks)
+                               max_chunks=max_chunks, user_prepare=user_prepare is not None)
         if deliver == "device" and slots is None:
             counts = lent_slots(counts, inplace)
         if pinned_budget is not None:

@@ -15,12 +15,15 @@ DEFAULT_CHUNK_BYTES = 8 << 20
 
 
 def resolve_slots(device: Device, slots, chunk_bytes: int, inplace: bool, workers: int, compute: Callable,
-                  external=(False, False), bulk: bool = False, max_chunks: Optional[int] = None) -> SlotCounts:
+                  external=(False, False), bulk: bool = False, max_chunks: Optional[int] = None,
+                  user_prepare: bool = False) -> SlotCounts:
     """The slot counts: given, or planned from modelled stage times (device rings with slack).
     ``bulk`` (a whole array, stream_map): staging rings also get a slot per worker, for
     throughput; a stream of requests keeps the planned rings, whose shorter queues keep
     latency down. A job of known length (``max_chunks``, a whole array) never gets more slots in a
-    ring than it has chunks, unless ``slots`` says so."""
+    ring than it has chunks, unless ``slots`` says so. ``user_prepare``: the items go through the
+    caller's ``prepare``, whose cost the model cannot know: the host-in ring gets a slot per
+    worker and one for the copy in flight, so every worker can prepare at once."""
     if isinstance(slots, SlotCounts):
         return slots
     if isinstance(slots, bool):
@@ -44,6 +47,9 @@ def resolve_slots(device: Device, slots, chunk_bytes: int, inplace: bool, worker
     counts = plan.with_device_slack(plan.plan_slots(times, inplace=inplace).slots, inplace=inplace)
     if bulk and not external[0] and not external[1]:  # both host rings are staging rings
         counts = plan.with_worker_slots(counts, workers, chunk_bytes)
+    if user_prepare:
+        floor = min(workers + 1, max(2, plan.WORKER_SLOTS_PINNED_CAP // chunk_bytes))
+        counts = dataclasses.replace(counts, host_in=max(counts.host_in, floor))
     if max_chunks is not None:
         counts = SlotCounts(*(min(c, max_chunks) if c else 0 for c in
                               (counts.host_in, counts.device_in, counts.device_out, counts.host_out)))
