@@ -28,5 +28,9 @@ def not_an_array(item: int):
     return [item]
 
 
+def not_anything(item: int):
+    return f"item {item}"
+
+
 def too_big(item: int) -> np.ndarray:
     return np.zeros(1 << 20, np.uint8)

@@ -50,7 +50,8 @@ def test_a_failing_prepare_fails_its_chunk_with_the_workers_error(dev):
 
 
 @pytest.mark.parametrize("prepare, error, match", [
-    (pp.not_an_array, TypeError, "prepare must return a numpy array"),
+    (pp.not_an_array, TypeError, "prepare's arrays (each array of a tuple, list or dict) must be numpy arrays"),
+    (pp.not_anything, TypeError, "prepare must return a numpy array"),
     (pp.too_big, ValueError, "does not fit a slot of 4096 bytes"),
 ])
 def test_what_a_worker_returns_is_checked_as_on_a_thread(dev, prepare, error, match):

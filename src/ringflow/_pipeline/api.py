@@ -35,6 +35,7 @@ from .chunk import Chunk, ChunkFuture
 from .driver import CallerDriver, ProgressThread, resolve
 from .config import PipelineConfig, SlotCounts
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, lent_slots, resolve_slots
+from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_into, packed
 from .validate import as_host_array, check_choice, check_flag, check_options, check_output_spec, check_timeout
 from .scheduler import Scheduler
 from .states import ChunkState
@@ -59,6 +60,10 @@ def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any
     copied into the pinned slot. A module function, not a method: the scheduler must not hold
     the pipeline (a pipeline dropped without close() is collected and its finaliser cleans up)."""
     arr = user_prepare(item) if user_prepare is not None else item
+    if is_tree(arr):  # several arrays: packed into the slot, moved as bytes
+        leaves, layout = tree_layout(arr, chunk_bytes, "items" if user_prepare is None else "prepare's arrays")
+        pack_into(layout, leaves, raw)
+        return (layout.nbytes,), np.dtype(np.uint8), layout
     if not isinstance(arr, np.ndarray):
         raise TypeError(f"prepare must return a numpy array, got {type(arr).__name__}")
     if arr.dtype.hasobject:
@@ -71,6 +76,39 @@ def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any
 # the CPU workers, which copy several at once (one thread copies at about a quarter of the host's
 # rate, and a large copy outweighs the round trip to a worker). See docs/design.md.
 STAGE_AT_ACCEPT_BYTES = 4 << 20
+
+
+def tree_layout(item: Any, chunk_bytes: int, where: str = "items") -> tuple:
+    """``(leaves as numpy arrays, packed layout)`` of an item of several arrays.
+
+    Raises:
+        TypeError: a leaf that is not a host array, or holds Python objects.
+        ValueError: the packed arrays do not fit a slot of ``chunk_bytes``.
+    """
+    leaves, tree = flatten(item)
+    arrays = [as_host_array(leaf, f"{where} (each array of a tuple, list or dict)") for leaf in leaves]
+    for a in arrays:
+        if a.dtype.hasobject:
+            raise TypeError(f"{where} are moved as raw bytes; dtype {a.dtype} holds Python objects")
+    layout = packed(tree, [(a.shape, a.dtype) for a in arrays])
+    if layout.nbytes > chunk_bytes:
+        raise ValueError(f"an item of {len(arrays)} arrays takes {layout.nbytes} bytes packed (each aligned to "
+                         f"{ALIGN} bytes), more than a slot of {chunk_bytes}; raise chunk_bytes to at least "
+                         f"{layout.nbytes} or split the item")
+    return arrays, layout
+
+
+def output_tree(spec: Any, where: str) -> Any:
+    """An output spec checked: one ``(shape, dtype)`` pair, or a tuple/list/dict of them (their
+    packed layout).
+
+    Raises:
+        TypeError, ValueError: as :func:`check_output_spec`, for any pair of it.
+    """
+    if is_spec(spec) or not is_tree(spec):
+        return check_output_spec(spec, where)
+    pairs, tree = flatten(spec, is_leaf=lambda o: is_spec(o) or not is_tree(o))
+    return packed(tree, [check_output_spec(p, where) for p in pairs])
 
 
 def _pinned_source(device: Device, item: Any) -> Optional[tuple]:
@@ -173,7 +211,7 @@ class Pipeline:
                 raise ValueError("output= cannot be used with inplace=True: an in-place compute writes its result "
                                  "over its input, so the result is shaped as the input; drop one of them")
             if not callable(output):
-                output = check_output_spec(output)
+                output = output_tree(output, "output")
         self._output = output
         chunk_bytes, workers, max_in_flight, pinned_budget, slots = (
             opts["chunk_bytes"], opts["workers"], opts["max_in_flight"], opts["pinned_budget"], opts["slots"])
@@ -235,6 +273,9 @@ class Pipeline:
         """The item to accept: a plain array item viewed as a numpy array (:func:`as_host_array`);
         refused, before acceptance, if it can never fit (when its size is known)."""
         if self._items_are_arrays:
+            if is_tree(item):
+                tree_layout(item, self.config.chunk_bytes)  # checked now; packed when staged or prepared
+                return item
             item = as_host_array(item)
             if item.dtype.hasobject:
                 raise TypeError(f"items are moved as raw bytes; dtype {item.dtype} holds Python objects")
@@ -256,11 +297,14 @@ class Pipeline:
         if spec is None:
             return None
         if callable(spec):
-            spec = check_output_spec(spec(item), "output(item)")
-        shape, dtype = spec
-        nbytes = math.prod(shape) * dtype.itemsize
+            spec = output_tree(spec(item), "output(item)")
+        if isinstance(spec, Packed):
+            nbytes, what = spec.nbytes, f"{len(spec.leaves)} arrays packed"
+        else:
+            shape, dtype = spec
+            nbytes, what = math.prod(shape) * dtype.itemsize, f"shape {shape}, {dtype}"
         if nbytes > self.config.chunk_bytes:
-            raise ValueError(f"an output of {nbytes} bytes (shape {shape}, {dtype}) does not fit a slot of "
+            raise ValueError(f"an output of {nbytes} bytes ({what}) does not fit a slot of "
                              f"{self.config.chunk_bytes} bytes; raise chunk_bytes to at least {nbytes}")
         return spec
 
@@ -269,28 +313,42 @@ class Pipeline:
         its pinned staging copy, and a pinned result array where the result is shaped otherwise
         (keyword arguments of :meth:`Scheduler.accept`)."""
         out_spec = self._output_spec(item)
-        staged, staged_at = self._staged_copy(item) or (None, None)
+        staged, staged_at, in_tree = self._staged_copy(item) or (None, None, None)
         result = None
-        if out_spec is not None and self._pool is not None and \
-                (staged is None or (staged.shape, staged.dtype) != out_spec):
-            result = self._pool.take(*out_spec)  # pinned on this thread, not on the progress thread
-        return {"staged": staged, "staged_at": staged_at, "out_spec": out_spec, "result": result}
+        if out_spec is not None and self._pool is not None:
+            shape, dtype = ((out_spec.nbytes,), np.dtype(np.uint8)) if isinstance(out_spec, Packed) else out_spec
+            if staged is None or (staged.shape, staged.dtype) != (shape, dtype):
+                result = self._pool.take(shape, dtype)  # pinned on this thread, not on the progress thread
+        return {"staged": staged, "staged_at": staged_at, "out_spec": out_spec, "result": result, "in_tree": in_tree}
 
     def _staged_copy(self, item: Any) -> Optional[tuple]:
-        """``(array, (start, end))``: a plain array item copied into a pinned pool array on the
-        accepting thread (the copy lets go of the GIL) and when (host clock); or None: the item
-        is a pool array itself (read in place), larger than :data:`STAGE_AT_ACCEPT_BYTES` or
-        the pool has no room (it goes through a host-in slot and a CPU worker), or items are
-        not plain arrays. See docs/design.md, "Pinned staging and results"."""
-        if not self._items_are_arrays or self._pool is None or item.nbytes > STAGE_AT_ACCEPT_BYTES \
-                or host_pool.buffer_behind(item, self.device) is not None:
+        """``(array, (start, end), packed layout or None)``: a plain array item (or a tuple, list
+        or dict of them, packed) copied into a pinned pool array on the accepting thread (the
+        copy lets go of the GIL) and when (host clock); or None: the item is a pool array itself
+        (read in place), larger than :data:`STAGE_AT_ACCEPT_BYTES` or the pool has no room (it
+        goes through a host-in slot and a CPU worker), or items are not plain arrays. See
+        docs/design.md, "Pinned staging and results"."""
+        if not self._items_are_arrays or self._pool is None:
+            return None
+        if is_tree(item):
+            leaves, layout = tree_layout(item, self.config.chunk_bytes)
+            if layout.nbytes > STAGE_AT_ACCEPT_BYTES or layout.nbytes == 0:
+                return None
+            t0 = self.device.now
+            staged = self._pool.take((layout.nbytes,), np.dtype(np.uint8))
+            if staged is None:
+                return None
+            for view, leaf in zip(flatten(host_views(layout, staged))[0], leaves):
+                self.device.host_copy(view, leaf)
+            return staged, (t0, self.device.now), layout
+        if item.nbytes > STAGE_AT_ACCEPT_BYTES or host_pool.buffer_behind(item, self.device) is not None:
             return None
         t0 = self.device.now
         staged = self._pool.take(item.shape, item.dtype)
         if staged is None:
             return None
         self.device.host_copy(staged, item)
-        return staged, (t0, self.device.now)
+        return staged, (t0, self.device.now), None
 
     # -- submitting and mapping ---------------------------------------------------------------
     def submit(self, item: Any, timeout: Optional[float] = None) -> ChunkFuture:

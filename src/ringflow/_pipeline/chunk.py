@@ -145,6 +145,10 @@ class Chunk:
     out_shape: tuple[int, ...] = ()
     out_dtype: Optional[np.dtype] = None
     out_nbytes: int = 0
+    # several arrays per item: the packed layout of the input / result (.trees.Packed), whose
+    # bytes the chunk moves as uint8; None for one array
+    in_tree: Any = None
+    out_tree: Any = None
     host_in: Optional[Slot] = None
     dev_in: Optional[Slot] = None
     dev_out: Optional[Slot] = None

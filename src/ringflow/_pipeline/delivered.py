@@ -19,7 +19,8 @@ class DeviceResult:
     """One result left on the device (``Pipeline(deliver="device")``).
 
     ``array`` is the result as ``compute`` wrote it: a CuPy or PyTorch array on a CUDA GPU (the
-    framework the device uses), a launch argument on the simulated GPU. It is valid until
+    framework the device uses), a launch argument on the simulated GPU; a tuple, list or dict
+    of them for a result of several arrays (``shape`` and ``dtype`` are then None). It is valid until
     :meth:`release`; use it as a context manager (``with res as y:``) to release on exit, or drop
     it: a collected result releases itself on the default stream.
 
@@ -33,8 +34,9 @@ class DeviceResult:
 
     def __init__(self, index: int, arg: Any, device: Any, give_back):
         self.index = index
-        self.shape = arg.shape
-        self.dtype = arg.dtype
+        # one array's launch argument, or (tree, leaf arguments) for several (.trees)
+        self.shape = getattr(arg, "shape", None)
+        self.dtype = getattr(arg, "dtype", None)
         self._arg = arg
         self._array = None
         self._device = device
@@ -51,7 +53,13 @@ class DeviceResult:
             raise RuntimeError(f"result {self.index} was released: its device memory now belongs to the pipeline "
                                "again; keep the result until your work on it is enqueued, then release it")
         if self._array is None:
-            self._array = self._device.device_array(self._arg)
+            if isinstance(self._arg, tuple):
+                from .trees import unflatten
+
+                tree, args = self._arg
+                self._array = unflatten(tree, [self._device.device_array(a) for a in args])
+            else:
+                self._array = self._device.device_array(self._arg)
         return self._array
 
     @property

@@ -73,8 +73,8 @@ class ProcessPrepare:
             not one or does not fit), or BrokenProcessPool if a worker died.
         """
         offset = raw.__array_interface__["data"][0] - self._base
-        shape, dtype = self._pool.submit(_prepare_in_worker, self._chunk_bytes, item, offset, raw.nbytes).result()
-        return shape, np.dtype(dtype)
+        described = self._pool.submit(_prepare_in_worker, self._chunk_bytes, item, offset, raw.nbytes).result()
+        return (described[0], np.dtype(described[1])) + tuple(described[2:])
 
     def close(self) -> None:
         """Stop the workers and free the block (after the ring that used it is closed). Never raises."""
@@ -110,5 +110,5 @@ def _prepare_in_worker(chunk_bytes: int, item: Any, offset: int, nbytes: int) ->
     from .api import _prepare_array
 
     raw = _SHARED["bytes"][offset:offset + nbytes]
-    shape, dtype = _prepare_array(_SHARED["prepare"], chunk_bytes, item, raw)
-    return tuple(shape), np.dtype(dtype).str
+    described = _prepare_array(_SHARED["prepare"], chunk_bytes, item, raw)
+    return (tuple(described[0]), np.dtype(described[1]).str) + tuple(described[2:])

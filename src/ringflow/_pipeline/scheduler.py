@@ -49,6 +49,7 @@ from .ring import Ring, Slot
 from .states import ChunkState, RingKind, SlotState
 from .stages import POISON_BYTE, StageStreams, launch_compute, mark, poison_after, sim_seconds_for, writes_into_y
 from .stats import PipelineStats
+from .trees import LEAF, Packed, device_args, host_views
 
 GUARDS = (
     "h2d.wait_slot_ready",  # h2d waits until the device-in slot's poison fill is done
@@ -233,15 +234,16 @@ class Scheduler:
                 < self.config.max_in_flight)
 
     def accept(self, item: Any, driver: Any, *, in_map: bool = False, staged: Optional[np.ndarray] = None,
-               staged_at: Optional[tuple] = None, out_spec: Optional[tuple] = None,
-               result: Optional[np.ndarray] = None) -> Chunk:
+               staged_at: Optional[tuple] = None, out_spec: Any = None,
+               result: Optional[np.ndarray] = None, in_tree: Optional[Packed] = None) -> Chunk:
         """Accept ``item`` from any thread holding the driver's lock: the chunk goes into the inbox
         (one append: the commit point) and the driving thread admits it at its next step.
         ``staged``: a pinned pool array holding the item's bytes (made by the accepting thread),
         which the h2d reads and, for a result of the same shape and dtype, the d2h writes;
         ``staged_at``: when that copy started and ended (host clock), the chunk's prepare span.
-        ``out_spec``: the result's ``(shape, dtype)`` when it is not the prepared input's;
-        ``result``: a pinned pool array of that spec for the d2h to write.
+        ``out_spec``: the result's ``(shape, dtype)`` (or packed layout) when it is not the
+        prepared input's; ``result``: a pinned pool array of that spec for the d2h to write;
+        ``in_tree``: the packed layout of a staged item of several arrays.
 
         Raises:
             DeviceError: the device is broken.
@@ -256,7 +258,7 @@ class Scheduler:
             raise RuntimeError("admission is full; wait for capacity before accepting")
         index = next(self._indices)
         chunk = Chunk(index, item, ChunkFuture(driver, index), in_map=in_map, token=self.device.publish(),
-                      staged=staged, out_spec=out_spec, result=result)
+                      staged=staged, out_spec=out_spec, result=result, in_tree=in_tree)
         chunk.stamps["accepted"] = self.device.now
         if staged_at is not None:  # its prepare was the copy the accepting thread just made
             chunk.stamps["accepted"] = staged_at[0]
@@ -488,26 +490,33 @@ class Scheduler:
         # an external host-in ring already holds the chunk: prepare only describes it
         raw = None if self.host_in.external else \
             where.buffer.view(np.uint8, offset=where.offset, count=where.nbytes, access="w")
-        shape, dtype = self.prepare(chunk.item, raw)
-        dtype = np.dtype(dtype)
+        described = self.prepare(chunk.item, raw)  # (shape, dtype), or with a packed layout third
+        shape, dtype = described[0], np.dtype(described[1])
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > where.nbytes:
             raise ValueError(f"prepare produced {nbytes} bytes but a slot holds {where.nbytes}; "
                              f"raise chunk_bytes to at least {nbytes} or split the item")
-        return tuple(shape), dtype, nbytes
+        return tuple(shape), dtype, nbytes, (described[2] if len(described) > 2 else None)
 
     def _on_prepared(self, chunk: Chunk) -> None:
         if chunk.staged is None:
             chunk.stamps["prepare"][1] = self.device.now
         try:
-            chunk.shape, chunk.dtype, chunk.nbytes = chunk.prepare_task.result()
+            chunk.shape, chunk.dtype, chunk.nbytes, tree = chunk.prepare_task.result()
         except BaseException as exc:  # noqa: BLE001 - the user's prepare failed for this chunk (Ctrl-C too)
             self._fail(chunk, "prepare", exc)
             return
-        if chunk.out_spec is None:
+        if tree is not None:
+            chunk.in_tree = tree
+        spec = chunk.out_spec
+        if spec is None:
             chunk.out_shape, chunk.out_dtype, chunk.out_nbytes = chunk.shape, chunk.dtype, chunk.nbytes
+            chunk.out_tree = chunk.in_tree
+        elif isinstance(spec, Packed):
+            chunk.out_tree = spec
+            chunk.out_shape, chunk.out_dtype, chunk.out_nbytes = (spec.nbytes,), np.dtype(np.uint8), spec.nbytes
         else:
-            chunk.out_shape, chunk.out_dtype = chunk.out_spec
+            chunk.out_shape, chunk.out_dtype = spec
             chunk.out_nbytes = math.prod(chunk.out_shape) * chunk.out_dtype.itemsize
         self.host_in.move(chunk.host_in, SlotState.FILLED)
         chunk.move(ChunkState.PREPARED)
@@ -542,11 +551,14 @@ class Scheduler:
                                  access="r").reshape(chunk.out_shape)
         if result is not None:
             if self.consume is None:
-                return result
+                return result if chunk.out_tree is None else host_views(chunk.out_tree, result)
             view = result.view()  # a view of the pooled array holds its block: one kept stays valid
             view.flags.writeable = False
         elif self.consume is None:
-            return np.array(view, copy=True)
+            copy = np.array(view, copy=True)
+            return copy if chunk.out_tree is None else host_views(chunk.out_tree, copy)
+        if chunk.out_tree is not None:
+            view = host_views(chunk.out_tree, view)
         return self.consume(chunk.index, chunk.item, view)
 
     def _on_consumed(self, chunk: Chunk) -> None:
@@ -613,13 +625,20 @@ class Scheduler:
             if self.dev_out is not None:
                 self._wait_ready(s, out_slot, "compute.wait_slot_ready")
             self.dev_in.move(chunk.dev_in, SlotState.COMPUTING)
-            x = chunk.dev_in.where.array(chunk.dtype, chunk.shape)
-            y = out_slot.where.array(chunk.out_dtype, chunk.out_shape)
+            trees = None
+            if chunk.in_tree is None and chunk.out_tree is None:
+                x = chunk.dev_in.where.array(chunk.dtype, chunk.shape)
+                y = out_slot.where.array(chunk.out_dtype, chunk.out_shape)
+            else:  # several arrays: compute gets each structure back, leaf by leaf
+                (x_tree, x), (y_tree, y) = (_leaves(chunk.in_tree, chunk.dev_in.where, chunk.dtype, chunk.shape),
+                                            _leaves(chunk.out_tree, out_slot.where, chunk.out_dtype, chunk.out_shape))
+                trees = (x_tree, y_tree)
             self._mark(chunk, s, "compute", start=True)
             if chunk.out_nbytes:  # a zero-length result has nothing to compute
                 try:
                     launch_compute(s, self.compute, x, y, inplace=self.dev_out is None,
-                                   sim_seconds=sim_seconds_for(self._sim_compute, chunk.nbytes), index=chunk.index)
+                                   sim_seconds=sim_seconds_for(self._sim_compute, chunk.nbytes), index=chunk.index,
+                                   trees=trees)
                 except StageError as err:
                     self._fail(chunk, "compute", err.__cause__)
                     progressed = True
@@ -677,7 +696,8 @@ class Scheduler:
         ring.move(slot, SlotState.LENT)
         lending = next(self._lendings)
         self.lent[id(slot)] = lending
-        arg = slot.where.array(chunk.out_dtype, chunk.out_shape)
+        arg = slot.where.array(chunk.out_dtype, chunk.out_shape) if chunk.out_tree is None else \
+            _leaves(chunk.out_tree, slot.where, chunk.out_dtype, chunk.out_shape)
         returns = self.returns
         wake = self._wake
 
@@ -1037,8 +1057,16 @@ class _InlineTask:
 
 
 def _described(shape: tuple, dtype: np.dtype) -> tuple:
-    """The prepare of an item already in pinned memory: only what it is."""
-    return shape, dtype, math.prod(shape) * dtype.itemsize
+    """The prepare of an item already in pinned memory: only what it is (a packed one's layout
+    came with it at acceptance)."""
+    return shape, dtype, math.prod(shape) * dtype.itemsize, None
+
+
+def _leaves(layout: Optional[Packed], where: BufferSlice, dtype: np.dtype, shape: tuple) -> tuple:
+    """``(tree, leaf arguments)`` of a slot: the packed layout's leaves, or the one array."""
+    if layout is None:
+        return LEAF, [where.array(dtype, shape)]
+    return layout.tree, device_args(layout, where)
 
 
 def _head(where: BufferSlice, nbytes: int) -> BufferSlice:

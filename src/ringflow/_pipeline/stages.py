@@ -98,8 +98,10 @@ def writes_into_y(compute: Callable) -> Callable:
 
 
 def launch_compute(stream: Stream, compute: Callable, x: Any, y: Any, *, inplace: bool,
-                   sim_seconds: Optional[float], index: int) -> None:
-    """Enqueue ``compute(x, y)`` on ``stream`` (``compute(x, x)`` in place).
+                   sim_seconds: Optional[float], index: int, trees: Optional[tuple] = None) -> None:
+    """Enqueue ``compute(x, y)`` on ``stream`` (``compute(x, x)`` in place). With ``trees``
+    (``(x_tree, y_tree)``, see :mod:`.trees`), ``x`` and ``y`` are lists of leaf arguments and
+    compute gets each structure rebuilt from them.
 
     Raises:
         StageError: the compute failed while being enqueued, or the device refused the launch
@@ -107,7 +109,9 @@ def launch_compute(stream: Stream, compute: Callable, x: Any, y: Any, *, inplace
         DeviceError: a sticky device error: the context is dead and the engine must break.
     """
     try:
-        if inplace:
+        if trees is not None:
+            _launch_trees(stream, compute, x, y, trees, inplace=inplace, sim_seconds=sim_seconds)
+        elif inplace:
             stream.launch(compute, x, x, writes=[x], sim_seconds=sim_seconds)
         else:
             stream.launch(compute, x, y, reads=[x], writes=[y], sim_seconds=sim_seconds)
@@ -117,6 +121,28 @@ def launch_compute(stream: Stream, compute: Callable, x: Any, y: Any, *, inplace
         raise StageError("compute", index, err) from err
     except Exception as exc:  # noqa: BLE001 - the user's compute raised while it was enqueued
         raise StageError("compute", index, exc) from exc
+
+
+def _launch_trees(stream: Stream, compute: Callable, xs: list, ys: list, trees: tuple, *, inplace: bool,
+                  sim_seconds: Optional[float]) -> None:
+    """One launch of ``compute`` over structures of leaves: the backend hands the leaves over as
+    its arrays, and ``compute`` gets them back in their structures."""
+    from .trees import unflatten
+
+    x_tree, y_tree = trees
+    k = len(xs)
+    if inplace:
+        def each(*arrays):
+            x = unflatten(x_tree, arrays)
+            return compute(x, x)
+
+        stream.launch(each, *xs, writes=xs, sim_seconds=sim_seconds)
+        return
+
+    def both(*arrays):
+        return compute(unflatten(x_tree, arrays[:k]), unflatten(y_tree, arrays[k:]))
+
+    stream.launch(both, *xs, *ys, reads=xs, writes=ys, sim_seconds=sim_seconds)
 
 
 def mark(stream: Stream, stage: str, events: Optional[dict], *, start: bool = False) -> Optional[Event]:

@@ -102,3 +102,22 @@ def test_prepare_in_worker_processes_bit_exact(cuda_device):
         out = list(pipe.map(range(200)))
     for i, r in enumerate(out):
         np.testing.assert_array_equal(r, pp.ramp(i) * np.float32(2) + np.float32(1))
+
+
+def test_items_of_several_arrays_bit_exact(cuda_device):
+    """A dict of images and labels in, a dict of float16 means and labels out (CuPy on the device)."""
+    def classify(x, y):
+        n = x["images"].shape[0]
+        y["means"][...] = (x["images"].reshape(n, -1).sum(axis=1, dtype=np.float32) / 192).astype(y["means"].dtype)
+        y["labels"][...] = x["labels"] + 1
+
+    rng = np.random.default_rng(5)
+    batches = [{"images": rng.integers(0, 256, (16, 3, 8, 8), dtype=np.uint8),
+                "labels": rng.integers(0, 10, 16).astype(np.int64)} for _ in range(50)]
+    spec = {"means": ((16,), "float16"), "labels": ((16,), "int64")}
+    with rf.Pipeline(classify, device=cuda_device, chunk_bytes=1 << 16, output=spec, checked=True) as pipe:
+        out = list(pipe.map(batches))
+    for b, r in zip(batches, out):
+        want = (b["images"].reshape(16, -1).sum(axis=1, dtype=np.float32) / 192).astype(np.float16)
+        np.testing.assert_array_equal(r["means"], want)
+        np.testing.assert_array_equal(r["labels"], b["labels"] + 1)

@@ -201,7 +201,9 @@ class SimStream(Stream):
             seconds = sim_seconds if sim_seconds is not None else max(p.kernel_min_s, touched / (p.device_GBps * 1e9))
             # an array named only in reads= is handed to fn read-only, so an undeclared write fails
             # loudly (a LaunchError) instead of slipping past the checker
-            read_only = [isinstance(a, ArrayArg) and not any(_overlap(a.where, w) for w in write_set) for a in args]
+            # (an array of no bytes can take no write: it stays writable, as on a GPU)
+            read_only = [isinstance(a, ArrayArg) and a.where.nbytes > 0 and not any(_overlap(a.where, w) for w in write_set)
+                         for a in args]
 
             def run(op: Op) -> None:
                 arrays = [_materialise(a, ro) for a, ro in zip(args, read_only)]
