@@ -34,3 +34,10 @@ def not_anything(item: int):
 
 def too_big(item: int) -> np.ndarray:
     return np.zeros(1 << 20, np.uint8)
+
+
+def dies_on_3(item: int) -> np.ndarray:
+    """Kills its worker process on item 3 (a crash, not an exception)."""
+    if item == 3:
+        os._exit(7)
+    return ramp(item)

@@ -376,9 +376,9 @@ def test_whole_array_refuses_what_is_not_an_array(dev, door, setting, what):
 @pytest.mark.parametrize("what", NOT_ARRAYS)
 def test_pipeline_refuses_items_that_are_not_arrays(dev, what):
     with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
-        with pytest.raises(TypeError, match="items must be numpy arrays"):
+        with pytest.raises(TypeError, match="items (.*)?must be numpy arrays"):
             pipe.submit(NOT_ARRAYS[what])
-        with pytest.raises(TypeError, match="items must be numpy arrays"):
+        with pytest.raises(TypeError, match="items (.*)?must be numpy arrays"):
             list(pipe.map([data(4), NOT_ARRAYS[what]]))
 
 
