@@ -44,12 +44,13 @@ def request_items(count: int, chunk_bytes: int) -> list:
     return [workloads.fresh_random(int(s), seed=i) for i, s in enumerate(sizes)]
 
 
-def capacity(dev, items, passes: int = 3, chunk_bytes: int = 8 * MiB) -> dict:
-    """Closed-loop capacity (requests/s, median of ``passes``) of a fresh pipeline over ``items``,
-    every result of the first pass checked; host time per request in the progress thread's steps."""
+def capacity(dev, items, passes: int = 3, chunk_bytes: int = 8 * MiB, **options) -> dict:
+    """Closed-loop capacity (requests/s, median of ``passes``) of a fresh pipeline over ``items``
+    (``options``: more keyword arguments of the pipeline), every result of the first pass
+    checked; host time per request in the progress thread's steps."""
     f = kernels.scale_shift()
     rates = []
-    with rf.Pipeline(f, device=dev, chunk_bytes=chunk_bytes) as pipe:
+    with rf.Pipeline(f, device=dev, chunk_bytes=chunk_bytes, **options) as pipe:
         for fu in [pipe.submit(it) for it in items[:30]]:  # warm-up
             fu.result()
         s0, h0 = pipe.scheduler.steps, pipe.scheduler.host_seconds
@@ -66,7 +67,10 @@ def capacity(dev, items, passes: int = 3, chunk_bytes: int = 8 * MiB) -> dict:
         n = passes * len(items)
         host_us = 1e6 * (pipe.scheduler.host_seconds - h0) / n
         steps = (pipe.scheduler.steps - s0) / n
+        slots = pipe.config.slots
     return {"capacity_per_s": statistics.median(rates), "passes_per_s": rates, "correct": ok,
+            "slots": [slots.host_in, slots.device_in, slots.device_out, slots.host_out],
+            "max_in_flight": pipe.config.max_in_flight,
             "results_pooled": pooled, "step_host_us_per_request": host_us, "steps_per_request": steps}
 
 
@@ -122,6 +126,21 @@ def requests_ab(dev, count: int, rounds: int) -> dict:
     return summary
 
 
+def slots_ab(dev, count: int, rounds: int) -> dict:
+    """Capacity of the staged request stream with the planned slots and with more, interleaved
+    over ``rounds``: whether chunks in flight (Little's law), not host time, bound it."""
+    items = request_items(count, 8 * MiB)
+    variants = {"planned": {}, "slots=6": {"slots": 6}, "slots=12": {"slots": 12}, "slots=24": {"slots": 24}}
+    runs: dict = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, options in variants.items():
+            gc.collect()
+            runs[name].append(capacity(dev, items, **options))
+    return {name: {"capacity_per_s_median": statistics.median(r["capacity_per_s"] for r in rs),
+                   "slots": rs[0]["slots"], "max_in_flight": rs[0]["max_in_flight"],
+                   "correct": all(r["correct"] for r in rs), "runs": rs} for name, rs in runs.items()}
+
+
 def pageable_ab(dev, mib: int, repeats: int) -> dict:
     from ringflow._bench import baselines
 
@@ -171,7 +190,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: requests, ab, pageable")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: requests, ab, slots, pageable")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = rf.device(args.device)
@@ -189,6 +208,12 @@ def main() -> None:
         for name, s in res["requests_ab"].items():
             print(f"  {name}: {s['capacity_per_s_median']:.0f}/s ({s['over_host_rings']:.2f}x host rings), "
                   f"{s['step_host_us_per_request_median']:.0f} us/request in steps, correct={s['correct']}", flush=True)
+    if "slots" not in skip:
+        print("requests capacity by slots", flush=True)
+        res["slots_ab"] = slots_ab(dev, args.count, args.rounds)
+        for name, v in res["slots_ab"].items():
+            print(f"  {name} {v['slots']} in flight {v['max_in_flight']}: {v['capacity_per_s_median']:.0f}/s, "
+                  f"correct={v['correct']}", flush=True)
     if "pageable" not in skip:
         print("pageable A/B", flush=True)
         res["pageable_ab"] = p = pageable_ab(dev, args.mib, args.repeats)
