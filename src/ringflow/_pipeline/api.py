@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
-from .._device import device as make_device
+from .._device import device as make_device, device_list
 from .._device import host_pool
 from .._device.protocol import BufferSlice, Device
 from .._errors import StageError
@@ -160,6 +160,16 @@ class Pipeline:
     blocks while that many are, and ``map`` pulls input only as capacity frees up.
     """
 
+    def __new__(cls, *args: Any, device: Any = None, **kwargs: Any):
+        # a list of devices (or "cuda:all") makes a pipeline per device behind one face
+        if cls is Pipeline:
+            many = device_list(device)
+            if many is not None and len(many) > 1:
+                from .spread import SpreadPipeline
+
+                return object.__new__(SpreadPipeline)
+        return object.__new__(cls)
+
     def __init__(self, compute: Callable, *, device: "Device | str | None" = None, prepare: Optional[Callable] = None,
                  consume: Optional[Callable] = None, slots: "int | SlotCounts | None" = None,
                  chunk_bytes: Optional[int] = None, max_in_flight: Optional[int] = None, ordered: bool = True,
@@ -177,7 +187,7 @@ class Pipeline:
                          host_in_buffer, host_out_buffer, max_chunks: int, **options: Any) -> "Pipeline":
         """A pipeline for a whole-array job (:mod:`.scheduled`): its stage callbacks describe or
         stage rows of the caller's arrays, and its host rings may be the caller's pinned memory."""
-        pipe = cls.__new__(cls)
+        pipe = object.__new__(cls)
         pipe._build(compute, stage_prepare=prepare, consume=consume, item_nbytes=item_nbytes,
                     host_in_buffer=host_in_buffer, host_out_buffer=host_out_buffer, max_chunks=max_chunks,
                     bulk=True, **options)
@@ -215,6 +225,9 @@ class Pipeline:
         self._output = output
         chunk_bytes, workers, max_in_flight, pinned_budget, slots = (
             opts["chunk_bytes"], opts["workers"], opts["max_in_flight"], opts["pinned_budget"], opts["slots"])
+        many = device_list(device)
+        if many is not None:  # a list of one device is that device
+            device = many[0]
         self.device = make_device(device) if not isinstance(device, Device) else device
         chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         if workers is None:

@@ -1,0 +1,238 @@
+"""A :class:`~ringflow.Pipeline` over several devices: one pipeline per device, items spread by load.
+
+``Pipeline(f, device=["cuda:0", "cuda:1"])`` (or ``"cuda:all"``, or ``["sim:0", "sim:1"]``) makes a
+:class:`SpreadPipeline`: an ordinary pipeline on each device (its own streams, rings, pinned
+memory and progress thread) and a dispatcher that sends each item to the one with the fewest
+unfinished chunks, skipping any whose device broke. ``map`` hands results back in submission
+order (``ordered=False``: as they finish) whichever device ran them; ``stats`` adds the parts up;
+``report`` gives one report with a trace per device.
+
+A device that breaks (a sticky error) fails its own unfinished chunks; with
+``on_error="continue"`` the others go on and new items go to the devices that still work; with
+``"raise"`` the first failure cancels every part, as on one device.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import itertools
+import threading
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+from .._device import device_label, device_list
+from .._errors import DeviceError, StageError
+from .api import Pipeline
+from .stats import PipelineStats
+
+
+class SpreadPipeline(Pipeline):
+    """A pipeline over several devices (made by :class:`~ringflow.Pipeline` for a list of them).
+
+    Attributes:
+        parts: the pipeline of each device, in the order given.
+        devices: each part's device.
+    """
+
+    def __init__(self, compute: Callable, *, device: Any = None, **options: Any):
+        self._closed = True
+        devices = device_list(device)
+        self.parts: list[Pipeline] = []
+        try:
+            for dev in devices:
+                self.parts.append(Pipeline(compute, device=dev, **options))
+        except BaseException:
+            for part in self.parts:
+                part.close()
+            raise
+        self.devices = list(devices)
+        self.device = self.devices[0]
+        self.config = self.parts[0].config
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- dispatch -------------------------------------------------------------------------------
+    def _pick(self, skip: tuple = ()) -> Pipeline:
+        """The working part with the fewest unfinished chunks (ties: in turn), other than ``skip``."""
+        with self._lock:
+            turn = next(self._turn)
+        working = [p for p in self.parts if p._sched.broken is None and p._sched.accepting and p not in skip]
+        if not working:
+            broken = next((p._sched.broken for p in self.parts if p._sched.broken is not None), None)
+            if broken is not None:
+                raise broken
+            raise RuntimeError("the pipeline no longer accepts work (it was closed or cancelled); "
+                               "create a new Pipeline")
+        n = len(working)
+        return min((working[(turn + k) % n] for k in range(n)), key=lambda p: p.stats().in_flight)
+
+    def submit(self, item: Any, timeout: Optional[float] = None) -> concurrent.futures.Future:
+        """As :meth:`Pipeline.submit`, on the least loaded working device (a device found broken
+        or stopped on the way is passed over for the next)."""
+        self._check_open()
+        tried: tuple = ()
+        while True:
+            part = self._pick(tried)
+            try:
+                return part.submit(item, timeout)
+            except DeviceError as err:
+                if not err.sticky:
+                    raise
+                tried += (part,)  # its device broke (its progress thread may not know yet)
+            except RuntimeError:
+                if part._sched.accepting:
+                    raise  # not the device: the caller's to see
+                tried += (part,)
+
+    async def asubmit(self, item: Any, timeout: Optional[float] = None) -> Any:
+        """As :meth:`Pipeline.asubmit`, on the least loaded working device."""
+        self._check_open()
+        return await self._pick().asubmit(item, timeout)
+
+    def map(self, items: Iterable[Any]) -> Iterator[Any]:
+        """As :meth:`Pipeline.map`, over every device: at most the parts' ``max_in_flight`` added
+        up are taken ahead of the results handed out.
+
+        Raises:
+            RuntimeError: at once (not when iterated) on a closed pipeline.
+        """
+        self._check_open()
+        return self._map(items)
+
+    def _map(self, items: Iterable[Any]) -> Iterator[Any]:
+        limit = sum(p.config.max_in_flight for p in self.parts)
+        source = iter(items)
+        window: collections.deque = collections.deque()
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(window) < limit:
+                    try:
+                        item = next(source)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    window.append(self.submit(item))
+                if not window:
+                    return
+                fut = window[0] if self.config.ordered else next(iter(concurrent.futures.wait(
+                    window, return_when=concurrent.futures.FIRST_COMPLETED).done))
+                try:
+                    value = fut.result()
+                except concurrent.futures.CancelledError:
+                    window.remove(fut)
+                    if self.config.on_error == "raise":
+                        return  # the pipeline was cancelled, or a failure stopped it, under this map
+                    continue
+                except BaseException as err:
+                    window.remove(fut)
+                    if self.config.on_error == "continue" and isinstance(err, (StageError, Exception)):
+                        continue  # a failed item (its stage's error, or its device's) is skipped
+                    self.cancel()
+                    raise
+                window.remove(fut)
+                yield value
+        finally:
+            for fut in window:  # the caller stopped early: the rest are not wanted
+                fut.cancel()
+
+    async def amap(self, items: Any):
+        """As :meth:`Pipeline.amap`, over every device, in submission order."""
+        import asyncio
+
+        self._check_open()
+        limit = sum(p.config.max_in_flight for p in self.parts)
+        iterator = items.__aiter__() if hasattr(items, "__aiter__") else iter(items)
+        window: collections.deque = collections.deque()
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(window) < limit:
+                    try:
+                        item = (await iterator.__anext__()) if hasattr(iterator, "__anext__") else next(iterator)
+                    except (StopIteration, StopAsyncIteration):
+                        exhausted = True
+                        break
+                    window.append(asyncio.wrap_future(self.submit(item)))
+                if not window:
+                    return
+                head = window.popleft()
+                try:
+                    value = await asyncio.shield(head)
+                except Exception:
+                    if self.config.on_error == "continue":
+                        continue
+                    self.cancel()
+                    raise
+                yield value
+        finally:
+            for head in window:
+                head.cancel()
+
+    # -- ending and inspection -----------------------------------------------------------------
+    def cancel(self) -> None:
+        """Cancel every part (see :meth:`Pipeline.cancel`)."""
+        for part in self.parts:
+            part.cancel()
+
+    def close(self) -> None:
+        """Close every part (each finishes what it accepted first); harmless twice."""
+        if self._closed:
+            return
+        self._closed = True
+        errors = []
+        for part in self.parts:
+            try:
+                part.close()
+            except BaseException as exc:  # noqa: BLE001 - every part is closed; the first error is raised
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        self._closed = True
+        for part in self.parts:  # an error left the block: each part cancels and closes, masking nothing
+            part.__exit__(exc_type, exc, tb)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this pipeline is closed; create a new one")
+
+    def stats(self) -> PipelineStats:
+        """The parts' counts added up."""
+        parts = [p.stats() for p in self.parts]
+        return PipelineStats(**{k: sum(getattr(s, k) for s in parts)
+                                for k in ("accepted", "delivered", "failed", "cancelled", "in_flight")})
+
+    @property
+    def failures(self) -> list[StageError]:
+        return [f for p in self.parts for f in p.failures]
+
+    def report(self):
+        """A :class:`~ringflow._pipeline.sharded.ShardedReport`: each device's report (one trace
+        with a process per device); its ``rows`` are ``(0, chunks)`` of each device.
+
+        Raises:
+            RuntimeError: the pipeline was not made with ``profile=True``.
+        """
+        from .sharded import ShardedReport
+
+        reports = [p.report() for p in self.parts]
+        start = min((r.timeline.start for r in reports if r.chunks), default=0.0)
+        return ShardedReport(reports=tuple(reports), devices=tuple(device_label(d) for d in self.devices),
+                             rows=tuple((0, r.chunks) for r in reports),
+                             elapsed_s=tuple(max(0.0, r.timeline.end - start) for r in reports),
+                             lead_s=tuple(max(0.0, r.timeline.start - start) for r in reports),
+                             simulated=all(getattr(d, "backend", None) == "sim" for d in self.devices))
+
+    @property
+    def scheduler(self):
+        raise AttributeError("a pipeline over several devices has a scheduler per part: see .parts")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<Pipeline {state} over {', '.join(device_label(d) for d in self.devices)}>"

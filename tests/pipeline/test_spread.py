@@ -1,0 +1,127 @@
+"""``Pipeline(device=[...])``: one pipeline per device behind one face, items spread by load."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow._pipeline.spread import SpreadPipeline
+
+
+def f(x, y):
+    y[...] = x * 2 + 1
+
+
+f.sim_seconds = 50e-6
+
+
+def items_of(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(int(rng.integers(1, 500))).astype(np.float32) for _ in range(n)]
+
+
+def sims(n, seed=0):
+    return [rf.device("sim", chaos=True, seed=seed + k, checked=True) for k in range(n)]
+
+
+@pytest.mark.parametrize("n_devices", [1, 2, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_two_and_four_devices_give_the_same_results_under_chaos(n_devices, seed):
+    items = items_of(80, seed)
+    with rf.Pipeline(f, device=sims(n_devices, seed), chunk_bytes=4096, checked=True) as pipe:
+        assert isinstance(pipe, SpreadPipeline) == (n_devices > 1) and isinstance(pipe, rf.Pipeline)
+        out = list(pipe.map(items))
+        futs = [pipe.submit(a) for a in items[:20]]
+        from_futures = [fu.result() for fu in futs]
+    for a, r in zip(items + items[:20], out + from_futures):
+        np.testing.assert_array_equal(r, a * 2 + 1)
+    if n_devices > 1:
+        used = [p.stats().delivered for p in pipe.parts]
+        assert all(u > 0 for u in used) and sum(used) == 100
+    s = pipe.stats()
+    assert (s.accepted, s.delivered, s.in_flight) == (100, 100, 0)
+
+
+def test_unordered_map_and_asyncio_over_two_devices():
+    items = items_of(40, 3)
+    with rf.Pipeline(f, device=sims(2, 3), chunk_bytes=4096, ordered=False) as pipe:
+        out = list(pipe.map(items))
+        got = sorted(tuple(r) for r in out)
+        assert got == sorted(tuple(a * 2 + 1) for a in items)
+
+        async def go():
+            return [r async for r in pipe.amap(items[:10])] + [await pipe.asubmit(items[0])]
+
+        res = asyncio.run(go())
+    for a, r in zip(items[:10] + items[:1], res):
+        np.testing.assert_array_equal(r, a * 2 + 1)
+
+
+def test_a_broken_device_fails_its_chunks_and_the_others_go_on():
+    devs = sims(2, 5)
+    items = items_of(60, 5)
+    with rf.Pipeline(f, device=devs, chunk_bytes=4096, on_error="continue") as pipe:
+        first = [pipe.submit(a) for a in items[:20]]
+        devs[0].inject_sticky_error()
+        later = [pipe.submit(a) for a in items[20:]]
+        outcomes = [fu.exception() for fu in first + later]
+    failed = [i for i, e in enumerate(outcomes) if e is not None]
+    assert failed and all(i < 20 for i in failed)  # only chunks the broken device held
+    for i, fu in enumerate(first + later):
+        if outcomes[i] is None:
+            np.testing.assert_array_equal(fu.result(), items[i] * 2 + 1)
+    assert pipe.parts[1].stats().delivered >= 40  # every later item went to the device that works
+
+
+def test_with_on_error_raise_a_broken_device_stops_the_map():
+    devs = sims(2, 6)
+    with rf.Pipeline(f, device=devs, chunk_bytes=4096) as pipe:
+        it = pipe.map(items_of(200, 6))
+        next(it)
+        devs[1].inject_sticky_error()
+        with pytest.raises((rf.DeviceError, rf.StageError)):
+            list(it)
+
+
+def test_threads_submitting_at_once():
+    items = items_of(200, 7)
+    results = [None] * len(items)
+    with rf.Pipeline(f, device=sims(2, 7), chunk_bytes=4096) as pipe:
+        def work(k):
+            for i in range(k, len(items), 4):
+                results[i] = pipe.submit(items[i]).result()
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert all(np.array_equal(r, a * 2 + 1) for r, a in zip(results, items))
+
+
+def test_a_report_has_a_trace_per_device(tmp_path):
+    with rf.Pipeline(f, device=sims(2, 8), chunk_bytes=4096, profile=True) as pipe:
+        list(pipe.map(items_of(30, 8)))
+    rep = pipe.report()
+    assert len(rep.reports) == 2 and rep.chunks == 30 and rep.simulated
+    trace = rep.to_chrome()
+    assert {ev["pid"] for ev in trace["traceEvents"]} == {1, 2}
+    assert rep.save_trace(str(tmp_path / "t.json")).endswith("t.json")
+
+
+def test_cancel_and_close_reach_every_device_and_leave_nothing():
+    devs = sims(2, 9)
+    pipe = rf.Pipeline(f, device=devs, chunk_bytes=4096)
+    futs = [pipe.submit(a) for a in items_of(30, 9)]
+    pipe.cancel()
+    pipe.close()
+    pipe.close()
+    assert all(fu.done() for fu in futs)
+    assert all(d.live().total == 0 for d in devs)
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe.submit(np.ones(3, np.float32))
+    assert "over" in repr(pipe)
