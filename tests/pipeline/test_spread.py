@@ -125,3 +125,11 @@ def test_cancel_and_close_reach_every_device_and_leave_nothing():
     with pytest.raises(RuntimeError, match="closed"):
         pipe.submit(np.ones(3, np.float32))
     assert "over" in repr(pipe)
+
+
+def test_the_report_plots_a_track_group_per_device(tmp_path):
+    pytest.importorskip("matplotlib")
+    with rf.Pipeline(f, device=sims(2, 10), chunk_bytes=4096, profile=True) as pipe:
+        list(pipe.map(items_of(20, 10)))
+    fig = pipe.report().plot(str(tmp_path / "two.png"))
+    assert len(fig.axes) == 2 and (tmp_path / "two.png").stat().st_size > 1000

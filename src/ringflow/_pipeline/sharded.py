@@ -314,6 +314,32 @@ class ShardedReport:
             meta[label] = one["otherData"]
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}
 
+    def plot(self, path: Optional[str] = None) -> Any:
+        """One Gantt chart per device, stacked in one figure (a track group per device), each
+        titled with its device and headline.
+
+        Args:
+            path: where to save the figure (format from the extension); None saves nothing.
+
+        Returns:
+            the ``matplotlib.figure.Figure``.
+
+        Raises:
+            RuntimeError: matplotlib is not installed.
+        """
+        try:
+            from matplotlib.figure import Figure
+        except ImportError as exc:
+            raise RuntimeError("plot() needs matplotlib: pip install 'ringflow[plot]'") from exc
+        fig = Figure(figsize=(12, 3.2 * len(self.reports)), layout="constrained")
+        axes = fig.subplots(len(self.reports), 1, squeeze=False)[:, 0]
+        for ax, report, label in zip(axes, self.reports, self.devices):
+            report.plot(ax=ax)
+            ax.set_title(f"{label}: {report.headline()}", fontsize=9)
+        if path:
+            fig.savefig(path)
+        return fig
+
     def save_trace(self, path: str) -> str:
         """Write :meth:`to_chrome` as JSON (open it in ui.perfetto.dev); returns ``path``."""
         with open(path, "w") as fh:
