@@ -464,6 +464,12 @@ class Device(abc.ABC):
         raise TypeError(f"stream must be a stream of {self!r} (device.create_stream()) or None, "
                         f"got {type(stream).__name__}")
 
+    def device_source(self, obj: Any) -> "tuple | None":
+        """Where ``obj``, an array in this device's memory, lies for a copy engine to read in
+        place: ``(BufferSlice, shape, numpy dtype, producer stream or None)``; None when ``obj``
+        is no such array (each backend says which arrays it knows)."""
+        return None
+
     def device_array(self, arg: "ArrayArg") -> Any:
         """``arg`` as the caller can use it outside a launch: a framework array on a real GPU;
         on the simulated GPU the argument itself (its memory is reached through launches)."""

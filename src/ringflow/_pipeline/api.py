@@ -286,6 +286,13 @@ class Pipeline:
         """The item to accept: a plain array item viewed as a numpy array (:func:`as_host_array`);
         refused, before acceptance, if it can never fit (when its size is known)."""
         if self._items_are_arrays:
+            found = self.device.device_source(item)
+            if found is not None:  # a device array: copied device to device, no staging
+                nbytes = found[0].nbytes
+                if np.dtype(found[2]).hasobject or nbytes > self.config.chunk_bytes:
+                    raise ValueError(f"a device array item of {nbytes} bytes does not fit a slot of "
+                                     f"{self.config.chunk_bytes} bytes; raise chunk_bytes to at least {nbytes}")
+                return item
             if is_tree(item):
                 tree_layout(item, self.config.chunk_bytes)  # checked now; packed when staged or prepared
                 return item
@@ -326,6 +333,20 @@ class Pipeline:
         its pinned staging copy, and a pinned result array where the result is shaped otherwise
         (keyword arguments of :meth:`Scheduler.accept`)."""
         out_spec = self._output_spec(item)
+        found = self.device.device_source(item) if self._items_are_arrays else None
+        if found is not None:  # a device array: read in place after its producer's stream
+            where, shape, dtype, stream = found
+            result = None
+            if self._pool is not None and self.config.deliver == "host":  # pinned here, not on the progress thread
+                if out_spec is None:
+                    want = (shape, np.dtype(dtype))
+                elif isinstance(out_spec, Packed):
+                    want = ((out_spec.nbytes,), np.dtype(np.uint8))
+                else:
+                    want = out_spec
+                result = self._pool.take(*want)
+            return {"out_spec": out_spec, "result": result, "on_device": (where, shape, np.dtype(dtype)),
+                    "source_ready": self.device.record_on(stream)}
         staged, staged_at, in_tree = self._staged_copy(item) or (None, None, None)
         result = None
         if out_spec is not None and self._pool is not None:

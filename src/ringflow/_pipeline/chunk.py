@@ -154,6 +154,8 @@ class Chunk:
     dev_out: Optional[Slot] = None
     host_out: Optional[Slot] = None
     staged: Optional[np.ndarray] = None  # a pinned pool copy of the item made at acceptance, or None
+    on_device: Any = None  # a device array item: (BufferSlice, shape, dtype), copied device to device
+    source_ready: Any = None  # the event after its producer's work, which the copy waits for
     source: Any = None  # the pinned memory the h2d reads in place (a BufferSlice), or None
     result: Optional[np.ndarray] = None  # the pinned pool array the d2h writes, or None (the host-out slot)
     prepare_task: Any = None

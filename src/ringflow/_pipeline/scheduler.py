@@ -235,7 +235,8 @@ class Scheduler:
 
     def accept(self, item: Any, driver: Any, *, in_map: bool = False, staged: Optional[np.ndarray] = None,
                staged_at: Optional[tuple] = None, out_spec: Any = None,
-               result: Optional[np.ndarray] = None, in_tree: Optional[Packed] = None) -> Chunk:
+               result: Optional[np.ndarray] = None, in_tree: Optional[Packed] = None, on_device: Any = None,
+               source_ready: Any = None) -> Chunk:
         """Accept ``item`` from any thread holding the driver's lock: the chunk goes into the inbox
         (one append: the commit point) and the driving thread admits it at its next step.
         ``staged``: a pinned pool array holding the item's bytes (made by the accepting thread),
@@ -243,7 +244,9 @@ class Scheduler:
         ``staged_at``: when that copy started and ended (host clock), the chunk's prepare span.
         ``out_spec``: the result's ``(shape, dtype)`` (or packed layout) when it is not the
         prepared input's; ``result``: a pinned pool array of that spec for the d2h to write;
-        ``in_tree``: the packed layout of a staged item of several arrays.
+        ``in_tree``: the packed layout of a staged item of several arrays. ``on_device``: a device
+        array item's ``(BufferSlice, shape, dtype)``, copied device to device in the h2d stage
+        after ``source_ready`` (an event after its producer's work, or None).
 
         Raises:
             DeviceError: the device is broken.
@@ -258,7 +261,8 @@ class Scheduler:
             raise RuntimeError("admission is full; wait for capacity before accepting")
         index = next(self._indices)
         chunk = Chunk(index, item, ChunkFuture(driver, index), in_map=in_map, token=self.device.publish(),
-                      staged=staged, out_spec=out_spec, result=result, in_tree=in_tree)
+                      staged=staged, out_spec=out_spec, result=result, in_tree=in_tree, on_device=on_device,
+                      source_ready=source_ready)
         chunk.stamps["accepted"] = self.device.now
         if staged_at is not None:  # its prepare was the copy the accepting thread just made
             chunk.stamps["accepted"] = staged_at[0]
@@ -484,6 +488,8 @@ class Scheduler:
         staged = chunk.staged
         if staged is not None:
             return BufferSlice(buffer_behind(staged), 0, staged.nbytes), staged.shape, staged.dtype
+        if chunk.on_device is not None:
+            return chunk.on_device
         return self.source_of(chunk.item) if self.source_of is not None else None
 
     def _run_prepare(self, chunk: Chunk, where: BufferSlice) -> tuple:
@@ -588,6 +594,8 @@ class Scheduler:
             chunk.dev_in = slot
             s = self.streams.h2d
             self._wait_ready(s, slot, "h2d.wait_slot_ready")
+            if chunk.source_ready is not None:  # a device array item: after its producer's work
+                s.wait(chunk.source_ready)
             n = chunk.nbytes
             self._mark(chunk, s, "h2d", start=True)
             if n:  # a zero-length item moves no bytes (a copy needs at least one)
@@ -858,7 +866,7 @@ class Scheduler:
         """Drop what an ended chunk no longer needs (events, tasks, slots): a result held by a map
         must not pin them."""
         chunk.host_in = chunk.dev_in = chunk.dev_out = chunk.host_out = None
-        chunk.staged = chunk.source = chunk.result = None
+        chunk.staged = chunk.source = chunk.result = chunk.on_device = chunk.source_ready = None
         chunk.prepare_task = chunk.consume_task = None
         chunk.h2d_event = chunk.compute_event = chunk.d2h_event = None
         chunk.events = {}

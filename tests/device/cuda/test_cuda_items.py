@@ -121,3 +121,24 @@ def test_items_of_several_arrays_bit_exact(cuda_device):
         want = (b["images"].reshape(16, -1).sum(axis=1, dtype=np.float32) / 192).astype(np.float16)
         np.testing.assert_array_equal(r["means"], want)
         np.testing.assert_array_equal(r["labels"], b["labels"] + 1)
+
+
+@pytest.mark.parametrize("kind", ["cupy", "cupy-stream", "torch"])
+def test_device_array_items_bit_exact(cuda_device, kind):
+    """CuPy arrays and torch CUDA tensors as items: copied device to device after their producer."""
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal(int(n)).astype(np.float32) for n in rng.integers(1000, 100_000, 40)]
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        items = [torch.from_numpy(a).cuda() * 1 for a in arrays]
+    elif kind == "cupy-stream":
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            items = [cp.asarray(a) * 1 for a in arrays]  # made on a stream of their own
+    else:
+        items = [cp.asarray(a) * 1 for a in arrays]
+    with rf.Pipeline(scale_shift, device=cuda_device, chunk_bytes=1 << 20, checked=True) as pipe:
+        out = list(pipe.map(items))
+    for a, r in zip(arrays, out):
+        np.testing.assert_array_equal(r, a * np.float32(2) + np.float32(1))

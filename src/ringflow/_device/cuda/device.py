@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..host_pool import without_pooled
-from ..protocol import Capabilities, Device, LiveCounts, close_quietly
+from ..protocol import BufferSlice, Capabilities, Device, LiveCounts, close_quietly
 from ._lib import check, core, driver, translate
 from ._live import LiveRegistry
 from .arrays import resolve
@@ -281,6 +281,8 @@ class CudaDevice(Device):
             return stream.record()
         if stream is None:
             handle = 0
+        elif isinstance(stream, int) and not isinstance(stream, bool):  # a raw handle (__cuda_array_interface__'s)
+            handle = 0 if stream == 1 else stream  # 1: the legacy default stream's special handle
         elif hasattr(stream, "__cuda_stream__"):
             handle = int(stream.__cuda_stream__()[1])
         elif hasattr(stream, "cuda_stream"):
@@ -298,6 +300,34 @@ class CudaDevice(Device):
         with translate(lambda: f"recording an event on stream {handle:#x}"):
             ev = foreign.record(options=_event_options(False))
         return CudaEvent(self, ev, False, _Foreign(handle))
+
+    def device_source(self, obj: Any) -> "tuple | None":
+        """A C-contiguous array with ``__cuda_array_interface__`` (CuPy, a torch CUDA tensor) in
+        this GPU's memory: ``(BufferSlice, shape, dtype, producer stream handle or None)``, read
+        in place by the copy engine; None for anything else.
+
+        Raises:
+            ValueError: a device array of another GPU, or not C-contiguous.
+        """
+        cai = getattr(obj, "__cuda_array_interface__", None)
+        if not isinstance(cai, dict):
+            return None
+        shape = tuple(int(d) for d in cai["shape"])
+        dtype = np.dtype(cai["typestr"])
+        strides = cai.get("strides")
+        if strides is not None and tuple(strides) != tuple(np.empty(shape, dtype).strides):
+            raise ValueError(f"a device array item must be C-contiguous (got strides {tuple(strides)} for shape "
+                             f"{shape}); pass a contiguous copy (e.g. cupy.ascontiguousarray)")
+        ptr = int(cai["data"][0])
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        if nbytes:
+            self._ensure_current()
+            attr = driver().CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+            ordinal = int(check(driver().cuPointerGetAttribute(attr, ptr), "cuPointerGetAttribute"))
+            if ordinal != self.index:
+                raise ValueError(f"a device array item is on cuda:{ordinal}, not on {self!r}; copy it there first")
+        buffer = ForeignDeviceBuffer(self, ptr, nbytes, obj)
+        return BufferSlice(buffer, 0, nbytes), shape, dtype, cai.get("stream")
 
     def device_array(self, arg: Any) -> Any:
         """``arg`` as an array of this device's framework (CuPy, PyTorch or DLPack)."""
@@ -345,6 +375,26 @@ class CudaDevice(Device):
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
         return f"<CudaDevice cuda:{self.index} {getattr(self, 'name', '?')}{state}>"
+
+
+class ForeignDeviceBuffer:
+    """Device memory ringflow did not allocate (a framework's array), named for copies only:
+    it keeps ``owner`` alive and never frees anything."""
+
+    is_host = False
+
+    def __init__(self, device: "CudaDevice", ptr: int, nbytes: int, owner: Any):
+        self._device = device
+        self._ptr = ptr
+        self.nbytes = nbytes
+        self._owner = owner
+        self.closed = False
+
+    def close(self, stream: Any = None) -> None:
+        self._owner = None
+
+    def __repr__(self) -> str:
+        return f"<device array at {self._ptr:#x}, {self.nbytes} B>"
 
 
 class _Foreign:

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..._errors import DeviceError
 from ..host_pool import without_pooled
-from ..protocol import Capabilities, Device, LiveCounts, check_nbytes
+from ..protocol import ArrayArg, Capabilities, Device, LiveCounts, check_nbytes
 from .engine import Engine, Op
 from .hazard import AccessKind, HappensBeforeChecker
 from .memory import SimDeviceBuffer, SimHostBuffer
@@ -202,6 +202,14 @@ class SimDevice(Device):
                 raise RuntimeError("a host task on the simulated GPU must not sleep; use charge(seconds)")
             self._check_usable()
             self._run_engine(self._engine.now + max(0.0, seconds))
+
+    def device_source(self, obj: Any) -> "tuple | None":
+        """A launch argument (``buffer.array(dtype, shape)``) of one of this device's buffers,
+        standing for a framework's device array; its producer's work must be done (or ordered
+        before the submit) when it is submitted."""
+        if isinstance(obj, ArrayArg) and isinstance(obj.where.buffer, SimDeviceBuffer) and obj.where.buffer._dev is self:
+            return obj.where, obj.shape, obj.dtype, None
+        return None
 
     def host_copy(self, dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src, casting="no")
