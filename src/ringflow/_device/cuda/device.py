@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..host_pool import without_pooled
-from ..protocol import BufferSlice, Capabilities, Device, LiveCounts, close_quietly
+from ..protocol import BufferSlice, Capabilities, Device, DeviceBuffer, LiveCounts, close_quietly
 from ._lib import check, core, driver, translate
 from ._live import LiveRegistry
 from .arrays import resolve
@@ -377,20 +377,18 @@ class CudaDevice(Device):
         return f"<CudaDevice cuda:{self.index} {getattr(self, 'name', '?')}{state}>"
 
 
-class ForeignDeviceBuffer:
+class ForeignDeviceBuffer(DeviceBuffer):
     """Device memory ringflow did not allocate (a framework's array), named for copies only:
     it keeps ``owner`` alive and never frees anything."""
 
-    is_host = False
-
     def __init__(self, device: "CudaDevice", ptr: int, nbytes: int, owner: Any):
+        super().__init__(nbytes)
         self._device = device
         self._ptr = ptr
-        self.nbytes = nbytes
         self._owner = owner
-        self.closed = False
 
     def close(self, stream: Any = None) -> None:
+        self._closed = True
         self._owner = None
 
     def __repr__(self) -> str:
