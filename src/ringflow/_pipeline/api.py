@@ -36,6 +36,7 @@ from .driver import CallerDriver, ProgressThread, resolve
 from .config import PipelineConfig, SlotCounts
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, lent_slots, resolve_slots
 from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_into, packed
+from .like import converter
 from .validate import as_host_array, check_choice, check_flag, check_options, check_output_spec, check_timeout
 from .scheduler import Scheduler
 from .states import ChunkState
@@ -152,6 +153,10 @@ class Pipeline:
     (shared memory); ``prepare`` and the items must then be picklable (a module-level function),
     as for a DataLoader's workers.
 
+    ``like`` gives the results as another framework's arrays over the same memory: ``"torch"``
+    (host results as CPU tensors, device results as CUDA tensors) or ``"cupy"`` (device results);
+    None keeps numpy on the host and the device's framework on the device.
+
     ``slots`` (None: derived by :mod:`ringflow._plan`; an int for every ring; or a
     :class:`SlotCounts`) and ``chunk_bytes`` (the slot size) bound pinned memory at
     ``(slots.host_in + slots.host_out) * chunk_bytes``, which ``pinned_budget`` (bytes) caps: planned
@@ -176,11 +181,11 @@ class Pipeline:
                  on_error: str = "raise", profile: bool = False, workers: Optional[int] = None,
                  inplace: bool = False, checked: bool = False, item_nbytes: Optional[Callable] = None,
                  pinned_budget: Optional[int] = None, output: "tuple | Callable | None" = None,
-                 deliver: str = "host", processes: bool = False):
+                 deliver: str = "host", processes: bool = False, like: Optional[str] = None):
         self._build(compute, device=device, user_prepare=prepare, consume=consume, slots=slots,
                     chunk_bytes=chunk_bytes, max_in_flight=max_in_flight, ordered=ordered, on_error=on_error,
                     profile=profile, workers=workers, inplace=inplace, checked=checked, item_nbytes=item_nbytes,
-                    pinned_budget=pinned_budget, output=output, deliver=deliver, processes=processes)
+                    pinned_budget=pinned_budget, output=output, deliver=deliver, processes=processes, like=like)
 
     @classmethod
     def _for_whole_array(cls, compute: Callable, *, prepare: Callable, consume: Callable, item_nbytes: Callable,
@@ -199,7 +204,7 @@ class Pipeline:
                profile: bool = False, workers=None, inplace: bool = False, checked: bool = False,
                item_nbytes=None, pinned_budget=None, host_in_buffer=None, host_out_buffer=None,
                max_chunks: Optional[int] = None, bulk: bool = False, output=None, deliver: str = "host",
-               processes: bool = False) -> None:
+               processes: bool = False, like: Optional[str] = None) -> None:
         self._closed = True  # until built: a finaliser or close() on a half-built pipeline does nothing
         if not callable(compute):
             raise TypeError(f"compute must be a callable f(x, y), got {type(compute).__name__}")
@@ -213,6 +218,9 @@ class Pipeline:
         if check_flag("processes", processes) and user_prepare is None:
             raise ValueError("processes=True runs prepare in worker processes: pass prepare= (a module-level "
                              "function); plain array items are copied on the calling thread")
+        if like is not None and consume is not None:
+            raise ValueError("like= converts the results a pipeline delivers itself; with consume= the consumer "
+                             "makes the result: convert there")
         if deliver == "device" and consume is not None:
             raise ValueError("consume= cannot be used with deliver='device': the results stay on the device and "
                              "go to whoever iterates the pipeline (each a DeviceResult to release when done)")
@@ -261,13 +269,15 @@ class Pipeline:
         results = self._pool if deliver == "host" else None
         source_of = functools.partial(_pinned_source, self.device) if self._items_are_arrays else None
         self._recorder = _Recorder(self.device, chunk_bytes, counts, workers) if profile else None
+        convert = converter(like, deliver, self.device.backend)
         try:
             self._sched = Scheduler(self.device, compute, prepare_stage, consume_stage, self.config,
                                     item_nbytes=item_nbytes or (lambda item: getattr(item, "nbytes", 0)),
                                     on_chunk_end=self._recorder.on_chunk_end if profile else None,
                                     host_in_buffer=host_in_buffer, host_out_buffer=host_out_buffer,
                                     results=results, source_of=source_of,
-                                    host_in_memory=procs.buffer if procs else None, owned=(procs,) if procs else ())
+                                    host_in_memory=procs.buffer if procs else None, owned=(procs,) if procs else (),
+                                    convert=convert)
         except BaseException:
             if procs is not None:
                 procs.close()

@@ -30,9 +30,10 @@ class DeviceResult:
     """
 
     __slots__ = ("index", "shape", "dtype", "_arg", "_array", "_device", "_give_back", "_lock", "_released",
-                 "_finalizer", "__weakref__")
+                 "_finalizer", "_convert", "__weakref__")
 
-    def __init__(self, index: int, arg: Any, device: Any, give_back):
+    def __init__(self, index: int, arg: Any, device: Any, give_back, convert=None):
+        self._convert = convert  # another framework's array over the same memory (like=), or None
         self.index = index
         # one array's launch argument, or (tree, leaf arguments) for several (.trees)
         self.shape = getattr(arg, "shape", None)
@@ -60,6 +61,10 @@ class DeviceResult:
                 self._array = unflatten(tree, [self._device.device_array(a) for a in args])
             else:
                 self._array = self._device.device_array(self._arg)
+            if self._convert is not None:
+                from .like import convert_tree
+
+                self._array = convert_tree(self._array, self._convert)
         return self._array
 
     @property

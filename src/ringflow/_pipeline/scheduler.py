@@ -49,6 +49,7 @@ from .ring import Ring, Slot
 from .states import ChunkState, RingKind, SlotState
 from .stages import POISON_BYTE, StageStreams, launch_compute, mark, poison_after, sim_seconds_for, writes_into_y
 from .stats import PipelineStats
+from .like import convert_tree
 from .trees import LEAF, Packed, device_args, host_views
 
 GUARDS = (
@@ -84,7 +85,8 @@ class Scheduler:
     def __init__(self, device: Device, compute: Callable, prepare: Prepare, consume: Optional[Consume],
                  config: PipelineConfig, *, item_nbytes: Callable[[Any], int] = lambda item: 0,
                  on_chunk_end: Optional[Callable[[Chunk], None]] = None, host_in_buffer=None, host_out_buffer=None,
-                 results=None, source_of: Optional[SourceOf] = None, host_in_memory=None, owned=()):
+                 results=None, source_of: Optional[SourceOf] = None, host_in_memory=None, owned=(),
+                 convert: Optional[Callable[[Any], Any]] = None):
         """``host_in_buffer``/``host_out_buffer``: the caller's pinned or registered memory holding
         every chunk's input / receiving every chunk's output back to back (chunk i at
         ``i * chunk_bytes``). The copy engines then read and write it in place: no staging ring,
@@ -103,7 +105,9 @@ class Scheduler:
 
         ``host_in_memory``: a host buffer to carve the host-in ring from instead of a new pinned
         allocation (shared memory that worker processes write); the ring closes it. ``owned``:
-        objects whose ``close()`` runs once the rings are released (never raising)."""
+        objects whose ``close()`` runs once the rings are released (never raising). ``convert``:
+        applied to every array of a result delivered without a consumer (another framework's
+        array over the same memory)."""
         hooks = current_hooks()
         guard_off = refuse_unknown_guards(hooks.guards_off, GUARDS)
         slot_hook = hooks.slot_hook
@@ -113,6 +117,7 @@ class Scheduler:
         self.consume = consume
         self.results = results
         self.source_of = source_of
+        self.convert = convert
         self.config = config
         self.item_nbytes = item_nbytes
         self._guard_off = guard_off
@@ -557,15 +562,20 @@ class Scheduler:
                                  access="r").reshape(chunk.out_shape)
         if result is not None:
             if self.consume is None:
-                return result if chunk.out_tree is None else host_views(chunk.out_tree, result)
+                return self._delivered(chunk, result)
             view = result.view()  # a view of the pooled array holds its block: one kept stays valid
             view.flags.writeable = False
         elif self.consume is None:
-            copy = np.array(view, copy=True)
-            return copy if chunk.out_tree is None else host_views(chunk.out_tree, copy)
+            return self._delivered(chunk, np.array(view, copy=True))
         if chunk.out_tree is not None:
             view = host_views(chunk.out_tree, view)
         return self.consume(chunk.index, chunk.item, view)
+
+    def _delivered(self, chunk: Chunk, result: np.ndarray) -> Any:
+        """The value a chunk without a consumer delivers: its result (the arrays of a packed one),
+        converted when asked."""
+        value = result if chunk.out_tree is None else host_views(chunk.out_tree, result)
+        return value if self.convert is None else convert_tree(value, self.convert)
 
     def _on_consumed(self, chunk: Chunk) -> None:
         task = chunk.consume_task
@@ -714,7 +724,7 @@ class Scheduler:
             wake()
 
         chunk.dev_out = None
-        chunk.value = DeviceResult(chunk.index, arg, self.device, give_back)
+        chunk.value = DeviceResult(chunk.index, arg, self.device, give_back, convert=self.convert)
         self._end(chunk, ChunkState.DELIVERED)
 
     def _wake(self) -> None:

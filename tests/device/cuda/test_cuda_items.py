@@ -142,3 +142,19 @@ def test_device_array_items_bit_exact(cuda_device, kind):
         out = list(pipe.map(items))
     for a, r in zip(arrays, out):
         np.testing.assert_array_equal(r, a * np.float32(2) + np.float32(1))
+
+
+def test_like_torch_on_the_host_and_on_the_device(cuda_device):
+    torch = pytest.importorskip("torch")
+    a = np.arange(1000, dtype=np.float32)
+    with rf.Pipeline(scale_shift, device=cuda_device, chunk_bytes=1 << 16, like="torch") as pipe:
+        r = pipe.submit(a).result()
+    assert isinstance(r, torch.Tensor) and r.device.type == "cpu"
+    np.testing.assert_array_equal(r.numpy(), a * 2 + 1)
+    with rf.Pipeline(scale_shift, device=cuda_device, chunk_bytes=1 << 16, like="torch", deliver="device") as pipe:
+        res = pipe.submit(a).result()
+        t = res.array
+        assert isinstance(t, torch.Tensor) and t.device.type == "cuda"
+        got = t.cpu().numpy()
+        res.release()
+    np.testing.assert_array_equal(got, a * 2 + 1)

@@ -1,0 +1,57 @@
+"""``Pipeline(like=...)``: results as another framework's arrays over the same memory (no copy)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+LIKES = ("numpy", "torch", "cupy")
+
+
+def converter(like: Optional[str], deliver: str, backend: str) -> Optional[Callable[[Any], Any]]:
+    """A function turning one result array into ``like``'s array over the same memory, or None
+    (results as they are: numpy on the host, the device's framework on the device).
+
+    Raises:
+        ValueError: ``like`` is not one of :data:`LIKES`, does not fit ``deliver`` (CuPy arrays
+            live on the device, numpy arrays on the host), asks for device arrays of the
+            simulated GPU, or its framework cannot be imported.
+    """
+    if like is None:
+        return None
+    if like not in LIKES:
+        raise ValueError(f"like must be one of {', '.join(map(repr, LIKES))} or None, got {like!r}")
+    if deliver == "host":
+        if like == "cupy":
+            raise ValueError("like='cupy' needs deliver='device': CuPy arrays live on the GPU; on the host "
+                             "choose like='numpy' or like='torch'")
+        if like == "numpy":
+            return None
+        torch = _import("torch", like)
+        return torch.from_numpy
+    if like == "numpy":
+        raise ValueError("like='numpy' cannot hold results on the device; choose 'cupy' or 'torch', or "
+                         "deliver='host'")
+    if backend != "cuda":
+        raise ValueError(f"like={like!r} with deliver='device' needs a CUDA GPU; on the simulated GPU a "
+                         "delivered array is a launch argument")
+    if like == "cupy":
+        cupy = _import("cupy", like)
+        return cupy.asarray
+    torch = _import("torch", like)
+    return lambda a: torch.as_tensor(a, device="cuda")
+
+
+def _import(name: str, like: str) -> Any:
+    try:
+        return __import__(name)
+    except ImportError as exc:
+        raise ValueError(f"like={like!r} needs {name}, which cannot be imported here ({exc}); install it "
+                         f"or leave like unset") from None
+
+
+def convert_tree(value: Any, convert: Callable[[Any], Any]) -> Any:
+    """``convert`` applied to every array of ``value`` (one array, or a tuple, list or dict of them)."""
+    from .trees import flatten, unflatten
+
+    leaves, tree = flatten(value)
+    return unflatten(tree, [convert(leaf) for leaf in leaves])

@@ -1,0 +1,52 @@
+"""``Pipeline(like=...)``: results as another framework's arrays over the same memory."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+
+
+def f(x, y):
+    y[...] = x * 2 + 1
+
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"like": "jax"}, "like must be one of 'numpy', 'torch', 'cupy'"),
+    ({"like": "cupy"}, "like='cupy' needs deliver='device'"),
+    ({"like": "numpy", "deliver": "device"}, "like='numpy' cannot hold results on the device"),
+    ({"like": "torch", "deliver": "device"}, "needs a CUDA GPU|needs torch"),
+    ({"like": "numpy", "consume": lambda i, it, r: r}, "with consume= the consumer makes the result"),
+])
+def test_like_choices_that_cannot_work_are_refused_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=4096, **kwargs)
+
+
+def test_like_numpy_is_the_default():
+    with rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=4096, like="numpy") as pipe:
+        r = pipe.submit(np.ones(4, np.float32)).result()
+    assert type(r) is np.ndarray and rf.host.buffer(r) is not None
+
+
+@pytest.mark.skipif(HAVE_TORCH, reason="checks the message when torch is missing")
+def test_like_torch_without_torch_says_so():
+    with pytest.raises(ValueError, match="like='torch' needs torch"):
+        rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=4096, like="torch")
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+def test_like_torch_gives_tensors_over_the_pinned_results():
+    import torch
+
+    with rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=4096, like="torch") as pipe:
+        r = pipe.submit(np.arange(4, dtype=np.float32)).result()
+        t = pipe.submit((np.ones(2, np.float32), {"k": np.zeros(3, np.int16)})).result()
+    assert isinstance(r, torch.Tensor) and r.tolist() == [1.0, 3.0, 5.0, 7.0]
+    assert isinstance(t[0], torch.Tensor) and isinstance(t[1]["k"], torch.Tensor)
