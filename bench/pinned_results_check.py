@@ -100,9 +100,20 @@ def requests_ab(dev, count: int, rounds: int) -> dict:
         return on, off
 
     nothing = (lambda: None, lambda: None)
+    from ringflow._device import protocol
+
+    split = protocol.SPLIT_COPY_BYTES
+
+    def one_thread():
+        protocol.SPLIT_COPY_BYTES = 1 << 62
+
+    def restore():
+        protocol.SPLIT_COPY_BYTES = split
+
     variants = {
         f"staged at acceptance up to {threshold >> 20} MiB (default)": (items, nothing),
         "host rings and workers (pool budget 4 KiB)": (items, with_budget(4096)),
+        "staged at acceptance, each copy on one thread": (items, (one_thread, restore)),
         "staged at acceptance, any size": (items, with_threshold(1 << 62)),
         "workers stage, results from cached pool blocks": (items, with_threshold(0)),
         "items already pool arrays (read in place)": (pooled_items, nothing),

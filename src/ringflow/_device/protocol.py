@@ -71,6 +71,43 @@ class LiveCounts:
         return self.host_buffers + self.device_buffers + self.streams + self.events
 
 
+# Copies of at least this many bytes per thread are split (numpy starts a copy in a few
+# microseconds; below this the hand-off to a thread costs more than the copy it saves).
+SPLIT_COPY_BYTES = 1 << 20
+MAX_COPY_THREADS = 4
+_copy_pool: "Any" = None
+_copy_pool_lock = threading.Lock()
+
+
+def copy_threads(nbytes: int) -> int:
+    """Threads :meth:`Device.host_copy` uses for a copy of ``nbytes`` (1 up to :data:`MAX_COPY_THREADS`)."""
+    return max(1, min(MAX_COPY_THREADS, nbytes // SPLIT_COPY_BYTES))
+
+
+def parallel_copy(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
+    """``np.copyto(dst, src)`` split along the flat C-order bytes over ``threads`` threads (the
+    calling one among them); C-contiguous ``dst`` only (else one thread)."""
+    if threads <= 1 or dst.nbytes < threads or not dst.flags.c_contiguous or not src.flags.c_contiguous or dst.dtype != src.dtype \
+            or dst.shape != src.shape:
+        np.copyto(dst, src, casting="no")
+        return
+    global _copy_pool
+    if _copy_pool is None:
+        with _copy_pool_lock:
+            if _copy_pool is None:
+                import concurrent.futures
+
+                _copy_pool = concurrent.futures.ThreadPoolExecutor(MAX_COPY_THREADS - 1,
+                                                                   thread_name_prefix="ringflow-copy")
+    d, s = dst.reshape(-1).view(np.uint8), np.ascontiguousarray(src).reshape(-1).view(np.uint8)
+    step = -(-d.nbytes // threads)
+    parts = [(d[a:a + step], s[a:a + step]) for a in range(0, d.nbytes, step)]
+    futures = [_copy_pool.submit(np.copyto, a, b) for a, b in parts[1:]]
+    np.copyto(*parts[0])
+    for fut in futures:
+        fut.result()
+
+
 def close_quietly(obj: Any, what: str) -> None:
     """Close ``obj``; a failure becomes a warning so it never masks the caller's exception."""
     try:
@@ -476,10 +513,12 @@ class Device(abc.ABC):
         return arg
 
     def host_copy(self, dst: np.ndarray, src: np.ndarray) -> None:
-        """Copy ``src`` into ``dst`` (same shape and dtype) on the calling thread, outside any
-        worker pool; the simulated GPU charges the calling thread the copy's time at one
-        thread's host copy rate (:attr:`hardware`)."""
-        np.copyto(dst, src, casting="no")
+        """Copy ``src`` into ``dst`` (same shape and dtype) for the calling thread, which waits
+        for it: a large copy is split over :func:`copy_threads` threads (numpy's copies let go of
+        the GIL, and one thread copies at a fraction of the host's rate); the simulated GPU
+        charges the calling thread the copy's time at that many threads' host copy rate
+        (:attr:`hardware`)."""
+        parallel_copy(dst, src, copy_threads(dst.nbytes))
 
     @abc.abstractmethod
     def live(self) -> LiveCounts:

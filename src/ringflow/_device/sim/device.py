@@ -23,7 +23,7 @@ import numpy as np
 
 from ..._errors import DeviceError
 from ..host_pool import without_pooled
-from ..protocol import ArrayArg, Capabilities, Device, LiveCounts, check_nbytes
+from ..protocol import ArrayArg, Capabilities, Device, LiveCounts, check_nbytes, copy_threads
 from .engine import Engine, Op
 from .hazard import AccessKind, HappensBeforeChecker
 from .memory import SimDeviceBuffer, SimHostBuffer
@@ -214,7 +214,8 @@ class SimDevice(Device):
     def host_copy(self, dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src, casting="no")
         if dst.nbytes:
-            self.sleep(dst.nbytes / (self.hardware.host_copy_rate(1) * 1e9))
+            threads = copy_threads(dst.nbytes)
+            self.sleep(dst.nbytes / (self.hardware.host_copy_rate(threads) * 1e9))
 
     def live(self) -> LiveCounts:
         return without_pooled(self, LiveCounts(**self._live))

@@ -1,0 +1,41 @@
+"""``Device.host_copy``: large copies split over threads give the same bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow._device import protocol
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4097, (1 << 20) + 3, (3 << 20) + 5, 9 << 20])
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_parallel_copy_gives_the_same_bytes(nbytes, threads):
+    src = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    protocol.parallel_copy(dst, src, threads)
+    assert np.array_equal(dst, src)
+
+
+def test_shapes_and_dtypes_other_than_bytes():
+    src = np.random.default_rng(0).standard_normal((513, 1025)).astype(np.float32)
+    dst = np.empty_like(src)
+    protocol.parallel_copy(dst, src, 4)
+    assert np.array_equal(dst, src)
+    with pytest.raises(TypeError):  # what np.copyto(casting="no") refuses is refused
+        protocol.parallel_copy(np.empty((4,), np.float64), np.ones(4, np.float32), 4)
+
+
+def test_copy_threads_grow_with_size():
+    assert [protocol.copy_threads(n << 20) for n in (0, 1, 2, 3, 4, 64)] == [1, 1, 2, 3, 4, 4]
+
+
+def test_the_simulated_gpu_charges_a_split_copy_at_its_threads_rate():
+    dev = rf.device("sim", profile="unit")
+    src = np.ones(4 << 20, np.uint8)
+    dst = np.empty_like(src)
+    t0 = dev.now
+    dev.host_copy(dst, src)
+    assert np.array_equal(dst, src)
+    assert dev.now - t0 == pytest.approx(src.nbytes / (dev.hardware.host_copy_rate(4) * 1e9))
