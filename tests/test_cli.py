@@ -315,3 +315,11 @@ def test_demo_names_the_install_command_with_its_extra(tmp_path, capsys, monkeyp
     monkeypatch.setattr("ringflow.cuda_available", lambda: (False, "cuda.core is missing: pip install 'ringflow[cuda]'"))
     _demo.demo("sim", out_dir=str(tmp_path))
     assert "ringflow[cuda]" in capsys.readouterr().out
+
+
+def test_plan_over_several_gpus(capsys):
+    assert main(["plan", "--bytes", "1GiB", "--devices", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 GPUs of this host" in out and "the host's shared copies" in out
+    assert main(["plan", "--bytes", "1GiB", "--devices", "0"]) == 2
+    assert "devices" in capsys.readouterr().err

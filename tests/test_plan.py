@@ -397,3 +397,19 @@ def test_a_simulated_run_on_the_gen4_profile_agrees_with_the_plan(ms_per_mib):
     assert report.measured_s == pytest.approx(choice.predicted_s, rel=0.10)
     h200 = plan.choose_chunk_bytes("h200-pcie5", 256 * MiB, compute_s_per_byte=per_byte, host_stages=False, align=4)
     assert choice.predicted_s > 1.9 * h200.predicted_s  # link-bound: about twice as long on half the link
+
+
+def test_predict_devices_splits_the_links_and_shares_the_host():
+    # pinned data: each GPU moves its share over its own link, nothing shared on the host
+    pinned = plan.predict_devices("h200-pcie5", 256 * MiB, 8 * MiB, 2, compute_s_per_byte=5e-3 / (1 << 30),
+                                  workers=8, host_stages=False)
+    assert pinned.host_floor_s == 0 and 1.8 < pinned.speedup <= 2.0
+    # staged (pageable) data: both GPUs' workers copy through the one host: far below 2x
+    staged = plan.predict_devices("h200-pcie5", 1 << 30, 8 * MiB, 2, workers=8)
+    assert staged.host_floor_s > staged.per_device_s and staged.speedup < 1.5
+    four = plan.predict_devices("h200-pcie5", 1 << 30, 8 * MiB, 4, workers=8)
+    assert four.predicted_s <= staged.predicted_s and four.host_floor_s > 0
+    one = plan.predict_devices("h200-pcie5", 1 << 30, 8 * MiB, 1, workers=8)
+    assert one.predicted_s == pytest.approx(one.one_device_s, rel=0.02)
+    with pytest.raises(ValueError, match="devices must be an int >= 1"):
+        plan.predict_devices("h200-pcie5", 1 << 30, 8 * MiB, 0)

@@ -275,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-ms-per-gib", type=ms_per_gib, default=0.0, help="kernel time per GiB of input, ms")
     p.add_argument("--workers", type=workers, default=8, help="CPU workers for prepare/consume (default 8)")
     p.add_argument("--pinned", action="store_true", help="data already in pinned memory (no staging)")
+    p.add_argument("--devices", type=workers, default=1,
+                   help="also predict the job split over this many GPUs of one host (default 1)")
     p.add_argument("--profile", type=sim_profile, default="h200-pcie5",
                    help="the hardware profile to predict with: a name (h200-pcie5, pcie4-x16) or a profile JSON "
                         "file from ringflow doctor --save (default h200-pcie5)")

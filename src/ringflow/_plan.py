@@ -331,6 +331,55 @@ def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     return t, predicted_total(t, n)
 
 
+@dataclasses.dataclass(frozen=True)
+class DevicesPrediction:
+    """What several GPUs of one host should take for one whole-array job (see :func:`predict_devices`).
+
+    Attributes:
+        devices: how many GPUs.
+        per_device_s: one GPU's time for its share of the rows, as if alone (s).
+        host_floor_s: the time the host's shared memory and CPUs need for the job's host work
+            with every worker of every GPU (s); 0 when nothing is staged.
+        predicted_s: the larger of the two (s).
+        one_device_s: the job's time on one GPU (s).
+    """
+
+    devices: int
+    per_device_s: float
+    host_floor_s: float
+    predicted_s: float
+    one_device_s: float
+
+    @property
+    def speedup(self) -> float:
+        return self.one_device_s / self.predicted_s if self.predicted_s > 0 else float("inf")
+
+
+def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_bytes: int, devices: int, *,
+                    compute_s_per_byte: float = 0.0, workers: int = 1, host_stages: bool = True) -> DevicesPrediction:
+    """The time ``devices`` GPUs of one host should take for a job of ``total_bytes`` split evenly.
+
+    Each GPU has its own link, streams and workers, so each shard takes what one GPU takes for its
+    share (:func:`predict_seconds`). The host's memory and CPUs are shared: a staged job copies
+    every byte twice on the host (in to pinned, out of it), and all the GPUs' workers together
+    copy at most at the profile's host copy rate for that many threads. The prediction is the
+    larger of the two.
+
+    Raises:
+        ValueError: ``devices`` is not an int >= 1.
+    """
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be an int >= 1, got {devices!r}")
+    p = get_profile(profile)
+    share = -(-total_bytes // devices)
+    _, per_device = predict_seconds(p, share, min(chunk_bytes, share), compute_s_per_byte=compute_s_per_byte,
+                                    workers=workers, host_stages=host_stages)
+    _, one = predict_seconds(p, total_bytes, chunk_bytes, compute_s_per_byte=compute_s_per_byte, workers=workers,
+                             host_stages=host_stages)
+    floor = 2 * total_bytes / (p.host_copy_rate(workers * devices) * 1e9) if host_stages else 0.0
+    return DevicesPrediction(devices, per_device, floor, max(per_device, floor), one)
+
+
 def predicted_total(times: StageTimes, n: int) -> float:
     """The planner's prediction (not a bound) of the wall time of ``n`` chunks: the first chunk
     traverses every stage, the rest follow one steady interval apart. Unlike

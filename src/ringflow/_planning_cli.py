@@ -115,6 +115,13 @@ def plan_command(args) -> int:
     for ring in ("host_in", "device_in", "device_out", "host_out"):
         table.add_row(f"slots {ring}", f"{getattr(slots.slots, ring)} (lifetime {slots.lifetimes.get(ring, 0) * 1e3:.3f} ms)")
     table.add_row("predicted total", f"{predicted * 1e3:.3f} ms")
+    devices = getattr(args, "devices", 1) or 1
+    if devices > 1:
+        many = plan.predict_devices(profile, total, chunk, devices, compute_s_per_byte=per_byte,
+                                    workers=args.workers, host_stages=not args.pinned)
+        table.add_row(f"on {devices} GPUs of this host", f"{many.predicted_s * 1e3:.3f} ms ({many.speedup:.2f}x one)")
+        table.add_row("  each GPU's share alone", f"{many.per_device_s * 1e3:.3f} ms")
+        table.add_row("  the host's shared copies", f"{many.host_floor_s * 1e3:.3f} ms")
     console.print(table)
     if profile.gpu_name:
         console.print(f"profile {profile.name}: measured on {profile.gpu_name} (driver {profile.driver or 'unknown'})"
