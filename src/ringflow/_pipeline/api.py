@@ -153,6 +153,11 @@ class Pipeline:
     (shared memory); ``prepare`` and the items must then be picklable (a module-level function),
     as for a DataLoader's workers.
 
+    ``fill="rows"``: the compute returns how many rows (along axis 0) of ``y`` it filled, an int;
+    only those come back, and the result has that many rows (``output`` is then an upper bound:
+    a filter, a compaction). The copy back waits for the compute to finish (the host reads the
+    count), so chunks lose the overlap of compute and copy back.
+
     ``like`` gives the results as another framework's arrays over the same memory: ``"torch"``
     (host results as CPU tensors, device results as CUDA tensors) or ``"cupy"`` (device results);
     None keeps numpy on the host and the device's framework on the device.
@@ -181,11 +186,13 @@ class Pipeline:
                  on_error: str = "raise", profile: bool = False, workers: Optional[int] = None,
                  inplace: bool = False, checked: bool = False, item_nbytes: Optional[Callable] = None,
                  pinned_budget: Optional[int] = None, output: "tuple | Callable | None" = None,
-                 deliver: str = "host", processes: bool = False, like: Optional[str] = None):
+                 deliver: str = "host", processes: bool = False, like: Optional[str] = None,
+                 fill: Optional[str] = None):
         self._build(compute, device=device, user_prepare=prepare, consume=consume, slots=slots,
                     chunk_bytes=chunk_bytes, max_in_flight=max_in_flight, ordered=ordered, on_error=on_error,
                     profile=profile, workers=workers, inplace=inplace, checked=checked, item_nbytes=item_nbytes,
-                    pinned_budget=pinned_budget, output=output, deliver=deliver, processes=processes, like=like)
+                    pinned_budget=pinned_budget, output=output, deliver=deliver, processes=processes, like=like,
+                    fill=fill)
 
     @classmethod
     def _for_whole_array(cls, compute: Callable, *, prepare: Callable, consume: Callable, item_nbytes: Callable,
@@ -204,7 +211,7 @@ class Pipeline:
                profile: bool = False, workers=None, inplace: bool = False, checked: bool = False,
                item_nbytes=None, pinned_budget=None, host_in_buffer=None, host_out_buffer=None,
                max_chunks: Optional[int] = None, bulk: bool = False, output=None, deliver: str = "host",
-               processes: bool = False, like: Optional[str] = None) -> None:
+               processes: bool = False, like: Optional[str] = None, fill: Optional[str] = None) -> None:
         self._closed = True  # until built: a finaliser or close() on a half-built pipeline does nothing
         if not callable(compute):
             raise TypeError(f"compute must be a callable f(x, y), got {type(compute).__name__}")
@@ -218,6 +225,11 @@ class Pipeline:
         if check_flag("processes", processes) and user_prepare is None:
             raise ValueError("processes=True runs prepare in worker processes: pass prepare= (a module-level "
                              "function); plain array items are copied on the calling thread")
+        if fill is not None:
+            check_choice("fill", fill, ("rows",))
+            if isinstance(output, (Packed,)) or (output is not None and not callable(output) and is_tree(output)
+                                                 and not is_spec(output)):
+                raise ValueError("fill='rows' needs a result of one array; this output spec has several")
         if like is not None and consume is not None:
             raise ValueError("like= converts the results a pipeline delivers itself; with consume= the consumer "
                              "makes the result: convert there")
@@ -251,7 +263,7 @@ class Pipeline:
             max_in_flight = counts.host_in + counts.device_in + counts.device_out + counts.host_out
         self.config = PipelineConfig(chunk_bytes=chunk_bytes, slots=counts, max_in_flight=max_in_flight,
                                      workers=workers, inplace=inplace, ordered=ordered, on_error=on_error,
-                                     profile=profile, checked=checked, deliver=deliver)
+                                     profile=profile, checked=checked, deliver=deliver, fill=fill)
         procs = None
         if processes:
             from .processes import ProcessPrepare

@@ -149,6 +149,7 @@ class Chunk:
     # bytes the chunk moves as uint8; None for one array
     in_tree: Any = None
     out_tree: Any = None
+    filled: Optional[list] = None  # fill="rows": where the compute's return (rows filled) lands
     host_in: Optional[Slot] = None
     dev_in: Optional[Slot] = None
     dev_out: Optional[Slot] = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from .._plan import SlotCounts
 
@@ -29,6 +30,7 @@ class PipelineConfig:
     profile: bool = False
     checked: bool = False  # poison every released slot so a premature reuse gives a wrong result
     deliver: str = "host"  # "device": results stay in their device slot, lent to the consumer
+    fill: Optional[str] = None  # "rows": compute returns how many rows of y it filled
 
     def __post_init__(self) -> None:
         if self.on_error not in ("raise", "continue"):

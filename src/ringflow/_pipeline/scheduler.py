@@ -113,6 +113,7 @@ class Scheduler:
         slot_hook = hooks.slot_hook
         self.device = device
         self.compute = writes_into_y(compute)
+        self._raw_compute = compute  # fill="rows": its return value is the rows it filled
         self.prepare = prepare
         self.consume = consume
         self.results = results
@@ -397,8 +398,13 @@ class Scheduler:
             self._free(ring, slot)
         elif kind in (RingKind.DEVICE_OUT, RingKind.DEVICE_INPLACE) and state is SlotState.COMPUTING:
             # fail early; the slot itself is handed back at d2h enqueue (or lent, on the device)
-            if not self._compute_failed(chunk) and self.config.deliver == "device":
-                self._lend(ring, slot, chunk)
+            if not self._compute_failed(chunk):
+                if self.config.fill == "rows" and not self._take_fill(chunk):
+                    return
+                if self.config.deliver == "device":
+                    self._lend(ring, slot, chunk)
+                elif self.config.fill == "rows":
+                    self._d2h_q.append(chunk)
         elif kind is RingKind.HOST_OUT and state is SlotState.COPYING_OUT:
             if not self._compute_failed(chunk):
                 self._start_consume(chunk)
@@ -644,6 +650,10 @@ class Scheduler:
                 self._wait_ready(s, out_slot, "compute.wait_slot_ready")
             self.dev_in.move(chunk.dev_in, SlotState.COMPUTING)
             trees = None
+            compute = self.compute
+            if self.config.fill == "rows":
+                chunk.filled = []
+                compute = _returning(self._raw_compute, chunk.filled)
             if chunk.in_tree is None and chunk.out_tree is None:
                 x = chunk.dev_in.where.array(chunk.dtype, chunk.shape)
                 y = out_slot.where.array(chunk.out_dtype, chunk.out_shape)
@@ -654,7 +664,7 @@ class Scheduler:
             self._mark(chunk, s, "compute", start=True)
             if chunk.out_nbytes:  # a zero-length result has nothing to compute
                 try:
-                    launch_compute(s, self.compute, x, y, inplace=self.dev_out is None,
+                    launch_compute(s, compute, x, y, inplace=self.dev_out is None,
                                    sim_seconds=sim_seconds_for(self._sim_compute, chunk.nbytes), index=chunk.index,
                                    trees=trees)
                 except StageError as err:
@@ -667,8 +677,8 @@ class Scheduler:
             if self.dev_out is not None:
                 self._release_on_device(self.dev_in, chunk.dev_in, event, "device_in.release_after_compute")
             out_slot.fence = event
-            if self.config.deliver != "device":
-                self._d2h_q.append(chunk)
+            if self.config.deliver != "device" and self.config.fill is None:
+                self._d2h_q.append(chunk)  # (with fill="rows": once the compute said how much it filled)
             progressed = True
         return progressed
 
@@ -704,6 +714,24 @@ class Scheduler:
                 slot.fence = event
             progressed = True
         return progressed
+
+    def _take_fill(self, chunk: Chunk) -> bool:
+        """``fill="rows"``: the compute (complete) returned how many rows of its result it filled;
+        the chunk's result shrinks to them, so the d2h moves only those. False when the chunk
+        failed instead (the compute did not return a row count)."""
+        got = chunk.filled[0] if chunk.filled else (0 if chunk.out_nbytes == 0 else None)  # nothing to compute: none
+        rows_max = chunk.out_shape[0] if chunk.out_shape else 0
+        if isinstance(got, (bool, np.bool_)) or not isinstance(got, (int, np.integer)) or not 0 <= got <= rows_max:
+            self._fail(chunk, "compute", ValueError(
+                f"with fill='rows' compute must return how many rows of y it filled, an int from 0 to {rows_max}; "
+                f"it returned {got!r}"))
+            return False
+        rows = int(got)
+        chunk.out_shape = (rows,) + tuple(chunk.out_shape[1:])
+        chunk.out_nbytes = math.prod(chunk.out_shape) * chunk.out_dtype.itemsize
+        if chunk.result is not None:  # the pinned array taken for the largest result: its first rows
+            chunk.result = chunk.result[:rows]
+        return True
 
     # -- results delivered on the device ---------------------------------------------------------
     def _lend(self, ring: Ring, slot: Slot, chunk: Chunk) -> None:
@@ -1072,6 +1100,17 @@ class _InlineTask:
         if self._exc is not None:
             raise self._exc
         return self._value
+
+
+def _returning(compute: Callable, box: list) -> Callable:
+    """``compute`` whose return value goes into ``box`` (it runs when the launch runs: at enqueue
+    on a real GPU, when the kernel runs on the simulated one; either way before the compute's
+    event is seen complete)."""
+    def run(x: Any, y: Any) -> None:
+        box.append(compute(x, y))
+
+    run.sim_seconds = getattr(compute, "sim_seconds", None)  # type: ignore[attr-defined]
+    return run
 
 
 def _described(shape: tuple, dtype: np.dtype) -> tuple:

@@ -158,3 +158,17 @@ def test_like_torch_on_the_host_and_on_the_device(cuda_device):
         got = t.cpu().numpy()
         res.release()
     np.testing.assert_array_equal(got, a * 2 + 1)
+
+
+def test_fill_rows_brings_back_only_what_compute_filled(cuda_device):
+    def positives(x, y):
+        keep = x[x > 0]  # CuPy: the count is known on the host once this returns
+        y[:keep.size] = keep
+        return int(keep.size)
+
+    rng = np.random.default_rng(4)
+    items = [rng.standard_normal(int(n)).astype(np.float32) for n in rng.integers(0, 50_000, 40)]
+    with rf.Pipeline(positives, device=cuda_device, chunk_bytes=1 << 18, fill="rows", checked=True) as pipe:
+        out = list(pipe.map(items))
+    for a, r in zip(items, out):
+        np.testing.assert_array_equal(r, a[a > 0])

@@ -1,0 +1,87 @@
+"""``Pipeline(fill="rows")``: outputs whose size only the compute knows; only the rows it filled
+come back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ringflow as rf
+
+
+def positives(x, y):
+    """The positive values of ``x``, in order, at the start of ``y``; returns how many."""
+    keep = x[x > 0]
+    y[:keep.size] = keep
+    return int(keep.size)
+
+
+positives.sim_seconds = 20e-6
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sizes=st.lists(st.integers(0, 400), min_size=1, max_size=12), seed=st.integers(0, 2 ** 16),
+       pooled=st.booleans())
+def test_only_the_filled_rows_come_back(sizes, seed, pooled):
+    dev = rf.device("sim", chaos=True, seed=seed, checked=True)
+    if not pooled:
+        rf.host.set_budget(1, device=dev)  # results through the host-out ring
+    rng = np.random.default_rng(seed)
+    items = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    with rf.Pipeline(positives, device=dev, chunk_bytes=4096, fill="rows", checked=True) as pipe:
+        out = list(pipe.map(items))
+    for a, r in zip(items, out):
+        np.testing.assert_array_equal(r, a[a > 0])
+        assert r.dtype == np.float32
+
+
+def test_fill_with_an_output_spec_and_on_the_device():
+    dev = rf.device("sim", seed=2)
+
+    def evens(x, y):
+        keep = x[x % 2 == 0]
+        y[:keep.size] = keep
+        return keep.size
+
+    item = np.arange(20, dtype=np.int64)
+    with rf.Pipeline(evens, device=dev, chunk_bytes=4096, fill="rows", output=((20,), "int64")) as pipe:
+        np.testing.assert_array_equal(pipe.submit(item).result(), np.arange(0, 20, 2))
+    user = dev.create_stream()
+    with rf.Pipeline(evens, device=dev, chunk_bytes=4096, fill="rows", deliver="device") as pipe:
+        res = pipe.submit(item).result()
+        assert res.shape == (10,)
+        got = np.empty(10, np.int64)
+
+        def read(a):
+            got[...] = a
+
+        user.launch(read, res.array, reads=[res.array])
+        res.release(stream=user)
+        user.sync()
+    np.testing.assert_array_equal(got, np.arange(0, 20, 2))
+    user.close()
+
+
+@pytest.mark.parametrize("returned", [None, -1, 11, "3", 2.0, True])
+def test_a_compute_that_does_not_return_a_row_count_fails_its_chunk_by_name(returned):
+    def bad(x, y):
+        y[...] = x
+        return returned
+
+    with rf.Pipeline(bad, device=rf.device("sim"), chunk_bytes=4096, fill="rows", on_error="continue") as pipe:
+        fut = pipe.submit(np.ones(10, np.float32))
+        err = fut.exception()
+        ok = pipe.submit(np.ones(10, np.float32))
+    assert isinstance(err, rf.StageError) and err.stage == "compute"
+    assert "fill='rows'" in str(err.__cause__) and "an int from 0 to 10" in str(err.__cause__)
+    assert ok.exception() is not None and pipe.stats().in_flight == 0
+
+
+def test_bad_fill_options_are_refused():
+    with pytest.raises(ValueError, match="fill"):
+        rf.Pipeline(positives, device=rf.device("sim"), chunk_bytes=4096, fill="bytes")
+    with pytest.raises(ValueError, match="needs a result of one array"):
+        rf.Pipeline(positives, device=rf.device("sim"), chunk_bytes=4096, fill="rows",
+                    output={"a": ((4,), "f4"), "b": ((4,), "f4")})
