@@ -133,3 +133,13 @@ def test_the_report_plots_a_track_group_per_device(tmp_path):
         list(pipe.map(items_of(20, 10)))
     fig = pipe.report().plot(str(tmp_path / "two.png"))
     assert len(fig.axes) == 2 and (tmp_path / "two.png").stat().st_size > 1000
+
+
+def test_a_subclass_given_several_devices_says_it_runs_on_one():
+    class Mine(rf.Pipeline):
+        pass
+
+    with pytest.raises(TypeError, match="Mine runs on one device"):
+        Mine(f, device=sims(2, 11), chunk_bytes=4096)
+    with Mine(f, device=sims(1, 11), chunk_bytes=4096) as pipe:  # a list of one is that device
+        np.testing.assert_array_equal(pipe.submit(np.ones(3, np.float32)).result(), np.full(3, 3, np.float32))

@@ -247,6 +247,9 @@ class Pipeline:
             opts["chunk_bytes"], opts["workers"], opts["max_in_flight"], opts["pinned_budget"], opts["slots"])
         many = device_list(device)
         if many is not None:  # a list of one device is that device
+            if len(many) > 1:
+                raise TypeError(f"{type(self).__name__} runs on one device; a list of several makes a "
+                                "ringflow.Pipeline per device only through ringflow.Pipeline itself")
             device = many[0]
         self.device = make_device(device) if not isinstance(device, Device) else device
         chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
