@@ -200,3 +200,8 @@ def test_lent_is_a_slot_state_of_the_device_rings_only():
     for kind, table in LEGAL_SLOT_TRANSITIONS.items():
         has = (SlotState.COMPUTING, SlotState.LENT) in table
         assert has == (kind in (RingKind.DEVICE_OUT, RingKind.DEVICE_INPLACE)), kind
+
+
+def test_a_device_result_is_made_by_a_pipeline_only():
+    with pytest.raises(TypeError, match="made by a Pipeline"):
+        rf.DeviceResult(0, None, None, None)

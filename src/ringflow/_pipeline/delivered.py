@@ -32,7 +32,14 @@ class DeviceResult:
     __slots__ = ("index", "shape", "dtype", "_arg", "_array", "_device", "_give_back", "_lock", "_released",
                  "_finalizer", "_convert", "__weakref__")
 
-    def __init__(self, index: int, arg: Any, device: Any, give_back, convert=None):
+    def __init__(self, *args: Any, **kwargs: Any):
+        raise TypeError("DeviceResult objects are made by a Pipeline(deliver='device'), not directly")
+
+    @classmethod
+    def _lent(cls, index: int, arg: Any, device: Any, give_back, convert=None) -> "DeviceResult":
+        """The result of chunk ``index`` in the slot ``arg`` describes, lent to the consumer;
+        ``give_back(event, token)`` hands the slot back."""
+        self = object.__new__(cls)
         self._convert = convert  # another framework's array over the same memory (like=), or None
         self.index = index
         # one array's launch argument, or (tree, leaf arguments) for several (.trees)
@@ -46,6 +53,7 @@ class DeviceResult:
         self._released = False
         self._finalizer = weakref.finalize(self, _release_dropped, device, give_back)
         self._finalizer.atexit = False
+        return self
 
     @property
     def array(self) -> Any:

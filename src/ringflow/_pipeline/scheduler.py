@@ -752,7 +752,7 @@ class Scheduler:
             wake()
 
         chunk.dev_out = None
-        chunk.value = DeviceResult(chunk.index, arg, self.device, give_back, convert=self.convert)
+        chunk.value = DeviceResult._lent(chunk.index, arg, self.device, give_back, convert=self.convert)
         self._end(chunk, ChunkState.DELIVERED)
 
     def _wake(self) -> None:
