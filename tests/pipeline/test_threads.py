@@ -14,6 +14,7 @@ closer, checking the harness's invariants under the pipeline's lock after every 
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import threading
 
@@ -556,3 +557,63 @@ ThreadedPipelineMachine.TestCase.settings = settings(max_examples=25, stateful_s
                                                      suppress_health_check=[HealthCheck.too_slow,
                                                                             HealthCheck.filter_too_much])
 test_threaded_pipeline_state_machine = ThreadedPipelineMachine.TestCase
+
+
+@pytest.mark.parametrize("seed", [20, 21, 22])
+def test_plain_arrays_staged_by_many_threads_with_cancels_and_a_close(seed):
+    """The default path for plain arrays (each copied into pinned memory by the submitting thread,
+    its result back in that block), from six threads at once, with futures cancelled from
+    another thread and the pipeline closed under them: every future ends, every delivered result
+    is right, the counts balance, and every pinned block goes back to the pool."""
+    import gc
+
+    dev = rf.device("sim", chaos=True, seed=seed, checked=True)
+    pipe = rf.Pipeline(f_affine, device=dev, chunk_bytes=4096, max_in_flight=6, checked=True)
+    futs: list = []
+    lock = threading.Lock()
+    go = threading.Barrier(7)
+
+    def submitter(k):
+        mine = np.random.default_rng(seed * 100 + k)  # a Generator is not for sharing between threads
+        go.wait(JOIN_S)
+        for i in range(40):
+            a = np.full(int(mine.integers(1, 400)), 1000 * k + i, np.int64)
+            if i % 5 == 0:  # some items are pool arrays, read in place
+                p = rf.host.empty(a.shape, a.dtype, device=dev)
+                p[:] = a
+                a = p
+            try:
+                fut = pipe.submit(a)
+            except RuntimeError:
+                return  # closed under it: as documented
+            with lock:
+                futs.append((fut, int(a[0]), a.shape))
+
+    def canceller():
+        mine = np.random.default_rng(seed)
+        go.wait(JOIN_S)
+        for _ in range(60):
+            with lock:
+                pick = futs[int(mine.integers(len(futs)))][0] if futs else None
+            if pick is not None:
+                pick.cancel()
+
+    threads = [start(submitter, k) for k in range(6)] + [start(canceller)]
+    join(threads)
+    bounded(pipe.close)
+    kinds = collections.Counter()
+    value = None
+    for fut, tag, shape in futs:
+        if fut.cancelled():
+            kinds["cancelled"] += 1
+            continue
+        value = fut.result(timeout=0)  # the future's own result(): this thread is ordered after the chunk
+        kinds["value"] += 1
+        assert value.shape == shape and (value == tag * 3 + 1).all(), (fut.index, tag)
+    s = pipe.stats()
+    assert s.in_flight == 0 and s.accepted == len(futs) == s.delivered + s.cancelled + s.failed
+    assert kinds["value"] == s.delivered and kinds["cancelled"] == s.cancelled and s.failed == 0
+    futs.clear()
+    value = fut = None  # the last future holds its result
+    gc.collect()
+    assert rf.host.stats(device=dev).in_use_bytes == 0 and dev.live().total == 0

@@ -671,6 +671,12 @@ def owner_of(array: np.ndarray) -> Optional[_Owner]:
     return base if isinstance(base, _Owner) else None
 
 
+def record_use_of(array: Any, event: Any) -> bool:
+    """:meth:`HostPool.record_use` of ``array``'s pool, if it came from one (False if not)."""
+    owner = owner_of(array) if isinstance(array, np.ndarray) else None
+    return owner.pool.record_use(array, event) if owner is not None else False
+
+
 def buffer_behind(array: Any, device: Optional[Device] = None) -> Optional[HostBuffer]:
     """The pinned buffer whose bytes ``array`` is, from the buffer's first byte (what a copy
     engine can use in place: ``buffer.holds(array)``), if ``array`` came from a host pool (of
