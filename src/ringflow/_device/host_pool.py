@@ -671,10 +671,15 @@ def owner_of(array: np.ndarray) -> Optional[_Owner]:
     return base if isinstance(base, _Owner) else None
 
 
-def record_use_of(array: Any, event: Any) -> bool:
-    """:meth:`HostPool.record_use` of ``array``'s pool, if it came from one (False if not)."""
+def hand_off(array: Any, token: Any) -> None:
+    """Order whoever takes ``array``'s block next after ``token`` (a :meth:`Device.publish` of the
+    thread that saw the block's last device use complete), whichever thread drops the array last
+    (the GIL orders the drops; the simulated GPU's checker sees only tokens). Nothing for an
+    array from no pool."""
     owner = owner_of(array) if isinstance(array, np.ndarray) else None
-    return owner.pool.record_use(array, event) if owner is not None else False
+    if owner is not None:
+        with owner.pool._lock:
+            owner.block.tokens.append(token)
 
 
 def buffer_behind(array: Any, device: Optional[Device] = None) -> Optional[HostBuffer]:

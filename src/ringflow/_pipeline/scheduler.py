@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .._device.host_pool import buffer_behind, record_use_of
+from .._device.host_pool import buffer_behind, hand_off
 from .._device.protocol import BufferSlice, Device
 from .._errors import DeviceError, StageError
 from .._testing import current as current_hooks
@@ -617,11 +617,6 @@ class Scheduler:
             if n:  # a zero-length item moves no bytes (a copy needs at least one)
                 s.copy(_head(slot.where, n), _head(chunk.source or chunk.host_in.where, n), n)
             event = self._mark(chunk, s, "h2d")
-            if chunk.source is not None and chunk.on_device is None:
-                # a pool array read in place (the caller's, or its staged copy): whoever drops it
-                # last (the caller, a collector on any thread) may not have seen this copy
-                # complete, so its block waits for the copy before the pool hands it out again
-                record_use_of(chunk.staged if chunk.staged is not None else chunk.item, event)
             chunk.stamps["h2d.enqueued"] = self.device.now
             self.host_in.move(chunk.host_in, SlotState.COPYING_IN)
             chunk.h2d_event = event
@@ -710,8 +705,6 @@ class Scheduler:
             if n:
                 s.copy(_head(dest, n), _head(chunk.dev_out.where, n), n)
             event = self._mark(chunk, s, "d2h")
-            if chunk.result is not None:  # (as for the h2d's pool array, above)
-                record_use_of(chunk.result, event)
             chunk.stamps["d2h.enqueued"] = self.device.now
             chunk.d2h_event = event
             self._release_on_device(ring_out, chunk.dev_out, event, "device_out.release_after_d2h")
@@ -891,6 +884,12 @@ class Scheduler:
             self._on_chunk_end(chunk)
         fut = chunk.future
         fut.token = self.device.publish()  # the thread that takes the result is ordered after this
+        # the pool arrays the chunk's copies used (its staged copy and result, a caller's pool
+        # array read in place): whoever drops one last, on whatever thread, the next taker of its
+        # block is ordered after this thread, which saw every copy of the chunk complete
+        for arr in (chunk.staged, chunk.result, chunk.item if chunk.source is not None else None):
+            if arr is not None:
+                hand_off(arr, fut.token)
         if fut.done():  # cancelled by its caller while its enqueued work drained
             pass
         elif final is ChunkState.DELIVERED:
