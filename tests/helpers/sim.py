@@ -5,8 +5,24 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 import ringflow as rf
 from ringflow._device.hardware import UNIT_TEST, HardwareProfile
+
+
+def read_on(stream, res, seconds: float = 50e-6):
+    """Read a result delivered on the simulated GPU (``deliver="device"``) as a consumer's model
+    step would: a kernel on ``stream`` naming it in ``reads``; returns the host array that kernel
+    fills (valid once ``stream`` has run it)."""
+    out = np.empty(res.shape, res.dtype)
+
+    def read(a):
+        out[...] = a
+
+    read.sim_seconds = seconds
+    stream.launch(read, res.array, reads=[res.array])
+    return out
 
 
 def unit_device(**options: Any):

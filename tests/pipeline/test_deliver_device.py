@@ -18,6 +18,7 @@ import ringflow as rf
 from ringflow import _testing
 from ringflow._pipeline.states import SlotState
 from tests.helpers.pipeline_checks import caught
+from tests.helpers.sim import read_on
 
 
 def f(x, y):
@@ -25,19 +26,6 @@ def f(x, y):
 
 
 f.sim_seconds = 20e-6
-
-
-def copy_out(dev, stream, res, seconds=50e-6):
-    """Read a delivered result the way a consumer's model step would: a kernel on ``stream``;
-    returns a host array the kernel filled (a checked copy on the device's side)."""
-    out = np.empty(res.shape, res.dtype)
-
-    def read(a):
-        out[...] = a
-
-    read.sim_seconds = seconds
-    stream.launch(read, res.array, reads=[res.array])
-    return out
 
 
 def run(seed, *, slots=2, n=30, release_order="fifo", guards=(), use_stream=True, hold=2):
@@ -51,7 +39,7 @@ def run(seed, *, slots=2, n=30, release_order="fifo", guards=(), use_stream=True
                          slots=rf.SlotCounts(host_in=2, device_in=2, device_out=slots, host_out=1)) as pipe:
             order = random.Random(seed)
             for res in pipe.map(items):
-                got[res.index] = copy_out(dev, user, res)
+                got[res.index] = read_on(user, res)
                 held.append(res)
                 if len(held) >= hold:  # release some of what is held, in the order asked
                     k = order.randrange(len(held)) if release_order == "random" else 0
@@ -150,7 +138,7 @@ def test_closing_with_results_still_held_frees_their_slots_when_released():
     held = list(pipe.map([np.ones(16, np.float32)] * 3))
     pipe.close()  # bounded: does not wait for the consumer
     assert dev.live().device_buffers >= 1  # the lent slots' ring is still the consumer's
-    out = copy_out(dev, user, held[0])
+    out = read_on(user, held[0])
     for res in held:
         res.release(stream=user)
     user.sync()
@@ -168,7 +156,7 @@ def test_output_specs_and_device_delivery_together():
     with rf.Pipeline(means, device=dev, chunk_bytes=4096, deliver="device", output=((2,), "float16")) as pipe:
         res = pipe.submit(np.arange(10, dtype=np.uint8)).result()
         with res:
-            out = copy_out(dev, user, res)
+            out = read_on(user, res)
             res.release(stream=user)
         user.sync()
     np.testing.assert_array_equal(out, np.array([2, 7], np.float16))

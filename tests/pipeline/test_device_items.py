@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import ringflow as rf
+from tests.helpers.sim import read_on
 
 
 def f(x, y):
@@ -75,12 +76,7 @@ def test_device_items_with_an_output_spec_and_delivered_on_the_device():
         np.testing.assert_array_equal(pipe.submit(arg).result(), [6.0, 22.0])
     with rf.Pipeline(f, device=dev, chunk_bytes=4096, deliver="device") as pipe:
         res = pipe.submit(arg).result()
-        got = np.empty(8, np.float32)
-
-        def read(a):
-            got[...] = a
-
-        user.launch(read, res.array, reads=[res.array])
+        got = read_on(user, res)
         res.release(stream=user)
         user.sync()
     np.testing.assert_array_equal(got, np.arange(8, dtype=np.float32) * 2 + 1)

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ringflow as rf
+from tests.helpers.sim import read_on
 
 
 def positives(x, y):
@@ -48,16 +49,13 @@ def test_fill_with_an_output_spec_and_on_the_device():
     item = np.arange(20, dtype=np.int64)
     with rf.Pipeline(evens, device=dev, chunk_bytes=4096, fill="rows", output=((20,), "int64")) as pipe:
         np.testing.assert_array_equal(pipe.submit(item).result(), np.arange(0, 20, 2))
+        none = pipe.submit(np.array([1, 3, 5], np.int64)).result()  # nothing kept: no bytes come back
+        assert none.shape == (0,) and none.dtype == np.int64
     user = dev.create_stream()
     with rf.Pipeline(evens, device=dev, chunk_bytes=4096, fill="rows", deliver="device") as pipe:
         res = pipe.submit(item).result()
         assert res.shape == (10,)
-        got = np.empty(10, np.int64)
-
-        def read(a):
-            got[...] = a
-
-        user.launch(read, res.array, reads=[res.array])
+        got = read_on(user, res)
         res.release(stream=user)
         user.sync()
     np.testing.assert_array_equal(got, np.arange(0, 20, 2))

@@ -203,7 +203,7 @@ class HostPool:
             HazardError: (simulated GPU) the block's previous use is not ordered before this
                 thread: a missing :meth:`record_use`, or a pool bug.
         """
-        shape, dtype = _check_request(shape, dtype)
+        shape, dtype = check_shape_dtype(shape, dtype)
         pinned = self.take(shape, dtype)
         return np.empty(shape, dtype) if pinned is None else pinned
 
@@ -572,9 +572,15 @@ def _wait(event: Any) -> None:
         pass
 
 
-def _check_request(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
+def check_shape_dtype(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
     """``shape`` as a tuple of ints and ``dtype`` as a numpy dtype (a subarray dtype's shape
-    appended, as ``np.empty`` does); refuses what cannot be pinned."""
+    appended, as ``np.empty`` does); refuses what cannot be pinned.
+
+    Raises:
+        TypeError: a shape that is not an int or a sequence of ints, a dtype numpy does not
+            know, or one holding Python objects.
+        ValueError: a negative dimension.
+    """
     bad = f"shape must be an int or a sequence of ints, got {shape!r}"
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
         shape = (shape,)

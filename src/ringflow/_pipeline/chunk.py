@@ -159,6 +159,7 @@ class Chunk:
     source_ready: Any = None  # the event after its producer's work, which the copy waits for
     source: Any = None  # the pinned memory the h2d reads in place (a BufferSlice), or None
     result: Optional[np.ndarray] = None  # the pinned pool array the d2h writes, or None (the host-out slot)
+    result_buffer: Any = None  # the pinned buffer behind ``result``
     prepare_task: Any = None
     consume_task: Any = None
     h2d_event: Any = None

@@ -561,7 +561,8 @@ class Scheduler:
     def _run_consume(self, chunk: Chunk, where: BufferSlice) -> Any:
         result = chunk.result
         if result is not None:  # the d2h wrote a pooled array of the chunk's own
-            where = BufferSlice(buffer_behind(result), 0, chunk.out_nbytes)
+            buffer = chunk.result_buffer  # found at the d2h; none moved no bytes (an empty fill)
+            where = BufferSlice(buffer if buffer is not None else buffer_behind(result), 0, chunk.out_nbytes)
         count = math.prod(chunk.out_shape)
         # a checked read (simulated GPU): the consumer reads the result now, ordered after its d2h
         view = where.buffer.view(chunk.out_dtype, offset=where.offset, count=count,
@@ -808,7 +809,9 @@ class Scheduler:
             if arr is None:
                 return None
         chunk.result = arr
-        return BufferSlice(buffer_behind(arr), 0, chunk.out_nbytes)
+        # the staged block's buffer was found for the h2d already; the consumer reads this one
+        chunk.result_buffer = chunk.source.buffer if arr is staged else buffer_behind(arr)
+        return BufferSlice(chunk.result_buffer, 0, chunk.out_nbytes)
 
     def _mark(self, chunk: Chunk, stream, stage: str, start: bool = False):
         """:func:`~.stages.mark` for ``chunk``: its timing events are kept only when profiling."""
@@ -910,7 +913,8 @@ class Scheduler:
         """Drop what an ended chunk no longer needs (events, tasks, slots): a result held by a map
         must not pin them."""
         chunk.host_in = chunk.dev_in = chunk.dev_out = chunk.host_out = None
-        chunk.staged = chunk.source = chunk.result = chunk.on_device = chunk.source_ready = None
+        chunk.staged = chunk.source = chunk.result = chunk.result_buffer = chunk.on_device = None
+        chunk.source_ready = None
         chunk.prepare_task = chunk.consume_task = None
         chunk.h2d_event = chunk.compute_event = chunk.d2h_event = None
         chunk.events = {}

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .._device.host_pool import check_shape_dtype
 from .._plan import SlotCounts
 
 MAX_CHUNK_BYTES = 1 << 40  # 1 TiB: larger than any GPU's memory, so surely a mistake
@@ -216,22 +217,10 @@ def check_output_spec(spec: Any, where: str = "output") -> tuple:
     """
     if not isinstance(spec, (tuple, list)) or len(spec) != 2:
         raise TypeError(f"{where} must be a (shape, dtype) pair such as ((64, 10), 'float16'), got {_got(spec)}")
-    shape, dtype = spec
-    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
-        shape = (shape,)
-    if not isinstance(shape, (tuple, list)) or \
-            not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in shape):
-        raise TypeError(f"{where}: the shape must be an int or a sequence of ints, got {_got(shape)}")
-    shape = tuple(int(d) for d in shape)
-    if any(d < 0 for d in shape):
-        raise ValueError(f"{where}: the shape {shape} has a negative dimension")
     try:
-        dtype = np.dtype(dtype)
-    except TypeError as exc:
-        raise TypeError(f"{where}: {dtype!r} is not a numpy dtype ({exc})") from None
-    if dtype.hasobject:
-        raise TypeError(f"{where}: dtype {dtype} holds Python objects; results are moved as raw bytes")
-    return shape, dtype
+        return check_shape_dtype(*spec)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{where}: {exc}") from None
 
 
 _DLPACK_CPU = (1, 3)  # kDLCPU, kDLCUDAHost (pinned host memory): bytes the CPU can read
