@@ -299,32 +299,41 @@ def host_seconds_per_chunk(host_stages: bool) -> float:
     return SCHEDULER_S_PER_CHUNK + 2 * SCHEDULER_S_PER_HOST_TASK if host_stages else DIRECT_S_PER_CHUNK
 
 
-def queued_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, compute: float, workers: int) -> StageTimes:
+def queued_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, compute: float, workers: int,
+                       out_ratio: float = 1.0) -> StageTimes:
     """Per-chunk stage times of a long run of chunks: copies at the link's streaming rate
     (shared when both directions run) plus :data:`QUEUED_COPY_OVERHEAD_S`, kernels plus the
     profile's launch overhead (each waits on an event from another stream); host stages as in
-    :func:`model_stage_times`."""
+    :func:`model_stage_times`. ``out_ratio``: a chunk's result bytes per input byte."""
     p = get_profile(profile)
     peak_h = p.copy_GBps("h2d", p.h2d_curve[-1][0]) * 1e9
     peak_d = p.copy_GBps("d2h", p.d2h_curve[-1][0]) * 1e9
     share = min(1.0, p.duplex_GBps * 1e9 / (peak_h + peak_d))
-    t = model_stage_times(p, chunk_bytes, compute=compute, workers=workers)
-    return dataclasses.replace(t, h2d=chunk_bytes / (peak_h * share) + QUEUED_COPY_OVERHEAD_S,
-                               d2h=chunk_bytes / (peak_d * share) + QUEUED_COPY_OVERHEAD_S,
+    out_bytes = max(1, round(chunk_bytes * out_ratio))
+    t = model_stage_times(p, chunk_bytes, compute=compute, workers=workers, out_bytes=out_bytes)
+    h2d, d2h = chunk_bytes / (peak_h * share), out_bytes / (peak_d * share)
+    if out_ratio != 1.0:  # the shorter direction ends first; the other then has the link to itself
+        if h2d > d2h:
+            h2d = d2h + (chunk_bytes - peak_h * share * d2h) / peak_h
+        else:
+            d2h = h2d + (out_bytes - peak_d * share * h2d) / peak_d
+    return dataclasses.replace(t, h2d=h2d + QUEUED_COPY_OVERHEAD_S, d2h=d2h + QUEUED_COPY_OVERHEAD_S,
                                compute=compute + p.launch_overhead_s)
 
 
 def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_bytes: int, *,
                     compute_s_per_byte: float = 0.0, workers: int = 1,
-                    host_stages: bool = True) -> tuple[StageTimes, float]:
+                    host_stages: bool = True, out_ratio: float = 1.0) -> tuple[StageTimes, float]:
     """(per-chunk stage times, predicted wall seconds) of streaming ``total_bytes`` in chunks of
     ``chunk_bytes``: the bound of the five stages (:func:`queued_stage_times`) plus the host's
     time per chunk as a sixth resource (it overlaps the GPU until it becomes the bottleneck with
     small chunks). With ``host_stages=False`` the copy engines use the caller's pinned memory (no
-    staging: the direct engine)."""
+    staging: the direct engine). ``out_ratio``: result bytes per input byte (the copy back and
+    the consume move that many)."""
     p = get_profile(profile)
     n = -(-total_bytes // chunk_bytes)
-    t = queued_stage_times(p, chunk_bytes, compute=compute_s_per_byte * chunk_bytes, workers=workers)
+    t = queued_stage_times(p, chunk_bytes, compute=compute_s_per_byte * chunk_bytes, workers=workers,
+                           out_ratio=out_ratio)
     t = dataclasses.replace(t, scheduler=host_seconds_per_chunk(host_stages))
     if not host_stages:
         t = dataclasses.replace(t, prepare=p.host_task_overhead_s, consume=p.host_task_overhead_s)
@@ -405,8 +414,9 @@ class ChunkChoice:
 
 def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *, compute_s_per_byte: float = 0.0,
                        workers: int = 1, host_stages: bool = True, pinned_budget: Optional[int] = None,
-                       align: int = 1, candidates: Optional[list] = None) -> ChunkChoice:
-    """The chunk size minimising the predicted wall time of ``total_bytes``.
+                       align: int = 1, candidates: Optional[list] = None, out_ratio: float = 1.0) -> ChunkChoice:
+    """The chunk size (of the input) minimising the predicted wall time of ``total_bytes`` of
+    input, whose results are ``out_ratio`` bytes per input byte.
 
     Small chunks copy slowly (the bandwidth-by-size curve) and pay the per-chunk host cost many
     times; large chunks leave the pipeline's fill and drain (the first chunk traverses every
@@ -421,9 +431,9 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *, co
         # Python, 4% of a 256 MiB seed call), too much to pay on every stream_map(chunk_bytes="auto")
         return _choose_chunk_bytes_cached(profile, int(total_bytes), float(compute_s_per_byte), int(workers),
                                           bool(host_stages), pinned_budget, int(align),
-                                          tuple(candidates) if candidates else None)
+                                          tuple(candidates) if candidates else None, float(out_ratio))
     return _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_stages, pinned_budget,
-                               align, candidates)
+                               align, candidates, out_ratio)
 
 
 @functools.lru_cache(maxsize=256)
@@ -432,16 +442,17 @@ def _choose_chunk_bytes_cached(*args) -> ChunkChoice:
 
 
 def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_stages, pinned_budget, align,
-                        candidates) -> ChunkChoice:
+                        candidates, out_ratio=1.0) -> ChunkChoice:
     cands = candidates or [1 << k for k in range(16, 29)]
     rows = []
     for c in cands:
         c = max(align, (min(c, total_bytes) // align) * align)
         n = -(-total_bytes // c)
         t, predicted = predict_seconds(profile, total_bytes, c, compute_s_per_byte=compute_s_per_byte,
-                                       workers=workers, host_stages=host_stages)
+                                       workers=workers, host_stages=host_stages, out_ratio=out_ratio)
         plan = plan_slots(t)
-        if pinned_budget is not None and host_stages and (plan.slots.host_in + plan.slots.host_out) * c > pinned_budget:
+        slot = c * max(1.0, out_ratio)  # a slot holds a chunk's input or its result
+        if pinned_budget is not None and host_stages and (plan.slots.host_in + plan.slots.host_out) * slot > pinned_budget:
             continue
         rows.append((c, n, predicted))
     if not rows:

@@ -129,6 +129,7 @@ def test_done_callbacks_that_wait_on_the_pipeline_do_not_deadlock_it():
     x = _items(6)
     chained = []
     errors = []
+    returned = threading.Event()
 
     def submit_two_more(fut):
         try:
@@ -137,11 +138,15 @@ def test_done_callbacks_that_wait_on_the_pipeline_do_not_deadlock_it():
             chained.append(chained[0].result())  # waits for a pending chunk
         except BaseException as exc:  # noqa: BLE001 - reported below (a callback's error is only logged)
             errors.append(exc)
+        finally:
+            returned.set()
 
     futs = [pipe.submit(x[0]), pipe.submit(x[1])]
     futs[0].add_done_callback(submit_two_more)
+    # a future is done before its callbacks run: wait for the callback itself, not the futures
+    assert returned.wait(10), "the first callback never returned: the progress thread waited on itself"
     done, pending = concurrent.futures.wait(futs, timeout=10)
-    assert not pending, "the first callback never returned: the progress thread waited on itself"
+    assert not pending
     assert not errors, errors
     done, pending = concurrent.futures.wait(chained[:2], timeout=10)
     assert not pending, "the chained submits never completed: the progress thread waited on itself"

@@ -176,3 +176,22 @@ def test_one_call_profiled():
             with pytest.raises(RuntimeError, match="no profiled call"):
                 job.report()
     assert dev.live().total == 0
+
+
+def test_a_job_uses_pool_arrays_as_they_are_rather_than_pinning_them_again():
+    """Pool arrays are pinned already (a real GPU refuses to register them again): a job over
+    two of them reads and writes them in place; over one, it registers only the other."""
+    dev = rf.device("sim")
+    x = rf.host.empty((64, 256), np.float32, device=dev)
+    x[:] = 1
+    out = rf.host.empty((64, 256), np.float32, device=dev)
+
+    def f(a, b):
+        b[:] = a * 2
+
+    with rf.MapJob(f, x, out, device=dev, chunk_bytes=4096) as job:
+        assert job.strategy == "pinned"
+        np.testing.assert_array_equal(job(), np.full((64, 256), 2, np.float32))
+    with rf.MapJob(f, x, device=dev, chunk_bytes=4096, host="register") as job:
+        assert len(job._held.registered) == 1 and job._held.registered[0].holds(job.out)
+        np.testing.assert_array_equal(job(), np.full((64, 256), 2, np.float32))

@@ -27,6 +27,7 @@ launched on a stream of the simulated device.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import itertools
 import math
@@ -467,27 +468,31 @@ def measure_feed(name: str, one_pass: OnePass, side: _ModelSide, images: ImageBa
 
 
 def ringflow_feed(dev: Device, images: ImageBatches, side: _ModelSide, *, workers: int, batches: int, rounds: int,
-                  check: int, prepare: Optional[Callable[[int], np.ndarray]] = None, processes: bool = False) -> Row:
+                  check: int, prepare: Optional[Callable[[int], np.ndarray]] = None, processes: bool = False,
+                  name: Optional[str] = None, **options: Any) -> Row:
     """ringflow's side: one :class:`ringflow.Pipeline` that prepares batches on ``workers``
     threads (``prepare``, default :meth:`ImageBatches.decode_augment`), normalises them on the
     device and delivers each there (``deliver="device"``) to the model step, then releases it on
     ``side.stream``; measured by :func:`measure_feed`. ``processes``: the CPU workers are
-    processes (``Pipeline(processes=True)``) instead of threads.
+    processes (``Pipeline(processes=True)``) instead of threads. ``options``: more
+    :class:`ringflow.Pipeline` arguments (``slots``, ``ordered``), with ``name`` for the row.
 
     Returns:
-        :func:`measure_feed`'s row, with ``deliver`` ("device"), ``workers`` and ``processes``.
+        :func:`measure_feed`'s row, with ``deliver`` ("device"), ``workers``, ``processes`` and
+        the pipeline's ``slots``.
     """
     with rf.Pipeline(normalise, device=dev, prepare=prepare or images.decode_augment, chunk_bytes=images.nbytes * 2,
                      workers=workers, output=(images.shape, "float16"), deliver="device",
-                     processes=processes) as pipe:
+                     processes=processes, **options) as pipe:
 
         def one_pass(count: int, consume: Callable[[int, Any], None]) -> None:
             for i, res in enumerate(pipe.map(range(count))):
                 consume(i, res.array)
                 res.release(stream=side.stream)  # stream-ordered: after the step just enqueued
 
-        return measure_feed(RINGFLOW_PROCESSES if processes else RINGFLOW, one_pass, side, images, batches=batches,
-                            rounds=rounds, check=check, deliver="device", workers=workers, processes=processes)
+        return measure_feed(name or (RINGFLOW_PROCESSES if processes else RINGFLOW), one_pass, side, images,
+                            batches=batches, rounds=rounds, check=check, deliver="device", workers=workers,
+                            processes=processes, slots=dataclasses.asdict(pipe.config.slots))
 
 
 class BatchDataset:

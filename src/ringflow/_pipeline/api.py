@@ -196,13 +196,15 @@ class Pipeline:
 
     @classmethod
     def _for_whole_array(cls, compute: Callable, *, prepare: Callable, consume: Callable, item_nbytes: Callable,
-                         host_in_buffer, host_out_buffer, max_chunks: int, **options: Any) -> "Pipeline":
+                         host_in_buffer, host_out_buffer, max_chunks: int, host_strides: tuple = (None, None),
+                         **options: Any) -> "Pipeline":
         """A pipeline for a whole-array job (:mod:`.scheduled`): its stage callbacks describe or
-        stage rows of the caller's arrays, and its host rings may be the caller's pinned memory."""
+        stage rows of the caller's arrays, and its host rings may be the caller's pinned memory
+        (chunk i of each at ``i *`` its stride in ``host_strides``)."""
         pipe = object.__new__(cls)
         pipe._build(compute, stage_prepare=prepare, consume=consume, item_nbytes=item_nbytes,
                     host_in_buffer=host_in_buffer, host_out_buffer=host_out_buffer, max_chunks=max_chunks,
-                    bulk=True, **options)
+                    bulk=True, host_strides=host_strides, **options)
         return pipe
 
     def _build(self, compute: Callable, *, device=None, user_prepare: Optional[Callable] = None,
@@ -211,7 +213,8 @@ class Pipeline:
                profile: bool = False, workers=None, inplace: bool = False, checked: bool = False,
                item_nbytes=None, pinned_budget=None, host_in_buffer=None, host_out_buffer=None,
                max_chunks: Optional[int] = None, bulk: bool = False, output=None, deliver: str = "host",
-               processes: bool = False, like: Optional[str] = None, fill: Optional[str] = None) -> None:
+               processes: bool = False, like: Optional[str] = None, fill: Optional[str] = None,
+               host_strides: tuple = (None, None)) -> None:
         self._closed = True  # until built: a finaliser or close() on a half-built pipeline does nothing
         if not callable(compute):
             raise TypeError(f"compute must be a callable f(x, y), got {type(compute).__name__}")
@@ -292,7 +295,7 @@ class Pipeline:
                                     host_in_buffer=host_in_buffer, host_out_buffer=host_out_buffer,
                                     results=results, source_of=source_of,
                                     host_in_memory=procs.buffer if procs else None, owned=(procs,) if procs else (),
-                                    convert=convert)
+                                    convert=convert, host_strides=host_strides)
         except BaseException:
             if procs is not None:
                 procs.close()

@@ -48,8 +48,10 @@ GUARDS = (
 class ChunkOps:
     """One chunk's operations, their arguments made once (a call only enqueues them)."""
     index: int
-    offset: int  # of the chunk's bytes in x and out
+    offset: int  # of the chunk's bytes in x
     nbytes: int
+    out_offset: int  # of the chunk's result in out
+    out_nbytes: int
     host_in: Optional[BufferSlice]  # the chunk in x_buffer / out_buffer when bound at construction
     host_out: Optional[BufferSlice]
     slot_in: int  # device-in (or in-place) slot
@@ -63,16 +65,24 @@ class ChunkOps:
 
 class DirectSchedule:
     """``compute(x, y)`` over ``chunks`` — ``(offset, nbytes, shape)`` byte ranges of ``x``'s
-    pinned memory, results to the same ranges of ``out``'s — through device rings of
-    ``slots.device_in`` (and ``slots.device_out``) slots of ``chunk_bytes``. The arrays may be
-    bound once here (their per-chunk slices are then made once) or given to each ``run``.
+    pinned memory (of ``dtype``), results to the same ranges of ``out``'s — through device rings
+    of ``slots.device_in`` (and ``slots.device_out``) slots of ``chunk_bytes``. A result shaped
+    otherwise (``out_dtype``) has its own ``(offset, nbytes, shape)`` in ``out_chunks`` and
+    device-out slots of ``out_chunk_bytes``. The arrays may be bound once here (their per-chunk
+    slices are then made once) or given to each ``run``.
 
     Owns three streams (a fourth for poison fills when ``checked``) and the device rings;
     ``close()`` frees them, stream-ordered after everything enqueued, and never raises."""
 
     def __init__(self, device: Device, compute: Callable, chunks: Sequence[tuple[int, int, tuple]], dtype: Any, *,
                  chunk_bytes: int, slots: SlotCounts, inplace: bool, checked: bool = False,
-                 bound: Optional[Arrays] = None, compute_streams: int = 1):
+                 bound: Optional[Arrays] = None, compute_streams: int = 1,
+                 out_chunks: Optional[Sequence[tuple[int, int, tuple]]] = None, out_dtype: Any = None,
+                 out_chunk_bytes: Optional[int] = None):
+        if out_chunks is None:
+            out_chunks, out_dtype, out_chunk_bytes = chunks, dtype, chunk_bytes
+        if inplace and (list(out_chunks) != list(chunks) or out_dtype != dtype):
+            raise ValueError("an in-place job's result is shaped as its input")
         self._guard_off = refuse_unknown_guards(current_hooks().guards_off, GUARDS)
         self.device = device
         self.compute = writes_into_y(compute)
@@ -90,7 +100,7 @@ class DirectSchedule:
         try:
             self.dev_in = device.allocate(chunk_bytes * n_in)
             self._rings.append(self.dev_in)
-            self.dev_out = None if inplace else device.allocate(chunk_bytes * n_out)
+            self.dev_out = None if inplace else device.allocate(out_chunk_bytes * n_out)
             if self.dev_out is not None:
                 self._rings.append(self.dev_out)
         except BaseException:
@@ -106,28 +116,30 @@ class DirectSchedule:
         x_buffer = bound.x_buffer if bound is not None else None
         out_buffer = bound.out_buffer if bound is not None else None
         self.ops: list[ChunkOps] = []
-        for i, (offset, nbytes, shape) in enumerate(chunks):
+        for i, ((offset, nbytes, shape), (out_offset, out_nbytes, out_shape)) in enumerate(zip(chunks, out_chunks)):
             k_in, k_out = i % n_in, (-1 if inplace else i % n_out)
             dev_in = self.dev_in.slice(k_in * chunk_bytes, nbytes)
-            dev_out = dev_in if inplace else self.dev_out.slice(k_out * chunk_bytes, nbytes)
+            dev_out = dev_in if inplace else self.dev_out.slice(k_out * out_chunk_bytes, out_nbytes)
             x = dev_in.array(dtype, shape)
             self.ops.append(ChunkOps(
-                index=i, offset=offset, nbytes=nbytes,
+                index=i, offset=offset, nbytes=nbytes, out_offset=out_offset, out_nbytes=out_nbytes,
                 host_in=x_buffer.slice(offset, nbytes) if x_buffer is not None else None,
-                host_out=out_buffer.slice(offset, nbytes) if out_buffer is not None else None,
+                host_out=out_buffer.slice(out_offset, out_nbytes) if out_buffer is not None else None,
                 slot_in=k_in, slot_out=k_out, dev_in=dev_in, dev_out=dev_out, x=x,
-                y=x if inplace else dev_out.array(dtype, shape), sim_seconds=sim_seconds_for(sim, nbytes)))
+                y=x if inplace else dev_out.array(out_dtype, out_shape), sim_seconds=sim_seconds_for(sim, nbytes)))
 
     @classmethod
     def for_layout(cls, f: Callable, layout, options: dict, bound: Optional[Arrays] = None) -> "DirectSchedule":
         """The direct engine for a whole-array ``layout`` (its chunks, the planned device rings)."""
         inplace = bool(options.get("inplace", False))
-        row = layout.row_bytes
+        row, out_row = layout.row_bytes, layout.out_row_bytes
         chunks = [(a * row, (b - a) * row, (b - a,) + layout.tail) for a, b in layout.ranges()]
-        return cls(layout.device, f, chunks, layout.dtype, chunk_bytes=layout.chunk_bytes,
+        out_chunks = [(a * out_row, (b - a) * out_row, (b - a,) + layout.out_tail) for a, b in layout.ranges()]
+        return cls(layout.device, f, chunks, layout.dtype, chunk_bytes=layout.in_chunk_bytes,
                    slots=layout.slots(f, options, external=True), inplace=inplace,
                    checked=bool(options.get("checked", False)), bound=bound,
-                   compute_streams=int(options.get("compute_streams", 1)))
+                   compute_streams=int(options.get("compute_streams", 1)), out_chunks=out_chunks,
+                   out_dtype=layout.out_dtype, out_chunk_bytes=layout.out_chunk_bytes)
 
     @property
     def closed(self) -> bool:
@@ -160,7 +172,7 @@ class DirectSchedule:
             x_buffer, out_buffer = arrays.x_buffer, arrays.out_buffer
 
             def host(op):  # made as each chunk is enqueued, after the ones before it are on their way
-                return x_buffer.slice(op.offset, op.nbytes), out_buffer.slice(op.offset, op.nbytes)
+                return x_buffer.slice(op.offset, op.nbytes), out_buffer.slice(op.out_offset, op.out_nbytes)
         self._timeline = None
         t0 = time.perf_counter()
         try:
@@ -208,7 +220,7 @@ class DirectSchedule:
         if "d2h.wait_compute" not in off:
             d2h.wait(computed)
         mark(d2h, "d2h", events, start=True)
-        d2h.copy(host_out, op.dev_out, op.nbytes)
+        d2h.copy(host_out, op.dev_out, op.out_nbytes)
         copied_out = mark(d2h, "d2h", events)
         if self.inplace:
             self._in_ready[op.slot_in] = self._after_use(op.dev_in, copied_out)

@@ -30,7 +30,7 @@ from .._device import device as make_device
 from .._device import device_list
 from .._device.protocol import Device, close_quietly
 from .engine import Arrays, Engine, choose_engine, make_engine
-from .whole_array import MapLayout, check_arrays, register, run_call
+from .whole_array import MapLayout, check_arrays, pinned_arrays, pooled_buffers, run_call
 from .validate import check_flag, check_options
 
 
@@ -85,12 +85,12 @@ class MapJob:
                  device: "Device | str | None" = None, chunk_bytes: "int | str | None" = None, host: str = "auto",
                  x_buffer=None, out_buffer=None, engine: str = "auto", inplace: bool = False, slots=None,
                  workers: Optional[int] = None, checked: bool = False, on_error: str = "raise",
-                 pinned_budget: "int | str | None" = None, compute_streams: int = 1):
+                 pinned_budget: "int | str | None" = None, compute_streams: int = 1, output: Any = None):
         self._held = _Held()
         opts = check_options(chunk_bytes=chunk_bytes, allow_auto_chunk=True, inplace=inplace, slots=slots,
                              workers=workers, checked=checked, on_error=on_error, pinned_budget=pinned_budget,
                              compute_streams=compute_streams)
-        out, fresh_out = check_arrays(f, x, out, host, engine, "MapJob")
+        out, fresh_out = check_arrays(f, x, out, host, engine, "MapJob", output, opts["inplace"])
         if x.shape[0] == 0 or x.size == 0:
             raise ValueError("MapJob needs at least one element in x; for an empty array call stream_map, "
                              "which returns at once")
@@ -111,18 +111,20 @@ class MapJob:
 
     def _bind(self, f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x_buffer, out_buffer,
               engine: str, opts: dict) -> None:
-        """Lay the job out on ``dev``, pin its arrays (``host="register"``) and build its engine."""
+        """Lay the job out on ``dev``, pin its arrays (``host="register"``; arrays from
+        :mod:`ringflow.host` are pinned already and used as they are) and build its engine."""
+        pooled = pooled_buffers(dev, x, out, fresh_out, host, x_buffer, out_buffer)
+        if None not in pooled:
+            x_buffer, out_buffer = pooled
         self._layout = layout = MapLayout.plan(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer,
                                                opts)
         self.device = layout.device
         opts = layout.engine_options(opts)
         self.engine = choose_engine(engine, layout.strategy, opts)
         try:
-            if layout.strategy == "register":
-                # pinned for the job's life: later calls pay no registration and no first touch
-                self._held.registered = register(layout.device, x, out, fresh_out, opts.get("workers"))
-                x_buffer, out_buffer = self._held.registered[0], self._held.registered[-1]
-            self._arrays = Arrays(x, out, x_buffer, out_buffer)
+            # pinned for the job's life: later calls pay no registration and no first touch
+            self._held.registered, self._arrays = pinned_arrays(layout, x, out, fresh_out, x_buffer, out_buffer,
+                                                                pooled, opts.get("workers"))
             self._held.engine = make_engine(self.engine, f, layout, opts, self._arrays, bind=True)
         except BaseException:
             self._held.release()

@@ -60,10 +60,18 @@ class ScheduledEngine:
         prepare, consume, item_nbytes = self._stages(arrays)
         host_in, host_out = self._host_rings(arrays)
         layout = self.layout
+        output = None
+        if layout.reshaped:  # each chunk's result is its rows of out, shaped as out is
+            out_tail, out_dtype = layout.out_tail, layout.out_dtype
+
+            def output(item):
+                return (item[1] - item[0],) + out_tail, out_dtype
         pipe = Pipeline._for_whole_array(self.f, prepare=prepare, consume=consume, item_nbytes=item_nbytes,
                                          host_in_buffer=host_in, host_out_buffer=host_out,
                                          max_chunks=layout.n_chunks, device=layout.device,
-                                         chunk_bytes=layout.chunk_bytes, profile=profile, **self.options)
+                                         chunk_bytes=layout.chunk_bytes, profile=profile, output=output,
+                                         host_strides=(layout.in_chunk_bytes, layout.out_chunk_bytes),
+                                         **self.options)
         self._arrays = arrays
         return pipe
 

@@ -86,11 +86,12 @@ class Scheduler:
                  config: PipelineConfig, *, item_nbytes: Callable[[Any], int] = lambda item: 0,
                  on_chunk_end: Optional[Callable[[Chunk], None]] = None, host_in_buffer=None, host_out_buffer=None,
                  results=None, source_of: Optional[SourceOf] = None, host_in_memory=None, owned=(),
-                 convert: Optional[Callable[[Any], Any]] = None):
+                 convert: Optional[Callable[[Any], Any]] = None, host_strides: tuple = (None, None)):
         """``host_in_buffer``/``host_out_buffer``: the caller's pinned or registered memory holding
         every chunk's input / receiving every chunk's output back to back (chunk i at
-        ``i * chunk_bytes``). The copy engines then read and write it in place: no staging ring,
-        and prepare/consume only describe the chunk.
+        ``i * stride``: ``host_strides`` for input and output, each ``chunk_bytes`` when None).
+        The copy engines then read and write it in place: no staging ring, and prepare/consume
+        only describe the chunk.
 
         ``consume`` None delivers the result itself. ``results``: a host pool
         (:class:`~ringflow._device.host_pool.HostPool`) whose pinned arrays receive the results:
@@ -129,6 +130,7 @@ class Scheduler:
         self.pool = None
         self._owned = list(owned)
         self._host_in_memory = host_in_memory
+        self._host_strides = host_strides
         self.streams = StageStreams(device, checked=config.checked)
         try:
             n, c = config.chunk_bytes, config.slots
@@ -189,7 +191,10 @@ class Scheduler:
             return self._ring(kind, memory, count, hook)
         if external_buffer is None:
             return self._ring(kind, self.device.allocate_host(n * count), count, hook)
-        return self._ring(kind, external_buffer, -(-external_buffer.nbytes // n), hook, external=True)
+        stride = self._host_strides[0 if kind is RingKind.HOST_IN else 1] or n
+        ring = Ring(kind, external_buffer, -(-external_buffer.nbytes // stride), stride, hook, external=True)
+        self._rings.append(ring)
+        return ring
 
     def _release_resources(self) -> None:
         if getattr(self.device, "closed", False):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
@@ -32,7 +33,7 @@ from .._testing import current as current_hooks
 from . import warm
 from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, resolve_slots
-from .validate import check_choice, check_options, check_out, same_memory
+from .validate import check_choice, check_options, check_out, check_output_spec, same_memory
 
 HOSTS = ("auto", "stage", "register")
 
@@ -47,7 +48,7 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
                out_buffer: Optional[HostBuffer] = None, engine: str = "auto", keep_warm: bool = True, inplace: bool = False,
                slots: "int | plan.SlotCounts | None" = None, workers: Optional[int] = None, checked: bool = False,
                on_error: str = "raise", pinned_budget: "int | str | None" = None, compute_streams: int = 1,
-               profile: bool = False) -> np.ndarray:
+               profile: bool = False, output: Any = None) -> np.ndarray:
     """Apply ``f(x_chunk, y_chunk)`` on the device to ``x`` in chunks along axis 0; returns ``out``
     once every chunk's result is in it.
 
@@ -57,8 +58,9 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
             None. A ``sim_seconds`` attribute (seconds, or a function of the chunk's bytes) sets its
             duration on the simulated GPU.
         x: any numpy array with at least one dimension (pageable or pinned, contiguous or not).
-        out: where the result goes: same shape and dtype as ``x``, ``x`` itself (in place) or
-            memory that does not overlap it; allocated when None. An empty ``x`` returns at once.
+        out: where the result goes: shaped as ``output`` says (else as ``x``), ``x`` itself (in
+            place) or memory that does not overlap it; allocated when None. An empty ``x``
+            returns at once.
         device: a device, a spec such as ``"cuda:0"`` or ``"sim"``, or None: the device of ``x``'s
             (else ``out``'s) memory when it came from :func:`ringflow.host.empty`, else
             ``ringflow.device()`` (the ``RINGFLOW_DEVICE`` environment variable, else "auto").
@@ -96,6 +98,11 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
             suits kernels shorter than a copy; long kernels (compute-bound jobs) gain from 2-4
             (docs/performance.md has the measurements). The scheduled engine uses one.
         profile: time every stage (use :func:`stream_map_report` to get the report).
+        output: the result's ``(shape, dtype)`` when it is not shaped as ``x``: the same rows
+            (``shape[0] == len(x)``), any row shape and dtype, e.g. ``((n, 10), "float16")`` for
+            ten half-precision values per row of ``x``. Chunk ``i``'s ``y`` is then its rows of
+            that shape; a chunk's input and its result each fit ``chunk_bytes``, and only the
+            result's bytes are copied back. Not with ``inplace``.
 
     Returns:
         ``out``.
@@ -110,7 +117,7 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
     return _stream_map(f, x, out, device=device, chunk_bytes=chunk_bytes, host=host, x_buffer=x_buffer,
                        out_buffer=out_buffer, engine=engine, keep_warm=keep_warm, inplace=inplace, slots=slots,
                        workers=workers, checked=checked, on_error=on_error, pinned_budget=pinned_budget,
-                       compute_streams=compute_streams, profile=profile)[0]
+                       compute_streams=compute_streams, profile=profile, output=output)[0]
 
 
 def stream_map_report(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, **options: Any) -> tuple:
@@ -128,10 +135,10 @@ def stream_map_report(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = No
 
 
 def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buffer=None, out_buffer=None,
-                engine="auto", keep_warm=True, profile=False, **options) -> tuple:
+                engine="auto", keep_warm=True, profile=False, output=None, **options) -> tuple:
     opts = check_options(chunk_bytes=chunk_bytes, allow_auto_chunk=True, keep_warm=keep_warm, profile=profile,
                          **_with_flag_defaults(options))
-    out, fresh_out = check_arrays(f, x, out, host, engine, "stream_map")
+    out, fresh_out = check_arrays(f, x, out, host, engine, "stream_map", output, opts["inplace"])
     if x.shape[0] == 0 or x.size == 0:
         return out, None
     keep_warm, profile = opts.pop("keep_warm"), opts.pop("profile")
@@ -159,7 +166,7 @@ def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x
     ``pooled_out``: a fresh ``out`` may be replaced by a pool array (:data:`POOLED_OUT`); a shard
     of a call over several devices writes the caller's ``out`` and passes False."""
     if pooled_out and fresh_out and POOLED_OUT and x_buffer is None and out_buffer is None and host != "stage":
-        out = host_pool.pool_for(dev).empty(x.shape, x.dtype)
+        out = host_pool.pool_for(dev).empty(out.shape, out.dtype)
         fresh_out = host_pool.buffer_behind(out, dev) is None  # a pageable fallback is still untouched
     pooled = pooled_buffers(dev, x, out, fresh_out, host, x_buffer, out_buffer)
     if None not in pooled:
@@ -169,12 +176,8 @@ def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x
     kind = choose_engine(engine, layout.strategy, opts)
     registered: list = []
     try:
-        if layout.strategy == "register":
-            registered = register(layout.device, x, out, fresh_out, opts.get("workers"), pinned=pooled)
-            mine = iter(registered)
-            x_buffer = pooled[0] if pooled[0] is not None else next(mine)
-            out_buffer = pooled[1] if pooled[1] is not None else next(mine, x_buffer)
-        arrays = Arrays(x, out, x_buffer, out_buffer)
+        registered, arrays = pinned_arrays(layout, x, out, fresh_out, x_buffer, out_buffer, pooled,
+                                           opts.get("workers"))
         key = None
         if keep_warm and not opts.get("checked"):
             opts_key = warm.options_key(opts)
@@ -218,14 +221,18 @@ def run_call(engine: Engine, arrays: Arrays, profile: bool) -> None:
         raise
 
 
-def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str) -> tuple[np.ndarray, bool]:
-    """Refuse what a whole-array job cannot take; returns ``out`` (allocated when None) and
-    whether it is fresh (never touched: its pages are faulted in by the job).
+def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str, output: Any = None,
+                 inplace: bool = False) -> tuple[np.ndarray, bool]:
+    """Refuse what a whole-array job cannot take; returns ``out`` (allocated when None, shaped as
+    ``output`` says or as ``x``) and whether it is fresh (never touched: its pages are faulted in
+    by the job).
 
     Raises:
-        TypeError: ``f`` not callable, ``x`` or ``out`` not a numpy array.
-        ValueError: a 0-d ``x``, ``out`` of another shape or dtype or overlapping ``x``, or an
-            unknown ``host`` or ``engine``.
+        TypeError: ``f`` not callable, ``x`` or ``out`` not a numpy array, ``output`` not a
+            ``(shape, dtype)`` pair.
+        ValueError: a 0-d ``x``, ``out`` of another shape or dtype than ``output`` (or ``x``)
+            or overlapping ``x``, an ``output`` whose rows are not ``x``'s, ``output`` with
+            ``inplace``, or an unknown ``host`` or ``engine``.
     """
     if not callable(f):
         raise TypeError(f"{who} needs a callable f(x, y) as its first argument, got {type(f).__name__}")
@@ -237,22 +244,51 @@ def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str) -> 
         raise TypeError(f"{who} moves raw bytes; x has dtype {x.dtype} (Python objects), use a numeric dtype")
     check_choice("host", host, HOSTS)
     check_choice("engine", engine, ENGINES)
+    shape, dtype = (x.shape, x.dtype) if output is None else whole_output(output, x, inplace)
     if out is None:
-        return np.empty(x.shape, x.dtype), True
-    if not isinstance(out, np.ndarray) or out.shape != x.shape or out.dtype != x.dtype:
-        raise ValueError(f"out must be a numpy array of shape {x.shape} and dtype {x.dtype}, got "
-                         f"{getattr(out, 'shape', None)} {getattr(out, 'dtype', type(out).__name__)}")
+        return np.empty(shape, dtype), True
+    if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype:
+        hint = "" if output is not None else "; for a result shaped otherwise pass output=(shape, dtype) too"
+        raise ValueError(f"out must be a numpy array of shape {shape} and dtype {dtype}"
+                         f"{' (as output= says)' if output is not None else ''}, got "
+                         f"{getattr(out, 'shape', None)} {getattr(out, 'dtype', type(out).__name__)}{hint}")
     if not out.flags.writeable:
         raise ValueError("out is read-only; pass a writeable array (or out=None to allocate one)")
     check_out(x, out)
     return out, False
 
 
+def whole_output(output: Any, x: np.ndarray, inplace: bool) -> tuple:
+    """The ``(shape, dtype)`` of a whole-array job's result as ``output`` gives it: the same rows
+    as ``x`` (chunks are cut along axis 0 of both), any shape and dtype after them.
+
+    Raises:
+        TypeError: ``output`` is not a ``(shape, dtype)`` pair (a callable is refused: one
+            spec covers the whole result).
+        ValueError: its first dimension is not ``len(x)``, it has no bytes per row while ``x``
+            has rows, or ``inplace`` asks for a result written over an input of another shape.
+    """
+    if callable(output):
+        raise TypeError("output= of a whole-array job is one (shape, dtype) pair for the whole result, such as "
+                        f"(({x.shape[0]}, 10), 'float32'); a function of the item belongs to ringflow.Pipeline")
+    shape, dtype = check_output_spec(output, "output")
+    if not shape or shape[0] != x.shape[0]:
+        raise ValueError(f"output's shape {shape} must start with x's rows ({x.shape[0]}): chunks are cut along "
+                         f"axis 0 of x and of the result alike, e.g. (({x.shape[0]},) + row shape, dtype)")
+    if x.shape[0] and math.prod(shape) == 0 and x.size:
+        raise ValueError(f"output's shape {shape} has no elements in a row; a result needs at least one")
+    if inplace and (shape, dtype) != (x.shape, x.dtype):
+        raise ValueError("output= cannot change the result's shape or dtype with inplace=True: an in-place compute "
+                         "writes its result over its input; drop one of them")
+    return shape, dtype
+
+
 @dataclasses.dataclass(frozen=True)
 class MapLayout:
-    """How a whole-array job is cut and moved: chunks of ``rows`` rows of ``row_bytes`` (the
-    last may be shorter) over ``length`` rows, and the host strategy ("stage", "register" or
-    "pinned")."""
+    """How a whole-array job is cut and moved: chunks of ``rows`` rows (the last may be shorter)
+    over ``length`` rows; a row of ``x`` is ``row_bytes`` (``tail`` of ``dtype``), a row of the
+    result ``out_row_bytes`` (``out_tail`` of ``out_dtype``); and the host strategy ("stage",
+    "register" or "pinned")."""
 
     device: Device
     row_bytes: int
@@ -261,19 +297,39 @@ class MapLayout:
     tail: tuple
     dtype: np.dtype
     strategy: str
+    out_row_bytes: int
+    out_tail: tuple
+    out_dtype: np.dtype
 
     @property
     def n_chunks(self) -> int:
         return -(-self.length // self.rows)
 
     @property
-    def chunk_bytes(self) -> int:
+    def in_chunk_bytes(self) -> int:
+        """Bytes of a whole chunk of ``x``."""
         return self.rows * self.row_bytes
+
+    @property
+    def out_chunk_bytes(self) -> int:
+        """Bytes of a whole chunk of the result."""
+        return self.rows * self.out_row_bytes
+
+    @property
+    def chunk_bytes(self) -> int:
+        """A slot's bytes: the larger of a chunk's input and its result."""
+        return max(self.in_chunk_bytes, self.out_chunk_bytes)
+
+    @property
+    def reshaped(self) -> bool:
+        """Whether the result is shaped otherwise than the input."""
+        return (self.out_tail, self.out_dtype) != (self.tail, self.dtype)
 
     @property
     def key(self) -> tuple:
         """What shapes an engine built for this layout (for the warm cache)."""
-        return (self.row_bytes, self.rows, self.length, self.tail, self.dtype.str, self.strategy)
+        return (self.row_bytes, self.rows, self.length, self.tail, self.dtype.str, self.strategy,
+                self.out_tail, self.out_dtype.str)
 
     def ranges(self) -> Iterator[tuple[int, int]]:
         """Each chunk's rows ``(start, stop)``, made as they are pulled."""
@@ -306,6 +362,7 @@ class MapLayout:
                 strided arrays.
         """
         row_bytes = x.nbytes // x.shape[0]
+        out_row_bytes = out.nbytes // out.shape[0]
         contiguous = x.flags.c_contiguous and out.flags.c_contiguous
         workers = options.get("workers") or default_workers(dev)
         if (x_buffer is None) != (out_buffer is None):
@@ -331,17 +388,23 @@ class MapLayout:
             if strategy == "register" and not contiguous:
                 raise ValueError("host='register' needs C-contiguous x and out; use host='stage' "
                                  "(or np.ascontiguousarray) for strided arrays")
+        widest = max(row_bytes, out_row_bytes)  # a slot holds a chunk's input and, apart, its result
         if chunk_bytes == "auto":
             sim = getattr(f, "sim_seconds", None)
             per_byte = (sim(1 << 20) / (1 << 20)) if callable(sim) else 0.0
             chunk_bytes = plan.choose_chunk_bytes(dev.hardware, x.nbytes, compute_s_per_byte=per_byte, align=row_bytes,
-                                                  workers=workers, host_stages=strategy == "stage").chunk_bytes
-        slot = chunk_bytes if chunk_bytes is not None else max(DEFAULT_CHUNK_BYTES, row_bytes)
-        if row_bytes > slot:
-            raise ValueError(f"one row of x along axis 0 is {row_bytes} bytes but chunk_bytes is {slot}; "
-                             f"raise chunk_bytes to at least {row_bytes} or reshape x")
-        rows = min(max(1, slot // row_bytes), x.shape[0])  # a chunk is never larger than the array
-        return cls(dev, row_bytes, rows, x.shape[0], x.shape[1:], x.dtype, strategy)
+                                                  workers=workers, host_stages=strategy == "stage",
+                                                  out_ratio=out_row_bytes / row_bytes if row_bytes else 1.0
+                                                  ).chunk_bytes
+            chunk_bytes = chunk_bytes // row_bytes * widest if widest > row_bytes else chunk_bytes
+        slot = chunk_bytes if chunk_bytes is not None else max(DEFAULT_CHUNK_BYTES, widest)
+        if widest > slot:
+            what = "x" if row_bytes >= out_row_bytes else "the result"
+            raise ValueError(f"one row of {what} along axis 0 is {widest} bytes but chunk_bytes is {slot}; "
+                             f"raise chunk_bytes to at least {widest} or reshape x")
+        rows = min(max(1, slot // widest), x.shape[0])  # a chunk is never larger than the array
+        return cls(dev, row_bytes, rows, x.shape[0], x.shape[1:], x.dtype, strategy, out_row_bytes, out.shape[1:],
+                   out.dtype)
 
 
 def pooled_buffers(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool, host: str, x_buffer,
@@ -352,6 +415,20 @@ def pooled_buffers(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool,
     if x_buffer is not None or out_buffer is not None or host == "stage":
         return None, None
     return host_pool.buffer_behind(x, dev), None if fresh_out else host_pool.buffer_behind(out, dev)
+
+
+def pinned_arrays(layout: MapLayout, x: np.ndarray, out: np.ndarray, fresh_out: bool, x_buffer, out_buffer,
+                  pooled: tuple, workers: Optional[int]) -> tuple[list, Arrays]:
+    """The call's :class:`Arrays`, with ``x`` and ``out`` pinned in place where ``layout``
+    registers them (sides already in pool arrays, ``pooled``, are used as they are); returns the
+    registrations made (the caller closes them) and the arrays."""
+    if layout.strategy != "register":
+        return [], Arrays(x, out, x_buffer, out_buffer)
+    registered = register(layout.device, x, out, fresh_out, workers, pinned=pooled)
+    mine = iter(registered)
+    x_buffer = pooled[0] if pooled[0] is not None else next(mine)
+    out_buffer = pooled[1] if pooled[1] is not None else next(mine, x_buffer)
+    return registered, Arrays(x, out, x_buffer, out_buffer)
 
 
 def register(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool, workers: Optional[int],

@@ -28,6 +28,25 @@ def test_uint8_images_in_float16_rows_out(cuda_device):
         assert rf.host.buffer(r) is not None
 
 
+@pytest.mark.parametrize("host", ["stage", "register", "pool"])
+def test_whole_array_uint8_in_float16_rows_out(cuda_device, host):
+    """``stream_map``/``MapJob`` with ``output=``: each engine and host path, bit-exact."""
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, 256, (500, 3, 32, 32), dtype=np.uint8)
+    want = (x.reshape(500, 3, -1).sum(axis=2, dtype=np.float32) / 1024).astype(np.float16)
+    if host == "pool":
+        pooled = rf.host.empty(x.shape, x.dtype, device=cuda_device)
+        pooled[:] = x
+        x, host = pooled, "auto"
+    spec = ((500, 3), np.float16)
+    y = rf.stream_map(channel_means, x, device=cuda_device, chunk_bytes=1 << 18, host=host, output=spec)
+    np.testing.assert_array_equal(y, want)
+    with rf.MapJob(channel_means, x, device=cuda_device, chunk_bytes=1 << 18, host=host, output=spec,
+                   checked=True) as job:
+        np.testing.assert_array_equal(job(), want)
+        np.testing.assert_array_equal(job(), want)
+
+
 def scale_shift(x, y):
     y[...] = x * 2 + 1
 
