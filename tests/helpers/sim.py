@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -56,3 +57,22 @@ class Timeline:
 
     def of(self, prefix: str) -> list:
         return [op for op in self.ops if op.label.startswith(prefix)]
+
+
+@contextlib.contextmanager
+def named_sims(*indices: int, **options: Any) -> Iterator[list]:
+    """Fresh ``"sim:N"`` devices for these ``indices`` (GPUs of the process's one simulated host),
+    made with ``options``; an earlier test's device of that name is closed first (its name then
+    makes a new one), and these are closed afterwards, so no test meets another's clock."""
+    from ringflow import _device
+
+    for i in indices:
+        entry = _device._named_sims.get(i)
+        if entry is not None:
+            entry[0].close()
+    devs = [rf.device(f"sim:{i}", **options) for i in indices]
+    try:
+        yield devs
+    finally:
+        for dev in devs:
+            dev.close()

@@ -2,6 +2,7 @@
 simulated GPU, every shard run at once on its own device, errors named for the whole array, every
 shard settled before a call returns or raises, and the predicted time that of the slowest shard."""
 
+import contextlib
 import doctest
 import gc
 import json
@@ -15,9 +16,11 @@ from hypothesis import strategies as st
 
 import ringflow as rf
 from ringflow import _device
+from ringflow import _plan as plan
 from ringflow._errors import DeviceError, StageError
 from ringflow._pipeline import sharded
 from tests.helpers.hooks import engines
+from tests.helpers.sim import named_sims
 
 MiB = 1 << 20
 
@@ -84,6 +87,20 @@ def test_one_two_and_four_devices_give_bit_identical_results_under_chaos(shape, 
     for y in results:
         assert y.tobytes() == (x * 2 + 1).tobytes()
     assert_nothing_live(used)
+
+
+@pytest.mark.parametrize("host", ["stage", "register"])
+@pytest.mark.parametrize("seed", range(2))
+def test_devices_of_one_host_give_bit_identical_results_under_chaos(host, seed):
+    # the "sim:N" devices share one host: its copy rate changes their timing, never their results
+    x = contents((4097, 3), seed)
+    row = x.nbytes // x.shape[0]
+    for n in (1, 2, 4):
+        with named_sims(*range(40, 40 + n), seed=seed, chaos=True, checked=True) as devs:
+            y = rf.stream_map(f, x, device=[f"sim:{40 + i}" for i in range(n)], chunk_bytes=row * 37, host=host,
+                              checked=True)
+            assert y.tobytes() == (x * 2 + 1).tobytes()
+            assert_nothing_live(devs)
 
 
 @pytest.mark.parametrize("engine", ["auto", "pipeline"])
@@ -409,21 +426,45 @@ def call_seconds(job, devs):
     return max(d.now - s for d, s in zip(devs, start))
 
 
-def test_two_simulated_gpus_predict_at_least_1_9x_one_on_the_seed_workload():
+@pytest.mark.parametrize("host_of", ["its own", "one shared"])
+def test_two_simulated_gpus_predict_at_least_1_9x_one_on_the_seed_workload(host_of):
+    # registered in place: nothing is copied on the host, so sharing one host costs nothing
     g, x = seed_like()
-    one = [rf.device("sim", checked=False)]
-    two = [rf.device("sim", checked=False) for _ in range(2)]
-    with rf.MapJob(g, x, x, device=one, inplace=True, host="register") as job:
-        t1 = call_seconds(job, one)
-    with rf.MapJob(g, x, x, device=two, inplace=True, host="register") as job:
-        t2 = call_seconds(job, two)
-        start = [d.now for d in two]
-        job(profile=True)
-        profiled = [d.now - s for d, s in zip(two, start)]
-        report = job.report()
+    with contextlib.ExitStack() as stack:
+        if host_of == "its own":
+            one = [rf.device("sim", checked=False)]
+            two = [rf.device("sim", checked=False) for _ in range(2)]
+        else:
+            one = stack.enter_context(named_sims(40, checked=False))
+            two = stack.enter_context(named_sims(41, 42, checked=False))
+            assert one[0].host is two[0].host is two[1].host
+        with rf.MapJob(g, x, x, device=one, inplace=True, host="register") as job:
+            t1 = call_seconds(job, one)
+        with rf.MapJob(g, x, x, device=two, inplace=True, host="register") as job:
+            t2 = call_seconds(job, two)
+            start = [d.now for d in two]
+            job(profile=True)
+            profiled = [d.now - s for d, s in zip(two, start)]
+            report = job.report()
     assert t1 / t2 >= 1.9
     assert report.simulated and report.predicted_s == report.wall_s == max(profiled)
     assert report.elapsed_s == pytest.approx(profiled)
+    predicted = plan.predict_devices("h200-pcie5", x.nbytes, x.nbytes // report.chunks, 2,
+                                     compute_s_per_byte=g.sim_seconds(1 << 20) / (1 << 20), host_stages=False)
+    assert predicted.speedup >= 1.9 and predicted.host_floor_s == 0
+
+
+def test_shards_declare_their_host_copies_while_they_run():
+    seen = []
+    with named_sims(40, 41, checked=False) as devs:
+        shards = [sharded.Shard(i, d, f"sim:{40 + i}", 0, 1, 1, 0, 4, copy_threads=3 + i) for i, d in enumerate(devs)]
+        sharded.run_shards(shards, lambda shard: seen.append(shard.device.host.threads_besides(shard.device)))
+        assert sorted(seen) == [3, 4]  # each shard sees the other's threads
+        assert devs[0].host.threads_besides(devs[0]) == 0  # and none once the call is over
+        x = np.ones((64, 256), np.float32)
+        for host, threads in (("stage", 4), ("register", 0)):
+            assert [s.copy_threads for s in sharded.plan_shards(f, x, x, False, devs, 4096, host, "auto", {})] == \
+                [threads, threads]
 
 
 def test_a_sharded_report_is_the_slowest_shard_and_one_trace_with_a_process_per_device(tmp_path):

@@ -3,7 +3,8 @@
 ``ringflow.device("auto")`` gives cuda:0 when a GPU is usable and the simulated H200
 otherwise (with a warning saying why); ``"cuda:N"`` insists on a GPU; ``"sim"`` builds the
 simulator from a named profile, and ``"sim:N"`` is the process's N-th simulated GPU (the same
-device for the same name, as ``"cuda:N"`` is the same GPU). ``ringflow.device()`` (or
+device for the same name, as ``"cuda:N"`` is the same GPU; all of them GPUs of one host, sharing
+its host copy rate). ``ringflow.device()`` (or
 ``None``) reads the spec from the ``RINGFLOW_DEVICE`` environment variable, ``"auto"`` when it
 is unset. :func:`devices` turns a list of devices or specs, or ``"cuda:all"``, into the devices
 of one job spread over several GPUs.
@@ -48,8 +49,10 @@ _fallback_warned = False
 
 # "sim:N" names one simulated GPU for the life of the process, as "cuda:N" names one GPU: a job
 # over ["sim:0", "sim:1"] and a later call naming "sim:0" meet the same device (its warm engines,
-# its clock). Each entry is (device, the options it was made with).
+# its clock). Each entry is (device, the options it was made with). They are GPUs of one host:
+# each has a link of its own, and all share one SimHost (the host's copy rate and pinned memory).
 _named_sims: dict[int, tuple[Any, dict]] = {}
+_named_host: Any = None
 _named_lock = threading.Lock()
 
 
@@ -173,7 +176,8 @@ def device(spec: "str | None" = None, **options: Any) -> Device:
             ``"ringflow"`` logger each time), ``"cuda"`` / ``"cuda:N"`` (GPU N, counted from 0),
             ``"sim"`` (a new simulated GPU, independent of every other), or ``"sim:N"`` (the
             process's N-th simulated GPU: made on first use, the same device for every later
-            ``"sim:N"``; a closed one is replaced by a new one). None (the default) reads the
+            ``"sim:N"``; a closed one is replaced by a new one; the ``"sim:N"`` devices are GPUs of
+            one host and share its host copy rate). None (the default) reads the
             ``RINGFLOW_DEVICE`` environment variable, ``"auto"`` when it is unset.
         **options: for ``"sim"``: ``profile`` (default ``"h200-pcie5"``), ``seed``, ``chaos``,
             ``checked``; for ``"cuda"``: ``array`` (``"cupy"``, ``"torch"`` or ``"dlpack"``);
@@ -225,8 +229,11 @@ def device(spec: "str | None" = None, **options: Any) -> Device:
 
 
 def _named_sim(index: int, options: dict) -> Device:
-    """The process's ``index``-th simulated GPU, made with ``options`` on first use."""
+    """The process's ``index``-th simulated GPU, made with ``options`` on first use, on the host
+    the process's named simulated GPUs share."""
+    global _named_host
     from .sim import SimDevice
+    from .sim.host import SimHost
 
     with _named_lock:
         entry = _named_sims.get(index)
@@ -237,7 +244,9 @@ def _named_sim(index: int, options: dict) -> Device:
                                  f"a named simulated GPU keeps the options it was made with: pass none (or the same), "
                                  f"or make an independent one with device('sim', **options)")
             return dev
-        dev = SimDevice(**options)
+        if _named_host is None:
+            _named_host = SimHost()
+        dev = SimDevice(**options, host=_named_host)
         _named_sims[index] = (dev, dict(options))
         return dev
 

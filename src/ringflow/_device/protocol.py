@@ -18,6 +18,7 @@ Ordering facts every backend keeps:
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
 import dataclasses
 import math
@@ -478,6 +479,14 @@ class Device(abc.ABC):
     def observe(self, token: Any) -> None:  # noqa: B027 - a no-op by default, not abstract
         """Order the calling host thread after the hand-off that made ``token`` (:meth:`publish`)."""
         return None
+
+    def sharing_host(self, threads: int) -> "contextlib.AbstractContextManager[None]":
+        """Declare, until the returned context ends, that this device's work copies host memory
+        with ``threads`` threads alongside the other devices of its host (a job run over several
+        devices declares each of them for the call). The simulated GPUs of one host
+        (``"sim:N"``) then share its host copy rate (:class:`~ringflow._device.sim.host.SimHost`);
+        a real GPU's host shares itself, so here it does nothing."""
+        return contextlib.nullcontext()
 
     def sleep(self, seconds: float) -> None:
         """Let ``seconds`` pass on the host clock without doing host work (the sim advances its

@@ -27,6 +27,7 @@ the device, the original as ``__cause__``; anything else gets a note naming the 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import contextvars
 import dataclasses
 import json
@@ -39,6 +40,7 @@ from .._device import device_label, host_pool
 from .._device.protocol import Device
 from .._errors import DeviceError, LaunchError, StageError
 from .engine import Arrays, choose_engine
+from .sizing import default_workers
 from .whole_array import MapLayout, run_whole
 
 # Threads that run shards. Shared by every call and reused, so a call pays no thread start-up and
@@ -60,7 +62,9 @@ def _threads() -> concurrent.futures.ThreadPoolExecutor:
 @dataclasses.dataclass(frozen=True)
 class Shard:
     """Rows ``start:stop`` of the arrays on ``device``, in chunks of ``rows`` rows (the last may
-    be shorter); its chunk ``k`` is chunk ``first_chunk + k`` of the whole array."""
+    be shorter); its chunk ``k`` is chunk ``first_chunk + k`` of the whole array. It copies host
+    memory with ``copy_threads`` threads (its workers when it stages, else none), which
+    :func:`run_shards` declares to its device's host while the shards run."""
 
     position: int
     device: Device
@@ -70,6 +74,7 @@ class Shard:
     rows: int
     first_chunk: int
     chunk_bytes: int
+    copy_threads: int = 0
 
     @property
     def n_chunks(self) -> int:
@@ -117,7 +122,8 @@ def plan_shards(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, de
         rows = min(probe.rows, b - a)
         label = device_label(devices[i])
         label = label if label[:1] != "<" else f"device[{i}] {label}"  # a device without a name: its place
-        shard = Shard(i, devices[i], label, a, b, rows, first, probe.rows * probe.row_bytes)
+        threads = (opts.get("workers") or default_workers(devices[i])) if probe.strategy == "stage" else 0
+        shard = Shard(i, devices[i], label, a, b, rows, first, probe.rows * probe.row_bytes, threads)
         shards.append(shard)
         first += shard.n_chunks
     return shards
@@ -187,17 +193,22 @@ def run_shards(shards: Sequence[Shard], work: Callable[[Shard], Any]) -> list[Ou
     """Run ``work(shard)`` for every shard at once, each on a thread of its own in a copy of the
     caller's context; returns each shard's :class:`Outcome` once every shard has ended. If the
     caller is interrupted while it waits (any BaseException), every shard is still settled before
-    the interrupt propagates."""
+    the interrupt propagates. Every shard's host copies are declared to its device
+    (``Device.sharing_host``) before any shard starts and until every shard has ended, so the
+    simulated GPUs of one host share its copy rate for the whole call."""
     tokens = [s.device.publish() for s in shards]
     futures: list = []
-    try:
-        for shard, token in zip(shards, tokens):
-            ctx = contextvars.copy_context()
-            futures.append(_threads().submit(ctx.run, _run_shard, shard, work, token))
-        _wait(futures)
-    except BaseException:
-        _settle(futures)
-        raise
+    with contextlib.ExitStack() as sharing:
+        for shard in shards:
+            sharing.enter_context(shard.device.sharing_host(shard.copy_threads))
+        try:
+            for shard, token in zip(shards, tokens):
+                ctx = contextvars.copy_context()
+                futures.append(_threads().submit(ctx.run, _run_shard, shard, work, token))
+            _wait(futures)
+        except BaseException:
+            _settle(futures)
+            raise
     outcomes = [fut.result() for fut in futures]
     for shard, outcome in zip(shards, outcomes):
         shard.device.observe(outcome.token)  # the caller is ordered after each shard's last work

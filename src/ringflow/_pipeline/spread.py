@@ -10,14 +10,20 @@ order (``ordered=False``: as they finish) whichever device ran them; ``stats`` a
 A device that breaks (a sticky error) fails its own unfinished chunks; with
 ``on_error="continue"`` the others go on and new items go to the devices that still work; with
 ``"raise"`` the first failure cancels every part, as on one device.
+
+While it is open, each part's device is declared copying host memory with the part's CPU workers
+(``Device.sharing_host``): simulated GPUs of one host then share its copy rate, as a loaded
+pipeline's parts would (an idle part is counted too).
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import itertools
 import threading
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from .._device import device_label, device_list
@@ -48,6 +54,10 @@ class SpreadPipeline(Pipeline):
         self.devices = list(devices)
         self.device = self.devices[0]
         self.config = self.parts[0].config
+        sharing = contextlib.ExitStack()
+        for dev, part in zip(self.devices, self.parts):
+            sharing.enter_context(dev.sharing_host(part.config.workers))
+        self._unshare = weakref.finalize(self, sharing.close)  # at close, or when dropped unclosed
         self._turn = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
@@ -187,6 +197,7 @@ class SpreadPipeline(Pipeline):
                 part.close()
             except BaseException as exc:  # noqa: BLE001 - every part is closed; the first error is raised
                 errors.append(exc)
+        self._unshare()
         if errors:
             raise errors[0]
 
@@ -195,8 +206,11 @@ class SpreadPipeline(Pipeline):
             self.close()
             return
         self._closed = True
-        for part in self.parts:  # an error left the block: each part cancels and closes, masking nothing
-            part.__exit__(exc_type, exc, tb)
+        try:
+            for part in self.parts:  # an error left the block: each part cancels and closes, masking nothing
+                part.__exit__(exc_type, exc, tb)
+        finally:
+            self._unshare()
 
     def _check_open(self) -> None:
         if self._closed:

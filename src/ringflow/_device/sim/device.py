@@ -9,10 +9,15 @@ run is a pure function of the calls made and, with ``chaos=True``, of the ``seed
 
 ``checked=True`` (default) runs the happens-before checker and poisons fresh and released
 memory; ``checked=False`` only simulates (for large timing sweeps).
+
+Each device stands on a :class:`~.host.SimHost`, whose host copy rate its copies share with the
+other devices of that host that are declared copying (:meth:`SimDevice.sharing_host`); the
+process's ``"sim:N"`` devices share one host, and any other simulated GPU has a host of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -26,6 +31,7 @@ from ..host_pool import without_pooled
 from ..protocol import ArrayArg, Capabilities, Device, LiveCounts, check_nbytes, copy_threads
 from .engine import Engine, Op
 from .hazard import AccessKind, HappensBeforeChecker
+from .host import SimHost
 from .memory import SimDeviceBuffer, SimHostBuffer
 from .pool import SimWorkerPool
 from ..hardware import HardwareProfile, get_profile
@@ -66,11 +72,12 @@ class SimDevice(Device):
     backend = "sim"
 
     def __init__(self, profile: "str | os.PathLike | HardwareProfile" = "h200-pcie5", *, seed: int = 0,
-                 chaos: bool = False, checked: bool = True):
+                 chaos: bool = False, checked: bool = True, host: "SimHost | None" = None):
         """A simulated GPU on ``profile``: a built-in profile's name (``h200-pcie5``,
         ``pcie4-x16``, ``unit``), a :class:`~ringflow._device.hardware.HardwareProfile`, or the
         path of a profile JSON file (``ringflow doctor --save`` writes one on a real GPU), to see
-        what a job would do on that machine.
+        what a job would do on that machine. ``host``: the :class:`~.host.SimHost` it shares
+        with other simulated GPUs (None: a host of its own).
 
         Raises:
             ValueError: an unknown name, or a file that is not a valid profile (the message
@@ -83,6 +90,7 @@ class SimDevice(Device):
         self.chaos = chaos
         self.checked = checked
         self.poison = checked
+        self.host = host if host is not None else SimHost()
         self._engine = Engine(self.profile, seed=seed, chaos=chaos)
         self._checker = HappensBeforeChecker() if checked else _NullChecker()
         self._lock = threading.RLock()
@@ -128,6 +136,7 @@ class SimDevice(Device):
         with self._lock:
             self._check_usable()
             buf = SimHostBuffer(self, nbytes)  # may raise MemoryError: count only what exists
+            self.host.pin(buf)
             self._live["host_buffers"] += 1
             return buf
 
@@ -141,6 +150,7 @@ class SimDevice(Device):
         with self._lock:
             self._check_usable()
             buf = SimHostBuffer(self, nbytes, array)
+            self.host.pin(buf)  # may raise DeviceError: memory another device of the host pinned
             self._live["host_buffers"] += 1
             return buf
 
@@ -215,7 +225,18 @@ class SimDevice(Device):
         np.copyto(dst, src, casting="no")
         if dst.nbytes:
             threads = copy_threads(dst.nbytes)
-            self.sleep(dst.nbytes / (self.hardware.host_copy_rate(threads) * 1e9))
+            self.sleep(dst.nbytes / (self.host.copy_rate(self, threads) * 1e9))
+
+    def sharing_host(self, threads: int) -> "contextlib.AbstractContextManager[None]":
+        """Declare, until the block ends, that this device copies host memory with ``threads``
+        threads alongside the other devices of its host (:class:`~.host.SimHost`): their
+        copies get their share of the host's copy rate meanwhile. Its own copies' rate is
+        unchanged by it.
+
+        Raises:
+            ValueError: ``threads`` is not an int >= 0.
+        """
+        return self.host.sharing(self, threads)
 
     def live(self) -> LiveCounts:
         return without_pooled(self, LiveCounts(**self._live))

@@ -73,6 +73,7 @@ class SimHostBuffer(_SimBufferMixin, HostBuffer):
             # check the release first: a refused close (HazardError) leaves the buffer open and counted
             self._access(AccessKind.RELEASE, 0, self.nbytes, "host buffer close")
             self._closed = True
+            self._dev.host.unpin(self)
             self._dev._live["host_buffers"] -= 1
             if self._dev.poison and not self.registered:
                 self._mem.fill(RELEASED)

@@ -4,8 +4,9 @@ A pool of ``workers`` lanes is a resource of the engine: a submitted task waits 
 lane, runs its callable at the instant it starts (as a checker actor of its own that starts
 from its submitter's clock, so its host views are ordered after what the submitter had seen and
 after nothing else), and completes after its virtual duration: the
-``sim_seconds`` given, else the time to copy ``nbytes`` at the profile's per-thread host copy
-rate, plus whatever the callable charged with :func:`charge`.
+``sim_seconds`` given, else the time to copy ``nbytes`` at the per-thread host copy rate of
+``workers`` threads (the device's share of its host's rate, :class:`~.host.SimHost`, fixed when
+the task is submitted), plus whatever the callable charged with :func:`charge`.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ class SimWorkerPool(WorkerPool):
             dev._host_api()
             p = dev.profile
             if sim_seconds is None:
-                per_thread = p.host_copy_rate(self.workers) / self.workers * 1e9
+                per_thread = dev.host.copy_rate(dev, self.workers) / self.workers * 1e9
                 sim_seconds = p.host_task_overhead_s + nbytes / per_thread
             snapshot = dev._checker.snapshot(dev._actor())
             dev._checker.tick(dev._actor())
