@@ -29,11 +29,13 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=64, help="images per batch")
+    ap.add_argument("--size", type=int, default=224, help="image height and width (small for a dry run on the sim)")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = rf.device(args.device)
     workers = args.workers or feed.default_workers()
-    images = feed.ImageBatches(64, 224)
+    images = feed.ImageBatches(args.batch, args.size)
     side = feed.model_side(dev, images, 256)
     res = {**header(str(dev)), "environment": environment(dev), "workers": workers, "batches": args.batches}
     sim = dev.backend == "sim"

@@ -142,9 +142,23 @@ def test_items_of_several_arrays_bit_exact(cuda_device):
         np.testing.assert_array_equal(r["labels"], b["labels"] + 1)
 
 
-@pytest.mark.parametrize("kind", ["cupy", "cupy-stream", "torch"])
+class DLPackOnly:
+    """A device array that speaks DLPack and nothing else (as JAX's arrays do)."""
+
+    def __init__(self, array):
+        self._array = array
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
+
+@pytest.mark.parametrize("kind", ["cupy", "cupy-stream", "torch", "dlpack"])
 def test_device_array_items_bit_exact(cuda_device, kind):
-    """CuPy arrays and torch CUDA tensors as items: copied device to device after their producer."""
+    """CuPy arrays, torch CUDA tensors and DLPack-only producers as items: copied device to
+    device after their producer."""
     cp = pytest.importorskip("cupy")
     rng = np.random.default_rng(3)
     arrays = [rng.standard_normal(int(n)).astype(np.float32) for n in rng.integers(1000, 100_000, 40)]
@@ -155,6 +169,10 @@ def test_device_array_items_bit_exact(cuda_device, kind):
         stream = cp.cuda.Stream(non_blocking=True)
         with stream:
             items = [cp.asarray(a) * 1 for a in arrays]  # made on a stream of their own
+    elif kind == "dlpack":
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            items = [DLPackOnly(cp.asarray(a) * 1) for a in arrays]
     else:
         items = [cp.asarray(a) * 1 for a in arrays]
     with rf.Pipeline(scale_shift, device=cuda_device, chunk_bytes=1 << 20, checked=True) as pipe:

@@ -172,7 +172,8 @@ def test_a_pipeline_over_devices_of_one_host_shares_its_copy_rate():
 def test_no_host_memory_is_behind_buffers_of_two_devices_of_one_host():
     """The happens-before checkers are per device, so a hazard between two devices' accesses to
     one host buffer could not be seen; instead no such access can be made: a stream refuses
-    another device's buffer, and the host refuses to pin memory another device pinned."""
+    another device's buffer, and the host refuses to pin memory pinned already (by any of its
+    devices, as a real GPU does)."""
     with named_sims(30, 31) as (a, b):
         pinned = a.allocate_host(4096)
         sa, sb = a.create_stream(), b.create_stream()
@@ -188,7 +189,8 @@ def test_no_host_memory_is_behind_buffers_of_two_devices_of_one_host():
         assert not info.value.sticky
         with pytest.raises(DeviceError, match="pinned already"):
             b.register_host(pinned.view(np.float32))  # allocated pinned memory too
-        a.register_host(x).close()  # the device that pinned it is not refused (as before the host existed)
+        with pytest.raises(DeviceError, match="pinned already.*this device"):
+            a.register_host(x[:8])  # nor the device that pinned it: a GPU pins memory once
         b.register_host(np.zeros(1024, np.float32)).close()  # other memory is free to pin
         registered.close()
         b.register_host(x).close()  # unpinned: free again

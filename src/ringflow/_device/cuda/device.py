@@ -38,6 +38,39 @@ _IDLE_EVENTS_MAX = 4096  # untimed events kept for reuse (a pipeline holds a few
 _THREAD = threading.local()  # .current: the index of the GPU whose context is current on this thread
 
 
+
+_DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
+
+
+def _cuda_dlpack(obj: Any) -> Any:
+    """A DLPack producer on a CUDA device as an array with ``__cuda_array_interface__`` (CuPy's,
+    else PyTorch's ``from_dlpack``), None for anything else.
+
+    Raises:
+        TypeError: neither CuPy nor PyTorch can import it.
+    """
+    if not (hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__")):
+        return None
+    try:
+        kind = int(obj.__dlpack_device__()[0])
+    except Exception:  # noqa: BLE001 - a producer that cannot say where it lives is not a device array
+        return None
+    if kind not in _DLPACK_CUDA:
+        return None
+    try:
+        import cupy
+
+        return cupy.from_dlpack(obj)
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        return torch.from_dlpack(obj)
+    except ImportError:
+        raise TypeError(f"a {type(obj).__name__} on a CUDA device (DLPack) needs CuPy or PyTorch to be read in "
+                        "place; install one, or pass a CuPy array or a torch tensor") from None
+
 class CudaDevice(Device):
     """GPU ``index`` as a ringflow device. ``array`` picks what launched callables receive:
     ``"cupy"``, ``"torch"``, ``"dlpack"`` or ``"auto"`` (CuPy, else PyTorch, else DLPack)."""
@@ -302,16 +335,26 @@ class CudaDevice(Device):
         return CudaEvent(self, ev, False, _Foreign(handle))
 
     def device_source(self, obj: Any) -> "tuple | None":
-        """A C-contiguous array with ``__cuda_array_interface__`` (CuPy, a torch CUDA tensor) in
-        this GPU's memory: ``(BufferSlice, shape, dtype, producer stream handle or None)``, read
-        in place by the copy engine; None for anything else.
+        """A C-contiguous array with ``__cuda_array_interface__`` (CuPy, a torch CUDA tensor), or
+        a DLPack producer on a CUDA device (imported through CuPy or PyTorch, which ask the
+        producer to order its data before their current stream), in this GPU's memory:
+        ``(BufferSlice, shape, dtype, producer stream handle or None)``, read in place by the copy
+        engine; None for anything else.
 
         Raises:
             ValueError: a device array of another GPU, or not C-contiguous.
+            TypeError: a CUDA DLPack producer with neither CuPy nor PyTorch installed to import it.
         """
         cai = getattr(obj, "__cuda_array_interface__", None)
         if not isinstance(cai, dict):
-            return None
+            imported = _cuda_dlpack(obj)
+            if imported is None:
+                return None
+            return self.device_source(imported)  # the buffer holds the imported array, which holds obj
+        return self._cai_source(obj, cai)
+
+    def _cai_source(self, obj: Any, cai: dict) -> tuple:
+        """:meth:`device_source` of an array with ``__cuda_array_interface__`` ``cai``."""
         shape = tuple(int(d) for d in cai["shape"])
         dtype = np.dtype(cai["typestr"])
         strides = cai.get("strides")

@@ -21,7 +21,7 @@ reasons.
 
 Pinned memory is the host's too: a real GPU refuses to pin memory that is pinned already,
 for whichever GPU of the process pinned it. The host refuses a registration that overlaps
-host memory another of its devices has pinned (allocated or registered, while that buffer
+host memory any of its devices has pinned (allocated or registered, while that buffer
 lives), so no host memory is ever behind buffers of two devices, whose happens-before
 checkers are separate.
 
@@ -108,7 +108,7 @@ class SimHost:
 
         Raises:
             DeviceError: (not sticky) the memory overlaps host memory that a live buffer of
-                another open device of this host pins.
+                an open device of this host pins (this device's included).
         """
         memory = buf._mem
         start = memory.__array_interface__["data"][0]
@@ -117,15 +117,15 @@ class SimHost:
             self._purge()
             for ref, a, b in self._pinned.values():
                 other = ref()
-                if other is None or other._closed or other._dev is buf._dev or other._dev.closed:
+                if other is None or other._closed or other._dev.closed:
                     continue
                 if start < b and a < end:
                     raise DeviceError(
                         f"register_host of {memory.nbytes} bytes: bytes [{max(a, start) - start}, "
                         f"{min(b, end) - start}) of the array are pinned already, by {other!r} of "
-                        f"{other._dev!r}, another simulated GPU of this host; a GPU refuses to pin host "
-                        f"memory twice (CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED): use the memory on the "
-                        f"device that pinned it, or copy it into memory of this device's")
+                        f"{'this device' if other._dev is buf._dev else repr(other._dev) + ', another simulated GPU of this host'}; "
+                        f"a GPU refuses to pin host memory twice (CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED): "
+                        f"use the pinned buffer already behind it, or copy it into memory of this device's")
             key, gone = buf.id, self._gone
             self._pinned[key] = (weakref.ref(buf, lambda _: gone.append(key)), start, end)
 
