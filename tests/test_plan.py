@@ -413,3 +413,26 @@ def test_predict_devices_splits_the_links_and_shares_the_host():
     assert one.predicted_s == pytest.approx(one.one_device_s, rel=0.02)
     with pytest.raises(ValueError, match="devices must be an int >= 1"):
         plan.predict_devices("h200-pcie5", 1 << 30, 8 * MiB, 0)
+
+
+def test_a_side_already_pinned_costs_registering_nothing():
+    """A pool array in (pinned already) with a small result out: registering pins only the
+    result, so it beats staging every byte of the input through the rings."""
+    big, small = 1 << 30, 1 << 16
+    assert plan.choose_host_strategy("h200-pcie5", big, small, workers=8, out_is_fresh=True).choice == "stage"
+    chosen = plan.choose_host_strategy("h200-pcie5", big, small, workers=8, out_is_fresh=True, pinned=(True, False))
+    assert chosen.choice == "register" and chosen.register_s < 1e-3
+
+
+def test_a_job_over_a_pool_array_registers_only_its_result():
+    dev = rf.device("sim")
+    x = rf.host.empty((4096, 4096), np.uint8, device=dev)
+    x[:] = 3
+
+    def f(a, b):
+        b[...] = a[:, :2].astype(b.dtype)
+
+    with rf.MapJob(f, x, device=dev, chunk_bytes=1 << 20, output=((4096, 2), "float32")) as job:
+        assert job.strategy == "register" and job.engine == "direct"
+        assert len(job._held.registered) == 1 and job._held.registered[0].holds(job.out)
+        np.testing.assert_array_equal(job(), np.full((4096, 2), 3, np.float32))

@@ -259,20 +259,21 @@ class HostStrategy:
 
 
 def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbytes_out: int, *, workers: int,
-                         out_is_fresh: bool) -> HostStrategy:
+                         out_is_fresh: bool, pinned: tuple = (False, False)) -> HostStrategy:
     """Stage or register, by the profile's measured host costs.
 
     Staging costs two memcpy passes on ``workers`` threads (in, then out; a fresh output is
     first-touched by those same copies). Registering costs a registration of each array (a
     fresh output first-touched in parallel first, since registering it faults its pages in one
-    thread), its unregistration, and nothing per chunk. Both then move the same bytes on the link.
+    thread), its unregistration, and nothing per chunk; a side already pinned (``pinned``: input,
+    output) costs nothing. Both then move the same bytes on the link.
     """
     p = get_profile(profile)
     copy_rate = p.host_copy_rate(workers) * 1e9
     stage = (nbytes_in + nbytes_out) / copy_rate
-    register = nbytes_in / (p.register_GBps * 1e9) + nbytes_out / (p.register_GBps * 1e9)
-    register += (nbytes_in + nbytes_out) / (p.unregister_GBps * 1e9)
-    if out_is_fresh:
+    to_pin = (0 if pinned[0] else nbytes_in) + (0 if pinned[1] else nbytes_out)
+    register = to_pin / (p.register_GBps * 1e9) + to_pin / (p.unregister_GBps * 1e9)
+    if out_is_fresh and not pinned[1]:
         register += nbytes_out / (p.first_touch_rate(workers) * 1e9)
     return HostStrategy("register" if register < stage else "stage", stage, register)
 

@@ -101,3 +101,37 @@ def test_a_user_prepare_keeps_every_worker_busy(workers):
         wall = dev.now - t0
     assert [float(r[0]) for r in out] == [2.0 * i + 1 for i in range(60)]
     assert wall < 1.3 * 60e-3 / workers
+
+
+def uneven_prepare(item: int) -> np.ndarray:
+    """Simulated CPU work of 1 ms per item, 2 ms for every fourth: slow items among fast ones."""
+    from ringflow._device.sim.pool import charge
+
+    charge(2e-3 if item % 4 == 0 else 1e-3)
+    return np.full(16, item, np.float32)
+
+
+def test_a_slow_item_does_not_idle_the_other_workers():
+    """Chunks go to the device in order, so a slow item holds back those after it: their host-in
+    slots stay filled until it is through. With two host-in slots per worker the others go on
+    preparing meanwhile and the stream takes about its CPU work over the workers; with a slot
+    per worker and one more (the earlier default) they wait for slots."""
+    workers, n = 4, 96
+    cpu = sum(2e-3 if i % 4 == 0 else 1e-3 for i in range(n))
+
+    def wall(slots=None):
+        dev = rf.device("sim", seed=2)
+        with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=uneven_prepare, workers=workers,
+                         slots=slots) as pipe:
+            planned = pipe.config.slots
+            t0 = dev.now
+            out = list(pipe.map(range(n)))
+            took = dev.now - t0
+        assert [float(r[0]) for r in out] == [2.0 * i + 1 for i in range(n)]
+        return took, planned
+
+    took, planned = wall()
+    assert planned.host_in == 2 * workers
+    assert took < 1.05 * cpu / workers
+    fewer, _ = wall(rf.SlotCounts(workers + 1, planned.device_in, planned.device_out, planned.host_out))
+    assert fewer > 1.15 * took

@@ -117,7 +117,7 @@ class MapJob:
         if None not in pooled:
             x_buffer, out_buffer = pooled
         self._layout = layout = MapLayout.plan(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer,
-                                               opts)
+                                               opts, pooled)
         self.device = layout.device
         opts = layout.engine_options(opts)
         self.engine = choose_engine(engine, layout.strategy, opts)

@@ -14,6 +14,13 @@ from .._plan import SlotCounts
 DEFAULT_CHUNK_BYTES = 8 << 20
 
 
+# Host-in slots per CPU worker for a user's prepare, and the pinned bytes they may take. One slot
+# per worker and one more left the workers idle whenever a slow item held back the ones after it
+# (docs/design.md, "CPU workers", has the measurement).
+PREPARE_SLOTS_PER_WORKER = 2
+PREPARE_SLOTS_PINNED_CAP = 512 << 20
+
+
 def resolve_slots(device: Device, slots, chunk_bytes: int, inplace: bool, workers: int, compute: Callable,
                   external=(False, False), bulk: bool = False, max_chunks: Optional[int] = None,
                   user_prepare: bool = False) -> SlotCounts:
@@ -22,8 +29,11 @@ def resolve_slots(device: Device, slots, chunk_bytes: int, inplace: bool, worker
     throughput; a stream of requests keeps the planned rings, whose shorter queues keep
     latency down. A job of known length (``max_chunks``, a whole array) never gets more slots in a
     ring than it has chunks, unless ``slots`` says so. ``user_prepare``: the items go through the
-    caller's ``prepare``, whose cost the model cannot know: the host-in ring gets a slot per
-    worker and one for the copy in flight, so every worker can prepare at once."""
+    caller's ``prepare``, whose cost the model cannot know and which varies from item to item:
+    the host-in ring gets two slots per worker (:data:`PREPARE_SLOTS_PER_WORKER`), so a worker
+    starts its next item while its last one waits its turn behind a slower one (results go out
+    in order), as a DataLoader's ``prefetch_factor=2`` does; at most
+    :data:`PREPARE_SLOTS_PINNED_CAP` bytes of them, never fewer than two."""
     if isinstance(slots, SlotCounts):
         return slots
     if isinstance(slots, bool):
@@ -48,7 +58,7 @@ def resolve_slots(device: Device, slots, chunk_bytes: int, inplace: bool, worker
     if bulk and not external[0] and not external[1]:  # both host rings are staging rings
         counts = plan.with_worker_slots(counts, workers, chunk_bytes)
     if user_prepare:
-        floor = min(workers + 1, max(2, plan.WORKER_SLOTS_PINNED_CAP // chunk_bytes))
+        floor = min(PREPARE_SLOTS_PER_WORKER * workers, max(2, PREPARE_SLOTS_PINNED_CAP // chunk_bytes))
         counts = dataclasses.replace(counts, host_in=max(counts.host_in, floor))
     if max_chunks is not None:
         counts = SlotCounts(*(min(c, max_chunks) if c else 0 for c in

@@ -171,7 +171,7 @@ def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x
     pooled = pooled_buffers(dev, x, out, fresh_out, host, x_buffer, out_buffer)
     if None not in pooled:
         x_buffer, out_buffer = pooled
-    layout = MapLayout.plan(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer, opts)
+    layout = MapLayout.plan(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer, opts, pooled)
     opts = layout.engine_options(opts)
     kind = choose_engine(engine, layout.strategy, opts)
     registered: list = []
@@ -352,8 +352,9 @@ class MapLayout:
 
     @classmethod
     def plan(cls, f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, dev: Device, chunk_bytes,
-             host: str, x_buffer, out_buffer, options: dict) -> "MapLayout":
-        """Lay out a non-empty whole-array job.
+             host: str, x_buffer, out_buffer, options: dict, pinned: tuple = (None, None)) -> "MapLayout":
+        """Lay out a non-empty whole-array job. ``pinned``: the pinned buffers already behind
+        ``x`` and ``out`` (pool arrays, :func:`pooled_buffers`), which registering need not pin.
 
         Raises:
             TypeError: ``x_buffer`` or ``out_buffer`` that is not a host buffer.
@@ -381,7 +382,8 @@ class MapLayout:
             strategy = "pinned"
         elif host == "auto":
             strategy = plan.choose_host_strategy(dev.hardware, x.nbytes, out.nbytes, workers=workers,
-                                                 out_is_fresh=fresh_out).choice
+                                                 out_is_fresh=fresh_out,
+                                                 pinned=tuple(b is not None for b in pinned)).choice
             strategy = strategy if contiguous else "stage"
         else:
             strategy = host
