@@ -1,8 +1,9 @@
 """Whole arrays over two GPUs against one, in one run: warm ``MapJob`` calls of the seed shape
 (float32 in place, registered once, the affine kernel at 64 iterations; 256 MiB per GPU) and
 staged ``stream_map`` calls of a fresh 1 GiB pageable array, on ``[dev0]`` and on ``[dev0, dev1]``
-alternately; and the simulated GPUs' prediction of the same two jobs. Writes medians, spreads
-and the ratios as JSON.
+alternately; and the simulated GPUs' prediction of the same two jobs (``sim_prediction``: the
+seed shape, ``sim_prediction_pageable``: the staged job; ``bench/multi_gpu_predict.py`` has
+those and more rows alone). Writes medians, spreads and the ratios as JSON.
 
     python3 bench/multi_gpu_check.py --devices cuda:0,cuda:1 --out FILE
 """
@@ -14,6 +15,7 @@ import statistics
 import sys
 import time
 
+import multi_gpu_predict as predict
 from _script import header, write
 
 import numpy as np
@@ -38,7 +40,7 @@ def timed(fn, calls: int, warmup: int = 2) -> list:
 def seed_like(devs, mib_per_gpu: int, calls: int, sim: bool) -> dict:
     n = mib_per_gpu * len(devs) * MiB // 4
     x = np.random.default_rng(0).uniform(0.5, 1.5, n).astype(np.float32)
-    f = kernels.affine(64, numeric_iters=4 if sim else None)
+    f = kernels.affine(predict.SEED_ITERS, numeric_iters=4 if sim else None)
     with rf.MapJob(f, x, x, device=devs, chunk_bytes=8 * MiB, host="register", inplace=True) as job:
         t = timed(job, calls)
     return {"median_ms": statistics.median(t), "spread_ms": [min(t), max(t)], "bytes_in": x.nbytes}
@@ -46,20 +48,22 @@ def seed_like(devs, mib_per_gpu: int, calls: int, sim: bool) -> dict:
 
 def pageable(devs, mib: int, calls: int, sim: bool) -> dict:
     x = np.random.default_rng(1).uniform(0.5, 1.5, mib * MiB // 4).astype(np.float32)
-    f = kernels.affine(1, numeric_iters=1)
-    t = timed(lambda: rf.stream_map(f, x, device=devs, chunk_bytes=8 * MiB, host="stage"), calls, warmup=1)
+    f = kernels.affine(predict.PAGEABLE_ITERS, numeric_iters=1)
+    t = timed(lambda: rf.stream_map(f, x, device=devs, chunk_bytes=predict.PAGEABLE_CHUNK, host="stage"), calls,
+              warmup=1)
     return {"median_ms": statistics.median(t), "spread_ms": [min(t), max(t)], "bytes_in": x.nbytes}
 
 
-def predicted(mib_per_gpu: int, n_dev: int) -> float:
-    """The simulated GPUs' time (ms) for the seed-like job on ``n_dev`` devices: the slowest shard."""
-    devs = [rf.device(f"sim:{i}") for i in range(n_dev)]
-    n = mib_per_gpu * n_dev * MiB // 4
-    x = np.ones(n, np.float32)
-    f = kernels.affine(64, numeric_iters=1)
-    _, rep = rf.stream_map_report(f, x, x, device=devs if n_dev > 1 else devs[0], chunk_bytes=8 * MiB,
-                                  host="register", inplace=True)
-    return (rep.wall_s if hasattr(rep, "wall_s") else rep.measured_s) * 1e3
+def predicted(mib_per_gpu: int, pageable_mib: int, n_dev: int) -> dict:
+    """The simulated GPUs' prediction (``"sim:0"`` ... of one simulated host, warm calls) of both
+    jobs on one device and on ``n_dev``: ``seed_like`` as bytes a second of ``n_dev`` over one's,
+    ``pageable`` as one's time over ``n_dev``'s."""
+    f = kernels.affine(predict.SEED_ITERS, numeric_iters=1)
+    s1, sn = (predict.in_place_ms(f, mib_per_gpu, k, 8 * MiB) for k in (1, n_dev))
+    p1, pn = (predict.pageable_ms(pageable_mib, k) for k in (1, n_dev))
+    return {"seed_like": {"one_ms": s1["wall_ms"], "all_ms": sn["wall_ms"],
+                          "throughput_scaling": (sn["bytes_in"] / sn["wall_ms"]) / (s1["bytes_in"] / s1["wall_ms"])},
+            "pageable": {"one_ms": p1["wall_ms"], "all_ms": pn["wall_ms"], "speedup": p1["wall_ms"] / pn["wall_ms"]}}
 
 
 def main(argv=None) -> int:
@@ -90,11 +94,11 @@ def main(argv=None) -> int:
         out[name] = row
         print(name, row, flush=True)
     try:
-        p1, pn = predicted(args.mib_per_gpu, 1), predicted(args.mib_per_gpu, len(devs))
-        out["sim_prediction"] = {"one_ms": p1, "all_ms": pn, "throughput_scaling": len(devs) * p1 / pn}
+        sim = predicted(args.mib_per_gpu, args.pageable_mib, len(devs))
+        out["sim_prediction"], out["sim_prediction_pageable"] = sim["seed_like"], sim["pageable"]
     except Exception as exc:  # noqa: BLE001
-        out["sim_prediction"] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
-    print("sim", out["sim_prediction"], flush=True)
+        out["sim_prediction"] = out["sim_prediction_pageable"] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+    print("sim", out["sim_prediction"], out["sim_prediction_pageable"], flush=True)
     rf.drop_warm_pipelines()
     write(out, args.out)
     return 0

@@ -81,13 +81,33 @@ def test_diagnose_compute_streams(tmp_path):
     assert row["compute_streams_default"] == 4 and row["default_over_one"] > 0 and r["machine"]
 
 
-def test_multi_gpu_check(tmp_path):
-    out = tmp_path / "mg.json"
+def run_plain(tmp_path, script: str, *args: str) -> dict:
+    """Run a script that takes its devices its own way (no ``--device``); its JSON."""
+    out = tmp_path / "out.json"
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "multi_gpu_check.py"), "--devices", "sim:0,sim:1",
-                           "--mib-per-gpu", "8", "--pageable-mib", "16", "--calls", "1", "--out", str(out)],
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *args, "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_multi_gpu_check(tmp_path):
+    r = run_plain(tmp_path, "multi_gpu_check.py", "--devices", "sim:0,sim:1", "--mib-per-gpu", "8",
+                  "--pageable-mib", "16", "--calls", "1")
     assert "median_ms" in r["seed_like"]["all"] and "median_ms" in r["pageable"]["all"]
     assert r["sim_prediction"]["throughput_scaling"] > 1.5
+    assert r["sim_prediction_pageable"]["speedup"] > 0 and r["sim_prediction_pageable"]["all_ms"] > 0
+
+
+def test_multi_gpu_predict(tmp_path):
+    r = run_plain(tmp_path, "multi_gpu_predict.py", "--mib-per-gpu", "8", "--pageable-mib", "16",
+                  "--requests", "40")
+    rows = r["rows"]
+    assert set(rows) == {"seed", "balanced", "pageable", "requests"} and r["device_counts"] == [1, 2]
+    for name in ("seed", "balanced"):  # pinned in place: each device has its own link, nothing shared
+        assert rows[name]["correct"] is True and rows[name]["ratio"]["2"] > 1 and rows[name]["planner_ratio"]["2"] > 1
+        assert rows[name]["devices"]["2"]["bytes_in"] == 2 * rows[name]["devices"]["1"]["bytes_in"]
+    assert rows["pageable"]["correct"] is True and rows["pageable"]["devices"]["2"]["planner_ms"] > 0
+    assert rows["requests"]["ratio"]["2"] > 0 and rows["requests"]["planner_ratio"] is None
+    assert r["simulated"] is True and r["sizes"]["scaled_down"] is True and r["profile"] == "h200-pcie5"
+    assert r["machine"] and r["command"] and r["date"] and r["versions"]["numpy"]
