@@ -42,7 +42,7 @@ def main() -> None:
     try:
         cpu = {"threads": feed.cpu_stage_seconds(dev, images.decode_augment, workers, 4 * workers)}
         if not sim:
-            cpu["processes"] = feed.cpu_stage_seconds_processes(images, workers, 4 * workers)
+            cpu["processes"] = feed.cpu_stage_seconds_processes(images, workers, 8 * workers)
         bound = feed.stage_bound({"cpu_decode_augment": min(cpu.values()),
                                   "h2d_copy": feed.h2d_stage_seconds(dev, images.nbytes, 8),
                                   "gpu_normalise_model": side.gpu_stage_seconds(8)})

@@ -399,15 +399,16 @@ def _decode_timed(index: int) -> float:
 def cpu_stage_seconds_processes(images: "ImageBatches", workers: int, count: int) -> float:
     """:meth:`ImageBatches.decode_augment` of batches ``0 .. count - 1`` on ``workers`` worker
     processes (a forkserver pool, each given the batches once), after ``2 * workers`` untimed:
-    the median time one batch took inside a worker over ``workers`` (seconds per batch with every
+    the mean time one batch took inside a worker over ``workers`` (seconds per batch with every
     worker busy and nothing else in the way: what a process-based loader, or ``processes=True``,
-    can reach at best; start-up and hand-offs are left out)."""
+    can reach at best; start-up and hand-offs are left out). The mean, not the median: batches
+    take unequal times, and a stream has to make the slow ones too."""
     ctx = multiprocessing.get_context("forkserver")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_set_images,
                                                 initargs=(images,)) as pool:
         list(pool.map(_decode_timed, range(2 * workers)))  # start and warm the workers
-        took = sorted(pool.map(_decode_timed, range(count)))
-    return took[len(took) // 2] / workers
+        took = list(pool.map(_decode_timed, range(count)))
+    return sum(took) / len(took) / workers
 
 
 def h2d_stage_seconds(dev: Device, nbytes: int, reps: int) -> float:
@@ -587,7 +588,7 @@ def feed(dev: Device, *, batch: int = 64, size: int = 224, batches: int = 200, w
         say("feed: each stage alone")
         cpu = {"threads": cpu_stage_seconds(dev, prepare, workers, 4 * workers)}
         if dev.backend != "sim":  # the simulated GPU charges a modelled cost to its own threads only
-            cpu["processes"] = cpu_stage_seconds_processes(images, workers, 4 * workers)
+            cpu["processes"] = cpu_stage_seconds_processes(images, workers, 8 * workers)
         # the bound is the fastest the CPU stage goes either way: no system may beat it
         stages = {"cpu_decode_augment": min(cpu.values()),
                   "h2d_copy": h2d_stage_seconds(dev, images.nbytes, 8),
