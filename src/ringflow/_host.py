@@ -20,6 +20,9 @@ default device is ``ringflow.device()``, made once on first use and kept.
 
 Over the budget (:func:`set_budget`), :func:`empty` returns ordinary pageable memory (and says
 so once on the ``"ringflow"`` logger) rather than failing. See the pinned-memory guide.
+
+:func:`empty_slot` is for a pipeline's ``prepare``: an array in the pinned slot the item goes to,
+which ``prepare`` fills and returns, so the stage copies nothing.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ import numpy as np
 
 from ._device.host_pool import HostPool, HostPoolStats, owner_of, pool_for, set_default_budget
 from ._device.protocol import Device, HostBuffer
+from ._pipeline.slot_array import empty_slot
 
-__all__ = ["empty", "empty_like", "buffer", "record_use", "collect", "release_cached", "stats", "set_budget",
-           "HostPoolStats"]
+__all__ = ["empty", "empty_like", "empty_slot", "buffer", "record_use", "collect", "release_cached", "stats",
+           "set_budget", "HostPoolStats"]
 
 _default_lock = threading.Lock()
 _default_device: Optional[Device] = None

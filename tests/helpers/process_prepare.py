@@ -41,3 +41,13 @@ def dies_on_3(item: int) -> np.ndarray:
     if item == 3:
         os._exit(7)
     return ramp(item)
+
+
+def ramp_in_slot(item: int) -> np.ndarray:
+    """:func:`ramp` built in the item's pinned slot (``ringflow.host.empty_slot``)."""
+    import ringflow as rf
+
+    n = item % 97 + 1
+    out = rf.host.empty_slot((n,), np.float32)
+    out[:] = np.arange(item, item + n, dtype=np.float32)
+    return out

@@ -111,14 +111,15 @@ class ImageBatches:
         a random brightness change through a look-up table; the same for the same index.
 
         Returns:
-            a new C-contiguous uint8 array of :attr:`shape`.
+            a C-contiguous uint8 array of :attr:`shape`: made in the pinned slot of the batch
+            when a pipeline's prepare runs this (``ringflow.host.empty_slot``), else a new array.
         """
         rng = np.random.default_rng((self.seed, int(index)))
         src = self.sources[int(index) % len(self.sources)]
         top, left = rng.integers(0, self.pad + 1, (2, self.batch))
         flip = rng.random(self.batch) < 0.5
         luts = np.clip(np.arange(256) * rng.uniform(0.6, 1.4, (self.batch, 1)), 0, 255).astype(np.uint8)
-        out = np.empty(self.shape, np.uint8)
+        out = rf.host.empty_slot(self.shape, np.uint8)
         s = self.size
         for j in range(self.batch):
             crop = src[j, :, top[j]:top[j] + s, left[j]:left[j] + s]
@@ -390,9 +391,15 @@ def _set_images(images: "ImageBatches") -> None:
 
 
 def _decode_timed(index: int) -> float:
-    """In a worker process: batch ``index`` made; the seconds it took."""
+    """In a worker process: batch ``index`` made, into memory of the worker's that earlier
+    batches used (as a pipeline's worker makes it in a pinned slot: no fresh pages to fault
+    in); the seconds it took."""
+    from .._pipeline.slot_array import run_offering
+
+    images = _WORKER_IMAGES["images"]
+    buffer = _WORKER_IMAGES.setdefault("buffer", np.zeros(images.nbytes, np.uint8))
     t0 = time.perf_counter()
-    _WORKER_IMAGES["images"].decode_augment(index)
+    run_offering(images.decode_augment, index, buffer)
     return time.perf_counter() - t0
 
 
@@ -402,7 +409,9 @@ def cpu_stage_seconds_processes(images: "ImageBatches", workers: int, count: int
     the mean time one batch took inside a worker over ``workers`` (seconds per batch with every
     worker busy and nothing else in the way: what a process-based loader, or ``processes=True``,
     can reach at best; start-up and hand-offs are left out). The mean, not the median: batches
-    take unequal times, and a stream has to make the slow ones too."""
+    take unequal times, and a stream has to make the slow ones too. Each batch is made into
+    memory the worker reused, as a pipeline's worker makes it in its slot: a loader that makes
+    each batch in new memory does more work than this."""
     ctx = multiprocessing.get_context("forkserver")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_set_images,
                                                 initargs=(images,)) as pool:

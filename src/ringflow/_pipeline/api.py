@@ -39,6 +39,7 @@ from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_in
 from .like import converter
 from .validate import as_host_array, check_choice, check_flag, check_options, check_output_spec, check_timeout
 from .scheduler import Scheduler
+from .slot_array import in_slot, run_offering
 from .states import ChunkState
 from .stats import PipelineStats
 from .._trace import nvtx
@@ -60,9 +61,11 @@ def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any
     """The prepare stage of a pipeline of arrays: ``user_prepare(item)`` (or the item itself)
     copied into the pinned slot. A module function, not a method: the scheduler must not hold
     the pipeline (a pipeline dropped without close() is collected and its finaliser cleans up)."""
-    arr = user_prepare(item) if user_prepare is not None else item
+    arr = run_offering(user_prepare, item, raw) if user_prepare is not None else item
     if is_tree(arr):  # several arrays: packed into the slot, moved as bytes
         leaves, layout = tree_layout(arr, chunk_bytes, "items" if user_prepare is None else "prepare's arrays")
+        # an array made in the slot (empty_slot) would be overwritten by the leaves packed before it
+        leaves = [a.copy() if np.may_share_memory(a, raw) else a for a in leaves]
         pack_into(layout, leaves, raw)
         return (layout.nbytes,), np.dtype(np.uint8), layout
     if not isinstance(arr, np.ndarray):
@@ -70,6 +73,8 @@ def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any
     if arr.dtype.hasobject:
         raise TypeError(f"prepare returned dtype {arr.dtype} (Python objects); items are moved as raw bytes, "
                         "use a numeric dtype")
+    if user_prepare is not None and in_slot(arr, raw):  # made in the slot (ringflow.host.empty_slot)
+        return arr.shape, arr.dtype
     return _copy_array_in(arr, raw, chunk_bytes)
 
 

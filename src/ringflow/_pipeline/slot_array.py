@@ -1,0 +1,61 @@
+"""Arrays a ``prepare`` makes in the pinned slot its item goes to (``ringflow.host.empty_slot``).
+
+A ``prepare`` that returns a new array has it copied into its host-in slot; one that builds its
+result in the slot itself skips that copy, and the page faults of a fresh allocation. While a
+pipeline runs ``prepare(item)`` (on a CPU worker thread, or in a worker process with
+``processes=True``), the slot is offered to :func:`empty_slot` on that thread; the first call that
+fits takes it, and the stage then finds the returned array at the slot's first byte and moves
+nothing. Anywhere else (another thread, a second call, an array larger than the slot) it is a
+new numpy array, so one ``prepare`` serves a pipeline and a DataLoader alike.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+_offered = threading.local()
+
+
+def empty_slot(shape: Any, dtype: Any = np.float64) -> np.ndarray:
+    """An uninitialised C-contiguous array: inside a pipeline's ``prepare``, in the pinned slot
+    its item goes to; elsewhere a new numpy array.
+
+    Returned by ``prepare`` as it is (the same array, any reshape or view of it starting at its
+    first byte), it is moved to the device with no copy. It belongs to the pipeline once
+    ``prepare`` returns: keep no reference to it. Only the first call in one ``prepare`` gets the
+    slot; later calls, and arrays larger than the slot, get new arrays.
+
+    Raises:
+        TypeError, ValueError: ``shape`` or ``dtype`` that ``numpy.empty`` refuses.
+    """
+    dtype = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    raw: Optional[np.ndarray] = getattr(_offered, "raw", None)
+    if raw is None or dtype.hasobject:
+        return np.empty(shape, dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if any(d < 0 for d in shape) or nbytes > raw.nbytes or raw.ctypes.data % dtype.alignment:
+        return np.empty(shape, dtype)
+    _offered.raw = None  # taken: a second call gets its own memory
+    return raw[:nbytes].view(dtype).reshape(shape)
+
+
+def run_offering(prepare: Callable[[Any], Any], item: Any, raw: np.ndarray) -> Any:
+    """``prepare(item)`` with ``raw`` (the item's host-in slot, bytes) offered to
+    :func:`empty_slot` on this thread; the offer ends when ``prepare`` returns or raises."""
+    _offered.raw = raw
+    try:
+        return prepare(item)
+    finally:
+        _offered.raw = None
+
+
+def in_slot(arr: np.ndarray, raw: np.ndarray) -> bool:
+    """Whether ``arr`` already lies where its bytes must go: C-contiguous from ``raw``'s first
+    byte, within it."""
+    return (arr.flags.c_contiguous and arr.nbytes <= raw.nbytes and arr.nbytes > 0
+            and arr.ctypes.data == raw.ctypes.data)

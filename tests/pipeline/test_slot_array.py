@@ -1,0 +1,113 @@
+"""``ringflow.host.empty_slot``: a prepare that builds its array in the pinned slot its item
+goes to; the stage then copies nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow._pipeline import api
+from tests.helpers import process_prepare as pp
+
+
+def double_plus_one(x, y):
+    y[:] = x * 2 + 1
+
+
+def in_slot(i):
+    out = rf.host.empty_slot((i % 13 + 1, 3), np.float32)
+    out[:] = i
+    return out
+
+
+def fresh(i):
+    return np.full((i % 13 + 1, 3), i, np.float32)
+
+
+@pytest.fixture
+def copies(monkeypatch):
+    made = []
+    real = api._copy_array_in
+
+    def counting(arr, raw, chunk_bytes, parameter="chunk_bytes"):
+        made.append(arr.nbytes)
+        return real(arr, raw, chunk_bytes, parameter)
+
+    monkeypatch.setattr(api, "_copy_array_in", counting)
+    return made
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_array_made_in_the_slot_moves_with_no_copy_and_comes_back_exact(copies, seed):
+    dev = rf.device("sim", chaos=True, seed=seed, checked=True)
+    with rf.Pipeline(double_plus_one, device=dev, chunk_bytes=1024, prepare=in_slot, workers=3,
+                     checked=True) as pipe:
+        out = list(pipe.map(range(40)))
+    for i, r in enumerate(out):
+        np.testing.assert_array_equal(r, np.full((i % 13 + 1, 3), 2 * i + 1, np.float32))
+    assert copies == []
+    with rf.Pipeline(double_plus_one, device=dev, chunk_bytes=1024, prepare=fresh, workers=3) as pipe:
+        list(pipe.map(range(5)))
+    assert len(copies) == 5  # a prepare returning its own array is copied in as before
+    assert dev.live().total == 0
+
+
+def test_outside_a_prepare_it_is_an_ordinary_array():
+    a = rf.host.empty_slot((2, 3), "int16")
+    assert a.shape == (2, 3) and a.dtype == np.int16 and a.flags.c_contiguous and a.flags.owndata
+    assert rf.host.buffer(a) is None
+    assert rf.host.empty_slot(4).shape == (4,)
+
+
+def test_only_the_first_call_gets_the_slot_and_a_too_large_one_is_refused_by_the_stage(copies):
+    seen = []
+
+    def two(i):
+        a = rf.host.empty_slot(8, np.float32)
+        b = rf.host.empty_slot(8, np.float32)
+        seen.append(np.shares_memory(a, b))
+        a[:] = i
+        b[:] = -1
+        return a
+
+    with rf.Pipeline(double_plus_one, device=rf.device("sim", checked=True), chunk_bytes=256, prepare=two) as pipe:
+        np.testing.assert_array_equal(pipe.submit(3).result(), np.full(8, 7, np.float32))
+    assert seen == [False] and copies == []
+
+    def large(i):
+        return rf.host.empty_slot(1000, np.float32)  # 4000 bytes: more than a slot, a new array
+
+    with rf.Pipeline(double_plus_one, device=rf.device("sim"), chunk_bytes=256, prepare=large) as pipe:
+        with pytest.raises(rf.StageError) as info:
+            pipe.submit(0).result()
+    assert "does not fit a slot of 256 bytes" in str(info.value.__cause__)
+
+
+def test_a_slot_array_among_several_returned_arrays_is_not_overwritten():
+    """Packing a tuple writes the slot from its first byte: an array made there must not be
+    clobbered by the arrays packed before it."""
+
+    def pair(i):
+        a = rf.host.empty_slot(16, np.float32)
+        a[:] = i
+        return (np.full(16, -i, np.float32), a)
+
+    def f(x, y):
+        y[0][:] = x[0]
+        y[1][:] = x[1]
+
+    with rf.Pipeline(f, device=rf.device("sim", checked=True, chaos=True, seed=3), chunk_bytes=1024, prepare=pair,
+                     checked=True) as pipe:
+        out = list(pipe.map(range(12)))
+    for i, (neg, pos) in enumerate(out):
+        np.testing.assert_array_equal(neg, np.full(16, -i, np.float32))
+        np.testing.assert_array_equal(pos, np.full(16, i, np.float32))
+
+
+def test_in_worker_processes_the_slot_is_the_shared_pinned_block():
+    with rf.Pipeline(double_plus_one, device=rf.device("sim", checked=True), chunk_bytes=1024,
+                     prepare=pp.ramp_in_slot, processes=True, workers=2) as pipe:
+        out = list(pipe.map(range(30)))
+    for i, r in enumerate(out):
+        np.testing.assert_array_equal(r, pp.ramp(i) * 2 + 1)
