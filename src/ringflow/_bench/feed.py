@@ -458,8 +458,9 @@ def measure_feed(name: str, one_pass: OnePass, side: _ModelSide, images: ImageBa
 
     Returns:
         a row: ``ms_median``/``ms_p10``/``ms_p90`` (ms per batch over the rounds),
-        ``batches_per_s`` (of the median), ``gpu_idle_fraction`` (the median round's, from the
-        model steps' timing events), ``correct``, ``checked_batches`` and ``extra``.
+        ``rounds_ms`` (each round's, in order), ``batches_per_s`` (of the median),
+        ``gpu_idle_fraction`` (the median round's, from the model steps' timing events),
+        ``correct``, ``checked_batches`` and ``extra``.
     """
     verdicts: list[bool] = []
     one_pass(check, lambda i, x: verdicts.append(same_bits(side.read(x), images.expected(i))))
@@ -473,6 +474,7 @@ def measure_feed(name: str, one_pass: OnePass, side: _ModelSide, images: ImageBa
     timing = Timing(per_batch)
     median_round = int(np.argsort(per_batch)[len(per_batch) // 2])
     return _row(name, timing, batches_per_s=1e3 / timing.median_ms, gpu_idle_fraction=idle[median_round],
+                rounds_ms=[t * 1e3 for t in per_batch],
                 correct=len(verdicts) == check and all(verdicts), checked_batches=len(verdicts), batches=batches,
                 **extra)
 
