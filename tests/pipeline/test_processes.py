@@ -135,3 +135,16 @@ def test_a_slow_item_does_not_idle_the_other_workers():
     assert took < 1.05 * cpu / workers
     fewer, _ = wall(rf.SlotCounts(workers + 1, planned.device_in, planned.device_out, planned.host_out))
     assert fewer > 1.15 * took
+
+
+def test_every_worker_process_starts_with_the_pipeline(dev):
+    """A forkserver pool starts a process per task only while none is idle: without a start of
+    its own, a pipeline's first items would be served by its first few workers while the rest
+    came up. Every worker is started at construction, before any item."""
+    from ringflow._pipeline.processes import ProcessPrepare
+
+    prepare = ProcessPrepare(dev, pp.ramp, 1 << 16, 4096, 3)
+    try:
+        assert len(prepare._pool._processes) == 3
+    finally:
+        prepare.close()

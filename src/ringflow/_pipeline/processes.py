@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import mmap
 import multiprocessing
+import os
 import pickle
 import sys
 from multiprocessing import shared_memory
@@ -62,6 +63,11 @@ class ProcessPrepare:
             # prepare goes to each worker once, at its start (it may carry data: a dataset)
             self._pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_attach,
                                                                 initargs=(self._shm.name, pickled))
+            # a pool started from a forkserver makes a process per task only when none is idle, so
+            # a first few items would be served by the first few workers while the rest start;
+            # one empty task per worker starts them all now, without waiting for them
+            for _ in range(workers):
+                self._pool.submit(os.getpid)
         except BaseException:
             self.close()
             raise
