@@ -366,21 +366,29 @@ def model_side(dev: Device, images: ImageBatches, hidden: int) -> _ModelSide:
 
 
 # -- the stages alone --------------------------------------------------------------------------------
+# Passes of the CPU stage alone; its bound is the fastest: the host's load varies from moment to
+# moment, and a bound measured in a slow moment is one a stream measured later can beat.
+CPU_STAGE_PASSES = 3
+
+
 def cpu_stage_seconds(dev: Device, prepare: Callable[[int], np.ndarray], workers: int, count: int) -> float:
     """``prepare`` of batches ``0 .. count - 1`` on ``workers`` CPU workers of ``dev``, all
-    submitted at once: the host clock's seconds per batch."""
+    submitted at once, :data:`CPU_STAGE_PASSES` times: the fastest pass's host-clock seconds per
+    batch."""
     pool = dev.create_worker_pool(workers)
+    passes = []
     try:
-        t0 = dev.now
-        tasks = [pool.submit(prepare, i) for i in range(count)]
-        for task in tasks:
-            task.sync()
-        elapsed = dev.now - t0
-        for task in tasks:
-            task.result()  # a failed prepare fails the workload
+        for _ in range(CPU_STAGE_PASSES):
+            t0 = dev.now
+            tasks = [pool.submit(prepare, i) for i in range(count)]
+            for task in tasks:
+                task.sync()
+            passes.append((dev.now - t0) / count)
+            for task in tasks:
+                task.result()  # a failed prepare fails the workload
     finally:
         pool.close()
-    return elapsed / count
+    return min(passes)
 
 
 _WORKER_IMAGES: dict = {}  # in a worker process of cpu_stage_seconds_processes: the batches
@@ -406,18 +414,22 @@ def _decode_timed(index: int) -> float:
 def cpu_stage_seconds_processes(images: "ImageBatches", workers: int, count: int) -> float:
     """:meth:`ImageBatches.decode_augment` of batches ``0 .. count - 1`` on ``workers`` worker
     processes (a forkserver pool, each given the batches once), after ``2 * workers`` untimed:
-    the mean time one batch took inside a worker over ``workers`` (seconds per batch with every
+    the mean time one batch took inside a worker over ``workers``, in the fastest of
+    :data:`CPU_STAGE_PASSES` passes (seconds per batch with every
     worker busy and nothing else in the way: what a process-based loader, or ``processes=True``,
     can reach at best; start-up and hand-offs are left out). The mean, not the median: batches
     take unequal times, and a stream has to make the slow ones too. Each batch is made into
     memory the worker reused, as a pipeline's worker makes it in its slot: a loader that makes
     each batch in new memory does more work than this."""
     ctx = multiprocessing.get_context("forkserver")
+    passes = []
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_set_images,
                                                 initargs=(images,)) as pool:
         list(pool.map(_decode_timed, range(2 * workers)))  # start and warm the workers
-        took = list(pool.map(_decode_timed, range(count)))
-    return sum(took) / len(took) / workers
+        for _ in range(CPU_STAGE_PASSES):
+            took = list(pool.map(_decode_timed, range(count)))
+            passes.append(sum(took) / len(took) / workers)
+    return min(passes)
 
 
 def h2d_stage_seconds(dev: Device, nbytes: int, reps: int) -> float:
@@ -452,9 +464,10 @@ def measure_feed(name: str, one_pass: OnePass, side: _ModelSide, images: ImageBa
 
     ``one_pass(count, consume)`` feeds batches ``0 .. count - 1`` and calls ``consume(i, x)``
     with each on the device (``x`` valid during the call). First an untimed pass of ``check``
-    batches copies every one back and compares it bit for bit with :meth:`ImageBatches.expected`
-    (it also warms the system up); then ``rounds`` timed passes of ``batches`` batches run the
-    model step on each, timed on ``side.clock`` from the pass's start to the end of its last step.
+    batches copies every one back and compares it bit for bit with :meth:`ImageBatches.expected`,
+    and an untimed pass of ``batches`` runs as the timed ones do (the warm-up); then ``rounds``
+    timed passes of ``batches`` batches run the model step on each, timed on ``side.clock`` from
+    the pass's start to the end of its last step.
 
     Returns:
         a row: ``ms_median``/``ms_p10``/``ms_p90`` (ms per batch over the rounds),
@@ -464,6 +477,8 @@ def measure_feed(name: str, one_pass: OnePass, side: _ModelSide, images: ImageBa
     """
     verdicts: list[bool] = []
     one_pass(check, lambda i, x: verdicts.append(same_bits(side.read(x), images.expected(i))))
+    one_pass(batches, lambda i, x: side.step(x))  # an untimed round at full speed: the warm-up
+    side.finish()
     per_batch, idle = [], []
     for _ in range(rounds):
         t0 = side.clock()
