@@ -75,6 +75,37 @@ def test_headline_figures_are_the_measured_ones(page, start, ours, ref, digits):
     assert cells[3] == f"{ours / ref:.2f}"
 
 
+def _feed(file: str) -> tuple[float, float]:
+    """ringflow's ms a batch with worker processes, and the DataLoader's."""
+    rows = json.loads((RESULTS / file).read_text())["workloads"]["feed"]["rows"]
+    ours = next(r for r in rows if "processes=True" in r["name"])
+    theirs = next(r for r in rows if r["name"].startswith("torch DataLoader"))
+    return ours["ms_median"], theirs["ms_median"]
+
+
+def _inference(file: str) -> tuple[float, float]:
+    """A registered MapJob's median call over the numpy array of images, and the link's floor (ms)."""
+    res = json.loads((RESULTS / file).read_text())
+    return sorted(res["one numpy array"]["mapjob_s"])[1] * 1e3, res["link_floor"]["link_floor_ms"]
+
+
+LATER = [
+    ("| `feed`: 64 images decoded on 8 CPU workers", *_feed("feed-h200-2026-12-01-final-a.json"), " a batch"),
+    ("| 3072 uint8 images (462 MB) in, a float16 row each out",
+     *_inference("inference-h200-2026-12-01-whole-registered.json"), ""),
+]
+
+
+@pytest.mark.parametrize("start, ours, ref, unit", LATER, ids=[h[0] for h in LATER])
+def test_the_later_readme_rows_are_the_measured_ones(start, ours, ref, unit):
+    lines = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(start)]
+    assert len(lines) == 1
+    cells = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert cells[1] == f"{ours:.2f} ms{unit}"
+    assert cells[2].endswith(f", {ref:.2f} ms")
+    assert cells[3] == f"{ours / ref:.2f}"
+
+
 def test_every_results_file_is_listed():
     listing = (RESULTS / "README.md").read_text()
     for path in RESULTS.iterdir():
