@@ -111,3 +111,46 @@ def test_in_worker_processes_the_slot_is_the_shared_pinned_block():
         out = list(pipe.map(range(30)))
     for i, r in enumerate(out):
         np.testing.assert_array_equal(r, pp.ramp(i) * 2 + 1)
+
+
+@pytest.mark.parametrize("shape, dtype, error, match", [
+    ((-1, 3), "f4", ValueError, "empty_slot: shape \\(-1, 3\\) has a negative dimension"),
+    ("3", "f4", TypeError, "empty_slot: shape must be an int"),
+    ((2, 2), object, TypeError, "empty_slot: .*Python objects"),
+    ((3,), "no such dtype", TypeError, "empty_slot"),
+])
+def test_bad_shapes_and_dtypes_name_empty_slot(shape, dtype, error, match):
+    with pytest.raises(error, match=match):
+        rf.host.empty_slot(shape, dtype)
+
+
+def test_the_offer_ends_when_prepare_raises_any_exception():
+    from ringflow._pipeline.slot_array import run_offering
+
+    raw = np.zeros(256, np.uint8)
+
+    def interrupted(i):
+        rf.host.empty_slot(4, np.float32)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_offering(interrupted, 0, raw)
+    assert not np.shares_memory(rf.host.empty_slot(4, np.float32), raw)
+
+    def untouched(i):
+        raise ValueError("bad item")
+
+    with pytest.raises(ValueError):
+        run_offering(untouched, 0, raw)
+    assert not np.shares_memory(rf.host.empty_slot(4, np.float32), raw)
+
+
+def test_prepares_on_many_threads_each_get_their_own_slot():
+    """Every worker thread's offer is its own: eight workers making arrays in their slots at once
+    deliver every item exact under chaos (a shared offer would hand two items one slot)."""
+    dev = rf.device("sim", chaos=True, seed=11, checked=True)
+    with rf.Pipeline(double_plus_one, device=dev, chunk_bytes=1024, prepare=in_slot, workers=8,
+                     checked=True) as pipe:
+        out = list(pipe.map(range(200)))
+    for i, r in enumerate(out):
+        np.testing.assert_array_equal(r, np.full((i % 13 + 1, 3), 2 * i + 1, np.float32))

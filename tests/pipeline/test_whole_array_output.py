@@ -170,3 +170,10 @@ def test_the_planner_counts_the_result_bytes():
     assert plan.predict_seconds("h200-pcie5", 1 << 30, 8 << 20, host_stages=False, out_ratio=1.0)[1] == same
     t = plan.queued_stage_times("h200-pcie5", 8 << 20, compute=0.0, workers=1, out_ratio=0.1)
     assert t.d2h < 0.2 * t.h2d
+
+
+def test_a_result_too_large_to_allocate_names_output():
+    x = np.ones((10, 4), np.float32)
+    with pytest.raises(MemoryError, match="stream_map could not allocate its result of shape \\(10, 1099511627776\\)"
+                                          ".*as output= says.*pass a smaller output"):
+        rf.stream_map(by_rows, x, device=rf.device("sim"), output=((10, 1 << 40), "float32"))

@@ -17,6 +17,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from .._device.host_pool import check_shape_dtype
+
 _offered = threading.local()
 
 
@@ -30,15 +32,17 @@ def empty_slot(shape: Any, dtype: Any = np.float64) -> np.ndarray:
     slot; later calls, and arrays larger than the slot, get new arrays.
 
     Raises:
-        TypeError, ValueError: ``shape`` or ``dtype`` that ``numpy.empty`` refuses.
+        TypeError: a shape that is not an int or a sequence of ints, a dtype numpy does not
+            know, or one holding Python objects (the message starts ``empty_slot``).
+        ValueError: a negative dimension, or more bytes than numpy can make.
     """
-    dtype = np.dtype(dtype)
-    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    try:
+        shape, dtype = check_shape_dtype(shape, dtype)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"empty_slot: {exc}") from None
     raw: Optional[np.ndarray] = getattr(_offered, "raw", None)
-    if raw is None or dtype.hasobject:
-        return np.empty(shape, dtype)
     nbytes = math.prod(shape) * dtype.itemsize
-    if any(d < 0 for d in shape) or nbytes > raw.nbytes or raw.ctypes.data % dtype.alignment:
+    if raw is None or nbytes > raw.nbytes or raw.ctypes.data % dtype.alignment:
         return np.empty(shape, dtype)
     _offered.raw = None  # taken: a second call gets its own memory
     return raw[:nbytes].view(dtype).reshape(shape)

@@ -246,7 +246,12 @@ def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str, out
     check_choice("engine", engine, ENGINES)
     shape, dtype = (x.shape, x.dtype) if output is None else whole_output(output, x, inplace)
     if out is None:
-        return np.empty(shape, dtype), True
+        try:
+            return np.empty(shape, dtype), True
+        except (MemoryError, ValueError) as exc:  # numpy's words name neither the call nor the argument
+            raise MemoryError(f"{who} could not allocate its result of shape {shape} and dtype {dtype} "
+                              f"({math.prod(shape) * dtype.itemsize} bytes{', as output= says' if output is not None else ''}): "
+                              f"{exc}; pass a smaller output, or out= an array you made") from None
     if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype:
         hint = "" if output is not None else "; for a result shaped otherwise pass output=(shape, dtype) too"
         raise ValueError(f"out must be a numpy array of shape {shape} and dtype {dtype}"
