@@ -113,11 +113,15 @@ def test_results_delivered_on_the_device_bit_exact(cuda_device, consumer):
         np.testing.assert_array_equal(cp.asnumpy(c), x * np.float32(2) + np.float32(1))
 
 
-def test_prepare_in_worker_processes_bit_exact(cuda_device):
+@pytest.mark.parametrize("where", ["returned", "in-slot", "in-slot-threads"])
+def test_prepare_in_worker_processes_bit_exact(cuda_device, where):
+    """prepare in worker processes (its array copied into the shared pinned slot, or made there
+    with rf.host.empty_slot), and made in the slot on worker threads."""
     from tests.helpers import process_prepare as pp
 
-    with rf.Pipeline(scale_shift, device=cuda_device, chunk_bytes=1 << 16, prepare=pp.ramp, processes=True,
-                     workers=3, checked=True) as pipe:
+    prepare = pp.ramp if where == "returned" else pp.ramp_in_slot
+    with rf.Pipeline(scale_shift, device=cuda_device, chunk_bytes=1 << 16, prepare=prepare,
+                     processes=where != "in-slot-threads", workers=3, checked=True) as pipe:
         out = list(pipe.map(range(200)))
     for i, r in enumerate(out):
         np.testing.assert_array_equal(r, pp.ramp(i) * np.float32(2) + np.float32(1))
