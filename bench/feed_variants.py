@@ -1,10 +1,10 @@
-"""Why the ``feed`` workload's ringflow rows stop short of the CPU stage's bound: the same
-workload with the pipeline's slots and ordering varied, against the DataLoader, in one run.
+"""Why the ``feed`` workload's ringflow rows stop where they do: the same workload with the
+pipeline's workers, slots and the making of each batch varied, against the DataLoader, in one run.
 
-Rows (all ``processes=True``, the CPU stage in worker processes): the planned slots; more
-host-in slots (two per worker, so a worker never waits for a slot while others' batches wait
-their turn); ``ordered=False`` (a late batch holds back none after it); and both. The bound and
-the DataLoader are measured as ``ringflow bench feed`` measures them.
+Rows: worker processes and worker threads, each with batches made in their pinned slots
+(``rf.host.empty_slot``, the default) and in new arrays copied in; with ``--slots``, also the
+host-in ring at a slot per worker and one more (the earlier default) and ``ordered=False``. The
+bound and the DataLoader are measured as ``ringflow bench feed`` measures them.
 
     PYTHONPATH=src python3 bench/feed_variants.py --device cuda:0 --out feed-variants.json
 """
@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=64, help="images per batch")
     ap.add_argument("--size", type=int, default=224, help="image height and width (small for a dry run on the sim)")
+    ap.add_argument("--slots", action="store_true", help="also the slot and ordering rows")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = rf.device(args.device)
@@ -48,20 +49,24 @@ def main() -> None:
                                   "gpu_normalise_model": side.gpu_stage_seconds(8)})
         res["bound"] = bound
         res["cpu_stage_ms"] = {k: v * 1e3 for k, v in cpu.items()}
-        planned = rf.Pipeline(feed.normalise, device=dev, prepare=images.decode_augment,
-                              chunk_bytes=images.nbytes * 2, workers=workers,
-                              output=(images.shape, "float16"), deliver="device")
-        slots = planned.config.slots
-        planned.close()
-        more = rf.SlotCounts(2 * workers, slots.device_in, slots.device_out, slots.host_out)
-        variants = [("planned slots", {}), ("host-in 2 per worker", {"slots": more}),
-                    ("ordered=False", {"ordered": False}),
-                    ("host-in 2 per worker, ordered=False", {"slots": more, "ordered": False})]
+        fresh = feed.ImageBatches(args.batch, args.size, in_slot=False)
+        variants = [("processes, in slot", images, not sim, {}), ("processes, new array", fresh, not sim, {}),
+                    ("threads, in slot", images, False, {}), ("threads, new array", fresh, False, {})]
+        if args.slots:
+            planned = rf.Pipeline(feed.normalise, device=dev, prepare=images.decode_augment,
+                                  chunk_bytes=images.nbytes * 2, workers=workers,
+                                  output=(images.shape, "float16"), deliver="device")
+            slots = planned.config.slots
+            planned.close()
+            fewer = rf.SlotCounts(workers + 1, slots.device_in, slots.device_out, slots.host_out)
+            variants += [("processes, a slot per worker and one", images, not sim, {"slots": fewer}),
+                         ("processes, ordered=False", images, not sim, {"ordered": False})]
         rows = []
-        for name, options in variants:
+        for name, made, processes, options in variants:
             print("feed:", name, flush=True)
-            rows.append(feed.ringflow_feed(dev, images, side, workers=workers, batches=args.batches,
-                                           rounds=args.rounds, check=8, processes=not sim, name=name, **options))
+            rows.append(feed.ringflow_feed(dev, made, side, workers=workers, batches=args.batches,
+                                           rounds=args.rounds, check=8, processes=processes, name=name,
+                                           prepare=made.decode_augment, **options))
         if not sim:
             print("feed: DataLoader", flush=True)
             rows.append(feed.dataloader_feed(images, side, workers=workers, batches=args.batches,

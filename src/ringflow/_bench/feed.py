@@ -80,12 +80,15 @@ class ImageBatches:
         size: height and width of an image after cropping, in pixels.
         sources: how many distinct source batches there are (batch ``i`` reads ``i % sources``).
         seed: the seed of the sources and of every batch's augmentation.
+        in_slot: make each batch with ``ringflow.host.empty_slot`` (in a pipeline's pinned slot);
+            False makes it in a new array, as a loader written without ringflow would.
     """
 
-    def __init__(self, batch: int, size: int, *, sources: int = 4, seed: int = 0):
+    def __init__(self, batch: int, size: int, *, sources: int = 4, seed: int = 0, in_slot: bool = True):
         if batch < 1 or size < 1 or sources < 1:
             raise ValueError(f"batch, size and sources must be at least 1, got {batch}, {size}, {sources}")
         self.batch, self.size, self.seed = int(batch), int(size), int(seed)
+        self.in_slot = bool(in_slot)
         self.pad = max(2, self.size // 7)  # the room a random crop moves in
         rng = np.random.default_rng(seed)
         full = (self.batch, 3, self.size + self.pad, self.size + self.pad)
@@ -119,7 +122,7 @@ class ImageBatches:
         top, left = rng.integers(0, self.pad + 1, (2, self.batch))
         flip = rng.random(self.batch) < 0.5
         luts = np.clip(np.arange(256) * rng.uniform(0.6, 1.4, (self.batch, 1)), 0, 255).astype(np.uint8)
-        out = rf.host.empty_slot(self.shape, np.uint8)
+        out = rf.host.empty_slot(self.shape, np.uint8) if self.in_slot else np.empty(self.shape, np.uint8)
         s = self.size
         for j in range(self.batch):
             crop = src[j, :, top[j]:top[j] + s, left[j]:left[j] + s]
