@@ -111,3 +111,25 @@ def test_multi_gpu_predict(tmp_path):
     assert rows["requests"]["ratio"]["2"] > 0 and rows["requests"]["planner_ratio"] is None
     assert r["simulated"] is True and r["sizes"]["scaled_down"] is True and r["profile"] == "h200-pcie5"
     assert r["machine"] and r["command"] and r["date"] and r["versions"]["numpy"]
+
+
+def test_feed_variants(tmp_path):
+    r = run_script(tmp_path, "feed_variants.py", "--batches", "4", "--rounds", "1", "--workers", "2", "--batch", "2",
+                   "--size", "8")
+    names = [row["name"] for row in r["rows"]]
+    assert names == ["processes, in slot", "processes, new array", "threads, in slot", "threads, new array"]
+    assert all(row["correct"] for row in r["rows"]) and r["bound"]["bound_ms"] > 0
+
+
+def test_pinned_write_check(tmp_path):
+    r = run_script(tmp_path, "pinned_write_check.py", "--mib", "1", "--repeats", "1")
+    assert set(r["kinds"]) == {"new numpy array (warm)", "allocate_host", "register_host", "rf.host.empty"}
+    assert all(v > 0 for row in r["kinds"].values() for v in row.values())
+
+
+def test_decode_into_slot_check():
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "decode_into_slot_check.py"), "--device", "sim",
+                           "--batch", "2", "--size", "8"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ms a batch") == 9
