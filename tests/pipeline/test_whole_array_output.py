@@ -177,3 +177,17 @@ def test_a_result_too_large_to_allocate_names_output():
     with pytest.raises(MemoryError, match="stream_map could not allocate its result of shape \\(10, 1099511627776\\)"
                                           ".*as output= says.*pass a smaller output"):
         rf.stream_map(by_rows, x, device=rf.device("sim"), output=((10, 1 << 40), "float32"))
+
+
+def test_shards_cut_the_same_chunks_as_one_device_when_the_result_is_wider():
+    """Over several devices every shard cuts chunks of the rows one device would (the wider of a
+    row of x and a row of the result sets them), so a failing chunk's index and rows mean the
+    same either way."""
+    x = np.arange(400 * 4, dtype=np.uint8).reshape(400, 4)
+    spec = ((400, 4), "float64")  # a result row is 8x an input row: 16 rows a chunk of 512 bytes
+    with rf.MapJob(by_rows, x, device=["sim:0", "sim:1"], chunk_bytes=512, output=spec) as job, \
+            rf.MapJob(by_rows, x, device=rf.device("sim"), chunk_bytes=512, output=spec) as one:
+        assert one._layout.rows == 16
+        assert [s.rows for s in job._held.engine.shards] == [16, 16]
+        assert [p._layout.rows for p in job._held.engine.parts] == [16, 16]
+        np.testing.assert_array_equal(job(), one())

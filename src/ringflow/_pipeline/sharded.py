@@ -123,7 +123,9 @@ def plan_shards(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, de
         label = device_label(devices[i])
         label = label if label[:1] != "<" else f"device[{i}] {label}"  # a device without a name: its place
         threads = (opts.get("workers") or default_workers(devices[i])) if probe.strategy == "stage" else 0
-        shard = Shard(i, devices[i], label, a, b, rows, first, probe.rows * probe.row_bytes, threads)
+        # the probe's slot size: each shard's layout then cuts the same rows (the wider of a row of
+        # x and a row of the result sets them)
+        shard = Shard(i, devices[i], label, a, b, rows, first, probe.chunk_bytes, threads)
         shards.append(shard)
         first += shard.n_chunks
     return shards
