@@ -20,11 +20,9 @@ enqueued only after that thread's task is seen complete, as for a prepare on a t
 from __future__ import annotations
 
 import concurrent.futures
-import mmap
 import multiprocessing
 import os
 import pickle
-import sys
 from multiprocessing import shared_memory
 from typing import Any, Callable
 
@@ -104,37 +102,12 @@ class ProcessPrepare:
                 pass
 
 
-# Linux's madvise(MADV_POPULATE_WRITE) (5.14 on): map every page of a range writable now,
-# leaving its contents as they are. Python's mmap names it from 3.12 on.
-_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
-
-
 def _attach(name: str, prepare: bytes) -> None:
-    """A worker's initializer: map the shared block and take the prepare callable.
-
-    Every page of the block is mapped into the worker here, at its start. Otherwise each
-    worker's first write to each page of each slot takes a page fault, and eight workers taking
-    them at once on one shared object contend in the kernel: the first pass over the ring ran
-    at well under half speed. The contents are left as they are (other workers may be writing)."""
+    """A worker's initializer: map the shared block and take the prepare callable."""
     shm = shared_memory.SharedMemory(name=name)
     _SHARED["shm"] = shm
     _SHARED["bytes"] = np.ndarray((shm.size,), np.uint8, buffer=shm.buf)
     _SHARED["prepare"] = pickle.loads(prepare)
-    _populate(shm)
-
-
-def _populate(shm: shared_memory.SharedMemory) -> None:
-    """Map every page of ``shm`` into this process, writable, without changing a byte; where the
-    system cannot, read one byte a page (which maps it for reading at least)."""
-    region = getattr(shm, "_mmap", None)
-    if region is not None and _POPULATE_WRITE is not None:
-        try:
-            region.madvise(_POPULATE_WRITE)
-            return
-        except (OSError, ValueError):  # an older kernel, or not Linux
-            pass
-    view = np.ndarray((shm.size,), np.uint8, buffer=shm.buf)
-    int(view[::mmap.PAGESIZE].max(initial=0))
 
 
 def _prepare_in_worker(chunk_bytes: int, item: Any, offset: int, nbytes: int) -> tuple:
