@@ -154,3 +154,21 @@ def test_prepares_on_many_threads_each_get_their_own_slot():
         out = list(pipe.map(range(200)))
     for i, r in enumerate(out):
         np.testing.assert_array_equal(r, np.full((i % 13 + 1, 3), 2 * i + 1, np.float32))
+
+
+def test_an_offer_inside_another_on_one_thread_leaves_the_outer_one_standing():
+    from ringflow._pipeline.slot_array import run_offering
+
+    outer_raw, inner_raw = np.zeros(64, np.uint8), np.zeros(64, np.uint8)
+
+    def inner(i):
+        return rf.host.empty_slot(4, np.float32)
+
+    def outer(i):
+        a = run_offering(inner, i, inner_raw)
+        b = rf.host.empty_slot(4, np.float32)
+        return a, b
+
+    a, b = run_offering(outer, 0, outer_raw)
+    assert np.shares_memory(a, inner_raw) and np.shares_memory(b, outer_raw)
+    assert not np.shares_memory(rf.host.empty_slot(4, np.float32), outer_raw)

@@ -50,12 +50,14 @@ def empty_slot(shape: Any, dtype: Any = np.float64) -> np.ndarray:
 
 def run_offering(prepare: Callable[[Any], Any], item: Any, raw: np.ndarray) -> Any:
     """``prepare(item)`` with ``raw`` (the item's host-in slot, bytes) offered to
-    :func:`empty_slot` on this thread; the offer ends when ``prepare`` returns or raises."""
+    :func:`empty_slot` on this thread; the offer ends when ``prepare`` returns or raises, and an
+    offer made around this one (a prepare run inside another on one thread) stands again."""
+    outer = getattr(_offered, "raw", None)
     _offered.raw = raw
     try:
         return prepare(item)
     finally:
-        _offered.raw = None
+        _offered.raw = outer
 
 
 def in_slot(arr: np.ndarray, raw: np.ndarray) -> bool:
