@@ -30,7 +30,7 @@ from .._device import device as make_device
 from .._device import device_list
 from .._device.protocol import Device, close_quietly
 from .engine import Arrays, Engine, choose_engine, make_engine
-from .whole_array import MapLayout, check_arrays, pinned_arrays, pooled_buffers, run_call
+from .whole_array import check_arrays, pinned_arrays, plan_layout, run_call
 from .validate import check_flag, check_options
 
 
@@ -113,11 +113,9 @@ class MapJob:
               engine: str, opts: dict) -> None:
         """Lay the job out on ``dev``, pin its arrays (``host="register"``; arrays from
         :mod:`ringflow.host` are pinned already and used as they are) and build its engine."""
-        pooled = pooled_buffers(dev, x, out, fresh_out, host, x_buffer, out_buffer)
-        if None not in pooled:
-            x_buffer, out_buffer = pooled
-        self._layout = layout = MapLayout.plan(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer,
-                                               opts, pooled)
+        layout, x_buffer, out_buffer, pooled = plan_layout(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer,
+                                                           out_buffer, opts)
+        self._layout = layout
         self.device = layout.device
         opts = layout.engine_options(opts)
         self.engine = choose_engine(engine, layout.strategy, opts)

@@ -168,10 +168,8 @@ def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x
     if pooled_out and fresh_out and POOLED_OUT and x_buffer is None and out_buffer is None and host != "stage":
         out = host_pool.pool_for(dev).empty(out.shape, out.dtype)
         fresh_out = host_pool.buffer_behind(out, dev) is None  # a pageable fallback is still untouched
-    pooled = pooled_buffers(dev, x, out, fresh_out, host, x_buffer, out_buffer)
-    if None not in pooled:
-        x_buffer, out_buffer = pooled
-    layout = MapLayout.plan(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer, opts, pooled)
+    layout, x_buffer, out_buffer, pooled = plan_layout(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer,
+                                                       out_buffer, opts)
     opts = layout.engine_options(opts)
     kind = choose_engine(engine, layout.strategy, opts)
     registered: list = []
@@ -280,7 +278,7 @@ def whole_output(output: Any, x: np.ndarray, inplace: bool) -> tuple:
     if not shape or shape[0] != x.shape[0]:
         raise ValueError(f"output's shape {shape} must start with x's rows ({x.shape[0]}): chunks are cut along "
                          f"axis 0 of x and of the result alike, e.g. (({x.shape[0]},) + row shape, dtype)")
-    if x.shape[0] and math.prod(shape) == 0 and x.size:
+    if x.size and math.prod(shape) == 0:
         raise ValueError(f"output's shape {shape} has no elements in a row; a result needs at least one")
     if inplace and (shape, dtype) != (x.shape, x.dtype):
         raise ValueError("output= cannot change the result's shape or dtype with inplace=True: an in-place compute "
@@ -412,6 +410,23 @@ class MapLayout:
         rows = min(max(1, slot // widest), x.shape[0])  # a chunk is never larger than the array
         return cls(dev, row_bytes, rows, x.shape[0], x.shape[1:], x.dtype, strategy, out_row_bytes, out.shape[1:],
                    out.dtype)
+
+
+def plan_layout(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, dev: Device, chunk_bytes, host: str,
+                x_buffer, out_buffer, opts: dict) -> tuple:
+    """:meth:`MapLayout.plan` for arrays that may come from ``dev``'s host pool: returns
+    ``(layout, x_buffer, out_buffer, pooled)``, the buffers being the pool's where both arrays
+    are pool arrays (used in place), and ``pooled`` the pool buffers found behind each (for
+    :func:`pinned_arrays`).
+
+    Raises:
+        as :meth:`MapLayout.plan`.
+    """
+    pooled = pooled_buffers(dev, x, out, fresh_out, host, x_buffer, out_buffer)
+    if None not in pooled:
+        x_buffer, out_buffer = pooled
+    layout = MapLayout.plan(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer, opts, pooled)
+    return layout, x_buffer, out_buffer, pooled
 
 
 def pooled_buffers(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool, host: str, x_buffer,
