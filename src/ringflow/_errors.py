@@ -45,6 +45,14 @@ class LaunchError(DeviceError):
     """
 
 
+class CaptureError(DeviceError):
+    """Work enqueued while a stream was capturing cannot be part of a graph: a host
+    synchronisation or query, a device allocation, a wait on an event recorded outside the
+    capture, or a stream that joined the capture and was not joined back. The capture is
+    abandoned; the streams are usable again and nothing captured has run.
+    """
+
+
 class StageError(RingflowError):
     """A pipeline stage failed for one chunk.
 

@@ -43,23 +43,32 @@ def contents(seed, shape=SHAPE):
 
 
 def run_job(dev, *, engine="auto", slots=None, inplace=False, checked=False, guards=(), calls=3, seed=0,
-            big=False):
+            big=False, graph=False):
     """MapJob over registered x (and out), the host rewriting x between calls; True when every
-    call's result is right. ``big``: 64x the rows and chunk, and a kernel far shorter than a copy."""
+    call's result is right. ``big``: 64x the rows and chunk, and a kernel far shorter than a copy.
+    ``graph``: every call but a profiled first one replays the job's captured graph."""
     scale = 64 if big else 1
     shape = (SHAPE[0] * scale, SHAPE[1])
     x = np.empty(shape, np.float32)
     out = x if inplace else None
     kw = {"slots": slots} if slots is not None else {}
-    with _testing.inject(guards_off=guards), \
+    # with a graph the first call is an ordinary one: the guards go off after it, so what is
+    # caught is caught in the captured graph
+    with _testing.inject(guards_off=() if graph else guards), \
             rf.MapJob(fast if big else f, x, out, device=dev, chunk_bytes=CHUNK * scale, host="register", engine=engine,
-                      inplace=inplace, checked=checked, **kw) as job:
+                      inplace=inplace, checked=checked, graph=graph, **kw) as job:
         assert job.engine == ("pipeline" if engine == "pipeline" else "direct") and job.chunks == 14
         for call in range(calls):
             x[...] = contents(100 * seed + call, shape)
             expected = x * 3 + 1
-            if not np.array_equal(job(), expected):
+            # with a graph, the first call is an ordinary one (profiled or not), and the capture
+            # must be ordered after it
+            profile = graph and call == 0 and seed % 2 == 1
+            if not np.array_equal(job(profile=profile), expected):
                 return False
+            assert job.replays_graph == (graph and engine != "pipeline" and call > 0)
+            if graph and call == 0 and guards:
+                job._held.engine._guard_off = frozenset(guards)
     return True
 
 
@@ -90,9 +99,10 @@ def test_engine_choice():
 @pytest.mark.parametrize("slots", [1, 2, 3, None])
 @pytest.mark.parametrize("seed", range(4))
 def test_direct_agrees_with_the_pipeline_under_chaos(inplace, slots, seed):
-    for engine in ("direct", "pipeline"):
+    for engine, graph in (("direct", False), ("direct", True), ("pipeline", False)):
         dev = rf.device("sim", seed=seed, chaos=True)
-        assert run_job(dev, engine=engine, slots=slots, inplace=inplace, checked=seed % 2 == 1, seed=seed)
+        assert run_job(dev, engine=engine, slots=slots, inplace=inplace, checked=seed % 2 == 1, seed=seed,
+                       graph=graph)
         assert dev.live().total == 0
 
 
@@ -100,41 +110,45 @@ CONFIGS = [(slots, inplace, seed, big) for big in (False, True) for seed in rang
            for inplace in (False, True)]
 
 
-def _outcome(guard, slots, inplace, seed, big, checker=True):
+def _outcome(guard, slots, inplace, seed, big, checker=True, graph=False):
     dev = rf.device("sim", seed=seed, chaos=True, checked=checker)
     return guard_outcome(lambda: run_job(dev, engine="direct", slots=slots, inplace=inplace, checked=not checker,
-                                         guards=[guard], seed=seed, big=big))
+                                         guards=[guard], seed=seed, big=big, graph=graph))
 
 
-def test_every_config_passes_with_every_guard_on():
+@pytest.mark.parametrize("graph", [False, True])
+def test_every_config_passes_with_every_guard_on(graph):
     # no false alarms: the configurations below catch a missing wait, not a healthy job
     for slots, inplace, seed, big in CONFIGS:
-        assert run_job(rf.device("sim", seed=seed, chaos=True), slots=slots, inplace=inplace, seed=seed, big=big)
+        assert run_job(rf.device("sim", seed=seed, chaos=True), slots=slots, inplace=inplace, seed=seed, big=big,
+                       graph=graph)
         assert run_job(rf.device("sim", seed=seed, chaos=True, checked=False), slots=slots, inplace=inplace,
-                       checked=True, seed=seed, big=big)
+                       checked=True, seed=seed, big=big, graph=graph)
 
 
+@pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("guard", direct.GUARDS)
-def test_each_wait_is_needed(guard):
+def test_each_wait_is_needed(guard, graph):
     if guard == "compute.wait_slot_ready":
         configs = [c for c in CONFIGS if not c[1]]  # only a separate device-out ring has this wait
     else:
         configs = CONFIGS
     tried = []
     for config in configs:
-        outcome = _outcome(guard, *config)
+        outcome = _outcome(guard, *config, graph=graph)
         if caught(outcome):
             return
         tried.append(f"{config}: {outcome!r}"[:200])
     pytest.fail(f"switching off {guard!r} went unnoticed:\n" + "\n".join(tried))
 
 
+@pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("guard", direct.GUARDS)
-def test_poison_shows_a_missing_wait_without_the_checker(guard):
+def test_poison_shows_a_missing_wait_without_the_checker(guard, graph):
     configs = [c for c in CONFIGS if not c[1]] if guard == "compute.wait_slot_ready" else CONFIGS
     tried = []
     for config in configs:
-        outcome = _outcome(guard, *config, checker=False)
+        outcome = _outcome(guard, *config, checker=False, graph=graph)
         assert not isinstance(outcome, rf.HazardError), "the checker was meant to be off"
         if outcome is False:
             return

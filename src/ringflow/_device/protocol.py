@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from .._errors import CaptureError
+
 if TYPE_CHECKING:
     from .hardware import HardwareProfile
 
@@ -355,6 +357,34 @@ class Stream(abc.ABC):
     def sync(self) -> None:
         """Block until all work enqueued on this stream is done."""
 
+    def begin_capture(self) -> None:
+        """Start capturing: from now on, work enqueued on this stream, and on every stream that
+        waits for an event recorded during the capture, is recorded into a graph instead of
+        run, until :meth:`end_capture`. Events recorded while capturing can only be waited on
+        by capturing streams: querying or syncing one, waiting on an event recorded before the
+        capture, synchronising a capturing stream or allocating device memory on the capturing
+        thread abandons the capture (:class:`~ringflow._errors.CaptureError`).
+
+        Raises:
+            CaptureError: the backend cannot capture, or this stream is capturing already.
+        """
+        raise CaptureError(f"{type(self).__name__} cannot capture graphs")
+
+    def end_capture(self) -> "Graph":
+        """End the capture begun on this stream and return its graph. Every stream that joined
+        must have been joined back: this stream waited for an event recorded on it after the
+        last work it captured.
+
+        Raises:
+            CaptureError: the capture was abandoned, or a stream was left unjoined; the capture
+                has ended either way and nothing captured has run.
+        """
+        raise CaptureError(f"{type(self).__name__} cannot capture graphs")
+
+    def abort_capture(self) -> None:
+        """End a capture begun on this stream without keeping it (after an error); harmless
+        when none is in progress; never raises."""
+
     @abc.abstractmethod
     def close(self) -> None: ...
 
@@ -363,6 +393,33 @@ class Stream(abc.ABC):
 
     def __exit__(self, *exc_info) -> None:
         close_quietly(self, repr(self))
+
+
+class Graph(abc.ABC):
+    """Stream work captured once (:meth:`Stream.begin_capture`) and launched as one unit, any
+    number of times, with the dependencies it was captured with. It refers to the memory the
+    captured work used without owning it: the caller keeps that memory alive and in place for
+    as long as the graph may run."""
+
+    @abc.abstractmethod
+    def launch(self, stream: Stream) -> None:
+        """Enqueue one run of the whole graph on ``stream`` (a stream of the graph's device):
+        it starts after the work enqueued there before, and work enqueued there later starts
+        after all of it. Returns once enqueued.
+
+        Raises:
+            RuntimeError: the graph is closed.
+        """
+
+    def event(self, captured: Event) -> "Event | None":
+        """The event the last launch recorded in place of ``captured`` (an event recorded
+        during the capture): its :attr:`~Event.error` tells whether the work before it failed.
+        None where the backend's graphs keep no events (a real GPU)."""
+        return None
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the graph; runs already launched complete. Harmless twice; never raises."""
 
 
 class HostTask(abc.ABC):

@@ -17,16 +17,27 @@ shows up as a wrong result on a real GPU, as the scheduler's checked mode does.
 
 ``run()`` returns once every result is in ``out``: the host has then seen every operation of
 the call complete, so it may rewrite ``x`` before the next call.
+
+With ``graph=True`` and the arrays bound at construction (a ``MapJob``), the first call runs as
+usual (a compute's first call may load its kernels or set up its library, which a capture
+cannot take), and the next call that is not profiled captures the whole enqueue pass as one
+CUDA graph (:meth:`Stream.begin_capture`:
+the same operations and waits, the other streams joined from and back to the h2d stream) and
+launches it; every later call is that one launch. The host then spends one launch per call
+instead of a dozen driver calls per chunk, so chunks can be small. A capture the device
+refuses (a compute that synchronises or allocates) leaves the job enqueueing as before, with
+the reason logged once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from .._device.protocol import BufferSlice, Device, free_quietly
-from .._errors import StageError
+from .._device.protocol import BufferSlice, Device, close_quietly, free_quietly
+from .._errors import LaunchError, StageError
 from .._testing import current as current_hooks
 from .._trace.report import Report
 from .._trace.timeline import ENQUEUE_TRACK, Anchor, ChunkRecord, Span, Timeline
@@ -36,6 +47,8 @@ from .stages import GPU_STAGES, StageStreams, launch_compute, mark, poison_after
 
 # The waits that order the job, named as the scheduler's guards for the same waits; a test can
 # switch one off (``ringflow._testing.inject(guards_off=...)``) to show the checks catch it.
+logger = logging.getLogger(__name__)
+
 GUARDS = (
     "h2d.wait_slot_ready",  # a chunk's copy in waits for its device slot's previous use
     "compute.wait_h2d",  # compute waits for the chunk's copy in
@@ -78,7 +91,7 @@ class DirectSchedule:
                  chunk_bytes: int, slots: SlotCounts, inplace: bool, checked: bool = False,
                  bound: Optional[Arrays] = None, compute_streams: int = 1,
                  out_chunks: Optional[Sequence[tuple[int, int, tuple]]] = None, out_dtype: Any = None,
-                 out_chunk_bytes: Optional[int] = None):
+                 out_chunk_bytes: Optional[int] = None, graph: bool = False):
         if out_chunks is None:
             out_chunks, out_dtype, out_chunk_bytes = chunks, dtype, chunk_bytes
         if inplace and (list(out_chunks) != list(chunks) or out_dtype != dtype):
@@ -107,6 +120,13 @@ class DirectSchedule:
             self.close()
             raise
         self.enqueue_seconds = 0.0  # host time the last run spent enqueueing (its host overhead)
+        # graph=True on bound arrays: the captured call (None before the first, or when refused)
+        self._graph_wanted = bool(graph) and bound is not None
+        self._graph = None
+        self._graph_computes: list = []  # the compute events recorded while capturing
+        self.graph_refused: Optional[str] = None  # why calls are not replayed as a graph
+        self.replayed = False  # whether the last run was a graph launch
+        self._warmed = False  # whether a call has run to completion (the compute has been called)
         self._timeline: Optional[Timeline] = None  # the last profiled run's
         # the event each device slot's next owner waits on (its last use, or the poison fill after it)
         self._in_ready: list = [None] * n_in
@@ -139,7 +159,8 @@ class DirectSchedule:
                    slots=layout.slots(f, options, external=True), inplace=inplace,
                    checked=bool(options.get("checked", False)), bound=bound,
                    compute_streams=int(options.get("compute_streams", 1)), out_chunks=out_chunks,
-                   out_dtype=layout.out_dtype, out_chunk_bytes=layout.out_chunk_bytes)
+                   out_dtype=layout.out_dtype, out_chunk_bytes=layout.out_chunk_bytes,
+                   graph=bool(options.get("graph", False)))
 
     @property
     def closed(self) -> bool:
@@ -162,9 +183,13 @@ class DirectSchedule:
         """
         if self.closed:
             raise RuntimeError("this DirectSchedule is closed")
+        self.replayed = False
         if arrays is None or arrays is self._bound:
             if self._bound is None:
                 raise ValueError("no arrays were bound at construction; pass the call's arrays")
+            if self._graph_wanted and not profile and self.graph_refused is None and self._warmed:
+                self._run_graph()
+                return
 
             def host(op):
                 return op.host_in, op.host_out
@@ -192,6 +217,77 @@ class DirectSchedule:
             if err is not None:  # a launch that failed on the device (reported by its event)
                 cause = err.__cause__ or err  # the callable's own exception, as the scheduler reports it
                 raise StageError("compute", op.index, cause) from cause
+        self._warmed = True
+
+    # -- graphs ----------------------------------------------------------------------------------
+    def _run_graph(self) -> None:
+        """One call as a launch of the captured graph (captured first if there is none yet; if
+        the device refuses the capture, the call runs as an ordinary enqueue pass)."""
+        origin = self.streams.h2d
+        t0 = time.perf_counter()
+        # the graph's first use of each slot waits for nothing inside it: the launch itself
+        # is ordered after every earlier use (an ordinary call's) here, on the launch stream
+        joined = self._join_slots(origin)
+        if self._graph is None and not self._capture(origin):
+            self._in_ready = [joined] * len(self._in_ready)
+            self._out_ready = [joined] * len(self._out_ready)
+            self.run()
+            return
+        try:
+            self._graph.launch(origin)
+            done = origin.record()
+            self.enqueue_seconds = time.perf_counter() - t0
+            try:
+                done.sync()
+            except LaunchError:  # a compute failed (reported through the graph's events)
+                pass
+        except BaseException:
+            self.streams.settle()
+            raise
+        self.replayed = True
+        for op, captured in zip(self.ops, self._graph_computes):
+            event = self._graph.event(captured)
+            err = event.error if event is not None else None
+            if err is not None:
+                cause = err.__cause__ or err
+                raise StageError("compute", op.index, cause) from cause
+
+    def _join_slots(self, origin):
+        """Make ``origin`` wait for every slot's last use; returns an event after those waits
+        (None when no slot has been used), and forgets the slots' events."""
+        pending = [e for e in self._in_ready + self._out_ready if e is not None]
+        for event in dict.fromkeys(pending):
+            origin.wait(event)
+        self._in_ready = [None] * len(self._in_ready)
+        self._out_ready = [None] * len(self._out_ready)
+        return origin.record() if pending else None
+
+    def _capture(self, origin) -> bool:
+        """Capture one call's enqueue pass into ``self._graph``; returns False (the reason
+        logged and kept in :attr:`graph_refused`) when the device refuses it."""
+        streams = self.streams.all
+        origin.begin_capture()
+        try:
+            computes = [self._enqueue(op, op.host_in, op.host_out) for op in self.ops]
+            for stream in streams:  # every stream that took part joins back into the origin
+                if stream is not origin:
+                    origin.wait(stream.record())
+            self._graph = origin.end_capture()
+            self._graph_computes = computes
+        except Exception as exc:  # noqa: BLE001 - whatever the capture met, the call runs uncaptured
+            origin.abort_capture()
+            cause = exc.__cause__ if isinstance(exc, StageError) and exc.__cause__ is not None else exc
+            self.graph_refused = f"{type(cause).__name__}: {cause}"
+            logger.warning("MapJob(graph=True): the call could not be captured as a graph (%s); it runs "
+                           "without one from now on", self.graph_refused)
+            return False
+        except BaseException:
+            origin.abort_capture()
+            raise
+        finally:
+            self._in_ready = [None] * len(self._in_ready)  # captured events mean nothing outside the graph
+            self._out_ready = [None] * len(self._out_ready)
+        return True
 
     def _enqueue(self, op: ChunkOps, host_in: BufferSlice, host_out: BufferSlice, events: Optional[dict] = None):
         """Enqueue one chunk's copy in, compute and copy out; returns the compute's event. With
@@ -303,6 +399,10 @@ class DirectSchedule:
     def close(self) -> None:
         """Free the device rings (stream-ordered after all the job's work) and the streams.
         Harmless twice; never raises."""
+        graph, self._graph = getattr(self, "_graph", None), None
+        if graph is not None:
+            self.streams.settle()  # its last launch must be done before it goes
+            close_quietly(graph, "graph")
         rings, self._rings = self._rings, []
         self._in_ready = [None] * len(getattr(self, "_in_ready", ()))
         self._out_ready = [None] * len(getattr(self, "_out_ready", ()))

@@ -20,6 +20,7 @@ and ``out``, are fixed.
 
 from __future__ import annotations
 
+import logging
 import warnings
 import weakref
 from typing import Any, Callable, Optional
@@ -32,6 +33,8 @@ from .._device.protocol import Device, close_quietly
 from .engine import Arrays, Engine, choose_engine, make_engine
 from .whole_array import check_arrays, pinned_arrays, plan_layout, run_call
 from .validate import check_flag, check_options
+
+logger = logging.getLogger(__name__)
 
 
 class _Held:
@@ -72,6 +75,16 @@ class MapJob:
     ``job.device`` is then the tuple of devices, ``job.strategy`` and ``job.engine`` are the
     shards' (``"mixed"`` where they differ), and :meth:`report` gives a ``ShardedReport``.
 
+    ``graph=True`` (direct engine only: ``x`` and ``out`` pinned or registered) captures the
+    first unprofiled call as one CUDA graph and makes every later call one launch of it, so the
+    host spends a few microseconds per call instead of per operation and small chunks cost
+    little more than large ones. ``f`` is then called only while capturing: it must enqueue the
+    same work on every call, write only into ``y`` and allocate nothing (scratch arrays made
+    outside ``f``), and not synchronise. A capture the device refuses, or a framework
+    allocation seen inside ``f``, is logged (logger ``ringflow``) and the job goes on without a
+    graph; :attr:`replays_graph` says which way the last call ran. A profiled call never
+    replays (its timing events are per operation).
+
     Raises:
         TypeError, ValueError: a bad argument (the message names it and what it accepts).
 
@@ -85,11 +98,12 @@ class MapJob:
                  device: "Device | str | None" = None, chunk_bytes: "int | str | None" = None, host: str = "auto",
                  x_buffer=None, out_buffer=None, engine: str = "auto", inplace: bool = False, slots=None,
                  workers: Optional[int] = None, checked: bool = False, on_error: str = "raise",
-                 pinned_budget: "int | str | None" = None, compute_streams: int = 1, output: Any = None):
+                 pinned_budget: "int | str | None" = None, compute_streams: int = 1, output: Any = None,
+                 graph: bool = False):
         self._held = _Held()
         opts = check_options(chunk_bytes=chunk_bytes, allow_auto_chunk=True, inplace=inplace, slots=slots,
                              workers=workers, checked=checked, on_error=on_error, pinned_budget=pinned_budget,
-                             compute_streams=compute_streams)
+                             compute_streams=compute_streams, graph=graph)
         out, fresh_out = check_arrays(f, x, out, host, engine, "MapJob", output, opts["inplace"])
         if x.shape[0] == 0 or x.size == 0:
             raise ValueError("MapJob needs at least one element in x; for an empty array call stream_map, "
@@ -119,6 +133,10 @@ class MapJob:
         self.device = layout.device
         opts = layout.engine_options(opts)
         self.engine = choose_engine(engine, layout.strategy, opts)
+        if opts.get("graph") and self.engine != "direct":
+            logger.warning("MapJob(graph=True) runs without a graph: only the direct engine (x and out pinned or "
+                           "registered, host='register') captures one, and this job is on the %r engine with "
+                           "host strategy %r", self.engine, layout.strategy)
         try:
             # pinned for the job's life: later calls pay no registration and no first touch
             self._held.registered, self._arrays = pinned_arrays(layout, x, out, fresh_out, x_buffer, out_buffer,
@@ -174,6 +192,16 @@ class MapJob:
     @property
     def closed(self) -> bool:
         return self._held.engine is None
+
+    @property
+    def replays_graph(self) -> bool:
+        """Whether the last call was one launch of a captured graph (``graph=True``); over
+        several devices, whether every shard's was."""
+        engine = self._held.engine
+        parts = getattr(engine, "parts", None)
+        if parts is not None:
+            return all(part.replays_graph for part in parts)
+        return bool(getattr(engine, "replayed", False))
 
     def __call__(self, *, profile: bool = False) -> np.ndarray:
         """Run ``f`` over ``x``'s current contents.

@@ -26,8 +26,9 @@ class ScheduledEngine:
     def __init__(self, f: Callable, layout, options: dict, arrays: Arrays):
         self.f = f
         self.layout = layout
-        # the scheduler runs kernels on one compute stream: the direct engine's option means nothing here
-        self.options = {k: v for k, v in options.items() if k != "compute_streams"}
+        # the scheduler runs kernels on one compute stream and captures no graph: those direct
+        # engine options mean nothing here
+        self.options = {k: v for k, v in options.items() if k not in ("compute_streams", "graph")}
         self.device = layout.device
         self._arrays: Optional[Arrays] = None
         self.pipe: Optional[Pipeline] = self._new_pipeline(arrays, profile=False)

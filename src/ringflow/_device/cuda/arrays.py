@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import TYPE_CHECKING, Any, Iterator
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
@@ -124,6 +125,40 @@ class DlpackAdapter:
 
     def stream_context(self, stream: "CudaStream") -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def framework_allocations(index: int) -> Iterator[Callable[[], int]]:
+    """Count the device allocations CuPy's and PyTorch's caching allocators serve on this thread
+    (device ``index``) inside the block, cached blocks included (which no driver call shows);
+    yields a callable returning the count so far. A framework not imported is not counted."""
+    counts = [0]
+    stack = contextlib.ExitStack()
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        class _Count(cupy.cuda.MemoryHook):  # memory hooks are per thread
+            name = "ringflow-capture"
+
+            def malloc_preprocess(self, **kwargs):
+                counts[0] += 1
+
+            def alloc_preprocess(self, **kwargs):
+                counts[0] += 1
+
+        stack.enter_context(_Count())
+    torch = sys.modules.get("torch")
+    before = None
+    if torch is not None and torch.cuda.is_initialized():
+        before = torch.cuda.memory_stats(index).get("allocation.all.allocated", 0)
+
+    def count() -> int:
+        n = counts[0]
+        if before is not None:
+            n += torch.cuda.memory_stats(index).get("allocation.all.allocated", 0) - before
+        return n
+
+    with stack:
+        yield count
 
 
 def resolve(kind: str) -> CupyAdapter | TorchAdapter | DlpackAdapter:

@@ -15,15 +15,16 @@ Ordering facts:
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
-from ..._errors import DeviceError
-from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Stream, as_slice, copy_extent
+from ..._errors import CaptureError, DeviceError
+from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Graph, Stream, as_slice, copy_extent
 from ._lib import check, core, device_error, driver, is_sticky, translate
-from .arrays import using_stream
+from .arrays import framework_allocations, using_stream
 
 if TYPE_CHECKING:
     from .device import CudaDevice
@@ -276,9 +277,20 @@ class CudaStream(Stream):
             else:
                 converted.append(a)
         name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+        capturing = dev._capturing == threading.get_ident()
         try:
             with using_stream(self), adapter.stream_context(self):
-                fn(*converted)
+                if capturing:
+                    # a framework's cached block would be captured at its address and handed to
+                    # someone else after fn returns, while every replay still writes there
+                    with framework_allocations(dev.index) as allocated:
+                        fn(*converted)
+                    if allocated():
+                        raise CaptureError(f"compute callable {name} allocated device memory while being "
+                                           "captured; a graph would keep writing memory the framework hands "
+                                           "out again. Write into y and allocate scratch arrays outside compute")
+                else:
+                    fn(*converted)
         except DeviceError:
             raise
         except Exception as exc:
@@ -291,6 +303,63 @@ class CudaStream(Stream):
         self._device._ensure_current()
         with translate(lambda: f"synchronising {self!r}"):
             self._cc.sync()
+
+    # -- graphs --------------------------------------------------------------------------------
+    # Capture goes through the driver (cuStreamBeginCapture and friends) on this stream's
+    # handle: cuda.core's GraphBuilder cannot end a capture the driver invalidated without
+    # raising, and would then try to end it again when collected, possibly in the middle of a
+    # later capture on the same (recycled) stream.
+    def begin_capture(self) -> None:
+        """Capture in thread-local mode: a call on this thread that could synchronise (an
+        allocation, a blocking copy, a query of a captured event) fails and invalidates the
+        capture instead of running."""
+        self._check_open()
+        dev = self._device
+        if dev._capturing is not None:
+            raise CaptureError(f"{dev!r} is capturing on another stream already; one capture at a time")
+        dev._ensure_current()
+        d = driver()
+        try:
+            check(d.cuStreamBeginCapture(self.handle, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+                  lambda: f"beginning a capture on {self!r}")
+        except DeviceError as exc:
+            if exc.sticky:
+                raise
+            raise CaptureError(str(exc)) from exc
+        dev._capturing = threading.get_ident()
+
+    def end_capture(self) -> "CudaGraph":
+        dev = self._device
+        dev._capturing = None
+        d = driver()
+        err, graph = d.cuStreamEndCapture(self.handle)
+        if int(err) != 0 or graph is None or int(graph) == 0:
+            name = getattr(err, "name", None) or f"CUresult {int(err)}"
+            raise CaptureError(f"capture on {self!r} failed: {name} (an operation in it cannot be captured: a "
+                               "host synchronisation, an allocation, a wait for an event recorded before the "
+                               "capture, or a stream not joined back)")
+        try:
+            exe = check(d.cuGraphInstantiate(graph, 0), lambda: f"instantiating the graph captured on {self!r}")
+        except BaseException:
+            d.cuGraphDestroy(graph)
+            raise
+        return CudaGraph(dev, graph, exe)
+
+    def abort_capture(self) -> None:
+        dev = self._device
+        try:
+            if dev._capturing is None:
+                return
+            dev._capturing = None
+            d = driver()
+            err, status = d.cuStreamIsCapturing(self.handle)
+            if int(err) == 0 and int(status) != int(d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE):
+                err, graph = d.cuStreamEndCapture(self.handle)
+                if graph is not None and int(graph) != 0:
+                    d.cuGraphDestroy(graph)
+        except Exception as exc:  # noqa: BLE001 - cleanup never raises
+            warnings.warn(f"abandoning the capture on {self!r} failed: {type(exc).__name__}: {exc}",
+                          RuntimeWarning, stacklevel=2)
 
     def close(self) -> None:
         """Close the stream. Work already enqueued still runs to completion (CUDA's rule); the
@@ -314,6 +383,43 @@ class CudaStream(Stream):
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
         return f"<CudaStream {self.handle:#x} priority {self.priority} on cuda:{self._device.index}{state}>"
+
+
+class CudaGraph(Graph):
+    """An instantiated CUDA graph (``CUgraphExec``) and the graph it was made from."""
+
+    def __init__(self, device: "CudaDevice", graph: Any, exe: Any):
+        self._device = device
+        self._graph = graph
+        self._exe = exe
+
+    @property
+    def closed(self) -> bool:
+        return self._exe is None
+
+    def launch(self, stream: Stream) -> None:
+        if self._exe is None:
+            raise RuntimeError(f"{self!r} is closed")
+        if type(stream) is not CudaStream or stream._device is not self._device:
+            raise ValueError(f"a graph launches on a stream of its own device, got {stream!r}")
+        stream._check_open()
+        self._device._ensure_current()
+        check(driver().cuGraphLaunch(self._exe, stream.handle), lambda: f"launching {self!r} on {stream!r}")
+
+    def close(self) -> None:
+        exe, self._exe = self._exe, None
+        graph, self._graph = self._graph, None
+        try:
+            d = driver()
+            if exe is not None:
+                d.cuGraphExecDestroy(exe)
+            if graph is not None:
+                d.cuGraphDestroy(graph)
+        except Exception as exc:  # noqa: BLE001 - cleanup never raises
+            warnings.warn(f"destroying {self!r} failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+
+    def __repr__(self) -> str:
+        return f"<CudaGraph on cuda:{self._device.index}{' closed' if self._exe is None else ''}>"
 
 
 def _raw_kernel_args(args: tuple, device: "CudaDevice") -> "tuple[list, list] | None":

@@ -35,6 +35,7 @@ from .host import SimHost
 from .memory import SimDeviceBuffer, SimHostBuffer
 from .pool import SimWorkerPool
 from ..hardware import HardwareProfile, get_profile
+from .graph import capturing_thread
 from .stream import SimEvent, SimStream
 
 
@@ -99,6 +100,8 @@ class SimDevice(Device):
         self._sticky: DeviceError | None = None
         self._in_engine = False
         self._closed = False
+        self._captures: dict = {}  # stream -> the SimCapture it is part of
+        self._free_host_calls = 0  # > 0 while a graph launch replays its calls (one overhead for all)
 
     def __repr__(self) -> str:
         return f"<SimDevice {self.profile.name} seed={self.seed} chaos={self.chaos}>"
@@ -158,6 +161,9 @@ class SimDevice(Device):
         nbytes = check_nbytes(nbytes, "allocate size")
         with self._lock:
             self._check_usable()
+            capture = capturing_thread(self)
+            if capture is not None:  # as a real GPU refuses it on the capturing thread
+                raise capture.abandon(f"allocating {nbytes} bytes of device memory on the capturing thread")
             if stream is not None:
                 if not isinstance(stream, SimStream) or stream._dev is not self:
                     raise ValueError(f"allocate(stream=...) needs a stream of this device, got {stream!r}")
@@ -321,8 +327,17 @@ class SimDevice(Device):
     def _host_api(self, seconds: float = 0.0) -> None:
         """A host call: fail if the context is broken, and spend its host overhead."""
         self._check_usable()
-        if seconds > 0 and not self._in_engine:
+        if seconds > 0 and not self._in_engine and not self._free_host_calls:
             self._run_engine(self._engine.now + seconds)
+
+    @contextlib.contextmanager
+    def _host_calls_free(self):
+        """Host calls made inside cost no overhead (a graph launch's replayed calls)."""
+        self._free_host_calls += 1
+        try:
+            yield
+        finally:
+            self._free_host_calls -= 1
 
     def _run_engine(self, until: float, stop: Callable[[], bool] | None = None) -> bool:
         self._in_engine = True

@@ -11,9 +11,10 @@ import itertools
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 
-from ..._errors import LaunchError
+from ..._errors import CaptureError, LaunchError
 from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Stream, as_slice, copy_extent
 from .engine import Op, check_seconds
+from .graph import CapturedEvent, SimCapture, SimGraph
 from .hazard import AccessKind
 
 if TYPE_CHECKING:
@@ -109,9 +110,17 @@ class SimStream(Stream):
         op = Op(self._queue, label, **kw)
         return self._dev._engine.enqueue(op)
 
+    def _capture(self) -> "SimCapture | None":
+        """The capture this stream is part of, if any (the device's lock is held)."""
+        return self._dev._captures.get(self)
+
     # -- ordering ----------------------------------------------------------------------
     def record(self, *, timing: bool = False) -> SimEvent:
         with self._dev._lock:
+            capture = self._capture()
+            if capture is not None:
+                self._check_open()
+                return capture.record(self, timing)
             self._begin(self._dev.profile.event_overhead_s)
             self._dev._checker.tick(self.actor)
             snapshot = self._dev._checker.snapshot(self.actor)
@@ -123,21 +132,49 @@ class SimStream(Stream):
             return self._dev._new_event(op, snapshot, timing, self.name)
 
     def wait(self, event: Event) -> None:
+        if isinstance(event, CapturedEvent):
+            with self._dev._lock:
+                self._check_open()
+                self._wait_captured(event)
+            return
         if not isinstance(event, SimEvent):
             raise TypeError(f"a sim stream can only wait on a SimEvent, got {type(event).__name__}")
         if event._dev is not self._dev:
             raise ValueError(f"{event!r} was recorded on another device; wait only on events of this stream's device")
         with self._dev._lock:
+            capture = self._capture()
+            if capture is not None:
+                raise capture.abandon(f"{self.name} waited for {event!r}, recorded outside the capture")
             self._begin(self._dev.profile.event_overhead_s)
             self._dev._checker.merge(self.actor, event._snapshot)
             if not event._op.done:
                 self._enqueue("wait", deps=[event._op])
+
+    def _wait_captured(self, event: CapturedEvent) -> None:
+        """Wait for an event recorded during a capture: joins this stream to that capture."""
+        capture = event.capture
+        if capture.dev is not self._dev:
+            raise ValueError(f"{event!r} was recorded on another device; wait only on events of this stream's device")
+        if capture.ended:
+            raise event._refuse("waiting for")
+        mine = self._capture()
+        if mine is not None and mine is not capture:
+            mine.abandon(f"{self.name} waited for an event of another capture")
+            raise capture.abandon(f"{self.name}, capturing into another graph, waited for {event!r}")
+        if mine is None:
+            self._dev._captures[self] = capture
+        capture.wait(self, event)
 
     # -- work ----------------------------------------------------------------------------
     def copy(self, dst, src, nbytes: int | None = None) -> None:
         with self._dev._lock:
             d, s = copy_extent(dst, src, nbytes)
             self._own(d), self._own(s)
+            capture = self._capture()
+            if capture is not None:
+                self._check_open()
+                capture.add(self, "copy", (dst, src, nbytes), {})
+                return
             self._begin(self._dev.profile.copy_overhead_s)
             direction = {(True, False): "h2d", (False, True): "d2h"}.get((s.buffer.is_host, d.buffer.is_host))
             op_name = f"copy {direction or ('h2h' if d.buffer.is_host else 'd2d')} {d.nbytes} B"
@@ -156,6 +193,11 @@ class SimStream(Stream):
             d = self._own(as_slice(dst))
             if not 0 <= int(byte) <= 255:
                 raise ValueError(f"fill byte must be in 0..255, got {byte}")
+            capture = self._capture()
+            if capture is not None:
+                self._check_open()
+                capture.add(self, "fill", (dst, byte), {})
+                return
             self._begin(self._dev.profile.copy_overhead_s)
             op_name = f"fill 0x{int(byte):02x} {d.nbytes} B"
             d.buffer._access(AccessKind.WRITE, d.offset, d.offset + d.nbytes, op_name, actor=self.actor)
@@ -173,6 +215,12 @@ class SimStream(Stream):
         if sim_seconds is not None:
             sim_seconds = check_seconds(sim_seconds, "launch sim_seconds")
         with self._dev._lock:
+            capture = self._capture()
+            if capture is not None:
+                self._check_open()
+                capture.add(self, "launch", (fn, *args), {"reads": tuple(reads), "writes": tuple(writes),
+                                                         "sim_seconds": sim_seconds})
+                return
             self._begin(self._dev.profile.launch_overhead_s)
             read_set = [self._own(as_slice(r)) for r in reads]
             write_set = [self._own(as_slice(w)) for w in writes]
@@ -224,7 +272,59 @@ class SimStream(Stream):
         return guarded
 
     def sync(self) -> None:
+        with self._dev._lock:
+            capture = self._capture()
+            if capture is not None:
+                raise capture.abandon(f"synchronising {self.name}, which is capturing")
         self.record().sync()
+
+    # -- graphs ----------------------------------------------------------------------------
+    def begin_capture(self) -> None:
+        with self._dev._lock:
+            self._check_open()
+            self._dev._check_usable()
+            if self._capture() is not None:
+                raise CaptureError(f"{self.name} is capturing already; end that capture first")
+            self._dev._captures[self] = SimCapture(self._dev, self)
+
+    def end_capture(self) -> SimGraph:
+        with self._dev._lock:
+            capture = self._capture()
+            if capture is None or capture.origin is not self:
+                raise CaptureError(f"no capture was begun on {self.name}")
+            self._finish(capture)
+            if capture.reason is None:
+                left = capture.unjoined()
+                if left:
+                    capture.abandon(f"{', '.join(s.name for s in left)} joined the capture and was not joined back: "
+                                    f"make {self.name} wait for an event recorded there after its last work")
+            if capture.reason is not None:
+                raise CaptureError(f"capture abandoned: {capture.reason}")
+            return SimGraph(self._dev, capture)
+
+    def abort_capture(self) -> None:
+        with self._dev._lock:
+            capture = self._capture()
+            if capture is not None and capture.origin is self:
+                self._finish(capture)
+
+    def _finish(self, capture: SimCapture) -> None:
+        capture.ended = True
+        for stream in capture.lanes:
+            self._dev._captures.pop(stream, None)
+
+    def _pass_on_errors(self, events: list) -> None:
+        """After a graph's lanes: the first error any of its ``events`` reported goes to this
+        stream's next event, as a failed launch on this stream would."""
+        def take(op: Op) -> None:
+            for end in events:
+                if end._op.error is not None:
+                    self._pending_error = self._pending_error or end._op.error
+                    return
+
+        with self._dev._lock:
+            self._begin(0.0)
+            self._enqueue("graph end", on_complete=take)
 
     def close(self) -> None:
         if self._closed:

@@ -1,0 +1,178 @@
+"""Graph capture and replay on the simulated GPU (``ringflow._device.sim.graph``): CUDA's capture
+rules are kept (and breaking one abandons the capture), a replay moves the data again, its
+accesses are checked like any others, and a failure inside it is reported where it happened."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow._errors import CaptureError, HazardError, LaunchError
+
+N = 256  # float32 per buffer
+
+
+def setup(seed=0, chaos=True):
+    dev = rf.device("sim", seed=seed, chaos=chaos)
+    h, d, o = dev.allocate_host(4 * N), dev.allocate(4 * N), dev.allocate_host(4 * N)
+    return dev, h, d, o, dev.create_stream(), dev.create_stream()
+
+
+def double(x):
+    x *= 2
+
+
+def capture_round_trip(a, b, h, d, o, fn=double):
+    """h -> d on a, fn on b (joined from a and back), d -> o on a."""
+    a.begin_capture()
+    a.copy(d, h)
+    b.wait(a.record())
+    b.launch(fn, d.array(np.float32, N))
+    a.wait(b.record())
+    a.copy(o, d)
+    return a.end_capture()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_each_launch_runs_the_captured_work_on_the_data_there_now(seed):
+    dev, h, d, o, a, b = setup(seed)
+    graph = capture_round_trip(a, b, h, d, o)
+    assert dev.ops_completed == 0  # capturing ran nothing
+    for call in range(3):
+        values = np.random.default_rng(call).uniform(size=N).astype(np.float32)
+        h.view(np.float32)[:] = values
+        graph.launch(a)
+        a.sync()
+        assert np.array_equal(o.view(np.float32), values * 2)
+    graph.close()
+    graph.close()  # harmless twice
+    with pytest.raises(RuntimeError, match="closed"):
+        graph.launch(a)
+
+
+def test_a_launch_costs_the_host_one_launch():
+    dev, h, d, o, a, b = setup(chaos=False)
+    graph = capture_round_trip(a, b, h, d, o)
+    t0 = dev.now
+    graph.launch(a)
+    launched = dev.now - t0
+    assert launched == pytest.approx(dev.profile.launch_overhead_s)
+    a.sync()
+    t0 = dev.now
+    a.copy(d, h)
+    b.wait(a.record())
+    b.launch(double, d.array(np.float32, N))
+    a.wait(b.record())
+    a.copy(o, d)
+    p = dev.profile  # the same calls made one by one: each its own overhead
+    assert dev.now - t0 == pytest.approx(2 * p.copy_overhead_s + 4 * p.event_overhead_s + p.launch_overhead_s)
+
+
+def test_a_missing_wait_inside_the_graph_is_a_hazard_at_launch():
+    dev, h, d, o, a, b = setup()
+    a.begin_capture()
+    before_copy = a.record()
+    a.copy(d, h)
+    b.wait(before_copy)  # ordered before the copy into d, not after it
+    b.launch(double, d.array(np.float32, N))
+    a.wait(b.record())
+    graph = a.end_capture()
+    with pytest.raises(HazardError):
+        graph.launch(a)
+        a.sync()
+
+
+def test_the_launch_is_ordered_after_the_launching_stream_only():
+    dev, h, d, o, a, b = setup()
+    graph = capture_round_trip(a, b, h, d, o)
+    other = dev.create_stream()
+    other.copy(h, o)  # writes h; nothing orders the graph's read of h after it
+    with pytest.raises(HazardError):
+        graph.launch(a)
+        a.sync()
+
+
+def test_a_failure_inside_a_launch_is_reported_by_its_event_and_the_launching_stream():
+    dev, h, d, o, a, b = setup()
+
+    def bad(x):
+        raise ValueError("no")
+
+    a.begin_capture()
+    a.copy(d, h)
+    b.wait(a.record())
+    b.launch(bad, d.array(np.float32, N))
+    computed = b.record()
+    a.wait(computed)
+    graph = a.end_capture()
+    assert graph.event(computed) is None  # nothing launched yet
+    graph.launch(a)
+    with pytest.raises(LaunchError, match="ValueError: no"):
+        a.record().sync()
+    assert isinstance(graph.event(computed).error.__cause__, ValueError)
+
+
+def test_capture_rules():
+    dev, h, d, o, a, b = setup()
+    earlier = b.record()
+    a.begin_capture()
+    with pytest.raises(CaptureError, match="already"):
+        a.begin_capture()
+    with pytest.raises(CaptureError, match="recorded outside the capture"):
+        a.wait(earlier)
+    with pytest.raises(CaptureError, match="abandoned"):
+        a.copy(d, h)  # an abandoned capture refuses more work
+    with pytest.raises(CaptureError, match="outside the capture"):
+        a.end_capture()
+    # ended either way: the stream runs work again
+    a.copy(d, h)
+    a.sync()
+
+    a.begin_capture()
+    captured = a.record()
+    with pytest.raises(CaptureError, match="querying"):
+        captured.is_done
+    a.abort_capture()
+    with pytest.raises(CaptureError, match="finished capture"):
+        captured.sync()
+    with pytest.raises(CaptureError, match="finished capture"):
+        b.wait(captured)
+
+    for forbidden in (lambda: a.sync(), lambda: dev.allocate(64), lambda: a.record(timing=True)):
+        a.begin_capture()
+        with pytest.raises(CaptureError):
+            forbidden()
+        with pytest.raises(CaptureError):
+            a.end_capture()
+
+    a.begin_capture()
+    b.wait(a.record())
+    b.launch(double, d.array(np.float32, N))  # b joined and never joined back
+    with pytest.raises(CaptureError, match="not joined back"):
+        a.end_capture()
+    with pytest.raises(CaptureError, match="no capture"):
+        b.end_capture()
+    a.abort_capture()  # harmless with none in progress
+    assert dev.live().streams == 2
+
+
+def test_two_captures_do_not_merge():
+    dev, h, d, o, a, b = setup()
+    c = dev.create_stream()
+    a.begin_capture()
+    c.begin_capture()
+    with pytest.raises(CaptureError, match="another"):
+        c.wait(a.record())
+    a.abort_capture()
+    c.abort_capture()
+
+
+def test_graph_lanes_are_counted_and_released():
+    dev, h, d, o, a, b = setup()
+    graph = capture_round_trip(a, b, h, d, o)
+    assert dev.live().streams == 4  # two streams, two lanes
+    graph.launch(a)
+    a.sync()
+    graph.close()
+    assert dev.live().streams == 2

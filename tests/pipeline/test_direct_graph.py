@@ -1,0 +1,128 @@
+"""``MapJob(graph=True)``: the direct engine's call captured once and replayed (the waits that
+order it are checked in graph mode too, in ``test_direct.py``). Here: what a replay reports,
+what happens when the capture is refused or interrupted, and what is left afterwards."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow._device.sim.stream import SimStream
+from ringflow._errors import CaptureError, StageError
+from tests.helpers.pipeline_checks import copy_failing_on_call
+
+CHUNK = 4096
+
+
+def f(x, y):
+    y[...] = x * 3 + 1
+
+
+def job_over(x, dev, fn=f, **kw):
+    return rf.MapJob(fn, x, device=dev, chunk_bytes=CHUNK, host="register", graph=True, **kw)
+
+
+def data(seed=0, n=10_000):
+    return np.random.default_rng(seed).uniform(size=n).astype(np.float32)
+
+
+def test_calls_replay_the_graph_and_profiled_calls_do_not():
+    dev = rf.device("sim", seed=3, chaos=True)
+    x = data()
+    with job_over(x, dev, checked=True) as job:
+        for call in range(6):
+            x[:] = data(call)
+            profile = call == 2
+            assert np.array_equal(job(profile=profile), x * 3 + 1)
+            assert job.replays_graph is (call > 0 and not profile)  # the first call warms the compute
+            if profile:
+                assert job.report().chunks == job.chunks
+    assert dev.live().total == 0
+
+
+def test_a_compute_failing_in_a_replay_is_reported_for_its_chunk():
+    dev = rf.device("sim", seed=1, chaos=True)
+    x = data()
+    chunks = -(-x.nbytes // CHUNK)
+    job = job_over(x, dev, fn=copy_failing_on_call(chunks + 6, ValueError("bad chunk")))
+    assert np.array_equal(job(), x)
+    with pytest.raises(StageError) as info:
+        job()  # on the simulated GPU the callable runs when the replayed kernel does
+    assert info.value.stage == "compute" and info.value.index == 5
+    assert isinstance(info.value.__cause__, ValueError)
+    assert job.closed
+    del info  # its traceback holds the call's frames, and so their events
+    gc.collect()
+    assert dev.live().total == 0
+
+
+def test_a_refused_capture_is_logged_and_the_job_runs_without_a_graph(monkeypatch, caplog):
+    def refuse(self):
+        self.abort_capture()
+        raise CaptureError("capture abandoned: compute synchronised its stream")
+
+    monkeypatch.setattr(SimStream, "end_capture", refuse)
+    dev = rf.device("sim", seed=2, chaos=True)
+    x = data()
+    with caplog.at_level(logging.WARNING, logger="ringflow"), job_over(x, dev, checked=True) as job:
+        for call in range(3):
+            x[:] = data(call)
+            assert np.array_equal(job(), x * 3 + 1)
+            assert not job.replays_graph
+    warned = [r.getMessage() for r in caplog.records if "could not be captured" in r.getMessage()]
+    assert len(warned) == 1 and "compute synchronised its stream" in warned[0]
+    assert dev.live().total == 0
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_while_capturing_closes_the_job_and_leaves_nothing(monkeypatch, exc):
+    launch = SimStream.launch
+
+    def interrupted(self, *args, **kw):
+        if self._capture() is not None:
+            raise exc()
+        return launch(self, *args, **kw)
+
+    monkeypatch.setattr(SimStream, "launch", interrupted)
+    dev = rf.device("sim", seed=4, chaos=True)
+    x = data()
+    job = job_over(x, dev)
+    job()
+    with pytest.raises(exc):
+        job()
+    assert job.closed and not dev._captures
+    assert dev.live().total == 0
+
+
+def test_graph_needs_the_direct_engine(caplog):
+    dev = rf.device("sim")
+    x = data()
+    with caplog.at_level(logging.WARNING, logger="ringflow"), \
+            rf.MapJob(f, x, device=dev, chunk_bytes=CHUNK, host="stage", graph=True) as job:
+        assert np.array_equal(job(), x * 3 + 1)
+        assert job.engine == "pipeline" and not job.replays_graph
+    assert any("runs without a graph" in r.getMessage() for r in caplog.records)
+
+
+def test_graph_over_several_devices_replays_on_each():
+    x = data(n=40_000)
+    with rf.MapJob(f, x, device=["sim:0", "sim:1"], chunk_bytes=CHUNK, host="register", graph=True) as job:
+        for call in range(3):
+            x[:] = data(call, n=x.size)
+            assert np.array_equal(job(), x * 3 + 1)
+            assert job.replays_graph is (call > 0)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_graph_must_be_a_bool(bad):
+    with pytest.raises(TypeError, match="graph must be True or False"):
+        rf.MapJob(f, data(), device=rf.device("sim"), graph=bad)
+
+
+def test_stream_map_takes_no_graph():
+    with pytest.raises(TypeError, match="graph"):
+        rf.stream_map(f, data(), device=rf.device("sim"), graph=True)
