@@ -381,7 +381,7 @@ class Stream(abc.ABC):
         """
         raise CaptureError(f"{type(self).__name__} cannot capture graphs")
 
-    def abort_capture(self) -> None:
+    def abort_capture(self) -> None:  # noqa: B027 - a no-op where nothing can capture, not abstract
         """End a capture begun on this stream without keeping it (after an error); harmless
         when none is in progress; never raises."""
 

@@ -132,7 +132,7 @@ def test_capture_rules():
     a.begin_capture()
     captured = a.record()
     with pytest.raises(CaptureError, match="querying"):
-        captured.is_done
+        assert captured.is_done
     a.abort_capture()
     with pytest.raises(CaptureError, match="finished capture"):
         captured.sync()
