@@ -6,7 +6,9 @@ same process. Per chunk size: median and spread of a call, the host time a call 
 (per chunk), and each mode's time at that size over its best; a replayed call is checked against
 an ordinary one on the same input, bit for bit.
 
-    python3 bench/graph_check.py --device cuda:0 --out FILE [--mib 256] [--calls 9]
+    python3 bench/graph_check.py --device cuda:0 --out FILE [--mib 256] [--calls 9] [--slots 4,16,64]
+
+``--slots``: also sweep the device ring's slot count at each chunk size (planned when not given).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ringflow._bench import baselines, kernels
 from ringflow._bench.workloads import calibrate_iters
 
 KiB, MiB = 1 << 10, 1 << 20
+RATIOS = {"balanced": 1.0, "compute-bound": 3.0}  # kernel time over a chunk's copy in, as the bench's
 SIZES = (256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB)
 
 
@@ -52,23 +55,27 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=9)
     ap.add_argument("--sizes", default=",".join(str(s) for s in SIZES))
     ap.add_argument("--workloads", default="seed,balanced")
+    ap.add_argument("--slots", default="", help="device slot counts to sweep, comma-separated (planned if empty)")
+    ap.add_argument("--compute-streams", type=int, default=1)
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = rf.device(args.device)
     sizes = [int(s) for s in args.sizes.split(",")]
+    slot_counts = [int(s) for s in args.slots.split(",")] if args.slots else [None]
     hb, x = pinned_random(dev, args.mib)
     n = x.size
-    result = {**header(dev.name), "mib": args.mib, "calls_each": args.calls, "workloads": {}}
+    result = {**header(dev.name), "mib": args.mib, "calls_each": args.calls,
+              "compute_streams": args.compute_streams, "workloads": {}}
     if dev.backend == "cuda":
         result["versions"] = baselines.versions()
     for name in args.workloads.split(","):
-        iters = 64 if name == "seed" else calibrate_iters(dev, args.mib * MiB // 32, 1.0)
+        iters = 64 if name == "seed" else calibrate_iters(dev, args.mib * MiB // 32, RATIOS[name])
         f = kernels.affine(iters, numeric_iters=min(iters, 16) if dev.backend == "sim" else None)
         rows = []
-        for size in sizes:
+        for size, slots in [(size, slots) for size in sizes for slots in slot_counts]:
             jobs = {mode: rf.MapJob(f, x, x, device=dev, chunk_bytes=size, x_buffer=hb, out_buffer=hb, inplace=True,
-                                    graph=mode == "graph")
+                                    graph=mode == "graph", slots=slots, compute_streams=args.compute_streams)
                     for mode in ("ordinary", "graph")}
             try:
                 x0 = np.random.default_rng(11).uniform(0.5, 1.5, n).astype(np.float32)
@@ -80,7 +87,8 @@ def main(argv=None) -> int:
                 jobs["graph"]()
                 bit_exact = bool(np.array_equal(x, ordinary)) and jobs["graph"].replays_graph
                 chunks = jobs["graph"].chunks
-                row = {"chunk_bytes": size, "chunks": chunks, "bit_exact": bit_exact}
+                ring = len(jobs["graph"]._held.engine._in_ready)
+                row = {"chunk_bytes": size, "chunks": chunks, "slots": ring, "bit_exact": bit_exact}
                 for mode, t in timed.items():
                     row[mode] = {"ms_median": statistics.median(t["ms"]), "ms_spread": [min(t["ms"]), max(t["ms"])],
                                  "enqueue_us_per_chunk": 1e6 * statistics.median(t["enqueue_s"]) / chunks}
@@ -89,7 +97,7 @@ def main(argv=None) -> int:
                 for job in jobs.values():
                     job.close()
             rows.append(row)
-            print(name, size, row, flush=True)
+            print(name, size, ring, row, flush=True)
         for mode in ("ordinary", "graph"):
             best = min(r[mode]["ms_median"] for r in rows)
             for r in rows:
