@@ -58,6 +58,8 @@ def run_job(dev, *, engine="auto", slots=None, inplace=False, checked=False, gua
             rf.MapJob(fast if big else f, x, out, device=dev, chunk_bytes=CHUNK * scale, host="register", engine=engine,
                       inplace=inplace, checked=checked, graph=graph, **kw) as job:
         assert job.engine == ("pipeline" if engine == "pipeline" else "direct") and job.chunks == 14
+        if job.engine == "direct" and slots == 4:
+            assert job._held.engine.copy_group == 2
         for call in range(calls):
             x[...] = contents(100 * seed + call, shape)
             expected = x * 3 + 1
@@ -106,7 +108,8 @@ def test_direct_agrees_with_the_pipeline_under_chaos(inplace, slots, seed):
         assert dev.live().total == 0
 
 
-CONFIGS = [(slots, inplace, seed, big) for big in (False, True) for seed in range(3) for slots in (1, 2)
+# four slots: chunks move two to a copy (a copy group), one slot per chunk otherwise
+CONFIGS = [(slots, inplace, seed, big) for big in (False, True) for seed in range(3) for slots in (1, 2, 4)
            for inplace in (False, True)]
 
 
@@ -221,7 +224,7 @@ def test_interrupt_while_waiting_settles_before_raising(monkeypatch):
     def record_and_interrupt_last(*a, **kw):
         event = record(*a, **kw)
         calls.append(event)
-        return Interrupting(event) if len(calls) == len(schedule.ops) + 1 else event
+        return Interrupting(event) if len(calls) == len(schedule.groups) + 1 else event
 
     schedule.streams.d2h.record = record_and_interrupt_last
     with pytest.raises(KeyboardInterrupt):
@@ -266,7 +269,7 @@ def test_stream_map_runs_pinned_and_registered_jobs_directly_and_keeps_the_sched
         np.testing.assert_array_equal(y, want)
         (parked,) = warm.WARM._parked.values()
         assert isinstance(parked, direct.DirectSchedule)
-        assert all(op.host_in is None and op.host_out is None for op in parked.ops)  # no slice of the caller's
+        assert all(g.host_in is None and g.host_out is None for g in parked.groups)  # no slice of the caller's
         seen.append(parked)
     assert seen[0] is seen[1] is seen[2]  # one schedule served every call
     x2 = contents(9)
@@ -319,7 +322,7 @@ def test_stream_map_engine_option():
 def test_a_profiled_direct_run_has_a_timeline_on_one_clock():
     """profile=True on the direct engine: every chunk's copy in, compute and copy out from
     timing events aligned to the host clock, in stream order and each after the one before it,
-    plus the host's enqueueing of each chunk; the report and the Chrome trace come from it."""
+    plus the host's enqueueing of each copy group; the report and the Chrome trace come from it."""
     import json
 
     from ringflow._trace.chrome import to_chrome
@@ -336,11 +339,15 @@ def test_a_profiled_direct_run_has_a_timeline_on_one_clock():
         (h0, h1), (c0, c1), (d0, d1) = (r.stages[s] for s in ("h2d", "compute", "d2h"))
         assert r.accepted <= h0 < h1 <= c0 < c1 <= d0 < d1 <= r.ended
         assert "prepare" not in r.stages and "consume" not in r.stages  # no CPU stage runs
-    for stage in ("h2d", "compute", "d2h"):  # one stream each: its spans in chunk order, never overlapping
-        spans = [r.stages[stage] for r in recs]
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    lanes = report.timeline.meta["compute_lanes"]  # chunk i computes on stream i % lanes
+    for stage, step in (("h2d", 1), ("compute", lanes), ("d2h", 1)):  # a stream's spans in chunk order, apart
+        for first in range(step):
+            spans = [r.stages[stage] for r in recs[first::step]]
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
     enqueues = [s for s in report.timeline.host if s.track == ENQUEUE_TRACK]
-    assert [s.chunk for s in enqueues] == list(range(14)) and all(s.end >= s.start for s in enqueues)
+    # one span per copy group (its chunks are enqueued together), named by its first chunk
+    firsts = [s.chunk for s in enqueues]
+    assert firsts[0] == 0 and firsts == sorted(set(firsts)) and all(s.end >= s.start for s in enqueues)
     assert 0 < report.ideal_s <= report.measured_s and report.stage_median_s["compute"] > 0
     assert report.host_overhead_per_chunk_s > 0 and report.memory["device allocated"] > 0
     trace = json.loads(json.dumps(to_chrome(report.timeline)))
@@ -415,3 +422,23 @@ def test_kernels_of_chunks_in_different_slots_run_on_streams_of_their_own(slots,
     assert dev.live().total == 0
     with pytest.raises(ValueError, match="compute_streams"):
         rf.stream_map(f, x, device=dev, host="register", compute_streams=0)
+
+
+def test_copy_groups_follow_the_copy_curve_and_fit_the_rings():
+    from ringflow._pipeline.sizing import copy_group
+
+    dev = rf.device("sim")
+    planned = rf.SlotCounts(4, 3, 3, 4)
+    big = copy_group(dev, 64 << 20, 100, planned, planned=True, inplace=False)
+    assert big == (1, planned)  # a big chunk moves alone
+    group, slots = copy_group(dev, 256 << 10, 1000, planned, planned=True, inplace=False)
+    assert group > 1 and slots.device_in % group == 0 and slots.device_out % group == 0
+    assert slots.device_in >= 4 * group and (slots.host_in, slots.host_out) == (4, 4)
+    # a slower link's curve flattens later: bigger groups for the same chunk
+    slow, _ = copy_group(rf.device("sim", profile="pcie4-x16"), 256 << 10, 1000, planned, planned=True,
+                         inplace=False)
+    assert slow >= group
+    assert copy_group(dev, 256 << 10, 8, planned, planned=True, inplace=True)[0] == 2  # four groups at least
+    given = rf.SlotCounts(6, 6, 6, 6)  # given rings keep their size: the group divides them twice over
+    assert copy_group(dev, 256 << 10, 1000, given, planned=False, inplace=False) == (3, given)
+    assert copy_group(dev, 256 << 10, 1000, rf.SlotCounts(5, 5, 5, 5), planned=False, inplace=False)[0] == 1

@@ -48,7 +48,8 @@ def test_a_compute_failing_in_a_replay_is_reported_for_its_chunk():
     dev = rf.device("sim", seed=1, chaos=True)
     x = data()
     chunks = -(-x.nbytes // CHUNK)
-    job = job_over(x, dev, fn=copy_failing_on_call(chunks + 6, ValueError("bad chunk")))
+    # one compute stream: the kernels run in chunk order, so the callable's sixth call is chunk 5's
+    job = job_over(x, dev, fn=copy_failing_on_call(chunks + 6, ValueError("bad chunk")), compute_streams=1)
     assert np.array_equal(job(), x)
     with pytest.raises(StageError) as info:
         job()  # on the simulated GPU the callable runs when the replayed kernel does

@@ -43,6 +43,7 @@ from .._trace.report import Report
 from .._trace.timeline import ENQUEUE_TRACK, Anchor, ChunkRecord, Span, Timeline
 from .config import SlotCounts, refuse_unknown_guards
 from .engine import Arrays
+from .sizing import compute_streams_for, copy_group
 from .stages import GPU_STAGES, StageStreams, launch_compute, mark, poison_after, sim_seconds_for, writes_into_y
 
 # The waits that order the job, named as the scheduler's guards for the same waits; a test can
@@ -65,8 +66,6 @@ class ChunkOps:
     nbytes: int
     out_offset: int  # of the chunk's result in out
     out_nbytes: int
-    host_in: Optional[BufferSlice]  # the chunk in x_buffer / out_buffer when bound at construction
-    host_out: Optional[BufferSlice]
     slot_in: int  # device-in (or in-place) slot
     slot_out: int  # device-out slot; -1 in place
     dev_in: BufferSlice  # the chunk's bytes in its device-in slot
@@ -76,13 +75,30 @@ class ChunkOps:
     sim_seconds: Optional[float]
 
 
+@dataclasses.dataclass(frozen=True)
+class CopyGroup:
+    """Consecutive chunks in consecutive device slots, moved by one copy in and one copy out
+    (each chunk still computed on its own): the copy engines pay a fixed cost per copy, so
+    small chunks are moved in groups (:func:`~ringflow._pipeline.sizing.copy_group`)."""
+    ops: tuple  # the chunks' ChunkOps, in order
+    offset: int  # of the group's bytes in x
+    nbytes: int
+    out_offset: int  # of its results in out
+    out_nbytes: int
+    host_in: Optional[BufferSlice]  # the group in x_buffer / out_buffer when bound at construction
+    host_out: Optional[BufferSlice]
+    dev_in: BufferSlice  # its device-in (or in-place) slots
+    dev_out: BufferSlice  # its device-out slots (dev_in in place)
+
+
 class DirectSchedule:
     """``compute(x, y)`` over ``chunks`` — ``(offset, nbytes, shape)`` byte ranges of ``x``'s
     pinned memory (of ``dtype``), results to the same ranges of ``out``'s — through device rings
     of ``slots.device_in`` (and ``slots.device_out``) slots of ``chunk_bytes``. A result shaped
     otherwise (``out_dtype``) has its own ``(offset, nbytes, shape)`` in ``out_chunks`` and
     device-out slots of ``out_chunk_bytes``. The arrays may be bound once here (their per-chunk
-    slices are then made once) or given to each ``run``.
+    slices are then made once) or given to each ``run``. ``copy_group`` consecutive chunks share
+    one copy each way where the rings allow it (else one chunk per copy).
 
     Owns three streams (a fourth for poison fills when ``checked``) and the device rings;
     ``close()`` frees them, stream-ordered after everything enqueued, and never raises."""
@@ -91,7 +107,7 @@ class DirectSchedule:
                  chunk_bytes: int, slots: SlotCounts, inplace: bool, checked: bool = False,
                  bound: Optional[Arrays] = None, compute_streams: int = 1,
                  out_chunks: Optional[Sequence[tuple[int, int, tuple]]] = None, out_dtype: Any = None,
-                 out_chunk_bytes: Optional[int] = None, graph: bool = False):
+                 out_chunk_bytes: Optional[int] = None, graph: bool = False, copy_group: int = 1):
         if out_chunks is None:
             out_chunks, out_dtype, out_chunk_bytes = chunks, dtype, chunk_bytes
         if inplace and (list(out_chunks) != list(chunks) or out_dtype != dtype):
@@ -143,10 +159,27 @@ class DirectSchedule:
             x = dev_in.array(dtype, shape)
             self.ops.append(ChunkOps(
                 index=i, offset=offset, nbytes=nbytes, out_offset=out_offset, out_nbytes=out_nbytes,
-                host_in=x_buffer.slice(offset, nbytes) if x_buffer is not None else None,
-                host_out=out_buffer.slice(out_offset, out_nbytes) if out_buffer is not None else None,
                 slot_in=k_in, slot_out=k_out, dev_in=dev_in, dev_out=dev_out, x=x,
                 y=x if inplace else dev_out.array(out_dtype, out_shape), sim_seconds=sim_seconds_for(sim, nbytes)))
+        # a group's slots must follow one another in each ring (no wrap inside a group), and its
+        # chunks must be whole (back to back in x, out and the slots): only the last chunk is short
+        g = max(1, int(copy_group))
+        whole = all(op.nbytes == chunk_bytes and op.out_nbytes == out_chunk_bytes for op in self.ops[:-1])
+        if not whole or any(0 < n < len(chunks) and n % g for n in (n_in, n_out)):
+            g = 1
+        self.copy_group = g
+        self.groups: list[CopyGroup] = []
+        for start in range(0, len(self.ops), g):
+            ops = tuple(self.ops[start:start + g])
+            first = ops[0]
+            nbytes, out_nbytes = sum(op.nbytes for op in ops), sum(op.out_nbytes for op in ops)
+            dev_in = self.dev_in.slice(first.slot_in * chunk_bytes, nbytes)
+            self.groups.append(CopyGroup(
+                ops=ops, offset=first.offset, nbytes=nbytes, out_offset=first.out_offset, out_nbytes=out_nbytes,
+                host_in=x_buffer.slice(first.offset, nbytes) if x_buffer is not None else None,
+                host_out=out_buffer.slice(first.out_offset, out_nbytes) if out_buffer is not None else None,
+                dev_in=dev_in,
+                dev_out=dev_in if inplace else self.dev_out.slice(first.slot_out * out_chunk_bytes, out_nbytes)))
 
     @classmethod
     def for_layout(cls, f: Callable, layout, options: dict, bound: Optional[Arrays] = None) -> "DirectSchedule":
@@ -155,10 +188,14 @@ class DirectSchedule:
         row, out_row = layout.row_bytes, layout.out_row_bytes
         chunks = [(a * row, (b - a) * row, (b - a,) + layout.tail) for a, b in layout.ranges()]
         out_chunks = [(a * out_row, (b - a) * out_row, (b - a,) + layout.out_tail) for a, b in layout.ranges()]
+        group, slots = copy_group(layout.device, layout.chunk_bytes, layout.n_chunks,
+                                  layout.slots(f, options, external=True), planned=options.get("slots") is None,
+                                  inplace=inplace)
         return cls(layout.device, f, chunks, layout.dtype, chunk_bytes=layout.in_chunk_bytes,
-                   slots=layout.slots(f, options, external=True), inplace=inplace,
+                   slots=slots, inplace=inplace, copy_group=group,
                    checked=bool(options.get("checked", False)), bound=bound,
-                   compute_streams=int(options.get("compute_streams", 1)), out_chunks=out_chunks,
+                   compute_streams=compute_streams_for(options.get("compute_streams"), group),
+                   out_chunks=out_chunks,
                    out_dtype=layout.out_dtype, out_chunk_bytes=layout.out_chunk_bytes,
                    graph=bool(options.get("graph", False)))
 
@@ -191,20 +228,21 @@ class DirectSchedule:
                 self._run_graph()
                 return
 
-            def host(op):
-                return op.host_in, op.host_out
+            def host(group):
+                return group.host_in, group.host_out
         else:
             x_buffer, out_buffer = arrays.x_buffer, arrays.out_buffer
 
-            def host(op):  # made as each chunk is enqueued, after the ones before it are on their way
-                return x_buffer.slice(op.offset, op.nbytes), out_buffer.slice(op.out_offset, op.out_nbytes)
+            def host(group):  # made as each group is enqueued, after the ones before it are on their way
+                return (x_buffer.slice(group.offset, group.nbytes),
+                        out_buffer.slice(group.out_offset, group.out_nbytes))
         self._timeline = None
         t0 = time.perf_counter()
         try:
             if profile:
                 compute_events, stamps = self._enqueue_profiled(host)
             else:
-                compute_events = [self._enqueue(op, *host(op)) for op in self.ops]
+                compute_events = [e for group in self.groups for e in self._enqueue(group, *host(group))]
             self.enqueue_seconds = time.perf_counter() - t0
             self.streams.d2h.record().sync()
         except BaseException:
@@ -268,7 +306,7 @@ class DirectSchedule:
         streams = self.streams.all
         origin.begin_capture()
         try:
-            computes = [self._enqueue(op, op.host_in, op.host_out) for op in self.ops]
+            computes = [e for group in self.groups for e in self._enqueue(group, group.host_in, group.host_out)]
             for stream in streams:  # every stream that took part joins back into the origin
                 if stream is not origin:
                     origin.wait(stream.record())
@@ -276,8 +314,7 @@ class DirectSchedule:
             self._graph_computes = computes
         except Exception as exc:  # noqa: BLE001 - whatever the capture met, the call runs uncaptured
             origin.abort_capture()
-            cause = exc.__cause__ if isinstance(exc, StageError) and exc.__cause__ is not None else exc
-            self.graph_refused = f"{type(cause).__name__}: {cause}"
+            self.graph_refused = _reason(exc)  # no local keeps exc, whose traceback holds this frame
             logger.warning("MapJob(graph=True): the call could not be captured as a graph (%s); it runs "
                            "without one from now on", self.graph_refused)
             return False
@@ -289,40 +326,58 @@ class DirectSchedule:
             self._out_ready = [None] * len(self._out_ready)
         return True
 
-    def _enqueue(self, op: ChunkOps, host_in: BufferSlice, host_out: BufferSlice, events: Optional[dict] = None):
-        """Enqueue one chunk's copy in, compute and copy out; returns the compute's event. With
-        ``events`` (profiling) each operation is bracketed by timing events, stored there."""
+    def _enqueue(self, group: CopyGroup, host_in: BufferSlice, host_out: BufferSlice,
+                 events: Optional[list] = None) -> list:
+        """Enqueue a group's copy in, each of its chunks' computes, and its copy out; returns the
+        computes' events. With ``events`` (profiling: a dict per chunk) each operation is
+        bracketed by timing events, stored in its chunks' dicts (a group's copies in each)."""
         off = self._guard_off
         st = self.streams
-        h2d, comp, d2h = st.h2d, st.computes[op.index % self.compute_streams], st.d2h
-        ready = self._in_ready[op.slot_in]
-        if ready is not None and "h2d.wait_slot_ready" not in off:
-            h2d.wait(ready)
-        mark(h2d, "h2d", events, start=True)
-        h2d.copy(op.dev_in, host_in, op.nbytes)
-        copied_in = mark(h2d, "h2d", events)
-        if "compute.wait_h2d" not in off:
-            comp.wait(copied_in)
-        if not self.inplace:
-            ready = self._out_ready[op.slot_out]
-            if ready is not None and "compute.wait_slot_ready" not in off:
-                comp.wait(ready)
-        mark(comp, "compute", events, start=True)
-        launch_compute(comp, self.compute, op.x, op.y, inplace=self.inplace, sim_seconds=op.sim_seconds,
-                       index=op.index)
-        computed = mark(comp, "compute", events)
-        if not self.inplace:
-            self._in_ready[op.slot_in] = self._after_use(op.dev_in, computed)
-        if "d2h.wait_compute" not in off:
-            d2h.wait(computed)
-        mark(d2h, "d2h", events, start=True)
-        d2h.copy(host_out, op.dev_out, op.out_nbytes)
-        copied_out = mark(d2h, "d2h", events)
-        if self.inplace:
-            self._in_ready[op.slot_in] = self._after_use(op.dev_in, copied_out)
-        else:
-            self._out_ready[op.slot_out] = self._after_use(op.dev_out, copied_out)
-        return computed
+        h2d, d2h = st.h2d, st.d2h
+        copies: Optional[dict] = {} if events is not None else None
+        if "h2d.wait_slot_ready" not in off:
+            for ready in dict.fromkeys(self._in_ready[op.slot_in] for op in group.ops):
+                if ready is not None:
+                    h2d.wait(ready)
+        mark(h2d, "h2d", copies, start=True)
+        h2d.copy(group.dev_in, host_in, group.nbytes)
+        copied_in = mark(h2d, "h2d", copies)
+        computes = []
+        for k, op in enumerate(group.ops):
+            stamps = events[k] if events is not None else None
+            comp = st.computes[op.index % self.compute_streams]
+            if "compute.wait_h2d" not in off:
+                comp.wait(copied_in)
+            if not self.inplace:
+                ready = self._out_ready[op.slot_out]
+                if ready is not None and "compute.wait_slot_ready" not in off:
+                    comp.wait(ready)
+            mark(comp, "compute", stamps, start=True)
+            launch_compute(comp, self.compute, op.x, op.y, inplace=self.inplace, sim_seconds=op.sim_seconds,
+                           index=op.index)
+            computed = mark(comp, "compute", stamps)
+            if not self.inplace:
+                self._in_ready[op.slot_in] = self._after_use(op.dev_in, computed)
+            if "d2h.wait_compute" not in off:
+                d2h.wait(computed)
+            computes.append(computed)
+        mark(d2h, "d2h", copies, start=True)
+        d2h.copy(host_out, group.dev_out, group.out_nbytes)
+        copied_out = mark(d2h, "d2h", copies)
+        after = self._after_use(group.dev_in if self.inplace else group.dev_out, copied_out)
+        for op in group.ops:
+            if self.inplace:
+                self._in_ready[op.slot_in] = after
+            else:
+                self._out_ready[op.slot_out] = after
+        if events is not None:  # each chunk is given its bytes' share of the group's copies
+            done_in = done_out = 0
+            for op, stamps in zip(group.ops, events):
+                stamps.update(copies)
+                stamps["h2d.share"] = (done_in / group.nbytes, (done_in + op.nbytes) / group.nbytes)
+                stamps["d2h.share"] = (done_out / group.out_nbytes, (done_out + op.out_nbytes) / group.out_nbytes)
+                done_in, done_out = done_in + op.nbytes, done_out + op.out_nbytes
+        return computes
 
     def _enqueue_profiled(self, host: Callable) -> tuple[list, tuple]:
         """``run``'s enqueue pass with timing events and host stamps; returns the compute events
@@ -331,13 +386,13 @@ class DirectSchedule:
         anchor = Anchor(self.device, self.streams.h2d)  # seen done: every event recorded later times after it
         started = now
         chunk_events, enqueued, compute_events = [], [], []
-        for op in self.ops:
-            events: dict = {}
+        for group in self.groups:
+            events: list = [{} for _ in group.ops]
             a = now
-            compute_events.append(self._enqueue(op, *host(op), events))
-            chunk_events.append(events)
+            compute_events.extend(self._enqueue(group, *host(group), events))
+            chunk_events.extend(events)
             now = self.device.now
-            enqueued.append((a, now))
+            enqueued.extend([(a, now)] + [None] * (len(group.ops) - 1))  # a group is enqueued at once
         return compute_events, (anchor, started, chunk_events, enqueued)
 
     def _timeline_of(self, anchor, started: float, chunk_events: list, enqueued: list) -> Timeline:
@@ -347,15 +402,17 @@ class DirectSchedule:
         timeline = Timeline(meta={"device": self.device.name, "chunk_bytes": self.chunk_bytes, "engine": "direct",
                                   "slots": {"device_in": len(self._in_ready), "device_out": len(self._out_ready)},
                                   "workers": 0, "compute_lanes": self._compute_lanes()})
-        for op, events, (a, b) in zip(self.ops, chunk_events, enqueued):
+        for op, events, span in zip(self.ops, chunk_events, enqueued):
             stages = {}
             for stage in GPU_STAGES:
                 start, end = anchor.time_of(events.get(stage + ".start")), anchor.time_of(events.get(stage + ".end"))
                 if start is not None and end is not None:
-                    stages[stage] = (start, end)
+                    lo, hi = events.get(stage + ".share", (0.0, 1.0))
+                    stages[stage] = (start + (end - start) * lo, start + (end - start) * hi)
             timeline.records.append(ChunkRecord(index=op.index, nbytes=op.nbytes, final="delivered",
                                                 accepted=started, ended=ended, stages=stages))
-            timeline.host.append(Span(ENQUEUE_TRACK, "enqueue", a, b, op.index))
+            if span is not None:
+                timeline.host.append(Span(ENQUEUE_TRACK, "enqueue", *span, op.index))
         return timeline
 
     def _compute_lanes(self) -> int:
@@ -410,3 +467,9 @@ class DirectSchedule:
         for ring in rings:
             free_quietly(ring, free_on, "device ring")
         self.streams.close()
+
+
+def _reason(exc: BaseException) -> str:
+    """What a refused capture met: the compute's own error for a StageError, else ``exc``."""
+    cause = exc.__cause__ if isinstance(exc, StageError) and exc.__cause__ is not None else exc
+    return f"{type(cause).__name__}: {cause}"

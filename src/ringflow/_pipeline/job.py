@@ -98,7 +98,7 @@ class MapJob:
                  device: "Device | str | None" = None, chunk_bytes: "int | str | None" = None, host: str = "auto",
                  x_buffer=None, out_buffer=None, engine: str = "auto", inplace: bool = False, slots=None,
                  workers: Optional[int] = None, checked: bool = False, on_error: str = "raise",
-                 pinned_budget: "int | str | None" = None, compute_streams: int = 1, output: Any = None,
+                 pinned_budget: "int | str | None" = None, compute_streams: Optional[int] = None, output: Any = None,
                  graph: bool = False):
         self._held = _Held()
         opts = check_options(chunk_bytes=chunk_bytes, allow_auto_chunk=True, inplace=inplace, slots=slots,

@@ -111,3 +111,48 @@ def default_workers(dev: Device, bulk: bool = True) -> int:
         return 4
     cores = max(1, min(16, (os.cpu_count() or 2) - 1))
     return cores if bulk else min(4, cores)
+
+
+# -- copy groups (the direct engine) ----------------------------------------------------------------
+COPY_RATE_SHARE = 0.75  # a copy this share of the profile's best rate is big enough to move alone
+MIN_COPY_GROUPS = 4  # so that a job's copies in and out still overlap one another
+RING_GROUPS = 4  # a planned ring holds a group copying in, one computing, one copying out, and slack
+GROUP_COMPUTE_STREAMS = 4  # planned compute streams for grouped chunks, at most
+
+
+def copy_group(device: Device, chunk_bytes: int, n_chunks: int, slots: SlotCounts, *, planned: bool,
+               inplace: bool) -> tuple[int, SlotCounts]:
+    """How many consecutive chunks the direct engine moves with one copy each way, and the device
+    rings that allows. Every copy costs the copy engine a fixed time, which the hardware
+    profile's copy curve shows as a lower rate for small copies: chunks are grouped up to the
+    smallest copy the curve moves at :data:`COPY_RATE_SHARE` of its best rate, leaving at least
+    :data:`MIN_COPY_GROUPS` groups. A group's slots follow one another in the ring, so a ring
+    holds a whole number of groups: ``planned`` rings grow to :data:`RING_GROUPS` groups; given
+    rings keep their size and the group shrinks until two fit."""
+    profile = plan.get_profile(device.hardware)
+    curve = profile.h2d_curve
+    best = profile.copy_GBps("h2d", curve[-1][0])
+    enough = next((size for size, _ in curve if profile.copy_GBps("h2d", size) >= COPY_RATE_SHARE * best),
+                  curve[-1][0])
+    group = min(max(1, enough // max(1, chunk_bytes)), -(-n_chunks // MIN_COPY_GROUPS))
+    if group <= 1:
+        return 1, slots
+    rings = [slots.device_in] + ([] if inplace else [slots.device_out])
+    if planned:
+        grown = [max(n, RING_GROUPS * group) for n in rings]
+        grown = [-(-n // group) * group for n in grown]
+        return group, dataclasses.replace(slots, device_in=grown[0],
+                                          device_out=slots.device_out if inplace else grown[1])
+    while group > 1 and any(n % group or n < 2 * group for n in rings):
+        group -= 1
+    return group, slots
+
+
+def compute_streams_for(given: Optional[int], group: int) -> int:
+    """The direct engine's compute streams: ``given``, or planned (None): one, or for chunks
+    moved in copy groups one per chunk of a group up to :data:`GROUP_COMPUTE_STREAMS`. A
+    group's chunks arrive together, and their kernels are short (the chunks are small): on one
+    stream each would wait for the one before it, with the GPU mostly idle."""
+    if given is not None:
+        return given
+    return min(GROUP_COMPUTE_STREAMS, group) if group > 1 else 1

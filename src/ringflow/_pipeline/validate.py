@@ -157,7 +157,7 @@ def check_slots(value: Any, *, inplace: bool = False) -> "int | SlotCounts | Non
 
 def check_options(*, chunk_bytes: Any = None, allow_auto_chunk: bool = False, workers: Any = None,
                   max_in_flight: Any = None, pinned_budget: Any = None, slots: Any = None,
-                  on_error: str = "raise", compute_streams: Any = 1, **flags: Any) -> dict:
+                  on_error: str = "raise", compute_streams: Any = None, **flags: Any) -> dict:
     """Every engine option a front door takes, checked and normalised; returns them as a dict
     (``None`` meaning "planned"). ``flags`` are booleans (``ordered``, ``profile``, ``checked``,
     ``inplace``, ``keep_warm``).
@@ -173,8 +173,9 @@ def check_options(*, chunk_bytes: Any = None, allow_auto_chunk: bool = False, wo
     out["pinned_budget"] = None if pinned_budget is None else check_bytes("pinned_budget", pinned_budget,
                                                                            maximum=1 << 50)
     out["on_error"] = check_choice("on_error", on_error, ("raise", "continue"))
-    out["compute_streams"] = check_count("compute_streams", compute_streams, maximum=MAX_COMPUTE_STREAMS,
-                                         hint="; kernels of that many chunks may run side by side")
+    out["compute_streams"] = None if compute_streams is None else check_count(
+        "compute_streams", compute_streams, maximum=MAX_COMPUTE_STREAMS,
+        hint="; kernels of that many chunks may run side by side, or None (planned)")
     for name, value in flags.items():
         out[name] = check_flag(name, value)
     # after the flags: whether a SlotCounts may have a device-out ring depends on inplace

@@ -47,7 +47,7 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
                chunk_bytes: "int | str | None" = None, host: str = "auto", x_buffer: Optional[HostBuffer] = None,
                out_buffer: Optional[HostBuffer] = None, engine: str = "auto", keep_warm: bool = True, inplace: bool = False,
                slots: "int | plan.SlotCounts | None" = None, workers: Optional[int] = None, checked: bool = False,
-               on_error: str = "raise", pinned_budget: "int | str | None" = None, compute_streams: int = 1,
+               on_error: str = "raise", pinned_budget: "int | str | None" = None, compute_streams: Optional[int] = None,
                profile: bool = False, output: Any = None) -> np.ndarray:
     """Apply ``f(x_chunk, y_chunk)`` on the device to ``x`` in chunks along axis 0; returns ``out``
     once every chunk's result is in it.
@@ -94,9 +94,11 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
             others, then raises the first failure.
         pinned_budget: bytes of pinned staging memory at most.
         compute_streams: streams the direct engine spreads kernels over (chunks in different
-            device slots), so kernels of several chunks may run side by side. 1 (the default)
-            suits kernels shorter than a copy; long kernels (compute-bound jobs) gain from 2-4
-            (docs/performance.md has the measurements). The scheduled engine uses one.
+            device slots), so kernels of several chunks may run side by side. None (planned):
+            one, or where small chunks share a copy (copy groups) one per chunk of a group up to
+            four, since their kernels are short and start together; long kernels
+            (compute-bound jobs) gain from 2-4 (docs/performance.md has the measurements). The
+            scheduled engine uses one.
         profile: time every stage (use :func:`stream_map_report` to get the report).
         output: the result's ``(shape, dtype)`` when it is not shaped as ``x``: the same rows
             (``shape[0] == len(x)``), any row shape and dtype, e.g. ``((n, 10), "float16")`` for
