@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default=",".join(str(s) for s in SIZES))
     ap.add_argument("--workloads", default="seed,balanced")
     ap.add_argument("--slots", default="", help="device slot counts to sweep, comma-separated (planned if empty)")
-    ap.add_argument("--compute-streams", type=int, default=1)
+    ap.add_argument("--compute-streams", type=int, default=None, help="None: planned")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -89,7 +89,22 @@ def _inference(file: str) -> tuple[float, float]:
     return sorted(res["one numpy array"]["mapjob_s"])[1] * 1e3, res["link_floor"]["link_floor_ms"]
 
 
+def _graph_vs_cpp(file: str, workload: str) -> tuple[float, float]:
+    """The best graph call and the C++ program's best on the host clock (ms), one run."""
+    entry = json.loads((RESULTS / file).read_text())["workloads"][workload]
+    return entry["best_ms"]["graph"], entry["cuda_cpp"]["host_clock"]["ms_median"]
+
+
+def _graph_small(file: str, workload: str, chunk_bytes: int) -> tuple[float, float]:
+    """The graph call at ``chunk_bytes`` and at the best chunk size (ms), one run."""
+    entry = json.loads((RESULTS / file).read_text())["workloads"][workload]
+    row = next(r for r in entry["rows"] if r["chunk_bytes"] == chunk_bytes)
+    return row["graph"]["ms_median"], entry["best_ms"]["graph"]
+
+
 LATER = [
+    ("| `balanced`, `MapJob(graph=True)`", *_graph_vs_cpp("graph-h200-2026-12-01-final-one-stream.json", "balanced"), ""),
+    ("| `seed` in 256 KiB chunks", *_graph_small("graph-h200-2026-12-01-final-planned.json", "seed", 256 << 10), ""),
     ("| `feed`: 64 images decoded on 8 CPU workers", *_feed("feed-h200-2026-12-01-final-a.json"), " a batch"),
     ("| 3072 uint8 images (462 MB) in, a float16 row each out",
      *_inference("inference-h200-2026-12-01-whole-registered.json"), ""),

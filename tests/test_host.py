@@ -89,7 +89,9 @@ def test_stream_map_uses_pooled_arrays_in_place_without_staging_or_registering(d
     assert [lay.strategy for lay in layouts] == ["pinned"] and layouts[0].device is dev
     assert calls == []  # no staging ring, no registration
     assert type(seen[0]).__name__ == "DirectSchedule"
-    assert sum(lbl.startswith("copy h2d") for lbl in ops) == 10 == sum(lbl.startswith("copy d2h") for lbl in ops)
+    # ten chunks, moved in copy groups where they are small: fewer copies, the same bytes each way
+    copied = {d: [int(lbl.split()[2]) for lbl in ops if lbl.startswith(f"copy {d}")] for d in ("h2d", "d2h")}
+    assert sum(copied["h2d"]) == sum(copied["d2h"]) == x.nbytes and 1 <= len(copied["h2d"]) <= 10
     # the call has completed every copy when it returns: the result's block is free once dropped
     out_buf = rf.host.buffer(out)
     del y, out

@@ -438,7 +438,8 @@ def test_copy_groups_follow_the_copy_curve_and_fit_the_rings():
     slow, _ = copy_group(rf.device("sim", profile="pcie4-x16"), 256 << 10, 1000, planned, planned=True,
                          inplace=False)
     assert slow >= group
-    assert copy_group(dev, 256 << 10, 8, planned, planned=True, inplace=True)[0] == 2  # four groups at least
+    assert copy_group(dev, 256 << 10, 64, planned, planned=True, inplace=True)[0] == 4  # sixteen groups at least
+    assert copy_group(dev, 256 << 10, 8, planned, planned=True, inplace=True)[0] == 1
     given = rf.SlotCounts(6, 6, 6, 6)  # given rings keep their size: the group divides them twice over
     assert copy_group(dev, 256 << 10, 1000, given, planned=False, inplace=False) == (3, given)
     assert copy_group(dev, 256 << 10, 1000, rf.SlotCounts(5, 5, 5, 5), planned=False, inplace=False)[0] == 1

@@ -115,7 +115,9 @@ def default_workers(dev: Device, bulk: bool = True) -> int:
 
 # -- copy groups (the direct engine) ----------------------------------------------------------------
 COPY_RATE_SHARE = 0.75  # a copy this share of the profile's best rate is big enough to move alone
-MIN_COPY_GROUPS = 4  # so that a job's copies in and out still overlap one another
+# the first group's copy in and the last one's copy out overlap nothing else: with this many
+# groups at least, they are a small part of the job
+MIN_COPY_GROUPS = 16
 RING_GROUPS = 4  # a planned ring holds a group copying in, one computing, one copying out, and slack
 GROUP_COMPUTE_STREAMS = 4  # planned compute streams for grouped chunks, at most
 
