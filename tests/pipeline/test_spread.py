@@ -143,3 +143,36 @@ def test_a_subclass_given_several_devices_says_it_runs_on_one():
         Mine(f, device=sims(2, 11), chunk_bytes=4096)
     with Mine(f, device=sims(1, 11), chunk_bytes=4096) as pipe:  # a list of one is that device
         np.testing.assert_array_equal(pipe.submit(np.ones(3, np.float32)).result(), np.full(3, 3, np.float32))
+
+
+@pytest.mark.parametrize("on_error", ["raise", "continue"])
+def test_map_and_amap_end_alike_when_the_pipeline_is_cancelled_under_them(on_error):
+    """A cancel from another thread (here the consumer of the fifth result) ends an ordered map
+    and an amap the same way: quietly after the results already out, never with the chunks'
+    CancelledError (which an asyncio caller would take for its own task's cancellation)."""
+    outcomes = {}
+    for face in ("map", "amap"):
+        devs = sims(2, 4)
+        pipe = rf.Pipeline(f, device=devs, chunk_bytes=4096, on_error=on_error, max_in_flight=4)
+        items = items_of(40, 4)
+        got = []
+
+        def take(r):
+            got.append(r)
+            if len(got) == 5:
+                threading.Thread(target=pipe.cancel).start()
+
+        if face == "map":
+            for r in pipe.map(items):
+                take(r)
+        else:
+            async def go():
+                async for r in pipe.amap(items):
+                    take(r)
+
+            asyncio.run(go())
+        pipe.close()
+        assert all(np.array_equal(r, a * 2 + 1) for r, a in zip(got, items))
+        outcomes[face] = len(got) < len(items)
+        assert all(d.live().total == 0 for d in devs)
+    assert outcomes == {"map": True, "amap": True}

@@ -617,3 +617,56 @@ def test_plain_arrays_staged_by_many_threads_with_cancels_and_a_close(seed):
     value = fut = None  # the last future holds its result
     gc.collect()
     assert rf.host.stats(device=dev).in_use_bytes == 0 and dev.live().total == 0
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_one_mapjob_called_from_four_threads_and_closed_from_a_fifth(seed, graph):
+    """Calls of one job from several threads run one after another (they share its slots and
+    ``out``); a close from another thread waits for the call in progress and the calls after it
+    are refused."""
+    dev = rf.device("sim", seed=seed, chaos=True)
+    x = np.random.default_rng(seed).uniform(size=1 << 14).astype(np.float32)
+    expected = x * 2 + 1
+    job = rf.MapJob(_double, x, device=dev, chunk_bytes=4096, host="register", graph=graph, checked=True)
+    done = threading.Semaphore(0)
+    refused = []
+
+    def caller():
+        for _ in range(4):
+            try:
+                y = job()
+            except RuntimeError as exc:
+                assert "closed" in str(exc)
+                refused.append(1)
+                return
+            assert np.array_equal(y, expected)  # every call writes the same values into out
+            done.release()
+
+    def closer():
+        for _ in range(6):
+            done.acquire()
+        job.close()
+
+    run_all([caller] * 4 + [closer])
+    assert job.closed and refused
+    assert dev.live().total == 0
+
+
+def test_a_compute_that_closes_its_own_job_closes_it_when_the_call_ends():
+    dev = rf.device("sim", seed=1, chaos=True)
+    x = np.random.default_rng(1).uniform(size=1 << 14).astype(np.float32)
+    calls, jobs = [], []
+
+    def f(x, y):
+        calls.append(1)
+        if len(calls) == 3:
+            jobs[0].close()  # nothing the call still uses may go before it ends
+        y[...] = x * 2 + 1
+
+    jobs.append(rf.MapJob(f, x, device=dev, chunk_bytes=4096, host="register"))
+    assert np.array_equal(bounded(jobs[0]), x * 2 + 1)
+    assert jobs[0].closed
+    with pytest.raises(RuntimeError, match="closed"):
+        jobs[0]()
+    assert dev.live().total == 0

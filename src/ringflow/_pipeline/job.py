@@ -21,6 +21,7 @@ and ``out``, are fixed.
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 import weakref
 from typing import Any, Callable, Optional
@@ -101,6 +102,11 @@ class MapJob:
                  pinned_budget: "int | str | None" = None, compute_streams: Optional[int] = None, output: Any = None,
                  graph: bool = False):
         self._held = _Held()
+        # one call at a time; close() from another thread waits for the call in progress, and
+        # from inside it (f closing its own job) takes effect when the call ends
+        self._lock = threading.RLock()
+        self._calling = self._close_pending = False
+        self._handed: list = []  # what the last thread to hold the lock published (see _take_turn)
         opts = check_options(chunk_bytes=chunk_bytes, allow_auto_chunk=True, inplace=inplace, slots=slots,
                              workers=workers, checked=checked, on_error=on_error, pinned_budget=pinned_budget,
                              compute_streams=compute_streams, graph=graph)
@@ -152,6 +158,9 @@ class MapJob:
         """A job on one device over arrays already checked: one shard of a job over several."""
         job = cls.__new__(cls)
         job._held = _Held()
+        job._lock = threading.RLock()
+        job._calling = job._close_pending = False
+        job._handed = []
         job.x, job.out = x, out
         job._bind(f, x, out, fresh_out, dev, chunk_bytes, host, None, None, engine, opts)
         job._finalizer = weakref.finalize(job, _collected, job._held, repr(job))
@@ -219,20 +228,48 @@ class MapJob:
             DeviceError: the device broke; the job is then closed.
         """
         profile = check_flag("profile", profile)
-        engine = self._held.engine
-        if engine is None:
-            raise RuntimeError("this MapJob is closed; create a new one")
-        try:
-            run_call(engine, self._arrays, profile)
-        except BaseException:
-            self._held.engine = None  # run_call closed it
-            self.close()
-            raise
+        with self._lock:
+            self._take_turn()
+            engine = self._held.engine
+            if engine is None:
+                raise RuntimeError("this MapJob is closed; create a new one")
+            self._calling = True
+            try:
+                run_call(engine, self._arrays, profile)
+            except BaseException:
+                self._held.engine = None  # run_call closed it
+                self._release()
+                raise
+            finally:
+                self._calling = False
+                if self._close_pending:
+                    self._release()
+                self._hand_over()
         return self.out
 
     def close(self) -> None:
-        """Close the engine (streams, rings, workers) and drop the registrations. Harmless
-        twice; never raises."""
+        """Close the engine (streams, rings, workers) and drop the registrations, after the call
+        in progress on another thread, if any, has returned. Harmless twice; never raises."""
+        with self._lock:
+            if self._calling:  # called by f during this thread's call: nothing may go before it ends
+                self._close_pending = True
+                return
+            self._take_turn()
+            self._release()
+
+    # The lock hands the job from one thread to the next; the devices' happens-before checkers
+    # (on the simulated GPU) see that hand-off through a published token, as a Pipeline's
+    # hand-offs between threads are seen: the next holder is ordered after everything the last
+    # one saw complete. On a real GPU both calls do nothing.
+    def _hand_over(self) -> None:
+        devices = self.device if isinstance(self.device, tuple) else (self.device,)
+        self._handed = [(d, d.publish()) for d in devices]
+
+    def _take_turn(self) -> None:
+        for device, token in self._handed:
+            device.observe(token)
+
+    def _release(self) -> None:
         self._finalizer.detach()
         self._held.release()
 

@@ -77,6 +77,22 @@ class SpreadPipeline(Pipeline):
         n = len(working)
         return min((working[(turn + k) % n] for k in range(n)), key=lambda p: p.stats().in_flight)
 
+    def _accepting(self) -> bool:
+        return any(p._sched.broken is None and p._sched.accepting for p in self.parts)
+
+    def _submit_more(self, item: Any, started: bool) -> Optional[concurrent.futures.Future]:
+        """A map's next submit; None once the pipeline takes no more work (cancelled, or stopped
+        by a failure) after the map had started: it then ends with what it has, as a single
+        device's map does."""
+        if started and not self._accepting():
+            return None
+        try:
+            return self.submit(item)
+        except RuntimeError:
+            if started and not self._accepting():
+                return None
+            raise
+
     def submit(self, item: Any, timeout: Optional[float] = None) -> concurrent.futures.Future:
         """As :meth:`Pipeline.submit`, on the least loaded working device (a device found broken
         or stopped on the way is passed over for the next)."""
@@ -114,7 +130,7 @@ class SpreadPipeline(Pipeline):
         limit = sum(p.config.max_in_flight for p in self.parts)
         source = iter(items)
         window: collections.deque = collections.deque()
-        exhausted = False
+        exhausted = started = False
         try:
             while True:
                 while not exhausted and len(window) < limit:
@@ -123,7 +139,12 @@ class SpreadPipeline(Pipeline):
                     except StopIteration:
                         exhausted = True
                         break
-                    window.append(self.submit(item))
+                    fut = self._submit_more(item, started)
+                    if fut is None:
+                        exhausted = True
+                        break
+                    window.append(fut)
+                    started = True
                 if not window:
                     return
                 fut = window[0] if self.config.ordered else next(iter(concurrent.futures.wait(
@@ -148,14 +169,15 @@ class SpreadPipeline(Pipeline):
                 fut.cancel()
 
     async def amap(self, items: Any):
-        """As :meth:`Pipeline.amap`, over every device, in submission order."""
+        """As :meth:`Pipeline.amap`, over every device, in submission order; a chunk cancelled
+        under it (the pipeline cancelled, or stopped by a failure) ends it as it ends :meth:`map`."""
         import asyncio
 
         self._check_open()
         limit = sum(p.config.max_in_flight for p in self.parts)
         iterator = items.__aiter__() if hasattr(items, "__aiter__") else iter(items)
         window: collections.deque = collections.deque()
-        exhausted = False
+        exhausted = started = False
         try:
             while True:
                 while not exhausted and len(window) < limit:
@@ -164,21 +186,35 @@ class SpreadPipeline(Pipeline):
                     except (StopIteration, StopAsyncIteration):
                         exhausted = True
                         break
-                    window.append(asyncio.wrap_future(self.submit(item)))
+                    fut = self._submit_more(item, started)
+                    if fut is None:
+                        exhausted = True
+                        break
+                    window.append((fut, asyncio.wrap_future(fut)))
+                    started = True
                 if not window:
                     return
-                head = window.popleft()
+                fut, head = window[0]
                 try:
+                    # shielded: a cancellation of the awaiting task must not look like the chunk's
                     value = await asyncio.shield(head)
-                except Exception:
-                    if self.config.on_error == "continue":
+                except BaseException as err:
+                    if not fut.done():
+                        raise  # the awaiting task was cancelled: finally cancels this chunk with the rest
+                    window.popleft()
+                    if fut.cancelled():
+                        if self.config.on_error == "raise":
+                            return  # the pipeline was cancelled, or a failure stopped it, under this amap
                         continue
+                    if self.config.on_error == "continue" and isinstance(err, Exception):
+                        continue  # a failed item (its stage's error, or its device's) is skipped
                     self.cancel()
                     raise
+                window.popleft()
                 yield value
         finally:
-            for head in window:
-                head.cancel()
+            for fut, _ in window:
+                fut.cancel()
 
     # -- ending and inspection -----------------------------------------------------------------
     def cancel(self) -> None:

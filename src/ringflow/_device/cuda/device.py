@@ -91,7 +91,7 @@ class CudaDevice(Device):
         self._tls = threading.local()
         self._closed = False
         self._live = LiveRegistry()
-        self._capturing: "int | None" = None  # the thread with a capture in progress here (one at a time)
+        self._capturing: set = set()  # threads with a capture in progress here (one each)
         self._pools: "weakref.WeakSet[ThreadWorkerPool]" = weakref.WeakSet()
         # set by any host task of this device finishing (after its future is done): wait_any
         # waits on this one flag instead of registering a waiter on every pending future

@@ -150,6 +150,7 @@ class CudaStream(Stream):
         self.priority = int(self._cc.priority)
         self.handle = int(self._cc.handle)
         self._framework_streams: dict[str, Any] = {}  # CuPy / PyTorch wrappers of this stream
+        self._capture_thread: "int | None" = None  # the thread that began a capture here
         self._closed = False
         self._finalizer = device._live.track(self, "streams")
 
@@ -277,7 +278,7 @@ class CudaStream(Stream):
             else:
                 converted.append(a)
         name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
-        capturing = dev._capturing == threading.get_ident()
+        capturing = threading.get_ident() in dev._capturing
         try:
             with using_stream(self), adapter.stream_context(self):
                 if capturing:
@@ -315,8 +316,9 @@ class CudaStream(Stream):
         capture instead of running."""
         self._check_open()
         dev = self._device
-        if dev._capturing is not None:
-            raise CaptureError(f"{dev!r} is capturing on another stream already; one capture at a time")
+        me = threading.get_ident()
+        if me in dev._capturing:
+            raise CaptureError(f"this thread is capturing on {dev!r} already; end that capture first")
         dev._ensure_current()
         d = driver()
         try:
@@ -326,11 +328,13 @@ class CudaStream(Stream):
             if exc.sticky:
                 raise
             raise CaptureError(str(exc)) from exc
-        dev._capturing = threading.get_ident()
+        dev._capturing.add(me)
+        self._capture_thread = me
 
     def end_capture(self) -> "CudaGraph":
         dev = self._device
-        dev._capturing = None
+        dev._capturing.discard(self._capture_thread)
+        self._capture_thread = None
         d = driver()
         err, graph = d.cuStreamEndCapture(self.handle)
         if int(err) != 0 or graph is None or int(graph) == 0:
@@ -348,9 +352,10 @@ class CudaStream(Stream):
     def abort_capture(self) -> None:
         dev = self._device
         try:
-            if dev._capturing is None:
+            if self._capture_thread is None:
                 return
-            dev._capturing = None
+            dev._capturing.discard(self._capture_thread)
+            self._capture_thread = None
             d = driver()
             err, status = d.cuStreamIsCapturing(self.handle)
             if int(err) == 0 and int(status) != int(d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE):
