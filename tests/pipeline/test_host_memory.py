@@ -47,10 +47,10 @@ def test_already_pinned_buffers_are_used_in_place_without_staging():
     dev.add_op_observer(lambda op: ops.append(op.label))
     rf.stream_map(f, x, y, device=dev, chunk_bytes=4096, x_buffer=hx, out_buffer=hy)
     assert np.array_equal(hy.view(np.float32, access="r"), hx.view(np.float32, access="r") * 2 + 1)
-    # 16 chunks of 4 KiB, moved four to a copy (copy groups): 4 copies each way, straight between
-    # the caller's pinned memory and the device, 64 KiB each
-    copies = [lbl for lbl in ops if lbl.startswith("copy ")]
-    assert sorted(copies) == ["copy d2h 16384 B"] * 4 + ["copy h2d 16384 B"] * 4
+    # 16 chunks: 16 copies each way (too few chunks to move in copy groups), straight between the
+    # caller's pinned memory and the device
+    assert sum(lbl.startswith("copy h2d") for lbl in ops) == 16
+    assert sum(lbl.startswith("copy d2h") for lbl in ops) == 16
     with pytest.raises(ValueError, match="both x_buffer and out_buffer"):
         rf.stream_map(f, x, y, device=dev, x_buffer=hx)
     hx.close()

@@ -172,7 +172,10 @@ def test_map_and_amap_end_alike_when_the_pipeline_is_cancelled_under_them(on_err
 
             asyncio.run(go())
         pipe.close()
-        assert all(np.array_equal(r, a * 2 + 1) for r, a in zip(got, items))
+        # in order; with on_error="continue" a cancelled item is skipped, so the results are the
+        # expected ones with some left out
+        expected = iter(a * 2 + 1 for a in items)
+        assert all(any(np.array_equal(r, e) for e in expected) for r in got)
         outcomes[face] = len(got) < len(items)
         assert all(d.live().total == 0 for d in devs)
     assert outcomes == {"map": True, "amap": True}
