@@ -18,15 +18,17 @@ shows up as a wrong result on a real GPU, as the scheduler's checked mode does.
 ``run()`` returns once every result is in ``out``: the host has then seen every operation of
 the call complete, so it may rewrite ``x`` before the next call.
 
+Small chunks move in copy groups (:class:`CopyGroup`): consecutive chunks in consecutive slots
+share one copy each way, since every copy costs the copy engines a fixed time.
+
 With ``graph=True`` and the arrays bound at construction (a ``MapJob``), the first call runs as
 usual (a compute's first call may load its kernels or set up its library, which a capture
 cannot take), and the next call that is not profiled captures the whole enqueue pass as one
-CUDA graph (:meth:`Stream.begin_capture`:
-the same operations and waits, the other streams joined from and back to the h2d stream) and
-launches it; every later call is that one launch. The host then spends one launch per call
-instead of a dozen driver calls per chunk, so chunks can be small. A capture the device
-refuses (a compute that synchronises or allocates) leaves the job enqueueing as before, with
-the reason logged once.
+CUDA graph (:meth:`~ringflow._device.protocol.Stream.begin_capture`: the same operations and
+waits, the other streams joined from and back to the h2d stream) and launches it; every later
+call is that one launch. The host then spends one launch per call instead of a dozen driver
+calls per chunk. A capture the device refuses (a compute that synchronises or allocates)
+leaves the job enqueueing as before, with the reason logged once.
 """
 
 from __future__ import annotations
@@ -46,10 +48,10 @@ from .engine import Arrays
 from .sizing import compute_streams_for, copy_group
 from .stages import GPU_STAGES, StageStreams, launch_compute, mark, poison_after, sim_seconds_for, writes_into_y
 
-# The waits that order the job, named as the scheduler's guards for the same waits; a test can
-# switch one off (``ringflow._testing.inject(guards_off=...)``) to show the checks catch it.
 logger = logging.getLogger(__name__)
 
+# The waits that order the job, named as the scheduler's guards for the same waits; a test can
+# switch one off (``ringflow._testing.inject(guards_off=...)``) to show the checks catch it.
 GUARDS = (
     "h2d.wait_slot_ready",  # a chunk's copy in waits for its device slot's previous use
     "compute.wait_h2d",  # compute waits for the chunk's copy in
