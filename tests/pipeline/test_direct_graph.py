@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import gc
 import logging
+from unittest import mock
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import ringflow as rf
 from ringflow._device.sim.stream import SimStream
 from ringflow._errors import CaptureError, StageError
+from ringflow._pipeline import sizing
 from tests.helpers.pipeline_checks import copy_failing_on_call
 
 CHUNK = 4096
@@ -127,3 +131,26 @@ def test_graph_must_be_a_bool(bad):
 def test_stream_map_takes_no_graph():
     with pytest.raises(TypeError, match="graph"):
         rf.stream_map(f, data(), device=rf.device("sim"), graph=True)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(1, 2000), cols=st.integers(1, 9), chunk_rows=st.integers(1, 400),
+       slots=st.sampled_from([None, 1, 2, 3, 4, 6, 8]), streams=st.sampled_from([None, 1, 2, 4]),
+       inplace=st.booleans(), checked=st.booleans(), graph=st.booleans(), min_groups=st.sampled_from([2, 16]),
+       seed=st.integers(0, 2**16))
+def test_random_jobs_in_copy_groups_and_graphs_are_right_under_chaos(rows, cols, chunk_rows, slots, streams, inplace,
+                                                                    checked, graph, min_groups, seed):
+    """Any shape, chunk size, ring, stream count and group rule (the planned sixteen groups, or
+    two so that groups form on small jobs too), with and without a graph: every call right,
+    under chaos with the checker on, and nothing left."""
+    dev = rf.device("sim", seed=seed, chaos=True)
+    x = np.random.default_rng(seed).uniform(size=(rows, cols)).astype(np.float32)
+    with mock.patch.object(sizing, "MIN_COPY_GROUPS", min_groups), \
+            rf.MapJob(f, x, x if inplace else None, device=dev, chunk_bytes=chunk_rows * cols * 4, host="register",
+                      slots=slots, compute_streams=streams, inplace=inplace, checked=checked, graph=graph) as job:
+        for call in range(3):
+            x[...] = np.random.default_rng(seed + call).uniform(size=x.shape).astype(np.float32)
+            expected = x * 3 + 1
+            assert np.array_equal(job(), expected)
+            assert job.replays_graph is (graph and call > 0)
+    assert dev.live().total == 0
