@@ -26,6 +26,11 @@ def f(x, y):
     y[...] = x * 3 + 1
 
 
+def row_sums(x, y):
+    y[:, 0] = x.sum(axis=1, dtype=np.float64)
+    y[:, 1] = x.max(axis=1)
+
+
 def job_over(x, dev, fn=f, **kw):
     return rf.MapJob(fn, x, device=dev, chunk_bytes=CHUNK, host="register", graph=True, **kw)
 
@@ -137,20 +142,26 @@ def test_stream_map_takes_no_graph():
 @given(rows=st.integers(1, 2000), cols=st.integers(1, 9), chunk_rows=st.integers(1, 400),
        slots=st.sampled_from([None, 1, 2, 3, 4, 6, 8]), streams=st.sampled_from([None, 1, 2, 4]),
        inplace=st.booleans(), checked=st.booleans(), graph=st.booleans(), min_groups=st.sampled_from([2, 16]),
-       seed=st.integers(0, 2**16))
+       reshaped=st.booleans(), seed=st.integers(0, 2**16))
 def test_random_jobs_in_copy_groups_and_graphs_are_right_under_chaos(rows, cols, chunk_rows, slots, streams, inplace,
-                                                                    checked, graph, min_groups, seed):
+                                                                    checked, graph, min_groups, reshaped, seed):
     """Any shape, chunk size, ring, stream count and group rule (the planned sixteen groups, or
-    two so that groups form on small jobs too), with and without a graph: every call right,
-    under chaos with the checker on, and nothing left."""
+    two so that groups form on small jobs too), a result of another row shape and dtype or not,
+    with and without a graph: every call right, under chaos with the checker on, and nothing left."""
     dev = rf.device("sim", seed=seed, chaos=True)
     x = np.random.default_rng(seed).uniform(size=(rows, cols)).astype(np.float32)
+    reshaped = reshaped and not inplace
+    fn, output = (row_sums, ((rows, 2), "float64")) if reshaped else (f, None)
     with mock.patch.object(sizing, "MIN_COPY_GROUPS", min_groups), \
-            rf.MapJob(f, x, x if inplace else None, device=dev, chunk_bytes=chunk_rows * cols * 4, host="register",
-                      slots=slots, compute_streams=streams, inplace=inplace, checked=checked, graph=graph) as job:
+            rf.MapJob(fn, x, x if inplace else None, device=dev, host="register",
+                      chunk_bytes=chunk_rows * max(cols * 4, 16 if reshaped else 0),  # a row of each side fits
+                      slots=slots, compute_streams=streams, inplace=inplace, checked=checked, graph=graph,
+                      output=output) as job:
         for call in range(3):
             x[...] = np.random.default_rng(seed + call).uniform(size=x.shape).astype(np.float32)
-            expected = x * 3 + 1
+            expected = np.empty((rows, 2)) if reshaped else x * 3 + 1
+            if reshaped:
+                row_sums(x, expected)
             assert np.array_equal(job(), expected)
             assert job.replays_graph is (graph and call > 0)
     assert dev.live().total == 0
