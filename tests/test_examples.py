@@ -28,7 +28,8 @@ EXPECTED = {
                                 r"^timeline: .*timeline\.png$",
                                 r"^pipeline: 5 requests, latency p50 \d+\.\d+ ms, p99 \d+\.\d+ ms$"],
     "05_mapjob.py": [r"^<MapJob \(1048576, 4\) float32 in 8 chunks .*host=register, engine=direct, open>$",
-                     r"^call 4: \d+\.\d+ ms, out == 9$", r"^8 chunks, 16\.8 MB in "],
+                     r"^call 4: \d+\.\d+ ms, out == 9$", r"^8 chunks, 16\.8 MB in ",
+                     r"^graph: 64 chunks of 256 KiB, the last call \d+\.\d+ ms, replayed as one graph: True$"],
     "06_ray_data.py": [r"^ray data: 200000 rows through f on 2 CPU actors \(simulated GPU\), result matches numpy$",
                        r"^error: stage 'compute' failed for rows 12288\.\.16383 of a batch of 25000 rows "
                        r"\(id 12288\.\.16383\): ValueError: 12345 is not allowed$"],
