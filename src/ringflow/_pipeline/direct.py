@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import Any, Callable, Optional, Sequence
 
 from .._device.protocol import BufferSlice, Device, close_quietly, free_quietly
@@ -137,7 +136,9 @@ class DirectSchedule:
         except BaseException:
             self.close()
             raise
-        self.enqueue_seconds = 0.0  # host time the last run spent enqueueing (its host overhead)
+        # host time the last run spent enqueueing (its host overhead), on the device's clock: the
+        # host's on a real GPU, virtual on the simulated one (whose host calls cost virtual time)
+        self.enqueue_seconds = 0.0
         # graph=True on bound arrays: the captured call (None before the first, or when refused)
         self._graph_wanted = bool(graph) and bound is not None
         self._graph = None
@@ -239,13 +240,13 @@ class DirectSchedule:
                 return (x_buffer.slice(group.offset, group.nbytes),
                         out_buffer.slice(group.out_offset, group.out_nbytes))
         self._timeline = None
-        t0 = time.perf_counter()
+        t0 = self.device.now
         try:
             if profile:
                 compute_events, stamps = self._enqueue_profiled(host)
             else:
                 compute_events = [e for group in self.groups for e in self._enqueue(group, *host(group))]
-            self.enqueue_seconds = time.perf_counter() - t0
+            self.enqueue_seconds = self.device.now - t0
             self.streams.d2h.record().sync()
         except BaseException:
             self.streams.settle()  # nothing enqueued may still touch the host memory when the caller sees this
@@ -264,7 +265,7 @@ class DirectSchedule:
         """One call as a launch of the captured graph (captured first if there is none yet; if
         the device refuses the capture, the call runs as an ordinary enqueue pass)."""
         origin = self.streams.h2d
-        t0 = time.perf_counter()
+        t0 = self.device.now
         # the graph's first use of each slot waits for nothing inside it: the launch itself
         # is ordered after every earlier use (an ordinary call's) here, on the launch stream
         joined = self._join_slots(origin)
@@ -276,7 +277,7 @@ class DirectSchedule:
         try:
             self._graph.launch(origin)
             done = origin.record()
-            self.enqueue_seconds = time.perf_counter() - t0
+            self.enqueue_seconds = self.device.now - t0
             try:
                 done.sync()
             except LaunchError:  # a compute failed (reported through the graph's events)

@@ -195,7 +195,8 @@ class MapJob:
 
     @property
     def enqueue_seconds(self) -> Optional[float]:
-        """Host time (s) the last call spent enqueueing its chunks (direct engine), else None."""
+        """Host time (s) the last call spent enqueueing its chunks (direct engine; virtual on the simulated
+        GPU, as its other times are), else None."""
         return getattr(self._held.engine, "enqueue_seconds", None)
 
     @property
