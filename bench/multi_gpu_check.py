@@ -1,5 +1,6 @@
 """Whole arrays over two GPUs against one, in one run: warm ``MapJob`` calls of the seed shape
-(float32 in place, registered once, the affine kernel at 64 iterations; 256 MiB per GPU) and
+(float32 in place, registered once, the affine kernel at 64 iterations; 256 MiB per GPU), the
+same with ``graph=True`` (each shard's call one graph launch: no Python per chunk), and
 staged ``stream_map`` calls of a fresh 1 GiB pageable array, on ``[dev0]`` and on ``[dev0, dev1]``
 alternately; and the simulated GPUs' prediction of the same two jobs (``sim_prediction``: the
 seed shape, ``sim_prediction_pageable``: the staged job; ``bench/multi_gpu_predict.py`` has
@@ -37,13 +38,19 @@ def timed(fn, calls: int, warmup: int = 2) -> list:
     return out
 
 
-def seed_like(devs, mib_per_gpu: int, calls: int, sim: bool) -> dict:
+def seed_like(devs, mib_per_gpu: int, calls: int, sim: bool, graph: bool = False) -> dict:
     n = mib_per_gpu * len(devs) * MiB // 4
     x = np.random.default_rng(0).uniform(0.5, 1.5, n).astype(np.float32)
     f = kernels.affine(predict.SEED_ITERS, numeric_iters=4 if sim else None)
-    with rf.MapJob(f, x, x, device=devs, chunk_bytes=8 * MiB, host="register", inplace=True) as job:
-        t = timed(job, calls)
-    return {"median_ms": statistics.median(t), "spread_ms": [min(t), max(t)], "bytes_in": x.nbytes}
+    with rf.MapJob(f, x, x, device=devs, chunk_bytes=8 * MiB, host="register", inplace=True, graph=graph) as job:
+        t = timed(job, calls)  # the warm-up's two calls: an ordinary one, then the capture
+        replayed = job.replays_graph
+    return {"median_ms": statistics.median(t), "spread_ms": [min(t), max(t)], "bytes_in": x.nbytes,
+            "replays_graph": replayed}
+
+
+def seed_like_graph(devs, mib_per_gpu: int, calls: int, sim: bool) -> dict:
+    return seed_like(devs, mib_per_gpu, calls, sim, graph=True)
 
 
 def pageable(devs, mib: int, calls: int, sim: bool) -> dict:
@@ -77,7 +84,9 @@ def main(argv=None) -> int:
     devs = [rf.device(s) for s in args.devices.split(",")]
     sim = devs[0].backend == "sim"
     out = header([d.name for d in devs])
-    for name, run, size in (("seed_like", seed_like, args.mib_per_gpu), ("pageable", pageable, args.pageable_mib)):
+    for name, run, size in (("seed_like", seed_like, args.mib_per_gpu), ("seed_like_graph", seed_like_graph,
+                                                                          args.mib_per_gpu),
+                            ("pageable", pageable, args.pageable_mib)):
         row = {}
         for label, use in (("one", devs[:1]), ("all", devs)):
             try:
@@ -86,7 +95,7 @@ def main(argv=None) -> int:
             except Exception as exc:  # noqa: BLE001 - record what a GPU refused (e.g. a registration)
                 row[label] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
         one, alln = row["one"].get("median_ms"), row["all"].get("median_ms")
-        if name == "seed_like" and one and alln:
+        if name.startswith("seed_like") and one and alln:
             # each device gets mib_per_gpu: one device moves 1/N of the bytes of N devices
             row["throughput_scaling"] = (row["all"]["bytes_in"] / alln) / (row["one"]["bytes_in"] / one)
         elif one and alln:

@@ -95,6 +95,7 @@ def test_multi_gpu_check(tmp_path):
     r = run_plain(tmp_path, "multi_gpu_check.py", "--devices", "sim:0,sim:1", "--mib-per-gpu", "8",
                   "--pageable-mib", "16", "--calls", "1")
     assert "median_ms" in r["seed_like"]["all"] and "median_ms" in r["pageable"]["all"]
+    assert r["seed_like_graph"]["all"]["replays_graph"] and not r["seed_like"]["all"]["replays_graph"]
     assert r["sim_prediction"]["throughput_scaling"] > 1.5
     assert r["sim_prediction_pageable"]["speedup"] > 0 and r["sim_prediction_pageable"]["all_ms"] > 0
 
