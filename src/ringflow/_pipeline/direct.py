@@ -253,12 +253,18 @@ class DirectSchedule:
             raise
         if profile:
             self._timeline = self._timeline_of(*stamps)
-        for op, event in zip(self.ops, compute_events):
-            err = event.error
-            if err is not None:  # a launch that failed on the device (reported by its event)
-                cause = err.__cause__ or err  # the callable's own exception, as the scheduler reports it
-                raise StageError("compute", op.index, cause) from cause
+        self._raise_failed(compute_events)
         self._warmed = True
+
+    def _raise_failed(self, compute_events: list) -> None:
+        """Raise a StageError for the first chunk whose compute failed on the device, as its
+        event (None: none kept) reports it; the callable's own exception is the cause, as the
+        scheduler reports it."""
+        for op, event in zip(self.ops, compute_events):
+            err = event.error if event is not None else None
+            if err is not None:
+                cause = err.__cause__ or err
+                raise StageError("compute", op.index, cause) from cause
 
     # -- graphs ----------------------------------------------------------------------------------
     def _run_graph(self) -> None:
@@ -286,12 +292,7 @@ class DirectSchedule:
             self.streams.settle()
             raise
         self.replayed = True
-        for op, captured in zip(self.ops, self._graph_computes):
-            event = self._graph.event(captured)
-            err = event.error if event is not None else None
-            if err is not None:
-                cause = err.__cause__ or err
-                raise StageError("compute", op.index, cause) from cause
+        self._raise_failed([self._graph.event(captured) for captured in self._graph_computes])
 
     def _join_slots(self, origin):
         """Make ``origin`` wait for every slot's last use; returns an event after those waits

@@ -84,8 +84,6 @@ class SpreadPipeline(Pipeline):
         """A map's next submit; None once the pipeline takes no more work (cancelled, or stopped
         by a failure) after the map had started: it then ends with what it has, as a single
         device's map does."""
-        if started and not self._accepting():
-            return None
         try:
             return self.submit(item)
         except RuntimeError:

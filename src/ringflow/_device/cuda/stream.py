@@ -278,7 +278,7 @@ class CudaStream(Stream):
             else:
                 converted.append(a)
         name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
-        capturing = threading.get_ident() in dev._capturing
+        capturing = bool(dev._capturing) and threading.get_ident() in dev._capturing
         try:
             with using_stream(self), adapter.stream_context(self):
                 if capturing:
