@@ -30,9 +30,10 @@ RATIOS = {"balanced": 1.0, "compute-bound": 3.0}  # kernel time over a chunk's c
 SIZES = (256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB)
 
 
-def time_pair(jobs: dict, x: np.ndarray, calls: int) -> dict:
-    """Interleaved warm calls of each job (mode -> job) on fresh input each call: per mode the
-    call times (ms) and the host seconds each call spent enqueueing."""
+def time_pair(jobs: dict, x: np.ndarray, calls: int, refill: bool = True) -> dict:
+    """Interleaved warm calls of each job (mode -> job) on fresh input each call (``refill``;
+    else back to back on whatever the last call left, as the C++ program times itself): per mode
+    the call times (ms) and the host seconds each call spent enqueueing."""
     rng = np.random.default_rng(5)
     out = {mode: {"ms": [], "enqueue_s": []} for mode in jobs}
     for mode, job in jobs.items():  # the first call warms the compute; the second captures
@@ -40,7 +41,8 @@ def time_pair(jobs: dict, x: np.ndarray, calls: int) -> dict:
         job()
     for _ in range(calls):
         for mode, job in jobs.items():
-            x[:] = rng.uniform(0.5, 1.5, x.size).astype(np.float32)
+            if refill:
+                x[:] = rng.uniform(0.5, 1.5, x.size).astype(np.float32)
             t0 = time.perf_counter()
             job()
             out[mode]["ms"].append((time.perf_counter() - t0) * 1e3)
@@ -57,6 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default="seed,balanced")
     ap.add_argument("--slots", default="", help="device slot counts to sweep, comma-separated (planned if empty)")
     ap.add_argument("--compute-streams", type=int, default=None, help="None: planned")
+    ap.add_argument("--no-refill", action="store_true",
+                    help="time calls back to back without rewriting x between them (the C++ program's method)")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -66,7 +70,7 @@ def main(argv=None) -> int:
     hb, x = pinned_random(dev, args.mib)
     n = x.size
     result = {**header(dev.name), "mib": args.mib, "calls_each": args.calls,
-              "compute_streams": args.compute_streams, "workloads": {}}
+              "compute_streams": args.compute_streams, "refill": not args.no_refill, "workloads": {}}
     if dev.backend == "cuda":
         result["versions"] = baselines.versions()
     for name in args.workloads.split(","):
@@ -82,7 +86,7 @@ def main(argv=None) -> int:
                 x[:] = x0
                 jobs["ordinary"]()
                 ordinary = x.copy()
-                timed = time_pair(jobs, x, args.calls)
+                timed = time_pair(jobs, x, args.calls, refill=not args.no_refill)
                 x[:] = x0
                 jobs["graph"]()
                 bit_exact = bool(np.array_equal(x, ordinary)) and jobs["graph"].replays_graph
