@@ -24,7 +24,6 @@ from _script import header, pinned_random, write
 import ringflow as rf
 from ringflow._bench import baselines, kernels
 from ringflow._bench.workloads import calibrate_iters
-from ringflow._pipeline import direct
 
 KiB, MiB = 1 << 10, 1 << 20
 RATIOS = {"balanced": 1.0, "compute-bound": 3.0}  # kernel time over a chunk's copy in, as the bench's
@@ -60,8 +59,6 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default="seed,balanced")
     ap.add_argument("--slots", default="", help="device slot counts to sweep, comma-separated (planned if empty)")
     ap.add_argument("--compute-streams", type=int, default=None, help="None: planned")
-    ap.add_argument("--lanes", action="store_true",
-                    help="also time each job with every chunk's operations on a lane stream of its own")
     ap.add_argument("--no-refill", action="store_true",
                     help="time calls back to back without rewriting x between them (the C++ program's method)")
     ap.add_argument("--no-baselines", action="store_true")
@@ -69,7 +66,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     dev = rf.device(args.device)
     sizes = [int(s) for s in args.sizes.split(",")]
-    modes = ["ordinary", "graph"] + (["lanes", "graph-lanes"] if args.lanes else [])
     slot_counts = [int(s) for s in args.slots.split(",")] if args.slots else [None]
     hb, x = pinned_random(dev, args.mib)
     n = x.size
@@ -82,27 +78,18 @@ def main(argv=None) -> int:
         f = kernels.affine(iters, numeric_iters=min(iters, 16) if dev.backend == "sim" else None)
         rows = []
         for size, slots in [(size, slots) for size in sizes for slots in slot_counts]:
-            jobs = {}
-            for mode in modes:
-                direct.LANES = mode.endswith("lanes")
-                try:
-                    jobs[mode] = rf.MapJob(f, x, x, device=dev, chunk_bytes=size, x_buffer=hb, out_buffer=hb,
-                                           inplace=True, graph=mode.startswith("graph"), slots=slots,
-                                           compute_streams=args.compute_streams)
-                finally:
-                    direct.LANES = False
+            jobs = {mode: rf.MapJob(f, x, x, device=dev, chunk_bytes=size, x_buffer=hb, out_buffer=hb, inplace=True,
+                                    graph=mode == "graph", slots=slots, compute_streams=args.compute_streams)
+                    for mode in ("ordinary", "graph")}
             try:
                 x0 = np.random.default_rng(11).uniform(0.5, 1.5, n).astype(np.float32)
                 x[:] = x0
                 jobs["ordinary"]()
                 ordinary = x.copy()
                 timed = time_pair(jobs, x, args.calls, refill=not args.no_refill)
-                bit_exact = True
-                for mode in modes[1:]:
-                    x[:] = x0
-                    jobs[mode]()
-                    bit_exact = bit_exact and bool(np.array_equal(x, ordinary))
-                    bit_exact = bit_exact and (jobs[mode].replays_graph or not mode.startswith("graph"))
+                x[:] = x0
+                jobs["graph"]()
+                bit_exact = bool(np.array_equal(x, ordinary)) and jobs["graph"].replays_graph
                 chunks = jobs["graph"].chunks
                 ring = len(jobs["graph"]._held.engine._in_ready)
                 row = {"chunk_bytes": size, "chunks": chunks, "slots": ring, "bit_exact": bit_exact}
@@ -115,12 +102,12 @@ def main(argv=None) -> int:
                     job.close()
             rows.append(row)
             print(name, size, ring, row, flush=True)
-        for mode in modes:
+        for mode in ("ordinary", "graph"):
             best = min(r[mode]["ms_median"] for r in rows)
             for r in rows:
                 r[mode]["best_over_this"] = best / r[mode]["ms_median"]
         entry = {"iters": iters, "rows": rows,
-                 "best_ms": {m: min(r[m]["ms_median"] for r in rows) for m in modes}}
+                 "best_ms": {m: min(r[m]["ms_median"] for r in rows) for m in ("ordinary", "graph")}}
         if dev.backend == "cuda" and not args.no_baselines:
             entry["cuda_cpp"] = baselines.run_or_skip(baselines.cuda_cpp_pipeline, n, iters=iters,
                                                       chunks=(8, 16, 32, 64, 128), streams=(4, 1))
@@ -128,8 +115,6 @@ def main(argv=None) -> int:
             if cpp:
                 entry["graph_best_over_cpp_host_clock"] = entry["best_ms"]["graph"] / cpp
                 entry["ordinary_best_over_cpp_host_clock"] = entry["best_ms"]["ordinary"] / cpp
-                for mode in modes[2:]:
-                    entry[f"{mode}_best_over_cpp_host_clock"] = entry["best_ms"][mode] / cpp
         result["workloads"][name] = entry
         print(name, {k: v for k, v in entry.items() if k != "rows" and k != "cuda_cpp"}, flush=True)
     if dev.backend == "cuda" and not args.no_baselines:

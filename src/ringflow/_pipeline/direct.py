@@ -59,11 +59,6 @@ GUARDS = (
 )
 
 
-# Whether chunks of a job on several compute streams (and not in copy groups) each run all their
-# operations on one stream of their own (a lane), rather than copies on the copy streams.
-LANES = False
-
-
 @dataclasses.dataclass(frozen=True)
 class ChunkOps:
     """One chunk's operations, their arguments made once (a call only enqueues them)."""
@@ -113,8 +108,7 @@ class DirectSchedule:
                  chunk_bytes: int, slots: SlotCounts, inplace: bool, checked: bool = False,
                  bound: Optional[Arrays] = None, compute_streams: int = 1,
                  out_chunks: Optional[Sequence[tuple[int, int, tuple]]] = None, out_dtype: Any = None,
-                 out_chunk_bytes: Optional[int] = None, graph: bool = False, copy_group: int = 1,
-                 lanes: bool = False):
+                 out_chunk_bytes: Optional[int] = None, graph: bool = False, copy_group: int = 1):
         if out_chunks is None:
             out_chunks, out_dtype, out_chunk_bytes = chunks, dtype, chunk_bytes
         if inplace and (list(out_chunks) != list(chunks) or out_dtype != dtype):
@@ -177,9 +171,6 @@ class DirectSchedule:
         if not whole or any(0 < n < len(chunks) and n % g for n in (n_in, n_out)):
             g = 1
         self.copy_group = g
-        # lanes: each chunk's copy in, compute and copy out on one stream of its own lane, as a
-        # hand-written program gives each chunk a stream
-        self.lanes = bool(lanes) and g == 1 and self.compute_streams > 1
         self.groups: list[CopyGroup] = []
         for start in range(0, len(self.ops), g):
             ops = tuple(self.ops[start:start + g])
@@ -209,7 +200,7 @@ class DirectSchedule:
                    compute_streams=compute_streams_for(options.get("compute_streams"), group),
                    out_chunks=out_chunks,
                    out_dtype=layout.out_dtype, out_chunk_bytes=layout.out_chunk_bytes,
-                   graph=bool(options.get("graph", False)), lanes=LANES)
+                   graph=bool(options.get("graph", False)))
 
     @property
     def closed(self) -> bool:
@@ -256,7 +247,7 @@ class DirectSchedule:
             else:
                 compute_events = [e for group in self.groups for e in self._enqueue(group, *host(group))]
             self.enqueue_seconds = self.device.now - t0
-            self._last_done().sync()
+            self.streams.d2h.record().sync()
         except BaseException:
             self.streams.settle()  # nothing enqueued may still touch the host memory when the caller sees this
             raise
@@ -264,15 +255,6 @@ class DirectSchedule:
             self._timeline = self._timeline_of(*stamps)
         self._raise_failed(compute_events)
         self._warmed = True
-
-    def _last_done(self):
-        """An event after every copy out enqueued so far: the d2h stream's, or with lanes one
-        after every lane (joined on the d2h stream)."""
-        d2h = self.streams.d2h
-        if self.lanes:
-            for lane in self.streams.computes:
-                d2h.wait(lane.record())
-        return d2h.record()
 
     def _raise_failed(self, compute_events: list) -> None:
         """Raise a StageError for the first chunk whose compute failed on the device, as its
@@ -328,12 +310,6 @@ class DirectSchedule:
         streams = self.streams.all
         origin.begin_capture()
         try:
-            # every other stream joins the capture from the origin before its first operation (a
-            # lane starts with a copy in, which waits for nothing else in the graph) and joins back
-            forked = origin.record()
-            for stream in streams:
-                if stream is not origin:
-                    stream.wait(forked)
             computes = [e for group in self.groups for e in self._enqueue(group, group.host_in, group.host_out)]
             for stream in streams:  # every stream that took part joins back into the origin
                 if stream is not origin:
@@ -361,10 +337,7 @@ class DirectSchedule:
         bracketed by timing events, stored in its chunks' dicts (a group's copies in each)."""
         off = self._guard_off
         st = self.streams
-        if self.lanes:  # one chunk a group: its lane carries all three of its operations
-            h2d = d2h = st.computes[group.ops[0].index % self.compute_streams]
-        else:
-            h2d, d2h = st.h2d, st.d2h
+        h2d, d2h = st.h2d, st.d2h
         copies: Optional[dict] = {} if events is not None else None
         if "h2d.wait_slot_ready" not in off:
             for ready in dict.fromkeys(self._in_ready[op.slot_in] for op in group.ops):
@@ -376,8 +349,8 @@ class DirectSchedule:
         computes = []
         for k, op in enumerate(group.ops):
             stamps = events[k] if events is not None else None
-            comp = h2d if self.lanes else st.computes[op.index % self.compute_streams]
-            if "compute.wait_h2d" not in off and comp is not h2d:
+            comp = st.computes[op.index % self.compute_streams]
+            if "compute.wait_h2d" not in off:
                 comp.wait(copied_in)
             if not self.inplace:
                 ready = self._out_ready[op.slot_out]
@@ -389,7 +362,7 @@ class DirectSchedule:
             computed = mark(comp, "compute", stamps)
             if not self.inplace:
                 self._in_ready[op.slot_in] = self._after_use(op.dev_in, computed)
-            if "d2h.wait_compute" not in off and d2h is not comp:
+            if "d2h.wait_compute" not in off:
                 d2h.wait(computed)
             computes.append(computed)
         mark(d2h, "d2h", copies, start=True)
