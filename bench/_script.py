@@ -34,26 +34,3 @@ def write(out: dict, path: Optional[str]) -> None:
     if path:
         with open(path, "w") as fh:
             fh.write(json.dumps(out, indent=1))
-
-
-def driver_calls_release_the_gil(released: bool = True):
-    """A context in which the CUDA backend's per-chunk driver calls go through cuda.bindings and
-    cuda.core (which let go of the GIL around each) instead of :mod:`ringflow._device.cuda._held`:
-    the A side of an A/B of keeping the GIL. ``released=False`` changes nothing."""
-    import contextlib
-
-    from ringflow._device.cuda import _held
-
-    @contextlib.contextmanager
-    def ctx():
-        if not released:
-            yield
-            return
-        real = _held.calls
-        _held.calls = lambda: None
-        try:
-            yield
-        finally:
-            _held.calls = real
-
-    return ctx()

@@ -10,9 +10,7 @@
 Variants: ``staged`` (plain numpy items, staged into pool arrays by ``submit``, the default
 path), ``pooled`` (items that are pool arrays already); ``staged-split256k`` and
 ``staged-split1`` split staging copies from 256 KiB a thread, or never; a ``-swi`` suffix runs
-with a 0.2 ms GIL switch interval (a diagnosis: does the GIL's hand-off delay bound the run), and
-a ``-released`` one makes the per-chunk driver calls let go of the GIL (as cuda.bindings does)
-instead of keeping it.
+with a 0.2 ms GIL switch interval (a diagnosis: does the GIL's hand-off delay bound the run).
 
     PYTHONPATH=src python3 bench/request_costs.py --device cuda:0 --out request-costs.json
 """
@@ -37,7 +35,7 @@ import ringflow as rf  # noqa: E402
 from ringflow._bench import baselines, kernels  # noqa: E402
 from ringflow._device import protocol  # noqa: E402
 from pinned_results_check import request_items  # noqa: E402
-from _script import driver_calls_release_the_gil, header, write  # noqa: E402
+from _script import header, write  # noqa: E402
 
 MiB = 1 << 20
 
@@ -159,8 +157,7 @@ def main() -> None:
                 p[:] = it
                 its.append(p)
         try:
-            with driver_calls_release_the_gil("-released" in name):
-                v = run_variant(dev, its, args.passes, args.hz)
+            v = run_variant(dev, its, args.passes, args.hz)
         finally:
             sys.setswitchinterval(interval)
             protocol.SPLIT_COPY_BYTES = default_split

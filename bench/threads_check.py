@@ -29,9 +29,6 @@ import numpy as np
 import ringflow as rf
 from ringflow._bench import kernels
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _script import driver_calls_release_the_gil  # noqa: E402
-
 MiB = 1 << 20
 
 
@@ -201,8 +198,6 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=8, help="futures a submit() thread keeps outstanding")
     ap.add_argument("--timeout", type=float, default=600.0, help="wall-clock seconds before stuck threads fail the run")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gil-released", action="store_true",
-                    help="per-chunk driver calls let go of the GIL (as cuda.bindings does): the A side of an A/B")
     ap.add_argument("--out", default=None, help="write the JSON summary here")
     args = ap.parse_args(argv)
     for name in ("threads", "requests", "max_elems", "window"):
@@ -213,10 +208,8 @@ def main(argv=None) -> int:
     summary = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "command": " ".join(["python3"] + sys.argv), "host": platform.node(), "host_cpus": os.cpu_count(),
                "versions": versions()}
-    with driver_calls_release_the_gil(args.gil_released):
-        summary.update(run(args.device, args.threads, args.requests, args.max_elems, args.window, args.timeout,
-                           args.seed))
-    summary["gil_released_in_driver_calls"] = args.gil_released
+    summary.update(run(args.device, args.threads, args.requests, args.max_elems, args.window, args.timeout,
+                       args.seed))
     summary["machine"] = summary.pop("device")
     text = json.dumps(summary, indent=1)
     if args.out:

@@ -102,7 +102,16 @@ def _graph_small(file: str, workload: str, chunk_bytes: int) -> tuple[float, flo
     return row["graph"]["ms_median"], entry["best_ms"]["graph"]
 
 
+def _requests(file: str) -> tuple[float, float]:
+    """ms a request at capacity: ringflow's and the hand-written torch ring's, one run."""
+    r = json.loads((RESULTS / file).read_text())["workloads"]["requests"]
+    ring = next(s for s in r["side_by_side"] if "torch pinned ring" in s["name"])
+    return 1e3 / r["capacity_per_s"], 1e3 / ring["capacity_per_s"]
+
+
 LATER = [
+    ("| `requests`: a stream of fresh numpy requests", *_requests("bench-h200-2026-12-01-requests-one-thread-staging.json"),
+     " a request"),
     ("| `balanced`, `MapJob(graph=True)`", *_graph_vs_cpp("graph-h200-2026-12-01-final-one-stream.json", "balanced"), ""),
     ("| `seed` in 256 KiB chunks", *_graph_small("graph-h200-2026-12-01-final-planned.json", "seed", 256 << 10), ""),
     ("| `feed`: 64 images decoded on 8 CPU workers", *_feed("feed-h200-2026-12-01-final-a.json"), " a batch"),

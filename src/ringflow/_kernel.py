@@ -47,8 +47,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._device.cuda import _held, _lib
-
 __all__ = ["Kernel", "BoundKernel"]
 
 
@@ -71,7 +69,6 @@ class Kernel:
         self.options = dict(options or {})
         self._compiled: dict[int, Any] = {}  # GPU index -> cuda.core Kernel
         self._configs: dict[int, Any] = {}  # element count -> cuda.core LaunchConfig
-        self._functions: dict[int, int] = {}  # GPU index -> CUfunction handle (0: launch through cuda.core)
         self._lock = threading.Lock()
         self.__name__ = name  # launch() labels operations with fn.__name__
 
@@ -134,15 +131,6 @@ class Kernel:
         kern = self._compiled.get(device)
         if kern is None:
             kern = self.compile(device)
-        held = _held.calls()
-        if held is not None:
-            function = self._functions.get(device)
-            if function is None:
-                function = self._functions[device] = _function_of(kern)
-            if function:  # the GIL kept through the launch (_device/cuda/_held.py says why)
-                _held.launch(held, function, max(1, math.ceil(n / self.block)), self.block, int(cc_stream.handle),
-                             [*kernel_args, np.uint64(n)], lambda: f"launching kernel {self.name!r} on {n} elements")
-                return
         config = self._configs.get(n)
         if config is None:
             if len(self._configs) > 64:
@@ -195,15 +183,6 @@ class BoundKernel:
 
 
 @functools.lru_cache(maxsize=None)
-def _function_of(kern: Any) -> int:
-    """The ``CUfunction`` of a compiled cuda.core kernel in the current context, or 0 where it
-    cannot be had (the launch then goes through cuda.core)."""
-    try:
-        return int(_lib.check(_lib.driver().cuKernelGetFunction(kern.handle), "cuKernelGetFunction"))
-    except Exception:  # noqa: BLE001 - any failure only means the slower path
-        return 0
-
-
 def _cuda() -> Any:
     import cuda.core
 

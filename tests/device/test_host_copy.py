@@ -28,12 +28,20 @@ def test_shapes_and_dtypes_other_than_bytes():
 
 
 def test_copy_threads_grow_with_size():
-    assert [protocol.copy_threads(n << 20) for n in (0, 1, 2, 3, 4, 64)] == [1, 1, 2, 3, 4, 4]
+    split = protocol.SPLIT_COPY_BYTES
+    assert [protocol.copy_threads(n * split) for n in (0, 1, 2, 3, 4, 64)] == [1, 1, 2, 3, 4, 4]
+    assert protocol.copy_threads(split - 1) == 1
+
+
+def test_a_staged_item_is_copied_by_the_accepting_thread_alone():
+    from ringflow._pipeline.api import STAGE_AT_ACCEPT_BYTES
+
+    assert protocol.copy_threads(STAGE_AT_ACCEPT_BYTES) == 1
 
 
 def test_the_simulated_gpu_charges_a_split_copy_at_its_threads_rate():
     dev = rf.device("sim", profile="unit")
-    src = np.ones(4 << 20, np.uint8)
+    src = np.ones(4 * protocol.SPLIT_COPY_BYTES, np.uint8)
     dst = np.empty_like(src)
     t0 = dev.now
     dev.host_copy(dst, src)

@@ -74,9 +74,11 @@ class LiveCounts:
         return self.host_buffers + self.device_buffers + self.streams + self.events
 
 
-# Copies of at least this many bytes per thread are split (numpy starts a copy in a few
-# microseconds; below this the hand-off to a thread costs more than the copy it saves).
-SPLIT_COPY_BYTES = 1 << 20
+# Copies of at least this many bytes per thread are split. Below it, handing parts of a copy to
+# copy threads costs more than it saves: each hand-off and wait takes the GIL from threads that
+# need it (a submitting thread's own Python, the progress thread), and a request-sized item was
+# staged faster on the calling thread alone (docs/design.md, "Pinned staging and results").
+SPLIT_COPY_BYTES = 4 << 20
 MAX_COPY_THREADS = 4
 _copy_pool: "Any" = None
 _copy_pool_lock = threading.Lock()

@@ -23,7 +23,6 @@ import numpy as np
 
 from ..._errors import CaptureError, DeviceError
 from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Graph, Stream, as_slice, copy_extent
-from . import _held
 from ._lib import check, core, device_error, driver, is_sticky, translate
 from .arrays import framework_allocations, using_stream
 
@@ -186,14 +185,6 @@ class CudaStream(Stream):
         dev = self._device
         dev._ensure_current()
         reuse = dev._take_idle_event() if not timing else None
-        held = _held.calls() if reuse is not None else None
-        if held is not None:  # the GIL kept through the call (_held's docstring says why)
-            try:
-                _held.record(held, int(reuse.handle), self.handle, lambda: f"recording an event on {self!r}")
-            except BaseException:
-                dev._recycle_event(reuse)  # never recorded here: still idle
-                raise
-            return CudaEvent(dev, reuse, False, self)
         with translate(lambda: f"recording an event on {self!r}"):
             if reuse is not None:
                 ev = self._cc.record(event=reuse)
@@ -225,13 +216,9 @@ class CudaStream(Stream):
         d, s = copy_extent(dst, src, nbytes)
         dptr, sptr = self._check_buffer(d), self._check_buffer(s)
         self._device._ensure_current()
-        what = lambda: f"copy of {d.nbytes} bytes from {s.buffer!r} to {d.buffer!r} on {self!r}"  # noqa: E731
-        held = _held.calls()
-        if held is not None:  # the GIL kept through the call (_held's docstring says why)
-            _held.copy(held, dptr, sptr, d.nbytes, self.handle, what)
-            return
         # cuda.core copies whole Buffers only; byte ranges need cuMemcpyAsync from cuda.bindings.
-        check(driver().cuMemcpyAsync(dptr, sptr, d.nbytes, self.handle), what)
+        check(driver().cuMemcpyAsync(dptr, sptr, d.nbytes, self.handle),
+              lambda: f"copy of {d.nbytes} bytes from {s.buffer!r} to {d.buffer!r} on {self!r}")
 
     def fill(self, dst: Buffer | BufferSlice, byte: int) -> None:
         self._check_open()
