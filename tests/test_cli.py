@@ -45,6 +45,8 @@ def test_bench_runs_every_workload_on_the_sim(tmp_path, capsys):
     # move those chunks four to a copy, but each still has its launch and events), and the ideal
     # bound counts only the stages' own time
     assert all(r["efficiency"] > 0.9 for r in jobs if r["chunk_bytes"] >= 512 << 10)
+    # and no call beats its bound, the host-bound ones included
+    assert all(r["efficiency"] <= 1.0 for r in jobs + sized), [(r["name"], r["efficiency"]) for r in jobs + sized]
     assert seed["mapjob_efficiency"] > 0.9 and seed["mapjob_best_ms"] <= seed["mapjob_ms"]
     assert sized and all(r["ms_median_no_refill"] > 0 for r in sized)
     assert main(["trace", str(tmp_path / "t.json")]) == 0

@@ -345,7 +345,7 @@ class DirectSchedule:
                     h2d.wait(ready)
         mark(h2d, "h2d", copies, start=True)
         h2d.copy(group.dev_in, host_in, group.nbytes)
-        copied_in = mark(h2d, "h2d", copies)
+        copied_in = mark(h2d, "h2d", copies, device=self.device)
         computes = []
         for k, op in enumerate(group.ops):
             stamps = events[k] if events is not None else None
@@ -359,7 +359,7 @@ class DirectSchedule:
             mark(comp, "compute", stamps, start=True)
             launch_compute(comp, self.compute, op.x, op.y, inplace=self.inplace, sim_seconds=op.sim_seconds,
                            index=op.index)
-            computed = mark(comp, "compute", stamps)
+            computed = mark(comp, "compute", stamps, device=self.device)
             if not self.inplace:
                 self._in_ready[op.slot_in] = self._after_use(op.dev_in, computed)
             if "d2h.wait_compute" not in off:
@@ -367,7 +367,7 @@ class DirectSchedule:
             computes.append(computed)
         mark(d2h, "d2h", copies, start=True)
         d2h.copy(host_out, group.dev_out, group.out_nbytes)
-        copied_out = mark(d2h, "d2h", copies)
+        copied_out = mark(d2h, "d2h", copies, device=self.device)
         after = self._after_use(group.dev_in if self.inplace else group.dev_out, copied_out)
         for op in group.ops:
             if self.inplace:
@@ -409,8 +409,9 @@ class DirectSchedule:
         for op, events, span in zip(self.ops, chunk_events, enqueued):
             stages = {}
             for stage in GPU_STAGES:
-                start, end = anchor.time_of(events.get(stage + ".start")), anchor.time_of(events.get(stage + ".end"))
-                if start is not None and end is not None:
+                span = anchor.span_of(events, stage)
+                if span is not None:
+                    start, end = span
                     lo, hi = events.get(stage + ".share", (0.0, 1.0))
                     stages[stage] = (start + (end - start) * lo, start + (end - start) * hi)
             timeline.records.append(ChunkRecord(index=op.index, nbytes=op.nbytes, final="delivered",

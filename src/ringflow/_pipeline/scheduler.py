@@ -820,7 +820,8 @@ class Scheduler:
 
     def _mark(self, chunk: Chunk, stream, stage: str, start: bool = False):
         """:func:`~.stages.mark` for ``chunk``: its timing events are kept only when profiling."""
-        return mark(stream, stage, chunk.events if self.config.profile else None, start=start)
+        return mark(stream, stage, chunk.events if self.config.profile else None, start=start,
+                    device=self.device)
 
     # -- failure, cancellation, the end of a chunk ----------------------------------------------
     def _compute_failed(self, chunk: Chunk) -> bool:

@@ -145,14 +145,20 @@ def _launch_trees(stream: Stream, compute: Callable, xs: list, ys: list, trees: 
     stream.launch(both, *xs, *ys, reads=xs, writes=ys, sim_seconds=sim_seconds)
 
 
-def mark(stream: Stream, stage: str, events: Optional[dict], *, start: bool = False) -> Optional[Event]:
+def mark(stream: Stream, stage: str, events: Optional[dict], *, start: bool = False,
+         device: Optional[Device] = None) -> Optional[Event]:
     """Record the event that ends ``stage`` on ``stream`` (a timing event when ``events`` is given:
     profiling; it is kept there as ``stage + ".end"``). With ``start``, record the profiling start
-    event ``stage + ".start"``, or nothing when not profiling, and return None."""
+    event ``stage + ".start"``, or nothing when not profiling, and return None. When profiling
+    with ``device``, the end also keeps the host time before its event as ``stage + ".enqueued"``:
+    the stage's operation had been enqueued by then, and its start event may have completed long
+    before, while the stream waited for the host (:meth:`~ringflow._trace.timeline.Anchor.span_of`)."""
     if start:
         if events is not None:
             events[stage + ".start"] = stream.record(timing=True)
         return None
+    if events is not None and device is not None:
+        events[stage + ".enqueued"] = device.now
     event = stream.record(timing=events is not None)
     if events is not None:
         events[stage + ".end"] = event

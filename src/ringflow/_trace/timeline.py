@@ -70,6 +70,22 @@ class Anchor:
             return None
         return self.host + event.elapsed_since(self.event)
 
+    def span_of(self, events: dict, stage: str) -> Optional[tuple[float, float]]:
+        """``stage``'s span on the host clock from its ``.start`` and ``.end`` timing events, or
+        None when either is missing or pending. The span starts no earlier than ``.enqueued``
+        (the host time by which the operation had been enqueued) where that is known: when the
+        host is the bottleneck the stream reaches the start event and then waits for the
+        operation, and that wait is the host's time, not the stage's. Since the operation may
+        have started a little before the host noted the time, a span can come out a little
+        short, never long: the ideal bound built from spans stays a bound."""
+        start, end = self.time_of(events.get(stage + ".start")), self.time_of(events.get(stage + ".end"))
+        if start is None or end is None:
+            return None
+        enqueued = events.get(stage + ".enqueued")
+        if enqueued is not None:
+            start = min(end, max(start, enqueued))
+        return start, end
+
 
 def record_chunk(chunk, anchor: Optional[Anchor]) -> ChunkRecord:
     """Turn a finished chunk's stamps, host-task spans and timing events into a record."""
@@ -86,10 +102,9 @@ def record_chunk(chunk, anchor: Optional[Anchor]) -> ChunkRecord:
             stages[stage] = tuple(st[stage])
     if anchor is not None:
         for stage in GPU_STAGES:
-            start = anchor.time_of(chunk.events.get(stage + ".start"))
-            end = anchor.time_of(chunk.events.get(stage + ".end"))
-            if start is not None and end is not None:
-                stages[stage] = (start, end)
+            span = anchor.span_of(chunk.events, stage)
+            if span is not None:
+                stages[stage] = span
     return ChunkRecord(index=chunk.index, nbytes=chunk.nbytes, final=chunk.state.value,
                        accepted=st.get("accepted", 0.0), ended=st.get("ended", 0.0), stages=stages,
                        pooled=tuple(pooled))
