@@ -140,6 +140,17 @@ def test_every_results_file_is_listed():
         assert path.name in listing or (tail and f"`-{tail.group(1)}`" in listing), path.name
 
 
+def test_the_code_speaks_of_the_project_only():
+    """Sources, tests and bench scripts cite nothing outside the repository and name no sitting."""
+    for path in sorted([*ROOT.glob("src/**/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("bench/*.py"),
+                        *ROOT.glob("bench/*.sh")]):
+        if path.name == "test_docs.py":
+            continue
+        text = path.read_text()
+        assert not re.search(r"\b(session|sessions|lease|leases)\b|issue #", text, re.IGNORECASE), path
+        assert "DESIGN.md" not in text and "../shared" not in text, path
+
+
 @pytest.mark.parametrize("page", ["README.md", "bench/results/README.md",
                                   *(str(p.relative_to(ROOT)) for p in sorted(DOCS.rglob("*.md"))),
                                   *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "examples").glob("*.py")))])

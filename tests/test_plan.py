@@ -274,14 +274,14 @@ def test_auto_chunk_is_planned_for_the_host_strategy_actually_used():
 
 def test_chunk_choice_for_queued_copies_matches_the_h200_runs():
     """With the direct engine, 8 MiB chunks beat 16 MiB and 4 MiB for seed, balanced and
-    compute-bound on 4 of the 6 H200 leases measured at both sizes (16 MiB won on two slow hosts:
+    compute-bound on 4 of the 6 H200 machines measured at both sizes (16 MiB won on two slow hosts:
     bench-h200-2026-11-30-s4-run6-chunk-8mib.json, -review.json); the old model
     (copies timed alone, 140 us of scheduler a chunk) chose 16, 16 and 4 MiB. The queued-copy
     model chooses 8 MiB for all three and predicts the measured times within 5%."""
     from ringflow import _plan as plan
 
     MiB = 1 << 20
-    measured = {  # ms, median of the refilled stream_map rows of three leases, per chunk size
+    measured = {  # ms, median of the refilled stream_map rows of three machines, per chunk size
         "seed": (0.0023, {4: 5.973, 8: 5.800, 16: 5.878, 32: 6.114}),
         "balanced": (0.0205, {8: 5.896, 16: 6.092}),
         "compute-bound": (0.063, {4: 16.665, 8: 16.333, 16: 16.440}),

@@ -8,7 +8,7 @@ The pieces:
 * :class:`Harness`: builds a :class:`ringflow.Pipeline` wired to the test callables, records
   every chunk the scheduler accepts (through an instance-level wrapper of ``accept``) and
   every slot transition (through ``ringflow._testing``'s ``slot_hook``), and checks the invariants of
-  DESIGN.md section 2 after any step: legal transitions only, a slot is reused only after its
+  docs/design.md ("Ownership rules", "Slot lifetimes") after any step: legal transitions only, a slot is reused only after its
   last owner's operations completed (a host slot goes FREE only then; a device slot may go
   FREE at enqueue but must then carry the event its next owner waits on), bounded in-flight
   work and ring occupancy,

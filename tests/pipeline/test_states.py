@@ -59,7 +59,7 @@ def test_no_shortcuts(kind):
 
 def test_lifetimes_end_where_design_says():
     # host-in free once its H2D completes; device-in once compute completes; device-out once its
-    # D2H completes; host-out once the consumer returns (DESIGN.md section 2)
+    # D2H completes; host-out once the consumer returns (docs/design.md, "Slot lifetimes")
     assert (S.COPYING_IN, S.FREE) in LEGAL_SLOT_TRANSITIONS[RingKind.HOST_IN]
     assert (S.COMPUTING, S.FREE) in LEGAL_SLOT_TRANSITIONS[RingKind.DEVICE_IN]
     assert (S.COPYING_OUT, S.FREE) in LEGAL_SLOT_TRANSITIONS[RingKind.DEVICE_OUT]

@@ -253,10 +253,13 @@ def test_a_span_starts_no_earlier_than_its_operation_was_enqueued():
             return self.t - other.t
 
     anchor = Anchor.__new__(Anchor)
-    anchor.event, anchor.host = Done(0.0), 100.0
+    anchor.event, anchor.host, anchor.floor = Done(0.0), 100.0, 0.0
     events = {"h2d.start": Done(1.0), "h2d.end": Done(5.0)}
     assert anchor.span_of(events, "h2d") == (101.0, 105.0)
     assert anchor.span_of({**events, "h2d.enqueued": 103.0}, "h2d") == (103.0, 105.0)
     assert anchor.span_of({**events, "h2d.enqueued": 100.5}, "h2d") == (101.0, 105.0)  # the stream was busy
     assert anchor.span_of({**events, "h2d.enqueued": 107.0}, "h2d") == (105.0, 105.0)  # never past its end
     assert anchor.span_of({"h2d.start": Done(1.0)}, "h2d") is None
+    anchor.floor = 0.5  # the events' own time comes off the end, never past the start
+    assert anchor.span_of(events, "h2d") == (101.0, 104.5)
+    assert anchor.span_of({**events, "h2d.enqueued": 104.8}, "h2d") == (104.8, 104.8)

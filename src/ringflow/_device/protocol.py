@@ -547,6 +547,12 @@ class Device(abc.ABC):
         a real GPU's host shares itself, so here it does nothing."""
         return contextlib.nullcontext()
 
+    def timing_floor(self, stream: "Stream") -> float:
+        """Seconds two timing events recorded back to back on ``stream`` are apart with nothing
+        between them: what the events themselves add to every span they bracket. 0.0 here (the
+        simulated GPU's events take no time); a real GPU measures it on ``stream`` once."""
+        return 0.0
+
     def sleep(self, seconds: float) -> None:
         """Let ``seconds`` pass on the host clock without doing host work (the sim advances its
         virtual clock, running the device meanwhile)."""

@@ -61,6 +61,8 @@ class Anchor:
     """Maps timing events onto the host clock (see the module doc)."""
 
     def __init__(self, device, stream):
+        # what a pair of timing events adds to the span between them: taken off every GPU span
+        self.floor = device.timing_floor(stream)
         self.event = stream.record(timing=True)
         self.event.sync()
         self.host = device.now
@@ -75,16 +77,17 @@ class Anchor:
         None when either is missing or pending. The span starts no earlier than ``.enqueued``
         (the host time by which the operation had been enqueued) where that is known: when the
         host is the bottleneck the stream reaches the start event and then waits for the
-        operation, and that wait is the host's time, not the stage's. Since the operation may
-        have started a little before the host noted the time, a span can come out a little
-        short, never long: the ideal bound built from spans stays a bound."""
+        operation, and that wait is the host's time, not the stage's. The events' own time
+        (:meth:`~ringflow._device.protocol.Device.timing_floor`) comes off its end. Since the
+        operation may have started a little before the host noted the time, a span can come
+        out a little short, never long: the ideal bound built from spans stays a bound."""
         start, end = self.time_of(events.get(stage + ".start")), self.time_of(events.get(stage + ".end"))
         if start is None or end is None:
             return None
         enqueued = events.get(stage + ".enqueued")
         if enqueued is not None:
             start = min(end, max(start, enqueued))
-        return start, end
+        return start, max(start, end - self.floor)
 
 
 def record_chunk(chunk, anchor: Optional[Anchor]) -> ChunkRecord:

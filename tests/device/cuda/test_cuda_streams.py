@@ -245,3 +245,13 @@ def test_recycled_events_keep_earlier_waits():
         for st in (s1, s2):
             st.close()
         assert dev.live().total == 0
+
+
+def test_the_timing_floor_is_small_and_measured_once(cuda_device):
+    s = cuda_device.create_stream()
+    try:
+        floor = cuda_device.timing_floor(s)
+        assert 0.0 <= floor < 50e-6
+        assert cuda_device.timing_floor(s) == floor  # kept: measured once per device
+    finally:
+        s.close()

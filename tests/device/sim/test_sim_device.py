@@ -634,8 +634,8 @@ def test_a_task_exception_is_delivered_by_result(dev):
 
 def test_two_unordered_tasks_writing_the_same_bytes_race_even_on_one_lane():
     """b runs on a's worker thread after a, but nothing orders them (a real pool could run them
-    at once): the checker must not take the thread's history for an order. (Until the third
-    session of 2026-11-30 a lane's clock accumulated across its tasks and this passed unseen.)"""
+    at once): the checker must not take the thread's history for an order. (A lane's clock once
+    accumulated across its tasks, and this passed unseen.)"""
     dev = unit_device()
     h = dev.allocate_host(64)
     pool = dev.create_worker_pool(2)

@@ -300,6 +300,20 @@ class CudaDevice(Device):
                 time.sleep(max(0.0, step))
             delay = min(delay * 2, _WAIT_MAX_SLEEP_S)
 
+    def timing_floor(self, stream: Any) -> float:
+        """Measured once per device (the least of a few back-to-back pairs of timing events on
+        ``stream``, an idle stream being the caller's to give) and kept."""
+        floor = getattr(self, "_timing_floor", None)
+        if floor is None:
+            gaps = []
+            for _ in range(5):
+                a = stream.record(timing=True)
+                b = stream.record(timing=True)
+                b.sync()
+                gaps.append(b.elapsed_since(a))
+            floor = self._timing_floor = max(0.0, min(gaps))
+        return floor
+
     def record_on(self, stream: Any) -> Any:
         """An event on ``stream``: one of this device's streams; a foreign stream given by the
         CUDA stream protocol (``__cuda_stream__``), PyTorch's ``cuda_stream`` or CuPy's ``ptr``;
