@@ -9,6 +9,7 @@ hand-back after it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import threading
@@ -49,41 +50,41 @@ def held_gil_calls():
     return lib
 
 
-def measure_held(dev, nbytes: int, calls: int, lib) -> dict:
-    h = dev.allocate_host(nbytes)
-    d = dev.allocate(nbytes)
+@contextlib.contextmanager
+def resources(dev, nbytes: int):
+    """``(host buffer, device buffer, stream, second stream)`` of ``nbytes``, every stream's work
+    finished and everything closed at the end."""
+    h, d = dev.allocate_host(nbytes), dev.allocate(nbytes)
     s, c = dev.create_stream(), dev.create_stream()
-    ev = s.record()
-    ev.sync()
-    e = int(ev._cc.handle)
-    res = {}
     try:
-        res["copy_h2d"] = per_call_us(lambda: lib.cuMemcpyAsync(d.ptr, h.ptr, nbytes, s.handle), calls)
-        res["record"] = per_call_us(lambda: lib.cuEventRecord(e, s.handle), calls)
-        s.record().sync()
-        res["wait"] = per_call_us(lambda: lib.cuStreamWaitEvent(c.handle, e, 0), calls)
-        res["is_done"] = per_call_us(lambda: lib.cuEventQuery(e), calls)
+        yield h, d, s, c
         s.record().sync()
         c.record().sync()
     finally:
-        s.close()
-        c.close()
-        d.close()
-        h.close()
+        for obj in (s, c, d, h):
+            obj.close()
+
+
+def measure_held(dev, nbytes: int, calls: int, lib) -> dict:
+    with resources(dev, nbytes) as (h, d, s, c):
+        ev = s.record()
+        ev.sync()
+        e = int(ev._cc.handle)
+        res = {"copy_h2d": per_call_us(lambda: lib.cuMemcpyAsync(d.ptr, h.ptr, nbytes, s.handle), calls),
+               "record": per_call_us(lambda: lib.cuEventRecord(e, s.handle), calls)}
+        s.record().sync()
+        res["wait"] = per_call_us(lambda: lib.cuStreamWaitEvent(c.handle, e, 0), calls)
+        res["is_done"] = per_call_us(lambda: lib.cuEventQuery(e), calls)
     return res
 
 
 def measure(dev, nbytes: int, calls: int) -> dict:
-    h = dev.allocate_host(nbytes)
-    d = dev.allocate(nbytes)
-    s, c = dev.create_stream(), dev.create_stream()
-    x = d.array(np.float32, (nbytes // 4,))
-    f = kernels.scale_shift()
-    ev = s.record()
-    ev.sync()
-    res = {}
-    try:
-        res["copy_h2d"] = per_call_us(lambda: s.copy(d, h, nbytes), calls)
+    with resources(dev, nbytes) as (h, d, s, c):
+        x = d.array(np.float32, (nbytes // 4,))
+        f = kernels.scale_shift()
+        ev = s.record()
+        ev.sync()
+        res = {"copy_h2d": per_call_us(lambda: s.copy(d, h, nbytes), calls)}
         s.record().sync()
         res["launch"] = per_call_us(lambda: c.launch(f, x, x), calls)
         c.record().sync()
@@ -91,13 +92,6 @@ def measure(dev, nbytes: int, calls: int) -> dict:
         res["record"] = per_call_us(lambda: s.record(), calls)
         res["wait"] = per_call_us(lambda: c.wait(ev), calls)
         res["is_done"] = per_call_us(lambda: ev.is_done, calls)
-        s.record().sync()
-        c.record().sync()
-    finally:
-        s.close()
-        c.close()
-        d.close()
-        h.close()
     return res
 
 
