@@ -353,6 +353,8 @@ def test_a_profiled_direct_run_has_a_timeline_on_one_clock():
     # one span per copy group (its chunks are enqueued together), named by its first chunk
     firsts = [s.chunk for s in enqueues]
     assert firsts[0] == 0 and firsts == sorted(set(firsts)) and all(s.end >= s.start for s in enqueues)
+    # the host's own enqueueing: it starts before the group's copy in and ends before its copy out does
+    assert all(s.start <= recs[s.chunk].stages["h2d"][0] and s.end < recs[s.chunk].stages["d2h"][1] for s in enqueues)
     assert 0 < report.ideal_s <= report.measured_s and report.stage_median_s["compute"] > 0
     assert report.host_overhead_per_chunk_s > 0 and report.memory["device allocated"] > 0
     trace = json.loads(json.dumps(to_chrome(report.timeline)))

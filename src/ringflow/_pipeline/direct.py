@@ -406,18 +406,18 @@ class DirectSchedule:
         timeline = Timeline(meta={"device": self.device.name, "chunk_bytes": self.chunk_bytes, "engine": "direct",
                                   "slots": {"device_in": len(self._in_ready), "device_out": len(self._out_ready)},
                                   "workers": 0, "compute_lanes": self._compute_lanes()})
-        for op, events, span in zip(self.ops, chunk_events, enqueued):
+        for op, events, host_span in zip(self.ops, chunk_events, enqueued):
             stages = {}
             for stage in GPU_STAGES:
-                span = anchor.span_of(events, stage)
-                if span is not None:
-                    start, end = span
+                gpu_span = anchor.span_of(events, stage)
+                if gpu_span is not None:
+                    start, end = gpu_span
                     lo, hi = events.get(stage + ".share", (0.0, 1.0))
                     stages[stage] = (start + (end - start) * lo, start + (end - start) * hi)
             timeline.records.append(ChunkRecord(index=op.index, nbytes=op.nbytes, final="delivered",
                                                 accepted=started, ended=ended, stages=stages))
-            if span is not None:
-                timeline.host.append(Span(ENQUEUE_TRACK, "enqueue", *span, op.index))
+            if host_span is not None:  # one for a group's first chunk: the group is enqueued at once
+                timeline.host.append(Span(ENQUEUE_TRACK, "enqueue", *host_span, op.index))
         return timeline
 
     def _compute_lanes(self) -> int:

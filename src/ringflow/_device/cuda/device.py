@@ -12,7 +12,7 @@ import time
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -92,6 +92,7 @@ class CudaDevice(Device):
         self._closed = False
         self._live = LiveRegistry()
         self._capturing: set = set()  # threads with a capture in progress here (one each)
+        self._timing_floor: Optional[float] = None  # measured on first use (timing_floor)
         self._pools: "weakref.WeakSet[ThreadWorkerPool]" = weakref.WeakSet()
         # set by any host task of this device finishing (after its future is done): wait_any
         # waits on this one flag instead of registering a waiter on every pending future
@@ -303,7 +304,7 @@ class CudaDevice(Device):
     def timing_floor(self, stream: Any) -> float:
         """Measured once per device (the least of a few back-to-back pairs of timing events on
         ``stream``, an idle stream being the caller's to give) and kept."""
-        floor = getattr(self, "_timing_floor", None)
+        floor = self._timing_floor
         if floor is None:
             gaps = []
             for _ in range(5):
