@@ -44,6 +44,17 @@ def request_items(count: int, chunk_bytes: int) -> list:
     return [workloads.fresh_random(int(s), seed=i) for i, s in enumerate(sizes)]
 
 
+def pooled_copies(dev, items: list) -> list:
+    """Copies of ``items`` in pinned pool arrays of ``dev`` (``ringflow.host``): request items
+    a pipeline reads in place."""
+    out = []
+    for it in items:
+        p = rf.host.empty(it.shape, it.dtype, device=dev)
+        p[:] = it
+        out.append(p)
+    return out
+
+
 def capacity(dev, items, passes: int = 3, chunk_bytes: int = 8 * MiB, **options) -> dict:
     """Closed-loop capacity (requests/s, median of ``passes``) of a fresh pipeline over ``items``
     (``options``: more keyword arguments of the pipeline), every result of the first pass
@@ -80,11 +91,7 @@ def requests_ab(dev, count: int, rounds: int) -> dict:
     from ringflow._pipeline import api
 
     items = request_items(count, 8 * MiB)
-    pooled_items = []
-    for it in items:
-        p = rf.host.empty(it.shape, it.dtype, device=dev)
-        p[:] = it
-        pooled_items.append(p)
+    pooled_items = pooled_copies(dev, items)
     budget = host_pool.pool_for(dev).budget
     threshold = api.STAGE_AT_ACCEPT_BYTES
 

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ringflow as rf  # noqa: E402
 from ringflow._bench import kernels  # noqa: E402
 from ringflow._pipeline import driver  # noqa: E402
-from pinned_results_check import request_items  # noqa: E402
+from pinned_results_check import pooled_copies, request_items  # noqa: E402
 
 MiB = 1 << 20
 
@@ -67,11 +67,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = rf.device(args.device)
     items = request_items(args.count, 8 * MiB)
-    pooled = []
-    for it in items:
-        p = rf.host.empty(it.shape, it.dtype, device=dev)
-        p[:] = it
-        pooled.append(p)
+    pooled = pooled_copies(dev, items)
     out = io.StringIO()
     out.write(f"{dev} {rf.__version__} numpy {np.__version__} {time.strftime('%Y-%m-%d')}\n")
     profiled(dev, pooled, "items already pool arrays", out)

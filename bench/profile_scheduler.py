@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ringflow as rf  # noqa: E402
 from ringflow._bench import kernels  # noqa: E402
 from ringflow._pipeline import driver  # noqa: E402
-from pinned_results_check import request_items  # noqa: E402
+from pinned_results_check import pooled_copies, request_items  # noqa: E402
 from _script import header, write  # noqa: E402
 
 MiB = 1 << 20
@@ -56,12 +56,7 @@ def main(argv=None) -> int:
     dev = rf.device("sim", checked=False)
     items = request_items(args.count, 8 * MiB)
     if args.items == "pooled":
-        pooled = []
-        for it in items:
-            p = rf.host.empty(it.shape, it.dtype, device=dev)
-            p[:] = it
-            pooled.append(p)
-        items = pooled
+        items = pooled_copies(dev, items)
     progress, submit = cProfile.Profile(), cProfile.Profile()
     real = driver._run
 

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ringflow as rf  # noqa: E402
 from ringflow._bench import baselines, kernels  # noqa: E402
 from ringflow._device import protocol  # noqa: E402
-from pinned_results_check import request_items  # noqa: E402
+from pinned_results_check import pooled_copies, request_items  # noqa: E402
 from _script import header, write  # noqa: E402
 
 MiB = 1 << 20
@@ -151,11 +151,7 @@ def main() -> None:
         if name.endswith("-swi"):
             sys.setswitchinterval(0.0002)
         if name.startswith("pooled"):
-            its = []
-            for it in items:
-                p = rf.host.empty(it.shape, it.dtype, device=dev)
-                p[:] = it
-                its.append(p)
+            its = pooled_copies(dev, items)
         try:
             v = run_variant(dev, its, args.passes, args.hz)
         finally:
