@@ -8,9 +8,17 @@
 * the hand-written torch pinned ring on the same items, for the ratio.
 
 Variants: ``staged`` (plain numpy items, staged into pool arrays by ``submit``, the default
-path), ``pooled`` (items that are pool arrays already); ``staged-split256k`` and
-``staged-split1`` split staging copies from 256 KiB a thread, or never; a ``-swi`` suffix runs
-with a 0.2 ms GIL switch interval (a diagnosis: does the GIL's hand-off delay bound the run).
+path), ``pooled`` (items that are pool arrays already), then any of these suffixes:
+``-split256k`` and ``-split1`` split staging copies from 256 KiB a thread, or never; ``-swi``
+runs with a 0.2 ms GIL switch interval (a diagnosis: does the GIL's hand-off delay bound the
+run); ``-sync`` has the progress thread block in the driver on its first pending event instead
+of polling (``CudaDevice`` ``BLOCKING_WAIT``).
+
+With ``--load``, each variant is also measured open loop: the items' isolated latency (each
+alone), then Poisson arrivals at that fraction of the variant's capacity, latency from arrival
+(p50/p99, the p99 over the isolated p99) and how far ``submit`` fell behind the arrivals, with
+the arrival thread spinning for the last 0.2 ms before each arrival (``--arrival spin``, the
+``requests`` workload's way) or sleeping (``sleep``), or both.
 
     PYTHONPATH=src python3 bench/request_costs.py --device cuda:0 --out request-costs.json
 """
@@ -32,8 +40,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ringflow as rf  # noqa: E402
-from ringflow._bench import baselines, kernels  # noqa: E402
+from ringflow._bench import baselines, kernels, workloads  # noqa: E402
 from ringflow._device import protocol  # noqa: E402
+from ringflow._device.cuda import device as cuda_device  # noqa: E402
 from pinned_results_check import pooled_copies, request_items  # noqa: E402
 from _script import header, write  # noqa: E402
 
@@ -130,6 +139,40 @@ def run_variant(dev, items, passes: int, hz: float) -> dict:
                 "steps": pipe.scheduler.steps, "profile": sampler.report()}
 
 
+def open_loop_level(dev, items, rate: float, arrival: str, warmup: int = 30) -> dict:
+    """Isolated latency, then open-loop arrivals at ``rate`` requests/s through a new pipeline."""
+    f = kernels.scale_shift()
+    rng = np.random.default_rng(7)
+    gaps = rng.exponential(1.0 / rate, len(items))
+    done = np.zeros(len(items))
+    with rf.Pipeline(f, device=dev, chunk_bytes=8 * MiB) as pipe:
+        for fu in [pipe.submit(it) for it in items[:warmup]]:
+            fu.result()
+        iso = np.zeros(len(items))
+        for i, it in enumerate(items):
+            t0 = dev.now
+            pipe.submit(it).result()
+            iso[i] = dev.now - t0
+        futs = []
+
+        def submit(i):
+            fut = pipe.submit(items[i])
+            fut.add_done_callback(lambda _f, i=i: done.__setitem__(i, dev.now))
+            futs.append(fut)
+
+        arrived, submitted = baselines.open_loop(lambda: dev.now, gaps, submit,
+                                                 lambda t: workloads.wait_until(pipe, dev, t, spin=arrival == "spin"))
+        for fu in futs:
+            fu.result()
+    lat = done - arrived
+    return {"arrival": arrival, "offered_per_s": rate, "isolated_p50_ms": 1e3 * float(np.percentile(iso, 50)),
+            "isolated_p99_ms": 1e3 * float(np.percentile(iso, 99)),
+            "p50_ms": 1e3 * float(np.percentile(lat, 50)), "p99_ms": 1e3 * float(np.percentile(lat, 99)),
+            "p99_over_isolated": float(np.percentile(lat, 99) / np.percentile(iso, 99)),
+            "submit_lag_p50_ms": 1e3 * float(np.percentile(submitted - arrived, 50)),
+            "submit_lag_max_ms": 1e3 * float(np.max(submitted - arrived))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0")
@@ -138,26 +181,42 @@ def main() -> None:
     ap.add_argument("--hz", type=float, default=2000.0)
     ap.add_argument("--variants", default="staged,pooled")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--load", type=float, default=0.0, help="also measure open loop at this fraction of capacity")
+    ap.add_argument("--arrival", choices=("spin", "sleep", "both"), default="both")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = rf.device(args.device)
     items = request_items(args.count, 8 * MiB)
     result = {**header(str(dev)), "count": args.count, "passes": args.passes, "variants": {}}
     default_split = protocol.SPLIT_COPY_BYTES
+    blocking = getattr(cuda_device, "BLOCKING_WAIT", False)
     for name in args.variants.split(","):
         its = items
-        protocol.SPLIT_COPY_BYTES = {"split256k": 256 << 10, "split1": 1 << 40}.get(name.split("-")[-1], default_split)
+        flags = name.split("-")[1:]
+        for flag in flags:
+            if flag not in ("split256k", "split1", "swi", "sync"):
+                raise SystemExit(f"unknown variant suffix -{flag} in {name!r}")
+        protocol.SPLIT_COPY_BYTES = {"split256k": 256 << 10, "split1": 1 << 40}.get(
+            next((f for f in flags if f.startswith("split")), ""), default_split)
         interval = sys.getswitchinterval()
-        if name.endswith("-swi"):
+        if "swi" in flags:
             sys.setswitchinterval(0.0002)
+        cuda_device.BLOCKING_WAIT = "sync" in flags
         if name.startswith("pooled"):
             its = pooled_copies(dev, items)
         try:
             v = run_variant(dev, its, args.passes, args.hz)
+            if args.load > 0:
+                arrivals = ("spin", "sleep") if args.arrival == "both" else (args.arrival,)
+                v["open_loop"] = [open_loop_level(dev, its, args.load * v["capacity_per_s"], a) for a in arrivals]
         finally:
             sys.setswitchinterval(interval)
             protocol.SPLIT_COPY_BYTES = default_split
-        result["variants"][name] = v
+            cuda_device.BLOCKING_WAIT = blocking
+        key, n = name, 2
+        while key in result["variants"]:  # a repeated variant keeps every measurement
+            key, n = f"{name}#{n}", n + 1
+        result["variants"][key] = v
         print(name, {k: val for k, val in v.items() if k != "profile"}, flush=True)
         for thread, prof in v["profile"].items():
             print(f"  {thread} ({prof['samples']} samples) self:", prof["self"][:12], flush=True)

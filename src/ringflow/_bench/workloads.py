@@ -551,10 +551,13 @@ def versus_torch(ours: dict[str, Any], torch_rows: list[Row]) -> dict[str, Any]:
     return out
 
 
-def wait_until(pipe, dev: Device, t: float) -> None:
+def wait_until(pipe, dev: Device, t: float, *, spin: bool = True) -> None:
     """Wait until the host clock reads ``t`` (an open-loop arrival) while the pipeline works on
     its own. On the simulated GPU virtual time passes only while someone waits on the pipeline,
-    so the wait is made there."""
+    so the wait is made there. ``spin``: the last 0.2 ms is a loop of GIL-releasing yields (the
+    arrival is on time, and the loop competes for the GIL with the pipeline's threads); else one
+    sleep (the arrival thread holds no GIL while it waits, as one blocked on a socket, and wakes
+    up to tens of microseconds late, which counts as latency)."""
     if dev.backend == "sim":
         try:
             pipe._drive_until(lambda: dev.now >= t, timeout=max(0.0, t - dev.now))
@@ -565,7 +568,7 @@ def wait_until(pipe, dev: Device, t: float) -> None:
         left = t - dev.now
         if left <= 0:
             return
-        time.sleep(left / 2 if left > 2e-4 else 0)
+        time.sleep(left if not spin else left / 2 if left > 2e-4 else 0)
 
 
 @contextlib.contextmanager
