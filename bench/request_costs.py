@@ -11,8 +11,7 @@ Variants: ``staged`` (plain numpy items, staged into pool arrays by ``submit``, 
 path), ``pooled`` (items that are pool arrays already), then any of these suffixes:
 ``-split256k`` and ``-split1`` split staging copies from 256 KiB a thread, or never; ``-swi``
 runs with a 0.2 ms GIL switch interval (a diagnosis: does the GIL's hand-off delay bound the
-run); ``-sync`` has the progress thread block in the driver on its first pending event instead
-of polling (``CudaDevice`` ``BLOCKING_WAIT``).
+run).
 
 With ``--load``, each variant is also measured open loop: the items' isolated latency (each
 alone), then Poisson arrivals at that fraction of the variant's capacity, latency from arrival
@@ -42,7 +41,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ringflow as rf  # noqa: E402
 from ringflow._bench import baselines, kernels, workloads  # noqa: E402
 from ringflow._device import protocol  # noqa: E402
-from ringflow._device.cuda import device as cuda_device  # noqa: E402
 from pinned_results_check import pooled_copies, request_items  # noqa: E402
 from _script import header, write  # noqa: E402
 
@@ -189,19 +187,17 @@ def main() -> None:
     items = request_items(args.count, 8 * MiB)
     result = {**header(str(dev)), "count": args.count, "passes": args.passes, "variants": {}}
     default_split = protocol.SPLIT_COPY_BYTES
-    blocking = getattr(cuda_device, "BLOCKING_WAIT", False)
     for name in args.variants.split(","):
         its = items
         flags = name.split("-")[1:]
         for flag in flags:
-            if flag not in ("split256k", "split1", "swi", "sync"):
+            if flag not in ("split256k", "split1", "swi"):
                 raise SystemExit(f"unknown variant suffix -{flag} in {name!r}")
         protocol.SPLIT_COPY_BYTES = {"split256k": 256 << 10, "split1": 1 << 40}.get(
             next((f for f in flags if f.startswith("split")), ""), default_split)
         interval = sys.getswitchinterval()
         if "swi" in flags:
             sys.setswitchinterval(0.0002)
-        cuda_device.BLOCKING_WAIT = "sync" in flags
         if name.startswith("pooled"):
             its = pooled_copies(dev, items)
         try:
@@ -212,7 +208,6 @@ def main() -> None:
         finally:
             sys.setswitchinterval(interval)
             protocol.SPLIT_COPY_BYTES = default_split
-            cuda_device.BLOCKING_WAIT = blocking
         key, n = name, 2
         while key in result["variants"]:  # a repeated variant keeps every measurement
             key, n = f"{name}#{n}", n + 1

@@ -16,7 +16,6 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..._errors import DeviceError
 from ..host_pool import without_pooled
 from ..protocol import BufferSlice, Capabilities, Device, DeviceBuffer, LiveCounts, close_quietly
 from ._lib import check, core, driver, translate
@@ -32,7 +31,6 @@ _POOL_RELEASE_THRESHOLD = (1 << 64) - 1
 _WAIT_SPIN_S = 0.005  # wait_any first polls with a yield between polls for this long ...
 _WAIT_FIRST_SLEEP_S = 20e-6  # ... then sleeps, from this ...
 _WAIT_MAX_SLEEP_S = 200e-6   # ... to this, so a completion is seen within ~0.2 ms
-BLOCKING_WAIT = False  # a woken wait_any blocks in the driver on the first event instead of polling
 _IDLE_STREAMS_MAX = 16  # closed streams kept per priority for reuse
 _IDLE_EVENTS_MAX = 4096  # untimed events kept for reuse (a pipeline holds a few per slot)
 
@@ -291,13 +289,6 @@ class CudaDevice(Device):
             if deadline is not None and t >= deadline:
                 return []
             if t - start < _WAIT_SPIN_S:
-                if BLOCKING_WAIT and wake is not None and not tasks:
-                    first = waitables[0]
-                    try:
-                        first.sync()  # the GIL is released while the driver waits
-                    except DeviceError:
-                        pass  # the event is done with its error set: the caller sees it
-                    continue
                 if tasks:
                     flag.wait(_WAIT_FIRST_SLEEP_S)
                 else:
