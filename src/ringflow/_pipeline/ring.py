@@ -90,8 +90,10 @@ class Ring:
         if slot.where is None:  # external: the slot's range of the caller's buffer
             off = slot.index * self.chunk_bytes
             slot.where = BufferSlice(self.buffer, off, min(self.chunk_bytes, self.buffer.nbytes - off))
-        self.busy[slot.index] = slot
-        self.high_water = max(self.high_water, len(self.busy))
+        busy = self.busy
+        busy[slot.index] = slot
+        if len(busy) > self.high_water:
+            self.high_water = len(busy)
         slot.owner = owner
         self.move(slot, state)
         return slot

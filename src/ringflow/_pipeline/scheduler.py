@@ -125,6 +125,7 @@ class Scheduler:
         self._guard_off = guard_off
         self._on_chunk_end = on_chunk_end
         self._sim_compute = getattr(compute, "sim_seconds", None)
+        self._profile = config.profile  # timing events recorded (start marks are recorded only then)
 
         self._rings: list[Ring] = []
         self.pool = None
@@ -326,8 +327,20 @@ class Scheduler:
             # chunk by chunk rather than stage by stage: the first chunk's copy is enqueued
             # before the next chunk is prepared, and a chunk's d2h (which hands its device slot
             # to a later chunk's h2d) before the next chunk's h2d
-            while self.broken is None and (self._start_prepares(1) | self._enqueue_h2d(1)
-                                           | self._enqueue_compute(1) | self._enqueue_d2h(1)):
+            while self.broken is None:
+                # each stage is called only when a chunk waits for it and the ring it takes a
+                # slot from has one free (a full ring frees slots only in _observe)
+                moved = False
+                if self._accepted_q and self.host_in.free_count:
+                    moved = self._start_prepares(1)
+                if self._h2d_q and self.dev_in.free_count:
+                    moved = self._enqueue_h2d(1) or moved
+                if self._compute_q and (self.dev_out is None or self.dev_out.free_count):
+                    moved = self._enqueue_compute(1) or moved
+                if self._d2h_q and self.host_out.free_count:
+                    moved = self._enqueue_d2h(1) or moved
+                if not moved:
+                    break
                 progressed = True
         except DeviceError as err:
             if not err.sticky:
@@ -365,7 +378,9 @@ class Scheduler:
         microseconds of driver time, and a ring can hold dozens of chunks)."""
         progressed = False
         for ring in self._rings:
-            stalled = set()
+            if not ring.busy:
+                continue
+            stalled = ()
             for slot in list(ring.busy.values()):
                 fence = slot.fence
                 if fence is None:
@@ -375,12 +390,12 @@ class Scheduler:
                     continue
                 if not fence.is_done:
                     if state in _STREAM_ORDERED:
-                        stalled.add(state)
+                        stalled = (*stalled, state)
                     continue
                 slot.fence = None
                 progressed = True
                 self._on_fence_done(ring, slot)
-        for chunk in list(self._loose_tasks):
+        for chunk in list(self._loose_tasks) if self._loose_tasks else ():
             if chunk.consume_task.is_done:
                 self._loose_tasks.remove(chunk)
                 self._on_consumed(chunk)
@@ -619,7 +634,8 @@ class Scheduler:
             if chunk.source_ready is not None:  # a device array item: after its producer's work
                 s.wait(chunk.source_ready)
             n = chunk.nbytes
-            self._mark(chunk, s, "h2d", start=True)
+            if self._profile:
+                self._mark(chunk, s, "h2d", start=True)
             if n:  # a zero-length item moves no bytes (a copy needs at least one)
                 s.copy(_head(slot.where, n), _head(chunk.source or chunk.host_in.where, n), n)
             event = self._mark(chunk, s, "h2d")
@@ -667,7 +683,8 @@ class Scheduler:
                 (x_tree, x), (y_tree, y) = (_leaves(chunk.in_tree, chunk.dev_in.where, chunk.dtype, chunk.shape),
                                             _leaves(chunk.out_tree, out_slot.where, chunk.out_dtype, chunk.out_shape))
                 trees = (x_tree, y_tree)
-            self._mark(chunk, s, "compute", start=True)
+            if self._profile:
+                self._mark(chunk, s, "compute", start=True)
             if chunk.out_nbytes:  # a zero-length result has nothing to compute
                 try:
                     launch_compute(s, compute, x, y, inplace=self.dev_out is None,
@@ -707,7 +724,8 @@ class Scheduler:
             dest = slot.where
             if self.results is not None and n:
                 dest = self._result_for(chunk) or dest
-            self._mark(chunk, s, "d2h", start=True)
+            if self._profile:
+                self._mark(chunk, s, "d2h", start=True)
             if n:
                 s.copy(_head(dest, n), _head(chunk.dev_out.where, n), n)
             event = self._mark(chunk, s, "d2h")
@@ -820,7 +838,7 @@ class Scheduler:
 
     def _mark(self, chunk: Chunk, stream, stage: str, start: bool = False):
         """:func:`~.stages.mark` for ``chunk``: its timing events are kept only when profiling."""
-        return mark(stream, stage, chunk.events if self.config.profile else None, start=start,
+        return mark(stream, stage, chunk.events if self._profile else None, start=start,
                     device=self.device)
 
     # -- failure, cancellation, the end of a chunk ----------------------------------------------
