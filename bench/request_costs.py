@@ -11,7 +11,7 @@ Variants: ``staged`` (plain numpy items, staged into pool arrays by ``submit``, 
 path), ``pooled`` (items that are pool arrays already), then any of these suffixes:
 ``-split256k`` and ``-split1`` split staging copies from 256 KiB a thread, or never; ``-swi``
 runs with a 0.2 ms GIL switch interval (a diagnosis: does the GIL's hand-off delay bound the
-run).
+run); ``-alone`` gives every item a chunk of its own (``coalesce=False``).
 
 With ``--load``, each variant is also measured open loop: the items' isolated latency (each
 alone), then Poisson arrivals at that fraction of the variant's capacity, latency from arrival
@@ -103,11 +103,11 @@ def cpu_seconds(ident: int) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(ident))
 
 
-def run_variant(dev, items, passes: int, hz: float) -> dict:
+def run_variant(dev, items, passes: int, hz: float, coalesce: bool = True) -> dict:
     """One warm-up pass (the pool's blocks pinned, untimed), then ``passes`` timed closed-loop
     passes, each checked and its results dropped before the next (a server hands them on)."""
     f = kernels.scale_shift()
-    with rf.Pipeline(f, device=dev, chunk_bytes=8 * MiB) as pipe:
+    with rf.Pipeline(f, device=dev, chunk_bytes=8 * MiB, coalesce=coalesce) as pipe:
         for fu in [pipe.submit(it) for it in items]:
             fu.result()
         progress = pipe._driver.thread.ident
@@ -137,13 +137,13 @@ def run_variant(dev, items, passes: int, hz: float) -> dict:
                 "steps": pipe.scheduler.steps, "profile": sampler.report()}
 
 
-def open_loop_level(dev, items, rate: float, arrival: str, warmup: int = 30) -> dict:
+def open_loop_level(dev, items, rate: float, arrival: str, warmup: int = 30, coalesce: bool = True) -> dict:
     """Isolated latency, then open-loop arrivals at ``rate`` requests/s through a new pipeline."""
     f = kernels.scale_shift()
     rng = np.random.default_rng(7)
     gaps = rng.exponential(1.0 / rate, len(items))
     done = np.zeros(len(items))
-    with rf.Pipeline(f, device=dev, chunk_bytes=8 * MiB) as pipe:
+    with rf.Pipeline(f, device=dev, chunk_bytes=8 * MiB, coalesce=coalesce) as pipe:
         for fu in [pipe.submit(it) for it in items[:warmup]]:
             fu.result()
         iso = np.zeros(len(items))
@@ -191,7 +191,7 @@ def main() -> None:
         its = items
         flags = name.split("-")[1:]
         for flag in flags:
-            if flag not in ("split256k", "split1", "swi"):
+            if flag not in ("split256k", "split1", "swi", "alone"):
                 raise SystemExit(f"unknown variant suffix -{flag} in {name!r}")
         protocol.SPLIT_COPY_BYTES = {"split256k": 256 << 10, "split1": 1 << 40}.get(
             next((f for f in flags if f.startswith("split")), ""), default_split)
@@ -201,10 +201,12 @@ def main() -> None:
         if name.startswith("pooled"):
             its = pooled_copies(dev, items)
         try:
-            v = run_variant(dev, its, args.passes, args.hz)
+            coalesce = "alone" not in flags
+            v = run_variant(dev, its, args.passes, args.hz, coalesce)
             if args.load > 0:
                 arrivals = ("spin", "sleep") if args.arrival == "both" else (args.arrival,)
-                v["open_loop"] = [open_loop_level(dev, its, args.load * v["capacity_per_s"], a) for a in arrivals]
+                v["open_loop"] = [open_loop_level(dev, its, args.load * v["capacity_per_s"], a, coalesce=coalesce)
+                                  for a in arrivals]
         finally:
             sys.setswitchinterval(interval)
             protocol.SPLIT_COPY_BYTES = default_split

@@ -104,8 +104,8 @@ def test_threads_submitting_at_once():
 
 
 def test_a_report_has_a_trace_per_device(tmp_path):
-    with rf.Pipeline(f, device=sims(2, 8), chunk_bytes=4096, profile=True) as pipe:
-        list(pipe.map(items_of(30, 8)))
+    with rf.Pipeline(f, device=sims(2, 8), chunk_bytes=4096, profile=True, coalesce=False) as pipe:
+        list(pipe.map(items_of(30, 8)))  # a chunk per item: the report counts chunks
     rep = pipe.report()
     assert len(rep.reports) == 2 and rep.chunks == 30 and rep.simulated
     trace = rep.to_chrome()

@@ -167,6 +167,18 @@ class Pipeline:
     (host results as CPU tensors, device results as CUDA tensors) or ``"cupy"`` (device results);
     None keeps numpy on the host and the device's framework on the device.
 
+    ``coalesce`` (on by default) lets ``submit`` put small plain-array items in a chunk other
+    items share: an item submitted while the pipeline's previous chunk still waits for a slot
+    is copied into that chunk's pinned block (each item aligned to 256 bytes) instead of
+    starting its own. The chunk moves with one copy each way; ``compute`` still runs once per
+    item, on that item's own part of the slots, with its own shape and dtype; each future gets
+    its own part of the pinned result (the block returns to the pool once every item's result is
+    dropped). An item whose compute fails, or that is cancelled, ends so alone; the others go
+    on. When the pipeline keeps up, every chunk holds one item, as with ``coalesce=False``.
+    It applies with no ``consume``, ``output``, ``prepare`` or ``fill``, results delivered on the
+    host, and to items of up to 4 MiB that are not already pool arrays; ``map`` and
+    ``asubmit`` give each item a chunk of its own.
+
     ``slots`` (None: derived by :mod:`ringflow._plan`; an int for every ring; or a
     :class:`SlotCounts`) and ``chunk_bytes`` (the slot size) bound pinned memory at
     ``(slots.host_in + slots.host_out) * chunk_bytes``, which ``pinned_budget`` (bytes) caps: planned
@@ -192,12 +204,12 @@ class Pipeline:
                  inplace: bool = False, checked: bool = False, item_nbytes: Optional[Callable] = None,
                  pinned_budget: Optional[int] = None, output: "tuple | Callable | None" = None,
                  deliver: str = "host", processes: bool = False, like: Optional[str] = None,
-                 fill: Optional[str] = None):
+                 fill: Optional[str] = None, coalesce: bool = True):
         self._build(compute, device=device, user_prepare=prepare, consume=consume, slots=slots,
                     chunk_bytes=chunk_bytes, max_in_flight=max_in_flight, ordered=ordered, on_error=on_error,
                     profile=profile, workers=workers, inplace=inplace, checked=checked, item_nbytes=item_nbytes,
                     pinned_budget=pinned_budget, output=output, deliver=deliver, processes=processes, like=like,
-                    fill=fill)
+                    fill=fill, coalesce=coalesce)
 
     @classmethod
     def _for_whole_array(cls, compute: Callable, *, prepare: Callable, consume: Callable, item_nbytes: Callable,
@@ -219,7 +231,7 @@ class Pipeline:
                item_nbytes=None, pinned_budget=None, host_in_buffer=None, host_out_buffer=None,
                max_chunks: Optional[int] = None, bulk: bool = False, output=None, deliver: str = "host",
                processes: bool = False, like: Optional[str] = None, fill: Optional[str] = None,
-               host_strides: tuple = (None, None)) -> None:
+               host_strides: tuple = (None, None), coalesce: bool = False) -> None:
         self._closed = True  # until built: a finaliser or close() on a half-built pipeline does nothing
         if not callable(compute):
             raise TypeError(f"compute must be a callable f(x, y), got {type(compute).__name__}")
@@ -282,6 +294,10 @@ class Pipeline:
             procs = ProcessPrepare(self.device, user_prepare, counts.host_in * chunk_bytes, chunk_bytes, workers)
         prepare_stage = stage_prepare or procs or functools.partial(_prepare_array, user_prepare, chunk_bytes)
         self._items_are_arrays = stage_prepare is None and user_prepare is None  # sizes known before acceptance
+        # submit() lets small array items share a chunk where each item's result is its own
+        # compute's output in a pooled array (see docs/design.md, "Items sharing a chunk")
+        self._coalesce = (check_flag("coalesce", coalesce) and not bulk and self._items_are_arrays and not processes
+                          and consume is None and output is None and deliver == "host" and fill is None)
         consume_stage = consume
         if profile:
             prepare_stage = nvtx.ranged(prepare_stage, "prepare")
@@ -438,17 +454,62 @@ class Pipeline:
         timeout = check_timeout(timeout)
         self._check_open()
         item = self._check_item(item)
+        if self._shares_chunk(item):
+            fut = self._submit_shared(item, timeout)
+            if fut is not None:
+                return fut
         accepting = self._accepting(item)
         d, s = self._driver, self._sched
         with d.cv:
-            if not s.has_capacity():
-                t0 = self.device.now
-                d.wait_for(lambda: s.has_capacity() or not s.accepting or s.broken is not None, timeout,
-                           "capacity")
-                self._stall("stall: producer", "producer blocked by backpressure", t0)
+            self._wait_for_capacity(timeout)
             chunk = s.accept(item, d, **accepting)
             d.notify()
         return chunk.future
+
+    def _wait_for_capacity(self, timeout: Optional[float]) -> None:
+        """Lock held: wait until the pipeline has room for another chunk (or takes no more)."""
+        d, s = self._driver, self._sched
+        if not s.has_capacity():
+            t0 = self.device.now
+            d.wait_for(lambda: s.has_capacity() or not s.accepting or s.broken is not None, timeout, "capacity")
+            self._stall("stall: producer", "producer blocked by backpressure", t0)
+
+    def _shares_chunk(self, item: Any) -> bool:
+        """Whether ``submit`` puts ``item`` in a chunk other items may share: a plain array small
+        enough to stage, not already pinned (a pool array is read in place, alone)."""
+        return (self._coalesce and type(item) is np.ndarray and 0 < item.nbytes <= STAGE_AT_ACCEPT_BYTES
+                and host_pool.buffer_behind(item, self.device) is None)
+
+    def _submit_shared(self, item: np.ndarray, timeout: Optional[float]) -> Optional[ChunkFuture]:
+        """``submit`` of an item that may share a chunk: a place in the chunk still taking items
+        (or a new one, on a pinned pool array of a slot's size), then the item copied there on
+        this thread, outside the lock. Returns the item's future, or None where the pool has no
+        room for a new chunk (the item then goes alone)."""
+        d, s = self._driver, self._sched
+        nbytes, shape, dtype = item.nbytes, item.shape, item.dtype
+        with d.cv:
+            place = s.join_open_batch(d, nbytes, shape, dtype)
+        if place is None:
+            batch = self._pool.take((self.config.chunk_bytes,), np.dtype(np.uint8))  # pinned outside the lock
+            if batch is None:
+                return None
+            with d.cv:
+                place = s.join_open_batch(d, nbytes, shape, dtype)  # another thread may have opened one
+                if place is None:
+                    self._wait_for_capacity(timeout)
+                    place = (s.join_open_batch(d, nbytes, shape, dtype)
+                             or s.open_new_batch(d, batch, nbytes, shape, dtype))
+        chunk, member = place
+        span = None
+        try:
+            t0 = self.device.now
+            self.device.host_copy(chunk.batch[member.offset:member.offset + nbytes].view(dtype).reshape(shape), item)
+            span = (t0, self.device.now)
+        finally:  # whatever happens (Ctrl-C too) the chunk learns the copy ended; a failed one un-accepts the item
+            with d.cv:
+                s.member_written(chunk, member, span)
+                d.notify()
+        return member.future
 
     def map(self, items: Iterable[Any]) -> Iterator[Any]:
         """Results of ``items`` (in order unless ``ordered=False``), pulling input only as capacity

@@ -172,6 +172,14 @@ class Chunk:
     value: Any = None
     stamps: dict = dataclasses.field(default_factory=dict)  # stage -> (start, end) host-clock seconds
     events: dict = dataclasses.field(default_factory=dict)  # timing events when profiling
+    # items sharing this chunk (see Member), or None for a chunk of one item; while the chunk
+    # takes more items: its pinned pool array, the bytes used, the copies into it still being
+    # made, and the hand-off tokens of those made
+    members: Optional[list] = None
+    batch: Optional[np.ndarray] = None
+    used: int = 0
+    writers: int = 0
+    tokens: Optional[list] = None
 
     def move(self, new: ChunkState) -> None:
         if (self.state, new) not in LEGAL_CHUNK_TRANSITIONS:
@@ -185,6 +193,24 @@ class Chunk:
                 seen.add(id(s))
                 out.append(s)
         return out
+
+
+class Member:
+    """One item of a chunk that several items share: where its bytes lie in the chunk
+    (``offset``, ``nbytes``, aligned to :data:`MEMBER_ALIGN`), what they are (``shape``,
+    ``dtype``), its own future and index, the event after its compute (its errors are its own),
+    and the error it failed with, if any."""
+
+    __slots__ = ("index", "future", "offset", "nbytes", "shape", "dtype", "event", "error")
+
+    def __init__(self, index: int, future: ChunkFuture, offset: int, nbytes: int, shape: tuple, dtype: np.dtype):
+        self.index, self.future, self.offset, self.nbytes = index, future, offset, nbytes
+        self.shape, self.dtype = shape, dtype
+        self.event: Any = None
+        self.error: Optional[BaseException] = None
+
+
+MEMBER_ALIGN = 256  # each item of a shared chunk starts at a multiple of this many bytes
 
 
 Callback = Callable[[], None]

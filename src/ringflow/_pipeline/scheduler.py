@@ -43,7 +43,7 @@ from .._device.host_pool import buffer_behind, hand_off
 from .._device.protocol import BufferSlice, Device
 from .._errors import DeviceError, StageError
 from .._testing import current as current_hooks
-from .chunk import Chunk, ChunkFuture
+from .chunk import MEMBER_ALIGN, Chunk, ChunkFuture, Member
 from .config import PipelineConfig, refuse_unknown_guards
 from .ring import Ring, Slot
 from .states import ChunkState, RingKind, SlotState
@@ -178,6 +178,12 @@ class Scheduler:
         self.steps = 0
         self.host_seconds = 0.0  # CPU time spent in scheduling steps (host overhead per chunk)
         self._forget_again: list = []  # failures whose traceback's frames were still running
+        # items sharing a chunk: the chunk in the inbox still taking items (None: none), and the
+        # chunk of every such item not yet ended, by the item's index
+        self.open_batch: Optional[Chunk] = None
+        self._members: dict[int, Chunk] = {}
+        self._cancel_admitted = False  # set by cancel_pending: chunks admitted later end CANCELLED
+        self._cancel_after_step = False  # cancel_pending once this step's enqueues are made
 
     # -- set-up and tear-down ------------------------------------------------------------------
     def _ring(self, kind, buffer, count, hook, external: bool = False) -> Ring:
@@ -264,13 +270,7 @@ class Scheduler:
             DeviceError: the device is broken.
             RuntimeError: the pipeline takes no more work, or is full.
         """
-        if self.broken is not None:
-            raise self.broken
-        if not self.accepting:
-            raise RuntimeError("the pipeline no longer accepts work (it was closed or cancelled); "
-                               "create a new Pipeline")
-        if not self.has_capacity():
-            raise RuntimeError("admission is full; wait for capacity before accepting")
+        self._check_accepting()
         index = next(self._indices)
         chunk = Chunk(index, item, ChunkFuture(driver, index), in_map=in_map, token=self.device.publish(),
                       staged=staged, out_spec=out_spec, result=result, in_tree=in_tree, on_device=on_device,
@@ -279,23 +279,133 @@ class Scheduler:
         if staged_at is not None:  # its prepare was the copy the accepting thread just made
             chunk.stamps["accepted"] = staged_at[0]
             chunk.stamps["prepare"] = list(staged_at)
+        self.open_batch = None  # items accepted later go after this one: none joins a chunk before it
         self.inbox.append(chunk)
         return chunk
 
+    # -- items sharing a chunk -------------------------------------------------------------------
+    def join_open_batch(self, driver: Any, nbytes: int, shape: tuple, dtype: np.dtype) -> Optional[tuple]:
+        """Room for an item of ``nbytes`` in the chunk still taking items (any thread, lock held):
+        ``(chunk, member)`` with the member registered (the commit point: its future is the
+        item's) and a copy into the chunk counted as being made; None when no chunk takes items
+        or its room is too small. The caller copies the item to ``chunk.batch`` at the member's
+        offset, then calls :meth:`member_written` whatever happens."""
+        chunk = self.open_batch
+        if chunk is None or not self.accepting or self.broken is not None:
+            return None
+        offset = -(-chunk.used // MEMBER_ALIGN) * MEMBER_ALIGN
+        if offset + nbytes > chunk.batch.nbytes:
+            return None
+        return chunk, self._add_member(chunk, driver, offset, nbytes, shape, dtype)
+
+    def open_new_batch(self, driver: Any, batch: np.ndarray, nbytes: int, shape: tuple, dtype: np.dtype) -> tuple:
+        """A new chunk whose bytes are the pinned pool array ``batch`` (uint8), in the inbox and
+        taking items until the driver admits it, with a first member for an item of ``nbytes``
+        (any thread, lock held). Returns ``(chunk, member)`` as :meth:`join_open_batch`.
+
+        Raises:
+            DeviceError: the device is broken.
+            RuntimeError: the pipeline takes no more work, or is full.
+        """
+        self._check_accepting()
+        index = next(self._indices)
+        chunk = Chunk(index, None, ChunkFuture(driver, index), members=[], batch=batch, tokens=[])
+        chunk.stamps["accepted"] = self.device.now
+        member = self._add_member(chunk, driver, 0, nbytes, shape, dtype, index=index)
+        self.inbox.append(chunk)
+        self.open_batch = chunk
+        return chunk, member
+
+    def _add_member(self, chunk: Chunk, driver: Any, offset: int, nbytes: int, shape: tuple, dtype: np.dtype,
+                    index: Optional[int] = None) -> Member:
+        index = next(self._indices) if index is None else index
+        member = Member(index, ChunkFuture(driver, index), offset, nbytes, shape, dtype)
+        chunk.members.append(member)
+        chunk.used = offset + nbytes
+        chunk.writers += 1
+        self._members[index] = chunk
+        return member
+
+    def member_written(self, chunk: Chunk, member: Member, span: Optional[tuple]) -> None:
+        """The copy of ``member``'s item into ``chunk`` ended (any thread, lock held): made, in
+        host-clock ``span``, and ordered before the chunk's copy to the device; or, with ``span``
+        None, it failed and the item is not accepted (its bytes in the chunk are not used)."""
+        chunk.writers -= 1
+        if chunk.tokens is not None:  # the thread's use of the chunk's block (a failed copy too) comes first
+            chunk.tokens.append(self.device.publish())
+        if span is None:
+            chunk.members.remove(member)
+            self._members.pop(member.index, None)
+            if not chunk.members and not chunk.writers and chunk in self.inbox:
+                # no item of it is left: it goes now, and its pinned block back to the pool
+                self.inbox.remove(chunk)
+                if self.open_batch is chunk:
+                    self.open_batch = None
+                chunk.batch = None
+                chunk.tokens = None
+            return
+        prep = chunk.stamps.get("prepare")
+        chunk.stamps["prepare"] = [span[0] if prep is None else min(prep[0], span[0]),
+                                   span[1] if prep is None else max(prep[1], span[1])]
+
+    def _check_accepting(self) -> None:
+        if self.broken is not None:
+            raise self.broken
+        if not self.accepting:
+            raise RuntimeError("the pipeline no longer accepts work (it was closed or cancelled); "
+                               "create a new Pipeline")
+        if not self.has_capacity():
+            raise RuntimeError("admission is full; wait for capacity before accepting")
+
     def _admit(self) -> bool:
-        """Take the inbox's chunks in (driving thread)."""
+        """Take the inbox's chunks in (driving thread). A chunk taking items waits there while a
+        copy into it is being made, and, while earlier chunks wait for a slot, keeps taking items
+        (it could not start sooner anyway)."""
         admitted = False
-        while self.inbox:
-            chunk = self.inbox.popleft()
-            self.device.observe(chunk.token)
-            chunk.token = None
-            self.counts["accepted"] += 1
-            if chunk.future.done():  # cancelled by its caller before it was admitted
-                self.counts["cancelled"] += 1
+        inbox = self.inbox
+        while inbox:
+            chunk = inbox[0]
+            members = chunk.members
+            if members is not None:
+                if chunk.writers:
+                    break
+                if chunk is self.open_batch:
+                    if self._accepted_q and self.accepting and not self._cancel_admitted:
+                        break
+                    self.open_batch = None
+            inbox.popleft()
+            if members is not None:
+                for token in chunk.tokens:
+                    self.device.observe(token)
+                chunk.tokens = None
+                if not members:  # every item's copy failed: nothing of it was accepted
+                    self._finish(chunk)
+                    continue
+                chunk.staged = chunk.batch[:chunk.used]
+                chunk.batch = None
+                self.counts["accepted"] += len(members)
+                cancelled = self._cancel_admitted or all(m.future.done() for m in members)
+            else:
+                self.device.observe(chunk.token)
+                chunk.token = None
+                self.counts["accepted"] += 1
+                cancelled = self._cancel_admitted or chunk.future.done()
+            if cancelled:  # cancelled by its caller (every item of it) before it was admitted
                 chunk.move(ChunkState.CANCELLED)
+                if members is None:
+                    self.counts["cancelled"] += 1
+                    if not chunk.future.done():
+                        chunk.future._mark_cancelled()
+                else:
+                    self._end_members(chunk, ChunkState.CANCELLED, self.device.publish())
+                self.version += 1
                 self._finish(chunk)
                 continue
             self.chunks[chunk.index] = chunk
+            if self.broken is not None:  # accepted before the device broke: nothing can run it
+                chunk.error = self.broken
+                self._end(chunk, ChunkState.FAILED)
+                continue
             self._accepted_q.append(chunk)
             admitted = True
         return admitted
@@ -309,10 +419,13 @@ class Scheduler:
         return not self.chunks and not self.inbox and not self.pending_fences()
 
     def stats(self) -> PipelineStats:
+        """Counts of items (an item sharing a chunk counts as one, as a chunk of one item does)."""
         c = self.counts
-        waiting = len(self.inbox)
-        return PipelineStats(accepted=c["accepted"] + waiting, delivered=c["delivered"], failed=c["failed"],
-                             cancelled=c["cancelled"], in_flight=len(self.chunks) + waiting)
+        waiting = sum(1 if chunk.members is None else len(chunk.members) for chunk in self.inbox)
+        accepted = c["accepted"] + waiting
+        ended = c["delivered"] + c["failed"] + c["cancelled"]
+        return PipelineStats(accepted=accepted, delivered=c["delivered"], failed=c["failed"],
+                             cancelled=c["cancelled"], in_flight=accepted - ended)
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -342,6 +455,9 @@ class Scheduler:
                 if not moved:
                     break
                 progressed = True
+            if self._cancel_after_step:  # an item's compute failed while enqueued, on_error="raise"
+                self._cancel_after_step = False
+                self.cancel_pending()
         except DeviceError as err:
             if not err.sticky:
                 raise
@@ -588,6 +704,8 @@ class Scheduler:
         view = where.buffer.view(chunk.out_dtype, offset=where.offset, count=count,
                                  access="r").reshape(chunk.out_shape)
         if result is not None:
+            if chunk.members is not None:
+                return None  # each item gets its own part of the result when the chunk ends
             if self.consume is None:
                 return self._delivered(chunk, result)
             view = result.view()  # a view of the pooled array holds its block: one kept stays valid
@@ -685,7 +803,9 @@ class Scheduler:
                 trees = (x_tree, y_tree)
             if self._profile:
                 self._mark(chunk, s, "compute", start=True)
-            if chunk.out_nbytes:  # a zero-length result has nothing to compute
+            if chunk.members is not None:
+                self._launch_members(chunk, s, out_slot, compute)
+            elif chunk.out_nbytes:  # a zero-length result has nothing to compute
                 try:
                     launch_compute(s, compute, x, y, inplace=self.dev_out is None,
                                    sim_seconds=sim_seconds_for(self._sim_compute, chunk.nbytes), index=chunk.index,
@@ -704,6 +824,52 @@ class Scheduler:
                 self._d2h_q.append(chunk)  # (with fill="rows": once the compute said how much it filled)
             progressed = True
         return progressed
+
+    def _launch_members(self, chunk: Chunk, stream, out_slot: Slot, compute: Callable) -> None:
+        """The compute of each item of a shared chunk on its own part of the slots, each followed
+        by an event that carries its errors alone; an item whose compute raises while being
+        enqueued fails alone, and one its caller cancelled is not computed."""
+        din, dout = chunk.dev_in.where, out_slot.where
+        inplace = self.dev_out is None
+        failed = False
+        for m in chunk.members:
+            if m.future.done():
+                continue
+            x = BufferSlice(din.buffer, din.offset + m.offset, m.nbytes).array(m.dtype, m.shape)
+            y = x if inplace else BufferSlice(dout.buffer, dout.offset + m.offset, m.nbytes).array(m.dtype, m.shape)
+            try:
+                launch_compute(stream, compute, x, y, inplace=inplace,
+                               sim_seconds=sim_seconds_for(self._sim_compute, m.nbytes), index=m.index)
+            except StageError as err:
+                self._member_failed(m, err.__cause__)
+                failed = True
+                continue
+            m.event = stream.record()
+        if failed and self.config.on_error == "raise":
+            self._cancel_after_step = True
+
+    def _member_failed(self, m: Member, exc: BaseException) -> None:
+        """An item of a shared chunk failed in its compute: it alone ends FAILED (its future
+        raises as :meth:`_fail` says); the chunk goes on for the others."""
+        forget_frames(exc)
+        self._forget_again.append(exc)
+        err = StageError("compute", m.index, exc)
+        m.error = err if isinstance(exc, Exception) else exc
+        self.failures.append(err)
+        if self.first_error is None:
+            self.first_error = m.error
+
+    def _members_failed(self, chunk: Chunk) -> None:
+        """Each item of a shared chunk whose compute event carries an error fails alone (the
+        chunk's compute has completed, so every item's event has)."""
+        failed = False
+        for m in chunk.members:
+            ev = m.event
+            if ev is not None and m.error is None and ev.is_done and ev.error is not None:
+                self._member_failed(m, ev.error.__cause__ or ev.error)
+                failed = True
+        if failed and self.config.on_error == "raise":
+            self.cancel_pending()
 
     def _enqueue_d2h(self, limit: int) -> bool:
         progressed = False
@@ -846,6 +1012,10 @@ class Scheduler:
         """Check the compute event's error once (the sim reports a failed launch there)."""
         if chunk.state in (ChunkState.DRAINING,) or chunk.state.final:
             return True
+        if chunk.members:
+            self._members_failed(chunk)  # may cancel the rest (on_error="raise"), this chunk too
+            if chunk.state is ChunkState.DRAINING or chunk.state.final:
+                return True
         event = chunk.compute_event
         err = event.error if event is not None and event.is_done else None
         if err is None:
@@ -903,7 +1073,8 @@ class Scheduler:
         chunk.move(final)
         chunk.stamps["ended"] = self.device.now
         del self.chunks[chunk.index]
-        self.counts[final.value] += 1
+        if chunk.members is None:
+            self.counts[final.value] += 1
         self.version += 1
         if chunk.in_map:
             self.unclaimed += 1  # a map() hands it out; it holds capacity until then
@@ -925,7 +1096,36 @@ class Scheduler:
             fut.set_exception(chunk.error)
         else:
             fut._mark_cancelled()
+        if chunk.members is not None:
+            self._end_members(chunk, final, fut.token)
         self._finish(chunk)
+
+    def _end_members(self, chunk: Chunk, final: ChunkState, token: Any) -> None:
+        """Settle the future of every item of a shared chunk that ended ``final``: a delivered
+        chunk gives each item its own part of the result (or the error its compute raised), a
+        failed one its error; an item its caller cancelled stays cancelled. Counts each item."""
+        result = chunk.result if chunk.result is not None else chunk.staged
+        for m in chunk.members:
+            self._members.pop(m.index, None)
+            fut = m.future
+            fut.token = token
+            if fut.done():  # cancelled by its caller while the chunk went on for the others
+                self.counts["cancelled"] += 1
+            elif m.error is not None and final is not ChunkState.FAILED:
+                self.counts["failed"] += 1
+                fut.set_exception(m.error)
+            elif final is ChunkState.DELIVERED:
+                self.counts["delivered"] += 1
+                value = result[m.offset:m.offset + m.nbytes].view(m.dtype).reshape(m.shape)
+                fut.set_result(value if self.convert is None else convert_tree(value, self.convert))
+            elif final is ChunkState.FAILED:
+                self.counts["failed"] += 1
+                fut.set_exception(chunk.error)
+            else:
+                self.counts["cancelled"] += 1
+                fut._mark_cancelled()
+            m.event = None
+        chunk.members = []  # the futures hold the results; the ended chunk holds none of them
 
     def take_resolved(self) -> list:
         """Futures set since the last call whose done-callbacks wait to run outside the lock."""
@@ -942,6 +1142,7 @@ class Scheduler:
         chunk.prepare_task = chunk.consume_task = None
         chunk.h2d_event = chunk.compute_event = chunk.d2h_event = None
         chunk.events = {}
+        chunk.batch = None
 
     def stop_admission(self) -> None:
         """Take no more work; what was accepted (the inbox too) still runs to its end."""
@@ -960,6 +1161,7 @@ class Scheduler:
             self.break_on(err)
 
     def _cancel_pending(self) -> None:
+        self._cancel_admitted = True  # a chunk whose items are still being copied in ends at admission
         self._admit()  # handed over before the cancel: admitted, then ended CANCELLED with the rest
         for chunk in sorted(self.chunks.values(), key=lambda c: c.index):
             self._cancel_chunk(chunk)
@@ -985,12 +1187,33 @@ class Scheduler:
         """Cancel one accepted chunk (its future's ``cancel``); the rest go on. Returns False if
         it can no longer be cancelled (its consumer is running, or it has ended)."""
         self._admit()  # it may still be in the inbox
+        shared = self._members.get(index)
+        if shared is not None:
+            return self._cancel_member(shared, index)
         chunk = self.chunks.get(index)
         if chunk is None:
             return False
         try:
             return self._cancel_chunk(chunk)
         except DeviceError as err:  # a poison fill found the context dead: break, as step() does
+            if not err.sticky:
+                raise
+            self.break_on(err)
+            return False
+
+    def _cancel_member(self, chunk: Chunk, index: int) -> bool:
+        """Cancel one item of a shared chunk: the chunk itself is cancelled once no other item of it
+        is still wanted; otherwise it goes on, and this item's part is not computed (if not yet
+        enqueued) and not delivered. False once the chunk is consuming, draining or ended."""
+        if chunk.state in (ChunkState.DRAINING, ChunkState.CONSUMING) or chunk.state.final:
+            return False
+        if any(not m.future.done() for m in chunk.members if m.index != index):
+            return True  # the caller marks this item's future cancelled
+        if chunk.index not in self.chunks:
+            return True  # still in the inbox: ends CANCELLED at admission, every item being cancelled
+        try:
+            return self._cancel_chunk(chunk)
+        except DeviceError as err:
             if not err.sticky:
                 raise
             self.break_on(err)

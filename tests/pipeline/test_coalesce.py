@@ -1,0 +1,290 @@
+"""Items sharing a chunk (``coalesce=True``, the default for ``submit`` of plain arrays): items
+submitted while the pipeline is busy are copied into one pinned chunk, moved with one copy each
+way, computed one launch per item on its own part, and each future gets its own part of the
+result. Every test checks results bit for bit; the hazard checker runs in checked mode."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import ringflow as rf
+from ringflow._device import host_pool
+
+FAIL = np.float32(-7777.0)  # an item whose first element is this makes the compute raise
+
+
+def f(x, y):
+    if x.size and x.reshape(-1)[0] == FAIL:
+        raise ValueError("marked item")
+    y[...] = x * 2 + 1
+
+
+def expected(a: np.ndarray) -> np.ndarray:
+    return a * np.float32(2) + np.float32(1)
+
+
+def items(n: int, seed: int = 0, max_elems: int = 40_000) -> list:
+    rng = np.random.default_rng(seed)
+    return [rng.random(int(k)).astype(np.float32) for k in rng.integers(1, max_elems, n)]
+
+
+def blocks(results) -> int:
+    """How many distinct pinned blocks hold ``results``."""
+    return len({id(host_pool.owner_of(r)) for r in results})
+
+
+def test_items_submitted_while_busy_share_chunks_and_each_gets_its_own_result():
+    xs = items(200)
+    with rf.Pipeline(f, device=rf.device("sim", seed=1), chunk_bytes=1 << 20, checked=True) as pipe:
+        futs = [pipe.submit(x) for x in xs]
+        results = [fu.result() for fu in futs]
+        stats = pipe.stats()
+    assert all(np.array_equal(r, expected(x)) and r.shape == x.shape for r, x in zip(results, xs))
+    assert blocks(results) < len(xs) // 4  # shared: far fewer chunks than items
+    assert (stats.accepted, stats.delivered, stats.in_flight) == (200, 200, 0)
+
+
+def test_coalesce_false_gives_each_item_a_chunk_of_its_own():
+    xs = items(20)
+    with rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=1 << 20, coalesce=False) as pipe:
+        results = [fu.result() for fu in [pipe.submit(x) for x in xs]]
+    assert all(np.array_equal(r, expected(x)) for r, x in zip(results, xs))
+    assert blocks(results) == len(xs)
+
+
+def test_shapes_dtypes_and_odd_strides_keep_their_own_layout():
+    rng = np.random.default_rng(3)
+    xs = [rng.random((3, 5)).astype(np.float32), rng.random(7).astype(np.float64),
+          rng.random((4, 6)).astype(np.float32)[:, ::2], np.arange(11, dtype=np.int32)]
+    with rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=1 << 16, checked=True) as pipe:
+        results = [fu.result() for fu in [pipe.submit(x) for x in xs]]
+    first = results[0]
+    assert blocks(results) == 1
+    for r, x in zip(results, xs):
+        assert r.shape == x.shape and r.dtype == x.dtype
+        assert np.array_equal(r, x * x.dtype.type(2) + x.dtype.type(1))
+        assert (r.ctypes.data - first.ctypes.data) % 256 == 0  # each item starts aligned in the chunk
+
+
+def test_a_compute_that_fails_for_one_item_fails_that_item_alone():
+    xs = items(30, seed=4)
+    xs[7][0] = FAIL
+    with rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=1 << 20, on_error="continue") as pipe:
+        futs = [pipe.submit(x) for x in xs]
+        outcomes = [fu.exception() for fu in futs]
+        stats = pipe.stats()
+    assert isinstance(outcomes[7], rf.StageError) and "marked item" in str(outcomes[7].__cause__)
+    assert all(e is None for i, e in enumerate(outcomes) if i != 7)
+    assert all(np.array_equal(futs[i].result(), expected(x)) for i, x in enumerate(xs) if i != 7)
+    assert (stats.delivered, stats.failed, stats.in_flight) == (29, 1, 0)
+
+
+def test_with_on_error_raise_a_failing_item_cancels_the_rest_and_every_future_settles():
+    xs = items(30, seed=5)
+    xs[3][0] = FAIL
+    with rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=1 << 20) as pipe:
+        futs = [pipe.submit(x) for x in xs]
+        done, not_done = concurrent.futures.wait(futs, timeout=60)
+        stats = pipe.stats()
+    assert not not_done
+    assert isinstance(futs[3].exception(), rf.StageError)
+    for i, fu in enumerate(futs):
+        assert fu.done()
+        if not fu.cancelled() and fu.exception() is None:
+            assert np.array_equal(fu.result(), expected(xs[i]))
+    assert stats.accepted == stats.delivered + stats.failed + stats.cancelled and stats.in_flight == 0
+
+
+def test_cancelling_one_item_of_a_shared_chunk_leaves_the_others():
+    xs = items(40, seed=6)
+    with rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=1 << 20, checked=True) as pipe:
+        futs = [pipe.submit(x) for x in xs]
+        assert futs[5].cancel() and futs[6].cancel()
+        results = {i: fu.result() for i, fu in enumerate(futs) if i not in (5, 6)}
+        stats = pipe.stats()
+    assert futs[5].cancelled() and futs[6].cancelled()
+    assert all(np.array_equal(r, expected(xs[i])) for i, r in results.items())
+    assert (stats.delivered, stats.cancelled, stats.in_flight) == (38, 2, 0)
+
+
+def test_a_chunk_waits_for_every_copy_into_it_before_it_moves():
+    """Two items share a chunk; the first one's copy is held. The chunk must not go to the device
+    until that copy is made (without the wait, its h2d reads half-written bytes)."""
+    dev = rf.device("sim", seed=2)
+    a, b = np.full(1000, 3, np.float32), np.full(1000, 5, np.float32)
+    started, release = threading.Event(), threading.Event()
+    real = dev.host_copy
+
+    def held(dst, src):
+        if src is a:
+            started.set()
+            assert release.wait(30)
+        real(dst, src)
+
+    dev.host_copy = held
+    with rf.Pipeline(f, device=dev, chunk_bytes=1 << 16) as pipe:
+        pipe.submit(np.zeros(4, np.float32)).result()  # warm: the next chunk is a new one
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("a", pipe.submit(a)))
+        t.start()
+        assert started.wait(30)
+        fb = pipe.submit(b)  # joins the chunk a's copy is being made into
+        sched, driver = pipe.scheduler, pipe._driver
+        (shared,) = sched.inbox
+        steps = sched.steps
+        with driver.cv:  # twenty steps of the scheduler on this thread: the chunk must stay put
+            driver.drive_here(lambda: sched.steps >= steps + 20, None, "twenty steps")
+        assert list(sched.inbox) == [shared] and not fb.done()
+        release.set()
+        t.join(30)
+        assert np.array_equal(out["a"].result(), expected(a)) and np.array_equal(fb.result(), expected(b))
+        assert blocks([out["a"].result(), fb.result()]) == 1
+
+
+def test_an_interrupt_while_an_item_is_copied_into_a_shared_chunk_accepts_nothing():
+    dev = rf.device("sim", seed=3)
+    x0 = np.ones(100, np.float32)
+    calls = [0]
+    real = dev.host_copy
+
+    def second_interrupted(dst, src):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        real(dst, src)
+
+    dev.host_copy = second_interrupted
+    with rf.Pipeline(f, device=dev, chunk_bytes=1 << 16, checked=True) as pipe:
+        first = pipe.submit(x0)
+        with pytest.raises(KeyboardInterrupt):
+            pipe.submit(np.ones(50, np.float32))
+        third = pipe.submit(np.full(10, 2, np.float32))
+        assert np.array_equal(first.result(), expected(x0))
+        assert np.array_equal(third.result(), np.full(10, 5, np.float32))
+        stats = pipe.stats()
+        assert (stats.accepted, stats.delivered, stats.in_flight) == (2, 2, 0)
+        del first, third
+    gc.collect()
+    assert rf.host.stats(device=dev).in_use_bytes == 0
+
+
+def test_submitting_threads_share_chunks_with_the_checker_on():
+    xs = items(400, seed=7, max_elems=20_000)
+    out: dict = {}
+    with rf.Pipeline(f, device=rf.device("sim", seed=4), chunk_bytes=1 << 19, checked=True) as pipe:
+        def submitter(k):
+            for i in range(k, len(xs), 4):
+                out[i] = pipe.submit(xs[i])
+
+        threads = [threading.Thread(target=submitter, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        results = {i: fu.result() for i, fu in out.items()}
+        stats = pipe.stats()
+    assert all(np.array_equal(results[i], expected(x)) for i, x in enumerate(xs))
+    assert (stats.accepted, stats.delivered, stats.in_flight) == (400, 400, 0)
+
+
+class CoalescingMachine(RuleBasedStateMachine):
+    """Submits (from this thread and from bursts of other threads), failing items, cancels,
+    waits and a close, on a checked pipeline whose items share chunks; after every step the
+    counts add up, and every settled future holds its own item's result or error."""
+
+    def __init__(self):
+        super().__init__()
+        self.pipe = rf.Pipeline(f, device=rf.device("sim", seed=5), chunk_bytes=1 << 15, checked=True,
+                                on_error="continue", max_in_flight=6)
+        self.futs: list = []  # (future, item, marked to fail, cancelled by us)
+        self.closed = False
+        self.lock = threading.Lock()
+
+    def _item(self, n, fail):
+        x = np.random.default_rng(len(self.futs)).random(n).astype(np.float32)
+        if fail:
+            x[0] = FAIL
+        return x
+
+    @precondition(lambda self: not self.closed)
+    @rule(n=st.integers(1, 2000), fail=st.booleans())
+    def submit(self, n, fail):
+        x = self._item(n, fail)
+        self.futs.append([self.pipe.submit(x), x, fail, False])
+
+    @precondition(lambda self: not self.closed)
+    @rule(sizes=st.lists(st.integers(1, 1500), min_size=1, max_size=12), threads=st.integers(2, 4))
+    def burst(self, sizes, threads):
+        made = [self._item(n, False) for n in sizes]
+
+        def go(k):
+            for x in made[k::threads]:
+                fut = self.pipe.submit(x)
+                with self.lock:
+                    self.futs.append([fut, x, False, False])
+
+        ts = [threading.Thread(target=go, args=(k,)) for k in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    @precondition(lambda self: self.futs)
+    @rule(data=st.data())
+    def cancel(self, data):
+        entry = data.draw(st.sampled_from(self.futs))
+        if entry[0].cancel():
+            entry[3] = True
+
+    @precondition(lambda self: self.futs)
+    @rule(data=st.data())
+    def wait(self, data):
+        entry = data.draw(st.sampled_from(self.futs))
+        concurrent.futures.wait([entry[0]], timeout=60)
+        assert entry[0].done()
+
+    @precondition(lambda self: self.closed)
+    @rule(n=st.integers(1, 100))
+    def submit_after_close(self, n):
+        with pytest.raises(RuntimeError, match="closed"):
+            self.pipe.submit(self._item(n, False))
+
+    @precondition(lambda self: not self.closed)
+    @rule()
+    def close(self):
+        self.pipe.close()
+        self.closed = True
+
+    @invariant()
+    def counts_add_up_and_results_are_their_own(self):
+        s = self.pipe.stats()
+        assert s.accepted == len(self.futs)
+        assert s.accepted == s.delivered + s.failed + s.cancelled + s.in_flight
+        for fut, x, fail, cancelled in self.futs:
+            if not fut.done():
+                continue
+            if cancelled:
+                assert fut.cancelled()
+            elif fail:
+                assert isinstance(fut.exception(), rf.StageError)
+            else:
+                assert not fut.cancelled() and fut.exception() is None
+                assert np.array_equal(fut.result(), expected(x))
+
+    def teardown(self):
+        self.pipe.close()
+        assert all(fut.done() for fut, *_ in self.futs)
+        s = self.pipe.stats()
+        assert s.in_flight == 0 and s.accepted == s.delivered + s.failed + s.cancelled
+
+
+CoalescingMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=25, deadline=None,
+                                               suppress_health_check=[HealthCheck.too_slow])
+TestCoalescingMachine = CoalescingMachine.TestCase
