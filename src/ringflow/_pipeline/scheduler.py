@@ -184,6 +184,7 @@ class Scheduler:
         self._members: dict[int, Chunk] = {}
         self._cancel_admitted = False  # set by cancel_pending: chunks admitted later end CANCELLED
         self._cancel_after_step = False  # cancel_pending once this step's enqueues are made
+        self.chunks_admitted = 0  # items sharing a chunk count once
 
     # -- set-up and tear-down ------------------------------------------------------------------
     def _ring(self, kind, buffer, count, hook, external: bool = False) -> Ring:
@@ -284,24 +285,22 @@ class Scheduler:
         return chunk
 
     # -- items sharing a chunk -------------------------------------------------------------------
-    def join_open_batch(self, driver: Any, nbytes: int, shape: tuple, dtype: np.dtype) -> Optional[tuple]:
-        """Room for an item of ``nbytes`` in the chunk still taking items (any thread, lock held):
-        ``(chunk, member)`` with the member registered (the commit point: its future is the
-        item's) and a copy into the chunk counted as being made; None when no chunk takes items
-        or its room is too small. The caller copies the item to ``chunk.batch`` at the member's
-        offset, then calls :meth:`member_written` whatever happens."""
+    def join_open_batch(self, driver: Any, staged: np.ndarray, staged_at: tuple) -> Optional[ChunkFuture]:
+        """Add an item, already copied into the pinned pool array ``staged`` (in host-clock
+        ``staged_at``), to the chunk still taking items (any thread, lock held: the commit point).
+        Returns the item's future, or None when no chunk takes items or its room is too small."""
         chunk = self.open_batch
         if chunk is None or not self.accepting or self.broken is not None:
             return None
         offset = -(-chunk.used // MEMBER_ALIGN) * MEMBER_ALIGN
-        if offset + nbytes > chunk.batch.nbytes:
+        if offset + staged.nbytes > self.config.chunk_bytes:
             return None
-        return chunk, self._add_member(chunk, driver, offset, nbytes, shape, dtype)
+        return self._add_member(chunk, driver, offset, staged, staged_at).future
 
-    def open_new_batch(self, driver: Any, batch: np.ndarray, nbytes: int, shape: tuple, dtype: np.dtype) -> tuple:
-        """A new chunk whose bytes are the pinned pool array ``batch`` (uint8), in the inbox and
-        taking items until the driver admits it, with a first member for an item of ``nbytes``
-        (any thread, lock held). Returns ``(chunk, member)`` as :meth:`join_open_batch`.
+    def open_new_batch(self, driver: Any, staged: np.ndarray, staged_at: tuple) -> ChunkFuture:
+        """A new chunk in the inbox that takes further items until the driver admits it, with
+        ``staged`` (as :meth:`join_open_batch`) its first (any thread, lock held). Returns the
+        item's future.
 
         Raises:
             DeviceError: the device is broken.
@@ -309,44 +308,24 @@ class Scheduler:
         """
         self._check_accepting()
         index = next(self._indices)
-        chunk = Chunk(index, None, ChunkFuture(driver, index), members=[], batch=batch, tokens=[])
-        chunk.stamps["accepted"] = self.device.now
-        member = self._add_member(chunk, driver, 0, nbytes, shape, dtype, index=index)
+        chunk = Chunk(index, None, ChunkFuture(driver, index), members=[])
+        chunk.stamps["accepted"] = staged_at[0]
+        member = self._add_member(chunk, driver, 0, staged, staged_at, index=index)
         self.inbox.append(chunk)
         self.open_batch = chunk
-        return chunk, member
+        return member.future
 
-    def _add_member(self, chunk: Chunk, driver: Any, offset: int, nbytes: int, shape: tuple, dtype: np.dtype,
+    def _add_member(self, chunk: Chunk, driver: Any, offset: int, staged: np.ndarray, staged_at: tuple,
                     index: Optional[int] = None) -> Member:
         index = next(self._indices) if index is None else index
-        member = Member(index, ChunkFuture(driver, index), offset, nbytes, shape, dtype)
+        member = Member(index, ChunkFuture(driver, index), offset, staged, self.device.publish())
         chunk.members.append(member)
-        chunk.used = offset + nbytes
-        chunk.writers += 1
+        chunk.used = offset + staged.nbytes
+        prep = chunk.stamps.get("prepare")
+        chunk.stamps["prepare"] = [staged_at[0] if prep is None else min(prep[0], staged_at[0]),
+                                   staged_at[1] if prep is None else max(prep[1], staged_at[1])]
         self._members[index] = chunk
         return member
-
-    def member_written(self, chunk: Chunk, member: Member, span: Optional[tuple]) -> None:
-        """The copy of ``member``'s item into ``chunk`` ended (any thread, lock held): made, in
-        host-clock ``span``, and ordered before the chunk's copy to the device; or, with ``span``
-        None, it failed and the item is not accepted (its bytes in the chunk are not used)."""
-        chunk.writers -= 1
-        if chunk.tokens is not None:  # the thread's use of the chunk's block (a failed copy too) comes first
-            chunk.tokens.append(self.device.publish())
-        if span is None:
-            chunk.members.remove(member)
-            self._members.pop(member.index, None)
-            if not chunk.members and not chunk.writers and chunk in self.inbox:
-                # no item of it is left: it goes now, and its pinned block back to the pool
-                self.inbox.remove(chunk)
-                if self.open_batch is chunk:
-                    self.open_batch = None
-                chunk.batch = None
-                chunk.tokens = None
-            return
-        prep = chunk.stamps.get("prepare")
-        chunk.stamps["prepare"] = [span[0] if prep is None else min(prep[0], span[0]),
-                                   span[1] if prep is None else max(prep[1], span[1])]
 
     def _check_accepting(self) -> None:
         if self.broken is not None:
@@ -358,31 +337,23 @@ class Scheduler:
             raise RuntimeError("admission is full; wait for capacity before accepting")
 
     def _admit(self) -> bool:
-        """Take the inbox's chunks in (driving thread). A chunk taking items waits there while a
-        copy into it is being made, and, while earlier chunks wait for a slot, keeps taking items
-        (it could not start sooner anyway)."""
+        """Take the inbox's chunks in (driving thread). A chunk taking items stays there while
+        earlier chunks wait for a slot: it could not start sooner, so it takes items meanwhile."""
         admitted = False
         inbox = self.inbox
         while inbox:
             chunk = inbox[0]
             members = chunk.members
-            if members is not None:
-                if chunk.writers:
+            if chunk is self.open_batch:
+                if self._accepted_q and self.accepting and not self._cancel_admitted:
                     break
-                if chunk is self.open_batch:
-                    if self._accepted_q and self.accepting and not self._cancel_admitted:
-                        break
-                    self.open_batch = None
+                self.open_batch = None
             inbox.popleft()
+            self.chunks_admitted += 1
             if members is not None:
-                for token in chunk.tokens:
-                    self.device.observe(token)
-                chunk.tokens = None
-                if not members:  # every item's copy failed: nothing of it was accepted
-                    self._finish(chunk)
-                    continue
-                chunk.staged = chunk.batch[:chunk.used]
-                chunk.batch = None
+                for m in members:
+                    self.device.observe(m.token)
+                    m.token = None
                 self.counts["accepted"] += len(members)
                 cancelled = self._cancel_admitted or all(m.future.done() for m in members)
             else:
@@ -606,7 +577,7 @@ class Scheduler:
             self._accepted_q.popleft()
             chunk.host_in = slot
             chunk.move(ChunkState.PREPARING)
-            if chunk.staged is None:
+            if chunk.staged is None and chunk.members is None:
                 chunk.stamps["prepare"] = [self.device.now, None]
             found = self._found(chunk)
             if self.host_in.external or found is not None:
@@ -615,7 +586,7 @@ class Scheduler:
                 if found is not None:
                     chunk.source, shape, dtype = found
                     chunk.prepare_task = _InlineTask(self.device, _described, shape, dtype)
-                    if chunk.staged is not None:  # the accepting thread's copy was its prepare
+                    if chunk.staged is not None or chunk.members is not None:  # the accepting thread's copy was its prepare
                         chunk.prepare_task.span = tuple(chunk.stamps["prepare"])
                 else:
                     chunk.prepare_task = _InlineTask(self.device, self._run_prepare, chunk, slot.where)
@@ -632,6 +603,8 @@ class Scheduler:
 
     def _found(self, chunk: Chunk) -> Optional[tuple]:
         """Where ``chunk``'s input already is in pinned memory: (its bytes, shape, dtype), or None."""
+        if chunk.members is not None:  # each item's own pool array: the h2d reads them one by one
+            return None, (chunk.used,), np.dtype(np.uint8)
         staged = chunk.staged
         if staged is not None:
             return BufferSlice(buffer_behind(staged), 0, staged.nbytes), staged.shape, staged.dtype
@@ -652,7 +625,7 @@ class Scheduler:
         return tuple(shape), dtype, nbytes, (described[2] if len(described) > 2 else None)
 
     def _on_prepared(self, chunk: Chunk) -> None:
-        if chunk.staged is None:
+        if chunk.staged is None and chunk.members is None:
             chunk.stamps["prepare"][1] = self.device.now
         try:
             chunk.shape, chunk.dtype, chunk.nbytes, tree = chunk.prepare_task.result()
@@ -754,7 +727,12 @@ class Scheduler:
             n = chunk.nbytes
             if self._profile:
                 self._mark(chunk, s, "h2d", start=True)
-            if n:  # a zero-length item moves no bytes (a copy needs at least one)
+            if chunk.members is not None:
+                where = slot.where
+                for m in chunk.members:  # each item's pool array into its part of the slot
+                    s.copy(BufferSlice(where.buffer, where.offset + m.offset, m.nbytes),
+                           BufferSlice(buffer_behind(m.staged), 0, m.nbytes), m.nbytes)
+            elif n:  # a zero-length item moves no bytes (a copy needs at least one)
                 s.copy(_head(slot.where, n), _head(chunk.source or chunk.host_in.where, n), n)
             event = self._mark(chunk, s, "h2d")
             chunk.stamps["h2d.enqueued"] = self.device.now
@@ -835,8 +813,9 @@ class Scheduler:
         for m in chunk.members:
             if m.future.done():
                 continue
-            x = BufferSlice(din.buffer, din.offset + m.offset, m.nbytes).array(m.dtype, m.shape)
-            y = x if inplace else BufferSlice(dout.buffer, dout.offset + m.offset, m.nbytes).array(m.dtype, m.shape)
+            shape, dtype, n = m.staged.shape, m.staged.dtype, m.staged.nbytes
+            x = BufferSlice(din.buffer, din.offset + m.offset, n).array(dtype, shape)
+            y = x if inplace else BufferSlice(dout.buffer, dout.offset + m.offset, n).array(dtype, shape)
             try:
                 launch_compute(stream, compute, x, y, inplace=inplace,
                                sim_seconds=sim_seconds_for(self._sim_compute, m.nbytes), index=m.index)
@@ -888,11 +867,17 @@ class Scheduler:
             ring_out.move(chunk.dev_out, SlotState.COPYING_OUT)
             n = chunk.out_nbytes
             dest = slot.where
-            if self.results is not None and n:
+            if self.results is not None and n and chunk.members is None:
                 dest = self._result_for(chunk) or dest
             if self._profile:
                 self._mark(chunk, s, "d2h", start=True)
-            if n:
+            if chunk.members is not None:
+                where = chunk.dev_out.where
+                for m in chunk.members:  # each item's part back into its own pool array
+                    if not m.future.done():
+                        s.copy(BufferSlice(buffer_behind(m.staged), 0, m.nbytes),
+                               BufferSlice(where.buffer, where.offset + m.offset, m.nbytes), m.nbytes)
+            elif n:
                 s.copy(_head(dest, n), _head(chunk.dev_out.where, n), n)
             event = self._mark(chunk, s, "d2h")
             chunk.stamps["d2h.enqueued"] = self.device.now
@@ -1104,11 +1089,11 @@ class Scheduler:
         """Settle the future of every item of a shared chunk that ended ``final``: a delivered
         chunk gives each item its own part of the result (or the error its compute raised), a
         failed one its error; an item its caller cancelled stays cancelled. Counts each item."""
-        result = chunk.result if chunk.result is not None else chunk.staged
         for m in chunk.members:
             self._members.pop(m.index, None)
             fut = m.future
             fut.token = token
+            hand_off(m.staged, token)  # its block's next taker comes after this chunk's copies
             if fut.done():  # cancelled by its caller while the chunk went on for the others
                 self.counts["cancelled"] += 1
             elif m.error is not None and final is not ChunkState.FAILED:
@@ -1116,7 +1101,7 @@ class Scheduler:
                 fut.set_exception(m.error)
             elif final is ChunkState.DELIVERED:
                 self.counts["delivered"] += 1
-                value = result[m.offset:m.offset + m.nbytes].view(m.dtype).reshape(m.shape)
+                value = m.staged
                 fut.set_result(value if self.convert is None else convert_tree(value, self.convert))
             elif final is ChunkState.FAILED:
                 self.counts["failed"] += 1
@@ -1124,7 +1109,7 @@ class Scheduler:
             else:
                 self.counts["cancelled"] += 1
                 fut._mark_cancelled()
-            m.event = None
+            m.event = m.staged = None
         chunk.members = []  # the futures hold the results; the ended chunk holds none of them
 
     def take_resolved(self) -> list:
@@ -1142,7 +1127,6 @@ class Scheduler:
         chunk.prepare_task = chunk.consume_task = None
         chunk.h2d_event = chunk.compute_event = chunk.d2h_event = None
         chunk.events = {}
-        chunk.batch = None
 
     def stop_admission(self) -> None:
         """Take no more work; what was accepted (the inbox too) still runs to its end."""
