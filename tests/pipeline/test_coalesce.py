@@ -1,8 +1,8 @@
 """Items sharing a chunk (``coalesce=True``, the default for ``submit`` of plain arrays): items
-submitted while the pipeline is busy go through the scheduler as one chunk (one set of slots,
-events and stage changes), each still staged in and returned in a pinned pool array of its own
-and computed by a launch of its own on its part of the slots. Every test checks results bit for
-bit; the hazard checker runs in checked mode."""
+submitted while the pipeline is busy are copied into one pinned chunk and go through the
+scheduler as one (one set of slots, events and stage changes, one copy in), each computed by a
+launch of its own on its part of the slots and copied back into a pinned pool array of its own.
+Every test checks results bit for bit; the hazard checker runs in checked mode."""
 
 from __future__ import annotations
 
@@ -107,6 +107,40 @@ def test_cancelling_one_item_of_a_shared_chunk_leaves_the_others():
     assert futs[5].cancelled() and futs[6].cancelled()
     assert all(np.array_equal(r, expected(xs[i])) for i, r in results.items())
     assert (stats.delivered, stats.cancelled, stats.in_flight) == (38, 2, 0)
+
+
+def test_a_chunk_waits_for_every_copy_into_it_before_it_moves():
+    """Two items share a chunk; the first one's copy is held. The chunk must not go to the device
+    until that copy is made (without the wait, its h2d reads half-written bytes)."""
+    dev = rf.device("sim", seed=2)
+    a, b = np.full(1000, 3, np.float32), np.full(1000, 5, np.float32)
+    started, release = threading.Event(), threading.Event()
+    real = dev.host_copy
+
+    def held(dst, src):
+        if src is a:
+            started.set()
+            assert release.wait(30)
+        real(dst, src)
+
+    dev.host_copy = held
+    with rf.Pipeline(f, device=dev, chunk_bytes=1 << 16) as pipe:
+        pipe.submit(np.zeros(4, np.float32)).result()  # warm: the next chunk is a new one
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("a", pipe.submit(a)))
+        t.start()
+        assert started.wait(30)
+        fb = pipe.submit(b)  # joins the chunk a's copy is being made into
+        sched, driver = pipe.scheduler, pipe._driver
+        (shared,) = sched.inbox
+        steps = sched.steps
+        with driver.cv:  # twenty steps of the scheduler on this thread: the chunk must stay put
+            driver.drive_here(lambda: sched.steps >= steps + 20, None, "twenty steps")
+        assert list(sched.inbox) == [shared] and not fb.done()
+        release.set()
+        t.join(30)
+        assert np.array_equal(out["a"].result(), expected(a)) and np.array_equal(fb.result(), expected(b))
+        assert pipe.scheduler.chunks_admitted == 2  # the warm-up's and the one a and b share
 
 
 def test_an_interrupt_while_an_item_is_copied_into_a_shared_chunk_accepts_nothing():

@@ -168,15 +168,16 @@ class Pipeline:
     None keeps numpy on the host and the device's framework on the device.
 
     ``coalesce`` (on by default) lets ``submit`` put small plain-array items in a chunk other
-    items share: an item submitted while the pipeline is busy (its previous chunk not yet taken
-    in, or waiting for a slot) joins that chunk instead of starting its own, so the scheduler's
-    work per chunk is shared by its items. Each item is still staged in, and its result returned
-    in, a pinned pool array of its own; ``compute`` still runs once per item, on that item's own
-    part of the slots, with its shape and dtype; an item whose compute fails, or that is
-    cancelled, ends so alone while the others go on. When the pipeline keeps up, each chunk holds
-    one item, as with ``coalesce=False``. It applies with no ``consume``, ``output``, ``prepare``
-    or ``fill``, results delivered on the host, and to items of up to 4 MiB that are not already
-    pool arrays; ``map`` gives each item a chunk of its own.
+    items share: an item submitted while the pipeline's previous chunk still waits for a slot
+    is copied into that chunk's pinned block (each item aligned to 256 bytes) instead of
+    starting its own. The chunk moves with one copy each way; ``compute`` still runs once per
+    item, on that item's own part of the slots, with its own shape and dtype; each future gets
+    its own part of the pinned result (the block returns to the pool once every item's result is
+    dropped). An item whose compute fails, or that is cancelled, ends so alone; the others go
+    on. When the pipeline keeps up, every chunk holds one item, as with ``coalesce=False``.
+    It applies with no ``consume``, ``output``, ``prepare`` or ``fill``, results delivered on the
+    host, and to items of up to 4 MiB that are not already pool arrays; ``map`` and
+    ``asubmit`` give each item a chunk of its own.
 
     ``slots`` (None: derived by :mod:`ringflow._plan`; an int for every ring; or a
     :class:`SlotCounts`) and ``chunk_bytes`` (the slot size) bound pinned memory at
@@ -480,22 +481,37 @@ class Pipeline:
                 and host_pool.buffer_behind(item, self.device) is None)
 
     def _submit_shared(self, item: np.ndarray, timeout: Optional[float]) -> Optional[ChunkFuture]:
-        """``submit`` of an item that may share a chunk: copied into a pinned pool array of its
-        own on this thread (as any staged item), then, under the lock, added to the chunk still
-        taking items, or to a new one. Returns the item's future, or None where the pool has no
-        room for it (the item then goes through the host rings, alone)."""
-        staged = self._staged_copy(item)
-        if staged is None:
-            return None
-        array, span, _ = staged
+        """``submit`` of an item that may share a chunk: a pinned pool array for its result, a
+        place in the chunk still taking items (or a new one, staged in a pool array of a slot's
+        size), then the item copied there on this thread, outside the lock. Returns the item's
+        future, or None where the pool has no room (the item then goes alone)."""
         d, s = self._driver, self._sched
+        nbytes, shape, dtype = item.nbytes, item.shape, item.dtype
+        result = self._pool.take(shape, dtype)  # the item's own pinned result, taken outside the lock
+        if result is None:
+            return None
         with d.cv:
-            fut = s.join_open_batch(d, array, span)
-            if fut is None:
-                self._wait_for_capacity(timeout)
-                fut = s.join_open_batch(d, array, span) or s.open_new_batch(d, array, span)
-            d.notify()
-        return fut
+            place = s.join_open_batch(d, result)
+        if place is None:
+            batch = self._pool.take((self.config.chunk_bytes,), np.dtype(np.uint8))
+            if batch is None:
+                return None
+            with d.cv:
+                place = s.join_open_batch(d, result)  # another thread may have opened one
+                if place is None:
+                    self._wait_for_capacity(timeout)
+                    place = s.join_open_batch(d, result) or s.open_new_batch(d, batch, result)
+        chunk, member = place
+        span = None
+        try:
+            t0 = self.device.now
+            self.device.host_copy(chunk.batch[member.offset:member.offset + nbytes].view(dtype).reshape(shape), item)
+            span = (t0, self.device.now)
+        finally:  # whatever happens (Ctrl-C too) the chunk learns the copy ended; a failed one un-accepts the item
+            with d.cv:
+                s.member_written(chunk, member, span)
+                d.notify()
+        return member.future
 
     def map(self, items: Iterable[Any]) -> Iterator[Any]:
         """Results of ``items`` (in order unless ``ordered=False``), pulling input only as capacity

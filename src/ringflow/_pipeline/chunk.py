@@ -172,10 +172,14 @@ class Chunk:
     value: Any = None
     stamps: dict = dataclasses.field(default_factory=dict)  # stage -> (start, end) host-clock seconds
     events: dict = dataclasses.field(default_factory=dict)  # timing events when profiling
-    # items sharing this chunk (see Member), or None for a chunk of one item; the bytes their
-    # parts of the chunk's slots take
+    # items sharing this chunk (see Member), or None for a chunk of one item; while the chunk
+    # takes more items: its pinned pool array, the bytes used, the copies into it still being
+    # made, and the hand-off tokens of those made
     members: Optional[list] = None
+    batch: Optional[np.ndarray] = None
     used: int = 0
+    writers: int = 0
+    tokens: Optional[list] = None
 
     def move(self, new: ChunkState) -> None:
         if (self.state, new) not in LEGAL_CHUNK_TRANSITIONS:
@@ -192,22 +196,19 @@ class Chunk:
 
 
 class Member:
-    """One item of a chunk that several items share: its own future and index; ``staged``, the
-    pinned pool array holding its bytes, which the h2d reads and the d2h writes back (its
-    result); where its part of the chunk's device slots starts (``offset``, a multiple of
-    :data:`MEMBER_ALIGN`); the accepting thread's hand-off token; the event after its compute
-    (its errors are its own), and the error it failed with, if any."""
+    """One item of a chunk that several items share: where its bytes lie in the chunk
+    (``offset``, ``nbytes``, aligned to :data:`MEMBER_ALIGN`), what they are (``shape``,
+    ``dtype``), its own future and index, ``result``, the pinned pool array its part comes back
+    into (its future's value), the event after its compute (its errors are its own), and the
+    error it failed with, if any."""
 
-    __slots__ = ("index", "future", "offset", "staged", "token", "event", "error")
+    __slots__ = ("index", "future", "offset", "nbytes", "shape", "dtype", "result", "event", "error")
 
-    def __init__(self, index: int, future: ChunkFuture, offset: int, staged: np.ndarray, token: Any):
-        self.index, self.future, self.offset, self.staged, self.token = index, future, offset, staged, token
+    def __init__(self, index: int, future: ChunkFuture, offset: int, result: np.ndarray):
+        self.index, self.future, self.offset, self.result = index, future, offset, result
+        self.nbytes, self.shape, self.dtype = result.nbytes, result.shape, result.dtype
         self.event: Any = None
         self.error: Optional[BaseException] = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.staged.nbytes
 
 
 MEMBER_ALIGN = 256  # each item of a shared chunk starts at a multiple of this many bytes

@@ -285,22 +285,25 @@ class Scheduler:
         return chunk
 
     # -- items sharing a chunk -------------------------------------------------------------------
-    def join_open_batch(self, driver: Any, staged: np.ndarray, staged_at: tuple) -> Optional[ChunkFuture]:
-        """Add an item, already copied into the pinned pool array ``staged`` (in host-clock
-        ``staged_at``), to the chunk still taking items (any thread, lock held: the commit point).
-        Returns the item's future, or None when no chunk takes items or its room is too small."""
+    def join_open_batch(self, driver: Any, result: np.ndarray) -> Optional[tuple]:
+        """Room in the chunk still taking items (any thread, lock held) for an item whose result
+        comes back into the pinned pool array ``result`` (the item's shape and dtype):
+        ``(chunk, member)`` with the member registered (the commit point: its future is the
+        item's) and a copy into the chunk counted as being made; None when no chunk takes items
+        or its room is too small. The caller copies the item to ``chunk.batch`` at the member's
+        offset, then calls :meth:`member_written` whatever happens."""
         chunk = self.open_batch
         if chunk is None or not self.accepting or self.broken is not None:
             return None
         offset = -(-chunk.used // MEMBER_ALIGN) * MEMBER_ALIGN
-        if offset + staged.nbytes > self.config.chunk_bytes:
+        if offset + result.nbytes > chunk.batch.nbytes:
             return None
-        return self._add_member(chunk, driver, offset, staged, staged_at).future
+        return chunk, self._add_member(chunk, driver, offset, result)
 
-    def open_new_batch(self, driver: Any, staged: np.ndarray, staged_at: tuple) -> ChunkFuture:
-        """A new chunk in the inbox that takes further items until the driver admits it, with
-        ``staged`` (as :meth:`join_open_batch`) its first (any thread, lock held). Returns the
-        item's future.
+    def open_new_batch(self, driver: Any, batch: np.ndarray, result: np.ndarray) -> tuple:
+        """A new chunk whose input is staged in the pinned pool array ``batch`` (uint8, a slot's
+        size), in the inbox and taking items until the driver admits it, with a first member as
+        :meth:`join_open_batch` makes (any thread, lock held). Returns ``(chunk, member)``.
 
         Raises:
             DeviceError: the device is broken.
@@ -308,24 +311,44 @@ class Scheduler:
         """
         self._check_accepting()
         index = next(self._indices)
-        chunk = Chunk(index, None, ChunkFuture(driver, index), members=[])
-        chunk.stamps["accepted"] = staged_at[0]
-        member = self._add_member(chunk, driver, 0, staged, staged_at, index=index)
+        chunk = Chunk(index, None, ChunkFuture(driver, index), members=[], batch=batch, tokens=[])
+        chunk.stamps["accepted"] = self.device.now
+        member = self._add_member(chunk, driver, 0, result, index=index)
         self.inbox.append(chunk)
         self.open_batch = chunk
-        return member.future
+        return chunk, member
 
-    def _add_member(self, chunk: Chunk, driver: Any, offset: int, staged: np.ndarray, staged_at: tuple,
+    def _add_member(self, chunk: Chunk, driver: Any, offset: int, result: np.ndarray,
                     index: Optional[int] = None) -> Member:
         index = next(self._indices) if index is None else index
-        member = Member(index, ChunkFuture(driver, index), offset, staged, self.device.publish())
+        member = Member(index, ChunkFuture(driver, index), offset, result)
         chunk.members.append(member)
-        chunk.used = offset + staged.nbytes
-        prep = chunk.stamps.get("prepare")
-        chunk.stamps["prepare"] = [staged_at[0] if prep is None else min(prep[0], staged_at[0]),
-                                   staged_at[1] if prep is None else max(prep[1], staged_at[1])]
+        chunk.used = offset + result.nbytes
+        chunk.writers += 1
         self._members[index] = chunk
         return member
+
+    def member_written(self, chunk: Chunk, member: Member, span: Optional[tuple]) -> None:
+        """The copy of ``member``'s item into ``chunk`` ended (any thread, lock held): made, in
+        host-clock ``span``, and ordered before the chunk's copy to the device; or, with ``span``
+        None, it failed and the item is not accepted (its bytes in the chunk are not used)."""
+        chunk.writers -= 1
+        if chunk.tokens is not None:  # the thread's use of the chunk's block (a failed copy too) comes first
+            chunk.tokens.append(self.device.publish())
+        if span is None:
+            chunk.members.remove(member)
+            self._members.pop(member.index, None)
+            if not chunk.members and not chunk.writers and chunk in self.inbox:
+                # no item of it is left: it goes now, and its pinned block back to the pool
+                self.inbox.remove(chunk)
+                if self.open_batch is chunk:
+                    self.open_batch = None
+                chunk.batch = None
+                chunk.tokens = None
+            return
+        prep = chunk.stamps.get("prepare")
+        chunk.stamps["prepare"] = [span[0] if prep is None else min(prep[0], span[0]),
+                                   span[1] if prep is None else max(prep[1], span[1])]
 
     def _check_accepting(self) -> None:
         if self.broken is not None:
@@ -337,23 +360,32 @@ class Scheduler:
             raise RuntimeError("admission is full; wait for capacity before accepting")
 
     def _admit(self) -> bool:
-        """Take the inbox's chunks in (driving thread). A chunk taking items stays there while
-        earlier chunks wait for a slot: it could not start sooner, so it takes items meanwhile."""
+        """Take the inbox's chunks in (driving thread). A chunk taking items waits there while a
+        copy into it is being made, and, while earlier chunks wait for a slot, keeps taking items
+        (it could not start sooner anyway)."""
         admitted = False
         inbox = self.inbox
         while inbox:
             chunk = inbox[0]
             members = chunk.members
-            if chunk is self.open_batch:
-                if self._accepted_q and self.accepting and not self._cancel_admitted:
+            if members is not None:
+                if chunk.writers:
                     break
-                self.open_batch = None
+                if chunk is self.open_batch:
+                    if self._accepted_q and self.accepting and not self._cancel_admitted:
+                        break
+                    self.open_batch = None
             inbox.popleft()
             self.chunks_admitted += 1
             if members is not None:
-                for m in members:
-                    self.device.observe(m.token)
-                    m.token = None
+                for token in chunk.tokens:
+                    self.device.observe(token)
+                chunk.tokens = None
+                if not members:  # every item's copy failed: nothing of it was accepted
+                    self._finish(chunk)
+                    continue
+                chunk.staged = chunk.batch[:chunk.used]
+                chunk.batch = None
                 self.counts["accepted"] += len(members)
                 cancelled = self._cancel_admitted or all(m.future.done() for m in members)
             else:
@@ -577,7 +609,7 @@ class Scheduler:
             self._accepted_q.popleft()
             chunk.host_in = slot
             chunk.move(ChunkState.PREPARING)
-            if chunk.staged is None and chunk.members is None:
+            if chunk.staged is None:
                 chunk.stamps["prepare"] = [self.device.now, None]
             found = self._found(chunk)
             if self.host_in.external or found is not None:
@@ -586,7 +618,7 @@ class Scheduler:
                 if found is not None:
                     chunk.source, shape, dtype = found
                     chunk.prepare_task = _InlineTask(self.device, _described, shape, dtype)
-                    if chunk.staged is not None or chunk.members is not None:  # the accepting thread's copy was its prepare
+                    if chunk.staged is not None:  # the accepting thread's copy was its prepare
                         chunk.prepare_task.span = tuple(chunk.stamps["prepare"])
                 else:
                     chunk.prepare_task = _InlineTask(self.device, self._run_prepare, chunk, slot.where)
@@ -603,8 +635,6 @@ class Scheduler:
 
     def _found(self, chunk: Chunk) -> Optional[tuple]:
         """Where ``chunk``'s input already is in pinned memory: (its bytes, shape, dtype), or None."""
-        if chunk.members is not None:  # each item's own pool array: the h2d reads them one by one
-            return None, (chunk.used,), np.dtype(np.uint8)
         staged = chunk.staged
         if staged is not None:
             return BufferSlice(buffer_behind(staged), 0, staged.nbytes), staged.shape, staged.dtype
@@ -625,7 +655,7 @@ class Scheduler:
         return tuple(shape), dtype, nbytes, (described[2] if len(described) > 2 else None)
 
     def _on_prepared(self, chunk: Chunk) -> None:
-        if chunk.staged is None and chunk.members is None:
+        if chunk.staged is None:
             chunk.stamps["prepare"][1] = self.device.now
         try:
             chunk.shape, chunk.dtype, chunk.nbytes, tree = chunk.prepare_task.result()
@@ -652,7 +682,7 @@ class Scheduler:
         self.host_out.move(slot, SlotState.CONSUMING)
         chunk.move(ChunkState.CONSUMING)
         chunk.stamps["consume"] = [self.device.now, None]
-        if (self.host_out.external or (chunk.result is not None and self.consume is None)) \
+        if (self.host_out.external or chunk.members is not None or (chunk.result is not None and self.consume is None)) \
                 and "host_out.release_after_consume" not in self._guard_off:
             # the result is already in the caller's memory or in a pooled array of its own:
             # the consumer copies nothing
@@ -668,6 +698,8 @@ class Scheduler:
             slot.fence = chunk.consume_task
 
     def _run_consume(self, chunk: Chunk, where: BufferSlice) -> Any:
+        if chunk.members is not None:
+            return None  # each item gets its own pool array when the chunk ends
         result = chunk.result
         if result is not None:  # the d2h wrote a pooled array of the chunk's own
             buffer = chunk.result_buffer  # found at the d2h; none moved no bytes (an empty fill)
@@ -677,8 +709,6 @@ class Scheduler:
         view = where.buffer.view(chunk.out_dtype, offset=where.offset, count=count,
                                  access="r").reshape(chunk.out_shape)
         if result is not None:
-            if chunk.members is not None:
-                return None  # each item gets its own part of the result when the chunk ends
             if self.consume is None:
                 return self._delivered(chunk, result)
             view = result.view()  # a view of the pooled array holds its block: one kept stays valid
@@ -727,12 +757,7 @@ class Scheduler:
             n = chunk.nbytes
             if self._profile:
                 self._mark(chunk, s, "h2d", start=True)
-            if chunk.members is not None:
-                where = slot.where
-                for m in chunk.members:  # each item's pool array into its part of the slot
-                    s.copy(BufferSlice(where.buffer, where.offset + m.offset, m.nbytes),
-                           BufferSlice(buffer_behind(m.staged), 0, m.nbytes), m.nbytes)
-            elif n:  # a zero-length item moves no bytes (a copy needs at least one)
+            if n:  # a zero-length item moves no bytes (a copy needs at least one)
                 s.copy(_head(slot.where, n), _head(chunk.source or chunk.host_in.where, n), n)
             event = self._mark(chunk, s, "h2d")
             chunk.stamps["h2d.enqueued"] = self.device.now
@@ -813,9 +838,8 @@ class Scheduler:
         for m in chunk.members:
             if m.future.done():
                 continue
-            shape, dtype, n = m.staged.shape, m.staged.dtype, m.staged.nbytes
-            x = BufferSlice(din.buffer, din.offset + m.offset, n).array(dtype, shape)
-            y = x if inplace else BufferSlice(dout.buffer, dout.offset + m.offset, n).array(dtype, shape)
+            x = BufferSlice(din.buffer, din.offset + m.offset, m.nbytes).array(m.dtype, m.shape)
+            y = x if inplace else BufferSlice(dout.buffer, dout.offset + m.offset, m.nbytes).array(m.dtype, m.shape)
             try:
                 launch_compute(stream, compute, x, y, inplace=inplace,
                                sim_seconds=sim_seconds_for(self._sim_compute, m.nbytes), index=m.index)
@@ -873,9 +897,9 @@ class Scheduler:
                 self._mark(chunk, s, "d2h", start=True)
             if chunk.members is not None:
                 where = chunk.dev_out.where
-                for m in chunk.members:  # each item's part back into its own pool array
+                for m in chunk.members:  # each item's part into its own pool array
                     if not m.future.done():
-                        s.copy(BufferSlice(buffer_behind(m.staged), 0, m.nbytes),
+                        s.copy(BufferSlice(buffer_behind(m.result), 0, m.nbytes),
                                BufferSlice(where.buffer, where.offset + m.offset, m.nbytes), m.nbytes)
             elif n:
                 s.copy(_head(dest, n), _head(chunk.dev_out.where, n), n)
@@ -1093,7 +1117,7 @@ class Scheduler:
             self._members.pop(m.index, None)
             fut = m.future
             fut.token = token
-            hand_off(m.staged, token)  # its block's next taker comes after this chunk's copies
+            hand_off(m.result, token)  # its block's next taker comes after the d2h into it
             if fut.done():  # cancelled by its caller while the chunk went on for the others
                 self.counts["cancelled"] += 1
             elif m.error is not None and final is not ChunkState.FAILED:
@@ -1101,7 +1125,7 @@ class Scheduler:
                 fut.set_exception(m.error)
             elif final is ChunkState.DELIVERED:
                 self.counts["delivered"] += 1
-                value = m.staged
+                value = m.result
                 fut.set_result(value if self.convert is None else convert_tree(value, self.convert))
             elif final is ChunkState.FAILED:
                 self.counts["failed"] += 1
@@ -1109,7 +1133,7 @@ class Scheduler:
             else:
                 self.counts["cancelled"] += 1
                 fut._mark_cancelled()
-            m.event = m.staged = None
+            m.event = m.result = None
         chunk.members = []  # the futures hold the results; the ended chunk holds none of them
 
     def take_resolved(self) -> list:
@@ -1127,6 +1151,7 @@ class Scheduler:
         chunk.prepare_task = chunk.consume_task = None
         chunk.h2d_event = chunk.compute_event = chunk.d2h_event = None
         chunk.events = {}
+        chunk.batch = None
 
     def stop_admission(self) -> None:
         """Take no more work; what was accepted (the inbox too) still runs to its end."""
