@@ -26,6 +26,6 @@ else
   echo "== bench" | tee -a "$LOG"
   timeout 420 python3 -m ringflow._cli bench ${BENCH_ARGS:-} --device cuda:0 --out "$OUT" --trace "$OUT/trace.json" --plot "$OUT/timeline.png" 2>&1 | tail -150 | tee -a "$LOG"
   timeout 100 python3 bench/profile_host.py --device cuda:0 --out "$OUT/profile.txt" 2>&1 | head -16
-  echo "== request host time, staged and pool items" | tee -a "$LOG"
-  timeout 60 python3 bench/request_costs.py --device cuda:0 --hz 0 --variants staged,pooled --out "$OUT/request_costs.json" 2>&1 | grep -v "progress\|submit" | cut -c1-300 | tee -a "$LOG"
+  echo "== request host time: staged (sharing chunks, and each alone) and pool items" | tee -a "$LOG"
+  timeout 60 python3 bench/request_costs.py --device cuda:0 --hz 0 --variants staged,staged-alone,pooled --out "$OUT/request_costs.json" 2>&1 | grep -v "progress\|submit" | cut -c1-300 | tee -a "$LOG"
 fi
