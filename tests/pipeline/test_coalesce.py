@@ -340,3 +340,14 @@ def test_many_items_through_shared_chunks_leave_nothing_behind():
     del fut
     gc.collect()
     assert rf.host.stats(device=dev).in_use_bytes == 0 and dev.live().total == 0
+
+
+def test_at_most_sixty_four_items_share_a_chunk_and_a_profile_reports_chunks():
+    xs = [np.full(3, i, np.float32) for i in range(300)]
+    with rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=1 << 20, profile=True) as pipe:
+        results = [fu.result() for fu in [pipe.submit(x) for x in xs]]
+        chunks = pipe.scheduler.chunks_admitted
+    assert all(np.array_equal(r, expected(x)) for r, x in zip(results, xs))
+    assert 300 / 64 <= chunks < 300
+    rep = pipe.report()
+    assert rep.chunks == chunks

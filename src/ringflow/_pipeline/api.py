@@ -168,23 +168,24 @@ class Pipeline:
     None keeps numpy on the host and the device's framework on the device.
 
     ``coalesce`` (on by default) lets ``submit`` put small plain-array items in a chunk other
-    items share: an item submitted while the pipeline's previous chunk still waits for a slot
-    is copied into that chunk's pinned block (each item aligned to 256 bytes) instead of
-    starting its own. The chunk moves with one copy each way; ``compute`` still runs once per
-    item, on that item's own part of the slots, with its own shape and dtype; each future gets
-    its own part of the pinned result (the block returns to the pool once every item's result is
-    dropped). An item whose compute fails, or that is cancelled, ends so alone; the others go
-    on. When the pipeline keeps up, every chunk holds one item, as with ``coalesce=False``.
-    It applies with no ``consume``, ``output``, ``prepare`` or ``fill``, results delivered on the
-    host, and to items of up to 4 MiB that are not already pool arrays; ``map`` and
-    ``asubmit`` give each item a chunk of its own.
+    items share: an item submitted while the pipeline is busy (the chunk before it not yet
+    taken in, or waiting for a slot) is copied into that chunk's pinned block (each item aligned
+    to 256 bytes) instead of starting its own, so the chunk moves with one copy in and one set of
+    slots, events and stage changes. ``compute`` still runs once per item, on that item's own
+    part of the slots, with its own shape and dtype; each item's result comes back into a pinned
+    pool array of its own. An item whose compute fails, or that is cancelled, ends so alone; the
+    others go on. When the pipeline keeps up, each chunk holds one item, as with
+    ``coalesce=False``; at most 64 items share one. It applies with no ``consume``, ``output``,
+    ``prepare`` or ``fill``, results delivered on the host, and to items of up to 4 MiB that
+    are not already pool arrays; ``map`` gives each item a chunk of its own.
 
     ``slots`` (None: derived by :mod:`ringflow._plan`; an int for every ring; or a
     :class:`SlotCounts`) and ``chunk_bytes`` (the slot size) bound pinned memory at
     ``(slots.host_in + slots.host_out) * chunk_bytes``, which ``pinned_budget`` (bytes) caps: planned
     slots shrink to fit it, explicit ones that do not fit are refused. At most ``max_in_flight`` accepted
-    chunks are unfinished (including results a ``map`` has not handed out yet); ``submit``
-    blocks while that many are, and ``map`` pulls input only as capacity frees up.
+    chunks are unfinished (including results a ``map`` has not handed out yet; items sharing a
+    chunk count once); ``submit`` blocks while that many are, and ``map`` pulls input only as
+    capacity frees up.
     """
 
     def __new__(cls, *args: Any, device: Any = None, **kwargs: Any):

@@ -212,6 +212,9 @@ class Member:
 
 
 MEMBER_ALIGN = 256  # each item of a shared chunk starts at a multiple of this many bytes
+# at most this many items share a chunk: a chunk's latency grows with its launches, and the items
+# in flight (each holding a pinned result) stay within max_in_flight times this
+MAX_MEMBERS = 64
 
 
 Callback = Callable[[], None]

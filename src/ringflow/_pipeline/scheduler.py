@@ -43,7 +43,7 @@ from .._device.host_pool import buffer_behind, hand_off
 from .._device.protocol import BufferSlice, Device
 from .._errors import DeviceError, StageError
 from .._testing import current as current_hooks
-from .chunk import MEMBER_ALIGN, Chunk, ChunkFuture, Member
+from .chunk import MAX_MEMBERS, MEMBER_ALIGN, Chunk, ChunkFuture, Member
 from .config import PipelineConfig, refuse_unknown_guards
 from .ring import Ring, Slot
 from .states import ChunkState, RingKind, SlotState
@@ -293,7 +293,7 @@ class Scheduler:
         or its room is too small. The caller copies the item to ``chunk.batch`` at the member's
         offset, then calls :meth:`member_written` whatever happens."""
         chunk = self.open_batch
-        if chunk is None or not self.accepting or self.broken is not None:
+        if chunk is None or not self.accepting or self.broken is not None or len(chunk.members) >= MAX_MEMBERS:
             return None
         offset = -(-chunk.used // MEMBER_ALIGN) * MEMBER_ALIGN
         if offset + result.nbytes > chunk.batch.nbytes:
