@@ -199,8 +199,10 @@ class CoalescingMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.pipe = rf.Pipeline(f, device=rf.device("sim", seed=5), chunk_bytes=1 << 15, checked=True,
+        self.dev = rf.device("sim", seed=5)
+        self.pipe = rf.Pipeline(f, device=self.dev, chunk_bytes=1 << 15, checked=True,
                                 on_error="continue", max_in_flight=6)
+        self.sticky = False
         self.futs: list = []  # (future, item, marked to fail, cancelled by us)
         self.closed = False
         self.lock = threading.Lock()
@@ -215,7 +217,12 @@ class CoalescingMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 2000), fail=st.sampled_from([None, None, "error", "interrupt"]))
     def submit(self, n, fail):
         x = self._item(n, fail)
-        self.futs.append([self.pipe.submit(x), x, fail, False])
+        try:
+            fut = self.pipe.submit(x)
+        except rf.DeviceError:
+            assert self.sticky  # the device broke: submit says so
+            return
+        self.futs.append([fut, x, fail, False])
 
     @precondition(lambda self: not self.closed)
     @rule(sizes=st.lists(st.integers(1, 1500), min_size=1, max_size=12), threads=st.integers(2, 4))
@@ -224,7 +231,10 @@ class CoalescingMachine(RuleBasedStateMachine):
 
         def go(k):
             for x in made[k::threads]:
-                fut = self.pipe.submit(x)
+                try:
+                    fut = self.pipe.submit(x)
+                except rf.DeviceError:
+                    return
                 with self.lock:
                     self.futs.append([fut, x, None, False])
 
@@ -233,6 +243,13 @@ class CoalescingMachine(RuleBasedStateMachine):
             t.start()
         for t in ts:
             t.join()
+
+    @precondition(lambda self: not self.closed and not self.sticky)
+    @rule(roll=st.integers(0, 7))
+    def break_device(self, roll):
+        if roll == 7:  # rarely: a sticky error ends the device's useful life; every future still ends
+            self.dev.inject_sticky_error()
+            self.sticky = True
 
     @precondition(lambda self: self.futs)
     @rule(data=st.data())
@@ -268,6 +285,8 @@ class CoalescingMachine(RuleBasedStateMachine):
         for fut, x, fail, cancelled in self.futs:
             if not fut.done():
                 continue
+            if self.sticky and not fut.cancelled() and isinstance(fut.exception(), rf.DeviceError):
+                continue  # ended by the broken device
             if cancelled:
                 assert fut.cancelled()
             elif fail == "error":

@@ -1120,7 +1120,7 @@ class Scheduler:
             hand_off(m.result, token)  # its block's next taker comes after the d2h into it
             if fut.done():  # cancelled by its caller while the chunk went on for the others
                 self.counts["cancelled"] += 1
-            elif m.error is not None and final is not ChunkState.FAILED:
+            elif m.error is not None:  # its own compute failed: its own error, however the chunk ended
                 self.counts["failed"] += 1
                 fut.set_exception(m.error)
             elif final is ChunkState.DELIVERED:
