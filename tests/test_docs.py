@@ -109,6 +109,12 @@ def _requests(file: str) -> tuple[float, float]:
     return 1e3 / r["capacity_per_s"], 1e3 / ring["capacity_per_s"]
 
 
+def _one_side_staged(file: str) -> tuple[float, float]:
+    """1 GiB of ordinary memory in: with a pool array as out, and with a new ordinary out (ms)."""
+    cases = json.loads((RESULTS / file).read_text())["pool_calls"]["cases"]
+    return cases["pageable in, out= a pool array"]["ms_median"], cases["pageable in, new ordinary out"]["ms_median"]
+
+
 LATER = [
     ("| `requests`: a stream of fresh numpy requests", *_requests("bench-h200-2026-12-01-requests-shared-input.json"),
      " a request"),
@@ -117,6 +123,7 @@ LATER = [
     ("| `feed`: 64 images decoded on 8 CPU workers", *_feed("feed-h200-2026-12-01-final-a.json"), " a batch"),
     ("| 3072 uint8 images (462 MB) in, a float16 row each out",
      *_inference("inference-h200-2026-12-01-whole-registered.json"), ""),
+    ("| 1 GiB ordinary numpy array in, a pinned `out=", *_one_side_staged("pool-link-h200-2026-12-01.json"), ""),
 ]
 
 

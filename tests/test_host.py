@@ -137,6 +137,39 @@ def test_one_pooled_side_is_used_in_place_and_only_the_other_is_registered(poole
     assert rf.host.stats(device=dev).in_use_bytes == host_pool.size_class(data.nbytes)
 
 
+@pytest.mark.parametrize("pooled", ["x", "out"])
+@pytest.mark.parametrize("seed", range(3))
+def test_one_pooled_side_is_used_in_place_and_only_the_other_is_staged(pooled, seed, layouts):
+    """A pool array on one side and ordinary memory on the other: where staging beats registering
+    (chunks of 4 MiB, 16 workers), only the ordinary side goes through a pinned ring and a CPU
+    copy; the copy engines read or write the pool array in place. Checked under chaos."""
+    dev = rf.device("sim", chaos=True, seed=seed)
+    data = np.random.default_rng(seed).uniform(0.5, 1.5, 3 << 20).astype(np.float32)
+    x = rf.host.empty_like(data, device=dev) if pooled == "x" else data.copy()
+    x[:] = data
+    out = rf.host.empty_like(data, device=dev) if pooled == "out" else np.empty_like(data)
+    with engines() as seen:
+        y = rf.stream_map(f, x, out=out, device=dev, chunk_bytes=4 << 20, workers=16, checked=True)
+    assert y is out and np.array_equal(y, data * 2 + 1)
+    assert layouts[0].strategy == "stage" and layouts[0].in_place == (pooled == "x", pooled == "out")
+    sched = seen[0].scheduler
+    assert (sched.host_in.external, sched.host_out.external) == (pooled == "x", pooled == "out")
+    assert dev.live().host_buffers == 0  # the staging ring is gone with the checked call's pipeline
+
+
+def test_warm_pipelines_keep_apart_a_pooled_and_an_ordinary_result():
+    """Two calls of one shape, one writing a pool array in place and one staging an ordinary
+    result, are different pipelines in the warm cache: each call gets the right rings."""
+    dev = rf.device("sim", chaos=True, seed=4)
+    data = np.random.default_rng(4).uniform(0.5, 1.5, 3 << 20).astype(np.float32)
+    pooled = rf.host.empty_like(data, device=dev)
+    for k in range(2):
+        for out in (pooled, np.empty_like(data)):
+            y = rf.stream_map(f, data + k, out=out, device=dev, chunk_bytes=4 << 20, workers=16)
+            assert y is out and np.array_equal(y, (data + k) * 2 + 1)
+    rf.drop_warm_pipelines(dev)
+
+
 def test_a_pooled_x_with_a_fresh_out_and_explicit_staging(layouts, host_calls):
     dev = rf.device("sim")
     x = rf.host.empty(1 << 14, np.float32, device=dev)

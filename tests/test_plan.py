@@ -415,13 +415,17 @@ def test_predict_devices_splits_the_links_and_shares_the_host():
         plan.predict_devices("h200-pcie5", 1 << 30, 8 * MiB, 0)
 
 
-def test_a_side_already_pinned_costs_registering_nothing():
-    """A pool array in (pinned already) with a small result out: registering pins only the
-    result, so it beats staging every byte of the input through the rings."""
+def test_a_side_already_pinned_costs_nothing_either_way():
+    """A pool array in (pinned already): registering pins only the result, and staging copies only
+    the result (the copy engines read the input in place), so neither pays for the input."""
     big, small = 1 << 30, 1 << 16
-    assert plan.choose_host_strategy("h200-pcie5", big, small, workers=8, out_is_fresh=True).choice == "stage"
+    both = plan.choose_host_strategy("h200-pcie5", big, small, workers=8, out_is_fresh=True)
+    assert both.choice == "stage"
     chosen = plan.choose_host_strategy("h200-pcie5", big, small, workers=8, out_is_fresh=True, pinned=(True, False))
-    assert chosen.choice == "register" and chosen.register_s < 1e-3
+    assert chosen.register_s < 1e-3 and chosen.stage_s < 1e-3
+    assert chosen.stage_s == pytest.approx(both.stage_s * small / (big + small))
+    none = plan.choose_host_strategy("h200-pcie5", big, small, workers=8, out_is_fresh=True, pinned=(True, True))
+    assert none.stage_s == 0 and none.register_s == 0
 
 
 def test_a_job_over_a_pool_array_registers_only_its_result():

@@ -259,19 +259,22 @@ class HostStrategy:
 
 
 def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbytes_out: int, *, workers: int,
-                         out_is_fresh: bool, pinned: tuple = (False, False)) -> HostStrategy:
+                         out_is_fresh: bool, pinned: tuple = (False, False), chunks: int = 0) -> HostStrategy:
     """Stage or register, by the profile's measured host costs.
 
-    Staging costs two memcpy passes on ``workers`` threads (in, then out; a fresh output is
-    first-touched by those same copies). Registering costs a registration of each array (a
+    Staging costs a memcpy pass on ``workers`` threads for each side (in, then out; a fresh
+    output is first-touched by that copy). Registering costs a registration of each array (a
     fresh output first-touched in parallel first, since registering it faults its pages in one
-    thread), its unregistration, and nothing per chunk; a side already pinned (``pinned``: input,
-    output) costs nothing. Both then move the same bytes on the link.
+    thread), its unregistration, and nothing per chunk. A side already pinned (``pinned``:
+    input, output) costs nothing either way: the copy engines use it in place. Both then move the
+    same bytes on the link. Staging also needs the scheduler, whose host time per chunk exceeds
+    the direct engine's: over ``chunks`` chunks that difference counts against staging (it
+    decides where little is left to copy, as when one side is pinned and the other small).
     """
     p = get_profile(profile)
     copy_rate = p.host_copy_rate(workers) * 1e9
-    stage = (nbytes_in + nbytes_out) / copy_rate
     to_pin = (0 if pinned[0] else nbytes_in) + (0 if pinned[1] else nbytes_out)
+    stage = to_pin / copy_rate + chunks * (SCHEDULER_S_PER_CHUNK - DIRECT_S_PER_CHUNK)
     register = to_pin / (p.register_GBps * 1e9) + to_pin / (p.unregister_GBps * 1e9)
     if out_is_fresh and not pinned[1]:
         register += nbytes_out / (p.first_touch_rate(workers) * 1e9)

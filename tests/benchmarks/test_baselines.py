@@ -306,7 +306,10 @@ def test_link_floor_gpu():
     r = bl.link_floor(8 << 20, 4 << 20, repeats=3)
     assert r["link_correct"] is True
     assert r["link_h2d_GBps"] > 0 and r["link_d2h_GBps"] > 0 and r["link_duplex_GBps"] > 0
-    assert 0 < r["link_floor_ms"] <= r["link_h2d_ms"] + r["link_d2h_ms"] + 1e-9
+    assert 0 < r["link_floor_ms"] <= r["link_h2d_min_ms"] + r["link_d2h_min_ms"] + 1e-9
+    assert r["link_floor_ms"] <= r["link_duplex_min_ms"] <= r["link_duplex_ms"]
+    assert set(r["link_by_streams"]) == {"1", "2", "4"} and r["link_floor_streams"] in (1, 2, 4)
+    assert r["link_floor_ms"] == min(v["link_floor_ms"] for v in r["link_by_streams"].values())
     json.dumps(r)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -65,6 +66,45 @@ def test_a_worker_process_that_dies_fails_chunks_by_name_and_the_pipeline_still_
     assert "BrokenProcessPool" in type(broken[0].__cause__).__name__ or "terminated" in str(broken[0].__cause__)
     s = pipe.stats()
     assert s.accepted == s.delivered + s.failed == 8 and s.in_flight == 0
+    assert dev.live().total == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_results_released_on_new_threads_after_close_free_their_slots_there(stream):
+    """After close, the last release frees the device ring on the releasing thread. That thread
+    knows the results' computes completed only through the scheduler's lock, taken after
+    close: the checker must see that edge too (a spurious hazard left the ring unfreed)."""
+    dev = rf.device("sim", seed=3)
+    user = dev.create_stream() if stream else None
+    pipe = rf.Pipeline(f, device=dev, chunk_bytes=1024, deliver="device")
+    held = list(pipe.map([np.full(8, k, np.float32) for k in range(3)]))
+    go = threading.Event()
+    failed = []
+
+    one_at_a_time = threading.Lock()  # catch_warnings is process-wide
+
+    def release(res):
+        go.wait()
+        with one_at_a_time, warnings.catch_warnings(record=True) as caught:  # a failed free is only a warning
+            warnings.simplefilter("always")
+            res.release(stream=user)
+        failed.extend(str(w.message) for w in caught)
+
+    # started before close, so none of them runs on a thread the checker knew before (a thread
+    # id the ended progress thread had would carry over what it saw)
+    threads = [threading.Thread(target=release, args=(r,)) for r in held]
+    for t in threads:
+        t.start()
+    pipe.close()
+    go.set()
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads) and failed == []
+    if user is not None:
+        user.sync()
+        user.close()
+    del held, threads
+    gc.collect()
     assert dev.live().total == 0
 
 

@@ -3,9 +3,10 @@
 pinned rings on CPU workers, or ``on_error="continue"``.
 
 Each chunk is the item ``(start, stop)`` of ``x``'s rows. Its prepare stage copies those rows
-into a pinned slot (staging) or only describes them (the copy engines read the caller's pinned
-memory in place); its consume stage copies the result rows into ``out`` (staging) or does
-nothing (the copy engine wrote ``out`` in place).
+into a pinned slot (input staged) or only describes them (the copy engines read the caller's
+pinned memory in place); its consume stage copies the result rows into ``out`` (result staged)
+or does nothing (the copy engine wrote ``out`` in place). Each side is staged or used in place
+on its own: a pool array on one side and ordinary memory on the other stage only the latter.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class ScheduledEngine:
     def _stages(self, arrays: Arrays) -> tuple:
         """The prepare and consume stages (and the bytes a prepare copies) for ``arrays``."""
         x, out, layout = arrays.x, arrays.out, self.layout
-        row_bytes, tail, staging = layout.row_bytes, layout.tail, layout.strategy == "stage"
+        row_bytes, tail = layout.row_bytes, layout.tail
+        staging_in, staging_out = layout.staged
 
         def prepare(item, raw):
             a, b = item
@@ -46,16 +48,17 @@ class ScheduledEngine:
             return (b - a,) + tail, x.dtype
 
         def consume(index, item, view):
-            if staging:
+            if staging_out:
                 a, b = item
                 out[a:b] = view
 
-        item_nbytes = (lambda item: (item[1] - item[0]) * row_bytes) if staging else (lambda item: 0)
+        item_nbytes = (lambda item: (item[1] - item[0]) * row_bytes) if staging_in else (lambda item: 0)
         return prepare, consume, item_nbytes
 
     def _host_rings(self, arrays: Arrays) -> tuple:
-        """The caller's pinned memory behind the host rings: none when staging."""
-        return (None, None) if self.layout.strategy == "stage" else (arrays.x_buffer, arrays.out_buffer)
+        """The caller's pinned memory behind the host rings, for each side not staged."""
+        staging_in, staging_out = self.layout.staged
+        return None if staging_in else arrays.x_buffer, None if staging_out else arrays.out_buffer
 
     def _new_pipeline(self, arrays: Arrays, *, profile: bool) -> Pipeline:
         prepare, consume, item_nbytes = self._stages(arrays)

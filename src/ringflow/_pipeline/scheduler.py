@@ -173,6 +173,7 @@ class Scheduler:
         self.returns: collections.deque = collections.deque()
         self._closed = False
         self._lend_lock = threading.Lock()  # releases after close, with no driver left
+        self._close_token: Any = None
         self.wake_driver: Optional[Callable[[], None]] = None  # set by the driver: a release is waiting
         self.unclaimed = 0  # final chunks whose result a map() has not handed out yet
         self.steps = 0
@@ -977,6 +978,7 @@ class Scheduler:
             del self.lent[id(slot)]
             progressed = True
             if self._closed:  # the streams are gone: free the ring once its last lent slot is back
+                self.device.observe(self._close_token)
                 if event is not None:
                     event.sync()
                 ring.move(slot, SlotState.DRAINING)
@@ -1254,6 +1256,9 @@ class Scheduler:
         self._forget_finished_frames()
         with self._lend_lock:
             self._take_returns()
+            # a result released after this, on any thread, frees its slot there (_take_returns):
+            # that thread takes this lock after us, so it has seen all we saw (every completion)
+            self._close_token = self.device.publish()
             self._closed = True
             self._release_resources()
 

@@ -183,7 +183,7 @@ def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x
             opts_key = warm.options_key(opts)
             if opts_key is not None:
                 key = ("map", id(layout.device), id(f), layout.key, kind, out is x,
-                       None if x_buffer is None else (x_buffer.nbytes, out_buffer.nbytes), opts_key)
+                       tuple(None if b is None else b.nbytes for b in (x_buffer, out_buffer)), opts_key)
         eng = warm.WARM.take(key) if key is not None else None
         if eng is None:
             eng = make_engine(kind, f, layout, opts, arrays)
@@ -293,7 +293,9 @@ class MapLayout:
     """How a whole-array job is cut and moved: chunks of ``rows`` rows (the last may be shorter)
     over ``length`` rows; a row of ``x`` is ``row_bytes`` (``tail`` of ``dtype``), a row of the
     result ``out_row_bytes`` (``out_tail`` of ``out_dtype``); and the host strategy ("stage",
-    "register" or "pinned")."""
+    "register" or "pinned"). When staging, ``in_place`` names the sides (input, result) that are
+    pinned pool arrays already: the copy engines use those in place and only the other side is
+    staged."""
 
     device: Device
     row_bytes: int
@@ -305,6 +307,13 @@ class MapLayout:
     out_row_bytes: int
     out_tail: tuple
     out_dtype: np.dtype
+    in_place: tuple = (False, False)
+
+    @property
+    def staged(self) -> tuple:
+        """Which sides (input, result) go through pinned rings and a CPU copy."""
+        stage = self.strategy == "stage"
+        return stage and not self.in_place[0], stage and not self.in_place[1]
 
     @property
     def n_chunks(self) -> int:
@@ -334,7 +343,7 @@ class MapLayout:
     def key(self) -> tuple:
         """What shapes an engine built for this layout (for the warm cache)."""
         return (self.row_bytes, self.rows, self.length, self.tail, self.dtype.str, self.strategy,
-                self.out_tail, self.out_dtype.str)
+                self.out_tail, self.out_dtype.str, self.in_place)
 
     def ranges(self) -> Iterator[tuple[int, int]]:
         """Each chunk's rows ``(start, stop)``, made as they are pulled."""
@@ -369,6 +378,7 @@ class MapLayout:
         """
         row_bytes = x.nbytes // x.shape[0]
         out_row_bytes = out.nbytes // out.shape[0]
+        in_place = (False, False)
         contiguous = x.flags.c_contiguous and out.flags.c_contiguous
         workers = options.get("workers") or default_workers(dev)
         if (x_buffer is None) != (out_buffer is None):
@@ -386,10 +396,16 @@ class MapLayout:
                                      f"the buffer's first byte): make it with buffer.view(...) or register_host")
             strategy = "pinned"
         elif host == "auto":
+            # with one side pinned, staging the other competes with registering it on the direct
+            # engine, where the scheduler's cost per chunk decides a small side ("auto" is sized later)
+            guess = chunk_bytes if isinstance(chunk_bytes, int) else DEFAULT_CHUNK_BYTES
+            chunks = -(-max(x.nbytes, out.nbytes) // guess) if any(b is not None for b in pinned) else 0
             strategy = plan.choose_host_strategy(dev.hardware, x.nbytes, out.nbytes, workers=workers,
-                                                 out_is_fresh=fresh_out,
-                                                 pinned=tuple(b is not None for b in pinned)).choice
+                                                 out_is_fresh=fresh_out, pinned=tuple(b is not None for b in pinned),
+                                                 chunks=chunks).choice
             strategy = strategy if contiguous else "stage"
+            if strategy == "stage":  # a side already pinned is used in place; only the other is staged
+                in_place = tuple(b is not None for b in pinned)
         else:
             strategy = host
             if strategy == "register" and not contiguous:
@@ -411,7 +427,7 @@ class MapLayout:
                              f"raise chunk_bytes to at least {widest} or reshape x")
         rows = min(max(1, slot // widest), x.shape[0])  # a chunk is never larger than the array
         return cls(dev, row_bytes, rows, x.shape[0], x.shape[1:], x.dtype, strategy, out_row_bytes, out.shape[1:],
-                   out.dtype)
+                   out.dtype, in_place)
 
 
 def plan_layout(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, dev: Device, chunk_bytes, host: str,
@@ -428,6 +444,8 @@ def plan_layout(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, de
     if None not in pooled:
         x_buffer, out_buffer = pooled
     layout = MapLayout.plan(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer, opts, pooled)
+    if any(layout.in_place):  # one side a pool array, used in place; the other staged
+        x_buffer, out_buffer = pooled
     return layout, x_buffer, out_buffer, pooled
 
 
