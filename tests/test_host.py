@@ -157,6 +157,18 @@ def test_one_pooled_side_is_used_in_place_and_only_the_other_is_staged(pooled, s
     assert dev.live().host_buffers == 0  # the staging ring is gone with the checked call's pipeline
 
 
+def test_a_mapjob_with_one_pooled_side_stages_only_the_other_call_after_call():
+    dev = rf.device("sim", chaos=True, seed=6)
+    x = np.empty(3 << 20, np.float32)
+    out = rf.host.empty_like(x, device=dev)
+    with rf.MapJob(f, x, out, device=dev, chunk_bytes=4 << 20, workers=16) as job:
+        assert (job.strategy, job.engine) == ("stage", "pipeline")
+        for k in range(3):
+            x[:] = np.random.default_rng(k).uniform(0.5, 1.5, x.size)
+            assert job() is out and np.array_equal(out, x * 2 + 1)
+    assert dev.live().host_buffers == 0
+
+
 def test_warm_pipelines_keep_apart_a_pooled_and_an_ordinary_result():
     """Two calls of one shape, one writing a pool array in place and one staging an ordinary
     result, are different pipelines in the warm cache: each call gets the right rings."""
