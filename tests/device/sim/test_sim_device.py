@@ -5,6 +5,7 @@ and host worker pools."""
 from __future__ import annotations
 
 import gc
+import threading
 
 import numpy as np
 import pytest
@@ -341,6 +342,30 @@ def test_is_done_false_does_not_order_the_host(dev, x):
     assert not e.is_done
     with hazard("copy d2h", "host view (r)"):
         c.hout.view(np.float32, access="r")
+
+
+def test_a_thread_knows_only_what_it_saw_whatever_id_it_runs_on(dev, x):
+    """The checker counts the orderings the library makes (syncs on a thread, publish and
+    observe), not a thread's start or join. Python gives an ended thread's id to the next thread
+    it starts, and that thread must not start out knowing what the ended one saw: each later
+    thread's unsynced read of the d2h destination is flagged, on whichever id it runs."""
+    c, e = _pending_d2h(dev, x)
+    first = threading.Thread(target=e.sync)
+    first.start()
+    first.join()
+    caught = []
+
+    def read():
+        try:
+            c.hout.view(np.float32, access="r")
+        except rf.HazardError as err:
+            caught.append(err)
+
+    for _ in range(3):
+        t = threading.Thread(target=read)
+        t.start()
+        t.join()
+    assert len(caught) == 3
 
 
 def test_a_stream_sync_orders_the_host(dev, x):

@@ -18,6 +18,7 @@ process's ``"sim:N"`` devices share one host, and any other simulated GPU has a 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import threading
@@ -96,6 +97,7 @@ class SimDevice(Device):
         self._checker = HappensBeforeChecker() if checked else _NullChecker()
         self._lock = threading.RLock()
         self._tls = threading.local()
+        self._host_threads = itertools.count()  # numbers the host threads the checker has seen
         self._live = {"host_buffers": 0, "device_buffers": 0, "streams": 0, "events": 0}
         self._sticky: DeviceError | None = None
         self._in_engine = False
@@ -299,11 +301,12 @@ class SimDevice(Device):
         override = self._tls_actor_override()
         if override is not None:
             return override
-        ident = threading.get_ident()
-        actor = ("thread", ident)
-        if not getattr(self._tls, "registered", False):
+        actor = getattr(self._tls, "host_actor", None)
+        if actor is None:
+            # a number of its own, not the thread's id: Python gives an ended thread's id to a
+            # new thread, which would then start out knowing all the ended one had seen
+            actor = self._tls.host_actor = ("thread", next(self._host_threads))
             self._checker.add_actor(actor, f"host thread {threading.current_thread().name}")
-            self._tls.registered = True
         return actor
 
     def _tls_actor_override(self):
