@@ -169,6 +169,40 @@ def test_a_mapjob_with_one_pooled_side_stages_only_the_other_call_after_call():
     assert dev.live().host_buffers == 0
 
 
+def test_one_pooled_side_with_a_strided_input_a_failing_chunk_and_ctrl_c():
+    """The pooled result used in place while the other side is staged: a strided input is
+    staged row by row; with on_error="continue" the other chunks land and the call raises the
+    failed chunk's error; a KeyboardInterrupt in the compute reaches the caller and leaves
+    nothing of the call alive."""
+    dev = rf.device("sim", chaos=True, seed=2)
+    data = np.random.default_rng(0).uniform(0.5, 1.5, 6 << 20).astype(np.float32)
+    x = data[::2]
+    out = rf.host.empty(x.shape, np.float32, device=dev)
+    assert np.array_equal(rf.stream_map(f, x, out=out, device=dev, chunk_bytes=4 << 20, workers=16, checked=True),
+                          x * 2 + 1)
+
+    def negative_fails(a, b):
+        if a.reshape(-1)[0] < 0:
+            raise ValueError("negative")
+        b[...] = a * 2 + 1
+
+    x2 = data[:3 << 20].copy()
+    x2[1 << 20] = -1  # the first row of chunk 1
+    with pytest.raises(rf.StageError) as info:
+        rf.stream_map(negative_fails, x2, out=out, device=dev, chunk_bytes=4 << 20, workers=16,
+                      on_error="continue", checked=True)
+    assert (info.value.stage, info.value.index) == ("compute", 1)
+    assert np.array_equal(out[:1 << 20], x2[:1 << 20] * 2 + 1) and np.array_equal(out[2 << 20:], x2[2 << 20:] * 2 + 1)
+
+    def interrupted(a, b):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        rf.stream_map(interrupted, x2, out=out, device=dev, chunk_bytes=4 << 20, workers=16)
+    rf.drop_warm_pipelines(dev)
+    assert dev.live().total == 0
+
+
 def test_warm_pipelines_keep_apart_a_pooled_and_an_ordinary_result():
     """Two calls of one shape, one writing a pool array in place and one staging an ordinary
     result, are different pipelines in the warm cache: each call gets the right rings."""
