@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     for who in ("progress_thread", "submitting_thread"):
         t = result[who]
         print(f"{who}: {t['profiled_us_per_request']:.0f} profiled us and {t['calls_per_request']:.0f} calls a request")
-        for r in t["top"][:12]:
+        for r in t["top"]:
             print(f"  {r['profiled_us_per_request']:7.1f} us {r['calls_per_request']:6.1f} calls  {r['function']}")
     print(f"steps per request: {result['steps_per_request']:.2f}")
     write(result, args.out)
