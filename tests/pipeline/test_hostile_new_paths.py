@@ -90,8 +90,7 @@ def test_results_released_on_new_threads_after_close_free_their_slots_there(stre
             res.release(stream=user)
         failed.extend(str(w.message) for w in caught)
 
-    # started before close, so none of them runs on a thread the checker knew before (a thread
-    # id the ended progress thread had would carry over what it saw)
+    # each release runs on a thread of its own, after close
     threads = [threading.Thread(target=release, args=(r,)) for r in held]
     for t in threads:
         t.start()

@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from .._device.host_pool import buffer_behind
 from .ring import Slot
 from .states import LEGAL_CHUNK_TRANSITIONS, ChunkState, check_chunk_transition
 
@@ -199,14 +200,17 @@ class Member:
     """One item of a chunk that several items share: where its bytes lie in the chunk
     (``offset``, ``nbytes``, aligned to :data:`MEMBER_ALIGN`), what they are (``shape``,
     ``dtype``), its own future and index, ``result``, the pinned pool array its part comes back
-    into (its future's value), the event after its compute (its errors are its own), and the
-    error it failed with, if any."""
+    into (its future's value) and ``result_buffer``, the pinned buffer behind it (found here, on
+    the submitting thread, not by the d2h on the thread that drives the streams), the event after
+    its compute (its errors are its own), and the error it failed with, if any."""
 
-    __slots__ = ("index", "future", "offset", "nbytes", "shape", "dtype", "result", "event", "error")
+    __slots__ = ("index", "future", "offset", "nbytes", "shape", "dtype", "result", "result_buffer", "event",
+                 "error")
 
     def __init__(self, index: int, future: ChunkFuture, offset: int, result: np.ndarray):
         self.index, self.future, self.offset, self.result = index, future, offset, result
         self.nbytes, self.shape, self.dtype = result.nbytes, result.shape, result.dtype
+        self.result_buffer = buffer_behind(result)
         self.event: Any = None
         self.error: Optional[BaseException] = None
 

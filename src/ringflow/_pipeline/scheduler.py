@@ -900,7 +900,7 @@ class Scheduler:
                 where = chunk.dev_out.where
                 for m in chunk.members:  # each item's part into its own pool array
                     if not m.future.done():
-                        s.copy(BufferSlice(buffer_behind(m.result), 0, m.nbytes),
+                        s.copy(BufferSlice(m.result_buffer, 0, m.nbytes),
                                BufferSlice(where.buffer, where.offset + m.offset, m.nbytes), m.nbytes)
             elif n:
                 s.copy(_head(dest, n), _head(chunk.dev_out.where, n), n)
@@ -1135,7 +1135,7 @@ class Scheduler:
             else:
                 self.counts["cancelled"] += 1
                 fut._mark_cancelled()
-            m.event = m.result = None
+            m.event = m.result = m.result_buffer = None
         chunk.members = []  # the futures hold the results; the ended chunk holds none of them
 
     def take_resolved(self) -> list:

@@ -398,14 +398,14 @@ class MapLayout:
         elif host == "auto":
             # with one side pinned, staging the other competes with registering it on the direct
             # engine, where the scheduler's cost per chunk decides a small side ("auto" is sized later)
+            pinned_sides = tuple(b is not None for b in pinned)
             guess = chunk_bytes if isinstance(chunk_bytes, int) else DEFAULT_CHUNK_BYTES
-            chunks = -(-max(x.nbytes, out.nbytes) // guess) if any(b is not None for b in pinned) else 0
+            chunks = -(-max(x.nbytes, out.nbytes) // guess) if any(pinned_sides) else 0
             strategy = plan.choose_host_strategy(dev.hardware, x.nbytes, out.nbytes, workers=workers,
-                                                 out_is_fresh=fresh_out, pinned=tuple(b is not None for b in pinned),
-                                                 chunks=chunks).choice
+                                                 out_is_fresh=fresh_out, pinned=pinned_sides, chunks=chunks).choice
             strategy = strategy if contiguous else "stage"
             if strategy == "stage":  # a side already pinned is used in place; only the other is staged
-                in_place = tuple(b is not None for b in pinned)
+                in_place = pinned_sides
         else:
             strategy = host
             if strategy == "register" and not contiguous:
