@@ -146,6 +146,38 @@ def test_a_chunk_waits_for_every_copy_into_it_before_it_moves():
         assert pipe.scheduler.chunks_admitted == 2  # the warm-up's and the one a and b share
 
 
+def test_joining_a_shared_chunk_and_ending_its_copy_need_not_wait_for_a_step():
+    """The driver's lock is held (as by a long scheduler step) while an item joins the open chunk:
+    its submit must come back without that lock (taking it would stall every request behind
+    each step of the progress thread)."""
+    dev = rf.device("sim", seed=5)
+    a, b = np.full(1000, 3, np.float32), np.full(500, 5, np.float32)
+    with rf.Pipeline(f, device=dev, chunk_bytes=1 << 16, checked=True) as pipe:
+        pipe.submit(np.zeros(4, np.float32)).result()  # warm: the next chunk is a new one
+        fa = pipe.submit(a)  # opens a chunk; nobody waits, so the simulated driver leaves it open
+        driver, holding, release = pipe._driver, threading.Event(), threading.Event()
+
+        def hold():
+            with driver.cv:
+                holding.set()
+                release.wait(60)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert holding.wait(30)
+        out = {}
+        joiner = threading.Thread(target=lambda: out.setdefault("b", pipe.submit(b)))
+        joiner.start()
+        joiner.join(10)
+        came_back = not joiner.is_alive()
+        release.set()
+        holder.join(30)
+        joiner.join(30)
+        assert came_back, "submit waited for the driver's lock to join an open chunk"
+        assert np.array_equal(fa.result(), expected(a)) and np.array_equal(out["b"].result(), expected(b))
+        assert pipe.scheduler.chunks_admitted == 2  # the warm-up's and the one a and b share
+
+
 def test_an_interrupt_while_an_item_is_copied_into_a_shared_chunk_accepts_nothing():
     dev = rf.device("sim", seed=3)
     x0 = np.ones(100, np.float32)

@@ -491,8 +491,7 @@ class Pipeline:
         result = self._pool.take(shape, dtype)  # the item's own pinned result, taken outside the lock
         if result is None:
             return None
-        with d.cv:
-            place = s.join_open_batch(d, result)
+        place = s.join_open_batch(d, result)  # under the scheduler's batch lock, not the driver's
         if place is None:
             batch = self._pool.take((self.config.chunk_bytes,), np.dtype(np.uint8))
             if batch is None:
@@ -509,9 +508,13 @@ class Pipeline:
             self.device.host_copy(chunk.batch[member.offset:member.offset + nbytes].view(dtype).reshape(shape), item)
             span = (t0, self.device.now)
         finally:  # whatever happens (Ctrl-C too) the chunk learns the copy ended; a failed one un-accepts the item
-            with d.cv:
+            if span is None:  # the inbox may change: under the driver's lock, and its waiters told
+                with d.cv:
+                    s.member_written(chunk, member, span)
+                    d.notify()
+            else:  # the driver's lock is not needed: a step in progress does not hold this thread up
                 s.member_written(chunk, member, span)
-                d.notify()
+                d.wake.set()
         return member.future
 
     def map(self, items: Iterable[Any]) -> Iterator[Any]:

@@ -4,7 +4,9 @@ pipeline's own (:class:`ProgressThread`).
 Both share one rule: **only the driving thread changes the scheduler's state**, always with the
 driver's lock held. Other threads hand work over through the scheduler's inbox (an accepted
 chunk) or a command (cancel a chunk, stop admission), each a single append under the lock, and
-then wait on the lock's condition. A KeyboardInterrupt raised in a user's thread therefore lands
+then wait on the lock's condition. The one exception is the chunk in the inbox that small items
+share: items join it under the scheduler's batch lock alone (docs/design.md, "Items sharing a
+chunk"), so that a request need not wait for a step. A KeyboardInterrupt raised in a user's thread therefore lands
 either before the hand-off (nothing happened) or after it (the work is the driver's and is
 carried out whole): no stage change is ever half made.
 
@@ -293,7 +295,9 @@ class ProgressThread(_Driver):
             idle, fences, wait = plan
             if idle is not None or fences:
                 self.wake.clear()
-                if sched.returns:  # released after this turn's step took them: take it now
+                if sched.returns or sched.writes_ended != sched._writes_seen:
+                    # released, or a copy into a shared chunk ended, after this turn's step
+                    # looked (their wake-up may have come before the clear): take it now
                     idle, fences = None, None
         if batch:
             resolve(batch)

@@ -181,8 +181,12 @@ class Scheduler:
         self._forget_again: list = []  # failures whose traceback's frames were still running
         # items sharing a chunk: the chunk in the inbox still taking items (None: none), and the
         # chunk of every such item not yet ended, by the item's index
+        # (guarded by batch_lock: docs/design.md, "Items sharing a chunk")
         self.open_batch: Optional[Chunk] = None
         self._members: dict[int, Chunk] = {}
+        self.batch_lock = threading.Lock()  # taken after the driver's lock, never before it
+        self.writes_ended = 0  # copies into shared chunks ended, by any thread (batch_lock held)
+        self._writes_seen = 0  # writes_ended as the driver's last admission found it
         self._cancel_admitted = False  # set by cancel_pending: chunks admitted later end CANCELLED
         self._cancel_after_step = False  # cancel_pending once this step's enqueues are made
         self.chunks_admitted = 0  # items sharing a chunk count once
@@ -281,25 +285,27 @@ class Scheduler:
         if staged_at is not None:  # its prepare was the copy the accepting thread just made
             chunk.stamps["accepted"] = staged_at[0]
             chunk.stamps["prepare"] = list(staged_at)
-        self.open_batch = None  # items accepted later go after this one: none joins a chunk before it
+        with self.batch_lock:
+            self.open_batch = None  # items accepted later go after this one: none joins a chunk before it
         self.inbox.append(chunk)
         return chunk
 
     # -- items sharing a chunk -------------------------------------------------------------------
     def join_open_batch(self, driver: Any, result: np.ndarray) -> Optional[tuple]:
-        """Room in the chunk still taking items (any thread, lock held) for an item whose result
-        comes back into the pinned pool array ``result`` (the item's shape and dtype):
-        ``(chunk, member)`` with the member registered (the commit point: its future is the
-        item's) and a copy into the chunk counted as being made; None when no chunk takes items
-        or its room is too small. The caller copies the item to ``chunk.batch`` at the member's
-        offset, then calls :meth:`member_written` whatever happens."""
-        chunk = self.open_batch
-        if chunk is None or not self.accepting or self.broken is not None or len(chunk.members) >= MAX_MEMBERS:
-            return None
-        offset = -(-chunk.used // MEMBER_ALIGN) * MEMBER_ALIGN
-        if offset + result.nbytes > chunk.batch.nbytes:
-            return None
-        return chunk, self._add_member(chunk, driver, offset, result)
+        """Room in the chunk still taking items (any thread, the driver's lock held or not) for an
+        item whose result comes back into the pinned pool array ``result`` (the item's shape and
+        dtype): ``(chunk, member)`` with the member registered (the commit point: its future is
+        the item's) and a copy into the chunk counted as being made; None when no chunk takes
+        items or its room is too small. The caller copies the item to ``chunk.batch`` at the
+        member's offset, then calls :meth:`member_written` whatever happens."""
+        with self.batch_lock:
+            chunk = self.open_batch
+            if chunk is None or not self.accepting or self.broken is not None or len(chunk.members) >= MAX_MEMBERS:
+                return None
+            offset = -(-chunk.used // MEMBER_ALIGN) * MEMBER_ALIGN
+            if offset + result.nbytes > chunk.batch.nbytes:
+                return None
+            return chunk, self._add_member(chunk, driver, offset, result)
 
     def open_new_batch(self, driver: Any, batch: np.ndarray, result: np.ndarray) -> tuple:
         """A new chunk whose input is staged in the pinned pool array ``batch`` (uint8, a slot's
@@ -314,9 +320,10 @@ class Scheduler:
         index = next(self._indices)
         chunk = Chunk(index, None, ChunkFuture(driver, index), members=[], batch=batch, tokens=[])
         chunk.stamps["accepted"] = self.device.now
-        member = self._add_member(chunk, driver, 0, result, index=index)
-        self.inbox.append(chunk)
-        self.open_batch = chunk
+        with self.batch_lock:
+            member = self._add_member(chunk, driver, 0, result, index=index)
+            self.inbox.append(chunk)
+            self.open_batch = chunk
         return chunk, member
 
     def _add_member(self, chunk: Chunk, driver: Any, offset: int, result: np.ndarray,
@@ -330,12 +337,20 @@ class Scheduler:
         return member
 
     def member_written(self, chunk: Chunk, member: Member, span: Optional[tuple]) -> None:
-        """The copy of ``member``'s item into ``chunk`` ended (any thread, lock held): made, in
-        host-clock ``span``, and ordered before the chunk's copy to the device; or, with ``span``
-        None, it failed and the item is not accepted (its bytes in the chunk are not used)."""
+        """The copy of ``member``'s item into ``chunk`` ended (any thread): made, in host-clock
+        ``span``, and ordered before the chunk's copy to the device (the driver's lock need not be
+        held; wake the driver after); or, with ``span`` None, it failed and the item is not
+        accepted (its bytes in the chunk are not used; the driver's lock must be held: the inbox
+        may change)."""
+        token = self.device.publish()  # the thread's use of the chunk's block (a failed copy too) comes first
+        with self.batch_lock:
+            self._member_written(chunk, member, span, token)
+            self.writes_ended += 1
+
+    def _member_written(self, chunk: Chunk, member: Member, span: Optional[tuple], token: Any) -> None:
         chunk.writers -= 1
-        if chunk.tokens is not None:  # the thread's use of the chunk's block (a failed copy too) comes first
-            chunk.tokens.append(self.device.publish())
+        if chunk.tokens is not None:
+            chunk.tokens.append(token)
         if span is None:
             chunk.members.remove(member)
             self._members.pop(member.index, None)
@@ -366,16 +381,18 @@ class Scheduler:
         (it could not start sooner anyway)."""
         admitted = False
         inbox = self.inbox
+        self._writes_seen = self.writes_ended
         while inbox:
             chunk = inbox[0]
             members = chunk.members
             if members is not None:
-                if chunk.writers:
-                    break
-                if chunk is self.open_batch:
-                    if self._accepted_q and self.accepting and not self._cancel_admitted:
+                with self.batch_lock:  # no item joins it, and no copy into it is being made, from here on
+                    if chunk.writers:
                         break
-                    self.open_batch = None
+                    if chunk is self.open_batch:
+                        if self._accepted_q and self.accepting and not self._cancel_admitted:
+                            break
+                        self.open_batch = None
             inbox.popleft()
             self.chunks_admitted += 1
             if members is not None:
@@ -1218,7 +1235,9 @@ class Scheduler:
         enqueued) and not delivered. False once the chunk is consuming, draining or ended."""
         if chunk.state in (ChunkState.DRAINING, ChunkState.CONSUMING) or chunk.state.final:
             return False
-        if any(not m.future.done() for m in chunk.members if m.index != index):
+        with self.batch_lock:  # an item may be joining it
+            others_wanted = any(not m.future.done() for m in chunk.members if m.index != index)
+        if others_wanted:
             return True  # the caller marks this item's future cancelled
         if chunk.index not in self.chunks:
             return True  # still in the inbox: ends CANCELLED at admission, every item being cancelled
