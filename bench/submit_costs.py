@@ -7,6 +7,8 @@ given. Three parts:
 * ``ab``: items joining a shared chunk with the scheduler's batch lock alone (``after``) against
   the same calls made under the driver's lock as well (``before``, how the code was), the two
   interleaved in one process, against the hand-written torch pinned ring of the same run;
+* ``events``: shared items' computes without an event each (a real GPU reports nothing on
+  them, ``after``) against with one each (``before``), interleaved as ``ab`` is;
 * ``sections``: the submitting thread's wall and CPU time per request in each part of
   ``submit`` (the result's pool array, joining, the copy, ...), then the pool's ``take`` alone.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import gc
 import io
 import os
 import pstats
@@ -174,17 +177,37 @@ def part_locks(dev, items) -> dict:
     return {"plain": passes(dev, items, 3), "timed": passes(dev, items, 3, setup, each)}
 
 
-def part_ab(dev, items, rounds: int = 3) -> dict:
+def every_item_an_event(pipe) -> None:
+    """Record an event after each shared item's compute, as on a device whose launches report
+    their errors on events (the simulated GPU), to measure what skipping them buys."""
+    type(pipe.device).launch_errors_on_events = True
+
+
+def interleaved(dev, items, before, rounds: int = 3) -> dict:
+    """``rounds`` rounds of a ``before`` pipeline (``before(pipe)`` sets it up) and a plain one
+    (``after``), their order alternating, three passes each."""
     out = {"runs": []}
+    default = type(dev).launch_errors_on_events
     for r in range(rounds):
-        for before in ((False, True) if r % 2 else (True, False)):
-            rows = passes(dev, items, 3, (lambda p: under_driver_lock(p)) if before else None)
+        for is_before in ((False, True) if r % 2 else (True, False)):
+            try:
+                rows = passes(dev, items, 3, before if is_before else None)
+            finally:
+                type(dev).launch_errors_on_events = default
             med = {k: statistics.median(x[k] for x in rows) for k in rows[0] if k != "correct"}
-            out["runs"].append({"variant": "before" if before else "after", "passes": rows, "median": med,
+            out["runs"].append({"variant": "before" if is_before else "after", "passes": rows, "median": med,
                                 "correct": all(x["correct"] for x in rows)})
     for v in ("before", "after"):
         out[f"{v}_per_s"] = [x["median"]["per_s"] for x in out["runs"] if x["variant"] == v]
     return out
+
+
+def part_ab(dev, items) -> dict:
+    return interleaved(dev, items, under_driver_lock)
+
+
+def part_events(dev, items) -> dict:
+    return interleaved(dev, items, every_item_an_event)
 
 
 def part_sections(dev, items) -> dict:
@@ -243,20 +266,24 @@ class _Clear:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("locks", "ab", "sections"), required=True)
+    ap.add_argument("--part", choices=("locks", "ab", "events", "sections"), required=True)
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--count", type=int, default=1000)
+    ap.add_argument("--no-gc", action="store_true", help="a diagnosis: the cyclic collector off throughout")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.no_gc:
+        gc.disable()
     dev = rf.device(args.device)
     items = request_items(args.count, 8 * MiB)
-    result = {**header(str(dev)), "count": args.count, "part": args.part}
-    result.update({"locks": part_locks, "ab": part_ab, "sections": part_sections}[args.part](dev, items))
+    result = {**header(str(dev)), "count": args.count, "part": args.part, "gc": not args.no_gc}
+    result.update({"locks": part_locks, "ab": part_ab, "events": part_events,
+                   "sections": part_sections}[args.part](dev, items))
     if dev.backend == "cuda":
         expected = [it * np.float32(2) + np.float32(1) for it in items]
         ring = baselines.run_or_skip(baselines.torch_requests_ring, items, expected, loads=())
         result["torch_ring_per_s"] = ring.get("capacity_per_s")
-        if args.part == "ab" and result["torch_ring_per_s"]:
+        if args.part in ("ab", "events") and result["torch_ring_per_s"]:
             for v in ("before", "after"):
                 result[f"{v}_over_ring"] = [c / result["torch_ring_per_s"] for c in result[f"{v}_per_s"]]
         print("torch ring", result["torch_ring_per_s"], flush=True)

@@ -475,6 +475,12 @@ class Device(abc.ABC):
 
     backend: str  # "cuda" or "sim"
     name: str
+    # Whether an event recorded after a launch can report an error of that launch's compute
+    # alone: the simulated GPU runs a compute at its turn on the device timeline, so its errors
+    # arrive on the stream's events. A real GPU runs the callable (which enqueues kernels) inside
+    # ``launch``, which raises what it raises; a kernel's own fault is sticky and breaks the
+    # whole context. So an event per launch is worth recording only where this is True.
+    launch_errors_on_events: bool = False
 
     @property
     @abc.abstractmethod

@@ -848,10 +848,12 @@ class Scheduler:
 
     def _launch_members(self, chunk: Chunk, stream, out_slot: Slot, compute: Callable) -> None:
         """The compute of each item of a shared chunk on its own part of the slots, each followed
-        by an event that carries its errors alone; an item whose compute raises while being
-        enqueued fails alone, and one its caller cancelled is not computed."""
+        (where the device reports a launch's errors on its events) by an event that carries its
+        errors alone; an item whose compute raises while being enqueued fails alone, and one its
+        caller cancelled is not computed."""
         din, dout = chunk.dev_in.where, out_slot.where
         inplace = self.dev_out is None
+        per_item_events = self.device.launch_errors_on_events
         failed = False
         for m in chunk.members:
             if m.future.done():
@@ -865,7 +867,8 @@ class Scheduler:
                 self._member_failed(m, err.__cause__)
                 failed = True
                 continue
-            m.event = stream.record()
+            if per_item_events:
+                m.event = stream.record()
         if failed and self.config.on_error == "raise":
             self._cancel_after_step = True
 

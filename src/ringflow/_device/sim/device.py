@@ -72,6 +72,7 @@ class _NullChecker:
 
 class SimDevice(Device):
     backend = "sim"
+    launch_errors_on_events = True  # a compute runs at its turn, and its error lands on the stream
 
     def __init__(self, profile: "str | os.PathLike | HardwareProfile" = "h200-pcie5", *, seed: int = 0,
                  chaos: bool = False, checked: bool = True, host: "SimHost | None" = None):
