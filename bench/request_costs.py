@@ -11,7 +11,8 @@ Variants: ``staged`` (plain numpy items, staged into pool arrays by ``submit``, 
 path), ``pooled`` (items that are pool arrays already), then any of these suffixes:
 ``-split256k`` and ``-split1`` split staging copies from 256 KiB a thread, or never; ``-swi``
 runs with a 0.2 ms GIL switch interval (a diagnosis: does the GIL's hand-off delay bound the
-run); ``-alone`` gives every item a chunk of its own (``coalesce=False``).
+run); ``-alone`` gives every item a chunk of its own (``coalesce=False``); ``-numpy`` copies with
+numpy on the calling thread (native copy threads off).
 
 With ``--load``, each variant is also measured open loop: the items' isolated latency (each
 alone), then Poisson arrivals at that fraction of the variant's capacity, latency from arrival
@@ -40,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ringflow as rf  # noqa: E402
 from ringflow._bench import baselines, kernels, workloads  # noqa: E402
-from ringflow._device import protocol  # noqa: E402
+from ringflow._device import native_copy, protocol  # noqa: E402
 from pinned_results_check import pooled_copies, request_items  # noqa: E402
 from _script import header, write  # noqa: E402
 
@@ -191,7 +192,7 @@ def main() -> None:
         its = items
         flags = name.split("-")[1:]
         for flag in flags:
-            if flag not in ("split256k", "split1", "swi", "alone"):
+            if flag not in ("split256k", "split1", "swi", "alone", "numpy"):
                 raise SystemExit(f"unknown variant suffix -{flag} in {name!r}")
         protocol.SPLIT_COPY_BYTES = {"split256k": 256 << 10, "split1": 1 << 40}.get(
             next((f for f in flags if f.startswith("split")), ""), default_split)
@@ -200,6 +201,9 @@ def main() -> None:
             sys.setswitchinterval(0.0002)
         if name.startswith("pooled"):
             its = pooled_copies(dev, items)
+        native = native_copy._loaded
+        if "numpy" in flags:
+            native_copy._loaded = False  # as where no compiler works
         try:
             coalesce = "alone" not in flags
             v = run_variant(dev, its, args.passes, args.hz, coalesce)
@@ -210,6 +214,7 @@ def main() -> None:
         finally:
             sys.setswitchinterval(interval)
             protocol.SPLIT_COPY_BYTES = default_split
+            native_copy._loaded = native
         key, n = name, 2
         while key in result["variants"]:  # a repeated variant keeps every measurement
             key, n = f"{name}#{n}", n + 1

@@ -27,16 +27,48 @@ def test_shapes_and_dtypes_other_than_bytes():
         protocol.parallel_copy(np.empty((4,), np.float64), np.ones(4, np.float32), 4)
 
 
-def test_copy_threads_grow_with_size():
+def test_python_copy_threads_grow_with_size():
     split = protocol.SPLIT_COPY_BYTES
-    assert [protocol.copy_threads(n * split) for n in (0, 1, 2, 3, 4, 64)] == [1, 1, 2, 3, 4, 4]
-    assert protocol.copy_threads(split - 1) == 1
+    assert [protocol.python_copy_threads(n * split) for n in (0, 1, 2, 3, 4, 64)] == [1, 1, 2, 3, 4, 4]
+    assert protocol.python_copy_threads(split - 1) == 1
 
 
-def test_a_staged_item_is_copied_by_the_accepting_thread_alone():
+def test_without_native_copies_a_staged_item_is_copied_by_the_accepting_thread_alone(monkeypatch):
+    from ringflow._device import native_copy
     from ringflow._pipeline.api import STAGE_AT_ACCEPT_BYTES
 
+    monkeypatch.setattr(native_copy, "_loaded", False)  # as where no compiler works
     assert protocol.copy_threads(STAGE_AT_ACCEPT_BYTES) == 1
+    assert protocol.copy_threads(64 * protocol.SPLIT_COPY_BYTES) == protocol.MAX_COPY_THREADS
+
+
+def test_native_copies_split_from_their_own_size_over_at_most_their_own_threads(monkeypatch):
+    from ringflow._device import native_copy
+
+    if native_copy.copier() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(protocol, "NATIVE_MAX_THREADS", 8)
+    split = protocol.NATIVE_SPLIT_BYTES
+    assert [protocol.copy_threads(n * split) for n in (0, 1, 2, 5, 8, 64)] == [1, 1, 2, 5, 8, 8]
+
+
+def test_the_simulated_gpu_charges_a_copy_alike_on_every_machine(monkeypatch):
+    """Native copy threads (their count follows this machine's CPUs) do not change a simulated
+    timeline: the copy is charged at the Python threads' split."""
+    from ringflow._device import native_copy
+
+    src = np.ones(2 << 20, np.uint8)
+    took = []
+    for loaded, threads in ((False, 1), (None, 8)):
+        monkeypatch.setattr(native_copy, "_loaded", loaded)
+        monkeypatch.setattr(protocol, "NATIVE_MAX_THREADS", threads)
+        dev = rf.device("sim", profile="unit")
+        dst = np.empty_like(src)
+        t0 = dev.now
+        dev.host_copy(dst, src)
+        assert np.array_equal(dst, src)
+        took.append(dev.now - t0)
+    assert took[0] == took[1]
 
 
 def test_the_simulated_gpu_charges_a_split_copy_at_its_threads_rate():

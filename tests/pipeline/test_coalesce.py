@@ -51,6 +51,25 @@ def test_items_submitted_while_busy_share_chunks_and_each_gets_its_own_result():
     assert (stats.accepted, stats.delivered, stats.in_flight) == (200, 200, 0)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_items_staged_by_native_copy_threads_arrive_whole(monkeypatch, seed):
+    """Staging split over native copy threads (as on a many-core host: here forced to three at
+    any size above 12 KiB), with sizes whose three parts do not divide them (192 m + 1 bytes: a
+    third of them a multiple of 64, one byte over): every byte of every item arrives, on a
+    checked, chaotic simulated GPU."""
+    from ringflow._device import native_copy, protocol
+
+    if native_copy.copier() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(protocol, "NATIVE_MAX_THREADS", 3)
+    monkeypatch.setattr(protocol, "NATIVE_SPLIT_BYTES", 4096)
+    rng = np.random.default_rng(seed)
+    xs = [rng.integers(0, 256, 192 * int(m) + 1, dtype=np.uint8) for m in rng.integers(64, 5000, 120)]
+    with rf.Pipeline(f, device=rf.device("sim", seed=seed, chaos=True), chunk_bytes=1 << 20, checked=True) as pipe:
+        results = [fu.result() for fu in [pipe.submit(x) for x in xs]]
+    assert all(np.array_equal(r, x * 2 + 1) for r, x in zip(results, xs))  # uint8: wraps alike
+
+
 def test_coalesce_false_gives_each_item_a_chunk_of_its_own():
     xs = items(20)
     with rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=1 << 20, coalesce=False) as pipe:

@@ -22,12 +22,14 @@ import contextlib
 import threading
 import dataclasses
 import math
+import os
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from .._errors import CaptureError
+from . import native_copy
 
 if TYPE_CHECKING:
     from .hardware import HardwareProfile
@@ -74,27 +76,45 @@ class LiveCounts:
         return self.host_buffers + self.device_buffers + self.streams + self.events
 
 
-# Copies of at least this many bytes per thread are split. Below it, handing parts of a copy to
-# copy threads costs more than it saves: each hand-off and wait takes the GIL from threads that
-# need it (a submitting thread's own Python, the progress thread), and a request-sized item was
-# staged faster on the calling thread alone (docs/design.md, "Pinned staging and results").
+# Copies of at least this many bytes per thread are split over Python threads. Below it, handing
+# parts of a copy to them costs more than it saves: each hand-off and wait takes the GIL from
+# threads that need it (a submitting thread's own Python, the progress thread), and a
+# request-sized item was staged faster on the calling thread alone (docs/design.md, "Pinned
+# staging and results"). Native copy threads (:mod:`.native_copy`) never take the GIL, so they
+# split from NATIVE_SPLIT_BYTES a thread, over at most half the host's CPUs.
 SPLIT_COPY_BYTES = 4 << 20
 MAX_COPY_THREADS = 4
+NATIVE_SPLIT_BYTES = 256 << 10
+NATIVE_MAX_THREADS = max(1, min(16, (os.cpu_count() or 1) // 2))
 _copy_pool: "Any" = None
 _copy_pool_lock = threading.Lock()
 
 
 def copy_threads(nbytes: int) -> int:
-    """Threads :meth:`Device.host_copy` uses for a copy of ``nbytes`` (1 up to :data:`MAX_COPY_THREADS`)."""
+    """Threads :meth:`Device.host_copy` uses for a copy of ``nbytes``: up to
+    :data:`NATIVE_MAX_THREADS` where native copies are available, else
+    :func:`python_copy_threads`."""
+    if native_copy.copier() is not None:
+        return max(1, min(NATIVE_MAX_THREADS, nbytes // NATIVE_SPLIT_BYTES))
+    return python_copy_threads(nbytes)
+
+
+def python_copy_threads(nbytes: int) -> int:
+    """Python threads a copy of ``nbytes`` is split over (1 up to :data:`MAX_COPY_THREADS`);
+    also the split the simulated GPU charges a copy's time at, whatever the machine it runs on
+    has (its CPUs, a C compiler), so that a simulated timeline does not depend on that."""
     return max(1, min(MAX_COPY_THREADS, nbytes // SPLIT_COPY_BYTES))
 
 
 def parallel_copy(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
     """``np.copyto(dst, src)`` split along the flat C-order bytes over ``threads`` threads (the
-    calling one among them); C-contiguous ``dst`` only (else one thread)."""
+    calling one among them): native threads where available, else Python threads; C-contiguous
+    arrays of one shape and dtype only (else one thread)."""
     if threads <= 1 or dst.nbytes < threads or not dst.flags.c_contiguous or not src.flags.c_contiguous or dst.dtype != src.dtype \
             or dst.shape != src.shape:
         np.copyto(dst, src, casting="no")
+        return
+    if native_copy.copy(dst, src, threads):
         return
     global _copy_pool
     if _copy_pool is None:

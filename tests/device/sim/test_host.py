@@ -9,7 +9,7 @@ import pytest
 
 import ringflow as rf
 from ringflow import _plan as plan
-from ringflow._device.protocol import Device, copy_threads
+from ringflow._device.protocol import Device, python_copy_threads
 from ringflow._device.sim import SimDevice
 from ringflow._device.sim import host as sim_host
 from ringflow._errors import DeviceError
@@ -58,7 +58,7 @@ def test_a_device_alone_on_its_host_is_charged_exactly_the_profiles_rate():
     for dev in (rf.device("sim", checked=False), SimDevice(H200, checked=False)):
         p = dev.hardware
         # the formulas before the host existed, bit for bit
-        assert host_copy_seconds(dev, nbytes) == nbytes / (p.host_copy_rate(copy_threads(nbytes)) * 1e9)
+        assert host_copy_seconds(dev, nbytes) == nbytes / (p.host_copy_rate(python_copy_threads(nbytes)) * 1e9)
         per_thread = p.host_copy_rate(4) / 4 * 1e9
         assert task_seconds(dev, 4, nbytes) == pytest.approx(p.host_task_overhead_s + nbytes / per_thread, rel=1e-12)
 
@@ -67,7 +67,7 @@ def test_a_device_gets_its_share_of_the_rate_while_others_are_declared_copying()
     nbytes = 64 * MiB
     with named_sims(30, 31, 32, checked=False) as (a, b, c):
         p = a.hardware
-        t = copy_threads(nbytes)
+        t = python_copy_threads(nbytes)
         alone_copy, alone_task = host_copy_seconds(a, nbytes), task_seconds(a, 4, nbytes)
         with b.sharing_host(4):
             assert a.host.threads_besides(a) == 4 and a.host.threads_besides(b) == 0

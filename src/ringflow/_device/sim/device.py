@@ -29,7 +29,7 @@ import numpy as np
 
 from ..._errors import DeviceError
 from ..host_pool import without_pooled
-from ..protocol import ArrayArg, Capabilities, Device, LiveCounts, check_nbytes, copy_threads
+from ..protocol import ArrayArg, Capabilities, Device, LiveCounts, check_nbytes, copy_threads, parallel_copy, python_copy_threads
 from .engine import Engine, Op
 from .hazard import AccessKind, HappensBeforeChecker
 from .host import SimHost
@@ -231,10 +231,9 @@ class SimDevice(Device):
         return None
 
     def host_copy(self, dst: np.ndarray, src: np.ndarray) -> None:
-        np.copyto(dst, src, casting="no")
-        if dst.nbytes:
-            threads = copy_threads(dst.nbytes)
-            self.sleep(dst.nbytes / (self.host.copy_rate(self, threads) * 1e9))
+        parallel_copy(dst, src, copy_threads(dst.nbytes))  # the real GPU's copy, split as it splits it
+        if dst.nbytes:  # charged at a split that does not depend on this machine (see python_copy_threads)
+            self.sleep(dst.nbytes / (self.host.copy_rate(self, python_copy_threads(dst.nbytes)) * 1e9))
 
     def sharing_host(self, threads: int) -> "contextlib.AbstractContextManager[None]":
         """Declare, until the block ends, that this device copies host memory with ``threads``

@@ -1,0 +1,136 @@
+"""Host copies split over native threads (``ringflow._device.native_copy``), and the numpy
+copy that replaces them wherever they cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ringflow._device import native_copy, protocol
+
+needs_native = pytest.mark.skipif(native_copy.copier() is None, reason="no C compiler here")
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """The loader as on first use, building into an empty cache directory."""
+    monkeypatch.setattr(native_copy, "_loaded", None)
+    monkeypatch.setenv("RINGFLOW_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+@needs_native
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(0, 3 << 20), src_off=st.integers(0, 63), dst_off=st.integers(0, 63),
+       threads=st.integers(1, 9), seed=st.integers(0, 2**32 - 1))
+def test_a_split_copy_is_the_bytes_of_the_source(n, src_off, dst_off, threads, seed):
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, n + src_off, dtype=np.uint8)[src_off:]  # misaligned starts too
+    dst = np.zeros(n + dst_off + 64, np.uint8)
+    assert native_copy.copy(dst[dst_off:dst_off + n], src, threads)
+    assert np.array_equal(dst[dst_off:dst_off + n], src)
+    assert not dst[:dst_off].any() and not dst[dst_off + n:].any()  # nothing written outside
+
+
+@needs_native
+@pytest.mark.parametrize("threads", range(2, 10))
+def test_every_byte_is_copied_where_the_parts_do_not_divide_it(threads):
+    """``threads`` parts of a size one to ``threads - 1`` bytes past a multiple of 64 bytes a
+    part: the parts must still cover the last bytes (a part size rounded down left them)."""
+    native_copy.copy(np.empty(1 << 20, np.uint8), np.ones(1 << 20, np.uint8), 9)  # more helpers than asked
+    for per_part in (64, 4096, 159104):
+        for tail in sorted({1, threads - 1}):
+            n = per_part * threads + tail
+            src = np.random.default_rng(n).integers(1, 256, n, dtype=np.uint8)
+            dst = np.zeros(n, np.uint8)
+            assert native_copy.copy(dst, src, threads)
+            assert np.array_equal(dst, src), (threads, n)
+
+
+@needs_native
+def test_copies_from_several_threads_at_once_are_each_right():
+    """One copy uses the pool at a time; the others copy on their own thread meanwhile."""
+    rng = np.random.default_rng(7)
+    sources = [rng.random(300_000 + 1000 * i) for i in range(8)]
+    wrong = []
+
+    def run(i):
+        for k in range(30):
+            dst = np.empty_like(sources[i])
+            protocol.parallel_copy(dst, sources[i], 6)
+            if not np.array_equal(dst, sources[i]):
+                wrong.append((i, k))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads) and wrong == []
+
+
+def _copy_in_child(queue):
+    src = np.arange(1 << 20, dtype=np.float32)
+    dst = np.empty_like(src)
+    native_copy.copy(dst, src, 4)
+    queue.put(bool(np.array_equal(dst, src)))
+
+
+@needs_native
+def test_a_forked_child_starts_its_own_copy_threads():
+    """The parent's copy threads do not exist in a forked child: it copies on a new pool
+    instead of waiting forever for the parent's."""
+    native_copy.copy(np.empty(1 << 20, np.uint8), np.ones(1 << 20, np.uint8), 4)  # the parent's pool runs
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_copy_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0 and queue.get(timeout=5) is True
+
+
+def test_switched_off_copies_fall_back_to_numpy(fresh_loader, monkeypatch, caplog):
+    monkeypatch.setenv("RINGFLOW_NATIVE_COPY", "0")
+    with caplog.at_level(logging.INFO, logger="ringflow._device.native_copy"):
+        assert native_copy.copier() is None
+    assert "native copies off" in caplog.text
+    src = np.random.default_rng(1).random(1 << 20)
+    dst = np.empty_like(src)
+    assert native_copy.copy(dst, src, 4) is False and not list(fresh_loader.iterdir())
+    assert protocol.copy_threads(64 << 20) == min(protocol.MAX_COPY_THREADS, 16)  # the Python threads' policy
+    protocol.parallel_copy(dst, src, 4)
+    assert np.array_equal(dst, src)
+
+
+def test_a_compiler_that_fails_falls_back_to_numpy(fresh_loader, monkeypatch, caplog):
+    monkeypatch.setattr(native_copy.sysconfig, "get_config_var", lambda name: "ringflow-no-such-compiler")
+    with caplog.at_level(logging.INFO, logger="ringflow._device.native_copy"):
+        assert native_copy.copier() is None
+        assert native_copy.copier() is None  # tried once, remembered
+    assert caplog.text.count("native copies unavailable") == 1
+    src = np.arange(100_000, dtype=np.int64)
+    dst = np.empty_like(src)
+    protocol.parallel_copy(dst, src, 4)
+    assert np.array_equal(dst, src)
+
+
+@needs_native
+def test_the_library_is_built_once_into_the_cache(fresh_loader):
+    assert native_copy.copier() is not None
+    built = list(fresh_loader.iterdir())
+    assert len(built) == 1 and built[0].name.startswith("native_copy-") and built[0].suffix == ".so"
+
+
+def test_arrays_it_cannot_copy_are_left_to_numpy():
+    a = np.arange(1 << 20, dtype=np.float64)
+    out = np.zeros((1 << 19,), np.float64)
+    assert native_copy.copy(out, a[::2], 4) is False and not out.any()  # a strided source
+    assert native_copy.copy(np.zeros(10), np.zeros(11), 4) is False  # unequal bytes
+    protocol.parallel_copy(out, a[::2], 4)
+    assert np.array_equal(out, a[::2])
