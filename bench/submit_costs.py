@@ -9,6 +9,8 @@ given. Three parts:
   interleaved in one process, against the hand-written torch pinned ring of the same run;
 * ``events``: shared items' computes without an event each (a real GPU reports nothing on
   them, ``after``) against with one each (``before``), interleaved as ``ab`` is;
+* ``spin``: the CUDA device's waits polling 0.2 ms before they sleep (``before``) against
+  5 ms, the default (``after``), interleaved as ``ab`` is;
 * ``sections``: the submitting thread's wall and CPU time per request in each part of
   ``submit`` (the result's pool array, joining, the copy, ...), then the pool's ``take`` alone.
 
@@ -183,9 +185,10 @@ def every_item_an_event(pipe) -> None:
     type(pipe.device).launch_errors_on_events = True
 
 
-def interleaved(dev, items, before, rounds: int = 3) -> dict:
-    """``rounds`` rounds of a ``before`` pipeline (``before(pipe)`` sets it up) and a plain one
-    (``after``), their order alternating, three passes each."""
+def interleaved(dev, items, before, undo=None, rounds: int = 3) -> dict:
+    """``rounds`` rounds of a ``before`` pipeline (``before(pipe)`` sets it up, ``undo()`` puts
+    back what it changed beyond the pipeline) and a plain one (``after``), their order
+    alternating, three passes each."""
     out = {"runs": []}
     default = type(dev).launch_errors_on_events
     for r in range(rounds):
@@ -194,12 +197,28 @@ def interleaved(dev, items, before, rounds: int = 3) -> dict:
                 rows = passes(dev, items, 3, before if is_before else None)
             finally:
                 type(dev).launch_errors_on_events = default
+                if undo is not None:
+                    undo()
             med = {k: statistics.median(x[k] for x in rows) for k in rows[0] if k != "correct"}
             out["runs"].append({"variant": "before" if is_before else "after", "passes": rows, "median": med,
                                 "correct": all(x["correct"] for x in rows)})
     for v in ("before", "after"):
         out[f"{v}_per_s"] = [x["median"]["per_s"] for x in out["runs"] if x["variant"] == v]
     return out
+
+
+def short_spin(pipe) -> None:
+    """The CUDA device's waits poll with yields for 0.2 ms instead of 5 ms before they sleep."""
+    from ringflow._device.cuda import device as cuda_device
+
+    cuda_device._WAIT_SPIN_S = 0.0002
+
+
+def part_spin(dev, items) -> dict:
+    from ringflow._device.cuda import device as cuda_device
+
+    default = cuda_device._WAIT_SPIN_S
+    return interleaved(dev, items, short_spin, lambda: setattr(cuda_device, "_WAIT_SPIN_S", default))
 
 
 def part_ab(dev, items) -> dict:
@@ -266,7 +285,7 @@ class _Clear:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("locks", "ab", "events", "sections"), required=True)
+    ap.add_argument("--part", choices=("locks", "ab", "events", "spin", "sections"), required=True)
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--count", type=int, default=1000)
     ap.add_argument("--no-gc", action="store_true", help="a diagnosis: the cyclic collector off throughout")
@@ -277,13 +296,13 @@ def main() -> None:
     dev = rf.device(args.device)
     items = request_items(args.count, 8 * MiB)
     result = {**header(str(dev)), "count": args.count, "part": args.part, "gc": not args.no_gc}
-    result.update({"locks": part_locks, "ab": part_ab, "events": part_events,
+    result.update({"locks": part_locks, "ab": part_ab, "events": part_events, "spin": part_spin,
                    "sections": part_sections}[args.part](dev, items))
     if dev.backend == "cuda":
         expected = [it * np.float32(2) + np.float32(1) for it in items]
         ring = baselines.run_or_skip(baselines.torch_requests_ring, items, expected, loads=())
         result["torch_ring_per_s"] = ring.get("capacity_per_s")
-        if args.part in ("ab", "events") and result["torch_ring_per_s"]:
+        if args.part in ("ab", "events", "spin") and result["torch_ring_per_s"]:
             for v in ("before", "after"):
                 result[f"{v}_over_ring"] = [c / result["torch_ring_per_s"] for c in result[f"{v}_per_s"]]
         print("torch ring", result["torch_ring_per_s"], flush=True)

@@ -295,7 +295,7 @@ class ProgressThread(_Driver):
             idle, fences, wait = plan
             if idle is not None or fences:
                 self.wake.clear()
-                if sched.returns or sched.writes_ended != sched._writes_seen:
+                if sched.returns or sched.copies_ended_unseen():
                     # released, or a copy into a shared chunk ended, after this turn's step
                     # looked (their wake-up may have come before the clear): take it now
                     idle, fences = None, None

@@ -185,8 +185,8 @@ class Scheduler:
         self.open_batch: Optional[Chunk] = None
         self._members: dict[int, Chunk] = {}
         self.batch_lock = threading.Lock()  # taken after the driver's lock, never before it
-        self.writes_ended = 0  # copies into shared chunks ended, by any thread (batch_lock held)
-        self._writes_seen = 0  # writes_ended as the driver's last admission found it
+        self.copies_ended = 0  # copies into shared chunks ended, by any thread (batch_lock held)
+        self._copies_ended_seen = 0  # copies_ended as the driver's last admission found it
         self._cancel_admitted = False  # set by cancel_pending: chunks admitted later end CANCELLED
         self._cancel_after_step = False  # cancel_pending once this step's enqueues are made
         self.chunks_admitted = 0  # items sharing a chunk count once
@@ -345,7 +345,7 @@ class Scheduler:
         token = self.device.publish()  # the thread's use of the chunk's block (a failed copy too) comes first
         with self.batch_lock:
             self._member_written(chunk, member, span, token)
-            self.writes_ended += 1
+            self.copies_ended += 1
 
     def _member_written(self, chunk: Chunk, member: Member, span: Optional[tuple], token: Any) -> None:
         chunk.writers -= 1
@@ -366,6 +366,12 @@ class Scheduler:
         chunk.stamps["prepare"] = [span[0] if prep is None else min(prep[0], span[0]),
                                    span[1] if prep is None else max(prep[1], span[1])]
 
+    def copies_ended_unseen(self) -> bool:
+        """Whether a copy into a shared chunk ended after the last admission looked (any thread,
+        no lock: the driver asks once it has cleared its wake flag, so a copy that ended after
+        the look is either counted here or sets the flag again)."""
+        return self.copies_ended != self._copies_ended_seen
+
     def _check_accepting(self) -> None:
         if self.broken is not None:
             raise self.broken
@@ -381,7 +387,7 @@ class Scheduler:
         (it could not start sooner anyway)."""
         admitted = False
         inbox = self.inbox
-        self._writes_seen = self.writes_ended
+        self._copies_ended_seen = self.copies_ended
         while inbox:
             chunk = inbox[0]
             members = chunk.members
