@@ -1,8 +1,8 @@
 """A memory copy split over native threads, for staging host memory.
 
 Why: one thread copies ordinary memory at a fraction of what the host's memory system moves
-(measured on the H200's host: 8-10 GB/s alone, four times that on 16 threads), and staging a
-request into pinned memory is the largest part of the time ``submit`` spends per request. numpy
+(docs/performance.md has the measurements), and staging a request into pinned memory is the
+largest part of the time ``submit`` spends per request. numpy
 copies on the calling thread only, and Python threads splitting a copy each take the GIL twice
 per part, from the very threads that need it (docs/design.md, "Pinned staging and results").
 So the copy is split here over threads that never touch the interpreter: a few lines of C,
