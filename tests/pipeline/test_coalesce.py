@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import ringflow as rf
 from ringflow._device import host_pool
+from tests.helpers.interrupts import InterruptAt
 
 FAIL = np.float32(-7777.0)  # an item whose first element is this makes the compute raise
 INTERRUPT = np.float32(-8888.0)  # ... or raise KeyboardInterrupt
@@ -222,6 +223,62 @@ def test_an_interrupt_while_an_item_is_copied_into_a_shared_chunk_accepts_nothin
         del first, third
     gc.collect()
     assert rf.host.stats(device=dev).in_use_bytes == 0
+
+
+SHARED_SUBMIT = ("submit", "_submit_shared", "join_open_batch", "open_new_batch", "_add_member", "member_written",
+                 "_member_written", "_abandon_member")
+
+
+def _submit_interrupted_at(n: int, joins: bool) -> tuple:
+    """On a checked simulated GPU, an item joins the open chunk (``joins``) or opens a new one,
+    with Ctrl-C at its submit's ``n``-th instruction. Returns how many instructions ran, whether
+    the interrupt fired, and what went wrong afterwards (None: nothing)."""
+    a, b = np.full(1000, 3, np.float32), np.full(500, 5, np.float32)
+    pipe = rf.Pipeline(f, device=rf.device("sim", seed=1), chunk_bytes=1 << 16, checked=True)
+    pipe.submit(np.zeros(4, np.float32)).result()
+    first = pipe.submit(a) if joins else None  # nobody waits, so the simulated driver leaves its chunk open
+    with InterruptAt(n, SHARED_SUBMIT) as at:
+        try:
+            fb = pipe.submit(b)
+        except KeyboardInterrupt:
+            fb = None
+    problems: list = []
+
+    def settle():
+        try:
+            if first is not None and not np.array_equal(first.result(), expected(a)):
+                problems.append("the other item's result is wrong")
+            if fb is not None and not np.array_equal(fb.result(), expected(b)):
+                problems.append("the item's result is wrong")
+            pipe.close()
+            stats, returned = pipe.stats(), (first is not None) + (fb is not None) + 1
+            # an interrupt after the copy ended: submit raised, but the item is accepted whole
+            whole = fb is None and stats.accepted == returned + 1
+            if (stats.accepted != returned and not whole) or stats.delivered != stats.accepted or stats.in_flight:
+                problems.append(f"counts do not add up: {stats}")
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            problems.append(repr(exc)[:300])
+
+    t = threading.Thread(target=settle, daemon=True)
+    t.start()
+    t.join(20)
+    if t.is_alive():
+        problems.append("the pipeline never settled (an item left half registered)")
+    return at.seen, at.fired, problems or None
+
+
+@pytest.mark.parametrize("joins", [True, False], ids=["joining", "opening"])
+def test_ctrl_c_at_any_instruction_of_a_shared_submit_accepts_the_item_whole_or_not_at_all(joins):
+    """Ctrl-C may land between any two instructions of a shared submit. Before the item's copy
+    ends, submit raises and nothing of the item stays (a half-registered item would be sent
+    with bytes never copied, into a result block already back in the pool: the checker sees
+    that d2h race the next holder's write); after it, the item is accepted whole. Either way
+    the pipeline settles, the other item's result is right and the counts add up."""
+    seen, fired, problems = _submit_interrupted_at(10 ** 9, joins)
+    assert not fired and problems is None and seen > 20
+    for n in range(seen):
+        _, fired, problems = _submit_interrupted_at(n, joins)
+        assert fired and problems is None, f"Ctrl-C at instruction {n} of {seen}: {problems}"
 
 
 def test_submitting_threads_share_chunks_with_the_checker_on():

@@ -491,30 +491,31 @@ class Pipeline:
         result = self._pool.take(shape, dtype)  # the item's own pinned result, taken outside the lock
         if result is None:
             return None
-        place = s.join_open_batch(d, result)  # under the scheduler's batch lock, not the driver's
-        if place is None:
-            batch = self._pool.take((self.config.chunk_bytes,), np.dtype(np.uint8))
-            if batch is None:
-                return None
-            with d.cv:
-                place = s.join_open_batch(d, result)  # another thread may have opened one
-                if place is None:
-                    self._wait_for_capacity(timeout)
-                    place = s.join_open_batch(d, result) or s.open_new_batch(d, batch, result)
-        chunk, member = place
-        span = None
+        claim: list = []  # (chunk, member) once the scheduler starts registering the item
         try:
+            place = s.join_open_batch(d, result, claim)  # under the scheduler's batch lock, not the driver's
+            if place is None:
+                batch = self._pool.take((self.config.chunk_bytes,), np.dtype(np.uint8))
+                if batch is None:
+                    return None
+                with d.cv:
+                    place = s.join_open_batch(d, result, claim)  # another thread may have opened one
+                    if place is None:
+                        self._wait_for_capacity(timeout)
+                        place = s.join_open_batch(d, result, claim) or s.open_new_batch(d, batch, result, claim)
+            chunk, member = place
             t0 = self.device.now
             self.device.host_copy(chunk.batch[member.offset:member.offset + nbytes].view(dtype).reshape(shape), item)
-            span = (t0, self.device.now)
-        finally:  # whatever happens (Ctrl-C too) the chunk learns the copy ended; a failed one un-accepts the item
-            if span is None:  # the inbox may change: under the driver's lock, and its waiters told
+            s.member_written(chunk, member, (t0, self.device.now))  # the driver's lock is not needed
+            d.wake.set()
+        except BaseException:
+            # the copy failed or an interrupt (Ctrl-C) landed anywhere above: an item not wholly
+            # registered, or whose copy did not end, is taken back; one whose copy ended stays
+            if claim:
                 with d.cv:
-                    s.member_written(chunk, member, span)
+                    s.member_written(*claim[0], None)
                     d.notify()
-            else:  # the driver's lock is not needed: a step in progress does not hold this thread up
-                s.member_written(chunk, member, span)
-                d.wake.set()
+            raise
         return member.future
 
     def map(self, items: Iterable[Any]) -> Iterator[Any]:

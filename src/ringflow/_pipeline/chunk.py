@@ -174,12 +174,12 @@ class Chunk:
     stamps: dict = dataclasses.field(default_factory=dict)  # stage -> (start, end) host-clock seconds
     events: dict = dataclasses.field(default_factory=dict)  # timing events when profiling
     # items sharing this chunk (see Member), or None for a chunk of one item; while the chunk
-    # takes more items: its pinned pool array, the bytes used, the copies into it still being
-    # made, and the hand-off tokens of those made
+    # takes more items: its pinned pool array, the bytes used, the items whose copies into it
+    # are still being made, and the hand-off tokens of those made
     members: Optional[list] = None
     batch: Optional[np.ndarray] = None
     used: int = 0
-    writers: int = 0
+    copying: set = dataclasses.field(default_factory=set)  # members whose copy in is being made
     tokens: Optional[list] = None
 
     def move(self, new: ChunkState) -> None:

@@ -291,13 +291,16 @@ class Scheduler:
         return chunk
 
     # -- items sharing a chunk -------------------------------------------------------------------
-    def join_open_batch(self, driver: Any, result: np.ndarray) -> Optional[tuple]:
+    def join_open_batch(self, driver: Any, result: np.ndarray, claim: list) -> Optional[tuple]:
         """Room in the chunk still taking items (any thread, the driver's lock held or not) for an
         item whose result comes back into the pinned pool array ``result`` (the item's shape and
-        dtype): ``(chunk, member)`` with the member registered (the commit point: its future is
-        the item's) and a copy into the chunk counted as being made; None when no chunk takes
-        items or its room is too small. The caller copies the item to ``chunk.batch`` at the
-        member's offset, then calls :meth:`member_written` whatever happens."""
+        dtype): ``(chunk, member)`` with the member registered (its future is the item's) and its
+        copy into the chunk counted as being made; None when no chunk takes items or its room is
+        too small. ``(chunk, member)`` goes into ``claim`` before anything of it is registered,
+        so that an interrupt anywhere in here leaves the caller what to take back. The caller
+        copies the item to ``chunk.batch`` at the member's offset, then calls
+        :meth:`member_written` whatever happens (see "Ctrl-C in a shared submit" in
+        docs/design.md)."""
         with self.batch_lock:
             chunk = self.open_batch
             if chunk is None or not self.accepting or self.broken is not None or len(chunk.members) >= MAX_MEMBERS:
@@ -305,12 +308,13 @@ class Scheduler:
             offset = -(-chunk.used // MEMBER_ALIGN) * MEMBER_ALIGN
             if offset + result.nbytes > chunk.batch.nbytes:
                 return None
-            return chunk, self._add_member(chunk, driver, offset, result)
+            return chunk, self._add_member(chunk, driver, offset, result, claim)
 
-    def open_new_batch(self, driver: Any, batch: np.ndarray, result: np.ndarray) -> tuple:
+    def open_new_batch(self, driver: Any, batch: np.ndarray, result: np.ndarray, claim: list) -> tuple:
         """A new chunk whose input is staged in the pinned pool array ``batch`` (uint8, a slot's
         size), in the inbox and taking items until the driver admits it, with a first member as
-        :meth:`join_open_batch` makes (any thread, lock held). Returns ``(chunk, member)``.
+        :meth:`join_open_batch` makes, ``claim`` too (any thread, lock held). Returns
+        ``(chunk, member)``.
 
         Raises:
             DeviceError: the device is broken.
@@ -321,50 +325,61 @@ class Scheduler:
         chunk = Chunk(index, None, ChunkFuture(driver, index), members=[], batch=batch, tokens=[])
         chunk.stamps["accepted"] = self.device.now
         with self.batch_lock:
-            member = self._add_member(chunk, driver, 0, result, index=index)
+            member = self._add_member(chunk, driver, 0, result, claim, index=index)
             self.inbox.append(chunk)
             self.open_batch = chunk
         return chunk, member
 
-    def _add_member(self, chunk: Chunk, driver: Any, offset: int, result: np.ndarray,
+    def _add_member(self, chunk: Chunk, driver: Any, offset: int, result: np.ndarray, claim: list,
                     index: Optional[int] = None) -> Member:
         index = next(self._indices) if index is None else index
         member = Member(index, ChunkFuture(driver, index), offset, result)
+        # from here on each step is one operation, and the member counts as copying before it is
+        # one of the chunk's: an interrupt between two steps leaves a member that claim names and
+        # that keeps the chunk from being admitted, which the caller takes back
+        claim.append((chunk, member))
+        chunk.copying.add(member)
         chunk.members.append(member)
-        chunk.used = offset + result.nbytes
-        chunk.writers += 1
         self._members[index] = chunk
+        chunk.used = offset + result.nbytes
         return member
 
     def member_written(self, chunk: Chunk, member: Member, span: Optional[tuple]) -> None:
         """The copy of ``member``'s item into ``chunk`` ended (any thread): made, in host-clock
         ``span``, and ordered before the chunk's copy to the device (the driver's lock need not be
-        held; wake the driver after); or, with ``span`` None, it failed and the item is not
-        accepted (its bytes in the chunk are not used; the driver's lock must be held: the inbox
-        may change)."""
+        held; wake the driver after). The item is accepted at the last step, which is one
+        operation. With ``span`` None the copy failed or was interrupted, maybe before the member
+        was wholly registered: the item is taken back unless its copy had already ended (its
+        bytes in the chunk are not used; the driver's lock must be held: the inbox may change).
+        Safe to call again for the same member."""
         token = self.device.publish()  # the thread's use of the chunk's block (a failed copy too) comes first
         with self.batch_lock:
-            self._member_written(chunk, member, span, token)
+            if member not in chunk.copying:
+                return  # already ended (or taken back)
+            if chunk.tokens is not None:
+                chunk.tokens.append(token)
             self.copies_ended += 1
+            if span is None:
+                self._take_back(chunk, member)
+                return
+            prep = chunk.stamps.get("prepare")
+            chunk.stamps["prepare"] = [span[0] if prep is None else min(prep[0], span[0]),
+                                       span[1] if prep is None else max(prep[1], span[1])]
+            chunk.copying.discard(member)  # the commit point: the driver may admit the chunk now
 
-    def _member_written(self, chunk: Chunk, member: Member, span: Optional[tuple], token: Any) -> None:
-        chunk.writers -= 1
-        if chunk.tokens is not None:
-            chunk.tokens.append(token)
-        if span is None:
+    def _take_back(self, chunk: Chunk, member: Member) -> None:
+        """Un-accept a member whose copy did not end (batch lock and driver's lock held)."""
+        if member in chunk.members:
             chunk.members.remove(member)
-            self._members.pop(member.index, None)
-            if not chunk.members and not chunk.writers and chunk in self.inbox:
-                # no item of it is left: it goes now, and its pinned block back to the pool
-                self.inbox.remove(chunk)
-                if self.open_batch is chunk:
-                    self.open_batch = None
-                chunk.batch = None
-                chunk.tokens = None
-            return
-        prep = chunk.stamps.get("prepare")
-        chunk.stamps["prepare"] = [span[0] if prep is None else min(prep[0], span[0]),
-                                   span[1] if prep is None else max(prep[1], span[1])]
+        self._members.pop(member.index, None)
+        chunk.copying.discard(member)
+        if not chunk.members and not chunk.copying and chunk in self.inbox:
+            # no item of it is left: it goes now, and its pinned block back to the pool
+            self.inbox.remove(chunk)
+            if self.open_batch is chunk:
+                self.open_batch = None
+            chunk.batch = None
+            chunk.tokens = None
 
     def copies_ended_unseen(self) -> bool:
         """Whether a copy into a shared chunk ended after the last admission looked (any thread,
@@ -393,7 +408,7 @@ class Scheduler:
             members = chunk.members
             if members is not None:
                 with self.batch_lock:  # no item joins it, and no copy into it is being made, from here on
-                    if chunk.writers:
+                    if chunk.copying:
                         break
                     if chunk is self.open_batch:
                         if self._accepted_q and self.accepting and not self._cancel_admitted:

@@ -1,0 +1,51 @@
+"""Ctrl-C at any instruction: a KeyboardInterrupt raised inside chosen functions at the n-th
+instruction they run on the calling thread, as a signal could raise it between any two."""
+
+from __future__ import annotations
+
+import dis
+import sys
+from typing import Iterable
+
+
+class InterruptAt:
+    """Within the ``with`` block, raise KeyboardInterrupt at the ``n``-th instruction (counted from
+    0) run by a function named in ``names`` whose file path contains one of ``files``, on this
+    thread only; :attr:`seen` counts the instructions run, :attr:`fired` tells whether it raised.
+    Only instructions where CPython raises a pending signal's exception count: a function's
+    start, a backward jump, and the instruction after a call (not, say, between a ``with``
+    statement's lock acquisition and its block, where no signal is ever raised)."""
+
+    def __init__(self, n: int, names: Iterable[str], files: Iterable[str] = ("/ringflow/_pipeline/",)):
+        self.n, self.names, self.files = n, frozenset(names), tuple(files)
+        self.seen, self.fired = 0, False
+        self._after_call: dict = {}  # frame -> whether its last instruction was a call
+
+    def _call(self, frame, event, arg):
+        code = frame.f_code
+        if code.co_name in self.names and any(f in code.co_filename.replace("\\", "/") for f in self.files):
+            frame.f_trace_opcodes = True
+            return self._step
+        return None
+
+    def _step(self, frame, event, arg):
+        if event == "opcode" and not self.fired:
+            name = dis.opname[frame.f_code.co_code[frame.f_lasti]]
+            eligible = name in ("RESUME", "JUMP_BACKWARD") or self._after_call.get(frame, False)
+            self._after_call[frame] = name.startswith("CALL")
+            if eligible:
+                if self.seen == self.n:
+                    self.fired = True
+                    sys.settrace(None)
+                    self._after_call.clear()
+                    raise KeyboardInterrupt(f"injected at instruction {self.n}")
+                self.seen += 1
+        return self._step
+
+    def __enter__(self) -> "InterruptAt":
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(None)
+        self._after_call.clear()
