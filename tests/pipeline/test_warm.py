@@ -8,6 +8,7 @@ import pytest
 
 import ringflow as rf
 from tests.helpers.hooks import engines
+from tests.helpers.threads import bounded
 from ringflow._errors import StageError
 from ringflow._pipeline import warm
 
@@ -50,6 +51,23 @@ def test_the_next_call_of_the_same_shape_reuses_the_pipeline():
     _, again = run(fresh(5000, 10), dev, chunk_bytes=4096)
     assert again is pipes[0]  # both shapes fit the cache (capacity 2)
     assert rf.drop_warm_pipelines(dev) == 2
+    assert dev.live().total == 0
+
+
+@pytest.mark.parametrize("host", ["stage", "register"])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_pipeline_parked_by_one_thread_serves_another_in_order(seed, host):
+    """Parking and taking are a hand-off between threads: without its ordering edge the checker
+    finds the second thread's staging write unordered after the first thread's call."""
+    dev = rf.device("sim", seed=seed, chaos=True)
+    pipes = []
+    for k in range(2):  # one thread after the other, the same key
+        x = fresh(4096, seed * 10 + k)
+        y, pipe = bounded(lambda x=x: run(x, dev, chunk_bytes=2048, host=host))
+        np.testing.assert_array_equal(y, x * 2 + 1)
+        pipes.append(pipe)
+    assert pipes[0] is pipes[1]
+    rf.drop_warm_pipelines(dev)
     assert dev.live().total == 0
 
 

@@ -10,7 +10,9 @@ allocator keeps freed blocks).
 Lifetimes, and why:
 
 * A parked pipeline has finished everything: no chunk in flight, every slot FREE, nothing
-  failed. Its device slots may still carry a ``ready`` event (the last use, possibly still
+  failed. Parking and taking are a hand-off between host threads (the cache's lock orders
+  them): the parking thread publishes what it did and the taking thread observes it, so the
+  simulated GPU's checker orders the next call, on any thread, after the last. Its device slots may still carry a ``ready`` event (the last use, possibly still
   running); the next owner's stream waits on it as within one call.
 * Parking forgets the job: the stage callbacks (closures over the caller's arrays) and the
   caller's memory behind external rings are dropped, so a parked pipeline never keeps the
@@ -43,49 +45,58 @@ class WarmPipelines:
     def __init__(self, capacity: int = DEFAULT_CAPACITY):
         self.capacity = capacity
         self._lock = threading.Lock()
-        self._parked: collections.OrderedDict[Hashable, "Pipeline"] = collections.OrderedDict()
+        # key -> (pipeline, the parking thread's hand-off token)
+        self._parked: collections.OrderedDict[Hashable, tuple["Pipeline", Any]] = collections.OrderedDict()
 
     def take(self, key: Hashable) -> Optional["Pipeline"]:
-        """The pipeline parked under ``key`` (removed from the cache), or None."""
+        """The pipeline parked under ``key`` (removed from the cache), or None. The calling
+        thread is ordered after the thread that parked it."""
         with self._lock:
-            pipe = self._parked.pop(key, None)
-        if pipe is not None and pipe.device.closed:
-            _close(pipe)
+            pipe, token = self._parked.pop(key, (None, None))
+        if pipe is None:
             return None
+        if pipe.device.closed:
+            _close(pipe, token)
+            return None
+        pipe.device.observe(token)
         return pipe
 
     def park(self, key: Hashable, pipe: "Pipeline") -> None:
         """Keep ``pipe`` (idle, already forgotten its job) for a later :meth:`take`."""
+        token = pipe.device.publish()
         with self._lock:
             old = self._parked.pop(key, None)
-            self._parked[key] = pipe
+            self._parked[key] = (pipe, token)
             evicted = [old] if old is not None else []
-            same = [k for k, p in self._parked.items() if p.device is pipe.device]
+            same = [k for k, (p, _) in self._parked.items() if p.device is pipe.device]
             for k in same[:max(0, len(same) - self.capacity)]:
                 evicted.append(self._parked.pop(k))
             while len(self._parked) > self.capacity * MAX_DEVICES:
                 evicted.append(self._parked.popitem(last=False)[1])
-        for p in evicted:
-            _close(p)
+        for p, t in evicted:
+            _close(p, t)
 
     def drop(self, device: "Device | None" = None) -> int:
         """Close the parked pipelines (of ``device`` only, if given); returns how many."""
         with self._lock:
-            keys = [k for k, p in self._parked.items() if device is None or p.device is device]
+            keys = [k for k, (p, _) in self._parked.items() if device is None or p.device is device]
             dropped = [self._parked.pop(k) for k in keys]
-        for p in dropped:
-            _close(p)
+        for p, t in dropped:
+            _close(p, t)
         return len(dropped)
 
     def __len__(self) -> int:
         return len(self._parked)
 
 
-def _close(pipe: "Pipeline") -> None:
+def _close(pipe: "Pipeline", token: Any) -> None:
+    """Close a pipeline taken out of the cache, on this thread (ordered after the parking one)."""
     try:
         with warnings.catch_warnings():
             if pipe.device.closed:  # its resources went with the device
                 warnings.simplefilter("ignore")
+            else:
+                pipe.device.observe(token)
             pipe.close()
     except Exception as exc:  # noqa: BLE001 - dropping a cache entry never raises
         warnings.warn(f"closing a warm pipeline failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
