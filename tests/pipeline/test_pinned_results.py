@@ -16,6 +16,7 @@ import pytest
 import ringflow as rf
 from ringflow._device import host_pool
 from ringflow._pipeline import scheduler as scheduler_module
+from tests.helpers.threads import bounded
 
 
 def f(x, y):
@@ -122,6 +123,37 @@ def test_pooled_items_are_read_in_place_without_a_prepare(dev, monkeypatch):
         results = list(pipe.map([pooled, view, pageable]))
     assert [np.array_equal(r, a * 2 + 1) for r, a in zip(results, [pooled, view, pageable])] == [True] * 3
     assert prepared == [1, 2]
+
+
+@pytest.mark.parametrize("how", ["submit", "map", "stream_map x", "stream_map out", "MapJob"])
+def test_a_pool_array_made_on_another_thread_is_read_or_written_in_order(dev, how):
+    """The pool's hand-out is the array's one recorded host access; a caller that makes the array
+    on one thread and hands it on by a join (invisible to the checker) gets no spurious hazard:
+    taking the array in orders the taking thread after the hand-out."""
+    made = []
+
+    def make():
+        a = rf.host.empty((1000,), np.float32, device=dev)
+        a[:] = np.arange(1000)
+        made.append(a)
+
+    for _ in range(2):
+        bounded(make)
+    x, out = made
+    want = np.arange(1000, dtype=np.float32) * 2 + 1
+    if how in ("submit", "map"):
+        with rf.Pipeline(f, device=dev, chunk_bytes=4096) as pipe:
+            got = pipe.submit(x).result() if how == "submit" else next(iter(pipe.map([x])))
+    elif how == "stream_map x":
+        got = rf.stream_map(f, x, device=dev, chunk_bytes=1024)
+    elif how == "stream_map out":
+        got = rf.stream_map(f, np.arange(1000, dtype=np.float32), out, device=dev, chunk_bytes=1024)
+        assert got is out
+    else:
+        with rf.MapJob(f, x, out, device=dev, chunk_bytes=1024) as job:
+            got = job()
+    np.testing.assert_array_equal(got, want)
+    rf.drop_warm_pipelines(dev)
 
 
 def test_an_item_changed_after_submit_returns_does_not_change_its_result(dev):

@@ -27,7 +27,9 @@ Ordering on the simulated GPU: every hand-out takes a fresh checked host view of
 write and a read by the allocating thread), so a block handed out while a copy into it is
 pending is a :class:`~ringflow.HazardError`. The thread that drops an array publishes what it
 has done (:meth:`Device.publish`) and whoever takes the block next observes that, so a block
-passed between threads through the pool is ordered as a queue hand-off is.
+passed between threads through the pool is ordered as a queue hand-off is. An array passed from the
+thread it was handed out on to another by the caller's own means (a lock, a queue, a join) is
+ordered by :func:`receive`, which whatever takes the array in for device work calls.
 
 Nothing here knows about pipelines; :func:`buffer_behind` lets a caller find the pinned buffer
 behind a pooled array to copy it in place.
@@ -138,7 +140,7 @@ class _Owner:
     """What every view of a handed-out array keeps alive: its bytes (exposed to numpy through
     ``__array_interface__``) and its block. Collected once the last view is gone."""
 
-    __slots__ = ("__array_interface__", "_memory", "block", "pool", "__weakref__")
+    __slots__ = ("__array_interface__", "_memory", "block", "pool", "handed_out", "__weakref__")
 
 
 class HostPool:
@@ -329,6 +331,7 @@ class HostPool:
         owner._memory = memory
         owner.block = block
         owner.pool = self
+        owner.handed_out = self._device.publish()  # for whichever thread the caller passes the array to
         owner.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "version": 3,
                                      "data": (memory.__array_interface__["data"][0], False)}
         fin = weakref.finalize(owner, _on_owner_collected, self, block)
@@ -699,6 +702,18 @@ def buffer_behind(array: Any, device: Optional[Device] = None) -> Optional[HostB
         return None
     buffer = owner.block.buffer
     return buffer if buffer.holds(array) else None
+
+
+def receive(array: Any, device: Device) -> Optional[HostBuffer]:
+    """:func:`buffer_behind` for an array a caller hands to ``device``'s work, ordering the
+    calling thread after the pool's hand-out of it. The hand-out is the one host access of a
+    pool array the simulated GPU's checker records, and the caller may have made the array on
+    another thread and passed it on by a lock, queue or join of its own, which the checker
+    cannot see; without this edge the device's first copy of it would look unordered."""
+    buffer = buffer_behind(array, device)
+    if buffer is not None:
+        device.observe(owner_of(array).handed_out)
+    return buffer
 
 
 def device_of(array: Any) -> Optional[Device]:

@@ -120,7 +120,7 @@ def output_tree(spec: Any, where: str) -> Any:
 def _pinned_source(device: Device, item: Any) -> Optional[tuple]:
     """Where an item is an array from ``device``'s host pool (:mod:`ringflow.host`), from its
     block's first byte: its bytes, shape and dtype, which the h2d reads in place; else None."""
-    buffer = host_pool.buffer_behind(item, device)
+    buffer = host_pool.receive(item, device)
     if buffer is None:
         return None
     return BufferSlice(buffer, 0, item.nbytes), item.shape, item.dtype

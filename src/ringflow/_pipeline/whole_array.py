@@ -456,7 +456,7 @@ def pooled_buffers(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool,
     asked for staging."""
     if x_buffer is not None or out_buffer is not None or host == "stage":
         return None, None
-    return host_pool.buffer_behind(x, dev), None if fresh_out else host_pool.buffer_behind(out, dev)
+    return host_pool.receive(x, dev), None if fresh_out else host_pool.receive(out, dev)
 
 
 def pinned_arrays(layout: MapLayout, x: np.ndarray, out: np.ndarray, fresh_out: bool, x_buffer, out_buffer,
