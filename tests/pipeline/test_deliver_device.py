@@ -19,6 +19,7 @@ from ringflow import _testing
 from ringflow._pipeline.states import SlotState
 from tests.helpers.pipeline_checks import caught
 from tests.helpers.sim import read_on
+from tests.helpers.threads import bounded
 
 
 def f(x, y):
@@ -118,6 +119,26 @@ def test_the_array_of_a_released_result_is_refused_and_a_late_read_is_caught():
         except BaseException as exc:  # noqa: BLE001 - however the checker's error surfaced
             outcomes.append(exc)
     assert any(caught(o) for o in outcomes), outcomes
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_result_taken_on_one_thread_is_read_and_released_on_others(seed):
+    """The caller passes a result between its threads by joins the checker cannot see: the
+    thread that takes ``array`` is ordered after the compute that wrote it (without that, the
+    read on another thread is an unordered access), and the release from a third thread goes
+    back in order."""
+    dev = rf.device("sim", chaos=True, seed=seed, checked=True)
+    with rf.Pipeline(f, device=dev, chunk_bytes=1024, deliver="device", checked=True,
+                     slots=rf.SlotCounts(host_in=2, device_in=2, device_out=1, host_out=1)) as pipe:
+        user = bounded(dev.create_stream)
+        for k in range(6):  # one device-out slot: each release must come back for the next
+            res = bounded(lambda k=k: pipe.submit(np.full(100, k, np.float32)).result())
+            out = bounded(lambda res=res: read_on(user, res))
+            bounded(lambda res=res: res.release(stream=user))
+            bounded(user.sync)
+            np.testing.assert_array_equal(out, np.full(100, 2 * k + 1, np.float32))
+    user.close()
+    assert dev.live().total == 0
 
 
 def test_results_dropped_without_release_go_back_and_the_pipeline_goes_on():

@@ -30,16 +30,18 @@ class DeviceResult:
     """
 
     __slots__ = ("index", "shape", "dtype", "_arg", "_array", "_device", "_give_back", "_lock", "_released",
-                 "_finalizer", "_convert", "__weakref__")
+                 "_finalizer", "_convert", "_token", "__weakref__")
 
     def __init__(self, *args: Any, **kwargs: Any):
         raise TypeError("DeviceResult objects are made by a Pipeline(deliver='device'), not directly")
 
     @classmethod
-    def _lent(cls, index: int, arg: Any, device: Any, give_back, convert=None) -> "DeviceResult":
+    def _lent(cls, index: int, arg: Any, device: Any, give_back, token: Any, convert=None) -> "DeviceResult":
         """The result of chunk ``index`` in the slot ``arg`` describes, lent to the consumer;
-        ``give_back(event, token)`` hands the slot back."""
+        ``give_back(event, token)`` hands the slot back; ``token``: published by the thread that
+        saw the compute complete, observed by whichever thread takes :attr:`array`."""
         self = object.__new__(cls)
+        self._token = token
         self._convert = convert  # another framework's array over the same memory (like=), or None
         self.index = index
         # one array's launch argument, or (tree, leaf arguments) for several (.trees)
@@ -57,10 +59,14 @@ class DeviceResult:
 
     @property
     def array(self) -> Any:
-        """The device array; raises RuntimeError once released (the slot may hold another result)."""
+        """The device array; raises RuntimeError once released (the slot may hold another result).
+        The calling thread is ordered after the compute that wrote it, whichever thread got the
+        result from its future (the caller may pass it on by means the simulated GPU's checker
+        cannot see)."""
         if self._released:
             raise RuntimeError(f"result {self.index} was released: its device memory now belongs to the pipeline "
                                "again; keep the result until your work on it is enqueued, then release it")
+        self._device.observe(self._token)
         if self._array is None:
             if isinstance(self._arg, tuple):
                 from .trees import unflatten

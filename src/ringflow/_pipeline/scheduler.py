@@ -993,7 +993,8 @@ class Scheduler:
             wake()
 
         chunk.dev_out = None
-        chunk.value = DeviceResult._lent(chunk.index, arg, self.device, give_back, convert=self.convert)
+        chunk.value = DeviceResult._lent(chunk.index, arg, self.device, give_back, self.device.publish(),
+                                         convert=self.convert)
         self._end(chunk, ChunkState.DELIVERED)
 
     def _wake(self) -> None:
