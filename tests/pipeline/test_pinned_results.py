@@ -156,6 +156,23 @@ def test_a_pool_array_made_on_another_thread_is_read_or_written_in_order(dev, ho
     rf.drop_warm_pipelines(dev)
 
 
+@pytest.mark.parametrize("how", ["submit", "stream_map"])
+def test_a_result_got_on_one_thread_is_sent_again_from_another_in_order(dev, how):
+    """A pooled result is ordered after its d2h for the thread its future returned on; sent back
+    in from another thread it must be too (the tokens the chunk's end left on its block)."""
+    with rf.Pipeline(f, device=dev, chunk_bytes=8192) as first, rf.Pipeline(f, device=dev, chunk_bytes=8192) as again:
+        for k in range(3):
+            x = np.arange(100, dtype=np.float32) + k
+            r = bounded(lambda x=x: first.submit(x).result())
+            assert host_pool.buffer_behind(r, dev) is not None
+            if how == "submit":
+                got = bounded(lambda r=r: again.submit(r).result())
+            else:
+                got = bounded(lambda r=r: rf.stream_map(f, r, device=dev, chunk_bytes=1024))
+            np.testing.assert_array_equal(got, x * 4 + 3)
+    rf.drop_warm_pipelines(dev)
+
+
 def test_an_item_changed_after_submit_returns_does_not_change_its_result(dev):
     """A plain array is copied into pinned memory by submit() itself: the caller may reuse it at once."""
     a = np.arange(1000, dtype=np.float32)

@@ -706,13 +706,18 @@ def buffer_behind(array: Any, device: Optional[Device] = None) -> Optional[HostB
 
 def receive(array: Any, device: Device) -> Optional[HostBuffer]:
     """:func:`buffer_behind` for an array a caller hands to ``device``'s work, ordering the
-    calling thread after the pool's hand-out of it. The hand-out is the one host access of a
-    pool array the simulated GPU's checker records, and the caller may have made the array on
-    another thread and passed it on by a lock, queue or join of its own, which the checker
-    cannot see; without this edge the device's first copy of it would look unordered."""
+    calling thread after the pool's hand-out of it and after every device use of it seen
+    complete since (the tokens :func:`hand_off` left, a pipeline's d2h into a result). The
+    caller may have got the array on another thread and passed it on by a lock, queue or join
+    of its own, which the simulated GPU's checker cannot see; without these edges the device's
+    next copy of it would look unordered."""
     buffer = buffer_behind(array, device)
     if buffer is not None:
-        device.observe(owner_of(array).handed_out)
+        owner = owner_of(array)
+        with owner.pool._lock:
+            tokens = [owner.handed_out, *owner.block.tokens]
+        for token in tokens:
+            device.observe(token)
     return buffer
 
 

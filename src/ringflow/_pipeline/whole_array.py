@@ -219,6 +219,13 @@ def run_call(engine: Engine, arrays: Arrays, profile: bool) -> None:
     except BaseException as exc:
         engine.fail(exc)  # settled and closed; never masks exc
         raise
+    finally:
+        # this thread saw every copy of the call complete: whoever drops a pool array the call
+        # read or wrote in place, on any thread, hands its block on ordered after them
+        for arr in (arrays.x, arrays.out):
+            owner_device = host_pool.device_of(arr)
+            if owner_device is not None:
+                host_pool.hand_off(arr, owner_device.publish())
 
 
 def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str, output: Any = None,
