@@ -15,6 +15,7 @@ import ringflow as rf
 from ringflow._device import host_pool
 from ringflow._device.host_pool import HostPool, pool_for, size_class
 from ringflow._errors import DeviceError
+from tests.helpers.threads import bounded
 
 N = 1 << 20  # bytes of the arrays the ordering tests copy into and out of
 
@@ -355,3 +356,21 @@ def test_threads_allocating_and_dropping_at_once_never_share_a_block():
     assert s.hits > 0 and s.hits + s.allocations == workers * rounds
     assert s.cached_bytes == sum(b.size for bucket in pool._free.values() for b in bucket)
     assert dev.live().pooled_host_buffers == s.allocations - s.releases
+
+
+@pytest.mark.parametrize("poison", [True, False])
+def test_an_array_made_on_one_thread_and_dropped_on_another_goes_back_in_order(poison):
+    """The caller passes arrays between its threads by means the checker cannot see: the hand-out
+    leaves a token on the block, so the block's next hand-out (and its poisoning, on a checked
+    device) is ordered after it, whichever thread dropped the array."""
+    dev = rf.device("sim", seed=1, chaos=True, checked=poison)
+    pool = HostPool(dev, budget=64 << 20)
+    for k in range(4):
+        a = bounded(lambda: pool.empty(1000, np.float32))
+        del a  # dropped here, made on another thread
+        gc.collect()
+        b = bounded(lambda: pool.empty(1000, np.float32)) if k % 2 else pool.empty(1000, np.float32)
+        del b
+        gc.collect()
+    s = pool.stats()
+    assert s.allocations == 1 and s.hits == 7

@@ -27,9 +27,11 @@ Ordering on the simulated GPU: every hand-out takes a fresh checked host view of
 write and a read by the allocating thread), so a block handed out while a copy into it is
 pending is a :class:`~ringflow.HazardError`. The thread that drops an array publishes what it
 has done (:meth:`Device.publish`) and whoever takes the block next observes that, so a block
-passed between threads through the pool is ordered as a queue hand-off is. An array passed from the
-thread it was handed out on to another by the caller's own means (a lock, a queue, a join) is
-ordered by :func:`receive`, which whatever takes the array in for device work calls.
+passed between threads through the pool is ordered as a queue hand-off is. The hand-out leaves a
+token of its own on the block: a caller may pass the array from the thread it was handed out on
+to another by its own means (a lock, a queue, a join), which the checker cannot see, so the
+block's next taker observes it, and so does :func:`receive`, which whatever takes the array in
+for device work calls.
 
 Nothing here knows about pipelines; :func:`buffer_behind` lets a caller find the pinned buffer
 behind a pooled array to copy it in place.
@@ -140,7 +142,7 @@ class _Owner:
     """What every view of a handed-out array keeps alive: its bytes (exposed to numpy through
     ``__array_interface__``) and its block. Collected once the last view is gone."""
 
-    __slots__ = ("__array_interface__", "_memory", "block", "pool", "handed_out", "__weakref__")
+    __slots__ = ("__array_interface__", "_memory", "block", "pool", "__weakref__")
 
 
 class HostPool:
@@ -325,13 +327,15 @@ class HostPool:
         as a host access (simulated GPU), and tied to a new owner whose collection returns it."""
         self._observe(block)
         memory = block.buffer.view(np.uint8, count=nbytes, access="rw")
+        # the hand-out's access comes before anything done with the array, on whichever thread
+        # the caller passes it to: that thread (receive) and the block's next taker observe it
+        token = self._device.publish()
         with self._lock:
-            block.tokens = []
+            block.tokens = [token]
         owner = _Owner()
         owner._memory = memory
         owner.block = block
         owner.pool = self
-        owner.handed_out = self._device.publish()  # for whichever thread the caller passes the array to
         owner.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "version": 3,
                                      "data": (memory.__array_interface__["data"][0], False)}
         fin = weakref.finalize(owner, _on_owner_collected, self, block)
@@ -707,7 +711,8 @@ def buffer_behind(array: Any, device: Optional[Device] = None) -> Optional[HostB
 def receive(array: Any, device: Device) -> Optional[HostBuffer]:
     """:func:`buffer_behind` for an array a caller hands to ``device``'s work, ordering the
     calling thread after the pool's hand-out of it and after every device use of it seen
-    complete since (the tokens :func:`hand_off` left, a pipeline's d2h into a result). The
+    complete since (the tokens the hand-out and :func:`hand_off` left on its block, a pipeline's
+    d2h into a result among them). The
     caller may have got the array on another thread and passed it on by a lock, queue or join
     of its own, which the simulated GPU's checker cannot see; without these edges the device's
     next copy of it would look unordered."""
@@ -715,7 +720,7 @@ def receive(array: Any, device: Device) -> Optional[HostBuffer]:
     if buffer is not None:
         owner = owner_of(array)
         with owner.pool._lock:
-            tokens = [owner.handed_out, *owner.block.tokens]
+            tokens = list(owner.block.tokens)
         for token in tokens:
             device.observe(token)
     return buffer
