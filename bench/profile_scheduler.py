@@ -1,7 +1,8 @@
 """The scheduler's own Python per request, on any machine: the ``requests`` workload's items
 through one ``Pipeline`` on the simulated GPU (checker off), cProfile on the progress thread
-and on the submitting thread, counting only ringflow's pipeline code (``_pipeline/``) and the
-standard library's threading and futures it calls, not the device backend. The figures are
+and on the submitting thread, counting only ringflow's pipeline code (``_pipeline/``), the host
+pool (``_device/host_pool.py``, the same on every device) and the standard library's threading
+and futures they call, not the device backend. The figures are
 profiled microseconds (cProfile slows Python calls several times), to compare one version of
 the scheduler with another on one machine, not to predict a GPU's throughput.
 
@@ -26,7 +27,7 @@ from pinned_results_check import pooled_copies, request_items  # noqa: E402
 from _script import header, write  # noqa: E402
 
 MiB = 1 << 20
-COUNTED = ("/ringflow/_pipeline/", "threading.py", "concurrent/futures/")
+COUNTED = ("/ringflow/_pipeline/", "/ringflow/_device/host_pool.py", "threading.py", "concurrent/futures/")
 
 
 def counted(filename: str) -> bool:

@@ -7,6 +7,9 @@ each delivered payload is f(its own input) bit for bit, stats balance, no Hazard
 slot FREE and nothing live on the device after close. Every join is bounded in real seconds
 (tests/helpers/threads), so a deadlock fails instead of hanging.
 
+A hypothesis test passes pool arrays and results between the caller's threads (each step on a
+thread of its own, joined: an ordering the checker cannot see) through every way in.
+
 The state machine at the end mixes submitter threads (some items failing, some raising
 KeyboardInterrupt in prepare, compute or consume), a canceller, per-future cancels and a
 closer, checking the harness's invariants under the pipeline's lock after every step.
@@ -20,7 +23,7 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -370,6 +373,66 @@ def test_stream_map_and_mapjob_from_four_threads(seed):
         run_all([lambda k=k: _whole_array_worker(dev, k, 8, seen) for k in range(4)])
     finally:
         rf.drop_warm_pipelines(dev)
+    assert dev.live().total == 0
+
+
+# -- arrays handed between the caller's threads ---------------------------------------------------------------
+HAND_OFF_OPS = ("make", "submit", "map", "stream_map", "stream_map_out", "job", "drop")
+
+
+def _double_plus_one(x, y):
+    y[...] = x * 2 + 1
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 16),
+       ops=st.lists(st.tuples(st.sampled_from(HAND_OFF_OPS), st.integers(0, 2 ** 16)), min_size=1, max_size=14))
+def test_pool_arrays_and_results_handed_between_threads_stay_ordered(seed, ops):
+    """Every step runs on a thread of its own, and arrays pass between them by joins, which the
+    checker cannot see: pool arrays made on one thread and sent in (``submit``, ``map``,
+    ``stream_map`` as ``x`` or ``out``, ``MapJob``) on another, results sent in again from a
+    third, arrays dropped on a fourth. No step may raise a HazardError, every result is right,
+    and nothing is left after close."""
+    dev = rf.device("sim", seed=seed, chaos=True)
+    rng = np.random.default_rng(seed)
+    live: list = []  # (array, its expected contents)
+    with rf.Pipeline(_double_plus_one, device=dev, chunk_bytes=1024) as pipe:
+        for op, k in ops:
+            if op == "make" or not live:
+                n = int(rng.integers(1, 200))
+                want = rng.standard_normal(n).astype(np.float32)
+
+                def make(want=want):
+                    a = rf.host.empty(want.shape, want.dtype, device=dev)
+                    a[...] = want
+                    return a
+
+                live.append((bounded(make), want))
+                continue
+            a, want = live[k % len(live)]
+            if op == "drop":
+                box = [live.pop(k % len(live))]
+                bounded(lambda: box.clear())  # the last reference goes on another thread
+                continue
+            if op == "submit":
+                got = bounded(lambda: pipe.submit(a).result())
+            elif op == "map":
+                got = bounded(lambda: next(iter(pipe.map([a]))))
+            elif op == "stream_map":
+                got = bounded(lambda: rf.stream_map(_double_plus_one, a, device=dev, chunk_bytes=256))
+            elif op == "stream_map_out":
+                out = bounded(lambda: rf.host.empty(a.shape, a.dtype, device=dev))
+                got = bounded(lambda: rf.stream_map(_double_plus_one, a, out, device=dev, chunk_bytes=256))
+                assert got is out
+            else:
+                def job():
+                    with rf.MapJob(_double_plus_one, a, device=dev, chunk_bytes=256) as j:
+                        return j().copy(), j()
+                got, _ = bounded(job)
+            np.testing.assert_array_equal(got, want * np.float32(2) + np.float32(1))
+            live.append((got, want * np.float32(2) + np.float32(1)))
+    live.clear()
+    rf.drop_warm_pipelines(dev)
     assert dev.live().total == 0
 
 
