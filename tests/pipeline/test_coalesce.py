@@ -226,13 +226,13 @@ def test_an_interrupt_while_an_item_is_copied_into_a_shared_chunk_accepts_nothin
 
 
 SHARED_SUBMIT = ("submit", "_submit_shared", "join_open_batch", "open_new_batch", "_add_member", "member_written",
-                 "_member_written", "_abandon_member")
+                 "_take_back")
 
 
-def _submit_interrupted_at(n: int, joins: bool) -> tuple:
+def _submit_interrupted_at(n, joins: bool) -> tuple:
     """On a checked simulated GPU, an item joins the open chunk (``joins``) or opens a new one,
-    with Ctrl-C at its submit's ``n``-th instruction. Returns how many instructions ran, whether
-    the interrupt fired, and what went wrong afterwards (None: nothing)."""
+    with Ctrl-C at its submit's ``n``-th instruction (``n`` a set: at each). Returns how many
+    instructions ran, how many interrupts fired, and what went wrong afterwards (None: nothing)."""
     a, b = np.full(1000, 3, np.float32), np.full(500, 5, np.float32)
     pipe = rf.Pipeline(f, device=rf.device("sim", seed=1), chunk_bytes=1 << 16, checked=True)
     pipe.submit(np.zeros(4, np.float32)).result()
@@ -279,6 +279,23 @@ def test_ctrl_c_at_any_instruction_of_a_shared_submit_accepts_the_item_whole_or_
     for n in range(seen):
         _, fired, problems = _submit_interrupted_at(n, joins)
         assert fired and problems is None, f"Ctrl-C at instruction {n} of {seen}: {problems}"
+
+
+@pytest.mark.parametrize("joins", [True, False], ids=["joining", "opening"])
+def test_ctrl_c_pressed_again_while_a_shared_submit_cleans_up_still_takes_the_item_back(joins):
+    """A second Ctrl-C may land anywhere in the clean-up the first one started (taking the item
+    back needs the driver's lock, which a step of the progress thread may hold): the clean-up
+    starts again and completes, so the item is never left half taken back (its chunk would never
+    be admitted and the pipeline never settle)."""
+    seen, _, _ = _submit_interrupted_at(10 ** 9, joins)
+    second = 0
+    for first in range(seen):
+        ran, _, _ = _submit_interrupted_at({first, 10 ** 9}, joins)
+        for again in range(first + 1, ran):  # each instruction of the clean-up the first started
+            _, fired, problems = _submit_interrupted_at({first, again}, joins)
+            assert fired == 2 and problems is None, f"Ctrl-C at {first}, again at {again}: {problems}"
+            second += 1
+    assert second > 50  # the clean-ups ran that many instructions in all
 
 
 def test_submitting_threads_share_chunks_with_the_checker_on():

@@ -508,15 +508,34 @@ class Pipeline:
             self.device.host_copy(chunk.batch[member.offset:member.offset + nbytes].view(dtype).reshape(shape), item)
             s.member_written(chunk, member, (t0, self.device.now))  # the driver's lock is not needed
             d.wake.set()
-        except BaseException:
+        except BaseException as exc:
             # the copy failed or an interrupt (Ctrl-C) landed anywhere above: an item not wholly
-            # registered, or whose copy did not end, is taken back; one whose copy ended stays
-            if claim:
-                with d.cv:
-                    s.member_written(*claim[0], None)
-                    d.notify()
+            # registered, or whose copy did not end, is taken back; one whose copy ended stays.
+            # Another interrupt inside the clean-up (a second Ctrl-C) starts it again: an item
+            # left half taken back would keep its chunk from ever being admitted.
+            late = None
+            while claim:
+                try:
+                    self._take_back(claim)
+                except Exception as err:  # noqa: BLE001 - never masks the caller's error
+                    warnings.warn(f"taking back an item whose submit failed failed: {err!r}", RuntimeWarning,
+                                  stacklevel=2)
+                    break
+                except BaseException as again:  # noqa: BLE001 - raised below, once the item is back
+                    late = again
+            if late is not None and isinstance(exc, Exception):
+                raise late  # Ctrl-C during the clean-up outranks the copy's error
             raise
         return member.future
+
+    def _take_back(self, claim: list) -> None:
+        """Take back the item ``claim`` names (its shared submit raised before the commit) and
+        empty ``claim``; every step may be repeated if this is interrupted."""
+        d, s = self._driver, self._sched
+        with d.cv:
+            s.member_written(*claim[0], None)
+            d.notify()
+        claim.clear()
 
     def map(self, items: Iterable[Any]) -> Iterator[Any]:
         """Results of ``items`` (in order unless ``ordered=False``), pulling input only as capacity
