@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -170,6 +171,42 @@ def test_a_result_got_on_one_thread_is_sent_again_from_another_in_order(dev, how
             else:
                 got = bounded(lambda r=r: rf.stream_map(f, r, device=dev, chunk_bytes=1024))
             np.testing.assert_array_equal(got, x * 4 + 3)
+    rf.drop_warm_pipelines(dev)
+
+
+def test_arrays_that_die_in_a_reference_cycle_on_another_thread_go_back_in_order(dev):
+    """An array in a reference cycle is dropped by whichever thread runs the collector, which
+    saw nothing of the threads that used it: every recorded use left a token on its block (the
+    hand-out, a chunk's copies, a whole-array call's), so its block still goes back in order."""
+
+    class Cycle:
+        pass
+
+    with rf.Pipeline(f, device=dev, chunk_bytes=8192) as pipe:
+        def use():
+            c = Cycle()
+            c.a = rf.host.empty((1000,), np.float32, device=dev)
+            c.a[:] = 1
+            c.r = pipe.submit(c.a).result()
+            c.y = rf.stream_map(f, c.a, device=dev, chunk_bytes=1024)
+            c.me = c
+            return weakref.ref(c)
+
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            alive = bounded(use)
+            assert alive() is not None  # only the collector can free it
+            bounded(gc.collect)  # on a thread that saw nothing of the one that used the arrays
+            assert alive() is None
+        finally:
+            if was_enabled:
+                gc.enable()
+        for k in range(4):  # the blocks go out again: their next views are ordered
+            b = rf.host.empty((1000,), np.float32, device=dev)
+            b[:] = k
+            np.testing.assert_array_equal(pipe.submit(b).result(), b * 2 + 1)
+            del b
     rf.drop_warm_pipelines(dev)
 
 
