@@ -12,6 +12,7 @@ import ringflow as rf
 from ringflow._errors import StageError
 from ringflow._pipeline import job as job_module
 from tests.helpers.pipeline_checks import copy_failing_on_call
+from tests.helpers.threads import bounded
 
 
 def f(x, y):
@@ -195,3 +196,26 @@ def test_a_job_uses_pool_arrays_as_they_are_rather_than_pinning_them_again():
     with rf.MapJob(f, x, device=dev, chunk_bytes=4096, host="register") as job:
         assert len(job._held.registered) == 1 and job._held.registered[0].holds(job.out)
         np.testing.assert_array_equal(job(), np.full((64, 256), 2, np.float32))
+
+
+@pytest.mark.parametrize("host", ["auto", "register", "stage"])
+@pytest.mark.parametrize("pooled", [True, False], ids=["pool arrays", "numpy arrays"])
+def test_a_job_made_on_one_thread_is_called_and_closed_on_others(host, pooled):
+    """The job's set-up (what it took in: pool arrays made on yet other threads, registrations)
+    is handed to the first call like one call to the next: no spurious HazardError."""
+    dev = rf.device("sim", seed=3, chaos=True)
+    if pooled:
+        x = bounded(lambda: rf.host.empty((5000,), np.float32, device=dev))
+        out = bounded(lambda: rf.host.empty((5000,), np.float32, device=dev))
+    else:
+        x, out = np.empty(5000, np.float32), np.empty(5000, np.float32)
+    x[:] = 3
+    job = bounded(lambda: rf.MapJob(f, x, out, device=dev, chunk_bytes=4096, host=host))
+    for k in range(3):
+        y = bounded(job)
+        np.testing.assert_array_equal(y, x * 2 + 1)
+        x[:] = k
+    bounded(job.close)
+    del x, out, y
+    gc.collect()
+    assert dev.live().total == 0

@@ -424,11 +424,10 @@ def test_pool_arrays_and_results_handed_between_threads_stay_ordered(seed, ops):
                 out = bounded(lambda: rf.host.empty(a.shape, a.dtype, device=dev))
                 got = bounded(lambda: rf.stream_map(_double_plus_one, a, out, device=dev, chunk_bytes=256))
                 assert got is out
-            else:
-                def job():
-                    with rf.MapJob(_double_plus_one, a, device=dev, chunk_bytes=256) as j:
-                        return j().copy(), j()
-                got, _ = bounded(job)
+            else:  # made, called and closed on three threads
+                j = bounded(lambda: rf.MapJob(_double_plus_one, a, device=dev, chunk_bytes=256))
+                got = bounded(lambda: j().copy())
+                bounded(j.close)
             np.testing.assert_array_equal(got, want * np.float32(2) + np.float32(1))
             live.append((got, want * np.float32(2) + np.float32(1)))
     live.clear()

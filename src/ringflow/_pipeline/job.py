@@ -128,6 +128,7 @@ class MapJob:
             dev = many[0] if many else make_device(device) if not isinstance(device, Device) else device
             self._bind(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer, out_buffer, engine, opts)
         self._finalizer = weakref.finalize(self, _collected, self._held, repr(self))
+        self._hand_over()  # the first call, on any thread, comes after the set-up (and what it took in)
 
     def _bind(self, f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x_buffer, out_buffer,
               engine: str, opts: dict) -> None:
@@ -164,6 +165,7 @@ class MapJob:
         job.x, job.out = x, out
         job._bind(f, x, out, fresh_out, dev, chunk_bytes, host, None, None, engine, opts)
         job._finalizer = weakref.finalize(job, _collected, job._held, repr(job))
+        job._hand_over()
         return job
 
     @property
