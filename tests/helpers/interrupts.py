@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dis
 import sys
-from typing import Iterable, Union
+from typing import Iterable
 
 
 class InterruptAt:
@@ -22,7 +22,7 @@ class InterruptAt:
     functions called later are traced (a profile hook switches tracing on again for them).
     """
 
-    def __init__(self, n: Union[int, Iterable[int]], names: Iterable[str],
+    def __init__(self, n: int | Iterable[int], names: Iterable[str],
                  files: Iterable[str] = ("/ringflow/_pipeline/",)):
         self.at = frozenset([n] if isinstance(n, int) else n)
         self.names, self.files = frozenset(names), tuple(files)

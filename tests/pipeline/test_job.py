@@ -216,6 +216,6 @@ def test_a_job_made_on_one_thread_is_called_and_closed_on_others(host, pooled):
         np.testing.assert_array_equal(y, x * 2 + 1)
         x[:] = k
     bounded(job.close)
-    del x, out, y
+    x = out = y = None  # the pool arrays go back before the count
     gc.collect()
     assert dev.live().total == 0

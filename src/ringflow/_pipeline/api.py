@@ -524,7 +524,7 @@ class Pipeline:
                 except BaseException as again:  # noqa: BLE001 - raised below, once the item is back
                     late = again
             if late is not None and isinstance(exc, Exception):
-                raise late  # Ctrl-C during the clean-up outranks the copy's error
+                raise late from exc  # Ctrl-C during the clean-up outranks the copy's error
             raise
         return member.future
 
