@@ -216,6 +216,37 @@ def test_asubmit_returns_the_value_and_raises_the_stage_error():
     _closed_clean(dev, pipe)
 
 
+def test_cancelling_a_task_awaiting_asubmit_cancels_its_item_even_while_it_waits_for_capacity():
+    """asyncio's contract: cancelling ``await pipe.asubmit(x)`` gives up ``x``. A task cancelled
+    while its submit waits for capacity on the loop's executor (which cannot be interrupted) has
+    its item cancelled as soon as that submit accepts it: it never runs."""
+    dev = rf.device("sim", seed=4, chaos=True)
+    # the first result stays on the device, holding the only device-out slot: the next two items
+    # cannot compute, and with them in flight the others wait for capacity, until the release
+    pipe = rf.Pipeline(f_affine, device=dev, deliver="device", chunk_bytes=512, max_in_flight=2, checked=True,
+                       slots=rf.SlotCounts(host_in=1, device_in=1, device_out=1, host_out=1))
+    x = _items(6)
+
+    async def main():
+        held = await pipe.asubmit(x[0])
+        tasks = [asyncio.create_task(pipe.asubmit(a)) for a in x[1:]]
+        await asyncio.sleep(0.05)  # two in flight; the others in submit on executor threads, waiting
+        assert pipe.stats().accepted == 3
+        for t in tasks:
+            t.cancel()
+        await asyncio.sleep(0.05)  # the cancellations reach the futures before the slot comes back
+        held.release()
+        got = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(g, asyncio.CancelledError) for g in got), got
+
+    _run(main)  # asyncio.run waits for its executor: every submit has returned
+    bounded(pipe.close)
+    s = pipe.stats()
+    assert s.accepted > 3, s  # a submit cancelled while it waited for capacity still accepted its item
+    assert (s.delivered, s.cancelled, s.in_flight) == (1, s.accepted - 1, 0), s
+    _closed_clean(dev, pipe)
+
+
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_amap_gives_ordered_correct_results(kind):
     h = Harness(seed=10, chaos=True, checked=True, slots=2, max_in_flight=3, workers=3, chunk_bytes=512)

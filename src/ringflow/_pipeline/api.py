@@ -21,6 +21,7 @@ import concurrent.futures
 import functools
 import itertools
 import math
+import threading
 import warnings
 import weakref
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Optional
@@ -680,10 +681,14 @@ class Pipeline:
     # -- asyncio --------------------------------------------------------------------------------
     async def asubmit(self, item: Any, timeout: Optional[float] = None) -> Any:
         """``await pipe.asubmit(item)``: :meth:`submit` without blocking the event loop, then the
-        consumer's value. Waiting for capacity happens on the loop's default executor.
+        consumer's value. Waiting for capacity happens on the loop's default executor. Cancelling
+        the awaiting task cancels the item as ``cancel()`` on the future :meth:`submit` returns
+        does: at once, or, where its submit was waiting for capacity, as soon as it is accepted.
 
         Raises:
-            as :meth:`submit`, and the chunk's error (StageError, or CancelledError).
+            TimeoutError, TypeError, ValueError, RuntimeError: as :meth:`submit`.
+            StageError: a stage failed for the item.
+            asyncio.CancelledError: the item was cancelled (or the awaiting task was).
         """
         fut = await self._asubmit_future(item, timeout)
         return await asyncio.wrap_future(fut)
@@ -702,8 +707,28 @@ class Pipeline:
                     chunk = s.accept(item, d, **accepting)
                     d.notify()
                     return chunk.future
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self.submit, item, timeout)
+        # no room: wait on the loop's executor. A cancelled await cannot stop a submit already
+        # running there, so the item it accepts after the awaiting task gave up is cancelled
+        lock, state = threading.Lock(), {"abandoned": False, "future": None}
+
+        def submit() -> ChunkFuture:
+            fut = self.submit(item, timeout)
+            with lock:
+                state["future"] = fut
+                abandoned = state["abandoned"]
+            if abandoned:
+                fut.cancel()
+            return fut
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, submit)
+        except BaseException:  # CancelledError mostly: the task awaiting asubmit gave up
+            with lock:
+                state["abandoned"] = True
+                fut = state["future"]
+            if fut is not None:
+                fut.cancel()
+            raise
 
     async def amap(self, items: "Iterable[Any] | AsyncIterator[Any]") -> AsyncIterator[Any]:
         """``async for r in pipe.amap(items)``: the results of ``items`` (a sync or async iterable)
@@ -711,7 +736,7 @@ class Pipeline:
         ``max_in_flight`` items are taken ahead of the results handed out.
 
         Raises:
-            as :meth:`map`.
+            RuntimeError, StageError: as :meth:`map`.
         """
         self._check_open()
         s = self._sched
