@@ -712,10 +712,9 @@ def receive(array: Any, device: Device) -> Optional[HostBuffer]:
     """:func:`buffer_behind` for an array a caller hands to ``device``'s work, ordering the
     calling thread after the pool's hand-out of it and after every device use of it seen
     complete since (the tokens the hand-out and :func:`hand_off` left on its block, a pipeline's
-    d2h into a result among them). The
-    caller may have got the array on another thread and passed it on by a lock, queue or join
-    of its own, which the simulated GPU's checker cannot see; without these edges the device's
-    next copy of it would look unordered."""
+    d2h into a result among them). The caller may have got the array on another thread and
+    passed it on by a lock, queue or join of its own, which the simulated GPU's checker cannot
+    see; without these edges the device's next copy of it would look unordered."""
     buffer = buffer_behind(array, device)
     if buffer is not None:
         owner = owner_of(array)

@@ -10,10 +10,11 @@ allocator keeps freed blocks).
 Lifetimes, and why:
 
 * A parked pipeline has finished everything: no chunk in flight, every slot FREE, nothing
-  failed. Parking and taking are a hand-off between host threads (the cache's lock orders
-  them): the parking thread publishes what it did and the taking thread observes it, so the
-  simulated GPU's checker orders the next call, on any thread, after the last. Its device slots may still carry a ``ready`` event (the last use, possibly still
+  failed. Its device slots may still carry a ``ready`` event (the last use, possibly still
   running); the next owner's stream waits on it as within one call.
+* Parking and taking are a hand-off between host threads (the cache's lock orders them): the
+  parking thread publishes what it did and the taking thread observes it, so the simulated
+  GPU's checker orders the next call, on any thread, after the last.
 * Parking forgets the job: the stage callbacks (closures over the caller's arrays) and the
   caller's memory behind external rings are dropped, so a parked pipeline never keeps the
   caller's arrays alive.

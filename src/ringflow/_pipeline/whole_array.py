@@ -220,12 +220,20 @@ def run_call(engine: Engine, arrays: Arrays, profile: bool) -> None:
         engine.fail(exc)  # settled and closed; never masks exc
         raise
     finally:
-        # this thread saw every copy of the call complete: whoever drops a pool array the call
-        # read or wrote in place, on any thread, hands its block on ordered after them
-        for arr in (arrays.x, arrays.out):
+        _leave_tokens(arrays)
+
+
+def _leave_tokens(arrays: Arrays) -> None:
+    """After a call (its copies all complete, or settled after a failure): whoever drops a pool
+    array the call read or wrote in place, on any thread, hands its block on ordered after this
+    thread, which saw them complete. Never raises (it runs after a failed call too)."""
+    for arr in (arrays.x, arrays.out):
+        try:
             owner_device = host_pool.device_of(arr)
             if owner_device is not None:
                 host_pool.hand_off(arr, owner_device.publish())
+        except Exception:  # noqa: BLE001, S112 - a token not left costs a checker edge, never the call's result
+            continue
 
 
 def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str, output: Any = None,
