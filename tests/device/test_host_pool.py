@@ -374,3 +374,34 @@ def test_an_array_made_on_one_thread_and_dropped_on_another_goes_back_in_order(p
         gc.collect()
     s = pool.stats()
     assert s.allocations == 1 and s.hits == 7
+
+
+@pytest.mark.parametrize("how", ["submit", "MapJob", "stream_map"])
+def test_a_pool_array_used_again_and_again_keeps_few_tokens(how):
+    """Every use of a pool array leaves a hand-off token on its block, and every take-in reads
+    them all: a token that a later one of the block's subsumes is dropped, so a pinned input
+    used many times neither grows its block's list nor makes each use slower."""
+    dev = rf.device("sim", seed=2)
+    x = rf.host.empty((1000,), np.float32, device=dev)
+    x[:] = 1
+    block = host_pool.owner_of(x).block
+    f = lambda a, y: np.copyto(y, a * 2 + 1)  # noqa: E731
+    if how == "submit":
+        with rf.Pipeline(f, device=dev, chunk_bytes=8192) as pipe:
+            for _ in range(60):
+                np.testing.assert_array_equal(pipe.submit(x).result(), x * 2 + 1)
+    elif how == "MapJob":
+        with rf.MapJob(f, x, device=dev, chunk_bytes=1024) as job:
+            for _ in range(60):
+                np.testing.assert_array_equal(job(), x * 2 + 1)
+    else:
+        for _ in range(60):
+            np.testing.assert_array_equal(rf.stream_map(f, x, device=dev, chunk_bytes=1024), x * 2 + 1)
+        rf.drop_warm_pipelines(dev)
+    assert len(block.tokens) <= 4, len(block.tokens)
+
+
+def test_tokens_a_real_gpu_publishes_are_not_kept():
+    """A real GPU's publish gives None (its locks order the threads): nothing to keep."""
+    dev = rf.device("sim", seed=2)
+    assert rf.Device.fold_tokens(dev, [None, None]) == []

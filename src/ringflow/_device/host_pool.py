@@ -331,7 +331,7 @@ class HostPool:
         # the caller passes it to: that thread (receive) and the block's next taker observe it
         token = self._device.publish()
         with self._lock:
-            block.tokens = [token]
+            block.tokens = self._device.fold_tokens([token])
         owner = _Owner()
         owner._memory = memory
         owner.block = block
@@ -387,7 +387,7 @@ class HostPool:
                 token = self._device.publish()  # this thread saw them done: whoever takes the block next must too
                 with self._lock:
                     block.events = [e for e in block.events if not any(e is d for d in done)]
-                    block.tokens.append(token)
+                    self._add_token(block, token)
         return True
 
     def collect(self, *, wait: bool = False) -> int:
@@ -411,7 +411,7 @@ class HostPool:
                 block, token = self._returned.popleft()
                 if block.state != _IN_USE:
                     continue
-                block.tokens.append(token)
+                self._add_token(block, token)
                 self._move(block, _PENDING)
                 self._pending.append(block)
             claimed = [b for b in self._pending if b.state == _PENDING]
@@ -458,11 +458,16 @@ class HostPool:
             raise
         with self._lock:
             block.events.clear()
-            block.tokens = [token]
+            block.tokens = self._device.fold_tokens([token])
             self._pending.remove(block)
             self._move(block, _FREE)
             self._free.setdefault(block.size, []).append(block)
         return True
+
+    def _add_token(self, block: _Block, token: Any) -> None:
+        """Keep ``token`` with the block's others, folded (:meth:`Device.fold_tokens`): a block
+        used again and again keeps a few. Under the lock."""
+        block.tokens = self._device.fold_tokens([*block.tokens, token])
 
     def _observe(self, block: _Block) -> None:
         """Order this thread after the block's previous holders (their hand-off tokens)."""
@@ -692,7 +697,7 @@ def hand_off(array: Any, token: Any) -> None:
     owner = owner_of(array) if isinstance(array, np.ndarray) else None
     if owner is not None:
         with owner.pool._lock:
-            owner.block.tokens.append(token)
+            owner.pool._add_token(owner.block, token)
 
 
 def buffer_behind(array: Any, device: Optional[Device] = None) -> Optional[HostBuffer]:

@@ -565,6 +565,13 @@ class Device(abc.ABC):
         """Order the calling host thread after the hand-off that made ``token`` (:meth:`publish`)."""
         return None
 
+    def fold_tokens(self, tokens: list) -> list:
+        """``tokens`` (from :meth:`publish`) less those that another of them orders at least as
+        much as, in their order: observing the rest orders a thread exactly as observing all of
+        them would. A holder of tokens that keep coming (a pooled array used again and again)
+        keeps them bounded this way. Real GPUs' tokens are None and are all dropped."""
+        return [t for t in tokens if t is not None]
+
     def sharing_host(self, threads: int) -> "contextlib.AbstractContextManager[None]":
         """Declare, until the returned context ends, that this device's work copies host memory
         with ``threads`` threads alongside the other devices of its host (a job run over several

@@ -13,6 +13,7 @@ import pytest
 import ringflow as rf
 from ringflow._device.protocol import Capabilities, LiveCounts
 from tests.helpers import unit_device
+from tests.helpers.threads import bounded
 
 N = 256  # float32 items per buffer
 NB = N * 4
@@ -845,3 +846,37 @@ def test_a_fault_of_the_sim_while_starting_a_task_fails_the_task_not_the_wait(mo
     gc.collect()
     rf.drop_warm_pipelines(dev)
     assert dev.live().total == 0
+
+
+def test_fold_tokens_keeps_exactly_what_orders_a_thread():
+    """A later token of one thread covers its earlier ones; tokens of threads that never met are
+    both kept; observing the folded list orders as observing all of them does."""
+    dev = rf.device("sim", seed=1)
+    first = dev.publish()
+    buf = dev.allocate_host(64)
+    buf.view(np.uint8, access="w")[:] = 1
+    later = dev.publish()
+    own = dev.allocate_host(64)
+
+    def elsewhere():  # a thread that did something and saw nothing of this one
+        own.view(np.uint8, access="w")[:] = 3
+        return dev.publish()
+
+    other = bounded(elsewhere)
+    assert dev.fold_tokens([first, later]) == [later]
+    assert dev.fold_tokens([later, first]) == [later]
+    assert dev.fold_tokens([first, other, later, None]) == [other, later]
+
+    def write_after(tokens):
+        for t in tokens:
+            dev.observe(t)
+        buf.view(np.uint8, access="w")[:] = 2
+        return dev.publish()
+
+    done = bounded(lambda: write_after(dev.fold_tokens([first, later])))  # ordered: no HazardError
+    with pytest.raises(rf.HazardError):
+        bounded(lambda: write_after(dev.fold_tokens([first])))  # the write above is not covered
+    for t in (done, other):
+        dev.observe(t)
+    buf.close()
+    own.close()

@@ -193,6 +193,16 @@ class SimDevice(Device):
             with self._lock:
                 self._checker_merge(token)
 
+    def fold_tokens(self, tokens: list) -> list:
+        # a token is a vector clock; one that another covers entry by entry adds nothing to it
+        kept: list = []
+        for t in tokens:
+            if t is None or any(_covers(k, t) for k in kept):
+                continue
+            kept = [k for k in kept if not _covers(t, k)]
+            kept.append(t)
+        return kept
+
     def wait_any(self, waitables: Sequence[Any], timeout: float | None = None,
                  wake: "threading.Event | None" = None) -> list[Any]:
         waitables = list(waitables)
@@ -373,3 +383,8 @@ class SimDevice(Device):
         if not isinstance(op, Op):
             raise TypeError(f"wait_any takes events and host tasks of this device, got {type(w).__name__}")
         return op
+
+
+def _covers(a: dict, b: dict) -> bool:
+    """Whether vector clock ``a`` has seen everything ``b`` has."""
+    return all(a.get(actor, 0) >= n for actor, n in b.items())
