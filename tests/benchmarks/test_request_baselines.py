@@ -164,6 +164,11 @@ def test_measure_request_server_on_a_fake_ring(slots):
         assert lv["correct"] and lv["offered_per_s"] == pytest.approx(lv["load"] * m["capacity_per_s"])
         assert 0 < lv["p50_ms"] <= lv["p99_ms"]
         assert lv["p99_over_isolated"] == pytest.approx(lv["p99_ms"] / m["isolated_p99_ms"])
+        assert lv["gc_pauses"] >= 0 and lv["gc_pause_max_ms"] >= 0 and lv["p99_slowdown_per_request"] > 0
+        slowest = [s["latency_ms"] for s in lv["slowest"]]
+        assert len(slowest) == 5 and slowest == sorted(slowest, reverse=True) and slowest[0] == pytest.approx(
+            max(slowest))
+        assert all(s["arrived_ms"] <= s["submitted_ms"] for s in lv["slowest"])
     assert ring.in_flight == 0
     row = bl._request_row("fake", m, slots=slots)
     assert row["name"] == "fake" and row["load"] == 0.5 and row["p99_ms"] == m["levels"][0]["p99_ms"]
@@ -286,3 +291,29 @@ def test_bench_requests_on_the_sim_carries_the_comparison(tmp_path, capsys):
     assert side["ringflow"]["capacity_per_s"] == w["capacity_per_s"] and side[TORCH_RING]["skipped"]
     assert all(r.get("correct", True) is not False for r in w["rows"])
     assert "capacity_per_s=" in capsys.readouterr().out
+
+
+def test_ringflow_is_measured_by_the_baselines_method(monkeypatch):
+    """ringflow's pipeline goes through measure_request_server like the torch baselines: an
+    untimed pass over every request first, the isolated pass, 3 capacity passes, then warm-up
+    and the requests again at each load; every result checked and every landing stamped."""
+    import ringflow as rf
+    from ringflow._bench import workloads
+
+    seen = {}
+    real = workloads.measure_request_server
+
+    def spy(server, items, expected, **kw):
+        out = real(server, items, expected, **kw)
+        seen["accepted"] = server.pipe.stats().accepted
+        return out
+
+    monkeypatch.setattr(workloads, "measure_request_server", spy)
+    w = workloads.requests(rf.device("sim"), count=12, warmup=3, loads=(0.5, 0.8))
+    assert seen["accepted"] == 12 + 12 + 3 * 12 + 2 * (3 + 12) and w["cold_pass_per_s"] > 0
+    assert w["correct"] is True and len(w["capacity_passes_per_s"]) == 3
+    assert [lv["load"] for lv in w["levels"]] == [0.5, 0.8] and all(lv["correct"] for lv in w["levels"])
+    assert all("slowest" in lv and "gc_pauses" in lv for lv in w["levels"])
+    # a landing left unstamped would make its level's percentiles NaN
+    assert all(np.isfinite([lv["p99_ms"], lv["p99_from_submit_ms"]]).all() for lv in w["levels"])
+    assert 0 < w["pinned_high_water_MiB"] <= w["pinned_allocated_MiB"]

@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
+import gc
 import math
 import os
 import threading
@@ -1187,20 +1189,25 @@ def _percentile_ms(seconds: np.ndarray, q: float) -> float:
 def measure_request_server(server: Any, items: Sequence[np.ndarray], expected: Sequence[np.ndarray], *,
                            warmup: int = 30, loads: Sequence[float] = (0.8,), passes: int = 3,
                            seed: int = 11) -> dict[str, Any]:
-    """The ``requests`` workload's measurements of a request server over ``items``.
+    """The ``requests`` workload's measurements of a request server over ``items``: one method
+    for ringflow and every baseline.
 
     * isolated latency: each request alone (submitted, then drained), p50/p99 in ms;
     * capacity: every request submitted as fast as the server takes them, then drained; requests
       per second, the median of ``passes`` passes;
     * at each load in ``loads`` (a fraction of that capacity): open-loop arrivals with
       exponential gaps (:func:`open_loop`), latency from each request's arrival to its result,
-      p50/p99 in ms and the p99 over the isolated p99 (also the p99 from entering ``submit``,
-      which leaves out the time a request waited for the server to take it).
+      p50/p99 in ms and the p99 over the isolated p99 (also the p50/p99 from entering ``submit``,
+      which leaves out the time a request waited for the server to take it), the p99 of each
+      request's loaded over isolated latency, the garbage collector's runs during the level
+      (count, longest in ms) and the five slowest requests.
 
-    Every request runs once untimed first (a framework's caching allocator takes device memory
-    the first time it meets each request size, and that is set-up, not the steady state asked
-    about), and ``warmup`` requests again before each load. Every result of every measured run
-    is compared with ``expected`` bit for bit (``correct``), after the run."""
+    Every request runs once first, outside the capacity (a framework's caching allocator takes
+    device memory, and ringflow's host pool pinned memory, the first time it meets each request
+    size, and that is set-up, not the steady state asked about; its rate is reported as
+    ``cold_pass_per_s``), and ``warmup`` requests again before each load.
+    Every result of every measured run is compared with ``expected`` bit for bit (``correct``),
+    after the run."""
     count = len(items)
     if count < 1 or len(expected) != count:
         raise ValueError(f"need at least one request and one expected result per request, got {count} requests "
@@ -1220,7 +1227,9 @@ def measure_request_server(server: Any, items: Sequence[np.ndarray], expected: S
         server.reset(count)  # drop the results: a pass holds every output until it is checked
         return good
 
+    t0 = clock()
     warm(count)
+    cold = count / (clock() - t0)
     server.reset(count)
     for i, it in enumerate(items):
         server.submit(i, it)
@@ -1243,19 +1252,49 @@ def measure_request_server(server: Any, items: Sequence[np.ndarray], expected: S
         gaps = rng.exponential(1.0 / rate, count)
         warm(warmup)
         server.reset(count)
-        arrived, _ = open_loop(clock, gaps, lambda i: server.submit(i, items[i]), server.advance)
-        server.drain()
+        with gc_pauses() as pauses:
+            arrived, submitted = open_loop(clock, gaps, lambda i: server.submit(i, items[i]), server.advance)
+            server.drain()
         lat = server.done - arrived
         from_submit = server.latencies()
         good = check()
         ok &= good
+        start = arrived[0] - gaps[0]
         levels.append({"load": float(load), "offered_per_s": rate, "p50_ms": _percentile_ms(lat, 50),
                        "p99_ms": _percentile_ms(lat, 99), "p99_over_isolated": float(np.percentile(lat, 99)
                                                                                      / np.percentile(iso, 99)),
-                       "p99_from_submit_ms": _percentile_ms(from_submit, 99), "correct": good})
-    return {"requests": count, "capacity_per_s": capacity, "capacity_passes_per_s": rates,
+                       "p50_from_submit_ms": _percentile_ms(from_submit, 50),
+                       "p99_from_submit_ms": _percentile_ms(from_submit, 99),
+                       "p99_slowdown_per_request": float(np.percentile(lat / iso, 99)), "correct": good,
+                       "gc_pauses": len(pauses), "gc_pause_max_ms": 1e3 * max(pauses, default=0.0),
+                       "slowest": [{"request": int(i), "arrived_ms": 1e3 * float(arrived[i] - start),
+                                    "submitted_ms": 1e3 * float(submitted[i] - start),
+                                    "latency_ms": 1e3 * float(lat[i]), "bytes": int(items[i].nbytes)}
+                                   for i in np.argsort(lat)[::-1][:5]]})
+    return {"requests": count, "capacity_per_s": capacity, "capacity_passes_per_s": rates, "cold_pass_per_s": cold,
             "isolated_p50_ms": _percentile_ms(iso, 50), "isolated_p99_ms": _percentile_ms(iso, 99),
             "levels": levels, "correct": bool(ok), "timing": "host_clock"}
+
+
+@contextlib.contextmanager
+def gc_pauses():
+    """Durations (host seconds) of the garbage collector's runs inside the block, as a list
+    filled in as they happen: a request that waits behind one shows its whole length as
+    latency."""
+    pauses: list[float] = []
+    started: list[float] = []
+
+    def note(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append(time.perf_counter() - started.pop())
+
+    gc.callbacks.append(note)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(note)
 
 
 def _request_row(name: str, measured: dict[str, Any], **extra: Any) -> dict[str, Any]:

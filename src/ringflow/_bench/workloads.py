@@ -9,7 +9,6 @@ with the reason on the simulated GPU.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 from typing import Any, Callable, Optional
@@ -22,7 +21,7 @@ from .. import _plan as plan
 from .._device.protocol import Device
 from .._pipeline.whole_array import stream_map_report
 from . import kernels
-from .baselines import open_loop
+from .baselines import _Recorder, measure_request_server
 from .measure import Timing, fresh_random, time_calls
 
 MiB = 1 << 20
@@ -376,116 +375,90 @@ def _workers(dev: Device) -> int:
 # -- requests -----------------------------------------------------------------------------------------
 def requests(dev: Device, *, loads=(0.5, 0.8, 0.95), count: int = 200, chunk_bytes: int = 8 * MiB,
              warmup: int = 30, progress=None, pipeline_options: dict | None = None) -> dict[str, Any]:
-    """Lognormal request sizes (median 1 MiB, capped at a slot), open-loop Poisson arrivals at
-    fractions of the measured capacity; latency p50/p99 (arrival to result, on the host clock;
-    ``*_from_submit_ms``: from the call to ``submit``, which leaves out a wait for admission)
-    against the same requests' isolated latency (each alone: ``p99_over_isolated`` compares the
-    two p99s, ``p99_slowdown_per_request`` is the p99 of each request's loaded/isolated ratio),
-    and the rings' high-water marks (memory stays bounded). Capacity is measured closed-loop:
-    every request submitted as fast as admission allows, the median of three passes. ``pipeline_options`` (keyword
-    arguments of :class:`ringflow.Pipeline`) are for experiments; the bench leaves them out.
+    """Lognormal request sizes (median 1 MiB, capped at a slot), fresh numpy in and out, through
+    one :class:`ringflow.Pipeline` measured by
+    :func:`~ringflow._bench.baselines.measure_request_server`, the method every baseline is
+    measured by: an untimed pass over every request, isolated latency, capacity (closed loop, the
+    median of three passes), then open-loop Poisson arrivals at each of ``loads`` (fractions of
+    that capacity) with latency from arrival to result (``p99_over_isolated`` compares the two
+    p99s). Also the pipeline's pinned high-water mark over the whole run (memory stays
+    bounded). ``pipeline_options`` (keyword arguments of :class:`ringflow.Pipeline`) are for
+    experiments; the bench leaves them out.
 
     On a CUDA GPU the same requests then go through two torch baselines (a naive
-    ``.cuda()``/``.cpu()`` per request and a hand-written single-threaded pinned ring), each
-    measured the same way at 80% of its own capacity after an untimed pass over every request
-    (:func:`ringflow._bench.baselines.measure_request_server`); :func:`versus_torch` sets the
-    figures side by side (skipped rows, null ratios on the simulated GPU)."""
+    ``.cuda()``/``.cpu()`` per request and a hand-written single-threaded pinned ring), measured
+    at 80% of their own capacity; :func:`versus_torch` sets the figures side by side (skipped
+    rows, null ratios on the simulated GPU)."""
     rng = np.random.default_rng(3)
     sizes = np.minimum(chunk_bytes // 4, np.maximum(1024, rng.lognormal(np.log(MiB // 4), 1.0, count).astype(int)))
     items = [fresh_random(int(s), seed=i) for i, s in enumerate(sizes)]
     expected = [it * np.float32(2) + np.float32(1) for it in items]
-    f = kernels.scale_shift()
-
-    def make():
-        return rf.Pipeline(f, device=dev, chunk_bytes=chunk_bytes, **(pipeline_options or {}))
-
-    def submit_timed(pipe, i, it, lat, done=None):
-        t0 = dev.now
-        fut = pipe.submit(it)
-
-        def landed(_f):  # runs when the result lands (inside the scheduler's step)
-            lat[i] = dev.now - t0  # submit to result
-            if done is not None:
-                done[i] = dev.now
-
-        fut.add_done_callback(landed)
-        return fut
-
     if progress:
-        progress("requests: isolated latency")
-    with make() as pipe:
-        for it in items[:warmup]:  # untimed, as before each loaded level
-            pipe.submit(it).result()
-        iso = np.zeros(count)
-        for i, it in enumerate(items):  # one request at a time: nothing else in flight
-            submit_timed(pipe, i, it, iso).result()
-    isolated = float(np.percentile(iso, 99))
-    if progress:
-        progress("requests: capacity")
-    with make() as pipe:
-        passes = []
-        for _ in range(3):  # one pass can land on a slow moment of the host: take the median
-            t0 = dev.now
-            futs = [pipe.submit(it) for it in items]
-            for fu in futs:
-                fu.result()
-            passes.append(count / (dev.now - t0))
-            futs.clear()  # a server hands its results on: the next pass does not hold this one's
-        capacity = float(np.median(passes))
-    levels = []
-    for load in loads:
-        if progress:
-            progress(f"requests: {int(load * 100)}% load")
-        rate = load * capacity
-        gaps = rng.exponential(1.0 / rate, count)
-        with make() as pipe, _gc_pauses() as pauses:
-            # warm-up, untimed: a new pipeline's first requests pay one-off costs (first use of
-            # its rings and streams, the workers' first tasks); the latency asked about is steady
-            for fu in [pipe.submit(it) for it in items[:warmup]]:
-                fu.result()
-            from_submit = np.zeros(count)
-            done = np.zeros(count)
-            futs = []
-            arrived, submitted = open_loop(lambda: dev.now, gaps,
-                                           lambda i: futs.append(submit_timed(pipe, i, items[i], from_submit, done)),
-                                           lambda t: wait_until(pipe, dev, t))
-            # wait for every result before checking any: the pipeline progresses inside calls made
-            # on it, so checking (MiBs compared per request) between waits would hold the last
-            # requests' completions back and count the checking as their latency
-            results = [fu.result() for fu in futs]
-            ok = all(np.array_equal(r, e) for r, e in zip(results, expected))
-            del results
-            futs.clear()
-            # from each request's arrival: a request that arrived while submit() was blocked by
-            # backpressure waited for admission, and that wait is part of its latency
-            lat = done - arrived
-            start = arrived[0] - gaps[0]
-            mem = pipe.scheduler.rings
-            pinned_hw = sum(r.high_water * r.chunk_bytes for r in mem if r.buffer.is_host)
-            pinned = sum(len(r) * r.chunk_bytes for r in mem if r.buffer.is_host)
-        levels.append({"load": load, "offered_per_s": rate, "p50_ms": 1e3 * float(np.percentile(lat, 50)),
-                       "p99_ms": 1e3 * float(np.percentile(lat, 99)), "correct": ok,
-                       "p50_from_submit_ms": 1e3 * float(np.percentile(from_submit, 50)),
-                       "p99_from_submit_ms": 1e3 * float(np.percentile(from_submit, 99)),
-                       "p99_over_isolated": float(np.percentile(lat, 99)) / isolated,
-                       "p99_slowdown_per_request": float(np.percentile(lat / iso, 99)),
-                       "pinned_high_water_MiB": pinned_hw / MiB, "pinned_allocated_MiB": pinned / MiB,
-                       "gc_pauses": len(pauses), "gc_pause_max_ms": 1e3 * max(pauses, default=0.0),
-                       "slowest": [{"request": int(i), "arrived_ms": 1e3 * float(arrived[i] - start),
-                                    "submitted_ms": 1e3 * float(submitted[i] - start),
-                                    "latency_ms": 1e3 * float(lat[i]), "bytes": int(items[i].nbytes)}
-                                   for i in np.argsort(lat)[::-1][:5]]})
-    ours = {"capacity_per_s": capacity, "isolated_p50_ms": float(np.percentile(iso, 50)) * 1e3,
-            "isolated_p99_ms": isolated * 1e3, "levels": levels}
-    rows = [{"name": f"ringflow at {int(lv['load'] * 100)}% load", **lv} for lv in levels]
-    rows.append({"name": "ringflow capacity, isolated latency", **{k: v for k, v in ours.items() if k != "levels"},
-                 "correct": all(lv["correct"] for lv in levels)})
+        progress(f"requests: ringflow (a pass to warm up, isolated, capacity, {len(loads)} loads)")
+    with rf.Pipeline(kernels.scale_shift(), device=dev, chunk_bytes=chunk_bytes, **(pipeline_options or {})) as pipe:
+        ours = measure_request_server(PipelineServer(pipe, dev), items, expected, warmup=warmup, loads=loads)
+        mem = pipe.scheduler.rings
+        pinned_hw = sum(r.high_water * r.chunk_bytes for r in mem if r.buffer.is_host)
+        pinned = sum(len(r) * r.chunk_bytes for r in mem if r.buffer.is_host)
+    rows = [{"name": f"ringflow at {int(lv['load'] * 100)}% load", **lv} for lv in ours["levels"]]
+    rows.append({"name": "ringflow capacity, isolated latency",
+                 **{k: v for k, v in ours.items() if k not in ("levels", "requests", "timing")}})
     torch_rows = _torch_request_baselines(dev, items, expected, chunk_bytes=chunk_bytes, warmup=warmup,
                                           progress=progress)
-    return {"workload": "requests", "count": count, "warmup_requests_per_level": warmup, "isolated_p99_ms": isolated * 1e3,
-            "isolated_p50_ms": ours["isolated_p50_ms"],
-            "capacity_per_s": capacity, "capacity_passes_per_s": passes, "levels": levels,
-            **versus_torch(ours, torch_rows), "rows": rows + torch_rows}
+    return {"workload": "requests", "count": count, "warmup_requests_per_level": warmup,
+            "isolated_p99_ms": ours["isolated_p99_ms"], "isolated_p50_ms": ours["isolated_p50_ms"],
+            "capacity_per_s": ours["capacity_per_s"], "capacity_passes_per_s": ours["capacity_passes_per_s"],
+            "cold_pass_per_s": ours["cold_pass_per_s"],
+            "levels": ours["levels"], "correct": ours["correct"], "pinned_high_water_MiB": pinned_hw / MiB,
+            "pinned_allocated_MiB": pinned / MiB, **versus_torch(ours, torch_rows), "rows": rows + torch_rows}
+
+
+class PipelineServer(_Recorder):
+    """A :class:`ringflow.Pipeline` as a request server of
+    :func:`~ringflow._bench.baselines.measure_request_server`: ``submit`` hands the request to
+    ``pipe.submit`` (blocking only while the pipeline is full), a done-callback stamps the
+    moment its result lands (on the pipeline's progress thread), ``drain`` collects every
+    result. Times are ``dev.now`` (the simulated GPU's virtual clock, or the host clock)."""
+
+    def __init__(self, pipe: "rf.Pipeline", dev: Device):
+        self.pipe, self.dev = pipe, dev
+        self._futures: list = []
+        super().__init__(lambda: dev.now)
+
+    def reset(self, count: int) -> None:
+        super().reset(count)
+        self._futures = []
+
+    def submit(self, i: int, item: np.ndarray) -> None:
+        clock, done = self.clock, self.done
+        self.submitted[i] = clock()
+        fut = self.pipe.submit(item)
+
+        def landed(_fut) -> None:  # runs as the result lands
+            done[i] = clock()
+
+        fut.add_done_callback(landed)
+        self._futures.append((i, fut))
+
+    def advance(self, t: float) -> None:
+        wait_until(self.pipe, self.dev, t)
+
+    def drain(self) -> None:
+        futures, self._futures = self._futures, []
+        for i, fut in futures:
+            self.results[i] = fut.result()
+        # a future's result is visible to its waiter a moment before its done-callbacks run on
+        # the thread that set it: wait for every landing to be stamped
+        stamped = [i for i, _ in futures]
+        deadline = time.perf_counter() + 10.0
+        while np.isnan(self.done[stamped]).any():
+            if time.perf_counter() > deadline:
+                raise RuntimeError("a request's result came back but its done-callback never ran")
+            time.sleep(0)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(not fut.done() for _, fut in self._futures)
 
 
 TORCH_NAIVE = "torch naive .cuda()/.cpu() per request"
@@ -572,26 +545,6 @@ def wait_until(pipe, dev: Device, t: float, *, spin: bool = True) -> None:
             time.sleep(left)
         else:  # half the time left, then yields for the last 0.2 ms
             time.sleep(left / 2 if left > 2e-4 else 0)
-
-
-@contextlib.contextmanager
-def _gc_pauses():
-    """Durations (host seconds) of the garbage collector's runs inside the block: a request
-    that waits behind one shows its whole length as latency."""
-    pauses: list[float] = []
-    started: list[float] = []
-
-    def note(phase, info):
-        if phase == "start":
-            started.append(time.perf_counter())
-        elif started:
-            pauses.append(time.perf_counter() - started.pop())
-
-    gc.callbacks.append(note)
-    try:
-        yield pauses
-    finally:
-        gc.callbacks.remove(note)
 
 
 WORKLOADS = ("seed", "balanced", "compute-bound", "pageable", "requests")
