@@ -405,3 +405,79 @@ def test_tokens_a_real_gpu_publishes_are_not_kept():
     """A real GPU's publish gives None (its locks order the threads): nothing to keep."""
     dev = rf.device("sim", seed=2)
     assert rf.Device.fold_tokens(dev, [None, None]) == []
+
+
+def test_ctrl_c_anywhere_in_a_hand_out_leaves_the_block_back_once():
+    """A KeyboardInterrupt at any instruction of a hand-out (a cached block or a new one):
+    either the caller got the array, or the block is free again, and never neither (a leak)."""
+    from tests.helpers.interrupts import InterruptAt
+
+    dev = rf.device("sim")
+    pool = HostPool(dev)
+    size = size_class(4096)
+    for cached in (True, False):
+        n, finished = 0, False
+        while not finished:
+            pool.release_cached()
+            if cached:
+                keep = pool.empty(4096, np.uint8)  # one cached block for the hand-out
+                del keep
+                pool.collect()
+            got = None
+            with InterruptAt(n, names={"take", "_take", "_allocate", "_hand_out"},
+                             files=("/ringflow/_device/host_pool.py",)) as hook:
+                try:
+                    got = pool.empty(4096, np.uint8)
+                except KeyboardInterrupt:
+                    pass
+            finished = hook.fired == 0
+            gc.collect()
+            pool.collect()
+            st = pool.stats()
+            if got is not None:
+                assert st.in_use_bytes == size, (cached, n, st)
+                del got
+                gc.collect()
+                pool.collect()
+                st = pool.stats()
+            assert st.in_use_bytes == 0 and st.pending_bytes == 0, (cached, n, st)
+            assert st.cached_bytes in ((size,) if cached else (0, size)), (cached, n, st)
+            n += 1
+        assert n > 10  # the hook reached into the hand-out
+
+
+def test_a_hand_out_interrupted_after_its_owner_exists_is_not_freed_twice(monkeypatch):
+    """The block of a hand-out interrupted once its owner exists is free again at once; the owner,
+    kept alive for a while (by the exception's frames, say), is dropped only after the block went
+    to a new array: its late return must not free the block under that array."""
+    dev = rf.device("sim")
+    pool = HostPool(dev)
+    warm = pool.empty(4096, np.uint8)
+    del warm
+    pool.collect()
+    owners = []
+    real_asarray = np.asarray
+
+    fired = []
+
+    def interrupted(obj, *args, **kwargs):
+        if isinstance(obj, host_pool._Owner) and not fired:
+            fired.append(True)
+            owners.append(obj)  # alive past the interrupt
+            raise KeyboardInterrupt
+        return real_asarray(obj, *args, **kwargs)
+
+    monkeypatch.setattr(host_pool.np, "asarray", interrupted)
+    try:
+        pool.empty(4096, np.uint8)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the hand-out was not interrupted")
+    again = pool.empty(4096, np.uint8)  # the same block, free again
+    owners.clear()  # the interrupted hand-out's owner goes now
+    gc.collect()
+    pool.collect()
+    assert pool.stats().in_use_bytes == size_class(4096)  # still the new array's
+    other = pool.empty(4096, np.uint8)
+    assert pool.buffer_of(other) is not pool.buffer_of(again)

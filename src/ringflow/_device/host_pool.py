@@ -10,8 +10,8 @@ The design follows PyTorch's ``CachingHostAllocator``:
   block is at most a quarter larger than the request. A block serves only requests of its own
   class.
 * **Return on drop.** Every view of a handed-out array keeps one owner object alive; when the
-  owner is collected its block goes back to the pool. The finalizer only queues the block (it
-  may run on any thread, at any allocation); the queue is drained by the next :meth:`empty`,
+  owner is collected its block goes back to the pool. The owner's ``__del__`` only queues the
+  block (it may run on any thread, at any allocation); the queue is drained by the next :meth:`empty`,
   :meth:`collect` or :meth:`stats`.
 * **Held while a device operation may still use it.** Whoever enqueues a copy into or out of a
   pooled array tells the pool with :meth:`HostPool.record_use` (the event recorded after the
@@ -119,18 +119,19 @@ class HostPoolStats:
         return {**dataclasses.asdict(self), "held_bytes": self.held_bytes}
 
 
-_FREE, _IN_USE, _PENDING, _CHECKING, _RELEASED = "free", "in use", "pending", "checking", "released"
+_NEW, _FREE, _IN_USE, _PENDING, _CHECKING, _RELEASED = "new", "free", "in use", "pending", "checking", "released"
 
 
 class _Block:
     """One pinned allocation and what the pool knows of its use."""
 
-    __slots__ = ("buffer", "size", "state", "events", "tokens")
+    __slots__ = ("buffer", "size", "state", "events", "tokens", "generation")
 
     def __init__(self, buffer: HostBuffer, size: int):
         self.buffer = buffer
         self.size = size
-        self.state = _IN_USE
+        self.state = _NEW  # pinned, not yet in the pool's books
+        self.generation = 0  # of hand-outs put back unfinished (_put_back): older owners' returns are stale
         self.events: list = []  # recorded uses not yet known to be done
         self.tokens: list = []  # hand-off tokens whoever takes the block next must observe
 
@@ -140,9 +141,17 @@ class _Block:
 
 class _Owner:
     """What every view of a handed-out array keeps alive: its bytes (exposed to numpy through
-    ``__array_interface__``) and its block. Collected once the last view is gone."""
+    ``__array_interface__``) and its block. Collected once the last view is gone, on the thread
+    that dropped it: its ``__del__`` gives the block back. A ``__del__`` rather than a
+    ``weakref.finalize``: one array a request is handed out in a request server's loop, and a
+    finalizer would add five objects the cyclic collector tracks (and time) to each."""
 
-    __slots__ = ("__array_interface__", "_memory", "block", "pool", "__weakref__")
+    __slots__ = ("__array_interface__", "_memory", "block", "generation", "pool")
+
+    def __del__(self) -> None:
+        pool = getattr(self, "pool", None)  # a hand-out that failed before it was tied to a pool
+        if pool is not None:
+            _on_owner_collected(pool, self.block, self.generation)
 
 
 class HostPool:
@@ -165,7 +174,8 @@ class HostPool:
         self._free: dict[int, list[_Block]] = {}
         self._blocks: dict[int, _Block] = {}  # id(buffer) -> block, every block not yet released
         self._pending: list[_Block] = []
-        self._returned: collections.deque = collections.deque()  # (block, token) from finalizers
+        # (block, token, generation) from owners' __del__
+        self._returned: collections.deque = collections.deque()
         self._bytes = {_FREE: 0, _IN_USE: 0, _PENDING: 0}
         self._reserved = 0  # bytes of allocations under way outside the lock
         self._counts = {"allocations": 0, "hits": 0, "fallbacks": 0, "releases": 0}
@@ -222,52 +232,51 @@ class HostPool:
             return None
         self._process()
         size = size_class(nbytes)
-        if not allocate:
-            with self._lock:
-                bucket = self._free.get(size)
-                if not bucket:
-                    return None
-                block = bucket.pop()
-                self._move(block, _IN_USE)
-                self._counts["hits"] += 1
-            return self._handed_out(block, nbytes, shape, dtype)
-        block, reserved, to_release = self._take(size)
-        if block is not None:
-            return self._handed_out(block, nbytes, shape, dtype)
-        if to_release:
-            self._release_blocks(to_release)
-        block = self._allocate(size) if reserved else None
-        if block is None:
-            if not reserved:
-                self._fallback(size, f"the pool's budget of {self._budget} bytes is taken")
-            return None
-        return self._handed_out(block, nbytes, shape, dtype)
-
-    def _handed_out(self, block: _Block, nbytes: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
-        """:meth:`_hand_out`, putting the block back in the cache if that fails."""
+        # the block this hand-out holds, from the moment it leaves the cache (or is pinned) until
+        # the caller has the array: a KeyboardInterrupt at any instruction in between puts it
+        # back, once (see _put_back), instead of leaking it
+        claim: list[_Block] = []
         try:
-            return self._hand_out(block, nbytes, shape, dtype)
+            self._take(size, claim)
+            if not claim and allocate:
+                self._allocate(size, claim)
+            if not claim:
+                return None
+            return self._hand_out(claim[0], nbytes, shape, dtype)
         except BaseException:
-            with self._lock:  # the block was never handed out: it is free again as it was
-                self._move(block, _FREE)
-                self._free.setdefault(block.size, []).append(block)
+            if claim:
+                self._put_back(claim[0])
             raise
 
-    def _take(self, size: int) -> tuple[Optional[_Block], bool, list[_Block]]:
-        """A free block of ``size``; or None and whether room is reserved for a new one (no room:
-        fall back); and the cached blocks dropped to make room, to release outside the lock."""
+    def _put_back(self, block: _Block) -> None:
+        """A hand-out that failed or was interrupted: its block is free again as it was. A new
+        generation makes the return of the hand-out's owner, if it got one, a stale one that
+        :meth:`_process` ignores: the block is never freed twice."""
+        with self._lock:
+            if block.state == _NEW:  # pinned, but interrupted before it was booked
+                self._book(block)
+            if block.state in (_NEW, _IN_USE):
+                block.generation += 1
+                self._move(block, _FREE)
+                self._free.setdefault(block.size, []).append(block)
+
+    def _book(self, block: _Block) -> None:
+        """Enter a newly pinned block in the pool's books (once). Under the lock."""
+        key = id(block.buffer)
+        if key not in self._blocks:
+            self._blocks[key] = block
+            self._counts["allocations"] += 1
+
+    def _take(self, size: int, claim: list) -> None:
+        """A free block of ``size`` into ``claim``, if the cache has one."""
         with self._lock:
             bucket = self._free.get(size)
             if bucket:
-                block = bucket.pop()  # the most recently used: its pages are the warmest
-                self._move(block, _IN_USE)
+                # the most recently used block (its pages are the warmest), moved into the claim
+                # with no call in between, where a KeyboardInterrupt could drop it
+                claim[:], bucket[-1:] = bucket[-1:], []
+                self._move(claim[0], _IN_USE)
                 self._counts["hits"] += 1
-                return block, False, []
-            to_release = self._make_room(size)
-            reserved = self._held() + size <= self._budget
-            if reserved:
-                self._reserved += size
-            return None, reserved, to_release
 
     def _make_room(self, size: int) -> list[_Block]:
         """Drop cached blocks (largest first) until ``size`` more bytes fit the budget or none is
@@ -283,10 +292,22 @@ class HostPool:
                 dropped.append(block)
         return dropped
 
-    def _allocate(self, size: int) -> Optional[_Block]:
-        """A new block of ``size`` bytes (its room reserved by :meth:`_take`), or None when the
-        device refuses to pin it even with the cache freed: fall back."""
+    def _allocate(self, size: int, claim: list) -> None:
+        """A new block of ``size`` bytes into ``claim``, cached blocks freed to make room for it;
+        nothing where it does not fit the budget or the device refuses to pin it even with the
+        cache freed (fall back)."""
+        reserved = False
         try:
+            with self._lock:
+                to_release = self._make_room(size)
+                if self._held() + size <= self._budget:
+                    self._reserved += size
+                    reserved = True
+            if to_release:
+                self._release_blocks(to_release)
+            if not reserved:
+                self._fallback(size, f"the pool's budget of {self._budget} bytes is taken")
+                return
             try:
                 with self._device_lock:
                     buffer = self._device.allocate_host(size)
@@ -302,16 +323,16 @@ class HostPool:
                     if isinstance(exc2, DeviceError) and exc2.sticky:
                         raise
                     self._fallback(size, f"the device refused to pin {size} bytes ({type(exc2).__name__}: {exc2})")
-                    return None
+                    return
             block = _Block(buffer, size)
+            claim[:] = [block]  # no call in between: the claim holds it from here on
             with self._lock:
-                self._blocks[id(buffer)] = block
-                self._bytes[_IN_USE] += size
-                self._counts["allocations"] += 1
-            return block
+                self._book(block)
+                self._move(block, _IN_USE)
         finally:
-            with self._lock:
-                self._reserved -= size
+            if reserved:
+                with self._lock:
+                    self._reserved -= size
 
     def _fallback(self, size: int, why: str) -> None:
         with self._lock:
@@ -335,19 +356,18 @@ class HostPool:
         owner = _Owner()
         owner._memory = memory
         owner.block = block
-        owner.pool = self
+        owner.generation = block.generation
+        owner.pool = self  # from here on, dropping the owner gives the block back
         owner.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "version": 3,
                                      "data": (memory.__array_interface__["data"][0], False)}
-        fin = weakref.finalize(owner, _on_owner_collected, self, block)
-        fin.atexit = False  # at interpreter exit the device may be gone: nothing to give back then
         return np.asarray(owner).view(dtype).reshape(shape)
 
     # -- giving back ---------------------------------------------------------------------------
-    def _give_back(self, block: _Block, token: Any) -> None:
-        """Called by an owner's finalizer, on whatever thread dropped the last view: only
+    def _give_back(self, block: _Block, token: Any, generation: int) -> None:
+        """Called by an owner's ``__del__``, on whatever thread dropped the last view: only
         queues the block (deque appends need no lock, so a collection inside a pool call on
         this thread cannot deadlock)."""
-        self._returned.append((block, token))
+        self._returned.append((block, token, generation))
 
     def record_use(self, obj: "np.ndarray | HostBuffer", event: Any) -> bool:
         """Tell the pool that a device operation using ``obj``'s memory completes at ``event``:
@@ -408,9 +428,9 @@ class HostPool:
             return 0  # the device took every block's memory with it: nothing can be checked or reused
         with self._lock:
             while self._returned:
-                block, token = self._returned.popleft()
-                if block.state != _IN_USE:
-                    continue
+                block, token, generation = self._returned.popleft()
+                if block.state != _IN_USE or block.generation != generation:
+                    continue  # put back already (_put_back): this owner's hand-out never finished
                 self._add_token(block, token)
                 self._move(block, _PENDING)
                 self._pending.append(block)
@@ -559,13 +579,18 @@ class HostPool:
         block.state = state
 
 
-def _on_owner_collected(pool: HostPool, block: _Block) -> None:
-    """An owner's finalizer: publish what this thread did, then queue the block. Never raises."""
+def _on_owner_collected(pool: HostPool, block: _Block, generation: int) -> None:
+    """An owner's ``__del__``: publish what this thread did, then queue the block. Never raises
+    (at interpreter exit the device, or this module, may already be gone: nothing to give back
+    then)."""
     try:
-        token = pool._device.publish()
-    except Exception:  # noqa: BLE001 - a finalizer must not raise
-        token = None
-    pool._give_back(block, token)
+        try:
+            token = pool._device.publish()
+        except Exception:  # noqa: BLE001 - a finalizer must not raise
+            token = None
+        pool._give_back(block, token, generation)
+    except Exception:  # noqa: BLE001 - see above
+        pass
 
 
 def _is_done(event: Any) -> bool:
