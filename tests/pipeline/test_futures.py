@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import ringflow as rf
+from ringflow._bench import kernels
 from ringflow._errors import StageError
 from tests.helpers.pipeline_checks import Harness, MarkedFault, check_result, drop_tracebacks
 from tests.helpers.threads import JOIN_S, bounded, join, start
@@ -493,3 +494,31 @@ def test_asubmit_timeout_is_a_timeout_error():
         check_result(fut.result(), h.chunks[fut.index].item, fut.index)
     h.check()
     h.close()
+
+
+def test_a_finished_request_keeps_few_objects_the_cyclic_collector_tracks():
+    """A server holds many finished requests' futures and results at once; every object of theirs
+    that the cyclic collector tracks lengthens each of its runs, which stall every thread. A
+    finished request keeps its future, its waiter list (and a weak reference), its result's pool
+    owner and little else: no Condition, lock or finalizer of its own."""
+    import collections
+
+    dev = rf.device("sim")
+    rng = np.random.default_rng(0)
+    items = [rng.random(int(n)).astype(np.float32) for n in rng.integers(1000, 300_000, 100)]
+    with rf.Pipeline(kernels.scale_shift(), device=dev, chunk_bytes=8 << 20) as pipe:
+        for _ in range(2):  # the pool's blocks, the rings and the checker's records all warm
+            futs = [pipe.submit(it) for it in items]
+            [f.result() for f in futs]
+            del futs
+        gc.collect()
+        before = collections.Counter(type(o).__name__ for o in gc.get_objects())
+        futs = [pipe.submit(it) for it in items]
+        results = [f.result() for f in futs]
+        gc.collect()
+        held = collections.Counter(type(o).__name__ for o in gc.get_objects()) - before
+        assert all(np.array_equal(r, it * 2 + 1) for r, it in zip(results, items))
+    per_request = sum(held.values()) / len(items)
+    assert per_request <= 8, held.most_common(10)
+    for kind in ("Condition", "RLock", "finalize", "deque"):
+        assert held[kind] < len(items) // 10, (kind, held.most_common(10))

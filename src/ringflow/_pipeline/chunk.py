@@ -27,7 +27,15 @@ class ChunkFuture(concurrent.futures.Future):
     """
 
     def __init__(self, driver: Any, index: int):
-        super().__init__()
+        # concurrent.futures.Future.__init__'s fields, but the condition is the driver's, shared
+        # by all its futures: nothing waits on it (result() waits on the driver), it only
+        # guards state changes, and a condition of one's own would cost each request a
+        # Condition, an RLock, a deque and five bound methods, all tracked by the cyclic collector
+        self._condition = driver.future_condition
+        self._state = concurrent.futures._base.PENDING
+        self._result = None
+        self._exception = None
+        self._done_callbacks: list = []
         self._driver = driver
         self.index = index
         self.token: Any = None  # the driver's hand-off token, observed by the thread taking the result
@@ -109,23 +117,27 @@ class _Waiters(list):
     tells the progress thread someone waits (it may then advance the simulated clock). Appends run
     under the future's own lock, so the interest is registered without the pipeline's lock."""
 
+    __slots__ = ("_fut", "_driver", "_entries")  # one per request: no __dict__
+
     def __init__(self, fut: ChunkFuture):
         super().__init__()
         # weakly: a future and its waiter list in a cycle would keep every result alive until
         # the cyclic collector runs (pinned result blocks would pile up between collections)
         self._fut = weakref.ref(fut)
         self._driver = fut._driver
-        self._entries: dict = {}
+        self._entries: Optional[dict] = None  # made by the first waiter (most futures get none)
 
     def append(self, waiter: Any) -> None:
         super().append(waiter)
         fut = self._fut()
         if fut is not None and getattr(self._driver, "background", False) and not fut.done():
+            if self._entries is None:
+                self._entries = {}
             self._entries[id(waiter)] = self._driver.add_interest(_done_of(fut))
 
     def remove(self, waiter: Any) -> None:
         super().remove(waiter)
-        entry = self._entries.pop(id(waiter), None)
+        entry = None if self._entries is None else self._entries.pop(id(waiter), None)
         if entry is not None:
             self._driver.drop_interest(entry)
 

@@ -57,6 +57,9 @@ class _Driver:
         self.sched = sched
         self.device = sched.device
         self.cv = threading.Condition(threading.RLock())
+        # the condition of every future this driver resolves (ChunkFuture): taken under cv, never
+        # the other way round, and never waited on
+        self.future_condition = threading.Condition()
         self.commands: collections.deque[Command] = collections.deque()
         self.interest: list = []  # [predicate, deadline] of every wait in progress
         self.wake = threading.Event()
