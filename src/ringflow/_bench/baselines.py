@@ -1192,7 +1192,8 @@ def measure_request_server(server: Any, items: Sequence[np.ndarray], expected: S
     """The ``requests`` workload's measurements of a request server over ``items``: one method
     for ringflow and every baseline.
 
-    * isolated latency: each request alone (submitted, then drained), p50/p99 in ms;
+    * isolated latency: each request alone (submitted, drained, its result checked and
+      dropped), p50/p99 in ms;
     * capacity: every request submitted as fast as the server takes them, then drained; requests
       per second, the median of ``passes`` passes;
     * at each load in ``loads`` (a fraction of that capacity): open-loop arrivals with
@@ -1221,9 +1222,11 @@ def measure_request_server(server: Any, items: Sequence[np.ndarray], expected: S
             server.submit(i, it)
         server.drain()
 
+    def matches(r, e) -> bool:
+        return r is not None and r.shape == e.shape and bool(np.array_equal(r, e))
+
     def check() -> bool:
-        good = all(r is not None and r.shape == e.shape and np.array_equal(r, e)
-                   for r, e in zip(server.results, expected))
+        good = all(matches(r, e) for r, e in zip(server.results, expected))
         server.reset(count)  # drop the results: a pass holds every output until it is checked
         return good
 
@@ -1234,8 +1237,12 @@ def measure_request_server(server: Any, items: Sequence[np.ndarray], expected: S
     for i, it in enumerate(items):
         server.submit(i, it)
         server.drain()
+        # each result checked and dropped as it comes back, as a server hands it on: a request
+        # alone has no other's results held around it
+        ok &= matches(server.results[i], expected[i])
+        server.results[i] = None
     iso = server.latencies()
-    ok &= check()
+    server.reset(count)
     rates = []
     for _ in range(passes):
         t0 = clock()
