@@ -3,17 +3,19 @@
 #   bash bench/request_costs_ab.sh OLD_SRC NEW_SRC [ROUNDS]
 # Each round runs bench/request_costs.py (closed loop, staged requests, CPU time per thread) with
 # OLD_SRC, then NEW_SRC, on PYTHONPATH; the torch ring runs in the first and the last round of
-# each. Results: $OUT/rc-old-N.json, $OUT/rc-new-N.json; one line each on stdout.
+# each. Results: $OUT/request-costs-ab.json (every run's JSON by version and round); a line a run
+# on stdout.
 set -o pipefail
 OLD=${1:?old src dir}; NEW=${2:?new src dir}; ROUNDS=${3:-3}
 OUT=${OUT:-/tmp/ringflow-out}; mkdir -p "$OUT"
+RUNS=$(mktemp -d)
 for i in $(seq 1 "$ROUNDS"); do
   for v in old new; do
     src=$OLD; [ "$v" = new ] && src=$NEW
     torch=--no-torch; { [ "$i" = 1 ] || [ "$i" = "$ROUNDS" ]; } && torch=
     PYTHONPATH=$src timeout 120 python3 bench/request_costs.py --device cuda:0 --count 1000 --passes 3 --hz 0 \
-      --variants staged $torch --out "$OUT/rc-$v-$i.json" >/dev/null 2>&1
-    python3 - "$OUT/rc-$v-$i.json" "$v" "$i" <<'PY'
+      --variants staged $torch --out "$RUNS/rc-$v-$i.json" >/dev/null 2>&1
+    python3 - "$RUNS/rc-$v-$i.json" "$v" "$i" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1])); v = d["variants"]["staged"]; ring = d.get("torch_ring") or {}
 print(sys.argv[2], sys.argv[3], "capacity %.0f/s" % v["capacity_per_s"], "passes", [round(p) for p in v["passes_per_s"]],
@@ -22,3 +24,8 @@ print(sys.argv[2], sys.argv[3], "capacity %.0f/s" % v["capacity_per_s"], "passes
 PY
   done
 done
+python3 - "$RUNS" "$OUT/request-costs-ab.json" "$OLD" "$NEW" <<'PY'
+import glob, json, os, sys
+runs = {os.path.basename(p)[3:-5]: json.load(open(p)) for p in sorted(glob.glob(os.path.join(sys.argv[1], "rc-*.json")))}
+json.dump({"command": "bash bench/request_costs_ab.sh " + " ".join(sys.argv[3:]), "runs": runs}, open(sys.argv[2], "w"), indent=1)
+PY
