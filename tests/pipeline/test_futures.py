@@ -522,3 +522,41 @@ def test_a_finished_request_keeps_few_objects_the_cyclic_collector_tracks():
     assert per_request <= 8, held.most_common(10)
     for kind in ("Condition", "RLock", "finalize", "deque"):
         assert held[kind] < len(items) // 10, (kind, held.most_common(10))
+
+
+def test_on_a_real_gpu_callbacks_and_waiters_add_nothing_for_the_progress_thread_to_scan():
+    """Only the simulated GPU's progress thread needs to know who waits (it advances virtual time
+    only then); a real GPU's runs whenever there is work. There, a request server's done-callback
+    and waiter a request must not pile up entries that the thread scans every turn: the
+    simulated GPU's thread ungated does as a real GPU's does."""
+    gate = threading.Event()
+
+    def consume(index, item, result):
+        gate.wait(JOIN_S)  # every future stays pending until the test has looked
+        return result.copy()
+
+    pipe = rf.Pipeline(f_affine, device=rf.device("sim"), consume=consume)
+    driver = pipe._driver
+    driver.gated = False
+    try:
+        futs = [pipe.submit(x) for x in _items(6)]
+        landed, all_landed = [], threading.Event()
+
+        def note(fut):
+            landed.append(fut)
+            if len(landed) == len(futs):
+                all_landed.set()
+
+        for fut in futs:
+            fut.add_done_callback(note)
+        waiter = start(lambda: concurrent.futures.wait(futs, timeout=JOIN_S))
+        assert not any(fut.done() for fut in futs)
+        assert driver.interest == [] and driver.timed == []
+        gate.set()
+        join([waiter])
+        assert all_landed.wait(JOIN_S)
+        for x, fut in zip(_items(6), futs):
+            assert np.array_equal(fut.result(), x * 3 + 1)
+    finally:
+        gate.set()
+        pipe.close()

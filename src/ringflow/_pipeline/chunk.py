@@ -63,7 +63,10 @@ class ChunkFuture(concurrent.futures.Future):
     def add_done_callback(self, fn: Callable[["ChunkFuture"], Any]) -> None:
         """As :meth:`concurrent.futures.Future.add_done_callback`; someone now waits for this
         chunk, so the pipeline keeps advancing until it ends (on the simulated GPU too)."""
-        if not self.done() and getattr(self._driver, "background", False):
+        if not self.done() and getattr(self._driver, "gated", False):
+            # the simulated GPU's progress thread runs only while someone waits: tell it. A real
+            # GPU's runs whenever there is work, and a request server's every request would
+            # otherwise add an entry it scans
             # the entry holds the future only weakly and the callback only the entry: no cycle
             # keeps a finished future (and its result) alive until the cyclic collector runs
             entry = self._driver.add_interest(_done_of(self))
@@ -114,7 +117,8 @@ def _done_of(fut: ChunkFuture) -> Callable[[], bool]:
 
 class _Waiters(list):
     """A future's waiter list: ``concurrent.futures.wait`` and ``as_completed`` append to it, which
-    tells the progress thread someone waits (it may then advance the simulated clock). Appends run
+    tells the simulated GPU's progress thread someone waits (it may then advance the simulated
+    clock). Appends run
     under the future's own lock, so the interest is registered without the pipeline's lock."""
 
     __slots__ = ("_fut", "_driver", "_entries")  # one per request: no __dict__
@@ -130,7 +134,7 @@ class _Waiters(list):
     def append(self, waiter: Any) -> None:
         super().append(waiter)
         fut = self._fut()
-        if fut is not None and getattr(self._driver, "background", False) and not fut.done():
+        if fut is not None and getattr(self._driver, "gated", False) and not fut.done():
             if self._entries is None:
                 self._entries = {}
             self._entries[id(waiter)] = self._driver.add_interest(_done_of(fut))

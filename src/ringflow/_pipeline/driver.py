@@ -62,6 +62,7 @@ class _Driver:
         self.future_condition = threading.Condition()
         self.commands: collections.deque[Command] = collections.deque()
         self.interest: list = []  # [predicate, deadline] of every wait in progress
+        self.timed: list = []  # those of them with a deadline (few: scanned every turn)
         self.wake = threading.Event()
         self._stepper: Any = None  # the thread that last drove the scheduler, and what it had seen
         self._stepper_token: Any = None
@@ -208,6 +209,8 @@ class ProgressThread(_Driver):
         deadline = self.deadline_of(timeout)
         entry = [pred, deadline]
         self.interest.append(entry)
+        if deadline is not None:
+            self.timed.append(entry)
         self.notify()
         try:
             while not pred():
@@ -222,10 +225,13 @@ class ProgressThread(_Driver):
                     self.cv.wait(max(0.0, min(_POLL_S, deadline - self.device.now)))
         finally:
             self.interest.remove(entry)
+            if deadline is not None:
+                self.timed.remove(entry)
 
     def add_interest(self, pred: Callable[[], bool]) -> list:
         """Someone waits for ``pred`` outside the pipeline's own calls (a future's waiter or
-        done-callback): the thread may advance until it holds. Returns the entry to drop.
+        done-callback): the thread may advance until it holds (on the simulated GPU, which
+        alone asks: see :attr:`gated`). Returns the entry to drop.
         Takes no lock (it runs under a future's lock, which the progress thread takes while
         holding its own): a list append, and the wake flag."""
         entry = [pred, None]
@@ -256,7 +262,7 @@ class ProgressThread(_Driver):
         return deadline is not None and self.device.now >= deadline
 
     def next_deadline(self) -> Optional[float]:
-        deadlines = [d for p, d in list(self.interest) if d is not None]
+        deadlines = [d for p, d in list(self.timed)]
         return min(deadlines) if deadlines else None
 
     def abandon(self) -> None:
