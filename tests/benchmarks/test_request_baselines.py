@@ -318,3 +318,23 @@ def test_ringflow_is_measured_by_the_baselines_method(monkeypatch):
     # a landing left unstamped would make its level's percentiles NaN
     assert all(np.isfinite([lv["p99_ms"], lv["p99_from_submit_ms"]]).all() for lv in w["levels"])
     assert 0 < w["pinned_high_water_MiB"] <= w["pinned_allocated_MiB"]
+
+
+def test_queue_floor_is_a_perfect_fifo_server():
+    iso = np.array([0.5, 0.5, 0.5, 0.5])
+    # spaced at the service time: nobody waits
+    fixed, by_size = bl.queue_floor(np.array([0.0, 1.0, 2.0, 3.0]), iso, [10, 10, 10, 10], capacity=1.0)
+    assert np.allclose(fixed, iso) and np.allclose(by_size, iso)
+    # a burst of three: each waits for those before it, for a second each, or by its bytes
+    fixed, by_size = bl.queue_floor(np.array([0.0, 0.0, 0.0, 10.0]), iso, [5, 5, 20, 10], capacity=1.0)
+    assert np.allclose(fixed, iso + [0, 1, 2, 0])
+    assert np.allclose(by_size, iso + [0, 0.5, 1.0, 0])  # holds of 0.5, 0.5, 2, 1 s (mean 1 s)
+
+
+def test_each_level_carries_the_perfect_servers_p99():
+    items = _items(40, seed=9)
+    ring = bl.RingServer(FakeRing(2, auto_after=3), 2, clock=Clock())
+    m = bl.measure_request_server(ring, items, [bl.scale_shift_expected(a) for a in items], warmup=5,
+                                  loads=(0.8,), passes=1)
+    fixed, by_size = m["levels"][0]["perfect_fifo_p99_over_isolated"]
+    assert fixed > 0 and by_size > 0

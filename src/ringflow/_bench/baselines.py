@@ -53,7 +53,7 @@ __all__ = [
     "BaselineUnavailable", "BaselineKernel", "resolve_kernel", "random_input", "gpu_available", "availability",
     "run_or_skip", "serial_copy_compute_copy", "torch_naive", "torch_streams_pipeline", "cuda_cpp_pipeline",
     "link_floor", "host_floor", "versions", "scale_shift_expected", "open_loop", "SyncServer", "RingServer",
-    "measure_request_server", "torch_requests_naive", "torch_requests_ring",
+    "measure_request_server", "queue_floor", "torch_requests_naive", "torch_requests_ring",
 ]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -1201,7 +1201,9 @@ def measure_request_server(server: Any, items: Sequence[np.ndarray], expected: S
       p50/p99 in ms and the p99 over the isolated p99 (also the p50/p99 from entering ``submit``,
       which leaves out the time a request waited for the server to take it), the p99 of each
       request's loaded over isolated latency, the garbage collector's runs during the level
-      (count, longest in ms) and the five slowest requests.
+      (count, longest in ms), the five slowest requests, and what a perfect server of the
+      measured capacity would give the same arrivals (:func:`queue_floor`: its p99 over the
+      isolated p99, ``[every request holding the queue alike, in proportion to its bytes]``).
 
     Every request runs once first, outside the capacity (a framework's caching allocator takes
     device memory, and ringflow's host pool pinned memory, the first time it meets each request
@@ -1267,6 +1269,7 @@ def measure_request_server(server: Any, items: Sequence[np.ndarray], expected: S
         good = check()
         ok &= good
         start = arrived[0] - gaps[0]
+        floor = queue_floor(arrived, iso, [it.nbytes for it in items], capacity)
         levels.append({"load": float(load), "offered_per_s": rate, "p50_ms": _percentile_ms(lat, 50),
                        "p99_ms": _percentile_ms(lat, 99), "p99_over_isolated": float(np.percentile(lat, 99)
                                                                                      / np.percentile(iso, 99)),
@@ -1274,6 +1277,8 @@ def measure_request_server(server: Any, items: Sequence[np.ndarray], expected: S
                        "p99_from_submit_ms": _percentile_ms(from_submit, 99),
                        "p99_slowdown_per_request": float(np.percentile(lat / iso, 99)), "correct": good,
                        "gc_pauses": len(pauses), "gc_pause_max_ms": 1e3 * max(pauses, default=0.0),
+                       "perfect_fifo_p99_over_isolated": [float(np.percentile(f, 99) / np.percentile(iso, 99))
+                                                          for f in floor],
                        "slowest": [{"request": int(i), "arrived_ms": 1e3 * float(arrived[i] - start),
                                     "submitted_ms": 1e3 * float(submitted[i] - start),
                                     "latency_ms": 1e3 * float(lat[i]), "bytes": int(items[i].nbytes)}
@@ -1281,6 +1286,32 @@ def measure_request_server(server: Any, items: Sequence[np.ndarray], expected: S
     return {"requests": count, "capacity_per_s": capacity, "capacity_passes_per_s": rates, "cold_pass_per_s": cold,
             "isolated_p50_ms": _percentile_ms(iso, 50), "isolated_p99_ms": _percentile_ms(iso, 99),
             "levels": levels, "correct": bool(ok), "timing": "host_clock"}
+
+
+def queue_floor(arrived: np.ndarray, isolated: np.ndarray, nbytes: Sequence[int],
+                capacity: float) -> tuple[np.ndarray, np.ndarray]:
+    """The latencies (seconds) a perfect server of ``capacity`` requests a second would give
+    requests arriving at ``arrived`` (seconds): one first-in first-out queue with no stall, each
+    request waiting for those before it and then taking its own ``isolated`` latency. How long a
+    request holds the queue is not known, so two cases bracket it: every request for the same
+    time, and each for a time in proportion to its ``nbytes`` (both ``1 / capacity`` on average).
+    No real server of that capacity can do better than the first at high percentiles; the
+    second is what one bound by its copies would give.
+
+    Returns:
+        ``(fixed, by_size)``: the per-request latencies of the two cases.
+    """
+    nbytes = np.asarray(nbytes, dtype=np.float64)
+    out = []
+    for hold in (np.full(len(nbytes), 1.0 / capacity), nbytes / nbytes.mean() / capacity):
+        wait = np.zeros(len(nbytes))
+        free = -np.inf
+        for i, t in enumerate(arrived):
+            begin = max(t, free)
+            wait[i] = begin - t
+            free = begin + hold[i]
+        out.append(wait + isolated)
+    return out[0], out[1]
 
 
 @contextlib.contextmanager

@@ -125,10 +125,14 @@ def table(res: dict[str, Any]):
     title = res.get("workload", "?")
     for key in ("ideal_ms", "efficiency", "ringflow_ms", "efficiency_no_refill", "vs_cpp_like_with_like",
                 "floor_ms", "efficiency_vs_floor", "mapjob_efficiency", "ringflow_vs_torch_ring",
-                "ringflow_vs_torch_naive", "p99_80_over_isolated", "bound_ms", "ringflow_fraction_of_bound",
-                "ringflow_vs_dataloader", "ringflow_processes_fraction_of_bound", "ringflow_processes_vs_dataloader"):
-        if key in res and isinstance(res[key], float):
-            title += f"  {key}={res[key]:.3f}"
+                "ringflow_vs_torch_naive", "p99_80_over_isolated", "p99_80_perfect_fifo_over_isolated", "bound_ms",
+                "ringflow_fraction_of_bound", "ringflow_vs_dataloader", "ringflow_processes_fraction_of_bound",
+                "ringflow_processes_vs_dataloader"):
+        value = res.get(key)
+        if isinstance(value, float):
+            title += f"  {key}={value:.3f}"
+        elif isinstance(value, list) and value and all(isinstance(v, float) for v in value):
+            title += f"  {key}=" + "/".join(f"{v:.3f}" for v in value)
     t = Table(title=title)
     t.add_column("run")
     t.add_column("median ms", justify="right")

@@ -410,7 +410,10 @@ def requests(dev: Device, *, loads=(0.5, 0.8, 0.95), count: int = 200, chunk_byt
             "capacity_per_s": ours["capacity_per_s"], "capacity_passes_per_s": ours["capacity_passes_per_s"],
             "cold_pass_per_s": ours["cold_pass_per_s"],
             "levels": ours["levels"], "correct": ours["correct"], "pinned_high_water_MiB": pinned_hw / MiB,
-            "pinned_allocated_MiB": pinned / MiB, **versus_torch(ours, torch_rows), "rows": rows + torch_rows}
+            "pinned_allocated_MiB": pinned / MiB,
+            # what a perfect server of ringflow's measured capacity would give the 80% level's arrivals
+            "p99_80_perfect_fifo_over_isolated": _at(_level_80(ours["levels"]), "perfect_fifo_p99_over_isolated"),
+            **versus_torch(ours, torch_rows), "rows": rows + torch_rows}
 
 
 class PipelineServer(_Recorder):
