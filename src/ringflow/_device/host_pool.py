@@ -18,6 +18,9 @@ The design follows PyTorch's ``CachingHostAllocator``:
   copy). A dropped block whose recorded events are not all done is *pending*: it is handed out
   again only once every one of them is done (queried at the next :meth:`empty` or
   :meth:`collect`; ``collect(wait=True)`` waits for them).
+* **Ctrl-C.** A KeyboardInterrupt at any instruction of a hand-out leaves its block either in the
+  caller's array or back in the cache (``take``'s claim list, a generation per put-back: see
+  :meth:`HostPool._put_back`).
 * **Budget.** The pool holds at most ``budget`` bytes of pinned memory (in use, pending and
   cached together). A request that does not fit after freeing cached blocks, or whose pinning
   the device refuses, gets an ordinary pageable numpy array instead, with one logged note per
