@@ -9,6 +9,8 @@ That is what the run on the real GPU relies on, where no checker watches."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -26,8 +28,9 @@ from tests.helpers.pipeline_checks import (
 # (runner, slots, seed): the harness's own map runs (int64 payloads tagged per item, every
 # result checked), stream_map staging a pageable array, and a pipeline of plain arrays whose
 # results land in pinned pool arrays (half the items pool arrays read in place), and one whose
-# results stay on the device, read there by a slow consumer kernel before each release
-RUNNERS = ("harness", "stream_map", "pooled", "device")
+# results stay on the device, read there by a slow consumer kernel before each release, and
+# requests sharing a chunk whose first item's copy into it is held while the scheduler steps
+RUNNERS = ("harness", "stream_map", "pooled", "device", "shared")
 CONFIGS = [(runner, slots, seed) for seed in range(3) for slots in (1, 2, 3) for runner in RUNNERS]
 X = np.random.default_rng(0).standard_normal(256 * 1024).astype(np.float32)
 RELEASE_GUARDS = [g for g in GUARDS if ".release_after_" in g]
@@ -91,7 +94,48 @@ def run_config(runner: str, slots: int, seed: int, guards=(), checker: bool = Tr
         user.close()
         return all(np.array_equal(o, a * 3 + 1) for o, a in zip(got, items))
 
-    return guard_outcome({"harness": harness, "stream_map": stream, "pooled": pooled, "device": on_device}[runner])
+    def shared():
+        a, b = X[:1000] + 0, X[1000:1700] + 0
+        started, release = threading.Event(), threading.Event()
+        real = dev.host_copy
+
+        def held(dst, src):
+            if src is a:
+                started.set()
+                assert release.wait(30)
+            real(dst, src)
+
+        dev.host_copy = held
+        out = {}
+        with _testing.inject(guards_off=guards):
+            with rf.Pipeline(f, device=dev, chunk_bytes=1 << 14, slots=slots, checked=True) as pipe:
+                pipe.submit(np.zeros(4, np.float32)).result()  # warm: the next chunk is a new one
+                def submit_a():
+                    try:
+                        out["a"] = pipe.submit(a)
+                    except BaseException as exc:  # noqa: BLE001 - the checker's verdict, raised below
+                        out["error"] = exc
+
+                t = threading.Thread(target=submit_a)
+                t.start()
+                try:
+                    assert started.wait(30)
+                    fb = pipe.submit(b)  # joins the chunk a's copy is held in
+                    sched, driver = pipe.scheduler, pipe._driver
+                    steps = sched.steps
+                    with driver.cv:  # the scheduler steps meanwhile: the chunk must wait for a's copy
+                        driver.drive_here(lambda: sched.steps >= steps + 20 or not sched.inbox, None, "steps")
+                        if not sched.inbox:  # admitted: let the device read it before the copy ends
+                            driver.drive_here(lambda: not sched.pending_fences(), None, "the device")
+                finally:
+                    release.set()
+                    t.join(30)
+                if "error" in out:
+                    raise out["error"]
+                return bool(np.array_equal(out["a"].result(), a * 3 + 1) and np.array_equal(fb.result(), b * 3 + 1))
+
+    return guard_outcome({"harness": harness, "stream_map": stream, "pooled": pooled, "device": on_device,
+                          "shared": shared}[runner])
 
 
 def describe(outcome) -> str:

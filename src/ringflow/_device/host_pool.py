@@ -745,17 +745,20 @@ def receive(array: Any, device: Device) -> Optional[HostBuffer]:
     """:func:`buffer_behind` for an array a caller hands to ``device``'s work, ordering the
     calling thread after the pool's hand-out of it and after every device use of it seen
     complete since (the tokens the hand-out and :func:`hand_off` left on its block, a pipeline's
-    d2h into a result among them). The caller may have got the array on another thread and
-    passed it on by a lock, queue or join of its own, which the simulated GPU's checker cannot
-    see; without these edges the device's next copy of it would look unordered."""
-    buffer = buffer_behind(array, device)
-    if buffer is not None:
-        owner = owner_of(array)
-        with owner.pool._lock:
-            tokens = list(owner.block.tokens)
-        for token in tokens:
-            device.observe(token)
-    return buffer
+    d2h into a result among them), for any array over ``device``'s pool memory (a view from
+    another byte too, which then has no buffer to return). The caller may have got the array on
+    another thread and passed it on by a lock, queue or join of its own, which the simulated
+    GPU's checker cannot see; without these edges the device's next copy of it, or a checked
+    host copy of it, would look unordered."""
+    owner = owner_of(array) if isinstance(array, np.ndarray) else None
+    if owner is None or owner.pool.device is not device:
+        return None
+    with owner.pool._lock:
+        tokens = list(owner.block.tokens)
+    for token in tokens:
+        device.observe(token)
+    buffer = owner.block.buffer
+    return buffer if buffer.holds(array) else None
 
 
 def device_of(array: Any) -> Optional[Device]:

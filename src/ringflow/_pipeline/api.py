@@ -478,9 +478,10 @@ class Pipeline:
 
     def _shares_chunk(self, item: Any) -> bool:
         """Whether ``submit`` puts ``item`` in a chunk other items may share: a plain array small
-        enough to stage, not already pinned (a pool array is read in place, alone)."""
-        return (self._coalesce and type(item) is np.ndarray and 0 < item.nbytes <= STAGE_AT_ACCEPT_BYTES
-                and host_pool.buffer_behind(item, self.device) is None)
+        enough to stage. A pool array of that size shares too: copying it costs the submitting
+        thread less than a chunk of its own costs the progress thread (docs/design.md, "Items
+        sharing a chunk")."""
+        return self._coalesce and type(item) is np.ndarray and 0 < item.nbytes <= STAGE_AT_ACCEPT_BYTES
 
     def _submit_shared(self, item: np.ndarray, timeout: Optional[float]) -> Optional[ChunkFuture]:
         """``submit`` of an item that may share a chunk: a pinned pool array for its result, a
@@ -505,8 +506,17 @@ class Pipeline:
                         self._wait_for_capacity(timeout)
                         place = s.join_open_batch(d, result, claim) or s.open_new_batch(d, batch, result, claim)
             chunk, member = place
+            # the chunk's block may have been handed out on the thread that opened the chunk, and
+            # the item may be a pool array from another thread or hold a result a d2h wrote: this
+            # thread's copy (a checked host access on the simulated GPU) is ordered after both
+            # hand-outs and every device use of either seen complete since
+            host_pool.receive(chunk.batch, self.device)
+            host_pool.receive(item, self.device)
+            pooled = host_pool.device_of(item) is self.device
             t0 = self.device.now
             self.device.host_copy(chunk.batch[member.offset:member.offset + nbytes].view(dtype).reshape(shape), item)
+            if pooled:  # whichever thread drops the item last hands its block back after this read
+                host_pool.hand_off(item, self.device.publish())
             s.member_written(chunk, member, (t0, self.device.now))  # the driver's lock is not needed
             d.wake.set()
         except BaseException as exc:

@@ -63,6 +63,7 @@ GUARDS = (
     "consume.after_d2h",  # the consumer starts only after the d2h event completes
     "host_out.release_after_consume",  # host-out goes FREE only after the consumer returns
     "device_out.release_after_consumer",  # a lent slot's next compute waits for the consumer's release event
+    "admit.after_copies",  # a shared chunk goes to the device only once every copy into it has ended
 )
 
 # Slot states whose fences, within one ring, are events of a single stream recorded in the
@@ -408,7 +409,7 @@ class Scheduler:
             members = chunk.members
             if members is not None:
                 with self.batch_lock:  # no item joins it, and no copy into it is being made, from here on
-                    if chunk.copying:
+                    if chunk.copying and "admit.after_copies" not in self._guard_off:
                         break
                     if chunk is self.open_batch:
                         if self._accepted_q and self.accepting and not self._cancel_admitted:

@@ -26,9 +26,10 @@ import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 
 from ..._errors import DeviceError
-from ..host_pool import without_pooled
+from ..host_pool import owner_of, without_pooled
 from ..protocol import ArrayArg, Capabilities, Device, LiveCounts, check_nbytes, copy_threads, parallel_copy, python_copy_threads
 from .engine import Engine, Op
 from .hazard import AccessKind, HappensBeforeChecker
@@ -241,6 +242,11 @@ class SimDevice(Device):
         return None
 
     def host_copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        # bytes of this device's pinned pool copied from or to are checked host accesses, as a
+        # host view of them is: a copy into a staging block whose last h2d has not completed,
+        # or out of a block a d2h still writes, is a hazard
+        for array, access in ((src, "r"), (dst, "w")):
+            _check_pooled(self, array, access)
         parallel_copy(dst, src, copy_threads(dst.nbytes))  # the real GPU's copy, split as it splits it
         if dst.nbytes:  # charged at a split that does not depend on this machine (see python_copy_threads)
             self.sleep(dst.nbytes / (self.host.copy_rate(self, python_copy_threads(dst.nbytes)) * 1e9))
@@ -388,3 +394,15 @@ class SimDevice(Device):
 def _covers(a: dict, b: dict) -> bool:
     """Whether vector clock ``a`` has seen everything ``b`` has."""
     return all(a.get(actor, 0) >= n for actor, n in b.items())
+
+
+def _check_pooled(dev: "SimDevice", array: Any, access: str) -> None:
+    """A checked host access (``access``: ``"r"`` or ``"w"``) of the bytes ``array`` spans, if they
+    are memory of ``dev``'s host pool."""
+    owner = owner_of(array) if isinstance(array, np.ndarray) and array.nbytes else None
+    if owner is None or owner.pool.device is not dev:
+        return
+    buffer = owner.block.buffer
+    low, high = byte_bounds(array)
+    start = low - buffer._memory().__array_interface__["data"][0]
+    buffer.view(np.uint8, offset=start, count=high - low, access=access)
