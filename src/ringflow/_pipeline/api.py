@@ -138,7 +138,8 @@ class Pipeline:
     result, valid during the call (default: the result itself). Without ``prepare``, ``submit``
     and ``map`` copy each array into pinned memory from :mod:`ringflow.host`'s pool on the
     calling thread (the caller may reuse its array once ``submit`` returns; an array from that
-    pool is read in place), and the result comes back in that same pinned array, which goes back
+    pool is read in place by ``map``, and by ``submit`` above 4 MiB, while ``submit`` copies a
+    smaller one into the chunk it shares), and the result comes back in pinned memory, which goes back
     to the pool once dropped; where the pool has no room, items are copied by the CPU workers and
     results are new numpy arrays. A compute callable may carry a ``sim_seconds`` attribute
     (seconds, or a function of the chunk's bytes) for its duration on the simulated GPU.
