@@ -318,9 +318,12 @@ def test_submitting_threads_share_chunks_with_the_checker_on():
 
 
 class CoalescingMachine(RuleBasedStateMachine):
-    """Submits (from this thread and from bursts of other threads), failing items, cancels,
-    waits and a close, on a checked pipeline whose items share chunks; after every step the
-    counts add up, and every settled future holds its own item's result or error."""
+    """Submits (from this thread and from bursts of other threads; plain arrays and pool arrays,
+    which share chunks too, made on this thread and sent in from others; results sent in again
+    from another thread), failing items, cancels, waits and a close, on a checked pipeline whose
+    items share chunks; after every step the counts add up, and every settled future holds its
+    own item's result or error. The simulated GPU checks every host copy into or out of pool
+    memory, so a hand-off between threads the pipeline does not order is a HazardError."""
 
     def __init__(self):
         super().__init__()
@@ -332,16 +335,20 @@ class CoalescingMachine(RuleBasedStateMachine):
         self.closed = False
         self.lock = threading.Lock()
 
-    def _item(self, n, fail):
+    def _item(self, n, fail, pooled=False):
         x = np.random.default_rng(len(self.futs)).random(n).astype(np.float32)
         if fail:
             x[0] = FAIL if fail == "error" else INTERRUPT
+        if pooled and not self.sticky:  # an rf.host array: it shares a chunk like any other of its size
+            a = rf.host.empty(n, np.float32, device=self.dev)
+            a[:] = x
+            return a
         return x
 
     @precondition(lambda self: not self.closed)
-    @rule(n=st.integers(1, 2000), fail=st.sampled_from([None, None, "error", "interrupt"]))
-    def submit(self, n, fail):
-        x = self._item(n, fail)
+    @rule(n=st.integers(1, 2000), fail=st.sampled_from([None, None, "error", "interrupt"]), pooled=st.booleans())
+    def submit(self, n, fail, pooled):
+        x = self._item(n, fail, pooled)
         try:
             fut = self.pipe.submit(x)
         except rf.DeviceError:
@@ -350,9 +357,10 @@ class CoalescingMachine(RuleBasedStateMachine):
         self.futs.append([fut, x, fail, False])
 
     @precondition(lambda self: not self.closed)
-    @rule(sizes=st.lists(st.integers(1, 1500), min_size=1, max_size=12), threads=st.integers(2, 4))
-    def burst(self, sizes, threads):
-        made = [self._item(n, None) for n in sizes]
+    @rule(sizes=st.lists(st.integers(1, 1500), min_size=1, max_size=12), threads=st.integers(2, 4),
+          pooled=st.booleans())
+    def burst(self, sizes, threads, pooled):
+        made = [self._item(n, None, pooled and i % 2 == 0) for i, n in enumerate(sizes)]  # made here, sent from others
 
         def go(k):
             for x in made[k::threads]:
@@ -368,6 +376,30 @@ class CoalescingMachine(RuleBasedStateMachine):
             t.start()
         for t in ts:
             t.join()
+
+    @precondition(lambda self: not self.closed and any(e[0].done() and not e[2] and not e[3] for e in self.futs))
+    @rule(data=st.data())
+    def resubmit_a_result(self, data):
+        """A result (a pool array a d2h wrote) sent in again from another thread, and dropped there."""
+        done = [e for e in self.futs if e[0].done() and not e[2] and not e[3]]
+        fut = data.draw(st.sampled_from(done))[0]
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        x = fut.result()
+        box = {}
+
+        def go():
+            try:
+                box["fut"] = self.pipe.submit(x)
+            except rf.DeviceError:
+                pass
+
+        t = threading.Thread(target=go)
+        t.start()
+        t.join()
+        if "fut" in box:
+            with self.lock:
+                self.futs.append([box["fut"], np.array(x), None, False])
 
     @precondition(lambda self: not self.closed and not self.sticky)
     @rule(roll=st.integers(0, 7))
