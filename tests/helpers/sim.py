@@ -76,3 +76,22 @@ def named_sims(*indices: int, **options: Any) -> Iterator[list]:
     finally:
         for dev in devs:
             dev.close()
+
+
+def hold_copy(dev, item: np.ndarray) -> "tuple[Any, Any]":
+    """Hold ``dev``'s host copy out of ``item`` (a staging copy into a shared chunk) until the test
+    says so: returns ``(started, release)``, two ``threading.Event``: ``started`` is set once
+    the copy has begun, and it completes once ``release`` is set (within 30 real seconds)."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    real = dev.host_copy
+
+    def held(dst, src):
+        if src is item:
+            started.set()
+            assert release.wait(30), "the held copy was never released"
+        real(dst, src)
+
+    dev.host_copy = held
+    return started, release

@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import ringflow as rf
 from ringflow._device import host_pool
 from tests.helpers.interrupts import InterruptAt
+from tests.helpers.sim import hold_copy
 
 FAIL = np.float32(-7777.0)  # an item whose first element is this makes the compute raise
 INTERRUPT = np.float32(-8888.0)  # ... or raise KeyboardInterrupt
@@ -137,16 +138,7 @@ def test_a_chunk_waits_for_every_copy_into_it_before_it_moves():
     until that copy is made (without the wait, its h2d reads half-written bytes)."""
     dev = rf.device("sim", seed=2)
     a, b = np.full(1000, 3, np.float32), np.full(1000, 5, np.float32)
-    started, release = threading.Event(), threading.Event()
-    real = dev.host_copy
-
-    def held(dst, src):
-        if src is a:
-            started.set()
-            assert release.wait(30)
-        real(dst, src)
-
-    dev.host_copy = held
+    started, release = hold_copy(dev, a)
     with rf.Pipeline(f, device=dev, chunk_bytes=1 << 16) as pipe:
         pipe.submit(np.zeros(4, np.float32)).result()  # warm: the next chunk is a new one
         out = {}

@@ -17,6 +17,7 @@ import pytest
 import ringflow as rf
 from ringflow import _testing
 from ringflow._pipeline import GUARDS
+from tests.helpers.sim import hold_copy
 from tests.helpers.pipeline_checks import (
     Harness,
     caught,
@@ -96,16 +97,7 @@ def run_config(runner: str, slots: int, seed: int, guards=(), checker: bool = Tr
 
     def shared():
         a, b = X[:1000] + 0, X[1000:1700] + 0
-        started, release = threading.Event(), threading.Event()
-        real = dev.host_copy
-
-        def held(dst, src):
-            if src is a:
-                started.set()
-                assert release.wait(30)
-            real(dst, src)
-
-        dev.host_copy = held
+        started, release = hold_copy(dev, a)
         out = {}
         with _testing.inject(guards_off=guards):
             with rf.Pipeline(f, device=dev, chunk_bytes=1 << 14, slots=slots, checked=True) as pipe:
