@@ -753,10 +753,7 @@ def receive(array: Any, device: Device) -> Optional[HostBuffer]:
     owner = owner_of(array) if isinstance(array, np.ndarray) else None
     if owner is None or owner.pool.device is not device:
         return None
-    with owner.pool._lock:
-        tokens = list(owner.block.tokens)
-    for token in tokens:
-        device.observe(token)
+    owner.pool._observe(owner.block)
     buffer = owner.block.buffer
     return buffer if buffer.holds(array) else None
 

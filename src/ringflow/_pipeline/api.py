@@ -512,8 +512,9 @@ class Pipeline:
             # thread's copy (a checked host access on the simulated GPU) is ordered after both
             # hand-outs and every device use of either seen complete since
             host_pool.receive(chunk.batch, self.device)
-            host_pool.receive(item, self.device)
             pooled = host_pool.device_of(item) is self.device
+            if pooled:
+                host_pool.receive(item, self.device)
             t0 = self.device.now
             self.device.host_copy(chunk.batch[member.offset:member.offset + nbytes].view(dtype).reshape(shape), item)
             if pooled:  # whichever thread drops the item last hands its block back after this read

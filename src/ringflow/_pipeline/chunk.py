@@ -118,8 +118,8 @@ def _done_of(fut: ChunkFuture) -> Callable[[], bool]:
 class _Waiters(list):
     """A future's waiter list: ``concurrent.futures.wait`` and ``as_completed`` append to it, which
     tells the simulated GPU's progress thread someone waits (it may then advance the simulated
-    clock). Appends run
-    under the future's own lock, so the interest is registered without the pipeline's lock."""
+    clock). Appends run under the future's own lock, so the interest is registered without the
+    pipeline's lock."""
 
     __slots__ = ("_fut", "_driver", "_entries")  # one per request: no __dict__
 

@@ -262,8 +262,7 @@ class ProgressThread(_Driver):
         return deadline is not None and self.device.now >= deadline
 
     def next_deadline(self) -> Optional[float]:
-        deadlines = [d for p, d in list(self.timed)]
-        return min(deadlines) if deadlines else None
+        return min((d for _, d in list(self.timed)), default=None)
 
     def abandon(self) -> None:
         """The pipeline was dropped without ``close()``: have the thread cancel, drain, release and
