@@ -2,9 +2,10 @@
 # Everything this repo checks and times on the GPU; results under $OUT. Two parts, so that each
 # fits one device call (10 minutes):
 #   bash bench/gpu_check.sh check   pytest -m gpu, 10k-chunk stress, 8 threads x 10k requests, demo, phases
-#   bash bench/gpu_check.sh bench   ringflow bench (all workloads, trace, PNG), host profile, request host time
+#   bash bench/gpu_check.sh bench   ringflow bench (all workloads, trace, PNG), host profile, small arrays
+#                                   through map, request host time
 # $OUT gets: log.txt, pipeline_stress.json, threads.json, phases.json (check); bench-cuda-*.json, trace.json,
-# timeline.png, profile.txt, request_costs.json (bench).
+# timeline.png, profile.txt, map_small_items.json, request_costs.json (bench).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/ringflow-out}; mkdir -p "$OUT"
@@ -26,6 +27,8 @@ else
   echo "== bench" | tee -a "$LOG"
   timeout 420 python3 -m ringflow._cli bench ${BENCH_ARGS:-} --device cuda:0 --out "$OUT" --trace "$OUT/trace.json" --plot "$OUT/timeline.png" 2>&1 | tail -150 | tee -a "$LOG"
   timeout 100 python3 bench/profile_host.py --device cuda:0 --out "$OUT/profile.txt" 2>&1 | head -16
+  echo "== many small arrays through map: sharing chunks against each alone" | tee -a "$LOG"
+  timeout 120 python3 bench/map_small_items.py --device cuda:0 --out "$OUT/map_small_items.json" 2>&1 | tee -a "$LOG"
   echo "== request host time: staged (sharing chunks, and each alone) and pool items" | tee -a "$LOG"
   timeout 60 python3 bench/request_costs.py --device cuda:0 --hz 0 --variants staged,staged-alone,pooled --out "$OUT/request_costs.json" 2>&1 | grep -v "progress\|submit" | cut -c1-300 | tee -a "$LOG"
 fi

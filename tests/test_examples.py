@@ -26,7 +26,7 @@ EXPECTED = {
     "04_profile_and_trace.py": [r"^16 chunks, 16\.8 MB in \d+\.\d+ ms \(ideal \d+\.\d+ ms, efficiency \d\.\d\d, bottleneck ",
                                 r"^trace: .*trace\.json \(open at https://ui\.perfetto\.dev\)$",
                                 r"^timeline: .*timeline\.png$",
-                                r"^pipeline: 5 requests, latency p50 \d+\.\d+ ms, p99 \d+\.\d+ ms$"],
+                                r"^pipeline: 5 requests in [1-5] chunks, chunk latency p50 \d+\.\d+ ms, p99 \d+\.\d+ ms$"],
     "05_mapjob.py": [r"^<MapJob \(1048576, 4\) float32 in 8 chunks .*host=register, engine=direct, open>$",
                      r"^call 4: \d+\.\d+ ms, out == 9$", r"^8 chunks, 16\.8 MB in ",
                      r"^graph: 64 chunks of 256 KiB, the last call \d+\.\d+ ms, replayed as one graph: True$"],

@@ -134,3 +134,11 @@ def test_decode_into_slot_check():
                            "--batch", "2", "--size", "8"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("ms a batch") == 9
+
+
+def test_map_small_items(tmp_path):
+    r = run_script(tmp_path, "map_small_items.py", "--sizes-kib", "4,64", "--total-mib", "1", "--rounds", "1")
+    assert r["correct"] is True and set(r["sizes"]) == {"4KiB", "64KiB"}
+    small = r["sizes"]["4KiB"]
+    assert small["items"] == 256 and small["map-alone"]["chunks"] == 256
+    assert small["map"]["chunks"] < small["map-alone"]["chunks"] and small["map_over_alone"] > 0

@@ -519,3 +519,155 @@ def test_at_most_sixty_four_items_share_a_chunk_and_a_profile_reports_chunks():
     assert 300 / 64 <= chunks < 300
     rep = pipe.report()
     assert rep.chunks == chunks
+
+
+# -- map -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ordered", [True, False])
+def test_map_puts_small_items_in_shared_chunks_and_hands_each_its_own_result(ordered):
+    xs = items(300, seed=11)
+    with rf.Pipeline(f, device=rf.device("sim", seed=2, chaos=True), chunk_bytes=1 << 20, checked=True,
+                     ordered=ordered) as pipe:
+        results = list(pipe.map(xs))
+        chunks, stats = pipe.scheduler.chunks_admitted, pipe.stats()
+    if ordered:
+        assert all(np.array_equal(r, expected(x)) and r.shape == x.shape for r, x in zip(results, xs))
+    else:  # each result exactly once, in any order
+        assert sorted(r.tobytes() for r in results) == sorted(expected(x).tobytes() for x in xs)
+    assert chunks < len(xs) // 4
+    assert (stats.accepted, stats.delivered, stats.in_flight) == (300, 300, 0)
+
+
+def test_map_keeps_input_order_across_items_that_share_chunks_and_items_that_go_alone():
+    """Small plain arrays share; an item of more than 4 MiB, a tuple of arrays, a pool array
+    (read in place) and an empty array each go alone, and an item that goes alone closes the
+    shared chunk before it: the results still come in input order."""
+    dev = rf.device("sim", seed=5)
+    rng = np.random.default_rng(5)
+    xs: list = []
+    for i in range(60):
+        k = i % 10  # runs of two or three small items between those that go alone
+        if k == 3:
+            xs.append(rng.random((5 << 20) // 4).astype(np.float32))  # over 4 MiB
+        elif k == 6:
+            a = rf.host.empty((777,), np.float32, device=dev)
+            a[...] = rng.random(777)
+            xs.append(a)
+        elif k == 9:
+            xs.append(np.zeros(0, np.float32))
+        else:
+            xs.append(rng.random(int(rng.integers(1, 5000))).astype(np.float32))
+    with rf.Pipeline(f, device=dev, chunk_bytes=8 << 20, checked=True) as pipe:
+        results = list(pipe.map(xs))
+        chunks = pipe.scheduler.chunks_admitted
+    assert len(results) == len(xs)
+    assert all(np.array_equal(r, expected(x)) and r.shape == x.shape for r, x in zip(results, xs))
+    assert chunks < len(xs)
+
+
+def test_a_map_holds_at_most_max_in_flight_chunks_worth_of_results_ahead_of_its_caller():
+    """A caller slow to take results while the pipeline runs ahead: items that share chunks
+    hold no capacity once their chunk ended, so the map bounds the bytes of the results it has
+    accepted and not handed out by what ``max_in_flight`` chunks hold (without that bound it
+    pulls ``max_in_flight`` further chunks of items at every result)."""
+    item_bytes, chunk_bytes, max_in_flight = 4096, 1 << 16, 3
+    pulled = [0]
+
+    def feed():
+        for i in range(2000):
+            pulled[0] += 1
+            yield np.full(item_bytes // 4, i, np.float32)
+
+    with rf.Pipeline(f, device=rf.device("sim", seed=3), chunk_bytes=chunk_bytes, max_in_flight=max_in_flight,
+                     checked=True) as pipe:
+        ahead = []
+        for n, r in enumerate(pipe.map(feed()), 1):
+            assert r[0] == 2 * (n - 1) + 1
+            ahead.append(pulled[0] - n)
+            pipe._drive_until(lambda: pipe.stats().in_flight == 0)  # everything accepted ends meanwhile
+            if n == 300:
+                break
+    assert max(ahead) <= max_in_flight * chunk_bytes // item_bytes + 1
+    assert max(ahead) > 2 * chunk_bytes // item_bytes  # it does run ahead, by more than a chunk
+
+
+@pytest.mark.parametrize("on_error", ["raise", "continue"])
+def test_a_map_item_that_fails_in_a_shared_chunk_fails_alone_or_stops_the_map(on_error):
+    xs = items(120, seed=13, max_elems=3000)
+    xs[37][0] = FAIL
+    with rf.Pipeline(f, device=rf.device("sim", seed=4, chaos=True), chunk_bytes=1 << 18, checked=True,
+                     on_error=on_error) as pipe:
+        got = []
+        if on_error == "raise":
+            with pytest.raises(rf.StageError, match="marked item"):
+                for r in pipe.map(xs):
+                    got.append(r)
+            assert len(got) <= 37
+        else:
+            got = list(pipe.map(xs))
+            assert len(got) == 119
+        chunks = pipe.scheduler.chunks_admitted
+    kept = [x for i, x in enumerate(xs) if i != 37]
+    assert all(np.array_equal(r, expected(x)) for r, x in zip(got, kept))
+    assert chunks < len(xs)
+    stats = pipe.stats()
+    assert stats.balanced() and stats.in_flight == 0 and stats.failed == 1
+
+
+def test_a_map_item_whose_compute_raises_keyboard_interrupt_raises_it_from_the_map():
+    xs = items(80, seed=14, max_elems=3000)
+    xs[20][0] = INTERRUPT
+    dev = rf.device("sim", seed=5, chaos=True)
+    with rf.Pipeline(f, device=dev, chunk_bytes=1 << 18, checked=True) as pipe:
+        got = []
+        with pytest.raises(KeyboardInterrupt):
+            for r in pipe.map(xs):
+                got.append(r)
+        assert pipe.scheduler.chunks_admitted < len(xs)
+    assert len(got) <= 20 and all(np.array_equal(r, expected(x)) for r, x in zip(got, xs))
+    stats = pipe.stats()
+    assert stats.balanced() and stats.in_flight == 0
+    got.clear()
+    gc.collect()
+    assert rf.host.stats(device=dev).in_use_bytes == 0 and dev.live().total == 0
+
+
+def test_a_map_stopped_early_and_maps_from_several_threads_share_chunks_and_leave_nothing():
+    dev = rf.device("sim", seed=6)
+    xs = items(400, seed=15, max_elems=5000)
+    out: dict = {}
+    with rf.Pipeline(f, device=dev, chunk_bytes=1 << 17, checked=True) as pipe:
+        def mapper(k):
+            out[k] = list(pipe.map(xs[k::4]))
+
+        threads = [threading.Thread(target=mapper, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for k in range(4):
+            assert all(np.array_equal(r, expected(x)) for r, x in zip(out[k], xs[k::4]))
+            assert len(out[k]) == 100
+        gen = pipe.map(xs)
+        first = [next(gen) for _ in range(5)]
+        gen.close()  # stopped early: what it accepted still ends
+        assert pipe.scheduler.chunks_admitted < 400
+    assert all(np.array_equal(r, expected(x)) for r, x in zip(first, xs))
+    stats = pipe.stats()
+    assert stats.balanced() and stats.in_flight == 0 and stats.failed == 0
+    out.clear()
+    first.clear()
+    gc.collect()
+    assert rf.host.stats(device=dev).in_use_bytes == 0 and dev.live().total == 0
+
+
+@pytest.mark.parametrize("how", ["submit", "map"])
+def test_an_item_of_more_than_half_a_chunk_goes_alone_in_one_pinned_block(how):
+    """No other item could join it: alone, its staged copy carries its result back (one pinned
+    block an item), where a shared chunk would take a chunk's block and a result array."""
+    dev = rf.device("sim", seed=8)
+    xs = [np.full(600, i, np.float32) for i in range(10)]  # 2400 bytes of a 4096-byte chunk
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096, checked=True) as pipe:
+        results = [fu.result() for fu in [pipe.submit(x) for x in xs]] if how == "submit" else list(pipe.map(xs))
+        assert pipe.scheduler.chunks_admitted == len(xs)
+    assert all(np.array_equal(r, expected(x)) for r, x in zip(results, xs))
+    assert rf.host.stats(device=dev).allocations == len(xs)

@@ -83,6 +83,35 @@ def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any
 # the CPU workers, which copy several at once (one thread copies at about a quarter of the host's
 # rate, and a large copy outweighs the round trip to a worker). See docs/design.md.
 STAGE_AT_ACCEPT_BYTES = 4 << 20
+_NO_ROOM = object()  # a map's shared item that must wait for capacity: nothing of it was accepted
+_SHARES = object()  # a map's pulled item that goes into a shared chunk
+
+
+class _Shared:
+    """An item a map put in a shared chunk: its future and its bytes (held by the map until it
+    hands the result out)."""
+
+    __slots__ = ("future", "nbytes")
+
+    def __init__(self, future: ChunkFuture, nbytes: int):
+        self.future, self.nbytes = future, nbytes
+
+    @property
+    def index(self) -> int:
+        return self.future.index
+
+    def ended(self) -> bool:
+        return self.future.done()
+
+    def outcome(self) -> tuple:
+        """``(state, value, error)`` of the ended item, as a chunk of its own has them."""
+        fut = self.future
+        if fut.cancelled():
+            return ChunkState.CANCELLED, None, None
+        error = concurrent.futures.Future.exception(fut, timeout=0)
+        if error is not None:
+            return ChunkState.FAILED, None, error
+        return ChunkState.DELIVERED, concurrent.futures.Future.result(fut, timeout=0), None
 
 
 def tree_layout(item: Any, chunk_bytes: int, where: str = "items") -> tuple:
@@ -178,8 +207,8 @@ class Pipeline:
     pool array of its own. An item whose compute fails, or that is cancelled, ends so alone; the
     others go on. When the pipeline keeps up, each chunk holds one item, as with
     ``coalesce=False``; at most 64 items share one. It applies with no ``consume``, ``output``,
-    ``prepare`` or ``fill``, results delivered on the host, and to items of up to 4 MiB that
-    are not already pool arrays; ``map`` gives each item a chunk of its own.
+    ``prepare`` or ``fill``, results delivered on the host, and to arrays of up to 4 MiB and
+    half a chunk (for ``map``, those not already pinned pool arrays, which it reads in place).
 
     ``slots`` (None: derived by :mod:`ringflow._plan`; an int for every ring; or a
     :class:`SlotCounts`) and ``chunk_bytes`` (the slot size) bound pinned memory at
@@ -187,7 +216,8 @@ class Pipeline:
     slots shrink to fit it, explicit ones that do not fit are refused. At most ``max_in_flight`` accepted
     chunks are unfinished (including results a ``map`` has not handed out yet; items sharing a
     chunk count once); ``submit`` blocks while that many are, and ``map`` pulls input only as
-    capacity frees up.
+    capacity frees up (and holds at most ``max_in_flight * chunk_bytes`` of items sharing chunks
+    that it has not handed out).
     """
 
     def __new__(cls, *args: Any, device: Any = None, **kwargs: Any):
@@ -479,16 +509,22 @@ class Pipeline:
 
     def _shares_chunk(self, item: Any) -> bool:
         """Whether ``submit`` puts ``item`` in a chunk other items may share: a plain array small
-        enough to stage. A pool array of that size shares too: copying it costs the submitting
-        thread less than a chunk of its own costs the progress thread (docs/design.md, "Items
-        sharing a chunk")."""
-        return self._coalesce and type(item) is np.ndarray and 0 < item.nbytes <= STAGE_AT_ACCEPT_BYTES
+        enough to stage, and to leave room for others (at most half a chunk: a larger one goes
+        alone, its staged copy carrying its result back, where sharing would take a result array
+        and a chunk's block for it). A pool array of that size shares too: copying it costs the
+        submitting thread less than a chunk of its own costs the progress thread (docs/design.md,
+        "Items sharing a chunk")."""
+        return (self._coalesce and type(item) is np.ndarray
+                and 0 < item.nbytes <= min(STAGE_AT_ACCEPT_BYTES, self.config.chunk_bytes // 2))
 
-    def _submit_shared(self, item: np.ndarray, timeout: Optional[float]) -> Optional[ChunkFuture]:
+    def _submit_shared(self, item: np.ndarray, timeout: Optional[float],
+                       wait: bool = True) -> "ChunkFuture | None | object":
         """``submit`` of an item that may share a chunk: a pinned pool array for its result, a
         place in the chunk still taking items (or a new one, staged in a pool array of a slot's
         size), then the item copied there on this thread, outside the lock. Returns the item's
-        future, or None where the pool has no room (the item then goes alone)."""
+        future, or None where the pool has no room (the item then goes alone), or, with ``wait``
+        False, :data:`_NO_ROOM` where the item would have to wait for capacity (or the pipeline
+        takes no more work): nothing of it was accepted."""
         d, s = self._driver, self._sched
         nbytes, shape, dtype = item.nbytes, item.shape, item.dtype
         result = self._pool.take(shape, dtype)  # the item's own pinned result, taken outside the lock
@@ -504,6 +540,8 @@ class Pipeline:
                 with d.cv:
                     place = s.join_open_batch(d, result, claim)  # another thread may have opened one
                     if place is None:
+                        if not wait and not s.has_capacity():
+                            return _NO_ROOM
                         self._wait_for_capacity(timeout)
                         place = s.join_open_batch(d, result, claim) or s.open_new_batch(d, batch, result, claim)
             chunk, member = place
@@ -569,16 +607,22 @@ class Pipeline:
         self._check_open()  # again: the pipeline may have closed before the first next()
         d, s = self._driver, self._sched
         source = iter(items)
-        pending: collections.OrderedDict[int, Chunk] = collections.OrderedDict()
+        # this map's accepted items in input order, by index: a chunk of its own, or an item
+        # sharing a chunk (_Shared: its future)
+        pending: collections.OrderedDict[int, Any] = collections.OrderedDict()
         exhausted = started = False
-        carried: list = []  # an item pulled while another thread took the room it was pulled for
+        carried: list = []  # an item pulled but not yet accepted: (item, what _accepting made, or _SHARES)
+        # items sharing chunks hold no capacity once their chunk ended: the bytes of those this
+        # map accepted and has not handed out are bounded instead, by what max_in_flight chunks hold
+        held, held_limit = 0, self.config.max_in_flight * self.config.chunk_bytes
         try:
             while True:
+                needs_room = True  # False: the next item waits for results to be handed out, not for capacity
                 # take input while there is room (outside the lock: the caller's iterator is user code)
                 while not exhausted or carried:
                     if not carried:
                         with d.cv:
-                            room = s.has_capacity()
+                            room = s.has_capacity() or s.open_batch is not None
                         if not room:
                             break
                         try:
@@ -587,38 +631,64 @@ class Pipeline:
                             exhausted = True
                             break
                         item = self._check_item_or_settle(item)
-                        try:
+                        if self._map_shares(item):
+                            carried.append((item, _SHARES))
+                        else:
+                            try:
+                                carried.append((item, self._accepting(item)))
+                            except (TypeError, ValueError):  # a bad output spec for this item
+                                self._settle_after_error()
+                                raise
+                    item, accepting = carried[-1]
+                    if accepting is _SHARES:
+                        if held and held + item.nbytes > held_limit:
+                            # (chunks end in the order they were admitted, so the results held
+                            # include the map's next: it need not wait for capacity, nor spin on it)
+                            needs_room = False
+                            break
+                        fut = self._submit_shared(item, None, wait=False)
+                        if fut is _NO_ROOM:
+                            break
+                        carried.pop()
+                        if fut is None:  # the pool has no room for a shared chunk: the item goes alone
                             carried.append((item, self._accepting(item)))
-                        except (TypeError, ValueError):  # a bad output spec for this item
-                            self._settle_after_error()
-                            raise
+                            continue
+                        pending[fut.index] = _Shared(fut, item.nbytes)
+                        held += item.nbytes
+                        started = True
+                        continue
                     with d.cv:
                         if not s.accepting or not s.has_capacity():
                             break
-                        item, accepting = carried.pop()
+                        carried.pop()
                         chunk = s.accept(item, d, in_map=True, **accepting)
                         pending[chunk.index] = chunk
                         started = True
                         d.notify()
                 with d.cv:
-                    chunk = self._next_ready(pending)
-                    if chunk is None:
-                        outcome = self._map_wait(pending, exhausted and not carried, started)
+                    entry = self._next_ready(pending)
+                    if entry is None:
+                        outcome = self._map_wait(pending, needs_room and (not exhausted or bool(carried)), started)
                         if outcome == "stop":
                             return
                         continue
-                    del pending[chunk.index]
-                    s.unclaimed -= 1
-                    broke = s.broken is not None and chunk.error is s.broken
-                self.device.observe(chunk.future.token)
-                if chunk.state is ChunkState.DELIVERED:
-                    yield chunk.value
-                elif chunk.state is ChunkState.FAILED:
-                    # with "continue" a chunk's own StageError is skipped even once the device
-                    # broke; a chunk the broken device ended raises that device error
+                    del pending[entry.index]
+                    if type(entry) is _Shared:
+                        held -= entry.nbytes
+                        state, value, error = entry.outcome()
+                    else:
+                        s.unclaimed -= 1
+                        state, value, error = entry.state, entry.value, entry.error
+                    broke = s.broken is not None and error is s.broken
+                self.device.observe(entry.future.token)
+                if state is ChunkState.DELIVERED:
+                    yield value
+                elif state is ChunkState.FAILED:
+                    # with "continue" an item's own StageError is skipped even once the device
+                    # broke; an item the broken device ended raises that device error
                     if self.config.on_error == "raise" or broke:
                         self._settle_after_error()
-                        raise chunk.error
+                        raise error
                 else:  # cancelled: the pipeline was cancelled (or failed) under this map
                     self._settle_after_error()
                     if s.first_error is not None and self.config.on_error == "raise":
@@ -626,10 +696,17 @@ class Pipeline:
                     return
         finally:
             with d.cv:
-                for chunk in pending.values():  # the caller stopped early: stop tracking these
-                    chunk.in_map = False
-                    if chunk.state.final:
-                        s.unclaimed -= 1
+                for entry in pending.values():  # the caller stopped early: stop tracking these
+                    if type(entry) is not _Shared:
+                        entry.in_map = False
+                        if entry.state.final:
+                            s.unclaimed -= 1
+
+    def _map_shares(self, item: Any) -> bool:
+        """Whether ``map`` puts ``item`` in a chunk other items may share: one :meth:`submit`
+        would share that is not pinned already (a pool array is read in place: copying it into a
+        shared chunk would add a copy, where a plain array is copied into pinned memory anyway)."""
+        return self._shares_chunk(item) and host_pool.buffer_behind(item, self.device) is None
 
     def _check_item_or_settle(self, item: Any) -> Any:
         try:
@@ -638,11 +715,11 @@ class Pipeline:
             self._settle_after_error()
             raise
 
-    def _map_wait(self, pending, exhausted: bool, started: bool) -> Optional[str]:
-        """Wait (lock held) for the next result of a map, or for room to take more input; "stop"
-        when nothing more can come."""
+    def _map_wait(self, pending, needs_room: bool, started: bool) -> Optional[str]:
+        """Wait (lock held) for the next result of a map, or, where ``needs_room`` (input is
+        left that waits for capacity), for room to take more; "stop" when nothing more can come."""
         d, s = self._driver, self._sched
-        if not pending and exhausted:
+        if not pending and not needs_room:
             return "stop"
         if not pending and not s.accepting:
             # input is left but the pipeline takes no more (cancelled, closed, stopped by an
@@ -659,7 +736,7 @@ class Pipeline:
         # also stop waiting if the pipeline stops taking work meanwhile (a failure, a broken
         # device) while nothing of this map is pending: no capacity would ever come
         d.wait_for(lambda: self._next_ready(pending) is not None
-                   or (not exhausted and (s.has_capacity() or (not pending and not s.accepting))), None,
+                   or (needs_room and (s.has_capacity() or (not pending and not s.accepting))), None,
                    "the next result")
         if self._next_ready(pending) is not None:
             self._stall("stall: consumer", "consumer waiting for data", t0)
@@ -667,15 +744,17 @@ class Pipeline:
             self._stall("stall: producer", "producer blocked by backpressure", t0)
         return None
 
-    def _next_ready(self, pending: "collections.OrderedDict[int, Chunk]") -> Optional[Chunk]:
+    def _next_ready(self, pending: "collections.OrderedDict[int, Any]") -> "Chunk | _Shared | None":
+        """The map's next entry to hand out (lock held): its first, or with ``ordered=False`` any,
+        that has ended; None if there is none yet."""
         if not pending:
             return None
         if self.config.ordered:
             head = next(iter(pending.values()))
-            return head if head.state.final else None
-        for chunk in pending.values():
-            if chunk.state.final:
-                return chunk
+            return head if head.ended() else None
+        for entry in pending.values():
+            if entry.ended():
+                return entry
         return None
 
     def _stall(self, track: str, name: str, start: float) -> None:

@@ -198,6 +198,9 @@ class Chunk:
     copying: set = dataclasses.field(default_factory=set)  # members whose copy in is being made
     tokens: Optional[list] = None
 
+    def ended(self) -> bool:
+        return self.state.final
+
     def move(self, new: ChunkState) -> None:
         if (self.state, new) not in LEGAL_CHUNK_TRANSITIONS:
             check_chunk_transition(self.index, self.state, new)  # raises IllegalTransition
