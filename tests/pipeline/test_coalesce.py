@@ -190,6 +190,39 @@ def test_joining_a_shared_chunk_and_ending_its_copy_need_not_wait_for_a_step():
         assert pipe.scheduler.chunks_admitted == 2  # the warm-up's and the one a and b share
 
 
+def test_openers_on_many_threads_never_take_more_than_max_in_flight_chunks():
+    """Threads opening shared chunks while the driver admits and ends chunks: the chunks
+    accepted and unfinished never exceed ``max_in_flight`` as an opener registers its chunk (an
+    opener that did not wait for capacity lets several more in)."""
+    dev = rf.device("sim", seed=12, chaos=True)
+    xs = items(240, seed=12, max_elems=3000)
+    peak = [0]
+    with rf.Pipeline(f, device=dev, chunk_bytes=1 << 14, max_in_flight=3, checked=True) as pipe:
+        s = pipe.scheduler
+        real = s.open_new_batch
+
+        def watched(*args):
+            place = real(*args)
+            with s.batch_lock:
+                peak[0] = max(peak[0], len(s.chunks) + len(s.inbox) + s.unclaimed)
+            return place
+
+        s.open_new_batch = watched
+        out: dict = {}
+
+        def submitter(k):
+            out[k] = [(pipe.submit(x), x) for x in xs[k::6]]
+
+        threads = [threading.Thread(target=submitter, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        results = [(fu.result(), x) for k in range(6) for fu, x in out[k]]
+    assert len(results) == len(xs) and all(np.array_equal(r, expected(x)) for r, x in results)
+    assert 0 < peak[0] <= 3
+
+
 def test_an_interrupt_while_an_item_is_copied_into_a_shared_chunk_accepts_nothing():
     dev = rf.device("sim", seed=3)
     x0 = np.ones(100, np.float32)

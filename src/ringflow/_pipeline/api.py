@@ -621,9 +621,10 @@ class Pipeline:
                 # take input while there is room (outside the lock: the caller's iterator is user code)
                 while not exhausted or carried:
                     if not carried:
-                        with d.cv:
-                            room = s.has_capacity() or s.open_batch is not None
-                        if not room:
+                        # read without the driver's lock, which the progress thread holds for a
+                        # whole step: the look only decides whether to pull input, and the
+                        # accepting call below decides again under its lock
+                        if not (s.has_capacity() or s.open_batch is not None):
                             break
                         try:
                             item = next(source)
@@ -665,21 +666,28 @@ class Pipeline:
                         pending[chunk.index] = chunk
                         started = True
                         d.notify()
-                with d.cv:
-                    entry = self._next_ready(pending)
-                    if entry is None:
-                        outcome = self._map_wait(pending, needs_room and (not exhausted or bool(carried)), started)
-                        if outcome == "stop":
-                            return
-                        continue
+                entry = self._next_ready(pending)
+                if type(entry) is _Shared:  # ended: nothing of the scheduler's to change, no lock
                     del pending[entry.index]
-                    if type(entry) is _Shared:
-                        held -= entry.nbytes
-                        state, value, error = entry.outcome()
-                    else:
-                        s.unclaimed -= 1
-                        state, value, error = entry.state, entry.value, entry.error
-                    broke = s.broken is not None and error is s.broken
+                    held -= entry.nbytes
+                    state, value, error = entry.outcome()
+                else:
+                    with d.cv:
+                        entry = self._next_ready(pending)
+                        if entry is None:
+                            outcome = self._map_wait(pending, needs_room and (not exhausted or bool(carried)),
+                                                     started)
+                            if outcome == "stop":
+                                return
+                            continue
+                        del pending[entry.index]
+                        if type(entry) is _Shared:
+                            held -= entry.nbytes
+                            state, value, error = entry.outcome()
+                        else:
+                            s.unclaimed -= 1
+                            state, value, error = entry.state, entry.value, entry.error
+                broke = s.broken is not None and error is s.broken
                 self.device.observe(entry.future.token)
                 if state is ChunkState.DELIVERED:
                     yield value
