@@ -39,7 +39,7 @@ from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, len
 from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_into, packed
 from .like import converter
 from .validate import as_host_array, check_choice, check_flag, check_options, check_output_spec, check_timeout
-from .scheduler import AdmissionFull, Scheduler
+from .scheduler import Scheduler
 from .slot_array import in_slot, run_offering
 from .states import ChunkState
 from .stats import PipelineStats
@@ -494,21 +494,10 @@ class Pipeline:
         accepting = self._accepting(item)
         d, s = self._driver, self._sched
         with d.cv:
-            chunk = self._when_room(timeout, lambda: s.accept(item, d, **accepting))
+            self._wait_for_capacity(timeout)
+            chunk = s.accept(item, d, **accepting)
             d.notify()
         return chunk.future
-
-    def _when_room(self, timeout: Optional[float], take: Callable[[], Any]) -> Any:
-        """Lock held: wait for capacity, then ``take()`` (an accept) and return its value. A thread
-        opening a shared chunk under the batch lock alone may take the room between the two: then
-        wait again, within the same ``timeout``."""
-        deadline = self._driver.deadline_of(timeout)
-        while True:
-            self._wait_for_capacity(None if deadline is None else max(0.0, deadline - self.device.now))
-            try:
-                return take()
-            except AdmissionFull:
-                continue
 
     def _wait_for_capacity(self, timeout: Optional[float]) -> None:
         """Lock held: wait until the pipeline has room for another chunk (or takes no more)."""
@@ -543,20 +532,18 @@ class Pipeline:
             return None
         claim: list = []  # (chunk, member) once the scheduler starts registering the item
         try:
-            # both under the scheduler's batch lock, not the driver's, which the progress thread
-            # holds for a whole step
-            place = s.join_open_batch(d, result, claim)
+            place = s.join_open_batch(d, result, claim)  # under the scheduler's batch lock, not the driver's
             if place is None:
                 batch = self._pool.take((self.config.chunk_bytes,), np.dtype(np.uint8))
                 if batch is None:
                     return None
-                place = s.open_batch_if_room(d, batch, result, claim)  # another thread may have opened one
-                if place is None:  # full (or taking no more work): wait for capacity as any chunk does
-                    if not wait:
-                        return _NO_ROOM
-                    with d.cv:
-                        place = self._when_room(timeout, lambda: s.open_batch_if_room(d, batch, result, claim)
-                                                or s.open_new_batch(d, batch, result, claim))
+                with d.cv:
+                    place = s.join_open_batch(d, result, claim)  # another thread may have opened one
+                    if place is None:
+                        if not wait and not s.has_capacity():
+                            return _NO_ROOM
+                        self._wait_for_capacity(timeout)
+                        place = s.join_open_batch(d, result, claim) or s.open_new_batch(d, batch, result, claim)
             chunk, member = place
             # the chunk's block may have been handed out on the thread that opened the chunk, and
             # the item may be a pool array from another thread or hold a result a d2h wrote: this
@@ -674,11 +661,8 @@ class Pipeline:
                     with d.cv:
                         if not s.accepting or not s.has_capacity():
                             break
-                        try:
-                            chunk = s.accept(item, d, in_map=True, **accepting)
-                        except AdmissionFull:  # taken by a thread opening a shared chunk meanwhile
-                            break
                         carried.pop()
+                        chunk = s.accept(item, d, in_map=True, **accepting)
                         pending[chunk.index] = chunk
                         started = True
                         d.notify()
@@ -819,13 +803,9 @@ class Pipeline:
             accepting = self._accepting(item)
             with d.cv:
                 if s.has_capacity():
-                    try:
-                        chunk = s.accept(item, d, **accepting)
-                    except AdmissionFull:  # taken by a thread opening a shared chunk meanwhile
-                        chunk = None
-                    if chunk is not None:
-                        d.notify()
-                        return chunk.future
+                    chunk = s.accept(item, d, **accepting)
+                    d.notify()
+                    return chunk.future
         # no room: wait on the loop's executor. A cancelled await cannot stop a submit already
         # running there, so the item it accepts after the awaiting task gave up is cancelled
         lock, state = threading.Lock(), {"abandoned": False, "future": None}

@@ -82,12 +82,6 @@ Consume = Callable[[int, Any, np.ndarray], Any]  # (index, item, read-only typed
 SourceOf = Callable[[Any], Optional[tuple]]
 
 
-class AdmissionFull(RuntimeError):
-    """Raised by :meth:`Scheduler.accept` and :meth:`Scheduler.open_new_batch` when the pipeline is
-    full: a thread that saw capacity under the driver's lock may find it taken by one opening a
-    shared chunk under the batch lock alone, and waits again."""
-
-
 class Scheduler:
     def __init__(self, device: Device, compute: Callable, prepare: Prepare, consume: Optional[Consume],
                  config: PipelineConfig, *, item_nbytes: Callable[[Any], int] = lambda item: 0,
@@ -292,10 +286,9 @@ class Scheduler:
         if staged_at is not None:  # its prepare was the copy the accepting thread just made
             chunk.stamps["accepted"] = staged_at[0]
             chunk.stamps["prepare"] = list(staged_at)
-        with self.batch_lock:  # the held count may change only under it (see "Opening a shared chunk")
-            self._check_accepting()
+        with self.batch_lock:
             self.open_batch = None  # items accepted later go after this one: none joins a chunk before it
-            self.inbox.append(chunk)
+        self.inbox.append(chunk)
         return chunk
 
     # -- items sharing a chunk -------------------------------------------------------------------
@@ -310,37 +303,13 @@ class Scheduler:
         :meth:`member_written` whatever happens (see "Ctrl-C in a shared submit" in
         docs/design.md)."""
         with self.batch_lock:
-            # (not ``return`` of the call: a Ctrl-C between the call and the lock's release
-            # would leave the lock held)
-            place = self._join_locked(driver, result, claim)
-        return place
-
-    def _join_locked(self, driver: Any, result: np.ndarray, claim: list) -> Optional[tuple]:
-        chunk = self.open_batch
-        if chunk is None or not self.accepting or self.broken is not None or len(chunk.members) >= MAX_MEMBERS:
-            return None
-        offset = -(-chunk.used // MEMBER_ALIGN) * MEMBER_ALIGN
-        if offset + result.nbytes > chunk.batch.nbytes:
-            return None
-        return chunk, self._add_member(chunk, driver, offset, result, claim)
-
-    def open_batch_if_room(self, driver: Any, batch: np.ndarray, result: np.ndarray, claim: list) -> Optional[tuple]:
-        """Room for an item (as :meth:`join_open_batch`) in the chunk still taking items, else in a
-        new chunk staged in ``batch`` where the pipeline has capacity for one, all under the batch
-        lock alone (any thread, the driver's lock held or not: see "Opening a shared chunk" in
-        docs/design.md). Returns ``(chunk, member)``, or None: the pipeline is full, takes no
-        more work or its device is broken."""
-        with self.batch_lock:
-            place = self._join_locked(driver, result, claim)
-            if place is not None or not self.has_capacity() or self.broken is not None:
-                return place
-            index = next(self._indices)
-            chunk = Chunk(index, None, ChunkFuture(driver, index), members=[], batch=batch, tokens=[])
-            chunk.stamps["accepted"] = self.device.now
-            member = self._add_member(chunk, driver, 0, result, claim, index=index)
-            self.inbox.append(chunk)
-            self.open_batch = chunk
-            return chunk, member
+            chunk = self.open_batch
+            if chunk is None or not self.accepting or self.broken is not None or len(chunk.members) >= MAX_MEMBERS:
+                return None
+            offset = -(-chunk.used // MEMBER_ALIGN) * MEMBER_ALIGN
+            if offset + result.nbytes > chunk.batch.nbytes:
+                return None
+            return chunk, self._add_member(chunk, driver, offset, result, claim)
 
     def open_new_batch(self, driver: Any, batch: np.ndarray, result: np.ndarray, claim: list) -> tuple:
         """A new chunk whose input is staged in the pinned pool array ``batch`` (uint8, a slot's
@@ -357,7 +326,6 @@ class Scheduler:
         chunk = Chunk(index, None, ChunkFuture(driver, index), members=[], batch=batch, tokens=[])
         chunk.stamps["accepted"] = self.device.now
         with self.batch_lock:
-            self._check_accepting()
             member = self._add_member(chunk, driver, 0, result, claim, index=index)
             self.inbox.append(chunk)
             self.open_batch = chunk
@@ -427,7 +395,7 @@ class Scheduler:
             raise RuntimeError("the pipeline no longer accepts work (it was closed or cancelled); "
                                "create a new Pipeline")
         if not self.has_capacity():
-            raise AdmissionFull("admission is full; wait for capacity before accepting")
+            raise RuntimeError("admission is full; wait for capacity before accepting")
 
     def _admit(self) -> bool:
         """Take the inbox's chunks in (driving thread). A chunk taking items waits there while a
@@ -439,26 +407,21 @@ class Scheduler:
         while inbox:
             chunk = inbox[0]
             members = chunk.members
-            # the held count (chunks, inbox, unclaimed) changes only under the batch lock, whole,
-            # so a thread opening a shared chunk may read it there (see "Opening a shared chunk")
-            with self.batch_lock:
-                if members is not None:  # no item joins it, and no copy into it is being made, from here on
+            if members is not None:
+                with self.batch_lock:  # no item joins it, and no copy into it is being made, from here on
                     if chunk.copying and "admit.after_copies" not in self._guard_off:
                         break
                     if chunk is self.open_batch:
                         if self._accepted_q and self.accepting and not self._cancel_admitted:
                             break
                         self.open_batch = None
-                inbox.popleft()
-                self.chunks[chunk.index] = chunk  # (one cancelled before admission leaves again below)
+            inbox.popleft()
             self.chunks_admitted += 1
             if members is not None:
                 for token in chunk.tokens:
                     self.device.observe(token)
                 chunk.tokens = None
                 if not members:  # every item's copy failed: nothing of it was accepted
-                    with self.batch_lock:
-                        del self.chunks[chunk.index]
                     self._finish(chunk)
                     continue
                 chunk.staged = chunk.batch[:chunk.used]
@@ -471,8 +434,6 @@ class Scheduler:
                 self.counts["accepted"] += 1
                 cancelled = self._cancel_admitted or chunk.future.done()
             if cancelled:  # cancelled by its caller (every item of it) before it was admitted
-                with self.batch_lock:
-                    del self.chunks[chunk.index]
                 chunk.move(ChunkState.CANCELLED)
                 if members is None:
                     self.counts["cancelled"] += 1
@@ -483,6 +444,7 @@ class Scheduler:
                 self.version += 1
                 self._finish(chunk)
                 continue
+            self.chunks[chunk.index] = chunk
             if self.broken is not None:  # accepted before the device broke: nothing can run it
                 chunk.error = self.broken
                 self._end(chunk, ChunkState.FAILED)
@@ -1164,13 +1126,12 @@ class Scheduler:
     def _end(self, chunk: Chunk, final: ChunkState) -> None:
         chunk.move(final)
         chunk.stamps["ended"] = self.device.now
-        with self.batch_lock:  # the held count stays whole for threads that read it under this lock
-            del self.chunks[chunk.index]
-            if chunk.in_map:
-                self.unclaimed += 1  # a map() hands it out; it holds capacity until then
+        del self.chunks[chunk.index]
         if chunk.members is None:
             self.counts[final.value] += 1
         self.version += 1
+        if chunk.in_map:
+            self.unclaimed += 1  # a map() hands it out; it holds capacity until then
         if self._on_chunk_end is not None:
             self._on_chunk_end(chunk)
         fut = chunk.future
@@ -1239,14 +1200,12 @@ class Scheduler:
 
     def stop_admission(self) -> None:
         """Take no more work; what was accepted (the inbox too) still runs to its end."""
-        with self.batch_lock:  # a thread opening a shared chunk under it sees this, or opened first
-            self.accepting = False
+        self.accepting = False
         self.version += 1
 
     def cancel_pending(self) -> None:
         """Stop admission; end not-yet-enqueued chunks CANCELLED at once; drain the rest."""
-        with self.batch_lock:
-            self.accepting = False
+        self.accepting = False
         self.version += 1
         try:
             self._cancel_pending()
@@ -1318,9 +1277,8 @@ class Scheduler:
 
     def break_on(self, err: DeviceError) -> None:
         """A sticky device error: nothing on the device will complete; end everything FAILED."""
-        with self.batch_lock:
-            self.broken = err
-            self.accepting = False
+        self.broken = err
+        self.accepting = False
         for chunk in sorted(self.chunks.values(), key=lambda c: c.index):
             if chunk.state is ChunkState.DRAINING:
                 continue  # already failing (its own StageError) or cancelled: it keeps that ending
