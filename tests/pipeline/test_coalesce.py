@@ -345,7 +345,8 @@ def test_submitting_threads_share_chunks_with_the_checker_on():
 class CoalescingMachine(RuleBasedStateMachine):
     """Submits (from this thread and from bursts of other threads; plain arrays and pool arrays,
     which share chunks too, made on this thread and sent in from others; results sent in again
-    from another thread), failing items, cancels, waits and a close, on a checked pipeline whose
+    from another thread), maps on another thread beside submits, failing items, cancels, waits
+    and a close, on a checked pipeline whose
     items share chunks; after every step the counts add up, and every settled future holds its
     own item's result or error. The simulated GPU checks every host copy into or out of pool
     memory, so a hand-off between threads the pipeline does not order is a HazardError."""
@@ -357,6 +358,7 @@ class CoalescingMachine(RuleBasedStateMachine):
                                 on_error="continue", max_in_flight=6)
         self.sticky = False
         self.futs: list = []  # (future, item, marked to fail, cancelled by us)
+        self.mapped = 0  # items accepted by maps (their results checked where the map ran)
         self.closed = False
         self.lock = threading.Lock()
 
@@ -401,6 +403,43 @@ class CoalescingMachine(RuleBasedStateMachine):
             t.start()
         for t in ts:
             t.join()
+
+    @precondition(lambda self: not self.closed)
+    @rule(sizes=st.lists(st.integers(1, 1500), min_size=1, max_size=16),
+          fails=st.lists(st.sampled_from([None, None, None, "error", "interrupt"]), min_size=16, max_size=16),
+          beside=st.lists(st.integers(1, 1500), max_size=6))
+    def map_on_a_thread(self, sizes, fails, beside):
+        """A map (its items sharing chunks) on another thread while this one submits: its failed
+        items skipped (``on_error="continue"``), every other result its own item's, in order."""
+        made = [self._item(n, fail) for n, fail in zip(sizes, fails)]
+        got, box = [], {}
+        before = self.pipe.stats().accepted
+
+        def go():
+            try:
+                got.extend(self.pipe.map(made))
+            except rf.DeviceError as exc:
+                box["error"] = exc
+
+        t = threading.Thread(target=go)
+        t.start()
+        submitted = 0
+        for n in beside:
+            x = self._item(n, None)
+            try:
+                fut = self.pipe.submit(x)
+            except rf.DeviceError:
+                break
+            with self.lock:
+                self.futs.append([fut, x, None, False])
+            submitted += 1
+        t.join()
+        self.mapped += self.pipe.stats().accepted - before - submitted
+        want = [expected(x) for x, fail in zip(made, fails) if fail is None]
+        if "error" in box:
+            assert self.sticky
+            want = want[:len(got)]
+        assert len(got) == len(want) and all(np.array_equal(r, w) for r, w in zip(got, want))
 
     @precondition(lambda self: not self.closed and any(e[0].done() and not e[2] and not e[3] for e in self.futs))
     @rule(data=st.data())
@@ -462,7 +501,7 @@ class CoalescingMachine(RuleBasedStateMachine):
     @invariant()
     def counts_add_up_and_results_are_their_own(self):
         s = self.pipe.stats()
-        assert s.accepted == len(self.futs)
+        assert s.accepted == len(self.futs) + self.mapped
         assert s.accepted == s.delivered + s.failed + s.cancelled + s.in_flight
         for fut, x, fail, cancelled in self.futs:
             if not fut.done():
