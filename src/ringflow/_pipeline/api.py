@@ -753,8 +753,9 @@ class Pipeline:
         return None
 
     def _next_ready(self, pending: "collections.OrderedDict[int, Any]") -> "Chunk | _Shared | None":
-        """The map's next entry to hand out (lock held): its first, or with ``ordered=False`` any,
-        that has ended; None if there is none yet."""
+        """The map's next entry to hand out: its first, or with ``ordered=False`` any, that has
+        ended; None if there is none yet. An entry that has ended stays so, so this may look
+        without the driver's lock; a chunk's hand-out then looks again under it."""
         if not pending:
             return None
         if self.config.ordered:
