@@ -441,13 +441,15 @@ class CoalescingMachine(RuleBasedStateMachine):
             want = want[:len(got)]
         assert len(got) == len(want) and all(np.array_equal(r, w) for r, w in zip(got, want))
 
-    @precondition(lambda self: not self.closed and any(e[0].done() and not e[2] and not e[3] for e in self.futs))
+    @precondition(lambda self: not self.closed and self.futs)
     @rule(data=st.data())
     def resubmit_a_result(self, data):
-        """A result (a pool array a d2h wrote) sent in again from another thread, and dropped there."""
-        done = [e for e in self.futs if e[0].done() and not e[2] and not e[3]]
-        fut = data.draw(st.sampled_from(done))[0]
-        if fut.cancelled() or fut.exception() is not None:
+        """A result (a pool array a d2h wrote) sent in again from another thread, and dropped there.
+        (Drawn among all the futures, then waited for: which have ended by now depends on the
+        threads' timing, and a draw that depended on it would make hypothesis's replays differ.)"""
+        fut, _, fail, cancelled = data.draw(st.sampled_from(self.futs))
+        concurrent.futures.wait([fut], timeout=60)
+        if fail or cancelled or fut.cancelled() or fut.exception() is not None:
             return
         x = fut.result()
         box = {}
