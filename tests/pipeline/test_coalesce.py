@@ -372,16 +372,21 @@ class CoalescingMachine(RuleBasedStateMachine):
             return a
         return x
 
-    @precondition(lambda self: not self.closed)
-    @rule(n=st.integers(1, 2000), fail=st.sampled_from([None, None, "error", "interrupt"]), pooled=st.booleans())
-    def submit(self, n, fail, pooled):
-        x = self._item(n, fail, pooled)
+    def _send(self, x, fail=None) -> bool:
+        """Submit ``x`` (from any thread) and track its future; False once the device broke."""
         try:
             fut = self.pipe.submit(x)
         except rf.DeviceError:
             assert self.sticky  # the device broke: submit says so
-            return
-        self.futs.append([fut, x, fail, False])
+            return False
+        with self.lock:
+            self.futs.append([fut, x, fail, False])
+        return True
+
+    @precondition(lambda self: not self.closed)
+    @rule(n=st.integers(1, 2000), fail=st.sampled_from([None, None, "error", "interrupt"]), pooled=st.booleans())
+    def submit(self, n, fail, pooled):
+        self._send(self._item(n, fail, pooled), fail)
 
     @precondition(lambda self: not self.closed)
     @rule(sizes=st.lists(st.integers(1, 1500), min_size=1, max_size=12), threads=st.integers(2, 4),
@@ -391,12 +396,8 @@ class CoalescingMachine(RuleBasedStateMachine):
 
         def go(k):
             for x in made[k::threads]:
-                try:
-                    fut = self.pipe.submit(x)
-                except rf.DeviceError:
+                if not self._send(x):
                     return
-                with self.lock:
-                    self.futs.append([fut, x, None, False])
 
         ts = [threading.Thread(target=go, args=(k,)) for k in range(threads)]
         for t in ts:
@@ -425,13 +426,8 @@ class CoalescingMachine(RuleBasedStateMachine):
         t.start()
         submitted = 0
         for n in beside:
-            x = self._item(n, None)
-            try:
-                fut = self.pipe.submit(x)
-            except rf.DeviceError:
+            if not self._send(self._item(n, None)):
                 break
-            with self.lock:
-                self.futs.append([fut, x, None, False])
             submitted += 1
         t.join()
         self.mapped += self.pipe.stats().accepted - before - submitted
