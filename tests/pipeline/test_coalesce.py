@@ -1,7 +1,8 @@
 """Items sharing a chunk (``coalesce=True``, the default for ``submit`` of plain arrays): items
 submitted while the pipeline is busy are copied into one pinned chunk and go through the
 scheduler as one (one set of slots, events and stage changes, one copy in), each computed by a
-launch of its own on its part of the slots and copied back into a pinned pool array of its own.
+launch of its own on its part of the slots, and copied back, with one copy a chunk, over its
+input in the chunk's pinned block, whose bytes are then its result.
 Every test checks results bit for bit; the hazard checker runs in checked mode."""
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ def test_items_submitted_while_busy_share_chunks_and_each_gets_its_own_result():
         stats = pipe.stats()
     assert all(np.array_equal(r, expected(x)) and r.shape == x.shape for r, x in zip(results, xs))
     assert pipe.scheduler.chunks_admitted < len(xs) // 4  # shared: far fewer chunks than items
-    assert len({id(host_pool.owner_of(r)) for r in results}) == len(xs)  # each result an array of its own
+    # each result its own bytes of a few pinned slabs, written back over its chunk's inputs
+    spans = sorted((id(w.buffer), w.offset, w.offset + w.nbytes) for w in map(host_pool.slice_behind, results))
+    assert all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:]))
+    assert len({span[0] for span in spans}) <= pipe.scheduler.chunks_admitted // 4 + 1
     assert (stats.accepted, stats.delivered, stats.in_flight) == (200, 200, 0)
 
 
@@ -248,6 +252,43 @@ def test_an_interrupt_while_an_item_is_copied_into_a_shared_chunk_accepts_nothin
         del first, third
     gc.collect()
     assert rf.host.stats(device=dev).in_use_bytes == 0
+
+
+def test_an_item_taken_back_after_part_of_its_copy_hands_its_slab_on_after_that_write():
+    """A copy into a shared chunk writes part of the item, then Ctrl-C: the item (the chunk's
+    only one) is taken back on its thread, which then ends. The slab lives on (the space holds
+    it) and goes back to the pool later, on another thread; the next taker poisons it, which
+    must come after the interrupted write: the take-back leaves that thread's token on the slab
+    (without it the checker reports the poisoning write)."""
+    dev = rf.device("sim", seed=4, checked=True)
+    real = dev.host_copy
+
+    def half_then_interrupted(dst, src):
+        real(dst.reshape(-1)[:8], src.reshape(-1)[:8])
+        raise KeyboardInterrupt
+
+    pipe = rf.Pipeline(f, device=dev, chunk_bytes=1 << 12, checked=True)
+    raised = []
+
+    def submitter():
+        dev.host_copy = half_then_interrupted
+        try:
+            pipe.submit(np.ones(100, np.float32))
+        except KeyboardInterrupt:
+            raised.append(True)
+        finally:
+            dev.host_copy = real
+
+    t = threading.Thread(target=submitter)
+    t.start()
+    t.join(30)
+    assert raised and pipe.stats().accepted == 0
+    pipe.close()
+    gc.collect()
+    hits = rf.host.stats(device=dev).hits
+    again = rf.host.empty(4 << 12, np.uint8, device=dev)  # the slab, poisoned first
+    assert rf.host.stats(device=dev).hits == hits + 1
+    again[...] = 0
 
 
 SHARED_SUBMIT = ("submit", "_submit_shared", "join_open_batch", "open_new_batch", "_add_member", "member_written",
@@ -731,13 +772,15 @@ def test_a_map_stopped_early_and_maps_from_several_threads_share_chunks_and_leav
 
 
 @pytest.mark.parametrize("how", ["submit", "map"])
-def test_an_item_of_more_than_half_a_chunk_goes_alone_in_one_pinned_block(how):
-    """No other item could join it: alone, its staged copy carries its result back (one pinned
-    block an item), where a shared chunk would take a chunk's block and a result array."""
+def test_chunks_of_one_item_each_lie_packed_in_their_slab(how):
+    """Items of more than half a chunk (no two fit one) each get a chunk of their own, and each
+    chunk's part of the slab shrinks to its item once the next chunk opens: six 2560-byte parts
+    lie in a 16 KiB slab (four chunks' room), so ten kept results hold two slabs, not three."""
     dev = rf.device("sim", seed=8)
     xs = [np.full(600, i, np.float32) for i in range(10)]  # 2400 bytes of a 4096-byte chunk
     with rf.Pipeline(f, device=dev, chunk_bytes=4096, checked=True) as pipe:
         results = [fu.result() for fu in [pipe.submit(x) for x in xs]] if how == "submit" else list(pipe.map(xs))
         assert pipe.scheduler.chunks_admitted == len(xs)
+        assert pipe.scheduler.space.slab_bytes == 4 * 4096
     assert all(np.array_equal(r, expected(x)) for r, x in zip(results, xs))
-    assert rf.host.stats(device=dev).allocations == len(xs)
+    assert rf.host.stats(device=dev).allocations == 2

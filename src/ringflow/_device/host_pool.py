@@ -55,7 +55,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from .._errors import DeviceError
-from .protocol import Device, HostBuffer, LiveCounts, check_nbytes
+from .protocol import BufferSlice, Device, HostBuffer, LiveCounts, check_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -732,13 +732,20 @@ def buffer_behind(array: Any, device: Optional[Device] = None) -> Optional[HostB
     """The pinned buffer whose bytes ``array`` is, from the buffer's first byte (what a copy
     engine can use in place: ``buffer.holds(array)``), if ``array`` came from a host pool (of
     ``device``, when given); else None. No device work is checked or ordered by this query."""
-    if not isinstance(array, np.ndarray):
-        return None
-    owner = owner_of(array)
+    where = slice_behind(array, device)
+    return where.buffer if where is not None and where.offset == 0 else None
+
+
+def slice_behind(array: Any, device: Optional[Device] = None) -> Optional[BufferSlice]:
+    """The pinned bytes ``array`` is, at whatever offset in its block (a C-contiguous array or
+    view from a host pool, of ``device`` when given), which a copy engine can use in place; else
+    None. No device work is checked or ordered by this query."""
+    owner = owner_of(array) if isinstance(array, np.ndarray) else None
     if owner is None or (device is not None and owner.pool.device is not device):
         return None
     buffer = owner.block.buffer
-    return buffer if buffer.holds(array) else None
+    offset = buffer.offset_of(array)
+    return None if offset is None else BufferSlice(buffer, offset, array.nbytes)
 
 
 def receive(array: Any, device: Device) -> Optional[HostBuffer]:
@@ -750,12 +757,18 @@ def receive(array: Any, device: Device) -> Optional[HostBuffer]:
     another thread and passed it on by a lock, queue or join of its own, which the simulated
     GPU's checker cannot see; without these edges the device's next copy of it, or a checked
     host copy of it, would look unordered."""
+    where = receive_slice(array, device)
+    return where.buffer if where is not None and where.offset == 0 else None
+
+
+def receive_slice(array: Any, device: Device) -> Optional[BufferSlice]:
+    """:func:`receive`, for the array's bytes at whatever offset in its block
+    (:func:`slice_behind`)."""
     owner = owner_of(array) if isinstance(array, np.ndarray) else None
     if owner is None or owner.pool.device is not device:
         return None
     owner.pool._observe(owner.block)
-    buffer = owner.block.buffer
-    return buffer if buffer.holds(array) else None
+    return slice_behind(array)
 
 
 def device_of(array: Any) -> Optional[Device]:

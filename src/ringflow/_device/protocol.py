@@ -24,7 +24,7 @@ import dataclasses
 import math
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -282,10 +282,17 @@ class HostBuffer(Buffer):
     def holds(self, array: np.ndarray) -> bool:
         """Whether ``array``'s bytes are this buffer's, from its first byte (C-contiguous and no
         longer than the buffer). No device work is checked or ordered by this query."""
+        return self.offset_of(array) == 0
+
+    def offset_of(self, array: np.ndarray) -> Optional[int]:
+        """The byte offset in this buffer at which ``array``'s bytes start, where they are all
+        this buffer's and C-contiguous; else None. No device work is checked or ordered by this
+        query."""
         self._check_open()
-        mem = self._memory()
-        return (isinstance(array, np.ndarray) and array.flags.c_contiguous and array.nbytes <= self.nbytes
-                and array.__array_interface__["data"][0] == mem.__array_interface__["data"][0])
+        if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
+            return None
+        offset = array.__array_interface__["data"][0] - self._memory().__array_interface__["data"][0]
+        return offset if 0 <= offset and offset + array.nbytes <= self.nbytes else None
 
     @abc.abstractmethod
     def _memory(self) -> np.ndarray:

@@ -30,7 +30,7 @@ import numpy as np
 
 from .._device import device as make_device, device_list
 from .._device import host_pool
-from .._device.protocol import BufferSlice, Device
+from .._device.protocol import Device
 from .._errors import StageError
 from .chunk import Chunk, ChunkFuture
 from .driver import CallerDriver, ProgressThread, resolve
@@ -150,10 +150,10 @@ def output_tree(spec: Any, where: str) -> Any:
 def _pinned_source(device: Device, item: Any) -> Optional[tuple]:
     """Where an item is an array from ``device``'s host pool (:mod:`ringflow.host`), from its
     block's first byte: its bytes, shape and dtype, which the h2d reads in place; else None."""
-    buffer = host_pool.receive(item, device)
-    if buffer is None:
+    where = host_pool.receive_slice(item, device)
+    if where is None:
         return None
-    return BufferSlice(buffer, 0, item.nbytes), item.shape, item.dtype
+    return where, item.shape, item.dtype
 
 
 class Pipeline:
@@ -203,12 +203,14 @@ class Pipeline:
     taken in, or waiting for a slot) is copied into that chunk's pinned block (each item aligned
     to 256 bytes) instead of starting its own, so the chunk moves with one copy in and one set of
     slots, events and stage changes. ``compute`` still runs once per item, on that item's own
-    part of the slots, with its own shape and dtype; each item's result comes back into a pinned
-    pool array of its own. An item whose compute fails, or that is cancelled, ends so alone; the
-    others go on. When the pipeline keeps up, each chunk holds one item, as with
-    ``coalesce=False``; at most 64 items share one. It applies with no ``consume``, ``output``,
-    ``prepare`` or ``fill``, results delivered on the host, and to arrays of up to 4 MiB and
-    half a chunk (for ``map``, those not already pinned pool arrays, which it reads in place).
+    part of the slots, with its own shape and dtype; one copy brings the chunk's results back
+    over its inputs, each item's result a pinned view of its own bytes (chunks lie packed in
+    pool slabs of four chunks' bytes; a result kept holds its slab). An item whose compute
+    fails, or that is cancelled, ends so alone; the others go on. When the pipeline keeps up,
+    each chunk holds one item, as with ``coalesce=False``; at most 64 items share one. It
+    applies with no ``consume``, ``output``, ``prepare`` or ``fill``, results delivered on the
+    host, and to arrays of up to 4 MiB that fit a chunk (for ``map``, those not already pinned
+    pool arrays, which it reads in place).
 
     ``slots`` (None: derived by :mod:`ringflow._plan`; an int for every ring; or a
     :class:`SlotCounts`) and ``chunk_bytes`` (the slot size) bound pinned memory at
@@ -457,7 +459,7 @@ class Pipeline:
             for view, leaf in zip(flatten(host_views(layout, staged))[0], leaves):
                 self.device.host_copy(view, leaf)
             return staged, (t0, self.device.now), layout
-        if item.nbytes > STAGE_AT_ACCEPT_BYTES or host_pool.buffer_behind(item, self.device) is not None:
+        if item.nbytes > STAGE_AT_ACCEPT_BYTES or host_pool.slice_behind(item, self.device) is not None:
             return None
         t0 = self.device.now
         staged = self._pool.take(item.shape, item.dtype)
@@ -509,41 +511,40 @@ class Pipeline:
 
     def _shares_chunk(self, item: Any) -> bool:
         """Whether ``submit`` puts ``item`` in a chunk other items may share: a plain array small
-        enough to stage, and to leave room for others (at most half a chunk: a larger one goes
-        alone, its staged copy carrying its result back, where sharing would take a result array
-        and a chunk's block for it). A pool array of that size shares too: copying it costs the
-        submitting thread less than a chunk of its own costs the progress thread (docs/design.md,
-        "Items sharing a chunk")."""
+        enough to stage and to fit a chunk. A pool array of that size shares too: copying it
+        costs the submitting thread less than a chunk of its own costs the progress thread
+        (docs/design.md, "Items sharing a chunk")."""
         return (self._coalesce and type(item) is np.ndarray
-                and 0 < item.nbytes <= min(STAGE_AT_ACCEPT_BYTES, self.config.chunk_bytes // 2))
+                and 0 < item.nbytes <= min(STAGE_AT_ACCEPT_BYTES, self.config.chunk_bytes))
 
     def _submit_shared(self, item: np.ndarray, timeout: Optional[float],
                        wait: bool = True) -> "ChunkFuture | None | object":
-        """``submit`` of an item that may share a chunk: a pinned pool array for its result, a
-        place in the chunk still taking items (or a new one, staged in a pool array of a slot's
-        size), then the item copied there on this thread, outside the lock. Returns the item's
-        future, or None where the pool has no room (the item then goes alone), or, with ``wait``
-        False, :data:`_NO_ROOM` where the item would have to wait for capacity (or the pipeline
-        takes no more work): nothing of it was accepted."""
+        """``submit`` of an item that may share a chunk: a place in the chunk still taking items
+        (or a new one, in the pinned slab of shared chunks: a new slab from the pool when it is
+        full), then the item copied there on this thread, outside the lock; its result comes back
+        into the same bytes. Returns the item's future, or None where the pool has no room for a
+        slab (the item then goes alone), or, with ``wait`` False, :data:`_NO_ROOM` where the item
+        would have to wait for capacity (or the pipeline takes no more work): nothing of it was
+        accepted."""
         d, s = self._driver, self._sched
         nbytes, shape, dtype = item.nbytes, item.shape, item.dtype
-        result = self._pool.take(shape, dtype)  # the item's own pinned result, taken outside the lock
-        if result is None:
-            return None
+        spec = (shape, dtype, nbytes)
         claim: list = []  # (chunk, member) once the scheduler starts registering the item
         try:
-            place = s.join_open_batch(d, result, claim)  # under the scheduler's batch lock, not the driver's
-            if place is None:
-                batch = self._pool.take((self.config.chunk_bytes,), np.dtype(np.uint8))
-                if batch is None:
-                    return None
+            place = s.join_open_batch(d, spec, claim)  # under the scheduler's batch lock, not the driver's
+            while place is None:
                 with d.cv:
-                    place = s.join_open_batch(d, result, claim)  # another thread may have opened one
+                    place = s.join_open_batch(d, spec, claim)  # another thread may have opened one
                     if place is None:
                         if not wait and not s.has_capacity():
                             return _NO_ROOM
                         self._wait_for_capacity(timeout)
-                        place = s.join_open_batch(d, result, claim) or s.open_new_batch(d, batch, result, claim)
+                        place = s.join_open_batch(d, spec, claim) or s.open_new_batch(d, spec, claim)
+                if place is None:  # the slab of shared chunks is full: a new one, taken outside the lock
+                    slab = self._pool.take((s.space.slab_bytes,), np.dtype(np.uint8))
+                    if slab is None:
+                        return None
+                    s.add_slab(slab, nbytes)
             chunk, member = place
             # the chunk's block may have been handed out on the thread that opened the chunk, and
             # the item may be a pool array from another thread or hold a result a d2h wrote: this
@@ -714,7 +715,7 @@ class Pipeline:
         """Whether ``map`` puts ``item`` in a chunk other items may share: one :meth:`submit`
         would share that is not pinned already (a pool array is read in place: copying it into a
         shared chunk would add a copy, where a plain array is copied into pinned memory anyway)."""
-        return self._shares_chunk(item) and host_pool.buffer_behind(item, self.device) is None
+        return self._shares_chunk(item) and host_pool.slice_behind(item, self.device) is None
 
     def _check_item_or_settle(self, item: Any) -> Any:
         try:

@@ -10,7 +10,6 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .._device.host_pool import buffer_behind
 from .ring import Slot
 from .states import LEGAL_CHUNK_TRANSITIONS, ChunkState, check_chunk_transition
 
@@ -216,27 +215,23 @@ class Chunk:
 
 
 class Member:
-    """One item of a chunk that several items share: where its bytes lie in the chunk
+    """One item of a chunk that several items share: where its bytes lie in the chunk's block
     (``offset``, ``nbytes``, aligned to :data:`MEMBER_ALIGN`), what they are (``shape``,
-    ``dtype``), its own future and index, ``result``, the pinned pool array its part comes back
-    into (its future's value) and ``result_buffer``, the pinned buffer behind it (found here, on
-    the submitting thread, not by the d2h on the thread that drives the streams), the event after
-    its compute (its errors are its own), and the error it failed with, if any."""
+    ``dtype``; its result is the same bytes of the block once the d2h has written them), its own
+    future and index, the event after its compute (its errors are its own), and the error it
+    failed with, if any."""
 
-    __slots__ = ("index", "future", "offset", "nbytes", "shape", "dtype", "result", "result_buffer", "event",
-                 "error")
+    __slots__ = ("index", "future", "offset", "nbytes", "shape", "dtype", "event", "error")
 
-    def __init__(self, index: int, future: ChunkFuture, offset: int, result: np.ndarray):
-        self.index, self.future, self.offset, self.result = index, future, offset, result
-        self.nbytes, self.shape, self.dtype = result.nbytes, result.shape, result.dtype
-        self.result_buffer = buffer_behind(result)
+    def __init__(self, index: int, future: ChunkFuture, offset: int, shape: tuple, dtype: np.dtype, nbytes: int):
+        self.index, self.future, self.offset = index, future, offset
+        self.shape, self.dtype, self.nbytes = shape, dtype, nbytes
         self.event: Any = None
         self.error: Optional[BaseException] = None
 
 
 MEMBER_ALIGN = 256  # each item of a shared chunk starts at a multiple of this many bytes
-# at most this many items share a chunk: a chunk's latency grows with its launches, and the items
-# in flight (each holding a pinned result) stay within max_in_flight times this
+# at most this many items share a chunk: a chunk's latency grows with its launches
 MAX_MEMBERS = 64
 
 

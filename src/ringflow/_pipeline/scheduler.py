@@ -39,11 +39,12 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .._device.host_pool import buffer_behind, hand_off
+from .._device.host_pool import buffer_behind, hand_off, slice_behind
 from .._device.protocol import BufferSlice, Device
 from .._errors import DeviceError, StageError
 from .._testing import current as current_hooks
-from .chunk import MAX_MEMBERS, MEMBER_ALIGN, Chunk, ChunkFuture, Member
+from .batch_space import BatchSpace, aligned
+from .chunk import MAX_MEMBERS, Chunk, ChunkFuture, Member
 from .config import PipelineConfig, refuse_unknown_guards
 from .ring import Ring, Slot
 from .states import ChunkState, RingKind, SlotState
@@ -185,6 +186,7 @@ class Scheduler:
         # (guarded by batch_lock: docs/design.md, "Items sharing a chunk")
         self.open_batch: Optional[Chunk] = None
         self._members: dict[int, Chunk] = {}
+        self.space = BatchSpace(config.chunk_bytes)  # the pinned blocks of shared chunks (batch_lock)
         self.batch_lock = threading.Lock()  # taken after the driver's lock, never before it
         self.copies_ended = 0  # copies into shared chunks ended, by any thread (batch_lock held)
         self._copies_ended_seen = 0  # copies_ended as the driver's last admission found it
@@ -292,49 +294,63 @@ class Scheduler:
         return chunk
 
     # -- items sharing a chunk -------------------------------------------------------------------
-    def join_open_batch(self, driver: Any, result: np.ndarray, claim: list) -> Optional[tuple]:
+    def join_open_batch(self, driver: Any, spec: tuple, claim: list) -> Optional[tuple]:
         """Room in the chunk still taking items (any thread, the driver's lock held or not) for an
-        item whose result comes back into the pinned pool array ``result`` (the item's shape and
-        dtype): ``(chunk, member)`` with the member registered (its future is the item's) and its
-        copy into the chunk counted as being made; None when no chunk takes items or its room is
-        too small. ``(chunk, member)`` goes into ``claim`` before anything of it is registered,
-        so that an interrupt anywhere in here leaves the caller what to take back. The caller
-        copies the item to ``chunk.batch`` at the member's offset, then calls
+        item of ``spec`` (its shape, dtype and bytes), whose result comes back into the same
+        bytes of the chunk's block: ``(chunk, member)`` with the member registered (its future is
+        the item's) and its copy into the chunk counted as being made; None when no chunk takes
+        items or its room is too small. ``(chunk, member)`` goes into ``claim`` before anything
+        of it is registered, so that an interrupt anywhere in here leaves the caller what to take
+        back. The caller copies the item to ``chunk.batch`` at the member's offset, then calls
         :meth:`member_written` whatever happens (see "Ctrl-C in a shared submit" in
         docs/design.md)."""
         with self.batch_lock:
             chunk = self.open_batch
             if chunk is None or not self.accepting or self.broken is not None or len(chunk.members) >= MAX_MEMBERS:
                 return None
-            offset = -(-chunk.used // MEMBER_ALIGN) * MEMBER_ALIGN
-            if offset + result.nbytes > chunk.batch.nbytes:
+            offset = aligned(chunk.used)
+            if offset + spec[2] > chunk.batch.nbytes:
                 return None
-            return chunk, self._add_member(chunk, driver, offset, result, claim)
+            return chunk, self._add_member(chunk, driver, offset, spec, claim)
 
-    def open_new_batch(self, driver: Any, batch: np.ndarray, result: np.ndarray, claim: list) -> tuple:
-        """A new chunk whose input is staged in the pinned pool array ``batch`` (uint8, a slot's
-        size), in the inbox and taking items until the driver admits it, with a first member as
+    def open_new_batch(self, driver: Any, spec: tuple, claim: list) -> Optional[tuple]:
+        """A new chunk, its block a part of the current slab (:class:`~.batch_space.BatchSpace`),
+        in the inbox and taking items until the driver admits it, with a first member as
         :meth:`join_open_batch` makes, ``claim`` too (any thread, lock held). Returns
-        ``(chunk, member)``.
+        ``(chunk, member)``, or None when the slab has no room for the item (give it a new one
+        with :meth:`add_slab`).
 
         Raises:
             DeviceError: the device is broken.
             RuntimeError: the pipeline takes no more work, or is full.
         """
         self._check_accepting()
-        index = next(self._indices)
-        chunk = Chunk(index, None, ChunkFuture(driver, index), members=[], batch=batch, tokens=[])
-        chunk.stamps["accepted"] = self.device.now
         with self.batch_lock:
-            member = self._add_member(chunk, driver, 0, result, claim, index=index)
+            # the chunk open before, if any, takes no more items from here on, whether or not the
+            # slab has room for the new one: reserving shrinks its part to what it holds
+            self.open_batch = None
+            batch = self.space.reserve(spec[2])
+            if batch is None:
+                return None
+            index = next(self._indices)
+            chunk = Chunk(index, None, ChunkFuture(driver, index), members=[], batch=batch, tokens=[])
+            self.space.claimed(chunk)
+            chunk.stamps["accepted"] = self.device.now
+            member = self._add_member(chunk, driver, 0, spec, claim, index=index)
             self.inbox.append(chunk)
             self.open_batch = chunk
         return chunk, member
 
-    def _add_member(self, chunk: Chunk, driver: Any, offset: int, result: np.ndarray, claim: list,
+    def add_slab(self, slab: np.ndarray, need: int) -> None:
+        """A new slab (a uint8 pool array of ``space.slab_bytes``) for shared chunks, taken by a
+        submitting thread that found no room for an item of ``need`` bytes (any thread)."""
+        with self.batch_lock:
+            self.space.install(slab, need)
+
+    def _add_member(self, chunk: Chunk, driver: Any, offset: int, spec: tuple, claim: list,
                     index: Optional[int] = None) -> Member:
         index = next(self._indices) if index is None else index
-        member = Member(index, ChunkFuture(driver, index), offset, result)
+        member = Member(index, ChunkFuture(driver, index), offset, *spec)
         # from here on each step is one operation, and the member counts as copying before it is
         # one of the chunk's: an interrupt between two steps leaves a member that claim names and
         # that keeps the chunk from being admitted, which the caller takes back
@@ -342,7 +358,7 @@ class Scheduler:
         chunk.copying.add(member)
         chunk.members.append(member)
         self._members[index] = chunk
-        chunk.used = offset + result.nbytes
+        chunk.used = offset + member.nbytes
         return member
 
     def member_written(self, chunk: Chunk, member: Member, span: Optional[tuple]) -> None:
@@ -379,6 +395,10 @@ class Scheduler:
             self.inbox.remove(chunk)
             if self.open_batch is chunk:
                 self.open_batch = None
+            # its block is part of a slab that others' chunks and results keep alive: whoever
+            # takes the slab next comes after every copy made into this part (each a token here)
+            for token in chunk.tokens:
+                hand_off(chunk.batch, token)
             chunk.batch = None
             chunk.tokens = None
 
@@ -677,7 +697,7 @@ class Scheduler:
         """Where ``chunk``'s input already is in pinned memory: (its bytes, shape, dtype), or None."""
         staged = chunk.staged
         if staged is not None:
-            return BufferSlice(buffer_behind(staged), 0, staged.nbytes), staged.shape, staged.dtype
+            return slice_behind(staged), staged.shape, staged.dtype
         if chunk.on_device is not None:
             return chunk.on_device
         return self.source_of(chunk.item) if self.source_of is not None else None
@@ -739,7 +759,7 @@ class Scheduler:
 
     def _run_consume(self, chunk: Chunk, where: BufferSlice) -> Any:
         if chunk.members is not None:
-            return None  # each item gets its own pool array when the chunk ends
+            return None  # each item gets its own bytes of the block when the chunk ends
         result = chunk.result
         if result is not None:  # the d2h wrote a pooled array of the chunk's own
             buffer = chunk.result_buffer  # found at the d2h; none moved no bytes (an empty fill)
@@ -939,11 +959,10 @@ class Scheduler:
             if self._profile:
                 self._mark(chunk, s, "d2h", start=True)
             if chunk.members is not None:
-                where = chunk.dev_out.where
-                for m in chunk.members:  # each item's part into its own pool array
-                    if not m.future.done():
-                        s.copy(BufferSlice(m.result_buffer, 0, m.nbytes),
-                               BufferSlice(where.buffer, where.offset + m.offset, m.nbytes), m.nbytes)
+                # every item's result over its input in the chunk's block, which the h2d has
+                # read (the d2h waits for the compute, which waited for the h2d): one copy
+                used = chunk.staged.nbytes
+                s.copy(_head(chunk.source, used), _head(chunk.dev_out.where, used), used)
             elif n:
                 s.copy(_head(dest, n), _head(chunk.dev_out.where, n), n)
             event = self._mark(chunk, s, "d2h")
@@ -1158,11 +1177,13 @@ class Scheduler:
         """Settle the future of every item of a shared chunk that ended ``final``: a delivered
         chunk gives each item its own part of the result (or the error its compute raised), a
         failed one its error; an item its caller cancelled stays cancelled. Counts each item."""
+        block = chunk.staged if chunk.staged is not None else chunk.batch
+        if block is not None:
+            hand_off(block, token)  # the slab's next taker comes after the d2h into this part
         for m in chunk.members:
             self._members.pop(m.index, None)
             fut = m.future
             fut.token = token
-            hand_off(m.result, token)  # its block's next taker comes after the d2h into it
             if fut.done():  # cancelled by its caller while the chunk went on for the others
                 self.counts["cancelled"] += 1
             elif m.error is not None:  # its own compute failed: its own error, however the chunk ended
@@ -1170,7 +1191,8 @@ class Scheduler:
                 fut.set_exception(m.error)
             elif final is ChunkState.DELIVERED:
                 self.counts["delivered"] += 1
-                value = m.result
+                # the item's own bytes of the block: the view holds the slab, not the chunk
+                value = block[m.offset:m.offset + m.nbytes].view(m.dtype).reshape(m.shape)
                 fut.set_result(value if self.convert is None else convert_tree(value, self.convert))
             elif final is ChunkState.FAILED:
                 self.counts["failed"] += 1
@@ -1178,7 +1200,7 @@ class Scheduler:
             else:
                 self.counts["cancelled"] += 1
                 fut._mark_cancelled()
-            m.event = m.result = m.result_buffer = None
+            m.event = None
         chunk.members = []  # the futures hold the results; the ended chunk holds none of them
 
     def take_resolved(self) -> list:
@@ -1299,6 +1321,8 @@ class Scheduler:
 
     def close(self) -> None:
         self._forget_finished_frames()
+        with self.batch_lock:
+            self.space.release()  # the slab goes back to the pool once its chunks and results are gone
         with self._lend_lock:
             self._take_returns()
             # a result released after this, on any thread, frees its slot there (_take_returns):
