@@ -118,14 +118,27 @@ def test_pooled_items_are_read_in_place_without_a_prepare(dev, monkeypatch):
     # the pool array and its view are read in place, the other was copied into a pool slab by
     # map() itself: no chunk needed a prepare on a worker
     assert prepared == []
-    # the copy carried its result back; the caller's own pool memory kept its input (its result
-    # takes a cached block only, and none was cached yet)
-    assert [rf.host.buffer(r) is not None for r in results] == [False, False, True]
+    # the copy carried its result back; the caller's own pool memory kept its input, and the
+    # accepting thread took a pinned array for each of those results
+    assert [rf.host.buffer(r) is not None for r in results] == [True, True, True]
     rf.host.set_budget(1, device=dev)  # no room: the pageable array is prepared into a slot
     with rf.Pipeline(f, device=dev, chunk_bytes=4096) as pipe:
         results = list(pipe.map([pooled, view, pageable]))
     assert [np.array_equal(r, a * 2 + 1) for r, a in zip(results, [pooled, view, pageable])] == [True] * 3
     assert prepared == [2]
+
+
+@pytest.mark.parametrize("how", ["submit", "map"])
+def test_an_item_too_large_to_stage_gets_a_pinned_result_from_the_accepting_thread(dev, how):
+    """An item of more than 4 MiB goes through a host-in slot and a CPU worker. Its result is
+    still a pinned array, taken (pinned where none is cached) by the accepting thread: the
+    progress thread takes cached blocks only, and on an empty pool the result came back through
+    a host-out slot and a CPU copy into new memory."""
+    x = np.arange(5 << 18, dtype=np.float32)  # 5 MiB
+    with rf.Pipeline(f, device=dev, chunk_bytes=8 << 20, slots=2) as pipe:
+        r = pipe.submit(x).result() if how == "submit" else next(iter(pipe.map([x])))
+    np.testing.assert_array_equal(r, x * 2 + 1)
+    assert host_pool.buffer_behind(r, dev) is not None and r.flags.writeable
 
 
 @pytest.mark.parametrize("how", ["submit", "map", "stream_map x", "stream_map out", "MapJob"])

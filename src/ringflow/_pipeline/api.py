@@ -414,8 +414,9 @@ class Pipeline:
 
     def _accepting(self, item: Any) -> dict:
         """What the accepting thread prepares for ``item`` before taking the lock: its output spec,
-        its pinned staging copy, and a pinned result array where the result is shaped otherwise
-        (keyword arguments of :meth:`Scheduler.accept`)."""
+        its pinned staging copy, and a pinned result array where the staging copy cannot carry
+        the result back (shaped otherwise, or no staging copy) (keyword arguments of
+        :meth:`Scheduler.accept`)."""
         out_spec = self._output_spec(item)
         found = self.device.device_source(item) if self._items_are_arrays else None
         if found is not None:  # a device array: read in place after its producer's stream
@@ -433,10 +434,18 @@ class Pipeline:
                     "source_ready": self.device.record_on(stream)}
         staged, staged_at, in_tree = self._staged_copy(item) or (None, None, None)
         result = None
-        if out_spec is not None and self._pool is not None:
-            shape, dtype = ((out_spec.nbytes,), np.dtype(np.uint8)) if isinstance(out_spec, Packed) else out_spec
-            if staged is None or (staged.shape, staged.dtype) != (shape, dtype):
-                result = self._pool.take(shape, dtype)  # pinned on this thread, not on the progress thread
+        if self._pool is not None and self.config.deliver == "host":
+            if out_spec is not None:
+                shape, dtype = ((out_spec.nbytes,), np.dtype(np.uint8)) if isinstance(out_spec, Packed) else out_spec
+                if staged is None or (staged.shape, staged.dtype) != (shape, dtype):
+                    result = self._pool.take(shape, dtype)  # pinned on this thread, not on the progress thread
+            elif staged is None and type(item) is np.ndarray and (
+                    item.nbytes > STAGE_AT_ACCEPT_BYTES or host_pool.slice_behind(item, self.device) is not None):
+                # an item not staged by choice (a large one, or a pool array read in place) gets
+                # its pinned result here: the progress thread takes cached blocks only, and where
+                # none is cached the result would come back through a slot and a CPU copy (one the
+                # pool had no room to stage is not asked for more)
+                result = self._pool.take(item.shape, item.dtype)
         return {"staged": staged, "staged_at": staged_at, "out_spec": out_spec, "result": result, "in_tree": in_tree}
 
     def _staged_copy(self, item: Any) -> Optional[tuple]:
