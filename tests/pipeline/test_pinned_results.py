@@ -189,6 +189,28 @@ def test_a_result_got_on_one_thread_is_sent_again_from_another_in_order(dev, how
     rf.drop_warm_pipelines(dev)
 
 
+def test_a_result_of_a_shared_chunk_given_to_stream_map_is_staged_never_registered(dev, monkeypatch):
+    """A result of items that shared a chunk is a view into a pinned slab, from another byte than
+    its first: pinned already (a real GPU refuses to register it again) and not usable in place
+    by the engines, so a whole-array call stages it, and asking to register it is refused."""
+    with rf.Pipeline(f, device=dev, chunk_bytes=8192) as pipe:
+        futs = [pipe.submit(np.arange(100, dtype=np.float32) + k) for k in range(3)]
+        results = [fu.result() for fu in futs]
+    r = results[-1]
+    assert host_pool.slice_behind(r, dev).offset > 0 and host_pool.buffer_behind(r, dev) is None
+    registered = []
+    monkeypatch.setattr(dev, "register_host", lambda *a, **k: registered.append(a) or pytest.fail("registered"))
+    for out in (None, np.empty_like(r)):
+        got = rf.stream_map(f, r, out=out, device=dev, chunk_bytes=128, host="auto")
+        np.testing.assert_array_equal(got, (np.arange(100, dtype=np.float32) + 2) * 4 + 3)
+    with pytest.raises(ValueError, match="cannot pin x"):
+        rf.stream_map(f, r, device=dev, chunk_bytes=128, host="register")
+    with pytest.raises(ValueError, match="cannot pin out"):
+        rf.stream_map(f, np.ones(100, np.float32), out=results[1], device=dev, chunk_bytes=128, host="register")
+    assert registered == []
+    rf.drop_warm_pipelines(dev)
+
+
 def test_arrays_that_die_in_a_reference_cycle_on_another_thread_go_back_in_order(dev):
     """An array in a reference cycle is dropped by whichever thread runs the collector, which
     saw nothing of the threads that used it: every recorded use left a token on its block (the

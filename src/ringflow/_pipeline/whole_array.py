@@ -389,12 +389,17 @@ class MapLayout:
             TypeError: ``x_buffer`` or ``out_buffer`` that is not a host buffer.
             ValueError: a row larger than a chunk, half a pair of pinned buffers, pinned buffers
                 without ``out`` or that are not ``x``'s and ``out``'s memory, or registration of
-                strided arrays.
+                strided arrays, or of a view into pool memory (``host="register"``).
         """
         row_bytes = x.nbytes // x.shape[0]
         out_row_bytes = out.nbytes // out.shape[0]
         in_place = (False, False)
         contiguous = x.flags.c_contiguous and out.flags.c_contiguous
+        # a view into pool memory from another byte than its block's first (a result of items
+        # that shared a chunk, say): pinned already, so it cannot be registered, and not used in
+        # place either (the engines read a buffer from its first byte): it is staged
+        pinned_views = tuple(buf is None and host_pool.device_of(arr) is not None
+                             for arr, buf in ((x, pinned[0]), (out, None if fresh_out else pinned[1])))
         workers = options.get("workers") or default_workers(dev)
         if (x_buffer is None) != (out_buffer is None):
             raise ValueError("pass both x_buffer and out_buffer (the pinned memory behind x and out), or neither")
@@ -418,7 +423,7 @@ class MapLayout:
             chunks = -(-max(x.nbytes, out.nbytes) // guess) if any(pinned_sides) else 0
             strategy = plan.choose_host_strategy(dev.hardware, x.nbytes, out.nbytes, workers=workers,
                                                  out_is_fresh=fresh_out, pinned=pinned_sides, chunks=chunks).choice
-            strategy = strategy if contiguous else "stage"
+            strategy = strategy if contiguous and not any(pinned_views) else "stage"
             if strategy == "stage":  # a side already pinned is used in place; only the other is staged
                 in_place = pinned_sides
         else:
@@ -426,6 +431,11 @@ class MapLayout:
             if strategy == "register" and not contiguous:
                 raise ValueError("host='register' needs C-contiguous x and out; use host='stage' "
                                  "(or np.ascontiguousarray) for strided arrays")
+            if strategy == "register" and any(pinned_views):
+                name = "x" if pinned_views[0] else "out"
+                raise ValueError(f"host='register' cannot pin {name}: it is a view into ringflow.host pinned "
+                                 f"memory (not from its block's first byte), pinned already; use host='auto' or "
+                                 f"'stage', or pass an array from rf.host.empty")
         widest = max(row_bytes, out_row_bytes)  # a slot holds a chunk's input and, apart, its result
         if chunk_bytes == "auto":
             sim = getattr(f, "sim_seconds", None)
