@@ -292,7 +292,7 @@ def test_an_item_taken_back_after_part_of_its_copy_hands_its_slab_on_after_that_
 
 
 SHARED_SUBMIT = ("submit", "_submit_shared", "join_open_batch", "open_new_batch", "_add_member", "member_written",
-                 "_take_back")
+                 "_take_back", "reserve", "claimed", "_trim_last", "add_slab", "install")
 
 
 def _submit_interrupted_at(n, joins: bool) -> tuple:

@@ -148,8 +148,9 @@ def output_tree(spec: Any, where: str) -> Any:
 
 
 def _pinned_source(device: Device, item: Any) -> Optional[tuple]:
-    """Where an item is an array from ``device``'s host pool (:mod:`ringflow.host`), from its
-    block's first byte: its bytes, shape and dtype, which the h2d reads in place; else None."""
+    """Where an item is an array from ``device``'s host pool (:mod:`ringflow.host`), or a
+    C-contiguous view of one from any byte: its bytes, shape and dtype, which the h2d reads in
+    place; else None."""
     where = host_pool.receive_slice(item, device)
     if where is None:
         return None

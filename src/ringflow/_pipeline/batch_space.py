@@ -80,7 +80,7 @@ class BatchSpace:
         return True
 
     def release(self) -> None:
-        """Give up the current slab (the pipeline is closing or parked)."""
+        """Give up the current slab (the pipeline is closing)."""
         self._slab, self._top = None, 0
         self._last_start = self._last_chunk = None
 
