@@ -6,6 +6,7 @@ from __future__ import annotations
 import types
 
 import numpy as np
+from hypothesis import given, settings, strategies as st
 
 from ringflow._pipeline.batch_space import SLAB_CHUNKS, BatchSpace, aligned
 
@@ -86,3 +87,37 @@ def test_a_new_slab_replaces_a_full_one():
     assert _start(space.reserve(1), new) == 0
     space.release()
     assert space.reserve(1) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["open", "grow", "install"]), st.integers(1, 1024)), max_size=60))
+def test_no_two_chunks_ever_share_a_byte(ops):
+    """Any sequence of chunks opened (each closing the one before), the open chunk taking more
+    items, and new slabs given: the bytes each chunk may still write (its whole part while it
+    is open, what it used once closed) never overlap another chunk's."""
+    space = BatchSpace(1024)
+    chunks = []  # [slab id, start, part bytes, chunk, part]; the last one opened may still grow
+
+    def install(need: int) -> None:
+        space.install(np.zeros(space.slab_bytes, np.uint8), need)
+
+    install(1)
+    for op, n in ops:
+        if op == "install":
+            install(n)
+        elif op == "grow" and chunks:
+            entry = chunks[-1]
+            entry[3].used = min(entry[2], entry[3].used + n)  # it takes items only within its part
+        elif op == "open":
+            part = space.reserve(n)
+            if part is None:  # as a submitting thread does: a new slab, then again
+                install(n)
+                part = space.reserve(n)
+            assert part is not None and part.nbytes >= n
+            chunk = types.SimpleNamespace(used=n)
+            space.claimed(chunk)
+            base = part.base
+            chunks.append([id(base), _start(part, base), part.nbytes, chunk, part])  # the part keeps its slab
+        spans = sorted((slab, start, start + (size if i == len(chunks) - 1 else c.used))
+                       for i, (slab, start, size, c, _) in enumerate(chunks))
+        assert all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:])), spans
