@@ -291,6 +291,41 @@ def test_an_item_taken_back_after_part_of_its_copy_hands_its_slab_on_after_that_
     again[...] = 0
 
 
+def test_a_shared_chunk_cancelled_before_admission_hands_its_slab_on_after_the_copies_into_it():
+    """Thread T copies an item into a new chunk of the slab that holds a result thread U keeps;
+    the pipeline is cancelled before that chunk is admitted, so it ends at admission. U, which saw
+    only its own result's chunk end, drops that result last and takes the slab again: the
+    pool's poisoning write must come after T's copy. The admission's end leaves the progress
+    thread's token on the slab (without it the checker reports the poisoning write)."""
+    dev = rf.device("sim", seed=5, checked=True)
+    pipe = rf.Pipeline(f, device=dev, chunk_bytes=1 << 12, checked=True)
+    kept, second, taken = {}, {}, []
+    first_done, closed = threading.Event(), threading.Event()
+
+    def u():
+        kept["r"] = pipe.submit(np.full(10, 1, np.float32)).result()
+        first_done.set()
+        assert closed.wait(30)
+        assert np.array_equal(kept.pop("r"), np.full(10, 3, np.float32))  # the last view of the slab goes
+        gc.collect()
+        taken.append(rf.host.empty(4 << 12, np.uint8, device=dev))  # the slab, poisoned first
+
+    tu = threading.Thread(target=u)
+    tu.start()
+    assert first_done.wait(30)
+    tt = threading.Thread(target=lambda: second.setdefault("f", pipe.submit(np.full(20, 2, np.float32))))
+    tt.start()
+    tt.join(30)
+    pipe.cancel()  # nobody waited, so its chunk is still in the inbox: it ends at admission
+    assert second["f"].cancelled()
+    pipe.close()
+    del second["f"]
+    gc.collect()
+    closed.set()
+    tu.join(30)
+    assert len(taken) == 1 and pipe.stats().cancelled == 1
+
+
 SHARED_SUBMIT = ("submit", "_submit_shared", "join_open_batch", "open_new_batch", "_add_member", "member_written",
                  "_take_back", "reserve", "claimed", "_trim_last", "add_slab", "install")
 

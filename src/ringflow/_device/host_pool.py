@@ -743,6 +743,10 @@ def slice_behind(array: Any, device: Optional[Device] = None) -> Optional[Buffer
     owner = owner_of(array) if isinstance(array, np.ndarray) else None
     if owner is None or (device is not None and owner.pool.device is not device):
         return None
+    return _bytes_of(owner, array)
+
+
+def _bytes_of(owner: _Owner, array: np.ndarray) -> Optional[BufferSlice]:
     buffer = owner.block.buffer
     offset = buffer.offset_of(array)
     return None if offset is None else BufferSlice(buffer, offset, array.nbytes)
@@ -768,7 +772,7 @@ def receive_slice(array: Any, device: Device) -> Optional[BufferSlice]:
     if owner is None or owner.pool.device is not device:
         return None
     owner.pool._observe(owner.block)
-    return slice_behind(array)
+    return _bytes_of(owner, array)
 
 
 def device_of(array: Any) -> Optional[Device]:

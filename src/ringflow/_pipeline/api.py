@@ -440,8 +440,7 @@ class Pipeline:
                 shape, dtype = ((out_spec.nbytes,), np.dtype(np.uint8)) if isinstance(out_spec, Packed) else out_spec
                 if staged is None or (staged.shape, staged.dtype) != (shape, dtype):
                     result = self._pool.take(shape, dtype)  # pinned on this thread, not on the progress thread
-            elif staged is None and type(item) is np.ndarray and (
-                    item.nbytes > STAGE_AT_ACCEPT_BYTES or host_pool.slice_behind(item, self.device) is not None):
+            elif staged is None and type(item) is np.ndarray and self._left_unstaged(item):
                 # an item not staged by choice (a large one, or a pool array read in place) gets
                 # its pinned result here: the progress thread takes cached blocks only, and where
                 # none is cached the result would come back through a slot and a CPU copy (one the
@@ -469,7 +468,7 @@ class Pipeline:
             for view, leaf in zip(flatten(host_views(layout, staged))[0], leaves):
                 self.device.host_copy(view, leaf)
             return staged, (t0, self.device.now), layout
-        if item.nbytes > STAGE_AT_ACCEPT_BYTES or host_pool.slice_behind(item, self.device) is not None:
+        if self._left_unstaged(item):
             return None
         t0 = self.device.now
         staged = self._pool.take(item.shape, item.dtype)
@@ -477,6 +476,11 @@ class Pipeline:
             return None
         self.device.host_copy(staged, item)
         return staged, (t0, self.device.now), None
+
+    def _left_unstaged(self, item: np.ndarray) -> bool:
+        """Whether the accepting thread leaves an array item unstaged by choice: larger than
+        :data:`STAGE_AT_ACCEPT_BYTES`, or pool memory that the h2d reads in place."""
+        return item.nbytes > STAGE_AT_ACCEPT_BYTES or host_pool.slice_behind(item, self.device) is not None
 
     # -- submitting and mapping ---------------------------------------------------------------
     def submit(self, item: Any, timeout: Optional[float] = None) -> ChunkFuture:

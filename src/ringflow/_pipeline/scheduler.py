@@ -460,7 +460,11 @@ class Scheduler:
                     if not chunk.future.done():
                         chunk.future._mark_cancelled()
                 else:
-                    self._end_members(chunk, ChunkState.CANCELLED, self.device.publish())
+                    token = self.device.publish()
+                    # the slab lives on in others' chunks and results: its next taker comes
+                    # after every copy into this part (the copying threads' tokens, observed above)
+                    hand_off(chunk.staged, token)
+                    self._end_members(chunk, ChunkState.CANCELLED, token)
                 self.version += 1
                 self._finish(chunk)
                 continue
@@ -1176,10 +1180,10 @@ class Scheduler:
     def _end_members(self, chunk: Chunk, final: ChunkState, token: Any) -> None:
         """Settle the future of every item of a shared chunk that ended ``final``: a delivered
         chunk gives each item its own part of the result (or the error its compute raised), a
-        failed one its error; an item its caller cancelled stays cancelled. Counts each item."""
-        block = chunk.staged if chunk.staged is not None else chunk.batch
-        if block is not None:
-            hand_off(block, token)  # the slab's next taker comes after the d2h into this part
+        failed one its error; an item its caller cancelled stays cancelled. Counts each item. The
+        caller has left ``token`` on the chunk's block (the part of a slab that holds the
+        results)."""
+        block = chunk.staged
         for m in chunk.members:
             self._members.pop(m.index, None)
             fut = m.future
