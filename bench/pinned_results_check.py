@@ -2,7 +2,7 @@
 
 * ``requests``: the full workload (capacity, latency under load, both torch baselines), then
   capacity alone, interleaved over rounds, for each way of moving a request's bytes: staged into
-  a pool array by ``submit`` up to ``STAGE_AT_ACCEPT_BYTES`` (the default), through the host
+  a pool array by ``submit`` up to ``api.stage_limit`` (the default), through the host
   rings and CPU workers (the pool's budget too small for any item), staged by ``submit`` at any
   size, staged by the workers with results in cached pool blocks, and items that are pool arrays
   themselves (read in place). Host time the progress thread spends in scheduling steps per
@@ -93,17 +93,17 @@ def requests_ab(dev, count: int, rounds: int) -> dict:
     items = request_items(count, 8 * MiB)
     pooled_items = pooled_copies(dev, items)
     budget = host_pool.pool_for(dev).budget
-    threshold = api.STAGE_AT_ACCEPT_BYTES
+    stage_limit = api.stage_limit
 
     def with_budget(nbytes):
         return lambda: rf.host.set_budget(nbytes, device=dev), lambda: rf.host.set_budget(budget, device=dev)
 
     def with_threshold(nbytes):
         def on():
-            api.STAGE_AT_ACCEPT_BYTES = nbytes
+            api.stage_limit = lambda chunk_bytes: min(chunk_bytes, nbytes)
 
         def off():
-            api.STAGE_AT_ACCEPT_BYTES = threshold
+            api.stage_limit = stage_limit
         return on, off
 
     nothing = (lambda: None, lambda: None)
@@ -118,7 +118,7 @@ def requests_ab(dev, count: int, rounds: int) -> dict:
         protocol.SPLIT_COPY_BYTES = split
 
     variants = {
-        f"staged at acceptance up to {threshold >> 20} MiB (default)": (items, nothing),
+        "staged at acceptance as api.stage_limit says (default)": (items, nothing),
         "host rings and workers (pool budget 4 KiB)": (items, with_budget(4096)),
         "staged at acceptance, each copy on one thread": (items, (one_thread, restore)),
         "staged at acceptance, any size": (items, with_threshold(1 << 62)),

@@ -84,6 +84,55 @@ def test_coalesce_false_gives_each_item_a_chunk_of_its_own():
     assert pipe.scheduler.chunks_admitted == len(xs)
 
 
+@pytest.mark.parametrize("how", ["submit", "map"])
+def test_an_item_over_4_mib_may_be_changed_once_submit_returns_where_copies_split_natively(how):
+    """With native copy threads the accepting thread stages every plain array that fits a chunk
+    (its copy is split, so it costs no more than a worker's, and no chunk waits behind a worker's
+    round trip): one over 4 MiB goes in a chunk of its own, already copied when ``submit``
+    returns (or ``map`` pulls the next item), so the caller may overwrite it at once."""
+    from ringflow._device import native_copy
+
+    if native_copy.copier() is None:
+        pytest.skip("no C compiler here")
+    rng = np.random.default_rng(4)
+    xs = [rng.random((5 << 20) // 4).astype(np.float32) for _ in range(2)] + items(3, seed=4)
+    originals = [x.copy() for x in xs]
+
+    def overwritten_after_use():  # each item overwritten as soon as the next is asked for
+        for x in xs:
+            yield x
+            x[...] = -1.0
+
+    with rf.Pipeline(f, device=rf.device("sim", seed=4), chunk_bytes=16 << 20, checked=True) as pipe:
+        if how == "submit":
+            futs = []
+            for x in overwritten_after_use():
+                futs.append(pipe.submit(x))
+            results = [fu.result() for fu in futs]
+        else:
+            results = list(pipe.map(overwritten_after_use()))
+        chunks = pipe.scheduler.chunks_admitted
+    assert all(np.array_equal(r, expected(x)) and r.shape == x.shape for r, x in zip(results, originals))
+    assert chunks == 3  # each large item alone; the small ones share a chunk
+
+
+def test_a_pool_array_over_4_mib_given_to_submit_is_read_in_place_not_copied_into_a_shared_chunk():
+    """A pool array of up to 4 MiB shares a chunk (its copy costs less than a chunk of its own);
+    a larger one is read in place, in a chunk of its own, whatever the accepting thread would
+    stage of a plain array of its size."""
+    dev = rf.device("sim", seed=6)
+    big = rf.host.empty(((6 << 20) // 4,), np.float32, device=dev)
+    big[...] = np.random.default_rng(6).random(big.size)
+    small = rf.host.empty((1000,), np.float32, device=dev)
+    small[...] = 1.5
+    xs = [big, *items(2, seed=6), small]
+    with rf.Pipeline(f, device=dev, chunk_bytes=16 << 20, checked=True) as pipe:
+        results = [fu.result() for fu in [pipe.submit(x) for x in xs]]
+        chunks = pipe.scheduler.chunks_admitted
+    assert all(np.array_equal(r, expected(x)) for r, x in zip(results, xs))
+    assert chunks == 2  # the large pool array alone; the plain arrays and the small pool array share
+
+
 def test_shapes_dtypes_and_odd_strides_keep_their_own_layout():
     rng = np.random.default_rng(3)
     xs = [rng.random((3, 5)).astype(np.float32), rng.random(7).astype(np.float64),
@@ -684,9 +733,9 @@ def test_map_puts_small_items_in_shared_chunks_and_hands_each_its_own_result(ord
 
 
 def test_map_keeps_input_order_across_items_that_share_chunks_and_items_that_go_alone():
-    """Small plain arrays share; an item of more than 4 MiB, a tuple of arrays, a pool array
-    (read in place) and an empty array each go alone, and an item that goes alone closes the
-    shared chunk before it: the results still come in input order."""
+    """Small plain arrays share; an item of more than 4 MiB, a pool array (read in place) and an
+    empty array each go alone, and an item that goes alone closes the shared chunk before it:
+    the results still come in input order."""
     dev = rf.device("sim", seed=5)
     rng = np.random.default_rng(5)
     xs: list = []

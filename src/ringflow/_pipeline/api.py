@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Optional
 import numpy as np
 
 from .._device import device as make_device, device_list
-from .._device import host_pool
+from .._device import host_pool, native_copy
 from .._device.protocol import Device
 from .._errors import StageError
 from .chunk import Chunk, ChunkFuture
@@ -79,10 +79,27 @@ def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any
     return _copy_array_in(arr, raw, chunk_bytes)
 
 
-# Items up to this size are copied into pinned memory by the accepting thread; larger ones by
-# the CPU workers, which copy several at once (one thread copies at about a quarter of the host's
-# rate, and a large copy outweighs the round trip to a worker). See docs/design.md.
+# Where copies are made by numpy on one thread (no native copy threads), items up to this size
+# are copied into pinned memory by the accepting thread and larger ones by the CPU workers,
+# which copy several at once (one thread copies at about a quarter of the host's rate, and a
+# large copy outweighs the round trip to a worker). See docs/design.md and :func:`stage_limit`.
 STAGE_AT_ACCEPT_BYTES = 4 << 20
+# Items up to this size may share a chunk. A larger one fills most of a chunk, and in a part of a
+# shared chunks' slab it would leave the slab's tail unused (more slabs pinned for the same
+# requests): it goes in a chunk of its own, staged into a pool array of its size. A pool array up
+# to this size given to ``submit`` is copied into a shared chunk too (the copy costs the
+# submitting thread less than a chunk of its own costs the progress thread).
+SHARE_AT_MOST_BYTES = 4 << 20
+
+
+def stage_limit(chunk_bytes: int) -> int:
+    """The largest item (bytes) the accepting thread copies into pinned memory itself: every one
+    that fits a chunk where copies are split over native threads (the copy costs the accepting
+    thread no more than a worker's costs the pipeline, and no chunk waits behind an item's round
+    trip through a worker), else :data:`STAGE_AT_ACCEPT_BYTES`."""
+    if native_copy.copier() is not None:
+        return chunk_bytes
+    return min(STAGE_AT_ACCEPT_BYTES, chunk_bytes)
 _NO_ROOM = object()  # a map's shared item that must wait for capacity: nothing of it was accepted
 _SHARES = object()  # a map's pulled item that goes into a shared chunk
 
@@ -169,7 +186,9 @@ class Pipeline:
     and ``map`` copy each array into pinned memory from :mod:`ringflow.host`'s pool on the
     calling thread (the caller may reuse its array once ``submit`` returns; an array from that
     pool is read in place by ``map``, and by ``submit`` above 4 MiB, while ``submit`` copies a
-    smaller one into the chunk it shares), and the result comes back in pinned memory, which goes back
+    smaller one into the chunk it shares; without native copy threads, arrays over 4 MiB are
+    copied later by the CPU workers, so keep them unchanged until their result), and the result
+    comes back in pinned memory, which goes back
     to the pool once dropped; where the pool has no room, items are copied by the CPU workers and
     results are new numpy arrays. A compute callable may carry a ``sim_seconds`` attribute
     (seconds, or a function of the chunk's bytes) for its duration on the simulated GPU.
@@ -330,6 +349,7 @@ class Pipeline:
             procs = ProcessPrepare(self.device, user_prepare, counts.host_in * chunk_bytes, chunk_bytes, workers)
         prepare_stage = stage_prepare or procs or functools.partial(_prepare_array, user_prepare, chunk_bytes)
         self._items_are_arrays = stage_prepare is None and user_prepare is None  # sizes known before acceptance
+        self._stage_bytes = stage_limit(chunk_bytes)
         # submit() lets small array items share a chunk where each item's result is its own
         # compute's output in a pooled array (see docs/design.md, "Items sharing a chunk")
         self._coalesce = (check_flag("coalesce", coalesce) and not bulk and self._items_are_arrays and not processes
@@ -452,14 +472,14 @@ class Pipeline:
         """``(array, (start, end), packed layout or None)``: a plain array item (or a tuple, list
         or dict of them, packed) copied into a pinned pool array on the accepting thread (the
         copy lets go of the GIL) and when (host clock); or None: the item is a pool array itself
-        (read in place), larger than :data:`STAGE_AT_ACCEPT_BYTES` or the pool has no room (it
+        (read in place), larger than :func:`stage_limit` allows or the pool has no room (it
         goes through a host-in slot and a CPU worker), or items are not plain arrays. See
         docs/design.md, "Pinned staging and results"."""
         if not self._items_are_arrays or self._pool is None:
             return None
         if is_tree(item):
             leaves, layout = tree_layout(item, self.config.chunk_bytes)
-            if layout.nbytes > STAGE_AT_ACCEPT_BYTES or layout.nbytes == 0:
+            if layout.nbytes > self._stage_bytes or layout.nbytes == 0:
                 return None
             t0 = self.device.now
             staged = self._pool.take((layout.nbytes,), np.dtype(np.uint8))
@@ -479,8 +499,8 @@ class Pipeline:
 
     def _left_unstaged(self, item: np.ndarray) -> bool:
         """Whether the accepting thread leaves an array item unstaged by choice: larger than
-        :data:`STAGE_AT_ACCEPT_BYTES`, or pool memory that the h2d reads in place."""
-        return item.nbytes > STAGE_AT_ACCEPT_BYTES or host_pool.slice_behind(item, self.device) is not None
+        :func:`stage_limit` allows, or pool memory that the h2d reads in place."""
+        return item.nbytes > self._stage_bytes or host_pool.slice_behind(item, self.device) is not None
 
     # -- submitting and mapping ---------------------------------------------------------------
     def submit(self, item: Any, timeout: Optional[float] = None) -> ChunkFuture:
@@ -524,12 +544,12 @@ class Pipeline:
             self._stall("stall: producer", "producer blocked by backpressure", t0)
 
     def _shares_chunk(self, item: Any) -> bool:
-        """Whether ``submit`` puts ``item`` in a chunk other items may share: a plain array small
-        enough to stage and to fit a chunk. A pool array of that size shares too: copying it
-        costs the submitting thread less than a chunk of its own costs the progress thread
-        (docs/design.md, "Items sharing a chunk")."""
+        """Whether ``submit`` puts ``item`` in a chunk other items may share: a plain array of up
+        to :data:`SHARE_AT_MOST_BYTES` that the accepting thread stages (:func:`stage_limit`). A
+        pool array of that size shares too: copying it costs the submitting thread less than a
+        chunk of its own costs the progress thread (docs/design.md, "Items sharing a chunk")."""
         return (self._coalesce and type(item) is np.ndarray
-                and 0 < item.nbytes <= min(STAGE_AT_ACCEPT_BYTES, self.config.chunk_bytes))
+                and 0 < item.nbytes <= min(SHARE_AT_MOST_BYTES, self._stage_bytes))
 
     def _submit_shared(self, item: np.ndarray, timeout: Optional[float],
                        wait: bool = True) -> "ChunkFuture | None | object":
