@@ -16,8 +16,7 @@ pool's pinning during the loaded level, ``submit``'s time by item size, and the 
 collector's pauses. Variants: ``plain`` (the bench's pipeline), ``swi`` (a 0.5 ms GIL switch
 interval: does waiting for the GIL make the tail), ``alone`` (``coalesce=False``), ``slotsN``
 (N slots in every ring), ``hostN`` (N slots in each host ring, three in each device ring),
-``stageN`` (items up to N MiB staged by ``submit``), ``pypoll`` (the device polls events in
-Python, not natively).
+``stageN`` (items up to N MiB staged by ``submit``).
 
     PYTHONPATH=src python3 bench/request_latency_parts.py --device cuda:0 --out parts.json
 """
@@ -76,12 +75,6 @@ def run_variant(dev, items, name: str, load: float, passes: int) -> dict:
     interval, stage_limit = sys.getswitchinterval(), api.stage_limit
     if name.startswith("stage"):  # items up to N MiB staged (and shared) by the accepting thread
         api.stage_limit = lambda chunk_bytes: min(chunk_bytes, int(name[5:]) * MiB)
-    poll = None
-    if name == "pypoll":  # the device polls its events in Python (as where no compiler works)
-        from ringflow._device.cuda import event_poll
-
-        event_poll.poller()  # loaded (or found unavailable) first, so that it can be put back
-        poll, event_poll._loaded = event_poll._loaded, False
     if name == "swi":
         sys.setswitchinterval(0.0005)
     try:
@@ -136,8 +129,6 @@ def run_variant(dev, items, name: str, load: float, passes: int) -> dict:
         api.record_chunk = record
         sys.setswitchinterval(interval)
         api.stage_limit = stage_limit
-        if poll is not None:
-            event_poll._loaded = poll
     parts = {p: np.full(n, np.nan) for p in PARTS}
     per_chunk = []
     for c in chunks.values():

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringflow._device import native_build, native_copy, protocol
+from ringflow._device import native_copy, protocol
 
 needs_native = pytest.mark.skipif(native_copy.copier() is None, reason="no C compiler here")
 
@@ -109,7 +109,7 @@ def test_switched_off_copies_fall_back_to_numpy(fresh_loader, monkeypatch, caplo
 
 
 def test_a_compiler_that_fails_falls_back_to_numpy(fresh_loader, monkeypatch, caplog):
-    monkeypatch.setattr(native_build.sysconfig, "get_config_var", lambda name: "ringflow-no-such-compiler")
+    monkeypatch.setattr(native_copy.sysconfig, "get_config_var", lambda name: "ringflow-no-such-compiler")
     with caplog.at_level(logging.INFO, logger="ringflow._device.native_copy"):
         assert native_copy.copier() is None
         assert native_copy.copier() is None  # tried once, remembered

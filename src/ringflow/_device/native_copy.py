@@ -6,11 +6,14 @@ largest part of the time ``submit`` spends per request. numpy
 copies on the calling thread only, and Python threads splitting a copy each take the GIL twice
 per part, from the very threads that need it (docs/design.md, "Pinned staging and results").
 So the copy is split here over threads that never touch the interpreter: a few lines of C,
-compiled once per machine (:mod:`.native_build`), called through :mod:`ctypes` (which lets go
-of the GIL for the call).
+compiled once per machine with the C compiler Python was built with, called through
+:mod:`ctypes` (which lets go of the GIL for the call).
 
 Where no compiler works (or ``RINGFLOW_NATIVE_COPY=0`` is set), :func:`copier` returns None and
-callers copy with numpy as before.
+callers copy with numpy as before. The library is built into a per-user cache directory
+(``RINGFLOW_CACHE_DIR``, else ``$XDG_CACHE_HOME/ringflow``, else ``~/.cache/ringflow``) under a
+name that hashes its source and the platform, written to a temporary name and renamed, so
+concurrent first uses are safe.
 
 One copy runs on the pool at a time; a copy that finds the pool busy (another thread's copy)
 runs on its own thread alone instead of waiting. After ``fork`` the child starts a fresh pool.
@@ -19,15 +22,19 @@ runs on its own thread alone instead of waiting. After ``fork`` the child starts
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
+import pathlib
+import platform
+import subprocess
 import sys
+import sysconfig
+import tempfile
 import threading
 from typing import Optional
 
 import numpy as np
-
-from . import native_build
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +127,32 @@ _lock = threading.Lock()
 _loaded: "Optional[ctypes.CDLL] | bool" = None  # None: not tried yet; False: unavailable
 
 
+def _cache_dir() -> pathlib.Path:
+    base = os.environ.get("RINGFLOW_CACHE_DIR")
+    if base:
+        return pathlib.Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (pathlib.Path(xdg) if xdg else pathlib.Path.home() / ".cache") / "ringflow"
+
+
+def _library_path() -> pathlib.Path:
+    tag = hashlib.sha256((_SOURCE + platform.platform() + platform.machine()).encode()).hexdigest()[:16]
+    return _cache_dir() / f"native_copy-{tag}.so"
+
+
+def _build(path: pathlib.Path) -> None:
+    """Compile the library to ``path``. Raises OSError or subprocess errors where it cannot."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        src = pathlib.Path(tmp) / "native_copy.c"
+        src.write_text(_SOURCE)
+        out = pathlib.Path(tmp) / path.name
+        subprocess.run([*cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(out), str(src)], check=True,
+                       capture_output=True, timeout=120)
+        os.replace(out, path)  # atomic: a concurrent first use sees the old name or the whole file
+
+
 def copier() -> "Optional[ctypes.CDLL]":
     """The loaded library, building it on first use; None where it cannot be had (logged once)."""
     global _loaded
@@ -134,13 +167,18 @@ def _load() -> "ctypes.CDLL | bool":
     if os.environ.get("RINGFLOW_NATIVE_COPY", "1") == "0" or not sys.platform.startswith("linux"):
         log.info("native copies off: copying host memory with numpy on the calling thread")
         return False
+    path = _library_path()
     try:
-        lib = native_build.load("native_copy", _SOURCE)
+        if not path.exists():
+            _build(path)
+        lib = ctypes.CDLL(str(path))
         lib.ringflow_copy.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         lib.ringflow_copy.restype = ctypes.c_int
         return lib
     except Exception as exc:  # noqa: BLE001 - any failure leaves numpy's copy, which always works
-        log.info("native copies unavailable (%s): copying host memory with numpy", native_build.failure_detail(exc))
+        detail = getattr(exc, "stderr", b"") or b""
+        log.info("native copies unavailable (%s: %s%s): copying host memory with numpy", type(exc).__name__, exc,
+                 f"; {detail.decode(errors='replace').strip()[:300]}" if detail else "")
         return False
 
 

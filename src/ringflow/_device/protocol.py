@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import ctypes
 import threading
 import dataclasses
 import math
@@ -36,24 +35,6 @@ if TYPE_CHECKING:
     from .hardware import HardwareProfile
 
 ByteRange = tuple[int, int]
-
-
-class WakeWord(threading.Event):
-    """The ``wake`` of :meth:`Device.wait_any`: a :class:`threading.Event` whose state a native
-    wait can also read, an int (:attr:`word`) that :meth:`set` makes 1 (before waking Python
-    waiters) and :meth:`clear` makes 0."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.word = ctypes.c_int(0)
-
-    def set(self) -> None:
-        self.word.value = 1
-        super().set()
-
-    def clear(self) -> None:
-        super().clear()
-        self.word.value = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -577,9 +558,8 @@ class Device(abc.ABC):
     def wait_any(self, waitables: Sequence[Any], timeout: float | None = None,
                  wake: "threading.Event | None" = None) -> list[Any]:
         """Block until at least one of the events / host tasks is done, ``timeout`` seconds pass,
-        or ``wake`` is set (by another thread: new work to start; a :class:`WakeWord` lets a
-        native wait see it without the GIL); returns those done. Observing one done orders the
-        caller after it."""
+        or ``wake`` is set (by another thread: new work to start); returns those done. Observing
+        one done orders the caller after it."""
 
     def publish(self) -> Any:
         """A token of everything the calling host thread has done and seen, for another thread

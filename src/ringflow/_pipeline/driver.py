@@ -28,7 +28,6 @@ import concurrent.futures
 import threading
 from typing import Any, Callable, Optional
 
-from .._device.protocol import WakeWord
 from .._errors import DeviceError
 
 _POLL_S = 0.05  # the longest a driver waits on the device before looking at its deadlines again
@@ -64,7 +63,7 @@ class _Driver:
         self.commands: collections.deque[Command] = collections.deque()
         self.interest: list = []  # [predicate, deadline] of every wait in progress
         self.timed: list = []  # those of them with a deadline (few: scanned every turn)
-        self.wake = WakeWord()  # set by any thread with new work; a native device wait sees it too
+        self.wake = threading.Event()
         self._stepper: Any = None  # the thread that last drove the scheduler, and what it had seen
         self._stepper_token: Any = None
 

@@ -119,44 +119,6 @@ def test_wait_any_events_and_host_tasks(cuda_device):
     s.close()
 
 
-def test_wait_any_polls_natively_without_the_gil_and_wakes_on_a_wake_word(cuda_device):
-    """The first 5 ms of a wait for CUDA events is one native poll that holds no GIL: another
-    Python thread runs meanwhile, a completion ends it, and so does a WakeWord set by another
-    thread."""
-    import threading
-
-    from ringflow._device.cuda import event_poll
-    from ringflow._device.protocol import WakeWord
-
-    assert event_poll.poller() is not None  # the GPU machine has a C compiler
-    dev = cuda_device
-    s = dev.create_stream()
-    spin = Spin(dev)
-    spin(s, 0.3)
-    slow = s.record()
-    wake = WakeWord()
-    counted, stop = [0], threading.Event()
-
-    def count():
-        while not stop.is_set():
-            counted[0] += 1
-
-    t = threading.Thread(target=count)
-    t.start()
-    threading.Timer(0.002, wake.set).start()
-    t0 = time.perf_counter()
-    before = counted[0]
-    assert dev.wait_any([slow], wake=wake) == []  # woken within the native phase
-    woke, during = time.perf_counter() - t0, counted[0] - before
-    stop.set()
-    t.join()
-    assert woke < 0.1 and during > 0
-    wake.clear()
-    assert dev.wait_any([slow], wake=wake) == [slow] and slow.error is None
-    spin.close()
-    s.close()
-
-
 def test_launch_error_propagates_unchanged(cuda_device):
     dev = cuda_device
     s = dev.create_stream()

@@ -12,24 +12,23 @@ import time
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from ..host_pool import without_pooled
-from ..protocol import BufferSlice, Capabilities, Device, DeviceBuffer, LiveCounts, WakeWord, close_quietly
-from . import event_poll
+from ..protocol import BufferSlice, Capabilities, Device, DeviceBuffer, LiveCounts, close_quietly
 from ._lib import check, core, driver, translate
 from ._live import LiveRegistry
 from .arrays import resolve
 from .memory import CudaDeviceBuffer, PinnedCache, PinnedHostBuffer, RegisteredHostBuffer
 from .pool import CudaHostTask, ThreadWorkerPool
 from .probe import probe
-from .stream import CudaEvent, CudaStream
+from .stream import CudaStream
 
 # Keep the pool's freed memory instead of returning it to the OS at every synchronisation.
 _POOL_RELEASE_THRESHOLD = (1 << 64) - 1
-_WAIT_SPIN_S = 0.005  # wait_any first polls without a pause for this long ...
+_WAIT_SPIN_S = 0.005  # wait_any first polls with a yield between polls for this long ...
 _WAIT_FIRST_SLEEP_S = 20e-6  # ... then sleeps, from this ...
 _WAIT_MAX_SLEEP_S = 200e-6   # ... to this, so a completion is seen within ~0.2 ms
 _IDLE_STREAMS_MAX = 16  # closed streams kept per priority for reuse
@@ -257,14 +256,11 @@ class CudaDevice(Device):
         return those done (empty on timeout). An event that hit a sticky device error counts
         as done (its ``error`` is set).
 
-        Completions are polled: first for ``_WAIT_SPIN_S`` without a pause (a pipeline hands
-        off every few hundred microseconds, and a sleeping poller adds its sleep to every
-        hand-off: measured on the H200, 20-200 us sleeps made a 16-chunk pipeline 2.8x slower
-        than its ideal), then with sleeps growing from 20 us to 200 us so an idle wait does not
-        burn a core. The first phase is one native call that holds no GIL (:mod:`.event_poll`,
-        watching ``wake``'s word where it is a :class:`~ringflow._device.protocol.WakeWord`)
-        where it can be built and only CUDA events are waited on; else Python polls with a yield
-        between polls."""
+        Completions are polled: first for ``_WAIT_SPIN_S`` with a GIL-releasing yield between
+        polls (a pipeline hands off every few hundred microseconds, and a sleeping poller adds
+        its sleep to every hand-off: measured on the H200, 20-200 us sleeps made a 16-chunk
+        pipeline 2.8x slower than its ideal), then with sleeps growing from 20 us to 200 us so
+        an idle wait does not burn a core."""
         waitables = list(waitables)
         if not waitables:
             raise ValueError("wait_any needs at least one event or host task to wait for")
@@ -283,7 +279,6 @@ class CudaDevice(Device):
         # sets it and the wait returns at once.
         tasks = any(isinstance(w, CudaHostTask) for w in waitables)
         flag = self._host_task_done
-        native: Any = False  # the native poll, made when first needed (None: none to be had)
         while True:
             if tasks:
                 flag.clear()
@@ -296,12 +291,6 @@ class CudaDevice(Device):
             if t - start < _WAIT_SPIN_S:
                 if tasks:
                     flag.wait(_WAIT_FIRST_SLEEP_S)
-                    continue
-                if native is False:
-                    native = self._native_poll(waitables, wake)
-                if native is not None:  # then each event is asked again above, as it reports errors
-                    end = start + _WAIT_SPIN_S if deadline is None else min(start + _WAIT_SPIN_S, deadline)
-                    native(end - t)
                 else:
                     time.sleep(0)  # yield the GIL to the workers, then poll again
                 continue
@@ -311,23 +300,6 @@ class CudaDevice(Device):
             else:
                 time.sleep(max(0.0, step))
             delay = min(delay * 2, _WAIT_MAX_SLEEP_S)
-
-    def _native_poll(self, waitables: Sequence[Any], wake: "threading.Event | None") -> "Callable[[float], int] | None":
-        """A native poll of ``waitables`` for up to a given time (seconds), or None where it
-        cannot be had: no poller here, or something other than a pending CUDA event among them,
-        or a ``wake`` that is no :class:`WakeWord` (its state would not be seen)."""
-        poller = event_poll.poller()
-        if poller is None or (wake is not None and not isinstance(wake, WakeWord)):
-            return None
-        handles = []
-        for w in waitables:
-            handle = w.handle_value if isinstance(w, CudaEvent) else None
-            if handle is None:
-                return None
-            handles.append(handle)
-        self._ensure_current()
-        word = None if wake is None else wake.word
-        return lambda timeout: poller.poll(handles, timeout, word)
 
     def timing_floor(self, stream: Any) -> float:
         """Measured once per device (the least of a few back-to-back pairs of timing events on

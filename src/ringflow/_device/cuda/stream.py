@@ -67,15 +67,6 @@ class CudaEvent(Event):
             pass
 
     @property
-    def handle_value(self) -> "int | None":
-        """The ``CUevent`` as an int, for a native poll (:mod:`.event_poll`); None once the event
-        is closed or known done (nothing to poll)."""
-        cc = self._cc
-        if cc is None or self._done:
-            return None
-        return int(cc.handle)
-
-    @property
     def is_done(self) -> bool:
         if self._done:
             return True
