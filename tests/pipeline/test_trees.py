@@ -64,6 +64,24 @@ def test_random_pytrees_come_back_in_their_structure(specs, seed, path):
         assert same_tree(it, r), (it, r)
 
 
+def test_a_pytree_over_4_mib_may_be_changed_once_submit_returns_where_copies_split_natively():
+    """An item of several arrays that fits a chunk is packed into pinned memory by the accepting
+    thread, as a plain array is (with native copy threads): the caller may overwrite its leaves
+    as soon as ``submit`` returns."""
+    from ringflow._device import native_copy
+
+    if native_copy.copier() is None:
+        pytest.skip("no C compiler here")
+    rng = np.random.default_rng(7)
+    item = {"images": rng.integers(0, 50, (5 << 20) // 4).astype(np.float32), "labels": np.arange(10)}
+    kept = {k: v.copy() for k, v in item.items()}
+    with rf.Pipeline(doubled, device=rf.device("sim", seed=7), chunk_bytes=8 << 20, checked=True) as pipe:
+        fut = pipe.submit(item)
+        for leaf in item.values():
+            leaf[...] = -1
+        assert same_tree(kept, fut.result())
+
+
 def test_images_and_labels_in_scores_and_labels_out():
     dev = rf.device("sim", chaos=True, seed=3)
 

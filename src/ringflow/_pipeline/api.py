@@ -100,6 +100,8 @@ def stage_limit(chunk_bytes: int) -> int:
     if native_copy.copier() is not None:
         return chunk_bytes
     return min(STAGE_AT_ACCEPT_BYTES, chunk_bytes)
+
+
 _NO_ROOM = object()  # a map's shared item that must wait for capacity: nothing of it was accepted
 _SHARES = object()  # a map's pulled item that goes into a shared chunk
 
