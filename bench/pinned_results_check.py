@@ -2,7 +2,7 @@
 
 * ``requests``: the full workload (capacity, latency under load, both torch baselines), then
   capacity alone, interleaved over rounds, for each way of moving a request's bytes: staged into
-  a pool array by ``submit`` up to ``api.stage_limit`` (the default), through the host
+  a pool array by ``submit`` (the default), through the host
   rings and CPU workers (the pool's budget too small for any item), staged by ``submit`` at any
   size, staged by the workers with results in cached pool blocks, and items that are pool arrays
   themselves (read in place). Host time the progress thread spends in scheduling steps per
@@ -93,17 +93,18 @@ def requests_ab(dev, count: int, rounds: int) -> dict:
     items = request_items(count, 8 * MiB)
     pooled_items = pooled_copies(dev, items)
     budget = host_pool.pool_for(dev).budget
-    stage_limit = api.stage_limit
+    read_in_place = api.Pipeline._read_in_place
 
     def with_budget(nbytes):
         return lambda: rf.host.set_budget(nbytes, device=dev), lambda: rf.host.set_budget(budget, device=dev)
 
-    def with_threshold(nbytes):
+    def with_threshold(nbytes):  # items over nbytes left to the CPU workers (results from the accepting thread)
         def on():
-            api.stage_limit = lambda chunk_bytes: min(chunk_bytes, nbytes)
+            api.Pipeline._read_in_place = lambda self, item: (
+                (type(item) is np.ndarray and item.nbytes > nbytes) or read_in_place(self, item))
 
         def off():
-            api.stage_limit = stage_limit
+            api.Pipeline._read_in_place = read_in_place
         return on, off
 
     nothing = (lambda: None, lambda: None)
@@ -118,10 +119,9 @@ def requests_ab(dev, count: int, rounds: int) -> dict:
         protocol.SPLIT_COPY_BYTES = split
 
     variants = {
-        "staged at acceptance as api.stage_limit says (default)": (items, nothing),
+        "staged at acceptance (default)": (items, nothing),
         "host rings and workers (pool budget 4 KiB)": (items, with_budget(4096)),
         "staged at acceptance, each copy on one thread": (items, (one_thread, restore)),
-        "staged at acceptance, any size": (items, with_threshold(1 << 62)),
         "workers stage, results from cached pool blocks": (items, with_threshold(0)),
         "items already pool arrays (read in place)": (pooled_items, nothing),
     }

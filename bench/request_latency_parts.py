@@ -16,7 +16,8 @@ pool's pinning during the loaded level, ``submit``'s time by item size, and the 
 collector's pauses. Variants: ``plain`` (the bench's pipeline), ``swi`` (a 0.5 ms GIL switch
 interval: does waiting for the GIL make the tail), ``alone`` (``coalesce=False``), ``slotsN``
 (N slots in every ring), ``hostN`` (N slots in each host ring, three in each device ring),
-``stageN`` (items up to N MiB staged by ``submit``).
+``stageN`` (items over N MiB left to the CPU workers, copied after ``submit`` returns, as
+before: the accepting thread's seam ``Pipeline._read_in_place`` patched).
 
     PYTHONPATH=src python3 bench/request_latency_parts.py --device cuda:0 --out parts.json
 """
@@ -72,9 +73,11 @@ def run_variant(dev, items, name: str, load: float, passes: int) -> dict:
         return rec
 
     api.record_chunk = recording
-    interval, stage_limit = sys.getswitchinterval(), api.stage_limit
-    if name.startswith("stage"):  # items up to N MiB staged (and shared) by the accepting thread
-        api.stage_limit = lambda chunk_bytes: min(chunk_bytes, int(name[5:]) * MiB)
+    interval, read_in_place = sys.getswitchinterval(), api.Pipeline._read_in_place
+    if name.startswith("stage"):  # items over N MiB left to the CPU workers, as before 374fe74
+        limit = int(name[5:]) * MiB
+        api.Pipeline._read_in_place = lambda self, item: (
+            (type(item) is np.ndarray and item.nbytes > limit) or read_in_place(self, item))
     if name == "swi":
         sys.setswitchinterval(0.0005)
     try:
@@ -128,7 +131,7 @@ def run_variant(dev, items, name: str, load: float, passes: int) -> dict:
     finally:
         api.record_chunk = record
         sys.setswitchinterval(interval)
-        api.stage_limit = stage_limit
+        api.Pipeline._read_in_place = read_in_place
     parts = {p: np.full(n, np.nan) for p in PARTS}
     per_chunk = []
     for c in chunks.values():

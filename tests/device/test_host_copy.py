@@ -34,11 +34,13 @@ def test_python_copy_threads_grow_with_size():
 
 
 def test_without_native_copies_a_staged_item_is_copied_by_the_accepting_thread_alone(monkeypatch):
+    """Python threads split only copies of two SPLIT_COPY_BYTES and more: a request-sized copy
+    (up to 4 MiB, or any under 8 MiB) stays on the accepting thread."""
     from ringflow._device import native_copy
-    from ringflow._pipeline.api import STAGE_AT_ACCEPT_BYTES
 
     monkeypatch.setattr(native_copy, "_loaded", False)  # as where no compiler works
-    assert protocol.copy_threads(STAGE_AT_ACCEPT_BYTES) == 1
+    assert protocol.copy_threads(4 << 20) == 1
+    assert protocol.copy_threads(2 * protocol.SPLIT_COPY_BYTES - 1) == 1
     assert protocol.copy_threads(64 * protocol.SPLIT_COPY_BYTES) == protocol.MAX_COPY_THREADS
 
 

@@ -85,25 +85,43 @@ def test_coalesce_false_gives_each_item_a_chunk_of_its_own():
 
 
 @pytest.mark.parametrize("how", ["submit", "map"])
-def test_an_item_over_4_mib_may_be_changed_once_submit_returns_where_copies_split_natively(how):
-    """With native copy threads the accepting thread stages every plain array that fits a chunk
-    (its copy is split, so it costs no more than a worker's, and no chunk waits behind a worker's
-    round trip): one over 4 MiB goes in a chunk of its own, already copied when ``submit``
-    returns (or ``map`` pulls the next item), so the caller may overwrite it at once."""
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("room", [True, False])
+def test_a_plain_array_may_be_changed_once_submit_returns_whatever_its_size_or_the_pool(monkeypatch, how, native,
+                                                                                        room):
+    """The accepting thread copies every plain array before ``submit`` returns (or ``map`` pulls
+    the next item), so the caller may overwrite it at once: one over 4 MiB in a chunk of its own
+    (it once went to a CPU worker, which copied it later), with native copy threads or without,
+    and, where the pool has no room, into ordinary memory that a worker then copies into a
+    slot."""
     from ringflow._device import native_copy
 
-    if native_copy.copier() is None:
+    if native and native_copy.copier() is None:
         pytest.skip("no C compiler here")
+    if not native:
+        monkeypatch.setattr(native_copy, "_loaded", False)  # as where no compiler works
+    dev = rf.device("sim", seed=4)
+    if not room:
+        rf.host.set_budget(1, device=dev)
     rng = np.random.default_rng(4)
     xs = [rng.random((5 << 20) // 4).astype(np.float32) for _ in range(2)] + items(3, seed=4)
-    originals = [x.copy() for x in xs]
+    xs.append((rng.random(1000).astype(np.float32), np.arange(7)))  # a tuple of arrays too
+    originals = [tuple(a.copy() for a in x) if isinstance(x, tuple) else x.copy() for x in xs]
 
     def overwritten_after_use():  # each item overwritten as soon as the next is asked for
         for x in xs:
             yield x
-            x[...] = -1.0
+            for a in (x if isinstance(x, tuple) else (x,)):
+                a[...] = -1
 
-    with rf.Pipeline(f, device=rf.device("sim", seed=4), chunk_bytes=16 << 20, checked=True) as pipe:
+    def double_leaves(x, y):
+        if isinstance(x, tuple):
+            for a, b in zip(x, y):
+                b[...] = a * 2 + 1
+        else:
+            f(x, y)
+
+    with rf.Pipeline(double_leaves, device=dev, chunk_bytes=16 << 20, checked=True) as pipe:
         if how == "submit":
             futs = []
             for x in overwritten_after_use():
@@ -112,8 +130,11 @@ def test_an_item_over_4_mib_may_be_changed_once_submit_returns_where_copies_spli
         else:
             results = list(pipe.map(overwritten_after_use()))
         chunks = pipe.scheduler.chunks_admitted
-    assert all(np.array_equal(r, expected(x)) and r.shape == x.shape for r, x in zip(results, originals))
-    assert chunks == 3  # each large item alone; the small ones share a chunk
+    for r, x in zip(results, originals):
+        for got, want in zip(r if isinstance(x, tuple) else (r,), x if isinstance(x, tuple) else (x,)):
+            assert np.array_equal(got, expected(want)) and got.shape == want.shape
+    if room:
+        assert chunks == 4  # each large item alone, the small ones sharing a chunk, the tuple alone
 
 
 def test_a_pool_array_over_4_mib_given_to_submit_is_read_in_place_not_copied_into_a_shared_chunk():
@@ -446,6 +467,57 @@ def test_ctrl_c_pressed_again_while_a_shared_submit_cleans_up_still_takes_the_it
             assert fired == 2 and problems is None, f"Ctrl-C at {first}, again at {again}: {problems}"
             second += 1
     assert second > 50  # the clean-ups ran that many instructions in all
+
+
+LONE_SUBMIT = ("submit", "_accepting", "_staged_copy", "_read_in_place", "_private_copy", "_output_spec",
+               "_wait_for_capacity", "accept")
+
+
+def _lone_submit_interrupted_at(n: int, room: bool) -> tuple:
+    """On a checked simulated GPU, an item over 4 MiB (a chunk of its own) submitted with Ctrl-C at
+    its submit's ``n``-th instruction, the pool with room to stage it (``room``) or none (the
+    item copied into ordinary memory). Returns how many instructions ran, how many interrupts
+    fired, and what went wrong afterwards (None: nothing)."""
+    dev = rf.device("sim", seed=2)
+    if not room:
+        rf.host.set_budget(1, device=dev)
+    x = np.random.default_rng(2).random((5 << 20) // 4).astype(np.float32)
+    want = expected(x)
+    pipe = rf.Pipeline(f, device=dev, chunk_bytes=8 << 20, checked=True)
+    with InterruptAt(n, LONE_SUBMIT) as at:
+        try:
+            fut = pipe.submit(x)
+        except KeyboardInterrupt:
+            fut = None
+    x[...] = -1  # the caller reuses its array at once, interrupted or not
+    problems: list = []
+    try:
+        if fut is not None and not np.array_equal(fut.result(timeout=60), want):
+            problems.append("the item's result is wrong")
+        fut = None
+        pipe.close()
+        stats = pipe.stats()
+        if stats.accepted > 1 or stats.delivered != stats.accepted or stats.in_flight:
+            problems.append(f"counts do not add up: {stats}")
+        gc.collect()
+        if rf.host.stats(device=dev).in_use_bytes:
+            problems.append(f"pool memory still held: {rf.host.stats(device=dev)}")
+    except BaseException as exc:  # noqa: BLE001 - reported below
+        problems.append(repr(exc)[:300])
+    return at.seen, at.fired, problems or None
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["staged", "no-room"])
+def test_ctrl_c_at_any_instruction_of_a_lone_submit_accepts_the_item_whole_or_not_at_all(room):
+    """Ctrl-C between any two instructions of the submit of an item that goes alone (staged into
+    a pool array of its own, or copied into ordinary memory where the pool has no room): submit
+    raises and nothing is accepted or held, or the item is accepted whole, and its result is
+    its bytes as they were when submit was called, though the caller overwrote them at once."""
+    seen, fired, problems = _lone_submit_interrupted_at(10 ** 9, room)
+    assert not fired and problems is None and seen > 10
+    for n in range(seen):
+        _, fired, problems = _lone_submit_interrupted_at(n, room)
+        assert fired and problems is None, f"Ctrl-C at instruction {n} of {seen}: {problems}"
 
 
 def test_submitting_threads_share_chunks_with_the_checker_on():

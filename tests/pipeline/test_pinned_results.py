@@ -129,19 +129,18 @@ def test_pooled_items_are_read_in_place_without_a_prepare(dev, monkeypatch):
 
 
 @pytest.mark.parametrize("how", ["submit", "map"])
-def test_an_item_too_large_to_stage_gets_a_pinned_result_from_the_accepting_thread(dev, how, monkeypatch):
-    """Without native copy threads, an item of more than 4 MiB goes through a host-in slot and a
-    CPU worker. Its result is still a pinned array, taken (pinned where none is cached) by the
-    accepting thread: the progress thread takes cached blocks only, and on an empty pool the
-    result came back through a host-out slot and a CPU copy into new memory."""
-    from ringflow._device import native_copy
-
-    monkeypatch.setattr(native_copy, "_loaded", False)  # as where no compiler works
-    x = np.arange(5 << 18, dtype=np.float32)  # 5 MiB
+def test_an_item_read_in_place_gets_a_pinned_result_from_the_accepting_thread(dev, how):
+    """A pool array of more than 4 MiB is read in place, in a chunk of its own, with no staging
+    copy to carry its result back. The result is still a pinned array, taken (pinned where none
+    is cached) by the accepting thread: the progress thread takes cached blocks only, and on an
+    empty pool the result came back through a host-out slot and a CPU copy into new memory."""
+    x = rf.host.empty((5 << 18,), np.float32, device=dev)  # 5 MiB
+    x[:] = np.arange(x.size)
     with rf.Pipeline(f, device=dev, chunk_bytes=8 << 20, slots=2) as pipe:
         r = pipe.submit(x).result() if how == "submit" else next(iter(pipe.map([x])))
     np.testing.assert_array_equal(r, x * 2 + 1)
     assert host_pool.buffer_behind(r, dev) is not None and r.flags.writeable
+    assert host_pool.buffer_behind(r, dev) is not host_pool.buffer_behind(x, dev)
 
 
 @pytest.mark.parametrize("how", ["submit", "map", "stream_map x", "stream_map out", "MapJob"])

@@ -29,14 +29,14 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Optional
 import numpy as np
 
 from .._device import device as make_device, device_list
-from .._device import host_pool, native_copy
+from .._device import host_pool
 from .._device.protocol import Device
 from .._errors import StageError
 from .chunk import Chunk, ChunkFuture
 from .driver import CallerDriver, ProgressThread, resolve
 from .config import PipelineConfig, SlotCounts
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, lent_slots, resolve_slots
-from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_into, packed
+from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_into, packed, unflatten
 from .like import converter
 from .validate import as_host_array, check_choice, check_flag, check_options, check_output_spec, check_timeout
 from .scheduler import Scheduler
@@ -56,6 +56,15 @@ def _copy_array_in(arr: np.ndarray, raw: np.ndarray, chunk_bytes: int, parameter
     dst = raw[:arr.nbytes].view(arr.dtype).reshape(arr.shape)
     np.copyto(dst, arr, casting="no")
     return arr.shape, arr.dtype
+
+
+def _private_copy(item: Any) -> Any:
+    """A copy of a plain array item (or of each array of a tuple, list or dict of them) in
+    ordinary memory that only the pipeline holds."""
+    if is_tree(item):
+        leaves, tree = flatten(item)
+        return unflatten(tree, [np.array(as_host_array(leaf)) for leaf in leaves])
+    return np.array(item)
 
 
 def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any, raw: np.ndarray) -> tuple:
@@ -79,27 +88,12 @@ def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any
     return _copy_array_in(arr, raw, chunk_bytes)
 
 
-# Where copies are made by numpy on one thread (no native copy threads), items up to this size
-# are copied into pinned memory by the accepting thread and larger ones by the CPU workers,
-# which copy several at once (one thread copies at about a quarter of the host's rate, and a
-# large copy outweighs the round trip to a worker). See docs/design.md and :func:`stage_limit`.
-STAGE_AT_ACCEPT_BYTES = 4 << 20
 # Items up to this size may share a chunk. A larger one fills most of a chunk, and in a part of a
 # shared chunks' slab it would leave the slab's tail unused (more slabs pinned for the same
 # requests): it goes in a chunk of its own, staged into a pool array of its size. A pool array up
 # to this size given to ``submit`` is copied into a shared chunk too (the copy costs the
 # submitting thread less than a chunk of its own costs the progress thread).
 SHARE_AT_MOST_BYTES = 4 << 20
-
-
-def stage_limit(chunk_bytes: int) -> int:
-    """The largest item (bytes) the accepting thread copies into pinned memory itself: every one
-    that fits a chunk where copies are split over native threads (the copy costs the accepting
-    thread no more than a worker's costs the pipeline, and no chunk waits behind an item's round
-    trip through a worker), else :data:`STAGE_AT_ACCEPT_BYTES`."""
-    if native_copy.copier() is not None:
-        return chunk_bytes
-    return min(STAGE_AT_ACCEPT_BYTES, chunk_bytes)
 
 
 _NO_ROOM = object()  # a map's shared item that must wait for capacity: nothing of it was accepted
@@ -186,13 +180,11 @@ class Pipeline:
     itself); ``consume(index, item, result) -> value`` (CPU) gets a read-only view of the
     result, valid during the call (default: the result itself). Without ``prepare``, ``submit``
     and ``map`` copy each array into pinned memory from :mod:`ringflow.host`'s pool on the
-    calling thread (the caller may reuse its array once ``submit`` returns; an array from that
+    calling thread, so the caller may reuse its array once ``submit`` returns (an array from that
     pool is read in place by ``map``, and by ``submit`` above 4 MiB, while ``submit`` copies a
-    smaller one into the chunk it shares; without native copy threads, arrays over 4 MiB are
-    copied later by the CPU workers, so keep them unchanged until their result), and the result
-    comes back in pinned memory, which goes back
-    to the pool once dropped; where the pool has no room, items are copied by the CPU workers and
-    results are new numpy arrays. A compute callable may carry a ``sim_seconds`` attribute
+    smaller one into the chunk it shares), and the result comes back in pinned memory, which goes
+    back to the pool once dropped; where the pool has no room, the item is copied into ordinary
+    memory instead (a CPU worker then copies it into a slot) and results are new numpy arrays. A compute callable may carry a ``sim_seconds`` attribute
     (seconds, or a function of the chunk's bytes) for its duration on the simulated GPU.
 
     ``output`` gives the result's shape and dtype where they are not the input's: one
@@ -351,7 +343,6 @@ class Pipeline:
             procs = ProcessPrepare(self.device, user_prepare, counts.host_in * chunk_bytes, chunk_bytes, workers)
         prepare_stage = stage_prepare or procs or functools.partial(_prepare_array, user_prepare, chunk_bytes)
         self._items_are_arrays = stage_prepare is None and user_prepare is None  # sizes known before acceptance
-        self._stage_bytes = stage_limit(chunk_bytes)
         # submit() lets small array items share a chunk where each item's result is its own
         # compute's output in a pooled array (see docs/design.md, "Items sharing a chunk")
         self._coalesce = (check_flag("coalesce", coalesce) and not bulk and self._items_are_arrays and not processes
@@ -437,9 +428,11 @@ class Pipeline:
 
     def _accepting(self, item: Any) -> dict:
         """What the accepting thread prepares for ``item`` before taking the lock: its output spec,
-        its pinned staging copy, and a pinned result array where the staging copy cannot carry
-        the result back (shaped otherwise, or no staging copy) (keyword arguments of
-        :meth:`Scheduler.accept`)."""
+        its pinned staging copy (or, where the pool has no room, a copy in ordinary memory, the
+        item from then on: a plain array is copied before ``submit`` returns either way), and a
+        pinned result array where the staging copy cannot carry the result back (shaped
+        otherwise, or no staging copy) (keyword arguments of :meth:`Scheduler.accept`, the item
+        among them)."""
         out_spec = self._output_spec(item)
         found = self.device.device_source(item) if self._items_are_arrays else None
         if found is not None:  # a device array: read in place after its producer's stream
@@ -453,35 +446,40 @@ class Pipeline:
                 else:
                     want = out_spec
                 result = self._pool.take(*want)
-            return {"out_spec": out_spec, "result": result, "on_device": (where, shape, np.dtype(dtype)),
+            return {"item": item, "out_spec": out_spec, "result": result, "on_device": (where, shape, np.dtype(dtype)),
                     "source_ready": self.device.record_on(stream)}
         staged, staged_at, in_tree = self._staged_copy(item) or (None, None, None)
+        if staged is None and self._items_are_arrays and not self._read_in_place(item):
+            # the pool had no room: a CPU worker copies the item into a slot later, so the copy
+            # after which the caller may change its array is made now, into ordinary memory
+            item = _private_copy(item)
         result = None
         if self._pool is not None and self.config.deliver == "host":
             if out_spec is not None:
                 shape, dtype = ((out_spec.nbytes,), np.dtype(np.uint8)) if isinstance(out_spec, Packed) else out_spec
                 if staged is None or (staged.shape, staged.dtype) != (shape, dtype):
                     result = self._pool.take(shape, dtype)  # pinned on this thread, not on the progress thread
-            elif staged is None and type(item) is np.ndarray and self._left_unstaged(item):
-                # an item not staged by choice (a large one, or a pool array read in place) gets
-                # its pinned result here: the progress thread takes cached blocks only, and where
-                # none is cached the result would come back through a slot and a CPU copy (one the
-                # pool had no room to stage is not asked for more)
+            elif staged is None and self._read_in_place(item):
+                # a pool array read in place gets its pinned result here: the progress thread
+                # takes cached blocks only, and where none is cached the result would come back
+                # through a slot and a CPU copy (an item the pool had no room to stage is not
+                # asked for more)
                 result = self._pool.take(item.shape, item.dtype)
-        return {"staged": staged, "staged_at": staged_at, "out_spec": out_spec, "result": result, "in_tree": in_tree}
+        return {"item": item, "staged": staged, "staged_at": staged_at, "out_spec": out_spec, "result": result,
+                "in_tree": in_tree}
 
     def _staged_copy(self, item: Any) -> Optional[tuple]:
         """``(array, (start, end), packed layout or None)``: a plain array item (or a tuple, list
         or dict of them, packed) copied into a pinned pool array on the accepting thread (the
         copy lets go of the GIL) and when (host clock); or None: the item is a pool array itself
-        (read in place), larger than :func:`stage_limit` allows or the pool has no room (it
-        goes through a host-in slot and a CPU worker), or items are not plain arrays. See
-        docs/design.md, "Pinned staging and results"."""
+        (read in place) or the pool has no room (it goes through a host-in slot and a CPU
+        worker), or items are not plain arrays. See docs/design.md, "Pinned staging and
+        results"."""
         if not self._items_are_arrays or self._pool is None:
             return None
         if is_tree(item):
             leaves, layout = tree_layout(item, self.config.chunk_bytes)
-            if layout.nbytes > self._stage_bytes or layout.nbytes == 0:
+            if layout.nbytes == 0:
                 return None
             t0 = self.device.now
             staged = self._pool.take((layout.nbytes,), np.dtype(np.uint8))
@@ -490,7 +488,7 @@ class Pipeline:
             for view, leaf in zip(flatten(host_views(layout, staged))[0], leaves):
                 self.device.host_copy(view, leaf)
             return staged, (t0, self.device.now), layout
-        if self._left_unstaged(item):
+        if self._read_in_place(item):
             return None
         t0 = self.device.now
         staged = self._pool.take(item.shape, item.dtype)
@@ -499,10 +497,10 @@ class Pipeline:
         self.device.host_copy(staged, item)
         return staged, (t0, self.device.now), None
 
-    def _left_unstaged(self, item: np.ndarray) -> bool:
-        """Whether the accepting thread leaves an array item unstaged by choice: larger than
-        :func:`stage_limit` allows, or pool memory that the h2d reads in place."""
-        return item.nbytes > self._stage_bytes or host_pool.slice_behind(item, self.device) is not None
+    def _read_in_place(self, item: Any) -> bool:
+        """Whether the h2d reads ``item`` where it is: a plain array in pool memory (a pool array
+        or a view of one), which the accepting thread leaves unstaged."""
+        return type(item) is np.ndarray and host_pool.slice_behind(item, self.device) is not None
 
     # -- submitting and mapping ---------------------------------------------------------------
     def submit(self, item: Any, timeout: Optional[float] = None) -> ChunkFuture:
@@ -533,7 +531,7 @@ class Pipeline:
         d, s = self._driver, self._sched
         with d.cv:
             self._wait_for_capacity(timeout)
-            chunk = s.accept(item, d, **accepting)
+            chunk = s.accept(driver=d, **accepting)
             d.notify()
         return chunk.future
 
@@ -547,11 +545,10 @@ class Pipeline:
 
     def _shares_chunk(self, item: Any) -> bool:
         """Whether ``submit`` puts ``item`` in a chunk other items may share: a plain array of up
-        to :data:`SHARE_AT_MOST_BYTES` that the accepting thread stages (:func:`stage_limit`). A
-        pool array of that size shares too: copying it costs the submitting thread less than a
+        to :data:`SHARE_AT_MOST_BYTES` that fits a chunk. A pool array of that size shares too: copying it costs the submitting thread less than a
         chunk of its own costs the progress thread (docs/design.md, "Items sharing a chunk")."""
         return (self._coalesce and type(item) is np.ndarray
-                and 0 < item.nbytes <= min(SHARE_AT_MOST_BYTES, self._stage_bytes))
+                and 0 < item.nbytes <= min(SHARE_AT_MOST_BYTES, self.config.chunk_bytes))
 
     def _submit_shared(self, item: np.ndarray, timeout: Optional[float],
                        wait: bool = True) -> "ChunkFuture | None | object":
@@ -699,7 +696,7 @@ class Pipeline:
                         if not s.accepting or not s.has_capacity():
                             break
                         carried.pop()
-                        chunk = s.accept(item, d, in_map=True, **accepting)
+                        chunk = s.accept(driver=d, in_map=True, **accepting)
                         pending[chunk.index] = chunk
                         started = True
                         d.notify()
@@ -841,7 +838,7 @@ class Pipeline:
             accepting = self._accepting(item)
             with d.cv:
                 if s.has_capacity():
-                    chunk = s.accept(item, d, **accepting)
+                    chunk = s.accept(driver=d, **accepting)
                     d.notify()
                     return chunk.future
         # no room: wait on the loop's executor. A cancelled await cannot stop a submit already
