@@ -318,6 +318,8 @@ def test_ringflow_is_measured_by_the_baselines_method(monkeypatch):
     # a landing left unstamped would make its level's percentiles NaN
     assert all(np.isfinite([lv["p99_ms"], lv["p99_from_submit_ms"]]).all() for lv in w["levels"])
     assert 0 < w["pinned_high_water_MiB"] <= w["pinned_allocated_MiB"]
+    at80 = w["levels"][1]
+    assert w["p99_80_over_perfect_fifo"] == at80["p99_over_perfect_fifo"] and len(at80["p99_over_perfect_fifo"]) == 2
 
 
 def test_queue_floor_is_a_perfect_fifo_server():
@@ -336,5 +338,9 @@ def test_each_level_carries_the_perfect_servers_p99():
     ring = bl.RingServer(FakeRing(2, auto_after=3), 2, clock=Clock())
     m = bl.measure_request_server(ring, items, [bl.scale_shift_expected(a) for a in items], warmup=5,
                                   loads=(0.8,), passes=1)
-    fixed, by_size = m["levels"][0]["perfect_fifo_p99_over_isolated"]
+    level = m["levels"][0]
+    fixed, by_size = level["perfect_fifo_p99_over_isolated"]
     assert fixed > 0 and by_size > 0
+    # the level's p99 over each perfect server's: the ratio to the isolated p99, divided by theirs
+    assert level["p99_over_perfect_fifo"] == pytest.approx([level["p99_over_isolated"] / fixed,
+                                                            level["p99_over_isolated"] / by_size])

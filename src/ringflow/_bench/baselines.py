@@ -1203,7 +1203,9 @@ def measure_request_server(server: Any, items: Sequence[np.ndarray], expected: S
       request's loaded over isolated latency, the garbage collector's runs during the level
       (count, longest in ms), the five slowest requests, and what a perfect server of the
       measured capacity would give the same arrivals (:func:`queue_floor`: its p99 over the
-      isolated p99, ``[every request holding the queue alike, in proportion to its bytes]``).
+      isolated p99, ``[every request holding the queue alike, in proportion to its bytes]``), and
+      the level's p99 over each of those p99s (``p99_over_perfect_fifo``: how far the server is
+      from a perfect queue, whatever the arrivals' bursts make of the ratio to the isolated p99).
 
     Every request runs once first, outside the capacity (a framework's caching allocator takes
     device memory, and ringflow's host pool pinned memory, the first time it meets each request
@@ -1279,6 +1281,7 @@ def measure_request_server(server: Any, items: Sequence[np.ndarray], expected: S
                        "gc_pauses": len(pauses), "gc_pause_max_ms": 1e3 * max(pauses, default=0.0),
                        "perfect_fifo_p99_over_isolated": [float(np.percentile(f, 99) / np.percentile(iso, 99))
                                                           for f in floor],
+                       "p99_over_perfect_fifo": [float(np.percentile(lat, 99) / np.percentile(f, 99)) for f in floor],
                        "slowest": [{"request": int(i), "arrived_ms": 1e3 * float(arrived[i] - start),
                                     "submitted_ms": 1e3 * float(submitted[i] - start),
                                     "latency_ms": 1e3 * float(lat[i]), "bytes": int(items[i].nbytes)}

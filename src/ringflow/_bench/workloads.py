@@ -413,6 +413,8 @@ def requests(dev: Device, *, loads=(0.5, 0.8, 0.95), count: int = 200, chunk_byt
             "pinned_allocated_MiB": pinned / MiB,
             # what a perfect server of ringflow's measured capacity would give the 80% level's arrivals
             "p99_80_perfect_fifo_over_isolated": _at(_level_80(ours["levels"]), "perfect_fifo_p99_over_isolated"),
+            # ringflow's p99 at 80% load over that perfect server's (every request alike, by bytes)
+            "p99_80_over_perfect_fifo": _at(_level_80(ours["levels"]), "p99_over_perfect_fifo"),
             **versus_torch(ours, torch_rows), "rows": rows + torch_rows}
 
 
