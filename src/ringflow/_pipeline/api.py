@@ -184,8 +184,9 @@ class Pipeline:
     pool is read in place by ``map``, and by ``submit`` above 4 MiB, while ``submit`` copies a
     smaller one into the chunk it shares), and the result comes back in pinned memory, which goes
     back to the pool once dropped; where the pool has no room, the item is copied into ordinary
-    memory instead (a CPU worker then copies it into a slot) and results are new numpy arrays. A compute callable may carry a ``sim_seconds`` attribute
-    (seconds, or a function of the chunk's bytes) for its duration on the simulated GPU.
+    memory instead (a CPU worker then copies it into a slot) and results are new numpy arrays.
+    A compute callable may carry a ``sim_seconds`` attribute (seconds, or a function of the
+    chunk's bytes) for its duration on the simulated GPU.
 
     ``output`` gives the result's shape and dtype where they are not the input's: one
     ``(shape, dtype)`` pair for every item, or ``output(item) -> (shape, dtype)``, called by
@@ -448,8 +449,9 @@ class Pipeline:
                 result = self._pool.take(*want)
             return {"item": item, "out_spec": out_spec, "result": result, "on_device": (where, shape, np.dtype(dtype)),
                     "source_ready": self.device.record_on(stream)}
-        staged, staged_at, in_tree = self._staged_copy(item) or (None, None, None)
-        if staged is None and self._items_are_arrays and not self._read_in_place(item):
+        in_place = self._read_in_place(item)  # one pool lookup an item
+        staged, staged_at, in_tree = (None if in_place else self._staged_copy(item)) or (None, None, None)
+        if staged is None and self._items_are_arrays and not in_place:
             # the pool had no room: a CPU worker copies the item into a slot later, so the copy
             # after which the caller may change its array is made now, into ordinary memory
             item = _private_copy(item)
@@ -459,7 +461,7 @@ class Pipeline:
                 shape, dtype = ((out_spec.nbytes,), np.dtype(np.uint8)) if isinstance(out_spec, Packed) else out_spec
                 if staged is None or (staged.shape, staged.dtype) != (shape, dtype):
                     result = self._pool.take(shape, dtype)  # pinned on this thread, not on the progress thread
-            elif staged is None and self._read_in_place(item):
+            elif in_place:
                 # a pool array read in place gets its pinned result here: the progress thread
                 # takes cached blocks only, and where none is cached the result would come back
                 # through a slot and a CPU copy (an item the pool had no room to stage is not
@@ -470,11 +472,11 @@ class Pipeline:
 
     def _staged_copy(self, item: Any) -> Optional[tuple]:
         """``(array, (start, end), packed layout or None)``: a plain array item (or a tuple, list
-        or dict of them, packed) copied into a pinned pool array on the accepting thread (the
-        copy lets go of the GIL) and when (host clock); or None: the item is a pool array itself
-        (read in place) or the pool has no room (it goes through a host-in slot and a CPU
-        worker), or items are not plain arrays. See docs/design.md, "Pinned staging and
-        results"."""
+        or dict of them, packed) that is not read in place (the caller has asked
+        :meth:`_read_in_place`) copied into a pinned pool array on the accepting thread (the copy
+        lets go of the GIL) and when (host clock); or None: the pool has no room (the item goes
+        through a host-in slot and a CPU worker), or items are not plain arrays. See
+        docs/design.md, "Pinned staging and results"."""
         if not self._items_are_arrays or self._pool is None:
             return None
         if is_tree(item):
@@ -488,8 +490,6 @@ class Pipeline:
             for view, leaf in zip(flatten(host_views(layout, staged))[0], leaves):
                 self.device.host_copy(view, leaf)
             return staged, (t0, self.device.now), layout
-        if self._read_in_place(item):
-            return None
         t0 = self.device.now
         staged = self._pool.take(item.shape, item.dtype)
         if staged is None:
@@ -545,8 +545,9 @@ class Pipeline:
 
     def _shares_chunk(self, item: Any) -> bool:
         """Whether ``submit`` puts ``item`` in a chunk other items may share: a plain array of up
-        to :data:`SHARE_AT_MOST_BYTES` that fits a chunk. A pool array of that size shares too: copying it costs the submitting thread less than a
-        chunk of its own costs the progress thread (docs/design.md, "Items sharing a chunk")."""
+        to :data:`SHARE_AT_MOST_BYTES` that fits a chunk. A pool array of that size shares too:
+        copying it costs the submitting thread less than a chunk of its own costs the progress
+        thread (docs/design.md, "Items sharing a chunk")."""
         return (self._coalesce and type(item) is np.ndarray
                 and 0 < item.nbytes <= min(SHARE_AT_MOST_BYTES, self.config.chunk_bytes))
 
@@ -748,7 +749,7 @@ class Pipeline:
         """Whether ``map`` puts ``item`` in a chunk other items may share: one :meth:`submit`
         would share that is not pinned already (a pool array is read in place: copying it into a
         shared chunk would add a copy, where a plain array is copied into pinned memory anyway)."""
-        return self._shares_chunk(item) and host_pool.slice_behind(item, self.device) is None
+        return self._shares_chunk(item) and not self._read_in_place(item)
 
     def _check_item_or_settle(self, item: Any) -> Any:
         try:
