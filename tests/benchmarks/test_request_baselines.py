@@ -5,6 +5,7 @@ fake clock stand in for the GPU); the torch baselines themselves on a GPU."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -322,6 +323,27 @@ def test_ringflow_is_measured_by_the_baselines_method(monkeypatch):
     assert w["p99_80_over_perfect_fifo"] == at80["p99_over_perfect_fifo"] and len(at80["p99_over_perfect_fifo"]) == 2
 
 
+def test_the_requests_workload_with_handler_threads_submits_on_them(monkeypatch):
+    import threading
+
+    import ringflow as rf
+    from ringflow._bench import workloads
+
+    names = set()
+    real = workloads.PipelineServer.submit
+
+    def spy(self, i, item):
+        names.add(threading.current_thread().name)
+        return real(self, i, item)
+
+    monkeypatch.setattr(workloads.PipelineServer, "submit", spy)
+    w = workloads.requests(rf.device("sim"), count=12, warmup=3, loads=(0.8,), handlers=3, baselines=False)
+    assert w["correct"] is True and w["handler_threads"] == 3 and all(lv["correct"] for lv in w["levels"])
+    assert names and names <= {f"request-handler-{k}" for k in range(3)}
+    assert not [r for r in w["rows"] if "torch" in r["name"]]  # baselines=False leaves them out
+    assert not [t for t in threading.enumerate() if t.name.startswith("request-handler")]  # closed
+
+
 def test_queue_floor_is_a_perfect_fifo_server():
     iso = np.array([0.5, 0.5, 0.5, 0.5])
     # spaced at the service time: nobody waits
@@ -344,3 +366,78 @@ def test_each_level_carries_the_perfect_servers_p99():
     # the level's p99 over each perfect server's: the ratio to the isolated p99, divided by theirs
     assert level["p99_over_perfect_fifo"] == pytest.approx([level["p99_over_isolated"] / fixed,
                                                             level["p99_over_isolated"] / by_size])
+
+
+class _BlockingServer(bl.SyncServer):
+    """A server whose ``submit`` waits until ``gate`` opens and notes the thread it ran on."""
+
+    def __init__(self, gate, fail_on=None):
+        import threading
+
+        super().__init__(bl.scale_shift_expected)
+        self.gate, self.fail_on = gate, fail_on
+        self.threads: set = set()
+        self.inside = self.most_inside = 0
+        self._lock = threading.Lock()
+
+    def submit(self, i, item):
+        import threading
+
+        with self._lock:
+            self.threads.add(threading.current_thread().name)
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+        try:
+            assert self.gate.wait(10)
+            if i == self.fail_on:
+                raise ValueError(f"request {i} refused")
+            super().submit(i, item)
+        finally:
+            with self._lock:
+                self.inside -= 1
+
+
+def test_handler_threads_submit_on_their_own_threads_and_drain_waits_for_every_request():
+    import threading
+
+    gate = threading.Event()
+    srv = bl.HandlerThreads(_BlockingServer(gate), 3)
+    try:
+        items = _items(9, seed=7)
+        srv.reset(9)
+        for i, it in enumerate(items):
+            srv.submit(i, it)  # returns at once: the handlers wait at the gate
+        assert all(r is None for r in srv.results)
+        inner = srv.server
+        deadline = time.monotonic() + 10
+        while inner.inside < 3:  # every handler holds a request at the gate
+            assert time.monotonic() < deadline, "three handlers never held a request each"
+            time.sleep(0.001)
+        gate.set()
+        srv.drain()
+        assert all(np.array_equal(r, bl.scale_shift_expected(a)) for r, a in zip(srv.results, items))
+        assert inner.threads == {f"request-handler-{k}" for k in range(3)} and inner.most_inside == 3
+        assert np.all(srv.latencies() > 0)
+    finally:
+        srv.close()
+
+
+def test_handler_threads_raise_a_handlers_error_from_drain():
+    import threading
+
+    gate = threading.Event()
+    gate.set()
+    srv = bl.HandlerThreads(_BlockingServer(gate, fail_on=2), 2)
+    try:
+        srv.reset(4)
+        for i, it in enumerate(_items(4, seed=8)):
+            srv.submit(i, it)
+        with pytest.raises(ValueError, match="request 2 refused"):
+            srv.drain()
+    finally:
+        srv.close()
+
+
+def test_handler_threads_refuse_a_bad_count():
+    with pytest.raises(ValueError, match="threads"):
+        bl.HandlerThreads(bl.SyncServer(bl.scale_shift_expected), 0)

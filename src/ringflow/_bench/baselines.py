@@ -42,6 +42,7 @@ import dataclasses
 import gc
 import math
 import os
+import queue
 import threading
 import time
 import warnings
@@ -1180,6 +1181,77 @@ class RingServer(_Recorder):
         i, slot = self._pending.popleft()
         self.results[i] = self.backend.finish(slot)
         self.done[i] = self.clock()
+
+
+class HandlerThreads:
+    """A thread-safe request server's ``submit`` run on ``threads`` handler threads, as a threaded
+    server runs each request on a free handler: the arrival thread's ``submit(i, item)`` puts the
+    request on one first-in first-out queue and returns; a free handler takes the oldest and
+    calls ``server.submit``. Latency still counts from the arrival (``open_loop``); the hand-off
+    to a handler is part of it, in isolation as under load. ``drain`` waits until every request
+    handed in has been submitted, then drains ``server``; a handler's exception is raised there.
+    Times, results and ``advance`` are ``server``'s."""
+
+    def __init__(self, server: Any, threads: int):
+        (self.threads,) = _counts(threads, "threads")
+        self.server = server
+        self.clock = server.clock
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._handed = self._taken = 0
+        self._errors: list[BaseException] = []
+        self._handlers = [threading.Thread(target=self._handle, name=f"request-handler-{k}", daemon=True)
+                          for k in range(self.threads)]
+        for t in self._handlers:
+            t.start()
+
+    def _handle(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self.server.submit(*job)
+            except BaseException as exc:  # noqa: BLE001 - raised by drain on the measuring thread
+                self._errors.append(exc)
+            with self._cv:
+                self._taken += 1
+                self._cv.notify_all()
+
+    def submit(self, i: int, item: np.ndarray) -> None:
+        self._handed += 1
+        self._queue.put((i, item))
+
+    def advance(self, t: float) -> None:
+        self.server.advance(t)
+
+    def drain(self) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: self._taken == self._handed)
+        if self._errors:
+            raise self._errors[0]
+        self.server.drain()
+
+    def reset(self, count: int) -> None:
+        self.server.reset(count)
+
+    def latencies(self) -> np.ndarray:
+        return self.server.latencies()
+
+    @property
+    def results(self) -> list:
+        return self.server.results
+
+    @property
+    def done(self) -> np.ndarray:
+        return self.server.done
+
+    def close(self) -> None:
+        """Stop the handlers (after ``drain``)."""
+        for _ in self._handlers:
+            self._queue.put(None)
+        for t in self._handlers:
+            t.join()
 
 
 def _percentile_ms(seconds: np.ndarray, q: float) -> float:

@@ -21,7 +21,7 @@ from .. import _plan as plan
 from .._device.protocol import Device
 from .._pipeline.whole_array import stream_map_report
 from . import kernels
-from .baselines import _Recorder, measure_request_server
+from .baselines import HandlerThreads, _Recorder, measure_request_server
 from .measure import Timing, fresh_random, time_calls
 
 MiB = 1 << 20
@@ -373,8 +373,19 @@ def _workers(dev: Device) -> int:
 
 
 # -- requests -----------------------------------------------------------------------------------------
+def request_items(count: int, chunk_bytes: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The ``requests`` workload's items and their expected results: ``count`` float32 arrays of
+    fresh random values, lognormal sizes (median 1 MiB, at most ``chunk_bytes``), the same for a
+    given ``count``."""
+    rng = np.random.default_rng(3)
+    sizes = np.minimum(chunk_bytes // 4, np.maximum(1024, rng.lognormal(np.log(MiB // 4), 1.0, count).astype(int)))
+    items = [fresh_random(int(s), seed=i) for i, s in enumerate(sizes)]
+    return items, [it * np.float32(2) + np.float32(1) for it in items]
+
+
 def requests(dev: Device, *, loads=(0.5, 0.8, 0.95), count: int = 200, chunk_bytes: int = 8 * MiB,
-             warmup: int = 30, progress=None, pipeline_options: dict | None = None) -> dict[str, Any]:
+             warmup: int = 30, progress=None, pipeline_options: dict | None = None, handlers: int = 1,
+             baselines: bool = True) -> dict[str, Any]:
     """Lognormal request sizes (median 1 MiB, capped at a slot), fresh numpy in and out, through
     one :class:`ringflow.Pipeline` measured by
     :func:`~ringflow._bench.baselines.measure_request_server`, the method every baseline is
@@ -389,14 +400,18 @@ def requests(dev: Device, *, loads=(0.5, 0.8, 0.95), count: int = 200, chunk_byt
     ``.cuda()``/``.cpu()`` per request and a hand-written single-threaded pinned ring), measured
     at 80% of their own capacity; :func:`versus_torch` sets the figures side by side (skipped
     rows, null ratios on the simulated GPU)."""
-    rng = np.random.default_rng(3)
-    sizes = np.minimum(chunk_bytes // 4, np.maximum(1024, rng.lognormal(np.log(MiB // 4), 1.0, count).astype(int)))
-    items = [fresh_random(int(s), seed=i) for i, s in enumerate(sizes)]
-    expected = [it * np.float32(2) + np.float32(1) for it in items]
+    items, expected = request_items(count, chunk_bytes)
     if progress:
         progress(f"requests: ringflow (a pass to warm up, isolated, capacity, {len(loads)} loads)")
     with rf.Pipeline(kernels.scale_shift(), device=dev, chunk_bytes=chunk_bytes, **(pipeline_options or {})) as pipe:
-        ours = measure_request_server(PipelineServer(pipe, dev), items, expected, warmup=warmup, loads=loads)
+        server = PipelineServer(pipe, dev)
+        if handlers > 1:
+            server = HandlerThreads(server, handlers)
+        try:
+            ours = measure_request_server(server, items, expected, warmup=warmup, loads=loads)
+        finally:
+            if handlers > 1:
+                server.close()
         mem = pipe.scheduler.rings
         pinned_hw = sum(r.high_water * r.chunk_bytes for r in mem if r.buffer.is_host)
         pinned = sum(len(r) * r.chunk_bytes for r in mem if r.buffer.is_host)
@@ -404,8 +419,8 @@ def requests(dev: Device, *, loads=(0.5, 0.8, 0.95), count: int = 200, chunk_byt
     rows.append({"name": "ringflow capacity, isolated latency",
                  **{k: v for k, v in ours.items() if k not in ("levels", "requests", "timing")}})
     torch_rows = _torch_request_baselines(dev, items, expected, chunk_bytes=chunk_bytes, warmup=warmup,
-                                          progress=progress)
-    return {"workload": "requests", "count": count, "warmup_requests_per_level": warmup,
+                                          progress=progress) if baselines else []
+    return {"workload": "requests", "count": count, "warmup_requests_per_level": warmup, "handler_threads": handlers,
             "isolated_p99_ms": ours["isolated_p99_ms"], "isolated_p50_ms": ours["isolated_p50_ms"],
             "capacity_per_s": ours["capacity_per_s"], "capacity_passes_per_s": ours["capacity_passes_per_s"],
             "cold_pass_per_s": ours["cold_pass_per_s"],
