@@ -29,6 +29,11 @@ Calling convention, ``k(*args, stream=None)``:
 * ``name`` may be an ``extern "C"`` function or a template instantiation such as
   ``"scale<float>"`` (it is passed to NVRTC as a name expression).
 * On numpy arrays ``reference(*args)`` runs and must write its outputs in place.
+* ``pointwise=True`` promises more than ``elementwise``: element ``i`` of every output is
+  computed from element ``i`` of the inputs (and the scalars) alone, as in ``y = 2x + 1``, not
+  in a sum, a sort or a stencil. A :class:`ringflow.Pipeline` then computes the items that
+  share a chunk with one launch over all of them instead of one launch each. A kernel that
+  breaks the promise gives wrong results there; the default (False) makes none.
 
 ``kernel.bind(*scalars)`` fixes trailing scalar arguments and gives a compute function
 ``f(x, y)`` for a pipeline. Launched through a ringflow stream, a kernel (bound or not) takes
@@ -52,7 +57,8 @@ __all__ = ["Kernel", "BoundKernel"]
 
 class Kernel:
     def __init__(self, source: str, name: str, reference: Callable[..., Any] | None = None, *,
-                 block: int = 256, elementwise: bool = True, options: dict[str, Any] | None = None):
+                 block: int = 256, elementwise: bool = True, pointwise: bool = False,
+                 options: dict[str, Any] | None = None):
         if not isinstance(source, str) or not source.strip():
             raise ValueError("Kernel needs CUDA C++ source text")
         if not isinstance(name, str) or not name:
@@ -61,11 +67,16 @@ class Kernel:
             raise TypeError("reference must be a callable that takes numpy arrays")
         if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 1024:
             raise ValueError(f"block must be 1..1024 threads, got {block!r}")
+        if not isinstance(pointwise, bool):
+            raise TypeError(f"pointwise must be True or False, got {type(pointwise).__name__} {pointwise!r}")
+        if pointwise and not elementwise:
+            raise ValueError("pointwise=True needs elementwise=True: a pointwise kernel's arrays all hold n elements")
         self.source = source
         self.name = name
         self.reference = reference
         self.block = block
         self.elementwise = elementwise
+        self.pointwise = pointwise
         self.options = dict(options or {})
         self._compiled: dict[int, Any] = {}  # GPU index -> cuda.core Kernel
         self._configs: dict[int, Any] = {}  # element count -> cuda.core LaunchConfig
@@ -177,6 +188,11 @@ class BoundKernel:
 
     def __ringflow_launch__(self, cc_stream: Any, device: int, kernel_args: list, sizes: list) -> None:
         self.kernel._enqueue(cc_stream, device, [*kernel_args, *self.scalars], sizes)
+
+    @property
+    def pointwise(self) -> bool:
+        """The kernel's ``pointwise`` promise (see :class:`Kernel`)."""
+        return self.kernel.pointwise
 
     def __repr__(self) -> str:
         return f"<ringflow.BoundKernel {self.__name__} = {self.kernel.name}(*arrays, *{self.scalars})>"

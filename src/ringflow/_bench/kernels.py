@@ -58,7 +58,7 @@ def scale_shift_reference(x: np.ndarray, y: np.ndarray) -> None:
 SLOW_SCALE_SHIFT = Kernel(SLOW_SCALE_SHIFT_SRC, "slow_scale_shift",
                           reference=lambda x, y, spin: scale_shift_reference(x, y))
 AFFINE_ITER = Kernel(AFFINE_ITER_SRC, "affine_iter", reference=affine_reference)
-SCALE_SHIFT = Kernel(SCALE_SHIFT_SRC, "scale_shift", reference=scale_shift_reference)
+SCALE_SHIFT = Kernel(SCALE_SHIFT_SRC, "scale_shift", reference=scale_shift_reference, pointwise=True)
 
 
 def affine(iters: int, numeric_iters: int | None = None) -> Callable:

@@ -218,7 +218,10 @@ class Pipeline:
     taken in, or waiting for a slot) is copied into that chunk's pinned block (each item aligned
     to 256 bytes) instead of starting its own, so the chunk moves with one copy in and one set of
     slots, events and stage changes. ``compute`` still runs once per item, on that item's own
-    part of the slots, with its own shape and dtype; one copy brings the chunk's results back
+    part of the slots, with its own shape and dtype, unless it is pointwise (its ``pointwise``
+    attribute is True, as for ``rf.Kernel(..., pointwise=True)``: each output element from the
+    same input element alone): then it runs once over the chunk's items of one dtype, as one
+    flat array from the first to the last, gaps included; one copy brings the chunk's results back
     over its inputs, each item's result a pinned view of its own bytes (chunks lie packed in
     pool slabs of four chunks' bytes; a result kept holds its slab). An item whose compute
     fails, or that is cancelled, ends so alone; the others go on. When the pipeline keeps up,

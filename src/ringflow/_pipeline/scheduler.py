@@ -44,7 +44,7 @@ from .._device.protocol import BufferSlice, Device
 from .._errors import DeviceError, StageError
 from .._testing import current as current_hooks
 from .batch_space import BatchSpace, aligned
-from .chunk import MAX_MEMBERS, Chunk, ChunkFuture, Member
+from .chunk import MAX_MEMBERS, MEMBER_ALIGN, Chunk, ChunkFuture, Member
 from .config import PipelineConfig, refuse_unknown_guards
 from .ring import Ring, Slot
 from .states import ChunkState, RingKind, SlotState
@@ -117,6 +117,9 @@ class Scheduler:
         self.device = device
         self.compute = writes_into_y(compute)
         self._raw_compute = compute  # fill="rows": its return value is the rows it filled
+        # a compute that says each output element depends only on the same element of the
+        # input runs once over all the items of a shared chunk (see _launch_members)
+        self._pointwise = getattr(compute, "pointwise", False) is True
         self.prepare = prepare
         self.consume = consume
         self.results = results
@@ -896,7 +899,10 @@ class Scheduler:
         """The compute of each item of a shared chunk on its own part of the slots, each followed
         (where the device reports a launch's errors on its events) by an event that carries its
         errors alone; an item whose compute raises while being enqueued fails alone, and one its
-        caller cancelled is not computed."""
+        caller cancelled is not computed. A pointwise compute instead runs once over the span
+        from the first item to the last when they share one dtype (:meth:`_launch_span`)."""
+        if self._pointwise and self._launch_span(chunk, stream, out_slot, compute):
+            return
         din, dout = chunk.dev_in.where, out_slot.where
         inplace = self.dev_out is None
         per_item_events = self.device.launch_errors_on_events
@@ -917,6 +923,43 @@ class Scheduler:
                 m.event = stream.record()
         if failed and self.config.on_error == "raise":
             self._cancel_after_step = True
+
+    def _launch_span(self, chunk: Chunk, stream, out_slot: Slot, compute: Callable) -> bool:
+        """One launch of a pointwise ``compute`` over the items of a shared chunk that its callers
+        have not cancelled, as one flat array from the first such item's offset to the last's
+        end; False (nothing launched) where fewer than two items are left or they differ in
+        dtype, or the dtype's size does not divide :data:`MEMBER_ALIGN`.
+
+        The gaps between items (alignment, cancelled items) are computed over too: a pointwise
+        compute writes each element from the same element alone, so no item's result depends on
+        them, and no result is taken from them. The items share the launch's fate: an error
+        while it is enqueued, or on its event, fails each of them."""
+        live = [m for m in chunk.members if not m.future.done()]
+        if len(live) < 2:
+            return False
+        dtype = live[0].dtype
+        if any(m.dtype != dtype for m in live) or MEMBER_ALIGN % dtype.itemsize:
+            return False
+        start, end = live[0].offset, live[-1].offset + live[-1].nbytes
+        din, dout = chunk.dev_in.where, out_slot.where
+        inplace = self.dev_out is None
+        shape = ((end - start) // dtype.itemsize,)
+        x = BufferSlice(din.buffer, din.offset + start, end - start).array(dtype, shape)
+        y = x if inplace else BufferSlice(dout.buffer, dout.offset + start, end - start).array(dtype, shape)
+        try:
+            launch_compute(stream, compute, x, y, inplace=inplace,
+                           sim_seconds=sim_seconds_for(self._sim_compute, end - start), index=live[0].index)
+        except StageError as err:
+            for m in live:
+                self._member_failed(m, err.__cause__)
+            if self.config.on_error == "raise":
+                self._cancel_after_step = True
+            return True
+        if self.device.launch_errors_on_events:
+            event = stream.record()
+            for m in live:
+                m.event = event
+        return True
 
     def _member_failed(self, m: Member, exc: BaseException) -> None:
         """An item of a shared chunk failed in its compute: it alone ends FAILED (its future

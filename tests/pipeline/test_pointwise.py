@@ -1,0 +1,168 @@
+"""A pointwise compute (``rf.Kernel(..., pointwise=True)``, or any compute whose ``pointwise``
+attribute is True) runs once over all the items of a shared chunk instead of once per item;
+everything else about shared chunks holds: each item's own result bit for bit, its own
+cancellation, its own future. On the simulated GPU a kernel's ``reference`` runs at each launch,
+so counting its calls counts launches. The hazard checker runs in checked mode."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+
+FAIL = np.float32(-7777.0)  # a launch that sees this anywhere raises
+SRC = 'extern "C" __global__ void k(const float* x, float* y, size_t n) {}'  # never compiled on the sim
+
+
+class Counted:
+    """``y = 2x + 1`` as a kernel reference that counts its launches (and refuses FAIL)."""
+
+    def __init__(self):
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, x, y):
+        with self._lock:
+            self.calls += 1
+        if np.any(x == FAIL):
+            raise ValueError("marked item")
+        np.multiply(x, x.dtype.type(2), out=y)
+        y += x.dtype.type(1)
+
+
+def expected(a: np.ndarray) -> np.ndarray:
+    return a * a.dtype.type(2) + a.dtype.type(1)
+
+
+def items(n: int, seed: int = 0, max_elems: int = 40_000) -> list:
+    rng = np.random.default_rng(seed)
+    return [rng.random(int(k)).astype(np.float32) for k in rng.integers(1, max_elems, n)]
+
+
+def run(compute, xs, seed=0, **options):
+    with rf.Pipeline(compute, device=rf.device("sim", seed=seed, chaos=True), chunk_bytes=1 << 20, checked=True,
+                     on_error="continue", **options) as pipe:
+        futs = [pipe.submit(x) for x in xs]
+        outcomes = [fu.exception() for fu in futs]
+        stats = pipe.stats()
+        chunks = pipe.scheduler.chunks_admitted
+    return futs, outcomes, stats, chunks
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_pointwise_kernel_runs_once_a_shared_chunk_and_each_item_gets_its_own_result(seed):
+    ref = Counted()
+    xs = items(200, seed=seed)
+    futs, outcomes, stats, chunks = run(rf.Kernel(SRC, "k", reference=ref, pointwise=True).bind(), xs, seed)
+    assert all(e is None for e in outcomes)
+    assert all(fu.result().shape == x.shape and np.array_equal(fu.result(), expected(x)) for fu, x in zip(futs, xs))
+    assert chunks < len(xs) // 4  # the items shared chunks
+    assert ref.calls == chunks  # one launch a chunk
+    assert (stats.delivered, stats.in_flight) == (200, 0)
+
+
+def test_without_the_promise_each_item_of_a_shared_chunk_has_its_own_launch():
+    ref = Counted()
+    xs = items(200, seed=1)
+    futs, outcomes, _, chunks = run(rf.Kernel(SRC, "k", reference=ref).bind(), xs)
+    assert all(np.array_equal(fu.result(), expected(x)) for fu, x in zip(futs, xs))
+    assert chunks < len(xs) // 4 and ref.calls == len(xs)
+
+
+def test_a_compute_that_is_not_pointwise_is_never_run_over_several_items():
+    """Reversing an item is elementwise in size but not pointwise: run over a span of items it
+    would hand each item another's bytes. Left at the default it stays right."""
+
+    def reverse(x, y):
+        y[...] = x[::-1]
+
+    xs = items(120, seed=2)
+    futs, outcomes, _, chunks = run(reverse, xs)
+    assert chunks < len(xs) // 4
+    assert all(np.array_equal(fu.result(), x[::-1]) for fu, x in zip(futs, xs))
+
+
+def test_a_function_marked_pointwise_is_run_once_a_chunk_too():
+    calls = []
+
+    def f(x, y):
+        calls.append(x.size)
+        np.multiply(x, np.float32(2), out=y)
+        y += np.float32(1)
+
+    f.pointwise = True
+    xs = items(200, seed=3)
+    futs, _, _, chunks = run(f, xs)
+    assert all(np.array_equal(fu.result(), expected(x)) for fu, x in zip(futs, xs))
+    assert len(calls) == chunks and sum(calls) >= sum(x.size for x in xs)
+
+
+def test_items_of_different_dtypes_in_one_chunk_each_get_their_own_launch():
+    ref = Counted()
+    rng = np.random.default_rng(4)
+    xs = [rng.random(int(k)).astype(np.float32 if i % 2 else np.float64)
+          for i, k in enumerate(rng.integers(1, 20_000, 120))]
+    futs, outcomes, _, chunks = run(rf.Kernel(SRC, "k", reference=ref, pointwise=True).bind(), xs)
+    assert all(fu.result().dtype == x.dtype and np.array_equal(fu.result(), expected(x)) for fu, x in zip(futs, xs))
+    assert chunks < len(xs) // 4 and ref.calls == len(xs)
+
+
+def test_a_cancelled_item_inside_the_span_is_cancelled_and_the_others_are_right():
+    ref = Counted()
+    xs = items(60, seed=5)
+    with rf.Pipeline(rf.Kernel(SRC, "k", reference=ref, pointwise=True).bind(), device=rf.device("sim"),
+                     chunk_bytes=1 << 20, checked=True) as pipe:
+        futs = [pipe.submit(x) for x in xs]
+        assert futs[5].cancel() and futs[6].cancel()
+        results = {i: fu.result() for i, fu in enumerate(futs) if i not in (5, 6)}
+        stats = pipe.stats()
+    assert futs[5].cancelled() and futs[6].cancelled()
+    assert all(np.array_equal(r, expected(xs[i])) for i, r in results.items())
+    assert (stats.delivered, stats.cancelled, stats.in_flight) == (58, 2, 0)
+    assert ref.calls < len(xs) // 4
+
+
+def test_a_failed_launch_fails_every_item_it_covered_and_no_other():
+    ref = Counted()
+    xs = items(200, seed=6)
+    xs[50][0] = FAIL
+    futs, outcomes, stats, chunks = run(rf.Kernel(SRC, "k", reference=ref, pointwise=True).bind(), xs)
+    failed = [i for i, e in enumerate(outcomes) if e is not None]
+    assert 50 in failed and 1 < len(failed) < len(xs) // 2  # the items of item 50's chunk
+    assert failed == list(range(failed[0], failed[-1] + 1))  # one chunk: consecutive items
+    for i in failed:
+        assert isinstance(outcomes[i], rf.StageError) and "marked item" in str(outcomes[i].__cause__)
+    assert all(np.array_equal(futs[i].result(), expected(x)) for i, x in enumerate(xs) if i not in failed)
+    assert stats.failed == len(failed) and stats.delivered == len(xs) - len(failed) and stats.in_flight == 0
+
+
+def test_pointwise_is_checked_when_the_kernel_is_made():
+    with pytest.raises(TypeError, match="pointwise must be True or False"):
+        rf.Kernel(SRC, "k", pointwise="yes")
+    with pytest.raises(ValueError, match="pointwise=True needs elementwise=True"):
+        rf.Kernel(SRC, "k", pointwise=True, elementwise=False)
+    k = rf.Kernel(SRC, "k", pointwise=True)
+    assert k.pointwise and k.bind(np.float32(1)).pointwise and not rf.Kernel(SRC, "k").bind().pointwise
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pointwise", [True, False])
+def test_a_pointwise_kernel_over_shared_chunks_on_the_gpu_is_bit_exact(cuda_device, pointwise):
+    """On a real GPU the span launch covers the alignment gaps between items (stale pinned bytes,
+    NaN among them, computed and never delivered): every item's result is still exact."""
+    from ringflow._bench import kernels
+
+    k = rf.Kernel(kernels.SCALE_SHIFT_SRC, "scale_shift", reference=kernels.scale_shift_reference,
+                  pointwise=pointwise).bind()
+    rng = np.random.default_rng(7)
+    xs = [rng.uniform(0.5, 1.5, int(n)).astype(np.float32) for n in rng.integers(1, 300_000, 400)]
+    xs[17][:] = np.nan
+    with rf.Pipeline(k, device=cuda_device, chunk_bytes=8 << 20) as pipe:
+        futs = [pipe.submit(x) for x in xs]
+        results = [fu.result() for fu in futs]
+        shared = pipe.scheduler.chunks_admitted < len(xs)
+    assert shared
+    assert all(r.shape == x.shape and np.array_equal(r, expected(x), equal_nan=True) for r, x in zip(results, xs))
