@@ -6,8 +6,10 @@ baselines once on the same requests.
     PYTHONPATH=src python3 bench/requests_handlers.py --device cuda:0 --variants h1,h2,h4,h8 --rounds 2 \\
         --count 1000 --out requests-handlers.json
 
-A variant is ``h<threads>`` with an optional ``s<ms>``: ``h1s0.2`` is one handler (the arrival
-thread itself) with ``sys.setswitchinterval(0.2e-3)`` for the run (restored after it).
+A variant is ``h<threads>`` with an optional ``s<ms>`` and ``p<us>``: ``h1s0.2`` is one handler
+(the arrival thread itself) with ``sys.setswitchinterval(0.2e-3)`` for the run, ``h1p0`` one
+whose native copy threads poll 0 µs for their next part before they sleep, ``k<KiB>`` a copy
+split into a thread per that many KiB (each restored after the run).
 
 Per run: capacity (requests/s, the median of three closed-loop passes and each pass), isolated
 p50/p99, p50/p99 at each load and its p99 over the isolated p99, the p99 a perfect FIFO server of
@@ -24,6 +26,7 @@ import sys
 import _script
 
 import ringflow as rf
+from ringflow._device import native_copy, protocol
 from ringflow._bench import workloads
 
 KEEP = ("handler_threads", "count", "capacity_per_s", "capacity_passes_per_s", "isolated_p50_ms", "isolated_p99_ms",
@@ -51,16 +54,25 @@ def main(argv=None) -> int:
     dev = rf.device(a.device)
     runs = []
     default_switch = sys.getswitchinterval()
+    default_split = protocol.NATIVE_SPLIT_BYTES
     for rnd in range(a.rounds):
         for v in a.variants.split(","):
-            h, _, ms = v.lstrip("h").partition("s")
+            rest, _, kib = v.lstrip("h").partition("k")
+            rest, _, us = rest.partition("p")
+            h, _, ms = rest.partition("s")
+            split = int(kib) << 10 if kib else default_split
             switch = float(ms) * 1e-3 if ms else default_switch
+            spin = float(us) * 1e-6 if us else native_copy.SPIN_SECONDS
             sys.setswitchinterval(switch)
+            native_copy.set_spin(spin)
+            protocol.NATIVE_SPLIT_BYTES = split
             try:
                 r = summary(workloads.requests(dev, count=a.count, handlers=int(h), baselines=False))
             finally:
                 sys.setswitchinterval(default_switch)
-            r.update(round=rnd, variant=v, switch_interval_s=switch)
+                native_copy.set_spin(native_copy.SPIN_SECONDS)
+                protocol.NATIVE_SPLIT_BYTES = default_split
+            r.update(round=rnd, variant=v, switch_interval_s=switch, copy_spin_s=spin, copy_split_bytes=split)
             runs.append(r)
             print(f"round {rnd} {v}: {r['capacity_per_s']:.0f}/s "
                   f"{[round(x) for x in r['capacity_passes_per_s']]} iso p99 {r['isolated_p99_ms']:.2f} ms "

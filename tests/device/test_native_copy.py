@@ -134,3 +134,37 @@ def test_arrays_it_cannot_copy_are_left_to_numpy():
     assert native_copy.copy(np.zeros(10), np.zeros(11), 4) is False  # unequal bytes
     protocol.parallel_copy(out, a[::2], 4)
     assert np.array_equal(out, a[::2])
+
+
+@needs_native
+@pytest.mark.parametrize("spin", [0.0, 50e-6, 2e-3])
+def test_copies_are_right_whether_the_helpers_poll_or_sleep_between_them(spin):
+    """Helpers that sleep at once (0), poll a while, or poll across consecutive copies all take
+    each part exactly once: many copies with varying splits, each checked, none hanging."""
+    rng = np.random.default_rng(int(spin * 1e6))
+    try:
+        native_copy.set_spin(spin)
+        for k in range(300):
+            n = int(rng.integers(0, 600_000))
+            src = rng.integers(0, 256, n, dtype=np.uint8)
+            dst = np.zeros(n, np.uint8)
+            assert native_copy.copy(dst, src, int(rng.integers(1, 10)))
+            assert np.array_equal(dst, src), (k, n)
+    finally:
+        native_copy.set_spin(native_copy.SPIN_SECONDS)
+
+
+def test_the_polling_time_is_checked(monkeypatch, caplog):
+    with pytest.raises(ValueError, match="seconds must be a number from 0 to 1"):
+        native_copy.set_spin(-1)
+    with pytest.raises(ValueError, match="seconds must be a number from 0 to 1"):
+        native_copy.set_spin("fast")
+    monkeypatch.setenv("RINGFLOW_COPY_SPIN_US", "50")
+    assert native_copy._spin_from_env() == pytest.approx(50e-6)
+    for bad in ("nan", "-3", "soon", "1e9"):
+        monkeypatch.setenv("RINGFLOW_COPY_SPIN_US", bad)
+        with caplog.at_level(logging.WARNING, logger="ringflow._device.native_copy"):
+            assert native_copy._spin_from_env() == native_copy.SPIN_SECONDS
+        assert "RINGFLOW_COPY_SPIN_US" in caplog.text
+    monkeypatch.delenv("RINGFLOW_COPY_SPIN_US")
+    assert native_copy._spin_from_env() == native_copy.SPIN_SECONDS

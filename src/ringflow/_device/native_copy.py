@@ -16,7 +16,10 @@ name that hashes its source and the platform, written to a temporary name and re
 concurrent first uses are safe.
 
 One copy runs on the pool at a time; a copy that finds the pool busy (another thread's copy)
-runs on its own thread alone instead of waiting. After ``fork`` the child starts a fresh pool.
+runs on its own thread alone instead of waiting. An idle pool thread polls for its next part
+for :data:`SPIN_SECONDS` (``RINGFLOW_COPY_SPIN_US`` sets another time) before it sleeps, since
+waking a sleeping one costs about what its part of a request-sized copy does. After ``fork``
+the child starts a fresh pool.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import pathlib
 import platform
@@ -39,6 +43,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 MAX_THREADS = 32  # the C side's limit
+# An idle copy thread polls this long for its next part before it sleeps (see "Copy threads
+# that poll" in docs/design.md): waking a sleeping thread costs more than a part of a 1 MiB copy.
+SPIN_SECONDS = 200e-6
 
 _SOURCE = r"""
 #include <pthread.h>
@@ -46,23 +53,64 @@ _SOURCE = r"""
 #include <string.h>
 #include <stddef.h>
 #include <errno.h>
+#include <time.h>
+#include <sched.h>
 
 #define MAX_THREADS 32
-static sem_t start_sem[MAX_THREADS];
-static sem_t finished_sem;
+static sem_t wake_sem[MAX_THREADS];
 static struct { char *dst; const char *src; size_t n; } part[MAX_THREADS];
+static unsigned long gen[MAX_THREADS]; /* the caller bumps gen[i] to hand helper i its part */
+static int sleeping[MAX_THREADS];      /* helper i is in, or about to enter, sem_wait */
+static int remaining = 0;              /* parts handed out and not yet copied */
+static long spin_ns = 0;               /* how long an idle helper polls before it sleeps */
 static int started = 0;
 static int registered = 0;
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static void wait_sem(sem_t *s) { while (sem_wait(s) != 0 && errno == EINTR) {} }
 
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+/* one turn of a polling loop: a pause, and every 64th turn the CPU offered to any other thread
+   that wants it (a machine with fewer free CPUs than pollers still makes progress) */
+static inline void relax(unsigned *k) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+    if ((++*k & 63) == 0) sched_yield();
+}
+
+/* A helper polls for its next part for spin_ns after each copy, then sleeps on its semaphore.
+   Sleeping: it says so (sleeping[i] = 1), then looks at gen[i] once more; the caller bumps
+   gen[i], then looks at sleeping[i] and posts if it is set. Both are sequentially consistent,
+   so either the helper sees the new part or the caller sees it asleep. A post that finds the
+   helper awake leaves the semaphore one ahead: the helper's next sleep returns at once and it
+   polls again. */
 static void *worker(void *arg) {
     long i = (long)arg;
+    unsigned long seen = 0; /* gen[i] when it was made: a part handed out before it ran is new */
     for (;;) {
-        wait_sem(&start_sem[i]);
+        long until = now_ns() + __atomic_load_n(&spin_ns, __ATOMIC_RELAXED);
+        unsigned long g;
+        unsigned k = 0;
+        while ((g = __atomic_load_n(&gen[i], __ATOMIC_ACQUIRE)) == seen) {
+            relax(&k);
+            if ((k & 63) == 0 && now_ns() >= until) {
+                __atomic_store_n(&sleeping[i], 1, __ATOMIC_SEQ_CST);
+                if (__atomic_load_n(&gen[i], __ATOMIC_SEQ_CST) == seen) wait_sem(&wake_sem[i]);
+                __atomic_store_n(&sleeping[i], 0, __ATOMIC_SEQ_CST);
+                until = now_ns() + __atomic_load_n(&spin_ns, __ATOMIC_RELAXED);
+            }
+        }
+        seen = g;
         memcpy(part[i].dst, part[i].src, part[i].n);
-        sem_post(&finished_sem);
+        __atomic_fetch_sub(&remaining, 1, __ATOMIC_ACQ_REL);
     }
     return NULL;
 }
@@ -70,6 +118,7 @@ static void *worker(void *arg) {
 /* the child of a fork has none of the parent's threads: it starts its own pool */
 static void child_after_fork(void) {
     started = 0;
+    remaining = 0;
     pthread_mutex_init(&call_lock, NULL);
 }
 
@@ -78,11 +127,12 @@ static int ensure_helpers(int want) {
         pthread_atfork(NULL, NULL, child_after_fork);
         registered = 1;
     }
-    if (started == 0 && sem_init(&finished_sem, 0, 0) != 0) return 0;
     while (started < want) {
         pthread_t t;
         pthread_attr_t attr;
-        if (sem_init(&start_sem[started], 0, 0) != 0) break;
+        if (sem_init(&wake_sem[started], 0, 0) != 0) break;
+        gen[started] = 0;
+        sleeping[started] = 0;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
         int rc = pthread_create(&t, &attr, worker, (void *)(long)started);
@@ -93,8 +143,12 @@ static int ensure_helpers(int want) {
     return started;
 }
 
+/* How long (ns) an idle helper polls for work before it sleeps; 0: it sleeps at once. */
+void ringflow_copy_spin(long ns) { __atomic_store_n(&spin_ns, ns < 0 ? 0 : ns, __ATOMIC_RELAXED); }
+
 /* Copy n bytes from src to dst on up to `threads` threads, the caller's among them; returns the
-   threads that copied. Parts are 64-byte aligned; the caller copies the first. */
+   threads that copied. Parts are 64-byte aligned; the caller copies the first and then polls
+   until the helpers' parts are done (it holds no interpreter lock meanwhile). */
 int ringflow_copy(char *dst, const char *src, size_t n, int threads) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads <= 1 || n < (size_t)threads * 4096 || pthread_mutex_trylock(&call_lock) != 0) {
@@ -105,19 +159,23 @@ int ringflow_copy(char *dst, const char *src, size_t n, int threads) {
     if (helpers > threads - 1) helpers = threads - 1; /* the pool may have more than this call asks */
     size_t parts = (size_t)helpers + 1;
     size_t step = ((n + parts - 1) / parts + 63) & ~(size_t)63; /* parts * step >= n */
-    size_t off = step < n ? step : n;
+    size_t first = step < n ? step : n;
     int used = 0;
-    for (int i = 0; i < helpers && off < n; i++) {
+    for (size_t off = first; used < helpers && off < n; used++) off += n - off < step ? n - off : step;
+    __atomic_store_n(&remaining, used, __ATOMIC_RELEASE);
+    size_t off = first;
+    for (int i = 0; i < used; i++) {
         size_t len = n - off < step ? n - off : step;
         part[i].dst = dst + off;
         part[i].src = src + off;
         part[i].n = len;
         off += len;
-        used++;
-        sem_post(&start_sem[i]);
+        __atomic_fetch_add(&gen[i], 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&sleeping[i], __ATOMIC_SEQ_CST)) sem_post(&wake_sem[i]);
     }
-    memcpy(dst, src, step < n ? step : n);
-    for (int i = 0; i < used; i++) wait_sem(&finished_sem);
+    memcpy(dst, src, first);
+    unsigned k = 0;
+    while (__atomic_load_n(&remaining, __ATOMIC_ACQUIRE) != 0) relax(&k);
     pthread_mutex_unlock(&call_lock);
     return used + 1;
 }
@@ -174,12 +232,42 @@ def _load() -> "ctypes.CDLL | bool":
         lib = ctypes.CDLL(str(path))
         lib.ringflow_copy.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         lib.ringflow_copy.restype = ctypes.c_int
+        lib.ringflow_copy_spin.argtypes = (ctypes.c_long,)
+        lib.ringflow_copy_spin.restype = None
+        lib.ringflow_copy_spin(int(_spin_from_env() * 1e9))
         return lib
     except Exception as exc:  # noqa: BLE001 - any failure leaves numpy's copy, which always works
         detail = getattr(exc, "stderr", b"") or b""
         log.info("native copies unavailable (%s: %s%s): copying host memory with numpy", type(exc).__name__, exc,
                  f"; {detail.decode(errors='replace').strip()[:300]}" if detail else "")
         return False
+
+
+def _spin_from_env() -> float:
+    """Seconds an idle copy thread polls before it sleeps: ``RINGFLOW_COPY_SPIN_US``
+    (microseconds) where set to a number from 0 to 10^6, else :data:`SPIN_SECONDS`."""
+    raw = os.environ.get("RINGFLOW_COPY_SPIN_US")
+    if raw is None:
+        return SPIN_SECONDS
+    try:
+        us = float(raw)
+    except ValueError:
+        us = math.nan
+    if not 0 <= us <= 1e6:
+        log.warning("RINGFLOW_COPY_SPIN_US=%r is not a number of microseconds from 0 to 1000000; using %g",
+                    raw, SPIN_SECONDS * 1e6)
+        return SPIN_SECONDS
+    return us * 1e-6
+
+
+def set_spin(seconds: float) -> None:
+    """How long an idle copy thread polls for its next part before it sleeps (0: at once); for
+    measurements. Raises ValueError outside 0 to 1 s; does nothing where native copies are off."""
+    if not isinstance(seconds, (int, float)) or not 0 <= seconds <= 1:
+        raise ValueError(f"seconds must be a number from 0 to 1, got {seconds!r}")
+    lib = copier()
+    if lib is not None:
+        lib.ringflow_copy_spin(int(seconds * 1e9))
 
 
 def copy(dst: np.ndarray, src: np.ndarray, threads: int) -> bool:

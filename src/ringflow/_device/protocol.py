@@ -84,7 +84,7 @@ class LiveCounts:
 # split from NATIVE_SPLIT_BYTES a thread, over at most half the host's CPUs.
 SPLIT_COPY_BYTES = 4 << 20
 MAX_COPY_THREADS = 4
-NATIVE_SPLIT_BYTES = 256 << 10
+NATIVE_SPLIT_BYTES = 128 << 10
 NATIVE_MAX_THREADS = max(1, min(16, (os.cpu_count() or 1) // 2))
 _copy_pool: "Any" = None
 _copy_pool_lock = threading.Lock()
