@@ -116,7 +116,7 @@ def _one_side_staged(file: str) -> tuple[float, float]:
 
 
 LATER = [
-    ("| `requests`: a stream of fresh numpy requests", *_requests("bench-h200-2026-12-02-requests-stage-own-r3-new1.json"),
+    ("| `requests`: a stream of fresh numpy requests", *_requests("bench-h200-2026-12-02-poll-final.json"),
      " a request"),
     ("| `balanced`, `MapJob(graph=True)`", *_graph_vs_cpp("graph-h200-2026-12-01-final-one-stream.json", "balanced"), ""),
     ("| `seed` in 256 KiB chunks", *_graph_small("graph-h200-2026-12-01-final-planned.json", "seed", 256 << 10), ""),

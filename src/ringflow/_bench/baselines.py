@@ -38,8 +38,10 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import ctypes
 import dataclasses
 import gc
+import itertools
 import math
 import os
 import queue
@@ -963,9 +965,13 @@ def staging_floor(nbytes: int, *, splits: Sequence[tuple[int, int]] = ((8, 8), (
     the GPU moves ``nbytes`` pinned->device and ``nbytes`` device->pinned on two streams, all
     started together. Nothing waits on anything else, so no schedule of the same work can finish
     sooner: this is the staged path's floor when its parts share the host's memory bandwidth
-    (``host_floor`` times each part alone and adds them, which assumes they do not).
+    (``host_floor`` times each part alone and adds them, which assumes they do not). The CPU
+    copies are made two ways, numpy's ``copyto`` and the C library's ``memmove`` (what the
+    native copy threads call), and the floor is the faster: on some hosts numpy's copy loop
+    moved a fifth less than ringflow's own staged path, which then beat a floor made of it.
 
-    Returns ``staging_together_ms[f"{t_in}+{t_out}"]`` (median wall time, host clock) per split,
+    Returns ``staging_together_ms[f"{t_in}+{t_out} {how}"]`` (median wall time, host clock) per
+    split and copy (``numpy``, ``memmove``),
     ``staging_together_best_ms``, ``staging_host_part_ms`` (when the CPU copies finished, median
     over every run) and, with the link, ``staging_link_alone_ms`` (the GPU's copies on an idle host,
     CUDA events)."""
@@ -1001,17 +1007,23 @@ def staging_floor(nbytes: int, *, splits: Sequence[tuple[int, int]] = ((8, 8), (
     host_ms: list[float] = []
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(a + b for a, b in splits))
     try:
-        def copy_in(part):
+        def numpy_copy(dst, src):
+            np.copyto(dst, src)
+
+        def c_copy(dst, src):  # ctypes lets go of the GIL for the call
+            ctypes.memmove(dst.ctypes.data, src.ctypes.data, dst.nbytes)
+
+        def copy_in(part, copy):
             for lo, hi in part:
                 k = ((lo // slot) % ring_slots) * slot
-                np.copyto(pin_in[k:k + hi - lo], src[lo:hi])
+                copy(pin_in[k:k + hi - lo], src[lo:hi])
 
-        def copy_out(part, dst):
+        def copy_out(part, dst, copy):
             for lo, hi in part:
                 k = ((lo // slot) % ring_slots) * slot
-                np.copyto(dst[lo:hi], pin_out[k:k + hi - lo])
+                copy(dst[lo:hi], pin_out[k:k + hi - lo])
 
-        for t_in, t_out in splits:
+        for (t_in, t_out), (how, copy) in itertools.product(splits, (("numpy", numpy_copy), ("memmove", c_copy))):
             samples = []
             in_parts = [chunks[j::t_in] for j in range(t_in)]
             out_parts = [chunks[j::t_out] for j in range(t_out)]
@@ -1022,7 +1034,8 @@ def staging_floor(nbytes: int, *, splits: Sequence[tuple[int, int]] = ((8, 8), (
                 t0 = time.perf_counter()
                 if with_link:
                     link_start(done)
-                futures = [pool.submit(copy_in, p) for p in in_parts] + [pool.submit(copy_out, p, dst) for p in out_parts]
+                futures = ([pool.submit(copy_in, p, copy) for p in in_parts]
+                           + [pool.submit(copy_out, p, dst, copy) for p in out_parts])
                 for f in futures:
                     f.result()
                 t_host = time.perf_counter()
@@ -1033,7 +1046,7 @@ def staging_floor(nbytes: int, *, splits: Sequence[tuple[int, int]] = ((8, 8), (
                     samples.append(t1 - t0)
                     host_ms.append((t_host - t0) * 1e3)
                 del dst
-            together[f"{t_in}+{t_out}"] = float(np.median(samples)) * 1e3
+            together[f"{t_in}+{t_out} {how}"] = float(np.median(samples)) * 1e3
         if with_link:
             # the link's copies alone, events around them, for comparison
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
