@@ -32,6 +32,7 @@ from .._device import device as make_device, device_list
 from .._device import host_pool
 from .._device.protocol import Device
 from .._errors import StageError
+from .batch_space import aligned
 from .chunk import Chunk, ChunkFuture
 from .driver import CallerDriver, ProgressThread, resolve
 from .config import PipelineConfig, SlotCounts
@@ -591,8 +592,13 @@ class Pipeline:
             pooled = host_pool.device_of(item) is self.device
             if pooled:
                 host_pool.receive(item, self.device)
+            block, at = chunk.batch, member.offset
             t0 = self.device.now
-            self.device.host_copy(chunk.batch[member.offset:member.offset + nbytes].view(dtype).reshape(shape), item)
+            self.device.host_copy(block[at:at + nbytes].view(dtype).reshape(shape), item)
+            # the alignment gap after the item is zeroed: a pointwise compute runs over it with
+            # the items around it (docs/design.md, "Items sharing a chunk"), and a kernel that
+            # traps on a value must not meet stale bytes or another request's there
+            block[at + nbytes:at + aligned(nbytes)] = 0
             if pooled:  # whichever thread drops the item last hands its block back after this read
                 host_pool.hand_off(item, self.device.publish())
             s.member_written(chunk, member, (t0, self.device.now))  # the driver's lock is not needed
