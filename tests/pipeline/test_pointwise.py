@@ -181,3 +181,42 @@ def test_the_gaps_a_span_launch_covers_hold_zeros_not_stale_bytes():
     # every value in a span is an item's (in [0.5, 1.5)) or a gap's zero: not the earlier items
     # or their results written over them, nor the poison the simulated GPU fills pool memory with
     assert all(np.all((s == 0) | ((s >= 0.5) & (s < 1.5))) for s in fused)
+
+
+def test_an_item_taken_back_leaves_zeros_where_its_bytes_were():
+    """A copy into a shared chunk that fails half way (or is interrupted) takes its item back;
+    the bytes it had written lie between its neighbours, inside their span launch, so they are
+    zeroed too."""
+    spans = []
+
+    def f(x, y):
+        spans.append(np.array(x))
+        np.multiply(x, np.float32(2), out=y)
+        y += np.float32(1)
+
+    f.pointwise = True
+    dev = rf.device("sim", seed=3)
+    real, calls = dev.host_copy, []
+
+    def host_copy(dst, src):
+        calls.append(src.size)
+        if len(calls) % 10 == 5:  # this one writes half of its item, then fails
+            half = dst.reshape(-1)[: dst.size // 2]
+            half[...] = np.float32(7e30)
+            raise RuntimeError("copy failed half way")
+        return real(dst, src)
+
+    dev.host_copy = host_copy
+    rng = np.random.default_rng(4)
+    xs = [rng.uniform(0.5, 1.5, int(n)).astype(np.float32) for n in rng.integers(100, 3000, 60)]
+    with rf.Pipeline(f, device=dev, chunk_bytes=1 << 16, checked=True) as pipe:
+        futs = []
+        for x in xs:
+            try:
+                futs.append((x, pipe.submit(x)))
+            except RuntimeError as exc:
+                assert "copy failed half way" in str(exc)
+        results = [(x, fu.result()) for x, fu in futs]
+    assert len(results) == len(xs) - 6 and all(np.array_equal(r, expected(x)) for x, r in results)
+    assert any(s.size > 3000 for s in spans)
+    assert all(np.all((s == 0) | ((s >= 0.5) & (s < 1.5))) for s in spans)  # no half-copied bytes

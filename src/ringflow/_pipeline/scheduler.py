@@ -388,7 +388,11 @@ class Scheduler:
             chunk.copying.discard(member)  # the commit point: the driver may admit the chunk now
 
     def _take_back(self, chunk: Chunk, member: Member) -> None:
-        """Un-accept a member whose copy did not end (batch lock and driver's lock held)."""
+        """Un-accept a member whose copy did not end (batch lock and driver's lock held). The bytes
+        it may have written are zeroed: they lie between its neighbours, inside a pointwise
+        compute's span (the copy is over: it failed or was interrupted on this thread)."""
+        if chunk.batch is not None:
+            chunk.batch[member.offset:member.offset + aligned(member.nbytes)] = 0
         if member in chunk.members:
             chunk.members.remove(member)
         self._members.pop(member.index, None)
@@ -940,7 +944,7 @@ class Scheduler:
         dtype = live[0].dtype
         if any(m.dtype != dtype for m in live) or MEMBER_ALIGN % dtype.itemsize:
             return False
-        start, end = live[0].offset, live[-1].offset + live[-1].nbytes
+        start, end = min(m.offset for m in live), max(m.offset + m.nbytes for m in live)
         din, dout = chunk.dev_in.where, out_slot.where
         inplace = self.dev_out is None
         shape = ((end - start) // dtype.itemsize,)
