@@ -154,18 +154,31 @@ def test_a_pointwise_kernel_over_shared_chunks_on_the_gpu_is_bit_exact(cuda_devi
     assert all(r.shape == x.shape and np.array_equal(r, expected(x), equal_nan=True) for r, x in zip(results, xs))
 
 
+class SpanRecorder:
+    """A pointwise ``y = 2x + 1`` that keeps a copy of every array it is given (``spans``)."""
+
+    pointwise = True
+
+    def __init__(self):
+        self.spans: list = []
+
+    def __call__(self, x, y):
+        self.spans.append(np.array(x))
+        np.multiply(x, np.float32(2), out=y)
+        y += np.float32(1)
+
+
+def only_items_and_zeros(span: np.ndarray) -> bool:
+    """Every value an item's (uniform in [0.5, 1.5)) or a gap's zero."""
+    return bool(np.all((span == 0) | ((span >= 0.5) & (span < 1.5))))
+
+
 def test_the_gaps_a_span_launch_covers_hold_zeros_not_stale_bytes():
     """A kernel may trap on values (a device assert, a NaN check): the alignment gaps between
     items, which the span launch computes over, are zeroed by the submitting thread, whatever
     the pool memory held before (here: earlier items and their results, from slabs used again)."""
-    spans = []
-
-    def f(x, y):
-        spans.append(np.array(x))
-        np.multiply(x, np.float32(2), out=y)
-        y += np.float32(1)
-
-    f.pointwise = True
+    f = SpanRecorder()
+    spans = f.spans
     rng = np.random.default_rng(9)
     with rf.Pipeline(f, device=rf.device("sim", seed=2), chunk_bytes=1 << 16, checked=True) as pipe:
         stale = [np.full(int(n), FAIL, np.float32) for n in rng.integers(1, 3000, 300)]
@@ -180,21 +193,15 @@ def test_the_gaps_a_span_launch_covers_hold_zeros_not_stale_bytes():
     assert any(s.size > 3000 for s in fused)  # some launches covered several items
     # every value in a span is an item's (in [0.5, 1.5)) or a gap's zero: not the earlier items
     # or their results written over them, nor the poison the simulated GPU fills pool memory with
-    assert all(np.all((s == 0) | ((s >= 0.5) & (s < 1.5))) for s in fused)
+    assert all(only_items_and_zeros(s) for s in fused)
 
 
 def test_an_item_taken_back_leaves_zeros_where_its_bytes_were():
     """A copy into a shared chunk that fails half way (or is interrupted) takes its item back;
     the bytes it had written lie between its neighbours, inside their span launch, so they are
     zeroed too."""
-    spans = []
-
-    def f(x, y):
-        spans.append(np.array(x))
-        np.multiply(x, np.float32(2), out=y)
-        y += np.float32(1)
-
-    f.pointwise = True
+    f = SpanRecorder()
+    spans = f.spans
     dev = rf.device("sim", seed=3)
     real, calls = dev.host_copy, []
 
@@ -219,4 +226,4 @@ def test_an_item_taken_back_leaves_zeros_where_its_bytes_were():
         results = [(x, fu.result()) for x, fu in futs]
     assert len(results) == len(xs) - 6 and all(np.array_equal(r, expected(x)) for x, r in results)
     assert any(s.size > 3000 for s in spans)
-    assert all(np.all((s == 0) | ((s >= 0.5) & (s < 1.5))) for s in spans)  # no half-copied bytes
+    assert all(only_items_and_zeros(s) for s in spans)  # no half-copied bytes
