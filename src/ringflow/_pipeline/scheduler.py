@@ -900,70 +900,50 @@ class Scheduler:
         return progressed
 
     def _launch_members(self, chunk: Chunk, stream, out_slot: Slot, compute: Callable) -> None:
-        """The compute of each item of a shared chunk on its own part of the slots, each followed
-        (where the device reports a launch's errors on its events) by an event that carries its
-        errors alone; an item whose compute raises while being enqueued fails alone, and one its
-        caller cancelled is not computed. A pointwise compute instead runs once over the span
-        from the first item to the last when they share one dtype (:meth:`_launch_span`)."""
-        if self._pointwise and self._launch_span(chunk, stream, out_slot, compute):
-            return
+        """The compute of a shared chunk's items that their callers have not cancelled: a launch
+        for each group of :meth:`_launch_groups` (an item alone, or for a pointwise compute all of
+        them at once) on its part of the slots, each followed (where the device reports a
+        launch's errors on its events) by an event that carries its errors alone. A group whose
+        compute raises while being enqueued fails, and only its items."""
         din, dout = chunk.dev_in.where, out_slot.where
         inplace = self.dev_out is None
         per_item_events = self.device.launch_errors_on_events
         failed = False
-        for m in chunk.members:
-            if m.future.done():
-                continue
-            x = BufferSlice(din.buffer, din.offset + m.offset, m.nbytes).array(m.dtype, m.shape)
-            y = x if inplace else BufferSlice(dout.buffer, dout.offset + m.offset, m.nbytes).array(m.dtype, m.shape)
+        for group, offset, nbytes, dtype, shape in self._launch_groups(chunk):
+            x = BufferSlice(din.buffer, din.offset + offset, nbytes).array(dtype, shape)
+            y = x if inplace else BufferSlice(dout.buffer, dout.offset + offset, nbytes).array(dtype, shape)
             try:
                 launch_compute(stream, compute, x, y, inplace=inplace,
-                               sim_seconds=sim_seconds_for(self._sim_compute, m.nbytes), index=m.index)
+                               sim_seconds=sim_seconds_for(self._sim_compute, nbytes), index=group[0].index)
             except StageError as err:
-                self._member_failed(m, err.__cause__)
+                for m in group:
+                    self._member_failed(m, err.__cause__)
                 failed = True
                 continue
             if per_item_events:
-                m.event = stream.record()
+                event = stream.record()
+                for m in group:
+                    m.event = event
         if failed and self.config.on_error == "raise":
             self._cancel_after_step = True
 
-    def _launch_span(self, chunk: Chunk, stream, out_slot: Slot, compute: Callable) -> bool:
-        """One launch of a pointwise ``compute`` over the items of a shared chunk that its callers
-        have not cancelled, as one flat array from the first such item's offset to the last's
-        end; False (nothing launched) where fewer than two items are left or they differ in
-        dtype, or the dtype's size does not divide :data:`MEMBER_ALIGN`.
+    def _launch_groups(self, chunk: Chunk) -> list:
+        """``(items, offset, nbytes, dtype, shape)`` a launch, over the chunk's items not
+        cancelled: one an item, in its own shape; or, for a pointwise compute and at least two
+        items of one dtype whose size divides :data:`MEMBER_ALIGN`, one over them all, a flat
+        array from the lowest offset to the highest item's end.
 
-        The gaps between items (alignment, cancelled items) are computed over too: a pointwise
+        That span covers the gaps between items (alignment, cancelled items): a pointwise
         compute writes each element from the same element alone, so no item's result depends on
-        them, and no result is taken from them. The items share the launch's fate: an error
-        while it is enqueued, or on its event, fails each of them."""
+        them, and no result is taken from them (they hold zeros or an item's own bytes: see
+        docs/design.md, "Items sharing a chunk"). Its items share the launch's fate."""
         live = [m for m in chunk.members if not m.future.done()]
-        if len(live) < 2:
-            return False
-        dtype = live[0].dtype
-        if any(m.dtype != dtype for m in live) or MEMBER_ALIGN % dtype.itemsize:
-            return False
-        start, end = min(m.offset for m in live), max(m.offset + m.nbytes for m in live)
-        din, dout = chunk.dev_in.where, out_slot.where
-        inplace = self.dev_out is None
-        shape = ((end - start) // dtype.itemsize,)
-        x = BufferSlice(din.buffer, din.offset + start, end - start).array(dtype, shape)
-        y = x if inplace else BufferSlice(dout.buffer, dout.offset + start, end - start).array(dtype, shape)
-        try:
-            launch_compute(stream, compute, x, y, inplace=inplace,
-                           sim_seconds=sim_seconds_for(self._sim_compute, end - start), index=live[0].index)
-        except StageError as err:
-            for m in live:
-                self._member_failed(m, err.__cause__)
-            if self.config.on_error == "raise":
-                self._cancel_after_step = True
-            return True
-        if self.device.launch_errors_on_events:
-            event = stream.record()
-            for m in live:
-                m.event = event
-        return True
+        if self._pointwise and len(live) > 1:
+            dtype = live[0].dtype
+            if all(m.dtype == dtype for m in live) and MEMBER_ALIGN % dtype.itemsize == 0:
+                start, end = min(m.offset for m in live), max(m.offset + m.nbytes for m in live)
+                return [(live, start, end - start, dtype, ((end - start) // dtype.itemsize,))]
+        return [([m], m.offset, m.nbytes, m.dtype, m.shape) for m in live]
 
     def _member_failed(self, m: Member, exc: BaseException) -> None:
         """An item of a shared chunk failed in its compute: it alone ends FAILED (its future
