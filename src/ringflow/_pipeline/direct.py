@@ -44,7 +44,7 @@ from .._trace.report import Report
 from .._trace.timeline import ENQUEUE_TRACK, Anchor, ChunkRecord, Span, Timeline
 from .config import SlotCounts, refuse_unknown_guards
 from .engine import Arrays
-from .sizing import compute_streams_for, copy_group
+from .sizing import COMPUTE_BOUND_STREAMS, compute_streams_for, copy_group, is_compute_bound
 from .stages import GPU_STAGES, StageStreams, launch_compute, mark, poison_after, sim_seconds_for, writes_into_y
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,9 @@ GUARDS = (
     "compute.wait_slot_ready",  # compute waits for its device-out slot's previous use
     "d2h.wait_compute",  # the copy out waits for the chunk's compute
 )
+
+
+MEASURE_MIN_CHUNKS = 4  # a call of fewer chunks has no steady state to measure a chunk in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +111,8 @@ class DirectSchedule:
                  chunk_bytes: int, slots: SlotCounts, inplace: bool, checked: bool = False,
                  bound: Optional[Arrays] = None, compute_streams: int = 1,
                  out_chunks: Optional[Sequence[tuple[int, int, tuple]]] = None, out_dtype: Any = None,
-                 out_chunk_bytes: Optional[int] = None, graph: bool = False, copy_group: int = 1):
+                 out_chunk_bytes: Optional[int] = None, graph: bool = False, copy_group: int = 1,
+                 measure_compute: bool = False):
         if out_chunks is None:
             out_chunks, out_dtype, out_chunk_bytes = chunks, dtype, chunk_bytes
         if inplace and (list(out_chunks) != list(chunks) or out_dtype != dtype):
@@ -126,7 +130,13 @@ class DirectSchedule:
         # a stream of its own and overlap the others where the GPU has room; the waits on slot
         # events order every reuse whichever stream the previous owner ran on
         self.compute_streams = max(1, min(compute_streams, n_in))
-        self.streams = StageStreams(device, checked=checked, computes=self.compute_streams)
+        # measure_compute: the compute's cost is unknown; the first call times one chunk's kernel
+        # against its copies and later calls get COMPUTE_BOUND_STREAMS if it is compute-bound
+        self._measure_pending = bool(measure_compute) and len(chunks) >= MEASURE_MIN_CHUNKS
+        self.measured_compute_bound: Optional[bool] = None
+        self.streams = StageStreams(device, checked=checked,
+                                    computes=max(self.compute_streams,
+                                                 min(COMPUTE_BOUND_STREAMS, n_in) if self._measure_pending else 1))
         try:
             self.dev_in = device.allocate(chunk_bytes * n_in)
             self._rings.append(self.dev_in)
@@ -197,7 +207,9 @@ class DirectSchedule:
         return cls(layout.device, f, chunks, layout.dtype, chunk_bytes=layout.in_chunk_bytes,
                    slots=slots, inplace=inplace, copy_group=group,
                    checked=bool(options.get("checked", False)), bound=bound,
-                   compute_streams=compute_streams_for(options.get("compute_streams"), group),
+                   compute_streams=compute_streams_for(options.get("compute_streams"), group, layout.compute_bound),
+                   measure_compute=(options.get("compute_streams") is None and group == 1
+                                    and layout.compute_bound is None),
                    out_chunks=out_chunks,
                    out_dtype=layout.out_dtype, out_chunk_bytes=layout.out_chunk_bytes,
                    graph=bool(options.get("graph", False)))
@@ -241,11 +253,19 @@ class DirectSchedule:
                         out_buffer.slice(group.out_offset, group.out_nbytes))
         self._timeline = None
         t0 = self.device.now
+        measured = None
         try:
             if profile:
                 compute_events, stamps = self._enqueue_profiled(host)
             else:
-                compute_events = [e for group in self.groups for e in self._enqueue(group, *host(group))]
+                # the chunk measured (a whole one from the middle, the pipeline in its steady state)
+                middle = len(self.groups) // 2 if self._measure_pending else -1
+                compute_events = []
+                for i, group in enumerate(self.groups):
+                    events = [{} for _ in group.ops] if i == middle else None
+                    compute_events.extend(self._enqueue(group, *host(group), events))
+                    if events is not None:
+                        measured = events[0]
             self.enqueue_seconds = self.device.now - t0
             self.streams.d2h.record().sync()
         except BaseException:
@@ -254,7 +274,23 @@ class DirectSchedule:
         if profile:
             self._timeline = self._timeline_of(*stamps)
         self._raise_failed(compute_events)
+        if measured is not None:
+            self._plan_compute_streams(measured)
         self._warmed = True
+
+    def _plan_compute_streams(self, events: dict) -> None:
+        """Give later calls COMPUTE_BOUND_STREAMS compute streams if the chunk timed by ``events``
+        (a call's timing events for one chunk) was compute-bound, else one."""
+        self._measure_pending = False
+
+        def seconds(stage: str) -> float:
+            return events[stage + ".end"].elapsed_since(events[stage + ".start"])
+
+        bound = is_compute_bound(seconds("compute"), seconds("h2d"), seconds("d2h"))
+        self.measured_compute_bound = bound
+        self.compute_streams = min(len(self.streams.computes), COMPUTE_BOUND_STREAMS) if bound else 1
+        logger.debug("direct engine: the measured chunk was %scompute-bound; %d compute stream(s) from now on",
+                     "" if bound else "not ", self.compute_streams)
 
     def _raise_failed(self, compute_events: list) -> None:
         """Raise a StageError for the first chunk whose compute failed on the device, as its
@@ -307,7 +343,10 @@ class DirectSchedule:
     def _capture(self, origin) -> bool:
         """Capture one call's enqueue pass into ``self._graph``; returns False (the reason
         logged and kept in :attr:`graph_refused`) when the device refuses it."""
-        streams = self.streams.all
+        st = self.streams
+        # the streams a call uses: a compute stream made for a plan that measuring did not keep
+        # takes no part, and joining it would wait on an event recorded outside the capture
+        streams = [st.h2d, *st.computes[:self.compute_streams], st.d2h] + ([st.poison] if st.poison else [])
         origin.begin_capture()
         try:
             computes = [e for group in self.groups for e in self._enqueue(group, group.host_in, group.host_out)]

@@ -11,6 +11,7 @@ on its own: a pool array on one side and ordinary memory on the other stage only
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import numpy as np
@@ -26,7 +27,9 @@ class ScheduledEngine:
 
     def __init__(self, f: Callable, layout, options: dict, arrays: Arrays):
         self.f = f
-        self.layout = layout
+        # whole chunks only: the caller's pinned memory is a ring whose slot i is chunk i's rows,
+        # at i chunks' bytes (a taper's short chunks would not start there)
+        self.layout = dataclasses.replace(layout, taper=())
         # the scheduler runs kernels on one compute stream and captures no graph: those direct
         # engine options mean nothing here
         self.options = {k: v for k, v in options.items() if k not in ("compute_streams", "graph")}

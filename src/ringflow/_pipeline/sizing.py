@@ -10,6 +10,7 @@ from typing import Callable, Optional
 from .. import _plan as plan
 from .._device.protocol import Device
 from .._plan import SlotCounts
+from .stages import sim_seconds_for
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 
@@ -150,11 +151,70 @@ def copy_group(device: Device, chunk_bytes: int, n_chunks: int, slots: SlotCount
     return group, slots
 
 
-def compute_streams_for(given: Optional[int], group: int) -> int:
-    """The direct engine's compute streams: ``given``, or planned (None): one, or for chunks
-    moved in copy groups one per chunk of a group up to :data:`GROUP_COMPUTE_STREAMS`. A
-    group's chunks arrive together, and their kernels are short (the chunks are small): on one
-    stream each would wait for the one before it, with the GPU mostly idle."""
+def compute_streams_for(given: Optional[int], group: int, bound: Optional[bool] = None) -> int:
+    """The direct engine's compute streams: ``given``, or planned (None): for chunks moved in
+    copy groups one per chunk of a group up to :data:`GROUP_COMPUTE_STREAMS` (a group's chunks
+    arrive together, and their kernels are short: on one stream each would wait for the one
+    before it, with the GPU mostly idle); for a compute-bound job (``bound``, see
+    :func:`is_compute_bound`) :data:`COMPUTE_BOUND_STREAMS`; else one."""
     if given is not None:
         return given
-    return min(GROUP_COMPUTE_STREAMS, group) if group > 1 else 1
+    if group > 1:
+        return min(GROUP_COMPUTE_STREAMS, group)
+    return COMPUTE_BOUND_STREAMS if bound else 1
+
+
+# -- compute-bound jobs -----------------------------------------------------------------------------
+# See docs/design.md, "Compute-bound jobs", for the measurements behind these.
+COMPUTE_BOUND_SHARE = 2.0  # a kernel this many times its chunk's longer copy makes a job compute-bound
+# Kernels of a compute-bound job get this many streams: the next chunk's kernel fills the SMs that
+# the last wave of the one before leaves idle. More streams share the GPU among more kernels at
+# once, so each finishes later and the copy out behind it waits: two buy what four do.
+COMPUTE_BOUND_STREAMS = 2
+TAPER_MIN_BYTES = 512 << 10  # a compute-bound job's first and last chunks, at least
+TAPER_STEPS = 4  # halvings of the chunk at each end, at most
+
+
+def is_compute_bound(kernel_s: float, h2d_s: float, d2h_s: float) -> bool:
+    """Whether a chunk's kernel takes :data:`COMPUTE_BOUND_SHARE` times its longer copy or more
+    (all in seconds): the copies then wait for the kernels, never the other way round."""
+    return kernel_s >= COMPUTE_BOUND_SHARE * max(h2d_s, d2h_s)
+
+
+def planned_compute_bound(device: Device, compute: Callable, in_bytes: int, out_bytes: int) -> Optional[bool]:
+    """:func:`is_compute_bound` for a chunk of ``in_bytes`` in and ``out_bytes`` out, its copies
+    from the device's hardware model and its kernel from the compute's cost (its ``sim_seconds``
+    attribute); None when that cost is unknown (the direct engine then measures it)."""
+    kernel = sim_seconds_for(getattr(compute, "sim_seconds", None), in_bytes)
+    if kernel is None:
+        return None
+    times = plan.model_stage_times(device.hardware, in_bytes, compute=kernel, out_bytes=out_bytes)
+    return is_compute_bound(kernel, times.h2d, times.d2h)
+
+
+def taper(rows: int, row_bytes: int) -> tuple[int, ...]:
+    """The rows of a compute-bound job's first chunks, ascending (its last ones mirror them):
+    ``rows`` halved up to :data:`TAPER_STEPS` times, none below :data:`TAPER_MIN_BYTES`; empty
+    when no halving fits.
+
+    Why: a compute-bound job's kernels cannot start before the first chunk is in, nor can the
+    last result leave before the last kernel ends; those two copies and the last kernel overlap
+    nothing else. Short chunks at the ends shorten them; whole chunks between keep the
+    per-chunk costs of the rest as they were."""
+    head = []
+    r = rows // 2
+    while len(head) < TAPER_STEPS and r >= 1 and r * row_bytes >= TAPER_MIN_BYTES:
+        head.append(r)
+        r //= 2
+    return tuple(head[::-1])
+
+
+def chunk_sizes(length: int, rows: int, head: tuple[int, ...] = ()) -> list[int]:
+    """Rows per chunk for ``length`` rows in chunks of ``rows``: the ``head`` chunks first and
+    the same in reverse last (a :func:`taper`), whole chunks between, the one short chunk (if
+    any) last of those; without a taper, or where one would leave no whole chunk, chunks of
+    ``rows`` with the last one short."""
+    if not head or length < 2 * sum(head) + rows:
+        return [rows] * (length // rows) + ([length % rows] if length % rows else [])
+    middle = length - 2 * sum(head)
+    return [*head, *[rows] * (middle // rows), *([middle % rows] if middle % rows else []), *head[::-1]]

@@ -32,7 +32,7 @@ from .._device.protocol import Device, HostBuffer, close_quietly
 from .._testing import current as current_hooks
 from . import warm
 from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine
-from .sizing import DEFAULT_CHUNK_BYTES, default_workers, resolve_slots
+from .sizing import DEFAULT_CHUNK_BYTES, chunk_sizes, default_workers, planned_compute_bound, resolve_slots, taper
 from .validate import check_choice, check_options, check_out, check_output_spec, same_memory
 
 HOSTS = ("auto", "stage", "register")
@@ -305,12 +305,14 @@ def whole_output(output: Any, x: np.ndarray, inplace: bool) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class MapLayout:
-    """How a whole-array job is cut and moved: chunks of ``rows`` rows (the last may be shorter)
-    over ``length`` rows; a row of ``x`` is ``row_bytes`` (``tail`` of ``dtype``), a row of the
+    """How a whole-array job is cut and moved: chunks of ``rows`` rows over ``length`` rows (the
+    last may be shorter, and a compute-bound job's first and last ones are: ``taper`` gives the
+    first ones' rows, see :func:`~ringflow._pipeline.sizing.taper`); a row of ``x`` is ``row_bytes`` (``tail`` of ``dtype``), a row of the
     result ``out_row_bytes`` (``out_tail`` of ``out_dtype``); and the host strategy ("stage",
     "register" or "pinned"). When staging, ``in_place`` names the sides (input, result) that are
     pinned pool arrays already: the copy engines use those in place and only the other side is
-    staged."""
+    staged. ``compute_bound``: whether the compute's known cost makes the job compute-bound
+    (None: not known; :func:`~ringflow._pipeline.sizing.planned_compute_bound`)."""
 
     device: Device
     row_bytes: int
@@ -323,6 +325,8 @@ class MapLayout:
     out_tail: tuple
     out_dtype: np.dtype
     in_place: tuple = (False, False)
+    compute_bound: Optional[bool] = None
+    taper: tuple = ()
 
     @property
     def staged(self) -> tuple:
@@ -332,7 +336,7 @@ class MapLayout:
 
     @property
     def n_chunks(self) -> int:
-        return -(-self.length // self.rows)
+        return len(self.sizes())
 
     @property
     def in_chunk_bytes(self) -> int:
@@ -358,12 +362,18 @@ class MapLayout:
     def key(self) -> tuple:
         """What shapes an engine built for this layout (for the warm cache)."""
         return (self.row_bytes, self.rows, self.length, self.tail, self.dtype.str, self.strategy,
-                self.out_tail, self.out_dtype.str, self.in_place)
+                self.out_tail, self.out_dtype.str, self.in_place, self.taper)
+
+    def sizes(self) -> list[int]:
+        """Each chunk's rows, in order."""
+        return chunk_sizes(self.length, self.rows, self.taper)
 
     def ranges(self) -> Iterator[tuple[int, int]]:
-        """Each chunk's rows ``(start, stop)``, made as they are pulled."""
-        rows, length = self.rows, self.length
-        return ((a, min(a + rows, length)) for a in range(0, length, rows))
+        """Each chunk's rows ``(start, stop)``, in order."""
+        start = 0
+        for rows in self.sizes():
+            yield start, start + rows
+            start += rows
 
     def engine_options(self, options: dict) -> dict:
         """``options`` as either engine takes them for this layout: ``pinned_budget`` bounds
@@ -451,8 +461,9 @@ class MapLayout:
             raise ValueError(f"one row of {what} along axis 0 is {widest} bytes but chunk_bytes is {slot}; "
                              f"raise chunk_bytes to at least {widest} or reshape x")
         rows = min(max(1, slot // widest), x.shape[0])  # a chunk is never larger than the array
+        bound = planned_compute_bound(dev, f, rows * row_bytes, rows * out_row_bytes)
         return cls(dev, row_bytes, rows, x.shape[0], x.shape[1:], x.dtype, strategy, out_row_bytes, out.shape[1:],
-                   out.dtype, in_place)
+                   out.dtype, in_place, compute_bound=bound, taper=taper(rows, widest) if bound else ())
 
 
 def plan_layout(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, dev: Device, chunk_bytes, host: str,

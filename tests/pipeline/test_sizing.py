@@ -1,0 +1,196 @@
+"""Planning a whole-array job (``ringflow._pipeline.sizing``): which jobs are compute-bound, the
+compute streams and tapered chunks they get, and what that buys on the simulated clock."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ringflow as rf
+from ringflow import _plan as plan
+from ringflow._pipeline import sizing, whole_array
+from ringflow._pipeline.whole_array import stream_map_report
+
+MiB = 1 << 20
+
+
+def heavy(x, y):  # a kernel three times as long as a 4 MiB chunk's copy in, in proportion to its bytes
+    y[...] = x * 2 + 1
+
+
+def light(x, y):  # as long as its chunk's copy in: balanced, not compute-bound
+    y[...] = x * 2 + 1
+
+
+def _copy_s(nbytes: int) -> float:
+    return plan.model_stage_times(rf.device("sim").hardware, nbytes).h2d
+
+
+heavy.sim_seconds = lambda nbytes: 3 * _copy_s(4 * MiB) * nbytes / (4 * MiB)
+light.sim_seconds = lambda nbytes: _copy_s(nbytes)
+
+
+def unknown(x, y):  # no cost the planner can read
+    y[...] = x * 2 + 1
+
+
+# -- chunk sizes ------------------------------------------------------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(length=st.integers(1, 5000), rows=st.integers(1, 600), steps=st.integers(0, 4))
+def test_chunk_sizes_cover_the_rows_in_order_with_no_chunk_above_rows(length, rows, steps):
+    head = tuple(sorted({max(1, rows >> k) for k in range(1, steps + 1)} - {rows}))
+    sizes = sizing.chunk_sizes(length, rows, head)
+    assert sum(sizes) == length
+    assert all(0 < n <= rows for n in sizes)
+    if head and len(sizes) > 1 and length >= 2 * sum(head) + rows:
+        assert tuple(sizes[:len(head)]) == head and tuple(sizes[-len(head):]) == head[::-1]
+        assert rows in sizes  # a whole chunk between the ends
+
+
+def test_without_a_taper_every_chunk_is_whole_but_the_last():
+    assert sizing.chunk_sizes(10, 4) == [4, 4, 2]
+    assert sizing.chunk_sizes(8, 4) == [4, 4]
+    assert sizing.chunk_sizes(3, 4) == [3]
+
+
+def test_a_taper_doubles_up_to_whole_chunks_and_halves_back_down():
+    assert sizing.chunk_sizes(100, 16, (2, 4, 8)) == [2, 4, 8] + [16] * 4 + [8] + [8, 4, 2]
+    assert sizing.chunk_sizes(44, 16, (2, 4, 8)) == [2, 4, 8, 16, 8, 4, 2]
+    # too short for both ends and a whole chunk: no taper
+    assert sizing.chunk_sizes(43, 16, (2, 4, 8)) == [16, 16, 11]
+
+
+def test_the_taper_halves_the_chunk_down_to_its_floor_at_most_four_times():
+    row = 4
+    rows = 8 * MiB // row
+    assert sizing.taper(rows, row) == tuple(rows >> k for k in (4, 3, 2, 1))  # 512 KiB to 4 MiB
+    assert sizing.taper(2 * MiB // row, row) == (MiB // 8, MiB // 4)  # 512 KiB, 1 MiB
+    assert sizing.taper(MiB // row, row) == (MiB // 8,)
+    assert sizing.taper(MiB // 2 // row, row) == ()  # half of it would be under the floor
+    assert sizing.taper(1, 64 * MiB) == ()  # one row a chunk cannot be halved
+
+
+# -- compute-bound ----------------------------------------------------------------------------------
+def test_compute_bound_needs_a_kernel_twice_its_longer_copy():
+    assert sizing.is_compute_bound(2.0, 1.0, 0.5)
+    assert not sizing.is_compute_bound(1.9, 1.0, 0.5)
+    assert not sizing.is_compute_bound(3.0, 1.0, 2.0)  # the copy out is the longer
+
+
+def test_the_plan_reads_the_compute_cost_or_says_it_does_not_know():
+    dev = rf.device("sim")
+    assert sizing.planned_compute_bound(dev, heavy, 4 * MiB, 4 * MiB) is True
+    assert sizing.planned_compute_bound(dev, light, 4 * MiB, 4 * MiB) is False
+    assert sizing.planned_compute_bound(dev, unknown, 4 * MiB, 4 * MiB) is None
+
+
+def test_compute_streams_two_for_compute_bound_jobs_one_else_and_a_given_count_wins():
+    assert sizing.compute_streams_for(None, 1, True) == sizing.COMPUTE_BOUND_STREAMS == 2
+    assert sizing.compute_streams_for(None, 1, False) == 1
+    assert sizing.compute_streams_for(None, 1, None) == 1
+    assert sizing.compute_streams_for(3, 1, True) == 3
+    assert sizing.compute_streams_for(None, 8, True) == sizing.GROUP_COMPUTE_STREAMS
+
+
+def _job(f, dev_x, **kw):
+    dev, x = dev_x
+    return rf.MapJob(f, x, rf.host.empty_like(x), device=dev, chunk_bytes=4 * MiB, **kw)
+
+
+def _pinned(nbytes: int, seed: int = 0, *, chaos: bool = False):
+    """``(device, x)``: a new sim device and a float32 pool array of it (pinned: the direct
+    engine copies it in place) holding random values."""
+    dev = rf.device("sim", seed=seed, chaos=chaos)
+    x = rf.host.empty(nbytes // 4, np.float32, device=dev)
+    x[:] = np.random.default_rng(seed).uniform(-1, 1, x.shape)
+    return dev, x
+
+
+def test_a_compute_bound_job_is_tapered_and_gets_two_compute_streams():
+    x = _pinned(64 * MiB)
+    with _job(heavy, x) as job:
+        assert job.engine == "direct"
+        assert job.chunks == 3 + 14 + 1 + 3  # 512 KiB, 1 MiB and 2 MiB at each end, 1 MiB left between
+        assert job._held.engine.compute_streams == 2
+    with _job(light, x) as job:
+        assert job.chunks == 16
+        assert job._held.engine.compute_streams == 1
+    with _job(heavy, x, compute_streams=1) as job:  # the caller's count wins; the taper stays
+        assert job.chunks == 21 and job._held.engine.compute_streams == 1
+
+
+@pytest.mark.parametrize("engine", ["direct", "pipeline"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tapered_jobs_are_bit_exact_under_chaos_with_the_checker(engine, seed):
+    dev, x = _pinned(3 * MiB + 37 * 4, seed, chaos=True)  # a short whole chunk too
+    y = rf.stream_map(heavy, x, device=dev, chunk_bytes=MiB, engine=engine, checked=True, keep_warm=False)
+    np.testing.assert_array_equal(y, x * 2 + 1)
+
+
+def _sim_seconds(f, dev_x) -> float:
+    dev, x = dev_x
+    out = rf.host.empty_like(x)
+    t0 = dev.now
+    rf.stream_map(f, x, out, device=dev, chunk_bytes=4 * MiB, compute_streams=1, engine="direct", keep_warm=False)
+    return dev.now - t0
+
+
+def test_the_taper_shortens_a_compute_bound_run_by_its_shorter_end_copies():
+    """Expected: the first copy in and the last copy out overlap no kernel; tapered they move
+    512 KiB instead of 4 MiB each."""
+    x = _pinned(64 * MiB)
+    tapered = _sim_seconds(heavy, x)
+    with mock.patch.object(sizing, "TAPER_STEPS", 0):
+        plain = _sim_seconds(heavy, x)
+    ends = 2 * (_copy_s(4 * MiB) - _copy_s(MiB // 2))
+    assert plain - tapered >= 0.5 * ends, (plain, tapered, ends)
+
+
+def test_a_tapered_run_never_beats_its_ideal_bound():
+    dev, x = _pinned(32 * MiB, 4)
+    y, rep = stream_map_report(heavy, x, rf.host.empty_like(x), device=dev, chunk_bytes=4 * MiB, engine="direct")
+    np.testing.assert_array_equal(y, x * 2 + 1)
+    assert rep.chunks == 3 + 6 + 1 + 3  # 3.5 MiB at each end, six whole chunks and 1 MiB between
+    assert 0 < rep.ideal_s <= rep.measured_s
+
+
+# -- measured on first use --------------------------------------------------------------------------
+@pytest.mark.parametrize("f, bound", [(heavy, True), (light, False)])
+def test_an_unknown_cost_is_measured_on_the_first_call_and_plans_the_later_ones(f, bound):
+    """The planner cannot read the cost (as for any kernel on a real GPU): the first call runs
+    on one compute stream and times a chunk; later calls get two streams if it was
+    compute-bound. Results stay right throughout."""
+    dev, x = _pinned(32 * MiB, 5)
+    with mock.patch.object(whole_array, "planned_compute_bound", return_value=None):
+        with _job(f, (dev, x)) as job:
+            engine = job._held.engine
+            assert job.chunks == 8 and engine.compute_streams == 1 and engine.measured_compute_bound is None
+            for _ in range(3):
+                np.testing.assert_array_equal(job(), x * 2 + 1)
+                assert engine.measured_compute_bound is bound
+                assert engine.compute_streams == (2 if bound else 1)
+
+
+def test_nothing_is_measured_when_the_cost_is_known_or_the_streams_are_given():
+    dev, x = _pinned(32 * MiB, 6)
+    with _job(heavy, (dev, x)) as job:
+        job()
+        assert job._held.engine.measured_compute_bound is None
+    with mock.patch.object(whole_array, "planned_compute_bound", return_value=None):
+        with _job(heavy, (dev, x), compute_streams=1) as job:
+            job()
+            assert job._held.engine.measured_compute_bound is None and job._held.engine.compute_streams == 1
+
+
+@pytest.mark.parametrize("f", [heavy, light])
+def test_a_measured_plan_is_captured_as_a_graph_with_the_streams_it_uses(f):
+    dev, x = _pinned(32 * MiB, 7)
+    with mock.patch.object(whole_array, "planned_compute_bound", return_value=None):
+        with _job(f, (dev, x), graph=True) as job:
+            for _ in range(3):
+                np.testing.assert_array_equal(job(), x * 2 + 1)
+            assert job.replays_graph
