@@ -48,6 +48,7 @@ def test_bench_runs_every_workload_on_the_sim(tmp_path, capsys):
     # and no call beats its bound, the host-bound ones included
     assert all(r["efficiency"] <= 1.0 for r in jobs + sized), [(r["name"], r["efficiency"]) for r in jobs + sized]
     assert seed["mapjob_efficiency"] > 0.9 and seed["mapjob_best_ms"] <= seed["mapjob_ms"]
+    assert seed["vs_cpp_mapjob_like_with_like"] is None  # no C++ program on the simulated GPU
     assert sized and all(r["ms_median_no_refill"] > 0 for r in sized)
     assert main(["trace", str(tmp_path / "t.json")]) == 0
 

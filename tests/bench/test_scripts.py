@@ -81,6 +81,15 @@ def test_diagnose_compute_streams(tmp_path):
     assert row["compute_streams_default"] == 4 and row["default_over_one"] > 0 and r["machine"]
 
 
+def test_diagnose_taper(tmp_path):
+    r = run_script(tmp_path, "diagnose_taper.py", "--mib", "16", "--chunk-mib", "2", "--streams", "1,2",
+                   "--calls", "1", "--workloads", "seed")
+    row = r["workloads"][0]
+    assert set(row["median_ms"]) == {"2MiB s1", "2MiB s1 taper", "2MiB s2", "2MiB s2 taper", "2MiB planned",
+                                     "2MiB measured"}
+    assert row["plans"]["2MiB measured"]["compute_streams"] in (1, 2) and r["machine"]
+
+
 def run_plain(tmp_path, script: str, *args: str) -> dict:
     """Run a script that takes its devices its own way (no ``--device``); its JSON."""
     out = tmp_path / "out.json"

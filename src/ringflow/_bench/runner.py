@@ -124,6 +124,7 @@ def table(res: dict[str, Any]):
 
     title = res.get("workload", "?")
     for key in ("ideal_ms", "efficiency", "ringflow_ms", "efficiency_no_refill", "vs_cpp_like_with_like",
+                "vs_cpp_mapjob_like_with_like",
                 "floor_ms", "efficiency_vs_floor", "mapjob_efficiency", "ringflow_vs_torch_ring",
                 "ringflow_vs_torch_naive", "p99_80_over_isolated", "p99_80_perfect_fifo_over_isolated",
                 "p99_80_over_perfect_fifo", "bound_ms",

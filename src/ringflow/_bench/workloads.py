@@ -241,6 +241,9 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
             "smallest_chunk_with_efficiency_0.9": min_eff_chunk, "versus_cpp": versus_cpp,
             # ringflow's best over the C++ program's best, both on the host clock and untouched input
             "vs_cpp_like_with_like": (versus_cpp or {}).get("untouched_input", {}).get("ratio_vs_host_clock"),
+            # the same for MapJob (set up once, as the C++ program is): its best untouched call
+            "vs_cpp_mapjob_like_with_like": _over_cpp(min(v[1] for (cb, e), v in job_ms.items() if e == "direct"),
+                                                      versus_cpp),
             # the same chosen chunk size bound once as a MapJob (direct engine), refilled input
             "mapjob_ms": job_ms[(auto.chunk_bytes, "direct")][0],
             "mapjob_efficiency": auto_rep.ideal_s * 1e3 / job_ms[(auto.chunk_bytes, "direct")][0],
@@ -249,6 +252,12 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
             # here: direct, so its enqueueing) and of an unprofiled MapJob call
             "host_us_per_chunk": auto_rep.host_overhead_per_chunk_s * 1e6,
             "mapjob_host_us_per_chunk": job_ms[(auto.chunk_bytes, "direct")][2] * 1e6 / auto.chunks}
+
+
+def _over_cpp(ms: float, versus_cpp: Optional[dict]) -> Optional[float]:
+    """``ms`` over the C++ program's best on the host clock with untouched input (None without it)."""
+    cpp = (versus_cpp or {}).get("untouched_input", {}).get("cpp_best_ms_host_clock")
+    return ms / cpp if cpp else None
 
 
 def _versus_cpp(rows: list, refilled_ms: dict, untouched_ms: dict, total_bytes: int) -> Optional[dict]:
