@@ -109,6 +109,14 @@ def _requests(file: str) -> tuple[float, float]:
     return 1e3 / r["capacity_per_s"], 1e3 / ring["capacity_per_s"]
 
 
+def _mapjob_vs_cpp(file: str, workload: str) -> tuple[float, float]:
+    """MapJob's best untouched call and the C++ program's best on the host clock (ms), one run."""
+    w = json.loads((RESULTS / file).read_text())["workloads"][workload]
+    ours = min(r["ms_median_no_refill"] for r in w["rows"]
+               if r["name"].startswith("ringflow MapJob") and r.get("engine") == "direct")
+    return ours, w["versus_cpp"]["untouched_input"]["cpp_best_ms_host_clock"]
+
+
 def _one_side_staged(file: str) -> tuple[float, float]:
     """1 GiB of ordinary memory in: with a pool array as out, and with a new ordinary out (ms)."""
     cases = json.loads((RESULTS / file).read_text())["pool_calls"]["cases"]
@@ -118,6 +126,7 @@ def _one_side_staged(file: str) -> tuple[float, float]:
 LATER = [
     ("| `requests`: a stream of fresh numpy requests", *_requests("bench-h200-2026-12-02-poll-final.json"),
      " a request"),
+    ("| `compute-bound`, `MapJob`", *_mapjob_vs_cpp("bench-h200-2026-12-02-plan-repeat-d.json", "compute-bound"), ""),
     ("| `balanced`, `MapJob(graph=True)`", *_graph_vs_cpp("graph-h200-2026-12-01-final-one-stream.json", "balanced"), ""),
     ("| `seed` in 256 KiB chunks", *_graph_small("graph-h200-2026-12-01-final-planned.json", "seed", 256 << 10), ""),
     ("| `feed`: 64 images decoded on 8 CPU workers", *_feed("feed-h200-2026-12-01-final-a.json"), " a batch"),

@@ -71,7 +71,8 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
             argument applies to each shard; ``x_buffer``/``out_buffer`` are refused, and arrays
             from :func:`ringflow.host.empty` are staged. See the multi-GPU guide.
         chunk_bytes: bytes per chunk (an int or a size such as ``"8MiB"``), ``"auto"`` to let the
-            planner choose, or None for 8 MiB. Never larger than the array needs.
+            planner choose, or None for 8 MiB. Never larger than the array needs. A
+            compute-bound job's first and last chunks are shorter (see ``compute_streams``).
         host: how ordinary host memory reaches the copy engines: ``"stage"`` copies each chunk
             through pinned rings on CPU workers; ``"register"`` pins ``x`` and ``out`` in place for
             the call; ``"auto"`` picks by the planner's model.
@@ -95,10 +96,12 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
         pinned_budget: bytes of pinned staging memory at most.
         compute_streams: streams the direct engine spreads kernels over (chunks in different
             device slots), so kernels of several chunks may run side by side. None (planned):
-            one, or where small chunks share a copy (copy groups) one per chunk of a group up to
-            four, since their kernels are short and start together; long kernels
-            (compute-bound jobs) gain from 2-4 (docs/performance.md has the measurements). The
-            scheduled engine uses one.
+            where small chunks share a copy (copy groups), one per chunk of a group up to four,
+            since their kernels are short and start together; for a compute-bound job (a
+            chunk's kernel at least twice its longer copy) two, and its first and last chunks
+            are tapered; else one. The kernel's time comes from ``f.sim_seconds`` when ``f``
+            states it, else the direct engine times one chunk of its first call and plans the
+            later ones (docs/design.md, "Compute-bound jobs"). The scheduled engine uses one.
         profile: time every stage (use :func:`stream_map_report` to get the report).
         output: the result's ``(shape, dtype)`` when it is not shaped as ``x``: the same rows
             (``shape[0] == len(x)``), any row shape and dtype, e.g. ``((n, 10), "float16")`` for
