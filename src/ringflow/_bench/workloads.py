@@ -58,6 +58,24 @@ def affine_tolerance(iters: int) -> float:
     return max(1e-5, 4 * iters * 2.0 ** -24)
 
 
+# Profiled calls whose lowest ideal bound a chunk size is held to: one call's bound is built from
+# the stage times that call had, and a call whose copies ran slow (a busy host, the link shared
+# with another process) gives a bound the unprofiled calls beat.
+BOUND_CALLS = 3
+
+
+def lowest_bound_report(profiled: Callable[[], Any], *, calls: int, before: Callable[[], None]):
+    """The report of the profiled call (``profiled()`` returns its report) with the lowest ideal
+    bound over ``calls`` calls, each after ``before()``."""
+    best = None
+    for _ in range(max(1, calls)):
+        before()
+        rep = profiled()
+        if best is None or rep.ideal_s < best.ideal_s:
+            best = rep
+    return best
+
+
 def serial_protocol_baseline(dev: Device, f, x: np.ndarray, expected: np.ndarray, repeats: int,
                              sample: np.ndarray, rtol: float) -> Row:
     """Copy everything in, compute once, copy everything out: one stream, no overlap."""
@@ -152,8 +170,9 @@ def inplace_pinned(dev: Device, *, name: str, size_bytes: int, iters: int, repea
             # the same calls back to back with the input left as the last call wrote it (still random,
             # iterated further): how the C++ baseline's repeats run, with no CPU write in between
             untouched = time_calls(lambda: dev.now, lambda: run(cb), warmup=1, repeats=repeats)
-            refill()
-            _, rep = stream_map_report(f, x, x, device=dev, chunk_bytes=cb, x_buffer=hb, out_buffer=hb, inplace=True)
+            rep = lowest_bound_report(lambda: stream_map_report(f, x, x, device=dev, chunk_bytes=cb, x_buffer=hb,
+                                                                out_buffer=hb, inplace=True)[1],
+                                      calls=BOUND_CALLS if dev.backend == "cuda" else 1, before=refill)
             results[cb] = (timing, ok, rep)
             untouched_ms[cb] = untouched.median_ms
             rows.append(_row(f"ringflow {n * 4 // cb} chunks of {cb / MiB:g} MiB" + (" (auto)" if cb == auto.chunk_bytes else ""),
