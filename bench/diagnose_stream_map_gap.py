@@ -23,6 +23,36 @@ from ringflow._bench.workloads import calibrate_iters
 from ringflow._pipeline import direct
 
 
+def profile_outside_run(call, n: int) -> str:
+    """cProfile of ``n`` calls with the engine's ``run`` left out of the profile (its own
+    device work dominates otherwise): the 30 functions with the most time of their own."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    run = direct.DirectSchedule.run
+
+    def unprofiled(self, *a, **k):
+        prof.disable()
+        try:
+            return run(self, *a, **k)
+        finally:
+            prof.enable()
+
+    direct.DirectSchedule.run = unprofiled
+    try:
+        prof.enable()
+        for _ in range(n):
+            call()
+        prof.disable()
+    finally:
+        direct.DirectSchedule.run = run
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    return text.getvalue()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0")
@@ -30,6 +60,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-mib", default="4,8")
     ap.add_argument("--workloads", default="seed,compute-bound")
     ap.add_argument("--calls", type=int, default=21)
+    ap.add_argument("--profile", type=int, default=0,
+                    help="also cProfile this many warm stream_map calls of the last job (outside the engine's run)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = rf.device(args.device)
@@ -65,6 +97,8 @@ def main(argv=None) -> int:
                     if i >= 3:
                         got[key].append((wall, *inner[-1]))
             job.close()
+            if args.profile:
+                out["profile"] = profile_outside_run(lambda kw=kw: rf.stream_map(f, x, x, **kw), args.profile)
             row = {"workload": name, "chunk_mib": cmib, "iters": iters}
             for key, v in got.items():
                 row[key] = {"call_ms": statistics.median(a for a, _, _ in v) * 1e3,

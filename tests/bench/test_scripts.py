@@ -90,6 +90,18 @@ def test_diagnose_taper(tmp_path):
     assert row["plans"]["2MiB measured"]["compute_streams"] in (1, 2) and r["machine"]
 
 
+def test_diagnose_stream_map_gap(tmp_path):
+    r = run_script(tmp_path, "diagnose_stream_map_gap.py", "--mib", "16", "--chunk-mib", "2", "--calls", "1",
+                   "--workloads", "seed", "--profile", "3")
+    row = r["rows"][0]
+    assert row["stream_map"]["outside_run_ms"] > 0 and row["MapJob"]["run_ms"] > 0 and "stream_map" in r["profile"]
+
+
+def test_stream_map_overhead(tmp_path):
+    r = run_script(tmp_path, "stream_map_overhead.py", "--calls", "50")
+    assert 0 < r["rows"]["MapJob"]["median_us"] and 0 < r["rows"]["stream_map"]["median_us"]
+
+
 def run_plain(tmp_path, script: str, *args: str) -> dict:
     """Run a script that takes its devices its own way (no ``--device``); its JSON."""
     out = tmp_path / "out.json"

@@ -194,3 +194,16 @@ def test_a_measured_plan_is_captured_as_a_graph_with_the_streams_it_uses(f):
             for _ in range(3):
                 np.testing.assert_array_equal(job(), x * 2 + 1)
             assert job.replays_graph
+
+
+def test_the_copy_model_is_asked_once_per_profile_and_sizes():
+    """Every stream_map call plans its layout: the copy times come from a cache after the first."""
+    profile = rf.device("sim").hardware
+    want = plan.model_stage_times(profile, 3 * MiB, out_bytes=MiB)
+    sizing._COPY_SECONDS.clear()
+    with mock.patch.object(plan, "model_stage_times", wraps=plan.model_stage_times) as model:
+        for _ in range(3):
+            assert sizing._copy_seconds(profile, 3 * MiB, MiB) == (want.h2d, want.d2h)
+        assert model.call_count == 1
+        sizing._copy_seconds(rf.device("sim", profile="pcie4-x16").hardware, 3 * MiB, MiB)
+        assert model.call_count == 2

@@ -188,8 +188,26 @@ def planned_compute_bound(device: Device, compute: Callable, in_bytes: int, out_
     kernel = sim_seconds_for(getattr(compute, "sim_seconds", None), in_bytes)
     if kernel is None:
         return None
-    times = plan.model_stage_times(device.hardware, in_bytes, compute=kernel, out_bytes=out_bytes)
-    return is_compute_bound(kernel, times.h2d, times.d2h)
+    return is_compute_bound(kernel, *_copy_seconds(device.hardware, in_bytes, out_bytes))
+
+
+# (id(profile), in bytes, out bytes) -> (profile, h2d s, d2h s): every stream_map call plans its
+# layout, and the copy model's curve lookups cost more than the rest of that plan
+_COPY_SECONDS: dict = {}
+_COPY_SECONDS_MAX = 256
+
+
+def _copy_seconds(profile, in_bytes: int, out_bytes: int) -> tuple[float, float]:
+    """The modelled H2D and D2H times (seconds) of a chunk of ``in_bytes`` in and ``out_bytes``
+    out on ``profile``, remembered per profile object and sizes."""
+    key = (id(profile), in_bytes, out_bytes)
+    hit = _COPY_SECONDS.get(key)
+    if hit is None or hit[0] is not profile:  # a new profile may reuse a collected one's id
+        times = plan.model_stage_times(profile, in_bytes, out_bytes=out_bytes)
+        if len(_COPY_SECONDS) >= _COPY_SECONDS_MAX:
+            _COPY_SECONDS.clear()
+        hit = _COPY_SECONDS[key] = (profile, times.h2d, times.d2h)
+    return hit[1], hit[2]
 
 
 def taper(rows: int, row_bytes: int) -> tuple[int, ...]:
