@@ -452,13 +452,13 @@ def test_default_workers_request_streams_get_few_bulk_jobs_get_a_core_each(monke
     from ringflow._pipeline import sizing
 
     gpu = types.SimpleNamespace(backend="cuda")
-    monkeypatch.setattr(sizing.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(sizing, "host_cpus", lambda: 16)
     assert sizing.default_workers(gpu, bulk=True) == 15
     assert sizing.default_workers(gpu, bulk=False) == 4
-    monkeypatch.setattr(sizing.os, "cpu_count", lambda: 3)
+    monkeypatch.setattr(sizing, "host_cpus", lambda: 3)
     assert sizing.default_workers(gpu, bulk=True) == 2
     assert sizing.default_workers(gpu, bulk=False) == 2
-    monkeypatch.setattr(sizing.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(sizing, "host_cpus", lambda: 64)
     assert sizing.default_workers(gpu, bulk=True) == 16
     assert sizing.default_workers(types.SimpleNamespace(backend="sim"), bulk=False) == 4
 

@@ -207,3 +207,15 @@ def test_the_copy_model_is_asked_once_per_profile_and_sizes():
         assert model.call_count == 1
         sizing._copy_seconds(rf.device("sim", profile="pcie4-x16").hardware, 3 * MiB, MiB)
         assert model.call_count == 2
+
+
+def test_the_host_cpus_are_asked_of_the_system_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(sizing.os, "cpu_count", lambda: calls.append(1) or 8)
+    sizing.host_cpus.cache_clear()
+    try:
+        gpu = type("Gpu", (), {"backend": "cuda"})()
+        assert [sizing.default_workers(gpu) for _ in range(3)] == [7, 7, 7]
+        assert len(calls) == 1
+    finally:
+        sizing.host_cpus.cache_clear()

@@ -291,7 +291,10 @@ class HostBuffer(Buffer):
         self._check_open()
         if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
             return None
-        offset = array.__array_interface__["data"][0] - self._memory().__array_interface__["data"][0]
+        base = getattr(self, "_base_address", None)
+        if base is None:  # the buffer's memory never moves: its address is asked once
+            base = self._base_address = self._memory().__array_interface__["data"][0]
+        offset = array.__array_interface__["data"][0] - base
         return offset if 0 <= offset and offset + array.nbytes <= self.nbytes else None
 
     @abc.abstractmethod

@@ -4,6 +4,7 @@ planned from the device's hardware model (:mod:`ringflow._plan`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Callable, Optional
 
@@ -101,6 +102,13 @@ def fit_pinned_budget(counts: SlotCounts, chunk_bytes: int, budget: int, *, expl
     return counts
 
 
+@functools.lru_cache(maxsize=1)
+def host_cpus() -> int:
+    """The host's CPUs, asked of the system once: every whole-array call plans its workers, and
+    ``os.cpu_count`` reads the system each time (tens of µs on some hosts)."""
+    return os.cpu_count() or 2
+
+
 def default_workers(dev: Device, bulk: bool = True) -> int:
     """CPU workers for prepare/consume (see docs/design.md, "CPU workers", for the measurements).
 
@@ -110,7 +118,7 @@ def default_workers(dev: Device, bulk: bool = True) -> int:
     busy worker competes for the GIL at each hand-off, so it gets at most 4."""
     if dev.backend == "sim":
         return 4
-    cores = max(1, min(16, (os.cpu_count() or 2) - 1))
+    cores = max(1, min(16, host_cpus() - 1))
     return cores if bulk else min(4, cores)
 
 
