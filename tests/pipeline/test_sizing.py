@@ -34,6 +34,13 @@ heavy.sim_seconds = lambda nbytes: 3 * _copy_s(4 * MiB) * nbytes / (4 * MiB)
 light.sim_seconds = lambda nbytes: _copy_s(nbytes)
 
 
+def slow(x, y):  # 0.2 ms a chunk: compute-bound at any chunk size up to a few MiB
+    y[...] = x * 2 + 1
+
+
+slow.sim_seconds = 200e-6
+
+
 def unknown(x, y):  # no cost the planner can read
     y[...] = x * 2 + 1
 
@@ -219,3 +226,21 @@ def test_the_host_cpus_are_asked_of_the_system_once(monkeypatch):
         assert len(calls) == 1
     finally:
         sizing.host_cpus.cache_clear()
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 3000), cols=st.integers(1, 9), chunk_rows=st.integers(1, 400),
+       engine=st.sampled_from(["direct", "pipeline"]), inplace=st.booleans(), seed=st.integers(0, 2 ** 16),
+       streams=st.sampled_from([None, 1, 3]))
+def test_random_tapered_jobs_are_bit_exact_under_chaos(rows, cols, chunk_rows, engine, inplace, seed, streams):
+    """Any shape, chunk size and engine, the taper's floor lowered to 64 bytes so that small jobs
+    taper too; the checker on, chaos reordering completions, the checked mode's poison."""
+    dev = rf.device("sim", seed=seed, chaos=True)
+    x = rf.host.empty((rows, cols), np.float32, device=dev)
+    x[...] = np.random.default_rng(seed).uniform(-1, 1, x.shape)
+    want = x * 2 + 1
+    out = x if inplace else rf.host.empty_like(x)
+    with mock.patch.object(sizing, "TAPER_MIN_BYTES", 64):
+        y = rf.stream_map(slow, x, out, device=dev, chunk_bytes=chunk_rows * cols * 4, engine=engine,
+                          inplace=inplace, checked=True, compute_streams=streams, keep_warm=False)
+    np.testing.assert_array_equal(y, want)
