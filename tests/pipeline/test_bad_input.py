@@ -498,3 +498,33 @@ def test_random_options_run_right_or_are_refused_by_name(case):
         assert allowed, f"{door} refused good options {opts}: {got[2]}"
         assert got[1] & allowed, f"{door}({opts}): {got[2]!r} names none of {sorted(allowed)}"
     assert settle(dev) == 0, f"{door}({opts}) left {dev.live()}"
+
+
+def _boom(nbytes):
+    raise RuntimeError("no cost model here")
+
+
+@pytest.mark.parametrize("cost", ["abc", float("nan"), -1.0, float("inf"), True, _boom, lambda n: None,
+                                  lambda n: "1e-3", lambda n: -2e-6],
+                         ids=["str", "nan", "negative", "inf", "bool", "raises", "returns-None", "returns-str",
+                              "returns-negative"])
+@pytest.mark.parametrize("door", ALL_DOORS)
+def test_a_compute_cost_that_is_not_seconds_is_refused_by_name(dev, door, cost):
+    """``sim_seconds`` is read by the planner on every device: a value that is not a finite number
+    of seconds >= 0 (or a function that raises or returns one) is refused where the job is
+    planned, naming ``sim_seconds``, before any device work."""
+    def f(x, y):
+        y[...] = x
+
+    f.sim_seconds = cost
+    x = rf.host.empty(N, np.float32, device=dev)
+    x[:] = 1
+    with pytest.raises(ValueError, match="sim_seconds"):
+        if door == "stream_map":
+            rf.stream_map(f, x, rf.host.empty_like(x), device=dev, chunk_bytes=64, keep_warm=False)
+        elif door == "MapJob":
+            with rf.MapJob(f, x, rf.host.empty_like(x), device=dev, chunk_bytes=64) as job:
+                job()
+        else:
+            with rf.Pipeline(f, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
+                pipe.submit(x).result()

@@ -45,8 +45,7 @@ def resolve_slots(device: Device, slots, chunk_bytes: int, inplace: bool, worker
     if slots is not None:
         raise TypeError(f"slots must be None, an int or a SlotCounts, got {type(slots).__name__}")
     profile = device.hardware
-    sim = getattr(compute, "sim_seconds", None)
-    guess = sim(chunk_bytes) if callable(sim) else sim
+    guess = sim_seconds_for(getattr(compute, "sim_seconds", None), chunk_bytes)
     times = plan.model_stage_times(profile, chunk_bytes, compute=guess, workers=workers)
     if guess is None:  # unknown compute: plan for one as long as a copy (a balanced pipeline)
         times = dataclasses.replace(times, compute=max(times.compute, times.h2d))

@@ -7,6 +7,8 @@ decides when each operation is enqueued; the operations themselves are made here
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Callable, Optional
 
 from .._device.protocol import Device, Event, Stream, close_quietly, stream_after
@@ -167,7 +169,21 @@ def mark(stream: Stream, stage: str, events: Optional[dict], *, start: bool = Fa
 
 def sim_seconds_for(cost, nbytes: int) -> Optional[float]:
     """A compute callable's ``sim_seconds`` (seconds, or a function of the chunk's bytes) for a
-    chunk of ``nbytes``; None when it has none."""
+    chunk of ``nbytes``; None when it has none.
+
+    Raises:
+        ValueError: the cost (or what its function returned) is not a finite number of seconds
+            >= 0, or its function raised (the cause is chained).
+    """
     if cost is None:
         return None
-    return float(cost(nbytes)) if callable(cost) else float(cost)
+    what = f"sim_seconds({nbytes})" if callable(cost) else "sim_seconds"
+    try:
+        value = cost(nbytes) if callable(cost) else cost
+    except Exception as exc:
+        raise ValueError(f"the compute's {what} raised {type(exc).__name__}: {exc}; sim_seconds must be seconds or "
+                         "a function of a chunk's bytes that returns them") from exc
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"the compute's {what} must be a finite number of seconds >= 0, got {value!r}; give seconds "
+                         "(a number) or a function of a chunk's bytes that returns them")
+    return float(value)

@@ -33,6 +33,7 @@ from .._testing import current as current_hooks
 from . import warm
 from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine
 from .sizing import DEFAULT_CHUNK_BYTES, chunk_sizes, default_workers, planned_compute_bound, resolve_slots, taper
+from .stages import sim_seconds_for
 from .validate import check_choice, check_options, check_out, check_output_spec, same_memory
 
 HOSTS = ("auto", "stage", "register")
@@ -452,7 +453,7 @@ class MapLayout:
         widest = max(row_bytes, out_row_bytes)  # a slot holds a chunk's input and, apart, its result
         if chunk_bytes == "auto":
             sim = getattr(f, "sim_seconds", None)
-            per_byte = (sim(1 << 20) / (1 << 20)) if callable(sim) else 0.0
+            per_byte = sim_seconds_for(sim, 1 << 20) / (1 << 20) if callable(sim) else 0.0
             chunk_bytes = plan.choose_chunk_bytes(dev.hardware, x.nbytes, compute_s_per_byte=per_byte, align=row_bytes,
                                                   workers=workers, host_stages=strategy == "stage",
                                                   out_ratio=out_row_bytes / row_bytes if row_bytes else 1.0
