@@ -104,7 +104,7 @@ def fit_pinned_budget(counts: SlotCounts, chunk_bytes: int, budget: int, *, expl
 @functools.lru_cache(maxsize=1)
 def host_cpus() -> int:
     """The host's CPUs, asked of the system once: every whole-array call plans its workers, and
-    ``os.cpu_count`` reads the system each time (tens of µs on some hosts)."""
+    ``os.cpu_count`` reads the system each time."""
     return os.cpu_count() or 2
 
 
