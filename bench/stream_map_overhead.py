@@ -1,9 +1,12 @@
 """The host time a warm ``stream_map`` call spends outside its engine, against a ``MapJob`` call
 of the same job: the engine's ``run`` is replaced by a no-op, so what is timed is the call's
 own Python (checks, layout plan, warm-cache lookup). 64 MiB float32 in pinned memory, 8 MiB
-chunks, in place; medians and p10 of ``--calls`` calls, in µs.
+chunks, in place; medians and p10 of ``--calls`` calls, in µs. With ``--before``, each call
+follows something that a real call's wait for the GPU may look like to the CPU: nothing
+(``none``), 5 ms asleep (``sleep``), 5 ms spinning (``spin``), or 16 MiB read through the caches
+(``touch``, as the copies' traffic may evict the caller's working set).
 
-    python3 bench/stream_map_overhead.py --device sim --out FILE [--calls 2000]
+    python3 bench/stream_map_overhead.py --device sim --out FILE [--calls 2000] [--before none,sleep,spin,touch]
 """
 
 from __future__ import annotations
@@ -13,16 +16,25 @@ import gc
 import sys
 import time
 
+import numpy as np
+
 from _script import header, pinned_random, write
 
 import ringflow as rf
 from ringflow._pipeline import direct
 
 
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="sim")
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--before", default="none")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = rf.device(args.device)
@@ -40,18 +52,25 @@ def main(argv=None) -> int:
     direct.DirectSchedule.run = lambda self, arrays=None, *, profile=False: None
     gc.freeze()
     rows = {}
+    befores = {"none": lambda: None, "sleep": lambda: time.sleep(5e-3), "spin": lambda: _spin(5e-3),
+               "touch": lambda: int(big.sum())}
+    big = np.ones(16 << 20, np.uint8)
     try:
-        for name, call in (("stream_map", lambda: rf.stream_map(f, x, x, **kw)), ("MapJob", job)):
-            for _ in range(50):
-                call()
-            times = []
-            for _ in range(args.calls):
-                t0 = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - t0)
-            times.sort()
-            rows[name] = {"median_us": times[len(times) // 2] * 1e6, "p10_us": times[len(times) // 10] * 1e6}
-            print(name, rows[name], flush=True)
+        for before in args.before.split(","):
+            calls = args.calls if before == "none" else max(1, args.calls // 10)
+            for name, call in (("stream_map", lambda: rf.stream_map(f, x, x, **kw)), ("MapJob", job)):
+                for _ in range(50):
+                    call()
+                times = []
+                for _ in range(calls):
+                    befores[before]()
+                    t0 = time.perf_counter()
+                    call()
+                    times.append(time.perf_counter() - t0)
+                times.sort()
+                key = name if before == "none" else f"{name} after {before}"
+                rows[key] = {"median_us": times[len(times) // 2] * 1e6, "p10_us": times[len(times) // 10] * 1e6}
+                print(key, rows[key], flush=True)
     finally:
         direct.DirectSchedule.run = run
         gc.unfreeze()

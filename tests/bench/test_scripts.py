@@ -98,8 +98,9 @@ def test_diagnose_stream_map_gap(tmp_path):
 
 
 def test_stream_map_overhead(tmp_path):
-    r = run_script(tmp_path, "stream_map_overhead.py", "--calls", "50")
+    r = run_script(tmp_path, "stream_map_overhead.py", "--calls", "50", "--before", "none,sleep,spin,touch")
     assert 0 < r["rows"]["MapJob"]["median_us"] and 0 < r["rows"]["stream_map"]["median_us"]
+    assert {"stream_map after sleep", "MapJob after touch"} <= set(r["rows"])
 
 
 def run_plain(tmp_path, script: str, *args: str) -> dict:
