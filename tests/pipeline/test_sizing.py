@@ -180,6 +180,7 @@ def test_an_unknown_cost_is_measured_on_the_first_call_and_plans_the_later_ones(
                 np.testing.assert_array_equal(job(), x * 2 + 1)
                 assert engine.measured_compute_bound is bound
                 assert engine.compute_streams == (2 if bound else 1)
+                assert job.chunks == (3 + 6 + 1 + 3 if bound else 8)  # tapered from the second call on
 
 
 def test_nothing_is_measured_when_the_cost_is_known_or_the_streams_are_given():
@@ -244,3 +245,44 @@ def test_random_tapered_jobs_are_bit_exact_under_chaos(rows, cols, chunk_rows, e
         y = rf.stream_map(slow, x, out, device=dev, chunk_bytes=chunk_rows * cols * 4, engine=engine,
                           inplace=inplace, checked=True, compute_streams=streams, keep_warm=False)
     np.testing.assert_array_equal(y, want)
+
+
+def _second_call_seconds(dev, x) -> float:
+    with _job(heavy, (dev, x), compute_streams=None) as job:
+        job()  # measures
+        t0 = dev.now
+        job()
+        return dev.now - t0
+
+
+def test_a_measured_compute_bound_job_runs_its_later_calls_tapered_and_faster():
+    """Expected: as the planned taper, the first copy in and the last copy out shortened."""
+    dev, x = _pinned(64 * MiB, 8)
+    with mock.patch.object(whole_array, "planned_compute_bound", return_value=None):
+        tapered = _second_call_seconds(dev, x)
+        with mock.patch.object(sizing, "TAPER_STEPS", 0):
+            plain = _second_call_seconds(dev, x)
+    ends = 2 * (_copy_s(4 * MiB) - _copy_s(MiB // 2))
+    assert plain - tapered >= 0.5 * ends, (plain, tapered, ends)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 3000), cols=st.integers(1, 9), chunk_rows=st.integers(1, 400), inplace=st.booleans(),
+       seed=st.integers(0, 2 ** 16), graph=st.booleans())
+def test_random_measured_jobs_stay_bit_exact_when_later_calls_taper(rows, cols, chunk_rows, inplace, seed, graph):
+    """The cost unknown to the planner: the first call measures a chunk, finds it compute-bound,
+    and the later calls run tapered on two streams (a graph captured from the second call on);
+    every call right under chaos with the checker and poison."""
+    dev = rf.device("sim", seed=seed, chaos=True)
+    x = rf.host.empty((rows, cols), np.float32, device=dev)
+    x[...] = np.random.default_rng(seed).uniform(-1, 1, x.shape)
+    want = x * 2 + 1
+    with mock.patch.object(sizing, "TAPER_MIN_BYTES", 64), \
+            mock.patch.object(whole_array, "planned_compute_bound", return_value=None):
+        out = x if inplace else rf.host.empty_like(x)
+        with rf.MapJob(slow, x, out, device=dev, chunk_bytes=chunk_rows * cols * 4, inplace=inplace, checked=True,
+                       graph=graph) as job:
+            for _ in range(3):
+                if inplace:  # the call before wrote its result over the input: the same input again
+                    x[...] = np.random.default_rng(seed).uniform(-1, 1, x.shape)
+                np.testing.assert_array_equal(job(), want)

@@ -44,7 +44,7 @@ from .._trace.report import Report
 from .._trace.timeline import ENQUEUE_TRACK, Anchor, ChunkRecord, Span, Timeline
 from .config import SlotCounts, refuse_unknown_guards
 from .engine import Arrays
-from .sizing import COMPUTE_BOUND_STREAMS, compute_streams_for, copy_group, is_compute_bound
+from .sizing import COMPUTE_BOUND_STREAMS, compute_streams_for, copy_group, is_compute_bound, taper
 from .stages import GPU_STAGES, StageStreams, launch_compute, mark, poison_after, sim_seconds_for, writes_into_y
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,15 @@ GUARDS = (
 
 
 MEASURE_MIN_CHUNKS = 4  # a call of fewer chunks has no steady state to measure a chunk in
+
+
+def _byte_ranges(layout) -> tuple[list, list]:
+    """``(chunks, out_chunks)``: each chunk's ``(offset, nbytes, shape)`` in ``x`` and in the
+    result, for a whole-array ``layout``."""
+    row, out_row = layout.row_bytes, layout.out_row_bytes
+    ranges = list(layout.ranges())
+    return ([(a * row, (b - a) * row, (b - a,) + layout.tail) for a, b in ranges],
+            [(a * out_row, (b - a) * out_row, (b - a,) + layout.out_tail) for a, b in ranges])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +121,7 @@ class DirectSchedule:
                  bound: Optional[Arrays] = None, compute_streams: int = 1,
                  out_chunks: Optional[Sequence[tuple[int, int, tuple]]] = None, out_dtype: Any = None,
                  out_chunk_bytes: Optional[int] = None, graph: bool = False, copy_group: int = 1,
-                 measure_compute: bool = False):
+                 measure_compute: bool = False, tapered: Optional[tuple] = None):
         if out_chunks is None:
             out_chunks, out_dtype, out_chunk_bytes = chunks, dtype, chunk_bytes
         if inplace and (list(out_chunks) != list(chunks) or out_dtype != dtype):
@@ -160,8 +169,20 @@ class DirectSchedule:
         # the event each device slot's next owner waits on (its last use, or the poison fill after it)
         self._in_ready: list = [None] * n_in
         self._out_ready: list = [None] * n_out
-        sim = getattr(compute, "sim_seconds", None)
         self._bound = bound
+        self._shapes = (dtype, out_dtype, out_chunk_bytes, n_in, n_out)
+        # measure_compute: the chunks to run instead, as ``(chunks, out_chunks)``, once the first
+        # call has found the job compute-bound (a taper: the rings are the same)
+        self._tapered = tapered if self._measure_pending else None
+        self._lay_out(chunks, out_chunks, copy_group)
+
+    def _lay_out(self, chunks: Sequence[tuple[int, int, tuple]], out_chunks: Sequence[tuple[int, int, tuple]],
+                 copy_group: int) -> None:
+        """Make each chunk's operations (:attr:`ops`) and the copy groups (:attr:`groups`) for
+        ``chunks`` and ``out_chunks`` in this engine's device rings."""
+        dtype, out_dtype, out_chunk_bytes, n_in, n_out = self._shapes
+        chunk_bytes, inplace, bound = self.chunk_bytes, self.inplace, self._bound
+        sim = getattr(self.compute, "sim_seconds", None)
         x_buffer = bound.x_buffer if bound is not None else None
         out_buffer = bound.out_buffer if bound is not None else None
         self.ops: list[ChunkOps] = []
@@ -198,18 +219,19 @@ class DirectSchedule:
     def for_layout(cls, f: Callable, layout, options: dict, bound: Optional[Arrays] = None) -> "DirectSchedule":
         """The direct engine for a whole-array ``layout`` (its chunks, the planned device rings)."""
         inplace = bool(options.get("inplace", False))
-        row, out_row = layout.row_bytes, layout.out_row_bytes
-        chunks = [(a * row, (b - a) * row, (b - a,) + layout.tail) for a, b in layout.ranges()]
-        out_chunks = [(a * out_row, (b - a) * out_row, (b - a,) + layout.out_tail) for a, b in layout.ranges()]
+        chunks, out_chunks = _byte_ranges(layout)
         group, slots = copy_group(layout.device, layout.chunk_bytes, layout.n_chunks,
                                   layout.slots(f, options, external=True), planned=options.get("slots") is None,
                                   inplace=inplace)
+        measure = options.get("compute_streams") is None and group == 1 and layout.compute_bound is None
+        # what a taper would make of the layout, for a first call that finds the job compute-bound
+        head = taper(layout.rows, max(layout.row_bytes, layout.out_row_bytes)) if measure else ()
+        tapered = _byte_ranges(dataclasses.replace(layout, taper=head)) if head else None
         return cls(layout.device, f, chunks, layout.dtype, chunk_bytes=layout.in_chunk_bytes,
                    slots=slots, inplace=inplace, copy_group=group,
                    checked=bool(options.get("checked", False)), bound=bound,
                    compute_streams=compute_streams_for(options.get("compute_streams"), group, layout.compute_bound),
-                   measure_compute=(options.get("compute_streams") is None and group == 1
-                                    and layout.compute_bound is None),
+                   measure_compute=measure, tapered=tapered if tapered != (chunks, out_chunks) else None,
                    out_chunks=out_chunks,
                    out_dtype=layout.out_dtype, out_chunk_bytes=layout.out_chunk_bytes,
                    graph=bool(options.get("graph", False)))
@@ -278,9 +300,15 @@ class DirectSchedule:
             self._plan_compute_streams(measured)
         self._warmed = True
 
+    @property
+    def n_chunks(self) -> int:
+        """The chunks a call runs (more once a measured compute-bound job is tapered)."""
+        return len(self.ops)
+
     def _plan_compute_streams(self, events: dict) -> None:
-        """Give later calls COMPUTE_BOUND_STREAMS compute streams if the chunk timed by ``events``
-        (a call's timing events for one chunk) was compute-bound, else one."""
+        """Plan later calls from the chunk timed by ``events`` (a call's timing events for one
+        chunk): if it was compute-bound, COMPUTE_BOUND_STREAMS compute streams and the tapered
+        chunks (when there are any), else one stream."""
         self._measure_pending = False
 
         def seconds(stage: str) -> float:
@@ -289,6 +317,9 @@ class DirectSchedule:
         bound = is_compute_bound(seconds("compute"), seconds("h2d"), seconds("d2h"))
         self.measured_compute_bound = bound
         self.compute_streams = min(len(self.streams.computes), COMPUTE_BOUND_STREAMS) if bound else 1
+        if bound and self._tapered is not None:
+            self._lay_out(*self._tapered, 1)
+        self._tapered = None
         logger.debug("direct engine: the measured chunk was %scompute-bound; %d compute stream(s) from now on",
                      "" if bound else "not ", self.compute_streams)
 

@@ -175,8 +175,9 @@ class MapJob:
 
     @property
     def chunks(self) -> int:
-        """How many chunks each call runs."""
-        return self._layout.n_chunks
+        """How many chunks each call runs (more from the second call on where the first found the
+        job compute-bound and tapered its ends)."""
+        return getattr(self._held.engine, "n_chunks", None) or self._layout.n_chunks
 
     @property
     def chunk_bytes(self) -> int:
