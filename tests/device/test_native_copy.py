@@ -159,6 +159,8 @@ def test_the_polling_time_is_checked(monkeypatch, caplog):
         native_copy.set_spin(-1)
     with pytest.raises(ValueError, match="seconds must be a number from 0 to 1"):
         native_copy.set_spin("fast")
+    with pytest.raises(ValueError, match="seconds must be a number from 0 to 1"):
+        native_copy.set_spin(True)  # not a second of polling
     monkeypatch.setenv("RINGFLOW_COPY_SPIN_US", "50")
     assert native_copy._spin_from_env() == pytest.approx(50e-6)
     for bad in ("nan", "-3", "soon", "1e9"):

@@ -263,7 +263,7 @@ def _spin_from_env() -> float:
 def set_spin(seconds: float) -> None:
     """How long an idle copy thread polls for its next part before it sleeps (0: at once); for
     measurements. Raises ValueError outside 0 to 1 s; does nothing where native copies are off."""
-    if not isinstance(seconds, (int, float)) or not 0 <= seconds <= 1:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 1:
         raise ValueError(f"seconds must be a number from 0 to 1, got {seconds!r}")
     lib = copier()
     if lib is not None:

@@ -598,7 +598,8 @@ class Pipeline:
             # the alignment gap after the item is zeroed: a pointwise compute runs over it with
             # the items around it (docs/design.md, "Items sharing a chunk"), and a kernel that
             # traps on a value must not meet stale bytes or another request's there
-            block[at + nbytes:at + aligned(nbytes)] = 0
+            if aligned(nbytes) > nbytes:
+                block[at + nbytes:at + aligned(nbytes)] = 0
             if pooled:  # whichever thread drops the item last hands its block back after this read
                 host_pool.hand_off(item, self.device.publish())
             s.member_written(chunk, member, (t0, self.device.now))  # the driver's lock is not needed

@@ -177,13 +177,18 @@ def sim_seconds_for(cost, nbytes: int) -> Optional[float]:
     """
     if cost is None:
         return None
-    what = f"sim_seconds({nbytes})" if callable(cost) else "sim_seconds"
     try:
         value = cost(nbytes) if callable(cost) else cost
     except Exception as exc:
-        raise ValueError(f"the compute's {what} raised {type(exc).__name__}: {exc}; sim_seconds must be seconds or "
-                         "a function of a chunk's bytes that returns them") from exc
+        raise ValueError(f"the compute's {_cost_name(cost, nbytes)} raised {type(exc).__name__}: {exc}; sim_seconds "
+                         "must be seconds or a function of a chunk's bytes that returns them") from exc
+    if type(value) is float and 0 <= value < math.inf:  # the usual case, checked first: it runs per launch
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"the compute's {what} must be a finite number of seconds >= 0, got {value!r}; give seconds "
-                         "(a number) or a function of a chunk's bytes that returns them")
+        raise ValueError(f"the compute's {_cost_name(cost, nbytes)} must be a finite number of seconds >= 0, got "
+                         f"{value!r}; give seconds (a number) or a function of a chunk's bytes that returns them")
     return float(value)
+
+
+def _cost_name(cost, nbytes: int) -> str:
+    return f"sim_seconds({nbytes})" if callable(cost) else "sim_seconds"
