@@ -11,12 +11,15 @@ from typing import Any, Optional
 import numpy as np
 
 import ringflow as rf
+from ringflow._bench.provenance import provenance
 
 
 def header(machine: Any) -> dict:
-    """The date, the machine, the command and ringflow's version, for a result file."""
+    """The date, the machine, the command, ringflow's version and which source ran (the package's
+    digest and git commit), for a result file."""
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine, "command": "python3 " + " ".join(sys.argv), "ringflow": rf.__version__}
+            "machine": machine, "command": "python3 " + " ".join(sys.argv), "ringflow": rf.__version__,
+            **provenance()}
 
 
 def pinned_random(dev: Any, mib: int, seed: int = 0) -> tuple:

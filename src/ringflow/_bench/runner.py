@@ -14,6 +14,7 @@ import numpy as np
 
 import ringflow as rf
 
+from .provenance import provenance
 from .workloads import WORKLOADS, run_workload
 
 
@@ -21,7 +22,7 @@ def environment(dev) -> dict[str, Any]:
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": dev.name, "backend": dev.backend, "python": platform.python_version(),
            "numpy": np.__version__, "ringflow": rf.__version__, "command": " ".join(sys.argv),
-           "host_cpus": os.cpu_count()}
+           "host_cpus": os.cpu_count(), **provenance()}
     if dev.backend == "cuda":
         try:
             from .._doctor import versions
