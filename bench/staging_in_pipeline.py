@@ -1,0 +1,141 @@
+"""The staging copy that ``submit`` makes, inside a live pipeline against alone, by how many
+native copy threads it is split over: the ``requests`` workload's items, for each thread count
+(``--threads``; the library's own is ``protocol.NATIVE_MAX_THREADS``):
+
+* alone: every item copied into a pool array of its size by ``Device.host_copy``, one after
+  another, no pipeline running (mean µs a copy);
+* in the pipeline: the closed-loop capacity (three passes) with every ``host_copy`` of the
+  submitting thread timed (mean wall and CPU µs a copy), then one open-loop level at
+  ``--load`` of that capacity (p99, and the submitting thread's busy share, as
+  ``request_stalls.py`` reports them).
+
+Variants run in turn, ``--rounds`` times, each on a fresh pipeline. Also the host's CPUs and
+how many hardware threads share a core.
+
+    PYTHONPATH=src python3 bench/staging_in_pipeline.py --device cuda:0 --threads 2,4,8 --rounds 2 --out FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ringflow as rf  # noqa: E402
+from ringflow._bench import kernels, workloads  # noqa: E402
+from ringflow._device import protocol  # noqa: E402
+from _script import header, write  # noqa: E402
+from request_stalls import run_level  # noqa: E402
+
+MiB = 1 << 20
+
+
+def _siblings() -> str:
+    try:
+        with open("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list") as fh:
+            return fh.read().strip()
+    except OSError:
+        return "unknown"
+
+
+class _Timed:
+    """``Device.host_copy`` of one device class, timed on every call (wall and thread CPU)."""
+
+    def __init__(self, cls):
+        self.cls, self.orig = cls, cls.host_copy
+        self.wall, self.cpu, self.nbytes = [], [], []
+
+    def __enter__(self):
+        orig, wall, cpu, nbytes = self.orig, self.wall, self.cpu, self.nbytes
+
+        def host_copy(dev, dst, src):
+            c0, t0 = time.thread_time(), time.perf_counter()
+            orig(dev, dst, src)
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
+            nbytes.append(dst.nbytes)
+        self.cls.host_copy = host_copy
+        return self
+
+    def __exit__(self, *exc):
+        self.cls.host_copy = self.orig
+
+
+def alone(dev, items) -> dict:
+    dsts = {}
+    times = []
+    for it in items:
+        dst = dsts.get(it.nbytes)
+        if dst is None:
+            dst = dsts[it.nbytes] = rf.host.empty(it.shape, it.dtype, device=dev)
+        t0 = time.perf_counter()
+        dev.host_copy(dst, it)
+        times.append(time.perf_counter() - t0)
+    return {"mean_us": 1e6 * float(np.mean(times)), "p50_us": 1e6 * float(np.median(times)),
+            "GBps": sum(it.nbytes for it in items) / sum(times) / 1e9}
+
+
+def in_pipeline(dev, items, load: float, seed: int) -> dict:
+    with rf.Pipeline(kernels.scale_shift(), device=dev, chunk_bytes=8 * MiB) as pipe:
+        server = workloads.PipelineServer(pipe, dev)
+        server.reset(len(items))
+        for i, it in enumerate(items):
+            server.submit(i, it)
+        server.drain()
+        rates = []
+        with _Timed(type(dev)) as timed:
+            for _ in range(3):
+                server.reset(len(items))
+                t0 = dev.now
+                for i, it in enumerate(items):
+                    server.submit(i, it)
+                server.drain()
+                rates.append(len(items) / (dev.now - t0))
+        capacity = statistics.median(rates)
+        gaps = np.random.default_rng(seed).exponential(1.0 / (load * capacity), len(items))
+        lv = run_level(pipe, dev, items, gaps, sample=False, behind_ms=1.0, main_name="MainThread")
+    n = len(timed.wall)
+    return {"capacity_per_s": capacity, "passes_per_s": rates,
+            "copy_mean_us": 1e6 * sum(timed.wall) / max(1, n), "copy_cpu_mean_us": 1e6 * sum(timed.cpu) / max(1, n),
+            "copies": n, "copy_GBps": sum(timed.nbytes) / max(1e-12, sum(timed.wall)) / 1e9,
+            "p99_80_ms": lv["p99_ms"], "behind_p99_ms": lv["behind_p99_ms"], "submit_busy_share": lv["submit_busy_share"],
+            "submit_wall_p50_ms": lv["submit_wall_p50_ms"], "correct": lv["correct"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--threads", default="2,4,8")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--count", type=int, default=1000)
+    ap.add_argument("--load", type=float, default=0.8)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    dev = rf.device(args.device)
+    items, _ = workloads.request_items(args.count, 8 * MiB)
+    default = protocol.NATIVE_MAX_THREADS
+    result = {**header(str(dev)), "cpus": os.cpu_count(), "cpu0_siblings": _siblings(),
+              "library_threads": default, "count": args.count, "load": args.load, "rows": []}
+    print("cpus", os.cpu_count(), "cpu0 siblings", result["cpu0_siblings"], "library threads", default, flush=True)
+    try:
+        for r in range(args.rounds):
+            for t in (int(v) for v in args.threads.split(",")):
+                protocol.NATIVE_MAX_THREADS = t
+                row = {"round": r, "threads": t, "alone": alone(dev, items),
+                       **in_pipeline(dev, items, args.load, seed=11 + r)}
+                result["rows"].append(row)
+                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "passes_per_s"},
+                      flush=True)
+    finally:
+        protocol.NATIVE_MAX_THREADS = default
+    write(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
