@@ -124,6 +124,7 @@ def run_level(pipe, dev, items, gaps, *, sample: bool, behind_ms: float, main_na
     server.drain()
     server.reset(n)
     sampler = _Sampler(clock) if sample else None
+    pool0 = rf.host.stats(device=dev)
     cb, pauses = _gc_times(clock)
     gc.callbacks.append(cb)
     if sampler:
@@ -135,6 +136,7 @@ def run_level(pipe, dev, items, gaps, *, sample: bool, behind_ms: float, main_na
         gc.callbacks.remove(cb)
         if sampler:
             sampler.stop()
+    pool1 = rf.host.stats(device=dev)
     lat = server.done - arrived
     correct = all(r is not None and np.array_equal(r, it * np.float32(2) + np.float32(1))
                   for r, it in zip(server.results, items))
@@ -188,6 +190,9 @@ def run_level(pipe, dev, items, gaps, *, sample: bool, behind_ms: float, main_na
            "wait_late_p99_ms": 1e3 * float(np.percentile(w_late, 99)), "wait_late_max_ms": 1e3 * float(w_late.max()),
            "gc_pauses": len(pauses), "gc_max_ms": 1e3 * max((d for _, d in pauses), default=0.0),
            "usage_totals": {k[3:]: int(usage[:, m].sum()) for m, k in enumerate(USAGE)},
+           # blocks the pool pinned (or fell back to pageable memory for) during the level
+           "pool_during_level": {k: getattr(pool1, k) - getattr(pool0, k) for k in ("allocations", "hits", "fallbacks")},
+           "pool_cached_MiB": pool1.cached_bytes / MiB, "pool_in_use_MiB": pool1.in_use_bytes / MiB,
            "stalls": len(stalls), "stall_requests": int(sum(s["requests"] for s in stalls)), "worst": stalls[:6]}
     if sampler:
         lates = np.array([s[1] for s in sampler.samples])
@@ -255,7 +260,8 @@ def main() -> None:
                     for k in ("correct", "p99_ms", "p99_over_isolated", "behind_p99_ms", "submit_wall_p99_ms",
                               "submit_wall_max_ms", "submit_busy_share", "submit_cpu_over_wall", "wait_late_max_ms",
                               "gc_pauses", "gc_max_ms", "stalls", "stall_requests")), flush=True)
-                print("  perfect FIFO p99 ms", [round(x, 2) for x in lv["perfect_fifo_p99_ms"]], "usage", lv["usage_totals"])
+                print("  perfect FIFO p99 ms", [round(x, 2) for x in lv["perfect_fifo_p99_ms"]], "usage", lv["usage_totals"],
+                      "pool", lv["pool_during_level"], flush=True)
                 for st in lv["worst"][:3]:
                     print("  stall", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in st.items()
                                       if k != "frames"}, flush=True)

@@ -9,7 +9,9 @@ native copy threads it is split over: the ``requests`` workload's items, for eac
   ``--load`` of that capacity (p99, and the submitting thread's busy share, as
   ``request_stalls.py`` reports them).
 
-Variants run in turn, ``--rounds`` times, each on a fresh pipeline. Also the host's CPUs and
+With ``--streaming 1,0`` each thread count runs with the native copy's streaming stores on and
+off (``native_copy.set_streaming``). Variants run in turn, ``--rounds`` times, each on a fresh
+pipeline. Also the host's CPUs and
 how many hardware threads share a core.
 
     PYTHONPATH=src python3 bench/staging_in_pipeline.py --device cuda:0 --threads 2,4,8 --rounds 2 --out FILE
@@ -29,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ringflow as rf  # noqa: E402
 from ringflow._bench import kernels, workloads  # noqa: E402
-from ringflow._device import protocol  # noqa: E402
+from ringflow._device import native_copy, protocol  # noqa: E402
 from _script import header, write  # noqa: E402
 from request_stalls import run_level  # noqa: E402
 
@@ -113,6 +115,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--threads", default="2,4,8")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--streaming", default="1", help="1, 0 or 1,0: streaming stores on, off, or both in turn")
     ap.add_argument("--count", type=int, default=1000)
     ap.add_argument("--load", type=float, default=0.8)
     ap.add_argument("--out")
@@ -124,16 +127,19 @@ def main() -> None:
               "library_threads": default, "count": args.count, "load": args.load, "rows": []}
     print("cpus", os.cpu_count(), "cpu0 siblings", result["cpu0_siblings"], "library threads", default, flush=True)
     try:
+        variants = [(int(t), s == "1") for t in args.threads.split(",") for s in args.streaming.split(",")]
         for r in range(args.rounds):
-            for t in (int(v) for v in args.threads.split(",")):
+            for t, streaming in variants:
                 protocol.NATIVE_MAX_THREADS = t
-                row = {"round": r, "threads": t, "alone": alone(dev, items),
+                native_copy.set_streaming(streaming)
+                row = {"round": r, "threads": t, "streaming": streaming, "alone": alone(dev, items),
                        **in_pipeline(dev, items, args.load, seed=11 + r)}
                 result["rows"].append(row)
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "passes_per_s"},
                       flush=True)
     finally:
         protocol.NATIVE_MAX_THREADS = default
+        native_copy.set_streaming(True)
     write(result, args.out)
 
 

@@ -170,3 +170,30 @@ def test_the_polling_time_is_checked(monkeypatch, caplog):
         assert "RINGFLOW_COPY_SPIN_US" in caplog.text
     monkeypatch.delenv("RINGFLOW_COPY_SPIN_US")
     assert native_copy._spin_from_env() == native_copy.SPIN_SECONDS
+
+
+@needs_native
+@pytest.mark.parametrize("streaming", [True, False])
+def test_long_parts_are_right_with_streaming_stores_or_without(streaming):
+    """Parts around the streaming threshold (16 KiB), each destination and source misaligned
+    by 0-63 bytes and lengths not a multiple of 64: the head before the first 16-byte boundary,
+    the 64-byte body and the tail are all copied, and nothing outside the destination."""
+    rng = np.random.default_rng(int(streaming))
+    try:
+        native_copy.set_streaming(streaming)
+        for n in (16 * 1024 - 1, 16 * 1024, 16 * 1024 + 77, 100_003, 1 << 20):
+            for threads in (1, 3, 8):
+                src_off, dst_off = (int(v) for v in rng.integers(0, 64, 2))
+                src = rng.integers(0, 256, n + src_off, dtype=np.uint8)[src_off:]
+                dst = np.zeros(n + dst_off + 64, np.uint8)
+                assert native_copy.copy(dst[dst_off:dst_off + n], src, threads)
+                assert np.array_equal(dst[dst_off:dst_off + n], src), (n, threads, src_off, dst_off)
+                assert not dst[:dst_off].any() and not dst[dst_off + n:].any()
+    finally:
+        native_copy.set_streaming(True)
+
+
+def test_the_streaming_switch_takes_a_bool():
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match="on must be True or False"):
+            native_copy.set_streaming(bad)

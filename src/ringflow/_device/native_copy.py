@@ -15,6 +15,11 @@ callers copy with numpy as before. The library is built into a per-user cache di
 name that hashes its source and the platform, written to a temporary name and renamed, so
 concurrent first uses are safe.
 
+The destination of every copy here is pinned staging memory that the device reads next and the
+CPU does not read back, so long parts are written with streaming (non-temporal) stores on
+x86-64: a plain store first reads each destination line into the caches. See "Streaming
+stores for staging copies" in docs/design.md.
+
 One copy runs on the pool at a time; a copy that finds the pool busy (another thread's copy)
 runs on its own thread alone instead of waiting. An idle pool thread polls for its next part
 for :data:`SPIN_SECONDS` (``RINGFLOW_COPY_SPIN_US`` sets another time) before it sleeps, since
@@ -55,6 +60,10 @@ _SOURCE = r"""
 #include <errno.h>
 #include <time.h>
 #include <sched.h>
+#include <stdint.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 #define MAX_THREADS 32
 static sem_t wake_sem[MAX_THREADS];
@@ -63,6 +72,7 @@ static unsigned long gen[MAX_THREADS]; /* the caller bumps gen[i] to hand helper
 static int sleeping[MAX_THREADS];      /* helper i is in, or about to enter, sem_wait */
 static int remaining = 0;              /* parts handed out and not yet copied */
 static long spin_ns = 0;               /* how long an idle helper polls before it sleeps */
+static int streaming = 1;             /* parts of STREAM_MIN bytes or more bypass the caches */
 static int started = 0;
 static int registered = 0;
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -84,6 +94,37 @@ static inline void relax(unsigned *k) {
     __asm__ __volatile__("yield");
 #endif
     if ((++*k & 63) == 0) sched_yield();
+}
+
+/* A part of the copy. The destination is pinned staging memory that the device reads next and
+   this CPU does not: on x86-64, a part of STREAM_MIN bytes or more is written with streaming
+   (non-temporal) stores, which skip reading each destination line into the caches before
+   writing it and leave the caches to the caller's working set. The fence makes the stores
+   visible before the part is counted done. Elsewhere, and for short parts, memcpy. */
+#define STREAM_MIN (16 * 1024)
+static void copy_part(char *dst, const char *src, size_t n) {
+#if defined(__x86_64__)
+    if (n >= STREAM_MIN && __atomic_load_n(&streaming, __ATOMIC_RELAXED)) {
+        size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+        memcpy(dst, src, head);
+        dst += head; src += head; n -= head;
+        size_t body = n & ~(size_t)63;
+        for (size_t i = 0; i < body; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+            _mm_stream_si128((__m128i *)(dst + i), a);
+            _mm_stream_si128((__m128i *)(dst + i + 16), b);
+            _mm_stream_si128((__m128i *)(dst + i + 32), c);
+            _mm_stream_si128((__m128i *)(dst + i + 48), d);
+        }
+        _mm_sfence();
+        memcpy(dst + body, src + body, n - body);
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
 }
 
 /* A helper polls for its next part for spin_ns after each copy, then sleeps on its semaphore.
@@ -109,7 +150,7 @@ static void *worker(void *arg) {
             }
         }
         seen = g;
-        memcpy(part[i].dst, part[i].src, part[i].n);
+        copy_part(part[i].dst, part[i].src, part[i].n);
         __atomic_fetch_sub(&remaining, 1, __ATOMIC_ACQ_REL);
     }
     return NULL;
@@ -146,13 +187,16 @@ static int ensure_helpers(int want) {
 /* How long (ns) an idle helper polls for work before it sleeps; 0: it sleeps at once. */
 void ringflow_copy_spin(long ns) { __atomic_store_n(&spin_ns, ns < 0 ? 0 : ns, __ATOMIC_RELAXED); }
 
+/* Whether long parts are written with streaming stores (1) or memcpy (0). */
+void ringflow_copy_streaming(int on) { __atomic_store_n(&streaming, on ? 1 : 0, __ATOMIC_RELAXED); }
+
 /* Copy n bytes from src to dst on up to `threads` threads, the caller's among them; returns the
    threads that copied. Parts are 64-byte aligned; the caller copies the first and then polls
    until the helpers' parts are done (it holds no interpreter lock meanwhile). */
 int ringflow_copy(char *dst, const char *src, size_t n, int threads) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads <= 1 || n < (size_t)threads * 4096 || pthread_mutex_trylock(&call_lock) != 0) {
-        memcpy(dst, src, n);
+        copy_part(dst, src, n);
         return 1;
     }
     int helpers = ensure_helpers(threads - 1);
@@ -173,7 +217,7 @@ int ringflow_copy(char *dst, const char *src, size_t n, int threads) {
         __atomic_fetch_add(&gen[i], 1, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&sleeping[i], __ATOMIC_SEQ_CST)) sem_post(&wake_sem[i]);
     }
-    memcpy(dst, src, first);
+    copy_part(dst, src, first);
     unsigned k = 0;
     while (__atomic_load_n(&remaining, __ATOMIC_ACQUIRE) != 0) relax(&k);
     pthread_mutex_unlock(&call_lock);
@@ -235,6 +279,9 @@ def _load() -> "ctypes.CDLL | bool":
         lib.ringflow_copy_spin.argtypes = (ctypes.c_long,)
         lib.ringflow_copy_spin.restype = None
         lib.ringflow_copy_spin(int(_spin_from_env() * 1e9))
+        lib.ringflow_copy_streaming.argtypes = (ctypes.c_int,)
+        lib.ringflow_copy_streaming.restype = None
+        lib.ringflow_copy_streaming(int(os.environ.get("RINGFLOW_COPY_STREAMING", "1") != "0"))
         return lib
     except Exception as exc:  # noqa: BLE001 - any failure leaves numpy's copy, which always works
         detail = getattr(exc, "stderr", b"") or b""
@@ -268,6 +315,18 @@ def set_spin(seconds: float) -> None:
     lib = copier()
     if lib is not None:
         lib.ringflow_copy_spin(int(seconds * 1e9))
+
+
+def set_streaming(on: bool) -> None:
+    """Whether long parts of a copy are written with streaming stores (True, the default; see
+    "Streaming stores for staging copies" in docs/design.md) or with ``memcpy``; for
+    measurements (``RINGFLOW_COPY_STREAMING=0`` starts with them off). Raises TypeError for
+    anything but a bool; does nothing where native copies are off."""
+    if not isinstance(on, bool):
+        raise TypeError(f"on must be True or False, got {on!r}")
+    lib = copier()
+    if lib is not None:
+        lib.ringflow_copy_streaming(int(on))
 
 
 def copy(dst: np.ndarray, src: np.ndarray, threads: int) -> bool:
