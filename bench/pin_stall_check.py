@@ -47,7 +47,7 @@ def main() -> None:
             t0 = time.perf_counter()
             stream.copy(dst, src)
             ev = stream.record()
-            while not ev.is_done():
+            while not ev.is_done:
                 pass
             rounds.append((t0, time.perf_counter() - t0))
 
