@@ -6,7 +6,8 @@ levels at ``--load`` of that capacity with every ``submit`` and every wait for a
   time, its thread CPU time, and the thread's page faults and context switches inside it
   (``getrusage(RUSAGE_THREAD)``);
 * per wait for an arrival: how late it returned (``late``: the thread slept past the arrival);
-* the garbage collector's pauses, with their times;
+* the garbage collector's pauses, with their times, and every block the host pool pinned
+  during the level (when, how long, its size, on which thread);
 * with ``--sample`` (a second pass of every round), a thread that every 0.5 ms notes how late
   it woke (a thread that cannot get the GIL wakes late) and the innermost frames of every
   other thread.
@@ -38,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ringflow as rf  # noqa: E402
 from ringflow._bench import baselines, kernels, workloads  # noqa: E402
+from ringflow._device import host_pool  # noqa: E402
 from _script import header, write  # noqa: E402
 
 MiB = 1 << 20
@@ -125,6 +127,15 @@ def run_level(pipe, dev, items, gaps, *, sample: bool, behind_ms: float, main_na
     server.reset(n)
     sampler = _Sampler(clock) if sample else None
     pool0 = rf.host.stats(device=dev)
+    pool = host_pool.pool_for(dev)
+    allocating = pool._allocate
+    pinned: list = []  # (start, seconds, bytes, thread) of each block the pool pinned in the level
+
+    def timed_allocate(size, claim):
+        t0 = clock()
+        allocating(size, claim)
+        pinned.append((t0, clock() - t0, size, threading.current_thread().name))
+    pool._allocate = timed_allocate
     cb, pauses = _gc_times(clock)
     gc.callbacks.append(cb)
     if sampler:
@@ -133,6 +144,7 @@ def run_level(pipe, dev, items, gaps, *, sample: bool, behind_ms: float, main_na
         arrived, _ = baselines.open_loop(clock, gaps, submit, advance)
         server.drain()
     finally:
+        del pool._allocate
         gc.callbacks.remove(cb)
         if sampler:
             sampler.stop()
@@ -166,7 +178,8 @@ def run_level(pipe, dev, items, gaps, *, sample: bool, behind_ms: float, main_na
               **{k[3:]: int(usage[sel, m].sum()) for m, k in enumerate(USAGE)},
               "prior_submit_ms": 1e3 * float(wall[i - 1]) if i else None,
               "wait_late_ms": 1e3 * float(w_late[in_win].sum()),
-              "gc_ms": 1e3 * sum(d for t, d in pauses if lo <= t <= hi)}
+              "gc_ms": 1e3 * sum(d for t, d in pauses if lo <= t <= hi),
+              "pinned_ms": 1e3 * sum(d for t, d, _, _ in pinned if lo <= t <= hi)}
         if sampler:
             inside = [s for s in sampler.samples if lo <= s[0] <= hi]
             st["sampler_late_max_ms"] = 1e3 * max((s[1] for s in inside), default=0.0)
@@ -193,6 +206,8 @@ def run_level(pipe, dev, items, gaps, *, sample: bool, behind_ms: float, main_na
            # blocks the pool pinned (or fell back to pageable memory for) during the level
            "pool_during_level": {k: getattr(pool1, k) - getattr(pool0, k) for k in ("allocations", "hits", "fallbacks")},
            "pool_cached_MiB": pool1.cached_bytes / MiB, "pool_in_use_MiB": pool1.in_use_bytes / MiB,
+           "pinned_in_level": [{"at_ms": 1e3 * float(t - arrived[0]), "ms": 1e3 * d, "MiB": n / MiB, "thread": th}
+                               for t, d, n, th in pinned],
            "stalls": len(stalls), "stall_requests": int(sum(s["requests"] for s in stalls)), "worst": stalls[:6]}
     if sampler:
         lates = np.array([s[1] for s in sampler.samples])
@@ -261,7 +276,7 @@ def main() -> None:
                               "submit_wall_max_ms", "submit_busy_share", "submit_cpu_over_wall", "wait_late_max_ms",
                               "gc_pauses", "gc_max_ms", "stalls", "stall_requests")), flush=True)
                 print("  perfect FIFO p99 ms", [round(x, 2) for x in lv["perfect_fifo_p99_ms"]], "usage", lv["usage_totals"],
-                      "pool", lv["pool_during_level"], flush=True)
+                      "pool", lv["pool_during_level"], "pinned", lv["pinned_in_level"], flush=True)
                 for st in lv["worst"][:3]:
                     print("  stall", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in st.items()
                                       if k != "frames"}, flush=True)
