@@ -20,6 +20,14 @@ from tests.helpers.threads import bounded
 N = 1 << 20  # bytes of the arrays the ordering tests copy into and out of
 
 
+@pytest.fixture(autouse=True)
+def no_pin_ahead(request, monkeypatch):
+    """The pool's accounting is pinned down with pinning ahead off (it adds a block a class),
+    except in the tests of pinning ahead itself (marked ``pin_ahead``)."""
+    if "pin_ahead" not in request.keywords:
+        monkeypatch.setattr(host_pool, "PIN_AHEAD", False)
+
+
 def slow_fill(dev, stream, dbuf, value, seconds=1.0):
     """A kernel of ``seconds`` of virtual time writing ``value`` into ``dbuf``: the copy enqueued
     after it is still pending for that long, whatever the host does meanwhile."""
@@ -481,3 +489,117 @@ def test_a_hand_out_interrupted_after_its_owner_exists_is_not_freed_twice(monkey
     assert pool.stats().in_use_bytes == size_class(4096)  # still the new array's
     other = pool.empty(4096, np.uint8)
     assert pool.buffer_of(other) is not pool.buffer_of(again)
+
+
+# -- pinning ahead -----------------------------------------------------------------------------
+BIG = 2 << 20  # a class pinned ahead (at least PIN_AHEAD_MIN_BYTES)
+
+
+def _until(condition):
+    while not condition():
+        threading.Event().wait(1e-3)
+
+
+def settle_ahead(pool):
+    """Wait (bounded) until no block is being pinned ahead."""
+    with pool._lock:
+        assert pool._ahead_done.wait_for(lambda: not pool._ahead, timeout=10), "a pin ahead never ended"
+
+
+@pytest.mark.pin_ahead
+def test_the_last_cached_block_of_a_large_class_gets_one_pinned_ahead():
+    dev = rf.device("sim")
+    pool = HostPool(dev)
+    a = pool.empty(BIG, np.uint8)  # none cached: pinned here, and one more ahead
+    settle_ahead(pool)
+    s = pool.stats()
+    assert (s.allocations, s.cached_bytes, s.in_use_bytes) == (2, BIG, BIG)
+    b = pool.empty(BIG, np.uint8)  # the one pinned ahead, from the cache: and one more ahead
+    settle_ahead(pool)
+    s = pool.stats()
+    assert (s.allocations, s.hits, s.cached_bytes, s.in_use_bytes) == (3, 1, BIG, 2 * BIG)
+    assert pool.buffer_of(a) is not pool.buffer_of(b)
+    b[:] = 5  # a checked write on this thread
+    del a, b
+    s = pool.stats()
+    assert (s.allocations, s.cached_bytes, s.in_use_bytes) == (3, 3 * BIG, 0)
+    c = pool.empty(BIG, np.uint8)  # two left cached: none pinned ahead
+    settle_ahead(pool)
+    assert pool.stats().allocations == 3
+    del c
+
+
+@pytest.mark.pin_ahead
+def test_small_classes_and_a_full_budget_pin_nothing_ahead():
+    dev = rf.device("sim")
+    pool = HostPool(dev)
+    small = pool.empty(host_pool.PIN_AHEAD_MIN_BYTES // 2, np.uint8)
+    settle_ahead(pool)
+    assert pool.stats().allocations == 1
+    tight = HostPool(dev, budget=BIG + BIG // 2)  # room for one block of the class, not two
+    big = tight.empty(BIG, np.uint8)
+    settle_ahead(tight)
+    s = tight.stats()
+    assert (s.allocations, s.cached_bytes, s.fallbacks) == (1, 0, 0)
+    del small, big
+
+
+@pytest.mark.pin_ahead
+def test_a_take_waits_for_the_block_being_pinned_ahead_instead_of_pinning_another(monkeypatch):
+    dev = rf.device("sim")
+    pool = HostPool(dev)
+    gate, started = threading.Event(), threading.Event()
+    allocate = dev.allocate_host
+
+    def slow_on_the_pinning_thread(nbytes):
+        if threading.current_thread().name == "ringflow-pin-ahead":
+            started.set()
+            assert gate.wait(10)
+        return allocate(nbytes)
+
+    monkeypatch.setattr(dev, "allocate_host", slow_on_the_pinning_thread)
+    a = pool.empty(BIG, np.uint8)  # pinned here; the next one is held up on the pinning thread
+    assert started.wait(10)
+    got = {}
+
+    def take():
+        got["b"] = pool.empty(BIG, np.uint8)
+
+    taker = threading.Thread(target=take)
+    taker.start()
+    # the taker waits on the pool's condition for the pin ahead, not pinning one of its own
+    bounded(lambda: _until(lambda: len(pool._ahead_done._waiters) == 1), 10)
+    assert taker.is_alive() and pool.stats().allocations == 1
+    gate.set()
+    bounded(taker.join, 10)
+    assert not taker.is_alive()
+    settle_ahead(pool)
+    s = pool.stats()
+    assert s.hits == 1 and s.allocations == 3  # b was the pinned-ahead block; one more ahead after it
+    got["b"][:] = 1  # a checked write on this thread
+    got.clear()
+    del a
+
+
+@pytest.mark.pin_ahead
+def test_a_failed_pin_ahead_leaves_the_next_take_to_pin_its_own(monkeypatch, caplog):
+    dev = rf.device("sim")
+    pool = HostPool(dev)
+    allocate = dev.allocate_host
+
+    def refuse_on_the_pinning_thread(nbytes):
+        if threading.current_thread().name == "ringflow-pin-ahead":
+            raise MemoryError("no pinned memory for you")
+        return allocate(nbytes)
+
+    monkeypatch.setattr(dev, "allocate_host", refuse_on_the_pinning_thread)
+    with caplog.at_level(logging.DEBUG, logger="ringflow._device.host_pool"):
+        a = pool.empty(BIG, np.uint8)
+        settle_ahead(pool)
+    assert "pinning a" in caplog.text and "ahead failed" in caplog.text
+    assert pool._reserved == 0 and pool.stats().allocations == 1
+    b = pool.empty(BIG, np.uint8)  # pinned on this thread, as without pinning ahead
+    settle_ahead(pool)
+    s = pool.stats()
+    assert (s.allocations, s.fallbacks) == (2, 0)
+    del a, b
