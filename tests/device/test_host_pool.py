@@ -597,9 +597,62 @@ def test_a_failed_pin_ahead_leaves_the_next_take_to_pin_its_own(monkeypatch, cap
         a = pool.empty(BIG, np.uint8)
         settle_ahead(pool)
     assert "pinning a" in caplog.text and "ahead failed" in caplog.text
-    assert pool._reserved == 0 and pool.stats().allocations == 1
+    assert pool._reserved == 0 and not pool._ahead and pool.stats().allocations == 1
     b = pool.empty(BIG, np.uint8)  # pinned on this thread, as without pinning ahead
     settle_ahead(pool)
     s = pool.stats()
     assert (s.allocations, s.fallbacks) == (2, 0)
     del a, b
+
+
+@pytest.mark.pin_ahead
+def test_a_pin_ahead_that_never_ends_holds_a_take_up_for_a_bounded_time(monkeypatch):
+    dev = rf.device("sim")
+    pool = HostPool(dev)
+    monkeypatch.setattr(host_pool, "PIN_AHEAD_WAIT_S", 0.05)
+    monkeypatch.setattr(HostPool, "_pin_one_ahead", lambda self, size, token: None)  # a lost pin
+    a = pool.empty(BIG, np.uint8)
+    assert BIG in pool._ahead
+    b = bounded(lambda: pool.empty(BIG, np.uint8), 10)  # waits out the bound, then pins its own
+    assert pool.buffer_of(b) is not None and pool.stats().allocations == 2
+    del a, b
+
+
+@pytest.mark.pin_ahead
+@pytest.mark.parametrize("cached", [True, False])
+def test_ctrl_c_anywhere_in_a_hand_out_that_pins_ahead_leaves_nothing_reserved(cached):
+    """A KeyboardInterrupt at any instruction of a hand-out that starts (or waits for) a pin
+    ahead: the block is the caller's or back in the cache, and no reservation outlives it (a
+    stuck one would hold every later take of the class up)."""
+    from tests.helpers.interrupts import InterruptAt
+
+    dev = rf.device("sim")
+    pool = HostPool(dev)
+    n, finished = 0, False
+    while not finished:
+        settle_ahead(pool)
+        pool.release_cached()
+        if cached:  # exactly one block cached: taking it pins one ahead
+            keep = pool.empty(BIG, np.uint8)
+            settle_ahead(pool)
+            pool.release_cached()  # the one pinned ahead
+            del keep
+            pool.collect()
+            assert len(pool._free[size_class(BIG)]) == 1
+        got = None
+        with InterruptAt(n, names={"take", "_take", "_allocate", "_hand_out", "_pin_ahead", "_wait_for_ahead",
+                                   "_ahead_finished"}, files=("/ringflow/_device/host_pool.py",)) as hook:
+            try:
+                got = pool.empty(BIG, np.uint8)
+            except KeyboardInterrupt:
+                pass
+        finished = hook.fired == 0
+        settle_ahead(pool)
+        assert not pool._ahead and pool._reserved == 0, n
+        del got
+        gc.collect()
+        pool.collect()
+        st = pool.stats()
+        assert st.in_use_bytes == 0 and st.pending_bytes == 0, (cached, n, st)
+        n += 1
+    assert n > 10

@@ -316,9 +316,9 @@ def test_slabs_pinned_ahead_on_another_thread_are_right_from_several_submitters(
     pinned_ahead = []
     pin_one_ahead = host_pool.HostPool._pin_one_ahead
 
-    def counting(self, size):
+    def counting(self, size, *rest):
         pinned_ahead.append(size)
-        pin_one_ahead(self, size)
+        pin_one_ahead(self, size, *rest)
 
     monkeypatch.setattr(host_pool.HostPool, "_pin_one_ahead", counting)
     monkeypatch.setattr(host_pool, "PIN_AHEAD", True)

@@ -74,6 +74,9 @@ _PRUNE_AT = 16  # events kept per block before done ones are dropped
 # Classes at least this large get a block pinned ahead when their cache runs out (smaller
 # blocks pin in well under a millisecond, and there are many more classes of them).
 PIN_AHEAD_MIN_BYTES = 1 << 20
+# The longest a take waits for a block being pinned ahead before it pins its own (a pin of
+# even a GiB takes well under this; the bound only keeps a broken pin from hanging a take).
+PIN_AHEAD_WAIT_S = 10.0
 # Switch for measurements (A/B): False pins only on demand, on the taking thread
 # (``RINGFLOW_PIN_AHEAD=0`` starts with it off).
 PIN_AHEAD = os.environ.get("RINGFLOW_PIN_AHEAD", "1") != "0"
@@ -195,7 +198,9 @@ class HostPool:
         self._returned: collections.deque = collections.deque()
         self._bytes = {_FREE: 0, _IN_USE: 0, _PENDING: 0}
         self._reserved = 0  # bytes of allocations under way outside the lock
-        self._ahead: set[int] = set()  # classes a block is being pinned ahead for
+        # class -> the token of the pin under way ahead for it; its bytes count as held (one
+        # assignment makes the reservation, so a KeyboardInterrupt cannot split it)
+        self._ahead: dict[int, object] = {}
         self._ahead_done = threading.Condition(self._lock)
         self._counts = {"allocations": 0, "hits": 0, "fallbacks": 0, "releases": 0}
         self._noted = False
@@ -306,12 +311,13 @@ class HostPool:
             return False
 
     def _wait_for_ahead(self, size: int) -> bool:
-        """Wait while a block of ``size`` is being pinned ahead; returns whether one was (the
+        """Wait while a block of ``size`` is being pinned ahead (at most
+        :data:`PIN_AHEAD_WAIT_S`: the caller then pins its own); returns whether one was (the
         cache may hold it now)."""
         with self._lock:
             if size not in self._ahead:
                 return False
-            self._ahead_done.wait_for(lambda: size not in self._ahead)
+            self._ahead_done.wait_for(lambda: size not in self._ahead, PIN_AHEAD_WAIT_S)
             return True
 
     def _pin_ahead(self, size: int) -> None:
@@ -320,18 +326,21 @@ class HostPool:
         none and the budget has room; else nothing."""
         if not PIN_AHEAD or size < PIN_AHEAD_MIN_BYTES or getattr(self._device, "closed", False):
             return
-        with self._lock:
-            if size in self._ahead or self._free.get(size) or self._held() + size > self._budget:
-                return
-            self._ahead.add(size)
-            self._reserved += size
+        token = object()
+        started = False
         try:
-            threading.Thread(target=self._pin_one_ahead, args=(size,), name="ringflow-pin-ahead", daemon=True).start()
-        except BaseException:
-            self._ahead_finished(size, None)
-            raise
+            with self._lock:
+                if size in self._ahead or self._free.get(size) or self._held() + size > self._budget:
+                    return
+                self._ahead[size] = token
+            threading.Thread(target=self._pin_one_ahead, args=(size, token), name="ringflow-pin-ahead",
+                             daemon=True).start()
+            started = True
+        finally:
+            if not started:  # refused, failed or interrupted before the thread took it on
+                self._ahead_finished(size, token, None)
 
-    def _pin_one_ahead(self, size: int) -> None:
+    def _pin_one_ahead(self, size: int, token: object) -> None:
         """The background thread of :meth:`_pin_ahead`. A refusal to pin is left to the next
         take, which pins on its own thread (and falls back as it would have)."""
         block = None
@@ -344,14 +353,15 @@ class HostPool:
         except Exception as exc:  # noqa: BLE001 - pinning ahead is an optimisation
             logger.debug("ringflow.host: pinning a %d-byte block ahead failed: %s: %s", size, type(exc).__name__, exc)
         finally:
-            self._ahead_finished(size, block)
+            self._ahead_finished(size, token, block)
 
-    def _ahead_finished(self, size: int, block: Optional[_Block]) -> None:
-        """A pin ahead of ``size`` ended: its block (None if it failed) into the cache, and
-        whoever waits for it woken."""
+    def _ahead_finished(self, size: int, token: object, block: Optional[_Block]) -> None:
+        """The pin ahead of ``size`` made with ``token`` ended (or never started): its
+        reservation dropped (once: a later pin's is left alone), its block (None if none) into
+        the cache, and whoever waits for the class woken."""
         with self._lock:
-            self._reserved -= size
-            self._ahead.discard(size)
+            if self._ahead.get(size) is token:
+                del self._ahead[size]
             if block is not None:
                 self._book(block)
                 self._move(block, _FREE)
@@ -647,7 +657,7 @@ class HostPool:
 
     # -- internals -----------------------------------------------------------------------------
     def _held(self) -> int:
-        return self._bytes[_FREE] + self._bytes[_IN_USE] + self._bytes[_PENDING] + self._reserved
+        return self._bytes[_FREE] + self._bytes[_IN_USE] + self._bytes[_PENDING] + self._reserved + sum(self._ahead)
 
     def _move(self, block: _Block, state: str) -> None:
         """Change a block's state, keeping the byte counts. Under the lock."""
