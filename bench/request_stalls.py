@@ -234,7 +234,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = rf.device(args.device)
     items, expected = workloads.request_items(args.count, 8 * MiB)
-    result = {**header(str(dev)), "count": args.count, "load": args.load, "pin_ahead": host_pool.PIN_AHEAD,
+    result = {**header(str(dev)), "count": args.count, "load": args.load,
               "copy_streaming": os.environ.get("RINGFLOW_COPY_STREAMING", "1") != "0", "rounds": []}
     main_name = threading.current_thread().name
     with rf.Pipeline(kernels.scale_shift(), device=dev, chunk_bytes=8 * MiB) as pipe:
@@ -259,7 +259,7 @@ def main() -> None:
             pipe.submit(it).result()
             iso.append(dev.now - t0)
         result.update(capacity_per_s=capacity, passes_per_s=rates, isolated_p99_ms=1e3 * float(np.percentile(iso, 99)))
-        print(f"pin ahead {host_pool.PIN_AHEAD}, capacity {capacity:.0f}/s (passes {[round(r) for r in rates]}), isolated p99 "
+        print(f"capacity {capacity:.0f}/s (passes {[round(r) for r in rates]}), isolated p99 "
               f"{result['isolated_p99_ms']:.2f} ms", flush=True)
         rng = np.random.default_rng(11)
         for r in range(args.rounds):

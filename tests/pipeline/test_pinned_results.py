@@ -307,33 +307,3 @@ def test_a_staged_run_reports_its_copies_as_prepare_and_no_run_beats_its_bound()
     # the unit profile copies 1 GB/s on one thread: each staging copy is charged to map()
     assert len(spans) == len(items) and all(s.end - s.start == pytest.approx((1 << 20) / 1e9) for s in spans)
     assert 0 < rep.efficiency <= 1 + 1e-9 and wall >= 12e-3
-
-
-def test_slabs_pinned_ahead_on_another_thread_are_right_from_several_submitters(dev, monkeypatch):
-    """Shared chunks' slabs of 2 MiB (chunks of 512 KiB), results held so the pool keeps
-    growing: slabs get pinned ahead on the pool's background thread while four threads submit,
-    on the chaotic simulated GPU whose checker sees every copy into and out of them."""
-    pinned_ahead = []
-    pin_one_ahead = host_pool.HostPool._pin_one_ahead
-
-    def counting(self, size, *rest):
-        pinned_ahead.append(size)
-        pin_one_ahead(self, size, *rest)
-
-    monkeypatch.setattr(host_pool.HostPool, "_pin_one_ahead", counting)
-    monkeypatch.setattr(host_pool, "PIN_AHEAD", True)
-    per_thread = [items_of([int(n) for n in np.random.default_rng(t).integers(20_000, 80_000, 25)], seed=t)
-                  for t in range(4)]
-    with rf.Pipeline(f, device=dev, chunk_bytes=512 << 10) as pipe:
-        def submit_all(items):
-            return [pipe.submit(a) for a in items]
-
-        with concurrent.futures.ThreadPoolExecutor(4) as ex:
-            futures = list(ex.map(submit_all, per_thread))
-        results = [[fu.result() for fu in futs] for futs in futures]
-    assert all(np.array_equal(r, a * 2 + 1) for items, got in zip(per_thread, results) for a, r in zip(items, got))
-    assert pinned_ahead and set(pinned_ahead) == {4 * (512 << 10)}  # slabs only: items are small
-    del results, futures
-    gc.collect()
-    s = rf.host.stats(device=dev)
-    assert s.in_use_bytes == 0 and s.fallbacks == 0

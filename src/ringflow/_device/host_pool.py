@@ -21,13 +21,6 @@ The design follows PyTorch's ``CachingHostAllocator``:
 * **Ctrl-C.** A KeyboardInterrupt at any instruction of a hand-out leaves its block either in the
   caller's array or back in the cache (``take``'s claim list, a generation per put-back: see
   :meth:`HostPool._put_back`).
-* **Pinned ahead.** Pinning a block takes milliseconds (tens for a few MiB), far longer than a
-  request's copy. When a hand-out takes the last cached block of a class of at least
-  :data:`PIN_AHEAD_MIN_BYTES`, one more block of that class is pinned on a background thread
-  (within the budget), so a stream whose use of the class creeps up finds its next block
-  cached instead of pinning on the caller's thread; a take that finds none cached while one is
-  being pinned ahead waits for it instead of pinning a second. See "Pinning ahead" in
-  docs/design.md.
 * **Budget.** The pool holds at most ``budget`` bytes of pinned memory (in use, pending and
   cached together). A request that does not fit after freeing cached blocks, or whose pinning
   the device refuses, gets an ordinary pageable numpy array instead, with one logged note per
@@ -70,16 +63,6 @@ SMALL_BYTES = 64 << 10  # up to here classes are multiples of SMALL_STEP
 SMALL_STEP = 512
 POISON = 0xEE  # a block returned to the cache on a checked simulated GPU is filled with this
 _PRUNE_AT = 16  # events kept per block before done ones are dropped
-
-# Classes at least this large get a block pinned ahead when their cache runs out (smaller
-# blocks pin in well under a millisecond, and there are many more classes of them).
-PIN_AHEAD_MIN_BYTES = 1 << 20
-# The longest a take waits for a block being pinned ahead before it pins its own (a pin of
-# even a GiB takes well under this; the bound only keeps a broken pin from hanging a take).
-PIN_AHEAD_WAIT_S = 10.0
-# Switch for measurements (A/B): False pins only on demand, on the taking thread
-# (``RINGFLOW_PIN_AHEAD=0`` starts with it off).
-PIN_AHEAD = os.environ.get("RINGFLOW_PIN_AHEAD", "1") != "0"
 
 # Test-only switch: False hands a dropped block out again at once, even while a recorded
 # copy into or out of it is pending. Tests turn it off to show the checker catches the reuse.
@@ -198,10 +181,6 @@ class HostPool:
         self._returned: collections.deque = collections.deque()
         self._bytes = {_FREE: 0, _IN_USE: 0, _PENDING: 0}
         self._reserved = 0  # bytes of allocations under way outside the lock
-        # class -> the token of the pin under way ahead for it; its bytes count as held (one
-        # assignment makes the reservation, so a KeyboardInterrupt cannot split it)
-        self._ahead: dict[int, object] = {}
-        self._ahead_done = threading.Condition(self._lock)
         self._counts = {"allocations": 0, "hits": 0, "fallbacks": 0, "releases": 0}
         self._noted = False
         with _pools_lock:
@@ -261,16 +240,11 @@ class HostPool:
         # back, once (see _put_back), instead of leaking it
         claim: list[_Block] = []
         try:
-            emptied = self._take(size, claim)
-            if not claim and allocate and self._wait_for_ahead(size):
-                emptied = self._take(size, claim)
+            self._take(size, claim)
             if not claim and allocate:
                 self._allocate(size, claim)
-                emptied = True
             if not claim:
                 return None
-            if emptied:
-                self._pin_ahead(size)
             return self._hand_out(claim[0], nbytes, shape, dtype)
         except BaseException:
             if claim:
@@ -296,9 +270,8 @@ class HostPool:
             self._blocks[key] = block
             self._counts["allocations"] += 1
 
-    def _take(self, size: int, claim: list) -> bool:
-        """A free block of ``size`` into ``claim``, if the cache has one; returns whether that
-        was the class's last cached block."""
+    def _take(self, size: int, claim: list) -> None:
+        """A free block of ``size`` into ``claim``, if the cache has one."""
         with self._lock:
             bucket = self._free.get(size)
             if bucket:
@@ -307,66 +280,6 @@ class HostPool:
                 claim[:], bucket[-1:] = bucket[-1:], []
                 self._move(claim[0], _IN_USE)
                 self._counts["hits"] += 1
-                return not bucket
-            return False
-
-    def _wait_for_ahead(self, size: int) -> bool:
-        """Wait while a block of ``size`` is being pinned ahead (at most
-        :data:`PIN_AHEAD_WAIT_S`: the caller then pins its own); returns whether one was (the
-        cache may hold it now)."""
-        with self._lock:
-            if size not in self._ahead:
-                return False
-            self._ahead_done.wait_for(lambda: size not in self._ahead, PIN_AHEAD_WAIT_S)
-            return True
-
-    def _pin_ahead(self, size: int) -> None:
-        """Start pinning one more block of ``size`` on a background thread, into the cache,
-        where the class is large enough, none is being pinned ahead already, the cache holds
-        none and the budget has room; else nothing."""
-        if not PIN_AHEAD or size < PIN_AHEAD_MIN_BYTES or getattr(self._device, "closed", False):
-            return
-        token = object()
-        started = False
-        try:
-            with self._lock:
-                if size in self._ahead or self._free.get(size) or self._held() + size > self._budget:
-                    return
-                self._ahead[size] = token
-            threading.Thread(target=self._pin_one_ahead, args=(size, token), name="ringflow-pin-ahead",
-                             daemon=True).start()
-            started = True
-        finally:
-            if not started:  # refused, failed or interrupted before the thread took it on
-                self._ahead_finished(size, token, None)
-
-    def _pin_one_ahead(self, size: int, token: object) -> None:
-        """The background thread of :meth:`_pin_ahead`. A refusal to pin is left to the next
-        take, which pins on its own thread (and falls back as it would have)."""
-        block = None
-        try:
-            with self._device_lock:
-                buffer = self._device.allocate_host(size)
-            block = _Block(buffer, size)
-            # the next taker of the block, on another thread, is ordered after its pinning here
-            block.tokens = [self._device.publish()]
-        except Exception as exc:  # noqa: BLE001 - pinning ahead is an optimisation
-            logger.debug("ringflow.host: pinning a %d-byte block ahead failed: %s: %s", size, type(exc).__name__, exc)
-        finally:
-            self._ahead_finished(size, token, block)
-
-    def _ahead_finished(self, size: int, token: object, block: Optional[_Block]) -> None:
-        """The pin ahead of ``size`` made with ``token`` ended (or never started): its
-        reservation dropped (once: a later pin's is left alone), its block (None if none) into
-        the cache, and whoever waits for the class woken."""
-        with self._lock:
-            if self._ahead.get(size) is token:
-                del self._ahead[size]
-            if block is not None:
-                self._book(block)
-                self._move(block, _FREE)
-                self._free.setdefault(size, []).append(block)
-            self._ahead_done.notify_all()
 
     def _make_room(self, size: int) -> list[_Block]:
         """Drop cached blocks (largest first) until ``size`` more bytes fit the budget or none is
@@ -657,7 +570,7 @@ class HostPool:
 
     # -- internals -----------------------------------------------------------------------------
     def _held(self) -> int:
-        return self._bytes[_FREE] + self._bytes[_IN_USE] + self._bytes[_PENDING] + self._reserved + sum(self._ahead)
+        return self._bytes[_FREE] + self._bytes[_IN_USE] + self._bytes[_PENDING] + self._reserved
 
     def _move(self, block: _Block, state: str) -> None:
         """Change a block's state, keeping the byte counts. Under the lock."""
