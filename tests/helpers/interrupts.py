@@ -16,7 +16,8 @@ class InterruptAt:
     :attr:`fired` how many interrupts were raised.
 
     Only instructions where CPython raises a pending signal's exception count: a function's
-    start, a backward jump, and the instruction after a call (not, say, between a ``with``
+    start (its first traced instruction: ``RESUME`` on 3.11, the one after it from 3.12, where
+    the call event comes after ``RESUME``), a backward jump, and the instruction after a call (not, say, between a ``with``
     statement's lock acquisition and its block, where no signal is ever raised). CPython stops
     tracing a frame once a trace function raised in it, so after the first interrupt only the
     functions called later are traced (a profile hook switches tracing on again for them).
@@ -33,19 +34,25 @@ class InterruptAt:
         code = frame.f_code
         if code.co_name in self.names and any(f in code.co_filename.replace("\\", "/") for f in self.files):
             frame.f_trace_opcodes = True
+            if sys.version_info >= (3, 12):
+                # from 3.12 (tracing built on sys.monitoring) a frame's opcode events start only
+                # once the trace function is set again after f_trace_opcodes
+                sys.settrace(self._call)
             return self._step
         return None
 
     def _step(self, frame, event, arg):
         if event == "opcode" and self.fired < len(self.at):
             name = dis.opname[frame.f_code.co_code[frame.f_lasti]]
-            eligible = name in ("RESUME", "JUMP_BACKWARD") or self._after_call.get(frame, False)
+            first = frame not in self._after_call
+            eligible = first or name == "JUMP_BACKWARD" or self._after_call.get(frame, False)
             self._after_call[frame] = name.startswith("CALL")
             if eligible:
                 self.seen += 1
                 if self.seen - 1 in self.at:
                     self.fired += 1
-                    self._after_call.clear()
+                    # frames seen keep their place (a frame's first instruction counts once)
+                    self._after_call = dict.fromkeys(self._after_call, False)
                     raise KeyboardInterrupt(f"injected at instruction {self.seen - 1}")
         return self._step
 
