@@ -222,6 +222,30 @@ def run_level(pipe, dev, items, gaps, *, sample: bool, behind_ms: float, main_na
     return out
 
 
+def first_pass(server, items) -> None:
+    """Every request once through ``server`` (a ``PipelineServer``), untimed: the pool's blocks
+    pinned before anything is measured."""
+    server.reset(len(items))
+    for i, it in enumerate(items):
+        server.submit(i, it)
+    server.drain()
+
+
+def capacity_passes(server, dev, items, passes: int = 3) -> list:
+    """Closed-loop passes of every request through ``server``; returns each pass's requests a
+    second (the results dropped after each)."""
+    rates = []
+    for _ in range(passes):
+        server.reset(len(items))
+        t0 = dev.now
+        for i, it in enumerate(items):
+            server.submit(i, it)
+        server.drain()
+        rates.append(len(items) / (dev.now - t0))
+    server.reset(len(items))
+    return rates
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0")
@@ -233,25 +257,14 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = rf.device(args.device)
-    items, expected = workloads.request_items(args.count, 8 * MiB)
+    items, _ = workloads.request_items(args.count, 8 * MiB)
     result = {**header(str(dev)), "count": args.count, "load": args.load,
               "copy_streaming": os.environ.get("RINGFLOW_COPY_STREAMING", "1") != "0", "rounds": []}
     main_name = threading.current_thread().name
     with rf.Pipeline(kernels.scale_shift(), device=dev, chunk_bytes=8 * MiB) as pipe:
         server = workloads.PipelineServer(pipe, dev)
-        server.reset(len(items))
-        for i, it in enumerate(items):  # the untimed first pass: the pool's blocks pinned
-            server.submit(i, it)
-        server.drain()
-        server.reset(len(items))
-        rates = []
-        for _ in range(3):
-            t0 = dev.now
-            for i, it in enumerate(items):
-                server.submit(i, it)
-            server.drain()
-            rates.append(len(items) / (dev.now - t0))
-            server.reset(len(items))
+        first_pass(server, items)
+        rates = capacity_passes(server, dev, items)
         capacity = statistics.median(rates)
         iso = []
         for i, it in enumerate(items):

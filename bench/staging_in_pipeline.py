@@ -33,7 +33,7 @@ import ringflow as rf  # noqa: E402
 from ringflow._bench import kernels, workloads  # noqa: E402
 from ringflow._device import native_copy, protocol  # noqa: E402
 from _script import header, write  # noqa: E402
-from request_stalls import run_level  # noqa: E402
+from request_stalls import capacity_passes, first_pass, run_level  # noqa: E402
 
 MiB = 1 << 20
 
@@ -86,19 +86,9 @@ def alone(dev, items) -> dict:
 def in_pipeline(dev, items, load: float, seed: int) -> dict:
     with rf.Pipeline(kernels.scale_shift(), device=dev, chunk_bytes=8 * MiB) as pipe:
         server = workloads.PipelineServer(pipe, dev)
-        server.reset(len(items))
-        for i, it in enumerate(items):
-            server.submit(i, it)
-        server.drain()
-        rates = []
+        first_pass(server, items)
         with _Timed(type(dev)) as timed:
-            for _ in range(3):
-                server.reset(len(items))
-                t0 = dev.now
-                for i, it in enumerate(items):
-                    server.submit(i, it)
-                server.drain()
-                rates.append(len(items) / (dev.now - t0))
+            rates = capacity_passes(server, dev, items)
         capacity = statistics.median(rates)
         gaps = np.random.default_rng(seed).exponential(1.0 / (load * capacity), len(items))
         lv = run_level(pipe, dev, items, gaps, sample=False, behind_ms=1.0, main_name="MainThread")

@@ -103,6 +103,24 @@ def test_stream_map_overhead(tmp_path):
     assert {"stream_map after sleep", "MapJob after touch"} <= set(r["rows"])
 
 
+def test_request_stalls(tmp_path):
+    r = run_script(tmp_path, "request_stalls.py", "--count", "60", "--rounds", "1", "--sample")
+    assert r["capacity_per_s"] > 0 and [lv["sampled"] for lv in r["rounds"]] == [False, True]
+    assert all(lv["correct"] and 0 < lv["submit_busy_share"] <= 1 and "pinned_in_level" in lv for lv in r["rounds"])
+
+
+def test_staging_in_pipeline(tmp_path):
+    r = run_script(tmp_path, "staging_in_pipeline.py", "--count", "40", "--threads", "2", "--streaming", "1,0",
+                   "--rounds", "1")
+    assert [row["streaming"] for row in r["rows"]] == [True, False]
+    assert all(row["correct"] and row["copies"] == 3 * 40 and row["alone"]["mean_us"] > 0 for row in r["rows"])
+
+
+def test_pin_stall_check(tmp_path):
+    r = run_script(tmp_path, "pin_stall_check.py", "--pins", "2", "--mib", "4")
+    assert len(r["pin_ms"]) == 2 and r["rounds_outside"] > 0
+
+
 def run_plain(tmp_path, script: str, *args: str) -> dict:
     """Run a script that takes its devices its own way (no ``--device``); its JSON."""
     out = tmp_path / "out.json"
