@@ -10,9 +10,13 @@ native copy threads it is split over: the ``requests`` workload's items, for eac
   ``request_stalls.py`` reports them).
 
 With ``--streaming 1,0`` each thread count runs with the native copy's streaming stores on and
-off (``native_copy.set_streaming``). Variants run in turn, ``--rounds`` times, each on a fresh
-pipeline. Also the host's CPUs and
-how many hardware threads share a core.
+off (``native_copy.set_streaming``); ``--spin-us 200,1000`` with the copy threads polling that
+long before they sleep (``native_copy.set_spin``); ``--early-wake 1,0`` with ``submit`` waking
+the copy threads as it starts (``Device.expect_host_copy``) or not. Variants run in turn,
+``--rounds`` times, each on a fresh pipeline. Each phase also reports the native copy's counters
+(parts handed to a sleeping thread, threads woken early, the caller's wait for its helpers) and
+the process's cgroup CPU throttling (``cpu.stat``) over it. Also the host's CPUs, the cgroup's
+CPU quota (``cpu.max``) and how many hardware threads share a core.
 
     PYTHONPATH=src python3 bench/staging_in_pipeline.py --device cuda:0 --threads 2,4,8 --rounds 2 --out FILE
 """
@@ -38,12 +42,50 @@ from request_stalls import capacity_passes, first_pass, run_level  # noqa: E402
 MiB = 1 << 20
 
 
-def _siblings() -> str:
+def _read(path: str) -> str:
     try:
-        with open("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list") as fh:
+        with open(path) as fh:
             return fh.read().strip()
     except OSError:
         return "unknown"
+
+
+def _cgroup_dir() -> str:
+    """This process's cgroup (v2) directory, or "" where there is none."""
+    raw = _read("/proc/self/cgroup")
+    for line in raw.splitlines():
+        if line.startswith("0::"):
+            return "/sys/fs/cgroup" + line[3:].rstrip("/")
+    return ""
+
+
+def _cpu_stat() -> dict:
+    """The cgroup's ``cpu.stat`` as numbers (empty where unreadable)."""
+    out = {}
+    for line in _read(os.path.join(_cgroup_dir() or "/sys/fs/cgroup", "cpu.stat")).splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().isdigit():
+            out[key] = int(value)
+    return out
+
+
+class _Over:
+    """The native copy's counters and the cgroup's CPU throttling over a block."""
+
+    def __enter__(self):
+        self.c0, self.s0, self.t0 = native_copy.counters(), _cpu_stat(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        c1, s1 = native_copy.counters(), _cpu_stat()
+        self.delta = {f"copy.{k}": c1[k] - self.c0[k] for k in c1}
+        self.delta.update({f"cpu.{k}": s1[k] - self.s0.get(k, 0) for k in s1
+                           if k in ("usage_usec", "nr_periods", "nr_throttled", "throttled_usec")})
+        self.delta["seconds"] = time.perf_counter() - self.t0
+
+
+def _siblings() -> str:
+    return _read("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list")
 
 
 class _Timed:
@@ -72,28 +114,31 @@ class _Timed:
 def alone(dev, items) -> dict:
     dsts = {}
     times = []
-    for it in items:
-        dst = dsts.get(it.nbytes)
-        if dst is None:
-            dst = dsts[it.nbytes] = rf.host.empty(it.shape, it.dtype, device=dev)
-        t0 = time.perf_counter()
-        dev.host_copy(dst, it)
-        times.append(time.perf_counter() - t0)
+    with _Over() as over:
+        for it in items:
+            dst = dsts.get(it.nbytes)
+            if dst is None:
+                dst = dsts[it.nbytes] = rf.host.empty(it.shape, it.dtype, device=dev)
+            t0 = time.perf_counter()
+            dev.host_copy(dst, it)
+            times.append(time.perf_counter() - t0)
     return {"mean_us": 1e6 * float(np.mean(times)), "p50_us": 1e6 * float(np.median(times)),
-            "GBps": sum(it.nbytes for it in items) / sum(times) / 1e9}
+            "GBps": sum(it.nbytes for it in items) / sum(times) / 1e9, **over.delta}
 
 
 def in_pipeline(dev, items, load: float, seed: int) -> dict:
     with rf.Pipeline(kernels.scale_shift(), device=dev, chunk_bytes=8 * MiB) as pipe:
         server = workloads.PipelineServer(pipe, dev)
         first_pass(server, items)
-        with _Timed(type(dev)) as timed:
+        with _Timed(type(dev)) as timed, _Over() as closed:
             rates = capacity_passes(server, dev, items)
         capacity = statistics.median(rates)
         gaps = np.random.default_rng(seed).exponential(1.0 / (load * capacity), len(items))
-        lv = run_level(pipe, dev, items, gaps, sample=False, behind_ms=1.0, main_name="MainThread")
-    n = len(timed.wall)
-    return {"capacity_per_s": capacity, "passes_per_s": rates,
+        with _Timed(type(dev)) as timed_level, _Over() as level:
+            lv = run_level(pipe, dev, items, gaps, sample=False, behind_ms=1.0, main_name="MainThread")
+    n, m = len(timed.wall), len(timed_level.wall)
+    return {"capacity_per_s": capacity, "passes_per_s": rates, "closed_loop": closed.delta, "level": level.delta,
+            "level_copy_mean_us": 1e6 * sum(timed_level.wall) / max(1, m),
             "copy_mean_us": 1e6 * sum(timed.wall) / max(1, n), "copy_cpu_mean_us": 1e6 * sum(timed.cpu) / max(1, n),
             "copies": n, "copy_GBps": sum(timed.nbytes) / max(1e-12, sum(timed.wall)) / 1e9,
             "p99_80_ms": lv["p99_ms"], "behind_p99_ms": lv["behind_p99_ms"], "submit_busy_share": lv["submit_busy_share"],
@@ -106,6 +151,9 @@ def main() -> None:
     ap.add_argument("--threads", default="2,4,8")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--streaming", default="1", help="1, 0 or 1,0: streaming stores on, off, or both in turn")
+    ap.add_argument("--spin-us", default=str(round(native_copy.SPIN_SECONDS * 1e6)),
+                    help="microseconds the copy threads poll before they sleep, one or more (200,1000)")
+    ap.add_argument("--early-wake", default="1", help="1, 0 or 1,0: submit wakes the copy threads early, or not")
     ap.add_argument("--count", type=int, default=1000)
     ap.add_argument("--load", type=float, default=0.8)
     ap.add_argument("--out")
@@ -114,22 +162,34 @@ def main() -> None:
     items, _ = workloads.request_items(args.count, 8 * MiB)
     default = protocol.NATIVE_MAX_THREADS
     result = {**header(str(dev)), "cpus": os.cpu_count(), "cpu0_siblings": _siblings(),
+              "cgroup": _cgroup_dir(), "cpu_max": _read(os.path.join(_cgroup_dir() or "/sys/fs/cgroup", "cpu.max")),
+              "affinity_cpus": len(os.sched_getaffinity(0)),
               "library_threads": default, "count": args.count, "load": args.load, "rows": []}
-    print("cpus", os.cpu_count(), "cpu0 siblings", result["cpu0_siblings"], "library threads", default, flush=True)
+    print("cpus", os.cpu_count(), "affinity", result["affinity_cpus"], "cpu.max", result["cpu_max"],
+          "cpu0 siblings", result["cpu0_siblings"], "library threads", default, flush=True)
     try:
-        variants = [(int(t), s == "1") for t in args.threads.split(",") for s in args.streaming.split(",")]
+        variants = [(int(t), s == "1", float(us), w == "1") for t in args.threads.split(",")
+                    for s in args.streaming.split(",") for us in args.spin_us.split(",")
+                    for w in args.early_wake.split(",")]
         for r in range(args.rounds):
-            for t, streaming in variants:
+            for t, streaming, spin_us, early in variants:
                 protocol.NATIVE_MAX_THREADS = t
                 native_copy.set_streaming(streaming)
-                row = {"round": r, "threads": t, "streaming": streaming, "alone": alone(dev, items),
-                       **in_pipeline(dev, items, args.load, seed=11 + r)}
+                native_copy.set_spin(spin_us * 1e-6)
+                if early:
+                    vars(dev).pop("expect_host_copy", None)
+                else:
+                    dev.expect_host_copy = lambda nbytes: None
+                row = {"round": r, "threads": t, "streaming": streaming, "spin_us": spin_us, "early_wake": early,
+                       "alone": alone(dev, items), **in_pipeline(dev, items, args.load, seed=11 + r)}
                 result["rows"].append(row)
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "passes_per_s"},
                       flush=True)
     finally:
         protocol.NATIVE_MAX_THREADS = default
         native_copy.set_streaming(True)
+        native_copy.set_spin(native_copy._spin_from_env())
+        vars(dev).pop("expect_host_copy", None)
     write(result, args.out)
 
 

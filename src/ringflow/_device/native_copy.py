@@ -67,15 +67,32 @@ _SOURCE = r"""
 
 #define MAX_THREADS 32
 static sem_t wake_sem[MAX_THREADS];
-static struct { char *dst; const char *src; size_t n; } part[MAX_THREADS];
-static unsigned long gen[MAX_THREADS]; /* the caller bumps gen[i] to hand helper i its part */
+static unsigned long gen[MAX_THREADS]; /* the caller bumps gen[i] to call helper i to a copy */
 static int sleeping[MAX_THREADS];      /* helper i is in, or about to enter, sem_wait */
-static int remaining = 0;              /* parts handed out and not yet copied */
 static long spin_ns = 0;               /* how long an idle helper polls before it sleeps */
 static int streaming = 1;             /* parts of STREAM_MIN bytes or more bypass the caches */
 static int started = 0;
 static int registered = 0;
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* The copy under way (one at a time: call_lock). Its threads claim parts of `step` bytes from
+   `cursor` until none is left, so a helper that starts late takes fewer parts instead of
+   holding the copy up. cursor is the next unclaimed offset, with CLOSED set once the copy has
+   ended; `copied` counts the bytes of finished parts; `active` counts helpers between entering
+   a copy and leaving it. The caller changes the copy's fields only with CLOSED set and no
+   helper active, so a helper that sees CLOSED clear reads fields that stay as they are until it
+   leaves. */
+#define CLOSED (1UL << 63)
+static struct { char *dst; const char *src; size_t n; size_t step; } job;
+static unsigned long cursor = CLOSED;
+static size_t copied = 0;
+static int active = 0;
+
+/* counters for measurements: copies split over helpers, parts claimed (by any thread), parts
+   claimed by helpers, helpers called to a copy while asleep (their semaphore posted), early
+   wakes that found a helper asleep, and nanoseconds callers polled for their helpers' parts
+   after claiming the last */
+static long n_split = 0, n_parts = 0, n_helper_parts = 0, n_posted = 0, n_woken = 0, n_waited_ns = 0;
 
 static void wait_sem(sem_t *s) { while (sem_wait(s) != 0 && errno == EINTR) {} }
 
@@ -127,15 +144,34 @@ static void copy_part(char *dst, const char *src, size_t n) {
     memcpy(dst, src, n);
 }
 
-/* A helper polls for its next part for spin_ns after each copy, then sleeps on its semaphore.
+/* Claim parts of the open copy and copy them until none is left; returns the parts copied.
+   Only with the copy open and the calling thread counted in it (the caller's own thread, or a
+   helper in `active`): the fields stay as they are meanwhile. */
+static long claim_parts(void) {
+    size_t n = job.n, step = job.step;
+    long parts = 0;
+    for (;;) {
+        unsigned long c = __atomic_fetch_add(&cursor, step, __ATOMIC_ACQ_REL);
+        size_t off = (size_t)(c & ~CLOSED);
+        if ((c & CLOSED) || off >= n) break;
+        size_t len = n - off < step ? n - off : step;
+        copy_part(job.dst + off, job.src + off, len);
+        __atomic_fetch_add(&copied, len, __ATOMIC_RELEASE);
+        parts++;
+    }
+    __atomic_fetch_add(&n_parts, parts, __ATOMIC_RELAXED);
+    return parts;
+}
+
+/* A helper polls for a call to a copy for spin_ns after each one, then sleeps on its semaphore.
    Sleeping: it says so (sleeping[i] = 1), then looks at gen[i] once more; the caller bumps
    gen[i], then looks at sleeping[i] and posts if it is set. Both are sequentially consistent,
-   so either the helper sees the new part or the caller sees it asleep. A post that finds the
-   helper awake leaves the semaphore one ahead: the helper's next sleep returns at once and it
-   polls again. */
+   so either the helper sees the call or the caller sees it asleep. A post that finds the helper
+   awake leaves the semaphore one ahead: the helper's next sleep returns at once and it polls
+   again. */
 static void *worker(void *arg) {
     long i = (long)arg;
-    unsigned long seen = 0; /* gen[i] when it was made: a part handed out before it ran is new */
+    unsigned long seen = 0; /* gen[i] when it was made: a call made before it ran is new */
     for (;;) {
         long until = now_ns() + __atomic_load_n(&spin_ns, __ATOMIC_RELAXED);
         unsigned long g;
@@ -150,8 +186,14 @@ static void *worker(void *arg) {
             }
         }
         seen = g;
-        copy_part(part[i].dst, part[i].src, part[i].n);
-        __atomic_fetch_sub(&remaining, 1, __ATOMIC_ACQ_REL);
+        /* enter (active first, then look: the caller closes first, then looks at active), take
+           parts while the copy is open, leave */
+        __atomic_fetch_add(&active, 1, __ATOMIC_SEQ_CST);
+        if (!(__atomic_load_n(&cursor, __ATOMIC_SEQ_CST) & CLOSED)) {
+            long parts = claim_parts();
+            if (parts) __atomic_fetch_add(&n_helper_parts, parts, __ATOMIC_RELAXED);
+        }
+        __atomic_fetch_sub(&active, 1, __ATOMIC_SEQ_CST);
     }
     return NULL;
 }
@@ -159,7 +201,10 @@ static void *worker(void *arg) {
 /* the child of a fork has none of the parent's threads: it starts its own pool */
 static void child_after_fork(void) {
     started = 0;
-    remaining = 0;
+    cursor = CLOSED;
+    copied = 0;
+    active = 0;
+    n_split = n_parts = n_helper_parts = n_posted = n_woken = n_waited_ns = 0;
     pthread_mutex_init(&call_lock, NULL);
 }
 
@@ -179,9 +224,37 @@ static int ensure_helpers(int want) {
         int rc = pthread_create(&t, &attr, worker, (void *)(long)started);
         pthread_attr_destroy(&attr);
         if (rc != 0) break;
-        started++;
+        __atomic_store_n(&started, started + 1, __ATOMIC_RELEASE); /* its semaphore is ready */
     }
     return started;
+}
+
+/* Wake the first threads - 1 helpers where asleep, so that a copy handed out soon finds them
+   polling: the scheduler's latency in waking a thread then passes while the caller does other
+   work. A helper woken for nothing polls for spin_ns and sleeps again. Safe from any thread at
+   any time; returns the helpers woken. */
+int ringflow_copy_wake(int threads) {
+    int have = __atomic_load_n(&started, __ATOMIC_ACQUIRE);
+    int woken = 0;
+    if (threads - 1 < have) have = threads - 1;
+    for (int i = 0; i < have; i++) {
+        if (__atomic_load_n(&sleeping[i], __ATOMIC_SEQ_CST)) {
+            sem_post(&wake_sem[i]);
+            woken++;
+        }
+    }
+    if (woken) __atomic_fetch_add(&n_woken, woken, __ATOMIC_RELAXED);
+    return woken;
+}
+
+/* The counters, in the order declared, into out[0..5]. */
+void ringflow_copy_counters(long *out) {
+    out[0] = __atomic_load_n(&n_split, __ATOMIC_RELAXED);
+    out[1] = __atomic_load_n(&n_parts, __ATOMIC_RELAXED);
+    out[2] = __atomic_load_n(&n_helper_parts, __ATOMIC_RELAXED);
+    out[3] = __atomic_load_n(&n_posted, __ATOMIC_RELAXED);
+    out[4] = __atomic_load_n(&n_woken, __ATOMIC_RELAXED);
+    out[5] = __atomic_load_n(&n_waited_ns, __ATOMIC_RELAXED);
 }
 
 /* How long (ns) an idle helper polls for work before it sleeps; 0: it sleeps at once. */
@@ -191,35 +264,46 @@ void ringflow_copy_spin(long ns) { __atomic_store_n(&spin_ns, ns < 0 ? 0 : ns, _
 void ringflow_copy_streaming(int on) { __atomic_store_n(&streaming, on ? 1 : 0, __ATOMIC_RELAXED); }
 
 /* Copy n bytes from src to dst on up to `threads` threads, the caller's among them; returns the
-   threads that copied. Parts are 64-byte aligned; the caller copies the first and then polls
-   until the helpers' parts are done (it holds no interpreter lock meanwhile). */
+   threads called to it. The copy is cut into parts of 64-byte multiples (about four a thread,
+   at least 32 KiB) that the caller and the helpers it calls claim in turn; the caller then polls
+   until every claimed part is copied (it holds no interpreter lock meanwhile), closes the copy
+   and waits for the helpers still in it to leave. A copy of 2^38 bytes or more, or one that
+   finds another under way, is made on the calling thread alone. */
+#define MIN_STEP (32 * 1024)
 int ringflow_copy(char *dst, const char *src, size_t n, int threads) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads <= 1 || n < (size_t)threads * 4096 || pthread_mutex_trylock(&call_lock) != 0) {
+    if (threads <= 1 || n < (size_t)threads * 4096 || n >= (1UL << 38) ||
+            pthread_mutex_trylock(&call_lock) != 0) {
         copy_part(dst, src, n);
         return 1;
     }
     int helpers = ensure_helpers(threads - 1);
     if (helpers > threads - 1) helpers = threads - 1; /* the pool may have more than this call asks */
-    size_t parts = (size_t)helpers + 1;
-    size_t step = ((n + parts - 1) / parts + 63) & ~(size_t)63; /* parts * step >= n */
-    size_t first = step < n ? step : n;
-    int used = 0;
-    for (size_t off = first; used < helpers && off < n; used++) off += n - off < step ? n - off : step;
-    __atomic_store_n(&remaining, used, __ATOMIC_RELEASE);
-    size_t off = first;
+    size_t step = (n / ((size_t)(helpers + 1) * 4) + 63) & ~(size_t)63;
+    if (step < MIN_STEP) step = MIN_STEP;
+    size_t parts = (n + step - 1) / step;
+    int used = helpers < (long)parts - 1 ? helpers : (int)parts - 1;
+    job.dst = dst;
+    job.src = src;
+    job.n = n;
+    job.step = step;
+    __atomic_store_n(&copied, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&cursor, 0, __ATOMIC_SEQ_CST); /* open: the fields above are seen with it */
     for (int i = 0; i < used; i++) {
-        size_t len = n - off < step ? n - off : step;
-        part[i].dst = dst + off;
-        part[i].src = src + off;
-        part[i].n = len;
-        off += len;
         __atomic_fetch_add(&gen[i], 1, __ATOMIC_SEQ_CST);
-        if (__atomic_load_n(&sleeping[i], __ATOMIC_SEQ_CST)) sem_post(&wake_sem[i]);
+        if (__atomic_load_n(&sleeping[i], __ATOMIC_SEQ_CST)) {
+            sem_post(&wake_sem[i]);
+            __atomic_fetch_add(&n_posted, 1, __ATOMIC_RELAXED);
+        }
     }
-    copy_part(dst, src, first);
+    claim_parts();
+    long t0 = now_ns();
     unsigned k = 0;
-    while (__atomic_load_n(&remaining, __ATOMIC_ACQUIRE) != 0) relax(&k);
+    while (__atomic_load_n(&copied, __ATOMIC_ACQUIRE) != n) relax(&k);
+    __atomic_store_n(&cursor, CLOSED, __ATOMIC_SEQ_CST);
+    while (__atomic_load_n(&active, __ATOMIC_SEQ_CST) != 0) relax(&k);
+    __atomic_fetch_add(&n_waited_ns, now_ns() - t0, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&n_split, 1, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&call_lock);
     return used + 1;
 }
@@ -279,6 +363,10 @@ def _load() -> "ctypes.CDLL | bool":
         lib.ringflow_copy_spin.argtypes = (ctypes.c_long,)
         lib.ringflow_copy_spin.restype = None
         lib.ringflow_copy_spin(int(_spin_from_env() * 1e9))
+        lib.ringflow_copy_wake.argtypes = (ctypes.c_int,)
+        lib.ringflow_copy_wake.restype = ctypes.c_int
+        lib.ringflow_copy_counters.argtypes = (ctypes.POINTER(ctypes.c_long),)
+        lib.ringflow_copy_counters.restype = None
         lib.ringflow_copy_streaming.argtypes = (ctypes.c_int,)
         lib.ringflow_copy_streaming.restype = None
         lib.ringflow_copy_streaming(int(os.environ.get("RINGFLOW_COPY_STREAMING", "1") != "0"))
@@ -338,3 +426,28 @@ def copy(dst: np.ndarray, src: np.ndarray, threads: int) -> bool:
         return False
     lib.ringflow_copy(dst.ctypes.data, src.ctypes.data, dst.nbytes, int(threads))
     return True
+
+
+def wake(threads: int) -> int:
+    """Wake the threads a copy on ``threads`` threads would use where they sleep, so that a copy
+    made soon after finds them polling (see "Waking the copy threads early" in docs/design.md);
+    returns how many were asleep. Safe from any thread; does nothing where native copies are
+    off."""
+    lib = copier()
+    return lib.ringflow_copy_wake(int(threads)) if lib is not None else 0
+
+
+COUNTER_NAMES = ("split_copies", "parts", "helper_parts", "sleeping_helpers_called", "early_wakes",
+                 "caller_wait_ns")
+
+
+def counters() -> dict:
+    """Totals since the process started (or forked), for measurements: copies split over
+    threads, parts handed to helper threads, parts whose thread was asleep, threads woken early
+    by :func:`wake`, and nanoseconds callers polled for their helpers after their own part. All
+    zero where native copies are off."""
+    lib = copier()
+    out = (ctypes.c_long * len(COUNTER_NAMES))()
+    if lib is not None:
+        lib.ringflow_copy_counters(out)
+    return dict(zip(COUNTER_NAMES, (int(v) for v in out)))
