@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# The `requests` workload on two source trees, interleaved in one run on one machine:
+# The `requests` workload on two or more source trees, interleaved in one run on one machine:
 #   bash bench/requests_ab.sh OLD_SRC NEW_SRC [ROUNDS]
-# Each round runs `ringflow bench requests` (ringflow and both torch baselines) with NEW_SRC, then
-# OLD_SRC, on PYTHONPATH (DEVICE=sim tries the script here). Results: $OUT/bench-requests-{new,old}N.json and a line a run in
-# $OUT/requests-ab-log.txt (also on stdout).
+#   bash bench/requests_ab.sh NAME=SRC NAME=SRC [NAME=SRC ...] [ROUNDS]
+# Each round runs `ringflow bench requests` (ringflow and both torch baselines) with each tree in
+# turn (new, then old; or in the order named) on PYTHONPATH (DEVICE=sim tries the script here).
+# Results: $OUT/bench-requests-{NAME}N.json and a line a run in $OUT/requests-ab-log.txt (also on
+# stdout).
 set -o pipefail
-OLD=${1:?old src dir}; NEW=${2:?new src dir}; ROUNDS=${3:-2}
+ROUNDS=2; VARIANTS=()
+if [[ "${1:-}" == *=* ]]; then
+  for a in "$@"; do if [[ "$a" == *=* ]]; then VARIANTS+=("$a"); else ROUNDS=$a; fi; done
+else
+  OLD=${1:?old src dir}; NEW=${2:?new src dir}; ROUNDS=${3:-2}; VARIANTS=("new=$NEW" "old=$OLD")
+fi
 OUT=${OUT:-/tmp/ringflow-out}; mkdir -p "$OUT"
 for i in $(seq 1 "$ROUNDS"); do
-  for v in new old; do
-    src=$NEW; [ "$v" = old ] && src=$OLD
+  for pair in "${VARIANTS[@]}"; do
+    v=${pair%%=*}; src=${pair#*=}
     dir=$(mktemp -d)
     PYTHONPATH=$src timeout 300 python3 -m ringflow._cli bench requests --device "${DEVICE:-cuda:0}" --out "$dir" \
       >/dev/null 2>&1 || echo "$v$i failed (rc $?)"

@@ -1,6 +1,6 @@
 /* A stress driver for the native copy (ringflow/_device/native_copy.py's C source, compiled
-   with it): three threads each make `rounds` copies of random lengths, misalignments and thread
-   counts, checking every byte and the bytes around the destination, while a fourth wakes the
+   with it): three threads each make `rounds` copies of random lengths (every other one short),
+   misalignments and thread counts, checking every byte and the bytes around the destination, while a fourth wakes the
    helpers early over and over and the helpers' polling time changes under them. Built with
    -fsanitize=thread it also reports any access to shared state that nothing orders.
    Usage: native_copy_stress ROUNDS; exit status 0 and "ok ..." when every copy was right. */
@@ -29,7 +29,9 @@ static void *copier(void *arg) {
     char *src = malloc(most), *dst = malloc(most + 128);
     if (!src || !dst) { printf("no memory\n"); exit(2); }
     for (int k = 0; k < rounds; k++) {
-        size_t n = (size_t)rand_r(&seed) % most;
+        /* every other copy a short one of a few parts, where called helpers often arrive to
+           find every part claimed already */
+        size_t n = k % 2 ? (size_t)rand_r(&seed) % most : (32u << 10) + (size_t)rand_r(&seed) % (224u << 10);
         int threads = 1 + rand_r(&seed) % 9;
         size_t off = (size_t)rand_r(&seed) % 64;
         for (size_t i = 0; i < n; i += 512) src[i] = (char)(1 + rand_r(&seed) % 255);

@@ -358,15 +358,20 @@ def _load() -> "ctypes.CDLL | bool":
         if not path.exists():
             _build(path)
         lib = ctypes.CDLL(str(path))
+        # the same library again, its calls made holding the GIL: a wake or a look at the
+        # counters takes microseconds, and letting go of the GIL for it would hand the GIL to
+        # the progress thread and leave the caller waiting to get it back
+        held = ctypes.PyDLL(str(path))
+        held.ringflow_copy_wake.argtypes = (ctypes.c_int,)
+        held.ringflow_copy_wake.restype = ctypes.c_int
+        held.ringflow_copy_counters.argtypes = (ctypes.POINTER(ctypes.c_long),)
+        held.ringflow_copy_counters.restype = None
+        lib.held = held
         lib.ringflow_copy.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         lib.ringflow_copy.restype = ctypes.c_int
         lib.ringflow_copy_spin.argtypes = (ctypes.c_long,)
         lib.ringflow_copy_spin.restype = None
         lib.ringflow_copy_spin(int(_spin_from_env() * 1e9))
-        lib.ringflow_copy_wake.argtypes = (ctypes.c_int,)
-        lib.ringflow_copy_wake.restype = ctypes.c_int
-        lib.ringflow_copy_counters.argtypes = (ctypes.POINTER(ctypes.c_long),)
-        lib.ringflow_copy_counters.restype = None
         lib.ringflow_copy_streaming.argtypes = (ctypes.c_int,)
         lib.ringflow_copy_streaming.restype = None
         lib.ringflow_copy_streaming(int(os.environ.get("RINGFLOW_COPY_STREAMING", "1") != "0"))
@@ -434,7 +439,7 @@ def wake(threads: int) -> int:
     returns how many were asleep. Safe from any thread; does nothing where native copies are
     off."""
     lib = copier()
-    return lib.ringflow_copy_wake(int(threads)) if lib is not None else 0
+    return lib.held.ringflow_copy_wake(int(threads)) if lib is not None else 0
 
 
 COUNTER_NAMES = ("split_copies", "parts", "helper_parts", "sleeping_helpers_called", "early_wakes",
@@ -449,5 +454,5 @@ def counters() -> dict:
     lib = copier()
     out = (ctypes.c_long * len(COUNTER_NAMES))()
     if lib is not None:
-        lib.ringflow_copy_counters(out)
+        lib.held.ringflow_copy_counters(out)
     return dict(zip(COUNTER_NAMES, (int(v) for v in out)))
