@@ -11,10 +11,9 @@ native copy threads it is split over: the ``requests`` workload's items, for eac
 
 With ``--streaming 1,0`` each thread count runs with the native copy's streaming stores on and
 off (``native_copy.set_streaming``); ``--spin-us 200,1000`` with the copy threads polling that
-long before they sleep (``native_copy.set_spin``); ``--early-wake 1,0`` with ``submit`` waking
-the copy threads as it starts (``Device.expect_host_copy``) or not. Variants run in turn,
+long before they sleep (``native_copy.set_spin``). Variants run in turn,
 ``--rounds`` times, each on a fresh pipeline. Each phase also reports the native copy's counters
-(parts handed to a sleeping thread, threads woken early, the caller's wait for its helpers) and
+(parts claimed by helpers, helpers called while asleep, the caller's wait for its helpers) and
 the process's cgroup CPU throttling (``cpu.stat``) over it. Also the host's CPUs, the cgroup's
 CPU quota (``cpu.max``) and how many hardware threads share a core.
 
@@ -153,7 +152,6 @@ def main() -> None:
     ap.add_argument("--streaming", default="1", help="1, 0 or 1,0: streaming stores on, off, or both in turn")
     ap.add_argument("--spin-us", default=str(round(native_copy.SPIN_SECONDS * 1e6)),
                     help="microseconds the copy threads poll before they sleep, one or more (200,1000)")
-    ap.add_argument("--early-wake", default="1", help="1, 0 or 1,0: submit wakes the copy threads early, or not")
     ap.add_argument("--count", type=int, default=1000)
     ap.add_argument("--load", type=float, default=0.8)
     ap.add_argument("--out")
@@ -168,19 +166,14 @@ def main() -> None:
     print("cpus", os.cpu_count(), "affinity", result["affinity_cpus"], "cpu.max", result["cpu_max"],
           "cpu0 siblings", result["cpu0_siblings"], "library threads", default, flush=True)
     try:
-        variants = [(int(t), s == "1", float(us), w == "1") for t in args.threads.split(",")
-                    for s in args.streaming.split(",") for us in args.spin_us.split(",")
-                    for w in args.early_wake.split(",")]
+        variants = [(int(t), s == "1", float(us)) for t in args.threads.split(",")
+                    for s in args.streaming.split(",") for us in args.spin_us.split(",")]
         for r in range(args.rounds):
-            for t, streaming, spin_us, early in variants:
+            for t, streaming, spin_us in variants:
                 protocol.NATIVE_MAX_THREADS = t
                 native_copy.set_streaming(streaming)
                 native_copy.set_spin(spin_us * 1e-6)
-                if early:
-                    vars(dev).pop("expect_host_copy", None)
-                else:
-                    dev.expect_host_copy = lambda nbytes: None
-                row = {"round": r, "threads": t, "streaming": streaming, "spin_us": spin_us, "early_wake": early,
+                row = {"round": r, "threads": t, "streaming": streaming, "spin_us": spin_us,
                        "alone": alone(dev, items), **in_pipeline(dev, items, args.load, seed=11 + r)}
                 result["rows"].append(row)
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "passes_per_s"},
@@ -189,7 +182,6 @@ def main() -> None:
         protocol.NATIVE_MAX_THREADS = default
         native_copy.set_streaming(True)
         native_copy.set_spin(native_copy._spin_from_env())
-        vars(dev).pop("expect_host_copy", None)
     write(result, args.out)
 
 

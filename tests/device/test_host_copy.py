@@ -82,22 +82,3 @@ def test_the_simulated_gpu_charges_a_split_copy_at_its_threads_rate():
     assert np.array_equal(dst, src)
     assert dev.now - t0 == pytest.approx(src.nbytes / (dev.hardware.host_copy_rate(4) * 1e9))
 
-
-@pytest.mark.parametrize("nbytes", [None, -1, 0, 1, 1.5, "big", True, 1 << 20, 1 << 80, float("nan")])
-def test_expecting_a_host_copy_is_a_hint_that_never_raises_or_copies(nbytes):
-    """Whatever it is given, ``expect_host_copy`` returns None and takes no simulated time."""
-    dev = rf.device("sim")
-    t0 = dev.now
-    assert dev.expect_host_copy(nbytes) is None
-    assert dev.now == t0
-
-
-def test_expecting_a_host_copy_wakes_the_threads_that_copy_would_use(monkeypatch):
-    woken = []
-    monkeypatch.setattr(protocol.native_copy, "copier", lambda: object())  # as if native copies were built
-    monkeypatch.setattr(protocol.native_copy, "wake", woken.append)
-    monkeypatch.setattr(protocol, "NATIVE_MAX_THREADS", 8)  # as on a host of 16 CPUs
-    dev = rf.device("sim")
-    dev.expect_host_copy(1 << 20)
-    dev.expect_host_copy(4096)  # copied on the calling thread alone: nothing to wake
-    assert woken == [protocol.copy_threads(1 << 20)] and woken[0] > 1

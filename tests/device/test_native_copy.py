@@ -10,7 +10,6 @@ import pathlib
 import subprocess
 import sysconfig
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -224,11 +223,10 @@ def _stress(tmp_path, source: str, rounds: int) -> subprocess.CompletedProcess:
 
 
 @needs_native
-def test_copies_woken_early_from_another_thread_are_right_and_nothing_races(tmp_path):
-    """Three threads copy (random lengths, misalignments, thread counts; the polling time
-    changing) while a fourth wakes the helpers early over and over: every byte right, nothing
-    written around the destination, and ThreadSanitizer finds no access to shared state that
-    nothing orders."""
+def test_copies_from_several_threads_are_right_and_nothing_races(tmp_path):
+    """Three threads copy (random lengths, every other one short; misalignments; thread counts;
+    the polling time changing): every byte right, nothing written around the destination, and
+    ThreadSanitizer finds no access to shared state that nothing orders."""
     run = _stress(tmp_path, native_copy._SOURCE, rounds=400)
     assert run.returncode == 0 and "ThreadSanitizer" not in run.stderr, run.stdout + run.stderr[-3000:]
     assert run.stdout.startswith("ok")
@@ -240,32 +238,28 @@ def test_the_stress_catches_a_copy_reopened_while_a_helper_is_inside_it(tmp_path
     for the helpers still inside a copy before it writes the next copy's fields, it reports the
     race."""
     assert LEAVE_WAIT in native_copy._SOURCE
-    run = _stress(tmp_path, native_copy._SOURCE.replace(LEAVE_WAIT, ""), rounds=400)
-    assert "ThreadSanitizer: data race" in run.stderr and "ringflow_copy" in run.stderr
+    reports = ""
+    for _ in range(3):  # the race needs a called helper to arrive after the last part is claimed
+        reports = _stress(tmp_path, native_copy._SOURCE.replace(LEAVE_WAIT, ""), rounds=400).stderr
+        if "ThreadSanitizer: data race" in reports:
+            break
+    assert "ThreadSanitizer: data race" in reports and "ringflow_copy" in reports
 
 
 @needs_native
-def test_early_wakes_reach_sleeping_helpers_and_are_counted():
+def test_parts_are_claimed_once_each_and_counted():
     try:
-        native_copy.set_spin(0.0)  # helpers sleep as soon as their copy is done
+        native_copy.set_spin(0.0)  # helpers asleep when called, as between spaced requests
         src = np.random.default_rng(5).integers(0, 256, 1 << 20, dtype=np.uint8)
-        dst = np.zeros_like(src)
-        assert native_copy.copy(dst, src, 4) and np.array_equal(dst, src)
-        before = native_copy.counters()
-        woken = 0
-        deadline = time.monotonic() + 10
-        while woken == 0 and time.monotonic() < deadline:  # until a helper has gone to sleep
-            woken = native_copy.wake(4)
-        after = native_copy.counters()
-        assert 1 <= woken <= 3 and after["early_wakes"] - before["early_wakes"] >= woken
-        for threads in (-3, 0, 1, 64):  # odd counts wake nothing they should not
-            assert 0 <= native_copy.wake(threads) <= native_copy.MAX_THREADS - 1
-        dst[:] = 0
-        assert native_copy.copy(dst, src, 4) and np.array_equal(dst, src)
-        done = native_copy.counters()
-        assert done["split_copies"] == after["split_copies"] + 1
-        assert done["parts"] - after["parts"] == 16  # four parts a thread (64 KiB), each claimed once
-        assert 0 <= done["helper_parts"] - after["helper_parts"] <= done["parts"] - after["parts"]
+        for _ in range(20):
+            dst = np.zeros_like(src)
+            before = native_copy.counters()
+            assert native_copy.copy(dst, src, 4) and np.array_equal(dst, src)
+            after = native_copy.counters()
+            assert after["split_copies"] == before["split_copies"] + 1
+            assert after["parts"] - before["parts"] == 16  # four parts a thread (64 KiB), each claimed once
+            assert 0 <= after["helper_parts"] - before["helper_parts"] <= 16
+            assert 0 <= after["sleeping_helpers_called"] - before["sleeping_helpers_called"] <= 3
     finally:
         native_copy.set_spin(native_copy.SPIN_SECONDS)
 

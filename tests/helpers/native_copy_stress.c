@@ -1,8 +1,8 @@
 /* A stress driver for the native copy (ringflow/_device/native_copy.py's C source, compiled
    with it): three threads each make `rounds` copies of random lengths (every other one short),
-   misalignments and thread counts, checking every byte and the bytes around the destination, while a fourth wakes the
-   helpers early over and over and the helpers' polling time changes under them. Built with
-   -fsanitize=thread it also reports any access to shared state that nothing orders.
+   misalignments and thread counts, checking every byte and the bytes around the destination,
+   while the helpers' polling time changes under them. Built with -fsanitize=thread it also
+   reports any access to shared state that nothing orders.
    Usage: native_copy_stress ROUNDS; exit status 0 and "ok ..." when every copy was right. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,18 +10,10 @@
 #include <pthread.h>
 
 int ringflow_copy(char *dst, const char *src, size_t n, int threads);
-int ringflow_copy_wake(int threads);
 void ringflow_copy_spin(long ns);
 void ringflow_copy_counters(long *out);
 
-static int stop = 0;
 static int rounds = 500;
-
-static void *waker(void *arg) {
-    (void)arg;
-    while (!__atomic_load_n(&stop, __ATOMIC_RELAXED)) ringflow_copy_wake(9);
-    return NULL;
-}
 
 static void *copier(void *arg) {
     unsigned seed = (unsigned)(long)arg;
@@ -51,15 +43,12 @@ static void *copier(void *arg) {
 
 int main(int argc, char **argv) {
     if (argc > 1) rounds = atoi(argv[1]);
-    pthread_t w, c[3];
-    pthread_create(&w, NULL, waker, NULL);
+    pthread_t c[3];
     for (long i = 0; i < 3; i++) pthread_create(&c[i], NULL, copier, (void *)(i + 1));
     for (int i = 0; i < 3; i++) pthread_join(c[i], NULL);
-    __atomic_store_n(&stop, 1, __ATOMIC_RELAXED);
-    pthread_join(w, NULL);
-    long out[6];
+    long out[5];
     ringflow_copy_counters(out);
-    printf("ok split=%ld parts=%ld helper_parts=%ld sleeping_called=%ld early_wakes=%ld wait_ns=%ld\n",
-           out[0], out[1], out[2], out[3], out[4], out[5]);
+    printf("ok split=%ld parts=%ld helper_parts=%ld sleeping_called=%ld wait_ns=%ld\n",
+           out[0], out[1], out[2], out[3], out[4]);
     return 0;
 }

@@ -1016,22 +1016,3 @@ PointwiseCoalescingMachine.TestCase.settings = settings(max_examples=30, statefu
                                                        suppress_health_check=[HealthCheck.too_slow])
 TestPointwiseCoalescingMachine = PointwiseCoalescingMachine.TestCase
 
-
-@pytest.mark.parametrize("how", ["submit", "map"])
-def test_the_copy_threads_are_woken_before_each_item_is_staged(monkeypatch, how):
-    """``submit`` and ``map`` tell the device of each plain array's staging copy before they
-    make it, so that the copy threads' wake-up passes meanwhile."""
-    calls = []
-    xs = items(12, seed=3)
-    dev = rf.device("sim")
-    copy = dev.host_copy
-    monkeypatch.setattr(dev, "expect_host_copy", lambda nbytes: calls.append(("expect", nbytes)))
-    monkeypatch.setattr(dev, "host_copy", lambda dst, src: (calls.append(("copy", src.nbytes)), copy(dst, src)))
-    with rf.Pipeline(f, device=dev, chunk_bytes=1 << 20) as pipe:
-        results = [fu.result() for fu in [pipe.submit(x) for x in xs]] if how == "submit" else list(pipe.map(xs))
-    assert all(np.array_equal(r, expected(x)) for r, x in zip(results, xs))
-    staged = [c for c in calls if c[0] == "copy" and c[1] in {x.nbytes for x in xs}]
-    assert len(staged) == len(xs)
-    for x in xs:  # each item's staging copy comes after the hint of its size
-        first_copy = calls.index(("copy", x.nbytes))
-        assert ("expect", x.nbytes) in calls[:first_copy]

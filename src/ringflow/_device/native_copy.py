@@ -89,10 +89,9 @@ static size_t copied = 0;
 static int active = 0;
 
 /* counters for measurements: copies split over helpers, parts claimed (by any thread), parts
-   claimed by helpers, helpers called to a copy while asleep (their semaphore posted), early
-   wakes that found a helper asleep, and nanoseconds callers polled for their helpers' parts
-   after claiming the last */
-static long n_split = 0, n_parts = 0, n_helper_parts = 0, n_posted = 0, n_woken = 0, n_waited_ns = 0;
+   claimed by helpers, helpers called to a copy while asleep (their semaphore posted), and
+   nanoseconds callers polled for their helpers' parts after claiming the last */
+static long n_split = 0, n_parts = 0, n_helper_parts = 0, n_posted = 0, n_waited_ns = 0;
 
 static void wait_sem(sem_t *s) { while (sem_wait(s) != 0 && errno == EINTR) {} }
 
@@ -204,7 +203,7 @@ static void child_after_fork(void) {
     cursor = CLOSED;
     copied = 0;
     active = 0;
-    n_split = n_parts = n_helper_parts = n_posted = n_woken = n_waited_ns = 0;
+    n_split = n_parts = n_helper_parts = n_posted = n_waited_ns = 0;
     pthread_mutex_init(&call_lock, NULL);
 }
 
@@ -229,32 +228,13 @@ static int ensure_helpers(int want) {
     return started;
 }
 
-/* Wake the first threads - 1 helpers where asleep, so that a copy handed out soon finds them
-   polling: the scheduler's latency in waking a thread then passes while the caller does other
-   work. A helper woken for nothing polls for spin_ns and sleeps again. Safe from any thread at
-   any time; returns the helpers woken. */
-int ringflow_copy_wake(int threads) {
-    int have = __atomic_load_n(&started, __ATOMIC_ACQUIRE);
-    int woken = 0;
-    if (threads - 1 < have) have = threads - 1;
-    for (int i = 0; i < have; i++) {
-        if (__atomic_load_n(&sleeping[i], __ATOMIC_SEQ_CST)) {
-            sem_post(&wake_sem[i]);
-            woken++;
-        }
-    }
-    if (woken) __atomic_fetch_add(&n_woken, woken, __ATOMIC_RELAXED);
-    return woken;
-}
-
-/* The counters, in the order declared, into out[0..5]. */
+/* The counters, in the order declared, into out[0..4]. */
 void ringflow_copy_counters(long *out) {
     out[0] = __atomic_load_n(&n_split, __ATOMIC_RELAXED);
     out[1] = __atomic_load_n(&n_parts, __ATOMIC_RELAXED);
     out[2] = __atomic_load_n(&n_helper_parts, __ATOMIC_RELAXED);
     out[3] = __atomic_load_n(&n_posted, __ATOMIC_RELAXED);
-    out[4] = __atomic_load_n(&n_woken, __ATOMIC_RELAXED);
-    out[5] = __atomic_load_n(&n_waited_ns, __ATOMIC_RELAXED);
+    out[4] = __atomic_load_n(&n_waited_ns, __ATOMIC_RELAXED);
 }
 
 /* How long (ns) an idle helper polls for work before it sleeps; 0: it sleeps at once. */
@@ -358,15 +338,8 @@ def _load() -> "ctypes.CDLL | bool":
         if not path.exists():
             _build(path)
         lib = ctypes.CDLL(str(path))
-        # the same library again, its calls made holding the GIL: a wake or a look at the
-        # counters takes microseconds, and letting go of the GIL for it would hand the GIL to
-        # the progress thread and leave the caller waiting to get it back
-        held = ctypes.PyDLL(str(path))
-        held.ringflow_copy_wake.argtypes = (ctypes.c_int,)
-        held.ringflow_copy_wake.restype = ctypes.c_int
-        held.ringflow_copy_counters.argtypes = (ctypes.POINTER(ctypes.c_long),)
-        held.ringflow_copy_counters.restype = None
-        lib.held = held
+        lib.ringflow_copy_counters.argtypes = (ctypes.POINTER(ctypes.c_long),)
+        lib.ringflow_copy_counters.restype = None
         lib.ringflow_copy.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         lib.ringflow_copy.restype = ctypes.c_int
         lib.ringflow_copy_spin.argtypes = (ctypes.c_long,)
@@ -433,26 +406,16 @@ def copy(dst: np.ndarray, src: np.ndarray, threads: int) -> bool:
     return True
 
 
-def wake(threads: int) -> int:
-    """Wake the threads a copy on ``threads`` threads would use where they sleep, so that a copy
-    made soon after finds them polling (see "Waking the copy threads early" in docs/design.md);
-    returns how many were asleep. Safe from any thread; does nothing where native copies are
-    off."""
-    lib = copier()
-    return lib.held.ringflow_copy_wake(int(threads)) if lib is not None else 0
-
-
-COUNTER_NAMES = ("split_copies", "parts", "helper_parts", "sleeping_helpers_called", "early_wakes",
-                 "caller_wait_ns")
+COUNTER_NAMES = ("split_copies", "parts", "helper_parts", "sleeping_helpers_called", "caller_wait_ns")
 
 
 def counters() -> dict:
     """Totals since the process started (or forked), for measurements: copies split over
-    threads, parts handed to helper threads, parts whose thread was asleep, threads woken early
-    by :func:`wake`, and nanoseconds callers polled for their helpers after their own part. All
-    zero where native copies are off."""
+    threads, parts claimed (by any thread), parts claimed by helper threads, helpers called to
+    a copy while asleep, and nanoseconds callers polled for their helpers' parts after claiming
+    the last. All zero where native copies are off."""
     lib = copier()
     out = (ctypes.c_long * len(COUNTER_NAMES))()
     if lib is not None:
-        lib.held.ringflow_copy_counters(out)
+        lib.ringflow_copy_counters(out)
     return dict(zip(COUNTER_NAMES, (int(v) for v in out)))

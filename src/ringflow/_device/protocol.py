@@ -637,17 +637,6 @@ class Device(abc.ABC):
         (:attr:`hardware`)."""
         parallel_copy(dst, src, copy_threads(dst.nbytes))
 
-    def expect_host_copy(self, nbytes: int) -> None:
-        """A hint that the calling thread will soon :meth:`host_copy` ``nbytes``: the copy
-        threads that copy would use are woken now where they sleep, so that their wake-up
-        latency passes while the caller does other work ("Waking the copy threads early" in
-        docs/design.md). Copies nothing and never raises for any ``nbytes``; on the simulated
-        GPU it takes no simulated time."""
-        if isinstance(nbytes, int) and nbytes > 0:
-            threads = copy_threads(nbytes)
-            if threads > 1:
-                native_copy.wake(threads)
-
     @abc.abstractmethod
     def live(self) -> LiveCounts:
         """Buffers, streams and events handed out and not yet released."""

@@ -527,8 +527,6 @@ class Pipeline:
         timeout = check_timeout(timeout)
         self._check_open()
         item = self._check_item(item)
-        if type(item) is np.ndarray:  # its staging copy comes next: the copy threads wake meanwhile
-            self.device.expect_host_copy(item.nbytes)
         if self._shares_chunk(item):
             fut = self._submit_shared(item, timeout)
             if fut is not None:
@@ -679,8 +677,6 @@ class Pipeline:
                             exhausted = True
                             break
                         item = self._check_item_or_settle(item)
-                        if type(item) is np.ndarray:  # as in submit: the copy threads wake meanwhile
-                            self.device.expect_host_copy(item.nbytes)
                         if self._map_shares(item):
                             carried.append((item, _SHARES))
                         else:
