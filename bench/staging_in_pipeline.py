@@ -13,7 +13,7 @@ With ``--streaming 1,0`` each thread count runs with the native copy's streaming
 off (``native_copy.set_streaming``); ``--spin-us 200,1000`` with the copy threads polling that
 long before they sleep (``native_copy.set_spin``). Variants run in turn,
 ``--rounds`` times, each on a fresh pipeline. Each phase also reports the native copy's counters
-(parts claimed by helpers, helpers called while asleep, the caller's wait for its helpers) and
+(parts handed to helpers, helpers handed one while asleep, the caller's wait for its helpers) and
 the process's cgroup CPU throttling (``cpu.stat``) over it. Also the host's CPUs, the cgroup's
 CPU quota (``cpu.max``) and how many hardware threads share a core.
 

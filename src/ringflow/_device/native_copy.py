@@ -67,31 +67,19 @@ _SOURCE = r"""
 
 #define MAX_THREADS 32
 static sem_t wake_sem[MAX_THREADS];
-static unsigned long gen[MAX_THREADS]; /* the caller bumps gen[i] to call helper i to a copy */
+static struct { char *dst; const char *src; size_t n; } part[MAX_THREADS];
+static unsigned long gen[MAX_THREADS]; /* the caller bumps gen[i] to hand helper i its part */
 static int sleeping[MAX_THREADS];      /* helper i is in, or about to enter, sem_wait */
+static int remaining = 0;              /* parts handed out and not yet copied */
 static long spin_ns = 0;               /* how long an idle helper polls before it sleeps */
 static int streaming = 1;             /* parts of STREAM_MIN bytes or more bypass the caches */
 static int started = 0;
 static int registered = 0;
+/* counters for measurements: copies split over helpers, parts handed to helpers, parts whose
+   helper was asleep (its semaphore posted), and nanoseconds callers polled for their helpers'
+   parts after copying their own */
+static long n_split = 0, n_parts = 0, n_posted = 0, n_waited_ns = 0;
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
-
-/* The copy under way (one at a time: call_lock). Its threads claim parts of `step` bytes from
-   `cursor` until none is left, so a helper that starts late takes fewer parts instead of
-   holding the copy up. cursor is the next unclaimed offset, with CLOSED set once the copy has
-   ended; `copied` counts the bytes of finished parts; `active` counts helpers between entering
-   a copy and leaving it. The caller changes the copy's fields only with CLOSED set and no
-   helper active, so a helper that sees CLOSED clear reads fields that stay as they are until it
-   leaves. */
-#define CLOSED (1UL << 63)
-static struct { char *dst; const char *src; size_t n; size_t step; } job;
-static unsigned long cursor = CLOSED;
-static size_t copied = 0;
-static int active = 0;
-
-/* counters for measurements: copies split over helpers, parts claimed (by any thread), parts
-   claimed by helpers, helpers called to a copy while asleep (their semaphore posted), and
-   nanoseconds callers polled for their helpers' parts after claiming the last */
-static long n_split = 0, n_parts = 0, n_helper_parts = 0, n_posted = 0, n_waited_ns = 0;
 
 static void wait_sem(sem_t *s) { while (sem_wait(s) != 0 && errno == EINTR) {} }
 
@@ -143,34 +131,15 @@ static void copy_part(char *dst, const char *src, size_t n) {
     memcpy(dst, src, n);
 }
 
-/* Claim parts of the open copy and copy them until none is left; returns the parts copied.
-   Only with the copy open and the calling thread counted in it (the caller's own thread, or a
-   helper in `active`): the fields stay as they are meanwhile. */
-static long claim_parts(void) {
-    size_t n = job.n, step = job.step;
-    long parts = 0;
-    for (;;) {
-        unsigned long c = __atomic_fetch_add(&cursor, step, __ATOMIC_ACQ_REL);
-        size_t off = (size_t)(c & ~CLOSED);
-        if ((c & CLOSED) || off >= n) break;
-        size_t len = n - off < step ? n - off : step;
-        copy_part(job.dst + off, job.src + off, len);
-        __atomic_fetch_add(&copied, len, __ATOMIC_RELEASE);
-        parts++;
-    }
-    __atomic_fetch_add(&n_parts, parts, __ATOMIC_RELAXED);
-    return parts;
-}
-
-/* A helper polls for a call to a copy for spin_ns after each one, then sleeps on its semaphore.
+/* A helper polls for its next part for spin_ns after each copy, then sleeps on its semaphore.
    Sleeping: it says so (sleeping[i] = 1), then looks at gen[i] once more; the caller bumps
    gen[i], then looks at sleeping[i] and posts if it is set. Both are sequentially consistent,
-   so either the helper sees the call or the caller sees it asleep. A post that finds the helper
-   awake leaves the semaphore one ahead: the helper's next sleep returns at once and it polls
-   again. */
+   so either the helper sees the new part or the caller sees it asleep. A post that finds the
+   helper awake leaves the semaphore one ahead: the helper's next sleep returns at once and it
+   polls again. */
 static void *worker(void *arg) {
     long i = (long)arg;
-    unsigned long seen = 0; /* gen[i] when it was made: a call made before it ran is new */
+    unsigned long seen = 0; /* gen[i] when it was made: a part handed out before it ran is new */
     for (;;) {
         long until = now_ns() + __atomic_load_n(&spin_ns, __ATOMIC_RELAXED);
         unsigned long g;
@@ -185,14 +154,8 @@ static void *worker(void *arg) {
             }
         }
         seen = g;
-        /* enter (active first, then look: the caller closes first, then looks at active), take
-           parts while the copy is open, leave */
-        __atomic_fetch_add(&active, 1, __ATOMIC_SEQ_CST);
-        if (!(__atomic_load_n(&cursor, __ATOMIC_SEQ_CST) & CLOSED)) {
-            long parts = claim_parts();
-            if (parts) __atomic_fetch_add(&n_helper_parts, parts, __ATOMIC_RELAXED);
-        }
-        __atomic_fetch_sub(&active, 1, __ATOMIC_SEQ_CST);
+        copy_part(part[i].dst, part[i].src, part[i].n);
+        __atomic_fetch_sub(&remaining, 1, __ATOMIC_ACQ_REL);
     }
     return NULL;
 }
@@ -200,10 +163,8 @@ static void *worker(void *arg) {
 /* the child of a fork has none of the parent's threads: it starts its own pool */
 static void child_after_fork(void) {
     started = 0;
-    cursor = CLOSED;
-    copied = 0;
-    active = 0;
-    n_split = n_parts = n_helper_parts = n_posted = n_waited_ns = 0;
+    remaining = 0;
+    n_split = n_parts = n_posted = n_waited_ns = 0;
     pthread_mutex_init(&call_lock, NULL);
 }
 
@@ -223,18 +184,17 @@ static int ensure_helpers(int want) {
         int rc = pthread_create(&t, &attr, worker, (void *)(long)started);
         pthread_attr_destroy(&attr);
         if (rc != 0) break;
-        __atomic_store_n(&started, started + 1, __ATOMIC_RELEASE); /* its semaphore is ready */
+        started++;
     }
     return started;
 }
 
-/* The counters, in the order declared, into out[0..4]. */
+/* The counters, in the order declared, into out[0..3]. */
 void ringflow_copy_counters(long *out) {
     out[0] = __atomic_load_n(&n_split, __ATOMIC_RELAXED);
     out[1] = __atomic_load_n(&n_parts, __ATOMIC_RELAXED);
-    out[2] = __atomic_load_n(&n_helper_parts, __ATOMIC_RELAXED);
-    out[3] = __atomic_load_n(&n_posted, __ATOMIC_RELAXED);
-    out[4] = __atomic_load_n(&n_waited_ns, __ATOMIC_RELAXED);
+    out[2] = __atomic_load_n(&n_posted, __ATOMIC_RELAXED);
+    out[3] = __atomic_load_n(&n_waited_ns, __ATOMIC_RELAXED);
 }
 
 /* How long (ns) an idle helper polls for work before it sleeps; 0: it sleeps at once. */
@@ -244,46 +204,42 @@ void ringflow_copy_spin(long ns) { __atomic_store_n(&spin_ns, ns < 0 ? 0 : ns, _
 void ringflow_copy_streaming(int on) { __atomic_store_n(&streaming, on ? 1 : 0, __ATOMIC_RELAXED); }
 
 /* Copy n bytes from src to dst on up to `threads` threads, the caller's among them; returns the
-   threads called to it. The copy is cut into parts of 64-byte multiples (about four a thread,
-   at least 32 KiB) that the caller and the helpers it calls claim in turn; the caller then polls
-   until every claimed part is copied (it holds no interpreter lock meanwhile), closes the copy
-   and waits for the helpers still in it to leave. A copy of 2^38 bytes or more, or one that
-   finds another under way, is made on the calling thread alone. */
-#define MIN_STEP (32 * 1024)
+   threads that copied. Parts are 64-byte aligned; the caller copies the first and then polls
+   until the helpers' parts are done (it holds no interpreter lock meanwhile). */
 int ringflow_copy(char *dst, const char *src, size_t n, int threads) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads <= 1 || n < (size_t)threads * 4096 || n >= (1UL << 38) ||
-            pthread_mutex_trylock(&call_lock) != 0) {
+    if (threads <= 1 || n < (size_t)threads * 4096 || pthread_mutex_trylock(&call_lock) != 0) {
         copy_part(dst, src, n);
         return 1;
     }
     int helpers = ensure_helpers(threads - 1);
     if (helpers > threads - 1) helpers = threads - 1; /* the pool may have more than this call asks */
-    size_t step = (n / ((size_t)(helpers + 1) * 4) + 63) & ~(size_t)63;
-    if (step < MIN_STEP) step = MIN_STEP;
-    size_t parts = (n + step - 1) / step;
-    int used = helpers < (long)parts - 1 ? helpers : (int)parts - 1;
-    job.dst = dst;
-    job.src = src;
-    job.n = n;
-    job.step = step;
-    __atomic_store_n(&copied, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&cursor, 0, __ATOMIC_SEQ_CST); /* open: the fields above are seen with it */
+    size_t parts = (size_t)helpers + 1;
+    size_t step = ((n + parts - 1) / parts + 63) & ~(size_t)63; /* parts * step >= n */
+    size_t first = step < n ? step : n;
+    int used = 0;
+    for (size_t off = first; used < helpers && off < n; used++) off += n - off < step ? n - off : step;
+    __atomic_store_n(&remaining, used, __ATOMIC_RELEASE);
+    size_t off = first;
     for (int i = 0; i < used; i++) {
+        size_t len = n - off < step ? n - off : step;
+        part[i].dst = dst + off;
+        part[i].src = src + off;
+        part[i].n = len;
+        off += len;
         __atomic_fetch_add(&gen[i], 1, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&sleeping[i], __ATOMIC_SEQ_CST)) {
             sem_post(&wake_sem[i]);
             __atomic_fetch_add(&n_posted, 1, __ATOMIC_RELAXED);
         }
     }
-    claim_parts();
+    copy_part(dst, src, first);
     long t0 = now_ns();
     unsigned k = 0;
-    while (__atomic_load_n(&copied, __ATOMIC_ACQUIRE) != n) relax(&k);
-    __atomic_store_n(&cursor, CLOSED, __ATOMIC_SEQ_CST);
-    while (__atomic_load_n(&active, __ATOMIC_SEQ_CST) != 0) relax(&k);
+    while (__atomic_load_n(&remaining, __ATOMIC_ACQUIRE) != 0) relax(&k);
     __atomic_fetch_add(&n_waited_ns, now_ns() - t0, __ATOMIC_RELAXED);
     __atomic_fetch_add(&n_split, 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&n_parts, used, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&call_lock);
     return used + 1;
 }
@@ -338,13 +294,13 @@ def _load() -> "ctypes.CDLL | bool":
         if not path.exists():
             _build(path)
         lib = ctypes.CDLL(str(path))
-        lib.ringflow_copy_counters.argtypes = (ctypes.POINTER(ctypes.c_long),)
-        lib.ringflow_copy_counters.restype = None
         lib.ringflow_copy.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         lib.ringflow_copy.restype = ctypes.c_int
         lib.ringflow_copy_spin.argtypes = (ctypes.c_long,)
         lib.ringflow_copy_spin.restype = None
         lib.ringflow_copy_spin(int(_spin_from_env() * 1e9))
+        lib.ringflow_copy_counters.argtypes = (ctypes.POINTER(ctypes.c_long),)
+        lib.ringflow_copy_counters.restype = None
         lib.ringflow_copy_streaming.argtypes = (ctypes.c_int,)
         lib.ringflow_copy_streaming.restype = None
         lib.ringflow_copy_streaming(int(os.environ.get("RINGFLOW_COPY_STREAMING", "1") != "0"))
@@ -406,14 +362,14 @@ def copy(dst: np.ndarray, src: np.ndarray, threads: int) -> bool:
     return True
 
 
-COUNTER_NAMES = ("split_copies", "parts", "helper_parts", "sleeping_helpers_called", "caller_wait_ns")
+COUNTER_NAMES = ("split_copies", "helper_parts", "sleeping_helpers_called", "caller_wait_ns")
 
 
 def counters() -> dict:
     """Totals since the process started (or forked), for measurements: copies split over
-    threads, parts claimed (by any thread), parts claimed by helper threads, helpers called to
-    a copy while asleep, and nanoseconds callers polled for their helpers' parts after claiming
-    the last. All zero where native copies are off."""
+    threads, parts handed to helper threads, parts whose helper was asleep when it was handed
+    one, and nanoseconds callers polled for their helpers' parts after copying their own. All
+    zero where native copies are off."""
     lib = copier()
     out = (ctypes.c_long * len(COUNTER_NAMES))()
     if lib is not None:
