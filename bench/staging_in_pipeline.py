@@ -50,11 +50,13 @@ def _read(path: str) -> str:
 
 
 def _cgroup_dir() -> str:
-    """This process's cgroup (v2) directory, or "" where there is none."""
+    """This process's cgroup (v2) directory, or "" where there is none. Inside a cgroup
+    namespace /proc names a path the mount does not show: the mount's root is the cgroup."""
     raw = _read("/proc/self/cgroup")
     for line in raw.splitlines():
         if line.startswith("0::"):
-            return "/sys/fs/cgroup" + line[3:].rstrip("/")
+            path = "/sys/fs/cgroup" + line[3:].rstrip("/")
+            return path if os.path.isdir(path) else "/sys/fs/cgroup"
     return ""
 
 
