@@ -152,8 +152,8 @@ def main() -> None:
     ap.add_argument("--threads", default="2,4,8")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--streaming", default="1", help="1, 0 or 1,0: streaming stores on, off, or both in turn")
-    ap.add_argument("--spin-us", default=str(round(native_copy.SPIN_SECONDS * 1e6)),
-                    help="microseconds the copy threads poll before they sleep, one or more (200,1000)")
+    ap.add_argument("--spin-us", default=str(round(native_copy._spin_from_env() * 1e6)),
+                    help="microseconds the copy threads poll before they sleep, one or more (200,1000); the library's own by default")
     ap.add_argument("--count", type=int, default=1000)
     ap.add_argument("--load", type=float, default=0.8)
     ap.add_argument("--out")

@@ -81,4 +81,3 @@ def test_the_simulated_gpu_charges_a_split_copy_at_its_threads_rate():
     dev.host_copy(dst, src)
     assert np.array_equal(dst, src)
     assert dev.now - t0 == pytest.approx(src.nbytes / (dev.hardware.host_copy_rate(4) * 1e9))
-

@@ -1015,4 +1015,3 @@ PointwiseCoalescingMachine.map_on_a_thread = precondition(lambda self: not self.
 PointwiseCoalescingMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None,
                                                        suppress_health_check=[HealthCheck.too_slow])
 TestPointwiseCoalescingMachine = PointwiseCoalescingMachine.TestCase
-
