@@ -304,12 +304,6 @@ def _load() -> "ctypes.CDLL | bool":
         lib.ringflow_copy_streaming.argtypes = (ctypes.c_int,)
         lib.ringflow_copy_streaming.restype = None
         lib.ringflow_copy_streaming(int(os.environ.get("RINGFLOW_COPY_STREAMING", "1") != "0"))
-        # for a measurement: copies of at most RINGFLOW_COPY_HOLD_GIL_BYTES called holding the GIL
-        held = ctypes.PyDLL(str(path))
-        held.ringflow_copy.argtypes = lib.ringflow_copy.argtypes
-        held.ringflow_copy.restype = ctypes.c_int
-        lib.held_copy = held.ringflow_copy
-        lib.hold_gil_below = int(os.environ.get("RINGFLOW_COPY_HOLD_GIL_BYTES", "0"))
         return lib
     except Exception as exc:  # noqa: BLE001 - any failure leaves numpy's copy, which always works
         detail = getattr(exc, "stderr", b"") or b""
@@ -364,8 +358,7 @@ def copy(dst: np.ndarray, src: np.ndarray, threads: int) -> bool:
     lib = copier()
     if lib is None or not (dst.flags.c_contiguous and src.flags.c_contiguous) or dst.nbytes != src.nbytes:
         return False
-    fn = lib.held_copy if dst.nbytes <= lib.hold_gil_below else lib.ringflow_copy
-    fn(dst.ctypes.data, src.ctypes.data, dst.nbytes, int(threads))
+    lib.ringflow_copy(dst.ctypes.data, src.ctypes.data, dst.nbytes, int(threads))
     return True
 
 
