@@ -206,40 +206,7 @@ void ringflow_copy_streaming(int on) { __atomic_store_n(&streaming, on ? 1 : 0, 
 /* Copy n bytes from src to dst on up to `threads` threads, the caller's among them; returns the
    threads that copied. Parts are 64-byte aligned; the caller copies the first and then polls
    until the helpers' parts are done (it holds no interpreter lock meanwhile). */
-/* when the last copy ended, and when its caller was last back in Python after one (host clock
-   ns): another thread about to call the driver waits, holding no GIL, while a copy has ended
-   and its caller is not yet back, so that the caller takes the GIL without waiting */
-long ringflow_copy_end_ns = 0, ringflow_copy_back_ns = 0;
-
-void ringflow_copy_back(void) { __atomic_store_n(&ringflow_copy_back_ns, now_ns(), __ATOMIC_RELEASE); }
-
-long ringflow_yield_calls = 0, ringflow_yield_waited_ns = 0, ringflow_yield_timeouts = 0;
-
-int ringflow_yield_to_copier(long limit_ns) {
-    unsigned k = 0;
-    long t0 = now_ns();
-    __atomic_fetch_add(&ringflow_yield_calls, 1, __ATOMIC_RELAXED);
-    for (;;) {
-        long end = __atomic_load_n(&ringflow_copy_end_ns, __ATOMIC_ACQUIRE), t = now_ns();
-        int back = __atomic_load_n(&ringflow_copy_back_ns, __ATOMIC_ACQUIRE) >= end;
-        if (back || t - end > limit_ns) {
-            __atomic_fetch_add(&ringflow_yield_waited_ns, t - t0, __ATOMIC_RELAXED);
-            if (!back) __atomic_fetch_add(&ringflow_yield_timeouts, 1, __ATOMIC_RELAXED);
-            return 1;
-        }
-        relax(&k);
-    }
-}
-
-static int copy_split(char *dst, const char *src, size_t n, int threads);
-
 int ringflow_copy(char *dst, const char *src, size_t n, int threads) {
-    int parts = copy_split(dst, src, n, threads);
-    __atomic_store_n(&ringflow_copy_end_ns, now_ns(), __ATOMIC_RELEASE);
-    return parts;
-}
-
-static int copy_split(char *dst, const char *src, size_t n, int threads) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads <= 1 || n < (size_t)threads * 4096 || pthread_mutex_trylock(&call_lock) != 0) {
         copy_part(dst, src, n);
@@ -337,14 +304,6 @@ def _load() -> "ctypes.CDLL | bool":
         lib.ringflow_copy_streaming.argtypes = (ctypes.c_int,)
         lib.ringflow_copy_streaming.restype = None
         lib.ringflow_copy_streaming(int(os.environ.get("RINGFLOW_COPY_STREAMING", "1") != "0"))
-        # for a measurement: RINGFLOW_GIL_COURTESY=1 has driver calls wait for a returning copier
-        lib.courtesy = os.environ.get("RINGFLOW_GIL_COURTESY", "0") == "1"
-        lib.copy_back = ctypes.PyDLL(str(path)).ringflow_copy_back
-        lib.copy_back.restype = None
-        lib.ringflow_yield_to_copier.argtypes = (ctypes.c_long,)
-        lib.ringflow_yield_to_copier.restype = ctypes.c_int
-        lib.end_ns = ctypes.c_long.in_dll(lib, "ringflow_copy_end_ns")
-        lib.back_ns = ctypes.c_long.in_dll(lib, "ringflow_copy_back_ns")
         return lib
     except Exception as exc:  # noqa: BLE001 - any failure leaves numpy's copy, which always works
         detail = getattr(exc, "stderr", b"") or b""
@@ -399,22 +358,8 @@ def copy(dst: np.ndarray, src: np.ndarray, threads: int) -> bool:
     lib = copier()
     if lib is None or not (dst.flags.c_contiguous and src.flags.c_contiguous) or dst.nbytes != src.nbytes:
         return False
-    if not lib.courtesy:
-        lib.ringflow_copy(dst.ctypes.data, src.ctypes.data, dst.nbytes, int(threads))
-        return True
-    try:
-        lib.ringflow_copy(dst.ctypes.data, src.ctypes.data, dst.nbytes, int(threads))
-    finally:
-        lib.copy_back()
+    lib.ringflow_copy(dst.ctypes.data, src.ctypes.data, dst.nbytes, int(threads))
     return True
-
-
-def yield_to_copier() -> None:
-    """Wait, holding no GIL, while a copy here has ended and its caller is not yet back in
-    Python (at most 100 us after it ended), so that the caller takes the GIL back at once."""
-    lib = _loaded
-    if lib and lib.courtesy and lib.end_ns.value > lib.back_ns.value:
-        lib.ringflow_yield_to_copier(100_000)
 
 
 COUNTER_NAMES = ("split_copies", "helper_parts", "sleeping_helpers_called", "caller_wait_ns")

@@ -16,7 +16,6 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .. import native_copy
 from ..host_pool import without_pooled
 from ..protocol import BufferSlice, Capabilities, Device, DeviceBuffer, LiveCounts, close_quietly
 from ._lib import check, core, driver, translate
@@ -160,7 +159,6 @@ class CudaDevice(Device):
             self._idle_events.append(cc_event)
 
     def _ensure_current(self) -> None:
-        native_copy.yield_to_copier()
         # the current context is the thread's, shared by every device object: another GPU's calls
         # on this thread change it, so remember which GPU made it current, not whether this one did
         if getattr(_THREAD, "current", None) != self.index:
