@@ -182,3 +182,29 @@ def test_map_small_items(tmp_path):
     small = r["sizes"]["4KiB"]
     assert small["items"] == 256 and small["map-alone"]["chunks"] == 256
     assert small["map"]["chunks"] < small["map-alone"]["chunks"] and small["map_over_alone"] > 0
+
+
+def test_pyspy_summary(tmp_path):
+    """The py-spy summary splits samples by thread, leaves out the pool's first pinning, and
+    sorts a native profile's submitting-thread samples into what the C frames show."""
+    sub = ("thread (1): MainThread;<module> (request_costs.py:1);run_variant (request_costs.py:2);"
+           "Pipeline.submit (ringflow/_pipeline/api.py:531)")
+    prog = "thread (2): ringflow-progress-1;_run (ringflow/_pipeline/driver.py:356);ProgressThread.step_once (x.py:1)"
+    raw = tmp_path / "native.txt"
+    raw.write_text("\n".join([
+        f"{sub};copy (ringflow/_device/native_copy.py:361);ringflow_copy (n.so);copy_part (native_copy-1.so) 6",
+        f"{sub};copy (ringflow/_device/native_copy.py:361);0x1 (_ctypes.cpython-312.so);pthread_cond_timedwait (libc.so.6);0x2 (libc.so.6) 3",
+        f"{sub};Condition.__enter__ (threading.py:300);PyThread_acquire_lock_timed (python3.12);0x2 (libc.so.6) 1",
+        f"{sub};HostPool.take (h.py:1);LegacyPinnedMemoryResource.allocate (_legacy.py:57) 50",
+        f"{prog};Scheduler.step (s.py:1) 4",
+    ]) + "\n")
+    out = tmp_path / "summary.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "pyspy_summary.py"), "--out", str(out), str(raw)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads(out.read_text())["native.txt"]
+    assert s["submit"]["samples"] == 10 and s["progress"]["samples"] == 4
+    assert s["submit_native_parts"] == {"copying (copy_part)": 0.6,
+                                        "taking the GIL back after the copy's ctypes call": 0.3,
+                                        "waiting for a lock (the driver's, the batch lock)": 0.1}
+    assert ["Scheduler.step (s.py)", 1.0] in s["progress"]["inclusive"]
