@@ -537,9 +537,14 @@ def test_on_a_real_gpu_callbacks_and_waiters_add_nothing_for_the_progress_thread
 
     pipe = rf.Pipeline(f_affine, device=rf.device("sim"), consume=consume)
     driver = pipe._driver
-    driver.gated = False
     try:
+        # ungated only once every item is in: the simulated GPU runs consume on its progress
+        # thread with the lock held, so an ungated thread could start a gated consume before
+        # the next submit() and hold it off until the gate's timeout
         futs = [pipe.submit(x) for x in _items(6)]
+        with driver.cv:
+            driver.gated = False
+            driver.notify()
         landed, all_landed = [], threading.Event()
 
         def note(fut):
