@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -90,6 +91,23 @@ def test_a_consumer_releasing_on_the_wrong_stream_is_caught():
         except BaseException as exc:  # noqa: BLE001
             outcomes.append(exc)
     assert any(caught(o) for o in outcomes), outcomes
+
+
+def test_a_consumer_releasing_on_the_wrong_stream_is_told_what_to_change():
+    """The user's bug, not ringflow's: ``map()`` raises the checker's HazardError itself, naming
+    both accesses and what to change (not "the progress thread died ... a ringflow bug"), and
+    leaving the ``with`` block adds no warning that cancelling failed."""
+    for seed in range(3):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with pytest.raises(rf.HazardError) as info:
+                run(seed, slots=1, hold=1, use_stream=False)
+        message = str(info.value)
+        assert "unordered accesses to device buffer" in message  # the checker's own finding
+        assert "released on another stream" in message and "stream=" in message
+        assert isinstance(info.value.__cause__, rf.HazardError)
+        assert info.value.first is info.value.__cause__.first  # the two accesses, for tools
+        assert not [w for w in seen if "cancelling the pipeline" in str(w.message)], [str(w.message) for w in seen]
 
 
 def test_the_array_of_a_released_result_is_refused_and_a_late_read_is_caught():

@@ -997,6 +997,8 @@ class Pipeline:
             if self._closed:
                 return
             try:
+                if d.failure is not None:
+                    return  # the progress thread died (the error leaving the block says so): nothing runs to cancel
                 d.command(self._sched.cancel_pending)
                 d.wait_for(self._sched.finished, None, "cancelled chunks to drain")
             except Exception as err:  # noqa: BLE001 - never mask the user's exception

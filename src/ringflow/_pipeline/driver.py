@@ -28,7 +28,7 @@ import concurrent.futures
 import threading
 from typing import Any, Callable, Optional
 
-from .._errors import DeviceError
+from .._errors import DeviceError, HazardError
 
 _POLL_S = 0.05  # the longest a driver waits on the device before looking at its deadlines again
 
@@ -186,7 +186,7 @@ class ProgressThread(_Driver):
         self.stopping = False
         self.abandoned = False
         self._seen_version = -1
-        self.failure: Optional[BaseException] = None  # what killed the thread: a ringflow bug
+        self.failure: Optional[BaseException] = None  # what killed the thread: see died()
         self.final_token: Any = None
         sched.wake_driver = self.wake.set  # a result released on the device: its slot is waiting
         self.thread = threading.Thread(target=_run, args=(self,), name=name, daemon=True)
@@ -215,8 +215,7 @@ class ProgressThread(_Driver):
         try:
             while not pred():
                 if self.failure is not None:
-                    raise RuntimeError(f"the pipeline's progress thread died: {self.failure!r}; this is a "
-                                       "ringflow bug") from self.failure
+                    raise self.died() from self.failure
                 if deadline is not None and self.device.now >= deadline:
                     raise concurrent.futures.TimeoutError(f"timed out after {timeout} s waiting for {what}")
                 if deadline is None or self.gated:
@@ -227,6 +226,22 @@ class ProgressThread(_Driver):
             self.interest.remove(entry)
             if deadline is not None:
                 self.timed.remove(entry)
+
+    def died(self) -> BaseException:
+        """What a thread waiting on the pipeline raises once the progress thread has died of
+        :attr:`failure` (the caller chains it ``from`` that error). A hazard the simulated GPU's
+        checker found may be the user's own ordering (a stream of their own, a result released
+        on the wrong stream), so it says what to change and stays a HazardError; anything else
+        is a ringflow bug."""
+        failure = self.failure
+        if isinstance(failure, HazardError):
+            return HazardError(
+                f"the simulated GPU's checker stopped the pipeline: {failure}. If either access is your "
+                "code's (a compute or consumer that launches on a stream of its own, or a device result "
+                "released on another stream than the one that read it: pass that stream as "
+                "release(stream=...)), order it as said; if both are the pipeline's own, this is a "
+                "ringflow bug", failure.first, failure.second)
+        return RuntimeError(f"the pipeline's progress thread died: {failure!r}; this is a ringflow bug")
 
     def add_interest(self, pred: Callable[[], bool]) -> list:
         """Someone waits for ``pred`` outside the pipeline's own calls (a future's waiter or
