@@ -175,6 +175,34 @@ def test_cancel_from_a_done_callback():
     _closed_clean(dev, pipe)
 
 
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit, ValueError])
+def test_a_done_callback_that_raises_is_logged_and_the_pipeline_carries_on(raised, caplog):
+    """A callback's error, BaseException included, is the user's: logged with its traceback, the
+    future's later callbacks still run, and the pipeline goes on taking and finishing work and
+    closes clean (concurrent.futures logs an Exception the same way; a KeyboardInterrupt or
+    SystemExit raised there must not end the progress thread and every later call with it)."""
+    dev, pipe = _pipe(11, max_in_flight=4)
+    x = _items(6)
+    futs = [pipe.submit(a) for a in x[:3]]
+    after = threading.Event()
+
+    def bad(fut):
+        raise raised("raised by the test's callback")
+
+    futs[1].add_done_callback(bad)
+    futs[1].add_done_callback(lambda f: after.set())
+    with caplog.at_level("ERROR", logger="ringflow"):
+        for a, fut in zip(x, futs):
+            assert np.array_equal(fut.result(timeout=JOIN_S), a * 3 + 1)
+        assert after.wait(JOIN_S), "the callback after the one that raised never ran"
+        more = [pipe.submit(a) for a in x[3:]]
+        for a, fut in zip(x[3:], more):
+            assert np.array_equal(fut.result(timeout=JOIN_S), a * 3 + 1)
+    logged = [r for r in caplog.records if r.exc_info and r.exc_info[0] is raised]
+    assert len(logged) == 1 and "done-callback" in logged[0].getMessage()
+    _closed_clean(dev, pipe)
+
+
 # -- asyncio ----------------------------------------------------------------------------------------------
 def _run(coro_fn, timeout: float = JOIN_S):
     """``asyncio.run(coro_fn())`` on its own thread, bounded in real seconds (a blocked loop hangs)."""

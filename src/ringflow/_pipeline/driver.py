@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import logging
 import threading
 from typing import Any, Callable, Optional
 
 from .._errors import DeviceError, HazardError
+
+logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # the longest a driver waits on the device before looking at its deadlines again
 
@@ -45,9 +48,19 @@ class Command:
 
 
 def resolve(batch: list) -> None:
-    """Run the done-callbacks of futures set under the lock (they run user code, so outside it)."""
+    """Run the done-callbacks of futures set under the lock (they run user code, so outside it).
+
+    A callback's error is logged with its traceback and the future's later callbacks still run,
+    as :class:`concurrent.futures.Future` does for an ``Exception``; here for a
+    ``BaseException`` too: a KeyboardInterrupt or SystemExit raised in a callback on the
+    progress thread would otherwise end the thread, and with it every later call on the
+    pipeline. (A Ctrl-C itself is delivered to the main thread, never to this one.)"""
     for fut in batch:
-        concurrent.futures.Future._invoke_callbacks(fut)
+        for callback in fut._done_callbacks:
+            try:
+                callback(fut)
+            except BaseException:  # noqa: BLE001 - the user's error, logged; the pipeline carries on
+                logger.exception("a done-callback of %r raised; the pipeline carries on", fut)
 
 
 class _Driver:
