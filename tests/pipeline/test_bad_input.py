@@ -181,6 +181,63 @@ def test_submit_bad_timeout_refused_and_pipeline_still_usable(dev, timeout, kind
         assert np.array_equal(pipe.submit(x).result(), expected(x))
 
 
+@pytest.mark.parametrize("timeout,kind", [(NAN, ValueError), ("1", TypeError), (True, TypeError), ([1], TypeError)],
+                         ids=repr)
+def test_result_bad_timeout_refused_naming_it(dev, timeout, kind):
+    """A future's wait takes what concurrent.futures takes (None, a number, a negative number
+    not waiting) and refuses the rest by name: NaN used to wait without limit, a string to fail
+    inside the clock's arithmetic."""
+    x = data(16)
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
+        fut = pipe.submit(x)
+        for wait in (fut.result, fut.exception):
+            with pytest.raises(kind, match="timeout must be"):
+                wait(timeout=timeout)
+        assert np.array_equal(fut.result(timeout=INF), expected(x))
+        assert np.array_equal(fut.result(timeout=-1), expected(x))  # done: a wait that does not wait
+        assert fut.exception(timeout=0) is None
+
+
+def test_result_negative_timeout_does_not_wait(dev):
+    import concurrent.futures
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
+        fut = pipe.submit(data(16))
+        if not fut.done():  # the simulated GPU advances only while someone waits
+            with pytest.raises(concurrent.futures.TimeoutError):
+                fut.result(timeout=-0.5)
+        assert np.array_equal(fut.result(), expected(data(16)))
+
+
+@pytest.mark.parametrize("items", [5, None, 2.5], ids=repr)
+def test_map_of_something_not_iterable_is_refused_at_once_naming_items(dev, items):
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
+        with pytest.raises(TypeError, match="items must be an iterable"):
+            pipe.map(items)  # at the call, not at the first next()
+
+        async def first():
+            async for r in pipe.amap(items):
+                return r
+
+        import asyncio
+        with pytest.raises(TypeError, match="items must be an iterable"):
+            asyncio.run(first())
+        assert np.array_equal(list(pipe.map([data(16)]))[0], expected(data(16)))
+
+
+@pytest.mark.parametrize("door", WHOLE_ARRAY_DOORS)
+def test_a_whole_array_call_whose_compute_fails_warns_of_nothing_else(dev, door):
+    """The failure leaves the call as a StageError and nothing more: no warning that cancelling
+    the rest failed (it once tripped over a field only the progress thread's driver had)."""
+    def fails(x, y):
+        raise ValueError("the test's compute fails")
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(StageError, match="the test's compute fails"):
+            call(door, dev, data(), None, chunk_bytes=64, f=fails)
+    assert not [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+
+
 # -- 3. out overlapping x -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("setting", ENGINE_SETTINGS)
 @pytest.mark.parametrize("door", WHOLE_ARRAY_DOORS)

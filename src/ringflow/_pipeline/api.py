@@ -39,7 +39,8 @@ from .config import PipelineConfig, SlotCounts
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, lent_slots, resolve_slots
 from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_into, packed, unflatten
 from .like import converter
-from .validate import as_host_array, check_choice, check_flag, check_options, check_output_spec, check_timeout
+from .validate import (as_host_array, check_choice, check_flag, check_iterable, check_options, check_output_spec,
+                       check_timeout)
 from .scheduler import Scheduler
 from .slot_array import in_slot, run_offering
 from .states import ChunkState
@@ -644,9 +645,10 @@ class Pipeline:
 
         Raises:
             RuntimeError: at once (not when iterated) on a closed pipeline.
+            TypeError: at once, where ``items`` is not iterable.
         """
         self._check_open()
-        return self._map(items)
+        return self._map(check_iterable("items", items))
 
     def _map(self, items: Iterable[Any]) -> Iterator[Any]:
         self._check_open()  # again: the pipeline may have closed before the first next()
@@ -887,7 +889,7 @@ class Pipeline:
         s = self._sched
         window: collections.deque = collections.deque()  # (chunk future, its asyncio future), in order
         limit = self.config.max_in_flight
-        iterator = items.__aiter__() if hasattr(items, "__aiter__") else iter(items)
+        iterator = items.__aiter__() if hasattr(items, "__aiter__") else check_iterable("items", items)
         exhausted = started = False
         try:
             while True:

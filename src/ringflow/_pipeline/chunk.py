@@ -12,6 +12,7 @@ import numpy as np
 
 from .ring import Slot
 from .states import LEGAL_CHUNK_TRANSITIONS, ChunkState, check_chunk_transition
+from .validate import check_wait_timeout
 
 
 
@@ -41,6 +42,7 @@ class ChunkFuture(concurrent.futures.Future):
         self._waiters = _Waiters(self)  # where concurrent.futures.wait / as_completed register
 
     def _await(self, timeout: Optional[float]) -> None:
+        timeout = check_wait_timeout(timeout)
         if not self.done():
             driver = self._driver
             with driver.cv:
@@ -49,7 +51,9 @@ class ChunkFuture(concurrent.futures.Future):
     def result(self, timeout: float | None = None) -> Any:
         """The consumer's value; raises the chunk's error (a StageError, or the original
         KeyboardInterrupt/SystemExit), CancelledError, or TimeoutError after ``timeout`` seconds
-        of the device's host clock (virtual seconds on the simulated GPU)."""
+        of the device's host clock (virtual seconds on the simulated GPU; None or infinity waits
+        without limit, a negative number does not wait). TypeError or ValueError for a
+        ``timeout`` that is not a number, or NaN."""
         self._await(timeout)
         self._driver.device.observe(self.token)
         return super().result(timeout=0)

@@ -78,6 +78,8 @@ class _Driver:
         self.timed: list = []  # those of them with a deadline (few: scanned every turn)
         self.wake = threading.Event()
         self._stepper: Any = None  # the thread that last drove the scheduler, and what it had seen
+        # what killed the progress thread (see died()); a caller-driven job's errors reach its caller
+        self.failure: Optional[BaseException] = None
         self._stepper_token: Any = None
 
     def take_over(self) -> None:
@@ -199,7 +201,6 @@ class ProgressThread(_Driver):
         self.stopping = False
         self.abandoned = False
         self._seen_version = -1
-        self.failure: Optional[BaseException] = None  # what killed the thread: see died()
         self.final_token: Any = None
         sched.wake_driver = self.wake.set  # a result released on the device: its slot is waiting
         self.thread = threading.Thread(target=_run, args=(self,), name=name, daemon=True)

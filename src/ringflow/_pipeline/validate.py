@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -107,6 +107,32 @@ def check_flag(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {_got(value)}")
     return bool(value)
+
+
+def check_wait_timeout(value: Any) -> Optional[float]:
+    """A future's ``result``/``exception`` timeout, as :mod:`concurrent.futures` takes it: None
+    or infinity waits without limit, a negative number does not wait.
+
+    Raises:
+        TypeError: not a number.
+        ValueError: NaN.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"timeout must be None or a number of seconds, got {_got(value)}")
+    value = float(value)
+    if math.isnan(value):
+        raise ValueError("timeout must be a number of seconds (or None to wait without limit), got nan")
+    return None if value == math.inf else max(0.0, value)
+
+
+def check_iterable(name: str, value: Any) -> Iterator[Any]:
+    """``iter(value)``. Raises TypeError naming ``name`` where ``value`` is not iterable."""
+    try:
+        return iter(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an iterable of items (a list, a generator, ...), got {_got(value)}") from None
 
 
 def check_timeout(value: Any) -> Optional[float]:
