@@ -50,6 +50,29 @@ def test_unknown_sim_option():
         rf.device("sim", bogus=1)
 
 
+@pytest.mark.parametrize("seed", [None, 1.5, "a", True, [1]], ids=repr)
+def test_sim_seed_must_be_an_int(seed):
+    """None would seed from the OS (a timeline no run repeats), a string or a float would pass
+    unnoticed: the seed is what makes a simulated run a pure function of its calls."""
+    with pytest.raises(TypeError, match="seed must be an int") as info:
+        rf.device("sim", seed=seed)
+    assert repr(seed) in str(info.value)
+
+
+@pytest.mark.parametrize("option", ["chaos", "checked"])
+@pytest.mark.parametrize("value", ["no", "False", 0, None], ids=repr)
+def test_sim_flags_must_be_bools(option, value):
+    """``checked="no"`` used to switch the checker on (a non-empty string is true)."""
+    with pytest.raises(TypeError, match=f"{option} must be True or False"):
+        rf.device("sim", **{option: value})
+
+
+def test_sim_options_of_numpy_types_are_fine():
+    dev = rf.device("sim", seed=np.int64(3), chaos=np.bool_(True), checked=np.bool_(False))
+    assert (dev.seed, dev.chaos, dev.checked) == (3, True, False)
+    assert type(dev.seed) is int and type(dev.chaos) is bool
+
+
 def test_using_a_closed_device(dev):
     s = dev.create_stream()
     dev.close()

@@ -86,17 +86,27 @@ class SimDevice(Device):
         Raises:
             ValueError: an unknown name, or a file that is not a valid profile (the message
                 names the file and the field).
-            TypeError: ``profile`` is none of these.
+            TypeError: ``profile`` is none of these; ``seed`` is not an int; ``chaos`` or
+                ``checked`` is not a bool.
         """
+        # the seed is what makes a chaotic run repeat (None would seed from the OS), and a
+        # flag given as a string is true whatever it says
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"ringflow.device('sim'): seed must be an int (the same seed, the same virtual "
+                            f"timeline), got {type(seed).__name__} {seed!r}")
+        for name, flag in (("chaos", chaos), ("checked", checked)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"ringflow.device('sim'): {name} must be True or False, got "
+                                f"{type(flag).__name__} {flag!r}")
         self.profile = get_profile(profile)
         self.name = f"simulated {self.profile.name}"
-        self.seed = seed
-        self.chaos = chaos
-        self.checked = checked
-        self.poison = checked
+        self.seed = int(seed)
+        self.chaos = bool(chaos)
+        self.checked = bool(checked)
+        self.poison = self.checked
         self.host = host if host is not None else SimHost()
-        self._engine = Engine(self.profile, seed=seed, chaos=chaos)
-        self._checker = HappensBeforeChecker() if checked else _NullChecker()
+        self._engine = Engine(self.profile, seed=self.seed, chaos=self.chaos)
+        self._checker = HappensBeforeChecker() if self.checked else _NullChecker()
         self._lock = threading.RLock()
         self._tls = threading.local()
         self._host_threads = itertools.count()  # numbers the host threads the checker has seen
