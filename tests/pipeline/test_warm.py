@@ -223,3 +223,31 @@ def test_warm_calls_mixing_host_strategies_stay_correct_under_chaos(seed):
     hx.close()
     hy.close()
     assert dev.live().total == 0
+
+
+def test_pipelines_parked_by_another_thread_close_quietly_at_exit():
+    """A process that ends with a pipeline kept warm by a thread other than the main one: the
+    pipeline is closed at exit ordered after that thread (the cache's hand-off), so the
+    simulated GPU's checker reports nothing. Its pipeline's own finaliser, which knows nothing
+    of the parking thread, used to close it first and warn of a hazard per ring."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import threading, warnings
+        import numpy as np
+        import ringflow as rf
+        warnings.simplefilter("always")
+        dev = rf.device("sim", seed=2, chaos=True)
+        x = np.arange(1 << 14, dtype=np.float32)
+        def f(x, y):
+            y[...] = x * 2 + 1
+        t = threading.Thread(target=lambda: rf.stream_map(f, x, device=dev, chunk_bytes=4096))
+        t.start(); t.join()
+        assert dev.live().streams > 0  # kept warm, not closed by the call
+        print("ran")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "ran" in done.stdout, done.stderr
+    assert "Warning" not in done.stderr and "Hazard" not in done.stderr, done.stderr

@@ -18,6 +18,9 @@ Lifetimes, and why:
 * Parking forgets the job: the stage callbacks (closures over the caller's arrays) and the
   caller's memory behind external rings are dropped, so a parked pipeline never keeps the
   caller's arrays alive.
+* At exit the cache closes what it holds, each ordered after its parking thread, before the
+  pipelines' own finalisers run (those know nothing of the parking thread, and the simulated
+  GPU's checker would see the close unordered with that thread's last writes).
 * At most ``capacity`` pipelines are parked per device, and ``capacity * MAX_DEVICES`` in
   all (least recently used are closed first): a call spread over several GPUs parks one per
   device. They hold their streams, device rings and pinned rings, which therefore count as
@@ -27,6 +30,7 @@ Lifetimes, and why:
 
 from __future__ import annotations
 
+import atexit
 import collections
 import threading
 import warnings
@@ -48,6 +52,7 @@ class WarmPipelines:
         self._lock = threading.Lock()
         # key -> (pipeline, the parking thread's hand-off token)
         self._parked: collections.OrderedDict[Hashable, tuple["Pipeline", Any]] = collections.OrderedDict()
+        self._drop_at_exit = False
 
     def take(self, key: Hashable) -> Optional["Pipeline"]:
         """The pipeline parked under ``key`` (removed from the cache), or None. The calling
@@ -66,6 +71,11 @@ class WarmPipelines:
         """Keep ``pipe`` (idle, already forgotten its job) for a later :meth:`take`."""
         token = pipe.device.publish()
         with self._lock:
+            if not self._drop_at_exit:
+                # registered after the first pipeline's finaliser, so it runs before them all
+                # (atexit runs the last registered first)
+                atexit.register(self.drop)
+                self._drop_at_exit = True
             old = self._parked.pop(key, None)
             self._parked[key] = (pipe, token)
             evicted = [old] if old is not None else []
