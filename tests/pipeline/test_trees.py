@@ -131,6 +131,42 @@ def test_a_consumer_gets_the_structure_read_only():
     assert seen == [(list, [False, False])]
 
 
+def _holding_itself() -> dict:
+    item = {"a": np.ones(3), "b": [np.ones(2)]}
+    item["b"].append(item)
+    return item
+
+
+def _nested(depth: int) -> list:
+    item: list = [np.ones(2)]
+    for _ in range(depth):
+        item = [item]
+    return item
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (_holding_itself, ValueError, "holds itself"),
+    (lambda: _nested(trees.MAX_DEPTH + 5), ValueError, f"nested more than {trees.MAX_DEPTH}"),
+    (lambda: _nested(5000), ValueError, "nested more than"),  # was a RecursionError
+], ids=["holds itself", "too deep", "far too deep"])
+def test_pytrees_holding_themselves_or_too_deep_are_refused_by_name(make, error, match):
+    with rf.Pipeline(doubled, device=rf.device("sim"), chunk_bytes=4096) as pipe:
+        with pytest.raises(error, match=match):
+            pipe.submit(make())
+        assert pipe.stats().accepted == 0
+        shared = [np.ones(2), np.ones(2)]  # the same array twice is not a cycle
+        got = pipe.submit((shared, shared)).result()
+        assert len(got) == 2 and len(got[0]) == 2
+
+
+def test_a_pytree_as_deep_as_allowed_goes_through():
+    with rf.Pipeline(doubled, device=rf.device("sim"), chunk_bytes=4096) as pipe:
+        got = pipe.submit(_nested(trees.MAX_DEPTH - 1)).result()
+    for _ in range(trees.MAX_DEPTH - 1):
+        got = got[0]
+    assert np.array_equal(got[0], np.ones(2) * 2)
+
+
 @pytest.mark.parametrize("item, error, match", [
     ((np.ones(3), "text"), TypeError, r"items \(each array of a tuple, list or dict\) must be numpy arrays"),
     ({"a": np.ones(3), "b": np.array([object()])}, TypeError, "holds Python objects"),

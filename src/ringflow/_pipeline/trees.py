@@ -20,6 +20,7 @@ from .._device.protocol import BufferSlice
 ALIGN = 256  # bytes: every leaf starts on a boundary a device array of any dtype accepts
 
 LEAF = None  # the tree of a single leaf
+MAX_DEPTH = 100  # containers deep: an item deeper than this is refused by name, not by a RecursionError
 
 
 def is_tree(obj: Any) -> bool:
@@ -29,26 +30,38 @@ def is_tree(obj: Any) -> bool:
 
 def flatten(obj: Any, is_leaf: Callable[[Any], bool] = lambda o: not is_tree(o)) -> tuple[list, Any]:
     """``(leaves, tree)`` of a nested tuple/list/dict (dict keys in insertion order); a leaf is
-    anything ``is_leaf`` says is one."""
-    if is_leaf(obj):
-        return [obj], LEAF
-    if isinstance(obj, dict):
-        leaves: list = []
-        trees = []
-        for key in obj:
-            sub, tree = flatten(obj[key], is_leaf)
-            leaves += sub
-            trees.append(tree)
-        return leaves, (dict, tuple(obj), tuple(trees))
-    if isinstance(obj, (tuple, list)):
-        leaves = []
-        trees = []
-        for child in obj:
-            sub, tree = flatten(child, is_leaf)
-            leaves += sub
-            trees.append(tree)
-        return leaves, (type(obj), None, tuple(trees))
-    raise TypeError(f"not a leaf and not a tuple, list or dict: {type(obj).__name__}")
+    anything ``is_leaf`` says is one.
+
+    Raises:
+        ValueError: the structure holds itself, or is nested deeper than :data:`MAX_DEPTH`.
+    """
+    path: set[int] = set()  # the containers from the top down to the one being walked
+
+    def walk(node: Any) -> tuple[list, Any]:
+        if is_leaf(node):
+            return [node], LEAF
+        if id(node) in path:
+            raise ValueError("an item holds itself (a tuple, list or dict inside itself); items are trees of arrays")
+        if len(path) >= MAX_DEPTH:
+            raise ValueError(f"an item is nested more than {MAX_DEPTH} tuples, lists or dicts deep; flatten it")
+        if not isinstance(node, (dict, tuple, list)):
+            raise TypeError(f"not a leaf and not a tuple, list or dict: {type(node).__name__}")
+        path.add(id(node))
+        try:
+            children = node.values() if isinstance(node, dict) else node
+            leaves: list = []
+            trees = []
+            for child in children:
+                sub, tree = walk(child)
+                leaves += sub
+                trees.append(tree)
+        finally:
+            path.discard(id(node))
+        if isinstance(node, dict):
+            return leaves, (dict, tuple(node), tuple(trees))
+        return leaves, (type(node), None, tuple(trees))
+
+    return walk(obj)
 
 
 def unflatten(tree: Any, leaves: Sequence[Any]) -> Any:
