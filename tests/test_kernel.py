@@ -43,6 +43,10 @@ def test_bad_construction_and_calls():
         Kernel(SAXPY, "saxpy", block=0)
     with pytest.raises(TypeError):
         Kernel(SAXPY, "saxpy", reference=3)
+    with pytest.raises(TypeError, match="elementwise must be True or False"):
+        Kernel(SAXPY, "saxpy", elementwise="no")  # a non-empty string was taken as True
+    with pytest.raises(TypeError, match="options must be a dict"):
+        Kernel(SAXPY, "saxpy", options=["-O3"])  # failed only at compile time, on a GPU
     no_ref = Kernel(SAXPY, "saxpy")
     with pytest.raises(TypeError, match="reference"):
         no_ref(np.zeros(3, np.float32), np.zeros(3, np.float32))

@@ -56,6 +56,30 @@ __all__ = ["Kernel", "BoundKernel"]
 
 
 class Kernel:
+    """An elementwise CUDA C++ kernel, compiled with NVRTC on first use on each GPU, that runs
+    its numpy ``reference`` on the simulated GPU (the module's doc gives the calling
+    convention). Use it as a compute function, ``kernel.bind(*scalars)`` for ``f(x, y)``.
+
+    Args:
+        source: the CUDA C++ source text.
+        name: the ``__global__`` function to launch (``extern "C"``, or a template
+            instantiation such as ``"scale<float>"``).
+        reference: a numpy function of the same arguments that writes its outputs in place;
+            needed to run on the simulated GPU.
+        block: threads per block, 1 to 1024.
+        elementwise: every array holds at least as many elements as the first (checked at
+            each launch).
+        pointwise: element ``i`` of each output depends on element ``i`` of the inputs alone;
+            lets a :class:`ringflow.Pipeline` launch once over items sharing a chunk.
+        options: extra ``cuda.core.ProgramOptions`` fields for NVRTC.
+
+    Raises:
+        ValueError: empty ``source`` or ``name``, ``block`` out of range, or ``pointwise``
+            without ``elementwise``.
+        TypeError: ``reference`` not callable, a flag that is not a bool, ``options`` not a
+            dict.
+    """
+
     def __init__(self, source: str, name: str, reference: Callable[..., Any] | None = None, *,
                  block: int = 256, elementwise: bool = True, pointwise: bool = False,
                  options: dict[str, Any] | None = None):
@@ -67,8 +91,11 @@ class Kernel:
             raise TypeError("reference must be a callable that takes numpy arrays")
         if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 1024:
             raise ValueError(f"block must be 1..1024 threads, got {block!r}")
-        if not isinstance(pointwise, bool):
-            raise TypeError(f"pointwise must be True or False, got {type(pointwise).__name__} {pointwise!r}")
+        for flag, value in (("elementwise", elementwise), ("pointwise", pointwise)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be True or False, got {type(value).__name__} {value!r}")
+        if options is not None and not isinstance(options, dict):
+            raise TypeError(f"options must be a dict of cuda.core ProgramOptions fields, got {type(options).__name__}")
         if pointwise and not elementwise:
             raise ValueError("pointwise=True needs elementwise=True: a pointwise kernel's arrays all hold n elements")
         self.source = source
@@ -111,6 +138,9 @@ class Kernel:
 
     # -- calling -------------------------------------------------------------------------------
     def __call__(self, *args: Any, stream: Any = None) -> Any:
+        """Run on ``args``: the ``reference`` on numpy arrays, else a launch on ``stream`` (see
+        the module's doc for which stream when None). Raises TypeError for no array, numpy
+        arrays without a reference, numpy and device arrays mixed, or a Python scalar."""
         arrays = [a for a in args if not isinstance(a, (np.generic, bool, int, float, complex))]
         if not arrays:
             raise TypeError(f"kernel {self.name!r} needs at least one array argument")

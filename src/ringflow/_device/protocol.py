@@ -555,7 +555,9 @@ class Device(abc.ABC):
         other streams once they are ordered after it."""
 
     @abc.abstractmethod
-    def create_worker_pool(self, workers: int) -> WorkerPool: ...
+    def create_worker_pool(self, workers: int) -> WorkerPool:
+        """A pool of ``workers`` host threads for CPU stages (on the simulated GPU, lanes on its
+        virtual clock). Raises ValueError for fewer than 1."""
 
     @abc.abstractmethod
     def wait_any(self, waitables: Sequence[Any], timeout: float | None = None,
@@ -646,7 +648,9 @@ class Device(abc.ABC):
         return bool(getattr(self, "_closed", False))
 
     @abc.abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Synchronise and release the device's streams, pools and memory; every later call
+        raises. Harmless twice."""
 
     def __enter__(self):
         return self

@@ -30,6 +30,11 @@ class IllegalTransition(AssertionError):
 
 
 class SlotState(enum.Enum):
+    """Where a ring's slot (one chunk's buffer in one stage) is: FREE, then the states of its
+    ring's path (filled on the host, copied in, computed into, copied out, consumed, or lent to
+    a consumer as a device result), DRAINING while a cancelled or failed chunk's last operation
+    completes, and FREE again."""
+
     # members are singletons compared by identity: hash them by identity too (Enum's own hash is
     # Python code, and the scheduler checks a transition table on every move)
     __hash__ = object.__hash__

@@ -17,4 +17,6 @@ class PipelineStats:
     in_flight: int
 
     def balanced(self) -> bool:
+        """Whether every accepted item is accounted for: ``accepted == delivered + failed +
+        cancelled + in_flight`` (always True; the tests check it)."""
         return self.accepted == self.delivered + self.failed + self.cancelled + self.in_flight

@@ -220,10 +220,13 @@ class Report:
         return plot_gantt(self.timeline, path, ax=ax, title=self.headline())
 
     def headline(self) -> str:
+        """One line: chunks, megabytes in, measured and ideal milliseconds, efficiency and the
+        bottleneck stage."""
         return (f"{self.chunks} chunks, {self.bytes_in / 1e6:.1f} MB in {self.measured_s * 1e3:.3f} ms "
                 f"(ideal {self.ideal_s * 1e3:.3f} ms, efficiency {self.efficiency:.2f}, bottleneck {self.bottleneck})")
 
     def as_dict(self) -> dict[str, Any]:
+        """The report's fields as plain values for JSON, without the timeline's spans."""
         d = dataclasses.asdict(self)
         d.pop("timeline")
         return d
