@@ -1,10 +1,11 @@
 """Ctrl-C at any instruction: a KeyboardInterrupt raised inside chosen functions at the n-th
 instruction they run on the calling thread (or at several: Ctrl-C pressed again), as a signal
-could raise it between any two."""
+could raise it between any two; or a real SIGINT sent there, for code that handles the signal."""
 
 from __future__ import annotations
 
 import dis
+import signal
 import sys
 from typing import Iterable
 
@@ -21,10 +22,15 @@ class InterruptAt:
     statement's lock acquisition and its block, where no signal is ever raised). CPython stops
     tracing a frame once a trace function raised in it, so after the first interrupt only the
     functions called later are traced (a profile hook switches tracing on again for them).
+
+    ``sigint``: send the calling (main) thread a SIGINT there instead of raising, so that the
+    process's SIGINT handler decides: Python's default raises KeyboardInterrupt at once, as
+    above; a handler that defers it (ringflow's whole-array calls) is exercised as Ctrl-C would.
     """
 
     def __init__(self, n: int | Iterable[int], names: Iterable[str],
-                 files: Iterable[str] = ("/ringflow/_pipeline/",)):
+                 files: Iterable[str] = ("/ringflow/_pipeline/",), *, sigint: bool = False):
+        self.sigint = sigint
         self.at = frozenset([n] if isinstance(n, int) else n)
         self.names, self.files = frozenset(names), tuple(files)
         self.seen, self.fired = 0, 0
@@ -53,6 +59,9 @@ class InterruptAt:
                     self.fired += 1
                     # frames seen keep their place (a frame's first instruction counts once)
                     self._after_call = dict.fromkeys(self._after_call, False)
+                    if self.sigint:
+                        signal.raise_signal(signal.SIGINT)
+                        return self._step
                     raise KeyboardInterrupt(f"injected at instruction {self.seen - 1}")
         return self._step
 

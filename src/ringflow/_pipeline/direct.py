@@ -44,6 +44,7 @@ from .._trace.report import Report
 from .._trace.timeline import ENQUEUE_TRACK, Anchor, ChunkRecord, Span, Timeline
 from .config import SlotCounts, refuse_unknown_guards
 from .engine import Arrays
+from .sigint import checkpoint
 from .sizing import COMPUTE_BOUND_STREAMS, compute_streams_for, copy_group, is_compute_bound, taper
 from .stages import GPU_STAGES, StageStreams, launch_compute, mark, poison_after, sim_seconds_for, writes_into_y
 
@@ -284,6 +285,7 @@ class DirectSchedule:
                 middle = len(self.groups) // 2 if self._measure_pending else -1
                 compute_events = []
                 for i, group in enumerate(self.groups):
+                    checkpoint()  # a Ctrl-C stops the call between chunks (sigint.py)
                     events = [{} for _ in group.ops] if i == middle else None
                     compute_events.extend(self._enqueue(group, *host(group), events))
                     if events is not None:
@@ -331,6 +333,8 @@ class DirectSchedule:
             err = event.error if event is not None else None
             if err is not None:
                 cause = err.__cause__ or err
+                if not isinstance(cause, Exception):
+                    raise cause  # KeyboardInterrupt, SystemExit: itself, as the scheduler raises it
                 raise StageError("compute", op.index, cause) from cause
 
     # -- graphs ----------------------------------------------------------------------------------
@@ -461,6 +465,7 @@ class DirectSchedule:
         started = now
         chunk_events, enqueued, compute_events = [], [], []
         for group in self.groups:
+            checkpoint()
             events: list = [{} for _ in group.ops]
             a = now
             compute_events.extend(self._enqueue(group, *host(group), events))

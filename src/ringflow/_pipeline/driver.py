@@ -30,6 +30,7 @@ import threading
 from typing import Any, Callable, Optional
 
 from .._errors import DeviceError, HazardError
+from .sigint import checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ class _Driver:
     def _drive(self, pred, deadline, timeout, what) -> None:
         sched = self.sched
         while True:
+            checkpoint()  # a Ctrl-C in a whole-array call stops it between two steps (sigint.py)
             self.run_commands()
             resolve(sched.take_resolved())
             if pred():

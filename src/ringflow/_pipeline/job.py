@@ -32,6 +32,7 @@ from .._device import device as make_device
 from .._device import device_list
 from .._device.protocol import Device, close_quietly
 from .engine import Arrays, Engine, choose_engine, make_engine
+from .sigint import shielded
 from .whole_array import check_arrays, pinned_arrays, plan_layout, run_call
 from .validate import check_flag, check_options
 
@@ -232,7 +233,7 @@ class MapJob:
             DeviceError: the device broke; the job is then closed.
         """
         profile = check_flag("profile", profile)
-        with self._lock:
+        with shielded(), self._lock:  # Ctrl-C is taken inside the call's steps only (sigint.py)
             self._take_turn()
             engine = self._held.engine
             if engine is None:
@@ -254,7 +255,7 @@ class MapJob:
     def close(self) -> None:
         """Close the engine (streams, rings, workers) and drop the registrations, after the call
         in progress on another thread, if any, has returned. Harmless twice; never raises."""
-        with self._lock:
+        with shielded(), self._lock:  # a Ctrl-C waits until the engine is closed (sigint.py)
             if self._calling:  # called by f during this thread's call: nothing may go before it ends
                 self._close_pending = True
                 return

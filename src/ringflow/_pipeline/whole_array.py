@@ -32,6 +32,7 @@ from .._device.protocol import Device, HostBuffer, close_quietly
 from .._testing import current as current_hooks
 from . import warm
 from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine
+from .sigint import shielded
 from .sizing import DEFAULT_CHUNK_BYTES, chunk_sizes, default_workers, planned_compute_bound, resolve_slots, taper
 from .stages import sim_seconds_for
 from .validate import check_choice, check_options, check_out, check_output_spec, same_memory
@@ -179,28 +180,31 @@ def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x
                                                        out_buffer, opts)
     opts = layout.engine_options(opts)
     kind = choose_engine(engine, layout.strategy, opts)
-    registered: list = []
-    try:
-        registered, arrays = pinned_arrays(layout, x, out, fresh_out, x_buffer, out_buffer, pooled,
-                                           opts.get("workers"))
-        key = None
-        if keep_warm and not opts.get("checked"):
-            opts_key = warm.options_key(opts)
-            if opts_key is not None:
-                key = ("map", id(layout.device), id(f), layout.key, kind, out is x,
-                       tuple(None if b is None else b.nbytes for b in (x_buffer, out_buffer)), opts_key)
-        eng = warm.WARM.take(key) if key is not None else None
-        if eng is None:
-            eng = make_engine(kind, f, layout, opts, arrays)
-        run_call(eng, arrays, profile)
-        report = eng.report() if profile else None
-        if key is not None and eng.park():
-            warm.WARM.park(key, eng)
-        else:
-            eng.close()
-    finally:
-        for buf in registered:
-            close_quietly(buf, "registration")
+    # Ctrl-C is taken inside the call's steps only: never between taking an engine and parking
+    # or closing it, nor while registrations are made or dropped (sigint.py)
+    with shielded():
+        registered: list = []
+        try:
+            registered, arrays = pinned_arrays(layout, x, out, fresh_out, x_buffer, out_buffer, pooled,
+                                               opts.get("workers"))
+            key = None
+            if keep_warm and not opts.get("checked"):
+                opts_key = warm.options_key(opts)
+                if opts_key is not None:
+                    key = ("map", id(layout.device), id(f), layout.key, kind, out is x,
+                           tuple(None if b is None else b.nbytes for b in (x_buffer, out_buffer)), opts_key)
+            eng = warm.WARM.take(key) if key is not None else None
+            if eng is None:
+                eng = make_engine(kind, f, layout, opts, arrays)
+            run_call(eng, arrays, profile)
+            report = eng.report() if profile else None
+            if key is not None and eng.park():
+                warm.WARM.park(key, eng)
+            else:
+                eng.close()
+        finally:
+            for buf in registered:
+                close_quietly(buf, "registration")
     return out, report
 
 
@@ -215,17 +219,21 @@ def _with_flag_defaults(options: dict) -> dict:
 
 def run_call(engine: Engine, arrays: Arrays, profile: bool) -> None:
     """One call of a whole-array job on ``engine``; if it raises (any BaseException, Ctrl-C
-    included) the engine is settled and closed first, so nothing still touches the arrays."""
+    included) the engine is settled and closed first, so nothing still touches the arrays.
+    Ctrl-C is taken only between steps, and not while settling (see sigint.py)."""
     hooks = current_hooks()
     if hooks.on_engine is not None:
         hooks.on_engine(engine)
-    try:
-        engine.run(arrays, profile=profile)
-    except BaseException as exc:
-        engine.fail(exc)  # settled and closed; never masks exc
-        raise
-    finally:
-        _leave_tokens(arrays)
+    with shielded() as shield:
+        try:
+            engine.run(arrays, profile=profile)
+        except BaseException as exc:
+            if shield is not None:
+                shield.settle()
+            engine.fail(exc)  # settled and closed; never masks exc
+            raise
+        finally:
+            _leave_tokens(arrays)
 
 
 def _leave_tokens(arrays: Arrays) -> None:

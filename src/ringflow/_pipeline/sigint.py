@@ -1,0 +1,111 @@
+"""Ctrl-C during a whole-array call, delivered where the call can stop cleanly.
+
+A whole-array call (``stream_map``, a ``MapJob`` call) runs the scheduler, or enqueues the
+direct engine's operations, on the calling thread. A KeyboardInterrupt that SIGINT raises at an
+arbitrary instruction there could land in the middle of a stage change (a slot half moved), in
+the clean-up after another failure, or between the call's end and its engine being parked or
+closed: a clean-up that cannot drain, buffers freed under copies still in flight, an engine
+neither parked nor closed. (A :class:`~ringflow.Pipeline` needs none of this: its progress
+thread never receives signals, and a user thread's calls hand work over in single steps.)
+
+So while such a call runs on the main thread under Python's default SIGINT handler,
+:func:`shielded` installs a handler that only records the signal, and the call raises
+KeyboardInterrupt at its next :func:`checkpoint`: between two scheduler steps, between the
+direct engine's chunks, at every turn of a wait (at most a poll interval apart on a GPU). From
+there the usual clean-up cancels and settles what was enqueued, as for any failure, and runs
+shielded too. A second Ctrl-C before the first was delivered, or during that clean-up, raises at
+once, as without the shield: the way out of a clean-up that does not end. A Ctrl-C that arrives
+after the call's last checkpoint is raised when the call returns, so none is ever lost. A call
+from another thread (SIGINT goes to the main thread), or a process whose SIGINT handler is its
+own, is left alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+# the C module that ``signal`` wraps: its calls convert to and from enums, a few microseconds
+# each, and a shielded call makes three of them
+import _signal
+
+_SIGINT = 2  # SIGINT on every platform Python runs on
+
+
+class Shield:
+    """The state of one shielded call: a Ctrl-C recorded and not yet raised, one raised at a
+    checkpoint, whether the call is settling (no more checkpoints raise), and how many blocks
+    share it."""
+
+    __slots__ = ("pending", "delivered", "settling", "depth")
+
+    def __init__(self) -> None:
+        self.pending = False
+        self.delivered = False
+        self.settling = False
+        self.depth = 0
+
+    def handle(self, signum: int, frame) -> None:
+        """The SIGINT handler while shielded: record the first Ctrl-C, raise on the next."""
+        if self.pending or self.delivered:
+            self.pending, self.delivered = False, True
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def settle(self) -> None:
+        """The call failed and is settling what it enqueued: checkpoints raise no more (a Ctrl-C
+        meanwhile is recorded, and raised once the call returns)."""
+        self.settling = True
+
+
+_active: Optional[Shield] = None  # the main thread's shielded call, if any (only it gets SIGINT)
+
+
+def checkpoint() -> None:
+    """Raise KeyboardInterrupt here if a Ctrl-C arrived since the call began (and none was raised
+    yet); a place where stopping leaves nothing half done. Costs a global read otherwise."""
+    shield = _active
+    if shield is not None and shield.pending and not shield.settling \
+            and threading.current_thread() is threading.main_thread():
+        shield.pending = False
+        shield.delivered = True
+        raise KeyboardInterrupt
+
+
+class shielded:
+    """``with shielded() as shield:`` defers SIGINT to :func:`checkpoint` within the block (see
+    the module's doc); ``shield`` is the :class:`Shield`, or None where the call is left alone.
+    Re-entrant: an inner block shares the outer's shield. Leaving the outermost block raises
+    KeyboardInterrupt if a Ctrl-C is still pending."""
+
+    __slots__ = ("shield",)
+
+    def __enter__(self) -> Optional[Shield]:
+        global _active
+        if threading.current_thread() is not threading.main_thread():
+            self.shield = None
+        elif _active is not None:
+            self.shield = _active
+            _active.depth += 1
+        elif _signal.getsignal(_SIGINT) is not _signal.default_int_handler:
+            self.shield = None  # the application's own handler decides
+        else:
+            self.shield = _active = Shield()
+            _active.depth = 1
+            _signal.signal(_SIGINT, _active.handle)
+        return self.shield
+
+    def __exit__(self, *exc_info) -> None:
+        global _active
+        shield = self.shield
+        if shield is None:
+            return
+        shield.depth -= 1
+        if shield.depth:
+            return
+        _active = None
+        if _signal.getsignal(_SIGINT) == shield.handle:  # unless the block installed its own
+            _signal.signal(_SIGINT, _signal.default_int_handler)
+        if shield.pending:
+            shield.pending = False
+            raise KeyboardInterrupt

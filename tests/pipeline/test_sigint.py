@@ -1,0 +1,185 @@
+"""Ctrl-C (a real SIGINT) during a whole-array call: taken between steps, never half way through
+a stage change, a clean-up or the engine's parking (src/ringflow/_pipeline/sigint.py).
+
+Each case sends SIGINT at one instruction of the library's whole-array path (tests/helpers/
+interrupts.py, spread over the call) and checks what a user would: the call raises
+KeyboardInterrupt itself (not a StageError an ``except Exception`` would swallow), nothing
+warns (a hazard as buffers are freed, a clean-up that failed), nothing is left live, and the
+device serves the next call correctly."""
+
+from __future__ import annotations
+
+import gc
+import signal
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow._pipeline import sigint
+from tests.helpers.interrupts import InterruptAt
+from tests.helpers.threads import bounded
+
+# the functions a whole-array call runs through, from the call down to the scheduler's steps
+NAMES = ("run_whole", "run_call", "take", "park", "_close", "close", "fail", "__call__", "__exit__",
+         "run", "_enqueue", "_raise_failed", "settle", "wait_for", "drive_here", "_drive", "run_commands",
+         "step", "_admit", "_observe", "_on_fence_done", "_start_prepares", "_enqueue_h2d", "_enqueue_compute",
+         "_enqueue_d2h", "_start_consume", "_on_consumed", "_end", "cancel_pending", "_shut")
+POINTS = 36  # instructions a door is interrupted at, spread evenly over one call
+
+
+def f(x, y):
+    y[...] = x * 2 + 1
+
+
+f.sim_seconds = 20e-6
+
+
+def _need_sigint():
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("sends SIGINT to the main thread: the test must run there")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default KeyboardInterrupt handler here")
+
+
+def _stream_map(dev, x, host):
+    return lambda: rf.stream_map(f, x, device=dev, chunk_bytes=16384, host=host)
+
+
+def _map_job(dev, x):
+    def call():
+        with rf.MapJob(f, x, device=dev, chunk_bytes=16384) as job:
+            return job()
+    return call
+
+
+DOORS = {
+    "stream_map staged (the scheduler)": lambda dev, x: _stream_map(dev, x, "stage"),
+    "stream_map registered (the direct engine)": lambda dev, x: _stream_map(dev, x, "register"),
+    "MapJob": _map_job,
+}
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_ctrl_c_anywhere_in_a_whole_array_call_stops_it_cleanly(door):
+    _need_sigint()
+    dev = rf.device("sim", seed=5, chaos=True, checked=True)
+    x = np.random.default_rng(5).random(1 << 15).astype(np.float32)
+    call = DOORS[door](dev, x)
+    call()  # the calls interrupted below find the engine this one kept warm (stream_map)
+    with InterruptAt(10 ** 9, NAMES, sigint=True) as counting:
+        np.testing.assert_array_equal(call(), x * 2 + 1)
+    total = counting.seen
+    assert total > 4 * POINTS, total
+    interrupted = 0
+    for n in np.linspace(0, total - 1, POINTS).astype(int):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            raised = False
+            with InterruptAt(int(n), NAMES, sigint=True) as at:
+                try:
+                    call()
+                except KeyboardInterrupt:
+                    raised = True
+            assert raised == (at.fired == 1), n  # every Ctrl-C sent is raised, as itself
+            interrupted += raised
+            rf.drop_warm_pipelines(dev)
+            gc.collect()
+        assert not [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)], n
+        assert dev.live().total == 0, (n, dev.live())
+        np.testing.assert_array_equal(bounded(call), x * 2 + 1)  # the device serves the next call
+    assert interrupted >= POINTS - 2, interrupted
+    rf.drop_warm_pipelines(dev)
+
+
+def test_a_compute_raising_keyboard_interrupt_on_the_direct_engine_raises_it_itself():
+    """Not a StageError: an ``except Exception`` around the call must not swallow Ctrl-C (the
+    scheduler already raised the interrupt itself)."""
+    dev = rf.device("sim", seed=6, chaos=True, checked=True)
+    x = np.arange(4096, dtype=np.float32)
+
+    def interrupted(x, y):
+        raise KeyboardInterrupt("pressed in the compute")
+
+    for host in ("register", "stage"):
+        with pytest.raises(KeyboardInterrupt, match="pressed in the compute"):
+            rf.stream_map(interrupted, x, device=dev, chunk_bytes=4096, host=host)
+    rf.drop_warm_pipelines(dev)
+    gc.collect()
+    assert dev.live().total == 0
+
+
+# -- the shield itself ------------------------------------------------------------------------------------
+def test_a_ctrl_c_waits_for_a_checkpoint_and_is_raised_once():
+    _need_sigint()
+    with pytest.raises(KeyboardInterrupt):
+        with sigint.shielded() as shield:
+            assert shield is not None and signal.getsignal(signal.SIGINT) == shield.handle
+            signal.raise_signal(signal.SIGINT)  # recorded, not raised
+            assert shield.pending
+            sigint.checkpoint()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    sigint.checkpoint()  # outside any call: nothing pending, nothing raised
+
+
+def test_a_ctrl_c_after_the_last_checkpoint_is_raised_when_the_call_returns():
+    _need_sigint()
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with sigint.shielded():
+            signal.raise_signal(signal.SIGINT)
+            done.append("the rest of the call ran")
+    assert done and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_ctrl_c_raises_at_once():
+    _need_sigint()
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with sigint.shielded():
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)  # pressed again before the first was taken
+            reached.append(True)
+    assert not reached
+
+
+def test_while_settling_checkpoints_do_not_raise_and_a_second_ctrl_c_does():
+    _need_sigint()
+    with pytest.raises(KeyboardInterrupt):
+        with sigint.shielded() as shield:
+            signal.raise_signal(signal.SIGINT)
+            try:
+                sigint.checkpoint()
+            except KeyboardInterrupt:
+                shield.settle()
+                sigint.checkpoint()  # the clean-up's own waits go on
+                signal.raise_signal(signal.SIGINT)  # a clean-up that does not end: Ctrl-C again
+                pytest.fail("the second Ctrl-C was not raised at once")
+
+
+def test_nested_blocks_share_one_shield():
+    _need_sigint()
+    with sigint.shielded() as outer:
+        with sigint.shielded() as inner:
+            assert inner is outer
+        assert signal.getsignal(signal.SIGINT) == outer.handle
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_other_threads_and_other_handlers_are_left_alone():
+    got = []
+    thread = threading.Thread(target=lambda: got.append(sigint.shielded().__enter__()))
+    thread.start()
+    thread.join()
+    assert got == [None]
+    if threading.current_thread() is not threading.main_thread():
+        return
+    mine = signal.signal(signal.SIGINT, lambda *a: None)
+    try:
+        own = signal.getsignal(signal.SIGINT)
+        with sigint.shielded() as shield:
+            assert shield is None and signal.getsignal(signal.SIGINT) is own
+    finally:
+        signal.signal(signal.SIGINT, mine)
