@@ -183,3 +183,46 @@ def test_other_threads_and_other_handlers_are_left_alone():
             assert shield is None and signal.getsignal(signal.SIGINT) is own
     finally:
         signal.signal(signal.SIGINT, mine)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host", ["stage", "register"])
+def test_ctrl_c_at_any_moment_of_a_call_on_a_gpu_leaves_nothing_behind(cuda_device, host):
+    """Real SIGINTs at moments spread over real calls (staged: the scheduler; registered: the
+    direct engine): each call either returns the right result or raises KeyboardInterrupt, and
+    afterwards nothing is live and the next call is right."""
+    _need_sigint()
+    import time
+
+    dev = cuda_device
+    x = np.random.default_rng(9).random(16 << 20, dtype=np.float32)  # 64 MiB in 4 MiB chunks
+
+    def call():
+        return rf.stream_map(f, x, device=dev, chunk_bytes=4 << 20, host=host, keep_warm=False)
+
+    np.testing.assert_array_equal(call(), x * 2 + 1)
+    t0 = time.perf_counter()
+    call()
+    seconds = time.perf_counter() - t0
+    main = threading.main_thread().ident
+    outcomes = []
+    for delay in np.linspace(0, seconds, 12):
+        timer = threading.Timer(delay, signal.pthread_kill, (main, signal.SIGINT))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                timer.start()
+                try:
+                    got = call()
+                    outcomes.append("returned")
+                    np.testing.assert_array_equal(got, x * 2 + 1)
+                finally:
+                    timer.join()  # a signal after the call lands in here, or in the sleep below
+                    time.sleep(0.01)
+            except KeyboardInterrupt:
+                outcomes.append("interrupted")
+        assert not [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+        gc.collect()
+        assert dev.live().total == 0, dev.live()
+        np.testing.assert_array_equal(call(), x * 2 + 1)
+    assert "interrupted" in outcomes, outcomes
