@@ -26,10 +26,10 @@ import threading
 from typing import Optional
 
 # the C module that ``signal`` wraps: its calls convert to and from enums, a few microseconds
-# each, and a shielded call makes three of them
+# each, and a shielded call makes four of them
 import _signal
 
-_SIGINT = 2  # SIGINT on every platform Python runs on
+_SIGINT = _signal.SIGINT
 
 
 class Shield:
