@@ -196,3 +196,17 @@ def test_every_public_name_and_its_public_methods_have_a_docstring():
                 if not attr.startswith("_") and callable(value) and not (value.__doc__ or "").strip():
                     missing.append(f"{name}.{attr}")
     assert not missing, missing
+
+
+def test_public_constructors_show_their_parameters():
+    """``inspect.signature`` (help(), notebooks, IDEs) gives the real parameters, not a
+    dispatching ``__new__``'s ``*args, **kwargs``."""
+    import inspect
+
+    import ringflow as rf
+
+    for cls in (rf.Pipeline, rf.MapJob, rf.Kernel, rf.RayMapper):
+        params = inspect.signature(cls).parameters
+        assert not any(p.kind in (p.VAR_POSITIONAL,) for p in params.values()), (cls, params)
+        assert "self" not in params
+    assert list(inspect.signature(rf.Pipeline).parameters)[:3] == ["compute", "device", "prepare"]

@@ -19,6 +19,7 @@ import asyncio
 import collections
 import concurrent.futures
 import functools
+import inspect
 import itertools
 import math
 import threading
@@ -1079,6 +1080,11 @@ class Pipeline:
         return (f"<Pipeline {state} on {self.device.name}: chunk_bytes={self.config.chunk_bytes}, "
                 f"slots={self.config.slots}, max_in_flight={self.config.max_in_flight}>")
 
+
+# help(), notebooks and IDEs ask inspect.signature, which reads __new__ before __init__: show the
+# constructor's parameters, not __new__'s dispatch on ``device``
+Pipeline.__signature__ = inspect.signature(Pipeline.__init__).replace(  # type: ignore[attr-defined]
+    parameters=list(inspect.signature(Pipeline.__init__).parameters.values())[1:])
 
 _NAMES = itertools.count(1)
 
