@@ -226,3 +226,66 @@ def test_ctrl_c_at_any_moment_of_a_call_on_a_gpu_leaves_nothing_behind(cuda_devi
         assert dev.live().total == 0, dev.live()
         np.testing.assert_array_equal(call(), x * 2 + 1)
     assert "interrupted" in outcomes, outcomes
+
+
+# -- a Pipeline's calls on the main thread ------------------------------------------------------------------
+PIPELINE_SWEEP = r"""
+import gc, sys, warnings
+import numpy as np
+import ringflow as rf
+from tests.helpers.interrupts import InterruptAt
+
+# the lock and event code a user thread runs inside submit, map and result: a KeyboardInterrupt
+# raised there can leave a lock taken (after Condition.__enter__ acquired it, before it returned)
+NAMES = ("__enter__", "__exit__", "set", "clear", "wait", "notify", "notify_all", "_release_save",
+         "_acquire_restore", "_is_owned")
+dev = rf.device("sim", seed=7, chaos=True, checked=True)
+rng = np.random.default_rng(7)
+items = [rng.random(int(n)).astype(np.float32) for n in rng.integers(100, 200_000, 24)]
+
+def f(x, y):
+    y[...] = x * 2 + 1
+
+def run(n):
+    with InterruptAt(n, NAMES, files=("threading.py",), sigint=True) as at:
+        try:
+            with rf.Pipeline(f, device=dev, chunk_bytes=1 << 20, max_in_flight=4) as pipe:
+                for x, y in zip(items, pipe.map(items)):
+                    assert np.array_equal(y, x * 2 + 1)
+                fut = pipe.submit(items[0])
+                assert np.array_equal(fut.result(), items[0] * 2 + 1)
+            return "returned", at.seen
+        except KeyboardInterrupt:
+            return "interrupted", at.seen
+
+outcome, total = run(10 ** 9)
+assert outcome == "returned"
+counts = {"returned": 0, "interrupted": 0}
+for n in np.linspace(0, total - 1, int(sys.argv[1])).astype(int):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        outcome, _ = run(int(n))
+        gc.collect()
+    counts[outcome] += 1
+    bad = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+    assert not bad, (n, bad)
+    assert dev.live().total == 0, (n, dev.live())
+print(counts)
+"""
+
+
+def test_ctrl_c_anywhere_in_a_pipelines_locks_on_the_main_thread_never_hangs_it():
+    """A real SIGINT at instructions spread over the threading code (Condition, Event) that
+    ``map``, ``submit`` and ``result`` run on the main thread: each run returns or raises
+    KeyboardInterrupt, closes, and leaves nothing live. In a subprocess, bounded in time: one
+    landing after a lock was taken and before its ``with`` block began used to leave the lock
+    taken and the pipeline's progress thread waiting for it for ever."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", PIPELINE_SWEEP, "40"], capture_output=True, text=True,
+                          timeout=240, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "'interrupted': 0" not in done.stdout, done.stdout

@@ -43,6 +43,7 @@ from .like import converter
 from .validate import (as_host_array, check_choice, check_flag, check_iterable, check_options, check_output_spec,
                        check_timeout)
 from .scheduler import Scheduler
+from .sigint import ShieldedIterator, shielded, shielded_call
 from .slot_array import in_slot, run_offering
 from .states import ChunkState
 from .stats import PipelineStats
@@ -261,11 +262,16 @@ class Pipeline:
                  pinned_budget: Optional[int] = None, output: "tuple | Callable | None" = None,
                  deliver: str = "host", processes: bool = False, like: Optional[str] = None,
                  fill: Optional[str] = None, coalesce: bool = True):
-        self._build(compute, device=device, user_prepare=prepare, consume=consume, slots=slots,
-                    chunk_bytes=chunk_bytes, max_in_flight=max_in_flight, ordered=ordered, on_error=on_error,
-                    profile=profile, workers=workers, inplace=inplace, checked=checked, item_nbytes=item_nbytes,
-                    pinned_budget=pinned_budget, output=output, deliver=deliver, processes=processes, like=like,
-                    fill=fill, coalesce=coalesce)
+        # every public call runs with Ctrl-C taken at its checkpoints only (sigint.py, "Ctrl-C
+        # on a pipeline's calls" in docs/design.md)
+        with shielded() as shield:
+            self._build(compute, device=device, user_prepare=prepare, consume=consume, slots=slots,
+                        chunk_bytes=chunk_bytes, max_in_flight=max_in_flight, ordered=ordered, on_error=on_error,
+                        profile=profile, workers=workers, inplace=inplace, checked=checked, item_nbytes=item_nbytes,
+                        pinned_budget=pinned_budget, output=output, deliver=deliver, processes=processes, like=like,
+                        fill=fill, coalesce=coalesce)
+            if shield is not None and shield.pending:
+                self.close()  # Ctrl-C while it was being made: nothing left running (raised as the block ends)
 
     @classmethod
     def _for_whole_array(cls, compute: Callable, *, prepare: Callable, consume: Callable, item_nbytes: Callable,
@@ -509,6 +515,7 @@ class Pipeline:
         return type(item) is np.ndarray and host_pool.slice_behind(item, self.device) is not None
 
     # -- submitting and mapping ---------------------------------------------------------------
+    @shielded_call
     def submit(self, item: Any, timeout: Optional[float] = None) -> ChunkFuture:
         """Accept one item; blocks while ``max_in_flight`` chunks are unfinished. Safe from any
         thread.
@@ -649,7 +656,7 @@ class Pipeline:
             TypeError: at once, where ``items`` is not iterable.
         """
         self._check_open()
-        return self._map(check_iterable("items", items))
+        return ShieldedIterator(self._map(check_iterable("items", items)))
 
     def _map(self, items: Iterable[Any]) -> Iterator[Any]:
         self._check_open()  # again: the pipeline may have closed before the first next()
@@ -939,6 +946,7 @@ class Pipeline:
             raise s.first_error
 
     # -- ending ----------------------------------------------------------------------------------
+    @shielded_call
     def cancel(self) -> None:
         """Stop admission; chunks not yet on a stream end CANCELLED at once; enqueued chunks
         end CANCELLED once their events complete (their slots are released only then).
@@ -950,6 +958,7 @@ class Pipeline:
             d.command(s.cancel_pending)
             d.wait_for(s.finished, None, "cancelled chunks to drain")
 
+    @shielded_call
     def close(self) -> None:
         """Finish every accepted chunk, then release rings, streams, workers and the progress
         thread. Harmless twice; safe from any thread (one of them closes, the others return
@@ -990,6 +999,7 @@ class Pipeline:
     def __enter__(self) -> "Pipeline":
         return self
 
+    @shielded_call
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
@@ -1023,6 +1033,7 @@ class Pipeline:
                           host_out_buffer=host_out_buffer)
 
     # -- introspection ---------------------------------------------------------------------------
+    @shielded_call
     def stats(self) -> PipelineStats:
         """Counts of accepted, delivered, failed, cancelled and in-flight chunks, taken at one
         instant: ``accepted == delivered + failed + cancelled + in_flight``."""
@@ -1058,6 +1069,7 @@ class Pipeline:
         with self._driver.cv:
             self._driver.wait_for(pred, timeout)
 
+    @shielded_call
     def report(self) -> Report:
         """Stage times, bottleneck, ideal bound, efficiency, latency, stalls and memory of the
         chunks finished so far.

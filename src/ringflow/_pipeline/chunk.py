@@ -12,6 +12,7 @@ import numpy as np
 
 from .ring import Slot
 from .states import LEGAL_CHUNK_TRANSITIONS, ChunkState, check_chunk_transition
+from .sigint import shielded
 from .validate import check_wait_timeout
 
 
@@ -45,7 +46,7 @@ class ChunkFuture(concurrent.futures.Future):
         timeout = check_wait_timeout(timeout)
         if not self.done():
             driver = self._driver
-            with driver.cv:
+            with shielded(), driver.cv:  # Ctrl-C taken at the wait's checkpoints only (sigint.py)
                 driver.wait_for(self.done, timeout, f"chunk {self.index}")
 
     def result(self, timeout: float | None = None) -> Any:
@@ -84,7 +85,7 @@ class ChunkFuture(concurrent.futures.Future):
         if self.done():
             return False
         driver = self._driver
-        with driver.cv:
+        with shielded(), driver.cv:
             if self.done():
                 return False
             cancelled = driver.command(lambda: driver.sched.cancel_chunk(self.index))

@@ -230,6 +230,7 @@ class ProgressThread(_Driver):
         self.notify()
         try:
             while not pred():
+                checkpoint()  # a Ctrl-C on the main thread is taken here, between two waits (sigint.py)
                 if self.failure is not None:
                     raise self.died() from self.failure
                 if deadline is not None and self.device.now >= deadline:

@@ -22,8 +22,9 @@ own, is left alone.
 
 from __future__ import annotations
 
+import functools
 import threading
-from typing import Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 # the C module that ``signal`` wraps: its calls convert to and from enums, a few microseconds
 # each, and a shielded call makes four of them
@@ -109,3 +110,40 @@ class shielded:
         if shield.pending:
             shield.pending = False
             raise KeyboardInterrupt
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def shielded_call(fn: F) -> F:
+    """``fn`` run within :func:`shielded` (a public method of a pipeline)."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with shielded():
+            return fn(*args, **kwargs)
+    return call  # type: ignore[return-value]
+
+
+class ShieldedIterator:
+    """``iterator``'s items, each step taken within :func:`shielded`: the library's code between
+    two items takes Ctrl-C at its checkpoints only; the caller's loop body between them is not
+    shielded."""
+
+    __slots__ = ("_iterator",)
+
+    def __init__(self, iterator: Iterator[Any]):
+        self._iterator = iterator
+
+    def __iter__(self) -> "ShieldedIterator":
+        return self
+
+    def __next__(self) -> Any:
+        with shielded():
+            return next(self._iterator)
+
+    def close(self) -> None:
+        """Stop early: the iterator's clean-up runs (as a generator's ``close``)."""
+        with shielded():
+            close = getattr(self._iterator, "close", None)
+            if close is not None:
+                close()
