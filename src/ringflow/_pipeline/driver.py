@@ -243,6 +243,10 @@ class ProgressThread(_Driver):
             self.interest.remove(entry)
             if deadline is not None:
                 self.timed.remove(entry)
+        # and once more as the wait ends: a Ctrl-C that came while the last wait ran is raised
+        # before the caller takes what it waited for (a map's next result stays in the pipeline
+        # rather than being taken and then lost to the interrupt)
+        checkpoint()
 
     def died(self) -> BaseException:
         """What a thread waiting on the pipeline raises once the progress thread has died of
