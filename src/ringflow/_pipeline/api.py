@@ -262,8 +262,8 @@ class Pipeline:
                  pinned_budget: Optional[int] = None, output: "tuple | Callable | None" = None,
                  deliver: str = "host", processes: bool = False, like: Optional[str] = None,
                  fill: Optional[str] = None, coalesce: bool = True):
-        # every public call runs with Ctrl-C taken at its checkpoints only (sigint.py, "Ctrl-C
-        # on a pipeline's calls" in docs/design.md)
+        # every public call runs with Ctrl-C taken at its checkpoints only (sigint.py; docs/design.md,
+        # "Ctrl-C in a whole-array call")
         with shielded() as shield:
             self._build(compute, device=device, user_prepare=prepare, consume=consume, slots=slots,
                         chunk_bytes=chunk_bytes, max_in_flight=max_in_flight, ordered=ordered, on_error=on_error,

@@ -1,17 +1,20 @@
-"""Ctrl-C during a whole-array call, delivered where the call can stop cleanly.
+"""Ctrl-C during a ringflow call, delivered where the call can stop cleanly.
 
 A whole-array call (``stream_map``, a ``MapJob`` call) runs the scheduler, or enqueues the
 direct engine's operations, on the calling thread. A KeyboardInterrupt that SIGINT raises at an
 arbitrary instruction there could land in the middle of a stage change (a slot half moved), in
 the clean-up after another failure, or between the call's end and its engine being parked or
 closed: a clean-up that cannot drain, buffers freed under copies still in flight, an engine
-neither parked nor closed. (A :class:`~ringflow.Pipeline` needs none of this: its progress
-thread never receives signals, and a user thread's calls hand work over in single steps.)
+neither parked nor closed. A :class:`~ringflow.Pipeline`'s calls hand work over in single
+steps, but they run the ``threading`` module's Python code, where an interrupt between taking
+a lock and entering the block that releases it leaves the lock taken for ever (and the
+pipeline's progress thread waiting for it).
 
 So while such a call runs on the main thread under Python's default SIGINT handler,
 :func:`shielded` installs a handler that only records the signal, and the call raises
 KeyboardInterrupt at its next :func:`checkpoint`: between two scheduler steps, between the
-direct engine's chunks, at every turn of a wait (at most a poll interval apart on a GPU). From
+direct engine's chunks, at every turn of a wait and as it ends (at most a poll interval apart on
+a GPU). From
 there the usual clean-up cancels and settles what was enqueued, as for any failure, and runs
 shielded too. A second Ctrl-C before the first was delivered, or during that clean-up, raises at
 once, as without the shield: the way out of a clean-up that does not end. A Ctrl-C that arrives
