@@ -14,9 +14,8 @@ So while such a call runs on the main thread under Python's default SIGINT handl
 :func:`shielded` installs a handler that only records the signal, and the call raises
 KeyboardInterrupt at its next :func:`checkpoint`: between two scheduler steps, between the
 direct engine's chunks, at every turn of a wait and as it ends (at most a poll interval apart on
-a GPU). From
-there the usual clean-up cancels and settles what was enqueued, as for any failure, and runs
-shielded too. A second Ctrl-C before the first was delivered, or during that clean-up, raises at
+a GPU). From there the usual clean-up cancels and settles what was enqueued, as for any
+failure, and runs shielded too. A second Ctrl-C before the first was delivered, or during that clean-up, raises at
 once, as without the shield: the way out of a clean-up that does not end. A Ctrl-C that arrives
 after the call's last checkpoint is raised when the call returns, so none is ever lost. A call
 from another thread (SIGINT goes to the main thread), or a process whose SIGINT handler is its
