@@ -158,6 +158,33 @@ def test_pipeline_callbacks_that_are_not_callable_are_refused(dev, name):
         rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, **{name: "nope"})
 
 
+def _no_size(item):
+    raise RuntimeError("no size here")
+
+
+@pytest.mark.parametrize("nbytes,kind,says", [
+    (lambda item: "40", TypeError, "returned '40'"), (lambda item: -1, ValueError, "returned -1"),
+    (lambda item: float("nan"), TypeError, "returned nan"), (lambda item: None, TypeError, "returned None"),
+    (lambda item: True, TypeError, "returned True"), (_no_size, RuntimeError, "no size here")],
+    ids=["str", "negative", "nan", "None", "bool", "raises"])
+def test_an_item_nbytes_that_gives_no_byte_count_fails_its_item(dev, nbytes, kind, says):
+    """``item_nbytes`` is the user's code on the progress thread: its error, or a value that is
+    not a byte count, fails that item's prepare as a StageError (the progress thread used to die
+    of it, every later call then raising "this is a ringflow bug"); the other items and the
+    pipeline carry on."""
+    items = [data(16) + k for k in range(3)]
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, prepare=np.copy, on_error="continue",
+                     item_nbytes=lambda item: nbytes(item) if item[0] == items[1][0] else item.nbytes) as pipe:
+        results = list(pipe.map(items))
+        assert [r[0] for r in results] == [expected(items[0])[0], expected(items[2])[0]]
+        (failure,) = pipe.failures
+        assert failure.stage == "prepare" and isinstance(failure.__cause__, kind)
+        assert says in str(failure.__cause__)
+        if kind is not RuntimeError:
+            assert "item_nbytes" in str(failure.__cause__)
+        assert np.array_equal(pipe.submit(items[0]).result(), expected(items[0]))
+
+
 @pytest.mark.parametrize("setting", ENGINE_SETTINGS)
 def test_mapjob_call_refuses_a_non_bool_profile_and_stays_usable(dev, setting):
     x = data()
