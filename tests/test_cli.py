@@ -330,3 +330,13 @@ def test_plan_over_several_gpus(capsys):
     assert "on 2 GPUs of this host" in out and "the host's shared copies" in out
     assert main(["plan", "--bytes", "1GiB", "--devices", "0"]) == 2
     assert "devices" in capsys.readouterr().err
+
+
+def test_plan_with_a_chunk_larger_than_the_bytes_plans_one_chunk_of_them(capsys):
+    """A whole array is never cut in chunks larger than itself: 1 MiB with --chunk 8MiB is one
+    chunk of 1 MiB, predicted as such (it was predicted as moving 8 MiB, five times as long)."""
+    assert main(["plan", "--bytes", "1MiB", "--chunk", "8MiB"]) == 0
+    larger = capsys.readouterr().out
+    assert main(["plan", "--bytes", "1MiB", "--chunk", "1MiB"]) == 0
+    assert larger == capsys.readouterr().out
+    assert "in chunks of 1 MiB x 1" in larger

@@ -99,7 +99,8 @@ def plan_command(args) -> int:
                                          host_stages=not args.pinned)
         chunk = choice.chunk_bytes
     else:
-        chunk = args.chunk if isinstance(args.chunk, int) else parse_bytes(args.chunk)
+        # a whole array is never cut in chunks larger than itself (as stream_map and MapJob cut it)
+        chunk = min(total, args.chunk if isinstance(args.chunk, int) else parse_bytes(args.chunk))
         choice = None
     t, predicted = plan.predict_seconds(profile, total, chunk, compute_s_per_byte=per_byte,
                                         workers=args.workers, host_stages=not args.pinned)
