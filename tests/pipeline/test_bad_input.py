@@ -457,6 +457,15 @@ def test_whole_array_refuses_what_is_not_an_array(dev, door, setting, what):
     assert "np.asarray" in str(info.value)
 
 
+@pytest.mark.parametrize("what", [w for w in NOT_ARRAYS if w != "None"])
+@pytest.mark.parametrize("door", WHOLE_ARRAY_DOORS)
+def test_whole_array_refusing_an_out_that_is_not_an_array_names_what_it_got(dev, door, what):
+    """The message read "got None list" (a list's missing shape, then its type)."""
+    with pytest.raises(ValueError, match=f"out must be a numpy array of shape \\(64,\\) and dtype float32, got "
+                                         f"a {type(NOT_ARRAYS[what]).__name__};"):
+        run(door, "stage", dev, data(), NOT_ARRAYS[what])
+
+
 @pytest.mark.parametrize("what", NOT_ARRAYS)
 def test_pipeline_refuses_items_that_are_not_arrays(dev, what):
     with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
@@ -612,3 +621,4 @@ def test_a_compute_cost_that_is_not_seconds_is_refused_by_name(dev, door, cost):
         else:
             with rf.Pipeline(f, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
                 pipe.submit(x).result()
+
