@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import ringflow as rf
 from ringflow import SlotCounts, StageError
 from tests.helpers import unit_device
+from tests.helpers.threads import bounded
 from tests.helpers.hostile import (BAD, DOOR_OPTIONS, ENGINE_SETTINGS, GOOD, GOOD_WHOLE_ARRAY_CHUNKS, NAN, INF,
                                    call, compute, expected, named, outcome, settle)
 
@@ -622,3 +623,23 @@ def test_a_compute_cost_that_is_not_seconds_is_refused_by_name(dev, door, cost):
             with rf.Pipeline(f, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
                 pipe.submit(x).result()
 
+
+DAY = 86400.0
+
+
+@pytest.mark.parametrize("door", ALL_DOORS)
+def test_a_compute_said_to_take_a_day_runs_in_a_few_device_waits(dev, monkeypatch, door):
+    """``sim_seconds`` may be any finite duration: the simulated GPU's waits are virtual, so a
+    driver waits there until a fence completes rather than looking again every 50 virtual ms
+    (a kernel said to take a day took over a million scheduler steps: a hang)."""
+    def slow(x, y):
+        y[...] = x * 2 + 1
+
+    slow.sim_seconds = DAY
+    waits = []
+    real_wait = dev.wait_any
+    monkeypatch.setattr(dev, "wait_any", lambda *a, **k: waits.append(1) or real_wait(*a, **k))
+    x = data()
+    result = bounded(lambda: call(door, dev, x, f=slow, chunk_bytes=128), timeout=20)
+    assert np.array_equal(result, expected(x)) and dev.now >= DAY
+    assert len(waits) < 200, len(waits)
