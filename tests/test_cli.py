@@ -93,7 +93,9 @@ def bad_files(tmp_path_factory):
                 "nan_ts.json": '[{"ph": "X", "ts": NaN, "dur": 1, "name": "h2d"}]',
                 "bad_thread_name.json": '[{"ph": "M", "name": "thread_name", "tid": 1, "args": 3}]',
                 "bench_list.json": "[1]", "bench_rows_bad.json": '{"workloads": {"seed": {"rows": 5}}}',
-                "afile": "x"}
+                "afile": "x", "deep.json": "[" * 100_000 + "]" * 100_000,
+                "deep_events.json": '{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                "long_number.json": '[{"ph": "X", "ts": 0, "dur": ' + "9" * 5000 + ', "name": "h2d"}]'}
     for name, text in contents.items():
         (d / name).write_text(text)
     (d / "binary.json").write_bytes(b"\xff\xfe\x00\x81garbage")
@@ -146,6 +148,12 @@ MISTAKES = [
     (["trace", "{d}/negative_dur.json"], "trace", "'dur'"),
     (["trace", "{d}/bad_thread_name.json"], "trace", "args"),
     (["trace", "{d}"], "trace", "folder"),
+    (["trace", "{d}/deep.json"], "trace", "not JSON (arrays or objects nested too deeply"),
+    (["trace", "{d}/deep_events.json"], "trace", "not JSON (arrays or objects nested too deeply"),
+    (["trace", "{d}/long_number.json"], "trace", "not JSON (a number of 5000 digits"),
+    (["plan", "--compare", "{d}/deep.json"], "plan", "not JSON (arrays or objects nested too deeply"),
+    (["plan", "--profile", "{d}/deep.json"], "plan", "not JSON (arrays or objects nested too deeply"),
+    (["plan", "--profile", "{d}/long_number.json"], "plan", "not JSON (a number of 5000 digits"),
     (["trace"], "trace", "the following arguments are required: file"),
     (["doctor", "--device", "bogus"], "doctor", "argument --device: 'bogus' is not a device"),
     (["doctor", "--device", "cuda:abc"], "doctor", "argument --device: 'cuda:abc'"),
