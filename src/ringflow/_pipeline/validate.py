@@ -255,11 +255,12 @@ def check_unchanged(name: str, a: np.ndarray, bound: tuple, *, writeable: bool =
     if now != bound:
         what = [f"{label} {old} -> {new}" for label, old, new in
                 zip(("memory at", "shape", "strides", "dtype"), bound, now) if old != new]
+        undo = f"give {name} back its shape and dtype, or make a new MapJob for the new array"
         if now[0] != bound[0]:
             what[0] = "its memory moved (resize)"
+            undo = f"make a new MapJob for the resized {name}"  # its old memory is gone
         raise ValueError(f"{name} changed since the MapJob was made ({'; '.join(what)}): only the contents of a "
-                         f"job's arrays may change between calls; give {name} back its shape and dtype, or make "
-                         f"a new MapJob for the new array")
+                         f"job's arrays may change between calls; {undo}")
     if writeable and not a.flags.writeable:
         raise ValueError(f"{name} was made read-only since the MapJob was made, and each call writes it; set "
                          f"{name}.flags.writeable = True again, or make a new MapJob")
