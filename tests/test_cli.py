@@ -93,7 +93,9 @@ def bad_files(tmp_path_factory):
                 "nan_ts.json": '[{"ph": "X", "ts": NaN, "dur": 1, "name": "h2d"}]',
                 "bad_thread_name.json": '[{"ph": "M", "name": "thread_name", "tid": 1, "args": 3}]',
                 "bench_list.json": "[1]", "bench_rows_bad.json": '{"workloads": {"seed": {"rows": 5}}}',
-                "afile": "x"}
+                "afile": "x", "deep.json": "[" * 100_000 + "]" * 100_000,
+                "deep_events.json": '{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                "long_number.json": '[{"ph": "X", "ts": 0, "dur": ' + "9" * 5000 + ', "name": "h2d"}]'}
     for name, text in contents.items():
         (d / name).write_text(text)
     (d / "binary.json").write_bytes(b"\xff\xfe\x00\x81garbage")
@@ -146,6 +148,12 @@ MISTAKES = [
     (["trace", "{d}/negative_dur.json"], "trace", "'dur'"),
     (["trace", "{d}/bad_thread_name.json"], "trace", "args"),
     (["trace", "{d}"], "trace", "folder"),
+    (["trace", "{d}/deep.json"], "trace", "not JSON (arrays or objects nested too deeply"),
+    (["trace", "{d}/deep_events.json"], "trace", "not JSON (arrays or objects nested too deeply"),
+    (["trace", "{d}/long_number.json"], "trace", "not JSON (a number of 5000 digits"),
+    (["plan", "--compare", "{d}/deep.json"], "plan", "not JSON (arrays or objects nested too deeply"),
+    (["plan", "--profile", "{d}/deep.json"], "plan", "not JSON (arrays or objects nested too deeply"),
+    (["plan", "--profile", "{d}/long_number.json"], "plan", "not JSON (a number of 5000 digits"),
     (["trace"], "trace", "the following arguments are required: file"),
     (["doctor", "--device", "bogus"], "doctor", "argument --device: 'bogus' is not a device"),
     (["doctor", "--device", "cuda:abc"], "doctor", "argument --device: 'cuda:abc'"),
@@ -330,3 +338,13 @@ def test_plan_over_several_gpus(capsys):
     assert "on 2 GPUs of this host" in out and "the host's shared copies" in out
     assert main(["plan", "--bytes", "1GiB", "--devices", "0"]) == 2
     assert "devices" in capsys.readouterr().err
+
+
+def test_plan_with_a_chunk_larger_than_the_bytes_plans_one_chunk_of_them(capsys):
+    """A whole array is never cut in chunks larger than itself: 1 MiB with --chunk 8MiB is one
+    chunk of 1 MiB, predicted as such (it was predicted as moving 8 MiB, five times as long)."""
+    assert main(["plan", "--bytes", "1MiB", "--chunk", "8MiB"]) == 0
+    larger = capsys.readouterr().out
+    assert main(["plan", "--bytes", "1MiB", "--chunk", "1MiB"]) == 0
+    assert larger == capsys.readouterr().out
+    assert "in chunks of 1 MiB x 1" in larger

@@ -54,6 +54,23 @@ def test_bad_construction_and_calls():
         make_saxpy()(np.float32(1))
 
 
+@pytest.mark.parametrize("args, error, says", [
+    ((np.zeros(4, np.float32), np.zeros(4, np.float32), 2.0), TypeError, "numpy scalars"),
+    ((np.zeros(4, np.float32), np.zeros(4, np.float32), True), TypeError, "numpy scalars"),
+    ((np.zeros(8, np.float32)[::2], np.zeros(4, np.float32), np.float32(2)), ValueError, "C-contiguous"),
+    ((np.zeros(8, np.float32), np.zeros(4, np.float32), np.float32(2)), ValueError, "at least n = 8"),
+], ids=["python float", "python bool", "strided", "short output"])
+def test_the_reference_refuses_what_a_launch_refuses(args, error, says):
+    """On numpy arrays (the simulated GPU) a kernel refuses the arguments its launch on a GPU
+    refuses, with the same words, before the reference runs: a job that passes on the simulated
+    GPU must not fail on a real one (the reference used to take them all)."""
+    ran = []
+    k = Kernel(SAXPY, "saxpy", reference=lambda *a: ran.append(a))
+    with pytest.raises(error, match=says):
+        k(*args)
+    assert ran == []
+
+
 def test_kernel_as_compute_on_the_simulated_gpu():
     """stream.launch(kernel, x_arg, y_arg, scalar) runs the reference on sim."""
     dev = rf.device("sim")

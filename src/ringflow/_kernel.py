@@ -140,7 +140,9 @@ class Kernel:
     def __call__(self, *args: Any, stream: Any = None) -> Any:
         """Run on ``args``: the ``reference`` on numpy arrays, else a launch on ``stream`` (see
         the module's doc for which stream when None). Raises TypeError for no array, numpy
-        arrays without a reference, numpy and device arrays mixed, or a Python scalar."""
+        arrays without a reference, numpy and device arrays mixed, or a Python scalar, and
+        ValueError for a strided array or, elementwise, one shorter than the first: on numpy
+        arrays too, before the reference runs, as a launch would."""
         arrays = [a for a in args if not isinstance(a, (np.generic, bool, int, float, complex))]
         if not arrays:
             raise TypeError(f"kernel {self.name!r} needs at least one array argument")
@@ -148,6 +150,7 @@ class Kernel:
             if self.reference is None:
                 raise TypeError(f"kernel {self.name!r} got numpy arrays (the simulated GPU) but has no reference; "
                                 "pass reference=<numpy function> to Kernel(...)")
+            self._check_like_a_launch(args)
             return self.reference(*args)
         if any(isinstance(a, np.ndarray) for a in arrays):
             raise TypeError(f"kernel {self.name!r} got a mix of numpy and device arrays; pass all device arrays")
@@ -164,11 +167,37 @@ class Kernel:
         :meth:`ringflow._device.cuda.CudaStream.launch` takes for a kernel."""
         self._enqueue(cc_stream, device, kernel_args, sizes)
 
-    def _enqueue(self, cc_stream: Any, device: int, kernel_args: list, sizes: list) -> None:
+    def _check_like_a_launch(self, args: tuple[Any, ...]) -> None:
+        """Refuse the numpy arguments a launch on a GPU would refuse (a Python scalar, a strided
+        array, an array shorter than the first), so that what runs on the simulated GPU also
+        launches on a real one.
+
+        Raises:
+            TypeError, ValueError: as :meth:`_launch` and :meth:`_enqueue` do.
+        """
+        sizes = []
+        for a in args:
+            self._check_scalar(a)
+            if isinstance(a, np.ndarray):
+                if not a.flags.c_contiguous:
+                    raise ValueError("kernel arguments must be C-contiguous; use np.ascontiguousarray")
+                sizes.append(a.size)
+        self._check_sizes(sizes)
+
+    def _check_scalar(self, a: Any) -> None:
+        if isinstance(a, (bool, int, float, complex)):
+            raise TypeError(f"pass scalars to kernel {self.name!r} as numpy scalars (e.g. np.float32(2.0)) so "
+                            f"their C type is explicit; got Python {type(a).__name__} {a!r}")
+
+    def _check_sizes(self, sizes: list) -> None:
         n = sizes[0]
         if self.elementwise and min(sizes) < n:
             raise ValueError(f"kernel {self.name!r}: the first array has {n} elements but another has "
                              f"{min(sizes)}; every array must hold at least n = {n} elements")
+
+    def _enqueue(self, cc_stream: Any, device: int, kernel_args: list, sizes: list) -> None:
+        n = sizes[0]
+        self._check_sizes(sizes)
         kern = self._compiled.get(device)
         if kern is None:
             kern = self.compile(device)
@@ -186,9 +215,7 @@ class Kernel:
             if isinstance(a, np.generic):
                 kernel_args.append(a)
                 continue
-            if isinstance(a, (bool, int, float, complex)):
-                raise TypeError(f"pass scalars to kernel {self.name!r} as numpy scalars (e.g. np.float32(2.0)) so "
-                                f"their C type is explicit; got Python {type(a).__name__} {a!r}")
+            self._check_scalar(a)
             ptr, size, device, kind = _describe(a)
             kernel_args.append(ptr)  # cuda.core passes a Python int as a pointer
             sizes.append(size)

@@ -7,6 +7,8 @@ import math
 import re
 from typing import Any
 
+from . import _jsontext as jsontext
+
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
           "t": 1 << 40, "tib": 1 << 40, "p": 1 << 50, "pib": 1 << 50, "kb": 10**3, "mb": 10**6, "gb": 10**9,
           "tb": 10**12, "pb": 10**15}
@@ -46,7 +48,7 @@ def read_bench_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
     """
     try:
         with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+            data = jsontext.loads(fh.read())
     except IsADirectoryError:
         raise ValueError(f"--compare {path!r} is a folder; give a bench JSON file inside it") from None
     except UnicodeDecodeError:
@@ -99,7 +101,8 @@ def plan_command(args) -> int:
                                          host_stages=not args.pinned)
         chunk = choice.chunk_bytes
     else:
-        chunk = args.chunk if isinstance(args.chunk, int) else parse_bytes(args.chunk)
+        # a whole array is never cut in chunks larger than itself (as stream_map and MapJob cut it)
+        chunk = min(total, args.chunk if isinstance(args.chunk, int) else parse_bytes(args.chunk))
         choice = None
     t, predicted = plan.predict_seconds(profile, total, chunk, compute_s_per_byte=per_byte,
                                         workers=args.workers, host_stages=not args.pinned)

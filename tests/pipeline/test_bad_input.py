@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import ringflow as rf
 from ringflow import SlotCounts, StageError
 from tests.helpers import unit_device
+from tests.helpers.threads import bounded
 from tests.helpers.hostile import (BAD, DOOR_OPTIONS, ENGINE_SETTINGS, GOOD, GOOD_WHOLE_ARRAY_CHUNKS, NAN, INF,
                                    call, compute, expected, named, outcome, settle)
 
@@ -156,6 +157,33 @@ def test_compute_that_is_not_callable_is_refused(dev, door):
 def test_pipeline_callbacks_that_are_not_callable_are_refused(dev, name):
     with pytest.raises(TypeError, match=f"{name} must be a callable or None, got str"):
         rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, **{name: "nope"})
+
+
+def _no_size(item):
+    raise RuntimeError("no size here")
+
+
+@pytest.mark.parametrize("nbytes,kind,says", [
+    (lambda item: "40", TypeError, "returned '40'"), (lambda item: -1, ValueError, "returned -1"),
+    (lambda item: float("nan"), TypeError, "returned nan"), (lambda item: None, TypeError, "returned None"),
+    (lambda item: True, TypeError, "returned True"), (_no_size, RuntimeError, "no size here")],
+    ids=["str", "negative", "nan", "None", "bool", "raises"])
+def test_an_item_nbytes_that_gives_no_byte_count_fails_its_item(dev, nbytes, kind, says):
+    """``item_nbytes`` is the user's code on the progress thread: its error, or a value that is
+    not a byte count, fails that item's prepare as a StageError (the progress thread used to die
+    of it, every later call then raising "this is a ringflow bug"); the other items and the
+    pipeline carry on."""
+    items = [data(16) + k for k in range(3)]
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, prepare=np.copy, on_error="continue",
+                     item_nbytes=lambda item: nbytes(item) if item[0] == items[1][0] else item.nbytes) as pipe:
+        results = list(pipe.map(items))
+        assert [r[0] for r in results] == [expected(items[0])[0], expected(items[2])[0]]
+        (failure,) = pipe.failures
+        assert failure.stage == "prepare" and isinstance(failure.__cause__, kind)
+        assert says in str(failure.__cause__)
+        if kind is not RuntimeError:
+            assert "item_nbytes" in str(failure.__cause__)
+        assert np.array_equal(pipe.submit(items[0]).result(), expected(items[0]))
 
 
 @pytest.mark.parametrize("setting", ENGINE_SETTINGS)
@@ -430,6 +458,15 @@ def test_whole_array_refuses_what_is_not_an_array(dev, door, setting, what):
     assert "np.asarray" in str(info.value)
 
 
+@pytest.mark.parametrize("what", [w for w in NOT_ARRAYS if w != "None"])
+@pytest.mark.parametrize("door", WHOLE_ARRAY_DOORS)
+def test_whole_array_refusing_an_out_that_is_not_an_array_names_what_it_got(dev, door, what):
+    """The message read "got None list" (a list's missing shape, then its type)."""
+    with pytest.raises(ValueError, match=f"out must be a numpy array of shape \\(64,\\) and dtype float32, got "
+                                         f"a {type(NOT_ARRAYS[what]).__name__};"):
+        run(door, "stage", dev, data(), NOT_ARRAYS[what])
+
+
 @pytest.mark.parametrize("what", NOT_ARRAYS)
 def test_pipeline_refuses_items_that_are_not_arrays(dev, what):
     with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
@@ -585,3 +622,24 @@ def test_a_compute_cost_that_is_not_seconds_is_refused_by_name(dev, door, cost):
         else:
             with rf.Pipeline(f, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
                 pipe.submit(x).result()
+
+
+DAY = 86400.0
+
+
+@pytest.mark.parametrize("door", ALL_DOORS)
+def test_a_compute_said_to_take_a_day_runs_in_a_few_device_waits(dev, monkeypatch, door):
+    """``sim_seconds`` may be any finite duration: the simulated GPU's waits are virtual, so a
+    driver waits there until a fence completes rather than looking again every 50 virtual ms
+    (a kernel said to take a day took over a million scheduler steps: a hang)."""
+    def slow(x, y):
+        y[...] = x * 2 + 1
+
+    slow.sim_seconds = DAY
+    waits = []
+    real_wait = dev.wait_any
+    monkeypatch.setattr(dev, "wait_any", lambda *a, **k: waits.append(1) or real_wait(*a, **k))
+    x = data()
+    result = bounded(lambda: call(door, dev, x, f=slow, chunk_bytes=128), timeout=20)
+    assert np.array_equal(result, expected(x)) and dev.now >= DAY
+    assert len(waits) < 200, len(waits)

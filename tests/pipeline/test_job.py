@@ -219,3 +219,49 @@ def test_a_job_made_on_one_thread_is_called_and_closed_on_others(host, pooled):
     x = out = y = None  # the pool arrays go back before the count
     gc.collect()
     assert dev.live().total == 0
+
+
+def _reshape(a):
+    a.shape = (50, 20)
+
+
+def _retype(a):
+    a.dtype = np.int32
+
+
+def _grow(a):
+    a.resize(4000, refcheck=False)  # new memory: the old bytes are freed
+
+
+def _freeze(a):
+    a.flags.writeable = False
+
+
+# (what a hostile caller does to an array between calls, which array, whether it can be undone)
+CHANGES = [(_reshape, "x"), (_retype, "x"), (_grow, "x"), (_reshape, "out"), (_retype, "out"), (_grow, "out"),
+           (_freeze, "out")]
+
+
+@pytest.mark.parametrize("host", ["stage", "register"])
+@pytest.mark.parametrize("change,which", CHANGES, ids=[f"{c.__name__[1:]} {w}" for c, w in CHANGES])
+def test_a_job_refuses_arrays_changed_after_it_was_made(host, change, which):
+    """Only the contents of x and out may change between calls: an array reshaped, retyped,
+    reallocated (resize moves its memory, which a registered job would still read and write) or
+    made read-only is refused before any device work, naming it, and the job stays usable."""
+    dev = rf.device("sim")
+    x, out = np.arange(1000, dtype=np.float32), np.zeros(1000, np.float32)
+    with rf.MapJob(f, x, out, device=dev, chunk_bytes=1024, host=host) as job:
+        np.testing.assert_array_equal(job(), x * 2 + 1)
+        arrays = {"x": x, "out": out}
+        saved = arrays[which].copy()
+        change(arrays[which])
+        with pytest.raises(ValueError, match=rf"^{which} .*MapJob"):
+            job()
+        assert not job.closed
+        if change is _grow:
+            return  # its old memory is gone: nothing to go back to
+        arrays[which].shape, arrays[which].dtype = saved.shape, saved.dtype
+        arrays[which].flags.writeable = True
+        x[:] = 7
+        np.testing.assert_array_equal(job(), np.full(1000, 15, np.float32))
+    assert dev.live().total == 0

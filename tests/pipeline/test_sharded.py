@@ -149,6 +149,14 @@ def test_fewer_rows_than_devices_uses_one_device_a_row():
     assert devs[3].live().total == 0 and devs[3].now == 0.0  # the fourth device was never touched
 
 
+def test_a_sharded_trace_path_that_is_not_a_file_name_is_refused(capfd):
+    """save_trace(1) took 1 as a file descriptor: it wrote the trace over stdout and closed it."""
+    _, report = rf.stream_map_report(f, contents((8, 4), 1), device=sims(2))
+    with pytest.raises(TypeError, match="path must be a file name"):
+        report.save_trace(1)
+    assert capfd.readouterr().out == ""
+
+
 def test_each_device_runs_its_own_rows_on_its_own_engine():
     x = contents((1000, 4), 3)
     devs = sims(2)

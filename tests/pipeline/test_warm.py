@@ -251,3 +251,14 @@ def test_pipelines_parked_by_another_thread_close_quietly_at_exit():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "ran" in done.stdout, done.stderr
     assert "Warning" not in done.stderr and "Hazard" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("device", ["sim", "sim:0", 0, True, ["sim"]], ids=repr)
+def test_dropping_the_warm_pipelines_of_something_not_a_device_is_refused(device):
+    """A spec, a number or a list names no device whose pipelines are kept: it used to drop
+    nothing and return 0, so a leak check after it went on with the pipelines still warm."""
+    dev = rf.device("sim")
+    rf.stream_map(f, np.ones(64, np.float32), device=dev, chunk_bytes=64)
+    with pytest.raises(TypeError, match="drop_warm_pipelines.*device"):
+        rf.drop_warm_pipelines(device)
+    assert rf.drop_warm_pipelines(dev) == 1

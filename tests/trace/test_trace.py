@@ -1,6 +1,7 @@
 """The profiled timeline, its Chrome/Perfetto export, the report and the plot."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -90,6 +91,22 @@ def test_trace_summary_and_plot(tmp_path):
     rep.plot(str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "efficiency" in str(rep)
+
+
+@pytest.mark.parametrize("path", [0, 1, 5, True, 2.5, None, ["t.json"]], ids=repr)
+def test_a_trace_or_plot_path_that_is_not_a_file_name_is_refused(path, capfd):
+    """A number is not a file name: open() takes an int as a file descriptor, so save_trace(1)
+    wrote the trace over stdout and then closed it (save_trace(5) closed whatever file the process
+    had as descriptor 5)."""
+    rep = profiled_run(n=2)
+    with pytest.raises(TypeError, match="path must be a file name"):
+        rep.save_trace(path)
+    if path is not None:  # plot(None) saves nothing
+        pytest.importorskip("matplotlib")
+        with pytest.raises(TypeError, match="path must be a file name"):
+            rep.plot(path)
+    assert capfd.readouterr().out == ""
+    os.fstat(1)  # stdout is still open
 
 
 def test_report_needs_profiling():

@@ -33,6 +33,7 @@ import re
 import threading
 from typing import Any, Optional
 
+from .. import _jsontext as jsontext
 from .._errors import RingflowError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -199,7 +200,7 @@ class HardwareProfile:
             ProfileError: the text is not JSON, or not a valid profile (the message says where).
         """
         try:
-            data = json.loads(text)
+            data = jsontext.loads(text)
         except json.JSONDecodeError as exc:
             raise ProfileError(f"{source}: not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
                                "a hardware profile is the JSON file ringflow doctor --save writes") from None

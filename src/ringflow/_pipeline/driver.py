@@ -34,7 +34,14 @@ from .sigint import checkpoint
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.05  # the longest a driver waits on the device before looking at its deadlines again
+_POLL_S = 0.05  # the longest a driver waits on a real device before looking at its deadlines again
+# On the simulated GPU a wait's length is virtual: simulating it costs the real time of the
+# operations it runs through, however long it lasts, and no Ctrl-C or deadline comes in between
+# but at the instants the wait itself reaches. Looking again every _POLL_S of virtual time
+# would cost a scheduler step per 50 ms of a kernel's duration (a kernel said to take a day:
+# over a million steps), so there a wait lasts until a fence completes, a deadline comes, or
+# this long has passed.
+_SIM_POLL_S = 3600.0
 
 
 class Command:
@@ -134,6 +141,13 @@ class _Driver:
     def deadline_of(self, timeout: Optional[float]) -> Optional[float]:
         return None if timeout is None else self.device.now + timeout
 
+    def device_wait(self, deadline: Optional[float]) -> float:
+        """How long (device clock) a wait on the device's fences may last before the driver
+        looks at its deadlines and commands again: up to ``deadline``, and no longer than a
+        poll (on a real device :data:`_POLL_S`, on the simulated GPU :data:`_SIM_POLL_S`)."""
+        poll = _SIM_POLL_S if self.device.backend == "sim" else _POLL_S
+        return poll if deadline is None else max(0.0, min(poll, deadline - self.device.now))
+
     def drive_here(self, pred: Callable[[], bool], timeout: Optional[float], what: str) -> None:
         """The calling thread drives the scheduler until ``pred()`` holds (lock held). Raises
         TimeoutError after ``timeout`` seconds of the device's host clock."""
@@ -165,9 +179,8 @@ class _Driver:
                     continue  # a slot is free now; the next step starts it
                 raise RuntimeError("the pipeline is idle but the awaited result can never arrive "
                                    "(nothing is in flight); this is a ringflow bug")
-            wait = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - self.device.now))
             try:
-                self.device.wait_any(fences, timeout=wait)
+                self.device.wait_any(fences, timeout=self.device_wait(deadline))
             except DeviceError as err:
                 if not err.sticky:
                     raise
@@ -383,7 +396,7 @@ class ProgressThread(_Driver):
             return (0.25 if self.gated else _POLL_S), None, None
         if deadline is not None and now >= deadline and self.gated and not self.someone_waits():
             return 0.25, None, None  # the only waits left have timed out
-        return None, fences, (_POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - now)))
+        return None, fences, self.device_wait(deadline)
 
 
 def _run(driver: "ProgressThread") -> None:

@@ -34,7 +34,7 @@ from .._device.protocol import Device, close_quietly
 from .engine import Arrays, Engine, choose_engine, make_engine
 from .sigint import shielded
 from .whole_array import check_arrays, pinned_arrays, plan_layout, run_call
-from .validate import check_flag, check_options
+from .validate import array_identity, check_flag, check_options, check_unchanged
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ class MapJob:
             raise ValueError("MapJob needs at least one element in x; for an empty array call stream_map, "
                              "which returns at once")
         self.x, self.out = x, out
+        self._bound = array_identity(x), array_identity(out)
         many = device_list(device)
         if many is not None and len(many) > 1:  # a job per device over its rows (one list of one is one)
             from .sharded import ShardedJob
@@ -164,6 +165,7 @@ class MapJob:
         job._calling = job._close_pending = False
         job._handed = []
         job.x, job.out = x, out
+        job._bound = array_identity(x), array_identity(out)
         job._bind(f, x, out, fresh_out, dev, chunk_bytes, host, None, None, engine, opts)
         job._finalizer = weakref.finalize(job, _collected, job._held, repr(job))
         job._hand_over()
@@ -229,6 +231,9 @@ class MapJob:
 
         Raises:
             RuntimeError: the job is closed.
+            ValueError: ``x`` or ``out`` changed other than in its contents since the job was made
+                (reshaped, retyped, moved by ``resize``, or ``out`` made read-only); the job
+                stays open.
             StageError: a chunk failed; the job is then closed.
             DeviceError: the device broke; the job is then closed.
         """
@@ -238,6 +243,7 @@ class MapJob:
             engine = self._held.engine
             if engine is None:
                 raise RuntimeError("this MapJob is closed; create a new one")
+            self._check_arrays()
             self._calling = True
             try:
                 run_call(engine, self._arrays, profile)
@@ -251,6 +257,16 @@ class MapJob:
                     self._release()
                 self._hand_over()
         return self.out
+
+    def _check_arrays(self) -> None:
+        """Refuse a call on arrays that changed other than in their contents since the job was
+        made (a job over several devices checks here, before any shard runs).
+
+        Raises:
+            ValueError: naming ``x`` or ``out`` (:func:`check_unchanged`).
+        """
+        check_unchanged("x", self.x, self._bound[0])
+        check_unchanged("out", self.out, self._bound[1], writeable=True)
 
     def close(self) -> None:
         """Close the engine (streams, rings, workers) and drop the registrations, after the call

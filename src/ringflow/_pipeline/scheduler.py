@@ -697,12 +697,35 @@ class Scheduler:
                 self._on_prepared(chunk)
                 progressed = True
                 continue
-            chunk.prepare_task = self.pool.submit(self._run_prepare, chunk, slot.where,
-                                                  nbytes=self.item_nbytes(chunk.item))
+            nbytes = self._item_bytes(chunk.item)
+            if isinstance(nbytes, BaseException):  # ends as the chunk's prepare failure, at once
+                chunk.prepare_task = _InlineTask(self.device, _reraise, nbytes)
+                self._h2d_q.append(chunk)
+                self._on_prepared(chunk)
+                progressed = True
+                continue
+            chunk.prepare_task = self.pool.submit(self._run_prepare, chunk, slot.where, nbytes=nbytes)
             slot.fence = chunk.prepare_task
             self._h2d_q.append(chunk)
             progressed = True
         return progressed
+
+    def _item_bytes(self, item: Any) -> "int | BaseException":
+        """The bytes ``item_nbytes`` says the prepare of ``item`` copies (what the simulated GPU
+        charges for it), or the error to fail its chunk with: ``item_nbytes`` is the user's code
+        on the driving thread, and its error, or a value that is no byte count, must end that
+        item, not the thread."""
+        try:
+            nbytes = self.item_nbytes(item)
+        except BaseException as exc:  # noqa: BLE001 - delivered as the chunk's prepare failure
+            return exc
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
+            return TypeError(f"item_nbytes must return the bytes prepare copies for the item, an int >= 0; "
+                             f"it returned {nbytes!r} ({type(nbytes).__name__})")
+        if nbytes < 0:
+            return ValueError(f"item_nbytes must return the bytes prepare copies for the item, an int >= 0; "
+                              f"it returned {nbytes}")
+        return int(nbytes)
 
     def _found(self, chunk: Chunk) -> Optional[tuple]:
         """Where ``chunk``'s input already is in pinned memory: (its bytes, shape, dtype), or None."""
@@ -1471,6 +1494,10 @@ class _InlineTask:
         if self._exc is not None:
             raise self._exc
         return self._value
+
+
+def _reraise(exc: BaseException) -> None:
+    raise exc
 
 
 def _returning(compute: Callable, box: list) -> Callable:

@@ -39,6 +39,7 @@ import numpy as np
 from .._device import device_label, host_pool
 from .._device.protocol import Device
 from .._errors import DeviceError, LaunchError, StageError
+from .._trace.chrome import check_file_name
 from .engine import Arrays, choose_engine
 from .sizing import default_workers
 from .whole_array import MapLayout, run_whole
@@ -354,7 +355,13 @@ class ShardedReport:
         return fig
 
     def save_trace(self, path: str) -> str:
-        """Write :meth:`to_chrome` as JSON (open it in ui.perfetto.dev); returns ``path``."""
+        """Write :meth:`to_chrome` as JSON (open it in ui.perfetto.dev); returns ``path``.
+
+        Raises:
+            TypeError: ``path`` is not a file name (a str or os.PathLike).
+            OSError: the file cannot be written.
+        """
+        check_file_name(path, "save_trace")
         with open(path, "w") as fh:
             json.dump(self.to_chrome(), fh)
         return path

@@ -234,6 +234,38 @@ def check_out(x: np.ndarray, out: np.ndarray) -> None:
                          "pass out=x to work in place, or a separate array")
 
 
+def array_identity(a: np.ndarray) -> tuple:
+    """What a job bound of ``a`` besides its contents: its first byte's address, shape, strides
+    and dtype (:func:`check_unchanged` compares a later look with it)."""
+    return a.__array_interface__["data"][0], a.shape, a.strides, a.dtype
+
+
+def check_unchanged(name: str, a: np.ndarray, bound: tuple, *, writeable: bool = False) -> None:
+    """``a`` is still the array a :class:`~ringflow.MapJob` was made with (``bound``, its
+    :func:`array_identity` then), and writeable where the job writes it.
+
+    A job keeps its arrays' layout, and their memory registered for the copy engines: an array
+    reshaped or retyped in place would be cut wrongly, and one that ``resize`` moved would be
+    read or written where its old, freed memory was.
+
+    Raises:
+        ValueError: naming ``name``, what changed and what to do.
+    """
+    now = array_identity(a)
+    if now != bound:
+        what = [f"{label} {old} -> {new}" for label, old, new in
+                zip(("memory at", "shape", "strides", "dtype"), bound, now) if old != new]
+        undo = f"give {name} back its shape and dtype, or make a new MapJob for the new array"
+        if now[0] != bound[0]:
+            what[0] = "its memory moved (resize)"
+            undo = f"make a new MapJob for the resized {name}"  # its old memory is gone
+        raise ValueError(f"{name} changed since the MapJob was made ({'; '.join(what)}): only the contents of a "
+                         f"job's arrays may change between calls; {undo}")
+    if writeable and not a.flags.writeable:
+        raise ValueError(f"{name} was made read-only since the MapJob was made, and each call writes it; set "
+                         f"{name}.flags.writeable = True again, or make a new MapJob")
+
+
 def check_output_spec(spec: Any, where: str = "output") -> tuple:
     """An output spec ``(shape, dtype)`` checked and normalised to ``(tuple of ints, numpy dtype)``.
 

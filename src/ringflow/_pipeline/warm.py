@@ -119,7 +119,19 @@ WARM = WarmPipelines()
 def drop_warm_pipelines(device: "Device | None" = None) -> int:
     """Close the pipelines :func:`~ringflow.stream_map` keeps warm (for ``device``, or all) and
     release their streams and memory; returns how many were closed. Call it before checking
-    ``device.live()`` for leaks, or to hand their memory back early."""
+    ``device.live()`` for leaks, or to hand their memory back early.
+
+    Raises:
+        TypeError: ``device`` is neither None nor a device (a spec such as ``"sim"`` names no
+            device whose pipelines are kept: each call of ``ringflow.device`` makes a new one).
+    """
+    from .._device.protocol import Device  # at call time: only a type name for this module otherwise
+
+    if device is not None and not isinstance(device, Device):
+        spec = (f"; a spec such as {device!r} makes a new device, which has none: pass the device object the "
+                "calls ran on") if isinstance(device, str) else ""
+        raise TypeError(f"drop_warm_pipelines(device=...) takes a ringflow Device or None (every device), got "
+                        f"{type(device).__name__} {device!r:.60}{spec}")
     return WARM.drop(device)
 
 

@@ -282,9 +282,11 @@ def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str, out
                               f"{exc}; pass a smaller output, or out= an array you made") from None
     if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype:
         hint = "" if output is not None else "; for a result shaped otherwise pass output=(shape, dtype) too"
+        got = f"{out.shape} {out.dtype}" if isinstance(out, np.ndarray) else f"a {type(out).__name__}"
+        if not isinstance(out, np.ndarray):
+            hint = "; pass a numpy array, or None to have one allocated"
         raise ValueError(f"out must be a numpy array of shape {shape} and dtype {dtype}"
-                         f"{' (as output= says)' if output is not None else ''}, got "
-                         f"{getattr(out, 'shape', None)} {getattr(out, 'dtype', type(out).__name__)}{hint}")
+                         f"{' (as output= says)' if output is not None else ''}, got {got}{hint}")
     if not out.flags.writeable:
         raise ValueError("out is read-only; pass a writeable array (or out=None to allocate one)")
     check_out(x, out)

@@ -8,6 +8,7 @@ first accepted chunk, and ``args`` carrying the chunk index and bytes.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from .timeline import Span, Timeline, track_sort_key
@@ -32,7 +33,29 @@ def to_chrome(timeline: Timeline, *, name: str = "ringflow") -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": timeline.meta}
 
 
+def check_file_name(path: Any, where: str, *, file_objects: bool = False) -> None:
+    """Refuse a ``path`` that is not a file name (a str, bytes or ``os.PathLike``; with
+    ``file_objects`` also an open file, anything with ``write``). ``open()`` takes an int as a
+    file descriptor: ``save_trace(1)`` would write over stdout and then close it.
+
+    Raises:
+        TypeError: naming ``where`` and what it got.
+    """
+    if isinstance(path, (str, bytes, os.PathLike)) or (file_objects and hasattr(path, "write")):
+        return
+    also = " or an open binary file" if file_objects else ""
+    raise TypeError(f"{where}: path must be a file name (a str or os.PathLike{also}), got "
+                    f"{type(path).__name__} {path!r:.60}")
+
+
 def save_chrome(timeline: Timeline, path: str, **kw: Any) -> str:
+    """Write ``timeline`` as Chrome trace JSON to the file ``path``; returns ``path``.
+
+    Raises:
+        TypeError: ``path`` is not a file name (:func:`check_file_name`).
+        OSError: the file cannot be written.
+    """
+    check_file_name(path, "save_trace")
     with open(path, "w") as fh:
         json.dump(to_chrome(timeline, **kw), fh)
     return path

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .chrome import check_file_name
 from .timeline import Timeline, track_sort_key
 
 COLOURS = {"prepare": "#4c72b0", "h2d": "#dd8452", "compute": "#55a868", "d2h": "#c44e52", "consume": "#8172b3"}
@@ -15,7 +16,10 @@ COLOURS = {"prepare": "#4c72b0", "h2d": "#dd8452", "compute": "#55a868", "d2h": 
 def plot_gantt(timeline: Timeline, path: Optional[str] = None, *, ax=None, title: str = ""):
     """Draw ``timeline`` (see :meth:`ringflow.Report.plot`); returns the Figure drawn on.
 
-    Raises RuntimeError without matplotlib, TypeError when ``ax`` is not a matplotlib Axes."""
+    Raises RuntimeError without matplotlib, TypeError when ``ax`` is not a matplotlib Axes or
+    ``path`` neither None, a file name nor an open file."""
+    if path is not None:
+        check_file_name(path, "plot", file_objects=True)
     try:
         from matplotlib.axes import Axes
         from matplotlib.figure import Figure

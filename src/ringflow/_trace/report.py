@@ -193,7 +193,12 @@ class Report:
 
     # -- output ------------------------------------------------------------------------------------
     def save_trace(self, path: str) -> str:
-        """Write the Chrome/Perfetto JSON of the run (open it in ui.perfetto.dev); returns ``path``."""
+        """Write the Chrome/Perfetto JSON of the run (open it in ui.perfetto.dev); returns ``path``.
+
+        Raises:
+            TypeError: ``path`` is not a file name (a str or os.PathLike).
+            OSError: the file cannot be written.
+        """
         return save_chrome(self.timeline, path)
 
     def plot(self, path: Optional[str] = None, *, ax: Any = None) -> Any:
@@ -213,7 +218,8 @@ class Report:
 
         Raises:
             RuntimeError: matplotlib is not installed.
-            TypeError: ``ax`` is not a matplotlib Axes.
+            TypeError: ``ax`` is not a matplotlib Axes, or ``path`` is neither None, a file
+                name nor an open file.
         """
         from .plot import plot_gantt
 

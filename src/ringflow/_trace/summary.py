@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _jsontext as jsontext
 from .timeline import STAGES, Span
 
 LEGEND = {
@@ -64,7 +65,7 @@ def read_spans(path: str) -> list[Span]:
     if not text.strip():
         raise _fail(path, "the file is empty")
     try:
-        data = json.loads(text)
+        data = jsontext.loads(text)
     except json.JSONDecodeError as exc:
         raise _fail(path, f"not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
     if isinstance(data, dict):

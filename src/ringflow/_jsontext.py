@@ -1,0 +1,70 @@
+"""JSON text read from files the user names (a trace, a bench result, a hardware profile), where
+every way the text can fail to be usable JSON is one :class:`json.JSONDecodeError`.
+
+:func:`json.loads` lets two such texts escape as other errors: arrays or objects nested deeper
+than the interpreter's recursion limit (a RecursionError, which a caller would take for a bug)
+and an integer longer than Python converts (a ValueError whose advice, to raise the interpreter's
+limit, is not the user's to follow).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+NESTING = 512  # the depth a message points at; the parser itself gives up near the recursion limit
+_LONG_INT = re.compile(r"-?\d{4000,}")
+
+
+def loads(text: "str | bytes") -> Any:
+    """``json.loads(text)``, every failure a :class:`json.JSONDecodeError`.
+
+    Raises:
+        json.JSONDecodeError: not JSON, nested too deeply, or a number too long to convert;
+            the message and position say which and where.
+        UnicodeDecodeError, TypeError: as :func:`json.loads` (bytes that are not text, or
+            not a string at all).
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        doc = _as_text(text)
+        raise json.JSONDecodeError(f"arrays or objects nested too deeply (more than {NESTING} levels)", doc,
+                                   _deep_at(doc)) from None
+    except ValueError as exc:
+        if isinstance(exc, json.JSONDecodeError):
+            raise
+        doc = _as_text(text)
+        found = _LONG_INT.search(doc)
+        if found is None:
+            raise
+        digits = len(found.group().lstrip("-"))
+        raise json.JSONDecodeError(f"a number of {digits} digits, too long to read", doc, found.start()) from None
+
+
+def _as_text(text: "str | bytes") -> str:
+    return text.decode("utf-8", "replace") if isinstance(text, (bytes, bytearray)) else text
+
+
+def _deep_at(doc: str) -> int:
+    """Where the nesting of ``doc``'s arrays and objects first passes :data:`NESTING` levels (0
+    if it never does), strings skipped."""
+    depth, in_string, escaped = 0, False, False
+    for i, ch in enumerate(doc):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > NESTING:
+                return i
+        elif ch in "]}":
+            depth -= 1
+    return 0
