@@ -34,7 +34,7 @@ from .._device.protocol import Device, close_quietly
 from .engine import Arrays, Engine, choose_engine, make_engine
 from .sigint import shielded
 from .whole_array import check_arrays, pinned_arrays, plan_layout, run_call
-from .validate import array_identity, check_flag, check_options, check_unchanged
+from .validate import BoundArray, check_flag, check_options, check_unchanged
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class MapJob:
             raise ValueError("MapJob needs at least one element in x; for an empty array call stream_map, "
                              "which returns at once")
         self.x, self.out = x, out
-        self._bound = array_identity(x), array_identity(out)
+        self._arrays_bound = BoundArray(x), BoundArray(out)
         many = device_list(device)
         if many is not None and len(many) > 1:  # a job per device over its rows (one list of one is one)
             from .sharded import ShardedJob
@@ -165,7 +165,7 @@ class MapJob:
         job._calling = job._close_pending = False
         job._handed = []
         job.x, job.out = x, out
-        job._bound = array_identity(x), array_identity(out)
+        job._arrays_bound = BoundArray(x), BoundArray(out)
         job._bind(f, x, out, fresh_out, dev, chunk_bytes, host, None, None, engine, opts)
         job._finalizer = weakref.finalize(job, _collected, job._held, repr(job))
         job._hand_over()
@@ -265,8 +265,8 @@ class MapJob:
         Raises:
             ValueError: naming ``x`` or ``out`` (:func:`check_unchanged`).
         """
-        check_unchanged("x", self.x, self._bound[0])
-        check_unchanged("out", self.out, self._bound[1], writeable=True)
+        check_unchanged("x", self.x, self._arrays_bound[0])
+        check_unchanged("out", self.out, self._arrays_bound[1], writeable=True)
 
     def close(self) -> None:
         """Close the engine (streams, rings, workers) and drop the registrations, after the call
@@ -293,6 +293,8 @@ class MapJob:
     def _release(self) -> None:
         self._finalizer.detach()
         self._held.release()
+        for bound in self._arrays_bound:  # a closed job no longer keeps numpy from resizing them
+            bound.release()
 
     def __enter__(self) -> "MapJob":
         return self

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import weakref
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -234,33 +235,47 @@ def check_out(x: np.ndarray, out: np.ndarray) -> None:
                          "pass out=x to work in place, or a separate array")
 
 
-def array_identity(a: np.ndarray) -> tuple:
-    """What a job bound of ``a`` besides its contents: its first byte's address, shape, strides
-    and dtype (:func:`check_unchanged` compares a later look with it)."""
-    return a.__array_interface__["data"][0], a.shape, a.strides, a.dtype
+class BoundArray:
+    """What a :class:`~ringflow.MapJob` keeps of one of its arrays besides the array itself: the
+    layout it was cut by (shape, strides, dtype), which :func:`check_unchanged` compares on each
+    call, and weak references to it and to the array that owns its memory.
+
+    The weak references are what keeps the memory where the job registered it: numpy refuses to
+    ``resize`` an array that a weak reference points to, ``refcheck=False`` or not, and a resize
+    is the one way an array's memory moves under the same object. A refused resize is cheaper to
+    explain than a job that reads freed memory, and cheaper to check than the array's address
+    on every call."""
+
+    __slots__ = ("layout", "_refs")
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.layout = (a.shape, a.strides, a.dtype)
+        refs, seen = [], a
+        while isinstance(seen, np.ndarray):  # the array and each base up to the owner
+            refs.append(weakref.ref(seen))
+            seen = seen.base
+        self._refs = refs
+
+    def release(self) -> None:
+        """Drop the weak references: numpy may resize the arrays again."""
+        self._refs = []
 
 
-def check_unchanged(name: str, a: np.ndarray, bound: tuple, *, writeable: bool = False) -> None:
-    """``a`` is still the array a :class:`~ringflow.MapJob` was made with (``bound``, its
-    :func:`array_identity` then), and writeable where the job writes it.
-
-    A job keeps its arrays' layout, and their memory registered for the copy engines: an array
-    reshaped or retyped in place would be cut wrongly, and one that ``resize`` moved would be
-    read or written where its old, freed memory was.
+def check_unchanged(name: str, a: np.ndarray, bound: BoundArray, *, writeable: bool = False) -> None:
+    """``a`` still has the layout a :class:`~ringflow.MapJob` was made with (``bound``), and is
+    writeable where the job writes it: the job cuts its chunks by that layout, so an array
+    reshaped or retyped in place would be cut wrongly.
 
     Raises:
         ValueError: naming ``name``, what changed and what to do.
     """
-    now = array_identity(a)
-    if now != bound:
+    now = (a.shape, a.strides, a.dtype)
+    if now != bound.layout:
         what = [f"{label} {old} -> {new}" for label, old, new in
-                zip(("memory at", "shape", "strides", "dtype"), bound, now) if old != new]
-        undo = f"give {name} back its shape and dtype, or make a new MapJob for the new array"
-        if now[0] != bound[0]:
-            what[0] = "its memory moved (resize)"
-            undo = f"make a new MapJob for the resized {name}"  # its old memory is gone
+                zip(("shape", "strides", "dtype"), bound.layout, now) if old != new]
         raise ValueError(f"{name} changed since the MapJob was made ({'; '.join(what)}): only the contents of a "
-                         f"job's arrays may change between calls; {undo}")
+                         f"job's arrays may change between calls; give {name} back its shape and dtype, or make "
+                         f"a new MapJob for the new array")
     if writeable and not a.flags.writeable:
         raise ValueError(f"{name} was made read-only since the MapJob was made, and each call writes it; set "
                          f"{name}.flags.writeable = True again, or make a new MapJob")
