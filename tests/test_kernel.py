@@ -39,8 +39,11 @@ def test_bad_construction_and_calls():
         Kernel("", "k")
     with pytest.raises(ValueError):
         Kernel(SAXPY, "")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="block must be between 1 and 1024"):
         Kernel(SAXPY, "saxpy", block=0)
+    with pytest.raises(TypeError, match="block must be an integer"):
+        Kernel(SAXPY, "saxpy", block=128.0)
+    assert Kernel(SAXPY, "saxpy", block=np.int64(128)).block == 128  # a numpy count is a count
     with pytest.raises(TypeError):
         Kernel(SAXPY, "saxpy", reference=3)
     with pytest.raises(TypeError, match="elementwise must be True or False"):

@@ -52,6 +52,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ._pipeline.validate import check_count
+
 __all__ = ["Kernel", "BoundKernel"]
 
 
@@ -76,8 +78,8 @@ class Kernel:
     Raises:
         ValueError: empty ``source`` or ``name``, ``block`` out of range, or ``pointwise``
             without ``elementwise``.
-        TypeError: ``reference`` not callable, a flag that is not a bool, ``options`` not a
-            dict.
+        TypeError: ``reference`` not callable, ``block`` not an integer, a flag that is not a
+            bool, ``options`` not a dict.
     """
 
     def __init__(self, source: str, name: str, reference: Callable[..., Any] | None = None, *,
@@ -89,8 +91,7 @@ class Kernel:
             raise ValueError("Kernel needs the name of the __global__ function to launch")
         if reference is not None and not callable(reference):
             raise TypeError("reference must be a callable that takes numpy arrays")
-        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 1024:
-            raise ValueError(f"block must be 1..1024 threads, got {block!r}")
+        block = check_count("block", block, minimum=1, maximum=1024, hint=" (threads per block)")
         for flag, value in (("elementwise", elementwise), ("pointwise", pointwise)):
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} must be True or False, got {type(value).__name__} {value!r}")

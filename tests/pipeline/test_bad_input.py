@@ -153,6 +153,26 @@ def test_compute_that_is_not_callable_is_refused(dev, door):
     assert "float32" in str(info.value)
 
 
+@pytest.mark.parametrize("which", ["x", "out"])
+@pytest.mark.parametrize("door", WHOLE_ARRAY_DOORS)
+def test_a_masked_array_is_refused_not_unmasked(dev, door, which):
+    """ringflow moves an array's data alone: a masked x would come back with its masked
+    elements computed as if valid, and a masked out would hide results; both are refused."""
+    x, out = data(), np.zeros(N, np.float32)
+    arrays = {"x": x, "out": out}
+    arrays[which] = np.ma.masked_array(arrays[which], mask=np.arange(N) % 2 == 0)
+    with pytest.raises(TypeError, match=rf"^{which}: a numpy masked array.*\.filled"):
+        call(door, dev, arrays["x"], arrays["out"], chunk_bytes=64)
+
+
+def test_a_masked_item_is_refused_and_the_pipeline_goes_on(dev):
+    item = np.ma.masked_array(data(), mask=np.arange(N) % 2 == 0)
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
+        with pytest.raises(TypeError, match="masked array"):
+            pipe.submit(item)
+        np.testing.assert_array_equal(pipe.submit(data()).result(timeout=30), expected(data()))
+
+
 @pytest.mark.parametrize("name", ["prepare", "consume", "item_nbytes"])
 def test_pipeline_callbacks_that_are_not_callable_are_refused(dev, name):
     with pytest.raises(TypeError, match=f"{name} must be a callable or None, got str"):

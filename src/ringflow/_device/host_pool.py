@@ -217,12 +217,20 @@ class HostPool:
         Raises:
             TypeError: ``shape`` is not an int or a sequence of ints, or ``dtype`` holds objects.
             ValueError: a negative dimension.
+            MemoryError: more bytes than the pool's budget and than the process can allocate.
             HazardError: (simulated GPU) the block's previous use is not ordered before this
                 thread: a missing :meth:`record_use`, or a pool bug.
         """
         shape, dtype = check_shape_dtype(shape, dtype)
         pinned = self.take(shape, dtype)
-        return np.empty(shape, dtype) if pinned is None else pinned
+        if pinned is not None:
+            return pinned
+        try:
+            return np.empty(shape, dtype)
+        except (ValueError, MemoryError) as exc:  # numpy's words name neither the call nor the argument
+            raise MemoryError(f"host.empty(shape={shape}, dtype={dtype}) cannot be allocated "
+                              f"({math.prod(shape) * dtype.itemsize} bytes, over the pool's budget and then "
+                              f"refused by numpy: {exc}); ask for a smaller shape") from None
 
     def take(self, shape: tuple, dtype: np.dtype, *, allocate: bool = True) -> Optional[np.ndarray]:
         """As :meth:`empty` for a checked ``shape`` (a tuple of ints >= 0) and ``dtype`` (a numpy
@@ -701,7 +709,7 @@ def set_default_budget(nbytes: int) -> None:
         TypeError, ValueError: ``nbytes`` is not a positive int.
     """
     global _default_budget
-    nbytes = check_nbytes(nbytes, "set_budget(nbytes)")
+    nbytes = check_nbytes(nbytes, "set_budget(nbytes)")  # called by ringflow.host.set_budget
     with _pools_lock:
         _default_budget = nbytes
         alive = list(_all_pools)

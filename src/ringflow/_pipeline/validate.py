@@ -300,6 +300,18 @@ def check_output_spec(spec: Any, where: str = "output") -> tuple:
 _DLPACK_CPU = (1, 3)  # kDLCPU, kDLCUDAHost (pinned host memory): bytes the CPU can read
 
 
+def check_not_masked(name: str, a: np.ndarray) -> None:
+    """Refuse a numpy masked array: its data would be moved and its mask dropped, so masked
+    elements would come back as results.
+
+    Raises:
+        TypeError: naming ``name`` and what to pass instead.
+    """
+    if isinstance(a, np.ma.MaskedArray):
+        raise TypeError(f"{name}: a numpy masked array, whose mask ringflow would drop (it moves the data "
+                        f"alone); pass its .filled(value) or .data, and apply the mask to the result")
+
+
 def as_host_array(item: Any, where: str = "items") -> np.ndarray:
     """``item`` as a numpy array over the same memory where it can be one without a copy: a
     numpy array as it is; a CPU DLPack producer (a torch CPU tensor, pinned or not) through
@@ -309,7 +321,10 @@ def as_host_array(item: Any, where: str = "items") -> np.ndarray:
         TypeError: a device array (``__cuda_array_interface__`` or a DLPack device that is not
             the CPU), or an object numpy cannot view as an array, naming ``where``.
     """
+    if type(item) is np.ndarray:
+        return item
     if isinstance(item, np.ndarray):
+        check_not_masked(where, item)
         return item
     if hasattr(item, "__cuda_array_interface__"):
         raise TypeError(f"{where} must be host arrays; got a device array ({type(item).__name__}); copy it to the "

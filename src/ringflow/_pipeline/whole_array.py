@@ -35,7 +35,7 @@ from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine
 from .sigint import shielded
 from .sizing import DEFAULT_CHUNK_BYTES, chunk_sizes, default_workers, planned_compute_bound, resolve_slots, taper
 from .stages import sim_seconds_for
-from .validate import check_choice, check_options, check_out, check_output_spec, same_memory
+from .validate import check_choice, check_not_masked, check_options, check_out, check_output_spec, same_memory
 
 HOSTS = ("auto", "stage", "register")
 
@@ -256,8 +256,8 @@ def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str, out
     by the job).
 
     Raises:
-        TypeError: ``f`` not callable, ``x`` or ``out`` not a numpy array, ``output`` not a
-            ``(shape, dtype)`` pair.
+        TypeError: ``f`` not callable, ``x`` or ``out`` not a numpy array or a masked one,
+            ``output`` not a ``(shape, dtype)`` pair.
         ValueError: a 0-d ``x``, ``out`` of another shape or dtype than ``output`` (or ``x``)
             or overlapping ``x``, an ``output`` whose rows are not ``x``'s, ``output`` with
             ``inplace``, or an unknown ``host`` or ``engine``.
@@ -266,6 +266,7 @@ def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str, out
         raise TypeError(f"{who} needs a callable f(x, y) as its first argument, got {type(f).__name__}")
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{who} takes a numpy array x, got {type(x).__name__}; convert with np.asarray(x)")
+    check_not_masked("x", x)
     if x.ndim == 0:
         raise ValueError(f"{who} splits x along axis 0; pass an array with at least one dimension (x.reshape(1))")
     if x.dtype.hasobject:
@@ -289,6 +290,7 @@ def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str, out
                          f"{' (as output= says)' if output is not None else ''}, got {got}{hint}")
     if not out.flags.writeable:
         raise ValueError("out is read-only; pass a writeable array (or out=None to allocate one)")
+    check_not_masked("out", out)
     check_out(x, out)
     return out, False
 
