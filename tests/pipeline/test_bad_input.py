@@ -186,8 +186,9 @@ def _no_size(item):
 @pytest.mark.parametrize("nbytes,kind,says", [
     (lambda item: "40", TypeError, "returned '40'"), (lambda item: -1, ValueError, "returned -1"),
     (lambda item: float("nan"), TypeError, "returned nan"), (lambda item: None, TypeError, "returned None"),
-    (lambda item: True, TypeError, "returned True"), (_no_size, RuntimeError, "no size here")],
-    ids=["str", "negative", "nan", "None", "bool", "raises"])
+    (lambda item: True, TypeError, "returned True"), (_no_size, RuntimeError, "no size here"),
+    (lambda item: 10**30, ValueError, "returned 10000")],
+    ids=["str", "negative", "nan", "None", "bool", "raises", "a nonillion"])
 def test_an_item_nbytes_that_gives_no_byte_count_fails_its_item(dev, nbytes, kind, says):
     """``item_nbytes`` is the user's code on the progress thread: its error, or a value that is
     not a byte count, fails that item's prepare as a StageError (the progress thread used to die
@@ -196,7 +197,7 @@ def test_an_item_nbytes_that_gives_no_byte_count_fails_its_item(dev, nbytes, kin
     items = [data(16) + k for k in range(3)]
     with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, prepare=np.copy, on_error="continue",
                      item_nbytes=lambda item: nbytes(item) if item[0] == items[1][0] else item.nbytes) as pipe:
-        results = list(pipe.map(items))
+        results = bounded(lambda: list(pipe.map(items)), timeout=20)  # a prepare of 1e30 bytes: no hang
         assert [r[0] for r in results] == [expected(items[0])[0], expected(items[2])[0]]
         (failure,) = pipe.failures
         assert failure.stage == "prepare" and isinstance(failure.__cause__, kind)
@@ -619,9 +620,9 @@ def _boom(nbytes):
 
 
 @pytest.mark.parametrize("cost", ["abc", float("nan"), -1.0, float("inf"), True, _boom, lambda n: None,
-                                  lambda n: "1e-3", lambda n: -2e-6],
+                                  lambda n: "1e-3", lambda n: -2e-6, 1e9, lambda n: 1e30],
                          ids=["str", "nan", "negative", "inf", "bool", "raises", "returns-None", "returns-str",
-                              "returns-negative"])
+                              "returns-negative", "a-billion-seconds", "returns-1e30"])
 @pytest.mark.parametrize("door", ALL_DOORS)
 def test_a_compute_cost_that_is_not_seconds_is_refused_by_name(dev, door, cost):
     """``sim_seconds`` is read by the planner on every device: a value that is not a finite number
@@ -633,7 +634,7 @@ def test_a_compute_cost_that_is_not_seconds_is_refused_by_name(dev, door, cost):
     f.sim_seconds = cost
     x = rf.host.empty(N, np.float32, device=dev)
     x[:] = 1
-    with pytest.raises(ValueError, match="sim_seconds"):
+    def run():
         if door == "stream_map":
             rf.stream_map(f, x, rf.host.empty_like(x), device=dev, chunk_bytes=64, keep_warm=False)
         elif door == "MapJob":
@@ -643,13 +644,16 @@ def test_a_compute_cost_that_is_not_seconds_is_refused_by_name(dev, door, cost):
             with rf.Pipeline(f, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
                 pipe.submit(x).result()
 
+    with pytest.raises(ValueError, match="sim_seconds"):
+        bounded(run, timeout=20)  # a kernel of 1e9 virtual seconds: refused, not simulated for ever
+
 
 DAY = 86400.0
 
 
 @pytest.mark.parametrize("door", ALL_DOORS)
 def test_a_compute_said_to_take_a_day_runs_in_a_few_device_waits(dev, monkeypatch, door):
-    """``sim_seconds`` may be any finite duration: the simulated GPU's waits are virtual, so a
+    """``sim_seconds`` may be any duration up to MAX_SIM_SECONDS: the simulated GPU's waits are virtual, so a
     driver waits there until a fence completes rather than looking again every 50 virtual ms
     (a kernel said to take a day took over a million scheduler steps: a hang)."""
     def slow(x, y):

@@ -36,6 +36,13 @@ if TYPE_CHECKING:
 
 ByteRange = tuple[int, int]
 
+# The longest a simulated operation may be said to last (``sim_seconds``, host charges), in
+# seconds. Virtual time is a float: past about 1e9 seconds its steps grow coarser than the
+# nanoseconds copies are timed in, and a wait is simulated a bounded virtual stretch at a time,
+# so a kernel said to last 1e30 seconds would be simulated for ever. Eleven and a half days is
+# more than any chunk's kernel.
+MAX_SIM_SECONDS = 1e6
+
 
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
@@ -381,8 +388,9 @@ class Stream(abc.ABC):
         on ``sim``, CuPy or PyTorch on ``cuda``). ``reads``/``writes`` name the buffers (or
         slices, or array args) ``fn`` reads and writes; array args named in neither are taken
         as read and written. While ``fn`` runs, the array framework's current stream is this
-        stream. ``sim_seconds`` is the kernel's duration on the simulated GPU (ignored on a
-        real one; by default the sim models a memory-bound kernel over the bytes touched).
+        stream. ``sim_seconds`` is the kernel's duration on the simulated GPU, 0 to
+        :data:`MAX_SIM_SECONDS` (ignored on a real one; by default the sim models a
+        memory-bound kernel over the bytes touched).
         """
 
     @abc.abstractmethod

@@ -73,6 +73,11 @@ GUARDS = (
 # tasks, which finish in any order; DRAINING slots wait on whatever their stage left.
 _STREAM_ORDERED = frozenset({SlotState.COPYING_IN, SlotState.COMPUTING, SlotState.COPYING_OUT})
 
+# The most bytes item_nbytes may say one item's prepare copies (a pebibyte: more than any host
+# holds); the simulated GPU charges the prepare for them, and a copy of 1e30 bytes would take
+# longer than virtual time can count.
+MAX_ITEM_BYTES = 1 << 50
+
 # The scheduler's stage callbacks: prepare writes the chunk into its host-in slot (or, for the
 # caller's own pinned memory, only describes it) and says what it wrote; consume turns the
 # chunk's result, a read-only view valid during the call, into the value delivered.
@@ -722,9 +727,9 @@ class Scheduler:
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
             return TypeError(f"item_nbytes must return the bytes prepare copies for the item, an int >= 0; "
                              f"it returned {nbytes!r} ({type(nbytes).__name__})")
-        if nbytes < 0:
-            return ValueError(f"item_nbytes must return the bytes prepare copies for the item, an int >= 0; "
-                              f"it returned {nbytes}")
+        if not 0 <= nbytes <= MAX_ITEM_BYTES:
+            return ValueError(f"item_nbytes must return the bytes prepare copies for the item, an int from 0 to "
+                              f"2**{MAX_ITEM_BYTES.bit_length() - 1}; it returned {nbytes}")
         return int(nbytes)
 
     def _found(self, chunk: Chunk) -> Optional[tuple]:

@@ -7,11 +7,10 @@ decides when each operation is enqueued; the operations themselves are made here
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any, Callable, Optional
 
-from .._device.protocol import Device, Event, Stream, close_quietly, stream_after
+from .._device.protocol import MAX_SIM_SECONDS, Device, Event, Stream, close_quietly, stream_after
 from .._errors import DeviceError, StageError
 
 POISON_BYTE = 0xEE  # what checked mode writes into every released slot
@@ -172,8 +171,8 @@ def sim_seconds_for(cost, nbytes: int) -> Optional[float]:
     chunk of ``nbytes``; None when it has none.
 
     Raises:
-        ValueError: the cost (or what its function returned) is not a finite number of seconds
-            >= 0, or its function raised (the cause is chained).
+        ValueError: the cost (or what its function returned) is not a number of seconds from 0
+            to :data:`MAX_SIM_SECONDS`, or its function raised (the cause is chained).
     """
     if cost is None:
         return None
@@ -182,11 +181,12 @@ def sim_seconds_for(cost, nbytes: int) -> Optional[float]:
     except Exception as exc:
         raise ValueError(f"the compute's {_cost_name(cost, nbytes)} raised {type(exc).__name__}: {exc}; sim_seconds "
                          "must be seconds or a function of a chunk's bytes that returns them") from exc
-    if type(value) is float and 0 <= value < math.inf:  # the usual case, checked first: it runs per launch
+    if type(value) is float and 0 <= value <= MAX_SIM_SECONDS:  # the usual case, checked first: it runs per launch
         return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"the compute's {_cost_name(cost, nbytes)} must be a finite number of seconds >= 0, got "
-                         f"{value!r}; give seconds (a number) or a function of a chunk's bytes that returns them")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= MAX_SIM_SECONDS:
+        raise ValueError(f"the compute's {_cost_name(cost, nbytes)} must be a number of seconds from 0 to "
+                         f"{MAX_SIM_SECONDS:g}, got {value!r}; give seconds (a number) or a function of a chunk's "
+                         "bytes that returns them")
     return float(value)
 
 
