@@ -155,6 +155,7 @@ MISTAKES = [
     (["plan", "--profile", "{d}/deep.json"], "plan", "not JSON (arrays or objects nested too deeply"),
     (["plan", "--profile", "{d}/long_number.json"], "plan", "not JSON (a number of 5000 digits"),
     (["trace"], "trace", "the following arguments are required: file"),
+    (["trace", ""], "trace", "'': No such file"),
     (["doctor", "--device", "bogus"], "doctor", "argument --device: 'bogus' is not a device"),
     (["doctor", "--device", "cuda:abc"], "doctor", "argument --device: 'cuda:abc'"),
     (["doctor", "--device", ""], "doctor", "argument --device"),

@@ -49,7 +49,8 @@ def _one_line(text: object) -> str:
 def _describe(exc: BaseException) -> str:
     """One line for an expected error: OSError as 'path: reason', others by their message."""
     if isinstance(exc, OSError) and exc.strerror:
-        where = f"{exc.filename}: " if exc.filename is not None else ""
+        # an empty file name is shown quoted: ': No such file' alone says nothing
+        where = "" if exc.filename is None else f"{exc.filename or repr(exc.filename)}: "
         return _one_line(f"{where}{exc.strerror}")
     return _one_line(exc) or type(exc).__name__
 
