@@ -129,6 +129,9 @@ def test_dtype_casts_columns_of_different_dtypes(mapper_factory):
 @pytest.mark.parametrize("batch, message", [
     ({"a": np.zeros(10)}, r"no column 'x' \(it has \['a'\]\); fix columns="),
     ({"x": np.array(["s"] * 10, object)}, r"numeric columns; column 'x' has dtype object"),
+    ({"x": np.array([np.zeros(3), np.zeros(5), np.zeros(5)] + [np.zeros(k) for k in range(7)], object)},
+     r"column 'x' holds arrays of shapes \(3,\), \(5,\), \(0,\), \.\.\. \(a ragged tensor column\): pad"),
+    ({"x": np.array([np.zeros(3), np.zeros(5)], object)}, r"arrays of shapes \(3,\), \(5,\) \(a ragged"),
     ({"x": np.array(["s"] * 10)}, r"numeric columns; column 'x' has dtype <U1"),
     ([1, 2, 3], r"dict of numpy arrays \(batch_format='numpy'\) or a pandas DataFrame"),
 ])

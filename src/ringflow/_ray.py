@@ -191,6 +191,11 @@ class RayMapper:
             if not isinstance(col, np.ndarray):
                 col = np.asarray(col)
             if col.dtype.hasobject or col.dtype.kind not in "biufc":
+                if _is_ragged(col):
+                    raise ValueError(f"RayMapper streams columns whose rows have one shape; column {name!r} holds "
+                                     f"arrays of shapes {_shapes_seen(col)} (a ragged tensor column): pad or "
+                                     "resize them to one shape in an earlier map_batches, or stream each row with "
+                                     "rf.Pipeline")
                 why = (" (a pandas column of objects, strings or nullable values; convert it to a numpy dtype "
                        "first, or use batch_format='numpy' for tensor columns)") if frame else ""
                 pick = "" if self.columns is not None else "; name the columns to stream with columns=[...]"
@@ -283,6 +288,24 @@ def _names(arg: str, value: Any) -> "tuple[str, ...] | None":
     if len(set(names)) != len(names):
         raise ValueError(f"{arg} names a column twice: {list(names)}")
     return names
+
+
+def _is_ragged(col: np.ndarray) -> bool:
+    """Whether ``col`` is Ray Data's ragged tensor column: numeric arrays of more than one shape."""
+    return (col.dtype.hasobject and col.size > 0
+            and all(isinstance(v, np.ndarray) and v.dtype.kind in "biufc" for v in col.flat)
+            and len({v.shape for v in col.flat}) > 1)
+
+
+def _shapes_seen(col: np.ndarray, most: int = 3) -> str:
+    """The first ``most`` distinct row shapes of a ragged column, for an error message."""
+    seen: list = []
+    for v in col.flat:
+        if v.shape not in seen:
+            seen.append(v.shape)
+            if len(seen) == most:
+                return ", ".join(map(str, seen)) + ", ..."
+    return ", ".join(map(str, seen))
 
 
 def _is_dataframe(batch: Any) -> bool:
