@@ -43,6 +43,7 @@ from .like import converter
 from .validate import (as_host_array, check_choice, check_flag, check_iterable, check_options, check_output_spec,
                        check_timeout)
 from .scheduler import Scheduler
+from .reentry import check_process, generation as reentry_generation, refuse_from_stage
 from .sigint import ShieldedIterator, shielded, shielded_call
 from .slot_array import in_slot, run_offering
 from .states import ChunkState
@@ -390,6 +391,7 @@ class Pipeline:
         else:
             self._driver = ProgressThread(self._sched, name=f"ringflow-progress-{next(_NAMES)}")
         self._finalizer = weakref.finalize(self, _abandon, self._driver, self._sched)
+        self._made_in = reentry_generation()
         self._closed = False
 
     # -- set-up -------------------------------------------------------------------------------
@@ -534,7 +536,7 @@ class Pipeline:
             RuntimeError: the pipeline is closed or no longer accepts work.
         """
         timeout = check_timeout(timeout)
-        self._check_open()
+        self._check_caller("submit()")
         item = self._check_item(item)
         if self._shares_chunk(item):
             fut = self._submit_shared(item, timeout)
@@ -655,7 +657,7 @@ class Pipeline:
             RuntimeError: at once (not when iterated) on a closed pipeline.
             TypeError: at once, where ``items`` is not iterable.
         """
-        self._check_open()
+        self._check_caller("map()")
         return ShieldedIterator(self._map(check_iterable("items", items)))
 
     def _map(self, items: Iterable[Any]) -> Iterator[Any]:
@@ -850,7 +852,7 @@ class Pipeline:
 
     async def _asubmit_future(self, item: Any, timeout: Optional[float] = None) -> ChunkFuture:
         timeout = check_timeout(timeout)
-        self._check_open()
+        self._check_caller("asubmit()")
         item = self._check_item(item)
         d, s = self._driver, self._sched
         with d.cv:
@@ -893,7 +895,7 @@ class Pipeline:
         Raises:
             RuntimeError, StageError: as :meth:`map`.
         """
-        self._check_open()
+        self._check_caller("amap()")
         s = self._sched
         window: collections.deque = collections.deque()  # (chunk future, its asyncio future), in order
         limit = self.config.max_in_flight
@@ -953,6 +955,7 @@ class Pipeline:
         Returns with ``stats().in_flight == 0``. Harmless to call twice; safe from any thread."""
         if self._closed:
             return
+        self._check_caller("cancel()", opened=False)
         d, s = self._driver, self._sched
         with d.cv:
             d.command(s.cancel_pending)
@@ -962,7 +965,15 @@ class Pipeline:
     def close(self) -> None:
         """Finish every accepted chunk, then release rings, streams, workers and the progress
         thread. Harmless twice; safe from any thread (one of them closes, the others return
-        once it is closed)."""
+        once it is closed). In a child forked from the process that made the pipeline, only
+        forgets it (what it holds is the parent's).
+
+        Raises:
+            RuntimeError: called from inside one of the pipeline's own stages.
+        """
+        if self._forget_if_forked():
+            return
+        self._check_caller("close()", opened=False)
         d, s = self._driver, self._sched
         with d.cv:
             if self._closed:
@@ -996,6 +1007,23 @@ class Pipeline:
         if self._closed:
             raise RuntimeError("this Pipeline is closed; create a new one to submit more work")
 
+    def _check_caller(self, call: str, opened: bool = True) -> None:
+        """Refuse ``call`` where the pipeline cannot serve it (:mod:`.reentry`): in a child forked
+        after it was made, from inside one of its own stages, and (``opened``) once closed."""
+        check_process(self._made_in)
+        refuse_from_stage(self._sched, call)
+        if opened:
+            self._check_open()
+
+    def _forget_if_forked(self) -> bool:
+        """In a child forked after the pipeline was made: closed from now on, touching nothing
+        (its threads are not in this process; its memory and device state are the parent's)."""
+        if self._made_in == reentry_generation():
+            return False
+        self._closed = True
+        self._finalizer.detach()
+        return True
+
     def __enter__(self) -> "Pipeline":
         return self
 
@@ -1005,6 +1033,9 @@ class Pipeline:
             self.close()
             return
         # an error (Ctrl-C included) left the block: cancel what is left, never mask the error
+        if self._forget_if_forked():
+            return
+        refuse_from_stage(self._sched, "__exit__")
         d = self._driver
         with d.cv:
             if self._closed:

@@ -12,6 +12,7 @@ import numpy as np
 
 from .ring import Slot
 from .states import LEGAL_CHUNK_TRANSITIONS, ChunkState, check_chunk_transition
+from .reentry import check_process, generation, refuse_from_stage
 from .sigint import shielded
 from .validate import check_wait_timeout
 
@@ -41,11 +42,13 @@ class ChunkFuture(concurrent.futures.Future):
         self.index = index
         self.token: Any = None  # the driver's hand-off token, observed by the thread taking the result
         self._waiters = _Waiters(self)  # where concurrent.futures.wait / as_completed register
+        self._made_in = generation()
 
-    def _await(self, timeout: Optional[float]) -> None:
+    def _await(self, timeout: Optional[float], call: str) -> None:
         timeout = check_wait_timeout(timeout)
         if not self.done():
             driver = self._driver
+            self._check_caller(call)
             with shielded(), driver.cv:  # Ctrl-C taken at the wait's checkpoints only (sigint.py)
                 driver.wait_for(self.done, timeout, f"chunk {self.index}")
 
@@ -55,12 +58,12 @@ class ChunkFuture(concurrent.futures.Future):
         of the device's host clock (virtual seconds on the simulated GPU; None or infinity waits
         without limit, a negative number does not wait). TypeError or ValueError for a
         ``timeout`` that is not a number, or NaN."""
-        self._await(timeout)
+        self._await(timeout, "result()")
         self._driver.device.observe(self.token)
         return super().result(timeout=0)
 
     def exception(self, timeout: float | None = None) -> Optional[BaseException]:
-        self._await(timeout)
+        self._await(timeout, "exception()")
         self._driver.device.observe(self.token)
         return super().exception(timeout=0)
 
@@ -84,6 +87,7 @@ class ChunkFuture(concurrent.futures.Future):
         either way. Returns False if the chunk's consumer is running or it has ended."""
         if self.done():
             return False
+        self._check_caller("cancel()")
         driver = self._driver
         with shielded(), driver.cv:
             if self.done():
@@ -94,6 +98,12 @@ class ChunkFuture(concurrent.futures.Future):
             if not self.done():  # still draining: the future does not wait for that
                 self._mark_cancelled()
         return True
+
+    def _check_caller(self, call: str) -> None:
+        """Refuse a wait for this chunk where it could not end (:mod:`.reentry`): from inside one
+        of its pipeline's stages, or in a child forked after it was made."""
+        check_process(self._made_in, "Pipeline's future")
+        refuse_from_stage(self._driver.sched, f"ChunkFuture.{call}")
 
     def _invoke_callbacks(self) -> None:
         # set by the progress thread under the pipeline's lock: its callbacks run once it lets go

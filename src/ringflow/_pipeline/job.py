@@ -32,6 +32,7 @@ from .._device import device as make_device
 from .._device import device_list
 from .._device.protocol import Device, close_quietly
 from .engine import Arrays, Engine, choose_engine, make_engine
+from .reentry import check_process, generation, marked, refuse_from_stage, running_stage_of
 from .sigint import shielded
 from .whole_array import check_arrays, pinned_arrays, plan_layout, run_call
 from .validate import BoundArray, check_flag, check_options, check_unchanged
@@ -106,12 +107,18 @@ class MapJob:
         # one call at a time; close() from another thread waits for the call in progress, and
         # from inside it (f closing its own job) takes effect when the call ends
         self._lock = threading.RLock()
-        self._calling = self._close_pending = False
+        self._close_pending = False
         self._handed: list = []  # what the last thread to hold the lock published (see _take_turn)
+        self._made_in = generation()
         opts = check_options(chunk_bytes=chunk_bytes, allow_auto_chunk=True, inplace=inplace, slots=slots,
                              workers=workers, checked=checked, on_error=on_error, pinned_budget=pinned_budget,
                              compute_streams=compute_streams, graph=graph)
         out, fresh_out = check_arrays(f, x, out, host, engine, "MapJob", output, opts["inplace"])
+        # f runs marked as this job's (on the calling thread, or on a shard's thread over several
+        # devices), so a call of the job from inside it is refused instead of waiting for itself;
+        # the mark is a token, not the job, which a reference from f would keep alive
+        self._token = object()
+        f = marked(self._token, "f", f)
         if x.shape[0] == 0 or x.size == 0:
             raise ValueError("MapJob needs at least one element in x; for an empty array call stream_map, "
                              "which returns at once")
@@ -162,8 +169,10 @@ class MapJob:
         job = cls.__new__(cls)
         job._held = _Held()
         job._lock = threading.RLock()
-        job._calling = job._close_pending = False
+        job._close_pending = False
         job._handed = []
+        job._made_in = generation()
+        job._token = object()  # f is marked with the whole job's token already
         job.x, job.out = x, out
         job._arrays_bound = BoundArray(x), BoundArray(out)
         job._bind(f, x, out, fresh_out, dev, chunk_bytes, host, None, None, engine, opts)
@@ -230,7 +239,8 @@ class MapJob:
             completed: ``x`` may be rewritten).
 
         Raises:
-            RuntimeError: the job is closed.
+            RuntimeError: the job is closed; ``f`` calls it (from within this call); or the
+                job was made in a parent of this (forked) process.
             ValueError: ``x`` or ``out`` changed other than in its contents since the job was made
                 (reshaped, retyped, moved by ``resize``, or ``out`` made read-only); the job
                 stays open.
@@ -238,13 +248,15 @@ class MapJob:
             DeviceError: the device broke; the job is then closed.
         """
         profile = check_flag("profile", profile)
+        check_process(self._made_in, "MapJob")
+        # before the lock: over several devices f runs on a shard's thread while this call holds it
+        refuse_from_stage(self._token, "MapJob()", kind="job")
         with shielded(), self._lock:  # Ctrl-C is taken inside the call's steps only (sigint.py)
             self._take_turn()
             engine = self._held.engine
             if engine is None:
                 raise RuntimeError("this MapJob is closed; create a new one")
             self._check_arrays()
-            self._calling = True
             try:
                 run_call(engine, self._arrays, profile)
             except BaseException:
@@ -252,7 +264,6 @@ class MapJob:
                 self._release()
                 raise
             finally:
-                self._calling = False
                 if self._close_pending:
                     self._release()
                 self._hand_over()
@@ -270,11 +281,17 @@ class MapJob:
 
     def close(self) -> None:
         """Close the engine (streams, rings, workers) and drop the registrations, after the call
-        in progress on another thread, if any, has returned. Harmless twice; never raises."""
+        in progress on another thread, if any, has returned; called from inside ``f``, when the
+        call it runs in ends. In a child forked from the process that made the job, it only
+        forgets the job (what it holds belongs to the parent). Harmless twice; never raises."""
+        if self._made_in != generation():
+            self._finalizer.detach()
+            self._held.engine, self._held.registered = None, []
+            return
+        if running_stage_of(self._token) is not None:  # nothing may go before the call f runs in ends
+            self._close_pending = True
+            return
         with shielded(), self._lock:  # a Ctrl-C waits until the engine is closed (sigint.py)
-            if self._calling:  # called by f during this thread's call: nothing may go before it ends
-                self._close_pending = True
-                return
             self._take_turn()
             self._release()
 

@@ -46,6 +46,7 @@ from .._testing import current as current_hooks
 from .batch_space import BatchSpace, aligned
 from .chunk import MAX_MEMBERS, MEMBER_ALIGN, Chunk, ChunkFuture, Member
 from .config import PipelineConfig, refuse_unknown_guards
+from .reentry import marked, run_stage
 from .ring import Ring, Slot
 from .states import ChunkState, RingKind, SlotState
 from .stages import POISON_BYTE, StageStreams, launch_compute, mark, poison_after, sim_seconds_for, writes_into_y
@@ -120,6 +121,9 @@ class Scheduler:
         guard_off = refuse_unknown_guards(hooks.guards_off, GUARDS)
         slot_hook = hooks.slot_hook
         self.device = device
+        # the user's calls run marked as this scheduler's stages: one that calls back into its
+        # own pipeline to wait for it is refused (reentry.py)
+        compute = marked(self, "compute", compute)
         self.compute = writes_into_y(compute)
         self._raw_compute = compute  # fill="rows": its return value is the rows it filled
         # a compute that says each output element depends only on the same element of the
@@ -721,7 +725,7 @@ class Scheduler:
         on the driving thread, and its error, or a value that is no byte count, must end that
         item, not the thread."""
         try:
-            nbytes = self.item_nbytes(item)
+            nbytes = run_stage(self, "item_nbytes", self.item_nbytes, item)
         except BaseException as exc:  # noqa: BLE001 - delivered as the chunk's prepare failure
             return exc
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
@@ -745,7 +749,7 @@ class Scheduler:
         # an external host-in ring already holds the chunk: prepare only describes it
         raw = None if self.host_in.external else \
             where.buffer.view(np.uint8, offset=where.offset, count=where.nbytes, access="w")
-        described = self.prepare(chunk.item, raw)  # (shape, dtype), or with a packed layout third
+        described = run_stage(self, "prepare", self.prepare, chunk.item, raw)  # (shape, dtype)[, packed layout]
         shape, dtype = described[0], np.dtype(described[1])
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > where.nbytes:
@@ -816,7 +820,7 @@ class Scheduler:
             return self._delivered(chunk, np.array(view, copy=True))
         if chunk.out_tree is not None:
             view = host_views(chunk.out_tree, view)
-        return self.consume(chunk.index, chunk.item, view)
+        return run_stage(self, "consume", self.consume, chunk.index, chunk.item, view)
 
     def _delivered(self, chunk: Chunk, result: np.ndarray) -> Any:
         """The value a chunk without a consumer delivers: its result (the arrays of a packed one),

@@ -94,7 +94,7 @@ class SpreadPipeline(Pipeline):
     def submit(self, item: Any, timeout: Optional[float] = None) -> concurrent.futures.Future:
         """As :meth:`Pipeline.submit`, on the least loaded working device (a device found broken
         or stopped on the way is passed over for the next)."""
-        self._check_open()
+        self._check_caller("submit()")
         tried: tuple = ()
         while True:
             part = self._pick(tried)
@@ -111,7 +111,7 @@ class SpreadPipeline(Pipeline):
 
     async def asubmit(self, item: Any, timeout: Optional[float] = None) -> Any:
         """As :meth:`Pipeline.asubmit`, on the least loaded working device."""
-        self._check_open()
+        self._check_caller("asubmit()")
         return await self._pick().asubmit(item, timeout)
 
     def map(self, items: Iterable[Any]) -> Iterator[Any]:
@@ -121,7 +121,7 @@ class SpreadPipeline(Pipeline):
         Raises:
             RuntimeError: at once (not when iterated) on a closed pipeline.
         """
-        self._check_open()
+        self._check_caller("map()")
         return self._map(items)
 
     def _map(self, items: Iterable[Any]) -> Iterator[Any]:
@@ -171,7 +171,7 @@ class SpreadPipeline(Pipeline):
         under it (the pipeline cancelled, or stopped by a failure) ends it as it ends :meth:`map`."""
         import asyncio
 
-        self._check_open()
+        self._check_caller("amap()")
         limit = sum(p.config.max_in_flight for p in self.parts)
         iterator = items.__aiter__() if hasattr(items, "__aiter__") else iter(items)
         window: collections.deque = collections.deque()
@@ -217,6 +217,7 @@ class SpreadPipeline(Pipeline):
     # -- ending and inspection -----------------------------------------------------------------
     def cancel(self) -> None:
         """Cancel every part (see :meth:`Pipeline.cancel`)."""
+        self._check_caller("cancel()", opened=False)
         for part in self.parts:
             part.cancel()
 
@@ -224,6 +225,9 @@ class SpreadPipeline(Pipeline):
         """Close every part (each finishes what it accepted first); harmless twice."""
         if self._closed:
             return
+        if self._forget_if_forked():
+            return
+        self._check_caller("close()", opened=False)
         self._closed = True
         errors = []
         for part in self.parts:
@@ -239,6 +243,9 @@ class SpreadPipeline(Pipeline):
         if exc_type is None:
             self.close()
             return
+        if self._forget_if_forked():
+            return
+        self._check_caller("__exit__", opened=False)
         self._closed = True
         try:
             for part in self.parts:  # an error left the block: each part cancels and closes, masking nothing
@@ -249,6 +256,23 @@ class SpreadPipeline(Pipeline):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this pipeline is closed; create a new one")
+
+    def _check_caller(self, call: str, opened: bool = True) -> None:
+        """As :meth:`Pipeline._check_caller`, from a stage of any part: a stage of one device's
+        part waits on the whole pipeline as much as on its own part."""
+        for part in self.parts:
+            part._check_caller(call, opened=False)
+        if opened:
+            self._check_open()
+
+    def _forget_if_forked(self) -> bool:
+        """As :meth:`Pipeline._forget_if_forked`, for every part."""
+        forgotten = [part._forget_if_forked() for part in self.parts]
+        if not any(forgotten):
+            return False
+        self._closed = True
+        self._unshare.detach()
+        return True
 
     def stats(self) -> PipelineStats:
         """The parts' counts added up."""

@@ -1,0 +1,112 @@
+"""Calls a pipeline cannot serve: from inside its own stages, and in a child forked from its process.
+
+**From inside its own stages.** A stage (``prepare``, ``compute``, ``consume``,
+``item_nbytes``) runs while the pipeline waits for it: the chunk cannot move on until the
+stage returns. A call made from inside it that waits for the pipeline (``submit`` on a full
+pipeline, ``map``, ``cancel``, ``close``, the result of a chunk not yet ended, cancelling a
+chunk) would wait for the very stage it runs in, forever on a real GPU; and a stage run by the
+progress thread (``compute``, on every device; every stage, on the simulated GPU) that drove the
+pipeline from inside it would change the scheduler's state in the middle of a step. So the
+pipeline marks the thread while one of its stages runs (a thread-local, set and reset around
+the user's call), and those calls refuse, naming the call and the stage. Calls that only read
+(``stats``, ``failures``, ``report``, the result of a chunk already ended) stay allowed, and
+another pipeline may be used as usual; a future's done-callback is not a stage (it runs once
+its chunk has ended) and may call anything.
+
+**After fork().** A pipeline's progress thread and worker threads exist only in the process
+that made them: in a child forked from it they are gone, so every wait would last forever (and
+CUDA cannot be used in a child forked after it was initialised). A handler registered with
+:func:`os.register_at_fork` counts forks in the child; a pipeline made before the count last
+changed refuses every call, and ``close()`` forgets it without touching what belongs to the
+parent.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable
+
+_here = threading.local()  # .stage: (the scheduler whose stage runs on this thread, its name), or None
+
+_forks = 0  # forks this process went through as the child
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
+    os.register_at_fork(after_in_child=_forked)
+
+
+def generation() -> int:
+    """How many forks this process is removed from the one that started it (0 in that one)."""
+    return _forks
+
+
+def check_process(made_in: int, what: str = "Pipeline") -> None:
+    """Refuse a call on an object made in the process a fork copied this one from.
+
+    Raises:
+        RuntimeError: ``made_in`` (its :func:`generation` when made) is not this process's.
+    """
+    if made_in != _forks:
+        raise RuntimeError(
+            f"this {what} was made in a parent process before fork(); its progress thread, workers and "
+            f"device state are not in this child process. Create a new {what} in the child (and start "
+            "children with the 'spawn' or 'forkserver' method where the parent has used CUDA)")
+
+
+def run_stage(owner: Any, stage: str, fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` with this thread marked as running ``owner``'s stage ``stage`` (within any
+    stage it already runs: a compute that runs a whole-array call of its own)."""
+    outer = getattr(_here, "stage", None)
+    _here.stage = (owner, stage, outer)
+    try:
+        return fn(*args)
+    finally:
+        _here.stage = outer
+
+
+def marked(owner: Any, stage: str, fn: Callable) -> Callable:
+    """``fn`` that runs as :func:`run_stage` does, keeping its name (traces show it) and the
+    attributes the pipeline reads from a compute (its simulated duration, whether it is
+    pointwise, a kernel's fast launch path)."""
+    def run(*args: Any) -> Any:
+        return run_stage(owner, stage, fn, *args)
+
+    run.__name__ = getattr(fn, "__name__", type(fn).__name__)
+    run.__qualname__ = getattr(fn, "__qualname__", run.__name__)
+    for name in ("sim_seconds", "pointwise", "__ringflow_launch__", "_ringflow_writes_into_y"):
+        if hasattr(fn, name):
+            setattr(run, name, getattr(fn, name))
+    return run
+
+
+def running_stage_of(owner: Any) -> "str | None":
+    """The stage of ``owner``'s that this thread runs (innermost first), or None."""
+    stage = getattr(_here, "stage", None)
+    while stage is not None:
+        if stage[0] is owner:
+            return stage[1]
+        stage = stage[2]
+    return None
+
+
+def refuse_from_stage(owner: Any, call: str, kind: str = "pipeline") -> None:
+    """Refuse ``call``, a call that waits for ``owner`` (a pipeline's scheduler, or a whole-array
+    job), on a thread running one of its stages.
+
+    Raises:
+        RuntimeError: naming the call and the stage.
+    """
+    if getattr(_here, "stage", None) is None:
+        return
+    stage = running_stage_of(owner)
+    if stage is not None:
+        raise RuntimeError(
+            f"{call} was called from inside this {kind}'s own {stage}: it waits for the {kind}, which "
+            f"waits for that {stage} to return, so it would wait for itself. Call it from another thread "
+            "once the stage has returned, or from a future's done-callback")
