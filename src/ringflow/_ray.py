@@ -146,6 +146,11 @@ class RayMapper:
                 original is ``__cause__``. It pickles, so Ray reports it as the task's error.
             TypeError, ValueError: a batch that is neither kind, a missing or non-numeric
                 column, columns of different dtypes or shapes without ``dtype``.
+
+        A column of arrays (a pandas tensor column, or one array object per row, every row of
+        one shape) streams as one array of ``(rows, *shape)``; in a DataFrame, each result of
+        more than one dimension goes back as a tensor column (Ray Data's ``TensorArray``), or
+        as one array per row where the input was.
         """
         frame = _is_dataframe(batch)
         if not frame and not isinstance(batch, dict):
@@ -154,7 +159,7 @@ class RayMapper:
         names = self.columns if self.columns is not None else tuple(str(c) for c in batch.keys())
         if not names:
             raise ValueError("RayMapper got a batch with no columns; pass columns=[...] naming what to stream")
-        x = self._gather(batch, names, frame)
+        x, as_rows = self._gather(batch, names, frame)
         try:
             y = stream_map(self.f, x, device=self.device, keep_warm=True, **self.options)
         except StageError as exc:
@@ -165,7 +170,7 @@ class RayMapper:
         else:
             results = {name: np.ascontiguousarray(y[:, i]) for i, name in enumerate(outputs)}
         if frame:
-            return batch.assign(**results)
+            return batch.assign(**{name: _frame_column(y, as_rows) for name, y in results.items()})
         return {**batch, **results}
 
     def close(self) -> None:
@@ -180,9 +185,11 @@ class RayMapper:
         outs = "" if self.output_columns is None else f" -> {list(self.output_columns)}"
         return f"<RayMapper {getattr(self.f, '__name__', type(self.f).__name__)} on {cols}{outs}, {self.device.name}>"
 
-    def _gather(self, batch: Any, names: Sequence[str], frame: bool) -> np.ndarray:
-        """The selected columns as one numpy array (stacked along axis 1 when several)."""
+    def _gather(self, batch: Any, names: Sequence[str], frame: bool) -> "tuple[np.ndarray, bool]":
+        """The selected columns as one numpy array (stacked along axis 1 when several), and
+        whether one of them was a column of array objects (its rows stacked here)."""
         cols = []
+        as_rows = False
         for name in names:
             if name not in batch:
                 have = [str(c) for c in batch.keys()]
@@ -190,6 +197,8 @@ class RayMapper:
             col = batch[name].to_numpy() if frame else batch[name]
             if not isinstance(col, np.ndarray):
                 col = np.asarray(col)
+            if _is_rows_of_one_shape(col):
+                col, as_rows = self._stacked(name, col), True
             if col.dtype.hasobject or col.dtype.kind not in "biufc":
                 if _is_ragged(col):
                     raise ValueError(f"RayMapper streams columns whose rows have one shape; column {name!r} holds "
@@ -208,7 +217,7 @@ class RayMapper:
                 raise ValueError(f"RayMapper stacks columns {list(names)} into one array, but their dtypes differ "
                                  f"({found}); pass dtype= (e.g. dtype='float32') to cast them to one")
         if len(cols) == 1:
-            return np.ascontiguousarray(cols[0], dtype=self.dtype)
+            return np.ascontiguousarray(cols[0], dtype=self.dtype), as_rows
         shapes = {c.shape for c in cols}
         if len(shapes) > 1:
             found = ", ".join(f"{n}: {c.shape}" for n, c in zip(names, cols))
@@ -217,7 +226,19 @@ class RayMapper:
         x = np.empty((cols[0].shape[0], len(cols), *cols[0].shape[1:]), self.dtype or cols[0].dtype)
         for i, c in enumerate(cols):
             x[:, i] = c
-        return x
+        return x, as_rows
+
+    def _stacked(self, name: str, col: np.ndarray) -> np.ndarray:
+        """A column of arrays of one shape as one array ``(rows, *shape)`` (a copy).
+
+        Raises:
+            ValueError: the rows' dtypes differ and no ``dtype`` was given.
+        """
+        dtypes = sorted({v.dtype for v in col.flat}, key=str)
+        if len(dtypes) > 1 and self.dtype is None:
+            raise ValueError(f"RayMapper: column {name!r} holds arrays of dtypes {', '.join(map(str, dtypes))}; "
+                             "pass dtype= (e.g. dtype='float32') to cast them to one")
+        return np.stack(list(col.flat)).astype(self.dtype or dtypes[0], copy=False)
 
     def _failure(self, exc: StageError, x: np.ndarray, batch: Any, frame: bool) -> "BatchStageError":
         """``exc`` restated in the batch's rows: the chunk's rows come from laying ``x`` out
@@ -290,11 +311,40 @@ def _names(arg: str, value: Any) -> "tuple[str, ...] | None":
     return names
 
 
+def _row_shapes(col: np.ndarray) -> set:
+    """The shapes of a column of numeric arrays, one a row (empty for any other column)."""
+    if not (col.dtype.hasobject and col.ndim == 1 and col.size > 0
+            and all(isinstance(v, np.ndarray) and v.dtype.kind in "biufc" for v in col.flat)):
+        return set()
+    return {v.shape for v in col.flat}
+
+
 def _is_ragged(col: np.ndarray) -> bool:
     """Whether ``col`` is Ray Data's ragged tensor column: numeric arrays of more than one shape."""
-    return (col.dtype.hasobject and col.size > 0
-            and all(isinstance(v, np.ndarray) and v.dtype.kind in "biufc" for v in col.flat)
-            and len({v.shape for v in col.flat}) > 1)
+    return len(_row_shapes(col)) > 1
+
+
+def _is_rows_of_one_shape(col: np.ndarray) -> bool:
+    """Whether ``col`` is a column of numeric arrays, one a row, all of one shape."""
+    return len(_row_shapes(col)) == 1
+
+
+def _frame_column(y: np.ndarray, as_rows: bool) -> Any:
+    """A result as a DataFrame column: as it is with one dimension; else Ray Data's tensor
+    column (pandas takes no 2-D array as a column), or one array a row where the input came so
+    or Ray is not installed."""
+    if y.ndim == 1:
+        return y
+    if not as_rows:
+        try:
+            from ray.data.extensions import TensorArray
+        except ImportError:
+            pass
+        else:
+            return TensorArray(y)
+    rows = np.empty(len(y), object)
+    rows[:] = list(y)
+    return rows
 
 
 def _shapes_seen(col: np.ndarray, most: int = 3) -> str:
