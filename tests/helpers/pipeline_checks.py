@@ -49,6 +49,14 @@ FAULTS = ("prepare", "compute", "consume", "oversize", "badshape")
 # a KeyboardInterrupt raised by the user's own prepare, compute or consume (Ctrl-C landing in a
 # callable): the chunk fails and its future raises that very KeyboardInterrupt, not a StageError
 INTERRUPTS = ("interrupt-prepare", "interrupt-compute", "interrupt-consume")
+# a stage that calls back into its own pipeline to wait for it (prepare submits, compute closes,
+# consume maps): the call is refused, and the chunk fails with a StageError caused by that
+# RuntimeError
+REENTRIES = ("reenter-prepare", "reenter-compute", "reenter-consume")
+
+
+class NotRefused(Exception):
+    """A test stage's call back into its own pipeline returned instead of being refused."""
 
 
 HOST_RINGS = (RingKind.HOST_IN, RingKind.HOST_OUT)
@@ -114,7 +122,9 @@ class Callables:
         self.compute_faults: set[int] = set()
         self.badshape: set[int] = set()
         self.compute_interrupts: set[int] = set()
+        self.compute_reentries: set[int] = set()
         self.compute_calls = 0
+        self.pipe: Any = None  # the pipeline these stages belong to, for the reentry faults
 
         def compute(x, y):
             self.compute_calls += 1
@@ -123,6 +133,9 @@ class Callables:
                 raise MarkedFault(f"compute fault for tag {tag}")
             if tag in self.compute_interrupts:
                 raise interrupt_for("compute", tag)
+            if tag in self.compute_reentries:
+                self.pipe.close()
+                raise NotRefused(f"compute of tag {tag} closed its own pipeline")
             if tag in self.badshape:
                 y[...] = np.zeros(x.shape[0] + 1, x.dtype)  # wrong shape: broadcast fails
                 return
@@ -138,6 +151,8 @@ class Callables:
             self.badshape.add(item.tag)
         elif item.fault == "interrupt-compute":
             self.compute_interrupts.add(item.tag)
+        elif item.fault == "reenter-compute":
+            self.compute_reentries.add(item.tag)
         return item
 
     def prepare(self, item: Item) -> np.ndarray:
@@ -145,6 +160,9 @@ class Callables:
             raise MarkedFault(f"prepare fault for tag {item.tag}")
         if item.fault == "interrupt-prepare":
             raise interrupt_for("prepare", item.tag)
+        if item.fault == "reenter-prepare":
+            self.pipe.submit(item.arr)
+            raise NotRefused(f"prepare of tag {item.tag} submitted to its own pipeline")
         if item.fault == "oversize":  # more bytes than a slot holds
             return np.zeros(self.chunk_bytes // DTYPE.itemsize + 1, DTYPE)
         return item.arr
@@ -156,6 +174,9 @@ class Callables:
             raise MarkedFault(f"consume fault for tag {item.tag}")
         if item.fault == "interrupt-consume":
             raise interrupt_for("consume", item.tag)
+        if item.fault == "reenter-consume":
+            list(self.pipe.map([item.arr]))
+            raise NotRefused(f"consume of tag {item.tag} mapped on its own pipeline")
         assert not view.flags.writeable, "the consumer must get a read-only view"
         return Result(index, item.tag, np.array(view, copy=True))
 
@@ -178,6 +199,9 @@ def expected_error(item: Item) -> tuple[str, type]:
         "interrupt-prepare": ("prepare", KeyboardInterrupt),
         "interrupt-compute": ("compute", KeyboardInterrupt),
         "interrupt-consume": ("consume", KeyboardInterrupt),
+        "reenter-prepare": ("prepare", RuntimeError),
+        "reenter-compute": ("compute", RuntimeError),
+        "reenter-consume": ("consume", RuntimeError),
     }[item.fault]
 
 
@@ -232,6 +256,7 @@ class Harness:
                                     consume=self.calls.consume, slots=slots, chunk_bytes=chunk_bytes,
                                     max_in_flight=max_in_flight, ordered=ordered, on_error=on_error,
                                     inplace=inplace, workers=workers, checked=checked)
+        self.calls.pipe = self.pipe
         self.sched = self.pipe.scheduler
         accept = self.sched.accept
 

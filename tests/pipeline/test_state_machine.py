@@ -1,7 +1,8 @@
 """Invariants under chaos: a hypothesis state machine drives a pipeline on the chaotic sim.
 
 Rules: submit items of random sizes (some marked to fail in prepare, compute or consume, or to
-overflow a slot, or to make ``f`` write the wrong shape), step the scheduler, wait on a
+overflow a slot, or to make ``f`` write the wrong shape, or to call back into their own pipeline
+from a stage), step the scheduler, wait on a
 future, run a ``map`` and take its results a few at a time (or drop it), cancel, inject a
 sticky device error, close. After every rule the harness checks (tests/helpers/pipeline_checks):
 
@@ -39,6 +40,7 @@ from ringflow._errors import DeviceError, StageError
 from ringflow._pipeline.states import ChunkState, RingKind, SlotState
 from tests.helpers.pipeline_checks import (
     FAULTS,
+    REENTRIES,
     Harness,
     check_result,
     check_stage_error,
@@ -118,9 +120,10 @@ class PipelineMachine(RuleBasedStateMachine):
         for n in sizes:
             self._submit(self.new_item(n, None, cost))
 
-    @rule(n=SIZES, fault=st.sampled_from(FAULTS), roll=st.integers(0, 2))
+    @rule(n=SIZES, fault=st.sampled_from(FAULTS + REENTRIES), roll=st.integers(0, 2))
     def inject_fault(self, n, fault, roll):
-        """Submit an item whose prepare, compute or consume raises (or overflows / writes badly);
+        """Submit an item whose prepare, compute or consume raises (or overflows / writes badly,
+        or calls back into its own pipeline);
         a third of the time, so that runs with on_error="raise" get somewhere first."""
         self._submit(self.new_item(max(n, 1), fault if roll == 1 else None))
 

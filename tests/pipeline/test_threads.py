@@ -35,6 +35,7 @@ from tests.helpers.hooks import pipeline_of
 from tests.helpers.pipeline_checks import (
     FAULTS,
     INTERRUPTS,
+    REENTRIES,
     Harness,
     check_chunk_error,
     check_result,
@@ -539,7 +540,8 @@ class ThreadedPipelineMachine(RuleBasedStateMachine):
         for batch in batches:
             self._spawn(self._submitter, [self.new_item(n) for n in batch])
 
-    @rule(sizes=st.lists(SM_SIZES, min_size=1, max_size=4), fault=st.sampled_from(FAULTS), roll=st.integers(0, 2))
+    @rule(sizes=st.lists(SM_SIZES, min_size=1, max_size=4), fault=st.sampled_from(FAULTS + REENTRIES),
+          roll=st.integers(0, 2))
     def submit_faulty(self, sizes, fault, roll):
         """A submitter whose items fail in prepare, compute or consume (or overflow a slot, or make
         f write the wrong shape); a third of the time, as for interrupts."""
