@@ -197,10 +197,11 @@ class RayMapper:
             col = batch[name].to_numpy() if frame else batch[name]
             if not isinstance(col, np.ndarray):
                 col = np.asarray(col)
-            if _is_rows_of_one_shape(col):
+            shapes = _row_shapes(col)
+            if len(shapes) == 1:
                 col, as_rows = self._stacked(name, col), True
             if col.dtype.hasobject or col.dtype.kind not in "biufc":
-                if _is_ragged(col):
+                if len(shapes) > 1:  # Ray Data's ragged tensor column
                     raise ValueError(f"RayMapper streams columns whose rows have one shape; column {name!r} holds "
                                      f"arrays of shapes {_shapes_seen(col)} (a ragged tensor column): pad or "
                                      "resize them to one shape in an earlier map_batches, or stream each row with "
@@ -312,21 +313,12 @@ def _names(arg: str, value: Any) -> "tuple[str, ...] | None":
 
 
 def _row_shapes(col: np.ndarray) -> set:
-    """The shapes of a column of numeric arrays, one a row (empty for any other column)."""
+    """The shapes of a column of numeric arrays, one a row (empty for any other column): one
+    shape is a tensor column to stack, several a ragged one."""
     if not (col.dtype.hasobject and col.ndim == 1 and col.size > 0
             and all(isinstance(v, np.ndarray) and v.dtype.kind in "biufc" for v in col.flat)):
         return set()
     return {v.shape for v in col.flat}
-
-
-def _is_ragged(col: np.ndarray) -> bool:
-    """Whether ``col`` is Ray Data's ragged tensor column: numeric arrays of more than one shape."""
-    return len(_row_shapes(col)) > 1
-
-
-def _is_rows_of_one_shape(col: np.ndarray) -> bool:
-    """Whether ``col`` is a column of numeric arrays, one a row, all of one shape."""
-    return len(_row_shapes(col)) == 1
 
 
 def _frame_column(y: np.ndarray, as_rows: bool) -> Any:

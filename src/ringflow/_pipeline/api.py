@@ -391,7 +391,6 @@ class Pipeline:
         else:
             self._driver = ProgressThread(self._sched, name=f"ringflow-progress-{next(_NAMES)}")
         self._finalizer = weakref.finalize(self, _abandon, self._driver, self._sched)
-        self._made_in = reentry_generation()
         self._closed = False
 
     # -- set-up -------------------------------------------------------------------------------
@@ -1010,7 +1009,7 @@ class Pipeline:
     def _check_caller(self, call: str, opened: bool = True) -> None:
         """Refuse ``call`` where the pipeline cannot serve it (:mod:`.reentry`): in a child forked
         after it was made, from inside one of its own stages, and (``opened``) once closed."""
-        check_process(self._made_in)
+        check_process(self._sched.made_in)
         refuse_from_stage(self._sched, call)
         if opened:
             self._check_open()
@@ -1018,7 +1017,7 @@ class Pipeline:
     def _forget_if_forked(self) -> bool:
         """In a child forked after the pipeline was made: closed from now on, touching nothing
         (its threads are not in this process; its memory and device state are the parent's)."""
-        if self._made_in == reentry_generation():
+        if self._sched.made_in == reentry_generation():
             return False
         self._closed = True
         self._finalizer.detach()

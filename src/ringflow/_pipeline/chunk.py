@@ -12,7 +12,7 @@ import numpy as np
 
 from .ring import Slot
 from .states import LEGAL_CHUNK_TRANSITIONS, ChunkState, check_chunk_transition
-from .reentry import check_process, generation, refuse_from_stage
+from .reentry import check_process, refuse_from_stage
 from .sigint import shielded
 from .validate import check_wait_timeout
 
@@ -42,7 +42,6 @@ class ChunkFuture(concurrent.futures.Future):
         self.index = index
         self.token: Any = None  # the driver's hand-off token, observed by the thread taking the result
         self._waiters = _Waiters(self)  # where concurrent.futures.wait / as_completed register
-        self._made_in = generation()
 
     def _await(self, timeout: Optional[float], call: str) -> None:
         timeout = check_wait_timeout(timeout)
@@ -102,8 +101,9 @@ class ChunkFuture(concurrent.futures.Future):
     def _check_caller(self, call: str) -> None:
         """Refuse a wait for this chunk where it could not end (:mod:`.reentry`): from inside one
         of its pipeline's stages, or in a child forked after it was made."""
-        check_process(self._made_in, "Pipeline's future")
-        refuse_from_stage(self._driver.sched, f"ChunkFuture.{call}")
+        sched = self._driver.sched  # made in the same process as this future
+        check_process(sched.made_in, "Pipeline's future")
+        refuse_from_stage(sched, f"ChunkFuture.{call}")
 
     def _invoke_callbacks(self) -> None:
         # set by the progress thread under the pipeline's lock: its callbacks run once it lets go

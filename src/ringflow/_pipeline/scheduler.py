@@ -46,7 +46,7 @@ from .._testing import current as current_hooks
 from .batch_space import BatchSpace, aligned
 from .chunk import MAX_MEMBERS, MEMBER_ALIGN, Chunk, ChunkFuture, Member
 from .config import PipelineConfig, refuse_unknown_guards
-from .reentry import marked, run_stage
+from .reentry import generation, marked, run_stage
 from .ring import Ring, Slot
 from .states import ChunkState, RingKind, SlotState
 from .stages import POISON_BYTE, StageStreams, launch_compute, mark, poison_after, sim_seconds_for, writes_into_y
@@ -121,6 +121,9 @@ class Scheduler:
         guard_off = refuse_unknown_guards(hooks.guards_off, GUARDS)
         slot_hook = hooks.slot_hook
         self.device = device
+        # the fork generation it was made in (reentry.py): its pipeline's and its futures' calls
+        # in a child forked since are refused
+        self.made_in = generation()
         # the user's calls run marked as this scheduler's stages: one that calls back into its
         # own pipeline to wait for it is refused (reentry.py)
         compute = marked(self, "compute", compute)
