@@ -178,7 +178,9 @@ MISTAKES = [
     (["trace", "/dev/zero"], "trace", "not a regular file"),  # would never end
     (["doctor", "--device", "sim", "--json", "--output", "/dev/full"], "doctor", "/dev/full: No space left on device"),
     (["bench", "--device", "sim", "--quick", "seed", "--plot", "{d}/x.txt"], "bench", "cannot write .txt"),
-    (["plan", "--workers", "1025"], "plan", "give 1 to 1024"),
+    (["plan", "--workers", "1025"], "plan", "workers: give 1 to 1024"),
+    (["plan", "--devices", "0"], "plan", "argument --devices: '0' GPUs: give 1 to 64"),
+    (["bench", "--device", "sim", "--quick", "seed", "--trace", "/dev/full"], "bench", "/dev/full"),
     (["nosuchcommand"], None, "invalid choice: 'nosuchcommand'"),
     (["--nosuch"], None, "unrecognized arguments: --nosuch"),
 ]

@@ -210,3 +210,18 @@ def test_fast_and_general_launch_paths_agree_on_gpu():
         for b in (hx, hy, s):
             b.close()
         assert dev.live().total == 0
+
+
+def test_compiling_without_cuda_core_says_what_to_install(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_cuda(name, *args, **kwargs):
+        if name == "cuda.core" or name.startswith("cuda.core."):
+            raise ModuleNotFoundError("No module named 'cuda'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_cuda)
+    with pytest.raises(RuntimeError, match=r"compiling kernel 'k' needs cuda.core.*pip install 'ringflow\[cuda\]'"):
+        rf.Kernel('extern "C" __global__ void k() {}', "k").compile(0)

@@ -189,6 +189,34 @@ def test_without_columns_every_column_is_stacked_and_a_text_column_is_named(mapp
         mapper_factory(affine)(numeric_batch(100))
 
 
+@pytest.mark.parametrize("frame", [False, True], ids=["numpy", "pandas"])
+def test_columns_named_by_numbers_are_all_streamed_without_columns(mapper_factory, frame):
+    batch = {0: np.arange(50.0), 1: np.ones(50)}
+    if frame:
+        pd = pytest.importorskip("pandas")
+        batch = pd.DataFrame(batch)
+    out = mapper_factory(affine)(batch)
+    np.testing.assert_array_equal(np.asarray(out[0]), np.arange(50.0) * 2 + 1)
+    np.testing.assert_array_equal(np.asarray(out[1]), 3)
+
+
+@pytest.mark.parametrize("dtype", ["Int64", "Float64", "boolean"])
+def test_a_pandas_nullable_column_with_missing_values_is_refused_by_name(mapper_factory, dtype):
+    pd = pytest.importorskip("pandas")
+    frame = pd.DataFrame({"a": pd.array([True, None, False] if dtype == "boolean" else [1, None, 3], dtype=dtype)})
+    with pytest.raises(TypeError, match=rf"column 'a' of pandas' nullable dtype {dtype} holds missing values.*fillna"):
+        mapper_factory(affine, "a")(frame)
+    if dtype != "boolean":  # without missing values it streams (as Ray's pyarrow-backed columns do)
+        out = mapper_factory(affine, "a")(pd.DataFrame({"a": pd.array([1, 2, 3], dtype=dtype)}))
+        np.testing.assert_array_equal(np.asarray(out["a"], float), [3, 5, 7])
+
+
+@pytest.mark.parametrize("columns", ["a", ["a", "b"]])
+def test_a_column_of_one_value_is_refused_by_name(mapper_factory, columns):
+    with pytest.raises(TypeError, match=r"column 'a' is a single value \(a 0-d array of float64\)"):
+        mapper_factory(affine, columns)({"a": np.array(1.0), "b": np.array(2.0)})
+
+
 def test_columns_of_different_shapes_are_not_stacked(mapper_factory):
     with pytest.raises(ValueError, match=r"need one shape per row \(a: \(10,\), t: \(10, 2\)\)"):
         mapper_factory(affine, ["a", "t"])({"a": np.zeros(10), "t": np.zeros((10, 2))})

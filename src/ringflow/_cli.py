@@ -75,15 +75,22 @@ def chunk_size(text: str) -> "int | str":
     return "auto" if str(text).strip().lower() == "auto" else size(text)
 
 
-def workers(text: str) -> int:
-    """A CPU worker count, 1 .. 1024."""
-    try:
-        n = int(str(text).strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of workers (use e.g. 1, 8 or 16)") from None
-    if not 1 <= n <= 1024:
-        raise argparse.ArgumentTypeError(f"{text!r} workers: give 1 to 1024 (e.g. 8)")
-    return n
+def _count_of(what: str, most: int, example: str):
+    """An argparse type: a whole number of ``what``, 1 .. ``most``."""
+    def count(text: str) -> int:
+        try:
+            n = int(str(text).strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of {what} (use e.g. {example})") from None
+        if not 1 <= n <= most:
+            raise argparse.ArgumentTypeError(f"{text!r} {what}: give 1 to {most} (e.g. {example.split(',')[-1].strip()})")
+        return n
+    count.__name__ = what  # argparse names the type in some messages
+    return count
+
+
+workers = _count_of("workers", 1024, "1, 8 or 16")  # CPU workers
+gpus = _count_of("GPUs", 64, "1, 2 or 8")  # GPUs of one host
 
 
 def ms_per_gib(text: str) -> float:
@@ -276,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-ms-per-gib", type=ms_per_gib, default=0.0, help="kernel time per GiB of input, ms")
     p.add_argument("--workers", type=workers, default=8, help="CPU workers for prepare/consume (default 8)")
     p.add_argument("--pinned", action="store_true", help="data already in pinned memory (no staging)")
-    p.add_argument("--devices", type=workers, default=1,
+    p.add_argument("--devices", type=gpus, default=1,
                    help="also predict the job split over this many GPUs of one host (default 1)")
     p.add_argument("--profile", type=sim_profile, default="h200-pcie5",
                    help="the hardware profile to predict with: a name (h200-pcie5, pcie4-x16) or a profile JSON "

@@ -52,6 +52,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ._device.cuda.probe import INSTALL_HINT
 from ._pipeline.validate import check_count
 
 __all__ = ["Kernel", "BoundKernel"]
@@ -121,7 +122,11 @@ class Kernel:
             kern = self._compiled.get(device_index)
             if kern is not None:
                 return kern
-            from cuda.core import Device, Program, ProgramOptions
+            try:
+                from cuda.core import Device, Program, ProgramOptions
+            except ImportError as exc:
+                raise RuntimeError(f"compiling kernel {self.name!r} needs cuda.core, which did not import "
+                                   f"({exc}); install it with: {INSTALL_HINT}") from exc
 
             dev = Device(device_index)
             dev.set_current()

@@ -156,7 +156,7 @@ class RayMapper:
         if not frame and not isinstance(batch, dict):
             raise TypeError(f"RayMapper takes a batch as a dict of numpy arrays (batch_format='numpy') or a "
                             f"pandas DataFrame (batch_format='pandas'), got {type(batch).__name__}")
-        names = self.columns if self.columns is not None else tuple(str(c) for c in batch.keys())
+        names = self.columns if self.columns is not None else tuple(batch.keys())
         if not names:
             raise ValueError("RayMapper got a batch with no columns; pass columns=[...] naming what to stream")
         x, as_rows = self._gather(batch, names, frame)
@@ -169,8 +169,11 @@ class RayMapper:
             results = {outputs[0]: y}
         else:
             results = {name: np.ascontiguousarray(y[:, i]) for i, name in enumerate(outputs)}
-        if frame:
-            return batch.assign(**{name: _frame_column(y, as_rows) for name, y in results.items()})
+        if frame:  # (not DataFrame.assign, which takes string names only)
+            out = batch.copy(deep=False)
+            for name, y in results.items():
+                out[name] = _frame_column(y, as_rows)
+            return out
         return {**batch, **results}
 
     def close(self) -> None:
@@ -194,9 +197,16 @@ class RayMapper:
             if name not in batch:
                 have = [str(c) for c in batch.keys()]
                 raise ValueError(f"RayMapper: the batch has no column {name!r} (it has {have}); fix columns=")
+            if frame and _is_nullable(batch[name].dtype) and bool(batch[name].isna().any()):
+                raise TypeError(f"RayMapper streams numeric columns; column {name!r} of pandas' nullable dtype "
+                                f"{batch[name].dtype} holds missing values, which have no numpy equivalent: fill "
+                                "them first (e.g. .fillna(0))")
             col = batch[name].to_numpy() if frame else batch[name]
             if not isinstance(col, np.ndarray):
                 col = np.asarray(col)
+            if col.ndim == 0:
+                raise TypeError(f"RayMapper streams columns of rows; column {name!r} is a single value "
+                                f"(a 0-d array of {col.dtype}): give it as an array with one row per record")
             shapes = _row_shapes(col)
             if len(shapes) == 1:
                 col, as_rows = self._stacked(name, col), True
@@ -371,3 +381,11 @@ def _rows_per_chunk(f: Callable, x: np.ndarray, dev: Device, options: dict) -> i
 def _plain(value: Any) -> Any:
     """A numpy scalar as the Python value (so messages and pickles carry no numpy types)."""
     return value.item() if isinstance(value, np.generic) else value
+
+
+def _is_nullable(dtype: Any) -> bool:
+    """Whether ``dtype`` is one of pandas' nullable dtypes (Int64, Float64, boolean, string...):
+    their missing value is ``pandas.NA``."""
+    pd = sys.modules.get("pandas")
+    na = getattr(pd, "NA", None)
+    return na is not None and getattr(dtype, "na_value", None) is na

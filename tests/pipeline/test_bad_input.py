@@ -8,6 +8,8 @@ from __future__ import annotations
 import gc
 import warnings
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -171,6 +173,25 @@ def test_a_masked_item_is_refused_and_the_pipeline_goes_on(dev):
         with pytest.raises(TypeError, match="masked array"):
             pipe.submit(item)
         np.testing.assert_array_equal(pipe.submit(data()).result(timeout=30), expected(data()))
+
+
+@pytest.mark.parametrize("bad", ["a string", "too big", "bad output"])
+def test_an_item_a_map_refuses_fails_that_map_alone(dev, bad):
+    """Refused before it was accepted, the item is that map's caller's error: the map raises it
+    (cancelling what it took itself), and other callers' items and the pipeline go on."""
+    output = None
+    if bad == "bad output":  # the spec is bad for this item only
+        output = lambda item: (item.shape, np.float32 if item.size == N else "no such dtype")  # noqa: E731
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, output=output) as pipe:
+        others = [pipe.submit(data() + k) for k in range(4)]  # another thread's, say
+        items = [data(), {"a string": "abc", "too big": np.zeros(PIPE_CHUNK), "bad output": data(N + 1)}[bad]]
+        with pytest.raises((TypeError, ValueError)):
+            list(pipe.map(items))
+        for k, fut in enumerate(others):
+            np.testing.assert_array_equal(fut.result(timeout=30), expected(data() + k))
+        np.testing.assert_array_equal(pipe.submit(data()).result(timeout=30), expected(data()))
+        s = pipe.stats()
+        assert s.failed == 0 and s.delivered >= 5
 
 
 @pytest.mark.parametrize("name", ["prepare", "consume", "item_nbytes"])
@@ -667,3 +688,15 @@ def test_a_compute_said_to_take_a_day_runs_in_a_few_device_waits(dev, monkeypatc
     result = bounded(lambda: call(door, dev, x, f=slow, chunk_bytes=128), timeout=20)
     assert np.array_equal(result, expected(x)) and dev.now >= DAY
     assert len(waits) < 200, len(waits)
+
+
+@pytest.mark.parametrize("made, message", [
+    (None, r"prepare must return a numpy array \(or a tuple, list or dict of them\), got NoneType"),
+    ([1.0, 2.0], r"^prepare's arrays \(each array of a tuple, list or dict\) must be numpy arrays[^=]*got float$"),
+])
+def test_what_prepare_returns_wrongly_is_named_without_suggesting_prepare(dev, made, message):
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, prepare=lambda i: made) as pipe:
+        with pytest.raises(rf.StageError) as info:
+            pipe.submit(1).result(timeout=30)
+    assert isinstance(info.value.__cause__, TypeError)
+    assert re.search(message, str(info.value.__cause__)), info.value.__cause__

@@ -252,9 +252,13 @@ def test_gc_while_a_map_is_suspended():
     gen = pipe.map(np.arange(50.0) + i for i in range(20))
     assert np.array_equal(next(gen), np.arange(50.0) * 3 + 1)
     thread = pipe._driver.thread
-    with pytest.warns(ResourceWarning):
+    # the generator goes first (it holds the pipeline) and cancels what it took; a pipeline
+    # collected with chunks still draining then warns that it cancels them, an idle one does not
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         del pipe, gen
         gc.collect()
+    assert all(w.category is ResourceWarning for w in caught), [str(w.message) for w in caught]
     thread.join(timeout=10)
     assert not thread.is_alive()
     gc.collect()
@@ -327,3 +331,91 @@ def test_map_on_a_closed_pipeline_refuses_when_called():
         pipe.map([np.zeros(2)])
     with pytest.raises(RuntimeError, match="closed"):
         next(gen)
+
+
+# -- a map that stops early; many futures cancelled at once -------------------------------------
+def _counting_commands(pipe) -> list:
+    """Count the hand-overs to ``pipe``'s progress thread (each a round trip for the caller)."""
+    calls: list = []
+    real = pipe._driver.command
+
+    def command(fn):
+        calls.append(fn)
+        return real(fn)
+
+    pipe._driver.command = command
+    return calls
+
+
+def test_cancel_chunks_cancels_many_futures_with_one_hand_over():
+    from ringflow._pipeline.chunk import cancel_chunks
+
+    dev = rf.device("sim", seed=13, chaos=True)
+    with rf.Pipeline(lambda x, y: np.multiply(x, 2, out=y), device=dev, chunk_bytes=512, slots=1,
+                     checked=True) as pipe:
+        futs = [pipe.submit(_one(i)) for i in range(8)]
+        pending = [f for f in futs if not f.done()]  # a full submit waits: the sim ran the first few
+        done = len(futs) - len(pending)
+        assert len(pending) >= 4
+        calls = _counting_commands(pipe)
+        assert cancel_chunks(futs + pending[:1]) == [False] * done + [True] * len(pending) + [True]
+        assert len(calls) == 1
+        assert all(f.cancelled() for f in pending)
+        assert cancel_chunks(futs) == [False] * 8 and len(calls) == 1  # all done: no hand-over
+        pipe.cancel()
+        s = pipe.stats()
+        assert (s.delivered, s.cancelled, s.in_flight) == (done, len(pending), 0) and s.balanced()
+
+
+@pytest.mark.parametrize("size", [64, 8], ids=["own-chunks", "shared-chunks"])
+@pytest.mark.parametrize("how", ["close", "break", "error-in-loop"])
+def test_a_map_stopped_early_cancels_what_it_took_in_one_hand_over(size, how):
+    """As ``Executor.map``: what the map took and had not handed out is not wanted once its
+    caller stops; it is cancelled (with one round trip to the progress thread), not computed."""
+    dev = rf.device("sim", seed=14, chaos=True)
+    with rf.Pipeline(lambda x, y: np.multiply(x, 2, out=y), device=dev, chunk_bytes=512, slots=2,
+                     max_in_flight=6, checked=True) as pipe:
+        items = [np.arange(size, dtype=np.int64) + 1000 * i for i in range(20)]
+        gen = pipe.map(items)
+        assert next(gen).tolist() == (items[0] * 2).tolist()
+        calls = _counting_commands(pipe)
+        if how == "close":
+            gen.close()
+        elif how == "break":
+            for _ in gen:
+                break
+            del gen
+        else:
+            with pytest.raises(ZeroDivisionError):
+                for _ in gen:
+                    raise ZeroDivisionError("the loop body failed")
+            del gen
+        assert pipe.stats().cancelled >= 1 and len(calls) == 1
+    s = pipe.stats()  # (a cancelled chunk whose copies were enqueued ends once they complete)
+    assert s.in_flight == 0 and s.balanced() and s.cancelled >= 1
+    assert s.delivered + s.cancelled == s.accepted < len(items)
+    gc.collect()
+    assert dev.live().total == 0
+
+
+def test_an_amap_stopped_early_cancels_its_window_in_one_call(monkeypatch):
+    import asyncio
+
+    from ringflow._pipeline import api
+
+    handed: list = []
+    real = api.cancel_unwanted
+    monkeypatch.setattr(api, "cancel_unwanted", lambda futs: (handed.append(list(futs)), real(futs)))
+    dev = rf.device("sim", seed=15)
+    items = [_one(i) for i in range(20)]
+
+    async def main(pipe):
+        async for _ in pipe.amap(items):
+            break
+
+    with rf.Pipeline(lambda x, y: np.multiply(x, 2, out=y), device=dev, chunk_bytes=512, slots=2,
+                     max_in_flight=5) as pipe:
+        asyncio.run(main(pipe))
+        assert len(handed) == 1 and len(handed[0]) == 4  # the window after the first result
+        assert all(f.done() for f in handed[0])
+    assert pipe.stats().balanced()

@@ -221,6 +221,22 @@ def test_release_refuses_what_is_not_a_stream():
         assert res.released and "released" in repr(res)
 
 
+def test_release_refuses_a_stream_of_another_device():
+    """An event on another device's stream cannot order this one's work: refused at once, where
+    it used to be taken and then kill the progress thread."""
+    dev, other = rf.device("sim"), rf.device("sim")
+    with rf.Pipeline(f, device=dev, chunk_bytes=1024, deliver="device", slots=1) as pipe:
+        results = []
+        for res in pipe.map([np.ones(4, np.float32) * k for k in range(3)]):
+            with pytest.raises(TypeError, match="another device's stream"):
+                res.release(stream=other.create_stream())
+            assert not res.released
+            res.release(stream=dev.create_stream())
+            results.append(res)
+        assert pipe.stats().delivered == 3
+    other.close()
+
+
 def test_lent_is_a_slot_state_of_the_device_rings_only():
     from ringflow._pipeline.states import LEGAL_SLOT_TRANSITIONS, RingKind
 

@@ -308,3 +308,25 @@ def test_sticky_error_under_map():
     assert s.in_flight == 0 and s.balanced() and s.failed >= 1
     assert all(c.state in (rf.ChunkState.DELIVERED, rf.ChunkState.FAILED) for c in h.chunks.values())
     h.close()
+
+
+@pytest.mark.parametrize("n_devices", [1, 2])
+def test_work_offered_after_a_failure_stopped_the_pipeline_is_refused_naming_that_failure(n_devices):
+    """Not "closed or cancelled": the caller did neither. The refusal names the failure and both
+    ways on (a new Pipeline, or on_error='continue')."""
+    import asyncio
+
+    def broken(x, y):
+        raise ValueError("bad input")
+
+    devs = [rf.device("sim", seed=k) for k in range(n_devices)]
+    with rf.Pipeline(broken, device=devs if n_devices > 1 else devs[0], chunk_bytes=1024) as pipe:
+        with pytest.raises(StageError, match="bad input"):
+            pipe.submit(np.ones(10, np.float32)).result()
+        if n_devices > 1:  # the other device stops too once the failure is seen
+            pipe.cancel()
+        for call in (lambda: pipe.submit(np.ones(10, np.float32)),
+                     lambda: list(pipe.map([np.ones(10, np.float32)])),
+                     lambda: asyncio.run(pipe.asubmit(np.ones(10, np.float32)))):
+            with pytest.raises(RuntimeError, match=r"a failure stopped it.*ValueError: bad input.*on_error='continue'"):
+                call()

@@ -83,3 +83,27 @@ def test_bad_fill_options_are_refused():
     with pytest.raises(ValueError, match="needs a result of one array"):
         rf.Pipeline(positives, device=rf.device("sim"), chunk_bytes=4096, fill="rows",
                     output={"a": ((4,), "f4"), "b": ((4,), "f4")})
+
+
+def _copy_rows(x, y):
+    y[...] = x
+    return len(x)
+
+
+@pytest.mark.parametrize("item", [(np.arange(3.0), np.arange(3.0)), [np.arange(3.0)], {"a": np.arange(3.0)},
+                                  np.array(1.0)], ids=["tuple", "list", "dict", "0-d"])
+def test_an_item_that_has_no_rows_to_fill_is_refused_at_submit(item):
+    """fill='rows' counts the rows along one array's first axis: several arrays, or a 0-d one,
+    are refused when offered (naming why), not failed later in ringflow's own consumer."""
+    with rf.Pipeline(_copy_rows, device=rf.device("sim"), chunk_bytes=4096, fill="rows") as pipe:
+        with pytest.raises(ValueError, match="fill='rows' needs items (of one array|with rows)"):
+            pipe.submit(item)
+        np.testing.assert_array_equal(pipe.submit(np.arange(4.0)).result(timeout=30), np.arange(4.0))
+
+
+def test_a_prepared_result_that_has_no_rows_to_fill_fails_that_item_naming_why():
+    with rf.Pipeline(_copy_rows, device=rf.device("sim"), chunk_bytes=4096, fill="rows", on_error="continue",
+                     prepare=lambda i: (np.arange(3.0), np.arange(3.0)) if i == 1 else np.arange(3.0) + i) as pipe:
+        with pytest.raises(rf.StageError, match="prepare.*fill='rows' needs items of one array"):
+            pipe.submit(1).result(timeout=30)
+        np.testing.assert_array_equal(pipe.submit(2).result(timeout=30), np.arange(3.0) + 2)

@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import gc
 import threading
+import traceback
 
 import numpy as np
 import pytest
@@ -592,4 +593,152 @@ def test_on_a_real_gpu_callbacks_and_waiters_add_nothing_for_the_progress_thread
             assert np.array_equal(fut.result(), x * 3 + 1)
     finally:
         gate.set()
+        pipe.close()
+
+
+# -- the event loop's thread and the pipeline's lock -----------------------------------------------
+def test_asubmit_does_not_wait_for_the_pipelines_lock():
+    """Another thread holds the pipeline's lock (as the progress thread does through a whole step,
+    a compute's launch code included) until a task on the loop has ticked a few times after the
+    asubmits began: an asubmit that waited for the lock on the loop's thread would stall it."""
+    dev, pipe = _pipe(21, max_in_flight=8)
+    held, release = threading.Event(), threading.Event()
+    outcome: dict = {}
+
+    def hold():
+        with pipe._driver.lock:
+            held.set()
+            outcome["released_by_the_loop"] = release.wait(JOIN_S)
+
+    holder = start(hold)
+    assert held.wait(JOIN_S)
+    x = _items(4, base=3.0)
+    ticks = []
+
+    async def ticker():
+        for k in range(5):
+            ticks.append(k)
+            await asyncio.sleep(0)
+        release.set()
+
+    async def main():
+        tick = asyncio.create_task(ticker())
+        got = await asyncio.gather(*(pipe.asubmit(a) for a in x))
+        await tick
+        return got
+
+    try:
+        got = _run(main, timeout=2 * JOIN_S)
+    finally:
+        release.set()
+        join([holder])
+    assert outcome["released_by_the_loop"] and ticks == list(range(5))
+    for r, a in zip(got, x):
+        assert np.array_equal(r, a * 3 + 1)
+    _closed_clean(dev, pipe)
+
+
+# what asubmit runs on the loop's thread: its own code, asyncio's chaining of the chunk's future,
+# the future's methods, and the lock and event code under them
+ASUBMIT_NAMES = ("asubmit", "_asubmit_future", "_accept_at_once", "_accepting", "_staged_copy", "accept",
+                 "wrap_future", "_chain_future", "add_done_callback", "_add_callback", "done", "add_interest",
+                 "__enter__", "__exit__", "acquire", "release", "_is_owned", "notify", "notify_all", "set")
+ASUBMIT_FILES = ("/ringflow/_pipeline/", "threading.py", "asyncio/futures.py", "concurrent/futures/_base.py")
+
+
+def _asubmit_interrupted_at(n: int, sigint: bool) -> tuple:
+    """Three asubmits on a loop run by ``run_until_complete`` (Python's own SIGINT handler stays),
+    with Ctrl-C at the ``n``-th instruction of the asubmit code and the lock code it runs on the
+    loop's thread (``sigint``: a SIGINT sent there; else a KeyboardInterrupt raised there). Returns how many instructions ran, how many interrupts fired, and what went
+    wrong afterwards (None: nothing)."""
+    from tests.helpers.interrupts import InterruptAt
+
+    dev, pipe = _pipe(22, max_in_flight=2)
+    x = _items(3, base=1.0)
+
+    async def main():
+        return [await pipe.asubmit(a) for a in x]
+
+    loop = asyncio.new_event_loop()
+    got, where = None, None
+    with InterruptAt(n, ASUBMIT_NAMES, files=ASUBMIT_FILES, sigint=sigint) as at:
+        try:
+            got = loop.run_until_complete(main())
+        except KeyboardInterrupt as exc:
+            where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(traceback.extract_tb(exc.__traceback__)[-4:-1]))
+            del exc
+    problems: list = []
+    try:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()
+        lock = pipe._driver.cv._lock
+        if lock._is_owned():
+            problems.append("the pipeline's lock is still held by the loop's thread")
+            lock.release()
+        if got is not None and not all(np.array_equal(r, a * 3 + 1) for r, a in zip(got, x)):
+            problems.append("a result is wrong")
+        closer = threading.Thread(target=pipe.close, daemon=True)
+        closer.start()
+        closer.join(10.0)  # (real seconds: every step is short)
+        if closer.is_alive():
+            problems.append("close() hung")
+        else:
+            s = pipe.stats()
+            if s.in_flight or not s.balanced():
+                problems.append(f"counts do not add up: {s}")
+            gc.collect()
+            if dev.live().total:
+                problems.append(f"left live: {dev.live()}")
+    except BaseException as exc:  # noqa: BLE001 - reported below
+        problems.append(repr(exc)[:300])
+    return at.seen, at.fired, (problems + [f"interrupted at {where}"]) if problems else None
+
+
+def test_ctrl_c_at_any_instruction_of_asubmit_leaves_every_lock_free():
+    """Ctrl-C (a SIGINT under Python's own handler, as ``loop.run_until_complete`` keeps it)
+    between any two instructions asubmit runs on the loop's thread, the threading code under it
+    included: a KeyboardInterrupt raised as a lock's acquire returns would leave it taken for
+    ever (the pipeline's, an Event's, the futures' condition), and the progress thread and
+    close() waiting for it. Each such stretch is shielded, as the sync calls are."""
+    seen, fired, problems = _asubmit_interrupted_at(10 ** 9, True)
+    assert not fired and problems is None and seen > 10
+    for n in range(seen):
+        _, fired, problems = _asubmit_interrupted_at(n, True)
+        assert problems is None, f"Ctrl-C at instruction {n} of {seen}: {problems}"
+
+
+@pytest.mark.parametrize("how", ["wait", "asyncio", "callback"])
+def test_a_progress_thread_that_dies_fails_futures_no_pipeline_call_waits_on(how):
+    """Should the progress thread die (a ringflow bug), a future awaited only through
+    ``concurrent.futures.wait``, asyncio or a done-callback raises what killed it, instead of
+    staying pending for ever."""
+    dev, pipe = _pipe(23, max_in_flight=4)
+    real_step, steps = pipe.scheduler.step, []
+
+    def step():
+        steps.append(1)
+        if len(steps) > 3:
+            raise AssertionError("injected: a scheduler step failed")
+        return real_step()
+
+    pipe.scheduler.step = step
+    futs = [pipe.submit(a) for a in _items(3)]
+    if how == "wait":
+        done, not_done = concurrent.futures.wait(futs, timeout=JOIN_S)
+        assert not not_done
+    elif how == "asyncio":
+        async def main():
+            return await asyncio.gather(*(asyncio.wrap_future(f) for f in futs), return_exceptions=True)
+        _run(main)
+    else:
+        seen = threading.Event()
+        futs[-1].add_done_callback(lambda _f: seen.set())
+        assert seen.wait(JOIN_S)
+    errors = [f.exception(timeout=0) for f in futs if not f.cancelled()]
+    assert any(isinstance(e, RuntimeError) and "progress thread died" in str(e) for e in errors), errors
+    assert all(e is None or isinstance(e.__cause__, AssertionError) for e in errors)
+    with pytest.raises(RuntimeError, match="progress thread died"):
         pipe.close()

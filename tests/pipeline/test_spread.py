@@ -179,3 +179,66 @@ def test_map_and_amap_end_alike_when_the_pipeline_is_cancelled_under_them(on_err
         outcomes[face] = len(got) < len(items)
         assert all(d.live().total == 0 for d in devs)
     assert outcomes == {"map": True, "amap": True}
+
+
+def test_a_map_stopped_early_cancels_what_it_took_with_one_hand_over_a_device():
+    devs = sims(2, seed=21)
+    items = [np.arange(64, dtype=np.float32) + i for i in range(40)]
+    with rf.Pipeline(f, device=devs, chunk_bytes=512, slots=2, max_in_flight=6, checked=True) as pipe:
+        gen = pipe.map(items)
+        assert np.array_equal(next(gen), items[0] * 2 + 1)
+        calls: list = []
+        for part in pipe.parts:
+            real = part._driver.command
+            part._driver.command = lambda fn, _real=real: (calls.append(fn), _real(fn))[1]
+        gen.close()
+        assert 1 <= len(calls) <= 2
+    s = pipe.stats()
+    assert s.in_flight == 0 and s.balanced() and s.cancelled >= 1
+    assert s.delivered + s.cancelled == s.accepted < len(items)
+
+
+def _interrupting(x, y):
+    if x[0] == -1:
+        raise KeyboardInterrupt("raised by this item's compute")
+    y[...] = x * 2 + 1
+
+
+@pytest.mark.parametrize("face", ["map", "amap"])
+def test_with_continue_an_item_whose_compute_raised_keyboard_interrupt_is_skipped_as_on_one_device(face):
+    items = [np.full(8, -1.0 if i == 3 else float(i), np.float32) for i in range(8)]
+    for devs in (sims(1, seed=31)[0], sims(2, seed=31)):
+        with rf.Pipeline(_interrupting, device=devs, chunk_bytes=512, on_error="continue", coalesce=False) as pipe:
+            if face == "map":
+                got = list(pipe.map(items))
+            else:
+                async def main():
+                    return [r async for r in pipe.amap(items)]
+                got = asyncio.run(main())
+            assert [float(r[0]) for r in got] == [i * 2 + 1.0 for i in range(8) if i != 3]
+            assert len(pipe.failures) == 1
+            assert isinstance(pipe.failures[0].__cause__, KeyboardInterrupt)
+
+
+def test_ctrl_c_in_the_callers_wait_ends_that_map_only():
+    """A Ctrl-C while the caller waits in a map over two devices is the caller's, not a chunk's:
+    the map raises it and cancels what it took; the pipeline still takes work."""
+    from _thread import interrupt_main
+
+    fired = []
+
+    def consume(index, item, view):
+        if index == 2 and not fired:
+            fired.append(index)
+            interrupt_main()  # lands in the main thread's wait for a result
+        return np.array(view)
+
+    items = [np.full(8, float(i), np.float32) for i in range(30)]
+    with rf.Pipeline(f, device=sims(2, seed=33), chunk_bytes=512, slots=1, max_in_flight=3, consume=consume,
+                     coalesce=False) as pipe:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in pipe.map(items):
+                pass
+        assert np.array_equal(pipe.submit(items[0]).result(timeout=30), items[0] * 2 + 1)
+    s = pipe.stats()
+    assert s.in_flight == 0 and s.balanced() and s.failed == 0

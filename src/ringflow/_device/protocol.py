@@ -360,6 +360,11 @@ class Stream(abc.ABC):
 
     priority: int
 
+    @property
+    @abc.abstractmethod
+    def owner(self) -> "Device":
+        """The device whose work this stream queues."""
+
     @abc.abstractmethod
     def record(self, *, timing: bool = False) -> Event:
         """Enqueue an event; it completes after everything enqueued on this stream before it.
@@ -624,7 +629,7 @@ class Device(abc.ABC):
         if stream is None:
             return None
         if isinstance(stream, Stream):
-            return stream.record()
+            return check_own_stream(self, stream).record()
         raise TypeError(f"stream must be a stream of {self!r} (device.create_stream()) or None, "
                         f"got {type(stream).__name__}")
 
@@ -686,3 +691,15 @@ def typed_view(raw: np.ndarray, dtype: Any, offset: int, count: int | None, acce
         out = out.view()
         out.flags.writeable = False
     return out
+
+
+def check_own_stream(device: "Device", stream: Stream) -> Stream:
+    """``stream``, if it is one of ``device``'s streams.
+
+    Raises:
+        TypeError: it queues another device's work (an event there cannot order this one's).
+    """
+    if stream.owner is not device:
+        raise TypeError(f"stream must be a stream of {device!r}, got one of {stream.owner!r}: an event on "
+                        "another device's stream cannot order this device's work")
+    return stream

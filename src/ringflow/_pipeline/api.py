@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import functools
 import inspect
 import itertools
@@ -34,7 +33,7 @@ from .._device import host_pool
 from .._device.protocol import Device
 from .._errors import StageError
 from .batch_space import aligned
-from .chunk import Chunk, ChunkFuture
+from .chunk import Chunk, ChunkFuture, cancel_unwanted
 from .driver import CallerDriver, ProgressThread, resolve
 from .config import PipelineConfig, SlotCounts
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, lent_slots, resolve_slots
@@ -42,7 +41,7 @@ from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_in
 from .like import converter
 from .validate import (as_host_array, check_choice, check_flag, check_iterable, check_options, check_output_spec,
                        check_timeout)
-from .scheduler import Scheduler
+from .scheduler import Scheduler, check_fill_rows
 from .reentry import check_process, generation as reentry_generation, refuse_from_stage
 from .sigint import ShieldedIterator, shielded, shielded_call
 from .slot_array import in_slot, run_offering
@@ -84,7 +83,8 @@ def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any
         pack_into(layout, leaves, raw)
         return (layout.nbytes,), np.dtype(np.uint8), layout
     if not isinstance(arr, np.ndarray):
-        raise TypeError(f"prepare must return a numpy array, got {type(arr).__name__}")
+        raise TypeError(f"prepare must return a numpy array (or a tuple, list or dict of them), got "
+                        f"{type(arr).__name__}")
     if arr.dtype.hasobject:
         raise TypeError(f"prepare returned dtype {arr.dtype} (Python objects); items are moved as raw bytes, "
                         "use a numeric dtype")
@@ -126,10 +126,10 @@ class _Shared:
         fut = self.future
         if fut.cancelled():
             return ChunkState.CANCELLED, None, None
-        error = concurrent.futures.Future.exception(fut, timeout=0)
+        error = fut.settled_error()
         if error is not None:
             return ChunkState.FAILED, None, error
-        return ChunkState.DELIVERED, concurrent.futures.Future.result(fut, timeout=0), None
+        return ChunkState.DELIVERED, fut.settled_value(), None
 
 
 def tree_layout(item: Any, chunk_bytes: int, where: str = "items") -> tuple:
@@ -406,9 +406,13 @@ class Pipeline:
                                      f"{self.config.chunk_bytes} bytes; raise chunk_bytes to at least {nbytes}")
                 return item
             if is_tree(item):
+                if self.config.fill == "rows":
+                    check_fill_rows(True, 1, "this item")
                 tree_layout(item, self.config.chunk_bytes)  # checked now; packed when staged or prepared
                 return item
             item = as_host_array(item)
+            if self.config.fill == "rows":
+                check_fill_rows(False, item.ndim, "this item")
             if item.dtype.hasobject:
                 raise TypeError(f"items are moved as raw bytes; dtype {item.dtype} holds Python objects")
             if item.nbytes > self.config.chunk_bytes:
@@ -541,13 +545,7 @@ class Pipeline:
             fut = self._submit_shared(item, timeout)
             if fut is not None:
                 return fut
-        accepting = self._accepting(item)
-        d, s = self._driver, self._sched
-        with d.cv:
-            self._wait_for_capacity(timeout)
-            chunk = s.accept(driver=d, **accepting)
-            d.notify()
-        return chunk.future
+        return self._accept_staged(self._accepting(item), timeout)
 
     def _wait_for_capacity(self, timeout: Optional[float]) -> None:
         """Lock held: wait until the pipeline has room for another chunk (or takes no more)."""
@@ -687,15 +685,14 @@ class Pipeline:
                         except StopIteration:
                             exhausted = True
                             break
-                        item = self._check_item_or_settle(item)
+                        # an item refused here (TypeError, ValueError) was never accepted: the
+                        # error is this caller's, raised to this map alone, which then cancels
+                        # what it took (finally); the pipeline and others' items go on
+                        item = self._check_item(item)
                         if self._map_shares(item):
                             carried.append((item, _SHARES))
                         else:
-                            try:
-                                carried.append((item, self._accepting(item)))
-                            except (TypeError, ValueError):  # a bad output spec for this item
-                                self._settle_after_error()
-                                raise
+                            carried.append((item, self._accepting(item)))
                     item, accepting = carried[-1]
                     if accepting is _SHARES:
                         if held and held + item.nbytes > held_limit:
@@ -759,8 +756,11 @@ class Pipeline:
                         raise s.first_error
                     return
         finally:
+            # the caller stopped early (a break, an error in its loop, Ctrl-C): what this map took
+            # and has not handed out is not wanted, as concurrent.futures' Executor.map has it
+            cancel_unwanted([entry.future for entry in pending.values() if not entry.ended()])
             with d.cv:
-                for entry in pending.values():  # the caller stopped early: stop tracking these
+                for entry in pending.values():  # stop tracking these
                     if type(entry) is not _Shared:
                         entry.in_map = False
                         if entry.state.final:
@@ -771,13 +771,6 @@ class Pipeline:
         would share that is not pinned already (a pool array is read in place: copying it into a
         shared chunk would add a copy, where a plain array is copied into pinned memory anyway)."""
         return self._shares_chunk(item) and not self._read_in_place(item)
-
-    def _check_item_or_settle(self, item: Any) -> Any:
-        try:
-            return self._check_item(item)
-        except (TypeError, ValueError):
-            self._settle_after_error()
-            raise
 
     def _map_wait(self, pending, needs_room: bool, started: bool) -> Optional[str]:
         """Wait (lock held) for the next result of a map, or, where ``needs_room`` (input is
@@ -791,8 +784,7 @@ class Pipeline:
             if s.broken is not None:
                 raise s.broken
             if not started:
-                raise RuntimeError("the pipeline no longer accepts work (it was closed, cancelled or "
-                                   "stopped by an error); create a new Pipeline")
+                raise s.refusal()
             if s.first_error is not None and self.config.on_error == "raise":
                 raise s.first_error
             return "stop"
@@ -850,25 +842,30 @@ class Pipeline:
         return await asyncio.wrap_future(fut)
 
     async def _asubmit_future(self, item: Any, timeout: Optional[float] = None) -> ChunkFuture:
+        # the loop's thread never waits for the pipeline: not for capacity, and not for its lock,
+        # which the progress thread holds through a whole step (a compute's launch code, which
+        # may be long). Where either would wait, the accepting waits on the loop's executor
         timeout = check_timeout(timeout)
         self._check_caller("asubmit()")
         item = self._check_item(item)
-        d, s = self._driver, self._sched
-        with d.cv:
-            room = s.has_capacity()
-        if room:  # the staging copy may take a while: made outside the lock, on the loop's thread
-            accepting = self._accepting(item)
-            with d.cv:
-                if s.has_capacity():
-                    chunk = s.accept(driver=d, **accepting)
-                    d.notify()
-                    return chunk.future
-        # no room: wait on the loop's executor. A cancelled await cannot stop a submit already
-        # running there, so the item it accepts after the awaiting task gave up is cancelled
+        s = self._sched
+        accepting = token = None
+        if s.has_capacity():  # a look without the lock: _accept_at_once decides again under it
+            accepting = self._accepting(item)  # the staging copy, on the loop's thread
+            fut = self._accept_at_once(accepting)
+            if fut is not None:
+                return fut
+            token = self.device.publish()  # the copy, handed to the executor's thread with the item
+        # A cancelled await cannot stop a submit already running on the executor, so the item
+        # it accepts after the awaiting task gave up is cancelled
         lock, state = threading.Lock(), {"abandoned": False, "future": None}
 
         def submit() -> ChunkFuture:
-            fut = self.submit(item, timeout)
+            if accepting is None:
+                fut = self.submit(item, timeout)
+            else:
+                self.device.observe(token)
+                fut = self._accept_staged(accepting, timeout)
             with lock:
                 state["future"] = fut
                 abandoned = state["abandoned"]
@@ -885,6 +882,34 @@ class Pipeline:
             if fut is not None:
                 fut.cancel()
             raise
+
+    def _accept_at_once(self, accepting: dict) -> Optional[ChunkFuture]:
+        """Accept an item :meth:`_accepting` made ready, if the pipeline has room and its lock is
+        free this instant; None otherwise (nothing accepted)."""
+        d, s = self._driver, self._sched
+        # shielded as the other calls are (sigint.py): a Ctrl-C between the acquire and the try
+        # (or in the threading code notify runs) would leave a lock taken for ever
+        with shielded():
+            if not d.lock.acquire(blocking=False):
+                return None
+            try:
+                if not s.has_capacity():
+                    return None
+                chunk = s.accept(driver=d, **accepting)
+                d.notify()
+                return chunk.future
+            finally:
+                d.lock.release()
+
+    @shielded_call
+    def _accept_staged(self, accepting: dict, timeout: Optional[float]) -> ChunkFuture:
+        """:meth:`submit` for an item :meth:`_accepting` made ready: wait for capacity, accept."""
+        d, s = self._driver, self._sched
+        with d.cv:
+            self._wait_for_capacity(timeout)
+            chunk = s.accept(driver=d, **accepting)
+            d.notify()
+        return chunk.future
 
     async def amap(self, items: "Iterable[Any] | AsyncIterator[Any]") -> AsyncIterator[Any]:
         """``async for r in pipe.amap(items)``: the results of ``items`` (a sync or async iterable)
@@ -923,8 +948,7 @@ class Pipeline:
                     if s.broken is not None:
                         raise s.broken
                     if not started:
-                        raise RuntimeError("the pipeline no longer accepts work (it was closed, cancelled or "
-                                           "stopped by an error); create a new Pipeline")
+                        raise s.refusal()
                     break
                 fut, head = window[0]
                 try:
@@ -934,13 +958,14 @@ class Pipeline:
                     if fut.cancelled():
                         break  # the pipeline was cancelled, or a failure stopped it, under this map
                     if self.config.on_error == "continue" and fut.done() and err is not s.broken and \
-                            concurrent.futures.Future.exception(fut, timeout=0) is err:
+                            fut.settled_error() is err:
                         window.popleft()
                         continue  # a failed chunk (whatever its stage raised) is skipped, as map does
                     raise  # (the task was cancelled: finally cancels this chunk with the others)
                 window.popleft()
                 yield value
         finally:
+            cancel_unwanted([fut for fut, _ in window])  # one hand-over, not one a future
             for _, head in window:
                 head.cancel()
         if s.first_error is not None and self.config.on_error == "raise":

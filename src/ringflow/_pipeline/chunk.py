@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 import weakref
 from typing import Any, Callable, Optional
@@ -16,6 +17,13 @@ from .reentry import check_process, refuse_from_stage
 from .sigint import shielded
 from .validate import check_wait_timeout
 
+logger = logging.getLogger(__name__)
+
+
+_b = concurrent.futures._base
+_DONE = frozenset((_b.CANCELLED, _b.CANCELLED_AND_NOTIFIED, _b.FINISHED))
+_CANCELLED = frozenset((_b.CANCELLED, _b.CANCELLED_AND_NOTIFIED))
+_FINISHED, _RUNNING = _b.FINISHED, _b.RUNNING
 
 
 class ChunkFuture(concurrent.futures.Future):
@@ -59,25 +67,78 @@ class ChunkFuture(concurrent.futures.Future):
         ``timeout`` that is not a number, or NaN."""
         self._await(timeout, "result()")
         self._driver.device.observe(self.token)
-        return super().result(timeout=0)
+        error = self.settled_error()
+        if error is not None:
+            try:
+                raise error
+            finally:
+                del error, self  # no cycle through this frame (as concurrent.futures does)
+        return self._result
 
     def exception(self, timeout: float | None = None) -> Optional[BaseException]:
         self._await(timeout, "exception()")
         self._driver.device.observe(self.token)
-        return super().exception(timeout=0)
+        return self.settled_error()
+
+    # Reads of a future's state take no lock here: the state is one attribute, set by the driver
+    # (under the futures' condition) after the result or exception it announces, and a read of
+    # it is atomic. concurrent.futures takes the condition with a ``with`` statement, whose
+    # Python-level Condition.__enter__ a Ctrl-C can interrupt after the lock was acquired and
+    # before the block began: the lock, which every future of the pipeline shares, would stay
+    # taken, and the progress thread wait for it for ever.
+    def done(self) -> bool:
+        return self._state in _DONE
+
+    def cancelled(self) -> bool:
+        return self._state in _CANCELLED
+
+    def running(self) -> bool:
+        return self._state == _RUNNING
+
+    def settled_error(self) -> Optional[BaseException]:
+        """The exception of a future that is done (None: it delivered a value). Raises
+        CancelledError for a cancelled one, TimeoutError for one not done."""
+        state = self._state
+        if state in _CANCELLED:
+            raise concurrent.futures.CancelledError()
+        if state != _FINISHED:
+            raise concurrent.futures.TimeoutError()
+        return self._exception
+
+    def settled_value(self) -> Any:
+        """The value of a future that is done and delivered one (see :meth:`settled_error`)."""
+        return self._result
 
     def add_done_callback(self, fn: Callable[["ChunkFuture"], Any]) -> None:
         """As :meth:`concurrent.futures.Future.add_done_callback`; someone now waits for this
         chunk, so the pipeline keeps advancing until it ends (on the simulated GPU too)."""
-        if not self.done() and getattr(self._driver, "gated", False):
-            # the simulated GPU's progress thread runs only while someone waits: tell it. A real
-            # GPU's runs whenever there is work, and a request server's every request would
-            # otherwise add an entry it scans
-            # the entry holds the future only weakly and the callback only the entry: no cycle
-            # keeps a finished future (and its result) alive until the cyclic collector runs
-            entry = self._driver.add_interest(_done_of(self))
-            super().add_done_callback(lambda f, _entry=entry: f._driver.drop_interest(_entry))
-        super().add_done_callback(fn)
+        # shielded (sigint.py): asyncio.wrap_future calls this on the loop's thread, where a
+        # Ctrl-C inside the threading code of add_interest's wake-up would leave that lock taken
+        with shielded():
+            if not self.done() and getattr(self._driver, "gated", False):
+                # the simulated GPU's progress thread runs only while someone waits: tell it. A
+                # real GPU's runs whenever there is work, and a request server's every request
+                # would otherwise add an entry it scans
+                # the entry holds the future only weakly and the callback only the entry: no cycle
+                # keeps a finished future (and its result) alive until the cyclic collector runs
+                entry = self._driver.add_interest(_done_of(self))
+                if not self._add_callback(lambda f, _entry=entry: f._driver.drop_interest(_entry)):
+                    self._driver.drop_interest(entry)  # done meanwhile
+            added = self._add_callback(fn)
+        if not added:  # done already: called at once, as concurrent.futures does (outside the shield)
+            try:
+                fn(self)
+            except Exception:  # noqa: BLE001 - as concurrent.futures: logged, not raised
+                concurrent.futures._base.LOGGER.exception("exception calling callback for %r", self)
+
+    def _add_callback(self, fn: Callable[["ChunkFuture"], Any]) -> bool:
+        """Add ``fn`` to the callbacks unless the future is done (False: it was not added).
+        The condition's lock is entered by its C ``__enter__`` (see above)."""
+        with self._condition._lock:  # type: ignore[attr-defined]
+            if self._state not in _DONE:
+                self._done_callbacks.append(fn)
+                return True
+        return False
 
     def cancel(self) -> bool:
         """Cancel this chunk, not only the future: a chunk not yet on the device ends CANCELLED
@@ -86,17 +147,7 @@ class ChunkFuture(concurrent.futures.Future):
         either way. Returns False if the chunk's consumer is running or it has ended."""
         if self.done():
             return False
-        self._check_caller("cancel()")
-        driver = self._driver
-        with shielded(), driver.cv:
-            if self.done():
-                return False
-            cancelled = driver.command(lambda: driver.sched.cancel_chunk(self.index))
-            if not cancelled:
-                return self.cancelled()
-            if not self.done():  # still draining: the future does not wait for that
-                self._mark_cancelled()
-        return True
+        return cancel_chunks([self])[0]
 
     def _check_caller(self, call: str) -> None:
         """Refuse a wait for this chunk where it could not end (:mod:`.reentry`): from inside one
@@ -116,6 +167,68 @@ class ChunkFuture(concurrent.futures.Future):
     def _mark_cancelled(self) -> None:
         if concurrent.futures.Future.cancel(self):
             self.set_running_or_notify_cancel()
+
+
+def cancel_chunks(futures: "list[ChunkFuture]") -> list:
+    """Cancel the chunks of ``futures`` as :meth:`ChunkFuture.cancel` does, with one hand-over to
+    each pipeline's driver rather than one a future (a map that stops early cancels its whole
+    window: a round trip to the progress thread each would keep an event loop's thread that long).
+    Returns, a future each, whether it was cancelled.
+
+    Raises:
+        RuntimeError: from inside one of the pipeline's stages, or after fork() (:mod:`.reentry`).
+        DeviceError: the first a cancel met (the others are still cancelled).
+    """
+    outcome = {id(f): False for f in futures}
+    by_driver: dict = {}
+    for f in futures:
+        if not f.done():
+            by_driver.setdefault(id(f._driver), []).append(f)
+    first_error = None
+    for live in by_driver.values():
+        live[0]._check_caller("cancel()")
+        driver = live[0]._driver
+        with shielded(), driver.cv:
+            live = [f for f in live if not f.done()]
+            if not live:
+                continue
+            sched = driver.sched
+
+            def cancel_each(_live=live, _sched=sched) -> list:
+                flags = []
+                for f in _live:
+                    try:
+                        flag = _sched.cancel_chunk(f.index)
+                    except BaseException as exc:  # noqa: BLE001 - the rest are still cancelled
+                        flag = exc
+                    if flag is True and not f.done():
+                        # still draining: the future does not wait for that. Marked here, before
+                        # the next: an item sharing a chunk cancels the chunk itself only once
+                        # no other item of it is wanted
+                        f._mark_cancelled()
+                    flags.append(flag)
+                return flags
+
+            for f, flag in zip(live, driver.command(cancel_each)):
+                if isinstance(flag, BaseException):
+                    first_error = first_error or flag
+                else:
+                    outcome[id(f)] = flag or f.cancelled()
+    if first_error is not None:
+        raise first_error
+    return [outcome[id(f)] for f in futures]
+
+
+def cancel_unwanted(futures: list) -> None:
+    """Cancel the chunks a map took and no longer wants, from its clean-up: never raises (a
+    refusal from inside a stage or after fork(), a device found broken), so that it cannot mask
+    the error the map is ending with; chunks not cancelled then end by themselves."""
+    if not futures:
+        return
+    try:
+        cancel_chunks(futures)
+    except Exception as exc:  # noqa: BLE001 - clean-up: see above
+        logger.debug("a map's unwanted chunks were not cancelled: %r", exc)
 
 
 def _done_of(fut: ChunkFuture) -> Callable[[], bool]:

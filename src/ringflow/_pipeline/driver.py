@@ -77,7 +77,8 @@ class _Driver:
     def __init__(self, sched):
         self.sched = sched
         self.device = sched.device
-        self.cv = threading.Condition(threading.RLock())
+        self.lock = threading.RLock()  # the pipeline's lock, cv's (its C methods, for a try without waiting)
+        self.cv = threading.Condition(self.lock)
         # the condition of every future this driver resolves (ChunkFuture): taken under cv, never
         # the other way round, and never waited on
         self.future_condition = threading.Condition()
@@ -410,4 +411,15 @@ def _run(driver: "ProgressThread") -> None:
             driver.failure = exc
             driver.final_token = driver.device.publish()
             driver.cv.notify_all()
+            orphans = driver.sched.unended_futures()
+        # and every future not yet done: one awaited through asyncio, concurrent.futures.wait or
+        # a done-callback has no waiter in the pipeline that would see the failure
+        for fut in orphans:
+            err = driver.died()
+            err.__cause__ = exc
+            try:
+                concurrent.futures.Future.set_exception(fut, err)
+            except concurrent.futures.InvalidStateError:
+                pass  # done meanwhile (cancelled by its caller)
+        resolve(driver.sched.take_resolved())
 

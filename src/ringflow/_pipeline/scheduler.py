@@ -431,10 +431,19 @@ class Scheduler:
         if self.broken is not None:
             raise self.broken
         if not self.accepting:
-            raise RuntimeError("the pipeline no longer accepts work (it was closed or cancelled); "
-                               "create a new Pipeline")
+            raise self.refusal()
         if not self.has_capacity():
             raise RuntimeError("admission is full; wait for capacity before accepting")
+
+    def refusal(self) -> RuntimeError:
+        """The error for work offered once the pipeline takes no more, saying why."""
+        err = self.first_error
+        if err is not None and self.config.on_error == "raise":
+            return RuntimeError(
+                f"the pipeline no longer accepts work: a failure stopped it, as on_error='raise' says "
+                f"({type(err).__name__}: {err}); create a new Pipeline, or pass on_error='continue' to go on "
+                "past failed items")
+        return RuntimeError("the pipeline no longer accepts work (it was closed or cancelled); create a new Pipeline")
 
     def _admit(self) -> bool:
         """Take the inbox's chunks in (driving thread). A chunk taking items waits there while a
@@ -758,7 +767,10 @@ class Scheduler:
         if nbytes > where.nbytes:
             raise ValueError(f"prepare produced {nbytes} bytes but a slot holds {where.nbytes}; "
                              f"raise chunk_bytes to at least {nbytes} or split the item")
-        return tuple(shape), dtype, nbytes, (described[2] if len(described) > 2 else None)
+        tree = described[2] if len(described) > 2 else None
+        if self.config.fill == "rows":
+            check_fill_rows(tree is not None, len(shape), "prepare's result")
+        return tuple(shape), dtype, nbytes, tree
 
     def _on_prepared(self, chunk: Chunk) -> None:
         if chunk.staged is None:
@@ -1286,6 +1298,22 @@ class Scheduler:
         chunk.events = {}
         chunk.batch = None
 
+    def unended_futures(self) -> list:
+        """The futures of every accepted item not yet done (lock held): chunks admitted or in the
+        inbox, and the items of shared chunks (the open one included)."""
+        chunks = list(self.chunks.values()) + list(self.inbox) + list(self._members.values())
+        if self.open_batch is not None:
+            chunks.append(self.open_batch)
+        futures, seen = [], set()
+        for chunk in chunks:
+            if id(chunk) in seen:
+                continue
+            seen.add(id(chunk))
+            futures.append(chunk.future)
+            with self.batch_lock:
+                futures.extend(m.future for m in chunk.members or ())
+        return [f for f in futures if f is not None and not f.done()]
+
     def stop_admission(self) -> None:
         """Take no more work; what was accepted (the inbox too) still runs to its end."""
         self.accepting = False
@@ -1446,6 +1474,20 @@ class Scheduler:
 
 
 MAX_KEPT_FAILURES = 1024
+
+
+def check_fill_rows(several: bool, ndim: int, what: str) -> None:
+    """Refuse, for ``fill="rows"``, an item the compute could not fill by rows.
+
+    Raises:
+        ValueError: ``what`` is several arrays (``several``), or has no rows (``ndim`` 0).
+    """
+    if several:
+        raise ValueError(f"fill='rows' needs items of one array (the rows filled are counted along its first "
+                         f"axis); {what} is several arrays (a tuple, list or dict): pass them as one array, or "
+                         "drop fill='rows'")
+    if ndim == 0:
+        raise ValueError(f"fill='rows' needs items with rows (the first axis); {what} is a 0-d array")
 
 
 def forget_frames(exc: BaseException) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from .._device import device_label, device_list
 from .._errors import DeviceError, StageError
 from .api import Pipeline
+from .chunk import cancel_unwanted
 from .stats import PipelineStats
 
 
@@ -72,8 +73,8 @@ class SpreadPipeline(Pipeline):
             broken = next((p._sched.broken for p in self.parts if p._sched.broken is not None), None)
             if broken is not None:
                 raise broken
-            raise RuntimeError("the pipeline no longer accepts work (it was closed or cancelled); "
-                               "create a new Pipeline")
+            stopped = next((p for p in self.parts if p._sched.first_error is not None), self.parts[0])
+            raise stopped._sched.refusal()
         n = len(working)
         return min((working[(turn + k) % n] for k in range(n)), key=lambda p: p.stats().in_flight)
 
@@ -155,16 +156,17 @@ class SpreadPipeline(Pipeline):
                         return  # the pipeline was cancelled, or a failure stopped it, under this map
                     continue
                 except BaseException as err:
+                    if not _failed_with(fut, err):
+                        raise  # this caller's own (a Ctrl-C in its wait): finally cancels the window
                     window.remove(fut)
-                    if self.config.on_error == "continue" and isinstance(err, (StageError, Exception)):
-                        continue  # a failed item (its stage's error, or its device's) is skipped
+                    if self.config.on_error == "continue":
+                        continue  # a failed item (whatever its stage raised, or its device's) is skipped
                     self.cancel()
                     raise
                 window.remove(fut)
                 yield value
         finally:
-            for fut in window:  # the caller stopped early: the rest are not wanted
-                fut.cancel()
+            cancel_unwanted(list(window))  # the caller stopped early: the rest are not wanted
 
     async def amap(self, items: Any):
         """As :meth:`Pipeline.amap`, over every device, in submission order; a chunk cancelled
@@ -204,15 +206,14 @@ class SpreadPipeline(Pipeline):
                         if self.config.on_error == "raise":
                             return  # the pipeline was cancelled, or a failure stopped it, under this amap
                         continue
-                    if self.config.on_error == "continue" and isinstance(err, Exception):
-                        continue  # a failed item (its stage's error, or its device's) is skipped
+                    if self.config.on_error == "continue" and _failed_with(fut, err):
+                        continue  # a failed item (whatever its stage raised, or its device's) is skipped
                     self.cancel()
                     raise
                 window.popleft()
                 yield value
         finally:
-            for fut, _ in window:
-                fut.cancel()
+            cancel_unwanted([fut for fut, _ in window])
 
     # -- ending and inspection -----------------------------------------------------------------
     def cancel(self) -> None:
@@ -308,3 +309,9 @@ class SpreadPipeline(Pipeline):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<Pipeline {state} over {', '.join(device_label(d) for d in self.devices)}>"
+
+
+def _failed_with(fut: concurrent.futures.Future, err: BaseException) -> bool:
+    """Whether ``err``, raised while taking ``fut``'s result, is the chunk's own failure (a
+    KeyboardInterrupt its stage raised is; a Ctrl-C in the caller's wait is not)."""
+    return fut.done() and not fut.cancelled() and fut.settled_error() is err

@@ -347,5 +347,6 @@ def as_host_array(item: Any, where: str = "items") -> np.ndarray:
         if arr.dtype.hasobject:
             raise TypeError(f"{where}: a {type(item).__name__} holds Python objects; items are moved as raw bytes")
         return arr
-    raise TypeError(f"{where} must be numpy arrays, torch CPU tensors, DLPack producers or objects with __array__ "
-                    f"(or pass prepare=), got {type(item).__name__}")
+    hint = " (or pass prepare= to make them)" if where.startswith("items") else ""
+    raise TypeError(f"{where} must be numpy arrays, torch CPU tensors, DLPack producers or objects with __array__"
+                    f"{hint}, got {type(item).__name__}")

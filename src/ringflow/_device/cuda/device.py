@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..host_pool import without_pooled
-from ..protocol import BufferSlice, Capabilities, Device, DeviceBuffer, LiveCounts, close_quietly
+from ..protocol import BufferSlice, Capabilities, Device, DeviceBuffer, LiveCounts, check_own_stream, close_quietly
 from ._lib import check, core, driver, translate
 from ._live import LiveRegistry
 from .arrays import resolve
@@ -327,7 +327,7 @@ class CudaDevice(Device):
         from .stream import CudaEvent, CudaStream, _event_options
 
         if isinstance(stream, CudaStream):
-            return stream.record()
+            return check_own_stream(self, stream).record()
         if stream is None:
             handle = 0
         elif isinstance(stream, int) and not isinstance(stream, bool):  # a raw handle (__cuda_array_interface__'s)

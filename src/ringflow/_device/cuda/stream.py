@@ -156,6 +156,10 @@ class CudaStream(Stream):
 
     # -- helpers -------------------------------------------------------------------------------
     @property
+
+    @property
+    def owner(self) -> "CudaDevice":
+        return self._device
     def closed(self) -> bool:
         return self._closed
 

@@ -85,6 +85,9 @@ class SimStream(Stream):
         self._closed = False
         dev._checker.add_actor(self.actor, self.name)
 
+    @property
+    def owner(self) -> "SimDevice":
+        return self._dev
     def __repr__(self) -> str:
         return f"<SimStream {self.id} priority={self.priority}{' closed' if self._closed else ''}>"
 
