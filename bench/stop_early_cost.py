@@ -21,10 +21,13 @@ from _script import header, write  # noqa: E402
 
 
 def slow(x, y):
-    # a few ms a chunk: the window is still on the device when the caller stops
+    # a few hundred launches a chunk: most of the window is still queued when the caller stops
     y[...] = x
-    for _ in range(20):
+    for _ in range(SLOW_LAUNCHES):
         y *= 1.0001
+
+
+SLOW_LAUNCHES = 200
 
 
 def one_map(pipe, items) -> float:

@@ -190,7 +190,7 @@ def test_a_map_stopped_early_cancels_what_it_took_with_one_hand_over_a_device():
         calls: list = []
         for part in pipe.parts:
             real = part._driver.command
-            part._driver.command = lambda fn, _real=real: (calls.append(fn), _real(fn))[1]
+            part._driver.command = lambda fn, _real=real, **kw: (calls.append(fn), _real(fn, **kw))[1]
         gen.close()
         assert 1 <= len(calls) <= 2
     s = pipe.stats()

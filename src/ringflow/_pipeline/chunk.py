@@ -112,19 +112,19 @@ class ChunkFuture(concurrent.futures.Future):
     def add_done_callback(self, fn: Callable[["ChunkFuture"], Any]) -> None:
         """As :meth:`concurrent.futures.Future.add_done_callback`; someone now waits for this
         chunk, so the pipeline keeps advancing until it ends (on the simulated GPU too)."""
-        # shielded (sigint.py): asyncio.wrap_future calls this on the loop's thread, where a
-        # Ctrl-C inside the threading code of add_interest's wake-up would leave that lock taken
-        with shielded():
-            if not self.done() and getattr(self._driver, "gated", False):
-                # the simulated GPU's progress thread runs only while someone waits: tell it. A
-                # real GPU's runs whenever there is work, and a request server's every request
-                # would otherwise add an entry it scans
-                # the entry holds the future only weakly and the callback only the entry: no cycle
-                # keeps a finished future (and its result) alive until the cyclic collector runs
+        if not self.done() and getattr(self._driver, "gated", False):
+            # the simulated GPU's progress thread runs only while someone waits: tell it. A real
+            # GPU's runs whenever there is work, and a request server's every request would
+            # otherwise add an entry it scans.
+            # Shielded (sigint.py): asyncio.wrap_future calls this on the loop's thread, where a
+            # Ctrl-C inside the threading code of add_interest's wake-up would leave that lock
+            # taken. The entry holds the future only weakly and the callback only the entry: no
+            # cycle keeps a finished future (and its result) alive until the cyclic collector runs
+            with shielded():
                 entry = self._driver.add_interest(_done_of(self))
                 if not self._add_callback(lambda f, _entry=entry: f._driver.drop_interest(_entry)):
                     self._driver.drop_interest(entry)  # done meanwhile
-            added = self._add_callback(fn)
+        added = self._add_callback(fn)  # (its lock is entered in C: no shield needed)
         if not added:  # done already: called at once, as concurrent.futures does (outside the shield)
             try:
                 fn(self)
@@ -169,11 +169,13 @@ class ChunkFuture(concurrent.futures.Future):
             self.set_running_or_notify_cancel()
 
 
-def cancel_chunks(futures: "list[ChunkFuture]") -> list:
+def cancel_chunks(futures: "list[ChunkFuture]", wait: bool = True) -> list:
     """Cancel the chunks of ``futures`` as :meth:`ChunkFuture.cancel` does, with one hand-over to
     each pipeline's driver rather than one a future (a map that stops early cancels its whole
     window: a round trip to the progress thread each would keep an event loop's thread that long).
-    Returns, a future each, whether it was cancelled.
+    Returns, a future each, whether it was cancelled; with ``wait=False`` the driver cancels them
+    on its next turn and this returns an empty list at once, without waiting for that turn (a
+    step of the progress thread, a compute's launches included).
 
     Raises:
         RuntimeError: from inside one of the pipeline's stages, or after fork() (:mod:`.reentry`).
@@ -209,6 +211,9 @@ def cancel_chunks(futures: "list[ChunkFuture]") -> list:
                     flags.append(flag)
                 return flags
 
+            if not wait:
+                driver.command(cancel_each, wait=False)
+                continue
             for f, flag in zip(live, driver.command(cancel_each)):
                 if isinstance(flag, BaseException):
                     first_error = first_error or flag
@@ -216,17 +221,18 @@ def cancel_chunks(futures: "list[ChunkFuture]") -> list:
                     outcome[id(f)] = flag or f.cancelled()
     if first_error is not None:
         raise first_error
-    return [outcome[id(f)] for f in futures]
+    return [outcome[id(f)] for f in futures] if wait else []
 
 
 def cancel_unwanted(futures: list) -> None:
     """Cancel the chunks a map took and no longer wants, from its clean-up: never raises (a
     refusal from inside a stage or after fork(), a device found broken), so that it cannot mask
-    the error the map is ending with; chunks not cancelled then end by themselves."""
+    the error the map is ending with; chunks not cancelled then end by themselves. Hands the
+    cancel to the driver without waiting for its turn."""
     if not futures:
         return
     try:
-        cancel_chunks(futures)
+        cancel_chunks(futures, wait=False)  # the caller has stopped: it need not wait for the driver's turn
     except Exception as exc:  # noqa: BLE001 - clean-up: see above
         logger.debug("a map's unwanted chunks were not cancelled: %r", exc)
 
