@@ -169,13 +169,11 @@ class ChunkFuture(concurrent.futures.Future):
             self.set_running_or_notify_cancel()
 
 
-def cancel_chunks(futures: "list[ChunkFuture]", wait: bool = True) -> list:
+def cancel_chunks(futures: "list[ChunkFuture]") -> list:
     """Cancel the chunks of ``futures`` as :meth:`ChunkFuture.cancel` does, with one hand-over to
     each pipeline's driver rather than one a future (a map that stops early cancels its whole
     window: a round trip to the progress thread each would keep an event loop's thread that long).
-    Returns, a future each, whether it was cancelled; with ``wait=False`` the driver cancels them
-    on its next turn and this returns an empty list at once, without waiting for that turn (a
-    step of the progress thread, a compute's launches included).
+    Returns, a future each, whether it was cancelled.
 
     Raises:
         RuntimeError: from inside one of the pipeline's stages, or after fork() (:mod:`.reentry`).
@@ -211,9 +209,6 @@ def cancel_chunks(futures: "list[ChunkFuture]", wait: bool = True) -> list:
                     flags.append(flag)
                 return flags
 
-            if not wait:
-                driver.command(cancel_each, wait=False)
-                continue
             for f, flag in zip(live, driver.command(cancel_each)):
                 if isinstance(flag, BaseException):
                     first_error = first_error or flag
@@ -221,18 +216,18 @@ def cancel_chunks(futures: "list[ChunkFuture]", wait: bool = True) -> list:
                     outcome[id(f)] = flag or f.cancelled()
     if first_error is not None:
         raise first_error
-    return [outcome[id(f)] for f in futures] if wait else []
+    return [outcome[id(f)] for f in futures]
 
 
 def cancel_unwanted(futures: list) -> None:
     """Cancel the chunks a map took and no longer wants, from its clean-up: never raises (a
     refusal from inside a stage or after fork(), a device found broken), so that it cannot mask
-    the error the map is ending with; chunks not cancelled then end by themselves. Hands the
-    cancel to the driver without waiting for its turn."""
+    the error the map is ending with; chunks not cancelled then end by themselves. Returns once
+    the driver has cancelled them: a map that ends has nothing of its own left to stop."""
     if not futures:
         return
     try:
-        cancel_chunks(futures, wait=False)  # the caller has stopped: it need not wait for the driver's turn
+        cancel_chunks(futures)
     except Exception as exc:  # noqa: BLE001 - clean-up: see above
         logger.debug("a map's unwanted chunks were not cancelled: %r", exc)
 

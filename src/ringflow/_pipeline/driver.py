@@ -110,15 +110,12 @@ class _Driver:
         self.wake.set()
         self.cv.notify_all()
 
-    def command(self, fn: Callable[[], Any], wait: bool = True) -> Any:
+    def command(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the driving thread with the lock held; returns its value or raises its
-        error (``wait=False``: returns None at once, and what ``fn`` returns or raises is dropped).
-        The caller must hold the lock."""
+        error. The caller must hold the lock."""
         cmd = Command(fn, self.device.publish())
         self.commands.append(cmd)
         self.notify()
-        if not wait:
-            return None
         self.wait_for(lambda: cmd.done, None)
         self.device.observe(cmd.out_token)
         if cmd.error is not None:
