@@ -957,8 +957,7 @@ class Pipeline:
                 except BaseException as err:
                     if fut.cancelled():
                         break  # the pipeline was cancelled, or a failure stopped it, under this map
-                    if self.config.on_error == "continue" and fut.done() and err is not s.broken and \
-                            fut.settled_error() is err:
+                    if self.config.on_error == "continue" and err is not s.broken and fut.failed_with(err):
                         window.popleft()
                         continue  # a failed chunk (whatever its stage raised) is skipped, as map does
                     raise  # (the task was cancelled: finally cancels this chunk with the others)

@@ -105,6 +105,11 @@ class ChunkFuture(concurrent.futures.Future):
             raise concurrent.futures.TimeoutError()
         return self._exception
 
+    def failed_with(self, err: BaseException) -> bool:
+        """Whether ``err``, raised while taking this future's result, is the chunk's own failure
+        (a KeyboardInterrupt its stage raised is; a Ctrl-C in the caller's wait is not)."""
+        return self._state == _FINISHED and self._exception is err
+
     def settled_value(self) -> Any:
         """The value of a future that is done and delivered one (see :meth:`settled_error`)."""
         return self._result

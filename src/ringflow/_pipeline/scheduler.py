@@ -1305,13 +1305,12 @@ class Scheduler:
         if self.open_batch is not None:
             chunks.append(self.open_batch)
         futures, seen = [], set()
-        for chunk in chunks:
-            if id(chunk) in seen:
-                continue
-            seen.add(id(chunk))
-            futures.append(chunk.future)
-            with self.batch_lock:
-                futures.extend(m.future for m in chunk.members or ())
+        with self.batch_lock:  # (items may be joining a shared chunk)
+            for chunk in chunks:
+                if id(chunk) not in seen:
+                    seen.add(id(chunk))
+                    futures.append(chunk.future)
+                    futures.extend(m.future for m in chunk.members or ())
         return [f for f in futures if f is not None and not f.done()]
 
     def stop_admission(self) -> None:

@@ -156,7 +156,7 @@ class SpreadPipeline(Pipeline):
                         return  # the pipeline was cancelled, or a failure stopped it, under this map
                     continue
                 except BaseException as err:
-                    if not _failed_with(fut, err):
+                    if not fut.failed_with(err):
                         raise  # this caller's own (a Ctrl-C in its wait): finally cancels the window
                     window.remove(fut)
                     if self.config.on_error == "continue":
@@ -206,7 +206,7 @@ class SpreadPipeline(Pipeline):
                         if self.config.on_error == "raise":
                             return  # the pipeline was cancelled, or a failure stopped it, under this amap
                         continue
-                    if self.config.on_error == "continue" and _failed_with(fut, err):
+                    if self.config.on_error == "continue" and fut.failed_with(err):
                         continue  # a failed item (whatever its stage raised, or its device's) is skipped
                     self.cancel()
                     raise
@@ -309,9 +309,3 @@ class SpreadPipeline(Pipeline):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<Pipeline {state} over {', '.join(device_label(d) for d in self.devices)}>"
-
-
-def _failed_with(fut: concurrent.futures.Future, err: BaseException) -> bool:
-    """Whether ``err``, raised while taking ``fut``'s result, is the chunk's own failure (a
-    KeyboardInterrupt its stage raised is; a Ctrl-C in the caller's wait is not)."""
-    return fut.done() and not fut.cancelled() and fut.settled_error() is err

@@ -81,3 +81,16 @@ def test_thread_worker_pool_runs_tasks_without_a_gpu():
     assert task.result() == 4
     again.close()
     executor.shutdown()
+
+
+@pytest.mark.parametrize("module, cls, names", [("ringflow._device.cuda.stream", "CudaStream", ("owner", "closed")),
+                                                ("ringflow._device.sim.stream", "SimStream", ("owner",))])
+def test_each_backends_stream_reads_its_device_and_state_as_properties(module, cls, names):
+    """``owner`` (and the CUDA stream's ``closed``) are plain properties (the class is checked
+    without a GPU: a mangled decorator there once made ``owner`` uncallable on a GPU)."""
+    import inspect
+
+    stream_cls = getattr(importlib.import_module(module), cls)
+    for name in names:
+        attr = inspect.getattr_static(stream_cls, name)
+        assert isinstance(attr, property) and inspect.isfunction(attr.fget), (cls, name, attr)

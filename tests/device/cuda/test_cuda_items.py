@@ -213,3 +213,22 @@ def test_fill_rows_brings_back_only_what_compute_filled(cuda_device):
         out = list(pipe.map(items))
     for a, r in zip(items, out):
         np.testing.assert_array_equal(r, a[a > 0])
+
+
+def test_a_device_result_released_on_a_stream_of_the_device_is_ordered_and_one_of_another_refused(cuda_device):
+    cp = pytest.importorskip("cupy")
+    other = rf.device("cuda:0")  # another device object of the same GPU: its streams are not this one's
+    assert other is not cuda_device
+    own = cuda_device.create_stream()
+    assert own.owner is cuda_device and not own.closed
+    arrays = [np.arange(1 << 12, dtype=np.float32) + k for k in range(6)]
+    with rf.Pipeline(scale_shift, device=cuda_device, chunk_bytes=1 << 20, deliver="device", slots=1) as pipe:
+        for x, res in zip(arrays, pipe.map(arrays)):
+            with pytest.raises(TypeError, match="another device's stream"):
+                res.release(stream=other.create_stream())
+            got = cp.asnumpy(cp.asarray(res.array))
+            res.release(stream=own)
+            np.testing.assert_array_equal(got, x * 2 + 1)
+    own.close()
+    assert own.closed
+    other.close()

@@ -156,10 +156,10 @@ class CudaStream(Stream):
 
     # -- helpers -------------------------------------------------------------------------------
     @property
-
-    @property
     def owner(self) -> "CudaDevice":
         return self._device
+
+    @property
     def closed(self) -> bool:
         return self._closed
 

@@ -88,6 +88,7 @@ class SimStream(Stream):
     @property
     def owner(self) -> "SimDevice":
         return self._dev
+
     def __repr__(self) -> str:
         return f"<SimStream {self.id} priority={self.priority}{' closed' if self._closed else ''}>"
 
