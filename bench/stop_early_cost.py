@@ -1,8 +1,9 @@
 """How long a map or amap that its caller stops early keeps the caller's thread: the clean-up that
-cancels what the map took and has not handed out (the loop's thread, for ``amap``). Run it on two
-source trees (PYTHONPATH) to compare.
+cancels what the map took and has not handed out. For ``amap`` the clean-up is awaited, so what
+matters is how long the loop's thread is kept: the longest gap between two turns of a task
+ticking on the loop meanwhile. Run it on two source trees (PYTHONPATH) to compare.
 
-    python3 bench/stop_early_cost.py --device cuda:0 --window 64 --repeats 15 --out stop_early.json
+    python3 bench/stop_early_cost.py --device cuda:0 --window 64 --mib 16 --repeats 15 --out stop_early.json
 """
 
 from __future__ import annotations
@@ -30,23 +31,42 @@ def slow(x, y):
 SLOW_LAUNCHES = 200
 
 
-def one_map(pipe, items) -> float:
-    """Stop a sync map after its first result; seconds its clean-up took."""
+def one_map(pipe, items) -> tuple:
+    """Stop a sync map after its first result; seconds its clean-up took (twice: the caller's
+    thread is kept throughout)."""
     gen = pipe.map(items)
     next(gen)
     t0 = time.perf_counter()
     gen.close()
-    return time.perf_counter() - t0
+    t = time.perf_counter() - t0
+    return t, t
 
 
-def one_amap(pipe, items) -> float:
-    """Stop an amap after its first result; seconds its clean-up kept the loop's thread."""
+def one_amap(pipe, items) -> tuple:
+    """Stop an amap after its first result; seconds its clean-up took, and the longest the loop's
+    thread was kept meanwhile (a gap between two turns of a ticking task)."""
     async def main():
         agen = pipe.amap(items)
         await agen.__anext__()
+        gaps: list = []
+        stop = asyncio.Event()
+
+        async def tick():
+            last = time.perf_counter()
+            while not stop.is_set():
+                await asyncio.sleep(0)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)  # the ticker is running
         t0 = time.perf_counter()
         await agen.aclose()
-        return time.perf_counter() - t0
+        t = time.perf_counter() - t0
+        stop.set()
+        await ticker
+        return t, max(gaps, default=t)
 
     return asyncio.run(main())
 
@@ -64,19 +84,23 @@ def main() -> None:
     rng = np.random.default_rng(0)
     out: dict = {**header(str(dev)), "window": args.window, "mib": args.mib, "runs": {}}
     for name, run in (("map", one_map), ("amap", one_amap)):
-        times, cancelled = [], []
+        times, kept, cancelled = [], [], []
         for r in range(args.repeats + 2):
             items = [rng.random(n, dtype=np.float32) for _ in range(args.window * 2)]
             with rf.Pipeline(slow, device=dev, chunk_bytes=n * 4, max_in_flight=args.window) as pipe:
-                t = run(pipe, items)
+                t, k = run(pipe, items)
                 c = pipe.stats().cancelled
             if r >= 2:  # two warm-ups
                 times.append(t * 1e6)
+                kept.append(k * 1e6)
                 cancelled.append(c)
         out["runs"][name] = {"cleanup_us": times, "median_us": statistics.median(times),
-                             "min_us": min(times), "max_us": max(times), "cancelled": cancelled}
-        print(name, "clean-up median %.0f us (min %.0f, max %.0f), cancelled %s"
-              % (statistics.median(times), min(times), max(times), cancelled))
+                             "min_us": min(times), "max_us": max(times),
+                             "thread_kept_us": kept, "thread_kept_median_us": statistics.median(kept),
+                             "thread_kept_max_us": max(kept), "cancelled": cancelled}
+        print(name, "clean-up median %.0f us (min %.0f, max %.0f); caller's thread kept median %.0f us "
+              "(max %.0f); cancelled %s" % (statistics.median(times), min(times), max(times),
+                                            statistics.median(kept), max(kept), cancelled))
     write(out, args.out)
 
 

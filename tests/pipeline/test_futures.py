@@ -638,10 +638,122 @@ def test_asubmit_does_not_wait_for_the_pipelines_lock():
     _closed_clean(dev, pipe)
 
 
-# what asubmit runs on the loop's thread: its own code, asyncio's chaining of the chunk's future,
+def _hold_locks(pipe, ready: threading.Event, release: threading.Event, outcome: dict) -> None:
+    """Hold the pipeline's lock (every part's), as its progress thread does through a whole step
+    (a compute's launch code included), until ``release`` is set or 10 real seconds pass."""
+    parts = getattr(pipe, "parts", [pipe])
+    for part in parts:
+        part._driver.lock.acquire()
+    try:
+        ready.set()
+        outcome["released_by_the_loop"] = release.wait(10.0)
+    finally:
+        for part in parts:
+            part._driver.lock.release()
+
+
+def _sims(n: int, seed: int):
+    devs = [rf.device("sim", seed=seed + k, chaos=True) for k in range(n)]
+    return devs, (devs if n > 1 else devs[0])
+
+
+@pytest.mark.parametrize("how,devices", [("amap", 1), ("amap", 2), ("asubmit", 1)])
+def test_a_cancelled_task_does_not_wait_for_the_pipelines_lock(how, devices):
+    """An amap's window (or an asubmit's item) is live, its first result held on the device so the
+    next cannot compute, and the pipeline's lock is held until a task on the loop has ticked a
+    few times after the consuming task was cancelled: cancelling on the loop's thread in a way
+    that waits for that lock (an amap's clean-up cancelling its window, asyncio's chaining of a
+    cancelled await to the chunk's future) would stall the loop. An amap still ends only once
+    its window is cancelled."""
+    devs, device = _sims(devices, 23)
+    pipe = rf.Pipeline(f_affine, device=device, deliver="device", chunk_bytes=512, max_in_flight=3, checked=True,
+                       slots=rf.SlotCounts(host_in=1, device_in=1, device_out=1, host_out=1))
+    x = _items(20)
+    ready, release = threading.Event(), threading.Event()
+    outcome: dict = {}
+    ticks: list = []
+
+    async def consume(got):
+        if how == "asubmit":
+            got.append(await pipe.asubmit(x[0]))
+            await pipe.asubmit(x[1])
+        async for r in pipe.amap(x):
+            got.append(r)  # held: its slot stays taken
+
+    async def main():
+        got: list = []
+        task = asyncio.create_task(consume(got))
+        while len(got) < devices:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)  # (the window fills)
+        window = pipe.stats().in_flight
+        holder = start(_hold_locks, pipe, ready, release, outcome)
+        while not ready.is_set():
+            await asyncio.sleep(0.001)
+        task.cancel()
+        for k in range(5):  # each a turn of the loop while the amap's clean-up runs
+            ticks.append(k)
+            await asyncio.sleep(0)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        join([holder])
+        return got, window
+
+    try:
+        got, window = _run(main, timeout=JOIN_S)
+    finally:
+        release.set()
+    assert outcome["released_by_the_loop"] and ticks == list(range(5))
+    assert window >= 1  # live when the task was cancelled
+    for r in got:
+        r.release()
+    for dev in devs:
+        _closed_clean(dev, pipe)
+    s = pipe.stats()
+    assert s.delivered == len(got) and s.cancelled >= 1 and s.in_flight == 0 and s.balanced(), s
+
+
+def test_a_spread_amap_does_not_wait_for_a_parts_lock():
+    """Every part's lock is held until a task on the loop has ticked a few times after the amap
+    began: an amap whose submits waited for a part's lock on the loop's thread would stall it."""
+    devs, device = _sims(2, 31)
+    pipe = rf.Pipeline(f_affine, device=device, chunk_bytes=512, max_in_flight=3, checked=True)
+    x = _items(12)
+    ready, release = threading.Event(), threading.Event()
+    outcome: dict = {}
+    holder = start(_hold_locks, pipe, ready, release, outcome)
+    assert ready.wait(JOIN_S)
+    ticks: list = []
+
+    async def ticker():
+        for k in range(5):
+            ticks.append(k)
+            await asyncio.sleep(0)
+        release.set()
+
+    async def main():
+        tick = asyncio.create_task(ticker())
+        got = [r async for r in pipe.amap(x)]
+        await tick
+        return got
+
+    try:
+        got = _run(main, timeout=JOIN_S)
+    finally:
+        release.set()
+        join([holder])
+    assert outcome["released_by_the_loop"] and ticks == list(range(5))
+    for r, a in zip(got, x, strict=True):
+        assert np.array_equal(r, a * 3 + 1)
+    for dev in devs:
+        _closed_clean(dev, pipe)
+
+
+# what asubmit runs on the loop's thread: its own code, the asyncio future that follows the chunk's,
 # the future's methods, and the lock and event code under them
 ASUBMIT_NAMES = ("asubmit", "_asubmit_future", "_accept_at_once", "_accepting", "_staged_copy", "accept",
-                 "wrap_future", "_chain_future", "add_done_callback", "_add_callback", "done", "add_interest",
+                 "follow", "settle", "_copy_outcome", "add_done_callback", "_add_callback", "done", "add_interest",
                  "__enter__", "__exit__", "acquire", "release", "_is_owned", "notify", "notify_all", "set")
 ASUBMIT_FILES = ("/ringflow/_pipeline/", "threading.py", "asyncio/futures.py", "concurrent/futures/_base.py")
 

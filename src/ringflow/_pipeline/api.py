@@ -33,7 +33,8 @@ from .._device import host_pool
 from .._device.protocol import Device
 from .._errors import StageError
 from .batch_space import aligned
-from .chunk import Chunk, ChunkFuture, cancel_unwanted
+from .aio import cancel_unwanted_soon, follow
+from .chunk import Chunk, ChunkFuture, cancel_unwanted, post_cancel
 from .driver import CallerDriver, ProgressThread, resolve
 from .config import PipelineConfig, SlotCounts
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, lent_slots, resolve_slots
@@ -839,7 +840,7 @@ class Pipeline:
             asyncio.CancelledError: the item was cancelled (or the awaiting task was).
         """
         fut = await self._asubmit_future(item, timeout)
-        return await asyncio.wrap_future(fut)
+        return await follow(fut)
 
     async def _asubmit_future(self, item: Any, timeout: Optional[float] = None) -> ChunkFuture:
         # the loop's thread never waits for the pipeline: not for capacity, and not for its lock,
@@ -880,7 +881,7 @@ class Pipeline:
                 state["abandoned"] = True
                 fut = state["future"]
             if fut is not None:
-                fut.cancel()
+                post_cancel([fut])  # (not fut.cancel(): the loop's thread does not wait for the lock)
             raise
 
     def _accept_at_once(self, accepting: dict) -> Optional[ChunkFuture]:
@@ -940,7 +941,7 @@ class Pipeline:
                             raise
                         break  # stopped meanwhile (cancelled, closed, a failure): as map, take no more
                     started = True
-                    window.append((fut, asyncio.wrap_future(fut)))
+                    window.append((fut, follow(fut)))
                 if not window:
                     if exhausted:
                         return
@@ -964,9 +965,11 @@ class Pipeline:
                 window.popleft()
                 yield value
         finally:
-            cancel_unwanted([fut for fut, _ in window])  # one hand-over, not one a future
+            # awaited: the loop runs on while the progress thread cancels them, and the map
+            # ends with nothing of its own left running
+            await cancel_unwanted_soon([fut for fut, _ in window])
             for _, head in window:
-                head.cancel()
+                head.cancel()  # (nobody awaits it: its outcome is not to be logged as unretrieved)
         if s.first_error is not None and self.config.on_error == "raise":
             raise s.first_error
 

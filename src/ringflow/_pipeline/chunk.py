@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import weakref
@@ -185,36 +186,14 @@ def cancel_chunks(futures: "list[ChunkFuture]") -> list:
         DeviceError: the first a cancel met (the others are still cancelled).
     """
     outcome = {id(f): False for f in futures}
-    by_driver: dict = {}
-    for f in futures:
-        if not f.done():
-            by_driver.setdefault(id(f._driver), []).append(f)
     first_error = None
-    for live in by_driver.values():
-        live[0]._check_caller("cancel()")
+    for live in _live_by_driver(futures):
         driver = live[0]._driver
         with shielded(), driver.cv:
             live = [f for f in live if not f.done()]
             if not live:
                 continue
-            sched = driver.sched
-
-            def cancel_each(_live=live, _sched=sched) -> list:
-                flags = []
-                for f in _live:
-                    try:
-                        flag = _sched.cancel_chunk(f.index)
-                    except BaseException as exc:  # noqa: BLE001 - the rest are still cancelled
-                        flag = exc
-                    if flag is True and not f.done():
-                        # still draining: the future does not wait for that. Marked here, before
-                        # the next: an item sharing a chunk cancels the chunk itself only once
-                        # no other item of it is wanted
-                        f._mark_cancelled()
-                    flags.append(flag)
-                return flags
-
-            for f, flag in zip(live, driver.command(cancel_each)):
+            for f, flag in zip(live, driver.command(_cancelling(live, driver.sched))):
                 if isinstance(flag, BaseException):
                     first_error = first_error or flag
                 else:
@@ -222,6 +201,65 @@ def cancel_chunks(futures: "list[ChunkFuture]") -> list:
     if first_error is not None:
         raise first_error
     return [outcome[id(f)] for f in futures]
+
+
+def post_cancel(futures: "list[ChunkFuture]", then: Optional[Callable[[Any], Any]] = None) -> int:
+    """Hand the cancel of ``futures``' chunks (as :func:`cancel_chunks`) to their pipelines'
+    progress threads and return at once: no wait for a pipeline's lock, which its progress thread
+    holds through a whole step, nor for the cancel. For an event loop's thread. ``then(device,
+    command)`` is called once per pipeline, on its progress thread, when that pipeline's part is
+    done (:meth:`~.driver.ProgressThread.post`). Returns how many pipelines it was handed to.
+
+    Raises:
+        RuntimeError: from inside one of the pipeline's stages, or after fork() (nothing handed over).
+    """
+    groups = _live_by_driver(futures)
+    for live in groups:
+        driver = live[0]._driver
+        hand_back = _ignore if then is None else functools.partial(then, driver.device)
+        driver.post(_cancelling(live, driver.sched), hand_back)
+    return len(groups)
+
+
+def _ignore(_command: Any) -> None:
+    pass
+
+
+def _live_by_driver(futures: "list[ChunkFuture]") -> list:
+    """The futures not done yet, grouped by driver. Raises as :func:`cancel_chunks` does."""
+    by_driver: dict = {}
+    for f in futures:
+        if not f.done():
+            by_driver.setdefault(id(f._driver), []).append(f)
+    groups = list(by_driver.values())
+    for live in groups:
+        live[0]._check_caller("cancel()")
+    return groups
+
+
+def _cancelling(live: "list[ChunkFuture]", sched: Any) -> Callable[[], list]:
+    """The command that cancels the chunks of ``live`` (futures of one driver), run by its driving
+    thread: returns, a future each, True/False as :meth:`ChunkFuture.cancel`, or the error met."""
+
+    def cancel_each() -> list:
+        flags = []
+        for f in live:
+            if f.done():  # (ended since it was handed over)
+                flags.append(False)
+                continue
+            try:
+                flag = sched.cancel_chunk(f.index)
+            except BaseException as exc:  # noqa: BLE001 - the rest are still cancelled
+                flag = exc
+            if flag is True and not f.done():
+                # still draining: the future does not wait for that. Marked here, before the
+                # next: an item sharing a chunk cancels the chunk itself only once no other item
+                # of it is wanted
+                f._mark_cancelled()
+            flags.append(flag)
+        return flags
+
+    return cancel_each
 
 
 def cancel_unwanted(futures: list) -> None:

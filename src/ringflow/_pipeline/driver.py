@@ -30,7 +30,7 @@ import threading
 from typing import Any, Callable, Optional
 
 from .._errors import DeviceError, HazardError
-from .sigint import checkpoint
+from .sigint import checkpoint, shielded
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +45,24 @@ _SIM_POLL_S = 3600.0
 
 
 class Command:
-    """Work a user thread hands to the driver: run under the lock by the driving thread."""
+    """Work a user thread hands to the driver: run under the lock by the driving thread, which
+    then calls ``then(command)`` if one was given (:meth:`ProgressThread.post`)."""
 
-    __slots__ = ("fn", "token", "done", "value", "error", "out_token")
+    __slots__ = ("fn", "token", "done", "value", "error", "out_token", "then")
 
-    def __init__(self, fn: Callable[[], Any], token: Any):
-        self.fn, self.token = fn, token
+    def __init__(self, fn: Callable[[], Any], token: Any, then: Optional[Callable[["Command"], Any]] = None):
+        self.fn, self.token, self.then = fn, token, then
         self.done = False
         self.value = self.error = self.out_token = None
+
+    def finish(self) -> None:
+        """Mark it carried out (its value or error set) and tell whoever posted it."""
+        self.done = True
+        if self.then is not None:
+            try:
+                self.then(self)
+            except Exception:  # noqa: BLE001 - the poster's hand-back (an event loop that closed meanwhile)
+                logger.debug("a posted command's hand-back failed", exc_info=True)
 
 
 def resolve(batch: list) -> None:
@@ -134,7 +144,7 @@ class _Driver:
             except BaseException as exc:  # noqa: BLE001 - handed back to the thread that asked
                 cmd.error = exc
             cmd.out_token = self.device.publish()
-            cmd.done = True
+            cmd.finish()
         self.sched.version += 1  # their callers wait on cmd.done
         self.cv.notify_all()
         return True
@@ -216,6 +226,7 @@ class ProgressThread(_Driver):
         self.gated = self.device.backend == "sim"  # see the module's doc
         self.stopping = False
         self.abandoned = False
+        self.ended = False  # the thread has run its last turn: posted commands are refused
         self._seen_version = -1
         self.final_token: Any = None
         sched.wake_driver = self.wake.set  # a result released on the device: its slot is waiting
@@ -261,6 +272,28 @@ class ProgressThread(_Driver):
         # before the caller takes what it waited for (a map's next result stays in the pipeline
         # rather than being taken and then lost to the interrupt)
         checkpoint()
+
+    def post(self, fn: Callable[[], Any], then: Callable[[Command], Any]) -> None:
+        """Hand ``fn`` over as :meth:`command` does, but without the lock and without waiting: for
+        a thread that must not wait for a step (an event loop's). ``then(command)`` is called on
+        the progress thread, lock held, once ``fn`` ran (its value or error set); if the thread has
+        ended, with ``fn`` not run and a RuntimeError as its error, on whichever thread sees that
+        (without the lock)."""
+        with shielded():  # Event.set runs threading code: a Ctrl-C there would leave its lock taken
+            self.commands.append(Command(fn, self.device.publish(), then))
+            self.wake.set()
+        if self.ended:  # (set before the thread's last look at the commands: none is left behind)
+            self.refuse_commands()
+
+    def refuse_commands(self) -> None:
+        """Once the thread has ended: hand back every command still posted, not run."""
+        while True:
+            try:
+                cmd = self.commands.popleft()
+            except IndexError:
+                return
+            cmd.error = RuntimeError("the pipeline's progress thread has ended")
+            cmd.finish()
 
     def died(self) -> BaseException:
         """What a thread waiting on the pipeline raises once the progress thread has died of
@@ -353,9 +386,10 @@ class ProgressThread(_Driver):
             idle, fences, wait = plan
             if idle is not None or fences:
                 self.wake.clear()
-                if sched.returns or sched.copies_ended_unseen():
-                    # released, or a copy into a shared chunk ended, after this turn's step
-                    # looked (their wake-up may have come before the clear): take it now
+                if sched.returns or sched.copies_ended_unseen() or self.commands:
+                    # released, a copy into a shared chunk ended, or a command posted, after
+                    # this turn's step looked (their wake-up may have come before the clear):
+                    # take it now
                     idle, fences = None, None
         if batch:
             resolve(batch)
@@ -422,4 +456,7 @@ def _run(driver: "ProgressThread") -> None:
             except concurrent.futures.InvalidStateError:
                 pass  # done meanwhile (cancelled by its caller)
         resolve(driver.sched.take_resolved())
+    finally:
+        driver.ended = True
+        driver.refuse_commands()
 

@@ -271,6 +271,11 @@ class Scheduler:
     def in_flight(self) -> int:
         return len(self.chunks)
 
+    def load(self) -> int:
+        """The unfinished chunks, admitted or in the inbox: a look without the driver's lock, for a
+        dispatcher choosing where to send work (exact only at an instant it cannot hold)."""
+        return len(self.chunks) + len(self.inbox)
+
     def has_capacity(self) -> bool:
         return (self.accepting and len(self.chunks) + len(self.inbox) + self.unclaimed
                 < self.config.max_in_flight)

@@ -18,6 +18,7 @@ pipeline's parts would (an idle part is counted too).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import contextlib
@@ -29,6 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from .._device import device_label, device_list
 from .._errors import DeviceError, StageError
 from .api import Pipeline
+from .aio import cancel_unwanted_soon, follow
 from .chunk import cancel_unwanted
 from .stats import PipelineStats
 
@@ -76,7 +78,8 @@ class SpreadPipeline(Pipeline):
             stopped = next((p for p in self.parts if p._sched.first_error is not None), self.parts[0])
             raise stopped._sched.refusal()
         n = len(working)
-        return min((working[(turn + k) % n] for k in range(n)), key=lambda p: p.stats().in_flight)
+        # (a look at each part's load without its lock, which its progress thread holds for a step)
+        return min((working[(turn + k) % n] for k in range(n)), key=lambda p: p._sched.load())
 
     def _accepting(self) -> bool:
         return any(p._sched.broken is None and p._sched.accepting for p in self.parts)
@@ -92,6 +95,15 @@ class SpreadPipeline(Pipeline):
                 return None
             raise
 
+    async def _asubmit_more(self, item: Any, started: bool) -> Optional[concurrent.futures.Future]:
+        """:meth:`_submit_more` for ``amap``, without blocking the event loop."""
+        try:
+            return await self._asubmit_future(item)
+        except RuntimeError:
+            if started and not self._accepting():
+                return None
+            raise
+
     def submit(self, item: Any, timeout: Optional[float] = None) -> concurrent.futures.Future:
         """As :meth:`Pipeline.submit`, on the least loaded working device (a device found broken
         or stopped on the way is passed over for the next)."""
@@ -101,19 +113,27 @@ class SpreadPipeline(Pipeline):
             part = self._pick(tried)
             try:
                 return part.submit(item, timeout)
-            except DeviceError as err:
-                if not err.sticky:
+            except (DeviceError, RuntimeError) as err:
+                if not _passed_over(part, err):
                     raise
-                tried += (part,)  # its device broke (its progress thread may not know yet)
-            except RuntimeError:
-                if part._sched.accepting:
-                    raise  # not the device: the caller's to see
                 tried += (part,)
 
     async def asubmit(self, item: Any, timeout: Optional[float] = None) -> Any:
-        """As :meth:`Pipeline.asubmit`, on the least loaded working device."""
+        """As :meth:`Pipeline.asubmit`, on the least loaded working device (passing over a broken
+        or stopped one as :meth:`submit` does)."""
         self._check_caller("asubmit()")
-        return await self._pick().asubmit(item, timeout)
+        return await follow(await self._asubmit_future(item, timeout))
+
+    async def _asubmit_future(self, item: Any, timeout: Optional[float] = None) -> concurrent.futures.Future:
+        tried: tuple = ()
+        while True:
+            part = self._pick(tried)
+            try:
+                return await part._asubmit_future(item, timeout)
+            except (DeviceError, RuntimeError) as err:
+                if not _passed_over(part, err):
+                    raise
+                tried += (part,)
 
     def map(self, items: Iterable[Any]) -> Iterator[Any]:
         """As :meth:`Pipeline.map`, over every device: at most the parts' ``max_in_flight`` added
@@ -171,8 +191,6 @@ class SpreadPipeline(Pipeline):
     async def amap(self, items: Any):
         """As :meth:`Pipeline.amap`, over every device, in submission order; a chunk cancelled
         under it (the pipeline cancelled, or stopped by a failure) ends it as it ends :meth:`map`."""
-        import asyncio
-
         self._check_caller("amap()")
         limit = sum(p.config.max_in_flight for p in self.parts)
         iterator = items.__aiter__() if hasattr(items, "__aiter__") else iter(items)
@@ -186,11 +204,11 @@ class SpreadPipeline(Pipeline):
                     except (StopIteration, StopAsyncIteration):
                         exhausted = True
                         break
-                    fut = self._submit_more(item, started)
+                    fut = await self._asubmit_more(item, started)
                     if fut is None:
                         exhausted = True
                         break
-                    window.append((fut, asyncio.wrap_future(fut)))
+                    window.append((fut, follow(fut)))
                     started = True
                 if not window:
                     return
@@ -213,7 +231,9 @@ class SpreadPipeline(Pipeline):
                 window.popleft()
                 yield value
         finally:
-            cancel_unwanted([fut for fut, _ in window])
+            await cancel_unwanted_soon([fut for fut, _ in window])  # (see Pipeline.amap)
+            for _, head in window:
+                head.cancel()
 
     # -- ending and inspection -----------------------------------------------------------------
     def cancel(self) -> None:
@@ -309,3 +329,11 @@ class SpreadPipeline(Pipeline):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<Pipeline {state} over {', '.join(device_label(d) for d in self.devices)}>"
+
+
+def _passed_over(part: Pipeline, err: Exception) -> bool:
+    """Whether a submit to ``part`` that raised ``err`` goes to the next device: its device broke
+    (its progress thread may not know yet), or it stopped taking work meanwhile."""
+    if isinstance(err, DeviceError):
+        return err.sticky
+    return not part._sched.accepting

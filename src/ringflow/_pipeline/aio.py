@@ -1,0 +1,95 @@
+"""What the asyncio face runs on the event loop's thread: awaiting a chunk's future and cancelling
+chunks, neither of which may wait for the pipeline's lock.
+
+The progress thread holds that lock through a whole step, and a step may run a compute's launch
+code for as long as that takes. ``asyncio.wrap_future`` cancels the wrapped future on the loop's
+thread when the awaiting task is cancelled, and :meth:`ChunkFuture.cancel` waits for the lock
+and for the progress thread to carry the cancel out: the loop would stall for a step. Here a
+cancel is posted to the progress thread instead (:func:`.chunk.post_cancel`), and where the
+caller must know it was carried out (a map that ends has nothing of its own left running) the
+coroutine awaits that, while the loop runs on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from .chunk import ChunkFuture, cancel_unwanted, post_cancel
+
+logger = logging.getLogger(__name__)
+
+
+def follow(fut: ChunkFuture) -> asyncio.Future:
+    """An asyncio future of the running loop that ends as ``fut`` does (``asyncio.wrap_future``'s
+    role). Cancelling it hands the chunk's cancel to the progress thread and returns at once."""
+    loop = asyncio.get_running_loop()
+    head = loop.create_future()
+
+    def settle(f: ChunkFuture) -> None:  # on the progress thread, or here if done already
+        try:
+            loop.call_soon_threadsafe(_copy_outcome, f, head)
+        except RuntimeError:
+            pass  # the loop has closed: nobody awaits this any more
+
+    def on_head_done(h: asyncio.Future) -> None:
+        if h.cancelled() and not fut.done():
+            try:
+                post_cancel([fut])
+            except Exception as exc:  # noqa: BLE001 - as cancel_unwanted: never raised into the loop
+                logger.debug("a cancelled await did not cancel its chunk: %r", exc)
+
+    head.add_done_callback(on_head_done)
+    fut.add_done_callback(settle)
+    return head
+
+
+def _copy_outcome(fut: ChunkFuture, head: asyncio.Future) -> None:
+    if head.cancelled():
+        return
+    if fut.cancelled():
+        head.cancel()
+        return
+    fut._driver.device.observe(fut.token)  # the result is taken on this thread
+    error = fut.settled_error()
+    if error is not None:
+        head.set_exception(error)
+    else:
+        head.set_result(fut.settled_value())
+
+
+async def cancel_unwanted_soon(futures: "list[ChunkFuture]") -> None:
+    """:func:`.chunk.cancel_unwanted` for a coroutine: returns once the chunks are cancelled,
+    without blocking the loop meanwhile; never raises but for a cancellation of the awaiting
+    task (the cancels, handed over already, are still carried out). With no loop running (an
+    async generator finalised outside one) it cancels as :func:`cancel_unwanted` does."""
+    live = [f for f in futures if not f.done()]
+    if not live:
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        cancel_unwanted(live)
+        return
+    done = loop.create_future()
+    left = [0]
+
+    def one_done(device: Any, command: Any) -> None:  # on a progress thread, once its part ran
+        loop.call_soon_threadsafe(_count_down, left, done, device, command)
+
+    try:
+        left[0] = post_cancel(live, one_done)
+    except Exception as exc:  # noqa: BLE001 - clean-up: as cancel_unwanted
+        logger.debug("a map's unwanted chunks were not cancelled: %r", exc)
+        return
+    if left[0]:
+        await done
+
+
+def _count_down(left: list, done: asyncio.Future, device: Any, command: Any) -> None:
+    """One pipeline's part of a posted cancel ran (on the loop's thread)."""
+    device.observe(command.out_token)  # what the cancel did happens before the map ends
+    left[0] -= 1
+    if left[0] == 0 and not done.done():
+        done.set_result(None)
