@@ -26,18 +26,29 @@ class InterruptAt:
     ``sigint``: send the calling (main) thread a SIGINT there instead of raising, so that the
     process's SIGINT handler decides: Python's default raises KeyboardInterrupt at once, as
     above; a handler that defers it (ringflow's whole-array calls) is exercised as Ctrl-C would.
+
+    ``skip``: (file part, function name) pairs whose calls, and everything they call, are not
+    counted (code the test does not cover).
     """
 
     def __init__(self, n: int | Iterable[int], names: Iterable[str],
-                 files: Iterable[str] = ("/ringflow/_pipeline/",), *, sigint: bool = False):
+                 files: Iterable[str] = ("/ringflow/_pipeline/",), *, sigint: bool = False,
+                 skip: Iterable[tuple[str, str]] = ()):
         self.sigint = sigint
         self.at = frozenset([n] if isinstance(n, int) else n)
         self.names, self.files = frozenset(names), tuple(files)
+        self.skip = tuple(skip)
         self.seen, self.fired = 0, 0
         self._after_call: dict = {}  # frame -> whether its last instruction was a call
+        self._skipping = None  # the skipped frame now running, if any
 
     def _call(self, frame, event, arg):
+        if self._skipping is not None:
+            return None
         code = frame.f_code
+        if any(code.co_name == name and part in code.co_filename.replace("\\", "/") for part, name in self.skip):
+            self._skipping = frame
+            return self._until_return
         if code.co_name in self.names and any(f in code.co_filename.replace("\\", "/") for f in self.files):
             frame.f_trace_opcodes = True
             if sys.version_info >= (3, 12):
@@ -65,6 +76,11 @@ class InterruptAt:
                     raise KeyboardInterrupt(f"injected at instruction {self.seen - 1}")
         return self._step
 
+    def _until_return(self, frame, event, arg):
+        if event == "return" and frame is self._skipping:
+            self._skipping = None
+        return self._until_return
+
     def _rearm(self, frame, event, arg):
         if event == "call" and self.fired < len(self.at) and sys.gettrace() is None:
             sys.settrace(self._call)
@@ -78,3 +94,4 @@ class InterruptAt:
         sys.settrace(None)
         sys.setprofile(None)
         self._after_call.clear()
+        self._skipping = None

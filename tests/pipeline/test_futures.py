@@ -758,22 +758,34 @@ ASUBMIT_NAMES = ("asubmit", "_asubmit_future", "_accept_at_once", "_accepting", 
 ASUBMIT_FILES = ("/ringflow/_pipeline/", "threading.py", "asyncio/futures.py", "concurrent/futures/_base.py")
 
 
-def _asubmit_interrupted_at(n: int, sigint: bool) -> tuple:
-    """Three asubmits on a loop run by ``run_until_complete`` (Python's own SIGINT handler stays),
-    with Ctrl-C at the ``n``-th instruction of the asubmit code and the lock code it runs on the
-    loop's thread (``sigint``: a SIGINT sent there; else a KeyboardInterrupt raised there). Returns how many instructions ran, how many interrupts fired, and what went
-    wrong afterwards (None: nothing)."""
+# and what a stopped amap's clean-up runs there: its window's cancel handed to the progress thread
+AMAP_STOP_NAMES = ASUBMIT_NAMES + ("amap", "cancel_unwanted_soon", "post_cancel", "_live_by_driver", "post",
+                                   "on_head_done", "_count_down", "cancel")
+
+
+def _asubmit_interrupted_at(n: int, sigint: bool, scenario: str = "asubmit") -> tuple:
+    """On a loop run by ``run_until_complete`` (Python's own SIGINT handler stays), three asubmits
+    (``scenario`` "asubmit") or an amap stopped after its first result ("amap"), with Ctrl-C at
+    the ``n``-th instruction of that code and the lock code it runs on the loop's thread
+    (``sigint``: a SIGINT sent there; else a KeyboardInterrupt raised there). Returns how many
+    instructions ran, how many interrupts fired, and what went wrong afterwards (None: nothing)."""
     from tests.helpers.interrupts import InterruptAt
 
-    dev, pipe = _pipe(22, max_in_flight=2)
-    x = _items(3, base=1.0)
+    dev, pipe = _pipe(22, max_in_flight=2 if scenario == "asubmit" else 4)
+    x = _items(3 if scenario == "asubmit" else 8, base=1.0)
 
     async def main():
-        return [await pipe.asubmit(a) for a in x]
+        if scenario == "asubmit":
+            return [await pipe.asubmit(a) for a in x]
+        agen = pipe.amap(x)
+        first = await agen.__anext__()
+        await agen.aclose()
+        return [first]
 
+    names = ASUBMIT_NAMES if scenario == "asubmit" else AMAP_STOP_NAMES
     loop = asyncio.new_event_loop()
     got, where = None, None
-    with InterruptAt(n, ASUBMIT_NAMES, files=ASUBMIT_FILES, sigint=sigint) as at:
+    with InterruptAt(n, names, files=ASUBMIT_FILES, sigint=sigint) as at:
         try:
             got = loop.run_until_complete(main())
         except KeyboardInterrupt as exc:
@@ -809,16 +821,18 @@ def _asubmit_interrupted_at(n: int, sigint: bool) -> tuple:
     return at.seen, at.fired, (problems + [f"interrupted at {where}"]) if problems else None
 
 
-def test_ctrl_c_at_any_instruction_of_asubmit_leaves_every_lock_free():
+@pytest.mark.parametrize("scenario", ["asubmit", "amap"])
+def test_ctrl_c_at_any_instruction_of_asubmit_leaves_every_lock_free(scenario):
     """Ctrl-C (a SIGINT under Python's own handler, as ``loop.run_until_complete`` keeps it)
-    between any two instructions asubmit runs on the loop's thread, the threading code under it
-    included: a KeyboardInterrupt raised as a lock's acquire returns would leave it taken for
-    ever (the pipeline's, an Event's, the futures' condition), and the progress thread and
-    close() waiting for it. Each such stretch is shielded, as the sync calls are."""
-    seen, fired, problems = _asubmit_interrupted_at(10 ** 9, True)
+    between any two instructions asubmit (or a stopped amap's clean-up) runs on the loop's
+    thread, the threading code under it included: a KeyboardInterrupt raised as a lock's acquire
+    returns would leave it taken for ever (the pipeline's, an Event's, the futures' condition),
+    and the progress thread and close() waiting for it. Each such stretch is shielded, as the
+    sync calls are."""
+    seen, fired, problems = _asubmit_interrupted_at(10 ** 9, True, scenario)
     assert not fired and problems is None and seen > 10
     for n in range(seen):
-        _, fired, problems = _asubmit_interrupted_at(n, True)
+        _, fired, problems = _asubmit_interrupted_at(n, True, scenario)
         assert problems is None, f"Ctrl-C at instruction {n} of {seen}: {problems}"
 
 
@@ -854,3 +868,69 @@ def test_a_progress_thread_that_dies_fails_futures_no_pipeline_call_waits_on(how
     assert all(e is None or isinstance(e.__cause__, AssertionError) for e in errors)
     with pytest.raises(RuntimeError, match="progress thread died"):
         pipe.close()
+
+
+# what concurrent.futures.wait and as_completed run on the caller's thread while they hold the
+# condition a pipeline's futures share: the standard library's loops that take it once a future
+WAIT_NAMES = ("wait", "as_completed", "_yield_finished_futures", "_create_and_install_waiters", "__init__",
+              "__enter__", "__exit__", "acquire", "release", "append", "remove", "add_interest",
+              "drop_interest", "set", "notify", "notify_all", "_is_owned")
+WAIT_FILES = ("/ringflow/_pipeline/", "threading.py", "concurrent/futures/_base.py")
+# where the caller blocks: an Event's wait, on the waiter's own lock (not ringflow's). An interrupt
+# at its entry can leave that lock taken (or, in its clean-up, release it twice): the standard
+# library's hazard, the same for every executor's futures, and not one ringflow can close
+WAIT_SKIPPED = (("threading.py", "wait"),)
+
+
+def _wait_interrupted_at(n: int, how: str) -> tuple:
+    """Three futures waited for through ``concurrent.futures`` (``how``: "wait" or "as_completed")
+    on the main thread, with a SIGINT (Python's own handler) at the ``n``-th instruction of the
+    code above. Returns how many instructions ran, how many interrupts fired, and what went
+    wrong afterwards (None: nothing)."""
+    from tests.helpers.interrupts import InterruptAt
+
+    dev, pipe = _pipe(24, max_in_flight=4)
+    x = _items(3, base=2.0)
+    futs = [pipe.submit(a) for a in x]
+    where = None
+    with InterruptAt(n, WAIT_NAMES, files=WAIT_FILES, sigint=True, skip=WAIT_SKIPPED) as at:
+        try:
+            if how == "wait":
+                concurrent.futures.wait(futs, timeout=JOIN_S)
+            else:
+                for _ in concurrent.futures.as_completed(futs, timeout=JOIN_S):
+                    pass
+        except KeyboardInterrupt as exc:
+            where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(traceback.extract_tb(exc.__traceback__)[-4:-1]))
+            del exc
+    problems: list = []
+    try:
+        lock = pipe._driver.future_condition._lock
+        if lock._is_owned():
+            problems.append("the futures' condition is still held by the caller's thread")
+            while lock._is_owned():
+                lock.release()
+        got = [f.result(timeout=JOIN_S) for f in futs]
+        if not all(np.array_equal(r, a * 3 + 1) for r, a in zip(got, x)):
+            problems.append("a result is wrong")
+        closer = threading.Thread(target=pipe.close, daemon=True)
+        closer.start()
+        closer.join(10.0)  # (real seconds: every step is short)
+        if closer.is_alive():
+            problems.append("close() hung")
+    except BaseException as exc:  # noqa: BLE001 - reported below
+        problems.append(repr(exc)[:300])
+    return at.seen, at.fired, (problems + [f"interrupted at {where}"]) if problems else None
+
+
+@pytest.mark.parametrize("how", ["wait", "as_completed"])
+def test_ctrl_c_at_any_instruction_of_concurrent_futures_wait_leaves_the_futures_condition_free(how):
+    """``concurrent.futures.wait`` and ``as_completed`` take each future's condition in a Python
+    loop (one condition for all of a pipeline's futures): a Ctrl-C between two of those takes
+    would leave it held by the caller's thread, and the progress thread, which sets futures
+    under it, waiting for ever. On the main thread the condition defers Ctrl-C while it is held."""
+    seen, fired, problems = _wait_interrupted_at(10 ** 9, how)
+    assert not fired and problems is None and seen > 10
+    for n in range(seen):
+        _, fired, problems = _wait_interrupted_at(n, how)
+        assert problems is None, f"Ctrl-C at instruction {n} of {seen}: {problems}"

@@ -289,3 +289,26 @@ def test_ctrl_c_anywhere_in_a_pipelines_locks_on_the_main_thread_never_hangs_it(
                           timeout=240, cwd=root, env={**os.environ, "PYTHONPATH": root})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "'interrupted': 0" not in done.stdout, done.stdout
+
+
+def test_a_shielded_condition_held_by_the_main_thread_defers_ctrl_c_until_let_go():
+    """Taken twice (as ``concurrent.futures.wait`` takes it once a future), a SIGINT meanwhile is
+    raised at the outermost release, with the lock already free; another thread takes it as a
+    plain lock."""
+    assert threading.current_thread() is threading.main_thread()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    cond = sigint.ShieldedCondition()
+    cond.acquire()
+    with cond:
+        signal.raise_signal(signal.SIGINT)  # recorded, not raised
+        assert cond._is_owned()
+    assert cond._is_owned()  # still held once
+    with pytest.raises(KeyboardInterrupt):
+        cond.release()
+    assert not cond._is_owned() and cond._lock.acquire(blocking=False)
+    cond._lock.release()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    taken = bounded(lambda: (cond.acquire(), cond._is_owned(), cond.release())[1])
+    assert taken is True
+    assert cond.acquire(blocking=False) is True  # a try that succeeds is shielded too
+    cond.release()

@@ -83,10 +83,8 @@ class ChunkFuture(concurrent.futures.Future):
 
     # Reads of a future's state take no lock here: the state is one attribute, set by the driver
     # (under the futures' condition) after the result or exception it announces, and a read of
-    # it is atomic. concurrent.futures takes the condition with a ``with`` statement, whose
-    # Python-level Condition.__enter__ a Ctrl-C can interrupt after the lock was acquired and
-    # before the block began: the lock, which every future of the pipeline shares, would stay
-    # taken, and the progress thread wait for it for ever.
+    # it is atomic. concurrent.futures takes the condition, which every future of the pipeline
+    # shares, for each read: contention with the progress thread for nothing.
     def done(self) -> bool:
         return self._state in _DONE
 

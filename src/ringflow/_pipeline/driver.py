@@ -30,7 +30,7 @@ import threading
 from typing import Any, Callable, Optional
 
 from .._errors import DeviceError, HazardError
-from .sigint import checkpoint, shielded
+from .sigint import ShieldedCondition, checkpoint, shielded
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class _Driver:
         self.cv = threading.Condition(self.lock)
         # the condition of every future this driver resolves (ChunkFuture): taken under cv, never
         # the other way round, and never waited on
-        self.future_condition = threading.Condition()
+        self.future_condition = ShieldedCondition()
         self.commands: collections.deque[Command] = collections.deque()
         self.interest: list = []  # [predicate, deadline] of every wait in progress
         self.timed: list = []  # those of them with a deadline (few: scanned every turn)

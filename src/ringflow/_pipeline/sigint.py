@@ -149,3 +149,52 @@ class ShieldedIterator:
             close = getattr(self._iterator, "close", None)
             if close is not None:
                 close()
+
+
+class ShieldedCondition(threading.Condition):
+    """A :class:`threading.Condition` (on an RLock) whose lock, while the main thread holds it,
+    defers Ctrl-C as :func:`shielded` does: a KeyboardInterrupt is raised only once the main
+    thread has let go of it (at its outermost release).
+
+    For the condition a pipeline's futures share. The standard library's
+    ``concurrent.futures.wait`` and ``as_completed`` take it in a Python loop, once a future, and
+    let go of it in another: a Ctrl-C raised between two instructions there would leave it taken
+    for ever, and the progress thread, which sets every future under it, waiting for it. Other
+    threads take it as a plain condition's lock (SIGINT only ever reaches the main thread)."""
+
+    def __init__(self) -> None:
+        super().__init__(threading.RLock())
+        self._main_shields: list = []  # the main thread's shielded blocks, one a take it holds
+        # Condition.__init__ binds acquire and release to the lock's own: these come first
+        self.acquire = self._acquire  # type: ignore[method-assign]
+        self.release = self._release  # type: ignore[method-assign]
+
+    def _acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if threading.current_thread() is not threading.main_thread():
+            return self._lock.acquire(blocking, timeout)
+        block = shielded()
+        block.__enter__()  # before the take: the lock is never held outside the shield
+        try:
+            taken = self._lock.acquire(blocking, timeout)
+        except BaseException:
+            block.__exit__(None, None, None)
+            raise
+        if taken:
+            self._main_shields.append(block)
+        else:
+            block.__exit__(None, None, None)
+        return taken
+
+    def _release(self) -> None:
+        if threading.current_thread() is not threading.main_thread() or not self._main_shields:
+            self._lock.release()
+            return
+        block = self._main_shields.pop()
+        self._lock.release()
+        block.__exit__(None, None, None)  # after the lock is let go: may raise a deferred Ctrl-C
+
+    def __enter__(self) -> bool:
+        return self._acquire()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._release()
