@@ -42,16 +42,18 @@ def one_map(pipe, items) -> tuple:
     return t, t
 
 
-def one_amap(pipe, items) -> tuple:
+def one_amap(pipe, items, ticking: bool = True) -> tuple:
     """Stop an amap after its first result; seconds its clean-up took, and the longest the loop's
-    thread was kept meanwhile (a gap between two turns of a ticking task)."""
+    thread was kept meanwhile (a gap between two turns of a ticking task). ``ticking=False``: no
+    ticking task (which holds the GIL between its turns, and so slows the progress thread the
+    clean-up waits for); the time kept is then the clean-up's."""
     async def main():
         agen = pipe.amap(items)
         await agen.__anext__()
         gaps: list = []
         stop = asyncio.Event()
 
-        async def tick():
+        async def ticks():
             last = time.perf_counter()
             while not stop.is_set():
                 await asyncio.sleep(0)
@@ -59,13 +61,14 @@ def one_amap(pipe, items) -> tuple:
                 gaps.append(now - last)
                 last = now
 
-        ticker = asyncio.create_task(tick())
+        ticker = asyncio.create_task(ticks()) if ticking else None
         await asyncio.sleep(0)  # the ticker is running
         t0 = time.perf_counter()
         await agen.aclose()
         t = time.perf_counter() - t0
         stop.set()
-        await ticker
+        if ticker is not None:
+            await ticker
         return t, max(gaps, default=t)
 
     return asyncio.run(main())
@@ -83,7 +86,8 @@ def main() -> None:
     n = int(args.mib * (1 << 20)) // 4
     rng = np.random.default_rng(0)
     out: dict = {**header(str(dev)), "window": args.window, "mib": args.mib, "runs": {}}
-    for name, run in (("map", one_map), ("amap", one_amap)):
+    runs = (("map", one_map), ("amap", one_amap), ("amap, no ticking task", lambda p, i: one_amap(p, i, ticking=False)))
+    for name, run in runs:
         times, kept, cancelled = [], [], []
         for r in range(args.repeats + 2):
             items = [rng.random(n, dtype=np.float32) for _ in range(args.window * 2)]

@@ -597,23 +597,21 @@ def test_on_a_real_gpu_callbacks_and_waiters_add_nothing_for_the_progress_thread
 
 
 # -- the event loop's thread and the pipeline's lock -----------------------------------------------
-def test_asubmit_does_not_wait_for_the_pipelines_lock():
-    """Another thread holds the pipeline's lock (as the progress thread does through a whole step,
-    a compute's launch code included) until a task on the loop has ticked a few times after the
-    asubmits began: an asubmit that waited for the lock on the loop's thread would stall it."""
-    dev, pipe = _pipe(21, max_in_flight=8)
-    held, release = threading.Event(), threading.Event()
+@pytest.mark.parametrize("how,devices", [("asubmit", 1), ("amap", 2)])
+def test_the_loop_does_not_wait_for_the_pipelines_lock(how, devices):
+    """Another thread holds the pipeline's lock (every part's), as each progress thread does
+    through a whole step (a compute's launch code included), until a task on the loop has ticked
+    a few times after the calls began: an asubmit, or a spread pipeline's amap submitting, that
+    waited for a lock on the loop's thread would stall it."""
+    devs, device = _sims(devices, 21)
+    pipe = rf.Pipeline(f_affine, device=device, chunk_bytes=512, slots=2, checked=True,
+                       max_in_flight=8 if how == "asubmit" else 3)
+    x = _items(4 if how == "asubmit" else 12, base=3.0)
+    ready, release = threading.Event(), threading.Event()
     outcome: dict = {}
-
-    def hold():
-        with pipe._driver.lock:
-            held.set()
-            outcome["released_by_the_loop"] = release.wait(JOIN_S)
-
-    holder = start(hold)
-    assert held.wait(JOIN_S)
-    x = _items(4, base=3.0)
-    ticks = []
+    holder = start(_hold_locks, pipe, ready, release, outcome)
+    assert ready.wait(JOIN_S)
+    ticks: list = []
 
     async def ticker():
         for k in range(5):
@@ -623,7 +621,10 @@ def test_asubmit_does_not_wait_for_the_pipelines_lock():
 
     async def main():
         tick = asyncio.create_task(ticker())
-        got = await asyncio.gather(*(pipe.asubmit(a) for a in x))
+        if how == "asubmit":
+            got = await asyncio.gather(*(pipe.asubmit(a) for a in x))
+        else:
+            got = [r async for r in pipe.amap(x)]
         await tick
         return got
 
@@ -633,9 +634,10 @@ def test_asubmit_does_not_wait_for_the_pipelines_lock():
         release.set()
         join([holder])
     assert outcome["released_by_the_loop"] and ticks == list(range(5))
-    for r, a in zip(got, x):
+    for r, a in zip(got, x, strict=True):
         assert np.array_equal(r, a * 3 + 1)
-    _closed_clean(dev, pipe)
+    for dev in devs:
+        _closed_clean(dev, pipe)
 
 
 def _hold_locks(pipe, ready: threading.Event, release: threading.Event, outcome: dict) -> None:
@@ -712,42 +714,6 @@ def test_a_cancelled_task_does_not_wait_for_the_pipelines_lock(how, devices):
         _closed_clean(dev, pipe)
     s = pipe.stats()
     assert s.delivered == len(got) and s.cancelled >= 1 and s.in_flight == 0 and s.balanced(), s
-
-
-def test_a_spread_amap_does_not_wait_for_a_parts_lock():
-    """Every part's lock is held until a task on the loop has ticked a few times after the amap
-    began: an amap whose submits waited for a part's lock on the loop's thread would stall it."""
-    devs, device = _sims(2, 31)
-    pipe = rf.Pipeline(f_affine, device=device, chunk_bytes=512, max_in_flight=3, checked=True)
-    x = _items(12)
-    ready, release = threading.Event(), threading.Event()
-    outcome: dict = {}
-    holder = start(_hold_locks, pipe, ready, release, outcome)
-    assert ready.wait(JOIN_S)
-    ticks: list = []
-
-    async def ticker():
-        for k in range(5):
-            ticks.append(k)
-            await asyncio.sleep(0)
-        release.set()
-
-    async def main():
-        tick = asyncio.create_task(ticker())
-        got = [r async for r in pipe.amap(x)]
-        await tick
-        return got
-
-    try:
-        got = _run(main, timeout=JOIN_S)
-    finally:
-        release.set()
-        join([holder])
-    assert outcome["released_by_the_loop"] and ticks == list(range(5))
-    for r, a in zip(got, x, strict=True):
-        assert np.array_equal(r, a * 3 + 1)
-    for dev in devs:
-        _closed_clean(dev, pipe)
 
 
 # what asubmit runs on the loop's thread: its own code, the asyncio future that follows the chunk's,
