@@ -242,3 +242,59 @@ def test_ctrl_c_in_the_callers_wait_ends_that_map_only():
         assert np.array_equal(pipe.submit(items[0]).result(timeout=30), items[0] * 2 + 1)
     s = pipe.stats()
     assert s.in_flight == 0 and s.balanced() and s.failed == 0
+
+
+def _fails_on_negative(x, y):
+    if x[0] < 0:
+        raise ValueError("negative item")
+    y[...] = x * 2 + 1
+
+
+@pytest.mark.parametrize("face", ["map", "amap"])
+@pytest.mark.parametrize("seed,bad_at", [(1, 2), (3, 9), (5, 2)])
+def test_a_failure_stops_a_spread_map_with_its_error_not_quietly(face, seed, bad_at):
+    """With ``on_error="raise"`` a part's failure cancels that part's other chunks, earlier ones
+    too: the map meets a cancelled chunk first, and must still raise the failure (as one device's
+    map does), not end quietly with fewer results."""
+    pipe = rf.Pipeline(_fails_on_negative, device=sims(2, seed), chunk_bytes=512, slots=2, max_in_flight=6)
+    items = [np.arange(16.0) + 100 * k for k in range(20)]
+    items[bad_at] = -items[bad_at] - 1
+    got: list = []
+    with pytest.raises(rf.StageError, match="negative item"):
+        if face == "map":
+            got.extend(pipe.map(items))
+        else:
+            async def go():
+                async for r in pipe.amap(items):
+                    got.append(r)
+
+            asyncio.run(go())
+    pipe.close()
+    assert len(got) < bad_at + 1
+    for r, a in zip(got, items):
+        np.testing.assert_array_equal(r, a * 2 + 1)
+    s = pipe.stats()
+    assert s.failed == 1 and s.in_flight == 0 and s.balanced(), s
+
+
+def test_a_timed_out_spread_amap_cancels_its_own_window_not_the_pipeline():
+    """The consuming task cancelled (by ``asyncio.timeout``) just as the chunk at the head of its
+    window ended: the task's cancellation, not a failure; the pipeline takes work after it."""
+    pipe = rf.Pipeline(f, device=sims(2, 1), chunk_bytes=4096, slots=2, max_in_flight=4)
+    items = items_of(400, 4)
+
+    async def main():
+        for trial in range(60):
+            try:
+                async with asyncio.timeout(0.0005 * (trial % 20 + 1)):
+                    async for _ in pipe.amap(items):
+                        pass
+            except TimeoutError:
+                pass
+            got = await pipe.asubmit(items[0])  # RuntimeError if the pipeline was cancelled
+            np.testing.assert_array_equal(got, items[0] * 2 + 1)
+
+    asyncio.run(main())
+    pipe.close()
+    s = pipe.stats()
+    assert s.failed == 0 and s.in_flight == 0 and s.balanced(), s

@@ -172,9 +172,15 @@ class SpreadPipeline(Pipeline):
                     value = fut.result()
                 except concurrent.futures.CancelledError:
                     window.remove(fut)
-                    if self.config.on_error == "raise":
-                        return  # the pipeline was cancelled, or a failure stopped it, under this map
-                    continue
+                    if self.config.on_error == "continue":
+                        continue
+                    # the pipeline was cancelled under this map, or a part's failure stopped it
+                    # (and cancelled that part's other chunks): that failure is raised, as on one device
+                    failure = self._part_failure()
+                    if failure is not None:
+                        self.cancel()
+                        raise failure from None
+                    return
                 except BaseException as err:
                     if not fut.failed_with(err):
                         raise  # this caller's own (a Ctrl-C in its wait): finally cancels the window
@@ -217,23 +223,33 @@ class SpreadPipeline(Pipeline):
                     # shielded: a cancellation of the awaiting task must not look like the chunk's
                     value = await asyncio.shield(head)
                 except BaseException as err:
-                    if not fut.done():
-                        raise  # the awaiting task was cancelled: finally cancels this chunk with the rest
+                    if not (fut.cancelled() or fut.failed_with(err)):
+                        # the awaiting task was cancelled (or its chunk ended just as it was): the
+                        # task's, not a chunk's; finally cancels this amap's window, nothing else
+                        raise
                     window.popleft()
-                    if fut.cancelled():
-                        if self.config.on_error == "raise":
-                            return  # the pipeline was cancelled, or a failure stopped it, under this amap
-                        continue
-                    if self.config.on_error == "continue" and fut.failed_with(err):
+                    if self.config.on_error == "continue":
                         continue  # a failed item (whatever its stage raised, or its device's) is skipped
-                    self.cancel()
-                    raise
+                    # a chunk cancelled under this amap: the pipeline was cancelled, or a part's
+                    # failure stopped it (and cancelled that part's other chunks)
+                    failure = err if fut.failed_with(err) else self._part_failure()
+                    if failure is None:
+                        return  # cancelled
+                    # every part stops, as on one device (the cancel, which waits, off the loop)
+                    await asyncio.get_running_loop().run_in_executor(None, self.cancel)
+                    if failure is err:
+                        raise
+                    raise failure from None
                 window.popleft()
                 yield value
         finally:
             await cancel_unwanted_soon([fut for fut, _ in window])  # (see Pipeline.amap)
             for _, head in window:
                 head.cancel()
+
+    def _part_failure(self) -> Optional[BaseException]:
+        """The failure that stopped a part (with ``on_error="raise"``), if one did."""
+        return next((p._sched.first_error for p in self.parts if p._sched.first_error is not None), None)
 
     # -- ending and inspection -----------------------------------------------------------------
     def cancel(self) -> None:
