@@ -312,3 +312,30 @@ def test_a_shielded_condition_held_by_the_main_thread_defers_ctrl_c_until_let_go
     assert taken is True
     assert cond.acquire(blocking=False) is True  # a try that succeeds is shielded too
     cond.release()
+
+
+@pytest.mark.parametrize("left", ["a shield without its handler", "a handler without its shield"])
+def test_a_shield_left_half_set_up_by_a_second_ctrl_c_is_replaced_by_the_next_call(left, monkeypatch):
+    """A second Ctrl-C raises at once, and so can land inside a shield's own setting up or taking
+    down. The next outermost shielded block sees what was left as stale and starts afresh; once
+    it ends, Python's handler is back and a Ctrl-C raises again."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    stale = sigint.Shield()
+    stale.depth = 1
+    if left == "a shield without its handler":
+        monkeypatch.setattr(sigint, "_active", stale)
+    else:
+        signal.signal(signal.SIGINT, stale.handle)
+    try:
+        with sigint.shielded() as shield:
+            assert shield is not None and shield is not stale and sigint._active is shield
+            signal.raise_signal(signal.SIGINT)  # recorded by the new shield
+            assert shield.pending and not stale.pending
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the Ctrl-C recorded in the block was not raised as it ended")
+    finally:
+        handler = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert handler is signal.default_int_handler and sigint._active is None

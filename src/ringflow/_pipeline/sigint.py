@@ -37,19 +37,25 @@ _SIGINT = _signal.SIGINT
 
 class Shield:
     """The state of one shielded call: a Ctrl-C recorded and not yet raised, one raised at a
-    checkpoint, whether the call is settling (no more checkpoints raise), and how many blocks
-    share it."""
+    checkpoint, whether the call is settling (no more checkpoints raise), how many blocks share
+    it, and how many of them hold a lock only for a moment (:class:`ShieldedCondition`)."""
 
-    __slots__ = ("pending", "delivered", "settling", "depth")
+    __slots__ = ("pending", "delivered", "settling", "depth", "holding")
 
     def __init__(self) -> None:
         self.pending = False
         self.delivered = False
         self.settling = False
         self.depth = 0
+        self.holding = 0
 
     def handle(self, signum: int, frame) -> None:
-        """The SIGINT handler while shielded: record the first Ctrl-C, raise on the next."""
+        """The SIGINT handler while shielded: record the first Ctrl-C, raise on the next (but
+        while a lock is held for a moment, record that one too: raised there, it would leave
+        the lock taken, and the moment ends soon)."""
+        if self.holding:
+            self.pending = True
+            return
         if self.pending or self.delivered:
             self.pending, self.delivered = False, True
             raise KeyboardInterrupt
@@ -83,19 +89,26 @@ class shielded:
 
     __slots__ = ("shield",)
 
+    # Entering and leaving order their steps so that a second Ctrl-C raised between any two
+    # (which a shield lets through at once) leaves no shield that later blocks would nest into
+    # while its handler is gone, nor a handler of a shield that is gone: either is seen as
+    # stale by the next outermost block, which starts afresh.
     def __enter__(self) -> Optional[Shield]:
         global _active
         if threading.current_thread() is not threading.main_thread():
             self.shield = None
-        elif _active is not None:
+            return None
+        handler = _signal.getsignal(_SIGINT)
+        if _active is not None and handler == _active.handle:
             self.shield = _active
             _active.depth += 1
-        elif _signal.getsignal(_SIGINT) is not _signal.default_int_handler:
+        elif handler is not _signal.default_int_handler and not isinstance(getattr(handler, "__self__", None), Shield):
             self.shield = None  # the application's own handler decides
         else:
-            self.shield = _active = Shield()
-            _active.depth = 1
-            _signal.signal(_SIGINT, _active.handle)
+            shield = Shield()
+            shield.depth = 1
+            _signal.signal(_SIGINT, shield.handle)
+            self.shield = _active = shield
         return self.shield
 
     def __exit__(self, *exc_info) -> None:
@@ -106,9 +119,10 @@ class shielded:
         shield.depth -= 1
         if shield.depth:
             return
-        _active = None
         if _signal.getsignal(_SIGINT) == shield.handle:  # unless the block installed its own
             _signal.signal(_SIGINT, _signal.default_int_handler)
+        if _active is shield:
+            _active = None
         if shield.pending:
             shield.pending = False
             raise KeyboardInterrupt
@@ -173,16 +187,18 @@ class ShieldedCondition(threading.Condition):
         if threading.current_thread() is not threading.main_thread():
             return self._lock.acquire(blocking, timeout)
         block = shielded()
-        block.__enter__()  # before the take: the lock is never held outside the shield
+        shield = block.__enter__()  # before the take: the lock is never held outside the shield
+        if shield is not None:
+            shield.holding += 1
         try:
             taken = self._lock.acquire(blocking, timeout)
         except BaseException:
-            block.__exit__(None, None, None)
+            _let_go(block, shield)
             raise
         if taken:
             self._main_shields.append(block)
         else:
-            block.__exit__(None, None, None)
+            _let_go(block, shield)
         return taken
 
     def _release(self) -> None:
@@ -191,10 +207,20 @@ class ShieldedCondition(threading.Condition):
             return
         block = self._main_shields.pop()
         self._lock.release()
-        block.__exit__(None, None, None)  # after the lock is let go: may raise a deferred Ctrl-C
+        _let_go(block, block.shield)  # after the lock is let go: may raise a deferred Ctrl-C
 
     def __enter__(self) -> bool:
         return self._acquire()
 
     def __exit__(self, *exc_info: Any) -> None:
         self._release()
+
+
+def _let_go(block: shielded, shield: Optional[Shield]) -> None:
+    """Leave a :class:`ShieldedCondition`'s shielded block (raises a deferred Ctrl-C at the
+    outermost)."""
+    try:
+        block.__exit__(None, None, None)  # (still holding: a Ctrl-C meanwhile is recorded)
+    finally:
+        if shield is not None:
+            shield.holding -= 1
