@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 
@@ -79,3 +80,31 @@ def test_cancel_unwanted_soon_with_no_loop_running_cancels_at_once():
     held.release()
     pipe.close()
     assert pipe.stats().cancelled == 2 and pipe.stats().balanced()
+
+
+def test_an_amap_dropped_unfinished_on_a_closed_loop_cancels_its_window():
+    """A loop closed without ``shutdown_asyncgens`` never runs an unfinished amap's clean-up: the
+    chunks it took are cancelled when it is collected instead. Here they wait for device slots
+    that its undelivered results hold, and ``close()`` waited for them for ever."""
+    from tests.helpers.threads import bounded
+
+    dev = rf.device("sim", seed=31, chaos=True)
+    pipe = rf.Pipeline(lambda x, y: np.multiply(x, 3, out=y), device=dev, deliver="device", chunk_bytes=512,
+                       slots=2, max_in_flight=6, checked=True)
+    x = [np.arange(16.0) + 100 * k for k in range(20)]
+
+    async def first():
+        agen = pipe.amap(x)
+        (await agen.__anext__()).release()
+        return agen
+
+    loop = asyncio.new_event_loop()
+    agen = loop.run_until_complete(first())
+    loop.close()
+    del agen
+    gc.collect()
+    bounded(pipe.close, timeout=20.0)
+    s = pipe.stats()
+    assert s.cancelled >= 1 and s.in_flight == 0 and s.balanced(), s
+    gc.collect()
+    assert dev.live().total == 0, dev.live()

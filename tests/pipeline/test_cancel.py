@@ -403,11 +403,11 @@ def test_an_amap_stopped_early_cancels_its_window_in_one_call(monkeypatch):
     carried out."""
     import asyncio
 
-    from ringflow._pipeline import aio, api
+    from ringflow._pipeline import aio
 
     handed, posted = [], []
-    real, real_post = api.cancel_unwanted_soon, aio.post_cancel
-    monkeypatch.setattr(api, "cancel_unwanted_soon", lambda futs: (handed.append(list(futs)), real(futs))[1])
+    real, real_post = aio.cancel_unwanted_soon, aio.post_cancel
+    monkeypatch.setattr(aio, "cancel_unwanted_soon", lambda futs: (handed.append(list(futs)), real(futs))[1])
     monkeypatch.setattr(aio, "post_cancel", lambda futs, then=None: (posted.append(futs), real_post(futs, then))[1])
     dev = rf.device("sim", seed=15)
     items = [_one(i) for i in range(20)]

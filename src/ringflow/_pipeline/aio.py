@@ -93,3 +93,33 @@ def _count_down(left: list, done: asyncio.Future, device: Any, command: Any) -> 
     left[0] -= 1
     if left[0] == 0 and not done.done():
         done.set_result(None)
+
+
+class CancelIfDropped:
+    """Cancels the chunks of an async map's window should the map be dropped without its clean-up.
+    An event loop closed without ``loop.shutdown_asyncgens()`` never finalises an async
+    generator: its ``finally`` does not run, and the chunks it took would hold the pipeline's
+    capacity (and delivered device results their slots) until ``close()`` waited for them for
+    ever. ``window``: the map's deque of (chunk future, asyncio future), ended by :meth:`end`."""
+
+    __slots__ = ("window",)
+
+    def __init__(self, window: Any):
+        self.window = window
+
+    async def end(self) -> None:
+        """The map's clean-up: cancel what it took and has not handed out (awaited, without
+        blocking the loop: see :func:`cancel_unwanted_soon`), and drop the asyncio futures."""
+        window = self.window
+        await cancel_unwanted_soon([fut for fut, _ in window])
+        self.window = None
+        for _, head in window:
+            head.cancel()  # (nobody awaits it: its outcome is not to be logged as unretrieved)
+
+    def __del__(self) -> None:
+        window, self.window = self.window, None
+        if window:
+            try:
+                post_cancel([fut for fut, _ in window])  # (never waits: this may run on any thread)
+            except Exception:  # noqa: BLE001 - a finaliser never raises
+                pass

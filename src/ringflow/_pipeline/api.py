@@ -33,7 +33,7 @@ from .._device import host_pool
 from .._device.protocol import Device
 from .._errors import StageError
 from .batch_space import aligned
-from .aio import cancel_unwanted_soon, follow
+from .aio import CancelIfDropped, follow
 from .chunk import Chunk, ChunkFuture, cancel_unwanted, post_cancel
 from .driver import CallerDriver, ProgressThread, resolve
 from .config import PipelineConfig, SlotCounts
@@ -923,6 +923,7 @@ class Pipeline:
         self._check_caller("amap()")
         s = self._sched
         window: collections.deque = collections.deque()  # (chunk future, its asyncio future), in order
+        ending = CancelIfDropped(window)
         limit = self.config.max_in_flight
         iterator = items.__aiter__() if hasattr(items, "__aiter__") else check_iterable("items", items)
         exhausted = started = False
@@ -967,9 +968,7 @@ class Pipeline:
         finally:
             # awaited: the loop runs on while the progress thread cancels them, and the map
             # ends with nothing of its own left running
-            await cancel_unwanted_soon([fut for fut, _ in window])
-            for _, head in window:
-                head.cancel()  # (nobody awaits it: its outcome is not to be logged as unretrieved)
+            await ending.end()
         if s.first_error is not None and self.config.on_error == "raise":
             raise s.first_error
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from .._device import device_label, device_list
 from .._errors import DeviceError, StageError
 from .api import Pipeline
-from .aio import cancel_unwanted_soon, follow
+from .aio import CancelIfDropped, follow
 from .chunk import cancel_unwanted
 from .stats import PipelineStats
 
@@ -201,6 +201,7 @@ class SpreadPipeline(Pipeline):
         limit = sum(p.config.max_in_flight for p in self.parts)
         iterator = items.__aiter__() if hasattr(items, "__aiter__") else iter(items)
         window: collections.deque = collections.deque()
+        ending = CancelIfDropped(window)
         exhausted = started = False
         try:
             while True:
@@ -243,9 +244,7 @@ class SpreadPipeline(Pipeline):
                 window.popleft()
                 yield value
         finally:
-            await cancel_unwanted_soon([fut for fut, _ in window])  # (see Pipeline.amap)
-            for _, head in window:
-                head.cancel()
+            await ending.end()  # (see Pipeline.amap)
 
     def _part_failure(self) -> Optional[BaseException]:
         """The failure that stopped a part (with ``on_error="raise"``), if one did."""
