@@ -431,6 +431,30 @@ def test_amap_with_on_error_continue_skips_failed_items():
     h.close()
 
 
+def _call_while_ticking(pipe, how: str, x: list, release: threading.Event, timeout: float) -> tuple:
+    """On a loop of its own, ``x`` through ``pipe`` (``how``: asubmit each, gathered, or amap)
+    while a task ticks five turns of the loop and then sets ``release``; returns the results and
+    the ticks. A call that blocked the loop until ``release`` was set would never return."""
+    ticks: list = []
+
+    async def ticker():
+        for k in range(5):
+            ticks.append(k)
+            await asyncio.sleep(0)
+        release.set()
+
+    async def main():
+        tick = asyncio.create_task(ticker())
+        if how == "asubmit":
+            got = await asyncio.gather(*(pipe.asubmit(a) for a in x))
+        else:
+            got = [r async for r in pipe.amap(x)]
+        await tick
+        return got
+
+    return _run(main, timeout=timeout), ticks
+
+
 @pytest.mark.parametrize("how", ["asubmit", "amap"])
 def test_the_event_loop_is_never_blocked(how):
     """The pipeline is full and its progress thread is held (in a done-callback) until a task on
@@ -447,28 +471,8 @@ def test_the_event_loop_is_never_blocked(how):
     first[0].add_done_callback(hold)
     assert holding.wait(JOIN_S)
     x = _items(5, base=7.0)
-    ticks = []
-
-    async def ticker(started: asyncio.Event):
-        await started.wait()
-        for k in range(5):
-            ticks.append(k)
-            await asyncio.sleep(0)
-        release.set()  # the pipeline moves again only now
-
-    async def main():
-        started = asyncio.Event()
-        tick = asyncio.create_task(ticker(started))
-        started.set()
-        if how == "asubmit":
-            got = await asyncio.gather(*(pipe.asubmit(a) for a in x))
-        else:
-            got = [r async for r in pipe.amap(x)]
-        await tick
-        return got
-
     try:
-        got = _run(main, timeout=30)
+        got, ticks = _call_while_ticking(pipe, how, x, release, timeout=30)  # the pipeline moves again only then
     finally:
         release.set()
     assert ticks == list(range(5))
@@ -612,25 +616,8 @@ def test_the_loop_does_not_wait_for_the_pipelines_lock(how, devices):
     outcome: dict = {}
     holder = start(_hold_locks, pipe, ready, release, outcome)
     assert ready.wait(JOIN_S)
-    ticks: list = []
-
-    async def ticker():
-        for k in range(5):
-            ticks.append(k)
-            await asyncio.sleep(0)
-        release.set()
-
-    async def main():
-        tick = asyncio.create_task(ticker())
-        if how == "asubmit":
-            got = await asyncio.gather(*(pipe.asubmit(a) for a in x))
-        else:
-            got = [r async for r in pipe.amap(x)]
-        await tick
-        return got
-
     try:
-        got = _run(main, timeout=2 * JOIN_S)
+        got, ticks = _call_while_ticking(pipe, how, x, release, timeout=2 * JOIN_S)
     finally:
         release.set()
         join([holder])
