@@ -176,11 +176,12 @@ MISTAKES = [
     (["bench", "--device", "sim", "--quick", "seed", "--plot", "/proc/x/t.png"], "bench", "argument --plot"),
     (["demo", "--device", "sim", "--out", ""], "demo", "argument --out: give a folder name"),
     (["trace", "/dev/zero"], "trace", "not a regular file"),  # would never end
-    (["doctor", "--device", "sim", "--json", "--output", "/dev/full"], "doctor", "/dev/full: No space left on device"),
+    (["doctor", "--device", "sim", "--json", "--output", "/dev/full"], "doctor", "'/dev/full' is not a regular file"),
     (["bench", "--device", "sim", "--quick", "seed", "--plot", "{d}/x.txt"], "bench", "cannot write .txt"),
     (["plan", "--workers", "1025"], "plan", "workers: give 1 to 1024"),
     (["plan", "--devices", "0"], "plan", "argument --devices: '0' GPUs: give 1 to 64"),
-    (["bench", "--device", "sim", "--quick", "seed", "--trace", "/dev/full"], "bench", "/dev/full"),
+    (["bench", "--device", "sim", "--quick", "seed", "--trace", "/dev/full"], "bench", "'/dev/full' is not a regular file"),
+    (["bench", "--device", "sim", "--quick", "seed", "--plot", "/dev/null"], "bench", "--plot: '/dev/null' is not a regular"),
     (["nosuchcommand"], None, "invalid choice: 'nosuchcommand'"),
     (["--nosuch"], None, "unrecognized arguments: --nosuch"),
 ]
@@ -241,6 +242,32 @@ def test_an_unwritable_output_is_refused_before_any_work(tmp_path, monkeypatch, 
     (tmp_path / "afile").write_text("x")
     assert main(["bench", "--device", "sim", "--out", str(tmp_path / "afile" / "sub")]) == 2
     assert "argument --out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--trace", "--plot"])
+@pytest.mark.parametrize("target", ["device", "fifo", "read-only"])
+def test_an_output_file_that_cannot_take_the_result_is_refused_before_any_work(tmp_path, monkeypatch, capsys,
+                                                                                option, target):
+    import ringflow._bench.runner as runner
+
+    def must_not_run(*a, **k):
+        raise AssertionError(f"the bench ran although its {option} file cannot be written")
+
+    monkeypatch.setattr(runner, "run_bench", must_not_run)
+    if target == "device":
+        path = "/dev/full"  # every write fails, but only once written: after the whole bench
+    elif target == "fifo":
+        path = str(tmp_path / "pipe.png")
+        os.mkfifo(path)  # opening it to write would wait for a reader for ever
+    else:
+        path = str(tmp_path / "kept.png")
+        open(path, "w").close()
+        os.chmod(path, 0o444)
+        if os.access(path, os.W_OK):
+            pytest.skip("this user writes read-only files (root)")
+    assert main(["bench", "--device", "sim", "--quick", "seed", option, path]) == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}" in err and repr(path) in err, err
 
 
 @pytest.mark.parametrize("exc, code, phrase", [

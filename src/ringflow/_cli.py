@@ -154,7 +154,7 @@ def check_out_dir(path: str, option: str) -> str:
 
 def check_out_file(path: str, option: str) -> str:
     """Check the file ``path`` can be written: its folder exists and takes a new file, and it is
-    not itself a folder. Nothing is left behind.
+    neither a folder nor a device, pipe or socket. Nothing is left behind.
 
     Raises:
         UsageError: naming ``option`` and what to change.
@@ -163,6 +163,12 @@ def check_out_file(path: str, option: str) -> str:
         raise UsageError(f"argument {option}: give a file name, not an empty string")
     if os.path.isdir(path):
         raise UsageError(f"argument {option}: {path!r} is a folder; give a file name inside it")
+    if os.path.exists(path) and not os.path.isfile(path):
+        # a device (/dev/full), pipe or socket: found out only when the file is written, after
+        # the whole run; or never, for a pipe nobody reads
+        raise UsageError(f"argument {option}: {path!r} is not a regular file; give the name of a file to write")
+    if os.path.isfile(path) and not os.access(path, os.W_OK):
+        raise UsageError(f"argument {option}: cannot write {path!r} (Permission denied); give another file name")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         what = "is a file, not a folder" if os.path.exists(folder) else "does not exist; create it first"
