@@ -7,7 +7,9 @@ On the simulated GPU the consumer reads a result by launching on a stream of its
 from __future__ import annotations
 
 import gc
+import logging
 import random
+import threading
 import warnings
 
 import numpy as np
@@ -20,7 +22,7 @@ from ringflow import _testing
 from ringflow._pipeline.states import SlotState
 from tests.helpers.pipeline_checks import caught
 from tests.helpers.sim import read_on
-from tests.helpers.threads import bounded
+from tests.helpers.threads import JOIN_S, bounded, join, start
 
 
 def f(x, y):
@@ -248,3 +250,72 @@ def test_lent_is_a_slot_state_of_the_device_rings_only():
 def test_a_device_result_is_made_by_a_pipeline_only():
     with pytest.raises(TypeError, match="made by a Pipeline"):
         rf.DeviceResult(0, None, None, None)
+
+
+def _one_slot_pipeline(seed):
+    return rf.Pipeline(f, device=rf.device("sim", seed=seed), chunk_bytes=1024, deliver="device",
+                       slots=rf.SlotCounts(host_in=1, device_in=1, device_out=1, host_out=1))
+
+
+def test_a_wait_only_a_release_can_end_times_out_on_the_simulated_clock():
+    # the one device slot is held by a result the waiting thread keeps: nothing is in flight, so
+    # virtual time must be let pass to the waits' deadlines (it used to stand still: a hang)
+    pipe = _one_slot_pipeline(5)
+    held = pipe.submit(np.ones(4, np.float32)).result(timeout=10)
+
+    def wait_for_more():
+        fut = pipe.submit(np.ones(4, np.float32), timeout=1)
+        with pytest.raises(TimeoutError, match="chunk 1"):
+            fut.result(timeout=1)
+        with pytest.raises(TimeoutError, match="capacity"):
+            for _ in range(64):  # until admission is full
+                pipe.submit(np.ones(4, np.float32), timeout=1)
+
+    join([start(wait_for_more)], timeout=30)
+    held.release()
+    pipe.close()
+    assert pipe.stats().delivered == pipe.stats().accepted
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records, self.arrived = [], threading.Event()
+
+    def emit(self, record):
+        self.records.append(record)
+        self.arrived.set()
+
+
+@pytest.fixture
+def driver_warnings(monkeypatch):
+    from ringflow._pipeline import driver
+
+    monkeypatch.setattr(driver, "_HELD_WARN_S", 0.0)  # at once: the test's pace, not a real 5 s
+    records = _Records()
+    driver.logger.addHandler(records)
+    yield records
+    driver.logger.removeHandler(records)
+
+
+def test_a_wait_only_a_release_can_end_says_which_results_to_release(driver_warnings):
+    pipe = _one_slot_pipeline(6)
+    held = pipe.submit(np.ones(4, np.float32)).result(timeout=10)
+    waiter = start(pipe.submit(np.ones(4, np.float32)).result)
+    assert driver_warnings.arrived.wait(JOIN_S), "no warning while a wait could only end by a release"
+    message = driver_warnings.records[0].getMessage()
+    assert "not yet released (chunks 0)" in message and "release" in message, message
+    assert len(driver_warnings.records) == 1  # once for the same results
+    held.release()
+    (second,) = join([waiter], timeout=30)
+    second.release()
+    pipe.close()
+
+
+def test_results_released_in_time_raise_no_warning(driver_warnings):
+    with _one_slot_pipeline(7) as pipe:
+        for k in range(20):
+            res = pipe.submit(np.full(4, k, np.float32)).result(timeout=10)
+            del res  # back before the next wait
+    assert pipe.stats().delivered == 20
+    assert driver_warnings.records == []

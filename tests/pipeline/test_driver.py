@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -50,3 +52,31 @@ def test_a_command_posted_after_the_progress_thread_ended_is_handed_back_unrun()
     driver.post(lambda: ran.append(1), handed.append)  # would otherwise wait for ever
     assert ran == [] and len(handed) == 1 and not driver.commands
     assert isinstance(handed[0].error, RuntimeError) and "ended" in str(handed[0].error)
+
+
+EXIT_SCRIPT = r"""
+import atexit, threading
+
+def progress_threads_at_exit():  # registered first, so it runs after ringflow's own exit hook
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("ringflow-progress") and t.is_alive()]
+    print("alive at exit:", alive, flush=True)
+
+atexit.register(progress_threads_at_exit)
+
+import numpy as np
+import ringflow as rf
+
+pipe = rf.Pipeline(lambda x, y: np.multiply(x, 2, out=y), device=rf.device("sim", seed=1), chunk_bytes=1024,
+                   deliver="device", slots=rf.SlotCounts(host_in=1, device_in=1, device_out=1, host_out=1))
+held = pipe.submit(np.ones(4, np.float32)).result(timeout=10)
+futs = [pipe.submit(np.ones(4, np.float32)) for _ in range(3)]  # waiting for the slot held
+print("left open", flush=True)
+"""
+
+
+def test_interpreter_exit_ends_the_progress_thread_of_a_pipeline_left_open():
+    # a daemon thread still running when the interpreter finalises is frozen holding whatever lock
+    # it held: the collector's finalisers, on the main thread afterwards, then waited for ever
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=JOIN_S)
+    assert proc.returncode == 0, proc.stderr
+    assert "left open" in proc.stdout and "alive at exit: []" in proc.stdout, proc.stdout + proc.stderr

@@ -23,10 +23,13 @@ one submitting thread the virtual timeline is the same on every run.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import logging
 import threading
+import time
+import weakref
 from typing import Any, Callable, Optional
 
 from .._errors import DeviceError, HazardError
@@ -42,6 +45,12 @@ _POLL_S = 0.05  # the longest a driver waits on a real device before looking at 
 # over a million steps), so there a wait lasts until a fence completes, a deadline comes, or
 # this long has passed.
 _SIM_POLL_S = 3600.0
+# how long interpreter exit waits, in all, for the progress threads of pipelines left open to
+# cancel their work and end (seconds)
+_EXIT_WAIT_S = 5.0
+# how long a wait may find every slot a compute writes held by device results not yet released
+# before the thread says so (only the results' holder can end that wait)
+_HELD_WARN_S = 5.0
 
 
 class Command:
@@ -228,10 +237,13 @@ class ProgressThread(_Driver):
         self.abandoned = False
         self.ended = False  # the thread has run its last turn: posted commands are refused
         self._seen_version = -1
+        self._held: tuple = ()  # the chunks whose device results held every slot, when last seen
+        self._held_since = 0.0
         self.final_token: Any = None
         sched.wake_driver = self.wake.set  # a result released on the device: its slot is waiting
         self.thread = threading.Thread(target=_run, args=(self,), name=name, daemon=True)
         self.thread.start()
+        _RUNNING.add(self)
 
     # -- waits, from user threads ------------------------------------------------------------
     def wait_for(self, pred: Callable[[], bool], timeout: Optional[float], what: str = "the pipeline") -> None:
@@ -424,7 +436,12 @@ class ProgressThread(_Driver):
         deadline = self.next_deadline()
         now = self.device.now
         if not fences:
-            if sched.has_queued_work():
+            held = sched.held_by_results() if sched.lent else ()
+            if held:
+                # only a release can let a chunk on (it wakes the thread): no poll, and on the
+                # simulated GPU virtual time may pass to a waiter's deadline
+                self._warn_if_held(held)
+            elif sched.has_queued_work():
                 return 0.001, None, None
             if self.gated and deadline is not None and now < deadline and self.someone_waits():
                 return "sleep", deadline - now  # nothing in flight: only time can pass
@@ -432,6 +449,47 @@ class ProgressThread(_Driver):
         if deadline is not None and now >= deadline and self.gated and not self.someone_waits():
             return 0.25, None, None  # the only waits left have timed out
         return None, fences, self.device_wait(deadline)
+
+
+    def _warn_if_held(self, held: list) -> None:
+        """Log a warning once a wait has found the same device results holding every slot for
+        :data:`_HELD_WARN_S` (wall-clock) seconds: a thread that waits for more results while
+        keeping these waits for ever unless another thread releases them."""
+        key = tuple(held)
+        now = time.monotonic()
+        if key != self._held:
+            self._held, self._held_since = key, now
+            return
+        if self._held_since is None or now - self._held_since < _HELD_WARN_S or not self.someone_waits():
+            return
+        self._held_since = None  # once for these results
+        shown = ", ".join(map(str, held[:8])) + (", ..." if len(held) > 8 else "")
+        logger.warning(
+            "a wait on the pipeline has found every device slot held for %.0f s by results delivered on the "
+            "device and not yet released (chunks %s); nothing more can be computed until one is: release each "
+            "result once done with it (`with res as y:`, res.release(stream), or drop it), or cancel() the "
+            "pipeline", _HELD_WARN_S, shown)
+
+
+_RUNNING: "weakref.WeakSet[ProgressThread]" = weakref.WeakSet()
+
+
+@atexit.register
+def _end_at_exit() -> None:
+    """At interpreter exit, cancel the work of every pipeline left open and give its progress
+    thread up to :data:`_EXIT_WAIT_S` (in all) to end. A daemon thread still running when the
+    interpreter finalises is frozen where it stands, holding whatever lock it held then; the
+    collector, running on the main thread afterwards (a pinned result's finaliser, say), would
+    wait for that lock for ever. Never raises."""
+    try:
+        drivers = [d for d in list(_RUNNING) if d.thread.is_alive()]
+        for d in drivers:
+            d.abandon()
+        deadline = time.monotonic() + _EXIT_WAIT_S
+        for d in drivers:
+            d.thread.join(max(0.0, deadline - time.monotonic()))
+    except BaseException:  # noqa: BLE001 - exit goes on whatever happens here
+        pass
 
 
 def _run(driver: "ProgressThread") -> None:

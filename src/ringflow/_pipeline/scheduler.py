@@ -514,6 +514,18 @@ class Scheduler:
         """Chunks wait for a slot while no fence is pending (the next step can start one)."""
         return bool(self.inbox or self._accepted_q) and self.broken is None
 
+    def held_by_results(self) -> list:
+        """With results delivered on the device: the indices of the chunks whose results, not yet
+        released, hold every slot a compute writes, so that no further chunk can be computed
+        until one of them is released. Empty otherwise (a release already waiting counts as
+        given back)."""
+        if not self.lent or self.returns:
+            return []
+        ring = self.dev_in if self.dev_out is None else self.dev_out
+        if ring.free_count or any(slot.state is not SlotState.LENT for slot in ring.slots):
+            return []
+        return sorted(slot.owner for slot in ring.slots)
+
     def finished(self) -> bool:
         """Nothing accepted is unfinished and no operation is pending: safe to stop driving."""
         return not self.chunks and not self.inbox and not self.pending_fences()
