@@ -628,18 +628,20 @@ def test_the_loop_does_not_wait_for_the_pipelines_lock(how, devices):
         _closed_clean(dev, pipe)
 
 
-def _hold_locks(pipe, ready: threading.Event, release: threading.Event, outcome: dict) -> None:
+def _hold_locks(pipe, ready: threading.Event, release: threading.Event, outcome: dict, devices=()) -> None:
     """Hold the pipeline's lock (every part's), as its progress thread does through a whole step
-    (a compute's launch code included), until ``release`` is set or 10 real seconds pass."""
-    parts = getattr(pipe, "parts", [pipe])
-    for part in parts:
-        part._driver.lock.acquire()
+    (a compute's launch code included), and each simulated device's lock in ``devices``, as that
+    thread does while a simulated call runs a stage, until ``release`` is set or 10 real seconds
+    pass."""
+    locks = [part._driver.lock for part in getattr(pipe, "parts", [pipe])] + [dev._lock for dev in devices]
+    for lock in locks:
+        lock.acquire()
     try:
         ready.set()
         outcome["released_by_the_loop"] = release.wait(10.0)
     finally:
-        for part in parts:
-            part._driver.lock.release()
+        for lock in locks:
+            lock.release()
 
 
 def _sims(n: int, seed: int):
@@ -647,14 +649,16 @@ def _sims(n: int, seed: int):
     return devs, (devs if n > 1 else devs[0])
 
 
+@pytest.mark.parametrize("device_lock", [False, True], ids=["pipeline-lock", "and-device-lock"])
 @pytest.mark.parametrize("how,devices", [("amap", 1), ("amap", 2), ("asubmit", 1)])
-def test_a_cancelled_task_does_not_wait_for_the_pipelines_lock(how, devices):
+def test_a_cancelled_task_does_not_wait_for_the_pipelines_lock(how, devices, device_lock):
     """An amap's window (or an asubmit's item) is live, its first result held on the device so the
     next cannot compute, and the pipeline's lock is held until a task on the loop has ticked a
     few times after the consuming task was cancelled: cancelling on the loop's thread in a way
     that waits for that lock (an amap's clean-up cancelling its window, asyncio's chaining of a
     cancelled await to the chunk's future) would stall the loop. An amap still ends only once
-    its window is cancelled."""
+    its window is cancelled. ``device_lock``: the simulated devices' locks are held as well, as
+    while a stage runs inside a simulated call; the hand-off's clocks must not wait for them."""
     devs, device = _sims(devices, 23)
     pipe = rf.Pipeline(f_affine, device=device, deliver="device", chunk_bytes=512, max_in_flight=3, checked=True,
                        slots=rf.SlotCounts(host_in=1, device_in=1, device_out=1, host_out=1))
@@ -677,7 +681,7 @@ def test_a_cancelled_task_does_not_wait_for_the_pipelines_lock(how, devices):
             await asyncio.sleep(0.001)
         await asyncio.sleep(0.01)  # (the window fills)
         window = pipe.stats().in_flight
-        holder = start(_hold_locks, pipe, ready, release, outcome)
+        holder = start(_hold_locks, pipe, ready, release, outcome, devs if device_lock else ())
         while not ready.is_set():
             await asyncio.sleep(0.001)
         task.cancel()

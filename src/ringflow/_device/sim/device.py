@@ -196,13 +196,34 @@ class SimDevice(Device):
             return SimWorkerPool(self, workers)
 
     def publish(self) -> dict:
+        actor = self._own_clock_actor()
+        if actor is not None:
+            return self._checker.snapshot(actor)
         with self._lock:
             return self._checker.snapshot(self._actor())
 
     def observe(self, token: Any) -> None:
-        if token is not None:
-            with self._lock:
-                self._checker_merge(token)
+        if token is None:
+            return
+        actor = self._own_clock_actor()
+        if actor is not None:
+            self._checker.merge(actor, token)
+            return
+        with self._lock:
+            self._checker_merge(token)
+
+    def _own_clock_actor(self):
+        """The calling host thread's checker actor, when it already has one and acts as itself
+        (no pool task or stream op running on it); else None.
+
+        Such a clock is changed and read only by its own thread (every access, wait and merge
+        names the calling thread's actor), so a hand-off's publish or observe copies or merges it
+        without the device's lock. That lock is held while a simulated call runs the stages it
+        reaches, a user's compute included: an event loop's thread handing a cancel or a result
+        over must not wait for one, as it waits for none on a GPU."""
+        if getattr(self._tls, "actor", None) is not None:
+            return None
+        return getattr(self._tls, "host_actor", None)
 
     def fold_tokens(self, tokens: list) -> list:
         # a token is a vector clock; one that another covers entry by entry adds nothing to it
