@@ -232,3 +232,21 @@ def test_a_device_result_released_on_a_stream_of_the_device_is_ordered_and_one_o
     own.close()
     assert own.closed
     other.close()
+
+
+def test_a_wait_only_a_release_can_end_times_out_and_names_the_results_to_release(cuda_device, monkeypatch, caplog):
+    from ringflow._pipeline import driver
+
+    monkeypatch.setattr(driver, "_HELD_WARN_S", 0.2)
+    a = np.arange(1 << 10, dtype=np.float32)
+    with rf.Pipeline(scale_shift, device=cuda_device, chunk_bytes=1 << 16, deliver="device",
+                     slots=rf.SlotCounts(host_in=1, device_in=1, device_out=1, host_out=1)) as pipe:
+        held = pipe.submit(a).result(timeout=30)
+        nxt = pipe.submit(a)
+        with caplog.at_level("WARNING", logger=driver.logger.name):
+            with pytest.raises(TimeoutError, match="chunk 1"):
+                nxt.result(timeout=1.0)
+        assert any("not yet released (chunks 0)" in r.getMessage() for r in caplog.records), caplog.text
+        held.release()
+        with nxt.result(timeout=30) as y:
+            np.testing.assert_array_equal(y.get() if hasattr(y, "get") else np.asarray(y.cpu()), a * 2 + 1)
