@@ -357,7 +357,10 @@ class ProgressThread(_Driver):
         return deadline is not None and self.device.now >= deadline
 
     def next_deadline(self) -> Optional[float]:
-        return min((d for _, d in list(self.timed)), default=None)
+        timed = self.timed
+        if not timed:  # (asked twice a turn, and most waits have no deadline)
+            return None
+        return min((d for _, d in list(timed)), default=None)
 
     def abandon(self) -> None:
         """The pipeline was dropped without ``close()``: have the thread cancel, drain, release and
@@ -397,7 +400,8 @@ class ProgressThread(_Driver):
                 return False
             idle, fences, wait = plan
             if idle is not None or fences:
-                self.wake.clear()
+                if self.wake.is_set():  # (a clear takes the event's lock: only when there is one to clear)
+                    self.wake.clear()
                 if sched.returns or sched.copies_ended_unseen() or self.commands:
                     # released, a copy into a shared chunk ended, or a command posted, after
                     # this turn's step looked (their wake-up may have come before the clear):
