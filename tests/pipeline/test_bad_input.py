@@ -238,8 +238,9 @@ def test_mapjob_call_refuses_a_non_bool_profile_and_stays_usable(dev, setting):
 
 
 # -- 2. submit(timeout=) --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("timeout,kind", [(NAN, ValueError), (INF, ValueError), (-1, ValueError),
-                                          ("1", TypeError), (True, TypeError), ([1], TypeError)], ids=repr)
+@pytest.mark.parametrize("timeout,kind", [(NAN, ValueError), (INF, ValueError), (-1, ValueError), (10 ** 400, ValueError),
+                                          (-(10 ** 400), ValueError), ("1", TypeError), (True, TypeError),
+                                          ([1], TypeError)], ids=lambda v: repr(v)[:12])
 def test_submit_bad_timeout_refused_and_pipeline_still_usable(dev, timeout, kind):
     x = data(16)
     with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
@@ -264,6 +265,7 @@ def test_result_bad_timeout_refused_naming_it(dev, timeout, kind):
             with pytest.raises(kind, match="timeout must be"):
                 wait(timeout=timeout)
         assert np.array_equal(fut.result(timeout=INF), expected(x))
+        assert np.array_equal(fut.result(timeout=10 ** 400), expected(x))  # beyond a float: without limit
         assert np.array_equal(fut.result(timeout=-1), expected(x))  # done: a wait that does not wait
         assert fut.exception(timeout=0) is None
 

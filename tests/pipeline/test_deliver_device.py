@@ -10,6 +10,7 @@ import gc
 import logging
 import random
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -259,7 +260,8 @@ def _one_slot_pipeline(seed):
 
 def test_a_wait_only_a_release_can_end_times_out_on_the_simulated_clock():
     # the one device slot is held by a result the waiting thread keeps: nothing is in flight, so
-    # virtual time must be let pass to the waits' deadlines (it used to stand still: a hang)
+    # virtual time must pass (at the pace of real time) to the waits' deadlines; it used to stand
+    # still: a hang
     pipe = _one_slot_pipeline(5)
     held = pipe.submit(np.ones(4, np.float32)).result(timeout=10)
 
@@ -275,6 +277,53 @@ def test_a_wait_only_a_release_can_end_times_out_on_the_simulated_clock():
     held.release()
     pipe.close()
     assert pipe.stats().delivered == pipe.stats().accepted
+
+
+@pytest.mark.parametrize("timeout", [30.0, None])
+def test_a_release_from_another_thread_ends_a_timed_wait_on_the_simulated_clock(timeout):
+    # another thread releases the held result in real time: a timed wait must not time out first
+    # (the simulated clock once jumped straight to the deadline)
+    pipe = _one_slot_pipeline(8)
+    held = pipe.submit(np.ones(4, np.float32)).result(timeout=10)
+    nxt = pipe.submit(np.ones(4, np.float32))
+    releaser = threading.Timer(0.2, held.release)  # the other thread's pace, not a proof
+    releaser.start()
+    (second,) = join([start(nxt.result, timeout)], timeout=30)
+    releaser.join()
+    assert pipe._sched.device.now < 10.0, pipe._sched.device.now  # the clock went at real time's pace
+    second.release()
+    pipe.close()
+    assert pipe.stats().delivered == 2
+
+
+def test_a_done_callback_waiting_for_a_slot_held_by_results_gets_its_result_once_released():
+    pipe = rf.Pipeline(f, device=rf.device("sim", seed=9, chaos=True, checked=True), chunk_bytes=1024,
+                       deliver="device", slots=rf.SlotCounts(host_in=1, device_in=1, device_out=2, host_out=1))
+    first = pipe.submit(np.ones(4, np.float32)).result(timeout=10)
+    outcome: list = []
+    called, finished = threading.Event(), threading.Event()
+
+    def callback(fut):  # on the progress thread, while fut's result holds the other slot
+        called.set()
+        try:
+            res = pipe.submit(np.full(4, 3, np.float32)).result(timeout=30)
+            outcome.append(res.shape)
+            res.release()
+        except BaseException as exc:  # noqa: BLE001 - the test's to see
+            outcome.append(exc)
+        finally:
+            finished.set()
+
+    second = pipe.submit(np.ones(4, np.float32))
+    second.add_done_callback(callback)
+    assert called.wait(JOIN_S)
+    first.release()  # now the callback's item can be computed
+    assert finished.wait(JOIN_S)
+    assert outcome == [(4,)], outcome  # was: RuntimeError("... this is a ringflow bug")
+    got = second.result(timeout=10)
+    got.release()
+    pipe.close()
+    assert pipe.stats().delivered == 3
 
 
 class _Records(logging.Handler):
@@ -310,6 +359,22 @@ def test_a_wait_only_a_release_can_end_says_which_results_to_release(driver_warn
     (second,) = join([waiter], timeout=30)
     second.release()
     pipe.close()
+
+
+def test_the_warning_counts_only_time_someone_waits(monkeypatch, driver_warnings):
+    from ringflow._pipeline import driver
+
+    monkeypatch.setattr(driver, "_HELD_WARN_S", 0.3)
+    pipe = _one_slot_pipeline(10)
+    held = pipe.submit(np.ones(4, np.float32)).result(timeout=10)
+    nxt = pipe.submit(np.ones(4, np.float32))
+    time.sleep(0.6)  # held, with nobody waiting, past the threshold (the scenario, not a proof)
+    releaser = threading.Timer(0.05, held.release)
+    releaser.start()
+    nxt.result(timeout=30).release()  # a wait of a twentieth of a second
+    releaser.join()
+    pipe.close()
+    assert driver_warnings.records == [], [r.getMessage() for r in driver_warnings.records]
 
 
 def test_results_released_in_time_raise_no_warning(driver_warnings):

@@ -109,6 +109,10 @@ class _Driver:
         # what killed the progress thread (see died()); a caller-driven job's errors reach its caller
         self.failure: Optional[BaseException] = None
         self._stepper_token: Any = None
+        self._held: tuple = ()  # the chunks whose device results held every slot, when a wait last saw them
+        self._held_since: Optional[float] = None  # (monotonic) since when waits have seen them, without a break
+        self._held_warned = False
+        self._owed = 0.0  # real seconds waited for a release that the simulated clock has not yet passed
 
     def take_over(self) -> None:
         """The calling thread is about to drive the scheduler (lock held): order it after all the
@@ -195,6 +199,12 @@ class _Driver:
                 raise concurrent.futures.TimeoutError(f"timed out after {timeout} s waiting for {what}")
             fences = sched.pending_fences()
             if not fences:
+                held = sched.held_by_results() if sched.lent else ()
+                if held:  # (a done-callback waiting on the progress thread: another thread may release)
+                    self._warn_if_held(held, waiting=True)
+                    waited = self._wait_for_release(self.device_wait(deadline))
+                    self._pass_owed_time(waited)
+                    continue
                 if sched.has_queued_work():
                     continue  # a slot is free now; the next step starts it
                 raise RuntimeError("the pipeline is idle but the awaited result can never arrive "
@@ -205,6 +215,54 @@ class _Driver:
                 if not err.sticky:
                     raise
                 sched.break_on(err)
+
+
+    def _warn_if_held(self, held: list, waiting: bool) -> None:
+        """Log a warning once waits have found the same device results holding every slot for
+        :data:`_HELD_WARN_S` (wall-clock) seconds in a row: a thread that waits for more results
+        while keeping these waits for ever unless another thread releases them. ``waiting``:
+        someone waits now (the clock restarts whenever nobody does)."""
+        key = tuple(held)
+        now = time.monotonic()
+        if not waiting:
+            self._held_since = None
+            return
+        if key != self._held:
+            self._held, self._held_since, self._held_warned = key, now, False
+            return
+        if self._held_warned:
+            return
+        if self._held_since is None:
+            self._held_since = now
+            return
+        if now - self._held_since < _HELD_WARN_S:
+            return
+        self._held_warned = True  # once for these results
+        shown = ", ".join(map(str, held[:8])) + (", ..." if len(held) > 8 else "")
+        logger.warning(
+            "a wait on the pipeline has found every device slot held for %.0f s by results delivered on the "
+            "device and not yet released (chunks %s); nothing more can be computed until one is: release each "
+            "result once done with it (`with res as y:`, res.release(stream), or drop it), or cancel() the "
+            "pipeline", _HELD_WARN_S, shown)
+
+    def _wait_for_release(self, longest: float) -> float:
+        """Every slot is held by device results not yet released and a wait is on: only another
+        thread's release, which sets the wake flag, can end it. Wait for one for up to
+        ``longest`` seconds of the device's clock (real time, at most a poll interval); returns
+        the real seconds waited."""
+        t0 = time.monotonic()
+        self.wake.wait(max(0.0, min(longest, _POLL_S)))
+        if self.wake.is_set():
+            self.wake.clear()
+        return time.monotonic() - t0
+
+    def _pass_owed_time(self, seconds: float) -> None:
+        """On the simulated GPU, let virtual time pass as much as real time did while a wait
+        waited for a release: a release from another thread comes in real time, so a timeout
+        there comes as on a GPU, neither at once (the clock jumping to the deadline) nor never
+        (the clock standing still). Elsewhere the device's clock is real time already."""
+        if seconds > 0 and self.device.backend == "sim":
+            self.device.sleep(seconds)
 
 
 class CallerDriver(_Driver):
@@ -237,8 +295,6 @@ class ProgressThread(_Driver):
         self.abandoned = False
         self.ended = False  # the thread has run its last turn: posted commands are refused
         self._seen_version = -1
-        self._held: tuple = ()  # the chunks whose device results held every slot, when last seen
-        self._held_since = 0.0
         self.final_token: Any = None
         sched.wake_driver = self.wake.set  # a result released on the device: its slot is waiting
         self.thread = threading.Thread(target=_run, args=(self,), name=name, daemon=True)
@@ -409,7 +465,9 @@ class ProgressThread(_Driver):
                     idle, fences = None, None
         if batch:
             resolve(batch)
-        if idle is not None:
+        if idle == "release":  # device results hold every slot: wait for a release
+            self._owed += self._wait_for_release(wait)
+        elif idle is not None:
             self.wake.wait(idle)
         elif fences:
             try:
@@ -423,7 +481,11 @@ class ProgressThread(_Driver):
 
     def _plan_turn(self, sched) -> "tuple | None":
         """Under the lock: run commands and one step; returns what to wait on next as
-        ``(idle seconds or None, fences or None, device wait timeout)``, or None to end."""
+        ``(idle seconds or None, fences or None, device wait timeout)`` (idle ``"release"``: for
+        a release of a device result, up to that timeout), or None to end."""
+        if self._owed:
+            owed, self._owed = self._owed, 0.0
+            self._pass_owed_time(owed)
         self.run_commands()
         if self.abandoned and not self.stopping:
             self.stopping = True
@@ -442,9 +504,11 @@ class ProgressThread(_Driver):
         if not fences:
             held = sched.held_by_results() if sched.lent else ()
             if held:
-                # only a release can let a chunk on (it wakes the thread): no poll, and on the
-                # simulated GPU virtual time may pass to a waiter's deadline
-                self._warn_if_held(held)
+                # only another thread's release can let a chunk on (it wakes the thread): no poll
+                waiting = self.someone_waits()
+                self._warn_if_held(held, waiting)
+                if waiting or not self.gated:
+                    return "release", None, self.device_wait(deadline)
             elif sched.has_queued_work():
                 return 0.001, None, None
             if self.gated and deadline is not None and now < deadline and self.someone_waits():
@@ -455,24 +519,6 @@ class ProgressThread(_Driver):
         return None, fences, self.device_wait(deadline)
 
 
-    def _warn_if_held(self, held: list) -> None:
-        """Log a warning once a wait has found the same device results holding every slot for
-        :data:`_HELD_WARN_S` (wall-clock) seconds: a thread that waits for more results while
-        keeping these waits for ever unless another thread releases them."""
-        key = tuple(held)
-        now = time.monotonic()
-        if key != self._held:
-            self._held, self._held_since = key, now
-            return
-        if self._held_since is None or now - self._held_since < _HELD_WARN_S or not self.someone_waits():
-            return
-        self._held_since = None  # once for these results
-        shown = ", ".join(map(str, held[:8])) + (", ..." if len(held) > 8 else "")
-        logger.warning(
-            "a wait on the pipeline has found every device slot held for %.0f s by results delivered on the "
-            "device and not yet released (chunks %s); nothing more can be computed until one is: release each "
-            "result once done with it (`with res as y:`, res.release(stream), or drop it), or cancel() the "
-            "pipeline", _HELD_WARN_S, shown)
 
 
 _RUNNING: "weakref.WeakSet[ProgressThread]" = weakref.WeakSet()

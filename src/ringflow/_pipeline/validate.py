@@ -110,6 +110,15 @@ def check_flag(name: str, value: Any) -> bool:
     return bool(value)
 
 
+def _as_float(value: numbers.Real) -> float:
+    """``float(value)``, with an integer (or fraction) beyond a float's range as an infinity of
+    its sign instead of an OverflowError."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def check_wait_timeout(value: Any) -> Optional[float]:
     """A future's ``result``/``exception`` timeout, as :mod:`concurrent.futures` takes it: None
     or infinity waits without limit, a negative number does not wait.
@@ -122,7 +131,7 @@ def check_wait_timeout(value: Any) -> Optional[float]:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"timeout must be None or a number of seconds, got {_got(value)}")
-    value = float(value)
+    value = _as_float(value)
     if math.isnan(value):
         raise ValueError("timeout must be a number of seconds (or None to wait without limit), got nan")
     return None if value == math.inf else max(0.0, value)
@@ -147,7 +156,7 @@ def check_timeout(value: Any) -> Optional[float]:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"timeout must be None or a number of seconds, got {_got(value)}")
-    value = float(value)
+    value = _as_float(value)
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"timeout must be a finite number of seconds >= 0 (or None to wait without limit), "
                          f"got {value}")
