@@ -22,6 +22,7 @@ import ringflow as rf
 from ringflow import _testing
 from ringflow._pipeline.states import SlotState
 from tests.helpers.pipeline_checks import caught
+from tests.helpers.interrupts import InterruptAt
 from tests.helpers.sim import read_on
 from tests.helpers.threads import JOIN_S, bounded, join, start
 
@@ -384,3 +385,35 @@ def test_results_released_in_time_raise_no_warning(driver_warnings):
             del res  # back before the next wait
     assert pipe.stats().delivered == 20
     assert driver_warnings.records == []
+
+
+def _release_interrupted_at(n: int) -> tuple:
+    """One slot, its result released with a SIGINT at the ``n``-th instruction of the release;
+    the caller retries; returns (interrupted, instructions seen, next result came)."""
+    pipe = _one_slot_pipeline(11)
+    res = pipe.submit(np.ones(4, np.float32)).result(timeout=10)
+    interrupted = False
+    with InterruptAt(n, ("release", "give_back", "_wake"), sigint=True) as at:
+        try:
+            res.release()
+        except KeyboardInterrupt:
+            interrupted = True
+    assert not res._lock.locked(), n  # a retried release would wait for ever
+    res.release()  # the caller retries: a no-op if the first went through
+    nxt = pipe.submit(np.full(4, 2, np.float32))
+    came = join([start(nxt.result, 5.0)], timeout=30)[0]
+    came.release()
+    pipe.close()
+    assert pipe.stats().delivered == 2 and pipe.stats().in_flight == 0
+    return interrupted, at.seen, True
+
+
+def test_ctrl_c_anywhere_in_a_release_gives_the_slot_back():
+    """A SIGINT at every instruction of ``DeviceResult.release`` and the hand-back it runs: the
+    release is carried out whole (a Ctrl-C is raised once it is), so the slot comes back and
+    the next result arrives. Unshielded, an interrupt after the result was marked released and
+    before its hand-back lost the slot for good (the next wait timed out)."""
+    assert threading.current_thread() is threading.main_thread()
+    _, total, _ = _release_interrupted_at(10 ** 9)
+    interrupted = sum(_release_interrupted_at(n)[0] for n in range(total))
+    assert total > 10 and interrupted == total, (interrupted, total)

@@ -14,6 +14,8 @@ import threading
 import weakref
 from typing import Any
 
+from .sigint import shielded_call
+
 
 class DeviceResult:
     """One result left on the device (``Pipeline(deliver="device")``).
@@ -85,6 +87,7 @@ class DeviceResult:
     def released(self) -> bool:
         return self._released
 
+    @shielded_call  # a Ctrl-C waits until the slot is handed back (raised as the call returns)
     def release(self, stream: Any = None) -> None:
         """Hand the slot back once the work enqueued on ``stream`` so far is done (the GPU orders
         the reuse: this call does not wait). ``stream``: the stream the consumer's work on
