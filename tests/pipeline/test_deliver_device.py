@@ -417,3 +417,30 @@ def test_ctrl_c_anywhere_in_a_release_gives_the_slot_back():
     _, total, _ = _release_interrupted_at(10 ** 9)
     interrupted = sum(_release_interrupted_at(n)[0] for n in range(total))
     assert total > 10 and interrupted == total, (interrupted, total)
+
+
+@pytest.mark.parametrize("slots", [None, 2, 4])
+def test_two_amaps_on_one_pipeline_of_device_results_both_finish(slots):
+    """Each releases every result at once. An amap that waited for room before handing out its
+    ready head kept that result (and its slot) from its consumer: with the other amap doing the
+    same, every slot was lent to results nobody had been given, for ever."""
+    import asyncio
+
+    dev = rf.device("sim", seed=12, chaos=True, checked=True)
+    pipe = rf.Pipeline(f, device=dev, chunk_bytes=1024, deliver="device", slots=slots)
+    items = [np.full(8, i, np.float32) for i in range(60)]
+
+    async def consume():
+        seen = []
+        async for res in pipe.amap(items):
+            seen.append(res.index)
+            res.release()
+        return seen
+
+    async def both():
+        return await asyncio.gather(consume(), consume())
+
+    got = join([start(asyncio.run, both())], timeout=JOIN_S)[0]
+    assert [len(g) for g in got] == [60, 60] and all(g == sorted(g) for g in got)  # each in its order
+    pipe.close()
+    assert pipe.stats().delivered == 120 and pipe.stats().in_flight == 0

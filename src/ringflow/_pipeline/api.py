@@ -930,6 +930,11 @@ class Pipeline:
         try:
             while True:
                 while not exhausted and len(window) < limit and s.accepting:
+                    if window and (window[0][1].done() or not s.has_capacity()):
+                        # hand the head out before waiting for room: with results on the device,
+                        # room comes only once results are released, and a result still in a
+                        # window (this map's, or another's on the same pipeline) never is
+                        break
                     try:
                         item = (await iterator.__anext__()) if hasattr(iterator, "__anext__") else next(iterator)
                     except (StopIteration, StopAsyncIteration):
