@@ -176,6 +176,8 @@ MISTAKES = [
     (["bench", "--device", "sim", "--quick", "seed", "--plot", "/proc/x/t.png"], "bench", "argument --plot"),
     (["demo", "--device", "sim", "--out", ""], "demo", "argument --out: give a folder name"),
     (["trace", "/dev/zero"], "trace", "not a regular file"),  # would never end
+    (["plan", "--compare", "/dev/zero"], "plan", "not a regular file"),  # read until memory ran out
+    (["plan", "--profile", "/dev/zero"], "plan", "not a regular file"),
     (["doctor", "--device", "sim", "--json", "--output", "/dev/full"], "doctor", "'/dev/full' is not a regular file"),
     (["bench", "--device", "sim", "--quick", "seed", "--plot", "{d}/x.txt"], "bench", "cannot write .txt"),
     (["plan", "--workers", "1025"], "plan", "workers: give 1 to 1024"),
@@ -268,6 +270,30 @@ def test_an_output_file_that_cannot_take_the_result_is_refused_before_any_work(t
     assert main(["bench", "--device", "sim", "--quick", "seed", option, path]) == 2
     err = capsys.readouterr().err
     assert f"argument {option}" in err and repr(path) in err, err
+
+
+@pytest.mark.parametrize("interrupt, code", [(KeyboardInterrupt(), 130), (SystemExit(3), 3)])
+def test_ctrl_c_inside_a_simulated_launch_stops_the_bench(monkeypatch, capsys, interrupt, code):
+    """The simulated GPU runs a launched function inside a later call and reports what it raised
+    as a LaunchError caused by it; a Ctrl-C there was a failed workload's row, the bench went on
+    and ended 1 with nothing on stderr."""
+    import ringflow._bench.runner as runner
+
+    def interrupted(*a, **k):
+        err = rf.LaunchError("launch f on stream 1 failed: KeyboardInterrupt: ")
+        err.__cause__ = interrupt
+        raise err
+
+    monkeypatch.setattr(runner, "run_workload", interrupted)
+    monkeypatch.delenv("RINGFLOW_DEBUG", raising=False)
+    if isinstance(interrupt, SystemExit):
+        with pytest.raises(SystemExit) as info:
+            main(["bench", "--device", "sim", "--quick", "seed", "balanced"])
+        assert info.value.code == code
+        return
+    assert main(["bench", "--device", "sim", "--quick", "seed", "balanced"]) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["ringflow bench: interrupted"], err
 
 
 @pytest.mark.parametrize("exc, code, phrase", [

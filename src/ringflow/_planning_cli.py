@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from typing import Any
 
@@ -46,6 +47,9 @@ def read_bench_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
         OSError: the file cannot be read.
         ValueError: it is not JSON, or not shaped like a bench result (the message says where).
     """
+    if os.path.exists(path) and not os.path.isdir(path) and not os.path.isfile(path):
+        # a device or pipe might never end
+        raise ValueError(f"--compare {path!r} is not a regular file; give a bench JSON from ringflow bench --out")
     try:
         with open(path, encoding="utf-8") as fh:
             data = jsontext.loads(fh.read())

@@ -29,6 +29,7 @@ import logging
 import math
 import numbers
 import os
+import stat
 import re
 import threading
 from typing import Any, Optional
@@ -484,6 +485,9 @@ def load_profile(path: "str | os.PathLike") -> HardwareProfile:
         return hit
     if os.path.isdir(path):
         raise ProfileError(f"hardware profile {path!r} is a folder; give a profile JSON file inside it")
+    if not stat.S_ISREG(st.st_mode):  # a device or pipe might never end
+        raise ProfileError(f"hardware profile {path!r} is not a regular file; give the JSON file ringflow "
+                           "doctor --save writes")
     if st.st_size > _MAX_FILE_BYTES:
         raise ProfileError(f"hardware profile {path!r} is {st.st_size} bytes, too large for a profile (a few "
                            "kilobytes); give the JSON file ringflow doctor --save writes")
