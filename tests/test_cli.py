@@ -95,7 +95,9 @@ def bad_files(tmp_path_factory):
                 "bench_list.json": "[1]", "bench_rows_bad.json": '{"workloads": {"seed": {"rows": 5}}}',
                 "afile": "x", "deep.json": "[" * 100_000 + "]" * 100_000,
                 "deep_events.json": '{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}",
-                "long_number.json": '[{"ph": "X", "ts": 0, "dur": ' + "9" * 5000 + ', "name": "h2d"}]'}
+                "long_number.json": '[{"ph": "X", "ts": 0, "dur": ' + "9" * 5000 + ', "name": "h2d"}]',
+                # valid JSON, beyond a float's range: float arithmetic on it raised OverflowError
+                "beyond_float.json": '[{"ph": "X", "ts": 0, "dur": ' + "9" * 400 + ', "name": "h2d"}]'}
     for name, text in contents.items():
         (d / name).write_text(text)
     (d / "binary.json").write_bytes(b"\xff\xfe\x00\x81garbage")
@@ -151,6 +153,7 @@ MISTAKES = [
     (["trace", "{d}/deep.json"], "trace", "not JSON (arrays or objects nested too deeply"),
     (["trace", "{d}/deep_events.json"], "trace", "not JSON (arrays or objects nested too deeply"),
     (["trace", "{d}/long_number.json"], "trace", "not JSON (a number of 5000 digits"),
+    (["trace", "{d}/beyond_float.json"], "trace", "'dur' that is not a duration >= 0 in microseconds: inf"),
     (["plan", "--compare", "{d}/deep.json"], "plan", "not JSON (arrays or objects nested too deeply"),
     (["plan", "--profile", "{d}/deep.json"], "plan", "not JSON (arrays or objects nested too deeply"),
     (["plan", "--profile", "{d}/long_number.json"], "plan", "not JSON (a number of 5000 digits"),
@@ -404,3 +407,20 @@ def test_plan_with_a_chunk_larger_than_the_bytes_plans_one_chunk_of_them(capsys)
     assert main(["plan", "--bytes", "1MiB", "--chunk", "1MiB"]) == 0
     assert larger == capsys.readouterr().out
     assert "in chunks of 1 MiB x 1" in larger
+
+
+def test_square_brackets_in_names_are_shown_as_written(tmp_path, capsys):
+    """File names, span names and bench workload names are the user's text: rich read ``[/b]``
+    in them as markup and failed (an internal error), or hid ``[bold]``."""
+    folder = tmp_path / "a[/b]"  # (a folder "a[" holding "b]")
+    folder.mkdir(parents=True)
+    trace = folder / "[bold]t.json"
+    trace.write_text('[{"ph": "X", "ts": 0, "dur": 5, "name": "h2d [/]", "tid": 1}]')
+    assert main(["trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "[bold]t.json" in "".join(out.split()) and "h2d [/]" in out, out  # (the title may wrap)
+    bench = tmp_path / "cmp.json"
+    bench.write_text('{"workloads": {"[/]": {"rows": [{"name": "[/b]", "chunk_bytes": 1048576, '
+                     '"predicted_ms": 1, "ms_median": 1}]}}}')
+    assert main(["plan", "--bytes", "64MiB", "--compare", str(bench)]) == 0
+    assert "[/] [/b]: predicted" in capsys.readouterr().out

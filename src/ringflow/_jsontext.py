@@ -10,6 +10,7 @@ limit, is not the user's to follow).
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -27,7 +28,7 @@ def loads(text: "str | bytes") -> Any:
             not a string at all).
     """
     try:
-        return json.loads(text)
+        return json.loads(text, parse_int=_integer)
     except RecursionError:
         doc = _as_text(text)
         raise json.JSONDecodeError(f"arrays or objects nested too deeply (more than {NESTING} levels)", doc,
@@ -41,6 +42,19 @@ def loads(text: "str | bytes") -> Any:
             raise
         digits = len(found.group().lstrip("-"))
         raise json.JSONDecodeError(f"a number of {digits} digits, too long to read", doc, found.start()) from None
+
+
+def _integer(digits: str) -> "int | float":
+    """A JSON integer, as ``int``; one beyond a float's range (over 308 digits) as an infinity
+    of its sign, which every reader's check for a finite number then refuses by name (as an int
+    it broke their float arithmetic with an OverflowError)."""
+    value = int(digits)
+    if len(digits) > 308:
+        try:
+            float(value)
+        except OverflowError:
+            return math.inf if value > 0 else -math.inf
+    return value
 
 
 def _as_text(text: "str | bytes") -> str:

@@ -89,6 +89,7 @@ def plan_command(args) -> int:
             profile (:class:`~ringflow._device.hardware.ProfileError`, naming the field).
     """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from . import _plan as plan
@@ -113,7 +114,9 @@ def plan_command(args) -> int:
     slots = plan.plan_slots(t)
     n = -(-total // chunk)
     console = Console()
-    table = Table(title=f"{_human(total)} in chunks of {chunk / 2**20:g} MiB x {n} on profile {profile.name}{where}")
+    # names from the profile and the bench file are the user's text, not markup
+    table = Table(title=escape(f"{_human(total)} in chunks of {chunk / 2**20:g} MiB x {n} on profile "
+                               f"{profile.name}{where}"))
     table.add_column("what")
     table.add_column("value", justify="right")
     for stage, sec in t.as_dict().items():
@@ -131,15 +134,15 @@ def plan_command(args) -> int:
         table.add_row("  the host's shared copies", f"{many.host_floor_s * 1e3:.3f} ms")
     console.print(table)
     if profile.gpu_name:
-        console.print(f"profile {profile.name}: measured on {profile.gpu_name} (driver {profile.driver or 'unknown'})"
-                      + (f" at {profile.measured_at}" if profile.measured_at else ""))
+        console.print(escape(f"profile {profile.name}: measured on {profile.gpu_name} (driver "
+                             f"{profile.driver or 'unknown'})" + (f" at {profile.measured_at}" if profile.measured_at else "")))
     if choice is not None:
         console.print("candidates: " + ", ".join(f"{c / 2**20:g} MiB: {s * 1e3:.2f} ms" for c, _, s in choice.table))
     for name, row in compare:
         if _number(row.get("chunk_bytes")) and _number(row.get("predicted_ms")) and _number(row.get("ms_median")):
             err = row["predicted_ms"] / row["ms_median"] - 1
-            console.print(f"{name} {row.get('name', '?')}: predicted {row['predicted_ms']:.3f} ms, measured "
-                          f"{row['ms_median']:.3f} ms, error {err * 100:+.1f}%")
+            console.print(escape(f"{name} {row.get('name', '?')}: predicted {row['predicted_ms']:.3f} ms, measured "
+                                 f"{row['ms_median']:.3f} ms, error {err * 100:+.1f}%"))
     return 0
 
 
