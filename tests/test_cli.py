@@ -187,6 +187,15 @@ MISTAKES = [
     (["plan", "--devices", "0"], "plan", "argument --devices: '0' GPUs: give 1 to 64"),
     (["bench", "--device", "sim", "--quick", "seed", "--trace", "/dev/full"], "bench", "'/dev/full' is not a regular file"),
     (["bench", "--device", "sim", "--quick", "seed", "--plot", "/dev/null"], "bench", "--plot: '/dev/null' is not a regular"),
+    # each found before the run, not after it (the bench's results were then lost)
+    (["bench", "--device", "sim", "--quick", "seed", "--trace", "{d}/newdir/"], "bench", "ends with a slash"),
+    (["bench", "--device", "sim", "--quick", "seed", "--trace", "{d}/missing/../t.json"], "bench", "does not exist"),
+    (["bench", "--device", "sim", "--quick", "seed", "--trace", "{d}/" + "t" * 300], "bench", "File name too long"),
+    (["bench", "--device", "sim", "--quick", "seed", "--trace", "{d}/same.png", "--plot", "{d}/same.png"], "bench",
+     "argument --plot: '{d}/same.png' is also given to --trace"),
+    (["bench", "--device", "sim", "--quick", "seed", "--out", "{d}/o", "--trace", "{d}/o"], "bench",
+     "is also given to --out"),
+    (["doctor", "--device", "sim", "--output", "{d}/p.json", "--save", "{d}/p.json"], "doctor", "also given to --output"),
     (["nosuchcommand"], None, "invalid choice: 'nosuchcommand'"),
     (["--nosuch"], None, "unrecognized arguments: --nosuch"),
 ]
@@ -207,7 +216,7 @@ def test_a_mistake_is_one_stderr_line_and_a_non_zero_exit(bad_files, monkeypatch
     monkeypatch.delenv("RINGFLOW_DEVICE", raising=False)
     monkeypatch.delenv("RINGFLOW_DEBUG", raising=False)
     code = main([a.replace("{d}", str(bad_files)) for a in args])
-    check_one_line(code, capsys.readouterr().err, command, phrase)
+    check_one_line(code, capsys.readouterr().err, command, phrase.replace("{d}", str(bad_files)))
 
 
 # one of each kind of mistake, run as a user would: a fresh interpreter, its real stderr

@@ -167,18 +167,46 @@ def check_out_file(path: str, option: str) -> str:
         # a device (/dev/full), pipe or socket: found out only when the file is written, after
         # the whole run; or never, for a pipe nobody reads
         raise UsageError(f"argument {option}: {path!r} is not a regular file; give the name of a file to write")
-    if os.path.isfile(path) and not os.access(path, os.W_OK):
-        raise UsageError(f"argument {option}: cannot write {path!r} (Permission denied); give another file name")
-    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isfile(path):
+        if not os.access(path, os.W_OK):
+            raise UsageError(f"argument {option}: cannot write {path!r} (Permission denied); give another file name")
+        return path
+    if path.endswith((os.sep, "/")):
+        raise UsageError(f"argument {option}: {path!r} ends with a slash; give a file name, not a folder")
+    if os.path.islink(path):
+        raise UsageError(f"argument {option}: {path!r} is a symbolic link to nothing that can be written "
+                         "(missing, or a loop); give another file name")
+    # the folder as the system will resolve it ("missing/../x" needs "missing"), not as abspath folds it
+    folder = os.path.dirname(path) or os.curdir
     if not os.path.isdir(folder):
         what = "is a file, not a folder" if os.path.exists(folder) else "does not exist; create it first"
         raise UsageError(f"argument {option}: cannot write {path!r}: {folder!r} {what}")
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
+    try:  # the very name, made and removed: a name too long, say, is found now, not after the run
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        os.unlink(path)
     except OSError as exc:
         raise UsageError(f"argument {option}: cannot write {path!r} ({_describe(exc)})") from None
     return path
+
+
+def check_distinct(outputs: dict) -> None:
+    """Refuse two options naming the same file (or a file and the folder it is, for --out):
+    the second write would replace or fail on the first after the whole run.
+
+    Args:
+        outputs: option name -> path, or None where the option was not given.
+
+    Raises:
+        UsageError: naming both options.
+    """
+    seen: dict = {}
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        key = os.path.realpath(path)
+        if key in seen:
+            raise UsageError(f"argument {option}: {path!r} is also given to {seen[key]}; give each its own file")
+        seen[key] = option
 
 
 def _check_plot_type(path: str) -> None:
@@ -201,6 +229,7 @@ def _doctor(args: argparse.Namespace) -> int:
         check_out_file(args.output, "--output")
     if isinstance(args.save, str):
         check_out_file(args.save, "--save")
+        check_distinct({"--output": args.output, "--save": args.save})
     return doctor_command(json_out=args.json, device=args.device, output=args.output, save=args.save)
 
 
@@ -219,6 +248,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.plot is not None:
         check_out_file(args.plot, "--plot")
         _check_plot_type(args.plot)
+    check_distinct({"--out": args.out, "--trace": args.trace, "--plot": args.plot})
     from ._bench import runner
 
     res = runner.run_bench(args.device, names, quick=args.quick, out_dir=args.out, trace=args.trace, plot=args.plot)
