@@ -26,6 +26,8 @@ import re
 import sys
 from typing import Any, Callable, Iterator
 
+from ._files import write_whole
+
 # Packet headers and flow control take roughly 10-15% of a PCIe link, so a healthy pinned copy
 # reaches a little under the link's rate; well below these shares, bandwidth is lost elsewhere
 # (a shared switch, the IOMMU, a NUMA-remote buffer). Both directions at once contend for the
@@ -710,11 +712,7 @@ def doctor_command(json_out: bool = False, device: "str | None" = None, output: 
     report = rounded(raw)
     text = json.dumps(report, indent=2, default=str)
     if output:
-        try:
-            with open(output, "w") as f:
-                f.write(text + "\n")
-        except OSError as exc:  # e.g. a full disk: say which file
-            raise OSError(exc.errno, exc.strerror, output) from None
+        write_whole(output, text + "\n")
     if json_out:
         print(text)
     else:

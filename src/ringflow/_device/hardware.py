@@ -34,6 +34,7 @@ import re
 import threading
 from typing import Any, Optional
 
+from .._files import write_whole
 from .. import _jsontext as jsontext
 from .._errors import RingflowError
 
@@ -219,19 +220,7 @@ class HardwareProfile:
         Raises:
             OSError: the file cannot be written (the error names it).
         """
-        path = os.fspath(path)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(self.to_json())
-            os.replace(tmp, path)
-        except OSError as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise OSError(exc.errno, exc.strerror, path) from None
-        return path
+        return write_whole(path, self.to_json())
 
 
 def _json_type(value: Any) -> str:

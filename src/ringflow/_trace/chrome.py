@@ -11,6 +11,7 @@ import json
 import os
 from typing import Any
 
+from .._files import write_whole
 from .timeline import Span, Timeline, track_sort_key
 
 
@@ -56,14 +57,7 @@ def save_chrome(timeline: Timeline, path: str, **kw: Any) -> str:
         OSError: the file cannot be written.
     """
     check_file_name(path, "save_trace")
-    try:
-        with open(path, "w") as fh:
-            json.dump(to_chrome(timeline, **kw), fh)
-    except OSError as exc:
-        if exc.filename is not None:
-            raise
-        # a failed write or close (a full disk) names no file: name it, as a failed open does
-        raise OSError(exc.errno, exc.strerror, os.fspath(path)) from exc
+    write_whole(path, json.dumps(to_chrome(timeline, **kw)))
     return path
 
 

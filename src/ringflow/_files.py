@@ -1,0 +1,33 @@
+"""Files ringflow writes for the user (a trace, bench results, a doctor report, a hardware
+profile), each replaced whole: a reader never sees half of one, and a write that fails (a full
+disk, Ctrl-C) leaves the file as it was and nothing beside it."""
+
+from __future__ import annotations
+
+import os
+
+
+def write_whole(path: "str | os.PathLike", text: str) -> str:
+    """Write ``text`` (UTF-8) to a file beside ``path``, then move it over ``path``.
+
+    Returns:
+        ``path`` as a string.
+
+    Raises:
+        OSError: the file cannot be written; the error names ``path``.
+    """
+    path = os.fspath(path)
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException as exc:  # a failed write, or Ctrl-C: the temporary file goes too
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise OSError(exc.errno, exc.strerror, path) from None
+        raise
+    return path
