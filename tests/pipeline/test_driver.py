@@ -80,3 +80,21 @@ def test_interpreter_exit_ends_the_progress_thread_of_a_pipeline_left_open():
     proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=JOIN_S)
     assert proc.returncode == 0, proc.stderr
     assert "left open" in proc.stdout and "alive at exit: []" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_the_wake_flag_is_an_event_whose_set_takes_no_python_lock():
+    from ringflow._pipeline.driver import WakeFlag
+
+    flag = WakeFlag()
+    assert not flag.is_set() and flag.wait(0.01) is False  # times out unset
+    flag.set()
+    flag.set()  # twice: still one pending wake, no error
+    assert flag.is_set() and flag.wait(0) and flag.wait(None)  # stays set until cleared
+    flag.clear()
+    assert not flag.is_set() and flag.wait(0.01) is False
+    waiter = start(flag.wait, None)
+    flag.set()  # from another thread: the waiter wakes
+    assert join([waiter]) == [True]
+    flag.clear()
+    flag.clear()
+    assert not flag.is_set()

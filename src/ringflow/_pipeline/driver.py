@@ -53,6 +53,45 @@ _EXIT_WAIT_S = 5.0
 _HELD_WARN_S = 5.0
 
 
+class WakeFlag:
+    """What :class:`threading.Event` gives the driver (``set``, ``clear``, ``is_set``,
+    ``wait(timeout)``, for one waiting thread at a time), with a ``set`` that takes no Python-level
+    lock. A dropped device result's finaliser sets it, and the collector may run that finaliser
+    on a thread that is inside this very flag's ``set``, ``clear`` or ``wait``: an Event's
+    condition lock, taken again there, waited for itself for ever. Here a set is a store and the
+    release of a plain C lock that the waiter blocks on."""
+
+    __slots__ = ("_flag", "_gate")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._gate = threading.Lock()
+        self._gate.acquire()  # taken: nothing to wake for
+
+    def set(self) -> None:
+        self._flag = True
+        try:
+            self._gate.release()
+        except RuntimeError:  # already released: a wake is pending
+            pass
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def clear(self) -> None:
+        self._flag = False
+        self._gate.acquire(blocking=False)  # consume a pending wake (a set after this re-arms it)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until set or ``timeout`` seconds pass (may return early: callers look again);
+        returns whether it is set."""
+        if self._flag:
+            return True
+        if self._gate.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            self._gate.release()  # leave the wake pending until clear(), as an Event stays set
+        return self._flag
+
+
 class Command:
     """Work a user thread hands to the driver: run under the lock by the driving thread, which
     then calls ``then(command)`` if one was given (:meth:`ProgressThread.post`)."""
@@ -104,7 +143,7 @@ class _Driver:
         self.commands: collections.deque[Command] = collections.deque()
         self.interest: list = []  # [predicate, deadline] of every wait in progress
         self.timed: list = []  # those of them with a deadline (few: scanned every turn)
-        self.wake = threading.Event()
+        self.wake = WakeFlag()
         self._stepper: Any = None  # the thread that last drove the scheduler, and what it had seen
         # what killed the progress thread (see died()); a caller-driven job's errors reach its caller
         self.failure: Optional[BaseException] = None

@@ -27,6 +27,7 @@ each stream runs chunks in order.
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import itertools
 import math
@@ -190,6 +191,7 @@ class Scheduler:
         self.returns: collections.deque = collections.deque()
         self._closed = False
         self._lend_lock = threading.Lock()  # releases after close, with no driver left
+        self._lend_holder: Optional[int] = None  # the thread inside _lend_lock (see _wake)
         self._close_token: Any = None
         self.wake_driver: Optional[Callable[[], None]] = None  # set by the driver: a release is waiting
         self.unclaimed = 0  # final chunks whose result a map() has not handed out yet
@@ -1116,12 +1118,30 @@ class Scheduler:
         """Let the driver know a release is waiting; once the scheduler is closed (no driver
         left) take it at once. The lock orders this against :meth:`close`: a release either
         comes before close takes the waiting ones, or sees the scheduler closed."""
-        with self._lend_lock:
+        if self._lend_holder == threading.get_ident():
+            # a dropped result's finaliser, run by the collector inside this thread's own section
+            # under the lock (a close, or a release after it): that section takes it before it
+            # lets go (_lend_section); taking the lock again here would wait for ever
+            return
+        with self._lend_section():
             if self._closed:
                 self._take_returns()
                 return
         if self.wake_driver is not None:
             self.wake_driver()
+
+    @contextlib.contextmanager
+    def _lend_section(self):
+        """:attr:`_lend_lock` held by this thread, which, once closed, takes every release queued
+        meanwhile (by a finaliser the collector ran inside the section) before it lets go."""
+        with self._lend_lock:
+            self._lend_holder = threading.get_ident()
+            try:
+                yield
+                while self._closed and self.returns:
+                    self._take_returns()
+            finally:
+                self._lend_holder = None
 
     def _take_returns(self) -> bool:
         """Hand back the lent slots whose results were released: each one's next compute waits
@@ -1433,7 +1453,7 @@ class Scheduler:
         self._forget_finished_frames()
         with self.batch_lock:
             self.space.release()  # the slab goes back to the pool once its chunks and results are gone
-        with self._lend_lock:
+        with self._lend_section():
             self._take_returns()
             # a result released after this, on any thread, frees its slot there (_take_returns):
             # that thread takes this lock after us, so it has seen all we saw (every completion)
