@@ -255,7 +255,6 @@ class _Driver:
                     raise
                 sched.break_on(err)
 
-
     def _warn_if_held(self, held: list, waiting: bool) -> None:
         """Log a warning once waits have found the same device results holding every slot for
         :data:`_HELD_WARN_S` (wall-clock) seconds in a row: a thread that waits for more results
