@@ -433,3 +433,23 @@ def test_square_brackets_in_names_are_shown_as_written(tmp_path, capsys):
                      '"predicted_ms": 1, "ms_median": 1}]}}}')
     assert main(["plan", "--bytes", "64MiB", "--compare", str(bench)]) == 0
     assert "[/] [/b]: predicted" in capsys.readouterr().out
+
+
+def test_a_pgf_chart_without_latex_is_refused_before_the_run(tmp_path, monkeypatch, capsys):
+    """matplotlib writes .pgf through LaTeX, found missing only once the chart was drawn, after
+    the whole bench (whose results were then lost)."""
+    pytest.importorskip("matplotlib")
+    import shutil
+
+    import ringflow._bench.runner as runner
+
+    if shutil.which("xelatex"):
+        pytest.skip("LaTeX is installed here")
+
+    def must_not_run(*a, **k):
+        raise AssertionError("the bench ran although its chart cannot be written")
+
+    monkeypatch.setattr(runner, "run_bench", must_not_run)
+    assert main(["bench", "--device", "sim", "--quick", "seed", "--plot", str(tmp_path / "x.pgf")]) == 2
+    err = capsys.readouterr().err
+    assert "argument --plot: .pgf files need xelatex" in err, err

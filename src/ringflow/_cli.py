@@ -20,6 +20,7 @@ import importlib.util
 import math
 import os
 import re
+import shutil
 import sys
 import tempfile
 import warnings
@@ -219,6 +220,13 @@ def _check_plot_type(path: str) -> None:
 
         if ext not in FigureCanvasBase.get_supported_filetypes():
             raise UsageError(f"argument --plot: matplotlib cannot write .{ext} files; name the file .png, .svg or .pdf")
+        if ext == "pgf":  # written through LaTeX, found missing only once the chart is drawn, after the run
+            from matplotlib import rcParams
+
+            tex = rcParams["pgf.texsystem"]
+            if shutil.which(tex) is None:
+                raise UsageError(f"argument --plot: .pgf files need {tex} (LaTeX), which is not installed; "
+                                 "name the file .png, .svg or .pdf")
 
 
 # -- the subcommands --------------------------------------------------------------------------------------------------

@@ -93,6 +93,17 @@ def test_trace_summary_and_plot(tmp_path):
     assert "efficiency" in str(rep)
 
 
+@pytest.mark.parametrize("name", ["chart", "chart.", ".png"])
+def test_a_plot_named_without_a_type_is_a_png_at_that_very_name(tmp_path, name):
+    """matplotlib wrote ``chart.png`` (and ``.png.png``) for these: a file nobody asked for, next
+    to a name the command line had checked."""
+    pytest.importorskip("matplotlib")
+    rep = profiled_run()
+    rep.plot(str(tmp_path / name))
+    assert os.listdir(tmp_path) == [name]
+    assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize("path", [0, 1, 5, True, 2.5, None, ["t.json"]], ids=repr)
 def test_a_trace_or_plot_path_that_is_not_a_file_name_is_refused(path, capfd):
     """A number is not a file name: open() takes an int as a file descriptor, so save_trace(1)

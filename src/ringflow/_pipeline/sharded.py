@@ -351,7 +351,9 @@ class ShardedReport:
             report.plot(ax=ax)
             ax.set_title(f"{label}: {report.headline()}", fontsize=9)
         if path:
-            fig.savefig(path)
+            from .._trace.plot import save_figure
+
+            save_figure(fig, path)
         return fig
 
     def save_trace(self, path: str) -> str:

@@ -5,6 +5,7 @@ imported and the backend never switched, so a notebook's inline plots keep worki
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from .chrome import check_file_name
@@ -54,5 +55,12 @@ def plot_gantt(timeline: Timeline, path: Optional[str] = None, *, ax=None, title
     if own:  # the caller's figure keeps the layout the caller gave it
         fig.tight_layout()
     if path is not None:
-        fig.savefig(path)
+        save_figure(fig, path)
     return fig
+
+
+def save_figure(fig, path: str) -> None:
+    """Write ``fig`` to the file ``path`` itself, in the type its extension names; PNG where the
+    name has none (matplotlib would otherwise write ``path + ".png"``, a file nobody asked for)."""
+    ext = os.path.splitext(os.fspath(path))[1].lstrip(".")
+    fig.savefig(path, format=None if ext else "png")
