@@ -88,6 +88,13 @@ def _doc(**changes):
     ({"model.h2d_curve": [[65536.5, 2.5]]}, "[0][0] (bytes) must be a whole number"),
     ({"model.host_copy_GBps": [[0, 1.0]]}, "(threads) must be at least 1"),
     ({"model.sm_count": 0}, "'model.sm_count' must be at least 1"),
+    # valid numbers past any machine, which broke the model's arithmetic (a ZeroDivisionError or
+    # an OverflowError in the planner, reported as an internal error)
+    ({"model.h2d_curve": [[1, 1e300]]}, "'model.h2d_curve'[0][1] (GB/s) must be from 1e-06 to 1e+06"),
+    ({"model.duplex_GBps": 5e-324}, "'model.duplex_GBps' must be from 1e-06 to 1e+06"),
+    ({"model.host_copy_GBps": [[1, 5e-324]]}, "must be from 1e-06 to 1e+06"),
+    ({"model.launch_overhead_s": 1e308}, "'model.launch_overhead_s' must be from 0 to 3600"),
+    ({"model.h2d_curve": [[2 ** 63, 2.5]]}, "[0][0] (bytes) must be at most"),
     ({"model.total_memory": "141GB"}, "'model.total_memory' must be a whole number"),
     ({"model.compute_capability": [9]}, "'model.compute_capability' must be a [major, minor] pair"),
     ({"model.chaos_spread": 1.5}, "'model.chaos_spread' must be below 1"),

@@ -61,6 +61,11 @@ _RATES = ("duplex_GBps", "pageable_h2d_GBps", "pageable_d2h_GBps", "device_GBps"
 _SECONDS = ("kernel_min_s", "launch_overhead_s", "copy_overhead_s", "event_overhead_s",
             "host_task_overhead_s")  # seconds, >= 0
 _COUNTS = ("async_engine_count", "sm_count", "total_memory")  # ints >= 1
+# what a profile may hold: far past any machine, yet short of what breaks the model's arithmetic
+# (a rate of 1e300 GB/s made a copy take 0 s, and the planner divided by it)
+_GBPS_RANGE = (1e-6, 1e6)  # a kilobyte a second to a petabyte a second
+_SECONDS_MAX = 3600.0
+_WHOLE_MAX = 1 << 62
 _MACHINE = ("gpu_name", "driver", "pcie_link")  # where it was measured: the JSON's "machine"
 _META = ("name", "measured_at") + _MACHINE
 
@@ -239,14 +244,20 @@ def _require(obj: dict, names, prefix: str, source: str) -> None:
                            "(is a name misspelt?)")
 
 
-def _real(value: Any, where: str, *, positive: bool) -> float:
+def _real(value: Any, where: str, *, positive: bool, within: Optional[tuple] = None) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ProfileError(f"{where} must be a number, got {_json_type(value)} {value!r:.60}")
     value = float(value)
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         bound = "more than 0" if positive else "0 or more"
         raise ProfileError(f"{where} must be a finite number {bound}, got {value!r}")
+    if within is not None and not within[0] <= value <= within[1]:
+        raise ProfileError(f"{where} must be from {within[0]:g} to {within[1]:g}, got {value!r}")
     return value
+
+
+def _rate(value: Any, where: str) -> float:
+    return _real(value, where, positive=True, within=_GBPS_RANGE)
 
 
 def _whole(value: Any, where: str, *, least: int) -> int:
@@ -254,6 +265,8 @@ def _whole(value: Any, where: str, *, least: int) -> int:
         raise ProfileError(f"{where} must be a whole number, got {_json_type(value)} {value!r:.60}")
     if value < least:
         raise ProfileError(f"{where} must be at least {least}, got {value}")
+    if value > _WHOLE_MAX:
+        raise ProfileError(f"{where} must be at most {_WHOLE_MAX}, got {value:.3g}")
     return int(value)
 
 
@@ -268,7 +281,7 @@ def _curve(value: Any, where: str, x_name: str) -> tuple[tuple[int, float], ...]
         if points and x <= points[-1][0]:
             raise ProfileError(f"{where}: the {x_name} must rise from point to point, but point {i} has {x} after "
                                f"{points[-1][0]}")
-        points.append((x, _real(p[1], f"{where}[{i}][1] (GB/s)", positive=True)))
+        points.append((x, _rate(p[1], f"{where}[{i}][1] (GB/s)")))
     return tuple(points)
 
 
@@ -280,9 +293,9 @@ def _check_field(name: str, value: Any, where: str) -> Any:
     if name in _THREAD_CURVES:
         return _curve(value, where, "threads")
     if name in _RATES:
-        return _real(value, where, positive=True)
+        return _rate(value, where)
     if name in _SECONDS:
-        return _real(value, where, positive=False)
+        return _real(value, where, positive=False, within=(0.0, _SECONDS_MAX))
     if name in _COUNTS:
         return _whole(value, where, least=1)
     if name == "compute_capability":
