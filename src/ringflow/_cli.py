@@ -27,6 +27,7 @@ import warnings
 from typing import Iterator, NoReturn
 
 from ._errors import RingflowError
+from ._files import is_special
 
 DEBUG_VAR = "RINGFLOW_DEBUG"
 _DEVICE_HELP = "auto, cuda, cuda:N or sim (default: $RINGFLOW_DEVICE, else auto)"
@@ -164,9 +165,7 @@ def check_out_file(path: str, option: str) -> str:
         raise UsageError(f"argument {option}: give a file name, not an empty string")
     if os.path.isdir(path):
         raise UsageError(f"argument {option}: {path!r} is a folder; give a file name inside it")
-    if os.path.exists(path) and not os.path.isfile(path):
-        # a device (/dev/full), pipe or socket: found out only when the file is written, after
-        # the whole run; or never, for a pipe nobody reads
+    if is_special(path):
         raise UsageError(f"argument {option}: {path!r} is not a regular file; give the name of a file to write")
     if os.path.isfile(path):
         if not os.access(path, os.W_OK):

@@ -1,6 +1,7 @@
-"""Files ringflow writes for the user (a trace, bench results, a doctor report, a hardware
-profile), each replaced whole: a reader never sees half of one, and a write that fails (a full
-disk, Ctrl-C) leaves the file as it was and nothing beside it."""
+"""Files ringflow reads and writes for the user (a trace, bench results, a doctor report, a
+hardware profile). Each is written whole: a reader never sees half of one, and a write that fails
+(a full disk, Ctrl-C) leaves the file as it was and nothing beside it. A name that is a device,
+pipe or socket is refused by every reader and writer alike (:func:`is_special`)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,10 @@ def write_whole(path: "str | os.PathLike", text: str) -> str:
             raise OSError(exc.errno, exc.strerror, path) from None
         raise
     return path
+
+
+def is_special(path: "str | os.PathLike") -> bool:
+    """Whether ``path`` names something that is neither a folder nor a regular file: a device
+    (``/dev/zero``, ``/dev/full``), a pipe or a socket, which a read or write might never end,
+    or end only after the whole run. False for a missing name."""
+    return os.path.exists(path) and not os.path.isdir(path) and not os.path.isfile(path)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from typing import Any
 
 from . import _jsontext as jsontext
+from ._files import is_special
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
           "t": 1 << 40, "tib": 1 << 40, "p": 1 << 50, "pib": 1 << 50, "kb": 10**3, "mb": 10**6, "gb": 10**9,
@@ -47,8 +47,7 @@ def read_bench_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
         OSError: the file cannot be read.
         ValueError: it is not JSON, or not shaped like a bench result (the message says where).
     """
-    if os.path.exists(path) and not os.path.isdir(path) and not os.path.isfile(path):
-        # a device or pipe might never end
+    if is_special(path):
         raise ValueError(f"--compare {path!r} is not a regular file; give a bench JSON from ringflow bench --out")
     try:
         with open(path, encoding="utf-8") as fh:

@@ -29,14 +29,13 @@ import logging
 import math
 import numbers
 import os
-import stat
 import re
 import threading
 from typing import Any, Optional
 
-from .._files import write_whole
 from .. import _jsontext as jsontext
 from .._errors import RingflowError
+from .._files import is_special, write_whole
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -487,7 +486,7 @@ def load_profile(path: "str | os.PathLike") -> HardwareProfile:
         return hit
     if os.path.isdir(path):
         raise ProfileError(f"hardware profile {path!r} is a folder; give a profile JSON file inside it")
-    if not stat.S_ISREG(st.st_mode):  # a device or pipe might never end
+    if is_special(path):
         raise ProfileError(f"hardware profile {path!r} is not a regular file; give the JSON file ringflow "
                            "doctor --save writes")
     if st.st_size > _MAX_FILE_BYTES:

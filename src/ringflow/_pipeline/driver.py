@@ -290,8 +290,7 @@ class _Driver:
         the real seconds waited."""
         t0 = time.monotonic()
         self.wake.wait(max(0.0, min(longest, _POLL_S)))
-        if self.wake.is_set():
-            self.wake.clear()
+        self.wake.clear()
         return time.monotonic() - t0
 
     def _pass_owed_time(self, seconds: float) -> None:
@@ -494,8 +493,7 @@ class ProgressThread(_Driver):
                 return False
             idle, fences, wait = plan
             if idle is not None or fences:
-                if self.wake.is_set():  # (a clear takes the event's lock: only when there is one to clear)
-                    self.wake.clear()
+                self.wake.clear()
                 if sched.returns or sched.copies_ended_unseen() or self.commands:
                     # released, a copy into a shared chunk ended, or a command posted, after
                     # this turn's step looked (their wake-up may have come before the clear):
@@ -555,8 +553,6 @@ class ProgressThread(_Driver):
         if deadline is not None and now >= deadline and self.gated and not self.someone_waits():
             return 0.25, None, None  # the only waits left have timed out
         return None, fences, self.device_wait(deadline)
-
-
 
 
 _RUNNING: "weakref.WeakSet[ProgressThread]" = weakref.WeakSet()

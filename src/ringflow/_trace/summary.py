@@ -12,12 +12,12 @@ import collections
 import json
 import math
 import os
-import stat
 from typing import Any
 
 import numpy as np
 
 from .. import _jsontext as jsontext
+from .._files import is_special
 from .timeline import STAGES, Span
 
 LEGEND = {
@@ -52,10 +52,9 @@ def read_spans(path: str) -> list[Span]:
         ValueError: it is empty, not JSON, or not shaped like a Chrome trace; the message
             names the file and the first event that is wrong.
     """
-    mode = os.stat(path).st_mode
-    if stat.S_ISDIR(mode):
+    if os.path.isdir(path):
         raise ValueError(f"{path} is a folder; give the trace JSON file inside it")
-    if not stat.S_ISREG(mode):  # a device or pipe might never end
+    if is_special(path):
         raise _fail(path, "it is not a regular file")
     try:
         with open(path, encoding="utf-8") as fh:

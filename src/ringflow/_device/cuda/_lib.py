@@ -94,6 +94,16 @@ def cuda_errors() -> tuple[type[BaseException], ...]:
     return (CUDAError,)
 
 
+def as_device_error(what: Any, exc: BaseException) -> "DeviceError | None":
+    """``exc`` as the :class:`DeviceError` it stands for: itself if it is one, a new one naming
+    ``what`` for a CUDA error cuda.core raised, None for anything else (not the device's)."""
+    if isinstance(exc, DeviceError):
+        return exc
+    if isinstance(exc, cuda_errors()):
+        return device_error(what, exc)
+    return None
+
+
 def check(result: Any, what: Any) -> Any:
     """Check a ``cuda.bindings`` return tuple ``(CUresult, *values)``; return the values.
 
@@ -131,6 +141,7 @@ class translate:
     def __exit__(self, exc_type, exc, tb):
         if exc is None or isinstance(exc, DeviceError):
             return False
-        if isinstance(exc, cuda_errors()):
-            raise device_error(self.what, exc) from exc
+        err = as_device_error(self.what, exc)
+        if err is not None:
+            raise err from exc
         return False

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..._errors import CaptureError, DeviceError
 from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Graph, Stream, as_slice, copy_extent
-from ._lib import check, core, cuda_errors, device_error, driver, is_sticky, translate
+from ._lib import as_device_error, check, core, device_error, driver, is_sticky, translate
 from .arrays import framework_allocations, using_stream
 
 if TYPE_CHECKING:
@@ -77,8 +77,8 @@ class CudaEvent(Event):
             # polled in a loop by the progress thread: the error's wording is made only on failure
             self._done = bool(self._cc.is_done)
         except Exception as exc:  # noqa: BLE001 - what translate does, without a context per query
-            err = device_error(lambda: f"querying {self!r}", exc) if isinstance(exc, cuda_errors()) else exc
-            if not isinstance(err, DeviceError):
+            err = as_device_error(lambda: f"querying {self!r}", exc)
+            if err is None:
                 raise
             self._error, self._done = err, True
         return self._done
