@@ -453,3 +453,35 @@ def test_a_pgf_chart_without_latex_is_refused_before_the_run(tmp_path, monkeypat
     assert main(["bench", "--device", "sim", "--quick", "seed", "--plot", str(tmp_path / "x.pgf")]) == 2
     err = capsys.readouterr().err
     assert "argument --plot: .pgf files need xelatex" in err, err
+
+
+@pytest.mark.parametrize("command", ["trace", "plan"])
+def test_a_file_too_large_for_memory_is_named_not_called_a_bug(command, tmp_path, monkeypatch, capsys):
+    """A trace or bench JSON too large to read raised a MemoryError, reported as an internal
+    error; the message now names the file, its size and what to do."""
+    import ringflow._jsontext as jsontext
+
+    path = tmp_path / "huge.json"
+    path.write_text('{"workloads": {}}' if command == "plan" else "[]")
+
+    def out_of_memory(text):
+        raise MemoryError
+
+    monkeypatch.setattr(jsontext, "loads", out_of_memory)
+    argv = ["trace", str(path)] if command == "trace" else ["plan", "--bytes", "64MiB", "--compare", str(path)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "internal error" not in err, err
+    assert "huge.json" in err and "too large" in err and "bytes" in err, err
+
+
+def test_running_out_of_memory_is_an_error_not_a_bug(monkeypatch, capsys):
+    import ringflow._bench.runner as runner
+
+    def out_of_memory(*a, **k):
+        raise MemoryError
+
+    monkeypatch.setattr(runner, "run_bench", out_of_memory)
+    assert main(["bench", "--device", "sim", "--quick", "seed"]) == 1
+    err = capsys.readouterr().err
+    assert "internal error" not in err and "out of memory" in err, err

@@ -348,6 +348,14 @@ def _warnings_as_lines(prog: str) -> Iterator[None]:
         yield
 
 
+def _traceback_if(debug: bool) -> None:
+    """Print the exception being handled, with its traceback, when ``RINGFLOW_DEBUG`` asks."""
+    if debug:
+        import traceback
+
+        traceback.print_exc()
+
+
 def main(argv: "list[str] | None" = None) -> int:
     """Run the command line; returns the exit status (see the module docstring)."""
     parser = build_parser()
@@ -376,18 +384,18 @@ def main(argv: "list[str] | None" = None) -> int:
     except UsageError as exc:
         print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except MemoryError as exc:  # a resource the machine lacks, not a bug
+        _traceback_if(debug)
+        detail = f" ({_describe(exc)})" if str(exc) else ""
+        print(f"{prog}: error: out of memory{detail}; free memory, or ask for less (smaller sizes, fewer "
+              "items, a shorter run's files)", file=sys.stderr)
+        return 1
     except (RingflowError, ValueError, TypeError, OSError) as exc:
-        if debug:
-            import traceback
-
-            traceback.print_exc()
+        _traceback_if(debug)
         print(f"{prog}: error: {_describe(exc)}", file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - the last resort: a bug, said in one line
-        if debug:
-            import traceback
-
-            traceback.print_exc()
+        _traceback_if(debug)
         print(f"{prog}: internal error (a bug in ringflow): {type(exc).__name__}: {_describe(exc)}; "
               f"run again with {DEBUG_VAR}=1 to see the traceback", file=sys.stderr)
         return 1

@@ -41,7 +41,8 @@ class LaunchError(DeviceError):
 
     On the simulated GPU a callable runs when its operation completes in virtual time, so
     its exception is reported by the first event recorded after it on the same stream
-    (``Event.error``, and raised by ``Event.sync()``); the original is ``__cause__``.
+    (``Event.error``, and raised by ``Event.sync()``); the original is ``__cause__``. The
+    stream's next ``sync()`` raises it too, in words, where such an event reported it first.
     """
 
 

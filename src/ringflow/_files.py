@@ -39,3 +39,12 @@ def is_special(path: "str | os.PathLike") -> bool:
     (``/dev/zero``, ``/dev/full``), a pipe or a socket, which a read or write might never end,
     or end only after the whole run. False for a missing name."""
     return os.path.exists(path) and not os.path.isdir(path) and not os.path.isfile(path)
+
+
+def too_large(path: "str | os.PathLike") -> str:
+    """Words for a file that ran the process out of memory as it was read: the file and its size."""
+    try:
+        size = f"{os.stat(path).st_size} bytes"
+    except OSError:
+        size = "size unknown"
+    return f"{os.fspath(path)!r} is too large to read into the memory free ({size})"

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from . import _jsontext as jsontext
-from ._files import is_special
+from ._files import is_special, too_large
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
           "t": 1 << 40, "tib": 1 << 40, "p": 1 << 50, "pib": 1 << 50, "kb": 10**3, "mb": 10**6, "gb": 10**9,
@@ -59,6 +59,8 @@ def read_bench_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
     except json.JSONDecodeError as exc:
         raise ValueError(f"--compare {path!r} is not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
                          "give a bench JSON from ringflow bench --out") from None
+    except MemoryError:
+        raise ValueError(f"--compare {too_large(path)}; give a bench JSON from ringflow bench --out") from None
     workloads = data.get("workloads") if isinstance(data, dict) else None
     if not isinstance(workloads, dict):
         raise ValueError(f"--compare {path!r} is not a bench result: it has no 'workloads' table "

@@ -400,7 +400,10 @@ class Stream(abc.ABC):
 
     @abc.abstractmethod
     def sync(self) -> None:
-        """Block until all work enqueued on this stream is done."""
+        """Block until all work enqueued on this stream is done. Raises a sticky device error,
+        and the first error of a failed launch on this stream since its last sync (where
+        :attr:`Device.launch_errors_on_events`), even if an event recorded after the launch has
+        reported it already."""
 
     def begin_capture(self) -> None:
         """Start capturing: from now on, work enqueued on this stream, and on every stream that

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .. import _jsontext as jsontext
-from .._files import is_special
+from .._files import is_special, too_large
 from .timeline import STAGES, Span
 
 LEGEND = {
@@ -59,14 +59,16 @@ def read_spans(path: str) -> list[Span]:
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
+        if not text.strip():
+            raise _fail(path, "the file is empty")
+        data = jsontext.loads(text)
     except UnicodeDecodeError:
         raise _fail(path, "it is not a UTF-8 text file") from None
-    if not text.strip():
-        raise _fail(path, "the file is empty")
-    try:
-        data = jsontext.loads(text)
     except json.JSONDecodeError as exc:
         raise _fail(path, f"not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+    except MemoryError:
+        text = None  # what was read goes before the message is made
+        raise ValueError(f"trace {too_large(path)}; summarise the trace of a shorter run") from None
     if isinstance(data, dict):
         if "traceEvents" not in data:
             raise _fail(path, "a JSON object without a 'traceEvents' list")

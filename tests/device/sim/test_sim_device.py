@@ -464,6 +464,24 @@ def test_stream_sync_raises_a_pending_launch_error(dev):
     assert isinstance(info.value.__cause__, ZeroDivisionError)
 
 
+def test_stream_sync_raises_a_launch_error_an_event_after_it_took_first(dev):
+    # a timing event recorded after the failed launch reports the error; a later sync of the
+    # stream must still raise it (once), as a synchronise on a real GPU after a fault would
+    s = dev.create_stream()
+    d = dev.allocate(8)
+    s.launch(lambda a: 1 / 0, d.array(np.uint8, 8))
+    mark = s.record(timing=True)
+    with pytest.raises(rf.LaunchError, match="ZeroDivisionError.*reported first by an event"):
+        s.sync()
+    assert isinstance(mark.error.__cause__, ZeroDivisionError)
+    s.sync()  # raised once by a sync: the stream works again
+    s.launch(lambda a: 1 / 0, d.array(np.uint8, 8))
+    with pytest.raises(rf.LaunchError):
+        s.record().sync()
+    with pytest.raises(rf.LaunchError):
+        s.sync()  # raised by the event's sync, and by the stream's: both waited past it
+
+
 # -- sticky errors -----------------------------------------------------------------------------------------------------
 def test_a_sticky_error_breaks_every_later_call(dev, x):
     c = Chain(dev, x)

@@ -81,7 +81,12 @@ class SimStream(Stream):
         self.actor = ("stream", self.id)
         self._queue = dev._engine.add_queue(self.name)
         self._queue.priority = priority
+        # A failed launch's error goes to the next event recorded on this stream, and its words
+        # to the next sync of the stream itself, which waits past it whichever event reported it
+        # (words only: the error's traceback would keep a failed chunk's frames until that sync,
+        # which a pipeline's compute stream may never have).
         self._pending_error: BaseException | None = None
+        self._unsynced_error: str | None = None
         self._closed = False
         dev._checker.add_actor(self.actor, self.name)
 
@@ -264,7 +269,7 @@ class SimStream(Stream):
                 except BaseException as exc:  # noqa: BLE001 - reported through the next event, Ctrl-C included
                     err = LaunchError(f"{op_name} on {self.name} failed: {type(exc).__name__}: {exc}")
                     err.__cause__ = exc
-                    self._pending_error = self._pending_error or err
+                    self._report(err)
 
             self._enqueue(op_name, resource="compute", seconds=seconds, on_complete=self._guard(run))
 
@@ -275,12 +280,25 @@ class SimStream(Stream):
                 effect(op)
         return guarded
 
+    def _report(self, err: BaseException) -> None:
+        """A launch on this stream failed (the device's lock is held, by the engine)."""
+        self._pending_error = self._pending_error or err
+        self._unsynced_error = self._unsynced_error or str(err)
+
     def sync(self) -> None:
+        """Block until all work enqueued on this stream is done; raises the first launch error
+        on it since its last sync, even where an event recorded after the launch reported it."""
         with self._dev._lock:
             capture = self._capture()
             if capture is not None:
                 raise capture.abandon(f"synchronising {self.name}, which is capturing")
-        self.record().sync()
+        try:
+            self.record().sync()
+        finally:
+            with self._dev._lock:
+                reported, self._unsynced_error = self._unsynced_error, None
+        if reported is not None:
+            raise LaunchError(f"{reported} (reported first by an event recorded after it)")
 
     # -- graphs ----------------------------------------------------------------------------
     def begin_capture(self) -> None:
@@ -323,7 +341,7 @@ class SimStream(Stream):
         def take(op: Op) -> None:
             for end in events:
                 if end._op.error is not None:
-                    self._pending_error = self._pending_error or end._op.error
+                    self._report(end._op.error)
                     return
 
         with self._dev._lock:
@@ -335,6 +353,7 @@ class SimStream(Stream):
             return
         with self._dev._lock:
             self._closed = True
+            self._pending_error = self._unsynced_error = None
             self._dev._live["streams"] -= 1
             self._dev._engine.remove_queue(self._queue)
 
