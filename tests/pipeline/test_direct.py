@@ -450,3 +450,28 @@ def test_copy_groups_follow_the_copy_curve_and_fit_the_rings():
     given = rf.SlotCounts(6, 6, 6, 6)  # given rings keep their size: the group divides them twice over
     assert copy_group(dev, 256 << 10, 1000, given, planned=False, inplace=False) == (3, given)
     assert copy_group(dev, 256 << 10, 1000, rf.SlotCounts(5, 5, 5, 5), planned=False, inplace=False)[0] == 1
+
+
+@pytest.mark.parametrize("how", ["stream_map", "MapJob"])
+def test_an_engine_whose_layout_fails_frees_its_streams_and_rings(how):
+    """The chunks' layout (here a compute's sim_seconds refused for the short last chunk) ran
+    after the rings were allocated and outside their clean-up: each failed set-up leaked the
+    device rings and every stream."""
+    dev = rf.device("sim")
+
+    def f(a, b):
+        b[...] = a * 2
+
+    f.sim_seconds = lambda n: 1e-5 if n == 100_000 else float("nan")
+    x = rf.host.empty(65536, np.float32, device=dev)  # 262144 bytes: chunks of 100000, 100000, 62144
+    out = rf.host.empty_like(x)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="sim_seconds"):
+            if how == "MapJob":
+                rf.MapJob(f, x, out, device=dev, chunk_bytes=100_000)
+            else:
+                rf.stream_map(f, x, out=out, device=dev, chunk_bytes=100_000)
+    rf.drop_warm_pipelines()
+    del x, out
+    gc.collect()
+    assert dev.live().total == 0, dev.live()

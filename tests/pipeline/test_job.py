@@ -277,3 +277,26 @@ def test_an_array_a_job_holds_cannot_be_resized(host, which):
     assert dev.live().total == 0
     if which != "x":  # a view never owns its memory; the others may be resized once the job is closed
         target.resize(target.size * 4, refcheck=False)
+
+
+def test_a_job_without_a_device_runs_on_the_device_of_its_host_arrays(recwarn):
+    """As stream_map: arrays from rf.host name their device, and are used in place. The job
+    made a new default device instead, and staged the pinned arrays through rings."""
+    dev = rf.device("sim")
+    x = rf.host.empty(1 << 16, np.float32, device=dev)
+    x[:] = 1
+    out = rf.host.empty_like(x)
+
+    def f(a, b):
+        b[...] = a * 2
+
+    with rf.MapJob(f, x, out) as job:
+        job()
+        assert job.device is dev and job.strategy == "pinned" and job.engine == "direct"
+    assert (out == 2).all()
+    assert not [w for w in recwarn if "simulated GPU" in str(w.message)]
+    only_out = rf.host.empty_like(x)
+    with rf.MapJob(f, np.ones(1 << 16, np.float32), only_out) as job:  # out alone names it too
+        job()
+        assert job.device is dev
+

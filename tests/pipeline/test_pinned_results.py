@@ -307,3 +307,50 @@ def test_a_staged_run_reports_its_copies_as_prepare_and_no_run_beats_its_bound()
     # the unit profile copies 1 GB/s on one thread: each staging copy is charged to map()
     assert len(spans) == len(items) and all(s.end - s.start == pytest.approx((1 << 20) / 1e9) for s in spans)
     assert 0 < rep.efficiency <= 1 + 1e-9 and wall >= 12e-3
+
+
+def _refused_on_a_thread(pipe, item, **kw):
+    """``pipe.submit(item, **kw)`` on a new thread, which copies the item into pinned memory and
+    is then refused; the error (its frames holding the staged copy) comes back to this thread."""
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        return ex.submit(pipe.submit, item, **kw).exception()
+
+
+@pytest.mark.parametrize("why", ["timeout", "closed by output"])
+def test_an_item_refused_after_its_staging_copy_gives_its_pinned_block_back_in_order(why):
+    """The copy was written on the refused thread, the block dropped on this one: the next user
+    of that block (another pipeline on the device) met a HazardError, not ordered after the copy."""
+    dev = rf.device("sim")
+    gate = __import__("threading").Event()
+
+    def held(x, y):
+        gate.wait(10)
+        y[...] = x
+
+    a = np.ones(4, np.float32)
+    if why == "timeout":
+        with rf.Pipeline(held, device=dev, max_in_flight=1, coalesce=False) as p:
+            first = p.submit(a)
+            err = _refused_on_a_thread(p, a, timeout=0)
+            assert isinstance(err, TimeoutError), err
+            del err  # the staged copy goes on this thread
+            gate.set()
+            first.result()
+    else:
+        gate.set()
+        holder = {}
+
+        def output(item):  # closes the pipeline between the staging copy and the acceptance
+            holder["p"].cancel()
+            return item.shape, item.dtype
+
+        with rf.Pipeline(held, device=dev, coalesce=False, output=output) as p:
+            holder["p"] = p
+            err = _refused_on_a_thread(p, a)
+            assert isinstance(err, RuntimeError), err
+            del err
+    gc.collect()
+    with rf.Pipeline(f, device=dev) as q:
+        for i in range(3):
+            assert q.submit(np.full(4, i, np.float32)).result().tolist() == [2 * i + 1] * 4
+

@@ -730,6 +730,8 @@ def hand_off(array: Any, token: Any) -> None:
     thread that saw the block's last device use complete), whichever thread drops the array last
     (the GIL orders the drops; the simulated GPU's checker sees only tokens). Nothing for an
     array from no pool."""
+    if token is None:  # a real GPU's: nothing to order (Device.fold_tokens drops it)
+        return
     owner = owner_of(array) if isinstance(array, np.ndarray) else None
     if owner is not None:
         with owner.pool._lock:

@@ -507,13 +507,18 @@ class Pipeline:
                 return None
             for view, leaf in zip(flatten(host_views(layout, staged))[0], leaves):
                 self.device.host_copy(view, leaf)
-            return staged, (t0, self.device.now), layout
-        t0 = self.device.now
-        staged = self._pool.take(item.shape, item.dtype)
-        if staged is None:
-            return None
-        self.device.host_copy(staged, item)
-        return staged, (t0, self.device.now), None
+            at = (t0, self.device.now)
+        else:
+            t0 = self.device.now
+            staged, layout = self._pool.take(item.shape, item.dtype), None
+            if staged is None:
+                return None
+            self.device.host_copy(staged, item)
+            at = (t0, self.device.now)
+        # an item refused after its copy (a timeout, a pipeline that stopped taking work) is
+        # dropped wherever its error goes: the block's next holder is ordered after this copy
+        host_pool.hand_off(staged, self.device.publish())
+        return staged, at, layout
 
     def _read_in_place(self, item: Any) -> bool:
         """Whether the h2d reads ``item`` where it is: a plain array in pool memory (a pool array

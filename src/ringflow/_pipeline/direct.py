@@ -147,35 +147,35 @@ class DirectSchedule:
         self.streams = StageStreams(device, checked=checked,
                                     computes=max(self.compute_streams,
                                                  min(COMPUTE_BOUND_STREAMS, n_in) if self._measure_pending else 1))
-        try:
+        try:  # (a failure or Ctrl-C anywhere below frees the streams and whatever rings exist)
             self.dev_in = device.allocate(chunk_bytes * n_in)
             self._rings.append(self.dev_in)
             self.dev_out = None if inplace else device.allocate(out_chunk_bytes * n_out)
             if self.dev_out is not None:
                 self._rings.append(self.dev_out)
+            # host time the last run spent enqueueing (its host overhead), on the device's clock: the
+            # host's on a real GPU, virtual on the simulated one (whose host calls cost virtual time)
+            self.enqueue_seconds = 0.0
+            # graph=True on bound arrays: the captured call (None before the first, or when refused)
+            self._graph_wanted = bool(graph) and bound is not None
+            self._graph = None
+            self._graph_computes: list = []  # the compute events recorded while capturing
+            self.graph_refused: Optional[str] = None  # why calls are not replayed as a graph
+            self.replayed = False  # whether the last run was a graph launch
+            self._warmed = False  # whether a call has run to completion (the compute has been called)
+            self._timeline: Optional[Timeline] = None  # the last profiled run's
+            # the event each device slot's next owner waits on (its last use, or the poison fill after it)
+            self._in_ready: list = [None] * n_in
+            self._out_ready: list = [None] * n_out
+            self._bound = bound
+            self._shapes = (dtype, out_dtype, out_chunk_bytes, n_in, n_out)
+            # measure_compute: the chunks to run instead, as ``(chunks, out_chunks)``, once the first
+            # call has found the job compute-bound (a taper: the rings are the same)
+            self._tapered = tapered if self._measure_pending else None
+            self._lay_out(chunks, out_chunks, copy_group)
         except BaseException:
             self.close()
             raise
-        # host time the last run spent enqueueing (its host overhead), on the device's clock: the
-        # host's on a real GPU, virtual on the simulated one (whose host calls cost virtual time)
-        self.enqueue_seconds = 0.0
-        # graph=True on bound arrays: the captured call (None before the first, or when refused)
-        self._graph_wanted = bool(graph) and bound is not None
-        self._graph = None
-        self._graph_computes: list = []  # the compute events recorded while capturing
-        self.graph_refused: Optional[str] = None  # why calls are not replayed as a graph
-        self.replayed = False  # whether the last run was a graph launch
-        self._warmed = False  # whether a call has run to completion (the compute has been called)
-        self._timeline: Optional[Timeline] = None  # the last profiled run's
-        # the event each device slot's next owner waits on (its last use, or the poison fill after it)
-        self._in_ready: list = [None] * n_in
-        self._out_ready: list = [None] * n_out
-        self._bound = bound
-        self._shapes = (dtype, out_dtype, out_chunk_bytes, n_in, n_out)
-        # measure_compute: the chunks to run instead, as ``(chunks, out_chunks)``, once the first
-        # call has found the job compute-bound (a taper: the rings are the same)
-        self._tapered = tapered if self._measure_pending else None
-        self._lay_out(chunks, out_chunks, copy_group)
 
     def _lay_out(self, chunks: Sequence[tuple[int, int, tuple]], out_chunks: Sequence[tuple[int, int, tuple]],
                  copy_group: int) -> None:

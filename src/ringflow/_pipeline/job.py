@@ -28,13 +28,12 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .._device import device as make_device
 from .._device import device_list
 from .._device.protocol import Device, close_quietly
 from .engine import Arrays, Engine, choose_engine, make_engine
 from .reentry import check_process, generation, marked, refuse_from_stage, running_stage_of
 from .sigint import shielded
-from .whole_array import check_arrays, pinned_arrays, plan_layout, run_call
+from .whole_array import check_arrays, one_device, pinned_arrays, plan_layout, run_call
 from .validate import BoundArray, check_flag, check_options, check_unchanged
 
 logger = logging.getLogger(__name__)
@@ -134,7 +133,7 @@ class MapJob:
             self._arrays = Arrays(x, out)
             self._held.engine = sharded
         else:
-            dev = many[0] if many else make_device(device) if not isinstance(device, Device) else device
+            dev = one_device(device, many, x, out, fresh_out)
             self._bind(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer, out_buffer, engine, opts)
         self._finalizer = weakref.finalize(self, _collected, self._held, repr(self))
         self._hand_over()  # the first call, on any thread, comes after the set-up (and what it took in)

@@ -156,15 +156,22 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
 
         return stream_map_sharded(f, x, out, fresh_out, many, opts.pop("chunk_bytes"), host, x_buffer, out_buffer,
                                   engine, keep_warm, profile, opts)
+    dev = one_device(device, many, x, out, fresh_out)
+    return run_whole(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer, out_buffer, engine,
+                     keep_warm, profile, opts)
+
+
+def one_device(device: Any, many: "list | None", x: np.ndarray, out: np.ndarray, fresh_out: bool) -> Device:
+    """The device a whole-array call on one device runs on: the one given (``many``: the list
+    of one it was given as); for None, the device of ``x``'s :mod:`ringflow.host` pool, else of
+    ``out``'s, else the default one."""
     if many is not None:
         device = many[0]
     elif device is None:  # arrays from ringflow.host name their device
         device = host_pool.device_of(x)
         if device is None and not fresh_out:
             device = host_pool.device_of(out)
-    dev = make_device(device) if not isinstance(device, Device) else device
-    return run_whole(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer, out_buffer, engine,
-                     keep_warm, profile, opts)
+    return make_device(device) if not isinstance(device, Device) else device
 
 
 def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x_buffer, out_buffer, engine: str,
