@@ -148,3 +148,23 @@ def test_every_worker_process_starts_with_the_pipeline(dev):
         assert len(prepare._pool._processes) == 3
     finally:
         prepare.close()
+
+
+def test_workers_that_fail_to_start_leave_nothing_registered(dev, monkeypatch):
+    """The shared block was registered before the workers started; when they failed to start
+    (a script without a __main__ guard, run again in the child), the registration stayed, and
+    every later pipeline over that memory was refused."""
+    import concurrent.futures
+
+    real = concurrent.futures.ProcessPoolExecutor
+
+    class Failing(real):
+        def submit(self, *a, **k):
+            raise RuntimeError("worker start failed")
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Failing)
+    before = shm_segments()
+    with pytest.raises(RuntimeError, match="worker start failed"):
+        rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.ramp_and_pid, processes=True, workers=1)
+    assert dev.live().total == 0, dev.live()
+    assert shm_segments() <= before

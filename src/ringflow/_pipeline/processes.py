@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .._device.protocol import Device, HostBuffer
+from .._device.protocol import Device, HostBuffer, close_quietly
 
 _SHARED: dict = {}  # in a worker: the attached block and its bytes
 
@@ -83,13 +83,18 @@ class ProcessPrepare:
         return (described[0], np.dtype(described[1])) + tuple(described[2:])
 
     def close(self) -> None:
-        """Stop the workers and free the block (after the ring that used it is closed). Never raises."""
+        """Stop the workers, drop the block's registration (the ring that used it has dropped it
+        already, unless the pipeline's set-up failed before that ring took it) and free the
+        block. Never raises."""
         pool, self._pool = self._pool, None
         if pool is not None:
             try:
                 pool.shutdown(wait=True, cancel_futures=True)
             except Exception:  # noqa: BLE001 - cleanup never raises
                 pass
+        buffer, self.buffer = self.buffer, None
+        if buffer is not None:  # (closing it twice is harmless)
+            close_quietly(buffer, "the registration of the prepare processes' block")
         shm, self._shm = self._shm, None
         if shm is not None:
             try:
