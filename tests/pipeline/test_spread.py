@@ -298,3 +298,26 @@ def test_a_timed_out_spread_amap_cancels_its_own_window_not_the_pipeline():
     pipe.close()
     s = pipe.stats()
     assert s.failed == 0 and s.in_flight == 0 and s.balanced(), s
+
+
+@pytest.mark.parametrize("coalesce", [False, True])
+def test_indices_are_submission_indices_across_the_devices(coalesce):
+    """Each part numbered its own chunks: item 5's StageError said chunk 2, and device results
+    over two devices came back numbered 0, 0, 1, 1, ..."""
+    devs = [rf.device("sim"), rf.device("sim")]
+
+    def bad(x, y):
+        if x[0] in (5, 6):
+            raise ValueError(f"value {x[0]}")
+        y[...] = x
+
+    with rf.Pipeline(bad, device=devs, on_error="continue", coalesce=coalesce) as p:
+        futs = [p.submit(np.full(4, i, np.float32)) for i in range(10)]
+        failed = {i: fut.exception().index for i, fut in enumerate(futs) if fut.exception() is not None}
+    assert failed == {5: 5, 6: 6}
+    with rf.Pipeline(lambda x, y: y.__setitem__(..., x), device=devs, deliver="device") as p:
+        indices = []
+        for r in p.map(np.full(4, i, np.float32) for i in range(8)):
+            indices.append(r.index)
+            r.release()
+    assert indices == list(range(8))

@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -433,6 +433,11 @@ class Scheduler:
         no lock: the driver asks once it has cleared its wake flag, so a copy that ended after
         the look is either counted here or sets the flag again)."""
         return self.copies_ended != self._copies_ended_seen
+
+    def count_with(self, indices: "Iterator[int]") -> None:
+        """Number chunks from ``indices`` (shared by the parts of a pipeline over several devices)
+        instead of from 0; before any is accepted."""
+        self._indices = indices
 
     def _check_accepting(self) -> None:
         if self.broken is not None:

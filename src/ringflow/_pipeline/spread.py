@@ -54,6 +54,11 @@ class SpreadPipeline(Pipeline):
             for part in self.parts:
                 part.close()
             raise
+        # one count of chunks for every part: a StageError's or DeviceResult's index is the item's
+        # submission index across the devices, as on one
+        indices = itertools.count()
+        for part in self.parts:
+            part._sched.count_with(indices)
         self.devices = list(devices)
         self.device = self.devices[0]
         self.config = self.parts[0].config
