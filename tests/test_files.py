@@ -4,8 +4,10 @@ beside it."""
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -70,3 +72,49 @@ def test_a_trace_that_does_not_fit_the_disk_leaves_the_file_as_it_was(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("failed: True"), done.stdout
     assert path.read_text() == "[]" and os.listdir(tmp_path) == ["trace.json"]
+
+
+def test_a_pipe_is_refused_and_left_as_it_was(tmp_path):
+    """A pipe, like a device or a socket, was replaced by a regular file (as root, /dev/null too)."""
+    path = str(tmp_path / "t.pipe")
+    os.mkfifo(path)
+    with pytest.raises(OSError, match="not a regular file") as info:
+        _files.write_whole(path, "new")
+    assert info.value.filename == path
+    assert stat.S_ISFIFO(os.stat(path).st_mode) and os.listdir(tmp_path) == ["t.pipe"]
+
+
+@pytest.mark.parametrize("name", ["a" * 250 + ".json", "é" * 125 + ".json"], ids=["ascii", "two-byte"])
+def test_a_name_as_long_as_the_system_takes_is_written(tmp_path, name):
+    """The temporary file beside it was named after it and some ten bytes longer: too long."""
+    assert len(os.fsencode(name)) <= os.pathconf(tmp_path, "PC_NAME_MAX")
+    _files.write_whole(tmp_path / name, "new")
+    assert (tmp_path / name).read_text() == "new" and os.listdir(tmp_path) == [name]
+
+
+def test_two_threads_writing_one_name_at_once_both_succeed(tmp_path, monkeypatch):
+    """Both wrote the same temporary file: the second to move it found it gone."""
+    path = tmp_path / "r.json"
+    both_open = threading.Barrier(2, timeout=10)
+    real_open = open
+
+    def open_and_wait(*a, **k):
+        fh = real_open(*a, **k)
+        both_open.wait()
+        return fh
+
+    monkeypatch.setattr(_files, "open", open_and_wait, raising=False)
+    failed = []
+
+    def write(text):
+        try:
+            _files.write_whole(path, text)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            failed.append(exc)
+
+    threads = [threading.Thread(target=write, args=(text,)) for text in ("one", "two")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failed and path.read_text() in ("one", "two") and os.listdir(tmp_path) == ["r.json"]

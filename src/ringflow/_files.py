@@ -5,7 +5,9 @@ pipe or socket is refused by every reader and writer alike (:func:`is_special`).
 
 from __future__ import annotations
 
+import errno
 import os
+import threading
 
 
 def write_whole(path: "str | os.PathLike", text: str) -> str:
@@ -15,10 +17,14 @@ def write_whole(path: "str | os.PathLike", text: str) -> str:
         ``path`` as a string.
 
     Raises:
-        OSError: the file cannot be written; the error names ``path``.
+        OSError: the file cannot be written, or ``path`` names a device, pipe or socket
+            (:func:`is_special`); the error names ``path``.
     """
     path = os.fspath(path)
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    if is_special(path):  # replaced by a regular file otherwise: a pipe, or as root /dev/null
+        raise OSError(errno.EINVAL, "not a regular file (a device, pipe or socket); give the name of a "
+                      "regular file to write", path)
+    tmp = _temporary_name(path)
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.write(text)
@@ -32,6 +38,21 @@ def write_whole(path: "str | os.PathLike", text: str) -> str:
             raise OSError(exc.errno, exc.strerror, path) from None
         raise
     return path
+
+
+def _temporary_name(path: str) -> str:
+    """A name beside ``path`` (so that moving it over ``path`` is atomic) for the contents until
+    they are whole: ``path``'s name with this process and thread added, which makes it one per
+    writer at a time, and cut short where the whole would be longer than the folder takes."""
+    folder, name = os.path.split(path)
+    tag = f".tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        most = os.pathconf(folder or os.curdir, "PC_NAME_MAX")
+    except (OSError, ValueError):  # a missing folder (the write names it) or no limit known
+        most = 255
+    while name and len(os.fsencode(f".{name}{tag}")) > most:
+        name = name[:-1]
+    return os.path.join(folder, f".{name}{tag}")
 
 
 def is_special(path: "str | os.PathLike") -> bool:

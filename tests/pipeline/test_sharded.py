@@ -6,7 +6,9 @@ import contextlib
 import doctest
 import gc
 import json
+import os
 import signal
+import stat
 import threading
 
 import numpy as np
@@ -155,6 +157,28 @@ def test_a_sharded_trace_path_that_is_not_a_file_name_is_refused(capfd):
     with pytest.raises(TypeError, match="path must be a file name"):
         report.save_trace(1)
     assert capfd.readouterr().out == ""
+
+
+def test_a_sharded_trace_onto_a_pipe_is_refused_at_once(tmp_path):
+    """It opened the pipe to write and waited for a reader for ever."""
+    path = str(tmp_path / "t.pipe")
+    os.mkfifo(path)
+    _, report = rf.stream_map_report(f, contents((8, 4), 1), device=sims(2))
+    failed = []
+
+    def save():
+        try:
+            report.save_trace(path)
+        except OSError as exc:
+            failed.append(exc)
+
+    saver = threading.Thread(target=save, daemon=True)
+    saver.start()
+    saver.join(10)
+    if saver.is_alive():  # let the blocked open go on, then fail
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+    assert not saver.is_alive() and failed and "not a regular file" in str(failed[0]), failed
+    assert failed[0].filename == path and stat.S_ISFIFO(os.stat(path).st_mode)
 
 
 def test_each_device_runs_its_own_rows_on_its_own_engine():

@@ -39,6 +39,7 @@ import numpy as np
 from .._device import device_label, host_pool
 from .._device.protocol import Device
 from .._errors import DeviceError, LaunchError, StageError
+from .._files import write_whole
 from .._trace.chrome import check_file_name
 from .engine import Arrays, choose_engine
 from .sizing import default_workers
@@ -361,11 +362,10 @@ class ShardedReport:
 
         Raises:
             TypeError: ``path`` is not a file name (a str or os.PathLike).
-            OSError: the file cannot be written.
+            OSError: the file cannot be written, or is a device, pipe or socket.
         """
         check_file_name(path, "save_trace")
-        with open(path, "w") as fh:
-            json.dump(self.to_chrome(), fh)
+        write_whole(path, json.dumps(self.to_chrome()))
         return path
 
     def __repr__(self) -> str:

@@ -54,7 +54,7 @@ def save_chrome(timeline: Timeline, path: str, **kw: Any) -> str:
 
     Raises:
         TypeError: ``path`` is not a file name (:func:`check_file_name`).
-        OSError: the file cannot be written.
+        OSError: the file cannot be written, or is a device, pipe or socket.
     """
     check_file_name(path, "save_trace")
     write_whole(path, json.dumps(to_chrome(timeline, **kw)))

@@ -197,7 +197,7 @@ class Report:
 
         Raises:
             TypeError: ``path`` is not a file name (a str or os.PathLike).
-            OSError: the file cannot be written.
+            OSError: the file cannot be written, or is a device, pipe or socket.
         """
         return save_chrome(self.timeline, path)
 
