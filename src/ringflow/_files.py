@@ -20,7 +20,7 @@ def write_whole(path: "str | os.PathLike", text: str) -> str:
         OSError: the file cannot be written, or ``path`` names a device, pipe or socket
             (:func:`is_special`); the error names ``path``.
     """
-    path = os.fspath(path)
+    path = os.fsdecode(path)
     if is_special(path):  # replaced by a regular file otherwise: a pipe, or as root /dev/null
         raise OSError(errno.EINVAL, "not a regular file (a device, pipe or socket); give the name of a "
                       "regular file to write", path)

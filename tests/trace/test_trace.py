@@ -1,5 +1,6 @@
 """The profiled timeline, its Chrome/Perfetto export, the report and the plot."""
 
+import io
 import json
 import os
 
@@ -118,6 +119,30 @@ def test_a_trace_or_plot_path_that_is_not_a_file_name_is_refused(path, capfd):
             rep.plot(path)
     assert capfd.readouterr().out == ""
     os.fstat(1)  # stdout is still open
+
+
+def test_a_plot_goes_into_an_open_binary_file_in_the_type_its_name_ends_with(tmp_path):
+    """plot accepted an open file, then failed inside with a TypeError (leaving the file empty)."""
+    pytest.importorskip("matplotlib")
+    rep = profiled_run(n=2)
+    buffer = io.BytesIO()
+    rep.plot(buffer)  # no name: a PNG
+    assert buffer.getvalue()[:8] == b"\x89PNG\r\n\x1a\n"
+    with open(tmp_path / "g.svg", "wb") as fh:
+        rep.plot(fh)
+    assert b"<svg" in (tmp_path / "g.svg").read_bytes()
+
+
+def test_a_trace_or_plot_named_in_bytes_is_written_at_that_name(tmp_path):
+    """Both accepted a bytes name, then failed inside with a TypeError."""
+    rep = profiled_run(n=2)
+    trace = os.fsencode(tmp_path / "t.json")
+    rep.save_trace(trace)
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    pytest.importorskip("matplotlib")
+    rep.plot(os.fsencode(tmp_path / "g.png"))
+    assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(tmp_path)) == ["g.png", "t.json"]
 
 
 def test_report_needs_profiling():

@@ -59,8 +59,12 @@ def plot_gantt(timeline: Timeline, path: Optional[str] = None, *, ax=None, title
     return fig
 
 
-def save_figure(fig, path: str) -> None:
-    """Write ``fig`` to the file ``path`` itself, in the type its extension names; PNG where the
-    name has none (matplotlib would otherwise write ``path + ".png"``, a file nobody asked for)."""
-    ext = os.path.splitext(os.fspath(path))[1].lstrip(".")
-    fig.savefig(path, format=None if ext else "png")
+def save_figure(fig, path) -> None:
+    """Write ``fig`` to the file ``path`` itself (a file name, or an open binary file), in the
+    type the name's extension names; PNG where the name has none (matplotlib would otherwise
+    write ``path + ".png"``, a file nobody asked for) or an open file has no name."""
+    if not hasattr(path, "write"):
+        path = os.fsdecode(path)
+    name = getattr(path, "name", path)  # an open file's name, an int where opened from a descriptor
+    ext = os.path.splitext(name)[1].lstrip(".") if isinstance(name, str) else ""
+    fig.savefig(path, format=ext or "png")

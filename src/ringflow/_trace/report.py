@@ -209,8 +209,9 @@ class Report:
         inline plots.
 
         Args:
-            path: where to save the figure (its format from the extension, e.g. ``.png``,
-                ``.svg``); None saves nothing.
+            path: where to save the figure: a file name or an open binary file, its format
+                from the name's extension (e.g. ``.png``, ``.svg``; PNG without one); None saves
+                nothing.
             ax: a matplotlib ``Axes`` to draw into; None draws into a new ``Figure``.
 
         Returns:
