@@ -1,6 +1,7 @@
 """stream_map keeps its finished pipeline warm for the next call of the same shape."""
 
 import gc
+import types
 import weakref
 
 import numpy as np
@@ -253,7 +254,7 @@ def test_pipelines_parked_by_another_thread_close_quietly_at_exit():
     assert "Warning" not in done.stderr and "Hazard" not in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize("device", ["sim", "sim:0", 0, True, ["sim"]], ids=repr)
+@pytest.mark.parametrize("device", ["sim", "auto", "sim:x", 0, True, ["sim"]], ids=repr)
 def test_dropping_the_warm_pipelines_of_something_not_a_device_is_refused(device):
     """A spec, a number or a list names no device whose pipelines are kept: it used to drop
     nothing and return 0, so a leak check after it went on with the pipelines still warm."""
@@ -262,3 +263,23 @@ def test_dropping_the_warm_pipelines_of_something_not_a_device_is_refused(device
     with pytest.raises(TypeError, match="drop_warm_pipelines.*device"):
         rf.drop_warm_pipelines(device)
     assert rf.drop_warm_pipelines(dev) == 1
+
+
+def test_a_named_spec_drops_the_warm_pipelines_of_the_device_it_names():
+    """"sim:N" is the same device for every call naming it, and "cuda:N" the same GPU: refused
+    as a spec that "makes a new device, which has none"."""
+    from ringflow import _device
+    from tests.helpers.sim import named_sims
+
+    with named_sims(0, 1) as (first, second):
+        for dev in (first, second):
+            rf.stream_map(f, np.ones(64, np.float32), device=dev, chunk_bytes=64)
+        assert rf.drop_warm_pipelines("sim:0") == 1 and first.live().total == 0
+        assert second.live().total > 0 and rf.drop_warm_pipelines("sim:1") == 1
+    made = dict(_device._named_sims)
+    assert rf.drop_warm_pipelines("sim:7") == 0 and _device._named_sims == made  # none made to find none
+
+    closed = []
+    gpu = types.SimpleNamespace(backend="cuda", index=1, closed=True)  # no pipeline of it can run here
+    warm.WARM._parked["gpu 1"] = (types.SimpleNamespace(device=gpu, close=lambda: closed.append(1)), None)
+    assert rf.drop_warm_pipelines("cuda:0") == 0 and rf.drop_warm_pipelines("cuda:1") == 1 and closed == [1]

@@ -87,10 +87,14 @@ class WarmPipelines:
         for p, t in evicted:
             _close(p, t)
 
-    def drop(self, device: "Device | None" = None) -> int:
-        """Close the parked pipelines (of ``device`` only, if given); returns how many."""
+    def drop(self, device: "Device | None" = None, *, label: Optional[str] = None) -> int:
+        """Close the parked pipelines (of ``device`` only, or of the device ``label`` names as
+        :func:`~ringflow._device.device_label` does, if given); returns how many."""
+        from .._device import device_label
+
         with self._lock:
-            keys = [k for k, (p, _) in self._parked.items() if device is None or p.device is device]
+            keys = [k for k, (p, _) in self._parked.items() if (device is None or p.device is device) and
+                    (label is None or device_label(p.device) == label)]
             dropped = [self._parked.pop(k) for k in keys]
         for p, t in dropped:
             _close(p, t)
@@ -116,23 +120,35 @@ def _close(pipe: "Pipeline", token: Any) -> None:
 WARM = WarmPipelines()
 
 
-def drop_warm_pipelines(device: "Device | None" = None) -> int:
+def drop_warm_pipelines(device: "Device | str | None" = None) -> int:
     """Close the pipelines :func:`~ringflow.stream_map` keeps warm (for ``device``, or all) and
     release their streams and memory; returns how many were closed. Call it before checking
     ``device.live()`` for leaks, or to hand their memory back early.
 
+    ``device`` may be a device, or a spec naming one device for the whole process: ``"sim:N"``
+    (none is made where there is none yet) or ``"cuda:N"`` (the pipelines on GPU N).
+
     Raises:
-        TypeError: ``device`` is neither None nor a device (a spec such as ``"sim"`` names no
-            device whose pipelines are kept: each call of ``ringflow.device`` makes a new one).
+        TypeError: ``device`` is neither None, a device nor such a spec (``"sim"`` and
+            ``"auto"`` name no device whose pipelines are kept: each makes a new one).
     """
+    from .._device import parse_spec
     from .._device.protocol import Device  # at call time: only a type name for this module otherwise
 
-    if device is not None and not isinstance(device, Device):
-        spec = (f"; a spec such as {device!r} makes a new device, which has none: pass the device object the "
-                "calls ran on") if isinstance(device, str) else ""
-        raise TypeError(f"drop_warm_pipelines(device=...) takes a ringflow Device or None (every device), got "
-                        f"{type(device).__name__} {device!r:.60}{spec}")
-    return WARM.drop(device)
+    if device is None or isinstance(device, Device):
+        return WARM.drop(device)
+    if isinstance(device, str):
+        try:
+            kind, index = parse_spec(device)
+        except ValueError:
+            kind, index = "", None
+        if index is not None:  # "sim:N" is one device per process, "cuda:N" one GPU
+            return WARM.drop(label=f"{kind}:{index}")
+    # what is left of the specs, "sim" and "auto", make a new device each
+    spec = (f"; a spec such as {device!r} makes a new device, which has none: pass the device object the "
+            "calls ran on, or a named one such as 'sim:0' or 'cuda:0'") if isinstance(device, str) and kind else ""
+    raise TypeError(f"drop_warm_pipelines(device=...) takes a ringflow Device, a spec naming one ('sim:N', "
+                    f"'cuda:N') or None (every device), got {type(device).__name__} {device!r:.60}{spec}")
 
 
 def options_key(options: dict[str, Any]) -> Optional[Hashable]:
