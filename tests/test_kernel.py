@@ -74,6 +74,19 @@ def test_the_reference_refuses_what_a_launch_refuses(args, error, says):
     assert ran == []
 
 
+@pytest.mark.parametrize("args, says", [
+    ((np.ones(4, np.float32), None), "argument 1 is NoneType None"),
+    ((np.ones(4, np.float32), "y"), "argument 1 is str 'y'"),
+    (([1.0, 2.0], np.ones(4, np.float32)), "argument 0 is list"),
+], ids=["None", "str", "list"])
+def test_an_argument_that_is_no_array_is_named_by_its_position_and_type(args, says):
+    """Beside a numpy array it was called "a mix of numpy and device arrays"."""
+    k = Kernel('extern "C" __global__ void k(){}', "k", reference=lambda *a: None)
+    with pytest.raises(TypeError, match=f"kernel 'k': {says}.*must be numpy, CuPy, PyTorch") as info:
+        k(*args)
+    assert "mix" not in str(info.value)
+
+
 def test_kernel_as_compute_on_the_simulated_gpu():
     """stream.launch(kernel, x_arg, y_arg, scalar) runs the reference on sim."""
     dev = rf.device("sim")

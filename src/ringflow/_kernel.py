@@ -57,6 +57,8 @@ from ._pipeline.validate import check_count
 
 __all__ = ["Kernel", "BoundKernel"]
 
+_ACCEPTED = "must be numpy, CuPy, PyTorch or cuda.core arrays or numpy scalars"
+
 
 class Kernel:
     """An elementwise CUDA C++ kernel, compiled with NVRTC on first use on each GPU, that runs
@@ -145,10 +147,15 @@ class Kernel:
     # -- calling -------------------------------------------------------------------------------
     def __call__(self, *args: Any, stream: Any = None) -> Any:
         """Run on ``args``: the ``reference`` on numpy arrays, else a launch on ``stream`` (see
-        the module's doc for which stream when None). Raises TypeError for no array, numpy
-        arrays without a reference, numpy and device arrays mixed, or a Python scalar, and
+        the module's doc for which stream when None). Raises TypeError for an argument that is
+        neither an array nor a scalar (named by its position and type), no array, numpy arrays
+        without a reference, numpy and device arrays mixed, or a Python scalar, and
         ValueError for a strided array or, elementwise, one shorter than the first: on numpy
         arrays too, before the reference runs, as a launch would."""
+        for i, a in enumerate(args):  # named here: beside numpy arrays it would read as a device array
+            if not isinstance(a, (np.ndarray, np.generic, bool, int, float, complex)) and _framework(a) is None:
+                raise TypeError(f"kernel {self.name!r}: argument {i} is {type(a).__name__} {a!r:.60}; "
+                                f"kernel arguments {_ACCEPTED}")
         arrays = [a for a in args if not isinstance(a, (np.generic, bool, int, float, complex))]
         if not arrays:
             raise TypeError(f"kernel {self.name!r} needs at least one array argument")
@@ -268,25 +275,36 @@ def _cuda() -> Any:
     return cuda.core
 
 
+def _framework(a: Any) -> "str | None":
+    """Which kind of device array ``a`` is: ``"cupy"``, ``"torch"``, ``"dlpack"`` (a cuda.core
+    StridedMemoryView), ``"cai"`` (any other ``__cuda_array_interface__``), or None for none."""
+    mod = type(a).__module__.split(".")[0]
+    if mod in ("cupy", "torch"):
+        return mod
+    if type(a).__name__ == "StridedMemoryView":
+        return "dlpack"
+    return "cai" if getattr(a, "__cuda_array_interface__", None) is not None else None
+
+
 def _describe(a: Any) -> tuple[int, int, int, str]:
     """(device pointer, element count, GPU index, framework) of a contiguous device array."""
-    mod = type(a).__module__.split(".")[0]
-    if mod == "cupy":
+    kind = _framework(a)
+    if kind == "cupy":
         if not a.flags.c_contiguous:
             raise ValueError("kernel arguments must be C-contiguous; use cupy.ascontiguousarray")
         return int(a.data.ptr), int(a.size), int(a.device.id), "cupy"
-    if mod == "torch":
+    if kind == "torch":
         if a.device.type != "cuda":
             raise ValueError(f"a torch tensor on {a.device} cannot be a kernel argument; move it to the GPU")
         if not a.is_contiguous():
             raise ValueError("kernel arguments must be contiguous; use tensor.contiguous()")
         return int(a.data_ptr()), int(a.numel()), int(a.device.index), "torch"
-    if type(a).__name__ == "StridedMemoryView":
+    if kind == "dlpack":
         if a.strides is not None and not _c_contiguous(a.shape, a.strides):
             raise ValueError("kernel arguments must be C-contiguous")
         return int(a.ptr), int(math.prod(a.shape)), int(a.device_id), "dlpack"
-    cai = getattr(a, "__cuda_array_interface__", None)
-    if cai is not None:
+    if kind == "cai":
+        cai = a.__cuda_array_interface__
         if cai.get("strides") is not None and not _c_contiguous(cai["shape"], cai["strides"], cai["typestr"]):
             raise ValueError("kernel arguments must be C-contiguous")
         from cuda.bindings import driver
@@ -294,8 +312,7 @@ def _describe(a: Any) -> tuple[int, int, int, str]:
         ptr = int(cai["data"][0])
         err, dev = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
         return ptr, int(math.prod(cai["shape"])), int(dev) if int(err) == 0 else 0, "cai"
-    raise TypeError(f"kernel arguments must be numpy, CuPy, PyTorch or cuda.core arrays or numpy scalars; "
-                    f"got {type(a).__name__}")
+    raise TypeError(f"kernel arguments {_ACCEPTED}; got {type(a).__name__}")
 
 
 def _c_contiguous(shape, strides, typestr: str | None = None) -> bool:

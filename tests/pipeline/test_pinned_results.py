@@ -213,6 +213,21 @@ def test_a_result_of_a_shared_chunk_given_to_stream_map_is_staged_never_register
     rf.drop_warm_pipelines(dev)
 
 
+def test_registering_pinned_memory_of_another_device_is_refused_as_such(dev):
+    """It was called a view from another byte than its block's first, which it is not."""
+    other = rf.device("sim")
+    x = rf.host.empty(1000, np.float32, device=other)
+    x[:] = 1
+    with pytest.raises(ValueError, match="cannot pin x: it is pinned memory of another device") as info:
+        rf.stream_map(f, x, device=dev, chunk_bytes=1024, host="register")
+    assert "not from its block's first byte" not in str(info.value)
+    assert "device=" in str(info.value) and "host='stage'" in str(info.value)
+    with pytest.raises(ValueError, match="cannot pin out: it is pinned memory of another device"):
+        rf.stream_map(f, np.ones(1000, np.float32), out=rf.host.empty_like(x), device=dev, chunk_bytes=1024,
+                      host="register")
+    assert dev.live().total == 0
+
+
 def test_arrays_that_die_in_a_reference_cycle_on_another_thread_go_back_in_order(dev):
     """An array in a reference cycle is dropped by whichever thread runs the collector, which
     saw nothing of the threads that used it: every recorded use left a token on its block (the

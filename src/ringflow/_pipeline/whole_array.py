@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import _plan as plan
 from .._device import device as make_device
-from .._device import device_list
+from .._device import device_label, device_list
 from .._device import host_pool
 from .._device.protocol import Device, HostBuffer, close_quietly
 from .._testing import current as current_hooks
@@ -423,15 +423,17 @@ class MapLayout:
             TypeError: ``x_buffer`` or ``out_buffer`` that is not a host buffer.
             ValueError: a row larger than a chunk, half a pair of pinned buffers, pinned buffers
                 without ``out`` or that are not ``x``'s and ``out``'s memory, or registration of
-                strided arrays, or of a view into pool memory (``host="register"``).
+                strided arrays, of another device's pool memory or of a view into pool memory
+                (``host="register"``).
         """
         row_bytes = x.nbytes // x.shape[0]
         out_row_bytes = out.nbytes // out.shape[0]
         in_place = (False, False)
         contiguous = x.flags.c_contiguous and out.flags.c_contiguous
-        # a view into pool memory from another byte than its block's first (a result of items
-        # that shared a chunk, say): pinned already, so it cannot be registered, and not used in
-        # place either (the engines read a buffer from its first byte): it is staged
+        # pool memory with no buffer of this device behind it: another device's, or a view from
+        # another byte than its block's first (a result of items that shared a chunk, say):
+        # pinned already, so it cannot be registered, and not used in place either (the engines
+        # read a buffer of this device from its first byte): it is staged
         pinned_views = tuple(buf is None and host_pool.device_of(arr) is not None
                              for arr, buf in ((x, pinned[0]), (out, None if fresh_out else pinned[1])))
         workers = options.get("workers") or default_workers(dev)
@@ -466,7 +468,12 @@ class MapLayout:
                 raise ValueError("host='register' needs C-contiguous x and out; use host='stage' "
                                  "(or np.ascontiguousarray) for strided arrays")
             if strategy == "register" and any(pinned_views):
-                name = "x" if pinned_views[0] else "out"
+                name, arr = ("x", x) if pinned_views[0] else ("out", out)
+                owner = host_pool.device_of(arr)
+                if owner is not dev:
+                    raise ValueError(f"host='register' cannot pin {name}: it is pinned memory of another device "
+                                     f"({device_label(owner)}), pinned already; pass device= that device, or use "
+                                     f"host='stage' (or 'auto') to copy it through this one's memory")
                 raise ValueError(f"host='register' cannot pin {name}: it is a view into ringflow.host pinned "
                                  f"memory (not from its block's first byte), pinned already; use host='auto' or "
                                  f"'stage', or pass an array from rf.host.empty")
