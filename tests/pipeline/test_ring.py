@@ -159,3 +159,40 @@ def test_external_ring_slots_cover_the_callers_buffer_when_taken(dev):
     assert not buf.closed  # the caller's memory is never closed by the ring
     buf.close()
     other.close()
+
+
+def refuse_more_than(dev, monkeypatch, method, most):
+    """Make ``dev.<method>`` fail as numpy does for a request over ``most`` bytes (a test cannot
+    ask for hundreds of GiB: where the system overcommits, numpy would get them)."""
+    real = getattr(dev, method)
+
+    def allocate(nbytes, *a, **k):
+        if nbytes > most:
+            raise MemoryError(f"Unable to allocate {nbytes} bytes")
+        return real(nbytes, *a, **k)
+
+    monkeypatch.setattr(dev, method, allocate)
+
+
+@pytest.mark.parametrize("method", ["allocate_host", "allocate"])
+def test_a_ring_too_large_to_allocate_names_chunk_bytes_and_the_slots(dev, monkeypatch, method):
+    """It was numpy's bare "Unable to allocate 600. GiB", naming neither, and what was made
+    before it is freed."""
+    refuse_more_than(dev, monkeypatch, method, 1 << 20)
+    chunk = 1 << 20
+    with pytest.raises(MemoryError, match=rf"3 slots of chunk_bytes={chunk} bytes, {3 * chunk} bytes.*smaller "
+                                          r"chunk_bytes or fewer slots") as info:
+        rf.Pipeline(lambda x, y: None, device=dev, chunk_bytes=chunk, slots=3)
+    assert "Unable to allocate" not in str(info.value)
+    assert dev.live().total == 0
+
+
+def test_a_direct_engine_ring_too_large_to_allocate_names_chunk_bytes_and_the_slots(dev, monkeypatch):
+    import numpy as np
+
+    refuse_more_than(dev, monkeypatch, "allocate", 4096)
+    x = np.ones(1 << 12, np.float32)
+    with pytest.raises(MemoryError, match=r"device-in ring: \d+ slots of chunk_bytes=4096 bytes.*smaller chunk_bytes"):
+        rf.stream_map(lambda x, y: None, x, device=dev, chunk_bytes=4096, engine="direct", host="register")
+    rf.drop_warm_pipelines(dev)
+    assert dev.live().total == 0

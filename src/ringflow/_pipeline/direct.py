@@ -44,8 +44,10 @@ from .._trace.report import Report
 from .._trace.timeline import ENQUEUE_TRACK, Anchor, ChunkRecord, Span, Timeline
 from .config import SlotCounts, refuse_unknown_guards
 from .engine import Arrays
+from .ring import allocate_ring
 from .sigint import checkpoint
 from .sizing import COMPUTE_BOUND_STREAMS, compute_streams_for, copy_group, is_compute_bound, taper
+from .states import RingKind
 from .stages import GPU_STAGES, StageStreams, launch_compute, mark, poison_after, sim_seconds_for, writes_into_y
 
 logger = logging.getLogger(__name__)
@@ -148,9 +150,11 @@ class DirectSchedule:
                                     computes=max(self.compute_streams,
                                                  min(COMPUTE_BOUND_STREAMS, n_in) if self._measure_pending else 1))
         try:  # (a failure or Ctrl-C anywhere below frees the streams and whatever rings exist)
-            self.dev_in = device.allocate(chunk_bytes * n_in)
+            self.dev_in = allocate_ring(device.allocate, RingKind.DEVICE_INPLACE if inplace else RingKind.DEVICE_IN,
+                                        chunk_bytes, n_in)
             self._rings.append(self.dev_in)
-            self.dev_out = None if inplace else device.allocate(out_chunk_bytes * n_out)
+            self.dev_out = None if inplace else allocate_ring(device.allocate, RingKind.DEVICE_OUT, out_chunk_bytes,
+                                                              n_out)
             if self.dev_out is not None:
                 self._rings.append(self.dev_out)
             # host time the last run spent enqueueing (its host overhead), on the device's clock: the

@@ -33,6 +33,23 @@ class Slot:
         return f"<{self.ring.kind.value} slot {self.index} {self.state.name} owner={self.owner}>"
 
 
+def allocate_ring(allocate: Callable[[int], Buffer], kind: RingKind, chunk_bytes: int, count: int) -> Buffer:
+    """The memory of a ``kind`` ring of ``count`` slots of ``chunk_bytes``: ``allocate`` (a
+    device's ``allocate`` or ``allocate_host``) of their total.
+
+    Raises:
+        MemoryError: the memory is not there; the message names chunk_bytes, the slots and the
+            bytes asked for.
+    """
+    try:
+        return allocate(chunk_bytes * count)
+    except MemoryError:  # numpy's words name neither the ring nor the options that sized it
+        total = chunk_bytes * count
+        raise MemoryError(f"cannot allocate the {kind.value} ring: {count} slots of chunk_bytes={chunk_bytes} bytes, "
+                          f"{total} bytes ({total / (1 << 30):.3g} GiB) in all, more than there is free; give a smaller "
+                          f"chunk_bytes or fewer slots") from None
+
+
 class Ring:
     def __init__(self, kind: RingKind, buffer: Buffer, count: int, chunk_bytes: int,
                  hook: Optional[TransitionHook] = None, *, external: bool = False):

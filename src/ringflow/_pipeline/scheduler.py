@@ -48,7 +48,7 @@ from .batch_space import BatchSpace, aligned
 from .chunk import MAX_MEMBERS, MEMBER_ALIGN, Chunk, ChunkFuture, Member
 from .config import PipelineConfig, refuse_unknown_guards
 from .reentry import generation, marked, run_stage
-from .ring import Ring, Slot
+from .ring import Ring, Slot, allocate_ring
 from .states import ChunkState, RingKind, SlotState
 from .stages import POISON_BYTE, StageStreams, launch_compute, mark, poison_after, sim_seconds_for, writes_into_y
 from .stats import PipelineStats
@@ -152,16 +152,14 @@ class Scheduler:
         self._host_strides = host_strides
         self.streams = StageStreams(device, checked=config.checked)
         try:
-            n, c = config.chunk_bytes, config.slots
+            c = config.slots
             self.host_in = self._host_ring(RingKind.HOST_IN, host_in_buffer, c.host_in, slot_hook)
             if config.inplace:
-                self.dev_in = self._ring(RingKind.DEVICE_INPLACE, device.allocate(n * c.device_in), c.device_in,
-                                         slot_hook)
+                self.dev_in = self._device_ring(RingKind.DEVICE_INPLACE, c.device_in, slot_hook)
                 self.dev_out = None
             else:
-                self.dev_in = self._ring(RingKind.DEVICE_IN, device.allocate(n * c.device_in), c.device_in, slot_hook)
-                self.dev_out = self._ring(RingKind.DEVICE_OUT, device.allocate(n * c.device_out), c.device_out,
-                                          slot_hook)
+                self.dev_in = self._device_ring(RingKind.DEVICE_IN, c.device_in, slot_hook)
+                self.dev_out = self._device_ring(RingKind.DEVICE_OUT, c.device_out, slot_hook)
             self.host_out = self._host_ring(RingKind.HOST_OUT, host_out_buffer, c.host_out, slot_hook)
             self.pool = device.create_worker_pool(config.workers)
         except BaseException:
@@ -217,13 +215,16 @@ class Scheduler:
         self._rings.append(ring)
         return ring
 
+    def _device_ring(self, kind, count, hook) -> Ring:
+        return self._ring(kind, allocate_ring(self.device.allocate, kind, self.config.chunk_bytes, count), count, hook)
+
     def _host_ring(self, kind, external_buffer, count, hook) -> Ring:
         n = self.config.chunk_bytes
         if kind is RingKind.HOST_IN and self._host_in_memory is not None:
             memory, self._host_in_memory = self._host_in_memory, None
             return self._ring(kind, memory, count, hook)
         if external_buffer is None:
-            return self._ring(kind, self.device.allocate_host(n * count), count, hook)
+            return self._ring(kind, allocate_ring(self.device.allocate_host, kind, n, count), count, hook)
         stride = self._host_strides[0 if kind is RingKind.HOST_IN else 1] or n
         ring = Ring(kind, external_buffer, -(-external_buffer.nbytes // stride), stride, hook, external=True)
         self._rings.append(ring)
