@@ -534,6 +534,45 @@ def test_pipeline_refuses_object_items_before_accepting_them(dev):
             pipe.submit(np.array([1, "a", None], dtype=object))
 
 
+ZERO_BYTE_DTYPES = [np.dtype("V0"), np.dtype([])]  # items of 0 bytes: nothing to move, nothing to rebuild from
+
+
+@pytest.mark.parametrize("dtype", ZERO_BYTE_DTYPES, ids=str)
+@pytest.mark.parametrize("door,setting", [(d, s) for d in WHOLE_ARRAY_DOORS for s in ENGINE_SETTINGS])
+def test_whole_array_refuses_a_dtype_of_zero_byte_items_naming_x_or_output(dev, door, setting, dtype):
+    with pytest.raises(ValueError, match=r"^x: dtype .* has items of 0 bytes.*at least 1 byte"):
+        run(door, setting, dev, np.zeros(N, dtype))
+    with pytest.raises(ValueError, match=r"^output: dtype .* has items of 0 bytes.*at least 1 byte"):
+        run(door, setting, dev, output=((N,), dtype))
+
+
+@pytest.mark.parametrize("item", [np.zeros(4, "V0"), {"a": np.zeros(4, "V0"), "b": np.ones(3, np.float32)}],
+                         ids=["array", "dict"])
+def test_pipeline_refuses_items_of_zero_byte_dtype_before_accepting_them(dev, item):
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
+        with pytest.raises(ValueError, match=r"^items.*: dtype \|V0 has items of 0 bytes"):
+            pipe.submit(item)
+        assert pipe.stats().accepted == 0
+        np.testing.assert_array_equal(pipe.submit(data(4)).result(timeout=30), expected(data(4)))
+
+
+def test_pipeline_refuses_outputs_of_zero_byte_dtype_naming_output(dev):
+    with pytest.raises(ValueError, match=r"^output: dtype \|V0 has items of 0 bytes"):
+        rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, output=((3,), "V0"))
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, output=lambda item: {"a": ((3,), "V0")}) as pipe:
+        with pytest.raises(ValueError, match=r"^output\(item\): dtype \|V0 has items of 0 bytes"):
+            pipe.submit(data(4))
+    assert pipe.stats().accepted == 0
+
+
+def test_a_prepared_array_of_zero_byte_dtype_fails_its_item_naming_prepare(dev):
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, on_error="continue",
+                     prepare=lambda i: np.zeros(4, "V0") if i == 1 else data(4)) as pipe:
+        with pytest.raises(StageError, match=r"prepare.*dtype \|V0 has items of 0 bytes"):
+            pipe.submit(1).result(timeout=30)
+        np.testing.assert_array_equal(pipe.submit(2).result(timeout=30), expected(data(4)))
+
+
 @pytest.mark.parametrize("door,setting", [(d, s) for d in WHOLE_ARRAY_DOORS for s in ENGINE_SETTINGS])
 def test_read_only_out_is_refused(dev, door, setting):
     out = np.zeros(N, np.float32)

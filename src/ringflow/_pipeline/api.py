@@ -40,8 +40,8 @@ from .config import PipelineConfig, SlotCounts
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, lent_slots, resolve_slots
 from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_into, packed, unflatten
 from .like import converter
-from .validate import (as_host_array, check_choice, check_flag, check_iterable, check_options, check_output_spec,
-                       check_timeout)
+from .validate import (as_host_array, check_choice, check_flag, check_item_bytes, check_iterable, check_options,
+                       check_output_spec, check_timeout)
 from .scheduler import Scheduler, check_fill_rows
 from .reentry import check_process, generation as reentry_generation, refuse_from_stage
 from .sigint import ShieldedIterator, shielded, shielded_call
@@ -89,6 +89,7 @@ def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any
     if arr.dtype.hasobject:
         raise TypeError(f"prepare returned dtype {arr.dtype} (Python objects); items are moved as raw bytes, "
                         "use a numeric dtype")
+    check_item_bytes("items" if user_prepare is None else "prepare's array", arr.dtype)
     if user_prepare is not None and in_slot(arr, raw):  # made in the slot (ringflow.host.empty_slot)
         return arr.shape, arr.dtype
     return _copy_array_in(arr, raw, chunk_bytes)
@@ -138,13 +139,15 @@ def tree_layout(item: Any, chunk_bytes: int, where: str = "items") -> tuple:
 
     Raises:
         TypeError: a leaf that is not a host array, or holds Python objects.
-        ValueError: the packed arrays do not fit a slot of ``chunk_bytes``.
+        ValueError: a leaf's dtype has items of 0 bytes, or the packed arrays do not fit a slot
+            of ``chunk_bytes``.
     """
     leaves, tree = flatten(item)
     arrays = [as_host_array(leaf, f"{where} (each array of a tuple, list or dict)") for leaf in leaves]
     for a in arrays:
         if a.dtype.hasobject:
             raise TypeError(f"{where} are moved as raw bytes; dtype {a.dtype} holds Python objects")
+        check_item_bytes(f"{where} (each array of a tuple, list or dict)", a.dtype)
     layout = packed(tree, [(a.shape, a.dtype) for a in arrays])
     if layout.nbytes > chunk_bytes:
         raise ValueError(f"an item of {len(arrays)} arrays takes {layout.nbytes} bytes packed (each aligned to "
@@ -402,6 +405,7 @@ class Pipeline:
             found = self.device.device_source(item)
             if found is not None:  # a device array: copied device to device, no staging
                 nbytes = found[0].nbytes
+                check_item_bytes("items", np.dtype(found[2]))
                 if np.dtype(found[2]).hasobject or nbytes > self.config.chunk_bytes:
                     raise ValueError(f"a device array item of {nbytes} bytes does not fit a slot of "
                                      f"{self.config.chunk_bytes} bytes; raise chunk_bytes to at least {nbytes}")
@@ -416,6 +420,7 @@ class Pipeline:
                 check_fill_rows(False, item.ndim, "this item")
             if item.dtype.hasobject:
                 raise TypeError(f"items are moved as raw bytes; dtype {item.dtype} holds Python objects")
+            check_item_bytes("items", item.dtype)
             if item.nbytes > self.config.chunk_bytes:
                 raise ValueError(f"an item of {item.nbytes} bytes (shape {item.shape}, {item.dtype}) does not fit "
                                  f"a slot of {self.config.chunk_bytes} bytes; raise chunk_bytes to at least "

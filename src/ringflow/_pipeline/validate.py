@@ -290,20 +290,35 @@ def check_unchanged(name: str, a: np.ndarray, bound: BoundArray, *, writeable: b
                          f"{name}.flags.writeable = True again, or make a new MapJob")
 
 
+def check_item_bytes(name: str, dtype: np.dtype) -> None:
+    """Refuse a dtype whose items have 0 bytes (``V0``, a structured dtype of no fields).
+
+    Raises:
+        ValueError: naming ``name`` and what to use instead.
+    """
+    # arrays travel as raw bytes and are rebuilt from them by shape and dtype: with 0 bytes an
+    # item there is nothing to rebuild from (numpy cannot view 0 bytes as such an array)
+    if dtype.itemsize == 0:
+        raise ValueError(f"{name}: dtype {dtype} has items of 0 bytes, which ringflow cannot move (it moves arrays as "
+                         f"raw bytes); use a dtype of at least 1 byte per item, such as 'u1' or 'V1'")
+
+
 def check_output_spec(spec: Any, where: str = "output") -> tuple:
     """An output spec ``(shape, dtype)`` checked and normalised to ``(tuple of ints, numpy dtype)``.
 
     Raises:
         TypeError: not a pair, a shape that is not an int or a sequence of ints, or a dtype numpy
             does not know or that holds Python objects.
-        ValueError: a negative dimension.
+        ValueError: a negative dimension, or a dtype whose items have 0 bytes.
     """
     if not isinstance(spec, (tuple, list)) or len(spec) != 2:
         raise TypeError(f"{where} must be a (shape, dtype) pair such as ((64, 10), 'float16'), got {_got(spec)}")
     try:
-        return check_shape_dtype(*spec)
+        shape, dtype = check_shape_dtype(*spec)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{where}: {exc}") from None
+    check_item_bytes(where, dtype)
+    return shape, dtype
 
 
 _DLPACK_CPU = (1, 3)  # kDLCPU, kDLCUDAHost (pinned host memory): bytes the CPU can read

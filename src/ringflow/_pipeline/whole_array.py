@@ -35,7 +35,8 @@ from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine
 from .sigint import shielded
 from .sizing import DEFAULT_CHUNK_BYTES, chunk_sizes, default_workers, planned_compute_bound, resolve_slots, taper
 from .stages import sim_seconds_for
-from .validate import check_choice, check_not_masked, check_options, check_out, check_output_spec, same_memory
+from .validate import (check_choice, check_item_bytes, check_not_masked, check_options, check_out, check_output_spec,
+                       same_memory)
 
 HOSTS = ("auto", "stage", "register")
 
@@ -265,9 +266,10 @@ def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str, out
     Raises:
         TypeError: ``f`` not callable, ``x`` or ``out`` not a numpy array or a masked one,
             ``output`` not a ``(shape, dtype)`` pair.
-        ValueError: a 0-d ``x``, ``out`` of another shape or dtype than ``output`` (or ``x``)
-            or overlapping ``x``, an ``output`` whose rows are not ``x``'s, ``output`` with
-            ``inplace``, or an unknown ``host`` or ``engine``.
+        ValueError: a 0-d ``x``, ``x`` or ``output`` of a dtype whose items have 0 bytes, ``out``
+            of another shape or dtype than ``output`` (or ``x``) or overlapping ``x``, an
+            ``output`` whose rows are not ``x``'s, ``output`` with ``inplace``, or an unknown
+            ``host`` or ``engine``.
     """
     if not callable(f):
         raise TypeError(f"{who} needs a callable f(x, y) as its first argument, got {type(f).__name__}")
@@ -278,6 +280,7 @@ def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str, out
         raise ValueError(f"{who} splits x along axis 0; pass an array with at least one dimension (x.reshape(1))")
     if x.dtype.hasobject:
         raise TypeError(f"{who} moves raw bytes; x has dtype {x.dtype} (Python objects), use a numeric dtype")
+    check_item_bytes("x", x.dtype)
     check_choice("host", host, HOSTS)
     check_choice("engine", engine, ENGINES)
     shape, dtype = (x.shape, x.dtype) if output is None else whole_output(output, x, inplace)
