@@ -3,6 +3,8 @@ come back."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -80,9 +82,32 @@ def test_a_compute_that_does_not_return_a_row_count_fails_its_chunk_by_name(retu
 def test_bad_fill_options_are_refused():
     with pytest.raises(ValueError, match="fill"):
         rf.Pipeline(positives, device=rf.device("sim"), chunk_bytes=4096, fill="bytes")
-    with pytest.raises(ValueError, match="needs a result of one array"):
+    with pytest.raises(ValueError, match="fill='rows' needs a result of one array.*; output is a tuple, list or dict"):
         rf.Pipeline(positives, device=rf.device("sim"), chunk_bytes=4096, fill="rows",
                     output={"a": ((4,), "f4"), "b": ((4,), "f4")})
+
+
+@pytest.mark.parametrize("spec", [{"a": ((4, 2), "f4")}, (((4, 2), "f4"), ((4,), "i8"))], ids=["dict", "tuple"])
+def test_an_output_function_giving_several_arrays_is_refused_at_submit_naming_output_and_fill(spec):
+    """As a fixed spec of several arrays is refused when the pipeline is made, one that
+    output(item) gives is refused when the item is offered, before anything of it is accepted."""
+    def keep_two(x, y):
+        y[:2] = x[:2]
+        return 2
+
+    dev = rf.device("sim")
+    several = r"fill='rows' needs a result of one array.*output\(item\) is a tuple, list or dict"
+    with rf.Pipeline(keep_two, device=dev, chunk_bytes=4096, fill="rows",
+                     output=lambda item: spec if item.shape == (4, 2) else (item.shape, item.dtype)) as pipe:
+        with pytest.raises(ValueError, match=several):
+            pipe.submit(np.ones((4, 2), np.float32))
+        assert pipe.stats().accepted == 0
+        with pytest.raises(ValueError, match=several):
+            list(pipe.map([np.ones((3, 2), np.float32), np.ones((4, 2), np.float32)]))
+        np.testing.assert_array_equal(pipe.submit(np.ones((3, 2), np.float32)).result(timeout=30), np.ones((2, 2)))
+    assert pipe.stats().in_flight == 0 and pipe.stats().failed == 0
+    gc.collect()
+    assert dev.live().total == 0, f"left live: {dev.live()}"
 
 
 def _copy_rows(x, y):

@@ -169,6 +169,19 @@ def output_tree(spec: Any, where: str) -> Any:
     return packed(tree, [check_output_spec(p, where) for p in pairs])
 
 
+def check_fill_output(spec: Any, where: str) -> None:
+    """Refuse, for ``fill="rows"``, an output spec of several arrays (a tuple, list or dict of
+    ``(shape, dtype)`` pairs, or their packed layout).
+
+    Raises:
+        ValueError: naming ``where``, ``fill`` and what to change.
+    """
+    if isinstance(spec, Packed) or (is_tree(spec) and not is_spec(spec)):
+        raise ValueError(f"fill='rows' needs a result of one array (the rows filled are counted along its first "
+                         f"axis); {where} is a tuple, list or dict of (shape, dtype) pairs: give one pair, or drop "
+                         "fill='rows'")
+
+
 def _pinned_source(device: Device, item: Any) -> Optional[tuple]:
     """Where an item is an array from ``device``'s host pool (:mod:`ringflow.host`), or a
     C-contiguous view of one from any byte: its bytes, shape and dtype, which the h2d reads in
@@ -314,9 +327,8 @@ class Pipeline:
                              "function); plain array items are copied on the calling thread")
         if fill is not None:
             check_choice("fill", fill, ("rows",))
-            if isinstance(output, (Packed,)) or (output is not None and not callable(output) and is_tree(output)
-                                                 and not is_spec(output)):
-                raise ValueError("fill='rows' needs a result of one array; this output spec has several")
+            if output is not None and not callable(output):
+                check_fill_output(output, "output")
         if like is not None and consume is not None:
             raise ValueError("like= converts the results a pipeline delivers itself; with consume= the consumer "
                              "makes the result: convert there")
@@ -433,13 +445,16 @@ class Pipeline:
 
         Raises:
             TypeError, ValueError: the spec (or what ``output(item)`` returned) is not a valid
-                ``(shape, dtype)``, or its bytes do not fit a slot.
+                ``(shape, dtype)``, is several arrays with ``fill="rows"``, or its bytes do not fit
+                a slot.
         """
         spec = self._output
         if spec is None:
             return None
         if callable(spec):
             spec = output_tree(spec(item), "output(item)")
+            if self.config.fill == "rows":
+                check_fill_output(spec, "output(item)")
         if isinstance(spec, Packed):
             nbytes, what = spec.nbytes, f"{len(spec.leaves)} arrays packed"
         else:
