@@ -135,6 +135,22 @@ def test_the_report_plots_a_track_group_per_device(tmp_path):
     assert len(fig.axes) == 2 and (tmp_path / "two.png").stat().st_size > 1000
 
 
+@pytest.mark.parametrize("items", [5, None, 2.5], ids=repr)
+def test_map_of_something_not_iterable_is_refused_at_once_naming_items_as_on_one_device(items):
+    with rf.Pipeline(f, device=sims(2), chunk_bytes=4096) as pipe:
+        with pytest.raises(TypeError, match="items must be an iterable of items"):
+            pipe.map(items)  # at the call, not at the first next()
+
+        async def first():
+            async for r in pipe.amap(items):
+                return r
+
+        with pytest.raises(TypeError, match="items must be an iterable of items"):
+            asyncio.run(first())
+        a = items_of(1)[0]
+        np.testing.assert_array_equal(list(pipe.map([a]))[0], a * 2 + 1)
+    assert pipe.stats().in_flight == 0
+
 def test_a_subclass_given_several_devices_says_it_runs_on_one():
     class Mine(rf.Pipeline):
         pass

@@ -33,6 +33,7 @@ from .api import Pipeline
 from .aio import CancelIfDropped, follow
 from .chunk import cancel_unwanted
 from .stats import PipelineStats
+from .validate import check_iterable
 
 
 class SpreadPipeline(Pipeline):
@@ -146,9 +147,10 @@ class SpreadPipeline(Pipeline):
 
         Raises:
             RuntimeError: at once (not when iterated) on a closed pipeline.
+            TypeError: at once, where ``items`` is not iterable.
         """
         self._check_caller("map()")
-        return self._map(items)
+        return self._map(check_iterable("items", items))
 
     def _map(self, items: Iterable[Any]) -> Iterator[Any]:
         limit = sum(p.config.max_in_flight for p in self.parts)
@@ -204,7 +206,7 @@ class SpreadPipeline(Pipeline):
         under it (the pipeline cancelled, or stopped by a failure) ends it as it ends :meth:`map`."""
         self._check_caller("amap()")
         limit = sum(p.config.max_in_flight for p in self.parts)
-        iterator = items.__aiter__() if hasattr(items, "__aiter__") else iter(items)
+        iterator = items.__aiter__() if hasattr(items, "__aiter__") else check_iterable("items", items)
         window: collections.deque = collections.deque()
         ending = CancelIfDropped(window)
         exhausted = started = False
