@@ -22,6 +22,7 @@ import numpy as np
 from ._device import device as make_device
 from ._device.protocol import Device, close_quietly
 from ._errors import StageError
+from ._pipeline.engine import choose_engine
 from ._pipeline.validate import check_options
 from ._pipeline.warm import WARM
 from ._pipeline.whole_array import MapLayout, check_arrays, stream_map
@@ -114,9 +115,12 @@ class RayMapper:
             raise TypeError(f"RayMapper got unexpected keyword argument(s) {unknown}; it passes these to "
                             f"stream_map: {', '.join(PASSED_OPTIONS)}")
         # refuse bad options here, where the actor starts, not at the first batch
-        check_options(allow_auto_chunk=True, **{k: v for k, v in options.items() if k not in ("host", "engine")})
-        check_arrays(f, np.zeros(1, np.uint8), None, options.get("host", "auto"), options.get("engine", "auto"),
-                     "RayMapper")
+        opts = check_options(allow_auto_chunk=True, **{k: v for k, v in options.items() if k not in ("host", "engine")})
+        host, engine = options.get("host", "auto"), options.get("engine", "auto")
+        check_arrays(f, np.zeros(1, np.uint8), None, host, engine, "RayMapper")
+        # engine='direct' where host='stage' or the options rule it out; host='auto' is decided for
+        # each batch's arrays, so with it only what rules direct out whatever the host is known now
+        choose_engine(engine, host, opts)
         self.options = options
         self.device = make_device(device, **(device_options or {}))
         # Ray ends an actor by ending its process. Release the kept engines and the device then
