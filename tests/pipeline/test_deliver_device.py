@@ -6,8 +6,10 @@ On the simulated GPU the consumer reads a result by launching on a stream of its
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
+import pickle
 import random
 import threading
 import time
@@ -253,6 +255,29 @@ def test_a_device_result_is_made_by_a_pipeline_only():
     with pytest.raises(TypeError, match="made by a Pipeline"):
         rf.DeviceResult(0, None, None, None)
 
+
+
+@pytest.mark.parametrize("how,what", [(pickle.dumps, "pickled"), (copy.copy, "copied"), (copy.deepcopy, "copied")],
+                         ids=["pickle", "copy", "deepcopy"])
+def test_a_device_result_refuses_to_be_pickled_or_copied_and_says_what_to_copy(how, what):
+    """A DeviceResult is a lent slot: a copy would be a second handle on the same slot (released
+    twice), and a pickle cannot carry device memory to another process."""
+    dev = rf.device("sim")
+    with rf.Pipeline(f, device=dev, chunk_bytes=1024, deliver="device") as pipe:
+        res = pipe.submit(np.ones(4, np.float32)).result(timeout=30)
+        with pytest.raises(TypeError, match=rf"^a DeviceResult cannot be {what}: .*lent until release\(\).*"
+                                            r"copy its \.array.*deliver='host'"):
+            how(res)
+        assert not res.released
+        user = dev.create_stream()
+        got = read_on(user, res)  # the result itself is still good to read and to release
+        res.release(stream=user)
+        user.sync()
+        user.close()
+        np.testing.assert_array_equal(got, np.full(4, 3, np.float32))
+        with pytest.raises(TypeError, match=f"cannot be {what}"):
+            how(res)  # released or not
+    assert pipe.stats().in_flight == 0
 
 def _one_slot_pipeline(seed):
     return rf.Pipeline(f, device=rf.device("sim", seed=seed), chunk_bytes=1024, deliver="device",
