@@ -1,6 +1,10 @@
 """stream_map keeps its finished pipeline warm for the next call of the same shape."""
 
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 import types
 import weakref
 
@@ -283,3 +287,52 @@ def test_a_named_spec_drops_the_warm_pipelines_of_the_device_it_names():
     gpu = types.SimpleNamespace(backend="cuda", index=1, closed=True)  # no pipeline of it can run here
     warm.WARM._parked["gpu 1"] = (types.SimpleNamespace(device=gpu, close=lambda: closed.append(1)), None)
     assert rf.drop_warm_pipelines("cuda:0") == 0 and rf.drop_warm_pipelines("cuda:1") == 1 and closed == [1]
+
+
+_FORK_WARM = textwrap.dedent("""
+    import os, signal, sys, warnings
+    import numpy as np
+    import ringflow as rf
+
+    def f(a, b):
+        b[...] = a * 2
+
+    x = np.arange(1 << 12, dtype=np.float32)
+    d = rf.device("sim")
+    rf.stream_map(f, x, device=d, chunk_bytes=1 << 12)  # parks its pipeline
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)
+        lines = []
+        try:
+            rf.stream_map(f, x, device=d, chunk_bytes=1 << 12)
+            lines.append("same device: worked")
+        except RuntimeError as exc:
+            lines.append(f"same device: {exc}")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lines.append(f"dropped: {rf.drop_warm_pipelines()}")
+        lines.append(f"warnings: {[str(w.message) for w in caught]}")
+        y = rf.stream_map(f, x, device=rf.device("sim"), chunk_bytes=1 << 12)
+        lines.append(f"own device: {bool((y == x * 2).all())}")
+        sys.stdout.write("\\n".join(lines) + "\\n")
+        sys.stdout.flush()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert (rf.stream_map(f, x, device=d, chunk_bytes=1 << 12) == x * 2).all()
+    print("child status", status)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_forked_child_never_takes_the_parents_warm_pipelines():
+    """The child's stream_map took the pipeline its parent had parked, and failed saying a
+    Pipeline (which the caller never made) was made before fork(); the parked pipelines are the
+    parent's, and the child forgets them, touching nothing."""
+    run = subprocess.run([sys.executable, "-c", _FORK_WARM], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"})
+    out = run.stdout
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "child status 0" in out, out + run.stderr[-2000:]
+    assert "same device: this simulated GPU was made in a parent process before fork()" in out, out
+    assert "dropped: 0" in out and "warnings: []" in out and "own device: True" in out, out

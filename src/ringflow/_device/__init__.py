@@ -56,6 +56,20 @@ _named_host: Any = None
 _named_lock = threading.Lock()
 
 
+def _forget_named_in_child() -> None:
+    """After fork(), in the child: the named simulated GPUs are the parent's (each refuses the
+    child's calls), so the child's names start again with devices of its own; the registry's
+    lock may have been held by a parent's thread that is not in the child."""
+    global _named_host, _named_lock
+    _named_sims.clear()
+    _named_host = None
+    _named_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
+    os.register_at_fork(after_in_child=_forget_named_in_child)
+
+
 class DeviceUnavailableError(RingflowError, RuntimeError):
     """The device asked for cannot be used on this machine (no driver, no cuda.core, no GPU).
 

@@ -32,9 +32,12 @@ from __future__ import annotations
 
 import atexit
 import collections
+import os
 import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Hashable, Optional
+
+from . import reentry  # noqa: F401 - its fork hook runs before this module's (see _forget_in_child)
 
 if TYPE_CHECKING:
     from .._device.protocol import Device
@@ -118,6 +121,21 @@ def _close(pipe: "Pipeline", token: Any) -> None:
 
 
 WARM = WarmPipelines()
+
+
+def _forget_in_child() -> None:
+    """After fork(), in the child: the parked pipelines are the parent's (their threads are not
+    in the child, their device refuses it), so they are forgotten, touching nothing; the cache's
+    lock may have been held by a parent's thread that is not in the child either. (Registered
+    after :mod:`.reentry`'s count of forks, which each pipeline's forgetting reads.)"""
+    WARM._lock = threading.Lock()
+    parked, WARM._parked = WARM._parked, collections.OrderedDict()
+    for pipe, _ in parked.values():
+        pipe._forget_if_forked()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def drop_warm_pipelines(device: "Device | str | None" = None) -> int:

@@ -5,6 +5,10 @@ and host worker pools."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -898,3 +902,58 @@ def test_fold_tokens_keeps_exactly_what_orders_a_thread():
         dev.observe(t)
     buf.close()
     own.close()
+
+
+_FORK_CHILD = textwrap.dedent("""
+    import os, signal, sys, threading
+    import numpy as np
+    import ringflow as rf
+
+    d = rf.device("sim")
+    named = rf.device("sim:3")
+    named.allocate(8).close()
+    held, go = threading.Event(), threading.Event()
+
+    def hold():  # a thread inside a device call at the moment of fork()
+        with d._lock:
+            held.set()
+            go.wait(30)
+
+    threading.Thread(target=hold, daemon=True).start()
+    held.wait(30)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # a hang in the child ends it, and the parent sees the signal
+        lines = []
+        for name, call in (("allocate", lambda: d.allocate(8)), ("stream", d.create_stream),
+                           ("named", lambda: named.allocate(8))):
+            try:
+                call()
+                lines.append(f"{name}: worked")
+            except RuntimeError as exc:
+                lines.append(f"{name}: {exc}")
+        fresh = rf.device("sim:3")  # a named device of the child's own
+        fresh.allocate(8).close()
+        lines.append(f"named again: {'new' if fresh is not named else 'the parent'}")
+        sys.stdout.write("\\n".join(lines) + "\\n")
+        sys.stdout.flush()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    go.set()
+    d.allocate(8).close()
+    print("child status", status)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_device_made_before_fork_refuses_the_child_and_never_hangs_it():
+    """A thread of the parent held the device's lock at fork(): the child's first call waited for
+    it for ever. The child now gets a RuntimeError naming fork, and makes devices of its own."""
+    run = subprocess.run([sys.executable, "-c", _FORK_CHILD], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"})
+    out = run.stdout
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "child status 0" in out, out + run.stderr[-2000:]
+    for name in ("allocate", "stream", "named"):
+        assert f"{name}: this simulated GPU was made in a parent process before fork()" in out, out
+    assert "named again: new" in out, out

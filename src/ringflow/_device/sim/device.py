@@ -41,6 +41,42 @@ from .graph import capturing_thread
 from .stream import SimEvent, SimStream
 
 
+class _ParentsLock:
+    """A simulated GPU's lock in a child forked after the device was made: every call that takes
+    it raises. The parent's threads that might have held the lock at fork() are not in the child,
+    so waiting for it could last for ever; and the device's timeline, streams and memory are the
+    parent's, as a GPU's context is (CUDA cannot be used in such a child either)."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def acquire(self, *args: Any, **kwargs: Any) -> bool:
+        raise RuntimeError(f"this simulated GPU was made in a parent process before fork() ({self.what}); its "
+                           "timeline, streams and memory belong to that process, as a GPU's context does: make a "
+                           "new device in the child (ringflow.device('sim'))")
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc_info: Any) -> None:
+        return None
+
+    def release(self) -> None:
+        return None
+
+
+_MADE: "weakref.WeakSet[SimDevice]" = weakref.WeakSet()  # every simulated GPU of this process
+
+
+def _refuse_in_child() -> None:
+    """After fork(), in the child: every simulated GPU made so far is the parent's."""
+    for dev in list(_MADE):
+        dev._lock = dev.host._lock = _ParentsLock(repr(dev))
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
+    os.register_at_fork(after_in_child=_refuse_in_child)
+
+
 class _NullChecker:
     """Stands in for the checker when ``checked=False``: clocks and history are not kept."""
 
@@ -116,6 +152,7 @@ class SimDevice(Device):
         self._closed = False
         self._captures: dict = {}  # stream -> the SimCapture it is part of
         self._free_host_calls = 0  # > 0 while a graph launch replays its calls (one overhead for all)
+        _MADE.add(self)
 
     def __repr__(self) -> str:
         return f"<SimDevice {self.profile.name} seed={self.seed} chaos={self.chaos}>"
