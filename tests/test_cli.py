@@ -485,3 +485,10 @@ def test_running_out_of_memory_is_an_error_not_a_bug(monkeypatch, capsys):
     assert main(["bench", "--device", "sim", "--quick", "seed"]) == 1
     err = capsys.readouterr().err
     assert "internal error" not in err and "out of memory" in err, err
+
+
+def test_plan_lists_each_candidate_chunk_once(capsys):
+    """--bytes 1MiB cuts every larger candidate down to 1 MiB: the list shows it once."""
+    assert main(["plan", "--bytes", "1MiB"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count("1 MiB:") == 1, out

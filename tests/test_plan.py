@@ -440,3 +440,14 @@ def test_a_job_over_a_pool_array_registers_only_its_result():
         assert job.strategy == "register" and job.engine == "direct"
         assert len(job._held.registered) == 1 and job._held.registered[0].holds(job.out)
         np.testing.assert_array_equal(job(), np.full((4096, 2), 3, np.float32))
+
+
+def test_chunk_candidates_cut_down_to_the_total_are_listed_once():
+    """Candidates larger than the total are cut down to it: each size is predicted and listed
+    once, in the order of the candidates."""
+    choice = plan.choose_chunk_bytes("h200-pcie5", MiB)
+    sizes = [c for c, _, _ in choice.table]
+    assert sizes == sorted(set(sizes)) and sizes[-1] == MiB
+    assert [c for c, _, _ in plan.choose_chunk_bytes("h200-pcie5", 1).table] == [1]
+    given = plan.choose_chunk_bytes("h200-pcie5", 3 * MiB, candidates=[4 * MiB, MiB, 8 * MiB, 2 * MiB])
+    assert [c for c, _, _ in given.table] == [3 * MiB, MiB, 2 * MiB]

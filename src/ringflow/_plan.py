@@ -449,8 +449,12 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_
                         candidates, out_ratio=1.0) -> ChunkChoice:
     cands = candidates or [1 << k for k in range(16, 29)]
     rows = []
+    seen = set()
     for c in cands:
         c = max(align, (min(c, total_bytes) // align) * align)
+        if c in seen:  # candidates above the total all become the total: predict and list it once
+            continue
+        seen.add(c)
         n = -(-total_bytes // c)
         t, predicted = predict_seconds(profile, total_bytes, c, compute_s_per_byte=compute_s_per_byte,
                                        workers=workers, host_stages=host_stages, out_ratio=out_ratio)
