@@ -492,3 +492,10 @@ def test_plan_lists_each_candidate_chunk_once(capsys):
     assert main(["plan", "--bytes", "1MiB"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert out.count("1 MiB:") == 1, out
+
+
+def test_plan_gives_no_ring_more_slots_than_chunks(capsys):
+    """16 MiB in 8 MiB chunks is two chunks: no ring needs more than two slots."""
+    assert main(["plan", "--bytes", "16MiB", "--chunk", "8MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "slots host_in     │ 2 " in out and "slots host_out    │ 2 " in out, out
