@@ -499,3 +499,21 @@ def test_plan_gives_no_ring_more_slots_than_chunks(capsys):
     assert main(["plan", "--bytes", "16MiB", "--chunk", "8MiB"]) == 0
     out = capsys.readouterr().out
     assert "slots host_in     │ 2 " in out and "slots host_out    │ 2 " in out, out
+
+
+def test_sizes_are_read_exactly_and_refused_above_the_maximum(capsys):
+    """A size is read exactly, never through a float: one byte above 8 PiB is refused (it was
+    rounded down to 8 PiB and accepted), and a fraction of a byte is dropped, not rounded up."""
+    from ringflow._planning_cli import MAX_BYTES, parse_bytes
+
+    assert parse_bytes(str(MAX_BYTES)) == MAX_BYTES == parse_bytes("8PiB")
+    for text in (str(MAX_BYTES + 1), "8.0000000000000000001PiB", "9007199254740992.5", "1e9999999"):
+        with pytest.raises(ValueError, match="too large"):
+            parse_bytes(text)
+    assert parse_bytes("2251799813685248.9") == 2251799813685248  # a float reads ...249
+    assert parse_bytes("0.1e1KiB") == 1024 and parse_bytes(".5KiB") == 512
+    with pytest.raises(ValueError, match="less than 1 byte"):
+        parse_bytes("1e-9999999GiB")
+    assert main(["plan", "--bytes", str(MAX_BYTES + 1)]) == 2
+    err = capsys.readouterr().err
+    assert "--bytes" in err and "too large" in err and "8 PiB" in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import decimal
 import json
 import math
 import re
@@ -32,8 +33,18 @@ def parse_bytes(text: str) -> int:
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _UNITS:
         raise ValueError(f"{text!r} is not a size ({SIZE_HINT})")
-    value = float(m.group(1)) * _UNITS[unit]
-    if not math.isfinite(value) or value > MAX_BYTES:
+    # exact decimal arithmetic: a float would round sizes just above the maximum down into range
+    number = decimal.Decimal(m.group(1))
+    if number > MAX_BYTES:  # a unit only makes it larger; checked first, so no huge power is built
+        raise ValueError(f"{text!r} is too large; sizes go up to 8 PiB ({SIZE_HINT})")
+    if number.adjusted() < -20:  # below a byte in any unit (the largest is 2**50 < 1e16)
+        value = decimal.Decimal(0)
+    else:
+        with decimal.localcontext() as ctx:
+            ctx.prec = len(number.as_tuple().digits) + 20  # room for every digit of the product
+            ctx.traps[decimal.Inexact] = True
+            value = number * _UNITS[unit]
+    if value > MAX_BYTES:
         raise ValueError(f"{text!r} is too large; sizes go up to 8 PiB ({SIZE_HINT})")
     if value < 1:
         raise ValueError(f"{text!r} is less than 1 byte; give at least 1 byte ({SIZE_HINT})")
