@@ -517,3 +517,26 @@ def test_sizes_are_read_exactly_and_refused_above_the_maximum(capsys):
     assert main(["plan", "--bytes", str(MAX_BYTES + 1)]) == 2
     err = capsys.readouterr().err
     assert "--bytes" in err and "too large" in err and "8 PiB" in err
+
+
+def test_bench_out_writes_json_without_nan_and_plan_compare_reads_it(tmp_path, monkeypatch, capsys):
+    """A figure that does not exist (NaN, or a ratio over zero) is written as null: NaN and
+    Infinity are not JSON, and strict readers refuse the file. plan --compare reads it back."""
+    import numpy as np
+
+    import ringflow._bench.runner as runner
+
+    def workload(dev, name, **kw):
+        return {"workload": name, "efficiency": float("nan"), "ratio": float("inf"),
+                "rows": [{"name": "ringflow", "chunk_bytes": 8 << 20, "predicted_ms": 2.0, "ms_median": 2.5,
+                          "efficiency": np.float32("nan"), "ms_p10": 2.0, "ms_p90": 3.0}]}
+
+    monkeypatch.setattr(runner, "run_workload", workload)
+    result = runner.run_bench("sim", ["seed"], out_dir=str(tmp_path))
+    text = open(result["path"], encoding="utf-8").read()
+    assert "NaN" not in text and "Infinity" not in text, text
+    seed = json.loads(text)["workloads"]["seed"]
+    assert seed["efficiency"] is None and seed["ratio"] is None and seed["rows"][0]["efficiency"] is None
+    capsys.readouterr()
+    assert main(["plan", "--bytes", "64MiB", "--compare", result["path"]]) == 0
+    assert "error -20.0%" in capsys.readouterr().out

@@ -1,5 +1,6 @@
 """JSON text read from files the user names (a trace, a bench result, a hardware profile), where
-every way the text can fail to be usable JSON is one :class:`json.JSONDecodeError`.
+every way the text can fail to be usable JSON is one :class:`json.JSONDecodeError`; and values
+made fit to write as JSON (:func:`plain`).
 
 :func:`json.loads` lets two such texts escape as other errors: arrays or objects nested deeper
 than the interpreter's recursion limit (a RecursionError, which a caller would take for a bug)
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import re
 from typing import Any
 
@@ -42,6 +44,24 @@ def loads(text: "str | bytes") -> Any:
             raise
         digits = len(found.group().lstrip("-"))
         raise json.JSONDecodeError(f"a number of {digits} digits, too long to read", doc, found.start()) from None
+
+
+def plain(value: Any) -> Any:
+    """``value`` with every float that is NaN or infinite replaced by None, recursively through
+    dicts, lists and tuples (tuples become lists); other floats (numpy's too) as Python floats.
+
+    JSON has no NaN or infinity: ``json.dumps`` writes them as bare words that strict readers
+    refuse, and a figure that does not exist (an efficiency of a run that delivered nothing)
+    is null.
+    """
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        value = float(value)
+        return value if math.isfinite(value) else None
+    return value
 
 
 def _integer(digits: str) -> "int | float":

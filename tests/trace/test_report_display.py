@@ -127,3 +127,46 @@ def test_plot_refuses_an_axes_that_is_not_one(rep):
     pytest.importorskip("matplotlib")
     with pytest.raises(TypeError, match="matplotlib Axes"):
         rep.plot(ax="left")
+
+
+def _strict_json(text):
+    """JSON as a strict reader takes it: NaN and Infinity are not JSON."""
+    import json
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("failing", [False, True], ids=["no items", "every item failed"])
+def test_as_dict_of_a_run_without_results_is_json_with_none_for_missing_figures(failing):
+    """With nothing delivered there is no efficiency and no latency: as_dict says None, and
+    json.dumps(..., allow_nan=False) takes it (NaN is not JSON)."""
+    import json
+
+    dev = rf.device("sim", profile="unit")
+
+    def f(x, y):
+        y[:] = x
+
+    def refuse(item):
+        raise RuntimeError("this item is refused")
+
+    with rf.Pipeline(f, device=dev, chunk_bytes=MB, workers=2, profile=True, on_error="continue",
+                     prepare=refuse if failing else None) as pipe:
+        assert list(pipe.map([np.ones(10, np.float32)] * 3 if failing else [])) == []
+    rep = pipe.report()
+    d = _strict_json(json.dumps(rep.as_dict(), allow_nan=False))
+    assert d["chunks"] == 0 and d["efficiency"] is None
+    assert d["latency_s"] == {"p50": None, "p95": None, "p99": None}
+    assert d["measured_s"] == 0.0 and d["throughput_GBps"] == 0.0  # zeros that are true stay zeros
+    assert "efficiency nan" in repr(rep)  # the object keeps its float for formatting
+
+
+def test_as_dict_of_a_run_is_unchanged_where_figures_exist(rep):
+    import json
+
+    d = rep.as_dict()
+    assert d["efficiency"] == rep.efficiency and d["latency_s"] == rep.latency_s
+    assert json.loads(json.dumps(d, allow_nan=False))["chunks"] == 6

@@ -111,3 +111,17 @@ def test_unhashable_thread_ids_are_read(tmp_path):
     path.write_text(json.dumps([{"ph": "X", "tid": [1, 2], "ts": 0, "dur": 5, "name": "h2d"}]))
     (span,) = read_spans(str(path))
     assert span.name == "h2d" and span.end == pytest.approx(5e-6)
+
+
+def test_json_summary_writes_null_for_a_total_beyond_a_float(tmp_path, capsys):
+    """Spans whose durations add up beyond a float's range give an infinite total: --json writes
+    null there (Infinity is not JSON), and the rest of the summary as it is."""
+    events = [{"ph": "X", "tid": 1, "cat": "h2d", "name": "h2d", "ts": 0, "dur": 1e308, "args": {"chunk": i}}
+              for i in range(10_000)]
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps(events))
+    assert main(["trace", str(path), "--json"]) == 0
+    text = capsys.readouterr().out
+    assert "Infinity" not in text and "NaN" not in text
+    h2d = json.loads(text)["stages"]["h2d"]
+    assert h2d["total_ms"] is None and h2d["count"] == 10_000 and h2d["median_ms"] > 0

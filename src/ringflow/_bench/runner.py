@@ -14,6 +14,7 @@ import numpy as np
 
 import ringflow as rf
 
+from .. import _jsontext as jsontext
 from .._files import write_whole
 from .provenance import provenance
 from .workloads import WORKLOADS, run_workload
@@ -77,7 +78,7 @@ def run_bench(device: str = "auto", workloads=WORKLOADS, *, quick: bool = False,
         os.makedirs(out_dir, exist_ok=True)
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%S")
         path = os.path.join(out_dir, f"bench-{dev.backend}-{stamp}.json")
-        write_whole(path, json.dumps(result, indent=1, default=_jsonable))
+        write_whole(path, json.dumps(jsontext.plain(result), indent=1, default=_jsonable, allow_nan=False))
         console.print(f"wrote {path}")
         result["path"] = path
     dev.close()

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from .. import _jsontext as jsontext
 from .._device import device_label, host_pool
 from .._device.protocol import Device
 from .._errors import DeviceError, LaunchError, StageError
@@ -306,9 +307,11 @@ class ShardedReport:
                 f"{self.wall_s * 1e3:.3f} ms{' (simulated)' if self.simulated else ''}, slowest {slowest}")
 
     def as_dict(self) -> dict[str, Any]:
-        return {"devices": list(self.devices), "rows": [list(r) for r in self.rows],
+        """The call's figures and each device's report (:meth:`Report.as_dict`) as plain values
+        for JSON (a figure that does not exist is None)."""
+        return jsontext.plain({"devices": list(self.devices), "rows": [list(r) for r in self.rows],
                 "elapsed_s": list(self.elapsed_s), "wall_s": self.wall_s, "predicted_s": self.predicted_s,
-                "throughput_GBps": self.throughput_GBps, "reports": [r.as_dict() for r in self.reports]}
+                "throughput_GBps": self.throughput_GBps, "reports": [r.as_dict() for r in self.reports]})
 
     def to_chrome(self) -> dict[str, Any]:
         """One Chrome/Perfetto trace of the call: a process (``pid``) per device, named after it,

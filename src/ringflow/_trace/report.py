@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from .. import _jsontext as jsontext
 from .chrome import save_chrome
 from .timeline import GPU_STAGES, STAGES, ChunkRecord, Timeline
 
@@ -233,10 +234,12 @@ class Report:
                 f"(ideal {self.ideal_s * 1e3:.3f} ms, efficiency {self.efficiency:.2f}, bottleneck {self.bottleneck})")
 
     def as_dict(self) -> dict[str, Any]:
-        """The report's fields as plain values for JSON, without the timeline's spans."""
+        """The report's fields as plain values for JSON, without the timeline's spans: a figure
+        that does not exist (the efficiency and latencies of a run that delivered nothing, NaN
+        on the report) is None, and the p10..p90 pairs are lists."""
         d = dataclasses.asdict(self)
         d.pop("timeline")
-        return d
+        return jsontext.plain(d)
 
     def table(self):
         """The report as a ``rich.table.Table``."""

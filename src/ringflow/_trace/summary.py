@@ -188,7 +188,7 @@ def print_summary(path: str, *, json_out: bool = False) -> int:
     """
     info = summarise(path)
     if json_out:
-        print(json.dumps(_rounded(info), indent=2))
+        print(json.dumps(jsontext.plain(_rounded(info)), indent=2, allow_nan=False))
         return 0
     from rich.console import Console
     from rich.markup import escape  # the file's name and its spans' names are text, not markup
