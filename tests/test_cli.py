@@ -540,3 +540,21 @@ def test_bench_out_writes_json_without_nan_and_plan_compare_reads_it(tmp_path, m
     capsys.readouterr()
     assert main(["plan", "--bytes", "64MiB", "--compare", result["path"]]) == 0
     assert "error -20.0%" in capsys.readouterr().out
+
+
+def test_lone_surrogates_in_names_are_shown_escaped(tmp_path, capsys):
+    """A JSON file may hold a lone surrogate ("\\ud800") in a span or workload name, and a file
+    name undecodable bytes (read as surrogates): no terminal can print them, and the table
+    failed with 'surrogates not allowed'. They are shown as escapes."""
+    folder = tmp_path / "\udcff"  # the byte 0xff, as Python reads it from a file name
+    folder.mkdir()
+    trace = folder / "t.json"
+    trace.write_text('[{"ph": "X", "ts": 0, "dur": 5, "name": "h2d \\ud800 [b]", "tid": 1}]')
+    assert main(["trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "h2d \\ud800 [b]" in out and "\\udcff" in "".join(out.split()), out
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"workloads": {"w\ud800": {"rows": [
+        {"name": "r\udfff", "chunk_bytes": 8 << 20, "predicted_ms": 2.0, "ms_median": 2.5}]}}}))
+    assert main(["plan", "--bytes", "64MiB", "--compare", str(bench)]) == 0
+    assert "w\\ud800 r\\udfff: predicted 2.000 ms" in capsys.readouterr().out

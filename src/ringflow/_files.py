@@ -69,3 +69,14 @@ def too_large(path: "str | os.PathLike") -> str:
     except OSError:
         size = "size unknown"
     return f"{os.fspath(path)!r} is too large to read into the memory free ({size})"
+
+
+def printable(text: str) -> str:
+    """``text`` (a file's name, or a name read from a file) as rich prints it literally: each
+    lone surrogate written as its escape (``\\ud800``) and rich markup escaped (``[b]`` shown as
+    written)."""
+    from rich.markup import escape
+
+    # JSON may hold a lone surrogate ("\ud800"), and a file name undecodable bytes (which Python
+    # reads as surrogates): no encoding can write one, so the console would fail on it
+    return escape(text.encode("utf-8", "backslashreplace").decode("utf-8"))

@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from . import _jsontext as jsontext
-from ._files import is_special, too_large
+from ._files import is_special, printable, too_large
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
           "t": 1 << 40, "tib": 1 << 40, "p": 1 << 50, "pib": 1 << 50, "kb": 10**3, "mb": 10**6, "gb": 10**9,
@@ -101,7 +101,6 @@ def plan_command(args) -> int:
             profile (:class:`~ringflow._device.hardware.ProfileError`, naming the field).
     """
     from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
 
     from . import _plan as plan
@@ -127,7 +126,7 @@ def plan_command(args) -> int:
     slots = plan.plan_slots(t, chunks=n)
     console = Console()
     # names from the profile and the bench file are the user's text, not markup
-    table = Table(title=escape(f"{_human(total)} in chunks of {chunk / 2**20:g} MiB x {n} on profile "
+    table = Table(title=printable(f"{_human(total)} in chunks of {chunk / 2**20:g} MiB x {n} on profile "
                                f"{profile.name}{where}"))
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -146,14 +145,14 @@ def plan_command(args) -> int:
         table.add_row("  the host's shared copies", f"{many.host_floor_s * 1e3:.3f} ms")
     console.print(table)
     if profile.gpu_name:
-        console.print(escape(f"profile {profile.name}: measured on {profile.gpu_name} (driver "
+        console.print(printable(f"profile {profile.name}: measured on {profile.gpu_name} (driver "
                              f"{profile.driver or 'unknown'})" + (f" at {profile.measured_at}" if profile.measured_at else "")))
     if choice is not None:
         console.print("candidates: " + ", ".join(f"{c / 2**20:g} MiB: {s * 1e3:.2f} ms" for c, _, s in choice.table))
     for name, row in compare:
         if _number(row.get("chunk_bytes")) and _number(row.get("predicted_ms")) and _number(row.get("ms_median")):
             err = row["predicted_ms"] / row["ms_median"] - 1
-            console.print(escape(f"{name} {row.get('name', '?')}: predicted {row['predicted_ms']:.3f} ms, measured "
+            console.print(printable(f"{name} {row.get('name', '?')}: predicted {row['predicted_ms']:.3f} ms, measured "
                                  f"{row['ms_median']:.3f} ms, error {err * 100:+.1f}%"))
     return 0
 

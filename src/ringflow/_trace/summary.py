@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .. import _jsontext as jsontext
-from .._files import is_special, too_large
+from .._files import is_special, printable, too_large
 from .timeline import STAGES, Span
 
 LEGEND = {
@@ -191,21 +191,20 @@ def print_summary(path: str, *, json_out: bool = False) -> int:
         print(json.dumps(jsontext.plain(_rounded(info)), indent=2, allow_nan=False))
         return 0
     from rich.console import Console
-    from rich.markup import escape  # the file's name and its spans' names are text, not markup
     from rich.table import Table
 
-    console = Console()
+    console = Console()  # the file's name and its spans' names are the user's text: shown through printable
     if not info["spans"]:
-        console.print(f"{escape(path)}: a Chrome trace with no spans (no complete 'X' events)")
+        console.print(f"{printable(path)}: a Chrome trace with no spans (no complete 'X' events)")
         return 0
-    title = f"{escape(path)}: {info['chunks']} chunks in {info['wall_ms']:.3f} ms wall time"
+    title = f"{printable(path)}: {info['chunks']} chunks in {info['wall_ms']:.3f} ms wall time"
     if "gpu_overlap" in info:
         title += f", GPU stage overlap x{info['gpu_overlap']:.2f}"
     t = Table(title=title)
     for col in ("span", "count", "median ms", "total ms", "busy", "tracks", "busy/track"):
         t.add_column(col, justify="left" if col == "span" else "right")
     for name, st in info["stages"].items():
-        t.add_row(escape(name), str(st["count"]), f"{st['median_ms']:.4f}", f"{st['total_ms']:.3f}",
+        t.add_row(printable(name), str(st["count"]), f"{st['median_ms']:.4f}", f"{st['total_ms']:.3f}",
                   f"{st['busy_fraction'] * 100:.0f}%", str(st["tracks"]), f"{st['per_track_fraction'] * 100:.0f}%")
     console.print(t)
     legend = [("busy", LEGEND["busy_fraction"]), ("tracks", LEGEND["tracks"]),
