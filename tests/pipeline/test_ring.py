@@ -187,6 +187,17 @@ def test_a_ring_too_large_to_allocate_names_chunk_bytes_and_the_slots(dev, monke
     assert dev.live().total == 0
 
 
+def test_a_ring_larger_than_the_device_memory_names_chunk_bytes_and_the_slots(dev):
+    """The simulated GPU refuses more than its total memory; the ring says which options asked."""
+    from ringflow._pipeline.ring import allocate_ring
+
+    chunk, count = 1 << 30, 1 + dev.capabilities.total_memory // (1 << 30)
+    with pytest.raises(MemoryError, match=rf"device-in ring: {count} slots of chunk_bytes={chunk} bytes.*smaller "
+                                          r"chunk_bytes or fewer slots"):
+        allocate_ring(dev.allocate, RingKind.DEVICE_IN, chunk, count)
+    assert dev.live().total == 0
+
+
 def test_a_direct_engine_ring_too_large_to_allocate_names_chunk_bytes_and_the_slots(dev, monkeypatch):
     import numpy as np
 

@@ -22,12 +22,14 @@ import contextlib
 import threading
 import dataclasses
 import math
+import numbers
 import os
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
+from .._checks import MAX_WORKERS, check_count
 from .._errors import CaptureError
 from . import native_copy
 
@@ -42,6 +44,48 @@ ByteRange = tuple[int, int]
 # so a kernel said to last 1e30 seconds would be simulated for ever. Eleven and a half days is
 # more than any chunk's kernel.
 MAX_SIM_SECONDS = 1e6
+
+
+def check_seconds(seconds: Any, what: str) -> float:
+    """``seconds``, a duration given by the caller, as a float: a real number from 0 to
+    :data:`MAX_SIM_SECONDS`. ``what`` names the argument in the message.
+
+    Raises:
+        TypeError: not a real number (a string, None, a bool).
+        ValueError: negative, NaN, or more than :data:`MAX_SIM_SECONDS`.
+    """
+    if isinstance(seconds, (bool, np.bool_)) or not isinstance(seconds, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds, got {type(seconds).__name__} {seconds!r}")
+    if not (0 <= seconds <= MAX_SIM_SECONDS):
+        raise ValueError(f"{what} must be a number of seconds from 0 to {MAX_SIM_SECONDS:g}, got {seconds!r}")
+    return float(seconds)
+
+
+def check_priority(priority: Any, capabilities: "Capabilities") -> int:
+    """``priority``, a stream priority, as an int within ``capabilities.stream_priorities``.
+
+    Raises:
+        TypeError: not an integer.
+        ValueError: outside the device's range (the message gives it).
+    """
+    if isinstance(priority, (bool, np.bool_)) or not isinstance(priority, numbers.Integral):
+        raise TypeError(f"stream priority must be an int, got {type(priority).__name__} {priority!r}")
+    least, greatest = capabilities.stream_priorities
+    if not greatest <= priority <= least:
+        raise ValueError(f"stream priority {priority} is outside the device's range "
+                         f"[{greatest} (highest), {least} (lowest)]")
+    return int(priority)
+
+
+def check_workers(workers: Any) -> int:
+    """``workers``, the size of a device's worker pool, as an int from 1 to
+    :data:`~ringflow._checks.MAX_WORKERS` (as many as a pipeline's ``workers=`` may ask for).
+
+    Raises:
+        TypeError: not an integer.
+        ValueError: out of range.
+    """
+    return check_count("create_worker_pool(workers)", workers, maximum=MAX_WORKERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -573,14 +617,25 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def create_worker_pool(self, workers: int) -> WorkerPool:
         """A pool of ``workers`` host threads for CPU stages (on the simulated GPU, lanes on its
-        virtual clock). Raises ValueError for fewer than 1."""
+        virtual clock).
+
+        Raises:
+            TypeError: ``workers`` is not an integer.
+            ValueError: ``workers`` is not from 1 to :data:`~ringflow._checks.MAX_WORKERS`.
+        """
 
     @abc.abstractmethod
     def wait_any(self, waitables: Sequence[Any], timeout: float | None = None,
                  wake: "threading.Event | None" = None) -> list[Any]:
         """Block until at least one of the events / host tasks is done, ``timeout`` seconds pass,
         or ``wake`` is set (by another thread: new work to start); returns those done. Observing
-        one done orders the caller after it."""
+        one done orders the caller after it. ``timeout``: None or infinity waits without limit,
+        a negative number does not wait.
+
+        Raises:
+            TypeError: ``timeout`` is not a number or None.
+            ValueError: ``timeout`` is NaN.
+        """
 
     def publish(self) -> Any:
         """A token of everything the calling host thread has done and seen, for another thread
@@ -616,10 +671,15 @@ class Device(abc.ABC):
 
     def sleep(self, seconds: float) -> None:
         """Let ``seconds`` pass on the host clock without doing host work (the sim advances its
-        virtual clock, running the device meanwhile)."""
+        virtual clock, running the device meanwhile).
+
+        Raises:
+            TypeError: ``seconds`` is not a real number.
+            ValueError: ``seconds`` is negative, NaN or more than :data:`MAX_SIM_SECONDS`.
+        """
         import time
 
-        time.sleep(max(0.0, seconds))
+        time.sleep(check_seconds(seconds, "sleep(seconds)"))
 
     def record_on(self, stream: Any) -> "Event | None":
         """An event on ``stream`` (one of this device's streams; a real GPU also takes foreign

@@ -12,11 +12,11 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from .._checks import check_wait_timeout
 from .ring import Slot
 from .states import LEGAL_CHUNK_TRANSITIONS, ChunkState, check_chunk_transition
 from .reentry import check_process, refuse_from_stage
 from .sigint import shielded
-from .validate import check_wait_timeout
 
 logger = logging.getLogger(__name__)
 

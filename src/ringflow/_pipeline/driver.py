@@ -32,6 +32,7 @@ import time
 import weakref
 from typing import Any, Callable, Optional
 
+from .._device.protocol import MAX_SIM_SECONDS
 from .._errors import DeviceError, HazardError
 from .sigint import ShieldedCondition, checkpoint, shielded
 
@@ -548,7 +549,9 @@ class ProgressThread(_Driver):
             elif sched.has_queued_work():
                 return 0.001, None, None
             if self.gated and deadline is not None and now < deadline and self.someone_waits():
-                return "sleep", deadline - now  # nothing in flight: only time can pass
+                # nothing in flight: only time can pass, at most as long as one sleep may last
+                # (a later turn sleeps on to a deadline further off)
+                return "sleep", min(deadline - now, MAX_SIM_SECONDS)
             return (0.25 if self.gated else _POLL_S), None, None
         if deadline is not None and now >= deadline and self.gated and not self.someone_waits():
             return 0.25, None, None  # the only waits left have timed out

@@ -15,19 +15,16 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
+from .._checks import MAX_WORKERS, as_float as _as_float, check_count, check_flag
+from .._checks import described as _got
 from .._device.host_pool import check_shape_dtype
 from .._plan import SlotCounts
 
 MAX_CHUNK_BYTES = 1 << 40  # 1 TiB: larger than any GPU's memory, so surely a mistake
-MAX_WORKERS = 1024
 MAX_COMPUTE_STREAMS = 16
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10 ** 3, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30, "t": 1 << 40, "tb": 10 ** 12, "tib": 1 << 40}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def _got(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
 
 
 def parse_size(text: str) -> Optional[int]:
@@ -38,23 +35,6 @@ def parse_size(text: str) -> Optional[int]:
         return None
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     return int(value) if math.isfinite(value) and value == int(value) else None
-
-
-def check_count(name: str, value: Any, *, minimum: int = 1, maximum: Optional[int] = None,
-                hint: str = "") -> int:
-    """``value`` as an int in ``[minimum, maximum]``.
-
-    Raises:
-        TypeError: not an integer (a bool, a float, a string, None).
-        ValueError: out of range.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {_got(value)}{hint}")
-    value = int(value)
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
-        raise ValueError(f"{name} must be {bound}, got {value}{hint}")
-    return value
 
 
 def check_bytes(name: str, value: Any, *, allow_auto: bool = False, maximum: int = MAX_CHUNK_BYTES) -> "int | str":
@@ -101,40 +81,6 @@ def check_choice(name: str, value: Any, choices: tuple) -> Any:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
     return value
-
-
-def check_flag(name: str, value: Any) -> bool:
-    """A bool (numpy's too). Raises TypeError for anything else (a string 'False' is not False)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {_got(value)}")
-    return bool(value)
-
-
-def _as_float(value: numbers.Real) -> float:
-    """``float(value)``, with an integer (or fraction) beyond a float's range as an infinity of
-    its sign instead of an OverflowError."""
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf if value > 0 else -math.inf
-
-
-def check_wait_timeout(value: Any) -> Optional[float]:
-    """A future's ``result``/``exception`` timeout, as :mod:`concurrent.futures` takes it: None
-    or infinity waits without limit, a negative number does not wait.
-
-    Raises:
-        TypeError: not a number.
-        ValueError: NaN.
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"timeout must be None or a number of seconds, got {_got(value)}")
-    value = _as_float(value)
-    if math.isnan(value):
-        raise ValueError("timeout must be a number of seconds (or None to wait without limit), got nan")
-    return None if value == math.inf else max(0.0, value)
 
 
 def check_iterable(name: str, value: Any) -> Iterator[Any]:

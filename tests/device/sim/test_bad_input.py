@@ -102,6 +102,17 @@ def test_numpy_int_sizes_are_fine(dev):
     assert dev.allocate(np.int64(64)).nbytes == 64
 
 
+@pytest.mark.parametrize("times", [2, 10 ** 9])
+def test_allocating_more_than_the_device_holds(dev, times):
+    """The simulated GPU holds its profile's total memory, as a real one does: more is a
+    MemoryError (Python's out-of-memory error, which the pipeline names chunk_bytes for)."""
+    total = dev.capabilities.total_memory
+    with pytest.raises(MemoryError, match=rf"allocate\(nbytes\) asks for {times * total} bytes of device memory, "
+                                          rf"more than the device's total memory of {total} bytes"):
+        dev.allocate(times * total)
+    assert dev.live().total == 0
+
+
 def test_register_host_needs_a_contiguous_array(dev):
     with pytest.raises(ValueError, match="C-contiguous") as info:
         dev.register_host(np.zeros((8, 8), np.float32)[:, ::2])
@@ -286,6 +297,28 @@ def test_bad_sim_seconds(dev, seconds):
         dev.create_worker_pool(1).submit(lambda: None, sim_seconds=seconds)
 
 
+@pytest.mark.parametrize("seconds", [-1.0, float("nan"), float("inf"), 2e6, 1e300], ids=repr)
+def test_sleep_out_of_range(dev, seconds):
+    """The clock stays where it was: a sleep past MAX_SIM_SECONDS would leave virtual time too
+    coarse to time copies in (or never end), and one below 0 or NaN is a mistake."""
+    before = dev.now
+    with pytest.raises(ValueError, match=r"sleep\(seconds\) must be a number of seconds from 0 to 1e\+06, got"):
+        dev.sleep(seconds)
+    assert dev.now == before
+
+
+@pytest.mark.parametrize("seconds", ["1", None, True, np.bool_(True), [1]], ids=repr)
+def test_sleep_needs_a_number(dev, seconds):
+    with pytest.raises(TypeError, match=r"sleep\(seconds\) must be a number of seconds, got"):
+        dev.sleep(seconds)
+
+
+def test_sleep_takes_any_real_number(dev):
+    dev.sleep(np.float32(0.5))
+    dev.sleep(1)
+    assert dev.now == pytest.approx(1.5)
+
+
 def test_bad_task_sizes_and_charges(dev):
     pool = dev.create_worker_pool(1)
     with pytest.raises(ValueError, match="int >= 0"):
@@ -299,10 +332,23 @@ def test_bad_task_sizes_and_charges(dev):
             t.result()
 
 
-@pytest.mark.parametrize("workers", [0, -2, 1.5, True, "4"])
-def test_bad_worker_counts(dev, workers):
-    with pytest.raises(ValueError, match="at least 1 worker"):
+@pytest.mark.parametrize("workers", [0, -2, 1025, 10 ** 9])
+def test_worker_counts_out_of_range(dev, workers):
+    """As many workers as the pipeline's ``workers=`` allows, no more: each is a lane of the
+    engine, and a billion of them would take minutes to set up."""
+    with pytest.raises(ValueError, match=rf"create_worker_pool\(workers\) must be between 1 and 1024, got {workers}"):
         dev.create_worker_pool(workers)
+
+
+@pytest.mark.parametrize("workers", [1.5, True, "4", None], ids=repr)
+def test_worker_counts_must_be_ints(dev, workers):
+    with pytest.raises(TypeError, match=r"create_worker_pool\(workers\) must be an integer, got"):
+        dev.create_worker_pool(workers)
+
+
+def test_worker_counts_of_numpy_ints_are_fine(dev):
+    pool = dev.create_worker_pool(np.int64(2))
+    assert pool.workers == 2 and type(pool.workers) is int
 
 
 @pytest.mark.parametrize("byte", [-1, 256, 1000])
@@ -317,6 +363,17 @@ def test_stream_priority_out_of_range(dev, priority):
         dev.create_stream(priority=priority)
 
 
+@pytest.mark.parametrize("priority", ["x", 1.5, None, True], ids=repr)
+def test_stream_priority_must_be_an_int(dev, priority):
+    with pytest.raises(TypeError, match="stream priority must be an int, got"):
+        dev.create_stream(priority)
+    assert dev.live().streams == 0
+
+
+def test_stream_priority_of_a_numpy_int_is_fine(dev):
+    assert dev.create_stream(np.int64(-5)).priority == -5
+
+
 def test_wait_takes_an_event(dev):
     with pytest.raises(TypeError, match="SimEvent"):
         dev.create_stream().wait("event")
@@ -327,6 +384,23 @@ def test_wait_any_needs_something_to_wait_for(dev):
         dev.wait_any([])
     with pytest.raises(TypeError, match="events and host tasks"):
         dev.wait_any([object()])
+
+
+@pytest.mark.parametrize("timeout,error", [("1", TypeError), ([1], TypeError), (True, TypeError),
+                                           (float("nan"), ValueError)], ids=repr)
+def test_wait_any_timeout_must_be_a_number(dev, timeout, error):
+    e = dev.create_stream().record()
+    with pytest.raises(error, match="timeout must be"):
+        dev.wait_any([e], timeout=timeout)
+
+
+def test_wait_any_timeouts_below_zero_and_infinite(dev):
+    """A negative timeout does not wait, an infinite one waits without limit (as None does)."""
+    s = dev.create_stream()
+    s.launch(lambda a: None, dev.allocate(8).array(np.uint8, 8), sim_seconds=1.0)
+    e = s.record()
+    assert dev.wait_any([e], timeout=-1) == []
+    assert dev.wait_any([e], timeout=float("inf")) == [e]
 
 
 def test_elapsed_since_needs_done_timing_events(dev):

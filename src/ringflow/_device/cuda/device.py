@@ -7,6 +7,7 @@ including worker-pool threads. CuPy and PyTorch use the same primary context.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import warnings
@@ -16,8 +17,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from ..._checks import check_wait_timeout
 from ..host_pool import without_pooled
-from ..protocol import BufferSlice, Capabilities, Device, DeviceBuffer, LiveCounts, check_own_stream, close_quietly
+from ..protocol import (BufferSlice, Capabilities, Device, DeviceBuffer, LiveCounts, check_own_stream, check_priority,
+                        check_workers, close_quietly)
 from ._lib import check, core, driver, translate
 from ._live import LiveRegistry
 from .arrays import resolve
@@ -213,13 +216,7 @@ class CudaDevice(Device):
         """A non-blocking stream; lower ``priority`` numbers run first when streams compete.
         A priority outside ``capabilities.stream_priorities`` raises ValueError (as on the sim)."""
         self._check_open()
-        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
-            raise TypeError(f"stream priority must be an int, got {type(priority).__name__}")
-        least, greatest = self.capabilities.stream_priorities
-        if not greatest <= priority <= least:
-            raise ValueError(f"stream priority {priority} is outside the device's range "
-                             f"[{greatest} (highest), {least} (lowest)]")
-        return CudaStream(self, int(priority))
+        return CudaStream(self, check_priority(priority, self.capabilities))
 
     def allocate_host(self, nbytes: int) -> PinnedHostBuffer:
         self._check_open()
@@ -240,8 +237,7 @@ class CudaDevice(Device):
 
     def create_worker_pool(self, workers: int) -> ThreadWorkerPool:
         self._check_open()
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"a worker pool needs at least 1 worker, got {workers!r}")
+        workers = check_workers(workers)
         executor = self._executors.get(workers)
         if executor is None:
             executor = self._executors[workers] = ThreadPoolExecutor(max_workers=workers,
@@ -267,8 +263,9 @@ class CudaDevice(Device):
         for w in waitables:
             if not hasattr(w, "is_done"):
                 raise TypeError(f"wait_any waits for events and host tasks, got {type(w).__name__}")
-        if timeout is not None and timeout < 0:
-            raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
+        if timeout is not None and not (type(timeout) is float and 0.0 <= timeout < math.inf):
+            # the driver's float timeouts pass the first test: the full check is for the rest
+            timeout = check_wait_timeout(timeout)
         now = time.perf_counter
         start = now()
         deadline = None if timeout is None else start + timeout

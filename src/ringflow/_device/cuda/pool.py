@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..protocol import HostTask, WorkerPool
+from ..protocol import HostTask, WorkerPool, check_workers
 
 
 class CudaHostTask(HostTask):
@@ -61,9 +61,7 @@ class ThreadWorkerPool(WorkerPool):
     def __init__(self, workers: int, executor: cf.ThreadPoolExecutor,
                  on_close: Callable[["ThreadWorkerPool"], None] | None = None,
                  on_task_done: Callable[[], None] | None = None):
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"a worker pool needs at least 1 worker, got {workers!r}")
-        self.workers = workers
+        self.workers = check_workers(workers)
         self._executor = executor
         self._pending: set[cf.Future] = set()
         self._lock = threading.Lock()

@@ -30,7 +30,9 @@ from numpy.lib.array_utils import byte_bounds
 
 from ..._errors import DeviceError
 from ..host_pool import owner_of, without_pooled
-from ..protocol import ArrayArg, Capabilities, Device, LiveCounts, check_nbytes, copy_threads, parallel_copy, python_copy_threads
+from ..._checks import check_wait_timeout
+from ..protocol import (ArrayArg, Capabilities, Device, LiveCounts, check_nbytes, check_priority, check_seconds, copy_threads,
+                        parallel_copy, python_copy_threads)
 from .engine import Engine, Op
 from .hazard import AccessKind, HappensBeforeChecker
 from .host import SimHost
@@ -178,10 +180,7 @@ class SimDevice(Device):
     def create_stream(self, priority: int = 0) -> SimStream:
         with self._lock:
             self._check_usable()
-            least, greatest = self.capabilities.stream_priorities
-            if not greatest <= priority <= least:
-                raise ValueError(f"stream priority {priority} is outside the device's range "
-                                 f"[{greatest} (highest), {least} (lowest)]")
+            priority = check_priority(priority, self.capabilities)
             self._live["streams"] += 1
             return SimStream(self, priority)
 
@@ -209,7 +208,17 @@ class SimDevice(Device):
             return buf
 
     def allocate(self, nbytes: int, stream: SimStream | None = None) -> SimDeviceBuffer:
+        """Device memory (see :meth:`Device.allocate`).
+
+        Raises:
+            MemoryError: ``nbytes`` is more than the profile's total memory (as a real GPU has no
+                more to give; the pipeline names the option that sized a ring too large).
+        """
         nbytes = check_nbytes(nbytes, "allocate size")
+        total = self.profile.total_memory
+        if nbytes > total:
+            raise MemoryError(f"allocate(nbytes) asks for {nbytes} bytes of device memory, more than the device's "
+                              f"total memory of {total} bytes ({self.profile.name}); ask for fewer bytes")
         with self._lock:
             self._check_usable()
             capture = capturing_thread(self)
@@ -277,6 +286,7 @@ class SimDevice(Device):
         waitables = list(waitables)
         if not waitables:
             raise ValueError("wait_any needs at least one event or host task")
+        timeout = check_wait_timeout(timeout)
         ops = [self._op_of(w) for w in waitables]
         for w in waitables:
             owner = w._dev if isinstance(w, SimEvent) else getattr(getattr(w, "_pool", None), "_dev", None)
@@ -284,7 +294,7 @@ class SimDevice(Device):
                 raise ValueError(f"wait_any got {w!r} of another device; wait only on this device's events and tasks")
         with self._lock:
             self._host_api(self.profile.event_overhead_s)
-            until = math.inf if timeout is None else self._engine.now + max(0.0, timeout)
+            until = math.inf if timeout is None else self._engine.now + timeout
             if wake is None:
                 self._block_until(lambda: any(op.done for op in ops), what="wait_any", until=until)
             else:  # another thread's new work ends the wait (virtual time stops where it is)
@@ -295,11 +305,12 @@ class SimDevice(Device):
             return done
 
     def sleep(self, seconds: float) -> None:
+        seconds = check_seconds(seconds, "sleep(seconds)")
         with self._lock:
             if self._in_engine:
                 raise RuntimeError("a host task on the simulated GPU must not sleep; use charge(seconds)")
             self._check_usable()
-            self._run_engine(self._engine.now + max(0.0, seconds))
+            self._run_engine(self._engine.now + seconds)
 
     def device_source(self, obj: Any) -> "tuple | None":
         """A launch argument (``buffer.array(dtype, shape)``) of one of this device's buffers,

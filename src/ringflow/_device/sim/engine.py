@@ -23,21 +23,8 @@ import random
 from collections import deque
 from typing import Callable, Optional
 
-from ..protocol import MAX_SIM_SECONDS
 
 EPS = 1e-15
-
-
-def check_seconds(seconds, what: str) -> float:
-    """A virtual duration given by the caller: a number of seconds from 0 to
-    :data:`MAX_SIM_SECONDS`."""
-    try:
-        s = float(seconds)
-    except (TypeError, ValueError):
-        raise TypeError(f"{what} must be a number of seconds, got {type(seconds).__name__}") from None
-    if not (0 <= s <= MAX_SIM_SECONDS):
-        raise ValueError(f"{what} must be a number of seconds from 0 to {MAX_SIM_SECONDS:g}, got {seconds!r}")
-    return s
 
 
 @dataclasses.dataclass(eq=False)

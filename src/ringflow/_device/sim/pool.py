@@ -15,8 +15,8 @@ import itertools
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..protocol import HostTask, WorkerPool
-from .engine import Op, check_seconds
+from ..protocol import HostTask, WorkerPool, check_seconds, check_workers
+from .engine import Op
 
 if TYPE_CHECKING:
     from .device import SimDevice
@@ -115,8 +115,7 @@ class SimHostTask(HostTask):
 
 class SimWorkerPool(WorkerPool):
     def __init__(self, dev: "SimDevice", workers: int):
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"a worker pool needs at least 1 worker, got {workers!r}")
+        workers = check_workers(workers)
         self._dev = dev
         self.workers = workers
         self.id = next(_ids)

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 
 from ..._errors import CaptureError, LaunchError
-from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Stream, as_slice, copy_extent
-from .engine import Op, check_seconds
+from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Stream, as_slice, check_seconds, copy_extent
+from .engine import Op
 from .graph import CapturedEvent, SimCapture, SimGraph
 from .hazard import AccessKind
 

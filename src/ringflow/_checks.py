@@ -1,0 +1,73 @@
+"""Argument checks shared by the device layer and the pipeline's front doors.
+
+Each names the argument, what it got and what it accepts; the device layer uses them without
+importing the pipeline, and :mod:`ringflow._pipeline.validate` builds its checks on them.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Optional
+
+import numpy as np
+
+# The most host worker threads a pipeline (``workers=``) or a device's worker pool may have.
+MAX_WORKERS = 1024
+
+
+def described(value: Any) -> str:
+    """``value`` as a message shows what it got: its repr and its type."""
+    return f"{value!r} ({type(value).__name__})"
+
+
+def check_count(name: str, value: Any, *, minimum: int = 1, maximum: Optional[int] = None,
+                hint: str = "") -> int:
+    """``value`` as an int in ``[minimum, maximum]``.
+
+    Raises:
+        TypeError: not an integer (a bool, a float, a string, None).
+        ValueError: out of range.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {described(value)}{hint}")
+    value = int(value)
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
+        raise ValueError(f"{name} must be {bound}, got {value}{hint}")
+    return value
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` as a plain bool: a bool or numpy's bool. Raises TypeError for anything else (a
+    string 'False' is not False)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {described(value)}")
+    return bool(value)
+
+
+def as_float(value: numbers.Real) -> float:
+    """``float(value)``, with an integer (or fraction) beyond a float's range as an infinity of
+    its sign instead of an OverflowError."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def check_wait_timeout(value: Any) -> Optional[float]:
+    """A wait's timeout, as :mod:`concurrent.futures` takes it: None or infinity waits without
+    limit, a negative number does not wait.
+
+    Raises:
+        TypeError: not a number.
+        ValueError: NaN.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"timeout must be None or a number of seconds, got {described(value)}")
+    value = as_float(value)
+    if math.isnan(value):
+        raise ValueError("timeout must be a number of seconds (or None to wait without limit), got nan")
+    return None if value == math.inf else max(0.0, value)
