@@ -492,3 +492,20 @@ def test_a_whole_array_job_gets_no_more_workers_than_chunks_and_runs_as_planned(
         measured[workers] = report.measured_s
     assert [p.config.workers for p in seen] == [8, 8]
     assert measured[64] == pytest.approx(measured[8], rel=0.02)
+
+
+def test_slot_counts_of_numpy_ints_are_kept_as_python_ints():
+    """A count of any integer type is stored as an int: a sum of them cannot wrap around, and
+    the pipeline does not refuse an option derived from them (max_in_flight) as not an int."""
+    s = plan.SlotCounts(np.int64(2), np.uint8(250), np.int32(0), np.int16(3))
+    assert (s.host_in, s.device_in, s.device_out, s.host_out) == (2, 250, 0, 3)
+    assert all(type(getattr(s, ring)) is int for ring in ("host_in", "device_in", "device_out", "host_out"))
+    assert plan.SlotCounts(np.uint8(250), 2, 2, np.uint8(250)).pinned_slots == 500
+
+
+def test_a_pipeline_runs_with_slot_counts_of_numpy_ints():
+    slots = plan.SlotCounts(np.int64(2), np.int64(2), np.int64(2), np.int64(2))
+    x = np.arange(4096, dtype=np.float32)
+    out = rf.stream_map(lambda a, b: np.multiply(a, 2, out=b), x, device=rf.device("sim"), slots=slots,
+                        chunk_bytes=1 << 14)
+    assert np.array_equal(out, x * 2)

@@ -46,10 +46,18 @@ class SlotCounts:
     host_out: int
 
     def __post_init__(self) -> None:
+        """Stores each count as a plain int (a numpy integer's sums wrap around, and what the
+        pipeline derives from them must be ints too).
+
+        Raises:
+            TypeError: a count that is not an integer (a bool, a float, a string).
+            ValueError: a count below 1 (below 0 for ``device_out``).
+        """
         for name in ("host_in", "device_in", "device_out", "host_out"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"slots.{name} must be an int, got {value!r} ({type(value).__name__})")
+            object.__setattr__(self, name, int(value))  # frozen: set once, here
         for name in ("host_in", "device_in", "host_out"):
             if getattr(self, name) < 1:
                 raise ValueError(f"slots.{name} must be at least 1, got {getattr(self, name)}")
