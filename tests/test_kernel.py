@@ -57,6 +57,15 @@ def test_bad_construction_and_calls():
         make_saxpy()(np.float32(1))
 
 
+def test_flags_of_numpy_bools_are_kept_as_bools():
+    """A numpy bool is a flag, as the rest of the library takes it (device('sim', chaos=...),
+    the pipeline's options)."""
+    k = make_saxpy(elementwise=np.bool_(True), pointwise=np.bool_(True))
+    assert k.elementwise is True and k.pointwise is True
+    with pytest.raises(TypeError, match=r"pointwise must be True or False, got 1 \(int\)"):
+        make_saxpy(pointwise=1)
+
+
 @pytest.mark.parametrize("args, error, says", [
     ((np.zeros(4, np.float32), np.zeros(4, np.float32), 2.0), TypeError, "numpy scalars"),
     ((np.zeros(4, np.float32), np.zeros(4, np.float32), True), TypeError, "numpy scalars"),

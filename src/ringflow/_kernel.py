@@ -53,7 +53,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ._device.cuda.probe import INSTALL_HINT
-from ._pipeline.validate import check_count
+from ._checks import check_count, check_flag
 
 __all__ = ["Kernel", "BoundKernel"]
 
@@ -82,7 +82,7 @@ class Kernel:
         ValueError: empty ``source`` or ``name``, ``block`` out of range, or ``pointwise``
             without ``elementwise``.
         TypeError: ``reference`` not callable, ``block`` not an integer, a flag that is not a
-            bool, ``options`` not a dict.
+            bool (numpy's bool is one), ``options`` not a dict.
     """
 
     def __init__(self, source: str, name: str, reference: Callable[..., Any] | None = None, *,
@@ -95,9 +95,8 @@ class Kernel:
         if reference is not None and not callable(reference):
             raise TypeError("reference must be a callable that takes numpy arrays")
         block = check_count("block", block, minimum=1, maximum=1024, hint=" (threads per block)")
-        for flag, value in (("elementwise", elementwise), ("pointwise", pointwise)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{flag} must be True or False, got {type(value).__name__} {value!r}")
+        elementwise = check_flag("elementwise", elementwise)
+        pointwise = check_flag("pointwise", pointwise)
         if options is not None and not isinstance(options, dict):
             raise TypeError(f"options must be a dict of cuda.core ProgramOptions fields, got {type(options).__name__}")
         if pointwise and not elementwise:

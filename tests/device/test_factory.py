@@ -201,3 +201,27 @@ def test_parse_spec_forms(no_gpu, monkeypatch):
     assert _device.parse_spec(None) == ("auto", None)
     monkeypatch.setenv("RINGFLOW_DEVICE", " cuda:3 ")
     assert _device.parse_spec(None) == ("cuda", 3)
+
+
+def test_a_named_simulated_gpu_takes_its_options_again_as_defaults_or_spelled_out():
+    """The options a named simulated GPU is asked for again are compared once the defaults are
+    filled in: seed=0 is what a device made with no options has."""
+    first = rf.device("sim:41")
+    try:
+        assert rf.device("sim:41", seed=0) is first
+        assert rf.device("sim:41", seed=np.int64(0), chaos=np.bool_(False), checked=True,
+                         profile="h200-pcie5") is first
+        assert rf.device("sim:41", profile=first.profile) is first
+        with pytest.raises(ValueError, match="sim:41.*exists already"):
+            rf.device("sim:41", seed=1)
+        with pytest.raises(ValueError, match="sim:41.*exists already"):
+            rf.device("sim:41", profile="unit")
+    finally:
+        first.close()
+    other = rf.device("sim:42", seed=3, chaos=True)
+    try:
+        assert rf.device("sim:42", chaos=True, seed=3, checked=True) is other
+        with pytest.raises(ValueError, match="sim:42.*exists already, made with options"):
+            rf.device("sim:42", seed=3)  # chaos=False by default: another device
+    finally:
+        other.close()

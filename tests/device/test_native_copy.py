@@ -203,6 +203,14 @@ def test_the_streaming_switch_takes_a_bool():
             native_copy.set_streaming(bad)
 
 
+def test_the_streaming_switch_takes_a_numpy_bool():
+    """As every flag of the library does."""
+    try:
+        native_copy.set_streaming(np.bool_(False))
+    finally:
+        native_copy.set_streaming(True)
+
+
 STRESS = pathlib.Path(__file__).parent.parent / "helpers" / "native_copy_stress.c"
 # a helper counting its part done: with release order its bytes are visible to the caller that
 # sees the count reach zero; relaxed, nothing orders them

@@ -15,6 +15,7 @@ configures logging sees them, one that does not sees nothing.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
@@ -253,7 +254,7 @@ def _named_sim(index: int, options: dict) -> Device:
         entry = _named_sims.get(index)
         if entry is not None and not entry[0].closed:
             dev, made_with = entry
-            if options and options != made_with:
+            if options and _sim_settings(options) != _sim_settings(made_with):
                 raise ValueError(f"device 'sim:{index}' exists already, made with options {made_with or 'none'}; "
                                  f"a named simulated GPU keeps the options it was made with: pass none (or the same), "
                                  f"or make an independent one with device('sim', **options)")
@@ -263,6 +264,23 @@ def _named_sim(index: int, options: dict) -> Device:
         dev = SimDevice(**options, host=_named_host)
         _named_sims[index] = (dev, dict(options))
         return dev
+
+
+def _sim_settings(options: dict) -> dict:
+    """What a simulated GPU made with ``options`` is made with: every option, a default where
+    ``options`` has none, and the profile as the :class:`~.hardware.HardwareProfile` it names
+    (so a profile's name and the profile itself compare equal).
+
+    Raises:
+        ValueError, TypeError: ``profile`` names no profile.
+    """
+    from .hardware import get_profile
+    from .sim import SimDevice
+
+    defaults = inspect.signature(SimDevice.__init__).parameters
+    settings = {name: options[name] if name in options else defaults[name].default for name in SIM_OPTIONS}
+    settings["profile"] = get_profile(settings["profile"])
+    return settings
 
 
 def device_label(dev: Any) -> str:

@@ -45,6 +45,8 @@ from typing import Optional
 
 import numpy as np
 
+from .._checks import check_flag
+
 log = logging.getLogger(__name__)
 
 MAX_THREADS = 32  # the C side's limit
@@ -344,8 +346,7 @@ def set_streaming(on: bool) -> None:
     "Streaming stores for staging copies" in docs/design.md) or with ``memcpy``; for
     measurements (``RINGFLOW_COPY_STREAMING=0`` starts with them off). Raises TypeError for
     anything but a bool; does nothing where native copies are off."""
-    if not isinstance(on, bool):
-        raise TypeError(f"on must be True or False, got {on!r}")
+    on = check_flag("on", on)
     lib = copier()
     if lib is not None:
         lib.ringflow_copy_streaming(int(on))

@@ -30,7 +30,7 @@ from numpy.lib.array_utils import byte_bounds
 
 from ..._errors import DeviceError
 from ..host_pool import owner_of, without_pooled
-from ..._checks import check_wait_timeout
+from ..._checks import check_flag, check_wait_timeout
 from ..protocol import (ArrayArg, Capabilities, Device, LiveCounts, check_nbytes, check_priority, check_seconds, copy_threads,
                         parallel_copy, python_copy_threads)
 from .engine import Engine, Op
@@ -132,15 +132,11 @@ class SimDevice(Device):
         if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
             raise TypeError(f"ringflow.device('sim'): seed must be an int (the same seed, the same virtual "
                             f"timeline), got {type(seed).__name__} {seed!r}")
-        for name, flag in (("chaos", chaos), ("checked", checked)):
-            if not isinstance(flag, (bool, np.bool_)):
-                raise TypeError(f"ringflow.device('sim'): {name} must be True or False, got "
-                                f"{type(flag).__name__} {flag!r}")
+        self.chaos = check_flag("ringflow.device('sim'): chaos", chaos)
+        self.checked = check_flag("ringflow.device('sim'): checked", checked)
         self.profile = get_profile(profile)
         self.name = f"simulated {self.profile.name}"
         self.seed = int(seed)
-        self.chaos = bool(chaos)
-        self.checked = bool(checked)
         self.poison = self.checked
         self.host = host if host is not None else SimHost()
         self._engine = Engine(self.profile, seed=self.seed, chaos=self.chaos)
