@@ -494,13 +494,6 @@ def test_plan_lists_each_candidate_chunk_once(capsys):
     assert out.count("1 MiB:") == 1, out
 
 
-def test_plan_gives_no_ring_more_slots_than_chunks(capsys):
-    """16 MiB in 8 MiB chunks is two chunks: no ring needs more than two slots."""
-    assert main(["plan", "--bytes", "16MiB", "--chunk", "8MiB"]) == 0
-    out = capsys.readouterr().out
-    assert "slots host_in     │ 2 " in out and "slots host_out    │ 2 " in out, out
-
-
 def test_sizes_are_read_exactly_and_refused_above_the_maximum(capsys):
     """A size is read exactly, never through a float: one byte above 8 PiB is refused (it was
     rounded down to 8 PiB and accepted), and a fraction of a byte is dropped, not rounded up."""

@@ -453,47 +453,6 @@ def test_chunk_candidates_cut_down_to_the_total_are_listed_once():
     assert [c for c, _, _ in given.table] == [3 * MiB, MiB, 2 * MiB]
 
 
-def test_planned_slots_never_exceed_the_chunks():
-    """A ring never gets more slots than the job has chunks, as a whole-array pipeline sizes
-    its rings (resolve_slots): 16 MiB in 8 MiB chunks is two chunks."""
-    t = plan.model_stage_times("h200-pcie5", 8 * MiB, workers=8)
-    assert plan.plan_slots(t).slots.host_in > 2  # the rings the interval alone asks for
-    capped = plan.plan_slots(t, chunks=2).slots
-    assert (capped.host_in, capped.device_in, capped.device_out, capped.host_out) == (2, 1, 1, 2)
-    assert plan.plan_slots(t, chunks=2, inplace=True).slots.device_out == 0
-    with pytest.raises(ValueError, match="chunks"):
-        plan.plan_slots(t, chunks=0)
-
-
-def test_workers_beyond_the_chunks_do_not_slow_the_prediction():
-    """Only workers that have a chunk copy: 8 chunks on 64 workers are predicted as on 8 (the
-    host's copy rate was shared by all 64 threads, each chunk copied at 1/64 of it)."""
-    many = plan.predict_seconds("h200-pcie5", 64 * MiB, 8 * MiB, workers=64)
-    eight = plan.predict_seconds("h200-pcie5", 64 * MiB, 8 * MiB, workers=8)
-    assert many == eight
-    assert plan.predict_seconds("h200-pcie5", 1 << 30, 8 * MiB, workers=1024) == \
-        plan.predict_seconds("h200-pcie5", 1 << 30, 8 * MiB, workers=128)
-
-
-def test_a_whole_array_job_gets_no_more_workers_than_chunks_and_runs_as_planned():
-    """stream_map of 8 chunks with workers=64 makes a pool of 8 threads: on the simulated GPU it
-    takes what 8 workers take (64 threads shared the host's copy rate while 56 sat idle)."""
-    dev = rf.device("sim", checked=False)
-
-    def f(a, b):
-        b[:] = a
-
-    x = np.ones(64 * MiB // 4, np.float32)
-    seen, measured = [], {}
-    for workers in (64, 8):
-        with engines(on=seen.append):
-            _, report = rf.stream_map_report(f, x, device=dev, chunk_bytes=8 * MiB, workers=workers, host="stage",
-                                             keep_warm=False)
-        measured[workers] = report.measured_s
-    assert [p.config.workers for p in seen] == [8, 8]
-    assert measured[64] == pytest.approx(measured[8], rel=0.02)
-
-
 def test_slot_counts_of_numpy_ints_are_kept_as_python_ints():
     """A count of any integer type is stored as an int: a sum of them cannot wrap around, and
     the pipeline does not refuse an option derived from them (max_in_flight) as not an int."""

@@ -123,33 +123,8 @@ def slots_for(lifetime: float, interval: float) -> int:
     return max(1, math.ceil(lifetime / interval - 1e-9))
 
 
-def cap_slots(counts: SlotCounts, chunks: int) -> SlotCounts:
-    """``counts`` with no ring above ``chunks`` slots (a ring of 0 stays 0): a job of ``chunks``
-    chunks never has more than that many alive in one ring.
-
-    Raises:
-        ValueError: ``chunks`` is not an int >= 1.
-    """
-    if isinstance(chunks, bool) or not isinstance(chunks, numbers.Integral) or chunks < 1:
-        raise ValueError(f"chunks must be an int >= 1 (the chunks of the job), got {chunks!r}")
-    return SlotCounts(*(min(c, chunks) if c else 0 for c in
-                        (counts.host_in, counts.device_in, counts.device_out, counts.host_out)))
-
-
-def busy_workers(workers: int, chunks: Optional[int]) -> int:
-    """The CPU workers that have a chunk to work on: ``workers``, at most ``chunks`` when the job's
-    chunk count is known (None: a stream of unknown length). A worker pool's threads share the
-    host's copy rate, so a pool sized for more chunks than exist would copy each one slower."""
-    return workers if chunks is None else max(1, min(workers, chunks))
-
-
-def plan_slots(times: StageTimes, *, inplace: bool = False, chunks: Optional[int] = None) -> SlotPlan:
-    """Slot counts that let the pipeline run at its bottleneck interval (see module doc), each
-    ring at most ``chunks`` slots when the job's chunk count is known (:func:`cap_slots`).
-
-    Raises:
-        ValueError: ``chunks`` is given and not an int >= 1.
-    """
+def plan_slots(times: StageTimes, *, inplace: bool = False) -> SlotPlan:
+    """Slot counts that let the pipeline run at its bottleneck interval (see module doc)."""
     t, h = times, times.handoff
     T = t.interval
     lifetimes = {"host_in": t.prepare + t.h2d + h}
@@ -161,8 +136,7 @@ def plan_slots(times: StageTimes, *, inplace: bool = False, chunks: Optional[int
     lifetimes["host_out"] = t.d2h + t.consume + h
     counts = {k: slots_for(v, T) for k, v in lifetimes.items()}
     counts.setdefault("device_out", 0)
-    slots = SlotCounts(**counts)
-    return SlotPlan(slots if chunks is None else cap_slots(slots, chunks), T, t.bottleneck, lifetimes)
+    return SlotPlan(SlotCounts(**counts), T, t.bottleneck, lifetimes)
 
 
 def with_device_slack(counts: SlotCounts, *, inplace: bool) -> SlotCounts:
@@ -367,12 +341,11 @@ def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     time per chunk as a sixth resource (it overlaps the GPU until it becomes the bottleneck with
     small chunks). With ``host_stages=False`` the copy engines use the caller's pinned memory (no
     staging: the direct engine). ``out_ratio``: result bytes per input byte (the copy back and
-    the consume move that many). A job of fewer chunks than ``workers`` is planned on one worker
-    per chunk (:func:`busy_workers`), as a whole-array pipeline sizes its pool."""
+    the consume move that many)."""
     p = get_profile(profile)
     n = -(-total_bytes // chunk_bytes)
-    t = queued_stage_times(p, chunk_bytes, compute=compute_s_per_byte * chunk_bytes,
-                           workers=busy_workers(workers, n), out_ratio=out_ratio)
+    t = queued_stage_times(p, chunk_bytes, compute=compute_s_per_byte * chunk_bytes, workers=workers,
+                           out_ratio=out_ratio)
     t = dataclasses.replace(t, scheduler=host_seconds_per_chunk(host_stages))
     if not host_stages:
         t = dataclasses.replace(t, prepare=p.host_task_overhead_s, consume=p.host_task_overhead_s)
@@ -493,7 +466,7 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_
         n = -(-total_bytes // c)
         t, predicted = predict_seconds(profile, total_bytes, c, compute_s_per_byte=compute_s_per_byte,
                                        workers=workers, host_stages=host_stages, out_ratio=out_ratio)
-        plan = plan_slots(t, chunks=n)
+        plan = plan_slots(t)
         slot = c * max(1.0, out_ratio)  # a slot holds a chunk's input or its result
         if pinned_budget is not None and host_stages and (plan.slots.host_in + plan.slots.host_out) * slot > pinned_budget:
             continue

@@ -28,7 +28,6 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
-from .. import _plan as plan
 from .._device import device as make_device, device_list
 from .._device import host_pool
 from .._device.protocol import Device
@@ -355,8 +354,6 @@ class Pipeline:
         chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         if workers is None:
             workers = default_workers(self.device, bulk=bulk)
-        # threads without a chunk would only share the host's copy rate with those that have one
-        workers = plan.busy_workers(workers, max_chunks)
         counts = resolve_slots(self.device, slots, chunk_bytes, inplace, workers, compute,
                                external=(host_in_buffer is not None, host_out_buffer is not None), bulk=bulk,
                                max_chunks=max_chunks, user_prepare=user_prepare is not None)
