@@ -637,3 +637,21 @@ def copy_failing_on_call(n: int, exc: BaseException) -> Callable:
         y[...] = x
 
     return f
+
+
+def check_map_refuses_not_iterable(pipe: Any, items: Any) -> None:
+    """``pipe.map(items)`` raises at the call, and ``pipe.amap(items)`` at its first step, the
+    TypeError that names ``items``; nothing of either is left running."""
+    import asyncio
+
+    import pytest
+
+    with pytest.raises(TypeError, match="items must be an iterable of items"):
+        pipe.map(items)  # at the call, not at the first next()
+
+    async def first():
+        async for r in pipe.amap(items):
+            return r
+
+    with pytest.raises(TypeError, match="items must be an iterable of items"):
+        asyncio.run(first())

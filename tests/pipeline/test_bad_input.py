@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import ringflow as rf
 from ringflow import SlotCounts, StageError
 from tests.helpers import unit_device
+from tests.helpers.pipeline_checks import check_map_refuses_not_iterable
 from tests.helpers.threads import bounded
 from tests.helpers.hostile import (BAD, DOOR_OPTIONS, ENGINE_SETTINGS, GOOD, GOOD_WHOLE_ARRAY_CHUNKS, NAN, INF,
                                    call, compute, expected, named, outcome, settle)
@@ -283,16 +284,7 @@ def test_result_negative_timeout_does_not_wait(dev):
 @pytest.mark.parametrize("items", [5, None, 2.5], ids=repr)
 def test_map_of_something_not_iterable_is_refused_at_once_naming_items(dev, items):
     with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
-        with pytest.raises(TypeError, match="items must be an iterable"):
-            pipe.map(items)  # at the call, not at the first next()
-
-        async def first():
-            async for r in pipe.amap(items):
-                return r
-
-        import asyncio
-        with pytest.raises(TypeError, match="items must be an iterable"):
-            asyncio.run(first())
+        check_map_refuses_not_iterable(pipe, items)
         assert np.array_equal(list(pipe.map([data(16)]))[0], expected(data(16)))
 
 

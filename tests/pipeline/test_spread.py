@@ -10,6 +10,7 @@ import pytest
 
 import ringflow as rf
 from ringflow._pipeline.spread import SpreadPipeline
+from tests.helpers.pipeline_checks import check_map_refuses_not_iterable
 
 
 def f(x, y):
@@ -138,15 +139,7 @@ def test_the_report_plots_a_track_group_per_device(tmp_path):
 @pytest.mark.parametrize("items", [5, None, 2.5], ids=repr)
 def test_map_of_something_not_iterable_is_refused_at_once_naming_items_as_on_one_device(items):
     with rf.Pipeline(f, device=sims(2), chunk_bytes=4096) as pipe:
-        with pytest.raises(TypeError, match="items must be an iterable of items"):
-            pipe.map(items)  # at the call, not at the first next()
-
-        async def first():
-            async for r in pipe.amap(items):
-                return r
-
-        with pytest.raises(TypeError, match="items must be an iterable of items"):
-            asyncio.run(first())
+        check_map_refuses_not_iterable(pipe, items)
         a = items_of(1)[0]
         np.testing.assert_array_equal(list(pipe.map([a]))[0], a * 2 + 1)
     assert pipe.stats().in_flight == 0
