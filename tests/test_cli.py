@@ -551,3 +551,16 @@ def test_lone_surrogates_in_names_are_shown_escaped(tmp_path, capsys):
         {"name": "r\udfff", "chunk_bytes": 8 << 20, "predicted_ms": 2.0, "ms_median": 2.5}]}}}))
     assert main(["plan", "--bytes", "64MiB", "--compare", str(bench)]) == 0
     assert "w\\ud800 r\\udfff: predicted 2.000 ms" in capsys.readouterr().out
+
+
+def test_plan_shows_no_ring_with_more_slots_than_chunks(capsys):
+    """A whole array's pipeline keeps at most one slot a chunk in each ring; the plan showed the
+    rings of an endless stream (5 slots for 2 chunks, 503 for 128)."""
+    import re
+
+    for argv, chunks in ((["--bytes", "16MiB", "--chunk", "8MiB"], 2),
+                         (["--bytes", "1GiB", "--chunk", "8MiB", "--workers", "1024"], 128)):
+        assert main(["plan", *argv]) == 0
+        out = capsys.readouterr().out
+        shown = [int(m) for m in re.findall(r"slots \w+\s+│?\s*(\d+) \(lifetime", out)]
+        assert len(shown) == 4 and max(shown) <= chunks, (argv, shown, out)

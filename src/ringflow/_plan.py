@@ -139,6 +139,13 @@ def plan_slots(times: StageTimes, *, inplace: bool = False) -> SlotPlan:
     return SlotPlan(SlotCounts(**counts), T, t.bottleneck, lifetimes)
 
 
+def cap_slots(counts: SlotCounts, chunks: int) -> SlotCounts:
+    """``counts`` with no ring above ``chunks`` slots (a ring of 0 stays 0): a job of ``chunks``
+    chunks never has more than that many alive in one ring."""
+    return SlotCounts(*(min(c, chunks) if c else 0 for c in
+                        (counts.host_in, counts.device_in, counts.device_out, counts.host_out)))
+
+
 def with_device_slack(counts: SlotCounts, *, inplace: bool) -> SlotCounts:
     """Device rings sized for any compute time, plus one slot of slack.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import decimal
 import json
 import math
@@ -122,8 +123,10 @@ def plan_command(args) -> int:
         choice = None
     t, predicted = plan.predict_seconds(profile, total, chunk, compute_s_per_byte=per_byte,
                                         workers=args.workers, host_stages=not args.pinned)
-    slots = plan.plan_slots(t)
     n = -(-total // chunk)
+    slots = plan.plan_slots(t)
+    # a whole array's pipeline keeps no more slots in a ring than it has chunks (resolve_slots)
+    slots = dataclasses.replace(slots, slots=plan.cap_slots(slots.slots, n))
     console = Console()
     # names from the profile and the bench file are the user's text, not markup
     table = Table(title=printable(f"{_human(total)} in chunks of {chunk / 2**20:g} MiB x {n} on profile "

@@ -62,8 +62,7 @@ def resolve_slots(device: Device, slots, chunk_bytes: int, inplace: bool, worker
         floor = min(PREPARE_SLOTS_PER_WORKER * workers, max(2, PREPARE_SLOTS_PINNED_CAP // chunk_bytes))
         counts = dataclasses.replace(counts, host_in=max(counts.host_in, floor))
     if max_chunks is not None:
-        counts = SlotCounts(*(min(c, max_chunks) if c else 0 for c in
-                              (counts.host_in, counts.device_in, counts.device_out, counts.host_out)))
+        counts = plan.cap_slots(counts, max_chunks)
     return counts
 
 
