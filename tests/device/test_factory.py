@@ -225,3 +225,19 @@ def test_a_named_simulated_gpu_takes_its_options_again_as_defaults_or_spelled_ou
             rf.device("sim:42", seed=3)  # chaos=False by default: another device
     finally:
         other.close()
+
+
+@pytest.mark.parametrize("array", ["bogus", 5, None])
+def test_auto_refuses_a_bad_array_option_where_it_falls_back_to_the_simulated_gpu(no_gpu, array):
+    """A GPU machine refuses it; falling back, the option was dropped unread, so a script passed
+    here and failed there."""
+    with pytest.raises(ValueError, match=r"array.*'auto', 'cupy', 'torch', 'dlpack'"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rf.device("auto", array=array)
+
+
+def test_auto_takes_a_good_array_option_where_it_falls_back(no_gpu):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert rf.device("auto", array="torch").backend == "sim"

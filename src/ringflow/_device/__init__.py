@@ -44,6 +44,7 @@ _FORMS = "use 'auto', 'cuda', 'cuda:N' (N = GPU index 0, 1, ...), 'sim' or 'sim:
 ALL_GPUS = "cuda:all"
 SIM_OPTIONS = ("profile", "seed", "chaos", "checked")
 CUDA_OPTIONS = ("array",)
+ARRAY_KINDS = ("auto", "cupy", "torch", "dlpack")  # a CUDA device's ``array=`` (see cuda/arrays.py)
 
 _fallback_lock = threading.Lock()
 _fallback_warned = False
@@ -224,6 +225,11 @@ def device(spec: "str | None" = None, **options: Any) -> Device:
             from .cuda import CudaDevice
 
             return CudaDevice(0, **{k: v for k, v in options.items() if k in CUDA_OPTIONS})
+        # checked here as the GPU would check it: a script that falls back must not pass here
+        # what a GPU machine refuses
+        if "array" in options and options["array"] not in ARRAY_KINDS:
+            raise ValueError(f"unknown array type {options['array']!r} (array=); choose one of "
+                             f"{', '.join(map(repr, ARRAY_KINDS))}")
         _warn_fallback(reason)
         from .sim import SimDevice
 

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
+from .. import ARRAY_KINDS
 from ..protocol import ArrayArg
 from ._lib import core
 
 if TYPE_CHECKING:
     from .stream import CudaStream
 
-ARRAY_KINDS = ("auto", "cupy", "torch", "dlpack")
 
 _CURRENT: contextvars.ContextVar["CudaStream | None"] = contextvars.ContextVar("ringflow_cuda_stream", default=None)
 
