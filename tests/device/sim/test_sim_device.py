@@ -957,3 +957,16 @@ def test_a_device_made_before_fork_refuses_the_child_and_never_hangs_it():
     for name in ("allocate", "stream", "named"):
         assert f"{name}: this simulated GPU was made in a parent process before fork()" in out, out
     assert "named again: new" in out, out
+
+
+def test_a_worker_pool_closes_quietly_after_its_device(dev):
+    """The device's close completed every task: a pool closed after it has nothing to wait for,
+    and raised that the device is closed (a clean-up in a finally block then masked the error
+    being handled)."""
+    pool = dev.create_worker_pool(2)
+    done = []
+    pool.submit(lambda: done.append(1))
+    dev.close()
+    pool.close()
+    pool.close()  # twice: harmless
+    assert done == [1]

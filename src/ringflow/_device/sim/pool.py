@@ -174,7 +174,8 @@ class SimWorkerPool(WorkerPool):
         dev = self._dev
         with dev._lock:
             self._closed = True
-            if dev._sticky is not None:  # the context is dead: nothing more will run
+            # a dead context runs nothing more, and a closed device completed every task as it closed
+            if dev._sticky is not None or dev.closed:
                 dev._engine.remove_queue(self._queue)
                 return
             dev._block_until(lambda: not self._queue.pending and not dev._engine._busy[self._resource],
