@@ -151,10 +151,6 @@ class Kernel:
         without a reference, numpy and device arrays mixed, or a Python scalar, and
         ValueError for a strided array or, elementwise, one shorter than the first: on numpy
         arrays too, before the reference runs, as a launch would."""
-        for i, a in enumerate(args):  # named here: beside numpy arrays it would read as a device array
-            if not isinstance(a, (np.ndarray, np.generic, bool, int, float, complex)) and _framework(a) is None:
-                raise TypeError(f"kernel {self.name!r}: argument {i} is {type(a).__name__} {a!r:.60}; "
-                                f"kernel arguments {_ACCEPTED}")
         arrays = [a for a in args if not isinstance(a, (np.generic, bool, int, float, complex))]
         if not arrays:
             raise TypeError(f"kernel {self.name!r} needs at least one array argument")
@@ -165,6 +161,12 @@ class Kernel:
             self._check_like_a_launch(args)
             return self.reference(*args)
         if any(isinstance(a, np.ndarray) for a in arrays):
+            # checked only here, off the launch path: beside numpy arrays, an argument that is no
+            # array would read as a device array
+            for i, a in enumerate(args):
+                if not isinstance(a, (np.ndarray, np.generic, bool, int, float, complex)) and _framework(a) is None:
+                    raise TypeError(f"kernel {self.name!r}: argument {i} is {type(a).__name__} {a!r:.60}; "
+                                    f"kernel arguments {_ACCEPTED}")
             raise TypeError(f"kernel {self.name!r} got a mix of numpy and device arrays; pass all device arrays")
         return self._launch(args, stream)
 
