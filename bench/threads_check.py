@@ -155,7 +155,9 @@ def run(device: str, threads: int, requests: int, max_elems: int, window: int, t
         samples += 1
         if not st.balanced() and len(unbalanced) < 5:
             unbalanced.append(st.__dict__)
-        next(w for w in workers if w.is_alive()).join(timeout=0.05)
+        alive = next((w for w in workers if w.is_alive()), None)  # the last may end since the look above
+        if alive is not None:
+            alive.join(timeout=0.05)
     wall = time.perf_counter() - t0
     stuck = [w.name for w in workers if w.is_alive()]
     before_close = pipe.stats()
