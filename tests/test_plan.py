@@ -50,8 +50,10 @@ UNIT_MIXES = [
 
 
 def unit_times(compute_s, consume_extra_s, workers):
+    # each of the unit profile's threads copies at one rate however many copy at once, so every
+    # worker of the pool is a lane of its CPU stages, busy or not
     t = plan.model_stage_times("unit", MB, compute=compute_s, workers=workers)
-    return dataclasses.replace(t, consume=t.consume + consume_extra_s)
+    return dataclasses.replace(t, consume=t.consume + consume_extra_s, workers=workers)
 
 
 @pytest.mark.parametrize("name,compute_s,consume_extra_s,workers", UNIT_MIXES, ids=[m[0] for m in UNIT_MIXES])
@@ -78,11 +80,11 @@ def test_double_buffering_is_not_assumed():
     heavy_consume = plan.plan_slots(unit_times(0.3e-3, 3e-3, 2)).slots
     assert heavy_consume.host_out == 2 and heavy_consume.host_in == 1
     # a consumer 3.5 intervals long needs 4 host-out slots, not 2
-    t = dataclasses.replace(unit_times(0.3e-3, 0.0, 16), consume=3.0e-3)
+    t = dataclasses.replace(unit_times(0.3e-3, 0.0, 16), consume=3.0e-3, workers=16)  # all 16 busy
     assert plan.plan_slots(t).slots.host_out == 4
 
 
-@pytest.mark.parametrize("compute_s,workers", [(400e-6, 16), (1e-3, 8)], ids=["cpu-bound", "compute-bound"])
+@pytest.mark.parametrize("compute_s,workers", [(500e-6, 8), (1e-3, 8)], ids=["cpu-bound", "compute-bound"])
 def test_plan_on_the_h200_profile_within_5_percent(compute_s, workers):
     chunk = 8 * MiB
     p = plan.plan_slots(plan.model_stage_times("h200-pcie5", chunk, compute=compute_s, workers=workers))
@@ -195,10 +197,13 @@ def test_balanced_in_place_pipeline_runs_at_the_bottleneck_with_its_slack():
 def test_staging_rings_hold_a_slot_per_worker_unless_the_budget_says_otherwise():
     from ringflow._pipeline.config import SlotCounts
 
-    c = plan.with_worker_slots(SlotCounts(3, 3, 3, 20), workers=8, chunk_bytes=MB)
+    c = plan.with_worker_slots(SlotCounts(3, 3, 3, 20), workers=8, chunk_bytes=MB, profile="h200-pcie5")
     assert (c.host_in, c.host_out) == (8, 20)
-    big = plan.with_worker_slots(SlotCounts(3, 3, 3, 3), workers=15, chunk_bytes=64 << 20)
+    big = plan.with_worker_slots(SlotCounts(3, 3, 3, 3), workers=15, chunk_bytes=64 << 20, profile="h200-pcie5")
     assert (big.host_in, big.host_out) == (3, 3)  # 64 MiB slots: the floor stays within its pinned cap
+    # the H200 profile's host copy rate grows up to 16 threads: more workers get no more slots
+    many = plan.with_worker_slots(SlotCounts(3, 3, 3, 3), workers=64, chunk_bytes=MB, profile="h200-pcie5")
+    assert (many.host_in, many.host_out) == (16, 16)
     dev = rf.device("sim", profile="unit")
 
     def f(x, y):
@@ -332,46 +337,50 @@ def test_a_gen4_link_halves_the_chunk_that_covers_the_host_cost():
 
 
 def gen4_host_slot_times(profile):
-    """Stage times of 4 MiB staged chunks, 4 workers, a 1 ms kernel (model_stage_times)."""
-    return plan.model_stage_times(profile, 4 * MiB, compute=1e-3, workers=4)
+    """Stage times of 4 MiB staged chunks, 4 workers, a 0.75 ms kernel (model_stage_times)."""
+    return plan.model_stage_times(profile, 4 * MiB, compute=0.75e-3, workers=4)
 
 
 def test_a_gen4_link_needs_a_second_host_slot_when_compute_bound():
-    """4 MiB staged chunks, 4 workers, a 1 ms kernel: compute-bound at 1 ms on both links.
+    """4 MiB staged chunks, 4 workers, a 0.75 ms kernel: compute-bound at 0.75 ms on both links.
 
     A host-in slot lives prepare + H2D + hand-off, a host-out slot D2H + consume + hand-off
-    (plan_slots). Prepare = consume = a host task + 4 MiB at the per-thread copy rate of 4
-    threads (21 GB/s / 4 = 5.25 GB/s): 5 + 798.92 = 803.92 us on Gen5, 6.25 + 798.92 = 805.17
-    on Gen4. A lone 4 MiB copy runs at 43.1 GB/s on Gen5 (the curve's 4 MiB point; both
-    directions, 86.2, fit the duplex 98.4) and 21.55 on Gen4 (fitting 49.2): 97.32 and 194.63
-    us. The hand-off is an event plus the longer of launch and copy enqueueing: 1 + 11 = 12
-    us on Gen5, 1.25 + 13.75 = 15 on Gen4.
+    (plan_slots). Prepare and consume are each a host task plus 4 MiB at the per-thread copy
+    rate of the threads that copy at once (copying_threads): one thread alone (10 GB/s) takes
+    5 + 419.43 us a copy, two a chunk, 848.86 us, more than the kernel's 0.75 ms; two at once
+    (14.49 GB/s together, 7.25 each) keep up. So a copy takes 5 + 578.87 = 583.87 us on Gen5 and
+    6.25 + 578.87 = 585.12 on Gen4. A lone 4 MiB copy runs at 43.1 GB/s on Gen5 (the curve's
+    4 MiB point; both directions, 86.2, fit the duplex 98.4) and 21.55 on Gen4 (fitting 49.2):
+    97.32 and 194.63 us. The hand-off is an event plus the longer of launch and copy
+    enqueueing: 1 + 11 = 12 us on Gen5, 1.25 + 13.75 = 15 on Gen4.
 
-      Gen5: 803.92 + 97.32 + 12 = 913.24 us < 1 ms: one slot each way;
-      Gen4: 805.17 + 194.63 + 15 = 1014.80 us > 1 ms: two slots each way.
+      Gen5: 583.87 + 97.32 + 12 = 693.18 us < 0.75 ms: one slot each way;
+      Gen4: 585.12 + 194.63 + 15 = 794.75 us > 0.75 ms: two slots each way.
 
     The device rings (H2D + compute + hand-off) span two intervals on both.
     """
+    assert plan.copying_threads("h200-pcie5", 4 * MiB, 4 * MiB, 4, 0.75e-3) == 2
+    assert plan.copying_threads("pcie4-x16", 4 * MiB, 4 * MiB, 4, 0.75e-3) == 2
     g5, g4 = plan.plan_slots(gen4_host_slot_times("h200-pcie5")), plan.plan_slots(gen4_host_slot_times("pcie4-x16"))
-    assert g5.interval == g4.interval == pytest.approx(1e-3) and g5.bottleneck == g4.bottleneck == "compute"
-    assert g5.lifetimes["host_in"] * 1e6 == pytest.approx(913.24, abs=0.01)
-    assert g4.lifetimes["host_in"] * 1e6 == pytest.approx(1014.80, abs=0.01)
-    assert g5.lifetimes["host_out"] * 1e6 == pytest.approx(913.24, abs=0.01)
-    assert g4.lifetimes["host_out"] * 1e6 == pytest.approx(1014.80, abs=0.01)
+    assert g5.interval == g4.interval == pytest.approx(0.75e-3) and g5.bottleneck == g4.bottleneck == "compute"
+    assert g5.lifetimes["host_in"] * 1e6 == pytest.approx(693.18, abs=0.01)
+    assert g4.lifetimes["host_in"] * 1e6 == pytest.approx(794.75, abs=0.01)
+    assert g5.lifetimes["host_out"] * 1e6 == pytest.approx(693.18, abs=0.01)
+    assert g4.lifetimes["host_out"] * 1e6 == pytest.approx(794.75, abs=0.01)
     assert g5.slots == plan.SlotCounts(host_in=1, device_in=2, device_out=2, host_out=1)
     assert g4.slots == plan.SlotCounts(host_in=2, device_in=2, device_out=2, host_out=2)
 
 
 def test_the_simulated_gen4_host_needs_the_slots_the_plan_gives_it():
     """On the simulated Gen4 host the planned rings keep the kernel busy, and the Gen5 plan's
-    single host slots (a slot's life is 1.015 intervals there) leave it waiting."""
+    single host slots (a slot's life is 1.06 intervals there) leave it waiting."""
     g4 = plan.plan_slots(gen4_host_slot_times("pcie4-x16"))
-    planned = steady_interval("pcie4-x16", 4 * MiB, g4.slots, compute_s=1e-3, workers=4)
+    planned = steady_interval("pcie4-x16", 4 * MiB, g4.slots, compute_s=0.75e-3, workers=4)
     assert planned == pytest.approx(g4.interval, rel=0.01)
     gen5_slots = plan.plan_slots(gen4_host_slot_times("h200-pcie5")).slots
-    assert steady_interval("pcie4-x16", 4 * MiB, gen5_slots, compute_s=1e-3, workers=4) > 1.005 * planned
-    assert steady_interval("h200-pcie5", 4 * MiB, gen5_slots, compute_s=1e-3, workers=4) == pytest.approx(
-        1e-3, rel=0.01)  # enough on Gen5
+    assert steady_interval("pcie4-x16", 4 * MiB, gen5_slots, compute_s=0.75e-3, workers=4) > 1.02 * planned
+    assert steady_interval("h200-pcie5", 4 * MiB, gen5_slots, compute_s=0.75e-3, workers=4) == pytest.approx(
+        0.75e-3, rel=0.01)  # enough on Gen5
 
 
 @pytest.mark.parametrize("ms_per_mib", [0.0, 0.0205], ids=["copy-bound", "balanced"])
@@ -468,3 +477,49 @@ def test_a_pipeline_runs_with_slot_counts_of_numpy_ints():
     out = rf.stream_map(lambda a, b: np.multiply(a, 2, out=b), x, device=rf.device("sim"), slots=slots,
                         chunk_bytes=1 << 14)
     assert np.array_equal(out, x * 2)
+
+
+# -- workers the pipeline leaves idle --------------------------------------------------------------------------------
+def test_workers_beyond_what_keeps_up_take_no_share_of_the_copy_rate():
+    """1 GiB staged in 8 MiB chunks on the H200 profile: past 16 workers the scheduler's host time
+    per chunk, not the CPU stages, paces the chunks, so about 16 threads copy at once however
+    many the pool has. Counting every worker as copying made 1024 workers predict 471 ms
+    against 60 for 16 (each copy at 1/1024 of the host's rate)."""
+    busy = [plan.copying_threads("h200-pcie5", 8 * MiB, 8 * MiB, w, plan.host_seconds_per_chunk(True))
+            for w in (4, 8, 16, 64, 1024)]
+    assert busy == [4, 8, 16, 16, 16]
+    times = {w: plan.predict_seconds("h200-pcie5", 1 << 30, 8 * MiB, workers=w)[1] for w in (16, 64, 1024)}
+    assert times[64] == times[1024] == pytest.approx(times[16], rel=1e-9)
+    assert plan.choose_chunk_bytes("h200-pcie5", 1 << 30, workers=1024) == plan.choose_chunk_bytes(
+        "h200-pcie5", 1 << 30, workers=16)
+    # a slow kernel paces the chunks: fewer threads keep up, each copying faster
+    slow = plan.queued_stage_times("h200-pcie5", 8 * MiB, compute=2e-3, workers=8)
+    assert plan.copying_threads("h200-pcie5", 8 * MiB, 8 * MiB, 8, slow.compute) == 1
+    assert slow.prepare == pytest.approx(plan.host_stage_seconds("h200-pcie5", 8 * MiB, 1))
+
+
+def test_a_simulated_pool_larger_than_the_work_copies_as_fast_as_the_work_allows():
+    """The simulated worker pool charges a copy at its share of the rate of the tasks running as
+    it starts, so a pool of 64 takes what a pool of 16 takes (the plan agrees); charged as if all
+    64 copied, it took over twice as long."""
+    import numpy as np
+
+    import ringflow as rf
+
+    x = np.random.default_rng(0).random(32 * MiB, dtype=np.float32)  # 128 MiB
+
+    def measured(workers):
+        dev = rf.device("sim")
+        try:
+            job = rf.MapJob(lambda a, b: None, x, device=dev, chunk_bytes=4 * MiB, workers=workers, host="stage")
+            job(profile=True)
+            seconds = job.report().measured_s
+            job.close()
+            return seconds
+        finally:
+            dev.close()
+
+    sixteen, sixty_four = measured(16), measured(64)
+    assert sixty_four == pytest.approx(sixteen, rel=0.05)
+    predicted = {w: plan.predict_seconds("h200-pcie5", x.nbytes, 4 * MiB, workers=w)[1] for w in (16, 64)}
+    assert predicted[64] == pytest.approx(predicted[16], rel=0.01)

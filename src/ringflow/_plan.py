@@ -82,7 +82,7 @@ class StageTimes:
     compute: float
     d2h: float
     consume: float
-    workers: int = 1
+    workers: int = 1  # the CPU pool's threads running its stages at once (the modelled: copying_threads)
     handoff: float = 0.0  # from an operation completing to the host enqueueing the next
     scheduler: float = 0.0  # host time the scheduler thread spends per chunk (a resource too)
 
@@ -164,8 +164,11 @@ def with_device_slack(counts: SlotCounts, *, inplace: bool) -> SlotCounts:
 WORKER_SLOTS_PINNED_CAP = 256 << 20  # pinned bytes the one-slot-per-worker floor may take
 
 
-def with_worker_slots(counts: SlotCounts, workers: int, chunk_bytes: int) -> SlotCounts:
-    """Staging rings with at least one slot per CPU worker in each direction.
+def with_worker_slots(counts: SlotCounts, workers: int, chunk_bytes: int,
+                      profile: "str | HardwareProfile") -> SlotCounts:
+    """Staging rings with at least one slot per CPU worker in each direction, counting the
+    workers that can copy at once to any gain (:func:`fastest_copy_threads`: more would copy no
+    faster, and more chunks staged at once only make each copy slower).
 
     A worker can only copy a chunk that holds a host slot. The plan's per-thread copy rate is
     measured with the threads alone; in a pipeline they contend with each other, with the
@@ -175,7 +178,7 @@ def with_worker_slots(counts: SlotCounts, workers: int, chunk_bytes: int) -> Slo
     slots 82 ms, against a host floor of 71 ms. The floor takes at most
     ``WORKER_SLOTS_PINNED_CAP`` of pinned memory for both rings (large chunks get fewer slots:
     a worker is busy longer with each)."""
-    floor = min(workers, max(1, WORKER_SLOTS_PINNED_CAP // (2 * chunk_bytes)))
+    floor = min(fastest_copy_threads(profile, workers), max(1, WORKER_SLOTS_PINNED_CAP // (2 * chunk_bytes)))
     return dataclasses.replace(counts, host_in=max(counts.host_in, floor), host_out=max(counts.host_out, floor))
 
 
@@ -233,30 +236,94 @@ def ideal_total(times: StageTimes, n: int) -> float:
     return bound
 
 
+def host_stage_seconds(profile: "str | HardwareProfile", nbytes: int, threads: int) -> float:
+    """Seconds one host task takes to copy ``nbytes`` while ``threads`` threads copy at once
+    (itself included): its scheduling cost plus the bytes at its share of the host copy rate."""
+    p = get_profile(profile)
+    threads = max(1, threads)
+    return p.host_task_overhead_s + nbytes / (p.host_copy_rate(threads) / threads * 1e9)
+
+
+def fastest_copy_threads(profile: "str | HardwareProfile", workers: int) -> int:
+    """The fewest threads, of up to ``workers``, at which the profile's host copy rate (all
+    threads together) is at its highest."""
+    p = get_profile(profile)
+    workers = max(1, int(workers))
+    # the rate is monotone between the curve's points (log-log interpolation, flat past its ends),
+    # so its highest value for up to ``workers`` threads is at one of them or at ``workers``
+    counts = {int(t) for t, _ in p.host_copy_GBps if 1 <= t <= workers} | {workers}
+    return max(sorted(counts), key=lambda t: (p.host_copy_rate(t), -t))
+
+
+def copying_threads(profile: "str | HardwareProfile", in_bytes: int, out_bytes: int, workers: int,
+                    pace: float) -> int:
+    """How many of a pool's ``workers`` threads copy at once in a long run of chunks.
+
+    A worker takes a chunk's copy in or copy out only when the pipeline has one for it, and the
+    pipeline has one ready every ``pace`` seconds (its slowest other resource: a copy engine,
+    the compute stream, the scheduler's host time). By Little's law the threads busy at once are
+    the CPU stages' time per chunk over that interval, and each copies at its share of the host's
+    rate for that many threads: the fewest threads whose copies of a chunk's ``in_bytes`` and
+    ``out_bytes``, spread over them, keep up with ``pace``. When none keeps up, the CPU stages
+    are the bottleneck, and as many copy as the host's copy rate grows with: the fewest threads
+    at which the profile's curve reaches its highest rate for up to ``workers`` threads. More
+    copying at once would move no more bytes a second and make each copy slower, and the
+    staging rings, sized from these times, hold no more chunks than that.
+
+    The search halves the range, which assumes the host's aggregate copy rate does not fall as
+    threads are added (the profile's curve is measured that way; where a measured curve dips,
+    the answer is a count that keeps up, not always the fewest).
+    """
+    p = get_profile(profile)
+    most = fastest_copy_threads(p, workers)
+
+    def keeps_up(threads: int) -> bool:
+        per_chunk = host_stage_seconds(p, in_bytes, threads) + host_stage_seconds(p, out_bytes, threads)
+        return per_chunk / threads <= pace
+
+    if not keeps_up(most):
+        return most
+    low, high = 1, most  # keeps_up(high) holds
+    while low < high:
+        mid = (low + high) // 2
+        if keeps_up(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
 def model_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, compute: Optional[float] = None,
                       prepare: Optional[float] = None, consume: Optional[float] = None, workers: int = 1,
-                      out_bytes: Optional[int] = None) -> StageTimes:
+                      out_bytes: Optional[int] = None, scheduler: float = 0.0) -> StageTimes:
     """Per-chunk stage times predicted by a profile.
 
     Copies use the bandwidth-by-size curve; when both directions run (the steady state) they
     share the link's duplex bandwidth. ``compute`` defaults to a memory-bound pass over input and
     output; ``prepare``/``consume`` default to one memcpy of the chunk at the per-thread host copy
-    rate of a pool of ``workers`` threads."""
+    rate of the pool's threads that copy at once: of ``workers``, those that the copies, the
+    kernel and ``scheduler`` (the host's seconds per chunk) keep busy (:func:`copying_threads`;
+    all of them when either host stage is given)."""
     p = get_profile(profile)
     n_in, n_out = chunk_bytes, out_bytes if out_bytes is not None else chunk_bytes
     r_h = p.copy_GBps("h2d", n_in) * 1e9
     r_d = p.copy_GBps("d2h", n_out) * 1e9
     scale = min(1.0, p.duplex_GBps * 1e9 / (r_h + r_d))
-    per_thread = p.host_copy_rate(workers) / workers * 1e9
-    host_task = p.host_task_overhead_s
+    h2d, d2h = n_in / (r_h * scale), n_out / (r_d * scale)
+    if compute is None:
+        compute = max(p.kernel_min_s, (n_in + n_out) / (p.device_GBps * 1e9))
+    busy = workers
+    if prepare is None and consume is None:  # both copies modelled: idle workers take no share
+        busy = copying_threads(p, n_in, n_out, workers, max(h2d, compute, d2h, scheduler))
     return StageTimes(
-        prepare=prepare if prepare is not None else host_task + n_in / per_thread,
-        h2d=n_in / (r_h * scale),
-        compute=compute if compute is not None else max(p.kernel_min_s, (n_in + n_out) / (p.device_GBps * 1e9)),
-        d2h=n_out / (r_d * scale),
-        consume=consume if consume is not None else host_task + n_out / per_thread,
-        workers=workers,
+        prepare=prepare if prepare is not None else host_stage_seconds(p, n_in, busy),
+        h2d=h2d,
+        compute=compute,
+        d2h=d2h,
+        consume=consume if consume is not None else host_stage_seconds(p, n_out, busy),
+        workers=busy,
         handoff=p.event_overhead_s + max(p.copy_overhead_s, p.launch_overhead_s),
+        scheduler=scheduler,
     )
 
 
@@ -319,11 +386,13 @@ def host_seconds_per_chunk(host_stages: bool) -> float:
 
 
 def queued_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, compute: float, workers: int,
-                       out_ratio: float = 1.0) -> StageTimes:
+                       out_ratio: float = 1.0, scheduler: float = 0.0) -> StageTimes:
     """Per-chunk stage times of a long run of chunks: copies at the link's streaming rate
     (shared when both directions run) plus :data:`QUEUED_COPY_OVERHEAD_S`, kernels plus the
     profile's launch overhead (each waits on an event from another stream); host stages as in
-    :func:`model_stage_times`. ``out_ratio``: a chunk's result bytes per input byte."""
+    :func:`model_stage_times`, for the workers that these copies, the kernel and ``scheduler``
+    (the host's seconds per chunk) keep busy. ``out_ratio``: a chunk's result bytes per input
+    byte."""
     p = get_profile(profile)
     peak_h = p.copy_GBps("h2d", p.h2d_curve[-1][0]) * 1e9
     peak_d = p.copy_GBps("d2h", p.d2h_curve[-1][0]) * 1e9
@@ -336,8 +405,11 @@ def queued_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, co
             h2d = d2h + (chunk_bytes - peak_h * share * d2h) / peak_h
         else:
             d2h = h2d + (out_bytes - peak_d * share * h2d) / peak_d
-    return dataclasses.replace(t, h2d=h2d + QUEUED_COPY_OVERHEAD_S, d2h=d2h + QUEUED_COPY_OVERHEAD_S,
-                               compute=compute + p.launch_overhead_s)
+    h2d, d2h, compute = h2d + QUEUED_COPY_OVERHEAD_S, d2h + QUEUED_COPY_OVERHEAD_S, compute + p.launch_overhead_s
+    busy = copying_threads(p, chunk_bytes, out_bytes, workers, max(h2d, compute, d2h, scheduler))
+    return dataclasses.replace(t, h2d=h2d, d2h=d2h, compute=compute, scheduler=scheduler, workers=busy,
+                               prepare=host_stage_seconds(p, chunk_bytes, busy),
+                               consume=host_stage_seconds(p, out_bytes, busy))
 
 
 def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_bytes: int, *,
@@ -352,8 +424,7 @@ def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     p = get_profile(profile)
     n = -(-total_bytes // chunk_bytes)
     t = queued_stage_times(p, chunk_bytes, compute=compute_s_per_byte * chunk_bytes, workers=workers,
-                           out_ratio=out_ratio)
-    t = dataclasses.replace(t, scheduler=host_seconds_per_chunk(host_stages))
+                           out_ratio=out_ratio, scheduler=host_seconds_per_chunk(host_stages))
     if not host_stages:
         t = dataclasses.replace(t, prepare=p.host_task_overhead_s, consume=p.host_task_overhead_s)
     return t, predicted_total(t, n)

@@ -57,7 +57,7 @@ def resolve_slots(device: Device, slots, chunk_bytes: int, inplace: bool, worker
         times = dataclasses.replace(times, consume=overhead)
     counts = plan.with_device_slack(plan.plan_slots(times, inplace=inplace).slots, inplace=inplace)
     if bulk and not external[0] and not external[1]:  # both host rings are staging rings
-        counts = plan.with_worker_slots(counts, workers, chunk_bytes)
+        counts = plan.with_worker_slots(counts, workers, chunk_bytes, profile)
     if user_prepare:
         floor = min(PREPARE_SLOTS_PER_WORKER * workers, max(2, PREPARE_SLOTS_PINNED_CAP // chunk_bytes))
         counts = dataclasses.replace(counts, host_in=max(counts.host_in, floor))

@@ -31,14 +31,18 @@ def host_copy_seconds(dev, nbytes):
     return dev.now - start
 
 
-def task_seconds(dev, workers, nbytes):
-    """The virtual time a worker pool's copy task of ``nbytes`` takes (submit to done)."""
+def task_seconds(dev, workers, nbytes, tasks=1):
+    """The virtual time a worker pool's copy task of ``nbytes`` takes (start to done); with
+    ``tasks``, a list of those times for that many tasks submitted at once, in order."""
     pool = dev.create_worker_pool(workers)
-    task = pool.submit(lambda: None, nbytes=nbytes)
-    task.sync()
-    start, end = task.span
+    started = [pool.submit(lambda: None, nbytes=nbytes) for _ in range(tasks)]
+    times = []
+    for task in started:
+        task.sync()
+        start, end = task.span
+        times.append(end - start)
     pool.close()
-    return end - start
+    return times[0] if tasks == 1 else times
 
 
 # -- who shares a host -----------------------------------------------------------------------------------------------
@@ -59,8 +63,12 @@ def test_a_device_alone_on_its_host_is_charged_exactly_the_profiles_rate():
         p = dev.hardware
         # the formulas before the host existed, bit for bit
         assert host_copy_seconds(dev, nbytes) == nbytes / (p.host_copy_rate(python_copy_threads(nbytes)) * 1e9)
-        per_thread = p.host_copy_rate(4) / 4 * 1e9
-        assert task_seconds(dev, 4, nbytes) == pytest.approx(p.host_task_overhead_s + nbytes / per_thread, rel=1e-12)
+        # a pool task copies at its share of the rate of the pool's tasks running as it starts:
+        # alone, one thread's; the k-th of four started at once, k threads' share
+        assert task_seconds(dev, 4, nbytes) == pytest.approx(
+            p.host_task_overhead_s + nbytes / (p.host_copy_rate(1) * 1e9), rel=1e-12)
+        assert task_seconds(dev, 4, nbytes, tasks=4) == pytest.approx(
+            [p.host_task_overhead_s + nbytes / (p.host_copy_rate(k) / k * 1e9) for k in (1, 2, 3, 4)], rel=1e-12)
 
 
 def test_a_device_gets_its_share_of_the_rate_while_others_are_declared_copying():
@@ -73,14 +81,15 @@ def test_a_device_gets_its_share_of_the_rate_while_others_are_declared_copying()
             assert a.host.threads_besides(a) == 4 and a.host.threads_besides(b) == 0
             assert host_copy_seconds(a, nbytes) == pytest.approx(nbytes / (p.host_copy_rate(t + 4) * t / (t + 4) * 1e9))
             shared_task = task_seconds(a, 4, nbytes)
-            assert shared_task == pytest.approx(p.host_task_overhead_s + nbytes / (p.host_copy_rate(8) / 8 * 1e9))
-            assert shared_task > 1.3 * alone_task  # 4 + 4 threads copy 31.4 GB/s, not twice 21
+            # the task copies alone in its pool, beside the other device's 4 threads
+            assert shared_task == pytest.approx(p.host_task_overhead_s + nbytes / (p.host_copy_rate(5) / 5 * 1e9))
+            assert shared_task > 1.3 * alone_task  # 1 + 4 threads copy about 23 GB/s, not 10 + 21
             with a.sharing_host(16):  # a device's own declaration leaves its own rate alone
                 assert task_seconds(a, 4, nbytes) == pytest.approx(shared_task, rel=1e-12)
             with c.sharing_host(2), b.sharing_host(2):  # declarations add up
                 assert a.host.threads_besides(a) == 8
                 assert task_seconds(a, 4, nbytes) == pytest.approx(
-                    p.host_task_overhead_s + nbytes / (p.host_copy_rate(12) / 12 * 1e9))
+                    p.host_task_overhead_s + nbytes / (p.host_copy_rate(9) / 9 * 1e9))
             assert a.host.threads_besides(a) == 4
         assert a.host.threads_besides(a) == 0
         assert host_copy_seconds(a, nbytes) == pytest.approx(alone_copy, rel=1e-12)

@@ -13,7 +13,7 @@ devices take turns), so the clocks say nothing about which copies overlap. Whoev
 job over several devices declares each device's copy threads for the job's duration
 (:meth:`SimHost.sharing`, reached through ``Device.sharing_host``); a device's copies are
 charged for what the *other* devices of its host have declared when the copy's duration is
-fixed (a worker pool's task when it is submitted, ``host_copy`` when it is called). So a
+fixed (a worker pool's task when it starts, ``host_copy`` when it is called). So a
 job's times depend on its calls only, as on a device alone, and they match the planner's
 model of several GPUs (``ringflow._plan.predict_devices``: all the devices' workers copy
 together for the whole job). docs/design.md, "One host for the simulated GPUs", has the

@@ -4,9 +4,11 @@ A pool of ``workers`` lanes is a resource of the engine: a submitted task waits 
 lane, runs its callable at the instant it starts (as a checker actor of its own that starts
 from its submitter's clock, so its host views are ordered after what the submitter had seen and
 after nothing else), and completes after its virtual duration: the
-``sim_seconds`` given, else the time to copy ``nbytes`` at the per-thread host copy rate of
-``workers`` threads (the device's share of its host's rate, :class:`~.host.SimHost`, fixed when
-the task is submitted), plus whatever the callable charged with :func:`charge`.
+``sim_seconds`` given, else the time to copy ``nbytes`` at its share of the host copy rate for
+the pool's tasks running at that instant, itself included (the device's share of its host's
+rate, :class:`~.host.SimHost`; fixed when the task starts), plus whatever the callable charged
+with :func:`charge`. A worker with nothing to do takes no share: a pool larger than the work
+offered to it copies as fast as the tasks it actually runs allow, as real threads do.
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ def charge(seconds: float) -> None:
 
 
 class SimHostTask(HostTask):
-    def __init__(self, pool: "SimWorkerPool", fn: Callable[..., Any], args: tuple, seconds: float, snapshot: dict):
+    def __init__(self, pool: "SimWorkerPool", fn: Callable[..., Any], args: tuple, seconds: float | None,
+                 nbytes: int, snapshot: dict):
         self._pool = pool
         self._fn = fn
         self._args = args
-        self._seconds = seconds
+        self._seconds = seconds  # None: copying nbytes, timed when the task starts
+        self._nbytes = nbytes
         self._submit_clock = snapshot
         self._end_clock: dict | None = None
         self._charged = 0.0
@@ -56,6 +60,10 @@ class SimHostTask(HostTask):
     def _run(self, op: Op) -> None:
         pool, dev = self._pool, self._pool._dev
         op.lane = pool._free_lanes.pop()  # the worker thread, for timing; the checker's actor is separate
+        if self._seconds is None:
+            busy = pool.workers - len(pool._free_lanes)
+            per_thread = dev.host.copy_rate(dev, busy) / busy * 1e9
+            self._seconds = dev.profile.host_task_overhead_s + self._nbytes / per_thread
         actor = None
         previous_actor = dev._tls_actor_override()
         try:
@@ -156,13 +164,9 @@ class SimWorkerPool(WorkerPool):
             if sim_seconds is not None:
                 sim_seconds = check_seconds(sim_seconds, "submit sim_seconds")
             dev._host_api()
-            p = dev.profile
-            if sim_seconds is None:
-                per_thread = dev.host.copy_rate(dev, self.workers) / self.workers * 1e9
-                sim_seconds = p.host_task_overhead_s + nbytes / per_thread
             snapshot = dev._checker.snapshot(dev._actor())
             dev._checker.tick(dev._actor())
-            task = SimHostTask(self, fn, args, float(sim_seconds), snapshot)
+            task = SimHostTask(self, fn, args, sim_seconds, nbytes, snapshot)
             task.op = dev._engine.enqueue(Op(self._queue, f"host task {getattr(fn, '__name__', 'fn')}",
                                              resource=self._resource, seconds=0.0,
                                              on_start=task._run, on_complete=task._done))
