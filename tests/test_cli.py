@@ -564,3 +564,17 @@ def test_plan_shows_no_ring_with_more_slots_than_chunks(capsys):
         out = capsys.readouterr().out
         shown = [int(m) for m in re.findall(r"slots \w+\s+│?\s*(\d+) \(lifetime", out)]
         assert len(shown) == 4 and max(shown) <= chunks, (argv, shown, out)
+
+
+def test_plan_shows_how_many_workers_copy_at_once(capsys):
+    """Past the workers the pipeline keeps busy, more change neither the plan nor its time; the
+    table says how many copy at once."""
+    import re
+
+    shown = {}
+    for workers in ("16", "1024"):
+        assert main(["plan", "--workers", workers, "--chunk", "8MiB"]) == 0
+        out = capsys.readouterr().out
+        assert re.search(rf"workers copying at once\s+│?\s*16 of {workers}", out), out
+        shown[workers] = re.search(r"predicted total\s+│?\s*([\d.]+) ms", out).group(1)
+    assert shown["16"] == shown["1024"]

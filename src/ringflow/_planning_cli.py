@@ -136,6 +136,8 @@ def plan_command(args) -> int:
     for stage, sec in t.as_dict().items():
         table.add_row(f"{stage} per chunk", f"{sec * 1e3:.4f} ms")
     table.add_row("bottleneck", slots.bottleneck)
+    if not args.pinned:
+        table.add_row("workers copying at once", f"{t.workers} of {args.workers}")
     for ring in ("host_in", "device_in", "device_out", "host_out"):
         table.add_row(f"slots {ring}", f"{getattr(slots.slots, ring)} (lifetime {slots.lifetimes.get(ring, 0) * 1e3:.3f} ms)")
     table.add_row("predicted total", f"{predicted * 1e3:.3f} ms")
