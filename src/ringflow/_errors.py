@@ -36,6 +36,25 @@ class DeviceError(RingflowError):
         self.sticky = sticky
 
 
+class OutOfMemoryError(DeviceError, MemoryError):
+    """The device had no memory for an allocation: device memory (``CUDA_ERROR_OUT_OF_MEMORY``
+    from the stream-ordered pool, or the simulated GPU's total memory in use) or pinned host
+    memory.
+
+    Never sticky: the context stays usable, and the allocation may succeed once memory is freed.
+    It is also a ``MemoryError``, Python's out-of-memory error, so one ``except MemoryError``
+    serves both backends and numpy's own (the pipeline turns it into a message naming the ring,
+    ``chunk_bytes`` and the slots that asked for the memory).
+    """
+
+    def __init__(self, message: str, *, sticky: bool = False):
+        # ``sticky`` is taken so that code rebuilding a DeviceError of the same type with
+        # ``type(err)(text, sticky=err.sticky)`` works; an out-of-memory never breaks a context
+        if sticky:
+            raise ValueError("an OutOfMemoryError is never sticky: running out of memory leaves the context usable")
+        super().__init__(message, sticky=False)
+
+
 class LaunchError(DeviceError):
     """A launched compute callable failed while it ran on the device.
 

@@ -440,6 +440,19 @@ def test_a_job_whose_set_up_fails_on_one_device_releases_the_others():
     assert_nothing_live(devs[:1])
 
 
+
+def test_an_out_of_memory_named_for_its_shard_is_still_a_memory_error():
+    """A shard's device error is raised again naming the shard; an out-of-memory keeps its kind
+    (a MemoryError, never sticky) rather than becoming a plain DeviceError."""
+    from ringflow._errors import OutOfMemoryError
+
+    dev = rf.device("sim")
+    shard = sharded.Shard(position=1, device=dev, label="device[1]", start=2000, stop=4000, rows=200, first_chunk=10,
+                          chunk_bytes=800)
+    err = sharded.named_error(shard, OutOfMemoryError("allocating 800 bytes of device memory failed"))
+    assert isinstance(err, OutOfMemoryError) and isinstance(err, MemoryError) and not err.sticky
+    assert "device[1]" in str(err) and err.device is dev
+
 # -- prediction ------------------------------------------------------------------------------------------------------
 def seed_like():
     """The seed workload's shape: 256 MiB of float32 in place, a 64-iteration kernel's time."""

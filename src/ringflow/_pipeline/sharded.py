@@ -39,7 +39,7 @@ import numpy as np
 from .. import _jsontext as jsontext
 from .._device import device_label, host_pool
 from .._device.protocol import Device
-from .._errors import DeviceError, LaunchError, StageError
+from .._errors import DeviceError, LaunchError, OutOfMemoryError, StageError
 from .._files import write_whole
 from .._trace.chrome import check_file_name
 from .engine import Arrays, choose_engine
@@ -230,7 +230,8 @@ def named_error(shard: Shard, exc: BaseException) -> BaseException:
         new.device, new.rows = shard.device, (a, b)  # type: ignore[attr-defined]
         return new
     if isinstance(exc, DeviceError):
-        cls = type(exc) if type(exc) in (DeviceError, LaunchError) else DeviceError
+        # keep the kind: an out-of-memory must stay a MemoryError (and never sticky)
+        cls = type(exc) if type(exc) in (DeviceError, LaunchError, OutOfMemoryError) else DeviceError
         new = cls(f"{exc} ({where})", sticky=exc.sticky)
         new.__cause__ = exc
         new.device = shard.device  # type: ignore[attr-defined]

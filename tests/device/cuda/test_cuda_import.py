@@ -51,6 +51,45 @@ def test_sticky_error_names_are_recognised():
     assert err.sticky and "context is broken" in str(err)
 
 
+def test_out_of_memory_is_a_memory_error_that_leaves_the_context_usable(monkeypatch):
+    """cuda.core's CUDAError naming CUDA_ERROR_OUT_OF_MEMORY (and a cuda.bindings result of it)
+    becomes an OutOfMemoryError: a DeviceError, never sticky, and a MemoryError, so the ring the
+    pipeline failed to allocate is named as on the simulated GPU."""
+    import enum
+
+    from ringflow._device.cuda import _lib
+    from ringflow._errors import DeviceError, OutOfMemoryError
+    from ringflow._pipeline.ring import allocate_ring
+    from ringflow._pipeline.states import RingKind
+
+    for text in ("CUDA_ERROR_OUT_OF_MEMORY: out of memory", "cudaErrorMemoryAllocation: out of memory"):
+        err = _lib.device_error("allocating 4096 bytes of device memory", RuntimeError(text))
+        assert isinstance(err, OutOfMemoryError) and isinstance(err, DeviceError) and isinstance(err, MemoryError)
+        assert not err.sticky and "context is broken" not in str(err)
+        assert str(err).startswith(f"allocating 4096 bytes of device memory failed: RuntimeError: {text}")
+        assert "not a broken context" in str(err)
+
+    class Result(enum.IntEnum):  # stands for cuda.bindings' CUresult
+        CUDA_ERROR_OUT_OF_MEMORY = 2
+
+    with pytest.raises(OutOfMemoryError, match="cuMemHostRegister of 64 bytes failed: CUDA_ERROR_OUT_OF_MEMORY") as info:
+        _lib.check((Result.CUDA_ERROR_OUT_OF_MEMORY,), "cuMemHostRegister of 64 bytes")
+    assert not info.value.sticky
+
+    # translate(), as the backend wraps cuda.core's calls (cuda.core's error type stood in for)
+    monkeypatch.setattr(_lib, "cuda_errors", lambda: (RuntimeError,))
+
+    def allocate(nbytes):
+        with _lib.translate(f"allocating {nbytes} bytes of device memory"):
+            raise RuntimeError("CUDA_ERROR_OUT_OF_MEMORY: out of memory")
+
+    with pytest.raises(OutOfMemoryError, match="allocating 4096 bytes of device memory failed"):
+        allocate(4096)
+    with pytest.raises(MemoryError, match=r"device-in ring: 4 slots of chunk_bytes=1024 bytes, 4096 bytes.*smaller "
+                                          r"chunk_bytes or fewer slots"):
+        allocate_ring(allocate, RingKind.DEVICE_IN, 1024, 4)
+
+
 def test_thread_worker_pool_runs_tasks_without_a_gpu():
     import concurrent.futures as cf
 

@@ -176,3 +176,82 @@ def test_device_close_releases_leftovers():
         dev.allocate(10)
     with pytest.raises(RuntimeError, match="closed"):
         h.view()
+
+
+# -- out of memory ---------------------------------------------------------------------------------------------------
+def _twice(x, y):
+    y[...] = x * 2
+
+
+def _round_trip_works(dev):
+    """A copy there and back on a fresh stream, buffers and all: the context is not broken."""
+    s = dev.create_stream()
+    h, d = dev.allocate_host(1 << 20), dev.allocate(1 << 20, stream=s)
+    h.view()[:] = 7
+    s.copy(d, h)
+    s.fill(h, 0)
+    s.copy(h, d)
+    s.sync()
+    assert (h.view() == 7).all()
+    d.close(stream=s)
+    s.close()
+    h.close()
+
+
+def test_device_memory_the_gpu_has_not_got_is_a_memory_error_and_the_device_stays_usable(cuda_device):
+    """CUDA_ERROR_OUT_OF_MEMORY is a MemoryError (what the simulated GPU raises), not only a
+    DeviceError, so the pipeline names chunk_bytes for it; and it breaks nothing."""
+    from ringflow._errors import DeviceError, OutOfMemoryError
+
+    dev = cuda_device
+    too_much = dev.capabilities.total_memory * 2
+    for stream in (None, dev.create_stream()):
+        with pytest.raises(MemoryError, match=rf"(?s)allocating {too_much} bytes of device memory failed.*"
+                                              r"CUDA_ERROR_OUT_OF_MEMORY.*not a broken context") as info:
+            dev.allocate(too_much, stream=stream)
+        err = info.value
+        assert isinstance(err, OutOfMemoryError) and isinstance(err, DeviceError) and not err.sticky
+        if stream is not None:
+            stream.close()
+    _round_trip_works(dev)
+    assert dev.live().total == 0, dev.live()
+
+
+def test_pinned_memory_the_host_has_not_got_is_a_memory_error_and_the_device_stays_usable(cuda_device):
+    """More bytes than any host's address space (so the driver refuses at once, pinning nothing)."""
+    from ringflow._errors import OutOfMemoryError
+
+    dev = cuda_device
+    with pytest.raises(MemoryError, match=r"(?s)pinned host memory failed.*CUDA_ERROR_OUT_OF_MEMORY.*not a broken context") as info:
+        dev.allocate_host(1 << 57)
+    assert isinstance(info.value, OutOfMemoryError) and not info.value.sticky
+    _round_trip_works(dev)
+    assert dev.live().total == 0, dev.live()
+
+
+def test_a_pipeline_whose_device_rings_do_not_fit_names_chunk_bytes(cuda_device):
+    """With all but a little of the GPU's memory taken (by cuMemAlloc, outside the stream-ordered
+    pool, so nothing stays cached in the pool afterwards), the pipeline's device ring does not fit:
+    the error names chunk_bytes and the slots, as on the simulated GPU, and nothing is left."""
+    from ringflow._device.cuda._lib import check, driver
+
+    dev = cuda_device
+    drv = driver()
+    dev._ensure_current()
+    dev._cc.sync()
+    if dev.capabilities.memory_pools:  # memory the pool keeps from earlier frees would serve the rings
+        check(drv.cuMemPoolTrimTo(dev._device_mr.handle, 0), "cuMemPoolTrimTo")
+    free, _ = check(drv.cuMemGetInfo(), "cuMemGetInfo")
+    room = 256 << 20
+    hog = check(drv.cuMemAlloc(free - room), "cuMemAlloc")
+    chunk = 128 << 20
+    try:
+        with pytest.raises(MemoryError, match=rf"device-\w+ ring: \d+ slots of chunk_bytes={chunk} bytes.*smaller "
+                                              r"chunk_bytes or fewer slots"):
+            rf.Pipeline(lambda x, y: None, device=dev, chunk_bytes=chunk, slots=4)
+        assert dev.live().total == 0, dev.live()
+    finally:
+        check(drv.cuMemFree(hog), "cuMemFree")
+    with rf.Pipeline(_twice, device=dev, chunk_bytes=chunk, slots=4) as pipe:  # with the memory back, it runs
+        assert (pipe.submit(np.ones(1000, np.float32)).result() == 2).all()
+    assert dev.live().total == 0, dev.live()

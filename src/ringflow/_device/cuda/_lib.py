@@ -11,7 +11,7 @@ import functools
 import re
 from typing import Any
 
-from ..._errors import DeviceError
+from ..._errors import DeviceError, OutOfMemoryError
 
 # Errors after which the CUDA context is unusable: every later call in this process fails too.
 STICKY_ERRORS = frozenset({
@@ -29,6 +29,13 @@ _ERROR_NAME = re.compile(r"\b(CUDA_ERROR_[A-Z0-9_]+|cudaError[A-Za-z0-9]+)\b")
 # PyTorch words its sticky errors without the enum name.
 _STICKY_PHRASES = ("illegal memory access", "unspecified launch failure", "misaligned address",
                    "device-side assert", "illegal instruction")
+
+# Errors of an allocation there was no memory for (device memory, or pinned host memory). Not
+# sticky: the context stays usable, and the allocation may succeed once memory is freed. They are
+# raised as OutOfMemoryError, a MemoryError too, as the simulated GPU's refusals are.
+OUT_OF_MEMORY_ERRORS = frozenset({"CUDA_ERROR_OUT_OF_MEMORY", "cudaErrorMemoryAllocation"})
+OUT_OF_MEMORY = ("out of memory, not a broken context: the device stays usable; free memory (close buffers, and "
+                 "pipelines and jobs holding rings) or ask for fewer bytes")
 
 BROKEN_CONTEXT = ("the CUDA context is broken (a sticky error): every later CUDA call in this process will "
                   "fail too; stop using this device and restart the process")
@@ -74,7 +81,8 @@ def _text(what: Any) -> str:
 
 def device_error(what: Any, exc: BaseException) -> DeviceError:
     """A :class:`DeviceError` for ``exc`` raised while doing ``what`` (text, or a callable
-    returning it); ``sticky`` set where it is."""
+    returning it); ``sticky`` set where it is, and an :class:`OutOfMemoryError` (also a
+    ``MemoryError``) for an out-of-memory."""
     if isinstance(exc, DeviceError):
         return exc
     what = _text(what)
@@ -82,7 +90,11 @@ def device_error(what: Any, exc: BaseException) -> DeviceError:
     msg = f"{what} failed: {type(exc).__name__}: {exc}"
     if sticky:
         msg += f"; {BROKEN_CONTEXT}"
-    err = DeviceError(msg, sticky=sticky)
+        err = DeviceError(msg, sticky=True)
+    elif error_name(exc) in OUT_OF_MEMORY_ERRORS:
+        err = OutOfMemoryError(f"{msg}; {OUT_OF_MEMORY}")
+    else:
+        err = DeviceError(msg)
     err.__cause__ = exc
     return err
 
@@ -107,8 +119,9 @@ def as_device_error(what: Any, exc: BaseException) -> "DeviceError | None":
 def check(result: Any, what: Any) -> Any:
     """Check a ``cuda.bindings`` return tuple ``(CUresult, *values)``; return the values.
 
-    Raises :class:`DeviceError` (``sticky`` when the context is broken) naming ``what`` (text,
-    or a callable returning it, evaluated only on failure).
+    Raises :class:`DeviceError` (``sticky`` when the context is broken; an
+    :class:`OutOfMemoryError` for an out-of-memory) naming ``what`` (text, or a callable
+    returning it, evaluated only on failure).
     """
     if isinstance(result, tuple):
         err, rest = result[0], result[1:]
@@ -120,6 +133,8 @@ def check(result: Any, what: Any) -> Any:
         msg = f"{_text(what)} failed: {name}"
         if sticky:
             msg += f"; {BROKEN_CONTEXT}"
+        elif name in OUT_OF_MEMORY_ERRORS:
+            raise OutOfMemoryError(f"{msg}; {OUT_OF_MEMORY}")
         raise DeviceError(msg, sticky=sticky)
     if not rest:
         return None
@@ -127,7 +142,8 @@ def check(result: Any, what: Any) -> Any:
 
 
 class translate:
-    """Context manager: a CUDA error raised by cuda.core inside becomes a :class:`DeviceError`.
+    """Context manager: a CUDA error raised by cuda.core inside becomes a :class:`DeviceError`
+    (an :class:`OutOfMemoryError` for an out-of-memory, see :func:`device_error`).
     ``what`` is the operation's description, or a callable returning it (evaluated on failure)."""
 
     __slots__ = ("what",)
