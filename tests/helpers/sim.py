@@ -32,6 +32,13 @@ def unit_device(**options: Any):
     return rf.device("sim", profile="unit", **options)
 
 
+def small_memory_device(total_memory: int, **options: Any):
+    """A sim device on the ``unit`` profile with only ``total_memory`` bytes of device memory, so
+    a test can run it out of memory without holding gigabytes."""
+    profile = dataclasses.replace(UNIT_TEST, name=f"unit-{total_memory}B", total_memory=total_memory)
+    return rf.device("sim", profile=profile, **options)
+
+
 def slowed(stage: str, factor: float = 4.0, base: HardwareProfile = UNIT_TEST) -> HardwareProfile:
     """``base`` with one copy direction ``factor`` times slower ('h2d' or 'd2h'), for tests that
     need that stage to be the bottleneck."""

@@ -207,3 +207,51 @@ def test_a_direct_engine_ring_too_large_to_allocate_names_chunk_bytes_and_the_sl
         rf.stream_map(lambda x, y: None, x, device=dev, chunk_bytes=4096, engine="direct", host="register")
     rf.drop_warm_pipelines(dev)
     assert dev.live().total == 0
+
+
+def _twice(x, y):
+    y[:] = x * 2
+
+
+def test_a_second_pipeline_whose_rings_do_not_fit_beside_the_first_names_chunk_bytes():
+    """Each pipeline's rings fit the device alone and not both together: the simulated GPU used to
+    start both, where a real GPU refuses the second. The refusal names chunk_bytes, leaves nothing
+    of the second behind, and the first runs on."""
+    import numpy as np
+
+    from tests.helpers import small_memory_device
+
+    chunk = 128 << 10
+    dev = small_memory_device(1 << 20)
+    first = rf.Pipeline(_twice, device=dev, chunk_bytes=chunk, slots=3)
+    live = dev.live()
+    with pytest.raises(MemoryError, match=rf"device-\w+ ring: \d+ slots of chunk_bytes={chunk} bytes.*more than there "
+                                          r"is free; give a smaller chunk_bytes or fewer slots"):
+        rf.Pipeline(_twice, device=dev, chunk_bytes=chunk, slots=3)
+    assert dev.live() == live  # the second's streams and rings are gone
+    items = [np.full(1000, k, np.float32) for k in range(5)]
+    assert all((got == 2 * item).all() for got, item in zip(first.map(items), items))
+    first.close()
+    assert dev.live().total == 0
+    with rf.Pipeline(_twice, device=dev, chunk_bytes=chunk, slots=3) as again:  # alone it fits
+        assert (again.submit(items[1]).result() == 2).all()
+    assert dev.live().total == 0
+
+
+@pytest.mark.parametrize("engine, host", [("direct", "register"), ("pipeline", "stage")])
+def test_a_job_whose_rings_exceed_the_device_memory_left_names_chunk_bytes(engine, host):
+    import numpy as np
+
+    from tests.helpers import small_memory_device
+
+    dev = small_memory_device(1 << 20)
+    other = dev.allocate((1 << 20) - (100 << 10))  # memory another user of the device holds
+    x = np.ones(1 << 16, np.float32)  # 256 KiB: 4 chunks of 64 KiB
+    with pytest.raises(MemoryError, match=r"device-\w+ ring: \d+ slots of chunk_bytes=65536 bytes.*smaller "
+                                          r"chunk_bytes or fewer slots"):
+        rf.MapJob(_twice, x, device=dev, chunk_bytes=64 << 10, engine=engine, host=host)
+    assert dev.live().total == dev.live().device_buffers == 1  # only the other user's buffer
+    other.close()
+    with rf.MapJob(_twice, x, device=dev, chunk_bytes=64 << 10, engine=engine, host=host) as job:
+        assert (job() == 2).all()
+    assert dev.live().total == 0

@@ -441,6 +441,17 @@ def test_a_job_whose_set_up_fails_on_one_device_releases_the_others():
 
 
 
+def test_a_job_too_large_for_one_devices_memory_names_chunk_bytes_and_releases_the_others():
+    from tests.helpers import small_memory_device
+
+    devs = [rf.device("sim"), small_memory_device(2000)]  # the second has room for 2 chunks of 800 bytes
+    with pytest.raises(MemoryError, match=r"device-\w+ ring: \d+ slots of chunk_bytes=800 bytes") as info:
+        rf.MapJob(f, np.ones(4000, np.float32), device=devs, chunk_bytes=800, host="register")
+    assert any("device[1]" in note for note in info.value.__notes__)
+    del info
+    assert_nothing_live(devs)
+
+
 def test_an_out_of_memory_named_for_its_shard_is_still_a_memory_error():
     """A shard's device error is raised again naming the shard; an out-of-memory keeps its kind
     (a MemoryError, never sticky) rather than becoming a plain DeviceError."""

@@ -602,7 +602,12 @@ class Device(abc.ABC):
 
     @abc.abstractmethod
     def allocate_host(self, nbytes: int) -> HostBuffer:
-        """Pinned (page-locked) host memory."""
+        """Pinned (page-locked) host memory.
+
+        Raises:
+            MemoryError: there is no memory for it (on a GPU an
+                :class:`~ringflow._errors.OutOfMemoryError`, a DeviceError that is not sticky).
+        """
 
     @abc.abstractmethod
     def register_host(self, array: np.ndarray) -> HostBuffer:
@@ -612,7 +617,12 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def allocate(self, nbytes: int, stream: Stream | None = None) -> DeviceBuffer:
         """Device memory from the stream-ordered pool; usable on ``stream`` at once and on
-        other streams once they are ordered after it."""
+        other streams once they are ordered after it.
+
+        Raises:
+            OutOfMemoryError: (a ``MemoryError`` and a DeviceError that is not sticky: the
+                device stays usable) the device has no memory for it.
+        """
 
     @abc.abstractmethod
     def create_worker_pool(self, workers: int) -> WorkerPool:

@@ -16,8 +16,8 @@ import pytest
 
 import ringflow as rf
 from ringflow._device.protocol import Capabilities, LiveCounts
-from tests.helpers import unit_device
-from tests.helpers.threads import bounded
+from tests.helpers import small_memory_device, unit_device
+from tests.helpers.threads import bounded, run_all
 
 N = 256  # float32 items per buffer
 NB = N * 4
@@ -582,6 +582,105 @@ def test_closing_twice_is_harmless(dev):
         obj.close()
         obj.close()
     assert dev.live().total == 0
+
+
+# -- device memory in use ------------------------------------------------------------------------------------------------
+MiB = 1 << 20
+
+
+def test_allocations_add_up_to_the_device_memory():
+    """Each allocation under the total used to succeed however many there were; a GPU refuses the
+    one that would take the memory in use past its total, and stays usable after it."""
+    dev = small_memory_device(MiB)
+    a = dev.allocate(600_000)
+    with pytest.raises(MemoryError, match=rf"allocate\(nbytes\) asks for 600000 bytes of device memory, but 600000 "
+                                          rf"bytes of the device's total memory of {MiB} bytes are in use "
+                                          rf"\({MiB - 600_000} free;.*close") as info:
+        dev.allocate(600_000)
+    err = info.value
+    assert isinstance(err, rf.DeviceError) and not err.sticky  # an out-of-memory leaves the context usable
+    assert dev.live().device_buffers == 1 and dev.memory_in_use == 600_000  # a refusal holds nothing
+    b = dev.allocate(MiB - 600_000)  # exactly what is left fits
+    with pytest.raises(MemoryError, match=f"asks for 1 bytes.*{MiB} bytes of the device's total memory"):
+        dev.allocate(1)
+    a.close()
+    c = dev.allocate(600_000)  # the freed memory is there again
+    assert dev.memory_in_use == MiB
+    for buf in (b, c):
+        buf.close()
+    assert dev.memory_in_use == 0 and dev.live().total == 0
+
+
+@pytest.mark.parametrize("how", ["close", "stream-ordered close", "with block", "collected unclosed",
+                                 "close after a sticky error", "device close"])
+def test_every_way_a_device_buffer_ends_gives_its_memory_back(how):
+    dev = small_memory_device(MiB)
+    s = dev.create_stream()
+    kept = dev.allocate(1000)
+    # a stream-ordered allocation counts from the call, as if its stream had reached it
+    buf = dev.allocate(600_000, stream=s if how == "stream-ordered close" else None)
+    assert dev.memory_in_use == 601_000
+    if how == "close":
+        buf.close()
+    elif how == "stream-ordered close":
+        buf.close(stream=s)
+    elif how == "with block":
+        with buf:
+            pass
+    elif how == "collected unclosed":
+        del buf
+        gc.collect()
+    elif how == "close after a sticky error":
+        dev.inject_sticky_error()
+        buf.close()
+    else:
+        dev.close()  # the context, and all its memory, is gone
+        assert dev.memory_in_use == 0
+        return
+    assert dev.memory_in_use == 1000
+    if how != "close after a sticky error":
+        dev.allocate(MiB - 1000).close()  # all of it is there for the next allocation
+    kept.close()
+    assert dev.memory_in_use == 0
+
+
+def test_a_refused_free_keeps_its_memory_in_use(x):
+    dev = small_memory_device(MiB)
+    c = Chain(dev, x)
+    s = dev.create_stream()
+    s.copy(c.din, c.hin)
+    e = s.record()
+    with hazard("copy h2d", "device buffer free"):
+        c.din.close()
+    assert dev.memory_in_use == 2 * NB  # not freed, so still counted
+    e.sync()
+    c.din.close()
+    assert dev.memory_in_use == NB
+
+
+def test_memory_in_use_adds_up_across_threads():
+    """Threads allocating and freeing at once never take the memory in use past the total, and
+    every byte comes back."""
+    nbytes, room = 20_000, 3
+    dev = small_memory_device(room * nbytes)
+    peak = []
+
+    def churn():
+        refused = 0
+        for _ in range(100):
+            try:
+                buf = dev.allocate(nbytes)
+            except MemoryError:
+                refused += 1
+                continue
+            peak.append(dev.memory_in_use)
+            buf.close()
+        return refused
+
+    refused = run_all([churn] * 6)
+    assert max(peak) <= room * nbytes
+    assert sum(refused) + len(peak) == 600
+    assert dev.memory_in_use == 0 and dev.live().device_buffers == 0
 
 
 # -- host worker pools ---------------------------------------------------------------------------------------------------

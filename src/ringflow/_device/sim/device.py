@@ -17,6 +17,7 @@ process's ``"sim:N"`` devices share one host, and any other simulated GPU has a 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import math
@@ -28,7 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from numpy.lib.array_utils import byte_bounds
 
-from ..._errors import DeviceError
+from ..._errors import DeviceError, OutOfMemoryError
 from ..host_pool import owner_of, without_pooled
 from ..._checks import check_flag, check_wait_timeout
 from ..protocol import (ArrayArg, Capabilities, Device, LiveCounts, check_nbytes, check_priority, check_seconds, copy_threads,
@@ -145,6 +146,13 @@ class SimDevice(Device):
         self._tls = threading.local()
         self._host_threads = itertools.count()  # numbers the host threads the checker has seen
         self._live = {"host_buffers": 0, "device_buffers": 0, "streams": 0, "events": 0}
+        # device memory in use (see allocate): the bytes of every device buffer not yet freed, by
+        # buffer id as (weak reference, nbytes); the ids of buffers collected unclosed are queued
+        # by their weak references' callbacks and taken off under the lock (a collection may run
+        # while any thread holds it, so a callback must not take it)
+        self._device_bytes = 0
+        self._device_held: dict[int, tuple] = {}
+        self._device_gone: collections.deque = collections.deque()
         self._sticky: DeviceError | None = None
         self._in_engine = False
         self._closed = False
@@ -204,17 +212,26 @@ class SimDevice(Device):
             return buf
 
     def allocate(self, nbytes: int, stream: SimStream | None = None) -> SimDeviceBuffer:
-        """Device memory (see :meth:`Device.allocate`).
+        """Device memory (see :meth:`Device.allocate`), out of the profile's total memory.
+
+        The device keeps count of the bytes in use (:attr:`memory_in_use`) and refuses an
+        allocation that would take them past the total, as a real GPU does. The count is kept
+        simple: a buffer's bytes are in use from this call until it is freed: closed (a refused
+        close frees nothing), collected unclosed, or gone with the device's close. A
+        stream-ordered allocation (``stream=...``) counts from the call, before its stream
+        reaches it, and a stream-ordered free (``close(stream=...)``) gives its bytes back at the
+        call, before its stream reaches it (the pool hands them to allocations ordered after the
+        free; the count does not tell those from others). A real GPU also keeps memory for the
+        context, rounds sizes up and shares its memory with other processes, so it may refuse
+        sooner than this count does.
 
         Raises:
-            MemoryError: ``nbytes`` is more than the profile's total memory (as a real GPU has no
-                more to give; the pipeline names the option that sized a ring too large).
+            OutOfMemoryError: (a ``MemoryError`` and a ``DeviceError``, not sticky) ``nbytes``
+                is more than the profile's total memory, or more than it has free beside the
+                memory in use; the device stays usable (the pipeline names the option that sized
+                a ring too large).
         """
         nbytes = check_nbytes(nbytes, "allocate size")
-        total = self.profile.total_memory
-        if nbytes > total:
-            raise MemoryError(f"allocate(nbytes) asks for {nbytes} bytes of device memory, more than the device's "
-                              f"total memory of {total} bytes ({self.profile.name}); ask for fewer bytes")
         with self._lock:
             self._check_usable()
             capture = capturing_thread(self)
@@ -224,13 +241,22 @@ class SimDevice(Device):
                 if not isinstance(stream, SimStream) or stream._dev is not self:
                     raise ValueError(f"allocate(stream=...) needs a stream of this device, got {stream!r}")
                 stream._begin(0.0)
+            self._check_device_memory(nbytes)
             buf = SimDeviceBuffer(self, nbytes)
             if stream is not None:
                 # A stream-ordered allocation is usable on its stream at once and on another stream
                 # only once that stream is ordered after it: record it as that stream's write.
                 buf._access(AccessKind.WRITE, 0, nbytes, "stream-ordered allocate", actor=stream.actor)
+            self._hold_device_memory(buf)  # counted only once it exists (numpy may refuse it too)
             self._live["device_buffers"] += 1
             return buf
+
+    @property
+    def memory_in_use(self) -> int:
+        """Bytes of device memory held by buffers not yet freed (see :meth:`allocate`)."""
+        with self._lock:
+            self._forget_collected_device_memory()
+            return self._device_bytes
 
     def create_worker_pool(self, workers: int) -> SimWorkerPool:
         with self._lock:
@@ -353,6 +379,11 @@ class SimDevice(Device):
         except Exception:  # noqa: BLE001 - closing must not raise over a user's error
             pass
         self._closed = True
+        # the context's memory goes with it (buffers closed later give back nothing). Not under
+        # the lock: in a forked child the lock raises, and close must not; once _closed is set no
+        # allocate gets past _check_usable to add to these
+        self._device_held.clear()
+        self._device_bytes = 0
 
     # -- test hooks ----------------------------------------------------------------------------
     def inject_sticky_error(self, message: str = "simulated illegal address in a kernel") -> None:
@@ -381,6 +412,44 @@ class SimDevice(Device):
         err = DeviceError(str(self._sticky), sticky=True)
         err.__cause__ = self._sticky
         return err
+
+    def _check_device_memory(self, nbytes: int) -> None:
+        """Refuse an allocation of ``nbytes`` that the memory in use leaves no room for (the
+        device's lock held)."""
+        total = self.profile.total_memory
+        if nbytes > total:
+            raise OutOfMemoryError(f"allocate(nbytes) asks for {nbytes} bytes of device memory, more than the "
+                                   f"device's total memory of {total} bytes ({self.profile.name}); ask for fewer bytes")
+        self._forget_collected_device_memory()
+        in_use = self._device_bytes
+        if in_use + nbytes > total:
+            raise OutOfMemoryError(
+                f"allocate(nbytes) asks for {nbytes} bytes of device memory, but {in_use} bytes of the device's "
+                f"total memory of {total} bytes are in use ({total - in_use} free; {self.profile.name}); free "
+                f"device memory first (close the buffers, pipelines and jobs you no longer need: they hold device "
+                f"memory until closed) or ask for fewer bytes")
+
+    def _hold_device_memory(self, buf: SimDeviceBuffer) -> None:
+        """Count ``buf``'s bytes as in use until it is freed or collected (the device's lock held)."""
+        key, gone = buf.id, self._device_gone
+        # the callback holds neither the device nor the buffer, only the queue and the id
+        self._device_held[key] = (weakref.ref(buf, lambda _: gone.append(key)), buf.nbytes)
+        self._device_bytes += buf.nbytes
+
+    def _free_device_memory(self, buf: SimDeviceBuffer) -> None:
+        """``buf`` was freed: its bytes are no longer in use (the device's lock held; nothing
+        after the device closed, which took all of them back)."""
+        held = self._device_held.pop(buf.id, None)
+        if held is not None:
+            self._device_bytes -= held[1]
+
+    def _forget_collected_device_memory(self) -> None:
+        """Take off the bytes of buffers collected unclosed (the device's lock held): a real GPU
+        frees an allocation whose last reference goes."""
+        while self._device_gone:
+            held = self._device_held.pop(self._device_gone.popleft(), None)
+            if held is not None:
+                self._device_bytes -= held[1]
 
     def _check_usable(self) -> None:
         if self._sticky is not None:

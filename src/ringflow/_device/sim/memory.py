@@ -106,3 +106,4 @@ class SimDeviceBuffer(_SimBufferMixin, DeviceBuffer):
             self._access(AccessKind.RELEASE, 0, self.nbytes, op, actor=actor)
             self._closed = True
             self._dev._live["device_buffers"] -= 1
+            self._dev._free_device_memory(self)
