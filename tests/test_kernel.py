@@ -83,6 +83,33 @@ def test_the_reference_refuses_what_a_launch_refuses(args, error, says):
     assert ran == []
 
 
+@pytest.mark.parametrize("scalar", [np.float64(2), np.complex128(2), np.float32(2), np.int64(2), np.bool_(True)],
+                         ids=lambda s: type(s).__name__)
+def test_every_numeric_numpy_scalar_is_a_scalar_on_numpy_arrays(scalar):
+    """np.float64 and np.complex128 subclass Python's float and complex: they were refused as
+    "Python float64" on the simulated GPU, though a launch on a GPU and bind take them."""
+    got = []
+    k = Kernel(SAXPY, "saxpy", reference=lambda x, y, a: got.append(a))
+    k(np.zeros(4, np.float32), np.zeros(4, np.float32), scalar)
+    k.bind(scalar)(np.zeros(4, np.float32), np.zeros(4, np.float32))
+    assert got == [scalar, scalar]
+
+
+@pytest.mark.parametrize("scalar", [np.str_("a"), np.bytes_(b"a"), np.datetime64("2020"), np.timedelta64(1, "s"),
+                                    np.void(b"ab")], ids=lambda s: type(s).__name__)
+def test_a_numpy_scalar_of_no_c_type_is_refused_by_name(scalar):
+    """A numpy string, date or raw-bytes scalar has no C type to pass by value: it reached the
+    reference (a numpy error from inside it) or the driver."""
+    ran = []
+    k = Kernel(SAXPY, "saxpy", reference=lambda *a: ran.append(a))
+    says = f"kernel 'saxpy': argument 2 is {type(scalar).__name__}.*numeric numpy scalar"
+    with pytest.raises(TypeError, match=says):
+        k(np.zeros(4, np.float32), np.zeros(4, np.float32), scalar)
+    with pytest.raises(TypeError, match="numeric numpy scalar"):
+        k.bind(scalar)
+    assert ran == []
+
+
 @pytest.mark.parametrize("args, says", [
     ((np.ones(4, np.float32), None), "argument 1 is NoneType None"),
     ((np.ones(4, np.float32), "y"), "argument 1 is str 'y'"),

@@ -46,6 +46,12 @@ def check_flag(name: str, value: Any) -> bool:
     return bool(value)
 
 
+def is_c_scalar(value: Any) -> bool:
+    """Whether ``value`` is a numpy scalar a kernel can take by value: a bool, an integer, a float
+    or a complex number (numpy's strings, dates and raw bytes have no C type to pass)."""
+    return isinstance(value, np.generic) and value.dtype.kind in "biufc"
+
+
 def as_float(value: numbers.Real) -> float:
     """``float(value)``, with an integer (or fraction) beyond a float's range as an infinity of
     its sign instead of an OverflowError."""

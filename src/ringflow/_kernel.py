@@ -17,8 +17,9 @@ Calling convention, ``k(*args, stream=None)``:
 
 * ``args`` are arrays (all numpy, or all device arrays: CuPy, PyTorch, a cuda.core
   ``StridedMemoryView`` or anything with ``__cuda_array_interface__``; C-contiguous) and
-  numpy scalars (``np.float32(2.0)``: the numpy type fixes the C type, so plain Python
-  numbers are refused).
+  numpy scalars of a bool, integer, float or complex type (``np.float32(2.0)``: the numpy
+  type fixes the C type, so plain Python numbers are refused, and so are numpy strings, dates
+  and raw bytes).
 * The kernel ``name`` receives, in order, a pointer for each array and each scalar by value,
   then ``size_t n``, where ``n`` is the element count of the first array. Every array must
   hold at least ``n`` elements (unless ``elementwise=False``).
@@ -53,11 +54,12 @@ from typing import Any, Callable
 import numpy as np
 
 from ._device.cuda.probe import INSTALL_HINT
-from ._checks import check_count, check_flag
+from ._checks import check_count, check_flag, is_c_scalar
 
 __all__ = ["Kernel", "BoundKernel"]
 
 _ACCEPTED = "must be numpy, CuPy, PyTorch or cuda.core arrays or numpy scalars"
+_NUMERIC_SCALAR = "pass a numeric numpy scalar (np.float32, np.float64, np.int64, np.bool_, np.complex64, ...)"
 
 
 class Kernel:
@@ -148,7 +150,8 @@ class Kernel:
         """Run on ``args``: the ``reference`` on numpy arrays, else a launch on ``stream`` (see
         the module's doc for which stream when None). Raises TypeError for an argument that is
         neither an array nor a scalar (named by its position and type), no array, numpy arrays
-        without a reference, numpy and device arrays mixed, or a Python scalar, and
+        without a reference, numpy and device arrays mixed, a Python scalar or a numpy scalar
+        of no C type (a string, a date), and
         ValueError for a strided array or, elementwise, one shorter than the first: on numpy
         arrays too, before the reference runs, as a launch would."""
         arrays = [a for a in args if not isinstance(a, (np.generic, bool, int, float, complex))]
@@ -190,16 +193,23 @@ class Kernel:
             TypeError, ValueError: as :meth:`_launch` and :meth:`_enqueue` do.
         """
         sizes = []
-        for a in args:
-            self._check_scalar(a)
+        for i, a in enumerate(args):
+            self._check_scalar(i, a)
             if isinstance(a, np.ndarray):
                 if not a.flags.c_contiguous:
                     raise ValueError("kernel arguments must be C-contiguous; use np.ascontiguousarray")
                 sizes.append(a.size)
         self._check_sizes(sizes)
 
-    def _check_scalar(self, a: Any) -> None:
-        if isinstance(a, (bool, int, float, complex)):
+    def _check_scalar(self, i: int, a: Any) -> None:
+        """Refuse argument ``i`` when it is a scalar a launch cannot pass: a Python number, or a
+        numpy scalar of no C type. (numpy's float64 and complex128 are Python floats and complex
+        numbers too, so numpy scalars are told apart first.)"""
+        if isinstance(a, np.generic):
+            if not is_c_scalar(a):
+                raise TypeError(f"kernel {self.name!r}: argument {i} is {type(a).__name__} {a!r:.60}, which has "
+                                f"no C type to pass by value; {_NUMERIC_SCALAR}")
+        elif isinstance(a, (bool, int, float, complex)):
             raise TypeError(f"pass scalars to kernel {self.name!r} as numpy scalars (e.g. np.float32(2.0)) so "
                             f"their C type is explicit; got Python {type(a).__name__} {a!r}")
 
@@ -225,11 +235,11 @@ class Kernel:
     def _launch(self, args: tuple[Any, ...], stream: Any) -> None:
         kernel_args: list[Any] = []
         sizes, devices, kinds = [], set(), set()
-        for a in args:
+        for i, a in enumerate(args):
+            self._check_scalar(i, a)
             if isinstance(a, np.generic):
                 kernel_args.append(a)
                 continue
-            self._check_scalar(a)
             ptr, size, device, kind = _describe(a)
             kernel_args.append(ptr)  # cuda.core passes a Python int as a pointer
             sizes.append(size)
@@ -250,6 +260,8 @@ class BoundKernel:
             if not isinstance(v, np.generic):
                 raise TypeError(f"bind takes numpy scalars (e.g. np.float32(2.0)) so their C type is explicit; "
                                 f"got {type(v).__name__} {v!r}")
+            if not is_c_scalar(v):
+                raise TypeError(f"bind: {type(v).__name__} {v!r:.60} has no C type to pass by value; {_NUMERIC_SCALAR}")
         self.kernel = kernel
         self.scalars = tuple(scalars)
         self.__name__ = name or kernel.name
