@@ -57,6 +57,22 @@ def test_bad_construction_and_calls():
         make_saxpy()(np.float32(1))
 
 
+@pytest.mark.parametrize("call, error, says", [
+    (lambda: Kernel(SAXPY.encode(), "saxpy"), TypeError, r"source must be a str of CUDA C\+\+ source, got bytes"),
+    (lambda: Kernel(None, "saxpy"), TypeError, "source must be a str"),
+    (lambda: Kernel(SAXPY, 3), TypeError, "name must be a str naming the __global__ function, got int"),
+    (lambda: Kernel(SAXPY, "   "), ValueError, "name"),
+    (lambda: Kernel(SAXPY, "saxpy", options={1: 2}), TypeError, "options must be a dict.*keyed by their names; got int 1"),
+    (lambda: make_saxpy().bind(np.float32(2), name=3), TypeError, "bind: name must be a str or None, got int"),
+], ids=["bytes source", "None source", "int name", "blank name", "option key not str", "bind name int"])
+def test_construction_names_the_argument_of_the_wrong_kind(call, error, says):
+    """A source or name of the wrong type was a ValueError that named neither the argument nor
+    what it got; a blank name, an option keyed by a number and a bound name that is no string
+    were taken, to fail only at compile time on a GPU (or to label operations with a number)."""
+    with pytest.raises(error, match=says):
+        call()
+
+
 def test_flags_of_numpy_bools_are_kept_as_bools():
     """A numpy bool is a flag, as the rest of the library takes it (device('sim', chaos=...),
     the pipeline's options)."""

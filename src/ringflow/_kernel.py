@@ -81,19 +81,24 @@ class Kernel:
         options: extra ``cuda.core.ProgramOptions`` fields for NVRTC.
 
     Raises:
-        ValueError: empty ``source`` or ``name``, ``block`` out of range, or ``pointwise``
+        ValueError: blank ``source`` or ``name``, ``block`` out of range, or ``pointwise``
             without ``elementwise``.
-        TypeError: ``reference`` not callable, ``block`` not an integer, a flag that is not a
-            bool (numpy's bool is one), ``options`` not a dict.
+        TypeError: ``source`` or ``name`` not a str, ``reference`` not callable, ``block`` not
+            an integer, a flag that is not a bool (numpy's bool is one), ``options`` not a dict
+            keyed by strings.
     """
 
     def __init__(self, source: str, name: str, reference: Callable[..., Any] | None = None, *,
                  block: int = 256, elementwise: bool = True, pointwise: bool = False,
                  options: dict[str, Any] | None = None):
-        if not isinstance(source, str) or not source.strip():
+        if not isinstance(source, str):
+            raise TypeError(f"source must be a str of CUDA C++ source, got {type(source).__name__} {source!r:.60}")
+        if not source.strip():
             raise ValueError("Kernel needs CUDA C++ source text")
-        if not isinstance(name, str) or not name:
-            raise ValueError("Kernel needs the name of the __global__ function to launch")
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str naming the __global__ function, got {type(name).__name__} {name!r:.60}")
+        if not name.strip():
+            raise ValueError(f"Kernel needs the name of the __global__ function to launch, got {name!r}")
         if reference is not None and not callable(reference):
             raise TypeError("reference must be a callable that takes numpy arrays")
         block = check_count("block", block, minimum=1, maximum=1024, hint=" (threads per block)")
@@ -101,6 +106,11 @@ class Kernel:
         pointwise = check_flag("pointwise", pointwise)
         if options is not None and not isinstance(options, dict):
             raise TypeError(f"options must be a dict of cuda.core ProgramOptions fields, got {type(options).__name__}")
+        for key in options or ():
+            # they become keyword arguments of ProgramOptions, at compile time on a GPU
+            if not isinstance(key, str):
+                raise TypeError(f"options must be a dict of cuda.core ProgramOptions fields, keyed by their names; "
+                                f"got {type(key).__name__} {key!r:.60}")
         if pointwise and not elementwise:
             raise ValueError("pointwise=True needs elementwise=True: a pointwise kernel's arrays all hold n elements")
         self.source = source
@@ -262,6 +272,8 @@ class BoundKernel:
                                 f"got {type(v).__name__} {v!r}")
             if not is_c_scalar(v):
                 raise TypeError(f"bind: {type(v).__name__} {v!r:.60} has no C type to pass by value; {_NUMERIC_SCALAR}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"bind: name must be a str or None, got {type(name).__name__} {name!r:.60}")
         self.kernel = kernel
         self.scalars = tuple(scalars)
         self.__name__ = name or kernel.name
