@@ -10,8 +10,9 @@ import os
 import threading
 
 
-def write_whole(path: "str | os.PathLike", text: str) -> str:
-    """Write ``text`` (UTF-8) to a file beside ``path``, then move it over ``path``.
+def write_whole(path: "str | os.PathLike", text: "str | bytes") -> str:
+    """Write ``text`` (a str as UTF-8, or bytes as they are) to a file beside ``path``, then move
+    it over ``path``.
 
     Returns:
         ``path`` as a string.
@@ -26,7 +27,8 @@ def write_whole(path: "str | os.PathLike", text: str) -> str:
                       "regular file to write", path)
     tmp = _temporary_name(path)
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
+        binary = isinstance(text, bytes)
+        with open(tmp, "wb" if binary else "w", encoding=None if binary else "utf-8") as fh:
             fh.write(text)
         os.replace(tmp, path)
     except BaseException as exc:  # a failed write, or Ctrl-C: the temporary file goes too

@@ -3,6 +3,8 @@
 import io
 import json
 import os
+import stat
+import threading
 
 import numpy as np
 import pytest
@@ -143,6 +145,37 @@ def test_a_trace_or_plot_named_in_bytes_is_written_at_that_name(tmp_path):
     rep.plot(os.fsencode(tmp_path / "g.png"))
     assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(os.listdir(tmp_path)) == ["g.png", "t.json"]
+
+
+@pytest.mark.parametrize("name", ["g.svg", "g.png"])
+def test_a_plot_into_a_pipe_is_refused_and_the_pipe_left_as_it_was(tmp_path, name):
+    """A plot named a pipe waited for ever for a reader (an SVG), or failed inside matplotlib
+    (a PNG); save_trace and every other file ringflow writes refuse one."""
+    pytest.importorskip("matplotlib")
+    rep = profiled_run(n=2)
+    path = str(tmp_path / name)
+    os.mkfifo(path)
+    outcome = []
+
+    def plot():
+        try:
+            rep.plot(path)
+            outcome.append(None)
+        except Exception as exc:  # noqa: BLE001 - the test looks at what was raised
+            outcome.append(exc)
+
+    worker = threading.Thread(target=plot, daemon=True)
+    worker.start()
+    worker.join(30)
+    if worker.is_alive():  # open the other end, so that the plot's write ends and the thread with it
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as reader:
+            while worker.is_alive():
+                reader.read()
+                worker.join(0.1)
+        pytest.fail("plot waited for a reader of the pipe")
+    assert isinstance(outcome[0], OSError) and "not a regular file" in str(outcome[0]), outcome
+    assert outcome[0].filename == path
+    assert stat.S_ISFIFO(os.stat(path).st_mode) and os.listdir(tmp_path) == [name]
 
 
 def test_report_needs_profiling():

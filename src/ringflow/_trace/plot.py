@@ -5,9 +5,11 @@ imported and the backend never switched, so a notebook's inline plots keep worki
 
 from __future__ import annotations
 
+import io
 import os
 from typing import Optional
 
+from .._files import write_whole
 from .chrome import check_file_name
 from .timeline import Timeline, track_sort_key
 
@@ -62,9 +64,19 @@ def plot_gantt(timeline: Timeline, path: Optional[str] = None, *, ax=None, title
 def save_figure(fig, path) -> None:
     """Write ``fig`` to the file ``path`` itself (a file name, or an open binary file), in the
     type the name's extension names; PNG where the name has none (matplotlib would otherwise
-    write ``path + ".png"``, a file nobody asked for) or an open file has no name."""
+    write ``path + ".png"``, a file nobody asked for) or an open file has no name.
+
+    A file name is written whole, as every file ringflow writes (:func:`write_whole`): drawn into
+    memory first, then moved into place, so that a pipe or a device is refused (an SVG drawn
+    into a pipe waited for ever for a reader) and a failed write leaves the file as it was.
+    """
     if not hasattr(path, "write"):
         path = os.fsdecode(path)
     name = getattr(path, "name", path)  # an open file's name, an int where opened from a descriptor
     ext = os.path.splitext(name)[1].lstrip(".") if isinstance(name, str) else ""
-    fig.savefig(path, format=ext or "png")
+    if isinstance(path, str):
+        drawn = io.BytesIO()
+        fig.savefig(drawn, format=ext or "png")
+        write_whole(path, drawn.getvalue())
+    else:
+        fig.savefig(path, format=ext or "png")

@@ -222,6 +222,8 @@ class Report:
             RuntimeError: matplotlib is not installed.
             TypeError: ``ax`` is not a matplotlib Axes, or ``path`` is neither None, a file
                 name nor an open file.
+            OSError: the file cannot be written, or is a device, pipe or socket (a file name is
+                written whole, as :meth:`save_trace` writes).
         """
         from .plot import plot_gantt
 
