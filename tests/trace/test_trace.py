@@ -135,6 +135,17 @@ def test_a_plot_goes_into_an_open_binary_file_in_the_type_its_name_ends_with(tmp
     assert b"<svg" in (tmp_path / "g.svg").read_bytes()
 
 
+def test_a_plot_into_a_text_file_is_refused_by_name(tmp_path):
+    """An open text file passed the check for a file, then failed inside matplotlib ("string
+    argument expected, got 'bytes'")."""
+    pytest.importorskip("matplotlib")
+    rep = profiled_run(n=2)
+    with pytest.raises(TypeError, match="plot: path must be .*an open binary file.*got StringIO"):
+        rep.plot(io.StringIO())
+    with open(tmp_path / "g.svg", "w") as fh, pytest.raises(TypeError, match="open binary file.*TextIOWrapper"):
+        rep.plot(fh)
+
+
 def test_a_trace_or_plot_named_in_bytes_is_written_at_that_name(tmp_path):
     """Both accepted a bytes name, then failed inside with a TypeError."""
     rep = profiled_run(n=2)
