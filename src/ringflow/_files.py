@@ -6,8 +6,28 @@ pipe or socket is refused by every reader and writer alike (:func:`is_special`).
 from __future__ import annotations
 
 import errno
+import io
 import os
 import threading
+from typing import Any
+
+
+def check_file_name(path: Any, where: str, *, file_objects: bool = False) -> None:
+    """Refuse a ``path`` that is not a file name (a str, bytes or ``os.PathLike``; with
+    ``file_objects`` also an open binary file, anything with ``write`` but a text file).
+    ``open()`` takes an int as a file descriptor: ``save_trace(1)`` would write over stdout and
+    then close it.
+
+    Raises:
+        TypeError: naming ``where`` and what it got.
+    """
+    # an open text file takes no bytes: what goes in is an image, so it would fail half-written
+    if isinstance(path, (str, bytes, os.PathLike)) or (file_objects and hasattr(path, "write")
+                                                        and not isinstance(path, io.TextIOBase)):
+        return
+    also = " or an open binary file" if file_objects else ""
+    raise TypeError(f"{where}: path must be a file name (a str or os.PathLike{also}), got "
+                    f"{type(path).__name__} {path!r:.60}")
 
 
 def write_whole(path: "str | os.PathLike", text: "str | bytes") -> str:

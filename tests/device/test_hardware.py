@@ -141,6 +141,23 @@ def test_binary_missing_and_folder_files_are_refused(tmp_path):
         get_profile(str(tmp_path / "big.json"))
 
 
+@pytest.mark.parametrize("path", ["a\0b.json", "dir/a\0b", b"x\0.json"], ids=repr)
+def test_a_path_with_a_nul_byte_is_a_profile_error_that_names_it(path):
+    """It escaped as os.stat's bare ValueError, 'embedded null byte', naming no file."""
+    with pytest.raises(ProfileError, match=r"hardware profile .*x00.*cannot read it \(.*null"):
+        hardware.load_profile(path)
+    if isinstance(path, str):
+        with pytest.raises(ProfileError, match="cannot read it"):
+            rf.device("sim", profile=path)
+
+
+@pytest.mark.parametrize("path", [3, None, 1.5, ["p.json"]], ids=repr)
+def test_load_profile_of_no_path_says_what_it_takes(path):
+    """os.fspath's TypeError named no argument."""
+    with pytest.raises(TypeError, match=r"load_profile: path must be a file name \(a str or os.PathLike\), got"):
+        hardware.load_profile(path)
+
+
 def test_constructing_a_profile_checks_it_too():
     with pytest.raises(ProfileError, match="HardwareProfile.duplex_GBps must be a finite number more than 0"):
         dataclasses.replace(H200_PCIE5, duplex_GBps=float("nan"))

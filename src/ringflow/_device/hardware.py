@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from .. import _jsontext as jsontext
 from .._errors import RingflowError
-from .._files import is_special, write_whole
+from .._files import check_file_name, is_special, write_whole
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -471,12 +471,15 @@ def load_profile(path: "str | os.PathLike") -> HardwareProfile:
     Raises:
         ProfileError: the file is missing, a folder, not JSON or not a valid profile (the
             message names the file and, for a bad field, the field).
+        TypeError: ``path`` is not a file name (a str, bytes or os.PathLike).
     """
+    check_file_name(path, "load_profile")
     path = os.fspath(path)
     try:
         st = os.stat(path)
-    except OSError as exc:
-        raise ProfileError(f"hardware profile {path!r}: cannot read it ({exc.strerror or type(exc).__name__}); "
+    except (OSError, ValueError) as exc:  # a ValueError: a NUL byte in the name
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+        raise ProfileError(f"hardware profile {path!r}: cannot read it ({reason}); "
                            "give the path of a profile JSON (ringflow doctor --save writes one) or a name: "
                            f"{', '.join(sorted(PROFILES))}") from None
     key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)

@@ -40,8 +40,7 @@ from .. import _jsontext as jsontext
 from .._device import device_label, host_pool
 from .._device.protocol import Device
 from .._errors import DeviceError, LaunchError, OutOfMemoryError, StageError
-from .._files import write_whole
-from .._trace.chrome import check_file_name
+from .._files import check_file_name, write_whole
 from .engine import Arrays, choose_engine
 from .sizing import default_workers
 from .whole_array import MapLayout, run_whole

@@ -7,12 +7,10 @@ first accepted chunk, and ``args`` carrying the chunk index and bytes.
 
 from __future__ import annotations
 
-import io
 import json
-import os
 from typing import Any
 
-from .._files import write_whole
+from .._files import check_file_name, write_whole
 from .timeline import Span, Timeline, track_sort_key
 
 
@@ -33,24 +31,6 @@ def to_chrome(timeline: Timeline, *, name: str = "ringflow") -> dict[str, Any]:
                        f"{s.name} #{s.chunk}", "cat": s.name, "ts": (s.start - t0) * 1e6,
                        "dur": max(0.0, s.end - s.start) * 1e6, "args": args})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": timeline.meta}
-
-
-def check_file_name(path: Any, where: str, *, file_objects: bool = False) -> None:
-    """Refuse a ``path`` that is not a file name (a str, bytes or ``os.PathLike``; with
-    ``file_objects`` also an open binary file, anything with ``write`` but a text file).
-    ``open()`` takes an int as a file descriptor: ``save_trace(1)`` would write over stdout and
-    then close it.
-
-    Raises:
-        TypeError: naming ``where`` and what it got.
-    """
-    # an open text file takes no bytes: what goes in is an image, so it would fail half-written
-    if isinstance(path, (str, bytes, os.PathLike)) or (file_objects and hasattr(path, "write")
-                                                        and not isinstance(path, io.TextIOBase)):
-        return
-    also = " or an open binary file" if file_objects else ""
-    raise TypeError(f"{where}: path must be a file name (a str or os.PathLike{also}), got "
-                    f"{type(path).__name__} {path!r:.60}")
 
 
 def save_chrome(timeline: Timeline, path: str, **kw: Any) -> str:

@@ -9,8 +9,7 @@ import io
 import os
 from typing import Optional
 
-from .._files import write_whole
-from .chrome import check_file_name
+from .._files import check_file_name, write_whole
 from .timeline import Timeline, track_sort_key
 
 COLOURS = {"prepare": "#4c72b0", "h2d": "#dd8452", "compute": "#55a868", "d2h": "#c44e52", "consume": "#8172b3"}
