@@ -21,6 +21,16 @@ def test_a_file_is_replaced_whole(tmp_path):
     assert path.read_text() == "new" and os.listdir(tmp_path) == ["r.json"]
 
 
+@pytest.mark.parametrize("name", ["r\0.json", b"r\0.json"], ids=repr)
+def test_a_name_with_a_nul_byte_is_an_os_error_that_names_it(tmp_path, name):
+    """open()'s bare ValueError, 'embedded null byte', escaped save_trace, plot and every other
+    writer, naming no file."""
+    path = os.path.join(os.fsencode(tmp_path) if isinstance(name, bytes) else str(tmp_path), name)
+    with pytest.raises(OSError, match="a file name cannot hold a NUL byte") as info:
+        _files.write_whole(path, "new")
+    assert info.value.filename == os.fsdecode(path) and os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()], ids=repr)
 def test_a_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch, failure):
     path = tmp_path / "r.json"

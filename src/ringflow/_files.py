@@ -42,6 +42,8 @@ def write_whole(path: "str | os.PathLike", text: "str | bytes") -> str:
             (:func:`is_special`); the error names ``path``.
     """
     path = os.fsdecode(path)
+    if "\0" in path:  # open() would say only "embedded null byte", naming no file
+        raise OSError(errno.EINVAL, "a file name cannot hold a NUL byte", path)
     if is_special(path):  # replaced by a regular file otherwise: a pipe, or as root /dev/null
         raise OSError(errno.EINVAL, "not a regular file (a device, pipe or socket); give the name of a "
                       "regular file to write", path)
