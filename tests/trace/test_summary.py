@@ -57,6 +57,19 @@ def test_no_figure_tops_100_percent_and_a_legend_explains_them(two_workers, caps
     assert "x1.25" in out
 
 
+def test_spans_that_overlap_on_one_track_stay_within_100_percent(tmp_path, capsys):
+    """Three h2d spans at once on one thread (nested or hand-made spans; ringflow puts each on a
+    lane of its own) counted as one track: busy/track read 200%, past the legend's 'at most
+    100%'. The spans that ran at once count as tracks."""
+    path = write_trace(tmp_path / "t.json", [(1, "h2d", 0, 4, 0), (1, "h2d", 1, 5, 1), (1, "h2d", 2, 6, 2),
+                                             (2, "compute", 6, 7, 0)])
+    h2d = summarise(path)["stages"]["h2d"]
+    assert h2d["tracks"] == 3 and h2d["per_track_fraction"] == pytest.approx(12 / (3 * 7))
+    assert main(["trace", path]) == 0
+    out = capsys.readouterr().out
+    assert all(int(p) <= 100 for p in re.findall(r"(\d+)%", out)), out
+
+
 def test_json_summary_on_stdout(two_workers, capsys):
     assert main(["trace", "--json", two_workers]) == 0
     captured = capsys.readouterr()

@@ -3,7 +3,9 @@
 The trace is a Chrome/Perfetto JSON as :meth:`Report.save_trace` writes it: one track (thread)
 per stage, stream or stall lane, each span a complete event (``ph: "X"``). Spans of one name
 that overlap in time sit on numbered tracks (``cpu: prepare``, ``cpu: prepare [1]``, ...), so
-the number of tracks a name uses is how many of its spans ran at once at most.
+the number of tracks a name uses is how many of its spans ran at once at most. In a trace whose
+spans overlap on one track (nested spans, another writer's trace) the most that ran at once
+count as its tracks.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ LEGEND = {
     "count": "spans of that name (one per chunk for the five stages)",
     "median_ms": "median span duration",
     "total_ms": "sum of the span durations",
-    "tracks": "threads or lanes the spans lie on; at most this many ran at once",
+    "tracks": "threads or lanes the spans lie on (or the most that ran at once, if more); at most this many ran at once",
     "busy_fraction": "share of the wall time with at least one such span running (at most 100%)",
     "per_track_fraction": "total / (tracks x wall): the average load of each track (at most 100%)",
     "gpu_overlap": "h2d + compute + d2h span time / time any of them ran: 1 = one at a time, 3 = all three always",
@@ -142,7 +144,10 @@ def summarise(path: str) -> dict[str, Any]:
     order = {s: i for i, s in enumerate(STAGES)}
     for name, group in sorted(by_name.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])):
         d = np.array([g.end - g.start for g in group])
-        tracks = len({g.track for g in group})
+        # ringflow gives each of the spans that overlap a lane of its own; spans nested or
+        # overlapping on one thread (another writer's trace) count as the most that ran at once,
+        # so that total / (tracks x wall) stays a load of at most 1
+        tracks = max(len({g.track for g in group}), _most_at_once(group))
         total = float(d.sum())
         out["stages"][name] = {
             "count": len(group), "tracks": tracks, "median_ms": float(np.median(d)) * 1e3, "total_ms": total * 1e3,
@@ -163,6 +168,17 @@ def _rounded(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: _rounded(v) for k, v in obj.items()}
     return obj
+
+
+def _most_at_once(spans) -> int:
+    """The most of ``spans`` that run at any one time (one that ends as another starts does not
+    overlap it)."""
+    edges = sorted([(s.start, 1) for s in spans] + [(s.end, -1) for s in spans], key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
 
 
 def _union(spans) -> float:
