@@ -161,7 +161,8 @@ class Kernel:
         the module's doc for which stream when None). Raises TypeError for an argument that is
         neither an array nor a scalar (named by its position and type), no array, numpy arrays
         without a reference, numpy and device arrays mixed, a Python scalar or a numpy scalar
-        of no C type (a string, a date), and
+        of no C type (a string, a date), an array of Python objects or a ``stream`` that is
+        neither None, a ringflow stream nor a ``__cuda_stream__`` object, and
         ValueError for a strided array or, elementwise, one shorter than the first: on numpy
         arrays too, before the reference runs, as a launch would."""
         arrays = [a for a in args if not isinstance(a, (np.generic, bool, int, float, complex))]
@@ -172,6 +173,7 @@ class Kernel:
                 raise TypeError(f"kernel {self.name!r} got numpy arrays (the simulated GPU) but has no reference; "
                                 "pass reference=<numpy function> to Kernel(...)")
             self._check_like_a_launch(args)
+            _check_stream(self.name, stream)
             return self.reference(*args)
         if any(isinstance(a, np.ndarray) for a in arrays):
             # checked only here, off the launch path: beside numpy arrays, an argument that is no
@@ -206,6 +208,9 @@ class Kernel:
         for i, a in enumerate(args):
             self._check_scalar(i, a)
             if isinstance(a, np.ndarray):
+                if a.dtype.hasobject:  # Python objects have no device memory a launch could pass
+                    raise TypeError(f"kernel {self.name!r}: argument {i} is an array of dtype {a.dtype}, which holds "
+                                    "Python objects; pass arrays of numbers")
                 if not a.flags.c_contiguous:
                     raise ValueError("kernel arguments must be C-contiguous; use np.ascontiguousarray")
                 sizes.append(a.size)
@@ -350,6 +355,16 @@ def _c_contiguous(shape, strides, typestr: str | None = None) -> bool:
             return False
         expected *= dim
     return True
+
+
+def _check_stream(name: str, stream: Any) -> None:
+    """Refuse a ``stream=`` that a launch could not use (None, a ringflow stream or any object
+    with ``__cuda_stream__``), on the simulated GPU too, where the reference ignores it."""
+    from ._device.protocol import Stream
+
+    if stream is not None and not isinstance(stream, Stream) and not hasattr(stream, "__cuda_stream__"):
+        raise TypeError(f"kernel {name!r}: stream must be None, a ringflow stream or an object with "
+                        f"__cuda_stream__, got {type(stream).__name__} {stream!r:.60}")
 
 
 def _pick_stream(stream: Any, device: int, kinds: set[str]) -> Any:
