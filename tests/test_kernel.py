@@ -313,3 +313,10 @@ def test_compiling_without_cuda_core_says_what_to_install(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_cuda)
     with pytest.raises(RuntimeError, match=r"compiling kernel 'k' needs cuda.core.*pip install 'ringflow\[cuda\]'"):
         rf.Kernel('extern "C" __global__ void k() {}', "k").compile(0)
+
+    class DeviceArray:  # what any framework's device array shows
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (1 << 20, False), "version": 3}
+
+    # a launch on device arrays failed inside with the import's own ModuleNotFoundError
+    with pytest.raises(RuntimeError, match=r"launching kernel 'k' on device arrays needs cuda.core.*pip install"):
+        rf.Kernel('extern "C" __global__ void k() {}', "k")(DeviceArray())

@@ -135,13 +135,9 @@ class Kernel:
             kern = self._compiled.get(device_index)
             if kern is not None:
                 return kern
-            try:
-                from cuda.core import Device, Program, ProgramOptions
-            except ImportError as exc:
-                raise RuntimeError(f"compiling kernel {self.name!r} needs cuda.core, which did not import "
-                                   f"({exc}); install it with: {INSTALL_HINT}") from exc
-
-            dev = Device(device_index)
+            core = _cuda_core(f"compiling kernel {self.name!r}")
+            Program, ProgramOptions = core.Program, core.ProgramOptions
+            dev = core.Device(device_index)
             dev.set_current()
             opts = {"std": "c++17", "name": self.name, **self.options, "arch": f"sm_{dev.arch}"}
             log = io.StringIO()
@@ -248,6 +244,7 @@ class Kernel:
         _cuda().launch(cc_stream, config, kern, *kernel_args, np.uint64(n))
 
     def _launch(self, args: tuple[Any, ...], stream: Any) -> None:
+        _cuda_core(f"launching kernel {self.name!r} on device arrays")
         kernel_args: list[Any] = []
         sizes, devices, kinds = [], set(), set()
         for i, a in enumerate(args):
@@ -296,6 +293,20 @@ class BoundKernel:
 
     def __repr__(self) -> str:
         return f"<ringflow.BoundKernel {self.__name__} = {self.kernel.name}(*arrays, *{self.scalars})>"
+
+
+def _cuda_core(what: str) -> Any:
+    """The cuda.core module, for ``what`` (a phrase naming the call).
+
+    Raises:
+        RuntimeError: cuda.core does not import; the message says how to install it.
+    """
+    try:
+        import cuda.core
+    except ImportError as exc:
+        raise RuntimeError(f"{what} needs cuda.core, which did not import ({exc}); install it with: "
+                           f"{INSTALL_HINT}") from exc
+    return cuda.core
 
 
 @functools.lru_cache(maxsize=None)
