@@ -28,13 +28,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import inspect
 import itertools
 import math
-import os
 import threading
 import time
-import traceback
 import warnings
 from typing import Any, Callable, Iterator, Optional
 
@@ -47,6 +44,7 @@ from .._testing import current as current_hooks
 from .batch_space import BatchSpace, aligned
 from .chunk import MAX_MEMBERS, MEMBER_ALIGN, Chunk, ChunkFuture, Member
 from .config import PipelineConfig, refuse_unknown_guards
+from .frames import forget_frames
 from .reentry import generation, marked, run_stage
 from .ring import Ring, Slot, allocate_ring
 from .states import ChunkState, RingKind, SlotState
@@ -1530,42 +1528,6 @@ def check_fill_rows(several: bool, ndim: int, what: str) -> None:
                          "drop fill='rows'")
     if ndim == 0:
         raise ValueError(f"fill='rows' needs items with rows (the first axis); {what} is a 0-d array")
-
-
-def forget_frames(exc: BaseException) -> None:
-    """Clear the local variables of the frames ``exc``'s traceback passes through (its causes'
-    too), and of the finished frames that called them: a failure kept for inspection then keeps
-    its message and traceback lines but not the chunk, its input or its events alive."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        tb = exc.__traceback__
-        if tb is not None:
-            traceback.clear_frames(tb)
-        while tb is not None:
-            _forget_callers(tb.tb_frame)
-            tb = tb.tb_next
-        exc = exc.__cause__ or exc.__context__
-
-
-_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
-_OWN_CODE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # ringflow's package
-
-
-def _forget_callers(frame) -> None:
-    """Clear the locals of ringflow's frames that called ``frame`` and have returned since. A
-    traceback's frames keep their callers alive (``f_back``); on the simulated GPU a host task or
-    kernel runs inside whatever scheduler call advanced virtual time, so those callers hold other
-    chunks, slots and events. Stops at the first caller still running, outside ringflow (the
-    user's frames are the user's), or of a generator or coroutine (clearing a suspended one would
-    close it)."""
-    f = frame.f_back
-    while f is not None and not f.f_code.co_flags & _SUSPENDABLE and f.f_code.co_filename.startswith(_OWN_CODE):
-        try:
-            f.clear()
-        except RuntimeError:  # still running: so are its callers
-            return
-        f = f.f_back
 
 
 def _no_job(*args: Any) -> Any:

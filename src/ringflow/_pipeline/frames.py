@@ -1,0 +1,63 @@
+"""Failures kept without keeping a failed chunk's frames alive.
+
+On the simulated GPU a stage runs inside whatever call advanced virtual time (a scheduler step,
+an enqueue, a wait), so its exception's traceback reaches those callers through ``f_back``; once
+they have returned, their locals (chunks, slots, events) stay alive as long as the traceback
+does. Where one of those is what keeps the exception (a failed event holds its launch's error),
+the two form a reference cycle that only the cyclic collector frees.
+
+For a failure kept for inspection, :func:`forget_frames` clears the locals of every frame of its
+traceback and of ringflow's callers of them that have returned (never a frame still running, nor
+a caller outside ringflow).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import traceback
+from typing import Optional
+
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+_OWN_CODE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # ringflow's package
+
+
+def forget_frames(exc: BaseException) -> None:
+    """Clear the local variables of the frames ``exc``'s traceback passes through (its causes'
+    too), and of the finished frames that called them: a failure kept for inspection then keeps
+    its message and traceback lines but not the chunk, its input or its events alive."""
+    for one in _chain(exc):
+        tb = one.__traceback__
+        if tb is not None:
+            traceback.clear_frames(tb)
+        _forget_callers_of(tb)
+
+
+def _chain(exc: Optional[BaseException]):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _forget_callers_of(tb) -> None:
+    while tb is not None:
+        _forget_callers(tb.tb_frame)
+        tb = tb.tb_next
+
+
+def _forget_callers(frame) -> None:
+    """Clear the locals of ringflow's frames that called ``frame`` and have returned since. A
+    traceback's frames keep their callers alive (``f_back``); on the simulated GPU a host task or
+    kernel runs inside whatever scheduler call advanced virtual time, so those callers hold other
+    chunks, slots and events. Stops at the first caller still running, outside ringflow (the
+    user's frames are the user's), or of a generator or coroutine (clearing a suspended one would
+    close it)."""
+    f = frame.f_back
+    while f is not None and not f.f_code.co_flags & _SUSPENDABLE and f.f_code.co_filename.startswith(_OWN_CODE):
+        try:
+            f.clear()
+        except RuntimeError:  # still running: so are its callers
+            return
+        f = f.f_back
