@@ -24,7 +24,7 @@ from tests.helpers.threads import bounded
 
 # the functions a whole-array call runs through, from the call down to the scheduler's steps
 NAMES = ("run_whole", "run_call", "take", "park", "_close", "close", "fail", "__call__", "__exit__",
-         "run", "_enqueue", "_raise_failed", "settle", "wait_for", "drive_here", "_drive", "run_commands",
+         "run", "_enqueue", "_failure", "settle", "wait_for", "drive_here", "_drive", "run_commands",
          "step", "_admit", "_observe", "_on_fence_done", "_start_prepares", "_enqueue_h2d", "_enqueue_compute",
          "_enqueue_d2h", "_start_consume", "_on_consumed", "_end", "cancel_pending", "_shut")
 POINTS = 36  # instructions a door is interrupted at, spread evenly over one call

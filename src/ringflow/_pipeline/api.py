@@ -791,6 +791,13 @@ class Pipeline:
                         entry.in_map = False
                         if entry.state.final:
                             s.unclaimed -= 1
+            # this generator has ended, and its frame stays in the traceback of what it raised
+            # (and is an ancestor of the frames a stage ran in, on the simulated GPU): its locals
+            # must not keep a failure, nor a chunk or future holding one, or the two would form
+            # a cycle (keeping the pipeline, its chunks and their events until the cyclic
+            # collector runs)
+            pending.clear()
+            chunk = entry = fut = error = None
 
     def _map_shares(self, item: Any) -> bool:
         """Whether ``map`` puts ``item`` in a chunk other items may share: one :meth:`submit`
@@ -1113,6 +1120,12 @@ class Pipeline:
             return False
         s.park()
         return True
+
+    def _forget_failures(self) -> None:
+        """Drop the failures kept for :attr:`failures` (a closed whole-array job's pipeline, which
+        nobody else can ask for them; see :meth:`Scheduler.forget_failures`)."""
+        with self._driver.cv:
+            self._sched.forget_failures()
 
     def _rearm(self, prepare, consume, item_nbytes, host_in_buffer=None, host_out_buffer=None) -> None:
         self._sched.rearm(prepare, consume, item_nbytes, host_in_buffer=host_in_buffer,

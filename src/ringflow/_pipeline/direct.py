@@ -44,6 +44,7 @@ from .._trace.report import Report
 from .._trace.timeline import ENQUEUE_TRACK, Anchor, ChunkRecord, Span, Timeline
 from .config import SlotCounts, refuse_unknown_guards
 from .engine import Arrays
+from .frames import forget_callers
 from .ring import allocate_ring
 from .sigint import checkpoint
 from .sizing import COMPUTE_BOUND_STREAMS, compute_streams_for, copy_group, is_compute_bound, taper
@@ -301,7 +302,17 @@ class DirectSchedule:
             raise
         if profile:
             self._timeline = self._timeline_of(*stamps)
-        self._raise_failed(compute_events)
+        failure = self._failure(compute_events)
+        if failure is not None:
+            # this frame is in the failure's traceback (and, on the simulated GPU, an ancestor of
+            # the frames the compute ran in): the failed event, which holds the compute's
+            # exception, must not stay in its locals (the events a profiled run stamped include
+            # it), or the two would form a cycle
+            compute_events = stamps = measured = None
+            try:
+                raise failure
+            finally:
+                del failure
         if measured is not None:
             self._plan_compute_streams(measured)
         self._warmed = True
@@ -329,17 +340,31 @@ class DirectSchedule:
         logger.debug("direct engine: the measured chunk was %scompute-bound; %d compute stream(s) from now on",
                      "" if bound else "not ", self.compute_streams)
 
-    def _raise_failed(self, compute_events: list) -> None:
-        """Raise a StageError for the first chunk whose compute failed on the device, as its
-        event (None: none kept) reports it; the callable's own exception is the cause, as the
-        scheduler reports it."""
+    def _failure(self, compute_events: list) -> Optional[BaseException]:
+        """What a call raises for the first chunk whose compute failed on the device, as its
+        event (None: none kept) reports it, else None: a StageError whose cause is the
+        callable's own exception, as the scheduler reports it, or a KeyboardInterrupt or
+        SystemExit itself (as the scheduler raises it).
+
+        On the simulated GPU a compute ran inside whichever host call advanced virtual time,
+        and its exception's traceback keeps those calls' frames (``f_back``) and, with them, the
+        events they held, its own failed event among them: :func:`forget_callers` clears the
+        ones that have returned, for every failed chunk (not only the one raised), so no
+        exception keeps the event that keeps it."""
+        failure = None
         for op, event in zip(self.ops, compute_events):
             err = event.error if event is not None else None
-            if err is not None:
-                cause = err.__cause__ or err
-                if not isinstance(cause, Exception):
-                    raise cause  # KeyboardInterrupt, SystemExit: itself, as the scheduler raises it
-                raise StageError("compute", op.index, cause) from cause
+            if err is None:
+                continue
+            cause = err.__cause__ or err
+            forget_callers(cause)
+            if failure is None:
+                if isinstance(cause, Exception):
+                    failure = StageError("compute", op.index, cause)
+                    failure.__cause__ = cause
+                else:
+                    failure = cause
+        return failure
 
     # -- graphs ----------------------------------------------------------------------------------
     def _run_graph(self) -> None:
@@ -367,7 +392,12 @@ class DirectSchedule:
             self.streams.settle()
             raise
         self.replayed = True
-        self._raise_failed([self._graph.event(captured) for captured in self._graph_computes])
+        failure = self._failure([self._graph.event(captured) for captured in self._graph_computes])
+        if failure is not None:
+            try:
+                raise failure
+            finally:
+                del failure  # this frame is in its traceback: a local keeping it would make a cycle
 
     def _join_slots(self, origin):
         """Make ``origin`` wait for every slot's last use; returns an event after those waits

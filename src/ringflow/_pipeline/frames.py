@@ -1,4 +1,4 @@
-"""Failures kept without keeping a failed chunk's frames alive.
+"""Failures kept, or raised, without keeping a failed chunk's frames alive.
 
 On the simulated GPU a stage runs inside whatever call advanced virtual time (a scheduler step,
 an enqueue, a wait), so its exception's traceback reaches those callers through ``f_back``; once
@@ -6,9 +6,11 @@ they have returned, their locals (chunks, slots, events) stay alive as long as t
 does. Where one of those is what keeps the exception (a failed event holds its launch's error),
 the two form a reference cycle that only the cyclic collector frees.
 
-For a failure kept for inspection, :func:`forget_frames` clears the locals of every frame of its
-traceback and of ringflow's callers of them that have returned (never a frame still running, nor
-a caller outside ringflow).
+:func:`forget_frames`, for a failure kept for inspection, clears the locals of every frame of its
+traceback and of ringflow's callers of them that have returned; :func:`forget_callers`, for a
+failure about to reach the caller, clears only those callers, leaving the traceback's own frames
+(the user's compute among them) as they are. Neither touches a frame still running, nor a caller
+outside ringflow.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ def forget_frames(exc: BaseException) -> None:
         if tb is not None:
             traceback.clear_frames(tb)
         _forget_callers_of(tb)
+
+
+def forget_callers(exc: BaseException) -> None:
+    """Clear only the locals of ringflow's finished frames that called the frames of ``exc``'s
+    traceback (its causes' too), leaving the traceback's own frames as they are: for a failure
+    about to be raised to the caller, whose frames (the user's compute among them) are theirs to
+    look at."""
+    for one in _chain(exc):
+        _forget_callers_of(one.__traceback__)
 
 
 def _chain(exc: Optional[BaseException]):

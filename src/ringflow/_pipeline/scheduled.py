@@ -101,7 +101,13 @@ class ScheduledEngine:
         # on_error="continue": map skipped the failed chunks; the call still fails, with the first
         failed = [err for err in pipe.failures if id(err) not in earlier]
         if failed:
-            raise min(failed, key=lambda err: err.index)
+            first = min(failed, key=lambda err: err.index)
+            # this frame is in first's traceback: no local may keep it once raised (a cycle)
+            del failed
+            try:
+                raise first
+            finally:
+                del first
 
     def report(self):
         """The last profiled call's :class:`~ringflow.Report`. Raises RuntimeError if none."""
@@ -115,6 +121,9 @@ class ScheduledEngine:
         self._arrays = None
         if pipe is not None:
             pipe.__exit__(type(exc), exc, exc.__traceback__)
+            # exc is on its way to the caller, and its traceback's frames hold this pipeline:
+            # the failures it keeps (exc itself, or the StageError caused by it) must go
+            pipe._forget_failures()
 
     def park(self) -> bool:
         """Forget the call's arrays; True if the pipeline can serve another call as it is."""

@@ -1465,6 +1465,15 @@ class Scheduler:
             self._closed = True
             self._release_resources()
 
+    def forget_failures(self) -> None:
+        """Drop the failures kept for inspection (:attr:`failures`, :attr:`first_error`): for a
+        closed scheduler nobody can inspect (a whole-array call's), whose failure has been raised
+        to the caller. The frames of that raise hold this scheduler, so a failure kept here would
+        keep them, and they it, until the cyclic collector runs."""
+        self.failures.clear()
+        self.first_error = None
+        self._forget_again = []
+
     def _forget_finished_frames(self) -> None:
         """:func:`forget_frames` again for the failures of earlier steps (those steps have returned)."""
         again, self._forget_again = self._forget_again, []

@@ -174,7 +174,12 @@ def _run_shard(shard: Shard, work: Callable[[Shard], Any], caller_token: Any) ->
             outcome.token = dev.publish()
     except BaseException as exc:  # noqa: BLE001 - every ending is reported to the caller, Ctrl-C included
         outcome.error = exc
-    return outcome
+    try:
+        return outcome
+    finally:
+        # where the shard failed this frame is in the error's traceback, and the outcome keeps
+        # the error: a local keeping the outcome would make a cycle
+        del outcome
 
 
 def _wait(futures: list) -> None:
@@ -241,17 +246,32 @@ def named_error(shard: Shard, exc: BaseException) -> BaseException:
 
 def raise_first(shards: Sequence[Shard], outcomes: Sequence[Outcome]) -> None:
     """Raise the error of the first failed shard in row order (an interrupt first), named for
-    the caller; return if none failed."""
-    failed = [(s, o.error) for s, o in zip(shards, outcomes) if o.error is not None]
-    if not failed:
+    the caller; return if none failed. The errors are taken out of ``outcomes``: the frames of
+    the raise (and their callers, which hold ``outcomes``) are in the raised error's traceback,
+    and an interrupt is raised as itself, so an outcome keeping it would make a cycle."""
+    err = _first_error(shards, outcomes)
+    if err is None:
         return
+    try:
+        raise err
+    finally:
+        del err  # this frame is in its traceback
+
+
+def _first_error(shards: Sequence[Shard], outcomes: Sequence[Outcome]) -> Optional[BaseException]:
+    """What :func:`raise_first` raises (None if no shard failed); clears every outcome's error."""
+    failed = [(s, o.error) for s, o in zip(shards, outcomes) if o.error is not None]
+    for o in outcomes:
+        o.error = None
+    if not failed:
+        return None
     interrupts = [(s, e) for s, e in failed if not isinstance(e, Exception)]
     shard, exc = (interrupts or failed)[0]
     err = named_error(shard, exc)
     others = [f"{s.label}: {type(e).__name__}: {e}" for s, e in failed if s is not shard]
     if others:
         err.add_note(f"{len(others)} other shard(s) failed too: " + "; ".join(others))
-    raise err
+    return err
 
 
 @dataclasses.dataclass(repr=False)

@@ -270,6 +270,10 @@ class SimStream(Stream):
                     err = LaunchError(f"{op_name} on {self.name} failed: {type(exc).__name__}: {exc}")
                     err.__cause__ = exc
                     self._report(err)
+                    # this frame is in exc's traceback: a local keeping err (caused by exc) would
+                    # make a cycle, and keep this frame's callers (the host call that advanced
+                    # virtual time, with its chunks and events) until the cyclic collector runs
+                    del err
 
             self._enqueue(op_name, resource="compute", seconds=seconds, on_complete=self._guard(run))
 

@@ -1,0 +1,148 @@
+"""A failed whole-array call keeps nothing alive for the cyclic collector
+(src/ringflow/_pipeline/frames.py and the raise sites of the engines).
+
+The failure a call raises carries a traceback whose frames hold the call's engine, pipeline,
+chunks and events; on the simulated GPU the compute's own frames also reach, through ``f_back``,
+whatever host call ran the kernel. None of those may hold the failure in turn: once the caller
+drops the error, plain reference counting must free every event, buffer and stream of the call
+and every frame of it, with the collector off, whichever chunk failed, however (an interrupt,
+``sys.exit``, an ordinary error), on either engine, through ``stream_map`` or a ``MapJob``, on
+one device or several.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import types
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from tests.helpers.pipeline_checks import copy_failing_on_call
+
+ROWS = 1 << 20  # float32: 16 chunks of CHUNK_BYTES
+CHUNK_BYTES = 1 << 16
+FAILING_CALLS = (1, 2, 9, 16)  # the compute call that fails: the first chunk, the second, one inside, the last
+
+FAILURES = {
+    "KeyboardInterrupt": KeyboardInterrupt("pressed in the compute"),
+    "SystemExit": SystemExit(3),
+    "ValueError": ValueError("a bad chunk"),
+}
+
+
+def _stream_map(engine, host, ndev=1):
+    def call(f, x, devs, keep_warm):
+        rf.stream_map(f, x, device=devs[0] if ndev == 1 else devs, chunk_bytes=CHUNK_BYTES, engine=engine,
+                      host=host, keep_warm=keep_warm)
+    return call, ndev
+
+
+def _map_job(engine, host, ndev=1):
+    def call(f, x, devs, keep_warm):
+        with rf.MapJob(f, x, device=devs[0] if ndev == 1 else devs, chunk_bytes=CHUNK_BYTES, engine=engine,
+                       host=host) as job:
+            job()
+    return call, ndev
+
+
+ENTRIES = {
+    "stream_map staged (scheduler)": _stream_map("pipeline", "stage"),
+    "stream_map registered (scheduler)": _stream_map("pipeline", "register"),
+    "stream_map registered (direct)": _stream_map("direct", "register"),
+    "stream_map over two devices": _stream_map("auto", "register", ndev=2),
+    "MapJob staged (scheduler)": _map_job("pipeline", "stage"),
+    "MapJob registered (direct)": _map_job("direct", "register"),
+    "MapJob over two devices": _map_job("auto", "register", ndev=2),
+}
+
+
+@contextlib.contextmanager
+def collector_off():
+    """The cyclic collector off (what it already had to free collected first), back on after."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def left_for_the_collector() -> list[str]:
+    """The frames and exceptions only the cyclic collector could free now (then freed)."""
+    before = len(gc.garbage)
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+    finally:
+        gc.set_debug(0)
+    found = gc.garbage[before:]
+    names = [f"frame {o.f_code.co_name}" if isinstance(o, types.FrameType) else repr(o)
+             for o in found if isinstance(o, (types.FrameType, BaseException))]
+    del gc.garbage[before:], found
+    gc.collect()  # unsaved this time
+    return names
+
+
+@pytest.mark.parametrize("failure", FAILURES)
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_failed_whole_array_call_leaves_nothing_for_the_collector(entry, failure):
+    """With the collector off, a call whose compute fails at any chunk (keeping its engine warm
+    or not) leaves no event, buffer or stream live once it has raised, and no frame or
+    exception that only the collector could free."""
+    call, ndev = ENTRIES[entry]
+    kept = []  # (failing call, keep_warm, what each device still counts live, what only the collector frees)
+    for k, n in enumerate(FAILING_CALLS):
+        keep_warm = k % 2 == 0
+        with collector_off():
+            devs = [rf.device("sim", seed=10 * n + i, chaos=True) for i in range(ndev)]
+            f = copy_failing_on_call(n, FAILURES[failure])
+            with pytest.raises(rf.StageError if failure == "ValueError" else type(FAILURES[failure])):
+                call(f, np.arange(ROWS, dtype=np.float32), devs, keep_warm)
+            rf.drop_warm_pipelines()
+            live = [dev.live() for dev in devs]
+            left = left_for_the_collector()
+            if any(counts.total for counts in live) or left:
+                kept.append((n, keep_warm, live, left))
+        for dev in devs:
+            dev.close()
+    assert not kept
+
+
+@pytest.mark.parametrize("failure", FAILURES)
+@pytest.mark.parametrize("host", ["register", "stage"])
+def test_the_caller_gets_the_failure_with_its_own_traceback(host, failure):
+    """Breaking the cycles leaves what the caller gets alone: the compute's own exception (the
+    cause of a StageError), whose traceback still runs down to the line of the compute that
+    raised it (on the direct engine, with that frame's locals)."""
+    dev = rf.device("sim")
+    like = FAILURES[failure]
+
+    def compute(x, y):
+        marker = "the compute's own local"  # noqa: F841 - looked for in the traceback
+        raise type(like)(*like.args)
+
+    with pytest.raises(BaseException) as info:
+        rf.stream_map(compute, np.ones(4096, np.float32), device=dev, chunk_bytes=4096, host=host)
+    err = info.value
+    if failure == "ValueError":
+        assert isinstance(err, rf.StageError)
+        err = err.__cause__
+    assert type(err) is type(like) and err.args == like.args
+    last = list(_walk(err.__traceback__))[-1].tb_frame
+    assert last.f_code is compute.__code__
+    if host == "register":
+        assert last.f_locals["marker"] == "the compute's own local"
+    del info, err, last
+    rf.drop_warm_pipelines(dev)
+    dev.close()
+
+
+def _walk(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
