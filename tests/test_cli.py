@@ -373,6 +373,122 @@ def test_python_m_ringflow_help():
     assert run_cli("plan", "--help").stdout.count("--bytes") >= 1
 
 
+# -- Ctrl-C while the command starts: the package is imported inside the entry point's try ------------------------
+ROOT = os.path.dirname(SRC)
+# A module of this name, put ahead of the real one on the path, sends the process a real SIGINT
+# while it is being imported: a Ctrl-C at that point of the command's start, every run. numpy is
+# imported by the ringflow package's __init__; argparse by ringflow._cli alone, after it.
+_CTRL_C_ON_IMPORT = """import os, signal
+os.kill(os.getpid(), signal.SIGINT)  # Python's handler raises KeyboardInterrupt at the next instruction
+for _ in range(10 ** 7):
+    pass
+raise AssertionError("SIGINT did not interrupt the import")
+"""
+
+
+def _script_target() -> tuple:
+    """pyproject.toml's ``ringflow`` script: its target (module, function) and the setuptools table."""
+    tomllib = pytest.importorskip("tomllib")  # (Python 3.11+)
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+        meta = tomllib.load(fh)
+    module, _, function = meta["project"]["scripts"]["ringflow"].partition(":")
+    return module, function, meta["tool"]["setuptools"]
+
+
+def _interrupted_start(tmp_path, module: str, how: str) -> subprocess.CompletedProcess:
+    """Start ``ringflow plan`` (``how``: "script", the console script pip writes for pyproject's
+    target, or "-m", ``python -m ringflow``) with a Ctrl-C arriving while ``module`` is imported."""
+    fake = tmp_path / "fake"
+    (fake / module).mkdir(parents=True)
+    (fake / module / "__init__.py").write_text(_CTRL_C_ON_IMPORT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RINGFLOW_DEVICE", "RINGFLOW_DEBUG")}
+    env["PYTHONPATH"] = os.pathsep.join([str(fake), SRC])
+    if how == "script":
+        target, function, _ = _script_target()
+        script = tmp_path / "ringflow"
+        script.write_text(f"import sys\nfrom {target} import {function}\nif __name__ == '__main__':\n"
+                          f"    sys.argv[0] = sys.argv[0].removesuffix('.exe')\n    sys.exit({function}())\n")
+        argv = [sys.executable, str(script), "plan"]
+    else:  # interpreter options before -m are passed over when the module's name is looked for
+        argv = [sys.executable, "-B", "-W", "default", "-m", "ringflow", "plan"]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("how", ["script", "-m"])
+@pytest.mark.parametrize("module", ["numpy", "argparse"])
+def test_ctrl_c_while_the_command_imports_is_one_line_and_status_130(tmp_path, module, how):
+    """The console script imported ringflow._cli (and so the whole package, numpy with it) before
+    main's try, and ``python -m ringflow`` imported the package before ringflow.__main__ ran:
+    a Ctrl-C then was a traceback. Now it ends the command as a Ctrl-C once it runs does."""
+    proc = _interrupted_start(tmp_path, module, how)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 130 and proc.stderr == "ringflow plan: interrupted\n", (proc.returncode, proc.stderr)
+    assert proc.stdout == ""
+
+
+def test_ctrl_c_while_a_program_imports_ringflow_is_its_keyboard_interrupt(tmp_path):
+    """Only the command exits quietly: a program importing ringflow gets the KeyboardInterrupt."""
+    fake = tmp_path / "fake" / "numpy"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(_CTRL_C_ON_IMPORT)
+    code = "import sys\ntry:\n    import ringflow\nexcept KeyboardInterrupt:\n    sys.exit(7)\n"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake.parent), SRC]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 7, (proc.returncode, proc.stderr)
+
+
+def test_the_script_target_in_pyproject_is_a_callable_that_is_installed():
+    """pyproject.toml's ``ringflow`` script names a function that exists, in a module setuptools
+    installs (a top-level module must be listed in py-modules; packages are found under src)."""
+    import importlib
+
+    module, function, setuptools_table = _script_target()
+    assert callable(getattr(importlib.import_module(module), function))
+    if "." in module:
+        assert os.path.isfile(os.path.join(SRC, *module.split(".")[:-1], "__init__.py"))
+    else:
+        assert module in setuptools_table.get("py-modules", []), setuptools_table
+        assert os.path.isfile(os.path.join(SRC, module + ".py"))
+
+
+def test_the_entry_point_knows_every_command():
+    """A Ctrl-C before the command line is parsed names the command from the entry point's own
+    list, which must be the parser's."""
+    import _ringflow_entry
+
+    from ringflow._cli import build_parser
+
+    parser = build_parser()
+    assert set(_ringflow_entry.COMMANDS) == set(parser._ringflow_commands)  # type: ignore[attr-defined]
+
+
+def test_the_entry_point_runs_the_command_line(monkeypatch, capsys):
+    import _ringflow_entry
+
+    monkeypatch.setattr(sys, "argv", ["ringflow", "plan", "--bytes", "64MiB"])
+    assert _ringflow_entry.main() == 0
+    assert "predicted total" in capsys.readouterr().out
+
+
+def test_the_entry_point_turns_a_ctrl_c_while_parsing_into_one_line(monkeypatch, capsys):
+    """_cli.main catches a Ctrl-C inside a command; one while it builds the parser or reads the
+    command line reaches the entry point, which says it the same way."""
+    import _ringflow_entry
+
+    import ringflow._cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    monkeypatch.setattr(sys, "argv", ["ringflow", "bench", "--quick"])
+    assert _ringflow_entry.main() == 130
+    assert capsys.readouterr().err == "ringflow bench: interrupted\n"
+    monkeypatch.setattr(sys, "argv", ["ringflow", "--quick"])
+    assert _ringflow_entry.main() == 130
+    assert capsys.readouterr().err == "ringflow: interrupted\n"
+
+
 def test_device_defaults_to_ringflow_device(monkeypatch, capsys):
     monkeypatch.setenv("RINGFLOW_DEVICE", "cuda:abc")  # read because --device is left out
     assert main(["doctor", "--json"]) == 1

@@ -1,0 +1,71 @@
+"""The ``ringflow`` command's entry point (``[project.scripts]``), outside the ringflow package.
+
+The command never shows a traceback: a Ctrl-C ends it with one line and exit status 130
+(:mod:`ringflow._cli`). But a console script imports its target's module before it calls the
+target, outside any ``try``, and importing any module of the ringflow package first runs the
+package's ``__init__``, which imports numpy and the whole library: a Ctrl-C during that import
+escaped as a traceback. This module imports nothing at all until :func:`main` runs, so the
+package is imported inside its ``try``. ``python -m ringflow`` imports the package before
+``ringflow.__main__`` runs: the package's ``__init__`` asks :func:`exit_if_starting` then.
+"""
+
+import sys
+
+INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C, as ringflow._cli returns it
+
+# ringflow._cli's subcommands (a test keeps the two the same): the line said for a Ctrl-C before
+# the command line is parsed names the command as the parsed command's line does
+COMMANDS = ("doctor", "demo", "bench", "trace", "plan")
+
+
+def main() -> int:
+    """Run the command line (the ``ringflow`` script's target); returns the exit status."""
+    try:
+        from ringflow._cli import main as run
+
+        return run()
+    except KeyboardInterrupt:
+        return interrupted()
+
+
+def interrupted() -> int:
+    """Say that the command was interrupted, as ``ringflow._cli.main`` does; returns the status."""
+    command = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in COMMANDS else None
+    try:
+        print(f"ringflow {command}: interrupted" if command else "ringflow: interrupted", file=sys.stderr)
+    except (KeyboardInterrupt, OSError):  # pressed again, or stderr is gone: the status says it
+        pass
+    return INTERRUPTED
+
+
+def exit_if_starting() -> None:
+    """Called by the ringflow package's ``__init__`` on a Ctrl-C during its import: where that
+    import is ``python -m ringflow`` starting, exit as the command does; otherwise return (the
+    importer gets its KeyboardInterrupt)."""
+    if _run_module() == "ringflow":
+        sys.exit(interrupted())
+
+
+def _run_module() -> "str | None":
+    """The module ``python -m`` is locating and about to run, or None. While ``-m`` locates its
+    module (importing its packages), ``sys.argv[0]`` is ``"-m"`` (Python's documentation of
+    ``-m``); the module's name is in ``sys.orig_argv``, after the interpreter's own options
+    (``-m`` combined with other single-letter options, as in ``-Bm``, is not recognised)."""
+    if sys.argv[:1] != ["-m"]:
+        return None
+    args = getattr(sys, "orig_argv", [])[1:]
+    takes_value = ("-W", "-X", "--check-hash-based-pycs")
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "-m":
+            return args[i + 1] if i + 1 < len(args) else None
+        if arg.startswith("-m"):
+            return arg[2:]
+        if arg in takes_value:
+            i += 2
+            continue
+        if arg == "-c" or arg == "-" or not arg.startswith("-"):
+            return None  # a command, stdin or a script runs: not a module
+        i += 1
+    return None
