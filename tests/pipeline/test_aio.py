@@ -6,8 +6,10 @@ import asyncio
 import gc
 import logging
 import threading
+import time
 
 import numpy as np
+import pytest
 
 import ringflow as rf
 from ringflow._pipeline import aio
@@ -106,5 +108,96 @@ def test_an_amap_dropped_unfinished_on_a_closed_loop_cancels_its_window():
     bounded(pipe.close, timeout=20.0)
     s = pipe.stats()
     assert s.cancelled >= 1 and s.in_flight == 0 and s.balanced(), s
+    gc.collect()
+    assert dev.live().total == 0, dev.live()
+
+
+# -- an amap its event loop can no longer run: close() gives its window up ----------------------------------------
+def _held_slots_pipe(devices):
+    """Results left on the device and one slot a ring: a result not released holds its device's
+    only slot, and every chunk after it on that device waits for it."""
+    return rf.Pipeline(lambda x, y: np.multiply(x, 3, out=y), device=devices, deliver="device", chunk_bytes=512,
+                       slots=1, max_in_flight=6, checked=True)
+
+
+def _take_one_and_stop(pipe, items):
+    """A coroutine taking an amap's first result, then returning with the generator unfinished
+    (neither closed nor run to its end) and still referenced by the caller. The map's window is
+    full when it stops: each device's slot is held by a result until the map has taken all it
+    may, so its first result cannot come sooner; after it, the window holds a result on each
+    device and the chunks that wait for those slots."""
+    parts = getattr(pipe, "parts", [pipe])
+
+    async def first():
+        held = [part.submit(items[0]).result(timeout=JOIN_S) for part in parts]
+        agen = pipe.amap(items)
+        head = asyncio.ensure_future(agen.__anext__())
+        want = len(held) + sum(part.config.max_in_flight for part in parts)
+        deadline = time.monotonic() + JOIN_S
+        while pipe.stats().accepted < want:  # (the map takes its items on this loop)
+            assert time.monotonic() < deadline, pipe.stats()
+            await asyncio.sleep(0.001)
+        for result in held:
+            result.release()
+        (await head).release()
+        return agen
+
+    return first()
+
+
+def _all_ended_and_nothing_live(pipe, devices) -> None:
+    s = pipe.stats()
+    assert s.in_flight == 0 and s.balanced() and s.cancelled >= 1, s
+    assert s.accepted == s.delivered + s.failed + s.cancelled, s
+    for dev in devices:
+        assert dev.live().total == 0, dev.live()
+
+
+@pytest.mark.parametrize("n_devices", [1, 2])
+def test_close_gives_up_an_amap_whose_loop_closed_while_it_is_still_referenced(n_devices):
+    """A loop closed without ``shutdown_asyncgens`` never runs an unfinished amap again, and while
+    the generator is referenced it is not collected either: its window's chunks waited for slots
+    the results delivered into it held, and ``close()`` waited for them for ever. Now close()
+    cancels what the window holds and releases the results delivered into it."""
+    from tests.helpers.threads import bounded
+
+    devices = [rf.device("sim", seed=41 + k, chaos=True) for k in range(n_devices)]
+    pipe = _held_slots_pipe(devices if n_devices > 1 else devices[0])
+    x = [np.arange(16.0) + 100 * k for k in range(40)]
+    loop = asyncio.new_event_loop()
+    agen = loop.run_until_complete(_take_one_and_stop(pipe, x))
+    loop.close()
+    bounded(pipe.close, timeout=20.0)
+    _all_ended_and_nothing_live(pipe, devices)
+    del agen  # collected after close: nothing is left to cancel or release, and nothing is raised
+    gc.collect()
+    for dev in devices:
+        assert dev.live().total == 0, dev.live()
+
+
+def test_close_on_the_thread_of_a_loop_left_open_gives_up_its_amap():
+    """The loop is left open but not run again, and close() is called on its thread: the loop
+    cannot run while close() waits, so close() gives the amap's window up as for a closed loop.
+    Run again afterwards, the amap ends quietly with nothing more."""
+    from tests.helpers.threads import bounded
+
+    dev = rf.device("sim", seed=43, chaos=True)
+    pipe = _held_slots_pipe(dev)
+    x = [np.arange(16.0) + 100 * k for k in range(20)]
+
+    async def rest(agen):
+        return [r async for r in agen]
+
+    def on_one_thread():
+        loop = asyncio.new_event_loop()
+        try:
+            agen = loop.run_until_complete(_take_one_and_stop(pipe, x))
+            pipe.close()
+            _all_ended_and_nothing_live(pipe, [dev])
+            return loop.run_until_complete(rest(agen))
+        finally:
+            loop.close()
+
+    assert bounded(on_one_thread, timeout=20.0) == []
     gc.collect()
     assert dev.live().total == 0, dev.live()

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import weakref
 from typing import Any
 
 from .chunk import ChunkFuture, cancel_unwanted, post_cancel
+from .delivered import DeviceResult
 
 logger = logging.getLogger(__name__)
 
@@ -96,16 +99,29 @@ def _count_down(left: list, done: asyncio.Future, device: Any, command: Any) -> 
 
 
 class CancelIfDropped:
-    """Cancels the chunks of an async map's window should the map be dropped without its clean-up.
+    """Cancels the chunks of an async map's window should the map be dropped without its clean-up,
+    or be left where its event loop cannot run while the pipeline closes.
+
     An event loop closed without ``loop.shutdown_asyncgens()`` never finalises an async
     generator: its ``finally`` does not run, and the chunks it took would hold the pipeline's
     capacity (and delivered device results their slots) until ``close()`` waited for them for
-    ever. ``window``: the map's deque of (chunk future, asyncio future), ended by :meth:`end`."""
+    ever. Collected, the map cancels its window here. Still referenced, it is not collected, so
+    ``close()`` gives its window up (:func:`give_up_stranded`) when its loop cannot run while
+    ``close()`` waits: the loop is closed, or it is the loop of the thread calling ``close()``.
+    ``window``: the map's deque of (chunk future, asyncio future), ended by :meth:`end`."""
 
-    __slots__ = ("window",)
+    __slots__ = ("window", "loop", "thread", "given_up", "__weakref__")
 
     def __init__(self, window: Any):
         self.window = window
+        try:
+            self.loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven by hand, outside any loop: nothing for close() to judge by
+            self.loop = None
+        self.thread = threading.get_ident()  # the loop's thread (an async generator runs on it)
+        self.given_up = False  # close() took the window (the map ends at its next step)
+        with _LIVE_LOCK:
+            _LIVE.add(self)
 
     async def end(self) -> None:
         """The map's clean-up: cancel what it took and has not handed out (awaited, without
@@ -116,6 +132,43 @@ class CancelIfDropped:
         for _, head in window:
             head.cancel()  # (nobody awaits it: its outcome is not to be logged as unretrieved)
 
+    def stranded(self) -> bool:
+        """Whether the map's loop cannot run while the calling thread waits: it is closed, or it is
+        this thread's: running (the caller is inside one of its callbacks), or idle on the thread
+        that ran the map (which would run it again, once the call returns)."""
+        loop = self.loop
+        if loop is None:
+            return False
+        if loop.is_closed():
+            return True
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        return running is loop or (not loop.is_running() and self.thread == threading.get_ident())
+
+    def give_up(self) -> None:
+        """Take the window from a map that cannot run (:meth:`stranded`: it does not run now
+        either): its chunks not ended are cancelled, and results delivered into it are dropped,
+        device ones released, as each ends. The map, should its loop run it again, ends at its
+        next step with nothing more."""
+        window = self.window
+        if not window:
+            return
+        taken = list(window)
+        window.clear()
+        self.given_up = True
+        futures = [fut for fut, _ in taken]
+        for fut in futures:
+            fut.add_done_callback(_drop_result)  # (at once for one that has ended)
+        try:
+            post_cancel(futures)  # (never waits: the caller may hold the pipeline's lock)
+        except Exception as exc:  # noqa: BLE001 - as cancel_unwanted: chunks not cancelled end by themselves
+            logger.debug("an abandoned amap's chunks were not cancelled: %r", exc)
+        for _, head in taken:
+            if not head.get_loop().is_closed():  # (this is the loop's thread: see stranded)
+                head.cancel()
+
     def __del__(self) -> None:
         window, self.window = self.window, None
         if window:
@@ -123,3 +176,29 @@ class CancelIfDropped:
                 post_cancel([fut for fut, _ in window])  # (never waits: this may run on any thread)
             except Exception:  # noqa: BLE001 - a finaliser never raises
                 pass
+
+
+# every async map not yet collected (weakly: a dropped one cancels its window in __del__)
+_LIVE: "weakref.WeakSet[CancelIfDropped]" = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+
+def give_up_stranded(driver: Any) -> None:
+    """For a pipeline's ``close()``: give up the window of every async map holding chunks of
+    ``driver``'s whose event loop cannot run while the caller waits (:meth:`CancelIfDropped.stranded`),
+    so that close() never waits for results only that loop could hand out."""
+    with _LIVE_LOCK:
+        maps = list(_LIVE)
+    for ending in maps:
+        # stranded first: a map that can run may change its window meanwhile
+        if ending.stranded() and any(fut._driver is driver for fut, _ in ending.window or ()):
+            ending.give_up()
+
+
+def _drop_result(fut: ChunkFuture) -> None:
+    """A given-up map's chunk ended: a device result delivered into it goes back to its slot."""
+    if fut.cancelled() or fut.settled_error() is not None:
+        return
+    value = fut.settled_value()
+    if isinstance(value, DeviceResult):
+        value.release()

@@ -33,7 +33,7 @@ from .._device import host_pool
 from .._device.protocol import Device
 from .._errors import StageError
 from .batch_space import aligned
-from .aio import CancelIfDropped, follow
+from .aio import CancelIfDropped, follow, give_up_stranded
 from .chunk import Chunk, ChunkFuture, cancel_unwanted, post_cancel
 from .driver import CallerDriver, ProgressThread, resolve
 from .config import PipelineConfig, SlotCounts
@@ -947,7 +947,9 @@ class Pipeline:
     async def amap(self, items: "Iterable[Any] | AsyncIterator[Any]") -> AsyncIterator[Any]:
         """``async for r in pipe.amap(items)``: the results of ``items`` (a sync or async iterable)
         in order, as :meth:`map` gives them, without blocking the event loop. At most
-        ``max_in_flight`` items are taken ahead of the results handed out.
+        ``max_in_flight`` items are taken ahead of the results handed out. :meth:`close` does not
+        wait for an amap whose event loop cannot run meanwhile (closed, or the calling thread's):
+        what it took and has not handed out is cancelled, or dropped if delivered already.
 
         Raises:
             RuntimeError, StageError: as :meth:`map`.
@@ -994,12 +996,14 @@ class Pipeline:
                     # shielded: a cancellation of the awaiting task must not look like the chunk's
                     value = await asyncio.shield(head)
                 except BaseException as err:
-                    if fut.cancelled():
+                    if fut.cancelled() or ending.given_up:
                         break  # the pipeline was cancelled, or a failure stopped it, under this map
                     if self.config.on_error == "continue" and err is not s.broken and fut.failed_with(err):
                         window.popleft()
                         continue  # a failed chunk (whatever its stage raised) is skipped, as map does
                     raise  # (the task was cancelled: finally cancels this chunk with the others)
+                if ending.given_up:
+                    break  # close() took the window while this map could not run (aio.give_up_stranded)
                 window.popleft()
                 yield value
         finally:
@@ -1028,7 +1032,9 @@ class Pipeline:
         """Finish every accepted chunk, then release rings, streams, workers and the progress
         thread. Harmless twice; safe from any thread (one of them closes, the others return
         once it is closed). In a child forked from the process that made the pipeline, only
-        forgets it (what it holds is the parent's).
+        forgets it (what it holds is the parent's). An :meth:`amap` whose event loop cannot run
+        while this waits (the loop is closed, or it is the calling thread's) is not waited for:
+        what it took and has not handed out is cancelled, or, delivered already, dropped.
 
         Raises:
             RuntimeError: called from inside one of the pipeline's own stages.
@@ -1042,6 +1048,9 @@ class Pipeline:
                 return
             try:
                 d.command(s.stop_admission)
+                # an amap whose event loop cannot run while this waits hands nothing out before
+                # close() returns: what it holds is given up rather than waited for
+                give_up_stranded(d)
                 d.wait_for(s.finished, None, "the pipeline to finish")
             except BaseException:
                 self._shut()
@@ -1106,6 +1115,7 @@ class Pipeline:
                 if d.failure is not None:
                     return  # the progress thread died (the error leaving the block says so): nothing runs to cancel
                 d.command(self._sched.cancel_pending)
+                give_up_stranded(d)  # (results delivered into such an amap are released: see close)
                 d.wait_for(self._sched.finished, None, "cancelled chunks to drain")
             except Exception as err:  # noqa: BLE001 - never mask the user's exception
                 warnings.warn(f"cancelling the pipeline after an error failed: {err!r}", RuntimeWarning)

@@ -231,6 +231,8 @@ class SpreadPipeline(Pipeline):
                     # shielded: a cancellation of the awaiting task must not look like the chunk's
                     value = await asyncio.shield(head)
                 except BaseException as err:
+                    if ending.given_up:
+                        return  # close() took the window while this amap could not run (see Pipeline.amap)
                     if not (fut.cancelled() or fut.failed_with(err)):
                         # the awaiting task was cancelled (or its chunk ended just as it was): the
                         # task's, not a chunk's; finally cancels this amap's window, nothing else
@@ -248,6 +250,8 @@ class SpreadPipeline(Pipeline):
                     if failure is err:
                         raise
                     raise failure from None
+                if ending.given_up:
+                    return
                 window.popleft()
                 yield value
         finally:
