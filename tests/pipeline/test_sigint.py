@@ -314,6 +314,66 @@ def test_a_shielded_condition_held_by_the_main_thread_defers_ctrl_c_until_let_go
     cond.release()
 
 
+_real_signal = sigint._signal
+
+
+class _CtrlCAfter:
+    """sigint's ``_signal``, but ``times`` Ctrl-Cs arrive as the call ``name`` returns, where
+    Python runs a signal handler in real code (right after a call into C), each handled there."""
+
+    def __init__(self, name: str, times: int):
+        self.name, self.times = name, times
+
+    def __getattr__(self, attr):
+        real = getattr(_real_signal, attr)
+        if attr != self.name:
+            return real
+
+        def call(*args):
+            value = real(*args)
+            times, self.times = self.times, 0
+            for _ in range(times):
+                signal.raise_signal(signal.SIGINT)  # handled as raise_signal returns: inside this call
+            return value
+
+        return call
+
+
+@pytest.mark.parametrize("where", ["entering", "leaving"])
+def test_a_second_ctrl_c_as_a_shield_is_set_up_or_taken_down_leaves_none_to_nest_into(where, monkeypatch):
+    """A second Ctrl-C raises at once, and can be handled just as a shield installs its handler
+    (entering: both arrive then, the first recorded by the new shield) or as the outermost block
+    looks at the handler to put Python's back (leaving: the first was recorded during the call).
+    What it leaves must not be a shield a later call nests into: leaving, the shield stayed
+    active with its handler installed, and the next call shared it; having raised already, it
+    raised that call's first Ctrl-C at once, wherever it landed, instead of at a checkpoint."""
+    _need_sigint()
+    with pytest.raises(KeyboardInterrupt):
+        if where == "entering":
+            monkeypatch.setattr(sigint, "_signal", _CtrlCAfter("signal", 2))
+            with sigint.shielded():
+                pytest.fail("the block was entered")
+        else:
+            with sigint.shielded():
+                signal.raise_signal(signal.SIGINT)  # the first Ctrl-C: recorded
+                monkeypatch.setattr(sigint, "_signal", _CtrlCAfter("getsignal", 1))
+    monkeypatch.setattr(sigint, "_signal", _real_signal)
+    recorded = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with sigint.shielded() as shield:
+                signal.raise_signal(signal.SIGINT)  # the next call's first Ctrl-C: recorded, not raised
+                recorded.append(shield.pending)
+                sigint.checkpoint()
+                pytest.fail("the recorded Ctrl-C was not raised at the checkpoint")
+    finally:
+        handler = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        monkeypatch.setattr(sigint, "_active", None)
+    assert recorded == [True], "the next call's first Ctrl-C was raised at once, not at its checkpoint"
+    assert handler is signal.default_int_handler
+
+
 @pytest.mark.parametrize("left", ["a shield without its handler", "a handler without its shield"])
 def test_a_shield_left_half_set_up_by_a_second_ctrl_c_is_replaced_by_the_next_call(left, monkeypatch):
     """A second Ctrl-C raises at once, and so can land inside a shield's own setting up or taking

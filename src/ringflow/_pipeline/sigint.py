@@ -92,7 +92,10 @@ class shielded:
     # Entering and leaving order their steps so that a second Ctrl-C raised between any two
     # (which a shield lets through at once) leaves no shield that later blocks would nest into
     # while its handler is gone, nor a handler of a shield that is gone: either is seen as
-    # stale by the next outermost block, which starts afresh.
+    # stale by the next outermost block, which starts afresh. Leaving, the shield stops being
+    # active before its handler goes: a Ctrl-C raised as the handler is looked at (right after
+    # that call into C) would otherwise leave both in place, a shield that has raised once and
+    # that the next call would nest into, taking its first Ctrl-C at once.
     def __enter__(self) -> Optional[Shield]:
         global _active
         if threading.current_thread() is not threading.main_thread():
@@ -119,10 +122,10 @@ class shielded:
         shield.depth -= 1
         if shield.depth:
             return
-        if _signal.getsignal(_SIGINT) == shield.handle:  # unless the block installed its own
-            _signal.signal(_SIGINT, _signal.default_int_handler)
         if _active is shield:
             _active = None
+        if _signal.getsignal(_SIGINT) == shield.handle:  # unless the block installed its own
+            _signal.signal(_SIGINT, _signal.default_int_handler)
         if shield.pending:
             shield.pending = False
             raise KeyboardInterrupt
