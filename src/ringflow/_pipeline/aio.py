@@ -126,11 +126,15 @@ class CancelIfDropped:
     async def end(self) -> None:
         """The map's clean-up: cancel what it took and has not handed out (awaited, without
         blocking the loop: see :func:`cancel_unwanted_soon`), and drop the asyncio futures."""
-        window = self.window
-        await cancel_unwanted_soon([fut for fut, _ in window])
-        self.window = None
-        for _, head in window:
-            head.cancel()  # (nobody awaits it: its outcome is not to be logged as unretrieved)
+        # taken before the wait: the cancels are handed over before it, and are carried out even
+        # if the wait is cancelled (as asyncio.run cancels a finalising generator's task), so the
+        # finaliser must not hand them over a second time
+        window, self.window = self.window, None
+        try:
+            await cancel_unwanted_soon([fut for fut, _ in window or ()])
+        finally:
+            for _, head in window or ():
+                head.cancel()  # (nobody awaits it: its outcome is not to be logged as unretrieved)
 
     def stranded(self) -> bool:
         """Whether the map's loop cannot run while the calling thread waits: it is closed, or it is
