@@ -146,3 +146,30 @@ def _walk(tb):
     while tb is not None:
         yield tb
         tb = tb.tb_next
+
+
+@pytest.mark.parametrize("engine", ["pipeline", "direct"])
+def test_a_call_that_returned_keeps_none_of_the_callers_arrays(engine):
+    """With the collector off, a whole-array call that keeps no warm engine frees the caller's
+    arrays once it returns. A scheduler used to mark its compute with a closure over itself, a
+    cycle through which a closed pipeline kept its stage callbacks, and with them the arrays they
+    close over, until the collector ran."""
+    import weakref
+
+    dev = rf.device("sim")
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        x = np.ones(ROWS, np.float32)
+        out = rf.stream_map(lambda a, b: np.multiply(a, 2, out=b), x, device=dev, chunk_bytes=CHUNK_BYTES,
+                            engine=engine, host="stage" if engine == "pipeline" else "register", keep_warm=False)
+        assert np.array_equal(out, x * 2)
+        gone_x, gone_out = weakref.ref(x), weakref.ref(out)
+        del x, out
+        assert gone_x() is None and gone_out() is None
+    finally:
+        if was:
+            gc.enable()
+        dev.close()
+    assert dev.live().total == 0

@@ -1082,7 +1082,7 @@ class Pipeline:
         """Refuse ``call`` where the pipeline cannot serve it (:mod:`.reentry`): in a child forked
         after it was made, from inside one of its own stages, and (``opened``) once closed."""
         check_process(self._sched.made_in)
-        refuse_from_stage(self._sched, call)
+        refuse_from_stage(self._sched.stage_owner, call)
         if opened:
             self._check_open()
 
@@ -1106,7 +1106,7 @@ class Pipeline:
         # an error (Ctrl-C included) left the block: cancel what is left, never mask the error
         if self._forget_if_forked():
             return
-        refuse_from_stage(self._sched, "__exit__")
+        refuse_from_stage(self._sched.stage_owner, "__exit__")
         d = self._driver
         with d.cv:
             if self._closed:

@@ -158,7 +158,7 @@ class ChunkFuture(concurrent.futures.Future):
         of its pipeline's stages, or in a child forked after it was made."""
         sched = self._driver.sched  # made in the same process as this future
         check_process(sched.made_in, "Pipeline's future")
-        refuse_from_stage(sched, f"ChunkFuture.{call}")
+        refuse_from_stage(sched.stage_owner, f"ChunkFuture.{call}")
 
     def _invoke_callbacks(self) -> None:
         # set by the progress thread under the pipeline's lock: its callbacks run once it lets go

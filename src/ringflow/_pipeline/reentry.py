@@ -59,6 +59,13 @@ def check_process(made_in: int, what: str = "Pipeline") -> None:
             "children with the 'spawn' or 'forkserver' method where the parent has used CUDA)")
 
 
+class StageOwner:
+    """Whose stages a thread runs: a pipeline's scheduler marks its stages with one of these,
+    which refers to nothing, so a marked callable it keeps makes no cycle through it."""
+
+    __slots__ = ("__weakref__",)
+
+
 def run_stage(owner: Any, stage: str, fn: Callable, *args: Any) -> Any:
     """``fn(*args)`` with this thread marked as running ``owner``'s stage ``stage`` (within any
     stage it already runs: a compute that runs a whole-array call of its own)."""
@@ -96,8 +103,8 @@ def running_stage_of(owner: Any) -> "str | None":
 
 
 def refuse_from_stage(owner: Any, call: str, kind: str = "pipeline") -> None:
-    """Refuse ``call``, a call that waits for ``owner`` (a pipeline's scheduler, or a whole-array
-    job), on a thread running one of its stages.
+    """Refuse ``call``, a call that waits for ``owner`` (a pipeline scheduler's
+    :class:`StageOwner`, or a whole-array job's token), on a thread running one of its stages.
 
     Raises:
         RuntimeError: naming the call and the stage.

@@ -45,7 +45,7 @@ from .batch_space import BatchSpace, aligned
 from .chunk import MAX_MEMBERS, MEMBER_ALIGN, Chunk, ChunkFuture, Member
 from .config import PipelineConfig, refuse_unknown_guards
 from .frames import forget_frames
-from .reentry import generation, marked, run_stage
+from .reentry import StageOwner, generation, marked, run_stage
 from .ring import Ring, Slot, allocate_ring
 from .states import ChunkState, RingKind, SlotState
 from .stages import POISON_BYTE, StageStreams, launch_compute, mark, poison_after, sim_seconds_for, writes_into_y
@@ -124,8 +124,12 @@ class Scheduler:
         # in a child forked since are refused
         self.made_in = generation()
         # the user's calls run marked as this scheduler's stages: one that calls back into its
-        # own pipeline to wait for it is refused (reentry.py)
-        compute = marked(self, "compute", compute)
+        # own pipeline to wait for it is refused (reentry.py). The mark is a token, not the
+        # scheduler: the marked compute it keeps would otherwise close over the scheduler, a
+        # cycle that kept a closed pipeline's stages (and the caller's arrays they hold) alive
+        # until the collector ran
+        self.stage_owner = StageOwner()
+        compute = marked(self.stage_owner, "compute", compute)
         self.compute = writes_into_y(compute)
         self._raw_compute = compute  # fill="rows": its return value is the rows it filled
         # a compute that says each output element depends only on the same element of the
@@ -760,7 +764,7 @@ class Scheduler:
         on the driving thread, and its error, or a value that is no byte count, must end that
         item, not the thread."""
         try:
-            nbytes = run_stage(self, "item_nbytes", self.item_nbytes, item)
+            nbytes = run_stage(self.stage_owner, "item_nbytes", self.item_nbytes, item)
         except BaseException as exc:  # noqa: BLE001 - delivered as the chunk's prepare failure
             return exc
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
@@ -784,7 +788,7 @@ class Scheduler:
         # an external host-in ring already holds the chunk: prepare only describes it
         raw = None if self.host_in.external else \
             where.buffer.view(np.uint8, offset=where.offset, count=where.nbytes, access="w")
-        described = run_stage(self, "prepare", self.prepare, chunk.item, raw)  # (shape, dtype)[, packed layout]
+        described = run_stage(self.stage_owner, "prepare", self.prepare, chunk.item, raw)  # (shape, dtype)[, packed layout]
         shape, dtype = described[0], np.dtype(described[1])
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > where.nbytes:
@@ -858,7 +862,7 @@ class Scheduler:
             return self._delivered(chunk, np.array(view, copy=True))
         if chunk.out_tree is not None:
             view = host_views(chunk.out_tree, view)
-        return run_stage(self, "consume", self.consume, chunk.index, chunk.item, view)
+        return run_stage(self.stage_owner, "consume", self.consume, chunk.index, chunk.item, view)
 
     def _delivered(self, chunk: Chunk, result: np.ndarray) -> Any:
         """The value a chunk without a consumer delivers: its result (the arrays of a packed one),
