@@ -226,8 +226,11 @@ def test_a_second_pipeline_whose_rings_do_not_fit_beside_the_first_names_chunk_b
     first = rf.Pipeline(_twice, device=dev, chunk_bytes=chunk, slots=3)
     live = dev.live()
     with pytest.raises(MemoryError, match=rf"device-\w+ ring: \d+ slots of chunk_bytes={chunk} bytes.*more than there "
-                                          r"is free; give a smaller chunk_bytes or fewer slots"):
+                                          r"is free; give a smaller chunk_bytes or fewer slots") as info:
         rf.Pipeline(_twice, device=dev, chunk_bytes=chunk, slots=3)
+    # the device's own account stays attached: how much was in use
+    assert isinstance(info.value.__cause__, rf.DeviceError) and "in use" in str(info.value.__cause__)
+    del info
     assert dev.live() == live  # the second's streams and rings are gone
     items = [np.full(1000, k, np.float32) for k in range(5)]
     assert all((got == 2 * item).all() for got, item in zip(first.map(items), items))

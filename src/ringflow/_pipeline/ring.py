@@ -43,11 +43,12 @@ def allocate_ring(allocate: Callable[[int], Buffer], kind: RingKind, chunk_bytes
     """
     try:
         return allocate(chunk_bytes * count)
-    except MemoryError:  # numpy's words name neither the ring nor the options that sized it
+    except MemoryError as exc:  # the device's words name neither the ring nor the options that sized it
         total = chunk_bytes * count
+        # chained: the device's own words (how much is in use, the driver's error) stay in the traceback
         raise MemoryError(f"cannot allocate the {kind.value} ring: {count} slots of chunk_bytes={chunk_bytes} bytes, "
                           f"{total} bytes ({total / (1 << 30):.3g} GiB) in all, more than there is free; give a smaller "
-                          f"chunk_bytes or fewer slots") from None
+                          f"chunk_bytes or fewer slots") from exc
 
 
 class Ring:
