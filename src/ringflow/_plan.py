@@ -247,8 +247,12 @@ def host_stage_seconds(profile: "str | HardwareProfile", nbytes: int, threads: i
 def fastest_copy_threads(profile: "str | HardwareProfile", workers: int) -> int:
     """The fewest threads, of up to ``workers``, at which the profile's host copy rate (all
     threads together) is at its highest."""
-    p = get_profile(profile)
-    workers = max(1, int(workers))
+    return _fastest_copy_threads(get_profile(profile), max(1, int(workers)))
+
+
+@functools.lru_cache(maxsize=256)
+def _fastest_copy_threads(p: HardwareProfile, workers: int) -> int:
+    # (remembered: the planner asks once a candidate chunk size, and a profile is immutable)
     # the rate is monotone between the curve's points (log-log interpolation, flat past its ends),
     # so its highest value for up to ``workers`` threads is at one of them or at ``workers``
     counts = {int(t) for t, _ in p.host_copy_GBps if 1 <= t <= workers} | {workers}
@@ -276,10 +280,10 @@ def copying_threads(profile: "str | HardwareProfile", in_bytes: int, out_bytes: 
     """
     p = get_profile(profile)
     most = fastest_copy_threads(p, workers)
+    nbytes, tasks = in_bytes + out_bytes, 2 * p.host_task_overhead_s
 
-    def keeps_up(threads: int) -> bool:
-        per_chunk = host_stage_seconds(p, in_bytes, threads) + host_stage_seconds(p, out_bytes, threads)
-        return per_chunk / threads <= pace
+    def keeps_up(threads: int) -> bool:  # the chunk's two host_stage_seconds, over the threads
+        return (tasks + nbytes * threads / (p.host_copy_rate(threads) * 1e9)) / threads <= pace
 
     if not keeps_up(most):
         return most
@@ -398,7 +402,10 @@ def queued_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, co
     peak_d = p.copy_GBps("d2h", p.d2h_curve[-1][0]) * 1e9
     share = min(1.0, p.duplex_GBps * 1e9 / (peak_h + peak_d))
     out_bytes = max(1, round(chunk_bytes * out_ratio))
-    t = model_stage_times(p, chunk_bytes, compute=compute, workers=workers, out_bytes=out_bytes)
+    # (its copies, kernel and host stages are replaced below: given host stages, it does not
+    # look for the copying threads, which the queued times decide)
+    t = model_stage_times(p, chunk_bytes, compute=compute, workers=workers, out_bytes=out_bytes, prepare=0.0,
+                          consume=0.0)
     h2d, d2h = chunk_bytes / (peak_h * share), out_bytes / (peak_d * share)
     if out_ratio != 1.0:  # the shorter direction ends first; the other then has the link to itself
         if h2d > d2h:
