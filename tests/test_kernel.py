@@ -310,6 +310,9 @@ def test_compiling_without_cuda_core_says_what_to_install(monkeypatch):
             raise ModuleNotFoundError("No module named 'cuda'")
         return real_import(name, *args, **kwargs)
 
+    from ringflow import _kernel
+
+    _kernel._cuda.cache_clear()  # (where cuda.core imported earlier, the module is remembered)
     monkeypatch.setattr(builtins, "__import__", no_cuda)
     with pytest.raises(RuntimeError, match=r"compiling kernel 'k' needs cuda.core.*pip install 'ringflow\[cuda\]'"):
         rf.Kernel('extern "C" __global__ void k() {}', "k").compile(0)

@@ -54,6 +54,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ._device.cuda.probe import INSTALL_HINT
+from ._device.protocol import Stream
 from ._checks import check_count, check_flag, is_c_scalar
 
 __all__ = ["Kernel", "BoundKernel"]
@@ -302,11 +303,10 @@ def _cuda_core(what: str) -> Any:
         RuntimeError: cuda.core does not import; the message says how to install it.
     """
     try:
-        import cuda.core
+        return _cuda()  # (remembered once imported: launches ask on every call)
     except ImportError as exc:
         raise RuntimeError(f"{what} needs cuda.core, which did not import ({exc}); install it with: "
                            f"{INSTALL_HINT}") from exc
-    return cuda.core
 
 
 @functools.lru_cache(maxsize=None)
@@ -371,8 +371,6 @@ def _c_contiguous(shape, strides, typestr: str | None = None) -> bool:
 def _check_stream(name: str, stream: Any) -> None:
     """Refuse a ``stream=`` that a launch could not use (None, a ringflow stream or any object
     with ``__cuda_stream__``), on the simulated GPU too, where the reference ignores it."""
-    from ._device.protocol import Stream
-
     if stream is not None and not isinstance(stream, Stream) and not hasattr(stream, "__cuda_stream__"):
         raise TypeError(f"kernel {name!r}: stream must be None, a ringflow stream or an object with "
                         f"__cuda_stream__, got {type(stream).__name__} {stream!r:.60}")
