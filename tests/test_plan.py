@@ -234,9 +234,38 @@ def test_choose_chunk_bytes_is_remembered_per_arguments():
     c = plan.choose_chunk_bytes("h200-pcie5", 256 << 20, compute_s_per_byte=1e-12, align=4, host_stages=True,
                                 workers=4)
     assert c is not a and c.table != a.table  # host stages change the prediction
-    d = plan.choose_chunk_bytes(plan.get_profile("h200-pcie5"), 256 << 20, compute_s_per_byte=1e-12, align=4,
-                                host_stages=False)  # a profile object is planned directly, not cached
-    assert d == a and d is not a
+
+
+def test_choose_chunk_bytes_remembers_a_profile_object_by_its_values():
+    """A GPU's device plans with its measured profile object, not a name: the answer for an equal
+    profile is remembered too, and a profile that differs in any value is planned afresh."""
+    from ringflow import _plan as plan
+
+    named = plan.choose_chunk_bytes("h200-pcie5", 256 << 20, compute_s_per_byte=1e-12, align=4, host_stages=False)
+    measured = dataclasses.replace(plan.get_profile("h200-pcie5"))  # an equal, distinct object
+    a = plan.choose_chunk_bytes(measured, 256 << 20, compute_s_per_byte=1e-12, align=4, host_stages=False)
+    assert a is named
+    assert plan.choose_chunk_bytes(dataclasses.replace(measured), 256 << 20, compute_s_per_byte=1e-12, align=4,
+                                   host_stages=False) is a
+    slower = dataclasses.replace(measured, h2d_curve=tuple((b, g / 2) for b, g in measured.h2d_curve))
+    d = plan.choose_chunk_bytes(slower, 256 << 20, compute_s_per_byte=1e-12, align=4, host_stages=False)
+    assert d is not a and d.table != a.table
+
+
+def test_choose_chunk_bytes_reads_a_profile_file_afresh(tmp_path):
+    """A profile named by its file is planned from what the file holds now (``ringflow doctor
+    --save`` rewrites it), not from what it held at the first call."""
+    from ringflow import _plan as plan
+
+    p = plan.get_profile("h200-pcie5")
+    path = tmp_path / "gpu.json"
+    path.write_text(p.to_json())
+    a = plan.choose_chunk_bytes(str(path), 256 << 20, compute_s_per_byte=1e-12, align=4, host_stages=False)
+    slower = dataclasses.replace(p, h2d_curve=tuple((b, g / 2) for b, g in p.h2d_curve))
+    path.write_text(slower.to_json())
+    b = plan.choose_chunk_bytes(str(path), 256 << 20, compute_s_per_byte=1e-12, align=4, host_stages=False)
+    assert b.table != a.table
+    assert b == plan.choose_chunk_bytes(slower, 256 << 20, compute_s_per_byte=1e-12, align=4, host_stages=False)
 
 
 def test_staged_chunks_cost_the_scheduler_two_pool_hand_offs_more():

@@ -523,14 +523,13 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *, co
     """
     if total_bytes <= 0:
         raise ValueError("total_bytes must be positive")
-    if isinstance(profile, str):
-        # the answer depends only on these arguments; a call evaluates 13 candidates (~0.2 ms of
-        # Python, 4% of a 256 MiB seed call), too much to pay on every stream_map(chunk_bytes="auto")
-        return _choose_chunk_bytes_cached(profile, int(total_bytes), float(compute_s_per_byte), int(workers),
-                                          bool(host_stages), pinned_budget, int(align),
-                                          tuple(candidates) if candidates else None, float(out_ratio))
-    return _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_stages, pinned_budget,
-                               align, candidates, out_ratio)
+    # the answer depends only on the profile's values and these arguments: a call evaluates 13
+    # candidates, too much Python to pay on every stream_map(chunk_bytes="auto"). A profile is
+    # remembered by its values (a GPU's measured profile is an object, not a name), and a file is
+    # read on every call, so a profile saved again is planned from what it holds now.
+    return _choose_chunk_bytes_cached(get_profile(profile), int(total_bytes), float(compute_s_per_byte), int(workers),
+                                      bool(host_stages), pinned_budget, int(align),
+                                      tuple(candidates) if candidates else None, float(out_ratio))
 
 
 @functools.lru_cache(maxsize=256)
