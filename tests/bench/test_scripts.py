@@ -208,3 +208,9 @@ def test_pyspy_summary(tmp_path):
                                         "taking the GIL back after the copy's ctypes call": 0.3,
                                         "waiting for a lock (the driver's, the batch lock)": 0.1}
     assert ["Scheduler.step (s.py)", 1.0] in s["progress"]["inclusive"]
+
+
+def test_auto_chunk_cost(tmp_path):
+    r = run_script(tmp_path, "auto_chunk_cost.py", "--mib", "2", "--rounds", "1")
+    assert r["correct"] is True and {row["setting"] for row in r["rows"]} >= {"auto", "auto, planned afresh"}
+    assert r["choose_chunk_bytes_remembered_us"] < r["choose_chunk_bytes_afresh_us"]
