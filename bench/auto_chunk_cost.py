@@ -2,7 +2,8 @@
 measured profile object.
 
 Three settings, in rounds that visit each in turn (``--rounds``, medians over them), for each
-``--mib`` size of pinned float32 input (y = 2x + 1, through the direct engine): ``auto`` (the
+``--mib`` size of pinned float32 input into a pinned result (y = 2x + 1, through the direct
+engine): ``auto`` (the
 planner's answer remembered from an earlier call), ``auto, planned afresh`` (the planner's
 memory cleared before each call: what every call paid while a profile object was not
 remembered) and the chunk size that ``auto`` chooses, given explicitly. Also the planner's own
@@ -49,6 +50,7 @@ def main(argv=None) -> int:
     rows, correct = [], True
     for mib in (int(m) for m in args.mib.split(",")):
         hb, x = pinned_random(dev, mib)
+        ob, y = pinned_random(dev, mib, seed=1)
         expected = x * np.float32(2) + np.float32(1)
         chosen = plan.choose_chunk_bytes(dev.hardware, x.nbytes, host_stages=False, align=4).chunk_bytes
         settings = {"auto": ("auto", False), "auto, planned afresh": ("auto", True),
@@ -59,20 +61,21 @@ def main(argv=None) -> int:
                 if afresh:
                     forget_plans()
                 t0 = time.perf_counter()
-                y = rf.stream_map(f, x, device=dev, chunk_bytes=chunk)
+                rf.stream_map(f, x, out=y, device=dev, chunk_bytes=chunk)
                 dt = time.perf_counter() - t0
                 correct = correct and bool(np.array_equal(y, expected))
+                y[:] = 0
                 if r:
                     samples[name].append(dt)
-                del y
         for name, s in samples.items():
             row = {"mib": mib, "setting": name, "median_ms": statistics.median(s) * 1e3,
                    "min_ms": min(s) * 1e3, "max_ms": max(s) * 1e3}
             rows.append(row)
             print(f"{mib:5d} MiB  {name:28s} {row['median_ms']:8.3f} ms [{row['min_ms']:.3f}, {row['max_ms']:.3f}]",
                   flush=True)
-        del x
+        del x, y
         hb.close()
+        ob.close()
     planner = {}
     for name, afresh in (("remembered", False), ("afresh", True)):
         times = []
