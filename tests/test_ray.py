@@ -224,6 +224,7 @@ def test_columns_of_different_shapes_are_not_stacked(mapper_factory):
 
 @pytest.mark.parametrize("args, kwargs, message", [
     (("not callable",), {}, r"needs a callable f\(x, y\)"),
+    ((lambda x: x * 2,), {}, r"RayMapper's first argument is called as f\(x, y\), and writes its result into y"),
     ((affine, 3), {}, r"columns must be a column name or a list"),
     ((affine, []), {}, r"columns must be a non-empty list"),
     ((affine, ["a", "a"]), {}, r"columns names a column twice"),

@@ -23,7 +23,7 @@ from ._device import device as make_device
 from ._device.protocol import Device, close_quietly
 from ._errors import StageError
 from ._pipeline.engine import choose_engine
-from ._pipeline.validate import check_options
+from ._pipeline.validate import COMPUTE_FORM, check_arity, check_options
 from ._pipeline.warm import WARM
 from ._pipeline.whole_array import MapLayout, check_arrays, stream_map
 
@@ -83,6 +83,7 @@ class RayMapper:
                  device_options: Optional[dict] = None, **options: Any):
         if not callable(f):
             raise TypeError(f"RayMapper needs a callable f(x, y) as its first argument, got {type(f).__name__}")
+        check_arity("RayMapper's first argument", f, 2, COMPUTE_FORM)
         self.f = f
         self.columns = _names("columns", columns)
         self.output_columns = _names("output_columns", output_columns)

@@ -156,6 +156,52 @@ def test_compute_that_is_not_callable_is_refused(dev, door):
     assert "float32" in str(info.value)
 
 
+def _one_argument(x):
+    return x * 2
+
+
+class _Methods:
+    def two(self, x, y):
+        y[...] = x
+
+    def three(self, x, y, z):
+        y[...] = x
+
+
+WRONG_ARITY = [(lambda x: x * 2, "<lambda>"), (_one_argument, "_one_argument"), (_Methods().three, "three"),
+               (lambda x, y, *, scale: None, "<lambda>")]
+RIGHT_ARITY = [lambda x, y: y.__setitem__(Ellipsis, x), lambda *a: a[1].__setitem__(Ellipsis, a[0]),
+               lambda x, y=None, z=1: y.__setitem__(Ellipsis, x), _Methods().two, rf.Kernel(
+                   "extern \"C\" __global__ void k(const float* x, float* y, unsigned n) {}", "k",
+                   reference=lambda x, y: y.__setitem__(Ellipsis, x))]
+
+
+@pytest.mark.parametrize("door", ALL_DOORS)
+@pytest.mark.parametrize("f,name", WRONG_ARITY, ids=["lambda x", "def f(x)", "method(x, y, z)", "required keyword"])
+def test_compute_that_cannot_take_x_and_y_is_refused_before_any_work(dev, door, f, name):
+    """A compute that returns its result (``f(x) -> y``) is a common first try: it is refused
+    when the door is called, naming the function and the form to write, not on every chunk."""
+    with pytest.raises(TypeError, match=rf"is called as f\(x, y\).*{re.escape(name)}") as info:
+        call(door, dev, data(), f=f, chunk_bytes=64)
+    assert "y[...] = x * 2, not return" in str(info.value)
+
+
+@pytest.mark.parametrize("door", ALL_DOORS)
+@pytest.mark.parametrize("f", RIGHT_ARITY, ids=["(x, y)", "(*a)", "defaults", "method", "Kernel"])
+def test_compute_that_can_take_x_and_y_is_accepted(dev, door, f):
+    got = call(door, dev, data(), f=f, chunk_bytes=64)
+    assert np.array_equal(np.asarray(got), data())
+
+
+@pytest.mark.parametrize("option,fn,form", [
+    ("prepare", lambda: None, "prepare(item)"), ("consume", lambda index, item: None, "consume(index, item, result)"),
+    ("item_nbytes", lambda a, b: 0, "item_nbytes(item)"), ("output", lambda: None, "output(item)")])
+def test_pipeline_callables_of_the_wrong_arity_are_refused(dev, option, fn, form):
+    with pytest.raises(TypeError, match=rf"^{option} is called as {re.escape(form)};"):
+        rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, **{option: fn})
+    assert dev.live().total == 0
+
+
 @pytest.mark.parametrize("which", ["x", "out"])
 @pytest.mark.parametrize("door", WHOLE_ARRAY_DOORS)
 def test_a_masked_array_is_refused_not_unmasked(dev, door, which):
@@ -733,3 +779,23 @@ def test_what_prepare_returns_wrongly_is_named_without_suggesting_prepare(dev, m
             pipe.submit(1).result(timeout=30)
     assert isinstance(info.value.__cause__, TypeError)
     assert re.search(message, str(info.value.__cause__)), info.value.__cause__
+
+
+def test_arity_is_read_from_an_inherited_call_and_skipped_where_it_cannot_be_read():
+    """A callable object's ``__call__`` may come from a base class; a callable whose signature
+    cannot be read from its code (a builtin, a partial) is checked when it is called."""
+    import functools
+
+    from ringflow._pipeline.validate import cannot_take
+
+    class Base:
+        def __call__(self, x):
+            return x
+
+    class Derived(Base):
+        pass
+
+    assert cannot_take(Derived(), 2).startswith("Derived")
+    assert cannot_take(Derived(), 1) is None
+    assert cannot_take(functools.partial(lambda a, x: x, 1), 2) is None
+    assert cannot_take(print, 2) is None and cannot_take(Base, 2) is None

@@ -40,8 +40,8 @@ from .config import PipelineConfig, SlotCounts
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, lent_slots, resolve_slots
 from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_into, packed, unflatten
 from .like import converter
-from .validate import (as_host_array, check_choice, check_flag, check_item_bytes, check_iterable, check_options,
-                       check_output_spec, check_timeout)
+from .validate import (COMPUTE_FORM, as_host_array, check_arity, check_choice, check_flag, check_item_bytes,
+                       check_iterable, check_options, check_output_spec, check_timeout)
 from .scheduler import Scheduler, check_fill_rows
 from .reentry import check_process, generation as reentry_generation, refuse_from_stage
 from .sigint import ShieldedIterator, shielded, shielded_call
@@ -318,6 +318,14 @@ class Pipeline:
         for name, fn in (("prepare", user_prepare), ("consume", consume), ("item_nbytes", item_nbytes)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}")
+        if not bulk:  # (a whole-array job's own stages, and its f, are checked where it starts)
+            check_arity("compute", compute, 2, COMPUTE_FORM)
+            for name, fn, nargs, form in (("prepare", user_prepare, 1, "prepare(item)"),
+                                          ("consume", consume, 3, "consume(index, item, result)"),
+                                          ("item_nbytes", item_nbytes, 1, "item_nbytes(item)"),
+                                          ("output", output, 1, "output(item)")):
+                if callable(fn):
+                    check_arity(name, fn, nargs, form)
         opts = check_options(chunk_bytes=chunk_bytes, workers=workers, max_in_flight=max_in_flight,
                              pinned_budget=pinned_budget, slots=slots, on_error=on_error, ordered=ordered,
                              profile=profile, inplace=inplace, checked=checked)

@@ -7,9 +7,11 @@ way before any device work starts.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import re
+import types
 import weakref
 from typing import Any, Iterator, Optional
 
@@ -74,6 +76,52 @@ def check_bytes(name: str, value: Any, *, allow_auto: bool = False, maximum: int
                          "(8MiB suits most jobs, or 'auto')" if allow_auto else
                          f"{name} must be at most {maximum} bytes, got {value}")
     return value
+
+
+# how a compute is called, for check_arity: the common mistake is a compute that returns its result
+COMPUTE_FORM = "f(x, y), and writes its result into y (y[...] = x * 2, not return x * 2)"
+
+
+def cannot_take(fn: Any, nargs: int) -> Optional[str]:
+    """Where ``fn`` is a Python function, method or object with a Python ``__call__`` that
+    cannot be called with ``nargs`` positional arguments: its name and signature, as text.
+    None where it can, or where its signature cannot be read cheaply (a builtin, a
+    ``functools.partial``): such a callable is checked when it is called.
+
+    Reads the code object: :func:`inspect.signature` would cost every whole-array call many
+    times more than the rest of its argument checks."""
+    func, bound = fn, 0
+    if isinstance(func, types.MethodType):
+        func, bound = func.__func__, 1
+    elif not isinstance(func, types.FunctionType):
+        # (a call finds __call__ on the object's type and the classes it derives from)
+        func = next((vars(k)["__call__"] for k in type(fn).__mro__ if "__call__" in vars(k)), None)
+        bound = 1
+    if not isinstance(func, types.FunctionType):
+        return None
+    code, n = func.__code__, nargs + bound
+    positional, defaults = code.co_argcount, len(func.__defaults__ or ())
+    keywords = code.co_varnames[positional:positional + code.co_kwonlyargcount]
+    required_keyword = any(k not in (func.__kwdefaults__ or {}) for k in keywords)
+    if not required_keyword and positional - defaults <= n and (n <= positional or code.co_flags & inspect.CO_VARARGS):
+        return None
+    try:
+        signature = str(inspect.signature(fn))
+    except (TypeError, ValueError):  # (it has a code object, so this is not expected)
+        signature = "(...)"
+    return f"{getattr(fn, '__qualname__', None) or type(fn).__name__}{signature}"
+
+
+def check_arity(name: str, fn: Any, nargs: int, form: str) -> None:
+    """Refuse a callable ``fn`` (given as ``name``) that cannot be called with ``nargs``
+    positional arguments, as ``form`` says it is called (see :func:`cannot_take`).
+
+    Raises:
+        TypeError: naming ``name``, the form and ``fn``'s signature."""
+    what = cannot_take(fn, nargs)
+    if what is not None:
+        raise TypeError(f"{name} is called as {form}; {what} cannot take {nargs} positional "
+                        f"argument{'s' if nargs != 1 else ''}")
 
 
 def check_choice(name: str, value: Any, choices: tuple) -> Any:

@@ -35,8 +35,8 @@ from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine
 from .sigint import shielded
 from .sizing import DEFAULT_CHUNK_BYTES, chunk_sizes, default_workers, planned_compute_bound, resolve_slots, taper
 from .stages import sim_seconds_for
-from .validate import (check_choice, check_item_bytes, check_not_masked, check_options, check_out, check_output_spec,
-                       same_memory)
+from .validate import (COMPUTE_FORM, check_arity, check_choice, check_item_bytes, check_not_masked, check_options,
+                       check_out, check_output_spec, same_memory)
 
 HOSTS = ("auto", "stage", "register")
 
@@ -273,6 +273,7 @@ def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str, out
     """
     if not callable(f):
         raise TypeError(f"{who} needs a callable f(x, y) as its first argument, got {type(f).__name__}")
+    check_arity(f"{who}'s first argument", f, 2, COMPUTE_FORM)
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{who} takes a numpy array x, got {type(x).__name__}; convert with np.asarray(x)")
     check_not_masked("x", x)
