@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import types
 
 import numpy as np
 import pytest
@@ -71,6 +73,75 @@ def test_construction_names_the_argument_of_the_wrong_kind(call, error, says):
     were taken, to fail only at compile time on a GPU (or to label operations with a number)."""
     with pytest.raises(error, match=says):
         call()
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"fmad": False}, r"options: 'fmad' is not a cuda.core ProgramOptions field; did you mean 'fma'\?"),
+    ({"use_fast_maths": True}, r"'use_fast_maths' is not .*did you mean 'use_fast_math'\?"),
+    ({"-O3": True}, r"'-O3' is not a cuda.core ProgramOptions field; its fields are .*'fma'"),
+], ids=["fmad", "plural", "a flag"])
+def test_an_unknown_compile_option_is_refused_when_the_kernel_is_made(options, says):
+    """Options reached ProgramOptions only when the kernel compiled, at its first launch on a GPU:
+    a misspelt option passed on the simulated GPU and failed on a real one."""
+    with pytest.raises(ValueError, match=says):
+        make_saxpy(options=options)
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("fma", "false", r"options\['fma'\] must be True or False, got 'false' \(str\)"),
+    ("max_register_count", 32.0, r"options\['max_register_count'\] must be an integer, got 32.0 \(float\)"),
+    ("max_register_count", True, r"options\['max_register_count'\] must be an integer, got True \(bool\)"),
+    ("std", 17, r"options\['std'\] must be a str"),
+    ("name", None, r"options\['name'\] must be a str, got None"),
+    ("include_path", ["inc", 3], r"options\['include_path'\] must be a str or a list of str"),
+    ("define_macro", [("N", 4)], r"options\['define_macro'\] must be a str, a \(name, value\) tuple of str"),
+    ("diag_suppress", "177", r"options\['diag_suppress'\] must be an int or a list of ints"),
+], ids=["flag as str", "count as float", "count as bool", "str as int", "name None", "paths", "macro pair",
+        "diagnostics as str"])
+def test_a_compile_option_of_the_wrong_type_is_refused_by_name(key, value, says):
+    with pytest.raises(TypeError, match=says):
+        make_saxpy(options={key: value})
+
+
+def test_compile_options_of_the_right_types_are_taken_as_given():
+    options = {"fma": np.bool_(False), "max_register_count": np.int64(32), "std": "c++20", "ftz": None,
+               "include_path": ["inc", "more"], "define_macro": ["A", ("N", "4")], "diag_suppress": [177, 550],
+               "ptxas_options": "-v"}
+    assert make_saxpy(options=options).options == options
+
+
+def test_compile_options_are_the_fields_of_the_installed_cuda_core(monkeypatch):
+    """Where cuda.core imports, its own ProgramOptions says which options there are: a field
+    that version lacks is refused, and one only it has is taken."""
+    from ringflow import _kernel
+
+    @dataclasses.dataclass
+    class ProgramOptions:
+        name: str = "default_program"
+        fma: bool | None = None
+        newer_field: int | None = None
+
+    monkeypatch.setattr(_kernel, "_cuda", lambda: types.SimpleNamespace(ProgramOptions=ProgramOptions))
+    assert make_saxpy(options={"fma": False, "newer_field": 3}).options == {"fma": False, "newer_field": 3}
+    with pytest.raises(ValueError, match="'pch' is not a cuda.core ProgramOptions field"):
+        make_saxpy(options={"pch": True})
+    with pytest.raises(TypeError, match=r"options\['fma'\] must be True or False"):
+        make_saxpy(options={"fma": 0})
+
+
+@pytest.mark.gpu
+def test_the_kept_option_list_holds_every_field_of_cuda_cores_program_options():
+    """Where cuda.core does not import, options are checked against a list kept in the module:
+    it must name every field of cuda.core's ProgramOptions, each with the kind of value its
+    annotation gives (the list may hold fields of a newer cuda.core than the one installed)."""
+    core = pytest.importorskip("cuda.core")
+    from ringflow._kernel import _PROGRAM_OPTIONS
+
+    fields = {f.name: str(f.type) for f in dataclasses.fields(core.ProgramOptions)}
+    assert set(fields) <= set(_PROGRAM_OPTIONS), sorted(set(fields) - set(_PROGRAM_OPTIONS))
+    for name, annotation in fields.items():
+        word = {"True or False": "bool", "an integer": "int"}.get(_PROGRAM_OPTIONS[name].says)
+        assert word is None or word in annotation, (name, annotation)
 
 
 def test_flags_of_numpy_bools_are_kept_as_bools():

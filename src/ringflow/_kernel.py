@@ -45,17 +45,20 @@ saved on every chunk; docs/design.md has the measurements).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import functools
 import io
 import math
+import numbers
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
 from ._device.cuda.probe import INSTALL_HINT
 from ._device.protocol import Stream
-from ._checks import check_count, check_flag, is_c_scalar
+from ._checks import check_count, check_flag, described, is_c_scalar
 
 __all__ = ["Kernel", "BoundKernel"]
 
@@ -79,14 +82,17 @@ class Kernel:
             each launch).
         pointwise: element ``i`` of each output depends on element ``i`` of the inputs alone;
             lets a :class:`ringflow.Pipeline` launch once over items sharing a chunk.
-        options: extra ``cuda.core.ProgramOptions`` fields for NVRTC.
+        options: extra ``cuda.core.ProgramOptions`` fields for NVRTC, such as
+            ``{"fma": False}``; checked here, on the simulated GPU too.
 
     Raises:
-        ValueError: blank ``source`` or ``name``, ``block`` out of range, or ``pointwise``
-            without ``elementwise``.
+        ValueError: blank ``source`` or ``name``, ``block`` out of range, ``pointwise``
+            without ``elementwise``, or an option that is no ``ProgramOptions`` field (the
+            message suggests the fields of a similar name).
         TypeError: ``source`` or ``name`` not a str, ``reference`` not callable, ``block`` not
             an integer, a flag that is not a bool (numpy's bool is one), ``options`` not a dict
-            keyed by strings.
+            keyed by strings, or an option's value of the wrong type (the message names the
+            option and the type it takes).
     """
 
     def __init__(self, source: str, name: str, reference: Callable[..., Any] | None = None, *,
@@ -105,13 +111,7 @@ class Kernel:
         block = check_count("block", block, minimum=1, maximum=1024, hint=" (threads per block)")
         elementwise = check_flag("elementwise", elementwise)
         pointwise = check_flag("pointwise", pointwise)
-        if options is not None and not isinstance(options, dict):
-            raise TypeError(f"options must be a dict of cuda.core ProgramOptions fields, got {type(options).__name__}")
-        for key in options or ():
-            # they become keyword arguments of ProgramOptions, at compile time on a GPU
-            if not isinstance(key, str):
-                raise TypeError(f"options must be a dict of cuda.core ProgramOptions fields, keyed by their names; "
-                                f"got {type(key).__name__} {key!r:.60}")
+        options = _check_options(options)
         if pointwise and not elementwise:
             raise ValueError("pointwise=True needs elementwise=True: a pointwise kernel's arrays all hold n elements")
         self.source = source
@@ -120,7 +120,7 @@ class Kernel:
         self.block = block
         self.elementwise = elementwise
         self.pointwise = pointwise
-        self.options = dict(options or {})
+        self.options = options
         self._compiled: dict[int, Any] = {}  # GPU index -> cuda.core Kernel
         self._configs: dict[int, Any] = {}  # element count -> cuda.core LaunchConfig
         self._lock = threading.Lock()
@@ -294,6 +294,103 @@ class BoundKernel:
 
     def __repr__(self) -> str:
         return f"<ringflow.BoundKernel {self.__name__} = {self.kernel.name}(*arrays, *{self.scalars})>"
+
+
+class _Option(NamedTuple):
+    """The values one ``ProgramOptions`` field takes: ``says`` words them for a message."""
+
+    says: str
+    takes: Callable[[Any], bool]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_macro(v: Any) -> bool:
+    return isinstance(v, str) or (isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, str) for x in v))
+
+
+def _is_source(v: Any) -> bool:
+    return isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], (str, bytes, bytearray))
+
+
+def _one_or_list(takes: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: takes(v) or (isinstance(v, (list, tuple)) and all(takes(x) for x in v))
+
+
+# None leaves a field at cuda.core's default, except the program's name, which cuda.core encodes
+_FLAG = _Option("True or False", lambda v: v is None or isinstance(v, (bool, np.bool_)))
+_TEXT = _Option("a str", lambda v: v is None or isinstance(v, str))
+_COUNT = _Option("an integer", lambda v: v is None or (isinstance(v, numbers.Integral) and not isinstance(v, bool)))
+# cuda.core tells one number from a list of them with isinstance(v, int)
+_NUMBERS = _Option("an int or a list of ints", lambda v: v is None or _one_or_list(_is_int)(v))
+_TEXTS = _Option("a str or a list of str", lambda v: v is None or _one_or_list(lambda x: isinstance(x, str))(v))
+_MACROS = _Option("a str, a (name, value) tuple of str, or a list of them",
+                  lambda v: v is None or _one_or_list(_is_macro)(v))
+_SOURCES = _Option("a list of (name, source) tuples", lambda v: v is None or _one_or_list(_is_source)(v))
+
+# cuda.core's ProgramOptions fields (of its newest release here), and the values each takes.
+# Where cuda.core imports, its own fields say which options there are; this list checks them
+# where it does not (tests/test_kernel.py holds it to the installed cuda.core's fields).
+_PROGRAM_OPTIONS: dict[str, _Option] = {
+    "name": _Option("a str", lambda v: isinstance(v, str)), "arch": _TEXT,
+    "relocatable_device_code": _FLAG, "extensible_whole_program": _FLAG, "debug": _FLAG, "lineinfo": _FLAG,
+    "device_code_optimize": _FLAG, "ptxas_options": _TEXTS, "max_register_count": _COUNT, "ftz": _FLAG,
+    "prec_sqrt": _FLAG, "prec_div": _FLAG, "fma": _FLAG, "use_fast_math": _FLAG,
+    "extra_device_vectorization": _FLAG, "link_time_optimization": _FLAG, "gen_opt_lto": _FLAG,
+    "define_macro": _MACROS, "undefine_macro": _TEXTS, "include_path": _TEXTS, "pre_include": _TEXTS,
+    "no_source_include": _FLAG, "std": _TEXT, "builtin_move_forward": _FLAG, "builtin_initializer_list": _FLAG,
+    "disable_warnings": _FLAG, "restrict": _FLAG, "device_as_default_execution_space": _FLAG,
+    "device_int128": _FLAG, "optimization_info": _TEXT, "no_display_error_number": _FLAG,
+    "diag_error": _NUMBERS, "diag_suppress": _NUMBERS, "diag_warn": _NUMBERS, "brief_diagnostics": _FLAG,
+    "time": _TEXT, "split_compile": _COUNT, "fdevice_syntax_only": _FLAG, "minimal": _FLAG, "no_cache": _FLAG,
+    "fdevice_time_trace": _TEXT, "device_float128": _FLAG, "frandom_seed": _TEXT, "ofast_compile": _TEXT,
+    "pch": _FLAG, "create_pch": _TEXT, "use_pch": _TEXT, "pch_dir": _TEXT, "pch_verbose": _FLAG,
+    "pch_messages": _FLAG, "instantiate_templates_in_pch": _FLAG, "extra_sources": _SOURCES,
+    "use_libdevice": _FLAG, "numba_debug": _FLAG,
+}
+
+
+def _option_names() -> list[str]:
+    """The ``ProgramOptions`` fields: the installed cuda.core's, else those of the list kept here."""
+    try:
+        program_options = _cuda().ProgramOptions
+    except (ImportError, AttributeError):
+        return list(_PROGRAM_OPTIONS)
+    if not dataclasses.is_dataclass(program_options):
+        return list(_PROGRAM_OPTIONS)
+    return [f.name for f in dataclasses.fields(program_options)]
+
+
+def _check_options(options: Any) -> dict[str, Any]:
+    """A copy of a Kernel's ``options``, checked as ``ProgramOptions`` would check them when the
+    kernel compiles (on a GPU, at its first launch), so the simulated GPU refuses them too.
+
+    Raises:
+        TypeError: not a dict, a key that is not a str, or a value of the wrong type for its field.
+        ValueError: a key that is no ``ProgramOptions`` field; close names are suggested.
+    """
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise TypeError(f"options must be a dict of cuda.core ProgramOptions fields, got {type(options).__name__}")
+    if not options:
+        return {}
+    names = _option_names()
+    for key, value in options.items():
+        if not isinstance(key, str):
+            raise TypeError(f"options must be a dict of cuda.core ProgramOptions fields, keyed by their names; "
+                            f"got {type(key).__name__} {key!r:.60}")
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=3)
+            hint = (f"did you mean {' or '.join(map(repr, close))}?" if close
+                     else f"its fields are {', '.join(map(repr, names))}")
+            raise ValueError(f"options: {key!r} is not a cuda.core ProgramOptions field; {hint}")
+        field = _PROGRAM_OPTIONS.get(key)  # (a field of a newer cuda.core than this list knows goes unchecked)
+        if field is not None and not field.takes(value):
+            raise TypeError(f"options[{key!r}] must be {field.says}, got {described(value)}")
+    return dict(options)
 
 
 def _cuda_core(what: str) -> Any:
