@@ -173,3 +173,56 @@ def test_a_call_that_returned_keeps_none_of_the_callers_arrays(engine):
             gc.enable()
         dev.close()
     assert dev.live().total == 0
+
+
+@pytest.mark.parametrize("fails", ["on the device", "as it is enqueued"])
+def test_a_failed_direct_call_keeps_neither_the_callers_arrays_nor_the_engines_buffers(fails):
+    """The failure a direct engine's call raises carries the engine's own frames, whose locals
+    held the caller's arrays, the engine and its device rings for as long as the caller kept
+    the error. With the collector off, once the caller drops its arrays and the engine, they
+    are freed though the error is still held; its traceback still runs down to the user's line
+    that raised, with that frame's locals. ``as it is enqueued``: the launch raises, as a
+    kernel checking its arguments on a real GPU does."""
+    import traceback
+    import weakref
+
+    from ringflow._pipeline.direct import DirectSchedule
+    from ringflow._pipeline.engine import Arrays
+
+    dev = rf.device("sim")
+    n, chunk = 4096, 4096  # float32: four chunks
+    hx, hout = dev.allocate_host(4 * n), dev.allocate_host(4 * n)
+
+    def compute(x, y):
+        marker = "the user's own local"  # noqa: F841 - looked for in the traceback
+        raise ValueError("a bad chunk")
+
+    def launch(fn, *arrays, **kw):
+        del arrays, kw  # (the user's frame keeps none of the engine's arrays: what stays alive is ringflow's doing)
+        marker = "the user's own local"  # noqa: F841 - looked for in the traceback
+        raise ValueError("a bad chunk")
+
+    raising = compute if fails == "on the device" else launch
+    with collector_off():
+        engine = DirectSchedule(dev, compute, [(i * chunk, chunk, (chunk // 4,)) for i in range(4)], np.float32,
+                                chunk_bytes=chunk, slots=rf.SlotCounts(2, 2, 2, 2), inplace=False)
+        for s in engine.streams.computes if raising is launch else ():
+            s.launch = launch
+        x, out = hx.view(np.float32), hout.view(np.float32)
+        kept = {name: weakref.ref(o) for name, o in
+                [("x", x), ("out", out), ("engine", engine), ("device in", engine.dev_in), ("device out", engine.dev_out)]}
+        with pytest.raises(rf.StageError, match="a bad chunk") as info:
+            engine.run(Arrays(x, out, hx, hout))
+        engine.fail(info.value)
+        del x, out, engine
+        alive = [name for name, ref in kept.items() if ref() is not None]
+        assert alive == []
+        cause = info.value.__cause__
+        last = list(_walk(cause.__traceback__))[-1].tb_frame
+        assert last.f_code is raising.__code__ and last.f_locals["marker"] == "the user's own local"
+        assert 'raise ValueError("a bad chunk")' in traceback.format_exception(cause)[-2]
+    del info, cause, last
+    for buf in (hx, hout):
+        buf.close()
+    dev.close()
+    assert dev.live().total == 0

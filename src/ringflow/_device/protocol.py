@@ -194,11 +194,18 @@ def close_quietly(obj: Any, what: str) -> None:
 
 def free_quietly(buffer: "DeviceBuffer", stream: "Stream | None", what: str) -> None:
     """Free device memory in ``stream``'s order (at once, with None), as close_quietly does."""
-    class _FreeOn:
-        def close(self) -> None:
-            buffer.close(stream=stream)
+    close_quietly(_FreeOn(buffer, stream) if stream is not None else buffer, what)
 
-    close_quietly(_FreeOn() if stream is not None else buffer, what)
+
+class _FreeOn:
+    """``buffer``'s stream-ordered free as a ``close()``. (A class made in each call would keep
+    the buffer alive in its closure until the cyclic collector frees the class.)"""
+
+    def __init__(self, buffer: "DeviceBuffer", stream: "Stream"):
+        self.buffer, self.stream = buffer, stream
+
+    def close(self) -> None:
+        self.buffer.close(stream=self.stream)
 
 
 def stream_after(streams: Sequence["Stream"]) -> "Stream | None":

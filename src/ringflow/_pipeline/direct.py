@@ -44,7 +44,7 @@ from .._trace.report import Report
 from .._trace.timeline import ENQUEUE_TRACK, Anchor, ChunkRecord, Span, Timeline
 from .config import SlotCounts, refuse_unknown_guards
 from .engine import Arrays
-from .frames import forget_callers
+from .frames import forget_callers, forget_own_frames
 from .ring import allocate_ring
 from .sigint import checkpoint
 from .sizing import COMPUTE_BOUND_STREAMS, compute_streams_for, copy_group, is_compute_bound, taper
@@ -259,8 +259,20 @@ class DirectSchedule:
             RuntimeError: the engine is closed.
             ValueError: no arrays bound and none given.
         Either way every operation already enqueued has completed before it raises, so nothing
-        still reads or writes the caller's memory; ``out``'s contents are then unspecified.
+        still reads or writes the caller's memory; ``out``'s contents are then unspecified. The
+        error's traceback keeps the compute's own frames, but none of this engine's locals: a
+        caller holding the error keeps neither the call's arrays nor this engine's buffers.
         """
+        try:
+            self._run(arrays, profile)
+        except BaseException as exc:
+            forget_own_frames(exc)  # the engine's frames below this one have returned
+            # and this one stays in the traceback: it must not keep the engine or the arrays
+            del self, arrays
+            raise
+
+    def _run(self, arrays: Optional[Arrays], profile: bool) -> None:
+        """:meth:`run`'s call, raising as it says."""
         if self.closed:
             raise RuntimeError("this DirectSchedule is closed")
         self.replayed = False

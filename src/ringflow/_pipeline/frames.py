@@ -9,8 +9,10 @@ the two form a reference cycle that only the cyclic collector frees.
 :func:`forget_frames`, for a failure kept for inspection, clears the locals of every frame of its
 traceback and of ringflow's callers of them that have returned; :func:`forget_callers`, for a
 failure about to reach the caller, clears only those callers, leaving the traceback's own frames
-(the user's compute among them) as they are. Neither touches a frame still running, nor a caller
-outside ringflow.
+(the user's compute among them) as they are. :func:`forget_own_frames`, for a failure an engine
+raises to its caller, clears those callers and the traceback's own frames that are ringflow's,
+so the failure keeps the user's frames but not the engine, its buffers or the call's arrays.
+None touches a frame still running, nor a caller outside ringflow.
 """
 
 from __future__ import annotations
@@ -44,6 +46,29 @@ def forget_callers(exc: BaseException) -> None:
         _forget_callers_of(one.__traceback__)
 
 
+def forget_own_frames(exc: BaseException) -> None:
+    """Clear the locals of ringflow's finished frames in ``exc``'s traceback (its causes' too)
+    and of ringflow's finished frames that called them, leaving the user's frames (the compute
+    among them) as they are: for a failure about to be raised to the caller, which then keeps
+    the user's frames and the lines that raised, but not the engine or the arrays of the call."""
+    for one in _chain(exc):
+        tb = one.__traceback__
+        _forget_callers_of(tb)
+        while tb is not None:
+            if _is_own(tb.tb_frame):
+                try:
+                    tb.tb_frame.clear()
+                except RuntimeError:  # still running
+                    pass
+            tb = tb.tb_next
+
+
+def _is_own(frame) -> bool:
+    """Whether ``frame`` is ringflow's and may be cleared (not a suspended generator's or
+    coroutine's, which clearing would close)."""
+    return not frame.f_code.co_flags & _SUSPENDABLE and frame.f_code.co_filename.startswith(_OWN_CODE)
+
+
 def _chain(exc: Optional[BaseException]):
     seen = set()
     while exc is not None and id(exc) not in seen:
@@ -66,7 +91,7 @@ def _forget_callers(frame) -> None:
     user's frames are the user's), or of a generator or coroutine (clearing a suspended one would
     close it)."""
     f = frame.f_back
-    while f is not None and not f.f_code.co_flags & _SUSPENDABLE and f.f_code.co_filename.startswith(_OWN_CODE):
+    while f is not None and _is_own(f):
         try:
             f.clear()
         except RuntimeError:  # still running: so are its callers

@@ -263,7 +263,11 @@ class SimStream(Stream):
                          for a in args]
 
             def run(op: Op) -> None:
+                nonlocal args
                 arrays = [_materialise(a, ro) for a, ro in zip(args, read_only)]
+                # a failure's traceback keeps this function (its frame's), and so what it closes
+                # over: the op runs once, so the arguments' buffers need not stay reachable here
+                args = ()
                 try:
                     fn(*arrays)
                 except BaseException as exc:  # noqa: BLE001 - reported through the next event, Ctrl-C included
