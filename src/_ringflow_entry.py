@@ -49,23 +49,37 @@ def exit_if_starting() -> None:
 def _run_module() -> "str | None":
     """The module ``python -m`` is locating and about to run, or None. While ``-m`` locates its
     module (importing its packages), ``sys.argv[0]`` is ``"-m"`` (Python's documentation of
-    ``-m``); the module's name is in ``sys.orig_argv``, after the interpreter's own options
-    (``-m`` combined with other single-letter options, as in ``-Bm``, is not recognised)."""
+    ``-m``); the module's name is in ``sys.orig_argv``, after the interpreter's own options, read
+    as CPython reads them: single letters may be clustered (``-Bm ringflow``, ``-OOmringflow``),
+    and in a cluster the letters c, m, W and X take a value, the rest of the cluster or, where the
+    cluster ends with the letter, the next argument."""
     if sys.argv[:1] != ["-m"]:
         return None
     args = getattr(sys, "orig_argv", [])[1:]
-    takes_value = ("-W", "-X", "--check-hash-based-pycs")
     i = 0
     while i < len(args):
         arg = args[i]
-        if arg == "-m":
-            return args[i + 1] if i + 1 < len(args) else None
-        if arg.startswith("-m"):
-            return arg[2:]
-        if arg in takes_value:
-            i += 2
-            continue
-        if arg == "-c" or arg == "-" or not arg.startswith("-"):
-            return None  # a command, stdin or a script runs: not a module
         i += 1
+        if arg == "--check-hash-based-pycs":  # (the one long option taking a value)
+            i += 1
+            continue
+        if arg in ("-", "--") or not arg.startswith("-"):
+            return None  # stdin or a script runs ("--" ends the options before a script): not a module
+        if arg.startswith("--"):
+            continue
+        for at, letter in enumerate(arg[1:], start=2):  # (arg[at:] is the rest after the letter)
+            if letter not in "cmWX":
+                continue
+            if at < len(arg):
+                value = arg[at:]
+            elif i < len(args):
+                value = args[i]
+                i += 1
+            else:
+                value = None
+            if letter == "m":
+                return value
+            if letter == "c":
+                return None  # a command runs: not a module
+            break  # (W and X: the value ends the cluster)
     return None

@@ -426,6 +426,38 @@ def test_ctrl_c_while_the_command_imports_is_one_line_and_status_130(tmp_path, m
     assert proc.stdout == ""
 
 
+@pytest.mark.parametrize("options, module", [
+    (["-m", "ringflow", "plan"], "ringflow"),
+    (["-mringflow", "plan"], "ringflow"),
+    (["-Bm", "ringflow"], "ringflow"),
+    (["-Bmringflow"], "ringflow"),
+    (["-OOm", "ringflow"], "ringflow"),
+    (["-sW", "ignore", "-m", "ringflow"], "ringflow"),
+    (["-sWignore", "-m", "ringflow"], "ringflow"),
+    (["-W", "ignore", "-X", "dev", "-m", "ringflow"], "ringflow"),
+    (["-BXdev", "-Im", "ringflow"], "ringflow"),
+    (["--check-hash-based-pycs", "never", "-m", "ringflow"], "ringflow"),
+    (["-Wm", "-m", "other"], "other"),  # "m" there is -W's value, not the option
+    (["-Xm", "-m", "other"], "other"),
+    (["-Bc", "-m"], None),  # a command runs, whose text is "-m"
+    (["-c", "import ringflow", "-m", "ringflow"], None),
+    (["script.py", "-m", "ringflow"], None),
+    (["-", "-m", "ringflow"], None),
+    (["--", "-m"], None),
+    (["-B"], None),
+    (["-Bm"], None),
+])
+def test_the_module_python_m_runs_is_read_past_the_interpreters_options(monkeypatch, options, module):
+    """``python -m`` is recognised in clusters of the interpreter's single-letter options, as
+    CPython reads them: within ``-Bm``, ``-OOm`` or ``-sW``, the letters c, m, W and X take a
+    value, the rest of the cluster or else the next argument; ``-c`` runs a command, not a module."""
+    import _ringflow_entry
+
+    monkeypatch.setattr(sys, "argv", ["-m"])
+    monkeypatch.setattr(sys, "orig_argv", [sys.executable, *options], raising=False)
+    assert _ringflow_entry._run_module() == module
+
+
 def test_ctrl_c_while_a_program_imports_ringflow_is_its_keyboard_interrupt(tmp_path):
     """Only the command exits quietly: a program importing ringflow gets the KeyboardInterrupt."""
     fake = tmp_path / "fake" / "numpy"
