@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 
@@ -138,3 +139,27 @@ def test_json_summary_writes_null_for_a_total_beyond_a_float(tmp_path, capsys):
     assert "Infinity" not in text and "NaN" not in text
     h2d = json.loads(text)["stages"]["h2d"]
     assert h2d["total_ms"] is None and h2d["count"] == 10_000 and h2d["median_ms"] > 0
+
+
+def test_the_table_prints_huge_durations_as_figures_not_inf_or_rows_of_digits(tmp_path, capsys, monkeypatch):
+    """Spans of 1e308 us: the wall time and median were written out to some 300 digits (cut by
+    the column to what read as a small number), and a total beyond a float's range read "inf".
+    Beyond a float's exact digits figures are in powers of ten; a total past a float's range
+    says that it is."""
+    monkeypatch.setenv("COLUMNS", "200")  # (the whole title on one line)
+    events = [{"ph": "X", "tid": 1, "cat": "h2d", "name": "h2d", "ts": 0, "dur": 1e308, "args": {"chunk": i}}
+              for i in range(2000)]
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps(events))
+    assert main(["trace", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "inf" not in out and not re.search(r"\d{17}", out), out
+    assert "1.000e+305 ms wall time" in out
+    (row,) = [line for line in out.splitlines() if line.startswith("│ h2d")]
+    assert "1.0000e+305" in row and f">{sys.float_info.max:.1e}" in row, row
+
+
+def test_the_table_prints_ordinary_durations_in_fixed_places(two_workers, capsys):
+    assert main(["trace", two_workers]) == 0
+    out = capsys.readouterr().out
+    assert "8.000 ms wall time" in out and "4.0000" in out and "12.000" in out

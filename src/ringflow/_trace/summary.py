@@ -14,6 +14,7 @@ import collections
 import json
 import math
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -193,6 +194,15 @@ def _union(spans) -> float:
     return total + ((cur_b - cur_a) if cur_b is not None else 0.0)
 
 
+def _figure(value: float, places: int) -> str:
+    """``value`` with ``places`` decimals; from 1e15 on in powers of ten, and a sum that passed a
+    float's range (durations near it, added up) as more than a float's largest value."""
+    if not math.isfinite(value):
+        return f">{sys.float_info.max:.1e}"
+    # past 1e15 a float's digits end before the decimal point: written out, the rest are noise
+    return f"{value:.{places}e}" if abs(value) >= 1e15 else f"{value:.{places}f}"
+
+
 def print_summary(path: str, *, json_out: bool = False) -> int:
     """Print :func:`summarise` of ``path``: a table with a legend, or JSON on stdout.
 
@@ -213,14 +223,14 @@ def print_summary(path: str, *, json_out: bool = False) -> int:
     if not info["spans"]:
         console.print(f"{printable(path)}: a Chrome trace with no spans (no complete 'X' events)")
         return 0
-    title = f"{printable(path)}: {info['chunks']} chunks in {info['wall_ms']:.3f} ms wall time"
+    title = f"{printable(path)}: {info['chunks']} chunks in {_figure(info['wall_ms'], 3)} ms wall time"
     if "gpu_overlap" in info:
         title += f", GPU stage overlap x{info['gpu_overlap']:.2f}"
     t = Table(title=title)
     for col in ("span", "count", "median ms", "total ms", "busy", "tracks", "busy/track"):
         t.add_column(col, justify="left" if col == "span" else "right")
     for name, st in info["stages"].items():
-        t.add_row(printable(name), str(st["count"]), f"{st['median_ms']:.4f}", f"{st['total_ms']:.3f}",
+        t.add_row(printable(name), str(st["count"]), _figure(st["median_ms"], 4), _figure(st["total_ms"], 3),
                   f"{st['busy_fraction'] * 100:.0f}%", str(st["tracks"]), f"{st['per_track_fraction'] * 100:.0f}%")
     console.print(t)
     legend = [("busy", LEGEND["busy_fraction"]), ("tracks", LEGEND["tracks"]),
