@@ -115,6 +115,9 @@ def test_read_pcie_link_older_kernel_format(tmp_path):
     ({"current_link_speed": "fast"}, "not a link speed"),
     ({"current_link_speed": "-5 GT/s"}, "not a link speed"),
     ({"current_link_width": "0\n"}, "not a link width"),
+    ({"current_link_width": "3\n"}, "not a link width"),  # (a width PCIe does not have: no profile holds it)
+    ({"current_link_width": "64\n"}, "not a link width"),
+    ({"current_link_speed": "256.0 GT/s PCIe"}, "not a link speed"),
     ({"current_link_width": "sixteen"}, "not a link width"),
     ({"current_link_width": "\xff\xfe"}, "not a link width"),
 ])

@@ -120,21 +120,26 @@ def link_rate(gt_per_s: float, width: int) -> dict[str, Any]:
 
 def parse_link_speed(text: str) -> "float | None":
     """GT/s from a sysfs ``*_link_speed`` file ("32.0 GT/s PCIe", "8 GT/s"); None when the file
-    says "Unknown" or anything else that is not a rate."""
+    says "Unknown" or anything else that is not a rate PCIe has."""
+    from ._device.hardware import PCIE_GTPS_MAX  # (a profile holds no other)
+
     m = _SPEED.fullmatch(text)
     if not m:
         return None
     value = float(m.group(1))
-    return value if 0 < value < 1e4 else None
+    return value if 0 < value <= PCIE_GTPS_MAX else None
 
 
 def parse_link_width(text: str) -> "int | None":
-    """Lanes from a sysfs ``*_link_width`` file ("16", "x16"); None for 0 (link down) or garble."""
+    """Lanes from a sysfs ``*_link_width`` file ("16", "x16"); None for 0 (link down), a width PCIe
+    does not have, or garble."""
+    from ._device.hardware import PCIE_WIDTHS  # (a profile holds no other)
+
     m = _WIDTH.fullmatch(text)
     if not m:
         return None
     value = int(m.group(1))
-    return value if 0 < value <= 64 else None
+    return value if value in PCIE_WIDTHS else None
 
 
 def normalise_bus_id(text: str) -> "str | None":

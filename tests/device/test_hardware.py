@@ -100,6 +100,17 @@ def _doc(**changes):
     ({"model.chaos_spread": 1.5}, "'model.chaos_spread' must be below 1"),
     ({"machine.pcie_link": "gen5"}, "'machine.pcie_link' must be null or an object"),
     ({"machine.pcie_link": {"GTps": 32.0}}, "missing field(s) machine.pcie_link.width"),
+    # a PCIe link runs at most 128 GT/s a lane (PCIe 7.0), over 1 to 32 lanes in the widths PCIe has
+    ({"machine.pcie_link": {"GTps": 1e300, "width": 16}}, "'machine.pcie_link' GTps must be at most 128, got 1e+300"),
+    ({"machine.pcie_link": {"GTps": 256, "width": 16}}, "'machine.pcie_link' GTps must be at most 128"),
+    ({"machine.pcie_link": {"GTps": 0, "width": 16}}, "'machine.pcie_link' GTps must be a finite number more than 0"),
+    ({"machine.pcie_link": {"GTps": float("inf"), "width": 16}}, "'machine.pcie_link' GTps must be a finite number"),
+    ({"machine.pcie_link": {"GTps": "32", "width": 16}}, "'machine.pcie_link' GTps must be a number, got string"),
+    ({"machine.pcie_link": {"GTps": 32.0, "width": 3}},
+     "'machine.pcie_link' width must be one of 1, 2, 4, 8, 12, 16, 32 (lanes), got 3"),
+    ({"machine.pcie_link": {"GTps": 32.0, "width": 64}}, "'machine.pcie_link' width must be one of"),
+    ({"machine.pcie_link": {"GTps": 32.0, "width": 0}}, "'machine.pcie_link' width must be at least 1"),
+    ({"machine.pcie_link": {"GTps": 32.0, "width": 16.0}}, "'machine.pcie_link' width must be a whole number"),
     ({"machine.gpu": 5}, "'machine.gpu' must be a string or null"),
     ({"date": "yesterday"}, "'date' must be an ISO 8601 date"),
     ({"name": ""}, "'name' must be a non-empty string"),
@@ -112,6 +123,15 @@ def test_a_bad_field_is_named(changes, phrase):
     with pytest.raises(ProfileError) as info:
         HardwareProfile.from_json(_doc(**changes), source="p.json")
     assert phrase in str(info.value) and str(info.value).startswith("p.json: ")
+
+
+@pytest.mark.parametrize("link, phrase", [((200.0, 16), "GTps must be at most 128"),
+                                          ((32.0, 24), "width must be one of 1, 2, 4, 8, 12, 16, 32")])
+def test_a_pcie_link_no_pcie_has_is_refused_by_the_constructor_too(link, phrase):
+    with pytest.raises(ProfileError, match=f"HardwareProfile.pcie_link {phrase}"):
+        dataclasses.replace(MEASURED, pcie_link=link)
+    for lanes in (1, 2, 4, 8, 12, 16, 32):
+        assert dataclasses.replace(MEASURED, pcie_link=(128, lanes)).pcie_link == (128.0, lanes)
 
 
 @pytest.mark.parametrize("content, phrase", [

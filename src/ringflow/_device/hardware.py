@@ -65,6 +65,8 @@ _COUNTS = ("async_engine_count", "sm_count", "total_memory")  # ints >= 1
 _GBPS_RANGE = (1e-6, 1e6)  # a kilobyte a second to a petabyte a second
 _SECONDS_MAX = 3600.0
 _WHOLE_MAX = 1 << 62
+PCIE_GTPS_MAX = 128.0  # GT/s a lane: PCIe 7.0's rate, the fastest PCIe has
+PCIE_WIDTHS = (1, 2, 4, 8, 12, 16, 32)  # the link widths (lanes) PCIe has
 _MACHINE = ("gpu_name", "driver", "pcie_link")  # where it was measured: the JSON's "machine"
 _META = ("name", "measured_at") + _MACHINE
 
@@ -311,7 +313,13 @@ def _check_field(name: str, value: Any, where: str) -> Any:
             return None
         if not isinstance(value, (list, tuple)) or len(value) != 2:
             raise ProfileError(f"{where} must be None or a (GT/s per lane, lanes) pair, got {value!r:.60}")
-        return (_real(value[0], f"{where} GT/s", positive=True), _whole(value[1], f"{where} width", least=1))
+        rate, width = _real(value[0], f"{where} GTps", positive=True), _whole(value[1], f"{where} width", least=1)
+        if rate > PCIE_GTPS_MAX:
+            raise ProfileError(f"{where} GTps must be at most {PCIE_GTPS_MAX:g}, got {rate!r} (GT/s a lane; "
+                               f"PCIe 7.0 runs {PCIE_GTPS_MAX:g})")
+        if width not in PCIE_WIDTHS:
+            raise ProfileError(f"{where} width must be one of {', '.join(map(str, PCIE_WIDTHS))} (lanes), got {width}")
+        return rate, width
     if name == "name":
         if not isinstance(value, str) or not value.strip():
             raise ProfileError(f"{where} must be a non-empty string, got {value!r:.60}")
