@@ -183,6 +183,8 @@ MISTAKES = [
     (["plan", "--profile", "/dev/zero"], "plan", "not a regular file"),
     (["doctor", "--device", "sim", "--json", "--output", "/dev/full"], "doctor", "'/dev/full' is not a regular file"),
     (["bench", "--device", "sim", "--quick", "seed", "--plot", "{d}/x.txt"], "bench", "cannot write .txt"),
+    (["bench", "--device", "sim", "--quick", "seed", "--plot", "{d}/x.pngx"], "bench",
+     "argument --plot: matplotlib cannot write .pngx files (path '{d}/x.pngx'); end the name with one of "),
     (["plan", "--workers", "1025"], "plan", "workers: give 1 to 1024"),
     (["plan", "--devices", "0"], "plan", "argument --devices: '0' GPUs: give 1 to 64"),
     (["bench", "--device", "sim", "--quick", "seed", "--trace", "/dev/full"], "bench", "'/dev/full' is not a regular file"),

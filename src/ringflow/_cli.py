@@ -213,19 +213,19 @@ def _check_plot_type(path: str) -> None:
     """The chart needs matplotlib, and a file type it writes (PNG when the name has none)."""
     if importlib.util.find_spec("matplotlib") is None:
         raise UsageError("argument --plot: the chart needs matplotlib: pip install 'ringflow[plot]'")
-    ext = os.path.splitext(path)[1].lower().lstrip(".")
-    if ext:
-        from matplotlib.backend_bases import FigureCanvasBase
+    from ._trace.plot import plot_format
 
-        if ext not in FigureCanvasBase.get_supported_filetypes():
-            raise UsageError(f"argument --plot: matplotlib cannot write .{ext} files; name the file .png, .svg or .pdf")
-        if ext == "pgf":  # written through LaTeX, found missing only once the chart is drawn, after the run
-            from matplotlib import rcParams
+    try:
+        ext = plot_format(path, "argument --plot")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if ext == "pgf":  # written through LaTeX, found missing only once the chart is drawn, after the run
+        from matplotlib import rcParams
 
-            tex = rcParams["pgf.texsystem"]
-            if shutil.which(tex) is None:
-                raise UsageError(f"argument --plot: .pgf files need {tex} (LaTeX), which is not installed; "
-                                 "name the file .png, .svg or .pdf")
+        tex = rcParams["pgf.texsystem"]
+        if shutil.which(tex) is None:
+            raise UsageError(f"argument --plot: .pgf files need {tex} (LaTeX), which is not installed; "
+                             "name the file .png, .svg or .pdf")
 
 
 # -- the subcommands --------------------------------------------------------------------------------------------------

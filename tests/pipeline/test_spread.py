@@ -136,6 +136,21 @@ def test_the_report_plots_a_track_group_per_device(tmp_path):
     assert len(fig.axes) == 2 and (tmp_path / "two.png").stat().st_size > 1000
 
 
+def test_the_report_refuses_a_plot_type_matplotlib_cannot_write_before_drawing(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    with rf.Pipeline(f, device=sims(2, 10), chunk_bytes=4096, profile=True) as pipe:
+        list(pipe.map(items_of(4, 10)))
+    report = pipe.report()
+
+    def drawn(*args, **kwargs):
+        raise AssertionError("a chart was drawn for a file type that cannot be written")
+
+    monkeypatch.setattr(rf.Report, "plot", drawn)
+    with pytest.raises(ValueError, match=r"plot: matplotlib cannot write \.txt files .*\.png"):
+        report.plot(str(tmp_path / "two.txt"))
+    assert not (tmp_path / "two.txt").exists()
+
+
 @pytest.mark.parametrize("items", [5, None, 2.5], ids=repr)
 def test_map_of_something_not_iterable_is_refused_at_once_naming_items_as_on_one_device(items):
     with rf.Pipeline(f, device=sims(2), chunk_bytes=4096) as pipe:

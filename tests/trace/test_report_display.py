@@ -123,6 +123,28 @@ def test_plot_draws_into_the_given_axes(rep, tmp_path):
     assert len(other.patches) >= 5 * rep.chunks
 
 
+@pytest.mark.parametrize("name", ["chart.txt", "chart.PNGX", "chart.png.bak"])
+def test_plot_refuses_a_file_type_matplotlib_cannot_write_before_drawing(rep, tmp_path, name):
+    """matplotlib said so only once the chart was drawn, in its own words; the error names the
+    path, its extension and the types it can write, and nothing is drawn or written."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    ax = Figure().add_subplot()
+    path = tmp_path / name
+    ext = name.rpartition(".")[2].lower()
+    with pytest.raises(ValueError) as info:
+        rep.plot(str(path), ax=ax)
+    message = str(info.value)
+    assert message.startswith("plot: ") and repr(str(path)) in message and f"cannot write .{ext} files" in message
+    assert all(f".{e}" in message for e in ("png", "svg", "pdf")), message
+    assert len(ax.patches) == 0 and not path.exists()
+    with open(tmp_path / "open.txt", "wb") as fh:  # an open file's type is its name's too
+        with pytest.raises(ValueError, match=r"cannot write \.txt files"):
+            rep.plot(fh, ax=ax)
+    assert len(ax.patches) == 0 and (tmp_path / "open.txt").read_bytes() == b""
+
+
 def test_plot_refuses_an_axes_that_is_not_one(rep):
     pytest.importorskip("matplotlib")
     with pytest.raises(TypeError, match="matplotlib Axes"):

@@ -364,19 +364,22 @@ class ShardedReport:
 
         Raises:
             RuntimeError: matplotlib is not installed.
+            ValueError: ``path`` names a file type matplotlib cannot write (said before drawing).
         """
         try:
             from matplotlib.figure import Figure
         except ImportError as exc:
             raise RuntimeError("plot() needs matplotlib: pip install 'ringflow[plot]'") from exc
+        from .._trace.plot import plot_format, save_figure
+
+        if path:
+            plot_format(path, "plot")
         fig = Figure(figsize=(12, 3.2 * len(self.reports)), layout="constrained")
         axes = fig.subplots(len(self.reports), 1, squeeze=False)[:, 0]
         for ax, report, label in zip(axes, self.reports, self.devices):
             report.plot(ax=ax)
             ax.set_title(f"{label}: {report.headline()}", fontsize=9)
         if path:
-            from .._trace.plot import save_figure
-
             save_figure(fig, path)
         return fig
 

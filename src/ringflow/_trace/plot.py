@@ -19,7 +19,8 @@ def plot_gantt(timeline: Timeline, path: Optional[str] = None, *, ax=None, title
     """Draw ``timeline`` (see :meth:`ringflow.Report.plot`); returns the Figure drawn on.
 
     Raises RuntimeError without matplotlib, TypeError when ``ax`` is not a matplotlib Axes or
-    ``path`` neither None, a file name nor an open file."""
+    ``path`` neither None, a file name nor an open file, ValueError when ``path`` names a file
+    type matplotlib cannot write (:func:`plot_format`)."""
     if path is not None:
         check_file_name(path, "plot", file_objects=True)
     try:
@@ -27,6 +28,8 @@ def plot_gantt(timeline: Timeline, path: Optional[str] = None, *, ax=None, title
         from matplotlib.figure import Figure
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise RuntimeError("report.plot needs matplotlib: pip install 'ringflow[plot]'") from exc
+    if path is not None:
+        plot_format(path, "plot")
     # stage tracks split into lanes (one per worker); stalls drawn as one row per kind
     spans = [s for s in timeline.spans() if not s.track.startswith("stall")]
     spans += [s for s in timeline.spans(lanes=False) if s.track.startswith("stall")]
@@ -60,6 +63,29 @@ def plot_gantt(timeline: Timeline, path: Optional[str] = None, *, ax=None, title
     return fig
 
 
+def plot_format(path, where: str) -> str:
+    """The file type a chart saved to ``path`` (a file name or an open file) is written in: its
+    name's extension, lower-case, or ``"png"`` where the name has none or an open file has no name.
+
+    Raises:
+        ValueError: matplotlib cannot write that type; the message starts with ``where`` and
+            names ``path``, its extension and the types matplotlib writes.
+    """
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if not hasattr(path, "write"):
+        path = os.fsdecode(path)
+    name = getattr(path, "name", path)  # an open file's name, an int where opened from a descriptor
+    ext = os.path.splitext(name)[1].lstrip(".").lower() if isinstance(name, str) else ""
+    if not ext:
+        return "png"
+    supported = FigureCanvasBase.get_supported_filetypes()
+    if ext not in supported:
+        raise ValueError(f"{where}: matplotlib cannot write .{ext} files (path {name!r}); end the name with one of "
+                         f"{', '.join('.' + e for e in sorted(supported))}, or with none for a PNG")
+    return ext
+
+
 def save_figure(fig, path) -> None:
     """Write ``fig`` to the file ``path`` itself (a file name, or an open binary file), in the
     type the name's extension names; PNG where the name has none (matplotlib would otherwise
@@ -69,13 +95,12 @@ def save_figure(fig, path) -> None:
     memory first, then moved into place, so that a pipe or a device is refused (an SVG drawn
     into a pipe waited for ever for a reader) and a failed write leaves the file as it was.
     """
+    file_type = plot_format(path, "plot")
     if not hasattr(path, "write"):
         path = os.fsdecode(path)
-    name = getattr(path, "name", path)  # an open file's name, an int where opened from a descriptor
-    ext = os.path.splitext(name)[1].lstrip(".") if isinstance(name, str) else ""
     if isinstance(path, str):
         drawn = io.BytesIO()
-        fig.savefig(drawn, format=ext or "png")
+        fig.savefig(drawn, format=file_type)
         write_whole(path, drawn.getvalue())
     else:
-        fig.savefig(path, format=ext or "png")
+        fig.savefig(path, format=file_type)
