@@ -174,12 +174,10 @@ def _rounded(obj: Any) -> Any:
 def _most_at_once(spans) -> int:
     """The most of ``spans`` that run at any one time (one that ends as another starts does not
     overlap it)."""
-    edges = sorted([(s.start, 1) for s in spans] + [(s.end, -1) for s in spans], key=lambda e: (e[0], e[1]))
-    most = now = 0
-    for _, step in edges:
-        now += step
-        most = max(most, now)
-    return most
+    times = np.array([s.start for s in spans] + [s.end for s in spans])
+    steps = np.repeat(np.array([1, -1], dtype=np.int64), len(spans))
+    order = np.lexsort((steps, times))  # by time, an end (-1) before a start (+1) at the same time
+    return int(max(0, np.cumsum(steps[order]).max()))
 
 
 def _union(spans) -> float:
