@@ -163,3 +163,13 @@ def test_the_table_prints_ordinary_durations_in_fixed_places(two_workers, capsys
     assert main(["trace", two_workers]) == 0
     out = capsys.readouterr().out
     assert "8.000 ms wall time" in out and "4.0000" in out and "12.000" in out
+
+
+def test_most_at_once_counts_overlaps_and_nothing_for_no_spans():
+    from types import SimpleNamespace as Span
+
+    from ringflow._trace.summary import _most_at_once
+
+    assert _most_at_once([]) == 0
+    spans = [Span(start=0.0, end=2.0), Span(start=1.0, end=3.0), Span(start=2.0, end=4.0), Span(start=5.0, end=5.0)]
+    assert _most_at_once(spans) == 2  # one ending as another starts does not overlap it

@@ -174,6 +174,8 @@ def _rounded(obj: Any) -> Any:
 def _most_at_once(spans) -> int:
     """The most of ``spans`` that run at any one time (one that ends as another starts does not
     overlap it)."""
+    if not spans:
+        return 0
     times = np.array([s.start for s in spans] + [s.end for s in spans])
     steps = np.repeat(np.array([1, -1], dtype=np.int64), len(spans))
     order = np.lexsort((steps, times))  # by time, an end (-1) before a start (+1) at the same time
