@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
 import logging
 import threading
@@ -201,3 +202,118 @@ def test_close_on_the_thread_of_a_loop_left_open_gives_up_its_amap():
     assert bounded(on_one_thread, timeout=20.0) == []
     gc.collect()
     assert dev.live().total == 0, dev.live()
+
+
+class _WatchedExecutor(concurrent.futures.ThreadPoolExecutor):
+    """A loop's default executor that keeps the future of every call handed to it."""
+
+    def __init__(self):
+        super().__init__(max_workers=1)
+        self.calls: list = []
+
+    def submit(self, fn, /, *args, **kwargs):
+        fut = super().submit(fn, *args, **kwargs)
+        self.calls.append(fut)
+        return fut
+
+
+async def _first_step_on_the_executor(agen, executor: _WatchedExecutor):
+    """Start an amap's first step, and return it (a task) once the map's first item waits for
+    capacity on the loop's executor."""
+    step = asyncio.ensure_future(agen.__anext__())
+    deadline = time.monotonic() + JOIN_S
+    while not executor.calls:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0)
+    return step
+
+
+@pytest.mark.parametrize("n_devices", [1, 2])
+def test_close_gives_up_a_chunk_accepted_for_an_amap_before_its_window_holds_it(n_devices):
+    """The amap's item waits for capacity on the loop's executor; the loop stops, and the item
+    is accepted meanwhile: the map has not put it in its window yet. close() on the loop's thread
+    gives the window up, and the chunk accepted for it with it (its result released), rather than
+    leave it DELIVERED into a result nobody takes. Run again, the amap ends with nothing more."""
+    from tests.helpers.threads import bounded
+
+    devices = [rf.device("sim", seed=47 + k, chaos=True) for k in range(n_devices)]
+    pipe = rf.Pipeline(lambda x, y: np.multiply(x, 3, out=y), device=devices if n_devices > 1 else devices[0],
+                       deliver="device", chunk_bytes=512, slots=1, max_in_flight=1, checked=True)
+    parts = getattr(pipe, "parts", [pipe])
+    x = [np.arange(16.0) + 100 * k for k in range(4)]
+    executor = _WatchedExecutor()
+
+    def on_one_thread():
+        loop = asyncio.new_event_loop()
+        loop.set_default_executor(executor)
+        try:
+            held = [part.submit(x[0]).result(timeout=JOIN_S) for part in parts]  # each device's only slot
+            others = [part.submit(x[0]) for part in parts]  # each waits for it, in its device's only place in flight
+            agen = pipe.amap(x)
+            step = loop.run_until_complete(_first_step_on_the_executor(agen, executor))
+            for result in held:
+                result.release()  # the others are delivered into the slots, and the map's item is accepted
+            taken = executor.calls[0].result(timeout=JOIN_S)
+            for other in others:
+                other.result(timeout=JOIN_S).release()
+            pipe.close()
+            s = pipe.stats()
+            assert s.in_flight == 0 and s.balanced() and s.accepted == 2 * len(parts) + 1, s
+            assert taken.done()
+            for dev in devices:
+                assert dev.live().total == 0, dev.live()
+            with pytest.raises(StopAsyncIteration):
+                loop.run_until_complete(step)
+        finally:
+            loop.close()
+
+    bounded(on_one_thread, timeout=20.0)
+    gc.collect()
+    for dev in devices:
+        assert dev.live().total == 0, dev.live()
+
+
+def test_close_gives_up_a_chunk_of_an_amap_accepted_as_close_gives_its_window_up(monkeypatch):
+    """The chunk is accepted off the loop before close() runs, and the accepting thread tells the
+    map only after close() gave the window up (and returned, the chunk having ended): it is given
+    up there, its result released."""
+    dev = rf.device("sim", seed=49, chaos=True)
+    pipe = rf.Pipeline(lambda x, y: np.multiply(x, 3, out=y), device=dev, deliver="device", chunk_bytes=512,
+                       slots=1, max_in_flight=1, checked=True)
+    x = [np.arange(16.0) + 100 * k for k in range(4)]
+    executor = _WatchedExecutor()
+    reached, closed = threading.Event(), threading.Event()
+    told = aio.CancelIfDropped.accepted
+
+    def late(ending, fut):
+        reached.set()
+        assert closed.wait(JOIN_S)
+        told(ending, fut)
+
+    monkeypatch.setattr(aio.CancelIfDropped, "accepted", late)
+
+    def on_one_thread():
+        loop = asyncio.new_event_loop()
+        loop.set_default_executor(executor)
+        try:
+            held = pipe.submit(x[0]).result(timeout=JOIN_S)
+            other = pipe.submit(x[0])
+            agen = pipe.amap(x)
+            step = loop.run_until_complete(_first_step_on_the_executor(agen, executor))
+            held.release()
+            assert reached.wait(JOIN_S)  # accepted, and the map not told yet
+            other.result(timeout=JOIN_S).release()
+            pipe.close()
+            closed.set()
+            taken = executor.calls[0].result(timeout=JOIN_S)
+            assert taken.done() and pipe.stats().balanced(), pipe.stats()
+            assert dev.live().total == 0, dev.live()
+            with pytest.raises(StopAsyncIteration):
+                loop.run_until_complete(step)
+        finally:
+            closed.set()
+            loop.close()
+
+    from tests.helpers.threads import bounded
+
+    bounded(on_one_thread, timeout=20.0)

@@ -108,9 +108,13 @@ class CancelIfDropped:
     ever. Collected, the map cancels its window here. Still referenced, it is not collected, so
     ``close()`` gives its window up (:func:`give_up_stranded`) when its loop cannot run while
     ``close()`` waits: the loop is closed, or it is the loop of the thread calling ``close()``.
-    ``window``: the map's deque of (chunk future, asyncio future), ended by :meth:`end`."""
+    ``window``: the map's deque of (chunk future, asyncio future), ended by :meth:`end`.
 
-    __slots__ = ("window", "loop", "thread", "given_up", "__weakref__")
+    An item whose accepting waits on the loop's executor is accepted on another thread, and the
+    map puts its chunk in the window only once the loop runs it again: between the two the chunk
+    is the map's all the same (:meth:`accepting`, :meth:`accepted`, :meth:`hold`)."""
+
+    __slots__ = ("window", "loop", "thread", "given_up", "lock", "accepting_by", "unheld", "__weakref__")
 
     def __init__(self, window: Any):
         self.window = window
@@ -120,16 +124,60 @@ class CancelIfDropped:
             self.loop = None
         self.thread = threading.get_ident()  # the loop's thread (an async generator runs on it)
         self.given_up = False  # close() took the window (the map ends at its next step)
+        # the accepting thread and a give-up meet here: the one that comes second gives the chunk up
+        self.lock = threading.Lock()
+        self.accepting_by = None  # the driver accepting the map's next item off the loop's thread
+        self.unheld = None  # the future of a chunk accepted for the map and not yet in its window
         with _LIVE_LOCK:
             _LIVE.add(self)
+
+    def accepting(self, driver: Any) -> None:
+        """On the loop's thread: the map's next item is being accepted off it, by ``driver``'s
+        pipeline (its accepting waits on the loop's executor). Until the map holds the chunk, a
+        give-up of the window for that pipeline gives the chunk up too."""
+        with self.lock:
+            self.accepting_by = driver
+
+    def accepted(self, fut: ChunkFuture) -> None:
+        """On the thread that accepted it: ``fut``'s chunk is the map's. Given up at once where the
+        window was given up meanwhile; otherwise kept until :meth:`hold`. A map that ended meanwhile
+        (its task cancelled) is left to cancel the chunk itself."""
+        with self.lock:
+            if self.window is None:
+                return
+            if not self.given_up:
+                self.unheld = fut
+                return
+        _give_up_chunks([fut])
+
+    def hold(self, fut: ChunkFuture) -> bool:
+        """On the loop's thread: put ``fut``'s chunk, accepted for the map, in its window. Returns
+        False where the window was given up before (the chunk with it: see :meth:`accepted`)."""
+        with self.lock:
+            self.accepting_by = self.unheld = None
+            given_up = self.given_up
+        if not given_up:  # (a give-up waits for this thread's loop: it cannot come in between)
+            self.window.append((fut, follow(fut)))
+        return not given_up
+
+    def holds(self, driver: Any) -> bool:
+        """Whether the map holds chunks of ``driver``'s pipeline, or may be about to: in its
+        window, accepted for it and not held yet, or being accepted off the loop's thread."""
+        with self.lock:
+            unheld = self.unheld
+            return (self.accepting_by is driver or (unheld is not None and unheld._driver is driver)
+                    or any(fut._driver is driver for fut, _ in self.window or ()))
 
     async def end(self) -> None:
         """The map's clean-up: cancel what it took and has not handed out (awaited, without
         blocking the loop: see :func:`cancel_unwanted_soon`), and drop the asyncio futures."""
         # taken before the wait: the cancels are handed over before it, and are carried out even
         # if the wait is cancelled (as asyncio.run cancels a finalising generator's task), so the
-        # finaliser must not hand them over a second time
-        window, self.window = self.window, None
+        # finaliser must not hand them over a second time. A chunk accepted for the map and not
+        # held is cancelled where it was accepted (the awaiting task was cancelled: see asubmit)
+        with self.lock:
+            window, self.window = self.window, None
+            self.accepting_by = self.unheld = None
         try:
             await cancel_unwanted_soon([fut for fut, _ in window or ()])
         finally:
@@ -155,29 +203,27 @@ class CancelIfDropped:
         """Take the window from a map that cannot run (:meth:`stranded`: it does not run now
         either): its chunks not ended are cancelled, and results delivered into it are dropped,
         device ones released, as each ends. The map, should its loop run it again, ends at its
-        next step with nothing more."""
-        window = self.window
-        if not window:
-            return
-        taken = list(window)
-        window.clear()
-        self.given_up = True
-        futures = [fut for fut, _ in taken]
-        for fut in futures:
-            fut.add_done_callback(_drop_result)  # (at once for one that has ended)
-        try:
-            post_cancel(futures)  # (never waits: the caller may hold the pipeline's lock)
-        except Exception as exc:  # noqa: BLE001 - as cancel_unwanted: chunks not cancelled end by themselves
-            logger.debug("an abandoned amap's chunks were not cancelled: %r", exc)
+        next step with nothing more. A chunk accepted for it and not yet in the window goes with
+        it, now or as it is accepted (:meth:`accepted`)."""
+        with self.lock:
+            window = self.window
+            if window is None:
+                return
+            taken = list(window)
+            window.clear()
+            unheld, self.unheld = self.unheld, None
+            self.given_up = True
+        _give_up_chunks([fut for fut, _ in taken] + ([unheld] if unheld is not None else []))
         for _, head in taken:
             if not head.get_loop().is_closed():  # (this is the loop's thread: see stranded)
                 head.cancel()
 
     def __del__(self) -> None:
         window, self.window = self.window, None
-        if window:
+        futures = [fut for fut, _ in window or ()] + ([self.unheld] if self.unheld is not None else [])
+        if futures:
             try:
-                post_cancel([fut for fut, _ in window])  # (never waits: this may run on any thread)
+                post_cancel(futures)  # (never waits: this may run on any thread)
             except Exception:  # noqa: BLE001 - a finaliser never raises
                 pass
 
@@ -195,8 +241,20 @@ def give_up_stranded(driver: Any) -> None:
         maps = list(_LIVE)
     for ending in maps:
         # stranded first: a map that can run may change its window meanwhile
-        if ending.stranded() and any(fut._driver is driver for fut, _ in ending.window or ()):
+        if ending.stranded() and ending.holds(driver):
             ending.give_up()
+
+
+def _give_up_chunks(futures: "list[ChunkFuture]") -> None:
+    """Give up chunks nobody will take: those not ended are cancelled, and a device result
+    delivered into one is released as it ends. Never waits (the caller may hold the pipeline's
+    lock) and never raises."""
+    for fut in futures:
+        fut.add_done_callback(_drop_result)  # (at once for one that has ended)
+    try:
+        post_cancel(futures)
+    except Exception as exc:  # noqa: BLE001 - as cancel_unwanted: chunks not cancelled end by themselves
+        logger.debug("an abandoned amap's chunks were not cancelled: %r", exc)
 
 
 def _drop_result(fut: ChunkFuture) -> None:

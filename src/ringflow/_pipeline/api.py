@@ -882,10 +882,13 @@ class Pipeline:
         fut = await self._asubmit_future(item, timeout)
         return await follow(fut)
 
-    async def _asubmit_future(self, item: Any, timeout: Optional[float] = None) -> ChunkFuture:
+    async def _asubmit_future(self, item: Any, timeout: Optional[float] = None,
+                              ending: Optional[CancelIfDropped] = None) -> ChunkFuture:
         # the loop's thread never waits for the pipeline: not for capacity, and not for its lock,
         # which the progress thread holds through a whole step (a compute's launch code, which
-        # may be long). Where either would wait, the accepting waits on the loop's executor
+        # may be long). Where either would wait, the accepting waits on the loop's executor.
+        # ``ending``: the amap the item is for, told of a chunk accepted there (close() may give
+        # its window up before the loop runs the map again)
         timeout = check_timeout(timeout)
         self._check_caller("asubmit()")
         item = self._check_item(item)
@@ -907,6 +910,8 @@ class Pipeline:
             else:
                 self.device.observe(token)
                 fut = self._accept_staged(accepting, timeout)
+            if ending is not None:
+                ending.accepted(fut)
             with lock:
                 state["future"] = fut
                 abandoned = state["abandoned"]
@@ -914,6 +919,8 @@ class Pipeline:
                 fut.cancel()
             return fut
 
+        if ending is not None:
+            ending.accepting(self._driver)
         try:
             return await asyncio.get_running_loop().run_in_executor(None, submit)
         except BaseException:  # CancelledError mostly: the task awaiting asubmit gave up
@@ -983,16 +990,19 @@ class Pipeline:
                         exhausted = True
                         break
                     try:
-                        fut = await self._asubmit_future(item)
+                        fut = await self._asubmit_future(item, ending=ending)
                     except RuntimeError:
                         if s.accepting:
                             raise
                         break  # stopped meanwhile (cancelled, closed, a failure): as map, take no more
                     started = True
-                    window.append((fut, follow(fut)))
+                    if not ending.hold(fut):
+                        break  # the window was given up while the item was accepted off this loop
                 if not window:
                     if exhausted:
                         return
+                    if ending.given_up:
+                        break  # close() took the window while this map could not run (aio.give_up_stranded)
                     # input is left but the pipeline takes no more work: end as map does
                     if s.broken is not None:
                         raise s.broken

@@ -101,10 +101,11 @@ class SpreadPipeline(Pipeline):
                 return None
             raise
 
-    async def _asubmit_more(self, item: Any, started: bool) -> Optional[concurrent.futures.Future]:
-        """:meth:`_submit_more` for ``amap``, without blocking the event loop."""
+    async def _asubmit_more(self, item: Any, started: bool,
+                            ending: CancelIfDropped) -> Optional[concurrent.futures.Future]:
+        """:meth:`_submit_more` for ``amap`` (``ending``: its own), without blocking the event loop."""
         try:
-            return await self._asubmit_future(item)
+            return await self._asubmit_future(item, ending=ending)
         except RuntimeError:
             if started and not self._accepting():
                 return None
@@ -130,12 +131,13 @@ class SpreadPipeline(Pipeline):
         self._check_caller("asubmit()")
         return await follow(await self._asubmit_future(item, timeout))
 
-    async def _asubmit_future(self, item: Any, timeout: Optional[float] = None) -> concurrent.futures.Future:
+    async def _asubmit_future(self, item: Any, timeout: Optional[float] = None,
+                              ending: Optional[CancelIfDropped] = None) -> concurrent.futures.Future:
         tried: tuple = ()
         while True:
             part = self._pick(tried)
             try:
-                return await part._asubmit_future(item, timeout)
+                return await part._asubmit_future(item, timeout, ending)
             except (DeviceError, RuntimeError) as err:
                 if not _passed_over(part, err):
                     raise
@@ -218,12 +220,13 @@ class SpreadPipeline(Pipeline):
                     except (StopIteration, StopAsyncIteration):
                         exhausted = True
                         break
-                    fut = await self._asubmit_more(item, started)
+                    fut = await self._asubmit_more(item, started, ending)
                     if fut is None:
                         exhausted = True
                         break
-                    window.append((fut, follow(fut)))
                     started = True
+                    if not ending.hold(fut):
+                        return  # close() took the window while the item was accepted off this loop
                 if not window:
                     return
                 fut, head = window[0]
