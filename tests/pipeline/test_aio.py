@@ -317,3 +317,82 @@ def test_close_gives_up_a_chunk_of_an_amap_accepted_as_close_gives_its_window_up
     from tests.helpers.threads import bounded
 
     bounded(on_one_thread, timeout=20.0)
+
+
+# -- an amap its event loop can still run, on another thread: close() waits for it -------------------------------
+class _LoopThread:
+    """An event loop running on a thread of its own until :meth:`stop`."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro):
+        """``coro`` on the loop; its value, waited for at most JOIN_S real seconds."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=JOIN_S)
+
+    def stop(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(JOIN_S)
+        assert not self.thread.is_alive()
+        self.loop.close()
+
+
+async def _release_the_rest(agen) -> int:
+    """Take what is left of an amap of device results, releasing each; returns how many."""
+    n = 0
+    async for result in agen:
+        result.release()
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("n_devices", [1, 2])
+def test_cancel_then_close_ends_an_amap_its_consumer_stopped_pulling_on_a_live_loop(n_devices):
+    """The amap's loop runs on another thread, but its consumer stopped pulling: the results in
+    its window hold the slots its other chunks wait for. close() waits for those (as for a map
+    held unconsumed on another thread: the consumer may still take them); cancel() first ends
+    them without the consumer. The map, pulled again, hands out what was delivered and ends."""
+    from tests.helpers.threads import bounded
+
+    devices = [rf.device("sim", seed=51 + k, chaos=True) for k in range(n_devices)]
+    pipe = _held_slots_pipe(devices if n_devices > 1 else devices[0])
+    x = [np.arange(16.0) + 100 * k for k in range(40)]
+    loop = _LoopThread()
+    try:
+        agen = loop.run(_take_one_and_stop(pipe, x))
+
+        def cancel_then_close():
+            pipe.cancel()
+            pipe.close()
+
+        bounded(cancel_then_close, timeout=20.0)  # (a watchdog: fails, with every stack, should it hang)
+        handed_out = loop.run(_release_the_rest(agen))
+    finally:
+        loop.stop()
+    assert handed_out <= n_devices  # at most a delivered result a device: the rest were cancelled
+    _all_ended_and_nothing_live(pipe, devices)
+
+
+def test_close_from_another_thread_waits_for_a_live_loops_amap_and_gives_nothing_up():
+    """close() on another thread while the amap's consumer has stopped pulling: the amap's loop can
+    still run it, so its window is not given up. Once the consumer pulls again close() returns,
+    and the amap has handed out every item it took."""
+    from tests.helpers.threads import start, join
+
+    dev = rf.device("sim", seed=53, chaos=True)
+    pipe = _held_slots_pipe(dev)
+    x = [np.arange(16.0) + 100 * k for k in range(40)]
+    loop = _LoopThread()
+    try:
+        agen = loop.run(_take_one_and_stop(pipe, x))
+        closing = start(pipe.close)
+        handed_out = loop.run(_release_the_rest(agen))
+        join([closing], timeout=20.0)
+    finally:
+        loop.stop()
+    s = pipe.stats()
+    assert s.cancelled == 0 and s.failed == 0 and s.in_flight == 0 and s.balanced(), s
+    assert handed_out == s.delivered - 2  # all but the first result and the one taken before the map
+    assert dev.live().total == 0, dev.live()

@@ -964,7 +964,9 @@ class Pipeline:
         in order, as :meth:`map` gives them, without blocking the event loop. At most
         ``max_in_flight`` items are taken ahead of the results handed out. :meth:`close` does not
         wait for an amap whose event loop cannot run meanwhile (closed, or the calling thread's):
-        what it took and has not handed out is cancelled, or dropped if delivered already.
+        what it took and has not handed out is cancelled, or dropped if delivered already. An
+        amap whose loop runs on (on another thread) is waited for, as a :meth:`map` is, even where
+        its consumer stopped pulling; :meth:`cancel` first ends its chunks without the consumer.
 
         Raises:
             RuntimeError, StageError: as :meth:`map`.
@@ -1053,6 +1055,12 @@ class Pipeline:
         forgets it (what it holds is the parent's). An :meth:`amap` whose event loop cannot run
         while this waits (the loop is closed, or it is the calling thread's) is not waited for:
         what it took and has not handed out is cancelled, or, delivered already, dropped.
+
+        A :meth:`map` or :meth:`amap` that can still run (its thread, or its loop on another
+        thread) is waited for, as its consumer may still take its results. With
+        ``deliver="device"``, results it has not handed out hold device slots its other chunks
+        wait for: should its consumer have stopped pulling, this returns only once it pulls again.
+        Call :meth:`cancel` first to end such work without the consumer: it never waits for one.
 
         Raises:
             RuntimeError: called from inside one of the pipeline's own stages.
