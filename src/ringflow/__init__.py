@@ -12,7 +12,7 @@ try:
     from ._device import cuda_available, device
     from ._device.protocol import Device
     from . import _host as host
-    from ._errors import DeviceError, HazardError, LaunchError, RingflowError, StageError
+    from ._errors import DeviceError, HazardError, LaunchError, OutOfMemoryError, RingflowError, StageError
     from ._kernel import Kernel
     from ._pipeline import ChunkState, MapJob, Pipeline, PipelineStats, SlotCounts, SlotState, stream_map
     from ._pipeline.delivered import DeviceResult
@@ -38,6 +38,6 @@ __all__ = [
     "RayMapper",
     "device", "cuda_available", "Device", "host",
     "Report", "PipelineStats", "SlotCounts", "ChunkState", "SlotState",
-    "RingflowError", "StageError", "HazardError", "DeviceError", "LaunchError",
+    "RingflowError", "StageError", "HazardError", "DeviceError", "LaunchError", "OutOfMemoryError",
     "__version__",
 ]

@@ -106,12 +106,14 @@ def test_numpy_int_sizes_are_fine(dev):
 def test_allocating_more_than_the_device_holds(dev, times):
     """The simulated GPU holds its profile's total memory, as a real one does: more is a
     MemoryError (Python's out-of-memory error, which the pipeline names chunk_bytes for), and the
-    same error a real GPU's out-of-memory raises: a DeviceError that leaves the context usable."""
+    same error a real GPU's out-of-memory raises: a DeviceError that leaves the context usable,
+    public as ``rf.OutOfMemoryError``."""
+    assert "OutOfMemoryError" in rf.__all__
     total = dev.capabilities.total_memory
-    with pytest.raises(MemoryError, match=rf"allocate\(nbytes\) asks for {times * total} bytes of device memory, "
+    with pytest.raises(rf.OutOfMemoryError, match=rf"allocate\(nbytes\) asks for {times * total} bytes of device memory, "
                                           rf"more than the device's total memory of {total} bytes") as info:
         dev.allocate(times * total)
-    assert isinstance(info.value, rf.DeviceError) and not info.value.sticky
+    assert isinstance(info.value, rf.DeviceError) and isinstance(info.value, MemoryError) and not info.value.sticky
     assert dev.live().total == 0
     dev.allocate(64).close()
 
