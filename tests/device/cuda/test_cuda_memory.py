@@ -229,6 +229,43 @@ def test_pinned_memory_the_host_has_not_got_is_a_memory_error_and_the_device_sta
     assert dev.live().total == 0, dev.live()
 
 
+def test_refused_pinned_memory_frees_the_cached_allocations_first(cuda_device):
+    """The cache of closed pinned allocations may be what holds the memory: a refused allocation
+    frees it before trying once more (refused even so here: more than any host's address space)."""
+    dev = cuda_device
+    dev.allocate_host(1 << 20).close()
+    assert dev._pinned_cache.take(1 << 20) is not None
+    dev.allocate_host(1 << 20).close()
+    with pytest.raises(MemoryError, match="pinned host memory failed"):
+        dev.allocate_host(1 << 57)
+    assert dev._pinned_cache.take(1 << 20) is None
+    _round_trip_works(dev)
+    assert dev.live().total == 0, dev.live()
+
+
+def test_refused_device_memory_trims_the_pool_first(cuda_device):
+    """The pool keeps freed memory for reuse; a refused allocation gives it back to the GPU
+    (after the device's work) before trying once more."""
+    from ringflow._device.cuda._lib import check, driver
+
+    dev = cuda_device
+    if not dev.capabilities.memory_pools:
+        pytest.skip("no stream-ordered memory pool on this GPU")
+    drv = driver()
+
+    def reserved() -> int:
+        attr = drv.CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT
+        return int(check(drv.cuMemPoolGetAttribute(dev._device_mr.handle, attr), "cuMemPoolGetAttribute"))
+
+    dev.allocate(256 << 20).close()
+    assert reserved() >= 256 << 20  # kept for reuse
+    with pytest.raises(MemoryError, match="device memory failed"):
+        dev.allocate(dev.capabilities.total_memory * 2)
+    assert reserved() < 256 << 20
+    _round_trip_works(dev)
+    assert dev.live().total == 0, dev.live()
+
+
 def test_a_pipeline_whose_device_rings_do_not_fit_names_chunk_bytes(cuda_device):
     """With all but a little of the GPU's memory taken (by cuMemAlloc, outside the stream-ordered
     pool, so nothing stays cached in the pool afterwards), the pipeline's device ring does not fit:

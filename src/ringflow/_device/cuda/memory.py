@@ -13,13 +13,17 @@ Lifetimes, and why:
   (allocating and freeing a pipeline's staging ring cost milliseconds per call). Closing a
   buffer that an enqueued copy may still use is a bug either way; the pipeline closes its
   rings only after every fence completed, and the simulated GPU's checker catches the bug.
+  When ``cuMemAllocHost`` finds no memory, the cache is freed and the allocation tried once
+  more: the cache may be what holds the memory.
 * **Registered host buffers** pin the caller's numpy array in place (``cuMemHostRegister``,
   through cuda.bindings: cuda.core has no call for it). The buffer holds the array, so the
   array outlives the registration; ``close()`` (or collection) unregisters it.
 * **Device buffers** come from the device's stream-ordered pool (``cuMemAllocAsync`` via
   cuda.core's ``DeviceMemoryResource``). ``close(stream)`` frees in that stream's order; the
   caller must have ordered every other stream's use before it. ``close()`` with no stream
-  waits for all work on the device first, so it is always safe (and blocking).
+  waits for all work on the device first, so it is always safe (and blocking). The pool keeps
+  freed memory for reuse; when an allocation finds no memory, the device's work is waited for,
+  the pool trimmed to what is in use and the allocation tried once more.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ from __future__ import annotations
 import ctypes
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from ..._errors import OutOfMemoryError
 from ..protocol import DeviceBuffer, HostBuffer, check_nbytes, typed_view
 from ._lib import check, core, driver, translate
 
@@ -88,8 +93,9 @@ class PinnedHostBuffer(_CudaHostBuffer):
         base = device._pinned_cache.take(nbytes)
         if base is None:
             device._ensure_current()
-            with translate(f"allocating {nbytes} bytes of pinned host memory"):
-                cc_buf = device._pinned_mr.allocate(nbytes)
+            cc_buf = _allocate_or_free_and_retry(lambda: device._pinned_mr.allocate(nbytes),
+                                                 device._pinned_cache.clear,
+                                                 f"allocating {nbytes} bytes of pinned host memory")
             raw = (ctypes.c_uint8 * nbytes).from_address(int(cc_buf.handle))
             raw._ringflow_owner = cc_buf  # every numpy view -> raw -> cc_buf: the memory outlives its views
             base = np.frombuffer(raw, dtype=np.uint8)
@@ -125,9 +131,13 @@ class PinnedCache:
         self._free.setdefault(base.nbytes, []).append(base)
         self._bytes += base.nbytes
 
-    def clear(self) -> None:
+    def clear(self) -> int:
+        """Drop every cached allocation (each is freed with its last reference, held here);
+        returns the bytes dropped."""
+        dropped = self._bytes
         self._free.clear()
         self._bytes = 0
+        return dropped
 
 
 class RegisteredHostBuffer(_CudaHostBuffer):
@@ -172,6 +182,42 @@ class _Unregister:
         self.array = None
 
 
+def _allocate_or_free_and_retry(allocate: Callable[[], Any], free: Callable[[], Any], what: str) -> Any:
+    """``allocate()``; where there is no memory for it, ``free()`` the memory kept for reuse and,
+    if that freed any (a true result), ``allocate()`` once more.
+
+    Raises:
+        OutOfMemoryError: no memory even so (the last attempt's error, naming ``what``).
+        DeviceError: any other failure, at once.
+    """
+    try:
+        with translate(what):
+            return allocate()
+    except OutOfMemoryError:
+        if not free():
+            raise
+    # outside the except clause: a second refusal is raised alone, not chained to the first
+    with translate(what):
+        return allocate()
+
+
+def _trim_pool(device: "CudaDevice") -> bool:
+    """Give the device pool's unused memory back to the GPU (the pool keeps what is freed, see
+    ``_POOL_RELEASE_THRESHOLD``); False where nothing was done.
+
+    A pool trims only the frees it has seen complete, so the device's work is waited for first.
+    Nothing is done without a stream-ordered pool (synchronous ``cuMemAlloc`` keeps nothing) or
+    while a stream of this device is capturing (a device synchronisation would invalidate it).
+    """
+    if not device.capabilities.memory_pools or device._capturing:
+        return False
+    with translate("synchronising the device before trimming its memory pool"):
+        device._cc.sync()
+    # cuda.core has no trim call: cuMemPoolTrimTo from cuda.bindings
+    check(driver().cuMemPoolTrimTo(device._device_mr.handle, 0), "cuMemPoolTrimTo")
+    return True
+
+
 class CudaDeviceBuffer(DeviceBuffer):
     """Device memory from the stream-ordered pool."""
 
@@ -180,8 +226,9 @@ class CudaDeviceBuffer(DeviceBuffer):
         super().__init__(nbytes)
         device._ensure_current()
         cc_stream = stream._cc if stream is not None else device._internal_stream
-        with translate(f"allocating {nbytes} bytes of device memory"):
-            self._cc = device._device_mr.allocate(nbytes, stream=cc_stream)
+        self._cc = _allocate_or_free_and_retry(lambda: device._device_mr.allocate(nbytes, stream=cc_stream),
+                                               lambda: _trim_pool(device),
+                                               f"allocating {nbytes} bytes of device memory")
         if stream is None:
             # Allocated in the internal stream's order: wait so any stream may use it at once.
             with translate("synchronising the allocation stream"):
