@@ -558,6 +558,38 @@ def test_live_counts_track_everything_and_end_at_zero(dev, x):
     assert dev.live() == LiveCounts(0, 0, 0, 0)
 
 
+@pytest.mark.parametrize("kind", ["device", "stream-ordered device", "pinned host", "registered host"])
+def test_a_buffer_collected_unclosed_is_no_longer_live(dev, kind):
+    """As on a GPU, where an allocation is freed with its last reference: the live counts fall
+    with the memory in use, and a buffer closed before it is collected is taken off once."""
+    s = dev.create_stream()
+    before = dev.live()
+
+    def make():
+        if kind == "device":
+            return dev.allocate(NB)
+        if kind == "stream-ordered device":
+            return dev.allocate(NB, stream=s)
+        return dev.allocate_host(NB) if kind == "pinned host" else dev.register_host(np.zeros(N, np.float32))
+
+    buf = make()
+    assert dev.live().total == before.total + 1
+    del buf
+    gc.collect()
+    assert dev.live() == before and dev.memory_in_use == 0
+    closed = make()
+    if kind == "stream-ordered device":
+        closed.close(stream=s)
+    else:
+        closed.close()
+    assert dev.live() == before
+    del closed
+    gc.collect()
+    assert dev.live() == before  # not taken off a second time
+    s.close()
+    assert dev.live().total == 0
+
+
 def test_context_managers_close(dev):
     with dev.create_stream() as s, dev.allocate_host(64) as h, dev.allocate(64) as d:
         s.copy(d, h)

@@ -146,13 +146,15 @@ class SimDevice(Device):
         self._tls = threading.local()
         self._host_threads = itertools.count()  # numbers the host threads the checker has seen
         self._live = {"host_buffers": 0, "device_buffers": 0, "streams": 0, "events": 0}
+        # every buffer not yet closed, by buffer id as (weak reference, live-count kind), and the
         # device memory in use (see allocate): the bytes of every device buffer not yet freed, by
-        # buffer id as (weak reference, nbytes); the ids of buffers collected unclosed are queued
-        # by their weak references' callbacks and taken off under the lock (a collection may run
-        # while any thread holds it, so a callback must not take it)
+        # buffer id. The ids of buffers collected unclosed are queued by their weak references'
+        # callbacks and taken off under the lock (a collection may run while any thread holds
+        # it, so a callback must not take it)
+        self._buffers: dict[int, tuple] = {}
         self._device_bytes = 0
-        self._device_held: dict[int, tuple] = {}
-        self._device_gone: collections.deque = collections.deque()
+        self._device_held: dict[int, int] = {}
+        self._buffers_gone: collections.deque = collections.deque()
         self._sticky: DeviceError | None = None
         self._in_engine = False
         self._closed = False
@@ -194,7 +196,7 @@ class SimDevice(Device):
             self._check_usable()
             buf = SimHostBuffer(self, nbytes)  # may raise MemoryError: count only what exists
             self.host.pin(buf)
-            self._live["host_buffers"] += 1
+            self._hold_buffer(buf, "host_buffers")
             return buf
 
     def register_host(self, array: np.ndarray) -> SimHostBuffer:
@@ -208,7 +210,7 @@ class SimDevice(Device):
             self._check_usable()
             buf = SimHostBuffer(self, nbytes, array)
             self.host.pin(buf)  # may raise DeviceError: memory another device of the host pinned
-            self._live["host_buffers"] += 1
+            self._hold_buffer(buf, "host_buffers")
             return buf
 
     def allocate(self, nbytes: int, stream: SimStream | None = None) -> SimDeviceBuffer:
@@ -247,15 +249,14 @@ class SimDevice(Device):
                 # A stream-ordered allocation is usable on its stream at once and on another stream
                 # only once that stream is ordered after it: record it as that stream's write.
                 buf._access(AccessKind.WRITE, 0, nbytes, "stream-ordered allocate", actor=stream.actor)
-            self._hold_device_memory(buf)  # counted only once it exists (numpy may refuse it too)
-            self._live["device_buffers"] += 1
+            self._hold_buffer(buf, "device_buffers")  # counted only once it exists (numpy may refuse it too)
             return buf
 
     @property
     def memory_in_use(self) -> int:
         """Bytes of device memory held by buffers not yet freed (see :meth:`allocate`)."""
         with self._lock:
-            self._forget_collected_device_memory()
+            self._forget_collected_buffers()
             return self._device_bytes
 
     def create_worker_pool(self, workers: int) -> SimWorkerPool:
@@ -364,7 +365,12 @@ class SimDevice(Device):
         return self.host.sharing(self, threads)
 
     def live(self) -> LiveCounts:
-        return without_pooled(self, LiveCounts(**self._live))
+        """What is open (see :meth:`Device.live`); a buffer collected unclosed is not, as on a
+        GPU, which frees an allocation whose last reference goes."""
+        with self._lock:
+            self._forget_collected_buffers()
+            counts = LiveCounts(**self._live)
+        return without_pooled(self, counts)
 
     def synchronize(self) -> None:
         """Run every enqueued operation to completion (device-wide; tests and close only)."""
@@ -420,7 +426,7 @@ class SimDevice(Device):
         if nbytes > total:
             raise OutOfMemoryError(f"allocate(nbytes) asks for {nbytes} bytes of device memory, more than the "
                                    f"device's total memory of {total} bytes ({self.profile.name}); ask for fewer bytes")
-        self._forget_collected_device_memory()
+        self._forget_collected_buffers()
         in_use = self._device_bytes
         if in_use + nbytes > total:
             raise OutOfMemoryError(
@@ -429,27 +435,33 @@ class SimDevice(Device):
                 f"device memory first (close the buffers, pipelines and jobs you no longer need: they hold device "
                 f"memory until closed) or ask for fewer bytes")
 
-    def _hold_device_memory(self, buf: SimDeviceBuffer) -> None:
-        """Count ``buf``'s bytes as in use until it is freed or collected (the device's lock held)."""
-        key, gone = buf.id, self._device_gone
+    def _hold_buffer(self, buf: "SimHostBuffer | SimDeviceBuffer", kind: str) -> None:
+        """Count ``buf`` as live (``kind``: "host_buffers" or "device_buffers"), and a device
+        buffer's bytes as in use, until it is closed or collected (the device's lock held)."""
+        key, gone = buf.id, self._buffers_gone
         # the callback holds neither the device nor the buffer, only the queue and the id
-        self._device_held[key] = (weakref.ref(buf, lambda _: gone.append(key)), buf.nbytes)
-        self._device_bytes += buf.nbytes
+        self._buffers[key] = (weakref.ref(buf, lambda _: gone.append(key)), kind)
+        self._live[kind] += 1
+        if kind == "device_buffers":
+            self._device_held[key] = buf.nbytes
+            self._device_bytes += buf.nbytes
 
-    def _free_device_memory(self, buf: SimDeviceBuffer) -> None:
-        """``buf`` was freed: its bytes are no longer in use (the device's lock held; nothing
-        after the device closed, which took all of them back)."""
-        held = self._device_held.pop(buf.id, None)
+    def _release_buffer(self, key: int) -> None:
+        """The buffer of id ``key`` was closed or collected: it is no longer live, and its device
+        memory no longer in use (the device's lock held; no bytes after the device closed, which
+        took all of them back). Harmless for a buffer already released."""
+        held = self._buffers.pop(key, None)
         if held is not None:
-            self._device_bytes -= held[1]
+            self._live[held[1]] -= 1
+        nbytes = self._device_held.pop(key, None)
+        if nbytes is not None:
+            self._device_bytes -= nbytes
 
-    def _forget_collected_device_memory(self) -> None:
-        """Take off the bytes of buffers collected unclosed (the device's lock held): a real GPU
-        frees an allocation whose last reference goes."""
-        while self._device_gone:
-            held = self._device_held.pop(self._device_gone.popleft(), None)
-            if held is not None:
-                self._device_bytes -= held[1]
+    def _forget_collected_buffers(self) -> None:
+        """Release the buffers collected unclosed (the device's lock held): a real GPU frees an
+        allocation whose last reference goes."""
+        while self._buffers_gone:
+            self._release_buffer(self._buffers_gone.popleft())
 
     def _check_usable(self) -> None:
         if self._sticky is not None:
