@@ -241,6 +241,40 @@ def test_a_second_pipeline_whose_rings_do_not_fit_beside_the_first_names_chunk_b
     assert dev.live().total == 0
 
 
+@pytest.mark.parametrize("ring", ["device-in", "device-out", "host-in", "host-out"])
+def test_a_pipeline_whose_ring_cannot_be_allocated_leaves_nothing_and_pins_nothing_first(monkeypatch, ring):
+    """The device rings are allocated before the host rings: one the GPU has no room for fails
+    before any host memory is pinned. Whichever ring fails, what was made before it is freed:
+    the live counts and the device memory in use are back where they were."""
+    from ringflow._errors import OutOfMemoryError
+    from tests.helpers import small_memory_device
+
+    chunk = 64 << 10
+    slots = rf.SlotCounts(host_in=2, device_in=2, device_out=2, host_out=2)
+    # room for the device-in ring alone, for both device rings, or for more
+    dev = small_memory_device({"device-in": chunk, "device-out": 3 * chunk}.get(ring, 8 * chunk))
+    pinned = []
+    real = dev.allocate_host
+    refuse_from = {"host-in": 1, "host-out": 2}.get(ring)
+
+    def allocate_host(nbytes):
+        pinned.append(nbytes)
+        if refuse_from is not None and len(pinned) >= refuse_from:
+            raise OutOfMemoryError(f"no pinned memory for {nbytes} bytes")
+        return real(nbytes)
+
+    monkeypatch.setattr(dev, "allocate_host", allocate_host)
+    other = dev.allocate(chunk // 2)  # what the device holds already
+    before, in_use = dev.live(), dev.memory_in_use
+    with pytest.raises(MemoryError, match=rf"{ring} ring: 2 slots of chunk_bytes={chunk} bytes.*smaller chunk_bytes"):
+        rf.Pipeline(_twice, device=dev, chunk_bytes=chunk, slots=slots)
+    if ring.startswith("device"):
+        assert pinned == []  # no host memory was pinned for a pipeline that could not run
+    assert dev.live() == before and dev.memory_in_use == in_use
+    other.close()
+    assert dev.live().total == 0
+
+
 @pytest.mark.parametrize("engine, host", [("direct", "register"), ("pipeline", "stage")])
 def test_a_job_whose_rings_exceed_the_device_memory_left_names_chunk_bytes(engine, host):
     import numpy as np

@@ -155,14 +155,19 @@ class Scheduler:
         self.streams = StageStreams(device, checked=config.checked)
         try:
             c = config.slots
-            self.host_in = self._host_ring(RingKind.HOST_IN, host_in_buffer, c.host_in, slot_hook)
+            # the device rings first: a ring the GPU has no room for fails before any host memory
+            # is pinned for a pipeline that cannot run
             if config.inplace:
                 self.dev_in = self._device_ring(RingKind.DEVICE_INPLACE, c.device_in, slot_hook)
                 self.dev_out = None
             else:
                 self.dev_in = self._device_ring(RingKind.DEVICE_IN, c.device_in, slot_hook)
                 self.dev_out = self._device_ring(RingKind.DEVICE_OUT, c.device_out, slot_hook)
+            self.host_in = self._host_ring(RingKind.HOST_IN, host_in_buffer, c.host_in, slot_hook)
             self.host_out = self._host_ring(RingKind.HOST_OUT, host_out_buffer, c.host_out, slot_hook)
+            # listed in a chunk's order through them, as fences are observed and slots drained
+            self._rings = [ring for ring in (self.host_in, self.dev_in, self.dev_out, self.host_out)
+                           if ring is not None]
             self.pool = device.create_worker_pool(config.workers)
         except BaseException:
             self._release_resources()
