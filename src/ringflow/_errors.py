@@ -43,8 +43,8 @@ class OutOfMemoryError(DeviceError, MemoryError):
 
     Never sticky: the context stays usable, and the allocation may succeed once memory is freed.
     It is also a ``MemoryError``, Python's out-of-memory error, so one ``except MemoryError``
-    serves both backends and numpy's own (the pipeline turns it into a message naming the ring,
-    ``chunk_bytes`` and the slots that asked for the memory).
+    serves both backends and numpy's own. A pipeline or job whose ring cannot be allocated
+    raises one naming the ring, ``chunk_bytes`` and the slots that asked for the memory.
     """
 
     def __init__(self, message: str, *, sticky: bool = False):

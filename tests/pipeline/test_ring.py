@@ -184,6 +184,8 @@ def test_a_ring_too_large_to_allocate_names_chunk_bytes_and_the_slots(dev, monke
                                           r"chunk_bytes or fewer slots") as info:
         rf.Pipeline(lambda x, y: None, device=dev, chunk_bytes=chunk, slots=3)
     assert "Unable to allocate" not in str(info.value)
+    # the public out-of-memory error, whichever allocation refused (numpy's MemoryError here)
+    assert isinstance(info.value, rf.OutOfMemoryError) and not info.value.sticky
     assert dev.live().total == 0
 
 
@@ -230,6 +232,7 @@ def test_a_second_pipeline_whose_rings_do_not_fit_beside_the_first_names_chunk_b
         rf.Pipeline(_twice, device=dev, chunk_bytes=chunk, slots=3)
     # the device's own account stays attached: how much was in use
     assert isinstance(info.value.__cause__, rf.DeviceError) and "in use" in str(info.value.__cause__)
+    assert isinstance(info.value, rf.OutOfMemoryError)  # caught as such, as the device's own refusal is
     del info
     assert dev.live() == live  # the second's streams and rings are gone
     items = [np.full(1000, k, np.float32) for k in range(5)]

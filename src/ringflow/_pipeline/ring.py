@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 from .._device.protocol import Buffer, BufferSlice, close_quietly, free_quietly
+from .._errors import OutOfMemoryError
 from .states import LEGAL_SLOT_TRANSITIONS, IllegalTransition, RingKind, SlotState
 
 # Called as hook(ring_kind, slot, old_state, new_state) on every transition (tests, tracer).
@@ -38,17 +39,18 @@ def allocate_ring(allocate: Callable[[int], Buffer], kind: RingKind, chunk_bytes
     device's ``allocate`` or ``allocate_host``) of their total.
 
     Raises:
-        MemoryError: the memory is not there; the message names chunk_bytes, the slots and the
-            bytes asked for.
+        OutOfMemoryError: the memory is not there (the device's refusal, or numpy's
+            ``MemoryError`` for the simulated GPU's host memory, as its cause); the message
+            names chunk_bytes, the slots and the bytes asked for.
     """
     try:
         return allocate(chunk_bytes * count)
     except MemoryError as exc:  # the device's words name neither the ring nor the options that sized it
         total = chunk_bytes * count
         # chained: the device's own words (how much is in use, the driver's error) stay in the traceback
-        raise MemoryError(f"cannot allocate the {kind.value} ring: {count} slots of chunk_bytes={chunk_bytes} bytes, "
-                          f"{total} bytes ({total / (1 << 30):.3g} GiB) in all, more than there is free; give a smaller "
-                          f"chunk_bytes or fewer slots") from exc
+        raise OutOfMemoryError(f"cannot allocate the {kind.value} ring: {count} slots of chunk_bytes={chunk_bytes} "
+                               f"bytes, {total} bytes ({total / (1 << 30):.3g} GiB) in all, more than there is free; "
+                               "give a smaller chunk_bytes or fewer slots") from exc
 
 
 class Ring:
