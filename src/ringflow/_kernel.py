@@ -348,7 +348,7 @@ _PROGRAM_OPTIONS: dict[str, _Option] = {
     "fdevice_time_trace": _TEXT, "device_float128": _FLAG, "frandom_seed": _TEXT, "ofast_compile": _TEXT,
     "pch": _FLAG, "create_pch": _TEXT, "use_pch": _TEXT, "pch_dir": _TEXT, "pch_verbose": _FLAG,
     "pch_messages": _FLAG, "instantiate_templates_in_pch": _FLAG, "extra_sources": _SOURCES,
-    "use_libdevice": _FLAG, "numba_debug": _FLAG,
+    "use_libdevice": _FLAG, "numba_debug": _FLAG, "use_bundled_headers": _FLAG,
 }
 
 
