@@ -157,13 +157,36 @@ def test_device_memory_refused_trims_the_pool_after_the_device_work_and_tries_on
     del buf
 
 
-def test_device_memory_refused_twice_raises_the_out_of_memory(trims):
+def test_device_memory_refused_twice_raises_the_out_of_memory_and_holds_nothing(trims):
+    """A refused allocation can leave the pool holding what it gathered toward the request (on an
+    H200, nearly all of the device's memory after asking for twice of it): the pool is trimmed
+    again after the last refusal, so memory outside the pool is not starved by it."""
     dev = FakeDevice()
     dev._device_mr.refuse = 2
     with pytest.raises(OutOfMemoryError, match="allocating 8192 bytes of device memory failed"):
         CudaDeviceBuffer(dev, 8192, None)
-    assert dev.log == ["cuMemAllocAsync 8192", "device sync", "cuMemAllocAsync 8192"] and len(trims) == 1
+    assert dev.log == ["cuMemAllocAsync 8192", "device sync", "cuMemAllocAsync 8192", "device sync"]
+    assert len(trims) == 2
     assert dev._live.counts().device_buffers == 0
+
+
+def test_a_failed_trim_after_the_last_refusal_does_not_mask_it(trims, monkeypatch):
+    from ringflow._device.cuda import memory
+
+    dev = FakeDevice()
+    dev._device_mr.refuse = 2
+    calls = []
+
+    def trim(device):
+        calls.append(device)
+        if len(calls) == 2:
+            raise DeviceError("synchronising the device failed")
+        return True
+
+    monkeypatch.setattr(memory, "_trim_pool", trim)
+    with pytest.raises(OutOfMemoryError, match="allocating 8192 bytes of device memory failed"):
+        CudaDeviceBuffer(dev, 8192, None)
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize("why", ["no stream-ordered pool", "a capture in progress"])

@@ -184,7 +184,9 @@ class _Unregister:
 
 def _allocate_or_free_and_retry(allocate: Callable[[], Any], free: Callable[[], Any], what: str) -> Any:
     """``allocate()``; where there is no memory for it, ``free()`` the memory kept for reuse and,
-    if that freed any (a true result), ``allocate()`` once more.
+    if that freed any (a true result), ``allocate()`` once more. A last refusal is followed by
+    ``free()`` again: a refused allocation may leave what it gathered toward the request kept for
+    reuse (a stream-ordered pool does), which would starve every allocation outside it.
 
     Raises:
         OutOfMemoryError: no memory even so (the last attempt's error, naming ``what``).
@@ -197,8 +199,15 @@ def _allocate_or_free_and_retry(allocate: Callable[[], Any], free: Callable[[], 
         if not free():
             raise
     # outside the except clause: a second refusal is raised alone, not chained to the first
-    with translate(what):
-        return allocate()
+    try:
+        with translate(what):
+            return allocate()
+    except OutOfMemoryError:
+        try:
+            free()
+        except Exception:  # noqa: BLE001 - the refusal is the caller's error; this clean-up never masks it
+            pass
+        raise
 
 
 def _trim_pool(device: "CudaDevice") -> bool:
