@@ -2,8 +2,8 @@
 measured profile object.
 
 Three settings, in rounds that visit each in turn (``--rounds``, medians over them), for each
-``--mib`` size of pinned float32 input into a pinned result (y = 2x + 1, through the direct
-engine): ``auto`` (the
+``--mib`` size of float32 input into a result, both arrays of ``rf.host``'s pinned pool (y =
+2x + 1): ``auto`` (the
 planner's answer remembered from an earlier call), ``auto, planned afresh`` (the planner's
 memory cleared before each call: what every call paid while a profile object was not
 remembered) and the chunk size that ``auto`` chooses, given explicitly. Also the planner's own
@@ -28,7 +28,7 @@ import ringflow as rf  # noqa: E402
 from ringflow import _plan as plan  # noqa: E402
 from ringflow._bench import kernels  # noqa: E402
 from ringflow._bench.runner import environment  # noqa: E402
-from _script import header, pinned_random, write  # noqa: E402
+from _script import header, write  # noqa: E402
 
 MiB = 1 << 20
 
@@ -49,8 +49,10 @@ def main(argv=None) -> int:
     f = kernels.scale_shift()
     rows, correct = [], True
     for mib in (int(m) for m in args.mib.split(",")):
-        hb, x = pinned_random(dev, mib)
-        ob, y = pinned_random(dev, mib, seed=1)
+        n = mib * MiB // 4
+        x = rf.host.empty(n, np.float32, device=dev)  # pool arrays: read and written in place
+        x[:] = np.random.default_rng(0).uniform(0.5, 1.5, n).astype(np.float32)
+        y = rf.host.empty(n, np.float32, device=dev)
         expected = x * np.float32(2) + np.float32(1)
         chosen = plan.choose_chunk_bytes(dev.hardware, x.nbytes, host_stages=False, align=4).chunk_bytes
         settings = {"auto": ("auto", False), "auto, planned afresh": ("auto", True),
@@ -74,8 +76,6 @@ def main(argv=None) -> int:
             print(f"{mib:5d} MiB  {name:28s} {row['median_ms']:8.3f} ms [{row['min_ms']:.3f}, {row['max_ms']:.3f}]",
                   flush=True)
         del x, y
-        hb.close()
-        ob.close()
     planner = {}
     for name, afresh in (("remembered", False), ("afresh", True)):
         times = []
