@@ -31,6 +31,7 @@ import numpy as np
 from .._device import device_list
 from .._device.protocol import Device, close_quietly
 from .engine import Arrays, Engine, choose_engine, make_engine
+from .frames import forget_own_frames
 from .reentry import check_process, generation, marked, refuse_from_stage, running_stage_of
 from .sigint import shielded
 from .whole_array import check_arrays, one_device, pinned_arrays, plan_layout, run_call
@@ -246,6 +247,17 @@ class MapJob:
             StageError: a chunk failed; the job is then closed.
             DeviceError: the device broke; the job is then closed.
         """
+        try:
+            return self._call(profile)
+        except BaseException as exc:
+            # the error's traceback holds this frame and ringflow's below it: a caller keeping the
+            # error keeps neither the job nor its arrays (frames.py)
+            forget_own_frames(exc)
+            del self
+            raise
+
+    def _call(self, profile: bool) -> np.ndarray:
+        """:meth:`__call__`'s call, raising as it says."""
         profile = check_flag("profile", profile)
         check_process(self._made_in, "MapJob")
         # before the lock: over several devices f runs on a shard's thread while this call holds it

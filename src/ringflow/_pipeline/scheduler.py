@@ -1473,6 +1473,10 @@ class Scheduler:
             self._close_token = self.device.publish()
             self._closed = True
             self._release_resources()
+        # a closed scheduler is still reachable from the frames of an error raised by its job,
+        # which a caller may keep: it keeps nothing of the caller's (the arrays its stages close
+        # over, the memory behind its external rings)
+        self._forget_job()
 
     def forget_failures(self) -> None:
         """Drop the failures kept for inspection (:attr:`failures`, :attr:`first_error`): for a
@@ -1501,6 +1505,10 @@ class Scheduler:
     def park(self) -> None:
         """Forget the finished job: its stage callbacks and the caller's memory behind
         external rings (so a kept scheduler keeps none of the caller's arrays alive)."""
+        self._forget_job()
+
+    def _forget_job(self) -> None:
+        """:meth:`park`'s work, also done on :meth:`close`."""
         self.prepare = self.consume = _no_job
         self.item_nbytes = lambda item: 0
         for ring in (self.host_in, self.host_out):

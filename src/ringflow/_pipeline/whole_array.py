@@ -32,6 +32,7 @@ from .._device.protocol import Device, HostBuffer, close_quietly
 from .._testing import current as current_hooks
 from . import warm
 from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine
+from .frames import forget_own_frames
 from .sigint import shielded
 from .sizing import DEFAULT_CHUNK_BYTES, chunk_sizes, default_workers, planned_compute_bound, resolve_slots, taper
 from .stages import sim_seconds_for
@@ -123,10 +124,17 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
             and rows are named; every shard has ended (finished or failed) first.
         DeviceError: the device broke (over several devices: a new error naming it).
     """
-    return _stream_map(f, x, out, device=device, chunk_bytes=chunk_bytes, host=host, x_buffer=x_buffer,
-                       out_buffer=out_buffer, engine=engine, keep_warm=keep_warm, inplace=inplace, slots=slots,
-                       workers=workers, checked=checked, on_error=on_error, pinned_budget=pinned_budget,
-                       compute_streams=compute_streams, profile=profile, output=output)[0]
+    try:
+        return _stream_map(f, x, out, device=device, chunk_bytes=chunk_bytes, host=host, x_buffer=x_buffer,
+                           out_buffer=out_buffer, engine=engine, keep_warm=keep_warm, inplace=inplace, slots=slots,
+                           workers=workers, checked=checked, on_error=on_error, pinned_budget=pinned_budget,
+                           compute_streams=compute_streams, profile=profile, output=output)[0]
+    except BaseException as exc:
+        # the error's traceback holds this frame and ringflow's below it: a caller keeping the
+        # error keeps neither the arrays of the call nor the result made for it (frames.py)
+        forget_own_frames(exc)
+        del f, x, out, x_buffer, out_buffer
+        raise
 
 
 def stream_map_report(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, **options: Any) -> tuple:
@@ -140,7 +148,12 @@ def stream_map_report(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = No
         one Chrome trace with a process per device.
     """
     options["profile"] = True
-    return _stream_map(f, x, out, **options)
+    try:
+        return _stream_map(f, x, out, **options)
+    except BaseException as exc:
+        forget_own_frames(exc)  # as stream_map
+        del f, x, out, options
+        raise
 
 
 def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buffer=None, out_buffer=None,
