@@ -232,9 +232,11 @@ WHOLE_ARRAY_CALLS = {
     "stream_map staged (scheduler)": ("stream_map", "pipeline", "stage", 1),
     "stream_map registered (scheduler)": ("stream_map", "pipeline", "register", 1),
     "stream_map registered (direct)": ("stream_map", "direct", "register", 1),
+    "stream_map over two devices": ("stream_map", "auto", "register", 2),
     "MapJob staged (scheduler)": ("MapJob", "pipeline", "stage", 1),
     "MapJob registered (direct)": ("MapJob", "direct", "register", 1),
-}  # (over several devices a shard's work item still holds the input: see docs/design.md)
+    "MapJob over two devices": ("MapJob", "auto", "register", 2),
+}
 
 
 @pytest.mark.parametrize("entry", WHOLE_ARRAY_CALLS)

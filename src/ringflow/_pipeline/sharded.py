@@ -30,6 +30,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import json
 import threading
 from typing import Any, Callable, Optional, Sequence
@@ -162,8 +163,12 @@ class Outcome:
     token: Any = None
 
 
-def _run_shard(shard: Shard, work: Callable[[Shard], Any], caller_token: Any) -> Outcome:
-    dev, outcome = shard.device, Outcome()
+def _run_shard(shard: Shard, works: list, caller_token: Any) -> Outcome:
+    """``work(shard)`` (``works``: a list holding ``work``, taken out here) as an :class:`Outcome`.
+    The thread pool's frame that calls this keeps its arguments, and is the caller of the frames in
+    a failure's traceback: handed over in a list taken empty, ``work`` (which holds the call's
+    arrays) is not kept there for as long as the caller keeps the failure."""
+    work, dev, outcome = works.pop(), shard.device, Outcome()
     try:
         dev.observe(caller_token)  # ordered after everything the caller did on this device
         outcome.started = dev.now
@@ -213,7 +218,7 @@ def run_shards(shards: Sequence[Shard], work: Callable[[Shard], Any]) -> list[Ou
         try:
             for shard, token in zip(shards, tokens):
                 ctx = contextvars.copy_context()
-                futures.append(_threads().submit(ctx.run, _run_shard, shard, work, token))
+                futures.append(_threads().submit(ctx.run, _run_shard, shard, [work], token))
             _wait(futures)
         except BaseException:
             _settle(futures)
@@ -419,15 +424,39 @@ def stream_map_sharded(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: b
     host = host_for_shards(x, out, fresh_out, host, x_buffer, out_buffer)
     shards = plan_shards(f, x, out, fresh_out, devices, chunk_bytes, host, engine, opts)
 
-    def work(shard: Shard) -> Any:
-        xs = x[shard.start:shard.stop]
-        outs = xs if out is x else out[shard.start:shard.stop]
-        return run_whole(f, xs, outs, fresh_out, shard.device, shard.chunk_bytes, host, None, None, engine,
-                         keep_warm, profile, dict(opts), pooled_out=False)[1]
-
+    # (partials of module functions, not closures: see _shard_arrays)
+    work = functools.partial(_stream_map_shard, f, x, out, fresh_out, host, engine, keep_warm, profile, opts)
     outcomes = run_shards(shards, work)
     raise_first(shards, outcomes)
     return out, sharded_report(shards, outcomes, [o.value for o in outcomes]) if profile else None
+
+
+def _shard_arrays(x: np.ndarray, out: np.ndarray, shard: Shard) -> tuple:
+    """``shard``'s rows of ``x`` and of ``out`` (``x``'s own, in place).
+
+    A shard's work is a partial of a module function, not a closure over the call's arrays: a
+    frame keeps its function, so a closure's frame in a failure's traceback would keep the
+    arrays after its locals are cleared (frames.py), for as long as the caller keeps the error."""
+    xs = x[shard.start:shard.stop]
+    return xs, (xs if out is x else out[shard.start:shard.stop])
+
+
+def _stream_map_shard(f, x, out, fresh_out, host, engine, keep_warm, profile, opts, shard: Shard) -> Any:
+    """One shard of :func:`stream_map_sharded`; returns its report (None without ``profile``)."""
+    xs, outs = _shard_arrays(x, out, shard)
+    return run_whole(f, xs, outs, fresh_out, shard.device, shard.chunk_bytes, host, None, None, engine,
+                     keep_warm, profile, dict(opts), pooled_out=False)[1]
+
+
+def _make_part(part, f, x, out, fresh_out, host, engine, opts, shard: Shard) -> Any:
+    """One shard's single-device job of :meth:`ShardedJob.build`."""
+    xs, outs = _shard_arrays(x, out, shard)
+    return part(f, xs, outs, fresh_out, shard.device, shard.chunk_bytes, host, engine, dict(opts))
+
+
+def _call_part(parts: list, profile: bool, shard: Shard) -> Any:
+    """One shard's call of :meth:`ShardedJob.run`."""
+    return parts[shard.position](profile=profile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -472,12 +501,7 @@ class ShardedJob:
         host = host_for_shards(x, out, fresh_out, host, x_buffer, out_buffer)
         shards = plan_shards(f, x, out, fresh_out, devices, chunk_bytes, host, engine, opts)
 
-        def make(shard: Shard) -> Any:
-            xs = x[shard.start:shard.stop]
-            outs = xs if out is x else out[shard.start:shard.stop]
-            return part(f, xs, outs, fresh_out, shard.device, shard.chunk_bytes, host, engine, dict(opts))
-
-        outcomes = run_shards(shards, make)
+        outcomes = run_shards(shards, functools.partial(_make_part, part, f, x, out, fresh_out, host, engine, opts))
         if any(o.error is not None for o in outcomes):
             for o in outcomes:
                 if o.value is not None:
@@ -493,7 +517,7 @@ class ShardedJob:
 
     def run(self, arrays: Arrays, *, profile: bool = False) -> None:
         self._last = None
-        outcomes = run_shards(self.shards, lambda shard: self.parts[shard.position](profile=profile))
+        outcomes = run_shards(self.shards, functools.partial(_call_part, self.parts, profile))
         self._last, self._profiled = outcomes, profile
         raise_first(self.shards, outcomes)
 
