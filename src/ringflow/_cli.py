@@ -20,7 +20,6 @@ import importlib.util
 import math
 import os
 import re
-import shutil
 import sys
 import tempfile
 import warnings
@@ -216,16 +215,9 @@ def _check_plot_type(path: str) -> None:
     from ._trace.plot import plot_format
 
     try:
-        ext = plot_format(path, "argument --plot")
+        plot_format(path, "argument --plot")  # (before the run: a chart it cannot write would lose its results)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if ext == "pgf":  # written through LaTeX, found missing only once the chart is drawn, after the run
-        from matplotlib import rcParams
-
-        tex = rcParams["pgf.texsystem"]
-        if shutil.which(tex) is None:
-            raise UsageError(f"argument --plot: .pgf files need {tex} (LaTeX), which is not installed; "
-                             "name the file .png, .svg or .pdf")
 
 
 # -- the subcommands --------------------------------------------------------------------------------------------------

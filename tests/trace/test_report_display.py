@@ -192,3 +192,20 @@ def test_as_dict_of_a_run_is_unchanged_where_figures_exist(rep):
     d = rep.as_dict()
     assert d["efficiency"] == rep.efficiency and d["latency_s"] == rep.latency_s
     assert json.loads(json.dumps(d, allow_nan=False))["chunks"] == 6
+
+
+def test_plot_refuses_a_pgf_file_without_latex_before_drawing(rep, tmp_path, monkeypatch):
+    """matplotlib writes .pgf through LaTeX, found missing only once the chart was drawn."""
+    pytest.importorskip("matplotlib")
+    import shutil
+
+    from matplotlib import rcParams
+    from matplotlib.figure import Figure
+
+    tex = rcParams["pgf.texsystem"]
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)  # no LaTeX, whatever this machine has
+    ax = Figure().add_subplot()
+    path = tmp_path / "chart.pgf"
+    with pytest.raises(ValueError, match=rf"^plot: \.pgf files need {tex} \(LaTeX\), which is not installed"):
+        rep.plot(str(path), ax=ax)
+    assert len(ax.patches) == 0 and not path.exists()

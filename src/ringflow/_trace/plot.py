@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 from typing import Optional
 
 from .._files import check_file_name, write_whole
@@ -68,8 +69,8 @@ def plot_format(path, where: str) -> str:
     name's extension, lower-case, or ``"png"`` where the name has none or an open file has no name.
 
     Raises:
-        ValueError: matplotlib cannot write that type; the message starts with ``where`` and
-            names ``path``, its extension and the types matplotlib writes.
+        ValueError: matplotlib cannot write that type (or, for ``.pgf``, LaTeX is not
+            installed); the message starts with ``where`` and says what to name the file.
     """
     from matplotlib.backend_bases import FigureCanvasBase
 
@@ -83,6 +84,13 @@ def plot_format(path, where: str) -> str:
     if ext not in supported:
         raise ValueError(f"{where}: matplotlib cannot write .{ext} files (path {name!r}); end the name with one of "
                          f"{', '.join('.' + e for e in sorted(supported))}, or with none for a PNG")
+    if ext == "pgf":  # written through LaTeX, which matplotlib finds missing only once the chart is drawn
+        from matplotlib import rcParams
+
+        tex = rcParams["pgf.texsystem"]
+        if shutil.which(tex) is None:
+            raise ValueError(f"{where}: .pgf files need {tex} (LaTeX), which is not installed; name the file "
+                             ".png, .svg or .pdf")
     return ext
 
 

@@ -222,8 +222,9 @@ class Report:
             RuntimeError: matplotlib is not installed.
             TypeError: ``ax`` is not a matplotlib Axes, or ``path`` is neither None, a file
                 name nor an open file.
-            ValueError: ``path``'s extension is a file type matplotlib cannot write (said
-                before anything is drawn; the message lists the types it writes).
+            ValueError: ``path``'s extension is a file type matplotlib cannot write, or
+                ``.pgf`` without LaTeX installed (said before anything is drawn; the message lists
+                the types it writes).
             OSError: the file cannot be written, or is a device, pipe or socket (a file name is
                 written whole, as :meth:`save_trace` writes).
         """
