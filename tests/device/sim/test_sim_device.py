@@ -1101,3 +1101,24 @@ def test_a_worker_pool_closes_quietly_after_its_device(dev):
     pool.close()
     pool.close()  # twice: harmless
     assert done == [1]
+
+
+def test_a_stream_collected_unclosed_is_no_longer_live(dev):
+    """As on a GPU, where a stream is destroyed with its last reference: the live count falls and
+    the simulated engine stops visiting its queue; one closed before it is collected is taken off
+    once. (Its ids are counted apart from the buffers': a stream and a buffer of one id are two.)"""
+    queues = len(dev._engine._queues)
+    buf = dev.allocate(NB)
+    s = dev.create_stream()
+    assert dev.live().streams == 1 and len(dev._engine._queues) == queues + 1
+    del s
+    gc.collect()
+    assert dev.live().streams == 0 and len(dev._engine._queues) == queues
+    assert dev.live().device_buffers == 1  # the buffer is still there
+    closed = dev.create_stream()
+    closed.close()
+    del closed
+    gc.collect()
+    assert dev.live().streams == 0 and dev.live().device_buffers == 1
+    buf.close()
+    assert dev.live().total == 0

@@ -146,15 +146,17 @@ class SimDevice(Device):
         self._tls = threading.local()
         self._host_threads = itertools.count()  # numbers the host threads the checker has seen
         self._live = {"host_buffers": 0, "device_buffers": 0, "streams": 0, "events": 0}
-        # every buffer not yet closed, by buffer id as (weak reference, live-count kind), and the
-        # device memory in use (see allocate): the bytes of every device buffer not yet freed, by
-        # buffer id. The ids of buffers collected unclosed are queued by their weak references'
-        # callbacks and taken off under the lock (a collection may run while any thread holds
-        # it, so a callback must not take it)
-        self._buffers: dict[int, tuple] = {}
+        # every buffer and stream not yet closed, as a weak reference by (live-count kind, id);
+        # the device memory in use (see allocate): the bytes of every device buffer not yet
+        # freed; the engine queue of every stream not yet closed, by the same keys. The keys of
+        # objects collected unclosed are queued by their weak references' callbacks and taken
+        # off under the lock (a collection may run while any thread holds it, so a callback must
+        # not take it)
+        self._held: dict[tuple, weakref.ref] = {}
         self._device_bytes = 0
-        self._device_held: dict[int, int] = {}
-        self._buffers_gone: collections.deque = collections.deque()
+        self._device_held: dict[tuple, int] = {}
+        self._stream_queues: dict[tuple, Any] = {}
+        self._collected: collections.deque = collections.deque()
         self._sticky: DeviceError | None = None
         self._in_engine = False
         self._closed = False
@@ -187,8 +189,10 @@ class SimDevice(Device):
         with self._lock:
             self._check_usable()
             priority = check_priority(priority, self.capabilities)
-            self._live["streams"] += 1
-            return SimStream(self, priority)
+            self._forget_collected()
+            stream = SimStream(self, priority)
+            self._hold(stream, "streams")
+            return stream
 
     def allocate_host(self, nbytes: int) -> SimHostBuffer:
         nbytes = check_nbytes(nbytes, "allocate_host size")
@@ -196,7 +200,7 @@ class SimDevice(Device):
             self._check_usable()
             buf = SimHostBuffer(self, nbytes)  # may raise MemoryError: count only what exists
             self.host.pin(buf)
-            self._hold_buffer(buf, "host_buffers")
+            self._hold(buf, "host_buffers")
             return buf
 
     def register_host(self, array: np.ndarray) -> SimHostBuffer:
@@ -210,7 +214,7 @@ class SimDevice(Device):
             self._check_usable()
             buf = SimHostBuffer(self, nbytes, array)
             self.host.pin(buf)  # may raise DeviceError: memory another device of the host pinned
-            self._hold_buffer(buf, "host_buffers")
+            self._hold(buf, "host_buffers")
             return buf
 
     def allocate(self, nbytes: int, stream: SimStream | None = None) -> SimDeviceBuffer:
@@ -249,14 +253,14 @@ class SimDevice(Device):
                 # A stream-ordered allocation is usable on its stream at once and on another stream
                 # only once that stream is ordered after it: record it as that stream's write.
                 buf._access(AccessKind.WRITE, 0, nbytes, "stream-ordered allocate", actor=stream.actor)
-            self._hold_buffer(buf, "device_buffers")  # counted only once it exists (numpy may refuse it too)
+            self._hold(buf, "device_buffers")  # counted only once it exists (numpy may refuse it too)
             return buf
 
     @property
     def memory_in_use(self) -> int:
         """Bytes of device memory held by buffers not yet freed (see :meth:`allocate`)."""
         with self._lock:
-            self._forget_collected_buffers()
+            self._forget_collected()
             return self._device_bytes
 
     def create_worker_pool(self, workers: int) -> SimWorkerPool:
@@ -368,7 +372,7 @@ class SimDevice(Device):
         """What is open (see :meth:`Device.live`); a buffer collected unclosed is not, as on a
         GPU, which frees an allocation whose last reference goes."""
         with self._lock:
-            self._forget_collected_buffers()
+            self._forget_collected()
             counts = LiveCounts(**self._live)
         return without_pooled(self, counts)
 
@@ -426,7 +430,7 @@ class SimDevice(Device):
         if nbytes > total:
             raise OutOfMemoryError(f"allocate(nbytes) asks for {nbytes} bytes of device memory, more than the "
                                    f"device's total memory of {total} bytes ({self.profile.name}); ask for fewer bytes")
-        self._forget_collected_buffers()
+        self._forget_collected()
         in_use = self._device_bytes
         if in_use + nbytes > total:
             raise OutOfMemoryError(
@@ -435,33 +439,40 @@ class SimDevice(Device):
                 f"device memory first (close the buffers, pipelines and jobs you no longer need: they hold device "
                 f"memory until closed) or ask for fewer bytes")
 
-    def _hold_buffer(self, buf: "SimHostBuffer | SimDeviceBuffer", kind: str) -> None:
-        """Count ``buf`` as live (``kind``: "host_buffers" or "device_buffers"), and a device
-        buffer's bytes as in use, until it is closed or collected (the device's lock held)."""
-        key, gone = buf.id, self._buffers_gone
-        # the callback holds neither the device nor the buffer, only the queue and the id
-        self._buffers[key] = (weakref.ref(buf, lambda _: gone.append(key)), kind)
+    def _hold(self, obj: "SimHostBuffer | SimDeviceBuffer | SimStream", kind: str) -> None:
+        """Count ``obj`` as live (``kind``: "host_buffers", "device_buffers" or "streams"), a device
+        buffer's bytes as in use and a stream's queue as the engine's, until it is closed or
+        collected (the device's lock held)."""
+        key, gone = (kind, obj.id), self._collected  # (buffers and streams are numbered apart)
+        # the callback holds neither the device nor the object, only the queue and the key
+        self._held[key] = weakref.ref(obj, lambda _: gone.append(key))
         self._live[kind] += 1
         if kind == "device_buffers":
-            self._device_held[key] = buf.nbytes
-            self._device_bytes += buf.nbytes
+            self._device_held[key] = obj.nbytes
+            self._device_bytes += obj.nbytes
+        elif kind == "streams":
+            self._stream_queues[key] = obj._queue
 
-    def _release_buffer(self, key: int) -> None:
-        """The buffer of id ``key`` was closed or collected: it is no longer live, and its device
-        memory no longer in use (the device's lock held; no bytes after the device closed, which
-        took all of them back). Harmless for a buffer already released."""
-        held = self._buffers.pop(key, None)
-        if held is not None:
-            self._live[held[1]] -= 1
+    def _release(self, kind: str, obj_id: int) -> None:
+        """The ``kind`` object of id ``obj_id`` was closed or collected: it is no longer live, a
+        device buffer's memory no longer in use and a stream's queue no longer visited (the
+        device's lock held; no bytes after the device closed, which took all of them back).
+        Harmless for an object already released."""
+        key = (kind, obj_id)
+        if self._held.pop(key, None) is not None:
+            self._live[kind] -= 1
         nbytes = self._device_held.pop(key, None)
         if nbytes is not None:
             self._device_bytes -= nbytes
+        queue = self._stream_queues.pop(key, None)
+        if queue is not None:
+            self._engine.remove_queue(queue)
 
-    def _forget_collected_buffers(self) -> None:
-        """Release the buffers collected unclosed (the device's lock held): a real GPU frees an
-        allocation whose last reference goes."""
-        while self._buffers_gone:
-            self._release_buffer(self._buffers_gone.popleft())
+    def _forget_collected(self) -> None:
+        """Release the buffers and streams collected unclosed (the device's lock held): a real GPU
+        frees an allocation, and destroys a stream, whose last reference goes."""
+        while self._collected:
+            self._release(*self._collected.popleft())
 
     def _check_usable(self) -> None:
         if self._sticky is not None:

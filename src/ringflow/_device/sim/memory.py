@@ -74,7 +74,7 @@ class SimHostBuffer(_SimBufferMixin, HostBuffer):
             self._access(AccessKind.RELEASE, 0, self.nbytes, "host buffer close")
             self._closed = True
             self._dev.host.unpin(self)
-            self._dev._release_buffer(self.id)
+            self._dev._release("host_buffers", self.id)
             if self._dev.poison and not self.registered:
                 self._mem.fill(RELEASED)
 
@@ -105,4 +105,4 @@ class SimDeviceBuffer(_SimBufferMixin, DeviceBuffer):
             op = "stream-ordered device buffer free" if stream is not None else "device buffer free"
             self._access(AccessKind.RELEASE, 0, self.nbytes, op, actor=actor)
             self._closed = True
-            self._dev._release_buffer(self.id)
+            self._dev._release("device_buffers", self.id)

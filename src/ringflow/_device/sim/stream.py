@@ -362,8 +362,7 @@ class SimStream(Stream):
         with self._dev._lock:
             self._closed = True
             self._pending_error = self._unsynced_error = None
-            self._dev._live["streams"] -= 1
-            self._dev._engine.remove_queue(self._queue)
+            self._dev._release("streams", self.id)
 
 
 def _overlap(a: BufferSlice, b: BufferSlice) -> bool:
