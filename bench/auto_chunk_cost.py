@@ -35,7 +35,7 @@ MiB = 1 << 20
 
 def forget_plans() -> None:
     """Clear the planner's memory of chunk sizes (what an unremembered profile costs a call)."""
-    plan._choose_chunk_bytes_cached.cache_clear()
+    plan._choose_chunk_bytes.cache_clear()
 
 
 def main(argv=None) -> int:

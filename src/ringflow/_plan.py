@@ -527,18 +527,14 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *, co
     # candidates, too much Python to pay on every stream_map(chunk_bytes="auto"). A profile is
     # remembered by its values (a GPU's measured profile is an object, not a name), and a file is
     # read on every call, so a profile saved again is planned from what it holds now.
-    return _choose_chunk_bytes_cached(get_profile(profile), int(total_bytes), float(compute_s_per_byte), int(workers),
-                                      bool(host_stages), pinned_budget, int(align),
-                                      tuple(candidates) if candidates else None, float(out_ratio))
+    return _choose_chunk_bytes(get_profile(profile), int(total_bytes), float(compute_s_per_byte), int(workers),
+                               bool(host_stages), pinned_budget, int(align),
+                               tuple(candidates) if candidates else None, float(out_ratio))
 
 
 @functools.lru_cache(maxsize=256)
-def _choose_chunk_bytes_cached(*args) -> ChunkChoice:
-    return _choose_chunk_bytes(*args)
-
-
 def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_stages, pinned_budget, align,
-                        candidates, out_ratio=1.0) -> ChunkChoice:
+                        candidates, out_ratio) -> ChunkChoice:
     cands = candidates or [1 << k for k in range(16, 29)]
     rows = []
     seen = set()

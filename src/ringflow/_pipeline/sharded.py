@@ -377,15 +377,14 @@ class ShardedReport:
             raise RuntimeError("plot() needs matplotlib: pip install 'ringflow[plot]'") from exc
         from .._trace.plot import plot_format, save_figure
 
-        if path:
-            plot_format(path, "plot")
+        file_type = plot_format(path, "plot") if path else None
         fig = Figure(figsize=(12, 3.2 * len(self.reports)), layout="constrained")
         axes = fig.subplots(len(self.reports), 1, squeeze=False)[:, 0]
         for ax, report, label in zip(axes, self.reports, self.devices):
             report.plot(ax=ax)
             ax.set_title(f"{label}: {report.headline()}", fontsize=9)
         if path:
-            save_figure(fig, path)
+            save_figure(fig, path, file_type)
         return fig
 
     def save_trace(self, path: str) -> str:

@@ -29,8 +29,7 @@ def plot_gantt(timeline: Timeline, path: Optional[str] = None, *, ax=None, title
         from matplotlib.figure import Figure
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise RuntimeError("report.plot needs matplotlib: pip install 'ringflow[plot]'") from exc
-    if path is not None:
-        plot_format(path, "plot")
+    file_type = plot_format(path, "plot") if path is not None else None
     # stage tracks split into lanes (one per worker); stalls drawn as one row per kind
     spans = [s for s in timeline.spans() if not s.track.startswith("stall")]
     spans += [s for s in timeline.spans(lanes=False) if s.track.startswith("stall")]
@@ -60,7 +59,7 @@ def plot_gantt(timeline: Timeline, path: Optional[str] = None, *, ax=None, title
     if own:  # the caller's figure keeps the layout the caller gave it
         fig.tight_layout()
     if path is not None:
-        save_figure(fig, path)
+        save_figure(fig, path, file_type)
     return fig
 
 
@@ -94,16 +93,16 @@ def plot_format(path, where: str) -> str:
     return ext
 
 
-def save_figure(fig, path) -> None:
-    """Write ``fig`` to the file ``path`` itself (a file name, or an open binary file), in the
-    type the name's extension names; PNG where the name has none (matplotlib would otherwise
-    write ``path + ".png"``, a file nobody asked for) or an open file has no name.
+def save_figure(fig, path, file_type: str) -> None:
+    """Write ``fig`` to the file ``path`` itself (a file name, or an open binary file), as
+    ``file_type``: what :func:`plot_format` said of ``path`` before the chart was drawn (the
+    name's extension; PNG where it has none, since matplotlib would otherwise write ``path +
+    ".png"``, a file nobody asked for, or where an open file has no name).
 
     A file name is written whole, as every file ringflow writes (:func:`write_whole`): drawn into
     memory first, then moved into place, so that a pipe or a device is refused (an SVG drawn
     into a pipe waited for ever for a reader) and a failed write leaves the file as it was.
     """
-    file_type = plot_format(path, "plot")
     if not hasattr(path, "write"):
         path = os.fsdecode(path)
     if isinstance(path, str):
