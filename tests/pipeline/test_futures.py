@@ -751,6 +751,7 @@ def _asubmit_interrupted_at(n: int, sigint: bool, scenario: str = "asubmit") -> 
             where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(traceback.extract_tb(exc.__traceback__)[-4:-1]))
             del exc
     problems: list = []
+    _free_executor_locks_left_taken(loop)
     try:
         for task in asyncio.all_tasks(loop):
             task.cancel()
@@ -913,13 +914,32 @@ def _free_waiter_locks_left_taken(waiters) -> None:
     library's hazard, not ringflow's: released here, so that what the sweep checks (ringflow's
     locks, close(), the counts) is checked. A lock still held after a wait is one no thread
     will let go (the progress thread holds it only for a moment)."""
-    for waiter in waiters:
-        # the event's lock first: the progress thread may hold the waiter's own while it waits for it
-        for lock in (waiter.event._cond._lock, waiter.lock):
-            if lock.acquire(timeout=1.0):
-                lock.release()
-            else:
-                lock.release()  # (a plain Lock: any thread may release it)
+    # the event's lock first: the progress thread may hold the waiter's own while it waits for it
+    _free_locks_left_taken([lock for waiter in waiters for lock in (waiter.event._cond._lock, waiter.lock)])
+
+
+def _free_executor_locks_left_taken(loop) -> None:
+    """Release the locks of the standard library's thread pool that an interrupted
+    ``run_in_executor`` (asubmit's wait for capacity) left taken on the loop's thread, as
+    :func:`_free_waiter_locks_left_taken` does for a waiter's: a SIGINT raised as a
+    ``with cond:`` of the pool's idle semaphore, or of a starting worker's ``_started`` event, has
+    taken its lock (``Semaphore.acquire``, ``Thread.start``) leaves it taken, and the pool's
+    workers, or the loop's executor shutdown joining them, wait for it for ever. asyncio's
+    executor, not ringflow's lock to shield."""
+    executor = getattr(loop, "_default_executor", None)
+    locks = [t._started._cond._lock for t in threading.enumerate() if not t._started.is_set()]
+    if executor is not None:
+        locks += [executor._idle_semaphore._cond._lock, executor._shutdown_lock]
+    _free_locks_left_taken(locks)
+
+
+def _free_locks_left_taken(locks) -> None:
+    """Let go of each of ``locks`` (plain locks) that no thread lets go of within a second."""
+    for lock in locks:
+        if lock.acquire(timeout=1.0):
+            lock.release()
+        else:
+            lock.release()  # (a plain Lock: any thread may release it)
 
 
 @pytest.mark.parametrize("how", ["wait", "as_completed"])
