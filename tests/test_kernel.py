@@ -87,6 +87,14 @@ def test_an_unknown_compile_option_is_refused_when_the_kernel_is_made(options, s
         make_saxpy(options=options)
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "compute_90", 90])
+def test_an_architecture_is_refused_since_each_gpu_gets_its_own(arch):
+    """compile() sets ``arch`` to the GPU's own after the user's options: an ``arch`` given here
+    was taken and silently replaced."""
+    with pytest.raises(ValueError, match=r"options: 'arch' .* is chosen by ringflow.*leave 'arch' out"):
+        make_saxpy(options={"arch": arch})
+
+
 @pytest.mark.parametrize("key, value, says", [
     ("fma", "false", r"options\['fma'\] must be True or False, got 'false' \(str\)"),
     ("max_register_count", 32.0, r"options\['max_register_count'\] must be an integer, got 32.0 \(float\)"),

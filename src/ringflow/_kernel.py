@@ -83,12 +83,13 @@ class Kernel:
         pointwise: element ``i`` of each output depends on element ``i`` of the inputs alone;
             lets a :class:`ringflow.Pipeline` launch once over items sharing a chunk.
         options: extra ``cuda.core.ProgramOptions`` fields for NVRTC, such as
-            ``{"fma": False}``; checked here, on the simulated GPU too.
+            ``{"fma": False}``; checked here, on the simulated GPU too. Not ``arch``: the
+            kernel is compiled for the architecture of each GPU it runs on.
 
     Raises:
         ValueError: blank ``source`` or ``name``, ``block`` out of range, ``pointwise``
-            without ``elementwise``, or an option that is no ``ProgramOptions`` field (the
-            message suggests the fields of a similar name).
+            without ``elementwise``, an option that is no ``ProgramOptions`` field (the
+            message suggests the fields of a similar name), or ``arch``.
         TypeError: ``source`` or ``name`` not a str, ``reference`` not callable, ``block`` not
             an integer, a flag that is not a bool (numpy's bool is one), ``options`` not a dict
             keyed by strings, or an option's value of the wrong type (the message names the
@@ -369,7 +370,8 @@ def _check_options(options: Any) -> dict[str, Any]:
 
     Raises:
         TypeError: not a dict, a key that is not a str, or a value of the wrong type for its field.
-        ValueError: a key that is no ``ProgramOptions`` field; close names are suggested.
+        ValueError: a key that is no ``ProgramOptions`` field (close names are suggested), or
+            ``arch``, which :meth:`Kernel.compile` sets to each GPU's own.
     """
     if options is None:
         return {}
@@ -387,6 +389,10 @@ def _check_options(options: Any) -> dict[str, Any]:
             hint = (f"did you mean {' or '.join(map(repr, close))}?" if close
                      else f"its fields are {', '.join(map(repr, names))}")
             raise ValueError(f"options: {key!r} is not a cuda.core ProgramOptions field; {hint}")
+        if key == "arch":
+            # compile() builds a cubin for the GPU it loads on; another architecture's would not load
+            raise ValueError(f"options: 'arch' ({value!r:.40}) is chosen by ringflow: each GPU gets a cubin for its "
+                             "own architecture (sm_XX) when the kernel first runs there; leave 'arch' out")
         field = _PROGRAM_OPTIONS.get(key)  # (a field of a newer cuda.core than this list knows goes unchecked)
         if field is not None and not field.takes(value):
             raise TypeError(f"options[{key!r}] must be {field.says}, got {described(value)}")
