@@ -132,3 +132,46 @@ def test_a_prepared_result_that_has_no_rows_to_fill_fails_that_item_naming_why()
         with pytest.raises(rf.StageError, match="prepare.*fill='rows' needs items of one array"):
             pipe.submit(1).result(timeout=30)
         np.testing.assert_array_equal(pipe.submit(2).result(timeout=30), np.arange(3.0) + 2)
+
+
+def _no_rows(x, y):
+    return 0
+
+
+def _copied(x, y):
+    y[...] = x
+
+
+def test_a_0d_output_spec_is_refused_when_the_pipeline_is_made():
+    """A 0-d output has no rows to count: a fixed spec is refused by name when the pipeline is
+    made (it used to kill the progress thread with an IndexError once a compute returned 0)."""
+    with pytest.raises(ValueError, match=r"fill='rows' needs a result with rows.*output is 0-d"):
+        rf.Pipeline(_no_rows, device=rf.device("sim"), chunk_bytes=4096, fill="rows", output=((), "f4"))
+
+
+def test_a_0d_output_from_the_output_function_is_refused_at_submit():
+    dev = rf.device("sim")
+    with rf.Pipeline(_no_rows, device=dev, chunk_bytes=4096, fill="rows",
+                     output=lambda item: ((), "f4") if item.size == 1 else (item.shape, item.dtype)) as pipe:
+        with pytest.raises(ValueError, match=r"fill='rows' needs a result with rows.*output\(item\) is 0-d"):
+            pipe.submit(np.ones(1, np.float32))
+        assert pipe.stats().accepted == 0
+        assert pipe.submit(np.ones(3, np.float32)).result(timeout=30).shape == (0,)
+    assert pipe.stats().failed == 0
+    gc.collect()
+    assert dev.live().total == 0, f"left live: {dev.live()}"
+
+
+def test_a_0d_device_array_item_is_refused_at_submit():
+    """A device array item (another pipeline's result left on the device) is checked as a host
+    one is: a 0-d one has no rows to fill."""
+    dev = rf.device("sim")
+    with rf.Pipeline(_copied, device=dev, chunk_bytes=4096, deliver="device") as source:
+        held = source.submit(np.array(2.0)).result(timeout=30)
+        with rf.Pipeline(_no_rows, device=dev, chunk_bytes=4096, fill="rows") as pipe:
+            with pytest.raises(ValueError, match="fill='rows' needs items with rows"):
+                pipe.submit(held.array)
+            assert pipe.stats().accepted == 0
+        held.release()
+    gc.collect()
+    assert dev.live().total == 0, f"left live: {dev.live()}"

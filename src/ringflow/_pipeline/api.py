@@ -170,16 +170,19 @@ def output_tree(spec: Any, where: str) -> Any:
 
 
 def check_fill_output(spec: Any, where: str) -> None:
-    """Refuse, for ``fill="rows"``, an output spec of several arrays (a tuple, list or dict of
-    ``(shape, dtype)`` pairs, or their packed layout).
+    """Refuse, for ``fill="rows"``, a checked output spec (:func:`output_tree`'s) the compute
+    could not fill by rows: several arrays (their packed layout), or a 0-d array.
 
     Raises:
         ValueError: naming ``where``, ``fill`` and what to change.
     """
-    if isinstance(spec, Packed) or (is_tree(spec) and not is_spec(spec)):
+    if isinstance(spec, Packed):
         raise ValueError(f"fill='rows' needs a result of one array (the rows filled are counted along its first "
                          f"axis); {where} is a tuple, list or dict of (shape, dtype) pairs: give one pair, or drop "
                          "fill='rows'")
+    if not spec[0]:
+        raise ValueError(f"fill='rows' needs a result with rows (the rows filled are counted along its first axis); "
+                         f"{where} is 0-d (shape ()): give a shape such as (n,) or (n, ...), or drop fill='rows'")
 
 
 def _pinned_source(device: Device, item: Any) -> Optional[tuple]:
@@ -335,8 +338,6 @@ class Pipeline:
                              "function); plain array items are copied on the calling thread")
         if fill is not None:
             check_choice("fill", fill, ("rows",))
-            if output is not None and not callable(output):
-                check_fill_output(output, "output")
         if like is not None and consume is not None:
             raise ValueError("like= converts the results a pipeline delivers itself; with consume= the consumer "
                              "makes the result: convert there")
@@ -349,6 +350,8 @@ class Pipeline:
                                  "over its input, so the result is shaped as the input; drop one of them")
             if not callable(output):
                 output = output_tree(output, "output")
+                if fill is not None:
+                    check_fill_output(output, "output")
         self._output = output
         chunk_bytes, workers, max_in_flight, pinned_budget, slots = (
             opts["chunk_bytes"], opts["workers"], opts["max_in_flight"], opts["pinned_budget"], opts["slots"])
@@ -426,6 +429,8 @@ class Pipeline:
             if found is not None:  # a device array: copied device to device, no staging
                 nbytes = found[0].nbytes
                 check_item_bytes("items", np.dtype(found[2]))
+                if self.config.fill == "rows":
+                    check_fill_rows(False, len(found[1]), "this item")
                 if np.dtype(found[2]).hasobject or nbytes > self.config.chunk_bytes:
                     raise ValueError(f"a device array item of {nbytes} bytes does not fit a slot of "
                                      f"{self.config.chunk_bytes} bytes; raise chunk_bytes to at least {nbytes}")
