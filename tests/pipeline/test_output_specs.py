@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ringflow as rf
+from ringflow._pipeline import trees
 
 
 def spread(x, y):
@@ -131,3 +132,39 @@ def test_a_zero_byte_output_delivers_an_empty_result():
     with rf.Pipeline(spread, device=rf.device("sim"), chunk_bytes=4096, output=((0, 5), "int8")) as pipe:
         r = pipe.submit(np.ones(8, np.float32)).result()
     assert r.shape == (0, 5) and r.dtype == np.int8
+
+
+def _zeroed(x, y):
+    for leaf in trees.flatten(y)[0]:
+        leaf[...] = np.zeros((), leaf.dtype)
+
+
+FIELDS = [("a", "f4"), ("b", "i2")]
+
+
+@pytest.mark.parametrize("output, shape, dtype", [
+    (((3,), FIELDS), (3,), np.dtype(FIELDS)),  # fields, as numpy spells them: a list of pairs
+    (((3,), [("a", "f4")]), (3,), np.dtype([("a", "f4")])),
+    ((3, FIELDS), (3,), np.dtype(FIELDS)),
+    (((), FIELDS), (), np.dtype(FIELDS)),
+    (((3,), {"names": ["a", "b"], "formats": ["u1", "f8"]}), (3,), np.dtype({"names": ["a", "b"], "formats": ["u1", "f8"]})),
+    (((3,), ("f4", (2,))), (3, 2), np.dtype("f4")),  # a subarray dtype: its shape appended, as np.empty does
+    ([[3], FIELDS], (3,), np.dtype(FIELDS)),
+], ids=["fields", "one field", "int shape", "0-d", "names and formats", "subarray", "lists"])
+def test_a_dtype_numpy_spells_as_a_container_is_one_spec(output, shape, dtype):
+    """A pair whose dtype is a list, tuple or dict numpy reads as a dtype is one (shape, dtype)
+    spec, as stream_map takes it (it was taken for a tree of specs and refused, naming a
+    dimension as the spec); alone and inside a tree of specs."""
+    with rf.Pipeline(_zeroed, device=rf.device("sim"), chunk_bytes=4096, output=output) as pipe:
+        r = pipe.submit(np.ones(8, np.float32)).result(timeout=30)
+    assert r.shape == shape and r.dtype == dtype and not r.tobytes().strip(b"\0")
+    with rf.Pipeline(_zeroed, device=rf.device("sim"), chunk_bytes=4096,
+                     output={"k": output, "n": ((2,), "i8")}) as pipe:
+        r = pipe.submit(np.ones(8, np.float32)).result(timeout=30)
+    assert r["k"].shape == shape and r["k"].dtype == dtype and r["n"].shape == (2,)
+
+
+def test_a_tree_of_specs_with_an_empty_tree_first_is_still_a_tree():
+    with rf.Pipeline(_zeroed, device=rf.device("sim"), chunk_bytes=4096, output=((), ((2,), "f4"))) as pipe:
+        r = pipe.submit(np.ones(8, np.float32)).result(timeout=30)
+    assert r[0] == () and r[1].shape == (2,) and r[1].dtype == np.float32

@@ -135,7 +135,9 @@ def device_args(layout: Packed, where: BufferSlice) -> list:
 
 
 def is_spec(obj: Any) -> bool:
-    """Whether ``obj`` is one ``(shape, dtype)`` pair (not a structure of them)."""
+    """Whether ``obj`` is one ``(shape, dtype)`` pair (not a structure of them). Its dtype may be
+    one numpy spells as a list, tuple or dict (fields ``[("a", "f4"), ...]``, a subarray
+    ``("f4", (2,))``, names and formats)."""
     if not isinstance(obj, (tuple, list)) or len(obj) != 2:
         return False
     shape, dtype = obj
@@ -143,4 +145,16 @@ def is_spec(obj: Any) -> bool:
         return True
     shape_like = isinstance(shape, (int, np.integer)) or (
         isinstance(shape, (tuple, list)) and all(isinstance(d, (int, np.integer)) for d in shape))
-    return shape_like and not isinstance(dtype, (tuple, list, dict))
+    if not shape_like:
+        return False
+    if not isinstance(dtype, (tuple, list, dict)):
+        return True
+    # a structure of pairs never starts with a shape, but for the empty one, ``()``: that pair
+    # is a pair whose dtype is a container numpy reads as a dtype, and no pair itself
+    if is_spec(dtype):
+        return False
+    try:
+        np.dtype(dtype)
+    except Exception:  # noqa: BLE001 - numpy raises TypeError, ValueError or KeyError for what is no dtype
+        return False
+    return True
