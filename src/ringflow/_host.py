@@ -82,7 +82,7 @@ def empty(shape: "int | Sequence[int]", dtype: Any = np.float64, *, device: Opti
 
     Raises:
         TypeError: a bad ``shape``, a dtype holding objects, or ``device`` that is not a Device.
-        ValueError: a negative dimension.
+        ValueError: a negative dimension, more than 64 dimensions, or a shape numpy cannot index.
     """
     return _pool(device, "empty").empty(shape, dtype)
 

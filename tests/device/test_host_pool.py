@@ -89,6 +89,10 @@ def test_empty_is_a_plain_pinned_array_of_the_asked_shape():
     (None, np.float32, TypeError, "shape"),
     (4, object, TypeError, "Python objects"),
     (4, "not a dtype", TypeError, "dtype"),
+    ((1,) * 65, np.float32, ValueError, r"shape \(1, 1, .*\) has 65 dimensions; numpy arrays have at most 64"),
+    ((2 ** 32, 2 ** 32, 2 ** 32, 0), np.uint8, ValueError, "more elements than numpy can index"),
+    ((0, 2 ** 62), np.float32, ValueError, "more elements than numpy can index"),
+    ((0, 2 ** 63), np.uint8, ValueError, "more elements than numpy can index"),
 ])
 def test_empty_refuses_bad_requests_by_name(shape, dtype, error, match):
     pool = pool_for(rf.device("sim"))

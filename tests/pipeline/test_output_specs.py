@@ -86,6 +86,12 @@ def test_a_consumer_sees_the_output_shape():
     (((-1, 4), "float32"), ValueError, "negative dimension"),
     ((("a",), "float32"), TypeError, "shape must be an int or a sequence of ints"),
     ((4.5, "float32"), TypeError, "shape must be an int"),
+    # shapes numpy cannot make: refused here, not when the first result is built (in a tree, that
+    # had killed the progress thread; alone, it failed each item in ringflow's own consumer)
+    ((((1,) * 65, "float32"), ((2,), "float32")), ValueError, "output: shape .* has 65 dimensions"),
+    (((1,) * 65, "float32"), ValueError, "output: shape .* has 65 dimensions"),
+    (((0, 2 ** 62), "float32"), ValueError, "output: shape .* has more elements than numpy can index"),
+    (((2 ** 32, 2 ** 32, 2 ** 32, 0), "uint8"), ValueError, "more elements than numpy can index"),
 ])
 def test_bad_fixed_specs_are_refused_at_construction(output, error, match):
     with pytest.raises(error, match=match):

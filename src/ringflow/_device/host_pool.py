@@ -216,7 +216,7 @@ class HostPool:
 
         Raises:
             TypeError: ``shape`` is not an int or a sequence of ints, or ``dtype`` holds objects.
-            ValueError: a negative dimension.
+            ValueError: a negative dimension, more than 64 dimensions, or a shape numpy cannot index.
             MemoryError: more bytes than the pool's budget and than the process can allocate.
             HazardError: (simulated GPU) the block's previous use is not ordered before this
                 thread: a missing :meth:`record_use`, or a pool bug.
@@ -627,7 +627,8 @@ def check_shape_dtype(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype
     Raises:
         TypeError: a shape that is not an int or a sequence of ints, a dtype numpy does not
             know, or one holding Python objects.
-        ValueError: a negative dimension.
+        ValueError: a negative dimension, more than :data:`MAX_DIMS` dimensions, or an empty
+            shape whose other dimensions numpy cannot index.
     """
     bad = f"shape must be an int or a sequence of ints, got {shape!r}"
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
@@ -657,7 +658,20 @@ def check_shape_dtype(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype
     if dt.subdtype is not None:  # np.empty((n,), (np.float32, 3)) is an (n, 3) float32 array
         dt, sub = dt.subdtype
         dims.extend(sub)
+    if len(dims) > MAX_DIMS:
+        raise ValueError(f"shape {tuple(dims)} has {len(dims)} dimensions; numpy arrays have at most {MAX_DIMS}")
+    # numpy refuses an empty array too where its other dimensions come to more bytes than it can
+    # index; such an array has no bytes to pin or move, so only the numpy call that made it would
+    # fail, far from the request. A non-empty one that large is refused as too large by the caller.
+    if 0 in dims and math.prod(d for d in dims if d) * max(dt.itemsize, 1) > _MAX_INDEX:
+        raise ValueError(f"shape {tuple(dims)} has more elements than numpy can index: its dimensions other than "
+                         f"0 come to more than {_MAX_INDEX} bytes of {dt}, though the array is empty; use "
+                         "smaller dimensions")
     return tuple(dims), dt
+
+
+MAX_DIMS = 64  # numpy's limit on an array's dimensions
+_MAX_INDEX = int(np.iinfo(np.intp).max)
 
 
 # -- which pool, which array -------------------------------------------------------------------

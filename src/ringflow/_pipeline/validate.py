@@ -303,7 +303,8 @@ def check_output_spec(spec: Any, where: str = "output") -> tuple:
     Raises:
         TypeError: not a pair, a shape that is not an int or a sequence of ints, or a dtype numpy
             does not know or that holds Python objects.
-        ValueError: a negative dimension, or a dtype whose items have 0 bytes.
+        ValueError: a negative dimension, more than 64 dimensions, a shape numpy cannot index, or a
+            dtype whose items have 0 bytes.
     """
     if not isinstance(spec, (tuple, list)) or len(spec) != 2:
         raise TypeError(f"{where} must be a (shape, dtype) pair such as ((64, 10), 'float16'), got {_got(spec)}")
