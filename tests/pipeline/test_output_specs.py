@@ -174,3 +174,20 @@ def test_a_tree_of_specs_with_an_empty_tree_first_is_still_a_tree():
     with rf.Pipeline(_zeroed, device=rf.device("sim"), chunk_bytes=4096, output=((), ((2,), "f4"))) as pipe:
         r = pipe.submit(np.ones(8, np.float32)).result(timeout=30)
     assert r[0] == () and r[1].shape == (2,) and r[1].dtype == np.float32
+
+
+@pytest.mark.parametrize("make", [
+    lambda pipe: pipe.submit(np.ones(4, np.float32)),
+    lambda pipe: pipe.submit(np.broadcast_to(np.float32(1), (1 << 39,))),  # 2 TiB, over no memory
+    lambda pipe: pipe.submit((np.broadcast_to(np.float32(1), (1 << 39,)),)),
+], ids=["output", "item", "item of several arrays"])
+def test_what_no_slot_can_hold_is_not_told_to_raise_chunk_bytes_beyond_its_limit(make):
+    """An item or output larger than any slot may be (chunk_bytes is at most 1 TiB) is told to be
+    split, not to raise chunk_bytes to a size chunk_bytes refuses."""
+    with rf.Pipeline(spread, device=rf.device("sim"), chunk_bytes=4096,
+                     output=lambda item: ((1 << 39,), "float32") if item.size == 4 else (item.shape, item.dtype)) as pipe:
+        with pytest.raises(ValueError, match=r"more than any slot holds \(chunk_bytes is at most 1099511627776 "
+                                             r"bytes\); split") as caught:
+            make(pipe)
+        assert "raise chunk_bytes" not in str(caught.value)
+        assert pipe.stats().accepted == 0

@@ -30,9 +30,9 @@ def copies(monkeypatch):
     made = []
     real = api._copy_array_in
 
-    def counting(arr, raw, chunk_bytes, parameter="chunk_bytes"):
+    def counting(arr, raw, chunk_bytes):
         made.append(arr.nbytes)
-        return real(arr, raw, chunk_bytes, parameter)
+        return real(arr, raw, chunk_bytes)
 
     monkeypatch.setattr(api, "_copy_array_in", counting)
     return made

@@ -40,8 +40,8 @@ from .config import PipelineConfig, SlotCounts
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, lent_slots, resolve_slots
 from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_into, packed, unflatten
 from .like import converter
-from .validate import (COMPUTE_FORM, as_host_array, check_arity, check_choice, check_flag, check_item_bytes,
-                       check_iterable, check_options, check_output_spec, check_timeout)
+from .validate import (COMPUTE_FORM, MAX_CHUNK_BYTES, as_host_array, check_arity, check_choice, check_flag,
+                       check_item_bytes, check_iterable, check_options, check_output_spec, check_timeout)
 from .scheduler import Scheduler, check_fill_rows
 from .reentry import check_process, generation as reentry_generation, refuse_from_stage
 from .sigint import ShieldedIterator, shielded, shielded_call
@@ -54,10 +54,18 @@ from .._trace.timeline import Anchor, Span, Timeline, record_chunk, stall_spans
 
 
 
-def _copy_array_in(arr: np.ndarray, raw: np.ndarray, chunk_bytes: int, parameter: str = "chunk_bytes") -> tuple:
+def grow_slots(nbytes: int, split: str = " or split the item") -> str:
+    """What to change where ``nbytes`` do not fit a slot: raise ``chunk_bytes`` to them (or
+    ``split``), unless they are more than ``chunk_bytes`` may be."""
+    if nbytes > MAX_CHUNK_BYTES:
+        return f"that is more than any slot holds (chunk_bytes is at most {MAX_CHUNK_BYTES} bytes); split it"
+    return f"raise chunk_bytes to at least {nbytes}{split}"
+
+
+def _copy_array_in(arr: np.ndarray, raw: np.ndarray, chunk_bytes: int) -> tuple:
     if arr.nbytes > chunk_bytes:
         raise ValueError(f"an item of {arr.nbytes} bytes (shape {arr.shape}, {arr.dtype}) does not fit a slot of "
-                         f"{chunk_bytes} bytes; raise {parameter} to at least {arr.nbytes} or split the item")
+                         f"{chunk_bytes} bytes; {grow_slots(arr.nbytes)}")
     dst = raw[:arr.nbytes].view(arr.dtype).reshape(arr.shape)
     np.copyto(dst, arr, casting="no")
     return arr.shape, arr.dtype
@@ -151,8 +159,7 @@ def tree_layout(item: Any, chunk_bytes: int, where: str = "items") -> tuple:
     layout = packed(tree, [(a.shape, a.dtype) for a in arrays])
     if layout.nbytes > chunk_bytes:
         raise ValueError(f"an item of {len(arrays)} arrays takes {layout.nbytes} bytes packed (each aligned to "
-                         f"{ALIGN} bytes), more than a slot of {chunk_bytes}; raise chunk_bytes to at least "
-                         f"{layout.nbytes} or split the item")
+                         f"{ALIGN} bytes), more than a slot of {chunk_bytes}; {grow_slots(layout.nbytes)}")
     return arrays, layout
 
 
@@ -433,7 +440,7 @@ class Pipeline:
                     check_fill_rows(False, len(found[1]), "this item")
                 if np.dtype(found[2]).hasobject or nbytes > self.config.chunk_bytes:
                     raise ValueError(f"a device array item of {nbytes} bytes does not fit a slot of "
-                                     f"{self.config.chunk_bytes} bytes; raise chunk_bytes to at least {nbytes}")
+                                     f"{self.config.chunk_bytes} bytes; {grow_slots(nbytes, '')}")
                 return item
             if is_tree(item):
                 if self.config.fill == "rows":
@@ -448,8 +455,7 @@ class Pipeline:
             check_item_bytes("items", item.dtype)
             if item.nbytes > self.config.chunk_bytes:
                 raise ValueError(f"an item of {item.nbytes} bytes (shape {item.shape}, {item.dtype}) does not fit "
-                                 f"a slot of {self.config.chunk_bytes} bytes; raise chunk_bytes to at least "
-                                 f"{item.nbytes} or split the item")
+                                 f"a slot of {self.config.chunk_bytes} bytes; {grow_slots(item.nbytes)}")
         return item
 
     def _output_spec(self, item: Any) -> Optional[tuple]:
@@ -475,7 +481,7 @@ class Pipeline:
             nbytes, what = math.prod(shape) * dtype.itemsize, f"shape {shape}, {dtype}"
         if nbytes > self.config.chunk_bytes:
             raise ValueError(f"an output of {nbytes} bytes ({what}) does not fit a slot of "
-                             f"{self.config.chunk_bytes} bytes; raise chunk_bytes to at least {nbytes}")
+                             f"{self.config.chunk_bytes} bytes; {grow_slots(nbytes, '')}")
         return spec
 
     def _accepting(self, item: Any) -> dict:
