@@ -146,6 +146,18 @@ def test_out_must_agree_with_output_or_say_how():
         rf.stream_map(by_rows, x, np.empty((10, 2), np.float32), device=rf.device("sim"))
 
 
+def test_out_over_the_bytes_of_x_in_another_layout_is_told_to_be_separate():
+    """``out=x`` works in place only for a result shaped as ``x``: where ``out`` is ``x``'s bytes
+    under another dtype or shape, the refusal's advice is a separate array, not ``out=x``."""
+    x = np.ones((10, 4), np.float32)
+    for out, output in ((x.view(np.int32), (x.shape, "int32")), (x.reshape(10, 2, 2), ((10, 2, 2), "float32")),
+                        (x.view(np.uint8)[:, :4], ((10, 4), "uint8"))):
+        with pytest.raises(ValueError, match="overlap") as info:
+            rf.stream_map(by_rows, x, out, device=rf.device("sim"), output=output)
+        assert "out=x" not in str(info.value) and "separate array" in str(info.value)
+    assert (x == 1).all()
+
+
 def test_output_with_inplace_is_refused_unless_it_is_the_input_shape():
     x = np.ones((10, 4), np.float32)
     with pytest.raises(ValueError, match="inplace=True"):

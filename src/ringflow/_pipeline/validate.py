@@ -234,8 +234,12 @@ def check_out(x: np.ndarray, out: np.ndarray) -> None:
     except np.exceptions.TooHardError:  # too costly to decide exactly: refuse, as if they overlap
         overlap = True
     if overlap:
-        raise ValueError("out overlaps x without being x itself: results would overwrite input still to be read; "
-                         "pass out=x to work in place, or a separate array")
+        # out=x works in place only where a result has x's own shape and dtype
+        fix = ("pass out=x to work in place, or a separate array" if (out.shape, out.dtype) == (x.shape, x.dtype)
+               else f"pass a separate array (out is {out.shape} {out.dtype} over x's bytes, x is {x.shape} "
+                    f"{x.dtype}: no result of that shape works in place)")
+        raise ValueError(f"out overlaps x without being x itself: results would overwrite input still to be read; "
+                         f"{fix}")
 
 
 class BoundArray:
