@@ -1,15 +1,22 @@
-"""The progress thread's command queue: commands posted without the pipeline's lock."""
+"""The progress thread: its command queue (commands posted without the pipeline's lock), its end
+at interpreter exit, and what its death leaves behind."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import gc
+import logging
 import subprocess
 import sys
 import threading
 
 import numpy as np
+import pytest
 
 import ringflow as rf
-from tests.helpers.threads import JOIN_S, join, start
+from ringflow._device import host_pool
+from tests.helpers.pipeline_checks import drop_tracebacks
+from tests.helpers.threads import JOIN_S, bounded, join, start
 
 
 def _pipe():
@@ -98,3 +105,111 @@ def test_the_wake_flag_is_an_event_whose_set_takes_no_python_lock():
     flag.clear()
     flag.clear()
     assert not flag.is_set()
+
+
+def _affine(x, y):
+    y[...] = x * 3 + 1
+
+
+def _dies_with_a_d2h_in_flight(sched) -> None:
+    """Make the scheduler's step raise (a ringflow bug, injected) at the first step after which
+    a chunk not yet ended has its d2h enqueued: a copy into the chunk's pooled block (its staged
+    item, or its part of a slab) is then pending, and nothing has seen it complete."""
+    real_step = sched.step
+
+    def step():
+        progressed = real_step()
+        if any(c.d2h_event is not None for c in sched.chunks.values()):
+            raise AssertionError("injected: a scheduler step failed with a d2h into a pooled block in flight")
+        return progressed
+
+    sched.step = step
+
+
+def _run_to_death(dev, coalesce: bool, items: list, compute=_affine):
+    """A pipeline on ``dev`` whose progress thread dies with copies into pooled blocks in flight;
+    checks that every future and close() raise what killed it, in bounded time. Returns its
+    stats after close (the futures' tracebacks dropped, so that what they held can go)."""
+    pipe = rf.Pipeline(compute, device=dev, chunk_bytes=4096, slots=2, checked=True, max_in_flight=8,
+                       coalesce=coalesce)
+    _dies_with_a_d2h_in_flight(pipe.scheduler)
+    futs = [pipe.submit(a) for a in items]
+    done, not_done = concurrent.futures.wait(futs, timeout=JOIN_S)
+    assert not not_done
+    errors = [f.exception(timeout=0) for f in futs]
+    assert all(isinstance(e, RuntimeError) and "progress thread died" in str(e) for e in errors), errors
+    with pytest.raises(RuntimeError, match="progress thread died"):
+        bounded(pipe.close)
+    drop_tracebacks(errors)
+    return pipe.stats()
+
+
+@pytest.mark.parametrize("coalesce", [False, True])
+def test_a_dead_progress_thread_hands_no_pooled_block_back_before_its_copies_complete(coalesce):
+    """The progress thread dies (a ringflow bug) while d2h copies into pooled blocks are pending:
+    its chunks fail, close() ends, and the pipeline's blocks go back to the device's pool only
+    once those copies are known complete. They used to go back as the dead pipeline was dropped,
+    unordered after the copies, and the next pipeline on the device to take them got a
+    HazardError (on a GPU: its data overwritten by the dead pipeline's copy)."""
+    dev = rf.device("sim", seed=5, chaos=True)
+    items = [np.arange(512.0 if not coalesce else 256.0) + 1000 * k for k in range(6)]
+    stats = _run_to_death(dev, coalesce, items)
+    gc.collect()  # the dead pipeline, its chunks and their pooled arrays: the blocks go back to the pool
+    # the next pipeline on the device takes those blocks (it raised HazardError here: the copy
+    # into a block was not ordered before the pool's poison fill as it took the block back)
+    second = rf.Pipeline(_affine, device=dev, chunk_bytes=4096, slots=2, checked=True, coalesce=coalesce)
+    got = list(second.map(items))
+    assert all(np.array_equal(r, a * 3 + 1) for r, a in zip(got, items))
+    bounded(second.close)
+    del got
+    gc.collect()
+    assert dev.live().total == 0, dev.live()
+    assert host_pool.pool_for(dev).stats().in_use_bytes == 0
+    # every accepted item of the dead pipeline ended (failed), none left in flight
+    assert stats.accepted == len(items) and stats.failed == len(items) and stats.balanced(), stats
+
+
+def test_a_dead_progress_thread_keeps_the_blocks_of_copies_it_cannot_see_complete(caplog):
+    """When the work its pipeline enqueued does not complete within the bound (here a kernel that
+    runs for virtual hours), the dead thread never gives the blocks that work may still write
+    back to the pool: they are kept for good, and a warning says so. The next pipeline on the
+    device gets other blocks and runs clean."""
+    dev = rf.device("sim", seed=5, chaos=True)
+    items = [np.arange(512.0) + 1000 * k for k in range(4)]
+
+    def slow(x, y):
+        y[...] = x * 3 + 1
+
+    slow.sim_seconds = 3600.0
+    with caplog.at_level(logging.WARNING, logger="ringflow"):
+        stats = _run_to_death(dev, False, items, compute=slow)
+    assert stats.failed == len(items) and stats.balanced(), stats
+    assert any("never" in r.getMessage() and "pool" in r.getMessage() for r in caplog.records), caplog.text
+    gc.collect()
+    pool = host_pool.pool_for(dev)
+    kept = pool.stats().in_use_bytes
+    assert kept > 0  # the blocks of the copies still pending are nobody's to hand out
+    second = rf.Pipeline(_affine, device=dev, chunk_bytes=4096, slots=2, checked=True, coalesce=False)
+    got = list(second.map(items))
+    assert all(np.array_equal(r, a * 3 + 1) for r, a in zip(got, items))
+    bounded(second.close)
+    del got
+    gc.collect()
+    assert pool.stats().in_use_bytes == kept
+
+
+def test_a_pipeline_whose_progress_thread_died_refuses_more_work_saying_why():
+    """An item offered after the progress thread died is refused at once with what killed it;
+    it used to be accepted into an inbox nobody admits, its future pending for ever for a waiter
+    outside the pipeline (``concurrent.futures.wait``)."""
+    dev = rf.device("sim", seed=5, chaos=True)
+    pipe = rf.Pipeline(_affine, device=dev, chunk_bytes=4096, slots=2, checked=True, max_in_flight=8)
+    _dies_with_a_d2h_in_flight(pipe.scheduler)
+    futs = [pipe.submit(np.arange(512.0) + k) for k in range(2)]
+    done, not_done = concurrent.futures.wait(futs, timeout=JOIN_S)
+    assert not not_done
+    with pytest.raises(RuntimeError, match="no longer accepts work: the pipeline's progress thread died"):
+        pipe.submit(np.arange(512.0))
+    with pytest.raises(RuntimeError, match="progress thread died"):
+        bounded(pipe.close)
+    drop_tracebacks([f.exception(timeout=0) for f in futs])

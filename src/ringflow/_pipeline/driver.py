@@ -49,6 +49,10 @@ _SIM_POLL_S = 3600.0
 # how long interpreter exit waits, in all, for the progress threads of pipelines left open to
 # cancel their work and end (seconds)
 _EXIT_WAIT_S = 5.0
+# how long (device host clock, seconds) a progress thread that died waits for the work its
+# pipeline had enqueued to complete before it gives the memory that work may write up for lost
+# (Scheduler.end_after_death): close() waits for this clean-up, so it is bounded
+_DEATH_WAIT_S = 5.0
 # how long a wait may find every slot a compute writes held by device results not yet released
 # before the thread says so (only the results' holder can end that wait)
 _HELD_WARN_S = 5.0
@@ -588,9 +592,18 @@ def _run(driver: "ProgressThread") -> None:
     except BaseException as exc:  # noqa: BLE001 - a ringflow bug: make every waiter raise it
         with driver.cv:
             driver.failure = exc
-            driver.final_token = driver.device.publish()
-            driver.cv.notify_all()
-            orphans = driver.sched.unended_futures()
+            err = driver.died()
+            err.__cause__ = exc
+            # its chunks end FAILED, each holding its slots and pooled blocks until the work
+            # enqueued on them is seen complete (or keeping them for good): a block handed back
+            # while a copy into it is pending would go to another pipeline, whose data the copy
+            # then overwrites. close() joins this thread: it returns after this bounded wait
+            try:
+                driver.sched.end_after_death(err, _DEATH_WAIT_S)
+            finally:
+                driver.final_token = driver.device.publish()
+                driver.cv.notify_all()
+                orphans = driver.sched.unended_futures()
         # and every future not yet done: one awaited through asyncio, concurrent.futures.wait or
         # a done-callback has no waiter in the pipeline that would see the failure
         for fut in orphans:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import logging
 import math
 import threading
 import time
@@ -52,6 +53,13 @@ from .stages import POISON_BYTE, StageStreams, launch_compute, mark, poison_afte
 from .stats import PipelineStats
 from .like import convert_tree
 from .trees import LEAF, Packed, device_args, host_views
+
+logger = logging.getLogger(__name__)
+
+# Memory a pipeline whose driver died could not see its enqueued work finish with: pooled arrays
+# (never handed out again while referenced here) and host ring buffers (never freed). A copy
+# still pending may write into it at any time, so it is kept for the life of the process.
+KEPT: list = []
 
 GUARDS = (
     "h2d.wait_slot_ready",  # h2d waits until the device-in slot's poison fill is done
@@ -148,6 +156,7 @@ class Scheduler:
         self._profile = config.profile  # timing events recorded (start marks are recorded only then)
 
         self._rings: list[Ring] = []
+        self._kept_rings: list[Ring] = []  # host rings a dead driver's pending work may still use: never freed
         self.pool = None
         self._owned = list(owned)
         self._host_in_memory = host_in_memory
@@ -180,6 +189,7 @@ class Scheduler:
         self._d2h_q: collections.deque[Chunk] = collections.deque()
         self.accepting = True
         self.broken: Optional[DeviceError] = None
+        self.stopped_by: Optional[BaseException] = None  # what ended the driver (end_after_death)
         self.first_error: Optional[BaseException] = None
         # the most recent failures (a long run keeps a bounded number: memory stays flat)
         self.failures: collections.deque[StageError] = collections.deque(maxlen=MAX_KEPT_FAILURES)
@@ -262,6 +272,8 @@ class Scheduler:
         for ring in self._rings:
             if ring.busy and any(s.state is SlotState.LENT for s in ring.busy.values()):
                 continue  # results on the device are still the consumer's: freed when the last comes back
+            if ring in self._kept_rings:
+                continue  # work a dead driver never saw complete may still use it (end_after_death)
             ring.close(stream=free_on)
         self.streams.close()
         if self._host_in_memory is not None:  # made, but no ring took it (set-up failed first)
@@ -457,6 +469,8 @@ class Scheduler:
 
     def refusal(self) -> RuntimeError:
         """The error for work offered once the pipeline takes no more, saying why."""
+        if self.stopped_by is not None:
+            return RuntimeError(f"the pipeline no longer accepts work: {self.stopped_by}")
         err = self.first_error
         if err is not None and self.config.on_error == "raise":
             return RuntimeError(
@@ -1444,6 +1458,14 @@ class Scheduler:
         """A sticky device error: nothing on the device will complete; end everything FAILED."""
         self.broken = err
         self.accepting = False
+        self._end_all(err, keep_lent=False)  # the context is dead: no operation can still touch a slot
+
+    def _end_all(self, err: BaseException, *, keep_lent: bool) -> None:
+        """End every admitted chunk FAILED with ``err`` (one already draining keeps its own
+        ending) and release every busy slot now: only once no operation can still touch them.
+        Each chunk's end hands its pooled blocks back ordered after this thread, as a drained
+        chunk's does. ``keep_lent``: slots lent out as results on the device stay the
+        consumer's (their memory still works)."""
         for chunk in sorted(self.chunks.values(), key=lambda c: c.index):
             if chunk.state is ChunkState.DRAINING:
                 continue  # already failing (its own StageError) or cancelled: it keeps that ending
@@ -1452,15 +1474,96 @@ class Scheduler:
             chunk.move(ChunkState.DRAINING)
         for ring in self._rings:
             for slot in ring.slots:
+                if keep_lent and slot.state is SlotState.LENT:
+                    continue
                 slot.fence = None
                 if slot.state is not SlotState.FREE:
                     if slot.state is not SlotState.DRAINING:
                         ring.move(slot, SlotState.DRAINING)
-                    ring.release(slot)  # the context is dead: no operation can still touch it
+                    ring.release(slot)
         for q in (self._accepted_q, self._h2d_q, self._compute_q, self._d2h_q):
             q.clear()
         for chunk in sorted(self.chunks.values(), key=lambda c: c.index):
             self._end(chunk, chunk.ending)
+
+    def end_after_death(self, err: BaseException, timeout: float) -> bool:
+        """Clean up after the driver died of a ringflow bug, maybe half way through a step (lock
+        held, on the dead driver's thread): take no more work (an offer is refused with ``err``'s
+        words); admit what the inbox holds; wait up to ``timeout`` seconds of the device's host
+        clock for everything enqueued on the pipeline's streams, and every pending host task, to
+        complete; then end every admitted chunk FAILED with ``err`` (:meth:`_end_all`), which
+        hands its pooled blocks back ordered after their last copy, as a chunk drained after a
+        cancel does. The wait covers the streams, not only the fences the scheduler recorded: a
+        step that died may have enqueued a copy before it recorded its fence.
+
+        Returns True if the work was seen complete. False if not (the wait timed out or the
+        device failed): the pooled arrays of the chunks not yet ended, and the host rings with a
+        busy slot, may still be written by that work, so they are kept in :data:`KEPT` for
+        good, never handed out again nor freed, and a warning is logged. Never raises an
+        ``Exception``."""
+        self.accepting = False
+        self.stopped_by = err
+        self.version += 1
+        try:
+            self._admit()  # (a shared chunk whose items are still being copied in stays: no device work is on it)
+        except Exception:  # noqa: BLE001 - the state the bug left: its chunks end below all the same
+            logger.debug("admitting the inbox after the driver died failed", exc_info=True)
+        try:
+            complete = self._wait_enqueued(timeout)
+        except Exception:  # noqa: BLE001 - a broken device: its work was not seen complete
+            logger.debug("waiting for the work of a pipeline whose driver died failed", exc_info=True)
+            complete = False
+        if not complete:
+            self._keep_for_good(timeout)
+        try:
+            self._end_all(err, keep_lent=True)
+        except Exception:  # noqa: BLE001 - the futures left pending are failed by the driver
+            logger.debug("ending the chunks of a pipeline whose driver died failed", exc_info=True)
+        return complete
+
+    def _wait_enqueued(self, timeout: float) -> bool:
+        """Wait (device host clock, at most ``timeout`` seconds) for an event recorded now on every
+        stream of the pipeline and for every host task still pending; returns whether all were
+        seen complete (this thread is then ordered after them).
+
+        Raises:
+            DeviceError: the device is broken.
+        """
+        found = [stream.record() for stream in self.streams.all]
+        found += [slot.fence for ring in self._rings for slot in ring.busy.values() if slot.fence is not None]
+        for chunk in list(self.chunks.values()) + self._loose_tasks:
+            found += [t for t in (chunk.prepare_task, chunk.consume_task) if t is not None]
+        waits, seen = [], set()
+        for w in found:
+            if id(w) not in seen and not isinstance(w, _InlineTask):  # (one ran on this thread: done)
+                seen.add(id(w))
+                waits.append(w)
+        deadline = self.device.now + timeout
+        while waits:
+            left = deadline - self.device.now
+            if left <= 0:
+                return False
+            done = self.device.wait_any(waits, timeout=left)  # observes (orders this thread after) each one done
+            waits = [w for w in waits if not any(w is d for d in done)]
+        return True
+
+    def _keep_for_good(self, timeout: float) -> None:
+        """Keep the memory the work of a dead driver may still use (see :meth:`end_after_death`)
+        and say so."""
+        arrays = []
+        for chunk in self.chunks.values():
+            in_place = chunk.item if chunk.source is not None else None
+            arrays += [a for a in (chunk.staged, chunk.result, chunk.batch, in_place) if a is not None]
+        rings = [ring for ring in self._rings if ring.buffer.is_host and not ring.external and ring.busy]
+        KEPT.extend(arrays)
+        KEPT.extend(ring.buffer for ring in rings)
+        self._kept_rings.extend(rings)
+        if arrays or rings:
+            logger.warning(
+                "ringflow: a pipeline's progress thread died and the work it had enqueued was not seen complete "
+                "within %g s (or the device failed): %d pooled host arrays (%d B) and %d host ring buffers it may "
+                "still write are never handed back to the pool nor freed (kept until the process ends)",
+                timeout, len(arrays), sum(a.nbytes for a in arrays), len(rings))
 
     def close(self) -> None:
         self._forget_finished_frames()
