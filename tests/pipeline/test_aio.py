@@ -396,3 +396,49 @@ def test_close_from_another_thread_waits_for_a_live_loops_amap_and_gives_nothing
     assert s.cancelled == 0 and s.failed == 0 and s.in_flight == 0 and s.balanced(), s
     assert handed_out == s.delivered - 2  # all but the first result and the one taken before the map
     assert dev.live().total == 0, dev.live()
+
+
+# -- an event loop on the pipeline's own progress thread ---------------------------------------------
+@pytest.mark.parametrize("how", ["asubmit", "amap"])
+@pytest.mark.parametrize("n_devices", [1, 2])
+def test_an_await_on_the_pipeline_from_a_loop_in_its_own_done_callback_is_refused(how, n_devices):
+    """A done-callback runs on the pipeline's progress thread; an event loop run there (``asyncio.run``
+    in the callback) that awaits the same pipeline waited for ever: the await ends only once the
+    progress thread sets the chunk's future, and that thread was running the loop. It is refused,
+    saying what to do instead, and the pipeline goes on."""
+    devices = [rf.device("sim", seed=61 + k, chaos=True) for k in range(n_devices)]
+    pipe = rf.Pipeline(lambda x, y: np.multiply(x, 2, out=y), device=devices if n_devices > 1 else devices[0],
+                       chunk_bytes=512, checked=True)
+    outcome: list = []
+    finished = threading.Event()
+
+    async def await_the_pipeline():
+        if how == "asubmit":
+            return await pipe.asubmit(np.arange(8.0))
+        return [r async for r in pipe.amap([np.arange(8.0)])]
+
+    def callback(_fut):  # on a progress thread
+        try:
+            # bounded: without the refusal this waits for ever (the test's watchdog, not a proof)
+            outcome.append(asyncio.run(asyncio.wait_for(await_the_pipeline(), 5.0)))
+        except BaseException as exc:  # noqa: BLE001 - the test's to see
+            outcome.append(exc)
+        finally:
+            finished.set()
+
+    futs = [pipe.submit(np.arange(8.0) + k) for k in range(2 * n_devices)]
+    for fut in futs:
+        if not fut.done():
+            fut.add_done_callback(callback)
+            break
+    else:
+        pytest.skip("every chunk ended before a callback could be added")
+    assert finished.wait(JOIN_S)
+    (err,) = outcome
+    assert isinstance(err, RuntimeError), repr(err)
+    assert "progress thread" in str(err) and "submit(" in str(err) and "run_coroutine_threadsafe" in str(err)
+    assert [f.result(timeout=JOIN_S)[1] for f in futs] == [2.0 * (k + 1) for k in range(2 * n_devices)]
+    pipe.close()
+    s = pipe.stats()
+    assert s.in_flight == 0 and s.accepted == len(futs) == s.delivered, s
+

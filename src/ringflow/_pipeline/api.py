@@ -43,7 +43,7 @@ from .like import converter
 from .validate import (COMPUTE_FORM, MAX_CHUNK_BYTES, as_host_array, check_arity, check_choice, check_flag,
                        check_item_bytes, check_iterable, check_options, check_output_spec, check_timeout)
 from .scheduler import Scheduler, check_fill_rows
-from .reentry import check_process, generation as reentry_generation, refuse_from_stage
+from .reentry import check_process, generation as reentry_generation, refuse_from_stage, refuse_on_progress_thread
 from .sigint import ShieldedIterator, shielded, shielded_call
 from .slot_array import in_slot, run_offering
 from .states import ChunkState
@@ -886,7 +886,9 @@ class Pipeline:
         does: at once, or, where its submit was waiting for capacity, as soon as it is accepted.
 
         Raises:
-            TimeoutError, TypeError, ValueError, RuntimeError: as :meth:`submit`.
+            TimeoutError, TypeError, ValueError, RuntimeError: as :meth:`submit`; RuntimeError also
+                on an event loop run in one of this pipeline's done-callbacks (its progress thread,
+                which would have to set the future the await waits for).
             StageError: a stage failed for the item.
             asyncio.CancelledError: the item was cancelled (or the awaiting task was).
         """
@@ -901,7 +903,7 @@ class Pipeline:
         # ``ending``: the amap the item is for, told of a chunk accepted there (close() may give
         # its window up before the loop runs the map again)
         timeout = check_timeout(timeout)
-        self._check_caller("asubmit()")
+        self._check_caller("asubmit()", awaited=True)
         item = self._check_item(item)
         s = self._sched
         accepting = token = None
@@ -980,9 +982,10 @@ class Pipeline:
         its consumer stopped pulling; :meth:`cancel` first ends its chunks without the consumer.
 
         Raises:
-            RuntimeError, StageError: as :meth:`map`.
+            RuntimeError, StageError: as :meth:`map`; RuntimeError also as :meth:`asubmit`, on an
+                event loop run in one of this pipeline's done-callbacks.
         """
-        self._check_caller("amap()")
+        self._check_caller("amap()", awaited=True)
         s = self._sched
         window: collections.deque = collections.deque()  # (chunk future, its asyncio future), in order
         ending = CancelIfDropped(window)
@@ -1115,11 +1118,14 @@ class Pipeline:
         if self._closed:
             raise RuntimeError("this Pipeline is closed; create a new one to submit more work")
 
-    def _check_caller(self, call: str, opened: bool = True) -> None:
+    def _check_caller(self, call: str, opened: bool = True, awaited: bool = False) -> None:
         """Refuse ``call`` where the pipeline cannot serve it (:mod:`.reentry`): in a child forked
-        after it was made, from inside one of its own stages, and (``opened``) once closed."""
+        after it was made, from inside one of its own stages, (``awaited``: an asyncio call) on
+        its own progress thread, and (``opened``) once closed."""
         check_process(self._sched.made_in)
         refuse_from_stage(self._sched.stage_owner, call)
+        if awaited:
+            refuse_on_progress_thread(self._driver, call)
         if opened:
             self._check_open()
 

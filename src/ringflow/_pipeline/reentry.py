@@ -11,7 +11,10 @@ pipeline marks the thread while one of its stages runs (a thread-local, set and 
 the user's call), and those calls refuse, naming the call and the stage. Calls that only read
 (``stats``, ``failures``, ``report``, the result of a chunk already ended) stay allowed, and
 another pipeline may be used as usual; a future's done-callback is not a stage (it runs once
-its chunk has ended) and may call anything.
+its chunk has ended) and may call anything that waits by blocking (its wait drives the pipeline
+there). It cannot await the pipeline on an event loop of its own (``asyncio.run`` of
+``asubmit``/``amap`` in the callback): the await ends only once the progress thread sets a
+future, and that thread is the one running the loop, so those calls refuse there.
 
 **After fork().** A pipeline's progress thread and worker threads exist only in the process
 that made them: in a child forked from it they are gone, so every wait would last forever (and
@@ -117,3 +120,19 @@ def refuse_from_stage(owner: Any, call: str, kind: str = "pipeline") -> None:
             f"{call} was called from inside this {kind}'s own {stage}: it waits for the {kind}, which "
             f"waits for that {stage} to return, so it would wait for itself. Call it from another thread "
             "once the stage has returned, or from a future's done-callback")
+
+
+def refuse_on_progress_thread(driver: Any, call: str) -> None:
+    """Refuse ``call``, an asyncio call (``asubmit``, ``amap``), on ``driver``'s progress thread:
+    an event loop run there (in a future's done-callback) awaits futures only that thread sets.
+
+    Raises:
+        RuntimeError: naming the call and what to do instead.
+    """
+    if getattr(driver, "thread", None) is threading.current_thread():
+        raise RuntimeError(
+            f"{call} was called on an event loop running on this pipeline's own progress thread (in a future's "
+            "done-callback): the await ends only once that thread sets the chunk's future, and it is running "
+            "the loop, so it would wait for itself. In a done-callback call submit(...).result() instead (it "
+            "drives the pipeline while it waits), or hand the coroutine to a loop on another thread "
+            "(asyncio.run_coroutine_threadsafe)")

@@ -128,7 +128,7 @@ class SpreadPipeline(Pipeline):
     async def asubmit(self, item: Any, timeout: Optional[float] = None) -> Any:
         """As :meth:`Pipeline.asubmit`, on the least loaded working device (passing over a broken
         or stopped one as :meth:`submit` does)."""
-        self._check_caller("asubmit()")
+        self._check_caller("asubmit()", awaited=True)
         return await follow(await self._asubmit_future(item, timeout))
 
     async def _asubmit_future(self, item: Any, timeout: Optional[float] = None,
@@ -206,7 +206,7 @@ class SpreadPipeline(Pipeline):
     async def amap(self, items: Any):
         """As :meth:`Pipeline.amap`, over every device, in submission order; a chunk cancelled
         under it (the pipeline cancelled, or stopped by a failure) ends it as it ends :meth:`map`."""
-        self._check_caller("amap()")
+        self._check_caller("amap()", awaited=True)
         limit = sum(p.config.max_in_flight for p in self.parts)
         iterator = items.__aiter__() if hasattr(items, "__aiter__") else check_iterable("items", items)
         window: collections.deque = collections.deque()
@@ -307,11 +307,12 @@ class SpreadPipeline(Pipeline):
         if self._closed:
             raise RuntimeError("this pipeline is closed; create a new one")
 
-    def _check_caller(self, call: str, opened: bool = True) -> None:
-        """As :meth:`Pipeline._check_caller`, from a stage of any part: a stage of one device's
-        part waits on the whole pipeline as much as on its own part."""
+    def _check_caller(self, call: str, opened: bool = True, awaited: bool = False) -> None:
+        """As :meth:`Pipeline._check_caller`, from a stage or the progress thread of any part: a
+        stage of one device's part waits on the whole pipeline as much as on its own part, and an
+        await may land on that part."""
         for part in self.parts:
-            part._check_caller(call, opened=False)
+            part._check_caller(call, opened=False, awaited=awaited)
         if opened:
             self._check_open()
 
