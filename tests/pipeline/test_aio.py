@@ -442,3 +442,35 @@ def test_an_await_on_the_pipeline_from_a_loop_in_its_own_done_callback_is_refuse
     s = pipe.stats()
     assert s.in_flight == 0 and s.accepted == len(futs) == s.delivered, s
 
+
+@pytest.mark.parametrize("deliver", ["host", "device"])
+def test_a_ctrl_c_raised_in_an_amap_loop_leaves_no_error_from_its_clean_up(deliver, monkeypatch, caplog):
+    """A KeyboardInterrupt raised inside ``async for r in pipe.amap(...)`` ends ``asyncio.run``,
+    which closes the loop while the map's clean-up (run by the loop's async generator finaliser)
+    still awaited its cancels: asyncio destroyed that task pending (an error it logs), and the
+    clean-up then met the closed loop and raised RuntimeError ("Event loop is closed") from a
+    finaliser. The chunks are still cancelled and close() ends with nothing live."""
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    unraisable: list = []
+    monkeypatch.setattr("sys.unraisablehook", unraisable.append)
+    for seed in range(3):
+        dev = rf.device("sim", seed=70 + seed, chaos=True)
+        pipe = rf.Pipeline(lambda x, y: np.multiply(x, 2, out=y), device=dev, chunk_bytes=512, deliver=deliver,
+                           checked=True)
+
+        async def main():
+            async for _ in pipe.amap([np.arange(8.0) + k for k in range(20)]):
+                raise KeyboardInterrupt  # as Ctrl-C raises it in the loop body
+
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(main())
+        gc.collect()
+        from tests.helpers.threads import bounded
+
+        bounded(pipe.close, timeout=20.0)
+        s = pipe.stats()
+        assert s.in_flight == 0 and s.balanced(), s
+        gc.collect()
+        assert dev.live().total == 0, dev.live()
+    assert [u.exc_value for u in unraisable] == []
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []

@@ -86,8 +86,18 @@ async def cancel_unwanted_soon(futures: "list[ChunkFuture]") -> None:
     except Exception as exc:  # noqa: BLE001 - clean-up: as cancel_unwanted
         logger.debug("a map's unwanted chunks were not cancelled: %r", exc)
         return
-    if left[0]:
+    if left[0] and not _shutting_down(loop):
         await done
+
+
+def _shutting_down(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` is finalising its async generators before it closes (``asyncio.run``
+    ending). A map's clean-up run then, by the task the loop's finaliser made for a map dropped
+    as the run ended (an error or Ctrl-C in its ``async for``), may not get another turn before
+    the loop closes: it must not await the cancels it handed over (they are carried out all the
+    same), or asyncio destroys it pending. The flag is CPython's (and uvloop's); a loop without
+    it is taken as running on."""
+    return bool(getattr(loop, "_asyncgens_shutdown_called", False))
 
 
 def _count_down(left: list, done: asyncio.Future, device: Any, command: Any) -> None:
@@ -182,7 +192,8 @@ class CancelIfDropped:
             await cancel_unwanted_soon([fut for fut, _ in window or ()])
         finally:
             for _, head in window or ():
-                head.cancel()  # (nobody awaits it: its outcome is not to be logged as unretrieved)
+                if not head.get_loop().is_closed():  # (a clean-up the closing loop cut short: see _shutting_down)
+                    head.cancel()  # (nobody awaits it: its outcome is not to be logged as unretrieved)
 
     def stranded(self) -> bool:
         """Whether the map's loop cannot run while the calling thread waits: it is closed, or it is
