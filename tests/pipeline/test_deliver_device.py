@@ -387,6 +387,56 @@ def test_a_wait_only_a_release_can_end_says_which_results_to_release(driver_warn
     pipe.close()
 
 
+def _ungated(pipe) -> None:
+    """The simulated GPU's progress thread run as a real GPU's is: whenever there is work, with no
+    record of who waits through a future (a done-callback, a waiter, an await)."""
+    driver = pipe._driver
+    with driver.cv:
+        driver.gated = False
+        driver.notify()
+
+
+@pytest.mark.parametrize("how", ["asubmit", "amap", "futures.wait", "done-callback"])
+def test_on_a_real_gpu_a_wait_through_a_future_only_a_release_can_end_is_warned_of(how, driver_warnings):
+    """The one slot is held by a result the consumer keeps while it waits for the next through a
+    future rather than result(): an asyncio await (asubmit, amap), concurrent.futures.wait, a
+    done-callback. A real GPU's progress thread keeps no record of such waits, and it took
+    nobody to be waiting: the wait went on for ever without the warning."""
+    import asyncio
+    import concurrent.futures
+
+    pipe = _one_slot_pipeline(13)
+    _ungated(pipe)
+    held = pipe.submit(np.ones(4, np.float32)).result(timeout=10)
+    got: list = []
+
+    async def next_one():
+        if how == "asubmit":
+            return await pipe.asubmit(np.full(4, 2, np.float32))
+        async for res in pipe.amap([np.full(4, 2, np.float32)]):
+            return res
+
+    if how in ("asubmit", "amap"):
+        waiter = start(asyncio.run, next_one())
+    else:
+        fut = pipe.submit(np.full(4, 2, np.float32))
+        if how == "futures.wait":
+            waiter = start(lambda: concurrent.futures.wait([fut]) and fut.result())
+        else:
+            came = threading.Event()
+            fut.add_done_callback(lambda f: came.set())
+            waiter = start(lambda: came.wait(JOIN_S) and fut.result())
+    assert driver_warnings.arrived.wait(JOIN_S), "no warning while a wait could only end by a release"
+    message = driver_warnings.records[0].getMessage()
+    assert "not yet released (chunks 0)" in message, message
+    held.release()
+    got = join([waiter], timeout=JOIN_S)[0]
+    assert isinstance(got, rf.DeviceResult) and got.index == 1, got
+    got.release()
+    pipe.close()
+    assert pipe.stats().delivered == 2 and pipe.stats().in_flight == 0
+
+
 def test_the_warning_counts_only_time_someone_waits(monkeypatch, driver_warnings):
     from ringflow._pipeline import driver
 

@@ -307,6 +307,15 @@ class _Driver:
             self.device.sleep(seconds)
 
 
+def _awaited(sched) -> bool:
+    """Whether a future of an unended chunk has a done-callback or a waiter (an asyncio await, an
+    ``asubmit`` or ``amap``, ``concurrent.futures.wait``): someone waits through it. A real GPU's
+    progress thread keeps no record of such waits (:meth:`ChunkFuture.add_done_callback`), so
+    while device results hold every slot it looks at the futures (few: at most the chunks in
+    flight), for the warning that only a release can end those waits. Lock held."""
+    return any(fut._done_callbacks or fut._waiters for fut in sched.unended_futures())
+
+
 class CallerDriver(_Driver):
     """The waiting thread drives: each wait runs the scheduler until its condition holds."""
 
@@ -546,7 +555,7 @@ class ProgressThread(_Driver):
             held = sched.held_by_results() if sched.lent else ()
             if held:
                 # only another thread's release can let a chunk on (it wakes the thread): no poll
-                waiting = self.someone_waits()
+                waiting = self.someone_waits() or (not self.gated and _awaited(sched))
                 self._warn_if_held(held, waiting)
                 if waiting or not self.gated:
                     return "release", None, self.device_wait(deadline)
