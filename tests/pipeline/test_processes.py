@@ -145,6 +145,7 @@ def test_every_worker_process_starts_with_the_pipeline(dev):
 
     prepare = ProcessPrepare(dev, pp.ramp, 1 << 16, 4096, 3)
     try:
+        prepare.open()
         assert len(prepare._pool._processes) == 3
     finally:
         prepare.close()
@@ -166,5 +167,34 @@ def test_workers_that_fail_to_start_leave_nothing_registered(dev, monkeypatch):
     before = shm_segments()
     with pytest.raises(RuntimeError, match="worker start failed"):
         rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.ramp_and_pid, processes=True, workers=1)
+    assert dev.live().total == 0, dev.live()
+    assert shm_segments() <= before
+
+
+def test_a_device_with_no_room_for_the_rings_starts_no_worker_and_pins_nothing(monkeypatch):
+    """The device rings are allocated before anything is pinned (test_ring.py); the prepare
+    processes' shared block was made, registered and its workers started before them, so a GPU
+    without room for the rings cost a process pool's start and a registration first."""
+    import concurrent.futures
+
+    from tests.helpers import small_memory_device
+
+    chunk = 64 << 10
+    dev = small_memory_device(chunk)  # no room for two device-in slots
+    registered, pools = [], []
+    real_register, real_pool = dev.register_host, concurrent.futures.ProcessPoolExecutor
+
+    class Counted(real_pool):
+        def __init__(self, *a, **k):
+            pools.append(1)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(dev, "register_host", lambda a: registered.append(a.nbytes) or real_register(a))
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Counted)
+    before = shm_segments()
+    with pytest.raises(rf.OutOfMemoryError, match="device-in ring"):
+        rf.Pipeline(f, device=dev, chunk_bytes=chunk, prepare=pp.ramp, processes=True, workers=2,
+                    slots=rf.SlotCounts(host_in=2, device_in=2, device_out=2, host_out=2))
+    assert registered == [] and pools == []
     assert dev.live().total == 0, dev.live()
     assert shm_segments() <= before

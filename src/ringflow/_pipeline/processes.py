@@ -6,8 +6,9 @@ PyTorch's DataLoader workers do not; unlike a DataLoader, they write each array 
 the pipeline's pinned host-in slot, so nothing is pickled back or copied again to pin it.
 
 The host-in ring is one block of POSIX shared memory (``multiprocessing.shared_memory``), made
-before the workers start and registered with the device (``Device.register_host``), so its copy
-engine reads it as pinned memory. A worker attaches the block by name when it starts; a task
+when the pipeline makes its host-in ring (after its device rings, so a GPU without room for those
+fails before any of this is paid for), before the workers start, and registered with the device
+(``Device.register_host``), so its copy engine reads it as pinned memory. A worker attaches the block by name when it starts; a task
 carries the item and the slot's offset, and returns the array's shape and dtype. The workers
 run from a ``forkserver``: a clean process, started before any of them, that forks each worker
 (forking the pipeline's own process, whose threads may hold locks, could deadlock a child).
@@ -44,23 +45,35 @@ class ProcessPrepare:
 
     def __init__(self, device: Device, prepare: Callable, nbytes: int, chunk_bytes: int, workers: int):
         try:
-            pickled = pickle.dumps(prepare)
+            self._pickled = pickle.dumps(prepare)
         except Exception as exc:  # noqa: BLE001 - what pickle raises varies (PicklingError, AttributeError, ...)
             raise TypeError(f"processes=True sends prepare to worker processes, but it cannot be pickled ({exc}); "
                             "define it at module level (not a lambda or a nested function)") from None
+        self._device, self._nbytes, self._workers = device, nbytes, workers
         self._chunk_bytes = chunk_bytes
-        self._shm = shared_memory.SharedMemory(create=True, size=nbytes)
+        self._shm = None
         self._pool = None
         self.buffer: HostBuffer | None = None
+
+    def open(self) -> HostBuffer:
+        """Make the shared block, register it with the device and start the workers; returns
+        the block (:attr:`buffer`). Called when the pipeline makes its host-in ring, after its
+        device rings: a device without room for those fails before any of this is paid for.
+
+        Raises:
+            whatever making, registering or starting them raised; what was made is closed.
+        """
+        nbytes, workers = self._nbytes, self._workers
+        self._shm = shared_memory.SharedMemory(create=True, size=nbytes)
         try:
             view = np.ndarray((nbytes,), np.uint8, buffer=self._shm.buf)
             self._base = view.__array_interface__["data"][0]
-            self.buffer = device.register_host(view)
+            self.buffer = self._device.register_host(view)
             del view
             ctx = multiprocessing.get_context("forkserver")
             # prepare goes to each worker once, at its start (it may carry data: a dataset)
             self._pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_attach,
-                                                                initargs=(self._shm.name, pickled))
+                                                                initargs=(self._shm.name, self._pickled))
             # a pool started from a forkserver makes a process per task only when none is idle, so
             # a first few items would be served by the first few workers while the rest start;
             # one empty task per worker starts them all now, without waiting for them
@@ -69,6 +82,7 @@ class ProcessPrepare:
         except BaseException:
             self.close()
             raise
+        return self.buffer
 
     def __call__(self, item: Any, raw: np.ndarray) -> tuple:
         """The prepare stage for one chunk (on a CPU worker thread): ``raw`` is the chunk's slot,
@@ -85,7 +99,7 @@ class ProcessPrepare:
     def close(self) -> None:
         """Stop the workers, drop the block's registration (the ring that used it has dropped it
         already, unless the pipeline's set-up failed before that ring took it) and free the
-        block. Never raises."""
+        block; nothing where :meth:`open` was never called. Never raises."""
         pool, self._pool = self._pool, None
         if pool is not None:
             try:

@@ -120,7 +120,8 @@ class Scheduler:
         are then unused.
 
         ``host_in_memory``: a host buffer to carve the host-in ring from instead of a new pinned
-        allocation (shared memory that worker processes write); the ring closes it. ``owned``:
+        allocation (shared memory that worker processes write), or a callable that makes it
+        when the host-in ring is made, after the device rings; the ring closes it. ``owned``:
         objects whose ``close()`` runs once the rings are released (never raising). ``convert``:
         applied to every array of a result delivered without a consumer (another framework's
         array over the same memory)."""
@@ -239,6 +240,8 @@ class Scheduler:
         n = self.config.chunk_bytes
         if kind is RingKind.HOST_IN and self._host_in_memory is not None:
             memory, self._host_in_memory = self._host_in_memory, None
+            if callable(memory):  # made now, after the device rings (ProcessPrepare.open)
+                memory = memory()
             return self._ring(kind, memory, count, hook)
         if external_buffer is None:
             return self._ring(kind, allocate_ring(self.device.allocate_host, kind, n, count), count, hook)
@@ -276,7 +279,8 @@ class Scheduler:
                 continue  # work a dead driver never saw complete may still use it (end_after_death)
             ring.close(stream=free_on)
         self.streams.close()
-        if self._host_in_memory is not None:  # made, but no ring took it (set-up failed first)
+        if self._host_in_memory is not None and not callable(self._host_in_memory):
+            # made, but no ring took it (set-up failed first); one never made needs nothing
             close_quietly(self._host_in_memory, "host-in memory")
             self._host_in_memory = None
         owned, self._owned = self._owned, []
