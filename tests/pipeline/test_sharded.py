@@ -2,6 +2,7 @@
 simulated GPU, every shard run at once on its own device, errors named for the whole array, every
 shard settled before a call returns or raises, and the predicted time that of the slowest shard."""
 
+import concurrent.futures
 import contextlib
 import doctest
 import gc
@@ -10,6 +11,7 @@ import os
 import signal
 import stat
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ from ringflow import _plan as plan
 from ringflow._errors import DeviceError, StageError
 from ringflow._pipeline import sharded
 from tests.helpers.hooks import engines
+from tests.helpers.interrupts import InterruptAt
 from tests.helpers.sim import named_sims
 
 MiB = 1 << 20
@@ -635,3 +638,90 @@ def test_arrays_from_the_host_pool_are_staged_over_several_devices():
     del x
     gc.collect()
     rf.host.release_cached(device=devs[0])
+
+
+# -- Ctrl-C landing between the library's steps ---------------------------------------------------------------------
+class _SigintAfterFirstSubmit:
+    """The shard threads' pool, sending the calling (main) thread a real SIGINT right after the
+    first shard is handed to it: Ctrl-C landing between a shard's start and the next one's."""
+
+    def __init__(self, pool):
+        self.pool, self.submitted = pool, []
+
+    def submit(self, *args):
+        fut = self.pool.submit(*args)
+        self.submitted.append(fut)
+        if len(self.submitted) == 1:
+            signal.raise_signal(signal.SIGINT)
+        return fut
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+def test_a_ctrl_c_while_the_shards_are_started_still_settles_every_shard(monkeypatch):
+    devs = sims(2, 9)
+    x = contents((20_000,), 9)
+    out = np.zeros_like(x)
+    waiting = threading.Event()
+    real_wait, real_threads = sharded._wait, sharded._threads
+
+    def wait(futures):
+        waiting.set()
+        real_wait(futures)
+
+    def compute(x_, y):
+        # the first shard ends only once its caller waits for it (bounded: never a hang)
+        waiting.wait(10)
+        y[:] = x_ * 2 + 1
+
+    pool = _SigintAfterFirstSubmit(real_threads())
+    monkeypatch.setattr(sharded, "_wait", wait)
+    monkeypatch.setattr(sharded, "_threads", lambda: pool)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rf.stream_map(compute, x, out, device=devs, chunk_bytes=4096, host="register")
+        # every shard started had ended before the interrupt reached the caller
+        assert all(fut.done() for fut in pool.submitted)
+    finally:
+        waiting.set()  # a shard the call left running ends now (the test has failed then)
+        concurrent.futures.wait(pool.submitted, timeout=30)
+    np.testing.assert_array_equal(out, x * 2 + 1)
+    assert_nothing_live(devs)
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+def test_a_ctrl_c_while_a_job_over_two_devices_closes_closes_every_shard():
+    devs = sims(2, 10)
+    x = contents((4000,), 10)
+    # staged: closing a shard's scheduled engine drives it, through the steps where a Ctrl-C is taken
+    job = rf.MapJob(f, x, device=devs, chunk_bytes=800, host="stage")
+    np.testing.assert_array_equal(job(), x * 2 + 1)
+    parts = job._held.engine.parts
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)  # a shard left to the garbage collector warns
+        # Ctrl-C as close() starts releasing: raised once every shard is closed, not half way
+        with InterruptAt(0, ["_take_turn"], files=["/ringflow/_pipeline/job.py"], sigint=True) as at:
+            with pytest.raises(KeyboardInterrupt):
+                job.close()
+        assert at.fired == 1 and job.closed
+        assert all(part.closed for part in parts)
+        gc.collect()
+    assert_nothing_live(devs)
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+@pytest.mark.parametrize("where", ["starting the shards", "assembling the job"])
+def test_a_ctrl_c_while_a_job_over_two_devices_is_set_up_closes_what_was_made(monkeypatch, where):
+    devs = sims(2, 11)
+    x = contents((4000,), 11)
+    if where == "starting the shards":
+        pool = _SigintAfterFirstSubmit(sharded._threads())
+        monkeypatch.setattr(sharded, "_threads", lambda: pool)
+        at = contextlib.nullcontext()
+    else:  # every shard's job made, the job over them not yet
+        at = InterruptAt(0, ["__init__"], files=["/ringflow/_pipeline/sharded.py"], sigint=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)  # a shard's job left to the garbage collector warns
+        with at, pytest.raises(KeyboardInterrupt):
+            rf.MapJob(f, x, device=devs, chunk_bytes=800, host="stage")
+        gc.collect()
+    assert_nothing_live(devs)

@@ -319,10 +319,17 @@ class MapJob:
             device.observe(token)
 
     def _release(self) -> None:
-        self._finalizer.detach()
-        self._held.release()
-        for bound in self._arrays_bound:  # a closed job no longer keeps numpy from resizing them
-            bound.release()
+        with shielded() as shield:
+            if shield is not None:
+                # a Ctrl-C that came during the call or the close is raised once everything is
+                # released: taken at a step of the engine's close (a staged engine drives its
+                # pipeline to close it), it would stop that close half way, and over several
+                # devices leave the later shards' jobs open
+                shield.settle()
+            self._finalizer.detach()
+            self._held.release()
+            for bound in self._arrays_bound:  # a closed job no longer keeps numpy from resizing them
+                bound.release()
 
     def __enter__(self) -> "MapJob":
         return self

@@ -43,6 +43,7 @@ from .._device.protocol import Device
 from .._errors import DeviceError, LaunchError, OutOfMemoryError, StageError
 from .._files import check_file_name, write_whole
 from .engine import Arrays, choose_engine
+from .sigint import shielded
 from .sizing import default_workers
 from .whole_array import MapLayout, run_whole
 
@@ -203,26 +204,46 @@ def _settle(futures: list) -> None:
             continue
 
 
-def run_shards(shards: Sequence[Shard], work: Callable[[Shard], Any]) -> list[Outcome]:
+def run_shards(shards: Sequence[Shard], work: Callable[[Shard], Any],
+               undo: Optional[Callable[[Any], None]] = None) -> list[Outcome]:
     """Run ``work(shard)`` for every shard at once, each on a thread of its own in a copy of the
     caller's context; returns each shard's :class:`Outcome` once every shard has ended. If the
     caller is interrupted while it waits (any BaseException), every shard is still settled before
     the interrupt propagates. Every shard's host copies are declared to its device
     (``Device.sharing_host``) before any shard starts and until every shard has ended, so the
-    simulated GPUs of one host share its copy rate for the whole call."""
+    simulated GPUs of one host share its copy rate for the whole call.
+
+    On the main thread a Ctrl-C is deferred (:func:`shielded`) until every shard has ended and
+    raised then: one landing between a shard's start and its future's being kept would leave
+    that shard running unwaited for, and one inside ``concurrent.futures.wait``, which takes
+    each future's lock in turn, could leave a lock taken that the shard's thread needs to end.
+    A second Ctrl-C is raised at once, and the shards are still settled before it propagates.
+    ``undo``: called with the value of every shard that succeeded when the call raises anyway
+    (an interrupt), so that what the shards made is released rather than lost."""
     tokens = [s.device.publish() for s in shards]
     futures: list = []
-    with contextlib.ExitStack() as sharing:
-        for shard in shards:
-            sharing.enter_context(shard.device.sharing_host(shard.copy_threads))
-        try:
-            for shard, token in zip(shards, tokens):
-                ctx = contextvars.copy_context()
-                futures.append(_threads().submit(ctx.run, _run_shard, shard, [work], token))
-            _wait(futures)
-        except BaseException:
-            _settle(futures)
-            raise
+    try:
+        with shielded(), contextlib.ExitStack() as sharing:
+            for shard in shards:
+                sharing.enter_context(shard.device.sharing_host(shard.copy_threads))
+            try:
+                for shard, token in zip(shards, tokens):
+                    ctx = contextvars.copy_context()
+                    futures.append(_threads().submit(ctx.run, _run_shard, shard, [work], token))
+                _wait(futures)
+            except BaseException:
+                _settle(futures)
+                raise
+    except BaseException:
+        if undo is not None:
+            with shielded() as shield:
+                if shield is not None:
+                    shield.settle()  # a further Ctrl-C is raised once everything made is released
+                for fut in futures:
+                    outcome = fut.result()  # every future kept has ended (settled above)
+                    if outcome.error is None and outcome.value is not None:
+                        undo(outcome.value)
+        raise
     outcomes = [fut.result() for fut in futures]
     for shard, outcome in zip(shards, outcomes):
         shard.device.observe(outcome.token)  # the caller is ordered after each shard's last work
@@ -453,6 +474,11 @@ def _make_part(part, f, x, out, fresh_out, host, engine, opts, shard: Shard) -> 
     return part(f, xs, outs, fresh_out, shard.device, shard.chunk_bytes, host, engine, dict(opts))
 
 
+def _close_part(part: Any) -> None:
+    """Close one shard's job made by a set-up that was interrupted."""
+    part.close()
+
+
 def _call_part(parts: list, profile: bool, shard: Shard) -> Any:
     """One shard's call of :meth:`ShardedJob.run`."""
     return parts[shard.position](profile=profile)
@@ -500,13 +526,19 @@ class ShardedJob:
         host = host_for_shards(x, out, fresh_out, host, x_buffer, out_buffer)
         shards = plan_shards(f, x, out, fresh_out, devices, chunk_bytes, host, engine, opts)
 
-        outcomes = run_shards(shards, functools.partial(_make_part, part, f, x, out, fresh_out, host, engine, opts))
+        outcomes = run_shards(shards, functools.partial(_make_part, part, f, x, out, fresh_out, host, engine, opts),
+                              undo=_close_part)
         if any(o.error is not None for o in outcomes):
             for o in outcomes:
                 if o.value is not None:
                     o.value.close()
             raise_first(shards, outcomes)
-        return cls(shards, [o.value for o in outcomes])
+        try:
+            return cls(shards, [o.value for o in outcomes])
+        except BaseException:  # a Ctrl-C: the jobs made are closed, not left to the garbage collector
+            for o in outcomes:
+                o.value.close()
+            raise
 
     @property
     def enqueue_seconds(self) -> Optional[float]:
