@@ -213,3 +213,174 @@ def test_a_pipeline_whose_progress_thread_died_refuses_more_work_saying_why():
     with pytest.raises(RuntimeError, match="progress thread died"):
         bounded(pipe.close)
     drop_tracebacks([f.exception(timeout=0) for f in futs])
+
+
+# -- a whole-array call: the calling thread drives, and its step dies ------------------------------
+
+def _arrays(dev, pooled: bool, n: int = 4096):
+    """``x`` (and an ``out`` for it) of ``n`` float64: arrays from ``dev``'s host pool (the copy
+    engines use them in place) or plain ones (staged through pinned rings)."""
+    if pooled:
+        x = rf.host.empty((n,), np.float64, device=dev)
+        x[...] = np.arange(n)
+        return x, rf.host.empty_like(x, device=dev)
+    return np.arange(float(n)), np.empty(n)
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_a_whole_array_call_whose_scheduler_step_dies_fails_clearly_and_hands_no_memory_back_early(pooled, recwarn):
+    """The scheduler's step raises (a ringflow bug, injected) in a ``stream_map`` on the
+    scheduled engine while d2h copies into the caller's pool array ``out`` (or into the
+    pipeline's pinned ring, staged) are pending: the call raises saying so, every chunk has
+    ended, and the memory those copies write goes back to the pool only once they are seen
+    complete: a following call on the device that takes the same blocks runs clean."""
+    from ringflow import _testing
+    from ringflow._pipeline import warm
+
+    dev = rf.device("sim", seed=5, chaos=True)
+    x, out = _arrays(dev, pooled)
+    seen = []
+
+    def hook(engine):
+        seen.append(engine.pipe)
+        _dies_with_a_d2h_in_flight(engine.pipe.scheduler)
+
+    def call():
+        with _testing.inject(on_engine=hook):  # (the hooks are the calling thread's)
+            rf.stream_map(_affine, x, out, device=dev, chunk_bytes=4096, engine="pipeline", checked=True,
+                          host="auto" if pooled else "stage")
+
+    with pytest.raises(RuntimeError, match="ringflow bug") as info:
+        bounded(call)
+    assert "injected" in repr(info.value.__cause__)
+    drop_tracebacks([info.value])
+    del info
+    (pipe,) = seen
+    stats = pipe.stats()
+    assert stats.in_flight == 0 and stats.failed == stats.accepted > 0 and stats.balanced(), stats
+    assert len(warm.WARM) == 0 or all(p is not pipe for p, _ in warm.WARM._parked.values())
+    seen.clear()
+    pipe = x = out = None  # (the closures above read these names)
+    gc.collect()
+    # the same calls again, on the blocks the dead call's copies wrote (the pool's poison fill,
+    # or this call's copies, raised HazardError where those were not ordered after them)
+    x, out = _arrays(dev, pooled)
+    got = rf.stream_map(_affine, x, out, device=dev, chunk_bytes=4096, engine="pipeline", checked=True,
+                        host="auto" if pooled else "stage")
+    assert np.array_equal(got, np.arange(4096.0) * 3 + 1)
+    got = x = out = None
+    rf.drop_warm_pipelines(dev)
+    gc.collect()
+    assert dev.live().total == 0, dev.live()
+    assert host_pool.pool_for(dev).stats().in_use_bytes == 0
+    # nothing of the dead call was released unordered after its copies (a ring's close said so
+    # in a warning, the call going on)
+    assert not [str(w.message) for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def _whole_array_call(call, on_engine):
+    """``call()`` on another thread (bounded), ``on_engine`` given the engine of every
+    whole-array call it makes (the hooks are the calling thread's); returns what it returned."""
+    from ringflow import _testing
+
+    def body():
+        with _testing.inject(on_engine=on_engine):
+            return call()
+
+    return bounded(body)
+
+
+def test_a_warm_pipeline_whose_step_died_is_not_kept_for_the_next_call():
+    """``stream_map`` takes the pipeline its last call left warm, and a step of it dies (a
+    ringflow bug, injected into that pipeline's scheduler): the call fails, and the pipeline is
+    closed, not parked again: the next call of the same shape runs on a new one, clean."""
+    from ringflow._pipeline import warm
+
+    dev = rf.device("sim", seed=7, chaos=True)
+    x = np.arange(4096.0)
+    seen = []
+
+    def run():
+        return rf.stream_map(_affine, x, device=dev, chunk_bytes=4096, engine="pipeline", host="stage")
+
+    def kill(engine):
+        seen.append(engine.pipe)
+        if len(seen) == 2:  # the warm one, taken again
+            _dies_with_a_d2h_in_flight(engine.pipe.scheduler)
+
+    assert np.array_equal(_whole_array_call(run, kill), x * 3 + 1)
+    assert len(warm.WARM) == 1
+    with pytest.raises(RuntimeError, match="ringflow bug"):
+        _whole_array_call(run, kill)
+    assert seen[1] is seen[0]
+    assert len(warm.WARM) == 0
+    assert np.array_equal(_whole_array_call(run, kill), x * 3 + 1)
+    assert seen[2] is not seen[0]
+    seen.clear()
+    rf.drop_warm_pipelines(dev)
+    gc.collect()
+    assert dev.live().total == 0, dev.live()
+
+
+def test_a_map_job_whose_step_dies_fails_clearly_and_closes():
+    """A ``MapJob`` call on the scheduled engine whose step dies (injected) with copies into the
+    caller's pool arrays pending raises saying so; the job is closed and holds nothing, and a
+    new job over the same pool arrays runs clean."""
+    dev = rf.device("sim", seed=9, chaos=True)
+    x, out = _arrays(dev, pooled=True)
+    job = rf.MapJob(_affine, x, out, device=dev, chunk_bytes=4096, engine="pipeline", checked=True)
+
+    def kill(engine):
+        _dies_with_a_d2h_in_flight(engine.pipe.scheduler)
+
+    with pytest.raises(RuntimeError, match="ringflow bug") as info:
+        _whole_array_call(job, kill)
+    drop_tracebacks([info.value])
+    del info
+    assert job.closed
+    with rf.MapJob(_affine, x, out, device=dev, chunk_bytes=4096, engine="pipeline", checked=True) as again:
+        assert np.array_equal(again(), np.arange(4096.0) * 3 + 1)
+    job.close()
+    del job, again, x, out
+    gc.collect()
+    assert dev.live().total == 0, dev.live()
+    assert host_pool.pool_for(dev).stats().in_use_bytes == 0
+
+
+def test_a_direct_call_whose_enqueue_pass_dies_fails_clearly_after_its_copies():
+    """The direct engine's enqueue loop raises (a ringflow bug, injected) once d2h copies into
+    the caller's pool array ``out`` are enqueued: the call raises saying it is a ringflow bug,
+    only once nothing enqueued still touches ``x`` or ``out``, so their blocks go back to the
+    pool ordered after those copies (a following call on them runs clean)."""
+    dev = rf.device("sim", seed=11, chaos=True)
+    x, out = _arrays(dev, pooled=True)
+
+    def kill(engine):
+        real = engine._enqueue
+        calls = []
+
+        def enqueue(*args, **kwargs):
+            computes = real(*args, **kwargs)
+            calls.append(1)
+            if len(calls) == 2:
+                raise AssertionError("injected: the enqueue pass failed with copies in flight")
+            return computes
+
+        engine._enqueue = enqueue
+
+    with pytest.raises(RuntimeError, match="ringflow bug") as info:
+        _whole_array_call(lambda: rf.stream_map(_affine, x, out, device=dev, chunk_bytes=4096, engine="direct",
+                                                checked=True), kill)
+    assert "injected" in repr(info.value.__cause__)
+    drop_tracebacks([info.value])
+    del info
+    x = out = None  # (the call above reads these names)
+    gc.collect()
+    x, out = _arrays(dev, pooled=True)
+    got = rf.stream_map(_affine, x, out, device=dev, chunk_bytes=4096, engine="direct", checked=True)
+    assert np.array_equal(got, np.arange(4096.0) * 3 + 1)
+    got = x = out = None
+    rf.drop_warm_pipelines(dev)
+    gc.collect()
+    assert dev.live().total == 0, dev.live()
+    assert host_pool.pool_for(dev).stats().in_use_bytes == 0

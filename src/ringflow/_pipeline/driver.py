@@ -234,7 +234,12 @@ class _Driver:
             resolve(sched.take_resolved())
             if pred():
                 return
-            if sched.step():
+            try:
+                stepped = sched.step()
+            except BaseException as exc:  # noqa: BLE001 - raised again, after the driver's own clean-up
+                self.step_died(exc)
+                raise
+            if stepped:
                 resolve(sched.take_resolved())
                 continue
             if pred():
@@ -259,6 +264,54 @@ class _Driver:
                 if not err.sticky:
                     raise
                 sched.break_on(err)
+
+    def step_died(self, exc: BaseException) -> None:
+        """A scheduler step this thread ran in :meth:`drive_here` raised ``exc`` (lock held).
+        Here it goes on up: on the progress thread its body ends the pipeline (:func:`_run`).
+        A whole-array call's driver ends it here (:meth:`CallerDriver.step_died`)."""
+
+    def died(self) -> BaseException:
+        """What a thread waiting on the pipeline raises once its driver has died of
+        :attr:`failure` (the caller chains it ``from`` that error). A hazard the simulated GPU's
+        checker found may be the user's own ordering (a stream of their own, a result released
+        on the wrong stream), so it says what to change and stays a HazardError; anything else
+        is a ringflow bug."""
+        failure = self.failure
+        if isinstance(failure, HazardError):
+            return HazardError(
+                f"the simulated GPU's checker stopped the pipeline: {failure}. If either access is your "
+                "code's (a compute or consumer that launches on a stream of its own, or a device result "
+                "released on another stream than the one that read it: pass that stream as "
+                "release(stream=...)), order it as said; if both are the pipeline's own, this is a "
+                "ringflow bug", failure.first, failure.second)
+        who = "progress thread" if self.background else "driver (the thread of a whole-array call)"
+        return RuntimeError(f"the pipeline's {who} died: {failure!r}; this is a ringflow bug")
+
+    def die(self, exc: BaseException) -> list:
+        """The driving thread dies of ``exc`` (a ringflow bug, maybe half way through a step; lock
+        held): every later wait raises :meth:`died`, and the scheduler cleans up after it
+        (:meth:`Scheduler.end_after_death`: its chunks end FAILED, each holding its slots and
+        pooled blocks until the work enqueued on them is seen complete, or keeping them for good:
+        a block handed back while a copy into it is pending would go to another taker, whose
+        data the copy then overwrites). Bounded by :data:`_DEATH_WAIT_S` of the device's clock.
+        Returns the futures still not done (:meth:`fail_orphans` fails them)."""
+        self.failure = exc
+        err = self.died()
+        err.__cause__ = exc
+        self.sched.end_after_death(err, _DEATH_WAIT_S)
+        return self.sched.unended_futures()
+
+    def fail_orphans(self, orphans: list) -> None:
+        """Fail every future :meth:`die` left not done with the driver's death (one awaited
+        through asyncio, ``concurrent.futures.wait`` or a done-callback has no waiter in the
+        pipeline that would see the failure)."""
+        for fut in orphans:
+            err = self.died()
+            err.__cause__ = self.failure
+            try:
+                concurrent.futures.Future.set_exception(fut, err)
+            except concurrent.futures.InvalidStateError:
+                pass  # done meanwhile (cancelled by its caller)
 
     def _warn_if_held(self, held: list, waiting: bool) -> None:
         """Log a warning once waits have found the same device results holding every slot for
@@ -323,8 +376,27 @@ class CallerDriver(_Driver):
 
     def wait_for(self, pred: Callable[[], bool], timeout: Optional[float], what: str = "the pipeline") -> None:
         """Drive until ``pred()`` holds (lock held). Raises TimeoutError after ``timeout`` seconds
-        of the device's host clock."""
+        of the device's host clock; once a step has raised (:meth:`step_died`), the error
+        :meth:`died` gives, at once."""
+        if self.failure is not None:
+            raise self.died() from self.failure
         self.drive_here(pred, timeout, what)
+
+    def step_died(self, exc: BaseException) -> None:
+        """A step raised ``exc`` (a ringflow bug; lock held): the scheduler's state is whatever
+        the step left, so it is not stepped again. Cleans up as a progress thread that died does
+        (:meth:`die`), on this thread, before the call sees the error: once it raises, nothing
+        enqueued still writes the memory its chunks handed back.
+
+        Raises:
+            RuntimeError (HazardError for the checker's): :meth:`died`, caused by ``exc``.
+        """
+        self.fail_orphans(self.die(exc))
+        err = self.died()
+        try:
+            raise err from exc
+        finally:
+            del err, exc  # this frame is in the error's traceback: no local may keep it (a cycle)
 
     def close(self) -> None:
         pass
@@ -413,22 +485,6 @@ class ProgressThread(_Driver):
                 return
             cmd.error = RuntimeError("the pipeline's progress thread has ended")
             cmd.finish()
-
-    def died(self) -> BaseException:
-        """What a thread waiting on the pipeline raises once the progress thread has died of
-        :attr:`failure` (the caller chains it ``from`` that error). A hazard the simulated GPU's
-        checker found may be the user's own ordering (a stream of their own, a result released
-        on the wrong stream), so it says what to change and stays a HazardError; anything else
-        is a ringflow bug."""
-        failure = self.failure
-        if isinstance(failure, HazardError):
-            return HazardError(
-                f"the simulated GPU's checker stopped the pipeline: {failure}. If either access is your "
-                "code's (a compute or consumer that launches on a stream of its own, or a device result "
-                "released on another stream than the one that read it: pass that stream as "
-                "release(stream=...)), order it as said; if both are the pipeline's own, this is a "
-                "ringflow bug", failure.first, failure.second)
-        return RuntimeError(f"the pipeline's progress thread died: {failure!r}; this is a ringflow bug")
 
     def add_interest(self, pred: Callable[[], bool]) -> list:
         """Someone waits for ``pred`` outside the pipeline's own calls (a future's waiter or
@@ -600,28 +656,14 @@ def _run(driver: "ProgressThread") -> None:
         driver.final_token = driver.device.publish()
     except BaseException as exc:  # noqa: BLE001 - a ringflow bug: make every waiter raise it
         with driver.cv:
-            driver.failure = exc
-            err = driver.died()
-            err.__cause__ = exc
-            # its chunks end FAILED, each holding its slots and pooled blocks until the work
-            # enqueued on them is seen complete (or keeping them for good): a block handed back
-            # while a copy into it is pending would go to another pipeline, whose data the copy
-            # then overwrites. close() joins this thread: it returns after this bounded wait
+            # close() joins this thread: it returns after die()'s bounded wait
+            orphans: list = []
             try:
-                driver.sched.end_after_death(err, _DEATH_WAIT_S)
+                orphans = driver.die(exc)
             finally:
                 driver.final_token = driver.device.publish()
                 driver.cv.notify_all()
-                orphans = driver.sched.unended_futures()
-        # and every future not yet done: one awaited through asyncio, concurrent.futures.wait or
-        # a done-callback has no waiter in the pipeline that would see the failure
-        for fut in orphans:
-            err = driver.died()
-            err.__cause__ = exc
-            try:
-                concurrent.futures.Future.set_exception(fut, err)
-            except concurrent.futures.InvalidStateError:
-                pass  # done meanwhile (cancelled by its caller)
+        driver.fail_orphans(orphans)  # (outside the lock: their done-callbacks run here)
         resolve(driver.sched.take_resolved())
     finally:
         driver.ended = True
