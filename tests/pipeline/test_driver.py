@@ -384,3 +384,60 @@ def test_a_direct_call_whose_enqueue_pass_dies_fails_clearly_after_its_copies():
     gc.collect()
     assert dev.live().total == 0, dev.live()
     assert host_pool.pool_for(dev).stats().in_use_bytes == 0
+
+
+# -- an item still being copied into a shared chunk as the progress thread dies -------------------
+
+def test_an_item_copied_into_a_shared_chunk_as_the_progress_thread_dies_ends_failed():
+    """A thread is copying a small item into the chunk that small items share (between joining
+    it and its copy's end) when the progress thread dies (a ringflow bug, injected): that chunk,
+    and the chunk accepted behind it, cannot be admitted by the dying thread. Once the copy ends,
+    both end FAILED: the submit returns a failed future, the counts balance with nothing in
+    flight, and the shared chunk's pinned block goes back to the pool, so the next pipeline on
+    the device runs clean. Both used to stay in the inbox for good, counted in flight."""
+    dev = rf.device("sim", seed=13, chaos=True)
+    pipe = rf.Pipeline(_affine, device=dev, chunk_bytes=4096, slots=2, checked=True, max_in_flight=8,
+                       coalesce=True)
+    sched = pipe.scheduler
+    copying, go, die = threading.Event(), threading.Event(), threading.Event()
+    real_written, real_step = sched.member_written, sched.step
+
+    def member_written(chunk, member, span):
+        if not copying.is_set():  # the first item: its bytes are in the chunk, its copy not yet counted ended
+            copying.set()
+            assert go.wait(JOIN_S)
+        real_written(chunk, member, span)
+
+    def step():
+        if die.is_set():
+            raise AssertionError("injected: a scheduler step failed while an item was copied into a shared chunk")
+        return real_step()
+
+    sched.member_written, sched.step = member_written, step
+    small = start(pipe.submit, np.arange(64.0))
+    assert copying.wait(JOIN_S)
+    die.set()
+    behind = pipe.submit(np.arange(512.0))  # too large for the room left: a new chunk, behind the first
+    done, not_done = concurrent.futures.wait([behind], timeout=JOIN_S)  # (a waiter: the thread steps, and dies)
+    assert not not_done
+    go.set()
+    (fut,) = join([small])
+    errors = [f.exception(timeout=JOIN_S) for f in (fut, behind)]
+    assert all(isinstance(e, RuntimeError) and "progress thread died" in str(e) for e in errors), errors
+    with pytest.raises(RuntimeError, match="progress thread died"):
+        bounded(pipe.close)
+    stats = pipe.stats()
+    assert stats.accepted == 2 and stats.failed == 2 and stats.in_flight == 0 and stats.balanced(), stats
+    drop_tracebacks(errors)
+    del errors, fut, behind, small, done
+    pipe = sched = None
+    gc.collect()
+    second = rf.Pipeline(_affine, device=dev, chunk_bytes=4096, slots=2, checked=True, coalesce=True)
+    items = [np.arange(64.0) + k for k in range(4)]
+    got = list(second.map(items))
+    assert all(np.array_equal(r, a * 3 + 1) for r, a in zip(got, items))
+    bounded(second.close)
+    del got
+    gc.collect()
+    assert dev.live().total == 0, dev.live()
+    assert host_pool.pool_for(dev).stats().in_use_bytes == 0

@@ -657,6 +657,11 @@ class Pipeline:
                 host_pool.hand_off(item, self.device.publish())
             s.member_written(chunk, member, (t0, self.device.now))  # the driver's lock is not needed
             d.wake.set()
+            if s.stopped_by is not None:
+                # the driver died while this copy was being made: it could not admit the chunk,
+                # nor those behind it (set before it looked at the chunk, so seen here if it did)
+                with d.cv:
+                    s.admit_after_death()
         except BaseException as exc:
             # the copy failed or an interrupt (Ctrl-C) landed anywhere above: an item not wholly
             # registered, or whose copy did not end, is taken back; one whose copy ended stays.
@@ -683,6 +688,7 @@ class Pipeline:
         d, s = self._driver, self._sched
         with d.cv:
             s.member_written(*claim[0], None)
+            s.admit_after_death()  # (a driver that died meanwhile left the chunk's other items to this thread)
             d.notify()
         claim.clear()
 

@@ -1330,8 +1330,10 @@ class Scheduler:
             self._members.pop(m.index, None)
             fut = m.future
             fut.token = token
-            if fut.done():  # cancelled by its caller while the chunk went on for the others
-                self.counts["cancelled"] += 1
+            if fut.done():
+                # cancelled by its caller while the chunk went on for the others, or failed as
+                # the driver died while the chunk waited in the inbox (admit_after_death)
+                self.counts["cancelled" if fut.cancelled() else "failed"] += 1
             elif m.error is not None:  # its own compute failed: its own error, however the chunk ended
                 self.counts["failed"] += 1
                 fut.set_exception(m.error)
@@ -1509,7 +1511,9 @@ class Scheduler:
         self.stopped_by = err
         self.version += 1
         try:
-            self._admit()  # (a shared chunk whose items are still being copied in stays: no device work is on it)
+            # (a shared chunk whose items are still being copied in stays, and the chunks behind
+            # it: no device work is on them; the last copy to end ends them, admit_after_death)
+            self._admit()
         except Exception:  # noqa: BLE001 - the state the bug left: its chunks end below all the same
             logger.debug("admitting the inbox after the driver died failed", exc_info=True)
         try:
@@ -1524,6 +1528,23 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - the futures left pending are failed by the driver
             logger.debug("ending the chunks of a pipeline whose driver died failed", exc_info=True)
         return complete
+
+    def admit_after_death(self) -> None:
+        """Once :meth:`end_after_death` has run (lock held; else nothing): admit what the inbox
+        holds and end it FAILED with the error that stopped the driver. The dying thread left
+        there a chunk that small items share while a copy into it was still being made, and every
+        chunk behind it; the thread whose copy ends last calls this (its submit's clean-up too),
+        so each of their items is counted ended and the chunk's block goes back to the pool
+        ordered after the copies. No work of these chunks is on a stream. Never raises an
+        ``Exception``."""
+        err = self.stopped_by
+        if err is None:
+            return
+        try:
+            self._admit()  # (stops again at a chunk another thread is still copying into: that thread comes here next)
+            self._end_all(err, keep_lent=True)
+        except Exception:  # noqa: BLE001 - their futures were failed as the driver died
+            logger.debug("ending the inbox of a pipeline whose driver died failed", exc_info=True)
 
     def _wait_enqueued(self, timeout: float) -> bool:
         """Wait (device host clock, at most ``timeout`` seconds) for an event recorded now on every
