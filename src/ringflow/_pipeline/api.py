@@ -1162,7 +1162,7 @@ class Pipeline:
                 return
             try:
                 if d.failure is not None:
-                    return  # the progress thread died (the error leaving the block says so): nothing runs to cancel
+                    return  # the driver died (the error leaving the block says so): nothing runs to cancel
                 d.command(self._sched.cancel_pending)
                 give_up_stranded(d)  # (results delivered into such an amap are released: see close)
                 d.wait_for(self._sched.finished, None, "cancelled chunks to drain")

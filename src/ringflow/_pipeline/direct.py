@@ -256,10 +256,9 @@ class DirectSchedule:
         Raises:
             StageError: a compute failed (while being enqueued, or on the device).
             DeviceError: the device's sticky error.
-            RuntimeError: the engine is closed.
+            RuntimeError: the engine is closed, or ringflow's own code failed while enqueueing
+                (a ringflow bug; the original as ``__cause__``).
             ValueError: no arrays bound and none given.
-            RuntimeError: ringflow's own code failed while enqueueing (a ringflow bug; the
-                original as ``__cause__``).
         Either way every operation already enqueued has completed before it raises, so nothing
         still reads or writes the caller's memory; ``out``'s contents are then unspecified. The
         error's traceback keeps the compute's own frames, but none of this engine's locals: a
