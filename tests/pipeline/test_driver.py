@@ -215,6 +215,50 @@ def test_a_pipeline_whose_progress_thread_died_refuses_more_work_saying_why():
     drop_tracebacks([f.exception(timeout=0) for f in futs])
 
 
+def test_a_step_that_dies_inside_a_done_callback_ends_the_pipeline_as_the_thread_s_death(caplog):
+    """A done-callback runs on the progress thread, and one that waits on the pipeline
+    (``submit(...).result()``) drives the scheduler there. A step that raised in that drive (a
+    ringflow bug) went up through the callback, where the error was logged as the callback's
+    own, and the thread carried on with whatever the step had left: now the pipeline dies of it
+    as if the thread's own step had raised (every future fails, naming the bug; close() ends)."""
+    dev = rf.device("sim", seed=5, chaos=True)
+    pipe = rf.Pipeline(_affine, device=dev, chunk_bytes=4096, slots=2, checked=True, max_in_flight=8)
+    sched, real_step = pipe.scheduler, pipe.scheduler.step
+    in_callback = threading.local()
+
+    def step():
+        if getattr(in_callback, "on", False):
+            raise AssertionError("injected: a scheduler step failed in a done-callback's wait")
+        return real_step()
+
+    sched.step = step
+    inner = []
+
+    def callback(_fut):
+        in_callback.on = True
+        try:
+            inner.append(pipe.submit(np.arange(512.0) + 7))
+            inner[-1].result()
+        finally:
+            in_callback.on = False
+
+    first = pipe.submit(np.arange(512.0))
+    first.add_done_callback(callback)
+    later = [pipe.submit(np.arange(512.0) + k) for k in range(1, 4)]
+    done, not_done = concurrent.futures.wait([first, *later], timeout=JOIN_S)
+    assert not not_done and inner
+    done, not_done = concurrent.futures.wait(inner, timeout=JOIN_S)
+    assert not not_done
+    errors = [f.exception(timeout=0) for f in [*later, *inner]]
+    assert all(isinstance(e, RuntimeError) and "progress thread died" in str(e) for e in errors), errors
+    assert all("injected" in repr(e.__cause__) for e in errors)
+    with pytest.raises(RuntimeError, match="progress thread died"):
+        bounded(pipe.close)
+    stats = pipe.stats()
+    assert stats.balanced() and stats.in_flight == 0, stats
+    drop_tracebacks(errors)
+
+
 # -- a whole-array call: the calling thread drives, and its step dies ------------------------------
 
 def _arrays(dev, pooled: bool, n: int = 4096):

@@ -419,10 +419,21 @@ class ProgressThread(_Driver):
         self.ended = False  # the thread has run its last turn: posted commands are refused
         self._seen_version = -1
         self.final_token: Any = None
+        # a step that raised in a done-callback's wait on this thread (step_died): the thread
+        # dies of it once the callbacks have returned
+        self.step_failure: Optional[BaseException] = None
         sched.wake_driver = self.wake.set  # a result released on the device: its slot is waiting
         self.thread = threading.Thread(target=_run, args=(self,), name=name, daemon=True)
         self.thread.start()
         _RUNNING.add(self)
+
+    def step_died(self, exc: BaseException) -> None:
+        """A step raised ``exc`` (a ringflow bug) in a done-callback's wait on this thread: the
+        error goes up through the callback, which may swallow it (its errors are only logged), so
+        it is kept, every later wait on this thread refuses, and the thread dies of it as soon
+        as the callbacks have returned (:meth:`step_once`), as of a step of its own."""
+        if self.step_failure is None:
+            self.step_failure = exc
 
     # -- waits, from user threads ------------------------------------------------------------
     def wait_for(self, pred: Callable[[], bool], timeout: Optional[float], what: str = "the pipeline") -> None:
@@ -436,6 +447,9 @@ class ProgressThread(_Driver):
             # a done-callback (they run on this thread) waits for the pipeline: submit() on a
             # full pipeline, result() of a pending chunk, cancel(), close(). No other thread
             # would advance it, so this one drives it here, as a whole-array call's caller does
+            if self.step_failure is not None:  # a step died in an earlier wait: never step again
+                raise RuntimeError(f"the pipeline's progress thread is dying: {self.step_failure!r}; this is a "
+                                   "ringflow bug") from self.step_failure
             self.drive_here(pred, timeout, what)
             return
         deadline = self.deadline_of(timeout)
@@ -571,6 +585,8 @@ class ProgressThread(_Driver):
                     idle, fences = None, None
         if batch:
             resolve(batch)
+            if self.step_failure is not None:  # whatever the callback made of the error
+                raise self.step_failure
         if idle == "release":  # device results hold every slot: wait for a release
             self._owed += self._wait_for_release(wait)
         elif idle is not None:
