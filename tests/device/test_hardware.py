@@ -95,6 +95,15 @@ def _doc(**changes):
     ({"model.host_copy_GBps": [[1, 5e-324]]}, "must be from 1e-06 to 1e+06"),
     ({"model.launch_overhead_s": 1e308}, "'model.launch_overhead_s' must be from 0 to 3600"),
     ({"model.h2d_curve": [[2 ** 63, 2.5]]}, "[0][0] (bytes) must be at most"),
+    # a curve is extrapolated below its first point (a smaller copy takes as long as the first
+    # point's, fewer threads copy at its rate a thread): one far out made every copy on the
+    # simulated GPU last billions of virtual seconds, simulated for hours of real time
+    ({"model.h2d_curve": [[2 ** 62, 1.0]]}, "'model.h2d_curve'[0]: a copy of 4611686018427387904 bytes at 1 GB/s "
+                                             "takes 4.6e+09 s"),
+    ({"model.d2h_curve": [[10 ** 13, 1e-3], [10 ** 14, 1.0]]}, "'model.d2h_curve'[0]: a copy of"),
+    ({"model.host_copy_GBps": [[2 ** 62, 1.0]]}, "'model.host_copy_GBps'[0]: 1 GB/s over 4611686018427387904 "
+                                                  "threads is 2.2e-19 GB/s a thread"),
+    ({"model.first_touch_GBps": [[10 ** 7, 1.0]]}, "'model.first_touch_GBps'[0]: 1 GB/s over 10000000 threads"),
     ({"model.total_memory": "141GB"}, "'model.total_memory' must be a whole number"),
     ({"model.compute_capability": [9]}, "'model.compute_capability' must be a [major, minor] pair"),
     ({"model.chaos_spread": 1.5}, "'model.chaos_spread' must be below 1"),
@@ -183,6 +192,16 @@ def test_constructing_a_profile_checks_it_too():
         dataclasses.replace(H200_PCIE5, duplex_GBps=float("nan"))
     with pytest.raises(ProfileError, match="HardwareProfile.d2h_curve"):
         dataclasses.replace(H200_PCIE5, d2h_curve=())
+    with pytest.raises(ProfileError, match="HardwareProfile.host_copy_GBps.0.: 1 GB/s over 1048576 threads"):
+        dataclasses.replace(H200_PCIE5, host_copy_GBps=((1 << 20, 1.0),))
+
+
+@pytest.mark.parametrize("first", [(1, 1e-6), (1 << 40, 1000.0)], ids=["a kB/s", "a TiB at 1 TB/s"])
+def test_a_first_curve_point_within_an_hour_is_taken(first):
+    """The bound on a curve's first point refuses only the absurd: a byte copied at a kB/s, or a
+    tebibyte at a terabyte a second, is a profile."""
+    p = dataclasses.replace(H200_PCIE5, h2d_curve=(first,), host_copy_GBps=((1 << 10, 1.0),))
+    assert p.h2d_curve == (first,)
 
 
 def test_a_rewritten_file_is_read_again(tmp_path):

@@ -283,6 +283,18 @@ def _curve(value: Any, where: str, x_name: str) -> tuple[tuple[int, float], ...]
             raise ProfileError(f"{where}: the {x_name} must rise from point to point, but point {i} has {x} after "
                                f"{points[-1][0]}")
         points.append((x, _rate(p[1], f"{where}[{i}][1] (GB/s)")))
+    # Below its first point a curve is extrapolated: a smaller copy takes as long as the first
+    # point's, fewer threads copy at its rate a thread. A first point far out made every copy on
+    # the simulated GPU last so long in virtual time that simulating it took hours.
+    x0, rate0 = points[0]
+    if x_name == "bytes" and x0 / (rate0 * 1e9) > _SECONDS_MAX:
+        raise ProfileError(f"{where}[0]: a copy of {x0} bytes at {rate0:g} GB/s takes {x0 / (rate0 * 1e9):.2g} s, "
+                           f"and every smaller copy as long; give a first point that copies in at most "
+                           f"{_SECONDS_MAX:g} s (a smaller size, or a higher rate)")
+    if x_name == "threads" and rate0 / x0 < _GBPS_RANGE[0]:
+        raise ProfileError(f"{where}[0]: {rate0:g} GB/s over {x0} threads is {rate0 / x0:.2g} GB/s a thread, the "
+                           f"rate of each of fewer threads; give a first point of at least {_GBPS_RANGE[0]:g} GB/s "
+                           "a thread (fewer threads, or a higher rate)")
     return tuple(points)
 
 
