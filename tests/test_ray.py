@@ -222,6 +222,32 @@ def test_columns_of_different_shapes_are_not_stacked(mapper_factory):
         mapper_factory(affine, ["a", "t"])({"a": np.zeros(10), "t": np.zeros((10, 2))})
 
 
+@pytest.mark.parametrize("columns", [["a", "b"], None], ids=["named", "all"])
+def test_columns_of_different_lengths_are_named_as_such(mapper_factory, columns):
+    with pytest.raises(ValueError, match=r"columns of one batch have one length each; got a: 5 rows, b: 3 rows"):
+        mapper_factory(affine, columns)({"a": np.zeros(5), "b": np.zeros(3)})
+
+
+@pytest.mark.parametrize("columns", ["a", None], ids=["named", "all"])
+def test_a_dataframe_with_a_column_name_twice_is_refused_by_name(mapper_factory, columns):
+    pd = pytest.importorskip("pandas")
+    frame = pd.DataFrame([[1.0, 2.0, 3.0]], columns=["a", "a", "b"])
+    with pytest.raises(ValueError, match=r"the batch has 2 columns named 'a'; rename them"):
+        mapper_factory(affine, columns)(frame)
+
+
+@pytest.mark.parametrize("ids, named", [(np.arange(3), None), (np.arange(6000).reshape(3000, 2), ([0, 1], [5998, 5999]))],
+                         ids=["shorter", "two-wide"])
+def test_a_failure_names_its_rows_whatever_the_id_column_holds(mapper_factory, ids, named):
+    """An id column that does not hold one value a row names no ids; the failure itself is
+    still the error raised."""
+    with pytest.raises(BatchStageError) as info:
+        mapper_factory(fails_on_2345, "a", id_column="id")({"a": np.arange(3000.0), "id": ids})
+    assert info.value.rows == (0, 3000) and info.value.ids == named
+    assert isinstance(info.value.__cause__, ValueError)
+    assert pickle.loads(pickle.dumps(info.value)).ids == named
+
+
 @pytest.mark.parametrize("args, kwargs, message", [
     (("not callable",), {}, r"needs a callable f\(x, y\)"),
     ((lambda x: x * 2,), {}, r"RayMapper's first argument is called as f\(x, y\), and writes its result into y"),

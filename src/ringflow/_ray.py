@@ -202,6 +202,9 @@ class RayMapper:
             if name not in batch:
                 have = [str(c) for c in batch.keys()]
                 raise ValueError(f"RayMapper: the batch has no column {name!r} (it has {have}); fix columns=")
+            if frame and list(batch.columns).count(name) > 1:  # batch[name] would be a DataFrame of them
+                raise ValueError(f"RayMapper: the batch has {list(batch.columns).count(name)} columns named {name!r}; "
+                                 "rename them so each name is one column")
             if frame and _is_nullable(batch[name].dtype) and bool(batch[name].isna().any()):
                 raise TypeError(f"RayMapper streams numeric columns; column {name!r} of pandas' nullable dtype "
                                 f"{batch[name].dtype} holds missing values, which have no numpy equivalent: fill "
@@ -234,6 +237,9 @@ class RayMapper:
                                  f"({found}); pass dtype= (e.g. dtype='float32') to cast them to one")
         if len(cols) == 1:
             return np.ascontiguousarray(cols[0], dtype=self.dtype), as_rows
+        if len({len(c) for c in cols}) > 1:
+            found = ", ".join(f"{n}: {len(c)} rows" for n, c in zip(names, cols))
+            raise ValueError(f"RayMapper: the columns of one batch have one length each; got {found}")
         shapes = {c.shape for c in cols}
         if len(shapes) > 1:
             found = ", ".join(f"{n}: {c.shape}" for n, c in zip(names, cols))
@@ -265,7 +271,8 @@ class RayMapper:
         ids = None
         if self.id_column is not None and self.id_column in batch and stop > start:
             col = batch[self.id_column].to_numpy() if frame else np.asarray(batch[self.id_column])
-            ids = (_plain(col[start]), _plain(col[stop - 1]))
+            if col.ndim >= 1 and len(col) == len(x):  # else its values are not the rows': no ids, the failure still said
+                ids = (_plain(col[start]), _plain(col[stop - 1]))
         return BatchStageError(exc.stage, exc.index, (start, stop), len(x), ids, self.id_column, self.device.name,
                                exc.__cause__)
 
@@ -384,8 +391,9 @@ def _rows_per_chunk(f: Callable, x: np.ndarray, dev: Device, options: dict) -> i
 
 
 def _plain(value: Any) -> Any:
-    """A numpy scalar as the Python value (so messages and pickles carry no numpy types)."""
-    return value.item() if isinstance(value, np.generic) else value
+    """A numpy scalar or array as the Python value or list (so messages and pickles carry no
+    numpy types)."""
+    return value.item() if isinstance(value, np.generic) else value.tolist() if isinstance(value, np.ndarray) else value
 
 
 def _is_nullable(dtype: Any) -> bool:
