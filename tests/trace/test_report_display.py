@@ -186,6 +186,28 @@ def test_as_dict_of_a_run_without_results_is_json_with_none_for_missing_figures(
     assert "efficiency nan" in repr(rep)  # the object keeps its float for formatting
 
 
+@pytest.mark.parametrize("fail", [{1, 2, 3}, {2}], ids=["every item", "one item"])
+def test_a_chunk_of_small_items_counts_as_delivered_only_where_one_of_them_was(fail):
+    """Small submitted items share a chunk, and a compute that raises fails its item alone while
+    the chunk goes on. A chunk all of whose items failed delivered nothing: the report said
+    "1 chunks" (with its bytes and throughput) where the pipeline's stats said 0 delivered."""
+    dev = rf.device("sim", profile="unit")
+
+    def f(x, y):
+        if x[0] in fail:
+            raise RuntimeError("this item is refused")
+        y[:] = x
+
+    with rf.Pipeline(f, device=dev, profile=True, on_error="continue") as pipe:
+        futures = [pipe.submit(np.full(10, i, np.float32)) for i in (1, 2, 3)]
+        outcomes = [type(fut.exception(timeout=60)).__name__ for fut in futures]
+        rep, stats = pipe.report(), pipe.stats()
+    assert outcomes.count("StageError") == len(fail) and stats.failed == len(fail)
+    assert len(rep.timeline.records) == 1  # the three items shared one chunk
+    assert rep.chunks == (1 if stats.delivered else 0)
+    assert (rep.bytes_in > 0) == (stats.delivered > 0) and (rep.throughput_GBps > 0) == (stats.delivered > 0)
+
+
 def test_as_dict_of_a_run_is_unchanged_where_figures_exist(rep):
     import json
 

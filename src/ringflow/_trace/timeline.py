@@ -108,9 +108,22 @@ def record_chunk(chunk, anchor: Optional[Anchor]) -> ChunkRecord:
             span = anchor.span_of(chunk.events, stage)
             if span is not None:
                 stages[stage] = span
-    return ChunkRecord(index=chunk.index, nbytes=chunk.nbytes, final=chunk.state.value,
+    return ChunkRecord(index=chunk.index, nbytes=chunk.nbytes, final=_final(chunk),
                        accepted=st.get("accepted", 0.0), ended=st.get("ended", 0.0), stages=stages,
                        pooled=tuple(pooled))
+
+
+def _final(chunk) -> str:
+    """How ``chunk`` ended, as a report counts it: a chunk that small items shared goes on when
+    an item fails or is cancelled, so it ends delivered even where none of its items was; it
+    then counts as failed (any failed) or cancelled, as its items do."""
+    final = chunk.state.value
+    members = chunk.members
+    if final != "delivered" or not members:
+        return final
+    if all(m.error is not None or m.future.done() for m in members):  # (a done future: cancelled by its caller)
+        return "failed" if any(m.error is not None for m in members) else "cancelled"
+    return final
 
 
 def stall_spans(chunk_stamps: dict, index: int) -> list[Span]:
