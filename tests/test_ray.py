@@ -258,6 +258,12 @@ def test_a_failure_names_its_rows_whatever_the_id_column_holds(mapper_factory, i
     ((affine, ["a", "b"], ["y"]), {}, r"one column per entry of columns: got 1 for 2"),
     ((affine, "a"), {"dtype": "no such dtype"}, r"dtype must be a numpy dtype"),
     ((affine, "a"), {"dtype": object}, r"dtype must be a numeric numpy dtype"),
+    # the columns it streams are numeric, so the dtype they are cast to is too: a string dtype
+    # turned numbers into text, a structured or void one into records of raw bytes
+    ((affine, "a"), {"dtype": "U5"}, r"dtype must be a numeric numpy dtype .*got <U5"),
+    ((affine, "a"), {"dtype": "datetime64[s]"}, r"dtype must be a numeric numpy dtype .*got datetime64\[s\]"),
+    ((affine, "a"), {"dtype": [("p", "f4")]}, r"dtype must be a numeric numpy dtype"),
+    ((affine, "a"), {"dtype": "V8"}, r"dtype must be a numeric numpy dtype"),
     ((affine, "a"), {"id_column": 3}, r"id_column must be a column name"),
     ((affine, "a"), {"chunk_bytes": -1}, r"chunk_bytes"),
     ((affine, "a"), {"host": "pinned"}, r"host"),

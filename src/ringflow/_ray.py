@@ -56,8 +56,8 @@ class RayMapper:
             every column of the batch.
         output_columns: where the result goes, one name per entry of ``columns``; None writes
             the results over ``columns``.
-        dtype: the numpy dtype the selected columns are cast to before streaming; None
-            requires them to share one dtype.
+        dtype: the numeric numpy dtype the selected columns are cast to before streaming;
+            None requires them to share one dtype.
         id_column: a column whose values identify rows across the dataset; a failure then also
             names the first and last of them among the failed rows.
         device: a device spec (``"auto"``, ``"cuda"``, ``"cuda:N"``, ``"sim"``), made once in
@@ -99,8 +99,9 @@ class RayMapper:
             self.dtype = None if dtype is None else np.dtype(dtype)
         except TypeError as exc:
             raise TypeError(f"dtype must be a numpy dtype such as 'float32', got {dtype!r}") from exc
-        if self.dtype is not None and self.dtype.hasobject:
-            raise TypeError(f"dtype must be a numeric numpy dtype (ringflow moves raw bytes), got {self.dtype}")
+        if self.dtype is not None and self.dtype.kind not in "biufc":  # the kinds of column it streams
+            raise TypeError(f"dtype must be a numeric numpy dtype (bool, integer, float or complex, e.g. 'float32'), "
+                            f"got {self.dtype}")
         if id_column is not None and not isinstance(id_column, str):
             raise TypeError(f"id_column must be a column name (a string) or None, got {type(id_column).__name__}")
         self.id_column = id_column
