@@ -286,6 +286,25 @@ def test_an_output_file_that_cannot_take_the_result_is_refused_before_any_work(t
     assert f"argument {option}" in err and repr(path) in err, err
 
 
+@pytest.mark.parametrize("name, make", [("trace.json", os.mkdir), ("timeline.png", os.mkfifo)],
+                         ids=["a folder", "a fifo"])
+def test_a_demo_folder_whose_output_file_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch, capsys,
+                                                                                       name, make):
+    """The demo writes trace.json and timeline.png into --out: one that is a folder or a pipe
+    there failed only after the whole demo had run."""
+    import ringflow._demo as demo
+
+    def must_not_run(*a, **k):
+        raise AssertionError(f"the demo ran although its {name} cannot be written")
+
+    monkeypatch.setattr(demo, "demo", must_not_run)
+    make(str(tmp_path / name))
+    assert main(["demo", "--device", "sim", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ringflow demo: error: argument --out: ") and repr(str(tmp_path / name)) in err, err
+    assert "give another folder" in err and len(err.splitlines()) == 1
+
+
 @pytest.mark.parametrize("interrupt, code", [(KeyboardInterrupt(), 130), (SystemExit(3), 3)])
 def test_ctrl_c_inside_a_simulated_launch_stops_the_bench(monkeypatch, capsys, interrupt, code):
     """The simulated GPU runs a launched function inside a later call and reports what it raised

@@ -255,9 +255,19 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ._demo import demo
+    from ._demo import PLOT_FILE, TRACE_FILE, demo
 
     check_out_dir(args.out, "--out")
+    if os.path.isdir(args.out):  # the files it will write there, checked before the run, not after it
+        for name in (TRACE_FILE, PLOT_FILE):
+            path = os.path.join(args.out, name)
+            try:
+                check_out_file(path, "--out")
+            except UsageError as exc:
+                # what is wrong with the file, without its advice for a file option
+                detail = str(exc).removeprefix("argument --out: ").split("; give ")[0]
+                raise UsageError(f"argument --out: the demo writes {name} into {args.out!r}, but {detail}; "
+                                 "give another folder") from None
     return demo(device=args.device, out_dir=args.out)
 
 

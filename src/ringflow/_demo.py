@@ -15,6 +15,8 @@ import numpy as np
 
 import ringflow as rf
 
+TRACE_FILE, PLOT_FILE = "trace.json", "timeline.png"  # what the demo writes into its folder
+
 
 def demo(device: "str | None" = None, out_dir: str = "ringflow-demo") -> int:
     """Run the demo on ``device`` (a :func:`ringflow.device` spec; None reads RINGFLOW_DEVICE)
@@ -66,8 +68,8 @@ def demo(device: "str | None" = None, out_dir: str = "ringflow-demo") -> int:
         console.print("[red]the profiled run's output is wrong[/]")
         return 1
     console.print(rep.table())
-    trace = rep.save_trace(os.path.join(out_dir, "trace.json"))
-    png = os.path.join(out_dir, "timeline.png")
+    trace = rep.save_trace(os.path.join(out_dir, TRACE_FILE))
+    png = os.path.join(out_dir, PLOT_FILE)
     try:
         rep.plot(png)
     except RuntimeError as exc:  # matplotlib missing
