@@ -55,7 +55,9 @@ def test_every_example_is_checked():
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(EXPECTED)
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+# (the Ray example starts Ray and two pools of actors: longer than the default per-test timeout)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.timeout(300)) if n in NEEDS else n
+                                  for n in sorted(EXPECTED)])
 def test_example_runs_on_the_simulated_gpu(name, tmp_path):
     if name in NEEDS:
         pytest.importorskip(NEEDS[name][0], reason=NEEDS[name][1])

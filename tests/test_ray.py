@@ -17,8 +17,9 @@ import ringflow as rf
 from ringflow._ray import BatchStageError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# Ray Data's own context warns about its deprecated settings whenever it is copied
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")
+# Ray Data's own context warns about its deprecated settings whenever it is copied; starting Ray and
+# its actors takes longer than pyproject's default per-test timeout allows for
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context"), pytest.mark.timeout(300)]
 
 
 def affine(x, y):

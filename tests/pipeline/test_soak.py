@@ -146,6 +146,7 @@ def test_soak_short():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # minutes: far over pyproject's default per-test timeout
 def test_soak_hundred_thousand_chunks(request):
     if "slow" not in (request.config.getoption("markexpr") or "") and not os.environ.get("RINGFLOW_SLOW"):
         pytest.skip("10^5 chunks take minutes: select it with -m slow (or set RINGFLOW_SLOW=1)")
