@@ -406,6 +406,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--parts", default="seed,setup,requests")
     ap.add_argument("--seed-mib", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=300, help="requests in the requests part")
     ap.add_argument("--preload", action="store_true", help="import torch and CuPy first, as the bench does")
     args = ap.parse_args(argv)
     dev = rf.device(args.device)
@@ -419,8 +420,10 @@ def main(argv=None) -> int:
         try:
             if part == "seed":
                 seed(dev, out, args.seed_mib)
+            elif part == "requests":
+                requests(dev, out, count=args.requests)
             else:
-                {"setup": setup_profile, "requests": requests, "phases": phases}[part](dev, out)
+                {"setup": setup_profile, "phases": phases}[part](dev, out)
         except Exception as exc:  # noqa: BLE001 - report and go on to the next part
             import traceback
 

@@ -36,7 +36,7 @@ def test_diagnose_requests(tmp_path):
 
 
 def test_diagnose_hotpath(tmp_path):
-    r = run_script(tmp_path, "diagnose_hotpath.py", "--parts", "setup,requests")
+    r = run_script(tmp_path, "diagnose_hotpath.py", "--parts", "setup,requests", "--requests", "60")
     assert "setup_error" not in r and "requests_error" not in r
     assert r["requests"]["p99_ms"] > 0 and r["setup"]["parts_us"]
 
