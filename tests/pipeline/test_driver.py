@@ -243,8 +243,8 @@ def test_a_step_that_dies_inside_a_done_callback_ends_the_pipeline_as_the_thread
             in_callback.on = False
 
     first = pipe.submit(np.arange(512.0))
-    first.add_done_callback(callback)
     later = [pipe.submit(np.arange(512.0) + k) for k in range(1, 4)]
+    first.add_done_callback(callback)  # (after every submit: once it runs, the pipeline takes no more)
     done, not_done = concurrent.futures.wait([first, *later], timeout=JOIN_S)
     assert not not_done and inner
     done, not_done = concurrent.futures.wait(inner, timeout=JOIN_S)
