@@ -259,6 +259,30 @@ def test_a_step_that_dies_inside_a_done_callback_ends_the_pipeline_as_the_thread
     drop_tracebacks(errors)
 
 
+def test_on_the_simulated_gpu_a_thread_nobody_waits_on_does_not_spin(monkeypatch):
+    """On the simulated GPU the progress thread steps only while someone waits. A turn that did
+    not step still found the copies into shared chunks it had not taken (nobody had stepped to
+    take them) and turned again at once: a busy loop holding the GIL until someone waited,
+    hundreds of thousands of turns for a 100-item map over four devices. Now such a turn idles
+    until a wait (or a command) wakes it."""
+    from ringflow._pipeline import driver
+
+    turns = [0]
+    real = driver.ProgressThread.step_once
+
+    def step_once(self):
+        turns[0] += 1
+        return real(self)
+
+    monkeypatch.setattr(driver.ProgressThread, "step_once", step_once)
+    items = [np.full(100, k, np.float32) for k in range(100)]
+    devices = [rf.device("sim", seed=k) for k in range(4)]
+    with rf.Pipeline(_affine, device=devices, chunk_bytes=1 << 16) as pipe:
+        got = list(pipe.map(items))
+    assert all(np.array_equal(r, a * 3 + 1) for r, a in zip(got, items))
+    assert turns[0] < 20 * len(items), turns[0]
+
+
 # -- a whole-array call: the calling thread drives, and its step dies ------------------------------
 
 def _arrays(dev, pooled: bool, n: int = 4096):

@@ -418,6 +418,7 @@ class ProgressThread(_Driver):
         self.abandoned = False
         self.ended = False  # the thread has run its last turn: posted commands are refused
         self._seen_version = -1
+        self._unstepped = False  # the last turn did not step: nobody waited on the simulated GPU
         self.final_token: Any = None
         # a step that raised in a done-callback's wait on this thread (step_died): the thread
         # dies of it once the callbacks have returned
@@ -578,10 +579,12 @@ class ProgressThread(_Driver):
             idle, fences, wait = plan
             if idle is not None or fences:
                 self.wake.clear()
-                if sched.returns or sched.copies_ended_unseen() or self.commands:
+                if self.commands or (not self._unstepped and (sched.returns or sched.copies_ended_unseen())):
                     # released, a copy into a shared chunk ended, or a command posted, after
                     # this turn's step looked (their wake-up may have come before the clear):
-                    # take it now
+                    # take it now. A turn that did not step (the simulated GPU with nobody
+                    # waiting) would not take a release or a copy now either: turning again at
+                    # once only spun, holding the GIL, until someone waited
                     idle, fences = None, None
         if batch:
             resolve(batch)
@@ -617,7 +620,9 @@ class ProgressThread(_Driver):
                 sched.close()
             return None
         if self.gated and not (self.someone_waits() or self.stopping or sched.resolved):
+            self._unstepped = True
             return 0.25, None, None
+        self._unstepped = False
         if sched.step() or sched.resolved:
             return None, None, None
         fences = sched.pending_fences()
