@@ -446,3 +446,12 @@ def test_ray_data_raises_the_stage_error_itself_when_asked(ray_local):
     finally:
         ctx.raise_original_map_exception = False
     assert (info.value.stage, info.value.rows, info.value.batch_rows) == ("compute", (256, 512), 2000)
+
+
+def test_a_closed_mapper_says_it_is_closed():
+    """A batch given to a closed mapper was refused by the closed device, whose advice (make a
+    new device) did not fit: the mapper itself is closed."""
+    m = rf.RayMapper(affine, "a", device="sim", chunk_bytes=1024)
+    m.close()
+    with pytest.raises(RuntimeError, match=r"this RayMapper is closed.*make a new one"):
+        m(numeric_batch(10))

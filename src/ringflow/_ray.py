@@ -152,12 +152,16 @@ class RayMapper:
                 original is ``__cause__``. It pickles, so Ray reports it as the task's error.
             TypeError, ValueError: a batch that is neither kind, a missing or non-numeric
                 column, columns of different dtypes or shapes without ``dtype``.
+            RuntimeError: the mapper is closed.
 
         A column of arrays (a pandas tensor column, or one array object per row, every row of
         one shape) streams as one array of ``(rows, *shape)``; in a DataFrame, each result of
         more than one dimension goes back as a tensor column (Ray Data's ``TensorArray``), or
         as one array per row where the input was.
         """
+        if self.device.closed:
+            raise RuntimeError("this RayMapper is closed (close() released its device); make a new one to map "
+                               "more batches")
         frame = _is_dataframe(batch)
         if not frame and not isinstance(batch, dict):
             raise TypeError(f"RayMapper takes a batch as a dict of numpy arrays (batch_format='numpy') or a "

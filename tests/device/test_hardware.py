@@ -359,3 +359,18 @@ def test_a_failed_calibration_is_a_warning_and_the_h200_profile(fresh_lookups, m
     (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert "measuring NVIDIA H200's hardware profile failed" in warning.getMessage()
     assert "No space left on device" in warning.getMessage()
+
+
+def test_a_profile_file_rewritten_again_and_again_is_remembered_once(tmp_path):
+    """A file is read again when it changes; each version was kept for the life of the process,
+    so a profile rewritten in a loop (a calibration that saves as it goes) grew without bound."""
+    import os
+
+    path = tmp_path / "p.json"
+    base = get_profile("unit")
+    before = len(hardware._loaded)
+    for k in range(5):
+        hardware.save_profile(dataclasses.replace(base, name=f"unit-{k}"), path)
+        os.utime(path, ns=(k * 10**9, k * 10**9))  # a new time even where the clock's grain is coarse
+        assert hardware.load_profile(path).name == f"unit-{k}"
+    assert len(hardware._loaded) - before == 1

@@ -203,3 +203,10 @@ def test_shards_cut_the_same_chunks_as_one_device_when_the_result_is_wider():
         assert [s.rows for s in job._held.engine.shards] == [16, 16]
         assert [p._layout.rows for p in job._held.engine.parts] == [16, 16]
         np.testing.assert_array_equal(job(), one())
+
+
+@pytest.mark.parametrize("profile", [False, None, 0])
+def test_stream_map_report_refuses_to_be_told_not_to_profile(profile):
+    """``stream_map_report`` always profiles: ``profile=False`` was dropped without a word."""
+    with pytest.raises(ValueError, match=r"stream_map_report always profiles.*leave profile= out.*stream_map"):
+        rf.stream_map_report(by_rows, np.ones((4, 2), np.float32), device=rf.device("sim"), profile=profile)

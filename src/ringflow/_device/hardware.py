@@ -471,7 +471,9 @@ DEFAULT_PROFILE = "h200-pcie5"
 
 
 # -- files -------------------------------------------------------------------------------------------------------------
-_loaded: dict[tuple, HardwareProfile] = {}
+# by real path: (modification time, size, profile) of the version last read (one a file: a
+# profile rewritten again and again is not kept version after version)
+_loaded: dict[str, tuple[int, int, HardwareProfile]] = {}
 _MAX_FILE_BYTES = 1 << 20  # a profile is a few kilobytes: anything this large is some other file
 _loaded_lock = threading.Lock()
 
@@ -502,11 +504,11 @@ def load_profile(path: "str | os.PathLike") -> HardwareProfile:
         raise ProfileError(f"hardware profile {path!r}: cannot read it ({reason}); "
                            "give the path of a profile JSON (ringflow doctor --save writes one) or a name: "
                            f"{', '.join(sorted(PROFILES))}") from None
-    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
+    real, version = os.path.realpath(path), (st.st_mtime_ns, st.st_size)
     with _loaded_lock:
-        hit = _loaded.get(key)
-    if hit is not None:
-        return hit
+        hit = _loaded.get(real)
+    if hit is not None and hit[:2] == version:
+        return hit[2]
     if os.path.isdir(path):
         raise ProfileError(f"hardware profile {path!r} is a folder; give a profile JSON file inside it")
     if is_special(path):
@@ -527,7 +529,7 @@ def load_profile(path: "str | os.PathLike") -> HardwareProfile:
                            "ringflow doctor --save writes") from None
     profile = HardwareProfile.from_json(text, source=f"hardware profile {path!r}")
     with _loaded_lock:
-        _loaded[key] = profile
+        _loaded[real] = (*version, profile)
     return profile
 
 

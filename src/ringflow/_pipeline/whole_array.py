@@ -146,7 +146,14 @@ def stream_map_report(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = No
         (``reports``), each shard's time on its device's clock (``elapsed_s``) and the call's
         (``wall_s``, the largest; ``predicted_s`` on simulated GPUs), and ``save_trace`` writing
         one Chrome trace with a process per device.
+
+    Raises:
+        ValueError: ``profile`` given as anything but True (this call always profiles);
+            otherwise as :func:`stream_map`.
     """
+    if options.get("profile", True) is not True:
+        raise ValueError(f"stream_map_report always profiles (profile={options['profile']!r} was given); leave "
+                         "profile= out, or call stream_map for a call without a report")
     options["profile"] = True
     try:
         return _stream_map(f, x, out, **options)
