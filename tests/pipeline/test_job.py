@@ -300,3 +300,20 @@ def test_a_job_without_a_device_runs_on_the_device_of_its_host_arrays(recwarn):
         job()
         assert job.device is dev
 
+
+
+def test_a_job_dropped_where_warnings_are_errors_is_still_released():
+    """The finaliser of a job dropped without close() warns (ResourceWarning), then releases.
+    Where warnings are errors (``-W error``) the warning raised and the release never ran: the
+    job's streams, rings and registrations stayed for the life of the process."""
+    import warnings
+
+    dev = rf.device("sim", seed=3)
+    for host in ("stage", "register"):
+        job = rf.MapJob(f, contents((4000,), 3), device=dev, chunk_bytes=800, host=host)
+        job()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResourceWarning)
+            del job
+            gc.collect()
+    assert dev.live().total == 0, dev.live()

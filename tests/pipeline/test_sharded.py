@@ -725,3 +725,34 @@ def test_a_ctrl_c_while_a_job_over_two_devices_is_set_up_closes_what_was_made(mo
             rf.MapJob(f, x, device=devs, chunk_bytes=800, host="stage")
         gc.collect()
     assert_nothing_live(devs)
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_ctrl_c_anywhere_in_a_jobs_set_up_leaves_nothing_to_the_garbage_collector(devices):
+    """A Ctrl-C at any instruction of ``MapJob.__init__`` where CPython raises it: the job is not
+    made and what its set-up had made is released at once. Between the engine's being made and
+    the job's finaliser (and, over several devices, between the shards' job and its being held)
+    a Ctrl-C left them to the garbage collector, with a ResourceWarning."""
+    x = contents((4000,), 11)
+    n, fired = 0, 0
+    while True:
+        devs = sims(devices, 11)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResourceWarning)
+            with InterruptAt(n, ["__init__"], files=["/ringflow/_pipeline/job.py"], sigint=True) as at:
+                try:
+                    job = rf.MapJob(f, x, device=devs if devices > 1 else devs[0], chunk_bytes=800, host="stage")
+                except KeyboardInterrupt:
+                    job = None
+            if job is not None:
+                assert not at.fired
+                np.testing.assert_array_equal(job(), x * 2 + 1)
+                job.close()
+            gc.collect()
+        assert_nothing_live(devs)
+        if not at.fired:
+            break
+        fired += 1
+        n += 1
+    assert fired > 5  # the sweep reached the set-up's steps

@@ -58,11 +58,13 @@ class _Held:
 
 
 def _collected(held: _Held, what: str) -> None:
-    if held.engine is not None or held.registered:
-        warnings.warn(f"{what} was garbage-collected without close(); its streams, device memory and "
-                      "registrations were released now. Use it as a context manager or call close()",
-                      ResourceWarning, stacklevel=2)
-    held.release()
+    try:
+        if held.engine is not None or held.registered:
+            warnings.warn(f"{what} was garbage-collected without close(); its streams, device memory and "
+                          "registrations were released now. Use it as a context manager or call close()",
+                          ResourceWarning, stacklevel=2)
+    finally:  # released even where warnings are errors (-W error)
+        held.release()
 
 
 class MapJob:
@@ -124,20 +126,32 @@ class MapJob:
                              "which returns at once")
         self.x, self.out = x, out
         self._arrays_bound = BoundArray(x), BoundArray(out)
-        many = device_list(device)
-        if many is not None and len(many) > 1:  # a job per device over its rows (one list of one is one)
-            from .sharded import ShardedJob
+        try:
+            # a Ctrl-C waits for the set-up's checkpoints (or its end): one between the engine's
+            # being made and its being held, or before the finaliser, would leave what was made
+            # to the garbage collector; here it is released at once
+            with shielded():
+                many = device_list(device)
+                if many is not None and len(many) > 1:  # a job per device over its rows (one list of one is one)
+                    from .sharded import ShardedJob
 
-            sharded = ShardedJob.build(f, x, out, fresh_out, many, opts.pop("chunk_bytes"), host, x_buffer,
-                                       out_buffer, engine, opts, part=MapJob._part)
-            self._layout, self.device, self.engine = sharded.layout, sharded.devices, sharded.layout.kind
-            self._arrays = Arrays(x, out)
-            self._held.engine = sharded
-        else:
-            dev = one_device(device, many, x, out, fresh_out)
-            self._bind(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer, out_buffer, engine, opts)
-        self._finalizer = weakref.finalize(self, _collected, self._held, repr(self))
-        self._hand_over()  # the first call, on any thread, comes after the set-up (and what it took in)
+                    sharded = ShardedJob.build(f, x, out, fresh_out, many, opts.pop("chunk_bytes"), host, x_buffer,
+                                               out_buffer, engine, opts, part=MapJob._part)
+                    self._layout, self.device, self.engine = sharded.layout, sharded.devices, sharded.layout.kind
+                    self._arrays = Arrays(x, out)
+                    self._held.engine = sharded
+                else:
+                    dev = one_device(device, many, x, out, fresh_out)
+                    self._bind(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer, out_buffer,
+                               engine, opts)
+                self._finalizer = weakref.finalize(self, _collected, self._held, repr(self))
+                self._hand_over()  # the first call, on any thread, comes after the set-up (and what it took in)
+        except BaseException:
+            finalizer = getattr(self, "_finalizer", None)
+            if finalizer is not None:
+                finalizer.detach()
+            self._held.release()
+            raise
 
     def _bind(self, f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x_buffer, out_buffer,
               engine: str, opts: dict) -> None:
