@@ -246,6 +246,25 @@ def test_gc_while_running_cancels_with_resource_warning():
     assert dev.live().total == 0
 
 
+def test_gc_while_running_where_warnings_are_errors_still_cancels():
+    """The finaliser of a pipeline dropped with work in flight warns, then cancels. Where
+    warnings are errors (``-W error``) the raised warning was swallowed with the cancel: the
+    progress thread ran on, holding the pipeline's streams, rings and chunks for good."""
+    dev = rf.device("sim", seed=4, chaos=True)
+    pipe = rf.Pipeline(f_affine, device=dev, chunk_bytes=1024, slots=1, checked=True)
+    for i in range(4):
+        pipe.submit(np.arange(50.0) + i)
+    thread = pipe._driver.thread
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        del pipe
+        gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    gc.collect()
+    assert dev.live().total == 0
+
+
 def test_gc_while_a_map_is_suspended():
     dev = rf.device("sim", seed=5, chaos=True)
     pipe = rf.Pipeline(f_affine, device=dev, chunk_bytes=1024, slots=2, checked=True)

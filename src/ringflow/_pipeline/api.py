@@ -20,6 +20,7 @@ import collections
 import functools
 import inspect
 import itertools
+import logging
 import math
 import threading
 import warnings
@@ -1308,8 +1309,11 @@ def _abandon(driver, sched) -> None:
     Never blocks and never raises (it runs in whichever thread the collector runs)."""
     try:
         if sched.chunks or sched.inbox:
-            warnings.warn("a Pipeline with work in flight was garbage-collected; cancelling it. "
-                          "Use it as a context manager or call close()", ResourceWarning)
+            try:
+                warnings.warn("a Pipeline with work in flight was garbage-collected; cancelling it. "
+                              "Use it as a context manager or call close()", ResourceWarning)
+            except Exception as exc:  # noqa: BLE001 - warnings made errors (-W error): the cancel below still runs
+                logging.getLogger(__name__).warning("%s", exc)
         if driver.background:
             driver.abandon()
         else:
