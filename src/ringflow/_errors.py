@@ -6,6 +6,18 @@ Every error says what was wrong and, where the caller can fix it, what to change
 from __future__ import annotations
 
 
+def describe(exc: BaseException) -> str:
+    """``"Type: text"`` for ``exc``, its type's name and ``str(exc)``; never raises. An
+    exception whose ``str()`` raises (a broken ``__str__`` of the user's) is described as
+    ``"Type: <str() raised Error>"``: the message being built is for another error, which must
+    still be raised."""
+    try:
+        text = str(exc)
+    except Exception as err:  # noqa: BLE001 - whatever a user's __str__ raises
+        text = f"<str() raised {type(err).__name__}>"
+    return f"{type(exc).__name__}: {text}"
+
+
 class RingflowError(Exception):
     """Base class of ringflow's own errors."""
 
@@ -81,7 +93,7 @@ class StageError(RingflowError):
     """
 
     def __init__(self, stage: str, index: int, cause: BaseException | None = None):
-        what = f"{type(cause).__name__}: {cause}" if cause is not None else "failed"
+        what = describe(cause) if cause is not None else "failed"
         super().__init__(f"stage {stage!r} failed for chunk {index}: {what}")
         self.stage = stage
         self.index = index

@@ -38,7 +38,7 @@ import logging
 from typing import Any, Callable, Optional, Sequence
 
 from .._device.protocol import BufferSlice, Device, close_quietly, free_quietly
-from .._errors import LaunchError, RingflowError, StageError
+from .._errors import LaunchError, RingflowError, StageError, describe
 from .._testing import current as current_hooks
 from .._trace.report import Report
 from .._trace.timeline import ENQUEUE_TRACK, Anchor, ChunkRecord, Span, Timeline
@@ -602,4 +602,4 @@ class DirectSchedule:
 def _reason(exc: BaseException) -> str:
     """What a refused capture met: the compute's own error for a StageError, else ``exc``."""
     cause = exc.__cause__ if isinstance(exc, StageError) and exc.__cause__ is not None else exc
-    return f"{type(cause).__name__}: {cause}"
+    return describe(cause)

@@ -40,7 +40,7 @@ import numpy as np
 
 from .._device.host_pool import buffer_behind, hand_off, slice_behind
 from .._device.protocol import BufferSlice, Device
-from .._errors import DeviceError, StageError
+from .._errors import DeviceError, StageError, describe
 from .._testing import current as current_hooks
 from .batch_space import BatchSpace, aligned
 from .chunk import MAX_MEMBERS, MEMBER_ALIGN, Chunk, ChunkFuture, Member
@@ -479,7 +479,7 @@ class Scheduler:
         if err is not None and self.config.on_error == "raise":
             return RuntimeError(
                 f"the pipeline no longer accepts work: a failure stopped it, as on_error='raise' says "
-                f"({type(err).__name__}: {err}); create a new Pipeline, or pass on_error='continue' to go on "
+                f"({describe(err)}); create a new Pipeline, or pass on_error='continue' to go on "
                 "past failed items")
         return RuntimeError("the pipeline no longer accepts work (it was closed or cancelled); create a new Pipeline")
 

@@ -40,7 +40,7 @@ import numpy as np
 from .. import _jsontext as jsontext
 from .._device import device_label, host_pool
 from .._device.protocol import Device
-from .._errors import DeviceError, LaunchError, OutOfMemoryError, StageError
+from .._errors import DeviceError, LaunchError, OutOfMemoryError, StageError, describe
 from .._files import check_file_name, write_whole
 from .engine import Arrays, choose_engine
 from .sigint import shielded
@@ -294,7 +294,7 @@ def _first_error(shards: Sequence[Shard], outcomes: Sequence[Outcome]) -> Option
     interrupts = [(s, e) for s, e in failed if not isinstance(e, Exception)]
     shard, exc = (interrupts or failed)[0]
     err = named_error(shard, exc)
-    others = [f"{s.label}: {type(e).__name__}: {e}" for s, e in failed if s is not shard]
+    others = [f"{s.label}: {describe(e)}" for s, e in failed if s is not shard]
     if others:
         err.add_note(f"{len(others)} other shard(s) failed too: " + "; ".join(others))
     return err

@@ -11,7 +11,7 @@ import numbers
 from typing import Any, Callable, Optional
 
 from .._device.protocol import MAX_SIM_SECONDS, Device, Event, Stream, close_quietly, stream_after
-from .._errors import DeviceError, StageError
+from .._errors import DeviceError, StageError, describe
 
 POISON_BYTE = 0xEE  # what checked mode writes into every released slot
 GPU_STAGES = ("h2d", "compute", "d2h")
@@ -179,7 +179,7 @@ def sim_seconds_for(cost, nbytes: int) -> Optional[float]:
     try:
         value = cost(nbytes) if callable(cost) else cost
     except Exception as exc:
-        raise ValueError(f"the compute's {_cost_name(cost, nbytes)} raised {type(exc).__name__}: {exc}; sim_seconds "
+        raise ValueError(f"the compute's {_cost_name(cost, nbytes)} raised {describe(exc)}; sim_seconds "
                          "must be seconds or a function of a chunk's bytes that returns them") from exc
     if type(value) is float and 0 <= value <= MAX_SIM_SECONDS:  # the usual case, checked first: it runs per launch
         return value

@@ -11,7 +11,7 @@ import itertools
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 
-from ..._errors import CaptureError, LaunchError
+from ..._errors import CaptureError, LaunchError, describe
 from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Stream, as_slice, check_seconds, copy_extent
 from .engine import Op
 from .graph import CapturedEvent, SimCapture, SimGraph
@@ -271,7 +271,7 @@ class SimStream(Stream):
                 try:
                     fn(*arrays)
                 except BaseException as exc:  # noqa: BLE001 - reported through the next event, Ctrl-C included
-                    err = LaunchError(f"{op_name} on {self.name} failed: {type(exc).__name__}: {exc}")
+                    err = LaunchError(f"{op_name} on {self.name} failed: {describe(exc)}")
                     err.__cause__ = exc
                     self._report(err)
                     # this frame is in exc's traceback: a local keeping err (caused by exc) would

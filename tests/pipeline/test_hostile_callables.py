@@ -1,0 +1,109 @@
+"""User callables that misbehave in ways the other error tests do not cover: exceptions that
+cannot describe themselves, or cannot travel between processes. Each must fail its own chunk
+only, as a StageError naming the stage (or as itself, for a BaseException that is not an
+Exception), and leave a pipeline that goes on and closes clean."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow._errors import StageError
+from tests.helpers.pipeline_checks import drop_tracebacks
+from tests.helpers.threads import bounded
+
+STAGES = ("prepare", "compute", "consume", "item_nbytes")
+BAD = 2.0  # the first value of the item whose stage raises
+
+
+class StrRaises(Exception):
+    """An exception whose ``str()`` raises (a broken ``__str__``, or one reading a missing attribute)."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("this exception cannot describe itself")
+
+
+class BaseStrRaises(BaseException):
+    """A BaseException of the user's own whose ``str()`` raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("this exception cannot describe itself")
+
+
+def _pipe_raising(stage: str, exc: BaseException, on_error: str, seed: int = 1, devices: int = 1):
+    """A pipeline on the simulated GPU (over ``devices`` of them) whose ``stage`` raises ``exc``
+    for the item starting with :data:`BAD`."""
+    devs = [rf.device("sim", chaos=True, seed=seed + i, checked=True) for i in range(devices)]
+
+    def fail(*_):
+        raise exc
+
+    def f(x, y):
+        if stage == "compute" and x[0] == BAD:
+            fail()
+        y[...] = x * 2
+
+    options: dict = {"chunk_bytes": 256, "slots": 2, "checked": True, "on_error": on_error}
+    if stage == "prepare":
+        options["prepare"] = lambda item: fail() if item[0] == BAD else item
+    elif stage == "consume":
+        options["consume"] = lambda index, item, r: fail() if item[0] == BAD else np.array(r)
+    elif stage == "item_nbytes":
+        options["prepare"] = lambda item: item
+        options["item_nbytes"] = lambda item: fail() if item[0] == BAD else item.nbytes
+    return devs, rf.Pipeline(f, device=devs[0] if devices == 1 else devs, **options)
+
+
+def _closed_clean(devs, pipe) -> None:
+    bounded(pipe.close)
+    s = pipe.stats()
+    assert s.in_flight == 0 and s.balanced(), s
+    drop_tracebacks(pipe.failures)
+    gc.collect()
+    for dev in devs:
+        assert dev.live().total == 0, dev.live()
+
+
+@pytest.mark.parametrize("devices", (1, 2), ids=("one-device", "two-devices"))
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_exception_whose_str_raises_fails_its_chunk_alone(stage, devices):
+    # its StageError's message was built with str(cause), which raised on the progress thread:
+    # the thread died ("this is a ringflow bug") and every chunk with it
+    devs, pipe = _pipe_raising(stage, StrRaises(), "continue", devices=devices)
+    futs = [pipe.submit(np.full(4, float(k))) for k in range(5)]
+    for k, fut in enumerate(futs):
+        if k == BAD:
+            with pytest.raises(StageError) as info:
+                bounded(lambda f=fut: f.result(timeout=60))
+            err = info.value
+            assert err.stage == ("prepare" if stage == "item_nbytes" else stage) and err.index == k
+            assert isinstance(err.__cause__, StrRaises)
+            assert "StrRaises" in str(err) and "str() raised RuntimeError" in str(err)
+        else:
+            assert list(bounded(lambda f=fut: f.result(timeout=60))) == [2.0 * k] * 4
+    assert [(e.stage, e.index) for e in pipe.failures] == [(err.stage, 2)]
+    del info, err, futs, fut
+    _closed_clean(devs, pipe)
+
+
+@pytest.mark.parametrize("stage", ("prepare", "compute", "consume"))
+def test_a_map_stopped_by_an_exception_whose_str_raises_says_why_it_stopped(stage):
+    # on_error="raise": the refusal of later work quotes the failure that stopped the pipeline
+    devs, pipe = _pipe_raising(stage, BaseStrRaises(), "raise")
+    with pytest.raises(BaseStrRaises):
+        bounded(lambda: list(pipe.map(np.full(4, float(k)) for k in range(5))))
+    with pytest.raises(RuntimeError, match="a failure stopped it.*BaseStrRaises: <str[(][)] raised RuntimeError"):
+        pipe.submit(np.ones(4))
+    _closed_clean(devs, pipe)
+
+
+def test_describe_never_raises():
+    from ringflow._errors import describe
+
+    assert describe(ValueError("bad")) == "ValueError: bad"
+    assert describe(StrRaises()) == "StrRaises: <str() raised RuntimeError>"
+    assert str(StageError("consume", 3, StrRaises())) == \
+        "stage 'consume' failed for chunk 3: StrRaises: <str() raised RuntimeError>"
