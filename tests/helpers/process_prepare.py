@@ -51,3 +51,33 @@ def ramp_in_slot(item: int) -> np.ndarray:
     out = rf.host.empty_slot((n,), np.float32)
     out[:] = np.arange(item, item + n, dtype=np.float32)
     return out
+
+
+class NeedsTwoArguments(Exception):
+    """Pickles, but cannot be unpickled: pickle rebuilds it from ``args``, one argument."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class HoldsALambda(Exception):
+    """Cannot be pickled at all: it holds a lambda."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.check = lambda: None
+
+
+def fails_on_5_unpicklably(item: int) -> np.ndarray:
+    """Item 5 raises an exception that cannot travel back from a worker process (unpickling it fails)."""
+    if item == 5:
+        raise NeedsTwoArguments("item 5 is broken", 5)
+    return ramp(item)
+
+
+def fails_on_5_with_a_lambda(item: int) -> np.ndarray:
+    """Item 5 raises an exception that cannot be pickled in the worker process."""
+    if item == 5:
+        raise HoldsALambda("item 5 is broken")
+    return ramp(item)

@@ -198,3 +198,21 @@ def test_a_device_with_no_room_for_the_rings_starts_no_worker_and_pins_nothing(m
     assert registered == [] and pools == []
     assert dev.live().total == 0, dev.live()
     assert shm_segments() <= before
+
+
+@pytest.mark.parametrize("prepare, kind", [(pp.fails_on_5_unpicklably, "NeedsTwoArguments"),
+                                           (pp.fails_on_5_with_a_lambda, "HoldsALambda")])
+def test_an_error_that_cannot_leave_its_worker_fails_its_chunk_alone(dev, prepare, kind):
+    # one that pickled but did not unpickle broke the process pool: every later item failed
+    # with BrokenProcessPool; one that did not pickle came back as pickle's own AttributeError
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=prepare, processes=True, workers=2,
+                     on_error="continue") as pipe:
+        out = list(pipe.map(range(12)))
+        failures = pipe.failures
+    assert len(out) == 11
+    assert [(e.stage, e.index) for e in failures] == [("prepare", 5)]
+    cause = failures[0].__cause__
+    assert type(cause) is RuntimeError, repr(cause)
+    assert str(cause).startswith(f"prepare raised {kind}: item 5 is broken (")
+    assert "cannot be sent back from its worker process" in str(cause)
+    assert dev.live().total == 0

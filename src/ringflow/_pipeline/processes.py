@@ -30,6 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .._device.protocol import Device, HostBuffer, close_quietly
+from .._errors import describe
 
 _SHARED: dict = {}  # in a worker: the attached block and its bytes
 
@@ -135,5 +136,26 @@ def _prepare_in_worker(chunk_bytes: int, item: Any, offset: int, nbytes: int) ->
     from .api import _prepare_array
 
     raw = _SHARED["bytes"][offset:offset + nbytes]
-    described = _prepare_array(_SHARED["prepare"], chunk_bytes, item, raw)
+    try:
+        described = _prepare_array(_SHARED["prepare"], chunk_bytes, item, raw)
+    except BaseException as exc:  # noqa: BLE001 - raised as itself where it can travel back
+        stand_in = _stand_in(exc)
+        if stand_in is None:
+            raise
+        # (raised while handling exc: the traceback text sent back with it shows exc's too)
+        raise stand_in  # noqa: B904
     return (tuple(described[0]), np.dtype(described[1]).str) + tuple(described[2:])
+
+
+def _stand_in(exc: BaseException) -> "RuntimeError | None":
+    """None where ``exc`` survives the trip back to the pipeline's process (pickled here,
+    unpickled there); else a RuntimeError to send instead, saying what it was. One that pickles
+    but cannot be unpickled (its ``__init__`` takes other arguments than its ``args``) would
+    break the process pool, failing every later item; one that cannot be pickled would come
+    back as pickle's own error."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception as err:  # noqa: BLE001 - what pickle raises varies (TypeError, AttributeError, ...)
+        return RuntimeError(f"prepare raised {describe(exc)} (it cannot be sent back from its worker process: "
+                            f"{describe(err)}); make the exception picklable to receive it as itself")
+    return None
