@@ -42,6 +42,27 @@ def fails_unpicklably(x, y):
     raise Unpicklable("holds a lock")
 
 
+class NeedsTwoArguments(Exception):
+    """Pickles, but cannot be unpickled: pickle rebuilds it from ``args``, one argument."""
+
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code
+
+
+def fails_not_unpicklably(x, y):
+    raise NeedsTwoArguments("needs two", 2)
+
+
+class StrRaises(Exception):
+    def __str__(self):
+        raise RuntimeError("this exception cannot describe itself")
+
+
+def fails_undescribably(x, y):
+    raise StrRaises()
+
+
 @pytest.fixture
 def mapper_factory():
     made = []
@@ -343,6 +364,23 @@ def test_a_cause_that_does_not_pickle_travels_as_its_name_and_message(mapper_fac
     back = pickle.loads(pickle.dumps(info.value))
     assert str(back) == str(info.value) and "rows 0..255 of a batch of 3000 rows (chunk 0)" in str(back)
     assert type(back.__cause__) is RuntimeError and str(back.__cause__) == "Unpicklable: holds a lock"
+
+
+def test_a_cause_that_pickles_but_does_not_unpickle_travels_as_its_name_and_message(mapper_factory):
+    # pickle.dumps of it worked, so it was sent as itself, and the driver could not load the error
+    with pytest.raises(rf.StageError) as info:
+        mapper_factory(fails_not_unpicklably, "a", chunk_bytes=1024)(numeric_batch(3000))
+    back = pickle.loads(pickle.dumps(info.value))
+    assert str(back) == str(info.value)
+    assert type(back.__cause__) is RuntimeError and str(back.__cause__) == "NeedsTwoArguments: needs two"
+
+
+def test_a_cause_whose_str_raises_is_named_and_the_error_still_travels(mapper_factory):
+    with pytest.raises(rf.StageError) as info:
+        mapper_factory(fails_undescribably, "a", chunk_bytes=1024)(numeric_batch(3000))
+    assert str(info.value).endswith(": StrRaises: <str() raised RuntimeError>")
+    back = pickle.loads(pickle.dumps(info.value))
+    assert str(back) == str(info.value) and isinstance(back.__cause__, StrRaises)
 
 
 def test_close_releases_the_kept_engines_and_the_device():

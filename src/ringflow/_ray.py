@@ -21,7 +21,7 @@ import numpy as np
 
 from ._device import device as make_device
 from ._device.protocol import Device, close_quietly
-from ._errors import StageError
+from ._errors import StageError, describe
 from ._pipeline.engine import choose_engine
 from ._pipeline.validate import COMPUTE_FORM, check_arity, check_options
 from ._pipeline.warm import WARM
@@ -288,13 +288,13 @@ class BatchStageError(StageError):
     first and last ``id_column`` values of those rows (or None), ``where`` the device's name.
 
     It pickles (Ray ships it from the actor to the driver); an original exception that does not
-    pickle travels as a RuntimeError carrying its type name and message."""
+    pickle and unpickle travels as a RuntimeError carrying its type name and message."""
 
     def __init__(self, stage: str, index: int, rows: tuple, batch_rows: int, ids: Optional[tuple] = None,
                  id_column: Optional[str] = None, where: str = "", cause: Optional[BaseException] = None):
         super().__init__(stage, index, cause)
         self.rows, self.batch_rows, self.ids, self.id_column, self.where = tuple(rows), batch_rows, ids, id_column, where
-        what = f"{type(cause).__name__}: {cause}" if cause is not None else "failed"
+        what = describe(cause) if cause is not None else "failed"
         span = f"rows {rows[0]}..{rows[1] - 1}" if rows[1] > rows[0] else "no rows"
         named = f"{id_column} {ids[0]!r}..{ids[1]!r}, " if ids is not None else ""
         on = f" on {where}" if where else ""
@@ -307,10 +307,10 @@ class BatchStageError(StageError):
     def __reduce__(self):
         cause = self.__cause__
         if cause is not None:
-            try:
-                pickle.dumps(cause)
+            try:  # both ways: one that pickles but does not load would fail the error's own unpickling
+                pickle.loads(pickle.dumps(cause))
             except Exception:  # noqa: BLE001 - any failure to pickle: send a stand-in that does
-                cause = RuntimeError(f"{type(cause).__name__}: {cause}")
+                cause = RuntimeError(describe(cause))
         # the message as it was made, whatever stands in for the cause
         return (type(self), (self.stage, self.index, self.rows, self.batch_rows, self.ids, self.id_column,
                              self.where, cause), {"args": self.args})
