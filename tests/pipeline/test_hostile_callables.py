@@ -107,3 +107,30 @@ def test_describe_never_raises():
     assert describe(StrRaises()) == "StrRaises: <str() raised RuntimeError>"
     assert str(StageError("consume", 3, StrRaises())) == \
         "stage 'consume' failed for chunk 3: StrRaises: <str() raised RuntimeError>"
+
+
+class IterRaisesTypeError:
+    """An iterable whose ``__iter__`` has a TypeError of its own."""
+
+    def __iter__(self):
+        raise TypeError("a bug inside __iter__")
+
+
+@pytest.mark.parametrize("call", ("map", "amap"))
+def test_a_type_error_raised_inside_iter_is_the_callers_own_not_a_refusal(call):
+    # it was replaced by "items must be an iterable of items", hiding the caller's bug and its traceback
+    import asyncio
+
+    dev = rf.device("sim", chaos=True, seed=4, checked=True)
+    with rf.Pipeline(lambda x, y: np.multiply(x, 2, out=y), device=dev, chunk_bytes=256) as pipe:
+        with pytest.raises(TypeError, match="^a bug inside __iter__$"):
+            if call == "map":
+                pipe.map(IterRaisesTypeError())
+            else:
+                async def first():
+                    async for r in pipe.amap(IterRaisesTypeError()):
+                        return r
+
+                asyncio.run(first())
+        assert list(pipe.map([np.ones(4)]))[0].tolist() == [2.0] * 4
+    assert dev.live().total == 0

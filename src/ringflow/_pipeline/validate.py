@@ -132,10 +132,17 @@ def check_choice(name: str, value: Any, choices: tuple) -> Any:
 
 
 def check_iterable(name: str, value: Any) -> Iterator[Any]:
-    """``iter(value)``. Raises TypeError naming ``name`` where ``value`` is not iterable."""
+    """``iter(value)``.
+
+    Raises:
+        TypeError: naming ``name``, where ``value`` is not iterable; or the TypeError its own
+            ``__iter__`` raised, as it is (the caller's error, with its traceback).
+    """
     try:
         return iter(value)
-    except TypeError:
+    except TypeError as exc:
+        if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
+            raise  # raised inside a Python __iter__, not by iter() refusing the value
         raise TypeError(f"{name} must be an iterable of items (a list, a generator, ...), got {_got(value)}") from None
 
 
