@@ -300,6 +300,8 @@ def test_set_budget_applies_to_every_pool_and_empty_falls_back(monkeypatch):
     (lambda: rf.host.empty(3, object, device=rf.device("sim")), TypeError, "Python objects"),
     (lambda: rf.host.empty((2**40, 2**40), device=rf.device("sim")), MemoryError, r"host\.empty\(shape=.*smaller shape"),
     (lambda: rf.host.set_budget("lots"), TypeError, r"set_budget\(nbytes\)"),
+    (lambda: rf.host.collect(wait="no", device=rf.device("sim")), TypeError, "wait must be True or False"),
+    (lambda: rf.host.collect(wait=float("nan"), device=rf.device("sim")), TypeError, "wait must be True or False"),
 ])
 def test_hostile_input_is_refused_by_name(call, error, match):
     with pytest.raises(error, match=match):

@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from ._checks import check_flag
 from ._device.host_pool import HostPool, HostPoolStats, owner_of, pool_for, set_default_budget
 from ._device.protocol import Device, HostBuffer
 from ._pipeline.slot_array import empty_slot
@@ -156,7 +157,12 @@ def collect(*, device: Optional[Device] = None, wait: bool = False) -> int:
 
     Returns:
         Bytes made ready for reuse.
+
+    Raises:
+        TypeError: ``wait`` is not a bool, or ``device`` is not a Device or None.
     """
+    # any truthy value would block until every recorded operation is done: wait="no" too
+    wait = check_flag("ringflow.host.collect: wait", wait)
     return _pool(device, "collect").collect(wait=wait)
 
 
