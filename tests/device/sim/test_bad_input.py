@@ -102,6 +102,18 @@ def test_numpy_int_sizes_are_fine(dev):
     assert dev.allocate(np.int64(64)).nbytes == 64
 
 
+@pytest.mark.parametrize("nbytes", [1 << 63, 1 << 80])
+def test_pinned_host_memory_no_host_can_hold_is_an_out_of_memory_error(dev, nbytes):
+    """numpy's refusal of such a size (a ValueError, "Maximum allowed dimension exceeded") came
+    through as it was: a ValueError naming nothing, where the device promises a MemoryError."""
+    with pytest.raises(rf.OutOfMemoryError, match=rf"allocate_host\(nbytes\) asks for {nbytes} bytes of pinned host "
+                                                  r"memory.*ask for fewer bytes") as info:
+        dev.allocate_host(nbytes)
+    assert isinstance(info.value, MemoryError) and not info.value.sticky
+    assert dev.live().total == 0
+    dev.allocate_host(64).close()
+
+
 @pytest.mark.parametrize("times", [2, 10 ** 9])
 def test_allocating_more_than_the_device_holds(dev, times):
     """The simulated GPU holds its profile's total memory, as a real one does: more is a

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..._errors import OutOfMemoryError
 from ..protocol import DeviceBuffer, HostBuffer, typed_view
 from .hazard import AccessKind
 
@@ -43,7 +44,11 @@ class SimHostBuffer(_SimBufferMixin, HostBuffer):
         self.registered = array is not None
         self.label = f"{'registered' if self.registered else 'pinned'} host buffer #{self.id}"
         if array is None:
-            self._mem = np.empty(nbytes, np.uint8)
+            try:
+                self._mem = np.empty(nbytes, np.uint8)
+            except (MemoryError, ValueError) as exc:  # numpy's ValueError: more than an array may hold
+                raise OutOfMemoryError(f"allocate_host(nbytes) asks for {nbytes} bytes of pinned host memory, more "
+                                       f"than this host can give ({exc}); ask for fewer bytes") from None
             self._mem.fill(UNINITIALISED if dev.poison else 0)
         else:
             self._mem = array.reshape(-1).view(np.uint8)
