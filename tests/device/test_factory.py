@@ -227,6 +227,26 @@ def test_a_named_simulated_gpu_takes_its_options_again_as_defaults_or_spelled_ou
         other.close()
 
 
+@pytest.mark.parametrize("option,value,error,says", [
+    ("chaos", "yes", TypeError, "chaos must be True or False"),
+    ("checked", None, TypeError, "checked must be True or False"),
+    ("seed", 1.5, TypeError, "seed must be an int"),
+    ("seed", -1, ValueError, "seed must be an int >= 0"),
+    ("profile", 5, TypeError, "profile must be a profile name"),
+], ids=lambda v: repr(v)[:20])
+def test_a_named_simulated_gpu_asked_again_with_a_bad_option_names_the_option(option, value, error, says):
+    """Asked for again with a value no device takes, it said it exists already with other
+    options, as if the value were good but different."""
+    first = rf.device("sim:43")
+    try:
+        with pytest.raises(error, match=says) as info:
+            rf.device("sim:43", **{option: value})
+        assert "exists already" not in str(info.value)
+        assert rf.device("sim:43") is first
+    finally:
+        first.close()
+
+
 @pytest.mark.parametrize("array", ["bogus", 5, None])
 def test_auto_refuses_a_bad_array_option_where_it_falls_back_to_the_simulated_gpu(no_gpu, array):
     """A GPU machine refuses it; falling back, the option was dropped unread, so a script passed

@@ -205,8 +205,9 @@ def device(spec: "str | None" = None, **options: Any) -> Device:
     Raises:
         TypeError: ``spec`` is not a string, or an option is not one the backend accepts.
         ValueError: ``spec`` is not an accepted form, ``cuda:N`` names a GPU this machine
-            does not have (the message gives the count), or ``sim:N`` exists already with other
-            options (a named simulated GPU's options are fixed when it is made).
+            does not have (the message gives the count), ``sim:N`` exists already with other
+            options (a named simulated GPU's options are fixed when it is made), or an option's
+            value is out of range (a negative ``seed``, an unknown ``profile``).
         DeviceUnavailableError: ``cuda``/``cuda:N`` was asked for and CUDA is not usable here
             (also a RuntimeError).
     """
@@ -278,13 +279,18 @@ def _sim_settings(options: dict) -> dict:
     (so a profile's name and the profile itself compare equal).
 
     Raises:
-        ValueError, TypeError: ``profile`` names no profile.
+        ValueError, TypeError: an option no simulated GPU takes (as :class:`~.sim.SimDevice`
+            refuses it): ``profile`` names no profile, ``seed`` is not an int >= 0, ``chaos``
+            or ``checked`` is not a bool.
     """
     from .hardware import get_profile
     from .sim import SimDevice
+    from .sim.device import check_sim_flags
 
     defaults = inspect.signature(SimDevice.__init__).parameters
     settings = {name: options[name] if name in options else defaults[name].default for name in SIM_OPTIONS}
+    settings["seed"], settings["chaos"], settings["checked"] = check_sim_flags(
+        settings["seed"], settings["chaos"], settings["checked"])
     settings["profile"] = get_profile(settings["profile"])
     return settings
 

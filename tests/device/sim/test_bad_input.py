@@ -67,6 +67,16 @@ def test_sim_flags_must_be_bools(option, value):
         rf.device("sim", **{option: value})
 
 
+@pytest.mark.parametrize("seed", [-1, -5, np.int64(-3), -(2 ** 80)], ids=repr)
+def test_sim_seed_must_not_be_negative(seed):
+    """The simulator's generator seeds from the seed's absolute value, so seed=-5 ran the very
+    timeline of seed=5: two seeds that look different gave one run."""
+    with pytest.raises(ValueError, match=r"seed must be an int >= 0") as info:
+        rf.device("sim", seed=seed)
+    assert str(int(seed)) in str(info.value)
+    assert rf.device("sim", seed=2 ** 80).seed == 2 ** 80  # any size of seed is a seed
+
+
 def test_sim_options_of_numpy_types_are_fine():
     dev = rf.device("sim", seed=np.int64(3), chaos=np.bool_(True), checked=np.bool_(False))
     assert (dev.seed, dev.chaos, dev.checked) == (3, True, False)

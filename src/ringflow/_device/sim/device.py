@@ -110,6 +110,26 @@ class _NullChecker:
         pass
 
 
+def check_sim_flags(seed: Any, chaos: Any, checked: Any) -> tuple[int, bool, bool]:
+    """A simulated GPU's ``seed``, ``chaos`` and ``checked`` as a plain int and bools.
+
+    Raises:
+        TypeError: ``seed`` is not an int; ``chaos`` or ``checked`` is not a bool.
+        ValueError: ``seed`` is negative.
+    """
+    # the seed is what makes a chaotic run repeat (None would seed from the OS), and a flag
+    # given as a string is true whatever it says
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"ringflow.device('sim'): seed must be an int (the same seed, the same virtual "
+                        f"timeline), got {type(seed).__name__} {seed!r}")
+    if seed < 0:
+        # random.Random seeds from an int's absolute value: -5 would run the timeline of 5
+        raise ValueError(f"ringflow.device('sim'): seed must be an int >= 0 (the same seed, the same virtual "
+                         f"timeline), got {int(seed)}")
+    return (int(seed), check_flag("ringflow.device('sim'): chaos", chaos),
+            check_flag("ringflow.device('sim'): checked", checked))
+
+
 class SimDevice(Device):
     backend = "sim"
     launch_errors_on_events = True  # a compute runs at its turn, and its error lands on the stream
@@ -124,20 +144,13 @@ class SimDevice(Device):
 
         Raises:
             ValueError: an unknown name, or a file that is not a valid profile (the message
-                names the file and the field).
+                names the file and the field); ``seed`` is negative.
             TypeError: ``profile`` is none of these; ``seed`` is not an int; ``chaos`` or
                 ``checked`` is not a bool.
         """
-        # the seed is what makes a chaotic run repeat (None would seed from the OS), and a
-        # flag given as a string is true whatever it says
-        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
-            raise TypeError(f"ringflow.device('sim'): seed must be an int (the same seed, the same virtual "
-                            f"timeline), got {type(seed).__name__} {seed!r}")
-        self.chaos = check_flag("ringflow.device('sim'): chaos", chaos)
-        self.checked = check_flag("ringflow.device('sim'): checked", checked)
+        self.seed, self.chaos, self.checked = check_sim_flags(seed, chaos, checked)
         self.profile = get_profile(profile)
         self.name = f"simulated {self.profile.name}"
-        self.seed = int(seed)
         self.poison = self.checked
         self.host = host if host is not None else SimHost()
         self._engine = Engine(self.profile, seed=self.seed, chaos=self.chaos)
