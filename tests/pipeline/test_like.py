@@ -19,6 +19,9 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"like": "jax"}, "like must be one of 'numpy', 'torch', 'cupy'"),
+    # (an array holding the name: `in` and `==` compare its elements, and it passed as 'numpy')
+    ({"like": np.array(["numpy"])}, r"like must be one of 'numpy', 'torch', 'cupy' or None, got array\(\['numpy'\]"),
+    ({"like": ["torch"]}, "like must be one of 'numpy', 'torch', 'cupy' or None, got \\['torch'\\]"),
     ({"like": "cupy"}, "like='cupy' needs deliver='device'"),
     ({"like": "numpy", "deliver": "device"}, "like='numpy' cannot hold results on the device"),
     ({"like": "torch", "deliver": "device"}, "needs a CUDA GPU|needs torch"),

@@ -18,7 +18,7 @@ def converter(like: Optional[str], deliver: str, backend: str) -> Optional[Calla
     """
     if like is None:
         return None
-    if like not in LIKES:
+    if not isinstance(like, str) or like not in LIKES:  # (an array's `in` compares its elements)
         raise ValueError(f"like must be one of {', '.join(map(repr, LIKES))} or None, got {like!r}")
     if deliver == "host":
         if like == "cupy":
