@@ -655,3 +655,18 @@ def check_map_refuses_not_iterable(pipe: Any, items: Any) -> None:
 
     with pytest.raises(TypeError, match="items must be an iterable of items"):
         asyncio.run(first())
+
+
+def closed_clean(devices: Iterable[Any], pipe: Any) -> None:
+    """Close ``pipe`` (bounded) and check that every accepted chunk ended (stats balanced,
+    nothing in flight) and that nothing is left live on any of ``devices`` once the failures'
+    tracebacks are dropped."""
+    from tests.helpers.threads import bounded
+
+    bounded(pipe.close)
+    s = pipe.stats()
+    assert s.in_flight == 0 and s.balanced(), s
+    drop_tracebacks(pipe.failures)
+    gc.collect()
+    for dev in devices:
+        assert dev.live().total == 0, dev.live()

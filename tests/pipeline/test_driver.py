@@ -126,6 +126,25 @@ def _dies_with_a_d2h_in_flight(sched) -> None:
     sched.step = step
 
 
+def _nothing_left(dev) -> None:
+    """Once the warm pipelines are dropped, nothing is live on ``dev`` and its pool lends nothing."""
+    rf.drop_warm_pipelines(dev)
+    gc.collect()
+    assert dev.live().total == 0, dev.live()
+    assert host_pool.pool_for(dev).stats().in_use_bytes == 0
+
+
+def _next_pipeline_runs_clean(dev, items: list, coalesce: bool) -> None:
+    """A new pipeline on ``dev`` (checked) maps ``items`` right and closes; the blocks it took
+    from the device's pool went back (the dead pipeline's blocks among them)."""
+    second = rf.Pipeline(_affine, device=dev, chunk_bytes=4096, slots=2, checked=True, coalesce=coalesce)
+    got = list(second.map(items))
+    assert all(np.array_equal(r, a * 3 + 1) for r, a in zip(got, items))
+    bounded(second.close)
+    del got
+    gc.collect()
+
+
 def _run_to_death(dev, coalesce: bool, items: list, compute=_affine):
     """A pipeline on ``dev`` whose progress thread dies with copies into pooled blocks in flight;
     checks that every future and close() raise what killed it, in bounded time. Returns its
@@ -157,12 +176,7 @@ def test_a_dead_progress_thread_hands_no_pooled_block_back_before_its_copies_com
     gc.collect()  # the dead pipeline, its chunks and their pooled arrays: the blocks go back to the pool
     # the next pipeline on the device takes those blocks (it raised HazardError here: the copy
     # into a block was not ordered before the pool's poison fill as it took the block back)
-    second = rf.Pipeline(_affine, device=dev, chunk_bytes=4096, slots=2, checked=True, coalesce=coalesce)
-    got = list(second.map(items))
-    assert all(np.array_equal(r, a * 3 + 1) for r, a in zip(got, items))
-    bounded(second.close)
-    del got
-    gc.collect()
+    _next_pipeline_runs_clean(dev, items, coalesce)
     assert dev.live().total == 0, dev.live()
     assert host_pool.pool_for(dev).stats().in_use_bytes == 0
     # every accepted item of the dead pipeline ended (failed), none left in flight
@@ -189,12 +203,7 @@ def test_a_dead_progress_thread_keeps_the_blocks_of_copies_it_cannot_see_complet
     pool = host_pool.pool_for(dev)
     kept = pool.stats().in_use_bytes
     assert kept > 0  # the blocks of the copies still pending are nobody's to hand out
-    second = rf.Pipeline(_affine, device=dev, chunk_bytes=4096, slots=2, checked=True, coalesce=False)
-    got = list(second.map(items))
-    assert all(np.array_equal(r, a * 3 + 1) for r, a in zip(got, items))
-    bounded(second.close)
-    del got
-    gc.collect()
+    _next_pipeline_runs_clean(dev, items, False)
     assert pool.stats().in_use_bytes == kept
 
 
@@ -337,10 +346,7 @@ def test_a_whole_array_call_whose_scheduler_step_dies_fails_clearly_and_hands_no
                         host="auto" if pooled else "stage")
     assert np.array_equal(got, np.arange(4096.0) * 3 + 1)
     got = x = out = None
-    rf.drop_warm_pipelines(dev)
-    gc.collect()
-    assert dev.live().total == 0, dev.live()
-    assert host_pool.pool_for(dev).stats().in_use_bytes == 0
+    _nothing_left(dev)
     # nothing of the dead call was released unordered after its copies (a ring's close said so
     # in a warning, the call going on)
     assert not [str(w.message) for w in recwarn if issubclass(w.category, RuntimeWarning)]
@@ -448,10 +454,7 @@ def test_a_direct_call_whose_enqueue_pass_dies_fails_clearly_after_its_copies():
     got = rf.stream_map(_affine, x, out, device=dev, chunk_bytes=4096, engine="direct", checked=True)
     assert np.array_equal(got, np.arange(4096.0) * 3 + 1)
     got = x = out = None
-    rf.drop_warm_pipelines(dev)
-    gc.collect()
-    assert dev.live().total == 0, dev.live()
-    assert host_pool.pool_for(dev).stats().in_use_bytes == 0
+    _nothing_left(dev)
 
 
 # -- an item still being copied into a shared chunk as the progress thread dies -------------------
@@ -500,12 +503,6 @@ def test_an_item_copied_into_a_shared_chunk_as_the_progress_thread_dies_ends_fai
     del errors, fut, behind, small, done
     pipe = sched = None
     gc.collect()
-    second = rf.Pipeline(_affine, device=dev, chunk_bytes=4096, slots=2, checked=True, coalesce=True)
-    items = [np.arange(64.0) + k for k in range(4)]
-    got = list(second.map(items))
-    assert all(np.array_equal(r, a * 3 + 1) for r, a in zip(got, items))
-    bounded(second.close)
-    del got
-    gc.collect()
+    _next_pipeline_runs_clean(dev, [np.arange(64.0) + k for k in range(4)], True)
     assert dev.live().total == 0, dev.live()
     assert host_pool.pool_for(dev).stats().in_use_bytes == 0

@@ -5,14 +5,13 @@ Exception), and leave a pipeline that goes on and closes clean."""
 
 from __future__ import annotations
 
-import gc
 
 import numpy as np
 import pytest
 
 import ringflow as rf
 from ringflow._errors import StageError
-from tests.helpers.pipeline_checks import drop_tracebacks
+from tests.helpers.pipeline_checks import closed_clean
 from tests.helpers.threads import bounded
 
 STAGES = ("prepare", "compute", "consume", "item_nbytes")
@@ -57,15 +56,6 @@ def _pipe_raising(stage: str, exc: BaseException, on_error: str, seed: int = 1, 
     return devs, rf.Pipeline(f, device=devs[0] if devices == 1 else devs, **options)
 
 
-def _closed_clean(devs, pipe) -> None:
-    bounded(pipe.close)
-    s = pipe.stats()
-    assert s.in_flight == 0 and s.balanced(), s
-    drop_tracebacks(pipe.failures)
-    gc.collect()
-    for dev in devs:
-        assert dev.live().total == 0, dev.live()
-
 
 @pytest.mark.parametrize("devices", (1, 2), ids=("one-device", "two-devices"))
 @pytest.mark.parametrize("stage", STAGES)
@@ -86,7 +76,7 @@ def test_an_exception_whose_str_raises_fails_its_chunk_alone(stage, devices):
             assert list(bounded(lambda f=fut: f.result(timeout=60))) == [2.0 * k] * 4
     assert [(e.stage, e.index) for e in pipe.failures] == [(err.stage, 2)]
     del info, err, futs, fut
-    _closed_clean(devs, pipe)
+    closed_clean(devs, pipe)
 
 
 @pytest.mark.parametrize("stage", ("prepare", "compute", "consume"))
@@ -97,7 +87,7 @@ def test_a_map_stopped_by_an_exception_whose_str_raises_says_why_it_stopped(stag
         bounded(lambda: list(pipe.map(np.full(4, float(k)) for k in range(5))))
     with pytest.raises(RuntimeError, match="a failure stopped it.*BaseStrRaises: <str[(][)] raised RuntimeError"):
         pipe.submit(np.ones(4))
-    _closed_clean(devs, pipe)
+    closed_clean(devs, pipe)
 
 
 def test_describe_never_raises():

@@ -10,7 +10,6 @@ that closes clean.
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import pytest
 
 import ringflow as rf
 from ringflow._errors import StageError
-from tests.helpers.pipeline_checks import drop_tracebacks
+from tests.helpers.pipeline_checks import closed_clean
 from tests.helpers.threads import bounded
 
 STAGES = ("prepare", "compute", "consume", "item_nbytes")
@@ -69,15 +68,6 @@ def _pipe_calling(stage: str, act, seed: int = 3, devices: int = 1, devs: "list 
     return devs, pipe, held
 
 
-def _closed_clean(devs, pipe) -> None:
-    bounded(pipe.close)
-    s = pipe.stats()
-    assert s.in_flight == 0 and s.accepted == s.delivered + s.failed + s.cancelled, s
-    drop_tracebacks(pipe.failures)
-    gc.collect()
-    for dev in devs:
-        assert dev.live().total == 0, dev.live()
-
 
 @pytest.mark.parametrize("devices", (1, 2), ids=("one-device", "two-devices"))
 @pytest.mark.parametrize("stage", STAGES)
@@ -98,7 +88,7 @@ def test_a_stage_waiting_for_its_own_pipeline_fails_its_chunk_naming_the_call_an
     # the pipeline goes on (on_error="continue"): a later item whose stage calls nothing is delivered
     held["quiet"] = True
     assert list(pipe.submit(np.arange(4.0)).result(timeout=60)) == [0.0, 2.0, 4.0, 6.0]
-    _closed_clean(devs, pipe)
+    closed_clean(devs, pipe)
 
 
 @pytest.mark.gpu
@@ -135,7 +125,7 @@ def test_a_stage_may_read_its_own_pipeline_and_the_result_of_a_chunk_already_end
     second = pipe.submit(np.full(4, 7.0))
     assert second.result(timeout=60)[0] == 14.0
     assert seen == [(2, 0, 10.0)]
-    _closed_clean(devs, pipe)
+    closed_clean(devs, pipe)
 
 
 @pytest.mark.parametrize("devices", (1, 2), ids=("one-device", "two-devices"))
