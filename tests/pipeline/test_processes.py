@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import glob
 import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -215,4 +217,31 @@ def test_an_error_that_cannot_leave_its_worker_fails_its_chunk_alone(dev, prepar
     assert type(cause) is RuntimeError, repr(cause)
     assert str(cause).startswith(f"prepare raised {kind}: item 5 is broken (")
     assert "cannot be sent back from its worker process" in str(cause)
+    assert dev.live().total == 0
+
+
+def ignores_sigint(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGINT (its SigIgn mask in /proc)."""
+    with open(f"/proc/{pid}/status") as status:
+        mask = next(line for line in status if line.startswith("SigIgn:")).split()[1]
+    return bool(int(mask, 16) & (1 << (signal.SIGINT - 1)))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads signal masks from /proc")
+def test_ctrl_c_is_the_pipelines_process_alone_to_handle(dev):
+    """Ctrl-C at a terminal signals every process of the foreground group, the workers too: each
+    printed a KeyboardInterrupt traceback and died, and every later item failed with
+    BrokenProcessPool. The workers ignore it; the pipeline's process handles it (closing the
+    pipeline ends them)."""
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.ramp, processes=True, workers=2) as pipe:
+        (procs,) = pipe.scheduler._owned
+        pids = list(procs._pool._processes)
+        deadline = time.monotonic() + 10
+        while not all(ignores_sigint(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.01)  # (each worker's initializer has yet to run)
+        assert all(ignores_sigint(p) for p in pids)
+        for pid in pids:
+            os.kill(pid, signal.SIGINT)
+        out = [pipe.submit(i).result(timeout=30) for i in range(8)]
+    assert all(np.array_equal(r, pp.ramp(i) * 2 + 1) for i, r in enumerate(out))
     assert dev.live().total == 0

@@ -24,6 +24,7 @@ import concurrent.futures
 import multiprocessing
 import os
 import pickle
+import signal
 from multiprocessing import shared_memory
 from typing import Any, Callable
 
@@ -123,7 +124,11 @@ class ProcessPrepare:
 
 
 def _attach(name: str, prepare: bytes) -> None:
-    """A worker's initializer: map the shared block and take the prepare callable."""
+    """A worker's initializer: ignore Ctrl-C, map the shared block and take the prepare callable."""
+    # Ctrl-C at a terminal signals the whole foreground process group: the pipeline's process
+    # handles it (cancelling, closing, which ends the workers); a worker taking it would print a
+    # KeyboardInterrupt traceback and die, breaking the pool for every later item
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     shm = shared_memory.SharedMemory(name=name)
     _SHARED["shm"] = shm
     _SHARED["bytes"] = np.ndarray((shm.size,), np.uint8, buffer=shm.buf)
