@@ -402,3 +402,29 @@ def test_compiling_without_cuda_core_says_what_to_install(monkeypatch):
     # a launch on device arrays failed inside with the import's own ModuleNotFoundError
     with pytest.raises(RuntimeError, match=r"launching kernel 'k' on device arrays needs cuda.core.*pip install"):
         rf.Kernel('extern "C" __global__ void k() {}', "k")(DeviceArray())
+
+
+@pytest.mark.parametrize("scalar", [np.longdouble(2), np.clongdouble(2)], ids=lambda s: type(s).__name__)
+def test_a_numpy_scalar_wider_than_a_launch_passes_is_refused_by_name(scalar):
+    """cuda.core passes floats of 2, 4 and 8 bytes and complex numbers of 8 and 16: np.longdouble
+    ran the reference on the simulated GPU and failed at a launch on a GPU ("unsupported type")."""
+    ran = []
+    k = Kernel(SAXPY, "saxpy", reference=lambda *a: ran.append(a))
+    with pytest.raises(TypeError, match=f"argument 2 is {type(scalar).__name__}.*numeric numpy scalar"):
+        k(np.zeros(4, np.float32), np.zeros(4, np.float32), scalar)
+    with pytest.raises(TypeError, match="numeric numpy scalar"):
+        k.bind(scalar)
+    assert ran == []
+
+
+@pytest.mark.parametrize("scalar, sized", [(np.longlong(-3), np.int64), (np.ulonglong(3), np.uint64)],
+                         ids=["longlong", "ulonglong"])
+def test_a_long_long_is_passed_as_the_sized_integer_a_launch_takes(scalar, sized):
+    """np.longlong is a type of its own beside np.int64 (of the same bits), and cuda.core takes
+    only the sized one: a launch refused it ("unsupported type") where the simulated GPU ran."""
+    from ringflow._checks import launch_scalar
+
+    got = []
+    Kernel(SAXPY, "saxpy", reference=lambda x, y, a: got.append(a)).bind(scalar)(np.zeros(4), np.zeros(4))
+    assert type(got[0]) is sized and got[0] == scalar
+    assert type(launch_scalar(scalar)) is sized and type(launch_scalar(np.float32(1))) is np.float32

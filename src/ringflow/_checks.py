@@ -48,8 +48,25 @@ def check_flag(name: str, value: Any) -> bool:
 
 def is_c_scalar(value: Any) -> bool:
     """Whether ``value`` is a numpy scalar a kernel can take by value: a bool, an integer, a float
-    or a complex number (numpy's strings, dates and raw bytes have no C type to pass)."""
-    return isinstance(value, np.generic) and value.dtype.kind in "biufc"
+    of 2, 4 or 8 bytes or a complex number of 8 or 16 (numpy's strings, dates and raw bytes have
+    no C type to pass, and cuda.core passes no long double)."""
+    if not isinstance(value, np.generic):
+        return False
+    kind, size = value.dtype.kind, value.dtype.itemsize
+    return kind in "biu" or (kind == "f" and size <= 8) or (kind == "c" and size <= 16)
+
+
+# numpy types of their own beside the sized ones of the same bits (np.longlong beside np.int64),
+# which cuda.core's launch refuses: it checks the sized types
+_UNSIZED = {t: np.dtype(np.dtype(t).str).type for t in (np.longlong, np.ulonglong, np.intc, np.uintc)
+            if np.dtype(np.dtype(t).str).type is not t}
+
+
+def launch_scalar(value: Any) -> Any:
+    """``value`` (a numpy scalar :func:`is_c_scalar` takes) as the sized numpy type a launch
+    passes: np.longlong as np.int64 where they are two types; else ``value`` itself."""
+    sized = _UNSIZED.get(type(value))
+    return value if sized is None else sized(value)
 
 
 def as_float(value: numbers.Real) -> float:

@@ -58,7 +58,7 @@ import numpy as np
 
 from ._device.cuda.probe import INSTALL_HINT
 from ._device.protocol import Stream
-from ._checks import check_count, check_flag, described, is_c_scalar
+from ._checks import check_count, check_flag, described, is_c_scalar, launch_scalar
 
 __all__ = ["Kernel", "BoundKernel"]
 
@@ -252,7 +252,7 @@ class Kernel:
         for i, a in enumerate(args):
             self._check_scalar(i, a)
             if isinstance(a, np.generic):
-                kernel_args.append(a)
+                kernel_args.append(launch_scalar(a))
                 continue
             ptr, size, device, kind = _describe(a)
             kernel_args.append(ptr)  # cuda.core passes a Python int as a pointer
@@ -279,7 +279,7 @@ class BoundKernel:
         if name is not None and not isinstance(name, str):
             raise TypeError(f"bind: name must be a str or None, got {type(name).__name__} {name!r:.60}")
         self.kernel = kernel
-        self.scalars = tuple(scalars)
+        self.scalars = tuple(launch_scalar(v) for v in scalars)
         self.__name__ = name or kernel.name
 
     def __call__(self, *arrays: Any, stream: Any = None) -> Any:

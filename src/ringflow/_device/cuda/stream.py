@@ -19,7 +19,7 @@ import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from ..._checks import is_c_scalar
+from ..._checks import is_c_scalar, launch_scalar
 from ..._errors import CaptureError, DeviceError
 from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Graph, Stream, as_slice, copy_extent
 from ._lib import as_device_error, check, core, device_error, driver, is_sticky, translate
@@ -451,7 +451,7 @@ def _raw_kernel_args(args: tuple, device: "CudaDevice") -> "tuple[list, list] | 
                 n *= d
             sizes.append(n)
         elif is_c_scalar(a):  # any other numpy scalar: the general path refuses it by name
-            kernel_args.append(a)
+            kernel_args.append(launch_scalar(a))
         else:
             return None
     if not sizes:
