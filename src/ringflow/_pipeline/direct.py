@@ -38,7 +38,7 @@ import logging
 from typing import Any, Callable, Optional, Sequence
 
 from .._device.protocol import BufferSlice, Device, close_quietly, free_quietly
-from .._errors import LaunchError, RingflowError, StageError, describe
+from .._errors import LaunchError, StageError, describe
 from .._testing import current as current_hooks
 from .._trace.report import Report
 from .._trace.timeline import ENQUEUE_TRACK, Anchor, ChunkRecord, Span, Timeline
@@ -256,8 +256,7 @@ class DirectSchedule:
         Raises:
             StageError: a compute failed (while being enqueued, or on the device).
             DeviceError: the device's sticky error.
-            RuntimeError: the engine is closed, or ringflow's own code failed while enqueueing
-                (a ringflow bug; the original as ``__cause__``).
+            RuntimeError: the engine is closed.
             ValueError: no arrays bound and none given.
         Either way every operation already enqueued has completed before it raises, so nothing
         still reads or writes the caller's memory; ``out``'s contents are then unspecified. The
@@ -310,11 +309,8 @@ class DirectSchedule:
                         measured = events[0]
             self.enqueue_seconds = self.device.now - t0
             self.streams.d2h.record().sync()
-        except BaseException as exc:
+        except BaseException:
             self.streams.settle()  # nothing enqueued may still touch the host memory when the caller sees this
-            if isinstance(exc, Exception) and not isinstance(exc, RingflowError):
-                # not a chunk's error, the device's nor the checker's: ringflow's own code failed
-                raise RuntimeError(f"the direct engine's enqueue pass failed: {exc!r}; this is a ringflow bug") from exc
             raise
         if profile:
             self._timeline = self._timeline_of(*stamps)

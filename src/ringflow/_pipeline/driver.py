@@ -383,20 +383,12 @@ class CallerDriver(_Driver):
         self.drive_here(pred, timeout, what)
 
     def step_died(self, exc: BaseException) -> None:
-        """A step raised ``exc`` (a ringflow bug; lock held): the scheduler's state is whatever
-        the step left, so it is not stepped again. Cleans up as a progress thread that died does
-        (:meth:`die`), on this thread, before the call sees the error: once it raises, nothing
-        enqueued still writes the memory its chunks handed back.
-
-        Raises:
-            RuntimeError (HazardError for the checker's): :meth:`died`, caused by ``exc``.
-        """
+        """A step raised ``exc`` (lock held): the scheduler's state is whatever the step left, so
+        it is not stepped again. Cleans up as a progress thread that died does (:meth:`die`), on
+        this thread, before the call sees the error: once it raises, nothing enqueued still
+        writes the memory its chunks handed back. The call then raises ``exc`` itself: it may
+        be ringflow's own failure or the caller's (a device closed under the call)."""
         self.fail_orphans(self.die(exc))
-        err = self.died()
-        try:
-            raise err from exc
-        finally:
-            del err, exc  # this frame is in the error's traceback: no local may keep it (a cycle)
 
     def close(self) -> None:
         pass
