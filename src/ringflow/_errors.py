@@ -5,6 +5,10 @@ Every error says what was wrong and, where the caller can fix it, what to change
 
 from __future__ import annotations
 
+import logging
+import pickle
+import warnings
+
 
 def describe(exc: BaseException) -> str:
     """``"Type: text"`` for ``exc``, its type's name and ``str(exc)``; never raises. An
@@ -16,6 +20,26 @@ def describe(exc: BaseException) -> str:
     except Exception as err:  # noqa: BLE001 - whatever a user's __str__ raises
         text = f"<str() raised {type(err).__name__}>"
     return f"{type(exc).__name__}: {text}"
+
+
+def unpicklable(exc: BaseException) -> "Exception | None":
+    """None where ``exc`` survives being sent to another process (pickled, then unpickled);
+    else what failed. One that pickles but does not unpickle (an ``__init__`` taking other
+    arguments than its ``args``) fails only on the receiving side, so both ways are tried."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception as err:  # noqa: BLE001 - what pickle raises varies (TypeError, AttributeError, ...)
+        return err
+    return None
+
+
+def warn_quietly(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` for a finaliser, which must go on to release what it holds: where
+    warnings are made errors (``-W error``) the message goes to the log instead of raising."""
+    try:
+        warnings.warn(message, category, stacklevel=3)
+    except Exception:  # noqa: BLE001 - the warning raised: it is an error here
+        logging.getLogger("ringflow").warning("%s: %s", category.__name__, message)
 
 
 class RingflowError(Exception):

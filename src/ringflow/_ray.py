@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import pickle
 import sys
 import weakref
 from typing import Any, Callable, Optional, Sequence
@@ -21,7 +20,7 @@ import numpy as np
 
 from ._device import device as make_device
 from ._device.protocol import Device, close_quietly
-from ._errors import StageError, describe
+from ._errors import StageError, describe, unpicklable
 from ._pipeline.engine import choose_engine
 from ._pipeline.validate import COMPUTE_FORM, check_arity, check_options
 from ._pipeline.warm import WARM
@@ -307,9 +306,7 @@ class BatchStageError(StageError):
     def __reduce__(self):
         cause = self.__cause__
         if cause is not None:
-            try:  # both ways: one that pickles but does not load would fail the error's own unpickling
-                pickle.loads(pickle.dumps(cause))
-            except Exception:  # noqa: BLE001 - any failure to pickle: send a stand-in that does
+            if unpicklable(cause) is not None:  # (one that pickles but does not load would fail this error's own)
                 cause = RuntimeError(describe(cause))
         # the message as it was made, whatever stands in for the cause
         return (type(self), (self.stage, self.index, self.rows, self.batch_rows, self.ids, self.id_column,

@@ -20,7 +20,6 @@ import collections
 import functools
 import inspect
 import itertools
-import logging
 import math
 import threading
 import warnings
@@ -32,7 +31,7 @@ import numpy as np
 from .._device import device as make_device, device_list
 from .._device import host_pool
 from .._device.protocol import Device
-from .._errors import StageError
+from .._errors import StageError, warn_quietly
 from .batch_space import aligned
 from .aio import CancelIfDropped, follow, give_up_stranded
 from .chunk import Chunk, ChunkFuture, cancel_unwanted, post_cancel
@@ -1309,11 +1308,8 @@ def _abandon(driver, sched) -> None:
     Never blocks and never raises (it runs in whichever thread the collector runs)."""
     try:
         if sched.chunks or sched.inbox:
-            try:
-                warnings.warn("a Pipeline with work in flight was garbage-collected; cancelling it. "
-                              "Use it as a context manager or call close()", ResourceWarning)
-            except Exception as exc:  # noqa: BLE001 - warnings made errors (-W error): the cancel below still runs
-                logging.getLogger(__name__).warning("%s", exc)
+            warn_quietly("a Pipeline with work in flight was garbage-collected; cancelling it. "
+                         "Use it as a context manager or call close()", ResourceWarning)
         if driver.background:
             driver.abandon()
         else:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 import weakref
 from typing import Any, Callable, Optional
 
@@ -30,6 +29,7 @@ import numpy as np
 
 from .._device import device_list
 from .._device.protocol import Device, close_quietly
+from .._errors import warn_quietly
 from .engine import Arrays, Engine, choose_engine, make_engine
 from .frames import forget_own_frames
 from .reentry import check_process, generation, marked, refuse_from_stage, running_stage_of
@@ -58,13 +58,10 @@ class _Held:
 
 
 def _collected(held: _Held, what: str) -> None:
-    try:
-        if held.engine is not None or held.registered:
-            warnings.warn(f"{what} was garbage-collected without close(); its streams, device memory and "
-                          "registrations were released now. Use it as a context manager or call close()",
-                          ResourceWarning, stacklevel=2)
-    finally:  # released even where warnings are errors (-W error)
-        held.release()
+    if held.engine is not None or held.registered:
+        warn_quietly(f"{what} was garbage-collected without close(); its streams, device memory and "
+                     "registrations were released now. Use it as a context manager or call close()", ResourceWarning)
+    held.release()
 
 
 class MapJob:

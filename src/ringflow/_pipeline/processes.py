@@ -8,7 +8,8 @@ the pipeline's pinned host-in slot, so nothing is pickled back or copied again t
 The host-in ring is one block of POSIX shared memory (``multiprocessing.shared_memory``), made
 when the pipeline makes its host-in ring (after its device rings, so a GPU without room for those
 fails before any of this is paid for), before the workers start, and registered with the device
-(``Device.register_host``), so its copy engine reads it as pinned memory. A worker attaches the block by name when it starts; a task
+(``Device.register_host``), so its copy engine reads it as pinned memory. A worker attaches the
+block by name when it starts; a task
 carries the item and the slot's offset, and returns the array's shape and dtype. The workers
 run from a ``forkserver``: a clean process, started before any of them, that forks each worker
 (forking the pipeline's own process, whose threads may hold locks, could deadlock a child).
@@ -31,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .._device.protocol import Device, HostBuffer, close_quietly
-from .._errors import describe
+from .._errors import describe, unpicklable
 
 _SHARED: dict = {}  # in a worker: the attached block and its bytes
 
@@ -153,14 +154,12 @@ def _prepare_in_worker(chunk_bytes: int, item: Any, offset: int, nbytes: int) ->
 
 
 def _stand_in(exc: BaseException) -> "RuntimeError | None":
-    """None where ``exc`` survives the trip back to the pipeline's process (pickled here,
-    unpickled there); else a RuntimeError to send instead, saying what it was. One that pickles
-    but cannot be unpickled (its ``__init__`` takes other arguments than its ``args``) would
-    break the process pool, failing every later item; one that cannot be pickled would come
-    back as pickle's own error."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception as err:  # noqa: BLE001 - what pickle raises varies (TypeError, AttributeError, ...)
-        return RuntimeError(f"prepare raised {describe(exc)} (it cannot be sent back from its worker process: "
-                            f"{describe(err)}); make the exception picklable to receive it as itself")
-    return None
+    """None where ``exc`` survives the trip back to the pipeline's process; else a RuntimeError
+    to send instead, saying what it was. One that pickles but cannot be unpickled would break
+    the process pool, failing every later item; one that cannot be pickled would come back as
+    pickle's own error."""
+    err = unpicklable(exc)
+    if err is None:
+        return None
+    return RuntimeError(f"prepare raised {describe(exc)} (it cannot be sent back from its worker process: "
+                        f"{describe(err)}); make the exception picklable to receive it as itself")
