@@ -230,20 +230,31 @@ def test_map_waiting_for_capacity_when_the_pipeline_stops(how):
     h.close()
 
 
-def test_gc_while_running_cancels_with_resource_warning():
-    dev = rf.device("sim", seed=4, chaos=True)
+def _running_pipeline(dev):
+    """A pipeline on ``dev`` with four items in flight, and its progress thread."""
     pipe = rf.Pipeline(f_affine, device=dev, chunk_bytes=1024, slots=1, checked=True)
     for i in range(4):
         pipe.submit(np.arange(50.0) + i)
-    assert pipe.stats().in_flight == 4
-    thread = pipe._driver.thread  # the progress thread cleans up after the finaliser asks it to
-    with pytest.warns(ResourceWarning, match="garbage-collected; cancelling it"):
-        del pipe
-        gc.collect()
+    return pipe, pipe._driver.thread
+
+
+def _ends_leaving_nothing(thread, dev) -> None:
+    """The progress thread of a collected pipeline ends (it cleans up after the finaliser asks
+    it to), and nothing of the pipeline is left live on ``dev``."""
     thread.join(timeout=10)
     assert not thread.is_alive()
     gc.collect()
     assert dev.live().total == 0
+
+
+def test_gc_while_running_cancels_with_resource_warning():
+    dev = rf.device("sim", seed=4, chaos=True)
+    pipe, thread = _running_pipeline(dev)
+    assert pipe.stats().in_flight == 4
+    with pytest.warns(ResourceWarning, match="garbage-collected; cancelling it"):
+        del pipe
+        gc.collect()
+    _ends_leaving_nothing(thread, dev)
 
 
 def test_gc_while_running_where_warnings_are_errors_still_cancels():
@@ -251,18 +262,12 @@ def test_gc_while_running_where_warnings_are_errors_still_cancels():
     warnings are errors (``-W error``) the raised warning was swallowed with the cancel: the
     progress thread ran on, holding the pipeline's streams, rings and chunks for good."""
     dev = rf.device("sim", seed=4, chaos=True)
-    pipe = rf.Pipeline(f_affine, device=dev, chunk_bytes=1024, slots=1, checked=True)
-    for i in range(4):
-        pipe.submit(np.arange(50.0) + i)
-    thread = pipe._driver.thread
+    pipe, thread = _running_pipeline(dev)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ResourceWarning)
         del pipe
         gc.collect()
-    thread.join(timeout=10)
-    assert not thread.is_alive()
-    gc.collect()
-    assert dev.live().total == 0
+    _ends_leaving_nothing(thread, dev)
 
 
 def test_gc_while_a_map_is_suspended():
@@ -278,10 +283,7 @@ def test_gc_while_a_map_is_suspended():
         del pipe, gen
         gc.collect()
     assert all(w.category is ResourceWarning for w in caught), [str(w.message) for w in caught]
-    thread.join(timeout=10)
-    assert not thread.is_alive()
-    gc.collect()
-    assert dev.live().total == 0
+    _ends_leaving_nothing(thread, dev)
 
 
 def test_gc_of_an_idle_unclosed_pipeline_is_quiet_and_clean():
@@ -293,10 +295,7 @@ def test_gc_of_an_idle_unclosed_pipeline_is_quiet_and_clean():
         warnings.simplefilter("error")
         del pipe
         gc.collect()
-        thread.join(timeout=10)
-    assert not thread.is_alive()
-    gc.collect()
-    assert dev.live().total == 0
+        _ends_leaving_nothing(thread, dev)
 
 
 # -- one future cancelled by its caller --------------------------------------------------------
