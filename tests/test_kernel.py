@@ -205,7 +205,7 @@ def test_a_numpy_scalar_of_no_c_type_is_refused_by_name(scalar):
     assert ran == []
 
 
-def test_an_array_of_python_objects_or_a_stream_no_launch_takes_is_refused_on_numpy_arrays_too():
+def test_an_array_of_python_objects_or_swapped_bytes_or_a_stream_no_launch_takes_is_refused_on_numpy_arrays_too():
     """The simulated GPU ran the reference on an object array and ignored any ``stream=``, where
     a launch on a GPU refuses both: what runs on the simulated GPU should launch on a real one."""
     import ringflow as rf
@@ -215,6 +215,9 @@ def test_an_array_of_python_objects_or_a_stream_no_launch_takes_is_refused_on_nu
     x = np.zeros(4, np.float32)
     with pytest.raises(TypeError, match="kernel 'saxpy': argument 1 is an array of dtype object.*arrays of numbers"):
         k(x, np.empty(4, object), np.float32(2))
+    swapped = np.zeros(4, np.dtype(np.float32).newbyteorder())  # a launch would read its bytes as native floats
+    with pytest.raises(TypeError, match="kernel 'saxpy': argument 1: dtype .* non-native byte order"):
+        k(x, swapped, np.float32(2))
     with pytest.raises(TypeError, match="kernel 'saxpy': stream must be None, a ringflow stream.*got str 'fast'"):
         k(x, x, np.float32(2), stream="fast")
     assert ran == []

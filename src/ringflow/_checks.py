@@ -69,6 +69,31 @@ def launch_scalar(value: Any) -> Any:
     return value if sized is None else sized(value)
 
 
+def _is_native(dtype: np.dtype) -> bool:
+    """Whether every number in ``dtype`` is in this machine's byte order, looking into fields and
+    sub-arrays (numpy's ``isnative`` does not look into a field's sub-array)."""
+    if dtype.subdtype is not None:
+        return _is_native(dtype.subdtype[0])
+    if dtype.fields:
+        return all(_is_native(field[0]) for field in dtype.fields.values())
+    return dtype.isnative
+
+
+def check_native_byte_order(name: str, dtype: np.dtype) -> None:
+    """Refuse a dtype in the other byte order than this machine's (``>f4`` on a little-endian
+    host), or one with such a field.
+
+    Raises:
+        TypeError: naming ``name`` and the conversion that makes it native.
+    """
+    # ringflow would move the bytes unchanged, and numpy reads them right in either order; but
+    # CuPy, PyTorch and a CUDA kernel read numbers in the native order only, so on a GPU the
+    # compute would misread every value while the simulated GPU (numpy) showed nothing wrong
+    if not _is_native(dtype):
+        raise TypeError(f"{name}: dtype {dtype} is in non-native byte order, which GPU code (CuPy, PyTorch, a CUDA "
+                        "kernel) would misread; convert it first: a.astype(a.dtype.newbyteorder('='))")
+
+
 def as_float(value: numbers.Real) -> float:
     """``float(value)``, with an integer (or fraction) beyond a float's range as an infinity of
     its sign instead of an OverflowError."""

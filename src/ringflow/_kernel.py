@@ -58,7 +58,7 @@ import numpy as np
 
 from ._device.cuda.probe import INSTALL_HINT
 from ._device.protocol import Stream
-from ._checks import check_count, check_flag, described, is_c_scalar, launch_scalar
+from ._checks import check_count, check_flag, check_native_byte_order, described, is_c_scalar, launch_scalar
 
 __all__ = ["Kernel", "BoundKernel"]
 
@@ -209,6 +209,7 @@ class Kernel:
                 if a.dtype.hasobject:  # Python objects have no device memory a launch could pass
                     raise TypeError(f"kernel {self.name!r}: argument {i} is an array of dtype {a.dtype}, which holds "
                                     "Python objects; pass arrays of numbers")
+                check_native_byte_order(f"kernel {self.name!r}: argument {i}", a.dtype)
                 if not a.flags.c_contiguous:
                     raise ValueError("kernel arguments must be C-contiguous; use np.ascontiguousarray")
                 sizes.append(a.size)

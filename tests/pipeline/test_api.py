@@ -42,7 +42,7 @@ def expected(f, x):
 
 # -- stream_map --------------------------------------------------------------------------------
 NUMERIC = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16",
-           "float32", "float64", "complex64", "complex128", ">i4", ">f8"]
+           "float32", "float64", "complex64", "complex128"]
 OTHER = [np.dtype([("a", "<i4"), ("b", "<f8"), ("c", "S3")]), np.dtype("M8[s]"), np.dtype("S5"), np.dtype("V7")]
 
 

@@ -611,6 +611,50 @@ def test_a_prepared_array_of_zero_byte_dtype_fails_its_item_naming_prepare(dev):
         np.testing.assert_array_equal(pipe.submit(2).result(timeout=30), expected(data(4)))
 
 
+# Bytes in the other byte order: numpy reads them right, but CuPy, PyTorch and a CUDA kernel know
+# only the native order and would compute on misread values, a wrong result on a GPU only.
+NON_NATIVE_DTYPES = [np.dtype("f4").newbyteorder(), np.dtype([("a", "u1"), ("b", np.dtype("i2").newbyteorder())])]
+
+
+@pytest.mark.parametrize("dtype", NON_NATIVE_DTYPES, ids=str)
+@pytest.mark.parametrize("door,setting", [(d, s) for d in WHOLE_ARRAY_DOORS for s in ENGINE_SETTINGS])
+def test_whole_array_refuses_non_native_byte_order_naming_x_or_output(dev, door, setting, dtype):
+    with pytest.raises(TypeError, match=r"^x: dtype .* non-native byte order.*newbyteorder"):
+        run(door, setting, dev, np.zeros(N, dtype))
+    with pytest.raises(TypeError, match=r"^output: dtype .* non-native byte order"):
+        run(door, setting, dev, output=((N,), dtype))
+
+
+@pytest.mark.parametrize("dtype", NON_NATIVE_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", ["array", "dict"])
+def test_pipeline_refuses_items_in_non_native_byte_order_before_accepting_them(dev, dtype, shape):
+    item = np.zeros(4, dtype) if shape == "array" else {"a": np.ones(3, np.float32), "b": np.zeros(4, dtype)}
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
+        with pytest.raises(TypeError, match=r"^items.*: dtype .* non-native byte order"):
+            pipe.submit(item)
+        assert pipe.stats().accepted == 0
+        np.testing.assert_array_equal(pipe.submit(data(4)).result(timeout=30), expected(data(4)))
+
+
+def test_pipeline_refuses_outputs_in_non_native_byte_order_naming_output(dev):
+    swapped = np.dtype("f4").newbyteorder()
+    with pytest.raises(TypeError, match=r"^output: dtype .* non-native byte order"):
+        rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, output=((3,), swapped))
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, output=lambda item: ((3,), swapped)) as pipe:
+        with pytest.raises(TypeError, match=r"^output\(item\): dtype .* non-native byte order"):
+            pipe.submit(data(4))
+    assert pipe.stats().accepted == 0
+
+
+def test_a_prepared_array_in_non_native_byte_order_fails_its_item_naming_prepare(dev):
+    swapped = np.dtype("f4").newbyteorder()
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, on_error="continue",
+                     prepare=lambda i: data(4).astype(swapped) if i == 1 else data(4)) as pipe:
+        with pytest.raises(StageError, match=r"prepare.*non-native byte order"):
+            pipe.submit(1).result(timeout=30)
+        np.testing.assert_array_equal(pipe.submit(2).result(timeout=30), expected(data(4)))
+
+
 @pytest.mark.parametrize("door,setting", [(d, s) for d in WHOLE_ARRAY_DOORS for s in ENGINE_SETTINGS])
 def test_read_only_out_is_refused(dev, door, setting):
     out = np.zeros(N, np.float32)
@@ -638,7 +682,7 @@ def test_sixty_four_dimensions(dev, door, setting):
     assert result.reshape(-1).tolist() == expected(x).reshape(-1).tolist()
 
 
-@pytest.mark.parametrize("dtype", [bool, np.complex128, ">f4", "U3", [("a", "f4"), ("b", "i2")], "datetime64[s]"])
+@pytest.mark.parametrize("dtype", [bool, np.complex128, "=f4", "U3", [("a", "f4"), ("b", "i2")], "datetime64[s]"])
 @pytest.mark.parametrize("setting", ENGINE_SETTINGS)
 def test_any_fixed_size_dtype_moves_as_bytes(dev, setting, dtype):
     x = np.arange(12).astype(np.float32).astype(dtype) if dtype != "U3" else np.array(list("abcdefghijkl"), "U3")

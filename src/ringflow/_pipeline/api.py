@@ -41,7 +41,7 @@ from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, len
 from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_into, packed, unflatten
 from .like import converter
 from .validate import (COMPUTE_FORM, MAX_CHUNK_BYTES, as_host_array, check_arity, check_choice, check_flag,
-                       check_item_bytes, check_iterable, check_options, check_output_spec, check_timeout)
+                       check_moved_dtype, check_iterable, check_options, check_output_spec, check_timeout)
 from .scheduler import Scheduler, check_fill_rows
 from .reentry import check_process, generation as reentry_generation, refuse_from_stage, refuse_on_progress_thread
 from .sigint import ShieldedIterator, shielded, shielded_call
@@ -94,10 +94,7 @@ def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any
     if not isinstance(arr, np.ndarray):
         raise TypeError(f"prepare must return a numpy array (or a tuple, list or dict of them), got "
                         f"{type(arr).__name__}")
-    if arr.dtype.hasobject:
-        raise TypeError(f"prepare returned dtype {arr.dtype} (Python objects); items are moved as raw bytes, "
-                        "use a numeric dtype")
-    check_item_bytes("items" if user_prepare is None else "prepare's array", arr.dtype)
+    check_moved_dtype("items" if user_prepare is None else "prepare's array", arr.dtype)
     if user_prepare is not None and in_slot(arr, raw):  # made in the slot (ringflow.host.empty_slot)
         return arr.shape, arr.dtype
     return _copy_array_in(arr, raw, chunk_bytes)
@@ -153,9 +150,7 @@ def tree_layout(item: Any, chunk_bytes: int, where: str = "items") -> tuple:
     leaves, tree = flatten(item)
     arrays = [as_host_array(leaf, f"{where} (each array of a tuple, list or dict)") for leaf in leaves]
     for a in arrays:
-        if a.dtype.hasobject:
-            raise TypeError(f"{where} are moved as raw bytes; dtype {a.dtype} holds Python objects")
-        check_item_bytes(f"{where} (each array of a tuple, list or dict)", a.dtype)
+        check_moved_dtype(f"{where} (each array of a tuple, list or dict)", a.dtype)
     layout = packed(tree, [(a.shape, a.dtype) for a in arrays])
     if layout.nbytes > chunk_bytes:
         raise ValueError(f"an item of {len(arrays)} arrays takes {layout.nbytes} bytes packed (each aligned to "
@@ -435,10 +430,10 @@ class Pipeline:
             found = self.device.device_source(item)
             if found is not None:  # a device array: copied device to device, no staging
                 nbytes = found[0].nbytes
-                check_item_bytes("items", np.dtype(found[2]))
+                check_moved_dtype("items", np.dtype(found[2]))
                 if self.config.fill == "rows":
                     check_fill_rows(False, len(found[1]), "this item")
-                if np.dtype(found[2]).hasobject or nbytes > self.config.chunk_bytes:
+                if nbytes > self.config.chunk_bytes:
                     raise ValueError(f"a device array item of {nbytes} bytes does not fit a slot of "
                                      f"{self.config.chunk_bytes} bytes; {grow_slots(nbytes, '')}")
                 return item
@@ -450,9 +445,7 @@ class Pipeline:
             item = as_host_array(item)
             if self.config.fill == "rows":
                 check_fill_rows(False, item.ndim, "this item")
-            if item.dtype.hasobject:
-                raise TypeError(f"items are moved as raw bytes; dtype {item.dtype} holds Python objects")
-            check_item_bytes("items", item.dtype)
+            check_moved_dtype("items", item.dtype)
             if item.nbytes > self.config.chunk_bytes:
                 raise ValueError(f"an item of {item.nbytes} bytes (shape {item.shape}, {item.dtype}) does not fit "
                                  f"a slot of {self.config.chunk_bytes} bytes; {grow_slots(item.nbytes)}")

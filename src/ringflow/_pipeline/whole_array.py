@@ -36,7 +36,7 @@ from .frames import forget_own_frames
 from .sigint import shielded
 from .sizing import DEFAULT_CHUNK_BYTES, chunk_sizes, default_workers, planned_compute_bound, resolve_slots, taper
 from .stages import sim_seconds_for
-from .validate import (COMPUTE_FORM, check_arity, check_choice, check_item_bytes, check_not_masked, check_options,
+from .validate import (COMPUTE_FORM, check_arity, check_choice, check_moved_dtype, check_not_masked, check_options,
                        check_out, check_output_spec, same_memory)
 
 HOSTS = ("auto", "stage", "register")
@@ -299,9 +299,7 @@ def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str, out
     check_not_masked("x", x)
     if x.ndim == 0:
         raise ValueError(f"{who} splits x along axis 0; pass an array with at least one dimension (x.reshape(1))")
-    if x.dtype.hasobject:
-        raise TypeError(f"{who} moves raw bytes; x has dtype {x.dtype} (Python objects), use a numeric dtype")
-    check_item_bytes("x", x.dtype)
+    check_moved_dtype("x", x.dtype)
     check_choice("host", host, HOSTS)
     check_choice("engine", engine, ENGINES)
     shape, dtype = (x.shape, x.dtype) if output is None else whole_output(output, x, inplace)
