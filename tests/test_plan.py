@@ -552,3 +552,44 @@ def test_a_simulated_pool_larger_than_the_work_copies_as_fast_as_the_work_allows
     assert sixty_four == pytest.approx(sixteen, rel=0.05)
     predicted = {w: plan.predict_seconds("h200-pcie5", x.nbytes, 4 * MiB, workers=w)[1] for w in (16, 64)}
     assert predicted[64] == pytest.approx(predicted[16], rel=0.01)
+
+
+@pytest.mark.parametrize("counts, error, message", [
+    ((1 << 20, 2, 2, 2), ValueError, r"slots\.host_in must be between 1 and 65536, got 1048576; "),
+    ((2, 10 ** 18, 2, 2), ValueError, r"slots\.device_in must be between 1 and 65536, got 10{18}; "),
+    ((2, 2, 2 ** 63, 2), ValueError, r"slots\.device_out must be between 0 and 65536, got 9223372036854775808; "),
+    ((2, 2, 2, 0), ValueError, r"slots\.host_out must be between 1 and 65536, got 0; "),
+    ((2, 2, -1, 2), ValueError, r"slots\.device_out must be between 0 and 65536, got -1; "),
+    ((True, 2, 2, 2), TypeError, r"slots\.host_in must be an integer, got True \(bool\)"),
+    ((2, 2.0, 2, 2), TypeError, r"slots\.device_in must be an integer, got 2\.0 \(float\)"),
+    ((2, 2, float("inf"), 2), TypeError, r"slots\.device_out must be an integer, got inf \(float\)"),
+    ((2, 2, 2, "2"), TypeError, r"slots\.host_out must be an integer, got '2' \(str\)"),
+], ids=["huge", "10**18", "2**63", "zero", "negative", "bool", "float", "inf", "str"])
+def test_slot_counts_refuse_a_bad_count_when_made(counts, error, message):
+    """A SlotCounts that exists is one the pipeline takes (but for device_out matching inplace):
+    a count out of range is refused when the counts are made, naming the ring and what to give."""
+    with pytest.raises(error, match=message) as info:
+        plan.SlotCounts(*counts)
+    if error is ValueError:
+        assert "slot" in str(info.value).split("; ", 1)[1], "the message says what to change"
+
+
+def test_slot_counts_take_the_largest_count_and_shrink_to_one():
+    big = plan.SlotCounts(plan.MAX_SLOTS, plan.MAX_SLOTS, 0, plan.MAX_SLOTS)
+    assert big.host_in == plan.MAX_SLOTS
+    one = plan.SlotCounts(2, 1, 1, 1).minus("host_in")
+    assert one == plan.SlotCounts(1, 1, 1, 1)
+    with pytest.raises(ValueError, match=r"slots\.host_in must be between 1"):
+        one.minus("host_in")
+
+
+def test_slot_counts_are_checked_once_when_made(monkeypatch):
+    """The front doors take a SlotCounts as made: its ranges are not checked again (the one
+    check is the one its construction runs)."""
+    from ringflow._pipeline import validate
+
+    slots = plan.SlotCounts(2, 2, 2, 2)
+    calls = []
+    monkeypatch.setattr(validate, "check_count", lambda *a, **k: calls.append(a) or a[1])
+    assert validate.check_slots(slots, inplace=False) is slots
+    assert calls == []

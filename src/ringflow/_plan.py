@@ -27,18 +27,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 from typing import Optional
 
+from ._checks import check_count
 from ._device.hardware import HardwareProfile, get_profile
 
 STAGES = ("prepare", "h2d", "compute", "d2h", "consume")
+
+# The most slots one ring may have. A ring needs about as many slots as its lifetime spans
+# bottleneck intervals, a handful; each slot is a chunk's buffer, so a count far above this is a
+# mistake that would take memory for buffers no stage can keep busy.
+MAX_SLOTS = 1 << 16
+_SLOTS_HINT = (f"; give each ring 1 to {MAX_SLOTS} slots (device_out 0 for an in-place compute), "
+               "or slots=None to have them planned")
 
 
 @dataclasses.dataclass(frozen=True)
 class SlotCounts:
     """Slots per ring: host-in, device-in, device-out (0 when compute is in place: device-in
-    aliases device-out) and host-out."""
+    aliases device-out) and host-out, each from 1 (0 for device-out) to :data:`MAX_SLOTS`,
+    checked when made (see ``__post_init__``)."""
 
     host_in: int
     device_in: int
@@ -46,23 +54,18 @@ class SlotCounts:
     host_out: int
 
     def __post_init__(self) -> None:
-        """Stores each count as a plain int (a numpy integer's sums wrap around, and what the
-        pipeline derives from them must be ints too).
+        """Checks each count and stores it as a plain int (a numpy integer's sums wrap around,
+        and what the pipeline derives from them must be ints too). Every pipeline takes a
+        SlotCounts as made, so this is the one check of its counts.
 
         Raises:
             TypeError: a count that is not an integer (a bool, a float, a string).
-            ValueError: a count below 1 (below 0 for ``device_out``).
+            ValueError: a count below 1 (below 0 for ``device_out``) or above :data:`MAX_SLOTS`.
         """
         for name in ("host_in", "device_in", "device_out", "host_out"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"slots.{name} must be an int, got {value!r} ({type(value).__name__})")
-            object.__setattr__(self, name, int(value))  # frozen: set once, here
-        for name in ("host_in", "device_in", "host_out"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"slots.{name} must be at least 1, got {getattr(self, name)}")
-        if self.device_out < 0:
-            raise ValueError(f"slots.device_out must be >= 0, got {self.device_out}")
+            count = check_count(f"slots.{name}", getattr(self, name), minimum=0 if name == "device_out" else 1,
+                                maximum=MAX_SLOTS, hint=_SLOTS_HINT)
+            object.__setattr__(self, name, count)  # frozen: set once, here
 
     @property
     def pinned_slots(self) -> int:

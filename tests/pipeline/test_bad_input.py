@@ -85,11 +85,11 @@ def test_bad_option_refused_alike_everywhere(dev, option, value):
 
 
 def test_slotcounts_of_zero_refused_naming_slots():
-    with pytest.raises(ValueError, match=r"slots\.host_in must be at least 1"):
+    with pytest.raises(ValueError, match=r"slots\.host_in must be between 1 and 65536, got 0"):
         SlotCounts(0, 1, 1, 1)
-    with pytest.raises(TypeError, match=r"slots\.host_in must be an int, got '2'"):
+    with pytest.raises(TypeError, match=r"slots\.host_in must be an integer, got '2'"):
         SlotCounts("2", 1, 1, 1)
-    with pytest.raises(TypeError, match=r"slots\.device_in must be an int, got 1\.5"):
+    with pytest.raises(TypeError, match=r"slots\.device_in must be an integer, got 1\.5"):
         SlotCounts(1, 1.5, 1, 1)
 
 

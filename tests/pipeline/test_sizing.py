@@ -286,3 +286,12 @@ def test_random_measured_jobs_stay_bit_exact_when_later_calls_taper(rows, cols, 
                 if inplace:  # the call before wrote its result over the input: the same input again
                     x[...] = np.random.default_rng(seed).uniform(-1, 1, x.shape)
                 np.testing.assert_array_equal(job(), want)
+
+
+def test_copy_groups_of_many_tiny_chunks_keep_rings_a_slot_counts_can_hold():
+    """Planned rings grow to hold whole copy groups; with chunks of a few bytes a group holds
+    many thousands of them, and the rings a SlotCounts can hold bound the group instead."""
+    dev = rf.device("sim")
+    group, slots = sizing.copy_group(dev, 64, 10 ** 7, plan.SlotCounts(3, 3, 3, 3), planned=True, inplace=False)
+    assert group > 1 and slots.device_in % group == 0 and slots.device_out % group == 0
+    assert max(slots.device_in, slots.device_out) <= plan.MAX_SLOTS

@@ -143,7 +143,8 @@ def copy_group(device: Device, chunk_bytes: int, n_chunks: int, slots: SlotCount
     best = profile.copy_GBps("h2d", curve[-1][0])
     enough = next((size for size, _ in curve if profile.copy_GBps("h2d", size) >= COPY_RATE_SHARE * best),
                   curve[-1][0])
-    group = min(max(1, enough // max(1, chunk_bytes)), -(-n_chunks // MIN_COPY_GROUPS))
+    # (a planned ring grows to RING_GROUPS groups, which must stay within a SlotCounts' range)
+    group = min(max(1, enough // max(1, chunk_bytes)), -(-n_chunks // MIN_COPY_GROUPS), plan.MAX_SLOTS // RING_GROUPS)
     if group <= 1:
         return 1, slots
     rings = [slots.device_in] + ([] if inplace else [slots.device_out])

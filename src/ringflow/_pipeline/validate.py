@@ -20,7 +20,7 @@ import numpy as np
 from .._checks import MAX_WORKERS, as_float as _as_float, check_count, check_flag, check_native_byte_order
 from .._checks import described as _got
 from .._device.host_pool import check_shape_dtype
-from .._plan import SlotCounts
+from .._plan import MAX_SLOTS, SlotCounts
 
 MAX_CHUNK_BYTES = 1 << 40  # 1 TiB: larger than any GPU's memory, so surely a mistake
 MAX_COMPUTE_STREAMS = 16
@@ -164,24 +164,18 @@ def check_timeout(value: Any) -> Optional[float]:
     return value
 
 
-MAX_SLOTS = 1 << 16
-
-
 def check_slots(value: Any, *, inplace: bool = False) -> "int | SlotCounts | None":
-    """None (planned), an int >= 1 for every ring, or a :class:`~ringflow.SlotCounts` whose
-    counts are ints of at most :data:`MAX_SLOTS`, with ``device_out`` 0 exactly when ``inplace``
-    (an in-place compute has no device-out ring).
+    """None (planned), an int from 1 to :data:`~ringflow._plan.MAX_SLOTS` for every ring, or a
+    :class:`~ringflow.SlotCounts` (whose counts its construction checked) with ``device_out`` 0
+    exactly when ``inplace`` (an in-place compute has no device-out ring).
 
     Raises:
-        TypeError: not None, an int or a SlotCounts; a count that is not an int.
-        ValueError: a count out of range, or ``device_out`` that does not match ``inplace``.
+        TypeError: not None, an int or a SlotCounts.
+        ValueError: an int out of range, or ``device_out`` that does not match ``inplace``.
     """
     if value is None:
         return value
     if isinstance(value, SlotCounts):
-        for ring in ("host_in", "device_in", "device_out", "host_out"):
-            check_count(f"slots.{ring}", getattr(value, ring), minimum=0 if ring == "device_out" else 1,
-                        maximum=MAX_SLOTS)
         if inplace and value.device_out != 0:
             raise ValueError(f"slots.device_out must be 0 with inplace=True (an in-place compute has no "
                              f"device-out ring), got {value.device_out}")
