@@ -38,7 +38,7 @@ BAD: dict[str, list] = {
     "chunk_bytes": [0, -1, NAN, INF, 1.5, 10 ** 30, "abc", "", True, [8], "8 parsecs", np.float64(NAN), "1e400",
                     {"bytes": 8}],
     "workers": [0, -1, 1.5, "2", True, 10 ** 9, 2.0, "two"],
-    "max_in_flight": [0, -1, NAN, True, "4"],
+    "max_in_flight": [0, -1, NAN, True, "4", INF, 10 ** 18, 2 ** 63],
     "pinned_budget": [-1, 0, NAN, "x", True, 1.5, INF],
     # (a SlotCounts of too many slots cannot be made: tests/test_plan.py refuses it when made)
     "slots": [0, -1, 1.5, "2", True, 10 ** 9, [2]],

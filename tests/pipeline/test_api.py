@@ -268,11 +268,37 @@ def test_context_manager_error_cancels_and_closes():
 
 
 # -- Pipeline bad input ----------------------------------------------------------------------------
-@pytest.mark.parametrize("bad,exc,match", [(0, ValueError, "at least 1"), (-1, ValueError, "at least 1"),
+@pytest.mark.parametrize("bad,exc,match", [(0, ValueError, "between 1 and"), (-1, ValueError, "between 1 and"),
                                            (True, TypeError, "integer"), (1.5, TypeError, "integer")])
 def test_max_in_flight_must_be_positive_int(bad, exc, match):
     with pytest.raises(exc, match=rf"max_in_flight must be .*{match}"):
         rf.Pipeline(f_affine, device=sim(), chunk_bytes=1024, slots=1, max_in_flight=bad)
+
+
+@pytest.mark.parametrize("bad,chunk_bytes", [(10 ** 18, 1024), (2 ** 63, 1024), (2 ** 40 + 1, 1024),
+                                             (2 ** 27 + 1, None)], ids=["10**18", "2**63", "2**40+1", "default chunk"])
+def test_max_in_flight_whose_chunks_no_host_could_hold_is_refused(bad, chunk_bytes):
+    """max_in_flight bounds the chunks accepted and unfinished, max_in_flight * chunk_bytes bytes
+    of items and results: a bound no host's memory could reach (above 2**50 bytes) bounds nothing
+    and is refused, naming the largest accepted and what to give."""
+    with pytest.raises(ValueError) as info:
+        rf.Pipeline(f_affine, device=sim(), chunk_bytes=chunk_bytes, slots=1, max_in_flight=bad)
+    text = str(info.value)
+    most = (1 << 50) // (chunk_bytes or 8 << 20)
+    assert text.startswith(f"max_in_flight must be between 1 and {most}, got {bad}; "), text
+    assert "chunk_bytes" in text and "None" in text, text
+
+
+@pytest.mark.parametrize("most,chunk_bytes", [(2 ** 40, 1024), (2 ** 27, None)])
+def test_max_in_flight_up_to_what_a_host_could_hold_is_taken(most, chunk_bytes):
+    with rf.Pipeline(f_affine, device=sim(), chunk_bytes=chunk_bytes, slots=1, max_in_flight=most) as pipe:
+        assert pipe.config.max_in_flight == most
+        assert np.array_equal(pipe.submit(np.arange(4.0)).result(), expected(f_affine, np.arange(4.0)))
+
+
+def test_max_in_flight_of_infinity_is_refused_as_no_integer():
+    with pytest.raises(TypeError, match=r"max_in_flight must be an integer, got inf \(float\)"):
+        rf.Pipeline(f_affine, device=sim(), chunk_bytes=1024, slots=1, max_in_flight=float("inf"))
 
 
 @pytest.mark.parametrize("kw,exc,match", [

@@ -264,7 +264,8 @@ class Pipeline:
     chunks are unfinished (including results a ``map`` has not handed out yet; items sharing a
     chunk count once); ``submit`` blocks while that many are, and ``map`` pulls input only as
     capacity frees up (and holds at most ``max_in_flight * chunk_bytes`` of items sharing chunks
-    that it has not handed out).
+    that it has not handed out). A ``max_in_flight`` whose chunks would hold more than 2**50
+    bytes, more than any host has, is refused (ValueError): it would bound nothing.
     """
 
     def __new__(cls, *args: Any, device: Any = None, **kwargs: Any):

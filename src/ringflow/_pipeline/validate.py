@@ -21,8 +21,11 @@ from .._checks import MAX_WORKERS, as_float as _as_float, check_count, check_fla
 from .._checks import described as _got
 from .._device.host_pool import check_shape_dtype
 from .._plan import MAX_SLOTS, SlotCounts
+from .sizing import DEFAULT_CHUNK_BYTES
 
 MAX_CHUNK_BYTES = 1 << 40  # 1 TiB: larger than any GPU's memory, so surely a mistake
+# A pebibyte: more memory than any host has. Bounds pinned_budget, and what max_in_flight chunks may hold.
+MAX_HOST_BYTES = 1 << 50
 MAX_COMPUTE_STREAMS = 16
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10 ** 3, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30, "t": 1 << 40, "tb": 10 ** 12, "tib": 1 << 40}
@@ -186,6 +189,29 @@ def check_slots(value: Any, *, inplace: bool = False) -> "int | SlotCounts | Non
                        hint="; pass None (planned), an int for every ring, or a SlotCounts")
 
 
+def check_in_flight(value: Any, chunk_bytes: "int | str | None") -> int:
+    """``max_in_flight``: an int from 1 up to the count of ``chunk_bytes`` chunks that
+    :data:`MAX_HOST_BYTES` holds. The chunks accepted and unfinished hold their items and results
+    (a map holds up to ``max_in_flight * chunk_bytes`` bytes of results it has not handed out),
+    so a bound above that is one no host could reach: it bounds nothing, and is refused rather
+    than taken as "no bound".
+
+    Args:
+        value: the ``max_in_flight`` given (not None).
+        chunk_bytes: the checked ``chunk_bytes``; None (or ``"auto"``) for the default chunk.
+
+    Raises:
+        TypeError: not an integer.
+        ValueError: below 1, or above the bound.
+    """
+    chunk = chunk_bytes if isinstance(chunk_bytes, int) else DEFAULT_CHUNK_BYTES
+    return check_count("max_in_flight", value, maximum=max(1, MAX_HOST_BYTES // chunk),
+                       hint=f"; that many unfinished chunks of chunk_bytes={chunk} hold up to max_in_flight * "
+                            "chunk_bytes bytes of items and results, and a bound above 2**50 bytes (more than any "
+                            "host has) bounds nothing: give how many chunks may be unfinished at once, or None "
+                            "for the total slot count")
+
+
 def check_options(*, chunk_bytes: Any = None, allow_auto_chunk: bool = False, workers: Any = None,
                   max_in_flight: Any = None, pinned_budget: Any = None, slots: Any = None,
                   on_error: str = "raise", compute_streams: Any = None, **flags: Any) -> dict:
@@ -200,9 +226,9 @@ def check_options(*, chunk_bytes: Any = None, allow_auto_chunk: bool = False, wo
     out["chunk_bytes"] = None if chunk_bytes is None else check_bytes("chunk_bytes", chunk_bytes,
                                                                        allow_auto=allow_auto_chunk)
     out["workers"] = None if workers is None else check_count("workers", workers, maximum=MAX_WORKERS)
-    out["max_in_flight"] = None if max_in_flight is None else check_count("max_in_flight", max_in_flight)
+    out["max_in_flight"] = None if max_in_flight is None else check_in_flight(max_in_flight, out["chunk_bytes"])
     out["pinned_budget"] = None if pinned_budget is None else check_bytes("pinned_budget", pinned_budget,
-                                                                           maximum=1 << 50)
+                                                                           maximum=MAX_HOST_BYTES)
     out["on_error"] = check_choice("on_error", on_error, ("raise", "continue"))
     out["compute_streams"] = None if compute_streams is None else check_count(
         "compute_streams", compute_streams, maximum=MAX_COMPUTE_STREAMS,
