@@ -244,6 +244,50 @@ def test_an_argument_that_is_no_array_is_named_by_its_position_and_type(args, sa
     assert "mix" not in str(info.value)
 
 
+def _without_cuda_core(monkeypatch):
+    """Make ``import cuda.core`` fail, as on a machine without it (and forget one imported)."""
+    import builtins
+
+    from ringflow import _kernel
+
+    real_import = builtins.__import__
+
+    def no_cuda(name, *args, **kwargs):
+        if name == "cuda.core" or name.startswith("cuda.core."):
+            raise ModuleNotFoundError("No module named 'cuda'")
+        return real_import(name, *args, **kwargs)
+
+    _kernel._cuda.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", no_cuda)
+
+
+@pytest.mark.parametrize("args, says", [
+    (("y",), "argument 0 is str 'y'"),
+    (([1.0, 2.0],), r"argument 0 is list \[1\.0, 2\.0\]"),
+    ((None,), "argument 0 is NoneType None"),
+    (([1.0], np.float32(2)), "argument 0 is list"),
+    ((np.float32(2), (1, 2)), "argument 1 is tuple"),
+], ids=["str", "list", "None", "list and scalar", "scalar and tuple"])
+def test_no_array_argument_is_named_not_taken_for_a_device_array_without_cuda_core(monkeypatch, args, says):
+    """With no numpy array among them, arguments that are no array were taken for device arrays:
+    the call asked for cuda.core to be installed, on the simulated GPU too, where what is wrong
+    is the argument."""
+    _without_cuda_core(monkeypatch)
+    k = Kernel('extern "C" __global__ void k(){}', "k", reference=lambda *a: None)
+    with pytest.raises(TypeError, match=f"kernel 'k': {says}.*must be numpy, CuPy, PyTorch") as info:
+        k(*args)
+    assert "cuda.core needs" not in str(info.value) and "install" not in str(info.value)
+    if isinstance(args[0], list):
+        assert "np.asarray" in str(info.value)
+
+
+def test_only_scalars_say_an_array_is_needed_without_cuda_core(monkeypatch):
+    _without_cuda_core(monkeypatch)
+    k = Kernel('extern "C" __global__ void k(){}', "k", reference=lambda *a: None)
+    with pytest.raises(TypeError, match=r"kernel 'k' needs at least one array argument.*got only scalars"):
+        k(np.float32(1), 2.0)
+
+
 def test_kernel_as_compute_on_the_simulated_gpu():
     """stream.launch(kernel, x_arg, y_arg, scalar) runs the reference on sim."""
     dev = rf.device("sim")
@@ -383,19 +427,7 @@ def test_fast_and_general_launch_paths_agree_on_gpu():
 
 
 def test_compiling_without_cuda_core_says_what_to_install(monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_cuda(name, *args, **kwargs):
-        if name == "cuda.core" or name.startswith("cuda.core."):
-            raise ModuleNotFoundError("No module named 'cuda'")
-        return real_import(name, *args, **kwargs)
-
-    from ringflow import _kernel
-
-    _kernel._cuda.cache_clear()  # (where cuda.core imported earlier, the module is remembered)
-    monkeypatch.setattr(builtins, "__import__", no_cuda)
+    _without_cuda_core(monkeypatch)
     with pytest.raises(RuntimeError, match=r"compiling kernel 'k' needs cuda.core.*pip install 'ringflow\[cuda\]'"):
         rf.Kernel('extern "C" __global__ void k() {}', "k").compile(0)
 

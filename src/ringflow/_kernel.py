@@ -165,7 +165,8 @@ class Kernel:
         arrays too, before the reference runs, as a launch would."""
         arrays = [a for a in args if not isinstance(a, (np.generic, bool, int, float, complex))]
         if not arrays:
-            raise TypeError(f"kernel {self.name!r} needs at least one array argument")
+            raise TypeError(f"kernel {self.name!r} needs at least one array argument (numpy arrays on the simulated "
+                            f"GPU, device arrays on a GPU), then numpy scalars; got only scalars {args!r:.80}")
         if all(isinstance(a, np.ndarray) for a in arrays):
             if self.reference is None:
                 raise TypeError(f"kernel {self.name!r} got numpy arrays (the simulated GPU) but has no reference; "
@@ -173,15 +174,26 @@ class Kernel:
             self._check_like_a_launch(args)
             _check_stream(self.name, stream)
             return self.reference(*args)
+        # an argument that is no array at all (a list, a string, None) would otherwise read as
+        # a device array: beside numpy arrays as "a mix", and alone as a launch that needs
+        # cuda.core, which is not what is wrong (checked here, off the fast launch path)
+        self._refuse_no_array(args)
         if any(isinstance(a, np.ndarray) for a in arrays):
-            # checked only here, off the launch path: beside numpy arrays, an argument that is no
-            # array would read as a device array
-            for i, a in enumerate(args):
-                if not isinstance(a, (np.ndarray, np.generic, bool, int, float, complex)) and _framework(a) is None:
-                    raise TypeError(f"kernel {self.name!r}: argument {i} is {type(a).__name__} {a!r:.60}; "
-                                    f"kernel arguments {_ACCEPTED}")
             raise TypeError(f"kernel {self.name!r} got a mix of numpy and device arrays; pass all device arrays")
         return self._launch(args, stream)
+
+    def _refuse_no_array(self, args: tuple[Any, ...]) -> None:
+        """Refuse the first argument that is neither a scalar, a numpy array nor a device array.
+
+        Raises:
+            TypeError: naming the argument by its position and type (a list or tuple: with
+                ``np.asarray`` as the way to make it an array).
+        """
+        for i, a in enumerate(args):
+            if not isinstance(a, (np.ndarray, np.generic, bool, int, float, complex)) and _framework(a) is None:
+                hint = "; make it an array with np.asarray" if isinstance(a, (list, tuple)) else ""
+                raise TypeError(f"kernel {self.name!r}: argument {i} is {type(a).__name__} {a!r:.60}; "
+                                f"kernel arguments {_ACCEPTED}{hint}")
 
     def bind(self, *scalars: Any, name: str | None = None) -> "BoundKernel":
         """``f(*arrays)`` that launches this kernel with ``scalars`` after the arrays (numpy
