@@ -345,3 +345,34 @@ def test_indices_are_submission_indices_across_the_devices(coalesce):
             indices.append(r.index)
             r.release()
     assert indices == list(range(8))
+
+
+@pytest.mark.parametrize("call", ("map", "amap"))
+@pytest.mark.parametrize("stage", ("prepare", "compute"))
+def test_a_part_failure_that_ends_a_map_keeps_its_cause(stage, call):
+    """A map that finds its chunk cancelled by another part's failure raises that failure: it was
+    raised 'from None', which cleared the StageError's own __cause__ (the user's exception) for
+    this caller and for every later reader of pipe.failures."""
+    def prepare(item):
+        if item[0] == 2.0 and stage == "prepare":
+            raise ValueError("the user's")
+        return item
+
+    def compute(x, y):
+        if x[0] == 2.0 and stage == "compute":
+            raise ValueError("the user's")
+        y[...] = x * 2
+
+    devs = sims(2, seed=3)
+    pipe = rf.Pipeline(compute, device=devs, chunk_bytes=256, slots=2, prepare=prepare)
+    items = [np.full(4, float(k)) for k in range(5)]
+
+    async def collect():
+        return [r async for r in pipe.amap(items)]
+
+    with pytest.raises(rf.StageError) as info:
+        list(pipe.map(items)) if call == "map" else asyncio.run(collect())
+    assert info.value.stage == stage and isinstance(info.value.__cause__, ValueError), repr(info.value.__cause__)
+    assert all(isinstance(e.__cause__, ValueError) for e in pipe.failures)
+    del info
+    pipe.close()

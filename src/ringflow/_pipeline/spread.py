@@ -188,7 +188,9 @@ class SpreadPipeline(Pipeline):
                     failure = self._part_failure()
                     if failure is not None:
                         self.cancel()
-                        raise failure from None
+                        # (from its own cause: 'from None' would clear the StageError's __cause__,
+                        # the user's exception, for every reader of the part's failures)
+                        raise failure from failure.__cause__
                     return
                 except BaseException as err:
                     if not fut.failed_with(err):
@@ -252,7 +254,7 @@ class SpreadPipeline(Pipeline):
                     await asyncio.get_running_loop().run_in_executor(None, self.cancel)
                     if failure is err:
                         raise
-                    raise failure from None
+                    raise failure from failure.__cause__  # (as map: keep the user's exception)
                 if ending.given_up:
                     return
                 window.popleft()
