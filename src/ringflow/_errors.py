@@ -22,6 +22,16 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
+def shown(value: object, width: int = 80) -> str:
+    """``repr(value)`` cut to ``width`` characters, for a message about the user's ``value``;
+    never raises (a broken ``__repr__`` shows as ``<Type object: repr() raised Error>``)."""
+    try:
+        text = repr(value)
+    except Exception as err:  # noqa: BLE001 - whatever a user's __repr__ raises
+        return f"<{type(value).__name__} object: repr() raised {type(err).__name__}>"
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def unpicklable(exc: BaseException) -> "Exception | None":
     """None where ``exc`` survives being sent to another process (pickled, then unpickled);
     else what failed. One that pickles but does not unpickle (an ``__init__`` taking other

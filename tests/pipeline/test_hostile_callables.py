@@ -124,3 +124,114 @@ def test_a_type_error_raised_inside_iter_is_the_callers_own_not_a_refusal(call):
                 asyncio.run(first())
         assert list(pipe.map([np.ones(4)]))[0].tolist() == [2.0] * 4
     assert dev.live().total == 0
+
+
+# -- StopIteration from a user callable -------------------------------------------------------------
+# A StopIteration raised inside map()'s generator became "generator raised StopIteration", and one
+# raised where a loop's next() is awaited could end that loop as if the items had run out: each
+# callable's must fail loudly, never end a map or stream_map early with what it has.
+def _first_results(call: str, pipe: rf.Pipeline, items: list) -> list:
+    import asyncio
+
+    if call == "map":
+        return list(pipe.map(items))
+
+    async def collect():
+        return [r async for r in pipe.amap(items)]
+
+    return asyncio.run(collect())
+
+
+@pytest.mark.parametrize("call", ("map", "amap"))
+@pytest.mark.parametrize("devices", (1, 2), ids=("one-device", "two-devices"))
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_stage_raising_stop_iteration_fails_the_map_never_ends_it_early(stage, devices, call):
+    devs, pipe = _pipe_raising(stage, StopIteration("the user's"), "raise", devices=devices)
+    items = [np.full(4, float(k)) for k in range(5)]
+    with pytest.raises(StageError) as info:
+        bounded(lambda: _first_results(call, pipe, items))
+    assert info.value.stage == ("prepare" if stage == "item_nbytes" else stage)
+    assert isinstance(info.value.__cause__, StopIteration) and "StopIteration: the user's" in str(info.value)
+    del info
+    closed_clean(devs, pipe)
+
+
+def _output_stopping(item):
+    if item[0] == BAD:
+        raise StopIteration("the user's")
+    return item.shape, item.dtype
+
+
+@pytest.mark.parametrize("call", ("submit", "map", "amap"))
+@pytest.mark.parametrize("devices", (1, 2), ids=("one-device", "two-devices"))
+def test_an_output_callable_raising_stop_iteration_is_refused_naming_output_and_the_item(devices, call):
+    """It came out of submit as a bare StopIteration (ending a loop of the caller's that called
+    submit inside a generator, silently) and out of map as 'generator raised StopIteration'."""
+    devs = [rf.device("sim", chaos=True, seed=5 + i, checked=True) for i in range(devices)]
+    pipe = rf.Pipeline(lambda x, y: np.multiply(x, 2, out=y), device=devs[0] if devices == 1 else devs,
+                       chunk_bytes=256, output=_output_stopping)
+    items = [np.full(4, float(k)) for k in range(5)]
+    with pytest.raises(TypeError) as info:
+        if call == "submit":
+            for item in items:
+                pipe.submit(item).result(timeout=60)
+        else:
+            bounded(lambda: _first_results(call, pipe, items))
+    text = str(info.value)
+    assert text.startswith("output(item) must return the result's (shape, dtype); for item "
+                           "array([2., 2., 2., 2.]) it raised StopIteration: the user's. "), text
+    assert "end the items' iterator" in text and isinstance(info.value.__cause__, StopIteration)
+    del info
+    assert list(bounded(lambda: pipe.submit(np.ones(4)).result(timeout=60))) == [2.0] * 4  # it goes on
+    closed_clean(devs, pipe)
+
+
+@pytest.mark.parametrize("setting", ["stage", "register-direct", "register-pipeline"])
+@pytest.mark.parametrize("door", ["stream_map", "MapJob"])
+def test_a_whole_array_compute_raising_stop_iteration_fails_the_call(door, setting):
+    from tests.helpers.hostile import ENGINE_SETTINGS, call
+
+    def stops(x, y):
+        if (x == 300).any():
+            raise StopIteration("the user's")
+        y[...] = x * 2
+
+    dev = rf.device("sim", chaos=True, seed=6, checked=True)
+    x = np.arange(4096, dtype=np.float32)
+    with pytest.raises(StageError) as info:
+        call(door, dev, x, f=stops, chunk_bytes=1024, **ENGINE_SETTINGS[setting])
+    assert info.value.stage == "compute" and isinstance(info.value.__cause__, StopIteration)
+    del info
+    rf.drop_warm_pipelines()
+    import gc
+
+    gc.collect()
+    assert dev.live().total == 0
+
+
+class ReprRaises:
+    """An item whose ``repr()`` raises."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("this item cannot show itself")
+
+
+def test_an_output_stop_iteration_for_an_item_that_cannot_show_itself_still_names_output():
+    def output(item):
+        raise StopIteration
+
+    dev = rf.device("sim", chaos=True, seed=7, checked=True)
+    pipe = rf.Pipeline(lambda x, y: np.multiply(x, 2, out=y), device=dev, chunk_bytes=256,
+                       prepare=lambda item: np.ones(4), output=output)
+    with pytest.raises(TypeError, match=r"^output\(item\) must return the result's \(shape, dtype\); for item "
+                                        r"<ReprRaises object: repr\(\) raised RuntimeError> it raised StopIteration\. "):
+        pipe.submit(ReprRaises())
+    closed_clean([dev], pipe)
+
+
+def test_shown_cuts_a_long_repr_and_never_raises():
+    from ringflow._errors import shown
+
+    assert shown("x" * 200, width=10) == "'xxxxxx..."
+    assert shown([1, 2]) == "[1, 2]"
+    assert shown(ReprRaises()) == "<ReprRaises object: repr() raised RuntimeError>"

@@ -31,7 +31,7 @@ import numpy as np
 from .._device import device as make_device, device_list
 from .._device import host_pool
 from .._device.protocol import Device
-from .._errors import StageError, warn_quietly
+from .._errors import StageError, describe, shown, warn_quietly
 from .batch_space import aligned
 from .aio import CancelIfDropped, follow, give_up_stranded
 from .chunk import Chunk, ChunkFuture, cancel_unwanted, post_cancel
@@ -460,12 +460,22 @@ class Pipeline:
             TypeError, ValueError: the spec (or what ``output(item)`` returned) is not a valid
                 ``(shape, dtype)``, is several arrays with ``fill="rows"``, or its bytes do not fit
                 a slot.
+            TypeError: ``output(item)`` raised StopIteration (from it).
         """
         spec = self._output
         if spec is None:
             return None
         if callable(spec):
-            spec = output_tree(spec(item), "output(item)")
+            try:
+                got = spec(item)
+            except StopIteration as exc:
+                # raised on, it would end map()'s generator as "generator raised StopIteration",
+                # and out of submit() the caller's own loop, as if its items had run out
+                raised = describe(exc) if exc.args else "StopIteration"
+                raise TypeError(f"output(item) must return the result's (shape, dtype); for item {shown(item)} "
+                                f"it raised {raised}. A StopIteration cannot end a map or stop submitting: "
+                                "end the items' iterator instead") from exc
+            spec = output_tree(got, "output(item)")
             if self.config.fill == "rows":
                 check_fill_output(spec, "output(item)")
         if isinstance(spec, Packed):
