@@ -463,3 +463,42 @@ def test_a_long_long_is_passed_as_the_sized_integer_a_launch_takes(scalar, sized
     Kernel(SAXPY, "saxpy", reference=lambda x, y, a: got.append(a)).bind(scalar)(np.zeros(4), np.zeros(4))
     assert type(got[0]) is sized and got[0] == scalar
     assert type(launch_scalar(scalar)) is sized and type(launch_scalar(np.float32(1))) is np.float32
+
+
+SCALE = r"""
+extern "C" __global__ void scale(const float* x, float* y, float a, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        y[i] = a * x[i];
+}
+"""
+
+
+def scale_ref(x, y, a):
+    np.multiply(x, a, out=y)
+
+
+def test_a_kernel_survives_pickling_and_runs_the_same_on_the_simulated_gpu(monkeypatch):
+    """A kernel goes to worker processes and Ray tasks pickled: its lock and what it compiled
+    for this process's GPUs stay behind, and the copy compiles again where it first runs."""
+    import pickle
+    import threading
+
+    k = Kernel(SCALE, "scale", reference=scale_ref, block=128, pointwise=True, options={"fma": False})
+    k._compiled[0] = threading.Lock()  # stands for a compiled kernel, which belongs to this process
+    k._configs[1000] = threading.Lock()
+    copy = pickle.loads(pickle.dumps(k))
+    assert (copy.source, copy.name, copy.block, copy.elementwise, copy.pointwise, copy.options, copy.__name__) == \
+        (k.source, k.name, k.block, k.elementwise, k.pointwise, k.options, k.__name__)
+    assert copy._compiled == {} and copy._configs == {} and copy._lock is not k._lock
+    assert k._compiled and k._configs  # the original keeps what it compiled
+    x = np.random.default_rng(3).random(4096, dtype=np.float32)
+    want = rf.stream_map(k.bind(np.float32(3)), x, device=rf.device("sim"), chunk_bytes=4096)
+    got = rf.stream_map(copy.bind(np.float32(3)), x, device=rf.device("sim"), chunk_bytes=4096)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, np.float32(3) * x)
+    bound = pickle.loads(pickle.dumps(k.bind(np.float32(2), name="twice")))
+    assert bound.__name__ == "twice" and bound.kernel.name == "scale" and bound.scalars == (np.float32(2),)
+    np.testing.assert_array_equal(rf.stream_map(bound, x, device=rf.device("sim"), chunk_bytes=4096), 2 * x)
+    _without_cuda_core(monkeypatch)  # compiling the copy takes its own lock, then asks for cuda.core
+    with pytest.raises(RuntimeError, match="compiling kernel 'scale' needs cuda.core"):
+        copy.compile(0)

@@ -70,6 +70,8 @@ class Kernel:
     """An elementwise CUDA C++ kernel, compiled with NVRTC on first use on each GPU, that runs
     its numpy ``reference`` on the simulated GPU (the module's doc gives the calling
     convention). Use it as a compute function, ``kernel.bind(*scalars)`` for ``f(x, y)``.
+    It pickles (for worker processes and Ray) without what it compiled, which the copy compiles
+    again on its first launch; its ``reference`` must then be picklable too.
 
     Args:
         source: the CUDA C++ source text.
@@ -129,6 +131,34 @@ class Kernel:
 
     def __repr__(self) -> str:
         return f"<ringflow.Kernel {self.name} compiled for {sorted(self._compiled) or 'no GPU yet'}>"
+
+    # -- pickling ------------------------------------------------------------------------------
+    # A kernel travels to worker processes and Ray tasks pickled. What it compiled and the launch
+    # configurations it made belong to this process's CUDA context, and a lock cannot be
+    # pickled: the copy leaves them behind and compiles again on its first launch.
+    _PER_PROCESS = ("_compiled", "_configs", "_lock")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The kernel's definition (source, name, reference, block, flags, options), without
+        its per-process state. Its ``reference`` is pickled with it, so it must be picklable (a
+        function defined at a module's top level, not a lambda).
+
+        Raises:
+            pickle.PicklingError, AttributeError, TypeError: as pickle does for a ``reference``
+                that cannot be pickled.
+        """
+        return {k: v for k, v in self.__dict__.items() if k not in self._PER_PROCESS}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a pickled kernel, with nothing compiled yet and a lock of its own.
+
+        Args:
+            state: what :meth:`__getstate__` returned.
+        """
+        self.__dict__.update(state)
+        self._compiled = {}
+        self._configs = {}
+        self._lock = threading.Lock()
 
     # -- compilation ---------------------------------------------------------------------------
     def compile(self, device_index: int = 0) -> Any:
