@@ -747,3 +747,38 @@ def test_plan_shows_how_many_workers_copy_at_once(capsys):
         assert re.search(rf"workers copying at once\s+│?\s*16 of {workers}", out), out
         shown[workers] = re.search(r"predicted total\s+│?\s*([\d.]+) ms", out).group(1)
     assert shown["16"] == shown["1024"]
+
+
+@pytest.mark.parametrize("name, make", [("trace.json", os.mkdir), ("timeline.png", os.mkfifo)],
+                         ids=["a folder", "a fifo"])
+def test_a_demo_folder_whose_name_reads_like_advice_is_named_whole(tmp_path, monkeypatch, capsys, name, make):
+    """The demo's message was cut out of check_out_file's at its first '; give ': a folder whose
+    name holds those words lost the rest of its name, and what was wrong with it."""
+    import ringflow._demo as demo
+
+    monkeypatch.setattr(demo, "demo", lambda *a, **k: pytest.fail("the demo ran"))
+    out = tmp_path / "run; give up"
+    out.mkdir()
+    make(str(out / name))
+    assert main(["demo", "--device", "sim", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    what = "is a folder" if make is os.mkdir else "is not a regular file"
+    assert err == (f"ringflow demo: error: argument --out: the demo writes {name} into {str(out)!r}, but "
+                   f"{str(out / name)!r} {what}; give another folder\n"), err
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda d: "", "argument --trace: an empty string is not a file name; give a file name"),
+    (lambda d: d, "argument --trace: {d!r} is a folder; give a file name inside it"),
+    (lambda d: os.path.join(d, "missing", "t.json"),
+     "argument --trace: cannot write {p!r}: {m!r} does not exist; create it first"),
+    (lambda d: os.path.join(d, "new") + "/", "argument --trace: {p!r} ends with a slash; give a file name, not a folder"),
+], ids=["empty", "folder", "no folder", "slash"])
+def test_check_out_file_names_the_option_what_is_wrong_and_what_to_change(tmp_path, make, says):
+    from ringflow._cli import UsageError, check_out_file
+
+    d = str(tmp_path)
+    path = make(d)
+    with pytest.raises(UsageError) as info:
+        check_out_file(path, "--trace")
+    assert str(info.value) == says.format(d=d, p=path, m=os.path.join(d, "missing"))

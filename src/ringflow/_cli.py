@@ -153,38 +153,59 @@ def check_out_dir(path: str, option: str) -> str:
     return path
 
 
-def check_out_file(path: str, option: str) -> str:
-    """Check the file ``path`` can be written: its folder exists and takes a new file, and it is
-    neither a folder nor a device, pipe or socket. Nothing is left behind.
+def out_file_problem(path: str) -> "tuple[str, str] | None":
+    """What keeps the file ``path`` from being written, as ``(what is wrong, what to change)``, or
+    None where it can be: its folder exists and takes a new file, and it is neither a folder nor
+    a device, pipe or socket. Nothing is left behind. The caller puts the two into a message of
+    its own (:func:`check_out_file` for a file option; the demo for a file it writes into a
+    folder option), so each message is built once.
 
-    Raises:
-        UsageError: naming ``option`` and what to change.
+    Args:
+        path: the file name to check.
     """
     if not path.strip():
-        raise UsageError(f"argument {option}: give a file name, not an empty string")
+        return "an empty string is not a file name", "give a file name"
     if os.path.isdir(path):
-        raise UsageError(f"argument {option}: {path!r} is a folder; give a file name inside it")
+        return f"{path!r} is a folder", "give a file name inside it"
     if is_special(path):
-        raise UsageError(f"argument {option}: {path!r} is not a regular file; give the name of a file to write")
+        return f"{path!r} is not a regular file", "give the name of a file to write"
     if os.path.isfile(path):
         if not os.access(path, os.W_OK):
-            raise UsageError(f"argument {option}: cannot write {path!r} (Permission denied); give another file name")
-        return path
+            return f"cannot write {path!r} (Permission denied)", "give another file name"
+        return None
     if path.endswith((os.sep, "/")):
-        raise UsageError(f"argument {option}: {path!r} ends with a slash; give a file name, not a folder")
+        return f"{path!r} ends with a slash", "give a file name, not a folder"
     if os.path.islink(path):
-        raise UsageError(f"argument {option}: {path!r} is a symbolic link to nothing that can be written "
-                         "(missing, or a loop); give another file name")
+        return (f"{path!r} is a symbolic link to nothing that can be written (missing, or a loop)",
+                "give another file name")
     # the folder as the system will resolve it ("missing/../x" needs "missing"), not as abspath folds it
     folder = os.path.dirname(path) or os.curdir
     if not os.path.isdir(folder):
-        what = "is a file, not a folder" if os.path.exists(folder) else "does not exist; create it first"
-        raise UsageError(f"argument {option}: cannot write {path!r}: {folder!r} {what}")
+        if os.path.exists(folder):
+            return f"cannot write {path!r}: {folder!r} is a file, not a folder", "give a file name in a folder"
+        return f"cannot write {path!r}: {folder!r} does not exist", "create it first"
     try:  # the very name, made and removed: a name too long, say, is found now, not after the run
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         os.unlink(path)
     except OSError as exc:
-        raise UsageError(f"argument {option}: cannot write {path!r} ({_describe(exc)})") from None
+        return f"cannot write {path!r} ({_describe(exc)})", "give another file name"
+    return None
+
+
+def check_out_file(path: str, option: str) -> str:
+    """Check the file ``path``, given to ``option``, can be written (see :func:`out_file_problem`).
+
+    Args:
+        path: the file name given.
+        option: the option it was given to (``"--trace"``), named in the message.
+
+    Raises:
+        UsageError: naming ``option``, what is wrong and what to change.
+    """
+    problem = out_file_problem(path)
+    if problem is not None:
+        wrong, change = problem
+        raise UsageError(f"argument {option}: {wrong}; {change}")
     return path
 
 
@@ -260,14 +281,11 @@ def _demo(args: argparse.Namespace) -> int:
     check_out_dir(args.out, "--out")
     if os.path.isdir(args.out):  # the files it will write there, checked before the run, not after it
         for name in (TRACE_FILE, PLOT_FILE):
-            path = os.path.join(args.out, name)
-            try:
-                check_out_file(path, "--out")
-            except UsageError as exc:
-                # what is wrong with the file, without its advice for a file option
-                detail = str(exc).removeprefix("argument --out: ").split("; give ")[0]
-                raise UsageError(f"argument --out: the demo writes {name} into {args.out!r}, but {detail}; "
-                                 "give another folder") from None
+            problem = out_file_problem(os.path.join(args.out, name))
+            if problem is not None:
+                # what is wrong with the file; the change to make is to the folder option, not the file
+                raise UsageError(f"argument --out: the demo writes {name} into {args.out!r}, but {problem[0]}; "
+                                 "give another folder")
     return demo(device=args.device, out_dir=args.out)
 
 
