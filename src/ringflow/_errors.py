@@ -136,3 +136,9 @@ class StageError(RingflowError):
 
     def __reduce__(self):
         return (type(self), (self.stage, self.index, self.__cause__))
+
+
+class PrepareStopped(RingflowError):
+    """A ``prepare`` that :meth:`~ringflow.Pipeline.cancel` stopped by ending the worker process
+    running it (``processes=True``): its chunk ends CANCELLED, not FAILED. Never reaches the
+    caller: the scheduler takes it as the chunk's cancellation."""

@@ -4,6 +4,10 @@ them by reference, so they cannot live inside a test."""
 from __future__ import annotations
 
 import os
+import select
+import signal
+import threading
+import time
 
 import numpy as np
 
@@ -81,3 +85,91 @@ def fails_on_5_with_a_lambda(item: int) -> np.ndarray:
     if item == 5:
         raise HoldsALambda("item 5 is broken")
     return ramp(item)
+
+
+def segfaults_on_3(item: int) -> np.ndarray:
+    """Kills its worker process with SIGSEGV on item 3 (as a crash in a C extension would)."""
+    if item == 3:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return ramp(item)
+
+
+def killed_on_3(item: int) -> np.ndarray:
+    """Its worker process is SIGKILLed on item 3 (as the kernel's OOM killer does)."""
+    if item == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return ramp(item)
+
+
+def reports_then_waits(item) -> np.ndarray:
+    """An int: :func:`ramp` of it. A ``(n, ready, go)`` tuple: writes the worker's pid to the FIFO
+    at ``ready``, then waits for a line on the FIFO at ``go`` and returns :func:`ramp` of ``n``;
+    with ``go`` None it never returns (a prepare stuck for good)."""
+    if isinstance(item, int):
+        return ramp(item)
+    n, ready, go = item
+    with open(ready, "w") as fifo:
+        fifo.write(f"{os.getpid()}\n")
+    if go is None:
+        threading.Event().wait()
+    with open(go) as fifo:
+        fifo.readline()
+    return ramp(n)
+
+
+class Fifo:
+    """A named pipe under ``folder`` that the test reads (a worker reports on it) or writes (a
+    worker waits on it), with a timeout, so a test that fails does not hang."""
+
+    def __init__(self, folder, name: str):
+        self.path = str(folder / name)
+        os.mkfifo(self.path)
+
+    def read_line(self, timeout: float = 10.0) -> str:
+        """The first line a worker writes (opening it for writing blocks the worker until now).
+
+        Raises:
+            TimeoutError: nothing came within ``timeout`` seconds.
+        """
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            data = b""
+            deadline = time.monotonic() + timeout
+            while not data.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                    raise TimeoutError(f"nothing was written to {self.path} within {timeout} s")
+                chunk = os.read(fd, 64)
+                if not chunk and not data:
+                    continue  # (no writer yet: select reports EOF until one opens it)
+                data += chunk
+            return data.decode().strip()
+        finally:
+            os.close(fd)
+
+    def write_line(self, text: str = "go", timeout: float = 10.0) -> None:
+        """Write one line for a worker waiting on the FIFO (its reader).
+
+        Raises:
+            TimeoutError: no reader opened it within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:  # ENXIO: no reader yet
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nobody opened {self.path} for reading within {timeout} s") from None
+                select.select([], [], [], 0.005)
+        try:
+            os.write(fd, f"{text}\n".encode())
+        finally:
+            os.close(fd)
+
+
+def dies_or_waits(item) -> np.ndarray:
+    """``"die"``: kills its worker process (exit code 7); anything else: :func:`reports_then_waits`."""
+    if item == "die":
+        os._exit(7)
+    return reports_then_waits(item)

@@ -64,11 +64,11 @@ def test_a_worker_process_that_dies_fails_chunks_by_name_and_the_pipeline_still_
                      on_error="continue") as pipe:
         futs = [pipe.submit(i) for i in range(8)]
         outcomes = [fu.exception() for fu in futs]
-    broken = [o for o in outcomes if o is not None]
-    assert broken and all(isinstance(o, rf.StageError) and o.stage == "prepare" for o in broken)
-    assert "BrokenProcessPool" in type(broken[0].__cause__).__name__ or "terminated" in str(broken[0].__cause__)
+    # only the item whose worker died fails (test_processes.py pins the message)
+    assert [(i, o.stage) for i, o in enumerate(outcomes) if o is not None] == [(3, "prepare")]
+    assert "died (exit code 7)" in str(outcomes[3].__cause__)
     s = pipe.stats()
-    assert s.accepted == s.delivered + s.failed == 8 and s.in_flight == 0
+    assert (s.accepted, s.delivered, s.failed, s.in_flight) == (8, 7, 1, 0)
     assert dev.live().total == 0
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import glob
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 
 import ringflow as rf
 from tests.helpers import process_prepare as pp
+from tests.helpers import threads
 
 
 def f(x, y):
@@ -140,15 +143,14 @@ def test_a_slow_item_does_not_idle_the_other_workers():
 
 
 def test_every_worker_process_starts_with_the_pipeline(dev):
-    """A forkserver pool starts a process per task only while none is idle: without a start of
-    its own, a pipeline's first items would be served by its first few workers while the rest
-    came up. Every worker is started at construction, before any item."""
+    """Started at their first items, a pipeline's first items would be served by its first few
+    workers while the rest came up. Every worker is started at construction, before any item."""
     from ringflow._pipeline.processes import ProcessPrepare
 
     prepare = ProcessPrepare(dev, pp.ramp, 1 << 16, 4096, 3)
     try:
         prepare.open()
-        assert len(prepare._pool._processes) == 3
+        assert len(prepare.pids()) == 3 and not any(gone(p) for p in prepare.pids())
     finally:
         prepare.close()
 
@@ -156,19 +158,24 @@ def test_every_worker_process_starts_with_the_pipeline(dev):
 def test_workers_that_fail_to_start_leave_nothing_registered(dev, monkeypatch):
     """The shared block was registered before the workers started; when they failed to start
     (a script without a __main__ guard, run again in the child), the registration stayed, and
-    every later pipeline over that memory was refused."""
-    import concurrent.futures
+    every later pipeline over that memory was refused. The workers started before the one that
+    failed are ended too."""
+    from ringflow._pipeline import processes
 
-    real = concurrent.futures.ProcessPoolExecutor
+    real, started = processes._Worker, []
 
     class Failing(real):
-        def submit(self, *a, **k):
-            raise RuntimeError("worker start failed")
+        def __init__(self, *a):
+            if started:
+                raise RuntimeError("worker start failed")
+            super().__init__(*a)
+            started.append(self.pid)
 
-    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Failing)
+    monkeypatch.setattr(processes, "_Worker", Failing)
     before = shm_segments()
     with pytest.raises(RuntimeError, match="worker start failed"):
-        rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.ramp_and_pid, processes=True, workers=1)
+        rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.ramp_and_pid, processes=True, workers=2)
+    assert len(started) == 1 and gone(started[0])
     assert dev.live().total == 0, dev.live()
     assert shm_segments() <= before
 
@@ -177,22 +184,21 @@ def test_a_device_with_no_room_for_the_rings_starts_no_worker_and_pins_nothing(m
     """The device rings are allocated before anything is pinned (test_ring.py); the prepare
     processes' shared block was made, registered and its workers started before them, so a GPU
     without room for the rings cost a process pool's start and a registration first."""
-    import concurrent.futures
-
+    from ringflow._pipeline import processes
     from tests.helpers import small_memory_device
 
     chunk = 64 << 10
     dev = small_memory_device(chunk)  # no room for two device-in slots
     registered, pools = [], []
-    real_register, real_pool = dev.register_host, concurrent.futures.ProcessPoolExecutor
+    real_register, real_worker = dev.register_host, processes._Worker
 
-    class Counted(real_pool):
-        def __init__(self, *a, **k):
+    class Counted(real_worker):
+        def __init__(self, *a):
             pools.append(1)
-            super().__init__(*a, **k)
+            super().__init__(*a)
 
     monkeypatch.setattr(dev, "register_host", lambda a: registered.append(a.nbytes) or real_register(a))
-    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Counted)
+    monkeypatch.setattr(processes, "_Worker", Counted)
     before = shm_segments()
     with pytest.raises(rf.OutOfMemoryError, match="device-in ring"):
         rf.Pipeline(f, device=dev, chunk_bytes=chunk, prepare=pp.ramp, processes=True, workers=2,
@@ -235,7 +241,7 @@ def test_ctrl_c_is_the_pipelines_process_alone_to_handle(dev):
     pipeline ends them)."""
     with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.ramp, processes=True, workers=2) as pipe:
         (procs,) = pipe.scheduler._owned
-        pids = list(procs._pool._processes)
+        pids = procs.pids()
         deadline = time.monotonic() + 10
         while not all(ignores_sigint(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.01)  # (each worker's initializer has yet to run)
@@ -245,3 +251,137 @@ def test_ctrl_c_is_the_pipelines_process_alone_to_handle(dev):
         out = [pipe.submit(i).result(timeout=30) for i in range(8)]
     assert all(np.array_equal(r, pp.ramp(i) * 2 + 1) for i, r in enumerate(out))
     assert dev.live().total == 0
+
+
+# -- a prepare that never returns, a worker that dies ----------------------------------------------
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended and been reaped (no /proc entry, not even a zombie's)."""
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def stuck_item(tmp_path) -> tuple:
+    """An item for :func:`pp.reports_then_waits` that never returns, and the FIFO it reports on."""
+    ready = pp.Fifo(tmp_path, "ready")
+    return (0, ready.path, None), ready
+
+
+def awaited(fut):
+    """A thread waiting on ``fut`` (the simulated GPU advances only while someone waits)."""
+    def wait():
+        try:
+            return fut.exception(timeout=30)
+        except concurrent.futures.CancelledError as err:
+            return err
+
+    return threads.start(wait)
+
+
+def test_cancel_stops_a_prepare_that_never_returns_by_killing_its_worker(dev, tmp_path):
+    """cancel() waited for the running prepare, for ever. With processes=True it kills the
+    worker running it: the chunk ends CANCELLED, the worker is reaped, the block is freed."""
+    before = shm_segments()
+    item, ready = stuck_item(tmp_path)
+    pipe = rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.reports_then_waits, processes=True, workers=2)
+    pid = None
+    try:
+        first = pipe.submit(1)
+        assert np.array_equal(first.result(timeout=30), pp.ramp(1) * 2 + 1)
+        stuck = pipe.submit(item)
+        waiter = awaited(stuck)
+        pid = int(ready.read_line())  # its prepare is running in that worker now
+        threads.join([threads.start(pipe.cancel), waiter], timeout=10)
+        assert stuck.cancelled()
+        s = pipe.stats()
+        assert (s.delivered, s.cancelled, s.in_flight) == (1, 1, 0)
+        threads.join([threads.start(pipe.close)], timeout=10)
+    finally:
+        if pid is not None and not gone(pid):
+            os.kill(pid, signal.SIGKILL)  # (the test failed: let the run go on)
+    assert gone(pid)
+    assert shm_segments() <= before and dev.live().total == 0
+
+
+def test_ctrl_c_leaving_a_with_block_stops_a_running_prepare(dev, tmp_path):
+    """Ctrl-C (or any error) in the caller, on the main thread, while a prepare runs in a
+    worker: leaving the with block cancels, which kills the worker running it, and the
+    KeyboardInterrupt goes on up. (A watchdog kills that worker after a while, so that a
+    regression fails here instead of hanging: it must not have fired.)"""
+    before = shm_segments()
+    item, ready = stuck_item(tmp_path)
+    pid, fired = [], []
+
+    def watchdog():
+        if pid and not gone(pid[0]):
+            fired.append(pid[0])
+            os.kill(pid[0], signal.SIGKILL)
+
+    timer = threading.Timer(10, watchdog)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.reports_then_waits, processes=True,
+                             workers=2) as pipe:
+                futs = [pipe.submit(item), pipe.submit(2)]
+                waiter = awaited(futs[0])
+                pid.append(int(ready.read_line()))
+                raise KeyboardInterrupt
+    finally:
+        timer.cancel()
+    assert not fired
+    threads.join([waiter], timeout=10)
+    assert gone(pid[0])
+    assert futs[0].cancelled() and all(fu.done() for fu in futs)
+    assert shm_segments() <= before and dev.live().total == 0
+
+
+@pytest.mark.parametrize("prepare, death", [(pp.dies_on_3, "exit code 7"),
+                                            (pp.segfaults_on_3, "signal 11 (SIGSEGV)"),
+                                            (pp.killed_on_3, "signal 9 (SIGKILL)")])
+def test_a_worker_that_dies_fails_its_item_alone_and_is_replaced(dev, prepare, death):
+    """One worker that died broke the whole process pool: its item and every later one failed
+    with BrokenProcessPool. Its item fails saying so; a new worker serves the later items."""
+    before = shm_segments()
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=prepare, processes=True, workers=2,
+                     on_error="continue") as pipe:
+        futs = [pipe.submit(i) for i in range(10)]
+        outcomes = [fu.exception(timeout=30) for fu in futs]
+        failures = pipe.failures
+    assert [i for i, o in enumerate(outcomes) if o is not None] == [3]
+    assert [(e.stage, e.index) for e in failures] == [("prepare", 3)]
+    cause = failures[0].__cause__
+    assert type(cause) is RuntimeError, repr(cause)
+    assert "worker process" in str(cause) and "died" in str(cause) and death in str(cause), str(cause)
+    for i in (0, 1, 2, 4, 9):
+        assert np.array_equal(futs[i].result(), pp.ramp(i) * 2 + 1)
+    s = pipe.stats()
+    assert (s.accepted, s.delivered, s.failed, s.in_flight) == (10, 9, 1, 0)
+    assert shm_segments() <= before and dev.live().total == 0
+
+
+def test_a_worker_that_dies_leaves_the_item_running_in_another_alone(dev, tmp_path):
+    """A worker died while another was preparing an item: in a process pool both failed (the
+    pool broke, failing every task running or queued in it). Each worker has its own pipe: the
+    other item comes back whole, and a new worker takes the dead one's place."""
+    from ringflow._pipeline.processes import ProcessPrepare
+
+    ready, go = pp.Fifo(tmp_path, "ready"), pp.Fifo(tmp_path, "go")
+    procs = ProcessPrepare(dev, pp.dies_or_waits, 3 * 4096, 4096, 2)
+    try:
+        procs.open()
+        slots = [np.ndarray((4096,), np.uint8, buffer=procs._shm.buf, offset=k * 4096) for k in range(3)]
+        waiting = threads.start(procs, (6, ready.path, go.path), slots[0])
+        waiting_pid = int(ready.read_line())  # that item is in its worker now
+        with pytest.raises(RuntimeError, match=r"worker process .* died \(exit code 7\)"):
+            procs("die", slots[1])
+        go.write_line()
+        shape, dtype = threads.join([waiting], timeout=10)[0]
+        assert np.array_equal(slots[0][:dtype.itemsize * shape[0]].view(dtype), pp.ramp(6))
+        shape, dtype = procs(9, slots[2])  # served by the worker started in the dead one's place
+        assert np.array_equal(slots[2][:dtype.itemsize * shape[0]].view(dtype), pp.ramp(9))
+        pids = procs.pids()
+        assert len(pids) == 2 and waiting_pid in pids
+        del slots
+    finally:
+        procs.close()
+    assert all(gone(p) for p in pids)

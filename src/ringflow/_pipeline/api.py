@@ -229,7 +229,9 @@ class Pipeline:
     ``processes=True`` runs ``prepare`` in ``workers`` worker processes instead of threads (no
     GIL between them), each writing its array straight into the pipeline's pinned host-in slot
     (shared memory); ``prepare`` and the items must then be picklable (a module-level function),
-    as for a DataLoader's workers.
+    as for a DataLoader's workers. A worker that dies fails only the item it was preparing (a
+    RuntimeError with its exit code or signal) and is replaced; :meth:`cancel` kills the workers
+    still running a ``prepare`` (see :meth:`cancel` and :meth:`close`).
 
     ``fill="rows"``: the compute returns how many rows (along axis 0) of ``y`` it filled, an int;
     only those come back, and the result has that many rows (``output`` is then an upper bound:
@@ -319,6 +321,7 @@ class Pipeline:
                processes: bool = False, like: Optional[str] = None, fill: Optional[str] = None,
                host_strides: tuple = (None, None), coalesce: bool = False) -> None:
         self._closed = True  # until built: a finaliser or close() on a half-built pipeline does nothing
+        self._procs = None  # processes=True: the prepare processes (ProcessPrepare)
         if not callable(compute):
             raise TypeError(f"compute must be a callable f(x, y), got {type(compute).__name__}")
         for name, fn in (("prepare", user_prepare), ("consume", consume), ("item_nbytes", item_nbytes)):
@@ -385,6 +388,7 @@ class Pipeline:
             from .processes import ProcessPrepare
 
             procs = ProcessPrepare(self.device, user_prepare, counts.host_in * chunk_bytes, chunk_bytes, workers)
+        self._procs = procs
         prepare_stage = stage_prepare or procs or functools.partial(_prepare_array, user_prepare, chunk_bytes)
         self._items_are_arrays = stage_prepare is None and user_prepare is None  # sizes known before acceptance
         # submit() lets small array items share a chunk where each item's result is its own
@@ -420,7 +424,7 @@ class Pipeline:
             self._driver = CallerDriver(self._sched)  # a whole-array call: its caller drives
         else:
             self._driver = ProgressThread(self._sched, name=f"ringflow-progress-{next(_NAMES)}")
-        self._finalizer = weakref.finalize(self, _abandon, self._driver, self._sched)
+        self._finalizer = weakref.finalize(self, _abandon, self._driver, self._sched, procs)
         self._closed = False
 
     # -- set-up -------------------------------------------------------------------------------
@@ -1062,10 +1066,17 @@ class Pipeline:
     def cancel(self) -> None:
         """Stop admission; chunks not yet on a stream end CANCELLED at once; enqueued chunks
         end CANCELLED once their events complete (their slots are released only then).
-        Returns with ``stats().in_flight == 0``. Harmless to call twice; safe from any thread."""
+        Returns with ``stats().in_flight == 0``. Harmless to call twice; safe from any thread.
+
+        A ``prepare`` running in a worker process (``processes=True``) is stopped: the workers
+        running one are killed first, their chunks end CANCELLED, and the pipeline takes no
+        more work (:meth:`close` then ends the idle workers). A ``prepare`` running on a thread
+        cannot be stopped: this waits for it to return (for ever, should it never return).
+        """
         if self._closed:
             return
         self._check_caller("cancel()", opened=False)
+        self._stop_prepares()
         d, s = self._driver, self._sched
         with d.cv:
             d.command(s.cancel_pending)
@@ -1086,6 +1097,11 @@ class Pipeline:
         wait for: should its consumer have stopped pulling, this returns only once it pulls again.
         Call :meth:`cancel` first to end such work without the consumer: it never waits for one.
 
+        Finishing the accepted chunks includes waiting for a running ``prepare``, on a thread or
+        in a worker process (``processes=True``): a ``prepare`` that never returns keeps this
+        waiting for ever. With ``processes=True``, :meth:`cancel` first (or leaving a ``with``
+        block by an error, Ctrl-C included) kills the workers running one instead.
+
         Raises:
             RuntimeError: called from inside one of the pipeline's own stages.
         """
@@ -1103,9 +1119,18 @@ class Pipeline:
                 give_up_stranded(d)
                 d.wait_for(s.finished, None, "the pipeline to finish")
             except BaseException:
+                self._stop_prepares()  # (interrupted: the wait for running prepares ends here)
                 self._shut()
                 raise
             self._shut()
+
+    def _stop_prepares(self) -> None:
+        """With ``processes=True``: kill the workers running a prepare now, ending those chunks
+        CANCELLED (:meth:`.ProcessPrepare.stop_running`). Called before the driver's lock is
+        taken: on the simulated GPU a prepare runs on the thread that advances the device,
+        holding its lock, and one that never returns would keep both. Never raises."""
+        if self._procs is not None:
+            self._procs.stop_running()
 
     def _shut(self) -> None:
         """Closed from now on: stop the driver, then release the scheduler's resources (lock held;
@@ -1160,6 +1185,7 @@ class Pipeline:
         if self._forget_if_forked():
             return
         refuse_from_stage(self._sched.stage_owner, "__exit__")
+        self._stop_prepares()
         d = self._driver
         with d.cv:
             if self._closed:
@@ -1307,10 +1333,13 @@ class _Recorder:
             self.timeline.stalls.append(Span(track, name, start, end))
 
 
-def _abandon(driver, sched) -> None:
-    """A pipeline dropped without ``close()``: warn, and have its driver cancel, drain and release.
+def _abandon(driver, sched, procs) -> None:
+    """A pipeline dropped without ``close()``: warn, and have its driver cancel, drain and release
+    (``procs``: its prepare processes, whose running prepares are stopped as cancel stops them).
     Never blocks and never raises (it runs in whichever thread the collector runs)."""
     try:
+        if procs is not None:
+            procs.stop_running()
         if sched.chunks or sched.inbox:
             warn_quietly("a Pipeline with work in flight was garbage-collected; cancelling it. "
                          "Use it as a context manager or call close()", ResourceWarning)

@@ -9,10 +9,24 @@ The host-in ring is one block of POSIX shared memory (``multiprocessing.shared_m
 when the pipeline makes its host-in ring (after its device rings, so a GPU without room for those
 fails before any of this is paid for), before the workers start, and registered with the device
 (``Device.register_host``), so its copy engine reads it as pinned memory. A worker attaches the
-block by name when it starts; a task
-carries the item and the slot's offset, and returns the array's shape and dtype. The workers
-run from a ``forkserver``: a clean process, started before any of them, that forks each worker
-(forking the pipeline's own process, whose threads may hold locks, could deadlock a child).
+block by name when it starts; a task carries the item and the slot's offset, and returns the
+array's shape and dtype. The workers run from a ``forkserver``: a clean process, started before
+any of them, that forks each worker (forking the pipeline's own process, whose threads may hold
+locks, could deadlock a child).
+
+Each worker has a pipe of its own and runs one task at a time, taken by the CPU worker thread
+that waits for it (not a shared ``ProcessPoolExecutor``, where one worker that dies breaks the
+pool and fails every task in it, running or queued). So:
+
+* a worker that dies (a crash in native code, ``os._exit``, a signal, the OOM killer) fails only
+  the item it was preparing, with a RuntimeError giving its exit code or signal; the items in
+  the other workers go on, and a new worker is started for the next item;
+* :meth:`ProcessPrepare.stop_running` (what ``Pipeline.cancel`` calls first, before it takes any
+  lock: on the simulated GPU a prepare runs inside the device's lock) kills the workers running
+  a task, whose threads then raise :class:`~ringflow._errors.PrepareStopped` (their chunks end
+  CANCELLED), and refuses every later task the same way. A worker's write into its slot ends
+  with the worker: its thread returns only once the process is gone, so the slot is reused only
+  after that.
 
 Ordering: the task is submitted, and waited for, by the scheduler's CPU worker thread that owns
 the slot's prepare (its checked view declares the write on the simulated GPU); the slot's h2d is
@@ -21,20 +35,65 @@ enqueued only after that thread's task is seen complete, as for a prepare on a t
 
 from __future__ import annotations
 
-import concurrent.futures
 import multiprocessing
-import os
+import multiprocessing.connection
+import multiprocessing.util
 import pickle
 import signal
+import threading
+import traceback
 from multiprocessing import shared_memory
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 import numpy as np
 
 from .._device.protocol import Device, HostBuffer, close_quietly
-from .._errors import describe, unpicklable
+from .._errors import PrepareStopped, describe, unpicklable
 
-_SHARED: dict = {}  # in a worker: the attached block and its bytes
+_SHARED: dict = {}  # in a worker: the attached block and its bytes, the prepare callable or why it is missing
+EXIT_GRACE_S = 5.0  # how long a worker told to exit (its pipe closed) has before it is killed
+
+
+class _Worker:
+    """One worker process and the pipeline's end of its pipe."""
+
+    __slots__ = ("process", "conn")
+
+    def __init__(self, ctx: Any, name: str, prepare: bytes):
+        conn, child = ctx.Pipe()
+        try:
+            self.process = ctx.Process(target=_serve, args=(child, name, prepare), name="ringflow-prepare")
+            self.process.start()
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            child.close()  # (the worker has its own copy of it now)
+        self.conn = conn
+
+    @property
+    def pid(self) -> "int | None":
+        return self.process.pid
+
+    def kill(self) -> None:
+        """SIGKILL it (a prepare may ignore SIGTERM, or loop where nothing else reaches it); never raises."""
+        try:
+            self.process.kill()
+        except Exception:  # noqa: BLE001 - it has gone already
+            pass
+
+    def end(self, grace: float) -> None:
+        """Close its pipe (an idle worker then exits), give it ``grace`` seconds, kill it if it
+        is still there, and reap it; never raises."""
+        try:
+            self.conn.close()
+            self.process.join(grace)
+            if self.process.exitcode is None:
+                self.kill()
+                self.process.join()
+        except Exception:  # noqa: BLE001 - cleanup never raises
+            pass
 
 
 class ProcessPrepare:
@@ -55,7 +114,12 @@ class ProcessPrepare:
         self._device, self._nbytes, self._workers = device, nbytes, workers
         self._chunk_bytes = chunk_bytes
         self._shm = None
-        self._pool = None
+        self._ctx = None
+        self._at_exit = None
+        self._lock = threading.Lock()
+        self._idle: list[_Worker] = []
+        self._all: list[_Worker] = []  # every worker started and not yet reaped, idle or running a task
+        self._stopping = False  # stop_running() or close() was called: every task is refused
         self.buffer: HostBuffer | None = None
 
     def open(self) -> HostBuffer:
@@ -66,49 +130,176 @@ class ProcessPrepare:
         Raises:
             whatever making, registering or starting them raised; what was made is closed.
         """
-        nbytes, workers = self._nbytes, self._workers
+        nbytes = self._nbytes
         self._shm = shared_memory.SharedMemory(create=True, size=nbytes)
         try:
             view = np.ndarray((nbytes,), np.uint8, buffer=self._shm.buf)
             self._base = view.__array_interface__["data"][0]
             self.buffer = self._device.register_host(view)
             del view
-            ctx = multiprocessing.get_context("forkserver")
-            # prepare goes to each worker once, at its start (it may carry data: a dataset)
-            self._pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_attach,
-                                                                initargs=(self._shm.name, self._pickled))
-            # a pool started from a forkserver makes a process per task only when none is idle, so
-            # a first few items would be served by the first few workers while the rest start;
-            # one empty task per worker starts them all now, without waiting for them
-            for _ in range(workers):
-                self._pool.submit(os.getpid)
+            self._ctx = multiprocessing.get_context("forkserver")
+            # at exit, before multiprocessing joins its children: a worker still running a prepare
+            # (a pipeline left open) would keep the interpreter from ending
+            self._at_exit = multiprocessing.util.Finalize(self, _end_all, args=(self._all, 0.0), exitpriority=10)
+            # every worker now, not at its first item: the first items would wait for them
+            for _ in range(self._workers):
+                self._idle.append(self._start())
         except BaseException:
             self.close()
             raise
         return self.buffer
 
+    def pids(self) -> list:
+        """The process ids of the workers started and not yet reaped."""
+        with self._lock:
+            return [w.pid for w in self._all]
+
+    def _start(self) -> _Worker:
+        """A new worker (listed in ``_all`` from its start on, so that close ends it)."""
+        worker = _Worker(self._ctx, self._shm.name, self._pickled)
+        with self._lock:
+            self._all.append(worker)
+        return worker
+
     def __call__(self, item: Any, raw: np.ndarray) -> tuple:
         """The prepare stage for one chunk (on a CPU worker thread): ``raw`` is the chunk's slot,
-        a view of :attr:`buffer`. Waits for the worker process; returns ``(shape, dtype)``.
+        a view of :attr:`buffer`. Runs ``prepare(item)`` in an idle worker and waits for it;
+        returns ``(shape, dtype)``.
 
         Raises:
             whatever ``prepare`` raised in the worker (TypeError/ValueError for an array that is
-            not one or does not fit), or BrokenProcessPool if a worker died.
+            not one or does not fit), or pickling the item raised.
+            RuntimeError: the worker process died while preparing the item.
+            PrepareStopped: :meth:`stop_running` or :meth:`close` stopped it (or came first).
         """
-        offset = raw.__array_interface__["data"][0] - self._base
-        described = self._pool.submit(_prepare_in_worker, self._chunk_bytes, item, offset, raw.nbytes).result()
+        # pickled here, before a worker is taken: an item that cannot be sent fails alone
+        task = ForkingPickler.dumps((self._chunk_bytes, item, raw.__array_interface__["data"][0] - self._base,
+                                     raw.nbytes))
+        worker = self._take()
+        settled = False  # the worker is between tasks again: it may serve the next one
+        try:
+            reply = self._run(worker, task)
+            settled = True
+        finally:
+            self._put_back(worker, settled)
+        if reply[0] != "ok":
+            exc = reply[1]
+            exc.__cause__ = _RemoteTraceback(reply[2])
+            raise exc
+        described = reply[1]
         return (described[0], np.dtype(described[1])) + tuple(described[2:])
 
+    def _take(self) -> _Worker:
+        """An idle worker, or a new one in place of one that has died (or where none is idle).
+
+        Raises:
+            PrepareStopped: the workers are being stopped.
+        """
+        with self._lock:
+            if self._stopping:
+                raise PrepareStopped("the pipeline was cancelled or closed before this prepare started")
+            worker = self._idle.pop() if self._idle else None
+        if worker is not None and worker.process.is_alive():
+            return worker
+        if worker is not None:  # it died between two tasks (killed from outside): replaced
+            self._forget(worker)
+        return self._start()
+
+    def _run(self, worker: _Worker, task: bytes) -> tuple:
+        """Send ``task`` (pickled) to ``worker`` and wait for its reply (see :func:`_reply`).
+
+        Raises:
+            RuntimeError, PrepareStopped: the worker ended first (:meth:`_died`).
+        """
+        try:
+            worker.conn.send_bytes(task)
+        except (BrokenPipeError, ConnectionResetError):
+            raise self._died(worker) from None
+        ready = multiprocessing.connection.wait([worker.conn, worker.process.sentinel])
+        if worker.conn not in ready:
+            raise self._died(worker)
+        try:
+            return worker.conn.recv()
+        except (EOFError, ConnectionResetError):
+            raise self._died(worker) from None
+
+    def _died(self, worker: _Worker) -> Exception:
+        """The error for the item whose worker has ended (reaped here): PrepareStopped where
+        :meth:`stop_running` killed it, else a RuntimeError saying how it ended."""
+        worker.process.join()
+        if self._stopping:
+            return PrepareStopped(f"the pipeline was cancelled or closed while this prepare ran: its worker process "
+                                  f"(pid {worker.pid}) was killed")
+        return RuntimeError(f"the worker process running prepare for this item (pid {worker.pid}) died "
+                            f"({_how_it_ended(worker.process.exitcode)}) before prepare returned; the item is "
+                            "failed and a new worker process takes the next ones. A worker dies of a crash in "
+                            "native code, os._exit, or a signal (the kernel's OOM killer sends SIGKILL)")
+
+    def _put_back(self, worker: _Worker, settled: bool) -> None:
+        """``worker`` idle again if it is still there and between tasks; else ended, forgotten
+        and replaced (a wait cut short, by an interrupt say, leaves its reply in the pipe for the
+        next task: that worker is ended too). Never raises."""
+        alive = settled and worker.process.exitcode is None
+        with self._lock:
+            if alive and not self._stopping:
+                self._idle.append(worker)
+                return
+        if alive:
+            worker.end(EXIT_GRACE_S)  # (stopping meanwhile: no one else ends it now)
+        else:
+            worker.kill()
+        self._forget(worker)
+        self._replace()
+
+    def _replace(self) -> None:
+        """Start a worker in place of one that ended, now rather than at the next item (which
+        would wait for it); where that fails, the next item starts one (:meth:`_take`). Never
+        raises."""
+        if self._stopping:
+            return
+        try:
+            worker = self._start()
+        except Exception:  # noqa: BLE001 - the next item tries again, and fails with the reason
+            return
+        with self._lock:
+            stopping = self._stopping
+            if not stopping:
+                self._idle.append(worker)
+        if stopping:  # (stopped while it started: it is nobody's to end but ours)
+            self._forget(worker)
+
+    def _forget(self, worker: _Worker) -> None:
+        """Reap ``worker`` (ended) and drop it; never raises."""
+        worker.end(0.0)
+        with self._lock:
+            if worker in self._all:
+                self._all.remove(worker)
+
+    def stop_running(self) -> None:
+        """Kill the workers running a task now and refuse every later task: their threads raise
+        :class:`~ringflow._errors.PrepareStopped` once each process is gone. Takes no lock but
+        this pool's own (see the module's doc); idle workers are left for :meth:`close`. Never
+        raises."""
+        with self._lock:
+            self._stopping = True
+            running = [w for w in self._all if w not in self._idle]
+        for worker in running:
+            worker.kill()
+
     def close(self) -> None:
-        """Stop the workers, drop the block's registration (the ring that used it has dropped it
-        already, unless the pipeline's set-up failed before that ring took it) and free the
-        block; nothing where :meth:`open` was never called. Never raises."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            try:
-                pool.shutdown(wait=True, cancel_futures=True)
-            except Exception:  # noqa: BLE001 - cleanup never raises
-                pass
+        """Stop the workers (one still running a task is killed, and reaped by the thread that
+        waits for it; an idle one exits as its pipe closes), drop the block's registration (the
+        ring that used it has dropped it already, unless the pipeline's set-up failed before that
+        ring took it) and free the block; nothing where :meth:`open` was never called. Never
+        raises."""
+        self.stop_running()
+        with self._lock:
+            idle, self._idle = self._idle, []
+        _end_all(idle, EXIT_GRACE_S)
+        with self._lock:
+            self._all[:] = [w for w in self._all if w not in idle]
+        if self._at_exit is not None and not self._all:
+            self._at_exit.cancel()
         buffer, self.buffer = self.buffer, None
         if buffer is not None:  # (closing it twice is harmless)
             close_quietly(buffer, "the registration of the prepare processes' block")
@@ -124,16 +315,81 @@ class ProcessPrepare:
                 pass
 
 
-def _attach(name: str, prepare: bytes) -> None:
-    """A worker's initializer: ignore Ctrl-C, map the shared block and take the prepare callable."""
+def _end_all(workers: list, grace: float) -> None:
+    """End every worker of ``workers`` (:meth:`_Worker.end`), all told to exit first, so that
+    they exit side by side; never raises."""
+    workers = list(workers)
+    for worker in workers:
+        try:
+            worker.conn.close()
+        except Exception:  # noqa: BLE001 - cleanup never raises
+            pass
+    for worker in workers:
+        worker.end(grace)
+
+
+def _how_it_ended(exitcode: "int | None") -> str:
+    """``"exit code 7"`` or ``"killed by signal 11 (SIGSEGV)"`` for a process's exit code."""
+    if exitcode is None:
+        return "exit code unknown"
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        return f"killed by signal {-exitcode}"
+    return f"killed by signal {-exitcode} ({name})"
+
+
+class _RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker process, as text (its ``__cause__``)."""
+
+    def __init__(self, tb: str):
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.tb}"""'
+
+
+def _serve(conn: Any, name: str, prepare: bytes) -> None:
+    """A worker's body: attach the block and take the prepare callable, then answer tasks one at
+    a time until the pipe closes."""
     # Ctrl-C at a terminal signals the whole foreground process group: the pipeline's process
     # handles it (cancelling, closing, which ends the workers); a worker taking it would print a
-    # KeyboardInterrupt traceback and die, breaking the pool for every later item
+    # KeyboardInterrupt traceback and die, failing the item it was preparing
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _attach(name, prepare)
+    except Exception as exc:  # noqa: BLE001 - each task is answered with it (a worker that died would be replaced, and fail again)
+        _SHARED["broken"] = RuntimeError(f"prepare's worker process could not start: {describe(exc)}")
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):  # the pipeline closed its end: no more tasks
+            return
+        conn.send(_reply(task))
+
+
+def _attach(name: str, prepare: bytes) -> None:
+    """Map the shared block and take the prepare callable."""
     shm = shared_memory.SharedMemory(name=name)
     _SHARED["shm"] = shm
     _SHARED["bytes"] = np.ndarray((shm.size,), np.uint8, buffer=shm.buf)
     _SHARED["prepare"] = pickle.loads(prepare)
+
+
+def _reply(task: tuple) -> tuple:
+    """In a worker: ``("ok", (shape, dtype string)[, layout])`` for a task, or ``("error",
+    exception, traceback text)`` with what it raised (or a stand-in that can travel back)."""
+    try:
+        broken = _SHARED.get("broken")
+        if broken is not None:
+            raise broken
+        return "ok", _prepare_in_worker(*task)
+    except BaseException as exc:  # noqa: BLE001 - sent back as itself where it can travel
+        text = "".join(traceback.format_exception(exc))
+        return "error", _stand_in(exc) or exc, text
 
 
 def _prepare_in_worker(chunk_bytes: int, item: Any, offset: int, nbytes: int) -> tuple:
@@ -142,22 +398,14 @@ def _prepare_in_worker(chunk_bytes: int, item: Any, offset: int, nbytes: int) ->
     from .api import _prepare_array
 
     raw = _SHARED["bytes"][offset:offset + nbytes]
-    try:
-        described = _prepare_array(_SHARED["prepare"], chunk_bytes, item, raw)
-    except BaseException as exc:  # noqa: BLE001 - raised as itself where it can travel back
-        stand_in = _stand_in(exc)
-        if stand_in is None:
-            raise
-        # (raised while handling exc: the traceback text sent back with it shows exc's too)
-        raise stand_in  # noqa: B904
+    described = _prepare_array(_SHARED["prepare"], chunk_bytes, item, raw)
     return (tuple(described[0]), np.dtype(described[1]).str) + tuple(described[2:])
 
 
 def _stand_in(exc: BaseException) -> "RuntimeError | None":
     """None where ``exc`` survives the trip back to the pipeline's process; else a RuntimeError
-    to send instead, saying what it was. One that pickles but cannot be unpickled would break
-    the process pool, failing every later item; one that cannot be pickled would come back as
-    pickle's own error."""
+    to send instead, saying what it was. One that pickles but cannot be unpickled would fail in
+    the pipeline's process as its reply is read; one that cannot be pickled could not be sent."""
     err = unpicklable(exc)
     if err is None:
         return None

@@ -40,7 +40,7 @@ import numpy as np
 
 from .._device.host_pool import buffer_behind, hand_off, slice_behind
 from .._device.protocol import BufferSlice, Device
-from .._errors import DeviceError, StageError, describe
+from .._errors import DeviceError, PrepareStopped, StageError, describe
 from .._testing import current as current_hooks
 from .batch_space import BatchSpace, aligned
 from .chunk import MAX_MEMBERS, MEMBER_ALIGN, Chunk, ChunkFuture, Member
@@ -827,6 +827,9 @@ class Scheduler:
             chunk.stamps["prepare"][1] = self.device.now
         try:
             chunk.shape, chunk.dtype, chunk.nbytes, tree = chunk.prepare_task.result()
+        except PrepareStopped:  # cancel() ended its worker process (processes.py) before cancelling the chunk
+            self._drain(chunk, ChunkState.CANCELLED)
+            return
         except BaseException as exc:  # noqa: BLE001 - the user's prepare failed for this chunk (Ctrl-C too)
             self._fail(chunk, "prepare", exc)
             return
