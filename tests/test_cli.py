@@ -624,20 +624,24 @@ def test_a_pgf_chart_without_latex_is_refused_before_the_run(tmp_path, monkeypat
     assert "argument --plot: .pgf files need xelatex" in err, err
 
 
-@pytest.mark.parametrize("command", ["trace", "plan"])
+@pytest.mark.parametrize("command", ["trace", "trace read whole", "plan"])
 def test_a_file_too_large_for_memory_is_named_not_called_a_bug(command, tmp_path, monkeypatch, capsys):
     """A trace or bench JSON too large to read raised a MemoryError, reported as an internal
-    error; the message now names the file, its size and what to do."""
+    error; the message now names the file, its size and what to do. A trace is read as a stream
+    (its spans kept), or whole where the stream cannot take it (a key given twice)."""
     import ringflow._jsontext as jsontext
+    from ringflow._trace import summary
 
     path = tmp_path / "huge.json"
-    path.write_text('{"workloads": {}}' if command == "plan" else "[]")
+    path.write_text({"plan": '{"workloads": {}}', "trace read whole": '{"traceEvents": [], "traceEvents": []}',
+                     "trace": '[{"ph": "X", "ts": 0, "dur": 1, "cat": "h2d"}]'}[command])
 
-    def out_of_memory(text):
+    def out_of_memory(*args):
         raise MemoryError
 
     monkeypatch.setattr(jsontext, "loads", out_of_memory)
-    argv = ["trace", str(path)] if command == "trace" else ["plan", "--bytes", "64MiB", "--compare", str(path)]
+    monkeypatch.setattr(summary._Collect, "add", out_of_memory)
+    argv = ["plan", "--bytes", "64MiB", "--compare", str(path)] if command == "plan" else ["trace", str(path)]
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "internal error" not in err, err

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 
+import numpy as np
 import pytest
 
 from ringflow._cli import main
+from ringflow._trace import summary
 from ringflow._trace.summary import LEGEND, read_spans, summarise
+from tests.helpers.traces import reference_summary, write_long_trace
 
 
 def write_trace(path, spans, *, names=None):
@@ -166,10 +170,108 @@ def test_the_table_prints_ordinary_durations_in_fixed_places(two_workers, capsys
 
 
 def test_most_at_once_counts_overlaps_and_nothing_for_no_spans():
-    from types import SimpleNamespace as Span
-
     from ringflow._trace.summary import _most_at_once
 
-    assert _most_at_once([]) == 0
-    spans = [Span(start=0.0, end=2.0), Span(start=1.0, end=3.0), Span(start=2.0, end=4.0), Span(start=5.0, end=5.0)]
-    assert _most_at_once(spans) == 2  # one ending as another starts does not overlap it
+    assert _most_at_once(np.array([]), np.array([])) == 0
+    starts, ends = np.array([0.0, 1.0, 2.0, 5.0]), np.array([2.0, 3.0, 4.0, 5.0])
+    assert _most_at_once(starts, ends) == 2  # one ending as another starts does not overlap it
+
+
+# -- a trace read as a stream: memory, and the same summary and errors as reading it whole ----------------------------
+def test_summarising_a_long_trace_takes_a_fraction_of_its_size_in_memory(tmp_path):
+    """The whole file was read into one string and parsed into a dict per event, then a Span per
+    span: some ten times the file's size at once (gigabytes for a long run's trace). Events are
+    now parsed one at a time and only their figures kept, in arrays."""
+    import tracemalloc
+
+    summarise(write_long_trace(str(tmp_path / "short.json"), 3))  # (what it imports on first use is not counted)
+    path = write_long_trace(str(tmp_path / "long.json"), 5000)
+    size = os.path.getsize(path)
+    tracemalloc.start()
+    try:
+        info = summarise(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert info["chunks"] == 5000 and info["stages"]["h2d"]["count"] == 5000
+    assert peak < size, f"peak {peak} bytes for a trace of {size} bytes"
+
+
+def _foreign_events() -> list:
+    """Events as other writers (or hands) make them: thread names after the spans they name, ids
+    of every JSON type, a name without a category, chunks beyond 64 bits, zero and equal spans."""
+    events = [
+        {"ph": "X", "tid": 1.0, "name": "h2d", "ts": 5, "dur": 3, "args": {"chunk": 2**70}},
+        {"ph": "X", "tid": True, "cat": "compute", "name": "k", "ts": 5, "dur": 0},
+        {"ph": "X", "tid": [1, 2], "cat": "prepare", "ts": 0, "dur": 10, "args": {"chunk": -2**70}},
+        {"ph": "X", "tid": {"b": 1, "a": 2}, "cat": "prepare", "ts": 0, "dur": 10, "args": {"chunk": 3}},
+        {"ph": "X", "tid": {"a": 2, "b": 1}, "cat": "prepare", "ts": 2, "dur": 1, "args": {"chunk": 3}},
+        {"ph": "X", "cat": "d2h", "ts": 7.5, "dur": 2.25, "args": {"chunk": 1, "bytes": 8}},
+        {"ph": "X", "tid": "7", "cat": "wait h\u00f6st \u2192 slot", "ts": 1, "dur": 2, "args": {"chunk": 9}},
+        {"ph": "B", "tid": 1, "name": "ignored", "ts": 0},
+        {"ph": "M", "tid": 1, "name": "thread_name", "args": {"name": "gpu: h2d stream"}},
+        {"ph": "M", "tid": "7", "name": "thread_name", "args": {"name": "gpu: h2d stream"}},
+        {"ph": "M", "tid": 1, "name": "thread_name", "args": {"name": "renamed"}},
+    ]
+    events += [{"ph": "X", "tid": i % 3, "cat": "consume", "ts": i * 0.5, "dur": 1.5, "args": {"chunk": i}}
+               for i in range(50)]
+    return events
+
+
+def _same_traces(tmp_path) -> list:
+    from tests.trace.test_trace import profiled_run
+
+    events = _foreign_events()
+    texts = {
+        "object": json.dumps({"traceEvents": events}),
+        "list": json.dumps(events),
+        "indented, events last": json.dumps({"otherData": {"x": [1, {"y": "]"}]}, "displayTimeUnit": "ms",
+                                             "traceEvents": events}, indent=2),
+        "spaces everywhere": " \n{ \"traceEvents\" :\r\n[ " + " ,\t".join(json.dumps(e) for e in events) + " ] }\n",
+        "no spans": json.dumps({"traceEvents": [{"ph": "M", "name": "process_name", "args": {"name": "x"}}]}),
+        "empty list": "[]",
+        "a key twice, the last kept": '{"traceEvents": [5], "traceEvents": ' + json.dumps(events) + "}",
+    }
+    paths = []
+    for i, text in enumerate(texts.values()):
+        path = tmp_path / f"t{i}.json"
+        path.write_text(text, encoding="utf-8")
+        paths.append(str(path))
+    paths.append(write_long_trace(str(tmp_path / "long.json"), 300, seed=1))
+    paths.append(profiled_run().save_trace(str(tmp_path / "run.json")))
+    return paths
+
+
+@pytest.mark.parametrize("read_chars", [None, 7])
+def test_the_summary_is_the_one_of_every_span_read_whole(tmp_path, monkeypatch, read_chars):
+    """Figure for figure, as computed with every span in a list; the file read in pieces of any
+    size (events cut anywhere between two pieces)."""
+    if read_chars is not None:
+        monkeypatch.setattr(summary, "READ_CHARS", read_chars)
+    for path in _same_traces(tmp_path):
+        assert summarise(path) == reference_summary(path), path
+
+
+@pytest.mark.parametrize("read_chars", [None, 5])
+@pytest.mark.parametrize("text", [
+    "", " \n\t", "\u00a0", "\ufeff[]", "{", "[", "[1", "[{}", "[{},]", "[{}] x", "[{}]]", "{}", '{"a": 1}',
+    '{"traceEvents": []', '{"traceEvents": [], }', '{"traceEvents": {}}', '{"traceEvents": 5}', "5", '"x"',
+    "null", '{"traceEvents": [], "traceEvents": [5]}', "[5]",
+    '[{"ph": "X", "ts": 1, "dur": 1}]', '[{"ph": "X", "ts": 1, "dur": 1, "name": "h2d"}, 5]',
+    '[{"ph": "X", "ts": 1e999, "dur": 1, "name": "h2d"}]', '[{"ph": "X", "ts": 1, "dur": -1, "name": "h2d"}]',
+    '[{"ph": "X", "ts": 1, "dur": 1, "name": "h2d", "args": {"chunk": 1.0}}]',
+    '[{"ph": "X", "ts": 1, "dur": 1, "name": "h2d", "args": {"chunk": ' + "9" * 5000 + "}}]",
+    "[" * 100_000 + "]" * 100_000, '[{"ph": "M", "name": "thread_name", "tid": 1, "args": []}]',
+    '[{"ph": "X", "ts": 1, "dur": 1, "name": "h2d"}] \ud800',
+])
+def test_a_trace_it_refuses_is_refused_as_when_read_whole(tmp_path, monkeypatch, read_chars, text):
+    """The same error, naming the same event or line and column, as reading the file whole."""
+    path = tmp_path / "bad.json"
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    with pytest.raises((ValueError, OSError)) as whole:
+        read_spans(str(path))
+    if read_chars is not None:
+        monkeypatch.setattr(summary, "READ_CHARS", read_chars)
+    with pytest.raises(type(whole.value)) as streamed:
+        summarise(str(path))
+    assert str(streamed.value) == str(whole.value)

@@ -6,22 +6,35 @@ that overlap in time sit on numbered tracks (``cpu: prepare``, ``cpu: prepare [1
 the number of tracks a name uses is how many of its spans ran at once at most. In a trace whose
 spans overlap on one track (nested spans, another writer's trace) the most that ran at once
 count as its tracks.
+
+A long run's trace is hundreds of megabytes: it is read as a stream, one event at a time, and
+only each span's figures are kept, in arrays (:func:`read_figures`), so the memory it takes is
+a small fraction of the file's size. A file the stream cannot take as a valid trace (any error,
+or a shape such as a key given twice) is read whole by :func:`read_spans`, which raises the
+error that names what is wrong.
 """
 
 from __future__ import annotations
 
-import collections
+import array
+import dataclasses
+import itertools
 import json
 import math
 import os
+import re
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from .. import _jsontext as jsontext
 from .._files import is_special, printable, too_large
 from .timeline import STAGES, Span
+
+READ_CHARS = 1 << 16  # characters read from the file at a time (an event larger than this is read whole)
+_GPU = ("h2d", "compute", "d2h")
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 
 LEGEND = {
     "wall_ms": "wall time: from the first span's start to the last span's end",
@@ -117,6 +130,254 @@ def _key(tid: Any) -> Any:
     return tid if isinstance(tid, (int, str, float, type(None))) else json.dumps(tid, sort_keys=True)
 
 
+@dataclasses.dataclass
+class Figures:
+    """The spans of a trace as :func:`summarise` needs them: arrays of one entry per span, in
+    the file's order, instead of a :class:`Span` (and its event's dict) each.
+
+    Attributes:
+        start, end: seconds from the trace's zero (float64).
+        name: each span's name, an index into ``names`` (C int).
+        track: each span's track, an index into ``tracks`` (C int).
+        names, tracks: the distinct names and tracks.
+        first, last: the smallest start and the largest end, as ``min`` and ``max`` of the
+            spans give them (None without spans).
+        chunks: how many distinct chunks the spans of the five stages name.
+    """
+
+    start: np.ndarray
+    end: np.ndarray
+    name: np.ndarray
+    track: np.ndarray
+    names: list
+    tracks: list
+    first: "float | None"
+    last: "float | None"
+    chunks: int
+
+
+class _Unread(Exception):
+    """The stream cannot take the file as a valid trace: it is read whole instead."""
+
+
+class _Collect:
+    """Span figures gathered one event at a time (see :class:`Figures`)."""
+
+    def __init__(self) -> None:
+        self.start, self.end = array.array("d"), array.array("d")
+        self.name, self.tid = array.array("i"), array.array("i")
+        self.name_of: dict = {}
+        self.tid_of: dict = {}  # one entry per distinct thread id as written, for its track's name
+        self.tid_values: list = []
+        self.thread_names: dict = {}
+        self.chunks, self.big_chunks = array.array("q"), set()
+        self.first = self.last = None
+
+    def add(self, track_key: Any, tid: Any, name: str, start: float, end: float, chunk: "int | None") -> None:
+        """One span; ``track_key`` tells its thread id from every other as written in the file."""
+        at = self.tid_of.get(track_key)
+        if at is None:
+            at = self.tid_of[track_key] = len(self.tid_values)
+            self.tid_values.append(tid)
+        self.tid.append(at)
+        self.name.append(self.name_of.setdefault(name, len(self.name_of)))
+        self.start.append(start)
+        self.end.append(end)
+        # as min() and max() of the spans: the first of equal values kept
+        if self.first is None or start < self.first:
+            self.first = start
+        if self.last is None or end > self.last:
+            self.last = end
+        if chunk is not None and name in STAGES:
+            if _INT64[0] <= chunk <= _INT64[1]:
+                self.chunks.append(chunk)
+            else:
+                self.big_chunks.add(chunk)
+
+    def figures(self) -> Figures:
+        """What was gathered, each track named by its thread's name (the last one the file gives)."""
+        track_of: dict = {}
+        per_tid = [track_of.setdefault(self.thread_names.get(_key(t), str(t)), len(track_of)) for t in self.tid_values]
+        track = np.asarray(per_tid, dtype=np.intc)[_array(self.tid, np.intc)]
+        chunks = _array(self.chunks, np.int64)
+        return Figures(start=_array(self.start, np.float64), end=_array(self.end, np.float64),
+                       name=_array(self.name, np.intc), track=track, names=list(self.name_of),
+                       tracks=list(track_of), first=self.first, last=self.last,
+                       chunks=len(np.unique(chunks)) + len(self.big_chunks))
+
+
+def _array(values: "array.array", dtype: Any) -> np.ndarray:
+    """``values`` as a numpy array, without a copy (an empty one made: a buffer of none is refused)."""
+    return np.frombuffer(values, dtype=dtype) if len(values) else np.zeros(0, dtype)
+
+
+def read_figures(path: str) -> Figures:
+    """The complete events of the Chrome trace at ``path`` as :class:`Figures`, read as a
+    stream; a file the stream cannot take is read whole (:func:`read_spans`) for its error.
+
+    Args:
+        path: the trace JSON file.
+
+    Raises:
+        OSError, ValueError: as :func:`read_spans`.
+    """
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a folder; give the trace JSON file inside it")
+    if is_special(path):
+        raise _fail(path, "it is not a regular file")
+    try:
+        return _stream_figures(path)
+    except _Unread:
+        pass
+    except MemoryError:
+        raise ValueError(f"trace {too_large(path)}; summarise the trace of a shorter run") from None
+    except UnicodeDecodeError:
+        pass  # (read whole, which names it)
+    collect = _Collect()
+    for s in read_spans(path):  # an error raised here names what is wrong; a trace it takes is summarised
+        collect.add(s.track, s.track, s.name, s.start, s.end, s.chunk)
+    return collect.figures()
+
+
+def _stream_figures(path: str) -> Figures:
+    """:func:`read_figures` of a file the stream takes.
+
+    Raises:
+        _Unread: the file is not a valid trace, or not one the stream reads (the caller reads it whole).
+        OSError, UnicodeDecodeError, MemoryError: reading the file.
+    """
+    collect = _Collect()
+    with open(path, encoding="utf-8") as fh:
+        for e in _trace_events(_Text(fh)):
+            if not isinstance(e, dict):
+                raise _Unread
+            ph = e.get("ph")
+            if ph == "M" and e.get("name") == "thread_name":
+                args = e.get("args")
+                if not isinstance(args, dict) or not isinstance(args.get("name"), str):
+                    raise _Unread
+                collect.thread_names[_key(e.get("tid"))] = args["name"]
+            if ph != "X":
+                continue
+            ts, dur = _number(e, "ts"), _number(e, "dur", 0.0)
+            if ts is None or dur is None or dur < 0:
+                raise _Unread
+            args = e.get("args", {})
+            if not isinstance(args, dict):
+                raise _Unread
+            chunk = args.get("chunk")
+            if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)):
+                raise _Unread
+            name = e.get("cat", e.get("name"))
+            if not isinstance(name, str):
+                raise _Unread
+            tid = e.get("tid")
+            # a thread id written differently (1 and 1.0, keys in another order) names one
+            # thread but is shown as written where the thread has no name
+            kind = type(tid)
+            key = (kind, tid) if kind in (int, str, float, bool, type(None)) else (kind, _key(tid), str(tid))
+            start = ts / 1e6
+            collect.add(key, tid, name, start, start + dur / 1e6, chunk)
+    return collect.figures()
+
+
+_SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
+
+
+class _Text:
+    """A text file read a piece at a time, JSON values decoded from it one at a time."""
+
+    def __init__(self, fh) -> None:
+        self.fh, self.buf, self.pos, self.eof = fh, "", 0, False
+        self.decoder = json.JSONDecoder(parse_int=jsontext._integer)
+
+    def _more(self) -> None:
+        if self.eof:
+            raise _Unread
+        # at least as much again as is left unread: a value longer than a piece is read in few steps
+        piece = self.fh.read(max(READ_CHARS, len(self.buf) - self.pos))
+        self.buf = self.buf[self.pos:] + piece
+        self.pos = 0
+        self.eof = not piece
+
+    def peek(self) -> str:
+        """The next character that is not JSON whitespace ("" at the end of the file)."""
+        while True:
+            self.pos = _SPACE.match(self.buf, self.pos).end()
+            if self.pos < len(self.buf) or self.eof:
+                return self.buf[self.pos:self.pos + 1]
+            self._more()
+
+    def take(self, char: str) -> None:
+        if self.peek() != char:
+            raise _Unread
+        self.pos += 1
+
+    def value(self) -> Any:
+        """The next JSON value."""
+        self.peek()
+        while True:
+            try:
+                value, end = self.decoder.raw_decode(self.buf, self.pos)
+            except (ValueError, RecursionError):  # cut short by the piece's end, or not JSON
+                self._more()
+                continue
+            if end < len(self.buf) or self.eof:  # (a number at the piece's end may go on)
+                self.pos = end
+                return value
+            self._more()
+
+
+def _trace_events(text: _Text) -> Iterator[Any]:
+    """The events of a Chrome trace, a JSON list or an object whose ``traceEvents`` is a list.
+
+    Raises:
+        _Unread: the text is no such trace, or not JSON, or names ``traceEvents`` twice.
+    """
+    first = text.peek()
+    if first == "[":
+        yield from _items(text)
+    elif first == "{":
+        text.take("{")
+        found = False
+        if text.peek() != "}":
+            while True:
+                key = text.value()
+                if not isinstance(key, str):
+                    raise _Unread
+                text.take(":")
+                if key == "traceEvents":
+                    if found or text.peek() != "[":  # (read whole, the last of two is kept)
+                        raise _Unread
+                    found = True
+                    yield from _items(text)
+                else:
+                    text.value()
+                if text.peek() != ",":
+                    break
+                text.take(",")
+        text.take("}")
+        if not found:
+            raise _Unread
+    else:
+        raise _Unread
+    if text.peek() != "":
+        raise _Unread
+
+
+def _items(text: _Text) -> Iterator[Any]:
+    text.take("[")
+    if text.peek() == "]":
+        text.take("]")
+        return
+    while True:
+        yield text.value()
+        if text.peek() != ",":
+            break
+        text.take(",")
+    text.take("]")
+
+
 def summarise(path: str) -> dict[str, Any]:
     """What the trace at ``path`` says: per span name the count, durations, and how busy it was.
 
@@ -129,37 +390,47 @@ def summarise(path: str) -> dict[str, Any]:
     Raises:
         OSError, ValueError: as :func:`read_spans`.
     """
-    spans = read_spans(path)
-    out: dict[str, Any] = {"file": path, "spans": len(spans), "chunks": 0, "wall_ms": 0.0, "stages": {},
+    fig = read_figures(path)
+    n = len(fig.start)
+    out: dict[str, Any] = {"file": path, "spans": n, "chunks": 0, "wall_ms": 0.0, "stages": {},
                            "legend": dict(LEGEND)}
-    if not spans:
+    if not n:
         return out
-    start = min(s.start for s in spans)
-    end = max(s.end for s in spans)
-    wall = end - start
-    by_name: dict[str, list[Span]] = collections.defaultdict(list)
-    for s in spans:
-        by_name[s.name].append(s)
-    out["chunks"] = len({s.chunk for s in spans if s.chunk is not None and s.name in STAGES})
+    wall = fig.last - fig.first
+    out["chunks"] = fig.chunks
     out["wall_ms"] = wall * 1e3
+    # the spans of each name, in the file's order
+    by_name = np.argsort(fig.name, kind="stable")
+    bounds = np.concatenate(([0], np.cumsum(np.bincount(fig.name, minlength=len(fig.names)))))
     order = {s: i for i, s in enumerate(STAGES)}
-    for name, group in sorted(by_name.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])):
-        d = np.array([g.end - g.start for g in group])
+    for k, name in sorted(enumerate(fig.names), key=lambda kn: (order.get(kn[1], len(order)), kn[1])):
+        group = by_name[bounds[k]:bounds[k + 1]]
+        starts, ends = fig.start[group], fig.end[group]
+        d = ends - starts
         # ringflow gives each of the spans that overlap a lane of its own; spans nested or
         # overlapping on one thread (another writer's trace) count as the most that ran at once,
         # so that total / (tracks x wall) stays a load of at most 1
-        tracks = max(len({g.track for g in group}), _most_at_once(group))
+        tracks = max(len(np.unique(fig.track[group])), _most_at_once(starts, ends))
         total = float(d.sum())
         out["stages"][name] = {
             "count": len(group), "tracks": tracks, "median_ms": float(np.median(d)) * 1e3, "total_ms": total * 1e3,
-            "busy_fraction": _union(group) / wall if wall > 0 else 0.0,
+            "busy_fraction": _union(starts, ends) / wall if wall > 0 else 0.0,
             "per_track_fraction": total / (tracks * wall) if wall > 0 else 0.0}
-    gpu = [s for s in spans if s.name in ("h2d", "compute", "d2h")]
-    if gpu:
-        union = _union(gpu)
+    gpu_names = [k for k, name in enumerate(fig.names) if name in _GPU]
+    if gpu_names:
+        gpu = np.flatnonzero(np.isin(fig.name, gpu_names))
+        starts, ends = fig.start[gpu], fig.end[gpu]
+        union = _union(starts, ends)
         out["gpu_busy_union_ms"] = union * 1e3
-        out["gpu_overlap"] = sum(s.end - s.start for s in gpu) / union if union > 0 else 1.0
+        # added one by one in the file's order, as Python's sum adds floats
+        out["gpu_overlap"] = sum(_python_floats(ends - starts)) / union if union > 0 else 1.0
     return out
+
+
+def _python_floats(values: np.ndarray) -> Iterator[float]:
+    """The entries of ``values`` as Python floats, a slice at a time (not one list of all)."""
+    step = 1 << 16
+    return itertools.chain.from_iterable(values[i:i + step].tolist() for i in range(0, len(values), step))
 
 
 def _rounded(obj: Any) -> Any:
@@ -171,27 +442,29 @@ def _rounded(obj: Any) -> Any:
     return obj
 
 
-def _most_at_once(spans) -> int:
-    """The most of ``spans`` that run at any one time (one that ends as another starts does not
-    overlap it)."""
-    if not spans:
+def _most_at_once(starts: np.ndarray, ends: np.ndarray) -> int:
+    """The most of the spans ``starts[i]..ends[i]`` that run at any one time (one that ends as
+    another starts does not overlap it)."""
+    if not len(starts):
         return 0
-    times = np.array([s.start for s in spans] + [s.end for s in spans])
-    steps = np.repeat(np.array([1, -1], dtype=np.int64), len(spans))
+    times = np.concatenate((starts, ends))
+    steps = np.repeat(np.array([1, -1], dtype=np.int64), len(starts))
     order = np.lexsort((steps, times))  # by time, an end (-1) before a start (+1) at the same time
     return int(max(0, np.cumsum(steps[order]).max()))
 
 
-def _union(spans) -> float:
-    total, cur_a, cur_b = 0.0, None, None
-    for s in sorted(spans, key=lambda s: s.start):
-        if cur_b is None or s.start > cur_b:
-            if cur_b is not None:
-                total += cur_b - cur_a
-            cur_a, cur_b = s.start, s.end
-        else:
-            cur_b = max(cur_b, s.end)
-    return total + ((cur_b - cur_a) if cur_b is not None else 0.0)
+def _union(starts: np.ndarray, ends: np.ndarray) -> float:
+    """The time at least one of the spans ``starts[i]..ends[i]`` (each end >= its start) runs:
+    the lengths of the runs of overlapping spans, added in time order one by one."""
+    if not len(starts):
+        return 0.0
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    reach = np.maximum.accumulate(ends)  # the latest end so far: the end of the run a span is in
+    new_run = np.flatnonzero(starts[1:] > reach[:-1]) + 1  # a span starting after it begins a run
+    run_starts = starts[np.concatenate(([0], new_run))]
+    run_ends = reach[np.concatenate((new_run - 1, [len(starts) - 1]))]
+    return float(np.cumsum(run_ends - run_starts)[-1])  # (a running sum: one by one, in order)
 
 
 def _figure(value: float, places: int) -> str:
