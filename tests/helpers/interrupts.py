@@ -14,7 +14,9 @@ class InterruptAt:
     """Within the ``with`` block, raise KeyboardInterrupt at the ``n``-th instruction (counted from
     0) run by a function named in ``names`` whose file path contains one of ``files``, on this
     thread only (``n`` a collection: at each of those); :attr:`seen` counts the instructions run,
-    :attr:`fired` how many interrupts were raised.
+    :attr:`fired` how many interrupts were raised (:attr:`where_fired`: the file of each), and
+    :attr:`functions` names the function of each instruction counted (a run that fires at none,
+    ``n`` past its end, maps where each instruction is).
 
     Only instructions where CPython raises a pending signal's exception count: a function's
     start (its first traced instruction: ``RESUME`` on 3.11, the one after it from 3.12, where
@@ -39,6 +41,8 @@ class InterruptAt:
         self.names, self.files = frozenset(names), tuple(files)
         self.skip = tuple(skip)
         self.seen, self.fired = 0, 0
+        self.functions: list = []
+        self.where_fired: list = []
         self._after_call: dict = {}  # frame -> whether its last instruction was a call
         self._skipping = None  # the skipped frame now running, if any
 
@@ -66,8 +70,10 @@ class InterruptAt:
             self._after_call[frame] = name.startswith("CALL")
             if eligible:
                 self.seen += 1
+                self.functions.append(frame.f_code.co_name)
                 if self.seen - 1 in self.at:
                     self.fired += 1
+                    self.where_fired.append(frame.f_code.co_filename)
                     # frames seen keep their place (a frame's first instruction counts once)
                     self._after_call = dict.fromkeys(self._after_call, False)
                     if self.sigint:

@@ -2,6 +2,7 @@
 
 import doctest
 import gc
+import threading
 
 import numpy as np
 import pytest
@@ -11,7 +12,9 @@ from hypothesis import strategies as st
 import ringflow as rf
 from ringflow._errors import StageError
 from ringflow._pipeline import job as job_module
+from tests.helpers.interrupts import InterruptAt
 from tests.helpers.pipeline_checks import copy_failing_on_call
+from tests.helpers.sim import named_sims
 from tests.helpers.threads import bounded
 
 
@@ -317,3 +320,55 @@ def test_a_job_dropped_where_warnings_are_errors_is_still_released():
             del job
             gc.collect()
     assert dev.live().total == 0, dev.live()
+
+
+# -- Ctrl-C pressed twice while a job closes ------------------------------------------------------------------------
+_CLOSING = ["close", "_release", "release"]  # MapJob's, the shards' job's and the direct engine's close
+_CLOSING_FILES = ["/ringflow/_pipeline/job.py", "/ringflow/_pipeline/sharded.py", "/ringflow/_pipeline/direct.py"]
+
+
+def _job_over(devs, x):
+    job = rf.MapJob(f, x, device=devs if len(devs) > 1 else devs[0], chunk_bytes=800, host="register")
+    np.testing.assert_array_equal(job(), x * 2 + 1)
+    return job
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+@pytest.mark.parametrize("devices", [1, 3])
+def test_a_second_ctrl_c_while_a_job_closes_still_releases_every_registration(devices):
+    """Ctrl-C once close() has started releasing (deferred: raised once all is released), then
+    again at every later instruction of the close where CPython raises it (raised at once, as the
+    way out of a close that does not end). The second stopped the release half way: the
+    registrations of x and out of the job it landed in stayed pinned, their finaliser detached
+    already, and over several devices the shards' jobs after it stayed open. Every registration
+    is released now, everything else too unless the second Ctrl-C stopped an engine's own close
+    (given up: the way out), and the KeyboardInterrupt still reaches the caller."""
+    x = contents((3000,), 12)
+    with named_sims(*range(devices), seed=12, chaos=True) as devs:  # where each instruction of close() is
+        job = _job_over(devs, x)
+        with InterruptAt(10**9, _CLOSING + ["_take_turn"], files=_CLOSING_FILES) as at:
+            job.close()
+    first = at.functions.index("_take_turn")  # inside the close's shield, before anything is released
+    second, fired = first + 1, 0
+    while True:
+        with named_sims(*range(devices), seed=12, chaos=True) as devs:
+            job = _job_over(devs, x)
+            parts = job._held.engine.parts if devices > 1 else [job]
+            assert all(len(part._held.registered) == 2 for part in parts)
+            with InterruptAt([first, second], _CLOSING + ["_take_turn"], files=_CLOSING_FILES, sigint=True) as at:
+                try:
+                    job.close()
+                except KeyboardInterrupt:
+                    pass
+                else:
+                    raise AssertionError("close() swallowed the Ctrl-C")
+            assert job.closed and all(part.closed for part in parts), (second, [part.closed for part in parts])
+            assert [dev.live().host_buffers for dev in devs] == [0] * devices, (second, [d.live() for d in devs])
+            in_engine = "direct.py" in at.where_fired[-1]
+            assert in_engine or [dev.live().total for dev in devs] == [0] * devices, (second, [d.live() for d in devs])
+            job.close()  # (harmless again)
+        if at.fired < 2:
+            break
+        fired += 1
+        second += 1
+    assert fired > 10  # the sweep reached the close's steps

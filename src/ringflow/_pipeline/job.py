@@ -41,24 +41,47 @@ logger = logging.getLogger(__name__)
 
 
 class _Held:
-    """What a job holds that must be released: its engine and its registrations. Shared with the
-    job's finaliser, which must not refer to the job itself."""
+    """What a job holds that must be released: its engine, over several devices its shards' jobs,
+    and its registrations. Shared with the job's finaliser, which must not refer to the job itself."""
 
     def __init__(self) -> None:
         self.engine: Optional[Engine] = None
+        self.parts: list = []  # over several devices: the shards' jobs (the engine closes them too)
         self.registered: list = []
 
+    def left(self) -> int:
+        """How many things are still to release."""
+        return (self.engine is not None) + len(self.parts) + len(self.registered)
+
     def release(self) -> None:
-        engine, self.engine = self.engine, None
-        if engine is not None:
-            close_quietly(engine, "MapJob engine")
-        registered, self.registered = self.registered, []
-        for buf in registered:
-            close_quietly(buf, "registration")
+        """Close the engine, then the shards' jobs, then drop the registrations; each taken out
+        once released, so that a release stopped half way goes on where it stopped when called
+        again. A KeyboardInterrupt raised in the engine's close (a second Ctrl-C: the way out of
+        a close that does not end) gives the engine up, but the shards' jobs and registrations,
+        which pin host memory, are released on the way out all the same.
+
+        Raises:
+            KeyboardInterrupt, SystemExit: raised during the release (cleanup's own failures
+                are warnings, :func:`close_quietly`).
+        """
+        engine = self.engine
+        try:
+            if engine is not None:
+                close_quietly(engine, "MapJob engine")
+        finally:
+            self.engine = None
+            try:
+                while self.parts:  # (closed by the engine's close already, unless it was stopped: harmless again)
+                    self.parts[0].close()
+                    del self.parts[0]
+            finally:
+                while self.registered:
+                    close_quietly(self.registered[-1], "registration")
+                    del self.registered[-1]
 
 
 def _collected(held: _Held, what: str) -> None:
-    if held.engine is not None or held.registered:
+    if held.left():
         warn_quietly(f"{what} was garbage-collected without close(); its streams, device memory and "
                      "registrations were released now. Use it as a context manager or call close()", ResourceWarning)
     held.release()
@@ -136,6 +159,7 @@ class MapJob:
                                                out_buffer, engine, opts, part=MapJob._part)
                     self._layout, self.device, self.engine = sharded.layout, sharded.devices, sharded.layout.kind
                     self._arrays = Arrays(x, out)
+                    self._held.parts = list(sharded.parts)
                     self._held.engine = sharded
                 else:
                     dev = one_device(device, many, x, out, fresh_out)
@@ -305,17 +329,44 @@ class MapJob:
         """Close the engine (streams, rings, workers) and drop the registrations, after the call
         in progress on another thread, if any, has returned; called from inside ``f``, when the
         call it runs in ends. In a child forked from the process that made the job, it only
-        forgets the job (what it holds belongs to the parent). Harmless twice; never raises."""
+        forgets the job (what it holds belongs to the parent). Harmless twice.
+
+        Raises:
+            KeyboardInterrupt: a Ctrl-C during the close, once everything is released; pressed
+                again meanwhile, it stops an engine's close that does not end, but the shards'
+                jobs and the registrations are still released (_Held.release). Nothing else.
+        """
         if self._made_in != generation():
             self._finalizer.detach()
-            self._held.engine, self._held.registered = None, []
+            self._held.engine, self._held.parts, self._held.registered = None, [], []
             return
         if running_stage_of(self._token) is not None:  # nothing may go before the call f runs in ends
             self._close_pending = True
             return
-        with shielded(), self._lock:  # a Ctrl-C waits until the engine is closed (sigint.py)
-            self._take_turn()
-            self._release()
+        with shielded(), self._lock:  # a Ctrl-C waits until all is released (sigint.py)
+            interrupted, left, stalled = None, None, 0
+            while True:
+                try:
+                    left = self._held.left()
+                    self._take_turn()
+                    self._release()
+                    break
+                except BaseException as exc:
+                    # a second Ctrl-C is raised at once, wherever it lands (sigint.py): the
+                    # release goes on where it stopped (_Held.release gives up only an engine's
+                    # close it stopped), and the first interrupt is raised once all is released.
+                    # Two passes in a row that release nothing end it: a close that keeps
+                    # failing is not retried for ever.
+                    if interrupted is None:
+                        interrupted = exc
+                    stalled = 0 if left is None or self._held.left() < left else stalled + 1
+                    if stalled >= 2:
+                        break
+            if interrupted is not None:
+                try:
+                    raise interrupted
+                finally:
+                    del interrupted
 
     # The lock hands the job from one thread to the next; the devices' happens-before checkers
     # (on the simulated GPU) see that hand-off through a published token, as a Pipeline's
@@ -337,8 +388,9 @@ class MapJob:
                 # pipeline to close it), it would stop that close half way, and over several
                 # devices leave the later shards' jobs open
                 shield.settle()
-            self._finalizer.detach()
             self._held.release()
+            # after the release: one stopped half way is still the finaliser's to finish
+            self._finalizer.detach()
             for bound in self._arrays_bound:  # a closed job no longer keeps numpy from resizing them
                 bound.release()
 
