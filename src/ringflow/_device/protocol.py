@@ -263,11 +263,33 @@ class Buffer(abc.ABC):
         return BufferSlice(self, offset, nbytes)
 
     def array(self, dtype: Any, shape: Sequence[int] | int, offset: int = 0) -> "ArrayArg":
-        """A typed view of this buffer's bytes to pass to :meth:`Stream.launch`."""
+        """A typed view of this buffer's bytes to pass to :meth:`Stream.launch`.
+
+        Args:
+            dtype: the elements' numpy dtype.
+            shape: the array's shape (an int for one dimension).
+            offset: the byte at which the array starts; a multiple of
+                :func:`device_alignment` of ``dtype``.
+
+        Raises:
+            ValueError: the array does not fit in the buffer from ``offset``, or ``offset`` is
+                not a multiple of the dtype's alignment on a GPU.
+        """
         dtype = np.dtype(dtype)
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
         nbytes = math.prod(shape) * dtype.itemsize
-        return ArrayArg(self.slice(offset, nbytes), dtype, shape)
+        where = self.slice(offset, nbytes)
+        # a buffer starts on a 256-byte boundary on a GPU, so the offset decides the alignment.
+        # numpy reads a misaligned array (the simulated GPU would compute right), but a GPU kernel
+        # loading it stops with a misaligned-address error, which breaks the whole device
+        align = device_alignment(dtype)
+        if offset % align:
+            below = offset - offset % align
+            raise ValueError(f"an array of {dtype} at byte offset {offset} of {self!r} is misaligned: a GPU reads "
+                             f"{dtype} only from a multiple of {align} bytes (a kernel would stop with a "
+                             f"misaligned-address error that breaks the device); start it at offset {below} or "
+                             f"{below + align}")
+        return ArrayArg(where, dtype, shape)
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -277,6 +299,16 @@ class Buffer(abc.ABC):
 
     def __exit__(self, *exc_info) -> None:
         close_quietly(self, repr(self))
+
+
+def device_alignment(dtype: np.dtype) -> int:
+    """The byte boundary an array of ``dtype`` must start on for GPU code to read it: a number's
+    own size (a CUDA load of an N-byte number needs an address that is a multiple of N, and CuPy's
+    and PyTorch's complex types are aligned to their whole size), numpy's alignment for anything
+    else (bytes, strings, records)."""
+    if dtype.kind in "biufcmM":
+        return dtype.itemsize
+    return dtype.alignment
 
 
 @dataclasses.dataclass(frozen=True)

@@ -292,3 +292,19 @@ def test_a_pipeline_whose_device_rings_do_not_fit_names_chunk_bytes(cuda_device)
     with rf.Pipeline(_twice, device=dev, chunk_bytes=chunk, slots=4) as pipe:  # with the memory back, it runs
         assert (pipe.submit(np.ones(1000, np.float32)).result() == 2).all()
     assert dev.live().total == 0, dev.live()
+
+
+def test_device_buffers_start_on_256_byte_boundaries_and_misaligned_arrays_are_refused(cuda_device):
+    """Buffer.array refuses an offset that is no multiple of the dtype's size, trusting that every
+    device buffer starts on a 256-byte boundary (CUDA's allocation guarantee); both checked here."""
+    dev = cuda_device
+    s = dev.create_stream()
+    bufs = [dev.allocate(n, stream=s) for n in (1, 7, 1001, 4097)] + [dev.allocate(1001)]
+    assert all(b._ptr % 256 == 0 for b in bufs)
+    with pytest.raises(ValueError, match="misaligned"):
+        bufs[2].array(np.float32, 3, offset=1)
+    assert bufs[2].array(np.float32, 3, offset=4).where.offset == 4
+    for b in bufs:
+        b.close(stream=s)
+    s.sync()
+    s.close()

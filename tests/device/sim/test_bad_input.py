@@ -295,6 +295,20 @@ def test_array_larger_than_its_buffer(dev):
         dev.allocate(16).array(np.float32, 5)
 
 
+@pytest.mark.parametrize("dtype,offset,align", [(np.float32, 1, 4), (np.float64, 4, 8), (np.complex128, 8, 16),
+                                                (np.int16, 3, 2), ("datetime64[s]", 4, 8), ("U2", 2, 4)])
+def test_array_misaligned_for_its_dtype(dev, dtype, offset, align):
+    """numpy reads a misaligned array, so the simulated GPU computed on it; a GPU kernel loading
+    it stops with a misaligned-address error that breaks the device: both refuse it up front."""
+    buf = dev.allocate(256)
+    for make in (lambda: buf.array(dtype, 2, offset), lambda: buf.slice(offset).array(dtype, 2)):
+        with pytest.raises(ValueError, match="misaligned") as info:
+            make()
+        assert f"multiple of {align} bytes" in str(info.value) and f"offset {offset - offset % align}" in str(info.value)
+    assert buf.array(dtype, 2, align).where.offset == align  # on the boundary: taken
+    assert buf.array("V3", 2, 1).where.offset == 1 and buf.array(np.uint8, 2, 1).where.offset == 1
+
+
 # -- launches, fills, waits ----------------------------------------------------------------------------------------------
 def test_launch_needs_a_callable(dev):
     with pytest.raises(TypeError, match="callable"):
