@@ -322,6 +322,25 @@ def test_compute_must_be_callable():
         rf.Pipeline("f", device=sim())
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex128])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_slots_of_an_odd_size_still_hand_compute_aligned_arrays(dtype, inplace):
+    """chunk_bytes=1001 once put device slot i at byte i * 1001: numpy computed right on the
+    misaligned arrays there, a GPU kernel would stop with a misaligned-address error (a launch
+    argument at such an offset is refused now). Every device slot starts on a 256-byte boundary."""
+    offsets = []
+
+    def f(x, y):
+        offsets.extend(a.__array_interface__["data"][0] % 256 for a in (x, y))
+        y[...] = x * 2
+
+    item = np.arange(1001 // np.dtype(dtype).itemsize, dtype=dtype)
+    with rf.Pipeline(f, device=sim(), chunk_bytes=1001, slots=3, checked=True, inplace=inplace) as pipe:
+        futures = [pipe.submit(item) for _ in range(6)]
+        assert all(np.array_equal(fut.result(), item * 2) for fut in futures)
+    assert len(offsets) == 12 and set(offsets) == {0}
+
+
 def test_item_larger_than_slot_refused_before_acceptance():
     dev = sim()
     pipe = rf.Pipeline(f_affine, device=dev, chunk_bytes=1024, slots=1, checked=True)

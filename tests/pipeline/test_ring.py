@@ -3,7 +3,7 @@
 import pytest
 
 import ringflow as rf
-from ringflow._pipeline.ring import Ring
+from ringflow._pipeline.ring import Ring, allocate_ring
 from ringflow._pipeline.states import IllegalTransition, RingKind, SlotState
 
 S = SlotState
@@ -29,6 +29,17 @@ def test_slots_tile_the_buffer(dev):
     assert all(s.where.buffer is ring.buffer for s in ring.slots)
     ring.close()
     assert ring.buffer.closed
+
+
+def test_a_stride_spaces_the_slots_of_a_ring_and_its_allocation(dev):
+    """Slots of 1001 bytes one every 1024: each starts where a GPU can read any dtype from."""
+    buf = allocate_ring(dev.allocate, RingKind.DEVICE_IN, 1001, 3, 1024)
+    assert buf.nbytes == 2 * 1024 + 1001
+    ring = Ring(RingKind.DEVICE_IN, buf, 3, 1001, stride=1024)
+    assert [s.where.range for s in ring.slots] == [(0, 1001), (1024, 2025), (2048, 3049)]
+    ring.close()
+    with pytest.raises(ValueError, match="stride"):
+        Ring(RingKind.DEVICE_IN, dev.allocate(64), 1, 64, stride=32)
 
 
 def test_acquire_until_full_then_none(dev):

@@ -1,6 +1,7 @@
 """Rings of equally sized slots, one ring per kind of buffer.
 
-A ring owns one allocation carved into ``count`` slots of ``chunk_bytes``; each :class:`Slot`
+A ring owns one allocation carved into ``count`` slots of ``chunk_bytes``, one every ``stride``
+bytes (``chunk_bytes`` unless the ring was made with a larger one); each :class:`Slot`
 records its state, the chunk that owns it, and the event (or host task) whose completion
 lets it go back to FREE. Slots are handed out oldest-freed first so reuse rotates through
 the ring (a reuse fault then shows up within one wrap-around instead of hiding).
@@ -34,19 +35,21 @@ class Slot:
         return f"<{self.ring.kind.value} slot {self.index} {self.state.name} owner={self.owner}>"
 
 
-def allocate_ring(allocate: Callable[[int], Buffer], kind: RingKind, chunk_bytes: int, count: int) -> Buffer:
-    """The memory of a ``kind`` ring of ``count`` slots of ``chunk_bytes``: ``allocate`` (a
-    device's ``allocate`` or ``allocate_host``) of their total.
+def allocate_ring(allocate: Callable[[int], Buffer], kind: RingKind, chunk_bytes: int, count: int,
+                  stride: Optional[int] = None) -> Buffer:
+    """The memory of a ``kind`` ring of ``count`` slots of ``chunk_bytes``, one every ``stride``
+    bytes (default ``chunk_bytes``): ``allocate`` (a device's ``allocate`` or ``allocate_host``)
+    of their total.
 
     Raises:
         OutOfMemoryError: the memory is not there (the device's refusal, or numpy's
             ``MemoryError`` for the simulated GPU's host memory, as its cause); the message
             names chunk_bytes, the slots and the bytes asked for.
     """
+    total = (stride or chunk_bytes) * (count - 1) + chunk_bytes
     try:
-        return allocate(chunk_bytes * count)
+        return allocate(total)
     except MemoryError as exc:  # the device's words name neither the ring nor the options that sized it
-        total = chunk_bytes * count
         # chained: the device's own words (how much is in use, the driver's error) stay in the traceback
         raise OutOfMemoryError(f"cannot allocate the {kind.value} ring: {count} slots of chunk_bytes={chunk_bytes} "
                                f"bytes, {total} bytes ({total / (1 << 30):.3g} GiB) in all, more than there is free; "
@@ -55,19 +58,26 @@ def allocate_ring(allocate: Callable[[int], Buffer], kind: RingKind, chunk_bytes
 
 class Ring:
     def __init__(self, kind: RingKind, buffer: Buffer, count: int, chunk_bytes: int,
-                 hook: Optional[TransitionHook] = None, *, external: bool = False):
+                 hook: Optional[TransitionHook] = None, *, external: bool = False, stride: Optional[int] = None):
         """``external``: ``buffer`` is the caller's own (pinned or registered) memory, one slot per
-        chunk in order; the ring neither poisons nor closes it, and the last slot may be short."""
+        chunk in order; the ring neither poisons nor closes it, and the last slot may be short.
+        ``stride``: the bytes from one slot's start to the next's (at least ``chunk_bytes``, which
+        it is by default; an external ring's slots are ``chunk_bytes`` apart)."""
         if count < 1:
             raise ValueError(f"a {kind.value} ring needs at least 1 slot, got {count}")
         self.kind = kind
         self.buffer = buffer
         self.chunk_bytes = chunk_bytes
+        stride = chunk_bytes if stride is None else stride
+        if stride < chunk_bytes or (external and stride != chunk_bytes):
+            raise ValueError(f"a {kind.value} ring's stride ({stride}) must be at least its chunk_bytes "
+                             f"({chunk_bytes}), and equal to it for an external ring")
+        self.stride = stride
         self.external = external
         # an external ring has a slot per chunk of the caller's array: its byte range is made
         # when the slot is first taken (a call's start-up should not pay for all of them)
         self.slots = [Slot(self, i, None if external else
-                           buffer.slice(i * chunk_bytes, min(chunk_bytes, buffer.nbytes - i * chunk_bytes)))
+                           buffer.slice(i * stride, min(chunk_bytes, buffer.nbytes - i * stride)))
                       for i in range(count)]
         self._free: collections.deque[Slot] = collections.deque(self.slots)
         self.busy: dict[int, Slot] = {}  # slot index -> slot, for the slots not FREE

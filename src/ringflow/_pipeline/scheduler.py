@@ -234,7 +234,14 @@ class Scheduler:
         return ring
 
     def _device_ring(self, kind, count, hook) -> Ring:
-        return self._ring(kind, allocate_ring(self.device.allocate, kind, self.config.chunk_bytes, count), count, hook)
+        # each device slot starts on a MEMBER_ALIGN boundary whatever chunk_bytes is: a slot at
+        # i * chunk_bytes (chunk_bytes=1001) would hand compute float32 arrays at odd addresses,
+        # which numpy reads and a GPU kernel cannot (a misaligned-address error breaks the device)
+        n = self.config.chunk_bytes
+        stride = aligned(n)
+        ring = Ring(kind, allocate_ring(self.device.allocate, kind, n, count, stride), count, n, hook, stride=stride)
+        self._rings.append(ring)
+        return ring
 
     def _host_ring(self, kind, external_buffer, count, hook) -> Ring:
         n = self.config.chunk_bytes

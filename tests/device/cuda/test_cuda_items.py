@@ -250,3 +250,15 @@ def test_a_wait_only_a_release_can_end_times_out_and_names_the_results_to_releas
         held.release()
         with nxt.result(timeout=30) as y:
             np.testing.assert_array_equal(y.get() if hasattr(y, "get") else np.asarray(y.cpu()), a * 2 + 1)
+
+
+def test_slots_of_an_odd_size_compute_right_with_a_kernel(cuda_device):
+    """chunk_bytes=1001 once put device slot i at byte i * 1001, where the kernel's uint32 loads
+    were misaligned (an error that breaks the device); each slot now starts on 256 bytes."""
+    from tests.device.cuda.helpers_cuda import AFFINE_U32, affine_u32_expected
+
+    rng = np.random.default_rng(3)
+    items = [rng.integers(0, 2**32, 250, dtype=np.uint32) for _ in range(12)]
+    with rf.Pipeline(AFFINE_U32, device=cuda_device, chunk_bytes=1001, slots=3, coalesce=False) as pipe:
+        out = list(pipe.map(items))
+    assert all(np.array_equal(r, affine_u32_expected(x)) for x, r in zip(items, out))

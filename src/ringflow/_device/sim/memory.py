@@ -24,7 +24,17 @@ if TYPE_CHECKING:
 
 UNINITIALISED = 0xCD
 RELEASED = 0xEE
+DEVICE_ALIGN = 256  # bytes: where a CUDA allocation starts, at the least
 _ids = itertools.count(1)
+
+
+def _device_bytes(nbytes: int) -> np.ndarray:
+    """``nbytes`` of uint8 starting on a :data:`DEVICE_ALIGN` boundary, as a GPU's allocation
+    does: the arrays a launch hands ``fn`` then sit at the addresses, modulo that boundary, that
+    they have on a GPU (numpy's own allocations are aligned to 16 bytes or so)."""
+    raw = np.empty(nbytes + DEVICE_ALIGN - 1, np.uint8)
+    start = -raw.ctypes.data % DEVICE_ALIGN
+    return raw[start:start + nbytes]
 
 
 class _SimBufferMixin:
@@ -90,7 +100,7 @@ class SimDeviceBuffer(_SimBufferMixin, DeviceBuffer):
         self._dev = dev
         self.id = next(_ids)
         self.label = f"device buffer #{self.id}"
-        self._mem = np.empty(nbytes, np.uint8)
+        self._mem = _device_bytes(nbytes)
         self._mem.fill(UNINITIALISED if dev.poison else 0)
 
     def __repr__(self) -> str:
