@@ -228,8 +228,8 @@ class Scheduler:
         self.chunks_admitted = 0  # items sharing a chunk count once
 
     # -- set-up and tear-down ------------------------------------------------------------------
-    def _ring(self, kind, buffer, count, hook, external: bool = False) -> Ring:
-        ring = Ring(kind, buffer, count, self.config.chunk_bytes, hook, external=external)
+    def _ring(self, kind, buffer, count, hook, external: bool = False, stride: Optional[int] = None) -> Ring:
+        ring = Ring(kind, buffer, count, self.config.chunk_bytes, hook, external=external, stride=stride)
         self._rings.append(ring)
         return ring
 
@@ -239,9 +239,7 @@ class Scheduler:
         # which numpy reads and a GPU kernel cannot (a misaligned-address error breaks the device)
         n = self.config.chunk_bytes
         stride = aligned(n)
-        ring = Ring(kind, allocate_ring(self.device.allocate, kind, n, count, stride), count, n, hook, stride=stride)
-        self._rings.append(ring)
-        return ring
+        return self._ring(kind, allocate_ring(self.device.allocate, kind, n, count, stride), count, hook, stride=stride)
 
     def _host_ring(self, kind, external_buffer, count, hook) -> Ring:
         n = self.config.chunk_bytes
