@@ -502,3 +502,21 @@ def test_a_kernel_survives_pickling_and_runs_the_same_on_the_simulated_gpu(monke
     _without_cuda_core(monkeypatch)  # compiling the copy takes its own lock, then asks for cuda.core
     with pytest.raises(RuntimeError, match="compiling kernel 'scale' needs cuda.core"):
         copy.compile(0)
+
+
+@pytest.mark.gpu
+def test_a_pickled_kernel_compiles_again_and_gives_the_same_result_on_the_gpu():
+    """The copy leaves the original's compiled kernel behind: its first launch compiles anew, in
+    this process as in a worker's, and must give the original's result bit for bit."""
+    import pickle
+
+    k = Kernel(SCALE, "scale", reference=scale_ref, block=128, pointwise=True, options={"fma": False})
+    x = np.random.default_rng(4).random((1 << 20) + 5, dtype=np.float32)
+    with rf.device("cuda:0") as dev:
+        want = rf.stream_map(k.bind(np.float32(3)), x, device=dev, chunk_bytes=1 << 20, keep_warm=False)
+        copy = pickle.loads(pickle.dumps(k))
+        assert copy._compiled == {}
+        got = rf.stream_map(copy.bind(np.float32(3)), x, device=dev, chunk_bytes=1 << 20, keep_warm=False)
+        assert copy._compiled  # compiled on its first launch
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, np.float32(3) * x)
