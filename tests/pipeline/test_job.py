@@ -372,3 +372,31 @@ def test_a_second_ctrl_c_while_a_job_closes_still_releases_every_registration(de
         fired += 1
         second += 1
     assert fired > 10  # the sweep reached the close's steps
+
+
+@pytest.mark.parametrize("which", ["x", "out"])
+def test_a_jobs_arrays_cannot_be_replaced(which):
+    """job.x and job.out are the arrays the job was made with: assigning another array would be
+    ignored by the calls (x) or returned without the results (out), so it is refused, saying to
+    write into the array instead; the job goes on with its own arrays."""
+    dev = rf.device("sim")
+    x, out = np.arange(10, dtype=np.float32), np.zeros(10, np.float32)
+    with rf.MapJob(f, x, out, device=dev) as job:
+        advice = {"x": r"job\.x\[\.\.\.\] = new_x", "out": r"np\.copyto\(dest, job\(\)\)"}[which]
+        with pytest.raises(AttributeError, match=rf"MapJob's {which} .*cannot be replaced.*{advice}.*new MapJob"):
+            setattr(job, which, np.ones(10, np.float32))
+        assert job.x is x and job.out is out
+        np.testing.assert_array_equal(job(), x * 2 + 1)
+    assert dev.live().total == 0
+
+
+def test_a_call_given_an_array_says_how_a_job_takes_new_contents():
+    """job() runs over the x the job was made with; job(new_x), the usual first try, is refused
+    with a message that says to write the contents into job.x (or call stream_map)."""
+    dev = rf.device("sim")
+    x = np.arange(10, dtype=np.float32)
+    with rf.MapJob(f, x, device=dev) as job:
+        with pytest.raises(TypeError, match=r"takes no arrays.*job\.x\[\.\.\.\] = .*stream_map"):
+            job(np.ones(10, np.float32))
+        np.testing.assert_array_equal(job(), x * 2 + 1)
+    assert dev.live().total == 0

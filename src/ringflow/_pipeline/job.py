@@ -80,6 +80,19 @@ class _Held:
                     del self.registered[-1]
 
 
+def _refuse_replacing(name: str) -> None:
+    """A job's ``x`` and ``out`` are fixed for its life: its chunks, rings and registrations are
+    laid out over those very arrays.
+
+    Raises:
+        AttributeError: naming ``name`` and what to do instead.
+    """
+    instead = ("write the new contents into it (job.x[...] = new_x)" if name == "x" else
+               "copy the result from it where it is needed (np.copyto(dest, job()))")
+    raise AttributeError(f"a MapJob's {name} is the array it was made with and cannot be replaced (the job is laid "
+                         f"out over that memory); {instead}, or make a new MapJob for another array")
+
+
 def _collected(held: _Held, what: str) -> None:
     if held.left():
         warn_quietly(f"{what} was garbage-collected without close(); its streams, device memory and "
@@ -144,7 +157,7 @@ class MapJob:
         if x.shape[0] == 0 or x.size == 0:
             raise ValueError("MapJob needs at least one element in x; for an empty array call stream_map, "
                              "which returns at once")
-        self.x, self.out = x, out
+        self._x, self._out = x, out
         self._arrays_bound = BoundArray(x), BoundArray(out)
         try:
             # a Ctrl-C waits for the set-up's checkpoints (or its end): one between the engine's
@@ -208,12 +221,30 @@ class MapJob:
         job._handed = []
         job._made_in = generation()
         job._token = object()  # f is marked with the whole job's token already
-        job.x, job.out = x, out
+        job._x, job._out = x, out
         job._arrays_bound = BoundArray(x), BoundArray(out)
         job._bind(f, x, out, fresh_out, dev, chunk_bytes, host, None, None, engine, opts)
         job._finalizer = weakref.finalize(job, _collected, job._held, repr(job))
         job._hand_over()
         return job
+
+    @property
+    def x(self) -> np.ndarray:
+        """The input array the job was made with; each call reads its current contents."""
+        return self._x
+
+    @x.setter
+    def x(self, value: Any) -> None:
+        _refuse_replacing("x")
+
+    @property
+    def out(self) -> np.ndarray:
+        """The array each call writes its result into, and returns."""
+        return self._out
+
+    @out.setter
+    def out(self, value: Any) -> None:
+        _refuse_replacing("out")
 
     @property
     def strategy(self) -> str:
@@ -263,10 +294,11 @@ class MapJob:
             return all(part.replays_graph for part in parts)
         return bool(getattr(engine, "replayed", False))
 
-    def __call__(self, *, profile: bool = False) -> np.ndarray:
+    def __call__(self, *arrays: Any, profile: bool = False) -> np.ndarray:
         """Run ``f`` over ``x``'s current contents.
 
         Args:
+            arrays: none: a job runs over the ``x`` it was made with (a TypeError says so).
             profile: time this call's copies and kernels (and CPU stages) for :meth:`report`.
 
         Returns:
@@ -274,6 +306,7 @@ class MapJob:
             completed: ``x`` may be rewritten).
 
         Raises:
+            TypeError: arrays were given (write new contents into ``job.x`` instead).
             RuntimeError: the job is closed; ``f`` calls it (from within this call); or the
                 job was made in a parent of this (forked) process.
             ValueError: ``x`` or ``out`` changed other than in its contents since the job was made
@@ -282,6 +315,10 @@ class MapJob:
             StageError: a chunk failed; the job is then closed.
             DeviceError: the device broke; the job is then closed.
         """
+        if arrays:
+            raise TypeError(f"a MapJob call takes no arrays (got {len(arrays)}): each call runs over the x the job "
+                            "was made with; write the new contents into it (job.x[...] = new_x) and call job(), "
+                            "or call stream_map(f, new_x) for an array of its own")
         try:
             return self._call(profile)
         except BaseException as exc:
