@@ -75,6 +75,16 @@ def test_construction_names_the_argument_of_the_wrong_kind(call, error, says):
         call()
 
 
+@pytest.mark.parametrize("args", [(SAXPY, "saxpy"), (SAXPY, "saxpy<float>")], ids=["plain", "template"])
+def test_source_and_name_given_the_other_way_round_are_refused_saying_which_comes_first(args):
+    """Kernel(name, source) was taken: on the simulated GPU the reference ran as if all were
+    well, and only a GPU's compile failed, on a 'name' that was the whole source."""
+    source, name = args
+    with pytest.raises(ValueError, match=r"name .*looks like CUDA C\+\+ source.*Kernel\(source, name"):
+        Kernel(name, source, reference=saxpy_ref)
+    assert Kernel(source, name, reference=saxpy_ref).name == name
+
+
 @pytest.mark.parametrize("options, says", [
     ({"fmad": False}, r"options: 'fmad' is not a cuda.core ProgramOptions field; did you mean 'fma'\?"),
     ({"use_fast_maths": True}, r"'use_fast_maths' is not .*did you mean 'use_fast_math'\?"),

@@ -89,7 +89,8 @@ class Kernel:
             kernel is compiled for the architecture of each GPU it runs on.
 
     Raises:
-        ValueError: blank ``source`` or ``name``, ``block`` out of range, ``pointwise``
+        ValueError: blank ``source`` or ``name``, a ``name`` holding source text (``{``, ``}``,
+            ``;`` or a line break: the two given the other way round), ``block`` out of range, ``pointwise``
             without ``elementwise``, an option that is no ``ProgramOptions`` field (the
             message suggests the fields of a similar name), or ``arch``.
         TypeError: ``source`` or ``name`` not a str, ``reference`` not callable, ``block`` not
@@ -109,6 +110,9 @@ class Kernel:
             raise TypeError(f"name must be a str naming the __global__ function, got {type(name).__name__} {name!r:.60}")
         if not name.strip():
             raise ValueError(f"Kernel needs the name of the __global__ function to launch, got {name!r}")
+        if any(c in name for c in "{};\n"):  # (no name expression holds these; source text does)
+            raise ValueError(f"name {name!r:.60} looks like CUDA C++ source, not a function's name; the source comes "
+                             f"first: Kernel(source, name, reference=...)")
         if reference is not None and not callable(reference):
             raise TypeError("reference must be a callable that takes numpy arrays")
         block = check_count("block", block, minimum=1, maximum=1024, hint=" (threads per block)")
