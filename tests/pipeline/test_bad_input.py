@@ -156,6 +156,17 @@ def test_compute_that_is_not_callable_is_refused(dev, door):
     assert "float32" in str(info.value)
 
 
+@pytest.mark.parametrize("args", [("f", "dev"), ("x", "f")], ids=["Pipeline(f, dev)", "Pipeline(x, f)"])
+def test_a_pipeline_given_more_than_the_compute_by_position_says_what_to_pass_by_keyword(dev, args):
+    """stream_map and MapJob take f, x and out by position; a Pipeline takes only the compute,
+    and Python's own message ('takes 2 positional arguments but 3 were given') said neither
+    that nor where the items go."""
+    given = {"f": lambda x, y: None, "dev": dev, "x": data()}
+    with pytest.raises(TypeError, match=r"Pipeline takes one positional argument, the compute f\(x, y\).*got 2.*"
+                                        r"by keyword.*device=.*submit\(item\) or map\(items\)"):
+        rf.Pipeline(*(given[a] for a in args))
+
+
 def _one_argument(x):
     return x * 2
 

@@ -268,9 +268,17 @@ class Pipeline:
     capacity frees up (and holds at most ``max_in_flight * chunk_bytes`` of items sharing chunks
     that it has not handed out). A ``max_in_flight`` whose chunks would hold more than 2**50
     bytes, more than any host has, is refused (ValueError): it would bound nothing.
+
+    Raises:
+        TypeError, ValueError: a bad argument, or more than the compute given by position (the
+            message names it and what to pass instead).
     """
 
     def __new__(cls, *args: Any, device: Any = None, **kwargs: Any):
+        if len(args) > 1:  # (stream_map and MapJob take f, x and out by position: a usual first try)
+            raise TypeError(f"Pipeline takes one positional argument, the compute f(x, y), got {len(args)}; pass "
+                            "the other arguments by keyword (Pipeline(f, device=dev, chunk_bytes=...)), and the "
+                            "items to submit(item) or map(items)")
         # a list of devices (or "cuda:all") makes a pipeline per device behind one face
         if cls is Pipeline:
             many = device_list(device)
