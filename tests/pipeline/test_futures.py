@@ -965,3 +965,26 @@ def test_ctrl_c_at_any_instruction_of_concurrent_futures_wait_leaves_the_futures
         _, fired, problems = _wait_interrupted_at({n, n + 1}, how)
         assert problems is None, f"Ctrl-C at instructions {n} and {n + 1} of {seen}: {problems}"
     gc.collect()  # what the steps left to the full collector goes here, not in a later test
+
+
+def test_a_future_whose_pipeline_was_dropped_says_why_it_was_cancelled():
+    """``rf.Pipeline(f).submit(x).result()`` drops the pipeline as soon as ``submit`` returns:
+    its finaliser cancels what is in flight. The future then said only ``CancelledError()``; its
+    message now says that the pipeline was collected and what to do."""
+    import warnings
+
+    go = threading.Event()
+
+    def prepare(item):
+        go.wait(JOIN_S)  # the chunk is still in flight when the pipeline is dropped, should it start
+        return item
+
+    x = np.arange(16, dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        fut = rf.Pipeline(kernels.scale_shift(), device=rf.device("sim"), chunk_bytes=4096, prepare=prepare).submit(x)
+        gc.collect()
+    go.set()
+    with pytest.raises(concurrent.futures.CancelledError, match="Pipeline was garbage-collected.*keep a reference"):
+        fut.result(timeout=30)
+    assert fut.cancelled()

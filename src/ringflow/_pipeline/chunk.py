@@ -50,6 +50,7 @@ class ChunkFuture(concurrent.futures.Future):
         self._driver = driver
         self.index = index
         self.token: Any = None  # the driver's hand-off token, observed by the thread taking the result
+        self._cancel_reason: Optional[str] = None  # why the pipeline cancelled it, where it says (settled_error)
         self._waiters = _Waiters(self)  # where concurrent.futures.wait / as_completed register
 
     def _await(self, timeout: Optional[float], call: str) -> None:
@@ -99,7 +100,8 @@ class ChunkFuture(concurrent.futures.Future):
         CancelledError for a cancelled one, TimeoutError for one not done."""
         state = self._state
         if state in _CANCELLED:
-            raise concurrent.futures.CancelledError()
+            reason = self._cancel_reason
+            raise concurrent.futures.CancelledError(*(() if reason is None else (reason,)))
         if state != _FINISHED:
             raise concurrent.futures.TimeoutError()
         return self._exception
@@ -169,6 +171,8 @@ class ChunkFuture(concurrent.futures.Future):
             super()._invoke_callbacks()
 
     def _mark_cancelled(self) -> None:
+        if not self.done():  # (before the cancel: its callbacks may read the reason)
+            self._cancel_reason = self._driver.sched.cancel_reason
         if concurrent.futures.Future.cancel(self):
             self.set_running_or_notify_cancel()
 

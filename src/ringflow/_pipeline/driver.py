@@ -134,6 +134,12 @@ def resolve(batch: list) -> None:
                 logger.exception("a done-callback of %r raised; the pipeline carries on", fut)
 
 
+# The message of a CancelledError for a chunk cancelled because its pipeline was collected
+# (rf.Pipeline(f).submit(x) drops the pipeline as soon as submit returns).
+DROPPED = ("the Pipeline was garbage-collected while this chunk was in flight, which cancels its work: keep a "
+           "reference to the pipeline until its results are taken (with rf.Pipeline(...) as pipe: ...)")
+
+
 class _Driver:
     """The lock, the waits and the commands both drivers share."""
 
@@ -606,6 +612,7 @@ class ProgressThread(_Driver):
         self.run_commands()
         if self.abandoned and not self.stopping:
             self.stopping = True
+            sched.cancel_reason = DROPPED
             sched.cancel_pending()
         if self.stopping and sched.finished() and not sched.resolved:
             if self.abandoned:

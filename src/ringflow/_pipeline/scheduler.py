@@ -226,6 +226,8 @@ class Scheduler:
         self._cancel_admitted = False  # set by cancel_pending: chunks admitted later end CANCELLED
         self._cancel_after_step = False  # cancel_pending once this step's enqueues are made
         self.chunks_admitted = 0  # items sharing a chunk count once
+        # why chunks cancelled from now on were (the message of their futures' CancelledError), or None
+        self.cancel_reason: Optional[str] = None
 
     # -- set-up and tear-down ------------------------------------------------------------------
     def _ring(self, kind, buffer, count, hook, external: bool = False, stride: Optional[int] = None) -> Ring:
