@@ -87,7 +87,7 @@ def writes_into_y(compute: Callable) -> Callable:
     def checked(x: Any, y: Any) -> None:
         value = compute(x, y)
         if value is not None and value is not y:
-            raise TypeError(f"compute returned a {type(value).__name__} instead of writing into y; write the "
+            raise TypeError(f"compute returned a value ({type(value).__name__}) instead of writing into y; write the "
                             "result into y (y[...] = ...) and return None")
 
     checked._ringflow_writes_into_y = True  # type: ignore[attr-defined]
