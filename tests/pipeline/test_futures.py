@@ -250,8 +250,8 @@ def test_asubmit_returns_the_value_and_raises_the_stage_error():
 
 def test_cancelling_a_task_awaiting_asubmit_cancels_its_item_even_while_it_waits_for_capacity():
     """asyncio's contract: cancelling ``await pipe.asubmit(x)`` gives up ``x``. A task cancelled
-    while its submit waits for capacity on the loop's executor (which cannot be interrupted) has
-    its item cancelled as soon as that submit accepts it: it never runs."""
+    while its submit waits for capacity on the loop's executor has that submit stop waiting: its
+    item is never accepted, so it never runs; the items accepted before are cancelled."""
     dev = rf.device("sim", seed=4, chaos=True)
     # the first result stays on the device, holding the only device-out slot: the next two items
     # cannot compute, and with them in flight the others wait for capacity, until the release
@@ -274,9 +274,46 @@ def test_cancelling_a_task_awaiting_asubmit_cancels_its_item_even_while_it_waits
     _run(main)  # asyncio.run waits for its executor: every submit has returned
     bounded(pipe.close)
     s = pipe.stats()
-    assert s.accepted > 3, s  # a submit cancelled while it waited for capacity still accepted its item
-    assert (s.delivered, s.cancelled, s.in_flight) == (1, s.accepted - 1, 0), s
+    assert s.accepted == 3, s  # a submit cancelled while it waited for capacity accepted nothing
+    assert (s.delivered, s.cancelled, s.in_flight) == (1, 2, 0), s
     _closed_clean(dev, pipe)
+
+
+@pytest.mark.parametrize("how", ["cancel", "wait_for"])
+def test_an_asubmit_given_up_while_it_waits_for_capacity_stops_waiting(how):
+    """The task awaiting ``asubmit`` gives up (cancelled, or an ``asyncio.wait_for`` timing out)
+    while its submit waits for capacity on the loop's executor: that submit stops waiting and
+    accepts nothing. Left waiting, it held an executor thread until capacity came, and
+    ``asyncio.run``, which joins the executor's threads as it ends, hung with it: here capacity
+    comes only from a release the caller makes after ``asyncio.run`` returned."""
+    dev = rf.device("sim", seed=4, chaos=True)
+    # the held result keeps the only device-out slot: the two items behind it cannot compute,
+    # and with them in flight the next asubmit waits for capacity until the release
+    pipe = rf.Pipeline(f_affine, device=dev, deliver="device", chunk_bytes=512, max_in_flight=2, checked=True,
+                       slots=rf.SlotCounts(host_in=1, device_in=1, device_out=1, host_out=1))
+    x = _items(4)
+    held = pipe.submit(x[0]).result(timeout=JOIN_S)
+    behind = [pipe.submit(a) for a in x[1:3]]
+
+    async def main():
+        task = asyncio.ensure_future(pipe.asubmit(x[3]))
+        if how == "cancel":
+            await asyncio.sleep(0)  # (the outcome is the same whether its submit has begun to wait or not)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(task, 0.01)
+
+    _run(main, timeout=10.0)
+    assert pipe.stats().accepted == 3, pipe.stats()  # the given-up item was never accepted
+    held.release()
+    for fut in behind:
+        fut.result(timeout=JOIN_S).release()
+    _closed_clean(dev, pipe)
+    s = pipe.stats()
+    assert (s.accepted, s.delivered, s.in_flight) == (3, 3, 0), s
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])

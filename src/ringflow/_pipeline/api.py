@@ -20,6 +20,7 @@ import collections
 import functools
 import inspect
 import itertools
+import logging
 import math
 import threading
 import warnings
@@ -52,6 +53,7 @@ from .._trace import nvtx
 from .._trace.report import Report, memory_of
 from .._trace.timeline import Anchor, Span, Timeline, record_chunk, stall_spans
 
+logger = logging.getLogger(__name__)
 
 
 def grow_slots(nbytes: int, split: str = " or split the item") -> str:
@@ -110,6 +112,17 @@ SHARE_AT_MOST_BYTES = 4 << 20
 
 _NO_ROOM = object()  # a map's shared item that must wait for capacity: nothing of it was accepted
 _SHARES = object()  # a map's pulled item that goes into a shared chunk
+
+
+def _never(*_args: Any) -> bool:
+    """False, whatever it is given: the wait's condition of a submit nobody can give up, and a
+    command that does nothing (:meth:`Pipeline._wake_waits`)."""
+    return False
+
+
+class _GaveUp(Exception):
+    """An asubmit's accepting, on the loop's executor, stopped waiting for capacity: the task
+    awaiting it gave up (nothing of the item was accepted)."""
 
 
 class _Shared:
@@ -601,20 +614,44 @@ class Pipeline:
         """
         timeout = check_timeout(timeout)
         self._check_caller("submit()")
-        item = self._check_item(item)
+        return self._submit(self._check_item(item), timeout)
+
+    def _submit(self, item: Any, timeout: Optional[float], gave_up: Optional[Callable[[], bool]] = None
+                ) -> ChunkFuture:
+        """:meth:`submit` of a checked item.
+
+        Args:
+            gave_up: for an asubmit's accepting on the loop's executor: whether the task awaiting
+                it gave up, which ends its wait for capacity (None: it waits as long as it takes).
+
+        Raises:
+            _GaveUp: ``gave_up()`` held before the item was accepted; as :meth:`submit` otherwise.
+        """
         if self._shares_chunk(item):
-            fut = self._submit_shared(item, timeout)
+            fut = self._submit_shared(item, timeout, gave_up=gave_up)
             if fut is not None:
                 return fut
-        return self._accept_staged(self._accepting(item), timeout)
+        return self._accept_staged(self._accepting(item), timeout, gave_up)
 
-    def _wait_for_capacity(self, timeout: Optional[float]) -> None:
-        """Lock held: wait until the pipeline has room for another chunk (or takes no more)."""
+    def _wait_for_capacity(self, timeout: Optional[float], gave_up: Optional[Callable[[], bool]] = None) -> None:
+        """Lock held: wait until the pipeline has room for another chunk (or takes no more).
+
+        Args:
+            gave_up: see :meth:`_submit`: once it holds, the wait ends and nothing is accepted.
+
+        Raises:
+            _GaveUp: ``gave_up()`` held (before or during the wait).
+            TimeoutError: no room came within ``timeout``.
+        """
         d, s = self._driver, self._sched
+        given_up = gave_up or _never
         if not s.has_capacity():
             t0 = self.device.now
-            d.wait_for(lambda: s.has_capacity() or not s.accepting or s.broken is not None, timeout, "capacity")
+            d.wait_for(lambda: s.has_capacity() or not s.accepting or s.broken is not None or given_up(), timeout,
+                       "capacity")
             self._stall("stall: producer", "producer blocked by backpressure", t0)
+        if given_up():
+            raise _GaveUp()
 
     def _shares_chunk(self, item: Any) -> bool:
         """Whether ``submit`` puts ``item`` in a chunk other items may share: a plain array of up
@@ -625,14 +662,14 @@ class Pipeline:
                 and 0 < item.nbytes <= min(SHARE_AT_MOST_BYTES, self.config.chunk_bytes))
 
     def _submit_shared(self, item: np.ndarray, timeout: Optional[float],
-                       wait: bool = True) -> "ChunkFuture | None | object":
+                       wait: bool = True, gave_up: Optional[Callable[[], bool]] = None) -> "ChunkFuture | None | object":
         """``submit`` of an item that may share a chunk: a place in the chunk still taking items
         (or a new one, in the pinned slab of shared chunks: a new slab from the pool when it is
         full), then the item copied there on this thread, outside the lock; its result comes back
         into the same bytes. Returns the item's future, or None where the pool has no room for a
         slab (the item then goes alone), or, with ``wait`` False, :data:`_NO_ROOM` where the item
         would have to wait for capacity (or the pipeline takes no more work): nothing of it was
-        accepted."""
+        accepted. ``gave_up``: as :meth:`_submit` (raises _GaveUp, nothing accepted)."""
         d, s = self._driver, self._sched
         nbytes, shape, dtype = item.nbytes, item.shape, item.dtype
         spec = (shape, dtype, nbytes)
@@ -645,7 +682,7 @@ class Pipeline:
                     if place is None:
                         if not wait and not s.has_capacity():
                             return _NO_ROOM
-                        self._wait_for_capacity(timeout)
+                        self._wait_for_capacity(timeout, gave_up)
                         place = s.join_open_batch(d, spec, claim) or s.open_new_batch(d, spec, claim)
                 if place is None:  # the slab of shared chunks is full: a new one, taken outside the lock
                     slab = self._pool.take((s.space.slab_bytes,), np.dtype(np.uint8))
@@ -905,7 +942,8 @@ class Pipeline:
         """``await pipe.asubmit(item)``: :meth:`submit` without blocking the event loop, then the
         consumer's value. Waiting for capacity happens on the loop's default executor. Cancelling
         the awaiting task cancels the item as ``cancel()`` on the future :meth:`submit` returns
-        does: at once, or, where its submit was waiting for capacity, as soon as it is accepted.
+        does; where its submit was still waiting for capacity, that submit stops waiting and
+        accepts nothing (no executor thread is left waiting, which ``asyncio.run`` would join).
 
         Raises:
             TimeoutError, TypeError, ValueError, RuntimeError: as :meth:`submit`; RuntimeError also
@@ -935,16 +973,22 @@ class Pipeline:
             if fut is not None:
                 return fut
             token = self.device.publish()  # the copy, handed to the executor's thread with the item
-        # A cancelled await cannot stop a submit already running on the executor, so the item
-        # it accepts after the awaiting task gave up is cancelled
+        # A cancelled await ends the wait for capacity of a submit running on the executor
+        # (gave_up: it then accepts nothing); an item accepted before that submit saw it is cancelled
         lock, state = threading.Lock(), {"abandoned": False, "future": None}
 
-        def submit() -> ChunkFuture:
-            if accepting is None:
-                fut = self.submit(item, timeout)
-            else:
-                self.device.observe(token)
-                fut = self._accept_staged(accepting, timeout)
+        def gave_up() -> bool:
+            return state["abandoned"]
+
+        def submit() -> Optional[ChunkFuture]:
+            try:
+                if accepting is None:
+                    fut = self._submit(item, timeout, gave_up)
+                else:
+                    self.device.observe(token)
+                    fut = self._accept_staged(accepting, timeout, gave_up)
+            except _GaveUp:
+                return None  # (nobody awaits this any more)
             if ending is not None:
                 ending.accepted(fut)
             with lock:
@@ -964,7 +1008,21 @@ class Pipeline:
                 fut = state["future"]
             if fut is not None:
                 post_cancel([fut])  # (not fut.cancel(): the loop's thread does not wait for the lock)
+            else:
+                # a submit waiting for capacity stops waiting: left to wait, it would hold the
+                # executor's thread until capacity came, and asyncio.run, which joins that thread
+                # as it ends, with it
+                self._wake_waits()
             raise
+
+    def _wake_waits(self) -> None:
+        """Have the threads waiting on the pipeline look at what they wait for again, without
+        taking its lock (for the loop's thread): a command that does nothing, posted to the
+        progress thread, which wakes them once it ran. Never raises."""
+        try:
+            self._driver.post(_never, _never)
+        except Exception as exc:  # noqa: BLE001 - clean-up: a driver that ended wakes its waiters itself
+            logger.debug("waking the pipeline's waits failed: %r", exc)
 
     def _accept_at_once(self, accepting: dict) -> Optional[ChunkFuture]:
         """Accept an item :meth:`_accepting` made ready, if the pipeline has room and its lock is
@@ -985,11 +1043,13 @@ class Pipeline:
                 d.lock.release()
 
     @shielded_call
-    def _accept_staged(self, accepting: dict, timeout: Optional[float]) -> ChunkFuture:
-        """:meth:`submit` for an item :meth:`_accepting` made ready: wait for capacity, accept."""
+    def _accept_staged(self, accepting: dict, timeout: Optional[float],
+                       gave_up: Optional[Callable[[], bool]] = None) -> ChunkFuture:
+        """:meth:`submit` for an item :meth:`_accepting` made ready: wait for capacity, accept.
+        ``gave_up``: as :meth:`_submit` (raises _GaveUp, nothing accepted)."""
         d, s = self._driver, self._sched
         with d.cv:
-            self._wait_for_capacity(timeout)
+            self._wait_for_capacity(timeout, gave_up)
             chunk = s.accept(driver=d, **accepting)
             d.notify()
         return chunk.future
