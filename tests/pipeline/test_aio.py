@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import gc
 import logging
+import sys
 import threading
 import time
 
@@ -114,6 +115,40 @@ def test_an_amap_dropped_unfinished_on_a_closed_loop_cancels_its_window():
     assert s.cancelled >= 1 and s.in_flight == 0 and s.balanced(), s
     gc.collect()
     assert dev.live().total == 0, dev.live()
+
+
+def test_an_amap_dropped_on_a_closed_loop_while_its_async_source_is_pulled_ends_quietly(monkeypatch, caplog):
+    """The amap handed a result out while its async source's next item was being pulled (a task
+    of its own), then its loop closed without ``shutdown_asyncgens``: collected, its clean-up runs
+    outside any loop, and neither raises (an "exception ignored" of the generator) nor logs the
+    pull as a task destroyed pending."""
+    from tests.helpers.threads import bounded
+
+    dev = rf.device("sim", seed=32, chaos=True)
+    pipe = rf.Pipeline(lambda x, y: np.multiply(x, 3, out=y), device=dev, chunk_bytes=512, slots=2, checked=True)
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+
+    async def source():
+        yield np.arange(16.0)
+        await asyncio.Event().wait()  # never a second item
+
+    async def first():
+        agen = pipe.amap(source())
+        return agen, await agen.__anext__()
+
+    loop = asyncio.new_event_loop()
+    agen, got = loop.run_until_complete(first())
+    loop.close()
+    assert np.array_equal(got, np.arange(16.0) * 3)
+    with caplog.at_level(logging.DEBUG, logger="asyncio"):
+        del agen
+        gc.collect()
+    assert not unraisable, [u.exc_value for u in unraisable]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+    bounded(pipe.close)
+    s = pipe.stats()
+    assert (s.accepted, s.delivered, s.in_flight) == (1, 1, 0), s
 
 
 # -- an amap its event loop can no longer run: close() gives its window up ----------------------------------------

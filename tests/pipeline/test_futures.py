@@ -338,6 +338,74 @@ def test_amap_gives_ordered_correct_results(kind):
     h.close()
 
 
+@pytest.mark.parametrize("ordered,devices", [(True, 1), (False, 1), (True, 2)])
+def test_amap_hands_a_ready_result_out_while_its_async_source_waits_for_the_next_item(ordered, devices):
+    """A request/response source: each next request comes only once the reply to the last one was
+    handed out (a client that waits for its answer). The amap (of one device, or spread over
+    two) must hand out a result that is ready while it awaits its async source, not hold it
+    until the next item comes: it held every reply, and source and consumer waited for each
+    other for ever."""
+    devs, device = _sims(devices, 31)
+    pipe = rf.Pipeline(f_affine, device=device, chunk_bytes=512, slots=2, checked=True, max_in_flight=4,
+                       ordered=ordered)
+    x = _items(5)
+    replied = [asyncio.Event() for _ in x]
+
+    async def requests():
+        for k, a in enumerate(x):
+            if k:
+                await replied[k - 1].wait()
+            yield a
+
+    async def main():
+        got = []
+        async for r in pipe.amap(requests()):
+            replied[len(got)].set()
+            got.append(r)
+        return got
+
+    got = _run(main, timeout=10.0)
+    assert len(got) == len(x) and all(np.array_equal(r, a * 3 + 1) for r, a in zip(got, x))
+    for dev in devs:
+        _closed_clean(dev, pipe)
+
+
+def test_an_amap_stopped_while_its_async_source_is_pulled_stops_the_pull():
+    """The consumer stops (a break) after a result handed out while the next item was being pulled:
+    the pull is cancelled (its source's ``finally`` runs) and the map ends with nothing of its own
+    left running."""
+    dev, pipe = _pipe(32, max_in_flight=4)
+    x = _items(3)
+    first_out, source_closed = asyncio.Event(), []
+
+    async def requests():
+        try:
+            yield x[0]
+            await first_out.wait()
+            yield x[1]
+            await asyncio.Event().wait()  # never another item
+            yield x[2]
+        finally:
+            source_closed.append(True)
+
+    async def main():
+        got = []
+        agen = pipe.amap(requests())
+        async for r in agen:
+            got.append(r)
+            first_out.set()
+            if len(got) == 2:
+                break
+        await agen.aclose()
+        return got
+
+    got = _run(main, timeout=10.0)
+    assert [r.tolist() for r in got] == [(a * 3 + 1).tolist() for a in x[:2]] and source_closed == [True]
+    _closed_clean(dev, pipe)
+    s = pipe.stats()
+    assert (s.accepted, s.delivered, s.in_flight) == (2, 2, 0), s
+
+
 def test_amap_with_on_error_raise_raises_the_stage_error():
     h = Harness(seed=11, chaos=True, checked=True, slots=2, max_in_flight=3, chunk_bytes=512, on_error="raise")
     items = [h.item(i + 1, 8, fault="consume" if i == 6 else None) for i in range(20)]

@@ -20,6 +20,7 @@ from typing import Any
 
 from .chunk import ChunkFuture, cancel_unwanted, post_cancel
 from .delivered import DeviceResult
+from .validate import check_iterable
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,87 @@ def _count_down(left: list, done: asyncio.Future, device: Any, command: Any) -> 
     left[0] -= 1
     if left[0] == 0 and not done.done():
         done.set_result(None)
+
+
+class Source:
+    """An amap's input, a sync or async iterable. An async one's next item is pulled in a task of
+    its own, so that the map hands out a result that is ready while the pull waits: a source
+    whose next item comes only once the last result was handed out (a client waiting for each
+    reply before its next request) would otherwise wait for the map as the map waits for it.
+
+    Args:
+        items: what ``amap`` was given.
+
+    Raises:
+        TypeError: ``items`` is neither (:func:`.validate.check_iterable` says so).
+    """
+
+    __slots__ = ("iterator", "is_async", "pull")
+
+    def __init__(self, items: Any):
+        self.is_async = hasattr(items, "__aiter__")
+        self.iterator = items.__aiter__() if self.is_async else check_iterable("items", items)
+        self.pull: "asyncio.Task | None" = None  # an async source's pull in progress
+
+    async def next(self, head: "asyncio.Future | None") -> tuple:
+        """The next item: ``(True, item)``; ``(False, None)`` once the source is exhausted, or,
+        with ``head`` (the map's next result) given, where ``head`` ended first (the pull goes on,
+        and the next call takes it up). Raises what the source raised."""
+        if not self.is_async:
+            try:
+                return True, next(self.iterator)
+            except StopIteration:
+                return False, None
+        if self.pull is None:
+            self.pull = asyncio.ensure_future(_pull(self.iterator))
+            # left pending only with the map (its loop stopped or closed with the map unfinished),
+            # which asyncio drops without a word: so is the pull, a part of it
+            self.pull._log_destroy_pending = False
+        if head is not None and not self.pull.done():
+            await asyncio.wait((self.pull, head), return_when=asyncio.FIRST_COMPLETED)
+            if not self.pull.done():
+                return False, None
+        got = await self.pull  # (a cancellation of the awaiting task cancels the pull too)
+        self.pull = None
+        return got
+
+    def pulling(self) -> bool:
+        """Whether a pull is in progress (a ``(False, None)`` of :meth:`next` then means the head ended)."""
+        return self.pull is not None
+
+    async def stop(self) -> None:
+        """The map ends: cancel a pull in progress and wait for it to end (the source's own
+        clean-up runs before the map's ends), but not while the loop finalises its async
+        generators (see :func:`_shutting_down`), nor where no loop runs the map (a generator
+        finalised outside one). Raises only a cancellation of the awaiting task."""
+        pull, self.pull = self.pull, None
+        if pull is None:
+            return
+        if pull.get_loop().is_closed():
+            return  # nothing will run the pull again: it is dropped pending, with the map
+        pull.add_done_callback(_retrieve)
+        pull.cancel()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if not _shutting_down(loop):
+            await asyncio.wait((pull,))
+
+
+async def _pull(iterator: Any) -> tuple:
+    """An async source's next item as :meth:`Source.next` gives it (StopAsyncIteration is not
+    raised into a task: asyncio would take it for the end of a generator)."""
+    try:
+        return True, await iterator.__anext__()
+    except StopAsyncIteration:
+        return False, None
+
+
+def _retrieve(task: "asyncio.Task") -> None:
+    """A pull the map gave up ended: what it raised is nobody's (not logged as never retrieved)."""
+    if not task.cancelled():
+        task.exception()
 
 
 class CancelIfDropped:

@@ -34,7 +34,7 @@ from .._device import host_pool
 from .._device.protocol import Device
 from .._errors import StageError, describe, shown, warn_quietly
 from .batch_space import aligned
-from .aio import CancelIfDropped, follow, give_up_stranded
+from .aio import CancelIfDropped, Source, follow, give_up_stranded
 from .chunk import Chunk, ChunkFuture, cancel_unwanted, post_cancel
 from .driver import CallerDriver, ProgressThread, resolve
 from .config import PipelineConfig, SlotCounts
@@ -1057,7 +1057,9 @@ class Pipeline:
     async def amap(self, items: "Iterable[Any] | AsyncIterator[Any]") -> AsyncIterator[Any]:
         """``async for r in pipe.amap(items)``: the results of ``items`` (a sync or async iterable)
         in order, as :meth:`map` gives them, without blocking the event loop. At most
-        ``max_in_flight`` items are taken ahead of the results handed out. :meth:`close` does not
+        ``max_in_flight`` items are taken ahead of the results handed out. An async source's
+        next item is awaited in a task of its own, and a result ready meanwhile is handed out
+        (the pull goes on; it is cancelled when the map ends). :meth:`close` does not
         wait for an amap whose event loop cannot run meanwhile (closed, or the calling thread's):
         what it took and has not handed out is cancelled, or dropped if delivered already. An
         amap whose loop runs on (on another thread) is waited for, as a :meth:`map` is, even where
@@ -1072,7 +1074,7 @@ class Pipeline:
         window: collections.deque = collections.deque()  # (chunk future, its asyncio future), in order
         ending = CancelIfDropped(window)
         limit = self.config.max_in_flight
-        iterator = items.__aiter__() if hasattr(items, "__aiter__") else check_iterable("items", items)
+        source = Source(items)
         exhausted = started = False
         try:
             while True:
@@ -1082,10 +1084,11 @@ class Pipeline:
                         # room comes only once results are released, and a result still in a
                         # window (this map's, or another's on the same pipeline) never is
                         break
-                    try:
-                        item = (await iterator.__anext__()) if hasattr(iterator, "__anext__") else next(iterator)
-                    except (StopIteration, StopAsyncIteration):
-                        exhausted = True
+                    # an async source's pull is raced with the head: a ready result is handed
+                    # out while the pull goes on (see Source)
+                    took, item = await source.next(window[0][1] if window else None)
+                    if not took:
+                        exhausted = not source.pulling()
                         break
                     try:
                         fut = await self._asubmit_future(item, ending=ending)
@@ -1125,7 +1128,10 @@ class Pipeline:
         finally:
             # awaited: the loop runs on while the progress thread cancels them, and the map
             # ends with nothing of its own left running
-            await ending.end()
+            try:
+                await source.stop()
+            finally:
+                await ending.end()
         if s.first_error is not None and self.config.on_error == "raise":
             raise s.first_error
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from .._device import device_label, device_list
 from .._errors import DeviceError, StageError
 from .api import Pipeline
-from .aio import CancelIfDropped, follow
+from .aio import CancelIfDropped, Source, follow
 from .chunk import cancel_unwanted
 from .stats import PipelineStats
 from .validate import check_iterable
@@ -210,17 +210,17 @@ class SpreadPipeline(Pipeline):
         under it (the pipeline cancelled, or stopped by a failure) ends it as it ends :meth:`map`."""
         self._check_caller("amap()", awaited=True)
         limit = sum(p.config.max_in_flight for p in self.parts)
-        iterator = items.__aiter__() if hasattr(items, "__aiter__") else check_iterable("items", items)
+        source = Source(items)
         window: collections.deque = collections.deque()
         ending = CancelIfDropped(window)
         exhausted = started = False
         try:
             while True:
                 while not exhausted and len(window) < limit:
-                    try:
-                        item = (await iterator.__anext__()) if hasattr(iterator, "__anext__") else next(iterator)
-                    except (StopIteration, StopAsyncIteration):
-                        exhausted = True
+                    # an async source's pull is raced with the head (see Pipeline.amap)
+                    took, item = await source.next(window[0][1] if window else None)
+                    if not took:
+                        exhausted = not source.pulling()
                         break
                     fut = await self._asubmit_more(item, started, ending)
                     if fut is None:
@@ -260,7 +260,10 @@ class SpreadPipeline(Pipeline):
                 window.popleft()
                 yield value
         finally:
-            await ending.end()  # (see Pipeline.amap)
+            try:
+                await source.stop()
+            finally:
+                await ending.end()  # (see Pipeline.amap)
 
     def _part_failure(self) -> Optional[BaseException]:
         """The failure that stopped a part (with ``on_error="raise"``), if one did."""
