@@ -825,11 +825,30 @@ ASUBMIT_FILES = ("/ringflow/_pipeline/", "threading.py", "asyncio/futures.py", "
 # and what a stopped amap's clean-up runs there: its window's cancel handed to the progress thread
 AMAP_STOP_NAMES = ASUBMIT_NAMES + ("amap", "cancel_unwanted_soon", "post_cancel", "_live_by_driver", "post",
                                    "on_head_done", "_count_down", "cancel")
+# and, with an async source, its pull in a task of its own, raced with the map's next result
+AMAP_PULL_NAMES = AMAP_STOP_NAMES + ("next", "stop", "_pull", "pulling", "_retrieve", "__anext__")
+
+
+class _AsyncItems:
+    """An async source of ``items`` (not a generator: nothing of it is finalised by the loop)."""
+
+    def __init__(self, items):
+        self.items = list(items)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(0)
+        if not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0)
 
 
 def _asubmit_interrupted_at(n: int, sigint: bool, scenario: str = "asubmit") -> tuple:
     """On a loop run by ``run_until_complete`` (Python's own SIGINT handler stays), three asubmits
-    (``scenario`` "asubmit") or an amap stopped after its first result ("amap"), with Ctrl-C at
+    (``scenario`` "asubmit") or an amap stopped after its first result ("amap"; "amap-async": of
+    an async source), with Ctrl-C at
     the ``n``-th instruction of that code and the lock code it runs on the loop's thread
     (``sigint``: a SIGINT sent there; else a KeyboardInterrupt raised there). Returns how many
     instructions ran, how many interrupts fired, and what went wrong afterwards (None: nothing)."""
@@ -841,12 +860,12 @@ def _asubmit_interrupted_at(n: int, sigint: bool, scenario: str = "asubmit") -> 
     async def main():
         if scenario == "asubmit":
             return [await pipe.asubmit(a) for a in x]
-        agen = pipe.amap(x)
+        agen = pipe.amap(x if scenario == "amap" else _AsyncItems(x))
         first = await agen.__anext__()
         await agen.aclose()
         return [first]
 
-    names = ASUBMIT_NAMES if scenario == "asubmit" else AMAP_STOP_NAMES
+    names = {"asubmit": ASUBMIT_NAMES, "amap": AMAP_STOP_NAMES, "amap-async": AMAP_PULL_NAMES}[scenario]
     loop = asyncio.new_event_loop()
     got, where = None, None
     with InterruptAt(n, names, files=ASUBMIT_FILES, sigint=sigint) as at:
@@ -910,7 +929,7 @@ def _left_after_interrupt(dev, pipe, got, x) -> list:
     return problems
 
 
-@pytest.mark.parametrize("scenario", ["asubmit", "amap"])
+@pytest.mark.parametrize("scenario", ["asubmit", "amap", "amap-async"])
 def test_ctrl_c_at_any_instruction_of_asubmit_leaves_every_lock_free(scenario):
     """Ctrl-C (a SIGINT under Python's own handler, as ``loop.run_until_complete`` keeps it)
     between any two instructions asubmit (or a stopped amap's clean-up) runs on the loop's
