@@ -6,6 +6,9 @@ import concurrent.futures
 import glob
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -385,3 +388,55 @@ def test_a_worker_that_dies_leaves_the_item_running_in_another_alone(dev, tmp_pa
     finally:
         procs.close()
     assert all(gone(p) for p in pids)
+
+
+# -- fork() in the pipeline's process ---------------------------------------------------------------
+
+_FORKED_CHILD_EXITS = textwrap.dedent("""
+    import os, sys, threading
+    import numpy as np
+    import ringflow as rf
+    from tests.helpers import process_prepare as pp
+    import pathlib
+
+    def f(x, y):
+        y[...] = x * 2 + 1
+
+    folder = pathlib.Path(sys.argv[1])
+    ready, go = pp.Fifo(folder, "ready"), pp.Fifo(folder, "go")
+    pipe = rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=4096, prepare=pp.reports_then_waits,
+                       processes=True, workers=2)
+    fut = pipe.submit((5, ready.path, go.path))
+    waiter = threading.Thread(target=fut.exception, args=(60,), daemon=True)
+    waiter.start()
+    pid = int(ready.read_line())  # its prepare runs in that worker now
+    child = os.fork()
+    if child == 0:
+        sys.exit(0)  # a child that ends as a script does: at-exit handlers and finalizers run
+    _, status = os.waitpid(child, 0)
+    print("child status", status)
+    with open(f"/proc/{pid}/stat") as stat:
+        print("worker state", stat.read().split()[2])
+    go.write_line()
+    print("result", fut.result(timeout=60).tolist() == (pp.ramp(5) * 2 + 1).tolist())
+    pipe.close()
+    print("parent ok")
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not os.path.exists("/proc/self/stat"), reason="fork() and /proc")
+def test_a_forked_child_that_exits_leaves_the_parents_workers_alone(tmp_path):
+    """A child forked from the pipeline's process that ended normally ran the pipeline's finalizer
+    and the pool's at-exit hook there: they killed the parent's worker running a prepare (the
+    parent's item failed, its worker died 'killed by signal 9'), and multiprocessing printed an
+    AssertionError traceback ('can only join a child process') as the child joined them."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", _FORKED_CHILD_EXITS, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, cwd=root, env=env)
+    out = run.stdout
+    assert run.returncode == 0, out + run.stderr[-3000:]
+    assert "child status 0" in out and "worker state S" in out, out + run.stderr[-3000:]
+    assert "result True" in out and "parent ok" in out, out + run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]

@@ -37,11 +37,14 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.process
 import multiprocessing.util
+import os
 import pickle
 import signal
 import threading
 import traceback
+import weakref
 from multiprocessing import shared_memory
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
@@ -53,14 +56,33 @@ from .._errors import PrepareStopped, describe, unpicklable
 
 _SHARED: dict = {}  # in a worker: the attached block and its bytes, the prepare callable or why it is missing
 EXIT_GRACE_S = 5.0  # how long a worker told to exit (its pipe closed) has before it is killed
+_POOLS: "weakref.WeakSet[ProcessPrepare]" = weakref.WeakSet()  # every pool opened in this process
+
+
+def _disown_in_child() -> None:
+    """In a child forked from a process with worker processes: forget them, so that the child's
+    exit, which runs multiprocessing's at-exit join of its children, does not try to join the
+    parent's (an AssertionError traceback, 'can only join a child process'). Never raises."""
+    try:
+        children = multiprocessing.process._children  # (multiprocessing's own set of the children to join)
+        for pool in list(_POOLS):
+            for worker in list(pool._all):
+                children.discard(worker.process)
+    except Exception:  # noqa: BLE001 - at fork: nothing may fail there
+        pass
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
+    os.register_at_fork(after_in_child=_disown_in_child)
 
 
 class _Worker:
     """One worker process and the pipeline's end of its pipe."""
 
-    __slots__ = ("process", "conn")
+    __slots__ = ("process", "conn", "owner")
 
     def __init__(self, ctx: Any, name: str, prepare: bytes):
+        self.owner = os.getpid()  # a child forked from this process must never signal or join it
         conn, child = ctx.Pipe()
         try:
             self.process = ctx.Process(target=_serve, args=(child, name, prepare), name="ringflow-prepare")
@@ -77,7 +99,11 @@ class _Worker:
         return self.process.pid
 
     def kill(self) -> None:
-        """SIGKILL it (a prepare may ignore SIGTERM, or loop where nothing else reaches it); never raises."""
+        """SIGKILL it (a prepare may ignore SIGTERM, or loop where nothing else reaches it); never
+        raises. Nothing in a child forked from the pipeline's process (the worker is the parent's:
+        the child's finalizers must not kill the parent's prepares)."""
+        if os.getpid() != self.owner:
+            return
         try:
             self.process.kill()
         except Exception:  # noqa: BLE001 - it has gone already
@@ -85,9 +111,12 @@ class _Worker:
 
     def end(self, grace: float) -> None:
         """Close its pipe (an idle worker then exits), give it ``grace`` seconds, kill it if it
-        is still there, and reap it; never raises."""
+        is still there, and reap it; never raises. Only closes the child's copy of the pipe in a
+        child forked from the pipeline's process."""
         try:
             self.conn.close()
+            if os.getpid() != self.owner:
+                return
             self.process.join(grace)
             if self.process.exitcode is None:
                 self.kill()
@@ -113,6 +142,7 @@ class ProcessPrepare:
                             "define it at module level (not a lambda or a nested function)") from None
         self._device, self._nbytes, self._workers = device, nbytes, workers
         self._chunk_bytes = chunk_bytes
+        self._owner = os.getpid()  # the workers and the block are this process's (not a forked child's)
         self._shm = None
         self._ctx = None
         self._at_exit = None
@@ -141,6 +171,7 @@ class ProcessPrepare:
             # at exit, before multiprocessing joins its children: a worker still running a prepare
             # (a pipeline left open) would keep the interpreter from ending
             self._at_exit = multiprocessing.util.Finalize(self, _end_all, args=(self._all, 0.0), exitpriority=10)
+            _POOLS.add(self)
             # every worker now, not at its first item: the first items would wait for them
             for _ in range(self._workers):
                 self._idle.append(self._start())
@@ -290,8 +321,11 @@ class ProcessPrepare:
         """Stop the workers (one still running a task is killed, and reaped by the thread that
         waits for it; an idle one exits as its pipe closes), drop the block's registration (the
         ring that used it has dropped it already, unless the pipeline's set-up failed before that
-        ring took it) and free the block; nothing where :meth:`open` was never called. Never
-        raises."""
+        ring took it) and free the block; nothing where :meth:`open` was never called, or in a
+        child forked from the pipeline's process (the workers and the block are the parent's).
+        Never raises."""
+        if os.getpid() != self._owner:
+            return
         self.stop_running()
         with self._lock:
             idle, self._idle = self._idle, []
