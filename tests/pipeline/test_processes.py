@@ -440,3 +440,37 @@ def test_a_forked_child_that_exits_leaves_the_parents_workers_alone(tmp_path):
     assert "child status 0" in out and "worker state S" in out, out + run.stderr[-3000:]
     assert "result True" in out and "parent ok" in out, out + run.stderr[-3000:]
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
+
+
+def test_a_worker_started_as_cancel_stops_the_pool_is_stopped_too(dev, tmp_path, monkeypatch):
+    """An item found its idle worker dead (killed from outside) and started another in its place
+    while cancel() stopped the pool from another thread: stop_running() had listed the workers
+    running a task before the new one was listed, so it was not killed, and the item's prepare
+    ran in it to the end (for ever, for a prepare that never returns), cancel() waiting for it."""
+    from ringflow._errors import PrepareStopped
+    from ringflow._pipeline import processes
+
+    item, _ready = stuck_item(tmp_path)
+    procs = processes.ProcessPrepare(dev, pp.reports_then_waits, 4096, 4096, 1)
+    real = processes._Worker
+
+    class StartedAsCancelStops(real):
+        def __init__(self, *a):
+            procs.stop_running()  # (cancel() on another thread, between the item's check and this start)
+            super().__init__(*a)
+
+    try:
+        procs.open()
+        (idle,) = procs._idle
+        idle.process.kill()
+        idle.process.join(10)
+        monkeypatch.setattr(processes, "_Worker", StartedAsCancelStops)
+        slot = np.ndarray((4096,), np.uint8, buffer=procs._shm.buf)
+        with pytest.raises(PrepareStopped):
+            threads.join([threads.start(procs, item, slot)], timeout=10)
+        del slot
+        assert procs.pids() == []
+    finally:
+        for pid in procs.pids():
+            os.kill(pid, signal.SIGKILL)  # (the test failed: let the run go on)
+        procs.close()

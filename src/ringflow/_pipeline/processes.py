@@ -186,10 +186,23 @@ class ProcessPrepare:
             return [w.pid for w in self._all]
 
     def _start(self) -> _Worker:
-        """A new worker (listed in ``_all`` from its start on, so that close ends it)."""
+        """A new worker (listed in ``_all`` from its start on, so that close ends it).
+
+        Raises:
+            PrepareStopped: :meth:`stop_running` came while it started. It listed the workers
+                running a task before this one was listed, so it did not kill it: a task sent
+                to it would run to its end (for ever, for a prepare that never returns). It is
+                ended here instead.
+        """
         worker = _Worker(self._ctx, self._shm.name, self._pickled)
         with self._lock:
-            self._all.append(worker)
+            stopping = self._stopping
+            if not stopping:
+                self._all.append(worker)
+        if stopping:
+            worker.kill()
+            worker.end(0.0)
+            raise PrepareStopped("the pipeline was cancelled or closed before this prepare started")
         return worker
 
     def __call__(self, item: Any, raw: np.ndarray) -> tuple:
@@ -224,7 +237,7 @@ class ProcessPrepare:
         """An idle worker, or a new one in place of one that has died (or where none is idle).
 
         Raises:
-            PrepareStopped: the workers are being stopped.
+            PrepareStopped: the workers are being stopped (or were stopped as it started one).
         """
         with self._lock:
             if self._stopping:
@@ -289,14 +302,14 @@ class ProcessPrepare:
         if self._stopping:
             return
         try:
-            worker = self._start()
+            worker = self._start()  # (stopped while it started: ended there, PrepareStopped)
         except Exception:  # noqa: BLE001 - the next item tries again, and fails with the reason
             return
         with self._lock:
             stopping = self._stopping
             if not stopping:
                 self._idle.append(worker)
-        if stopping:  # (stopped while it started: it is nobody's to end but ours)
+        if stopping:  # (stopped since: it is nobody's to end but ours)
             self._forget(worker)
 
     def _forget(self, worker: _Worker) -> None:
