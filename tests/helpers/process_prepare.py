@@ -173,3 +173,15 @@ def dies_or_waits(item) -> np.ndarray:
     if item == "die":
         os._exit(7)
     return reports_then_waits(item)
+
+
+class EndsItsWorkerAsItStarts:
+    """A prepare whose unpickling, in each worker process as it starts, ends that process (exit
+    code 3): as a worker that cannot start does (a script without a ``__main__`` guard, run again
+    in the worker, or a module that does not import there)."""
+
+    def __call__(self, item: int) -> np.ndarray:
+        return ramp(item)
+
+    def __reduce__(self):
+        return os._exit, (3,)

@@ -474,3 +474,37 @@ def test_a_worker_started_as_cancel_stops_the_pool_is_stopped_too(dev, tmp_path,
         for pid in procs.pids():
             os.kill(pid, signal.SIGKILL)  # (the test failed: let the run go on)
         procs.close()
+
+
+def test_workers_that_end_as_they_start_fail_the_items_saying_so_and_are_not_restarted_for_ever(dev,
+                                                                                                 monkeypatch):
+    """Workers that ended as they started (a script without a __main__ guard, run again in each)
+    failed each item as a crash in prepare would ('died before prepare returned ... a crash in
+    native code'), and a new worker was started for every item, each ending the same way. Now an
+    item whose worker ended before it was ready says so, and once a few have in a row no more are
+    started: every later item fails at once, saying why."""
+    from ringflow._pipeline import processes
+
+    real, started = processes._Worker, []
+
+    class Counted(real):
+        def __init__(self, *a):
+            super().__init__(*a)
+            started.append(self.pid)
+
+    monkeypatch.setattr(processes, "_Worker", Counted)
+    before = shm_segments()
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.EndsItsWorkerAsItStarts(), processes=True,
+                     workers=2, on_error="continue") as pipe:
+        outcomes = [fu.exception(timeout=30) for fu in [pipe.submit(i) for i in range(12)]]
+    causes = [o.__cause__ for o in outcomes]
+    assert all(type(c) is RuntimeError for c in causes), causes
+    first = str(causes[0])
+    assert "ended (exit code 3) as it started, before it was ready" in first, first
+    assert "__main__" in first, first
+    last = str(causes[-1])
+    assert f"{processes.START_FAILURES} worker processes in a row ended as they started" in last, last
+    assert "no more are started" in last and "exit code 3" in last, last
+    assert len(started) <= 2 + processes.START_FAILURES, started
+    assert all(gone(p) for p in started)
+    assert shm_segments() <= before and dev.live().total == 0

@@ -20,7 +20,9 @@ pool and fails every task in it, running or queued). So:
 
 * a worker that dies (a crash in native code, ``os._exit``, a signal, the OOM killer) fails only
   the item it was preparing, with a RuntimeError giving its exit code or signal; the items in
-  the other workers go on, and a new worker is started for the next item;
+  the other workers go on, and a new worker is started for the next item; a worker that ends
+  as it started (before it said it was ready) fails its item saying so, and after
+  :data:`START_FAILURES` of those in a row no more are started (every later item fails at once);
 * :meth:`ProcessPrepare.stop_running` (what ``Pipeline.cancel`` calls first, before it takes any
   lock: on the simulated GPU a prepare runs inside the device's lock) kills the workers running
   a task, whose threads then raise :class:`~ringflow._errors.PrepareStopped` (their chunks end
@@ -56,6 +58,10 @@ from .._errors import PrepareStopped, describe, unpicklable
 
 _SHARED: dict = {}  # in a worker: the attached block and its bytes, the prepare callable or why it is missing
 EXIT_GRACE_S = 5.0  # how long a worker told to exit (its pipe closed) has before it is killed
+# workers ending as they start, in a row, after which no more are started: one that cannot start
+# (a script without a __main__ guard, a module that does not import in a new process) fails the
+# same way each time, and a new one for every item would print its error for every item
+START_FAILURES = 3
 _POOLS: "weakref.WeakSet[ProcessPrepare]" = weakref.WeakSet()  # every pool opened in this process
 
 
@@ -79,10 +85,11 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
 class _Worker:
     """One worker process and the pipeline's end of its pipe."""
 
-    __slots__ = ("process", "conn", "owner")
+    __slots__ = ("process", "conn", "owner", "ready")
 
     def __init__(self, ctx: Any, name: str, prepare: bytes):
         self.owner = os.getpid()  # a child forked from this process must never signal or join it
+        self.ready = False  # its "ready" was read: it started (read before its first task's reply)
         conn, child = ctx.Pipe()
         try:
             self.process = ctx.Process(target=_serve, args=(child, name, prepare), name="ringflow-prepare")
@@ -150,6 +157,8 @@ class ProcessPrepare:
         self._idle: list[_Worker] = []
         self._all: list[_Worker] = []  # every worker started and not yet reaped, idle or running a task
         self._stopping = False  # stop_running() or close() was called: every task is refused
+        self._start_failures = 0  # workers that ended as they started since one was last ready
+        self._broken: "RuntimeError | None" = None  # too many did: every task fails with this
         self.buffer: HostBuffer | None = None
 
     def open(self) -> HostBuffer:
@@ -242,11 +251,21 @@ class ProcessPrepare:
         with self._lock:
             if self._stopping:
                 raise PrepareStopped("the pipeline was cancelled or closed before this prepare started")
+            if self._broken is not None:
+                raise RuntimeError(str(self._broken))
             worker = self._idle.pop() if self._idle else None
         if worker is not None and worker.process.is_alive():
             return worker
-        if worker is not None:  # it died between two tasks (killed from outside): replaced
+        if worker is not None:  # it died while idle: replaced
             self._forget(worker)
+            if not worker.ready and not _said_ready(worker):
+                # it ended as it started: counted (a new one may well end so too), though this
+                # item fails only where its own worker does (it may have been killed from outside)
+                self._failed_to_start(worker)
+                with self._lock:
+                    broken = self._broken
+                if broken is not None:
+                    raise RuntimeError(str(broken))
         return self._start()
 
     def _run(self, worker: _Worker, task: bytes) -> tuple:
@@ -259,6 +278,19 @@ class ProcessPrepare:
             worker.conn.send_bytes(task)
         except (BrokenPipeError, ConnectionResetError):
             raise self._died(worker) from None
+        if not worker.ready:  # its first task: it says "ready" once it has started
+            self._receive(worker)
+            worker.ready = True
+            with self._lock:
+                self._start_failures = 0
+        return self._receive(worker)
+
+    def _receive(self, worker: _Worker) -> Any:
+        """The next message from ``worker``.
+
+        Raises:
+            RuntimeError, PrepareStopped: the worker ended first (:meth:`_died`).
+        """
         ready = multiprocessing.connection.wait([worker.conn, worker.process.sentinel])
         if worker.conn not in ready:
             raise self._died(worker)
@@ -269,15 +301,36 @@ class ProcessPrepare:
 
     def _died(self, worker: _Worker) -> Exception:
         """The error for the item whose worker has ended (reaped here): PrepareStopped where
-        :meth:`stop_running` killed it, else a RuntimeError saying how it ended."""
+        :meth:`stop_running` killed it, else a RuntimeError saying how it ended (as it started,
+        where it never said it was ready: :meth:`_failed_to_start`)."""
         worker.process.join()
         if self._stopping:
             return PrepareStopped(f"the pipeline was cancelled or closed while this prepare ran: its worker process "
                                   f"(pid {worker.pid}) was killed")
+        if not worker.ready:
+            return self._failed_to_start(worker)
         return RuntimeError(f"the worker process running prepare for this item (pid {worker.pid}) died "
                             f"({_how_it_ended(worker.process.exitcode)}) before prepare returned; the item is "
                             "failed and a new worker process takes the next ones. A worker dies of a crash in "
                             "native code, os._exit, or a signal (the kernel's OOM killer sends SIGKILL)")
+
+    def _failed_to_start(self, worker: _Worker) -> RuntimeError:
+        """The error for the item whose worker (ended, reaped) ended as it started; counts it, and
+        after :data:`START_FAILURES` in a row keeps the error for every later item (no more
+        workers are started)."""
+        how = _how_it_ended(worker.process.exitcode)
+        err = RuntimeError(
+            f"prepare's worker process (pid {worker.pid}) ended ({how}) as it started, before it was ready; the "
+            "item is failed. A worker starts by importing the main module again (a script must start its "
+            "pipeline under `if __name__ == '__main__':`), then the module that defines prepare, then prepare "
+            "itself: one of these ended the process (its own output above says how)")
+        with self._lock:
+            self._start_failures += 1
+            if self._start_failures >= START_FAILURES and self._broken is None:
+                self._broken = RuntimeError(
+                    f"{self._start_failures} worker processes in a row ended as they started, so no more are "
+                    f"started and every item fails; the last: {err}")
+        return err
 
     def _put_back(self, worker: _Worker, settled: bool) -> None:
         """``worker`` idle again if it is still there and between tasks; else ended, forgotten
@@ -299,7 +352,7 @@ class ProcessPrepare:
         """Start a worker in place of one that ended, now rather than at the next item (which
         would wait for it); where that fails, the next item starts one (:meth:`_take`). Never
         raises."""
-        if self._stopping:
+        if self._stopping or self._broken is not None:
             return
         try:
             worker = self._start()  # (stopped while it started: ended there, PrepareStopped)
@@ -375,6 +428,15 @@ def _end_all(workers: list, grace: float) -> None:
         worker.end(grace)
 
 
+def _said_ready(worker: _Worker) -> bool:
+    """Whether ``worker`` (ended) said it was ready before it ended: it started, and ended later
+    (killed from outside while idle). Never raises."""
+    try:
+        return worker.conn.poll() and worker.conn.recv() == "ready"
+    except Exception:  # noqa: BLE001 - closed, or nothing complete in the pipe: it did not
+        return False
+
+
 def _how_it_ended(exitcode: "int | None") -> str:
     """``"exit code 7"`` or ``"killed by signal 11 (SIGSEGV)"`` for a process's exit code."""
     if exitcode is None:
@@ -410,6 +472,10 @@ def _serve(conn: Any, name: str, prepare: bytes) -> None:
         _attach(name, prepare)
     except Exception as exc:  # noqa: BLE001 - each task is answered with it (a worker that died would be replaced, and fail again)
         _SHARED["broken"] = RuntimeError(f"prepare's worker process could not start: {describe(exc)}")
+    try:
+        conn.send("ready")  # (read before the first task's reply: one that ends first ended as it started)
+    except OSError:
+        return
     while True:
         try:
             task = conn.recv()
