@@ -508,3 +508,35 @@ def test_workers_that_end_as_they_start_fail_the_items_saying_so_and_are_not_res
     assert len(started) <= 2 + processes.START_FAILURES, started
     assert all(gone(p) for p in started)
     assert shm_segments() <= before and dev.live().total == 0
+
+
+def test_cancelling_one_future_stops_its_prepare_by_killing_its_worker_and_the_rest_go_on(dev, tmp_path):
+    """A future cancelled while its prepare ran in a worker left that worker running it: on the
+    simulated GPU cancel() itself waited for it (the thread driving the device was in it), and
+    close() waited for it later (for ever, for a prepare that never returns). Now that worker is
+    killed, the chunk ends CANCELLED, a new worker takes its place and later items go on."""
+    before = shm_segments()
+    item, ready = stuck_item(tmp_path)
+    pipe = rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.reports_then_waits, processes=True, workers=2)
+    pid = None
+    try:
+        assert np.array_equal(pipe.submit(1).result(timeout=30), pp.ramp(1) * 2 + 1)
+        stuck = pipe.submit(item)
+        waiter = awaited(stuck)
+        pid = int(ready.read_line())  # its prepare is running in that worker now
+        assert threads.bounded(stuck.cancel, timeout=10) is True
+        threads.join([waiter], timeout=10)
+        assert stuck.cancelled() and gone(pid)
+        later = [pipe.submit(i) for i in range(2, 8)]
+        for i, fu in enumerate(later, 2):
+            assert np.array_equal(fu.result(timeout=30), pp.ramp(i) * 2 + 1)
+        assert pid not in pipe.scheduler._owned[0].pids() and len(pipe.scheduler._owned[0].pids()) == 2
+        s = pipe.stats()
+        assert (s.delivered, s.cancelled, s.failed, s.in_flight) == (7, 1, 0, 0)
+        threads.bounded(pipe.close, timeout=10)
+    finally:
+        if pid is not None and not gone(pid):
+            os.kill(pid, signal.SIGKILL)  # (the test failed: let the run go on)
+        threads.bounded(pipe.cancel, timeout=10)
+        threads.bounded(pipe.close, timeout=10)
+    assert shm_segments() <= before and dev.live().total == 0

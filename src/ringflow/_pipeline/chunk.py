@@ -150,7 +150,10 @@ class ChunkFuture(concurrent.futures.Future):
         """Cancel this chunk, not only the future: a chunk not yet on the device ends CANCELLED
         at once; one whose copies or kernel are enqueued stops there and ends CANCELLED once
         that work completes (its buffers are freed only then). The future is cancelled at once
-        either way. Returns False if the chunk's consumer is running or it has ended."""
+        either way. Returns False if the chunk's consumer is running or it has ended.
+
+        With ``processes=True``, a ``prepare`` of this chunk running in a worker process is
+        stopped: that worker is killed (a new one takes its place for later items)."""
         if self.done():
             return False
         return cancel_chunks([self])[0]
@@ -191,6 +194,8 @@ def cancel_chunks(futures: "list[ChunkFuture]") -> list:
     first_error = None
     for live in _live_by_driver(futures):
         driver = live[0]._driver
+        for f in _stop_prepares(live):  # (ended CANCELLED by that alone, maybe, before the lock is had)
+            outcome[id(f)] = True
         with shielded(), driver.cv:
             live = [f for f in live if not f.done()]
             if not live:
@@ -218,9 +223,18 @@ def post_cancel(futures: "list[ChunkFuture]", then: Optional[Callable[[Any], Any
     groups = _live_by_driver(futures)
     for live in groups:
         driver = live[0]._driver
+        _stop_prepares(live)
         hand_back = _ignore if then is None else functools.partial(then, driver.device)
         driver.post(_cancelling(live, driver.sched), hand_back)
     return len(groups)
+
+
+def _stop_prepares(live: "list[ChunkFuture]") -> list:
+    """Kill the worker processes running the prepares of ``live``'s chunks (``processes=True``),
+    before the driver's lock is taken (:meth:`.Scheduler.stop_prepare`); returns the futures
+    whose worker was killed (their chunks end CANCELLED). Never raises."""
+    sched = live[0]._driver.sched
+    return [f for f in live if sched.stop_prepare(f.index)]
 
 
 def _ignore(_command: Any) -> None:

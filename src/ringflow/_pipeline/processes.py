@@ -28,7 +28,10 @@ pool and fails every task in it, running or queued). So:
   a task, whose threads then raise :class:`~ringflow._errors.PrepareStopped` (their chunks end
   CANCELLED), and refuses every later task the same way. A worker's write into its slot ends
   with the worker: its thread returns only once the process is gone, so the slot is reused only
-  after that.
+  after that;
+* :meth:`ProcessPrepare.stop_task` (what cancelling one chunk's future calls first, for the same
+  reason) kills only the worker whose task is that chunk's (:attr:`ProcessPrepare.task` names
+  it): that task raises PrepareStopped, and a new worker takes the killed one's place.
 
 Ordering: the task is submitted, and waited for, by the scheduler's CPU worker thread that owns
 the slot's prepare (its checked view declares the write on the simulated GPU); the slot's h2d is
@@ -85,11 +88,13 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
 class _Worker:
     """One worker process and the pipeline's end of its pipe."""
 
-    __slots__ = ("process", "conn", "owner", "ready")
+    __slots__ = ("process", "conn", "owner", "ready", "key", "stopped")
 
     def __init__(self, ctx: Any, name: str, prepare: bytes):
         self.owner = os.getpid()  # a child forked from this process must never signal or join it
         self.ready = False  # its "ready" was read: it started (read before its first task's reply)
+        self.key: Any = None  # what its task now is for (ProcessPrepare.task.key: the chunk), or None
+        self.stopped = False  # stop_task() killed it for its task: that task ends PrepareStopped
         conn, child = ctx.Pipe()
         try:
             self.process = ctx.Process(target=_serve, args=(child, name, prepare), name="ringflow-prepare")
@@ -160,6 +165,9 @@ class ProcessPrepare:
         self._start_failures = 0  # workers that ended as they started since one was last ready
         self._broken: "RuntimeError | None" = None  # too many did: every task fails with this
         self.buffer: HostBuffer | None = None
+        # .key, set by the thread that calls this pool (the scheduler: the chunk whose prepare it
+        # runs), names its task for stop_task
+        self.task = threading.local()
 
     def open(self) -> HostBuffer:
         """Make the shared block, register it with the device and start the workers; returns
@@ -229,6 +237,8 @@ class ProcessPrepare:
         task = ForkingPickler.dumps((self._chunk_bytes, item, raw.__array_interface__["data"][0] - self._base,
                                      raw.nbytes))
         worker = self._take()
+        with self._lock:
+            worker.key = getattr(self.task, "key", None)
         settled = False  # the worker is between tasks again: it may serve the next one
         try:
             reply = self._run(worker, task)
@@ -304,7 +314,7 @@ class ProcessPrepare:
         :meth:`stop_running` killed it, else a RuntimeError saying how it ended (as it started,
         where it never said it was ready: :meth:`_failed_to_start`)."""
         worker.process.join()
-        if self._stopping:
+        if self._stopping or worker.stopped:
             return PrepareStopped(f"the pipeline was cancelled or closed while this prepare ran: its worker process "
                                   f"(pid {worker.pid}) was killed")
         if not worker.ready:
@@ -338,7 +348,8 @@ class ProcessPrepare:
         next task: that worker is ended too). Never raises."""
         alive = settled and worker.process.exitcode is None
         with self._lock:
-            if alive and not self._stopping:
+            worker.key = None  # (its task is over: stop_task no longer finds it)
+            if alive and not self._stopping and not worker.stopped:
                 self._idle.append(worker)
                 return
         if alive:
@@ -371,6 +382,24 @@ class ProcessPrepare:
         with self._lock:
             if worker in self._all:
                 self._all.remove(worker)
+
+    def stop_task(self, key: Any) -> bool:
+        """Kill the worker running the task for ``key`` (see :attr:`task`; a cancelled chunk),
+        if one is: that task raises :class:`~ringflow._errors.PrepareStopped` once the process is
+        gone, the worker is never given another task, and a new one takes its place. Takes no
+        lock but this pool's own. Returns whether one was killed; never raises.
+
+        A worker whose task has ended no longer has the key (cleared before its reply is handed
+        back, under this pool's lock), so this never kills a worker running another task."""
+        if key is None:
+            return False
+        with self._lock:
+            worker = next((w for w in self._all if w.key is key and not w.stopped), None)
+            if worker is None:
+                return False
+            worker.stopped = True  # (never idle again: the kill below cannot reach a later task)
+        worker.kill()
+        return True
 
     def stop_running(self) -> None:
         """Kill the workers running a task now and refuse every later task: their threads raise

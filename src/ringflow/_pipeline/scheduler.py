@@ -160,6 +160,9 @@ class Scheduler:
         self._kept_rings: list[Ring] = []  # host rings a dead driver's pending work may still use: never freed
         self.pool = None
         self._owned = list(owned)
+        # processes=True: the prepare processes, whose worker running a chunk's prepare a cancel
+        # of that chunk kills (stop_prepare)
+        self._procs = next((o for o in self._owned if hasattr(o, "stop_task")), None)
         self._host_in_memory = host_in_memory
         self._host_strides = host_strides
         self.streams = StageStreams(device, checked=config.checked)
@@ -818,7 +821,14 @@ class Scheduler:
         # an external host-in ring already holds the chunk: prepare only describes it
         raw = None if self.host_in.external else \
             where.buffer.view(np.uint8, offset=where.offset, count=where.nbytes, access="w")
-        described = run_stage(self.stage_owner, "prepare", self.prepare, chunk.item, raw)  # (shape, dtype)[, packed layout]
+        procs = self._procs
+        if procs is not None:
+            procs.task.key = chunk  # (names the task: cancelling the chunk kills its worker)
+        try:
+            described = run_stage(self.stage_owner, "prepare", self.prepare, chunk.item, raw)  # (shape, dtype)[, packed layout]
+        finally:
+            if procs is not None:
+                procs.task.key = None
         shape, dtype = described[0], np.dtype(described[1])
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > where.nbytes:
@@ -1431,6 +1441,20 @@ class Scheduler:
         else:
             self._drain(chunk, ChunkState.CANCELLED)
         return True
+
+    def stop_prepare(self, index: int) -> bool:
+        """With ``processes=True``: kill the worker process running the prepare of chunk ``index``
+        (about to be cancelled), so that its prepare ends (PrepareStopped, the chunk CANCELLED)
+        rather than run to its end, for ever for one that never returns. Called before the
+        driver's lock is taken, as ``Pipeline.cancel`` stops every prepare: on the simulated GPU a
+        prepare runs on the thread that advances the device, holding its lock. Reads the chunk
+        without the lock: a worker is killed only while its task is this chunk's
+        (:meth:`.ProcessPrepare.stop_task`). Returns whether a worker was killed; never raises."""
+        procs = self._procs
+        if procs is None:
+            return False
+        chunk = self.chunks.get(index)
+        return chunk is not None and chunk.state is ChunkState.PREPARING and procs.stop_task(chunk)
 
     def cancel_chunk(self, index: int) -> bool:
         """Cancel one accepted chunk (its future's ``cancel``); the rest go on. Returns False if
