@@ -61,7 +61,7 @@ from .._errors import PrepareStopped, describe, unpicklable
 
 _SHARED: dict = {}  # in a worker: the attached block and its bytes, the prepare callable or why it is missing
 EXIT_GRACE_S = 5.0  # how long a worker told to exit (its pipe closed) has before it is killed
-# workers ending as they start, in a row, after which no more are started: one that cannot start
+# workers exiting as they start, in a row, after which no more are started: one that cannot start
 # (a script without a __main__ guard, a module that does not import in a new process) fails the
 # same way each time, and a new one for every item would print its error for every item
 START_FAILURES = 3
@@ -325,17 +325,20 @@ class ProcessPrepare:
                             "native code, os._exit, or a signal (the kernel's OOM killer sends SIGKILL)")
 
     def _failed_to_start(self, worker: _Worker) -> RuntimeError:
-        """The error for the item whose worker (ended, reaped) ended as it started; counts it, and
-        after :data:`START_FAILURES` in a row keeps the error for every later item (no more
-        workers are started)."""
+        """The error for the item whose worker (ended, reaped) ended as it started; counts it
+        where it exited by itself (not killed by a signal), and after :data:`START_FAILURES` in a
+        row keeps the error for every later item (no more workers are started)."""
         how = _how_it_ended(worker.process.exitcode)
         err = RuntimeError(
             f"prepare's worker process (pid {worker.pid}) ended ({how}) as it started, before it was ready; the "
             "item is failed. A worker starts by importing the main module again (a script must start its "
             "pipeline under `if __name__ == '__main__':`), then the module that defines prepare, then prepare "
             "itself: one of these ended the process (its own output above says how)")
+        exited = worker.process.exitcode is not None and worker.process.exitcode >= 0
         with self._lock:
-            self._start_failures += 1
+            # only a worker that exited by itself counts: one killed by a signal as it started
+            # (from outside, the OOM killer) says nothing about the next one
+            self._start_failures += exited
             if self._start_failures >= START_FAILURES and self._broken is None:
                 self._broken = RuntimeError(
                     f"{self._start_failures} worker processes in a row ended as they started, so no more are "
