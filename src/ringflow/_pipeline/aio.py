@@ -165,7 +165,7 @@ class Source:
             return
         if pull.get_loop().is_closed():
             return  # nothing will run the pull again: it is dropped pending, with the map
-        pull.add_done_callback(_retrieve)
+        pull.add_done_callback(retrieve)
         pull.cancel()
         try:
             loop = asyncio.get_running_loop()
@@ -184,8 +184,9 @@ async def _pull(iterator: Any) -> tuple:
         return False, None
 
 
-def _retrieve(task: "asyncio.Task") -> None:
-    """A pull the map gave up ended: what it raised is nobody's (not logged as never retrieved)."""
+def retrieve(task: "asyncio.Future") -> None:
+    """A task or future nobody awaits any more ended (a pull the map gave up, a close whose awaiting
+    task was cancelled): what it raised is nobody's (not logged as never retrieved)."""
     if not task.cancelled():
         task.exception()
 
@@ -206,7 +207,7 @@ class CancelIfDropped:
     map puts its chunk in the window only once the loop runs it again: between the two the chunk
     is the map's all the same (:meth:`accepting`, :meth:`accepted`, :meth:`hold`)."""
 
-    __slots__ = ("window", "loop", "thread", "given_up", "lock", "accepting_by", "unheld", "__weakref__")
+    __slots__ = ("window", "loop", "thread", "given_up", "lock", "accepting_by", "unheld", "puller", "__weakref__")
 
     def __init__(self, window: Any):
         self.window = window
@@ -220,8 +221,25 @@ class CancelIfDropped:
         self.lock = threading.Lock()
         self.accepting_by = None  # the driver accepting the map's next item off the loop's thread
         self.unheld = None  # the future of a chunk accepted for the map and not yet in its window
+        self.puller: "weakref.ref | None" = None  # the task that ran the map's last step (see pulled)
+        self.pulled()
         with _LIVE_LOCK:
             _LIVE.add(self)
+
+    def pulled(self) -> None:
+        """On the loop's thread, as the map starts a step: the task running it is the map's consumer
+        (weakly: a task that ended pulls no more), which :func:`give_up_pulled_by` judges by."""
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:  # driven by hand, outside any loop
+            task = None
+        self.puller = None if task is None else weakref.ref(task)
+
+    def left_to(self, task: "asyncio.Task | None") -> bool:
+        """Whether nobody but ``task`` pulls the map: ``task`` ran its last step, or the task that did
+        has ended (or none did: it was driven outside a task)."""
+        puller = None if self.puller is None else self.puller()
+        return puller is None or puller is task or puller.done()
 
     def accepting(self, driver: Any) -> None:
         """On the loop's thread: the map's next item is being accepted off it, by ``driver``'s
@@ -335,6 +353,21 @@ def give_up_stranded(driver: Any) -> None:
     for ending in maps:
         # stranded first: a map that can run may change its window meanwhile
         if ending.stranded() and ending.holds(driver):
+            ending.give_up()
+
+
+def give_up_pulled_by(task: "asyncio.Task | None", drivers: "list[Any]") -> None:
+    """For an awaited ending of a pipeline (``__aexit__``), on the loop's thread, before its close
+    waits off that thread: give up the window of every async map of this loop holding chunks of
+    one of ``drivers`` that only ``task``, the task awaiting the ending, could pull
+    (:meth:`CancelIfDropped.left_to`). That task waits for the close, so such a map cannot run
+    meanwhile, as a map whose loop is the closing thread's cannot (:func:`give_up_stranded`); a
+    map another task pulls runs on, and the close waits for it."""
+    loop = asyncio.get_running_loop()
+    with _LIVE_LOCK:
+        maps = list(_LIVE)
+    for ending in maps:
+        if ending.loop is loop and ending.left_to(task) and any(ending.holds(d) for d in drivers):
             ending.give_up()
 
 

@@ -34,7 +34,7 @@ from .._device import host_pool
 from .._device.protocol import Device
 from .._errors import StageError, describe, shown, warn_quietly
 from .batch_space import aligned
-from .aio import CancelIfDropped, Source, follow, give_up_stranded
+from .aio import CancelIfDropped, Source, follow, give_up_pulled_by, give_up_stranded, retrieve
 from .chunk import Chunk, ChunkFuture, cancel_unwanted, post_cancel
 from .driver import CallerDriver, ProgressThread, resolve
 from .config import PipelineConfig, SlotCounts
@@ -44,7 +44,8 @@ from .like import converter
 from .validate import (COMPUTE_FORM, MAX_CHUNK_BYTES, as_host_array, check_arity, check_choice, check_flag,
                        check_moved_dtype, check_iterable, check_options, check_output_spec, check_timeout)
 from .scheduler import Scheduler, check_fill_rows
-from .reentry import check_process, generation as reentry_generation, refuse_from_stage, refuse_on_progress_thread
+from .reentry import (check_process, generation as reentry_generation, on_progress_thread, refuse_from_stage,
+                      refuse_on_progress_thread)
 from .sigint import ShieldedIterator, shielded, shielded_call
 from .slot_array import in_slot, run_offering
 from .states import ChunkState
@@ -1125,6 +1126,7 @@ class Pipeline:
                     break  # close() took the window while this map could not run (aio.give_up_stranded)
                 window.popleft()
                 yield value
+                ending.pulled()
         finally:
             # awaited: the loop runs on while the progress thread cancels them, and the map
             # ends with nothing of its own left running
@@ -1274,6 +1276,74 @@ class Pipeline:
                 warnings.warn(f"cancelling the pipeline after an error failed: {err!r}", RuntimeWarning)
             finally:
                 self._shut()
+
+    async def __aenter__(self) -> "Pipeline":
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        """Leave ``async with``: what leaving ``with`` does (close when the block ended without an
+        error; when it ended by one, Ctrl-C included, cancel what is left and never mask it), its
+        waits on the loop's default executor, so the event loop runs on meanwhile.
+
+        Other tasks' :meth:`amap` s run on too, and the close waits for what they took, as for a map
+        on another thread. An amap that only the task leaving the block could pull (it ran the map's
+        last step, or the task that did has ended) cannot run while that task waits: its window is
+        given up, as :meth:`close` on the loop's thread gives up that loop's amaps.
+
+        Cancelling the task while it waits here (``task.cancel()``, ``asyncio.run`` ending,
+        Ctrl-C under ``asyncio.run``) cancels the pipeline's work, as an error would, so the close
+        it had begun ends soon; the task waits for that end (a second cancellation stops waiting,
+        and the close still ends in the background), then raises CancelledError.
+
+        On an event loop run in one of this pipeline's done-callbacks (its progress thread, which
+        the executor's thread would wait for), the ending runs on that thread, as :meth:`close`
+        called in the callback does: the loop waits meanwhile.
+
+        Raises:
+            RuntimeError: from inside one of the pipeline's own stages; as :meth:`close`, where
+                the block ended without an error.
+            asyncio.CancelledError: the task was cancelled while it waited (above).
+        """
+        if self._forget_if_forked():
+            return
+        self._check_caller("__aexit__", opened=False)
+        parts = self._each()
+        if any(on_progress_thread(part._driver) for part in parts):
+            self.__exit__(exc_type, exc, tb)  # (the executor's thread would wait for this one)
+            return
+        give_up_pulled_by(asyncio.current_task(), [part._driver for part in parts])
+        try:
+            ending = asyncio.get_running_loop().run_in_executor(None, self.__exit__, exc_type, exc, tb)
+        except RuntimeError:  # the loop's executor was shut down: nothing else could wait for the ending
+            self.__exit__(exc_type, exc, tb)
+            return
+        ending.add_done_callback(retrieve)  # (its outcome is raised below, unless the task gave up waiting)
+        try:
+            # shielded: the task's cancellation must not cancel the ending, only stop the wait for it
+            await asyncio.shield(ending)
+        except asyncio.CancelledError:
+            if ending.done():
+                raise
+            # the close would wait for work that may never finish without the task (a consumer
+            # it was to release results for): cancel that work, as leaving by an error does, so
+            # the pipeline never stays half closed, and asyncio.run's join of its executor ends
+            for part in parts:
+                part._cancel_soon()
+            await asyncio.wait((ending,))
+            raise
+
+    def _each(self) -> "list[Pipeline]":
+        """The single-device pipelines this one runs as: itself (several behind a spread one)."""
+        return [self]
+
+    def _cancel_soon(self) -> None:
+        """:meth:`cancel` without waiting, for the loop's thread: running prepares in worker
+        processes are stopped, and the cancel is posted to the progress thread. Never raises."""
+        self._stop_prepares()
+        try:
+            self._driver.post(self._sched.cancel_pending, _never)
+        except Exception as exc:  # noqa: BLE001 - clean-up: a driver that ended has nothing left to cancel
+            logger.debug("cancelling the pipeline's work failed: %r", exc)
 
     # -- kept warm between stream_map calls (ringflow._pipeline.warm) -------------------------------
     def _park(self) -> bool:

@@ -122,6 +122,11 @@ def refuse_from_stage(owner: Any, call: str, kind: str = "pipeline") -> None:
             "once the stage has returned, or from a future's done-callback")
 
 
+def on_progress_thread(driver: Any) -> bool:
+    """Whether the calling thread is ``driver``'s progress thread (in one of its done-callbacks)."""
+    return getattr(driver, "thread", None) is threading.current_thread()
+
+
 def refuse_on_progress_thread(driver: Any, call: str) -> None:
     """Refuse ``call``, an asyncio call (``asubmit``, ``amap``), on ``driver``'s progress thread:
     an event loop run there (in a future's done-callback) awaits futures only that thread sets.
@@ -129,7 +134,7 @@ def refuse_on_progress_thread(driver: Any, call: str) -> None:
     Raises:
         RuntimeError: naming the call and what to do instead.
     """
-    if getattr(driver, "thread", None) is threading.current_thread():
+    if on_progress_thread(driver):
         raise RuntimeError(
             f"{call} was called on an event loop running on this pipeline's own progress thread (in a future's "
             "done-callback): the await ends only once that thread sets the chunk's future, and it is running "

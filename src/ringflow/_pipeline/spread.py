@@ -259,6 +259,7 @@ class SpreadPipeline(Pipeline):
                     return
                 window.popleft()
                 yield value
+                ending.pulled()
         finally:
             try:
                 await source.stop()
@@ -307,6 +308,9 @@ class SpreadPipeline(Pipeline):
                 part.__exit__(exc_type, exc, tb)
         finally:
             self._unshare()
+
+    def _each(self) -> list[Pipeline]:
+        return self.parts
 
     def _check_open(self) -> None:
         if self._closed:
