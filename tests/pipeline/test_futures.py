@@ -370,6 +370,55 @@ def test_amap_hands_a_ready_result_out_while_its_async_source_waits_for_the_next
         _closed_clean(dev, pipe)
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_amap_with_ordered_false_hands_results_out_as_they_end(kind):
+    """With ``ordered=False`` amap, as map, hands each result out as it ends. The progress thread is
+    held (in a done-callback) until the amap has taken its four items, so they run together; the
+    first item's consumer then costs far more (virtual seconds) than the others' whole way
+    through, and its result comes after theirs. Every result comes once, in the order the chunks
+    ended."""
+    h = Harness(seed=16, chaos=True, checked=True, slots=2, max_in_flight=5, workers=2, chunk_bytes=512,
+                ordered=False)
+    blocker = h.pipe.submit(h.item(99, 8))
+    holding, release = threading.Event(), threading.Event()
+
+    def hold(_fut):  # on the progress thread, outside the lock: nothing advances meanwhile
+        holding.set()
+        release.wait(JOIN_S)
+
+    blocker.add_done_callback(hold)
+    assert holding.wait(JOIN_S)
+    items = [h.item(i + 1, 8, consume_cost=(1e-2 if i == 0 else 0.0)) for i in range(4)]
+
+    async def agen():
+        for it in items:
+            await asyncio.sleep(0)
+            yield it
+
+    async def releaser():
+        while h.pipe.stats().accepted < 1 + len(items):
+            await asyncio.sleep(0)
+        release.set()
+
+    async def main():
+        task = asyncio.create_task(releaser())
+        got = [r async for r in h.pipe.amap(items if kind == "sync" else agen())]
+        await task
+        return got
+
+    try:
+        got = _run(main)
+    finally:
+        release.set()
+    for r in got:
+        check_result(r, h.items[r.tag])
+    ends = [h.chunks[r.index].stamps["ended"] for r in got]  # (virtual seconds)
+    assert [r.tag for r in got] == [2, 3, 4, 1] and ends == sorted(ends), ([r.tag for r in got], ends)
+    blocker.result(timeout=JOIN_S)
+    h.check()
+    h.close()
+
+
 def test_an_amap_stopped_while_its_async_source_is_pulled_stops_the_pull():
     """The consumer stops (a break) after a result handed out while the next item was being pulled:
     the pull is cancelled (its source's ``finally`` runs) and the map ends with nothing of its own

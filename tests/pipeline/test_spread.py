@@ -58,8 +58,42 @@ def test_unordered_map_and_asyncio_over_two_devices():
             return [r async for r in pipe.amap(items[:10])] + [await pipe.asubmit(items[0])]
 
         res = asyncio.run(go())
-    for a, r in zip(items[:10] + items[:1], res):
-        np.testing.assert_array_equal(r, a * 2 + 1)
+    # (as they end: in any order)
+    assert sorted(tuple(r) for r in res[:10]) == sorted(tuple(a * 2 + 1) for a in items[:10])
+    np.testing.assert_array_equal(res[10], items[0] * 2 + 1)
+
+
+def test_an_unordered_spread_amap_hands_a_result_out_while_an_earlier_item_still_runs():
+    """With ``ordered=False`` the amap over two devices hands out the second item's result (on the
+    other device) while the first item's compute still runs: that compute waits for the consumer
+    to have taken a result. Ordered, it would hand the first item's result out first, once the
+    compute gave up waiting."""
+    gate = threading.Event()
+    waited: list = []
+
+    def gated(x, y):
+        if x[0] == 0.0:
+            waited.append(gate.wait(10.0))
+        y[...] = x * 2 + 1
+
+    pipe = rf.Pipeline(gated, device=sims(2, 7), chunk_bytes=4096, max_in_flight=1, ordered=False)
+    items = [np.arange(16, dtype=np.float32) + 100 * k for k in range(6)]
+
+    async def main():
+        got = []
+        async for r in pipe.amap(items):
+            got.append(r)
+            gate.set()
+        return got
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        gate.set()
+        pipe.close()
+    assert waited == [True]  # the first item's compute was let go by the consumer, not by its time limit
+    assert got[0][0] != 1.0  # (the first item's result starts at 0 * 2 + 1)
+    assert sorted(r[0] for r in got) == sorted(a[0] * 2 + 1 for a in items)
 
 
 def test_a_broken_device_fails_its_chunks_and_the_others_go_on():

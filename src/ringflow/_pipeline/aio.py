@@ -13,6 +13,7 @@ coroutine awaits that, while the loop runs on.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import weakref
@@ -129,10 +130,11 @@ class Source:
         self.iterator = items.__aiter__() if self.is_async else check_iterable("items", items)
         self.pull: "asyncio.Task | None" = None  # an async source's pull in progress
 
-    async def next(self, head: "asyncio.Future | None") -> tuple:
-        """The next item: ``(True, item)``; ``(False, None)`` once the source is exhausted, or,
-        with ``head`` (the map's next result) given, where ``head`` ended first (the pull goes on,
-        and the next call takes it up). Raises what the source raised."""
+    async def next(self, heads: "list[asyncio.Future]") -> tuple:
+        """The next item: ``(True, item)``; ``(False, None)`` once the source is exhausted, or
+        where one of ``heads`` (whose end hands the map's next result out: see :func:`handing_out`)
+        ended first (the pull goes on, and the next call takes it up). Raises what the source
+        raised."""
         if not self.is_async:
             try:
                 return True, next(self.iterator)
@@ -143,8 +145,8 @@ class Source:
             # left pending only with the map (its loop stopped or closed with the map unfinished),
             # which asyncio drops without a word: so is the pull, a part of it
             self.pull._log_destroy_pending = False
-        if head is not None and not self.pull.done():
-            await asyncio.wait((self.pull, head), return_when=asyncio.FIRST_COMPLETED)
+        if heads and not self.pull.done():
+            await asyncio.wait((self.pull, *heads), return_when=asyncio.FIRST_COMPLETED)
             if not self.pull.done():
                 return False, None
         got = await self.pull  # (a cancellation of the awaiting task cancels the pull too)
@@ -207,10 +209,13 @@ class CancelIfDropped:
     map puts its chunk in the window only once the loop runs it again: between the two the chunk
     is the map's all the same (:meth:`accepting`, :meth:`accepted`, :meth:`hold`)."""
 
-    __slots__ = ("window", "loop", "thread", "given_up", "lock", "accepting_by", "unheld", "puller", "__weakref__")
+    __slots__ = ("window", "ordered", "ended", "loop", "thread", "given_up", "lock", "accepting_by", "unheld",
+                 "puller", "__weakref__")
 
-    def __init__(self, window: Any):
+    def __init__(self, window: Any, ordered: bool = True):
         self.window = window
+        self.ordered = ordered  # False: results handed out as they end (see next_out)
+        self.ended: collections.deque = collections.deque()  # unordered: entries in the order they ended
         try:
             self.loop = asyncio.get_running_loop()
         except RuntimeError:  # driven by hand, outside any loop: nothing for close() to judge by
@@ -267,8 +272,37 @@ class CancelIfDropped:
             self.accepting_by = self.unheld = None
             given_up = self.given_up
         if not given_up:  # (a give-up waits for this thread's loop: it cannot come in between)
-            self.window.append((fut, follow(fut)))
+            entry = (fut, follow(fut))
+            if not self.ordered:
+                # the heads end on this thread in the order their chunks ended (follow)
+                entry[1].add_done_callback(lambda _head: self.ended.append(entry))
+            self.window.append(entry)
         return not given_up
+
+    def handing_out(self) -> "list[asyncio.Future]":
+        """The asyncio futures of the window whose end hands a result out: the first's, or,
+        unordered (results as they end, as ``map`` gives them), every one's."""
+        window = self.window
+        if not window:
+            return []
+        return [window[0][1]] if self.ordered else [head for _, head in window]
+
+    async def next_out(self) -> "tuple | None":
+        """The window's entry to hand out next: ordered, its first (the caller awaits its end);
+        unordered, the first to end, awaited here. None where the window was emptied meanwhile
+        (given up: see :meth:`give_up`). Raises only a cancellation of the awaiting task, which
+        cancels none of the futures."""
+        window = self.window
+        if self.ordered or not window:
+            return window[0] if window else None
+        heads = self.handing_out()
+        if not any(head.done() for head in heads):
+            await asyncio.wait(heads, return_when=asyncio.FIRST_COMPLETED)
+        while self.ended:
+            entry = self.ended.popleft()
+            if any(held is entry for held in window):  # (one skipped or given up is gone)
+                return entry
+        return next((entry for entry in window if entry[1].done()), None)
 
     def holds(self, driver: Any) -> bool:
         """Whether the map holds chunks of ``driver``'s pipeline, or may be about to: in its

@@ -1057,7 +1057,8 @@ class Pipeline:
 
     async def amap(self, items: "Iterable[Any] | AsyncIterator[Any]") -> AsyncIterator[Any]:
         """``async for r in pipe.amap(items)``: the results of ``items`` (a sync or async iterable)
-        in order, as :meth:`map` gives them, without blocking the event loop. At most
+        in input order (``ordered=False``: each as it ends), as :meth:`map` gives them, without
+        blocking the event loop. At most
         ``max_in_flight`` items are taken ahead of the results handed out. An async source's
         next item is awaited in a task of its own, and a result ready meanwhile is handed out
         (the pull goes on; it is cancelled when the map ends). :meth:`close` does not
@@ -1073,21 +1074,21 @@ class Pipeline:
         self._check_caller("amap()", awaited=True)
         s = self._sched
         window: collections.deque = collections.deque()  # (chunk future, its asyncio future), in order
-        ending = CancelIfDropped(window)
+        ending = CancelIfDropped(window, self.config.ordered)
         limit = self.config.max_in_flight
         source = Source(items)
         exhausted = started = False
         try:
             while True:
                 while not exhausted and len(window) < limit and s.accepting:
-                    if window and (window[0][1].done() or not s.has_capacity()):
+                    if window and (any(h.done() for h in ending.handing_out()) or not s.has_capacity()):
                         # hand the head out before waiting for room: with results on the device,
                         # room comes only once results are released, and a result still in a
                         # window (this map's, or another's on the same pipeline) never is
                         break
                     # an async source's pull is raced with the head: a ready result is handed
                     # out while the pull goes on (see Source)
-                    took, item = await source.next(window[0][1] if window else None)
+                    took, item = await source.next(ending.handing_out())
                     if not took:
                         exhausted = not source.pulling()
                         break
@@ -1111,7 +1112,10 @@ class Pipeline:
                     if not started:
                         raise s.refusal()
                     break
-                fut, head = window[0]
+                entry = await ending.next_out()
+                if entry is None:
+                    break  # close() took the window while this map could not run (aio.give_up_stranded)
+                fut, head = entry
                 try:
                     # shielded: a cancellation of the awaiting task must not look like the chunk's
                     value = await asyncio.shield(head)
@@ -1119,12 +1123,12 @@ class Pipeline:
                     if fut.cancelled() or ending.given_up:
                         break  # the pipeline was cancelled, or a failure stopped it, under this map
                     if self.config.on_error == "continue" and err is not s.broken and fut.failed_with(err):
-                        window.popleft()
+                        window.remove(entry)
                         continue  # a failed chunk (whatever its stage raised) is skipped, as map does
                     raise  # (the task was cancelled: finally cancels this chunk with the others)
                 if ending.given_up:
                     break  # close() took the window while this map could not run (aio.give_up_stranded)
-                window.popleft()
+                window.remove(entry)
                 yield value
                 ending.pulled()
         finally:

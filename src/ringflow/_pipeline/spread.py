@@ -206,19 +206,20 @@ class SpreadPipeline(Pipeline):
             cancel_unwanted(list(window))  # the caller stopped early: the rest are not wanted
 
     async def amap(self, items: Any):
-        """As :meth:`Pipeline.amap`, over every device, in submission order; a chunk cancelled
+        """As :meth:`Pipeline.amap`, over every device, in submission order (``ordered=False``: as
+        they end, whichever device ran them); a chunk cancelled
         under it (the pipeline cancelled, or stopped by a failure) ends it as it ends :meth:`map`."""
         self._check_caller("amap()", awaited=True)
         limit = sum(p.config.max_in_flight for p in self.parts)
         source = Source(items)
         window: collections.deque = collections.deque()
-        ending = CancelIfDropped(window)
+        ending = CancelIfDropped(window, self.config.ordered)
         exhausted = started = False
         try:
             while True:
                 while not exhausted and len(window) < limit:
                     # an async source's pull is raced with the head (see Pipeline.amap)
-                    took, item = await source.next(window[0][1] if window else None)
+                    took, item = await source.next(ending.handing_out())
                     if not took:
                         exhausted = not source.pulling()
                         break
@@ -231,7 +232,10 @@ class SpreadPipeline(Pipeline):
                         return  # close() took the window while the item was accepted off this loop
                 if not window:
                     return
-                fut, head = window[0]
+                entry = await ending.next_out()
+                if entry is None:
+                    return  # close() took the window while this amap could not run (see Pipeline.amap)
+                fut, head = entry
                 try:
                     # shielded: a cancellation of the awaiting task must not look like the chunk's
                     value = await asyncio.shield(head)
@@ -242,7 +246,7 @@ class SpreadPipeline(Pipeline):
                         # the awaiting task was cancelled (or its chunk ended just as it was): the
                         # task's, not a chunk's; finally cancels this amap's window, nothing else
                         raise
-                    window.popleft()
+                    window.remove(entry)
                     if self.config.on_error == "continue":
                         continue  # a failed item (whatever its stage raised, or its device's) is skipped
                     # a chunk cancelled under this amap: the pipeline was cancelled, or a part's
@@ -257,7 +261,7 @@ class SpreadPipeline(Pipeline):
                     raise failure from failure.__cause__  # (as map: keep the user's exception)
                 if ending.given_up:
                     return
-                window.popleft()
+                window.remove(entry)
                 yield value
                 ending.pulled()
         finally:
