@@ -93,3 +93,14 @@ def rss_bytes() -> int:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+async def tick_then_release(ticks: list, release: threading.Event, turns: int = 5) -> None:
+    """Append to ``ticks`` on each of ``turns`` turns of the running event loop, then set
+    ``release``: a call that blocked the loop until ``release`` was set would never see a tick."""
+    import asyncio
+
+    for k in range(turns):
+        ticks.append(k)
+        await asyncio.sleep(0)
+    release.set()

@@ -15,7 +15,7 @@ import pytest
 
 import ringflow as rf
 from ringflow._pipeline import aio
-from tests.helpers.threads import JOIN_S, bounded
+from tests.helpers.threads import JOIN_S, bounded, tick_then_release
 
 
 def _gated_pipe(gate: threading.Event):
@@ -437,6 +437,46 @@ def test_close_from_another_thread_waits_for_a_live_loops_amap_and_gives_nothing
 
 
 # -- an event loop on the pipeline's own progress thread ---------------------------------------------
+def _check_cancelled_and_released(pipe, behind: list, held: list, devices: list) -> None:
+    """After an ``async with`` left by an error or a cancellation: ``pipe`` is closed, every
+    future of ``behind`` cancelled and counted so; once the ``held`` device results are released
+    (and the list emptied), nothing is left live on ``devices``."""
+    assert _closed(pipe)
+    assert all(fut.cancelled() for fut in behind), [fut for fut in behind if not fut.cancelled()]
+    for result in held:
+        result.release()
+    held.clear()
+    s = pipe.stats()
+    assert s.in_flight == 0 and s.cancelled == len(behind) and s.balanced(), s
+    gc.collect()
+    for dev in devices:
+        assert dev.live().total == 0, dev.live()
+
+
+def _run_in_a_done_callback(futs: list, coroutine) -> list:
+    """``asyncio.run(coroutine())`` in a done-callback (on the pipeline's progress thread) of the
+    first of ``futs`` not done yet; returns ``[what it returned or raised]`` once it ended."""
+    outcome: list = []
+    finished = threading.Event()
+
+    def callback(_fut):
+        try:
+            outcome.append(asyncio.run(coroutine()))
+        except BaseException as exc:  # noqa: BLE001 - the test's to see
+            outcome.append(exc)
+        finally:
+            finished.set()
+
+    for fut in futs:
+        if not fut.done():
+            fut.add_done_callback(callback)
+            break
+    else:
+        pytest.skip("every chunk ended before a callback could be added")
+    assert finished.wait(JOIN_S)
+    return outcome
+
+
 @pytest.mark.parametrize("how", ["asubmit", "amap"])
 @pytest.mark.parametrize("n_devices", [1, 2])
 def test_an_await_on_the_pipeline_from_a_loop_in_its_own_done_callback_is_refused(how, n_devices):
@@ -447,32 +487,15 @@ def test_an_await_on_the_pipeline_from_a_loop_in_its_own_done_callback_is_refuse
     devices = [rf.device("sim", seed=61 + k, chaos=True) for k in range(n_devices)]
     pipe = rf.Pipeline(lambda x, y: np.multiply(x, 2, out=y), device=devices if n_devices > 1 else devices[0],
                        chunk_bytes=512, checked=True)
-    outcome: list = []
-    finished = threading.Event()
 
     async def await_the_pipeline():
         if how == "asubmit":
             return await pipe.asubmit(np.arange(8.0))
         return [r async for r in pipe.amap([np.arange(8.0)])]
 
-    def callback(_fut):  # on a progress thread
-        try:
-            # bounded: without the refusal this waits for ever (the test's watchdog, not a proof)
-            outcome.append(asyncio.run(asyncio.wait_for(await_the_pipeline(), 5.0)))
-        except BaseException as exc:  # noqa: BLE001 - the test's to see
-            outcome.append(exc)
-        finally:
-            finished.set()
-
     futs = [pipe.submit(np.arange(8.0) + k) for k in range(2 * n_devices)]
-    for fut in futs:
-        if not fut.done():
-            fut.add_done_callback(callback)
-            break
-    else:
-        pytest.skip("every chunk ended before a callback could be added")
-    assert finished.wait(JOIN_S)
-    (err,) = outcome
+    # bounded: without the refusal this waits for ever (the test's watchdog, not a proof)
+    (err,) = _run_in_a_done_callback(futs, lambda: asyncio.wait_for(await_the_pipeline(), 5.0))
     assert isinstance(err, RuntimeError), repr(err)
     assert "progress thread" in str(err) and "submit(" in str(err) and "run_coroutine_threadsafe" in str(err)
     assert [f.result(timeout=JOIN_S)[1] for f in futs] == [2.0 * (k + 1) for k in range(2 * n_devices)]
@@ -548,17 +571,11 @@ def test_async_with_closes_on_success_without_blocking_the_loop(n_devices):
     assert holding.wait(JOIN_S)
     ticks: list = []
 
-    async def ticker():
-        for k in range(5):
-            ticks.append(k)
-            await asyncio.sleep(0)
-        release.set()
-
     async def main():
         async with pipe as entered:
             assert entered is pipe
             futs.extend(pipe.submit(a) for a in x[1:])
-            tick = asyncio.create_task(ticker())  # it first runs once the exit awaits
+            tick = asyncio.create_task(tick_then_release(ticks, release))  # it first runs once the exit awaits
         assert _closed(pipe)
         await tick
 
@@ -594,16 +611,8 @@ def test_an_async_with_whose_body_raises_cancels_the_work_and_reraises(n_devices
 
     with pytest.raises(ValueError) as caught:
         bounded(lambda: asyncio.run(main()), timeout=20.0)
-    assert caught.value is raised and _closed(pipe)
-    assert all(fut.cancelled() for fut in behind), [fut for fut in behind if not fut.cancelled()]
-    for result in held:
-        result.release()
-    s = pipe.stats()
-    assert s.in_flight == 0 and s.cancelled == len(behind) and s.balanced(), s
-    del held
-    gc.collect()
-    for dev in devices:
-        assert dev.live().total == 0, dev.live()
+    assert caught.value is raised
+    _check_cancelled_and_released(pipe, behind, held, devices)
 
 
 @pytest.mark.parametrize("deliver", ["host", "device"])
@@ -678,16 +687,7 @@ def test_a_cancelled_async_with_exit_cancels_the_work_and_leaves_the_pipeline_cl
             await task
 
     bounded(lambda: asyncio.run(main()), timeout=20.0)
-    assert _closed(pipe)
-    assert all(fut.cancelled() for fut in behind), behind
-    for result in held:
-        result.release()
-    s = pipe.stats()
-    assert s.in_flight == 0 and s.cancelled == len(behind) and s.balanced(), s
-    del held
-    gc.collect()
-    for dev in devices:
-        assert dev.live().total == 0, dev.live()
+    _check_cancelled_and_released(pipe, behind, held, devices)
 
 
 @pytest.mark.parametrize("n_devices", [1, 2])
@@ -754,30 +754,14 @@ def test_an_async_with_on_a_loop_in_the_pipelines_own_done_callback_closes_there
     callback does, driving the pipeline there."""
     devices, device = _each_device(n_devices, 93)
     pipe = rf.Pipeline(lambda x, y: np.multiply(x, 2, out=y), device=device, chunk_bytes=512, checked=True)
-    outcome: list = []
-    finished = threading.Event()
     futs: list = []
 
     async def leave_the_block():
         async with pipe:
             futs.extend(pipe.submit(np.arange(8.0) + 10 + k) for k in range(3))
 
-    def callback(_fut):  # on a progress thread
-        try:
-            outcome.append(asyncio.run(leave_the_block()))
-        except BaseException as exc:  # noqa: BLE001 - the test's to see
-            outcome.append(exc)
-        finally:
-            finished.set()
-
     first = [pipe.submit(np.arange(8.0) + k) for k in range(2 * n_devices)]
-    for fut in first:
-        if not fut.done():
-            fut.add_done_callback(callback)
-            break
-    else:
-        pytest.skip("every chunk ended before a callback could be added")
-    assert finished.wait(JOIN_S)
+    outcome = _run_in_a_done_callback(first, leave_the_block)
     assert outcome == [None], outcome
     assert _closed(pipe)
     for k, fut in enumerate(futs):

@@ -25,7 +25,7 @@ import ringflow as rf
 from ringflow._bench import kernels
 from ringflow._errors import StageError
 from tests.helpers.pipeline_checks import Harness, MarkedFault, check_result, drop_tracebacks
-from tests.helpers.threads import JOIN_S, bounded, join, start
+from tests.helpers.threads import JOIN_S, bounded, join, start, tick_then_release
 
 
 def f_affine(x, y):
@@ -592,14 +592,8 @@ def _call_while_ticking(pipe, how: str, x: list, release: threading.Event, timeo
     the ticks. A call that blocked the loop until ``release`` was set would never return."""
     ticks: list = []
 
-    async def ticker():
-        for k in range(5):
-            ticks.append(k)
-            await asyncio.sleep(0)
-        release.set()
-
     async def main():
-        tick = asyncio.create_task(ticker())
+        tick = asyncio.create_task(tick_then_release(ticks, release))
         if how == "asubmit":
             got = await asyncio.gather(*(pipe.asubmit(a) for a in x))
         else:
