@@ -626,11 +626,8 @@ def test_ctrl_c_in_an_async_with_body_under_asyncio_run_ends_cleanly(n_devices, 
     unraisable: list = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     devices, device = _each_device(n_devices, 85)
-    # (checked=False for device results: with it, a device result dropped once its pipeline has
-    # closed poisons its slot unordered with the ring's free, a fault of its own that a plain
-    # ``with`` meets the same way)
     pipe = rf.Pipeline(lambda x, y: np.multiply(x, 2, out=y), device=device, chunk_bytes=512, deliver=deliver,
-                       checked=deliver == "host")
+                       checked=True)
     x = [np.arange(8.0) + k for k in range(20)]
 
     async def main():

@@ -191,6 +191,33 @@ def test_closing_with_results_still_held_frees_their_slots_when_released():
     assert dev.live().device_buffers == 0
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_result_released_after_a_checked_close_frees_its_ring_after_every_poison_fill(seed):
+    """Checked mode poisons each slot handed back, on a stream; a result still held at close keeps
+    its ring, which is freed on the host when that result comes back. That free came after no
+    wait for the fills of the slots released before the close (a HazardError from the close of
+    the ring, which then stayed allocated), where a GPU would free memory a fill still writes."""
+    dev = rf.device("sim", seed=seed, chaos=True, checked=True)
+    user = dev.create_stream()
+    pipe = rf.Pipeline(f, device=dev, chunk_bytes=512, deliver="device", checked=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        results = pipe.map([np.full(16, k, np.float32) for k in range(6)])
+        held = next(results)
+        for res in results:
+            res.release(stream=user)  # each one's slot poisoned on the pipeline's stream
+        pipe.close()  # held is still the consumer's: its ring stays
+        out = read_on(user, held)
+        held.release(stream=user)
+        user.sync()
+    assert not [w for w in seen if "failed" in str(w.message)], [str(w.message) for w in seen]
+    np.testing.assert_array_equal(out, np.full(16, 1, np.float32))
+    user.close()
+    del held, results
+    gc.collect()
+    assert dev.live().total == 0, dev.live()
+
+
 def test_output_specs_and_device_delivery_together():
     dev = rf.device("sim", seed=4)
     user = dev.create_stream()

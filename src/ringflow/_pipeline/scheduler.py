@@ -282,6 +282,11 @@ class Scheduler:
             for slot in ring.slots:
                 slot.ready = None
         free_on = self.streams.free_after()
+        if any(s.state is SlotState.LENT for ring in self._rings for s in ring.busy.values()):
+            # a ring kept for results still the consumer's is freed on the host when the last
+            # comes back, after these streams are gone: that free must come after all they were
+            # given (checked mode's poison fills of its other slots), so the host waits for it now
+            self.streams.settle()
         for ring in self._rings:
             if ring.busy and any(s.state is SlotState.LENT for s in ring.busy.values()):
                 continue  # results on the device are still the consumer's: freed when the last comes back
@@ -1630,11 +1635,12 @@ class Scheduler:
             self.space.release()  # the slab goes back to the pool once its chunks and results are gone
         with self._lend_section():
             self._take_returns()
-            # a result released after this, on any thread, frees its slot there (_take_returns):
-            # that thread takes this lock after us, so it has seen all we saw (every completion)
-            self._close_token = self.device.publish()
             self._closed = True
             self._release_resources()
+            # a result released after this, on any thread, frees its slot there (_take_returns):
+            # that thread takes this lock after us, so it has seen all we saw (every completion,
+            # the wait for the streams a ring kept for such a result included)
+            self._close_token = self.device.publish()
         # a closed scheduler is still reachable from the frames of an error raised by its job,
         # which a caller may keep: it keeps nothing of the caller's (the arrays its stages close
         # over, the memory behind its external rings)
