@@ -93,6 +93,18 @@ def _refuse_replacing(name: str) -> None:
                          f"out over that memory); {instead}, or make a new MapJob for another array")
 
 
+def _fixed_array(name: str, doc: str) -> property:
+    """A job's array ``name`` (kept as ``_name``), read-only: assigning it is refused
+    (:func:`_refuse_replacing`)."""
+    def get(job: "MapJob") -> np.ndarray:
+        return getattr(job, "_" + name)
+
+    def refuse(job: "MapJob", value: Any) -> None:
+        _refuse_replacing(name)
+
+    return property(get, refuse, doc=doc)
+
+
 def _collected(held: _Held, what: str) -> None:
     if held.left():
         warn_quietly(f"{what} was garbage-collected without close(); its streams, device memory and "
@@ -228,23 +240,8 @@ class MapJob:
         job._hand_over()
         return job
 
-    @property
-    def x(self) -> np.ndarray:
-        """The input array the job was made with; each call reads its current contents."""
-        return self._x
-
-    @x.setter
-    def x(self, value: Any) -> None:
-        _refuse_replacing("x")
-
-    @property
-    def out(self) -> np.ndarray:
-        """The array each call writes its result into, and returns."""
-        return self._out
-
-    @out.setter
-    def out(self, value: Any) -> None:
-        _refuse_replacing("out")
+    x = _fixed_array("x", "The input array the job was made with; each call reads its current contents.")
+    out = _fixed_array("out", "The array each call writes its result into, and returns.")
 
     @property
     def strategy(self) -> str:

@@ -282,14 +282,16 @@ class Scheduler:
             for slot in ring.slots:
                 slot.ready = None
         free_on = self.streams.free_after()
-        if any(s.state is SlotState.LENT for ring in self._rings for s in ring.busy.values()):
-            # a ring kept for results still the consumer's is freed on the host when the last
-            # comes back, after these streams are gone: that free must come after all they were
-            # given (checked mode's poison fills of its other slots), so the host waits for it now
+        # rings with results on the device that are still the consumer's: freed when the last comes back
+        lent = [ring for ring in self._rings if any(s.state is SlotState.LENT for s in ring.busy.values())]
+        if lent:
+            # that free is on the host, after these streams are gone: it must come after all they
+            # were given (checked mode's poison fills of the ring's other slots), so the host
+            # waits for it now
             self.streams.settle()
         for ring in self._rings:
-            if ring.busy and any(s.state is SlotState.LENT for s in ring.busy.values()):
-                continue  # results on the device are still the consumer's: freed when the last comes back
+            if ring in lent:
+                continue
             if ring in self._kept_rings:
                 continue  # work a dead driver never saw complete may still use it (end_after_death)
             ring.close(stream=free_on)
