@@ -122,8 +122,10 @@ class CaptureError(DeviceError):
 class StageError(RingflowError):
     """A pipeline stage failed for one chunk.
 
-    ``stage`` is one of ``"prepare"``, ``"h2d"``, ``"compute"``, ``"d2h"``, ``"consume"``;
-    ``index`` is the chunk's submission index; the original exception is ``__cause__``.
+    ``stage`` is one of ``"prepare"``, ``"h2d"``, ``"compute"``, ``"d2h"``, ``"consume"``, or
+    ``"item_nbytes"`` where the pipeline's ``item_nbytes(item)`` raised or gave no byte count (the
+    item's prepare then never ran); ``index`` is the chunk's submission index; the original
+    exception is ``__cause__``.
     """
 
     def __init__(self, stage: str, index: int, cause: BaseException | None = None):

@@ -279,11 +279,32 @@ def test_an_item_nbytes_that_gives_no_byte_count_fails_its_item(dev, nbytes, kin
         results = bounded(lambda: list(pipe.map(items)), timeout=20)  # a prepare of 1e30 bytes: no hang
         assert [r[0] for r in results] == [expected(items[0])[0], expected(items[2])[0]]
         (failure,) = pipe.failures
-        assert failure.stage == "prepare" and isinstance(failure.__cause__, kind)
+        assert failure.stage == "item_nbytes" and isinstance(failure.__cause__, kind)
         assert says in str(failure.__cause__)
         if kind is not RuntimeError:
             assert "item_nbytes" in str(failure.__cause__)
         assert np.array_equal(pipe.submit(items[0]).result(), expected(items[0]))
+
+
+def test_an_item_nbytes_that_raises_is_named_as_the_failing_callable(dev):
+    """The StageError of an item whose ``item_nbytes`` raised names ``item_nbytes``, not
+    ``prepare``: the user's prepare never ran for it, and the message sends them to the function
+    that failed. The chunk still ends FAILED, as any stage's failure does."""
+    items = [data(16) + k for k in range(3)]
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, prepare=np.copy, on_error="continue",
+                     item_nbytes=lambda item: _no_size(item) if item[0] == items[1][0] else item.nbytes) as pipe:
+        futs = [pipe.submit(item) for item in items]
+        with pytest.raises(StageError, match=r"^stage 'item_nbytes' failed for chunk 1: RuntimeError: no size here$") \
+                as info:
+            bounded(lambda: futs[1].result(timeout=20), timeout=30)
+        assert info.value.stage == "item_nbytes" and info.value.index == 1
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert [f.stage for f in pipe.failures] == ["item_nbytes"]
+        for k in (0, 2):
+            assert np.array_equal(futs[k].result(timeout=20), expected(items[k]))
+        s = pipe.stats()
+        assert (s.failed, s.delivered) == (1, 2)
+        del info
 
 
 @pytest.mark.parametrize("setting", ENGINE_SETTINGS)

@@ -786,10 +786,10 @@ class Scheduler:
                 progressed = True
                 continue
             nbytes = self._item_bytes(chunk.item)
-            if isinstance(nbytes, BaseException):  # ends as the chunk's prepare failure, at once
+            if isinstance(nbytes, BaseException):  # ends the chunk FAILED at once, naming item_nbytes
                 chunk.prepare_task = _InlineTask(self.device, _reraise, nbytes)
                 self._h2d_q.append(chunk)
-                self._on_prepared(chunk)
+                self._on_prepared(chunk, failing="item_nbytes")
                 progressed = True
                 continue
             chunk.prepare_task = self.pool.submit(self._run_prepare, chunk, slot.where, nbytes=nbytes)
@@ -802,7 +802,7 @@ class Scheduler:
         """The bytes ``item_nbytes`` says the prepare of ``item`` copies (what the simulated GPU
         charges for it), or the error to fail its chunk with: ``item_nbytes`` is the user's code
         on the driving thread, and its error, or a value that is no byte count, must end that
-        item, not the thread."""
+        item, not the thread (a StageError naming ``"item_nbytes"``: the prepare never ran)."""
         try:
             nbytes = run_stage(self.stage_owner, "item_nbytes", self.item_nbytes, item)
         except BaseException as exc:  # noqa: BLE001 - delivered as the chunk's prepare failure
@@ -846,7 +846,10 @@ class Scheduler:
             check_fill_rows(tree is not None, len(shape), "prepare's result")
         return tuple(shape), dtype, nbytes, tree
 
-    def _on_prepared(self, chunk: Chunk) -> None:
+    def _on_prepared(self, chunk: Chunk, failing: str = "prepare") -> None:
+        """``chunk``'s prepare task has ended: the chunk moves on, or ends FAILED as a StageError
+        naming ``failing``, the user's callable that failed (``"item_nbytes"`` when it was the
+        one that raised, the prepare never having run)."""
         if chunk.staged is None:
             chunk.stamps["prepare"][1] = self.device.now
         try:
@@ -855,7 +858,7 @@ class Scheduler:
             self._drain(chunk, ChunkState.CANCELLED)
             return
         except BaseException as exc:  # noqa: BLE001 - the user's prepare failed for this chunk (Ctrl-C too)
-            self._fail(chunk, "prepare", exc)
+            self._fail(chunk, failing, exc)
             return
         if tree is not None:
             chunk.in_tree = tree
