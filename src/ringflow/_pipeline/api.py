@@ -434,7 +434,7 @@ class Pipeline:
                                     on_chunk_end=self._recorder.on_chunk_end if profile else None,
                                     host_in_buffer=host_in_buffer, host_out_buffer=host_out_buffer,
                                     results=results, source_of=source_of,
-                                    host_in_memory=procs.open if procs else None, owned=(procs,) if procs else (),
+                                    host_in_memory=procs.open if procs else None, procs=procs,
                                     convert=convert, host_strides=host_strides)
         except BaseException:
             if procs is not None:

@@ -34,7 +34,7 @@ import math
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -53,6 +53,9 @@ from .stages import POISON_BYTE, StageStreams, launch_compute, mark, poison_afte
 from .stats import PipelineStats
 from .like import convert_tree
 from .trees import LEAF, Packed, device_args, host_views
+
+if TYPE_CHECKING:
+    from .processes import ProcessPrepare
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +104,8 @@ class Scheduler:
                  config: PipelineConfig, *, item_nbytes: Callable[[Any], int] = lambda item: 0,
                  on_chunk_end: Optional[Callable[[Chunk], None]] = None, host_in_buffer=None, host_out_buffer=None,
                  results=None, source_of: Optional[SourceOf] = None, host_in_memory=None, owned=(),
-                 convert: Optional[Callable[[Any], Any]] = None, host_strides: tuple = (None, None)):
+                 convert: Optional[Callable[[Any], Any]] = None, host_strides: tuple = (None, None),
+                 procs: Optional[ProcessPrepare] = None):
         """``host_in_buffer``/``host_out_buffer``: the caller's pinned or registered memory holding
         every chunk's input / receiving every chunk's output back to back (chunk i at
         ``i * stride``: ``host_strides`` for input and output, each ``chunk_bytes`` when None).
@@ -124,7 +128,10 @@ class Scheduler:
         when the host-in ring is made, after the device rings; the ring closes it. ``owned``:
         objects whose ``close()`` runs once the rings are released (never raising). ``convert``:
         applied to every array of a result delivered without a consumer (another framework's
-        array over the same memory)."""
+        array over the same memory). ``procs``: with ``processes=True``, the prepare processes
+        (:class:`~.processes.ProcessPrepare`, which ``prepare`` calls): a cancel of a chunk
+        kills the worker running its prepare (:meth:`stop_prepare`), and the scheduler owns
+        them, closing them as an ``owned`` object."""
         hooks = current_hooks()
         guard_off = refuse_unknown_guards(hooks.guards_off, GUARDS)
         slot_hook = hooks.slot_hook
@@ -159,10 +166,10 @@ class Scheduler:
         self._rings: list[Ring] = []
         self._kept_rings: list[Ring] = []  # host rings a dead driver's pending work may still use: never freed
         self.pool = None
-        self._owned = list(owned)
+        self._owned = list(owned) + ([procs] if procs is not None else [])
         # processes=True: the prepare processes, whose worker running a chunk's prepare a cancel
         # of that chunk kills (stop_prepare)
-        self._procs = next((o for o in self._owned if hasattr(o, "stop_task")), None)
+        self._procs = procs
         self._host_in_memory = host_in_memory
         self._host_strides = host_strides
         self.streams = StageStreams(device, checked=config.checked)
