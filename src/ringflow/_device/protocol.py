@@ -455,7 +455,12 @@ class Stream(abc.ABC):
 
     @abc.abstractmethod
     def wait(self, event: Event) -> None:
-        """Make later work on this stream wait for ``event``; the host does not block."""
+        """Make later work on this stream wait for ``event``; the host does not block.
+
+        Raises:
+            TypeError: ``event`` is not an event of this backend.
+            ValueError: ``event`` was recorded on another device (:func:`check_event_device`).
+        """
 
     @abc.abstractmethod
     def copy(self, dst: Buffer | BufferSlice, src: Buffer | BufferSlice, nbytes: int | None = None) -> None:
@@ -803,6 +808,31 @@ def typed_view(raw: np.ndarray, dtype: Any, offset: int, count: int | None, acce
         out = out.view()
         out.flags.writeable = False
     return out
+
+
+def check_event_device(stream: Stream, event: Event, event_device: "Device") -> None:
+    """Refuse ``stream.wait(event)`` where ``event`` was recorded on ``event_device``, another
+    device than the stream's. CUDA's driver would take it (``cuStreamWaitEvent`` orders work
+    across devices), but the simulated GPU cannot: each simulated device has its own virtual clock
+    and its own happens-before checker. So neither backend takes it, with the same words, and code
+    written against one backend does not fail only on the other.
+
+    Raises:
+        ValueError: ``event_device`` is not ``stream``'s device (the message names both, and says
+            to order the two through the host).
+    """
+    mine = stream.owner
+    if event_device is mine:
+        return
+    from . import device_label
+
+    here, there = device_label(mine), device_label(event_device)
+    if there == here:  # two device objects that one label cannot tell apart (two CudaDevice(0), say)
+        there = f"another device object that is also {there} (make the device once and use that one object)"
+    raise ValueError(f"{stream!r} of {here} cannot wait for {event!r}, recorded on {there}: a stream waits only for "
+                     f"events of its own device (the simulated GPU cannot order one device's work after another's, "
+                     f"so neither backend takes such a wait); order the two through the host instead: event.sync(), "
+                     f"then enqueue the work on this stream")
 
 
 def check_own_stream(device: "Device", stream: Stream) -> Stream:

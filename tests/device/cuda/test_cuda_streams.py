@@ -89,6 +89,43 @@ def test_waiting_on_an_event_the_host_saw_complete_still_orders(two_streams):
     assert (h.view() == 4).all()
 
 
+def test_a_wait_for_an_event_of_another_device_names_both_devices_and_what_to_do(cuda_device):
+    """The same ValueError, in the same words, as the simulated GPU's (test_bad_input's
+    test_a_wait_for_an_event_of_another_device_names_both_devices_and_what_to_do): it was a
+    TypeError here. The driver would take the wait (cuStreamWaitEvent orders across devices);
+    ringflow refuses it on both backends, since the simulated GPU cannot order one device's work
+    after another's. With one GPU the other device is a second device object of cuda:0."""
+    import re
+
+    from ringflow._device.cuda import CudaDevice
+    from ringflow._device.cuda._lib import core
+
+    other = CudaDevice(1 if len(core().Device.get_all_devices()) > 1 else 0)
+    try:
+        theirs = other.create_stream()
+        s = cuda_device.create_stream()
+        there = "cuda:1" if other.index == 1 else "another device object that is also cuda:0 (make the device once " \
+                                                  "and use that one object)"
+        says = (rf"^<CudaStream 0x[0-9a-f]+ priority -?\d+ on cuda:0> of cuda:0 cannot wait for <CudaEvent event on "
+                rf".*>, recorded on {re.escape(there)}: a stream waits only for events of its own device \(the "
+                r"simulated GPU cannot order one device's work after another's, so neither backend takes such a "
+                r"wait\); order the two through the host instead: event\.sync\(\), then enqueue the work on this "
+                r"stream$")
+        e = theirs.record()
+        with pytest.raises(ValueError, match=says):
+            s.wait(e)
+        e.sync()  # refused whether or not the event is complete
+        with pytest.raises(ValueError, match=says):
+            s.wait(e)
+        s.wait(s.record())  # the stream is still usable
+        s.sync()
+        s.close()
+        theirs.close()
+        del e
+    finally:
+        other.close()
+
+
 def test_wait_any_events_and_host_tasks(cuda_device):
     dev = cuda_device
     s = dev.create_stream()

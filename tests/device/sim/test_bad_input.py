@@ -480,3 +480,39 @@ def test_events_and_streams_of_another_device_are_refused(dev):
     with pytest.raises(ValueError, match="stream of this buffer's device"):
         d.close(stream=theirs)
     assert not d.closed
+
+
+CROSS_DEVICE_WAIT = (r"^<SimStream \d+ priority=0> of sim:{mine} cannot wait for <(Sim|Captured)Event on stream \d+( done| pending)?>, "
+                     r"recorded on sim:{theirs}: a stream waits only for events of its own device \(the simulated GPU "
+                     r"cannot order one device's work after another's, so neither backend takes such a wait\); order "
+                     r"the two through the host instead: event\.sync\(\), then enqueue the work on this stream$")
+
+
+@pytest.mark.parametrize("captured", (False, True), ids=("event", "captured-event"))
+def test_a_wait_for_an_event_of_another_device_names_both_devices_and_what_to_do(captured):
+    # the CUDA backend refuses the same wait with the same words (test_cuda_streams); it said
+    # "recorded on another device" here and raised a TypeError there
+    mine, theirs = rf.device("sim:14"), rf.device("sim:15")
+    try:
+        source = theirs.create_stream()
+        if captured:
+            source.begin_capture()
+        e = source.record()
+        s = mine.create_stream()
+        with pytest.raises(ValueError, match=CROSS_DEVICE_WAIT.format(mine=14, theirs=15)):
+            s.wait(e)
+        if captured:
+            source.end_capture().close()
+        s.wait(s.record())  # the stream is still usable
+        s.sync()
+    finally:
+        mine.close()
+        theirs.close()
+
+
+def test_a_wait_across_two_device_objects_with_one_name_says_to_use_one_object():
+    a, b = unit_device(), unit_device()
+    assert repr(a) == repr(b)  # two simulated GPUs alike: their label cannot tell them apart
+    with pytest.raises(ValueError, match=r"recorded on another device object that is also <SimDevice .*> \(make "
+                                         r"the device once and use that one object\)"):
+        a.create_stream().wait(b.create_stream().record())

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ..._checks import is_c_scalar, launch_scalar
 from ..._errors import CaptureError, DeviceError
-from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Graph, Stream, as_slice, copy_extent
+from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Graph, Stream, as_slice, check_event_device, copy_extent
 from ._lib import as_device_error, check, core, device_error, driver, is_sticky, translate
 from .arrays import framework_allocations, using_stream
 
@@ -201,8 +201,10 @@ class CudaStream(Stream):
     def wait(self, event: Event) -> None:
         if self._closed:
             self._check_open()
-        if type(event) is not CudaEvent or event._device is not self._device:
-            raise TypeError(f"{self!r} can only wait for an event recorded on the same CUDA device, got {event!r}")
+        if type(event) is not CudaEvent:
+            raise TypeError(f"{self!r} can only wait for a CudaEvent (recorded on a stream of a CUDA device), "
+                            f"got {event!r}")
+        check_event_device(self, event, event._device)
         if event._done and event._error is None:
             # the host has seen it complete, so everything enqueued from now on already follows
             # it: the wait would be a no-op costing a driver call (at the start of a call a warm

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 
 from ..._errors import CaptureError, LaunchError, describe
-from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Stream, as_slice, check_seconds, copy_extent
+from ..protocol import (ArrayArg, Buffer, BufferSlice, Event, Stream, as_slice, check_event_device, check_seconds,
+                        copy_extent)
 from .engine import Op
 from .graph import CapturedEvent, SimCapture, SimGraph
 from .hazard import AccessKind
@@ -142,14 +143,15 @@ class SimStream(Stream):
 
     def wait(self, event: Event) -> None:
         if isinstance(event, CapturedEvent):
+            # (checked outside the device's lock: its message takes the lock of the named devices)
+            check_event_device(self, event, event.capture.dev)
             with self._dev._lock:
                 self._check_open()
                 self._wait_captured(event)
             return
         if not isinstance(event, SimEvent):
             raise TypeError(f"a sim stream can only wait on a SimEvent, got {type(event).__name__}")
-        if event._dev is not self._dev:
-            raise ValueError(f"{event!r} was recorded on another device; wait only on events of this stream's device")
+        check_event_device(self, event, event._dev)
         with self._dev._lock:
             capture = self._capture()
             if capture is not None:
@@ -162,8 +164,6 @@ class SimStream(Stream):
     def _wait_captured(self, event: CapturedEvent) -> None:
         """Wait for an event recorded during a capture: joins this stream to that capture."""
         capture = event.capture
-        if capture.dev is not self._dev:
-            raise ValueError(f"{event!r} was recorded on another device; wait only on events of this stream's device")
         if capture.ended:
             raise event._refuse("waiting for")
         mine = self._capture()
