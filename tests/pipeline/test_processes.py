@@ -243,7 +243,7 @@ def test_ctrl_c_is_the_pipelines_process_alone_to_handle(dev):
     BrokenProcessPool. The workers ignore it; the pipeline's process handles it (closing the
     pipeline ends them)."""
     with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.ramp, processes=True, workers=2) as pipe:
-        (procs,) = pipe.scheduler._owned
+        procs = pipe.scheduler._procs
         pids = procs.pids()
         deadline = time.monotonic() + 10
         while not all(ignores_sigint(p) for p in pids) and time.monotonic() < deadline:
@@ -530,7 +530,7 @@ def test_cancelling_one_future_stops_its_prepare_by_killing_its_worker_and_the_r
         later = [pipe.submit(i) for i in range(2, 8)]
         for i, fu in enumerate(later, 2):
             assert np.array_equal(fu.result(timeout=30), pp.ramp(i) * 2 + 1)
-        assert pid not in pipe.scheduler._owned[0].pids() and len(pipe.scheduler._owned[0].pids()) == 2
+        assert pid not in pipe.scheduler._procs.pids() and len(pipe.scheduler._procs.pids()) == 2
         s = pipe.stats()
         assert (s.delivered, s.cancelled, s.failed, s.in_flight) == (7, 1, 0, 0)
         threads.bounded(pipe.close, timeout=10)

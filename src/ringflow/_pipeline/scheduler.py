@@ -103,7 +103,7 @@ class Scheduler:
     def __init__(self, device: Device, compute: Callable, prepare: Prepare, consume: Optional[Consume],
                  config: PipelineConfig, *, item_nbytes: Callable[[Any], int] = lambda item: 0,
                  on_chunk_end: Optional[Callable[[Chunk], None]] = None, host_in_buffer=None, host_out_buffer=None,
-                 results=None, source_of: Optional[SourceOf] = None, host_in_memory=None, owned=(),
+                 results=None, source_of: Optional[SourceOf] = None, host_in_memory=None,
                  convert: Optional[Callable[[Any], Any]] = None, host_strides: tuple = (None, None),
                  procs: Optional[ProcessPrepare] = None):
         """``host_in_buffer``/``host_out_buffer``: the caller's pinned or registered memory holding
@@ -125,13 +125,12 @@ class Scheduler:
 
         ``host_in_memory``: a host buffer to carve the host-in ring from instead of a new pinned
         allocation (shared memory that worker processes write), or a callable that makes it
-        when the host-in ring is made, after the device rings; the ring closes it. ``owned``:
-        objects whose ``close()`` runs once the rings are released (never raising). ``convert``:
+        when the host-in ring is made, after the device rings; the ring closes it. ``convert``:
         applied to every array of a result delivered without a consumer (another framework's
         array over the same memory). ``procs``: with ``processes=True``, the prepare processes
         (:class:`~.processes.ProcessPrepare`, which ``prepare`` calls): a cancel of a chunk
         kills the worker running its prepare (:meth:`stop_prepare`), and the scheduler owns
-        them, closing them as an ``owned`` object."""
+        them: they close once the rings are released (never raising)."""
         hooks = current_hooks()
         guard_off = refuse_unknown_guards(hooks.guards_off, GUARDS)
         slot_hook = hooks.slot_hook
@@ -166,7 +165,6 @@ class Scheduler:
         self._rings: list[Ring] = []
         self._kept_rings: list[Ring] = []  # host rings a dead driver's pending work may still use: never freed
         self.pool = None
-        self._owned = list(owned) + ([procs] if procs is not None else [])
         # processes=True: the prepare processes, whose worker running a chunk's prepare a cancel
         # of that chunk kills (stop_prepare)
         self._procs = procs
@@ -307,9 +305,9 @@ class Scheduler:
             # made, but no ring took it (set-up failed first); one never made needs nothing
             close_quietly(self._host_in_memory, "host-in memory")
             self._host_in_memory = None
-        owned, self._owned = self._owned, []
-        for obj in owned:
-            close_quietly(obj, repr(obj))
+        procs, self._procs = self._procs, None
+        if procs is not None:
+            close_quietly(procs, repr(procs))
         # the ring objects stay for introspection (states, high-water marks); their memory is gone
 
     @property
