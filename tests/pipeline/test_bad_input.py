@@ -844,3 +844,40 @@ def test_arity_is_read_from_an_inherited_call_and_skipped_where_it_cannot_be_rea
     assert cannot_take(Derived(), 1) is None
     assert cannot_take(functools.partial(lambda a, x: x, 1), 2) is None
     assert cannot_take(print, 2) is None and cannot_take(Base, 2) is None
+
+
+def _f_add_one(x, y):
+    y[...] = x + 1
+
+
+@pytest.mark.parametrize("how", ["map", "amap"])
+def test_a_1d_array_handed_to_map_warns_that_each_element_becomes_an_item(dev, how):
+    """``pipe.map(x)`` on a 1-D array makes each element a 0-d item (a chunk or a share of one
+    each), where the caller almost always meant to stream the array: the results are right,
+    and a warning names the call and the one to use instead."""
+    import asyncio
+
+    x = np.arange(6, dtype=np.float32)
+    with rf.Pipeline(_f_add_one, device=dev, chunk_bytes=4096) as pipe, pytest.warns(UserWarning) as seen:
+        if how == "map":
+            out = list(pipe.map(x))
+        else:
+            async def take():
+                return [r async for r in pipe.amap(x)]
+            out = asyncio.run(take())
+    assert [float(v) for v in out] == [1, 2, 3, 4, 5, 6]
+    (warning,) = [w for w in seen if "element" in str(w.message)]
+    assert f"Pipeline.{how}()" in str(warning.message) and "stream_map" in str(warning.message)
+    assert warning.filename == __file__  # the caller's line, not ringflow's
+
+
+def test_arrays_of_rows_and_items_for_a_prepare_go_to_map_without_a_warning(dev):
+    """Rows of a 2-D array are items of their own by design, and a prepare's items are whatever
+    it takes (indices, names): neither warns."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with rf.Pipeline(_f_add_one, device=dev, chunk_bytes=4096) as pipe:
+            assert len(list(pipe.map(np.zeros((3, 4), np.float32)))) == 3
+        with rf.Pipeline(_f_add_one, device=dev, chunk_bytes=4096,
+                         prepare=lambda i: np.full(4, i, np.float32)) as pipe:
+            assert [float(r[0]) for r in pipe.map(np.arange(3))] == [1, 2, 3]

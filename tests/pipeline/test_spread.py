@@ -410,3 +410,16 @@ def test_a_part_failure_that_ends_a_map_keeps_its_cause(stage, call):
     assert all(isinstance(e.__cause__, ValueError) for e in pipe.failures)
     del info
     pipe.close()
+
+
+@pytest.mark.parametrize("how", ["map", "amap"])
+def test_a_1d_array_handed_to_map_over_two_devices_warns_as_on_one(how):
+    x = np.arange(4, dtype=np.float32)
+    with rf.Pipeline(f, device=sims(2), chunk_bytes=4096) as pipe, pytest.warns(UserWarning, match="each element"):
+        if how == "map":
+            out = list(pipe.map(x))
+        else:
+            async def take():
+                return [r async for r in pipe.amap(x)]
+            out = asyncio.run(take())
+    assert len(out) == 4

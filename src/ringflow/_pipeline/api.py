@@ -42,7 +42,8 @@ from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, len
 from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_into, packed, unflatten
 from .like import converter
 from .validate import (COMPUTE_FORM, MAX_CHUNK_BYTES, as_host_array, check_arity, check_choice, check_flag,
-                       check_moved_dtype, check_iterable, check_options, check_output_spec, check_timeout)
+                       check_moved_dtype, check_iterable, check_options, check_output_spec, check_timeout,
+                       warn_if_elements_as_items)
 from .scheduler import Scheduler, check_fill_rows
 from .reentry import (check_process, generation as reentry_generation, on_progress_thread, refuse_from_stage,
                       refuse_on_progress_thread)
@@ -760,6 +761,8 @@ class Pipeline:
             TypeError: at once, where ``items`` is not iterable.
         """
         self._check_caller("map()")
+        if self._items_are_arrays:
+            warn_if_elements_as_items(items, "Pipeline.map()")
         return ShieldedIterator(self._map(check_iterable("items", items)))
 
     def _map(self, items: Iterable[Any]) -> Iterator[Any]:
@@ -1072,6 +1075,8 @@ class Pipeline:
                 event loop run in one of this pipeline's done-callbacks.
         """
         self._check_caller("amap()", awaited=True)
+        if self._items_are_arrays:
+            warn_if_elements_as_items(items, "Pipeline.amap()")
         s = self._sched
         window: collections.deque = collections.deque()  # (chunk future, its asyncio future), in order
         ending = CancelIfDropped(window, self.config.ordered)

@@ -33,7 +33,7 @@ from .api import Pipeline
 from .aio import CancelIfDropped, Source, follow
 from .chunk import cancel_unwanted
 from .stats import PipelineStats
-from .validate import check_iterable
+from .validate import check_iterable, warn_if_elements_as_items
 
 
 class SpreadPipeline(Pipeline):
@@ -152,6 +152,8 @@ class SpreadPipeline(Pipeline):
             TypeError: at once, where ``items`` is not iterable.
         """
         self._check_caller("map()")
+        if self.parts[0]._items_are_arrays:
+            warn_if_elements_as_items(items, "Pipeline.map()")
         return self._map(check_iterable("items", items))
 
     def _map(self, items: Iterable[Any]) -> Iterator[Any]:
@@ -210,6 +212,8 @@ class SpreadPipeline(Pipeline):
         they end, whichever device ran them); a chunk cancelled
         under it (the pipeline cancelled, or stopped by a failure) ends it as it ends :meth:`map`."""
         self._check_caller("amap()", awaited=True)
+        if self.parts[0]._items_are_arrays:
+            warn_if_elements_as_items(items, "Pipeline.amap()")
         limit = sum(p.config.max_in_flight for p in self.parts)
         source = Source(items)
         window: collections.deque = collections.deque()

@@ -12,6 +12,7 @@ import math
 import numbers
 import re
 import types
+import warnings
 import weakref
 from typing import Any, Iterator, Optional
 
@@ -147,6 +148,17 @@ def check_iterable(name: str, value: Any) -> Iterator[Any]:
         if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
             raise  # raised inside a Python __iter__, not by iter() refusing the value
         raise TypeError(f"{name} must be an iterable of items (a list, a generator, ...), got {_got(value)}") from None
+
+
+def warn_if_elements_as_items(items: Any, call: str) -> None:
+    """Warn, at the caller of ``call`` (``"Pipeline.map()"``), where ``items`` is a 1-D numpy
+    array handed to a pipeline of arrays: iterating it makes every element a 0-d item (a chunk,
+    or a share of one, each), which is almost never what the caller meant. Rows of a 2-D array are
+    items by design and do not warn; neither do a ``prepare``'s items (the caller does not ask)."""
+    if isinstance(items, np.ndarray) and items.ndim == 1:
+        warnings.warn(f"{call} got a 1-D numpy array of {items.size} elements: each element becomes an item of "
+                      f"its own (0-d). To stream the array through the GPU in chunks, call rf.stream_map(f, x); to "
+                      f"send it as one item, submit(x) or map([x])", UserWarning, stacklevel=3)
 
 
 def check_timeout(value: Any) -> Optional[float]:
