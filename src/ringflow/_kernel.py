@@ -58,6 +58,7 @@ import numpy as np
 
 from ._device.cuda.probe import INSTALL_HINT
 from ._device.protocol import Stream
+from ._device.sim.tape import taped
 from ._checks import check_count, check_flag, check_native_byte_order, described, is_c_scalar, launch_scalar
 
 __all__ = ["Kernel", "BoundKernel"]
@@ -196,7 +197,17 @@ class Kernel:
         of no C type (a string, a date), an array of Python objects or a ``stream`` that is
         neither None, a ringflow stream nor a ``__cuda_stream__`` object, and
         ValueError for a strided array or, elementwise, one shorter than the first: on numpy
-        arrays too, before the reference runs, as a launch would."""
+        arrays too, before the reference runs, as a launch would. Called on the stand-in
+        arrays a simulated GPU's capture hands a launched callable, it is recorded, checked
+        as a launch, and run by each launch of the graph."""
+        tape = taped(args)
+        if tape is not None:  # called while a simulated GPU captures: each launch of the graph runs it
+            if self.reference is None:
+                raise TypeError(f"kernel {self.name!r} got arrays of the simulated GPU but has no reference; "
+                                "pass reference=<numpy function> to Kernel(...)")
+            _check_stream(self.name, stream)
+            tape.record_call(self, args, {"stream": stream}, check=self._check_like_a_launch)
+            return None
         arrays = [a for a in args if not isinstance(a, (np.generic, bool, int, float, complex))]
         if not arrays:
             raise TypeError(f"kernel {self.name!r} needs at least one array argument (numpy arrays on the simulated "

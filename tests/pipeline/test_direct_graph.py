@@ -53,20 +53,80 @@ def test_calls_replay_the_graph_and_profiled_calls_do_not():
     assert dev.live().total == 0
 
 
-def test_a_compute_failing_in_a_replay_is_reported_for_its_chunk():
+def test_a_replay_calls_f_no_more_and_keeps_the_host_state_f_read_while_captured():
+    """As a CUDA graph does: ``f`` is called for each chunk of the first call and of the call
+    that captures, and never in a replay, which computes on each call's new data with the host
+    values (a global, a counter) that ``f`` read while it was captured."""
+    dev = rf.device("sim", seed=5, chaos=True)
+    calls, scale = [0], [2.0]
+
+    def scaled(x, y):
+        calls[0] += 1
+        y[...] = x * scale[0] + calls[0]
+
+    def counted(first):  # what f added to each element: its call's count, one chunk after another
+        return np.arange(first, first + n).repeat(CHUNK // 4)[:x.size].astype(np.float32)
+
+    x = data()
+    # one compute stream: the chunks' kernels, and so f's calls, come in chunk order
+    with job_over(x, dev, fn=scaled, checked=True, compute_streams=1) as job:
+        n = job.chunks
+        for call in range(5):
+            x[:] = data(call)
+            scale[0] = 10.0 + call  # read by f on the first call and while captured (the second)
+            before = calls[0]
+            y = job()
+            assert calls[0] - before == (n if call < 2 else 0)
+            assert job.replays_graph is (call > 0)
+            frozen = min(call, 1)
+            assert np.array_equal(y, x * np.float32(10 + frozen) + counted(1 + frozen * n))
+    assert dev.live().total == 0
+
+
+def _copy_refusing_negatives(x, y):
+    if (x < 0).any():
+        raise ValueError("a negative value")
+    y[...] = x
+
+
+COPY = rf.Kernel('extern "C" __global__ void copy(const float* x, float* y, size_t n) {}', "copy",
+                 reference=_copy_refusing_negatives)
+
+
+def test_a_kernel_failing_in_a_replay_is_reported_for_its_chunk():
+    """A kernel's body is device code: each replay runs it on that call's data (on the simulated
+    GPU, an ``rf.Kernel``'s reference), and a failure there is reported for its chunk."""
     dev = rf.device("sim", seed=1, chaos=True)
     x = data()
-    chunks = -(-x.nbytes // CHUNK)
-    # one compute stream: the kernels run in chunk order, so the callable's sixth call is chunk 5's
-    job = job_over(x, dev, fn=copy_failing_on_call(chunks + 6, ValueError("bad chunk")), compute_streams=1)
-    assert np.array_equal(job(), x)
+    job = job_over(x, dev, fn=COPY)
+    for _ in range(3):
+        assert np.array_equal(job(), x)
+    assert job.replays_graph
+    x[5 * CHUNK // 4 + 3] = -1
     with pytest.raises(StageError) as info:
-        job()  # on the simulated GPU the callable runs when the replayed kernel does
+        job()
     assert info.value.stage == "compute" and info.value.index == 5
     assert isinstance(info.value.__cause__, ValueError)
     assert job.closed
     del info  # its traceback holds the call's frames, and so their events
     gc.collect()
+    assert dev.live().total == 0
+
+
+def test_a_compute_raising_while_captured_is_logged_and_the_job_runs_without_a_graph(caplog):
+    """As on a GPU: ``f`` runs when the capture launches it, so an exception it raises there
+    refuses the capture, and the call (and every later one) runs without a graph."""
+    dev = rf.device("sim", seed=1, chaos=True)
+    x = data()
+    chunks = -(-x.nbytes // CHUNK)
+    fn = copy_failing_on_call(chunks + 6, ValueError("bad chunk"))  # the capture's sixth call
+    with caplog.at_level(logging.WARNING, logger="ringflow"), job_over(x, dev, fn=fn) as job:
+        for call in range(3):
+            x[:] = data(call)
+            assert np.array_equal(job(), x)
+            assert not job.replays_graph
+    warned = [r.getMessage() for r in caplog.records if "could not be captured" in r.getMessage()]
+    assert len(warned) == 1 and "ValueError: bad chunk" in warned[0]
     assert dev.live().total == 0
 
 
@@ -105,6 +165,28 @@ def test_an_interrupt_while_capturing_closes_the_job_and_leaves_nothing(monkeypa
     with pytest.raises(exc):
         job()
     assert job.closed and not dev._captures
+    assert dev.live().total == 0
+
+
+def test_a_compute_reading_its_data_on_the_host_is_captured_by_no_graph(caplog):
+    """``float(x.max())`` needs the GPU to have run the work captured so far: a synchronisation,
+    which a capture refuses. On the simulated GPU too: logged, and every call runs without a
+    graph (and right)."""
+    def normalised(x, y):
+        y[...] = x / float(x.max())
+
+    dev = rf.device("sim", seed=6, chaos=True)
+    x = data()
+    with caplog.at_level(logging.WARNING, logger="ringflow"), job_over(x, dev, fn=normalised) as job:
+        for call in range(3):
+            x[:] = data(call)
+            y = job()
+            assert not job.replays_graph
+            for start in range(0, x.size, CHUNK // 4):
+                chunk = x[start:start + CHUNK // 4]
+                assert np.array_equal(y[start:start + CHUNK // 4], chunk / float(chunk.max()))
+    warned = [r.getMessage() for r in caplog.records if "could not be captured" in r.getMessage()]
+    assert len(warned) == 1 and "read device data on the host" in warned[0] and "float()" in warned[0]
     assert dev.live().total == 0
 
 

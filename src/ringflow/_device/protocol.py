@@ -496,10 +496,15 @@ class Stream(abc.ABC):
     def begin_capture(self) -> None:
         """Start capturing: from now on, work enqueued on this stream, and on every stream that
         waits for an event recorded during the capture, is recorded into a graph instead of
-        run, until :meth:`end_capture`. Events recorded while capturing can only be waited on
-        by capturing streams: querying or syncing one, waiting on an event recorded before the
-        capture, synchronising a capturing stream or allocating device memory on the capturing
-        thread abandons the capture (:class:`~ringflow._errors.CaptureError`).
+        run, until :meth:`end_capture`. A :meth:`launch`'s callable is called once, while
+        capturing, and never by the graph's launches, which replay the device work it did
+        then: what it read on the host (a global, a counter) stays as it was at the capture
+        (the simulated GPU records its numpy work on stand-in arrays for that, and refuses
+        what would read the device's data on the host). Events recorded while capturing can
+        only be waited on by capturing streams: querying or syncing one, waiting on an event
+        recorded before the capture, synchronising a capturing stream or allocating device
+        memory on the capturing thread abandons the capture
+        (:class:`~ringflow._errors.CaptureError`).
 
         Raises:
             CaptureError: the backend cannot capture, or this stream is capturing already.

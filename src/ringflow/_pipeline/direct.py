@@ -27,8 +27,11 @@ cannot take), and the next call that is not profiled captures the whole enqueue 
 CUDA graph (:meth:`~ringflow._device.protocol.Stream.begin_capture`: the same operations and
 waits, the other streams joined from and back to the h2d stream) and launches it; every later
 call is that one launch. The host then spends one launch per call instead of a dozen driver
-calls per chunk. A capture the device refuses (a compute that synchronises or allocates)
-leaves the job enqueueing as before, with the reason logged once.
+calls per chunk. The compute is called while capturing, once per chunk, and by no launch: what
+it read on the host is frozen at the capture (on the simulated GPU too, whose capture records
+the compute's numpy work: ``_device/sim/tape.py``). A capture the device refuses (a compute
+that synchronises, allocates or raises) leaves the job enqueueing as before, with the reason
+logged once.
 """
 
 from __future__ import annotations

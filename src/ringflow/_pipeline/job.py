@@ -128,12 +128,20 @@ class MapJob:
     ``graph=True`` (direct engine only: ``x`` and ``out`` pinned or registered) captures the
     first unprofiled call as one CUDA graph and makes every later call one launch of it, so the
     host spends a few microseconds per call instead of per operation and small chunks cost
-    little more than large ones. ``f`` is then called only while capturing: it must enqueue the
-    same work on every call, write only into ``y`` and allocate nothing (scratch arrays made
-    outside ``f``), and not synchronise. A capture the device refuses, or a framework
-    allocation seen inside ``f``, is logged (logger ``ringflow``) and the job goes on without a
-    graph; :attr:`replays_graph` says which way the last call ran. A profiled call never
-    replays (its timing events are per operation).
+    little more than large ones. ``f`` is then called only while capturing (once per chunk of
+    that call), never in a replay: a replay runs the device work ``f`` enqueued, on the new
+    contents of ``x``, but whatever ``f`` read on the host (a global, a counter, a random number
+    drawn there) keeps the value it had at the capture, and its side effects happen then only.
+    So ``f`` must enqueue the same work on every call, write only into ``y`` and allocate
+    nothing (scratch arrays made outside ``f``), and not synchronise. The simulated GPU keeps
+    this rule: while capturing, ``f`` gets stand-ins for its arrays that record the numpy work
+    done on them, and a replay runs that work without calling ``f``; ``f`` reading the data on
+    the host (an ``if`` on its values, ``float()``, ``.item()``, ``np.asarray``) refuses the
+    capture there, as the synchronisation it needs would on a GPU. A capture the device
+    refuses, an exception from ``f`` while capturing, or a framework allocation seen inside
+    ``f``, is logged (logger ``ringflow``) and the job goes on without a graph;
+    :attr:`replays_graph` says which way the last call ran. A profiled call never replays (its
+    timing events are per operation).
 
     Raises:
         TypeError, ValueError: a bad argument (the message names it and what it accepts).

@@ -1,6 +1,7 @@
 """Graph capture and replay on the simulated GPU (``ringflow._device.sim.graph``): CUDA's capture
-rules are kept (and breaking one abandons the capture), a replay moves the data again, its
-accesses are checked like any others, and a failure inside it is reported where it happened."""
+rules are kept (and breaking one abandons the capture), a launched callable runs while captured
+and never in a replay, a replay moves the data again, its accesses are checked like any others,
+and a failure inside it is reported where it happened."""
 
 from __future__ import annotations
 
@@ -93,22 +94,104 @@ def test_the_launch_is_ordered_after_the_launching_stream_only():
         a.sync()
 
 
-def test_a_failure_inside_a_launch_is_reported_by_its_event_and_the_launching_stream():
+def test_a_captured_launch_calls_fn_while_capturing_and_never_in_a_launch():
+    """As on a GPU, where ``fn`` is host code that enqueues kernels: it runs once, when the
+    launch is captured, and each graph launch replays the work it enqueued, on the data in the
+    buffers then, with the host values it read while captured (here a counter and a global)."""
+    dev, h, d, o, a, b = setup(1)
+    calls, scale = [], [3.0]
+
+    def scaled(x):
+        calls.append(1)
+        x *= scale[0]
+        x += len(calls)
+
+    graph = capture_round_trip(a, b, h, d, o, fn=scaled)
+    assert len(calls) == 1 and dev.ops_completed == 0  # called while captured; nothing ran
+    for call in range(3):
+        scale[0] = 5.0 + call  # too late: a launch replays what fn enqueued when captured
+        values = np.random.default_rng(call).uniform(size=N).astype(np.float32)
+        h.view(np.float32)[:] = values
+        graph.launch(a)
+        a.sync()
+        assert np.array_equal(o.view(np.float32), values * np.float32(3) + np.float32(1))
+    assert len(calls) == 1
+    graph.close()
+
+
+def test_fn_reading_device_data_on_the_host_while_captured_abandons_the_capture():
+    """A value of the device's data on the host (``float(x.sum())``, ``if x[0] > 0``, ``x.item()``,
+    ``np.asarray(x)``) needs the GPU to have run: a synchronisation, which a capture refuses."""
+    reads = {
+        "if": lambda x: x.__imul__(2) if x.sum() > 0 else None,
+        "float": lambda x: x.__imul__(float(x.max())),
+        "item": lambda x: x.__iadd__(x[0].item()),
+        "asarray": lambda x: np.asarray(x),
+        "tolist": lambda x: x.tolist(),
+        "print": lambda x: f"{x}",
+    }
+    for what, fn in reads.items():
+        dev, h, d, o, a, b = setup()
+        a.begin_capture()
+        a.copy(d, h)
+        with pytest.raises(CaptureError, match="on the host") as info:
+            a.launch(fn, d.array(np.float32, N))
+        assert "abandoned" in str(info.value), what
+        with pytest.raises(CaptureError, match="abandoned"):
+            a.end_capture()
+        a.copy(d, h)  # the stream runs work again
+        a.sync()
+
+
+def test_an_exception_from_fn_while_captured_comes_from_the_launch():
+    """As on a GPU, where ``fn`` runs when the launch is made: its exception is raised there,
+    and the capture goes on (it asked the GPU for nothing wrong)."""
     dev, h, d, o, a, b = setup()
 
     def bad(x):
         raise ValueError("no")
 
     a.begin_capture()
+    with pytest.raises(ValueError, match="no"):
+        a.launch(bad, d.array(np.float32, N))
+    a.launch(double, d.array(np.float32, N))
+    graph = a.end_capture()
+    h.view(np.float32)[:] = 1
+    a.copy(d, h)
+    graph.launch(a)
+    a.copy(o, d)
+    a.sync()
+    assert (o.view(np.float32) == 2).all()
+
+
+def _refuse_negatives(x):
+    if (x < 0).any():
+        raise ValueError("a negative value")
+    x *= 2
+
+
+TRAP = rf.Kernel('extern "C" __global__ void trap(float* x, size_t n) {}', "trap", reference=_refuse_negatives)
+
+
+def test_a_kernel_failing_on_the_data_inside_a_launch_is_reported_by_its_event_and_the_launching_stream():
+    """A kernel's body (an ``rf.Kernel``'s numpy reference) is device code: each launch runs it
+    on the data there then, and a failure is reported where it happened."""
+    dev, h, d, o, a, b = setup()
+    a.begin_capture()
     a.copy(d, h)
     b.wait(a.record())
-    b.launch(bad, d.array(np.float32, N))
+    b.launch(TRAP, d.array(np.float32, N))
     computed = b.record()
     a.wait(computed)
     graph = a.end_capture()
     assert graph.event(computed) is None  # nothing launched yet
+    h.view(np.float32)[:] = 1
     graph.launch(a)
-    with pytest.raises(LaunchError, match="ValueError: no"):
+    a.sync()
+    assert graph.event(computed).error is None
+    h.view(np.float32)[7] = -1
+    graph.launch(a)
+    with pytest.raises(LaunchError, match="ValueError: a negative value"):
         a.record().sync()
     assert isinstance(graph.event(computed).error.__cause__, ValueError)
 

@@ -1,7 +1,11 @@
 """Graph capture and replay on the simulated GPU.
 
 A capture records the calls made on the capturing streams (which op, on which stream, with
-which arguments) instead of running them, and keeps CUDA's rules for what may happen meanwhile:
+which arguments) instead of running them, and keeps CUDA's rules for what may happen meanwhile.
+A launch's callable is called at once, as a GPU calls it (host code enqueueing kernels), with
+stand-ins for its arrays: what it does to them is recorded (:mod:`.tape`), and a replay runs
+that record on the buffers' contents then, never the callable, so the host values it read are
+frozen at the capture, as on a GPU. The rules:
 a stream joins by waiting on an event recorded during the capture, every joined stream must be
 joined back before the capture ends, and an event recorded during the capture may be waited on
 but never queried or synced. Breaking a rule abandons the capture, as the driver invalidates
@@ -36,6 +40,7 @@ class SimCapture:
         self.work: dict = {origin: 0}  # captured operations per stream (records excluded)
         self.joined: dict = {}  # stream -> its operations that another lane has waited for
         self.reason: Optional[str] = None  # why the capture was abandoned
+        self.shadows: dict = {}  # what the launches' recorded work ran on while captured (tape.py)
         self.ended = False
 
     def abandon(self, reason: str) -> CaptureError:

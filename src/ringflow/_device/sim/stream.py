@@ -17,6 +17,7 @@ from ..protocol import (ArrayArg, Buffer, BufferSlice, Event, Stream, as_slice, 
 from .engine import Op
 from .graph import CapturedEvent, SimCapture, SimGraph
 from .hazard import AccessKind
+from .tape import HostRead, Tape
 
 if TYPE_CHECKING:
     from .device import SimDevice
@@ -225,61 +226,101 @@ class SimStream(Stream):
             sim_seconds = check_seconds(sim_seconds, "launch sim_seconds")
         with self._dev._lock:
             capture = self._capture()
-            if capture is not None:
-                self._check_open()
-                capture.add(self, "launch", (fn, *args), {"reads": tuple(reads), "writes": tuple(writes),
-                                                         "sim_seconds": sim_seconds})
+            if capture is None:
+                self._launch_now(fn, args, reads, writes, sim_seconds)
                 return
-            self._begin(self._dev.profile.launch_overhead_s)
-            read_set = [self._own(as_slice(r)) for r in reads]
-            write_set = [self._own(as_slice(w)) for w in writes]
-            named = {(x.buffer, x.offset, x.nbytes) for x in read_set + write_set}
-            for a in args:
-                if isinstance(a, ArrayArg):
-                    self._own(as_slice(a))
-                    if a.where.buffer.is_host:
-                        raise ValueError("launch takes device memory; copy host data to a device buffer first")
-                    if (a.where.buffer, a.where.offset, a.where.nbytes) not in named:
-                        read_set.append(a.where)
-                        write_set.append(a.where)
-                elif isinstance(a, (Buffer, BufferSlice)):
-                    raise TypeError("pass buffers to launch as typed arrays: buf.array(dtype, shape)")
-            name = getattr(fn, "__name__", type(fn).__name__)
-            op_name = f"launch {name}"
-            self._dev._checker.tick(self.actor)
-            touched = 0
-            for sl in read_set:
-                sl.buffer._access(AccessKind.READ, sl.offset, sl.offset + sl.nbytes, op_name, actor=self.actor, tick=False)
-                touched += sl.nbytes
-            for sl in write_set:
-                sl.buffer._access(AccessKind.WRITE, sl.offset, sl.offset + sl.nbytes, op_name, actor=self.actor, tick=False)
-                touched += sl.nbytes
-            p = self._dev.profile
-            seconds = sim_seconds if sim_seconds is not None else max(p.kernel_min_s, touched / (p.device_GBps * 1e9))
-            # an array named only in reads= is handed to fn read-only, so an undeclared write fails
-            # loudly (a LaunchError) instead of slipping past the checker
-            # (an array of no bytes can take no write: it stays writable, as on a GPU)
-            read_only = [isinstance(a, ArrayArg) and a.where.nbytes > 0 and not any(_overlap(a.where, w) for w in write_set)
-                         for a in args]
+            self._check_open()
+            reads, writes = tuple(reads), tuple(writes)
+            read_only = self._access_sets(args, reads, writes)[2]
+        self._capture_launch(capture, fn, args, read_only, {"reads": reads, "writes": writes,
+                                                            "sim_seconds": sim_seconds})
 
-            def run(op: Op) -> None:
-                nonlocal args
-                arrays = [_materialise(a, ro) for a, ro in zip(args, read_only)]
-                # a failure's traceback keeps this function (its frame's), and so what it closes
-                # over: the op runs once, so the arguments' buffers need not stay reachable here
-                args = ()
-                try:
-                    fn(*arrays)
-                except BaseException as exc:  # noqa: BLE001 - reported through the next event, Ctrl-C included
-                    err = LaunchError(f"{op_name} on {self.name} failed: {describe(exc)}")
-                    err.__cause__ = exc
-                    self._report(err)
-                    # this frame is in exc's traceback: a local keeping err (caused by exc) would
-                    # make a cycle, and keep this frame's callers (the host call that advanced
-                    # virtual time, with its chunks and events) until the cyclic collector runs
-                    del err
+    def _capture_launch(self, capture: SimCapture, fn: Callable[..., Any], args: tuple, read_only: list,
+                        kwargs: dict) -> None:
+        """A launch while capturing, as on a GPU: ``fn`` is called now, on this thread (without
+        the device's lock), and what it does to its arrays is recorded (:mod:`.tape`); the
+        graph's launches replay that, and never call ``fn``. ``fn`` reading device data on the
+        host abandons the capture; any other exception from it is raised here, the work it
+        recorded before raising staying captured."""
+        tape = Tape(getattr(fn, "__name__", type(fn).__name__), len(args), capture.shadows)
+        try:
+            tape.capture(fn, args, read_only)
+        except HostRead:
+            pass  # the capture is abandoned below (also where fn caught the error itself)
+        finally:
+            if tape.host_read is None:  # (the launch stays a kernel of its sim_seconds over its arrays)
+                with self._dev._lock:
+                    capture.add(self, "launch", (tape, *args), kwargs)
+        if tape.host_read is not None:
+            with self._dev._lock:
+                raise capture.abandon(tape.host_read)
 
-            self._enqueue(op_name, resource="compute", seconds=seconds, on_complete=self._guard(run))
+    def _access_sets(self, args: tuple, reads: Iterable[Any], writes: Iterable[Any]) -> tuple[list, list, list]:
+        """A launch's ``(read_set, write_set, read_only)``: the slices it reads and writes (an
+        array argument named in neither counts as both), and for each argument whether ``fn``
+        gets it read-only (an array named only in ``reads``).
+
+        Raises:
+            ValueError: a buffer of another device, or host memory, among the arguments.
+            TypeError: a buffer passed as an argument instead of a typed array.
+        """
+        read_set = [self._own(as_slice(r)) for r in reads]
+        write_set = [self._own(as_slice(w)) for w in writes]
+        named = {(x.buffer, x.offset, x.nbytes) for x in read_set + write_set}
+        for a in args:
+            if isinstance(a, ArrayArg):
+                self._own(as_slice(a))
+                if a.where.buffer.is_host:
+                    raise ValueError("launch takes device memory; copy host data to a device buffer first")
+                if (a.where.buffer, a.where.offset, a.where.nbytes) not in named:
+                    read_set.append(a.where)
+                    write_set.append(a.where)
+            elif isinstance(a, (Buffer, BufferSlice)):
+                raise TypeError("pass buffers to launch as typed arrays: buf.array(dtype, shape)")
+        # an array named only in reads= is handed to fn read-only, so an undeclared write fails
+        # loudly (a LaunchError) instead of slipping past the checker
+        # (an array of no bytes can take no write: it stays writable, as on a GPU)
+        read_only = [isinstance(a, ArrayArg) and a.where.nbytes > 0 and not any(_overlap(a.where, w) for w in write_set)
+                     for a in args]
+        return read_set, write_set, read_only
+
+    def _launch_now(self, fn: Callable[..., Any], args: tuple, reads: Iterable[Any], writes: Iterable[Any],
+                    sim_seconds: float | None) -> None:
+        """Enqueue ``fn(*args)`` to run when the launch completes in virtual time (the device's
+        lock is held)."""
+        self._begin(self._dev.profile.launch_overhead_s)
+        read_set, write_set, read_only = self._access_sets(args, reads, writes)
+        name = getattr(fn, "__name__", type(fn).__name__)
+        op_name = f"launch {name}"
+        self._dev._checker.tick(self.actor)
+        touched = 0
+        for sl in read_set:
+            sl.buffer._access(AccessKind.READ, sl.offset, sl.offset + sl.nbytes, op_name, actor=self.actor, tick=False)
+            touched += sl.nbytes
+        for sl in write_set:
+            sl.buffer._access(AccessKind.WRITE, sl.offset, sl.offset + sl.nbytes, op_name, actor=self.actor, tick=False)
+            touched += sl.nbytes
+        p = self._dev.profile
+        seconds = sim_seconds if sim_seconds is not None else max(p.kernel_min_s, touched / (p.device_GBps * 1e9))
+
+        def run(op: Op) -> None:
+            nonlocal args
+            arrays = [_materialise(a, ro) for a, ro in zip(args, read_only)]
+            # a failure's traceback keeps this function (its frame's), and so what it closes
+            # over: the op runs once, so the arguments' buffers need not stay reachable here
+            args = ()
+            try:
+                fn(*arrays)
+            except BaseException as exc:  # noqa: BLE001 - reported through the next event, Ctrl-C included
+                err = LaunchError(f"{op_name} on {self.name} failed: {describe(exc)}")
+                err.__cause__ = exc
+                self._report(err)
+                # this frame is in exc's traceback: a local keeping err (caused by exc) would
+                # make a cycle, and keep this frame's callers (the host call that advanced
+                # virtual time, with its chunks and events) until the cyclic collector runs
+                del err
+
+        self._enqueue(op_name, resource="compute", seconds=seconds, on_complete=self._guard(run))
 
     def _guard(self, effect: Callable[[Op], None]) -> Callable[[Op], None]:
         """Skip an op's effect once the device has a sticky error (the context is dead)."""
@@ -340,6 +381,7 @@ class SimStream(Stream):
 
     def _finish(self, capture: SimCapture) -> None:
         capture.ended = True
+        capture.shadows.clear()  # the captured launches' shadow memory (tape.py)
         for stream in capture.lanes:
             self._dev._captures.pop(stream, None)
 
