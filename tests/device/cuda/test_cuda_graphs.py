@@ -96,6 +96,27 @@ def test_mapjob_replays_a_cupy_compute_that_writes_into_y(cuda_device):
             assert job.replays_graph is (call > 0)
 
 
+def test_mapjob_replays_keep_the_host_values_f_read_while_captured(cuda_device):
+    """A replay runs the kernels ``f`` enqueued while captured, never ``f``: a Python value it
+    read then (a scale) stays, as the simulated GPU's replays keep it (test_direct_graph)."""
+    cp = pytest.importorskip("cupy")
+    calls, scale = [], [1.0]
+
+    def f(x, y):
+        calls.append(1)
+        cp.multiply(x, np.float32(scale[0]), out=y)
+
+    x = np.ones(1 << 20, np.float32)
+    with _job(cuda_device, f, x) as job:
+        seen, called = [], []
+        for call in range(4):
+            scale[0] = float(call + 1)
+            seen.append((float(job()[0]), job.replays_graph))
+            called.append(len(calls))
+        assert seen == [(1.0, False), (2.0, True), (2.0, True), (2.0, True)]
+        assert called[1] > called[0] > 0 and called[3] == called[2] == called[1]  # f ran for the capture only
+
+
 @pytest.mark.parametrize("kind", ["cupy temporaries", "cupy sync", "torch temporaries"])
 def test_a_compute_the_capture_cannot_take_is_refused_and_logged(cuda_device, caplog, kind):
     if kind.startswith("cupy"):
