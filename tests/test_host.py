@@ -298,6 +298,9 @@ def test_set_budget_applies_to_every_pool_and_empty_falls_back(monkeypatch):
     (lambda: rf.host.set_budget(2.5), TypeError, "int"),
     (lambda: rf.host.empty(-2, device=rf.device("sim")), ValueError, "negative"),
     (lambda: rf.host.empty(3, object, device=rf.device("sim")), TypeError, "Python objects"),
+    # strings numpy parses as a structure and refuses with a SyntaxError of its own
+    (lambda: rf.host.empty(3, ",", device=rf.device("sim")), TypeError, "is not a numpy dtype"),
+    (lambda: rf.host.empty(3, b"i4,(2", device=rf.device("sim")), TypeError, "is not a numpy dtype"),
     (lambda: rf.host.empty((2**40, 2**40), device=rf.device("sim")), MemoryError, r"host\.empty\(shape=.*smaller shape"),
     (lambda: rf.host.set_budget("lots"), TypeError, r"set_budget\(nbytes\)"),
     (lambda: rf.host.collect(wait="no", device=rf.device("sim")), TypeError, "wait must be True or False"),

@@ -278,7 +278,8 @@ def test_a_failure_names_its_rows_whatever_the_id_column_holds(mapper_factory, i
     ((affine, ["a", "a"]), {}, r"columns names a column twice"),
     ((affine, None, ["y"]), {}, r"output_columns needs columns"),
     ((affine, ["a", "b"], ["y"]), {}, r"one column per entry of columns: got 1 for 2"),
-    ((affine, "a"), {"dtype": "no such dtype"}, r"dtype must be a numpy dtype"),
+    ((affine, "a"), {"dtype": "no such dtype"}, r"dtype .no such dtype. is not a numpy dtype"),
+    ((affine, "a"), {"dtype": ","}, r"dtype .,. is not a numpy dtype .invalid syntax."),
     ((affine, "a"), {"dtype": object}, r"dtype must be a numeric numpy dtype"),
     # the columns it streams are numeric, so the dtype they are cast to is too: a string dtype
     # turned numbers into text, a structured or void one into records of raw bytes

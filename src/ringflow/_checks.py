@@ -119,3 +119,20 @@ def check_wait_timeout(value: Any) -> Optional[float]:
     if math.isnan(value):
         raise ValueError("timeout must be a number of seconds (or None to wait without limit), got nan")
     return None if value == math.inf else max(0.0, value)
+
+
+def as_dtype(value: Any, name: str = "dtype") -> np.dtype:
+    """``np.dtype(value)``.
+
+    Raises:
+        TypeError: naming ``name``, where numpy reads no dtype in ``value``: numpy raises a
+            TypeError for most, but a SyntaxError or ValueError for some strings it parses as
+            a structure (``","``, ``"i4,(2"``), which no caller expects from a bad argument.
+    """
+    try:
+        return np.dtype(value)
+    except (TypeError, SyntaxError, ValueError, KeyError) as exc:
+        detail = exc.msg if isinstance(exc, SyntaxError) else exc
+        raise TypeError(f"{name} {value!r} is not a numpy dtype ({detail}); give one such as 'float32' or "
+                        f"np.float32") from None
+

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from ._checks import as_dtype
 from ._device import device as make_device
 from ._device.protocol import Device, close_quietly
 from ._errors import StageError, describe, unpicklable
@@ -94,10 +95,7 @@ class RayMapper:
                              f"{len(self.output_columns)} for {len(self.columns)} ({list(self.columns)})")
         if self.output_columns is not None and len(set(self.output_columns)) != len(self.output_columns):
             raise ValueError(f"output_columns names a column twice: {list(self.output_columns)}")
-        try:
-            self.dtype = None if dtype is None else np.dtype(dtype)
-        except TypeError as exc:
-            raise TypeError(f"dtype must be a numpy dtype such as 'float32', got {dtype!r}") from exc
+        self.dtype = None if dtype is None else as_dtype(dtype)
         if self.dtype is not None and self.dtype.kind not in "biufc":  # the kinds of column it streams
             raise TypeError(f"dtype must be a numeric numpy dtype (bool, integer, float or complex, e.g. 'float32'), "
                             f"got {self.dtype}")

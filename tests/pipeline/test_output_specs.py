@@ -82,6 +82,8 @@ def test_a_consumer_sees_the_output_shape():
 @pytest.mark.parametrize("output, error, match", [
     ((4,), TypeError, r"output must be a \(shape, dtype\) pair"),
     (((4,), "no-such-type"), TypeError, "not a numpy dtype"),
+    (((4,), ","), TypeError, "not a numpy dtype"),  # numpy raises SyntaxError for this string
+    (((4,), "i4,(2"), TypeError, "not a numpy dtype"),
     (((4,), object), TypeError, "holds Python objects"),
     (((-1, 4), "float32"), ValueError, "negative dimension"),
     ((("a",), "float32"), TypeError, "shape must be an int or a sequence of ints"),

@@ -54,6 +54,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from .._checks import as_dtype
 from .._errors import DeviceError
 from .protocol import BufferSlice, Device, HostBuffer, LiveCounts, check_nbytes
 
@@ -649,10 +650,7 @@ def check_shape_dtype(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype
             raise TypeError(bad) from None
     if any(d < 0 for d in dims):
         raise ValueError(f"shape {tuple(dims)} has a negative dimension; every dimension must be >= 0")
-    try:
-        dt = np.dtype(dtype)
-    except TypeError as exc:
-        raise TypeError(f"dtype {dtype!r} is not a numpy dtype ({exc})") from None
+    dt = as_dtype(dtype)
     if dt.hasobject:
         raise TypeError(f"dtype {dt} holds Python objects, which cannot live in pinned memory; use a numeric dtype")
     if dt.subdtype is not None:  # np.empty((n,), (np.float32, 3)) is an (n, 3) float32 array

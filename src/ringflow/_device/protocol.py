@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from .._checks import MAX_WORKERS, check_count
+from .._checks import MAX_WORKERS, as_dtype, check_count
 from .._errors import CaptureError
 from . import native_copy
 
@@ -275,7 +275,7 @@ class Buffer(abc.ABC):
             ValueError: the array does not fit in the buffer from ``offset``, or ``offset`` is
                 not a multiple of the dtype's alignment on a GPU.
         """
-        dtype = np.dtype(dtype)
+        dtype = as_dtype(dtype)
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
         nbytes = math.prod(shape) * dtype.itemsize
         where = self.slice(offset, nbytes)
@@ -800,7 +800,7 @@ def typed_view(raw: np.ndarray, dtype: Any, offset: int, count: int | None, acce
     Shared by every backend's :meth:`HostBuffer.view`; refuses ranges outside the buffer."""
     if access not in ("r", "w", "rw"):
         raise ValueError(f"access must be 'r', 'w' or 'rw', got {access!r}")
-    dtype = np.dtype(dtype)
+    dtype = as_dtype(dtype)
     nbytes = raw.nbytes
     if count is None:
         count = (nbytes - offset) // dtype.itemsize

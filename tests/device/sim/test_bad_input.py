@@ -516,3 +516,17 @@ def test_a_wait_across_two_device_objects_with_one_name_says_to_use_one_object()
     with pytest.raises(ValueError, match=r"recorded on another device object that is also <SimDevice .*> \(make "
                                          r"the device once and use that one object\)"):
         a.create_stream().wait(b.create_stream().record())
+
+
+@pytest.mark.parametrize("dtype", [",", b"i4,(2", "no such type"])
+def test_a_string_numpy_cannot_read_as_a_dtype_is_refused_as_a_typeerror_naming_it(dev, dtype):
+    """numpy refuses some strings with a SyntaxError of its own (it parses them as a structure);
+    a buffer's array and a host buffer's view refuse every such string alike."""
+    buf, host = dev.allocate(1024), dev.allocate_host(1024)
+    try:
+        for make in (lambda: buf.array(dtype, 4), lambda: host.view(dtype)):
+            with pytest.raises(TypeError, match="is not a numpy dtype"):
+                make()
+    finally:
+        buf.close()
+        host.close()
