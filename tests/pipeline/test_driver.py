@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import logging
+import signal
 import subprocess
 import sys
 import threading
@@ -15,8 +16,9 @@ import pytest
 
 import ringflow as rf
 from ringflow._device import host_pool
+from ringflow._pipeline import sigint
 from tests.helpers.pipeline_checks import drop_tracebacks
-from tests.helpers.threads import JOIN_S, bounded, join, start
+from tests.helpers.threads import JOIN_S, bounded, interrupt_main, join, start
 
 
 def _pipe():
@@ -48,6 +50,61 @@ def test_a_posted_command_runs_on_the_progress_thread_and_the_poster_never_waits
     assert handed.wait(JOIN_S)
     assert ran_on == [driver.thread] and outcome == {"value": 42, "error": None}
     pipe.close()
+
+
+@pytest.mark.parametrize("where", ["taking the lock", "taking it back after a wait"])
+def test_a_hold_on_the_main_thread_gives_the_lock_up_to_ctrl_c_while_another_thread_keeps_it(where):
+    """A call holding the pipeline's lock as a Hold (close, cancel, leaving a with block), shielded
+    on the main thread: a Ctrl-C that comes while another thread keeps the lock (on the simulated
+    GPU, the progress thread running a stage inside a step) is raised without the lock, which
+    stays that thread's and is free once it lets go. Condition.wait took it back in a wait that no
+    signal ends."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("delivers SIGINT to the main thread: the test must run there")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default KeyboardInterrupt handler here")
+    pipe = _pipe()
+    driver = pipe._driver
+    holding, release, raised = threading.Event(), threading.Event(), threading.Event()
+    found: dict = {}
+
+    def keep():
+        with driver.lock:
+            holding.set()
+            release.wait(JOIN_S)
+
+    def ctrl_c_once_kept():
+        if holding.wait(JOIN_S):
+            interrupt_main()
+            found["raised"] = raised.wait(JOIN_S)
+        release.set()
+
+    holds = []
+    keeper = sender = None
+    with pytest.raises(KeyboardInterrupt):
+        with sigint.shielded():
+            try:
+                if where == "taking the lock":
+                    keeper = start(keep)
+                    assert holding.wait(JOIN_S)
+                    sender = start(ctrl_c_once_kept)
+                    with driver.hold() as hold:  # never got: the Ctrl-C comes out first
+                        holds.append(hold)
+                else:
+                    sender = start(ctrl_c_once_kept)
+                    with driver.hold() as hold:
+                        holds.append(hold)
+                        keeper = start(keep)  # takes the lock as soon as the wait lets go of it
+                        driver.wait_for(lambda: False, None, hold=hold)
+            except KeyboardInterrupt:
+                raised.set()
+                assert not driver.lock.acquire(blocking=False)  # still the keeper's
+                raise
+    join([sender, keeper])
+    assert found["raised"] and all(not hold.held for hold in holds)
+    assert driver.lock.acquire(blocking=False)  # free again: nothing was left taken
+    driver.lock.release()
+    bounded(pipe.close)
 
 
 def test_a_command_posted_after_the_progress_thread_ended_is_handed_back_unrun():

@@ -15,10 +15,12 @@ Every close is bounded in real seconds (tests/helpers/threads), so a hang fails 
 
 from __future__ import annotations
 
+import _thread
 import concurrent.futures
 import contextlib
 import gc
 import signal
+import sys
 import threading
 import traceback
 import warnings
@@ -27,9 +29,10 @@ import numpy as np
 import pytest
 
 import ringflow as rf
+from ringflow._device.sim import charge
 from ringflow._errors import StageError
 from tests.helpers.pipeline_checks import Harness, check_chunk_error, check_result, future_outcome
-from tests.helpers.threads import JOIN_S, bounded, interrupt_main, join, start
+from tests.helpers.threads import JOIN_S, all_stacks, bounded, interrupt_main, join, start
 
 STAGES = ("prepare", "compute", "consume")
 
@@ -278,6 +281,134 @@ def test_with_block_left_by_ctrl_c_cancels_and_releases():
     del futs
     gc.collect()
     assert dev.live().total == 0
+
+
+# -- Ctrl-C while an ending waits for a prepare that does not return -------------------------------------------
+# How long (real seconds) the test lets a stalled prepare block after Ctrl-C before it calls the
+# ending hung and lets the prepare return: far longer than an interrupted ending takes to raise,
+# short enough that a hang fails the test in reasonable time.
+STALL_S = 15.0
+
+
+def _deliver_ctrl_c(how: str) -> None:
+    if how == "signal":
+        interrupt_main()  # a real SIGINT: wakes a main thread blocked in a lock or condition wait
+    else:
+        _thread.interrupt_main()  # the signal's handler is only flagged: a blocked main thread is not woken
+
+
+def _stack_names(thread: threading.Thread) -> set:
+    frame = sys._current_frames().get(thread.ident)
+    names = set()
+    while frame is not None:
+        names.add(frame.f_code.co_name)
+        frame = frame.f_back
+    return names
+
+
+class _LeftByError(Exception):
+    pass
+
+
+def _end(pipe, ending: str) -> None:
+    if ending == "close":
+        pipe.close()
+    elif ending == "with":
+        with pipe:
+            pass
+    else:
+        with pipe:
+            raise _LeftByError
+
+
+# (ending, when the prepare began to stall, where it stalls, how Ctrl-C comes). On the simulated GPU
+# a prepare runs on the progress thread: "in a step" it began inside a scheduler step (the progress
+# thread holds the pipeline's lock), "in a device wait" inside the device wait between two steps
+# (it holds only the device's lock). Leaving a with block by an error cancels before it waits, so
+# there the prepare must already be stalled as the block is left.
+STALLED_ENDINGS = [(ending, begun, where, "signal") for ending, begun in
+                   [("close", "by the ending"), ("close", "before the ending"), ("with", "by the ending"),
+                    ("with-error", "before the ending")]
+                   for where in ("in a step", "in a device wait")]
+STALLED_ENDINGS += [("close", "by the ending", where, "interrupt_main") for where in ("in a step", "in a device wait")]
+
+
+@pytest.mark.parametrize("ending, begun, where, how", STALLED_ENDINGS)
+def test_ctrl_c_gets_out_of_an_ending_waiting_for_a_prepare_that_does_not_return(ending, begun, where, how):
+    """Ctrl-C while close() (or the end of a with block) waits for a prepare blocked in user code:
+    the KeyboardInterrupt comes out while the prepare still blocks, and once the prepare returns
+    a second close() completes, every chunk ends, and nothing is left live. On the simulated GPU
+    the prepare runs on the progress thread, holding the pipeline's lock or the device's, and the
+    ending used to wait for that lock and that thread with Ctrl-C held back until it got them."""
+    _need_sigint()
+    dev = rf.device("sim", seed=12, chaos=True)
+    started, release, entered, raised = (threading.Event() for _ in range(4))
+    blocked = 0 if where == "in a step" else 1  # the item whose prepare stalls
+
+    def prepare(item):
+        if int(item[0]) == blocked:
+            started.set()
+            release.wait(JOIN_S)  # user code that does not return until the test lets it
+        else:
+            # a second of virtual CPU time: with one worker, the next prepare starts as this one
+            # ends, which only a device wait reaches
+            charge(1.0)
+        return item
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pipe = rf.Pipeline(lambda x, y: np.copyto(y, x + 1), device=dev, prepare=prepare, chunk_bytes=512, slots=2,
+                           workers=1, max_in_flight=4, checked=True)
+        forget = pipe._forget_if_forked  # the first thing either ending does, inside its call
+
+        def entering():
+            entered.set()
+            return forget()
+
+        pipe._forget_if_forked = entering
+        futs = [pipe.submit(np.full(8, float(k))) for k in range(3)]
+        waiter = None
+        if begun == "before the ending":  # someone waits, so the progress thread runs the prepares
+            waiter = start(concurrent.futures.wait, futs, JOIN_S)
+            assert started.wait(JOIN_S)
+        found: dict = {}
+
+        def ctrl_c_once_stalled():
+            if entered.wait(JOIN_S) and started.wait(JOIN_S):
+                found["names"] = _stack_names(pipe._driver.thread)
+                _deliver_ctrl_c(how)
+                if not raised.wait(STALL_S):
+                    found["hung"] = all_stacks()
+            release.set()
+
+        watchdog = start(ctrl_c_once_stalled)
+        still_stalled = None
+        try:
+            _end(pipe, ending)
+        except KeyboardInterrupt:
+            still_stalled = not release.is_set()
+            raised.set()
+        release.set()
+        join([watchdog])
+        assert "hung" not in found, f"Ctrl-C did not get out of the ending in {STALL_S} s:\n{found['hung']}"
+        assert still_stalled, "the ending did not raise KeyboardInterrupt"
+        names = found["names"]  # the stall is where the case says
+        assert ("step" in names) == (where == "in a step") and "_run_prepare" in names, sorted(names)
+        bounded(pipe.close)  # a second close completes
+        if waiter is not None:
+            join([waiter])
+        assert all(f.done() for f in futs)
+        s = pipe.stats()
+        assert s.in_flight == 0 and s.balanced() and s.accepted == len(futs), s
+        for f, k in zip(futs, range(3)):  # what was delivered is right
+            if not f.cancelled() and f.exception() is None:
+                np.testing.assert_array_equal(f.result(), np.full(8, k + 1.0))
+        with pytest.raises(RuntimeError, match="closed"):
+            pipe.submit(np.zeros(8))
+        del futs, waiter
+        gc.collect()
+        assert dev.live().total == 0, dev.live()
+    assert not [str(w.message) for w in seen if issubclass(w.category, (RuntimeWarning, ResourceWarning))]
 
 
 # -- dropped without close ------------------------------------------------------------------------------------

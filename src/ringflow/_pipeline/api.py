@@ -1163,9 +1163,11 @@ class Pipeline:
         self._check_caller("cancel()", opened=False)
         self._stop_prepares()
         d, s = self._driver, self._sched
-        with d.cv:
-            d.command(s.cancel_pending)
-            d.wait_for(s.finished, None, "cancelled chunks to drain")
+        # a Ctrl-C that comes while the progress thread keeps the lock through a stage gets this
+        # out without it (see Hold); a cancel already handed over is carried out all the same
+        with d.hold() as hold:
+            d.command(s.cancel_pending, hold=hold)
+            d.wait_for(s.finished, None, "cancelled chunks to drain", hold=hold)
 
     @shielded_call
     def close(self) -> None:
@@ -1187,6 +1189,12 @@ class Pipeline:
         waiting for ever. With ``processes=True``, :meth:`cancel` first (or leaving a ``with``
         block by an error, Ctrl-C included) kills the workers running one instead.
 
+        Ctrl-C while this waits (on the main thread) cancels what is left and raises
+        KeyboardInterrupt once the rest has ended, or at once where a stage it would wait for has
+        not returned (a ``prepare`` on a thread cannot be stopped): the progress thread then ends
+        the pipeline and releases everything as that stage returns, and the next ``close()``
+        waits for it (``submit`` and ``map`` already refuse).
+
         Raises:
             RuntimeError: called from inside one of the pipeline's own stages.
         """
@@ -1194,20 +1202,61 @@ class Pipeline:
             return
         self._check_caller("close()", opened=False)
         d, s = self._driver, self._sched
-        with d.cv:
-            if self._closed:
-                return
+        if not (d.background and d.handed_over):
             try:
-                d.command(s.stop_admission)
-                # an amap whose event loop cannot run while this waits hands nothing out before
-                # close() returns: what it holds is given up rather than waited for
-                give_up_stranded(d)
-                d.wait_for(s.finished, None, "the pipeline to finish")
-            except BaseException:
-                self._stop_prepares()  # (interrupted: the wait for running prepares ends here)
-                self._shut()
+                with d.hold() as hold:
+                    if self._closed:
+                        return
+                    try:
+                        d.command(s.stop_admission, hold=hold)
+                        # an amap whose event loop cannot run while this waits hands nothing out
+                        # before close() returns: what it holds is given up rather than waited for
+                        give_up_stranded(d)
+                        d.wait_for(s.finished, None, "the pipeline to finish", hold=hold)
+                    except BaseException as exc:
+                        if d.background and not isinstance(exc, Exception):
+                            raise  # (ended below: the hold may have been given up to a Ctrl-C)
+                        self._stop_prepares()
+                        self._shut()
+                        raise
+                    self._shut()
+                    return
+            except BaseException as exc:
+                if d.background and not isinstance(exc, Exception):
+                    self._end_interrupted()
                 raise
-            self._shut()
+        # an ending that Ctrl-C stopped handed the end to the progress thread: wait for it
+        d.join_handed_over()
+        self._after_progress_thread()
+
+    def _end_interrupted(self) -> None:
+        """An ending (close, leaving a with block) stopped as it waited by Ctrl-C, or by another
+        exception raised in the caller's thread rather than by the pipeline, the lock held or
+        given up to it (:class:`.driver.Hold`): closed from now on, the progress thread takes the
+        end over (:meth:`ProgressThread.hand_over`: what is left is cancelled, everything released
+        once the rest has ended), and this waits for that unless a stage call of the pipeline runs
+        through a whole poll of the wait (:meth:`ProgressThread.join_unless_stalled`); a later
+        close() waits for the end. Takes no lock; raises only a second Ctrl-C."""
+        if self._closed:
+            return
+        self._stop_prepares()  # with processes=True: no running prepare is waited for
+        self._closed = True
+        self._finalizer.detach()
+        self._driver.hand_over()
+        if self._driver.join_unless_stalled():
+            self._after_progress_thread()
+
+    def _after_progress_thread(self) -> None:
+        """Once the progress thread a handed-over end was left to has ended (not on that thread):
+        what :meth:`_shut` does after it. The thread closed the scheduler, unless it died first."""
+        d = self._driver
+        if on_progress_thread(d):
+            return
+        if not self._sched.closed:
+            with d.cv:
+                self._sched.close()
+        if self._recorder is not None:
+            self._recorder.stop()
 
     def _stop_prepares(self) -> None:
         """With ``processes=True``: kill the workers running a prepare now, ending those chunks
@@ -1272,19 +1321,25 @@ class Pipeline:
         refuse_from_stage(self._sched.stage_owner, "__exit__")
         self._stop_prepares()
         d = self._driver
-        with d.cv:
-            if self._closed:
-                return
-            try:
-                if d.failure is not None:
-                    return  # the driver died (the error leaving the block says so): nothing runs to cancel
-                d.command(self._sched.cancel_pending)
-                give_up_stranded(d)  # (results delivered into such an amap are released: see close)
-                d.wait_for(self._sched.finished, None, "cancelled chunks to drain")
-            except Exception as err:  # noqa: BLE001 - never mask the user's exception
-                warnings.warn(f"cancelling the pipeline after an error failed: {err!r}", RuntimeWarning)
-            finally:
+        if d.background and d.handed_over:
+            return  # a close in the block that Ctrl-C stopped handed the end over: not waited for here
+        try:
+            with d.hold() as hold:
+                if self._closed:
+                    return
+                try:
+                    if d.failure is None:  # (else the driver died, as the error leaving the block says: nothing runs)
+                        d.command(self._sched.cancel_pending, hold=hold)
+                        give_up_stranded(d)  # (results delivered into such an amap are released: see close)
+                        d.wait_for(self._sched.finished, None, "cancelled chunks to drain", hold=hold)
+                except Exception as err:  # noqa: BLE001 - never mask the user's exception
+                    warnings.warn(f"cancelling the pipeline after an error failed: {err!r}", RuntimeWarning)
                 self._shut()
+        except BaseException:
+            # Ctrl-C as it waited (another, or a second one): the progress thread ends it (see close)
+            if d.background:
+                self._end_interrupted()
+            raise
 
     async def __aenter__(self) -> "Pipeline":
         return self

@@ -23,6 +23,7 @@ one submitting thread the virtual timeline is the same on every run.
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import collections
 import concurrent.futures
@@ -34,7 +35,8 @@ from typing import Any, Callable, Optional
 
 from .._device.protocol import MAX_SIM_SECONDS
 from .._errors import DeviceError, HazardError
-from .sigint import ShieldedCondition, checkpoint, shielded
+from .reentry import stalled_stage_calls
+from .sigint import ShieldedCondition, checkpoint, interrupt_pending, shielded, shielding_here
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +142,39 @@ DROPPED = ("the Pipeline was garbage-collected while this chunk was in flight, w
            "reference to the pipeline until its results are taken (with rf.Pipeline(...) as pipe: ...)")
 
 
+# On the simulated GPU the progress thread keeps the driver's lock through a stage whenever a step's
+# host call runs one (the device runs a host task's callable on the thread that advances it): a
+# prepare that never returns kept close() waiting for that lock for ever, its Ctrl-C held back.
+class Hold:
+    """The driver's lock as a call that ends or cancels the pipeline holds it: ``with
+    driver.hold() as hold:``. On the main thread in a shielded call (a Ctrl-C there waits for a
+    checkpoint) the take, and every wait given the hold inside the block, may give the lock up to
+    a Ctrl-C that comes while another thread keeps it: KeyboardInterrupt is raised without the
+    lock, :attr:`held` is False, and leaving the block lets nothing go."""
+
+    __slots__ = ("driver", "held")
+
+    def __init__(self, driver: "_Driver"):
+        self.driver = driver
+        self.held = False
+
+    def __enter__(self) -> "Hold":
+        self.driver.take_lock()
+        self.held = True
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self.held:
+            self.held = False
+            self.driver.lock.release()
+
+
 class _Driver:
     """The lock, the waits and the commands both drivers share."""
+
+    # whether a hold's take and waits on the main thread give the lock up to a Ctrl-C (another
+    # thread may keep it through a stage: only a progress thread)
+    interruptible = False
 
     def __init__(self, sched):
         self.sched = sched
@@ -183,13 +216,79 @@ class _Driver:
         self.wake.set()
         self.cv.notify_all()
 
-    def command(self, fn: Callable[[], Any]) -> Any:
+    def hold(self) -> Hold:
+        """The lock, for a call that ends or cancels the pipeline (see :class:`Hold`)."""
+        return Hold(self)
+
+    def take_lock(self) -> None:
+        """Take the lock for a :class:`Hold`. On the main thread in a shielded call, in polls: a
+        Ctrl-C that comes while another thread keeps the lock is raised here, nothing taken."""
+        lock = self.lock
+        if not (self.interruptible and shielding_here()):
+            lock.acquire()
+            return
+        while not lock.acquire(True, _POLL_S):
+            checkpoint()
+
+    def _wait_or_let_go(self, hold: Hold, timeout: float) -> None:
+        """``cv.wait(timeout)`` for ``hold`` on the main thread in a shielded call, the lock taken
+        back in polls: should a Ctrl-C come while another thread keeps it, the lock is given up
+        and KeyboardInterrupt raised."""
+        # Condition.wait itself takes an RLock back in C, in a wait that no signal ends, not even
+        # a second Ctrl-C, whose handler raises
+        cv, lock = self.cv, self.lock
+        waiter = _thread.allocate_lock()
+        waiter.acquire()
+        cv._waiters.append(waiter)  # type: ignore[attr-defined]
+        count, _owner = lock._release_save()  # type: ignore[attr-defined]
+        try:
+            waiter.acquire(True, timeout)  # (a notify releases it)
+        finally:
+            try:
+                self._take_back(hold, count)
+            finally:
+                try:
+                    cv._waiters.remove(waiter)  # type: ignore[attr-defined]
+                except ValueError:  # notified: the notifier took it off
+                    pass
+
+    def _take_back(self, hold: Hold, count: int) -> None:
+        """Take the lock back ``count`` deep after a wait, in polls; give it up to a Ctrl-C (and
+        raise) when this thread held it once only: held deeper, an enclosing block that is not
+        the hold's would let go of a lock no longer held, so there it is taken back first."""
+        lock = self.lock
+        may_let_go = count == 1
+        raised: Optional[BaseException] = None
+        while True:
+            try:
+                taken = lock.acquire(True, _POLL_S)
+            except BaseException as exc:  # noqa: BLE001 - a second Ctrl-C, raised by the handler
+                if lock._is_owned():  # type: ignore[attr-defined]  # (as the take returned: it is held)
+                    raised = raised or exc
+                    break
+                if may_let_go:
+                    hold.held = False
+                    raise
+                raised = raised or exc
+                continue
+            if taken:
+                break
+            if may_let_go and interrupt_pending():
+                hold.held = False
+                checkpoint()  # raises
+        for _ in range(count - 1):
+            lock.acquire()
+        if raised is not None:
+            raise raised
+
+    def command(self, fn: Callable[[], Any], hold: Optional[Hold] = None) -> Any:
         """Run ``fn`` on the driving thread with the lock held; returns its value or raises its
-        error. The caller must hold the lock."""
+        error. The caller must hold the lock (``hold``: as a :class:`Hold`, whose wait may give
+        it up to a Ctrl-C; ``fn`` is then run all the same, on the driving thread's next turn)."""
         cmd = Command(fn, self.device.publish())
         self.commands.append(cmd)
         self.notify()
-        self.wait_for(lambda: cmd.done, None)
+        self.wait_for(lambda: cmd.done, None, hold=hold)
         self.device.observe(cmd.out_token)
         if cmd.error is not None:
             raise cmd.error
@@ -380,10 +479,12 @@ class CallerDriver(_Driver):
 
     background = False
 
-    def wait_for(self, pred: Callable[[], bool], timeout: Optional[float], what: str = "the pipeline") -> None:
+    def wait_for(self, pred: Callable[[], bool], timeout: Optional[float], what: str = "the pipeline",
+                 hold: Optional[Hold] = None) -> None:
         """Drive until ``pred()`` holds (lock held). Raises TimeoutError after ``timeout`` seconds
         of the device's host clock; once a step has raised (:meth:`step_died`), the error
-        :meth:`died` gives, at once."""
+        :meth:`died` gives, at once. (``hold``: no other thread takes this driver's lock, so it
+        is never given up.)"""
         if self.failure is not None:
             raise self.died() from self.failure
         self.drive_here(pred, timeout, what)
@@ -408,12 +509,17 @@ class ProgressThread(_Driver):
     cancels what is left, releases the scheduler's resources and ends."""
 
     background = True
+    interruptible = True
 
     def __init__(self, sched, *, name: str):
         super().__init__(sched)
         self.gated = self.device.backend == "sim"  # see the module's doc
         self.stopping = False
         self.abandoned = False
+        # the pipeline's end was handed to this thread (hand_over): it cancels what is left (once:
+        # cancel_handed_over), closes the scheduler once the rest has ended, and ends
+        self.handed_over = False
+        self.cancel_handed_over = False
         self.ended = False  # the thread has run its last turn: posted commands are refused
         self._seen_version = -1
         self._unstepped = False  # the last turn did not step: nobody waited on the simulated GPU
@@ -435,11 +541,13 @@ class ProgressThread(_Driver):
             self.step_failure = exc
 
     # -- waits, from user threads ------------------------------------------------------------
-    def wait_for(self, pred: Callable[[], bool], timeout: Optional[float], what: str = "the pipeline") -> None:
+    def wait_for(self, pred: Callable[[], bool], timeout: Optional[float], what: str = "the pipeline",
+                 hold: Optional[Hold] = None) -> None:
         """Block (lock held, released while waiting) until ``pred()`` holds; on the progress
         thread itself (a done-callback waiting on the pipeline) drive the scheduler here instead.
         Raises TimeoutError after ``timeout`` seconds of the device's host clock (virtual on the
-        sim)."""
+        sim). ``hold``: the caller holds the lock as that :class:`Hold`, which the wait may give
+        up to a Ctrl-C. On the main thread in a shielded call each wait lasts at most a poll."""
         if pred():
             return
         if threading.current_thread() is self.thread:
@@ -452,6 +560,10 @@ class ProgressThread(_Driver):
             self.drive_here(pred, timeout, what)
             return
         deadline = self.deadline_of(timeout)
+        # a Ctrl-C on a shielded main thread is only recorded, and raised at the next turn's
+        # checkpoint: a wait for a notify that never comes (the progress thread in a stage that
+        # does not return) would never reach it, on the simulated GPU too
+        shielding = shielding_here()
         entry = [pred, deadline]
         self.interest.append(entry)
         if deadline is not None:
@@ -465,9 +577,13 @@ class ProgressThread(_Driver):
                 if deadline is not None and self.device.now >= deadline:
                     raise concurrent.futures.TimeoutError(f"timed out after {timeout} s waiting for {what}")
                 if deadline is None or self.gated:
-                    self.cv.wait(None if self.gated else _POLL_S)
+                    wait = _POLL_S if shielding or not self.gated else None
                 else:
-                    self.cv.wait(max(0.0, min(_POLL_S, deadline - self.device.now)))
+                    wait = max(0.0, min(_POLL_S, deadline - self.device.now))
+                if hold is not None and shielding:
+                    self._wait_or_let_go(hold, wait)
+                else:
+                    self.cv.wait(wait)
         finally:
             self.interest.remove(entry)
             if deadline is not None:
@@ -544,6 +660,45 @@ class ProgressThread(_Driver):
         self.abandoned = True
         self.wake.set()
 
+    def hand_over(self) -> None:
+        """The pipeline's end is this thread's from now on (an ending that Ctrl-C stopped will not
+        wait for it): the thread cancels what is left, closes the scheduler once the rest has
+        ended, and ends. Takes no lock: the caller may have given it up to the Ctrl-C while this
+        thread kept it through a stage. Never raises."""
+        self.cancel_handed_over = True  # (before stopping: a turn that sees stopping sees these)
+        self.handed_over = True
+        self.stopping = True
+        self.wake.set()
+
+    def join_unless_stalled(self) -> bool:
+        """After :meth:`hand_over`: wait for the thread to end, unless a stage call of the pipeline
+        runs through a whole poll of the wait. Returns whether it ended; if so, the caller is
+        ordered after all the thread did. Lock not held."""
+        # a stage on a thread cannot be stopped, and the thread ends only once its stages have
+        # returned: one that does not return would keep this waiting, the interrupt held back
+        if self.thread is threading.current_thread():
+            return False  # (a done-callback's ending: the thread ends once its callbacks return)
+        owner, seen = self.sched.stage_owner, None
+        while True:
+            self.thread.join(_POLL_S)
+            if not self.thread.is_alive():
+                self.device.observe(self.final_token)
+                return True
+            seen, stalled = stalled_stage_calls(owner, seen)
+            if stalled:
+                return False
+
+    def join_handed_over(self) -> None:
+        """After :meth:`hand_over`, for a later ``close()``: wait for the thread to end (for as
+        long as a stage does not return), a Ctrl-C meanwhile raised within a poll and leaving the
+        end handed over; then the caller is ordered after all the thread did. Lock not held."""
+        if self.thread is threading.current_thread():
+            return
+        while self.thread.is_alive():
+            checkpoint()
+            self.thread.join(_POLL_S)
+        self.device.observe(self.final_token)
+
     def close(self) -> None:
         """Stop the thread once the scheduler has nothing left to do; join it. Lock NOT held."""
         with self.cv:
@@ -614,8 +769,11 @@ class ProgressThread(_Driver):
             self.stopping = True
             sched.cancel_reason = DROPPED
             sched.cancel_pending()
+        if self.cancel_handed_over:
+            self.cancel_handed_over = False
+            sched.cancel_pending()
         if self.stopping and sched.finished() and not sched.resolved:
-            if self.abandoned:
+            if self.abandoned or self.handed_over:
                 sched.close()
             return None
         if self.gated and not (self.someone_waits() or self.stopping or sched.resolved):

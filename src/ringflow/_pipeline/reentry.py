@@ -26,6 +26,7 @@ parent.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from typing import Any, Callable
@@ -62,22 +63,45 @@ def check_process(made_in: int, what: str = "Pipeline") -> None:
             "children with the 'spawn' or 'forkserver' method where the parent has used CUDA)")
 
 
+_calls = itertools.count()  # numbers every stage call (next() on a count is atomic in CPython)
+
+
 class StageOwner:
     """Whose stages a thread runs: a pipeline's scheduler marks its stages with one of these,
-    which refers to nothing, so a marked callable it keeps makes no cycle through it."""
+    which refers to nothing, so a marked callable it keeps makes no cycle through it.
+    :attr:`running` holds the number of each of its stage calls running now, on any thread."""
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ("__weakref__", "running")
+
+    def __init__(self) -> None:
+        self.running: set = set()
 
 
 def run_stage(owner: Any, stage: str, fn: Callable, *args: Any) -> Any:
     """``fn(*args)`` with this thread marked as running ``owner``'s stage ``stage`` (within any
-    stage it already runs: a compute that runs a whole-array call of its own)."""
+    stage it already runs: a compute that runs a whole-array call of its own), and the call
+    counted in ``owner.running`` where the owner keeps that set."""
     outer = getattr(_here, "stage", None)
     _here.stage = (owner, stage, outer)
+    # another thread asks which calls run (an interrupted close: stalled_stage_calls); a set's
+    # add and discard need no lock of ours
+    running = getattr(owner, "running", None)
+    call = next(_calls)
+    if running is not None:
+        running.add(call)
     try:
         return fn(*args)
     finally:
         _here.stage = outer
+        if running is not None:
+            running.discard(call)
+
+
+def stalled_stage_calls(owner: Any, seen: "set | None") -> "tuple[set, bool]":
+    """The stage calls of ``owner`` running now, and whether one of them was running already when
+    ``seen`` (what an earlier call returned) was taken: it has run ever since."""
+    now = set(getattr(owner, "running", ()))  # (a copy made in C: no other thread changes it meanwhile)
+    return now, bool(seen) and not now.isdisjoint(seen)
 
 
 def marked(owner: Any, stage: str, fn: Callable) -> Callable:

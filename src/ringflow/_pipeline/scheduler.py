@@ -581,6 +581,11 @@ class Scheduler:
             return []
         return sorted(slot.owner for slot in ring.slots)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has released the rings, streams and workers."""
+        return self._closed
+
     def finished(self) -> bool:
         """Nothing accepted is unfinished and no operation is pending: safe to stop driving."""
         return not self.chunks and not self.inbox and not self.pending_fences()

@@ -81,6 +81,19 @@ def checkpoint() -> None:
         raise KeyboardInterrupt
 
 
+def shielding_here() -> bool:
+    """Whether the calling thread is in a shielded call (the main thread, under the default
+    handler): a Ctrl-C it gets waits for a :func:`checkpoint`, so its waits must reach one."""
+    return _active is not None and threading.current_thread() is threading.main_thread()
+
+
+def interrupt_pending() -> bool:
+    """Whether the next :func:`checkpoint` on the calling thread raises KeyboardInterrupt."""
+    shield = _active
+    return (shield is not None and shield.pending and not shield.settling
+            and threading.current_thread() is threading.main_thread())
+
+
 class shielded:
     """``with shielded() as shield:`` defers SIGINT to :func:`checkpoint` within the block (see
     the module's doc); ``shield`` is the :class:`Shield`, or None where the call is left alone.
