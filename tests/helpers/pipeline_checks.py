@@ -23,6 +23,7 @@ The checks read the sim's completion state through ``Event.done_at`` / ``op.done
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import gc
@@ -670,3 +671,16 @@ def closed_clean(devices: Iterable[Any], pipe: Any) -> None:
     gc.collect()
     for dev in devices:
         assert dev.live().total == 0, dev.live()
+
+
+def take_all(pipe: Any, items: Any, face: str) -> list:
+    """Every result of ``items`` through ``pipe``'s ``face``: ``"map"``, or ``"amap"`` in an
+    event loop of its own."""
+    if face == "map":
+        return list(pipe.map(items))
+    if face != "amap":
+        raise ValueError(f"face must be 'map' or 'amap', got {face!r}")
+
+    async def main() -> list:
+        return [r async for r in pipe.amap(items)]
+    return asyncio.run(main())

@@ -10,7 +10,7 @@ import pytest
 
 import ringflow as rf
 from ringflow._pipeline.spread import SpreadPipeline
-from tests.helpers.pipeline_checks import check_map_refuses_not_iterable
+from tests.helpers.pipeline_checks import check_map_refuses_not_iterable, take_all
 
 
 def f(x, y):
@@ -267,12 +267,7 @@ def test_with_continue_an_item_whose_compute_raised_keyboard_interrupt_is_skippe
     items = [np.full(8, -1.0 if i == 3 else float(i), np.float32) for i in range(8)]
     for devs in (sims(1, seed=31)[0], sims(2, seed=31)):
         with rf.Pipeline(_interrupting, device=devs, chunk_bytes=512, on_error="continue", coalesce=False) as pipe:
-            if face == "map":
-                got = list(pipe.map(items))
-            else:
-                async def main():
-                    return [r async for r in pipe.amap(items)]
-                got = asyncio.run(main())
+            got = take_all(pipe, items, face)
             assert [float(r[0]) for r in got] == [i * 2 + 1.0 for i in range(8) if i != 3]
             assert len(pipe.failures) == 1
             assert isinstance(pipe.failures[0].__cause__, KeyboardInterrupt)
@@ -416,10 +411,5 @@ def test_a_part_failure_that_ends_a_map_keeps_its_cause(stage, call):
 def test_a_1d_array_handed_to_map_over_two_devices_warns_as_on_one(how):
     x = np.arange(4, dtype=np.float32)
     with rf.Pipeline(f, device=sims(2), chunk_bytes=4096) as pipe, pytest.warns(UserWarning, match="each element"):
-        if how == "map":
-            out = list(pipe.map(x))
-        else:
-            async def take():
-                return [r async for r in pipe.amap(x)]
-            out = asyncio.run(take())
+        out = take_all(pipe, x, how)
     assert len(out) == 4
