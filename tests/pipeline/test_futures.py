@@ -419,6 +419,60 @@ def test_amap_with_ordered_false_hands_results_out_as_they_end(kind):
     h.close()
 
 
+def test_an_unordered_amap_woken_in_the_turn_its_results_arrive_hands_them_out_as_they_ended():
+    """The loop's turn that settles the window's asyncio futures (their chunks having ended on the
+    progress thread meanwhile) also wakes the map, here through the end of its source's pull. Every
+    head is then done, and the first result handed out must still be the first to have ended, not
+    the window's first (item 1, whose consumer costs far more than the others' whole way through).
+
+    Deterministic: the source, on its last pull, lets the pipeline run and schedules a callback that
+    blocks the loop until every chunk's done-callbacks ran (each posting its head's settling to the
+    loop), so those settlings come in the same turn as the map's wake-up, just before it."""
+    h = Harness(seed=16, chaos=True, checked=True, slots=2, max_in_flight=5, workers=2, chunk_bytes=512,
+                ordered=False)
+    blocker = h.pipe.submit(h.item(99, 8))
+    holding, release = threading.Event(), threading.Event()
+
+    def hold(_fut):  # on the progress thread, outside the lock: nothing advances meanwhile
+        holding.set()
+        release.wait(JOIN_S)
+
+    blocker.add_done_callback(hold)
+    assert holding.wait(JOIN_S)
+    items = [h.item(i + 1, 8, consume_cost=(1e-2 if i == 0 else 0.0)) for i in range(4)]
+
+    async def agen():
+        for it in items:
+            yield it
+        # every item is in the map's window, each chunk's future followed by its asyncio future
+        chunks = [c for c in h.chunks.values() if c.future is not blocker]
+        assert len(chunks) == len(items)
+        ran = [threading.Event() for _ in chunks]
+        for c, event in zip(chunks, ran):  # after the map's own: runs once that one posted its settling
+            c.future.add_done_callback(lambda _f, event=event: event.set())
+
+        def wait_for_the_chunks():
+            assert all(event.wait(JOIN_S) for event in ran)
+
+        asyncio.get_running_loop().call_soon(wait_for_the_chunks)  # before the pull's end wakes the map
+        release.set()
+
+    async def main():
+        return [r async for r in h.pipe.amap(agen())]
+
+    try:
+        got = _run(main)
+    finally:
+        release.set()
+    for r in got:
+        check_result(r, h.items[r.tag])
+    ends = [h.chunks[r.index].stamps["ended"] for r in got]  # (virtual seconds)
+    assert [r.tag for r in got] == [2, 3, 4, 1] and ends == sorted(ends), ([r.tag for r in got], ends)
+    blocker.result(timeout=JOIN_S)
+    h.check()
+    h.close()
+
+
 def test_an_amap_stopped_while_its_async_source_is_pulled_stops_the_pull():
     """The consumer stops (a break) after a result handed out while the next item was being pulled:
     the pull is cancelled (its source's ``finally`` runs) and the map ends with nothing of its own

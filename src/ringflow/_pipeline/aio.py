@@ -17,7 +17,7 @@ import collections
 import logging
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from .chunk import ChunkFuture, cancel_unwanted, post_cancel
 from .delivered import DeviceResult
@@ -26,15 +26,20 @@ from .validate import check_iterable
 logger = logging.getLogger(__name__)
 
 
-def follow(fut: ChunkFuture) -> asyncio.Future:
+def follow(fut: ChunkFuture, on_settled: "Callable[[], None] | None" = None) -> asyncio.Future:
     """An asyncio future of the running loop that ends as ``fut`` does (``asyncio.wrap_future``'s
-    role). Cancelling it hands the chunk's cancel to the progress thread and returns at once."""
+    role). Cancelling it hands the chunk's cancel to the progress thread and returns at once.
+
+    ``on_settled`` is called on the loop's thread in the same callback that settles the asyncio
+    future, so that the futures of several chunks are seen settled in the order the chunks
+    ended (a done-callback of the asyncio future would run only in a later turn of the loop: a
+    task woken meanwhile could see the future done and not yet recorded)."""
     loop = asyncio.get_running_loop()
     head = loop.create_future()
 
     def settle(f: ChunkFuture) -> None:  # on the progress thread, or here if done already
         try:
-            loop.call_soon_threadsafe(_copy_outcome, f, head)
+            loop.call_soon_threadsafe(_copy_outcome, f, head, on_settled)
         except RuntimeError:
             pass  # the loop has closed: nobody awaits this any more
 
@@ -50,18 +55,20 @@ def follow(fut: ChunkFuture) -> asyncio.Future:
     return head
 
 
-def _copy_outcome(fut: ChunkFuture, head: asyncio.Future) -> None:
+def _copy_outcome(fut: ChunkFuture, head: asyncio.Future, on_settled: "Callable[[], None] | None" = None) -> None:
     if head.cancelled():
         return
     if fut.cancelled():
         head.cancel()
-        return
-    fut._driver.device.observe(fut.token)  # the result is taken on this thread
-    error = fut.settled_error()
-    if error is not None:
-        head.set_exception(error)
     else:
-        head.set_result(fut.settled_value())
+        fut._driver.device.observe(fut.token)  # the result is taken on this thread
+        error = fut.settled_error()
+        if error is not None:
+            head.set_exception(error)
+        else:
+            head.set_result(fut.settled_value())
+    if on_settled is not None:
+        on_settled()
 
 
 async def cancel_unwanted_soon(futures: "list[ChunkFuture]") -> None:
@@ -272,10 +279,11 @@ class CancelIfDropped:
             self.accepting_by = self.unheld = None
             given_up = self.given_up
         if not given_up:  # (a give-up waits for this thread's loop: it cannot come in between)
-            entry = (fut, follow(fut))
-            if not self.ordered:
-                # the heads end on this thread in the order their chunks ended (follow)
-                entry[1].add_done_callback(lambda _head: self.ended.append(entry))
+            # unordered, the entry is recorded as ended in the very callback that settles its head
+            # (follow), so the heads end on this thread in the order their chunks ended, and no
+            # head is ever seen done without its entry in ``ended`` (see next_out)
+            on_settled = None if self.ordered else (lambda: self.ended.append(entry))
+            entry = (fut, follow(fut, on_settled))
             self.window.append(entry)
         return not given_up
 
@@ -302,6 +310,8 @@ class CancelIfDropped:
             entry = self.ended.popleft()
             if any(held is entry for held in window):  # (one skipped or given up is gone)
                 return entry
+        # not reached while the window's heads end only through follow (each is in ``ended`` as
+        # soon as it is done); kept for a head ended otherwise
         return next((entry for entry in window if entry[1].done()), None)
 
     def holds(self, driver: Any) -> bool:
