@@ -11,6 +11,7 @@ import pytest
 import ringflow as rf
 from ringflow._pipeline.spread import SpreadPipeline
 from tests.helpers.pipeline_checks import check_map_refuses_not_iterable, take_all
+from tests.helpers.threads import JOIN_S, join, start
 
 
 def f(x, y):
@@ -413,3 +414,102 @@ def test_a_1d_array_handed_to_map_over_two_devices_warns_as_on_one(how):
     with rf.Pipeline(f, device=sims(2), chunk_bytes=4096) as pipe, pytest.warns(UserWarning, match="each element"):
         out = take_all(pipe, x, how)
     assert len(out) == 4
+
+
+def _after_the_first_item_ended(pipe, items, pulled):
+    """Yield ``items``, recording in ``pulled`` how many were taken; the second is given only once
+    the first item's chunk has ended (its result ready to hand out), and every later one at once.
+    The wait blocks the caller's thread (an event loop's too) while it drives the part the first
+    item went to (the first: every part was idle), so what the map does next is decided once the
+    first result is ready, whatever the timing of the progress threads."""
+    first = getattr(pipe, "parts", [pipe])[0]
+    for k, item in enumerate(items):
+        if k == 1:
+            first._drive_until(lambda: first._sched.stats().delivered >= 1)
+        pulled.append(k)
+        yield item
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("max_in_flight", [4, 16])
+@pytest.mark.parametrize("face,n_devices", [("map", 2), ("amap", 1), ("amap", 2), ("amap-async", 1),
+                                            ("amap-async", 2)])
+def test_a_ready_result_is_handed_out_before_the_map_takes_more_items(face, n_devices, max_in_flight, ordered):
+    """The first item's result is ready by the time the second item is given, and every later
+    item comes at once: the map hands that result out before it takes a third, whatever its
+    window (``max_in_flight``, added up over the devices). The map over two devices took items
+    until its whole window was full before it handed out the first result (its latency grew
+    with the window), in each face; the amap of one device too, where the source never let the
+    event loop run."""
+    pipe = rf.Pipeline(f, device=sims(n_devices, 41), chunk_bytes=4096, max_in_flight=max_in_flight,
+                       ordered=ordered)
+    items = [np.full(16, float(k), np.float32) for k in range(3 * n_devices * max_in_flight)]
+    pulled: list = []
+    seen: list = []
+    source = _after_the_first_item_ended(pipe, items, pulled)
+
+    def consume():
+        got = []
+        for r in pipe.map(source):
+            if not got:
+                seen.append(len(pulled))
+            got.append(r)
+        return got
+
+    async def aconsume():
+        got = []
+        src = source
+        if face == "amap-async":
+            async def agen():
+                for item in source:  # (each item at once, but for the wait before the second)
+                    yield item
+            src = agen()
+        async for r in pipe.amap(src):
+            if not got:
+                seen.append(len(pulled))
+            got.append(r)
+        return got
+
+    try:
+        got = join([start(consume if face == "map" else lambda: asyncio.run(aconsume()))], timeout=JOIN_S)[0]
+    finally:
+        pipe.close()
+    assert seen and seen[0] <= 2, f"{seen[0]} items taken before the first result was handed out"
+    assert sorted(r[0] for r in got) == sorted(a[0] * 2 + 1 for a in items)
+
+
+@pytest.mark.parametrize("face", ["map", "amap"])
+def test_two_maps_of_device_results_over_two_devices_both_finish(face):
+    """Two maps on one pipeline of device results over two devices (threads, or amaps on one loop),
+    each releasing every result at once. A map that took more items while its window held ready
+    results waited for room those results held (their slots, lent): each map waited for the
+    other's, for ever. Each now hands a ready result out before it takes another item, and does
+    not wait for room while its window holds results (as one device's map and amap do)."""
+    pipe = rf.Pipeline(f, device=sims(2, 12), chunk_bytes=1024, deliver="device")
+    items = [np.full(8, i, np.float32) for i in range(60)]
+
+    def consume():
+        seen = []
+        for res in pipe.map(items):
+            seen.append(res.index)
+            res.release()
+        return seen
+
+    async def aconsume():
+        seen = []
+        async for res in pipe.amap(items):
+            seen.append(res.index)
+            res.release()
+        return seen
+
+    async def both():
+        return await asyncio.gather(aconsume(), aconsume())
+
+    if face == "map":
+        got = join([start(consume), start(consume)], timeout=JOIN_S)
+    else:
+        got = join([start(asyncio.run, both())], timeout=JOIN_S)[0]
+    assert [len(g) for g in got] == [60, 60] and all(g == sorted(g) for g in got)  # each in its order
+    pipe.close()
+    s = pipe.stats()
+    assert s.delivered == 120 and s.in_flight == 0 and s.balanced(), s

@@ -295,6 +295,17 @@ class CancelIfDropped:
             return []
         return [window[0][1]] if self.ordered else [head for _, head in window]
 
+    def ready(self) -> bool:
+        """Whether the map has a result to hand out now: one of :meth:`handing_out`'s entries has
+        ended. Its chunk's future is looked at too: the asyncio future ends only at the loop's
+        next turn, which a source that keeps the loop busy (a sync one, or an async one that never
+        waits) may not give until the map has taken its whole window."""
+        window = self.window
+        if not window:
+            return False
+        entries = (window[0],) if self.ordered else window
+        return any(fut.done() or head.done() for fut, head in entries)
+
     async def next_out(self) -> "tuple | None":
         """The window's entry to hand out next: ordered, its first (the caller awaits its end);
         unordered, the first to end, awaited here. None where the window was emptied meanwhile

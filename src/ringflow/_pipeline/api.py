@@ -1086,7 +1086,7 @@ class Pipeline:
         try:
             while True:
                 while not exhausted and len(window) < limit and s.accepting:
-                    if window and (any(h.done() for h in ending.handing_out()) or not s.has_capacity()):
+                    if window and (ending.ready() or not s.has_capacity()):
                         # hand the head out before waiting for room: with results on the device,
                         # room comes only once results are released, and a result still in a
                         # window (this map's, or another's on the same pipeline) never is

@@ -90,6 +90,11 @@ class SpreadPipeline(Pipeline):
     def _accepting(self) -> bool:
         return any(p._sched.broken is None and p._sched.accepting for p in self.parts)
 
+    def _has_room(self) -> bool:
+        """Whether a working part has room for another chunk now (a look without the parts' locks,
+        as :meth:`_pick`'s: a submit then decides under its part's lock)."""
+        return any(p._sched.broken is None and p._sched.has_capacity() for p in self.parts)
+
     def _submit_more(self, item: Any, started: bool) -> Optional[concurrent.futures.Future]:
         """A map's next submit; None once the pipeline takes no more work (cancelled, or stopped
         by a failure) after the map had started: it then ends with what it has, as a single
@@ -164,6 +169,12 @@ class SpreadPipeline(Pipeline):
         try:
             while True:
                 while not exhausted and len(window) < limit:
+                    if window and (_head_ended(window, self.config.ordered) or not self._has_room()):
+                        # hand a ready result out before taking more, and never wait for room
+                        # while the window holds results: with results on the device, room comes
+                        # only once results are released, and one still in a window (this map's,
+                        # or another's on the same pipeline) never is
+                        break
                     try:
                         item = next(source)
                     except StopIteration:
@@ -222,6 +233,8 @@ class SpreadPipeline(Pipeline):
         try:
             while True:
                 while not exhausted and len(window) < limit:
+                    if window and (ending.ready() or not self._has_room()):
+                        break  # hand a ready result out first, and never wait for room before it (see _map)
                     # an async source's pull is raced with the head (see Pipeline.amap)
                     took, item = await source.next(ending.handing_out())
                     if not took:
@@ -376,6 +389,11 @@ class SpreadPipeline(Pipeline):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<Pipeline {state} over {', '.join(device_label(d) for d in self.devices)}>"
+
+
+def _head_ended(window: "collections.deque", ordered: bool) -> bool:
+    """Whether a map's window has a result to hand out: its first chunk ended, or (unordered) any."""
+    return window[0].done() if ordered else any(fut.done() for fut in window)
 
 
 def _passed_over(part: Pipeline, err: Exception) -> bool:
