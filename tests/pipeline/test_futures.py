@@ -370,13 +370,10 @@ def test_amap_hands_a_ready_result_out_while_its_async_source_waits_for_the_next
         _closed_clean(dev, pipe)
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
-def test_amap_with_ordered_false_hands_results_out_as_they_end(kind):
-    """With ``ordered=False`` amap, as map, hands each result out as it ends. The progress thread is
-    held (in a done-callback) until the amap has taken its four items, so they run together; the
-    first item's consumer then costs far more (virtual seconds) than the others' whole way
-    through, and its result comes after theirs. Every result comes once, in the order the chunks
-    ended."""
+def _unordered_with_the_progress_thread_held():
+    """An unordered pipeline whose progress thread is held in a done-callback until ``release``
+    is set, and four items for it, the first one's consumer costing far more (virtual seconds)
+    than the others' whole way through: ``(harness, the held chunk's future, release, items)``."""
     h = Harness(seed=16, chaos=True, checked=True, slots=2, max_in_flight=5, workers=2, chunk_bytes=512,
                 ordered=False)
     blocker = h.pipe.submit(h.item(99, 8))
@@ -388,7 +385,17 @@ def test_amap_with_ordered_false_hands_results_out_as_they_end(kind):
 
     blocker.add_done_callback(hold)
     assert holding.wait(JOIN_S)
-    items = [h.item(i + 1, 8, consume_cost=(1e-2 if i == 0 else 0.0)) for i in range(4)]
+    return h, blocker, release, [h.item(i + 1, 8, consume_cost=(1e-2 if i == 0 else 0.0)) for i in range(4)]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_amap_with_ordered_false_hands_results_out_as_they_end(kind):
+    """With ``ordered=False`` amap, as map, hands each result out as it ends. The progress thread is
+    held (in a done-callback) until the amap has taken its four items, so they run together; the
+    first item's consumer then costs far more (virtual seconds) than the others' whole way
+    through, and its result comes after theirs. Every result comes once, in the order the chunks
+    ended."""
+    h, blocker, release, items = _unordered_with_the_progress_thread_held()
 
     async def agen():
         for it in items:
@@ -428,18 +435,7 @@ def test_an_unordered_amap_woken_in_the_turn_its_results_arrive_hands_them_out_a
     Deterministic: the source, on its last pull, lets the pipeline run and schedules a callback that
     blocks the loop until every chunk's done-callbacks ran (each posting its head's settling to the
     loop), so those settlings come in the same turn as the map's wake-up, just before it."""
-    h = Harness(seed=16, chaos=True, checked=True, slots=2, max_in_flight=5, workers=2, chunk_bytes=512,
-                ordered=False)
-    blocker = h.pipe.submit(h.item(99, 8))
-    holding, release = threading.Event(), threading.Event()
-
-    def hold(_fut):  # on the progress thread, outside the lock: nothing advances meanwhile
-        holding.set()
-        release.wait(JOIN_S)
-
-    blocker.add_done_callback(hold)
-    assert holding.wait(JOIN_S)
-    items = [h.item(i + 1, 8, consume_cost=(1e-2 if i == 0 else 0.0)) for i in range(4)]
+    h, blocker, release, items = _unordered_with_the_progress_thread_held()
 
     async def agen():
         for it in items:
