@@ -91,8 +91,9 @@ def test_cancel_unwanted_soon_with_no_loop_running_cancels_at_once():
 
 def test_an_amap_dropped_unfinished_on_a_closed_loop_cancels_its_window():
     """A loop closed without ``shutdown_asyncgens`` never runs an unfinished amap's clean-up: the
-    chunks it took are cancelled when it is collected instead. Here they wait for device slots
-    that its undelivered results hold, and ``close()`` waited for them for ever."""
+    chunks it took are cancelled (their results dropped, if delivered) when it is collected
+    instead. Here they may wait for device slots that its undelivered results hold, and
+    ``close()`` waited for them for ever."""
     from tests.helpers.threads import bounded
 
     dev = rf.device("sim", seed=31, chaos=True)
@@ -112,7 +113,10 @@ def test_an_amap_dropped_unfinished_on_a_closed_loop_cancels_its_window():
     gc.collect()
     bounded(pipe.close, timeout=20.0)
     s = pipe.stats()
-    assert s.cancelled >= 1 and s.in_flight == 0 and s.balanced(), s
+    # how many the map took before its first result depends on when that result was ready (it
+    # hands a ready one out before taking more): what it held beyond it ended cancelled, or
+    # delivered and then dropped with the map, its device slot freed either way
+    assert s.accepted >= 1 and s.in_flight == 0 and s.balanced(), s
     gc.collect()
     assert dev.live().total == 0, dev.live()
 
