@@ -91,32 +91,50 @@ def test_cancel_unwanted_soon_with_no_loop_running_cancels_at_once():
 
 def test_an_amap_dropped_unfinished_on_a_closed_loop_cancels_its_window():
     """A loop closed without ``shutdown_asyncgens`` never runs an unfinished amap's clean-up: the
-    chunks it took are cancelled (their results dropped, if delivered) when it is collected
-    instead. Here they may wait for device slots that its undelivered results hold, and
-    ``close()`` waited for them for ever."""
+    chunks it took are cancelled when it is collected instead. Here they wait for device slots
+    that its undelivered results hold, and ``close()`` waited for them for ever. The progress
+    thread is held (in a done-callback) until the map has taken its whole window, so that no
+    result is ready before (a map hands a ready result out before taking more)."""
     from tests.helpers.threads import bounded
 
     dev = rf.device("sim", seed=31, chaos=True)
     pipe = rf.Pipeline(lambda x, y: np.multiply(x, 3, out=y), device=dev, deliver="device", chunk_bytes=512,
                        slots=2, max_in_flight=6, checked=True)
     x = [np.arange(16.0) + 100 * k for k in range(20)]
+    blocker = pipe.submit(np.zeros(16))
+    holding, release = threading.Event(), threading.Event()
+
+    def hold(_fut):  # on the progress thread, outside the lock: nothing advances meanwhile
+        holding.set()
+        release.wait(JOIN_S)
+
+    blocker.add_done_callback(hold)
+    assert holding.wait(JOIN_S)
+    blocker.result().release()
+
+    async def releaser():
+        while pipe.stats().accepted < 1 + 3:  # the blocker, and three items of the map
+            await asyncio.sleep(0)
+        release.set()
 
     async def first():
+        task = asyncio.create_task(releaser())
         agen = pipe.amap(x)
         (await agen.__anext__()).release()
+        await task
         return agen
 
     loop = asyncio.new_event_loop()
-    agen = loop.run_until_complete(first())
+    try:
+        agen = loop.run_until_complete(first())
+    finally:
+        release.set()
     loop.close()
     del agen
     gc.collect()
     bounded(pipe.close, timeout=20.0)
     s = pipe.stats()
-    # how many the map took before its first result depends on when that result was ready (it
-    # hands a ready one out before taking more): what it held beyond it ended cancelled, or
-    # delivered and then dropped with the map, its device slot freed either way
-    assert s.accepted >= 1 and s.in_flight == 0 and s.balanced(), s
+    assert s.cancelled >= 1 and s.in_flight == 0 and s.balanced(), s
     gc.collect()
     assert dev.live().total == 0, dev.live()
 

@@ -388,6 +388,18 @@ def _unordered_with_the_progress_thread_held():
     return h, blocker, release, [h.item(i + 1, 8, consume_cost=(1e-2 if i == 0 else 0.0)) for i in range(4)]
 
 
+def _check_handed_out_as_they_ended(h, blocker, got) -> None:
+    """Every result of :func:`_unordered_with_the_progress_thread_held`'s items right, once each, in
+    the order their chunks ended (the first item's last); then the pipeline checked and closed."""
+    for r in got:
+        check_result(r, h.items[r.tag])
+    ends = [h.chunks[r.index].stamps["ended"] for r in got]  # (virtual seconds)
+    assert [r.tag for r in got] == [2, 3, 4, 1] and ends == sorted(ends), ([r.tag for r in got], ends)
+    blocker.result(timeout=JOIN_S)
+    h.check()
+    h.close()
+
+
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_amap_with_ordered_false_hands_results_out_as_they_end(kind):
     """With ``ordered=False`` amap, as map, hands each result out as it ends. The progress thread is
@@ -417,13 +429,7 @@ def test_amap_with_ordered_false_hands_results_out_as_they_end(kind):
         got = _run(main)
     finally:
         release.set()
-    for r in got:
-        check_result(r, h.items[r.tag])
-    ends = [h.chunks[r.index].stamps["ended"] for r in got]  # (virtual seconds)
-    assert [r.tag for r in got] == [2, 3, 4, 1] and ends == sorted(ends), ([r.tag for r in got], ends)
-    blocker.result(timeout=JOIN_S)
-    h.check()
-    h.close()
+    _check_handed_out_as_they_ended(h, blocker, got)
 
 
 def test_an_unordered_amap_woken_in_the_turn_its_results_arrive_hands_them_out_as_they_ended():
@@ -460,13 +466,7 @@ def test_an_unordered_amap_woken_in_the_turn_its_results_arrive_hands_them_out_a
         got = _run(main)
     finally:
         release.set()
-    for r in got:
-        check_result(r, h.items[r.tag])
-    ends = [h.chunks[r.index].stamps["ended"] for r in got]  # (virtual seconds)
-    assert [r.tag for r in got] == [2, 3, 4, 1] and ends == sorted(ends), ([r.tag for r in got], ends)
-    blocker.result(timeout=JOIN_S)
-    h.check()
-    h.close()
+    _check_handed_out_as_they_ended(h, blocker, got)
 
 
 def test_an_amap_stopped_while_its_async_source_is_pulled_stops_the_pull():
