@@ -478,3 +478,58 @@ def _released(dev, thread) -> bool:
     thread.join(JOIN_S)
     gc.collect()
     return not thread.is_alive() and dev.live().total == 0
+
+
+def test_ctrl_c_as_close_waits_for_the_progress_thread_leaves_the_thread_to_release_what_it_used():
+    """A KeyboardInterrupt raised as close() waits for the progress thread to end (a second Ctrl-C,
+    or, as here, a SIGINT handler of the user's that raises at once) while that thread still runs:
+    close() raises it, the thread ends the pipeline, and nothing it used is freed under it. The
+    rings used to be freed at once: on CPython 3.11 an interrupted ``Thread.join`` marks the
+    running thread stopped, and the checker saw the buffers freed unordered with its writes."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("installs a SIGINT handler: the test must run on the main thread")
+    dev = rf.device("sim", seed=13, chaos=True)
+    in_last_turn, release = threading.Event(), threading.Event()
+
+    def raise_at_once(signum, frame):
+        raise KeyboardInterrupt("the user's handler")
+
+    previous = signal.signal(signal.SIGINT, raise_at_once)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            pipe = rf.Pipeline(lambda x, y: np.copyto(y, x + 1), device=dev, chunk_bytes=512, checked=True)
+            futs = [pipe.submit(np.full(8, float(k))) for k in range(3)]
+            driver = pipe._driver
+            turn = driver.step_once
+
+            def last_turn_held():
+                # the thread's last turn, which close() waits for, lasts until the test lets it
+                # end (as a done-callback of the last chunk still running would)
+                going_on = turn()
+                if not going_on:
+                    in_last_turn.set()
+                    release.wait(JOIN_S)
+                return going_on
+
+            driver.step_once = last_turn_held
+
+            def ctrl_c_in_the_last_turn():
+                if in_last_turn.wait(JOIN_S):
+                    interrupt_main()
+                release.set()  # (the interrupt is on its way as the thread is let go)
+
+            kicker = start(ctrl_c_in_the_last_turn)
+            with pytest.raises(KeyboardInterrupt, match="the user's handler"):
+                pipe.close()
+            join([kicker])
+            bounded(pipe.close)  # harmless: the end was waited for, or is now
+            assert not driver.thread.is_alive() and pipe._sched.closed
+            for k, fut in enumerate(futs):
+                np.testing.assert_array_equal(fut.result(), np.full(8, k + 1.0))
+            del futs
+            gc.collect()
+            assert dev.live().total == 0, dev.live()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert not [str(w.message) for w in seen if issubclass(w.category, (RuntimeWarning, ResourceWarning))]

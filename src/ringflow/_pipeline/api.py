@@ -1236,14 +1236,17 @@ class Pipeline:
         end over (:meth:`ProgressThread.hand_over`: what is left is cancelled, everything released
         once the rest has ended), and this waits for that unless a stage call of the pipeline runs
         through a whole poll of the wait (:meth:`ProgressThread.join_unless_stalled`); a later
-        close() waits for the end. Takes no lock; raises only a second Ctrl-C."""
-        if self._closed:
-            return
-        self._stop_prepares()  # with processes=True: no running prepare is waited for
-        self._closed = True
-        self._finalizer.detach()
-        self._driver.hand_over()
-        if self._driver.join_unless_stalled():
+        close() waits for the end. Also where :meth:`_shut` handed the end over as its wait for
+        the thread was interrupted. Takes no lock; raises only a second Ctrl-C."""
+        d = self._driver
+        if not self._closed:
+            self._stop_prepares()  # with processes=True: no running prepare is waited for
+            self._closed = True
+            self._finalizer.detach()
+            d.hand_over()
+        elif not d.handed_over:
+            return  # ended already
+        if d.join_unless_stalled():
             self._after_progress_thread()
 
     def _after_progress_thread(self) -> None:
@@ -1267,21 +1270,27 @@ class Pipeline:
             self._procs.stop_running()
 
     def _shut(self) -> None:
-        """Closed from now on: stop the driver, then release the scheduler's resources (lock held;
-        never raises)."""
+        """Closed from now on: stop the driver, then release the scheduler's resources (lock
+        held). Raises only what stopped the wait for the progress thread to end (a second Ctrl-C,
+        or a SIGINT handler of the user's that raises at once): that thread may still run, so the
+        end is handed over to it (:meth:`_end_interrupted` then waits for it)."""
         if self._closed:
             return
         self._closed = True
         self._finalizer.detach()
         d = self._driver
-        try:
-            if d.background:
+        if d.background:
+            try:
                 with _released(d.cv):
                     d.close()
-        finally:
-            self._sched.close()
-            if self._recorder is not None:
-                self._recorder.stop()
+            except BaseException:
+                # freeing the rings now would race the thread's last turn (a done-callback it
+                # still runs, the buffers it last wrote): it closes the scheduler as it ends
+                d.hand_over()
+                raise
+        self._sched.close()
+        if self._recorder is not None:
+            self._recorder.stop()
 
     def _check_open(self) -> None:
         if self._closed:

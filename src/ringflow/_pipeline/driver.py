@@ -521,6 +521,7 @@ class ProgressThread(_Driver):
         self.handed_over = False
         self.cancel_handed_over = False
         self.ended = False  # the thread has run its last turn: posted commands are refused
+        self.gone = threading.Event()  # set as the thread's body returns (see _join)
         self._seen_version = -1
         self._unstepped = False  # the last turn did not step: nobody waited on the simulated GPU
         self.final_token: Any = None
@@ -680,8 +681,7 @@ class ProgressThread(_Driver):
             return False  # (a done-callback's ending: the thread ends once its callbacks return)
         owner, seen = self.sched.stage_owner, None
         while True:
-            self.thread.join(_POLL_S)
-            if not self.thread.is_alive():
+            if self._join(_POLL_S):
                 self.device.observe(self.final_token)
                 return True
             seen, stalled = stalled_stage_calls(owner, seen)
@@ -694,9 +694,8 @@ class ProgressThread(_Driver):
         end handed over; then the caller is ordered after all the thread did. Lock not held."""
         if self.thread is threading.current_thread():
             return
-        while self.thread.is_alive():
+        while not self._join(_POLL_S):
             checkpoint()
-            self.thread.join(_POLL_S)
         self.device.observe(self.final_token)
 
     def close(self) -> None:
@@ -705,8 +704,19 @@ class ProgressThread(_Driver):
             self.stopping = True
             self.notify()
         if self.thread is not threading.current_thread():
-            self.thread.join()
+            self._join(None)
         self.device.observe(self.final_token)
+
+    def _join(self, timeout: Optional[float]) -> bool:
+        """Wait up to ``timeout`` seconds (None: for as long as it takes) for the thread to end;
+        returns whether it has. Not on the thread itself."""
+        # not Thread.join alone: on CPython 3.11 an exception that a signal handler raises inside
+        # join() marks the thread stopped although it runs on (is_alive() is False from then on),
+        # and the caller would free what the thread still uses. An Event's wait has no such flaw
+        if not self.gone.wait(timeout):
+            return False
+        self.thread.join()  # (its body has returned: only the interpreter's end of the thread is left)
+        return True
 
     # -- the thread ------------------------------------------------------------------------------
     def step_once(self) -> bool:
@@ -845,5 +855,8 @@ def _run(driver: "ProgressThread") -> None:
         resolve(driver.sched.take_resolved())
     finally:
         driver.ended = True
-        driver.refuse_commands()
+        try:
+            driver.refuse_commands()
+        finally:
+            driver.gone.set()
 
