@@ -22,13 +22,14 @@ from tests.helpers.pipeline_checks import copy_failing_on_call
 CHUNK = 4096
 
 
-def f(x, y):
-    y[...] = x * 3 + 1
+def f(x, y):  # with out= and in place: a temporary (x * 3) would refuse the capture
+    np.multiply(x, 3, out=y)
+    y += 1
 
 
 def row_sums(x, y):
-    y[:, 0] = x.sum(axis=1, dtype=np.float64)
-    y[:, 1] = x.max(axis=1)
+    x.sum(axis=1, dtype=np.float64, out=y[:, 0])
+    x.max(axis=1, out=y[:, 1])
 
 
 def job_over(x, dev, fn=f, **kw):
@@ -62,7 +63,8 @@ def test_a_replay_calls_f_no_more_and_keeps_the_host_state_f_read_while_captured
 
     def scaled(x, y):
         calls[0] += 1
-        y[...] = x * scale[0] + calls[0]
+        np.multiply(x, scale[0], out=y)
+        y += calls[0]
 
     def counted(first):  # what f added to each element: its call's count, one chunk after another
         return np.arange(first, first + n).repeat(CHUNK // 4)[:x.size].astype(np.float32)
@@ -187,6 +189,26 @@ def test_a_compute_reading_its_data_on_the_host_is_captured_by_no_graph(caplog):
                 assert np.array_equal(y[start:start + CHUNK // 4], chunk / float(chunk.max()))
     warned = [r.getMessage() for r in caplog.records if "could not be captured" in r.getMessage()]
     assert len(warned) == 1 and "read device data on the host" in warned[0] and "float()" in warned[0]
+    assert dev.live().total == 0
+
+
+def test_a_compute_making_a_temporary_is_captured_by_no_graph(caplog):
+    """``x * 3`` makes a new device array, which a GPU's caching allocator hands out while the
+    stream captures: a capture refuses it. On the simulated GPU too: logged, with what made the
+    array and how to write without one, and every call runs without a graph (and right)."""
+    def temporary(x, y):
+        y[...] = x * 3 + 1
+
+    dev = rf.device("sim", seed=7, chaos=True)
+    x = data()
+    with caplog.at_level(logging.WARNING, logger="ringflow"), job_over(x, dev, fn=temporary) as job:
+        for call in range(3):
+            x[:] = data(call)
+            assert np.array_equal(job(), x * 3 + 1)
+            assert not job.replays_graph
+    warned = [r.getMessage() for r in caplog.records if "could not be captured" in r.getMessage()]
+    assert len(warned) == 1 and "allocated device memory while captured: np.multiply made a new" in warned[0]
+    assert "out=" in warned[0] and "in place" in warned[0]
     assert dev.live().total == 0
 
 

@@ -18,10 +18,36 @@ SCALE = rf.Kernel('extern "C" __global__ void scale(const float* x, float* y, fl
                   reference=lambda x, y, a: np.multiply(x, a, out=y))
 
 
+# scratch memory made outside the callables (as device arrays would be on a GPU): a captured
+# callable writes with out= or in place, since a temporary is an allocation a capture refuses
+MASK = np.zeros((ROWS, COLS), bool)
+MEANS = np.zeros(COLS, np.float64)
+INDICES = np.zeros((ROWS, COLS), np.intp)
+
+
+def _operators(x, y):
+    np.negative(x, out=y)
+    y *= 3
+    y += 1 ** 2
+
+
+def _where_and_clip(x, y):
+    np.greater(x, 0.5, out=MASK)
+    np.negative(x, out=y)
+    np.clip(x, 0.6, 0.9, out=y, where=MASK)
+
+
 def _rows_reduced(x, y):
-    y[:, 0] = x.sum(axis=1, dtype=np.float64)
-    y[:, 1] = x.max(axis=1)
-    y[:, 2:] = x.astype(np.float64).mean(axis=0)[:3]
+    x.sum(axis=1, dtype=np.float64, out=y[:, 0])
+    x.max(axis=1, out=y[:, 1])
+    np.mean(x, axis=0, dtype=np.float64, out=MEANS)
+    y[:, 2:] = MEANS[:3]
+
+
+def _sort_cumsum_concatenate(x, y):
+    np.cumsum(x, axis=1, out=y)
+    np.concatenate([x[:, 1:2], x[:, :1]], axis=1, out=y[:, :2])
+    y[:, :2].sort(axis=1)
 
 
 def _iterated(x, y):
@@ -30,13 +56,15 @@ def _iterated(x, y):
 
 
 def _divmod(x, y):
-    q, r = np.divmod(x, 0.3)
-    y[...] = q * 10 + r
+    np.divmod(x, 0.3, out=(x, y))
+    x *= 10
+    y += x
 
 
 def _gather(x, y):
-    idx = (x * 10).astype(np.intp) % 10
-    y[...] = x.reshape(-1)[idx] + np.take(x, idx)
+    np.multiply(x, 10, out=INDICES, casting="unsafe")  # (x in [0, 1): flat indices 0 to 9)
+    np.take(x, INDICES, out=y)
+    np.add(y, x.reshape(-1)[7], out=y)
 
 
 def _in_place(x, y):
@@ -51,35 +79,29 @@ def _kernel(x, y):
     y += 1
 
 
-def _named_tuple(x, y):
-    w, v = np.linalg.eigh(x[:5] @ x[:5].T)
-    y[:5] = v * w
-
-
 def _scalars(x, y):
-    s = x.max()
-    y[...] = np.minimum(x, s * 0.5) / x.sum()
+    np.minimum(x, x[0, 0], out=y)
+    y /= x[-1, -1]
+    np.multiply(y, x[1, 2], out=y)
 
 
 COMPUTES = {
-    "operators": lambda x, y: y.__setitem__(Ellipsis, -x * 3 + 1 ** 2),
+    "operators": _operators,
     "ufunc out=": lambda x, y: np.multiply(x, 2, out=y),
-    "where and clip": lambda x, y: np.copyto(y, np.where(x > 0.5, np.clip(x, 0.6, 0.9), -x)),
+    "where= and clip": _where_and_clip,
     "reductions": _rows_reduced,
-    "matmul with host weights": lambda x, y: y[:, :3].__setitem__(Ellipsis, x @ WEIGHTS),
-    "sort, cumsum, concatenate": lambda x, y: np.copyto(
-        y, np.concatenate([np.sort(x, axis=1)[:, :2], np.cumsum(x, axis=1)[:, 2:]], axis=1)),
-    "methods": lambda x, y: (y.fill(0), y.__setitem__((slice(None), 0), x.T.copy().ravel()[:ROWS])),
+    "matmul with host weights": lambda x, y: np.matmul(x, WEIGHTS, out=y[:, :3]),
+    "sort, cumsum, concatenate": _sort_cumsum_concatenate,
+    "methods": lambda x, y: (y.fill(0), y.T[0].__setitem__(Ellipsis, x.ravel()[:ROWS]), y.clip(0.2, 0.7, out=y)),
     "indexing": lambda x, y: (y.__setitem__(slice(None, None, 2), x[::2, ::-1]),
-                              y.__setitem__(slice(1, None, 2), x[[1, 0, 3, 2, 5, 4], :])),
-    "mask assignment": lambda x, y: (np.copyto(y, x), y.__setitem__(x > 0.5, 0)),
+                              y.__setitem__([11, 9, 7, 5, 3, 1], x[1::2])),
+    "mask assignment": lambda x, y: (np.copyto(y, x), np.greater(x, 0.5, out=MASK), y.__setitem__(MASK, 0)),
     "iteration": _iterated,
     "divmod": _divmod,
     "gather": _gather,
     "in place": _in_place,
     "a kernel": _kernel,
     "numpy scalars": _scalars,
-    "a named tuple (np.linalg)": _named_tuple,
 }
 
 
@@ -186,15 +208,16 @@ def test_the_capture_is_abandoned_even_where_the_callable_catches_the_refusal():
 
 
 def test_a_result_sized_by_host_values_changed_since_the_capture_fails_the_launch():
-    counts = np.ones(ROWS, np.intp)
+    shape = np.array([ROWS, 1])
 
     def fn(x):
-        x[...] = np.repeat(x, counts)[:ROWS]
+        view = x.reshape(shape)
+        view += 1
 
     x = np.zeros(ROWS, np.float32)
     graph, a, hosts, outs = capture(fn, [x])
     launch(graph, a, hosts, outs, [x])
-    counts[0] = 2
+    shape[...] = [2, ROWS // 2]
     with pytest.raises(LaunchError, match="size depends on the data"):
         launch(graph, a, hosts, outs, [x])
 
@@ -219,4 +242,103 @@ def test_a_read_only_argument_refuses_a_write_while_captured():
     a.begin_capture()
     with pytest.raises(ValueError, match="read-only"):
         a.launch(lambda x, y: x.__iadd__(1), x, y, reads=[x], writes=[y])
+    a.abort_capture()
+
+
+@pytest.mark.parametrize("fn, match", [
+    pytest.param(lambda x, y: y.__setitem__(Ellipsis, x * 2 + 1), r"np\.multiply made a new shape \(12,\) float32 array",
+                 id="an operator"),
+    pytest.param(lambda x, y: np.sqrt(x), r"np\.sqrt made a new", id="a ufunc without out="),
+    pytest.param(lambda x, y: np.add(x, 1, out=y) - 1, r"np\.subtract made a new", id="an operator on out="),
+    pytest.param(lambda x, y: np.copyto(y, x.copy()), r"x\.copy\(\) made a new", id="copy"),
+    pytest.param(lambda x, y: np.copyto(y, x.astype(np.float64)),
+                 r"x\.astype\(\) made a new shape \(12,\) float64 array", id="astype"),
+    pytest.param(lambda x, y: y.__setitem__(0, x.sum()), r"x\.sum\(\) made a new shape \(\) float32 array",
+                 id="a reduction to a scalar"),
+    pytest.param(lambda x, y: np.copyto(y[:2], x[[1, 0]]), r"indexing with an array made a new", id="a gather"),
+    pytest.param(lambda x, y: np.copyto(y, np.where(y > 0, x, 0)), r"np\.greater made a new", id="np.where"),
+    pytest.param(lambda x, y: np.copyto(y, np.concatenate([x[:6], x[6:]])), r"np\.concatenate made a new",
+                 id="a numpy function"),
+    pytest.param(lambda x, y: np.copyto(y, x.reshape(3, 4).T.reshape(-1)), r"x\.reshape\(\) made a new",
+                 id="a reshape that copies"),
+    pytest.param(lambda x, y: np.divmod(x, 0.5, out=(y, None)), r"np\.divmod made a new", id="one of two outputs"),
+])
+def test_a_new_device_array_made_while_captured_abandons_the_capture(fn, match):
+    """A temporary is device memory the framework's allocator hands out while the stream
+    captures, which a GPU's capture refuses: the launch raises once the callable returns (what it
+    did meanwhile runs nowhere), naming the first new array and how to write without it."""
+    dev = rf.device("sim")
+    a, d, e = dev.create_stream(), dev.allocate(4 * ROWS), dev.allocate(4 * ROWS)
+    a.begin_capture()
+    with pytest.raises(CaptureError, match=r"allocated device memory while captured: " + match) as info:
+        a.launch(fn, d.array(np.float32, ROWS), e.array(np.float32, ROWS))
+    assert "out=" in str(info.value) and "in place" in str(info.value)
+    with pytest.raises(CaptureError, match="abandoned: .* allocated device memory"):
+        a.end_capture()
+
+
+def test_writes_into_existing_arrays_and_views_of_them_allocate_nothing():
+    """What a GPU captures: ufuncs with ``out=``, in-place operators, assignments and copies into
+    an array, views (slices, a transpose, a reshape that keeps the layout, a same-type astype),
+    in-place methods and ``rf.Kernel`` calls, also into a scratch array made outside the callable."""
+    scratch = np.zeros(ROWS, np.float32)
+
+    def fn(x, y):
+        np.multiply(x, 2, out=y)
+        y += 1
+        y[...] = x
+        y[:] = x[::-1]
+        np.copyto(y[:6], x.reshape(2, 6).T.T[0])
+        y.reshape(3, 4)[...] = x.reshape(4, 3).T
+        np.add(x[2], y[3], out=y[4:5])
+        np.sqrt(y, out=scratch)
+        np.maximum(scratch, x.astype(np.float32, copy=False), out=y)
+        y.sort()
+        SCALE(x, y, np.float32(0.5))
+        np.add.at(y, [0, 1], x[:2])
+        for row in y.reshape(3, 4):
+            row *= 2
+
+    x = np.zeros(ROWS, np.float32)
+    graph, a, hosts, outs = capture(fn, [x, x])
+    for call in range(2):
+        x = np.random.default_rng(call).uniform(size=ROWS).astype(np.float32)
+        y = np.random.default_rng(100 + call).uniform(size=ROWS).astype(np.float32)
+        got = launch(graph, a, hosts, outs, [x, y])
+        want_x, want_y = x.copy(), y.copy()
+        fn(want_x, want_y)
+        np.testing.assert_array_equal(got[0], want_x)
+        np.testing.assert_array_equal(got[1], want_y)
+
+
+def test_a_host_read_after_a_new_array_is_the_reason_given():
+    """As on a GPU, where the synchronisation fails inside the callable and the allocations are
+    counted after it returns: ``float(x.max())`` is refused for reading the data on the host."""
+    dev = rf.device("sim")
+    a, d = dev.create_stream(), dev.allocate(4 * ROWS)
+    a.begin_capture()
+    with pytest.raises(CaptureError, match=r"read device data on the host while captured: float\(\)"):
+        a.launch(lambda x: float(x.max()), d.array(np.float32, ROWS))
+    with pytest.raises(CaptureError, match=r"abandoned: .*float\(\)"):
+        a.end_capture()
+
+
+def test_a_named_tuple_of_new_arrays_reaches_the_callable_and_abandons_the_capture():
+    """np.linalg's results are new arrays (a GPU's solver allocates them): the callable sees
+    the named tuple of stand-ins while captured, and the capture is abandoned when it returns."""
+    seen = []
+
+    def fn(x, y):
+        np.matmul(x[:5], x[:5].T, out=y[:5, :5])
+        result = np.linalg.eigh(y[:5, :5])
+        seen.append((type(result).__name__, result.eigenvalues.shape, result.eigenvectors.shape))
+        w, v = result
+        y[:5, :5] = v * w
+
+    dev = rf.device("sim")
+    a, d, e = dev.create_stream(), dev.allocate(4 * ROWS * COLS), dev.allocate(4 * ROWS * COLS)
+    a.begin_capture()
+    with pytest.raises(CaptureError, match=r"allocated device memory while captured: np\.eigh made a new"):
+        a.launch(fn, d.array(np.float32, (ROWS, COLS)), e.array(np.float32, (ROWS, COLS)))
+    assert seen == [("EighResult", (5,), (5, 5))]
     a.abort_capture()

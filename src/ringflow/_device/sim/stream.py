@@ -240,20 +240,20 @@ class SimStream(Stream):
         """A launch while capturing, as on a GPU: ``fn`` is called now, on this thread (without
         the device's lock), and what it does to its arrays is recorded (:mod:`.tape`); the
         graph's launches replay that, and never call ``fn``. ``fn`` reading device data on the
-        host abandons the capture; any other exception from it is raised here, the work it
-        recorded before raising staying captured."""
+        host, or making a new device array and returning, abandons the capture; any other
+        exception from it is raised here, the work it recorded before raising staying captured."""
         tape = Tape(getattr(fn, "__name__", type(fn).__name__), len(args), capture.shadows)
         try:
             tape.capture(fn, args, read_only)
         except HostRead:
             pass  # the capture is abandoned below (also where fn caught the error itself)
         finally:
-            if tape.host_read is None:  # (the launch stays a kernel of its sim_seconds over its arrays)
+            if tape.refused is None:  # (the launch stays a kernel of its sim_seconds over its arrays)
                 with self._dev._lock:
                     capture.add(self, "launch", (tape, *args), kwargs)
-        if tape.host_read is not None:
+        if tape.refused is not None:
             with self._dev._lock:
-                raise capture.abandon(tape.host_read)
+                raise capture.abandon(tape.refused)
 
     def _access_sets(self, args: tuple, reads: Iterable[Any], writes: Iterable[Any]) -> tuple[list, list, list]:
         """A launch's ``(read_set, write_set, read_only)``: the slices it reads and writes (an

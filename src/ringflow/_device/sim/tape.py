@@ -21,6 +21,17 @@ capture refuses; so would a result whose size depends on the data (a boolean mas
 ``np.nonzero``): each raises a :class:`HostRead` and abandons the capture. A numpy array the
 callable holds from outside (scratch memory, weights) stands for device memory made outside
 it, as a CuPy array would be: a replay uses that array as it is then.
+
+An operation whose result is a new array (``x * 2``, ``x.copy()``, ``x.astype(np.float64)``,
+a reduction, indexing with an array), rather than an array the launch was given or one held
+from outside, or a view of either, stands for device memory that a framework's allocator hands
+out while the stream captures, which a GPU's capture refuses (a graph would keep writing that
+memory after it is handed out again). The callable goes on, as it would on a GPU, and once it
+returns the capture is abandoned, naming the first such operation; a host read meanwhile is
+the reason given instead, as the synchronisation fails inside the callable on a GPU. Writing
+into existing memory is what captures: ``out=``, in-place operators, assignments into an array
+or a view of it, ``y.fill()`` and kernels. (A GPU library may also allocate inside an operation,
+a sort's scratch space for one, which the stand-ins do not see.)
 """
 
 from __future__ import annotations
@@ -46,6 +57,9 @@ _HOST_METHODS = frozenset({"item", "tolist", "tobytes", "tostring", "tofile", "d
 # attributes about the array, not its data
 _ATTRIBUTES = frozenset({"shape", "dtype", "ndim", "size", "itemsize", "nbytes", "strides", "flags"})
 
+_WHY_NEW = ("a graph would keep writing memory the framework hands out again after the capture, which a GPU's "
+            "capture refuses; write into existing arrays (y, a view of it, or scratch arrays made outside the "
+            "callable): with out= (np.multiply(x, 2, out=y) rather than y[...] = x * 2) or in place (y *= 2)")
 _WHY = ("a GPU must run the work captured so far and synchronise before the host has it, which a capture refuses; "
         "compute with the device arrays only (np.where(cond, a, b) rather than an if on their values)")
 
@@ -101,7 +115,8 @@ class Tape:
         self.n_args = n_args
         self.ops: list[Op] = []
         self.recording = True
-        self.host_read: Optional[str] = None  # what the callable read on the host, if it did
+        self.refused: Optional[str] = None  # why the capture is refused: a host read, or a new array
+        self._allocated: Optional[str] = None  # the first new array the callable made, if it made one
         self._shadows = shadows  # the capture's shadow memory (device_shadow, host_shadow)
 
     def __repr__(self) -> str:
@@ -120,7 +135,10 @@ class Tape:
 
     # -- recording -------------------------------------------------------------------------
     def capture(self, fn: Callable, args: tuple, read_only: list) -> None:
-        """Call ``fn`` once on stand-ins for ``args``' arrays, recording what it does to them."""
+        """Call ``fn`` once on stand-ins for ``args``' arrays, recording what it does to them.
+        Afterwards :attr:`refused` says why the capture must be abandoned, if it must: the first
+        host read (also one ``fn`` caught), else, where ``fn`` returned, the first new array it
+        made. Raises what ``fn`` raised (a :class:`HostRead` for a host read it did not catch)."""
         stand_ins = [TapeArray(self, Ref(i), device_shadow(a, ro, self._shadows)) if isinstance(a, ArrayArg) else a
                      for i, (a, ro) in enumerate(zip(args, read_only))]
         try:
@@ -128,20 +146,48 @@ class Tape:
         finally:
             self.recording = False
             self._shadows = {}
+        if self.refused is None:
+            self.refused = self._allocated
 
     def refuse(self, what: str) -> HostRead:
         """Note that the callable needed ``what`` on the host; returns the error to raise."""
         text = f"{self.__name__} read device data on the host while captured: {what}; {_WHY}"
-        if self.host_read is None:
-            self.host_read = text
+        if self.refused is None:
+            self.refused = text
         return HostRead(text)
 
-    def record(self, call: Callable, args: tuple, kwargs: dict, what: str, *, metadata: bool = False) -> Any:
+    def _check_new(self, result: Any, what: str) -> None:
+        """Note the first operation whose ``result`` (as done on the shadows) holds an array in
+        memory of its own: none of the capture's device arguments' or host arrays' memory."""
+        if self._allocated is not None:
+            return
+        for r in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(r, np.generic) or (isinstance(r, np.ndarray) and r.nbytes and not self._known(r)):
+                self._allocated = (f"{self.__name__} allocated device memory while captured: {what} made a new "
+                                   f"{describe(signature(r))} array; {_WHY_NEW}")
+                return
+
+    def _known(self, a: np.ndarray) -> bool:
+        """Whether ``a`` lies in the shadow memory of the capture's arguments and host arrays."""
+        lo, hi = byte_bounds(a)
+        for entry in self._shadows.values():
+            raw = entry[1]
+            start = raw.ctypes.data
+            if start <= lo and hi <= start + raw.nbytes:
+                return True
+        return False
+
+    def record(self, call: Callable, args: tuple, kwargs: dict, what: str, *, metadata: bool = False,
+               view: bool = False) -> Any:
         """Record ``call(*args, **kwargs)`` and do it on the shadows; returns its result as the
-        callable sees it (stand-ins for arrays)."""
+        callable sees it (stand-ins for arrays). A result in new memory is noted (the capture
+        is abandoned once the callable returns), unless ``view`` says it is a view (a numpy
+        scalar from basic indexing, which a GPU's array gives as a view)."""
         targs, tkwargs = self.template(args), self.template(kwargs)
         with np.errstate(all="ignore"):
             result = call(*shadows(args, self._shadows), **shadows(kwargs, self._shadows))
+        if not (view or metadata):
+            self._check_new(result, what)
         given = stand_ins_in((args, kwargs))
         if isinstance(result, (tuple, list)) and result and all(_is_array(r) for r in result):
             ref = self._append(Op(call, targs, tkwargs, what, signature(result)))
@@ -251,7 +297,9 @@ class TapeArray(NDArrayOperatorsMixin):
             if isinstance(k, TapeArray) and k.dtype == bool:
                 raise tape.refuse("indexing with a boolean mask of device data, which selects as many elements as "
                                   "the data says (np.where(mask, a, b), or an assignment y[mask] = v, is fine)")
-        return tape.record(operator.getitem, (self, key), {}, "indexing")
+        basic = all(_is_basic(k) for k in (key if isinstance(key, tuple) else (key,)))
+        return tape.record(operator.getitem, (self, key), {}, "indexing" if basic else "indexing with an array",
+                           view=basic)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self._check().record(operator.setitem, (self, key, value), {}, "an assignment")
@@ -369,7 +417,9 @@ def device_shadow(a: ArrayArg, read_only: bool, memo: dict) -> np.ndarray:
 def host_shadow(a: np.ndarray, memo: dict) -> np.ndarray:
     """A copy of host array ``a`` that views of the same memory share, made once a capture."""
     if type(a) is not np.ndarray or a.dtype.hasobject:
-        return a.copy()
+        copy = a.copy()
+        memo[("copy", id(copy))] = (a, copy)  # (memory a result may be a view of: not new)
+        return copy
     root = a
     while isinstance(root.base, np.ndarray):
         root = root.base
@@ -390,6 +440,12 @@ def _aligned_zeros(nbytes: int) -> np.ndarray:
     raw = np.zeros(nbytes + 255, np.uint8)
     start = -raw.ctypes.data % 256
     return raw[start:start + nbytes]
+
+
+def _is_basic(key: Any) -> bool:
+    """Whether index ``key`` selects a view (basic indexing), as an integer, a slice, ``...`` or
+    None does; an array, a list or a bool makes a copy."""
+    return isinstance(key, (int, np.integer, slice, type(Ellipsis), type(None))) and not isinstance(key, bool)
 
 
 def _is_array(value: Any) -> bool:
