@@ -133,13 +133,18 @@ class MapJob:
     contents of ``x``, but whatever ``f`` read on the host (a global, a counter, a random number
     drawn there) keeps the value it had at the capture, and its side effects happen then only.
     So ``f`` must enqueue the same work on every call, write only into ``y`` and allocate
-    nothing (scratch arrays made outside ``f``), and not synchronise. The simulated GPU keeps
-    this rule: while capturing, ``f`` gets stand-ins for its arrays that record the numpy work
-    done on them, and a replay runs that work without calling ``f``; ``f`` reading the data on
-    the host (an ``if`` on its values, ``float()``, ``.item()``, ``np.asarray``) refuses the
-    capture there, as the synchronisation it needs would on a GPU. A capture the device
-    refuses, an exception from ``f`` while capturing, or a framework allocation seen inside
-    ``f``, is logged (logger ``ringflow``) and the job goes on without a graph;
+    nothing, and not synchronise. Allocating nothing means no temporaries: ``f`` writes into
+    ``y``, views of it, or scratch arrays made outside ``f``, with ``out=`` or in place
+    (``np.multiply(x, 2, out=y); y += 1`` rather than ``y[...] = x * 2 + 1``, whose ``x * 2``
+    is a new device array). The simulated GPU keeps these rules: while capturing, ``f`` gets
+    stand-ins for its arrays that record the numpy work done on them, and a replay runs that
+    work without calling ``f``; ``f`` reading the data on the host (an ``if`` on its values,
+    ``float()``, ``.item()``, ``np.asarray``) refuses the capture there, as the synchronisation
+    it needs would on a GPU, and an operation making a new array (``x * 2``, ``x.copy()``,
+    ``x.astype(...)``, a reduction without ``out=``, indexing with an array) refuses it once
+    ``f`` returns, as the allocation does on a GPU. A capture the device refuses, an exception
+    from ``f`` while capturing, or a framework allocation seen inside ``f``, is logged (logger
+    ``ringflow``, with the reason) and the job goes on without a graph;
     :attr:`replays_graph` says which way the last call ran. A profiled call never replays (its
     timing events are per operation).
 
