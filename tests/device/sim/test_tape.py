@@ -1,7 +1,9 @@
 """What a launched callable does to its arrays, recorded while capturing and replayed by each
 graph launch (``ringflow._device.sim.tape``): every replay computes what the callable computes
 on that launch's data, without calling it; what needs the data on the host, or a result sized
-by the data, abandons the capture, as a GPU's synchronisation would."""
+by the data, abandons the capture, as a GPU's synchronisation would, and so does a new array (a
+temporary), as a GPU's allocation would. The replayed computes write with ``out=``, in place,
+or into views and scratch arrays made outside them."""
 
 from __future__ import annotations
 
