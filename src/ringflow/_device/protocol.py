@@ -45,6 +45,12 @@ ByteRange = tuple[int, int]
 # more than any chunk's kernel.
 MAX_SIM_SECONDS = 1e6
 
+# what both backends say when a compute allocated device memory while a graph was being captured
+CAPTURED_ALLOCATION_ADVICE = (
+    "a graph would keep writing memory the framework hands out again after the capture; write into existing "
+    "arrays (y, a view of it, or scratch arrays made outside the callable): with out= (np.multiply(x, 2, out=y) "
+    "rather than y[...] = x * 2) or in place (y *= 2)")
+
 
 def check_seconds(seconds: Any, what: str) -> float:
     """``seconds``, a duration given by the caller, as a float: a real number from 0 to

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ..._checks import is_c_scalar, launch_scalar
 from ..._errors import CaptureError, DeviceError
-from ..protocol import ArrayArg, Buffer, BufferSlice, Event, Graph, Stream, as_slice, check_event_device, copy_extent
+from ..protocol import CAPTURED_ALLOCATION_ADVICE, ArrayArg, Buffer, BufferSlice, Event, Graph, Stream, as_slice, check_event_device, copy_extent
 from ._lib import as_device_error, check, core, device_error, driver, is_sticky, translate
 from .arrays import framework_allocations, using_stream
 
@@ -296,8 +296,7 @@ class CudaStream(Stream):
                         fn(*converted)
                     if allocated():
                         raise CaptureError(f"compute callable {name} allocated device memory while being "
-                                           "captured; a graph would keep writing memory the framework hands "
-                                           "out again. Write into y and allocate scratch arrays outside compute")
+                                           f"captured; {CAPTURED_ALLOCATION_ADVICE}")
                 else:
                     fn(*converted)
         except DeviceError:

@@ -44,7 +44,7 @@ from numpy.lib.array_utils import byte_bounds
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from ..._errors import CaptureError
-from ..protocol import ArrayArg
+from ..protocol import CAPTURED_ALLOCATION_ADVICE, ArrayArg
 
 # numpy functions whose result is about the arrays' shapes and types, not their data
 _METADATA = frozenset({"shape", "ndim", "size", "result_type", "iscomplexobj", "isrealobj", "min_scalar_type",
@@ -57,9 +57,6 @@ _HOST_METHODS = frozenset({"item", "tolist", "tobytes", "tostring", "tofile", "d
 # attributes about the array, not its data
 _ATTRIBUTES = frozenset({"shape", "dtype", "ndim", "size", "itemsize", "nbytes", "strides", "flags"})
 
-_WHY_NEW = ("a graph would keep writing memory the framework hands out again after the capture, which a GPU's "
-            "capture refuses; write into existing arrays (y, a view of it, or scratch arrays made outside the "
-            "callable): with out= (np.multiply(x, 2, out=y) rather than y[...] = x * 2) or in place (y *= 2)")
 _WHY = ("a GPU must run the work captured so far and synchronise before the host has it, which a capture refuses; "
         "compute with the device arrays only (np.where(cond, a, b) rather than an if on their values)")
 
@@ -164,7 +161,7 @@ class Tape:
         for r in result if isinstance(result, (tuple, list)) else (result,):
             if isinstance(r, np.generic) or (isinstance(r, np.ndarray) and r.nbytes and not self._known(r)):
                 self._allocated = (f"{self.__name__} allocated device memory while captured: {what} made a new "
-                                   f"{describe(signature(r))} array; {_WHY_NEW}")
+                                   f"{describe(signature(r))} array; {CAPTURED_ALLOCATION_ADVICE}")
                 return
 
     def _known(self, a: np.ndarray) -> bool:
