@@ -411,6 +411,94 @@ def test_ctrl_c_gets_out_of_an_ending_waiting_for_a_prepare_that_does_not_return
     assert not [str(w.message) for w in seen if issubclass(w.category, (RuntimeWarning, ResourceWarning))]
 
 
+def _stalling_prepare(started: "dict[float, threading.Event]", release: threading.Event):
+    """A prepare that blocks in user code, until ``release`` is set, for each item whose first
+    element is a key of ``started`` (setting that key's event as it begins to); the others take a
+    second of virtual CPU time (with one worker, the next prepare starts as one ends, which only a
+    device wait reaches)."""
+
+    def prepare(item):
+        if float(item[0]) in started:
+            started[float(item[0])].set()
+            release.wait(JOIN_S)
+        else:
+            charge(1.0)
+        return item
+
+    return prepare
+
+
+@pytest.mark.parametrize("stalled_parts", [1, 2])
+@pytest.mark.parametrize("ending", ["close", "with-error"])
+def test_a_second_close_of_a_spread_pipeline_waits_for_the_part_whose_end_ctrl_c_handed_over(ending, stalled_parts):
+    """Over two devices, Ctrl-C while the ending waits for a prepare that does not return: the
+    stalled part's end is handed to its progress thread and the ending raises KeyboardInterrupt,
+    without waiting for the other part either (its end is handed over too, its work cancelled:
+    one Ctrl-C gets out however many parts have a stalled prepare). A second close() then waits
+    for the parts' progress threads to end, as a second close() of a single-device pipeline does."""
+    _need_sigint()
+    devs = [rf.device("sim", seed=40 + k, chaos=True) for k in range(2)]
+    release, entered, raised, joining = (threading.Event() for _ in range(4))
+    # items 0 and 1 go to the two parts (the first to the first part, then the least loaded)
+    started = {float(k): threading.Event() for k in range(stalled_parts)}
+    pipe = rf.Pipeline(lambda x, y: np.copyto(y, x + 1), device=devs, prepare=_stalling_prepare(started, release),
+                       chunk_bytes=512, slots=2, workers=1, max_in_flight=4, checked=True)
+    futs = [pipe.submit(np.full(8, float(k))) for k in range(4)]
+    assert futs[0]._driver is pipe.parts[0]._driver and futs[1]._driver is pipe.parts[1]._driver
+    driver = pipe.parts[0]._driver
+    hold, join_handed_over = driver.hold, driver.join_handed_over
+
+    def holding():  # the stalled part's ending takes its lock (inside its shielded call)
+        entered.set()
+        return hold()
+
+    def joined():
+        joining.set()
+        return join_handed_over()
+
+    driver.hold, driver.join_handed_over = holding, joined
+    waiter = start(concurrent.futures.wait, futs, JOIN_S)  # someone waits: the progress threads run
+    assert all(event.wait(JOIN_S) for event in started.values())
+    found: dict = {}
+
+    def ctrl_c_once_stalled():
+        if entered.wait(JOIN_S):
+            interrupt_main()
+            if not raised.wait(STALL_S):
+                found["hung"] = all_stacks()
+                release.set()
+        # the prepare returns only once a second close waits for its part's thread
+        joining.wait(JOIN_S)
+        release.set()
+
+    watchdog = start(ctrl_c_once_stalled)
+    still_stalled = None
+    try:
+        _end(pipe, ending)
+    except KeyboardInterrupt:
+        still_stalled = not release.is_set()
+        raised.set()
+    try:
+        assert "hung" not in found, f"Ctrl-C did not get out of the ending in {STALL_S} s:\n{found['hung']}"
+        assert still_stalled, "the ending did not raise KeyboardInterrupt"
+        # a second close waits for the part whose end was handed over, however long its prepare runs
+        alive = bounded(lambda: (pipe.close(), [p._driver.thread.is_alive() for p in pipe.parts])[1])
+        assert joining.is_set() and alive == [False, False], alive
+    finally:
+        joining.set()
+        release.set()
+        join([watchdog, waiter])
+    assert all(p._sched.closed for p in pipe.parts)
+    assert all(f.done() for f in futs)
+    s = pipe.stats()
+    assert s.in_flight == 0 and s.balanced() and s.accepted == len(futs), s
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe.submit(np.zeros(8))
+    del futs, waiter
+    gc.collect()
+    assert all(d.live().total == 0 for d in devs), [d.live() for d in devs]
+
+
 # -- dropped without close ------------------------------------------------------------------------------------
 def test_dropped_after_ctrl_c_without_close_warns_and_releases():
     dev = rf.device("sim", seed=10, chaos=True)

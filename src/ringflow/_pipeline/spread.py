@@ -299,19 +299,17 @@ class SpreadPipeline(Pipeline):
             part.cancel()
 
     def close(self) -> None:
-        """Close every part (each finishes what it accepted first); harmless twice."""
-        if self._closed:
-            return
+        """Close every part (each finishes what it accepted first); harmless twice. Ctrl-C while a
+        part's close waits ends that part as on one device (:meth:`Pipeline.close`: its end is
+        handed to its progress thread) and the parts not closed yet likewise, without waiting for
+        their work; KeyboardInterrupt is raised once every part was gone through. A later close()
+        goes through every part again, so it waits for each part whose end was handed over, as a
+        second close() of one device does."""
         if self._forget_if_forked():
             return
         self._check_caller("close()", opened=False)
         self._closed = True
-        errors = []
-        for part in self.parts:
-            try:
-                part.close()
-            except BaseException as exc:  # noqa: BLE001 - every part is closed; the first error is raised
-                errors.append(exc)
+        errors = self._end_parts(Pipeline.close)
         self._unshare()
         if errors:
             raise errors[0]
@@ -325,10 +323,29 @@ class SpreadPipeline(Pipeline):
         self._check_caller("__exit__", opened=False)
         self._closed = True
         try:
-            for part in self.parts:  # an error left the block: each part cancels and closes, masking nothing
-                part.__exit__(exc_type, exc, tb)
+            # an error left the block: each part cancels and closes, masking nothing (a Ctrl-C
+            # meanwhile ends the rest as close() does; a later close() waits for them)
+            errors = self._end_parts(lambda part: part.__exit__(exc_type, exc, tb))
         finally:
             self._unshare()
+        if errors:
+            raise errors[0]
+
+    def _end_parts(self, end: Callable[[Pipeline], Any]) -> list:
+        """``end(part)`` for every part, in order; once one raised an interrupt (Ctrl-C, not an
+        Exception), each later part is ended as an interrupted ending ends one
+        (:meth:`Pipeline._end_interrupted`: cancelled, its end handed to its progress thread,
+        waited for only while no stage of it stalls). Returns what each call raised, in order."""
+        errors: list = []
+        for part in self.parts:
+            try:
+                if any(not isinstance(err, Exception) for err in errors):
+                    part._end_interrupted()
+                else:
+                    end(part)
+            except BaseException as exc:  # noqa: BLE001 - every part is ended; the first error is raised
+                errors.append(exc)
+        return errors
 
     def _each(self) -> list[Pipeline]:
         return self.parts
