@@ -499,6 +499,93 @@ def test_a_second_close_of_a_spread_pipeline_waits_for_the_part_whose_end_ctrl_c
     assert all(d.live().total == 0 for d in devs), [d.live() for d in devs]
 
 
+# (call, when the prepare began to stall: before the call, with another thread waiting, or by the
+# call, whose own wait runs the progress thread)
+STALLED_CALLS = [("submit", "before the call"), ("submit", "by the call"), ("result", "before the call"),
+                 ("result", "by the call"), ("map", "before the call"), ("map", "by the call"),
+                 ("stats", "before the call")]
+
+
+@pytest.mark.parametrize("where", ["in a step", "in a device wait"])
+@pytest.mark.parametrize("call, begun", STALLED_CALLS)
+def test_ctrl_c_gets_out_of_a_call_waiting_on_a_pipeline_a_stalled_prepare_keeps(call, begun, where):
+    """Ctrl-C on the main thread while submit (with room, or waiting for it), a future's result(),
+    map or stats waits on a pipeline whose progress thread runs a prepare that does not return:
+    the KeyboardInterrupt comes out while the prepare still blocks, and the pipeline is left as
+    a close() ends once the prepare returns. On the simulated GPU the prepare runs on the progress
+    thread, inside a step holding the pipeline's lock (or inside a device wait, holding the
+    device's); these calls took that lock in a wait no Ctrl-C ends. A call that needs neither the
+    lock nor the stalled item (submit with room, stats, while the stall is in a device wait)
+    returns without waiting, as it did."""
+    _need_sigint()
+    dev = rf.device("sim", seed=13, chaos=True)
+    blocked = 0.0 if where == "in a step" else 1.0  # the item whose prepare stalls
+    started, release = {blocked: threading.Event()}, threading.Event()
+    entered, raised = threading.Event(), threading.Event()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        # with room for one more chunk, but none when submit waits for room
+        room = 3 if call == "submit" and begun == "by the call" else 4
+        pipe = rf.Pipeline(lambda x, y: np.copyto(y, x + 1), device=dev, prepare=_stalling_prepare(started, release),
+                           chunk_bytes=512, slots=2, workers=1, max_in_flight=room, checked=True)
+        sent = [] if call == "map" and begun == "by the call" else [np.full(8, float(k)) for k in range(3)]
+        futs = [pipe.submit(item) for item in sent]
+        waiter = None
+        if begun == "before the call":
+            waiter = start(concurrent.futures.wait, futs, JOIN_S)
+            assert started[blocked].wait(JOIN_S)
+        found: dict = {}
+
+        def ctrl_c_once_stalled():
+            if entered.wait(JOIN_S) and started[blocked].wait(JOIN_S):
+                interrupt_main()
+                if not raised.wait(STALL_S):
+                    found["hung"] = all_stacks()
+            release.set()
+
+        watchdog = start(ctrl_c_once_stalled)
+        still_stalled, returned = None, False
+        got = []
+        try:
+            entered.set()
+            if call == "submit":
+                sent.append(np.full(8, 10.0))
+                futs.append(pipe.submit(sent[-1]))
+            elif call == "result":
+                got.append(futs[0].result())
+            elif call == "map":
+                got.extend(pipe.map([np.full(8, 10.0 + k) for k in range(6)] if futs else
+                                    [np.full(8, float(k)) for k in range(6)]))
+            else:
+                got.append(pipe.stats())
+            returned = True
+            raised.wait(JOIN_S)  # (the Ctrl-C lands here, after the call: never set)
+        except KeyboardInterrupt:
+            still_stalled = not release.is_set()
+            raised.set()
+        release.set()
+        join([watchdog])
+        assert "hung" not in found, f"Ctrl-C did not get out of {call}() in {STALL_S} s:\n{found['hung']}"
+        assert still_stalled, "the call did not raise KeyboardInterrupt"
+        # it waited for the stall (and raised) unless it needs neither the lock nor the stalled item
+        assert returned == (call in ("submit", "stats") and begun == "before the call" and where != "in a step")
+        if call == "map":  # results handed out before the stall are right, in order
+            for k, r in enumerate(got):
+                np.testing.assert_array_equal(r, np.full(8, (10.0 if futs else 0.0) + k + 1))
+        bounded(pipe.close)  # the prepare returned: close finishes the rest
+        if waiter is not None:
+            join([waiter])
+        assert all(f.done() for f in futs)
+        s = pipe.stats()
+        assert s.in_flight == 0 and s.balanced() and s.failed == 0, s
+        for f, item in zip(futs, sent):  # what was delivered is right
+            np.testing.assert_array_equal(f.result(), item + 1)
+        del futs, waiter
+        gc.collect()
+        assert dev.live().total == 0, dev.live()
+    assert not [str(w.message) for w in seen if issubclass(w.category, (RuntimeWarning, ResourceWarning))]
+
+
 # -- dropped without close ------------------------------------------------------------------------------------
 def test_dropped_after_ctrl_c_without_close_warns_and_releases():
     dev = rf.device("sim", seed=10, chaos=True)

@@ -36,7 +36,7 @@ from .._errors import StageError, describe, shown, warn_quietly
 from .batch_space import aligned
 from .aio import CancelIfDropped, Source, follow, give_up_pulled_by, give_up_stranded, retrieve
 from .chunk import Chunk, ChunkFuture, cancel_unwanted, post_cancel
-from .driver import CallerDriver, ProgressThread, resolve
+from .driver import CallerDriver, Hold, ProgressThread, resolve
 from .config import PipelineConfig, SlotCounts
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, lent_slots, resolve_slots
 from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_into, packed, unflatten
@@ -73,6 +73,16 @@ def _copy_array_in(arr: np.ndarray, raw: np.ndarray, chunk_bytes: int) -> tuple:
     dst = raw[:arr.nbytes].view(arr.dtype).reshape(arr.shape)
     np.copyto(dst, arr, casting="no")
     return arr.shape, arr.dtype
+
+
+def _untrack(sched: Scheduler, chunks: list) -> None:
+    """A map that took ``chunks`` has ended: their results are no longer its to hand out, nor
+    held for it (lock held). Once for each chunk, however often it is called."""
+    for chunk in chunks:
+        if chunk.in_map:
+            chunk.in_map = False
+            if chunk.state.final:
+                sched.unclaimed -= 1
 
 
 def _private_copy(item: Any) -> Any:
@@ -635,11 +645,14 @@ class Pipeline:
                 return fut
         return self._accept_staged(self._accepting(item), timeout, gave_up)
 
-    def _wait_for_capacity(self, timeout: Optional[float], gave_up: Optional[Callable[[], bool]] = None) -> None:
+    def _wait_for_capacity(self, timeout: Optional[float], gave_up: Optional[Callable[[], bool]] = None,
+                           hold: Optional[Hold] = None) -> None:
         """Lock held: wait until the pipeline has room for another chunk (or takes no more).
 
         Args:
             gave_up: see :meth:`_submit`: once it holds, the wait ends and nothing is accepted.
+            hold: the lock as the caller holds it (:class:`.driver.Hold`), which the wait may give
+                up to a Ctrl-C (KeyboardInterrupt raised, nothing accepted).
 
         Raises:
             _GaveUp: ``gave_up()`` held (before or during the wait).
@@ -650,7 +663,7 @@ class Pipeline:
         if not s.has_capacity():
             t0 = self.device.now
             d.wait_for(lambda: s.has_capacity() or not s.accepting or s.broken is not None or given_up(), timeout,
-                       "capacity")
+                       "capacity", hold=hold)
             self._stall("stall: producer", "producer blocked by backpressure", t0)
         if given_up():
             raise _GaveUp()
@@ -679,12 +692,12 @@ class Pipeline:
         try:
             place = s.join_open_batch(d, spec, claim)  # under the scheduler's batch lock, not the driver's
             while place is None:
-                with d.cv:
+                with d.hold() as hold:
                     place = s.join_open_batch(d, spec, claim)  # another thread may have opened one
                     if place is None:
                         if not wait and not s.has_capacity():
                             return _NO_ROOM
-                        self._wait_for_capacity(timeout, gave_up)
+                        self._wait_for_capacity(timeout, gave_up, hold)
                         place = s.join_open_batch(d, spec, claim) or s.open_new_batch(d, spec, claim)
                 if place is None:  # the slab of shared chunks is full: a new one, taken outside the lock
                     slab = self._pool.take((s.space.slab_bytes,), np.dtype(np.uint8))
@@ -772,7 +785,7 @@ class Pipeline:
         # this map's accepted items in input order, by index: a chunk of its own, or an item
         # sharing a chunk (_Shared: its future)
         pending: collections.OrderedDict[int, Any] = collections.OrderedDict()
-        exhausted = started = False
+        exhausted = started = interrupted = False
         carried: list = []  # an item pulled but not yet accepted: (item, what _accepting made, or _SHARES)
         # items sharing chunks hold no capacity once their chunk ended: the bytes of those this
         # map accepted and has not handed out are bounded instead, by what max_in_flight chunks hold
@@ -819,7 +832,7 @@ class Pipeline:
                         held += item.nbytes
                         started = True
                         continue
-                    with d.cv:
+                    with d.hold():
                         if not s.accepting or not s.has_capacity():
                             break
                         carried.pop()
@@ -833,11 +846,11 @@ class Pipeline:
                     held -= entry.nbytes
                     state, value, error = entry.outcome()
                 else:
-                    with d.cv:
+                    with d.hold() as hold:
                         entry = self._next_ready(pending)
                         if entry is None:
                             outcome = self._map_wait(pending, needs_room and (not exhausted or bool(carried)),
-                                                     started)
+                                                     started, hold)
                             if outcome == "stop":
                                 return
                             continue
@@ -863,16 +876,14 @@ class Pipeline:
                     if s.first_error is not None and self.config.on_error == "raise":
                         raise s.first_error
                     return
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
         finally:
             # the caller stopped early (a break, an error in its loop, Ctrl-C): what this map took
             # and has not handed out is not wanted, as concurrent.futures' Executor.map has it
-            cancel_unwanted([entry.future for entry in pending.values() if not entry.ended()])
-            with d.cv:
-                for entry in pending.values():  # stop tracking these
-                    if type(entry) is not _Shared:
-                        entry.in_map = False
-                        if entry.state.final:
-                            s.unclaimed -= 1
+            # (a whole-array call's driver is its caller: no other thread keeps its lock)
+            self._drop_unwanted(pending, wait=not (interrupted and d.background))
             # this generator has ended, and its frame stays in the traceback of what it raised
             # (and is an ancestor of the frames a stage ran in, on the simulated GPU): its locals
             # must not keep a failure, nor a chunk or future holding one, or the two would form
@@ -881,15 +892,40 @@ class Pipeline:
             pending.clear()
             chunk = entry = fut = error = None
 
+    def _drop_unwanted(self, pending: "collections.OrderedDict[int, Any]", wait: bool) -> None:
+        """A map ends: cancel what it took and has not handed out (``pending``'s entries), and
+        stop counting their results as the map's (:attr:`Scheduler.unclaimed`). With ``wait``,
+        returns once both are done, unless a Ctrl-C gets it out of the wait; otherwise, and where
+        a Ctrl-C did, both are handed to the progress thread without waiting for its lock
+        (:meth:`.driver.ProgressThread.post`), carried out on its next turn, before any command
+        posted later (close()'s). After a Ctrl-C the map does not wait: what it interrupted may
+        be a stage that does not return, through which the progress thread keeps its lock."""
+        d, s = self._driver, self._sched
+        unwanted = [entry.future for entry in pending.values() if not entry.ended()]
+        chunks = [entry for entry in pending.values() if type(entry) is not _Shared]
+        done = False
+        try:
+            if wait:
+                cancel_unwanted(unwanted)
+                with d.hold():
+                    _untrack(s, chunks)
+                done = True
+        finally:
+            if not done and d.background:  # (a whole-array call's driver waits: it is the caller)
+                cancel_unwanted(unwanted, wait=False)
+                if chunks:
+                    d.post(functools.partial(_untrack, s, chunks), _never)
+
     def _map_shares(self, item: Any) -> bool:
         """Whether ``map`` puts ``item`` in a chunk other items may share: one :meth:`submit`
         would share that is not pinned already (a pool array is read in place: copying it into a
         shared chunk would add a copy, where a plain array is copied into pinned memory anyway)."""
         return self._shares_chunk(item) and not self._read_in_place(item)
 
-    def _map_wait(self, pending, needs_room: bool, started: bool) -> Optional[str]:
-        """Wait (lock held) for the next result of a map, or, where ``needs_room`` (input is
-        left that waits for capacity), for room to take more; "stop" when nothing more can come."""
+    def _map_wait(self, pending, needs_room: bool, started: bool, hold: Hold) -> Optional[str]:
+        """Wait (lock held as ``hold``, which the wait may give up to a Ctrl-C) for the next result
+        of a map, or, where ``needs_room`` (input is left that waits for capacity), for room to
+        take more; "stop" when nothing more can come."""
         d, s = self._driver, self._sched
         if not pending and not needs_room:
             return "stop"
@@ -908,7 +944,7 @@ class Pipeline:
         # device) while nothing of this map is pending: no capacity would ever come
         d.wait_for(lambda: self._next_ready(pending) is not None
                    or (needs_room and (s.has_capacity() or (not pending and not s.accepting))), None,
-                   "the next result")
+                   "the next result", hold=hold)
         if self._next_ready(pending) is not None:
             self._stall("stall: consumer", "consumer waiting for data", t0)
         else:
@@ -936,10 +972,10 @@ class Pipeline:
 
     def _settle_after_error(self) -> None:
         d, s = self._driver, self._sched
-        with d.cv:
+        with d.hold() as hold:
             if self.config.on_error == "raise":
-                d.command(s.cancel_pending)
-            d.wait_for(s.finished, None, "the pipeline to settle")
+                d.command(s.cancel_pending, hold=hold)
+            d.wait_for(s.finished, None, "the pipeline to settle", hold=hold)
 
     # -- asyncio --------------------------------------------------------------------------------
     async def asubmit(self, item: Any, timeout: Optional[float] = None) -> Any:
@@ -1052,8 +1088,8 @@ class Pipeline:
         """:meth:`submit` for an item :meth:`_accepting` made ready: wait for capacity, accept.
         ``gave_up``: as :meth:`_submit` (raises _GaveUp, nothing accepted)."""
         d, s = self._driver, self._sched
-        with d.cv:
-            self._wait_for_capacity(timeout, gave_up)
+        with d.hold() as hold:
+            self._wait_for_capacity(timeout, gave_up, hold)
             chunk = s.accept(driver=d, **accepting)
             d.notify()
         return chunk.future
@@ -1442,7 +1478,7 @@ class Pipeline:
     def stats(self) -> PipelineStats:
         """Counts of accepted, delivered, failed, cancelled and in-flight chunks, taken at one
         instant: ``accepted == delivered + failed + cancelled + in_flight``."""
-        with self._driver.cv:
+        with self._driver.hold():
             return self._sched.stats()
 
     @property
@@ -1484,7 +1520,7 @@ class Pipeline:
         """
         if self._recorder is None:
             raise RuntimeError("report() needs a pipeline made with profile=True")
-        with self._driver.cv:
+        with self._driver.hold():
             # a copy: the recorder's timeline keeps growing as the run goes on, a report must not
             live = self._recorder.timeline
             timeline = Timeline(records=list(live.records), stalls=list(live.stalls), meta=dict(live.meta),

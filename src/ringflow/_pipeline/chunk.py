@@ -58,8 +58,10 @@ class ChunkFuture(concurrent.futures.Future):
         if not self.done():
             driver = self._driver
             self._check_caller(call)
-            with shielded(), driver.cv:  # Ctrl-C taken at the wait's checkpoints only (sigint.py)
-                driver.wait_for(self.done, timeout, f"chunk {self.index}")
+            # Ctrl-C taken at the wait's checkpoints only (sigint.py), and while another thread keeps
+            # the lock (the progress thread, through a stage that does not return) too (Hold)
+            with shielded(), driver.hold() as hold:
+                driver.wait_for(self.done, timeout, f"chunk {self.index}", hold=hold)
 
     def result(self, timeout: float | None = None) -> Any:
         """The consumer's value; raises the chunk's error (a StageError, or the original
@@ -196,11 +198,11 @@ def cancel_chunks(futures: "list[ChunkFuture]") -> list:
         driver = live[0]._driver
         for f in _stop_prepares(live):  # (ended CANCELLED by that alone, maybe, before the lock is had)
             outcome[id(f)] = True
-        with shielded(), driver.cv:
+        with shielded(), driver.hold() as hold:  # (a Ctrl-C gets out; the cancel is still carried out)
             live = [f for f in live if not f.done()]
             if not live:
                 continue
-            for f, flag in zip(live, driver.command(_cancelling(live, driver.sched))):
+            for f, flag in zip(live, driver.command(_cancelling(live, driver.sched), hold=hold)):
                 if isinstance(flag, BaseException):
                     first_error = first_error or flag
                 else:
@@ -278,15 +280,20 @@ def _cancelling(live: "list[ChunkFuture]", sched: Any) -> Callable[[], list]:
     return cancel_each
 
 
-def cancel_unwanted(futures: list) -> None:
-    """Cancel the chunks a map took and no longer wants, from its clean-up: never raises (a
-    refusal from inside a stage or after fork(), a device found broken), so that it cannot mask
-    the error the map is ending with; chunks not cancelled then end by themselves. Returns once
-    the driver has cancelled them: a map that ends has nothing of its own left to stop."""
+def cancel_unwanted(futures: list, wait: bool = True) -> None:
+    """Cancel the chunks a map took and no longer wants, from its clean-up: never raises an
+    Exception (a refusal from inside a stage or after fork(), a device found broken), so that it
+    cannot mask the error the map is ending with; chunks not cancelled then end by themselves.
+    With ``wait``, returns once the driver has cancelled them: a map that ends has nothing of its
+    own left to stop (a Ctrl-C may get it out of that wait: the cancel is then still carried
+    out); without, hands the cancel over (:func:`post_cancel`) and returns at once."""
     if not futures:
         return
     try:
-        cancel_chunks(futures)
+        if wait:
+            cancel_chunks(futures)
+        else:
+            post_cancel(futures)
     except Exception as exc:  # noqa: BLE001 - clean-up: see above
         logger.debug("a map's unwanted chunks were not cancelled: %r", exc)
 

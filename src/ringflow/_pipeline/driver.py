@@ -144,13 +144,14 @@ DROPPED = ("the Pipeline was garbage-collected while this chunk was in flight, w
 
 # On the simulated GPU the progress thread keeps the driver's lock through a stage whenever a step's
 # host call runs one (the device runs a host task's callable on the thread that advances it): a
-# prepare that never returns kept close() waiting for that lock for ever, its Ctrl-C held back.
+# prepare that never returns kept every call on the main thread that takes that lock (close(),
+# submit(), a future's result(), map, stats()) waiting for it for ever, its Ctrl-C held back.
 class Hold:
-    """The driver's lock as a call that ends or cancels the pipeline holds it: ``with
-    driver.hold() as hold:``. On the main thread in a shielded call (a Ctrl-C there waits for a
-    checkpoint) the take, and every wait given the hold inside the block, may give the lock up to
-    a Ctrl-C that comes while another thread keeps it: KeyboardInterrupt is raised without the
-    lock, :attr:`held` is False, and leaving the block lets nothing go."""
+    """The driver's lock as a call from a user's thread holds it: ``with driver.hold() as hold:``.
+    Taken at once where it is free; else, on the main thread in a shielded call (a Ctrl-C there
+    waits for a checkpoint), the take, and every wait given the hold inside the block, may give
+    the lock up to a Ctrl-C that comes while another thread keeps it: KeyboardInterrupt is raised
+    without the lock, :attr:`held` is False, and leaving the block lets nothing go."""
 
     __slots__ = ("driver", "held")
 
@@ -159,7 +160,9 @@ class Hold:
         self.held = False
 
     def __enter__(self) -> "Hold":
-        self.driver.take_lock()
+        driver = self.driver
+        if not driver.lock.acquire(False):  # (free nearly always: one try, no poll)
+            driver.take_lock()
         self.held = True
         return self
 
@@ -217,7 +220,7 @@ class _Driver:
         self.cv.notify_all()
 
     def hold(self) -> Hold:
-        """The lock, for a call that ends or cancels the pipeline (see :class:`Hold`)."""
+        """The lock, for a call from a user's thread (see :class:`Hold`)."""
         return Hold(self)
 
     def take_lock(self) -> None:

@@ -165,7 +165,7 @@ class SpreadPipeline(Pipeline):
         limit = sum(p.config.max_in_flight for p in self.parts)
         source = iter(items)
         window: collections.deque = collections.deque()
-        exhausted = started = False
+        exhausted = started = interrupted = False
         try:
             while True:
                 while not exhausted and len(window) < limit:
@@ -215,8 +215,13 @@ class SpreadPipeline(Pipeline):
                     raise
                 window.remove(fut)
                 yield value
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
         finally:
-            cancel_unwanted(list(window))  # the caller stopped early: the rest are not wanted
+            # the caller stopped early: the rest are not wanted (after a Ctrl-C, not waited for:
+            # see Pipeline._drop_unwanted)
+            cancel_unwanted(list(window), wait=not interrupted)
 
     async def amap(self, items: Any):
         """As :meth:`Pipeline.amap`, over every device, in submission order (``ordered=False``: as
