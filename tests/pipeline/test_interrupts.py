@@ -586,6 +586,73 @@ def test_ctrl_c_gets_out_of_a_call_waiting_on_a_pipeline_a_stalled_prepare_keeps
     assert not [str(w.message) for w in seen if issubclass(w.category, (RuntimeWarning, ResourceWarning))]
 
 
+@pytest.mark.parametrize("ending", ["close", "with", "with-error"])
+def test_ctrl_c_gets_out_of_an_ending_waiting_for_a_done_callback_that_does_not_return(ending):
+    """A future's done-callback runs on the progress thread, outside the pipeline's lock: one that
+    does not return keeps the thread from every later turn, so close() (or the end of a with
+    block) waits for it. Ctrl-C there gets out as it does of a stalled prepare: the
+    KeyboardInterrupt comes out while the callback still blocks, the end is handed to the
+    progress thread, and once the callback returns a second close() completes and nothing is
+    left live."""
+    _need_sigint()
+    dev = rf.device("sim", seed=14, chaos=True)
+    in_callback, release, entered, raised = (threading.Event() for _ in range(4))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pipe = rf.Pipeline(lambda x, y: np.copyto(y, x + 1), device=dev, chunk_bytes=512, slots=2,
+                           max_in_flight=4, checked=True)
+        forget = pipe._forget_if_forked  # the first thing either ending does, inside its call
+
+        def entering():
+            entered.set()
+            return forget()
+
+        pipe._forget_if_forked = entering
+        sent = [np.full(8, float(k)) for k in range(4)]
+        futs = [pipe.submit(item) for item in sent]
+
+        def stuck(_fut):  # user code that does not return until the test lets it
+            in_callback.set()
+            release.wait(JOIN_S)
+
+        futs[0].add_done_callback(stuck)  # (someone waits now: the progress thread runs)
+        assert in_callback.wait(JOIN_S)
+        found: dict = {}
+
+        def ctrl_c_once_stuck():
+            if entered.wait(JOIN_S):
+                interrupt_main()
+                if not raised.wait(STALL_S):
+                    found["hung"] = all_stacks()
+            release.set()
+
+        watchdog = start(ctrl_c_once_stuck)
+        still_stuck = None
+        try:
+            _end(pipe, ending)
+        except KeyboardInterrupt:
+            still_stuck = not release.is_set()
+            raised.set()
+        release.set()
+        join([watchdog])
+        assert "hung" not in found, f"Ctrl-C did not get out of the ending in {STALL_S} s:\n{found['hung']}"
+        assert still_stuck, "the ending did not raise KeyboardInterrupt"
+        bounded(pipe.close)  # a second close completes
+        assert not pipe._driver.thread.is_alive() and pipe._sched.closed
+        assert all(f.done() for f in futs)
+        s = pipe.stats()
+        assert s.in_flight == 0 and s.balanced() and s.accepted == len(futs) and s.failed == 0, s
+        for f, item in zip(futs, sent):  # what was delivered is right
+            if not f.cancelled():
+                np.testing.assert_array_equal(f.result(), item + 1)
+        with pytest.raises(RuntimeError, match="closed"):
+            pipe.submit(np.zeros(8))
+        del futs
+        gc.collect()
+        assert dev.live().total == 0, dev.live()
+    assert not [str(w.message) for w in seen if issubclass(w.category, (RuntimeWarning, ResourceWarning))]
+
+
 # -- dropped without close ------------------------------------------------------------------------------------
 def test_dropped_after_ctrl_c_without_close_warns_and_releases():
     dev = rf.device("sim", seed=10, chaos=True)

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 
 from .._device.protocol import MAX_SIM_SECONDS
 from .._errors import DeviceError, HazardError
-from .reentry import stalled_stage_calls
+from .reentry import run_counted, stalled_stage_calls
 from .sigint import ShieldedCondition, checkpoint, interrupt_pending, shielded, shielding_here
 
 logger = logging.getLogger(__name__)
@@ -127,11 +127,16 @@ def resolve(batch: list) -> None:
     as :class:`concurrent.futures.Future` does for an ``Exception``; here for a
     ``BaseException`` too: a KeyboardInterrupt or SystemExit raised in a callback on the
     progress thread would otherwise end the thread, and with it every later call on the
-    pipeline. (A Ctrl-C itself is delivered to the main thread, never to this one.)"""
+    pipeline. (A Ctrl-C itself is delivered to the main thread, never to this one.)
+
+    Each call is counted as its pipeline's stage calls are (:func:`.reentry.run_counted`): an
+    ending that Ctrl-C stopped does not wait for a callback that does not return, as it does not
+    wait for such a stage (:meth:`ProgressThread.join_unless_stalled`)."""
     for fut in batch:
+        owner = fut._driver.sched.stage_owner
         for callback in fut._done_callbacks:
             try:
-                callback(fut)
+                run_counted(owner, callback, fut)
             except BaseException:  # noqa: BLE001 - the user's error, logged; the pipeline carries on
                 logger.exception("a done-callback of %r raised; the pipeline carries on", fut)
 
@@ -675,11 +680,11 @@ class ProgressThread(_Driver):
         self.wake.set()
 
     def join_unless_stalled(self) -> bool:
-        """After :meth:`hand_over`: wait for the thread to end, unless a stage call of the pipeline
-        runs through a whole poll of the wait. Returns whether it ended; if so, the caller is
-        ordered after all the thread did. Lock not held."""
-        # a stage on a thread cannot be stopped, and the thread ends only once its stages have
-        # returned: one that does not return would keep this waiting, the interrupt held back
+        """After :meth:`hand_over`: wait for the thread to end, unless a stage call of the pipeline,
+        or a done-callback of its futures, runs through a whole poll of the wait. Returns whether
+        it ended; if so, the caller is ordered after all the thread did. Lock not held."""
+        # a stage or callback on a thread cannot be stopped, and the thread ends only once they
+        # have returned: one that does not return would keep this waiting, the interrupt held back
         if self.thread is threading.current_thread():
             return False  # (a done-callback's ending: the thread ends once its callbacks return)
         owner, seen = self.sched.stage_owner, None

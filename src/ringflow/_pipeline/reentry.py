@@ -69,7 +69,8 @@ _calls = itertools.count()  # numbers every stage call (next() on a count is ato
 class StageOwner:
     """Whose stages a thread runs: a pipeline's scheduler marks its stages with one of these,
     which refers to nothing, so a marked callable it keeps makes no cycle through it.
-    :attr:`running` holds the number of each of its stage calls running now, on any thread."""
+    :attr:`running` holds the number of each of its stage calls running now, on any thread, and
+    of each done-callback of its futures running now (:func:`run_counted`)."""
 
     __slots__ = ("__weakref__", "running")
 
@@ -97,9 +98,25 @@ def run_stage(owner: Any, stage: str, fn: Callable, *args: Any) -> Any:
             running.discard(call)
 
 
+def run_counted(owner: Any, fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` counted in ``owner.running`` as a stage call is, without marking the thread
+    as running a stage: for a done-callback of the owner's futures, which may call the pipeline
+    (it is no stage), but which the thread running it, like a stage, cannot be made to leave."""
+    running = getattr(owner, "running", None)
+    if running is None:
+        return fn(*args)
+    call = next(_calls)
+    running.add(call)
+    try:
+        return fn(*args)
+    finally:
+        running.discard(call)
+
+
 def stalled_stage_calls(owner: Any, seen: "set | None") -> "tuple[set, bool]":
-    """The stage calls of ``owner`` running now, and whether one of them was running already when
-    ``seen`` (what an earlier call returned) was taken: it has run ever since."""
+    """The stage calls (and done-callbacks, :func:`run_counted`) of ``owner`` running now, and
+    whether one of them was running already when ``seen`` (what an earlier call returned) was
+    taken: it has run ever since."""
     now = set(getattr(owner, "running", ()))  # (a copy made in C: no other thread changes it meanwhile)
     return now, bool(seen) and not now.isdisjoint(seen)
 
