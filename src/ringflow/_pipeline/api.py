@@ -1280,7 +1280,7 @@ class Pipeline:
             self._closed = True
             self._finalizer.detach()
             d.hand_over()
-        elif not d.handed_over:
+        elif not (d.background and d.handed_over):
             return  # ended already
         if d.join_unless_stalled():
             self._after_progress_thread()
