@@ -513,3 +513,85 @@ def test_two_maps_of_device_results_over_two_devices_both_finish(face):
     pipe.close()
     s = pipe.stats()
     assert s.delivered == 120 and s.in_flight == 0 and s.balanced(), s
+
+
+GATED = -1.0  # the first element of the item whose compute waits for the test's gate
+
+
+def _gated_by(gate, let_go):
+    def compute(x, y):
+        if x[0] == GATED:
+            let_go.append(gate.wait(JOIN_S))
+        y[...] = x * 2 + 1
+
+    return compute
+
+
+@pytest.mark.parametrize("face", ["map", "amap"])
+def test_a_map_whose_room_another_thread_took_after_it_looked_hands_its_results_out(face):
+    """Results on the device, one device-out slot and room for two chunks a device. The map takes
+    its first item (a compute held by a gate) to device 0 and its second to device 1, where it
+    ends. The map looks, finds room, and pulls its third item; while it is pulled, that is
+    between the look and the submit, the first item ends too and another thread submits four
+    items, taking every room of both devices; their chunks wait for the device-out slot that
+    each device lent the map's results. The map found no room then for the item it had pulled:
+    it waited for room in its submit, room that only its own results, never handed out, could
+    give back (a hang), where it now keeps the item, hands those results out first, and submits
+    the item once there is room."""
+    gate, let_go = threading.Event(), []
+    pipe = rf.Pipeline(_gated_by(gate, let_go), device=sims(2, 17), chunk_bytes=1024, deliver="device",
+                       slots=1, max_in_flight=2)
+    first, second = pipe.parts
+    mine = [np.full(8, GATED, np.float32)] + [np.full(8, k, np.float32) for k in range(1, 8)]
+    others = [np.full(8, 100 + k, np.float32) for k in range(4)]
+    filled = threading.Event()
+
+    def other_thread():
+        futs = [pipe.submit(b) for b in others]
+        filled.set()
+        got = []
+        for fut in futs:
+            res = fut.result()
+            got.append(res.index)
+            res.release()
+        return got
+
+    other: list = []
+
+    def source():
+        yield mine[0]  # to the first device (both idle: the first in turn), held by the gate
+        yield mine[1]  # to the second (the less loaded), where the map finds room
+        # the map looked (the first item not ended, and room on both devices) before this pull
+        second._drive_until(lambda: second._sched.stats().delivered >= 1)
+        gate.set()
+        first._drive_until(lambda: first._sched.stats().delivered >= 1)
+        other.append(start(other_thread))
+        assert filled.wait(JOIN_S)
+        assert [p.stats().in_flight for p in pipe.parts] == [2, 2]  # no room left on either device
+        yield from mine[2:]
+
+    def consume():
+        seen = []
+        for res in pipe.map(source()):
+            seen.append(res.index)
+            res.release()
+        return seen
+
+    async def aconsume():
+        seen = []
+        async for res in pipe.amap(source()):
+            seen.append(res.index)
+            res.release()
+        return seen
+
+    try:
+        seen = join([start(consume if face == "map" else lambda: asyncio.run(aconsume()))], timeout=JOIN_S)[0]
+        theirs = join(other, timeout=JOIN_S)[0]
+    finally:
+        gate.set()
+    assert let_go == [True]
+    assert len(seen) == len(mine) and seen == sorted(seen)  # every item, in order
+    assert len(theirs) == len(others)
+    pipe.close()
+    s = pipe.stats()
+    assert s.delivered == len(mine) + len(others) and s.in_flight == 0 and s.balanced(), s

@@ -256,7 +256,8 @@ class CancelIfDropped:
     def accepting(self, driver: Any) -> None:
         """On the loop's thread: the map's next item is being accepted off it, by ``driver``'s
         pipeline (its accepting waits on the loop's executor). Until the map holds the chunk, a
-        give-up of the window for that pipeline gives the chunk up too."""
+        give-up of the window for that pipeline gives the chunk up too. ``driver`` None: the item
+        was not accepted after all (that pipeline had no room), and is no longer being accepted."""
         with self.lock:
             self.accepting_by = driver
 

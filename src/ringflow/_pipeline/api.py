@@ -122,7 +122,7 @@ def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any
 SHARE_AT_MOST_BYTES = 4 << 20
 
 
-_NO_ROOM = object()  # a map's shared item that must wait for capacity: nothing of it was accepted
+_NO_ROOM = object()  # an item that must wait for capacity (a map's, or one offered if room): nothing of it was accepted
 _SHARES = object()  # a map's pulled item that goes into a shared chunk
 
 
@@ -645,6 +645,59 @@ class Pipeline:
                 return fut
         return self._accept_staged(self._accepting(item), timeout, gave_up)
 
+    @shielded_call
+    def _submit_if_room(self, item: Any) -> "ChunkFuture | object":
+        """Accept ``item`` if the pipeline has room for it now, as :meth:`submit` does, but never
+        wait for capacity (only for the lock, which a step holds): its future, or
+        :data:`_NO_ROOM` where there is no room (nothing of the item was accepted). For a map over
+        several devices, which must not wait for room while it holds results: room is chosen and
+        taken in one call, under the lock.
+
+        Raises:
+            DeviceError: the device is broken.
+            RuntimeError: the pipeline is closed or no longer accepts work.
+            TypeError, ValueError: as :meth:`submit`.
+        """
+        self._check_caller("submit()")
+        item = self._check_item(item)
+        if self._shares_chunk(item):
+            fut = self._submit_shared(item, None, wait=False)
+            if fut is _NO_ROOM:
+                return self._no_room()
+            if fut is not None:
+                return fut
+        if not self._sched.has_capacity():  # a look without the lock: no staging copy of an item with no room
+            return self._no_room()
+        return self._accept_staged_if_room(self._accepting(item))
+
+    @shielded_call
+    def _accept_staged_if_room(self, accepting: dict) -> "ChunkFuture | object":
+        """:meth:`_accept_staged` that never waits for capacity: the chunk's future, or
+        :data:`_NO_ROOM` where the pipeline has no room (nothing accepted). Raises as
+        :meth:`_submit_if_room`."""
+        d, s = self._driver, self._sched
+        with d.hold():
+            if not s.has_capacity():
+                return self._no_room()
+            chunk = s.accept(driver=d, **accepting)
+            d.notify()
+        return chunk.future
+
+    def _no_room(self) -> object:
+        """:data:`_NO_ROOM` for an item found no room; where the pipeline takes no more work (so
+        has no room for ever), the error :meth:`submit` raises then instead.
+
+        Raises:
+            DeviceError: the device is broken.
+            RuntimeError: the pipeline no longer accepts work.
+        """
+        s = self._sched
+        if s.broken is not None:
+            raise s.broken
+        if not s.accepting:
+            raise s.refusal()
+        return _NO_ROOM
+
     def _wait_for_capacity(self, timeout: Optional[float], gave_up: Optional[Callable[[], bool]] = None,
                            hold: Optional[Hold] = None) -> None:
         """Lock held: wait until the pipeline has room for another chunk (or takes no more).
@@ -996,12 +1049,13 @@ class Pipeline:
         return await follow(fut)
 
     async def _asubmit_future(self, item: Any, timeout: Optional[float] = None,
-                              ending: Optional[CancelIfDropped] = None) -> ChunkFuture:
+                              ending: Optional[CancelIfDropped] = None, wait: bool = True) -> "ChunkFuture | object":
         # the loop's thread never waits for the pipeline: not for capacity, and not for its lock,
         # which the progress thread holds through a whole step (a compute's launch code, which
         # may be long). Where either would wait, the accepting waits on the loop's executor.
         # ``ending``: the amap the item is for, told of a chunk accepted there (close() may give
-        # its window up before the loop runs the map again)
+        # its window up before the loop runs the map again). ``wait`` False: as _submit_if_room,
+        # _NO_ROOM (nothing accepted) where there is no room, never waiting for capacity
         timeout = check_timeout(timeout)
         self._check_caller("asubmit()", awaited=True)
         item = self._check_item(item)
@@ -1013,6 +1067,8 @@ class Pipeline:
             if fut is not None:
                 return fut
             token = self.device.publish()  # the copy, handed to the executor's thread with the item
+        elif not wait:
+            return self._no_room()
         # A cancelled await ends the wait for capacity of a submit running on the executor
         # (gave_up: it then accepts nothing); an item accepted before that submit saw it is cancelled
         lock, state = threading.Lock(), {"abandoned": False, "future": None}
@@ -1020,15 +1076,18 @@ class Pipeline:
         def gave_up() -> bool:
             return state["abandoned"]
 
-        def submit() -> Optional[ChunkFuture]:
+        def submit() -> "ChunkFuture | object | None":
             try:
                 if accepting is None:
                     fut = self._submit(item, timeout, gave_up)
                 else:
                     self.device.observe(token)
-                    fut = self._accept_staged(accepting, timeout, gave_up)
+                    fut = (self._accept_staged(accepting, timeout, gave_up) if wait
+                           else self._accept_staged_if_room(accepting))
             except _GaveUp:
                 return None  # (nobody awaits this any more)
+            if fut is _NO_ROOM:
+                return fut
             if ending is not None:
                 ending.accepted(fut)
             with lock:
@@ -1041,7 +1100,10 @@ class Pipeline:
         if ending is not None:
             ending.accepting(self._driver)
         try:
-            return await asyncio.get_running_loop().run_in_executor(None, submit)
+            fut = await asyncio.get_running_loop().run_in_executor(None, submit)
+            if fut is _NO_ROOM and ending is not None:
+                ending.accepting(None)  # nothing was accepted for the map here
+            return fut
         except BaseException:  # CancelledError mostly: the task awaiting asubmit gave up
             with lock:
                 state["abandoned"] = True

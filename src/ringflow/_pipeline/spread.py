@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 from .._device import device_label, device_list
 from .._errors import DeviceError, StageError
-from .api import Pipeline
+from .api import _NO_ROOM, Pipeline
 from .aio import CancelIfDropped, Source, follow
 from .chunk import cancel_unwanted
 from .stats import PipelineStats
@@ -74,6 +74,16 @@ class SpreadPipeline(Pipeline):
     # -- dispatch -------------------------------------------------------------------------------
     def _pick(self, skip: tuple = ()) -> Pipeline:
         """The working part with the fewest unfinished chunks (ties: in turn), other than ``skip``."""
+        return self._ranked(skip)[0]
+
+    def _ranked(self, skip: tuple = ()) -> list[Pipeline]:
+        """The working parts other than ``skip``, those with the fewest unfinished chunks first
+        (ties: in turn).
+
+        Raises:
+            DeviceError: no part works, and one's device broke.
+            RuntimeError: no part works (each takes no more work).
+        """
         with self._lock:
             turn = next(self._turn)
         working = [p for p in self.parts if p._sched.broken is None and p._sched.accepting and p not in skip]
@@ -84,37 +94,71 @@ class SpreadPipeline(Pipeline):
             stopped = next((p for p in self.parts if p._sched.first_error is not None), self.parts[0])
             raise stopped._sched.refusal()
         n = len(working)
-        # (a look at each part's load without its lock, which its progress thread holds for a step)
-        return min((working[(turn + k) % n] for k in range(n)), key=lambda p: p._sched.load())
+        # (a look at each part's load without its lock, which its progress thread holds for a step;
+        # sorted is stable: parts equally loaded stay in turn)
+        return sorted((working[(turn + k) % n] for k in range(n)), key=lambda p: p._sched.load())
 
     def _accepting(self) -> bool:
         return any(p._sched.broken is None and p._sched.accepting for p in self.parts)
 
     def _has_room(self) -> bool:
         """Whether a working part has room for another chunk now (a look without the parts' locks,
-        as :meth:`_pick`'s: a submit then decides under its part's lock)."""
+        as :meth:`_pick`'s, which only decides whether a map pulls its next item: the item then
+        goes where a part has room under that part's lock, see :meth:`_submit_if_room`)."""
         return any(p._sched.broken is None and p._sched.has_capacity() for p in self.parts)
 
-    def _submit_more(self, item: Any, started: bool) -> Optional[concurrent.futures.Future]:
-        """A map's next submit; None once the pipeline takes no more work (cancelled, or stopped
-        by a failure) after the map had started: it then ends with what it has, as a single
-        device's map does."""
+    def _submit_more(self, item: Any, started: bool, wait: bool) -> "concurrent.futures.Future | object | None":
+        """A map's next submit: with ``wait`` False, :meth:`_submit_if_room` (:data:`_NO_ROOM` where
+        no part has room). None once the pipeline takes no more work (cancelled, or stopped by a
+        failure) after the map had started: it then ends with what it has, as a single device's
+        map does."""
         try:
-            return self.submit(item)
+            return self.submit(item) if wait else self._submit_if_room(item)
         except RuntimeError:
             if started and not self._accepting():
                 return None
             raise
 
-    async def _asubmit_more(self, item: Any, started: bool,
-                            ending: CancelIfDropped) -> Optional[concurrent.futures.Future]:
+    async def _asubmit_more(self, item: Any, started: bool, ending: CancelIfDropped,
+                            wait: bool) -> "concurrent.futures.Future | object | None":
         """:meth:`_submit_more` for ``amap`` (``ending``: its own), without blocking the event loop."""
         try:
-            return await self._asubmit_future(item, ending=ending)
+            return await self._asubmit_future(item, ending=ending, wait=wait)
         except RuntimeError:
             if started and not self._accepting():
                 return None
             raise
+
+    def _submit_if_room(self, item: Any) -> "concurrent.futures.Future | object":
+        """Submit ``item`` to a working part that has room for it now, never waiting for room: the
+        parts are tried least loaded first, each deciding under its own lock, so that the room
+        found is the room taken (another thread's submit between a look and the submit cannot
+        make the caller wait). Returns the item's future, or :data:`_NO_ROOM` where no part had
+        room (nothing of the item was accepted).
+
+        Raises:
+            as :meth:`submit`.
+        """
+        self._check_caller("submit()")
+        tried: tuple = ()
+        for part in self._ranked():
+            try:
+                fut = part._submit_if_room(item)
+            except (DeviceError, RuntimeError) as err:
+                if not _passed_over(part, err):
+                    raise
+                tried += (part,)
+                continue
+            if fut is not _NO_ROOM:
+                return fut
+        return self._no_room_left(tried)
+
+    def _no_room_left(self, tried: tuple) -> object:
+        """:data:`_NO_ROOM` once every working part was offered an item without room for it, or,
+        where each was found broken or stopped on the way (``tried``), the error :meth:`submit`
+        raises then."""
+        self._pick(tried)  # (raises where no other part works; none starts working again)
+        return _NO_ROOM
 
     def submit(self, item: Any, timeout: Optional[float] = None) -> concurrent.futures.Future:
         """As :meth:`Pipeline.submit`, on the least loaded working device (a device found broken
@@ -137,8 +181,23 @@ class SpreadPipeline(Pipeline):
         return await follow(await self._asubmit_future(item, timeout))
 
     async def _asubmit_future(self, item: Any, timeout: Optional[float] = None,
-                              ending: Optional[CancelIfDropped] = None) -> concurrent.futures.Future:
-        tried: tuple = ()
+                              ending: Optional[CancelIfDropped] = None,
+                              wait: bool = True) -> "concurrent.futures.Future | object":
+        """:meth:`asubmit`'s accepting; with ``wait`` False, as :meth:`_submit_if_room`."""
+        if not wait:
+            tried: tuple = ()
+            for part in self._ranked():
+                try:
+                    fut = await part._asubmit_future(item, timeout, ending, wait=False)
+                except (DeviceError, RuntimeError) as err:
+                    if not _passed_over(part, err):
+                        raise
+                    tried += (part,)
+                    continue
+                if fut is not _NO_ROOM:
+                    return fut
+            return self._no_room_left(tried)
+        tried = ()
         while True:
             part = self._pick(tried)
             try:
@@ -150,7 +209,9 @@ class SpreadPipeline(Pipeline):
 
     def map(self, items: Iterable[Any]) -> Iterator[Any]:
         """As :meth:`Pipeline.map`, over every device: at most the parts' ``max_in_flight`` added
-        up are taken ahead of the results handed out.
+        up are taken ahead of the results handed out. While it holds results not handed out it
+        never waits for room: an item it pulled that no device has room for by the time it is
+        submitted (another thread took the room) is submitted after a result is handed out.
 
         Raises:
             RuntimeError: at once (not when iterated) on a closed pipeline.
@@ -165,22 +226,32 @@ class SpreadPipeline(Pipeline):
         limit = sum(p.config.max_in_flight for p in self.parts)
         source = iter(items)
         window: collections.deque = collections.deque()
+        carried: list = []  # an item pulled that no part had room for: submitted before any other
         exhausted = started = interrupted = False
         try:
             while True:
-                while not exhausted and len(window) < limit:
-                    if window and (_head_ended(window, self.config.ordered) or not self._has_room()):
+                while (carried or not exhausted) and len(window) < limit:
+                    if window and (_head_ended(window, self.config.ordered)
+                                   or (not carried and not self._has_room())):
                         # hand a ready result out before taking more, and never wait for room
                         # while the window holds results: with results on the device, room comes
                         # only once results are released, and one still in a window (this map's,
                         # or another's on the same pipeline) never is
                         break
-                    try:
-                        item = next(source)
-                    except StopIteration:
-                        exhausted = True
-                        break
-                    fut = self._submit_more(item, started)
+                    if not carried:
+                        try:
+                            carried.append(next(source))
+                        except StopIteration:
+                            exhausted = True
+                            break
+                    # with results in the window the item goes only where there is room now: the
+                    # room seen before the pull may have been taken since by another thread's
+                    # submit (another map's, on the same pipeline), and a wait for it could last
+                    # until this map's own results were released, for ever
+                    fut = self._submit_more(carried[0], started, wait=not window)
+                    if fut is _NO_ROOM:
+                        break  # the item stays carried while a result is handed out
+                    carried.clear()
                     if fut is None:
                         exhausted = True
                         break
@@ -225,7 +296,8 @@ class SpreadPipeline(Pipeline):
 
     async def amap(self, items: Any):
         """As :meth:`Pipeline.amap`, over every device, in submission order (``ordered=False``: as
-        they end, whichever device ran them); a chunk cancelled
+        they end, whichever device ran them), taking items and waiting for room as :meth:`map`
+        does; a chunk cancelled
         under it (the pipeline cancelled, or stopped by a failure) ends it as it ends :meth:`map`."""
         self._check_caller("amap()", awaited=True)
         if self.parts[0]._items_are_arrays:
@@ -234,18 +306,25 @@ class SpreadPipeline(Pipeline):
         source = Source(items)
         window: collections.deque = collections.deque()
         ending = CancelIfDropped(window, self.config.ordered)
+        carried: list = []  # an item pulled that no part had room for (see _map)
         exhausted = started = False
         try:
             while True:
-                while not exhausted and len(window) < limit:
-                    if window and (ending.ready() or not self._has_room()):
+                while (carried or not exhausted) and len(window) < limit:
+                    if window and (ending.ready() or (not carried and not self._has_room())):
                         break  # hand a ready result out first, and never wait for room before it (see _map)
-                    # an async source's pull is raced with the head (see Pipeline.amap)
-                    took, item = await source.next(ending.handing_out())
-                    if not took:
-                        exhausted = not source.pulling()
+                    if not carried:
+                        # an async source's pull is raced with the head (see Pipeline.amap)
+                        took, item = await source.next(ending.handing_out())
+                        if not took:
+                            exhausted = not source.pulling()
+                            break
+                        carried.append(item)
+                    # where there is room now only, while the window holds results (see _map)
+                    fut = await self._asubmit_more(carried[0], started, ending, wait=not window)
+                    if fut is _NO_ROOM:
                         break
-                    fut = await self._asubmit_more(item, started, ending)
+                    carried.clear()
                     if fut is None:
                         exhausted = True
                         break
