@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import glob
 import os
 import signal
 import subprocess
@@ -11,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -29,12 +29,38 @@ def dev():
     return rf.device("sim", chaos=True, seed=7, checked=True)
 
 
-def shm_segments() -> set:
-    return set(glob.glob("/dev/shm/psm_*"))
+class Segments:
+    """The blocks of POSIX shared memory the prepare processes' pool made during one test, by
+    name, recorded as each is created (other processes on the machine make blocks of their own,
+    named alike: only these are this test's)."""
+
+    def __init__(self):
+        self.made: list = []
+
+    def left(self) -> list:
+        """The blocks made that still exist."""
+        return [name for name in self.made if os.path.exists(os.path.join("/dev/shm", name.lstrip("/")))]
 
 
-def test_results_are_exact_and_come_from_other_processes(dev):
-    before = shm_segments()
+@pytest.fixture
+def segments(monkeypatch):
+    """A :class:`Segments` recording every block ringflow's prepare processes create in this test."""
+    from ringflow._pipeline import processes
+
+    recorded = Segments()
+    real = processes.shared_memory.SharedMemory
+
+    class Recorded(real):
+        def __init__(self, name=None, create=False, size=0, **options):
+            super().__init__(name, create, size, **options)
+            if create:
+                recorded.made.append(self.name)
+
+    monkeypatch.setattr(processes, "shared_memory", types.SimpleNamespace(SharedMemory=Recorded))
+    return recorded
+
+
+def test_results_are_exact_and_come_from_other_processes(dev, segments):
     with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.ramp_and_pid, processes=True, workers=3,
                      checked=True) as pipe:
         out = list(pipe.map(range(60)))
@@ -43,7 +69,7 @@ def test_results_are_exact_and_come_from_other_processes(dev):
         pids.add(int((r[0] - 1) / 2))
         np.testing.assert_array_equal(r[1:], pp.ramp(i).astype(np.float64) * 2 + 1)
     assert os.getpid() not in pids and 1 <= len(pids) <= 3
-    assert shm_segments() <= before  # the shared block is gone with the pipeline
+    assert segments.made and segments.left() == []  # the shared block is gone with the pipeline
     assert dev.live().total == 0
 
 
@@ -79,14 +105,13 @@ def test_processes_without_prepare_is_refused(dev):
         rf.Pipeline(f, device=dev, chunk_bytes=4096, processes=True)
 
 
-def test_cancel_and_close_stop_the_workers_and_free_the_block(dev):
-    before = shm_segments()
+def test_cancel_and_close_stop_the_workers_and_free_the_block(dev, segments):
     pipe = rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.ramp, processes=True, workers=2)
     futs = [pipe.submit(i) for i in range(8)]
     pipe.cancel()
     pipe.close()
     assert all(fu.done() for fu in futs)
-    assert shm_segments() <= before and dev.live().total == 0
+    assert segments.made and segments.left() == [] and dev.live().total == 0
 
 
 def slow_prepare(item: int) -> np.ndarray:
@@ -158,7 +183,7 @@ def test_every_worker_process_starts_with_the_pipeline(dev):
         prepare.close()
 
 
-def test_workers_that_fail_to_start_leave_nothing_registered(dev, monkeypatch):
+def test_workers_that_fail_to_start_leave_nothing_registered(dev, monkeypatch, segments):
     """The shared block was registered before the workers started; when they failed to start
     (a script without a __main__ guard, run again in the child), the registration stayed, and
     every later pipeline over that memory was refused. The workers started before the one that
@@ -175,15 +200,14 @@ def test_workers_that_fail_to_start_leave_nothing_registered(dev, monkeypatch):
             started.append(self.pid)
 
     monkeypatch.setattr(processes, "_Worker", Failing)
-    before = shm_segments()
     with pytest.raises(RuntimeError, match="worker start failed"):
         rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.ramp_and_pid, processes=True, workers=2)
     assert len(started) == 1 and gone(started[0])
     assert dev.live().total == 0, dev.live()
-    assert shm_segments() <= before
+    assert segments.made and segments.left() == []
 
 
-def test_a_device_with_no_room_for_the_rings_starts_no_worker_and_pins_nothing(monkeypatch):
+def test_a_device_with_no_room_for_the_rings_starts_no_worker_and_pins_nothing(monkeypatch, segments):
     """The device rings are allocated before anything is pinned (test_ring.py); the prepare
     processes' shared block was made, registered and its workers started before them, so a GPU
     without room for the rings cost a process pool's start and a registration first."""
@@ -202,13 +226,12 @@ def test_a_device_with_no_room_for_the_rings_starts_no_worker_and_pins_nothing(m
 
     monkeypatch.setattr(dev, "register_host", lambda a: registered.append(a.nbytes) or real_register(a))
     monkeypatch.setattr(processes, "_Worker", Counted)
-    before = shm_segments()
     with pytest.raises(rf.OutOfMemoryError, match="device-in ring"):
         rf.Pipeline(f, device=dev, chunk_bytes=chunk, prepare=pp.ramp, processes=True, workers=2,
                     slots=rf.SlotCounts(host_in=2, device_in=2, device_out=2, host_out=2))
     assert registered == [] and pools == []
     assert dev.live().total == 0, dev.live()
-    assert shm_segments() <= before
+    assert segments.made == []  # (made after the device rings)
 
 
 @pytest.mark.parametrize("prepare, kind", [(pp.fails_on_5_unpicklably, "NeedsTwoArguments"),
@@ -280,10 +303,9 @@ def awaited(fut):
     return threads.start(wait)
 
 
-def test_cancel_stops_a_prepare_that_never_returns_by_killing_its_worker(dev, tmp_path):
+def test_cancel_stops_a_prepare_that_never_returns_by_killing_its_worker(dev, tmp_path, segments):
     """cancel() waited for the running prepare, for ever. With processes=True it kills the
     worker running it: the chunk ends CANCELLED, the worker is reaped, the block is freed."""
-    before = shm_segments()
     item, ready = stuck_item(tmp_path)
     pipe = rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.reports_then_waits, processes=True, workers=2)
     pid = None
@@ -302,15 +324,14 @@ def test_cancel_stops_a_prepare_that_never_returns_by_killing_its_worker(dev, tm
         if pid is not None and not gone(pid):
             os.kill(pid, signal.SIGKILL)  # (the test failed: let the run go on)
     assert gone(pid)
-    assert shm_segments() <= before and dev.live().total == 0
+    assert segments.made and segments.left() == [] and dev.live().total == 0
 
 
-def test_ctrl_c_leaving_a_with_block_stops_a_running_prepare(dev, tmp_path):
+def test_ctrl_c_leaving_a_with_block_stops_a_running_prepare(dev, tmp_path, segments):
     """Ctrl-C (or any error) in the caller, on the main thread, while a prepare runs in a
     worker: leaving the with block cancels, which kills the worker running it, and the
     KeyboardInterrupt goes on up. (A watchdog kills that worker after a while, so that a
     regression fails here instead of hanging: it must not have fired.)"""
-    before = shm_segments()
     item, ready = stuck_item(tmp_path)
     pid, fired = [], []
 
@@ -335,16 +356,15 @@ def test_ctrl_c_leaving_a_with_block_stops_a_running_prepare(dev, tmp_path):
     threads.join([waiter], timeout=10)
     assert gone(pid[0])
     assert futs[0].cancelled() and all(fu.done() for fu in futs)
-    assert shm_segments() <= before and dev.live().total == 0
+    assert segments.made and segments.left() == [] and dev.live().total == 0
 
 
 @pytest.mark.parametrize("prepare, death", [(pp.dies_on_3, "exit code 7"),
                                             (pp.segfaults_on_3, "signal 11 (SIGSEGV)"),
                                             (pp.killed_on_3, "signal 9 (SIGKILL)")])
-def test_a_worker_that_dies_fails_its_item_alone_and_is_replaced(dev, prepare, death):
+def test_a_worker_that_dies_fails_its_item_alone_and_is_replaced(dev, prepare, death, segments):
     """One worker that died broke the whole process pool: its item and every later one failed
     with BrokenProcessPool. Its item fails saying so; a new worker serves the later items."""
-    before = shm_segments()
     with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=prepare, processes=True, workers=2,
                      on_error="continue") as pipe:
         futs = [pipe.submit(i) for i in range(10)]
@@ -359,7 +379,7 @@ def test_a_worker_that_dies_fails_its_item_alone_and_is_replaced(dev, prepare, d
         assert np.array_equal(futs[i].result(), pp.ramp(i) * 2 + 1)
     s = pipe.stats()
     assert (s.accepted, s.delivered, s.failed, s.in_flight) == (10, 9, 1, 0)
-    assert shm_segments() <= before and dev.live().total == 0
+    assert segments.made and segments.left() == [] and dev.live().total == 0
 
 
 def test_a_worker_that_dies_leaves_the_item_running_in_another_alone(dev, tmp_path):
@@ -476,8 +496,8 @@ def test_a_worker_started_as_cancel_stops_the_pool_is_stopped_too(dev, tmp_path,
         procs.close()
 
 
-def test_workers_that_end_as_they_start_fail_the_items_saying_so_and_are_not_restarted_for_ever(dev,
-                                                                                                 monkeypatch):
+def test_workers_that_end_as_they_start_fail_the_items_saying_so_and_are_not_restarted_for_ever(
+        dev, monkeypatch, segments):
     """Workers that ended as they started (a script without a __main__ guard, run again in each)
     failed each item as a crash in prepare would ('died before prepare returned ... a crash in
     native code'), and a new worker was started for every item, each ending the same way. Now an
@@ -493,7 +513,6 @@ def test_workers_that_end_as_they_start_fail_the_items_saying_so_and_are_not_res
             started.append(self.pid)
 
     monkeypatch.setattr(processes, "_Worker", Counted)
-    before = shm_segments()
     with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.EndsItsWorkerAsItStarts(), processes=True,
                      workers=2, on_error="continue") as pipe:
         outcomes = [fu.exception(timeout=30) for fu in [pipe.submit(i) for i in range(12)]]
@@ -507,15 +526,14 @@ def test_workers_that_end_as_they_start_fail_the_items_saying_so_and_are_not_res
     assert "no more are started" in last and "exit code 3" in last, last
     assert len(started) <= 2 + processes.START_FAILURES, started
     assert all(gone(p) for p in started)
-    assert shm_segments() <= before and dev.live().total == 0
+    assert segments.made and segments.left() == [] and dev.live().total == 0
 
 
-def test_cancelling_one_future_stops_its_prepare_by_killing_its_worker_and_the_rest_go_on(dev, tmp_path):
+def test_cancelling_one_future_stops_its_prepare_by_killing_its_worker_and_the_rest_go_on(dev, tmp_path, segments):
     """A future cancelled while its prepare ran in a worker left that worker running it: on the
     simulated GPU cancel() itself waited for it (the thread driving the device was in it), and
     close() waited for it later (for ever, for a prepare that never returns). Now that worker is
     killed, the chunk ends CANCELLED, a new worker takes its place and later items go on."""
-    before = shm_segments()
     item, ready = stuck_item(tmp_path)
     pipe = rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.reports_then_waits, processes=True, workers=2)
     pid = None
@@ -539,4 +557,4 @@ def test_cancelling_one_future_stops_its_prepare_by_killing_its_worker_and_the_r
             os.kill(pid, signal.SIGKILL)  # (the test failed: let the run go on)
         threads.bounded(pipe.cancel, timeout=10)
         threads.bounded(pipe.close, timeout=10)
-    assert shm_segments() <= before and dev.live().total == 0
+    assert segments.made and segments.left() == [] and dev.live().total == 0
