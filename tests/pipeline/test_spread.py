@@ -595,3 +595,73 @@ def test_a_map_whose_room_another_thread_took_after_it_looked_hands_its_results_
     pipe.close()
     s = pipe.stats()
     assert s.delivered == len(mine) + len(others) and s.in_flight == 0 and s.balanced(), s
+
+
+@pytest.mark.parametrize("face", ["map", "amap"])
+def test_on_one_device_a_map_whose_room_another_thread_took_after_it_looked_hands_its_results_out(face):
+    """As the test above, on one device (room for two chunks, one device-out slot): the first
+    item's compute is held by a gate, so the map finds room and pulls its second item; while it
+    is pulled the first item ends (its result lent the device-out slot) and another thread's
+    submits take the room that is left (map's results not handed out hold room of their own),
+    their chunks waiting for that slot. The amap then waited for room in its submit (on the
+    loop's executor), for ever; it now keeps the item and hands its result out first, as map
+    does."""
+    gate, let_go = threading.Event(), []
+    pipe = rf.Pipeline(_gated_by(gate, let_go), device=sims(1, 19)[0], chunk_bytes=1024, deliver="device",
+                       slots=1, max_in_flight=2)
+    mine = [np.full(8, GATED, np.float32)] + [np.full(8, k, np.float32) for k in range(1, 6)]
+    others = [np.full(8, 100 + k, np.float32) for k in range(2)]
+    filled = threading.Event()
+
+    def other_thread():
+        futs = []
+        try:
+            for b in others:
+                futs.append(pipe.submit(b, timeout=0))
+        except TimeoutError:
+            pass  # no room left (a submit that does not wait for room raises at once)
+        filled.set()
+        got = []
+        for fut in futs:
+            res = fut.result()
+            got.append(res.index)
+            res.release()
+        return got
+
+    other: list = []
+
+    def source():
+        yield mine[0]  # held by the gate
+        # the map looked (the first item not ended, and room) before this pull
+        gate.set()
+        pipe._drive_until(lambda: pipe._sched.stats().delivered >= 1)
+        other.append(start(other_thread))
+        assert filled.wait(JOIN_S)
+        assert not pipe._sched.has_capacity()
+        yield from mine[1:]
+
+    def consume():
+        seen = []
+        for res in pipe.map(source()):
+            seen.append(res.index)
+            res.release()
+        return seen
+
+    async def aconsume():
+        seen = []
+        async for res in pipe.amap(source()):
+            seen.append(res.index)
+            res.release()
+        return seen
+
+    try:
+        seen = join([start(consume if face == "map" else lambda: asyncio.run(aconsume()))], timeout=JOIN_S)[0]
+        theirs = join(other, timeout=JOIN_S)[0]
+    finally:
+        gate.set()
+    assert let_go == [True]
+    assert len(seen) == len(mine) and seen == sorted(seen)
+    assert theirs  # (map: one, its result not handed out holding room; amap: two)
+    pipe.close()
+    s = pipe.stats()
+    assert s.delivered == len(mine) + len(theirs) and s.in_flight == 0 and s.balanced(), s

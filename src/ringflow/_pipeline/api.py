@@ -1160,7 +1160,9 @@ class Pipeline:
         """``async for r in pipe.amap(items)``: the results of ``items`` (a sync or async iterable)
         in input order (``ordered=False``: each as it ends), as :meth:`map` gives them, without
         blocking the event loop. At most
-        ``max_in_flight`` items are taken ahead of the results handed out. An async source's
+        ``max_in_flight`` items are taken ahead of the results handed out; while it holds results
+        not handed out it never waits for room (an item it pulled whose room another thread took
+        meanwhile is submitted after a result is handed out). An async source's
         next item is awaited in a task of its own, and a result ready meanwhile is handed out
         (the pull goes on; it is cancelled when the map ends). :meth:`close` does not
         wait for an amap whose event loop cannot run meanwhile (closed, or the calling thread's):
@@ -1180,27 +1182,36 @@ class Pipeline:
         ending = CancelIfDropped(window, self.config.ordered)
         limit = self.config.max_in_flight
         source = Source(items)
+        carried: list = []  # an item pulled that found no room: submitted before any other
         exhausted = started = False
         try:
             while True:
-                while not exhausted and len(window) < limit and s.accepting:
-                    if window and (ending.ready() or not s.has_capacity()):
+                while (carried or not exhausted) and len(window) < limit and s.accepting:
+                    if window and (ending.ready() or (not carried and not s.has_capacity())):
                         # hand the head out before waiting for room: with results on the device,
                         # room comes only once results are released, and a result still in a
                         # window (this map's, or another's on the same pipeline) never is
                         break
-                    # an async source's pull is raced with the head: a ready result is handed
-                    # out while the pull goes on (see Source)
-                    took, item = await source.next(ending.handing_out())
-                    if not took:
-                        exhausted = not source.pulling()
-                        break
+                    if not carried:
+                        # an async source's pull is raced with the head: a ready result is handed
+                        # out while the pull goes on (see Source)
+                        took, item = await source.next(ending.handing_out())
+                        if not took:
+                            exhausted = not source.pulling()
+                            break
+                        carried.append(item)
                     try:
-                        fut = await self._asubmit_future(item, ending=ending)
+                        # with results in the window, only where there is room now: the room seen
+                        # before the pull may have been taken since by another thread's submit,
+                        # and a wait for it could last until this map's results were released
+                        fut = await self._asubmit_future(carried[0], ending=ending, wait=not window)
                     except RuntimeError:
                         if s.accepting:
                             raise
                         break  # stopped meanwhile (cancelled, closed, a failure): as map, take no more
+                    if fut is _NO_ROOM:
+                        break  # the item stays carried while a result is handed out
+                    carried.clear()
                     started = True
                     if not ending.hold(fut):
                         break  # the window was given up while the item was accepted off this loop
