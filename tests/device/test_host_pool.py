@@ -276,6 +276,27 @@ def test_cached_blocks_are_freed_to_make_room_and_when_the_budget_shrinks():
     del c
 
 
+@pytest.mark.parametrize("request_bytes", [8 << 20, 3 << 20], ids=["over-the-budget", "over-what-the-cache-frees"])
+def test_a_request_that_cannot_fit_even_with_the_cache_freed_keeps_the_cache(request_bytes):
+    dev = rf.device("sim")
+    pool = HostPool(dev, budget=4 << 20)
+    held = pool.empty(2 << 20, np.uint8)  # in use: freeing the cache makes at most 2 MiB of room
+    a, b = pool.empty(1 << 20, np.uint8), pool.empty(512 << 10, np.uint8)
+    bufs = {pool.buffer_of(a), pool.buffer_of(b)}
+    del a, b
+    assert pool.stats().cached_bytes == (1 << 20) + (512 << 10)
+    big = pool.empty(request_bytes, np.uint8)
+    assert pool.buffer_of(big) is None  # pageable: freeing every cached block would not make it fit
+    s = pool.stats()
+    assert (s.fallbacks, s.releases, s.cached_bytes) == (1, 0, (1 << 20) + (512 << 10))
+    again = pool.empty(1 << 20, np.uint8), pool.empty(512 << 10, np.uint8)  # the cache still serves its classes
+    assert {pool.buffer_of(x) for x in again} == bufs and pool.stats().hits == 2
+    del again
+    pool.set_budget(1 << 20)  # below the memory in use: the cache is freed all the same
+    assert pool.stats().cached_bytes == 0 and pool.stats().releases == 2
+    del held
+
+
 def test_refused_pinning_frees_the_cache_then_falls_back(monkeypatch, caplog):
     dev = rf.device("sim")
     pool = HostPool(dev)

@@ -24,7 +24,9 @@ The design follows PyTorch's ``CachingHostAllocator``:
 * **Budget.** The pool holds at most ``budget`` bytes of pinned memory (in use, pending and
   cached together). A request that does not fit after freeing cached blocks, or whose pinning
   the device refuses, gets an ordinary pageable numpy array instead, with one logged note per
-  pool on the ``"ringflow"`` logger.
+  pool on the ``"ringflow"`` logger. Cached blocks are freed for a request only where that
+  makes it fit: one larger than the budget less the memory in use and pending leaves the cache
+  as it is.
 
 Ordering on the simulated GPU: every hand-out takes a fresh checked host view of the block (a
 write and a read by the allocating thread), so a block handed out while a copy into it is
@@ -305,13 +307,16 @@ class HostPool:
         return dropped
 
     def _allocate(self, size: int, claim: list) -> None:
-        """A new block of ``size`` bytes into ``claim``, cached blocks freed to make room for it;
-        nothing where it does not fit the budget or the device refuses to pin it even with the
-        cache freed (fall back)."""
+        """A new block of ``size`` bytes into ``claim``, cached blocks freed to make room for it
+        where that makes it fit; nothing where it does not fit the budget even with the cache
+        freed (the cache then stays as it is), or the device refuses to pin it (fall back)."""
         reserved = False
         try:
             with self._lock:
-                to_release = self._make_room(size)
+                # a block that would not fit even with the whole cache freed falls back all the
+                # same: freeing the cache for it would only cost the requests its classes serve
+                fits = self._held() - self._bytes[_FREE] + size <= self._budget
+                to_release = self._make_room(size) if fits else []
                 if self._held() + size <= self._budget:
                     self._reserved += size
                     reserved = True
