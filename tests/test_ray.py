@@ -203,6 +203,16 @@ def test_batches_it_cannot_stream_are_refused_by_name(mapper_factory, batch, mes
         mapper_factory(affine, "x")(batch)
 
 
+@pytest.mark.parametrize("columns", ["feat", ["feat", "b"]], ids=["one", "stacked"])
+def test_a_column_in_the_other_byte_order_is_named_and_dtype_converts_it(mapper_factory, columns):
+    batch = {"feat": np.arange(6, dtype=">f4"), "b": np.ones(6, ">f4")}
+    with pytest.raises(TypeError, match=r"column 'feat' has dtype >f4, in non-native byte order.*pass dtype="):
+        mapper_factory(affine, columns)(batch)
+    out = mapper_factory(affine, columns, dtype="float32")(batch)
+    assert out["feat"].dtype == np.float32
+    np.testing.assert_array_equal(out["feat"], np.arange(6) * 2 + 1)
+
+
 def test_without_columns_every_column_is_stacked_and_a_text_column_is_named(mapper_factory):
     out = mapper_factory(affine, chunk_bytes=4096)({"a": np.arange(3000.0), "b": np.ones(3000)})
     np.testing.assert_array_equal(out["a"], np.arange(3000.0) * 2 + 1)
@@ -287,6 +297,8 @@ def test_a_failure_names_its_rows_whatever_the_id_column_holds(mapper_factory, i
     ((affine, "a"), {"dtype": "datetime64[s]"}, r"dtype must be a numeric numpy dtype .*got datetime64\[s\]"),
     ((affine, "a"), {"dtype": [("p", "f4")]}, r"dtype must be a numeric numpy dtype"),
     ((affine, "a"), {"dtype": "V8"}, r"dtype must be a numeric numpy dtype"),
+    # every batch would be cast to it and then refused by stream_map, in words about its 'x'
+    ((affine, "a"), {"dtype": ">f4"}, r"RayMapper's dtype: dtype >f4 is in non-native byte order.*dtype='float32'"),
     ((affine, "a"), {"id_column": 3}, r"id_column must be a column name"),
     ((affine, "a"), {"chunk_bytes": -1}, r"chunk_bytes"),
     ((affine, "a"), {"host": "pinned"}, r"host"),

@@ -56,8 +56,9 @@ class RayMapper:
             every column of the batch.
         output_columns: where the result goes, one name per entry of ``columns``; None writes
             the results over ``columns``.
-        dtype: the numeric numpy dtype the selected columns are cast to before streaming;
-            None requires them to share one dtype.
+        dtype: the numeric numpy dtype, in this machine's byte order, the selected columns are
+            cast to before streaming; None requires them to share one dtype, in this machine's
+            byte order.
         id_column: a column whose values identify rows across the dataset; a failure then also
             names the first and last of them among the failed rows.
         device: a device spec (``"auto"``, ``"cuda"``, ``"cuda:N"``, ``"sim"``), made once in
@@ -99,6 +100,12 @@ class RayMapper:
         if self.dtype is not None and self.dtype.kind not in "biufc":  # the kinds of column it streams
             raise TypeError(f"dtype must be a numeric numpy dtype (bool, integer, float or complex, e.g. 'float32'), "
                             f"got {self.dtype}")
+        if self.dtype is not None and not self.dtype.isnative:
+            # every batch would be cast to it and then refused by stream_map (GPU code reads numbers
+            # in this machine's order only), in words about stream_map's x, not this argument
+            raise TypeError(f"RayMapper's dtype: dtype {self.dtype} is in non-native byte order, which GPU code "
+                            f"(CuPy, PyTorch, a CUDA kernel) would misread; pass "
+                            f"dtype='{self.dtype.newbyteorder('=')}' instead")
         if id_column is not None and not isinstance(id_column, str):
             raise TypeError(f"id_column must be a column name (a string) or None, got {type(id_column).__name__}")
         self.id_column = id_column
@@ -148,7 +155,8 @@ class RayMapper:
                 (the first and last ``id_column`` values of those rows, or None); the
                 original is ``__cause__``. It pickles, so Ray reports it as the task's error.
             TypeError, ValueError: a batch that is neither kind, a missing or non-numeric
-                column, columns of different dtypes or shapes without ``dtype``.
+                column, columns of different dtypes or shapes, or a column in non-native byte
+                order, without ``dtype``.
             RuntimeError: the mapper is closed.
 
         A column of arrays (a pandas tensor column, or one array object per row, every row of
@@ -230,6 +238,11 @@ class RayMapper:
                        "first, or use batch_format='numpy' for tensor columns)") if frame else ""
                 pick = "" if self.columns is not None else "; name the columns to stream with columns=[...]"
                 raise TypeError(f"RayMapper streams numeric columns; column {name!r} has dtype {col.dtype}{why}{pick}")
+            if self.dtype is None and not col.dtype.isnative:
+                # stream_map would refuse it as its x, which names no column; dtype= casts it
+                raise TypeError(f"RayMapper: column {name!r} has dtype {col.dtype}, in non-native byte order, "
+                                "which GPU code (CuPy, PyTorch, a CUDA kernel) would misread; pass "
+                                f"dtype='{col.dtype.newbyteorder('=')}' to convert it")
             cols.append(col)
         if self.dtype is None:
             dtypes = {c.dtype for c in cols}
