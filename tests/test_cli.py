@@ -134,6 +134,11 @@ MISTAKES = [
     (["plan", "--compare", "{d}/bench_list.json"], "plan", "bench"),
     (["plan", "--compare", "{d}/bench_rows_bad.json"], "plan", "rows"),
     (["plan", "--compare", "{d}"], "plan", "folder"),
+    # (an empty name was taken for no --compare at all: the plan ran without the comparison asked for)
+    (["plan", "--compare", ""], "plan", "argument --compare: an empty string is not a file name; give a bench JSON"),
+    (["plan", "--compare", " "], "plan", "argument --compare: an empty string is not a file name"),
+    (["plan", "--compare", "{d}/missing.json"], "plan",
+     "--compare '{d}/missing.json': cannot read it (No such file or directory); give a bench JSON"),
     (["plan", "--nosuchopt"], "plan", "unrecognized arguments: --nosuchopt"),
     (["trace", "{d}/missing.json"], "trace", "missing.json"),
     (["trace", "{d}/empty.json"], "trace", "empty"),

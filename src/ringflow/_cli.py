@@ -298,6 +298,10 @@ def _trace(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from ._planning_cli import plan_command
 
+    if args.compare is not None and not args.compare.strip():
+        # (else taken for no --compare: the plan would run without the comparison asked for)
+        raise UsageError("argument --compare: an empty string is not a file name; give a bench JSON from "
+                         "ringflow bench --out")
     return plan_command(args)
 
 

@@ -56,8 +56,8 @@ def read_bench_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
     """The ``(workload, row)`` pairs of a bench JSON (as ``ringflow bench --out`` writes).
 
     Raises:
-        OSError: the file cannot be read.
-        ValueError: it is not JSON, or not shaped like a bench result (the message says where).
+        ValueError: naming ``--compare``: the file cannot be read, is not JSON, or is not shaped
+            like a bench result (the message says where).
     """
     if is_special(path):
         raise ValueError(f"--compare {path!r} is not a regular file; give a bench JSON from ringflow bench --out")
@@ -73,6 +73,9 @@ def read_bench_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
                          "give a bench JSON from ringflow bench --out") from None
     except MemoryError:
         raise ValueError(f"--compare {too_large(path)}; give a bench JSON from ringflow bench --out") from None
+    except OSError as exc:  # missing, unreadable: the OS's words alone name neither the option nor the fix
+        raise ValueError(f"--compare {path!r}: cannot read it ({exc.strerror or exc}); give a bench JSON from "
+                         "ringflow bench --out") from None
     workloads = data.get("workloads") if isinstance(data, dict) else None
     if not isinstance(workloads, dict):
         raise ValueError(f"--compare {path!r} is not a bench result: it has no 'workloads' table "
@@ -97,7 +100,7 @@ def plan_command(args) -> int:
         0.
 
     Raises:
-        OSError, ValueError: the ``--compare`` file cannot be read or is not a bench result.
+        ValueError: the ``--compare`` file cannot be read or is not a bench result.
         ValueError: ``--profile`` names no built-in profile, or a file that is not a valid
             profile (:class:`~ringflow._device.hardware.ProfileError`, naming the field).
     """
@@ -111,7 +114,7 @@ def plan_command(args) -> int:
     profile = get_profile(args.profile)
     where = "" if isinstance(args.profile, str) and args.profile in PROFILES else f" (from {args.profile})"
     total = args.bytes if isinstance(args.bytes, int) else parse_bytes(args.bytes)
-    compare = read_bench_rows(args.compare) if args.compare else []
+    compare = read_bench_rows(args.compare) if args.compare is not None else []
     per_byte = args.compute_ms_per_gib * 1e-3 / (1 << 30)
     if args.chunk == "auto":
         choice = plan.choose_chunk_bytes(profile, total, compute_s_per_byte=per_byte, workers=args.workers,
