@@ -79,6 +79,17 @@ def test_empty_is_a_plain_pinned_array_of_the_asked_shape():
     assert host_pool.device_of(a) is dev and host_pool.device_of(np.zeros(3)) is None
 
 
+@pytest.mark.parametrize("dtype, made", [("S", "S1"), ("U", "U1"), ("S0", "S1"), ("U0", "U1"), (np.bytes_, "S1")])
+def test_a_string_dtype_without_a_length_is_one_character_long_and_pinned_as_numpy_makes_it(dtype, made):
+    """np.empty makes such a dtype one character long; the pool took it for 0 bytes and handed
+    out a pageable array that neither it nor its counters knew of."""
+    pool = pool_for(rf.device("sim"))
+    a = pool.empty(3, dtype)
+    assert a.dtype == np.dtype(made) == np.empty(3, dtype).dtype and a.shape == (3,)
+    assert pool.buffer_of(a) is not None and pool.buffer_of(a).holds(a)
+    assert pool.stats().in_use_bytes == 512 and pool.stats().fallbacks == 0
+
+
 @pytest.mark.parametrize("shape, dtype, error, match", [
     (-1, np.float32, ValueError, "negative"),
     ((2, -3), np.float32, ValueError, "negative"),

@@ -628,7 +628,8 @@ def _wait(event: Any) -> None:
 
 def check_shape_dtype(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
     """``shape`` as a tuple of ints and ``dtype`` as a numpy dtype (a subarray dtype's shape
-    appended, as ``np.empty`` does); refuses what cannot be pinned.
+    appended, and a string dtype without a length one character long, as ``np.empty`` does);
+    refuses what cannot be pinned.
 
     Raises:
         TypeError: a shape that is not an int or a sequence of ints, a dtype numpy does not
@@ -658,6 +659,10 @@ def check_shape_dtype(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype
     dt = as_dtype(dtype)
     if dt.hasobject:
         raise TypeError(f"dtype {dt} holds Python objects, which cannot live in pinned memory; use a numeric dtype")
+    if dt.itemsize == 0 and dt.kind in "SU":
+        # np.empty makes a string dtype without a length ("S", "U") one character long: taken as
+        # 0 bytes, the request would get a pageable array that the pool never counted
+        dt = np.empty(0, dt).dtype
     if dt.subdtype is not None:  # np.empty((n,), (np.float32, 3)) is an (n, 3) float32 array
         dt, sub = dt.subdtype
         dims.extend(sub)
