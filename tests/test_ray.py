@@ -3,6 +3,7 @@ Ray instance with the simulated GPU (CPU-only actors)."""
 
 from __future__ import annotations
 
+import copy
 import os
 import pathlib
 import pickle
@@ -313,6 +314,17 @@ def test_bad_arguments_are_refused_when_the_mapper_is_made(args, kwargs, message
     kwargs.setdefault("device", "sim")
     with pytest.raises((TypeError, ValueError), match=message):
         rf.RayMapper(*args, **kwargs)
+
+
+@pytest.mark.parametrize("copy_it", [pickle.dumps, copy.deepcopy], ids=["pickle", "deepcopy"])
+def test_a_mapper_does_not_travel_and_says_to_give_ray_the_class(mapper_factory, copy_it):
+    """Ray Data takes an instance given to map_batches for a function and pickles it to ship to
+    its workers: the error names the class to give instead, not a lock deep in the device."""
+    m = mapper_factory(affine, "a")
+    with pytest.raises(TypeError, match=r"a RayMapper does not pickle or copy: it holds its process's device.*"
+                                        r"map_batches\(rf\.RayMapper, fn_constructor_kwargs=\{'f': f, \.\.\.\}"):
+        copy_it(m)
+    np.testing.assert_array_equal(m({"a": np.arange(3.0)})["a"], [1, 3, 5])  # unharmed
 
 
 def test_a_device_object_is_refused_it_does_not_travel_to_actors():

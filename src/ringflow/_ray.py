@@ -198,6 +198,18 @@ class RayMapper:
             atexit.unregister(self._at_exit)
             self._finalizer()
 
+    def __reduce__(self):
+        """Refuse to pickle or copy: the mapper holds its process's device and kept engines.
+
+        Raises:
+            TypeError: always, naming the class to give Ray instead.
+        """
+        # Ray Data takes an instance given to map_batches for a plain function and pickles it for
+        # its workers: without this the error named a lock deep inside the device
+        raise TypeError("a RayMapper does not pickle or copy: it holds its process's device and engines. Give "
+                        "Ray the class and its arguments, and each actor makes its own: "
+                        "ds.map_batches(rf.RayMapper, fn_constructor_kwargs={'f': f, ...}, ...)")
+
     def __repr__(self) -> str:
         cols = "every column" if self.columns is None else list(self.columns)
         outs = "" if self.output_columns is None else f" -> {list(self.output_columns)}"
