@@ -303,6 +303,13 @@ def test_set_budget_applies_to_every_pool_and_empty_falls_back(monkeypatch):
     (lambda: rf.host.empty(3, b"i4,(2", device=rf.device("sim")), TypeError, "is not a numpy dtype"),
     (lambda: rf.host.empty((2**40, 2**40), device=rf.device("sim")), MemoryError, r"host\.empty\(shape=.*smaller shape"),
     (lambda: rf.host.set_budget("lots"), TypeError, r"set_budget\(nbytes\)"),
+    # the message shows the value, not only its type: a NaN and a float of whole bytes read alike
+    (lambda: rf.host.set_budget(float("nan")), TypeError,
+     r"ringflow\.host\.set_budget\(nbytes\) must be an int number of bytes, got nan \(float\); give a whole number"),
+    (lambda: rf.host.set_budget(4e9, device=rf.device("sim")), TypeError,
+     r"ringflow\.host\.set_budget\(nbytes\) must be an int number of bytes, got 4000000000\.0 \(float\); give a whole"),
+    (lambda: rf.host.set_budget(-1, device=rf.device("sim")), ValueError,
+     r"ringflow\.host\.set_budget\(nbytes\) must be a positive number of bytes, got -1"),
     (lambda: rf.host.collect(wait="no", device=rf.device("sim")), TypeError, "wait must be True or False"),
     (lambda: rf.host.collect(wait=float("nan"), device=rf.device("sim")), TypeError, "wait must be True or False"),
 ])

@@ -521,7 +521,7 @@ class HostPool:
         Raises:
             TypeError, ValueError: ``nbytes`` is not a positive int.
         """
-        nbytes = check_nbytes(nbytes, "set_budget(nbytes)")
+        nbytes = check_nbytes(nbytes, "ringflow.host.set_budget(nbytes)")
         self._process()
         with self._lock:
             self._budget = nbytes
@@ -731,7 +731,7 @@ def set_default_budget(nbytes: int) -> None:
         TypeError, ValueError: ``nbytes`` is not a positive int.
     """
     global _default_budget
-    nbytes = check_nbytes(nbytes, "set_budget(nbytes)")  # called by ringflow.host.set_budget
+    nbytes = check_nbytes(nbytes, "ringflow.host.set_budget(nbytes)")  # called by ringflow.host.set_budget
     with _pools_lock:
         _default_budget = nbytes
         alive = list(_all_pools)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from .._checks import MAX_WORKERS, as_dtype, check_count
+from .._checks import MAX_WORKERS, as_dtype, check_count, described
 from .._errors import CaptureError
 from . import native_copy
 
@@ -230,8 +230,16 @@ def stream_after(streams: Sequence["Stream"]) -> "Stream | None":
 
 
 def check_nbytes(nbytes: int, what: str) -> int:
+    """``nbytes`` as a positive int.
+
+    Raises:
+        TypeError: not an int (a bool, a float even of whole bytes, a string), naming ``what``
+            and showing the value.
+        ValueError: 0 or less.
+    """
     if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
-        raise TypeError(f"{what} must be an int number of bytes, got {type(nbytes).__name__}")
+        raise TypeError(f"{what} must be an int number of bytes, got {described(nbytes)}; give a whole number of "
+                        "bytes as an int, such as 1 << 30")
     nbytes = int(nbytes)
     if nbytes <= 0:
         raise ValueError(f"{what} must be a positive number of bytes, got {nbytes}; ask for at least 1 byte")
