@@ -241,6 +241,19 @@ def test_a_mistake_in_a_fresh_process(bad_files, line):
     check_one_line(proc.returncode, proc.stderr, command, phrase)
 
 
+def test_a_stdout_that_is_not_utf8_gets_the_report_with_what_it_cannot_show_escaped(tmp_path):
+    """An ASCII stdout (PYTHONIOENCODING, a POSIX locale without UTF-8, an old console) cannot
+    show every character a report prints (a dash, an ellipsis, a file's name): the command
+    failed at the first one, after all its work, with only an encoding error to show."""
+    profile = tmp_path / "profil-\u00fc\u20ac.json"  # its name is printed in the plan's title
+    assert run_cli("doctor", "--device", "sim", "--save", str(profile)).returncode == 0
+    for args, shown in ((["doctor", "--device", "sim"], "simulated"),
+                        (["plan", "--bytes", "1MiB", "--profile", str(profile)], "profil-\\xfc\\u20ac.json")):
+        proc = run_cli(*args, env_extra={"PYTHONIOENCODING": "ascii"})
+        assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+        assert shown in proc.stdout
+
+
 def test_usage_mistakes_exit_2():
     proc = run_cli("plan", "--bytes", "abc")
     assert proc.returncode == 2 and proc.stdout == ""

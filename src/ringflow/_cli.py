@@ -372,6 +372,28 @@ def _warnings_as_lines(prog: str) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _unencodable_escaped() -> Iterator[None]:
+    """Within the block, print characters stdout's encoding cannot show as escapes (``\\u2014``)
+    instead of failing, as Python's stderr does; stdout's error handler is restored after."""
+    # an ASCII or Latin-1 stdout (PYTHONIOENCODING, a POSIX locale without UTF-8, an old console)
+    # cannot show a report's dashes and ellipses or a file's name: the first one failed the
+    # command, after all its work
+    stream = sys.stdout
+    errors = getattr(stream, "errors", None)
+    try:
+        if errors == "strict":
+            stream.reconfigure(errors="backslashreplace")
+    except (AttributeError, ValueError, OSError):  # not a text stream that takes a new handler
+        errors = None
+    try:
+        yield
+    finally:
+        if errors == "strict":
+            with contextlib.suppress(AttributeError, ValueError, OSError):
+                stream.reconfigure(errors=errors)
+
+
 def _traceback_if(debug: bool) -> None:
     """Print the exception being handled, with its traceback, when ``RINGFLOW_DEBUG`` asks."""
     if debug:
@@ -396,7 +418,7 @@ def main(argv: "list[str] | None" = None) -> int:
     prog = f"ringflow {args.command}"
     debug = os.environ.get(DEBUG_VAR, "").strip() not in ("", "0")
     try:
-        with _warnings_as_lines(prog):
+        with _warnings_as_lines(prog), _unencodable_escaped():
             return args.func(args)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
