@@ -118,6 +118,10 @@ def test_in_worker_processes_the_slot_is_the_shared_pinned_block():
     ("3", "f4", TypeError, "empty_slot: shape must be an int"),
     ((2, 2), object, TypeError, "empty_slot: .*Python objects"),
     ((3,), "no such dtype", TypeError, "empty_slot"),
+    # more bytes than numpy can address: numpy's own words named neither the call nor the fix
+    ((1 << 62,), "f8", ValueError, r"empty_slot\(shape=\(4611686018427387904,\), dtype=float64\): 36893488147419103232 "
+                                   r"bytes, more than numpy can make .*; ask for a smaller shape"),
+    ((1 << 32, 1 << 32), "u1", ValueError, r"empty_slot\(shape=\(4294967296, 4294967296\), dtype=uint8\)"),
 ])
 def test_bad_shapes_and_dtypes_name_empty_slot(shape, dtype, error, match):
     with pytest.raises(error, match=match):

@@ -34,7 +34,8 @@ def empty_slot(shape: Any, dtype: Any = np.float64) -> np.ndarray:
     Raises:
         TypeError: a shape that is not an int or a sequence of ints, a dtype numpy does not
             know, or one holding Python objects (the message starts ``empty_slot``).
-        ValueError: a negative dimension, or more bytes than numpy can make.
+        ValueError: a negative dimension, or more bytes than numpy can make (the message
+            starts ``empty_slot``).
     """
     try:
         shape, dtype = check_shape_dtype(shape, dtype)
@@ -43,7 +44,11 @@ def empty_slot(shape: Any, dtype: Any = np.float64) -> np.ndarray:
     raw: Optional[np.ndarray] = getattr(_offered, "raw", None)
     nbytes = math.prod(shape) * dtype.itemsize
     if raw is None or nbytes > raw.nbytes or raw.ctypes.data % dtype.alignment:
-        return np.empty(shape, dtype)
+        try:
+            return np.empty(shape, dtype)
+        except ValueError as exc:  # numpy's words name neither this call nor the fix
+            raise ValueError(f"empty_slot(shape={shape}, dtype={dtype}): {nbytes} bytes, more than numpy can make "
+                             f"({exc}); ask for a smaller shape") from None
     _offered.raw = None  # taken: a second call gets its own memory
     return raw[:nbytes].view(dtype).reshape(shape)
 
