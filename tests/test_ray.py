@@ -417,6 +417,26 @@ def test_close_releases_the_kept_engines_and_the_device():
     assert m.device.closed
 
 
+def test_a_batch_the_mapper_was_closed_under_says_so(monkeypatch):
+    """close() on another thread while a batch streams (an actor's exit, a caller's own close):
+    the batch fails in the mapper's words, not with the device's advice to make a new device."""
+    from ringflow import _ray
+
+    m = rf.RayMapper(affine, "a", device="sim", chunk_bytes=1024)
+    m(numeric_batch(3000))  # an engine kept warm
+    real = _ray.stream_map
+
+    def closed_under(*args, **kwargs):  # the close lands once the call is under way
+        m.close()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_ray, "stream_map", closed_under)
+    with pytest.raises(RuntimeError, match=r"this RayMapper was closed \(close\(\)\) while it mapped this batch.*"
+                                           r"make a new one") as info:
+        m(numeric_batch(3000))
+    assert info.value.__cause__ is not None and m.device.closed
+
+
 def test_ringflow_and_the_mapper_import_without_ray_or_pandas():
     code = ("import sys, numpy as np, ringflow as rf\n"
             "m = rf.RayMapper(lambda x, y: None, 'a', device='sim')\n"

@@ -157,7 +157,7 @@ class RayMapper:
             TypeError, ValueError: a batch that is neither kind, a missing or non-numeric
                 column, columns of different dtypes or shapes, or a column in non-native byte
                 order, without ``dtype``.
-            RuntimeError: the mapper is closed.
+            RuntimeError: the mapper is closed, or was closed while it mapped this batch.
 
         A column of arrays (a pandas tensor column, or one array object per row, every row of
         one shape) streams as one array of ``(rows, *shape)``; in a DataFrame, each result of
@@ -177,8 +177,16 @@ class RayMapper:
         x, as_rows = self._gather(batch, names, frame)
         try:
             y = stream_map(self.f, x, device=self.device, keep_warm=True, **self.options)
-        except StageError as exc:
-            raise self._failure(exc, x, batch, frame) from exc.__cause__
+        except Exception as exc:
+            if self.device.closed:
+                # closed on another thread meanwhile: the device's own words would advise making a
+                # new device, which a mapper's caller cannot give it
+                raise RuntimeError("this RayMapper was closed (close()) while it mapped this batch, which is not "
+                                   "mapped; close a mapper once its calls have returned, and make a new one to map "
+                                   "more batches") from exc
+            if isinstance(exc, StageError):
+                raise self._failure(exc, x, batch, frame) from exc.__cause__
+            raise
         outputs = self.output_columns if self.output_columns is not None else names
         if len(names) == 1:
             results = {outputs[0]: y}
