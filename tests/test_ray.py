@@ -198,6 +198,10 @@ def test_dtype_casts_columns_of_different_dtypes(mapper_factory):
     ({"x": np.array([np.zeros(3), np.zeros(5)], object)}, r"arrays of shapes \(3,\), \(5,\) \(a ragged"),
     ({"x": np.array(["s"] * 10)}, r"numeric columns; column 'x' has dtype <U1"),
     ([1, 2, 3], r"dict of numpy arrays \(batch_format='numpy'\) or a pandas DataFrame"),
+    # a Python list of rows of different lengths: numpy's own error named no column
+    ({"x": [[1.0, 2.0], [3.0]]}, r"column 'x' is not one numpy array \(setting an array element with a sequence.*\); "
+                                 r"give it as a numpy array, every row of one shape"),
+    ({"x": [1.0, [2.0, 3.0]]}, r"column 'x' is not one numpy array"),
 ])
 def test_batches_it_cannot_stream_are_refused_by_name(mapper_factory, batch, message):
     with pytest.raises((TypeError, ValueError), match=message):

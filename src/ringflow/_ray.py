@@ -241,7 +241,11 @@ class RayMapper:
                                 "them first (e.g. .fillna(0))")
             col = batch[name].to_numpy() if frame else batch[name]
             if not isinstance(col, np.ndarray):
-                col = np.asarray(col)
+                try:
+                    col = np.asarray(col)
+                except (TypeError, ValueError) as exc:  # rows of several lengths, say: numpy names no column
+                    raise ValueError(f"RayMapper: column {name!r} is not one numpy array ({exc}); give it as a numpy "
+                                     "array, every row of one shape") from None
             if col.ndim == 0:
                 raise TypeError(f"RayMapper streams columns of rows; column {name!r} is a single value "
                                 f"(a 0-d array of {col.dtype}): give it as an array with one row per record")
