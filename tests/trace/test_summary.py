@@ -108,6 +108,10 @@ def test_a_trace_without_spans(tmp_path, capsys):
     ("", "empty"),
     ("{", "not JSON"),
     ('{"traceEvents": {}}', "must be a list"),
+    # a file of one value has no 'traceEvents' to blame
+    ("NaN", "a JSON number, not an object with a 'traceEvents' list nor a list of events"),
+    ('"trace"', "a JSON string, not an object"),
+    ("null", "a JSON null, not an object"),
     ('[5]', "event 0 is not a JSON object (got int)"),
     ('[{"ph": "X", "ts": 1, "dur": 1}]', "no 'cat' or 'name'"),
     ('[{"ph": "X", "ts": true, "dur": 1, "name": "h2d"}]', "numeric 'ts'"),

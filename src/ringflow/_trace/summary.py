@@ -60,6 +60,15 @@ def _number(e: dict, key: str, default: "float | None" = None) -> "float | None"
     return float(v)
 
 
+def _json_kind(value: Any) -> str:
+    """What JSON calls the kind of a value json.loads made: 'number', 'string', 'null', ..."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", type(None): "null", list: "array", dict: "object"}.get(type(value), type(value).__name__)
+
+
 def read_spans(path: str) -> list[Span]:
     """The complete events of the Chrome trace at ``path`` as spans (seconds from its zero).
 
@@ -92,6 +101,9 @@ def read_spans(path: str) -> list[Span]:
     else:
         events = data
     if not isinstance(events, list):
+        if not isinstance(data, dict):  # a file of one value has no 'traceEvents' to blame
+            raise _fail(path, f"a JSON {_json_kind(data)}, not an object with a 'traceEvents' list nor a list of "
+                              "events")
         raise _fail(path, f"'traceEvents' must be a list of events, got {type(events).__name__}")
     names: dict[Any, str] = {}
     for i, e in enumerate(events):
