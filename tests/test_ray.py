@@ -313,6 +313,9 @@ def test_a_failure_names_its_rows_whatever_the_id_column_holds(mapper_factory, i
     ((affine, "a"), {"out": np.zeros(3)}, r"unexpected keyword argument\(s\) \['out'\]"),
     ((affine, "a"), {"device": "gpu"}, r"unknown device 'gpu'"),
     ((affine, "a"), {"device_options": "x"}, r"device_options must be a dict"),
+    # (Python's own 'keywords must be strings' named no argument)
+    ((affine, "a"), {"device_options": {1: 2}}, r"device_options must map ringflow\.device keyword names \(strings\) "
+                                               r"to values, got the key 1 \(int\)"),
 ])
 def test_bad_arguments_are_refused_when_the_mapper_is_made(args, kwargs, message):
     kwargs.setdefault("device", "sim")

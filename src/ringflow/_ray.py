@@ -116,6 +116,10 @@ class RayMapper:
         if device_options is not None and not isinstance(device_options, dict):
             raise TypeError(f"device_options must be a dict of ringflow.device keyword options, got "
                             f"{type(device_options).__name__}")
+        for key in device_options or {}:
+            if not isinstance(key, str):  # (Python's own error names no argument)
+                raise TypeError(f"device_options must map ringflow.device keyword names (strings) to values, got the "
+                                f"key {key!r} ({type(key).__name__}); e.g. device_options={{'seed': 0}}")
         unknown = sorted(set(options) - set(PASSED_OPTIONS))
         if unknown:
             raise TypeError(f"RayMapper got unexpected keyword argument(s) {unknown}; it passes these to "
