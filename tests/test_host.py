@@ -12,6 +12,7 @@ from ringflow import _host
 from ringflow._device import host_pool
 from ringflow._pipeline import whole_array
 from tests.helpers.hooks import engines
+from tests.helpers.threads import join, start
 
 
 def f(x, y):
@@ -287,6 +288,25 @@ def test_set_budget_applies_to_every_pool_and_empty_falls_back(monkeypatch):
         for pool in host_pool.pools():
             pool.set_budget(host_pool.default_budget())
     del a
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["array", "view"])
+def test_a_buffer_taken_on_another_thread_than_the_hand_out_is_ordered_after_it(view):
+    """Copies of your own on a device's streams (as the record_use example makes them) of an array
+    handed out on another thread and passed on by a join, which the checker cannot see:
+    ``buffer`` orders the taking thread after the hand-out, as stream_map taking the array in
+    does; the copy was a HazardError on the simulated GPU."""
+    dev = rf.device("sim", checked=True)
+    (a,) = join([start(lambda: rf.host.empty(1 << 16, np.uint8, device=dev))])
+    if view:
+        a = a[4096:]  # a view from another byte: the buffer is still its block's
+    stream = dev.create_stream()
+    d = dev.allocate(1 << 16)
+    buf = rf.host.buffer(a)
+    stream.copy(d, buf)
+    assert rf.host.record_use(a, stream.record())
+    stream.copy(buf, d)
+    stream.sync()
 
 
 @pytest.mark.parametrize("call, error, match", [

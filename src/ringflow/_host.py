@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ._checks import check_flag
-from ._device.host_pool import HostPool, HostPoolStats, owner_of, pool_for, set_default_budget
+from ._device.host_pool import HostPool, HostPoolStats, block_buffer_taken_in, owner_of, pool_for, set_default_budget
 from ._device.protocol import Device, HostBuffer
 from ._pipeline.slot_array import empty_slot
 
@@ -110,13 +110,19 @@ def buffer(a: np.ndarray) -> Optional[HostBuffer]:
 
     A buffer from here belongs to the pool: never close it, and use it only while ``a`` lives.
 
+    The calling thread is ordered after ``a``'s hand-out and every device use of it seen
+    complete since (on the simulated GPU; nothing to do on a real one), as ``stream_map``
+    taking ``a`` in is: ``a`` may have come from another thread by a queue or a join of your
+    own, which the simulated GPU's checker cannot see.
+
     Raises:
         TypeError: ``a`` is not a numpy array.
     """
     if not isinstance(a, np.ndarray):
         raise TypeError(f"ringflow.host.buffer takes a numpy array, got {type(a).__name__}")
-    owner = owner_of(a)
-    return owner.block.buffer if owner is not None else None
+    # the buffer is taken for device work (copies of the caller's own): order this thread after
+    # the block's previous holders, or such a copy of an array from another thread looks unordered
+    return block_buffer_taken_in(a)
 
 
 def record_use(a: np.ndarray, event: Any) -> bool:

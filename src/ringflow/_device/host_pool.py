@@ -807,6 +807,18 @@ def receive_slice(array: Any, device: Device) -> Optional[BufferSlice]:
     return _bytes_of(owner, array)
 
 
+def block_buffer_taken_in(array: Any) -> Optional[HostBuffer]:
+    """The pinned buffer of the block behind ``array`` (an array from a pool or any view of one,
+    at whatever offset in it), for device work of the caller's own, ordering the calling thread
+    after the block's hand-out and every device use of it seen complete since, as
+    :func:`receive` does; None for any other array."""
+    owner = owner_of(array) if isinstance(array, np.ndarray) else None
+    if owner is None:
+        return None
+    owner.pool._observe(owner.block)
+    return owner.block.buffer
+
+
 def device_of(array: Any) -> Optional[Device]:
     """The device whose pool ``array``'s memory came from, or None."""
     owner = owner_of(array) if isinstance(array, np.ndarray) else None
