@@ -185,9 +185,9 @@ class RayMapper:
             if self.device.closed:
                 # closed on another thread meanwhile: the device's own words would advise making a
                 # new device, which a mapper's caller cannot give it
-                raise RuntimeError("this RayMapper was closed (close()) while it mapped this batch, which is not "
-                                   "mapped; close a mapper once its calls have returned, and make a new one to map "
-                                   "more batches") from exc
+                raise RuntimeError("this RayMapper was closed (close()) while it mapped this batch, so the batch has "
+                                   "no result; close a mapper once its calls have returned, and make a new one to "
+                                   "map more batches") from exc
             if isinstance(exc, StageError):
                 raise self._failure(exc, x, batch, frame) from exc.__cause__
             raise
