@@ -1,5 +1,7 @@
 """The command line end to end on the simulated GPU (what CI can run)."""
 
+import errno
+import io
 import json
 import os
 import subprocess
@@ -252,6 +254,37 @@ def test_a_stdout_that_is_not_utf8_gets_the_report_with_what_it_cannot_show_esca
         proc = run_cli(*args, env_extra={"PYTHONIOENCODING": "ascii"})
         assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
         assert shown in proc.stdout
+
+
+class FullStdout(io.StringIO):
+    """A stdout on a full disk: every write fails as the OS's would."""
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("args", [["plan", "--bytes", "1MiB"], ["trace", "--json", "{trace}"]], ids=["plan", "trace"])
+def test_a_stdout_that_cannot_be_written_is_named(tmp_path, monkeypatch, capsys, args):
+    """Output redirected to a full disk: the OS's words alone ('No space left on device') named
+    neither what could not be written nor what to do."""
+    trace = tmp_path / "t.json"
+    trace.write_text('[{"ph": "X", "ts": 0, "dur": 5, "name": "h2d", "tid": 1}]')
+    monkeypatch.setattr(sys, "stdout", FullStdout())
+    code = main([a.replace("{trace}", str(trace)) for a in args])
+    check_one_line(code, capsys.readouterr().err, args[0],
+                   "cannot write the output to standard output (No space left on device); send it where it can be "
+                   "written")
+    assert code == 1
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_stdout_on_a_full_device_is_named_in_a_fresh_process():
+    env = {k: v for k, v in os.environ.items() if k not in ("RINGFLOW_DEVICE", "RINGFLOW_DEBUG")}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "ringflow", "plan"], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=120, env=env)
+    check_one_line(proc.returncode, proc.stderr, "plan", "cannot write the output to standard output")
 
 
 def test_usage_mistakes_exit_2():

@@ -372,10 +372,54 @@ def _warnings_as_lines(prog: str) -> Iterator[None]:
         yield
 
 
+STDOUT = "standard output"  # the file name of an OSError in writing stdout (main says so)
+
+
+class _NamedStdout:
+    """``sys.stdout`` while a command runs: an OSError in writing or flushing it (a full disk
+    under a redirect) carries the file name :data:`STDOUT`, where the OS's words alone named
+    nothing; anything else is the stream's own."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            raise _named(exc) from None
+
+    def writelines(self, lines):
+        try:
+            return self._stream.writelines(lines)
+        except OSError as exc:
+            raise _named(exc) from None
+
+    def flush(self):
+        try:
+            return self._stream.flush()
+        except OSError as exc:
+            raise _named(exc) from None
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _named(exc: OSError) -> OSError:
+    """``exc`` (of its own type: a BrokenPipeError stays one) with the file name :data:`STDOUT`,
+    where it has an errno and no file name."""
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    named = type(exc)(exc.errno, exc.strerror, STDOUT)
+    named.ringflow_stdout = True  # (a file of that name given to an option is not this)
+    return named
+
+
 @contextlib.contextmanager
-def _unencodable_escaped() -> Iterator[None]:
+def _stdout_for_the_command() -> Iterator[None]:
     """Within the block, print characters stdout's encoding cannot show as escapes (``\\u2014``)
-    instead of failing, as Python's stderr does; stdout's error handler is restored after."""
+    instead of failing, as Python's stderr does, and name stdout in an error writing it
+    (:class:`_NamedStdout`); stdout and its error handler are restored after."""
     # an ASCII or Latin-1 stdout (PYTHONIOENCODING, a POSIX locale without UTF-8, an old console)
     # cannot show a report's dashes and ellipses or a file's name: the first one failed the
     # command, after all its work
@@ -386,9 +430,12 @@ def _unencodable_escaped() -> Iterator[None]:
             stream.reconfigure(errors="backslashreplace")
     except (AttributeError, ValueError, OSError):  # not a text stream that takes a new handler
         errors = None
+    named = sys.stdout = _NamedStdout(stream) if stream is not None else None
     try:
         yield
     finally:
+        if named is not None and sys.stdout is named:
+            sys.stdout = stream
         if errors == "strict":
             with contextlib.suppress(AttributeError, ValueError, OSError):
                 stream.reconfigure(errors=errors)
@@ -418,7 +465,7 @@ def main(argv: "list[str] | None" = None) -> int:
     prog = f"ringflow {args.command}"
     debug = os.environ.get(DEBUG_VAR, "").strip() not in ("", "0")
     try:
-        with _warnings_as_lines(prog), _unencodable_escaped():
+        with _warnings_as_lines(prog), _stdout_for_the_command():
             return args.func(args)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
@@ -438,6 +485,10 @@ def main(argv: "list[str] | None" = None) -> int:
         return 1
     except (RingflowError, ValueError, TypeError, OSError) as exc:
         _traceback_if(debug)
+        if getattr(exc, "ringflow_stdout", False):
+            print(f"{prog}: error: cannot write the output to standard output ({exc.strerror}); send it where it "
+                  "can be written", file=sys.stderr)
+            return 1
         print(f"{prog}: error: {_describe(exc)}", file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - the last resort: a bug, said in one line
