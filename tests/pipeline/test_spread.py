@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 import ringflow as rf
 from ringflow._pipeline.spread import SpreadPipeline
 from tests.helpers.pipeline_checks import check_map_refuses_not_iterable, take_all
-from tests.helpers.threads import JOIN_S, join, start
+from tests.helpers.threads import JOIN_S, all_stacks, interrupt_main, join, start
 
 
 def f(x, y):
@@ -665,3 +666,198 @@ def test_on_one_device_a_map_whose_room_another_thread_took_after_it_looked_hand
     pipe.close()
     s = pipe.stats()
     assert s.delivered == len(mine) + len(theirs) and s.in_flight == 0 and s.balanced(), s
+
+
+def _stall_on(stalled: float, started: threading.Event, release: threading.Event):
+    """A prepare that blocks (until ``release``) for the item whose first element is ``stalled``,
+    setting ``started`` as it begins to."""
+
+    def prepare(item):
+        if float(item[0]) == stalled:
+            started.set()
+            assert release.wait(JOIN_S), "the stalled prepare was never released"
+        return item
+
+    return prepare
+
+
+@pytest.mark.parametrize("face", ["submit", "asubmit"])
+def test_a_submit_with_no_room_anywhere_takes_the_first_room_any_device_frees(face):
+    """Room for one chunk a device: the first item goes to device 0, whose prepare of it does not
+    return until the test says so, the second to device 1. The third finds no room on either;
+    once device 0's stall has begun, device 1's chunk is finished by another thread's wait, and
+    the third item goes there. It used to be sent to device 0 (equally loaded, first in turn)
+    and to wait for room there only, for as long as that prepare stalled."""
+    started, release, ready = threading.Event(), threading.Event(), threading.Event()
+    pipe = rf.Pipeline(lambda x, y: np.copyto(y, x * 2 + 1), device=sims(2, 23),
+                       prepare=_stall_on(0.0, started, release), chunk_bytes=512, slots=1, workers=1,
+                       max_in_flight=1)
+    first, second = pipe.parts
+    try:
+        futs = [pipe.submit(np.full(8, float(k))) for k in range(2)]
+        assert [f._driver for f in futs] == [first._driver, second._driver]
+        assert not any(p._sched.has_capacity() for p in pipe.parts)
+
+        def third():
+            try:
+                if face == "submit":
+                    return pipe.submit(np.full(8, 2.0))
+
+                async def accept():
+                    return await pipe._asubmit_future(np.full(8, 2.0))
+
+                return asyncio.run(accept())
+            finally:
+                ready.set()
+
+        def finish_second():
+            # once the third submit waits (device 0's prepare began: only that wait runs it), or
+            # it returned (it ran device 1 itself)
+            assert ready.wait(JOIN_S)
+            return futs[1].result()
+
+        submitting = start(third)
+        watcher = start(lambda: (started.wait(JOIN_S), ready.set()))
+        finisher = start(finish_second)
+        fut = join([submitting], timeout=JOIN_S)[0]
+        assert fut._driver is second._driver  # device 1's room, not device 0's
+        np.testing.assert_array_equal(join([finisher])[0], np.full(8, 3.0))
+        assert not release.is_set() and not futs[0].done()  # device 0 still stalls
+        release.set()
+        join([watcher])
+        np.testing.assert_array_equal(fut.result(timeout=JOIN_S), np.full(8, 5.0))
+        np.testing.assert_array_equal(futs[0].result(timeout=JOIN_S), np.full(8, 1.0))
+    finally:
+        release.set()
+        ready.set()
+        pipe.close()
+    s = pipe.stats()
+    assert s.delivered == 3 and s.in_flight == 0 and s.balanced(), s
+
+
+def _stall_each(started: "dict[float, threading.Event]", release: "dict[float, threading.Event]",
+                breaks: "dict | None" = None):
+    """A prepare that blocks, for each item whose first element is a key of ``started``, until
+    that key's ``release`` event is set (setting its ``started`` event as it begins to); then,
+    where ``breaks`` names a device for the key, breaks it (the prepare runs where the device's
+    lock is held: another thread's inject_sticky_error would wait for it)."""
+
+    def prepare(item):
+        key = float(item[0])
+        if key in started:
+            started[key].set()
+            assert release[key].wait(JOIN_S), "a stalled prepare was never released"
+            if breaks and key in breaks:
+                breaks[key].inject_sticky_error()
+        return item
+
+    return prepare
+
+
+def test_a_submit_waiting_for_room_passes_over_a_device_that_breaks_meanwhile():
+    """Both devices full, each prepare stalled; while the third submit waits, device 1 breaks
+    (its prepare then returns, and its chunk fails with the device): the item is not sent there
+    but to device 0 once its prepare returns; once both devices are broken a waiting submit
+    raises the device's error instead of waiting on."""
+    devs = sims(2, 29)
+    started = {k: threading.Event() for k in (0.0, 1.0, 3.0)}
+    release = {k: threading.Event() for k in (0.0, 1.0, 3.0)}
+    breaks = {1.0: devs[1], 3.0: devs[0]}
+    pipe = rf.Pipeline(lambda x, y: np.copyto(y, x * 2 + 1), device=devs,
+                       prepare=_stall_each(started, release, breaks), chunk_bytes=512, slots=1, workers=1,
+                       max_in_flight=1, on_error="continue")
+    first, second = pipe.parts
+    try:
+        futs = [pipe.submit(np.full(8, float(k))) for k in range(2)]
+        submitting = start(pipe.submit, np.full(8, 2.0))
+        assert started[0.0].wait(JOIN_S) and started[1.0].wait(JOIN_S)  # the submit's wait runs both devices
+        release[1.0].set()  # device 1 breaks
+        with pytest.raises(rf.DeviceError):
+            futs[1].result(timeout=JOIN_S)
+        assert not submitting.done()
+        release[0.0].set()
+        fut = join([submitting])[0]
+        assert fut._driver is first._driver
+        np.testing.assert_array_equal(fut.result(timeout=JOIN_S), np.full(8, 5.0))
+        # device 0 full again (its next prepare stalls); a submit waiting for room there raises
+        # once that device breaks too
+        futs.append(pipe.submit(np.full(8, 3.0)))
+        submitting = start(pipe.submit, np.full(8, 4.0))
+        assert started[3.0].wait(JOIN_S)
+        release[3.0].set()
+        with pytest.raises(rf.DeviceError):
+            join([submitting])
+    finally:
+        for e in release.values():
+            e.set()
+        pipe.close()
+    s = pipe.stats()
+    assert s.accepted == 4 and s.in_flight == 0 and s.balanced(), s
+
+
+def test_a_submit_waiting_for_room_on_every_device_times_out_accepting_nothing():
+    """Both devices full with kernels of ten (virtual) seconds: a submit with a timeout of one
+    second raises TimeoutError and nothing of it is accepted; without a timeout it is accepted
+    on the first device whose kernel ends."""
+    def slow(x, y):
+        y[...] = x * 2 + 1
+
+    slow.sim_seconds = 10.0
+    pipe = rf.Pipeline(slow, device=sims(2, 31), chunk_bytes=512, slots=1, max_in_flight=1, coalesce=False)
+    try:
+        futs = [pipe.submit(np.full(8, float(k))) for k in range(2)]
+        with pytest.raises(TimeoutError):
+            pipe.submit(np.full(8, 2.0), timeout=1.0)
+        assert pipe.stats().accepted == 2
+        futs.append(pipe.submit(np.full(8, 2.0)))
+        for k, fut in enumerate(futs):
+            np.testing.assert_array_equal(fut.result(timeout=JOIN_S), np.full(8, 2.0 * k + 1))
+    finally:
+        pipe.close()
+    s = pipe.stats()
+    assert s.accepted == 3 and s.delivered == 3 and s.balanced(), s
+
+
+def test_ctrl_c_gets_out_of_a_submit_waiting_for_room_on_every_device():
+    """Both devices full, each with a prepare that does not return: Ctrl-C (a real SIGINT) on
+    the main thread while a submit waits for room on either raises KeyboardInterrupt there,
+    nothing accepted, and the pipeline closes once the prepares return."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("delivers SIGINT to the main thread: the test must run there")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default KeyboardInterrupt handler here")
+    started = {k: threading.Event() for k in (0.0, 1.0)}
+    release = {k: threading.Event() for k in (0.0, 1.0)}
+    raised = threading.Event()
+    pipe = rf.Pipeline(lambda x, y: np.copyto(y, x * 2 + 1), device=sims(2, 37),
+                       prepare=_stall_each(started, release), chunk_bytes=512, slots=1, workers=1, max_in_flight=1)
+    try:
+        futs = [pipe.submit(np.full(8, float(k))) for k in range(2)]
+        found: dict = {}
+
+        def ctrl_c_once_stalled():
+            if all(e.wait(JOIN_S) for e in started.values()):
+                interrupt_main()
+                if not raised.wait(15.0):
+                    found["hung"] = all_stacks()
+            for e in release.values():
+                e.set()
+
+        watchdog = start(ctrl_c_once_stalled)
+        interrupted = None
+        try:
+            pipe.submit(np.full(8, 2.0))
+        except KeyboardInterrupt:
+            interrupted = not any(e.is_set() for e in release.values())
+            raised.set()
+        join([watchdog])
+        assert "hung" not in found, found["hung"]
+        assert interrupted, "the submit did not raise KeyboardInterrupt while the prepares stalled"
+        for k, fut in enumerate(futs):
+            np.testing.assert_array_equal(fut.result(timeout=JOIN_S), np.full(8, 2.0 * k + 1))
+    finally:
+        for e in release.values():
+            e.set()
+        pipe.close()
+    s = pipe.stats()
+    assert s.accepted == 2 and s.delivered == 2 and s.balanced(), s

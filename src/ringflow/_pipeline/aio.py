@@ -257,7 +257,9 @@ class CancelIfDropped:
         """On the loop's thread: the map's next item is being accepted off it, by ``driver``'s
         pipeline (its accepting waits on the loop's executor). Until the map holds the chunk, a
         give-up of the window for that pipeline gives the chunk up too. ``driver`` None: the item
-        was not accepted after all (that pipeline had no room), and is no longer being accepted."""
+        was not accepted after all (that pipeline had no room), and is no longer being accepted;
+        a tuple of drivers: by whichever of their pipelines has room first (a pipeline over
+        several devices)."""
         with self.lock:
             self.accepting_by = driver
 
@@ -330,8 +332,9 @@ class CancelIfDropped:
         """Whether the map holds chunks of ``driver``'s pipeline, or may be about to: in its
         window, accepted for it and not held yet, or being accepted off the loop's thread."""
         with self.lock:
-            unheld = self.unheld
-            return (self.accepting_by is driver or (unheld is not None and unheld._driver is driver)
+            unheld, by = self.unheld, self.accepting_by
+            return (by is driver or (isinstance(by, tuple) and any(d is driver for d in by))
+                    or (unheld is not None and unheld._driver is driver)
                     or any(fut._driver is driver for fut, _ in self.window or ()))
 
     async def end(self) -> None:

@@ -196,6 +196,9 @@ class _Driver:
         self.interest: list = []  # [predicate, deadline] of every wait in progress
         self.timed: list = []  # those of them with a deadline (few: scanned every turn)
         self.wake = WakeFlag()
+        # flags of threads waiting on several pipelines at once (a submit over several devices):
+        # each is set whenever this driver wakes its own waiters, as a wait on cv would be woken
+        self.watchers: list = []
         self._stepper: Any = None  # the thread that last drove the scheduler, and what it had seen
         # what killed the progress thread (see died()); a caller-driven job's errors reach its caller
         self.failure: Optional[BaseException] = None
@@ -218,11 +221,41 @@ class _Driver:
         """The calling thread stops driving for now (lock held): leave a token for the next one."""
         self._stepper_token = self.device.publish()
 
+    def notify_waiters(self) -> None:
+        """Wake every thread waiting on the pipeline (lock held): those waiting on cv, and those
+        watching it with a flag of their own (:meth:`watch`)."""
+        self.cv.notify_all()
+        for flag in list(self.watchers):
+            flag.set()
+
     # -- used by any thread ----------------------------------------------------------------
     def notify(self) -> None:
         """New work or a new wait: rouse the driver (from its lock wait or its device wait)."""
         self.wake.set()
         self.cv.notify_all()
+
+    def watch(self, flag: WakeFlag, pred: Callable[[], bool], deadline: Optional[float]) -> list:
+        """A thread that waits on several pipelines at once, without any one's lock, waits for
+        ``pred`` on this one: ``flag`` is set whenever the driver wakes its waiters (a chunk
+        ended, admission stopped, the driver died), and the driver advances as for a wait until
+        ``pred`` holds or ``deadline`` (device clock) passes. Returns the entry to give
+        :meth:`unwatch`. Takes no lock (list appends, and the wake flag)."""
+        self.watchers.append(flag)
+        entry = [pred, deadline]
+        self.interest.append(entry)
+        if deadline is not None:
+            self.timed.append(entry)
+        self.wake.set()
+        return [flag, entry]
+
+    def unwatch(self, watched: list) -> None:
+        """Undo :meth:`watch`. Takes no lock; never raises."""
+        flag, entry = watched
+        for where, what in ((self.watchers, flag), (self.interest, entry), (self.timed, entry)):
+            try:
+                where.remove(what)
+            except ValueError:
+                pass
 
     def hold(self) -> Hold:
         """The lock, for a call from a user's thread (see :class:`Hold`)."""
@@ -316,7 +349,7 @@ class _Driver:
             cmd.out_token = self.device.publish()
             cmd.finish()
         self.sched.version += 1  # their callers wait on cmd.done
-        self.cv.notify_all()
+        self.notify_waiters()
         return True
 
     def deadline_of(self, timeout: Optional[float]) -> Optional[float]:
@@ -744,7 +777,7 @@ class ProgressThread(_Driver):
             # that finds nothing costs a GIL hand-off (on the sim every step may matter to a test)
             if self.gated or plan is None or sched.version != self._seen_version or self._deadline_passed():
                 self._seen_version = sched.version
-                cv.notify_all()
+                self.notify_waiters()
             if plan is None:
                 return False
             idle, fences, wait = plan
@@ -858,7 +891,7 @@ def _run(driver: "ProgressThread") -> None:
                 orphans = driver.die(exc)
             finally:
                 driver.final_token = driver.device.publish()
-                driver.cv.notify_all()
+                driver.notify_waiters()
         driver.fail_orphans(orphans)  # (outside the lock: their done-callbacks run here)
         resolve(driver.sched.take_resolved())
     finally:

@@ -29,11 +29,13 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 from .._device import device_label, device_list
 from .._errors import DeviceError, StageError
-from .api import _NO_ROOM, Pipeline
+from .api import _NO_ROOM, Pipeline, _GaveUp
 from .aio import CancelIfDropped, Source, follow
-from .chunk import cancel_unwanted
+from .chunk import cancel_unwanted, post_cancel
+from .driver import _POLL_S, WakeFlag
+from .sigint import checkpoint, shielded_call
 from .stats import PipelineStats
-from .validate import check_iterable, warn_if_elements_as_items
+from .validate import check_iterable, check_timeout, warn_if_elements_as_items
 
 
 class SpreadPipeline(Pipeline):
@@ -161,22 +163,77 @@ class SpreadPipeline(Pipeline):
         return _NO_ROOM
 
     def submit(self, item: Any, timeout: Optional[float] = None) -> concurrent.futures.Future:
-        """As :meth:`Pipeline.submit`, on the least loaded working device (a device found broken
-        or stopped on the way is passed over for the next)."""
+        """As :meth:`Pipeline.submit`, over every device: the item goes to the least loaded working
+        device with room (a device found broken or stopped on the way is passed over for the
+        next); where none has room, it waits for room on every working device at once and goes
+        to the first that has some (accepted there once, under that device's lock).
+
+        Raises:
+            TimeoutError: no device had room within ``timeout`` seconds (each device's host
+                clock, virtual on the simulated GPU: the wait ends once any device's has passed).
+            as :meth:`Pipeline.submit` otherwise.
+        """
+        timeout = check_timeout(timeout)
         self._check_caller("submit()")
-        tried: tuple = ()
-        while True:
-            part = self._pick(tried)
-            try:
-                return part.submit(item, timeout)
-            except (DeviceError, RuntimeError) as err:
-                if not _passed_over(part, err):
-                    raise
-                tried += (part,)
+        return self._submit_waiting(item, timeout)
+
+    @shielded_call
+    def _submit_waiting(self, item: Any, timeout: Optional[float],
+                        gave_up: Optional[Callable[[], bool]] = None,
+                        flag: Optional[WakeFlag] = None) -> concurrent.futures.Future:
+        """:meth:`submit`'s accepting: :meth:`_submit_if_room` again each time a part may have
+        room, until one accepts the item.
+
+        While no part has room, the caller watches every part (:meth:`_Driver.watch`), holding
+        none of their locks: each part's driver sets one flag whenever it wakes its own waiters,
+        and advances as for a wait (on the simulated GPU, a part advances only while someone
+        waits on it). The flag's wait also lasts at most :data:`_POLL_S` real seconds, so that a
+        Ctrl-C on the main thread, a timeout and ``gave_up`` are looked at that often even if no
+        part wakes it.
+
+        Args:
+            gave_up: for an asubmit's accepting on the loop's executor: whether the task awaiting
+                it gave up, which ends the wait (nothing accepted).
+            flag: the flag the parts set (``flag.set()`` from another thread also wakes the wait,
+                to look at ``gave_up`` again); a new one where None.
+
+        Raises:
+            _GaveUp: ``gave_up()`` held before the item was accepted.
+            TimeoutError: as :meth:`submit`.
+            as :meth:`_submit_if_room` otherwise.
+        """
+        flag = flag or WakeFlag()
+        watched: list = []
+        try:
+            while True:
+                flag.clear()  # (before the look: a wake that comes after it ends the wait below)
+                if gave_up is not None and gave_up():
+                    raise _GaveUp()
+                fut = self._submit_if_room(item)
+                if fut is not _NO_ROOM:
+                    return fut
+                if not watched:
+                    # the deadlines start with the first wait, on each part's own clock
+                    for part in self.parts:
+                        d, s = part._driver, part._sched
+                        watched.append((d, d.watch(
+                            flag, lambda s=s: s.has_capacity() or not s.accepting or s.broken is not None,
+                            d.deadline_of(timeout))))
+                    continue  # room that came before the watch began has woken nobody: look again
+                for d, (_flag, entry) in watched:
+                    if entry[1] is not None and d.device.now >= entry[1]:
+                        raise concurrent.futures.TimeoutError(
+                            f"timed out after {timeout} s waiting for capacity on any of the pipeline's devices")
+                flag.wait(_POLL_S)
+                checkpoint()  # a Ctrl-C the shield of a part's call recorded, raised between two looks
+        finally:
+            for d, entry in watched:
+                d.unwatch(entry)
 
     async def asubmit(self, item: Any, timeout: Optional[float] = None) -> Any:
-        """As :meth:`Pipeline.asubmit`, on the least loaded working device (passing over a broken
-        or stopped one as :meth:`submit` does)."""
+        """As :meth:`Pipeline.asubmit`, over every device: the item goes where :meth:`submit`
+        would send it, waiting for room on every working device at once (on the loop's executor)
+        where none has room; a cancelled await ends that wait, nothing accepted."""
         self._check_caller("asubmit()", awaited=True)
         return await follow(await self._asubmit_future(item, timeout))
 
@@ -184,28 +241,56 @@ class SpreadPipeline(Pipeline):
                               ending: Optional[CancelIfDropped] = None,
                               wait: bool = True) -> "concurrent.futures.Future | object":
         """:meth:`asubmit`'s accepting; with ``wait`` False, as :meth:`_submit_if_room`."""
-        if not wait:
-            tried: tuple = ()
-            for part in self._ranked():
-                try:
-                    fut = await part._asubmit_future(item, timeout, ending, wait=False)
-                except (DeviceError, RuntimeError) as err:
-                    if not _passed_over(part, err):
-                        raise
-                    tried += (part,)
-                    continue
-                if fut is not _NO_ROOM:
-                    return fut
-            return self._no_room_left(tried)
-        tried = ()
-        while True:
-            part = self._pick(tried)
+        timeout = check_timeout(timeout)
+        tried: tuple = ()
+        # first where there is room now, on the loop's thread where a part's lock is free
+        for part in self._ranked():
             try:
-                return await part._asubmit_future(item, timeout, ending)
+                fut = await part._asubmit_future(item, timeout, ending, wait=False)
             except (DeviceError, RuntimeError) as err:
                 if not _passed_over(part, err):
                     raise
                 tried += (part,)
+                continue
+            if fut is not _NO_ROOM:
+                return fut
+        if not wait:
+            return self._no_room_left(tried)
+        self._no_room_left(tried)  # (raises where no part works)
+        # then a wait for room on every part (_submit_waiting), on the loop's executor; a
+        # cancelled await ends it (gave_up, and the flag set to look at it now)
+        lock, state, flag = threading.Lock(), {"abandoned": False, "future": None}, WakeFlag()
+
+        def gave_up() -> bool:
+            return state["abandoned"]
+
+        def submit() -> "concurrent.futures.Future | None":
+            try:
+                fut = self._submit_waiting(item, timeout, gave_up, flag)
+            except _GaveUp:
+                return None  # (nobody awaits this any more)
+            if ending is not None:
+                ending.accepted(fut)
+            with lock:
+                state["future"] = fut
+                abandoned = state["abandoned"]
+            if abandoned:
+                fut.cancel()
+            return fut
+
+        if ending is not None:
+            ending.accepting(tuple(part._driver for part in self.parts))
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, submit)
+        except BaseException:  # CancelledError mostly: the task awaiting asubmit gave up
+            with lock:
+                state["abandoned"] = True
+                fut = state["future"]
+            if fut is not None:
+                post_cancel([fut])  # (the loop's thread does not wait for a part's lock)
+            else:
+                flag.set()  # the executor's wait looks at gave_up now, and ends
+            raise
 
     def map(self, items: Iterable[Any]) -> Iterator[Any]:
         """As :meth:`Pipeline.map`, over every device: at most the parts' ``max_in_flight`` added
