@@ -503,7 +503,7 @@ def test_a_second_close_of_a_spread_pipeline_waits_for_the_part_whose_end_ctrl_c
 # call, whose own wait runs the progress thread)
 STALLED_CALLS = [("submit", "before the call"), ("submit", "by the call"), ("result", "before the call"),
                  ("result", "by the call"), ("map", "before the call"), ("map", "by the call"),
-                 ("stats", "before the call")]
+                 ("stats", "before the call"), ("failures", "before the call")]
 
 
 @pytest.mark.parametrize("where", ["in a step", "in a device wait"])
@@ -537,7 +537,8 @@ def test_ctrl_c_gets_out_of_a_call_waiting_on_a_pipeline_a_stalled_prepare_keeps
         found: dict = {}
         # a call that needs neither the lock nor the stalled item (submit with room, stats, while
         # the stall is in a device wait) returns without waiting for it: no Ctrl-C is sent then
-        waits = not (call in ("submit", "stats") and begun == "before the call" and where == "in a device wait")
+        waits = not (call in ("submit", "stats", "failures") and begun == "before the call"
+                     and where == "in a device wait")
 
         def ctrl_c_once_stalled():
             if waits and entered.wait(JOIN_S) and started[blocked].wait(JOIN_S):
@@ -559,6 +560,8 @@ def test_ctrl_c_gets_out_of_a_call_waiting_on_a_pipeline_a_stalled_prepare_keeps
             elif call == "map":
                 got.extend(pipe.map([np.full(8, 10.0 + k) for k in range(6)] if futs else
                                     [np.full(8, float(k)) for k in range(6)]))
+            elif call == "failures":
+                got.append(pipe.failures)
             else:
                 got.append(pipe.stats())
             returned = not release.is_set()
@@ -587,6 +590,58 @@ def test_ctrl_c_gets_out_of_a_call_waiting_on_a_pipeline_a_stalled_prepare_keeps
         gc.collect()
         assert dev.live().total == 0, dev.live()
     assert not [str(w.message) for w in seen if issubclass(w.category, (RuntimeWarning, ResourceWarning))]
+
+
+@pytest.mark.parametrize("call", ["failures", "stats"])
+def test_a_ctrl_c_that_wakes_nothing_gets_out_of_a_look_at_a_pipeline_a_stalled_prepare_keeps(call):
+    """As above, for the calls that only look at the pipeline (its failures, its stats), with the
+    Ctrl-C only flagged (``_thread.interrupt_main``: a SIGINT the kernel handed to another thread
+    wakes no lock wait of the main thread): the KeyboardInterrupt comes out while the prepare,
+    run inside a step, still blocks. ``failures`` took the pipeline's lock in a plain wait, which
+    only the lock's release ended."""
+    _need_sigint()
+    dev = rf.device("sim", seed=13, chaos=True)
+    started, release, raised = {0.0: threading.Event()}, threading.Event(), threading.Event()
+    pipe = rf.Pipeline(lambda x, y: np.copyto(y, x + 1), device=dev, prepare=_stalling_prepare(started, release),
+                       chunk_bytes=512, slots=2, workers=1, max_in_flight=4, checked=True)
+    sent = [np.full(8, float(k)) for k in range(3)]
+    futs = [pipe.submit(item) for item in sent]
+    waiter = start(concurrent.futures.wait, futs, JOIN_S)
+    assert started[0.0].wait(JOIN_S)
+    assert "step" in _stack_names(pipe._driver.thread)  # the prepare stalls where the lock is held
+    found: dict = {}
+
+    def ctrl_c():
+        # once the main thread is inside the call (the look takes the lock first thing)
+        tick = threading.Event()
+        for _ in range(int(JOIN_S / 0.01)):
+            if call in _stack_names(threading.main_thread()):
+                break
+            tick.wait(0.01)
+        _deliver_ctrl_c("interrupt_main")
+        if not raised.wait(STALL_S):
+            found["hung"] = all_stacks()
+        release.set()
+
+    watchdog = start(ctrl_c)
+    still_stalled = None
+    try:
+        pipe.failures if call == "failures" else pipe.stats()
+    except KeyboardInterrupt:
+        still_stalled = not release.is_set()
+        raised.set()
+    release.set()
+    join([watchdog])
+    assert "hung" not in found, f"Ctrl-C did not get out of {call} in {STALL_S} s:\n{found['hung']}"
+    assert still_stalled, f"{call} did not raise KeyboardInterrupt"
+    bounded(pipe.close)
+    join([waiter])
+    for f, item in zip(futs, sent):
+        np.testing.assert_array_equal(f.result(), item + 1)
+    assert pipe.failures == [] and pipe.stats().balanced()
+    del futs, waiter
+    gc.collect()
+    assert dev.live().total == 0, dev.live()
 
 
 @pytest.mark.parametrize("ending", ["close", "with", "with-error"])

@@ -1555,10 +1555,11 @@ class Pipeline:
             return self._sched.stats()
 
     @property
+    @shielded_call
     def failures(self) -> list[StageError]:
         """The most recent StageErrors (at most 1024 are kept; with ``on_error="continue"`` map
         skips these items)."""
-        with self._driver.cv:
+        with self._driver.hold():  # (a Ctrl-C gets out while a stage keeps the lock: see Hold)
             return list(self._sched.failures)
 
     @property
