@@ -644,6 +644,62 @@ def test_a_ctrl_c_that_wakes_nothing_gets_out_of_a_look_at_a_pipeline_a_stalled_
     assert dev.live().total == 0, dev.live()
 
 
+@pytest.mark.parametrize("shares", [False, True])
+def test_ctrl_c_gets_out_of_a_submit_whose_staging_copy_waits_for_a_device_a_stalled_compute_keeps(shares):
+    """No prepare: a plain array item is copied on the submitting thread (into a pinned staging
+    block, or into a chunk small items share), and on the simulated GPU that copy is a call of
+    the device, which takes the device's lock. A compute that does not return, run by the
+    progress thread inside a device wait, keeps that lock: Ctrl-C (a real SIGINT) on the main
+    thread while its submit's copy waits for it must come out while the compute still blocks."""
+    _need_sigint()
+    dev = rf.device("sim", profile="unit", seed=14)  # no host overheads: kernels run in device waits only
+    started, release, raised = threading.Event(), threading.Event(), threading.Event()
+
+    def compute(x, y):
+        if x[0] == 0.0:
+            started.set()
+            release.wait(JOIN_S)
+        np.copyto(y, x + 1)
+
+    pipe = rf.Pipeline(compute, device=dev, chunk_bytes=512, slots=2, max_in_flight=4, coalesce=shares)
+    first = pipe.submit(np.zeros(8))
+    waiter = start(concurrent.futures.wait, [first], JOIN_S)
+    assert started.wait(JOIN_S)
+    assert "wait_any" in _stack_names(pipe._driver.thread)  # the compute stalls in a device wait
+    found: dict = {}
+
+    def ctrl_c():
+        tick = threading.Event()
+        for _ in range(int(JOIN_S / 0.01)):  # once the main thread is inside the submit
+            if "submit" in _stack_names(threading.main_thread()):
+                break
+            tick.wait(0.01)
+        interrupt_main()
+        if not raised.wait(STALL_S):
+            found["hung"] = all_stacks()
+        release.set()
+
+    watchdog = start(ctrl_c)
+    still_stalled = None
+    try:
+        pipe.submit(np.ones(8))
+    except KeyboardInterrupt:
+        still_stalled = not release.is_set()
+        raised.set()
+    release.set()
+    join([watchdog])
+    assert "hung" not in found, f"Ctrl-C did not get out of submit in {STALL_S} s:\n{found['hung']}"
+    assert still_stalled, "submit did not raise KeyboardInterrupt"
+    join([waiter])
+    np.testing.assert_array_equal(first.result(), np.ones(8))
+    bounded(pipe.close)
+    s = pipe.stats()
+    assert s.accepted == 1 and s.delivered == 1 and s.balanced(), s
+    del first, waiter
+    gc.collect()
+    assert dev.live().total == 0, dev.live()
+
+
 @pytest.mark.parametrize("ending", ["close", "with", "with-error"])
 def test_ctrl_c_gets_out_of_an_ending_waiting_for_a_done_callback_that_does_not_return(ending):
     """A future's done-callback runs on the progress thread, outside the pipeline's lock: one that

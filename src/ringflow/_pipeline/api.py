@@ -47,7 +47,7 @@ from .validate import (COMPUTE_FORM, MAX_CHUNK_BYTES, as_host_array, check_arity
 from .scheduler import Scheduler, check_fill_rows
 from .reentry import (check_process, generation as reentry_generation, on_progress_thread, refuse_from_stage,
                       refuse_on_progress_thread)
-from .sigint import ShieldedIterator, shielded, shielded_call
+from .sigint import ShieldedIterator, interruptible_device_calls, shielded, shielded_call
 from .slot_array import in_slot, run_offering
 from .states import ChunkState
 from .stats import PipelineStats
@@ -531,7 +531,13 @@ class Pipeline:
         item from then on: a plain array is copied before ``submit`` returns either way), and a
         pinned result array where the staging copy cannot carry the result back (shaped
         otherwise, or no staging copy) (keyword arguments of :meth:`Scheduler.accept`, the item
-        among them)."""
+        among them). Nothing of the item is accepted yet: on the main thread in a shielded call,
+        a Ctrl-C while a device call here waits for the simulated GPU's lock (a stage another
+        thread runs keeps it) is raised there (:class:`.sigint.interruptible_device_calls`)."""
+        with interruptible_device_calls():
+            return self._accepting_here(item)
+
+    def _accepting_here(self, item: Any) -> dict:
         out_spec = self._output_spec(item)
         found = self.device.device_source(item) if self._items_are_arrays else None
         if found is not None:  # a device array: read in place after its producer's stream
@@ -762,21 +768,24 @@ class Pipeline:
             # the item may be a pool array from another thread or hold a result a d2h wrote: this
             # thread's copy (a checked host access on the simulated GPU) is ordered after both
             # hand-outs and every device use of either seen complete since
-            host_pool.receive(chunk.batch, self.device)
-            pooled = host_pool.device_of(item) is self.device
-            if pooled:
-                host_pool.receive(item, self.device)
-            block, at = chunk.batch, member.offset
-            t0 = self.device.now
-            self.device.host_copy(block[at:at + nbytes].view(dtype).reshape(shape), item)
-            # the alignment gap after the item is zeroed: a pointwise compute runs over it with
-            # the items around it (docs/design.md, "Items sharing a chunk"), and a kernel that
-            # traps on a value must not meet stale bytes or another request's there
-            if aligned(nbytes) > nbytes:
-                block[at + nbytes:at + aligned(nbytes)] = 0
-            if pooled:  # whichever thread drops the item last hands its block back after this read
-                host_pool.hand_off(item, self.device.publish())
-            s.member_written(chunk, member, (t0, self.device.now))  # the driver's lock is not needed
+            # (a Ctrl-C while a device call here waits for the simulated GPU's lock, which a stage
+            # run by another thread keeps, is raised there: the item is then taken back below)
+            with interruptible_device_calls():
+                host_pool.receive(chunk.batch, self.device)
+                pooled = host_pool.device_of(item) is self.device
+                if pooled:
+                    host_pool.receive(item, self.device)
+                block, at = chunk.batch, member.offset
+                t0 = self.device.now
+                self.device.host_copy(block[at:at + nbytes].view(dtype).reshape(shape), item)
+                # the alignment gap after the item is zeroed: a pointwise compute runs over it
+                # with the items around it (docs/design.md, "Items sharing a chunk"), and a kernel
+                # that traps on a value must not meet stale bytes or another request's there
+                if aligned(nbytes) > nbytes:
+                    block[at + nbytes:at + aligned(nbytes)] = 0
+                if pooled:  # whichever thread drops the item last hands its block back after this read
+                    host_pool.hand_off(item, self.device.publish())
+                s.member_written(chunk, member, (t0, self.device.now))  # the driver's lock is not needed
             d.wake.set()
             if s.stopped_by is not None:
                 # the driver died while this copy was being made: it could not admit the chunk,

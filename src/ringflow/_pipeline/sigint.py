@@ -40,9 +40,10 @@ class Shield:
     checkpoint, whether the call is settling (no more checkpoints raise), how many blocks share
     it, and how many of them hold a lock only for a moment (:class:`ShieldedCondition`)."""
 
-    __slots__ = ("pending", "delivered", "settling", "depth", "holding")
+    __slots__ = ("pending", "delivered", "settling", "depth", "holding", "device_calls")
 
     def __init__(self) -> None:
+        self.device_calls = 0  # > 0 inside interruptible_device_calls
         self.pending = False
         self.delivered = False
         self.settling = False
@@ -144,6 +145,45 @@ class shielded:
             raise KeyboardInterrupt
 
 
+class interruptible_device_calls:
+    """``with interruptible_device_calls():`` on the main thread in a shielded call: a device call
+    inside the block whose take of the simulated GPU's lock waits (another thread keeps it,
+    running a stage inside a device wait) takes it in polls, and a Ctrl-C meanwhile is raised
+    there, before the call has done anything (:func:`take_device_lock`). Only for a caller
+    that an interrupt there leaves consistent: a submit's copy of its item, before the item is
+    accepted or with its take-back ready. Elsewhere (another thread, no shield) it does nothing."""
+
+    __slots__ = ("shield",)
+
+    def __enter__(self) -> None:
+        shield = _active
+        if shield is None or threading.current_thread() is not threading.main_thread():
+            self.shield = None
+            return
+        self.shield = shield
+        shield.device_calls += 1
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self.shield is not None:
+            self.shield.device_calls -= 1
+
+
+_DEVICE_POLL_S = 0.05  # the longest a take of the device's lock waits before it looks for a Ctrl-C
+
+
+def take_device_lock(lock: Any) -> bool:
+    """Take a simulated GPU's ``lock`` (another thread keeps it): within
+    :class:`interruptible_device_calls` on the main thread, in polls, raising KeyboardInterrupt
+    (nothing taken) at a Ctrl-C; elsewhere, a plain wait. Returns True once taken."""
+    shield = _active
+    if (shield is None or not shield.device_calls
+            or threading.current_thread() is not threading.main_thread()):
+        return lock.acquire()
+    while not lock.acquire(True, _DEVICE_POLL_S):
+        checkpoint()
+    return True
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -240,3 +280,14 @@ def _let_go(block: shielded, shield: Optional[Shield]) -> None:
     finally:
         if shield is not None:
             shield.holding -= 1
+
+
+def _install() -> None:
+    """Have a simulated GPU's lock, where its take waits, take it as :func:`take_device_lock`
+    does."""
+    from .._device.sim.device import set_blocked_take
+
+    set_blocked_take(take_device_lock)
+
+
+_install()

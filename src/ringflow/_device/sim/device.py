@@ -67,6 +67,47 @@ class _ParentsLock:
         return None
 
 
+# What a thread does whose take of a device's lock has to wait: a plain wait unless the pipeline
+# says otherwise (set_blocked_take). The simulated GPU runs a host task's callable, and a kernel's,
+# on the thread that advances it, holding this lock: a stage that does not return keeps it, and
+# the main thread's Ctrl-C in a call that waits for it must be able to get out (the pipeline's
+# shield holds the Ctrl-C back until a checkpoint, which a plain wait never reaches).
+_blocked_take: "Callable[[Any], bool] | None" = None
+
+
+def set_blocked_take(take: "Callable[[Any], bool] | None") -> None:
+    """Have every simulated GPU's lock, where its take has to wait, call ``take(lock)`` (which
+    takes the underlying RLock, or raises having taken nothing); None: a plain wait."""
+    global _blocked_take
+    _blocked_take = take
+
+
+class _DeviceLock:
+    """A simulated GPU's lock: a re-entrant lock taken at once where free; where another thread
+    keeps it, taken as :func:`set_blocked_take` says."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(False):
+            return True
+        take = _blocked_take
+        if not blocking or timeout != -1 or take is None:
+            return self._lock.acquire(blocking, timeout)
+        return take(self._lock)
+
+    __enter__ = acquire
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._lock.release()
+
+
 _MADE: "weakref.WeakSet[SimDevice]" = weakref.WeakSet()  # every simulated GPU of this process
 
 
@@ -155,7 +196,7 @@ class SimDevice(Device):
         self.host = host if host is not None else SimHost()
         self._engine = Engine(self.profile, seed=self.seed, chaos=self.chaos)
         self._checker = HappensBeforeChecker() if self.checked else _NullChecker()
-        self._lock = threading.RLock()
+        self._lock = _DeviceLock()
         self._tls = threading.local()
         self._host_threads = itertools.count()  # numbers the host threads the checker has seen
         self._live = {"host_buffers": 0, "device_buffers": 0, "streams": 0, "events": 0}
