@@ -861,3 +861,89 @@ def test_ctrl_c_gets_out_of_a_submit_waiting_for_room_on_every_device():
         pipe.close()
     s = pipe.stats()
     assert s.accepted == 2 and s.delivered == 2 and s.balanced(), s
+
+
+def test_a_small_item_with_no_room_anywhere_never_waits_for_a_stalled_devices_lock():
+    """Small items share chunks. Device 0's compute, run inside a step (its host calls advance
+    the simulated GPU), does not return until the test says so: its progress thread keeps that
+    pipeline's lock. With no room on either device, a submit from another thread offered the
+    item to device 0 first (equally loaded, first in turn) and, finding no chunk there taking
+    items, waited for that lock to look for room, for as long as the compute stalled, although
+    device 1 could take the item. It now looks for room without the lock and goes on to device 1."""
+    started, release = threading.Event(), threading.Event()
+
+    def compute(x, y):
+        if x[0] == 7.0:
+            started.set()
+            assert release.wait(JOIN_S), "the stalled compute was never released"
+        np.copyto(y, x + 1)
+
+    pipe = rf.Pipeline(compute, device=[rf.device("sim", seed=41 + k) for k in range(2)], chunk_bytes=512, slots=1,
+                       max_in_flight=1)
+    first, second = pipe.parts
+    try:
+        stalled = pipe.submit(np.full(8, 7.0, np.float32))
+        waiter = start(stalled.exception, JOIN_S)  # someone waits on device 0: its step runs the compute
+        assert started.wait(JOIN_S)
+        assert "step" in _stack_names(first._driver.thread)  # the stall keeps device 0's lock
+        futs = [pipe.submit(np.full(8, 1.0, np.float32))]
+        assert stalled._driver is first._driver and futs[0]._driver is second._driver
+        futs.append(join([start(pipe.submit, np.full(8, 2.0, np.float32))])[0])
+        assert futs[1]._driver is second._driver
+        for k, fut in enumerate(futs):
+            np.testing.assert_array_equal(fut.result(timeout=JOIN_S), np.full(8, k + 2.0, np.float32))
+        assert not release.is_set() and not stalled.done()
+        release.set()
+        join([waiter])
+        np.testing.assert_array_equal(stalled.result(), np.full(8, 8.0, np.float32))
+    finally:
+        release.set()
+        pipe.close()
+    s = pipe.stats()
+    assert s.delivered == 3 and s.in_flight == 0 and s.balanced(), s
+
+
+def _stack_names(thread: threading.Thread) -> set:
+    import sys
+
+    frame = sys._current_frames().get(thread.ident)
+    names = set()
+    while frame is not None:
+        names.add(frame.f_code.co_name)
+        frame = frame.f_back
+    return names
+
+
+def test_a_cancelled_asubmit_waiting_for_room_on_every_device_accepts_nothing():
+    """Both devices full, each prepare stalled: an asubmit waits for room on either (on the loop's
+    executor). Cancelling the awaiting task ends that wait with nothing accepted, and asyncio.run,
+    which joins the executor's threads, returns while the prepares still stall."""
+    started = {k: threading.Event() for k in (0.0, 1.0)}
+    release = {k: threading.Event() for k in (0.0, 1.0)}
+    pipe = rf.Pipeline(lambda x, y: np.copyto(y, x * 2 + 1), device=sims(2, 43),
+                       prepare=_stall_each(started, release), chunk_bytes=512, slots=1, workers=1, max_in_flight=1)
+    try:
+        futs = [pipe.submit(np.full(8, float(k))) for k in range(2)]
+
+        async def main():
+            task = asyncio.ensure_future(pipe.asubmit(np.full(8, 2.0)))
+            loop = asyncio.get_running_loop()
+            # the asubmit's wait runs both devices: both prepares begin
+            assert await loop.run_in_executor(None, lambda: all(e.wait(JOIN_S) for e in started.values()))
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        join([start(asyncio.run, main())])
+        assert not any(e.is_set() for e in release.values())  # the prepares still stall
+        # (nothing accepted: the stats, which take each part's lock, once the prepares return)
+        for e in release.values():
+            e.set()
+        for k, fut in enumerate(futs):
+            np.testing.assert_array_equal(fut.result(timeout=JOIN_S), np.full(8, 2.0 * k + 1))
+    finally:
+        for e in release.values():
+            e.set()
+        pipe.close()
+    s = pipe.stats()
+    assert s.accepted == 2 and s.delivered == 2 and s.balanced(), s

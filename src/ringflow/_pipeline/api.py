@@ -751,6 +751,11 @@ class Pipeline:
         try:
             place = s.join_open_batch(d, spec, claim)  # under the scheduler's batch lock, not the driver's
             while place is None:
+                if not wait and not s.has_capacity():
+                    # a look without the lock, which a step keeps for as long as a stage it runs
+                    # does not return: a caller that must not wait for room (a submit over
+                    # several devices offering the item to each) goes on to the next at once
+                    return _NO_ROOM
                 with d.hold() as hold:
                     place = s.join_open_batch(d, spec, claim)  # another thread may have opened one
                     if place is None:
