@@ -32,6 +32,7 @@ import ringflow as rf
 from ringflow._device.sim import charge
 from ringflow._errors import StageError
 from tests.helpers.pipeline_checks import Harness, check_chunk_error, check_result, future_outcome
+from tests.helpers.sim import hold_copy
 from tests.helpers.threads import JOIN_S, all_stacks, bounded, interrupt_main, join, start
 
 STAGES = ("prepare", "compute", "consume")
@@ -696,6 +697,77 @@ def test_ctrl_c_gets_out_of_a_submit_whose_staging_copy_waits_for_a_device_a_sta
     s = pipe.stats()
     assert s.accepted == 1 and s.delivered == 1 and s.balanced(), s
     del first, waiter
+    gc.collect()
+    assert dev.live().total == 0, dev.live()
+
+
+def test_ctrl_c_gets_out_of_a_shared_submit_whose_take_back_waits_for_a_step_a_stalled_compute_keeps():
+    """Small items share chunks. A compute that does not return runs inside a step (on this
+    profile a step's host calls advance the simulated GPU), so the progress thread keeps both the
+    pipeline's lock and the device's. The main thread's item joins a chunk still taking items (kept
+    open by another thread whose copy into it has not ended), and its own copy waits for the
+    device's lock: Ctrl-C (a real SIGINT) there must come out while the compute still blocks.
+    The interrupted item is taken back, and taking it back needs the pipeline's lock: it waited
+    for it (a second Ctrl-C only started the wait again), and is now handed to the progress
+    thread, which carries it out before its next step once the compute returns."""
+    _need_sigint()
+    dev = rf.device("sim", seed=15)
+    started, release, raised = threading.Event(), threading.Event(), threading.Event()
+    pipe = None
+
+    def compute(x, y):
+        if x[0] == 7.0 and threading.current_thread() is pipe._driver.thread:
+            started.set()
+            release.wait(JOIN_S)
+        np.copyto(y, x + 1)
+
+    pipe = rf.Pipeline(compute, device=dev, chunk_bytes=512, slots=2, max_in_flight=4)
+    first = pipe.submit(np.full(8, 7.0, np.float32))
+    pipe._step()  # its chunk admitted (no chunk takes items now)
+    other = np.full(8, 1.0, np.float32)
+    copying, let_copy = hold_copy(dev, other)
+    opener = start(pipe.submit, other)  # a new chunk, taking items while this copy into it lasts
+    assert copying.wait(JOIN_S)
+    waiter = start(first.exception, JOIN_S)  # someone waits: the progress thread runs the compute
+    assert started.wait(JOIN_S)
+    assert "step" in _stack_names(pipe._driver.thread) and pipe._sched.open_batch is not None
+    found: dict = {}
+
+    def ctrl_c():
+        tick = threading.Event()
+        for _ in range(int(JOIN_S / 0.01)):  # once the main thread's copy waits for the device
+            if "host_copy" in _stack_names(threading.main_thread()):
+                break
+            tick.wait(0.01)
+        interrupt_main()
+        if not raised.wait(STALL_S):
+            found["hung"] = all_stacks()
+            interrupt_main()  # a second Ctrl-C
+            if not raised.wait(STALL_S / 3):
+                found["hung again"] = True
+        release.set()
+
+    watchdog = start(ctrl_c)
+    still_stalled = None
+    mine = np.full(8, 2.0, np.float32)
+    try:
+        pipe.submit(mine)
+    except KeyboardInterrupt:
+        still_stalled = not release.is_set()
+        raised.set()
+    release.set()
+    join([watchdog])
+    assert "hung" not in found, f"Ctrl-C did not get out of submit in {STALL_S} s:\n{found['hung']}"
+    assert still_stalled, "submit did not raise KeyboardInterrupt"
+    let_copy.set()
+    theirs = join([opener])[0]
+    join([waiter])
+    np.testing.assert_array_equal(first.result(), np.full(8, 8.0, np.float32))
+    np.testing.assert_array_equal(theirs.result(timeout=JOIN_S), other + 1)
+    bounded(pipe.close)
+    s = pipe.stats()
+    assert s.accepted == 2 and s.delivered == 2 and s.balanced(), s  # the interrupted item was taken back
+    del first, theirs, waiter, opener
     gc.collect()
     assert dev.live().total == 0, dev.live()
 

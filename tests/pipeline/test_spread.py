@@ -724,9 +724,9 @@ def test_a_submit_with_no_room_anywhere_takes_the_first_room_any_device_frees(fa
         np.testing.assert_array_equal(join([finisher])[0], np.full(8, 3.0))
         assert not release.is_set() and not futs[0].done()  # device 0 still stalls
         release.set()
-        join([watcher])
         np.testing.assert_array_equal(fut.result(timeout=JOIN_S), np.full(8, 5.0))
         np.testing.assert_array_equal(futs[0].result(timeout=JOIN_S), np.full(8, 1.0))
+        join([watcher])  # (device 0's prepare began by now: this wait ran it, if the submit did not)
     finally:
         release.set()
         ready.set()

@@ -47,7 +47,7 @@ from .validate import (COMPUTE_FORM, MAX_CHUNK_BYTES, as_host_array, check_arity
 from .scheduler import Scheduler, check_fill_rows
 from .reentry import (check_process, generation as reentry_generation, on_progress_thread, refuse_from_stage,
                       refuse_on_progress_thread)
-from .sigint import ShieldedIterator, interruptible_device_calls, shielded, shielded_call
+from .sigint import ShieldedIterator, interruptible_device_calls, shielded, shielded_call, try_lock
 from .slot_array import in_slot, run_offering
 from .states import ChunkState
 from .stats import PipelineStats
@@ -819,12 +819,38 @@ class Pipeline:
 
     def _take_back(self, claim: list) -> None:
         """Take back the item ``claim`` names (its shared submit raised before the commit) and
-        empty ``claim``; every step may be repeated if this is interrupted."""
+        empty ``claim``; every step may be repeated if this is interrupted. Under the pipeline's
+        lock where it is free; where another thread keeps it, the take-back is handed to the
+        progress thread, which carries it out at its next turn, before it steps (the chunk waits
+        for it either way): a step keeps the lock for as long as a stage it runs does not
+        return, and the caller's Ctrl-C must not wait for that. A thread that has ended by then
+        refuses it, and it is carried out where that is seen (the lock then kept by nobody for
+        long)."""
         d, s = self._driver, self._sched
-        with d.cv:
-            s.member_written(*claim[0], None)
+        taken = claim[0]
+
+        def back() -> None:
+            s.member_written(*taken, None)
             s.admit_after_death()  # (a driver that died meanwhile left the chunk's other items to this thread)
-            d.notify()
+
+        def refused(cmd: Any) -> None:
+            if cmd.error is not None:
+                with d.cv:
+                    back()
+                    d.notify()
+
+        if not d.background:
+            with d.cv:
+                back()
+                d.notify()
+            claim.clear()
+            return
+        with try_lock(d.lock) as held:
+            if held:
+                back()
+                d.notify()
+            else:
+                d.post(back, refused)
         claim.clear()
 
     def map(self, items: Iterable[Any]) -> Iterator[Any]:

@@ -168,6 +168,37 @@ class interruptible_device_calls:
             self.shield.device_calls -= 1
 
 
+class try_lock:
+    """``with try_lock(lock) as taken:``: ``lock`` taken if it is free this instant (``taken``),
+    and let go as the block ends; never waits. On the main thread in a shielded call, a Ctrl-C
+    from the take to the end of the block is recorded, a second one too (raised at the next
+    :func:`checkpoint`, or as the call ends), as while a :class:`ShieldedCondition` is held: one
+    raised between the take and the block would leave the lock taken for ever."""
+
+    __slots__ = ("lock", "taken", "shield")
+
+    def __init__(self, lock: Any) -> None:
+        self.lock = lock
+        self.taken = False
+        self.shield: Optional[Shield] = None
+
+    def __enter__(self) -> bool:
+        shield = _active if threading.current_thread() is threading.main_thread() else None
+        if shield is not None:
+            shield.holding += 1  # (before the take: from there on a Ctrl-C is only recorded)
+            self.shield = shield
+        self.taken = self.lock.acquire(False)
+        return self.taken
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self.taken:
+            self.taken = False
+            self.lock.release()
+        shield, self.shield = self.shield, None
+        if shield is not None:
+            shield.holding -= 1
+
+
 _DEVICE_POLL_S = 0.05  # the longest a take of the device's lock waits before it looks for a Ctrl-C
 
 
