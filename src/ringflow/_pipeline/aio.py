@@ -200,6 +200,45 @@ def retrieve(task: "asyncio.Future") -> None:
         task.exception()
 
 
+class OffLoopSubmit:
+    """A submit an ``asubmit`` runs on its event loop's executor, which the awaiting task may give
+    up (its await cancelled): :meth:`gave_up` is the submit's ``gave_up`` (it then accepts
+    nothing), :meth:`accepted` is called on the executor's thread with the future the submit
+    made, and :meth:`abandon` on the loop's thread once the await is given up. Whichever of the
+    last two comes second cancels the accepted chunk, so an item accepted for nobody never runs."""
+
+    __slots__ = ("_lock", "_abandoned", "_future", "_ending")
+
+    def __init__(self, ending: "CancelIfDropped | None"):
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._future: Any = None
+        self._ending = ending  # the amap the item is for, told of the chunk accepted
+
+    def gave_up(self) -> bool:
+        return self._abandoned
+
+    def accepted(self, fut: Any) -> Any:
+        """On the executor's thread: ``fut`` was accepted; returns it (cancelled if the await was
+        given up meanwhile)."""
+        if self._ending is not None:
+            self._ending.accepted(fut)
+        with self._lock:
+            self._future = fut
+            abandoned = self._abandoned
+        if abandoned:
+            fut.cancel()
+        return fut
+
+    def abandon(self) -> Any:
+        """On the loop's thread, the await given up: returns the future accepted already (for the
+        caller to cancel without waiting for the pipeline's lock), or None (the submit, still
+        waiting, accepts nothing from now on)."""
+        with self._lock:
+            self._abandoned = True
+            return self._future
+
+
 class CancelIfDropped:
     """Cancels the chunks of an async map's window should the map be dropped without its clean-up,
     or be left where its event loop cannot run while the pipeline closes.

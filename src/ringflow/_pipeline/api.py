@@ -22,7 +22,6 @@ import inspect
 import itertools
 import logging
 import math
-import threading
 import warnings
 import weakref
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Optional
@@ -34,7 +33,7 @@ from .._device import host_pool
 from .._device.protocol import Device
 from .._errors import StageError, describe, shown, warn_quietly
 from .batch_space import aligned
-from .aio import CancelIfDropped, Source, follow, give_up_pulled_by, give_up_stranded, retrieve
+from .aio import CancelIfDropped, OffLoopSubmit, Source, follow, give_up_pulled_by, give_up_stranded, retrieve
 from .chunk import Chunk, ChunkFuture, cancel_unwanted, post_cancel
 from .driver import CallerDriver, Hold, ProgressThread, resolve
 from .config import PipelineConfig, SlotCounts
@@ -1111,31 +1110,19 @@ class Pipeline:
             return self._no_room()
         # A cancelled await ends the wait for capacity of a submit running on the executor
         # (gave_up: it then accepts nothing); an item accepted before that submit saw it is cancelled
-        lock, state = threading.Lock(), {"abandoned": False, "future": None}
-
-        def gave_up() -> bool:
-            return state["abandoned"]
+        off = OffLoopSubmit(ending)
 
         def submit() -> "ChunkFuture | object | None":
             try:
                 if accepting is None:
-                    fut = self._submit(item, timeout, gave_up)
+                    fut = self._submit(item, timeout, off.gave_up)
                 else:
                     self.device.observe(token)
-                    fut = (self._accept_staged(accepting, timeout, gave_up) if wait
+                    fut = (self._accept_staged(accepting, timeout, off.gave_up) if wait
                            else self._accept_staged_if_room(accepting))
             except _GaveUp:
                 return None  # (nobody awaits this any more)
-            if fut is _NO_ROOM:
-                return fut
-            if ending is not None:
-                ending.accepted(fut)
-            with lock:
-                state["future"] = fut
-                abandoned = state["abandoned"]
-            if abandoned:
-                fut.cancel()
-            return fut
+            return fut if fut is _NO_ROOM else off.accepted(fut)
 
         if ending is not None:
             ending.accepting(self._driver)
@@ -1145,9 +1132,7 @@ class Pipeline:
                 ending.accepting(None)  # nothing was accepted for the map here
             return fut
         except BaseException:  # CancelledError mostly: the task awaiting asubmit gave up
-            with lock:
-                state["abandoned"] = True
-                fut = state["future"]
+            fut = off.abandon()
             if fut is not None:
                 post_cancel([fut])  # (not fut.cancel(): the loop's thread does not wait for the lock)
             else:

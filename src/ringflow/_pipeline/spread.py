@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from .._device import device_label, device_list
 from .._errors import DeviceError, StageError
 from .api import _NO_ROOM, Pipeline, _GaveUp
-from .aio import CancelIfDropped, Source, follow
+from .aio import CancelIfDropped, OffLoopSubmit, Source, follow
 from .chunk import cancel_unwanted, post_cancel
 from .driver import _POLL_S, WakeFlag
 from .sigint import checkpoint, shielded_call
@@ -259,33 +259,21 @@ class SpreadPipeline(Pipeline):
         self._no_room_left(tried)  # (raises where no part works)
         # then a wait for room on every part (_submit_waiting), on the loop's executor; a
         # cancelled await ends it (gave_up, and the flag set to look at it now)
-        lock, state, flag = threading.Lock(), {"abandoned": False, "future": None}, WakeFlag()
-
-        def gave_up() -> bool:
-            return state["abandoned"]
+        off, flag = OffLoopSubmit(ending), WakeFlag()
 
         def submit() -> "concurrent.futures.Future | None":
             try:
-                fut = self._submit_waiting(item, timeout, gave_up, flag)
+                fut = self._submit_waiting(item, timeout, off.gave_up, flag)
             except _GaveUp:
                 return None  # (nobody awaits this any more)
-            if ending is not None:
-                ending.accepted(fut)
-            with lock:
-                state["future"] = fut
-                abandoned = state["abandoned"]
-            if abandoned:
-                fut.cancel()
-            return fut
+            return off.accepted(fut)
 
         if ending is not None:
             ending.accepting(tuple(part._driver for part in self.parts))
         try:
             return await asyncio.get_running_loop().run_in_executor(None, submit)
         except BaseException:  # CancelledError mostly: the task awaiting asubmit gave up
-            with lock:
-                state["abandoned"] = True
-                fut = state["future"]
+            fut = off.abandon()
             if fut is not None:
                 post_cancel([fut])  # (the loop's thread does not wait for a part's lock)
             else:
