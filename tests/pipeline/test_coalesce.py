@@ -472,16 +472,20 @@ def test_ctrl_c_pressed_again_while_a_shared_submit_cleans_up_still_takes_the_it
     """A second Ctrl-C may land anywhere in the clean-up the first one started (taking the item
     back needs the driver's lock, which a step of the progress thread may hold): the clean-up
     starts again and completes, so the item is never left half taken back (its chunk would never
-    be admitted and the pipeline never settle)."""
+    be admitted and the pipeline never settle). The clean-up takes the item back under the lock
+    where it is free this instant, else hands it to the progress thread: which of the two, and so
+    how many instructions it runs, depends on that thread, so a run may end before the second
+    instruction asked for (every run that reaches it raises the second interrupt)."""
     seen, _, _ = _submit_interrupted_at(10 ** 9, joins)
     second = 0
     for first in range(seen):
         ran, _, _ = _submit_interrupted_at({first, 10 ** 9}, joins)
         for again in range(first + 1, ran):  # each instruction of the clean-up the first started
-            _, fired, problems = _submit_interrupted_at({first, again}, joins)
-            assert fired == 2 and problems is None, f"Ctrl-C at {first}, again at {again}: {problems}"
-            second += 1
-    assert second > 50  # the clean-ups ran that many instructions in all
+            reached, fired, problems = _submit_interrupted_at({first, again}, joins)
+            assert problems is None, f"Ctrl-C at {first}, again at {again}: {problems}"
+            assert fired == 2 or reached <= again, f"Ctrl-C at {first}, again at {again} ({reached} run): {fired} raised"
+            second += fired == 2
+    assert second > 50  # the clean-ups ran that many instructions in all, each interrupted again
 
 
 LONE_SUBMIT = ("submit", "_accepting", "_staged_copy", "_read_in_place", "_private_copy", "_output_spec",
