@@ -828,28 +828,24 @@ class Pipeline:
         d, s = self._driver, self._sched
         taken = claim[0]
 
-        def back() -> None:
+        def back() -> None:  # (lock held)
             s.member_written(*taken, None)
             s.admit_after_death()  # (a driver that died meanwhile left the chunk's other items to this thread)
+            d.notify()
 
-        def refused(cmd: Any) -> None:
-            if cmd.error is not None:
+        def back_when_locked(cmd: Any = None) -> None:  # (a posted take-back refused: cmd.error)
+            if cmd is None or cmd.error is not None:
                 with d.cv:
                     back()
-                    d.notify()
 
         if not d.background:
-            with d.cv:
-                back()
-                d.notify()
-            claim.clear()
-            return
-        with try_lock(d.lock) as held:
-            if held:
-                back()
-                d.notify()
-            else:
-                d.post(back, refused)
+            back_when_locked()
+        else:
+            with try_lock(d.lock) as held:
+                if held:
+                    back()
+                else:
+                    d.post(back, back_when_locked)
         claim.clear()
 
     def map(self, items: Iterable[Any]) -> Iterator[Any]:

@@ -133,8 +133,11 @@ def resolve(batch: list) -> None:
     ending that Ctrl-C stopped does not wait for a callback that does not return, as it does not
     wait for such a stage (:meth:`ProgressThread.join_unless_stalled`)."""
     for fut in batch:
+        callbacks = fut._done_callbacks
+        if not callbacks:
+            continue
         owner = fut._driver.sched.stage_owner
-        for callback in fut._done_callbacks:
+        for callback in callbacks:
             try:
                 run_counted(owner, callback, fut)
             except BaseException:  # noqa: BLE001 - the user's error, logged; the pipeline carries on
@@ -225,8 +228,9 @@ class _Driver:
         """Wake every thread waiting on the pipeline (lock held): those waiting on cv, and those
         watching it with a flag of their own (:meth:`watch`)."""
         self.cv.notify_all()
-        for flag in list(self.watchers):
-            flag.set()
+        if self.watchers:  # (every turn calls this; a watcher is rare)
+            for flag in list(self.watchers):
+                flag.set()
 
     # -- used by any thread ----------------------------------------------------------------
     def notify(self) -> None:

@@ -102,6 +102,8 @@ def run_counted(owner: Any, fn: Callable, *args: Any) -> Any:
     """``fn(*args)`` counted in ``owner.running`` as a stage call is, without marking the thread
     as running a stage: for a done-callback of the owner's futures, which may call the pipeline
     (it is no stage), but which the thread running it, like a stage, cannot be made to leave."""
+    # (run_stage counts the same way inline: it runs for every stage call, and a call into this
+    # would add to each)
     running = getattr(owner, "running", None)
     if running is None:
         return fn(*args)
