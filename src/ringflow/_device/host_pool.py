@@ -800,11 +800,8 @@ def receive(array: Any, device: Device) -> Optional[HostBuffer]:
 def receive_slice(array: Any, device: Device) -> Optional[BufferSlice]:
     """:func:`receive`, for the array's bytes at whatever offset in its block
     (:func:`slice_behind`)."""
-    owner = owner_of(array) if isinstance(array, np.ndarray) else None
-    if owner is None or owner.pool.device is not device:
-        return None
-    owner.pool._observe(owner.block)
-    return _bytes_of(owner, array)
+    owner = _taken_in(array, device)
+    return _bytes_of(owner, array) if owner is not None else None
 
 
 def block_buffer_taken_in(array: Any) -> Optional[HostBuffer]:
@@ -812,11 +809,19 @@ def block_buffer_taken_in(array: Any) -> Optional[HostBuffer]:
     at whatever offset in it), for device work of the caller's own, ordering the calling thread
     after the block's hand-out and every device use of it seen complete since, as
     :func:`receive` does; None for any other array."""
+    owner = _taken_in(array)
+    return owner.block.buffer if owner is not None else None
+
+
+def _taken_in(array: Any, device: Optional[Device] = None) -> Any:
+    """The pool's record of the array ``array``'s memory is from (of ``device``'s pool, where
+    given), the calling thread ordered after its block's hand-out and every device use of it seen
+    complete since; None for any other array."""
     owner = owner_of(array) if isinstance(array, np.ndarray) else None
-    if owner is None:
+    if owner is None or (device is not None and owner.pool.device is not device):
         return None
     owner.pool._observe(owner.block)
-    return owner.block.buffer
+    return owner
 
 
 def device_of(array: Any) -> Optional[Device]:
