@@ -357,3 +357,19 @@ def test_the_pooled_default_out_switch(monkeypatch, layouts, budget):
         assert rf.stream_map(f, np.ones(10), device=dev).flags.c_contiguous  # a pageable x: out pooled
     else:
         assert rf.host.buffer(y) is None and rf.host.stats(device=dev).fallbacks == 1
+
+
+@pytest.mark.parametrize("call", [
+    lambda: rf.host.empty(3, object),
+    lambda: rf.host.empty(-2, np.float32),
+    lambda: rf.host.empty("3", np.float32),
+    lambda: rf.host.empty_like(np.zeros(3), object),
+], ids=["dtype", "negative", "shape", "empty_like dtype"])
+def test_a_refused_shape_or_dtype_makes_no_default_device(monkeypatch, call):
+    """A call refused for its own arguments has no side effect: the default device (made once and
+    kept for the process) is not made for it."""
+    monkeypatch.setattr(_host, "_default_device", None)
+    monkeypatch.setenv("RINGFLOW_DEVICE", "sim")
+    with pytest.raises((TypeError, ValueError)):
+        call()
+    assert _host._default_device is None

@@ -33,7 +33,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ._checks import check_flag
-from ._device.host_pool import HostPool, HostPoolStats, block_buffer_taken_in, owner_of, pool_for, set_default_budget
+from ._device.host_pool import (HostPool, HostPoolStats, block_buffer_taken_in, check_shape_dtype, owner_of, pool_for,
+                                 set_default_budget)
 from ._device.protocol import Device, HostBuffer
 from ._pipeline.slot_array import empty_slot
 
@@ -85,6 +86,8 @@ def empty(shape: "int | Sequence[int]", dtype: Any = np.float64, *, device: Opti
         TypeError: a bad ``shape``, a dtype holding objects, or ``device`` that is not a Device.
         ValueError: a negative dimension, more than 64 dimensions, or a shape numpy cannot index.
     """
+    # checked before the default device is made: a refused call must leave nothing behind
+    shape, dtype = check_shape_dtype(shape, dtype)
     return _pool(device, "empty").empty(shape, dtype)
 
 
@@ -97,10 +100,11 @@ def empty_like(a: np.ndarray, dtype: Any = None, *, device: Optional[Device] = N
     """
     if not isinstance(a, np.ndarray):
         raise TypeError(f"ringflow.host.empty_like takes a numpy array, got {type(a).__name__}")
+    shape, dtype = check_shape_dtype(a.shape, a.dtype if dtype is None else dtype)  # before any device is made
     if device is None:
         owner = owner_of(a)
         device = owner.pool.device if owner is not None else None
-    return _pool(device, "empty_like").empty(a.shape, a.dtype if dtype is None else dtype)
+    return _pool(device, "empty_like").empty(shape, dtype)
 
 
 def buffer(a: np.ndarray) -> Optional[HostBuffer]:
