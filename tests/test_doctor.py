@@ -449,8 +449,32 @@ def test_the_simulated_profile_can_be_saved_as_a_starting_point(tmp_path, capsys
     path = tmp_path / "start.json"
     assert main(["doctor", "--device", "sim", "--save", str(path)]) == 0
     assert load_profile(path) == H200_PCIE5
-    assert main(["doctor", "--device", "sim", "--save"]) == 1  # no GPU to cache a profile for
+    capsys.readouterr()
+    assert main(["doctor", "--device", "sim", "--save"]) == 2  # no GPU to cache a profile for
     assert "give a file name (--save FILE)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, env, named", [
+    (["--device", "sim"], None, "--device sim"),
+    ([], "sim", "RINGFLOW_DEVICE=sim"),
+    (["--device", "sim:1", "--json"], "cuda:0", "--device sim:1"),
+])
+def test_save_without_a_path_on_the_simulated_gpu_is_refused_before_any_work(capsys, monkeypatch, args, env, named):
+    """The per-GPU cache holds measured GPUs' profiles: on the simulated GPU, --save without a file
+    name is a mistake on the command line, refused as one (exit 2, naming the option) before the
+    report is collected or printed."""
+    if env is None:
+        monkeypatch.delenv("RINGFLOW_DEVICE", raising=False)
+    else:
+        monkeypatch.setenv("RINGFLOW_DEVICE", env)
+    collected = []
+    monkeypatch.setattr(doctor, "_collect", lambda *a, **k: collected.append(a) or pytest.fail("collected"))
+    assert main(["doctor", *args, "--save"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and not collected
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ringflow doctor: error: argument --save: "), err
+    assert named in lines[0] and "give a file name (--save FILE)" in lines[0]
 
 
 def test_save_without_a_gpu_says_why(tmp_path, capsys, monkeypatch):
@@ -510,3 +534,9 @@ def test_host_copies_are_timed_on_the_threads_there_are(cpus, expected):
     from ringflow._device.cuda.measure import thread_counts
 
     assert thread_counts(cpus) == expected
+
+
+def test_doctor_command_refuses_save_true_on_the_simulated_gpu_before_collecting(monkeypatch):
+    monkeypatch.setattr(doctor, "_collect", lambda *a, **k: pytest.fail("collected"))
+    with pytest.raises(ValueError, match=r"--save: the device is the simulated GPU \(--device sim\); give a file"):
+        doctor.doctor_command(device="sim", save=True)

@@ -243,8 +243,12 @@ def _check_plot_type(path: str) -> None:
 
 # -- the subcommands --------------------------------------------------------------------------------------------------
 def _doctor(args: argparse.Namespace) -> int:
-    from ._doctor import doctor_command
+    from ._doctor import doctor_command, save_without_path_problem
 
+    if args.save is True:  # (before the report: a mistake on the command line costs no work)
+        problem = save_without_path_problem(args.device)
+        if problem is not None:
+            raise UsageError(f"argument --save: {problem}")
     if args.output is not None:
         check_out_file(args.output, "--output")
     if isinstance(args.save, str):

@@ -700,12 +700,18 @@ def doctor_command(json_out: bool = False, device: "str | None" = None, output: 
         and one stderr line says why), else 0.
 
     Raises:
-        TypeError, ValueError: ``device`` is not a device spec or names a missing GPU.
+        TypeError, ValueError: ``device`` is not a device spec or names a missing GPU, or
+            ``save`` is True for the simulated GPU (:func:`save_without_path_problem`); both
+            before any work.
         OSError: ``output`` cannot be written.
     """
     from ._device import parse_spec
 
     kind, index = parse_spec(device)
+    if save is True:
+        problem = save_without_path_problem(device)
+        if problem is not None:
+            raise ValueError(f"--save: {problem}")
     with _status(show_progress(json_out)) as say:
         raw = _collect(device, repeats=10, progress=say, model=bool(save))
     problem = None
@@ -738,6 +744,29 @@ def doctor_command(json_out: bool = False, device: "str | None" = None, output: 
     return 0
 
 
+def save_without_path_problem(device: "str | None") -> "str | None":
+    """Why ``--save`` without a file name cannot be done on ``device``, or None where it can.
+
+    It fills the per-GPU cache with a measured GPU's profile, so it is refused where ``device``
+    (or, for None, ``RINGFLOW_DEVICE``) names the simulated GPU. Where ``"auto"`` falls back to
+    the simulated GPU is found only by looking for a GPU, and the report says why.
+
+    Returns:
+        The reason, naming the device setting and saying to give a file name; None otherwise.
+
+    Raises:
+        TypeError, ValueError: ``device`` (or ``RINGFLOW_DEVICE``) is not a device spec.
+    """
+    from ._device import ENV_VAR, parse_spec
+
+    kind, _ = parse_spec(device)
+    if kind != "sim":
+        return None
+    named = f"--device {device}" if device is not None else f"{ENV_VAR}={os.environ.get(ENV_VAR, '')}"
+    return (f"the device is the simulated GPU ({named}); give a file name (--save FILE): it writes the simulated "
+            "profile there, a starting point to edit; the per-GPU cache is for measured GPUs")
+
+
 def _describe_error(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
@@ -753,11 +782,8 @@ def _save_profile(raw: dict[str, Any], kind: str, save: "str | bool") -> dict[st
         if kind != "sim":
             raise ValueError(f"no usable GPU to measure ({raw['cuda_reason']}); run it where the GPU is, or pass "
                              "--device sim --save FILE to write the simulated profile as a starting point")
-        if save is True:
-            raise ValueError("on the simulated GPU, give a file name (--save FILE): it writes the simulated "
-                             "profile there, a starting point to edit; the per-GPU cache is for measured GPUs")
         profile = get_profile(raw["sim_profile"]["name"])
-        path = save_to(profile, save)
+        path = save_to(profile, save)  # a file name: doctor_command refused True for the simulated GPU
         return {"name": profile.name, "path": path,
                 "use": f"plan with it: ringflow plan --profile {path}, or ringflow.device('sim', profile=...)"}
     profile = profile_from_report(raw)
