@@ -287,6 +287,30 @@ def test_a_stdout_on_a_full_device_is_named_in_a_fresh_process():
     check_one_line(proc.returncode, proc.stderr, "plan", "cannot write the output to standard output")
 
 
+@pytest.mark.parametrize("args, command", [(["--help"], None), (["--version"], None), (["plan", "--help"], "plan"),
+                                           ([], None)], ids=["help", "version", "plan help", "no command"])
+def test_help_or_version_on_a_stdout_that_cannot_be_written_is_an_error(monkeypatch, capsys, args, command):
+    """argparse drops an error in writing its help or the version: on a full disk the command
+    printed nothing and exited 0."""
+    monkeypatch.setattr(sys, "stdout", FullStdout())
+    code = main(args)
+    check_one_line(code, capsys.readouterr().err, command, "cannot write the output to standard output (No space "
+                   "left on device); send it where it can be written")
+    assert code == 1
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("option", ["--help", "--version"])
+def test_help_or_version_on_a_full_device_fails_in_a_fresh_process(option):
+    env = {k: v for k, v in os.environ.items() if k not in ("RINGFLOW_DEVICE", "RINGFLOW_DEBUG")}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "ringflow", option], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=120, env=env)
+    check_one_line(proc.returncode, proc.stderr, None, "cannot write the output to standard output")
+    assert proc.returncode == 1
+
+
 def test_usage_mistakes_exit_2():
     proc = run_cli("plan", "--bytes", "abc")
     assert proc.returncode == 2 and proc.stdout == ""

@@ -23,7 +23,7 @@ import re
 import sys
 import tempfile
 import warnings
-from typing import Iterator, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 from ._errors import RingflowError
 from ._files import is_special
@@ -41,6 +41,21 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {_one_line(message)}\n")
+
+    def _print_message(self, message: str, file=None) -> None:
+        """Write the help, the version or an error, as argparse does; an OSError in writing
+        stdout is raised (:func:`main` reports it), where argparse drops it: help or the version
+        sent to a full disk printed nothing, and the command exited 0. One in writing stderr is
+        still dropped: there is nowhere left to say it."""
+        if not message:
+            return
+        file = file or sys.stderr
+        if file is sys.stderr:
+            with contextlib.suppress(AttributeError, OSError):
+                file.write(message)
+            return
+        file.write(message)
+        file.flush()  # (a buffered write fails only here, or at exit where nothing reports it)
 
 
 def _one_line(text: object) -> str:
@@ -456,6 +471,21 @@ def _traceback_if(debug: bool) -> None:
 def main(argv: "list[str] | None" = None) -> int:
     """Run the command line; returns the exit status (see the module docstring)."""
     parser = build_parser()
+    debug = os.environ.get(DEBUG_VAR, "").strip() not in ("", "0")
+    parsed: list = []
+    words = sys.argv[1:] if argv is None else argv
+    # a subcommand's help names it, as its errors do; the top-level parser takes only options
+    named = words[0] if words and words[0] in parser._ringflow_commands else None  # type: ignore[attr-defined]
+    status = _guarded(f"ringflow {named}" if named else "ringflow", debug, lambda: _parse(parser, argv, parsed))
+    if not parsed:
+        return status
+    args = parsed[0]
+    return _guarded(f"ringflow {args.command}", debug, lambda: args.func(args))
+
+
+def _parse(parser: argparse.ArgumentParser, argv: "list[str] | None", parsed: list) -> int:
+    """Parse ``argv``, appending the arguments of a command to run to ``parsed``; returns the
+    exit status where there is none to run (help, the version, a usage error, no command)."""
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # reported by the subcommand's parser, so the message names the subcommand
@@ -466,11 +496,17 @@ def main(argv: "list[str] | None" = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    prog = f"ringflow {args.command}"
-    debug = os.environ.get(DEBUG_VAR, "").strip() not in ("", "0")
+    parsed.append(args)
+    return 0
+
+
+def _guarded(prog: str, debug: bool, work: "Callable[[], int]") -> int:
+    """Run ``work`` (parsing the command line, or a command) and return its exit status; an
+    error it raises is one line on stderr, ``<prog>: error: ...``, and its status (see the module
+    docstring); warnings are lines too, and an error writing stdout is named as one."""
     try:
         with _warnings_as_lines(prog), _stdout_for_the_command():
-            return args.func(args)
+            return work()
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
