@@ -627,6 +627,16 @@ def test_device_defaults_to_ringflow_device(monkeypatch, capsys):
     assert json.loads(capsys.readouterr().out)["device"]["backend"] == "sim"
 
 
+def test_spaces_around_a_device_are_dropped_from_the_option_as_from_the_environment(monkeypatch, capsys):
+    """``--device " sim"`` was refused while ``RINGFLOW_DEVICE=" sim"`` ran on the simulated GPU."""
+    monkeypatch.delenv("RINGFLOW_DEVICE", raising=False)
+    assert main(["doctor", "--json", "--device", " sim "]) == 0
+    assert json.loads(capsys.readouterr().out)["device_spec"] == "sim"
+    monkeypatch.setenv("RINGFLOW_DEVICE", " sim")
+    assert main(["doctor", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["device_spec"] == "sim"
+
+
 def test_plan_accepts_the_size_forms(capsys):
     from ringflow._planning_cli import parse_bytes
 

@@ -131,7 +131,8 @@ def sim_profile(text: str) -> str:
 
 
 def device_spec(text: str) -> str:
-    """A device spec as :func:`ringflow.device` takes it, checked for spelling only."""
+    """A device spec as :func:`ringflow.device` takes it, checked for spelling only; returned
+    without the spaces around it, which :func:`ringflow.device` drops too."""
     from ._device import parse_spec
 
     try:
@@ -139,7 +140,7 @@ def device_spec(text: str) -> str:
     except (TypeError, ValueError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a device; use auto, cuda, cuda:N (N = GPU index 0, 1, ...) "
                                          "or sim") from None
-    return text
+    return text.strip()
 
 
 # -- output paths, checked before any work ----------------------------------------------------------------------------

@@ -71,6 +71,23 @@ def test_a_bad_environment_value_names_the_variable(no_gpu, monkeypatch):
     assert all(f in str(info.value) for f in FORMS)
 
 
+@pytest.mark.parametrize("value, parsed", [(" sim", ("sim", None)), ("sim ", ("sim", None)),
+                                           ("\tsim:3\n", ("sim", 3)), (" cuda:2 ", ("cuda", 2))])
+def test_spaces_around_a_spec_are_dropped_alike_from_the_argument_and_the_environment(no_gpu, monkeypatch, value,
+                                                                                       parsed):
+    """One spec, one answer: ``RINGFLOW_DEVICE=" sim"`` made a simulated GPU while ``device(" sim")``
+    (and ``--device " sim"``) refused it."""
+    assert _device.parse_spec(value) == parsed
+    monkeypatch.setenv("RINGFLOW_DEVICE", value)
+    assert _device.parse_spec(None) == parsed
+    if parsed == ("sim", None):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a simulated GPU asked for: no fallback warning
+            assert rf.device(value).backend == "sim" and rf.device().backend == "sim"
+    with pytest.raises(ValueError, match="an empty string"):  # only spaces: no spec at all
+        rf.device(" \t")
+
+
 def test_an_explicit_spec_wins_over_the_environment(no_gpu, monkeypatch):
     monkeypatch.setenv("RINGFLOW_DEVICE", "cuda:abc")
     assert rf.device("sim").backend == "sim"

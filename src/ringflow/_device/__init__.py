@@ -104,8 +104,9 @@ def parse_spec(spec: "str | None" = None) -> tuple[str, "int | None"]:
     """Check a device spec's spelling without touching any device.
 
     Args:
-        spec: ``"auto"``, ``"sim"``, ``"sim:N"``, ``"cuda"`` or ``"cuda:N"``; None reads the
-            ``RINGFLOW_DEVICE`` environment variable (``"auto"`` when unset or empty).
+        spec: ``"auto"``, ``"sim"``, ``"sim:N"``, ``"cuda"`` or ``"cuda:N"``, spaces around it
+            dropped; None reads the ``RINGFLOW_DEVICE`` environment variable (``"auto"`` when
+            unset, empty or only spaces).
 
     Returns:
         ``(kind, index)``: kind is ``"auto"``, ``"sim"`` or ``"cuda"``; index is the GPU index
@@ -122,6 +123,10 @@ def parse_spec(spec: "str | None" = None) -> tuple[str, "int | None"]:
     if not isinstance(spec, str):
         raise TypeError(f"ringflow.device(spec): spec must be a string such as 'auto', 'cuda:0' or 'sim', "
                         f"got {type(spec).__name__} {spec!r}")
+    # spaces around a spec are dropped wherever it comes from: the environment variable always
+    # dropped them, and an argument or --device that refused what the variable takes is one
+    # spec with two answers
+    given, spec = spec, spec.strip()
     if spec in ("auto", "sim"):
         return spec, None
     if spec == ALL_GPUS:
@@ -148,8 +153,8 @@ def parse_spec(spec: "str | None" = None) -> tuple[str, "int | None"]:
     if spec.startswith("sim"):
         raise ValueError(f"unknown device {spec!r} ({where}): 'sim' takes no suffix but ':N'; pass its options as "
                          f"keywords, e.g. device('sim', profile='h200-pcie5'); {_FORMS}")
-    empty = ", an empty string" if not spec.strip() else ""
-    raise ValueError(f"unknown device {spec!r} ({where}{empty}); {_FORMS}")
+    empty = ", an empty string" if not spec else ""
+    raise ValueError(f"unknown device {given!r} ({where}{empty}); {_FORMS}")
 
 
 def _check_options(kind: str, options: dict, accepted: tuple[str, ...]) -> None:
@@ -193,8 +198,9 @@ def device(spec: "str | None" = None, **options: Any) -> Device:
             ``"sim"`` (a new simulated GPU, independent of every other), or ``"sim:N"`` (the
             process's N-th simulated GPU: made on first use, the same device for every later
             ``"sim:N"``; a closed one is replaced by a new one; the ``"sim:N"`` devices are GPUs of
-            one host and share its host copy rate). None (the default) reads the
-            ``RINGFLOW_DEVICE`` environment variable, ``"auto"`` when it is unset.
+            one host and share its host copy rate). Spaces around the spec are dropped. None
+            (the default) reads the ``RINGFLOW_DEVICE`` environment variable, ``"auto"`` when it
+            is unset.
         **options: for ``"sim"``: ``profile`` (default ``"h200-pcie5"``), ``seed``, ``chaos``,
             ``checked``; for ``"cuda"``: ``array`` (``"cupy"``, ``"torch"`` or ``"dlpack"``);
             ``"auto"`` takes both sets and passes each backend its own.
@@ -236,7 +242,7 @@ def device(spec: "str | None" = None, **options: Any) -> Device:
 
         return SimDevice(**{k: v for k, v in options.items() if k in SIM_OPTIONS})
     _check_options("cuda", options, CUDA_OPTIONS)
-    name = spec if isinstance(spec, str) else f"cuda:{index}"
+    name = spec.strip() if isinstance(spec, str) else f"cuda:{index}"
     ok, reason = cuda_available()
     if not ok:
         raise DeviceUnavailableError(f"device {name!r} is not usable: {reason}. "
