@@ -517,3 +517,21 @@ def test_a_hand_out_interrupted_after_its_owner_exists_is_not_freed_twice(monkey
     assert pool.stats().in_use_bytes == size_class(4096)  # still the new array's
     other = pool.empty(4096, np.uint8)
     assert pool.buffer_of(other) is not pool.buffer_of(again)
+
+
+def test_record_use_refuses_an_event_of_another_device():
+    """An event of another device cannot tell when this device's copy of the array is done: it
+    was taken, and the block could be handed out again under a copy still running."""
+    dev, other = rf.device("sim"), rf.device("sim")
+    pool = pool_for(dev)
+    a = pool.empty(4, np.float32)
+    theirs = other.create_stream().record()
+    assert theirs.owner is other
+    for record in (pool.record_use, rf.host.record_use):
+        with pytest.raises(ValueError, match=r"record_use\(event=\.\.\.\): <SimEvent .*> was recorded on another "
+                                             r"device object .*; record the event on a stream of .*after the copy"):
+            record(a, theirs)
+    with pytest.raises(ValueError, match=r"record_use\(event=\.\.\.\)"):
+        pool.record_use(pool.buffer_of(a), theirs)
+    assert pool._block_of(a).events == []  # nothing recorded
+    assert pool.record_use(a, dev.create_stream().record()) is True  # its own device's event is taken

@@ -58,7 +58,7 @@ import numpy as np
 
 from .._checks import as_dtype
 from .._errors import DeviceError
-from .protocol import BufferSlice, Device, HostBuffer, LiveCounts, check_nbytes
+from .protocol import BufferSlice, Device, Event, HostBuffer, LiveCounts, check_nbytes, device_names
 
 logger = logging.getLogger(__name__)
 
@@ -405,13 +405,22 @@ class HostPool:
         Raises:
             TypeError: ``obj`` is neither a numpy array nor a host buffer, or ``event`` has no
                 ``is_done``.
-            ValueError: ``obj`` is a pooled buffer already back in the cache (no live array).
+            ValueError: ``obj`` is a pooled buffer already back in the cache (no live array), or
+                ``event`` was recorded on another device than this pool's.
         """
         if not hasattr(event, "is_done"):
             raise TypeError(f"record_use needs an event (or host task) with is_done, got {type(event).__name__}")
         block = self._block_of(obj)
         if block is None:
             return False
+        recorded_on = event.owner if isinstance(event, Event) else None
+        if recorded_on is not None and recorded_on is not self._device:
+            # its being done says nothing of this device's copy, which may still run when the
+            # block is handed out again
+            here, there = device_names(self._device, recorded_on)
+            raise ValueError(f"record_use(event=...): {event!r} was recorded on {there}, but the array's memory is "
+                             f"in the host pool of {here}; record the event on a stream of {here}, the device whose "
+                             "stream copies the array, after the copy")
         with self._lock:
             if block.state not in (_IN_USE, _PENDING, _CHECKING):
                 raise ValueError(f"record_use: {block.buffer!r} is {block.state}, not behind a live array; record "

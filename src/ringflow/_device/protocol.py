@@ -447,6 +447,11 @@ class Event(abc.ABC):
         """The error a failed operation before this event reported, once done; else None."""
         return None
 
+    @property
+    def owner(self) -> "Device | None":
+        """The device whose stream recorded the event; None where the backend does not say."""
+        return None
+
     @abc.abstractmethod
     def elapsed_since(self, earlier: "Event") -> float:
         """Seconds between two timing events (both recorded with ``timing=True``, both done)."""
@@ -829,6 +834,17 @@ def typed_view(raw: np.ndarray, dtype: Any, offset: int, count: int | None, acce
     return out
 
 
+def device_names(mine: "Device", other: "Device") -> tuple[str, str]:
+    """The labels of two devices that are not one object, for a message naming both: ``other``'s
+    says it is another object where one label cannot tell them apart (two ``CudaDevice(0)``)."""
+    from . import device_label
+
+    here, there = device_label(mine), device_label(other)
+    if there == here:
+        there = f"another device object that is also {there} (make the device once and use that one object)"
+    return here, there
+
+
 def check_event_device(stream: Stream, event: Event, event_device: "Device") -> None:
     """Refuse ``stream.wait(event)`` where ``event`` was recorded on ``event_device``, another
     device than the stream's. CUDA's driver would take it (``cuStreamWaitEvent`` orders work
@@ -843,11 +859,7 @@ def check_event_device(stream: Stream, event: Event, event_device: "Device") -> 
     mine = stream.owner
     if event_device is mine:
         return
-    from . import device_label
-
-    here, there = device_label(mine), device_label(event_device)
-    if there == here:  # two device objects that one label cannot tell apart (two CudaDevice(0), say)
-        there = f"another device object that is also {there} (make the device once and use that one object)"
+    here, there = device_names(mine, event_device)
     raise ValueError(f"{stream!r} of {here} cannot wait for {event!r}, recorded on {there}: a stream waits only for "
                      f"events of its own device (the simulated GPU cannot order one device's work after another's, "
                      f"so neither backend takes such a wait); order the two through the host instead: event.sync(), "

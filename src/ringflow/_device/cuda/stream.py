@@ -48,6 +48,10 @@ class CudaEvent(Event):
     def stream_name(self) -> str:
         return repr(self._stream)
 
+    @property
+    def owner(self) -> "CudaDevice":
+        return self._device
+
     def _uncount(self) -> None:
         if self._counted:
             self._counted = False

@@ -91,6 +91,10 @@ class CapturedEvent(Event):
     def __repr__(self) -> str:
         return f"<CapturedEvent on {self.stream.name}>"
 
+    @property
+    def owner(self) -> "SimDevice":
+        return self.capture.dev
+
     def _refuse(self, what: str) -> CaptureError:
         if self.capture.ended:
             return CaptureError(f"{what} {self!r}: it belongs to a finished capture; use the graph's event() "

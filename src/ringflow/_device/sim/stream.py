@@ -62,6 +62,10 @@ class SimEvent(Event):
         return self._op.error if self._op.done else None
 
     @property
+    def owner(self) -> "SimDevice":
+        return self._dev
+
+    @property
     def done_at(self) -> float | None:
         """Virtual time the event completed (None while pending)."""
         return self._op.done_at
