@@ -145,6 +145,7 @@ def record_use(a: np.ndarray, event: Any) -> bool:
 
     Raises:
         TypeError: ``a`` is not a numpy array, or ``event`` is not an event.
+        ValueError: ``event`` was recorded on another device than the one ``a``'s pool serves.
     """
     if not isinstance(a, np.ndarray):
         raise TypeError(f"ringflow.host.record_use takes a numpy array, got {type(a).__name__}")
