@@ -73,6 +73,8 @@ def test_device_results_are_right_under_chaos_with_any_release_order(seed, order
     assert dev.live().total == 0
 
 
+# the slot's free at close is the same unordered access, reported again as a warning (a close never raises)
+@pytest.mark.filterwarnings("ignore:closing device-out ring buffer failed:RuntimeWarning")
 def test_a_release_not_ordered_after_the_consumer_is_caught():
     """Switch off the guard (the next compute waits for the consumer's release event): the
     checker sees the consumer's read of a slot and the next write into it unordered."""
@@ -86,6 +88,8 @@ def test_a_release_not_ordered_after_the_consumer_is_caught():
     assert any(caught(o) for o in outcomes), outcomes
 
 
+# the slot's free at close is the same unordered access, reported again as a warning (a close never raises)
+@pytest.mark.filterwarnings("ignore:closing device-out ring buffer failed:RuntimeWarning")
 def test_a_consumer_releasing_on_the_wrong_stream_is_caught():
     """Released with stream=None after launching its read on its own stream: on the simulated GPU
     nothing orders the next compute after that read."""
@@ -116,6 +120,8 @@ def test_a_consumer_releasing_on_the_wrong_stream_is_told_what_to_change():
         assert not [w for w in seen if "cancelling the pipeline" in str(w.message)], [str(w.message) for w in seen]
 
 
+# the slot's free at close is the same unordered access, reported again as a warning (a close never raises)
+@pytest.mark.filterwarnings("ignore:closing device-out ring buffer failed:RuntimeWarning")
 def test_the_array_of_a_released_result_is_refused_and_a_late_read_is_caught():
     outcomes = []
     for seed in range(6):
