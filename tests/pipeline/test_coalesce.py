@@ -724,7 +724,7 @@ class CoalescingMachine(RuleBasedStateMachine):
     @invariant()
     def counts_add_up_and_results_are_their_own(self):
         s = self.pipe.stats()
-        assert s.accepted == len(self.futs) + self.mapped
+        assert s.accepted == len(self.futs) + self.mapped, (s, len(self.futs), self.mapped)
         assert s.accepted == s.delivered + s.failed + s.cancelled + s.in_flight
         for fut, x, fail, cancelled in self.futs:
             if fut.done():
@@ -1019,3 +1019,40 @@ PointwiseCoalescingMachine.map_on_a_thread = precondition(lambda self: not self.
 PointwiseCoalescingMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None,
                                                        suppress_health_check=[HealthCheck.too_slow])
 TestPointwiseCoalescingMachine = PointwiseCoalescingMachine.TestCase
+
+
+def test_a_shared_submit_that_raised_is_not_counted_while_its_take_back_waits_for_the_progress_thread():
+    """A shared submit whose copy fails while another thread keeps the pipeline's lock hands its
+    take-back to the progress thread, to be carried out at its next turn; until then ``stats()``
+    must not count the item: the caller got an error, not a future, and the item never runs."""
+    dev = rf.device("sim", seed=2)
+    with rf.Pipeline(f, device=dev, chunk_bytes=1 << 15, checked=True) as pipe:
+        kept = pipe.submit(np.ones(100, np.float32))  # opens a shared chunk the next item joins
+        real_copy = dev.host_copy
+
+        def failing_copy(dst, src):
+            raise RuntimeError("copy failed")
+
+        held, let_go = threading.Event(), threading.Event()
+
+        def keep_the_lock():
+            with pipe._driver.lock:
+                held.set()
+                let_go.wait(30)
+
+        keeper = threading.Thread(target=keep_the_lock)
+        keeper.start()
+        held.wait(30)
+        dev.host_copy = failing_copy
+        try:
+            with pytest.raises(RuntimeError, match="copy failed"):
+                pipe.submit(np.ones(50, np.float32))
+        finally:
+            dev.host_copy = real_copy
+            let_go.set()
+            keeper.join()
+        s = pipe.stats()
+        assert s.accepted == 1 and s.in_flight + s.delivered == 1, s
+        assert np.array_equal(kept.result(timeout=30), expected(np.ones(100, np.float32)))
+    s = pipe.stats()
+    assert s.accepted == s.delivered == 1 and s.in_flight == 0, s

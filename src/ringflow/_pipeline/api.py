@@ -845,6 +845,7 @@ class Pipeline:
                 if held:
                     back()
                 else:
+                    s.withdraw(*taken)  # (counted out of stats() until the progress thread takes it back)
                     d.post(back, back_when_locked)
         claim.clear()
 

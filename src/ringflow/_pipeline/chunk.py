@@ -413,16 +413,17 @@ class Member:
     """One item of a chunk that several items share: where its bytes lie in the chunk's block
     (``offset``, ``nbytes``, aligned to :data:`MEMBER_ALIGN`), what they are (``shape``,
     ``dtype``; its result is the same bytes of the block once the d2h has written them), its own
-    future and index, the event after its compute (its errors are its own), and the error it
-    failed with, if any."""
+    future and index, the event after its compute (its errors are its own), the error it failed
+    with, if any, and whether its submit raised with its take-back still to come (``withdrawn``)."""
 
-    __slots__ = ("index", "future", "offset", "nbytes", "shape", "dtype", "event", "error")
+    __slots__ = ("index", "future", "offset", "nbytes", "shape", "dtype", "event", "error", "withdrawn")
 
     def __init__(self, index: int, future: ChunkFuture, offset: int, shape: tuple, dtype: np.dtype, nbytes: int):
         self.index, self.future, self.offset = index, future, offset
         self.shape, self.dtype, self.nbytes = shape, dtype, nbytes
         self.event: Any = None
         self.error: Optional[BaseException] = None
+        self.withdrawn = False
 
 
 MEMBER_ALIGN = 256  # each item of a shared chunk starts at a multiple of this many bytes

@@ -230,6 +230,9 @@ class Scheduler:
         self.space = BatchSpace(config.chunk_bytes)  # the pinned blocks of shared chunks (batch_lock)
         self.batch_lock = threading.Lock()  # taken after the driver's lock, never before it
         self.copies_ended = 0  # copies into shared chunks ended, by any thread (batch_lock held)
+        # items of inbox chunks whose submit raised and whose take-back waits for the progress
+        # thread (batch_lock held): counted out of stats() meanwhile
+        self.withdrawn = 0
         self._copies_ended_seen = 0  # copies_ended as the driver's last admission found it
         self._cancel_admitted = False  # set by cancel_pending: chunks admitted later end CANCELLED
         self._cancel_after_step = False  # cancel_pending once this step's enqueues are made
@@ -452,10 +455,23 @@ class Scheduler:
                                        span[1] if prep is None else max(prep[1], span[1])]
             chunk.copying.discard(member)  # the commit point: the driver may admit the chunk now
 
+    def withdraw(self, chunk: Chunk, member: Member) -> None:
+        """``member``'s submit raised before its copy ended, and its take-back
+        (:meth:`member_written` with no span) is left to the progress thread's next turn (any
+        thread; the driver's lock need not be held): :meth:`stats` counts it out from now on,
+        since its caller got an error, not a future, and it never runs. Safe to call again."""
+        with self.batch_lock:
+            if not member.withdrawn and member in chunk.copying and member in chunk.members and chunk in self.inbox:
+                member.withdrawn = True
+                self.withdrawn += 1
+
     def _take_back(self, chunk: Chunk, member: Member) -> None:
         """Un-accept a member whose copy did not end (batch lock and driver's lock held). The bytes
         it may have written are zeroed: they lie between its neighbours, inside a pointwise
         compute's span (the copy is over: it failed or was interrupted on this thread)."""
+        if member.withdrawn:
+            member.withdrawn = False
+            self.withdrawn -= 1
         if chunk.batch is not None:
             chunk.batch[member.offset:member.offset + aligned(member.nbytes)] = 0
         if member in chunk.members:
@@ -594,7 +610,7 @@ class Scheduler:
         """Counts of items (an item sharing a chunk counts as one, as a chunk of one item does)."""
         c = self.counts
         waiting = sum(1 if chunk.members is None else len(chunk.members) for chunk in self.inbox)
-        accepted = c["accepted"] + waiting
+        accepted = c["accepted"] + waiting - self.withdrawn
         ended = c["delivered"] + c["failed"] + c["cancelled"]
         return PipelineStats(accepted=accepted, delivered=c["delivered"], failed=c["failed"],
                              cancelled=c["cancelled"], in_flight=accepted - ended)
