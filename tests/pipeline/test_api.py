@@ -76,11 +76,17 @@ def test_stream_map_numeric_dtypes(dtype, host):
 
 @pytest.mark.parametrize("host", HOSTS)
 @pytest.mark.parametrize("dtype", OTHER, ids=str)
-def test_stream_map_non_numeric_dtypes(dtype, host):
+def test_stream_map_refuses_non_numeric_dtypes_before_any_device_work(dtype, host):
+    """The simulated GPU moved and computed on these (numpy holds them); no GPU array type
+    does, so a GPU failed the same call in the framework at the first chunk's compute."""
     x = random_array(np.random.default_rng(2), (777,), dtype) if dtype.kind != "M" else \
         np.arange(777).astype("M8[s]")
-    y = rf.stream_map(f_copy, x, device=sim(), chunk_bytes=CHUNK, slots=1, checked=True, host=host)
-    assert y.dtype == x.dtype and y.tobytes() == x.tobytes()
+    dev = sim()
+    ops = []
+    dev.add_op_observer(ops.append)
+    with pytest.raises(TypeError, match=r"^x: dtype .* cannot be an array on a GPU"):
+        rf.stream_map(f_copy, x, device=dev, chunk_bytes=CHUNK, slots=1, checked=True, host=host)
+    assert ops == []
 
 
 @pytest.mark.parametrize("host", HOSTS)

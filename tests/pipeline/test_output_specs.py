@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import ringflow as rf
 from ringflow._pipeline import trees
+from tests.helpers.dtypes import refusal
 
 
 def spread(x, y):
@@ -150,26 +151,32 @@ def _zeroed(x, y):
 FIELDS = [("a", "f4"), ("b", "i2")]
 
 
-@pytest.mark.parametrize("output, shape, dtype", [
-    (((3,), FIELDS), (3,), np.dtype(FIELDS)),  # fields, as numpy spells them: a list of pairs
-    (((3,), [("a", "f4")]), (3,), np.dtype([("a", "f4")])),
-    ((3, FIELDS), (3,), np.dtype(FIELDS)),
-    (((), FIELDS), (), np.dtype(FIELDS)),
-    (((3,), {"names": ["a", "b"], "formats": ["u1", "f8"]}), (3,), np.dtype({"names": ["a", "b"], "formats": ["u1", "f8"]})),
-    (((3,), ("f4", (2,))), (3, 2), np.dtype("f4")),  # a subarray dtype: its shape appended, as np.empty does
-    ([[3], FIELDS], (3,), np.dtype(FIELDS)),
-], ids=["fields", "one field", "int shape", "0-d", "names and formats", "subarray", "lists"])
-def test_a_dtype_numpy_spells_as_a_container_is_one_spec(output, shape, dtype):
-    """A pair whose dtype is a list, tuple or dict numpy reads as a dtype is one (shape, dtype)
-    spec, as stream_map takes it (it was taken for a tree of specs and refused, naming a
-    dimension as the spec); alone and inside a tree of specs."""
+@pytest.mark.parametrize("output, dtype", [
+    (((3,), FIELDS), np.dtype(FIELDS)),  # fields, as numpy spells them: a list of pairs
+    (((3,), [("a", "f4")]), np.dtype([("a", "f4")])),
+    ((3, FIELDS), np.dtype(FIELDS)),
+    (((), FIELDS), np.dtype(FIELDS)),
+    (((3,), {"names": ["a", "b"], "formats": ["u1", "f8"]}), np.dtype({"names": ["a", "b"], "formats": ["u1", "f8"]})),
+    ([[3], FIELDS], np.dtype(FIELDS)),
+], ids=["fields", "one field", "int shape", "0-d", "names and formats", "lists"])
+def test_a_dtype_numpy_spells_as_a_container_is_one_spec(output, dtype):
+    """A pair whose dtype is a list or dict numpy reads as a dtype is one (shape, dtype) spec, as
+    stream_map takes it (it was taken for a tree of specs and refused, naming a dimension as the
+    spec); alone and inside a tree of specs. A record is no dtype a GPU array holds, so the spec
+    is refused naming the whole record dtype, with what to pass instead."""
+    with pytest.raises(TypeError, match=r"^output: " + refusal(dtype, "each field as an array of its own")):
+        rf.Pipeline(_zeroed, device=rf.device("sim"), chunk_bytes=4096, output=output)
+    with pytest.raises(TypeError, match=r"^output: " + refusal(dtype, "each field as an array of its own")):
+        rf.Pipeline(_zeroed, device=rf.device("sim"), chunk_bytes=4096, output={"k": output, "n": ((2,), "i8")})
+
+
+@pytest.mark.parametrize("output", [((3,), ("f4", (2,))), {"k": ((3,), ("f4", (2,)))}], ids=["alone", "in a tree"])
+def test_a_subarray_dtype_appends_its_shape(output):
+    """A subarray dtype is one spec, its shape appended, as np.empty does."""
     with rf.Pipeline(_zeroed, device=rf.device("sim"), chunk_bytes=4096, output=output) as pipe:
         r = pipe.submit(np.ones(8, np.float32)).result(timeout=30)
-    assert r.shape == shape and r.dtype == dtype and not r.tobytes().strip(b"\0")
-    with rf.Pipeline(_zeroed, device=rf.device("sim"), chunk_bytes=4096,
-                     output={"k": output, "n": ((2,), "i8")}) as pipe:
-        r = pipe.submit(np.ones(8, np.float32)).result(timeout=30)
-    assert r["k"].shape == shape and r["k"].dtype == dtype and r["n"].shape == (2,)
+    r = r["k"] if isinstance(output, dict) else r
+    assert r.shape == (3, 2) and r.dtype == np.float32 and not r.tobytes().strip(b"\0")
 
 
 def test_a_tree_of_specs_with_an_empty_tree_first_is_still_a_tree():

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from .._checks import MAX_WORKERS, as_dtype, check_count, described
+from .._checks import MAX_WORKERS, as_dtype, check_count, check_native_byte_order, described
 from .._errors import CaptureError
 from . import native_copy
 
@@ -50,6 +50,62 @@ CAPTURED_ALLOCATION_ADVICE = (
     "a graph would keep writing memory the framework hands out again after the capture; write into existing "
     "arrays (y, a view of it, or scratch arrays made outside the callable): with out= (np.multiply(x, 2, out=y) "
     "rather than y[...] = x * 2) or in place (y *= 2)")
+
+# The dtypes an array on a device may have, on every backend: bool, and integers, floats and
+# complex numbers of the sizes that CuPy, PyTorch and CUDA C all have types for. Nothing else is
+# held on a GPU by every array type ringflow hands a compute: PyTorch has no tensor of dates,
+# strings, records or raw bytes, CuPy computes on none of them, and neither has a long double. The
+# simulated GPU (numpy) would hold any of them, so both backends refuse the rest, in the same words
+# (:func:`check_device_dtype`), and a program that runs on the simulated GPU runs on a real one.
+DEVICE_DTYPES = frozenset(np.dtype(c) for c in "?bBhHiIqQefdFD")
+DEVICE_DTYPE_NAMES = "bool, int8 to int64, uint8 to uint64, float16, float32, float64, complex64 or complex128"
+
+
+def _device_dtype_advice(dtype: np.dtype) -> str:
+    """What to do with an array ``a`` of ``dtype``, a dtype no device array may have."""
+    kind, size = dtype.kind, dtype.itemsize
+    if kind in "mM":
+        return "view it as int64 for the device (a.view(np.int64)) and the result back on the host (y.view(a.dtype))"
+    if kind == "U":
+        return "pass the characters' code points: a.view(np.uint32) (the last axis grows by the string length)"
+    if kind == "S":
+        return "pass its bytes: a.view(np.uint8) (the last axis grows by the string length)"
+    if dtype.fields:
+        return ("pass each field as an array of its own: {name: a[name] for name in a.dtype.names} is an item of "
+                "several arrays, and output= takes a dict of (shape, dtype) pairs")
+    if kind in "fc":
+        return f"convert it first: a.astype(np.{'float64' if kind == 'f' else 'complex128'})"
+    if size in (1, 2, 4, 8):
+        return f"view its bytes as numbers of its size: a.view(np.uint{8 * size})"
+    return "view its bytes as numbers: a.view(np.uint8) (the last axis grows by the item size)"
+
+
+def check_device_dtype(name: str, dtype: np.dtype) -> None:
+    """Refuse a dtype that no array on a device may have: one outside :data:`DEVICE_DTYPES`
+    (dates, strings, records, raw bytes, long doubles, Python objects), one in non-native byte
+    order, or one whose items have 0 bytes. Both backends check it wherever an array on the
+    device is made (:meth:`Buffer.array`), and the pipeline checks it for every array it will
+    move there (items, ``prepare``'s arrays, ``x``, ``output``) before any device work.
+
+    Raises:
+        TypeError: not one of :data:`DEVICE_DTYPES`, Python objects or non-native byte order,
+            naming ``name``, the dtypes a device takes, and what to pass instead.
+        ValueError: items of 0 bytes, naming ``name`` and what to use instead.
+    """
+    if dtype in DEVICE_DTYPES:
+        return
+    if dtype.hasobject:  # a pointer to a Python object means nothing on the device
+        raise TypeError(f"{name}: dtype {dtype} holds Python objects, which ringflow cannot move (it moves arrays "
+                        f"as raw bytes); use a numeric dtype: {DEVICE_DTYPE_NAMES}")
+    check_native_byte_order(name, dtype)
+    # arrays travel as raw bytes and are rebuilt from them by shape and dtype: with 0 bytes an
+    # item there is nothing to rebuild from (numpy cannot view 0 bytes as such an array)
+    if dtype.itemsize == 0:
+        raise ValueError(f"{name}: dtype {dtype} has items of 0 bytes, which ringflow cannot move (it moves arrays as "
+                         f"raw bytes); use a dtype of at least 1 byte per item, such as 'u1'")
+    raise TypeError(f"{name}: dtype {dtype} cannot be an array on a GPU (CuPy, PyTorch and CUDA kernels have no "
+                    f"such type, so the simulated GPU refuses it too); a device array's dtype is "
+                    f"{DEVICE_DTYPE_NAMES}: {_device_dtype_advice(dtype)}")
 
 
 def check_seconds(seconds: Any, what: str) -> float:
@@ -286,10 +342,12 @@ class Buffer(abc.ABC):
                 :func:`device_alignment` of ``dtype``.
 
         Raises:
+            TypeError: ``dtype`` is not one a device array may have (:func:`check_device_dtype`).
             ValueError: the array does not fit in the buffer from ``offset``, or ``offset`` is
                 not a multiple of the dtype's alignment on a GPU.
         """
         dtype = as_dtype(dtype)
+        check_device_dtype("array(dtype)", dtype)
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
         nbytes = math.prod(shape) * dtype.itemsize
         where = self.slice(offset, nbytes)
@@ -316,13 +374,11 @@ class Buffer(abc.ABC):
 
 
 def device_alignment(dtype: np.dtype) -> int:
-    """The byte boundary an array of ``dtype`` must start on for GPU code to read it: a number's
-    own size (a CUDA load of an N-byte number needs an address that is a multiple of N, and CuPy's
-    and PyTorch's complex types are aligned to their whole size), numpy's alignment for anything
-    else (bytes, strings, records)."""
-    if dtype.kind in "biufcmM":
-        return dtype.itemsize
-    return dtype.alignment
+    """The byte boundary an array of ``dtype`` (one of :data:`DEVICE_DTYPES`) must start on for
+    GPU code to read it: a number's own size (a CUDA load of an N-byte number needs an address
+    that is a multiple of N, and CuPy's and PyTorch's complex types are aligned to their whole
+    size)."""
+    return dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ import numpy as np
 
 from .._device import device as make_device, device_list
 from .._device import host_pool
-from .._device.protocol import Device
+from .._device.protocol import Device, check_device_dtype
 from .._errors import StageError, describe, shown, warn_quietly
 from .batch_space import aligned
 from .aio import CancelIfDropped, OffLoopSubmit, Source, follow, give_up_pulled_by, give_up_stranded, retrieve
@@ -41,7 +41,7 @@ from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, len
 from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_into, packed, unflatten
 from .like import converter
 from .validate import (COMPUTE_FORM, MAX_CHUNK_BYTES, as_host_array, check_arity, check_choice, check_flag,
-                       check_moved_dtype, check_iterable, check_options, check_output_spec, check_timeout,
+                       check_iterable, check_options, check_output_spec, check_timeout,
                        warn_if_elements_as_items)
 from .scheduler import Scheduler, check_fill_rows
 from .reentry import (check_process, generation as reentry_generation, on_progress_thread, refuse_from_stage,
@@ -107,7 +107,7 @@ def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any
     if not isinstance(arr, np.ndarray):
         raise TypeError(f"prepare must return a numpy array (or a tuple, list or dict of them), got "
                         f"{type(arr).__name__}")
-    check_moved_dtype("items" if user_prepare is None else "prepare's array", arr.dtype)
+    check_device_dtype("items" if user_prepare is None else "prepare's array", arr.dtype)
     if user_prepare is not None and in_slot(arr, raw):  # made in the slot (ringflow.host.empty_slot)
         return arr.shape, arr.dtype
     return _copy_array_in(arr, raw, chunk_bytes)
@@ -174,7 +174,7 @@ def tree_layout(item: Any, chunk_bytes: int, where: str = "items") -> tuple:
     leaves, tree = flatten(item)
     arrays = [as_host_array(leaf, f"{where} (each array of a tuple, list or dict)") for leaf in leaves]
     for a in arrays:
-        check_moved_dtype(f"{where} (each array of a tuple, list or dict)", a.dtype)
+        check_device_dtype(f"{where} (each array of a tuple, list or dict)", a.dtype)
     layout = packed(tree, [(a.shape, a.dtype) for a in arrays])
     if layout.nbytes > chunk_bytes:
         raise ValueError(f"an item of {len(arrays)} arrays takes {layout.nbytes} bytes packed (each aligned to "
@@ -467,7 +467,7 @@ class Pipeline:
             found = self.device.device_source(item)
             if found is not None:  # a device array: copied device to device, no staging
                 nbytes = found[0].nbytes
-                check_moved_dtype("items", np.dtype(found[2]))
+                check_device_dtype("items", np.dtype(found[2]))
                 if self.config.fill == "rows":
                     check_fill_rows(False, len(found[1]), "this item")
                 if nbytes > self.config.chunk_bytes:
@@ -482,7 +482,7 @@ class Pipeline:
             item = as_host_array(item)
             if self.config.fill == "rows":
                 check_fill_rows(False, item.ndim, "this item")
-            check_moved_dtype("items", item.dtype)
+            check_device_dtype("items", item.dtype)
             if item.nbytes > self.config.chunk_bytes:
                 raise ValueError(f"an item of {item.nbytes} bytes (shape {item.shape}, {item.dtype}) does not fit "
                                  f"a slot of {self.config.chunk_bytes} bytes; {grow_slots(item.nbytes)}")

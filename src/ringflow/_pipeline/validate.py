@@ -18,9 +18,10 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from .._checks import MAX_WORKERS, as_float as _as_float, check_count, check_flag, check_native_byte_order
+from .._checks import MAX_WORKERS, as_float as _as_float, check_count, check_flag
 from .._checks import described as _got
 from .._device.host_pool import check_shape_dtype
+from .._device.protocol import check_device_dtype
 from .._plan import MAX_SLOTS, SlotCounts
 from .sizing import DEFAULT_CHUNK_BYTES
 
@@ -327,32 +328,13 @@ def check_unchanged(name: str, a: np.ndarray, bound: BoundArray, *, writeable: b
                          f"{name}.flags.writeable = True again, or make a new MapJob")
 
 
-def check_moved_dtype(name: str, dtype: np.dtype) -> None:
-    """Refuse a dtype ringflow cannot move as raw bytes for GPU code to compute on: one that holds
-    Python objects, one in non-native byte order, or one whose items have 0 bytes (``V0``, a
-    structured dtype of no fields).
-
-    Raises:
-        TypeError: Python objects or non-native byte order, naming ``name`` and what to use.
-        ValueError: items of 0 bytes, naming ``name`` and what to use instead.
-    """
-    if dtype.hasobject:  # a pointer to a Python object means nothing on the device
-        raise TypeError(f"{name}: dtype {dtype} holds Python objects, which ringflow cannot move (it moves arrays "
-                        "as raw bytes); use a numeric dtype")
-    check_native_byte_order(name, dtype)
-    # arrays travel as raw bytes and are rebuilt from them by shape and dtype: with 0 bytes an
-    # item there is nothing to rebuild from (numpy cannot view 0 bytes as such an array)
-    if dtype.itemsize == 0:
-        raise ValueError(f"{name}: dtype {dtype} has items of 0 bytes, which ringflow cannot move (it moves arrays as "
-                         f"raw bytes); use a dtype of at least 1 byte per item, such as 'u1' or 'V1'")
-
-
 def check_output_spec(spec: Any, where: str = "output") -> tuple:
     """An output spec ``(shape, dtype)`` checked and normalised to ``(tuple of ints, numpy dtype)``.
 
     Raises:
         TypeError: not a pair, a shape that is not an int or a sequence of ints, or a dtype numpy
-            does not know or that holds Python objects.
+            does not know or that no device array may have (see
+            :func:`~ringflow._device.protocol.check_device_dtype`).
         ValueError: a negative dimension, more than 64 dimensions, a shape numpy cannot index, or a
             dtype whose items have 0 bytes.
     """
@@ -362,7 +344,7 @@ def check_output_spec(spec: Any, where: str = "output") -> tuple:
         shape, dtype = check_shape_dtype(*spec)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{where}: {exc}") from None
-    check_moved_dtype(where, dtype)
+    check_device_dtype(where, dtype)
     return shape, dtype
 
 

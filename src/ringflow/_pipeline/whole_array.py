@@ -28,7 +28,7 @@ from .. import _plan as plan
 from .._device import device as make_device
 from .._device import device_label, device_list
 from .._device import host_pool
-from .._device.protocol import Device, HostBuffer, close_quietly
+from .._device.protocol import Device, HostBuffer, check_device_dtype, close_quietly
 from .._testing import current as current_hooks
 from . import warm
 from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine
@@ -36,7 +36,7 @@ from .frames import forget_own_frames
 from .sigint import shielded
 from .sizing import DEFAULT_CHUNK_BYTES, chunk_sizes, default_workers, planned_compute_bound, resolve_slots, taper
 from .stages import sim_seconds_for
-from .validate import (COMPUTE_FORM, check_arity, check_choice, check_moved_dtype, check_not_masked, check_options,
+from .validate import (COMPUTE_FORM, check_arity, check_choice, check_not_masked, check_options,
                        check_out, check_output_spec, same_memory)
 
 HOSTS = ("auto", "stage", "register")
@@ -299,7 +299,7 @@ def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str, out
     check_not_masked("x", x)
     if x.ndim == 0:
         raise ValueError(f"{who} splits x along axis 0; pass an array with at least one dimension (x.reshape(1))")
-    check_moved_dtype("x", x.dtype)
+    check_device_dtype("x", x.dtype)
     check_choice("host", host, HOSTS)
     check_choice("engine", engine, ENGINES)
     shape, dtype = (x.shape, x.dtype) if output is None else whole_output(output, x, inplace)

@@ -9,6 +9,7 @@ import pytest
 import ringflow as rf
 from ringflow._device.sim import charge
 from tests.helpers import unit_device
+from tests.helpers.dtypes import DEVICE_DTYPES, NOT_DEVICE_DTYPES, NOT_DEVICE_IDS, refusal
 
 
 @pytest.fixture
@@ -296,7 +297,7 @@ def test_array_larger_than_its_buffer(dev):
 
 
 @pytest.mark.parametrize("dtype,offset,align", [(np.float32, 1, 4), (np.float64, 4, 8), (np.complex128, 8, 16),
-                                                (np.int16, 3, 2), ("datetime64[s]", 4, 8), ("U2", 2, 4)])
+                                                (np.int16, 3, 2), (np.uint64, 4, 8), (np.complex64, 4, 8)])
 def test_array_misaligned_for_its_dtype(dev, dtype, offset, align):
     """numpy reads a misaligned array, so the simulated GPU computed on it; a GPU kernel loading
     it stops with a misaligned-address error that breaks the device: both refuse it up front."""
@@ -306,7 +307,30 @@ def test_array_misaligned_for_its_dtype(dev, dtype, offset, align):
             make()
         assert f"multiple of {align} bytes" in str(info.value) and f"offset {offset - offset % align}" in str(info.value)
     assert buf.array(dtype, 2, align).where.offset == align  # on the boundary: taken
-    assert buf.array("V3", 2, 1).where.offset == 1 and buf.array(np.uint8, 2, 1).where.offset == 1
+    assert buf.array(np.bool_, 2, 1).where.offset == 1 and buf.array(np.uint8, 2, 1).where.offset == 1
+
+
+@pytest.mark.parametrize("dtype,advice", NOT_DEVICE_DTYPES, ids=NOT_DEVICE_IDS)
+def test_an_array_of_a_dtype_no_gpu_array_holds_is_refused(dev, dtype, advice):
+    """numpy holds dates, strings, records, raw bytes and long doubles, so the simulated GPU made
+    such arrays and launched computes on them; CuPy, PyTorch and CUDA kernels have none of those
+    types, so a GPU failed the same launch in the framework: both refuse the array up front."""
+    buf = dev.allocate(256)
+    for make in (lambda: buf.array(dtype, 2), lambda: buf.slice(16).array(dtype, 2), lambda: buf.array(dtype, ())):
+        with pytest.raises(TypeError, match=r"^array\(dtype\): " + refusal(dtype, advice)):
+            make()
+    assert dev.live().device_buffers == 1
+
+
+@pytest.mark.parametrize("dtype", DEVICE_DTYPES)
+def test_an_array_of_every_device_dtype_is_launched_on(dev, dtype):
+    buf = dev.allocate(256)
+    arg = buf.array(dtype, 4)
+    seen = []
+    stream = dev.create_stream()
+    stream.launch(lambda a: seen.append(a.dtype), arg)
+    stream.record().sync()
+    assert seen == [np.dtype(dtype)]
 
 
 # -- launches, fills, waits ----------------------------------------------------------------------------------------------
