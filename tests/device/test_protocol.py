@@ -47,3 +47,12 @@ def test_a_dtype_no_gpu_array_holds_is_refused_naming_the_argument_and_what_to_p
 def test_objects_swapped_bytes_and_empty_items_keep_their_own_words(dtype, error, says):
     with pytest.raises(error, match=r"^x: " + says):
         protocol.check_device_dtype("x", dtype)
+
+
+@pytest.mark.parametrize("dtype,advice", NOT_DEVICE_DTYPES[:3], ids=NOT_DEVICE_IDS[:3])
+def test_a_device_checks_dtypes_by_the_rule_unless_its_backend_narrows_it(dtype, advice):
+    device = unit_device()
+    with pytest.raises(TypeError, match=r"^items: " + refusal(dtype, advice)):
+        protocol.Device.check_dtype(device, "items", dtype)
+    for taken in DEVICE_DTYPES:
+        protocol.Device.check_dtype(device, "items", np.dtype(taken))

@@ -659,6 +659,51 @@ def test_a_prepared_array_of_an_unmovable_dtype_fails_its_item_naming_prepare(de
         np.testing.assert_array_equal(pipe.submit(2).result(timeout=30), expected(data(4)))
 
 
+def _holding_no_uint16(dev):
+    """``dev``, whose arrays hold no uint16 (as a GPU's do when it hands computes the tensors of a
+    PyTorch without unsigned 16-bit ones): its :meth:`check_dtype` narrows the rule."""
+    rule = dev.check_dtype
+
+    def check_dtype(name, dtype):
+        rule(name, dtype)
+        if dtype == np.uint16:
+            raise TypeError(f"{name}: dtype {dtype} is not held by this device's arrays")
+
+    dev.check_dtype = check_dtype
+    return dev
+
+
+@pytest.mark.parametrize("door,setting", [(d, s) for d in WHOLE_ARRAY_DOORS for s in ENGINE_SETTINGS])
+def test_whole_array_asks_the_device_whether_its_arrays_hold_x_and_output(dev, door, setting):
+    """A device's array type may hold fewer dtypes than the rule allows; x and output are refused
+    by the device's own check before any device work, not by the first chunk's compute."""
+    dev = _holding_no_uint16(dev)
+    ops = []
+    dev.add_op_observer(ops.append)
+    with pytest.raises(TypeError, match=r"^x: dtype uint16 is not held by this device's arrays"):
+        run(door, setting, dev, np.zeros(N, np.uint16))
+    with pytest.raises(TypeError, match=r"^output: dtype uint16 is not held by this device's arrays"):
+        run(door, setting, dev, output=((N,), np.uint16))
+    assert ops == []
+
+
+def test_a_pipeline_asks_the_device_whether_its_arrays_hold_items_and_outputs(dev):
+    dev = _holding_no_uint16(dev)
+    with pytest.raises(TypeError, match=r"^output: dtype uint16 is not held"):
+        rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, output={"a": ((3,), np.uint16)})
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, output=lambda item: ((3,), np.uint16)) as pipe:
+        with pytest.raises(TypeError, match=r"^output\(item\): dtype uint16 is not held"):
+            pipe.submit(data(4))
+        assert pipe.stats().accepted == 0
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK) as pipe:
+        with pytest.raises(TypeError, match=r"^items: dtype uint16 is not held"):
+            pipe.submit(np.zeros(4, np.uint16))
+        with pytest.raises(TypeError, match=r"^items \(each array of a tuple, list or dict\): dtype uint16 is not held"):
+            pipe.submit({"a": data(4), "b": np.zeros(4, np.uint16)})
+        assert pipe.stats().accepted == 0
+        np.testing.assert_array_equal(pipe.submit(data(4)).result(timeout=30), expected(data(4)))
+
+
 @pytest.mark.parametrize("door,setting", [(d, s) for d in WHOLE_ARRAY_DOORS for s in ENGINE_SETTINGS])
 def test_read_only_out_is_refused(dev, door, setting):
     out = np.zeros(N, np.float32)

@@ -830,6 +830,18 @@ class Device(abc.ABC):
         raise TypeError(f"stream must be a stream of {self!r} (device.create_stream()) or None, "
                         f"got {type(stream).__name__}")
 
+    def check_dtype(self, name: str, dtype: np.dtype) -> None:
+        """Refuse ``dtype`` for an array on this device, naming ``name``: the rule every backend
+        keeps (:func:`check_device_dtype`), narrowed where this device's array type holds fewer
+        (a real GPU handing computes tensors of a PyTorch without unsigned 16-, 32- and 64-bit
+        ones). :meth:`Buffer.array` checks the same.
+
+        Raises:
+            TypeError, ValueError: as :func:`check_device_dtype`; TypeError for a dtype the
+                array type lacks, naming it and what to do instead.
+        """
+        check_device_dtype(name, dtype)
+
     def device_source(self, obj: Any) -> "tuple | None":
         """Where ``obj``, an array in this device's memory, lies for a copy engine to read in
         place: ``(BufferSlice, shape, numpy dtype, producer stream or None)``; None when ``obj``

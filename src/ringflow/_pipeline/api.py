@@ -163,23 +163,33 @@ class _Shared:
         return ChunkState.DELIVERED, fut.settled_value(), None
 
 
-def tree_layout(item: Any, chunk_bytes: int, where: str = "items") -> tuple:
-    """``(leaves as numpy arrays, packed layout)`` of an item of several arrays.
+def tree_layout(item: Any, chunk_bytes: int, where: str = "items",
+                check: Callable[[str, np.dtype], None] = check_device_dtype) -> tuple:
+    """``(leaves as numpy arrays, packed layout)`` of an item of several arrays, each leaf's
+    dtype checked by ``check`` (a device's :meth:`~ringflow._device.protocol.Device.check_dtype`
+    where the device is known).
 
     Raises:
-        TypeError: a leaf that is not a host array, or holds Python objects.
+        TypeError: a leaf that is not a host array, or of a dtype no device array may have.
         ValueError: a leaf's dtype has items of 0 bytes, or the packed arrays do not fit a slot
             of ``chunk_bytes``.
     """
     leaves, tree = flatten(item)
     arrays = [as_host_array(leaf, f"{where} (each array of a tuple, list or dict)") for leaf in leaves]
     for a in arrays:
-        check_device_dtype(f"{where} (each array of a tuple, list or dict)", a.dtype)
+        check(f"{where} (each array of a tuple, list or dict)", a.dtype)
     layout = packed(tree, [(a.shape, a.dtype) for a in arrays])
     if layout.nbytes > chunk_bytes:
         raise ValueError(f"an item of {len(arrays)} arrays takes {layout.nbytes} bytes packed (each aligned to "
                          f"{ALIGN} bytes), more than a slot of {chunk_bytes}; {grow_slots(layout.nbytes)}")
     return arrays, layout
+
+
+def spec_dtypes(spec: Any) -> list:
+    """The dtype of each array of a checked output spec (:func:`output_tree`'s)."""
+    if isinstance(spec, Packed):
+        return [dtype for _offset, _shape, dtype in spec.leaves]
+    return [spec[1]]
 
 
 def output_tree(spec: Any, where: str) -> Any:
@@ -400,6 +410,9 @@ class Pipeline:
                                 "ringflow.Pipeline per device only through ringflow.Pipeline itself")
             device = many[0]
         self.device = make_device(device) if not isinstance(device, Device) else device
+        if output is not None and not callable(output):
+            for dtype in spec_dtypes(output):
+                self.device.check_dtype("output", dtype)
         chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         if workers is None:
             workers = default_workers(self.device, bulk=bulk)
@@ -467,7 +480,7 @@ class Pipeline:
             found = self.device.device_source(item)
             if found is not None:  # a device array: copied device to device, no staging
                 nbytes = found[0].nbytes
-                check_device_dtype("items", np.dtype(found[2]))
+                self.device.check_dtype("items", np.dtype(found[2]))
                 if self.config.fill == "rows":
                     check_fill_rows(False, len(found[1]), "this item")
                 if nbytes > self.config.chunk_bytes:
@@ -477,12 +490,13 @@ class Pipeline:
             if is_tree(item):
                 if self.config.fill == "rows":
                     check_fill_rows(True, 1, "this item")
-                tree_layout(item, self.config.chunk_bytes)  # checked now; packed when staged or prepared
+                # checked now; packed when staged or prepared
+                tree_layout(item, self.config.chunk_bytes, check=self.device.check_dtype)
                 return item
             item = as_host_array(item)
             if self.config.fill == "rows":
                 check_fill_rows(False, item.ndim, "this item")
-            check_device_dtype("items", item.dtype)
+            self.device.check_dtype("items", item.dtype)
             if item.nbytes > self.config.chunk_bytes:
                 raise ValueError(f"an item of {item.nbytes} bytes (shape {item.shape}, {item.dtype}) does not fit "
                                  f"a slot of {self.config.chunk_bytes} bytes; {grow_slots(item.nbytes)}")
@@ -512,6 +526,8 @@ class Pipeline:
                                 f"it raised {raised}. A StopIteration cannot end a map or stop submitting: "
                                 "end the items' iterator instead") from exc
             spec = output_tree(got, "output(item)")
+            for dtype in spec_dtypes(spec):
+                self.device.check_dtype("output(item)", dtype)
             if self.config.fill == "rows":
                 check_fill_output(spec, "output(item)")
         if isinstance(spec, Packed):

@@ -34,7 +34,7 @@ from .engine import Arrays, Engine, choose_engine, make_engine
 from .frames import forget_own_frames
 from .reentry import check_process, generation, marked, refuse_from_stage, running_stage_of
 from .sigint import shielded
-from .whole_array import check_arrays, one_device, pinned_arrays, plan_layout, run_call
+from .whole_array import check_arrays, check_on_device, one_device, pinned_arrays, plan_layout, run_call
 from .validate import BoundArray, check_flag, check_options, check_unchanged
 
 logger = logging.getLogger(__name__)
@@ -216,6 +216,7 @@ class MapJob:
               engine: str, opts: dict) -> None:
         """Lay the job out on ``dev``, pin its arrays (``host="register"``; arrays from
         :mod:`ringflow.host` are pinned already and used as they are) and build its engine."""
+        check_on_device(dev, x, out)
         layout, x_buffer, out_buffer, pooled = plan_layout(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer,
                                                            out_buffer, opts)
         self._layout = layout

@@ -201,6 +201,7 @@ def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x
     returns them, less ``chunk_bytes``, ``keep_warm`` and ``profile``); returns ``(out, report)``.
     ``pooled_out``: a fresh ``out`` may be replaced by a pool array (:data:`POOLED_OUT`); a shard
     of a call over several devices writes the caller's ``out`` and passes False."""
+    check_on_device(dev, x, out)
     if pooled_out and fresh_out and POOLED_OUT and x_buffer is None and out_buffer is None and host != "stage":
         out = host_pool.pool_for(dev).empty(out.shape, out.dtype)
         fresh_out = host_pool.buffer_behind(out, dev) is None  # a pageable fallback is still untouched
@@ -517,6 +518,19 @@ class MapLayout:
         bound = planned_compute_bound(dev, f, rows * row_bytes, rows * out_row_bytes)
         return cls(dev, row_bytes, rows, x.shape[0], x.shape[1:], x.dtype, strategy, out_row_bytes, out.shape[1:],
                    out.dtype, in_place, compute_bound=bound, taper=taper(rows, widest) if bound else ())
+
+
+def check_on_device(dev: Device, x: np.ndarray, out: np.ndarray) -> None:
+    """Refuse ``x``'s dtype, or the result's (``out``'s, where it is another), where ``dev``'s
+    arrays cannot have it (:meth:`~ringflow._device.protocol.Device.check_dtype`: the rule
+    :func:`check_arrays` already checked, narrowed to what ``dev``'s array type holds).
+
+    Raises:
+        TypeError: naming ``x`` or ``output``.
+    """
+    dev.check_dtype("x", x.dtype)
+    if out.dtype != x.dtype:
+        dev.check_dtype("output", out.dtype)
 
 
 def plan_layout(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, dev: Device, chunk_bytes, host: str,

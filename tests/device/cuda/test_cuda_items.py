@@ -7,6 +7,9 @@ import numpy as np
 import pytest
 
 import ringflow as rf
+from tests.helpers.dtypes import DEVICE_DTYPES, NOT_DEVICE_DTYPES, NOT_DEVICE_IDS, refusal
+
+from .helpers_cuda import array_kinds
 
 pytestmark = pytest.mark.gpu
 
@@ -262,3 +265,66 @@ def test_slots_of_an_odd_size_compute_right_with_a_kernel(cuda_device):
     with rf.Pipeline(AFFINE_U32, device=cuda_device, chunk_bytes=1001, slots=3, coalesce=False) as pipe:
         out = list(pipe.map(items))
     assert all(np.array_equal(r, affine_u32_expected(x)) for x, r in zip(items, out))
+
+
+@pytest.mark.parametrize("dtype,advice", NOT_DEVICE_DTYPES, ids=NOT_DEVICE_IDS)
+def test_a_dtype_no_gpu_array_holds_is_refused_as_on_the_simulated_gpu(cuda_device, dtype, advice):
+    """x, output and items of such a dtype are refused before any device work, in the words the
+    simulated GPU uses (tests/pipeline/test_bad_input.py): before, CuPy failed the first kernel
+    on the chunk and PyTorch the launch's conversion, each with its own error, inside the run."""
+    says = refusal(dtype, advice)
+    x = np.zeros(64, dtype)
+    with pytest.raises(TypeError, match=r"^x: " + says):
+        rf.stream_map(_copy, x, device=cuda_device, chunk_bytes=1 << 12)
+    with pytest.raises(TypeError, match=r"^output: " + says):
+        rf.stream_map(_copy, np.zeros(64, np.float32), device=cuda_device, chunk_bytes=1 << 12,
+                      output=((64,), dtype))
+    with rf.Pipeline(_copy, device=cuda_device, chunk_bytes=1 << 12) as pipe:
+        for item in (x, {"a": x, "b": np.ones(3, np.float32)}):
+            with pytest.raises(TypeError, match=r"^items.*: " + says):
+                pipe.submit(item)
+        assert pipe.stats().accepted == 0
+        np.testing.assert_array_equal(pipe.submit(np.arange(8, dtype=np.float32)).result(timeout=30),
+                                      np.arange(8, dtype=np.float32))
+
+
+def _copy(x, y):
+    y[...] = x
+
+
+def _torch_copy(x, y):
+    """``y[...] = x`` through same-sized signed integers where this PyTorch has few operations on
+    a dtype (unsigned 16, 32 and 64 bits): the bytes are what is checked."""
+    import torch
+
+    if x.dtype in (getattr(torch, "uint16", None), getattr(torch, "uint32", None), getattr(torch, "uint64", None)):
+        y.view(getattr(torch, f"int{8 * x.element_size()}")).copy_(x.view(getattr(torch, f"int{8 * x.element_size()}")))
+    else:
+        y.copy_(x)
+
+
+@pytest.mark.parametrize("dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("kind", [p for p in array_kinds() if p.values[0] != "dlpack"])
+def test_every_device_dtype_moves_bit_exact_on_each_framework(kind, dtype):
+    """Each dtype the simulated GPU takes makes the same round trip on a GPU (PyTorch: each this
+    PyTorch has; the rest are refused by name, not failed in the framework)."""
+    from ringflow._device.cuda import CudaDevice
+
+    x = np.random.default_rng(4).integers(0, 256, 4096 * np.dtype(dtype).itemsize, dtype=np.uint8).view(dtype)
+    if x.dtype.kind == "b":
+        x = x.view(np.uint8) % 2 == 1
+    elif x.dtype.kind in "fc":
+        x = np.arange(x.size).astype(dtype)  # no NaN payloads: their bits may change in a float copy
+    with CudaDevice(0, array=kind) as dev:
+        f = _torch_copy if kind == "torch" else _copy
+        if kind == "torch" and x.dtype in dev._adapter.unheld:
+            with pytest.raises(Exception) as info:  # a chunk's failure, caused by the refusal
+                rf.stream_map(f, x, device=dev, chunk_bytes=1 << 12)
+            chain, error = [], info.value
+            while error is not None:
+                chain.append(str(error))
+                error = error.__cause__ or error.__context__
+            assert any(f"dtype {x.dtype} cannot be a tensor of PyTorch" in text for text in chain), chain
+            return
+        y = rf.stream_map(f, x, device=dev, chunk_bytes=1 << 12)
+        assert y.dtype == x.dtype and y.tobytes() == x.tobytes()

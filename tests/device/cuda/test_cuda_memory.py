@@ -7,6 +7,9 @@ import pytest
 
 import ringflow as rf
 from ringflow._device.cuda import CudaDevice
+from tests.helpers.dtypes import NOT_DEVICE_DTYPES, NOT_DEVICE_IDS, refusal
+
+from .helpers_cuda import array_kinds
 
 pytestmark = pytest.mark.gpu
 
@@ -308,3 +311,18 @@ def test_device_buffers_start_on_256_byte_boundaries_and_misaligned_arrays_are_r
         b.close(stream=s)
     s.sync()
     s.close()
+
+
+@pytest.mark.parametrize("dtype,advice", NOT_DEVICE_DTYPES, ids=NOT_DEVICE_IDS)
+@pytest.mark.parametrize("kind", array_kinds())
+def test_an_array_of_a_dtype_no_gpu_array_holds_is_refused_as_on_the_simulated_gpu(kind, dtype, advice):
+    """The same refusal, in the same words, as the simulated GPU's (tests/device/sim/
+    test_bad_input.py): before, CuPy wrapped such memory and failed at the first kernel on it,
+    and PyTorch refused the launch's conversion, each with its own error."""
+    with CudaDevice(0, array=kind) as dev:
+        buf = dev.allocate(256)
+        for make in (lambda: buf.array(dtype, 2), lambda: buf.slice(16).array(dtype, 2)):
+            with pytest.raises(TypeError, match=r"^array\(dtype\): " + refusal(dtype, advice)):
+                make()
+        buf.close()
+        assert dev.live().total == 0, dev.live()

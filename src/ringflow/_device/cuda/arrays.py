@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import numpy as np
 
 from .. import ARRAY_KINDS
-from ..protocol import ArrayArg
+from ..protocol import DEVICE_DTYPES, ArrayArg
 from ._lib import core
 
 if TYPE_CHECKING:
@@ -65,6 +65,9 @@ class _CudaArrayInterface:
 class CupyAdapter:
     name = "cupy"
 
+    def check_dtype(self, name: str, dtype: np.dtype) -> None:
+        """Nothing: a CuPy array holds every dtype of :data:`~ringflow._device.protocol.DEVICE_DTYPES`."""
+
     def __init__(self) -> None:
         import cupy
 
@@ -90,6 +93,20 @@ class CupyAdapter:
         return stack
 
 
+def torch_unheld(torch: Any) -> frozenset:
+    """The dtypes of :data:`~ringflow._device.protocol.DEVICE_DTYPES` that this PyTorch has no
+    tensor for. PyTorch reads a ``__cuda_array_interface__``'s dtype through the same numpy
+    mapping as ``torch.from_numpy``, so an empty host array of each tells, without the GPU; older
+    releases have no uint16, uint32 or uint64 there."""
+    unheld = []
+    for dtype in sorted(DEVICE_DTYPES, key=str):
+        try:
+            torch.from_numpy(np.empty(0, dtype))
+        except TypeError:
+            unheld.append(dtype)
+    return frozenset(unheld)
+
+
 class TorchAdapter:
     name = "torch"
 
@@ -99,8 +116,23 @@ class TorchAdapter:
         if not torch.cuda.is_available():
             raise RuntimeError("PyTorch is installed but sees no CUDA GPU (a CPU-only build?)")
         self._torch = torch
+        self.unheld = torch_unheld(torch)
+
+    def check_dtype(self, name: str, dtype: np.dtype) -> None:
+        """Refuse a device dtype this PyTorch has no tensor for (:func:`torch_unheld`).
+
+        Raises:
+            TypeError: naming ``name``, the dtype and what to do instead.
+        """
+        if dtype in self.unheld:
+            bits = 8 * dtype.itemsize
+            raise TypeError(f"{name}: dtype {dtype} cannot be a tensor of PyTorch {self._torch.__version__}, which "
+                            f"has no such type, and this device hands computes PyTorch tensors (array='torch'); "
+                            f"install a PyTorch that has it, make the device with array='cupy' or array='dlpack', or "
+                            f"view the array as signed integers of its size (a.view(np.int{bits}))")
 
     def array(self, arg: ArrayArg, index: int) -> Any:
+        self.check_dtype("array(dtype)", arg.dtype)
         torch = self._torch
         return torch.as_tensor(_CudaArrayInterface(_address(arg), arg.shape, arg.dtype, arg.where.buffer),
                                device=torch.device("cuda", index))
@@ -116,6 +148,9 @@ class TorchAdapter:
 
 class DlpackAdapter:
     name = "dlpack"
+
+    def check_dtype(self, name: str, dtype: np.dtype) -> None:
+        """Nothing: DLPack has a type for every dtype of :data:`~ringflow._device.protocol.DEVICE_DTYPES`."""
 
     def array(self, arg: ArrayArg, index: int) -> Any:
         from cuda.core.utils import StridedMemoryView

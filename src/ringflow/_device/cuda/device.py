@@ -19,8 +19,8 @@ import numpy as np
 
 from ..._checks import check_wait_timeout
 from ..host_pool import without_pooled
-from ..protocol import (BufferSlice, Capabilities, Device, DeviceBuffer, LiveCounts, check_own_stream, check_priority,
-                        check_workers, close_quietly)
+from ..protocol import (BufferSlice, Capabilities, Device, DeviceBuffer, LiveCounts, check_device_dtype, check_own_stream,
+                        check_priority, check_workers, close_quietly)
 from ._lib import check, core, driver, translate
 from ._live import LiveRegistry
 from .arrays import resolve
@@ -384,6 +384,12 @@ class CudaDevice(Device):
                 raise ValueError(f"a device array item is on cuda:{ordinal}, not on {self!r}; copy it there first")
         buffer = ForeignDeviceBuffer(self, ptr, nbytes, obj)
         return BufferSlice(buffer, 0, nbytes), shape, dtype, cai.get("stream")
+
+    def check_dtype(self, name: str, dtype: np.dtype) -> None:
+        """:meth:`Device.check_dtype <ringflow._device.protocol.Device.check_dtype>`, narrowed to
+        what this device's array type holds (``array="torch"``: this PyTorch's tensor types)."""
+        check_device_dtype(name, dtype)
+        self._adapter.check_dtype(name, dtype)
 
     def device_array(self, arg: Any) -> Any:
         """``arg`` as an array of this device's framework (CuPy, PyTorch or DLPack)."""

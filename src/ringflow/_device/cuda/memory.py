@@ -31,12 +31,12 @@ from __future__ import annotations
 import ctypes
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from ..._errors import OutOfMemoryError
-from ..protocol import DeviceBuffer, HostBuffer, check_nbytes, typed_view
+from ..protocol import ArrayArg, DeviceBuffer, HostBuffer, check_nbytes, typed_view
 from ._lib import check, core, driver, translate
 
 if TYPE_CHECKING:
@@ -250,6 +250,14 @@ class CudaDeviceBuffer(DeviceBuffer):
     def ptr(self) -> int:
         self._check_open()
         return self._ptr
+
+    def array(self, dtype: Any, shape: "Sequence[int] | int", offset: int = 0) -> ArrayArg:
+        """:meth:`Buffer.array <ringflow._device.protocol.Buffer.array>`, also refusing a dtype the
+        device's array type cannot hold (PyTorch without unsigned 16-, 32- and 64-bit tensors):
+        here, rather than in the launch that would hand the compute the array."""
+        arg = super().array(dtype, shape, offset)
+        self._device._adapter.check_dtype("array(dtype)", arg.dtype)
+        return arg
 
     def close(self, stream: "CudaStream | None" = None) -> None:
         """Free the memory. With ``stream``: after the work already enqueued there (the caller
