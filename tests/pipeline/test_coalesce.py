@@ -13,13 +13,14 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import ringflow as rf
 from ringflow._device import host_pool
 from tests.helpers.interrupts import InterruptAt
 from tests.helpers.sim import hold_copy
+from tests.helpers.stateful import machine_settings
 
 FAIL = np.float32(-7777.0)  # an item whose first element is this makes the compute raise
 INTERRUPT = np.float32(-8888.0)  # ... or raise KeyboardInterrupt
@@ -751,8 +752,7 @@ class CoalescingMachine(RuleBasedStateMachine):
         assert s.in_flight == 0 and s.accepted == s.delivered + s.failed + s.cancelled
 
 
-CoalescingMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=25, deadline=None,
-                                               suppress_health_check=[HealthCheck.too_slow])
+CoalescingMachine.TestCase.settings = machine_settings(50, 25)
 TestCoalescingMachine = CoalescingMachine.TestCase
 
 
@@ -1016,8 +1016,7 @@ PointwiseCoalescingMachine.map_on_a_thread = precondition(lambda self: not self.
     rule(sizes=st.lists(st.integers(1, 1500), min_size=1, max_size=16),
          fails=st.lists(st.sampled_from([None, None, None, "error", "interrupt"]), min_size=16, max_size=16),
          beside=st.lists(st.integers(1, 1500), max_size=6))(PointwiseCoalescingMachine.map_on_a_thread))
-PointwiseCoalescingMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None,
-                                                       suppress_health_check=[HealthCheck.too_slow])
+PointwiseCoalescingMachine.TestCase.settings = machine_settings(30, 25)
 TestPointwiseCoalescingMachine = PointwiseCoalescingMachine.TestCase
 
 

@@ -23,9 +23,8 @@ sticky device error, close. After every rule the harness checks (tests/helpers/p
 from __future__ import annotations
 
 import concurrent.futures
-import os
 
-from hypothesis import HealthCheck, event, settings
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -38,6 +37,7 @@ from hypothesis.stateful import (
 import ringflow as rf
 from ringflow._errors import DeviceError, StageError
 from ringflow._pipeline.states import ChunkState, RingKind, SlotState
+from tests.helpers.stateful import machine_settings
 from tests.helpers.pipeline_checks import (
     FAULTS,
     REENTRIES,
@@ -334,12 +334,7 @@ class PipelineMachine(RuleBasedStateMachine):
             self._final_checks()
 
 
-# hundreds of examples in the default run (derandomized, so CI is repeatable);
-# RINGFLOW_SM_EXAMPLES raises or lowers the count, and RINGFLOW_SM_SEED=1 with pytest's
-# --hypothesis-seed=N explores other sequences (a soak run)
-EXAMPLES = int(os.environ.get("RINGFLOW_SM_EXAMPLES", "400"))
-PipelineMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=50, deadline=None,
-                                             suppress_health_check=[HealthCheck.too_slow,
-                                                                    HealthCheck.filter_too_much],
-                                             derandomize=os.environ.get("RINGFLOW_SM_SEED") is None)
+# hundreds of examples in the default run (derandomized, so CI is repeatable); a soak run:
+# tests/helpers/stateful.py
+PipelineMachine.TestCase.settings = machine_settings(400, 50, derandomize=True)
 test_pipeline_state_machine = PipelineMachine.TestCase

@@ -42,6 +42,7 @@ from tests.helpers.pipeline_checks import (
     future_outcome,
 )
 from tests.helpers.sim import Timeline
+from tests.helpers.stateful import machine_settings
 from tests.helpers.threads import JOIN_S, bounded, join, run_all, start
 
 ELEMS = 64  # int64 elements per item at most: 512-byte slots
@@ -618,10 +619,7 @@ class ThreadedPipelineMachine(RuleBasedStateMachine):
         self.h.close()
 
 
-ThreadedPipelineMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=15, deadline=None,
-                                                     derandomize=True,
-                                                     suppress_health_check=[HealthCheck.too_slow,
-                                                                            HealthCheck.filter_too_much])
+ThreadedPipelineMachine.TestCase.settings = machine_settings(25, 15, derandomize=True)
 test_threaded_pipeline_state_machine = ThreadedPipelineMachine.TestCase
 
 
