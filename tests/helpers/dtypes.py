@@ -32,3 +32,17 @@ def refusal(dtype: np.dtype, advice: str) -> str:
     dtypes a device takes, and ``advice``."""
     return (rf"dtype {re.escape(str(dtype))} cannot be an array on a GPU .*a device array's dtype is bool, int8 to int64, "
             rf"uint8 to uint64, float16, float32, float64, complex64 or complex128: .*{advice}")
+
+
+def holding_no_uint16(dev):
+    """``dev``, whose arrays hold no uint16 (as a GPU's do when it hands computes the tensors of a
+    PyTorch without unsigned 16-bit ones): its :meth:`check_dtype` narrows the rule."""
+    rule = dev.check_dtype
+
+    def check_dtype(name, dtype):
+        rule(name, dtype)
+        if dtype == np.uint16:
+            raise TypeError(f"{name}: dtype {dtype} is not held by this device's arrays")
+
+    dev.check_dtype = check_dtype
+    return dev

@@ -36,6 +36,16 @@ def not_anything(item: int):
     return f"item {item}"
 
 
+def uint16_on_3(item: int) -> np.ndarray:
+    """:func:`ramp`, but uint16 zeros for item 3."""
+    return np.zeros(4, np.uint16) if item == 3 else ramp(item)
+
+
+def uint16_leaf_on_3(item: int):
+    """:func:`ramp` in a dict, with a uint16 leaf beside it for item 3."""
+    return {"a": ramp(item), "b": np.zeros(4, np.uint16)} if item == 3 else {"a": ramp(item)}
+
+
 def too_big(item: int) -> np.ndarray:
     return np.zeros(1 << 20, np.uint8)
 

@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 
 import ringflow as rf
 from ringflow import SlotCounts, StageError
+from ringflow._pipeline.trees import flatten
 from tests.helpers import unit_device
 from tests.helpers.pipeline_checks import check_map_refuses_not_iterable
-from tests.helpers.dtypes import NOT_DEVICE_DTYPES, NOT_DEVICE_IDS, refusal
+from tests.helpers.dtypes import NOT_DEVICE_DTYPES, NOT_DEVICE_IDS, holding_no_uint16, refusal
 from tests.helpers.threads import bounded
 from tests.helpers.hostile import (BAD, DOOR_OPTIONS, ENGINE_SETTINGS, GOOD, GOOD_WHOLE_ARRAY_CHUNKS, NAN, INF,
                                    call, compute, expected, named, outcome, settle)
@@ -659,25 +660,11 @@ def test_a_prepared_array_of_an_unmovable_dtype_fails_its_item_naming_prepare(de
         np.testing.assert_array_equal(pipe.submit(2).result(timeout=30), expected(data(4)))
 
 
-def _holding_no_uint16(dev):
-    """``dev``, whose arrays hold no uint16 (as a GPU's do when it hands computes the tensors of a
-    PyTorch without unsigned 16-bit ones): its :meth:`check_dtype` narrows the rule."""
-    rule = dev.check_dtype
-
-    def check_dtype(name, dtype):
-        rule(name, dtype)
-        if dtype == np.uint16:
-            raise TypeError(f"{name}: dtype {dtype} is not held by this device's arrays")
-
-    dev.check_dtype = check_dtype
-    return dev
-
-
 @pytest.mark.parametrize("door,setting", [(d, s) for d in WHOLE_ARRAY_DOORS for s in ENGINE_SETTINGS])
 def test_whole_array_asks_the_device_whether_its_arrays_hold_x_and_output(dev, door, setting):
     """A device's array type may hold fewer dtypes than the rule allows; x and output are refused
     by the device's own check before any device work, not by the first chunk's compute."""
-    dev = _holding_no_uint16(dev)
+    dev = holding_no_uint16(dev)
     ops = []
     dev.add_op_observer(ops.append)
     with pytest.raises(TypeError, match=r"^x: dtype uint16 is not held by this device's arrays"):
@@ -688,7 +675,7 @@ def test_whole_array_asks_the_device_whether_its_arrays_hold_x_and_output(dev, d
 
 
 def test_a_pipeline_asks_the_device_whether_its_arrays_hold_items_and_outputs(dev):
-    dev = _holding_no_uint16(dev)
+    dev = holding_no_uint16(dev)
     with pytest.raises(TypeError, match=r"^output: dtype uint16 is not held"):
         rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, output={"a": ((3,), np.uint16)})
     with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, output=lambda item: ((3,), np.uint16)) as pipe:
@@ -702,6 +689,28 @@ def test_a_pipeline_asks_the_device_whether_its_arrays_hold_items_and_outputs(de
             pipe.submit({"a": data(4), "b": np.zeros(4, np.uint16)})
         assert pipe.stats().accepted == 0
         np.testing.assert_array_equal(pipe.submit(data(4)).result(timeout=30), expected(data(4)))
+
+
+@pytest.mark.parametrize("made", ["one array", "a dict of arrays"])
+def test_prepared_arrays_are_asked_of_the_device_in_the_prepare_stage(dev, made):
+    """What ``prepare`` returns is checked by the device's own narrowing as it is staged, so the
+    chunk fails in prepare naming it, not later where the device first makes its array."""
+    dev = holding_no_uint16(dev)
+
+    def prepare(i):
+        if i != 1:
+            return data(4)
+        return np.zeros(4, np.uint16) if made == "one array" else {"a": data(4), "b": np.zeros(4, np.uint16)}
+
+    def each_leaf(x, y):
+        for a, b in zip(flatten(x)[0], flatten(y)[0]):
+            compute(a, b)
+
+    with rf.Pipeline(each_leaf, device=dev, chunk_bytes=PIPE_CHUNK, on_error="continue", prepare=prepare) as pipe:
+        with pytest.raises(StageError, match=r"prepare.*prepare's arrays?[ :].*dtype uint16 is not held") as info:
+            pipe.submit(1).result(timeout=30)
+        assert info.value.stage == "prepare"
+        assert pipe.submit(2).result(timeout=30) is not None
 
 
 @pytest.mark.parametrize("door,setting", [(d, s) for d in WHOLE_ARRAY_DOORS for s in ENGINE_SETTINGS])

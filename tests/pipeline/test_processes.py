@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 import ringflow as rf
+from ringflow._pipeline.trees import flatten
 from tests.helpers import process_prepare as pp
+from tests.helpers.dtypes import holding_no_uint16
 from tests.helpers import threads
 
 
@@ -93,6 +95,26 @@ def test_what_a_worker_returns_is_checked_as_on_a_thread(dev, prepare, error, ma
         with pytest.raises(rf.StageError) as info:
             pipe.submit(3).result()
     assert isinstance(info.value.__cause__, error) and match in str(info.value.__cause__)
+
+
+@pytest.mark.parametrize("prepare", [pp.uint16_on_3, pp.uint16_leaf_on_3])
+def test_what_a_worker_returns_is_asked_of_the_device(dev, prepare):
+    """The device's own narrowing of the dtype rule (its array type may hold fewer) checks a
+    worker's arrays as it checks a thread's, in the prepare stage."""
+    dev = holding_no_uint16(dev)
+
+    def each_leaf(x, y):
+        for a, b in zip(flatten(x)[0], flatten(y)[0]):
+            f(a, b)
+
+    with rf.Pipeline(each_leaf, device=dev, chunk_bytes=4096, prepare=prepare, processes=True, workers=1,
+                     on_error="continue") as pipe:
+        with pytest.raises(rf.StageError) as info:
+            pipe.submit(3).result()
+        assert pipe.submit(2).result() is not None
+    assert info.value.stage == "prepare"
+    assert isinstance(info.value.__cause__, TypeError)
+    assert "dtype uint16 is not held by this device's arrays" in str(info.value.__cause__)
 
 
 def test_an_unpicklable_prepare_is_refused_at_construction(dev):

@@ -93,13 +93,17 @@ def _private_copy(item: Any) -> Any:
     return np.array(item)
 
 
-def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any, raw: np.ndarray) -> tuple:
+def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any, raw: np.ndarray,
+                   check: Callable[[str, np.dtype], None] = check_device_dtype) -> tuple:
     """The prepare stage of a pipeline of arrays: ``user_prepare(item)`` (or the item itself)
-    copied into the pinned slot. A module function, not a method: the scheduler must not hold
-    the pipeline (a pipeline dropped without close() is collected and its finaliser cleans up)."""
+    copied into the pinned slot, each array's dtype checked by ``check`` (the device's
+    :meth:`~ringflow._device.protocol.Device.check_dtype` where the device is at hand). A module
+    function, not a method: the scheduler must not hold the pipeline (a pipeline dropped without
+    close() is collected and its finaliser cleans up)."""
     arr = run_offering(user_prepare, item, raw) if user_prepare is not None else item
     if is_tree(arr):  # several arrays: packed into the slot, moved as bytes
-        leaves, layout = tree_layout(arr, chunk_bytes, "items" if user_prepare is None else "prepare's arrays")
+        leaves, layout = tree_layout(arr, chunk_bytes, "items" if user_prepare is None else "prepare's arrays",
+                                     check)
         # an array made in the slot (empty_slot) would be overwritten by the leaves packed before it
         leaves = [a.copy() if np.may_share_memory(a, raw) else a for a in leaves]
         pack_into(layout, leaves, raw)
@@ -107,7 +111,7 @@ def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any
     if not isinstance(arr, np.ndarray):
         raise TypeError(f"prepare must return a numpy array (or a tuple, list or dict of them), got "
                         f"{type(arr).__name__}")
-    check_device_dtype("items" if user_prepare is None else "prepare's array", arr.dtype)
+    check("items" if user_prepare is None else "prepare's array", arr.dtype)
     if user_prepare is not None and in_slot(arr, raw):  # made in the slot (ringflow.host.empty_slot)
         return arr.shape, arr.dtype
     return _copy_array_in(arr, raw, chunk_bytes)
@@ -434,7 +438,8 @@ class Pipeline:
 
             procs = ProcessPrepare(self.device, user_prepare, counts.host_in * chunk_bytes, chunk_bytes, workers)
         self._procs = procs
-        prepare_stage = stage_prepare or procs or functools.partial(_prepare_array, user_prepare, chunk_bytes)
+        prepare_stage = stage_prepare or procs or functools.partial(_prepare_array, user_prepare, chunk_bytes,
+                                                                        check=self.device.check_dtype)
         self._items_are_arrays = stage_prepare is None and user_prepare is None  # sizes known before acceptance
         # submit() lets small array items share a chunk where each item's result is its own
         # compute's output in a pooled array (see docs/design.md, "Items sharing a chunk")

@@ -225,11 +225,13 @@ class ProcessPrepare:
     def __call__(self, item: Any, raw: np.ndarray) -> tuple:
         """The prepare stage for one chunk (on a CPU worker thread): ``raw`` is the chunk's slot,
         a view of :attr:`buffer`. Runs ``prepare(item)`` in an idle worker and waits for it;
-        returns ``(shape, dtype)``.
+        returns ``(shape, dtype)`` (or, for several arrays, ``((nbytes,), uint8, layout)``).
 
         Raises:
             whatever ``prepare`` raised in the worker (TypeError/ValueError for an array that is
             not one or does not fit), or pickling the item raised.
+            TypeError: an array of a dtype this device's arrays cannot hold
+                (:meth:`~ringflow._device.protocol.Device.check_dtype`).
             RuntimeError: the worker process died while preparing the item.
             PrepareStopped: :meth:`stop_running` or :meth:`close` stopped it (or came first).
         """
@@ -249,8 +251,15 @@ class ProcessPrepare:
             exc = reply[1]
             exc.__cause__ = _RemoteTraceback(reply[2])
             raise exc
-        described = reply[1]
-        return (described[0], np.dtype(described[1])) + tuple(described[2:])
+        described = (reply[1][0], np.dtype(reply[1][1])) + tuple(reply[1][2:])
+        # the worker checked the rule every device keeps; this device's own narrowing (its array
+        # type may hold fewer dtypes) is asked here, where the device is
+        if len(described) == 2:
+            self._device.check_dtype("prepare's array", described[1])
+        else:
+            for _offset, _shape, dtype in described[2].leaves:
+                self._device.check_dtype("prepare's arrays (each array of a tuple, list or dict)", dtype)
+        return described
 
     def _take(self) -> _Worker:
         """An idle worker, or a new one in place of one that has died (or where none is idle).
