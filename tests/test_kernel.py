@@ -11,6 +11,7 @@ import pytest
 
 import ringflow as rf
 from ringflow._kernel import Kernel
+from tests.helpers.dtypes import NOT_DEVICE_DTYPES, NOT_DEVICE_IDS, refusal
 
 SAXPY = r"""
 extern "C" __global__ void saxpy(const float* x, float* y, float a, size_t n) {
@@ -215,6 +216,17 @@ def test_a_numpy_scalar_of_no_c_type_is_refused_by_name(scalar):
     assert ran == []
 
 
+@pytest.mark.parametrize("dtype,advice", NOT_DEVICE_DTYPES, ids=NOT_DEVICE_IDS)
+def test_a_numpy_array_of_a_dtype_no_device_array_has_is_refused_as_the_simulated_gpu_refuses_it(dtype, advice):
+    """On a GPU a kernel's arrays are device arrays, which never hold dates, strings, records or
+    raw bytes: the reference must not run on such numpy arrays either."""
+    ran = []
+    k = Kernel(SAXPY, "saxpy", reference=lambda *a: ran.append(a))
+    with pytest.raises(TypeError, match=r"^kernel 'saxpy': argument 1: " + refusal(dtype, advice)):
+        k(np.zeros(4, np.float32), np.zeros(4, dtype), np.float32(2))
+    assert ran == []
+
+
 def test_an_array_of_python_objects_or_swapped_bytes_or_a_stream_no_launch_takes_is_refused_on_numpy_arrays_too():
     """The simulated GPU ran the reference on an object array and ignored any ``stream=``, where
     a launch on a GPU refuses both: what runs on the simulated GPU should launch on a real one."""
@@ -223,7 +235,7 @@ def test_an_array_of_python_objects_or_swapped_bytes_or_a_stream_no_launch_takes
     ran = []
     k = Kernel(SAXPY, "saxpy", reference=lambda *a: ran.append(a))
     x = np.zeros(4, np.float32)
-    with pytest.raises(TypeError, match="kernel 'saxpy': argument 1 is an array of dtype object.*arrays of numbers"):
+    with pytest.raises(TypeError, match="kernel 'saxpy': argument 1: dtype object holds Python objects"):
         k(x, np.empty(4, object), np.float32(2))
     swapped = np.zeros(4, np.dtype(np.float32).newbyteorder())  # a launch would read its bytes as native floats
     with pytest.raises(TypeError, match="kernel 'saxpy': argument 1: dtype .* non-native byte order"):

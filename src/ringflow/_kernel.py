@@ -57,9 +57,9 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from ._device.cuda.probe import INSTALL_HINT
-from ._device.protocol import Stream
+from ._device.protocol import Stream, check_device_dtype
 from ._device.sim.tape import taped
-from ._checks import check_count, check_flag, check_native_byte_order, described, is_c_scalar, launch_scalar
+from ._checks import check_count, check_flag, described, is_c_scalar, launch_scalar
 
 __all__ = ["Kernel", "BoundKernel"]
 
@@ -194,7 +194,8 @@ class Kernel:
         the module's doc for which stream when None). Raises TypeError for an argument that is
         neither an array nor a scalar (named by its position and type), no array, numpy arrays
         without a reference, numpy and device arrays mixed, a Python scalar or a numpy scalar
-        of no C type (a string, a date), an array of Python objects or a ``stream`` that is
+        of no C type (a string, a date), a numpy array of a dtype no device array has
+        (:func:`~ringflow._device.protocol.check_device_dtype`) or a ``stream`` that is
         neither None, a ringflow stream nor a ``__cuda_stream__`` object, and
         ValueError for a strided array or, elementwise, one shorter than the first: on numpy
         arrays too, before the reference runs, as a launch would. Called on the stand-in
@@ -263,10 +264,9 @@ class Kernel:
         for i, a in enumerate(args):
             self._check_scalar(i, a)
             if isinstance(a, np.ndarray):
-                if a.dtype.hasobject:  # Python objects have no device memory a launch could pass
-                    raise TypeError(f"kernel {self.name!r}: argument {i} is an array of dtype {a.dtype}, which holds "
-                                    "Python objects; pass arrays of numbers")
-                check_native_byte_order(f"kernel {self.name!r}: argument {i}", a.dtype)
+                # on a GPU this argument is a device array, which never has such a dtype (nor
+                # objects, nor the other byte order a launch would misread)
+                check_device_dtype(f"kernel {self.name!r}: argument {i}", a.dtype)
                 if not a.flags.c_contiguous:
                     raise ValueError("kernel arguments must be C-contiguous; use np.ascontiguousarray")
                 sizes.append(a.size)
