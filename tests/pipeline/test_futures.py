@@ -1022,6 +1022,10 @@ def _left_after_interrupt(dev, pipe, got, x) -> list:
     return problems
 
 
+# A Ctrl-C between the call that makes a coroutine and the await that runs it (two instructions
+# in every `await f()`, asyncio's own included) leaves Python's "never awaited" warning for that
+# coroutine: expected here, where the interrupt lands on every instruction in turn.
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
 @pytest.mark.parametrize("scenario", ["asubmit", "amap", "amap-async"])
 def test_ctrl_c_at_any_instruction_of_asubmit_leaves_every_lock_free(scenario):
     """Ctrl-C (a SIGINT under Python's own handler, as ``loop.run_until_complete`` keeps it)
