@@ -916,7 +916,9 @@ ASUBMIT_FILES = ("/ringflow/_pipeline/", "threading.py", "asyncio/futures.py", "
 
 
 # and what a stopped amap's clean-up runs there: its window's cancel handed to the progress thread
-AMAP_STOP_NAMES = ASUBMIT_NAMES + ("amap", "cancel_unwanted_soon", "post_cancel", "_live_by_driver", "post",
+AMAP_STOP_NAMES = ASUBMIT_NAMES + ("amap", "amap_window", "_amap_begin", "_amap_limit", "_amap_room",
+                                   "_amap_takes_more", "_amap_submit", "_amap_out_of_work", "_amap_failed",
+                                   "_amap_stopped", "cancel_unwanted_soon", "post_cancel", "_live_by_driver", "post",
                                    "on_head_done", "_count_down", "cancel")
 # and, with an async source, its pull in a task of its own, raced with the map's next result
 AMAP_PULL_NAMES = AMAP_STOP_NAMES + ("next", "stop", "_pull", "pulling", "_retrieve", "__anext__")

@@ -17,7 +17,7 @@ import collections
 import logging
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from .chunk import ChunkFuture, cancel_unwanted, post_cancel
 from .delivered import DeviceResult
@@ -435,6 +435,108 @@ class CancelIfDropped:
                 post_cancel(futures)  # (never waits: this may run on any thread)
             except Exception:  # noqa: BLE001 - a finaliser never raises
                 pass
+
+
+# what a pipeline's amap step returns for an item that must wait for room (nothing of it was accepted)
+NO_ROOM = object()
+
+# what a pipeline's _amap_failed makes of a result that raised: skip it and go on, end the map
+# quietly, or raise what the result raised
+SKIP, STOP, RAISE = "skip", "stop", "raise"
+
+
+async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
+    """``pipe.amap(items)``: the loop of an async map, for a pipeline on one device or on several.
+    At most ``pipe._amap_limit()`` items are taken ahead of the results handed out; while the
+    window holds results not handed out, an item is submitted only where there is room now, and
+    a ready result is handed out before the next pull. What differs between the pipelines is
+    asked of ``pipe``:
+
+    * ``_amap_begin()``: the checks made as the map starts (it may raise);
+    * ``_amap_limit()``, ``_amap_room()``, ``_amap_takes_more()``: the window's size, whether
+      there is room now, whether the pipeline still takes work (looks, without its lock);
+    * ``await _amap_submit(item, started, ending, wait)``: the item's future, :data:`NO_ROOM`,
+      or None once the pipeline takes no more work (the map takes no more items);
+    * ``_amap_out_of_work(exhausted, started, given_up)``, called once the window is empty and
+      nothing more can be taken: True where the map ended with its input, False where it
+      stopped before (it may raise instead);
+    * ``await _amap_failed(fut, err)``: :data:`SKIP`, :data:`STOP` or :data:`RAISE` for the
+      head's chunk ``fut`` that raised ``err`` (it may raise instead);
+    * ``_amap_stopped()``: called after the clean-up of a map that stopped (it may raise).
+
+    The clean-up, whatever ends the map: a pull in progress is stopped, and every chunk taken and
+    not handed out is cancelled (awaited without blocking the loop: :meth:`CancelIfDropped.end`).
+    """
+    pipe._amap_begin()
+    window: collections.deque = collections.deque()  # (chunk future, its asyncio future), in order
+    ending = CancelIfDropped(window, pipe.config.ordered)
+    limit = pipe._amap_limit()
+    source = Source(items)
+    carried: list = []  # an item pulled that found no room: submitted before any other
+    exhausted = refused = started = False
+    try:
+        while True:
+            while (carried or not exhausted) and not refused and len(window) < limit and pipe._amap_takes_more():
+                if window and (ending.ready() or (not carried and not pipe._amap_room())):
+                    # hand the head out before waiting for room: with results on the device, room
+                    # comes only once results are released, and a result still in a window (this
+                    # map's, or another's on the same pipeline) never is
+                    break
+                if not carried:
+                    # an async source's pull is raced with the head: a ready result is handed out
+                    # while the pull goes on (see Source)
+                    took, item = await source.next(ending.handing_out())
+                    if not took:
+                        exhausted = not source.pulling()
+                        break
+                    carried.append(item)
+                # with results in the window, only where there is room now: the room seen before
+                # the pull may have been taken since by another thread's submit, and a wait for it
+                # could last until this map's results were released
+                fut = await pipe._amap_submit(carried[0], started, ending, not window)
+                if fut is NO_ROOM:
+                    break  # the item stays carried while a result is handed out
+                carried.clear()
+                if fut is None:
+                    refused = True  # stopped meanwhile (cancelled, closed, a failure): as map, take no more
+                    break
+                started = True
+                if not ending.hold(fut):
+                    break  # the window was given up while the item was accepted off this loop
+            if not window:
+                if pipe._amap_out_of_work(exhausted, started, ending.given_up):
+                    return
+                break
+            entry = await ending.next_out()
+            if entry is None:
+                break  # close() took the window while this map could not run (give_up_stranded)
+            fut, head = entry
+            try:
+                # shielded: a cancellation of the awaiting task must not look like the chunk's
+                value = await asyncio.shield(head)
+            except BaseException as err:
+                if ending.given_up:
+                    break  # close() took the window while this map could not run (give_up_stranded)
+                verdict = await pipe._amap_failed(fut, err)
+                if verdict is SKIP:
+                    window.remove(entry)
+                    continue
+                if verdict is STOP:
+                    break
+                raise  # (the task was cancelled: finally cancels this chunk with the others)
+            if ending.given_up:
+                break  # close() took the window while this map could not run (give_up_stranded)
+            window.remove(entry)
+            yield value
+            ending.pulled()
+    finally:
+        # awaited: the loop runs on while the progress thread cancels them, and the map ends with
+        # nothing of its own left running
+        try:
+            await source.stop()
+        finally:
+            await ending.end()
+    pipe._amap_stopped()
 
 
 # every async map not yet collected (weakly: a dropped one cancels its window in __del__)

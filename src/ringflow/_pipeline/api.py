@@ -33,7 +33,8 @@ from .._device import host_pool
 from .._device.protocol import Device, check_device_dtype
 from .._errors import StageError, describe, shown, warn_quietly
 from .batch_space import aligned
-from .aio import CancelIfDropped, OffLoopSubmit, Source, follow, give_up_pulled_by, give_up_stranded, retrieve
+from .aio import (NO_ROOM, RAISE, SKIP, STOP, CancelIfDropped, OffLoopSubmit, amap_window, follow, give_up_pulled_by,
+                  give_up_stranded, retrieve)
 from .chunk import Chunk, ChunkFuture, cancel_unwanted, post_cancel
 from .driver import CallerDriver, Hold, ProgressThread, resolve
 from .config import PipelineConfig, SlotCounts
@@ -125,7 +126,6 @@ def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any
 SHARE_AT_MOST_BYTES = 4 << 20
 
 
-_NO_ROOM = object()  # an item that must wait for capacity (a map's, or one offered if room): nothing of it was accepted
 _SHARES = object()  # a map's pulled item that goes into a shared chunk
 
 
@@ -675,7 +675,7 @@ class Pipeline:
     def _submit_if_room(self, item: Any) -> "ChunkFuture | object":
         """Accept ``item`` if the pipeline has room for it now, as :meth:`submit` does, but never
         wait for capacity (only for the lock, which a step holds): its future, or
-        :data:`_NO_ROOM` where there is no room (nothing of the item was accepted). For a map over
+        :data:`NO_ROOM` where there is no room (nothing of the item was accepted). For a map over
         several devices, which must not wait for room while it holds results: room is chosen and
         taken in one call, under the lock.
 
@@ -688,7 +688,7 @@ class Pipeline:
         item = self._check_item(item)
         if self._shares_chunk(item):
             fut = self._submit_shared(item, None, wait=False)
-            if fut is _NO_ROOM:
+            if fut is NO_ROOM:
                 return self._no_room()
             if fut is not None:
                 return fut
@@ -699,7 +699,7 @@ class Pipeline:
     @shielded_call
     def _accept_staged_if_room(self, accepting: dict) -> "ChunkFuture | object":
         """:meth:`_accept_staged` that never waits for capacity: the chunk's future, or
-        :data:`_NO_ROOM` where the pipeline has no room (nothing accepted). Raises as
+        :data:`NO_ROOM` where the pipeline has no room (nothing accepted). Raises as
         :meth:`_submit_if_room`."""
         d, s = self._driver, self._sched
         with d.hold():
@@ -710,7 +710,7 @@ class Pipeline:
         return chunk.future
 
     def _no_room(self) -> object:
-        """:data:`_NO_ROOM` for an item found no room; where the pipeline takes no more work (so
+        """:data:`NO_ROOM` for an item found no room; where the pipeline takes no more work (so
         has no room for ever), the error :meth:`submit` raises then instead.
 
         Raises:
@@ -722,7 +722,7 @@ class Pipeline:
             raise s.broken
         if not s.accepting:
             raise s.refusal()
-        return _NO_ROOM
+        return NO_ROOM
 
     def _wait_for_capacity(self, timeout: Optional[float], gave_up: Optional[Callable[[], bool]] = None,
                            hold: Optional[Hold] = None) -> None:
@@ -761,7 +761,7 @@ class Pipeline:
         (or a new one, in the pinned slab of shared chunks: a new slab from the pool when it is
         full), then the item copied there on this thread, outside the lock; its result comes back
         into the same bytes. Returns the item's future, or None where the pool has no room for a
-        slab (the item then goes alone), or, with ``wait`` False, :data:`_NO_ROOM` where the item
+        slab (the item then goes alone), or, with ``wait`` False, :data:`NO_ROOM` where the item
         would have to wait for capacity (or the pipeline takes no more work): nothing of it was
         accepted. ``gave_up``: as :meth:`_submit` (raises _GaveUp, nothing accepted)."""
         d, s = self._driver, self._sched
@@ -775,12 +775,12 @@ class Pipeline:
                     # a look without the lock, which a step keeps for as long as a stage it runs
                     # does not return: a caller that must not wait for room (a submit over
                     # several devices offering the item to each) goes on to the next at once
-                    return _NO_ROOM
+                    return NO_ROOM
                 with d.hold() as hold:
                     place = s.join_open_batch(d, spec, claim)  # another thread may have opened one
                     if place is None:
                         if not wait and not s.has_capacity():
-                            return _NO_ROOM
+                            return NO_ROOM
                         self._wait_for_capacity(timeout, gave_up, hold)
                         place = s.join_open_batch(d, spec, claim) or s.open_new_batch(d, spec, claim)
                 if place is None:  # the slab of shared chunks is full: a new one, taken outside the lock
@@ -932,7 +932,7 @@ class Pipeline:
                             needs_room = False
                             break
                         fut = self._submit_shared(item, None, wait=False)
-                        if fut is _NO_ROOM:
+                        if fut is NO_ROOM:
                             break
                         carried.pop()
                         if fut is None:  # the pool has no room for a shared chunk: the item goes alone
@@ -1112,7 +1112,7 @@ class Pipeline:
         # may be long). Where either would wait, the accepting waits on the loop's executor.
         # ``ending``: the amap the item is for, told of a chunk accepted there (close() may give
         # its window up before the loop runs the map again). ``wait`` False: as _submit_if_room,
-        # _NO_ROOM (nothing accepted) where there is no room, never waiting for capacity
+        # NO_ROOM (nothing accepted) where there is no room, never waiting for capacity
         timeout = check_timeout(timeout)
         self._check_caller("asubmit()", awaited=True)
         item = self._check_item(item)
@@ -1140,13 +1140,13 @@ class Pipeline:
                            else self._accept_staged_if_room(accepting))
             except _GaveUp:
                 return None  # (nobody awaits this any more)
-            return fut if fut is _NO_ROOM else off.accepted(fut)
+            return fut if fut is NO_ROOM else off.accepted(fut)
 
         if ending is not None:
             ending.accepting(self._driver)
         try:
             fut = await asyncio.get_running_loop().run_in_executor(None, submit)
-            if fut is _NO_ROOM and ending is not None:
+            if fut is NO_ROOM and ending is not None:
                 ending.accepting(None)  # nothing was accepted for the map here
             return fut
         except BaseException:  # CancelledError mostly: the task awaiting asubmit gave up
@@ -1199,7 +1199,7 @@ class Pipeline:
             d.notify()
         return chunk.future
 
-    async def amap(self, items: "Iterable[Any] | AsyncIterator[Any]") -> AsyncIterator[Any]:
+    def amap(self, items: "Iterable[Any] | AsyncIterator[Any]") -> AsyncIterator[Any]:
         """``async for r in pipe.amap(items)``: the results of ``items`` (a sync or async iterable)
         in input order (``ordered=False``: each as it ends), as :meth:`map` gives them, without
         blocking the event loop. At most
@@ -1217,86 +1217,55 @@ class Pipeline:
             RuntimeError, StageError: as :meth:`map`; RuntimeError also as :meth:`asubmit`, on an
                 event loop run in one of this pipeline's done-callbacks.
         """
-        self._check_caller("amap()", awaited=True)
         if self._items_are_arrays:
-            warn_if_elements_as_items(items, "Pipeline.amap()")
-        s = self._sched
-        window: collections.deque = collections.deque()  # (chunk future, its asyncio future), in order
-        ending = CancelIfDropped(window, self.config.ordered)
-        limit = self.config.max_in_flight
-        source = Source(items)
-        carried: list = []  # an item pulled that found no room: submitted before any other
-        exhausted = started = False
+            warn_if_elements_as_items(items, "Pipeline.amap()")  # (at the line that called amap)
+        return amap_window(self, items)
+
+    # the steps of amap_window that are this pipeline's own (see there)
+    def _amap_begin(self) -> None:
+        self._check_caller("amap()", awaited=True)
+
+    def _amap_limit(self) -> int:
+        return self.config.max_in_flight
+
+    def _amap_room(self) -> bool:
+        return self._sched.has_capacity()
+
+    def _amap_takes_more(self) -> bool:
+        return self._sched.accepting
+
+    async def _amap_submit(self, item: Any, started: bool, ending: CancelIfDropped,
+                           wait: bool) -> "ChunkFuture | object | None":
         try:
-            while True:
-                while (carried or not exhausted) and len(window) < limit and s.accepting:
-                    if window and (ending.ready() or (not carried and not s.has_capacity())):
-                        # hand the head out before waiting for room: with results on the device,
-                        # room comes only once results are released, and a result still in a
-                        # window (this map's, or another's on the same pipeline) never is
-                        break
-                    if not carried:
-                        # an async source's pull is raced with the head: a ready result is handed
-                        # out while the pull goes on (see Source)
-                        took, item = await source.next(ending.handing_out())
-                        if not took:
-                            exhausted = not source.pulling()
-                            break
-                        carried.append(item)
-                    try:
-                        # with results in the window, only where there is room now: the room seen
-                        # before the pull may have been taken since by another thread's submit,
-                        # and a wait for it could last until this map's results were released
-                        fut = await self._asubmit_future(carried[0], ending=ending, wait=not window)
-                    except RuntimeError:
-                        if s.accepting:
-                            raise
-                        break  # stopped meanwhile (cancelled, closed, a failure): as map, take no more
-                    if fut is _NO_ROOM:
-                        break  # the item stays carried while a result is handed out
-                    carried.clear()
-                    started = True
-                    if not ending.hold(fut):
-                        break  # the window was given up while the item was accepted off this loop
-                if not window:
-                    if exhausted:
-                        return
-                    if ending.given_up:
-                        break  # close() took the window while this map could not run (aio.give_up_stranded)
-                    # input is left but the pipeline takes no more work: end as map does
-                    if s.broken is not None:
-                        raise s.broken
-                    if not started:
-                        raise s.refusal()
-                    break
-                entry = await ending.next_out()
-                if entry is None:
-                    break  # close() took the window while this map could not run (aio.give_up_stranded)
-                fut, head = entry
-                try:
-                    # shielded: a cancellation of the awaiting task must not look like the chunk's
-                    value = await asyncio.shield(head)
-                except BaseException as err:
-                    if fut.cancelled() or ending.given_up:
-                        break  # the pipeline was cancelled, or a failure stopped it, under this map
-                    if self.config.on_error == "continue" and err is not s.broken and fut.failed_with(err):
-                        window.remove(entry)
-                        continue  # a failed chunk (whatever its stage raised) is skipped, as map does
-                    raise  # (the task was cancelled: finally cancels this chunk with the others)
-                if ending.given_up:
-                    break  # close() took the window while this map could not run (aio.give_up_stranded)
-                window.remove(entry)
-                yield value
-                ending.pulled()
-        finally:
-            # awaited: the loop runs on while the progress thread cancels them, and the map
-            # ends with nothing of its own left running
-            try:
-                await source.stop()
-            finally:
-                await ending.end()
-        if s.first_error is not None and self.config.on_error == "raise":
-            raise s.first_error
+            return await self._asubmit_future(item, ending=ending, wait=wait)
+        except RuntimeError:
+            if self._sched.accepting:
+                raise
+            return None  # stopped meanwhile (cancelled, closed, a failure): as map, take no more
+
+    def _amap_out_of_work(self, exhausted: bool, started: bool, given_up: bool) -> bool:
+        s = self._sched
+        if exhausted:
+            return True
+        if given_up:
+            return False  # close() took the window while this map could not run (aio.give_up_stranded)
+        # input is left but the pipeline takes no more work: end as map does
+        if s.broken is not None:
+            raise s.broken
+        if not started:
+            raise s.refusal()
+        return False
+
+    async def _amap_failed(self, fut: ChunkFuture, err: BaseException) -> str:
+        if fut.cancelled():
+            return STOP  # the pipeline was cancelled, or a failure stopped it, under this map
+        if self.config.on_error == "continue" and err is not self._sched.broken and fut.failed_with(err):
+            return SKIP  # a failed chunk (whatever its stage raised) is skipped, as map does
+        return RAISE
+
+    def _amap_stopped(self) -> None:
+        if self._sched.first_error is not None and self.config.on_error == "raise":
+            raise self._sched.first_error
 
     # -- ending ----------------------------------------------------------------------------------
     @shielded_call

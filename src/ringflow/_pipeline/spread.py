@@ -25,12 +25,12 @@ import contextlib
 import itertools
 import threading
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Optional
 
 from .._device import device_label, device_list
 from .._errors import DeviceError, StageError
-from .api import _NO_ROOM, Pipeline, _GaveUp
-from .aio import CancelIfDropped, OffLoopSubmit, Source, follow
+from .api import Pipeline, _GaveUp
+from .aio import NO_ROOM, RAISE, SKIP, STOP, CancelIfDropped, OffLoopSubmit, amap_window, follow
 from .chunk import cancel_unwanted, post_cancel
 from .driver import _POLL_S, WakeFlag
 from .sigint import checkpoint, shielded_call
@@ -110,7 +110,7 @@ class SpreadPipeline(Pipeline):
         return any(p._sched.broken is None and p._sched.has_capacity() for p in self.parts)
 
     def _submit_more(self, item: Any, started: bool, wait: bool) -> "concurrent.futures.Future | object | None":
-        """A map's next submit: with ``wait`` False, :meth:`_submit_if_room` (:data:`_NO_ROOM` where
+        """A map's next submit: with ``wait`` False, :meth:`_submit_if_room` (:data:`NO_ROOM` where
         no part has room). None once the pipeline takes no more work (cancelled, or stopped by a
         failure) after the map had started: it then ends with what it has, as a single device's
         map does."""
@@ -121,9 +121,10 @@ class SpreadPipeline(Pipeline):
                 return None
             raise
 
-    async def _asubmit_more(self, item: Any, started: bool, ending: CancelIfDropped,
-                            wait: bool) -> "concurrent.futures.Future | object | None":
-        """:meth:`_submit_more` for ``amap`` (``ending``: its own), without blocking the event loop."""
+    async def _amap_submit(self, item: Any, started: bool, ending: CancelIfDropped,
+                           wait: bool) -> "concurrent.futures.Future | object | None":
+        """:meth:`_submit_more` for ``amap`` (``ending``: its own), without blocking the event loop (a
+        step of :func:`~.aio.amap_window`)."""
         try:
             return await self._asubmit_future(item, ending=ending, wait=wait)
         except RuntimeError:
@@ -135,7 +136,7 @@ class SpreadPipeline(Pipeline):
         """Submit ``item`` to a working part that has room for it now, never waiting for room: the
         parts are tried least loaded first, each deciding under its own lock, so that the room
         found is the room taken (another thread's submit between a look and the submit cannot
-        make the caller wait). Returns the item's future, or :data:`_NO_ROOM` where no part had
+        make the caller wait). Returns the item's future, or :data:`NO_ROOM` where no part had
         room (nothing of the item was accepted).
 
         Raises:
@@ -151,16 +152,16 @@ class SpreadPipeline(Pipeline):
                     raise
                 tried += (part,)
                 continue
-            if fut is not _NO_ROOM:
+            if fut is not NO_ROOM:
                 return fut
         return self._no_room_left(tried)
 
     def _no_room_left(self, tried: tuple) -> object:
-        """:data:`_NO_ROOM` once every working part was offered an item without room for it, or,
+        """:data:`NO_ROOM` once every working part was offered an item without room for it, or,
         where each was found broken or stopped on the way (``tried``), the error :meth:`submit`
         raises then."""
         self._pick(tried)  # (raises where no other part works; none starts working again)
-        return _NO_ROOM
+        return NO_ROOM
 
     def submit(self, item: Any, timeout: Optional[float] = None) -> concurrent.futures.Future:
         """As :meth:`Pipeline.submit`, over every device: the item goes to the least loaded working
@@ -210,7 +211,7 @@ class SpreadPipeline(Pipeline):
                 if gave_up is not None and gave_up():
                     raise _GaveUp()
                 fut = self._submit_if_room(item)
-                if fut is not _NO_ROOM:
+                if fut is not NO_ROOM:
                     return fut
                 if not watched:
                     # the deadlines start with the first wait, on each part's own clock
@@ -252,7 +253,7 @@ class SpreadPipeline(Pipeline):
                     raise
                 tried += (part,)
                 continue
-            if fut is not _NO_ROOM:
+            if fut is not NO_ROOM:
                 return fut
         if not wait:
             return self._no_room_left(tried)
@@ -322,7 +323,7 @@ class SpreadPipeline(Pipeline):
                     # submit (another map's, on the same pipeline), and a wait for it could last
                     # until this map's own results were released, for ever
                     fut = self._submit_more(carried[0], started, wait=not window)
-                    if fut is _NO_ROOM:
+                    if fut is NO_ROOM:
                         break  # the item stays carried while a result is handed out
                     carried.clear()
                     if fut is None:
@@ -367,82 +368,51 @@ class SpreadPipeline(Pipeline):
             # see Pipeline._drop_unwanted)
             cancel_unwanted(list(window), wait=not interrupted)
 
-    async def amap(self, items: Any):
+    def amap(self, items: Any) -> AsyncIterator[Any]:
         """As :meth:`Pipeline.amap`, over every device, in submission order (``ordered=False``: as
         they end, whichever device ran them), taking items and waiting for room as :meth:`map`
         does; a chunk cancelled
         under it (the pipeline cancelled, or stopped by a failure) ends it as it ends :meth:`map`."""
-        self._check_caller("amap()", awaited=True)
         if self.parts[0]._items_are_arrays:
-            warn_if_elements_as_items(items, "Pipeline.amap()")
-        limit = sum(p.config.max_in_flight for p in self.parts)
-        source = Source(items)
-        window: collections.deque = collections.deque()
-        ending = CancelIfDropped(window, self.config.ordered)
-        carried: list = []  # an item pulled that no part had room for (see _map)
-        exhausted = started = False
-        try:
-            while True:
-                while (carried or not exhausted) and len(window) < limit:
-                    if window and (ending.ready() or (not carried and not self._has_room())):
-                        break  # hand a ready result out first, and never wait for room before it (see _map)
-                    if not carried:
-                        # an async source's pull is raced with the head (see Pipeline.amap)
-                        took, item = await source.next(ending.handing_out())
-                        if not took:
-                            exhausted = not source.pulling()
-                            break
-                        carried.append(item)
-                    # where there is room now only, while the window holds results (see _map)
-                    fut = await self._asubmit_more(carried[0], started, ending, wait=not window)
-                    if fut is _NO_ROOM:
-                        break
-                    carried.clear()
-                    if fut is None:
-                        exhausted = True
-                        break
-                    started = True
-                    if not ending.hold(fut):
-                        return  # close() took the window while the item was accepted off this loop
-                if not window:
-                    return
-                entry = await ending.next_out()
-                if entry is None:
-                    return  # close() took the window while this amap could not run (see Pipeline.amap)
-                fut, head = entry
-                try:
-                    # shielded: a cancellation of the awaiting task must not look like the chunk's
-                    value = await asyncio.shield(head)
-                except BaseException as err:
-                    if ending.given_up:
-                        return  # close() took the window while this amap could not run (see Pipeline.amap)
-                    if not (fut.cancelled() or fut.failed_with(err)):
-                        # the awaiting task was cancelled (or its chunk ended just as it was): the
-                        # task's, not a chunk's; finally cancels this amap's window, nothing else
-                        raise
-                    window.remove(entry)
-                    if self.config.on_error == "continue":
-                        continue  # a failed item (whatever its stage raised, or its device's) is skipped
-                    # a chunk cancelled under this amap: the pipeline was cancelled, or a part's
-                    # failure stopped it (and cancelled that part's other chunks)
-                    failure = err if fut.failed_with(err) else self._part_failure()
-                    if failure is None:
-                        return  # cancelled
-                    # every part stops, as on one device (the cancel, which waits, off the loop)
-                    await asyncio.get_running_loop().run_in_executor(None, self.cancel)
-                    if failure is err:
-                        raise
-                    raise failure from failure.__cause__  # (as map: keep the user's exception)
-                if ending.given_up:
-                    return
-                window.remove(entry)
-                yield value
-                ending.pulled()
-        finally:
-            try:
-                await source.stop()
-            finally:
-                await ending.end()  # (see Pipeline.amap)
+            warn_if_elements_as_items(items, "Pipeline.amap()")  # (at the line that called amap)
+        return amap_window(self, items)
+
+    # the steps of amap_window that are this pipeline's own (see there)
+    def _amap_begin(self) -> None:
+        self._check_caller("amap()", awaited=True)
+
+    def _amap_limit(self) -> int:
+        return sum(p.config.max_in_flight for p in self.parts)
+
+    def _amap_room(self) -> bool:
+        return self._has_room()
+
+    def _amap_takes_more(self) -> bool:
+        return True  # (a part that stopped refuses the submit: see _amap_submit)
+
+    def _amap_out_of_work(self, exhausted: bool, started: bool, given_up: bool) -> bool:
+        return True
+
+    async def _amap_failed(self, fut: Any, err: BaseException) -> str:
+        if not (fut.cancelled() or fut.failed_with(err)):
+            # the awaiting task was cancelled (or its chunk ended just as it was): the task's, not
+            # a chunk's; the map's clean-up cancels its window, nothing else
+            return RAISE
+        if self.config.on_error == "continue":
+            return SKIP  # a failed item (whatever its stage raised, or its device's) is skipped
+        # a chunk cancelled under this amap: the pipeline was cancelled, or a part's failure
+        # stopped it (and cancelled that part's other chunks)
+        failure = err if fut.failed_with(err) else self._part_failure()
+        if failure is None:
+            return STOP  # cancelled
+        # every part stops, as on one device (the cancel, which waits, off the loop)
+        await asyncio.get_running_loop().run_in_executor(None, self.cancel)
+        if failure is err:
+            return RAISE
+        raise failure from failure.__cause__  # (as map: keep the user's exception)
+
+    def _amap_stopped(self) -> None:
+        pass
 
     def _part_failure(self) -> Optional[BaseException]:
         """The failure that stopped a part (with ``on_error="raise"``), if one did."""
