@@ -49,6 +49,22 @@ def test_objects_swapped_bytes_and_empty_items_keep_their_own_words(dtype, error
         protocol.check_device_dtype("x", dtype)
 
 
+@pytest.mark.parametrize("name,bits", [("bfloat16", 16), ("float8_e4m3fn", 8), ("float8_e5m2", 8), ("int4", 8)])
+def test_a_numpy_extension_dtype_is_refused_with_how_to_move_its_bits(name, bits):
+    """ml_dtypes' types (bfloat16, the float8s, int4) are numpy dtypes of no kind the rule knows
+    (bfloat16 reads as raw bytes, float8_e5m2 as a float): PyTorch and CUDA have several of them,
+    so the refusal must not say GPUs have no such type, and must say to move the bits as unsigned
+    integers and view them back, not to widen them (float64 would take eight times the bytes)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    dtype = np.dtype(getattr(ml_dtypes, name))
+    with pytest.raises(TypeError) as info:
+        protocol.check_device_dtype("x", dtype)
+    said = str(info.value)
+    assert said.startswith(f"x: dtype {name} (from ml_dtypes) is not one ringflow moves as itself"), said
+    assert f"a.view(np.uint{bits})" in said and "torch" in said, said
+    assert "no such type" not in said and "astype" not in said, said
+
+
 @pytest.mark.parametrize("dtype,advice", NOT_DEVICE_DTYPES[:3], ids=NOT_DEVICE_IDS[:3])
 def test_a_device_checks_dtypes_by_the_rule_unless_its_backend_narrows_it(dtype, advice):
     device = unit_device()

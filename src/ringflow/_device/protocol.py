@@ -103,6 +103,16 @@ def check_device_dtype(name: str, dtype: np.dtype) -> None:
     if dtype.itemsize == 0:
         raise ValueError(f"{name}: dtype {dtype} has items of 0 bytes, which ringflow cannot move (it moves arrays as "
                          f"raw bytes); use a dtype of at least 1 byte per item, such as 'u1'")
+    home = getattr(dtype.type, "__module__", "numpy").partition(".")[0]
+    if home != "numpy":
+        # a type another package adds to numpy (ml_dtypes' bfloat16, float8s, int4): several
+        # have a GPU type of their own (PyTorch's torch.bfloat16, CUDA's __nv_bfloat16), but not
+        # in every array type ringflow hands a compute; their bits travel as they are
+        bits = 8 * dtype.itemsize if dtype.itemsize in (1, 2, 4, 8) else 8
+        raise TypeError(f"{name}: dtype {dtype} (from {home}) is not one ringflow moves as itself (a device array's "
+                        f"dtype is {DEVICE_DTYPE_NAMES}); move its bits: pass a.view(np.uint{bits}) and view them "
+                        f"back where they are read (in the compute, x.view(torch.{dtype}) where PyTorch has the "
+                        f"type; on the host, y.view(a.dtype))")
     raise TypeError(f"{name}: dtype {dtype} cannot be an array on a GPU (CuPy, PyTorch and CUDA kernels have no "
                     f"such type, so the simulated GPU refuses it too); a device array's dtype is "
                     f"{DEVICE_DTYPE_NAMES}: {_device_dtype_advice(dtype)}")
