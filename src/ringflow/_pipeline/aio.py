@@ -437,7 +437,8 @@ class CancelIfDropped:
                 pass
 
 
-# what a pipeline's amap step returns for an item that must wait for room (nothing of it was accepted)
+# what a submit that may not wait for room returns for an item that found none (nothing of it was
+# accepted): a map's, an amap's, or one offered to each device of a pipeline over several
 NO_ROOM = object()
 
 # what a pipeline's _amap_failed makes of a result that raised: skip it and go on, end the map
