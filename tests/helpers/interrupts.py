@@ -1,13 +1,23 @@
 """Ctrl-C at any instruction: a KeyboardInterrupt raised inside chosen functions at the n-th
 instruction they run on the calling thread (or at several: Ctrl-C pressed again), as a signal
-could raise it between any two; or a real SIGINT sent there, for code that handles the signal."""
+could raise it between any two; or a real SIGINT sent there, for code that handles the signal.
+Also Ctrl-C sent to the main thread while a call there waits on a stalled thread, checked to get out
+of the call while the stall lasts (:class:`CtrlCWhileStalled`)."""
 
 from __future__ import annotations
 
 import dis
 import signal
 import sys
-from typing import Iterable
+import threading
+from typing import Any, Callable, Iterable, Optional
+
+from tests.helpers.threads import JOIN_S, all_stacks, interrupt_main, join, stack_names, start
+
+# How long (real seconds) a test lets a stalled call block after Ctrl-C before it calls the call
+# hung and lets the stall end: far longer than an interrupted call takes to raise, short enough
+# that a hang fails the test in reasonable time.
+STALL_S = 15.0
 
 
 class InterruptAt:
@@ -101,3 +111,108 @@ class InterruptAt:
         sys.setprofile(None)
         self._after_call.clear()
         self._skipping = None
+
+
+def once_inside(name: str, thread: Optional[threading.Thread] = None) -> Callable[[], bool]:
+    """A ``ready`` for :class:`CtrlCWhileStalled`: polls (every 0.01 real seconds, for at most
+    ``JOIN_S``) until a function named ``name`` is on ``thread``'s stack (the main thread's by
+    default), that is until the call has got that far; returns True then or once the time is up
+    (Ctrl-C is sent either way: a call that never got there fails the checks instead)."""
+
+    def ready() -> bool:
+        tick = threading.Event()
+        for _ in range(int(JOIN_S / 0.01)):
+            if name in stack_names(thread or threading.main_thread()):
+                break
+            tick.wait(0.01)
+        return True
+
+    return ready
+
+
+class CtrlCWhileStalled:
+    """Ctrl-C on the calling (main) thread while a call there waits on something a stalled thread
+    keeps (user code that does not return until one of ``release`` is set).
+
+    Made, it starts a watchdog thread that waits until ``ready()`` is true (the call is stalled),
+    sends Ctrl-C with ``deliver()`` (a real SIGINT by default) and waits up to ``stall_s`` real
+    seconds for the call to raise KeyboardInterrupt. If none came it stores every thread's stacks
+    in :attr:`hung`, runs ``on_hang(self)`` (another Ctrl-C, say) and sets ``release`` so that the
+    call can end and the test fail. Then it runs ``hold()`` where given (the stall lasts until it
+    returns) and sets ``release``. Where ``ready()`` is false it sends nothing and sets nothing:
+    :meth:`finish` lets the stall end.
+
+    :meth:`call` runs the call on this thread, :meth:`finish` ends the stall and joins the
+    watchdog, :meth:`check` asserts the outcome; :meth:`run` does all three.
+    """
+
+    def __init__(self, release: threading.Event | Iterable[threading.Event], *,
+                 ready: Callable[[], Any] = lambda: True, deliver: Callable[[], None] = interrupt_main,
+                 on_hang: Optional[Callable[["CtrlCWhileStalled"], None]] = None,
+                 hold: Optional[Callable[[], Any]] = None, stall_s: float = STALL_S):
+        self.releases = [release] if isinstance(release, threading.Event) else list(release)
+        self.stall_s = stall_s
+        self.raised = threading.Event()  # set once the call raised KeyboardInterrupt
+        self.hung: Optional[str] = None  # every thread's stacks, where Ctrl-C did not get out in time
+        self.interrupted: Optional[bool] = None  # the call raised: whether the stall still lasted then
+        self.returned: Optional[bool] = None  # the call returned: whether the stall still lasted then
+        self._ready, self._deliver, self._on_hang, self._hold = ready, deliver, on_hang, hold
+        self._watchdog = start(self._watch, name="test-ctrl-c-watchdog")
+
+    def stalled(self) -> bool:
+        """Whether the stall still lasts (none of ``release`` is set)."""
+        return not any(e.is_set() for e in self.releases)
+
+    def _release(self) -> None:
+        for e in self.releases:
+            e.set()
+
+    def _watch(self) -> None:
+        if not self._ready():
+            return
+        self._deliver()
+        if not self.raised.wait(self.stall_s):
+            self.hung = all_stacks()
+            if self._on_hang is not None:
+                self._on_hang(self)
+            self._release()
+        if self._hold is not None:
+            self._hold()
+        self._release()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` here, recording whether it raised KeyboardInterrupt (:attr:`interrupted`)
+        or returned (:attr:`returned`) while the stall lasted; returns its value (None where it
+        raised). Other exceptions pass through."""
+        try:
+            value = fn()
+        except KeyboardInterrupt:
+            self.interrupted = self.stalled()
+            self.raised.set()
+            return None
+        self.returned = self.stalled()
+        return value
+
+    def finish(self) -> None:
+        """End the stall (set ``release``) and join the watchdog (bounded in real seconds: raises
+        tests.helpers.threads.Hang if it does not end)."""
+        self._release()
+        join([self._watchdog])
+
+    def check(self, what: str, *, raises: bool = True) -> None:
+        """Assert that Ctrl-C got out of ``what`` (named in the messages) within ``stall_s``, and
+        that the call raised KeyboardInterrupt while the stall lasted (``raises=False``: that it
+        returned while the stall lasted, without waiting for it). Raises AssertionError if not."""
+        assert self.hung is None, f"Ctrl-C did not get out of {what} in {self.stall_s} s:\n{self.hung}"
+        if raises:
+            assert self.interrupted, f"{what} did not raise KeyboardInterrupt while stalled"
+        else:
+            assert self.returned, f"{what} waited for the stall"
+
+    def run(self, fn: Callable[[], Any], what: str, *, raises: bool = True) -> Any:
+        """:meth:`call`, :meth:`finish`, then :meth:`check`; returns ``fn``'s value (None where it
+        raised)."""
+        value = self.call(fn)
+        self.finish()
+        self.check(what, raises=raises)
+        return value

@@ -80,6 +80,17 @@ def all_stacks() -> str:
     return "\n".join(out)
 
 
+def stack_names(thread: threading.Thread) -> set:
+    """The names of the functions on ``thread``'s stack now (empty if it is not running): where a
+    stalled thread stands, or whether a thread has entered a call yet."""
+    frame = sys._current_frames().get(thread.ident)
+    names = set()
+    while frame is not None:
+        names.add(frame.f_code.co_name)
+        frame = frame.f_back
+    return names
+
+
 def interrupt_main() -> None:
     """Deliver a real SIGINT to the main thread: unlike ``_thread.interrupt_main`` it also wakes a
     main thread blocked in a lock or condition wait, which then raises KeyboardInterrupt."""

@@ -20,7 +20,6 @@ import concurrent.futures
 import contextlib
 import gc
 import signal
-import sys
 import threading
 import traceback
 import warnings
@@ -33,7 +32,8 @@ from ringflow._device.sim import charge
 from ringflow._errors import StageError
 from tests.helpers.pipeline_checks import Harness, check_chunk_error, check_result, future_outcome
 from tests.helpers.sim import hold_copy
-from tests.helpers.threads import JOIN_S, all_stacks, bounded, interrupt_main, join, start
+from tests.helpers.interrupts import STALL_S, CtrlCWhileStalled, once_inside
+from tests.helpers.threads import JOIN_S, bounded, interrupt_main, join, stack_names, start
 
 STAGES = ("prepare", "compute", "consume")
 
@@ -285,10 +285,6 @@ def test_with_block_left_by_ctrl_c_cancels_and_releases():
 
 
 # -- Ctrl-C while an ending waits for a prepare that does not return -------------------------------------------
-# How long (real seconds) the test lets a stalled prepare block after Ctrl-C before it calls the
-# ending hung and lets the prepare return: far longer than an interrupted ending takes to raise,
-# short enough that a hang fails the test in reasonable time.
-STALL_S = 15.0
 
 
 def _deliver_ctrl_c(how: str) -> None:
@@ -296,15 +292,6 @@ def _deliver_ctrl_c(how: str) -> None:
         interrupt_main()  # a real SIGINT: wakes a main thread blocked in a lock or condition wait
     else:
         _thread.interrupt_main()  # the signal's handler is only flagged: a blocked main thread is not woken
-
-
-def _stack_names(thread: threading.Thread) -> set:
-    frame = sys._current_frames().get(thread.ident)
-    names = set()
-    while frame is not None:
-        names.add(frame.f_code.co_name)
-        frame = frame.f_back
-    return names
 
 
 class _LeftByError(Exception):
@@ -343,7 +330,7 @@ def test_ctrl_c_gets_out_of_an_ending_waiting_for_a_prepare_that_does_not_return
     ending used to wait for that lock and that thread with Ctrl-C held back until it got them."""
     _need_sigint()
     dev = rf.device("sim", seed=12, chaos=True)
-    started, release, entered, raised = (threading.Event() for _ in range(4))
+    started, release, entered = (threading.Event() for _ in range(3))
     blocked = 0 if where == "in a step" else 1  # the item whose prepare stalls
 
     def prepare(item):
@@ -372,28 +359,17 @@ def test_ctrl_c_gets_out_of_an_ending_waiting_for_a_prepare_that_does_not_return
         if begun == "before the ending":  # someone waits, so the progress thread runs the prepares
             waiter = start(concurrent.futures.wait, futs, JOIN_S)
             assert started.wait(JOIN_S)
-        found: dict = {}
+        names: set = set()
 
-        def ctrl_c_once_stalled():
+        def once_stalled():
             if entered.wait(JOIN_S) and started.wait(JOIN_S):
-                found["names"] = _stack_names(pipe._driver.thread)
-                _deliver_ctrl_c(how)
-                if not raised.wait(STALL_S):
-                    found["hung"] = all_stacks()
-            release.set()
+                names.update(stack_names(pipe._driver.thread))
+                return True
+            return False
 
-        watchdog = start(ctrl_c_once_stalled)
-        still_stalled = None
-        try:
-            _end(pipe, ending)
-        except KeyboardInterrupt:
-            still_stalled = not release.is_set()
-            raised.set()
-        release.set()
-        join([watchdog])
-        assert "hung" not in found, f"Ctrl-C did not get out of the ending in {STALL_S} s:\n{found['hung']}"
-        assert still_stalled, "the ending did not raise KeyboardInterrupt"
-        names = found["names"]  # the stall is where the case says
+        CtrlCWhileStalled(release, ready=once_stalled, deliver=lambda: _deliver_ctrl_c(how)).run(
+            lambda: _end(pipe, ending), "the ending")
+        # the stall is where the case says
         assert ("step" in names) == (where == "in a step") and "_run_prepare" in names, sorted(names)
         bounded(pipe.close)  # a second close completes
         if waiter is not None:
@@ -439,7 +415,7 @@ def test_a_second_close_of_a_spread_pipeline_waits_for_the_part_whose_end_ctrl_c
     for the parts' progress threads to end, as a second close() of a single-device pipeline does."""
     _need_sigint()
     devs = [rf.device("sim", seed=40 + k, chaos=True) for k in range(2)]
-    release, entered, raised, joining = (threading.Event() for _ in range(4))
+    release, entered, joining = (threading.Event() for _ in range(3))
     # items 0 and 1 go to the two parts (the first to the first part, then the least loaded)
     started = {float(k): threading.Event() for k in range(stalled_parts)}
     pipe = rf.Pipeline(lambda x, y: np.copyto(y, x + 1), device=devs, prepare=_stalling_prepare(started, release),
@@ -460,35 +436,18 @@ def test_a_second_close_of_a_spread_pipeline_waits_for_the_part_whose_end_ctrl_c
     driver.hold, driver.join_handed_over = holding, joined
     waiter = start(concurrent.futures.wait, futs, JOIN_S)  # someone waits: the progress threads run
     assert all(event.wait(JOIN_S) for event in started.values())
-    found: dict = {}
-
-    def ctrl_c_once_stalled():
-        if entered.wait(JOIN_S):
-            interrupt_main()
-            if not raised.wait(STALL_S):
-                found["hung"] = all_stacks()
-                release.set()
-        # the prepare returns only once a second close waits for its part's thread
-        joining.wait(JOIN_S)
-        release.set()
-
-    watchdog = start(ctrl_c_once_stalled)
-    still_stalled = None
+    # the prepare returns only once a second close waits for its part's thread
+    stall = CtrlCWhileStalled(release, ready=lambda: entered.wait(JOIN_S), hold=lambda: joining.wait(JOIN_S))
+    stall.call(lambda: _end(pipe, ending))
     try:
-        _end(pipe, ending)
-    except KeyboardInterrupt:
-        still_stalled = not release.is_set()
-        raised.set()
-    try:
-        assert "hung" not in found, f"Ctrl-C did not get out of the ending in {STALL_S} s:\n{found['hung']}"
-        assert still_stalled, "the ending did not raise KeyboardInterrupt"
+        stall.check("the ending")
         # a second close waits for the part whose end was handed over, however long its prepare runs
         alive = bounded(lambda: (pipe.close(), [p._driver.thread.is_alive() for p in pipe.parts])[1])
         assert joining.is_set() and alive == [False, False], alive
     finally:
         joining.set()
-        release.set()
-        join([watchdog, waiter])
+        stall.finish()
+        join([waiter])
     assert all(p._sched.closed for p in pipe.parts)
     assert all(f.done() for f in futs)
     s = pipe.stats()
@@ -522,7 +481,7 @@ def test_ctrl_c_gets_out_of_a_call_waiting_on_a_pipeline_a_stalled_prepare_keeps
     dev = rf.device("sim", seed=13, chaos=True)
     blocked = 0.0 if where == "in a step" else 1.0  # the item whose prepare stalls
     started, release = {blocked: threading.Event()}, threading.Event()
-    entered, raised = threading.Event(), threading.Event()
+    entered = threading.Event()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         # with room for one more chunk, but none when submit waits for room
@@ -535,23 +494,13 @@ def test_ctrl_c_gets_out_of_a_call_waiting_on_a_pipeline_a_stalled_prepare_keeps
         if begun == "before the call":
             waiter = start(concurrent.futures.wait, futs, JOIN_S)
             assert started[blocked].wait(JOIN_S)
-        found: dict = {}
         # a call that needs neither the lock nor the stalled item (submit with room, stats, while
         # the stall is in a device wait) returns without waiting for it: no Ctrl-C is sent then
         waits = not (call in ("submit", "stats", "failures") and begun == "before the call"
                      and where == "in a device wait")
-
-        def ctrl_c_once_stalled():
-            if waits and entered.wait(JOIN_S) and started[blocked].wait(JOIN_S):
-                interrupt_main()
-                if not raised.wait(STALL_S):
-                    found["hung"] = all_stacks()
-                release.set()
-
-        watchdog = start(ctrl_c_once_stalled)
-        still_stalled = returned = None
         got = []
-        try:
+
+        def the_call(futs=futs):  # (the same list: the test deletes its name before it ends)
             entered.set()
             if call == "submit":
                 sent.append(np.full(8, 10.0))
@@ -565,17 +514,9 @@ def test_ctrl_c_gets_out_of_a_call_waiting_on_a_pipeline_a_stalled_prepare_keeps
                 got.append(pipe.failures)
             else:
                 got.append(pipe.stats())
-            returned = not release.is_set()
-        except KeyboardInterrupt:
-            still_stalled = not release.is_set()
-            raised.set()
-        release.set()
-        join([watchdog])
-        assert "hung" not in found, f"Ctrl-C did not get out of {call}() in {STALL_S} s:\n{found['hung']}"
-        if waits:
-            assert still_stalled, "the call did not raise KeyboardInterrupt"
-        else:
-            assert returned, "the call waited for the stall"
+
+        CtrlCWhileStalled(release, ready=lambda: waits and entered.wait(JOIN_S) and started[blocked].wait(JOIN_S)
+                          ).run(the_call, f"{call}()", raises=waits)
         if call == "map":  # results handed out before the stall are right, in order
             for k, r in enumerate(got):
                 np.testing.assert_array_equal(r, np.full(8, (10.0 if futs else 0.0) + k + 1))
@@ -602,39 +543,17 @@ def test_a_ctrl_c_that_wakes_nothing_gets_out_of_a_look_at_a_pipeline_a_stalled_
     only the lock's release ended."""
     _need_sigint()
     dev = rf.device("sim", seed=13, chaos=True)
-    started, release, raised = {0.0: threading.Event()}, threading.Event(), threading.Event()
+    started, release = {0.0: threading.Event()}, threading.Event()
     pipe = rf.Pipeline(lambda x, y: np.copyto(y, x + 1), device=dev, prepare=_stalling_prepare(started, release),
                        chunk_bytes=512, slots=2, workers=1, max_in_flight=4, checked=True)
     sent = [np.full(8, float(k)) for k in range(3)]
     futs = [pipe.submit(item) for item in sent]
     waiter = start(concurrent.futures.wait, futs, JOIN_S)
     assert started[0.0].wait(JOIN_S)
-    assert "step" in _stack_names(pipe._driver.thread)  # the prepare stalls where the lock is held
-    found: dict = {}
-
-    def ctrl_c():
-        # once the main thread is inside the call (the look takes the lock first thing)
-        tick = threading.Event()
-        for _ in range(int(JOIN_S / 0.01)):
-            if call in _stack_names(threading.main_thread()):
-                break
-            tick.wait(0.01)
-        _deliver_ctrl_c("interrupt_main")
-        if not raised.wait(STALL_S):
-            found["hung"] = all_stacks()
-        release.set()
-
-    watchdog = start(ctrl_c)
-    still_stalled = None
-    try:
-        pipe.failures if call == "failures" else pipe.stats()
-    except KeyboardInterrupt:
-        still_stalled = not release.is_set()
-        raised.set()
-    release.set()
-    join([watchdog])
-    assert "hung" not in found, f"Ctrl-C did not get out of {call} in {STALL_S} s:\n{found['hung']}"
-    assert still_stalled, f"{call} did not raise KeyboardInterrupt"
+    assert "step" in stack_names(pipe._driver.thread)  # the prepare stalls where the lock is held
+    # Ctrl-C once the main thread is inside the call (the look takes the lock first thing)
+    CtrlCWhileStalled(release, ready=once_inside(call), deliver=lambda: _deliver_ctrl_c("interrupt_main")).run(
+        lambda: pipe.failures if call == "failures" else pipe.stats(), call)
     bounded(pipe.close)
     join([waiter])
     for f, item in zip(futs, sent):
@@ -654,7 +573,7 @@ def test_ctrl_c_gets_out_of_a_submit_whose_staging_copy_waits_for_a_device_a_sta
     thread while its submit's copy waits for it must come out while the compute still blocks."""
     _need_sigint()
     dev = rf.device("sim", profile="unit", seed=14)  # no host overheads: kernels run in device waits only
-    started, release, raised = threading.Event(), threading.Event(), threading.Event()
+    started, release = threading.Event(), threading.Event()
 
     def compute(x, y):
         if x[0] == 0.0:
@@ -666,31 +585,9 @@ def test_ctrl_c_gets_out_of_a_submit_whose_staging_copy_waits_for_a_device_a_sta
     first = pipe.submit(np.zeros(8))
     waiter = start(concurrent.futures.wait, [first], JOIN_S)
     assert started.wait(JOIN_S)
-    assert "wait_any" in _stack_names(pipe._driver.thread)  # the compute stalls in a device wait
-    found: dict = {}
-
-    def ctrl_c():
-        tick = threading.Event()
-        for _ in range(int(JOIN_S / 0.01)):  # once the main thread is inside the submit
-            if "submit" in _stack_names(threading.main_thread()):
-                break
-            tick.wait(0.01)
-        interrupt_main()
-        if not raised.wait(STALL_S):
-            found["hung"] = all_stacks()
-        release.set()
-
-    watchdog = start(ctrl_c)
-    still_stalled = None
-    try:
-        pipe.submit(np.ones(8))
-    except KeyboardInterrupt:
-        still_stalled = not release.is_set()
-        raised.set()
-    release.set()
-    join([watchdog])
-    assert "hung" not in found, f"Ctrl-C did not get out of submit in {STALL_S} s:\n{found['hung']}"
-    assert still_stalled, "submit did not raise KeyboardInterrupt"
+    assert "wait_any" in stack_names(pipe._driver.thread)  # the compute stalls in a device wait
+    # Ctrl-C once the main thread is inside the submit
+    CtrlCWhileStalled(release, ready=once_inside("submit")).run(lambda: pipe.submit(np.ones(8)), "submit")
     join([waiter])
     np.testing.assert_array_equal(first.result(), np.ones(8))
     bounded(pipe.close)
@@ -712,7 +609,7 @@ def test_ctrl_c_gets_out_of_a_shared_submit_whose_take_back_waits_for_a_step_a_s
     thread, which carries it out before its next step once the compute returns."""
     _need_sigint()
     dev = rf.device("sim", seed=15)
-    started, release, raised = threading.Event(), threading.Event(), threading.Event()
+    started, release = threading.Event(), threading.Event()
     pipe = None
 
     def compute(x, y):
@@ -730,35 +627,16 @@ def test_ctrl_c_gets_out_of_a_shared_submit_whose_take_back_waits_for_a_step_a_s
     assert copying.wait(JOIN_S)
     waiter = start(first.exception, JOIN_S)  # someone waits: the progress thread runs the compute
     assert started.wait(JOIN_S)
-    assert "step" in _stack_names(pipe._driver.thread) and pipe._sched.open_batch is not None
-    found: dict = {}
+    assert "step" in stack_names(pipe._driver.thread) and pipe._sched.open_batch is not None
 
-    def ctrl_c():
-        tick = threading.Event()
-        for _ in range(int(JOIN_S / 0.01)):  # once the main thread's copy waits for the device
-            if "host_copy" in _stack_names(threading.main_thread()):
-                break
-            tick.wait(0.01)
+    def second_ctrl_c(stall):  # where the first did not get out, a second Ctrl-C, waited for a while
         interrupt_main()
-        if not raised.wait(STALL_S):
-            found["hung"] = all_stacks()
-            interrupt_main()  # a second Ctrl-C
-            if not raised.wait(STALL_S / 3):
-                found["hung again"] = True
-        release.set()
+        stall.raised.wait(STALL_S / 3)
 
-    watchdog = start(ctrl_c)
-    still_stalled = None
+    # Ctrl-C once the main thread's copy waits for the device
     mine = np.full(8, 2.0, np.float32)
-    try:
-        pipe.submit(mine)
-    except KeyboardInterrupt:
-        still_stalled = not release.is_set()
-        raised.set()
-    release.set()
-    join([watchdog])
-    assert "hung" not in found, f"Ctrl-C did not get out of submit in {STALL_S} s:\n{found['hung']}"
-    assert still_stalled, "submit did not raise KeyboardInterrupt"
+    CtrlCWhileStalled(release, ready=once_inside("host_copy"), on_hang=second_ctrl_c).run(
+        lambda: pipe.submit(mine), "submit")
     let_copy.set()
     theirs = join([opener])[0]
     join([waiter])
@@ -782,7 +660,7 @@ def test_ctrl_c_gets_out_of_an_ending_waiting_for_a_done_callback_that_does_not_
     left live."""
     _need_sigint()
     dev = rf.device("sim", seed=14, chaos=True)
-    in_callback, release, entered, raised = (threading.Event() for _ in range(4))
+    in_callback, release, entered = (threading.Event() for _ in range(3))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         pipe = rf.Pipeline(lambda x, y: np.copyto(y, x + 1), device=dev, chunk_bytes=512, slots=2,
@@ -803,26 +681,7 @@ def test_ctrl_c_gets_out_of_an_ending_waiting_for_a_done_callback_that_does_not_
 
         futs[0].add_done_callback(stuck)  # (someone waits now: the progress thread runs)
         assert in_callback.wait(JOIN_S)
-        found: dict = {}
-
-        def ctrl_c_once_stuck():
-            if entered.wait(JOIN_S):
-                interrupt_main()
-                if not raised.wait(STALL_S):
-                    found["hung"] = all_stacks()
-            release.set()
-
-        watchdog = start(ctrl_c_once_stuck)
-        still_stuck = None
-        try:
-            _end(pipe, ending)
-        except KeyboardInterrupt:
-            still_stuck = not release.is_set()
-            raised.set()
-        release.set()
-        join([watchdog])
-        assert "hung" not in found, f"Ctrl-C did not get out of the ending in {STALL_S} s:\n{found['hung']}"
-        assert still_stuck, "the ending did not raise KeyboardInterrupt"
+        CtrlCWhileStalled(release, ready=lambda: entered.wait(JOIN_S)).run(lambda: _end(pipe, ending), "the ending")
         bounded(pipe.close)  # a second close completes
         assert not pipe._driver.thread.is_alive() and pipe._sched.closed
         assert all(f.done() for f in futs)

@@ -12,7 +12,8 @@ import pytest
 import ringflow as rf
 from ringflow._pipeline.spread import SpreadPipeline
 from tests.helpers.pipeline_checks import check_map_refuses_not_iterable, take_all
-from tests.helpers.threads import JOIN_S, all_stacks, interrupt_main, join, start
+from tests.helpers.interrupts import CtrlCWhileStalled
+from tests.helpers.threads import JOIN_S, join, stack_names, start
 
 
 def f(x, y):
@@ -489,31 +490,45 @@ def test_two_maps_of_device_results_over_two_devices_both_finish(face):
     pipe = rf.Pipeline(f, device=sims(2, 12), chunk_bytes=1024, deliver="device")
     items = [np.full(8, i, np.float32) for i in range(60)]
 
-    def consume():
-        seen = []
-        for res in pipe.map(items):
-            seen.append(res.index)
-            res.release()
-        return seen
-
-    async def aconsume():
-        seen = []
-        async for res in pipe.amap(items):
-            seen.append(res.index)
-            res.release()
-        return seen
-
     async def both():
-        return await asyncio.gather(aconsume(), aconsume())
+        return await asyncio.gather(_amap_releasing_each(pipe, items), _amap_releasing_each(pipe, items))
 
     if face == "map":
-        got = join([start(consume), start(consume)], timeout=JOIN_S)
+        got = join([start(_map_releasing_each, pipe, items), start(_map_releasing_each, pipe, items)], timeout=JOIN_S)
     else:
         got = join([start(asyncio.run, both())], timeout=JOIN_S)[0]
     assert [len(g) for g in got] == [60, 60] and all(g == sorted(g) for g in got)  # each in its order
     pipe.close()
     s = pipe.stats()
     assert s.delivered == 120 and s.in_flight == 0 and s.balanced(), s
+
+
+def _map_releasing_each(pipe, items) -> list:
+    """``pipe.map(items)`` of device results, each released as soon as it is handed out; returns
+    the results' indices in the order they came."""
+    seen = []
+    for res in pipe.map(items):
+        seen.append(res.index)
+        res.release()
+    return seen
+
+
+async def _amap_releasing_each(pipe, items) -> list:
+    """As :func:`_map_releasing_each`, through ``pipe.amap(items)``."""
+    seen = []
+    async for res in pipe.amap(items):
+        seen.append(res.index)
+        res.release()
+    return seen
+
+
+def _map_on_a_thread_releasing_each(pipe, items, face: str) -> list:
+    """:func:`_map_releasing_each` (``face`` "map") or :func:`_amap_releasing_each` under its own
+    event loop (``face`` "amap") on another thread, waited for at most ``JOIN_S`` real seconds;
+    returns the indices. Raises tests.helpers.threads.Hang if the map does not end in time."""
+    if face == "map":
+        return join([start(_map_releasing_each, pipe, items)], timeout=JOIN_S)[0]
+    return join([start(asyncio.run, _amap_releasing_each(pipe, items))], timeout=JOIN_S)[0]
 
 
 GATED = -1.0  # the first element of the item whose compute waits for the test's gate
@@ -571,22 +586,8 @@ def test_a_map_whose_room_another_thread_took_after_it_looked_hands_its_results_
         assert [p.stats().in_flight for p in pipe.parts] == [2, 2]  # no room left on either device
         yield from mine[2:]
 
-    def consume():
-        seen = []
-        for res in pipe.map(source()):
-            seen.append(res.index)
-            res.release()
-        return seen
-
-    async def aconsume():
-        seen = []
-        async for res in pipe.amap(source()):
-            seen.append(res.index)
-            res.release()
-        return seen
-
     try:
-        seen = join([start(consume if face == "map" else lambda: asyncio.run(aconsume()))], timeout=JOIN_S)[0]
+        seen = _map_on_a_thread_releasing_each(pipe, source(), face)
         theirs = join(other, timeout=JOIN_S)[0]
     finally:
         gate.set()
@@ -641,22 +642,8 @@ def test_on_one_device_a_map_whose_room_another_thread_took_after_it_looked_hand
         assert not pipe._sched.has_capacity()
         yield from mine[1:]
 
-    def consume():
-        seen = []
-        for res in pipe.map(source()):
-            seen.append(res.index)
-            res.release()
-        return seen
-
-    async def aconsume():
-        seen = []
-        async for res in pipe.amap(source()):
-            seen.append(res.index)
-            res.release()
-        return seen
-
     try:
-        seen = join([start(consume if face == "map" else lambda: asyncio.run(aconsume()))], timeout=JOIN_S)[0]
+        seen = _map_on_a_thread_releasing_each(pipe, source(), face)
         theirs = join(other, timeout=JOIN_S)[0]
     finally:
         gate.set()
@@ -828,31 +815,13 @@ def test_ctrl_c_gets_out_of_a_submit_waiting_for_room_on_every_device():
         pytest.skip("SIGINT is not Python's default KeyboardInterrupt handler here")
     started = {k: threading.Event() for k in (0.0, 1.0)}
     release = {k: threading.Event() for k in (0.0, 1.0)}
-    raised = threading.Event()
     pipe = rf.Pipeline(lambda x, y: np.copyto(y, x * 2 + 1), device=sims(2, 37),
                        prepare=_stall_each(started, release), chunk_bytes=512, slots=1, workers=1, max_in_flight=1)
     try:
         futs = [pipe.submit(np.full(8, float(k))) for k in range(2)]
-        found: dict = {}
-
-        def ctrl_c_once_stalled():
-            if all(e.wait(JOIN_S) for e in started.values()):
-                interrupt_main()
-                if not raised.wait(15.0):
-                    found["hung"] = all_stacks()
-            for e in release.values():
-                e.set()
-
-        watchdog = start(ctrl_c_once_stalled)
-        interrupted = None
-        try:
-            pipe.submit(np.full(8, 2.0))
-        except KeyboardInterrupt:
-            interrupted = not any(e.is_set() for e in release.values())
-            raised.set()
-        join([watchdog])
-        assert "hung" not in found, found["hung"]
-        assert interrupted, "the submit did not raise KeyboardInterrupt while the prepares stalled"
+        # Ctrl-C once both prepares stall; stalled until either is released
+        CtrlCWhileStalled(release.values(), ready=lambda: all(e.wait(JOIN_S) for e in started.values())).run(
+            lambda: pipe.submit(np.full(8, 2.0)), "the submit")
         for k, fut in enumerate(futs):
             np.testing.assert_array_equal(fut.result(timeout=JOIN_S), np.full(8, 2.0 * k + 1))
     finally:
@@ -885,7 +854,7 @@ def test_a_small_item_with_no_room_anywhere_never_waits_for_a_stalled_devices_lo
         stalled = pipe.submit(np.full(8, 7.0, np.float32))
         waiter = start(stalled.exception, JOIN_S)  # someone waits on device 0: its step runs the compute
         assert started.wait(JOIN_S)
-        assert "step" in _stack_names(first._driver.thread)  # the stall keeps device 0's lock
+        assert "step" in stack_names(first._driver.thread)  # the stall keeps device 0's lock
         futs = [pipe.submit(np.full(8, 1.0, np.float32))]
         assert stalled._driver is first._driver and futs[0]._driver is second._driver
         futs.append(join([start(pipe.submit, np.full(8, 2.0, np.float32))])[0])
@@ -901,17 +870,6 @@ def test_a_small_item_with_no_room_anywhere_never_waits_for_a_stalled_devices_lo
         pipe.close()
     s = pipe.stats()
     assert s.delivered == 3 and s.in_flight == 0 and s.balanced(), s
-
-
-def _stack_names(thread: threading.Thread) -> set:
-    import sys
-
-    frame = sys._current_frames().get(thread.ident)
-    names = set()
-    while frame is not None:
-        names.add(frame.f_code.co_name)
-        frame = frame.f_back
-    return names
 
 
 def test_a_cancelled_asubmit_waiting_for_room_on_every_device_accepts_nothing():
