@@ -91,6 +91,27 @@ def stack_names(thread: threading.Thread) -> set:
     return names
 
 
+def hold_progress_thread(fut: Any, timeout: float = JOIN_S) -> threading.Event:
+    """Hold the thread that runs ``fut``'s done-callbacks (a pipeline's progress thread) in one
+    until the returned event is set (or ``timeout`` real seconds pass); returns once it is held."""
+    holding, release = threading.Event(), threading.Event()
+    caller = threading.current_thread()
+    ran_on: list = []
+
+    def hold(_fut: Any) -> None:  # on the progress thread, outside the lock: nothing advances meanwhile
+        ran_on.append(threading.current_thread())
+        holding.set()
+        if ran_on[0] is not caller:  # a future already done runs it at once, here: hold nothing
+            release.wait(timeout)
+
+    fut.add_done_callback(hold)
+    if not holding.wait(timeout):
+        raise Hang(f"the progress thread never ran the holding callback in {timeout} real seconds:\n"
+                   + all_stacks())
+    assert ran_on[0] is not caller, "the future was done already: no progress thread was held"
+    return release
+
+
 def interrupt_main() -> None:
     """Deliver a real SIGINT to the main thread: unlike ``_thread.interrupt_main`` it also wakes a
     main thread blocked in a lock or condition wait, which then raises KeyboardInterrupt."""

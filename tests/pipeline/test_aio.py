@@ -15,7 +15,7 @@ import pytest
 
 import ringflow as rf
 from ringflow._pipeline import aio
-from tests.helpers.threads import JOIN_S, bounded, tick_then_release
+from tests.helpers.threads import JOIN_S, bounded, hold_progress_thread, tick_then_release
 
 
 def _gated_pipe(gate: threading.Event):
@@ -102,14 +102,7 @@ def test_an_amap_dropped_unfinished_on_a_closed_loop_cancels_its_window():
                        slots=2, max_in_flight=6, checked=True)
     x = [np.arange(16.0) + 100 * k for k in range(20)]
     blocker = pipe.submit(np.zeros(16))
-    holding, release = threading.Event(), threading.Event()
-
-    def hold(_fut):  # on the progress thread, outside the lock: nothing advances meanwhile
-        holding.set()
-        release.wait(JOIN_S)
-
-    blocker.add_done_callback(hold)
-    assert holding.wait(JOIN_S)
+    release = hold_progress_thread(blocker)
     blocker.result().release()
 
     async def releaser():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
-import threading
 import warnings
 
 import numpy as np
@@ -15,7 +14,7 @@ import ringflow as rf
 from ringflow._errors import DeviceError, StageError
 from ringflow._pipeline.states import ChunkState, SlotState
 from tests.helpers.pipeline_checks import Harness, check_result, future_outcome
-from tests.helpers.threads import JOIN_S
+from tests.helpers.threads import hold_progress_thread
 
 SIZES = [40, 0, 64, 1, 17, 64, 33, 50]  # 8 chunks of int64 (a 64-element chunk fills a 512-byte slot)
 
@@ -432,19 +431,13 @@ def test_an_amap_stopped_early_cancels_its_window_in_one_call(monkeypatch):
     dev = rf.device("sim", seed=15)
     items = [_one(i) for i in range(20)]
 
-    holding, release = threading.Event(), threading.Event()
-
-    def hold(_fut):  # on the progress thread, outside the lock: nothing advances meanwhile
-        holding.set()
-        release.wait(JOIN_S)
-
-    async def releaser(pipe):
+    async def releaser(pipe, release):
         while pipe.stats().accepted < 1 + 5:  # the blocker, and the map's whole window
             await asyncio.sleep(0)
         release.set()
 
-    async def main(pipe):
-        task = asyncio.create_task(releaser(pipe))
+    async def main(pipe, release):
+        task = asyncio.create_task(releaser(pipe, release))
         async for _ in pipe.amap(items):
             break
         await task
@@ -453,11 +446,9 @@ def test_an_amap_stopped_early_cancels_its_window_in_one_call(monkeypatch):
                      max_in_flight=5) as pipe:
         # the progress thread is held until the map has taken its whole window, so that no result
         # is ready before (a map hands a ready result out before taking more)
-        blocker = pipe.submit(_one(99))
-        blocker.add_done_callback(hold)
-        assert holding.wait(JOIN_S)
+        release = hold_progress_thread(pipe.submit(_one(99)))
         try:
-            asyncio.run(main(pipe))
+            asyncio.run(main(pipe, release))
         finally:
             release.set()
         assert len(handed) == 1 and len(handed[0]) == 4  # the window after the first result

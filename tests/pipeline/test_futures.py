@@ -25,7 +25,7 @@ import ringflow as rf
 from ringflow._bench import kernels
 from ringflow._errors import StageError
 from tests.helpers.pipeline_checks import Harness, MarkedFault, check_result, drop_tracebacks
-from tests.helpers.threads import JOIN_S, bounded, join, start, tick_then_release
+from tests.helpers.threads import JOIN_S, bounded, hold_progress_thread, join, start, tick_then_release
 
 
 def f_affine(x, y):
@@ -377,14 +377,7 @@ def _unordered_with_the_progress_thread_held():
     h = Harness(seed=16, chaos=True, checked=True, slots=2, max_in_flight=5, workers=2, chunk_bytes=512,
                 ordered=False)
     blocker = h.pipe.submit(h.item(99, 8))
-    holding, release = threading.Event(), threading.Event()
-
-    def hold(_fut):  # on the progress thread, outside the lock: nothing advances meanwhile
-        holding.set()
-        release.wait(JOIN_S)
-
-    blocker.add_done_callback(hold)
-    assert holding.wait(JOIN_S)
+    release = hold_progress_thread(blocker)
     return h, blocker, release, [h.item(i + 1, 8, consume_cost=(1e-2 if i == 0 else 0.0)) for i in range(4)]
 
 
@@ -661,14 +654,7 @@ def test_the_event_loop_is_never_blocked(how):
     loop while waiting for capacity would wait for ever."""
     dev, pipe = _pipe(13, max_in_flight=2)
     first = [pipe.submit(a) for a in _items(2, base=5.0)]
-    holding, release = threading.Event(), threading.Event()
-
-    def hold(_fut):  # on the progress thread, outside the lock: nothing advances meanwhile
-        holding.set()
-        release.wait(JOIN_S)
-
-    first[0].add_done_callback(hold)
-    assert holding.wait(JOIN_S)
+    release = hold_progress_thread(first[0])
     x = _items(5, base=7.0)
     try:
         got, ticks = _call_while_ticking(pipe, how, x, release, timeout=30)  # the pipeline moves again only then
