@@ -381,9 +381,14 @@ def _unordered_with_the_progress_thread_held():
     return h, blocker, release, [h.item(i + 1, 8, consume_cost=(1e-2 if i == 0 else 0.0)) for i in range(4)]
 
 
-def _check_handed_out_as_they_ended(h, blocker, got) -> None:
-    """Every result of :func:`_unordered_with_the_progress_thread_held`'s items right, once each, in
-    the order their chunks ended (the first item's last); then the pipeline checked and closed."""
+def _run_and_check_handed_out_as_they_ended(main, h, blocker, release) -> None:
+    """Run ``main`` (the progress thread released by it, or after it if it fails first); then every
+    result of :func:`_unordered_with_the_progress_thread_held`'s items right, once each, in the
+    order their chunks ended (the first item's last); then the pipeline checked and closed."""
+    try:
+        got = _run(main)
+    finally:
+        release.set()
     for r in got:
         check_result(r, h.items[r.tag])
     ends = [h.chunks[r.index].stamps["ended"] for r in got]  # (virtual seconds)
@@ -418,11 +423,7 @@ def test_amap_with_ordered_false_hands_results_out_as_they_end(kind):
         await task
         return got
 
-    try:
-        got = _run(main)
-    finally:
-        release.set()
-    _check_handed_out_as_they_ended(h, blocker, got)
+    _run_and_check_handed_out_as_they_ended(main, h, blocker, release)
 
 
 def test_an_unordered_amap_woken_in_the_turn_its_results_arrive_hands_them_out_as_they_ended():
@@ -455,11 +456,7 @@ def test_an_unordered_amap_woken_in_the_turn_its_results_arrive_hands_them_out_a
     async def main():
         return [r async for r in h.pipe.amap(agen())]
 
-    try:
-        got = _run(main)
-    finally:
-        release.set()
-    _check_handed_out_as_they_ended(h, blocker, got)
+    _run_and_check_handed_out_as_they_ended(main, h, blocker, release)
 
 
 def test_an_amap_stopped_while_its_async_source_is_pulled_stops_the_pull():
