@@ -112,6 +112,27 @@ def hold_progress_thread(fut: Any, timeout: float = JOIN_S) -> threading.Event:
     return release
 
 
+class CancelAfter:
+    """Cancels ``pipe`` from a thread of its own (:attr:`thread`, a future of :func:`start`) once
+    :meth:`count` has counted ``n`` results: a cancel that comes while a map runs elsewhere."""
+
+    def __init__(self, pipe: Any, n: int = 2) -> None:
+        self._pipe, self._n, self._counted = pipe, n, 0
+        self._reached = threading.Event()
+        self.thread = start(self._cancel, name="test-canceller")
+
+    def count(self, result: Any) -> Any:
+        """Count one result handed out; returns it unchanged."""
+        self._counted += 1
+        if self._counted == self._n:
+            self._reached.set()
+        return result
+
+    def _cancel(self) -> None:
+        assert self._reached.wait(JOIN_S), f"fewer than {self._n} results came to cancel after"
+        self._pipe.cancel()
+
+
 def interrupt_main() -> None:
     """Deliver a real SIGINT to the main thread: unlike ``_thread.interrupt_main`` it also wakes a
     main thread blocked in a lock or condition wait, which then raises KeyboardInterrupt."""

@@ -25,7 +25,7 @@ import ringflow as rf
 from ringflow._bench import kernels
 from ringflow._errors import StageError
 from tests.helpers.pipeline_checks import Harness, MarkedFault, check_result, drop_tracebacks
-from tests.helpers.threads import JOIN_S, bounded, hold_progress_thread, join, start, tick_then_release
+from tests.helpers.threads import JOIN_S, CancelAfter, bounded, hold_progress_thread, join, start, tick_then_release
 
 
 def f_affine(x, y):
@@ -562,23 +562,13 @@ def test_amap_ends_like_map_when_the_pipeline_is_cancelled():
     as map does, instead of raising the CancelledError of a chunk it did not cancel."""
     h = Harness(seed=14, chaos=True, checked=True, slots=2, max_in_flight=3, chunk_bytes=512)
     items = [h.item(i + 1, 8) for i in range(300)]
-    two = threading.Event()
+    canceller = CancelAfter(h.pipe, 2)
 
     async def main():
-        got = []
-        async for r in h.pipe.amap(items):
-            got.append(r)
-            if len(got) == 2:
-                two.set()
-        return got
+        return [canceller.count(r) async for r in h.pipe.amap(items)]
 
-    def canceller():
-        assert two.wait(JOIN_S)
-        h.pipe.cancel()
-
-    c = start(canceller)
     got = _run(main)
-    join([c])
+    join([canceller.thread])
     assert 2 <= len(got) < len(items)
     assert [r.tag for r in got] == [it.tag for it in items[:len(got)]]
     h.check()

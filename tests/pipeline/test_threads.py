@@ -43,7 +43,7 @@ from tests.helpers.pipeline_checks import (
 )
 from tests.helpers.sim import Timeline
 from tests.helpers.stateful import machine_settings
-from tests.helpers.threads import JOIN_S, bounded, join, run_all, start
+from tests.helpers.threads import JOIN_S, CancelAfter, bounded, join, run_all, start
 
 ELEMS = 64  # int64 elements per item at most: 512-byte slots
 
@@ -247,21 +247,12 @@ def test_close_from_another_thread_while_submitters_run(seed):
 def test_cancel_while_a_map_runs_in_another_thread():
     h = Harness(seed=16, chaos=True, checked=True, slots=2, max_in_flight=3, workers=2, chunk_bytes=512)
     items = [h.item(i + 1, (i * 5) % (ELEMS + 1)) for i in range(500)]
-    two = threading.Event()
+    canceller = CancelAfter(h.pipe, 2)
 
     def mapper():
-        got = []
-        for r in h.pipe.map(items):
-            got.append(r)
-            if len(got) == 2:
-                two.set()
-        return got
+        return [canceller.count(r) for r in h.pipe.map(items)]
 
-    def canceller():
-        assert two.wait(JOIN_S)
-        h.pipe.cancel()
-
-    got, _ = join([start(mapper), start(canceller)])
+    got, _ = join([start(mapper), canceller.thread])
     assert 2 <= len(got) < len(items), "the map neither stopped at the cancel nor ran"
     assert [r.tag for r in got] == [it.tag for it in items[:len(got)]], "a cancelled map returned a non-prefix"
     for r in got:
