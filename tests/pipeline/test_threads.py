@@ -186,22 +186,31 @@ def _endless_submitter(h: Harness, k: int, started: threading.Event, limit: int 
     return futs, None
 
 
-@pytest.mark.parametrize("seed", [10, 11, 12])
-def test_cancel_from_another_thread_while_submitters_run(seed):
-    h = Harness(seed=seed, chaos=True, checked=True, slots=2, max_in_flight=4, workers=2, chunk_bytes=512)
+def _submitters_stopped_by(h: Harness, stop) -> list:
+    """Four :func:`_endless_submitter` threads, and ``stop()`` called on another once one of them
+    has three futures; returns each submitter's ``(futures, refusal)`` once all have finished."""
     started = threading.Event()
     subs = [start(_endless_submitter, h, k, started) for k in range(4)]
 
-    def canceller():
+    def stopper():
         assert started.wait(JOIN_S)
+        stop()
+
+    join([start(stopper)] + subs)
+    return [sub.result() for sub in subs]
+
+
+@pytest.mark.parametrize("seed", [10, 11, 12])
+def test_cancel_from_another_thread_while_submitters_run(seed):
+    h = Harness(seed=seed, chaos=True, checked=True, slots=2, max_in_flight=4, workers=2, chunk_bytes=512)
+
+    def cancel():
         h.pipe.cancel()
         s = h.pipe.stats()
         assert s.in_flight == 0 and s.balanced(), s
 
-    join([start(canceller)] + subs)
     outcomes = {"value": 0, "cancelled": 0}
-    for sub in subs:
-        futs, refusal = sub.result()
+    for futs, refusal in _submitters_stopped_by(h, cancel):
         assert refusal is not None and "no longer accepts work" in str(refusal), refusal
         done, pending = concurrent.futures.wait([f for f, _ in futs], timeout=JOIN_S)
         assert not pending, f"{len(pending)} futures never ended after cancel"
@@ -222,18 +231,13 @@ def test_cancel_from_another_thread_while_submitters_run(seed):
 def test_close_from_another_thread_while_submitters_run(seed):
     """close() finishes what was accepted: every accepted future is delivered, the others refused."""
     h = Harness(seed=seed, chaos=True, checked=True, slots=2, max_in_flight=4, workers=2, chunk_bytes=512)
-    started = threading.Event()
-    subs = [start(_endless_submitter, h, k, started) for k in range(4)]
 
-    def closer():
-        assert started.wait(JOIN_S)
+    def close():
         h.pipe.close()
         assert h.pipe.stats().in_flight == 0
 
-    join([start(closer)] + subs)
     delivered = 0
-    for sub in subs:
-        futs, refusal = sub.result()
+    for futs, refusal in _submitters_stopped_by(h, close):
         assert refusal is not None and ("closed" in str(refusal) or "no longer accepts work" in str(refusal)), refusal
         for fut, it in futs:
             assert fut.done(), f"chunk {fut.index} pending after close"
