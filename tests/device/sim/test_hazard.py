@@ -221,14 +221,19 @@ def test_multiple_wait(h):
     h.good(3, read_only=[1])
 
 
-def test_diamond(h):
-    # 0 writes; 1 and 2 each fix up half after waiting on 0; 3 reads all after waiting on both
+def _diamond_sides(h) -> None:
+    """Stream 0 writes buffer 1; streams 1 and 2 each wait on it, then rewrite one half of it."""
     h.good(0, read_write=[1])
     h.record(0, 0)
     h.wait(0, 1)
     h.wait(0, 2)
     h.good(1, read_write=[1], ranges={1: (0, 50)})
     h.good(2, read_write=[1], ranges={1: (50, 100)})
+
+
+def test_diamond(h):
+    # 0 writes; 1 and 2 each fix up half after waiting on 0; 3 reads all after waiting on both
+    _diamond_sides(h)
     h.record(1, 1)
     h.record(2, 2)
     h.wait(1, 3)
@@ -237,14 +242,9 @@ def test_diamond(h):
 
 
 def test_diamond_missing_one_side(h):
-    h.good(0, read_write=[1])
-    h.record(0, 0)
-    h.wait(0, 1)
-    h.wait(0, 2)
-    h.good(1, read_write=[1], ranges={1: (0, 50)})
-    h.good(2, read_write=[1], ranges={1: (50, 100)})
+    _diamond_sides(h)
     h.record(1, 1)
-    h.wait(1, 3)
+    h.wait(1, 3)  # and not on stream 2's half
     err = h.bad(3, read_only=[1])
     assert err.first.actor == stream(2) and (err.first.start, err.first.end) == (50, 100)
 
