@@ -117,14 +117,19 @@ def test_reads_check_last_write(h):
     h.bad(3, read_only=[1])
 
 
-def test_branch_sync(h):
-    # two streams may read after both wait for a third, but neither may then write
+def _two_readers_after_one_writer(h, event: int) -> None:
+    """Stream 1 writes buffer 1 and records ``event``; streams 2 and 3 both wait on it, then read."""
     h.good(1, read_write=[1])
-    h.record(0, 1)
-    h.wait(0, 2)
-    h.wait(0, 3)
+    h.record(event, 1)
+    h.wait(event, 2)
+    h.wait(event, 3)
     h.good(2, read_only=[1])
     h.good(3, read_only=[1])
+
+
+def test_branch_sync(h):
+    # two streams may read after both wait for a third, but neither may then write
+    _two_readers_after_one_writer(h, event=0)
     h.bad(2, read_write=[1])
 
 
@@ -213,12 +218,7 @@ def test_record_override(h):
 
 
 def test_multiple_wait(h):
-    h.good(1, read_write=[1])
-    h.record(1, 1)
-    h.wait(1, 2)
-    h.wait(1, 3)
-    h.good(2, read_only=[1])
-    h.good(3, read_only=[1])
+    _two_readers_after_one_writer(h, event=1)
 
 
 def _diamond_sides(h) -> None:
