@@ -543,6 +543,27 @@ def _gated_by(gate, let_go):
     return compute
 
 
+def _indices_releasing_each(futs) -> list:
+    """The indices of ``futs``' device results, in turn, each released once it has come."""
+    got = []
+    for fut in futs:
+        res = fut.result()
+        got.append(res.index)
+        res.release()
+    return got
+
+
+def _map_beside_another_thread(pipe, source, face: str, other: list, gate: threading.Event) -> tuple:
+    """:func:`_map_on_a_thread_releasing_each` over ``source``, then the thread that ``source``
+    started (into ``other``) joined; ``gate`` set in any case, so that no compute stays held.
+    Returns the map's indices and that thread's value."""
+    try:
+        seen = _map_on_a_thread_releasing_each(pipe, source, face)
+        return seen, join(other, timeout=JOIN_S)[0]
+    finally:
+        gate.set()
+
+
 @pytest.mark.parametrize("face", ["map", "amap"])
 def test_a_map_whose_room_another_thread_took_after_it_looked_hands_its_results_out(face):
     """Results on the device, one device-out slot and room for two chunks a device. The map takes
@@ -565,12 +586,7 @@ def test_a_map_whose_room_another_thread_took_after_it_looked_hands_its_results_
     def other_thread():
         futs = [pipe.submit(b) for b in others]
         filled.set()
-        got = []
-        for fut in futs:
-            res = fut.result()
-            got.append(res.index)
-            res.release()
-        return got
+        return _indices_releasing_each(futs)
 
     other: list = []
 
@@ -586,11 +602,7 @@ def test_a_map_whose_room_another_thread_took_after_it_looked_hands_its_results_
         assert [p.stats().in_flight for p in pipe.parts] == [2, 2]  # no room left on either device
         yield from mine[2:]
 
-    try:
-        seen = _map_on_a_thread_releasing_each(pipe, source(), face)
-        theirs = join(other, timeout=JOIN_S)[0]
-    finally:
-        gate.set()
+    seen, theirs = _map_beside_another_thread(pipe, source(), face, other, gate)
     assert let_go == [True]
     assert len(seen) == len(mine) and seen == sorted(seen)  # every item, in order
     assert len(theirs) == len(others)
@@ -623,12 +635,7 @@ def test_on_one_device_a_map_whose_room_another_thread_took_after_it_looked_hand
         except TimeoutError:
             pass  # no room left (a submit that does not wait for room raises at once)
         filled.set()
-        got = []
-        for fut in futs:
-            res = fut.result()
-            got.append(res.index)
-            res.release()
-        return got
+        return _indices_releasing_each(futs)
 
     other: list = []
 
@@ -642,11 +649,7 @@ def test_on_one_device_a_map_whose_room_another_thread_took_after_it_looked_hand
         assert not pipe._sched.has_capacity()
         yield from mine[1:]
 
-    try:
-        seen = _map_on_a_thread_releasing_each(pipe, source(), face)
-        theirs = join(other, timeout=JOIN_S)[0]
-    finally:
-        gate.set()
+    seen, theirs = _map_beside_another_thread(pipe, source(), face, other, gate)
     assert let_go == [True]
     assert len(seen) == len(mine) and seen == sorted(seen)
     assert theirs  # (map: one, its result not handed out holding room; amap: two)
