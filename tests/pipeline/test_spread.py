@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
 
@@ -744,6 +745,29 @@ def _stall_each(started: "dict[float, threading.Event]", release: "dict[float, t
     return prepare
 
 
+@contextlib.contextmanager
+def _both_devices_full_and_stalled(seed: int):
+    """Two simulated devices with room for one chunk each, filled by items 0.0 and 1.0 whose
+    prepares stall (:func:`_stall_each`); yields ``(pipe, started, release)``, both keyed by
+    item. Then those two results checked (once the body released the stalls), every stall
+    released and the pipeline closed, with exactly those two accepted and delivered."""
+    started = {k: threading.Event() for k in (0.0, 1.0)}
+    release = {k: threading.Event() for k in (0.0, 1.0)}
+    pipe = rf.Pipeline(lambda x, y: np.copyto(y, x * 2 + 1), device=sims(2, seed),
+                       prepare=_stall_each(started, release), chunk_bytes=512, slots=1, workers=1, max_in_flight=1)
+    try:
+        futs = [pipe.submit(np.full(8, float(k))) for k in range(2)]
+        yield pipe, started, release
+        for k, fut in enumerate(futs):
+            np.testing.assert_array_equal(fut.result(timeout=JOIN_S), np.full(8, 2.0 * k + 1))
+    finally:
+        for e in release.values():
+            e.set()
+        pipe.close()
+    s = pipe.stats()
+    assert s.accepted == 2 and s.delivered == 2 and s.balanced(), s
+
+
 def test_a_submit_waiting_for_room_passes_over_a_device_that_breaks_meanwhile():
     """Both devices full, each prepare stalled; while the third submit waits, device 1 breaks
     (its prepare then returns, and its chunk fails with the device): the item is not sent there
@@ -816,23 +840,10 @@ def test_ctrl_c_gets_out_of_a_submit_waiting_for_room_on_every_device():
         pytest.skip("delivers SIGINT to the main thread: the test must run there")
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("SIGINT is not Python's default KeyboardInterrupt handler here")
-    started = {k: threading.Event() for k in (0.0, 1.0)}
-    release = {k: threading.Event() for k in (0.0, 1.0)}
-    pipe = rf.Pipeline(lambda x, y: np.copyto(y, x * 2 + 1), device=sims(2, 37),
-                       prepare=_stall_each(started, release), chunk_bytes=512, slots=1, workers=1, max_in_flight=1)
-    try:
-        futs = [pipe.submit(np.full(8, float(k))) for k in range(2)]
+    with _both_devices_full_and_stalled(37) as (pipe, started, release):
         # Ctrl-C once both prepares stall; stalled until either is released
         CtrlCWhileStalled(release.values(), ready=lambda: all(e.wait(JOIN_S) for e in started.values())).run(
             lambda: pipe.submit(np.full(8, 2.0)), "the submit")
-        for k, fut in enumerate(futs):
-            np.testing.assert_array_equal(fut.result(timeout=JOIN_S), np.full(8, 2.0 * k + 1))
-    finally:
-        for e in release.values():
-            e.set()
-        pipe.close()
-    s = pipe.stats()
-    assert s.accepted == 2 and s.delivered == 2 and s.balanced(), s
 
 
 def test_a_small_item_with_no_room_anywhere_never_waits_for_a_stalled_devices_lock():
@@ -879,13 +890,7 @@ def test_a_cancelled_asubmit_waiting_for_room_on_every_device_accepts_nothing():
     """Both devices full, each prepare stalled: an asubmit waits for room on either (on the loop's
     executor). Cancelling the awaiting task ends that wait with nothing accepted, and asyncio.run,
     which joins the executor's threads, returns while the prepares still stall."""
-    started = {k: threading.Event() for k in (0.0, 1.0)}
-    release = {k: threading.Event() for k in (0.0, 1.0)}
-    pipe = rf.Pipeline(lambda x, y: np.copyto(y, x * 2 + 1), device=sims(2, 43),
-                       prepare=_stall_each(started, release), chunk_bytes=512, slots=1, workers=1, max_in_flight=1)
-    try:
-        futs = [pipe.submit(np.full(8, float(k))) for k in range(2)]
-
+    with _both_devices_full_and_stalled(43) as (pipe, started, release):
         async def main():
             task = asyncio.ensure_future(pipe.asubmit(np.full(8, 2.0)))
             loop = asyncio.get_running_loop()
@@ -900,11 +905,3 @@ def test_a_cancelled_asubmit_waiting_for_room_on_every_device_accepts_nothing():
         # (nothing accepted: the stats, which take each part's lock, once the prepares return)
         for e in release.values():
             e.set()
-        for k, fut in enumerate(futs):
-            np.testing.assert_array_equal(fut.result(timeout=JOIN_S), np.full(8, 2.0 * k + 1))
-    finally:
-        for e in release.values():
-            e.set()
-        pipe.close()
-    s = pipe.stats()
-    assert s.accepted == 2 and s.delivered == 2 and s.balanced(), s
