@@ -76,6 +76,12 @@ class Chain:
         s.launch(double, self.din.array(np.float32, N), self.dout.array(np.float32, N), reads=[self.din],
                  writes=[self.dout])
 
+    def enqueue_pass(self, s):
+        """The whole pass on stream ``s``: copy in, compute, copy out (enqueued, not waited for)."""
+        s.copy(self.din, self.hin)
+        self.launch(s)
+        s.copy(self.hout, self.dout)
+
 
 # -- the correct chain, and each hazard of the issue ---------------------------------------------------------------
 def test_three_stream_chain_round_trips_bit_exact(dev, x):
@@ -97,9 +103,7 @@ def test_three_stream_chain_round_trips_bit_exact(dev, x):
 def test_host_reads_a_d2h_destination_before_syncing(dev, x):
     c = Chain(dev, x)
     s = dev.create_stream()
-    s.copy(c.din, c.hin)
-    c.launch(s)
-    s.copy(c.hout, c.dout)
+    c.enqueue_pass(s)
     e = s.record()
     with hazard("copy d2h", "host view (r)", c.hout.label, f"[0, {NB})", "host thread"):
         c.hout.view(np.float32, access="r")
@@ -328,9 +332,7 @@ def test_stream_ordered_allocation_used_on_another_stream_needs_a_wait(dev, x):
 def _pending_d2h(dev, x):
     c = Chain(dev, x)
     s = dev.create_stream()
-    s.copy(c.din, c.hin)
-    c.launch(s)
-    s.copy(c.hout, c.dout)
+    c.enqueue_pass(s)
     return c, s.record()
 
 
@@ -376,9 +378,7 @@ def test_a_thread_knows_only_what_it_saw_whatever_id_it_runs_on(dev, x):
 def test_a_stream_sync_orders_the_host(dev, x):
     c = Chain(dev, x)
     s = dev.create_stream()
-    s.copy(c.din, c.hin)
-    c.launch(s)
-    s.copy(c.hout, c.dout)
+    c.enqueue_pass(s)
     s.sync()
     assert np.array_equal(c.hout.view(np.float32, access="r"), x * 2)
 
@@ -729,9 +729,7 @@ def test_a_tasks_host_views_are_that_lanes_accesses(x):
     with hazard("host view (w)", "host worker 0 of pool", "copy h2d", "write of", "read of"):
         s.copy(c.din, c.hin)  # the host has not seen the task finish
     t.sync()
-    s.copy(c.din, c.hin)
-    c.launch(s)
-    s.copy(c.hout, c.dout)
+    c.enqueue_pass(s)
     s.sync()
     assert np.array_equal(c.hout.view(np.float32, access="r"), x * 2)
 
