@@ -40,6 +40,26 @@ def data(seed=0, n=10_000):
     return np.random.default_rng(seed).uniform(size=n).astype(np.float32)
 
 
+def _calls_with_no_graph_warned(caplog, x, dev, check, **job_kw) -> str:
+    """Three calls of a ``job_over(x, dev, **job_kw)``, new data in ``x`` each time, none
+    replaying a graph, each result passed to ``check(result, x)``; returns the one "could not be
+    captured" warning logged, once nothing of the device is left live."""
+    with caplog.at_level(logging.WARNING, logger="ringflow"), job_over(x, dev, **job_kw) as job:
+        for call in range(3):
+            x[:] = data(call)
+            check(job(), x)
+            assert not job.replays_graph
+    warned = [r.getMessage() for r in caplog.records if "could not be captured" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert dev.live().total == 0
+    return warned[0]
+
+
+def _is_f_of(y, x) -> None:
+    """``y`` is what :func:`f` makes of ``x``."""
+    assert np.array_equal(y, x * 3 + 1)
+
+
 def test_calls_replay_the_graph_and_profiled_calls_do_not():
     dev = rf.device("sim", seed=3, chaos=True)
     x = data()
@@ -122,14 +142,11 @@ def test_a_compute_raising_while_captured_is_logged_and_the_job_runs_without_a_g
     x = data()
     chunks = -(-x.nbytes // CHUNK)
     fn = copy_failing_on_call(chunks + 6, ValueError("bad chunk"))  # the capture's sixth call
-    with caplog.at_level(logging.WARNING, logger="ringflow"), job_over(x, dev, fn=fn) as job:
-        for call in range(3):
-            x[:] = data(call)
-            assert np.array_equal(job(), x)
-            assert not job.replays_graph
-    warned = [r.getMessage() for r in caplog.records if "could not be captured" in r.getMessage()]
-    assert len(warned) == 1 and "ValueError: bad chunk" in warned[0]
-    assert dev.live().total == 0
+
+    def is_a_copy(y, x):
+        assert np.array_equal(y, x)
+
+    assert "ValueError: bad chunk" in _calls_with_no_graph_warned(caplog, x, dev, is_a_copy, fn=fn)
 
 
 def test_a_refused_capture_is_logged_and_the_job_runs_without_a_graph(monkeypatch, caplog):
@@ -140,14 +157,7 @@ def test_a_refused_capture_is_logged_and_the_job_runs_without_a_graph(monkeypatc
     monkeypatch.setattr(SimStream, "end_capture", refuse)
     dev = rf.device("sim", seed=2, chaos=True)
     x = data()
-    with caplog.at_level(logging.WARNING, logger="ringflow"), job_over(x, dev, checked=True) as job:
-        for call in range(3):
-            x[:] = data(call)
-            assert np.array_equal(job(), x * 3 + 1)
-            assert not job.replays_graph
-    warned = [r.getMessage() for r in caplog.records if "could not be captured" in r.getMessage()]
-    assert len(warned) == 1 and "compute synchronised its stream" in warned[0]
-    assert dev.live().total == 0
+    assert "compute synchronised its stream" in _calls_with_no_graph_warned(caplog, x, dev, _is_f_of, checked=True)
 
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
@@ -179,17 +189,14 @@ def test_a_compute_reading_its_data_on_the_host_is_captured_by_no_graph(caplog):
 
     dev = rf.device("sim", seed=6, chaos=True)
     x = data()
-    with caplog.at_level(logging.WARNING, logger="ringflow"), job_over(x, dev, fn=normalised) as job:
-        for call in range(3):
-            x[:] = data(call)
-            y = job()
-            assert not job.replays_graph
-            for start in range(0, x.size, CHUNK // 4):
-                chunk = x[start:start + CHUNK // 4]
-                assert np.array_equal(y[start:start + CHUNK // 4], chunk / float(chunk.max()))
-    warned = [r.getMessage() for r in caplog.records if "could not be captured" in r.getMessage()]
-    assert len(warned) == 1 and "read device data on the host" in warned[0] and "float()" in warned[0]
-    assert dev.live().total == 0
+
+    def normalised_by_chunk(y, x):
+        for start in range(0, x.size, CHUNK // 4):
+            chunk = x[start:start + CHUNK // 4]
+            assert np.array_equal(y[start:start + CHUNK // 4], chunk / float(chunk.max()))
+
+    warned = _calls_with_no_graph_warned(caplog, x, dev, normalised_by_chunk, fn=normalised)
+    assert "read device data on the host" in warned and "float()" in warned
 
 
 def test_a_compute_making_a_temporary_is_captured_by_no_graph(caplog):
@@ -201,15 +208,9 @@ def test_a_compute_making_a_temporary_is_captured_by_no_graph(caplog):
 
     dev = rf.device("sim", seed=7, chaos=True)
     x = data()
-    with caplog.at_level(logging.WARNING, logger="ringflow"), job_over(x, dev, fn=temporary) as job:
-        for call in range(3):
-            x[:] = data(call)
-            assert np.array_equal(job(), x * 3 + 1)
-            assert not job.replays_graph
-    warned = [r.getMessage() for r in caplog.records if "could not be captured" in r.getMessage()]
-    assert len(warned) == 1 and "allocated device memory while captured: np.multiply made a new" in warned[0]
-    assert "out=" in warned[0] and "in place" in warned[0]
-    assert dev.live().total == 0
+    warned = _calls_with_no_graph_warned(caplog, x, dev, _is_f_of, fn=temporary)
+    assert "allocated device memory while captured: np.multiply made a new" in warned
+    assert "out=" in warned and "in place" in warned
 
 
 def test_graph_needs_the_direct_engine(caplog):
