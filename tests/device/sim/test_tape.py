@@ -132,19 +132,24 @@ def launch(graph, a, hosts, outs, arrays):
     return [o.view(arr.dtype).reshape(arr.shape) for o, arr in zip(outs, arrays)]
 
 
-@pytest.mark.parametrize("name", sorted(COMPUTES))
-def test_each_launch_computes_what_the_callable_computes_on_its_data(name):
-    fn = COMPUTES[name]
-    x = np.zeros((ROWS, COLS), np.float32)
+def check_launches_compute_as(fn, shape, calls: int) -> None:
+    """``fn(x, y)`` captured over float32 arrays of ``shape``, then launched ``calls`` times on new
+    data: each launch leaves in both arrays what ``fn`` itself makes of that data."""
+    x = np.zeros(shape, np.float32)
     graph, a, hosts, outs = capture(fn, [x, x])
-    for call in range(3):
-        x = np.random.default_rng(call).uniform(size=(ROWS, COLS)).astype(np.float32)
-        y = np.random.default_rng(100 + call).uniform(size=(ROWS, COLS)).astype(np.float32)
+    for call in range(calls):
+        x = np.random.default_rng(call).uniform(size=shape).astype(np.float32)
+        y = np.random.default_rng(100 + call).uniform(size=shape).astype(np.float32)
         got = launch(graph, a, hosts, outs, [x, y])
         want_x, want_y = x.copy(), y.copy()
         fn(want_x, want_y)
         np.testing.assert_array_equal(got[0], want_x)
         np.testing.assert_array_equal(got[1], want_y)
+
+
+@pytest.mark.parametrize("name", sorted(COMPUTES))
+def test_each_launch_computes_what_the_callable_computes_on_its_data(name):
+    check_launches_compute_as(COMPUTES[name], (ROWS, COLS), calls=3)
 
 
 def test_a_host_array_the_callable_holds_is_used_as_it_is_at_each_launch():
@@ -301,16 +306,7 @@ def test_writes_into_existing_arrays_and_views_of_them_allocate_nothing():
         for row in y.reshape(3, 4):
             row *= 2
 
-    x = np.zeros(ROWS, np.float32)
-    graph, a, hosts, outs = capture(fn, [x, x])
-    for call in range(2):
-        x = np.random.default_rng(call).uniform(size=ROWS).astype(np.float32)
-        y = np.random.default_rng(100 + call).uniform(size=ROWS).astype(np.float32)
-        got = launch(graph, a, hosts, outs, [x, y])
-        want_x, want_y = x.copy(), y.copy()
-        fn(want_x, want_y)
-        np.testing.assert_array_equal(got[0], want_x)
-        np.testing.assert_array_equal(got[1], want_y)
+    check_launches_compute_as(fn, ROWS, calls=2)
 
 
 def test_a_host_read_after_a_new_array_is_the_reason_given():
