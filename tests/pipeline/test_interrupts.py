@@ -43,6 +43,14 @@ def _settle(futs) -> None:
     assert not pending, f"{len(pending)} futures never ended"
 
 
+def _check_and_close(h: Harness) -> None:
+    """``h``'s invariants checked, then its pipeline closed (bounded in real seconds) and found
+    closed clean."""
+    h.check()
+    bounded(h.pipe.close)
+    h.close()
+
+
 def _need_sigint():
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("delivers SIGINT to the main thread: the test must run there")
@@ -75,9 +83,7 @@ def test_interrupt_in_a_stage_fails_its_chunk_and_cancels_the_rest(stage):
         h.pipe.submit(h.item(99, 4))
     [err] = h.pipe.failures
     assert err.stage == stage and err.index == 3 and isinstance(err.__cause__, KeyboardInterrupt)
-    h.check()
-    bounded(h.pipe.close)
-    h.close()
+    _check_and_close(h)
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -96,9 +102,7 @@ def test_interrupt_in_a_stage_with_continue_lets_the_others_deliver(stage):
             check_result(value, it, fut.index)
     assert sorted(e.index for e in h.pipe.failures) == [2, 7]
     h.pipe.submit(h.item(99, 4)).result()  # the pipeline still takes work
-    h.check()
-    bounded(h.pipe.close)
-    h.close()
+    _check_and_close(h)
 
 
 @pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
@@ -155,9 +159,7 @@ def test_map_raises_the_interrupt_itself(stage):
     assert [r.tag for r in got] == [1, 2, 3, 4, 5][:len(got)]
     for r in got:
         check_result(r, h.items[r.tag])
-    h.check()
-    bounded(h.pipe.close)
-    h.close()
+    _check_and_close(h)
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -168,9 +170,7 @@ def test_map_with_continue_skips_the_interrupted_item(stage):
     assert [r.tag for r in got] == [1, 2, 3, 4, 5, 7, 8, 9, 10]
     for r in got:
         check_result(r, h.items[r.tag])
-    h.check()
-    bounded(h.pipe.close)
-    h.close()
+    _check_and_close(h)
 
 
 # -- Ctrl-C in the user's thread ----------------------------------------------------------------------------
