@@ -716,16 +716,22 @@ def test_memory_in_use_adds_up_across_threads():
 
 
 # -- host worker pools ---------------------------------------------------------------------------------------------------
-def test_a_tasks_host_views_are_that_lanes_accesses(x):
-    dev = rf.device("sim")  # the copy's enqueue overhead lets the task start first
+def _a_task_filling_the_input(dev, x, workers: int) -> tuple:
+    """A :class:`Chain` on ``dev``, a stream, and a task on a new pool of ``workers`` that writes
+    ``x`` into the chain's pinned input (one virtual millisecond): ``(chain, stream, task)``."""
     c = Chain(dev)
     s = dev.create_stream()
-    pool = dev.create_worker_pool(2)
+    pool = dev.create_worker_pool(workers)
 
     def prepare():
         c.hin.view(np.float32, access="w")[:] = x
 
-    t = pool.submit(prepare, sim_seconds=1e-3)
+    return c, s, pool.submit(prepare, sim_seconds=1e-3)
+
+
+def test_a_tasks_host_views_are_that_lanes_accesses(x):
+    dev = rf.device("sim")  # the copy's enqueue overhead lets the task start first
+    c, s, t = _a_task_filling_the_input(dev, x, workers=2)
     with hazard("host view (w)", "host worker 0 of pool", "copy h2d", "write of", "read of"):
         s.copy(c.din, c.hin)  # the host has not seen the task finish
     t.sync()
@@ -737,14 +743,7 @@ def test_a_tasks_host_views_are_that_lanes_accesses(x):
 def test_a_hazard_found_inside_a_task_is_its_result(dev, x):
     # on the unit profile the task starts only when the host blocks, after the copy was enqueued:
     # the conflict is then found by the task's own access and delivered by result()
-    c = Chain(dev)
-    s = dev.create_stream()
-    pool = dev.create_worker_pool(1)
-
-    def prepare():
-        c.hin.view(np.float32, access="w")[:] = x
-
-    t = pool.submit(prepare, sim_seconds=1e-3)
+    c, s, t = _a_task_filling_the_input(dev, x, workers=1)
     s.copy(c.din, c.hin)
     t.sync()
     with hazard("copy h2d", "host view (w)", "host worker 0 of pool"):
