@@ -913,6 +913,12 @@ class _AsyncItems:
         return self.items.pop(0)
 
 
+def _raised_below(exc: BaseException) -> str:
+    """The three frames that called the one ``exc`` was raised in, nearest first, as
+    ``name:line <- name:line <- name:line``."""
+    return " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(traceback.extract_tb(exc.__traceback__)[-4:-1]))
+
+
 def _asubmit_interrupted_at(n: int, sigint: bool, scenario: str = "asubmit") -> tuple:
     """On a loop run by ``run_until_complete`` (Python's own SIGINT handler stays), three asubmits
     (``scenario`` "asubmit") or an amap stopped after its first result ("amap"; "amap-async": of
@@ -940,7 +946,7 @@ def _asubmit_interrupted_at(n: int, sigint: bool, scenario: str = "asubmit") -> 
         try:
             got = loop.run_until_complete(main())
         except KeyboardInterrupt as exc:
-            where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(traceback.extract_tb(exc.__traceback__)[-4:-1]))
+            where = _raised_below(exc)
             del exc
     problems: list = []
     _free_executor_locks_left_taken(loop)
@@ -1092,7 +1098,7 @@ def _wait_interrupted_at(n: "int | set", how: str) -> tuple:
                 for _ in concurrent.futures.as_completed(futs, timeout=JOIN_S):
                     pass
         except KeyboardInterrupt as exc:
-            where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(traceback.extract_tb(exc.__traceback__)[-4:-1]))
+            where = _raised_below(exc)
             del exc
     problems: list = []
     _free_waiter_locks_left_taken(waiters)
