@@ -10,26 +10,14 @@ import numpy as np
 import pytest
 
 import ringflow as rf
+from tests.helpers.dlpack import DLPackOnly
 
 
 def f(x, y):
     y[...] = x * 2 + 1
 
 
-class CpuDlpack:
-    """A DLPack producer on the CPU (as a torch CPU tensor is), nothing else."""
-
-    def __init__(self, a):
-        self._a = a
-
-    def __dlpack__(self, **kwargs):
-        return self._a.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self._a.__dlpack_device__()
-
-
-class CudaDlpack(CpuDlpack):
+class CudaDlpack(DLPackOnly):
     def __dlpack_device__(self):
         return (2, 0)  # kDLCUDA
 
@@ -47,7 +35,7 @@ class DeviceArray:
 
 
 def kinds(a):
-    return {"numpy": a, "dlpack": CpuDlpack(a), "__array__": WithArray(a), "non-contiguous": a[::2]}
+    return {"numpy": a, "dlpack": DLPackOnly(a), "__array__": WithArray(a), "non-contiguous": a[::2]}
 
 
 @pytest.mark.parametrize("kind", ["numpy", "dlpack", "__array__", "non-contiguous"])
@@ -74,7 +62,7 @@ def test_a_cpu_tensor_is_viewed_not_copied_before_staging():
     a = np.arange(8, dtype=np.float32)
     from ringflow._pipeline.validate import as_host_array
 
-    assert np.shares_memory(as_host_array(CpuDlpack(a)), a) and np.shares_memory(as_host_array(WithArray(a)), a)
+    assert np.shares_memory(as_host_array(DLPackOnly(a)), a) and np.shares_memory(as_host_array(WithArray(a)), a)
 
 
 @pytest.mark.parametrize("item, match", [

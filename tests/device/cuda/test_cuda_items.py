@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import ringflow as rf
+from tests.helpers.dlpack import DLPackOnly
 from tests.helpers.dtypes import DEVICE_DTYPES, NOT_DEVICE_DTYPES, NOT_DEVICE_IDS, refusal
 
 from .helpers_cuda import array_kinds
@@ -147,19 +148,6 @@ def test_items_of_several_arrays_bit_exact(cuda_device):
         want = (b["images"].reshape(16, -1).sum(axis=1, dtype=np.float32) / 192).astype(np.float16)
         np.testing.assert_array_equal(r["means"], want)
         np.testing.assert_array_equal(r["labels"], b["labels"] + 1)
-
-
-class DLPackOnly:
-    """A device array that speaks DLPack and nothing else (as JAX's arrays do)."""
-
-    def __init__(self, array):
-        self._array = array
-
-    def __dlpack__(self, **kwargs):
-        return self._array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self._array.__dlpack_device__()
 
 
 @pytest.mark.parametrize("kind", ["cupy", "cupy-stream", "torch", "dlpack"])
