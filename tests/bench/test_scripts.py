@@ -214,3 +214,13 @@ def test_auto_chunk_cost(tmp_path):
     r = run_script(tmp_path, "auto_chunk_cost.py", "--mib", "2", "--rounds", "1")
     assert r["correct"] is True and {row["setting"] for row in r["rows"]} >= {"auto", "auto, planned afresh"}
     assert r["choose_chunk_bytes_remembered_us"] < r["choose_chunk_bytes_afresh_us"]
+
+
+def test_copy_spin_check(tmp_path):
+    r = run_script(tmp_path, "copy_spin_check.py", "--spins", "200,0", "--rounds", "1", "--count", "30",
+                   "--passes", "1")
+    assert [run["spin_us"] for run in r["runs"]] == [200.0, 0.0]
+    for run in r["runs"]:
+        assert run["correct"] is True and run["capacity_per_s"] > 0 and run["copy_alone_us"]["1MiB"] > 0
+        assert set(run["host_cpu_s"]) >= {"user", "idle", "steal"} and set(run["copy_counters"]) >= {"split_copies"}
+    assert r["machine"] and r["command"] and r["date"]
