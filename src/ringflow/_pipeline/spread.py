@@ -438,10 +438,7 @@ class SpreadPipeline(Pipeline):
             raise errors[0]
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        if self._forget_if_forked():
+        if self._exit_at_once(exc_type):
             return
         self._check_caller("__exit__", opened=False)
         self._closed = True
