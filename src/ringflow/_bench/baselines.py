@@ -346,6 +346,25 @@ def _bounds(n: int, chunks: int) -> list[tuple[int, int]]:
     return [(n * i // chunks, n * (i + 1) // chunks) for i in range(chunks) if n * (i + 1) // chunks > n * i // chunks]
 
 
+def _host_timed(once: Callable[[], Any], warmup: int, repeats: int,
+                before_last: Callable[[], None] | None = None) -> tuple[list[float], Any]:
+    """Call ``once()`` ``warmup + repeats`` times, each call timed on the host clock, and
+    ``before_last()`` (untimed) just before the last. Returns the last ``repeats`` times in ms
+    and the last call's result. The previous call's result is dropped before each call, so that
+    two results are never held at once."""
+    times, y = [], None
+    for i in range(warmup + repeats):
+        if before_last is not None and i == warmup + repeats - 1:
+            before_last()
+        del y
+        t0 = time.perf_counter()
+        y = once()
+        ms = (time.perf_counter() - t0) * 1e3
+        if i >= warmup:
+            times.append(ms)
+    return times, y
+
+
 def _pinned(torch, n: int, dtype=None):
     return torch.empty(int(n), dtype=dtype or torch.float32, pin_memory=True)
 
@@ -457,15 +476,8 @@ def torch_naive(x: np.ndarray, fn: Any = "scale_shift", *, iters: int = 64, warm
             out = fn(d)
         return out.cpu().numpy()
 
-    times, y = [], None
     torch.cuda.synchronize()
-    for i in range(warmup + repeats):
-        del y
-        t0 = time.perf_counter()
-        y = once()
-        ms = (time.perf_counter() - t0) * 1e3
-        if i >= warmup:
-            times.append(ms)
+    times, y = _host_timed(once, warmup, repeats)
     if k is not None:
         chk = k.check(x, y)
     elif reference is not None:
@@ -563,17 +575,13 @@ def _pipeline_pageable(torch, x, k, nchunks, nstreams, warmup, repeats):
                 drain(slot)
         return y
 
-    times, y = [], None
-    for i in range(warmup + repeats):
-        if i == warmup + repeats - 1:
-            for a in a_out:
-                a.fill(np.nan)
-        del y
-        t0 = time.perf_counter()
-        y = once()
-        ms = (time.perf_counter() - t0) * 1e3
-        if i >= warmup:
-            times.append(ms)
+    # a staging slot the last run's D2H did not overwrite would hold an earlier run's correct
+    # values: NaN there makes the check see it
+    def poison():
+        for a in a_out:
+            a.fill(np.nan)
+
+    times, y = _host_timed(once, warmup, repeats, before_last=poison)
     chk = k.check(x, y)
     return times, chk, {"staging_alloc_ms": alloc_ms, "staging_bytes": 2 * nstreams * m * 4}
 

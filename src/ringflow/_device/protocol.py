@@ -269,6 +269,20 @@ def free_quietly(buffer: "DeviceBuffer", stream: "Stream | None", what: str) -> 
     close_quietly(_FreeOn(buffer, stream) if stream is not None else buffer, what)
 
 
+class _ClosedOnExit(abc.ABC):
+    """A resource that a ``with`` block closes as it leaves: through :func:`close_quietly`, so
+    that a close that fails warns instead of masking the block's own exception."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        close_quietly(self, repr(self))
+
+
 class _FreeOn:
     """``buffer``'s stream-ordered free as a ``close()``. (A class made in each call would keep
     the buffer alive in its closure until the cyclic collector frees the class.)"""
@@ -312,7 +326,7 @@ def check_nbytes(nbytes: int, what: str) -> int:
     return nbytes
 
 
-class Buffer(abc.ABC):
+class Buffer(_ClosedOnExit):
     """A contiguous allocation. Closing twice is harmless; using a closed buffer raises."""
 
     nbytes: int
@@ -372,15 +386,6 @@ class Buffer(abc.ABC):
                              f"misaligned-address error that breaks the device); start it at offset {below} or "
                              f"{below + align}")
         return ArrayArg(where, dtype, shape)
-
-    @abc.abstractmethod
-    def close(self) -> None: ...
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        close_quietly(self, repr(self))
 
 
 def device_alignment(dtype: np.dtype) -> int:
@@ -523,7 +528,7 @@ class Event(abc.ABC):
         """Seconds between two timing events (both recorded with ``timing=True``, both done)."""
 
 
-class Stream(abc.ABC):
+class Stream(_ClosedOnExit):
     """An in-order queue of device work; never synchronises with the legacy default stream."""
 
     priority: int
@@ -611,15 +616,6 @@ class Stream(abc.ABC):
         """End a capture begun on this stream without keeping it (after an error); harmless
         when none is in progress; never raises."""
 
-    @abc.abstractmethod
-    def close(self) -> None: ...
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        close_quietly(self, repr(self))
-
 
 class Graph(abc.ABC):
     """Stream work captured once (:meth:`Stream.begin_capture`) and launched as one unit, any
@@ -670,7 +666,7 @@ class HostTask(abc.ABC):
         return None
 
 
-class WorkerPool(abc.ABC):
+class WorkerPool(_ClosedOnExit):
     """CPU workers for the host stages (staging copies release the GIL, so threads scale)."""
 
     workers: int
@@ -684,17 +680,11 @@ class WorkerPool(abc.ABC):
     def close(self) -> None:
         """Wait for submitted tasks and stop the workers."""
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        close_quietly(self, repr(self))
-
 
 Waitable = "Event | HostTask"
 
 
-class Device(abc.ABC):
+class Device(_ClosedOnExit):
     """One GPU (or the simulated one). Made by :func:`ringflow._device`."""
 
     backend: str  # "cuda" or "sim"
@@ -883,12 +873,6 @@ class Device(abc.ABC):
     def close(self) -> None:
         """Synchronise and release the device's streams, pools and memory; every later call
         raises. Harmless twice."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        close_quietly(self, repr(self))
 
 
 def typed_view(raw: np.ndarray, dtype: Any, offset: int, count: int | None, access: str) -> np.ndarray:

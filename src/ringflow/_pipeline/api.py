@@ -1440,14 +1440,21 @@ class Pipeline:
     def __enter__(self) -> "Pipeline":
         return self
 
-    @shielded_call
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def _exit_at_once(self, exc_type) -> bool:
+        """The start of ``__exit__``, over one device or several: a block left without an error
+        closes the pipeline (:meth:`close`, raising as it does); in a child forked after the
+        pipeline was made, the pipeline is forgotten (:meth:`_forget_if_forked`). Returns
+        whether either happened, which leaves ``__exit__`` nothing more to do."""
         if exc_type is None:
             self.close()
+            return True
+        return self._forget_if_forked()
+
+    @shielded_call
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._exit_at_once(exc_type):
             return
         # an error (Ctrl-C included) left the block: cancel what is left, never mask the error
-        if self._forget_if_forked():
-            return
         refuse_from_stage(self._sched.stage_owner, "__exit__")
         self._stop_prepares()
         d = self._driver

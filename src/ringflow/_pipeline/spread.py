@@ -148,9 +148,7 @@ class SpreadPipeline(Pipeline):
             try:
                 fut = part._submit_if_room(item)
             except (DeviceError, RuntimeError) as err:
-                if not _passed_over(part, err):
-                    raise
-                tried += (part,)
+                tried = _passed_over(part, err, tried)
                 continue
             if fut is not NO_ROOM:
                 return fut
@@ -249,9 +247,7 @@ class SpreadPipeline(Pipeline):
             try:
                 fut = await part._asubmit_future(item, timeout, ending, wait=False)
             except (DeviceError, RuntimeError) as err:
-                if not _passed_over(part, err):
-                    raise
-                tried += (part,)
+                tried = _passed_over(part, err, tried)
                 continue
             if fut is not NO_ROOM:
                 return fut
@@ -442,10 +438,7 @@ class SpreadPipeline(Pipeline):
             raise errors[0]
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        if self._forget_if_forked():
+        if self._exit_at_once(exc_type):
             return
         self._check_caller("__exit__", opened=False)
         self._closed = True
@@ -540,9 +533,15 @@ def _head_ended(window: "collections.deque", ordered: bool) -> bool:
     return window[0].done() if ordered else any(fut.done() for fut in window)
 
 
-def _passed_over(part: Pipeline, err: Exception) -> bool:
-    """Whether a submit to ``part`` that raised ``err`` goes to the next device: its device broke
-    (its progress thread may not know yet), or it stopped taking work meanwhile."""
-    if isinstance(err, DeviceError):
-        return err.sticky
-    return not part._sched.accepting
+def _passed_over(part: Pipeline, err: Exception, tried: tuple) -> tuple:
+    """``tried`` and ``part`` after a submit to ``part`` raised ``err``, where the item goes to the
+    next device: ``part``'s device broke (its progress thread may not know yet), or it stopped
+    taking work meanwhile.
+
+    Raises:
+        DeviceError, RuntimeError: ``err``, where it is the submit's own error to raise.
+    """
+    passed = err.sticky if isinstance(err, DeviceError) else not part._sched.accepting
+    if not passed:
+        raise err
+    return tried + (part,)
