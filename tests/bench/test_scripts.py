@@ -224,3 +224,10 @@ def test_copy_spin_check(tmp_path):
         assert run["correct"] is True and run["capacity_per_s"] > 0 and run["copy_alone_us"]["1MiB"] > 0
         assert set(run["host_cpu_s"]) >= {"user", "idle", "steal"} and set(run["copy_counters"]) >= {"split_copies"}
     assert r["machine"] and r["command"] and r["date"]
+
+
+def test_large_submit_parts(tmp_path):
+    r = run_script(tmp_path, "large_submit_parts.py", "--count", "60", "--rounds", "1")
+    (rnd,) = r["rounds"]
+    assert rnd["correct"] is True and rnd["capacity_per_s"] > 0 and rnd["p99_ms"] > 0
+    assert {"submit", "host_copy", "accepting"} <= set(rnd["closed"]["large"]) and "submit" in rnd["open"]["small"]
