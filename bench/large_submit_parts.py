@@ -27,9 +27,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ringflow as rf  # noqa: E402
-from ringflow._bench import baselines, kernels, workloads  # noqa: E402
+from ringflow._bench import kernels  # noqa: E402
 from _script import header, write  # noqa: E402
 from pinned_results_check import MiB, request_items  # noqa: E402
+from request_costs import stamped_open_loop  # noqa: E402
 
 LARGE = 4 * MiB
 
@@ -118,21 +119,7 @@ def main() -> None:
             closed = parts.summary()
             parts.clear()
             gaps = np.random.default_rng(r).exponential(1.0 / (args.load * capacity), len(items))
-            done = np.full(len(items), np.nan)
-            futs = []
-
-            def submit(i):
-                fut = pipe.submit(items[i])
-                fut.add_done_callback(lambda _f, i=i: done.__setitem__(i, dev.now))
-                futs.append(fut)
-
-            arrived, submitted = baselines.open_loop(lambda: dev.now, gaps, submit,
-                                                     lambda t: workloads.wait_until(pipe, dev, t))
-            for fu in futs:
-                fu.result()
-            deadline = time.perf_counter() + 10
-            while np.isnan(done).any() and time.perf_counter() < deadline:
-                time.sleep(0)
+            arrived, submitted, done = stamped_open_loop(pipe, dev, items, gaps)
             lat, queue = done - arrived, submitted - arrived
             large = np.array([it.nbytes > LARGE for it in items])
             after_large = np.zeros(len(items), bool)
