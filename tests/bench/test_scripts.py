@@ -231,3 +231,20 @@ def test_large_submit_parts(tmp_path):
     (rnd,) = r["rounds"]
     assert rnd["correct"] is True and rnd["capacity_per_s"] > 0 and rnd["p99_ms"] > 0
     assert {"submit", "host_copy", "accepting"} <= set(rnd["closed"]["large"]) and "submit" in rnd["open"]["small"]
+
+
+def test_ab_source(tmp_path):
+    """bench/ab_source.sh runs the request measurements under a base source (here this tree's own,
+    archived) and this tree's, and gathers them."""
+    tar = tmp_path / "base-src.tar.gz"
+    subprocess.run(f"tar -czf {tar} src", shell=True, check=True, cwd=ROOT)
+    env = dict(os.environ, OUT=str(tmp_path / "out"), DEVICE="sim", BENCH_ARGS="--quick", PARTS_ARGS="--count 40",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "ab_source.sh"), "1", str(tar)], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "out" / "ab.json").read_text())
+    for v in ("base", "this"):
+        (run,) = r["runs"][v]
+        assert run["requests"]["correct"] is True and run["large_submit_parts"]["correct"] is True
+        assert r["medians"][v]["capacity_per_s"] > 0 and r["medians"][v]["large_lock_wait_us_per_request_open"] >= 0

@@ -37,6 +37,7 @@ import ringflow as rf
 from ringflow import _testing
 from ringflow._device.sim import charge
 from ringflow._errors import DeviceError, HazardError, StageError
+from ringflow._pipeline.chunk import NO_ROOM
 from ringflow._pipeline.states import (
     LEGAL_SLOT_TRANSITIONS,
     ChunkState,
@@ -263,6 +264,8 @@ class Harness:
 
         def recording_accept(item, *args, **kw):
             chunk = accept(item, *args, **kw)
+            if chunk is NO_ROOM:  # nothing accepted
+                return chunk
             if chunk.index in self.chunks:
                 raise InvariantError(f"chunk index {chunk.index} handed out twice")
             self.chunks[chunk.index] = chunk

@@ -280,24 +280,65 @@ def test_joining_a_shared_chunk_and_ending_its_copy_need_not_wait_for_a_step():
         assert pipe.scheduler.chunks_admitted == 2  # the warm-up's and the one a and b share
 
 
-def test_openers_on_many_threads_never_take_more_than_max_in_flight_chunks():
-    """Threads opening shared chunks while the driver admits and ends chunks: the chunks
-    accepted and unfinished never exceed ``max_in_flight`` as an opener registers its chunk (an
-    opener that did not wait for capacity lets several more in)."""
+@pytest.mark.parametrize("kind", ["opens a shared chunk", "goes alone", "goes alone, no room to stage"])
+def test_a_submit_with_room_need_not_wait_for_a_step(kind):
+    """The driver's lock is held (as by a long scheduler step) while a submit opens a new shared
+    chunk or accepts an item over 4 MiB in a chunk of its own: where the pipeline has room the
+    submit must come back without that lock (a request waited for each step of the progress
+    thread), and the item's result must be right once the lock is free."""
+    dev = rf.device("sim", seed=6)
+    if kind.endswith("no room to stage"):
+        rf.host.set_budget(1, device=dev)
+    n = 1000 if kind.startswith("opens") else (5 << 20) // 4
+    x = np.random.default_rng(6).random(n).astype(np.float32)
+    want = expected(x)
+    with rf.Pipeline(f, device=dev, chunk_bytes=8 << 20, checked=True) as pipe:
+        pipe.submit(np.zeros(4, np.float32)).result()  # warm: no chunk is open
+        driver, holding, release = pipe._driver, threading.Event(), threading.Event()
+
+        def hold():
+            with driver.cv:
+                holding.set()
+                release.wait(60)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert holding.wait(30)
+        out = {}
+        submitter = threading.Thread(target=lambda: out.setdefault("x", pipe.submit(x)))
+        submitter.start()
+        submitter.join(10)
+        came_back = not submitter.is_alive()
+        release.set()
+        holder.join(30)
+        submitter.join(30)
+        x[...] = -1  # the caller may reuse its array once submit returned
+        assert came_back, "submit waited for the driver's lock though the pipeline had room"
+        assert np.array_equal(out["x"].result(timeout=60), want)
+        assert pipe.scheduler.chunks_admitted == 2
+
+
+@pytest.mark.parametrize("coalesce", [True, False], ids=["shared", "alone"])
+def test_openers_on_many_threads_never_take_more_than_max_in_flight_chunks(coalesce):
+    """Threads opening shared chunks (or accepting chunks of one item each), neither with the
+    driver's lock, while the driver admits and ends chunks: the chunks accepted and unfinished
+    never exceed ``max_in_flight`` as an opener registers its chunk (an opener that did not
+    wait for capacity, or two that took one place, let more in)."""
     dev = rf.device("sim", seed=12, chaos=True)
     xs = items(240, seed=12, max_elems=3000)
     peak = [0]
-    with rf.Pipeline(f, device=dev, chunk_bytes=1 << 14, max_in_flight=3, checked=True) as pipe:
+    with rf.Pipeline(f, device=dev, chunk_bytes=1 << 14, max_in_flight=3, checked=True, coalesce=coalesce) as pipe:
         s = pipe.scheduler
-        real = s.open_new_batch
+        name = "open_new_batch" if coalesce else "accept"
+        real = getattr(s, name)
 
-        def watched(*args):
-            place = real(*args)
+        def watched(*args, **kwargs):
+            place = real(*args, **kwargs)
             with s.batch_lock:
                 peak[0] = max(peak[0], len(s.chunks) + len(s.inbox) + s.unclaimed)
             return place
 
-        s.open_new_batch = watched
+        setattr(s, name, watched)
         out: dict = {}
 
         def submitter(k):
@@ -412,7 +453,7 @@ def test_a_shared_chunk_cancelled_before_admission_hands_its_slab_on_after_the_c
     assert len(taken) == 1 and pipe.stats().cancelled == 1
 
 
-SHARED_SUBMIT = ("submit", "_submit_shared", "join_open_batch", "open_new_batch", "_add_member", "member_written",
+SHARED_SUBMIT = ("submit", "_submit_shared", "join_open_batch", "open_new_batch", "_no_room", "_add_member", "member_written",
                  "_take_back", "reserve", "claimed", "_trim_last", "add_slab", "install")
 
 
@@ -490,7 +531,7 @@ def test_ctrl_c_pressed_again_while_a_shared_submit_cleans_up_still_takes_the_it
 
 
 LONE_SUBMIT = ("submit", "_accepting", "_staged_copy", "_read_in_place", "_private_copy", "_output_spec",
-               "_wait_for_capacity", "accept")
+               "_accept_staged", "_wait_for_capacity", "accept", "_no_room", "_check_accepting", "has_capacity")
 
 
 def _lone_submit_interrupted_at(n: int, room: bool) -> tuple:

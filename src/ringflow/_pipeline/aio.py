@@ -19,7 +19,7 @@ import threading
 import weakref
 from typing import Any, AsyncIterator, Callable
 
-from .chunk import ChunkFuture, cancel_unwanted, post_cancel
+from .chunk import NO_ROOM, ChunkFuture, cancel_unwanted, post_cancel
 from .delivered import DeviceResult
 from .validate import check_iterable
 
@@ -436,10 +436,6 @@ class CancelIfDropped:
             except Exception:  # noqa: BLE001 - a finaliser never raises
                 pass
 
-
-# what a submit that may not wait for room returns for an item that found none (nothing of it was
-# accepted): a map's, an amap's, or one offered to each device of a pipeline over several
-NO_ROOM = object()
 
 # what a pipeline's _amap_failed makes of a result that raised: skip it and go on, end the map
 # quietly, or raise what the result raised

@@ -701,12 +701,10 @@ class Pipeline:
         """:meth:`_accept_staged` that never waits for capacity: the chunk's future, or
         :data:`NO_ROOM` where the pipeline has no room (nothing accepted). Raises as
         :meth:`_submit_if_room`."""
-        d, s = self._driver, self._sched
-        with d.hold():
-            if not s.has_capacity():
-                return self._no_room()
-            chunk = s.accept(driver=d, **accepting)
-            d.notify()
+        chunk = self._sched.accept(driver=self._driver, if_room=True, **accepting)
+        if chunk is NO_ROOM:
+            return self._no_room()
+        self._driver.wake.set()
         return chunk.future
 
     def _no_room(self) -> object:
@@ -771,18 +769,20 @@ class Pipeline:
         try:
             place = s.join_open_batch(d, spec, claim)  # under the scheduler's batch lock, not the driver's
             while place is None:
-                if not wait and not s.has_capacity():
-                    # a look without the lock, which a step keeps for as long as a stage it runs
-                    # does not return: a caller that must not wait for room (a submit over
-                    # several devices offering the item to each) goes on to the next at once
-                    return NO_ROOM
-                with d.hold() as hold:
-                    place = s.join_open_batch(d, spec, claim)  # another thread may have opened one
-                    if place is None:
-                        if not wait and not s.has_capacity():
-                            return NO_ROOM
-                        self._wait_for_capacity(timeout, gave_up, hold)
-                        place = s.join_open_batch(d, spec, claim) or s.open_new_batch(d, spec, claim)
+                # a new chunk where there is room, under the batch lock too: the driver's lock,
+                # which a step keeps for as long as a stage it runs does not return, is taken only
+                # to wait for room (docs/design.md, "Accepting without the driver's lock")
+                place = NO_ROOM if gave_up is not None and gave_up() else s.open_new_batch(d, spec, claim, if_room=True)
+                if place is NO_ROOM:
+                    if not wait:
+                        # a caller that must not wait for room (a submit over several devices
+                        # offering the item to each) goes on to the next at once
+                        return NO_ROOM
+                    with d.hold() as hold:
+                        place = s.join_open_batch(d, spec, claim)  # another thread may have opened one
+                        if place is None:
+                            self._wait_for_capacity(timeout, gave_up, hold)
+                            place = s.join_open_batch(d, spec, claim) or s.open_new_batch(d, spec, claim)
                 if place is None:  # the slab of shared chunks is full: a new one, taken outside the lock
                     slab = self._pool.take((s.space.slab_bytes,), np.dtype(np.uint8))
                     if slab is None:
@@ -945,8 +945,12 @@ class Pipeline:
                     with d.hold():
                         if not s.accepting or not s.has_capacity():
                             break
-                        carried.pop()
-                        chunk = s.accept(driver=d, in_map=True, **accepting)
+                        taken = carried.pop()
+                        # (a submitting thread may take the room seen without the driver's lock)
+                        chunk = s.accept(driver=d, in_map=True, if_room=True, **accepting)
+                        if chunk is NO_ROOM:
+                            carried.append(taken)
+                            break
                         pending[chunk.index] = chunk
                         started = True
                         d.notify()
@@ -1118,7 +1122,7 @@ class Pipeline:
         item = self._check_item(item)
         s = self._sched
         accepting = token = None
-        if s.has_capacity():  # a look without the lock: _accept_at_once decides again under it
+        if s.has_capacity():  # a look without the lock: _accept_at_once decides again under the batch lock
             accepting = self._accepting(item)  # the staging copy, on the loop's thread
             fut = self._accept_at_once(accepting)
             if fut is not None:
@@ -1170,29 +1174,33 @@ class Pipeline:
             logger.debug("waking the pipeline's waits failed: %r", exc)
 
     def _accept_at_once(self, accepting: dict) -> Optional[ChunkFuture]:
-        """Accept an item :meth:`_accepting` made ready, if the pipeline has room and its lock is
-        free this instant; None otherwise (nothing accepted)."""
-        d, s = self._driver, self._sched
-        # shielded as the other calls are (sigint.py): a Ctrl-C between the acquire and the try
-        # (or in the threading code notify runs) would leave a lock taken for ever
+        """Accept an item :meth:`_accepting` made ready, if the pipeline has room this instant;
+        None otherwise (nothing accepted). Takes no driver's lock (:meth:`Scheduler.accept`).
+
+        Raises:
+            DeviceError, RuntimeError: as :meth:`submit`.
+        """
+        # shielded as the other calls are (sigint.py): a Ctrl-C inside the batch lock's threading code
         with shielded():
-            if not d.lock.acquire(blocking=False):
+            chunk = self._sched.accept(driver=self._driver, if_room=True, **accepting)
+            if chunk is NO_ROOM:
                 return None
-            try:
-                if not s.has_capacity():
-                    return None
-                chunk = s.accept(driver=d, **accepting)
-                d.notify()
-                return chunk.future
-            finally:
-                d.lock.release()
+            self._driver.wake.set()
+            return chunk.future
 
     @shielded_call
     def _accept_staged(self, accepting: dict, timeout: Optional[float],
                        gave_up: Optional[Callable[[], bool]] = None) -> ChunkFuture:
         """:meth:`submit` for an item :meth:`_accepting` made ready: wait for capacity, accept.
-        ``gave_up``: as :meth:`_submit` (raises _GaveUp, nothing accepted)."""
+        ``gave_up``: as :meth:`_submit` (raises _GaveUp, nothing accepted). Where there is room it
+        takes no driver's lock, which a step of the progress thread keeps (docs/design.md,
+        "Accepting without the driver's lock"); only a wait for room does."""
         d, s = self._driver, self._sched
+        if gave_up is None or not gave_up():
+            chunk = s.accept(driver=d, if_room=True, **accepting)
+            if chunk is not NO_ROOM:
+                d.wake.set()
+                return chunk.future
         with d.hold() as hold:
             self._wait_for_capacity(timeout, gave_up, hold)
             chunk = s.accept(driver=d, **accepting)

@@ -340,6 +340,12 @@ class _Waiters(list):
             self._driver.drop_interest(entry)
 
 
+# what an accept that may not wait for room returns for an item that found none (nothing of it was
+# accepted): a map's, an amap's, one offered to each device of a pipeline over several, or the
+# first try of a submit, made without the driver's lock
+NO_ROOM = object()
+
+
 @dataclasses.dataclass(eq=False, slots=True)
 class Chunk:
     index: int

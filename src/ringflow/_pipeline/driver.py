@@ -3,10 +3,11 @@ pipeline's own (:class:`ProgressThread`).
 
 Both share one rule: **only the driving thread changes the scheduler's state**, always with the
 driver's lock held. Other threads hand work over through the scheduler's inbox (an accepted
-chunk) or a command (cancel a chunk, stop admission), each a single append under the lock, and
-then wait on the lock's condition. The one exception is the chunk in the inbox that small items
-share: items join it under the scheduler's batch lock alone (docs/design.md, "Items sharing a
-chunk"), so that a request need not wait for a step. A KeyboardInterrupt raised in a user's thread therefore lands
+chunk, appended under the scheduler's batch lock) or a command (cancel a chunk, stop admission,
+under the driver's lock), each a single append, and wait on the lock's condition only where they
+must wait (for room, for a result). The chunk in the inbox that small items share takes items
+under the batch lock alone too (docs/design.md, "Accepting without the driver's lock" and "Items
+sharing a chunk"), so that a request need not wait for a step. A KeyboardInterrupt raised in a user's thread therefore lands
 either before the hand-off (nothing happened) or after it (the work is the driver's and is
 carried out whole): no stage change is ever half made.
 

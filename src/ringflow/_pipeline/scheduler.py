@@ -43,7 +43,7 @@ from .._device.protocol import BufferSlice, Device
 from .._errors import DeviceError, PrepareStopped, StageError, describe
 from .._testing import current as current_hooks
 from .batch_space import BatchSpace, aligned
-from .chunk import MAX_MEMBERS, MEMBER_ALIGN, Chunk, ChunkFuture, Member
+from .chunk import MAX_MEMBERS, MEMBER_ALIGN, NO_ROOM, Chunk, ChunkFuture, Member
 from .config import PipelineConfig, refuse_unknown_guards
 from .frames import forget_frames
 from .reentry import StageOwner, generation, marked, run_stage
@@ -331,12 +331,20 @@ class Scheduler:
         return (self.accepting and len(self.chunks) + len(self.inbox) + self.unclaimed
                 < self.config.max_in_flight)
 
-    def accept(self, item: Any, driver: Any, *, in_map: bool = False, staged: Optional[np.ndarray] = None,
+    def accept(self, item: Any, driver: Any, *, if_room: bool = False, in_map: bool = False,
+               staged: Optional[np.ndarray] = None,
                staged_at: Optional[tuple] = None, out_spec: Any = None,
                result: Optional[np.ndarray] = None, in_tree: Optional[Packed] = None, on_device: Any = None,
-               source_ready: Any = None) -> Chunk:
-        """Accept ``item`` from any thread holding the driver's lock: the chunk goes into the inbox
-        (one append: the commit point) and the driving thread admits it at its next step.
+               source_ready: Any = None) -> "Chunk | object":
+        """Accept ``item`` from any thread, the driver's lock held or not: under the batch lock,
+        the capacity is checked and the chunk goes into the inbox (one append: the commit point);
+        the driving thread admits it at its next step (a caller without the driver's lock wakes
+        it after: ``driver.wake.set()``). Every change to the inbox's length and to whether the
+        pipeline accepts is made under the batch lock too, so two accepting threads never take
+        one place and no chunk enters the inbox after admission stopped (docs/design.md,
+        "Accepting without the driver's lock").
+        ``if_room``: return :data:`NO_ROOM`, accepting nothing, where there is no room (the
+        pipeline is full, or takes no more work: the caller finds out why under the driver's lock).
         ``staged``: a pinned pool array holding the item's bytes (made by the accepting thread),
         which the h2d reads and, for a result of the same shape and dtype, the d2h writes;
         ``staged_at``: when that copy started and ended (host clock), the chunk's prepare span.
@@ -348,20 +356,24 @@ class Scheduler:
 
         Raises:
             DeviceError: the device is broken.
-            RuntimeError: the pipeline takes no more work, or is full.
+            RuntimeError: the pipeline takes no more work, or is full (without ``if_room``).
         """
-        self._check_accepting()
-        index = next(self._indices)
-        chunk = Chunk(index, item, ChunkFuture(driver, index), in_map=in_map, token=self.device.publish(),
-                      staged=staged, out_spec=out_spec, result=result, in_tree=in_tree, on_device=on_device,
-                      source_ready=source_ready)
-        chunk.stamps["accepted"] = self.device.now
-        if staged_at is not None:  # its prepare was the copy the accepting thread just made
-            chunk.stamps["accepted"] = staged_at[0]
-            chunk.stamps["prepare"] = list(staged_at)
+        # this thread's work on the item (its staging copy) comes before the chunk's admission
+        token = self.device.publish()
+        now = self.device.now
         with self.batch_lock:
+            if self._no_room(if_room):
+                return NO_ROOM
+            index = next(self._indices)  # under the lock: chunks enter the inbox in index order
+            chunk = Chunk(index, item, ChunkFuture(driver, index), in_map=in_map, token=token,
+                          staged=staged, out_spec=out_spec, result=result, in_tree=in_tree, on_device=on_device,
+                          source_ready=source_ready)
+            chunk.stamps["accepted"] = now
+            if staged_at is not None:  # its prepare was the copy the accepting thread just made
+                chunk.stamps["accepted"] = staged_at[0]
+                chunk.stamps["prepare"] = list(staged_at)
             self.open_batch = None  # items accepted later go after this one: none joins a chunk before it
-        self.inbox.append(chunk)
+            self.inbox.append(chunk)
         return chunk
 
     # -- items sharing a chunk -------------------------------------------------------------------
@@ -384,19 +396,22 @@ class Scheduler:
                 return None
             return chunk, self._add_member(chunk, driver, offset, spec, claim)
 
-    def open_new_batch(self, driver: Any, spec: tuple, claim: list) -> Optional[tuple]:
+    def open_new_batch(self, driver: Any, spec: tuple, claim: list, *, if_room: bool = False) -> "tuple | object":
         """A new chunk, its block a part of the current slab (:class:`~.batch_space.BatchSpace`),
         in the inbox and taking items until the driver admits it, with a first member as
-        :meth:`join_open_batch` makes, ``claim`` too (any thread, lock held). Returns
+        :meth:`join_open_batch` makes, ``claim`` too (any thread, the driver's lock held or not:
+        capacity is taken under the batch lock, as by :meth:`accept`). Returns
         ``(chunk, member)``, or None when the slab has no room for the item (give it a new one
-        with :meth:`add_slab`).
+        with :meth:`add_slab`), or, with ``if_room``, :data:`NO_ROOM` where there is no room (as
+        :meth:`accept`; nothing taken).
 
         Raises:
             DeviceError: the device is broken.
-            RuntimeError: the pipeline takes no more work, or is full.
+            RuntimeError: the pipeline takes no more work, or is full (without ``if_room``).
         """
-        self._check_accepting()
         with self.batch_lock:
+            if self._no_room(if_room):
+                return NO_ROOM
             # the chunk open before, if any, takes no more items from here on, whether or not the
             # slab has room for the new one: reserving shrinks its part to what it holds
             self.open_batch = None
@@ -501,6 +516,18 @@ class Scheduler:
         instead of from 0; before any is accepted."""
         self._indices = indices
 
+    def _no_room(self, if_room: bool) -> bool:
+        """Whether an accept finds no room (the pipeline is full or takes no more work) and may
+        say so (``if_room``) rather than raise (batch lock held).
+
+        Raises:
+            DeviceError, RuntimeError: as :meth:`_check_accepting`, without ``if_room``.
+        """
+        if if_room and not self.has_capacity():
+            return True
+        self._check_accepting()
+        return False
+
     def _check_accepting(self) -> None:
         if self.broken is not None:
             raise self.broken
@@ -539,13 +566,15 @@ class Scheduler:
                         if self._accepted_q and self.accepting and not self._cancel_admitted:
                             break
                         self.open_batch = None
-            inbox.popleft()
+            # a chunk that goes on is counted among the admitted before it leaves the inbox: an
+            # accepting thread (no driver's lock) must never see room that is not there
             self.chunks_admitted += 1
             if members is not None:
                 for token in chunk.tokens:
                     self.device.observe(token)
                 chunk.tokens = None
                 if not members:  # every item's copy failed: nothing of it was accepted
+                    inbox.popleft()
                     self._finish(chunk)
                     continue
                 chunk.staged = chunk.batch[:chunk.used]
@@ -558,6 +587,7 @@ class Scheduler:
                 self.counts["accepted"] += 1
                 cancelled = self._cancel_admitted or chunk.future.done()
             if cancelled:  # cancelled by its caller (every item of it) before it was admitted
+                inbox.popleft()
                 chunk.move(ChunkState.CANCELLED)
                 if members is None:
                     self.counts["cancelled"] += 1
@@ -573,6 +603,7 @@ class Scheduler:
                 self._finish(chunk)
                 continue
             self.chunks[chunk.index] = chunk
+            inbox.popleft()
             if self.broken is not None:  # accepted before the device broke: nothing can run it
                 chunk.error = self.broken
                 self._end(chunk, ChunkState.FAILED)
@@ -609,8 +640,9 @@ class Scheduler:
     def stats(self) -> PipelineStats:
         """Counts of items (an item sharing a chunk counts as one, as a chunk of one item does)."""
         c = self.counts
-        waiting = sum(1 if chunk.members is None else len(chunk.members) for chunk in self.inbox)
-        accepted = c["accepted"] + waiting - self.withdrawn
+        with self.batch_lock:  # (threads without the driver's lock append to the inbox, and join its chunks)
+            waiting = sum(1 if chunk.members is None else len(chunk.members) for chunk in self.inbox)
+            accepted = c["accepted"] + waiting - self.withdrawn
         ended = c["delivered"] + c["failed"] + c["cancelled"]
         return PipelineStats(accepted=accepted, delivered=c["delivered"], failed=c["failed"],
                              cancelled=c["cancelled"], in_flight=accepted - ended)
@@ -1347,12 +1379,15 @@ class Scheduler:
     def _end(self, chunk: Chunk, final: ChunkState) -> None:
         chunk.move(final)
         chunk.stamps["ended"] = self.device.now
+        if chunk.in_map:
+            # a map() hands it out; it holds capacity until then (counted before the chunk
+            # leaves: an accepting thread without the driver's lock must never see room that is
+            # not there)
+            self.unclaimed += 1
         del self.chunks[chunk.index]
         if chunk.members is None:
             self.counts[final.value] += 1
         self.version += 1
-        if chunk.in_map:
-            self.unclaimed += 1  # a map() hands it out; it holds capacity until then
         if self._on_chunk_end is not None:
             self._on_chunk_end(chunk)
         fut = chunk.future
@@ -1441,13 +1476,21 @@ class Scheduler:
 
     def stop_admission(self) -> None:
         """Take no more work; what was accepted (the inbox too) still runs to its end."""
-        self.accepting = False
+        self._refuse_more()
+
+    def _refuse_more(self, broken: Optional[DeviceError] = None) -> None:
+        """Accept nothing from now on (``broken``: the device broke). Under the batch lock, which
+        every accept holds while it checks and appends (:meth:`accept`): once this returns, no
+        chunk enters the inbox, so one the driver has seen empty stays empty."""
+        with self.batch_lock:
+            if broken is not None:
+                self.broken = broken
+            self.accepting = False
         self.version += 1
 
     def cancel_pending(self) -> None:
         """Stop admission; end not-yet-enqueued chunks CANCELLED at once; drain the rest."""
-        self.accepting = False
-        self.version += 1
+        self._refuse_more()
         try:
             self._cancel_pending()
         except DeviceError as err:  # a poison fill found the context dead: break, as step() does
@@ -1532,8 +1575,7 @@ class Scheduler:
 
     def break_on(self, err: DeviceError) -> None:
         """A sticky device error: nothing on the device will complete; end everything FAILED."""
-        self.broken = err
-        self.accepting = False
+        self._refuse_more(err)
         self._end_all(err, keep_lent=False)  # the context is dead: no operation can still touch a slot
 
     def _end_all(self, err: BaseException, *, keep_lent: bool) -> None:
@@ -1577,9 +1619,8 @@ class Scheduler:
         busy slot, may still be written by that work, so they are kept in :data:`KEPT` for
         good, never handed out again nor freed, and a warning is logged. Never raises an
         ``Exception``."""
-        self.accepting = False
         self.stopped_by = err
-        self.version += 1
+        self._refuse_more()
         try:
             # (a shared chunk whose items are still being copied in stays, and the chunks behind
             # it: no device work is on them; the last copy to end ends them, admit_after_death)
