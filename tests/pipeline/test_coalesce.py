@@ -248,6 +248,39 @@ def test_a_chunk_waits_for_every_copy_into_it_before_it_moves():
         assert pipe.scheduler.chunks_admitted == 2  # the warm-up's and the one a and b share
 
 
+def _run_while_the_driver_s_lock_is_held(pipe, call, reached=None) -> tuple:
+    """Run ``call`` on a thread of its own while another thread keeps ``pipe``'s driver's lock (as
+    a long scheduler step does), then let the lock go. Returns whether ``reached()`` (default:
+    ``call`` returned) held before the lock was let go, looked at for up to 10 real seconds (a
+    call that needs the lock stays short of it for as long as the lock is kept), and what
+    ``call`` returned."""
+    driver, holding, release = pipe._driver, threading.Event(), threading.Event()
+
+    def hold():
+        with driver.cv:
+            holding.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert holding.wait(30)
+    out: list = []
+    caller = threading.Thread(target=lambda: out.append(call()))
+    caller.start()
+    done = reached or (lambda: not caller.is_alive())
+    seen = done()
+    for _ in range(1000):
+        if seen:
+            break
+        threading.Event().wait(0.01)
+        seen = done()
+    release.set()
+    holder.join(30)
+    caller.join(60)
+    assert out, "the call raised (its thread's error is in the captured output)"
+    return seen, out[0]
+
+
 def test_joining_a_shared_chunk_and_ending_its_copy_need_not_wait_for_a_step():
     """The driver's lock is held (as by a long scheduler step) while an item joins the open chunk:
     its submit must come back without that lock (taking it would stall every request behind
@@ -257,26 +290,9 @@ def test_joining_a_shared_chunk_and_ending_its_copy_need_not_wait_for_a_step():
     with rf.Pipeline(f, device=dev, chunk_bytes=1 << 16, checked=True) as pipe:
         pipe.submit(np.zeros(4, np.float32)).result()  # warm: the next chunk is a new one
         fa = pipe.submit(a)  # opens a chunk; nobody waits, so the simulated driver leaves it open
-        driver, holding, release = pipe._driver, threading.Event(), threading.Event()
-
-        def hold():
-            with driver.cv:
-                holding.set()
-                release.wait(60)
-
-        holder = threading.Thread(target=hold)
-        holder.start()
-        assert holding.wait(30)
-        out = {}
-        joiner = threading.Thread(target=lambda: out.setdefault("b", pipe.submit(b)))
-        joiner.start()
-        joiner.join(10)
-        came_back = not joiner.is_alive()
-        release.set()
-        holder.join(30)
-        joiner.join(30)
+        came_back, fb = _run_while_the_driver_s_lock_is_held(pipe, lambda: pipe.submit(b))
         assert came_back, "submit waited for the driver's lock to join an open chunk"
-        assert np.array_equal(fa.result(), expected(a)) and np.array_equal(out["b"].result(), expected(b))
+        assert np.array_equal(fa.result(), expected(a)) and np.array_equal(fb.result(), expected(b))
         assert pipe.scheduler.chunks_admitted == 2  # the warm-up's and the one a and b share
 
 
@@ -294,28 +310,25 @@ def test_a_submit_with_room_need_not_wait_for_a_step(kind):
     want = expected(x)
     with rf.Pipeline(f, device=dev, chunk_bytes=8 << 20, checked=True) as pipe:
         pipe.submit(np.zeros(4, np.float32)).result()  # warm: no chunk is open
-        driver, holding, release = pipe._driver, threading.Event(), threading.Event()
-
-        def hold():
-            with driver.cv:
-                holding.set()
-                release.wait(60)
-
-        holder = threading.Thread(target=hold)
-        holder.start()
-        assert holding.wait(30)
-        out = {}
-        submitter = threading.Thread(target=lambda: out.setdefault("x", pipe.submit(x)))
-        submitter.start()
-        submitter.join(10)
-        came_back = not submitter.is_alive()
-        release.set()
-        holder.join(30)
-        submitter.join(30)
+        came_back, fx = _run_while_the_driver_s_lock_is_held(pipe, lambda: pipe.submit(x))
         x[...] = -1  # the caller may reuse its array once submit returned
         assert came_back, "submit waited for the driver's lock though the pipeline had room"
-        assert np.array_equal(out["x"].result(timeout=60), want)
+        assert np.array_equal(fx.result(timeout=60), want)
         assert pipe.scheduler.chunks_admitted == 2
+
+
+def test_a_map_accepts_while_a_step_holds_the_driver_s_lock():
+    """A map pulls and accepts items over 4 MiB (a chunk each) while the driver's lock is held (as
+    by a long step): with room for them all, every one is in the inbox before the map needs the
+    lock to wait for a result; its results are right and in order once the lock is free."""
+    dev = rf.device("sim", seed=8)
+    xs = [np.random.default_rng(k).random((5 << 20) // 4).astype(np.float32) for k in range(3)]
+    with rf.Pipeline(f, device=dev, chunk_bytes=8 << 20, max_in_flight=4, checked=True) as pipe:
+        pipe.submit(np.zeros(4, np.float32)).result()  # warm
+        accepted_all, out = _run_while_the_driver_s_lock_is_held(
+            pipe, lambda: list(pipe.map(xs)), reached=lambda: len(pipe.scheduler.inbox) == 3)
+        assert accepted_all, "the map waited for the driver's lock to accept an item though it had room"
+        assert len(out) == 3 and all(np.array_equal(r, expected(x)) for r, x in zip(out, xs))
 
 
 @pytest.mark.parametrize("coalesce", [True, False], ids=["shared", "alone"])

@@ -908,7 +908,7 @@ class Pipeline:
                     if not carried:
                         # read without the driver's lock, which the progress thread holds for a
                         # whole step: the look only decides whether to pull input, and the
-                        # accepting call below decides again under its lock
+                        # accepting call below decides again under the batch lock
                         if not (s.has_capacity() or s.open_batch is not None):
                             break
                         try:
@@ -942,18 +942,17 @@ class Pipeline:
                         held += item.nbytes
                         started = True
                         continue
-                    with d.hold():
-                        if not s.accepting or not s.has_capacity():
-                            break
-                        taken = carried.pop()
-                        # (a submitting thread may take the room seen without the driver's lock)
-                        chunk = s.accept(driver=d, in_map=True, if_room=True, **accepting)
-                        if chunk is NO_ROOM:
-                            carried.append(taken)
-                            break
-                        pending[chunk.index] = chunk
-                        started = True
-                        d.notify()
+                    # accepted without the driver's lock, as submit does where there is room
+                    # (docs/design.md, "Accepting without the driver's lock"): NO_ROOM where the
+                    # pipeline is full or takes no more work, which the wait below sorts out
+                    taken = carried.pop()
+                    chunk = s.accept(driver=d, in_map=True, if_room=True, **accepting)
+                    if chunk is NO_ROOM:
+                        carried.append(taken)
+                        break
+                    pending[chunk.index] = chunk
+                    started = True
+                    d.wake.set()
                 entry = self._next_ready(pending)
                 if type(entry) is _Shared:  # ended: nothing of the scheduler's to change, no lock
                     del pending[entry.index]
