@@ -674,10 +674,10 @@ class Pipeline:
     @shielded_call
     def _submit_if_room(self, item: Any) -> "ChunkFuture | object":
         """Accept ``item`` if the pipeline has room for it now, as :meth:`submit` does, but never
-        wait for capacity (only for the lock, which a step holds): its future, or
+        wait for capacity (nor for the driver's lock, which a step holds): its future, or
         :data:`NO_ROOM` where there is no room (nothing of the item was accepted). For a map over
         several devices, which must not wait for room while it holds results: room is chosen and
-        taken in one call, under the lock.
+        taken in one call, under the scheduler's batch lock.
 
         Raises:
             DeviceError: the device is broken.
