@@ -248,3 +248,11 @@ def test_ab_source(tmp_path):
         (run,) = r["runs"][v]
         assert run["requests"]["correct"] is True and run["large_submit_parts"]["correct"] is True
         assert r["medians"][v]["capacity_per_s"] > 0 and r["medians"][v]["large_lock_wait_us_per_request_open"] >= 0
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_gc_pauses(tmp_path, freeze):
+    r = run_script(tmp_path, "gc_pauses.py", "--count", "60", *(["--freeze"] if freeze else []))
+    assert r["correct"] is True and r["capacity_per_s"] > 0 and r["p99_80_over_isolated"] > 0
+    assert r["freeze"] is freeze and (r["heap"]["frozen_objects"] > 0) is freeze
+    assert set(r["gc"]) >= {"gen0", "gen1", "gen2"} and r["gc"]["gen0"]["count"] >= 0
