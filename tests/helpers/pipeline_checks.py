@@ -27,6 +27,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import gc
+import threading
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -261,14 +262,19 @@ class Harness:
         self.calls.pipe = self.pipe
         self.sched = self.pipe.scheduler
         accept = self.sched.accept
+        # an accept takes the scheduler's batch lock, not the driver's: reentrant here, so that a
+        # chunk is recorded below in the same critical section that puts it in the inbox, and
+        # check() (which holds it too) never counts a chunk accepted but not yet recorded
+        self.sched.batch_lock = threading.RLock()
 
         def recording_accept(item, *args, **kw):
-            chunk = accept(item, *args, **kw)
-            if chunk is NO_ROOM:  # nothing accepted
-                return chunk
-            if chunk.index in self.chunks:
-                raise InvariantError(f"chunk index {chunk.index} handed out twice")
-            self.chunks[chunk.index] = chunk
+            with self.sched.batch_lock:
+                chunk = accept(item, *args, **kw)
+                if chunk is NO_ROOM:  # nothing accepted
+                    return chunk
+                if chunk.index in self.chunks:
+                    raise InvariantError(f"chunk index {chunk.index} handed out twice")
+                self.chunks[chunk.index] = chunk
             return chunk
 
         self.sched.accept = recording_accept  # instance attribute: map() and submit() call it
@@ -326,7 +332,7 @@ class Harness:
     def check(self) -> None:
         """The invariants that hold after every step. Holds the pipeline's lock, so other threads
         (submitters, the progress thread) cannot change the state half way through."""
-        with self.pipe._driver.cv:
+        with self.pipe._driver.cv, self.sched.batch_lock:  # (no accept half recorded meanwhile)
             self._check()
 
     def _check(self) -> None:

@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import ringflow as rf
 from ringflow._device import host_pool
+from ringflow._pipeline.chunk import NO_ROOM
 from tests.helpers.interrupts import InterruptAt
 from tests.helpers.sim import hold_copy
 from tests.helpers.stateful import machine_settings
@@ -329,6 +330,35 @@ def test_a_map_accepts_while_a_step_holds_the_driver_s_lock():
             pipe, lambda: list(pipe.map(xs)), reached=lambda: len(pipe.scheduler.inbox) == 3)
         assert accepted_all, "the map waited for the driver's lock to accept an item though it had room"
         assert len(out) == 3 and all(np.array_equal(r, expected(x)) for r, x in zip(out, xs))
+
+
+@pytest.mark.parametrize("kind", ["opens a shared chunk", "goes alone"])
+def test_a_submit_whose_room_another_thread_took_after_its_wait_waits_again(kind):
+    """A full pipeline: a submit waits for room under the driver's lock; the moment room comes,
+    another thread, accepting without that lock, takes it first (done here inside the wait, as
+    another thread's accept would land there). The submit must wait again and be accepted once
+    room comes back, not fail with "admission is full"; every result is right."""
+    dev = rf.device("sim", seed=9)
+    n = 1000 if kind.startswith("opens") else (5 << 20) // 4
+    # the first goes alone, so that no shared chunk is open for the second to join
+    xs = [np.random.default_rng(k).random(m).astype(np.float32) for k, m in enumerate(((5 << 20) // 4, n, n))]
+    with rf.Pipeline(f, device=dev, chunk_bytes=8 << 20, max_in_flight=1, checked=True) as pipe:
+        fut0 = pipe.submit(xs[0])  # takes the only place
+        wait, taken = pipe._wait_for_capacity, []
+
+        def wait_then_lose_the_room(*args, **kwargs):
+            wait(*args, **kwargs)
+            if not taken:  # the first time room comes: another accept takes it
+                chunk = pipe._sched.accept(driver=pipe._driver, if_room=True, **pipe._accepting(xs[2]))
+                assert chunk is not NO_ROOM
+                taken.append(chunk.future)
+                pipe._driver.wake.set()
+
+        pipe._wait_for_capacity = wait_then_lose_the_room
+        fut1 = pipe.submit(xs[1])  # raised "admission is full" when the room it waited for was gone
+        assert taken, "the submit never waited for room"
+        for fut, x in ((fut0, xs[0]), (fut1, xs[1]), (taken[0], xs[2])):
+            assert np.array_equal(fut.result(timeout=60), expected(x))
 
 
 @pytest.mark.parametrize("coalesce", [True, False], ids=["shared", "alone"])

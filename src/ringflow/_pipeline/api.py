@@ -745,6 +745,26 @@ class Pipeline:
         if given_up():
             raise _GaveUp()
 
+    def _take_room(self, take: Callable[[], Any], timeout: Optional[float], gave_up: Optional[Callable[[], bool]],
+                   hold: Hold) -> Any:
+        """Lock held: wait for room, then take it with ``take`` (an accept that returns
+        :data:`NO_ROOM` where it finds none); what ``take`` returned. A thread accepting without
+        the driver's lock may take the room between the wait and the take: the wait then starts
+        again, within what is left of ``timeout``.
+
+        Raises:
+            _GaveUp, TimeoutError: as :meth:`_wait_for_capacity`.
+            DeviceError, RuntimeError: the pipeline takes no more work (why, as :meth:`submit`).
+        """
+        deadline = None if timeout is None else self.device.now + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - self.device.now)
+            self._wait_for_capacity(left, gave_up, hold)
+            got = take()
+            if got is not NO_ROOM:
+                return got
+            self._no_room()  # raises where the pipeline takes no more work; else another thread took the room
+
     def _shares_chunk(self, item: Any) -> bool:
         """Whether ``submit`` puts ``item`` in a chunk other items may share: a plain array of up
         to :data:`SHARE_AT_MOST_BYTES` that fits a chunk. A pool array of that size shares too:
@@ -781,8 +801,10 @@ class Pipeline:
                     with d.hold() as hold:
                         place = s.join_open_batch(d, spec, claim)  # another thread may have opened one
                         if place is None:
-                            self._wait_for_capacity(timeout, gave_up, hold)
-                            place = s.join_open_batch(d, spec, claim) or s.open_new_batch(d, spec, claim)
+                            place = self._take_room(
+                                lambda: s.join_open_batch(d, spec, claim) or s.open_new_batch(d, spec, claim,
+                                                                                                if_room=True),
+                                timeout, gave_up, hold)
                 if place is None:  # the slab of shared chunks is full: a new one, taken outside the lock
                     slab = self._pool.take((s.space.slab_bytes,), np.dtype(np.uint8))
                     if slab is None:
@@ -1201,8 +1223,7 @@ class Pipeline:
                 d.wake.set()
                 return chunk.future
         with d.hold() as hold:
-            self._wait_for_capacity(timeout, gave_up, hold)
-            chunk = s.accept(driver=d, **accepting)
+            chunk = self._take_room(lambda: s.accept(driver=d, if_room=True, **accepting), timeout, gave_up, hold)
             d.notify()
         return chunk.future
 
