@@ -242,7 +242,7 @@ class SpreadPipeline(Pipeline):
         """:meth:`asubmit`'s accepting; with ``wait`` False, as :meth:`_submit_if_room`."""
         timeout = check_timeout(timeout)
         tried: tuple = ()
-        # first where there is room now, on the loop's thread where a part's lock is free
+        # first where there is room now, on the loop's thread (no part's driver lock is taken there)
         for part in self._ranked():
             try:
                 fut = await part._asubmit_future(item, timeout, ending, wait=False)
