@@ -499,7 +499,7 @@ def test_a_shared_chunk_cancelled_before_admission_hands_its_slab_on_after_the_c
     assert len(taken) == 1 and pipe.stats().cancelled == 1
 
 
-SHARED_SUBMIT = ("submit", "_submit_shared", "join_open_batch", "open_new_batch", "_no_room", "_add_member", "member_written",
+SHARED_SUBMIT = ("submit", "_submit_shared", "join_open_batch", "open_new_batch", "_finds_no_room", "_add_member", "member_written",
                  "_take_back", "reserve", "claimed", "_trim_last", "add_slab", "install")
 
 
@@ -577,7 +577,8 @@ def test_ctrl_c_pressed_again_while_a_shared_submit_cleans_up_still_takes_the_it
 
 
 LONE_SUBMIT = ("submit", "_accepting", "_staged_copy", "_read_in_place", "_private_copy", "_output_spec",
-               "_accept_staged", "_wait_for_capacity", "accept", "_no_room", "_check_accepting", "has_capacity")
+               "_accept_staged", "_accept_if_room", "_wait_for_capacity", "accept", "_finds_no_room",
+               "_check_accepting", "has_capacity")
 
 
 def _lone_submit_interrupted_at(n: int, room: bool) -> tuple:

@@ -701,11 +701,19 @@ class Pipeline:
         """:meth:`_accept_staged` that never waits for capacity: the chunk's future, or
         :data:`NO_ROOM` where the pipeline has no room (nothing accepted). Raises as
         :meth:`_submit_if_room`."""
-        chunk = self._sched.accept(driver=self._driver, if_room=True, **accepting)
-        if chunk is NO_ROOM:
-            return self._no_room()
-        self._driver.wake.set()
-        return chunk.future
+        chunk = self._accept_if_room(accepting)
+        return self._no_room() if chunk is NO_ROOM else chunk.future
+
+    def _accept_if_room(self, accepting: dict, **options: Any) -> "Chunk | object":
+        """Accept an item :meth:`_accepting` made ready where the pipeline has room this instant,
+        without the driver's lock (docs/design.md, "Accepting without the driver's lock"): its
+        chunk, the driver woken to admit it, or :data:`NO_ROOM` (nothing accepted: the pipeline
+        is full or takes no more work). ``options``: more keyword arguments of
+        :meth:`Scheduler.accept` (``in_map``)."""
+        chunk = self._sched.accept(driver=self._driver, if_room=True, **accepting, **options)
+        if chunk is not NO_ROOM:
+            self._driver.wake.set()
+        return chunk
 
     def _no_room(self) -> object:
         """:data:`NO_ROOM` for an item found no room; where the pipeline takes no more work (so
@@ -968,13 +976,12 @@ class Pipeline:
                     # (docs/design.md, "Accepting without the driver's lock"): NO_ROOM where the
                     # pipeline is full or takes no more work, which the wait below sorts out
                     taken = carried.pop()
-                    chunk = s.accept(driver=d, in_map=True, if_room=True, **accepting)
+                    chunk = self._accept_if_room(accepting, in_map=True)
                     if chunk is NO_ROOM:
                         carried.append(taken)
                         break
                     pending[chunk.index] = chunk
                     started = True
-                    d.wake.set()
                 entry = self._next_ready(pending)
                 if type(entry) is _Shared:  # ended: nothing of the scheduler's to change, no lock
                     del pending[entry.index]
@@ -1203,11 +1210,8 @@ class Pipeline:
         """
         # shielded as the other calls are (sigint.py): a Ctrl-C inside the batch lock's threading code
         with shielded():
-            chunk = self._sched.accept(driver=self._driver, if_room=True, **accepting)
-            if chunk is NO_ROOM:
-                return None
-            self._driver.wake.set()
-            return chunk.future
+            chunk = self._accept_if_room(accepting)
+            return None if chunk is NO_ROOM else chunk.future
 
     @shielded_call
     def _accept_staged(self, accepting: dict, timeout: Optional[float],
@@ -1218,9 +1222,8 @@ class Pipeline:
         "Accepting without the driver's lock"); only a wait for room does."""
         d, s = self._driver, self._sched
         if gave_up is None or not gave_up():
-            chunk = s.accept(driver=d, if_room=True, **accepting)
+            chunk = self._accept_if_room(accepting)
             if chunk is not NO_ROOM:
-                d.wake.set()
                 return chunk.future
         with d.hold() as hold:
             chunk = self._take_room(lambda: s.accept(driver=d, if_room=True, **accepting), timeout, gave_up, hold)

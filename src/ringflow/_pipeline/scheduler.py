@@ -362,7 +362,7 @@ class Scheduler:
         token = self.device.publish()
         now = self.device.now
         with self.batch_lock:
-            if self._no_room(if_room):
+            if self._finds_no_room(if_room):
                 return NO_ROOM
             index = next(self._indices)  # under the lock: chunks enter the inbox in index order
             chunk = Chunk(index, item, ChunkFuture(driver, index), in_map=in_map, token=token,
@@ -410,7 +410,7 @@ class Scheduler:
             RuntimeError: the pipeline takes no more work, or is full (without ``if_room``).
         """
         with self.batch_lock:
-            if self._no_room(if_room):
+            if self._finds_no_room(if_room):
                 return NO_ROOM
             # the chunk open before, if any, takes no more items from here on, whether or not the
             # slab has room for the new one: reserving shrinks its part to what it holds
@@ -516,7 +516,7 @@ class Scheduler:
         instead of from 0; before any is accepted."""
         self._indices = indices
 
-    def _no_room(self, if_room: bool) -> bool:
+    def _finds_no_room(self, if_room: bool) -> bool:
         """Whether an accept finds no room (the pipeline is full or takes no more work) and may
         say so (``if_room``) rather than raise (batch lock held).
 
