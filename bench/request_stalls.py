@@ -4,7 +4,8 @@ levels at ``--load`` of that capacity with every ``submit`` and every wait for a
 
 * per request: how far behind its arrival ``submit`` began (``behind``), ``submit``'s wall
   time, its thread CPU time, and the thread's page faults and context switches inside it
-  (``getrusage(RUSAGE_THREAD)``);
+  (``getrusage(RUSAGE_THREAD)``); ``submit``'s median time split between requests that arrived
+  while the thread waited (on time) and those that arrived while it was busy (behind);
 * per wait for an arrival: how late it returned (``late``: the thread slept past the arrival);
 * the garbage collector's pauses, with their times, and every block the host pool pinned
   during the level (when, how long, its size, on which thread);
@@ -197,6 +198,9 @@ def run_level(pipe, dev, items, gaps, *, sample: bool, behind_ms: float, main_na
            "behind_p50_ms": 1e3 * float(np.percentile(behind, 50)), "behind_p99_ms": 1e3 * float(np.percentile(behind, 99)),
            "submit_wall_p50_ms": 1e3 * float(np.percentile(wall, 50)), "submit_wall_p99_ms": 1e3 * float(np.percentile(wall, 99)),
            "submit_wall_max_ms": 1e3 * float(wall.max()),
+           # submit's wall and CPU time for requests the thread waited for (it was idle when they
+           # arrived) against those that arrived while it was still busy with earlier ones
+           **_by_arrival(behind, wall, cpu, behind_ms=0.05),
            "submit_cpu_over_wall": float(cpu.sum() / wall.sum()),
            # the submitting thread's share of the level spent inside submit
            "submit_busy_share": float(wall.sum() / span),
@@ -219,6 +223,19 @@ def run_level(pipe, dev, items, gaps, *, sample: bool, behind_ms: float, main_na
                 if name in (main_name,) or "progress" in name.lower() or "ringflow" in name.lower():
                     whole[f"{name}: {stack}"] += 1
         out["frames_whole_level"] = whole.most_common(12)
+    return out
+
+
+def _by_arrival(behind, wall, cpu, *, behind_ms: float) -> dict:
+    """The median ``submit`` wall time (ms) and CPU over wall of the requests submitted within
+    ``behind_ms`` of their arrival (``on_time``) and of those submitted later (``behind``), with
+    how many of each."""
+    out = {}
+    for name, sel in (("on_time", behind * 1e3 <= behind_ms), ("behind", behind * 1e3 > behind_ms)):
+        k = int(sel.sum())
+        out[f"submit_{name}"] = {"requests": k,
+                                 "wall_p50_ms": 1e3 * float(np.median(wall[sel])) if k else None,
+                                 "cpu_over_wall": float(cpu[sel].sum() / wall[sel].sum()) if k else None}
     return out
 
 

@@ -107,6 +107,8 @@ def test_request_stalls(tmp_path):
     r = run_script(tmp_path, "request_stalls.py", "--count", "60", "--rounds", "1", "--sample")
     assert r["capacity_per_s"] > 0 and [lv["sampled"] for lv in r["rounds"]] == [False, True]
     assert all(lv["correct"] and 0 < lv["submit_busy_share"] <= 1 and "pinned_in_level" in lv for lv in r["rounds"])
+    for lv in r["rounds"]:  # every request counted once, on time or behind
+        assert lv["submit_on_time"]["requests"] + lv["submit_behind"]["requests"] == 60
 
 
 def test_staging_in_pipeline(tmp_path):
