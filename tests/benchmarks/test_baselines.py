@@ -14,6 +14,7 @@ import pytest
 
 from ringflow._bench import baselines as bl
 from ringflow._bench import native
+from ringflow._device import native_copy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -322,11 +323,24 @@ def test_host_floor_gpu():
     json.dumps(r)
 
 
+def test_staging_floor_copies_include_ringflow_s_own_copy_where_it_is_built():
+    # a floor made only of copies slower than the staged path's own is beaten by it
+    copies = dict(bl._staging_copies(lambda d, s: np.copyto(d, s), lambda d, s: d.__setitem__(slice(None), s)))
+    assert ("native" in copies) == (native_copy.copier() is not None)
+    src = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)
+    for name, copy in copies.items():
+        dst = np.zeros_like(src)
+        copy(dst[5:], src[5:])
+        assert np.array_equal(dst[5:], src[5:]) and not dst[:5].any(), name
+
+
 @pytest.mark.gpu
 def test_staging_floor_gpu():
     r = bl.staging_floor(64 << 20, splits=((2, 2), (1, 3)), chunk=4 << 20, ring_slots=4, repeats=1)
-    assert set(r["staging_together_ms"]) == {f"{s} {how}" for s in ("2+2", "1+3") for how in ("numpy", "memmove")}
+    copies = ("numpy", "memmove") + (("native",) if native_copy.copier() is not None else ())
+    assert set(r["staging_together_ms"]) == {f"{s} {how}" for s in ("2+2", "1+3") for how in copies}
     assert r["staging_together_best_ms"] == min(r["staging_together_ms"].values()) > 0
+    assert 0 < r["staging_together_fastest_ms"] <= r["staging_together_best_ms"]
     # the run includes the GPU's copies, so it cannot beat them on an idle host by much
     assert r["staging_together_best_ms"] >= r["staging_link_alone_ms"] * 0.9 and r["staging_host_part_ms"] > 0
     alone = bl.staging_floor(64 << 20, splits=((2, 2),), chunk=4 << 20, ring_slots=4, repeats=1, with_link=False)

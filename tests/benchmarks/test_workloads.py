@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ringflow._bench.workloads import _versus_cpp
+from ringflow._bench.workloads import _versus_cpp, pageable_floor_ms
 
 MiB = 1 << 20
 
@@ -27,3 +27,12 @@ def test_versus_cpp_without_the_cpp_row_or_its_refill():
     r = _versus_cpp([{"name": "hand-written CUDA C++ pipeline", "ms_median": 2.0, "chunks": 4}], {1: 1.0}, {1: 1.0}, 4)
     assert r["untouched_input"]["ratio_vs_cuda_events"] == 0.5 and r["untouched_input"]["ratio_vs_host_clock"] is None
     assert r["refilled_input"]["ratio_vs_cuda_events"] is None
+
+
+def test_the_pageable_floor_is_the_fastest_single_run_of_its_work_or_the_link_s():
+    # a median of the floor's few runs (best_ms) was once slower than the staged path itself
+    floors = {"link_floor_ms": 23.4, "staging_together_best_ms": 80.5, "staging_together_fastest_ms": 66.0}
+    assert pageable_floor_ms(floors) == 66.0
+    assert pageable_floor_ms({**floors, "link_floor_ms": 70.0}) == 70.0
+    assert pageable_floor_ms({"link_floor_ms": 23.4}) is None
+    assert pageable_floor_ms({"staging_together_fastest_ms": 66.0}) is None

@@ -974,13 +974,20 @@ def staging_floor(nbytes: int, *, splits: Sequence[tuple[int, int]] = ((8, 8), (
     started together. Nothing waits on anything else, so no schedule of the same work can finish
     sooner: this is the staged path's floor when its parts share the host's memory bandwidth
     (``host_floor`` times each part alone and adds them, which assumes they do not). The CPU
-    copies are made two ways, numpy's ``copyto`` and the C library's ``memmove`` (what the
-    native copy threads call), and the floor is the faster: on some hosts numpy's copy loop
-    moved a fifth less than ringflow's own staged path, which then beat a floor made of it.
+    copies are made three ways, numpy's ``copyto``, the C library's ``memmove``, and ringflow's
+    native copy on one thread (``native``, where it is built: streaming stores for long parts,
+    which skip reading each destination line first), and the floor is the fastest. Each is a
+    floor only for work done with that copy: ringflow's staged path, whose copies use streaming
+    stores, beat a floor made of the first two (numpy's copy loop alone moved a fifth less on
+    some hosts).
 
     Returns ``staging_together_ms[f"{t_in}+{t_out} {how}"]`` (median wall time, host clock) per
-    split and copy (``numpy``, ``memmove``),
-    ``staging_together_best_ms``, ``staging_host_part_ms`` (when the CPU copies finished, median
+    split and copy (``numpy``, ``memmove``, ``native``),
+    ``staging_together_best_ms`` (the fastest of those medians), ``staging_together_fastest_ms``
+    (the fastest single run of any split and copy: the floor a median of the staged path is held
+    to, since the host's memory bandwidth drifts from one second to the next and a median of
+    three runs of the floor's work can land on a slow stretch that the path's own runs missed),
+    ``staging_host_part_ms`` (when the CPU copies finished, median
     over every run) and, with the link, ``staging_link_alone_ms`` (the GPU's copies on an idle host,
     CUDA events)."""
     torch = _torch()
@@ -1011,6 +1018,7 @@ def staging_floor(nbytes: int, *, splits: Sequence[tuple[int, int]] = ((8, 8), (
     res: dict[str, Any] = {"staging_bytes": nbytes, "staging_chunk": slot, "staging_ring_slots": ring_slots,
                            "staging_with_link": with_link, "staging_timing": "host_clock"}
     together: dict[str, float] = {}
+    fastest = math.inf
     link_ms: list[float] = []
     host_ms: list[float] = []
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(a + b for a, b in splits))
@@ -1031,7 +1039,7 @@ def staging_floor(nbytes: int, *, splits: Sequence[tuple[int, int]] = ((8, 8), (
                 k = ((lo // slot) % ring_slots) * slot
                 copy(dst[lo:hi], pin_out[k:k + hi - lo])
 
-        for (t_in, t_out), (how, copy) in itertools.product(splits, (("numpy", numpy_copy), ("memmove", c_copy))):
+        for (t_in, t_out), (how, copy) in itertools.product(splits, _staging_copies(numpy_copy, c_copy)):
             samples = []
             in_parts = [chunks[j::t_in] for j in range(t_in)]
             out_parts = [chunks[j::t_out] for j in range(t_out)]
@@ -1055,6 +1063,7 @@ def staging_floor(nbytes: int, *, splits: Sequence[tuple[int, int]] = ((8, 8), (
                     host_ms.append((t_host - t0) * 1e3)
                 del dst
             together[f"{t_in}+{t_out} {how}"] = float(np.median(samples)) * 1e3
+            fastest = min(fastest, min(samples) * 1e3)
         if with_link:
             # the link's copies alone, events around them, for comparison
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -1069,10 +1078,25 @@ def staging_floor(nbytes: int, *, splits: Sequence[tuple[int, int]] = ((8, 8), (
         pool.shutdown(wait=True)
     res["staging_together_ms"] = together
     res["staging_together_best_ms"] = min(together.values())
+    res["staging_together_fastest_ms"] = fastest
     res["staging_host_part_ms"] = float(np.median(host_ms))
     if link_ms:
         res["staging_link_alone_ms"] = float(np.median(link_ms))
     return res
+
+
+def _staging_copies(numpy_copy: Callable, c_copy: Callable) -> list:
+    """The CPU copies :func:`staging_floor` times, as ``(name, copy(dst, src))``: numpy's,
+    ``memmove``'s, and ringflow's native copy on the calling thread where it is built."""
+    from .._device import native_copy
+
+    copies = [("numpy", numpy_copy), ("memmove", c_copy)]
+    if native_copy.copier() is not None:
+        def native(dst, src):
+            if not native_copy.copy(dst, src, 1):
+                raise RuntimeError("the native copier refused a copy of two C-contiguous byte arrays")
+        copies.append(("native", native))
+    return copies
 
 
 # -- 5. request streams ---------------------------------------------------------------------------
