@@ -17,7 +17,9 @@ import pytest
 import ringflow as rf
 from ringflow._device import host_pool
 from ringflow._pipeline import sigint
+from ringflow._pipeline.states import ChunkState
 from tests.helpers.pipeline_checks import drop_tracebacks
+from tests.helpers.sim import Timeline
 from tests.helpers.threads import JOIN_S, bounded, interrupt_main, join, start
 
 
@@ -578,3 +580,267 @@ def test_an_item_copied_into_a_shared_chunk_as_the_progress_thread_dies_ends_fai
     _next_pipeline_runs_clean(dev, [np.arange(64.0) + k for k in range(4)], True)
     assert dev.live().total == 0, dev.live()
     assert host_pool.pool_for(dev).stats().in_use_bytes == 0
+
+
+# -- accepting without the driver's lock: the progress thread's wake-up, death and end ---------
+
+
+def _five_seconds(x, y):
+    y[...] = x * 2 + 1
+
+
+_five_seconds.sim_seconds = 5.0  # each compute: 5 virtual seconds
+
+
+def _twice_plus_one(a: np.ndarray) -> np.ndarray:
+    return a * np.float32(2) + np.float32(1)
+
+
+def _accept_inside_a_step_that_found_nothing(pipe, submit_b, when):
+    """Wrap the scheduler's step so that, the first time a step of the progress thread finds
+    nothing to do while ``when()`` holds, another thread's submit (``submit_b``, with room:
+    accepted without the driver's lock) runs to its end before the step returns, i.e. after the
+    step's admission looked at an empty inbox and before the progress thread clears its wake
+    flag and sleeps. Returns a dict that gets the submit's future ("fb") and whether the driver
+    later went to sleep on the device with a chunk in the inbox and no wake pending ("slept")."""
+    s, d, dev = pipe.scheduler, pipe._driver, pipe.device
+    real_step, real_wait_any = s.step, dev.wait_any
+    out: dict = {"slept": []}
+    fired = threading.Event()
+
+    def step():
+        progressed = real_step()
+        if (not progressed and not fired.is_set() and threading.current_thread() is d.thread and when()):
+            fired.set()
+            t = threading.Thread(target=lambda: out.setdefault("fb", submit_b()))
+            t.start()
+            t.join(30)
+            assert not t.is_alive(), "the submit needed the driver's lock"
+            assert len(s.inbox) == 1 and d.wake.is_set()  # accepted, and the driver was woken
+        return progressed
+
+    def wait_any(waitables, timeout=None, wake=None):
+        if threading.current_thread() is d.thread and s.inbox and wake is not None and not wake.is_set():
+            out["slept"].append((len(s.inbox), dev.now))
+        return real_wait_any(waitables, timeout=timeout, wake=wake)
+
+    s.step = step
+    dev.wait_any = wait_any
+    return out
+
+
+def _only_the_copy_out_of(s, index) -> bool:
+    """Chunk ``index`` is on the device and the only fence left to wait on is its copy out (which
+    comes after its 5-second compute)."""
+    c = s.chunks.get(index)
+    fences = s.pending_fences()
+    return (c is not None and c.state is ChunkState.ON_DEVICE and c.d2h_event is not None and bool(fences)
+            and all(f is c.d2h_event for f in fences))
+
+
+def test_a_chunk_accepted_without_the_lock_during_a_step_that_found_the_inbox_empty_wakes_the_driver():
+    """Chunk A computes for 5 virtual seconds. While a step of the progress thread finds nothing to
+    do (A's compute pending), thread T submits B with room: B enters the inbox and the wake flag
+    is set, without the driver's lock, after that step's admission looked at the inbox. The
+    driver clears the wake flag before it sleeps (step_once), so it must look once more for
+    chunks accepted since, or it sleeps on A's compute with B in the inbox and B's copy in
+    starts only once A's compute ends (5 s later), though a slot was free all along."""
+    dev = rf.device("sim", seed=1)
+    tl = Timeline(dev)
+    a, b = np.full(1000, 1, np.float32), np.full(1000, 2, np.float32)
+    with rf.Pipeline(_five_seconds, device=dev, chunk_bytes=1 << 16, coalesce=False, max_in_flight=4) as pipe:
+        s = pipe.scheduler
+        out = _accept_inside_a_step_that_found_nothing(
+            pipe, lambda: pipe.submit(b),
+            when=lambda: _only_the_copy_out_of(s, 0))
+        fa = pipe.submit(a)
+        ra = fa.result(timeout=60)
+        rb = out["fb"].result(timeout=60)
+    assert np.array_equal(ra, _twice_plus_one(a)) and np.array_equal(rb, _twice_plus_one(b))
+    h2d = [op for op in tl.ops if op.label.startswith("copy h2d")]
+    computes = [op for op in tl.ops if op.label.startswith("launch")]
+    assert len(h2d) == 2 and len(computes) == 2
+    assert h2d[1].started_at < computes[0].done_at, (
+        f"B's copy in started at {h2d[1].started_at:.6f} s, after A's compute ended "
+        f"({computes[0].done_at:.6f} s): the wake-up for B was lost")
+    assert not out["slept"], f"the progress thread slept on the device with B in the inbox: {out['slept']}"
+
+
+def test_a_lone_chunk_behind_a_shared_chunk_being_copied_into_as_the_driver_dies_is_counted_failed():
+    """As test_an_item_copied_into_a_shared_chunk_as_the_progress_thread_dies_ends_failed, but
+    the chunk behind the shared one goes alone (an item over 4 MiB). The dying thread cannot
+    admit it (it is behind a chunk still being copied into), so die() fails its future directly
+    (fail_orphans); when the copy ends, admit_after_death admits it with its future already
+    done: it ends FAILED and is counted failed, not cancelled (its caller did not cancel it)."""
+    from tests.helpers.threads import JOIN_S, bounded, join, start
+
+    dev = rf.device("sim", seed=13)
+    pipe = rf.Pipeline(_affine, device=dev, chunk_bytes=8 << 20, checked=True, max_in_flight=8, coalesce=True)
+    sched = pipe.scheduler
+    copying, go, die = threading.Event(), threading.Event(), threading.Event()
+    real_written, real_step = sched.member_written, sched.step
+
+    def member_written(chunk, member, span):
+        if not copying.is_set():  # the small item's bytes are in the chunk, its copy not yet ended
+            copying.set()
+            assert go.wait(JOIN_S)
+        real_written(chunk, member, span)
+
+    def step():
+        if die.is_set():
+            raise AssertionError("injected: a scheduler step failed while an item was copied into a shared chunk")
+        return real_step()
+
+    sched.member_written, sched.step = member_written, step
+    small = start(pipe.submit, np.arange(64.0))
+    assert copying.wait(JOIN_S)
+    die.set()
+    behind = pipe.submit(np.arange((5 << 20) // 8, dtype=np.float64))  # over 4 MiB: a chunk of its own
+    assert behind.exception(timeout=JOIN_S) is not None  # (a waiter: the thread steps, and dies)
+    go.set()
+    (fut,) = join([small])
+    errors = [f.exception(timeout=JOIN_S) for f in (fut, behind)]
+    assert all(isinstance(e, RuntimeError) and "progress thread died" in str(e) for e in errors), errors
+    try:
+        bounded(pipe.close)
+    except RuntimeError:
+        pass
+    stats = pipe.stats()
+    assert stats.accepted == 2 and stats.in_flight == 0 and stats.balanced(), stats
+    assert (stats.failed, stats.cancelled) == (2, 0), f"a chunk whose future failed is counted cancelled: {stats}"
+
+
+def test_an_end_handed_over_between_two_looks_of_the_progress_thread_still_stops_admission():
+    """hand_over() (no lock: an ending that Ctrl-C stopped, Pipeline._end_interrupted) sets
+    ``cancel_handed_over`` then ``stopping``. A turn of the progress thread that lands between
+    the two and reads them in the same order sees ``stopping`` but not the cancel: it closes the
+    scheduler and ends with ``accepting`` still True, and a submit on another thread that passed
+    its ``_closed`` check before the hand-over accepts, without the driver's lock, into the inbox
+    of a scheduler nobody drives: its future never resolves. The turn reads ``stopping`` first.
+    Forced with a line trace on the progress thread, and an event to pause the submit after its
+    checks."""
+    import concurrent.futures
+    import sys
+
+    from ringflow._pipeline import driver as driver_mod
+
+    dev = rf.device("sim", seed=3)
+    pipe = rf.Pipeline(_affine, device=dev, chunk_bytes=1 << 16, coalesce=False)
+    d, s = pipe._driver, pipe.scheduler
+    assert np.array_equal(pipe.submit(np.ones(8)).result(timeout=60), np.full(8, 4.0))
+    line = next(i for i, text in enumerate(open(driver_mod.__file__).read().splitlines(), 1)
+                if "and sched.finished() and not sched.resolved:" in text)
+    at_line, go, handed, checked, resume = (threading.Event() for _ in range(5))
+
+    def tracer(frame, event, arg):
+        if event == "line" and frame.f_code.co_name == "_plan_turn" and frame.f_lineno == line \
+                and not at_line.is_set():
+            at_line.set()
+            assert go.wait(30)
+            frame.f_trace = None
+            sys.settrace(None)
+        return tracer
+
+    def install():  # a posted command: runs on the progress thread, inside _plan_turn
+        f = sys._getframe()
+        while f is not None and f.f_code.co_name != "_plan_turn":
+            f = f.f_back
+        f.f_trace = tracer
+        sys.settrace(tracer)
+
+    real_check = pipe._check_item
+
+    def check_item(item):  # the submit has passed _check_caller (the pipeline was open)
+        out = real_check(item)
+        checked.set()
+        assert resume.wait(30)
+        return out
+
+    pipe._check_item = check_item
+    late: dict = {}
+    def late_submit():
+        try:
+            late["fut"] = pipe.submit(np.full(8, 2.0))
+        except RuntimeError as err:  # refused: what should happen once the end was handed over
+            late["refused"] = err
+
+    t = threading.Thread(target=late_submit)
+    t.start()
+    assert checked.wait(30)
+    d.post(install, lambda cmd: None)
+    assert at_line.wait(30)  # the turn has looked at cancel_handed_over (False), not yet at stopping
+    real_hand_over = d.hand_over
+
+    def hand_over():
+        real_hand_over()
+        handed.set()
+
+    d.hand_over = hand_over
+    ender = threading.Thread(target=pipe._end_interrupted)  # as a close() that Ctrl-C stopped
+    ender.start()
+    assert handed.wait(30)
+    go.set()
+    ender.join(30)
+    assert not d.thread.is_alive()
+    resume.set()
+    t.join(30)
+    assert late, "the late submit neither returned nor was refused"
+    if "refused" in late:
+        return  # admission had stopped: correct
+    done, _ = concurrent.futures.wait([late["fut"]], timeout=3)  # real seconds: nothing drives the pipeline
+    assert done, (f"a future accepted after the end was handed over never resolves: accepting={s.accepting}, "
+                  f"inbox={len(s.inbox)}, progress thread alive={d.thread.is_alive()}")
+
+
+def _fails_on_2(x, y):
+    if x[0] == 2:
+        raise ValueError("bad item")
+    y[...] = x * 2 + 1
+
+
+def test_a_map_resumed_after_close_raises_its_item_s_failure_instead_of_waiting_for_an_ended_thread():
+    """A map whose item failed (on_error="raise"), iterated on after close(): it settles the
+    pipeline before it raises, by a command to the progress thread, which has ended. The command
+    waited for ever; now the map raises the item's StageError."""
+    dev = rf.device("sim", seed=5)
+    pipe = rf.Pipeline(_fails_on_2, device=dev, chunk_bytes=1 << 16, on_error="raise", coalesce=False,
+                       max_in_flight=3)
+    items = [np.full(16, i, np.float32) for i in range(6)]
+    gen = pipe.map(items)
+    assert np.array_equal(next(gen), items[0] * 2 + 1)
+    pipe.close()
+    out: dict = {}
+
+    def rest():
+        try:
+            out["values"] = list(gen)
+        except BaseException as exc:  # noqa: BLE001 - looked at below
+            out["error"] = exc
+
+    t = threading.Thread(target=rest, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "iterating a map after close waited for a progress thread that had ended"
+    assert isinstance(out.get("error"), rf.StageError) and out["error"].index == 2, out
+
+
+def test_a_command_handed_to_an_ended_progress_thread_is_refused_not_waited_for():
+    """Once the progress thread has run its last turn nothing runs a command handed to it: the
+    wait for it ends with ThreadEnded instead of lasting for ever."""
+    from ringflow._pipeline.driver import ThreadEnded
+
+    pipe = rf.Pipeline(_affine, device=rf.device("sim", seed=2), chunk_bytes=1 << 16)
+    assert np.array_equal(pipe.submit(np.ones(8)).result(timeout=60), np.full(8, 4.0))
+    pipe.close()
+    d = pipe._driver
+    assert d.ended
+
+    def command():
+        with d.hold() as hold:
+            try:
+                d.command(lambda: 1, hold=hold)
+            except ThreadEnded as err:
+                return err
+        return None
+
+    assert isinstance(bounded(command), ThreadEnded)

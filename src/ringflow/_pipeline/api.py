@@ -36,7 +36,7 @@ from .batch_space import aligned
 from .aio import (NO_ROOM, RAISE, SKIP, STOP, CancelIfDropped, OffLoopSubmit, amap_window, follow, give_up_pulled_by,
                   give_up_stranded, retrieve)
 from .chunk import Chunk, ChunkFuture, cancel_unwanted, post_cancel
-from .driver import CallerDriver, Hold, ProgressThread, resolve
+from .driver import CallerDriver, Hold, ProgressThread, ThreadEnded, resolve
 from .config import PipelineConfig, SlotCounts
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, lent_slots, resolve_slots
 from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_into, packed, unflatten
@@ -1113,10 +1113,16 @@ class Pipeline:
             self._recorder.stall(track, name, start)
 
     def _settle_after_error(self) -> None:
+        """Before a map raises an item's failure (or returns on a cancel): with on_error="raise" the
+        pipeline's pending work is cancelled; then everything has ended. A progress thread that
+        has ended (the pipeline closed under the map) had nothing left to cancel."""
         d, s = self._driver, self._sched
         with d.hold() as hold:
-            if self.config.on_error == "raise":
-                d.command(s.cancel_pending, hold=hold)
+            if self.config.on_error == "raise" and not d.ended:
+                try:
+                    d.command(s.cancel_pending, hold=hold)
+                except ThreadEnded:
+                    pass  # it ended since, with everything finished
             d.wait_for(s.finished, None, "the pipeline to settle", hold=hold)
 
     # -- asyncio --------------------------------------------------------------------------------

@@ -100,6 +100,11 @@ class WakeFlag:
         return self._flag
 
 
+class ThreadEnded(RuntimeError):
+    """A command handed to a progress thread that has ended, or a wait that only it could have
+    ended: nothing will run or end it."""
+
+
 class Command:
     """Work a user thread hands to the driver: run under the lock by the driving thread, which
     then calls ``then(command)`` if one was given (:meth:`ProgressThread.post`)."""
@@ -187,6 +192,8 @@ class _Driver:
     # whether a hold's take and waits on the main thread give the lock up to a Ctrl-C (another
     # thread may keep it through a stage: only a progress thread)
     interruptible = False
+    # whether the thread that drives the scheduler has run its last turn (a progress thread's)
+    ended = False
 
     def __init__(self, sched):
         self.sched = sched
@@ -621,6 +628,14 @@ class ProgressThread(_Driver):
                 checkpoint()  # a Ctrl-C on the main thread is taken here, between two waits (sigint.py)
                 if self.failure is not None:
                     raise self.died() from self.failure
+                if self.gone.is_set():
+                    # the thread has ended: a command handed over since is refused, and any other
+                    # wait can only be for what it will never do
+                    self.refuse_commands()
+                    if not pred():
+                        raise ThreadEnded(f"the pipeline's progress thread has ended; nothing will end the "
+                                          f"wait for {what}")
+                    break
                 if deadline is not None and self.device.now >= deadline:
                     raise concurrent.futures.TimeoutError(f"timed out after {timeout} s waiting for {what}")
                 if deadline is None or self.gated:
@@ -659,7 +674,7 @@ class ProgressThread(_Driver):
                 cmd = self.commands.popleft()
             except IndexError:
                 return
-            cmd.error = RuntimeError("the pipeline's progress thread has ended")
+            cmd.error = ThreadEnded("the pipeline's progress thread has ended")
             cmd.finish()
 
     def add_interest(self, pred: Callable[[], bool]) -> list:
@@ -712,7 +727,7 @@ class ProgressThread(_Driver):
         wait for it): the thread cancels what is left, closes the scheduler once the rest has
         ended, and ends. Takes no lock: the caller may have given it up to the Ctrl-C while this
         thread kept it through a stage. Never raises."""
-        self.cancel_handed_over = True  # (before stopping: a turn that sees stopping sees these)
+        self.cancel_handed_over = True  # (before stopping: a turn reads stopping first, so sees these)
         self.handed_over = True
         self.stopping = True
         self.wake.set()
@@ -788,9 +803,10 @@ class ProgressThread(_Driver):
             idle, fences, wait = plan
             if idle is not None or fences:
                 self.wake.clear()
-                if self.commands or (not self._unstepped and (sched.returns or sched.copies_ended_unseen())):
-                    # released, a copy into a shared chunk ended, or a command posted, after
-                    # this turn's step looked (their wake-up may have come before the clear):
+                if self.commands or (not self._unstepped and (sched.returns or sched.inbox_news_unseen())):
+                    # released, a chunk accepted without the lock, a copy into a shared chunk
+                    # ended, or a command posted, after this turn's step looked (their wake-up
+                    # may have come before the clear):
                     # take it now. A turn that did not step (the simulated GPU with nobody
                     # waiting) would not take a release or a copy now either: turning again at
                     # once only spun, holding the GIL, until someone waited
@@ -825,10 +841,14 @@ class ProgressThread(_Driver):
             self.stopping = True
             sched.cancel_reason = DROPPED
             sched.cancel_pending()
+        # stopping is read before cancel_handed_over: hand_over() (no lock) sets them in the
+        # other order, so a turn that sees stopping from it sees its cancel too, and the thread
+        # never ends with admission still open
+        stopping = self.stopping
         if self.cancel_handed_over:
             self.cancel_handed_over = False
             sched.cancel_pending()
-        if self.stopping and sched.finished() and not sched.resolved:
+        if stopping and sched.finished() and not sched.resolved:
             if self.abandoned or self.handed_over:
                 sched.close()
             return None

@@ -229,11 +229,13 @@ class Scheduler:
         self._members: dict[int, Chunk] = {}
         self.space = BatchSpace(config.chunk_bytes)  # the pinned blocks of shared chunks (batch_lock)
         self.batch_lock = threading.Lock()  # taken after the driver's lock, never before it
-        self.copies_ended = 0  # copies into shared chunks ended, by any thread (batch_lock held)
+        # chunks put in the inbox and copies into shared chunks ended, by any thread (batch_lock
+        # held): news for the driver's admission, which another thread brings without its lock
+        self.inbox_news = 0
         # items of inbox chunks whose submit raised and whose take-back waits for the progress
         # thread (batch_lock held): counted out of stats() meanwhile
         self.withdrawn = 0
-        self._copies_ended_seen = 0  # copies_ended as the driver's last admission found it
+        self._inbox_news_seen = 0  # inbox_news as the driver's last admission found it
         self._cancel_admitted = False  # set by cancel_pending: chunks admitted later end CANCELLED
         self._cancel_after_step = False  # cancel_pending once this step's enqueues are made
         self.chunks_admitted = 0  # items sharing a chunk count once
@@ -374,6 +376,7 @@ class Scheduler:
                 chunk.stamps["prepare"] = list(staged_at)
             self.open_batch = None  # items accepted later go after this one: none joins a chunk before it
             self.inbox.append(chunk)
+            self.inbox_news += 1
         return chunk
 
     # -- items sharing a chunk -------------------------------------------------------------------
@@ -424,6 +427,7 @@ class Scheduler:
             chunk.stamps["accepted"] = self.device.now
             member = self._add_member(chunk, driver, 0, spec, claim, index=index)
             self.inbox.append(chunk)
+            self.inbox_news += 1
             self.open_batch = chunk
         return chunk, member
 
@@ -461,7 +465,7 @@ class Scheduler:
                 return  # already ended (or taken back)
             if chunk.tokens is not None:
                 chunk.tokens.append(token)
-            self.copies_ended += 1
+            self.inbox_news += 1
             if span is None:
                 self._take_back(chunk, member)
                 return
@@ -505,11 +509,13 @@ class Scheduler:
             chunk.batch = None
             chunk.tokens = None
 
-    def copies_ended_unseen(self) -> bool:
-        """Whether a copy into a shared chunk ended after the last admission looked (any thread,
-        no lock: the driver asks once it has cleared its wake flag, so a copy that ended after
-        the look is either counted here or sets the flag again)."""
-        return self.copies_ended != self._copies_ended_seen
+    def inbox_news_unseen(self) -> bool:
+        """Whether a chunk entered the inbox, or a copy into a shared chunk ended, after the last
+        admission looked (any thread, no lock: the driver asks once it has cleared its wake flag,
+        so news that came after the look is either counted here or sets the flag again; an accept
+        without the driver's lock can land while a step that found the inbox empty is still
+        running)."""
+        return self.inbox_news != self._inbox_news_seen
 
     def count_with(self, indices: "Iterator[int]") -> None:
         """Number chunks from ``indices`` (shared by the parts of a pipeline over several devices)
@@ -554,7 +560,7 @@ class Scheduler:
         (it could not start sooner anyway)."""
         admitted = False
         inbox = self.inbox
-        self._copies_ended_seen = self.copies_ended
+        self._inbox_news_seen = self.inbox_news
         while inbox:
             chunk = inbox[0]
             members = chunk.members
@@ -588,9 +594,12 @@ class Scheduler:
                 cancelled = self._cancel_admitted or chunk.future.done()
             if cancelled:  # cancelled by its caller (every item of it) before it was admitted
                 inbox.popleft()
-                chunk.move(ChunkState.CANCELLED)
+                # or, for a chunk of its own, failed as the driver died while it waited in the
+                # inbox behind a chunk still being copied into (admit_after_death): it ends FAILED
+                failed = members is None and chunk.future.done() and not chunk.future.cancelled()
+                chunk.move(ChunkState.FAILED if failed else ChunkState.CANCELLED)
                 if members is None:
-                    self.counts["cancelled"] += 1
+                    self.counts["failed" if failed else "cancelled"] += 1
                     if not chunk.future.done():
                         chunk.future._mark_cancelled()
                 else:
