@@ -454,3 +454,94 @@ def test_an_amap_stopped_early_cancels_its_window_in_one_call(monkeypatch):
         assert len(handed) == 1 and len(handed[0]) == 4  # the window after the first result
         assert len(posted) <= 1 and all(f.done() for f in handed[0])
     assert pipe.stats().balanced()
+
+
+def test_cancelling_a_chunk_that_waits_in_the_inbox_behind_a_shared_chunk_being_copied_into():
+    """A chunk of its own accepted behind a shared chunk whose item is still being copied in
+    cannot be admitted yet; its future's cancel() still cancels it (True), and admission then
+    ends it CANCELLED, nothing of it run, while the shared item is delivered."""
+    import threading
+
+    from tests.helpers.threads import JOIN_S, join, start
+
+    pipe = rf.Pipeline(lambda x, y: np.multiply(x, 3, out=y), device=rf.device("sim", seed=4), chunk_bytes=8 << 20,
+                       max_in_flight=8)
+    sched = pipe.scheduler
+    copying, go = threading.Event(), threading.Event()
+    real_written = sched.member_written
+
+    def member_written(chunk, member, span):
+        if not copying.is_set():  # the small item's bytes are in the chunk, its copy not yet ended
+            copying.set()
+            assert go.wait(JOIN_S)
+        real_written(chunk, member, span)
+
+    sched.member_written = member_written
+    small = start(pipe.submit, np.arange(64.0))
+    assert copying.wait(JOIN_S)
+    behind = pipe.submit(np.ones((5 << 20) // 8))  # over 4 MiB: a chunk of its own, behind the shared one
+    assert behind.cancel() and behind.cancelled()
+    go.set()
+    (fut,) = join([small])
+    assert np.array_equal(fut.result(timeout=JOIN_S), np.arange(64.0) * 3)
+    pipe.close()
+    stats = pipe.stats()
+    assert (stats.accepted, stats.delivered, stats.cancelled, stats.in_flight) == (2, 1, 1, 0), stats
+
+
+def test_a_map_s_chunk_cancelled_at_admission_is_counted_once_as_the_map_s():
+    """A map's chunk of its own waits in the inbox behind a shared chunk being copied into when
+    the pipeline is cancelled; admission then ends it CANCELLED without running it. The map
+    hands that outcome out like any other, so the count of results held for maps
+    (``Scheduler.unclaimed``) must have counted it: it ends at 0, never below."""
+    import threading
+
+    from tests.helpers.threads import JOIN_S, join, start
+
+    pipe = rf.Pipeline(lambda x, y: np.multiply(x, 3, out=y), device=rf.device("sim", seed=6), chunk_bytes=8 << 20,
+                       max_in_flight=8)
+    sched = pipe.scheduler
+    copying, go, in_inbox = threading.Event(), threading.Event(), threading.Event()
+    real_written, real_accept = sched.member_written, sched.accept
+
+    def member_written(chunk, member, span):
+        if not copying.is_set():
+            copying.set()
+            assert go.wait(JOIN_S)
+        real_written(chunk, member, span)
+
+    def accept(*args, **kwargs):
+        chunk = real_accept(*args, **kwargs)
+        in_inbox.set()
+        return chunk
+
+    sched.member_written, sched.accept = member_written, accept
+    small = start(pipe.submit, np.arange(64.0))
+    assert copying.wait(JOIN_S)
+
+    def run_map():
+        try:
+            return list(pipe.map([np.ones((5 << 20) // 8)]))  # over 4 MiB: a chunk of its own
+        except Exception as exc:  # noqa: BLE001 - the cancel's outcome, looked at below
+            return exc
+
+    mapped = start(run_map)
+    assert in_inbox.wait(JOIN_S)
+    cancelled = threading.Event()
+    real_cancel_pending = sched.cancel_pending
+
+    def cancel_pending():
+        real_cancel_pending()
+        cancelled.set()
+
+    sched.cancel_pending = cancel_pending
+    cancelling = start(pipe.cancel)  # (it returns once the copy in progress has ended)
+    assert cancelled.wait(JOIN_S)  # admission stopped, the map's chunk still in the inbox
+    go.set()
+    join([small, cancelling])
+    (outcome,) = join([mapped])
+    assert outcome == [] or isinstance(outcome, Exception), outcome
+    pipe.close()
+    assert sched.unclaimed == 0, sched.unclaimed
+    stats = pipe.stats()
+    assert stats.in_flight == 0 and stats.balanced(), stats

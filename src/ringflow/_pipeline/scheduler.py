@@ -600,6 +600,8 @@ class Scheduler:
                 chunk.move(ChunkState.FAILED if failed else ChunkState.CANCELLED)
                 if members is None:
                     self.counts["failed" if failed else "cancelled"] += 1
+                    if chunk.in_map:  # a map hands this outcome out too (as _end counts one)
+                        self.unclaimed += 1
                     if not chunk.future.done():
                         chunk.future._mark_cancelled()
                 else:
@@ -1553,7 +1555,10 @@ class Scheduler:
             return self._cancel_member(shared, index)
         chunk = self.chunks.get(index)
         if chunk is None:
-            return False
+            # still in the inbox, behind a chunk that items are being copied into: nothing of it
+            # has run, and admission ends it CANCELLED once the caller has marked its future so
+            with self.batch_lock:  # (accepting threads append to the inbox meanwhile)
+                return any(c.index == index and c.members is None for c in self.inbox)
         try:
             return self._cancel_chunk(chunk)
         except DeviceError as err:  # a poison fill found the context dead: break, as step() does
