@@ -112,6 +112,29 @@ def hold_progress_thread(fut: Any, timeout: float = JOIN_S) -> threading.Event:
     return release
 
 
+def pause_first_shared_copy(pipe: Any, small: Any, timeout: float = JOIN_S) -> tuple:
+    """``pipe.submit(small)`` (an item that shares a chunk) on another thread, held after its bytes
+    are in the shared chunk and before its copy counts as ended (``member_written``): the chunk
+    stays in the inbox, not admittable, until the returned event is set. Returns
+    ``(release, the submit's future)`` once the submit is held there."""
+    sched = pipe.scheduler
+    copying, release = threading.Event(), threading.Event()
+    real_written = sched.member_written
+
+    def member_written(chunk: Any, member: Any, span: Any) -> None:
+        if not copying.is_set():  # the first copy only
+            copying.set()
+            if not release.wait(timeout):
+                raise Hang(f"the paused shared copy was not released in {timeout} real seconds")
+        real_written(chunk, member, span)
+
+    sched.member_written = member_written
+    fut = start(pipe.submit, small)
+    if not copying.wait(timeout):
+        raise Hang(f"the submit never reached the end of its copy in {timeout} real seconds:\n" + all_stacks())
+    return release, fut
+
+
 class CancelAfter:
     """Cancels ``pipe`` from a thread of its own (:attr:`thread`, a future of :func:`start`) once
     :meth:`count` has counted ``n`` results: a cancel that comes while a map runs elsewhere."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import threading
 import warnings
 
 import numpy as np
@@ -14,7 +15,7 @@ import ringflow as rf
 from ringflow._errors import DeviceError, StageError
 from ringflow._pipeline.states import ChunkState, SlotState
 from tests.helpers.pipeline_checks import Harness, check_result, future_outcome
-from tests.helpers.threads import hold_progress_thread
+from tests.helpers.threads import JOIN_S, hold_progress_thread, join, pause_first_shared_copy, start
 
 SIZES = [40, 0, 64, 1, 17, 64, 33, 50]  # 8 chunks of int64 (a 64-element chunk fills a 512-byte slot)
 
@@ -460,25 +461,9 @@ def test_cancelling_a_chunk_that_waits_in_the_inbox_behind_a_shared_chunk_being_
     """A chunk of its own accepted behind a shared chunk whose item is still being copied in
     cannot be admitted yet; its future's cancel() still cancels it (True), and admission then
     ends it CANCELLED, nothing of it run, while the shared item is delivered."""
-    import threading
-
-    from tests.helpers.threads import JOIN_S, join, start
-
     pipe = rf.Pipeline(lambda x, y: np.multiply(x, 3, out=y), device=rf.device("sim", seed=4), chunk_bytes=8 << 20,
                        max_in_flight=8)
-    sched = pipe.scheduler
-    copying, go = threading.Event(), threading.Event()
-    real_written = sched.member_written
-
-    def member_written(chunk, member, span):
-        if not copying.is_set():  # the small item's bytes are in the chunk, its copy not yet ended
-            copying.set()
-            assert go.wait(JOIN_S)
-        real_written(chunk, member, span)
-
-    sched.member_written = member_written
-    small = start(pipe.submit, np.arange(64.0))
-    assert copying.wait(JOIN_S)
+    go, small = pause_first_shared_copy(pipe, np.arange(64.0))
     behind = pipe.submit(np.ones((5 << 20) // 8))  # over 4 MiB: a chunk of its own, behind the shared one
     assert behind.cancel() and behind.cancelled()
     go.set()
@@ -494,30 +479,18 @@ def test_a_map_s_chunk_cancelled_at_admission_is_counted_once_as_the_map_s():
     the pipeline is cancelled; admission then ends it CANCELLED without running it. The map
     hands that outcome out like any other, so the count of results held for maps
     (``Scheduler.unclaimed``) must have counted it: it ends at 0, never below."""
-    import threading
-
-    from tests.helpers.threads import JOIN_S, join, start
-
     pipe = rf.Pipeline(lambda x, y: np.multiply(x, 3, out=y), device=rf.device("sim", seed=6), chunk_bytes=8 << 20,
                        max_in_flight=8)
     sched = pipe.scheduler
-    copying, go, in_inbox = threading.Event(), threading.Event(), threading.Event()
-    real_written, real_accept = sched.member_written, sched.accept
-
-    def member_written(chunk, member, span):
-        if not copying.is_set():
-            copying.set()
-            assert go.wait(JOIN_S)
-        real_written(chunk, member, span)
+    go, small = pause_first_shared_copy(pipe, np.arange(64.0))
+    in_inbox, real_accept = threading.Event(), sched.accept
 
     def accept(*args, **kwargs):
         chunk = real_accept(*args, **kwargs)
         in_inbox.set()
         return chunk
 
-    sched.member_written, sched.accept = member_written, accept
-    small = start(pipe.submit, np.arange(64.0))
-    assert copying.wait(JOIN_S)
+    sched.accept = accept
 
     def run_map():
         try:

@@ -20,7 +20,7 @@ from ringflow._pipeline import sigint
 from ringflow._pipeline.states import ChunkState
 from tests.helpers.pipeline_checks import drop_tracebacks
 from tests.helpers.sim import Timeline
-from tests.helpers.threads import JOIN_S, bounded, interrupt_main, join, start
+from tests.helpers.threads import JOIN_S, bounded, interrupt_main, join, pause_first_shared_copy, start
 
 
 def _pipe():
@@ -533,6 +533,20 @@ def test_a_whole_array_call_on_a_device_closed_under_it_raises_the_devices_own_e
 
 # -- an item still being copied into a shared chunk as the progress thread dies -------------------
 
+def _die_at_the_next_step(pipe) -> threading.Event:
+    """Make every scheduler step of ``pipe`` raise (a ringflow bug, injected) once the returned
+    event is set."""
+    die, real_step = threading.Event(), pipe.scheduler.step
+
+    def step():
+        if die.is_set():
+            raise AssertionError("injected: a scheduler step failed while an item was copied into a shared chunk")
+        return real_step()
+
+    pipe.scheduler.step = step
+    return die
+
+
 def test_an_item_copied_into_a_shared_chunk_as_the_progress_thread_dies_ends_failed():
     """A thread is copying a small item into the chunk that small items share (between joining
     it and its copy's end) when the progress thread dies (a ringflow bug, injected): that chunk,
@@ -543,24 +557,8 @@ def test_an_item_copied_into_a_shared_chunk_as_the_progress_thread_dies_ends_fai
     dev = rf.device("sim", seed=13, chaos=True)
     pipe = rf.Pipeline(_affine, device=dev, chunk_bytes=4096, slots=2, checked=True, max_in_flight=8,
                        coalesce=True)
-    sched = pipe.scheduler
-    copying, go, die = threading.Event(), threading.Event(), threading.Event()
-    real_written, real_step = sched.member_written, sched.step
-
-    def member_written(chunk, member, span):
-        if not copying.is_set():  # the first item: its bytes are in the chunk, its copy not yet counted ended
-            copying.set()
-            assert go.wait(JOIN_S)
-        real_written(chunk, member, span)
-
-    def step():
-        if die.is_set():
-            raise AssertionError("injected: a scheduler step failed while an item was copied into a shared chunk")
-        return real_step()
-
-    sched.member_written, sched.step = member_written, step
-    small = start(pipe.submit, np.arange(64.0))
-    assert copying.wait(JOIN_S)
+    die = _die_at_the_next_step(pipe)
+    go, small = pause_first_shared_copy(pipe, np.arange(64.0))
     die.set()
     behind = pipe.submit(np.arange(512.0))  # too large for the room left: a new chunk, behind the first
     done, not_done = concurrent.futures.wait([behind], timeout=JOIN_S)  # (a waiter: the thread steps, and dies)
@@ -575,7 +573,7 @@ def test_an_item_copied_into_a_shared_chunk_as_the_progress_thread_dies_ends_fai
     assert stats.accepted == 2 and stats.failed == 2 and stats.in_flight == 0 and stats.balanced(), stats
     drop_tracebacks(errors)
     del errors, fut, behind, small, done
-    pipe = sched = None
+    pipe = None
     gc.collect()
     _next_pipeline_runs_clean(dev, [np.arange(64.0) + k for k in range(4)], True)
     assert dev.live().total == 0, dev.live()
@@ -672,28 +670,10 @@ def test_a_lone_chunk_behind_a_shared_chunk_being_copied_into_as_the_driver_dies
     admit it (it is behind a chunk still being copied into), so die() fails its future directly
     (fail_orphans); when the copy ends, admit_after_death admits it with its future already
     done: it ends FAILED and is counted failed, not cancelled (its caller did not cancel it)."""
-    from tests.helpers.threads import JOIN_S, bounded, join, start
-
     dev = rf.device("sim", seed=13)
     pipe = rf.Pipeline(_affine, device=dev, chunk_bytes=8 << 20, checked=True, max_in_flight=8, coalesce=True)
-    sched = pipe.scheduler
-    copying, go, die = threading.Event(), threading.Event(), threading.Event()
-    real_written, real_step = sched.member_written, sched.step
-
-    def member_written(chunk, member, span):
-        if not copying.is_set():  # the small item's bytes are in the chunk, its copy not yet ended
-            copying.set()
-            assert go.wait(JOIN_S)
-        real_written(chunk, member, span)
-
-    def step():
-        if die.is_set():
-            raise AssertionError("injected: a scheduler step failed while an item was copied into a shared chunk")
-        return real_step()
-
-    sched.member_written, sched.step = member_written, step
-    small = start(pipe.submit, np.arange(64.0))
-    assert copying.wait(JOIN_S)
+    die = _die_at_the_next_step(pipe)
+    go, small = pause_first_shared_copy(pipe, np.arange(64.0))
     die.set()
     behind = pipe.submit(np.arange((5 << 20) // 8, dtype=np.float64))  # over 4 MiB: a chunk of its own
     assert behind.exception(timeout=JOIN_S) is not None  # (a waiter: the thread steps, and dies)
