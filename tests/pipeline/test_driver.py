@@ -824,3 +824,41 @@ def test_a_command_handed_to_an_ended_progress_thread_is_refused_not_waited_for(
         return None
 
     assert isinstance(bounded(command), ThreadEnded)
+
+
+def test_a_waiter_that_arrives_as_an_idle_turn_on_the_simulated_gpu_ends_is_not_missed():
+    """On the simulated GPU the progress thread steps only while someone waits. A waiter that
+    registers (a done-callback: interest and the wake flag, no lock) after a turn found nobody
+    waiting, but before the thread cleared its wake flag, must not be left to the next idle
+    poll: the thread looks once more after the clear, as for accepts and releases."""
+    from ringflow._pipeline.driver import WakeFlag
+
+    dev = rf.device("sim", seed=8)
+    pipe = rf.Pipeline(_affine, device=dev, chunk_bytes=1 << 16, coalesce=False)
+    d = pipe._driver
+    fut = pipe.submit(np.ones(8))  # nobody waits on it yet: the thread idles
+    armed, slept = threading.Event(), []
+    real_waits = d.someone_waits
+    called_back = threading.Event()
+
+    def someone_waits():
+        waits = real_waits()
+        if not waits and armed.is_set() and threading.current_thread() is d.thread:
+            armed.clear()
+            join([start(fut.add_done_callback, lambda f: called_back.set())])  # registered, wake flag set
+        return waits
+
+    class Flag(WakeFlag):
+        def wait(self, timeout=None):
+            if threading.current_thread() is d.thread and real_waits() and not self.is_set():
+                slept.append(timeout)
+            return super().wait(timeout)
+
+    old, d.wake = d.wake, Flag()
+    pipe.scheduler.wake_driver = d.wake.set
+    d.someone_waits = someone_waits
+    armed.set()
+    old.set()  # a turn now: it finds nobody waiting, and the callback registers inside it
+    assert called_back.wait(JOIN_S) and np.array_equal(fut.result(timeout=JOIN_S), np.full(8, 4.0))
+    pipe.close()
+    assert not slept, f"the progress thread idled with a waiter registered and its wake-up cleared: {slept}"

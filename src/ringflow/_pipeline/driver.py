@@ -803,10 +803,12 @@ class ProgressThread(_Driver):
             idle, fences, wait = plan
             if idle is not None or fences:
                 self.wake.clear()
-                if self.commands or (not self._unstepped and (sched.returns or sched.inbox_news_unseen())):
+                if (self.commands or (self._unstepped and self.someone_waits())
+                        or (not self._unstepped and (sched.returns or sched.inbox_news_unseen()))):
                     # released, a chunk accepted without the lock, a copy into a shared chunk
-                    # ended, or a command posted, after this turn's step looked (their wake-up
-                    # may have come before the clear):
+                    # ended, a command posted, or (the simulated GPU, whose thread steps only
+                    # while someone waits) a waiter registered, after this turn looked (their
+                    # wake-up may have come before the clear):
                     # take it now. A turn that did not step (the simulated GPU with nobody
                     # waiting) would not take a release or a copy now either: turning again at
                     # once only spun, holding the GIL, until someone waited
