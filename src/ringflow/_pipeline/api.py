@@ -1118,11 +1118,11 @@ class Pipeline:
         has ended (the pipeline closed under the map) had nothing left to cancel."""
         d, s = self._driver, self._sched
         with d.hold() as hold:
-            if self.config.on_error == "raise" and not d.ended:
+            if self.config.on_error == "raise":
                 try:
                     d.command(s.cancel_pending, hold=hold)
                 except ThreadEnded:
-                    pass  # it ended since, with everything finished
+                    pass  # it ended (only once everything had finished): nothing is left to cancel
             d.wait_for(s.finished, None, "the pipeline to settle", hold=hold)
 
     # -- asyncio --------------------------------------------------------------------------------

@@ -192,8 +192,6 @@ class _Driver:
     # whether a hold's take and waits on the main thread give the lock up to a Ctrl-C (another
     # thread may keep it through a stage: only a progress thread)
     interruptible = False
-    # whether the thread that drives the scheduler has run its last turn (a progress thread's)
-    ended = False
 
     def __init__(self, sched):
         self.sched = sched
