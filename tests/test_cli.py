@@ -406,6 +406,11 @@ def test_ctrl_c_inside_a_simulated_launch_stops_the_bench(monkeypatch, capsys, i
 
 @pytest.mark.parametrize("exc, code, phrase", [
     (KeyError("boom"), 1, "internal error"),
+    (ModuleNotFoundError("No module named 'rich'", name="rich"), 1, "'rich' cannot be imported"),
+    (ModuleNotFoundError("No module named 'rich'", name="rich"), 1, "; pip install rich"),
+    (ImportError("libcuda.so.1: cannot open shared object file", name="cuda.bindings.driver"), 1,
+     "pip install 'ringflow[cuda]'"),
+    (ImportError("cannot import name 'x'"), 1, "pip install --force-reinstall ringflow"),
     (ZeroDivisionError("boom"), 1, "internal error"),
     (KeyboardInterrupt(), 130, "interrupted"),
     (ValueError("bad value\nsecond line"), 1, "error: bad value second line"),

@@ -501,6 +501,11 @@ def _parse(parser: argparse.ArgumentParser, argv: "list[str] | None", parsed: li
     return 0
 
 
+# what to install for a module that would not import: the extra that brings it, where one does
+_EXTRA_FOR = {"cuda": "'ringflow[cuda]'", "nvtx": "'ringflow[cuda]'", "matplotlib": "'ringflow[plot]'",
+              "ray": "'ringflow[ray]'"}
+
+
 def _guarded(prog: str, debug: bool, work: "Callable[[], int]") -> int:
     """Run ``work`` (parsing the command line, or a command) and return its exit status; an
     error it raises is one line on stderr, ``<prog>: error: ...``, and its status (see the module
@@ -531,6 +536,13 @@ def _guarded(prog: str, debug: bool, work: "Callable[[], int]") -> int:
                   "can be written", file=sys.stderr)
             return 1
         print(f"{prog}: error: {_describe(exc)}", file=sys.stderr)
+        return 1
+    except ImportError as exc:  # a broken install (a dependency missing or unloadable), not a bug
+        _traceback_if(debug)
+        module = (exc.name or "").split(".")[0]
+        what = f"the module {module!r}" if module else "a module"
+        fix = f"pip install {_EXTRA_FOR.get(module, module)}" if module else "pip install --force-reinstall ringflow"
+        print(f"{prog}: error: {what} cannot be imported ({_describe(exc)}); {fix}", file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - the last resort: a bug, said in one line
         _traceback_if(debug)
