@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Everything this repo checks and times on the GPU; results under $OUT. Two parts, so that each
+# Everything this repo checks and times on the GPU; results under $OUT. Three parts, so that each
 # fits one device call (10 minutes):
 #   bash bench/gpu_check.sh check   pytest -m gpu, 10k-chunk stress, 8 threads x 10k requests, demo, phases
 #   bash bench/gpu_check.sh bench   ringflow bench (all workloads, trace, PNG), host profile, small arrays
 #                                   through map, request host time
+#   bash bench/gpu_check.sh requests  ringflow bench requests six times (RUNS=6), then the submitting
+#                                   thread's stalls with and without the CPU pinning of request_stalls.py
 # $OUT gets: log.txt, pipeline_stress.json, threads.json, phases.json (check); bench-cuda-*.json, trace.json,
-# timeline.png, profile.txt, map_small_items.json, request_costs.json (bench).
+# timeline.png, profile.txt, map_small_items.json, request_costs.json (bench); requests_runs.json (the
+# runs' JSON in one list), stalls.json, stalls_pinned.json (requests).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/ringflow-out}; mkdir -p "$OUT"
@@ -16,19 +19,31 @@ if [ "$part" = check ]; then
   echo "== pytest -m gpu" | tee -a "$LOG"
   timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tail -25 | tee -a "$LOG"
   echo "== pipeline stress" | tee -a "$LOG"
-  timeout 200 python3 bench/pipeline_stress.py --device cuda:0 --chunks 10000 --guards --out "$OUT/pipeline_stress.json" 2>&1 | tail -12 | tee -a "$LOG"
+  timeout 200 python3 bench/pipeline_stress.py --device ${DEVICE:-cuda:0} --chunks 10000 --guards --out "$OUT/pipeline_stress.json" 2>&1 | tail -12 | tee -a "$LOG"
   echo "== threads" | tee -a "$LOG"
-  timeout 200 python3 bench/threads_check.py --device cuda:0 --threads 8 --requests 10000 --out "$OUT/threads.json" 2>&1 | grep -E '"(ok|wrong_total|errors_total|requests_per_s|live_total_after_close|wall_s)"' | tee -a "$LOG"
+  timeout 200 python3 bench/threads_check.py --device ${DEVICE:-cuda:0} --threads 8 --requests 10000 --out "$OUT/threads.json" 2>&1 | grep -E '"(ok|wrong_total|errors_total|requests_per_s|live_total_after_close|wall_s)"' | tee -a "$LOG"
   echo "== demo" | tee -a "$LOG"
   ( time timeout 100 python3 -m ringflow._cli demo --out /tmp/ringflow-demo ) 2>&1 | tail -30 | tee -a "$LOG"
   echo "== phases of a seed call" | tee -a "$LOG"
-  timeout 60 python3 bench/diagnose_hotpath.py --device cuda:0 --parts phases --out "$OUT/phases.json" 2>&1 | tail -6 | cut -c1-400 | tee -a "$LOG"
+  timeout 60 python3 bench/diagnose_hotpath.py --device ${DEVICE:-cuda:0} --parts phases --out "$OUT/phases.json" 2>&1 | tail -6 | cut -c1-400 | tee -a "$LOG"
+elif [ "$part" = requests ]; then
+  mkdir -p "$OUT/runs"
+  for i in $(seq "${RUNS:-6}"); do
+    echo "== bench requests, run $i" | tee -a "$LOG"
+    timeout 60 python3 -m ringflow._cli bench requests --device ${DEVICE:-cuda:0} --out "$OUT/runs" 2>&1 | tail -4 | tee -a "$LOG"
+  done
+  # only a few files come back from $OUT: the runs go back as one list
+  python3 -c 'import glob, json, sys; runs = [json.load(open(p)) for p in sorted(glob.glob(sys.argv[1] + "/*.json"))]; json.dump(runs, open(sys.argv[2], "w"), indent=1)' "$OUT/runs" "$OUT/requests_runs.json" && rm -r "$OUT/runs"
+  echo "== stalls" | tee -a "$LOG"
+  timeout 150 python3 bench/request_stalls.py --device ${DEVICE:-cuda:0} --rounds 3 --out "$OUT/stalls.json" 2>&1 | grep -E "^(capacity|round)" | cut -c1-300 | tee -a "$LOG"
+  echo "== stalls, submitting thread pinned" | tee -a "$LOG"
+  timeout 150 python3 bench/request_stalls.py --device ${DEVICE:-cuda:0} --rounds 3 --pin --out "$OUT/stalls_pinned.json" 2>&1 | grep -E "^(pinned|capacity|round)" | cut -c1-300 | tee -a "$LOG"
 else
   echo "== bench" | tee -a "$LOG"
-  timeout 420 python3 -m ringflow._cli bench ${BENCH_ARGS:-} --device cuda:0 --out "$OUT" --trace "$OUT/trace.json" --plot "$OUT/timeline.png" 2>&1 | tail -150 | tee -a "$LOG"
-  timeout 100 python3 bench/profile_host.py --device cuda:0 --out "$OUT/profile.txt" 2>&1 | head -16
+  timeout 420 python3 -m ringflow._cli bench ${BENCH_ARGS:-} --device ${DEVICE:-cuda:0} --out "$OUT" --trace "$OUT/trace.json" --plot "$OUT/timeline.png" 2>&1 | tail -150 | tee -a "$LOG"
+  timeout 100 python3 bench/profile_host.py --device ${DEVICE:-cuda:0} --out "$OUT/profile.txt" 2>&1 | head -16
   echo "== many small arrays through map: sharing chunks against each alone" | tee -a "$LOG"
-  timeout 120 python3 bench/map_small_items.py --device cuda:0 --out "$OUT/map_small_items.json" 2>&1 | tee -a "$LOG"
+  timeout 120 python3 bench/map_small_items.py --device ${DEVICE:-cuda:0} --out "$OUT/map_small_items.json" 2>&1 | tee -a "$LOG"
   echo "== request host time: staged (sharing chunks, and each alone) and pool items" | tee -a "$LOG"
-  timeout 60 python3 bench/request_costs.py --device cuda:0 --hz 0 --variants staged,staged-alone,pooled --out "$OUT/request_costs.json" 2>&1 | grep -v "progress\|submit" | cut -c1-300 | tee -a "$LOG"
+  timeout 60 python3 bench/request_costs.py --device ${DEVICE:-cuda:0} --hz 0 --variants staged,staged-alone,pooled --out "$OUT/request_costs.json" 2>&1 | grep -v "progress\|submit" | cut -c1-300 | tee -a "$LOG"
 fi

@@ -239,6 +239,29 @@ def _by_arrival(behind, wall, cpu, *, behind_ms: float) -> dict:
     return out
 
 
+def pin_submitter() -> dict:
+    """Keep the calling (submitting) thread on one CPU of those it may use, and every other
+    thread of the process (the progress thread, copy threads, workers) on the rest: a test of
+    whether sharing a CPU with them is what slows ``submit`` in some rounds. Returns the CPUs
+    each side got and how many other threads were moved. Threads started later inherit the
+    starting thread's CPUs, so call it once the pipeline runs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return {"submitter": cpus, "others": cpus, "moved_threads": 0}
+    mine, rest = cpus[-1], set(cpus[:-1])
+    os.sched_setaffinity(0, {mine})  # 0: the calling thread
+    me = threading.get_native_id()
+    moved = 0
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) != me:
+            try:
+                os.sched_setaffinity(int(tid), rest)
+                moved += 1
+            except OSError:  # the thread ended meanwhile
+                pass
+    return {"submitter": [mine], "others": sorted(rest), "moved_threads": moved}
+
+
 def first_pass(server, items) -> None:
     """Every request once through ``server`` (a ``PipelineServer``), untimed: the pool's blocks
     pinned before anything is measured."""
@@ -271,6 +294,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sample", action="store_true", help="also run every round with the sampler")
     ap.add_argument("--behind-ms", type=float, default=1.0)
+    ap.add_argument("--pin", action="store_true",
+                    help="once the pipeline runs, keep the submitting thread on one CPU and every other thread "
+                         "of the process off it")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = rf.device(args.device)
@@ -281,6 +307,9 @@ def main() -> None:
     with rf.Pipeline(kernels.scale_shift(), device=dev, chunk_bytes=8 * MiB) as pipe:
         server = workloads.PipelineServer(pipe, dev)
         first_pass(server, items)
+        if args.pin:
+            result["pinned_cpus"] = pin_submitter()
+            print("pinned", result["pinned_cpus"], flush=True)
         rates = capacity_passes(server, dev, items)
         capacity = statistics.median(rates)
         iso = []
