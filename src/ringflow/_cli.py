@@ -5,7 +5,8 @@ A mistake on the command line or in a file it names is reported as one line on s
 ``ringflow <command>: error: <what is wrong and what to change>``, never a traceback:
 
 * exit 2: the command line itself (a bad option value, an unwritable output path);
-* exit 1: the command failed (a file that is not a trace, a GPU that is not there, ...);
+* exit 1: the command failed (a file that is not a trace, a GPU that is not there, a dependency
+  that will not import, ...);
 * exit 130: interrupted (Ctrl-C).
 
 Anything else is a bug in ringflow: one line says so, and ``RINGFLOW_DEBUG=1`` shows the
