@@ -519,6 +519,39 @@ def test_a_hand_out_interrupted_after_its_owner_exists_is_not_freed_twice(monkey
     assert pool.buffer_of(other) is not pool.buffer_of(again)
 
 
+@pytest.mark.parametrize("wait", [True, False])
+def test_ctrl_c_anywhere_in_taking_back_a_dropped_block_leaves_it_pending_or_free(wait):
+    """A KeyboardInterrupt at any instruction of taking back a dropped array's block (Ctrl-C while
+    ``collect(wait=True)`` waits for its copy, or during the take-back every ``empty`` does): the
+    block is returned once its copy is done, counted once and listed once, never stranded."""
+    from tests.helpers.interrupts import InterruptAt
+
+    n, finished = 0, False
+    while not finished:
+        dev = rf.device("sim")
+        pool = HostPool(dev)
+        a, buf, ev, keep = pending_copy(dev, pool, "d2h")
+        del a
+        with InterruptAt(n, names={"collect", "_process", "_settled", "_wait", "_is_done", "_move", "_add_token",
+                                   "_observe"}, files=("/ringflow/_device/host_pool.py",)) as hook:
+            try:
+                pool.collect(wait=wait)
+            except KeyboardInterrupt:
+                pass
+        finished = hook.fired == 0
+        ev.sync()
+        pool.collect()
+        st = pool.stats()
+        where = (wait, n, hook.functions[n:n + 1])
+        assert (st.cached_bytes, st.pending_bytes, st.in_use_bytes) == (N, 0, 0), (where, st)
+        again = pool.empty(N, np.uint8)
+        assert pool.buffer_of(again) is buf, where
+        other = pool.empty(N, np.uint8)
+        assert pool.buffer_of(other) is not buf, where  # listed in the cache once
+        n += 1
+    assert n > 10  # the hook reached into the take-back
+
+
 def test_record_use_refuses_an_event_of_another_device():
     """An event of another device cannot tell when this device's copy of the array is done: it
     was taken, and the block could be handed out again under a copy still running."""

@@ -20,7 +20,8 @@ The design follows PyTorch's ``CachingHostAllocator``:
   :meth:`collect`; ``collect(wait=True)`` waits for them).
 * **Ctrl-C.** A KeyboardInterrupt at any instruction of a hand-out leaves its block either in the
   caller's array or back in the cache (``take``'s claim list, a generation per put-back: see
-  :meth:`HostPool._put_back`).
+  :meth:`HostPool._put_back`); one while a dropped array's block is taken back (``collect``,
+  waiting or not) leaves it pending or free (:meth:`HostPool._process`).
 * **Budget.** The pool holds at most ``budget`` bytes of pinned memory (in use, pending and
   cached together). A request that does not fit after freeing cached blocks, or whose pinning
   the device refuses, gets an ordinary pageable numpy array instead, with one logged note per
@@ -177,9 +178,10 @@ class HostPool:
         # pool threads pin and free one at a time: allocation is slow and serialised by the OS
         # anyway, and a backend's own cache of freed pinned memory need not be thread-safe
         self._device_lock = threading.Lock()
-        self._free: dict[int, list[_Block]] = {}
+        # size -> free blocks; a defaultdict, so that a block is listed with no call (see _settled)
+        self._free: collections.defaultdict[int, list[_Block]] = collections.defaultdict(list)
         self._blocks: dict[int, _Block] = {}  # id(buffer) -> block, every block not yet released
-        self._pending: list[_Block] = []
+        self._pending: dict[_Block, None] = {}  # blocks of dropped arrays, pending or being checked
         # (block, token, generation) from owners' __del__
         self._returned: collections.deque = collections.deque()
         self._bytes = {_FREE: 0, _IN_USE: 0, _PENDING: 0}
@@ -450,39 +452,45 @@ class HostPool:
         return self._process(wait=wait)
 
     def _process(self, *, wait: bool = False) -> int:
+        """Queue dropped arrays' blocks as pending and free those whose uses are done (waiting
+        with ``wait``); returns the bytes freed. A KeyboardInterrupt at any instruction (Ctrl-C
+        while ``collect(wait=True)`` waits, say) leaves every block it reached pending or free,
+        never stranded: a return is taken off its queue only once it is booked (booking one
+        twice changes nothing), and every block this call claimed is pending again unless
+        freed."""
         if getattr(self._device, "closed", False):
             return 0  # the device took every block's memory with it: nothing can be checked or reused
-        with self._lock:
-            while self._returned:
-                block, token, generation = self._returned.popleft()
-                if block.state != _IN_USE or block.generation != generation:
-                    continue  # put back already (_put_back): this owner's hand-out never finished
-                self._add_token(block, token)
-                self._move(block, _PENDING)
-                self._pending.append(block)
-            claimed = [b for b in self._pending if b.state == _PENDING]
-            for block in claimed:
-                block.state = _CHECKING  # bytes stay counted as pending; another thread skips it
+        claimed: list[_Block] = []
         freed = 0
         try:
-            while claimed:
-                block = claimed.pop()
+            with self._lock:
+                while self._returned:
+                    block, token, generation = self._returned[0]
+                    # put back already (_put_back), or booked by an interrupted earlier pass: skip
+                    if block.state == _IN_USE and block.generation == generation:
+                        self._add_token(block, token)
+                        self._pending[block] = None
+                        self._move(block, _PENDING)
+                    self._returned.popleft()
+                for block in self._pending:
+                    if block.state == _PENDING:
+                        claimed.append(block)  # before it is marked: the finally sees every mark
+                        block.state = _CHECKING  # bytes stay counted as pending; another thread skips it
+            for block in claimed:
                 if self._settled(block, wait):
                     freed += block.size
-                else:
-                    with self._lock:
-                        block.state = _PENDING
-        except BaseException:
-            with self._lock:
-                for block in claimed:
-                    if block.state == _CHECKING:
-                        block.state = _PENDING
-            raise
+        finally:
+            if claimed:
+                with self._lock:
+                    for block in claimed:
+                        if block.state == _CHECKING:  # not freed: pending again, for the next pass
+                            block.state = _PENDING
         return freed
 
     def _settled(self, block: _Block, wait: bool) -> bool:
-        """Move a claimed pending block to the cache if its recorded uses are all done (waiting
-        for them with ``wait``). Outside the lock: event queries are device calls."""
+        """Move a claimed (checking) pending block to the cache if its recorded uses are all done
+        (waiting for them with ``wait``); left checking otherwise, for :meth:`_process` to mark
+        pending again. Outside the lock: event queries are device calls."""
         with self._lock:
             events = list(block.events)
         if _HOLD_UNTIL_DONE:
@@ -492,22 +500,21 @@ class HostPool:
                 elif not _is_done(ev):
                     return False
         self._observe(block)
-        try:
-            if getattr(self._device, "poison", False):
-                # a checked simulated GPU: stale bytes read through a later array show up as 0xEE,
-                # and this write is itself checked against the block's last device use
-                block.buffer.view(np.uint8, access="w").fill(POISON)
-            token = self._device.publish()
-        except BaseException:
-            with self._lock:
-                block.state = _PENDING
-            raise
+        if getattr(self._device, "poison", False):
+            # a checked simulated GPU: stale bytes read through a later array show up as 0xEE,
+            # and this write is itself checked against the block's last device use
+            block.buffer.view(np.uint8, access="w").fill(POISON)
+        token = self._device.publish()
         with self._lock:
             block.events.clear()
             block.tokens = self._device.fold_tokens([token])
-            self._pending.remove(block)
-            self._move(block, _FREE)
-            self._free.setdefault(block.size, []).append(block)
+            # from pending to the cache with no call in between, where a KeyboardInterrupt could
+            # leave the block counted in one place and listed in another (or in neither)
+            self._bytes[_PENDING] -= block.size
+            self._bytes[_FREE] += block.size
+            block.state = _FREE
+            self._free[block.size] += [block]
+            del self._pending[block]
         return True
 
     def _add_token(self, block: _Block, token: Any) -> None:
