@@ -552,6 +552,51 @@ def test_ctrl_c_anywhere_in_taking_back_a_dropped_block_leaves_it_pending_or_fre
     assert n > 10  # the hook reached into the take-back
 
 
+@pytest.mark.parametrize("how", ["release_cached", "set_budget", "empty making room"])
+def test_ctrl_c_anywhere_in_freeing_cached_blocks_keeps_the_bytes_counted_the_bytes_held(how):
+    """A KeyboardInterrupt at any instruction while cached blocks are freed (to release the cache,
+    to shrink the budget, or to make room for a new block): each block is either freed and out of
+    the books, or still counted; none is left open but uncounted, and a later release frees all."""
+    from tests.helpers.interrupts import InterruptAt
+
+    sizes = [size_class(4096 * (i + 1)) for i in range(3)]
+    n, finished = 0, False
+    while not finished:
+        dev = rf.device("sim")
+        pool = HostPool(dev, budget=sum(sizes) + 4096)
+        arrays = [pool.empty(size, np.uint8) for size in sizes]
+        buffers = [pool.buffer_of(a) for a in arrays]
+        del arrays
+        pool.collect()
+        new = None
+        with InterruptAt(n, names={"release_cached", "set_budget", "empty", "take", "_allocate", "_make_room",
+                                   "_uncache_last", "_release_blocks", "_observe"},
+                         files=("/ringflow/_device/host_pool.py",)) as hook:
+            try:
+                if how == "release_cached":
+                    pool.release_cached()
+                elif how == "set_budget":
+                    pool.set_budget(4096)
+                else:
+                    new = pool.empty(size_class(4096 * 4), np.uint8)  # fits once two blocks are freed
+            except KeyboardInterrupt:
+                pass
+        finished = hook.fired == 0
+        where = (how, n, hook.functions[n:n + 1])
+        st = pool.stats()
+        assert dev.live().host_buffers == 0, where  # every open pinned buffer is in the pool's books
+        booked = list(pool._blocks.values())
+        assert not any(b.buffer.closed for b in booked), where
+        assert st.held_bytes == sum(b.size for b in booked), (where, st)
+        assert st.cached_bytes == sum(b.size for bucket in pool._free.values() for b in bucket), where
+        del new
+        pool.collect()
+        pool.release_cached()
+        assert pool.stats().held_bytes == 0 and all(b.closed for b in buffers), where
+        n += 1
+    assert n > 10  # the hook reached into the freeing
+
+
 def test_record_use_refuses_an_event_of_another_device():
     """An event of another device cannot tell when this device's copy of the array is done: it
     was taken, and the block could be handed out again under a copy still running."""

@@ -21,7 +21,8 @@ The design follows PyTorch's ``CachingHostAllocator``:
 * **Ctrl-C.** A KeyboardInterrupt at any instruction of a hand-out leaves its block either in the
   caller's array or back in the cache (``take``'s claim list, a generation per put-back: see
   :meth:`HostPool._put_back`); one while a dropped array's block is taken back (``collect``,
-  waiting or not) leaves it pending or free (:meth:`HostPool._process`).
+  waiting or not) leaves it pending or free (:meth:`HostPool._process`); one while cached
+  blocks are freed leaves each freed or back in the cache (:meth:`HostPool._restore`).
 * **Budget.** The pool holds at most ``budget`` bytes of pinned memory (in use, pending and
   cached together). A request that does not fit after freeing cached blocks, or whose pinning
   the device refuses, gets an ordinary pageable numpy array instead, with one logged note per
@@ -294,31 +295,40 @@ class HostPool:
                 self._move(claim[0], _IN_USE)
                 self._counts["hits"] += 1
 
-    def _make_room(self, size: int) -> list[_Block]:
-        """Drop cached blocks (largest first) until ``size`` more bytes fit the budget or none is
-        left; returns them. Under the lock."""
-        dropped: list[_Block] = []
+    def _make_room(self, size: int, dropped: list[_Block]) -> None:
+        """Move cached blocks (largest first) into ``dropped`` until ``size`` more bytes fit the
+        budget or none is left. ``dropped`` is the caller's, which frees them
+        (:meth:`_release_blocks`) and puts back those a KeyboardInterrupt left open
+        (:meth:`_restore`). Under the lock."""
         if self._held() + size <= self._budget:
-            return dropped
+            return
         for cls in sorted(self._free, reverse=True):
             bucket = self._free[cls]
             while bucket and self._held() + size > self._budget:
-                block = bucket.pop()
-                self._move(block, _RELEASED)
-                dropped.append(block)
-        return dropped
+                self._uncache_last(bucket, dropped)
+
+    def _uncache_last(self, bucket: list[_Block], dropped: list[_Block]) -> None:
+        """The last block of ``bucket`` (a list of the cache) into ``dropped``, no longer counted.
+        No call in between, where a KeyboardInterrupt could leave a block counted but listed
+        nowhere, or uncounted and never freed. Under the lock."""
+        block = bucket[-1]
+        self._bytes[_FREE] -= block.size
+        block.state = _RELEASED
+        dropped += [block]
+        del bucket[-1]
 
     def _allocate(self, size: int, claim: list) -> None:
         """A new block of ``size`` bytes into ``claim``, cached blocks freed to make room for it
         where that makes it fit; nothing where it does not fit the budget even with the cache
         freed (the cache then stays as it is), or the device refuses to pin it (fall back)."""
         reserved = False
+        to_release: list[_Block] = []
         try:
             with self._lock:
                 # a block that would not fit even with the whole cache freed falls back all the
                 # same: freeing the cache for it would only cost the requests its classes serve
-                fits = self._held() - self._bytes[_FREE] + size <= self._budget
-                to_release = self._make_room(size) if fits else []
+                if self._held() - self._bytes[_FREE] + size <= self._budget:
+                    self._make_room(size, to_release)
                 if self._held() + size <= self._budget:
                     self._reserved += size
                     reserved = True
@@ -349,6 +359,8 @@ class HostPool:
                 self._book(block)
                 self._move(block, _IN_USE)
         finally:
+            if to_release:  # interrupted before they were all freed
+                self._restore(to_release)
             if reserved:
                 with self._lock:
                     self._reserved -= size
@@ -539,12 +551,17 @@ class HostPool:
         """
         nbytes = check_nbytes(nbytes, "ringflow.host.set_budget(nbytes)")
         self._process()
-        with self._lock:
-            self._budget = nbytes
-            if getattr(self._device, "closed", False):
-                return  # its blocks went with the device
-            dropped = self._make_room(0)
-        self._release_blocks(dropped)
+        dropped: list[_Block] = []
+        try:
+            with self._lock:
+                self._budget = nbytes
+                if getattr(self._device, "closed", False):
+                    return  # its blocks went with the device
+                self._make_room(0, dropped)
+            self._release_blocks(dropped)
+        finally:
+            if dropped:  # interrupted before they were all freed
+                self._restore(dropped)
 
     def release_cached(self) -> int:
         """Free every cached block back to the device (blocks in use and pending stay).
@@ -553,26 +570,52 @@ class HostPool:
             Bytes freed.
         """
         self._process()
-        with self._lock:
-            dropped = [b for bucket in self._free.values() for b in bucket]
-            self._free.clear()
-            for block in dropped:
-                self._move(block, _RELEASED)
-        self._release_blocks(dropped)
-        return sum(b.size for b in dropped)
+        dropped: list[_Block] = []
+        try:
+            with self._lock:
+                for bucket in self._free.values():
+                    while bucket:
+                        self._uncache_last(bucket, dropped)
+            freed = sum(b.size for b in dropped)
+            self._release_blocks(dropped)
+        finally:
+            if dropped:  # interrupted before they were all freed
+                self._restore(dropped)
+        return freed
 
     def _release_blocks(self, blocks: list[_Block]) -> None:
-        """Close released blocks' buffers, ordered after their last use (outside the lock)."""
-        for block in blocks:
+        """Close released blocks' buffers, ordered after their last use (outside the lock),
+        taking each off ``blocks`` once it is closed (or its close failed): those a
+        KeyboardInterrupt leaves there are still open, for :meth:`_restore`."""
+        while blocks:
+            block = blocks[-1]
             self._observe(block)
-            with self._lock:
-                self._blocks.pop(id(block.buffer), None)
-                self._counts["releases"] += 1
             try:
                 with self._device_lock:
                     block.buffer.close()
             except Exception as exc:  # noqa: BLE001 - a failed free must not fail an allocation
                 logger.warning("ringflow.host: freeing %r failed: %s: %s", block.buffer, type(exc).__name__, exc)
+            key = id(block.buffer)
+            with self._lock:  # no call before the last step, where an interrupt would book it twice
+                self._counts["releases"] += 1
+                del blocks[-1]
+                self._blocks.pop(key, None)
+
+    def _restore(self, blocks: list[_Block]) -> None:
+        """Released blocks an interrupted :meth:`_release_blocks` did not get to: the closed
+        ones leave the books, the open ones go back to the cache (counted again: a later request
+        or budget change frees them), so the bytes counted stay the bytes held."""
+        with self._lock:
+            while blocks:
+                block = blocks[-1]
+                if block.buffer.closed:
+                    self._counts["releases"] += 1
+                    self._blocks.pop(id(block.buffer), None)
+                else:
+                    self._bytes[_FREE] += block.size
+                    block.state = _FREE
+                    self._free[block.size] += [block]
+                del blocks[-1]
 
     # -- queries -------------------------------------------------------------------------------
     def stats(self) -> HostPoolStats:
