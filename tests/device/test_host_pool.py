@@ -15,7 +15,7 @@ import ringflow as rf
 from ringflow._device import host_pool
 from ringflow._device.host_pool import HostPool, pool_for, size_class
 from ringflow._errors import DeviceError
-from tests.helpers.threads import bounded
+from tests.helpers.threads import JOIN_S, bounded, join, start
 
 N = 1 << 20  # bytes of the arrays the ordering tests copy into and out of
 
@@ -595,6 +595,60 @@ def test_ctrl_c_anywhere_in_freeing_cached_blocks_keeps_the_bytes_counted_the_by
         assert pool.stats().held_bytes == 0 and all(b.closed for b in buffers), where
         n += 1
     assert n > 10  # the hook reached into the freeing
+
+
+class _Gate:
+    """A recorded use (anything with ``is_done``) whose first query once :attr:`armed` tells
+    ``reached`` and waits for ``go`` (bounded in real time), then says not done; later queries say
+    done (before it is armed, not done: record_use looks for the attribute)."""
+
+    def __init__(self):
+        self.reached, self.go, self.asked, self.armed = threading.Event(), threading.Event(), 0, False
+
+    @property
+    def is_done(self) -> bool:
+        if not self.armed:
+            return False
+        self.asked += 1
+        if self.asked > 1:
+            return True
+        self.reached.set()
+        assert self.go.wait(JOIN_S)
+        return False
+
+
+def test_a_take_back_marks_pending_again_only_the_blocks_it_still_claims():
+    """One thread's take-back frees a block, then waits on another block's use; meanwhile the freed
+    block is handed out, dropped and claimed by a second thread's take-back. The first must leave
+    that block to the second when it ends: marked pending again, a third take-back would free it
+    too (checked twice at once, listed twice in the cache, handed out twice)."""
+    dev = rf.device("sim")
+    pool = HostPool(dev)
+    first, second = pool.empty(4096, np.uint8), pool.empty(8192, np.uint8)
+    slow = _Gate()
+    pool.record_use(second, slow)
+    slow.armed = True
+    buf = pool.buffer_of(first)
+    del first, second  # first is dropped first: claimed, and freed, before second's use is asked about
+    a = start(pool.collect)
+    assert slow.reached.wait(JOIN_S)
+    again = pool.empty(4096, np.uint8)
+    assert pool.buffer_of(again) is buf  # freed by the first take-back
+    held = _Gate()
+    pool.record_use(again, held)
+    held.armed = True
+    del again
+    b = start(pool.collect)
+    assert held.reached.wait(JOIN_S)  # the second take-back checks it now
+    slow.go.set()
+    assert join([a]) == [4096]
+    assert pool.collect() == 8192  # only second's block: the other is the second take-back's
+    held.go.set()
+    assert join([b]) == [0]
+    assert pool.collect() == 4096
+    st = pool.stats()
+    assert (st.cached_bytes, st.pending_bytes, st.in_use_bytes) == (4096 + 8192, 0, 0)
+    assert [len(bucket) for bucket in pool._free.values() if bucket] == [1, 1]
 
 
 def test_record_use_refuses_an_event_of_another_device():

@@ -472,7 +472,10 @@ class HostPool:
         freed."""
         if getattr(self._device, "closed", False):
             return 0  # the device took every block's memory with it: nothing can be checked or reused
-        claimed: list[_Block] = []
+        # the blocks this call has marked checking and not freed: only these are its to mark
+        # pending again (one it freed may be handed out, dropped and claimed by another thread
+        # by then, checking again, but that thread's)
+        claimed: dict[_Block, None] = {}
         freed = 0
         try:
             with self._lock:
@@ -486,10 +489,10 @@ class HostPool:
                     self._returned.popleft()
                 for block in self._pending:
                     if block.state == _PENDING:
-                        claimed.append(block)  # before it is marked: the finally sees every mark
+                        claimed[block] = None  # before it is marked: the finally sees every mark
                         block.state = _CHECKING  # bytes stay counted as pending; another thread skips it
-            for block in claimed:
-                if self._settled(block, wait):
+            for block in list(claimed):
+                if self._settled(block, wait, claimed):
                     freed += block.size
         finally:
             if claimed:
@@ -499,10 +502,11 @@ class HostPool:
                             block.state = _PENDING
         return freed
 
-    def _settled(self, block: _Block, wait: bool) -> bool:
-        """Move a claimed (checking) pending block to the cache if its recorded uses are all done
-        (waiting for them with ``wait``); left checking otherwise, for :meth:`_process` to mark
-        pending again. Outside the lock: event queries are device calls."""
+    def _settled(self, block: _Block, wait: bool, claimed: dict) -> bool:
+        """Move a claimed (checking) pending block to the cache, and out of ``claimed``, if its
+        recorded uses are all done (waiting for them with ``wait``); left checking and claimed
+        otherwise, for :meth:`_process` to mark pending again. Outside the lock: event queries
+        are device calls."""
         with self._lock:
             events = list(block.events)
         if _HOLD_UNTIL_DONE:
@@ -527,6 +531,7 @@ class HostPool:
             block.state = _FREE
             self._free[block.size] += [block]
             del self._pending[block]
+            del claimed[block]
         return True
 
     def _add_token(self, block: _Block, token: Any) -> None:
