@@ -15,7 +15,10 @@ import ringflow as rf
 from ringflow._device import host_pool
 from ringflow._device.host_pool import HostPool, pool_for, size_class
 from ringflow._errors import DeviceError
+from tests.helpers.interrupts import call_interrupted_at
 from tests.helpers.threads import JOIN_S, bounded, join, start
+
+POOL_FILE = ("/ringflow/_device/host_pool.py",)  # where the interrupt sweeps raise
 
 N = 1 << 20  # bytes of the arrays the ordering tests copy into and out of
 
@@ -446,8 +449,6 @@ def test_tokens_a_real_gpu_publishes_are_not_kept():
 def test_ctrl_c_anywhere_in_a_hand_out_leaves_the_block_back_once():
     """A KeyboardInterrupt at any instruction of a hand-out (a cached block or a new one):
     either the caller got the array, or the block is free again, and never neither (a leak)."""
-    from tests.helpers.interrupts import InterruptAt
-
     dev = rf.device("sim")
     pool = HostPool(dev)
     size = size_class(4096)
@@ -459,13 +460,8 @@ def test_ctrl_c_anywhere_in_a_hand_out_leaves_the_block_back_once():
                 keep = pool.empty(4096, np.uint8)  # one cached block for the hand-out
                 del keep
                 pool.collect()
-            got = None
-            with InterruptAt(n, names={"take", "_take", "_allocate", "_hand_out"},
-                             files=("/ringflow/_device/host_pool.py",)) as hook:
-                try:
-                    got = pool.empty(4096, np.uint8)
-                except KeyboardInterrupt:
-                    pass
+            hook, got = call_interrupted_at(n, lambda: pool.empty(4096, np.uint8),
+                                            {"take", "_take", "_allocate", "_hand_out"}, POOL_FILE)
             finished = hook.fired == 0
             gc.collect()
             pool.collect()
@@ -526,20 +522,15 @@ def test_ctrl_c_anywhere_in_taking_back_a_dropped_block_leaves_it_pending_or_fre
     """A KeyboardInterrupt at any instruction of taking back a dropped array's block (Ctrl-C while
     ``collect(wait=True)`` waits for its copy, or during the take-back every ``empty`` does): the
     block is returned once its copy is done, counted once and listed once, never stranded."""
-    from tests.helpers.interrupts import InterruptAt
-
     n, finished = 0, False
     while not finished:
         dev = rf.device("sim")
         pool = HostPool(dev)
         a, buf, ev, keep = pending_copy(dev, pool, "d2h")
         del a
-        with InterruptAt(n, names={"collect", "_process", "_settled", "_wait", "_is_done", "_move", "_add_token",
-                                   "_observe"}, files=("/ringflow/_device/host_pool.py",)) as hook:
-            try:
-                pool.collect(wait=wait)
-            except KeyboardInterrupt:
-                pass
+        hook, _ = call_interrupted_at(n, lambda: pool.collect(wait=wait),
+                                      {"collect", "_process", "_settled", "_wait", "_is_done", "_move", "_add_token",
+                                       "_observe"}, POOL_FILE)
         finished = hook.fired == 0
         ev.sync()
         pool.collect()
@@ -559,8 +550,6 @@ def test_ctrl_c_anywhere_in_freeing_cached_blocks_keeps_the_bytes_counted_the_by
     """A KeyboardInterrupt at any instruction while cached blocks are freed (to release the cache,
     to shrink the budget, or to make room for a new block): each block is either freed and out of
     the books, or still counted; none is left open but uncounted, and a later release frees all."""
-    from tests.helpers.interrupts import InterruptAt
-
     sizes = [size_class(4096 * (i + 1)) for i in range(3)]
     n, finished = 0, False
     while not finished:
@@ -570,19 +559,12 @@ def test_ctrl_c_anywhere_in_freeing_cached_blocks_keeps_the_bytes_counted_the_by
         buffers = [pool.buffer_of(a) for a in arrays]
         del arrays
         pool.collect()
-        new = None
-        with InterruptAt(n, names={"release_cached", "set_budget", "empty", "take", "_allocate", "_make_room",
-                                   "_uncache_last", "_release_blocks", "_observe"},
-                         files=("/ringflow/_device/host_pool.py",)) as hook:
-            try:
-                if how == "release_cached":
-                    pool.release_cached()
-                elif how == "set_budget":
-                    pool.set_budget(4096)
-                else:
-                    new = pool.empty(size_class(4096 * 4), np.uint8)  # fits once two blocks are freed
-            except KeyboardInterrupt:
-                pass
+        call = {"release_cached": pool.release_cached, "set_budget": lambda: pool.set_budget(4096),
+                # fits once two blocks are freed
+                "empty making room": lambda: pool.empty(size_class(4096 * 4), np.uint8)}[how]
+        hook, new = call_interrupted_at(n, call, {"release_cached", "set_budget", "empty", "take", "_allocate",
+                                                  "_make_room", "_uncache_last", "_release_blocks", "_observe"},
+                                        POOL_FILE)
         finished = hook.fired == 0
         where = (how, n, hook.functions[n:n + 1])
         st = pool.stats()

@@ -113,6 +113,19 @@ class InterruptAt:
         self._skipping = None
 
 
+def call_interrupted_at(n: int, fn: Callable[[], Any], names: Iterable[str], files: Iterable[str]) -> tuple:
+    """``fn()`` under :class:`InterruptAt` ``(n, names, files)``, its KeyboardInterrupt caught:
+    returns the hook and ``fn``'s result (None where it was interrupted). A sweep of ``n`` from 0
+    has reached past the call's end once ``hook.fired == 0``."""
+    got = None
+    with InterruptAt(n, names=names, files=files) as hook:
+        try:
+            got = fn()
+        except KeyboardInterrupt:
+            pass
+    return hook, got
+
+
 def once_inside(name: str, thread: Optional[threading.Thread] = None) -> Callable[[], bool]:
     """A ``ready`` for :class:`CtrlCWhileStalled`: polls (every 0.01 real seconds, for at most
     ``JOIN_S``) until a function named ``name`` is on ``thread``'s stack (the main thread's by
