@@ -451,6 +451,58 @@ def test_close_from_another_thread_waits_for_a_live_loops_amap_and_gives_nothing
     assert dev.live().total == 0, dev.live()
 
 
+@pytest.mark.parametrize("on_error", ["raise", "continue"])
+@pytest.mark.parametrize("n_devices", [1, 2])
+def test_a_task_cancelled_as_the_pipeline_cancels_its_amaps_head_ends_cancelled(n_devices, on_error):
+    """The consumer task of an amap is cancelled right after ``cancel()`` of the pipeline, on the
+    loop's thread, cancelled the chunk the map waits for: the task is woken by both in one turn.
+    The map took the task's CancelledError for its chunk's cancellation and ended quietly (or,
+    with ``on_error="continue"`` over two devices, went on), so the cancelled task returned as if
+    nobody had cancelled it. The results held (each device's only slot) keep every chunk in the
+    window from its compute, so the head is still running when the pipeline is cancelled."""
+    devices = [rf.device("sim", seed=61 + k, chaos=True) for k in range(n_devices)]
+    pipe = rf.Pipeline(lambda x, y: np.multiply(x, 3, out=y), device=devices if n_devices > 1 else devices[0],
+                       deliver="device", chunk_bytes=512, slots=1, max_in_flight=3, on_error=on_error,
+                       checked=True)
+    x = [np.arange(16.0) + 100 * k for k in range(40)]
+    held: list = []
+
+    async def consume():
+        async for result in pipe.amap(x):
+            held.append(result)  # not released: its device's one slot stays taken
+        return "ended"
+
+    async def main():
+        task = asyncio.create_task(consume())
+        # a result held on each device, and the window full behind them: the map has nothing to
+        # do but wait for its head, which cannot compute
+        want = n_devices + 3 * n_devices
+        deadline = time.monotonic() + JOIN_S
+        while len(held) < n_devices or pipe.stats().accepted < want:
+            assert time.monotonic() < deadline and not task.done(), (pipe.stats(), task)
+            await asyncio.sleep(0.001)
+        pipe.cancel()  # (returns once every chunk ended: the head is cancelled)
+        task.cancel()
+        try:
+            outcome = await task
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+        return outcome
+
+    try:
+        outcome = bounded(lambda: asyncio.run(main()))
+    finally:
+        for result in held:
+            result.release()
+        bounded(pipe.close, timeout=20.0)
+    assert outcome == "cancelled"
+    s = pipe.stats()
+    assert s.in_flight == 0 and s.balanced() and s.delivered == n_devices, s
+    gc.collect()
+    for dev in devices:
+        assert dev.live().total == 0, dev.live()
+
+
 # -- an event loop on the pipeline's own progress thread ---------------------------------------------
 def _check_cancelled_and_released(pipe, behind: list, held: list, devices: list) -> None:
     """After an ``async with`` left by an error or a cancellation: ``pipe`` is closed, every

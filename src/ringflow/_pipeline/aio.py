@@ -508,9 +508,16 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
             if entry is None:
                 break  # close() took the window while this map could not run (give_up_stranded)
             fut, head = entry
+            if not head.done():
+                # waited for without taking its outcome: a CancelledError raised here is always
+                # the awaiting task's own, and leaves the map (finally cancels the window). Awaited
+                # through asyncio.shield, a task cancelled in the turn its head's chunk was (a
+                # cancel() of the pipeline just before) got one CancelledError for both, which the
+                # map took for the chunk's: it ended quietly, or went on, and the task's
+                # cancellation was lost
+                await asyncio.wait((head,))
             try:
-                # shielded: a cancellation of the awaiting task must not look like the chunk's
-                value = await asyncio.shield(head)
+                value = head.result()
             except BaseException as err:
                 if ending.given_up:
                     break  # close() took the window while this map could not run (give_up_stranded)
@@ -520,7 +527,7 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
                     continue
                 if verdict is STOP:
                     break
-                raise  # (the task was cancelled: finally cancels this chunk with the others)
+                raise  # the chunk's failure (finally cancels the rest of the window)
             if ending.given_up:
                 break  # close() took the window while this map could not run (give_up_stranded)
             window.remove(entry)

@@ -391,8 +391,8 @@ class SpreadPipeline(Pipeline):
 
     async def _amap_failed(self, fut: Any, err: BaseException) -> str:
         if not (fut.cancelled() or fut.failed_with(err)):
-            # the awaiting task was cancelled (or its chunk ended just as it was): the task's, not
-            # a chunk's; the map's clean-up cancels its window, nothing else
+            # not the chunk's own outcome (amap_window raises the awaiting task's cancellation
+            # before it gets here): raised as it is; the map's clean-up cancels its window
             return RAISE
         if self.config.on_error == "continue":
             return SKIP  # a failed item (whatever its stage raised, or its device's) is skipped
