@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import ringflow as rf
 from ringflow._pipeline.spread import SpreadPipeline
 from tests.helpers.pipeline_checks import check_map_refuses_not_iterable, take_all
 from tests.helpers.interrupts import CtrlCWhileStalled
-from tests.helpers.threads import JOIN_S, join, stack_names, start
+from tests.helpers.threads import JOIN_S, hold_progress_thread, join, stack_names, start
 
 
 def f(x, y):
@@ -905,3 +906,47 @@ def test_a_cancelled_asubmit_waiting_for_room_on_every_device_accepts_nothing():
         # (nothing accepted: the stats, which take each part's lock, once the prepares return)
         for e in release.values():
             e.set()
+
+
+@pytest.mark.parametrize("face", ["map", "amap"])
+def test_a_map_ends_quietly_with_what_it_took_once_close_begins_on_another_thread(face):
+    """close() on another thread while a map over two devices runs: the parts stop taking work
+    one after another, and here the first part's close waits (its progress thread is held), so
+    the second still accepts. The map's next item found the pipeline closed and raised that
+    RuntimeError, cancelling the item it had taken; the amap gave its items to the second part
+    after close() had begun. On one device close() stops admission at once and a map ends
+    quietly, handing out what it took: so do both now, and nothing is accepted after close()
+    began."""
+    devs = sims(2, seed=9)
+    pipe = rf.Pipeline(f, device=devs, chunk_bytes=256, max_in_flight=2)
+    first, second = pipe.parts
+    release = hold_progress_thread(first.submit(np.full(4, -1.0)))
+    try:
+        # the first part is full and cannot move: the map's items go to the second
+        stuck = [first.submit(np.full(4, -2.0 - k)) for k in range(2)]
+        closing: list = []
+
+        def items():
+            yield np.full(4, 0.0)
+            closing.append(start(pipe.close, name="test-closer"))
+            deadline = time.monotonic() + JOIN_S
+            while not pipe._closed:  # close() has begun; the first part's close waits for its thread
+                assert time.monotonic() < deadline, "close() never began"
+                time.sleep(0.001)
+            assert second._sched.accepting  # (the second part's close has not begun)
+            for k in range(1, 6):
+                yield np.full(4, float(k))
+
+        async def amap():
+            return [r async for r in pipe.amap(items())]
+
+        got = join([start(lambda: list(pipe.map(items())) if face == "map" else asyncio.run(amap()))])[0]
+        accepted = pipe.stats().accepted
+    finally:
+        release.set()
+    join(closing)
+    assert [r[0] for r in got] == [1.0]  # the one item taken before close() began: 0 * 2 + 1
+    assert accepted == 4  # three on the first part, one of the map's: none after close() began
+    s = pipe.stats()
+    assert s.delivered == 4 and s.cancelled == 0 and s.in_flight == 0 and s.balanced(), s
+    assert all(fut.result()[0] == -2.0 * (2.0 + k) + 1 for k, fut in enumerate(stuck))

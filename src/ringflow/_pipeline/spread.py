@@ -109,15 +109,21 @@ class SpreadPipeline(Pipeline):
         goes where a part has room under that part's lock, see :meth:`_submit_if_room`)."""
         return any(p._sched.broken is None and p._sched.has_capacity() for p in self.parts)
 
+    def _takes_no_more(self) -> bool:
+        """Whether the pipeline takes no more work: no part accepts (cancelled, stopped by a
+        failure), or a close() has begun. That close stops the parts' admission one after another,
+        so a part it has not reached yet still accepts; on one device close() stops admission at
+        once."""
+        return self._closed or not self._accepting()
+
     def _submit_more(self, item: Any, started: bool, wait: bool) -> "concurrent.futures.Future | object | None":
         """A map's next submit: with ``wait`` False, :meth:`_submit_if_room` (:data:`NO_ROOM` where
-        no part has room). None once the pipeline takes no more work (cancelled, or stopped by a
-        failure) after the map had started: it then ends with what it has, as a single device's
-        map does."""
+        no part has room). None once the pipeline takes no more work (:meth:`_takes_no_more`)
+        after the map had started: it then ends with what it has, as a single device's map does."""
         try:
             return self.submit(item) if wait else self._submit_if_room(item)
         except RuntimeError:
-            if started and not self._accepting():
+            if started and self._takes_no_more():
                 return None
             raise
 
@@ -126,9 +132,11 @@ class SpreadPipeline(Pipeline):
         """:meth:`_submit_more` for ``amap`` (``ending``: its own), without blocking the event loop (a
         step of :func:`~.aio.amap_window`)."""
         try:
+            # (the parts do not know of a close() begun on the pipeline until it reaches each)
+            self._check_open()
             return await self._asubmit_future(item, ending=ending, wait=wait)
         except RuntimeError:
-            if started and not self._accepting():
+            if started and self._takes_no_more():
                 return None
             raise
 
