@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 import threading
 import time
@@ -950,3 +951,56 @@ def test_a_map_ends_quietly_with_what_it_took_once_close_begins_on_another_threa
     s = pipe.stats()
     assert s.delivered == 4 and s.cancelled == 0 and s.in_flight == 0 and s.balanced(), s
     assert all(fut.result()[0] == -2.0 * (2.0 + k) + 1 for k, fut in enumerate(stuck))
+
+
+@pytest.mark.parametrize("face", ["map", "amap"])
+def test_a_map_that_raises_a_parts_failure_keeps_none_of_the_results_it_did_not_hand_out(face):
+    """The first item fails on one device after the other device delivered results into the map's
+    window (on the device: each holds a slot). The map raises the failure, and the failure keeps
+    the map's frame in its traceback: the results the map had not handed out stayed in that
+    frame's window, their device buffers allocated after close() for as long as the failure
+    lived (``pipe.failures`` keeps it), the collector notwithstanding. Now none is kept."""
+    gate = threading.Event()
+
+    def prepare(item):
+        if item[0] == 0.0:
+            assert gate.wait(JOIN_S), "the failing prepare was never let go"
+            raise ValueError("the user's")
+        return item
+
+    devs = sims(2, seed=13)
+    pipe = rf.Pipeline(f, device=devs, chunk_bytes=256, slots=3, max_in_flight=3, deliver="device", prepare=prepare)
+    second = pipe.parts[1]
+    items = [np.full(4, float(k)) for k in range(6)]
+
+    def let_go_once_the_other_device_delivered():
+        # (the map waits for the first item: on the simulated GPU the second device moves only
+        # while someone waits on it)
+        second._drive_until(lambda: second._sched.stats().delivered >= 2)
+        gate.set()
+
+    opener = start(let_go_once_the_other_device_delivered)
+
+    async def amap():
+        async for res in pipe.amap(items):
+            res.release()
+
+    def run():
+        if face == "map":
+            for res in pipe.map(items):
+                res.release()
+        else:
+            asyncio.run(amap())
+
+    try:
+        with pytest.raises(rf.StageError) as info:
+            join([start(run)])
+    finally:
+        gate.set()
+        join([opener])
+    assert isinstance(info.value.__cause__, ValueError) and info.value.index == 0
+    pipe.close()
+    s = pipe.stats()
+    assert s.in_flight == 0 and s.balanced() and second.stats().delivered >= 2, s
+    gc.collect()
+    assert [dev.live().total for dev in devs] == [0, 0], [dev.live() for dev in devs]

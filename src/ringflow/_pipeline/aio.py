@@ -386,6 +386,7 @@ class CancelIfDropped:
         with self.lock:
             window, self.window = self.window, None
             self.accepting_by = self.unheld = None
+        self.ended.clear()  # (unordered: entries that ended and were not handed out)
         try:
             await cancel_unwanted_soon([fut for fut, _ in window or ()])
         finally:
@@ -537,9 +538,17 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
         # awaited: the loop runs on while the progress thread cancels them, and the map ends with
         # nothing of its own left running
         try:
-            await source.stop()
+            try:
+                await source.stop()
+            finally:
+                await ending.end()
         finally:
-            await ending.end()
+            # this generator's frame stays in the traceback of what it raised (a chunk's failure,
+            # which the pipeline keeps among its failures): its locals must not keep the results
+            # it did not hand out (a device result's slot, a pinned block), nor a chunk holding
+            # that failure, which would form a cycle through it
+            window.clear()
+            entry = fut = head = value = None  # noqa: F841 - dropped, not read again
     pipe._amap_stopped()
 
 

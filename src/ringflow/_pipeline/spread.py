@@ -370,7 +370,15 @@ class SpreadPipeline(Pipeline):
         finally:
             # the caller stopped early: the rest are not wanted (after a Ctrl-C, not waited for:
             # see Pipeline._drop_unwanted)
-            cancel_unwanted(list(window), wait=not interrupted)
+            try:
+                cancel_unwanted(list(window), wait=not interrupted)
+            finally:
+                # this generator's frame stays in the traceback of what it raised (a part's
+                # failure, which the part keeps among its failures): as Pipeline._map's, its
+                # locals must not keep the results it did not hand out (a device result's slot, a
+                # pinned block), nor a future or failure that would form a cycle with it
+                window.clear()
+                fut = value = failure = None  # noqa: F841 - dropped, not read again
 
     def amap(self, items: Any) -> AsyncIterator[Any]:
         """As :meth:`Pipeline.amap`, over every device, in submission order (``ordered=False``: as
