@@ -335,6 +335,43 @@ def test_an_unwritable_output_is_refused_before_any_work(tmp_path, monkeypatch, 
     assert "argument --out" in capsys.readouterr().err
 
 
+# folders that cannot be made, though their nearest existing ancestor takes a new file: each was
+# found only by the makedirs after the whole run (exit 1, the bench's results lost)
+OUT_FOLDERS = {
+    "a link to itself": lambda d: _link(d / "loop", "loop"),
+    "a link to nothing": lambda d: _link(d / "dangling", "missing/x"),
+    "under a link to itself": lambda d: _link(d / "loop", "loop") / "sub",
+    "a name too long": lambda d: d / ("n" * 300),
+    "under a name too long": lambda d: d / ("n" * 300) / "sub",
+    "a path too long": lambda d: d.joinpath(*["p" * 200] * 25),
+}
+
+
+def _link(path, target):
+    os.symlink(target, path)
+    return path
+
+
+@pytest.mark.parametrize("command", ["bench", "demo"])
+@pytest.mark.parametrize("make", OUT_FOLDERS.values(), ids=OUT_FOLDERS.keys())
+def test_an_out_folder_that_cannot_be_made_is_refused_before_any_work(tmp_path, monkeypatch, capsys, command, make):
+    import ringflow._bench.runner as runner
+    import ringflow._demo as demo
+
+    def must_not_run(*a, **k):
+        raise AssertionError(f"the {command} ran although its --out folder cannot be made")
+
+    monkeypatch.setattr(runner, "run_bench", must_not_run)
+    monkeypatch.setattr(demo, "demo", must_not_run)
+    out = str(make(tmp_path))
+    before = sorted(os.listdir(tmp_path))
+    code = main([command, "--device", "sim", "--quick", "seed", "--out", out] if command == "bench"
+                else [command, "--device", "sim", "--out", out])
+    check_one_line(code, capsys.readouterr().err, command, "argument --out: ")
+    assert code == 2
+    assert sorted(os.listdir(tmp_path)) == before  # (the check makes nothing it leaves behind)
+
+
 @pytest.mark.parametrize("option", ["--trace", "--plot"])
 @pytest.mark.parametrize("target", ["device", "fifo", "read-only"])
 def test_an_output_file_that_cannot_take_the_result_is_refused_before_any_work(tmp_path, monkeypatch, capsys,

@@ -157,10 +157,18 @@ def check_out_dir(path: str, option: str) -> str:
     if os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"argument {option}: {path!r} is a file, not a folder; give a folder name")
     existing = os.path.abspath(path)
-    while not os.path.exists(existing):
+    # lexists, not exists: a link to nothing (missing, or a loop) is a name taken, which no
+    # folder can be made at or under
+    while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
+    if os.path.islink(existing) and not os.path.exists(existing):
+        raise UsageError(f"argument {option}: cannot make folder {path!r}: {existing!r} is a symbolic link to "
+                         "nothing (missing, or a loop); give another folder name")
     if not os.path.isdir(existing):
         raise UsageError(f"argument {option}: cannot make folder {path!r}: {existing!r} is a file, not a folder")
+    problem = _name_problem(existing, os.path.relpath(os.path.abspath(path), existing))
+    if problem is not None:
+        raise UsageError(f"argument {option}: cannot make folder {path!r}: {problem}; give a shorter folder name")
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
@@ -168,6 +176,27 @@ def check_out_dir(path: str, option: str) -> str:
         raise UsageError(f"argument {option}: cannot write into {existing!r} to make folder {path!r} "
                          f"({_describe(exc)})") from None
     return path
+
+
+def _name_problem(existing: str, missing: str) -> "str | None":
+    """Why the folders ``missing`` (a relative path, ``.`` for none) cannot be made inside the
+    folder ``existing`` for the length of a name, or None: each name must fit the file system's
+    longest name, and the whole path its longest path (makedirs fails on either only when it
+    gets there, after the run)."""
+    if missing == os.curdir:
+        return None
+    try:
+        longest_name = os.pathconf(existing, "PC_NAME_MAX")
+        longest_path = os.pathconf(existing, "PC_PATH_MAX")
+    except (OSError, ValueError):  # no limit known: makedirs says what it finds
+        return None
+    for name in missing.split(os.sep):
+        if len(os.fsencode(name)) > longest_name:
+            return f"the name {name[:40]!r}... is longer than the {longest_name} bytes a name may have"
+    whole = os.path.join(existing, missing)
+    if len(os.fsencode(whole)) >= longest_path:
+        return f"the path is longer than the {longest_path - 1} bytes a path may have"
+    return None
 
 
 def out_file_problem(path: str) -> "tuple[str, str] | None":
