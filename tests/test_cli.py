@@ -417,6 +417,43 @@ def test_a_demo_folder_whose_output_file_cannot_be_written_is_refused_before_any
     assert "give another folder" in err and len(err.splitlines()) == 1
 
 
+def _profile_with_a_key(folder, key):
+    from ringflow._device.hardware import UNIT_TEST
+
+    doc = UNIT_TEST.to_dict()
+    doc["model"][key] = 1
+    path = folder / "profile.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+# text the user did not write as one line: a file's name (from a listing: `ringflow trace *`) or a
+# key read from a file, holding a line break other than \n or a terminal's control sequence
+CONTROL_IN_ERRORS = {
+    "a carriage return in a path": lambda d: ["trace", str(d / "a\rb.json")],
+    "a line separator in a path": lambda d: ["trace", str(d / "a\u2028b.json")],
+    "a vertical tab in a path": lambda d: ["trace", str(d / "a\x0bb.json")],
+    "an escape sequence in a path": lambda d: ["trace", str(d / "a\x1b[2Jb.json")],
+    "a carriage return in a profile's key": lambda d: ["plan", "--profile", _profile_with_a_key(d, "ok\rfine")],
+    "an escape sequence in a profile's key": lambda d: ["plan", "--profile", _profile_with_a_key(d, "k\x1b]0;t\x07")],
+}
+
+
+@pytest.mark.parametrize("make", CONTROL_IN_ERRORS.values(), ids=CONTROL_IN_ERRORS.keys())
+def test_an_error_holding_line_breaks_or_control_characters_is_one_plain_line(tmp_path, monkeypatch, capsys, make):
+    """Only \\n was made a space: a carriage return or line separator split the line (a terminal
+    wrote the rest over its start), and an escape sequence reached the terminal."""
+    import re
+
+    monkeypatch.delenv("RINGFLOW_DEBUG", raising=False)
+    args = make(tmp_path)
+    code = main(args)
+    err = capsys.readouterr().err
+    check_one_line(code, err, args[0], "error: ")
+    assert not re.search(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]", err[:-1]), repr(err)
+    assert err.endswith("\n")
+
+
 @pytest.mark.parametrize("interrupt, code", [(KeyboardInterrupt(), 130), (SystemExit(3), 3)])
 def test_ctrl_c_inside_a_simulated_launch_stops_the_bench(monkeypatch, capsys, interrupt, code):
     """The simulated GPU runs a launched function inside a later call and reports what it raised
