@@ -890,6 +890,33 @@ def test_lone_surrogates_in_names_are_shown_escaped(tmp_path, capsys):
     assert "w\\ud800 r\\udfff: predicted 2.000 ms" in capsys.readouterr().out
 
 
+def test_control_characters_in_names_are_shown_escaped(tmp_path, capsys):
+    """A span, workload or profile name read from a file may hold an escape sequence (which a
+    terminal runs: colours, a new window title, a cleared screen) or a line break (a table row
+    split in two): they reached stdout as they were. They are shown as escapes."""
+    import re
+
+    trace = tmp_path / "t.json"
+    trace.write_text('[{"ph": "X", "ts": 0, "dur": 5, "name": "h\\u001b[2J\\n\\u009b1", "tid": 1}]')
+    assert main(["trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "h\\x1b[2J\\n\\x9b1" in out, out
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"workloads": {"w\x1b]0;t\x07": {"rows": [
+        {"name": "r\r", "chunk_bytes": 8 << 20, "predicted_ms": 2.0, "ms_median": 2.5}]}}}))
+    from ringflow._device.hardware import UNIT_TEST
+
+    doc = UNIT_TEST.to_dict()
+    doc["name"], doc["machine"]["gpu"] = "unit\x1b[31m", "G\u2028PU"
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps(doc))
+    assert main(["plan", "--bytes", "64MiB", "--compare", str(bench), "--profile", str(profile)]) == 0
+    out = capsys.readouterr().out
+    assert "w\\x1b]0;t\\x07 r\\r: predicted 2.000 ms" in out and "measured on G\\u2028PU" in out, out
+    assert "unit\\x1b[31m" in "".join(out.split()), out
+    assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029]", out), repr(out)
+
+
 def test_plan_shows_no_ring_with_more_slots_than_chunks(capsys):
     """A whole array's pipeline keeps at most one slot a chunk in each ring; the plan showed the
     rings of an endless stream (5 slots for 2 chunks, 503 for 128)."""

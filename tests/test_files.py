@@ -128,3 +128,14 @@ def test_two_threads_writing_one_name_at_once_both_succeed(tmp_path, monkeypatch
     for t in threads:
         t.join()
     assert not failed and path.read_text() in ("one", "two") and os.listdir(tmp_path) == ["r.json"]
+
+
+@pytest.mark.parametrize("name, shown", [
+    ("a\x1b[2Jb", "a\\x1b[2Jb"),  # an escape sequence: the terminal would clear the screen
+    ("a\x9b31mb", "a\\x9b31mb"),  # the one-character CSI of the C1 controls
+    ("a\r\nb\tc\x00\x7f", "a\\r\\nb\\tc\\x00\\x7f"),
+    ("a\u2028b", "a\\u2028b"),
+    ("h\u00e9\u20ac [b]", "h\u00e9\u20ac \\[b]"),  # text and markup as before
+])
+def test_printable_writes_control_characters_as_escapes(name, shown):
+    assert _files.printable(name) == shown

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import re
 import threading
 from typing import Any
 
@@ -95,12 +96,20 @@ def too_large(path: "str | os.PathLike") -> str:
     return f"{os.fspath(path)!r} is too large to read into the memory free ({size})"
 
 
+# what a terminal takes as a control sequence (ESC, CSI) or a line break, not as text: the C0 and
+# C1 controls, DEL, and the line and paragraph separators
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
 def printable(text: str) -> str:
     """``text`` (a file's name, or a name read from a file) as rich prints it literally: each
-    lone surrogate written as its escape (``\\ud800``) and rich markup escaped (``[b]`` shown as
-    written)."""
+    control character and lone surrogate written as its escape (``\\x1b``, ``\\n``,
+    ``\\ud800``) and rich markup escaped (``[b]`` shown as written)."""
     from rich.markup import escape
 
+    # a name read from a file may hold an escape sequence, which the terminal would run (colours,
+    # a window title, a cleared screen), or a line break, which splits a table's row
+    text = _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
     # JSON may hold a lone surrogate ("\ud800"), and a file name undecodable bytes (which Python
     # reads as surrogates): no encoding can write one, so the console would fail on it
     return escape(text.encode("utf-8", "backslashreplace").decode("utf-8"))
