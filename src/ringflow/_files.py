@@ -101,6 +101,12 @@ def too_large(path: "str | os.PathLike") -> str:
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
+def controls_escaped(text: str) -> str:
+    """``text`` with each control character and line or paragraph separator written as its
+    escape (``\\x1b``, ``\\n``, ``\\u2028``), everything else as it is."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
 def printable(text: str) -> str:
     """``text`` (a file's name, or a name read from a file) as rich prints it literally: each
     control character and lone surrogate written as its escape (``\\x1b``, ``\\n``,
@@ -109,7 +115,7 @@ def printable(text: str) -> str:
 
     # a name read from a file may hold an escape sequence, which the terminal would run (colours,
     # a window title, a cleared screen), or a line break, which splits a table's row
-    text = _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+    text = controls_escaped(text)
     # JSON may hold a lone surrogate ("\ud800"), and a file name undecodable bytes (which Python
     # reads as surrogates): no encoding can write one, so the console would fail on it
     return escape(text.encode("utf-8", "backslashreplace").decode("utf-8"))

@@ -77,6 +77,11 @@ def _doc(**changes):
     ({"machine.driver": None}, "missing field(s) machine.driver"),
     ({"date": None}, "missing field(s) date"),
     ({"model.duplx_GBps": 98.4}, "unknown field(s) model.duplx_GBps"),
+    # a key is the file's text: its line breaks and escape sequences split the message or drove
+    # the terminal where it was printed
+    ({"model.a\rb": 1}, "unknown field(s) model.a\\rb; remove them"),
+    ({"model.k\x1b]0;t\x07": 1}, "unknown field(s) model.k\\x1b]0;t\\x07; remove them"),
+    ({"machine.g\u2028pu": 1}, "unknown field(s) machine.g\\u2028pu; remove them"),
     ({"model.duplex_GBps": "fast"}, "'model.duplex_GBps' must be a number, got string 'fast'"),
     ({"model.duplex_GBps": True}, "'model.duplex_GBps' must be a number"),
     ({"model.duplex_GBps": -98.4}, "'model.duplex_GBps' must be a finite number more than 0, got -98.4"),

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from .. import _jsontext as jsontext
 from .._errors import RingflowError
-from .._files import check_file_name, is_special, write_whole
+from .._files import check_file_name, controls_escaped, is_special, write_whole
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -241,8 +241,10 @@ def _require(obj: dict, names, prefix: str, source: str) -> None:
                            "ringflow doctor --save, or copy them from a built-in profile's to_json()")
     unknown = sorted(set(obj) - set(names))
     if unknown:
-        raise ProfileError(f"{source}: unknown field(s) {', '.join(prefix + n for n in unknown)}; remove them "
-                           "(is a name misspelt?)")
+        # a key is the file's text: its control characters (a line break, an escape sequence) are
+        # shown as escapes, not passed on to split the message or drive the terminal printing it
+        shown = ", ".join(controls_escaped(prefix + n) for n in unknown)
+        raise ProfileError(f"{source}: unknown field(s) {shown}; remove them (is a name misspelt?)")
 
 
 def _real(value: Any, where: str, *, positive: bool, within: Optional[tuple] = None) -> float:
