@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import ringflow
 import ringflow as rf
@@ -119,6 +121,12 @@ MISTAKES = [
     (["plan", "--bytes", "1.5.5MiB"], "plan", "'1.5.5MiB' is not a size"),
     (["plan", "--bytes", "1XiB"], "plan", "'1XiB' is not a size"),
     (["plan", "--bytes", "99999PiB"], "plan", "too large"),
+    # an exponent past what decimal.Decimal holds raised its InvalidOperation (an internal error)
+    (["plan", "--bytes", "1e9999999999999999999"], "plan", "argument --bytes: '1e9999999999999999999' is too large"),
+    (["plan", "--bytes", "1e-9999999999999999999"], "plan", "argument --bytes: '1e-9999999999999999999' is less than "
+     "1 byte"),
+    (["plan", "--chunk", "0.0e9999999999999999999KiB"], "plan", "argument --chunk: '0.0e9999999999999999999KiB' is "
+     "less than 1 byte"),
     (["plan", "--workers", "0"], "plan", "argument --workers: '0'"),
     (["plan", "--workers", "-3"], "plan", "argument --workers: '-3'"),
     (["plan", "--workers", "x"], "plan", "argument --workers: 'x'"),
@@ -847,6 +855,58 @@ def test_sizes_are_read_exactly_and_refused_above_the_maximum(capsys):
     assert main(["plan", "--bytes", str(MAX_BYTES + 1)]) == 2
     err = capsys.readouterr().err
     assert "--bytes" in err and "too large" in err and "8 PiB" in err
+
+
+def test_a_size_whose_exponent_decimal_cannot_hold_is_a_usage_error(capsys):
+    """decimal.Decimal takes exponents up to 10**18 and raises InvalidOperation (no ValueError)
+    past them: parse_bytes let it out, and the command line called it a bug in ringflow."""
+    from ringflow._planning_cli import parse_bytes
+
+    for text, says in (("1e1000000000000000000", "too large"), ("7.5e+0001000000000000000000", "too large"),
+                       ("1e-1000000000000000000", "less than 1 byte"), ("0e1000000000000000000", "less than 1 byte")):
+        with pytest.raises(ValueError, match=says):
+            parse_bytes(text)
+    assert main(["plan", "--bytes", "1e1000000000000000000"]) == 2
+    assert "internal error" not in capsys.readouterr().err
+
+
+def _size_and_value(draw_digits, exponent, unit):
+    """A size's text and what it is worth: its bytes, "large" above 8 PiB, "small" below 1 byte."""
+    from fractions import Fraction
+
+    from ringflow._planning_cli import _UNITS, MAX_BYTES
+
+    text = draw_digits + ("" if exponent is None else f"e{exponent:+d}") + unit
+    digits = Fraction(draw_digits if not draw_digits.endswith(".") else draw_digits[:-1] or "0")
+    power = exponent or 0
+    if digits == 0 or power < -60:
+        return text, "small"
+    if power > 60:
+        return text, "large"
+    value = digits * Fraction(10) ** power * _UNITS[unit.strip().lower()]
+    return text, "large" if value > MAX_BYTES else "small" if value < 1 else int(value)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@example(digits="1", exponent=10 ** 19, unit="")  # (exponents past what decimal.Decimal holds)
+@example(digits="0.0", exponent=10 ** 19, unit="KiB")
+@example(digits="2.5", exponent=-10 ** 19, unit="PiB")
+@given(digits=st.from_regex(r"\d{1,25}(\.\d{0,25})?|\.\d{1,25}", fullmatch=True),
+       exponent=st.none() | st.integers(-60, 60) | st.integers(-10 ** 22, 10 ** 22),
+       unit=st.sampled_from(["", "B", " KiB", "k", "MiB", "mb", "G", "gib ", "TB", "tib", "P", "PiB", "pb"]))
+def test_a_size_is_read_exactly_or_refused_as_a_size(digits, exponent, unit):
+    """Any number with any exponent and unit: its bytes rounded down, or a ValueError saying it
+    is too large or less than 1 byte, never another error."""
+    from ringflow._planning_cli import parse_bytes
+
+    text, value = _size_and_value(digits, exponent, unit)
+    try:
+        got = parse_bytes(text)
+    except ValueError as exc:
+        said = "large" if "too large" in str(exc) else "small" if "less than 1 byte" in str(exc) else str(exc)
+        assert said == value, (text, str(exc))
+    else:
+        assert got == value, text
 
 
 def test_bench_out_writes_json_without_nan_and_plan_compare_reads_it(tmp_path, monkeypatch, capsys):

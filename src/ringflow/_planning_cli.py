@@ -35,7 +35,7 @@ def parse_bytes(text: str) -> int:
     if not m or unit not in _UNITS:
         raise ValueError(f"{text!r} is not a size ({SIZE_HINT})")
     # exact decimal arithmetic: a float would round sizes just above the maximum down into range
-    number = decimal.Decimal(m.group(1))
+    number = _decimal(m.group(1))
     if number > MAX_BYTES:  # a unit only makes it larger; checked first, so no huge power is built
         raise ValueError(f"{text!r} is too large; sizes go up to 8 PiB ({SIZE_HINT})")
     if number.adjusted() < -20:  # below a byte in any unit (the largest is 2**50 < 1e16)
@@ -50,6 +50,20 @@ def parse_bytes(text: str) -> int:
     if value < 1:
         raise ValueError(f"{text!r} is less than 1 byte; give at least 1 byte ({SIZE_HINT})")
     return int(value)
+
+
+def _decimal(number: str) -> decimal.Decimal:
+    """``number`` (digits, a point, an exponent: as :data:`_SIZE` matches it) as a Decimal. One
+    whose exponent is beyond what Decimal holds (past 10**18 either way, where it raises
+    InvalidOperation, no ValueError) is 0 where its digits are all zeros, else a stand-in just
+    as far out: above the largest size for a positive exponent, below a byte for a negative."""
+    try:
+        return decimal.Decimal(number)
+    except decimal.InvalidOperation:
+        digits, _, exponent = number.lower().partition("e")
+        if decimal.Decimal(digits) == 0:
+            return decimal.Decimal(0)
+        return decimal.Decimal("1e-100") if exponent.startswith("-") else decimal.Decimal(MAX_BYTES + 1)
 
 
 def read_bench_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
