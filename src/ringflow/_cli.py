@@ -27,7 +27,7 @@ import warnings
 from typing import Callable, Iterator, NoReturn
 
 from ._errors import RingflowError
-from ._files import is_special
+from ._files import controls_escaped, is_special
 
 DEBUG_VAR = "RINGFLOW_DEBUG"
 _DEVICE_HELP = "auto, cuda, cuda:N or sim (default: $RINGFLOW_DEVICE, else auto)"
@@ -60,17 +60,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 # every character str.splitlines ends a line at (a terminal moves to a new line or back to the
-# line's start at the first few), and the other control characters, which a terminal may take as
-# the start of a control sequence: an error can hold a file's name or a key read from a file
+# line's start at the first few): an error can hold a file's name or a key read from a file
 _LINE_BREAK = re.compile(r"\s*[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]\s*")
-_CONTROL = re.compile(r"[\x00-\x08\x0e-\x1f\x7f-\x9f]")
 
 
 def _one_line(text: object) -> str:
     """``text`` as one line: each line break with the spaces around it made one space, and every
-    other control character but the tab written as its escape (``\\x1b``)."""
-    line = _LINE_BREAK.sub(" ", str(text)).strip()
-    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), line)
+    other control character written as its escape (``\\x1b``), which a terminal would otherwise
+    take as the start of a control sequence."""
+    return controls_escaped(_LINE_BREAK.sub(" ", str(text)).strip())
 
 
 def _describe(exc: BaseException) -> str:
