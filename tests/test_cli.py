@@ -1037,3 +1037,31 @@ def test_check_out_file_names_the_option_what_is_wrong_and_what_to_change(tmp_pa
     with pytest.raises(UsageError) as info:
         check_out_file(path, "--trace")
     assert str(info.value) == says.format(d=d, p=path, m=os.path.join(d, "missing"))
+
+
+def test_the_librarys_logged_warnings_are_one_stderr_line_each(monkeypatch, capsys):
+    """A warning the library logs while a command runs (a fallback it took, a setting it could
+    not use; from any thread) reaches the user as ``ringflow <cmd>: warning: ...``: the library's
+    logger has only a NullHandler, so before, the command line showed nothing. Debug and info
+    records stay quiet, and the handler goes with the command."""
+    import logging
+    import threading
+
+    import ringflow._cli as cli
+
+    def logs(args):
+        log = logging.getLogger("ringflow.somewhere")
+        log.info("not shown")
+        log.warning("RINGFLOW_X=%r is not a number;\nusing %g", "nan", 200)
+        t = threading.Thread(target=log.warning, args=("from a thread",))
+        t.start()
+        t.join()
+        return 0
+
+    monkeypatch.setattr(cli, "_plan", logs)
+    before = list(logging.getLogger("ringflow").handlers)
+    assert main(["plan"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["ringflow plan: warning: RINGFLOW_X='nan' is not a number; using 200",
+                   "ringflow plan: warning: from a thread"], err
+    assert logging.getLogger("ringflow").handlers == before

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import logging
 import math
 import os
 import re
@@ -421,13 +422,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 @contextlib.contextmanager
 def _warnings_as_lines(prog: str) -> Iterator[None]:
-    """Show each warning as one stderr line, ``<prog>: warning: <message>``."""
+    """Show each warning, and each record of the ``"ringflow"`` logger at WARNING or above (from
+    any thread: the library logs a fallback it took, a setting it could not use), as one stderr
+    line, ``<prog>: warning: <message>``. The library's logger has only a NullHandler, so without
+    this its warnings reached no one on the command line."""
     def show(message, category, filename, lineno, file=None, line=None):
         print(f"{prog}: warning: {_one_line(message)}", file=sys.stderr)
 
-    with warnings.catch_warnings():
-        warnings.showwarning = show
-        yield
+    handler = _LineHandler(prog)
+    library = logging.getLogger("ringflow")
+    library.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = show
+            yield
+    finally:
+        library.removeHandler(handler)
+
+
+class _LineHandler(logging.Handler):
+    """A ``logging`` handler writing each record at WARNING or above as one stderr line."""
+
+    def __init__(self, prog: str):
+        super().__init__(logging.WARNING)
+        self.prog = prog
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record whose arguments do not fit its format
+            message = str(record.msg)
+        with contextlib.suppress(OSError, ValueError):  # stderr closed: nowhere left to say it
+            print(f"{self.prog}: warning: {_one_line(message)}", file=sys.stderr)
 
 
 STDOUT = "standard output"  # the file name of an OSError in writing stdout (main says so)
