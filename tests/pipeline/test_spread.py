@@ -118,6 +118,35 @@ def test_a_broken_device_fails_its_chunks_and_the_others_go_on():
     assert pipe.parts[1].stats().delivered >= 40  # every later item went to the device that works
 
 
+def test_a_device_found_broken_by_a_submit_while_idle_is_passed_over_from_then_on():
+    """A device that breaks while it has no chunks has no step to find it: the first submit that
+    tries it (its staging copy raises the sticky error) goes to the next device and hands the
+    error to that device's progress thread, which marks it broken; later submits pass it over
+    instead of trying it first (it is the least loaded) and failing there, item after item."""
+    devs = sims(2, 8)
+    items = items_of(12, 8)
+    with rf.Pipeline(f, device=devs, chunk_bytes=4096) as pipe:
+        np.testing.assert_array_equal(pipe.submit(items[0]).result(), items[0] * 2 + 1)
+        devs[0].inject_sticky_error()
+        tried = []
+        for part in pipe.parts:
+            offer = part._submit_if_room
+            part._submit_if_room = lambda item, offer=offer, part=part: (tried.append(part), offer(item))[1]
+        futs = []
+        while pipe.parts[0] not in tried:  # (ties go in turn: the first may go to the other device)
+            assert len(futs) < 3, tried
+            futs.append(pipe.submit(items[1 + len(futs)]))
+        broken = pipe.parts[0]._sched
+        deadline = time.monotonic() + JOIN_S
+        while broken.broken is None:  # (the break is handed to its progress thread, not waited for)
+            assert time.monotonic() < deadline, "the broken device was never marked broken"
+            time.sleep(0.001)
+        futs += [pipe.submit(a) for a in items[1 + len(futs):]]
+        assert tried.count(pipe.parts[0]) == 1, tried
+        for a, fu in zip(items[1:], futs):
+            np.testing.assert_array_equal(fu.result(), a * 2 + 1)
+
+
 def test_with_on_error_raise_a_broken_device_stops_the_map():
     devs = sims(2, 6)
     with rf.Pipeline(f, device=devs, chunk_bytes=4096) as pipe:

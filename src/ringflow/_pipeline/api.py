@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import inspect
 import itertools
@@ -31,7 +32,7 @@ import numpy as np
 from .._device import device as make_device, device_list
 from .._device import host_pool
 from .._device.protocol import Device, check_device_dtype
-from .._errors import StageError, describe, shown, warn_quietly
+from .._errors import DeviceError, StageError, describe, shown, warn_quietly
 from .batch_space import aligned
 from .aio import (NO_ROOM, RAISE, SKIP, STOP, CancelIfDropped, OffLoopSubmit, amap_window, follow, give_up_pulled_by,
                   give_up_stranded, retrieve)
@@ -127,6 +128,13 @@ SHARE_AT_MOST_BYTES = 4 << 20
 
 
 _SHARES = object()  # a map's pulled item that goes into a shared chunk
+
+
+def _break_unless_broken(sched: Scheduler, err: DeviceError) -> None:
+    """On the progress thread: break the pipeline with ``err``, a sticky device error an
+    accepting thread met, unless a step found the device broken first."""
+    if sched.broken is None:
+        sched.break_on(err)
 
 
 def _never(*_args: Any) -> bool:
@@ -553,9 +561,24 @@ class Pipeline:
         otherwise, or no staging copy) (keyword arguments of :meth:`Scheduler.accept`, the item
         among them). Nothing of the item is accepted yet: on the main thread in a shielded call,
         a Ctrl-C while a device call here waits for the simulated GPU's lock (a stage another
-        thread runs keeps it) is raised there (:class:`.sigint.interruptible_device_calls`)."""
-        with interruptible_device_calls():
+        thread runs keeps it) is raised there (:meth:`_accepting_device_calls`)."""
+        with self._accepting_device_calls():
             return self._accepting_here(item)
+
+    @contextlib.contextmanager
+    def _accepting_device_calls(self) -> Iterator[None]:
+        """The device calls of an accepting thread: :class:`.sigint.interruptible_device_calls`,
+        and a sticky device error raised inside also handed to the progress thread, which breaks
+        the pipeline with it. A device that broke while it had no chunks has no step to find it,
+        and a dispatcher over several devices went on offering every item to it first (the least
+        loaded) and having it fail there."""
+        with interruptible_device_calls():
+            try:
+                yield
+            except DeviceError as err:
+                if err.sticky and self._sched.broken is None:
+                    self._driver.post(functools.partial(_break_unless_broken, self._sched, err), _never)
+                raise
 
     def _accepting_here(self, item: Any) -> dict:
         out_spec = self._output_spec(item)
@@ -825,7 +848,7 @@ class Pipeline:
             # hand-outs and every device use of either seen complete since
             # (a Ctrl-C while a device call here waits for the simulated GPU's lock, which a stage
             # run by another thread keeps, is raised there: the item is then taken back below)
-            with interruptible_device_calls():
+            with self._accepting_device_calls():
                 host_pool.receive(chunk.batch, self.device)
                 pooled = host_pool.device_of(item) is self.device
                 if pooled:
