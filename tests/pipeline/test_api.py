@@ -3,6 +3,8 @@ variable sizes, zero-length and non-contiguous input), bad input, and backpressu
 
 from __future__ import annotations
 
+import gc
+import threading
 import warnings
 
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 import ringflow as rf
 from ringflow import _testing
 from ringflow._device.sim import charge
+from tests.helpers.threads import JOIN_S
 from tests.helpers.pipeline_checks import (
     Harness,
     check_result,
@@ -522,3 +525,44 @@ def test_the_module_examples_run():
     for module in (api_module, whole_array):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_ctrl_c_anywhere_in_a_pipelines_set_up_leaves_no_progress_thread_running(devices):
+    """A Ctrl-C at any instruction of ``Pipeline(...)`` where CPython raises it: the pipeline is
+    not made, and what its set-up had made is released at once. Between its progress thread's
+    start and the pipeline's finaliser (or, over several devices, once a part was made and
+    before the dispatcher was whole) a Ctrl-C left a progress thread running that nothing could
+    reach or end, and the parts' device memory with it."""
+    from tests.helpers.interrupts import InterruptAt
+
+    files = ["/ringflow/_pipeline/api.py", "/ringflow/_pipeline/driver.py", "/ringflow/_pipeline/spread.py"]
+    n, fired = 0, 0
+    while True:
+        devs = [rf.device("sim", seed=70 + k) for k in range(devices)]
+        before = {t for t in threading.enumerate() if t.name.startswith("ringflow-progress")}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResourceWarning)
+            with InterruptAt(n, ["__init__"], files=files, sigint=True) as at:
+                try:
+                    pipe = rf.Pipeline(lambda x, y: np.multiply(x, 2, out=y), device=devs if devices > 1 else devs[0],
+                                       chunk_bytes=4096)
+                except KeyboardInterrupt:
+                    pipe = None
+            if pipe is not None:
+                assert not at.fired
+                np.testing.assert_array_equal(pipe.submit(np.arange(8.0)).result(), np.arange(8.0) * 2)
+                pipe.close()
+            gc.collect()
+        left = [t for t in threading.enumerate() if t.name.startswith("ringflow-progress") and t not in before]
+        for t in left:
+            t.join(JOIN_S)
+        assert not [t for t in left if t.is_alive()], (n, at.functions[n:n + 1])
+        for dev in devs:
+            assert dev.live().total == 0, (n, at.functions[n:n + 1], dev.live())
+        if not at.fired:
+            break
+        fired += 1
+        n += 1
+    assert fired > 5  # the sweep reached the set-up's steps
