@@ -180,6 +180,35 @@ def test_an_interrupt_while_capturing_closes_the_job_and_leaves_nothing(monkeypa
     assert dev.live().total == 0
 
 
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_as_the_capture_begins_leaves_no_capture(monkeypatch, exc):
+    """Ctrl-C (a second one, which a shielded call raises at once) landing as ``begin_capture``
+    returns: the capture has begun but nothing has been enqueued yet. It must be abandoned, or
+    the device goes on capturing for this thread, and every later allocation on the thread is
+    refused as made while capturing."""
+    begin = SimStream.begin_capture
+
+    def interrupted(self):
+        begin(self)
+        raise exc()  # as a signal raised at the instruction after the call
+
+    dev = rf.device("sim", seed=4, chaos=True)
+    x = data()
+    job = job_over(x, dev)
+    job()
+    with monkeypatch.context() as patch:
+        patch.setattr(SimStream, "begin_capture", interrupted)
+        with pytest.raises(exc):
+            job()
+    assert job.closed and not dev._captures
+    assert dev.live().total == 0
+    with job_over(x, dev) as again:  # the thread allocates (and captures) as before
+        for _ in range(3):
+            _is_f_of(again(), x)
+        assert again.replays_graph
+    assert dev.live().total == 0
+
+
 def test_a_compute_reading_its_data_on_the_host_is_captured_by_no_graph(caplog):
     """``float(x.max())`` needs the GPU to have run the work captured so far: a synchronisation,
     which a capture refuses. On the simulated GPU too: logged, and every call runs without a

@@ -431,8 +431,10 @@ class DirectSchedule:
         # the streams a call uses: a compute stream made for a plan that measuring did not keep
         # takes no part, and joining it would wait on an event recorded outside the capture
         streams = [st.h2d, *st.computes[:self.compute_streams], st.d2h] + ([st.poison] if st.poison else [])
-        origin.begin_capture()
         try:
+            # begun inside the try: an interrupt as it returns must abandon it too, or the device
+            # goes on capturing for this thread (its every later allocation refused)
+            origin.begin_capture()
             computes = [e for group in self.groups for e in self._enqueue(group, group.host_in, group.host_out)]
             for stream in streams:  # every stream that took part joins back into the origin
                 if stream is not origin:
