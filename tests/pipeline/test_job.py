@@ -3,6 +3,7 @@
 import doctest
 import gc
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -109,6 +110,41 @@ def test_a_failing_call_closes_the_job_and_loses_nothing():
     del info
     gc.collect()
     assert dev.live().total == 0  # pipeline and registrations released with the failure
+
+
+@pytest.mark.parametrize("host", ["register", "pinned"])
+def test_a_device_closed_by_another_thread_mid_call_fails_the_call_cleanly(host, monkeypatch):
+    """Another thread closes the device between two of the direct engine's chunks: the call
+    raises the device's own error and the job is closed, and its clean-up (freeing the device
+    rings, dropping the registrations) warns of no hazard: the close ran every copy to
+    completion, though the calling thread could not see them complete."""
+    from ringflow._pipeline.direct import DirectSchedule
+
+    dev = rf.device("sim", seed=3, chaos=True, checked=True)
+    if host == "pinned":
+        x, out = rf.host.empty(8192, np.float32, device=dev), rf.host.empty(8192, np.float32, device=dev)
+    else:
+        x, out = np.empty(8192, np.float32), None
+    x[:] = contents(8192, 4)
+    job = rf.MapJob(f, x, out, device=dev, chunk_bytes=4096, host="auto" if host == "pinned" else host)
+    assert job.engine == "direct" and job.strategy == host and job.chunks == 8
+    np.testing.assert_array_equal(job(), x * 2 + 1)
+    enqueue, groups = DirectSchedule._enqueue, []
+
+    def enqueue_closing_at_the_fifth(self, *args, **kw):
+        groups.append(None)
+        if len(groups) == 5:
+            bounded(dev.close)  # on another thread, which returns once the device is closed
+        return enqueue(self, *args, **kw)
+
+    monkeypatch.setattr(DirectSchedule, "_enqueue", enqueue_closing_at_the_fifth)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a clean-up that failed warns
+        with pytest.raises(RuntimeError, match="this simulated device is closed"):
+            job()
+        assert job.closed
+        job.close()
+    assert dev.live().total == 0
 
 
 def test_bad_arguments_say_what_to_change():

@@ -950,6 +950,32 @@ def test_after_a_sticky_error_buffers_close_without_hazards():
         s.record()
 
 
+def test_after_another_thread_closed_the_device_buffers_close_without_hazards():
+    """A device closed by another thread while this one's copies were in flight: the close ran
+    them all to completion and nothing runs after it, so freeing (and unregistering) here cannot
+    race with any of them, though this thread never saw them complete (it cannot sync a closed
+    device). As after a sticky error, the release is not checked; it used to be a HazardError
+    in the clean-up of every call whose device was closed under it."""
+    import warnings
+
+    dev = rf.device("sim", checked=True)
+    s = dev.create_stream()
+    arr = np.ones(256, np.float32)
+    h, reg, d = dev.allocate_host(1024), dev.register_host(arr), dev.allocate(1024)
+    s.copy(d, reg)
+    s.copy(h, d)
+    bounded(dev.close)
+    with pytest.raises(RuntimeError, match="closed"):
+        s.sync()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d.close(stream=None)
+        h.close()
+        reg.close()
+    assert d.closed and h.closed and reg.closed
+    assert dev.live().host_buffers == 0 and dev.live().device_buffers == 0
+
+
 def test_each_call_on_a_dead_context_raises_its_own_sticky_error():
     """Like each failing CUDA call: a new DeviceError per call, caused by the first, so each
     traceback shows where that call was made."""

@@ -556,9 +556,11 @@ class SimDevice(Device):
         self._checker.merge(self._actor(), snapshot)
 
     def _check_access(self, buf, kind: AccessKind, start: int, end: int, op: str, actor=None, tick=True) -> None:
-        if kind is AccessKind.RELEASE and self._sticky is not None:
-            # the context is dead: no operation will ever run again, so none can race with a
-            # release (and no event can be synced to order it); freeing is always safe now
+        if kind is AccessKind.RELEASE and (self._sticky is not None or self._closed):
+            # the context is dead, or closed (its close ran every operation to completion,
+            # perhaps on another thread than this release's): no operation will ever run again,
+            # so none can race with a release (and no event can be synced to order it); freeing
+            # is always safe now
             self._checker.forget(("buf", buf.id))
             return
         self._checker.access(actor if actor is not None else self._actor(), kind, ("buf", buf.id), buf.label,
