@@ -688,6 +688,55 @@ def test_a_ctrl_c_while_the_shards_are_started_still_settles_every_shard(monkeyp
     assert_nothing_live(devs)
 
 
+class _TwoSigintsAsTheFirstSubmitReturns(_SigintAfterFirstSubmit):
+    """As :class:`_SigintAfterFirstSubmit`, but Ctrl-C pressed twice as the first shard is
+    handed over: the first is deferred, the second raised at once, as the submit returns."""
+
+    def submit(self, *args):
+        fut = self.pool.submit(*args)
+        self.submitted.append(fut)
+        if len(self.submitted) == 1:
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+        return fut
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+def test_a_second_ctrl_c_as_a_shard_is_started_still_settles_every_shard(monkeypatch):
+    """A second Ctrl-C is raised at once, but the shards are still settled before it propagates
+    (run_shards' rule). Raised as the first shard's submit returned, before its future was kept,
+    it left that shard unwaited for: the call raised while the shard still ran, writing ``out``
+    behind the caller's back."""
+    devs = sims(2, 9)
+    x = contents((20_000,), 9)
+    out = np.zeros_like(x)
+    settled = threading.Event()
+    real_settle, real_threads = sharded._settle, sharded._threads
+
+    def settle(futures):
+        settled.set()
+        real_settle(futures)
+
+    def compute(x_, y):
+        # the first shard ends only once its caller settles the shards (bounded: never a hang)
+        settled.wait(10)
+        y[:] = x_ * 2 + 1
+
+    pool = _TwoSigintsAsTheFirstSubmitReturns(real_threads())
+    monkeypatch.setattr(sharded, "_settle", settle)
+    monkeypatch.setattr(sharded, "_wait", settle)
+    monkeypatch.setattr(sharded, "_threads", lambda: pool)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rf.stream_map(compute, x, out, device=devs, chunk_bytes=4096, host="register")
+        # every shard started had ended before the interrupt reached the caller
+        assert all(fut.done() for fut in pool.submitted)
+    finally:
+        settled.set()  # a shard the call left running ends now (the test has failed then)
+        concurrent.futures.wait(pool.submitted, timeout=30)
+    assert_nothing_live(devs)
+
+
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
 def test_a_ctrl_c_while_a_job_over_two_devices_closes_closes_every_shard():
     devs = sims(2, 10)

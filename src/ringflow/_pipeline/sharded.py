@@ -217,19 +217,30 @@ def run_shards(shards: Sequence[Shard], work: Callable[[Shard], Any],
     raised then: one landing between a shard's start and its future's being kept would leave
     that shard running unwaited for, and one inside ``concurrent.futures.wait``, which takes
     each future's lock in turn, could leave a lock taken that the shard's thread needs to end.
-    A second Ctrl-C is raised at once, and the shards are still settled before it propagates.
+    A second Ctrl-C is raised at once (one landing as a shard is handed to its thread is held
+    until the shard's future is kept), and the shards are still settled before it propagates.
     ``undo``: called with the value of every shard that succeeded when the call raises anyway
     (an interrupt), so that what the shards made is released rather than lost."""
     tokens = [s.device.publish() for s in shards]
     futures: list = []
     try:
-        with shielded(), contextlib.ExitStack() as sharing:
+        with shielded() as shield, contextlib.ExitStack() as sharing:
             for shard in shards:
                 sharing.enter_context(shard.device.sharing_host(shard.copy_threads))
             try:
                 for shard, token in zip(shards, tokens):
                     ctx = contextvars.copy_context()
-                    futures.append(_threads().submit(ctx.run, _run_shard, shard, [work], token))
+                    # from the submit until its future is kept a second Ctrl-C is recorded, not
+                    # raised (as while a lock is held for a moment): raised as the submit
+                    # returns, it would leave that shard running unwaited for, and inside the
+                    # executor's submit it could leave one of its locks taken
+                    if shield is not None:
+                        shield.holding += 1
+                    try:
+                        futures.append(_threads().submit(ctx.run, _run_shard, shard, [work], token))
+                    finally:
+                        if shield is not None:
+                            shield.holding -= 1
                 _wait(futures)
             except BaseException:
                 _settle(futures)
