@@ -641,99 +641,60 @@ def test_arrays_from_the_host_pool_are_staged_over_several_devices():
 
 
 # -- Ctrl-C landing between the library's steps ---------------------------------------------------------------------
-class _SigintAfterFirstSubmit:
-    """The shard threads' pool, sending the calling (main) thread a real SIGINT right after the
-    first shard is handed to it: Ctrl-C landing between a shard's start and the next one's."""
+class _SigintsAfterFirstSubmit:
+    """The shard threads' pool, sending the calling (main) thread ``presses`` real SIGINTs right
+    after the first shard is handed to it: Ctrl-C landing between a shard's start and the next
+    one's (pressed twice: the first is deferred, the second raised at once, as the submit
+    returns)."""
 
-    def __init__(self, pool):
-        self.pool, self.submitted = pool, []
+    def __init__(self, pool, presses: int = 1):
+        self.pool, self.presses, self.submitted = pool, presses, []
 
     def submit(self, *args):
         fut = self.pool.submit(*args)
         self.submitted.append(fut)
         if len(self.submitted) == 1:
-            signal.raise_signal(signal.SIGINT)
+            for _ in range(self.presses):
+                signal.raise_signal(signal.SIGINT)
         return fut
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
-def test_a_ctrl_c_while_the_shards_are_started_still_settles_every_shard(monkeypatch):
+@pytest.mark.parametrize("presses", [1, 2])
+def test_a_ctrl_c_while_the_shards_are_started_still_settles_every_shard(monkeypatch, presses):
+    """Every shard started has ended before a Ctrl-C reaches the caller (run_shards' rule), one
+    press or two: a second is raised at once, but the shards are still settled first. Raised as
+    the first shard's submit returned, before its future was kept, it left that shard unwaited
+    for: the call raised while the shard still ran, writing ``out`` behind the caller's back."""
     devs = sims(2, 9)
     x = contents((20_000,), 9)
     out = np.zeros_like(x)
     waiting = threading.Event()
-    real_wait, real_threads = sharded._wait, sharded._threads
 
-    def wait(futures):
-        waiting.set()
-        real_wait(futures)
+    def waits_for(real):
+        def wait(futures):
+            waiting.set()
+            real(futures)
+        return wait
 
     def compute(x_, y):
         # the first shard ends only once its caller waits for it (bounded: never a hang)
         waiting.wait(10)
         y[:] = x_ * 2 + 1
 
-    pool = _SigintAfterFirstSubmit(real_threads())
-    monkeypatch.setattr(sharded, "_wait", wait)
+    pool = _SigintsAfterFirstSubmit(sharded._threads(), presses)
+    monkeypatch.setattr(sharded, "_wait", waits_for(sharded._wait))
+    monkeypatch.setattr(sharded, "_settle", waits_for(sharded._settle))
     monkeypatch.setattr(sharded, "_threads", lambda: pool)
     try:
         with pytest.raises(KeyboardInterrupt):
             rf.stream_map(compute, x, out, device=devs, chunk_bytes=4096, host="register")
-        # every shard started had ended before the interrupt reached the caller
         assert all(fut.done() for fut in pool.submitted)
     finally:
         waiting.set()  # a shard the call left running ends now (the test has failed then)
         concurrent.futures.wait(pool.submitted, timeout=30)
-    np.testing.assert_array_equal(out, x * 2 + 1)
-    assert_nothing_live(devs)
-
-
-class _TwoSigintsAsTheFirstSubmitReturns(_SigintAfterFirstSubmit):
-    """As :class:`_SigintAfterFirstSubmit`, but Ctrl-C pressed twice as the first shard is
-    handed over: the first is deferred, the second raised at once, as the submit returns."""
-
-    def submit(self, *args):
-        fut = self.pool.submit(*args)
-        self.submitted.append(fut)
-        if len(self.submitted) == 1:
-            signal.raise_signal(signal.SIGINT)
-            signal.raise_signal(signal.SIGINT)
-        return fut
-
-
-@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
-def test_a_second_ctrl_c_as_a_shard_is_started_still_settles_every_shard(monkeypatch):
-    """A second Ctrl-C is raised at once, but the shards are still settled before it propagates
-    (run_shards' rule). Raised as the first shard's submit returned, before its future was kept,
-    it left that shard unwaited for: the call raised while the shard still ran, writing ``out``
-    behind the caller's back."""
-    devs = sims(2, 9)
-    x = contents((20_000,), 9)
-    out = np.zeros_like(x)
-    settled = threading.Event()
-    real_settle, real_threads = sharded._settle, sharded._threads
-
-    def settle(futures):
-        settled.set()
-        real_settle(futures)
-
-    def compute(x_, y):
-        # the first shard ends only once its caller settles the shards (bounded: never a hang)
-        settled.wait(10)
-        y[:] = x_ * 2 + 1
-
-    pool = _TwoSigintsAsTheFirstSubmitReturns(real_threads())
-    monkeypatch.setattr(sharded, "_settle", settle)
-    monkeypatch.setattr(sharded, "_wait", settle)
-    monkeypatch.setattr(sharded, "_threads", lambda: pool)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            rf.stream_map(compute, x, out, device=devs, chunk_bytes=4096, host="register")
-        # every shard started had ended before the interrupt reached the caller
-        assert all(fut.done() for fut in pool.submitted)
-    finally:
-        settled.set()  # a shard the call left running ends now (the test has failed then)
-        concurrent.futures.wait(pool.submitted, timeout=30)
+    if presses == 1:  # deferred to the end: every shard ran
+        np.testing.assert_array_equal(out, x * 2 + 1)
     assert_nothing_live(devs)
 
 
@@ -763,7 +724,7 @@ def test_a_ctrl_c_while_a_job_over_two_devices_is_set_up_closes_what_was_made(mo
     devs = sims(2, 11)
     x = contents((4000,), 11)
     if where == "starting the shards":
-        pool = _SigintAfterFirstSubmit(sharded._threads())
+        pool = _SigintsAfterFirstSubmit(sharded._threads())
         monkeypatch.setattr(sharded, "_threads", lambda: pool)
         at = contextlib.nullcontext()
     else:  # every shard's job made, the job over them not yet
