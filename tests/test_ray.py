@@ -4,6 +4,7 @@ Ray instance with the simulated GPU (CPU-only actors)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import pathlib
 import pickle
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 import ringflow as rf
+from ringflow._device.hardware import get_profile
 from ringflow._ray import BatchStageError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -375,6 +377,43 @@ def test_the_rows_follow_the_planners_chunking_with_chunk_bytes_auto(mapper_fact
         m({"a": x})
     start, stop = info.value.rows
     assert start <= 2345 < stop and stop - start < len(x)
+
+
+def fails_on_1500000(x, y):
+    if (x == 1_500_000).any():
+        raise ValueError("row value 1500000 is refused")
+    y[...] = x
+
+
+def _compute_bound_by_its_sim_seconds():
+    def f(x, y):
+        fails_on_1500000(x, y)
+
+    f.sim_seconds = lambda nbytes: nbytes * 1e-8  # far longer than a chunk's copies: compute-bound
+    return f, {}
+
+
+def _compute_bound_as_measured():
+    # kernels slower than any copy, with no cost stated: the direct engine times a chunk of its
+    # first call and tapers its later ones
+    slow = dataclasses.replace(get_profile("h200-pcie5"), name="slow-kernels", device_GBps=0.5)
+    return fails_on_1500000, {"profile": slow}
+
+
+@pytest.mark.parametrize("compute_bound", [_compute_bound_by_its_sim_seconds, _compute_bound_as_measured])
+def test_a_failed_chunk_names_its_rows_where_a_compute_bound_job_tapers_its_chunks(mapper_factory, compute_bound):
+    f, device_options = compute_bound()
+    m = mapper_factory(f, "a", "y", id_column="id", chunk_bytes=4 << 20, host="register",
+                       device_options=device_options)
+    n = 4_000_000  # 1 Mi rows of float32 a whole chunk; the first and last ones shorter
+    good = {"a": np.arange(n, dtype=np.float32) + n, "id": np.arange(n) + 7}
+    m(good)  # a first call, which a measured job's later ones follow
+    with pytest.raises(rf.StageError) as info:
+        m({"a": np.arange(n, dtype=np.float32), "id": np.arange(n) + 7})
+    err = info.value
+    # the chunks are 131072, 262144, 524288 rows, then whole ones: row 1500000 is in chunk 3
+    assert (err.index, err.rows, err.ids) == (3, (917504, 1966080), (917511, 1966086))
+    assert "rows 917504..1966079 of a batch of 4000000 rows" in str(err)
 
 
 def test_the_error_pickles_with_its_rows_and_cause(mapper_factory):

@@ -25,7 +25,7 @@ from ._errors import StageError, describe, unpicklable
 from ._pipeline.engine import choose_engine
 from ._pipeline.validate import COMPUTE_FORM, check_arity, check_options
 from ._pipeline.warm import WARM
-from ._pipeline.whole_array import MapLayout, check_arrays, stream_map
+from ._pipeline.whole_array import check_arrays, stream_map
 
 # stream_map's keyword options a mapper passes through unchanged (device and keep_warm are its own)
 PASSED_OPTIONS = ("chunk_bytes", "host", "engine", "inplace", "slots", "workers", "checked", "on_error",
@@ -306,11 +306,10 @@ class RayMapper:
         return np.stack(list(col.flat)).astype(self.dtype or dtypes[0], copy=False)
 
     def _failure(self, exc: StageError, x: np.ndarray, batch: Any, frame: bool) -> "BatchStageError":
-        """``exc`` restated in the batch's rows: the chunk's rows come from laying ``x`` out
-        exactly as the failed call did."""
-        rows = _rows_per_chunk(self.f, x, self.device, self.options)
-        start = min(exc.index * rows, len(x)) if rows else 0
-        stop = min(start + rows, len(x)) if rows else len(x)
+        """``exc`` restated in the batch's rows: those stream_map's engine says the failed chunk
+        held (its ``rows``)."""
+        rows = getattr(exc, "rows", None)
+        start, stop = rows if rows is not None else (0, len(x))  # (one device: always there)
         ids = None
         if self.id_column is not None and self.id_column in batch and stop > start:
             col = batch[self.id_column].to_numpy() if frame else np.asarray(batch[self.id_column])
@@ -417,18 +416,6 @@ def _is_dataframe(batch: Any) -> bool:
     # a DataFrame exists only where pandas is imported already: never import it for a dict batch
     pandas = sys.modules.get("pandas")
     return pandas is not None and isinstance(batch, pandas.DataFrame)
-
-
-def _rows_per_chunk(f: Callable, x: np.ndarray, dev: Device, options: dict) -> int:
-    """Rows per chunk of the call ``stream_map(f, x, device=dev, **options)`` made (0 if
-    ``x`` is empty): the same layout, from the same planner."""
-    if x.shape[0] == 0 or x.size == 0:
-        return 0
-    opts = check_options(allow_auto_chunk=True, **{k: v for k, v in options.items() if k not in ("host", "engine")})
-    out = np.empty(x.shape, x.dtype)  # as stream_map allocates it: fresh, contiguous, never touched here
-    layout = MapLayout.plan(f, x, out, True, dev, opts.pop("chunk_bytes"), options.get("host", "auto"), None, None,
-                            opts)
-    return layout.rows
 
 
 def _plain(value: Any) -> Any:

@@ -195,6 +195,7 @@ class DirectSchedule:
         x_buffer = bound.x_buffer if bound is not None else None
         out_buffer = bound.out_buffer if bound is not None else None
         self.ops: list[ChunkOps] = []
+        self._chunk_rows = [shape[0] for _, _, shape in chunks]
         for i, ((offset, nbytes, shape), (out_offset, out_nbytes, out_shape)) in enumerate(zip(chunks, out_chunks)):
             k_in, k_out = i % n_in, (-1 if inplace else i % n_out)
             dev_in = self.dev_in.slice(k_in * chunk_bytes, nbytes)
@@ -336,6 +337,15 @@ class DirectSchedule:
     def n_chunks(self) -> int:
         """The chunks a call runs (more once a measured compute-bound job is tapered)."""
         return len(self.ops)
+
+    def chunk_rows(self, index: int) -> Optional[tuple[int, int]]:
+        """The rows ``(start, stop)`` of ``x`` that chunk ``index`` of the last call held (its
+        chunks as it ran them: tapered once a measured compute-bound job is), or None for an
+        index the call did not have."""
+        if not 0 <= index < len(self._chunk_rows):
+            return None
+        start = sum(self._chunk_rows[:index])
+        return start, start + self._chunk_rows[index]
 
     def _plan_compute_streams(self, events: dict) -> None:
         """Plan later calls from the chunk timed by ``events`` (a call's timing events for one

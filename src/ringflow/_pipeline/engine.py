@@ -56,6 +56,10 @@ class Engine(Protocol):
     def report(self) -> Any:
         """The :class:`~ringflow.Report` of the last profiled call. Raises RuntimeError if none."""
 
+    def chunk_rows(self, index: int) -> Optional[tuple]:
+        """The rows ``(start, stop)`` of ``x`` that chunk ``index`` of the last call held (a
+        StageError's ``index``), or None for an index the call did not have; also once closed."""
+
     def fail(self, exc: BaseException) -> None:
         """After ``run`` raised ``exc``: settle everything enqueued and close. Never raises."""
 

@@ -12,6 +12,7 @@ on its own: a pool array on one side and ordinary memory on the other stage only
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Callable, Optional
 
 import numpy as np
@@ -108,6 +109,11 @@ class ScheduledEngine:
                 raise first
             finally:
                 del first
+
+    def chunk_rows(self, index: int) -> Optional[tuple[int, int]]:
+        """The rows ``(start, stop)`` of ``x`` that chunk ``index`` held (its item), or None for
+        an index the job does not have."""
+        return next(itertools.islice(self.layout.ranges(), index, None), None) if index >= 0 else None
 
     def report(self):
         """The last profiled call's :class:`~ringflow.Report`. Raises RuntimeError if none."""

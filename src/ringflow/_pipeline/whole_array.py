@@ -29,6 +29,7 @@ from .._device import device as make_device
 from .._device import device_label, device_list
 from .._device import host_pool
 from .._device.protocol import Device, HostBuffer, check_device_dtype, close_quietly
+from .._errors import StageError
 from .._testing import current as current_hooks
 from . import warm
 from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine
@@ -119,7 +120,8 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
 
     Raises:
         TypeError, ValueError: a bad argument (the message names it and what it accepts).
-        StageError: a chunk failed (its stage and index named; the original as ``__cause__``).
+        StageError: a chunk failed (its stage and index named, its ``rows`` the ``(start, stop)``
+            of ``x`` that chunk held; the original as ``__cause__``).
             Over several devices the index counts chunks over the whole array, and the device
             and rows are named; every shard has ended (finished or failed) first.
         DeviceError: the device broke (over several devices: a new error naming it).
@@ -225,7 +227,14 @@ def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x
             eng = warm.WARM.take(key) if key is not None else None
             if eng is None:
                 eng = make_engine(kind, f, layout, opts, arrays)
-            run_call(eng, arrays, profile)
+            try:
+                run_call(eng, arrays, profile)
+            except StageError as exc:
+                # the engine that ran the chunks says which rows the failed one held: a
+                # compute-bound job's chunks are tapered (planned, or measured by a first call),
+                # so index times rows per chunk is not them
+                exc.rows = eng.chunk_rows(exc.index)
+                raise
             report = eng.report() if profile else None
             if key is not None and eng.park():
                 warm.WARM.park(key, eng)
