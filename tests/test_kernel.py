@@ -189,6 +189,47 @@ def test_the_reference_refuses_what_a_launch_refuses(args, error, says):
     assert ran == []
 
 
+class StridedMemoryView:
+    """A device array as cuda.core's view gives a launch its pointer, shape and strides (in elements)."""
+
+    def __init__(self, n, strides=None):
+        self.shape, self.strides, self.ptr, self.device_id = (n,), strides, 1 << 20, 0
+
+
+def _launch_without_a_gpu(monkeypatch):
+    """Let a call on device arrays get as far as checking them, here where cuda.core is absent."""
+    from ringflow import _kernel
+
+    monkeypatch.setattr(_kernel, "_cuda_core", lambda what: types.SimpleNamespace())
+
+
+@pytest.mark.parametrize("on", ["numpy", "device"])
+def test_a_strided_array_is_named_by_its_position(monkeypatch, on):
+    """A strided argument was refused as "kernel arguments must be C-contiguous", naming neither
+    the kernel nor which of its arguments it was."""
+    k = Kernel(SAXPY, "saxpy", reference=lambda *a: pytest.fail("the reference ran"))
+    if on == "numpy":
+        args = (np.zeros(4, np.float32), np.zeros(8, np.float32)[::2], np.float32(2))
+    else:
+        _launch_without_a_gpu(monkeypatch)
+        args = (StridedMemoryView(4), StridedMemoryView(4, strides=(2,)), np.float32(2))
+    with pytest.raises(ValueError, match=r"^kernel 'saxpy': argument 1 is not C-contiguous.*ascontiguousarray"):
+        k(*args)
+
+
+@pytest.mark.parametrize("on", ["numpy", "launch"])
+def test_an_array_shorter_than_the_first_is_named_by_its_position_and_length(on):
+    """It was "another" array, of the length of the shortest, whichever argument was short."""
+    k = Kernel('extern "C" __global__ void k(){}', "k", reference=lambda *a: pytest.fail("the reference ran"))
+    says = r"^kernel 'k': the first array has 8 elements but argument 3 has 4; every array must hold at least n = 8"
+    with pytest.raises(ValueError, match=says):
+        if on == "numpy":
+            k(np.zeros(8, np.float32), np.float32(2), np.zeros(8, np.float32), np.zeros(4, np.float32),
+              np.zeros(2, np.float32))
+        else:  # as a ringflow stream's launch hands it the arrays' addresses and element counts
+            k.__ringflow_launch__(None, 0, [1 << 20, np.float32(2), 2 << 20, 3 << 20, 4 << 20], [8, 8, 4, 2])
+
+
 @pytest.mark.parametrize("scalar", [np.float64(2), np.complex128(2), np.float32(2), np.int64(2), np.bool_(True)],
                          ids=lambda s: type(s).__name__)
 def test_every_numeric_numpy_scalar_is_a_scalar_on_numpy_arrays(scalar):

@@ -268,9 +268,10 @@ class Kernel:
                 # objects, nor the other byte order a launch would misread)
                 check_device_dtype(f"kernel {self.name!r}: argument {i}", a.dtype)
                 if not a.flags.c_contiguous:
-                    raise ValueError("kernel arguments must be C-contiguous; use np.ascontiguousarray")
+                    raise ValueError(f"kernel {self.name!r}: argument {i} is not C-contiguous (strides {a.strides}); "
+                                     "kernel arguments must be C-contiguous: use np.ascontiguousarray")
                 sizes.append(a.size)
-        self._check_sizes(sizes)
+        self._check_sizes(sizes, args)
 
     def _check_scalar(self, i: int, a: Any) -> None:
         """Refuse argument ``i`` when it is a scalar a launch cannot pass: a Python number, or a
@@ -284,15 +285,27 @@ class Kernel:
             raise TypeError(f"pass scalars to kernel {self.name!r} as numpy scalars (e.g. np.float32(2.0)) so "
                             f"their C type is explicit; got Python {type(a).__name__} {a!r}")
 
-    def _check_sizes(self, sizes: list) -> None:
+    def _check_sizes(self, sizes: list, args: Any) -> None:
+        """Refuse, for an elementwise kernel, an array holding fewer elements than the first.
+
+        Args:
+            sizes: the arrays' element counts, in order.
+            args: the arguments they came from, in which every one that is no numpy scalar is an
+                array (a launch's addresses included): names the short one by its position.
+
+        Raises:
+            ValueError: naming the first short argument, its element count and ``n``.
+        """
         n = sizes[0]
         if self.elementwise and min(sizes) < n:
-            raise ValueError(f"kernel {self.name!r}: the first array has {n} elements but another has "
-                             f"{min(sizes)}; every array must hold at least n = {n} elements")
+            j = next(j for j, size in enumerate(sizes) if size < n)
+            position = [i for i, a in enumerate(args) if not isinstance(a, np.generic)][j]
+            raise ValueError(f"kernel {self.name!r}: the first array has {n} elements but argument {position} has "
+                             f"{sizes[j]}; every array must hold at least n = {n} elements")
 
     def _enqueue(self, cc_stream: Any, device: int, kernel_args: list, sizes: list) -> None:
         n = sizes[0]
-        self._check_sizes(sizes)
+        self._check_sizes(sizes, kernel_args)
         kern = self._compiled.get(device)
         if kern is None:
             kern = self.compile(device)
@@ -312,7 +325,7 @@ class Kernel:
             if isinstance(a, np.generic):
                 kernel_args.append(launch_scalar(a))
                 continue
-            ptr, size, device, kind = _describe(a)
+            ptr, size, device, kind = _describe(a, f"kernel {self.name!r}: argument {i}")
             kernel_args.append(ptr)  # cuda.core passes a Python int as a pointer
             sizes.append(size)
             devices.add(device)
@@ -488,33 +501,43 @@ def _framework(a: Any) -> "str | None":
     return "cai" if getattr(a, "__cuda_array_interface__", None) is not None else None
 
 
-def _describe(a: Any) -> tuple[int, int, int, str]:
-    """(device pointer, element count, GPU index, framework) of a contiguous device array."""
+def _describe(a: Any, what: str = "a kernel argument") -> tuple[int, int, int, str]:
+    """(device pointer, element count, GPU index, framework) of a contiguous device array;
+    ``what`` names it in an error (the kernel and the argument's position).
+
+    Raises:
+        ValueError: a strided array, or a torch tensor not on a GPU.
+        TypeError: no device array.
+    """
     kind = _framework(a)
     if kind == "cupy":
         if not a.flags.c_contiguous:
-            raise ValueError("kernel arguments must be C-contiguous; use cupy.ascontiguousarray")
+            raise ValueError(f"{what} is not C-contiguous; kernel arguments must be C-contiguous: use "
+                             "cupy.ascontiguousarray")
         return int(a.data.ptr), int(a.size), int(a.device.id), "cupy"
     if kind == "torch":
         if a.device.type != "cuda":
-            raise ValueError(f"a torch tensor on {a.device} cannot be a kernel argument; move it to the GPU")
+            raise ValueError(f"{what} is a torch tensor on {a.device}, which cannot be a kernel argument; move it to "
+                             "the GPU")
         if not a.is_contiguous():
-            raise ValueError("kernel arguments must be contiguous; use tensor.contiguous()")
+            raise ValueError(f"{what} is not contiguous; kernel arguments must be contiguous: use tensor.contiguous()")
         return int(a.data_ptr()), int(a.numel()), int(a.device.index), "torch"
     if kind == "dlpack":
         if a.strides is not None and not _c_contiguous(a.shape, a.strides):
-            raise ValueError("kernel arguments must be C-contiguous")
+            raise ValueError(f"{what} is not C-contiguous; kernel arguments must be C-contiguous: make a "
+                             "contiguous copy (its framework's ascontiguousarray)")
         return int(a.ptr), int(math.prod(a.shape)), int(a.device_id), "dlpack"
     if kind == "cai":
         cai = a.__cuda_array_interface__
         if cai.get("strides") is not None and not _c_contiguous(cai["shape"], cai["strides"], cai["typestr"]):
-            raise ValueError("kernel arguments must be C-contiguous")
+            raise ValueError(f"{what} is not C-contiguous; kernel arguments must be C-contiguous: make a "
+                             "contiguous copy (its framework's ascontiguousarray)")
         from cuda.bindings import driver
 
         ptr = int(cai["data"][0])
         err, dev = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
         return ptr, int(math.prod(cai["shape"])), int(dev) if int(err) == 0 else 0, "cai"
-    raise TypeError(f"kernel arguments {_ACCEPTED}; got {type(a).__name__}")
+    raise TypeError(f"{what}: kernel arguments {_ACCEPTED}; got {type(a).__name__}")
 
 
 def _c_contiguous(shape, strides, typestr: str | None = None) -> bool:
