@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import os
 import pathlib
 import pickle
 import subprocess
 import sys
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -461,6 +463,21 @@ def test_close_releases_the_kept_engines_and_the_device():
     m.close()
     m.close()
     assert m.device.closed
+
+
+def test_a_mapper_collected_without_close_releases_its_device_and_keeps_nothing():
+    """A mapper dropped unclosed closes its device when collected; its exit-time hook went on
+    holding the (closed) device until the process ended, one for every such mapper."""
+    m = rf.RayMapper(affine, "a", device="sim", chunk_bytes=1024, host="stage")
+    m(numeric_batch(3000))  # an engine kept warm
+    dev = m.device
+    device_ref = weakref.ref(dev)
+    del m
+    gc.collect()
+    assert dev.closed and dev.live().total == 0, dev.live()
+    del dev
+    gc.collect()
+    assert device_ref() is None
 
 
 def test_a_batch_the_mapper_was_closed_under_says_so(monkeypatch):

@@ -137,7 +137,9 @@ class RayMapper:
         # (or when the mapper is collected) through close(), which finishes each engine first; an
         # atexit hook registered now runs before the engines' own exit-time finalisers.
         self._at_exit = functools.partial(_release, self.device)
-        self._finalizer = weakref.finalize(self, self._at_exit)
+        # collected unclosed, it also drops the exit-time hook, which would otherwise hold the
+        # (closed) device until the process ends
+        self._finalizer = weakref.finalize(self, _collected, self._at_exit)
         self._finalizer.atexit = False
         atexit.register(self._at_exit)
 
@@ -356,6 +358,12 @@ def _release(dev: Device) -> None:
     if not dev.closed:
         WARM.drop(dev)
         close_quietly(dev, "device")
+
+
+def _collected(release: Callable[[], None]) -> None:
+    """A mapper's finalizer: unregister its exit-time hook ``release``, then run it; never raises."""
+    atexit.unregister(release)
+    release()
 
 
 def _names(arg: str, value: Any) -> "tuple[str, ...] | None":
