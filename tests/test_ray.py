@@ -327,6 +327,18 @@ def test_bad_arguments_are_refused_when_the_mapper_is_made(args, kwargs, message
         rf.RayMapper(*args, **kwargs)
 
 
+@pytest.mark.parametrize("arg, kwargs", [
+    ("columns", {"columns": {"a", "b"}, "output_columns": ["a2", "b2"]}),
+    ("columns", {"columns": frozenset({"a", "b"})}),
+    ("output_columns", {"columns": ["a", "b"], "output_columns": {"a2", "b2"}}),
+], ids=["columns", "frozenset", "output_columns"])
+def test_column_names_in_a_set_are_refused_since_its_order_decides_where_results_go(arg, kwargs):
+    """A set was taken in its iteration order, which string hashing makes differ from one
+    process (one Ray actor) to the next: column a's results went to b2 in some of them."""
+    with pytest.raises(TypeError, match=rf"^{arg} must be .*in order.*got a {type(kwargs[arg]).__name__}"):
+        rf.RayMapper(affine, device="sim", **kwargs)
+
+
 @pytest.mark.parametrize("copy_it", [pickle.dumps, copy.deepcopy], ids=["pickle", "deepcopy"])
 def test_a_mapper_does_not_travel_and_says_to_give_ray_the_class(mapper_factory, copy_it):
     """Ray Data takes an instance given to map_batches for a function and pickles it to ship to

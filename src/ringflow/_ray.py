@@ -371,6 +371,12 @@ def _names(arg: str, value: Any) -> "tuple[str, ...] | None":
         return None
     if isinstance(value, str):
         return (value,)
+    if isinstance(value, (set, frozenset)):
+        # its order, which stacks the columns and pairs them with output_columns, follows string
+        # hashing, which differs from one process (one Ray actor) to the next
+        raise TypeError(f"{arg} must be a column name or a list of column names, in order; got a "
+                        f"{type(value).__name__}, whose order differs between processes: pass a list, e.g. "
+                        f"{sorted(map(str, value))}")
     try:
         names = tuple(value)
     except TypeError:
