@@ -125,7 +125,9 @@ class StageError(RingflowError):
     ``stage`` is one of ``"prepare"``, ``"h2d"``, ``"compute"``, ``"d2h"``, ``"consume"``, or
     ``"item_nbytes"`` where the pipeline's ``item_nbytes(item)`` raised or gave no byte count (the
     item's prepare then never ran); ``index`` is the chunk's submission index; the original
-    exception is ``__cause__``.
+    exception is ``__cause__``. ``rows``: from a whole-array call (``stream_map``, a ``MapJob``),
+    the ``(start, stop)`` rows of ``x`` the failed chunk held, as the call cut them; None from a
+    pipeline's items.
     """
 
     def __init__(self, stage: str, index: int, cause: BaseException | None = None):
@@ -133,11 +135,14 @@ class StageError(RingflowError):
         super().__init__(f"stage {stage!r} failed for chunk {index}: {what}")
         self.stage = stage
         self.index = index
+        # (an instance attribute, not a class one: Ray's copy of a raised error, a class made from
+        # both its own and this one, finds it on the original only where the class has none)
+        self.rows: "tuple[int, int] | None" = None
         if cause is not None:
             self.__cause__ = cause
 
     def __reduce__(self):
-        return (type(self), (self.stage, self.index, self.__cause__))
+        return (type(self), (self.stage, self.index, self.__cause__), {"rows": self.rows, "args": self.args})
 
 
 class PrepareStopped(RingflowError):

@@ -436,3 +436,21 @@ def test_a_call_given_an_array_says_how_a_job_takes_new_contents():
             job(np.ones(10, np.float32))
         np.testing.assert_array_equal(job(), x * 2 + 1)
     assert dev.live().total == 0
+
+
+def test_a_failed_chunk_of_a_compute_bound_job_carries_the_rows_it_held():
+    """A MapJob's StageError carries the rows of ``x`` its failed chunk held, as stream_map's
+    does, from the engine that cut the chunks (a compute-bound job's are tapered, so not its
+    index times a chunk's rows)."""
+    def f(x, y):
+        if (x == 1_500_000).any():
+            raise ValueError("refused")
+        y[...] = x
+
+    f.sim_seconds = lambda nbytes: nbytes * 1e-8  # compute-bound: tapered chunks
+    x = np.arange(4_000_000, dtype=np.float32)
+    with rf.MapJob(f, x, device=rf.device("sim"), chunk_bytes=4 << 20, host="register") as job:
+        with pytest.raises(rf.StageError) as info:
+            job()
+    a, b = info.value.rows
+    assert a <= 1_500_000 < b and b - a <= 1 << 20, (a, b)  # (a whole chunk: 1 Mi rows)

@@ -766,3 +766,25 @@ def test_a_ctrl_c_anywhere_in_a_jobs_set_up_leaves_nothing_to_the_garbage_collec
         fired += 1
         n += 1
     assert fired > 5  # the sweep reached the set-up's steps
+
+
+def _fails_where_x_is_1500000(x, y):
+    if (x == 1_500_000).any():
+        raise ValueError("refused")
+    y[...] = x
+
+
+_fails_where_x_is_1500000.sim_seconds = lambda nbytes: nbytes * 1e-8  # compute-bound: tapered chunks
+
+
+def test_a_failed_chunk_of_a_compute_bound_call_over_two_devices_names_the_rows_it_held():
+    """A compute-bound job tapers its chunks (its first and last shorter), so the rows a failed
+    chunk held are not its index times a chunk's rows: each shard's engine says which they were,
+    and the error names them in the whole array's rows."""
+    n = 8_000_000
+    x = np.arange(n, dtype=np.float32)
+    with pytest.raises(rf.StageError) as info:
+        rf.stream_map(_fails_where_x_is_1500000, x, device=sims(2, 12), chunk_bytes=4 << 20, host="register")
+    a, b = info.value.rows
+    assert a <= 1_500_000 < b and b - a <= 1 << 20, (a, b)  # (a whole chunk: 1 Mi rows)
+    assert f"rows x[{a}:{b}]" in str(info.value)

@@ -265,7 +265,10 @@ def named_error(shard: Shard, exc: BaseException) -> BaseException:
     """``exc`` (raised by ``shard``) as the caller sees it: see the module doc."""
     where = f"on {shard.label}, whose shard is x[{shard.start}:{shard.stop}]"
     if isinstance(exc, StageError):
-        a, b = shard.chunk_rows(exc.index)
+        # the shard's engine says which of its rows the chunk held (tapered chunks are not
+        # index times rows); the shard's own cut where it could not
+        a, b = ((shard.start + exc.rows[0], shard.start + exc.rows[1]) if exc.rows is not None
+                else shard.chunk_rows(exc.index))
         new = StageError(exc.stage, shard.first_chunk + exc.index, exc.__cause__)
         new.args = (f"{new.args[0]} (on {shard.label}, rows x[{a}:{b}])",)
         new.device, new.rows = shard.device, (a, b)  # type: ignore[attr-defined]

@@ -227,14 +227,7 @@ def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x
             eng = warm.WARM.take(key) if key is not None else None
             if eng is None:
                 eng = make_engine(kind, f, layout, opts, arrays)
-            try:
-                run_call(eng, arrays, profile)
-            except StageError as exc:
-                # the engine that ran the chunks says which rows the failed one held: a
-                # compute-bound job's chunks are tapered (planned, or measured by a first call),
-                # so index times rows per chunk is not them
-                exc.rows = eng.chunk_rows(exc.index)
-                raise
+            run_call(eng, arrays, profile)
             report = eng.report() if profile else None
             if key is not None and eng.park():
                 warm.WARM.park(key, eng)
@@ -258,7 +251,10 @@ def _with_flag_defaults(options: dict) -> dict:
 def run_call(engine: Engine, arrays: Arrays, profile: bool) -> None:
     """One call of a whole-array job on ``engine``; if it raises (any BaseException, Ctrl-C
     included) the engine is settled and closed first, so nothing still touches the arrays.
-    Ctrl-C is taken only between steps, and not while settling (see sigint.py)."""
+    Ctrl-C is taken only between steps, and not while settling (see sigint.py). A StageError
+    raised gets its ``rows`` from the engine that ran the chunks: a compute-bound job's chunks
+    are tapered (planned, or measured by a first call), so its index times the rows of a chunk
+    is not them."""
     hooks = current_hooks()
     if hooks.on_engine is not None:
         hooks.on_engine(engine)
@@ -269,6 +265,11 @@ def run_call(engine: Engine, arrays: Arrays, profile: bool) -> None:
             if shield is not None:
                 shield.settle()
             engine.fail(exc)  # settled and closed; never masks exc
+            if isinstance(exc, StageError) and exc.rows is None:
+                try:
+                    exc.rows = engine.chunk_rows(exc.index)
+                except Exception:  # noqa: BLE001 - rows not known are None, never the call's error
+                    pass
             raise
         finally:
             _leave_tokens(arrays)
