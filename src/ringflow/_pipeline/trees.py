@@ -30,7 +30,8 @@ def is_tree(obj: Any) -> bool:
 
 def flatten(obj: Any, is_leaf: Callable[[Any], bool] = lambda o: not is_tree(o)) -> tuple[list, Any]:
     """``(leaves, tree)`` of a nested tuple/list/dict (dict keys in insertion order); a leaf is
-    anything ``is_leaf`` says is one.
+    anything ``is_leaf`` says is one. A named tuple is rebuilt as its own type by
+    :func:`unflatten`; any other subclass of tuple, list or dict as that base type.
 
     Raises:
         ValueError: the structure holds itself, or is nested deeper than :data:`MAX_DEPTH`.
@@ -59,9 +60,20 @@ def flatten(obj: Any, is_leaf: Callable[[Any], bool] = lambda o: not is_tree(o))
             path.discard(id(node))
         if isinstance(node, dict):
             return leaves, (dict, tuple(node), tuple(trees))
-        return leaves, (type(node), None, tuple(trees))
+        return leaves, (_container_kind(node), None, tuple(trees))
 
     return walk(obj)
+
+
+def _container_kind(node: "tuple | list") -> type:
+    """The type :func:`_build` rebuilds ``node`` as: ``list``, ``tuple`` or a named tuple's type.
+    Another subclass's constructor takes what its own code says (not the items as list() and
+    tuple() take them, nor one argument an item as a named tuple does), so it is rebuilt as its
+    base type, as a dict subclass is rebuilt as a dict."""
+    kind = type(node)
+    if kind is list or kind is tuple or (isinstance(node, tuple) and hasattr(kind, "_fields")):
+        return kind
+    return list if isinstance(node, list) else tuple
 
 
 def unflatten(tree: Any, leaves: Sequence[Any]) -> Any:
