@@ -17,6 +17,7 @@ import pytest
 import ringflow as rf
 from ringflow._device import host_pool
 from ringflow._pipeline import scheduler as scheduler_module
+from ringflow._pipeline import trees
 from tests.helpers.threads import bounded
 
 
@@ -188,6 +189,33 @@ def test_a_result_got_on_one_thread_is_sent_again_from_another_in_order(dev, how
             else:
                 got = bounded(lambda r=r: rf.stream_map(f, r, device=dev, chunk_bytes=1024))
             np.testing.assert_array_equal(got, x * 4 + 3)
+    rf.drop_warm_pipelines(dev)
+
+
+@pytest.mark.parametrize("how", ["a leaf of a tuple", "a strided view"])
+def test_a_result_got_on_one_thread_and_copied_in_by_a_submit_on_another_is_in_order(dev, how):
+    """A pooled result that is not read in place (an array of a tuple, list or dict, or a view
+    the h2d cannot read in place, with coalescing off) is copied into pinned memory by the
+    submitting thread; that copy must be ordered after the result's d2h too. It was not: the
+    checker reported the copy's read unordered after the d2h's write."""
+
+    def each(x, y):
+        for a, b in zip(trees.flatten(x)[0], trees.flatten(y)[0]):
+            f(a, b)
+
+    with rf.Pipeline(f, device=dev, chunk_bytes=8192) as first, \
+            rf.Pipeline(each, device=dev, chunk_bytes=8192, coalesce=False) as again:
+        for k in range(3):
+            x = np.arange(100, dtype=np.float32) + k
+            r = bounded(lambda x=x: first.submit(x).result())
+            assert host_pool.slice_behind(r, dev) is not None
+            if how == "a leaf of a tuple":
+                got, ones = bounded(lambda r=r: again.submit((r, np.ones(3, np.float32))).result())
+                np.testing.assert_array_equal(ones, np.full(3, 3, np.float32))
+                np.testing.assert_array_equal(got, x * 4 + 3)
+            else:
+                got = bounded(lambda r=r: again.submit(r[::2]).result())
+                np.testing.assert_array_equal(got, (x * 4 + 3)[::2])
     rf.drop_warm_pipelines(dev)
 
 

@@ -635,19 +635,35 @@ class Pipeline:
             if staged is None:
                 return None
             for view, leaf in zip(flatten(host_views(layout, staged))[0], leaves):
-                self.device.host_copy(view, leaf)
+                self._copy_from_caller(view, leaf)
             at = (t0, self.device.now)
         else:
             t0 = self.device.now
             staged, layout = self._pool.take(item.shape, item.dtype), None
             if staged is None:
                 return None
-            self.device.host_copy(staged, item)
+            self._copy_from_caller(staged, item)
             at = (t0, self.device.now)
         # an item refused after its copy (a timeout, a pipeline that stopped taking work) is
         # dropped wherever its error goes: the block's next holder is ordered after this copy
         host_pool.hand_off(staged, self.device.publish())
         return staged, at, layout
+
+    def _copy_from_caller(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Copy ``src``, an array the caller handed in, into ``dst`` on the calling thread. Where
+        ``src`` is this device's pool memory (a result, or a view of one, that is not read in
+        place: a leaf of a tuple, list or dict, or a strided view) the thread is first ordered
+        after the block's hand-out and every device use of it seen complete since (a pipeline's
+        d2h into it among them), as a shared submit's copy is: the caller may have got it on
+        another thread and passed it on by means the simulated GPU's checker cannot see. It then
+        leaves a token on the block, so whichever thread drops it last hands it back after this
+        read."""
+        pooled = host_pool.device_of(src) is self.device
+        if pooled:
+            host_pool.receive(src, self.device)
+        self.device.host_copy(dst, src)
+        if pooled:
+            host_pool.hand_off(src, self.device.publish())
 
     def _read_in_place(self, item: Any) -> bool:
         """Whether the h2d reads ``item`` where it is: a plain array in pool memory (a pool array
