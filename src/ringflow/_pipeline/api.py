@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import functools
 import inspect
 import itertools
@@ -561,24 +560,21 @@ class Pipeline:
         otherwise, or no staging copy) (keyword arguments of :meth:`Scheduler.accept`, the item
         among them). Nothing of the item is accepted yet: on the main thread in a shielded call,
         a Ctrl-C while a device call here waits for the simulated GPU's lock (a stage another
-        thread runs keeps it) is raised there (:meth:`_accepting_device_calls`)."""
-        with self._accepting_device_calls():
-            return self._accepting_here(item)
-
-    @contextlib.contextmanager
-    def _accepting_device_calls(self) -> Iterator[None]:
-        """The device calls of an accepting thread: :class:`.sigint.interruptible_device_calls`,
-        and a sticky device error raised inside also handed to the progress thread, which breaks
-        the pipeline with it. A device that broke while it had no chunks has no step to find it,
-        and a dispatcher over several devices went on offering every item to it first (the least
-        loaded) and having it fail there."""
+        thread runs keeps it) is raised there (:class:`.sigint.interruptible_device_calls`)."""
         with interruptible_device_calls():
             try:
-                yield
+                return self._accepting_here(item)
             except DeviceError as err:
-                if err.sticky and self._sched.broken is None:
-                    self._driver.post(functools.partial(_break_unless_broken, self._sched, err), _never)
+                self._break_on_sticky(err)
                 raise
+
+    def _break_on_sticky(self, err: DeviceError) -> None:
+        """A device error an accepting thread met: a sticky one is handed to the progress thread,
+        which breaks the pipeline with it. A device that broke while it had no chunks has no step
+        to find it, and a dispatcher over several devices went on offering every item to it first
+        (the least loaded) and having it fail there."""
+        if err.sticky and self._sched.broken is None:
+            self._driver.post(functools.partial(_break_unless_broken, self._sched, err), _never)
 
     def _accepting_here(self, item: Any) -> dict:
         out_spec = self._output_spec(item)
@@ -864,7 +860,7 @@ class Pipeline:
             # hand-outs and every device use of either seen complete since
             # (a Ctrl-C while a device call here waits for the simulated GPU's lock, which a stage
             # run by another thread keeps, is raised there: the item is then taken back below)
-            with self._accepting_device_calls():
+            with interruptible_device_calls():
                 host_pool.receive(chunk.batch, self.device)
                 pooled = host_pool.device_of(item) is self.device
                 if pooled:
@@ -887,6 +883,8 @@ class Pipeline:
                 with d.cv:
                     s.admit_after_death()
         except BaseException as exc:
+            if isinstance(exc, DeviceError):
+                self._break_on_sticky(exc)
             # the copy failed or an interrupt (Ctrl-C) landed anywhere above: an item not wholly
             # registered, or whose copy did not end, is taken back; one whose copy ended stays.
             # Another interrupt inside the clean-up (a second Ctrl-C) starts it again: an item

@@ -11,7 +11,7 @@ A device that breaks (a sticky error) fails its own unfinished chunks; with
 ``on_error="continue"`` the others go on and new items go to the devices that still work; with
 ``"raise"`` the first failure cancels every part, as on one device. A device that breaks while it
 has no chunks is found by the first submit offered to it, whose accepting thread hands the error
-to that part's progress thread (:meth:`Pipeline._accepting_device_calls`); later items pass it over.
+to that part's progress thread (:meth:`Pipeline._break_on_sticky`); later items pass it over.
 
 While it is open, each part's device is declared copying host memory with the part's CPU workers
 (``Device.sharing_host``): simulated GPUs of one host then share its copy rate, as a loaded
