@@ -325,7 +325,7 @@ class Kernel:
             if isinstance(a, np.generic):
                 kernel_args.append(launch_scalar(a))
                 continue
-            ptr, size, device, kind = _describe(a, f"kernel {self.name!r}: argument {i}")
+            ptr, size, device, kind = _describe(a, (self.name, i))
             kernel_args.append(ptr)  # cuda.core passes a Python int as a pointer
             sizes.append(size)
             devices.add(device)
@@ -501,9 +501,10 @@ def _framework(a: Any) -> "str | None":
     return "cai" if getattr(a, "__cuda_array_interface__", None) is not None else None
 
 
-def _describe(a: Any, what: str = "a kernel argument") -> tuple[int, int, int, str]:
+def _describe(a: Any, where: "tuple[str, int] | None" = None) -> tuple[int, int, int, str]:
     """(device pointer, element count, GPU index, framework) of a contiguous device array;
-    ``what`` names it in an error (the kernel and the argument's position).
+    ``where`` (the kernel's name and the argument's position) names it in an error, formatted
+    only then (this runs for every argument of every launch).
 
     Raises:
         ValueError: a strided array, or a torch tensor not on a GPU.
@@ -512,32 +513,41 @@ def _describe(a: Any, what: str = "a kernel argument") -> tuple[int, int, int, s
     kind = _framework(a)
     if kind == "cupy":
         if not a.flags.c_contiguous:
-            raise ValueError(f"{what} is not C-contiguous; kernel arguments must be C-contiguous: use "
+            raise ValueError(f"{_argument(where)} is not C-contiguous; kernel arguments must be C-contiguous: use "
                              "cupy.ascontiguousarray")
         return int(a.data.ptr), int(a.size), int(a.device.id), "cupy"
     if kind == "torch":
         if a.device.type != "cuda":
-            raise ValueError(f"{what} is a torch tensor on {a.device}, which cannot be a kernel argument; move it to "
-                             "the GPU")
+            raise ValueError(f"{_argument(where)} is a torch tensor on {a.device}, which cannot be a kernel "
+                             "argument; move it to the GPU")
         if not a.is_contiguous():
-            raise ValueError(f"{what} is not contiguous; kernel arguments must be contiguous: use tensor.contiguous()")
+            raise ValueError(f"{_argument(where)} is not contiguous; kernel arguments must be contiguous: use "
+                             "tensor.contiguous()")
         return int(a.data_ptr()), int(a.numel()), int(a.device.index), "torch"
     if kind == "dlpack":
         if a.strides is not None and not _c_contiguous(a.shape, a.strides):
-            raise ValueError(f"{what} is not C-contiguous; kernel arguments must be C-contiguous: make a "
-                             "contiguous copy (its framework's ascontiguousarray)")
+            raise _strided(where)
         return int(a.ptr), int(math.prod(a.shape)), int(a.device_id), "dlpack"
     if kind == "cai":
         cai = a.__cuda_array_interface__
         if cai.get("strides") is not None and not _c_contiguous(cai["shape"], cai["strides"], cai["typestr"]):
-            raise ValueError(f"{what} is not C-contiguous; kernel arguments must be C-contiguous: make a "
-                             "contiguous copy (its framework's ascontiguousarray)")
+            raise _strided(where)
         from cuda.bindings import driver
 
         ptr = int(cai["data"][0])
         err, dev = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
         return ptr, int(math.prod(cai["shape"])), int(dev) if int(err) == 0 else 0, "cai"
-    raise TypeError(f"{what}: kernel arguments {_ACCEPTED}; got {type(a).__name__}")
+    raise TypeError(f"{_argument(where)}: kernel arguments {_ACCEPTED}; got {type(a).__name__}")
+
+
+def _argument(where: "tuple[str, int] | None") -> str:
+    """A kernel argument, named by its kernel and position where ``where`` gives them."""
+    return "a kernel argument" if where is None else f"kernel {where[0]!r}: argument {where[1]}"
+
+
+def _strided(where: "tuple[str, int] | None") -> ValueError:
+    return ValueError(f"{_argument(where)} is not C-contiguous; kernel arguments must be C-contiguous: make a "
+                      "contiguous copy (its framework's ascontiguousarray)")
 
 
 def _c_contiguous(shape, strides, typestr: str | None = None) -> bool:
