@@ -883,8 +883,6 @@ class Pipeline:
                 with d.cv:
                     s.admit_after_death()
         except BaseException as exc:
-            if isinstance(exc, DeviceError):
-                self._break_on_sticky(exc)
             # the copy failed or an interrupt (Ctrl-C) landed anywhere above: an item not wholly
             # registered, or whose copy did not end, is taken back; one whose copy ended stays.
             # Another interrupt inside the clean-up (a second Ctrl-C) starts it again: an item
@@ -901,6 +899,8 @@ class Pipeline:
                     late = again
             if late is not None and isinstance(exc, Exception):
                 raise late from exc  # Ctrl-C during the clean-up outranks the copy's error
+            if isinstance(exc, DeviceError):  # (once the item is back: the take-back comes first)
+                self._break_on_sticky(exc)
             raise
         return member.future
 
