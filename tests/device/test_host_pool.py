@@ -338,6 +338,30 @@ def test_refused_pinning_frees_the_cache_then_falls_back(monkeypatch, caplog):
     assert pool.stats().in_use_bytes == 0  # nothing leaked in the accounting
 
 
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_a_broken_context_leaves_the_pool_readable_and_its_cached_blocks_usable(poison):
+    """After a sticky error nothing runs on the device again, and pinned host memory is still
+    host memory (a real GPU's pinned buffer is a numpy view, no CUDA call): the pool's counters
+    stay readable and a dropped block goes back to the cache; only a new pinned allocation fails."""
+    dev = rf.device("sim", checked=poison)
+    pool = pool_for(dev)
+    x, _, _, _ = pending_copy(dev, pool, "d2h")
+    cached = pool.empty(N, np.uint8)
+    del cached
+    gc.collect()
+    dev.inject_sticky_error()
+    del x
+    gc.collect()
+    s = pool.stats()  # takes the dropped block back: its copy will never run
+    assert (s.pending_bytes, s.in_use_bytes) == (0, 0) and s.cached_bytes >= 2 * N
+    y = pool.empty(N, np.uint8)  # a cached block: host memory, no device call
+    assert pool.buffer_of(y) is not None
+    y[:] = 7
+    with pytest.raises(DeviceError, match="sticky"):
+        pool.empty(4 * N, np.uint8)  # a new pinned allocation is a device call
+
+
 # -- devices and threads ---------------------------------------------------------------------------
 
 def test_each_device_has_its_own_pool_collected_with_it():

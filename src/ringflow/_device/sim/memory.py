@@ -73,6 +73,10 @@ class SimHostBuffer(_SimBufferMixin, HostBuffer):
         self._check_open()
         out = typed_view(self._mem, dtype, offset, count, access)
         with self._dev._lock:
+            if self._dev._sticky is not None:
+                # pinned memory is still host memory on a dead context (a GPU's pinned buffer is
+                # viewed without a CUDA call), and nothing runs on the device again to race with it
+                return out
             self._dev._host_api()
             end = offset + out.nbytes
             if "r" in access:
