@@ -134,6 +134,15 @@ def test_a_compute_bound_job_is_tapered_and_gets_two_compute_streams():
         assert job.chunks == 21 and job._held.engine.compute_streams == 1
 
 
+def test_a_compute_bound_job_on_the_scheduled_engine_counts_the_whole_chunks_it_runs():
+    """The scheduled engine cuts whole chunks only (no taper), so a compute-bound job on it runs
+    and counts the untapered chunks."""
+    dev, x = _pinned(64 * MiB)
+    with rf.MapJob(heavy, x, device=dev, chunk_bytes=4 * MiB, engine="pipeline") as job:
+        job(profile=True)
+        assert job.chunks == job.report().chunks == 16
+
+
 @pytest.mark.parametrize("engine", ["direct", "pipeline"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_tapered_jobs_are_bit_exact_under_chaos_with_the_checker(engine, seed):

@@ -56,6 +56,11 @@ class Engine(Protocol):
     def report(self) -> Any:
         """The :class:`~ringflow.Report` of the last profiled call. Raises RuntimeError if none."""
 
+    @property
+    def n_chunks(self) -> int:
+        """The chunks the next call runs (the last call's, unless that call found the job
+        compute-bound and tapered the calls after it)."""
+
     def chunk_rows(self, index: int) -> Optional[tuple]:
         """The rows ``(start, stop)`` of ``x`` that chunk ``index`` of the last call held (a
         StageError's ``index``), or None for an index the call did not have; also once closed."""

@@ -110,6 +110,11 @@ class ScheduledEngine:
             finally:
                 del first
 
+    @property
+    def n_chunks(self) -> int:
+        """The chunks a call runs (whole ones: never tapered, whatever the job's plan)."""
+        return self.layout.n_chunks
+
     def chunk_rows(self, index: int) -> Optional[tuple[int, int]]:
         """The rows ``(start, stop)`` of ``x`` that chunk ``index`` held (its item), or None for
         an index the job does not have."""
