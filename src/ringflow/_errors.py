@@ -124,8 +124,9 @@ class StageError(RingflowError):
 
     ``stage`` is one of ``"prepare"``, ``"h2d"``, ``"compute"``, ``"d2h"``, ``"consume"``, or
     ``"item_nbytes"`` where the pipeline's ``item_nbytes(item)`` raised or gave no byte count (the
-    item's prepare then never ran); ``index`` is the chunk's submission index; the original
-    exception is ``__cause__``. ``rows``: from a whole-array call (``stream_map``, a ``MapJob``),
+    item's prepare then never ran); ``index`` is the chunk's submission index (over several
+    devices, its place among every chunk of the call in row order); the original exception is
+    ``__cause__``. ``rows``: from a whole-array call (``stream_map``, a ``MapJob``),
     the ``(start, stop)`` rows of ``x`` the failed chunk held, as the call cut them; None from a
     pipeline's items.
     """

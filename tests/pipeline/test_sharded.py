@@ -4,10 +4,12 @@ shard settled before a call returns or raises, and the predicted time that of th
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import doctest
 import gc
 import json
 import os
+import pickle
 import signal
 import stat
 import threading
@@ -21,8 +23,9 @@ from hypothesis import strategies as st
 import ringflow as rf
 from ringflow import _device
 from ringflow import _plan as plan
+from ringflow._device.hardware import get_profile
 from ringflow._errors import DeviceError, StageError
-from ringflow._pipeline import sharded
+from ringflow._pipeline import sharded, sizing
 from tests.helpers.hooks import engines
 from tests.helpers.interrupts import InterruptAt
 from tests.helpers.sim import named_sims
@@ -462,7 +465,7 @@ def test_an_out_of_memory_named_for_its_shard_is_still_a_memory_error():
     from ringflow._errors import OutOfMemoryError
 
     dev = rf.device("sim")
-    shard = sharded.Shard(position=1, device=dev, label="device[1]", start=2000, stop=4000, rows=200, first_chunk=10,
+    shard = sharded.Shard(position=1, device=dev, label="device[1]", start=2000, stop=4000, rows=200,
                           chunk_bytes=800)
     err = sharded.named_error(shard, OutOfMemoryError("allocating 800 bytes of device memory failed"))
     assert isinstance(err, OutOfMemoryError) and isinstance(err, MemoryError) and not err.sticky
@@ -517,7 +520,7 @@ def test_two_simulated_gpus_predict_at_least_1_9x_one_on_the_seed_workload(host_
 def test_shards_declare_their_host_copies_while_they_run():
     seen = []
     with named_sims(40, 41, checked=False) as devs:
-        shards = [sharded.Shard(i, d, f"sim:{40 + i}", 0, 1, 1, 0, 4, copy_threads=3 + i) for i, d in enumerate(devs)]
+        shards = [sharded.Shard(i, d, f"sim:{40 + i}", 0, 1, 1, 4, copy_threads=3 + i) for i, d in enumerate(devs)]
         sharded.run_shards(shards, lambda shard: seen.append(shard.device.host.threads_besides(shard.device)))
         assert sorted(seen) == [3, 4]  # each shard sees the other's threads
         assert devs[0].host.threads_besides(devs[0]) == 0  # and none once the call is over
@@ -788,3 +791,95 @@ def test_a_failed_chunk_of_a_compute_bound_call_over_two_devices_names_the_rows_
     a, b = info.value.rows
     assert a <= 1_500_000 < b and b - a <= 1 << 20, (a, b)  # (a whole chunk: 1 Mi rows)
     assert f"rows x[{a}:{b}]" in str(info.value)
+
+
+def _call_chunks(length: int, rows: int, row_bytes: int, shards: int) -> list:
+    """Every chunk ``(start, stop)`` of ``x`` a compute-bound call over ``shards`` equal shards
+    runs, in row order: each shard tapered at both of its ends."""
+    share, bounds = length // shards, []
+    for s in range(shards):
+        start = s * share
+        for n in sizing.chunk_sizes(share, rows, sizing.taper(rows, row_bytes)):
+            bounds.append((start, start + n))
+            start += n
+    return bounds
+
+
+@pytest.mark.parametrize("engine", ["direct", "pipeline"])
+@pytest.mark.parametrize("api", ["stream_map", "MapJob"])
+def test_a_failed_chunk_of_a_tapered_call_over_two_devices_is_indexed_over_the_whole_call(api, engine):
+    """The index counts the chunks every shard before the failed one ran, tapered ones included
+    (each shard of a compute-bound call on the direct engine has short chunks at both ends; the
+    scheduled engine cuts whole ones), so chunk ``index`` of the call is the one whose rows the
+    error names; it survives pickling with the rows."""
+    x = np.arange(8_000_000, dtype=np.float32)
+    x[5_500_000] = 1_500_000  # the failing value, in the second shard
+    x[1_500_000] = 0
+    kw = dict(device=sims(2, 13), chunk_bytes=4 << 20, host="register", engine=engine)
+    with pytest.raises(rf.StageError) as info:
+        if api == "stream_map":
+            rf.stream_map(_fails_where_x_is_1500000, x, **kw)
+        else:
+            with rf.MapJob(_fails_where_x_is_1500000, x, **kw) as job:
+                job()
+    err = info.value
+    if engine == "direct":
+        chunks = _call_chunks(8_000_000, 1 << 20, 4, 2)
+        assert len(chunks) == 18  # 9 a shard: 3 short ones at each end, 3 between
+    else:
+        chunks = _whole_chunks(8_000_000, 1 << 20, 2)
+    assert err.device is not None and err.rows in chunks and err.rows[0] <= 5_500_000 < err.rows[1]
+    assert (err.index, chunks[err.index]) == (chunks.index(err.rows), err.rows)
+    assert f"failed for chunk {err.index}:" in str(err) and f"x[{err.rows[0]}:{err.rows[1]}]" in str(err)
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.stage, back.index, back.rows, str(back)) == (err.stage, err.index, err.rows, str(err))
+
+
+def _whole_chunks(length: int, rows: int, shards: int) -> list:
+    """Every chunk ``(start, stop)`` of ``x`` an untapered call over ``shards`` equal shards
+    runs, in row order."""
+    share = length // shards
+    return [(s + a, s + min(a + rows, share)) for s in range(0, length, share) for a in range(0, share, rows)]
+
+
+def _slow_kernel_sims(n: int, seed: int) -> list:
+    """Simulated GPUs whose kernels are slower than any copy: with no cost stated, the direct
+    engine times a chunk of a job's first call and tapers its later ones."""
+    slow = dataclasses.replace(get_profile("h200-pcie5"), name="slow-kernels", device_GBps=0.5)
+    return sims(n, seed, profile=slow)
+
+
+@pytest.mark.parametrize("failing_call", ["first", "second"])
+def test_a_failed_chunk_of_a_measured_job_over_two_devices_is_indexed_over_the_call_it_ran_in(failing_call):
+    """A MapJob measures its first call and tapers its later ones: the index counts the chunks
+    each earlier shard ran in the failing call (untapered in the first, tapered after it), not
+    the ones it will run next."""
+    x = np.arange(8_000_000, dtype=np.float32) + 2_000_000  # no row holds 1500000
+    with rf.MapJob(_untimed_fails_where_x_is_1500000, x, device=_slow_kernel_sims(2, 14), chunk_bytes=4 << 20,
+                   host="register") as job:
+        if failing_call == "second":
+            job()
+        x[5_500_000] = 1_500_000
+        with pytest.raises(rf.StageError) as info:
+            job()
+    err = info.value
+    if failing_call == "first":  # uniform chunks of 1 Mi rows: 4 a shard
+        chunks = _whole_chunks(8_000_000, 1 << 20, 2)
+    else:
+        chunks = _call_chunks(8_000_000, 1 << 20, 4, 2)
+    assert err.rows in chunks and err.rows[0] <= 5_500_000 < err.rows[1]
+    assert err.index == chunks.index(err.rows), (err.index, err.rows, chunks)
+
+
+def _untimed_fails_where_x_is_1500000(x, y):  # no cost stated: the engine measures it
+    _fails_where_x_is_1500000(x, y)
+
+
+def test_a_measured_job_over_two_devices_counts_the_tapered_chunks_its_later_calls_run():
+    x = np.arange(8_000_000, dtype=np.float32) + 2_000_000
+    with rf.MapJob(_untimed_fails_where_x_is_1500000, x, device=_slow_kernel_sims(2, 15), chunk_bytes=4 << 20,
+                   host="register") as job:
+        assert job.chunks == 8
+        job()
+        job(profile=True)
+        assert job.chunks == job.report().chunks == 18

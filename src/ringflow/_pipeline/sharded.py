@@ -19,9 +19,11 @@ True
 Failures: every shard is settled (it finished or failed) before the call returns or raises, so
 nothing still touches ``x`` or ``out`` afterwards. The error raised is that of the first failed
 shard in row order (an interrupt, KeyboardInterrupt or SystemExit, before any other): a
-:class:`~ringflow.StageError` is raised again with its chunk index counted over the whole array
-and the device and rows named; a :class:`~ringflow.DeviceError` is raised as a new one naming
-the device, the original as ``__cause__``; anything else gets a note naming the device.
+:class:`~ringflow.StageError` is raised again with its chunk index counted over the whole call
+in row order (the chunks every earlier shard ran, as its engine cut them, then the failed one's
+place in its shard) and the device and rows named; a :class:`~ringflow.DeviceError` is raised
+as a new one naming the device, the original as ``__cause__``; anything else gets a note naming
+the device.
 """
 
 from __future__ import annotations
@@ -65,10 +67,11 @@ def _threads() -> concurrent.futures.ThreadPoolExecutor:
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """Rows ``start:stop`` of the arrays on ``device``, in chunks of ``rows`` rows (the last may
-    be shorter); its chunk ``k`` is chunk ``first_chunk + k`` of the whole array. It copies host
-    memory with ``copy_threads`` threads (its workers when it stages, else none), which
-    :func:`run_shards` declares to its device's host while the shards run."""
+    """Rows ``start:stop`` of the arrays on ``device``, planned in chunks of ``rows`` rows (the
+    last may be shorter; the engine of a compute-bound job cuts shorter ones at both ends, so
+    its calls may run more: see :func:`raise_first`). It copies host memory with
+    ``copy_threads`` threads (its workers when it stages, else none), which :func:`run_shards`
+    declares to its device's host while the shards run."""
 
     position: int
     device: Device
@@ -76,16 +79,16 @@ class Shard:
     start: int
     stop: int
     rows: int
-    first_chunk: int
     chunk_bytes: int
     copy_threads: int = 0
 
     @property
     def n_chunks(self) -> int:
+        """The chunks planned, untapered."""
         return -(-(self.stop - self.start) // self.rows)
 
     def chunk_rows(self, k: int) -> tuple[int, int]:
-        """The rows of the whole array that this shard's chunk ``k`` covers."""
+        """The rows of the whole array that this shard's chunk ``k`` covers, planned untapered."""
         a = self.start + k * self.rows
         return a, min(a + self.rows, self.stop)
 
@@ -121,7 +124,7 @@ def plan_shards(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, de
     share = -(-n // min(len(devices), n))
     probe = MapLayout.plan(f, x[:share], out[:share], fresh_out, devices[0], chunk_bytes, host, None, None, opts)
     choose_engine(engine, probe.strategy, probe.engine_options(opts))  # refused once, not once per shard
-    shards, first = [], 0
+    shards = []
     for i, (a, b) in enumerate(split_rows(n, len(devices), probe.rows)):
         rows = min(probe.rows, b - a)
         label = device_label(devices[i])
@@ -129,9 +132,7 @@ def plan_shards(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, de
         threads = (opts.get("workers") or default_workers(devices[i])) if probe.strategy == "stage" else 0
         # the probe's slot size: each shard's layout then cuts the same rows (the wider of a row of
         # x and a row of the result sets them)
-        shard = Shard(i, devices[i], label, a, b, rows, first, probe.chunk_bytes, threads)
-        shards.append(shard)
-        first += shard.n_chunks
+        shards.append(Shard(i, devices[i], label, a, b, rows, probe.chunk_bytes, threads))
     return shards
 
 
@@ -261,15 +262,17 @@ def run_shards(shards: Sequence[Shard], work: Callable[[Shard], Any],
     return outcomes
 
 
-def named_error(shard: Shard, exc: BaseException) -> BaseException:
-    """``exc`` (raised by ``shard``) as the caller sees it: see the module doc."""
+def named_error(shard: Shard, exc: BaseException, first_chunk: int = 0) -> BaseException:
+    """``exc`` (raised by ``shard``) as the caller sees it: see the module doc. ``first_chunk``:
+    the chunks the shards before ``shard`` ran in the call, so a StageError's chunk ``k`` of the
+    shard is chunk ``first_chunk + k`` of the call."""
     where = f"on {shard.label}, whose shard is x[{shard.start}:{shard.stop}]"
     if isinstance(exc, StageError):
         # the shard's engine says which of its rows the chunk held (tapered chunks are not
         # index times rows); the shard's own cut where it could not
         a, b = ((shard.start + exc.rows[0], shard.start + exc.rows[1]) if exc.rows is not None
                 else shard.chunk_rows(exc.index))
-        new = StageError(exc.stage, shard.first_chunk + exc.index, exc.__cause__)
+        new = StageError(exc.stage, first_chunk + exc.index, exc.__cause__)
         new.args = (f"{new.args[0]} (on {shard.label}, rows x[{a}:{b}])",)
         new.device, new.rows = shard.device, (a, b)  # type: ignore[attr-defined]
         return new
@@ -284,12 +287,15 @@ def named_error(shard: Shard, exc: BaseException) -> BaseException:
     return exc
 
 
-def raise_first(shards: Sequence[Shard], outcomes: Sequence[Outcome]) -> None:
+def raise_first(shards: Sequence[Shard], outcomes: Sequence[Outcome],
+                ran: Optional[Sequence[Optional[int]]] = None) -> None:
     """Raise the error of the first failed shard in row order (an interrupt first), named for
-    the caller; return if none failed. The errors are taken out of ``outcomes``: the frames of
+    the caller; return if none failed. ``ran``: the chunks each shard's call ran (None, or a
+    None in it, where not known: the shard's planned chunks are counted instead), which number a
+    StageError's chunk over the call. The errors are taken out of ``outcomes``: the frames of
     the raise (and their callers, which hold ``outcomes``) are in the raised error's traceback,
     and an interrupt is raised as itself, so an outcome keeping it would make a cycle."""
-    err = _first_error(shards, outcomes)
+    err = _first_error(shards, outcomes, ran)
     if err is None:
         return
     try:
@@ -298,7 +304,8 @@ def raise_first(shards: Sequence[Shard], outcomes: Sequence[Outcome]) -> None:
         del err  # this frame is in its traceback
 
 
-def _first_error(shards: Sequence[Shard], outcomes: Sequence[Outcome]) -> Optional[BaseException]:
+def _first_error(shards: Sequence[Shard], outcomes: Sequence[Outcome],
+                 ran: Optional[Sequence[Optional[int]]]) -> Optional[BaseException]:
     """What :func:`raise_first` raises (None if no shard failed); clears every outcome's error."""
     failed = [(s, o.error) for s, o in zip(shards, outcomes) if o.error is not None]
     for o in outcomes:
@@ -307,7 +314,12 @@ def _first_error(shards: Sequence[Shard], outcomes: Sequence[Outcome]) -> Option
         return None
     interrupts = [(s, e) for s, e in failed if not isinstance(e, Exception)]
     shard, exc = (interrupts or failed)[0]
-    err = named_error(shard, exc)
+    # the shards before a StageError's all finished (it is the first failure in row order), so
+    # each ran every chunk its engine cut: a compute-bound one's tapered chunks are more than
+    # its planned ones
+    ran = ran if ran is not None else [None] * len(shards)
+    first = sum(s.n_chunks if n is None else n for s, n in zip(shards[:shard.position], ran))
+    err = named_error(shard, exc, first)
     others = [f"{s.label}: {describe(e)}" for s, e in failed if s is not shard]
     if others:
         err.add_note(f"{len(others)} other shard(s) failed too: " + "; ".join(others))
@@ -461,8 +473,8 @@ def stream_map_sharded(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: b
     # (partials of module functions, not closures: see _shard_arrays)
     work = functools.partial(_stream_map_shard, f, x, out, fresh_out, host, engine, keep_warm, profile, opts)
     outcomes = run_shards(shards, work)
-    raise_first(shards, outcomes)
-    return out, sharded_report(shards, outcomes, [o.value for o in outcomes]) if profile else None
+    raise_first(shards, outcomes, [None if o.value is None else o.value[1] for o in outcomes])
+    return out, sharded_report(shards, outcomes, [o.value[0] for o in outcomes]) if profile else None
 
 
 def _shard_arrays(x: np.ndarray, out: np.ndarray, shard: Shard) -> tuple:
@@ -475,11 +487,12 @@ def _shard_arrays(x: np.ndarray, out: np.ndarray, shard: Shard) -> tuple:
     return xs, (xs if out is x else out[shard.start:shard.stop])
 
 
-def _stream_map_shard(f, x, out, fresh_out, host, engine, keep_warm, profile, opts, shard: Shard) -> Any:
-    """One shard of :func:`stream_map_sharded`; returns its report (None without ``profile``)."""
+def _stream_map_shard(f, x, out, fresh_out, host, engine, keep_warm, profile, opts, shard: Shard) -> tuple:
+    """One shard of :func:`stream_map_sharded`; returns its report (None without ``profile``)
+    and the chunks it ran."""
     xs, outs = _shard_arrays(x, out, shard)
     return run_whole(f, xs, outs, fresh_out, shard.device, shard.chunk_bytes, host, None, None, engine,
-                     keep_warm, profile, dict(opts), pooled_out=False)[1]
+                     keep_warm, profile, dict(opts), pooled_out=False)[1:]
 
 
 def _make_part(part, f, x, out, fresh_out, host, engine, opts, shard: Shard) -> Any:
@@ -493,9 +506,12 @@ def _close_part(part: Any) -> None:
     part.close()
 
 
-def _call_part(parts: list, profile: bool, shard: Shard) -> Any:
-    """One shard's call of :meth:`ShardedJob.run`."""
-    return parts[shard.position](profile=profile)
+def _call_part(parts: list, profile: bool, shard: Shard) -> int:
+    """One shard's call of :meth:`ShardedJob.run`; returns the chunks it ran."""
+    part = parts[shard.position]
+    chunks = part.chunks  # before the call: a first call that finds the job compute-bound tapers the next
+    part(profile=profile)
+    return chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -555,6 +571,12 @@ class ShardedJob:
             raise
 
     @property
+    def n_chunks(self) -> int:
+        """Every shard's chunks the next call runs (more than at set-up once a first call has
+        found shards compute-bound and tapered them)."""
+        return sum(p.chunks for p in self.parts)
+
+    @property
     def enqueue_seconds(self) -> Optional[float]:
         """The largest shard's host time enqueueing its chunks in the last call (direct engine)."""
         seconds = [p.enqueue_seconds for p in self.parts]
@@ -564,7 +586,7 @@ class ShardedJob:
         self._last = None
         outcomes = run_shards(self.shards, functools.partial(_call_part, self.parts, profile))
         self._last, self._profiled = outcomes, profile
-        raise_first(self.shards, outcomes)
+        raise_first(self.shards, outcomes, [o.value for o in outcomes])
 
     def report(self) -> ShardedReport:
         if self._last is None or not self._profiled:

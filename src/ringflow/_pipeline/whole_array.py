@@ -122,8 +122,9 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
         TypeError, ValueError: a bad argument (the message names it and what it accepts).
         StageError: a chunk failed (its stage and index named, its ``rows`` the ``(start, stop)``
             of ``x`` that chunk held; the original as ``__cause__``).
-            Over several devices the index counts chunks over the whole array, and the device
-            and rows are named; every shard has ended (finished or failed) first.
+            Over several devices the index counts chunks over the whole call in row order (the
+            chunks every earlier shard ran, tapered ones included), and the device and rows are
+            named; every shard has ended (finished or failed) first.
         DeviceError: the device broke (over several devices: a new error naming it).
     """
     try:
@@ -180,8 +181,9 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
         return stream_map_sharded(f, x, out, fresh_out, many, opts.pop("chunk_bytes"), host, x_buffer, out_buffer,
                                   engine, keep_warm, profile, opts)
     dev = one_device(device, many, x, out, fresh_out)
-    return run_whole(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer, out_buffer, engine,
-                     keep_warm, profile, opts)
+    out, report, _ = run_whole(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer, out_buffer,
+                               engine, keep_warm, profile, opts)
+    return out, report
 
 
 def one_device(device: Any, many: "list | None", x: np.ndarray, out: np.ndarray, fresh_out: bool) -> Device:
@@ -200,7 +202,8 @@ def one_device(device: Any, many: "list | None", x: np.ndarray, out: np.ndarray,
 def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x_buffer, out_buffer, engine: str,
               keep_warm: bool, profile: bool, opts: dict, *, pooled_out: bool = True) -> tuple:
     """One checked, non-empty whole-array call on ``dev`` (``opts`` as :func:`check_options`
-    returns them, less ``chunk_bytes``, ``keep_warm`` and ``profile``); returns ``(out, report)``.
+    returns them, less ``chunk_bytes``, ``keep_warm`` and ``profile``); returns ``(out, report,
+    chunks)``, ``chunks`` the chunks the call ran (a warm engine's may be tapered).
     ``pooled_out``: a fresh ``out`` may be replaced by a pool array (:data:`POOLED_OUT`); a shard
     of a call over several devices writes the caller's ``out`` and passes False."""
     check_on_device(dev, x, out)
@@ -227,6 +230,7 @@ def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x
             eng = warm.WARM.take(key) if key is not None else None
             if eng is None:
                 eng = make_engine(kind, f, layout, opts, arrays)
+            chunks = eng.n_chunks  # before the call: a first call that finds the job compute-bound tapers the next
             run_call(eng, arrays, profile)
             report = eng.report() if profile else None
             if key is not None and eng.park():
@@ -236,7 +240,7 @@ def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x
         finally:
             for buf in registered:
                 close_quietly(buf, "registration")
-    return out, report
+    return out, report, chunks
 
 
 def _with_flag_defaults(options: dict) -> dict:
