@@ -380,6 +380,47 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_any_work(tmp_path, 
     assert sorted(os.listdir(tmp_path)) == before  # (the check makes nothing it leaves behind)
 
 
+def _folder_of_path_length(base, length: int) -> str:
+    """A folder under ``base`` (not made) whose absolute path is ``length`` bytes long."""
+    parts, left = [], length - len(os.fsencode(os.path.abspath(base)))
+    while left > 0:
+        n = min(200, left - 1)
+        if left - 1 - n == 1:  # would leave a last part of no name: this one shorter
+            n -= 1
+        parts.append("p" * n)
+        left -= 1 + n
+    out = os.path.join(os.path.abspath(base), *parts)
+    assert len(os.fsencode(out)) == length
+    return out
+
+
+@pytest.mark.parametrize("made", [False, True], ids=["missing", "made"])
+@pytest.mark.parametrize("command", ["bench", "demo"])
+def test_an_out_folder_too_long_for_the_files_the_command_writes_is_refused_before_any_work(tmp_path, monkeypatch,
+                                                                                           capsys, command, made):
+    """The folder's own path fits, but not with the name of a file the command writes into it
+    (bench-cuda-<time>.json, trace.json and timeline.png): that write failed after the whole run,
+    its results lost."""
+    import ringflow._bench.runner as runner
+    import ringflow._demo as demo
+
+    def must_not_run(*a, **k):
+        raise AssertionError(f"the {command} ran although its results cannot be written into its --out folder")
+
+    monkeypatch.setattr(runner, "run_bench", must_not_run)
+    monkeypatch.setattr(demo, "demo", must_not_run)
+    longest_path = os.pathconf(tmp_path, "PC_PATH_MAX")
+    out = _folder_of_path_length(tmp_path, longest_path - 1 - len("/trace.json") + 1)  # trace.json: 1 byte over
+    if made:
+        os.makedirs(out)
+    before = sorted(os.listdir(tmp_path))
+    code = main([command, "--device", "sim", "--quick", "seed", "--out", out] if command == "bench"
+                else [command, "--device", "sim", "--out", out])
+    check_one_line(code, capsys.readouterr().err, command, "argument --out: ")
+    assert code == 2
+    assert sorted(os.listdir(tmp_path)) == before  # (the check makes nothing it leaves behind)
+
+
 @pytest.mark.parametrize("option", ["--trace", "--plot"])
 @pytest.mark.parametrize("target", ["device", "fifo", "read-only"])
 def test_an_output_file_that_cannot_take_the_result_is_refused_before_any_work(tmp_path, monkeypatch, capsys,

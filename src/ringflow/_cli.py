@@ -154,9 +154,10 @@ def device_spec(text: str) -> str:
 
 
 # -- output paths, checked before any work ----------------------------------------------------------------------------
-def check_out_dir(path: str, option: str) -> str:
+def check_out_dir(path: str, option: str, writes: "tuple[str, ...]") -> str:
     """Check the folder ``path`` can be made (if missing) and written, without making it: its
-    nearest existing ancestor must be a folder that takes a new file.
+    nearest existing ancestor must be a folder that takes a new file, and the path of the
+    longest of the file names ``writes`` (what the command writes into it) must fit in it.
 
     Raises:
         UsageError: naming ``option`` and what to change.
@@ -175,9 +176,11 @@ def check_out_dir(path: str, option: str) -> str:
                          "nothing (missing, or a loop); give another folder name")
     if not os.path.isdir(existing):
         raise UsageError(f"argument {option}: cannot make folder {path!r}: {existing!r} is a file, not a folder")
-    problem = _name_problem(existing, os.path.relpath(os.path.abspath(path), existing))
+    longest = max(writes, key=lambda name: len(os.fsencode(name)))
+    problem = _name_problem(existing, os.path.relpath(os.path.abspath(path), existing), longest)
     if problem is not None:
-        raise UsageError(f"argument {option}: cannot make folder {path!r}: {problem}; give a shorter folder name")
+        what = "make folder" if os.path.abspath(path) != existing else "write into folder"
+        raise UsageError(f"argument {option}: cannot {what} {path!r}: {problem}; give a shorter folder name")
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
@@ -187,24 +190,28 @@ def check_out_dir(path: str, option: str) -> str:
     return path
 
 
-def _name_problem(existing: str, missing: str) -> "str | None":
+def _name_problem(existing: str, missing: str, file_name: str) -> "str | None":
     """Why the folders ``missing`` (a relative path, ``.`` for none) cannot be made inside the
-    folder ``existing`` for the length of a name, or None: each name must fit the file system's
-    longest name, and the whole path its longest path (makedirs fails on either only when it
-    gets there, after the run)."""
-    if missing == os.curdir:
-        return None
+    folder ``existing``, or the file ``file_name`` written into the last of them, for the length
+    of a name, or None: each name must fit the file system's longest name, and the file's whole
+    path its longest path (makedirs, or the write, fails on either only when it gets there,
+    after the run)."""
     try:
         longest_name = os.pathconf(existing, "PC_NAME_MAX")
         longest_path = os.pathconf(existing, "PC_PATH_MAX")
-    except (OSError, ValueError):  # no limit known: makedirs says what it finds
+    except (OSError, ValueError):  # no limit known: makedirs and the write say what they find
         return None
-    for name in missing.split(os.sep):
-        if len(os.fsencode(name)) > longest_name:
-            return f"the name {name[:40]!r}... is longer than the {longest_name} bytes a name may have"
-    whole = os.path.join(existing, missing)
-    if len(os.fsencode(whole)) >= longest_path:
+    folder = existing
+    if missing != os.curdir:
+        for name in missing.split(os.sep):
+            if len(os.fsencode(name)) > longest_name:
+                return f"the name {name[:40]!r}... is longer than the {longest_name} bytes a name may have"
+        folder = os.path.join(existing, missing)
+    if len(os.fsencode(folder)) >= longest_path:
         return f"the path is longer than the {longest_path - 1} bytes a path may have"
+    if len(os.fsencode(os.path.join(folder, file_name))) >= longest_path:
+        return (f"the path of a file written into it (a name of {len(os.fsencode(file_name))} bytes) would be longer "
+                f"than the {longest_path - 1} bytes a path may have")
     return None
 
 
@@ -321,7 +328,9 @@ def _bench(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown workload(s) {', '.join(map(repr, unknown))}; choose from "
                          f"{', '.join(WORKLOADS + BY_NAME_ONLY)}")
     if args.out is not None:
-        check_out_dir(args.out, "--out")
+        from ._bench.runner import LONGEST_RESULT_NAME
+
+        check_out_dir(args.out, "--out", (LONGEST_RESULT_NAME,))
     if args.trace is not None:
         check_out_file(args.trace, "--trace")
     if args.plot is not None:
@@ -337,7 +346,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from ._demo import PLOT_FILE, TRACE_FILE, demo
 
-    check_out_dir(args.out, "--out")
+    check_out_dir(args.out, "--out", (TRACE_FILE, PLOT_FILE))
     if os.path.isdir(args.out):  # the files it will write there, checked before the run, not after it
         for name in (TRACE_FILE, PLOT_FILE):
             problem = out_file_problem(os.path.join(args.out, name))

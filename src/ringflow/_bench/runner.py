@@ -20,6 +20,15 @@ from .provenance import provenance
 from .workloads import WORKLOADS, run_workload
 
 
+def result_name(backend: str, when: datetime.datetime) -> str:
+    """The name of the JSON file a run on ``backend`` at ``when`` writes into its ``out_dir``."""
+    return f"bench-{backend}-{when.strftime('%Y-%m-%dT%H%M%S')}.json"
+
+
+# the longest of those names (a CUDA run's), which the command line checks its --out folder takes
+LONGEST_RESULT_NAME = result_name("cuda", datetime.datetime(2000, 1, 1))
+
+
 def environment(dev) -> dict[str, Any]:
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": dev.name, "backend": dev.backend, "python": platform.python_version(),
@@ -76,8 +85,7 @@ def run_bench(device: str = "auto", workloads=WORKLOADS, *, quick: bool = False,
         console.print(table(res))
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%S")
-        path = os.path.join(out_dir, f"bench-{dev.backend}-{stamp}.json")
+        path = os.path.join(out_dir, result_name(dev.backend, datetime.datetime.now(datetime.timezone.utc)))
         write_whole(path, json.dumps(jsontext.plain(result), indent=1, default=_jsonable, allow_nan=False))
         console.print(f"wrote {path}")
         result["path"] = path
