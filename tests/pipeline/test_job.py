@@ -2,8 +2,10 @@
 
 import doctest
 import gc
+import logging
 import threading
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -12,7 +14,11 @@ from hypothesis import strategies as st
 
 import ringflow as rf
 from ringflow._errors import StageError
+from ringflow import _testing
 from ringflow._pipeline import job as job_module
+from ringflow._pipeline import scheduler as scheduler_module
+from ringflow._pipeline.states import RingKind, SlotState
+from tests.helpers.hooks import pipeline_of
 from tests.helpers.interrupts import InterruptAt
 from tests.helpers.pipeline_checks import copy_failing_on_call
 from tests.helpers.sim import named_sims
@@ -145,6 +151,44 @@ def test_a_device_closed_by_another_thread_mid_call_fails_the_call_cleanly(host,
         assert job.closed
         job.close()
     assert dev.live().total == 0
+
+
+@pytest.mark.parametrize("call", ["job", "stream_map"])
+def test_a_device_closed_by_another_thread_mid_staged_call_frees_its_host_rings(call, caplog):
+    """Another thread closes the device while the scheduled engine stages a call through its
+    pinned host rings (the second chunk's result is back, six chunks to go): the call raises the
+    device's own error, as on the direct engine, and its clean-up frees the host rings. The close
+    ran every operation to completion and none runs after it, so nothing can still write them;
+    they used to be kept until the process ended, with a warning that a progress thread had died
+    (a whole-array call has none)."""
+    dev = rf.device("sim", seed=3, chaos=True, checked=True)
+    x = contents(8192, 4)
+    engines, rings, results_back = [], [], []
+
+    def close_at_the_second_result(kind, slot, old, new):
+        if kind is RingKind.HOST_OUT and new is SlotState.CONSUMING:
+            results_back.append(None)
+            if len(results_back) == 2:
+                rings.extend(weakref.ref(r.buffer) for r in pipeline_of(engines[0]()).scheduler.rings if r.buffer.is_host)
+                bounded(dev.close)  # on another thread, which returns once the device is closed
+
+    kept = len(scheduler_module.KEPT)
+    with _testing.inject(slot_hook=close_at_the_second_result, on_engine=lambda e: engines.append(weakref.ref(e))), \
+            warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="ringflow"):
+        warnings.simplefilter("error")  # a clean-up that failed warns
+        with pytest.raises(RuntimeError, match="this simulated device is closed"):
+            if call == "job":
+                with rf.MapJob(f, x, device=dev, chunk_bytes=4096, host="stage") as job:
+                    assert job.engine == "pipeline" and job.chunks == 8
+                    job()
+            else:
+                rf.stream_map(f, x, device=dev, chunk_bytes=4096, host="stage")
+    assert len(rings) == 2, rings  # the input and result rings, staged through
+    assert not caplog.records, caplog.text
+    assert len(scheduler_module.KEPT) == kept
+    assert dev.live().total == 0, dev.live()
+    gc.collect()
+    assert all(ref() is None for ref in rings)  # nothing keeps them
 
 
 def test_bad_arguments_say_what_to_change():

@@ -1628,11 +1628,11 @@ class Scheduler:
         cancel does. The wait covers the streams, not only the fences the scheduler recorded: a
         step that died may have enqueued a copy before it recorded its fence.
 
-        Returns True if the work was seen complete. False if not (the wait timed out or the
-        device failed): the pooled arrays of the chunks not yet ended, and the host rings with a
-        busy slot, may still be written by that work, so they are kept in :data:`KEPT` for
-        good, never handed out again nor freed, and a warning is logged. Never raises an
-        ``Exception``."""
+        Returns True if the work was seen complete, or the device was closed (its close ran
+        that work to completion). False if not (the wait timed out or the device failed): the
+        pooled arrays of the chunks not yet ended, and the host rings with a busy slot, may
+        still be written by that work, so they are kept in :data:`KEPT` for good, never handed
+        out again nor freed, and a warning is logged. Never raises an ``Exception``."""
         self.stopped_by = err
         self._refuse_more()
         try:
@@ -1645,7 +1645,10 @@ class Scheduler:
             complete = self._wait_enqueued(timeout)
         except Exception:  # noqa: BLE001 - a broken device: its work was not seen complete
             logger.debug("waiting for the work of a pipeline whose driver died failed", exc_info=True)
-            complete = False
+            # a device closed (by another thread, under a whole-array call) ran every operation
+            # and host task to completion as it closed and runs none after: nothing can still
+            # write this memory, and keeping it would keep the host rings until the process ends
+            complete = getattr(self.device, "closed", False)
         if not complete:
             self._keep_for_good(timeout)
         try:
