@@ -1106,3 +1106,16 @@ def test_the_librarys_logged_warnings_are_one_stderr_line_each(monkeypatch, caps
     assert err == ["ringflow plan: warning: RINGFLOW_X='nan' is not a number; using 200",
                    "ringflow plan: warning: from a thread"], err
     assert logging.getLogger("ringflow").handlers == before
+
+
+def test_plan_takes_a_valid_profile_of_slow_host_calls(tmp_path, capsys):
+    """Every field of the profile is in range (a copy takes a minute to enqueue): the plan is
+    printed, with no ring asked for more slots than a ring may have."""
+    import dataclasses
+
+    from ringflow._device.hardware import H200_PCIE5
+
+    path = tmp_path / "slow-enqueue.json"
+    dataclasses.replace(H200_PCIE5, name="slow-enqueue", copy_overhead_s=60.0).save(path)
+    assert main(["plan", "--bytes", "1MiB", "--profile", str(path)]) == 0, capsys.readouterr().err
+    assert "slow-enqueue" in capsys.readouterr().out

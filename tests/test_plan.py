@@ -5,6 +5,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ringflow as rf
 from tests.helpers.hooks import engines
@@ -593,3 +595,59 @@ def test_slot_counts_are_checked_once_when_made(monkeypatch):
     monkeypatch.setattr(validate, "check_count", lambda *a, **k: calls.append(a) or a[1])
     assert validate.check_slots(slots, inplace=False) is slots
     assert calls == []
+
+
+@pytest.mark.parametrize("field", ["copy_overhead_s", "launch_overhead_s", "event_overhead_s"])
+def test_a_profile_of_slow_host_calls_plans_rings_the_host_can_fill(field):
+    """Every chunk costs the host at least one enqueue and one event: a profile whose host calls
+    take a minute (every field in range) makes chunks at least that far apart, so a ring needs a
+    few slots, not one per millisecond of the call (144231 slots, refused as out of range)."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-host-calls", **{field: 60.0})
+    choice = plan.choose_chunk_bytes(p, 1 * MiB, workers=8)
+    t, _ = plan.predict_seconds(p, 1 * MiB, choice.chunk_bytes, workers=8)
+    assert t.interval >= t.handoff
+    slots = plan.plan_slots(t).slots
+    assert max(slots.host_in, slots.device_in, slots.device_out, slots.host_out) <= 8 + 2
+    modelled = plan.model_stage_times(p, 1 * MiB, workers=8)
+    assert max(dataclasses.astuple(plan.plan_slots(modelled).slots)) <= 8 + 2
+
+
+def test_a_pipeline_on_a_profile_of_slow_host_calls_runs():
+    """The rings planned on the simulated GPU of such a profile fit its memory (64 GiB of
+    device-in slots were asked for) and a result delivered on the device adds its slack."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-enqueue", copy_overhead_s=60.0)
+    dev = rf.device("sim", profile=p)
+
+    def f(x, y):
+        y[:] = x * 2
+
+    x = np.arange(1 << 16, dtype=np.float32)
+    np.testing.assert_array_equal(rf.stream_map(f, x, device=dev, chunk_bytes="auto"), x * 2)
+    for kwargs in ({}, {"deliver": "device"}):
+        with rf.Pipeline(f, device=dev, chunk_bytes=MiB, **kwargs) as pipe:
+            assert max(dataclasses.astuple(pipe.config.slots)) <= 16
+            assert len(list(pipe.map([np.ones(1 << 18, np.float32)] * 3))) == 3
+
+
+_seconds = st.one_of(st.just(0.0), st.floats(1e-9, 3600.0))
+_rates = st.floats(1e-6, 1e6)
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(overheads=st.tuples(_seconds, _seconds, _seconds, _seconds), rates=st.tuples(_rates, _rates, _rates),
+       total=st.integers(1, 1 << 53), workers=st.integers(1, 64), host_stages=st.booleans())
+def test_every_valid_profile_plans_a_chunk_within_the_array_and_rings_in_range(overheads, rates, total, workers,
+                                                                               host_stages):
+    """Whatever a valid profile holds, the planner picks a chunk of 1 byte to the whole array,
+    predicts a finite time and plans rings within range."""
+    launch, copy, event, task = overheads
+    h2d, duplex, device = rates
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="fuzzed", launch_overhead_s=launch,
+                            copy_overhead_s=copy, event_overhead_s=event, host_task_overhead_s=task,
+                            h2d_curve=((1 << 20, h2d),), duplex_GBps=duplex, device_GBps=device)
+    choice = plan.choose_chunk_bytes(p, total, workers=workers, host_stages=host_stages)
+    assert 1 <= choice.chunk_bytes <= total
+    t, predicted = plan.predict_seconds(p, total, choice.chunk_bytes, workers=workers, host_stages=host_stages)
+    assert 0 < predicted < float("inf")
+    plan.plan_slots(t)  # within range, or SlotCounts refuses it
+    plan.plan_slots(plan.model_stage_times(p, choice.chunk_bytes, workers=workers))

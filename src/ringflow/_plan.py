@@ -310,9 +310,16 @@ def model_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, com
     output; ``prepare``/``consume`` default to one memcpy of the chunk at the per-thread host copy
     rate of the pool's threads that copy at once: of ``workers``, those that the copies, the
     kernel and ``scheduler`` (the host's seconds per chunk) keep busy (:func:`copying_threads`;
-    all of them when either host stage is given)."""
+    all of them when either host stage is given).
+
+    The host's time per chunk is at least ``scheduler`` and at least the hand-off (an event and
+    an enqueue, which every chunk costs the one thread that enqueues): chunks come no closer
+    together than that, and a ring holds no more of them than its lifetime spans such intervals
+    (a profile whose copies take a minute to enqueue needs no ring of a slot a millisecond)."""
     p = get_profile(profile)
     n_in, n_out = chunk_bytes, out_bytes if out_bytes is not None else chunk_bytes
+    handoff = p.event_overhead_s + max(p.copy_overhead_s, p.launch_overhead_s)
+    scheduler = max(scheduler, handoff)
     r_h = p.copy_GBps("h2d", n_in) * 1e9
     r_d = p.copy_GBps("d2h", n_out) * 1e9
     scale = min(1.0, p.duplex_GBps * 1e9 / (r_h + r_d))
@@ -329,7 +336,7 @@ def model_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, com
         d2h=d2h,
         consume=consume if consume is not None else host_stage_seconds(p, n_out, busy),
         workers=busy,
-        handoff=p.event_overhead_s + max(p.copy_overhead_s, p.launch_overhead_s),
+        handoff=handoff,
         scheduler=scheduler,
     )
 
@@ -408,7 +415,8 @@ def queued_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, co
     # (its copies, kernel and host stages are replaced below: given host stages, it does not
     # look for the copying threads, which the queued times decide)
     t = model_stage_times(p, chunk_bytes, compute=compute, workers=workers, out_bytes=out_bytes, prepare=0.0,
-                          consume=0.0)
+                          consume=0.0, scheduler=scheduler)
+    scheduler = t.scheduler  # (at least the hand-off: see model_stage_times)
     h2d, d2h = chunk_bytes / (peak_h * share), out_bytes / (peak_d * share)
     if out_ratio != 1.0:  # the shorter direction ends first; the other then has the link to itself
         if h2d > d2h:
