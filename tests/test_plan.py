@@ -651,3 +651,19 @@ def test_every_valid_profile_plans_a_chunk_within_the_array_and_rings_in_range(o
     assert 0 < predicted < float("inf")
     plan.plan_slots(t)  # within range, or SlotCounts refuses it
     plan.plan_slots(plan.model_stage_times(p, choice.chunk_bytes, workers=workers))
+
+
+def test_an_auto_chunk_fits_the_device_rings_in_the_profiles_memory():
+    """A profile of a GPU with 1 MiB of memory: chunk_bytes="auto" chose 4 MiB chunks, whose
+    device rings (3 slots each way) could not be allocated, and the error told the caller to give
+    a smaller chunk_bytes."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="small-memory", total_memory=MiB)
+    choice = plan.choose_chunk_bytes(p, 64 * MiB, workers=4)
+    assert 2 * 3 * choice.chunk_bytes <= MiB
+    dev = rf.device("sim", profile=p)
+
+    def f(x, y):
+        y[:] = x * 2
+
+    x = np.arange(16 * MiB // 4, dtype=np.float32)
+    np.testing.assert_array_equal(rf.stream_map(f, x, device=dev, chunk_bytes="auto"), x * 2)

@@ -529,7 +529,8 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *, co
     Small chunks copy slowly (the bandwidth-by-size curve) and pay the per-chunk host cost many
     times; large chunks leave the pipeline's fill and drain (the first chunk traverses every
     stage alone) a large share. Each candidate is predicted as ``predicted_total`` over its chunk
-    count plus the per-chunk scheduling cost; the planned slots must fit ``pinned_budget``.
+    count plus the per-chunk scheduling cost; the planned slots must fit ``pinned_budget``, and
+    the device rings (with their slack) the profile's ``total_memory`` where any candidate's do.
     ``host_stages=False`` when the copy engines read the caller's pinned memory directly.
     """
     if total_bytes <= 0:
@@ -547,7 +548,7 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *, co
 def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_stages, pinned_budget, align,
                         candidates, out_ratio) -> ChunkChoice:
     cands = candidates or [1 << k for k in range(16, 29)]
-    rows = []
+    rows, too_large = [], []
     seen = set()
     for c in cands:
         c = max(align, (min(c, total_bytes) // align) * align)
@@ -562,6 +563,13 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_
         if pinned_budget is not None and host_stages and (plan.slots.host_in + plan.slots.host_out) * slot > pinned_budget:
             continue
         rows.append((c, n, predicted))
+        # the device rings (each with its slack of 3 slots, no more than the chunks) must fit the
+        # device's memory: a chunk whose rings cannot be allocated is no choice
+        device = min(n, max(plan.slots.device_in, 3)) * c + min(n, max(plan.slots.device_out, 3)) * c * out_ratio
+        if device > profile.total_memory:
+            too_large.append(rows.pop())
+    if not rows and too_large:  # none fits: the smallest, whose allocation then says what is missing
+        rows = [min(too_large)]
     if not rows:
         raise ValueError(f"no chunk size fits a pinned budget of {pinned_budget} bytes; raise the budget")
     best = min(rows, key=lambda r: (r[2], -r[0]))
