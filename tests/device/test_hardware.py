@@ -379,3 +379,11 @@ def test_a_profile_file_rewritten_again_and_again_is_remembered_once(tmp_path):
         os.utime(path, ns=(k * 10**9, k * 10**9))  # a new time even where the clock's grain is coarse
         assert hardware.load_profile(path).name == f"unit-{k}"
     assert len(hardware._loaded) - before == 1
+
+
+def test_a_profile_saved_with_a_byte_order_mark_is_read(tmp_path):
+    """An editor that saves UTF-8 with a byte order mark first (Notepad, PowerShell) left a file
+    refused as "not JSON (Unexpected UTF-8 BOM (decode using utf-8-sig))", advice for a programmer."""
+    path = tmp_path / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + MEASURED.to_json().encode("utf-8"))
+    assert get_profile(str(path)) == MEASURED
