@@ -195,3 +195,19 @@ class EndsItsWorkerAsItStarts:
 
     def __reduce__(self):
         return os._exit, (3,)
+
+
+class ArrivesBroken:
+    """An item that pickles but cannot be unpickled (pickle rebuilds it with one argument, its
+    ``__init__`` takes two): it fails in the worker process that receives it."""
+
+    def __init__(self, n: int, why: str):
+        self.n = n
+
+    def __reduce__(self):
+        return ArrivesBroken, (self.n,)
+
+
+def ramp_of_n(item) -> np.ndarray:
+    """:func:`ramp` of ``item.n`` for an object with an ``n``, else of ``item``."""
+    return ramp(getattr(item, "n", item))

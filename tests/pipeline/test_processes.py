@@ -274,6 +274,36 @@ def test_an_error_that_cannot_leave_its_worker_fails_its_chunk_alone(dev, prepar
     assert dev.live().total == 0
 
 
+def test_an_item_that_cannot_reach_its_worker_fails_alone_saying_so(dev):
+    """An item that pickled but did not unpickle in its worker ended that worker: its
+    traceback was printed, the item failed as if the worker had crashed ("died (exit code 1)
+    ... a crash in native code, os._exit, or a signal"), and a new worker was started. One
+    that did not pickle failed with pickle's own words alone. Each fails saying that
+    processes=True sends items to worker processes; the worker serves the next items."""
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.ramp_of_n, processes=True, workers=1,
+                     on_error="continue") as pipe:
+        pids = pipe._procs.pids()
+        futs = [pipe.submit(i) for i in (1, 2)]
+        futs.append(pipe.submit(pp.ArrivesBroken(3, "broken")))
+        futs.append(pipe.submit(threading.Lock()))  # (cannot be pickled)
+        futs += [pipe.submit(i) for i in (5, 6)]
+        outcomes = [fu.exception(timeout=30) for fu in futs]
+        failures = pipe.failures
+        assert pipe._procs.pids() == pids  # nothing ended its worker
+    assert [i for i, o in enumerate(outcomes) if o is not None] == [2, 3]
+    assert [(e.stage, e.index) for e in failures] == [("prepare", 2), ("prepare", 3)]
+    unpickled, pickled = (e.__cause__ for e in failures)
+    assert type(unpickled) is TypeError and type(pickled) is TypeError, (repr(unpickled), repr(pickled))
+    assert "could not be unpickled in its worker process" in str(unpickled), str(unpickled)
+    assert "missing 1 required positional argument" in str(unpickled), str(unpickled)
+    assert "died" not in str(unpickled)
+    assert "processes=True sends each item to a worker process" in str(pickled), str(pickled)
+    assert "cannot be pickled" in str(pickled) and "lock" in str(pickled), str(pickled)
+    for i, n in ((0, 1), (1, 2), (4, 5), (5, 6)):
+        assert np.array_equal(futs[i].result(), pp.ramp(n) * 2 + 1)
+    assert dev.live().total == 0
+
+
 def ignores_sigint(pid: int) -> bool:
     """Whether process ``pid`` ignores SIGINT (its SigIgn mask in /proc)."""
     with open(f"/proc/{pid}/status") as status:

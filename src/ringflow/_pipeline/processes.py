@@ -229,15 +229,21 @@ class ProcessPrepare:
 
         Raises:
             whatever ``prepare`` raised in the worker (TypeError/ValueError for an array that is
-            not one or does not fit), or pickling the item raised.
+            not one or does not fit).
+            TypeError: the item cannot be pickled, or its worker could not unpickle it.
             TypeError: an array of a dtype this device's arrays cannot hold
                 (:meth:`~ringflow._device.protocol.Device.check_dtype`).
             RuntimeError: the worker process died while preparing the item.
             PrepareStopped: :meth:`stop_running` or :meth:`close` stopped it (or came first).
         """
         # pickled here, before a worker is taken: an item that cannot be sent fails alone
-        task = ForkingPickler.dumps((self._chunk_bytes, item, raw.__array_interface__["data"][0] - self._base,
-                                     raw.nbytes))
+        try:
+            task = ForkingPickler.dumps((self._chunk_bytes, item, raw.__array_interface__["data"][0] - self._base,
+                                         raw.nbytes))
+        except Exception as exc:  # noqa: BLE001 - what pickle raises varies (TypeError, AttributeError, ...)
+            raise TypeError(f"processes=True sends each item to a worker process, but this item cannot be pickled "
+                            f"({describe(exc)}); submit items pickle can send (arrays, numbers, strings, paths, "
+                            "objects of module-level classes), or use processes=False") from exc
         worker = self._take()
         with self._lock:
             worker.key = getattr(self.task, "key", None)
@@ -519,7 +525,7 @@ def _serve(conn: Any, name: str, prepare: bytes) -> None:
         return
     while True:
         try:
-            task = conn.recv()
+            task = conn.recv_bytes()  # (unpickled by _reply: an item that fails there fails alone)
         except (EOFError, OSError):  # the pipeline closed its end: no more tasks
             return
         conn.send(_reply(task))
@@ -533,13 +539,21 @@ def _attach(name: str, prepare: bytes) -> None:
     _SHARED["prepare"] = pickle.loads(prepare)
 
 
-def _reply(task: tuple) -> tuple:
-    """In a worker: ``("ok", (shape, dtype string)[, layout])`` for a task, or ``("error",
-    exception, traceback text)`` with what it raised (or a stand-in that can travel back)."""
+def _reply(task: bytes) -> tuple:
+    """In a worker: ``("ok", (shape, dtype string)[, layout])`` for a task (pickled), or
+    ``("error", exception, traceback text)`` with what it raised (or a stand-in that can travel
+    back)."""
     try:
         broken = _SHARED.get("broken")
         if broken is not None:
             raise broken
+        try:
+            task = ForkingPickler.loads(task)
+        except BaseException as exc:  # noqa: BLE001 - the item's own unpickling, whatever it raised
+            raise TypeError(f"the item could not be unpickled in its worker process ({describe(exc)}); "
+                            "processes=True sends each item to a worker process by pickle: an item must unpickle "
+                            "there (a class importable by its module's name, a __reduce__ that rebuilds it), "
+                            "or use processes=False") from exc
         return "ok", _prepare_in_worker(*task)
     except BaseException as exc:  # noqa: BLE001 - sent back as itself where it can travel
         text = "".join(traceback.format_exception(exc))
