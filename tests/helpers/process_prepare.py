@@ -211,3 +211,17 @@ class ArrivesBroken:
 def ramp_of_n(item) -> np.ndarray:
     """:func:`ramp` of ``item.n`` for an object with an ``n``, else of ``item``."""
     return ramp(getattr(item, "n", item))
+
+
+_KEPT: dict = {}  # keeps_its_first_slot's array, per worker process
+
+
+def keeps_its_first_slot(item: int) -> np.ndarray:
+    """Fills an ``empty_slot`` array with ``item``, but returns the one its worker's first
+    prepare got (kept past that prepare's return: the pipeline's memory, another item's slot
+    once that slot is reused), filled with ``item`` too where it is that same slot."""
+    import ringflow as rf
+
+    out = rf.host.empty_slot((8,), np.float32)
+    out[:] = item
+    return _KEPT.setdefault("first", out)

@@ -304,6 +304,27 @@ def test_an_item_that_cannot_reach_its_worker_fails_alone_saying_so(dev):
     assert dev.live().total == 0
 
 
+def test_an_array_in_another_items_slot_fails_its_item_instead_of_sending_that_items_data(dev):
+    """A prepare returned an array from an earlier prepare's empty_slot, kept past its return:
+    it lies in the shared block, in the slot of whatever item that slot holds now, and was
+    copied from there: the item came back with another item's data, and no one was told.
+    Such an item fails saying why; one that lands in that same slot again is its own data."""
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.keeps_its_first_slot, processes=True,
+                     workers=1, on_error="continue") as pipe:
+        futs = [pipe.submit(i) for i in range(16)]
+        outcomes = [fu.exception(timeout=30) for fu in futs]
+        failures = {e.index: e.__cause__ for e in pipe.failures}
+    assert set(failures) == {i for i, o in enumerate(outcomes) if o is not None}
+    for i, fu in enumerate(futs):
+        if i in failures:
+            assert type(failures[i]) is ValueError, repr(failures[i])
+            assert "another item's slot" in str(failures[i]) and "empty_slot" in str(failures[i]), str(failures[i])
+        else:
+            assert np.array_equal(fu.result(), np.full(8, 2 * i + 1, np.float32)), (i, fu.result())
+    assert failures, "every item landed in the first one's slot: the test needs items in other slots"
+    assert dev.live().total == 0
+
+
 def ignores_sigint(pid: int) -> bool:
     """Whether process ``pid`` ignores SIGINT (its SigIgn mask in /proc)."""
     with open(f"/proc/{pid}/status") as status:
