@@ -229,6 +229,43 @@ def test_workers_that_fail_to_start_leave_nothing_registered(dev, monkeypatch, s
     assert segments.made and segments.left() == []
 
 
+def test_a_block_shared_memory_has_no_room_for_is_refused_at_construction(dev, monkeypatch, segments):
+    """/dev/shm (a tmpfs: 64 MiB in a Docker container unless --shm-size says more) made a
+    block larger than its free space without a word (its pages are taken as written); a
+    worker's write past that space then died of SIGBUS, failing its item as a crash, and a
+    device registering the block as pinned memory faults every page in, in the pipeline's own
+    process. The block's pages are taken as it is made: no room is refused then, saying how
+    many bytes were asked for and what to change, and nothing is left behind."""
+    import errno
+
+    from ringflow._pipeline import processes
+
+    asked, pools = [], []
+    real_worker = processes._Worker
+
+    def no_room(fd, offset, length):
+        asked.append(length)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    class Counted(real_worker):
+        def __init__(self, *a):
+            pools.append(1)
+            super().__init__(*a)
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    monkeypatch.setattr(processes, "_Worker", Counted)
+    with pytest.raises(OSError, match="shared memory") as caught:
+        rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.ramp, processes=True, workers=2,
+                    slots=rf.SlotCounts(host_in=3, device_in=2, device_out=2, host_out=2))
+    assert caught.value.errno == errno.ENOSPC
+    message = str(caught.value)
+    assert asked == [3 * 4096] and f"{3 * 4096} bytes" in message, message
+    assert "chunk_bytes" in message and "slots" in message and "--shm-size" in message, message
+    assert pools == []
+    assert dev.live().total == 0, dev.live()
+    assert segments.made and segments.left() == []
+
+
 def test_a_device_with_no_room_for_the_rings_starts_no_worker_and_pins_nothing(monkeypatch, segments):
     """The device rings are allocated before anything is pinned (test_ring.py); the prepare
     processes' shared block was made, registered and its workers started before them, so a GPU

@@ -40,6 +40,7 @@ enqueued only after that thread's task is seen complete, as for a prepare on a t
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.process
@@ -177,11 +178,13 @@ class ProcessPrepare:
         device rings: a device without room for those fails before any of this is paid for.
 
         Raises:
+            OSError: shared memory (``/dev/shm``) has no room for the block (ENOSPC).
             whatever making, registering or starting them raised; what was made is closed.
         """
         nbytes = self._nbytes
         self._shm = shared_memory.SharedMemory(create=True, size=nbytes)
         try:
+            _reserve(self._shm, nbytes)
             view = np.ndarray((nbytes,), np.uint8, buffer=self._shm.buf)
             self._base = view.__array_interface__["data"][0]
             self.buffer = self._device.register_host(view)
@@ -462,6 +465,30 @@ class ProcessPrepare:
                 shm.unlink()
             except FileNotFoundError:
                 pass
+
+
+def _reserve(shm: Any, nbytes: int) -> None:
+    """Take every page of the new block ``shm`` now, where the system can (Linux). ``/dev/shm``
+    is a tmpfs (64 MiB in a Docker container unless ``--shm-size`` says more) that makes a block
+    larger than its free space without a word and takes its pages as they are written: a write
+    past that space kills the process writing (SIGBUS), a worker, or the pipeline's own process
+    where the device registers the block as pinned memory (which faults every page in).
+
+    Raises:
+        OSError: no room for ``nbytes`` bytes (ENOSPC), saying what to change.
+    """
+    fd = getattr(shm, "_fd", -1)
+    if not hasattr(os, "posix_fallocate") or fd < 0 or nbytes == 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS):  # (a system that cannot tell)
+            return
+        raise OSError(exc.errno, f"processes=True puts its host-in slots in one block of shared memory, "
+                                 f"{nbytes} bytes (slots.host_in x chunk_bytes), but shared memory (/dev/shm) has "
+                                 f"no room for it ({exc.strerror}); lower chunk_bytes or slots (host_in), or give "
+                                 f"shared memory more room (in a Docker container: docker run --shm-size)") from None
 
 
 def _end_all(workers: list, grace: float) -> None:
