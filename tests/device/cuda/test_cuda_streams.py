@@ -218,6 +218,53 @@ def test_sticky_error_becomes_device_error():
     assert "DONE True DeviceError" in out.stdout
 
 
+
+POOL_AFTER_STICKY = textwrap.dedent(r'''
+    import gc
+    import numpy as np, ringflow as rf
+    from ringflow._errors import DeviceError
+    from ringflow._kernel import Kernel
+    bad = Kernel(r"""extern "C" __global__ void bad(const unsigned* x, unsigned* y, size_t n) {
+        unsigned* p = (unsigned*)0x10; p[threadIdx.x] = 1u; }""", "bad")
+    dev = rf.device("cuda:0", array="dlpack")
+    kept = rf.host.empty(1 << 20, np.uint8, device=dev)
+    kept[:] = 5
+    cached = rf.host.empty(1 << 20, np.uint8, device=dev)
+    del cached
+    gc.collect()
+    s = dev.create_stream()
+    buf = dev.allocate(1024, stream=s)
+    s.launch(bad, buf.array(np.uint32, 256), buf.array(np.uint32, 256))
+    try:
+        s.record().sync()
+        print("NO ERROR")
+    except DeviceError as exc:
+        print("STICKY", exc.sticky)
+    print("READ", int(kept.sum()) == 5 << 20)
+    st = rf.host.stats(device=dev)
+    print("STATS", st.cached_bytes >= 1 << 20)
+    again = rf.host.empty(1 << 20, np.uint8, device=dev)
+    again[:] = 7
+    print("CACHED", rf.host.stats(device=dev).in_use_bytes >= 2 << 20, int(again[0]))
+    try:
+        rf.host.empty(64 << 20, np.uint8, device=dev)
+        print("NEW ok")
+    except DeviceError as exc:
+        print("NEW DeviceError", exc.sticky)
+''')
+
+
+def test_pinned_memory_and_the_pools_cache_stay_usable_after_a_sticky_error():
+    """What the simulated GPU models after a sticky error (a host view of a pinned buffer needs
+    no CUDA call), checked on a GPU in a child process: host memory pinned before the fault is
+    still read and written, the pool's counters are read and its cached blocks handed out; a
+    new pinned allocation fails with a sticky DeviceError."""
+    out = subprocess.run([sys.executable, "-c", POOL_AFTER_STICKY], capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert "STICKY True" in lines, out.stdout + out.stderr
+    assert "READ True" in lines and "STATS True" in lines and "CACHED True 7" in lines, out.stdout + out.stderr
+    assert "NEW DeviceError True" in lines, out.stdout + out.stderr  # (as on the simulated GPU)
+
 def test_closed_streams_are_reused_only_when_idle():
     """A closed stream's CUDA stream goes to the device's idle list; create_stream hands it out
     again only once the work it still had has finished, so no new owner queues behind it."""
