@@ -363,15 +363,20 @@ def _link(path, target):
 @pytest.mark.parametrize("command", ["bench", "demo"])
 @pytest.mark.parametrize("make", OUT_FOLDERS.values(), ids=OUT_FOLDERS.keys())
 def test_an_out_folder_that_cannot_be_made_is_refused_before_any_work(tmp_path, monkeypatch, capsys, command, make):
+    _out_refused_before_any_work(tmp_path, monkeypatch, capsys, command, str(make(tmp_path)))
+
+
+def _out_refused_before_any_work(tmp_path, monkeypatch, capsys, command: str, out: str) -> None:
+    """``command --out out`` exits 2 with one line about ``--out``, without running and without
+    leaving anything new in ``tmp_path``."""
     import ringflow._bench.runner as runner
     import ringflow._demo as demo
 
     def must_not_run(*a, **k):
-        raise AssertionError(f"the {command} ran although its --out folder cannot be made")
+        raise AssertionError(f"the {command} ran although its --out folder {out!r} was to be refused")
 
     monkeypatch.setattr(runner, "run_bench", must_not_run)
     monkeypatch.setattr(demo, "demo", must_not_run)
-    out = str(make(tmp_path))
     before = sorted(os.listdir(tmp_path))
     code = main([command, "--device", "sim", "--quick", "seed", "--out", out] if command == "bench"
                 else [command, "--device", "sim", "--out", out])
@@ -401,24 +406,11 @@ def test_an_out_folder_too_long_for_the_files_the_command_writes_is_refused_befo
     """The folder's own path fits, but not with the name of a file the command writes into it
     (bench-cuda-<time>.json, trace.json and timeline.png): that write failed after the whole run,
     its results lost."""
-    import ringflow._bench.runner as runner
-    import ringflow._demo as demo
-
-    def must_not_run(*a, **k):
-        raise AssertionError(f"the {command} ran although its results cannot be written into its --out folder")
-
-    monkeypatch.setattr(runner, "run_bench", must_not_run)
-    monkeypatch.setattr(demo, "demo", must_not_run)
     longest_path = os.pathconf(tmp_path, "PC_PATH_MAX")
     out = _folder_of_path_length(tmp_path, longest_path - 1 - len("/trace.json") + 1)  # trace.json: 1 byte over
     if made:
         os.makedirs(out)
-    before = sorted(os.listdir(tmp_path))
-    code = main([command, "--device", "sim", "--quick", "seed", "--out", out] if command == "bench"
-                else [command, "--device", "sim", "--out", out])
-    check_one_line(code, capsys.readouterr().err, command, "argument --out: ")
-    assert code == 2
-    assert sorted(os.listdir(tmp_path)) == before  # (the check makes nothing it leaves behind)
+    _out_refused_before_any_work(tmp_path, monkeypatch, capsys, command, out)
 
 
 @pytest.mark.parametrize("option", ["--trace", "--plot"])
