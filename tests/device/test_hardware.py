@@ -291,6 +291,52 @@ def test_a_corrupt_cached_profile_is_a_warning_and_the_h200_profile(fresh_lookup
     assert "not JSON" in warning.getMessage() and "nvidia-h200-580.159.04.json" in warning.getMessage()
 
 
+def test_a_cached_profile_of_another_gpu_is_a_warning_and_the_h200_profile(fresh_lookups, caplog):
+    """A profile measured on an H100 that sits at the H200's cache path (copied there, or left by
+    another machine) is not planned with: the warning names the file, both GPUs and what to do,
+    once however often the GPU asks, as for a cached file that cannot be read."""
+    fresh_lookups.mkdir(parents=True)
+    path = fresh_lookups / "nvidia-h200-580.159.04.json"
+    dataclasses.replace(MEASURED, gpu_name="NVIDIA H100").save(path)
+    with caplog.at_level(logging.INFO, logger="ringflow"):
+        assert hardware.profile_for_gpu("NVIDIA H200") is H200_PCIE5
+        assert hardware.profile_for_gpu("NVIDIA H200") is H200_PCIE5
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    text = warning.getMessage()
+    assert str(path) in text and "NVIDIA H100" in text and "NVIDIA H200" in text
+    assert "ringflow doctor --save" in text and "delete" in text
+
+
+def test_a_cached_profile_of_another_driver_is_a_warning_and_the_h200_profile(fresh_lookups, caplog):
+    fresh_lookups.mkdir(parents=True)
+    path = fresh_lookups / "nvidia-h200-580.159.04.json"
+    dataclasses.replace(MEASURED, driver="570.86.10").save(path)
+    with caplog.at_level(logging.INFO, logger="ringflow"):
+        assert hardware.profile_for_gpu("NVIDIA H200") is H200_PCIE5
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    text = warning.getMessage()
+    assert str(path) in text and "570.86.10" in text and "580.159.04" in text
+
+
+def test_a_cached_profile_that_records_no_driver_is_used(fresh_lookups):
+    fresh_lookups.mkdir(parents=True)
+    unrecorded = dataclasses.replace(MEASURED, driver=None)
+    unrecorded.save(fresh_lookups / "nvidia-h200-580.159.04.json")
+    assert hardware.profile_for_gpu("NVIDIA H200") == unrecorded
+
+
+def test_a_profile_of_another_gpu_given_by_its_file_is_used(tmp_path, capsys):
+    """Naming a profile file asks what a job would do on the machine it was measured on: one
+    measured on another GPU is that machine's model, not a mistake."""
+    from ringflow._cli import main
+
+    h100 = dataclasses.replace(MEASURED, name="nvidia-h100-580.159.04", gpu_name="NVIDIA H100")
+    path = h100.save(tmp_path / "h100.json")
+    assert rf.device("sim", profile=path).hardware == h100
+    assert main(["plan", "--bytes", "256MiB", "--pinned", "--profile", path]) == 0
+    assert "measured on NVIDIA H100" in capsys.readouterr().out
+
+
 def test_calibrating_on_first_use_is_opt_in(fresh_lookups, monkeypatch):
     from ringflow import _doctor
 

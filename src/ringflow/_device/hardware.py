@@ -615,6 +615,24 @@ def gpu_driver_version() -> "str | None":
     return None
 
 
+def _check_measured_on(profile: HardwareProfile, path: str, gpu_name: str, driver: "str | None") -> None:
+    """Check that ``profile``, read from the cache file ``path``, was measured on the GPU asked
+    for: a GPU name or driver it records must be ``gpu_name`` or ``driver`` (one it leaves out,
+    as a model does, is not checked).
+
+    Raises:
+        ProfileError: it records another GPU or driver (the message names the file and both).
+    """
+    if profile.gpu_name in (None, gpu_name) and profile.driver in (None, driver):
+        return
+
+    def machine(name: "str | None", drv: "str | None") -> str:
+        return f"{name or 'a GPU it does not name'}" + (f" (driver {drv})" if drv else "")
+
+    raise ProfileError(f"hardware profile {path!r} was measured on {machine(profile.gpu_name, profile.driver)}, "
+                       f"not on the {machine(gpu_name, driver)} it is cached for")
+
+
 _for_gpu: dict[tuple, tuple] = {}  # (gpu, driver, path) -> (file state, profile): one lookup per file version
 _for_gpu_lock = threading.Lock()
 
@@ -626,7 +644,9 @@ def profile_for_gpu(gpu_name: str, driver: "str | None" = None, *, device: Any =
     none: with ``RINGFLOW_CALIBRATE=1`` in the environment and ``device`` given, that device is
     measured now (seconds of copies and host work, once per GPU model and driver) and the profile
     saved there; otherwise the ``h200-pcie5`` profile, with one note on the ``"ringflow"``
-    logger. A cached file that cannot be used is logged as a warning, and ``h200-pcie5`` used.
+    logger. A cached file that cannot be used (not a valid profile, or one that records another
+    GPU model, or another driver, than the one asked for) is logged as a warning, once while the
+    file is unchanged, and ``h200-pcie5`` used.
 
     Args:
         gpu_name: the GPU's name as CUDA reports it ("NVIDIA H200").
@@ -671,9 +691,10 @@ def profile_for_gpu(gpu_name: str, driver: "str | None" = None, *, device: Any =
         else:
             try:
                 profile = load_profile(path)
+                _check_measured_on(profile, path, gpu_name, driver)
             except ProfileError as exc:
                 logger.warning("ringflow: %s; planning with the h200-pcie5 profile. Run `ringflow doctor --save` "
-                               "to measure it again", exc)
+                               "on this GPU to measure it again, or delete that file", exc)
                 profile = H200_PCIE5
         _for_gpu[key] = (state, profile)
         return profile
