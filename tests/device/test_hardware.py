@@ -427,6 +427,37 @@ def test_a_profile_file_rewritten_again_and_again_is_remembered_once(tmp_path):
     assert len(hardware._loaded) - before == 1
 
 
+def _rewrite_keeping_size_and_time(path, profile):
+    """Save ``profile`` over ``path`` (a new file moved over it), then give it the old file's
+    modification time back, as ``cp -p`` or a clock's coarse grain would; the size must match."""
+    before = os.stat(path)
+    profile.save(path)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+def test_a_file_replaced_by_one_of_the_same_size_and_time_is_read_again(tmp_path):
+    """A file was known by its modification time and size only: a same-size profile saved over it
+    within one tick of the clock (or with its time kept) was answered with the old profile."""
+    path = tmp_path / "p.json"
+    MEASURED.save(path)
+    assert hardware.load_profile(path) == MEASURED
+    other = dataclasses.replace(MEASURED, launch_overhead_s=7.5e-6)
+    _rewrite_keeping_size_and_time(path, other)
+    assert hardware.load_profile(path) == other
+
+
+def test_a_cached_profile_replaced_by_one_of_the_same_size_and_time_is_used(fresh_lookups):
+    fresh_lookups.mkdir(parents=True)
+    path = fresh_lookups / "nvidia-h200-580.159.04.json"
+    MEASURED.save(path)
+    assert hardware.profile_for_gpu("NVIDIA H200") == MEASURED
+    other = dataclasses.replace(MEASURED, launch_overhead_s=7.5e-6)
+    _rewrite_keeping_size_and_time(path, other)
+    assert hardware.profile_for_gpu("NVIDIA H200") == other
+
+
 def test_a_profile_saved_with_a_byte_order_mark_is_read(tmp_path):
     """An editor that saves UTF-8 with a byte order mark first (Notepad, PowerShell) left a file
     refused as "not JSON (Unexpected UTF-8 BOM (decode using utf-8-sig))", advice for a programmer."""

@@ -473,11 +473,19 @@ DEFAULT_PROFILE = "h200-pcie5"
 
 
 # -- files -------------------------------------------------------------------------------------------------------------
-# by real path: (modification time, size, profile) of the version last read (one a file: a
-# profile rewritten again and again is not kept version after version)
-_loaded: dict[str, tuple[int, int, HardwareProfile]] = {}
+# by real path: (the file's version, profile) of the version last read (one a file: a profile
+# rewritten again and again is not kept version after version)
+_loaded: dict[str, tuple[tuple[int, int, int, int], HardwareProfile]] = {}
 _MAX_FILE_BYTES = 1 << 20  # a profile is a few kilobytes: anything this large is some other file
 _loaded_lock = threading.Lock()
+
+
+def _file_version(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells one version of a file from another, from its ``os.stat``: device, inode,
+    modification time (ns) and size. The inode tells apart a file saved over the old one (as
+    :meth:`HardwareProfile.save` does) with the same size and modification time, which a coarse
+    clock or a copy that keeps the time (``cp -p``) gives."""
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def save_profile(profile: HardwareProfile, path: "str | os.PathLike") -> str:
@@ -490,7 +498,7 @@ def save_profile(profile: HardwareProfile, path: "str | os.PathLike") -> str:
 def load_profile(path: "str | os.PathLike") -> HardwareProfile:
     """The profile in the JSON file at ``path`` (as ``ringflow doctor --save`` writes it).
 
-    A file is read once while it keeps its size and modification time.
+    A file is read once while it keeps its device, inode, size and modification time.
 
     Raises:
         ProfileError: the file is missing, a folder, not JSON or not a valid profile (the
@@ -506,11 +514,11 @@ def load_profile(path: "str | os.PathLike") -> HardwareProfile:
         raise ProfileError(f"hardware profile {path!r}: cannot read it ({reason}); "
                            "give the path of a profile JSON (ringflow doctor --save writes one) or a name: "
                            f"{', '.join(sorted(PROFILES))}") from None
-    real, version = os.path.realpath(path), (st.st_mtime_ns, st.st_size)
+    real, version = os.path.realpath(path), _file_version(st)
     with _loaded_lock:
         hit = _loaded.get(real)
-    if hit is not None and hit[:2] == version:
-        return hit[2]
+    if hit is not None and hit[0] == version:
+        return hit[1]
     if os.path.isdir(path):
         raise ProfileError(f"hardware profile {path!r} is a folder; give a profile JSON file inside it")
     if is_special(path):
@@ -532,7 +540,7 @@ def load_profile(path: "str | os.PathLike") -> HardwareProfile:
                            "ringflow doctor --save writes") from None
     profile = HardwareProfile.from_json(text, source=f"hardware profile {path!r}")
     with _loaded_lock:
-        _loaded[real] = (*version, profile)
+        _loaded[real] = (version, profile)
     return profile
 
 
@@ -659,8 +667,7 @@ def profile_for_gpu(gpu_name: str, driver: "str | None" = None, *, device: Any =
     driver = gpu_driver_version() if driver is None else driver
     path = cached_profile_path(gpu_name, driver)
     try:
-        st = os.stat(path)
-        state: "tuple | None" = (st.st_mtime_ns, st.st_size)
+        state: "tuple | None" = _file_version(os.stat(path))
     except OSError:
         state = None
     key = (gpu_name, driver, path)
@@ -675,8 +682,7 @@ def profile_for_gpu(gpu_name: str, driver: "str | None" = None, *, device: Any =
                         "(%s=1)", gpu_name, driver, CALIBRATE_VAR)
             try:
                 profile = calibrate(device, path)
-                st = os.stat(path)
-                _for_gpu[key] = ((st.st_mtime_ns, st.st_size), profile)
+                _for_gpu[key] = (_file_version(os.stat(path)), profile)
                 return profile
             except Exception as exc:  # noqa: BLE001 - a failed measurement must not fail the caller's job
                 logger.warning("ringflow: measuring %s's hardware profile failed (%s: %s); planning with the "
