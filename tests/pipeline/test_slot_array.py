@@ -176,3 +176,66 @@ def test_an_offer_inside_another_on_one_thread_leaves_the_outer_one_standing():
     a, b = run_offering(outer, 0, outer_raw)
     assert np.shares_memory(a, inner_raw) and np.shares_memory(b, outer_raw)
     assert not np.shares_memory(rf.host.empty_slot(4, np.float32), outer_raw)
+
+
+def test_an_array_in_another_items_slot_fails_its_item_instead_of_sending_that_items_data():
+    """A prepare on a worker thread returned an array from an earlier prepare's empty_slot, kept
+    past its return: it lies in the pinned host-in ring, in the slot of whatever item that slot
+    holds now, and was copied from there: the item came back with another item's data, and no
+    one was told. Such an item fails saying why; one that lands in that same slot again is its
+    own data (used in place, no copy)."""
+    kept = {}
+
+    def keeps_its_first_slot(i):
+        out = rf.host.empty_slot((8,), np.float32)
+        out[:] = i
+        return kept.setdefault("first", out)
+
+    dev = rf.device("sim", checked=True)
+    with rf.Pipeline(double_plus_one, device=dev, chunk_bytes=4096, prepare=keeps_its_first_slot, workers=1,
+                     on_error="continue", checked=True) as pipe:
+        futs = [pipe.submit(i) for i in range(16)]
+        outcomes = [fu.exception(timeout=30) for fu in futs]
+        failures = {e.index: e.__cause__ for e in pipe.failures}
+    assert set(failures) == {i for i, o in enumerate(outcomes) if o is not None}
+    for i, fu in enumerate(futs):
+        if i in failures:
+            assert type(failures[i]) is ValueError, repr(failures[i])
+            assert "another item's slot" in str(failures[i]) and "empty_slot" in str(failures[i]), str(failures[i])
+        else:
+            np.testing.assert_array_equal(fu.result(), np.full(8, 2 * i + 1, np.float32), err_msg=str(i))
+    assert failures, "every item landed in the first one's slot: the test needs items in other slots"
+    assert dev.live().total == 0
+
+
+def test_arrays_in_another_items_slot_among_several_returned_arrays_fail_their_item():
+    """The same for a prepare returning a tuple: a kept slot array among its arrays fails the
+    item, not packed from another item's slot."""
+    kept = {}
+
+    def pair(i):
+        out = rf.host.empty_slot((8,), np.float32)
+        out[:] = i
+        return (np.full(4, -i, np.float32), kept.setdefault("first", out))
+
+    def f(x, y):
+        y[0][:] = x[0]
+        y[1][:] = x[1]
+
+    dev = rf.device("sim", checked=True)
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pair, workers=1, on_error="continue",
+                     checked=True) as pipe:
+        futs = [pipe.submit(i) for i in range(16)]
+        outcomes = [fu.exception(timeout=30) for fu in futs]
+        failures = {e.index: e.__cause__ for e in pipe.failures}
+    assert set(failures) == {i for i, o in enumerate(outcomes) if o is not None}
+    for i, fu in enumerate(futs):
+        if i in failures:
+            assert type(failures[i]) is ValueError, repr(failures[i])
+            assert "another item's slot" in str(failures[i]), str(failures[i])
+        else:
+            neg, pos = fu.result()
+            np.testing.assert_array_equal(neg, np.full(4, -i, np.float32), err_msg=str(i))
+            np.testing.assert_array_equal(pos, np.full(8, i, np.float32), err_msg=str(i))
+    assert failures, "every item landed in the first one's slot: the test needs items in other slots"
+    assert dev.live().total == 0

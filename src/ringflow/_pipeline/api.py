@@ -48,7 +48,7 @@ from .scheduler import Scheduler, check_fill_rows
 from .reentry import (check_process, generation as reentry_generation, on_progress_thread, refuse_from_stage,
                       refuse_on_progress_thread)
 from .sigint import ShieldedIterator, interruptible_device_calls, shielded, shielded_call, try_lock
-from .slot_array import in_slot, run_offering
+from .slot_array import check_in_its_slot, in_slot, run_offering
 from .states import ChunkState
 from .stats import PipelineStats
 from .._trace import nvtx
@@ -95,16 +95,21 @@ def _private_copy(item: Any) -> Any:
 
 
 def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any, raw: np.ndarray,
-                   check: Callable[[str, np.dtype], None] = check_device_dtype) -> tuple:
+                   check: Callable[[str, np.dtype], None] = check_device_dtype,
+                   ring: Optional[np.ndarray] = None) -> tuple:
     """The prepare stage of a pipeline of arrays: ``user_prepare(item)`` (or the item itself)
     copied into the pinned slot, each array's dtype checked by ``check`` (the device's
-    :meth:`~ringflow._device.protocol.Device.check_dtype` where the device is at hand). A module
-    function, not a method: the scheduler must not hold the pipeline (a pipeline dropped without
-    close() is collected and its finaliser cleans up)."""
+    :meth:`~ringflow._device.protocol.Device.check_dtype` where the device is at hand). ``ring``:
+    the bytes of the host-in ring ``raw`` is a slot of (none is read), where an array lying in
+    another of its slots is refused (:func:`check_in_its_slot`). A module function, not a
+    method: the scheduler must not hold the pipeline (a pipeline dropped without close() is
+    collected and its finaliser cleans up)."""
     arr = run_offering(user_prepare, item, raw) if user_prepare is not None else item
     if is_tree(arr):  # several arrays: packed into the slot, moved as bytes
         leaves, layout = tree_layout(arr, chunk_bytes, "items" if user_prepare is None else "prepare's arrays",
                                      check)
+        if ring is not None:
+            check_in_its_slot(leaves, raw, ring)
         # an array made in the slot (empty_slot) would be overwritten by the leaves packed before it
         leaves = [a.copy() if np.may_share_memory(a, raw) else a for a in leaves]
         pack_into(layout, leaves, raw)
@@ -115,7 +120,24 @@ def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any
     check("items" if user_prepare is None else "prepare's array", arr.dtype)
     if user_prepare is not None and in_slot(arr, raw):  # made in the slot (ringflow.host.empty_slot)
         return arr.shape, arr.dtype
+    if ring is not None:
+        check_in_its_slot((arr,), raw, ring)
     return _copy_array_in(arr, raw, chunk_bytes)
+
+
+class _ThreadPrepare:
+    """The prepare stage on CPU worker threads: :func:`_prepare_array` into each chunk's slot.
+    ``ring``: the bytes of the host-in ring (none is read), set once the scheduler has made it,
+    for a ``prepare``: an array it returns from another item's slot then fails its item."""
+
+    __slots__ = ("user_prepare", "chunk_bytes", "check", "ring")
+
+    def __init__(self, user_prepare: Optional[Callable], chunk_bytes: int, check: Callable[[str, np.dtype], None]):
+        self.user_prepare, self.chunk_bytes, self.check = user_prepare, chunk_bytes, check
+        self.ring: Optional[np.ndarray] = None
+
+    def __call__(self, item: Any, raw: np.ndarray) -> tuple:
+        return _prepare_array(self.user_prepare, self.chunk_bytes, item, raw, self.check, self.ring)
 
 
 # Items up to this size may share a chunk. A larger one fills most of a chunk, and in a part of a
@@ -445,8 +467,9 @@ class Pipeline:
 
             procs = ProcessPrepare(self.device, user_prepare, counts.host_in * chunk_bytes, chunk_bytes, workers)
         self._procs = procs
-        prepare_stage = stage_prepare or procs or functools.partial(_prepare_array, user_prepare, chunk_bytes,
-                                                                        check=self.device.check_dtype)
+        on_threads = None if stage_prepare or procs else _ThreadPrepare(user_prepare, chunk_bytes,
+                                                                        self.device.check_dtype)
+        prepare_stage = stage_prepare or procs or on_threads
         self._items_are_arrays = stage_prepare is None and user_prepare is None  # sizes known before acceptance
         # submit() lets small array items share a chunk where each item's result is its own
         # compute's output in a pooled array (see docs/design.md, "Items sharing a chunk")
@@ -475,6 +498,9 @@ class Pipeline:
             if procs is not None:
                 procs.close()
             raise
+        if on_threads is not None and user_prepare is not None and not self._sched.host_in.external:
+            # the ring's bytes, queried, never read (an array a prepare kept from another slot)
+            on_threads.ring = self._sched.host_in.buffer._memory()
         if self._recorder is not None:
             self._recorder.start(self._sched.streams.h2d)
         if bulk:

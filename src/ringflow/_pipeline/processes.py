@@ -56,11 +56,9 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 import numpy as np
-from numpy.lib.array_utils import byte_bounds
 
 from .._device.protocol import Device, HostBuffer, close_quietly
 from .._errors import PrepareStopped, describe, unpicklable
-from .trees import flatten, is_tree
 
 _SHARED: dict = {}  # in a worker: the attached block and its bytes, the prepare callable or why it is missing
 EXIT_GRACE_S = 5.0  # how long a worker told to exit (its pipe closed) has before it is killed
@@ -594,42 +592,10 @@ def _prepare_in_worker(chunk_bytes: int, item: Any, offset: int, nbytes: int) ->
     does it); returns ``(shape, dtype string)``."""
     from .api import _prepare_array
 
-    block, prepare = _SHARED["bytes"], _SHARED["prepare"]
-    raw = block[offset:offset + nbytes]
-
-    def prepare_in_its_slot(item: Any) -> Any:
-        out = prepare(item)
-        _check_in_its_slot(out, raw, block)
-        return out
-
-    described = _prepare_array(prepare_in_its_slot, chunk_bytes, item, raw)
+    block = _SHARED["bytes"]
+    # an array from another slot of the block (an empty_slot array kept past its prepare) is refused
+    described = _prepare_array(_SHARED["prepare"], chunk_bytes, item, block[offset:offset + nbytes], ring=block)
     return (tuple(described[0]), np.dtype(described[1]).str) + tuple(described[2:])
-
-
-def _check_in_its_slot(out: Any, raw: np.ndarray, block: np.ndarray) -> None:
-    """In a worker: raise where an array ``prepare`` returned (one, or any of a tuple, list or
-    dict) lies in the shared block outside ``raw``, the item's own slot: an array from an earlier
-    prepare's ``empty_slot``, kept past its return, lies in a slot that holds another item now
-    (or is being written by another worker), and copying it would send that item's bytes.
-
-    Raises:
-        ValueError: such an array, saying so.
-    """
-    try:
-        arrays = flatten(out)[0] if is_tree(out) else [out]
-    except ValueError:
-        return  # (not a tree of arrays: _prepare_array says what is wrong with it)
-    start, end = raw.ctypes.data, raw.ctypes.data + raw.nbytes
-    for arr in arrays:
-        if not isinstance(arr, np.ndarray) or arr.size == 0 or not np.may_share_memory(arr, block):
-            continue
-        low, high = byte_bounds(arr)
-        if low < start or high > end:
-            raise ValueError(
-                "prepare returned an array lying in another item's slot of the pipeline's shared memory (an array "
-                "ringflow.host.empty_slot gave an earlier prepare, kept after that prepare returned): that slot holds "
-                "another item's data now. An empty_slot array belongs to the pipeline once prepare returns: call "
-                "empty_slot in each prepare and keep no reference to what it returns (copy it to keep its data)")
 
 
 def _stand_in(exc: BaseException) -> "RuntimeError | None":

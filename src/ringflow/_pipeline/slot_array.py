@@ -16,6 +16,7 @@ import threading
 from typing import Any, Callable, Optional
 
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 
 from .._device.host_pool import check_shape_dtype
 
@@ -28,7 +29,8 @@ def empty_slot(shape: Any, dtype: Any = np.float64) -> np.ndarray:
 
     Returned by ``prepare`` as it is (the same array, any reshape or view of it starting at its
     first byte), it is moved to the device with no copy. It belongs to the pipeline once
-    ``prepare`` returns: keep no reference to it. Only the first call in one ``prepare`` gets the
+    ``prepare`` returns: keep no reference to it (returned by a later ``prepare``, it lies in
+    another item's slot, and that item fails with a ValueError). Only the first call in one ``prepare`` gets the
     slot; later calls, and arrays larger than the slot, get new arrays.
 
     Raises:
@@ -70,3 +72,28 @@ def in_slot(arr: np.ndarray, raw: np.ndarray) -> bool:
     byte, within it."""
     return (arr.flags.c_contiguous and arr.nbytes <= raw.nbytes and arr.nbytes > 0
             and arr.ctypes.data == raw.ctypes.data)
+
+
+def check_in_its_slot(arrays: Any, raw: np.ndarray, ring: np.ndarray) -> None:
+    """Raise where one of ``arrays`` (those a ``prepare`` returned) lies in ``ring``, the bytes
+    of the pipeline's host-in ring (pinned slots, or the shared block of ``processes=True``),
+    outside ``raw``, the item's own slot: an array from an earlier prepare's :func:`empty_slot`,
+    kept past its return, lies in a slot that holds another item now (or is being written for
+    one), and copying it would send that item's bytes. Compares address ranges only: no byte
+    is read.
+
+    Raises:
+        ValueError: such an array, saying so.
+    """
+    for arr in arrays:
+        if not isinstance(arr, np.ndarray) or arr.size == 0 or not np.may_share_memory(arr, ring):
+            continue
+        low, high = byte_bounds(arr)
+        start = raw.ctypes.data
+        if low < start or high > start + raw.nbytes:
+            raise ValueError(
+                "prepare returned an array lying in another item's slot of the pipeline's pinned host-in memory ("
+                "an array ringflow.host.empty_slot gave an earlier prepare, kept after that prepare returned): that "
+                "slot holds another item's data now. An empty_slot array belongs to the pipeline once prepare "
+                "returns: call empty_slot in each prepare and keep no reference to what it returns (copy it to "
+                "keep its data)")
