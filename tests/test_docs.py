@@ -210,3 +210,17 @@ def test_public_constructors_show_their_parameters():
         assert not any(p.kind in (p.VAR_POSITIONAL,) for p in params.values()), (cls, params)
         assert "self" not in params
     assert list(inspect.signature(rf.Pipeline).parameters)[:3] == ["compute", "device", "prepare"]
+
+
+def test_the_numpy_floor_in_pyproject_has_every_numpy_module_the_package_imports():
+    """``numpy.lib.array_utils`` (imported by the simulated GPU and the pipeline) is NumPy 2's:
+    with a lower floor, pip would keep a NumPy 1 and ``import ringflow`` would fail."""
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as fh:
+        deps = tomllib.load(fh)["project"]["dependencies"]
+    (numpy,) = [d for d in deps if re.match(r"numpy\b", d)]
+    floor = re.search(r">=\s*(\d+)", numpy)
+    sources = (ROOT / "src" / "ringflow").rglob("*.py")
+    if any("numpy.lib.array_utils" in p.read_text() for p in sources):
+        assert floor is not None and int(floor.group(1)) >= 2, numpy
