@@ -224,6 +224,30 @@ def test_a_result_released_after_a_checked_close_frees_its_ring_after_every_pois
     assert dev.live().total == 0, dev.live()
 
 
+@pytest.mark.parametrize("checked", [False, True])
+def test_closing_after_releases_on_the_consumers_stream_frees_the_ring_after_them(checked):
+    """Results released on the consumer's stream (``release(stream=...)``), that stream not yet
+    synchronised when the pipeline closes, as the feeding guide's loop does: the ring's free came
+    after the pipeline's own streams only, not the release events (a HazardError from the close of
+    the ring, reported as a warning), where a GPU would free memory the model step still reads."""
+    dev = rf.device("sim", seed=5, chaos=True)
+    user = dev.create_stream()
+    outs = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with rf.Pipeline(f, device=dev, chunk_bytes=512, deliver="device", checked=checked) as pipe:
+            for res in pipe.map([np.full(16, k, np.float32) for k in range(6)]):
+                outs.append(read_on(user, res, seconds=1e-3))  # a long model step
+                res.release(stream=user)
+        user.sync()
+    assert not [w for w in seen if "failed" in str(w.message)], [str(w.message) for w in seen]
+    for k, out in enumerate(outs):
+        np.testing.assert_array_equal(out, np.full(16, 2 * k + 1, np.float32))
+    user.close()
+    gc.collect()
+    assert dev.live().total == 0, dev.live()
+
+
 def test_output_specs_and_device_delivery_together():
     dev = rf.device("sim", seed=4)
     user = dev.create_stream()

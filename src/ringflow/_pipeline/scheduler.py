@@ -286,12 +286,23 @@ class Scheduler:
         if self.pool is not None:
             close_quietly(self.pool, "worker pool")
         # A device slot's ``ready`` event (its last use or poison fill) may still be pending: the
-        # stream-ordered free below comes after every stream of the pipeline, so it needs no
-        # host wait (and a launch that failed there was already reported by its chunk).
+        # stream-ordered free below comes after every stream of the pipeline and after these
+        # events, so it needs no host wait (and a launch that failed there was already reported
+        # by its chunk). A result released on the consumer's stream (deliver="device") made its
+        # slot's ``ready`` an event on that stream, which is none of the pipeline's.
+        pending = []
         for ring in self._rings:
             for slot in ring.slots:
+                if slot.ready is not None:
+                    pending.append(slot.ready)
                 slot.ready = None
         free_on = self.streams.free_after()
+        if free_on is not None:
+            try:
+                for event in pending:
+                    free_on.wait(event)
+            except Exception:  # noqa: BLE001 - a broken device: free after a device-wide wait instead
+                free_on = None
         # rings with results on the device that are still the consumer's: freed when the last comes back
         lent = [ring for ring in self._rings if any(s.state is SlotState.LENT for s in ring.busy.values())]
         if lent:
