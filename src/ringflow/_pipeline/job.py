@@ -129,9 +129,10 @@ class MapJob:
     first unprofiled call after the job's first call (which always runs ordinarily) as one CUDA
     graph and makes every later call one launch of it, so the host spends a few microseconds
     per call instead of per operation and small chunks cost little more than large ones. ``f``
-    is then called only while capturing (once per chunk of that call), never in a replay: a replay runs the device work ``f`` enqueued, on the new
-    contents of ``x``, but whatever ``f`` read on the host (a global, a counter, a random number
-    drawn there) keeps the value it had at the capture, and its side effects happen then only.
+    is then called only while capturing (once per chunk of that call), never in a replay: a
+    replay runs the device work ``f`` enqueued, on the new contents of ``x``, but whatever ``f``
+    read on the host (a global, a counter, a random number drawn there) keeps the value it had
+    at the capture, and its side effects happen then only.
     So ``f`` must enqueue the same work on every call, write only into ``y`` and allocate
     nothing, and not synchronise. Allocating nothing means no temporaries: ``f`` writes into
     ``y``, views of it, or scratch arrays made outside ``f``, with ``out=`` or in place
