@@ -693,3 +693,21 @@ def take_all(pipe: Any, items: Any, face: str) -> list:
     async def main() -> list:
         return [r async for r in pipe.amap(items)]
     return asyncio.run(main())
+
+
+def check_kept_slot_items(pipe: Any, count: int, check_result: Callable[[int, Any], None]) -> None:
+    """Submit items ``0..count-1`` to ``pipe`` (``on_error="continue"``), whose prepare returns
+    an ``empty_slot`` array it kept from its first call: every item that failed must have failed
+    with the ValueError naming another item's slot and ``empty_slot``; every other one (it landed
+    in that same slot again) must pass ``check_result(i, result)``; some must have failed."""
+    futs = [pipe.submit(i) for i in range(count)]
+    outcomes = [fu.exception(timeout=30) for fu in futs]
+    failures = {e.index: e.__cause__ for e in pipe.failures}
+    assert set(failures) == {i for i, o in enumerate(outcomes) if o is not None}
+    for i, fu in enumerate(futs):
+        if i in failures:
+            assert type(failures[i]) is ValueError, repr(failures[i])
+            assert "another item's slot" in str(failures[i]) and "empty_slot" in str(failures[i]), str(failures[i])
+        else:
+            check_result(i, fu.result())
+    assert failures, "every item landed in the first one's slot: the test needs items in other slots"

@@ -19,6 +19,7 @@ import ringflow as rf
 from ringflow._pipeline.trees import flatten
 from tests.helpers import process_prepare as pp
 from tests.helpers.dtypes import holding_no_uint16
+from tests.helpers.pipeline_checks import check_kept_slot_items
 from tests.helpers import threads
 
 
@@ -348,17 +349,8 @@ def test_an_array_in_another_items_slot_fails_its_item_instead_of_sending_that_i
     Such an item fails saying why; one that lands in that same slot again is its own data."""
     with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.keeps_its_first_slot, processes=True,
                      workers=1, on_error="continue") as pipe:
-        futs = [pipe.submit(i) for i in range(16)]
-        outcomes = [fu.exception(timeout=30) for fu in futs]
-        failures = {e.index: e.__cause__ for e in pipe.failures}
-    assert set(failures) == {i for i, o in enumerate(outcomes) if o is not None}
-    for i, fu in enumerate(futs):
-        if i in failures:
-            assert type(failures[i]) is ValueError, repr(failures[i])
-            assert "another item's slot" in str(failures[i]) and "empty_slot" in str(failures[i]), str(failures[i])
-        else:
-            assert np.array_equal(fu.result(), np.full(8, 2 * i + 1, np.float32)), (i, fu.result())
-    assert failures, "every item landed in the first one's slot: the test needs items in other slots"
+        check_kept_slot_items(pipe, 16, lambda i, y: np.testing.assert_array_equal(
+            y, np.full(8, 2 * i + 1, np.float32), err_msg=str(i)))
     assert dev.live().total == 0
 
 

@@ -9,6 +9,7 @@ import pytest
 import ringflow as rf
 from ringflow._pipeline import api
 from tests.helpers import process_prepare as pp
+from tests.helpers.pipeline_checks import check_kept_slot_items
 
 
 def double_plus_one(x, y):
@@ -194,17 +195,8 @@ def test_an_array_in_another_items_slot_fails_its_item_instead_of_sending_that_i
     dev = rf.device("sim", checked=True)
     with rf.Pipeline(double_plus_one, device=dev, chunk_bytes=4096, prepare=keeps_its_first_slot, workers=1,
                      on_error="continue", checked=True) as pipe:
-        futs = [pipe.submit(i) for i in range(16)]
-        outcomes = [fu.exception(timeout=30) for fu in futs]
-        failures = {e.index: e.__cause__ for e in pipe.failures}
-    assert set(failures) == {i for i, o in enumerate(outcomes) if o is not None}
-    for i, fu in enumerate(futs):
-        if i in failures:
-            assert type(failures[i]) is ValueError, repr(failures[i])
-            assert "another item's slot" in str(failures[i]) and "empty_slot" in str(failures[i]), str(failures[i])
-        else:
-            np.testing.assert_array_equal(fu.result(), np.full(8, 2 * i + 1, np.float32), err_msg=str(i))
-    assert failures, "every item landed in the first one's slot: the test needs items in other slots"
+        check_kept_slot_items(pipe, 16, lambda i, y: np.testing.assert_array_equal(
+            y, np.full(8, 2 * i + 1, np.float32), err_msg=str(i)))
     assert dev.live().total == 0
 
 
@@ -222,20 +214,13 @@ def test_arrays_in_another_items_slot_among_several_returned_arrays_fail_their_i
         y[0][:] = x[0]
         y[1][:] = x[1]
 
+    def check(i, result):
+        neg, pos = result
+        np.testing.assert_array_equal(neg, np.full(4, -i, np.float32), err_msg=str(i))
+        np.testing.assert_array_equal(pos, np.full(8, i, np.float32), err_msg=str(i))
+
     dev = rf.device("sim", checked=True)
     with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pair, workers=1, on_error="continue",
                      checked=True) as pipe:
-        futs = [pipe.submit(i) for i in range(16)]
-        outcomes = [fu.exception(timeout=30) for fu in futs]
-        failures = {e.index: e.__cause__ for e in pipe.failures}
-    assert set(failures) == {i for i, o in enumerate(outcomes) if o is not None}
-    for i, fu in enumerate(futs):
-        if i in failures:
-            assert type(failures[i]) is ValueError, repr(failures[i])
-            assert "another item's slot" in str(failures[i]), str(failures[i])
-        else:
-            neg, pos = fu.result()
-            np.testing.assert_array_equal(neg, np.full(4, -i, np.float32), err_msg=str(i))
-            np.testing.assert_array_equal(pos, np.full(8, i, np.float32), err_msg=str(i))
-    assert failures, "every item landed in the first one's slot: the test needs items in other slots"
+        check_kept_slot_items(pipe, 16, check)
     assert dev.live().total == 0
