@@ -67,7 +67,8 @@ class RayMapper:
             ``CUDA_VISIBLE_DEVICES``); in an actor without one, ``"auto"`` gives the simulated
             GPU (with a warning) and ``"cuda"`` raises.
         device_options: keyword options for :func:`ringflow.device` (``profile``,
-            ``seed``, ``array``, ...).
+            ``seed``, ``array``, ...), as ``device`` takes them: ``"auto"`` takes all of
+            these, ``"sim"`` refuses ``array`` (a GPU's option) and ``"cuda"`` takes only it.
         **options: :func:`~ringflow.stream_map`'s options ``chunk_bytes``, ``host``,
             ``engine``, ``inplace``, ``slots``, ``workers``, ``checked``, ``on_error``,
             ``pinned_budget``.
