@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import logging
 import threading
 import warnings
 
@@ -518,3 +519,83 @@ def test_a_map_s_chunk_cancelled_at_admission_is_counted_once_as_the_map_s():
     assert sched.unclaimed == 0, sched.unclaimed
     stats = pipe.stats()
     assert stats.in_flight == 0 and stats.balanced(), stats
+
+
+class _Records(logging.Handler):
+    """The records a logger emits, and an event set as each arrives."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records, self.arrived = [], threading.Event()
+
+    def emit(self, record):
+        self.records.append(record)
+        self.arrived.set()
+
+
+def _end(pipe, ending: str) -> None:
+    if ending == "close":
+        pipe.close()
+    elif ending == "cancel":
+        pipe.cancel()
+    else:
+        with pytest.raises(ValueError, match="left by an error"):
+            with pipe:
+                raise ValueError("left by an error")
+
+
+@pytest.mark.parametrize("stage", ["prepare", "consume"])
+@pytest.mark.parametrize("ending", ["close", "cancel", "with-error"])
+def test_an_ending_waiting_for_a_stage_that_does_not_return_says_so_once(monkeypatch, ending, stage):
+    """close(), cancel() or leaving a with block waits for a stage call that never returns (the
+    user's code blocked on a lock or a socket): that wait cannot be stopped from the pipeline, and
+    it used to go on for ever without a word. Once it has lasted the threshold, one warning on the
+    "ringflow" logger names the ending, the stage, the item and how long, and says what ends it."""
+    from ringflow._pipeline import driver
+
+    monkeypatch.setattr(driver, "_STALLED_WARN_S", 0.05)  # the test's pace, not a real 10 s
+    looks, looked_again = [], threading.Event()
+    look = driver._look_for_stalled
+
+    def counted_look(*args):
+        look(*args)
+        looks.append(len(records.records))
+        if len([n for n in looks if n]) >= 4:  # looked three more times after the warning
+            looked_again.set()
+
+    monkeypatch.setattr(driver, "_look_for_stalled", counted_look)
+    records = _Records()
+    logger = logging.getLogger("ringflow")
+    logger.addHandler(records)
+    started, release = threading.Event(), threading.Event()
+
+    def block(k):
+        if k == 1:
+            started.set()
+            release.wait(JOIN_S)  # user code that does not return until the test lets it
+
+    kwargs = {"prepare": lambda item: block(int(item[0])) or item} if stage == "prepare" else \
+        {"consume": lambda index, item, result: block(index)}
+    try:
+        pipe = rf.Pipeline(f_affine, device=rf.device("sim", checked=True), chunk_bytes=512, **kwargs)
+        futs = [pipe.submit(np.full(8, float(k))) for k in range(3)]
+        waiter = start(concurrent.futures.wait, futs, JOIN_S)  # someone waits: the stages run
+        assert started.wait(JOIN_S)
+        ender = start(_end, pipe, ending)
+        assert records.arrived.wait(JOIN_S), "no warning while the ending waited for a stage that did not return"
+        assert looked_again.wait(JOIN_S)
+        assert not ender.done()
+        release.set()
+        join([ender, waiter])
+    finally:
+        release.set()
+        logger.removeHandler(records)
+    assert len(records.records) == 1, [r.getMessage() for r in records.records]  # once for that call
+    record = records.records[0]
+    message = record.getMessage()
+    call = {"close": "close()", "cancel": "cancel()", "with-error": "leaving the with block"}[ending]
+    assert record.levelno == logging.WARNING and record.name.startswith("ringflow"), record
+    assert message.startswith(call) and f"{stage} of item 1 (running for " in message, message
+    assert "cannot be stopped" in message and "make the stage return" in message, message
+    pipe.close()
+    assert all(f.done() for f in futs) and pipe.stats().in_flight == 0

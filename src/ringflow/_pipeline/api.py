@@ -36,7 +36,7 @@ from .batch_space import aligned
 from .aio import (NO_ROOM, RAISE, SKIP, STOP, CancelIfDropped, OffLoopSubmit, amap_window, follow, give_up_pulled_by,
                   give_up_stranded, retrieve)
 from .chunk import Chunk, ChunkFuture, cancel_unwanted, post_cancel
-from .driver import CallerDriver, Hold, ProgressThread, ThreadEnded, resolve
+from .driver import CallerDriver, Hold, ProgressThread, ThreadEnded, resolve, warn_if_stalled
 from .config import PipelineConfig, SlotCounts
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, lent_slots, resolve_slots
 from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_into, packed, unflatten
@@ -1378,6 +1378,9 @@ class Pipeline:
         running one are killed first, their chunks end CANCELLED, and the pipeline takes no
         more work (:meth:`close` then ends the idle workers). A ``prepare`` running on a thread
         cannot be stopped: this waits for it to return (for ever, should it never return).
+        A wait for a stage call (or a done-callback) that has run for 10 s without returning is
+        logged once for that call, as a warning on the ``ringflow`` logger naming the stage, the
+        item and how long it has run.
         """
         if self._closed:
             return
@@ -1386,7 +1389,7 @@ class Pipeline:
         d, s = self._driver, self._sched
         # a Ctrl-C that comes while the progress thread keeps the lock through a stage gets this
         # out without it (see Hold); a cancel already handed over is carried out all the same
-        with d.hold() as hold:
+        with warn_if_stalled(s.stage_owner, "cancel()"), d.hold() as hold:
             d.command(s.cancel_pending, hold=hold)
             d.wait_for(s.finished, None, "cancelled chunks to drain", hold=hold)
 
@@ -1408,7 +1411,10 @@ class Pipeline:
         Finishing the accepted chunks includes waiting for a running ``prepare``, on a thread or
         in a worker process (``processes=True``): a ``prepare`` that never returns keeps this
         waiting for ever. With ``processes=True``, :meth:`cancel` first (or leaving a ``with``
-        block by an error, Ctrl-C included) kills the workers running one instead.
+        block by an error, Ctrl-C included) kills the workers running one instead. Once this has
+        waited 10 s while a stage call (or a done-callback) that has run as long has not returned,
+        a warning on the ``ringflow`` logger names the stage, the item and how long it has run
+        (once for each such call); leaving a ``with`` block does the same.
 
         Ctrl-C while this waits (on the main thread) cancels what is left and raises
         KeyboardInterrupt once the rest has ended, or at once where a stage it would wait for has
@@ -1422,6 +1428,11 @@ class Pipeline:
         if self._forget_if_forked():
             return
         self._check_caller("close()", opened=False)
+        with warn_if_stalled(self._sched.stage_owner, "close()"):
+            self._close()
+
+    def _close(self) -> None:
+        """The waits of :meth:`close`, once it has found the call allowed."""
         d, s = self._driver, self._sched
         if not (d.background and d.handed_over):
             try:
@@ -1556,6 +1567,11 @@ class Pipeline:
             return
         # an error (Ctrl-C included) left the block: cancel what is left, never mask the error
         refuse_from_stage(self._sched.stage_owner, "__exit__")
+        with warn_if_stalled(self._sched.stage_owner, "leaving the with block"):
+            self._exit_by_error()
+
+    def _exit_by_error(self) -> None:
+        """The waits of :meth:`__exit__` for a block left by an error (Ctrl-C included)."""
         self._stop_prepares()
         d = self._driver
         if d.background and d.handed_over:

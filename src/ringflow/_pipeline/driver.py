@@ -28,6 +28,7 @@ import _thread
 import atexit
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -59,6 +60,55 @@ _DEATH_WAIT_S = 5.0
 # how long a wait may find every slot a compute writes held by device results not yet released
 # before the thread says so (only the results' holder can end that wait)
 _HELD_WARN_S = 5.0
+# how long an ending (close(), cancel(), leaving a with block) may wait while a stage call of the
+# pipeline (or a done-callback of its futures) that began as long ago has not returned before it
+# says so (wall-clock seconds): only the user's code returning ends that wait
+_STALLED_WARN_S = 10.0
+
+
+def _look_for_stalled(owner: Any, call: str, began: float, warned: set) -> None:
+    """Log one warning naming the stage calls (and done-callbacks) of ``owner`` that have run for
+    :data:`_STALLED_WARN_S` seconds or more, once ``call`` (an ending, which began at ``began``,
+    :func:`time.monotonic`) has waited that long; ``warned``: the calls already named, skipped
+    (and added to)."""
+    now = time.monotonic()
+    if now - began < _STALLED_WARN_S:
+        return
+    running = dict(getattr(owner, "running", {}))  # (copied in C: no other thread changes it meanwhile)
+    stalled = sorted((since, number, stage, index) for number, (stage, index, since) in running.items()
+                     if number not in warned and now - since >= _STALLED_WARN_S)
+    if not stalled:
+        return
+    warned.update(number for _, number, _, _ in stalled)
+    shown = ", ".join(f"{stage}{'' if index is None else f' of item {index}'} (running for {now - since:.0f} s)"
+                      for since, _, stage, index in stalled)
+    logger.warning(
+        "%s has waited %.0f s for the pipeline's %s to return; the pipeline cannot end until it has, and a call "
+        "running on a thread cannot be stopped (cancel() does not interrupt it, and a thread cannot be killed). "
+        "To end the wait, make the stage return (a timeout on the lock or socket it waits on); with "
+        "processes=True, cancel() kills the worker processes running a prepare. Ctrl-C on the main thread gets "
+        "out of the wait, and the pipeline then ends as the stage returns",
+        call, now - began, shown)
+
+
+@contextlib.contextmanager
+def warn_if_stalled(owner: Any, call: str):
+    """While the block runs (``call``, an ending that waits for the pipeline's stage calls to
+    return), a daemon thread looks every quarter of :data:`_STALLED_WARN_S` for calls of
+    ``owner`` that do not return (:func:`_look_for_stalled`). It ends as the block is left, however
+    it is left; the block's waits are not touched."""
+    done = threading.Event()
+    began, warned = time.monotonic(), set()
+
+    def watch() -> None:
+        while not done.wait(_STALLED_WARN_S / 4):
+            _look_for_stalled(owner, call, began, warned)
+
+    threading.Thread(target=watch, name="ringflow-stall-watch", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 class WakeFlag:
@@ -145,7 +195,7 @@ def resolve(batch: list) -> None:
         owner = fut._driver.sched.stage_owner
         for callback in callbacks:
             try:
-                run_counted(owner, callback, fut)
+                run_counted(owner, callback, fut, index=fut.index)
             except BaseException:  # noqa: BLE001 - the user's error, logged; the pipeline carries on
                 logger.exception("a done-callback of %r raised; the pipeline carries on", fut)
 

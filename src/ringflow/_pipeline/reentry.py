@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from typing import Any, Callable
 
 _here = threading.local()  # .stage: (the scheduler whose stage runs on this thread, its name), or None
@@ -69,57 +70,60 @@ _calls = itertools.count()  # numbers every stage call (next() on a count is ato
 class StageOwner:
     """Whose stages a thread runs: a pipeline's scheduler marks its stages with one of these,
     which refers to nothing, so a marked callable it keeps makes no cycle through it.
-    :attr:`running` holds the number of each of its stage calls running now, on any thread, and
-    of each done-callback of its futures running now (:func:`run_counted`)."""
+    :attr:`running` maps the number of each of its stage calls running now, on any thread, and
+    of each done-callback of its futures running now (:func:`run_counted`), to what it runs:
+    (the stage, or ``"done-callback"``; the item's index, or None where the call does not know
+    it; :func:`time.monotonic` as it began)."""
 
     __slots__ = ("__weakref__", "running")
 
     def __init__(self) -> None:
-        self.running: set = set()
+        self.running: dict = {}
 
 
-def run_stage(owner: Any, stage: str, fn: Callable, *args: Any) -> Any:
+def run_stage(owner: Any, stage: str, fn: Callable, *args: Any, index: "int | None" = None) -> Any:
     """``fn(*args)`` with this thread marked as running ``owner``'s stage ``stage`` (within any
     stage it already runs: a compute that runs a whole-array call of its own), and the call
-    counted in ``owner.running`` where the owner keeps that set."""
+    counted in ``owner.running`` (for the item ``index``) where the owner keeps that map."""
     outer = getattr(_here, "stage", None)
     _here.stage = (owner, stage, outer)
-    # another thread asks which calls run (an interrupted close: stalled_stage_calls); a set's
-    # add and discard need no lock of ours
+    # another thread asks which calls run (an interrupted close: stalled_stage_calls; an ending
+    # that waits: driver.warn_if_stalled); a dict's item set and pop need no lock of ours
     running = getattr(owner, "running", None)
     call = next(_calls)
     if running is not None:
-        running.add(call)
+        running[call] = (stage, index, time.monotonic())
     try:
         return fn(*args)
     finally:
         _here.stage = outer
         if running is not None:
-            running.discard(call)
+            running.pop(call, None)
 
 
-def run_counted(owner: Any, fn: Callable, *args: Any) -> Any:
-    """``fn(*args)`` counted in ``owner.running`` as a stage call is, without marking the thread
-    as running a stage: for a done-callback of the owner's futures, which may call the pipeline
-    (it is no stage), but which the thread running it, like a stage, cannot be made to leave."""
+def run_counted(owner: Any, fn: Callable, *args: Any, index: "int | None" = None) -> Any:
+    """``fn(*args)`` counted in ``owner.running`` as a stage call is (as a ``"done-callback"``
+    of the item ``index``), without marking the thread as running a stage: for a done-callback
+    of the owner's futures, which may call the pipeline (it is no stage), but which the thread
+    running it, like a stage, cannot be made to leave."""
     # (run_stage counts the same way inline: it runs for every stage call, and a call into this
     # would add to each)
     running = getattr(owner, "running", None)
     if running is None:
         return fn(*args)
     call = next(_calls)
-    running.add(call)
+    running[call] = ("done-callback", index, time.monotonic())
     try:
         return fn(*args)
     finally:
-        running.discard(call)
+        running.pop(call, None)
 
 
 def stalled_stage_calls(owner: Any, seen: "set | None") -> "tuple[set, bool]":
     """The stage calls (and done-callbacks, :func:`run_counted`) of ``owner`` running now, and
     whether one of them was running already when ``seen`` (what an earlier call returned) was
     taken: it has run ever since."""
-    now = set(getattr(owner, "running", ()))  # (a copy made in C: no other thread changes it meanwhile)
+    now = set(getattr(owner, "running", ()))  # (the keys, copied in C: no other thread changes them meanwhile)
     return now, bool(seen) and not now.isdisjoint(seen)
 
 

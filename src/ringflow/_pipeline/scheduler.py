@@ -865,7 +865,7 @@ class Scheduler:
                 self._on_prepared(chunk)
                 progressed = True
                 continue
-            nbytes = self._item_bytes(chunk.item)
+            nbytes = self._item_bytes(chunk.item, chunk.index)
             if isinstance(nbytes, BaseException):  # ends the chunk FAILED at once, naming item_nbytes
                 chunk.prepare_task = _InlineTask(self.device, _reraise, nbytes)
                 self._h2d_q.append(chunk)
@@ -878,13 +878,13 @@ class Scheduler:
             progressed = True
         return progressed
 
-    def _item_bytes(self, item: Any) -> "int | BaseException":
+    def _item_bytes(self, item: Any, index: int) -> "int | BaseException":
         """The bytes ``item_nbytes`` says the prepare of ``item`` copies (what the simulated GPU
         charges for it), or the error to fail its chunk with: ``item_nbytes`` is the user's code
         on the driving thread, and its error, or a value that is no byte count, must end that
         item, not the thread (a StageError naming ``"item_nbytes"``: the prepare never ran)."""
         try:
-            nbytes = run_stage(self.stage_owner, "item_nbytes", self.item_nbytes, item)
+            nbytes = run_stage(self.stage_owner, "item_nbytes", self.item_nbytes, item, index=index)
         except BaseException as exc:  # noqa: BLE001 - delivered as the chunk's prepare failure
             return exc
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
@@ -912,7 +912,8 @@ class Scheduler:
         if procs is not None:
             procs.task.key = chunk  # (names the task: cancelling the chunk kills its worker)
         try:
-            described = run_stage(self.stage_owner, "prepare", self.prepare, chunk.item, raw)  # (shape, dtype)[, packed layout]
+            described = run_stage(self.stage_owner, "prepare", self.prepare, chunk.item, raw,  # (shape, dtype)[, packed layout]
+                                  index=chunk.index)
         finally:
             if procs is not None:
                 procs.task.key = None
@@ -995,7 +996,7 @@ class Scheduler:
             return self._delivered(chunk, np.array(view, copy=True))
         if chunk.out_tree is not None:
             view = host_views(chunk.out_tree, view)
-        return run_stage(self.stage_owner, "consume", self.consume, chunk.index, chunk.item, view)
+        return run_stage(self.stage_owner, "consume", self.consume, chunk.index, chunk.item, view, index=chunk.index)
 
     def _delivered(self, chunk: Chunk, result: np.ndarray) -> Any:
         """The value a chunk without a consumer delivers: its result (the arrays of a packed one),
