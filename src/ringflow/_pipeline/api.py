@@ -1381,6 +1381,10 @@ class Pipeline:
         A wait for a stage call (or a done-callback) that has run for 10 s without returning is
         logged once for that call, as a warning on the ``ringflow`` logger naming the stage, the
         item and how long it has run.
+
+        Ctrl-C while this waits raises KeyboardInterrupt. A cancel already handed over is carried
+        out all the same; one interrupted before that (while a stage held the pipeline) has
+        cancelled nothing, and the pipeline takes work as before: call it again.
         """
         if self._closed:
             return

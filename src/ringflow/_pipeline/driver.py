@@ -104,8 +104,9 @@ def warn_if_stalled(owner: Any, call: str):
         while not done.wait(_STALLED_WARN_S / 4):
             _look_for_stalled(owner, call, began, warned)
 
-    threading.Thread(target=watch, name="ringflow-stall-watch", daemon=True).start()
     try:
+        # (started inside the try: a Ctrl-C as it starts still ends it)
+        threading.Thread(target=watch, name="ringflow-stall-watch", daemon=True).start()
         yield
     finally:
         done.set()
