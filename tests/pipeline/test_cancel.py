@@ -139,6 +139,25 @@ def test_cancel_and_close_are_idempotent():
     assert h.pipe.stats().in_flight == 0
 
 
+
+def test_a_cancel_that_another_threads_close_overtakes_returns_quietly():
+    """A cancel() found the pipeline open, then a close() on another thread ended it (its
+    progress thread too) before the cancel was handed over: the cancel raised "the pipeline's
+    progress thread has ended" (found by the threaded state machine), where cancelling a closed
+    pipeline is harmless. The close finished everything first: nothing is left to cancel."""
+    h = Harness(seed=2, slots=1, chunk_bytes=512)
+    futs = [h.pipe.submit(h.item(k + 1, 20)) for k in range(3)]
+    stop_prepares = h.pipe._stop_prepares
+
+    def closed_meanwhile():
+        stop_prepares()
+        join([start(h.pipe.close)])
+
+    h.pipe._stop_prepares = closed_meanwhile
+    h.pipe.cancel()
+    assert all(f.done() for f in futs)
+    assert h.pipe.stats().in_flight == 0
+
 def test_cancel_with_nothing_in_flight_then_close():
     h = Harness(seed=2, slots=2, chunk_bytes=512)
     h.pipe.cancel()

@@ -1394,7 +1394,10 @@ class Pipeline:
         # a Ctrl-C that comes while the progress thread keeps the lock through a stage gets this
         # out without it (see Hold); a cancel already handed over is carried out all the same
         with warn_if_stalled(s.stage_owner, "cancel()"), d.hold() as hold:
-            d.command(s.cancel_pending, hold=hold)
+            try:
+                d.command(s.cancel_pending, hold=hold)
+            except ThreadEnded:
+                return  # a close() on another thread ended it, once everything had ended: nothing to cancel
             d.wait_for(s.finished, None, "cancelled chunks to drain", hold=hold)
 
     @shielded_call
