@@ -9,6 +9,7 @@ the interpreter alive after the test has failed.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import resource
 import signal
@@ -180,3 +181,16 @@ async def tick_then_release(ticks: list, release: threading.Event, turns: int = 
         ticks.append(k)
         await asyncio.sleep(0)
     release.set()
+
+
+class LogRecords(logging.Handler):
+    """The records a logger emits at ``level`` or above, and an event set as each arrives (to
+    wait for a warning another thread logs, without sleeping)."""
+
+    def __init__(self, level: int = logging.DEBUG):
+        super().__init__(level)
+        self.records, self.arrived = [], threading.Event()
+
+    def emit(self, record):
+        self.records.append(record)
+        self.arrived.set()

@@ -16,7 +16,7 @@ import ringflow as rf
 from ringflow._errors import DeviceError, StageError
 from ringflow._pipeline.states import ChunkState, SlotState
 from tests.helpers.pipeline_checks import Harness, check_result, future_outcome
-from tests.helpers.threads import JOIN_S, hold_progress_thread, join, pause_first_shared_copy, start
+from tests.helpers.threads import JOIN_S, LogRecords, hold_progress_thread, join, pause_first_shared_copy, start
 
 SIZES = [40, 0, 64, 1, 17, 64, 33, 50]  # 8 chunks of int64 (a 64-element chunk fills a 512-byte slot)
 
@@ -540,16 +540,6 @@ def test_a_map_s_chunk_cancelled_at_admission_is_counted_once_as_the_map_s():
     assert stats.in_flight == 0 and stats.balanced(), stats
 
 
-class _Records(logging.Handler):
-    """The records a logger emits, and an event set as each arrives."""
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records, self.arrived = [], threading.Event()
-
-    def emit(self, record):
-        self.records.append(record)
-        self.arrived.set()
 
 
 def _end(pipe, ending: str) -> None:
@@ -583,7 +573,7 @@ def test_an_ending_waiting_for_a_stage_that_does_not_return_says_so_once(monkeyp
             looked_again.set()
 
     monkeypatch.setattr(driver, "_look_for_stalled", counted_look)
-    records = _Records()
+    records = LogRecords()
     logger = logging.getLogger("ringflow")
     logger.addHandler(records)
     started, release = threading.Event(), threading.Event()

@@ -26,7 +26,7 @@ from ringflow._pipeline.states import SlotState
 from tests.helpers.pipeline_checks import caught
 from tests.helpers.interrupts import InterruptAt
 from tests.helpers.sim import read_on
-from tests.helpers.threads import JOIN_S, bounded, join, start
+from tests.helpers.threads import JOIN_S, LogRecords, bounded, join, start
 
 
 def f(x, y):
@@ -409,14 +409,6 @@ def test_a_done_callback_waiting_for_a_slot_held_by_results_gets_its_result_once
     assert pipe.stats().delivered == 3
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records, self.arrived = [], threading.Event()
-
-    def emit(self, record):
-        self.records.append(record)
-        self.arrived.set()
 
 
 @pytest.fixture
@@ -424,7 +416,7 @@ def driver_warnings(monkeypatch):
     from ringflow._pipeline import driver
 
     monkeypatch.setattr(driver, "_HELD_WARN_S", 0.0)  # at once: the test's pace, not a real 5 s
-    records = _Records()
+    records = LogRecords(logging.WARNING)
     driver.logger.addHandler(records)
     yield records
     driver.logger.removeHandler(records)
