@@ -563,9 +563,10 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_
         if pinned_budget is not None and host_stages and (plan.slots.host_in + plan.slots.host_out) * slot > pinned_budget:
             continue
         rows.append((c, n, predicted))
-        # the device rings (each with its slack of 3 slots, no more than the chunks) must fit the
-        # device's memory: a chunk whose rings cannot be allocated is no choice
-        device = min(n, max(plan.slots.device_in, 3)) * c + min(n, max(plan.slots.device_out, 3)) * c * out_ratio
+        # the device rings (with their slack, no more slots than chunks) must fit the device's
+        # memory: a chunk whose rings cannot be allocated is no choice
+        ring = with_device_slack(plan.slots, inplace=False)
+        device = min(n, ring.device_in) * c + min(n, ring.device_out) * c * out_ratio
         if device > profile.total_memory:
             too_large.append(rows.pop())
     if not rows and too_large:  # none fits: the smallest, whose allocation then says what is missing
