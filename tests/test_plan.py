@@ -86,7 +86,10 @@ def test_double_buffering_is_not_assumed():
     assert plan.plan_slots(t).slots.host_out == 4
 
 
-@pytest.mark.parametrize("compute_s,workers", [(500e-6, 8), (1e-3, 8)], ids=["cpu-bound", "compute-bound"])
+# (the cpu-bound case runs 6 workers: with 8, the host copies' share of the host's memory
+# (HardwareProfile.staging_copy_rate) gives the host rings a lifetime of 4.33 intervals, so their
+# fifth slot buys 4.5%, within this test's 5%)
+@pytest.mark.parametrize("compute_s,workers", [(500e-6, 6), (1e-3, 8)], ids=["cpu-bound", "compute-bound"])
 def test_plan_on_the_h200_profile_within_5_percent(compute_s, workers):
     chunk = 8 * MiB
     p = plan.plan_slots(plan.model_stage_times("h200-pcie5", chunk, compute=compute_s, workers=workers))
@@ -274,7 +277,9 @@ def test_staged_chunks_cost_the_scheduler_two_pool_hand_offs_more():
     """On the H200 host a staged 1 GiB job in 4 MiB chunks was bound by the scheduler (106.5 ms)
     and 8 MiB chunks ran in 79.5 ms (diagnose-pageable-h200-2026-11-30-s4.json): the planner must
     count the pool hand-offs of staging, and so choose at least 8 MiB there, while the same job
-    from pinned memory (no pool tasks: the direct engine) is planned with its enqueueing cost."""
+    from pinned memory (no pool tasks: the direct engine) is planned with its enqueueing cost.
+    Both sizes are predicted near those times (8 MiB at 60 ms, a quarter fast, before the host
+    copies were charged their share of the host's memory)."""
     from ringflow import _plan as plan
 
     staged, _ = plan.predict_seconds("h200-pcie5", 1 << 30, 4 << 20, workers=15, host_stages=True)
@@ -284,7 +289,9 @@ def test_staged_chunks_cost_the_scheduler_two_pool_hand_offs_more():
     choice = plan.choose_chunk_bytes("h200-pcie5", 1 << 30, workers=15, host_stages=True)
     assert choice.chunk_bytes >= 8 << 20
     by_size = {c: s for c, _, s in choice.table}
-    assert by_size[4 << 20] > by_size[8 << 20] * 1.3  # scheduler-bound at 4 MiB, as measured
+    assert by_size[4 << 20] == pytest.approx(106.5e-3, rel=0.05)  # scheduler-bound, as measured
+    assert by_size[8 << 20] == pytest.approx(79.5e-3, rel=0.10)
+    assert by_size[4 << 20] > by_size[8 << 20] * 1.2
 
 
 def test_auto_chunk_is_planned_for_the_host_strategy_actually_used():
@@ -667,3 +674,47 @@ def test_an_auto_chunk_fits_the_device_rings_in_the_profiles_memory():
 
     x = np.arange(16 * MiB // 4, dtype=np.float32)
     np.testing.assert_array_equal(rf.stream_map(f, x, device=dev, chunk_bytes="auto"), x * 2)
+
+
+def test_staging_is_predicted_no_faster_than_the_hosts_memory_allows():
+    """The stages' copies, the fresh output's first touch and the GPU's copies share the host's
+    memory: with many workers the per-stage model, which charged each copy only its share of the
+    host's memcpy rate, predicted the staged path faster than the host moves its bytes at all
+    (60 ms for 1 GiB with 16 workers, against a floor of 69-96 ms measured on the H200). The
+    host copies of staging now move no more than twice the profile's staging rate, so a staged
+    prediction is at least about the staging floor; a profile without the rate (written before
+    it was measured) is planned as before."""
+    h200 = plan.get_profile("h200-pcie5")
+    blind = dataclasses.replace(h200, staging_GBps=None)
+    total = 1 << 30
+    floor = plan.staging_floor_seconds(h200, total, total)
+    assert floor == pytest.approx(total / 14.1e9) and plan.staging_floor_seconds(blind, total, total) == 0
+    assert plan.staging_floor_seconds(h200, total, total // 4) == pytest.approx(floor * 5 / 8)
+    assert h200.staging_copy_rate(4) == h200.host_copy_rate(4) < 2 * 14.1  # few threads: their own rate
+    assert h200.staging_copy_rate(16) == 2 * 14.1 < h200.host_copy_rate(16)
+    assert blind.staging_copy_rate(16) == h200.host_copy_rate(16)
+    _, before = plan.predict_seconds(blind, total, 8 * MiB, workers=16)
+    assert before < 0.85 * floor
+    for workers in (16, 64):
+        for out_ratio in (1.0, 0.25):
+            _, seen = plan.predict_seconds(h200, total, 8 * MiB, workers=workers, out_ratio=out_ratio)
+            assert seen >= 0.98 * plan.staging_floor_seconds(h200, total, round(total * out_ratio))
+    # few workers copy below the cap: nothing changes
+    assert plan.predict_seconds(h200, total, 8 * MiB, workers=4) == plan.predict_seconds(blind, total, 8 * MiB,
+                                                                                         workers=4)
+    # the copy engines reading pinned memory in place stage nothing
+    assert plan.predict_seconds(h200, total, 8 * MiB, workers=16, host_stages=False)[1] < 0.5 * floor
+    # several GPUs of one host share its memory: the whole job's floor
+    two = plan.predict_devices(h200, total, 8 * MiB, 2, workers=16)
+    assert two.host_floor_s == pytest.approx(floor) and two.predicted_s >= floor
+    assert plan.predict_devices(blind, total, 8 * MiB, 2, workers=16).host_floor_s < floor
+
+
+def test_the_plan_command_shows_the_hosts_staging_floor(capsys):
+    from ringflow._cli import main
+
+    assert main(["plan", "--bytes", "1GiB", "--workers", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "host memory floor" in out and "76.152 ms" in out
+    assert main(["plan", "--bytes", "1GiB", "--pinned"]) == 0
+    assert "host memory floor" not in capsys.readouterr().out

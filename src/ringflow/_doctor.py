@@ -445,6 +445,7 @@ def profile_from_report(report: dict[str, Any]):
             register_fresh_GBps=mm["register_fresh_GBps"],
             unregister_GBps=mm["unregister_GBps"],
             first_touch_GBps=tuple(tuple(p) for p in mm["first_touch_GBps"]),
+            staging_GBps=mm["staging_GBps"],
             async_engine_count=caps["async_engine_count"],
             sm_count=caps["sm_count"],
             compute_capability=tuple(caps["compute_capability"]),

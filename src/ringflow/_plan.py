@@ -244,7 +244,7 @@ def host_stage_seconds(profile: "str | HardwareProfile", nbytes: int, threads: i
     (itself included): its scheduling cost plus the bytes at its share of the host copy rate."""
     p = get_profile(profile)
     threads = max(1, threads)
-    return p.host_task_overhead_s + nbytes / (p.host_copy_rate(threads) / threads * 1e9)
+    return p.host_task_overhead_s + nbytes / (p.staging_copy_rate(threads) / threads * 1e9)
 
 
 def fastest_copy_threads(profile: "str | HardwareProfile", workers: int) -> int:
@@ -286,7 +286,7 @@ def copying_threads(profile: "str | HardwareProfile", in_bytes: int, out_bytes: 
     nbytes, tasks = in_bytes + out_bytes, 2 * p.host_task_overhead_s
 
     def keeps_up(threads: int) -> bool:  # the chunk's two host_stage_seconds, over the threads
-        return (tasks + nbytes * threads / (p.host_copy_rate(threads) * 1e9)) / threads <= pace
+        return (tasks + nbytes * threads / (p.staging_copy_rate(threads) * 1e9)) / threads <= pace
 
     if not keeps_up(most):
         return most
@@ -368,7 +368,7 @@ def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbyte
     decides where little is left to copy, as when one side is pinned and the other small).
     """
     p = get_profile(profile)
-    copy_rate = p.host_copy_rate(workers) * 1e9
+    copy_rate = p.staging_copy_rate(workers) * 1e9
     to_pin = (0 if pinned[0] else nbytes_in) + (0 if pinned[1] else nbytes_out)
     stage = to_pin / copy_rate + chunks * (SCHEDULER_S_PER_CHUNK - DIRECT_S_PER_CHUNK)
     register = to_pin / (p.register_GBps * 1e9) + to_pin / (p.unregister_GBps * 1e9)
@@ -436,9 +436,12 @@ def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     """(per-chunk stage times, predicted wall seconds) of streaming ``total_bytes`` in chunks of
     ``chunk_bytes``: the bound of the five stages (:func:`queued_stage_times`) plus the host's
     time per chunk as a sixth resource (it overlaps the GPU until it becomes the bottleneck with
-    small chunks). With ``host_stages=False`` the copy engines use the caller's pinned memory (no
-    staging: the direct engine). ``out_ratio``: result bytes per input byte (the copy back and
-    the consume move that many)."""
+    small chunks), and, when staging, at least what the host's memory allows
+    (:func:`staging_floor_seconds`: the stages' copies, the fresh output's first touch and the
+    GPU's copies share it, which the per-stage model does not charge). With
+    ``host_stages=False`` the copy engines use the caller's pinned memory (no staging: the
+    direct engine). ``out_ratio``: result bytes per input byte (the copy back and the consume
+    move that many)."""
     p = get_profile(profile)
     n = -(-total_bytes // chunk_bytes)
     t = queued_stage_times(p, chunk_bytes, compute=compute_s_per_byte * chunk_bytes, workers=workers,
@@ -446,6 +449,17 @@ def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     if not host_stages:
         t = dataclasses.replace(t, prepare=p.host_task_overhead_s, consume=p.host_task_overhead_s)
     return t, predicted_total(t, n)
+
+
+def staging_floor_seconds(profile: "str | HardwareProfile", in_bytes: int, out_bytes: int) -> float:
+    """The least time the host's memory allows for staging ``in_bytes`` in and ``out_bytes`` out
+    (seconds), whatever the pipeline: the profile's ``staging_GBps`` counts the bytes of one
+    direction while as many move the other way, so the two directions' mean is charged at it.
+    0 where the profile has no such figure (written before it was measured)."""
+    p = get_profile(profile)
+    if p.staging_GBps is None:
+        return 0.0
+    return (in_bytes + out_bytes) / 2 / (p.staging_GBps * 1e9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,9 +492,9 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
 
     Each GPU has its own link, streams and workers, so each shard takes what one GPU takes for its
     share (:func:`predict_seconds`). The host's memory and CPUs are shared: a staged job copies
-    every byte twice on the host (in to pinned, out of it), and all the GPUs' workers together
-    copy at most at the profile's host copy rate for that many threads. The prediction is the
-    larger of the two.
+    every byte twice on the host (in to pinned, out of it), all the GPUs' workers together copy
+    at most at the profile's host copy rate for that many threads, and the whole job's staging
+    takes at least :func:`staging_floor_seconds`. The prediction is the larger of the two.
 
     Raises:
         ValueError: ``devices`` is not an int >= 1.
@@ -493,7 +507,7 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
                                     workers=workers, host_stages=host_stages)
     _, one = predict_seconds(p, total_bytes, chunk_bytes, compute_s_per_byte=compute_s_per_byte, workers=workers,
                              host_stages=host_stages)
-    floor = 2 * total_bytes / (p.host_copy_rate(workers * devices) * 1e9) if host_stages else 0.0
+    floor = 2 * total_bytes / (p.staging_copy_rate(workers * devices) * 1e9) if host_stages else 0.0
     return DevicesPrediction(devices, per_device, floor, max(per_device, floor), one)
 
 

@@ -158,6 +158,9 @@ def plan_command(args) -> int:
     for ring in ("host_in", "device_in", "device_out", "host_out"):
         table.add_row(f"slots {ring}", f"{getattr(slots.slots, ring)} (lifetime {slots.lifetimes.get(ring, 0) * 1e3:.3f} ms)")
     table.add_row("predicted total", f"{predicted * 1e3:.3f} ms")
+    if not args.pinned and profile.staging_GBps is not None:
+        floor = plan.staging_floor_seconds(profile, total, total)
+        table.add_row("host memory floor", f"{floor * 1e3:.3f} ms")
     devices = getattr(args, "devices", 1) or 1
     if devices > 1:
         many = plan.predict_devices(profile, total, chunk, devices, compute_s_per_byte=per_byte,

@@ -112,6 +112,8 @@ def _doc(**changes):
     ({"model.total_memory": "141GB"}, "'model.total_memory' must be a whole number"),
     ({"model.compute_capability": [9]}, "'model.compute_capability' must be a [major, minor] pair"),
     ({"model.chaos_spread": 1.5}, "'model.chaos_spread' must be below 1"),
+    ({"model.staging_GBps": -14.1}, "'model.staging_GBps' must be a finite number more than 0"),
+    ({"model.staging_GBps": "14.1"}, "'model.staging_GBps' must be a number, got string"),
     ({"machine.pcie_link": "gen5"}, "'machine.pcie_link' must be null or an object"),
     ({"machine.pcie_link": {"GTps": 32.0}}, "missing field(s) machine.pcie_link.width"),
     # a PCIe link runs at most 128 GT/s a lane (PCIe 7.0), over 1 to 32 lanes in the widths PCIe has
@@ -129,7 +131,7 @@ def _doc(**changes):
     ({"date": "yesterday"}, "'date' must be an ISO 8601 date"),
     ({"name": ""}, "'name' must be a non-empty string"),
     ({"model": [1, 2]}, "'model' must be a JSON object"),
-    ({"schema_version": 2}, "written by a newer ringflow (schema_version 2"),
+    ({"schema_version": 3}, "written by a newer ringflow (schema_version 3"),
     ({"schema_version": "1"}, "'schema_version' must be a whole number"),
     ({"schema": "something-else"}, "not a hardware profile ('schema' is 'something-else'"),
 ])
@@ -464,3 +466,26 @@ def test_a_profile_saved_with_a_byte_order_mark_is_read(tmp_path):
     path = tmp_path / "bom.json"
     path.write_bytes(b"\xef\xbb\xbf" + MEASURED.to_json().encode("utf-8"))
     assert get_profile(str(path)) == MEASURED
+
+
+def test_a_profile_of_schema_version_1_is_read_without_a_staging_rate():
+    """Version 1 files were written before the staging rate was measured: read, with none."""
+    data = hardware.H200_PCIE5.to_dict()
+    data["schema_version"] = 1
+    del data["model"]["staging_GBps"]
+    p = HardwareProfile.from_dict(data)
+    assert p.staging_GBps is None
+    assert dataclasses.replace(p, staging_GBps=14.1) == hardware.H200_PCIE5
+    data["model"]["staging_GBps"] = 14.1  # not a field version 1 had
+    with pytest.raises(ProfileError, match=r"unknown field\(s\) model.staging_GBps"):
+        HardwareProfile.from_dict(data)
+
+
+def test_a_profile_of_schema_version_2_holds_its_staging_rate_or_null():
+    data = hardware.H200_PCIE5.to_dict()
+    assert data["schema_version"] == 2 and data["model"]["staging_GBps"] == 14.1
+    data["model"]["staging_GBps"] = None  # not measured: said so
+    assert HardwareProfile.from_dict(data).staging_GBps is None
+    del data["model"]["staging_GBps"]
+    with pytest.raises(ProfileError, match=r"missing field\(s\) model.staging_GBps"):
+        HardwareProfile.from_dict(data)

@@ -42,7 +42,7 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 logger = logging.getLogger("ringflow")
 
 SCHEMA = "ringflow-hardware-profile"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 added staging_GBps; a version 1 file is read with it unknown (None)
 CALIBRATE_VAR = "RINGFLOW_CALIBRATE"  # "1": measure a GPU with no cached profile on first use
 
 
@@ -69,6 +69,8 @@ PCIE_GTPS_MAX = 128.0  # GT/s a lane: PCIe 7.0's rate, the fastest PCIe has
 PCIE_WIDTHS = (1, 2, 4, 8, 12, 16, 32)  # the link widths (lanes) PCIe has
 _MACHINE = ("gpu_name", "driver", "pcie_link")  # where it was measured: the JSON's "machine"
 _META = ("name", "measured_at") + _MACHINE
+# model fields that a file of an older schema version does not hold: {field: first version}
+_SINCE = {"staging_GBps": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +104,11 @@ class HardwareProfile:
     compute_capability: tuple[int, int]
     total_memory: int
     chaos_spread: float = 0.25  # with chaos on, durations vary by up to this fraction
+    # Input bytes a second that the host stages in and out at once: half its threads copy
+    # touched pageable memory into pinned memory, the other half pinned memory into fresh
+    # pageable pages, while the GPU copies as many bytes each way; every part shares the host's
+    # memory. None: not measured (a profile written before it was).
+    staging_GBps: Optional[float] = None
     pcie_link: "tuple[float, int] | None" = None  # (GT/s per lane, lanes) of the GPU's host link, if known
     gpu_name: Optional[str] = None  # the GPU it was measured on (None for a model)
     driver: Optional[str] = None  # that GPU's driver version
@@ -120,6 +127,14 @@ class HardwareProfile:
     def host_copy_rate(self, threads: int) -> float:
         """GB/s of host memcpy with ``threads`` threads copying at once (all threads together)."""
         return _interp_loglog(self.host_copy_GBps, max(1, threads))
+
+    def staging_copy_rate(self, threads: int) -> float:
+        """GB/s of the staged path's host copies with ``threads`` threads copying at once (all
+        threads together): :meth:`host_copy_rate`, but no more than twice ``staging_GBps`` where
+        the profile has it, since copies in and out of pinned memory that run beside the GPU's
+        copies (and the fresh output's first touch) move no more bytes than that."""
+        rate = self.host_copy_rate(threads)
+        return rate if self.staging_GBps is None else min(rate, 2 * self.staging_GBps)
 
     def first_touch_rate(self, threads: int) -> float:
         """GB/s of first writes to fresh pages with ``threads`` threads (all threads together)."""
@@ -184,7 +199,8 @@ class HardwareProfile:
             if not isinstance(part, dict):
                 raise ProfileError(f"{source}: '{key}' must be a JSON object, got {_json_type(part)} {part!r:.60}")
         _require(machine, ("gpu", "driver", "pcie_link"), "machine.", source)
-        model_fields = [f.name for f in dataclasses.fields(cls) if f.name not in _META]
+        model_fields = [f.name for f in dataclasses.fields(cls)
+                        if f.name not in _META and _SINCE.get(f.name, 1) <= version]
         _require(model, model_fields, "model.", source)
         link = machine["pcie_link"]
         if link is not None:
@@ -317,6 +333,8 @@ def _check_field(name: str, value: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)) or len(value) != 2:
             raise ProfileError(f"{where} must be a [major, minor] pair, got {value!r:.60}")
         return (_whole(value[0], f"{where}[0]", least=0), _whole(value[1], f"{where}[1]", least=0))
+    if name == "staging_GBps":
+        return None if value is None else _rate(value, where)
     if name == "chaos_spread":
         spread = _real(value, where, positive=False)
         if spread >= 1:
@@ -393,6 +411,7 @@ H200_PCIE5 = HardwareProfile(
     compute_capability=(9, 0),
     total_memory=141 * 10**9,
     pcie_link=(32.0, 16),  # PCIe Gen5 x16
+    staging_GBps=14.1,
 )
 
 # How much longer a host-side call takes on the host a Gen4 GPU sits in (see pcie4_x16).
@@ -415,8 +434,8 @@ def pcie4_x16(base: HardwareProfile = H200_PCIE5) -> HardwareProfile:
       recording or querying an event, and scheduling a host task each take
       :data:`GEN4_HOST_CALL_FACTOR` times ``base``'s time.
     * Unchanged: the GPU (its memory bandwidth, shortest kernel, copy engines, SMs, memory) and
-      the host's memory rates (memcpy by threads, registration, first touch), which depend on
-      the memory system rather than the link.
+      the host's memory rates (memcpy by threads, registration, first touch, staging in and out
+      at once), which depend on the memory system rather than the link.
 
     Returns:
         the profile, named ``pcie4-x16``, with ``pcie_link`` (16.0 GT/s, 16 lanes).

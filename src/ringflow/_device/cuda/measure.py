@@ -213,7 +213,13 @@ def measure_model(dev: Any, *, nbytes: int = 256 * MiB, repeats: int = 5, calls:
     * ``register_GBps``, ``register_fresh_GBps``, ``unregister_GBps``: pinning ``nbytes`` of
       touched and of never-touched pageable memory in place, and unpinning it;
     * ``first_touch_GBps``: ``[threads, GB/s]`` of the first write to ``nbytes`` of fresh
-      pages, on one thread and on the most threads timed.
+      pages, on one thread and on the most threads timed;
+    * ``staging_GBps``: the staged path's memory work at once, in bytes of one direction: half
+      of the most threads timed copy ``nbytes / 2`` of touched pageable memory into pinned
+      memory, the other half ``nbytes / 2`` of pinned memory into fresh pages, while the device
+      copies as many bytes host to device and device to host (pinned buffers of their own), all
+      started together and timed until the last ends (host clock). The host copies are the
+      ones the worker pool makes (ringflow's native copy where it is built, else numpy's).
 
     Each figure is the median of ``repeats`` after a warm-up (seconds, GB/s = 1e9 B/s). Device
     spans are timed behind a gate kernel, so that the host's enqueueing is not part of them.
@@ -233,6 +239,7 @@ def measure_model(dev: Any, *, nbytes: int = 256 * MiB, repeats: int = 5, calls:
     s = dev.create_stream()
     d_a, d_b = dev.allocate(nbytes, stream=s), dev.allocate(nbytes, stream=s)
     h_pin = dev.allocate_host(nbytes)
+    s_out = h_out = None
     spin = Spin(dev) if kernel is None else None
     launch = kernel if kernel is not None else spin
     pool = dev.create_worker_pool(1)
@@ -330,14 +337,63 @@ def measure_model(dev: Any, *, nbytes: int = 256 * MiB, repeats: int = 5, calls:
                     runs.append(seconds)
                 del fresh_arr
             res["first_touch_GBps"].append([t, _rate(nbytes, runs)])
+
+        s_out, h_out = dev.create_stream(), dev.allocate_host(nbytes)
+        res["staging_GBps"] = _staging_rate(dev, s, s_out, d_a, d_b, h_pin, h_out, src, executor, threads[-1],
+                                            repeats)
     finally:
         executor.shutdown(wait=True)
         s.sync()
-        for obj in (pool, spin, d_a, d_b, h_pin, s):
+        if s_out is not None:
+            s_out.sync()
+        for obj in (pool, spin, d_a, d_b, h_pin, h_out, s_out, s):
             if obj is not None:
                 obj.close()
     res["seconds"] = time.perf_counter() - t_start
     return res
+
+
+def _staging_rate(dev: Any, s_in: Any, s_out: Any, d_a: Any, d_b: Any, h_in: Any, h_out: Any, src: np.ndarray,
+                  executor: Any, threads: int, repeats: int) -> float:
+    """``staging_GBps`` of :func:`measure_model`: GB/s of one direction, the median of ``repeats``
+    after a warm-up. ``h_in`` and ``h_out`` are pinned buffers of ``src.nbytes``: the first half
+    of each is the host copies', the second half the device copies' (no byte is written by one
+    while the other reads it)."""
+    from .. import native_copy
+
+    half = src.nbytes // 2
+    pin_in, pin_out = h_in.view(np.uint8), h_out.view(np.uint8)
+    dma_from, dma_into = h_in.slice(half, half), h_out.slice(half, half)
+    dev_in, dev_out = d_a.slice(0, half), d_b.slice(0, half)
+    t_in = max(1, threads // 2)
+    t_out = max(1, threads - t_in)
+
+    def copy(dst: np.ndarray, source: np.ndarray) -> None:
+        if not native_copy.copy(dst, source, 1):
+            np.copyto(dst, source)
+
+    def parts(t: int) -> list[tuple[int, int]]:
+        step = -(-half // t)
+        return [(a, min(a + step, half)) for a in range(0, half, step)]
+
+    runs = []
+    for i in range(repeats + 1):
+        fresh = np.empty(half, np.uint8)  # new pages, as a new output array has
+        s_in.sync()
+        s_out.sync()
+        t0 = time.perf_counter()
+        s_in.copy(dev_in, dma_from)
+        s_out.copy(dma_into, dev_out)
+        futures = ([executor.submit(copy, pin_in[a:b], src[a:b]) for a, b in parts(t_in)]
+                   + [executor.submit(copy, fresh[a:b], pin_out[a:b]) for a, b in parts(t_out)])
+        for f in futures:
+            f.result()
+        s_in.sync()
+        s_out.sync()
+        if i:  # the first run warms the threads, the pages and the copy path
+            runs.append(time.perf_counter() - t0)
+        del fresh
+    return _rate(half, runs)
 
 
 def _rate(nbytes: int, seconds: list[float]) -> float:

@@ -97,10 +97,11 @@ class SimHost:
 
     def copy_rate(self, dev: "SimDevice", threads: int) -> float:
         """GB/s ``dev`` copies host memory at with ``threads`` threads (all of them together):
-        its share of the host's rate for its threads and the other devices' declared ones."""
+        its share of the host's rate for its threads and the other devices' declared ones
+        (``HardwareProfile.staging_copy_rate``: host copies beside the GPUs' copies)."""
         others = self.threads_besides(dev) if _SHARE else 0
         total = threads + others
-        return dev.profile.host_copy_rate(total) * (threads / total)
+        return dev.profile.staging_copy_rate(total) * (threads / total)
 
     # -- pinned memory ---------------------------------------------------------------------------------------------
     def pin(self, buf: "SimHostBuffer") -> None:
