@@ -326,6 +326,22 @@ def test_gpu_report_measures():
     _render_text(report)
 
 
+@pytest.mark.gpu
+def test_gpu_calibration_measures_every_figure_of_a_profile(tmp_path):
+    """``doctor --save``'s measurements on the GPU make a valid profile, the host's staging rate
+    included (half the threads copying in, half out, the GPU's copies beside)."""
+    from ringflow._device.hardware import get_profile
+
+    dev = rf.device("cuda:0")
+    try:
+        profile = doctor.calibrate(dev, str(tmp_path / "gpu.json"), repeats=3)
+        assert dev.live().host_buffers == 0 and dev.live().streams == 0
+    finally:
+        dev.close()
+    assert get_profile(str(tmp_path / "gpu.json")) == profile
+    assert 0.5 < profile.staging_GBps < profile.host_copy_rate(16)
+
+
 # -- saving a hardware profile (--save), with fake measurements ---------------------------------------------------------
 def fake_model_measurements():
     return {"bytes": 256 << 20, "threads": [1, 4, 8, 16], "device_GBps": 4012.34, "kernel_min_s": 2.1e-6,
