@@ -368,7 +368,7 @@ def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbyte
     decides where little is left to copy, as when one side is pinned and the other small).
     """
     p = get_profile(profile)
-    copy_rate = p.staging_copy_rate(workers) * 1e9
+    copy_rate = p.host_copy_rate(workers) * 1e9
     to_pin = (0 if pinned[0] else nbytes_in) + (0 if pinned[1] else nbytes_out)
     stage = to_pin / copy_rate + chunks * (SCHEDULER_S_PER_CHUNK - DIRECT_S_PER_CHUNK)
     register = to_pin / (p.register_GBps * 1e9) + to_pin / (p.unregister_GBps * 1e9)
