@@ -489,3 +489,26 @@ def test_a_profile_of_schema_version_2_holds_its_staging_rate_or_null():
     del data["model"]["staging_GBps"]
     with pytest.raises(ProfileError, match=r"missing field\(s\) model.staging_GBps"):
         HardwareProfile.from_dict(data)
+
+
+def test_a_file_rewritten_in_place_with_its_size_and_time_kept_is_read_again(tmp_path):
+    """``cp -p`` onto an existing profile writes into the same inode and then sets the old
+    modification time back: device, inode, size and time all as before. The change time, which
+    no one can set back, tells it apart."""
+    path = tmp_path / "p.json"
+    MEASURED.save(path)
+    assert hardware.load_profile(path) == MEASURED
+    other = dataclasses.replace(MEASURED, launch_overhead_s=7.5e-6)
+    before = os.stat(path)
+    text = other.to_json().encode()
+    assert len(text) == before.st_size
+    while True:  # (until the change time moves: its clock may tick coarser than the write takes)
+        with open(path, "r+b") as fh:  # in place: the same inode
+            fh.write(text)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        after = os.stat(path)
+        if after.st_ctime_ns != before.st_ctime_ns:
+            break
+    assert (after.st_dev, after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns)
+    assert hardware.load_profile(path) == other

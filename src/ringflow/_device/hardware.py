@@ -494,17 +494,19 @@ DEFAULT_PROFILE = "h200-pcie5"
 # -- files -------------------------------------------------------------------------------------------------------------
 # by real path: (the file's version, profile) of the version last read (one a file: a profile
 # rewritten again and again is not kept version after version)
-_loaded: dict[str, tuple[tuple[int, int, int, int], HardwareProfile]] = {}
+_loaded: dict[str, tuple[tuple[int, int, int, int, int], HardwareProfile]] = {}
 _MAX_FILE_BYTES = 1 << 20  # a profile is a few kilobytes: anything this large is some other file
 _loaded_lock = threading.Lock()
 
 
-def _file_version(st: os.stat_result) -> tuple[int, int, int, int]:
+def _file_version(st: os.stat_result) -> tuple[int, int, int, int, int]:
     """What tells one version of a file from another, from its ``os.stat``: device, inode,
-    modification time (ns) and size. The inode tells apart a file saved over the old one (as
-    :meth:`HardwareProfile.save` does) with the same size and modification time, which a coarse
-    clock or a copy that keeps the time (``cp -p``) gives."""
-    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+    modification and change times (ns) and size. The inode tells apart a file saved over the old
+    one (as :meth:`HardwareProfile.save` does) with the same size and modification time, which a
+    coarse clock or a copy that keeps the time (``cp -p``) gives; the change time, which no one
+    can set back, a file rewritten in place with its size and modification time kept (``cp -p``
+    onto an existing file)."""
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size
 
 
 def save_profile(profile: HardwareProfile, path: "str | os.PathLike") -> str:
