@@ -436,9 +436,9 @@ def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     """(per-chunk stage times, predicted wall seconds) of streaming ``total_bytes`` in chunks of
     ``chunk_bytes``: the bound of the five stages (:func:`queued_stage_times`) plus the host's
     time per chunk as a sixth resource (it overlaps the GPU until it becomes the bottleneck with
-    small chunks), and, when staging, at least what the host's memory allows
-    (:func:`staging_floor_seconds`: the stages' copies, the fresh output's first touch and the
-    GPU's copies share it, which the per-stage model does not charge). With
+    small chunks). The host stages copy at the profile's ``staging_copy_rate`` (their copies,
+    the fresh output's first touch and the GPU's copies share the host's memory), so a staged
+    prediction is about :func:`staging_floor_seconds` at the least. With
     ``host_stages=False`` the copy engines use the caller's pinned memory (no staging: the
     direct engine). ``out_ratio``: result bytes per input byte (the copy back and the consume
     move that many)."""
@@ -492,9 +492,9 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
 
     Each GPU has its own link, streams and workers, so each shard takes what one GPU takes for its
     share (:func:`predict_seconds`). The host's memory and CPUs are shared: a staged job copies
-    every byte twice on the host (in to pinned, out of it), all the GPUs' workers together copy
-    at most at the profile's host copy rate for that many threads, and the whole job's staging
-    takes at least :func:`staging_floor_seconds`. The prediction is the larger of the two.
+    every byte twice on the host (in to pinned, out of it), and all the GPUs' workers together
+    copy at most at the profile's ``staging_copy_rate`` for that many threads (so the whole job
+    takes at least :func:`staging_floor_seconds`). The prediction is the larger of the two.
 
     Raises:
         ValueError: ``devices`` is not an int >= 1.
