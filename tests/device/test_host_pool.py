@@ -504,6 +504,46 @@ def test_ctrl_c_anywhere_in_a_hand_out_leaves_the_block_back_once():
         assert n > 10  # the hook reached into the hand-out
 
 
+def test_ctrl_c_twice_in_a_hand_out_leaves_the_block_back_once():
+    """Ctrl-C pressed again while an interrupted hand-out puts its block back: a second
+    KeyboardInterrupt at any instruction after the first leaves the same books as one (the block
+    free again, counted once, in the cache it is counted in, no pinned buffer dropped)."""
+    dev = rf.device("sim")
+    pool = HostPool(dev)
+    size = size_class(4096)
+    names = {"take", "_take", "_allocate", "_hand_out", "_put_back", "_book", "_move"}
+    reached = set()  # the cases in which a second interrupt fell inside the putting back
+    for cached in (True, False):
+        first, first_done = 0, False
+        while not first_done:
+            second, second_done = first + 1, False
+            while not second_done:
+                pool.release_cached()
+                if cached:
+                    keep = pool.empty(4096, np.uint8)
+                    del keep
+                    pool.collect()
+                hook, got = call_interrupted_at({first, second}, lambda: pool.empty(4096, np.uint8), names, POOL_FILE)
+                first_done = hook.fired == 0
+                second_done = hook.fired < 2
+                if hook.fired == 2 and hook.functions[second:second + 1] == ["_put_back"]:
+                    reached.add(cached)
+                where = (cached, first, second, hook.functions[first:first + 1], hook.functions[second:second + 1])
+                del got
+                gc.collect()
+                pool.collect()
+                st = pool.stats()
+                assert st.in_use_bytes == 0 and st.pending_bytes == 0, (where, st)
+                assert st.cached_bytes == sum(b.size for bucket in pool._free.values() for b in bucket), (where, st)
+                assert st.cached_bytes in ((size,) if cached else (0, size)), (where, st)
+                assert st.held_bytes == sum(b.size for b in pool._blocks.values()), (where, st)
+                live = dev.live()
+                assert live.host_buffers == 0 and live.pooled_host_buffers == len(pool._blocks), where
+                second += 1
+            first += 1
+    assert reached == {True, False}
+
+
 def test_a_hand_out_interrupted_after_its_owner_exists_is_not_freed_twice(monkeypatch):
     """The block of a hand-out interrupted once its owner exists is free again at once; the owner,
     kept alive for a while (by the exception's frames, say), is dropped only after the block went

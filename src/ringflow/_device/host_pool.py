@@ -133,10 +133,11 @@ _NEW, _FREE, _IN_USE, _PENDING, _CHECKING, _RELEASED = "new", "free", "in use", 
 class _Block:
     """One pinned allocation and what the pool knows of its use."""
 
-    __slots__ = ("buffer", "size", "state", "events", "tokens", "generation")
+    __slots__ = ("buffer", "key", "size", "state", "events", "tokens", "generation")
 
     def __init__(self, buffer: HostBuffer, size: int):
         self.buffer = buffer
+        self.key = id(buffer)  # in the pool's books (read where no call may come between changes)
         self.size = size
         self.state = _NEW  # pinned, not yet in the pool's books
         self.generation = 0  # of hand-outs put back unfinished (_put_back): older owners' returns are stale
@@ -261,25 +262,38 @@ class HostPool:
                 return None
             return self._hand_out(claim[0], nbytes, shape, dtype)
         except BaseException:
-            if claim:
-                self._put_back(claim[0])
+            while claim:
+                try:
+                    self._put_back(claim[0])
+                    break
+                except KeyboardInterrupt:  # Ctrl-C again: put it back all the same (it is idempotent)
+                    continue
             raise
 
     def _put_back(self, block: _Block) -> None:
         """A hand-out that failed or was interrupted: its block is free again as it was. A new
         generation makes the return of the hand-out's owner, if it got one, a stale one that
-        :meth:`_process` ignores: the block is never freed twice."""
+        :meth:`_process` ignores: the block is never freed twice. Idempotent, and its changes
+        are made with no call between the first and the last, where a KeyboardInterrupt could
+        stop them half done: called again after an interrupt, it finishes the job or finds it
+        done."""
         with self._lock:
-            if block.state == _NEW:  # pinned, but interrupted before it was booked
-                self._book(block)
-            if block.state in (_NEW, _IN_USE):
+            state = block.state
+            if state == _NEW or state == _IN_USE:
+                key = block.key
+                if key not in self._blocks:  # pinned, but interrupted before it was booked
+                    self._blocks[key] = block
+                    self._counts["allocations"] += 1
                 block.generation += 1
-                self._move(block, _FREE)
-                self._free.setdefault(block.size, []).append(block)
+                if state == _IN_USE:
+                    self._bytes[_IN_USE] -= block.size
+                self._bytes[_FREE] += block.size
+                block.state = _FREE
+                self._free[block.size] += [block]
 
     def _book(self, block: _Block) -> None:
         """Enter a newly pinned block in the pool's books (once). Under the lock."""
-        key = id(block.buffer)
+        key = block.key
         if key not in self._blocks:
             self._blocks[key] = block
             self._counts["allocations"] += 1
@@ -290,9 +304,13 @@ class HostPool:
             bucket = self._free.get(size)
             if bucket:
                 # the most recently used block (its pages are the warmest), moved into the claim
-                # with no call in between, where a KeyboardInterrupt could drop it
+                # and counted in use with no call in between, where a KeyboardInterrupt could
+                # leave it out of the cache yet counted there
                 claim[:], bucket[-1:] = bucket[-1:], []
-                self._move(claim[0], _IN_USE)
+                block = claim[0]
+                self._bytes[_FREE] -= block.size
+                self._bytes[_IN_USE] += block.size
+                block.state = _IN_USE
                 self._counts["hits"] += 1
 
     def _make_room(self, size: int, dropped: list[_Block]) -> None:
@@ -600,7 +618,7 @@ class HostPool:
                     block.buffer.close()
             except Exception as exc:  # noqa: BLE001 - a failed free must not fail an allocation
                 logger.warning("ringflow.host: freeing %r failed: %s: %s", block.buffer, type(exc).__name__, exc)
-            key = id(block.buffer)
+            key = block.key
             with self._lock:  # no call before the last step, where an interrupt would book it twice
                 self._counts["releases"] += 1
                 del blocks[-1]
@@ -615,7 +633,7 @@ class HostPool:
                 block = blocks[-1]
                 if block.buffer.closed:
                     self._counts["releases"] += 1
-                    self._blocks.pop(id(block.buffer), None)
+                    self._blocks.pop(block.key, None)
                 else:
                     self._bytes[_FREE] += block.size
                     block.state = _FREE
