@@ -645,6 +645,48 @@ def test_ctrl_c_anywhere_in_freeing_cached_blocks_keeps_the_bytes_counted_the_by
     assert n > 10  # the hook reached into the freeing
 
 
+@pytest.mark.parametrize("how", ["release_cached", "set_budget", "empty making room"])
+def test_ctrl_c_twice_in_freeing_cached_blocks_keeps_the_bytes_counted_the_bytes_held(how):
+    """Ctrl-C pressed again while blocks an interrupted freeing left open go back to the cache:
+    the second KeyboardInterrupt at any instruction after the first leaves the books as one does
+    (every block freed and out of the books, or counted in the cache; a later release frees
+    all; the pool's budget not held by a reservation that was never taken back)."""
+    sizes = [size_class(4096 * (i + 1)) for i in range(3)]
+    names = {"release_cached", "set_budget", "empty", "take", "_allocate", "_make_room", "_uncache_last",
+             "_release_blocks", "_observe", "_restore", "_book", "_move", "_hand_out", "_put_back"}
+    reached = False
+    first, first_done = 0, False
+    while not first_done:
+        second, second_done = first + 1, False
+        while not second_done:
+            dev = rf.device("sim")
+            pool = HostPool(dev, budget=sum(sizes) + 4096)
+            arrays = [pool.empty(size, np.uint8) for size in sizes]
+            buffers = [pool.buffer_of(a) for a in arrays]
+            del arrays
+            pool.collect()
+            call = {"release_cached": pool.release_cached, "set_budget": lambda: pool.set_budget(4096),
+                    "empty making room": lambda: pool.empty(size_class(4096 * 4), np.uint8)}[how]
+            hook, new = call_interrupted_at({first, second}, call, names, POOL_FILE)
+            first_done, second_done = hook.fired == 0, hook.fired < 2
+            reached = reached or hook.functions[second:second + 1] == ["_restore"]
+            where = (how, first, second, hook.functions[first:first + 1], hook.functions[second:second + 1])
+            st = pool.stats()
+            assert dev.live().host_buffers == 0, where
+            booked = list(pool._blocks.values())
+            assert not any(b.buffer.closed for b in booked), where
+            assert st.held_bytes == sum(b.size for b in booked), (where, st)
+            assert st.cached_bytes == sum(b.size for bucket in pool._free.values() for b in bucket), where
+            assert pool._reserved == 0, where
+            del new
+            pool.collect()
+            pool.release_cached()
+            assert pool.stats().held_bytes == 0 and all(b.closed for b in buffers), where
+            second += 1
+        first += 1
+    assert reached  # second interrupts fell inside the restoring
+
+
 class _Gate:
     """A recorded use (anything with ``is_done``) whose first query once :attr:`armed` tells
     ``reached`` and waits for ``go`` (bounded in real time), then says not done; later queries say

@@ -100,6 +100,10 @@ class InterruptAt:
     def _rearm(self, frame, event, arg):
         if event == "call" and self.fired < len(self.at) and sys.gettrace() is None:
             sys.settrace(self._call)
+            # the frame being entered had its call event already: trace it from here on too
+            local = self._call(frame, event, arg)
+            if local is not None:
+                frame.f_trace = local
 
     def __enter__(self) -> "InterruptAt":
         sys.settrace(self._call)

@@ -377,8 +377,11 @@ class HostPool:
                 self._book(block)
                 self._move(block, _IN_USE)
         finally:
-            if to_release:  # interrupted before they were all freed
-                self._restore(to_release)
+            while to_release:  # interrupted before they were all freed
+                try:
+                    self._restore(to_release)
+                except KeyboardInterrupt:  # Ctrl-C again: it goes on with the blocks left
+                    pass
             if reserved:
                 with self._lock:
                     self._reserved -= size
@@ -583,8 +586,11 @@ class HostPool:
                 self._make_room(0, dropped)
             self._release_blocks(dropped)
         finally:
-            if dropped:  # interrupted before they were all freed
-                self._restore(dropped)
+            while dropped:  # interrupted before they were all freed
+                try:
+                    self._restore(dropped)
+                except KeyboardInterrupt:  # Ctrl-C again: it goes on with the blocks left
+                    pass
 
     def release_cached(self) -> int:
         """Free every cached block back to the device (blocks in use and pending stay).
@@ -602,8 +608,11 @@ class HostPool:
             freed = sum(b.size for b in dropped)
             self._release_blocks(dropped)
         finally:
-            if dropped:  # interrupted before they were all freed
-                self._restore(dropped)
+            while dropped:  # interrupted before they were all freed
+                try:
+                    self._restore(dropped)
+                except KeyboardInterrupt:  # Ctrl-C again: it goes on with the blocks left
+                    pass
         return freed
 
     def _release_blocks(self, blocks: list[_Block]) -> None:
@@ -627,13 +636,16 @@ class HostPool:
     def _restore(self, blocks: list[_Block]) -> None:
         """Released blocks an interrupted :meth:`_release_blocks` did not get to: the closed
         ones leave the books, the open ones go back to the cache (counted again: a later request
-        or budget change frees them), so the bytes counted stay the bytes held."""
+        or budget change frees them), so the bytes counted stay the bytes held. Each block's
+        changes are made with no call in between and end with taking it off ``blocks``: called
+        again after a KeyboardInterrupt, it goes on with the blocks left."""
         with self._lock:
             while blocks:
                 block = blocks[-1]
                 if block.buffer.closed:
                     self._counts["releases"] += 1
-                    self._blocks.pop(block.key, None)
+                    if block.key in self._blocks:
+                        del self._blocks[block.key]
                 else:
                     self._bytes[_FREE] += block.size
                     block.state = _FREE
