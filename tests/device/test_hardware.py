@@ -475,15 +475,15 @@ def test_a_profile_of_schema_version_1_is_read_without_a_staging_rate():
     del data["model"]["staging_GBps"]
     p = HardwareProfile.from_dict(data)
     assert p.staging_GBps is None
-    assert dataclasses.replace(p, staging_GBps=14.1) == hardware.H200_PCIE5
-    data["model"]["staging_GBps"] = 14.1  # not a field version 1 had
+    assert dataclasses.replace(p, staging_GBps=15.5) == hardware.H200_PCIE5
+    data["model"]["staging_GBps"] = 15.5  # not a field version 1 had
     with pytest.raises(ProfileError, match=r"unknown field\(s\) model.staging_GBps"):
         HardwareProfile.from_dict(data)
 
 
 def test_a_profile_of_schema_version_2_holds_its_staging_rate_or_null():
     data = hardware.H200_PCIE5.to_dict()
-    assert data["schema_version"] == 2 and data["model"]["staging_GBps"] == 14.1
+    assert data["schema_version"] == 2 and data["model"]["staging_GBps"] == 15.5
     data["model"]["staging_GBps"] = None  # not measured: said so
     assert HardwareProfile.from_dict(data).staging_GBps is None
     del data["model"]["staging_GBps"]

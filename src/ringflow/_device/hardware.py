@@ -411,7 +411,7 @@ H200_PCIE5 = HardwareProfile(
     compute_capability=(9, 0),
     total_memory=141 * 10**9,
     pcie_link=(32.0, 16),  # PCIe Gen5 x16
-    staging_GBps=14.1,
+    staging_GBps=15.5,
 )
 
 # How much longer a host-side call takes on the host a Gen4 GPU sits in (see pcie4_x16).
