@@ -609,38 +609,53 @@ def test_ctrl_c_anywhere_in_taking_back_a_dropped_block_leaves_it_pending_or_fre
     assert n > 10  # the hook reached into the take-back
 
 
+FREEING_SIZES = [size_class(4096 * (i + 1)) for i in range(3)]
+
+
+def _pool_freeing(how: str) -> tuple:
+    """``(dev, pool, buffers, call)``: a pool holding three cached blocks (``buffers``) and the
+    call that frees them ``how``: releasing the cache, shrinking the budget, or making room for
+    a new block (which fits once two are freed)."""
+    dev = rf.device("sim")
+    pool = HostPool(dev, budget=sum(FREEING_SIZES) + 4096)
+    arrays = [pool.empty(size, np.uint8) for size in FREEING_SIZES]
+    buffers = [pool.buffer_of(a) for a in arrays]
+    del arrays
+    pool.collect()
+    call = {"release_cached": pool.release_cached, "set_budget": lambda: pool.set_budget(4096),
+            "empty making room": lambda: pool.empty(size_class(4096 * 4), np.uint8)}[how]
+    return dev, pool, buffers, call
+
+
+def _check_freeing_left_the_books_right(dev, pool, buffers, where) -> None:
+    """Every open pinned buffer in the pool's books, every booked one open, the bytes counted the
+    bytes held (cached: those in the cache's lists), no reservation left; a release frees all."""
+    st = pool.stats()
+    assert dev.live().host_buffers == 0, where
+    booked = list(pool._blocks.values())
+    assert not any(b.buffer.closed for b in booked), where
+    assert st.held_bytes == sum(b.size for b in booked), (where, st)
+    assert st.cached_bytes == sum(b.size for bucket in pool._free.values() for b in bucket), where
+    assert pool._reserved == 0, where
+    pool.collect()
+    pool.release_cached()
+    assert pool.stats().held_bytes == 0 and all(b.closed for b in buffers), where
+
+
 @pytest.mark.parametrize("how", ["release_cached", "set_budget", "empty making room"])
 def test_ctrl_c_anywhere_in_freeing_cached_blocks_keeps_the_bytes_counted_the_bytes_held(how):
     """A KeyboardInterrupt at any instruction while cached blocks are freed (to release the cache,
     to shrink the budget, or to make room for a new block): each block is either freed and out of
     the books, or still counted; none is left open but uncounted, and a later release frees all."""
-    sizes = [size_class(4096 * (i + 1)) for i in range(3)]
     n, finished = 0, False
     while not finished:
-        dev = rf.device("sim")
-        pool = HostPool(dev, budget=sum(sizes) + 4096)
-        arrays = [pool.empty(size, np.uint8) for size in sizes]
-        buffers = [pool.buffer_of(a) for a in arrays]
-        del arrays
-        pool.collect()
-        call = {"release_cached": pool.release_cached, "set_budget": lambda: pool.set_budget(4096),
-                # fits once two blocks are freed
-                "empty making room": lambda: pool.empty(size_class(4096 * 4), np.uint8)}[how]
+        dev, pool, buffers, call = _pool_freeing(how)
         hook, new = call_interrupted_at(n, call, {"release_cached", "set_budget", "empty", "take", "_allocate",
                                                   "_make_room", "_uncache_last", "_release_blocks", "_observe"},
                                         POOL_FILE)
         finished = hook.fired == 0
-        where = (how, n, hook.functions[n:n + 1])
-        st = pool.stats()
-        assert dev.live().host_buffers == 0, where  # every open pinned buffer is in the pool's books
-        booked = list(pool._blocks.values())
-        assert not any(b.buffer.closed for b in booked), where
-        assert st.held_bytes == sum(b.size for b in booked), (where, st)
-        assert st.cached_bytes == sum(b.size for bucket in pool._free.values() for b in bucket), where
         del new
-        pool.collect()
-        pool.release_cached()
-        assert pool.stats().held_bytes == 0 and all(b.closed for b in buffers), where
+        _check_freeing_left_the_books_right(dev, pool, buffers, (how, n, hook.functions[n:n + 1]))
         n += 1
     assert n > 10  # the hook reached into the freeing
 
@@ -651,7 +666,6 @@ def test_ctrl_c_twice_in_freeing_cached_blocks_keeps_the_bytes_counted_the_bytes
     the second KeyboardInterrupt at any instruction after the first leaves the books as one does
     (every block freed and out of the books, or counted in the cache; a later release frees
     all; the pool's budget not held by a reservation that was never taken back)."""
-    sizes = [size_class(4096 * (i + 1)) for i in range(3)]
     names = {"release_cached", "set_budget", "empty", "take", "_allocate", "_make_room", "_uncache_last",
              "_release_blocks", "_observe", "_restore", "_book", "_move", "_hand_out", "_put_back"}
     reached = False
@@ -659,29 +673,14 @@ def test_ctrl_c_twice_in_freeing_cached_blocks_keeps_the_bytes_counted_the_bytes
     while not first_done:
         second, second_done = first + 1, False
         while not second_done:
-            dev = rf.device("sim")
-            pool = HostPool(dev, budget=sum(sizes) + 4096)
-            arrays = [pool.empty(size, np.uint8) for size in sizes]
-            buffers = [pool.buffer_of(a) for a in arrays]
-            del arrays
-            pool.collect()
-            call = {"release_cached": pool.release_cached, "set_budget": lambda: pool.set_budget(4096),
-                    "empty making room": lambda: pool.empty(size_class(4096 * 4), np.uint8)}[how]
+            dev, pool, buffers, call = _pool_freeing(how)
             hook, new = call_interrupted_at({first, second}, call, names, POOL_FILE)
             first_done, second_done = hook.fired == 0, hook.fired < 2
             reached = reached or hook.functions[second:second + 1] == ["_restore"]
-            where = (how, first, second, hook.functions[first:first + 1], hook.functions[second:second + 1])
-            st = pool.stats()
-            assert dev.live().host_buffers == 0, where
-            booked = list(pool._blocks.values())
-            assert not any(b.buffer.closed for b in booked), where
-            assert st.held_bytes == sum(b.size for b in booked), (where, st)
-            assert st.cached_bytes == sum(b.size for bucket in pool._free.values() for b in bucket), where
-            assert pool._reserved == 0, where
             del new
-            pool.collect()
-            pool.release_cached()
-            assert pool.stats().held_bytes == 0 and all(b.closed for b in buffers), where
+            _check_freeing_left_the_books_right(
+                dev, pool, buffers, (how, first, second, hook.functions[first:first + 1],
+                                     hook.functions[second:second + 1]))
             second += 1
         first += 1
     assert reached  # second interrupts fell inside the restoring
