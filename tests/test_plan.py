@@ -718,3 +718,18 @@ def test_the_plan_command_shows_the_hosts_staging_floor(capsys):
     assert "host memory floor" in out and "69.274 ms" in out  # 1 GiB at 15.5 GB/s
     assert main(["plan", "--bytes", "1GiB", "--pinned"]) == 0
     assert "host memory floor" not in capsys.readouterr().out
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(staging=st.one_of(st.none(), _rates), copy=st.floats(1e-6, 2.5e5), total=st.integers(1, 1 << 40),
+       chunk=st.integers(1, 1 << 30), workers=st.integers(1, 256), out_ratio=st.sampled_from([1.0, 0.25, 4.0]))
+def test_no_staged_prediction_beats_the_hosts_staging_floor(staging, copy, total, chunk, workers, out_ratio):
+    """Whatever the profile's staging and memcpy rates, chunk and workers, a staged job is never
+    predicted faster than its staging floor: its host copies move at most twice the staging
+    rate, and it copies every byte in and every result byte out."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="fuzzed", staging_GBps=staging,
+                            host_copy_GBps=((1, copy), (16, copy * 4)))
+    chunk = min(chunk, total)
+    _, predicted = plan.predict_seconds(p, total, chunk, workers=workers, out_ratio=out_ratio)
+    floor = plan.staging_floor_seconds(p, total, max(1, round(chunk * out_ratio)) * -(-total // chunk))
+    assert predicted >= floor * (1 - 1e-9)
