@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ringflow as rf  # noqa: E402
 from ringflow._bench import kernels  # noqa: E402
 from ringflow._bench.measure import fresh_random  # noqa: E402
-from ringflow._device.cuda.measure import staging_runs  # noqa: E402
+from ringflow._device.cuda.measure import staging_runs, staging_splits  # noqa: E402
 from _script import header, write  # noqa: E402
 
 MiB = 1 << 20
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     dev = rf.device(args.device)
     t = args.threads
-    splits = sorted({t // 2, max(1, 3 * t // 8)})
+    splits = staging_splits(t)
     out = header(f"{dev.name}, {os.cpu_count()} CPU cores")
     out.update({"threads": t, "repeats": args.repeats, "rows": []})
     executor = concurrent.futures.ThreadPoolExecutor(t)

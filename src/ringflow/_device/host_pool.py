@@ -273,17 +273,14 @@ class HostPool:
     def _put_back(self, block: _Block) -> None:
         """A hand-out that failed or was interrupted: its block is free again as it was. A new
         generation makes the return of the hand-out's owner, if it got one, a stale one that
-        :meth:`_process` ignores: the block is never freed twice. Idempotent, and its changes
-        are made with no call between the first and the last, where a KeyboardInterrupt could
-        stop them half done: called again after an interrupt, it finishes the job or finds it
-        done."""
+        :meth:`_process` ignores: the block is never freed twice. Idempotent (booking is, and
+        the block's own changes are made with no call between the first and the last, where a
+        KeyboardInterrupt could stop them half done): called again after an interrupt, it
+        finishes the job or finds it done."""
         with self._lock:
             state = block.state
             if state == _NEW or state == _IN_USE:
-                key = block.key
-                if key not in self._blocks:  # pinned, but interrupted before it was booked
-                    self._blocks[key] = block
-                    self._counts["allocations"] += 1
+                self._book(block)  # (a block pinned, but interrupted before it was booked)
                 block.generation += 1
                 if state == _IN_USE:
                     self._bytes[_IN_USE] -= block.size
