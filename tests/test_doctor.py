@@ -339,7 +339,8 @@ def test_gpu_calibration_measures_every_figure_of_a_profile(tmp_path):
     finally:
         dev.close()
     assert get_profile(str(tmp_path / "gpu.json")) == profile
-    assert 0.5 < profile.staging_GBps < profile.host_copy_rate(16)
+    assert [t for t, _ in profile.staging_GBps] == [t for t, _ in profile.host_copy_GBps]
+    assert all(0.1 < rate < profile.host_copy_rate(t) for t, rate in profile.staging_GBps)
 
 
 # -- saving a hardware profile (--save), with fake measurements ---------------------------------------------------------
@@ -348,7 +349,8 @@ def fake_model_measurements():
             "launch_overhead_s": 6.5e-6, "copy_overhead_s": 3.2e-6, "event_overhead_s": 1.1e-6,
             "host_task_overhead_s": 4.4e-6, "host_copy_GBps": [[1, 9.8], [4, 20.5], [8, 30.9], [16, 40.2]],
             "register_GBps": 30.1, "register_fresh_GBps": 7.5, "unregister_GBps": 50.2,
-            "first_touch_GBps": [[1, 3.7], [16, 30.5]], "staging_GBps": 13.9, "seconds": 2.5}
+            "first_touch_GBps": [[1, 3.7], [16, 30.5]],
+            "staging_GBps": [[1, 2.9], [4, 8.2], [8, 12.1], [16, 13.9]], "seconds": 2.5}
 
 
 class FullCudaDevice(FakeCudaDevice):
@@ -386,7 +388,7 @@ def test_save_writes_a_profile_of_the_measurements_that_round_trips(fake_calibra
     p = get_profile(str(path))
     assert p == HardwareProfile.from_json(path.read_text())
     assert (p.gpu_name, p.driver, p.name) == ("NVIDIA H200", "580.159.04", "nvidia-h200-580.159.04")
-    assert p.staging_GBps == 13.9
+    assert p.staging_GBps == ((1, 2.9), (4, 8.2), (8, 12.1), (16, 13.9))
     assert p.measured_at and p.pcie_link == (32.0, 16)  # the link the copies ran on (its maximum: see fake_gpu)
     m = fake_measurements(h2d=54.81234, duplex=101.14)
     assert p.h2d_curve == tuple((r["bytes"], r["GBps"]) for r in m["pinned_h2d_by_size"])  # unrounded
@@ -542,7 +544,8 @@ def test_measure_model_reads_back_the_simulated_gpus_figures():
     for key in ("register_GBps", "register_fresh_GBps", "unregister_GBps"):
         assert m[key] > 0  # the host's own work, on the host clock
     assert all(rate > 0 for _, rate in m["host_copy_GBps"] + m["first_touch_GBps"])
-    assert m["staging_GBps"] > 0  # the host's copies, with the device's in virtual time beside them
+    # the host's copies, with the device's in virtual time beside them, on each thread count timed
+    assert [t for t, _ in m["staging_GBps"]] == [1, 2] and all(rate > 0 for _, rate in m["staging_GBps"])
     assert dev.live().streams == 0 and dev.live().device_buffers == 0 and dev.live().host_buffers == 0
 
 

@@ -638,6 +638,9 @@ def test_a_pipeline_on_a_profile_of_slow_host_calls_runs():
 
 _seconds = st.one_of(st.just(0.0), st.floats(1e-9, 3600.0))
 _rates = st.floats(1e-6, 1e6)
+# (threads, GB/s) points, threads rising: a profile's curve by thread count
+_thread_curves = st.lists(st.tuples(st.integers(1, 64), st.floats(1e-3, 1e5)), min_size=1, max_size=5,
+                          unique_by=lambda p: p[0]).map(lambda ps: tuple(sorted(ps)))
 
 
 @settings(max_examples=200, deadline=None, database=None)
@@ -721,12 +724,13 @@ def test_the_plan_command_shows_the_hosts_staging_floor(capsys):
 
 
 @settings(max_examples=200, deadline=None, database=None)
-@given(staging=st.one_of(st.none(), _rates), copy=st.floats(1e-6, 2.5e5), total=st.integers(1, 1 << 40),
+@given(staging=st.one_of(st.none(), _thread_curves), copy=st.floats(1e-6, 2.5e5), total=st.integers(1, 1 << 40),
        chunk=st.integers(1, 1 << 30), workers=st.integers(1, 256), out_ratio=st.sampled_from([1.0, 0.25, 4.0]))
 def test_no_staged_prediction_beats_the_hosts_staging_floor(staging, copy, total, chunk, workers, out_ratio):
-    """Whatever the profile's staging and memcpy rates, chunk and workers, a staged job is never
-    predicted faster than its staging floor: its host copies move at most twice the staging
-    rate, and it copies every byte in and every result byte out."""
+    """Whatever the profile's staging curve and memcpy rates, chunk and workers, a staged job is
+    never predicted faster than its staging floor: its host copies move at most twice the
+    staging rate of as many threads, no thread count stages faster than the curve's fastest
+    point, and it copies every byte in and every result byte out."""
     p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="fuzzed", staging_GBps=staging,
                             host_copy_GBps=((1, copy), (16, copy * 4)))
     chunk = min(chunk, total)

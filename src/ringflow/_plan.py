@@ -453,13 +453,14 @@ def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_by
 
 def staging_floor_seconds(profile: "str | HardwareProfile", in_bytes: int, out_bytes: int) -> float:
     """The least time the host's memory allows for staging ``in_bytes`` in and ``out_bytes`` out
-    (seconds), whatever the pipeline: the profile's ``staging_GBps`` counts the bytes of one
-    direction while as many move the other way, so the two directions' mean is charged at it.
-    0 where the profile has no such figure (written before it was measured)."""
-    p = get_profile(profile)
-    if p.staging_GBps is None:
+    (seconds), whatever the pipeline and however many threads copy: the profile's fastest
+    staging rate (``HardwareProfile.staging_floor_rate``) counts the bytes of one direction
+    while as many move the other way, so the two directions' mean is charged at it. 0 where the
+    profile has no such figure (written before it was measured)."""
+    rate = get_profile(profile).staging_floor_rate()
+    if rate is None:
         return 0.0
-    return (in_bytes + out_bytes) / 2 / (p.staging_GBps * 1e9)
+    return (in_bytes + out_bytes) / 2 / (rate * 1e9)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -112,8 +112,10 @@ def _doc(**changes):
     ({"model.total_memory": "141GB"}, "'model.total_memory' must be a whole number"),
     ({"model.compute_capability": [9]}, "'model.compute_capability' must be a [major, minor] pair"),
     ({"model.chaos_spread": 1.5}, "'model.chaos_spread' must be below 1"),
-    ({"model.staging_GBps": -14.1}, "'model.staging_GBps' must be a finite number more than 0"),
-    ({"model.staging_GBps": "14.1"}, "'model.staging_GBps' must be a number, got string"),
+    ({"model.staging_GBps": [[16, -14.1]]}, "'model.staging_GBps'[0][1] (GB/s) must be a finite number more than 0"),
+    ({"model.staging_GBps": [[16, "14.1"]]}, "'model.staging_GBps'[0][1] (GB/s) must be a number, got string"),
+    ({"model.staging_GBps": 14.1}, "'model.staging_GBps' must be a non-empty list of [threads, GB/s] pairs"),
+    ({"model.staging_GBps": [[8, 14.1], [4, 9.0]]}, "'model.staging_GBps': the threads must rise"),
     ({"machine.pcie_link": "gen5"}, "'machine.pcie_link' must be null or an object"),
     ({"machine.pcie_link": {"GTps": 32.0}}, "missing field(s) machine.pcie_link.width"),
     # a PCIe link runs at most 128 GT/s a lane (PCIe 7.0), over 1 to 32 lanes in the widths PCIe has
@@ -131,7 +133,7 @@ def _doc(**changes):
     ({"date": "yesterday"}, "'date' must be an ISO 8601 date"),
     ({"name": ""}, "'name' must be a non-empty string"),
     ({"model": [1, 2]}, "'model' must be a JSON object"),
-    ({"schema_version": 3}, "written by a newer ringflow (schema_version 3"),
+    ({"schema_version": 4}, "written by a newer ringflow (schema_version 4"),
     ({"schema_version": "1"}, "'schema_version' must be a whole number"),
     ({"schema": "something-else"}, "not a hardware profile ('schema' is 'something-else'"),
 ])
@@ -475,20 +477,54 @@ def test_a_profile_of_schema_version_1_is_read_without_a_staging_rate():
     del data["model"]["staging_GBps"]
     p = HardwareProfile.from_dict(data)
     assert p.staging_GBps is None
-    assert dataclasses.replace(p, staging_GBps=15.5) == hardware.H200_PCIE5
-    data["model"]["staging_GBps"] = 15.5  # not a field version 1 had
+    assert dataclasses.replace(p, staging_GBps=hardware.H200_PCIE5.staging_GBps) == hardware.H200_PCIE5
+    data["model"]["staging_GBps"] = [[16, 15.5]]  # not a field version 1 had
     with pytest.raises(ProfileError, match=r"unknown field\(s\) model.staging_GBps"):
         HardwareProfile.from_dict(data)
 
 
-def test_a_profile_of_schema_version_2_holds_its_staging_rate_or_null():
+def test_a_profile_of_schema_version_2_is_read_with_its_one_staging_rate_for_any_threads():
+    """Version 2 held one staging rate, measured with the most threads, and planned with it for
+    any number of threads (each thread's memcpy rate still a cap): read as that, so a file of
+    version 2 plans as it did."""
     data = hardware.H200_PCIE5.to_dict()
-    assert data["schema_version"] == 2 and data["model"]["staging_GBps"] == 15.5
+    data["schema_version"] = 2
+    data["model"]["staging_GBps"] = 13.4
+    p = HardwareProfile.from_dict(data)
+    assert p.staging_GBps == ((1, 13.4),)
+    assert [p.staging_rate(t) for t in (1, 4, 16, 64)] == [13.4] * 4
+    assert p.staging_copy_rate(1) == p.host_copy_rate(1) and p.staging_copy_rate(16) == 2 * 13.4
+    data["model"]["staging_GBps"] = None  # not measured: said so
+    assert HardwareProfile.from_dict(data).staging_GBps is None
+    data["model"]["staging_GBps"] = [[16, 13.4]]  # a curve is version 3's
+    with pytest.raises(ProfileError, match=r"'model.staging_GBps' must be a number, got array"):
+        HardwareProfile.from_dict(data)
+    del data["model"]["staging_GBps"]
+    with pytest.raises(ProfileError, match=r"missing field\(s\) model.staging_GBps"):
+        HardwareProfile.from_dict(data)
+
+
+def test_a_profile_of_schema_version_3_holds_its_staging_curve_or_null():
+    data = hardware.H200_PCIE5.to_dict()
+    assert data["schema_version"] == 3
+    assert data["model"]["staging_GBps"] == [list(p) for p in hardware.H200_PCIE5.staging_GBps]
+    assert HardwareProfile.from_dict(data) == hardware.H200_PCIE5
     data["model"]["staging_GBps"] = None  # not measured: said so
     assert HardwareProfile.from_dict(data).staging_GBps is None
     del data["model"]["staging_GBps"]
     with pytest.raises(ProfileError, match=r"missing field\(s\) model.staging_GBps"):
         HardwareProfile.from_dict(data)
+
+
+def test_the_staging_curve_is_read_by_threads_and_its_fastest_point_is_the_floor():
+    p = dataclasses.replace(hardware.H200_PCIE5, staging_GBps=((1, 4.0), (4, 8.0), (16, 16.0)))
+    assert [p.staging_rate(t) for t in (1, 4, 64)] == pytest.approx([4.0, 8.0, 16.0])
+    assert p.staging_rate(8) == pytest.approx(8.0 * 2 ** 0.5)  # log-log between points
+    assert p.staging_floor_rate() == 16.0
+    assert p.staging_copy_rate(4) == min(p.host_copy_rate(4), 2 * p.staging_rate(4))
+    dipping = dataclasses.replace(p, staging_GBps=((4, 9.0), (16, 7.0)))  # more threads, less: a floor is the best
+    assert dipping.staging_floor_rate() == 9.0 and dipping.staging_rate(2) == 4.5
+    assert dataclasses.replace(p, staging_GBps=None).staging_floor_rate() is None
 
 
 def test_a_file_rewritten_in_place_with_its_size_and_time_kept_is_read_again(tmp_path):

@@ -42,7 +42,9 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 logger = logging.getLogger("ringflow")
 
 SCHEMA = "ringflow-hardware-profile"
-SCHEMA_VERSION = 2  # 2 added staging_GBps; a version 1 file is read with it unknown (None)
+# 2 added staging_GBps (one rate, the most threads'; read as that rate for any number of threads);
+# 3 made it a curve by threads. A version 1 file is read with it unknown (None).
+SCHEMA_VERSION = 3
 CALIBRATE_VAR = "RINGFLOW_CALIBRATE"  # "1": measure a GPU with no cached profile on first use
 
 
@@ -55,6 +57,7 @@ class ProfileError(RingflowError, ValueError):
 # Field groups, for validation and for the JSON layout. Curves are (x, GB/s) points, x rising.
 _BYTE_CURVES = ("h2d_curve", "d2h_curve")  # x: copy size in bytes
 _THREAD_CURVES = ("host_copy_GBps", "first_touch_GBps")  # x: threads
+_CURVES = _BYTE_CURVES + _THREAD_CURVES + ("staging_GBps",)  # staging_GBps: x threads, or None
 _RATES = ("duplex_GBps", "pageable_h2d_GBps", "pageable_d2h_GBps", "device_GBps", "register_GBps",
           "register_fresh_GBps", "unregister_GBps")  # GB/s, > 0
 _SECONDS = ("kernel_min_s", "launch_overhead_s", "copy_overhead_s", "event_overhead_s",
@@ -104,11 +107,11 @@ class HardwareProfile:
     compute_capability: tuple[int, int]
     total_memory: int
     chaos_spread: float = 0.25  # with chaos on, durations vary by up to this fraction
-    # Input bytes a second that the host stages in and out at once: half its threads copy
-    # touched pageable memory into pinned memory, the other half pinned memory into fresh
-    # pageable pages, while the GPU copies as many bytes each way; every part shares the host's
-    # memory. None: not measured (a profile written before it was).
-    staging_GBps: Optional[float] = None
+    # (threads, GB/s): input bytes a second that so many threads stage in and out at once (some
+    # copy touched pageable memory into pinned memory, the rest pinned memory into fresh pageable
+    # pages) while the GPU copies as many bytes each way; every part shares the host's memory.
+    # None: not measured (a profile written before it was).
+    staging_GBps: Optional[tuple[tuple[int, float], ...]] = None
     pcie_link: "tuple[float, int] | None" = None  # (GT/s per lane, lanes) of the GPU's host link, if known
     gpu_name: Optional[str] = None  # the GPU it was measured on (None for a model)
     driver: Optional[str] = None  # that GPU's driver version
@@ -128,13 +131,24 @@ class HardwareProfile:
         """GB/s of host memcpy with ``threads`` threads copying at once (all threads together)."""
         return _interp_loglog(self.host_copy_GBps, max(1, threads))
 
+    def staging_rate(self, threads: int) -> "float | None":
+        """GB/s of input that ``threads`` threads stage in and out at once beside the GPU's copies
+        (``staging_GBps`` read at that many threads; None where the profile has no such figure)."""
+        return None if self.staging_GBps is None else _interp_loglog(self.staging_GBps, max(1, threads))
+
     def staging_copy_rate(self, threads: int) -> float:
         """GB/s of the staged path's host copies with ``threads`` threads copying at once (all
-        threads together): :meth:`host_copy_rate`, but no more than twice ``staging_GBps`` where
-        the profile has it, since copies in and out of pinned memory that run beside the GPU's
-        copies (and the fresh output's first touch) move no more bytes than that."""
+        threads together): :meth:`host_copy_rate`, but no more than twice :meth:`staging_rate`
+        where the profile has it, since copies in and out of pinned memory that run beside the
+        GPU's copies (and the fresh output's first touch) move no more bytes than that."""
         rate = self.host_copy_rate(threads)
-        return rate if self.staging_GBps is None else min(rate, 2 * self.staging_GBps)
+        staging = self.staging_rate(threads)
+        return rate if staging is None else min(rate, 2 * staging)
+
+    def staging_floor_rate(self) -> "float | None":
+        """The most GB/s of input the host stages in and out at once with any number of threads
+        (the fastest point of ``staging_GBps``; None where the profile has no such figure)."""
+        return None if self.staging_GBps is None else max(rate for _, rate in self.staging_GBps)
 
     def first_touch_rate(self, threads: int) -> float:
         """GB/s of first writes to fresh pages with ``threads`` threads (all threads together)."""
@@ -151,7 +165,7 @@ class HardwareProfile:
             if f.name in _META:
                 continue
             value = getattr(self, f.name)
-            model[f.name] = [list(p) for p in value] if f.name in _BYTE_CURVES + _THREAD_CURVES else (
+            model[f.name] = [list(p) for p in value] if f.name in _CURVES and value is not None else (
                 list(value) if isinstance(value, tuple) else value)
         link = None if self.pcie_link is None else {"GTps": self.pcie_link[0], "width": self.pcie_link[1]}
         return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "name": self.name, "date": self.measured_at,
@@ -211,6 +225,10 @@ class HardwareProfile:
             link = (link["GTps"], link["width"])
         values = {"name": data["name"], "measured_at": data["date"], "gpu_name": machine["gpu"],
                   "driver": machine["driver"], "pcie_link": link, **model}
+        if version == 2 and model["staging_GBps"] is not None:
+            # one rate, measured with the most threads: read as that rate for any number of
+            # threads (how version 2 planned with it), each thread's own memcpy rate still a cap
+            values["staging_GBps"] = [[1, _rate(model["staging_GBps"], f"{source}: 'model.staging_GBps'")]]
         where = {"name": "name", "measured_at": "date", "gpu_name": "machine.gpu", "driver": "machine.driver",
                  "pcie_link": "machine.pcie_link"}
         checked = {k: _check_field(k, v, f"{source}: '{where.get(k, 'model.' + k)}'") for k, v in values.items()}
@@ -334,7 +352,7 @@ def _check_field(name: str, value: Any, where: str) -> Any:
             raise ProfileError(f"{where} must be a [major, minor] pair, got {value!r:.60}")
         return (_whole(value[0], f"{where}[0]", least=0), _whole(value[1], f"{where}[1]", least=0))
     if name == "staging_GBps":
-        return None if value is None else _rate(value, where)
+        return None if value is None else _curve(value, where, "threads")
     if name == "chaos_spread":
         spread = _real(value, where, positive=False)
         if spread >= 1:
@@ -411,7 +429,7 @@ H200_PCIE5 = HardwareProfile(
     compute_capability=(9, 0),
     total_memory=141 * 10**9,
     pcie_link=(32.0, 16),  # PCIe Gen5 x16
-    staging_GBps=15.5,
+    staging_GBps=((1, 15.5),),  # one rate for any number of threads, as version 2 read it
 )
 
 # How much longer a host-side call takes on the host a Gen4 GPU sits in (see pcie4_x16).

@@ -81,7 +81,7 @@ def test_a_device_gets_its_share_of_the_rate_while_others_are_declared_copying()
             assert a.host.threads_besides(a) == 4 and a.host.threads_besides(b) == 0
             # (the host's rate for that many threads, no more than the staging rate allows)
             assert host_copy_seconds(a, nbytes) == pytest.approx(
-                nbytes / (min(p.host_copy_rate(t + 4), 2 * p.staging_GBps) * t / (t + 4) * 1e9))
+                nbytes / (min(p.host_copy_rate(t + 4), 2 * p.staging_rate(t + 4)) * t / (t + 4) * 1e9))
             shared_task = task_seconds(a, 4, nbytes)
             # the task copies alone in its pool, beside the other device's 4 threads
             assert shared_task == pytest.approx(p.host_task_overhead_s + nbytes / (p.host_copy_rate(5) / 5 * 1e9))
@@ -91,7 +91,7 @@ def test_a_device_gets_its_share_of_the_rate_while_others_are_declared_copying()
             with c.sharing_host(2), b.sharing_host(2):  # declarations add up
                 assert a.host.threads_besides(a) == 8
                 assert task_seconds(a, 4, nbytes) == pytest.approx(
-                    p.host_task_overhead_s + nbytes / (min(p.host_copy_rate(9), 2 * p.staging_GBps) / 9 * 1e9))
+                    p.host_task_overhead_s + nbytes / (min(p.host_copy_rate(9), 2 * p.staging_rate(9)) / 9 * 1e9))
             assert a.host.threads_besides(a) == 4
         assert a.host.threads_besides(a) == 0
         assert host_copy_seconds(a, nbytes) == pytest.approx(alone_copy, rel=1e-12)

@@ -214,14 +214,14 @@ def measure_model(dev: Any, *, nbytes: int = 256 * MiB, repeats: int = 5, calls:
       touched and of never-touched pageable memory in place, and unpinning it;
     * ``first_touch_GBps``: ``[threads, GB/s]`` of the first write to ``nbytes`` of fresh
       pages, on one thread and on the most threads timed;
-    * ``staging_GBps``: the staged path's memory work at once, in bytes of one direction: some
-      of the most threads timed copy ``nbytes / 2`` of touched pageable memory into pinned
-      memory, the rest ``nbytes / 2`` of pinned memory into fresh pages, while the device
-      copies as many bytes host to device and device to host (pinned buffers of their own), all
-      started together and timed until the last ends (host clock; :func:`staging_runs`). The
-      fastest run of two splits of the threads (:func:`staging_splits`): a floor, which no
-      schedule of the same work beats, and the host's memory bandwidth drifts from one second
-      to the next.
+    * ``staging_GBps``: ``[threads, GB/s]`` of the staged path's memory work at once, in bytes
+      of one direction, for :func:`thread_counts`: some of the threads copy ``nbytes / 2`` of
+      touched pageable memory into pinned memory, the rest ``nbytes / 2`` of pinned memory into
+      fresh pages, while the device copies as many bytes host to device and device to host
+      (pinned buffers of their own), all started together and timed until the last ends (host
+      clock; :func:`staging_runs`). The fastest run of two splits of the threads
+      (:func:`staging_splits`): a floor, which no schedule of the same work on as many threads
+      beats, and the host's memory bandwidth drifts from one second to the next.
 
     Each figure but ``staging_GBps`` is the median of ``repeats`` after a warm-up (seconds,
     GB/s = 1e9 B/s). Device
@@ -342,10 +342,11 @@ def measure_model(dev: Any, *, nbytes: int = 256 * MiB, repeats: int = 5, calls:
             res["first_touch_GBps"].append([t, _rate(nbytes, runs)])
 
         s_out, h_out = dev.create_stream(), dev.allocate_host(nbytes)
-        most = threads[-1]
-        runs = [t for t_in in staging_splits(most)
-                for t in staging_runs(s, s_out, d_a, d_b, h_pin, h_out, src, executor, t_in, most - t_in, repeats)]
-        res["staging_GBps"] = (nbytes // 2) / max(min(runs), 1e-9) / 1e9
+        res["staging_GBps"] = []
+        for t in threads:
+            runs = [r for t_in in staging_splits(t)
+                    for r in staging_runs(s, s_out, d_a, d_b, h_pin, h_out, src, executor, t_in, t - t_in, repeats)]
+            res["staging_GBps"].append([t, (nbytes // 2) / max(min(runs), 1e-9) / 1e9])
     finally:
         executor.shutdown(wait=True)
         s.sync()
