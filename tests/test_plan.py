@@ -536,6 +536,54 @@ def test_workers_beyond_what_keeps_up_take_no_share_of_the_copy_rate():
     assert slow.prepare == pytest.approx(plan.host_stage_seconds("h200-pcie5", 8 * MiB, 1))
 
 
+def test_threads_past_the_memcpy_peak_copy_where_staging_still_grows():
+    """A host whose memcpy alone peaks at 4 threads, while staging beside the GPU's copies (page
+    faults of the fresh output, the copy engines reading and writing the rings) keeps growing up
+    to 16: counting copying threads by memcpy alone left a CPU-bound staged job with 8 workers
+    at 4 threads' staging rate, predicted far slower than with 4 more threads copying."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="memcpy-peaks-early",
+                            host_copy_GBps=((1, 12.0), (4, 40.0), (8, 39.0), (16, 44.0)),
+                            staging_GBps=((1, 4.0), (4, 8.0), (8, 12.0), (16, 14.0)))
+    assert plan.fastest_copy_threads(p, 8) == 4 and plan.fastest_staging_threads(p, 8) == 8
+    busy = plan.copying_threads(p, 8 * MiB, 8 * MiB, 8, plan.host_seconds_per_chunk(True))
+    assert busy == 8
+    t, total = plan.predict_seconds(p, 1 << 30, 8 * MiB, workers=8)
+    assert t.workers == 8 and t.prepare == pytest.approx(plan.host_stage_seconds(p, 8 * MiB, 8))
+    # each direction's bytes at the staging rate of 8 threads, and no faster
+    assert total >= (1 << 30) / 12e9
+    assert plan.predict_seconds(p, 1 << 30, 8 * MiB, workers=4)[1] > 1.3 * total
+    # one worker stages at one thread's rate, well below its memcpy rate
+    assert plan.predict_seconds(p, 1 << 30, 8 * MiB, workers=1)[1] >= (1 << 30) / 4e9 > 2 * (1 << 30) / 12e9
+    # a profile with one staging rate for any number of threads plans as memcpy alone says
+    flat = dataclasses.replace(p, staging_GBps=((1, 14.0),))
+    assert plan.copying_threads(flat, 8 * MiB, 8 * MiB, 8, plan.host_seconds_per_chunk(True)) == 4
+
+
+def test_a_simulated_host_stages_at_its_profiles_curve_as_the_plan_says():
+    """On a profile whose staging rate grows with threads past the memcpy peak, the simulated
+    staged path takes what the planner predicts for 1 to 8 workers (within 15%), and more
+    workers are faster by about what the curve says."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="memcpy-peaks-early",
+                            host_copy_GBps=((1, 12.0), (4, 40.0), (8, 39.0), (16, 44.0)),
+                            staging_GBps=((1, 4.0), (4, 8.0), (8, 12.0), (16, 14.0)))
+    x = np.random.default_rng(0).random(64 * MiB, dtype=np.float32)  # 256 MiB
+    seen = {}
+    for workers in (1, 2, 4, 8):
+        dev = rf.device("sim", profile=p, checked=False)
+        try:
+            job = rf.MapJob(lambda a, b: None, x, device=dev, chunk_bytes=8 * MiB, workers=workers, host="stage")
+            job(profile=True)
+            seen[workers] = job.report().measured_s
+            job.close()
+        finally:
+            dev.close()
+        predicted = plan.predict_seconds(p, x.nbytes, 8 * MiB, workers=workers)[1]
+        assert seen[workers] == pytest.approx(predicted, rel=0.15), workers
+    # one thread moves each direction's bytes at its staging rate, not both at its memcpy rate
+    assert seen[1] >= 0.95 * x.nbytes / 4e9 > 1.3 * 2 * x.nbytes / 12e9
+    assert seen[1] > 1.3 * seen[2] > 1.3 ** 2 * seen[4] and seen[8] < 0.85 * seen[4]
+
+
 def test_a_simulated_pool_larger_than_the_work_copies_as_fast_as_the_work_allows():
     """The simulated worker pool charges a copy at its share of the rate of the tasks running as
     it starts, so a pool of 64 takes what a pool of 16 takes (the plan agrees); charged as if all

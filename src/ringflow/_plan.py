@@ -253,13 +253,22 @@ def fastest_copy_threads(profile: "str | HardwareProfile", workers: int) -> int:
     return _fastest_copy_threads(get_profile(profile), max(1, int(workers)))
 
 
+def fastest_staging_threads(profile: "str | HardwareProfile", workers: int) -> int:
+    """The fewest threads, of up to ``workers``, at which the staged path's host copies move the
+    most bytes a second (``HardwareProfile.staging_copy_rate``: memcpy, capped by what so many
+    threads stage beside the GPU's copies)."""
+    return _fastest_copy_threads(get_profile(profile), max(1, int(workers)), staged=True)
+
+
 @functools.lru_cache(maxsize=256)
-def _fastest_copy_threads(p: HardwareProfile, workers: int) -> int:
+def _fastest_copy_threads(p: HardwareProfile, workers: int, *, staged: bool = False) -> int:
     # (remembered: the planner asks once a candidate chunk size, and a profile is immutable)
-    # the rate is monotone between the curve's points (log-log interpolation, flat past its ends),
-    # so its highest value for up to ``workers`` threads is at one of them or at ``workers``
-    counts = {int(t) for t, _ in p.host_copy_GBps if 1 <= t <= workers} | {workers}
-    return max(sorted(counts), key=lambda t: (p.host_copy_rate(t), -t))
+    # each rate is monotone between its curves' points (log-log interpolation, flat past their
+    # ends), so its highest value for up to ``workers`` threads is at one of them or at ``workers``
+    points = p.host_copy_GBps + ((p.staging_GBps or ()) if staged else ())
+    counts = {int(t) for t, _ in points if 1 <= t <= workers} | {workers}
+    rate = p.staging_copy_rate if staged else p.host_copy_rate
+    return max(sorted(counts), key=lambda t: (rate(t), -t))
 
 
 def copying_threads(profile: "str | HardwareProfile", in_bytes: int, out_bytes: int, workers: int,
@@ -273,16 +282,19 @@ def copying_threads(profile: "str | HardwareProfile", in_bytes: int, out_bytes: 
     rate for that many threads: the fewest threads whose copies of a chunk's ``in_bytes`` and
     ``out_bytes``, spread over them, keep up with ``pace``. When none keeps up, the CPU stages
     are the bottleneck, and as many copy as the host's copy rate grows with: the fewest threads
-    at which the profile's curve reaches its highest rate for up to ``workers`` threads. More
-    copying at once would move no more bytes a second and make each copy slower, and the
-    staging rings, sized from these times, hold no more chunks than that.
+    at which the memcpy curve reaches its highest rate for up to ``workers`` threads
+    (:func:`fastest_copy_threads`), or more where the staged path's rate still grows past them
+    (:func:`fastest_staging_threads`: page faults and the GPU's copies leave memory bandwidth
+    that more threads use). More copying at once would move no more bytes a second and make
+    each copy slower, and the staging rings, sized from these times, hold no more chunks than
+    that.
 
     The search halves the range, which assumes the host's aggregate copy rate does not fall as
-    threads are added (the profile's curve is measured that way; where a measured curve dips,
+    threads are added (the profile's curves are measured that way; where a measured curve dips,
     the answer is a count that keeps up, not always the fewest).
     """
     p = get_profile(profile)
-    most = fastest_copy_threads(p, workers)
+    most = max(fastest_copy_threads(p, workers), fastest_staging_threads(p, workers))
     nbytes, tasks = in_bytes + out_bytes, 2 * p.host_task_overhead_s
 
     def keeps_up(threads: int) -> bool:  # the chunk's two host_stage_seconds, over the threads
