@@ -45,3 +45,30 @@ def pytest_runtest_protocol(item, nextitem):
     ``gc.collect()`` calls (a step of several interrupt sweeps) markedly slower."""
     yield
     item.__dict__.pop("cancel_timeout", None)
+
+
+def pytest_configure(config):
+    """Python's own SIGINT handler for the run, whatever the process inherited. A shell starts
+    background commands (``cmd &`` without job control, ``nohup``) with SIGINT ignored, and
+    Python then leaves it ignored: every test that sends SIGINT saw no KeyboardInterrupt and
+    failed. The tests need the handler a user's interactive process has."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture(autouse=True)
+def _sigint_handler_left_as_found():
+    """Every test leaves the process's SIGINT handler as it found it: one left changed (a shield's
+    handler that a test's interrupt stranded, say) made later tests that send SIGINT see no
+    KeyboardInterrupt at all, far from the test at fault. Restored, and the test fails."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before and after != before:
+        signal.signal(signal.SIGINT, before)
+        pytest.fail(f"the test left SIGINT's handler changed: {before!r} -> {after!r}")

@@ -263,8 +263,10 @@ def fastest_staging_threads(profile: "str | HardwareProfile", workers: int) -> i
 @functools.lru_cache(maxsize=256)
 def _fastest_copy_threads(p: HardwareProfile, workers: int, *, staged: bool = False) -> int:
     # (remembered: the planner asks once a candidate chunk size, and a profile is immutable)
-    # each rate is monotone between its curves' points (log-log interpolation, flat past their
-    # ends), so its highest value for up to ``workers`` threads is at one of them or at ``workers``
+    # each curve is monotone between its points (log-log interpolation, flat past its ends), so
+    # a rate's highest value for up to ``workers`` threads is at one of them or at ``workers``
+    # (the staged rate, the lower of two curves, could peak where they cross between points:
+    # not looked for, since staging grows with threads wherever it has been measured)
     points = p.host_copy_GBps + ((p.staging_GBps or ()) if staged else ())
     counts = {int(t) for t, _ in points if 1 <= t <= workers} | {workers}
     rate = p.staging_copy_rate if staged else p.host_copy_rate
