@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 import ringflow as rf
@@ -576,6 +577,49 @@ def test_the_staging_rate_is_the_fastest_run_of_two_passes_apart(monkeypatch, fa
         dev.close()
     assert sorted({p for _, p in calls}) == [0, 1]  # two passes over every thread count
     assert m["staging_GBps"] == [[t, pytest.approx(nbytes / 2 / (1e-3 / t) / 1e9)] for t in (1, 2)]
+
+
+@pytest.mark.parametrize("t_in, t_out", [(1, 0), (1, 1), (2, 2), (1, 3)])
+def test_the_staging_measurement_copies_on_as_many_threads_as_it_times(t_in, t_out):
+    """Each staging run hands one task per thread it times to the executor (a task runs on one
+    thread): one thread's point copies in and then out on that thread, as one worker stages its
+    chunks in and its results out by turns. Two tasks for one thread timed two threads at once,
+    and the planner then took one worker to stage at twice the rate it does."""
+    import concurrent.futures
+
+    import ringflow._device.cuda.measure as measure_mod
+
+    submitted = []
+
+    class OneAtATime:  # runs each task as it is handed over, and counts them
+        def submit(self, fn, *args):
+            submitted.append(fn)
+            future = concurrent.futures.Future()
+            future.set_result(fn(*args))
+            return future
+
+    nbytes, repeats = 1 << 20, 2
+    dev = rf.device("sim", checked=False)
+    made = []
+    try:
+        s_in, s_out = dev.create_stream(), dev.create_stream()
+        made += [s_in, s_out]
+        d_a, d_b = dev.allocate(nbytes, stream=s_in), dev.allocate(nbytes, stream=s_in)
+        h_in, h_out = dev.allocate_host(nbytes), dev.allocate_host(nbytes)
+        made += [d_a, d_b, h_in, h_out]
+        src = np.arange(nbytes, dtype=np.uint8)
+        h_out.view(np.uint8)[:] = 7
+        runs = measure_mod.staging_runs(s_in, s_out, d_a, d_b, h_in, h_out, src, OneAtATime(), t_in, t_out, repeats)
+        s_in.sync()
+        s_out.sync()
+        pinned_in = h_in.view(np.uint8)[: nbytes // 2].copy()
+    finally:
+        for obj in reversed(made):
+            obj.close()
+        dev.close()
+    assert len(runs) == repeats and all(r > 0 for r in runs)
+    assert len(submitted) == (repeats + 1) * (t_in + t_out)  # a warm-up run and the timed ones
+    np.testing.assert_array_equal(pinned_in, src[: nbytes // 2])  # the host's half went in
 
 
 @pytest.mark.parametrize("cpus, expected", [(1, (1,)), (2, (1, 2)), (6, (1, 4, 6)), (16, (1, 4, 8, 16)),

@@ -218,9 +218,9 @@ def measure_model(dev: Any, *, nbytes: int = 256 * MiB, repeats: int = 5, calls:
     * ``staging_GBps``: ``[threads, GB/s]`` of the staged path's memory work at once, in bytes
       of one direction, for :func:`thread_counts`: some of the threads copy ``nbytes / 2`` of
       touched pageable memory into pinned memory, the rest ``nbytes / 2`` of pinned memory into
-      fresh pages, while the device copies as many bytes host to device and device to host
-      (pinned buffers of their own), all started together and timed until the last ends (host
-      clock; :func:`staging_runs`). The fastest run of two splits of the threads
+      fresh pages (one thread does both by turns), while the device copies as many bytes host
+      to device and device to host (pinned buffers of their own), all started together and
+      timed until the last ends (host clock; :func:`staging_runs`). The fastest run of two splits of the threads
       (:func:`staging_splits`) in two passes, one before the host's other measurements and one
       after them: a floor, which no schedule of the same work on as many threads beats, and the
       host's memory bandwidth drifts from one second, and one minute, to the next.
@@ -370,7 +370,8 @@ def measure_model(dev: Any, *, nbytes: int = 256 * MiB, repeats: int = 5, calls:
 
 def staging_splits(threads: int) -> tuple[int, ...]:
     """How many of ``threads`` copy in (the rest copy out) in the staging measurement: half, and
-    three in eight (the copy out also faults the fresh pages in, so more threads may pay there)."""
+    three in eight (the copy out also faults the fresh pages in, so more threads may pay there);
+    one thread copies both ways by turns."""
     if threads < 2:
         return (1,)
     return tuple(sorted({threads // 2, max(1, 3 * threads // 8)}))
@@ -381,7 +382,9 @@ def staging_runs(s_in: Any, s_out: Any, d_a: Any, d_b: Any, h_in: Any, h_out: An
     """Seconds of ``repeats`` runs (after a warm-up) of the staged path's memory work at once
     (``staging_GBps`` of :func:`measure_model`): ``t_in`` threads copy ``src.nbytes / 2`` of
     ``src`` into pinned memory while ``t_out`` threads copy as many bytes of pinned memory into
-    fresh pages and the device copies as many bytes each way. ``h_in`` and ``h_out`` are pinned
+    fresh pages and the device copies as many bytes each way; with ``t_out`` 0 each of the
+    ``t_in`` threads copies its part in and then out (one task per thread in every case: one
+    worker stages chunks in and results out by turns). ``h_in`` and ``h_out`` are pinned
     buffers of ``src.nbytes``: the first half of each is the host copies', the second half the
     device copies' (no byte is written by one while the other reads it). The host copies are
     the ones the worker pool makes (ringflow's native copy where it is built, else numpy's)."""
@@ -396,6 +399,10 @@ def staging_runs(s_in: Any, s_out: Any, d_a: Any, d_b: Any, h_in: Any, h_out: An
         if not native_copy.copy(dst, source, 1):
             np.copyto(dst, source)
 
+    def copy_in_then_out(fresh: np.ndarray, a: int, b: int) -> None:
+        copy(pin_in[a:b], src[a:b])
+        copy(fresh[a:b], pin_out[a:b])
+
     def parts(t: int) -> list[tuple[int, int]]:
         step = -(-half // max(1, t))
         return [(a, min(a + step, half)) for a in range(0, half, step)]
@@ -408,8 +415,11 @@ def staging_runs(s_in: Any, s_out: Any, d_a: Any, d_b: Any, h_in: Any, h_out: An
         t0 = time.perf_counter()
         s_in.copy(dev_in, dma_from)
         s_out.copy(dma_into, dev_out)
-        futures = ([executor.submit(copy, pin_in[a:b], src[a:b]) for a, b in parts(t_in)]
-                   + [executor.submit(copy, fresh[a:b], pin_out[a:b]) for a, b in parts(t_out)])
+        if t_out:
+            futures = ([executor.submit(copy, pin_in[a:b], src[a:b]) for a, b in parts(t_in)]
+                       + [executor.submit(copy, fresh[a:b], pin_out[a:b]) for a, b in parts(t_out)])
+        else:  # each thread copies its part in and then out, as one worker stages by turns
+            futures = [executor.submit(copy_in_then_out, fresh, a, b) for a, b in parts(t_in)]
         for f in futures:
             f.result()
         s_in.sync()
