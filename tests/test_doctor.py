@@ -579,12 +579,14 @@ def test_the_staging_rate_is_the_fastest_run_of_two_passes_apart(monkeypatch, fa
     assert m["staging_GBps"] == [[t, pytest.approx(nbytes / 2 / (1e-3 / t) / 1e9)] for t in (1, 2)]
 
 
-@pytest.mark.parametrize("t_in, t_out", [(1, 0), (1, 1), (2, 2), (1, 3)])
-def test_the_staging_measurement_copies_on_as_many_threads_as_it_times(monkeypatch, t_in, t_out):
+@pytest.mark.parametrize("t_in, t_out, chunk_kib", [(1, 0, 0), (1, 1, 0), (2, 2, 0), (1, 3, 0), (1, 0, 64),
+                                                     (3, 0, 64), (2, 0, 96)])
+def test_the_staging_measurement_copies_on_as_many_threads_as_it_times(monkeypatch, t_in, t_out, chunk_kib):
     """Each staging run hands one task per thread it times to the executor (a task runs on one
     thread): one thread's point copies in and then out on that thread, as one worker stages its
     chunks in and its results out by turns. Two tasks for one thread timed two threads at once,
-    and the planner then took one worker to stage at twice the rate it does."""
+    and the planner then took one worker to stage at twice the rate it does. In chunks through
+    a ring, each thread copies every ``t_in``-th chunk in and then out."""
     import concurrent.futures
 
     import ringflow._device.cuda.measure as measure_mod
@@ -614,17 +616,31 @@ def test_the_staging_measurement_copies_on_as_many_threads_as_it_times(monkeypat
         made += [d_a, d_b, h_in, h_out]
         src = np.arange(nbytes, dtype=np.uint8)
         h_out.view(np.uint8)[:] = 7
-        runs = measure_mod.staging_runs(s_in, s_out, d_a, d_b, h_in, h_out, src, OneAtATime(), t_in, t_out, repeats)
+        runs = measure_mod.staging_runs(s_in, s_out, d_a, d_b, h_in, h_out, src, OneAtATime(), t_in, t_out, repeats,
+                                        chunk_bytes=chunk_kib << 10)
         s_in.sync()
         s_out.sync()
         pinned_in = h_in.view(np.uint8)[: nbytes // 2].copy()
+        if chunk_kib:
+            with pytest.raises(ValueError, match="chunk_bytes: .* t_out must be 0"):
+                measure_mod.staging_runs(s_in, s_out, d_a, d_b, h_in, h_out, src, OneAtATime(), 1, 1, repeats,
+                                         chunk_bytes=chunk_kib << 10)
     finally:
         for obj in reversed(made):
             obj.close()
         dev.close()
     assert len(runs) == repeats and all(r > 0 for r in runs)
     assert len(submitted) == (repeats + 1) * (t_in + t_out)  # a warm-up run and the timed ones
-    np.testing.assert_array_equal(pinned_in, src[: nbytes // 2])  # the host's half went in
+    if not chunk_kib:
+        np.testing.assert_array_equal(pinned_in, src[: nbytes // 2])  # the host's half went in
+    else:  # through a ring of two slots a thread (four at the least): each slot holds its last chunk
+        chunk = chunk_kib << 10
+        n = -(-(nbytes // 2) // chunk)
+        slots = max(4, 2 * t_in)
+        for slot in range(slots):
+            k = max(k for k in range(n) if k % slots == slot)
+            got = pinned_in[slot * chunk: slot * chunk + min(chunk, nbytes // 2 - k * chunk)]
+            np.testing.assert_array_equal(got, src[k * chunk: k * chunk + got.size])
 
 
 @pytest.mark.parametrize("cpus, expected", [(1, (1,)), (2, (1, 2)), (6, (1, 4, 6)), (16, (1, 4, 8, 16)),

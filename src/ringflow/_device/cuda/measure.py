@@ -378,7 +378,7 @@ def staging_splits(threads: int) -> tuple[int, ...]:
 
 
 def staging_runs(s_in: Any, s_out: Any, d_a: Any, d_b: Any, h_in: Any, h_out: Any, src: np.ndarray, executor: Any,
-                 t_in: int, t_out: int, repeats: int) -> list[float]:
+                 t_in: int, t_out: int, repeats: int, chunk_bytes: int = 0) -> list[float]:
     """Seconds of ``repeats`` runs (after a warm-up) of the staged path's memory work at once
     (``staging_GBps`` of :func:`measure_model`): ``t_in`` threads copy ``src.nbytes / 2`` of
     ``src`` into pinned memory while ``t_out`` threads copy as many bytes of pinned memory into
@@ -390,7 +390,12 @@ def staging_runs(s_in: Any, s_out: Any, d_a: Any, d_b: Any, h_in: Any, h_out: An
     numpy's (``np.copyto`` on the calling thread), as the staged path's workers make them: a
     chunk's rows into its pinned slot, a result's rows out of it. Not ringflow's native copy,
     whose streaming stores serve a request's staging (:meth:`Device.host_copy`): timed here in
-    its place, it would give the planner a rate the staged path does not copy at."""
+    its place, it would give the planner a rate the staged path does not copy at.
+
+    ``chunk_bytes`` (with ``t_out`` 0): the copies go in chunks of that many bytes through a
+    ring of pinned slots (two a thread, four at the least), thread ``i`` taking chunks ``i``,
+    ``i + t_in``, ... and copying each in and then out, as the staged path's workers take chunk
+    tasks: a ring of a few chunks stays in the host's caches, as the path's does."""
     half = src.nbytes // 2
     pin_in, pin_out = h_in.view(np.uint8), h_out.view(np.uint8)
     dma_from, dma_into = h_in.slice(half, half), h_out.slice(half, half)
@@ -404,6 +409,19 @@ def staging_runs(s_in: Any, s_out: Any, d_a: Any, d_b: Any, h_in: Any, h_out: An
         step = -(-half // max(1, t))
         return [(a, min(a + step, half)) for a in range(0, half, step)]
 
+    if chunk_bytes and t_out:
+        raise ValueError(f"chunk_bytes: chunks are copied in and then out by the same thread, so t_out must be 0, "
+                         f"got {t_out}")
+    chunks = [(a, min(a + chunk_bytes, half)) for a in range(0, half, chunk_bytes)] if chunk_bytes else []
+    slots = min(max(4, 2 * t_in), len(chunks))
+
+    def chunks_in_then_out(fresh: np.ndarray, first: int) -> None:
+        for k in range(first, len(chunks), t_in):
+            a, b = chunks[k]
+            at = (k % slots) * chunk_bytes
+            np.copyto(pin_in[at:at + b - a], src[a:b])
+            np.copyto(fresh[a:b], pin_out[at:at + b - a])
+
     runs = []
     for i in range(repeats + 1):
         fresh = np.empty(half, np.uint8)  # new pages, as a new output array has
@@ -415,6 +433,8 @@ def staging_runs(s_in: Any, s_out: Any, d_a: Any, d_b: Any, h_in: Any, h_out: An
         if t_out:
             futures = ([executor.submit(np.copyto, pin_in[a:b], src[a:b]) for a, b in parts(t_in)]
                        + [executor.submit(np.copyto, fresh[a:b], pin_out[a:b]) for a, b in parts(t_out)])
+        elif chunks:
+            futures = [executor.submit(chunks_in_then_out, fresh, i) for i in range(t_in)]
         else:  # each thread copies its part in and then out, as one worker stages by turns
             futures = [executor.submit(copy_in_then_out, fresh, a, b) for a, b in parts(t_in)]
         for f in futures:
