@@ -534,7 +534,7 @@ def test_measure_model_reads_back_the_simulated_gpus_figures():
 
     dev = rf.device("sim", profile="pcie4-x16", checked=False)
     p = dev.hardware
-    m = measure_model(dev, nbytes=8 << 20, repeats=3, calls=20, cpus=2,
+    m = measure_model(dev, nbytes=8 << 20, staging_bytes=4 << 20, repeats=3, calls=20, cpus=2,
                       kernel=lambda stream, seconds: stream.launch(_no_op, sim_seconds=seconds or None))
     assert m["device_GBps"] == pytest.approx(p.device_GBps, rel=1e-9)
     assert m["kernel_min_s"] == pytest.approx(p.kernel_min_s, rel=1e-9)
@@ -562,6 +562,7 @@ def test_the_staging_rate_is_the_fastest_run_of_two_passes_apart(monkeypatch, fa
     nbytes = 8 << 20
 
     def fake_runs(s_in, s_out, d_a, d_b, h_in, h_out, src, executor, t_in, t_out, repeats):
+        assert src.nbytes == nbytes  # staging_bytes: the staged path's whole-array scale, not nbytes
         threads = t_in + t_out
         passes = sum(1 for t, _ in calls if t == threads) // len(measure_mod.staging_splits(threads))
         calls.append((threads, passes))
@@ -571,7 +572,7 @@ def test_the_staging_rate_is_the_fastest_run_of_two_passes_apart(monkeypatch, fa
     monkeypatch.setattr(measure_mod, "staging_runs", fake_runs)
     dev = rf.device("sim", checked=False)
     try:
-        m = measure_mod.measure_model(dev, nbytes=nbytes, repeats=2, calls=5, cpus=2,
+        m = measure_mod.measure_model(dev, nbytes=1 << 20, staging_bytes=nbytes, repeats=2, calls=5, cpus=2,
                                       kernel=lambda stream, seconds: stream.launch(_no_op, sim_seconds=seconds or None))
     finally:
         dev.close()
