@@ -258,3 +258,41 @@ def test_gc_pauses(tmp_path, freeze):
     assert r["correct"] is True and r["capacity_per_s"] > 0 and r["p99_80_over_isolated"] > 0
     assert r["freeze"] is freeze and (r["heap"]["frozen_objects"] > 0) is freeze
     assert set(r["gc"]) >= {"gen0", "gen1", "gen2"} and r["gc"]["gen0"]["count"] >= 0
+
+
+def test_queue_policies(tmp_path):
+    r = run_script(tmp_path, "queue_policies.py", "--count", "100", "--seeds", "5", "--long", "400")
+    rows = {(row["requests"], row["hold"], row["policy"]): row for row in r["rows"]}
+    assert len(rows) == 2 * 2 * 4 and all(row["p99_over_isolated_median"] >= 1.0 for row in rows.values())
+
+
+def test_queue_policies_fifo_is_the_benchs_perfect_server_and_a_smaller_request_interrupts():
+    """The script's first-come order is the bench's own perfect FIFO server (``queue_floor``), and
+    its interrupting order lets a small request overtake a large one in service."""
+    import importlib.util
+
+    import numpy as np
+
+    from ringflow._bench.baselines import queue_floor
+
+    spec = importlib.util.spec_from_file_location("queue_policies", os.path.join(ROOT, "bench", "queue_policies.py"))
+    qp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qp)
+    rng = np.random.default_rng(5)
+    nbytes = rng.integers(1 << 12, 1 << 23, 300).astype(np.float64)
+    arrived = np.cumsum(rng.exponential(1 / 4000, 300))
+    isolated = 2e-4 + nbytes / 20e9
+    capacity = 5000.0
+    alike, by_bytes = queue_floor(arrived, isolated, nbytes, capacity)
+    hold = nbytes / nbytes.mean() / capacity
+    np.testing.assert_allclose(qp.serve("fifo", arrived, hold, nbytes) + isolated, by_bytes, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(qp.serve("fifo", arrived, np.full(300, 1 / capacity), nbytes) + isolated, alike,
+                               rtol=1e-12, atol=1e-12)
+    # a 10 ms request at 0, a 1 ms one at 2 ms: the small one runs at once, the large one ends at 11 ms
+    two = qp.serve("shortest-remaining", np.array([0.0, 2e-3]), np.array([10e-3, 1e-3]), np.array([10.0, 1.0]))
+    np.testing.assert_allclose(two, [1e-3, 0.0], atol=1e-12)
+    # without interrupting, the small one waits for the large one's end
+    np.testing.assert_allclose(qp.serve("shortest-first", np.array([0.0, 2e-3]), np.array([10e-3, 1e-3]),
+                                        np.array([10.0, 1.0])), [0.0, 8e-3], atol=1e-12)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        qp.serve("random", arrived, hold, nbytes)

@@ -414,13 +414,17 @@ def _workers(dev: Device) -> int:
 
 
 # -- requests -----------------------------------------------------------------------------------------
+def request_sizes(count: int, chunk_bytes: int) -> np.ndarray:
+    """The ``requests`` workload's sizes in float32 elements: lognormal (median 1 MiB, at least
+    4 KiB, at most ``chunk_bytes``), the same for a given ``count``."""
+    rng = np.random.default_rng(3)
+    return np.minimum(chunk_bytes // 4, np.maximum(1024, rng.lognormal(np.log(MiB // 4), 1.0, count).astype(int)))
+
+
 def request_items(count: int, chunk_bytes: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """The ``requests`` workload's items and their expected results: ``count`` float32 arrays of
-    fresh random values, lognormal sizes (median 1 MiB, at most ``chunk_bytes``), the same for a
-    given ``count``."""
-    rng = np.random.default_rng(3)
-    sizes = np.minimum(chunk_bytes // 4, np.maximum(1024, rng.lognormal(np.log(MiB // 4), 1.0, count).astype(int)))
-    items = [fresh_random(int(s), seed=i) for i, s in enumerate(sizes)]
+    fresh random values, :func:`request_sizes` long."""
+    items = [fresh_random(int(s), seed=i) for i, s in enumerate(request_sizes(count, chunk_bytes))]
     return items, [it * np.float32(2) + np.float32(1) for it in items]
 
 
