@@ -580,6 +580,52 @@ def test_the_staging_rate_is_the_fastest_run_of_two_passes_apart(monkeypatch, fa
     assert m["staging_GBps"] == [[t, pytest.approx(nbytes / 2 / (1e-3 / t) / 1e9)] for t in (1, 2)]
 
 
+@pytest.mark.parametrize("pinnable_mib, expected_mib", [(64, 16), (6, 4), (2, None)])
+def test_the_staging_measurement_takes_fewer_bytes_where_memory_is_short(monkeypatch, pinnable_mib, expected_mib):
+    """The staging measurement holds more memory than the doctor's others (two pinned buffers of
+    its size): on a host that cannot pin that much it halves its size, down to the others' size,
+    and says which it took; where even that fails the error is the allocation's, and nothing the
+    measurement made is left behind."""
+    import ringflow._device.cuda.measure as measure_mod
+    from ringflow._errors import OutOfMemoryError
+
+    dev = rf.device("sim", checked=False)
+    allocate_host = dev.allocate_host
+
+    pins = []
+
+    def short(nbytes, *args, **kwargs):  # the doctor's first pinned buffer (4 MiB) is always pinned
+        pins.append(nbytes)
+        if len(pins) > 1 and nbytes > (pinnable_mib << 20):
+            raise OutOfMemoryError(f"cannot pin {nbytes} bytes")
+        return allocate_host(nbytes, *args, **kwargs)
+
+    monkeypatch.setattr(dev, "allocate_host", short)
+    sizes = []
+
+    def fake_runs(s_in, s_out, d_a, d_b, h_in, h_out, src, executor, t_in, t_out, repeats):
+        sizes.append((src.nbytes, h_in.nbytes, h_out.nbytes, d_a.nbytes, d_b.nbytes))
+        return [1e-3]
+
+    monkeypatch.setattr(measure_mod, "staging_runs", fake_runs)
+    try:
+        run = lambda: measure_mod.measure_model(  # noqa: E731
+            dev, nbytes=4 << 20, staging_bytes=16 << 20, repeats=2, calls=5, cpus=2,
+            kernel=lambda stream, seconds: stream.launch(_no_op, sim_seconds=seconds or None))
+        if expected_mib is None:
+            with pytest.raises(OutOfMemoryError, match="cannot pin"):
+                run()
+        else:
+            m = run()
+            size = expected_mib << 20
+            assert m["staging_bytes"] == size and set(sizes) == {(size, size, size, size // 2, size // 2)}
+            assert m["staging_GBps"][0] == [1, pytest.approx(size / 2 / 1e-3 / 1e9)]
+        live = dev.live()
+        assert live.streams == 0 and live.device_buffers == 0 and live.host_buffers == 0
+    finally:
+        dev.close()
+
+
 @pytest.mark.parametrize("t_in, t_out, chunk_kib", [(1, 0, 0), (1, 1, 0), (2, 2, 0), (1, 3, 0), (1, 0, 64),
                                                      (3, 0, 64), (2, 0, 96)])
 def test_the_staging_measurement_copies_on_as_many_threads_as_it_times(monkeypatch, t_in, t_out, chunk_kib):

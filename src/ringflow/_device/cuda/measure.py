@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..protocol import close_quietly
 from ..timing import time_events
 from ._lib import check, core, driver
 from .device import CudaDevice
@@ -221,10 +222,13 @@ def measure_model(dev: Any, *, nbytes: int = 256 * MiB, staging_bytes: int = 102
       of touched pageable memory into pinned memory, the rest as many bytes of pinned memory into
       fresh pages (one thread does both by turns), while the device copies as many bytes host
       to device and device to host (pinned buffers of their own), all started together and
-      timed until the last ends (host clock; :func:`staging_runs`). The fastest run of two splits of the threads
+      timed until the last ends (host clock; :func:`staging_runs`), on ``staging_bytes``, or
+      half as many where memory is short (:func:`staging_buffers`; the size taken is
+      ``staging_bytes`` in the result). The fastest run of two splits of the threads
       (:func:`staging_splits`) in two passes, one before the host's other measurements and one
-      after them: a floor, which no schedule of the same work on as many threads beats, and the
-      host's memory bandwidth drifts from one second, and one minute, to the next. Timed on
+      after them, since the host's memory bandwidth drifts from one second, and one minute, to
+      the next: meant as a floor for the staged path on as many threads (docs/performance.md
+      says where the path has beaten it). Timed on
       more bytes than the other figures: a copy of a few hundred MiB each way runs slower than
       the same work over a whole large array, which is what the staged path copies.
 
@@ -243,7 +247,7 @@ def measure_model(dev: Any, *, nbytes: int = 256 * MiB, staging_bytes: int = 102
 
     t_start = time.perf_counter()
     threads = thread_counts(cpus if cpus is not None else os.cpu_count())
-    res: dict[str, Any] = {"bytes": nbytes, "staging_bytes": staging_bytes, "threads": list(threads)}
+    res: dict[str, Any] = {"bytes": nbytes, "threads": list(threads)}
     s = dev.create_stream()
     d_a, d_b = dev.allocate(nbytes, stream=s), dev.allocate(nbytes, stream=s)
     h_pin = dev.allocate_host(nbytes)
@@ -302,10 +306,9 @@ def measure_model(dev: Any, *, nbytes: int = 256 * MiB, staging_bytes: int = 102
         pinned = h_pin.view(np.uint8)
 
         s_out = dev.create_stream()
-        st_in, st_out = dev.allocate_host(staging_bytes), dev.allocate_host(staging_bytes)
-        st_da, st_db = dev.allocate(staging_bytes // 2, stream=s), dev.allocate(staging_bytes // 2, stream=s)
-        st_src = np.empty(staging_bytes, np.uint8)
-        st_src.fill(0x5A)
+        staging_bytes, (st_in, st_out, st_da, st_db, st_src) = staging_buffers(dev, s, staging_bytes,
+                                                                               min(nbytes, staging_bytes))
+        res["staging_bytes"] = staging_bytes
         staging_s: dict[int, float] = {}
 
         def staging_pass() -> None:  # each thread count's fastest run so far
@@ -374,6 +377,37 @@ def measure_model(dev: Any, *, nbytes: int = 256 * MiB, staging_bytes: int = 102
                 obj.close()
     res["seconds"] = time.perf_counter() - t_start
     return res
+
+
+def staging_buffers(dev: Any, stream: Any, nbytes: int, least: int) -> tuple[int, tuple]:
+    """The staging measurement's memory: two pinned buffers of ``nbytes`` (in, out), two device
+    buffers of half that (allocated in ``stream``'s order) and a touched pageable source of
+    ``nbytes``. Where the host or the device has too little memory for them (a MemoryError,
+    which :class:`~ringflow._errors.OutOfMemoryError` is), half as many bytes, down to ``least``.
+
+    Returns:
+        ``(the bytes taken, (h_in, h_out, d_a, d_b, src))``.
+
+    Raises:
+        MemoryError: not even ``least`` bytes (the last allocation's error); nothing made is
+            left open.
+    """
+    while True:
+        made: list = []
+        try:
+            made.append(dev.allocate_host(nbytes))
+            made.append(dev.allocate_host(nbytes))
+            made.append(dev.allocate(nbytes // 2, stream=stream))
+            made.append(dev.allocate(nbytes // 2, stream=stream))
+            src = np.empty(nbytes, np.uint8)
+            src.fill(0x5A)  # touched, as a caller's array is
+            return nbytes, (*made, src)
+        except BaseException as exc:
+            for obj in reversed(made):
+                close_quietly(obj, "a staging measurement buffer")
+            if not isinstance(exc, MemoryError) or nbytes // 2 < least:
+                raise
+        nbytes //= 2
 
 
 def staging_splits(threads: int) -> tuple[int, ...]:
