@@ -189,7 +189,9 @@ def _overlap(s1: CudaStream, s2: CudaStream, spin: Spin, d: Any, h_src: Any, rep
 
 
 # -- what a hardware profile needs beyond the copies above ---------------------------------------------------------
-HOST_THREADS = (1, 4, 8, 16)  # thread counts of the host copy rates (capped by the CPUs there are)
+# thread counts of the host copy rates (capped by the CPUs there are); two, since the staging rate
+# climbs steeply from one thread to four and a small pool is often two workers
+HOST_THREADS = (1, 2, 4, 8, 16)
 
 
 def thread_counts(cpus: "int | None") -> tuple[int, ...]:
@@ -219,18 +221,18 @@ def measure_model(dev: Any, *, nbytes: int = 256 * MiB, staging_bytes: int = 102
       pages, on one thread and on the most threads timed;
     * ``staging_GBps``: ``[threads, GB/s]`` of the staged path's memory work at once, in bytes
       of one direction, for :func:`thread_counts`: some of the threads copy ``staging_bytes / 2``
-      of touched pageable memory into pinned memory, the rest as many bytes of pinned memory into
-      fresh pages (one thread does both by turns), while the device copies as many bytes host
-      to device and device to host (pinned buffers of their own), all started together and
-      timed until the last ends (host clock; :func:`staging_runs`), on ``staging_bytes``, or
-      half as many where memory is short (:func:`staging_buffers`; the size taken is
-      ``staging_bytes`` in the result). The fastest run of two splits of the threads
+      of touched pageable memory into pinned memory, the rest as many bytes of pinned memory
+      into fresh pages (or each copies its part in and then out, by turns), while the device
+      copies as many bytes host to device and device to host (pinned buffers of their own), all
+      started together and timed until the last ends (host clock; :func:`staging_runs`). On
+      ``staging_bytes``, or half as many where memory is short (:func:`staging_buffers`; the
+      size taken is ``staging_bytes`` in the result): more bytes than the other figures, since
+      a copy of a few hundred MiB each way runs slower than the same work over a whole large
+      array, which is what the staged path copies. The fastest run of the splits of the threads
       (:func:`staging_splits`) in two passes, one before the host's other measurements and one
       after them, since the host's memory bandwidth drifts from one second, and one minute, to
       the next: meant as a floor for the staged path on as many threads (docs/performance.md
-      says where the path has beaten it). Timed on
-      more bytes than the other figures: a copy of a few hundred MiB each way runs slower than
-      the same work over a whole large array, which is what the staged path copies.
+      says where the path has beaten it).
 
     Each figure but ``staging_GBps`` is the median of ``repeats`` after a warm-up (seconds,
     GB/s = 1e9 B/s). Device
@@ -411,12 +413,13 @@ def staging_buffers(dev: Any, stream: Any, nbytes: int, least: int) -> tuple[int
 
 
 def staging_splits(threads: int) -> tuple[int, ...]:
-    """How many of ``threads`` copy in (the rest copy out) in the staging measurement: half, and
-    three in eight (the copy out also faults the fresh pages in, so more threads may pay there);
-    one thread copies both ways by turns."""
+    """How many of ``threads`` copy in (the rest copy out) in the staging measurement: half,
+    three in eight (the copy out also faults the fresh pages in, so more threads may pay there),
+    and all of them, each copying its part in and then out by turns (no thread idles while
+    another's copy runs long, as in the staged path, whose workers take either kind of task)."""
     if threads < 2:
         return (1,)
-    return tuple(sorted({threads // 2, max(1, 3 * threads // 8)}))
+    return tuple(sorted({threads // 2, max(1, 3 * threads // 8), threads}))
 
 
 def staging_runs(s_in: Any, s_out: Any, d_a: Any, d_b: Any, h_in: Any, h_out: Any, src: np.ndarray, executor: Any,
