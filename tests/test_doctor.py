@@ -695,8 +695,9 @@ def test_the_staging_measurement_copies_on_as_many_threads_as_it_times(monkeypat
 def test_the_staging_rate_is_timed_with_the_threads_split_and_by_turns(threads, expected):
     """How many threads copy in (the rest copy out): half, three in eight, and all of them, each
     copying its part in and then out by turns as the staged path's workers do. With two threads
-    the only split was one each way, whose copy out (faulting fresh pages in) ran long after the
-    copy in had ended, and the staged path with two workers beat the figure by a seventh."""
+    the only split was one each way, and the staged path with two workers beat the figure by a
+    seventh: one thread copying out (faulting fresh pages in) may run long after the other has
+    ended its copy in, where threads taking turns end together."""
     from ringflow._device.cuda.measure import staging_splits
 
     assert staging_splits(threads) == expected
