@@ -35,6 +35,16 @@ from _script import header, write  # noqa: E402
 MiB = 1 << 20
 
 
+def row(mib: int, split: str, runs: list) -> dict:
+    """One timed way of staging ``mib`` MiB each way (``runs`` in seconds), printed as it is made."""
+    out = {"MiB_each_way": mib, "split": split, "runs_ms": [r * 1e3 for r in runs],
+           "median_ms": statistics.median(runs) * 1e3, "GBps_fastest": mib * MiB / min(runs) / 1e9,
+           "GBps_median": mib * MiB / statistics.median(runs) / 1e9}
+    print(f"{mib:5d} MiB each way, {split}: fastest {out['GBps_fastest']:.2f} GB/s, median {out['GBps_median']:.2f} GB/s",
+          flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0")
@@ -64,23 +74,11 @@ def main(argv=None) -> int:
                 for t_in in splits:
                     runs = staging_runs(s_in, s_out, d_a, d_b, h_in, h_out, src, executor, t_in, t - t_in,
                                         args.repeats)
-                    row = {"MiB_each_way": mib, "split": f"{t_in}+{t - t_in}",
-                           "runs_ms": [r * 1e3 for r in runs], "median_ms": statistics.median(runs) * 1e3,
-                           "GBps_fastest": mib * MiB / min(runs) / 1e9,
-                           "GBps_median": mib * MiB / statistics.median(runs) / 1e9}
-                    out["rows"].append(row)
-                    print(f"{mib:5d} MiB each way, {t_in}+{t - t_in}: fastest {row['GBps_fastest']:.2f} GB/s, "
-                          f"median {row['GBps_median']:.2f} GB/s", flush=True)
+                    out["rows"].append(row(mib, f"{t_in}+{t - t_in}", runs))
                 if args.chunk_mib:
                     runs = staging_runs(s_in, s_out, d_a, d_b, h_in, h_out, src, executor, t, 0, args.repeats,
                                         chunk_bytes=args.chunk_mib * MiB)
-                    row = {"MiB_each_way": mib, "split": f"{t} threads, {args.chunk_mib} MiB chunks through a ring",
-                           "runs_ms": [r * 1e3 for r in runs], "median_ms": statistics.median(runs) * 1e3,
-                           "GBps_fastest": mib * MiB / min(runs) / 1e9,
-                           "GBps_median": mib * MiB / statistics.median(runs) / 1e9}
-                    out["rows"].append(row)
-                    print(f"{mib:5d} MiB each way, {row['split']}: fastest {row['GBps_fastest']:.2f} GB/s, "
-                          f"median {row['GBps_median']:.2f} GB/s", flush=True)
+                    out["rows"].append(row(mib, f"{t} threads, {args.chunk_mib} MiB chunks through a ring", runs))
             finally:
                 s_in.sync()
                 s_out.sync()

@@ -296,3 +296,10 @@ def test_queue_policies_fifo_is_the_benchs_perfect_server_and_a_smaller_request_
                                         np.array([10.0, 1.0])), [0.0, 8e-3], atol=1e-12)
     with pytest.raises(ValueError, match="policy must be one of"):
         qp.serve("random", arrived, hold, nbytes)
+
+
+def test_staging_rate_check(tmp_path):
+    r = run_script(tmp_path, "staging_rate_check.py", "--sizes-mib", "4", "--threads", "2", "--workers", "2",
+                   "--rounds", "1", "--repeats", "2", "--chunk-mib", "1")
+    assert [row["split"] for row in r["rows"]] == ["1+1", "2+0", "2 threads, 1 MiB chunks through a ring"]
+    assert all(row["GBps_fastest"] > 0 for row in r["rows"]) and r["staged_correct"] is True
