@@ -440,7 +440,8 @@ def staging_runs(s_in: Any, s_out: Any, d_a: Any, d_b: Any, h_in: Any, h_out: An
     ``chunk_bytes`` (with ``t_out`` 0): the copies go in chunks of that many bytes through a
     ring of pinned slots (two a thread, four at the least), thread ``i`` taking chunks ``i``,
     ``i + t_in``, ... and copying each in and then out, as the staged path's workers take chunk
-    tasks: a ring of a few chunks stays in the host's caches, as the path's does."""
+    tasks through its slots (for comparing the two ways: ``bench/staging_rate_check.py
+    --chunk-mib``; the doctor times whole parts)."""
     half = src.nbytes // 2
     pin_in, pin_out = h_in.view(np.uint8), h_out.view(np.uint8)
     dma_from, dma_into = h_in.slice(half, half), h_out.slice(half, half)
