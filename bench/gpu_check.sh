@@ -6,9 +6,13 @@
 #                                   through map, request host time
 #   bash bench/gpu_check.sh requests  ringflow bench requests six times (RUNS=6), then the submitting
 #                                   thread's stalls with and without the CPU pinning of request_stalls.py
+#   bash bench/gpu_check.sh staging   the planner's staging model against the staged path on this host:
+#                                   the staging measurement's splits with 2 threads, doctor --save (into
+#                                   this GPU's cache, so the sweep plans with it), the path by workers
 # $OUT gets: log.txt, pipeline_stress.json, threads.json, phases.json (check); bench-cuda-*.json, trace.json,
 # timeline.png, profile.txt, map_small_items.json, request_costs.json (bench); requests_runs.json (the
-# runs' JSON in one list), stalls.json, stalls_pinned.json (requests).
+# runs' JSON in one list), stalls.json, stalls_pinned.json (requests); staging_t2.json, the saved
+# profile (its cache name), workers_sweep.json (staging).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/ringflow-out}; mkdir -p "$OUT"
@@ -26,6 +30,14 @@ if [ "$part" = check ]; then
   ( time timeout 100 python3 -m ringflow._cli demo --out /tmp/ringflow-demo ) 2>&1 | tail -30 | tee -a "$LOG"
   echo "== phases of a seed call" | tee -a "$LOG"
   timeout 60 python3 bench/diagnose_hotpath.py --device ${DEVICE:-cuda:0} --parts phases --out "$OUT/phases.json" 2>&1 | tail -6 | cut -c1-400 | tee -a "$LOG"
+elif [ "$part" = staging ]; then
+  echo "== the staging measurement's splits with 2 threads, and the path with 2 workers" | tee -a "$LOG"
+  timeout 90 python3 bench/staging_rate_check.py --device ${DEVICE:-cuda:0} --threads 2 --workers 2 --sizes-mib 512 --repeats 4 --rounds 2 --out "$OUT/staging_t2.json" 2>&1 | tail -5 | tee -a "$LOG"
+  echo "== doctor --save" | tee -a "$LOG"
+  ( time timeout 150 python3 -m ringflow doctor --save ) 2>&1 | grep -E "staging|host_copy|saved|real" | tee -a "$LOG"
+  cp "$(python3 -c 'from ringflow._device.hardware import cache_dir; print(cache_dir())')"/*.json "$OUT/"
+  echo "== the staged path by workers against the planner" | tee -a "$LOG"
+  timeout 200 python3 bench/workers_sweep.py --device ${DEVICE:-cuda:0} --workers 1,2,4,8,16 --rounds 2 --out "$OUT/workers_sweep.json" 2>&1 | tail -11 | tee -a "$LOG"
 elif [ "$part" = requests ]; then
   mkdir -p "$OUT/runs"
   for i in $(seq "${RUNS:-6}"); do
