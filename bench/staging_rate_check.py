@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--chunk-mib", type=int, default=0, help="also the host copies alone in chunks of this many MiB")
+    ap.add_argument("--chunk-mib", type=int, default=0, help="also the same work with the host's copies in chunks of this many MiB through a ring")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = rf.device(args.device)
