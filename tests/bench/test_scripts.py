@@ -294,6 +294,10 @@ def test_queue_policies_fifo_is_the_benchs_perfect_server_and_a_smaller_request_
     # without interrupting, the small one waits for the large one's end
     np.testing.assert_allclose(qp.serve("shortest-first", np.array([0.0, 2e-3]), np.array([10e-3, 1e-3]),
                                         np.array([10.0, 1.0])), [0.0, 8e-3], atol=1e-12)
+    # two waiting behind a third: the fewest bytes or the most go next
+    arrive, holds, sizes = np.array([0.0, 0.5e-3, 0.5e-3]), np.array([1e-3, 5e-3, 2e-3]), np.array([1.0, 5.0, 2.0])
+    np.testing.assert_allclose(qp.serve("shortest-first", arrive, holds, sizes), [0.0, 2.5e-3, 0.5e-3], atol=1e-12)
+    np.testing.assert_allclose(qp.serve("largest-first", arrive, holds, sizes), [0.0, 0.5e-3, 5.5e-3], atol=1e-12)
     with pytest.raises(ValueError, match="policy must be one of"):
         qp.serve("random", arrived, hold, nbytes)
 
