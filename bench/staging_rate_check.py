@@ -4,7 +4,8 @@ and against the staged path itself: whether the profile's figure is a floor the 
 
 For each size (MiB moved each way) and split of the host's threads (in + out), the runs of
 ``staging_runs``; then ``staging_floor`` of 1 GiB; then ``stream_map(host="stage")`` of a fresh
-1 GiB float32 array with ``--workers`` workers, ``--rounds`` times (checked against numpy).
+float32 array of ``--path-mib`` MiB (1 GiB) with ``--workers`` workers, ``--rounds`` times
+(checked against numpy); the floor and the path move as many bytes.
 With ``--chunk-mib C`` also the same work with the host's copies in chunks of C MiB through a
 ring of pinned slots (``staging_runs(..., chunk_bytes=C MiB)``), each thread copying its chunks
 in and then out as the staged path's workers take chunk tasks: whether copying through a small
@@ -53,6 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--path-mib", type=int, default=1024, help="MiB of the staged path's array (and the floor's)")
     ap.add_argument("--chunk-mib", type=int, default=0, help="also the same work with the host's copies in chunks of this many MiB through a ring")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -89,21 +91,21 @@ def main(argv=None) -> int:
         executor.shutdown(wait=True)
     from ringflow._bench import baselines
 
-    gib = 1 << 30
+    path_bytes = args.path_mib * MiB
     try:
-        floor = baselines.staging_floor(gib)
+        floor = baselines.staging_floor(path_bytes)
     except baselines.BaselineUnavailable as exc:  # no torch (the simulated GPU's machine)
         floor = {"skipped": str(exc)}
         print(f"bench floor skipped: {exc}", flush=True)
     else:
-        print(f"bench floor 1 GiB: best median {floor['staging_together_best_ms']:.1f} ms "
-              f"({gib / floor['staging_together_best_ms'] / 1e6:.2f} GB/s), fastest "
+        print(f"bench floor {args.path_mib} MiB: best median {floor['staging_together_best_ms']:.1f} ms "
+              f"({path_bytes / floor['staging_together_best_ms'] / 1e6:.2f} GB/s), fastest "
               f"{floor['staging_together_fastest_ms']:.1f} ms", flush=True)
     out["bench_staging_floor"] = floor
     f = kernels.scale_shift()
     times, correct = [], True
     for r in range(args.rounds + 1):
-        x = fresh_random(gib // 4, seed=r)
+        x = fresh_random(path_bytes // 4, seed=r)
         t0 = time.perf_counter()
         y = rf.stream_map(f, x, device=dev, host="stage", workers=args.workers, chunk_bytes=8 * MiB)
         dt = time.perf_counter() - t0
@@ -111,9 +113,10 @@ def main(argv=None) -> int:
         if r:
             times.append(dt * 1e3)
         del x, y
-    out["staged_1GiB_ms"] = times
+    out["path_bytes"] = path_bytes
+    out["staged_ms"] = times
     out["staged_correct"] = correct
-    print(f"staged 1 GiB, {args.workers} workers: {min(times):.1f}..{max(times):.1f} ms "
+    print(f"staged {args.path_mib} MiB, {args.workers} workers: {min(times):.1f}..{max(times):.1f} ms "
           f"(median {statistics.median(times):.1f}); correct {correct}", flush=True)
     write(out, args.out)
     return 0

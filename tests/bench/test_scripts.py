@@ -304,6 +304,7 @@ def test_queue_policies_fifo_is_the_benchs_perfect_server_and_a_smaller_request_
 
 def test_staging_rate_check(tmp_path):
     r = run_script(tmp_path, "staging_rate_check.py", "--sizes-mib", "4", "--threads", "2", "--workers", "2",
-                   "--rounds", "1", "--repeats", "2", "--chunk-mib", "1")
+                   "--rounds", "1", "--repeats", "2", "--chunk-mib", "1", "--path-mib", "32")
     assert [row["split"] for row in r["rows"]] == ["1+1", "2+0", "2 threads, 1 MiB chunks through a ring"]
     assert all(row["GBps_fastest"] > 0 for row in r["rows"]) and r["staged_correct"] is True
+    assert r["path_bytes"] == 32 << 20 and len(r["staged_ms"]) == 1
