@@ -189,8 +189,8 @@ def _overlap(s1: CudaStream, s2: CudaStream, spin: Spin, d: Any, h_src: Any, rep
 
 
 # -- what a hardware profile needs beyond the copies above ---------------------------------------------------------
-# thread counts of the host copy rates (capped by the CPUs there are); two, since the staging rate
-# climbs steeply from one thread to four and a small pool is often two workers
+# thread counts of the host copy rates (capped by the CPUs there are); two among them, since the
+# staging rate climbs too steeply between one thread and four to be read between those points
 HOST_THREADS = (1, 2, 4, 8, 16)
 
 
