@@ -78,7 +78,7 @@ def main(argv=None) -> int:
                "median_ms": statistics.median(s) * 1e3, "min_ms": min(s) * 1e3, "max_ms": max(s) * 1e3,
                "predicted_ms": predicted * 1e3,
                "predicted_every_worker_copying_ms": every_worker_copying(profile, n * 4, size, w) * 1e3,
-               "copying_threads": plan.copying_threads(profile, size, size, w, plan.host_seconds_per_chunk(True))}
+               "copying_threads": plan.copying_threads(profile, size, size, w, plan.host_seconds_per_chunk(profile, True))}
         rows.append(row)
         print(f"workers {w:4d} chunk {str(c):>8s} ({size // MiB} MiB): {row['median_ms']:7.2f} ms "
               f"[{row['min_ms']:.2f}, {row['max_ms']:.2f}]  predicted {row['predicted_ms']:7.2f}, "

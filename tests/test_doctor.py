@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -330,7 +331,8 @@ def test_gpu_report_measures():
 @pytest.mark.gpu
 def test_gpu_calibration_measures_every_figure_of_a_profile(tmp_path):
     """``doctor --save``'s measurements on the GPU make a valid profile, the host's staging rate
-    included (half the threads copying in, half out, the GPU's copies beside)."""
+    included (half the threads copying in, half out, the GPU's copies beside), and the host's
+    time per chunk of each engine, staging the dearer."""
     from ringflow._device.hardware import get_profile
 
     dev = rf.device("cuda:0")
@@ -342,6 +344,7 @@ def test_gpu_calibration_measures_every_figure_of_a_profile(tmp_path):
     assert get_profile(str(tmp_path / "gpu.json")) == profile
     assert [t for t, _ in profile.staging_GBps] == [t for t, _ in profile.host_copy_GBps]
     assert all(0.1 < rate < profile.host_copy_rate(t) for t, rate in profile.staging_GBps)
+    assert 0 < profile.direct_chunk_host_s < profile.staged_chunk_host_s < 0.05  # seconds a chunk
 
 
 # -- saving a hardware profile (--save), with fake measurements ---------------------------------------------------------
@@ -352,6 +355,9 @@ def fake_model_measurements():
             "register_GBps": 30.1, "register_fresh_GBps": 7.5, "unregister_GBps": 50.2,
             "first_touch_GBps": [[1, 3.7], [16, 30.5]],
             "staging_GBps": [[1, 2.9], [4, 8.2], [8, 12.1], [16, 13.9]], "seconds": 2.5}
+
+
+FAKE_CHUNK_HOST_SECONDS = {"staged": 512.5e-6, "direct": 71.25e-6}
 
 
 class FullCudaDevice(FakeCudaDevice):
@@ -366,12 +372,14 @@ class FullCudaDevice(FakeCudaDevice):
 @pytest.fixture
 def fake_calibration(fake_gpu, monkeypatch, tmp_path):
     """fake_gpu, with the profile's extra measurements faked and the per-GPU cache in tmp_path."""
+    import ringflow._chunk_host_cost as chunk_host_cost
     import ringflow._device.cuda as cuda_pkg
     import ringflow._device.cuda.measure as measure_mod
     from ringflow._device import hardware
 
     monkeypatch.setattr(cuda_pkg, "CudaDevice", FullCudaDevice)
     monkeypatch.setattr(measure_mod, "measure_model", lambda dev, repeats: fake_model_measurements())
+    monkeypatch.setattr(chunk_host_cost, "chunk_host_seconds", lambda dev, repeats: FAKE_CHUNK_HOST_SECONDS)
     monkeypatch.setattr(hardware, "gpu_driver_version", lambda: "580.159.04")
     monkeypatch.setattr(hardware, "_for_gpu", {})
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -385,7 +393,7 @@ def test_save_writes_a_profile_of_the_measurements_that_round_trips(fake_calibra
     assert main(["doctor", "--device", "cuda:0", "--save", str(path)]) == 0
     out = capsys.readouterr().out
     assert f"saved hardware profile nvidia-h200-580.159.04 to {path}" in out and "plan --profile" in out
-    assert "Launch, host copy and registration costs" in out
+    assert "Launch, host copy, registration and per-chunk host costs" in out
     p = get_profile(str(path))
     assert p == HardwareProfile.from_json(path.read_text())
     assert (p.gpu_name, p.driver, p.name) == ("NVIDIA H200", "580.159.04", "nvidia-h200-580.159.04")
@@ -396,6 +404,8 @@ def test_save_writes_a_profile_of_the_measurements_that_round_trips(fake_calibra
     assert p.duplex_GBps == 101.14 and p.pageable_h2d_GBps == 15.91234
     assert p.launch_overhead_s == 6.5e-6 and p.host_copy_GBps == ((1, 9.8), (4, 20.5), (8, 30.9), (16, 40.2))
     assert p.first_touch_GBps == ((1, 3.7), (16, 30.5)) and p.device_GBps == 4012.34
+    assert (p.staged_chunk_host_s, p.direct_chunk_host_s) == (512.5e-6, 71.25e-6)
+    assert re.search(r"staged_chunk_host_s +│ 513 µs", out) and re.search(r"direct_chunk_host_s +│ 71.2 µs", out)
     assert (p.sm_count, p.async_engine_count, p.compute_capability, p.total_memory) == (132, 3, (9, 0), 150 * 10**9)
     assert not fake_calibration.exists()  # a path was given: the cache is left alone
 
@@ -517,7 +527,8 @@ def test_a_report_without_the_model_measurements_makes_no_profile():
         doctor.profile_from_report(report)
     with pytest.raises(ValueError, match="real GPU"):
         doctor.profile_from_report(doctor.collect("sim"))
-    report["model_measurements"] = dict(fake_model_measurements(), register_GBps=-3.0)  # a failed measurement
+    report["model_measurements"] = dict(fake_model_measurements(), register_GBps=-3.0,  # a failed measurement
+                                        staged_chunk_host_s=5e-4, direct_chunk_host_s=7e-5)
     report["capabilities"] = FullCudaDevice().capabilities.as_dict()
     with pytest.raises(ValueError, match="register_GBps must be a finite number more than 0"):
         doctor.profile_from_report(report)

@@ -273,6 +273,32 @@ def test_choose_chunk_bytes_reads_a_profile_file_afresh(tmp_path):
     assert b == plan.choose_chunk_bytes(slower, 256 << 20, compute_s_per_byte=1e-12, align=4, host_stages=False)
 
 
+def test_a_profile_with_its_hosts_time_per_chunk_plans_with_that_time():
+    """A measured profile's host time per chunk replaces the planner's fit for each engine: a
+    host three times slower per chunk makes the same staged job host-bound at the chunk size it
+    chose before, so it chooses larger chunks, and the small-chunk end of its table is that time
+    per chunk exactly."""
+    import dataclasses
+
+    from ringflow import _plan as plan
+    from ringflow._device.hardware import H200_PCIE5
+
+    fit = plan.host_seconds_per_chunk(H200_PCIE5, True)
+    slow = dataclasses.replace(H200_PCIE5, staged_chunk_host_s=3 * fit, direct_chunk_host_s=2e-3)
+    assert plan.host_seconds_per_chunk(slow, True) == 3 * fit
+    assert plan.host_seconds_per_chunk(slow, False) == 2e-3
+    assert plan.host_seconds_per_chunk(H200_PCIE5, False) == plan.DIRECT_S_PER_CHUNK
+    staged, _ = plan.predict_seconds(slow, 1 << 30, 4 << 20, workers=15, host_stages=True)
+    pinned, _ = plan.predict_seconds(slow, 1 << 30, 4 << 20, workers=15, host_stages=False)
+    assert (staged.scheduler, pinned.scheduler) == (3 * fit, 2e-3)
+    before = plan.choose_chunk_bytes(H200_PCIE5, 1 << 30, workers=15, host_stages=True)
+    after = plan.choose_chunk_bytes(slow, 1 << 30, workers=15, host_stages=True)
+    assert after.chunk_bytes > before.chunk_bytes
+    by_size = {c: s for c, _, s in after.table}
+    smallest = min(by_size)
+    assert by_size[smallest] == pytest.approx(((1 << 30) // smallest) * 3 * fit, rel=0.02)  # host-bound
+
+
 def test_staged_chunks_cost_the_scheduler_two_pool_hand_offs_more():
     """On the H200 host a staged 1 GiB job in 4 MiB chunks was bound by the scheduler (106.5 ms)
     and 8 MiB chunks ran in 79.5 ms (diagnose-pageable-h200-2026-11-30-s4.json): the planner must
@@ -523,7 +549,7 @@ def test_workers_beyond_what_keeps_up_take_no_share_of_the_copy_rate():
     per chunk, not the CPU stages, paces the chunks, so about 16 threads copy at once however
     many the pool has. Counting every worker as copying made 1024 workers predict 471 ms
     against 60 for 16 (each copy at 1/1024 of the host's rate)."""
-    busy = [plan.copying_threads("h200-pcie5", 8 * MiB, 8 * MiB, w, plan.host_seconds_per_chunk(True))
+    busy = [plan.copying_threads("h200-pcie5", 8 * MiB, 8 * MiB, w, plan.host_seconds_per_chunk("h200-pcie5", True))
             for w in (4, 8, 16, 64, 1024)]
     assert busy == [4, 8, 16, 16, 16]
     times = {w: plan.predict_seconds("h200-pcie5", 1 << 30, 8 * MiB, workers=w)[1] for w in (16, 64, 1024)}
@@ -545,7 +571,7 @@ def test_threads_past_the_memcpy_peak_copy_where_staging_still_grows():
                             host_copy_GBps=((1, 12.0), (4, 40.0), (8, 39.0), (16, 44.0)),
                             staging_GBps=((1, 4.0), (4, 8.0), (8, 12.0), (16, 14.0)))
     assert plan.fastest_copy_threads(p, 8) == 4 and plan.fastest_staging_threads(p, 8) == 8
-    busy = plan.copying_threads(p, 8 * MiB, 8 * MiB, 8, plan.host_seconds_per_chunk(True))
+    busy = plan.copying_threads(p, 8 * MiB, 8 * MiB, 8, plan.host_seconds_per_chunk(p, True))
     assert busy == 8
     t, total = plan.predict_seconds(p, 1 << 30, 8 * MiB, workers=8)
     assert t.workers == 8 and t.prepare == pytest.approx(plan.host_stage_seconds(p, 8 * MiB, 8))
@@ -556,7 +582,7 @@ def test_threads_past_the_memcpy_peak_copy_where_staging_still_grows():
     assert plan.predict_seconds(p, 1 << 30, 8 * MiB, workers=1)[1] >= (1 << 30) / 4e9 > 2 * (1 << 30) / 12e9
     # a profile with one staging rate for any number of threads plans as memcpy alone says
     flat = dataclasses.replace(p, staging_GBps=((1, 14.0),))
-    assert plan.copying_threads(flat, 8 * MiB, 8 * MiB, 8, plan.host_seconds_per_chunk(True)) == 4
+    assert plan.copying_threads(flat, 8 * MiB, 8 * MiB, 8, plan.host_seconds_per_chunk(flat, True)) == 4
 
 
 def test_a_simulated_host_stages_at_its_profiles_curve_as_the_plan_says():

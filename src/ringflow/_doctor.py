@@ -8,7 +8,8 @@ from sysfs (:func:`read_pcie_link`). Without a usable GPU it says why and report
 simulated GPU's profile, and the link that profile models, instead. :func:`render` turns a
 report into rich tables; :func:`doctor_command` is the CLI entry.
 
-With ``--save`` it also measures launch, host copy and registration costs and writes the GPU's
+With ``--save`` it also measures launch, host copy and registration costs and the host's time
+per chunk of ringflow's engines (:mod:`ringflow._chunk_host_cost`), and writes the GPU's
 hardware profile (:func:`profile_from_report`), by default into the per-GPU cache that a real
 GPU's ``Device.hardware`` reads; :func:`calibrate` does the same without a report.
 """
@@ -389,8 +390,13 @@ def _measure_gpu(dev, *, repeats: int, say: Callable[[str], None], model: bool) 
     out["link"]["comparison"] = _comparison_summary(out["measurements"], out["link"])
     out["checks"] = checks(out["measurements"], out["link"])
     if model:
+        from ._chunk_host_cost import chunk_host_seconds
+
         say(f"measuring launch, host copy and registration costs on {dev.name}")
-        out["model_measurements"] = measure_model(dev, repeats=max(3, repeats // 2))
+        out["model_measurements"] = mm = measure_model(dev, repeats=max(3, repeats // 2))
+        say(f"measuring the host's time per chunk of ringflow's engines on {dev.name}")
+        per_chunk = chunk_host_seconds(dev, repeats=max(3, repeats // 2))
+        mm["staged_chunk_host_s"], mm["direct_chunk_host_s"] = per_chunk["staged"], per_chunk["direct"]
     return out
 
 
@@ -446,6 +452,8 @@ def profile_from_report(report: dict[str, Any]):
             unregister_GBps=mm["unregister_GBps"],
             first_touch_GBps=tuple(tuple(p) for p in mm["first_touch_GBps"]),
             staging_GBps=mm["staging_GBps"],
+            staged_chunk_host_s=mm["staged_chunk_host_s"],
+            direct_chunk_host_s=mm["direct_chunk_host_s"],
             async_engine_count=caps["async_engine_count"],
             sm_count=caps["sm_count"],
             compute_capability=tuple(caps["compute_capability"]),
@@ -646,7 +654,7 @@ def render(report: dict[str, Any]):
         "copy alone": _ms(o["t_copy_ms"]), "kernel alone": _ms(o["t_kernel_ms"]),
         "both at once": _ms(o["t_both_ms"]), "overlap fraction": f"{o['fraction']:.2f}"}))
     if report.get("model_measurements"):
-        parts.append(_kv_table("Launch, host copy and registration costs (for the hardware profile)",
+        parts.append(_kv_table("Launch, host copy, registration and per-chunk host costs (for the hardware profile)",
                                _profile_rows({k: v for k, v in report["model_measurements"].items()
                                               if k not in ("bytes", "threads", "seconds")})))
     c = Table(title="Checks", title_justify="left")

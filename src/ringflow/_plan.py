@@ -392,7 +392,8 @@ def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbyte
 
 
 # The host's costs per chunk, parameters of the chunk-size model. Each was fitted to profiled runs
-# on the H200; docs/design.md ("Calibration notes") gives the runs and the fits.
+# on the H200; docs/design.md ("Calibration notes") gives the runs and the fits. A profile that
+# measured its host's time per chunk replaces the first three (host_seconds_per_chunk).
 # The scheduler's time per chunk: enqueues, event queries, pool hand-offs.
 SCHEDULER_S_PER_CHUNK = 140e-6
 # Each CPU stage a chunk runs on the worker pool (staging's copy in and copy out) adds a hand-off
@@ -407,9 +408,15 @@ DIRECT_S_PER_CHUNK = 60e-6
 QUEUED_COPY_OVERHEAD_S = 8e-6
 
 
-def host_seconds_per_chunk(host_stages: bool) -> float:
-    """The host's time per chunk: the scheduler's, with two pool tasks when staging; the direct
-    engine's enqueueing without."""
+def host_seconds_per_chunk(profile: "str | HardwareProfile", host_stages: bool) -> float:
+    """The host's time per chunk (seconds): the scheduler's, with two pool tasks, when staging;
+    the direct engine's enqueueing without. The profile's measured figure where it has one
+    (``staged_chunk_host_s``, ``direct_chunk_host_s``: ``ringflow doctor --save``), else the
+    fit above."""
+    p = get_profile(profile)
+    measured = p.staged_chunk_host_s if host_stages else p.direct_chunk_host_s
+    if measured is not None:
+        return measured
     return SCHEDULER_S_PER_CHUNK + 2 * SCHEDULER_S_PER_HOST_TASK if host_stages else DIRECT_S_PER_CHUNK
 
 
@@ -459,7 +466,7 @@ def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     p = get_profile(profile)
     n = -(-total_bytes // chunk_bytes)
     t = queued_stage_times(p, chunk_bytes, compute=compute_s_per_byte * chunk_bytes, workers=workers,
-                           out_ratio=out_ratio, scheduler=host_seconds_per_chunk(host_stages))
+                           out_ratio=out_ratio, scheduler=host_seconds_per_chunk(p, host_stages))
     if not host_stages:
         t = dataclasses.replace(t, prepare=p.host_task_overhead_s, consume=p.host_task_overhead_s)
     return t, predicted_total(t, n)

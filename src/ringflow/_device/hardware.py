@@ -43,8 +43,9 @@ logger = logging.getLogger("ringflow")
 
 SCHEMA = "ringflow-hardware-profile"
 # 2 added staging_GBps (one rate, the most threads'; read as that rate for any number of threads);
-# 3 made it a curve by threads. A version 1 file is read with it unknown (None).
-SCHEMA_VERSION = 3
+# 3 made it a curve by threads; 4 added staged_chunk_host_s and direct_chunk_host_s. A file of an
+# older version is read with the fields it lacks unknown (None).
+SCHEMA_VERSION = 4
 CALIBRATE_VAR = "RINGFLOW_CALIBRATE"  # "1": measure a GPU with no cached profile on first use
 
 
@@ -73,7 +74,8 @@ PCIE_WIDTHS = (1, 2, 4, 8, 12, 16, 32)  # the link widths (lanes) PCIe has
 _MACHINE = ("gpu_name", "driver", "pcie_link")  # where it was measured: the JSON's "machine"
 _META = ("name", "measured_at") + _MACHINE
 # model fields that a file of an older schema version does not hold: {field: first version}
-_SINCE = {"staging_GBps": 2}
+_SINCE = {"staging_GBps": 2, "staged_chunk_host_s": 4, "direct_chunk_host_s": 4}
+_MEASURED_SECONDS = ("staged_chunk_host_s", "direct_chunk_host_s")  # seconds > 0, or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +114,12 @@ class HardwareProfile:
     # pages) while the GPU copies as many bytes each way; every part shares the host's memory.
     # None: not measured (a profile written before it was).
     staging_GBps: Optional[tuple[tuple[int, float], ...]] = None
+    # The host's seconds per chunk of a long run of small chunks through ringflow's engines: the
+    # scheduled engine staging pageable memory (its enqueues, event queries and hand-offs to CPU
+    # workers), and the direct engine on pinned memory (its enqueueing). The CPU's speed sets
+    # them, not the GPU's. None: not measured (the planner then uses its own fit).
+    staged_chunk_host_s: Optional[float] = None
+    direct_chunk_host_s: Optional[float] = None
     pcie_link: "tuple[float, int] | None" = None  # (GT/s per lane, lanes) of the GPU's host link, if known
     gpu_name: Optional[str] = None  # the GPU it was measured on (None for a model)
     driver: Optional[str] = None  # that GPU's driver version
@@ -353,6 +361,8 @@ def _check_field(name: str, value: Any, where: str) -> Any:
         return (_whole(value[0], f"{where}[0]", least=0), _whole(value[1], f"{where}[1]", least=0))
     if name == "staging_GBps":
         return None if value is None else _curve(value, where, "threads")
+    if name in _MEASURED_SECONDS:
+        return None if value is None else _real(value, where, positive=True, within=(0.0, _SECONDS_MAX))
     if name == "chaos_spread":
         spread = _real(value, where, positive=False)
         if spread >= 1:

@@ -1,0 +1,95 @@
+"""The host's time per chunk of ringflow's two engines, measured on a device.
+
+A long run of small chunks is bound by the host, not the GPU: the scheduled engine's enqueues,
+event queries and hand-offs to its CPU workers when it stages, or the direct engine's
+enqueueing when the copy engines use the caller's pinned memory. The planner counts that time
+as a resource of its own (``_plan.host_seconds_per_chunk``), and how long it is depends on the
+host's CPU, not the GPU. ``ringflow doctor --save`` measures it here and writes it into the
+hardware profile, so each machine plans with its own figure.
+
+Each figure is the difference between two calls over the same small chunks, one five times as
+long as the other, divided by the difference in chunks: what a call costs once (making and
+closing its engine, its arrays) cancels out, and what is left is the time per chunk of a long
+run. The calls keep no engine warm, so the measurement leaves no streams or device memory behind.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+CHUNK_BYTES = 64 << 10  # small enough that the host, not the link, bounds the run on any GPU
+SHORT_CHUNKS, LONG_CHUNKS = 128, 640
+
+
+def _copy(x: Any, y: Any) -> None:
+    y[...] = x
+
+
+def _per_chunk(run: Callable[[int], None], repeats: int) -> float:
+    """Seconds per chunk: the median over ``repeats`` of (long call - short call) / the chunks
+    between them; ``run(n)`` makes one call over ``n`` chunks (warmed up once first)."""
+    run(SHORT_CHUNKS)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run(SHORT_CHUNKS)
+        t1 = time.perf_counter()
+        run(LONG_CHUNKS)
+        t2 = time.perf_counter()
+        samples.append(((t2 - t1) - (t1 - t0)) / (LONG_CHUNKS - SHORT_CHUNKS))
+    # a call slowed more than another by the machine could make a difference negative: a
+    # figure the profile must hold is more than 0
+    return max(statistics.median(samples), 1e-9)
+
+
+def chunk_host_seconds(dev: Any, *, repeats: int = 3) -> dict[str, float]:
+    """The host's seconds per chunk of a long run of 64 KiB chunks on ``dev``, by engine.
+
+    Args:
+        dev: an open ringflow Device.
+        repeats: timed pairs of calls per engine (the median is kept); at least 1.
+
+    Returns:
+        ``{"staged": s, "direct": s}``: ``staged`` for ordinary (pageable) numpy arrays staged
+        through pinned rings by the scheduled engine and its CPU workers (``host="stage"``),
+        ``direct`` for pinned arrays the direct engine hands to the copy engines in place.
+
+    Raises:
+        ValueError: ``repeats`` is below 1.
+        RuntimeError: the results differ from the inputs (the device copied wrongly).
+    """
+    from . import _host as host
+    from ._pipeline import stream_map
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be 1 or more, got {repeats}")
+    n = LONG_CHUNKS * CHUNK_BYTES // 4
+    rng = np.random.default_rng(0)
+    x = rng.random(n, dtype=np.float32)
+    y = np.empty_like(x)
+    x_pinned = host.empty(n, np.float32, device=dev)
+    y_pinned = host.empty(n, np.float32, device=dev)
+    x_pinned[...] = x
+    per_chunk = CHUNK_BYTES // 4
+
+    def staged(chunks: int) -> None:
+        stream_map(_copy, x[:chunks * per_chunk], y[:chunks * per_chunk], device=dev, chunk_bytes=CHUNK_BYTES,
+                   host="stage", keep_warm=False)
+
+    def direct(chunks: int) -> None:
+        stream_map(_copy, x_pinned[:chunks * per_chunk], y_pinned[:chunks * per_chunk], device=dev,
+                   chunk_bytes=CHUNK_BYTES, engine="direct", keep_warm=False)
+
+    try:
+        result = {"staged": _per_chunk(staged, repeats), "direct": _per_chunk(direct, repeats)}
+        if not (np.array_equal(y, x) and np.array_equal(y_pinned, x)):
+            raise RuntimeError("the host-time measurement's chunks came back different from what went in: "
+                               "this GPU or its driver is not copying correctly; run ringflow doctor to check it")
+    finally:
+        # back to the pool now, not when a traceback that keeps this frame goes
+        x_pinned = y_pinned = None
+    return result

@@ -1,0 +1,68 @@
+"""The host's time per chunk of each engine, as ringflow doctor --save measures it."""
+
+from __future__ import annotations
+
+import pytest
+
+import ringflow as rf
+from ringflow import _chunk_host_cost as chunk_host_cost
+
+
+def test_a_call_costs_once_and_per_chunk_and_only_the_per_chunk_part_is_kept(monkeypatch):
+    """Each call costs a fixed part (its engine, its arrays) and a part per chunk; the difference
+    of a long and a short call keeps only the latter, whatever the fixed part."""
+    clock = [0.0]
+    monkeypatch.setattr(chunk_host_cost.time, "perf_counter", lambda: clock[0])
+
+    def run(chunks: int) -> None:
+        clock[0] += 0.25 + chunks * 300e-6  # a quarter of a second once, 300 us a chunk
+
+    assert chunk_host_cost._per_chunk(run, 3) == pytest.approx(300e-6)
+
+
+def test_the_median_of_the_pairs_is_kept_and_a_figure_is_never_below_zero(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(chunk_host_cost.time, "perf_counter", lambda: clock[0])
+    per_chunk = iter([None, 1e-4, 1e-4, 9e-4, 9e-4, 2e-4, 2e-4])  # warm-up, then (short, long) pairs
+
+    def run(chunks: int) -> None:
+        clock[0] += chunks * (next(per_chunk) or 0.0)
+
+    # pairs of 1e-4, 9e-4, 2e-4 a chunk: the median pair's figure
+    assert chunk_host_cost._per_chunk(run, 3) == pytest.approx(2e-4)
+
+    def slower_short_call(chunks: int) -> None:  # the machine stalled the short call
+        clock[0] += 1.0 if chunks == chunk_host_cost.SHORT_CHUNKS else 0.5
+
+    assert chunk_host_cost._per_chunk(slower_short_call, 1) > 0
+
+
+def test_both_engines_are_measured_and_nothing_is_left_on_the_device():
+    """The measurement runs in the user's process when a GPU is calibrated on first use: it keeps
+    no engine warm (their streams, events and device memory would stay until the process ends)."""
+    dev = rf.device("sim")
+    try:
+        got = chunk_host_cost.chunk_host_seconds(dev, repeats=1)
+        live = dev.live()
+        assert (live.streams, live.events, live.device_buffers, live.host_buffers) == (0, 0, 0, 0)
+    finally:
+        dev.close()
+    assert set(got) == {"staged", "direct"}
+    assert all(0 < s < 0.1 for s in got.values()), got
+
+
+def test_wrong_results_are_an_error_not_a_figure(monkeypatch):
+    """A device that copied wrongly must not leave a profile planning with its timings."""
+    monkeypatch.setattr(chunk_host_cost, "_copy", lambda x, y: y.fill(0))
+    dev = rf.device("sim")
+    try:
+        with pytest.raises(RuntimeError, match="came back different"):
+            chunk_host_cost.chunk_host_seconds(dev, repeats=1)
+    finally:
+        dev.close()
+
+
+@pytest.mark.parametrize("repeats", [0, -2])
+def test_repeats_below_one_are_refused(repeats):
+    with pytest.raises(ValueError, match="repeats must be 1 or more"):
+        chunk_host_cost.chunk_host_seconds(None, repeats=repeats)
