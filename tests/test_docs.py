@@ -124,7 +124,7 @@ def _one_side_staged(file: str) -> tuple[float, float]:
 
 
 LATER = [
-    ("| `requests`: a stream of fresh numpy requests", *_requests("bench-h200-2026-12-02-requests-fixed-split.json"),
+    ("| `requests`: a stream of fresh numpy requests", *_requests("bench-h200-2026-12-06-at-3b6d4cc.json"),
      " a request"),
     ("| `compute-bound`, `MapJob`", *_mapjob_vs_cpp("bench-h200-2026-12-02-plan-repeat-d.json", "compute-bound"), ""),
     ("| `balanced`, `MapJob(graph=True)`", *_graph_vs_cpp("graph-h200-2026-12-01-final-one-stream.json", "balanced"), ""),
