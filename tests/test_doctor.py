@@ -442,12 +442,16 @@ def test_plan_reads_a_saved_profile(fake_calibration, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "nvidia-h200-580.159.04" in out and "predicted total" in out and "slots host_in" in out
     assert "measured on NVIDIA H200 (driver 580.159.04)" in out
+    assert re.search(r"host time per chunk from +│ +this profile", out)
+    assert main(["plan", "--bytes", "256MiB", "--profile", str(path)]) == 0  # staged
+    assert re.search(r"host time per chunk from +│ +this profile", capsys.readouterr().out)
 
 
 def test_plan_on_the_gen4_profile(capsys):
     assert main(["plan", "--bytes", "16MiB", "--pinned", "--profile", "pcie4-x16"]) == 0
     out = capsys.readouterr().out
     assert "pcie4-x16" in out and "chunks of 2 MiB x 8" in out  # tests/test_plan.py works out why
+    assert re.search(r"host time per chunk from +│ +the planner's fit", out)  # a built-in profile measured no host
 
 
 @pytest.mark.parametrize("content, phrase", [

@@ -157,6 +157,9 @@ def plan_command(args) -> int:
         table.add_row("workers copying at once", f"{t.workers} of {args.workers}")
     for ring in ("host_in", "device_in", "device_out", "host_out"):
         table.add_row(f"slots {ring}", f"{getattr(slots.slots, ring)} (lifetime {slots.lifetimes.get(ring, 0) * 1e3:.3f} ms)")
+    measured = profile.direct_chunk_host_s if args.pinned else profile.staged_chunk_host_s
+    # (the fit: the H200's host, the built-in profiles' and older files')
+    table.add_row("host time per chunk from", "this profile" if measured is not None else "the planner's fit")
     table.add_row("predicted total", f"{predicted * 1e3:.3f} ms")
     if not args.pinned and profile.staging_GBps is not None:
         floor = plan.staging_floor_seconds(profile, total, total)
