@@ -308,3 +308,11 @@ def test_staging_rate_check(tmp_path):
     assert [row["split"] for row in r["rows"]] == ["1+1", "2+0", "2 threads, 1 MiB chunks through a ring"]
     assert all(row["GBps_fastest"] > 0 for row in r["rows"]) and r["staged_correct"] is True
     assert r["path_bytes"] == 32 << 20 and len(r["staged_ms"]) == 1
+
+
+def test_scheduler_load(tmp_path):
+    r = run_script(tmp_path, "scheduler_load.py", "--workers", "1,2", "--chunks-kib", "64,256", "--rounds", "1")
+    assert r["correct"] is True and [(row["workers"], row["chunk_bytes"]) for row in r["rows"]] == [
+        (1, 64 << 10), (2, 64 << 10), (1, 256 << 10), (2, 256 << 10)]
+    assert all(row["scheduler_us_per_chunk_median"] > 0 and row["wall_ms_median"] > 0 for row in r["rows"])
+    assert all(row["planned_host_us_per_chunk"] == pytest.approx(416.0) for row in r["rows"])  # the fit
