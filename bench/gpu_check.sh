@@ -8,11 +8,12 @@
 #                                   thread's stalls with and without the CPU pinning of request_stalls.py
 #   bash bench/gpu_check.sh staging   the planner's staging model against the staged path on this host:
 #                                   the staging measurement's splits with 2 threads, doctor --save (into
-#                                   this GPU's cache, so the sweep plans with it), the path by workers
+#                                   this GPU's cache, so the sweep plans with it), the path by workers,
+#                                   the scheduler's own time per chunk by chunk size and workers
 # $OUT gets: log.txt, pipeline_stress.json, threads.json, phases.json (check); bench-cuda-*.json, trace.json,
 # timeline.png, profile.txt, map_small_items.json, request_costs.json (bench); requests_runs.json (the
 # runs' JSON in one list), stalls.json, stalls_pinned.json (requests); staging_t2.json, the saved
-# profile (its cache name), workers_sweep.json (staging).
+# profile (its cache name), workers_sweep.json, scheduler_load.json (staging).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/ringflow-out}; mkdir -p "$OUT"
@@ -38,6 +39,8 @@ elif [ "$part" = staging ]; then
   cp "$(python3 -c 'from ringflow._device.hardware import cache_dir; print(cache_dir())')"/*.json "$OUT/"
   echo "== the staged path by workers against the planner" | tee -a "$LOG"
   timeout 200 python3 bench/workers_sweep.py --device ${DEVICE:-cuda:0} --workers 1,2,4,8,16 --rounds 2 --out "$OUT/workers_sweep.json" 2>&1 | tail -11 | tee -a "$LOG"
+  echo "== the scheduler's own time per staged chunk, by chunk size and workers" | tee -a "$LOG"
+  timeout 150 python3 bench/scheduler_load.py --device ${DEVICE:-cuda:0} --workers 4,8,12,15,16 --chunks-kib 64,8192 --rounds 2 --out "$OUT/scheduler_load.json" 2>&1 | tee -a "$LOG"
 elif [ "$part" = requests ]; then
   mkdir -p "$OUT/runs"
   for i in $(seq "${RUNS:-6}"); do

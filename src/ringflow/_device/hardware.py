@@ -2,7 +2,8 @@
 
 A :class:`HardwareProfile` holds pinned copy bandwidth by size in each direction, both
 directions at once, pageable copies, device memory, launch / copy / event overheads, host copy
-rates by thread count, host registration and first-touch rates, and the device's counts. A copy
+rates by thread count, host registration and first-touch rates, the host's time per chunk of
+ringflow's two engines where it was measured, and the device's counts. A copy
 of ``n`` bytes takes ``n / bandwidth(n)``, the bandwidth read off the bandwidth-by-size curve
 (log-log interpolation), so small copies are as slow as measured.
 
