@@ -45,6 +45,7 @@ def test_both_engines_are_measured_and_nothing_is_left_on_the_device():
         got = chunk_host_cost.chunk_host_seconds(dev, repeats=1)
         live = dev.live()
         assert (live.streams, live.events, live.device_buffers, live.host_buffers) == (0, 0, 0, 0)
+        assert live.pooled_host_buffers == 0  # nothing kept in ringflow.host's pool either
     finally:
         dev.close()
     assert set(got) == {"staged", "direct"}
@@ -58,6 +59,21 @@ def test_wrong_results_are_an_error_not_a_figure(monkeypatch):
     try:
         with pytest.raises(RuntimeError, match="came back different"):
             chunk_host_cost.chunk_host_seconds(dev, repeats=1)
+    finally:
+        dev.close()
+
+
+def test_the_direct_engine_is_timed_on_pinned_memory_whatever_the_pool_hands_out(monkeypatch):
+    """ringflow.host's pool hands out pageable memory once its budget is spent: the direct engine
+    could not run on that, and doctor --save failed at its last step."""
+    import numpy as np
+
+    from ringflow import _host
+
+    monkeypatch.setattr(_host, "empty", lambda shape, dtype=np.float64, *, device=None: np.empty(shape, dtype))
+    dev = rf.device("sim")
+    try:
+        assert chunk_host_cost.chunk_host_seconds(dev, repeats=1)["direct"] > 0
     finally:
         dev.close()
 
