@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ringflow as rf  # noqa: E402
 from ringflow._bench import baselines, kernels, workloads  # noqa: E402
+from ringflow._bench.stacks import current_frames  # noqa: E402
 from ringflow._device import native_copy, protocol  # noqa: E402
 from pinned_results_check import pooled_copies, request_items  # noqa: E402
 from _script import header, write  # noqa: E402
@@ -74,7 +75,7 @@ class Sampler:
 
     def _run(self):
         while not self._stop.wait(self.period):
-            frames = sys._current_frames()
+            frames = current_frames()
             for name, ident in self.idents.items():
                 f = frames.get(ident)
                 if f is None:

@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ringflow as rf  # noqa: E402
 from ringflow._bench import baselines, kernels, workloads  # noqa: E402
+from ringflow._bench.stacks import current_frames  # noqa: E402
 from ringflow._device import host_pool  # noqa: E402
 from _script import header, write  # noqa: E402
 
@@ -69,7 +70,7 @@ class _Sampler(threading.Thread):
         while not self._halt.is_set():
             time.sleep(max(0.0, due - self.clock()))
             now = self.clock()
-            frames = sys._current_frames()
+            frames = current_frames()
             if len(names) != len(frames):
                 names = {t.ident: t.name for t in threading.enumerate()}
             stacks = {}

@@ -13,10 +13,11 @@ import logging
 import os
 import resource
 import signal
-import sys
 import threading
 import traceback
 from typing import Any, Callable, Iterable, Optional
+
+from ringflow._bench.stacks import current_frames
 
 JOIN_S = 60.0  # real seconds any one test waits for its threads before calling it a hang
 
@@ -72,7 +73,7 @@ def bounded(fn: Callable[[], Any], timeout: float = JOIN_S) -> Any:
 
 
 def all_stacks() -> str:
-    frames = sys._current_frames()
+    frames = current_frames()
     out = []
     for thread in threading.enumerate():
         frame = frames.get(thread.ident)
@@ -84,7 +85,7 @@ def all_stacks() -> str:
 def stack_names(thread: threading.Thread) -> set:
     """The names of the functions on ``thread``'s stack now (empty if it is not running): where a
     stalled thread stands, or whether a thread has entered a call yet."""
-    frame = sys._current_frames().get(thread.ident)
+    frame = current_frames().get(thread.ident)
     names = set()
     while frame is not None:
         names.add(frame.f_code.co_name)
