@@ -2,8 +2,8 @@
 2x its isolated p99: one server of a measured capacity, the workload's request sizes, Poisson
 arrivals, three orders.
 
-* ``fifo``: first come, first served (what ``queue_floor`` in ``ringflow._bench.baselines``
-  computes, and what one pipeline fed by one thread does);
+* ``fifo``: first come, first served (``queue_floor``'s queue in ``ringflow._bench.baselines``,
+  and what one pipeline fed by one thread does);
 * ``shortest-first``: the waiting request of fewest bytes next, none interrupted;
 * ``largest-first``: the waiting request of most bytes next (the p99 is the large requests'
   latency: they wait least), none interrupted;
@@ -34,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from ringflow._bench.baselines import fifo_waits, request_holds  # noqa: E402
 from ringflow._bench.workloads import request_sizes  # noqa: E402
 from _script import header, write  # noqa: E402
 
@@ -45,15 +46,10 @@ def serve(policy: str, arrived: np.ndarray, hold: np.ndarray, nbytes: np.ndarray
     """Seconds from each request's arrival to the start of its service (``fifo``,
     ``shortest-first``) or to its end less its own ``hold`` (``shortest-remaining``): the time
     it waited, under ``policy``; the size orders go by ``nbytes`` (left)."""
+    if policy == "fifo":
+        return fifo_waits(arrived, hold)
     n = len(arrived)
     waited = np.zeros(n)
-    if policy == "fifo":
-        free = -np.inf
-        for i in range(n):
-            start = max(arrived[i], free)
-            waited[i] = start - arrived[i]
-            free = start + hold[i]
-        return waited
     t, i, queue = 0.0, 0, []
     if policy in ("shortest-first", "largest-first"):
         sign = 1 if policy == "shortest-first" else -1
@@ -92,7 +88,7 @@ def ratio(policy: str, nbytes: np.ndarray, isolated: np.ndarray, capacity: float
     """p99 latency over p99 isolated latency for one draw of Poisson arrivals at ``load``."""
     n = len(nbytes)
     arrived = np.cumsum(rng.exponential(1.0 / (load * capacity), n))
-    hold = nbytes / nbytes.mean() / capacity if by_bytes else np.full(n, 1.0 / capacity)
+    hold = request_holds(nbytes, capacity)[1 if by_bytes else 0]
     latency = serve(policy, arrived, hold, nbytes) + isolated
     return float(np.percentile(latency, 99) / np.percentile(isolated, 99))
 

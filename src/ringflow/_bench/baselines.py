@@ -1421,17 +1421,28 @@ def queue_floor(arrived: np.ndarray, isolated: np.ndarray, nbytes: Sequence[int]
     Returns:
         ``(fixed, by_size)``: the per-request latencies of the two cases.
     """
+    fixed, by_size = request_holds(nbytes, capacity)
+    return fifo_waits(arrived, fixed) + isolated, fifo_waits(arrived, by_size) + isolated
+
+
+def request_holds(nbytes: Sequence[int], capacity: float) -> tuple[np.ndarray, np.ndarray]:
+    """How long each request holds a server of ``capacity`` requests a second (seconds), in the
+    two cases :func:`queue_floor` brackets: ``(alike, by_size)``, every request ``1 / capacity``,
+    and each in proportion to its ``nbytes`` (the same mean)."""
     nbytes = np.asarray(nbytes, dtype=np.float64)
-    out = []
-    for hold in (np.full(len(nbytes), 1.0 / capacity), nbytes / nbytes.mean() / capacity):
-        wait = np.zeros(len(nbytes))
-        free = -np.inf
-        for i, t in enumerate(arrived):
-            begin = max(t, free)
-            wait[i] = begin - t
-            free = begin + hold[i]
-        out.append(wait + isolated)
-    return out[0], out[1]
+    return np.full(len(nbytes), 1.0 / capacity), nbytes / nbytes.mean() / capacity
+
+
+def fifo_waits(arrived: np.ndarray, hold: np.ndarray) -> np.ndarray:
+    """Seconds each request arriving at ``arrived`` (seconds, rising) waits in one first-in
+    first-out queue whose server each holds for ``hold`` (seconds)."""
+    wait = np.zeros(len(arrived))
+    free = -np.inf
+    for i, t in enumerate(arrived):
+        begin = max(t, free)
+        wait[i] = begin - t
+        free = begin + hold[i]
+    return wait
 
 
 @contextlib.contextmanager
