@@ -97,6 +97,48 @@ def test_diagnose_stream_map_gap(tmp_path):
     assert row["stream_map"]["outside_run_ms"] > 0 and row["MapJob"]["run_ms"] > 0 and "stream_map" in r["profile"]
 
 
+def test_cpp_rounds(tmp_path):
+    r = run_script(tmp_path, "cpp_rounds.py", "--mib", "16", "--rounds", "2", "--calls", "1",
+                   "--workloads", "seed,compute-bound")
+    assert [w["workload"] for w in r["workloads"]] == ["seed", "compute-bound"]
+    for w in r["workloads"]:
+        assert w["correct"] == {"MapJob": True, "stream_map": True}
+        assert [rd["cpp_first"] for rd in w["rounds"]] == [False, True]  # the order alternates
+        for rd in w["rounds"]:
+            assert "skipped" in rd["cpp"] and rd["ratio"] == {"MapJob": None, "stream_map": None}
+            for face in ("MapJob", "stream_map"):
+                side = rd["ringflow"][face]
+                assert set(side["ms_by_chunks"]) == {str(c) for c in w["chunk_counts"]}
+                assert side["best_ms"] == min(side["ms_by_chunks"].values()) > 0
+        assert w["ratio"]["MapJob"] == {"median": None}
+
+
+def test_cpp_rounds_ratios(tmp_path, monkeypatch):
+    """With a C++ program standing in at a known time, each round's ratio is each face's best over
+    it and the summary counts the rounds at or below 1.00."""
+    import runpy
+
+    from ringflow._bench import baselines
+
+    cpp_ms = iter([1e9, 1e-9])  # round 0: far slower than ringflow; round 1: far faster
+    monkeypatch.setattr(baselines, "cuda_cpp_pipeline", lambda n, **kw: {
+        "ms_median": 1.0, "correct": True, "host_clock": {"ms_median": next(cpp_ms), "chunks": kw["chunks"][0]}})
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["cpp_rounds.py", "--device", "sim", "--mib", "16", "--rounds", "2",
+                                      "--calls", "1", "--workloads", "balanced", "--out", str(out)])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(os.path.join(ROOT, "bench", "cpp_rounds.py"), run_name="__main__")
+    assert done.value.code == 0
+    (w,) = json.loads(out.read_text())["workloads"]
+    first, second = w["rounds"]
+    assert first["ratio"]["MapJob"] == first["ringflow"]["MapJob"]["best_ms"] / 1e9
+    assert second["ratio"]["stream_map"] == second["ringflow"]["stream_map"]["best_ms"] / 1e-9
+    for face in ("MapJob", "stream_map"):
+        s = w["ratio"][face]
+        assert s["rounds"] == 2 and s["rounds_at_or_below_1"] == 1 and s["min"] < 1 < s["max"]
+
+
 def test_stream_map_overhead(tmp_path):
     r = run_script(tmp_path, "stream_map_overhead.py", "--calls", "50", "--before", "none,sleep,spin,touch")
     assert 0 < r["rows"]["MapJob"]["median_us"] and 0 < r["rows"]["stream_map"]["median_us"]
