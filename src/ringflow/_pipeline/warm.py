@@ -38,6 +38,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Hashable, Optional
 
 from . import reentry  # noqa: F401 - its fork hook runs before this module's (see _forget_in_child)
+from .call_memo import MEMO
 
 if TYPE_CHECKING:
     from .._device.protocol import Device
@@ -129,6 +130,7 @@ def _forget_in_child() -> None:
     lock may have been held by a parent's thread that is not in the child either. (Registered
     after :mod:`.reentry`'s count of forks, which each pipeline's forgetting reads.)"""
     WARM._lock = threading.Lock()
+    MEMO.forget()  # its entries name the parent's devices
     parked, WARM._parked = WARM._parked, collections.OrderedDict()
     for pipe, _ in parked.values():
         pipe._forget_if_forked()
@@ -154,6 +156,7 @@ def drop_warm_pipelines(device: "Device | str | None" = None) -> int:
     from .._device.protocol import Device  # at call time: only a type name for this module otherwise
 
     if device is None or isinstance(device, Device):
+        MEMO.drop(device)  # the plans remembered for its calls go with them (call_memo.py)
         return WARM.drop(device)
     if isinstance(device, str):
         try:
@@ -161,6 +164,7 @@ def drop_warm_pipelines(device: "Device | str | None" = None) -> int:
         except ValueError:
             kind, index = "", None
         if index is not None:  # "sim:N" is one device per process, "cuda:N" one GPU
+            MEMO.drop(label=f"{kind}:{index}")
             return WARM.drop(label=f"{kind}:{index}")
     # what is left of the specs, "sim" and "auto", make a new device each
     spec = (f"; a spec such as {device!r} makes a new device, which has none: pass the device object the "

@@ -31,7 +31,8 @@ from .._device import host_pool
 from .._device.protocol import Device, HostBuffer, check_device_dtype, close_quietly
 from .._errors import StageError
 from .._testing import current as current_hooks
-from . import warm
+from . import call_memo, warm
+from .call_memo import array_key, tagged
 from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine
 from .frames import forget_own_frames
 from .sigint import shielded
@@ -168,6 +169,20 @@ def stream_map_report(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = No
 
 def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buffer=None, out_buffer=None,
                 engine="auto", keep_warm=True, profile=False, output=None, **options) -> tuple:
+    # a warm call with an earlier call's arguments reuses its checks and plan (call_memo.py)
+    memo = _memo_key(f, x, out, device, x_buffer, out_buffer,
+                     (chunk_bytes, host, engine, keep_warm, profile, None if output is None else tagged(output)),
+                     options)
+    if memo is not None:
+        dev, key, objects, values = memo
+        call = call_memo.MEMO.get(key, objects, values)
+        if call is not None and not _closed(dev, x_buffer, out_buffer) and _unpooled(x, out):
+            fresh_out = out is None
+            if fresh_out:
+                out = allocate_out(call.out_shape, call.out_dtype, "stream_map", output)
+            out, report, _ = run_prepared(f, x, out, fresh_out, call, profile)
+            return out, report
+    given_out = out
     opts = check_options(chunk_bytes=chunk_bytes, allow_auto_chunk=True, keep_warm=keep_warm, profile=profile,
                          **_with_flag_defaults(options))
     out, fresh_out = check_arrays(f, x, out, host, engine, "stream_map", output, opts["inplace"])
@@ -181,9 +196,56 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
         return stream_map_sharded(f, x, out, fresh_out, many, opts.pop("chunk_bytes"), host, x_buffer, out_buffer,
                                   engine, keep_warm, profile, opts)
     dev = one_device(device, many, x, out, fresh_out)
-    out, report, _ = run_whole(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer, out_buffer,
-                               engine, keep_warm, profile, opts)
+    out, fresh_out, call = prepare_whole(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer,
+                                         out_buffer, engine, keep_warm, opts)
+    if memo is not None and memo[0] is dev and not call.replaced_out and _unpooled(x, given_out):
+        call_memo.MEMO.put(memo[1], memo[2], memo[3], call)
+    out, report, _ = run_prepared(f, x, out, fresh_out, call, profile)
     return out, report
+
+
+def _memo_key(f, x, out, device, x_buffer, out_buffer, args: tuple, options: dict) -> Optional[tuple]:
+    """``(device, key, objects, values)`` for :data:`call_memo.MEMO`, or None for a call the memo
+    does not serve: arrays that are not plain numpy arrays, an empty ``x``, arguments that cannot be
+    keyed, several devices, or a device named by anything but a device object or None."""
+    if type(x) is not np.ndarray or (out is not None and type(out) is not np.ndarray) or x.size == 0:
+        return None
+    if device is None:
+        if device_list(None) is not None:
+            return None
+        try:
+            device = one_device(None, None, x, out, out is None)
+        except Exception:  # noqa: BLE001 - the call's own checks below name what is wrong
+            return None
+    elif not isinstance(device, Device):
+        return None
+    x_key = array_key(x)
+    out_key = None if out is None else x_key if out is x else array_key(out)
+    values = tuple(options.values())
+    if not all(type(v) in _PLAIN for v in values + args[:-1]):  # a SlotCounts of floats equals one of ints
+        return None
+    hooks = current_hooks()
+    key = (id(f), id(device), id(x_buffer), id(out_buffer), id(hooks), x_key, out is x, out_key, args,
+           tuple(map(type, args)), tuple(options), values, tuple(map(type, values)), POOLED_OUT)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return device, key, (f, device, x_buffer, out_buffer, hooks), (getattr(f, "sim_seconds", None), device.hardware)
+
+
+_PLAIN = frozenset({int, float, str, bool, type(None)})  # types whose equal values are the same argument
+
+
+def _unpooled(x: np.ndarray, out: Optional[np.ndarray]) -> bool:
+    """Whether neither ``x`` nor a given ``out`` is over any device's pool memory: a pool array is
+    received on every call (its hand-off ordered, its buffer found), so the memo serves none."""
+    return host_pool.device_of(x) is None and (out is None or host_pool.device_of(out) is None)
+
+
+def _closed(dev: Device, *buffers) -> bool:
+    """Whether ``dev`` or a given buffer was closed since (the full path then says so)."""
+    return dev.closed or any(b is not None and b.closed for b in buffers)
 
 
 def one_device(device: Any, many: "list | None", x: np.ndarray, out: np.ndarray, fresh_out: bool) -> Device:
@@ -199,6 +261,29 @@ def one_device(device: Any, many: "list | None", x: np.ndarray, out: np.ndarray,
     return make_device(device) if not isinstance(device, Device) else device
 
 
+@dataclasses.dataclass(frozen=True)
+class PreparedCall:
+    """A checked whole-array call on one device, ready to run: its layout, the engine options
+    and kind, the pinned buffers it uses (``pooled``: those found behind pool arrays), its warm
+    engine's key (None: not kept warm), the result's shape and dtype, and whether a fresh result
+    was replaced by a pool array. Holds no array; a :data:`call_memo.MEMO` entry."""
+
+    layout: "MapLayout"
+    opts: dict
+    kind: str
+    warm_key: Optional[tuple]
+    x_buffer: Any
+    out_buffer: Any
+    pooled: tuple
+    out_shape: tuple
+    out_dtype: np.dtype
+    replaced_out: bool
+
+    @property
+    def device(self) -> Device:
+        return self.layout.device
+
+
 def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x_buffer, out_buffer, engine: str,
               keep_warm: bool, profile: bool, opts: dict, *, pooled_out: bool = True) -> tuple:
     """One checked, non-empty whole-array call on ``dev`` (``opts`` as :func:`check_options`
@@ -206,30 +291,53 @@ def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x
     chunks)``, ``chunks`` the chunks the call ran (a warm engine's may be tapered).
     ``pooled_out``: a fresh ``out`` may be replaced by a pool array (:data:`POOLED_OUT`); a shard
     of a call over several devices writes the caller's ``out`` and passes False."""
+    out, fresh_out, call = prepare_whole(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer, engine,
+                                         keep_warm, opts, pooled_out=pooled_out)
+    return run_prepared(f, x, out, fresh_out, call, profile)
+
+
+def prepare_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x_buffer, out_buffer,
+                  engine: str, keep_warm: bool, opts: dict, *, pooled_out: bool = True) -> tuple:
+    """:func:`run_whole`'s checks and plan: returns ``(out, fresh_out, call)``, ``out`` replaced
+    by a pool array where :data:`POOLED_OUT` says, and the :class:`PreparedCall`.
+
+    Raises:
+        as :meth:`MapLayout.plan`, :func:`check_on_device` and :func:`choose_engine`.
+    """
     check_on_device(dev, x, out)
+    replaced = False
     if pooled_out and fresh_out and POOLED_OUT and x_buffer is None and out_buffer is None and host != "stage":
-        out = host_pool.pool_for(dev).empty(out.shape, out.dtype)
+        out, replaced = host_pool.pool_for(dev).empty(out.shape, out.dtype), True
         fresh_out = host_pool.buffer_behind(out, dev) is None  # a pageable fallback is still untouched
     layout, x_buffer, out_buffer, pooled = plan_layout(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer,
                                                        out_buffer, opts)
     opts = layout.engine_options(opts)
     kind = choose_engine(engine, layout.strategy, opts)
+    key = None
+    if keep_warm and not opts.get("checked"):
+        opts_key = warm.options_key(opts)
+        if opts_key is not None:
+            key = ("map", id(layout.device), id(f), layout.key, kind, out is x,
+                   tuple(None if b is None else b.nbytes for b in (x_buffer, out_buffer)), opts_key)
+    return out, fresh_out, PreparedCall(layout, opts, kind, key, x_buffer, out_buffer, pooled, out.shape, out.dtype,
+                                        replaced)
+
+
+def run_prepared(f, x, out, fresh_out: bool, call: PreparedCall, profile: bool) -> tuple:
+    """Run a :class:`PreparedCall` on ``x`` and ``out`` (the arrays it was prepared for, or ones
+    of the same memory and layout); returns ``(out, report, chunks)`` as :func:`run_whole`."""
+    layout, opts = call.layout, dict(call.opts)  # the engine gets its own copy: a memo entry is shared
     # Ctrl-C is taken inside the call's steps only: never between taking an engine and parking
     # or closing it, nor while registrations are made or dropped (sigint.py)
     with shielded():
         registered: list = []
         try:
-            registered, arrays = pinned_arrays(layout, x, out, fresh_out, x_buffer, out_buffer, pooled,
+            registered, arrays = pinned_arrays(layout, x, out, fresh_out, call.x_buffer, call.out_buffer, call.pooled,
                                                opts.get("workers"))
-            key = None
-            if keep_warm and not opts.get("checked"):
-                opts_key = warm.options_key(opts)
-                if opts_key is not None:
-                    key = ("map", id(layout.device), id(f), layout.key, kind, out is x,
-                           tuple(None if b is None else b.nbytes for b in (x_buffer, out_buffer)), opts_key)
+            key = call.warm_key
             eng = warm.WARM.take(key) if key is not None else None
             if eng is None:
-                eng = make_engine(kind, f, layout, opts, arrays)
+                eng = make_engine(call.kind, f, layout, opts, arrays)
             chunks = eng.n_chunks  # before the call: a first call that finds the job compute-bound tapers the next
             run_call(eng, arrays, profile)
             report = eng.report() if profile else None
@@ -319,12 +427,7 @@ def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str, out
     check_choice("engine", engine, ENGINES)
     shape, dtype = (x.shape, x.dtype) if output is None else whole_output(output, x, inplace)
     if out is None:
-        try:
-            return np.empty(shape, dtype), True
-        except (MemoryError, ValueError) as exc:  # numpy's words name neither the call nor the argument
-            raise MemoryError(f"{who} could not allocate its result of shape {shape} and dtype {dtype} "
-                              f"({math.prod(shape) * dtype.itemsize} bytes{', as output= says' if output is not None else ''}): "
-                              f"{exc}; pass a smaller output, or out= an array you made") from None
+        return allocate_out(shape, dtype, who, output), True
     if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype:
         hint = "" if output is not None else "; for a result shaped otherwise pass output=(shape, dtype) too"
         got = f"{out.shape} {out.dtype}" if isinstance(out, np.ndarray) else f"a {type(out).__name__}"
@@ -337,6 +440,21 @@ def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str, out
     check_not_masked("out", out)
     check_out(x, out)
     return out, False
+
+
+def allocate_out(shape: tuple, dtype: np.dtype, who: str, output: Any) -> np.ndarray:
+    """A new result array of ``shape`` and ``dtype``.
+
+    Raises:
+        MemoryError: numpy could not allocate it (the message names the call, the size and
+            ``output=`` where it set the shape).
+    """
+    try:
+        return np.empty(shape, dtype)
+    except (MemoryError, ValueError) as exc:  # numpy's words name neither the call nor the argument
+        raise MemoryError(f"{who} could not allocate its result of shape {shape} and dtype {dtype} "
+                          f"({math.prod(shape) * dtype.itemsize} bytes{', as output= says' if output is not None else ''}): "
+                          f"{exc}; pass a smaller output, or out= an array you made") from None
 
 
 def whole_output(output: Any, x: np.ndarray, inplace: bool) -> tuple:

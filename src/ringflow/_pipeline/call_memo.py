@@ -1,0 +1,106 @@
+"""What a warm :func:`~ringflow.stream_map` call may skip: the checks, layout and engine choice
+of an earlier call made with the same arguments.
+
+Note (why a warm call remembers its plan): a call's own Python (checking its arguments, laying
+its chunks out, choosing its engine and the key of its warm engine) runs while the GPU idles,
+between the previous call's last copy and this call's first, and right after a call the host's
+caches hold the call's copies rather than that Python, so it runs several times slower than
+when timed alone (docs/performance.md). A ``MapJob`` does it once; a ``stream_map`` call whose
+arguments match an earlier successful one's reuses that call's outcome instead.
+
+"The same arguments" is everything that work reads: the compute, the device, each array's
+address, shape, strides and dtype, the pinned buffers, every option (each compared with its
+type, so ``8`` never stands in for ``8.0`` or ``True``), the compute's ``sim_seconds`` and the
+device's hardware profile (by identity: replacing either plans anew), and the test hooks in
+force. What can change without changing those is checked again on every call: whether ``x`` or
+``out`` is pool memory (calls on pool arrays are never served: each receives its arrays), a
+pinned buffer or the device closed since. Entries hold no reference to the compute, the arrays,
+the buffers or the hooks (weak references confirm that an ``id`` still names the same object);
+they hold the device through the layout, are bounded in number, and go with
+:func:`~ringflow.drop_warm_pipelines` for their device.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Hashable, Optional
+
+import numpy as np
+
+CAPACITY = 32
+
+
+def tagged(value: Any) -> Any:
+    """``value`` with its type beside it, tuples and lists element by element: ``1``, ``1.0``
+    and ``True`` compare equal in Python but are not the same argument."""
+    if type(value) in (tuple, list):
+        return type(value), tuple(tagged(v) for v in value)
+    return type(value), value
+
+
+def array_key(arr: np.ndarray) -> tuple:
+    """What a whole-array call reads of an array: its memory, shape, strides, dtype and whether
+    it is writeable (``__array_interface__['data']`` is the address and the read-only flag)."""
+    return arr.__array_interface__["data"], arr.shape, arr.strides, arr.dtype
+
+
+class CallMemo:
+    """A bounded, thread-safe map from a call's key to its prepared outcome, each entry valid only
+    while the objects it was made for are alive and the same (weak references) and the values it
+    read are the same objects."""
+
+    def __init__(self, capacity: int = CAPACITY):
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._entries: dict[Hashable, tuple] = {}
+
+    def get(self, key: Hashable, objects: tuple, values: tuple) -> Any:
+        """The outcome stored under ``key`` if ``objects`` are the very objects it was stored
+        with (None standing for none) and ``values`` the same objects; else None."""
+        entry = self._entries.get(key)  # one dict lookup: atomic, no lock needed to read
+        if entry is None:
+            return None
+        refs, stored_values, outcome = entry
+        for ref, obj in zip(refs, objects):
+            if (obj is not None) if ref is None else ref() is not obj:
+                return None
+        for a, b in zip(stored_values, values):
+            if a is not b:
+                return None
+        return outcome
+
+    def put(self, key: Hashable, objects: tuple, values: tuple, outcome: Any) -> None:
+        """Remember ``outcome`` under ``key`` (nothing if an object cannot be weakly referenced);
+        past :attr:`capacity` entries the oldest go."""
+        try:
+            refs = tuple(None if obj is None else weakref.ref(obj) for obj in objects)
+        except TypeError:
+            return
+        with self._lock:
+            self._entries.pop(key, None)
+            self._entries[key] = (refs, values, outcome)
+            while len(self._entries) > self.capacity:
+                del self._entries[next(iter(self._entries))]
+
+    def drop(self, device: Any = None, *, label: Optional[str] = None) -> None:
+        """Forget the entries for ``device`` (or the device ``label`` names), or all."""
+        from .._device import device_label
+
+        with self._lock:
+            for key in [k for k, (_, _, outcome) in self._entries.items()
+                        if (device is None or outcome.device is device)
+                        and (label is None or device_label(outcome.device) == label)]:
+                del self._entries[key]
+
+    def forget(self) -> None:
+        """Drop every entry and take a new lock, touching nothing (after fork(), in the child:
+        a parent's thread may have held the lock)."""
+        self._lock = threading.Lock()
+        self._entries = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+MEMO = CallMemo()

@@ -1,0 +1,205 @@
+"""A warm stream_map call with an earlier call's arguments reuses its checks and plan, and
+anything that would change them is planned anew or refused as before."""
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+from ringflow._pipeline import call_memo, whole_array
+from ringflow._testing import inject
+from tests.helpers.threads import join, start
+
+
+def f(x, y):
+    y[:] = x * 2 + 1
+
+
+@pytest.fixture(autouse=True)
+def empty():
+    rf.drop_warm_pipelines()
+    call_memo.MEMO.forget()
+    yield
+    rf.drop_warm_pipelines()
+    call_memo.MEMO.forget()
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    """The calls that were checked and planned in full (each a list entry)."""
+    made = []
+    real = whole_array.prepare_whole
+
+    def counted(*a, **k):
+        made.append(a[0])
+        return real(*a, **k)
+
+    monkeypatch.setattr(whole_array, "prepare_whole", counted)
+    return made
+
+
+def fresh(n, seed):
+    return np.random.default_rng(seed).uniform(0.5, 1.5, n).astype(np.float32)
+
+
+def test_a_repeated_call_is_planned_once_and_every_result_is_right(plans):
+    dev = rf.device("sim", seed=1, chaos=True)
+    x = fresh(5000, 0)
+    out = np.empty_like(x)
+    for i in range(4):
+        x[:] = fresh(5000, i)
+        assert rf.stream_map(f, x, out, device=dev, chunk_bytes=4096) is out
+        assert np.array_equal(out, x * 2 + 1)
+    for i in range(3):  # a fresh result each call: planned once too
+        y = rf.stream_map(f, x, device=dev, chunk_bytes=4096)
+        assert np.array_equal(y, x * 2 + 1) and y is not out
+    assert len(plans) == 2
+
+
+def test_pinned_buffers_and_in_place_calls_are_remembered_too(plans):
+    dev = rf.device("sim", seed=2)
+    hb = dev.allocate_host(1 << 16)
+    x = hb.view(np.float32, access="rw")
+    try:
+        for i in range(3):
+            x[:] = fresh(x.size, i)
+            want = x * 2 + 1
+            rf.stream_map(f, x, x, device=dev, chunk_bytes=8192, x_buffer=hb, out_buffer=hb, inplace=True)
+            assert np.array_equal(x, want)
+        assert len(plans) == 1
+        hb.close()
+        with pytest.raises(Exception, match="closed"):  # refused as a first call would be
+            rf.stream_map(f, x, x, device=dev, chunk_bytes=8192, x_buffer=hb, out_buffer=hb, inplace=True)
+    finally:
+        hb.close()
+
+
+@pytest.mark.parametrize("change", ["float chunk_bytes", "bool chunk_bytes", "read-only out", "another f",
+                                    "sim_seconds replaced", "strided x", "hooks", "another device"])
+def test_what_changes_a_call_is_checked_and_planned_anew(plans, change):
+    dev = rf.device("sim", seed=3)
+    x = fresh(4096, 1)
+    out = np.empty_like(x)
+    kw = dict(device=dev, chunk_bytes=4096)
+    g = f
+    rf.stream_map(g, x, out, **kw)
+    assert len(plans) == 1
+    if change == "float chunk_bytes":  # equal to 4096 in Python and hashed alike: checked on its own
+        rf.stream_map(g, x, out, device=dev, chunk_bytes=4096.0)
+        assert len(plans) == 2 and np.array_equal(out, x * 2 + 1)
+        return
+    if change == "bool chunk_bytes":
+        with pytest.raises(TypeError, match="chunk_bytes"):
+            rf.stream_map(g, x, out, device=dev, chunk_bytes=True)
+        return
+    if change == "read-only out":
+        out.flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            rf.stream_map(g, x, out, **kw)
+        return
+    if change == "another f":
+        def g(a, b):
+            b[:] = a - 1
+        want = x - 1
+    elif change == "sim_seconds replaced":
+        def g(a, b):
+            b[:] = a * 2 + 1
+        rf.stream_map(g, x, out, **kw)
+        g.sim_seconds = 1.0  # a compute-bound job: its ends are tapered
+        want = x * 2 + 1
+    elif change == "strided x":
+        x = fresh(8192, 2)[::2]  # not contiguous: staged, not registered
+        want = x * 2 + 1
+    elif change == "another device":
+        kw["device"] = rf.device("sim", seed=4)
+        want = x * 2 + 1
+    else:
+        want = x * 2 + 1
+    before = len(plans)
+    if change == "hooks":
+        with inject(guards_off={"d2h.wait_compute"}):
+            rf.stream_map(g, x, out, **kw)
+        assert len(plans) == before + 1
+        return
+    rf.stream_map(g, x, out, **kw)
+    assert np.array_equal(out, want)
+    assert len(plans) == before + 1
+
+
+def test_pool_arrays_are_received_on_every_call(plans):
+    dev = rf.device("sim", seed=5)
+    x = rf.host.empty((4096,), np.float32, device=dev)
+    x[:] = fresh(4096, 3)
+    for _ in range(3):
+        y = rf.stream_map(f, x, device=dev, chunk_bytes=4096)
+        assert np.array_equal(y, x * 2 + 1)
+    assert len(plans) == 3
+    assert len(call_memo.MEMO) == 0
+
+
+def test_the_memo_keeps_neither_the_compute_nor_the_arrays_alive():
+    dev = rf.device("sim", seed=6)
+
+    def g(a, b):
+        b[:] = a + 1
+
+    x = fresh(4096, 4)
+    out = np.empty_like(x)
+    rf.stream_map(g, x, out, device=dev, chunk_bytes=4096, keep_warm=False)
+    assert len(call_memo.MEMO) == 1
+    refs = [weakref.ref(o) for o in (g, x, out)]
+    del g, x, out
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+
+
+def test_an_entry_serves_only_the_objects_it_was_made_for():
+    memo = call_memo.CallMemo(capacity=2)
+
+    class Thing:
+        pass
+
+    a, b = Thing(), Thing()
+    memo.put("k", (a, None), (1,), "plan")
+    assert memo.get("k", (a, None), (1,)) == "plan"
+    assert memo.get("k", (b, None), (1,)) is None  # another object under the same id
+    assert memo.get("k", (a, b), (1,)) is None  # a buffer given where there was none
+    assert memo.get("k", (a, None), (object(),)) is None  # a value replaced
+    memo.put("k2", (a, None), (1,), "p2")
+    memo.put("k3", (a, None), (1,), "p3")
+    assert len(memo) == 2 and memo.get("k", (a, None), (1,)) is None  # the oldest went
+    memo.put("k4", (1, None), (1,), "p4")  # an int cannot be weakly referenced: not kept
+    assert memo.get("k4", (1, None), (1,)) is None
+
+
+def test_dropping_a_devices_warm_pipelines_forgets_its_plans():
+    dev, other = rf.device("sim", seed=7), rf.device("sim", seed=8)
+    x = fresh(4096, 5)
+    rf.stream_map(f, x, device=dev, chunk_bytes=4096)
+    rf.stream_map(f, x, device=other, chunk_bytes=4096)
+    assert len(call_memo.MEMO) == 2
+    rf.drop_warm_pipelines(dev)
+    assert len(call_memo.MEMO) == 1
+    rf.drop_warm_pipelines()
+    assert len(call_memo.MEMO) == 0
+
+
+def test_threads_sharing_remembered_plans_get_their_own_results():
+    dev = rf.device("sim", seed=9, chaos=True)
+    errors = []
+
+    def worker(t):
+        try:
+            x = fresh(6000, t)
+            out = np.empty_like(x)
+            for i in range(20):
+                x[:] = fresh(6000, 100 * t + i)
+                rf.stream_map(f, x, out, device=dev, chunk_bytes=4096)
+                assert np.array_equal(out, x * 2 + 1)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    join([start(lambda t=t: worker(t)) for t in range(4)], 120)
+    assert errors == []
