@@ -63,7 +63,10 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
             or PyTorch on a real one) of one chunk; it must write its result into ``y`` and return
             None. A ``sim_seconds`` attribute (seconds, or a function of the chunk's bytes) sets its
             duration on the simulated GPU, and tells the planner its cost on any device (a
-            finite number >= 0, else a ValueError naming it).
+            finite number >= 0, else a ValueError naming it). A call whose arguments are an
+            earlier call's (the same ``f``, device, buffers and options, and arrays of the same
+            memory and layout) reuses that call's checks and plan; the attribute is read again
+            when it is replaced, not when a function it names would now answer otherwise.
         x: any numpy array with at least one dimension (pageable or pinned, contiguous or not).
         out: where the result goes: shaped as ``output`` says (else as ``x``), ``x`` itself (in
             place) or memory that does not overlap it; allocated when None. An empty ``x``
