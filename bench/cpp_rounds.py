@@ -1,8 +1,8 @@
 """ringflow against the hand-written CUDA C++ pipeline in interleaved rounds, on one machine in one
 run. Each round times, for each workload, ``MapJob`` and ``stream_map`` at every chunk count given
-(input untouched between calls, as the C++ program repeats) and runs the C++ program over the
-same chunk counts on four streams; the rounds alternate which side goes first, so a machine that
-drifts over a minute slows both alike. Per round: each face's best median over the C++ program's
+(input untouched between calls, as the C++ program repeats; the two faces' calls alternate) and
+runs the C++ program over the same chunk counts on four streams; the rounds alternate which side
+goes first, so a machine that drifts over a minute slows both alike. Per round: each face's best median over the C++ program's
 best median on the host clock (enqueue to synchronize, as ringflow's calls are timed); over the
 rounds: the median ratio, its range, and how many rounds were at or below 1.00. Every face's
 result is checked against numpy on a sample of elements before it is timed.
@@ -27,7 +27,6 @@ from _script import header, pinned_random, write
 import ringflow as rf
 from ringflow._bench import kernels
 from ringflow._bench.baselines import BaselineUnavailable, cuda_cpp_pipeline
-from ringflow._bench.measure import time_calls
 from ringflow._bench.workloads import affine_tolerance, calibrate_iters
 
 MiB = 1 << 20
@@ -60,17 +59,27 @@ def checked(dev, f, hb, x, call) -> bool:
 
 
 def ringflow_side(dev, f, hb, x, counts, calls: int, jobs: dict) -> dict:
-    """Each face's median ms at every chunk count (input untouched between calls) and its best."""
+    """Each face's median ms at every chunk count (input untouched between calls) and its best.
+    At each count the two faces' calls alternate, one of each in turn after one untimed call
+    each, so the machine's drift within a round falls on both alike."""
+    samples: dict = {"MapJob": {}, "stream_map": {}}
+    for c in counts:
+        faces = {"MapJob": jobs[c],
+                 "stream_map": lambda c=c: rf.stream_map(f, x, x, device=dev, chunk_bytes=x.nbytes // c, x_buffer=hb,
+                                                         out_buffer=hb, inplace=True)}
+        for face, call in faces.items():
+            call()
+            samples[face][c] = []
+        for _ in range(calls):
+            for face, call in faces.items():
+                t0 = dev.now
+                call()
+                samples[face][c].append(dev.now - t0)
     out = {}
-    for face in ("MapJob", "stream_map"):
-        by_count = {}
-        for c in counts:
-            call = jobs[c] if face == "MapJob" else (
-                lambda c=c: rf.stream_map(f, x, x, device=dev, chunk_bytes=x.nbytes // c, x_buffer=hb,
-                                          out_buffer=hb, inplace=True))
-            by_count[c] = time_calls(lambda: dev.now, call, warmup=1, repeats=calls).median_ms
-        best = min(by_count, key=by_count.get)
-        out[face] = {"ms_by_chunks": by_count, "best_ms": by_count[best], "best_chunks": best}
+    for face, by_count in samples.items():
+        ms = {c: statistics.median(v) * 1e3 for c, v in by_count.items()}
+        best = min(ms, key=ms.get)
+        out[face] = {"ms_by_chunks": ms, "best_ms": ms[best], "best_chunks": best}
     return out
 
 
