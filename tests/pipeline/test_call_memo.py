@@ -76,7 +76,8 @@ def test_pinned_buffers_and_in_place_calls_are_remembered_too(plans):
         hb.close()
 
 
-@pytest.mark.parametrize("change", ["float chunk_bytes", "bool chunk_bytes", "read-only out", "another f",
+@pytest.mark.parametrize("change", ["float chunk_bytes", "bool chunk_bytes", "bool workers after 1", "read-only out",
+                                    "another f",
                                     "sim_seconds replaced", "strided x", "hooks", "another device"])
 def test_what_changes_a_call_is_checked_and_planned_anew(plans, change):
     dev = rf.device("sim", seed=3)
@@ -93,6 +94,11 @@ def test_what_changes_a_call_is_checked_and_planned_anew(plans, change):
     if change == "bool chunk_bytes":
         with pytest.raises(TypeError, match="chunk_bytes"):
             rf.stream_map(g, x, out, device=dev, chunk_bytes=True)
+        return
+    if change == "bool workers after 1":  # True == 1 and hashes alike; only the int is a worker count
+        rf.stream_map(g, x, out, workers=1, **kw)
+        with pytest.raises(TypeError, match="workers"):
+            rf.stream_map(g, x, out, workers=True, **kw)
         return
     if change == "read-only out":
         out.flags.writeable = False
@@ -203,3 +209,94 @@ def test_threads_sharing_remembered_plans_get_their_own_results():
 
     join([start(lambda t=t: worker(t)) for t in range(4)], 120)
     assert errors == []
+
+
+# -- the memo changes nothing but the time: the same calls with and without it ------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _double(a, b):
+    b[:] = a * 2 + 1
+
+
+def _minus(a, b):
+    b[:] = a - 1
+
+
+def _timed(a, b):
+    b[:] = a * 2 + 1
+
+
+CALL = st.fixed_dictionaries({
+    "before": st.sampled_from(["nothing", "nothing", "toggle read-only out", "replace sim_seconds"]),
+    "f": st.sampled_from(["double", "minus", "timed", "timed"]),
+    "x": st.sampled_from(["plain", "plain", "strided", "read-only", "ints"]),
+    "out": st.sampled_from(["none", "given", "given", "x", "read-only", "overlapping"]),
+    "chunk_bytes": st.sampled_from([4096, 4096, 8192, 1, True, "4KiB", "auto", None]),
+    "host": st.sampled_from(["auto", "auto", "stage", "register"]),
+    "engine": st.sampled_from(["auto", "auto", "pipeline", "direct"]),
+    "workers": st.sampled_from([None, 1, 1, True]),
+    # the previous call's arguments again (after "before"), all of them or all but the one named
+    # (taken from this draw): the memo's case, and its nearest misses (1 then True, say)
+    "again": st.sampled_from([None, "all", "all", "workers", "chunk_bytes", "out", "f"]),
+})
+
+
+def _replay(calls, memo_on: bool) -> list:
+    """Each call's outcome through ``stream_map_report``: ``("ok", result, plan)`` (the chunks,
+    engine, chunk bytes and compute lanes it ran with) or ``("raised", type name, message)``."""
+    dev = rf.device("sim", seed=21)
+    shared = fresh(8192, 11)
+    read_only = shared[:4096].copy()
+    read_only.flags.writeable = False
+    xs = {"plain": shared[:4096].copy(), "strided": shared[::2], "read-only": read_only,
+          "ints": np.arange(4096, dtype=np.int32)}
+    given_out, locked_out = np.empty(4096, np.float32), np.empty(4096, np.float32)
+    locked_out.flags.writeable = False
+    _timed.sim_seconds = 1e-3  # compute-bound: tapered ends
+    got = []
+    previous = None
+    try:
+        for spec in calls:
+            if spec["again"] is not None and previous is not None:
+                field = spec["again"]
+                spec = {**previous, "before": spec["before"], **({} if field == "all" else {field: spec[field]})}
+            previous = spec
+            if spec["before"] == "toggle read-only out":
+                given_out.flags.writeable = not given_out.flags.writeable
+            elif spec["before"] == "replace sim_seconds":  # a cost now far below a copy's: not tapered
+                _timed.sim_seconds = 1e-9 if _timed.sim_seconds == 1e-3 else 1e-3
+            f = {"double": _double, "minus": _minus, "timed": _timed}[spec["f"]]
+            x = xs[spec["x"]]
+            out = {"none": None, "given": given_out, "x": x, "read-only": locked_out,
+                   "overlapping": shared[1::2] if spec["x"] == "strided" else shared[1:4097]}[spec["out"]]
+            if not memo_on:
+                call_memo.MEMO.forget()
+            try:
+                y, rep = rf.stream_map_report(f, x, out, device=dev, chunk_bytes=spec["chunk_bytes"],
+                                              host=spec["host"], engine=spec["engine"], inplace=spec["out"] == "x",
+                                              workers=spec["workers"])
+                meta = rep.timeline.meta
+                got.append(("ok", np.array(y, copy=True),
+                            (rep.chunks, meta.get("engine"), meta.get("chunk_bytes"), meta.get("compute_lanes"))))
+            except Exception as exc:  # noqa: BLE001 - the outcome compared
+                got.append(("raised", type(exc).__name__, str(exc)))
+    finally:
+        del _timed.sim_seconds
+        rf.drop_warm_pipelines(dev)
+    return got
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(calls=st.lists(CALL, min_size=2, max_size=6))
+def test_calls_end_alike_with_and_without_the_memo(calls):
+    with_memo = _replay(calls, memo_on=True)
+    without = _replay(calls, memo_on=False)
+    assert [o[0] for o in with_memo] == [o[0] for o in without]
+    for a, b in zip(with_memo, without):
+        if a[0] == "ok":
+            assert a[1].dtype == b[1].dtype and np.array_equal(a[1], b[1]) and a[2] == b[2]
+        else:
+            assert a[1:] == b[1:]

@@ -336,3 +336,28 @@ def test_a_forked_child_never_takes_the_parents_warm_pipelines():
     assert "child status 0" in out, out + run.stderr[-2000:]
     assert "same device: this simulated GPU was made in a parent process before fork()" in out, out
     assert "dropped: 0" in out and "warnings: []" in out and "own device: True" in out, out
+
+
+def test_a_compute_whose_cost_is_replaced_gets_an_engine_planned_for_the_new_cost():
+    """The warm key holds whether the job is compute-bound: an engine planned with two compute
+    streams for a costly compute does not serve the same compute once its cost is replaced."""
+    dev = rf.device("sim", seed=3)
+
+    def g(x, y):
+        y[:] = x * 2 + 1
+
+    hb_x, hb_y = dev.allocate_host(1 << 14), dev.allocate_host(1 << 14)  # pinned: the direct engine
+    x, y = hb_x.view(np.float32, access="rw"), hb_y.view(np.float32, access="rw")
+    x[:] = fresh(x.size, 1)
+    lanes = []
+    try:
+        for cost in (1e-3, 1e-9, 1e-3):
+            g.sim_seconds = cost
+            _, rep = rf.stream_map_report(g, x, y, device=dev, chunk_bytes=4096, x_buffer=hb_x, out_buffer=hb_y)
+            assert np.array_equal(y, x * 2 + 1)
+            lanes.append(rep.timeline.meta["compute_lanes"])
+    finally:
+        rf.drop_warm_pipelines(dev)
+        hb_x.close()
+        hb_y.close()
+    assert lanes == [2, 1, 2]

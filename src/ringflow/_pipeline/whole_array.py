@@ -542,9 +542,10 @@ class MapLayout:
 
     @property
     def key(self) -> tuple:
-        """What shapes an engine built for this layout (for the warm cache)."""
+        """What shapes an engine built for this layout (for the warm cache): whether the job is
+        compute-bound among it, since that plans the engine's compute streams."""
         return (self.row_bytes, self.rows, self.length, self.tail, self.dtype.str, self.strategy,
-                self.out_tail, self.out_dtype.str, self.in_place, self.taper)
+                self.out_tail, self.out_dtype.str, self.in_place, self.taper, self.compute_bound)
 
     def sizes(self) -> list[int]:
         """Each chunk's rows, in order."""
