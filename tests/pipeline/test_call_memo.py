@@ -161,6 +161,19 @@ def test_the_memo_keeps_neither_the_compute_nor_the_arrays_alive():
     assert [r() for r in refs] == [None, None, None]
 
 
+def test_the_memo_keeps_no_pinned_buffer_alive():
+    dev = rf.device("sim", seed=6)
+    hb = dev.allocate_host(1 << 14)
+    x = hb.view(np.float32, access="rw")
+    x[:] = fresh(x.size, 4)
+    rf.stream_map(f, x, x, device=dev, chunk_bytes=4096, x_buffer=hb, out_buffer=hb, inplace=True, keep_warm=False)
+    assert len(call_memo.MEMO) == 1
+    ref = weakref.ref(hb)
+    del x, hb
+    gc.collect()
+    assert ref() is None
+
+
 def test_an_entry_serves_only_the_objects_it_was_made_for():
     memo = call_memo.CallMemo(capacity=2)
 

@@ -183,7 +183,7 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
             fresh_out = out is None
             if fresh_out:
                 out = allocate_out(call.out_shape, call.out_dtype, "stream_map", output)
-            out, report, _ = run_prepared(f, x, out, fresh_out, call, profile)
+            out, report, _ = run_prepared(f, x, out, fresh_out, call, profile, buffers=(x_buffer, out_buffer))
             return out, report
     given_out = out
     opts = check_options(chunk_bytes=chunk_bytes, allow_auto_chunk=True, keep_warm=keep_warm, profile=profile,
@@ -202,7 +202,8 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
     out, fresh_out, call = prepare_whole(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer,
                                          out_buffer, engine, keep_warm, opts)
     if memo is not None and memo[0] is dev and not call.replaced_out and _unpooled(x, given_out):
-        call_memo.MEMO.put(memo[1], memo[2], memo[3], call)
+        # kept without the buffers (they are the caller's, given again with each call)
+        call_memo.MEMO.put(memo[1], memo[2], memo[3], dataclasses.replace(call, x_buffer=None, out_buffer=None))
     out, report, _ = run_prepared(f, x, out, fresh_out, call, profile)
     return out, report
 
@@ -269,7 +270,8 @@ class PreparedCall:
     """A checked whole-array call on one device, ready to run: its layout, the engine options
     and kind, the pinned buffers it uses (``pooled``: those found behind pool arrays), its warm
     engine's key (None: not kept warm), the result's shape and dtype, and whether a fresh result
-    was replaced by a pool array. Holds no array; a :data:`call_memo.MEMO` entry."""
+    was replaced by a pool array. Holds no array; kept as a :data:`call_memo.MEMO` entry without
+    its buffers."""
 
     layout: "MapLayout"
     opts: dict
@@ -326,16 +328,20 @@ def prepare_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: st
                                         replaced)
 
 
-def run_prepared(f, x, out, fresh_out: bool, call: PreparedCall, profile: bool) -> tuple:
+def run_prepared(f, x, out, fresh_out: bool, call: PreparedCall, profile: bool, *,
+                 buffers: Optional[tuple] = None) -> tuple:
     """Run a :class:`PreparedCall` on ``x`` and ``out`` (the arrays it was prepared for, or ones
-    of the same memory and layout); returns ``(out, report, chunks)`` as :func:`run_whole`."""
+    of the same memory and layout); returns ``(out, report, chunks)`` as :func:`run_whole`.
+    ``buffers``: the pinned buffers behind ``x`` and ``out`` where ``call`` was kept without them
+    (a memo entry holds none of the caller's)."""
     layout, opts = call.layout, dict(call.opts)  # the engine gets its own copy: a memo entry is shared
+    x_buffer, out_buffer = buffers if buffers is not None else (call.x_buffer, call.out_buffer)
     # Ctrl-C is taken inside the call's steps only: never between taking an engine and parking
     # or closing it, nor while registrations are made or dropped (sigint.py)
     with shielded():
         registered: list = []
         try:
-            registered, arrays = pinned_arrays(layout, x, out, fresh_out, call.x_buffer, call.out_buffer, call.pooled,
+            registered, arrays = pinned_arrays(layout, x, out, fresh_out, x_buffer, out_buffer, call.pooled,
                                                opts.get("workers"))
             key = call.warm_key
             eng = warm.WARM.take(key) if key is not None else None
