@@ -174,6 +174,21 @@ def test_the_memo_keeps_no_pinned_buffer_alive():
     assert ref() is None
 
 
+def test_the_memo_keeps_no_device_alive():
+    """A device a caller drops goes, as a RayMapper's does when collected: the memo's entry for
+    it holds it weakly (its warm engines, dropped with it, hold it otherwise)."""
+    dev = rf.device("sim", seed=6)
+    x = fresh(4096, 4)
+    for _ in range(2):  # the second call served by the memo
+        rf.stream_map(f, x, device=dev, chunk_bytes=4096, keep_warm=False)
+    assert len(call_memo.MEMO) == 1
+    dev.close()
+    ref = weakref.ref(dev)
+    del dev
+    gc.collect()
+    assert ref() is None
+
+
 def test_an_entry_serves_only_the_objects_it_was_made_for():
     memo = call_memo.CallMemo(capacity=2)
 
@@ -191,6 +206,13 @@ def test_an_entry_serves_only_the_objects_it_was_made_for():
     assert len(memo) == 2 and memo.get("k", (a, None), (1,)) is None  # the oldest went
     memo.put("k4", (1, None), (1,), "p4")  # an int cannot be weakly referenced: not kept
     assert memo.get("k4", (1, None), (1,)) is None
+    cost = Thing()  # a value held weakly: gone, the entry serves nothing
+    memo.put("k5", (a, None), (cost,), "p5")
+    assert memo.get("k5", (a, None), (cost,)) == "p5"
+    ref = weakref.ref(cost)
+    del cost
+    gc.collect()
+    assert ref() is None
 
 
 def test_dropping_a_devices_warm_pipelines_forgets_its_plans():

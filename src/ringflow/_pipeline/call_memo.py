@@ -15,9 +15,8 @@ device's hardware profile (by identity: replacing either plans anew), and the te
 force. What can change without changing those is checked again on every call: whether ``x`` or
 ``out`` is pool memory (calls on pool arrays are never served: each receives its arrays), a
 pinned buffer or the device closed since. Entries hold no reference to the compute, the arrays,
-the buffers or the hooks (weak references confirm that an ``id`` still names the same object);
-they hold the device through the layout, are bounded in number, and go with
-:func:`~ringflow.drop_warm_pipelines` for their device.
+the buffers, the hooks or the device (weak references confirm that an ``id`` still names the
+same object), are bounded in number, and go when their device's warm engines are dropped.
 """
 
 from __future__ import annotations
@@ -65,32 +64,39 @@ class CallMemo:
         for ref, obj in zip(refs, objects):
             if (obj is not None) if ref is None else ref() is not obj:
                 return None
-        for a, b in zip(stored_values, values):
-            if a is not b:
+        for held, value in zip(stored_values, values):
+            if (held() if type(held) is weakref.ref else held) is not value:
                 return None
         return outcome
 
     def put(self, key: Hashable, objects: tuple, values: tuple, outcome: Any) -> None:
         """Remember ``outcome`` under ``key`` (nothing if an object cannot be weakly referenced);
-        past :attr:`capacity` entries the oldest go."""
+        ``values`` are held weakly where they can be (a ``sim_seconds`` function may close over
+        anything), else as they are (numbers). Past :attr:`capacity` entries the oldest go."""
         try:
             refs = tuple(None if obj is None else weakref.ref(obj) for obj in objects)
         except TypeError:
             return
+        held = tuple(_weakly(value) for value in values)
         with self._lock:
             self._entries.pop(key, None)
-            self._entries[key] = (refs, values, outcome)
+            self._entries[key] = (refs, held, outcome)
             while len(self._entries) > self.capacity:
                 del self._entries[next(iter(self._entries))]
 
     def drop(self, device: Any = None, *, label: Optional[str] = None) -> None:
-        """Forget the entries for ``device`` (or the device ``label`` names), or all."""
+        """Forget the entries made with ``device`` among their objects (or the device ``label``
+        names, as :func:`~ringflow._device.device_label` does), or all."""
         from .._device import device_label
+        from .._device.protocol import Device
+
+        def made_with(refs: tuple) -> bool:
+            alive = [obj for obj in (ref() for ref in refs if ref is not None) if isinstance(obj, Device)]
+            return any((device is None or obj is device) and (label is None or device_label(obj) == label)
+                       for obj in alive)
 
         with self._lock:
-            for key in [k for k, (_, _, outcome) in self._entries.items()
-                        if (device is None or outcome.device is device)
-                        and (label is None or device_label(outcome.device) == label)]:
+            for key in [k for k, (refs, _, _) in self._entries.items() if made_with(refs)]:
                 del self._entries[key]
 
     def forget(self) -> None:
@@ -101,6 +107,14 @@ class CallMemo:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _weakly(value: Any) -> Any:
+    """A weak reference to ``value`` where it takes one, else ``value`` (a number, None)."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return value
 
 
 MEMO = CallMemo()

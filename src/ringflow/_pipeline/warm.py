@@ -96,6 +96,7 @@ class WarmPipelines:
         :func:`~ringflow._device.device_label` does, if given); returns how many."""
         from .._device import device_label
 
+        MEMO.drop(device, label=label)  # the plans remembered for its calls go with them (call_memo.py)
         with self._lock:
             keys = [k for k, (p, _) in self._parked.items() if (device is None or p.device is device) and
                     (label is None or device_label(p.device) == label)]
@@ -156,7 +157,6 @@ def drop_warm_pipelines(device: "Device | str | None" = None) -> int:
     from .._device.protocol import Device  # at call time: only a type name for this module otherwise
 
     if device is None or isinstance(device, Device):
-        MEMO.drop(device)  # the plans remembered for its calls go with them (call_memo.py)
         return WARM.drop(device)
     if isinstance(device, str):
         try:
@@ -164,7 +164,6 @@ def drop_warm_pipelines(device: "Device | str | None" = None) -> int:
         except ValueError:
             kind, index = "", None
         if index is not None:  # "sim:N" is one device per process, "cuda:N" one GPU
-            MEMO.drop(label=f"{kind}:{index}")
             return WARM.drop(label=f"{kind}:{index}")
     # what is left of the specs, "sim" and "auto", make a new device each
     spec = (f"; a spec such as {device!r} makes a new device, which has none: pass the device object the "

@@ -178,12 +178,13 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
                      options)
     if memo is not None:
         dev, key, objects, values = memo
-        call = call_memo.MEMO.get(key, objects, values)
-        if call is not None and not _closed(dev, x_buffer, out_buffer) and _unpooled(x, out):
+        kept = call_memo.MEMO.get(key, objects, values)
+        if kept is not None and not _closed(dev, x_buffer, out_buffer) and _unpooled(x, out):
+            call = kept.prepared(dev, x_buffer, out_buffer)
             fresh_out = out is None
             if fresh_out:
                 out = allocate_out(call.out_shape, call.out_dtype, "stream_map", output)
-            out, report, _ = run_prepared(f, x, out, fresh_out, call, profile, buffers=(x_buffer, out_buffer))
+            out, report, _ = run_prepared(f, x, out, fresh_out, call, profile)
             return out, report
     given_out = out
     opts = check_options(chunk_bytes=chunk_bytes, allow_auto_chunk=True, keep_warm=keep_warm, profile=profile,
@@ -202,8 +203,7 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
     out, fresh_out, call = prepare_whole(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer,
                                          out_buffer, engine, keep_warm, opts)
     if memo is not None and memo[0] is dev and not call.replaced_out and _unpooled(x, given_out):
-        # kept without the buffers (they are the caller's, given again with each call)
-        call_memo.MEMO.put(memo[1], memo[2], memo[3], dataclasses.replace(call, x_buffer=None, out_buffer=None))
+        call_memo.MEMO.put(memo[1], memo[2], memo[3], KeptCall.of(call))
     out, report, _ = run_prepared(f, x, out, fresh_out, call, profile)
     return out, report
 
@@ -270,8 +270,7 @@ class PreparedCall:
     """A checked whole-array call on one device, ready to run: its layout, the engine options
     and kind, the pinned buffers it uses (``pooled``: those found behind pool arrays), its warm
     engine's key (None: not kept warm), the result's shape and dtype, and whether a fresh result
-    was replaced by a pool array. Holds no array; kept as a :data:`call_memo.MEMO` entry without
-    its buffers."""
+    was replaced by a pool array. Holds no array (:class:`KeptCall` is how the memo keeps it)."""
 
     layout: "MapLayout"
     opts: dict
@@ -328,14 +327,37 @@ def prepare_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: st
                                         replaced)
 
 
-def run_prepared(f, x, out, fresh_out: bool, call: PreparedCall, profile: bool, *,
-                 buffers: Optional[tuple] = None) -> tuple:
+@dataclasses.dataclass(frozen=True)
+class KeptCall:
+    """A :class:`PreparedCall` as :data:`call_memo.MEMO` keeps it: without its device or the
+    caller's buffers (an entry must not keep either alive: a device dropped by its caller goes,
+    as a collected RayMapper's must), which each call that it serves gives again. Only calls
+    with no pool array are kept (``pooled`` is then none)."""
+
+    layout_fields: tuple  # MapLayout's fields after the device
+    opts: dict
+    kind: str
+    warm_key: Optional[tuple]
+    out_shape: tuple
+    out_dtype: np.dtype
+
+    @classmethod
+    def of(cls, call: "PreparedCall") -> "KeptCall":
+        layout = call.layout
+        fields = tuple(getattr(layout, fld.name) for fld in dataclasses.fields(layout)[1:])
+        return cls(fields, call.opts, call.kind, call.warm_key, call.out_shape, call.out_dtype)
+
+    def prepared(self, dev: Device, x_buffer, out_buffer) -> "PreparedCall":
+        """The call on ``dev`` with the caller's buffers."""
+        return PreparedCall(MapLayout(dev, *self.layout_fields), self.opts, self.kind, self.warm_key, x_buffer,
+                            out_buffer, (None, None), self.out_shape, self.out_dtype, False)
+
+
+def run_prepared(f, x, out, fresh_out: bool, call: PreparedCall, profile: bool) -> tuple:
     """Run a :class:`PreparedCall` on ``x`` and ``out`` (the arrays it was prepared for, or ones
-    of the same memory and layout); returns ``(out, report, chunks)`` as :func:`run_whole`.
-    ``buffers``: the pinned buffers behind ``x`` and ``out`` where ``call`` was kept without them
-    (a memo entry holds none of the caller's)."""
+    of the same memory and layout); returns ``(out, report, chunks)`` as :func:`run_whole`."""
     layout, opts = call.layout, dict(call.opts)  # the engine gets its own copy: a memo entry is shared
-    x_buffer, out_buffer = buffers if buffers is not None else (call.x_buffer, call.out_buffer)
+    x_buffer, out_buffer = call.x_buffer, call.out_buffer
     # Ctrl-C is taken inside the call's steps only: never between taking an engine and parking
     # or closing it, nor while registrations are made or dropped (sigint.py)
     with shielded():
