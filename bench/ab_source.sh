@@ -12,21 +12,18 @@ ROUNDS=${1:?rounds}; BASE_TAR=${2:?base source tarball}
 OUT=${OUT:-/tmp/ringflow-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 DEVICE=${DEVICE:-cuda:0}  # sim, with BENCH_ARGS=--quick PARTS_ARGS="--count 40": a check of the script itself
-work=$(mktemp -d)
-mkdir -p "$work/base" && tar -xzf "$BASE_TAR" -C "$work/base"
 LOG="$OUT/ab-log.txt"
-for r in $(seq 1 "$ROUNDS"); do
-  for v in base this; do
-    src=$([ "$v" = base ] && echo "$work/base/src" || echo "$PWD/src")
-    echo "== round $r, $v: requests" | tee -a "$LOG"
-    PYTHONPATH=$src timeout 200 python3 -m ringflow._cli bench requests $BENCH_ARGS --device "$DEVICE" --out "$work/req-$v-$r" \
-      2>&1 | tail -8 | tee -a "$LOG"
-    echo "== round $r, $v: large_submit_parts" | tee -a "$LOG"
-    PYTHONPATH=$src timeout 150 python3 bench/large_submit_parts.py --device "$DEVICE" --rounds 1 $PARTS_ARGS \
-      --out "$work/parts-$v-$r.json" 2>&1 | tail -4 | tee -a "$LOG"
-  done
-done
-python3 - "$work" "$ROUNDS" "$OUT/ab.json" <<'PY'
+source "$(dirname "$0")/_ab.sh"
+ab_run() {  # VARIANT ROUND SRC
+  echo "== round $2, $1: requests" | tee -a "$LOG"
+  PYTHONPATH=$3 timeout 200 python3 -m ringflow._cli bench requests $BENCH_ARGS --device "$DEVICE" --out "$AB_WORK/req-$1-$2" \
+    2>&1 | tail -8 | tee -a "$LOG"
+  echo "== round $2, $1: large_submit_parts" | tee -a "$LOG"
+  PYTHONPATH=$3 timeout 150 python3 bench/large_submit_parts.py --device "$DEVICE" --rounds 1 $PARTS_ARGS \
+    --out "$AB_WORK/parts-$1-$2.json" 2>&1 | tail -4 | tee -a "$LOG"
+}
+ab_rounds "$ROUNDS" "$BASE_TAR"
+python3 - "$AB_WORK" "$ROUNDS" "$OUT/ab.json" <<'PY'
 import glob, json, statistics, sys
 work, rounds, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 runs = {"base": [], "this": []}

@@ -13,20 +13,17 @@ OUT=${OUT:-/tmp/ringflow-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 DEVICE=${DEVICE:-cuda:0}  # sim, with GAP_ARGS="--mib 16 --chunk-mib 2 --calls 1 --workloads seed"
 # ROUNDS_ARGS="--mib 16 --calls 1 --workloads seed": a check of the script itself
-work=$(mktemp -d)
-mkdir -p "$work/base" && tar -xzf "$BASE_TAR" -C "$work/base"
 LOG="$OUT/ab-log.txt"
-for r in $(seq 1 "$ROUNDS"); do
-  for v in base this; do
-    src=$([ "$v" = base ] && echo "$work/base/src" || echo "$PWD/src")
-    echo "== round $r, $v" | tee -a "$LOG"
-    PYTHONPATH=$src timeout 120 python3 bench/diagnose_stream_map_gap.py --device "$DEVICE" --workloads seed,compute-bound \
-      --chunk-mib 8 --calls 21 $GAP_ARGS --out "$work/gap-$v-$r.json" 2>&1 | tail -2 | tee -a "$LOG"
-    PYTHONPATH=$src timeout 200 python3 bench/cpp_rounds.py --device "$DEVICE" --rounds 2 $ROUNDS_ARGS \
-      --out "$work/rounds-$v-$r.json" 2>&1 | tail -6 | tee -a "$LOG"
-  done
-done
-python3 - "$work" "$ROUNDS" "$OUT/stream_map_ab.json" <<'PY'
+source "$(dirname "$0")/_ab.sh"
+ab_run() {  # VARIANT ROUND SRC
+  echo "== round $2, $1" | tee -a "$LOG"
+  PYTHONPATH=$3 timeout 120 python3 bench/diagnose_stream_map_gap.py --device "$DEVICE" --workloads seed,compute-bound \
+    --chunk-mib 8 --calls 21 $GAP_ARGS --out "$AB_WORK/gap-$1-$2.json" 2>&1 | tail -2 | tee -a "$LOG"
+  PYTHONPATH=$3 timeout 200 python3 bench/cpp_rounds.py --device "$DEVICE" --rounds 2 $ROUNDS_ARGS \
+    --out "$AB_WORK/rounds-$1-$2.json" 2>&1 | tail -6 | tee -a "$LOG"
+}
+ab_rounds "$ROUNDS" "$BASE_TAR"
+python3 - "$AB_WORK" "$ROUNDS" "$OUT/stream_map_ab.json" <<'PY'
 import json, statistics, sys
 work, rounds, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 runs = {v: [{"gap": json.load(open(f"{work}/gap-{v}-{r}.json")), "rounds": json.load(open(f"{work}/rounds-{v}-{r}.json"))}
