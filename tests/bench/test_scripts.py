@@ -294,6 +294,25 @@ def test_ab_source(tmp_path):
         assert r["medians"][v]["capacity_per_s"] > 0 and r["medians"][v]["large_lock_wait_us_per_request_open"] >= 0
 
 
+def test_stream_map_ab(tmp_path):
+    """bench/stream_map_ab.sh runs the whole-array measurements under a base source and this
+    tree's, and gathers their medians by source."""
+    tar = tmp_path / "base-src.tar.gz"
+    subprocess.run(f"tar -czf {tar} src", shell=True, check=True, cwd=ROOT)
+    env = dict(os.environ, OUT=str(tmp_path / "out"), DEVICE="sim",
+               GAP_ARGS="--mib 16 --chunk-mib 2 --calls 1 --workloads seed",
+               ROUNDS_ARGS="--mib 16 --calls 1 --workloads seed",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "stream_map_ab.sh"), "1", str(tar)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "out" / "stream_map_ab.json").read_text())
+    for v in ("base", "this"):
+        (run,) = r["runs"][v]
+        assert run["gap"]["rows"][0]["workload"] == "seed" and run["rounds"]["workloads"][0]["correct"]["MapJob"]
+        assert r["medians"][v]["seed stream_map outside_run_ms"] > 0
+
+
 @pytest.mark.parametrize("freeze", [False, True])
 def test_gc_pauses(tmp_path, freeze):
     r = run_script(tmp_path, "gc_pauses.py", "--count", "60", *(["--freeze"] if freeze else []))
