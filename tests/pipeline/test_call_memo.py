@@ -189,6 +189,23 @@ def test_the_memo_keeps_no_device_alive():
     assert ref() is None
 
 
+def test_a_call_naming_no_device_makes_one_device(monkeypatch, caplog):
+    """device=None makes a new device on every call ("auto", or RINGFLOW_DEVICE): the memo
+    serves only calls given a device object, so such a call still makes exactly one (and logs
+    the fallback once)."""
+    import logging
+    import warnings
+
+    monkeypatch.delenv("RINGFLOW_DEVICE", raising=False)
+    x = fresh(4096, 4)
+    with caplog.at_level(logging.INFO, logger="ringflow"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            rf.stream_map(f, x, chunk_bytes=4096)
+    assert sum("using the simulated GPU" in r.getMessage() for r in caplog.records) == 2
+    assert len(call_memo.MEMO) == 0
+
+
 def test_an_entry_serves_only_the_objects_it_was_made_for():
     memo = call_memo.CallMemo(capacity=2)
 

@@ -8,7 +8,8 @@ caches hold the call's copies rather than that Python, so it runs several times 
 when timed alone (docs/performance.md). A ``MapJob`` does it once; a ``stream_map`` call whose
 arguments match an earlier successful one's reuses that call's outcome instead.
 
-"The same arguments" is everything that work reads: the compute, the device, each array's
+"The same arguments" is everything that work reads: the compute, the device (given as a device
+object: a spec or None makes a new device on each call), each array's
 address, shape, strides and dtype, the pinned buffers, every option (each compared with its
 type, so ``8`` never stands in for ``8.0`` or ``True``), the compute's ``sim_seconds`` and the
 device's hardware profile (by identity: replacing either plans anew), and the test hooks in

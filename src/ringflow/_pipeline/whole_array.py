@@ -64,8 +64,8 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
             None. A ``sim_seconds`` attribute (seconds, or a function of the chunk's bytes) sets its
             duration on the simulated GPU, and tells the planner its cost on any device (a
             finite number >= 0, else a ValueError naming it). A call whose arguments are an
-            earlier call's (the same ``f``, device, buffers and options, and arrays of the same
-            memory and layout) reuses that call's checks and plan; the attribute is read again
+            earlier call's (the same ``f``, device object, buffers and options, and arrays of the
+            same memory and layout) reuses that call's checks and plan; the attribute is read again
             when it is replaced, not when a function it names would now answer otherwise.
         x: any numpy array with at least one dimension (pageable or pinned, contiguous or not).
         out: where the result goes: shaped as ``output`` says (else as ``x``), ``x`` itself (in
@@ -211,17 +211,11 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
 def _memo_key(f, x, out, device, x_buffer, out_buffer, args: tuple, options: dict) -> Optional[tuple]:
     """``(device, key, objects, values)`` for :data:`call_memo.MEMO`, or None for a call the memo
     does not serve: arrays that are not plain numpy arrays, an empty ``x``, arguments that cannot be
-    keyed, several devices, or a device named by anything but a device object or None."""
+    keyed, or a device not given as a device object (a spec or None makes a new device on every
+    call, which the full path does once)."""
     if type(x) is not np.ndarray or (out is not None and type(out) is not np.ndarray) or x.size == 0:
         return None
-    if device is None:
-        if device_list(None) is not None:
-            return None
-        try:
-            device = one_device(None, None, x, out, out is None)
-        except Exception:  # noqa: BLE001 - the call's own checks below name what is wrong
-            return None
-    elif not isinstance(device, Device):
+    if not isinstance(device, Device):
         return None
     x_key = array_key(x)
     out_key = None if out is None else x_key if out is x else array_key(out)
