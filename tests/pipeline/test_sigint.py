@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 
 import ringflow as rf
-from ringflow._pipeline import sigint
+from ringflow._pipeline import sigint, warm
 from tests.helpers.interrupts import InterruptAt
 from tests.helpers.threads import bounded
 
 # the functions a whole-array call runs through, from the call down to the scheduler's steps
-NAMES = ("run_whole", "run_call", "take", "park", "_close", "close", "fail", "__call__", "__exit__",
-         "run", "_enqueue", "_failure", "settle", "wait_for", "drive_here", "_drive", "run_commands",
+# run_prepared, _stream_map, _memo_key and prepared: a stream_map call served by its remembered plan
+NAMES = ("run_whole", "run_prepared", "_stream_map", "_memo_key", "prepared", "run_call", "take", "park", "_close",
+         "close", "fail", "__call__", "__exit__", "run", "_enqueue", "_failure", "settle", "wait_for", "drive_here", "_drive", "run_commands",
          "step", "_admit", "_observe", "_on_fence_done", "_start_prepares", "_enqueue_h2d", "_enqueue_compute",
          "_enqueue_d2h", "_start_consume", "_on_consumed", "_end", "cancel_pending", "_shut")
 POINTS = 36  # instructions a door is interrupted at, spread evenly over one call
@@ -91,6 +92,34 @@ def test_ctrl_c_anywhere_in_a_whole_array_call_stops_it_cleanly(door):
         assert dev.live().total == 0, (n, dev.live())
         np.testing.assert_array_equal(bounded(call), x * 2 + 1)  # the device serves the next call
     assert interrupted >= POINTS - 2, interrupted
+    rf.drop_warm_pipelines(dev)
+
+
+def test_ctrl_c_at_every_line_between_taking_a_warm_engine_and_parking_it():
+    """The window a spread of points rarely hits: a Ctrl-C at each instruction of the call's own
+    frame (take, run, park) leaves its engine parked or closed (closed where the Ctrl-C stopped
+    the run), never dropped unclosed: nothing is live once the warm engines are dropped, with
+    no collection in between, and the next call runs."""
+    _need_sigint()
+    dev = rf.device("sim", seed=8, checked=True)
+    x = np.random.default_rng(8).random(1 << 13).astype(np.float32)
+    call = _stream_map(dev, x, "register")
+    call()
+    with InterruptAt(10 ** 9, ("run_prepared",), sigint=True) as counting:
+        call()
+    assert counting.seen > 10, counting.seen
+    for n in range(counting.seen):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with InterruptAt(n, ("run_prepared",), sigint=True) as at:
+                with pytest.raises(KeyboardInterrupt):
+                    call()
+            assert at.fired == 1, n
+            assert len(warm.WARM) <= 1, n
+            rf.drop_warm_pipelines(dev)
+            assert dev.live().total == 0, (n, dev.live())
+        assert not [str(w.message) for w in seen], n
+        np.testing.assert_array_equal(call(), x * 2 + 1)
     rf.drop_warm_pipelines(dev)
 
 
