@@ -101,6 +101,7 @@ def test_ctrl_c_at_every_line_between_taking_a_warm_engine_and_parking_it():
     the run), never dropped unclosed: nothing is live once the warm engines are dropped, with
     no collection in between, and the next call runs."""
     _need_sigint()
+    rf.drop_warm_pipelines()  # counted below: none but this call's
     dev = rf.device("sim", seed=8, checked=True)
     x = np.random.default_rng(8).random(1 << 13).astype(np.float32)
     call = _stream_map(dev, x, "register")
