@@ -277,10 +277,6 @@ class PreparedCall:
     out_dtype: np.dtype
     replaced_out: bool
 
-    @property
-    def device(self) -> Device:
-        return self.layout.device
-
 
 def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x_buffer, out_buffer, engine: str,
               keep_warm: bool, profile: bool, opts: dict, *, pooled_out: bool = True) -> tuple:
