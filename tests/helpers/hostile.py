@@ -91,10 +91,18 @@ def named(message: str) -> set:
 
 def settle(dev) -> int:
     """Release what ringflow keeps between calls (warm engines) and what only the garbage
-    collector frees (events referenced from tracebacks); returns ``dev.live().total``."""
+    collector frees (events referenced from tracebacks); returns ``dev.live().total`` plus the
+    buffers and streams the collector had to release (ringflow closes all of its own)."""
     rf.drop_warm_pipelines()
     gc.collect()
-    return dev.live().total
+    return dev.live().total + unclosed(dev)
+
+
+def unclosed(dev) -> int:
+    """The buffers and streams a simulated ``dev`` released because the collector took them
+    while still open (0 on devices that do not count them)."""
+    counts = getattr(dev, "collected_unclosed", None)
+    return sum(counts().values()) if counts is not None else 0
 
 
 def call(door: str, dev, x: np.ndarray, out: Optional[np.ndarray] = None, *, f: Callable = compute,

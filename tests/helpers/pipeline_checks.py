@@ -39,6 +39,7 @@ from ringflow import _testing
 from ringflow._device.sim import charge
 from ringflow._errors import DeviceError, HazardError, StageError
 from ringflow._pipeline.chunk import NO_ROOM
+from tests.helpers.hostile import unclosed
 from ringflow._pipeline.states import (
     LEGAL_SLOT_TRANSITIONS,
     ChunkState,
@@ -470,6 +471,8 @@ class Harness:
             if live.total != 0:
                 raise InvariantError(f"live after close: {live} (events are freed with the objects holding them: "
                                      "a test that keeps an exception or its traceback keeps chunks alive)")
+            if unclosed(self.dev):  # released, but by the collector: a close missed on some path
+                raise InvariantError(f"collected unclosed: {self.dev.collected_unclosed()}")
         elif live.streams:
             # a dead context cannot run the work that would let buffers go (poison fills never
             # complete), so only the streams are sure to be gone
@@ -680,6 +683,7 @@ def closed_clean(devices: Iterable[Any], pipe: Any) -> None:
     gc.collect()
     for dev in devices:
         assert dev.live().total == 0, dev.live()
+        assert unclosed(dev) == 0, dev.collected_unclosed()  # none left to the collector
 
 
 def take_all(pipe: Any, items: Any, face: str) -> list:

@@ -90,6 +90,7 @@ def test_ctrl_c_anywhere_in_a_whole_array_call_stops_it_cleanly(door):
             gc.collect()
         assert not [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)], n
         assert dev.live().total == 0, (n, dev.live())
+        assert not any(dev.collected_unclosed().values()), (n, dev.collected_unclosed())  # none left to the collector
         np.testing.assert_array_equal(bounded(call), x * 2 + 1)  # the device serves the next call
     assert interrupted >= POINTS - 2, interrupted
     rf.drop_warm_pipelines(dev)
@@ -119,6 +120,8 @@ def test_ctrl_c_at_every_line_between_taking_a_warm_engine_and_parking_it():
             assert len(warm.WARM) <= 1, n
             rf.drop_warm_pipelines(dev)
             assert dev.live().total == 0, (n, dev.live())
+            gc.collect()
+            assert not any(dev.collected_unclosed().values()), (n, dev.collected_unclosed())
         assert not [str(w.message) for w in seen], n
         np.testing.assert_array_equal(call(), x * 2 + 1)
     rf.drop_warm_pipelines(dev)

@@ -574,11 +574,13 @@ def test_a_buffer_collected_unclosed_is_no_longer_live(dev, kind):
             return dev.allocate(NB, stream=s)
         return dev.allocate_host(NB) if kind == "pinned host" else dev.register_host(np.zeros(N, np.float32))
 
+    side = "device_buffers" if "device" in kind else "host_buffers"
     buf = make()
     assert dev.live().total == before.total + 1
     del buf
     gc.collect()
     assert dev.live() == before and dev.memory_in_use == 0
+    assert dev.collected_unclosed()[side] == 1  # the collector released it, and the device says so
     closed = make()
     if kind == "stream-ordered device":
         closed.close(stream=s)
@@ -588,6 +590,7 @@ def test_a_buffer_collected_unclosed_is_no_longer_live(dev, kind):
     del closed
     gc.collect()
     assert dev.live() == before  # not taken off a second time
+    assert dev.collected_unclosed() == {"host_buffers": 0, "device_buffers": 0, "streams": 0, side: 1}
     s.close()
     assert dev.live().total == 0
 
@@ -1140,10 +1143,12 @@ def test_a_stream_collected_unclosed_is_no_longer_live(dev):
     gc.collect()
     assert dev.live().streams == 0 and len(dev._engine._queues) == queues
     assert dev.live().device_buffers == 1  # the buffer is still there
+    assert dev.collected_unclosed()["streams"] == 1
     closed = dev.create_stream()
     closed.close()
     del closed
     gc.collect()
     assert dev.live().streams == 0 and dev.live().device_buffers == 1
+    assert dev.collected_unclosed() == {"host_buffers": 0, "device_buffers": 0, "streams": 1}
     buf.close()
     assert dev.live().total == 0
