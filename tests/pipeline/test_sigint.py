@@ -144,6 +144,29 @@ def test_a_compute_raising_keyboard_interrupt_on_the_direct_engine_raises_it_its
     assert dev.live().total == 0
 
 
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
+def test_a_compute_raising_an_interrupt_with_on_error_continue_raises_it_itself(exc_type):
+    """on_error="continue" runs the other chunks first, then raises the interrupt itself, not
+    the StageError around it (an ``except Exception`` must not swallow it)."""
+    dev = rf.device("sim", seed=7, chaos=True, checked=True)
+    x = np.arange(4096, dtype=np.float32)
+    boom = exc_type("raised in the compute")
+
+    def interrupted(x, y):
+        if x[0] == 2048:
+            raise boom
+        y[...] = x * 2 + 1
+
+    for host in ("register", "stage"):
+        with pytest.raises(exc_type) as caught:
+            rf.stream_map(interrupted, x, device=dev, chunk_bytes=4096, host=host, on_error="continue")
+        assert caught.value is boom
+        del caught
+    rf.drop_warm_pipelines(dev)
+    gc.collect()
+    assert dev.live().total == 0
+
+
 # -- the shield itself ------------------------------------------------------------------------------------
 def test_a_ctrl_c_waits_for_a_checkpoint_and_is_raised_once():
     _need_sigint()

@@ -99,10 +99,14 @@ class ScheduledEngine:
         earlier = {id(err) for err in pipe.failures}
         for _ in pipe.map(self.layout.ranges()):
             pass
-        # on_error="continue": map skipped the failed chunks; the call still fails, with the first
+        # on_error="continue": map skipped the failed chunks; the call still fails, with the first,
+        # or with the first KeyboardInterrupt or SystemExit itself (never inside a StageError, which
+        # an except Exception would swallow), as on_error="raise" does
         failed = [err for err in pipe.failures if id(err) not in earlier]
         if failed:
-            first = min(failed, key=lambda err: err.index)
+            first = min(failed, key=lambda err: (not _interrupt(err.__cause__), err.index))
+            if _interrupt(first.__cause__):
+                first = first.__cause__
             # this frame is in first's traceback: no local may keep it once raised (a cycle)
             del failed
             try:
@@ -151,3 +155,8 @@ class ScheduledEngine:
     @property
     def closed(self) -> bool:
         return self.pipe is None
+
+
+def _interrupt(exc: Optional[BaseException]) -> bool:
+    """Whether ``exc`` is a BaseException that is not an Exception (KeyboardInterrupt, SystemExit)."""
+    return exc is not None and not isinstance(exc, Exception)
