@@ -171,6 +171,18 @@ def test_an_empty_x_returns_an_empty_result_of_the_output_spec():
     assert y.shape == (0, 3) and y.dtype == np.int16
 
 
+def test_an_x_without_elements_refuses_an_output_with_elements():
+    """``f`` never runs on an ``x`` without elements: a result with elements would come back
+    unwritten (``np.empty``'s bytes), so it is refused, naming ``output``."""
+    x = np.ones((5, 0), np.float32)
+    with pytest.raises(ValueError, match="output.*no elements"):
+        rf.stream_map(by_rows, x, device=rf.device("sim"), output=((5,), "float32"))
+    with pytest.raises(ValueError, match="output.*no elements"):
+        rf.stream_map(by_rows, x, np.zeros(5, np.float32), device=rf.device("sim"), output=((5,), "float32"))
+    y = rf.stream_map(by_rows, x, device=rf.device("sim"), output=((5, 0), "int16"))
+    assert y.shape == (5, 0) and y.dtype == np.int16
+
+
 def test_the_planner_counts_the_result_bytes():
     """A job whose results are a tenth of its input leaves the link to the copies in for most of
     each chunk (the link's duplex limit no longer binds): faster than a same-shaped job; results

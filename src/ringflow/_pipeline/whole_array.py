@@ -486,7 +486,8 @@ def whole_output(output: Any, x: np.ndarray, inplace: bool) -> tuple:
         TypeError: ``output`` is not a ``(shape, dtype)`` pair (a callable is refused: one
             spec covers the whole result).
         ValueError: its first dimension is not ``len(x)``, it has no bytes per row while ``x``
-            has rows, or ``inplace`` asks for a result written over an input of another shape.
+            has rows, it has elements while ``x`` has none (``f`` would never write them), or
+            ``inplace`` asks for a result written over an input of another shape.
     """
     if callable(output):
         raise TypeError("output= of a whole-array job is one (shape, dtype) pair for the whole result, such as "
@@ -497,6 +498,10 @@ def whole_output(output: Any, x: np.ndarray, inplace: bool) -> tuple:
                          f"axis 0 of x and of the result alike, e.g. (({x.shape[0]},) + row shape, dtype)")
     if x.size and math.prod(shape) == 0:
         raise ValueError(f"output's shape {shape} has no elements in a row; a result needs at least one")
+    if not x.size and math.prod(shape):
+        raise ValueError(f"output's shape {shape} has elements but x {x.shape} has no elements, so f is never "
+                         f"called and the result would be left unwritten; give output no elements either, such "
+                         f"as ({(x.shape[0], 0)}, dtype)")
     if inplace and (shape, dtype) != (x.shape, x.dtype):
         raise ValueError("output= cannot change the result's shape or dtype with inplace=True: an in-place compute "
                          "writes its result over its input; drop one of them")
