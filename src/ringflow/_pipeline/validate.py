@@ -288,10 +288,11 @@ class BoundArray:
     call, and weak references to it and to the array that owns its memory.
 
     The weak references are what keeps the memory where the job registered it: numpy refuses to
-    ``resize`` an array that a weak reference points to, ``refcheck=False`` or not, and a resize
-    is the one way an array's memory moves under the same object. A refused resize is cheaper to
-    explain than a job that reads freed memory, and cheaper to check than the array's address
-    on every call."""
+    ``resize`` an array that a weak reference points to, ``refcheck=False`` or not. A refused
+    resize is cheaper to explain than a job that reads freed memory, and cheaper to check than
+    the array's address on every call. Not guarded: ``ndarray.__setstate__`` (unpickling into an
+    existing array), which gives the object new memory and frees the old while views of it
+    still point there, as it does to numpy's own views; a job's array must not be given one."""
 
     __slots__ = ("layout", "_refs")
 
