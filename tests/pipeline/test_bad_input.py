@@ -850,6 +850,26 @@ def test_a_compute_cost_that_is_not_seconds_is_refused_by_name(dev, door, cost):
         bounded(run, timeout=20)  # a kernel of 1e9 virtual seconds: refused, not simulated for ever
 
 
+@pytest.mark.parametrize("cost", [_boom, lambda n: None, lambda n: -2e-6, lambda n: 1e30],
+                         ids=["raises", "returns-None", "returns-negative", "returns-1e30"])
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_a_compute_cost_that_fails_for_one_item_size_fails_that_item_alone(dev, cost, coalesce):
+    """A Pipeline's items come in sizes the planner never saw: a ``sim_seconds`` function that
+    fails only for one of them (raises, or gives no seconds) fails that item's compute, naming
+    ``sim_seconds``; the progress thread goes on, other items are delivered and close() ends it."""
+    def f(x, y):
+        y[...] = x
+
+    f.sim_seconds = lambda nbytes: cost(nbytes) if nbytes == 40 else 1e-6
+    with rf.Pipeline(f, device=dev, chunk_bytes=PIPE_CHUNK, on_error="continue", coalesce=coalesce) as pipe:
+        bad = pipe.submit(data(10))  # 40 bytes
+        with pytest.raises(StageError, match="sim_seconds") as caught:
+            bounded(bad.result, timeout=20)
+        assert caught.value.stage == "compute"
+        assert np.array_equal(bounded(pipe.submit(data(12)).result, timeout=20), data(12))
+    assert pipe.stats().failed == 1 and pipe.stats().delivered == 1
+
+
 DAY = 86400.0
 
 

@@ -1090,7 +1090,7 @@ class Scheduler:
             elif chunk.out_nbytes:  # a zero-length result has nothing to compute
                 try:
                     launch_compute(s, compute, x, y, inplace=self.dev_out is None,
-                                   sim_seconds=sim_seconds_for(self._sim_compute, chunk.nbytes), index=chunk.index,
+                                   sim_seconds=self._compute_seconds(chunk.nbytes, chunk.index), index=chunk.index,
                                    trees=trees)
                 except StageError as err:
                     self._fail(chunk, "compute", err.__cause__)
@@ -1107,6 +1107,19 @@ class Scheduler:
             progressed = True
         return progressed
 
+    def _compute_seconds(self, nbytes: int, index: int) -> Optional[float]:
+        """The compute's ``sim_seconds`` for a launch over ``nbytes`` (:func:`sim_seconds_for`). The
+        planner checked it for ``chunk_bytes`` only: items come in other sizes.
+
+        Raises:
+            StageError: the compute of chunk (or item) ``index`` fails, as its launch would: the cost
+                is not seconds for ``nbytes``, or its function raised (``__cause__`` says which).
+        """
+        try:
+            return sim_seconds_for(self._sim_compute, nbytes)
+        except ValueError as err:
+            raise StageError("compute", index, err) from err
+
     def _launch_members(self, chunk: Chunk, stream, out_slot: Slot, compute: Callable) -> None:
         """The compute of a shared chunk's items that their callers have not cancelled: a launch
         for each group of :meth:`_launch_groups` (an item alone, or for a pointwise compute all of
@@ -1122,7 +1135,7 @@ class Scheduler:
             y = x if inplace else BufferSlice(dout.buffer, dout.offset + offset, nbytes).array(dtype, shape)
             try:
                 launch_compute(stream, compute, x, y, inplace=inplace,
-                               sim_seconds=sim_seconds_for(self._sim_compute, nbytes), index=group[0].index)
+                               sim_seconds=self._compute_seconds(nbytes, group[0].index), index=group[0].index)
             except StageError as err:
                 for m in group:
                     self._member_failed(m, err.__cause__)
