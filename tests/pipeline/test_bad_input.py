@@ -235,6 +235,19 @@ def test_a_masked_item_is_refused_and_the_pipeline_goes_on(dev):
         np.testing.assert_array_equal(pipe.submit(data()).result(timeout=30), expected(data()))
 
 
+def test_a_masked_array_from_prepare_fails_its_item_not_unmasked(dev):
+    """As an item is, an array that ``prepare`` returns is refused when masked, alone as in a
+    tuple: its mask would be dropped and its masked elements computed as if valid."""
+    def prepare(i):
+        return np.ma.masked_array(data(), mask=np.arange(N) % 2 == 0)
+
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, prepare=prepare) as pipe:
+        with pytest.raises(rf.StageError) as info:
+            pipe.submit(1).result(timeout=30)
+    assert info.value.stage == "prepare"
+    assert re.match(r"prepare's array: a numpy masked array.*\.filled", str(info.value.__cause__))
+
+
 @pytest.mark.parametrize("bad", ["a string", "too big", "bad output"])
 def test_an_item_a_map_refuses_fails_that_map_alone(dev, bad):
     """Refused before it was accepted, the item is that map's caller's error: the map raises it
