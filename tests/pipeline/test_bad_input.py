@@ -235,6 +235,19 @@ def test_a_masked_item_is_refused_and_the_pipeline_goes_on(dev):
         np.testing.assert_array_equal(pipe.submit(data()).result(timeout=30), expected(data()))
 
 
+def test_a_masked_array_from_prepare_fails_its_item_not_unmasked(dev):
+    """As an item is, an array that ``prepare`` returns is refused when masked, alone as in a
+    tuple: its mask would be dropped and its masked elements computed as if valid."""
+    def prepare(i):
+        return np.ma.masked_array(data(), mask=np.arange(N) % 2 == 0)
+
+    with rf.Pipeline(compute, device=dev, chunk_bytes=PIPE_CHUNK, prepare=prepare) as pipe:
+        with pytest.raises(rf.StageError) as info:
+            pipe.submit(1).result(timeout=30)
+    assert info.value.stage == "prepare"
+    assert re.match(r"prepare's array: a numpy masked array.*\.filled", str(info.value.__cause__))
+
+
 @pytest.mark.parametrize("bad", ["a string", "too big", "bad output"])
 def test_an_item_a_map_refuses_fails_that_map_alone(dev, bad):
     """Refused before it was accepted, the item is that map's caller's error: the map raises it
@@ -848,6 +861,26 @@ def test_a_compute_cost_that_is_not_seconds_is_refused_by_name(dev, door, cost):
 
     with pytest.raises(ValueError, match="sim_seconds"):
         bounded(run, timeout=20)  # a kernel of 1e9 virtual seconds: refused, not simulated for ever
+
+
+@pytest.mark.parametrize("cost", [_boom, lambda n: None, lambda n: -2e-6, lambda n: 1e30],
+                         ids=["raises", "returns-None", "returns-negative", "returns-1e30"])
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_a_compute_cost_that_fails_for_one_item_size_fails_that_item_alone(dev, cost, coalesce):
+    """A Pipeline's items come in sizes the planner never saw: a ``sim_seconds`` function that
+    fails only for one of them (raises, or gives no seconds) fails that item's compute, naming
+    ``sim_seconds``; the progress thread goes on, other items are delivered and close() ends it."""
+    def f(x, y):
+        y[...] = x
+
+    f.sim_seconds = lambda nbytes: cost(nbytes) if nbytes == 40 else 1e-6
+    with rf.Pipeline(f, device=dev, chunk_bytes=PIPE_CHUNK, on_error="continue", coalesce=coalesce) as pipe:
+        bad = pipe.submit(data(10))  # 40 bytes
+        with pytest.raises(StageError, match="sim_seconds") as caught:
+            bounded(bad.result, timeout=20)
+        assert caught.value.stage == "compute"
+        assert np.array_equal(bounded(pipe.submit(data(12)).result, timeout=20), data(12))
+    assert pipe.stats().failed == 1 and pipe.stats().delivered == 1
 
 
 DAY = 86400.0

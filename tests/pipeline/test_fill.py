@@ -79,6 +79,40 @@ def test_a_compute_that_does_not_return_a_row_count_fails_its_chunk_by_name(retu
     assert ok.exception() is not None and pipe.stats().in_flight == 0
 
 
+class _UnshowableCount(int):
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+
+class _UncomparableCount(int):
+    def __ge__(self, other):
+        raise RuntimeError("no comparison")
+
+    __le__ = __gt__ = __lt__ = __ge__
+
+    def __repr__(self):
+        return "_UncomparableCount()"
+
+
+@pytest.mark.parametrize("returned", [_UnshowableCount(11), _UncomparableCount(11)],
+                         ids=["repr-raises", "compare-raises"])
+def test_a_row_count_of_a_hostile_int_subclass_fails_its_chunk_not_the_pipeline(returned):
+    """What the compute returns is the user's object: reading it as a row count runs none of its
+    code on the progress thread (a ``__repr__`` or comparison that raises there ended the
+    pipeline, "a ringflow bug"). It fails its chunk like any count that is not an int in range;
+    the next item runs."""
+    def bad(x, y):
+        y[...] = x
+        return returned if x[0] == 1 else 2
+
+    with rf.Pipeline(bad, device=rf.device("sim"), chunk_bytes=4096, fill="rows", on_error="continue") as pipe:
+        err = pipe.submit(np.ones(10, np.float32)).exception(timeout=10)
+        ok = pipe.submit(np.zeros(10, np.float32)).result(timeout=10)
+    assert isinstance(err, rf.StageError) and err.stage == "compute"
+    assert "fill='rows'" in str(err.__cause__) and "an int from 0 to 10" in str(err.__cause__)
+    assert ok.shape == (2,) and pipe.stats().failed == 1
+
+
 def test_bad_fill_options_are_refused():
     with pytest.raises(ValueError, match="fill"):
         rf.Pipeline(positives, device=rf.device("sim"), chunk_bytes=4096, fill="bytes")

@@ -42,7 +42,7 @@ from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, len
 from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_into, packed, unflatten
 from .like import converter
 from .validate import (COMPUTE_FORM, MAX_CHUNK_BYTES, as_host_array, check_arity, check_choice, check_flag,
-                       check_iterable, check_options, check_output_spec, check_timeout,
+                       check_iterable, check_not_masked, check_options, check_output_spec, check_timeout,
                        warn_if_elements_as_items)
 from .scheduler import Scheduler, check_fill_rows
 from .reentry import (check_process, generation as reentry_generation, on_progress_thread, refuse_from_stage,
@@ -117,6 +117,7 @@ def _prepare_array(user_prepare: Optional[Callable], chunk_bytes: int, item: Any
     if not isinstance(arr, np.ndarray):
         raise TypeError(f"prepare must return a numpy array (or a tuple, list or dict of them), got "
                         f"{type(arr).__name__}")
+    check_not_masked("items" if user_prepare is None else "prepare's array", arr)
     check("items" if user_prepare is None else "prepare's array", arr.dtype)
     if user_prepare is not None and in_slot(arr, raw):  # made in the slot (ringflow.host.empty_slot)
         return arr.shape, arr.dtype

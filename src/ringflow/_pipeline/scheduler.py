@@ -31,6 +31,7 @@ import contextlib
 import itertools
 import logging
 import math
+import operator
 import threading
 import time
 import warnings
@@ -40,7 +41,7 @@ import numpy as np
 
 from .._device.host_pool import buffer_behind, hand_off, slice_behind
 from .._device.protocol import BufferSlice, Device
-from .._errors import DeviceError, PrepareStopped, StageError, describe
+from .._errors import DeviceError, PrepareStopped, StageError, describe, shown
 from .._testing import current as current_hooks
 from .batch_space import BatchSpace, aligned
 from .chunk import MAX_MEMBERS, MEMBER_ALIGN, NO_ROOM, Chunk, ChunkFuture, Member
@@ -1090,7 +1091,7 @@ class Scheduler:
             elif chunk.out_nbytes:  # a zero-length result has nothing to compute
                 try:
                     launch_compute(s, compute, x, y, inplace=self.dev_out is None,
-                                   sim_seconds=sim_seconds_for(self._sim_compute, chunk.nbytes), index=chunk.index,
+                                   sim_seconds=self._compute_seconds(chunk.nbytes, chunk.index), index=chunk.index,
                                    trees=trees)
                 except StageError as err:
                     self._fail(chunk, "compute", err.__cause__)
@@ -1107,6 +1108,19 @@ class Scheduler:
             progressed = True
         return progressed
 
+    def _compute_seconds(self, nbytes: int, index: int) -> Optional[float]:
+        """The compute's ``sim_seconds`` for a launch over ``nbytes`` (:func:`sim_seconds_for`). The
+        planner checked it for ``chunk_bytes`` only: items come in other sizes.
+
+        Raises:
+            StageError: the compute of chunk (or item) ``index`` fails, as its launch would: the cost
+                is not seconds for ``nbytes``, or its function raised (``__cause__`` says which).
+        """
+        try:
+            return sim_seconds_for(self._sim_compute, nbytes)
+        except ValueError as err:
+            raise StageError("compute", index, err) from err
+
     def _launch_members(self, chunk: Chunk, stream, out_slot: Slot, compute: Callable) -> None:
         """The compute of a shared chunk's items that their callers have not cancelled: a launch
         for each group of :meth:`_launch_groups` (an item alone, or for a pointwise compute all of
@@ -1122,7 +1136,7 @@ class Scheduler:
             y = x if inplace else BufferSlice(dout.buffer, dout.offset + offset, nbytes).array(dtype, shape)
             try:
                 launch_compute(stream, compute, x, y, inplace=inplace,
-                               sim_seconds=sim_seconds_for(self._sim_compute, nbytes), index=group[0].index)
+                               sim_seconds=self._compute_seconds(nbytes, group[0].index), index=group[0].index)
             except StageError as err:
                 for m in group:
                     self._member_failed(m, err.__cause__)
@@ -1221,12 +1235,12 @@ class Scheduler:
         failed instead (the compute did not return a row count)."""
         got = chunk.filled[0] if chunk.filled else (0 if chunk.out_nbytes == 0 else None)  # nothing to compute: none
         rows_max = chunk.out_shape[0] if chunk.out_shape else 0
-        if isinstance(got, (bool, np.bool_)) or not isinstance(got, (int, np.integer)) or not 0 <= got <= rows_max:
+        rows = _row_count(got)
+        if rows is None or not 0 <= rows <= rows_max:
             self._fail(chunk, "compute", ValueError(
                 f"with fill='rows' compute must return how many rows of y it filled, an int from 0 to {rows_max}; "
-                f"it returned {got!r}"))
+                f"it returned {shown(got)}"))
             return False
-        rows = int(got)
         chunk.out_shape = (rows,) + tuple(chunk.out_shape[1:])
         chunk.out_nbytes = math.prod(chunk.out_shape) * chunk.out_dtype.itemsize
         if chunk.result is not None:  # the pinned array taken for the largest result: its first rows
@@ -1851,6 +1865,18 @@ class _InlineTask:
 
 def _reraise(exc: BaseException) -> None:
     raise exc
+
+
+def _row_count(got: Any) -> Optional[int]:
+    """What a ``fill="rows"`` compute returned as a plain int, or None where it is no integer (a
+    bool, another type, or an integer that cannot say its value). A plain int: comparing the
+    compute's own object, an int subclass, would run its code on the progress thread."""
+    if isinstance(got, (bool, np.bool_)) or not isinstance(got, (int, np.integer)):
+        return None
+    try:
+        return operator.index(got)
+    except Exception:  # noqa: BLE001 - whatever an integer subclass's __index__ raises: not a count
+        return None
 
 
 def _returning(compute: Callable, box: list) -> Callable:
