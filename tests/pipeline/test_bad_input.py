@@ -883,6 +883,32 @@ def test_a_compute_cost_that_fails_for_one_item_size_fails_that_item_alone(dev, 
     assert pipe.stats().failed == 1 and pipe.stats().delivered == 1
 
 
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
+def test_a_compute_cost_that_raises_an_interrupt_for_one_item_size_fails_that_item_with_it(dev, exc_type):
+    """The cost is read as the item's compute is launched, on the progress thread: an interrupt
+    it raises fails that item, its future raising the very object, as one the compute raises."""
+    boom = exc_type("stop in sim_seconds")
+
+    def f(x, y):
+        y[...] = x
+
+    def cost(nbytes):
+        if nbytes == 40:
+            raise boom
+        return 1e-6
+
+    f.sim_seconds = cost
+    with rf.Pipeline(f, device=dev, chunk_bytes=PIPE_CHUNK, on_error="continue") as pipe:
+        bad = pipe.submit(data(10))  # 40 bytes
+        with pytest.raises(exc_type) as caught:
+            bounded(bad.result, timeout=20)
+        assert caught.value is boom
+        assert np.array_equal(bounded(pipe.submit(data(12)).result, timeout=20), data(12))
+    assert pipe.stats().failed == 1 and pipe.stats().delivered == 1
+    del caught
+    boom.__traceback__ = None
+
+
 DAY = 86400.0
 
 

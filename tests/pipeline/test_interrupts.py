@@ -147,6 +147,88 @@ def test_the_future_raises_the_original_exception_object(exc_type, stage):
     assert dev.live().total == 0
 
 
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("share", [False, True], ids=["one item a chunk", "items sharing chunks"])
+def test_an_interrupt_a_compute_raises_as_it_is_launched_fails_its_item_alone(monkeypatch, exc_type, share):
+    """On a GPU a compute runs as it is launched (it enqueues its kernels then), on the progress
+    thread: an interrupt it raises comes out of the launch itself rather than, as on the
+    simulated GPU, out of the kernel's completion. It must fail its item, the future raising
+    the very object, as there; not end the pipeline. Emulated here: the fourth launch raises."""
+    from ringflow._device.sim.stream import SimStream
+
+    boom = exc_type("stop in the compute's launch")
+    launches = []
+    real_launch = SimStream.launch
+
+    def launch_on_a_gpu(self, fn, *args, **kwargs):
+        launches.append(fn)
+        if len(launches) == 4:
+            raise boom
+        return real_launch(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(SimStream, "launch", launch_on_a_gpu)
+    dev = rf.device("sim", seed=4, chaos=True, checked=True)
+
+    def compute(x, y):
+        y[...] = x * 3 + 1
+
+    pipe = rf.Pipeline(compute, device=dev, chunk_bytes=512 if not share else 4096, slots=2, max_in_flight=8,
+                       on_error="continue", checked=True)
+    items = [np.arange(16.0) + k for k in range(12)]
+    futs = [pipe.submit(it) for it in items]
+    _settle(futs)
+    failed = [k for k, fut in enumerate(futs) if fut.exception() is not None]
+    assert failed and all(futs[k].exception() is boom for k in failed), [futs[k].exception() for k in failed]
+    for k, fut in enumerate(futs):
+        if k not in failed:
+            assert np.array_equal(fut.result(), items[k] * 3 + 1)
+    assert all(isinstance(err, StageError) and err.stage == "compute" and err.__cause__ is boom
+               for err in pipe.failures)
+    assert np.array_equal(pipe.submit(items[0]).result(), items[0] * 3 + 1)  # the pipeline goes on
+    bounded(pipe.close)
+    assert pipe.stats().balanced()
+    boom.__traceback__ = None
+    del futs
+    gc.collect()
+    assert dev.live().total == 0
+
+
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("host", ["register", "stage"], ids=["direct engine", "scheduler"])
+def test_an_interrupt_a_compute_raises_as_it_is_launched_is_raised_itself_by_stream_map(monkeypatch, exc_type, host):
+    """The whole-array face of the case above: the call raises the very interrupt (never a
+    StageError, which ``except Exception`` would swallow), leaves nothing live, and the device
+    serves the next call."""
+    from ringflow._device.sim.stream import SimStream
+
+    boom = exc_type("stop in the compute's launch")
+    launches = []
+    real_launch = SimStream.launch
+
+    def launch_on_a_gpu(self, fn, *args, **kwargs):
+        launches.append(fn)
+        if len(launches) == 3:
+            raise boom
+        return real_launch(self, fn, *args, **kwargs)
+
+    def compute(x, y):
+        y[...] = x * 3 + 1
+
+    dev = rf.device("sim", seed=4, chaos=True, checked=True)
+    x = np.arange(4096, dtype=np.float32)
+    monkeypatch.setattr(SimStream, "launch", launch_on_a_gpu)
+    with pytest.raises(exc_type) as caught:
+        rf.stream_map(compute, x, device=dev, chunk_bytes=2048, host=host)
+    assert caught.value is boom
+    monkeypatch.setattr(SimStream, "launch", real_launch)
+    np.testing.assert_array_equal(rf.stream_map(compute, x, device=dev, chunk_bytes=2048, host=host), x * 3 + 1)
+    del caught
+    boom.__traceback__ = None
+    rf.drop_warm_pipelines(dev)
+    gc.collect()
+    assert dev.live().total == 0 and not any(dev.collected_unclosed().values()), dev.collected_unclosed()
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_map_raises_the_interrupt_itself(stage):
     h = Harness(seed=4, chaos=True, checked=True, slots=2, max_in_flight=4, chunk_bytes=512, on_error="raise")

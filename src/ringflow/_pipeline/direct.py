@@ -52,7 +52,7 @@ from .ring import allocate_ring
 from .sigint import checkpoint
 from .sizing import COMPUTE_BOUND_STREAMS, compute_streams_for, copy_group, is_compute_bound, taper
 from .states import RingKind
-from .stages import GPU_STAGES, StageStreams, launch_compute, mark, poison_after, sim_seconds_for, writes_into_y
+from .stages import GPU_STAGES, StageStreams, is_interrupt, launch_compute, mark, poison_after, sim_seconds_for, writes_into_y
 
 logger = logging.getLogger(__name__)
 
@@ -492,8 +492,13 @@ class DirectSchedule:
                 if ready is not None and "compute.wait_slot_ready" not in off:
                     comp.wait(ready)
             mark(comp, "compute", stamps, start=True)
-            launch_compute(comp, self.compute, op.x, op.y, inplace=self.inplace, sim_seconds=op.sim_seconds,
-                           index=op.index)
+            try:
+                launch_compute(comp, self.compute, op.x, op.y, inplace=self.inplace, sim_seconds=op.sim_seconds,
+                               index=op.index)
+            except StageError as err:
+                if is_interrupt(err.__cause__):  # raised itself, as the scheduler's engine raises it
+                    raise err.__cause__ from None
+                raise
             computed = mark(comp, "compute", stamps, device=self.device)
             if not self.inplace:
                 self._in_ready[op.slot_in] = self._after_use(op.dev_in, computed)

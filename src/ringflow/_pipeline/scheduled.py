@@ -20,6 +20,7 @@ import numpy as np
 from .._device.protocol import close_quietly
 from .api import Pipeline
 from .engine import Arrays
+from .stages import is_interrupt
 
 
 class ScheduledEngine:
@@ -104,8 +105,8 @@ class ScheduledEngine:
         # an except Exception would swallow), as on_error="raise" does
         failed = [err for err in pipe.failures if id(err) not in earlier]
         if failed:
-            first = min(failed, key=lambda err: (not _interrupt(err.__cause__), err.index))
-            if _interrupt(first.__cause__):
+            first = min(failed, key=lambda err: (not is_interrupt(err.__cause__), err.index))
+            if is_interrupt(first.__cause__):
                 first = first.__cause__
             # this frame is in first's traceback: no local may keep it once raised (a cycle)
             del failed
@@ -155,8 +156,3 @@ class ScheduledEngine:
     @property
     def closed(self) -> bool:
         return self.pipe is None
-
-
-def _interrupt(exc: Optional[BaseException]) -> bool:
-    """Whether ``exc`` is a BaseException that is not an Exception (KeyboardInterrupt, SystemExit)."""
-    return exc is not None and not isinstance(exc, Exception)

@@ -1114,11 +1114,12 @@ class Scheduler:
 
         Raises:
             StageError: the compute of chunk (or item) ``index`` fails, as its launch would: the cost
-                is not seconds for ``nbytes``, or its function raised (``__cause__`` says which).
+                is not seconds for ``nbytes``, or its function raised (``__cause__`` says which;
+                a KeyboardInterrupt or SystemExit it raised is the cause itself).
         """
         try:
             return sim_seconds_for(self._sim_compute, nbytes)
-        except ValueError as err:
+        except (ValueError, KeyboardInterrupt, SystemExit) as err:
             raise StageError("compute", index, err) from err
 
     def _launch_members(self, chunk: Chunk, stream, out_slot: Slot, compute: Callable) -> None:

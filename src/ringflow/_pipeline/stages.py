@@ -106,7 +106,10 @@ def launch_compute(stream: Stream, compute: Callable, x: Any, y: Any, *, inplace
 
     Raises:
         StageError: the compute failed while being enqueued, or the device refused the launch
-            (not sticky); ``__cause__`` is the original error.
+            (not sticky); ``__cause__`` is the original error. A KeyboardInterrupt or SystemExit
+            the compute raises is one too (:func:`is_interrupt` of the cause): on a GPU the
+            compute runs as it is launched, on whichever thread drives the engine, and an
+            interrupt there fails its chunk as one raised on the simulated GPU's clock does.
         DeviceError: a sticky device error: the context is dead and the engine must break.
     """
     try:
@@ -120,8 +123,15 @@ def launch_compute(stream: Stream, compute: Callable, x: Any, y: Any, *, inplace
         if err.sticky:
             raise
         raise StageError("compute", index, err) from err
-    except Exception as exc:  # noqa: BLE001 - the user's compute raised while it was enqueued
+    except BaseException as exc:  # noqa: BLE001 - the user's compute raised while it was enqueued
         raise StageError("compute", index, exc) from exc
+
+
+def is_interrupt(exc: Optional[BaseException]) -> bool:
+    """Whether ``exc`` is a BaseException that is not an Exception (KeyboardInterrupt,
+    SystemExit): what a whole-array call raises itself rather than inside a StageError, which
+    an ``except Exception`` would swallow."""
+    return exc is not None and not isinstance(exc, Exception)
 
 
 def _launch_trees(stream: Stream, compute: Callable, xs: list, ys: list, trees: tuple, *, inplace: bool,
