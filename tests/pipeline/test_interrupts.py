@@ -229,6 +229,49 @@ def test_an_interrupt_a_compute_raises_as_it_is_launched_is_raised_itself_by_str
     assert dev.live().total == 0 and not any(dev.collected_unclosed().values()), dev.collected_unclosed()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_a_compute_raises_on_a_gpu_fails_its_item_alone(cuda_device, exc_type):
+    """The two cases above on a GPU, where the compute runs as it is launched: a Pipeline fails
+    the item (the future raising the very object) and goes on; stream_map raises it itself on
+    either engine; nothing is live afterwards."""
+    boom = exc_type("stop in the compute")
+    calls = []
+
+    def compute(x, y):
+        calls.append(None)
+        if len(calls) == 4:
+            raise boom
+        y[...] = x * 3 + 1
+
+    pipe = rf.Pipeline(compute, device=cuda_device, chunk_bytes=4096, on_error="continue")
+    items = [np.arange(16.0) + k for k in range(12)]
+    futs = [pipe.submit(it) for it in items]
+    _settle(futs)
+    failed = [k for k, fut in enumerate(futs) if fut.exception() is not None]
+    assert len(failed) >= 1 and all(futs[k].exception() is boom for k in failed)
+    for k, fut in enumerate(futs):
+        if k not in failed:
+            assert np.array_equal(fut.result(), items[k] * 3 + 1)
+    assert np.array_equal(pipe.submit(items[0]).result(), items[0] * 3 + 1)
+    bounded(pipe.close)
+    x = np.arange(1 << 16, dtype=np.float32)
+    for host in ("register", "stage"):
+        calls.clear()
+        with pytest.raises(exc_type) as caught:
+            rf.stream_map(compute, x, device=cuda_device, chunk_bytes=16384, host=host)
+        assert caught.value is boom
+        calls.clear()
+        calls.extend([None] * 8)  # past the fourth: the next call is whole
+        np.testing.assert_array_equal(rf.stream_map(compute, x, device=cuda_device, chunk_bytes=16384, host=host),
+                                      x * 3 + 1)
+    del futs, caught
+    boom.__traceback__ = None
+    rf.drop_warm_pipelines(cuda_device)
+    gc.collect()
+    assert cuda_device.live().total == 0, cuda_device.live()
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_map_raises_the_interrupt_itself(stage):
     h = Harness(seed=4, chaos=True, checked=True, slots=2, max_in_flight=4, chunk_bytes=512, on_error="raise")
