@@ -319,6 +319,28 @@ def test_help_or_version_on_a_full_device_fails_in_a_fresh_process(option):
     assert proc.returncode == 1
 
 
+@pytest.mark.parametrize("args, command", [(["plan", "--bytes", "1MiB"], "plan"), (["--version"], None)],
+                         ids=["plan", "version"])
+def test_a_closed_stdout_is_an_error(monkeypatch, capsys, args, command):
+    """A process started with its stdout closed (``ringflow plan >&-``) has ``sys.stdout`` None,
+    where every print is dropped: the command printed nothing and exited 0."""
+    monkeypatch.setattr(sys, "stdout", None)
+    code = main(args)
+    check_one_line(code, capsys.readouterr().err, command, "cannot write the output to standard output (Bad file "
+                   "descriptor); send it where it can be written")
+    assert code == 1 and sys.stdout is None
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="closes a POSIX file descriptor")
+def test_a_closed_stdout_is_an_error_in_a_fresh_process():
+    env = {k: v for k, v in os.environ.items() if k not in ("RINGFLOW_DEVICE", "RINGFLOW_DEBUG")}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "ringflow", "plan"], stderr=subprocess.PIPE, text=True, timeout=120,
+                          env=env, preexec_fn=lambda: os.close(1))
+    check_one_line(proc.returncode, proc.stderr, "plan", "cannot write the output to standard output")
+    assert proc.returncode == 1
+
+
 def test_usage_mistakes_exit_2():
     proc = run_cli("plan", "--bytes", "abc")
     assert proc.returncode == 2 and proc.stdout == ""
