@@ -791,9 +791,28 @@ def test_demo_names_the_install_command_with_its_extra(tmp_path, capsys, monkeyp
     """The fallback reason holds "ringflow[cuda]": printed as text, not eaten as rich markup."""
     from ringflow import _demo
 
-    monkeypatch.setattr("ringflow.cuda_available", lambda: (False, "cuda.core is missing: pip install 'ringflow[cuda]'"))
-    _demo.demo("sim", out_dir=str(tmp_path))
+    missing = lambda: (False, "cuda.core is missing: pip install 'ringflow[cuda]'")  # noqa: E731
+    monkeypatch.setattr("ringflow.cuda_available", missing)
+    monkeypatch.setattr("ringflow._device.cuda_available", missing)
+    _demo.demo("auto", out_dir=str(tmp_path))
     assert "ringflow[cuda]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device, env", [("sim", None), (None, "sim")])
+def test_the_demo_asked_for_the_simulated_gpu_gives_no_reason_to_install_cuda(tmp_path, capsys, monkeypatch,
+                                                                                 device, env):
+    """--device sim (or RINGFLOW_DEVICE=sim) on a machine without a GPU: the demo said 'No usable
+    GPU (...) pip install ...' as if it had fallen back, where the simulated GPU was asked for."""
+    from ringflow import _demo
+
+    monkeypatch.setattr("ringflow.cuda_available", lambda: (False, "cuda.core is missing: pip install 'ringflow[cuda]'"))
+    if env is None:
+        monkeypatch.delenv("RINGFLOW_DEVICE", raising=False)
+    else:
+        monkeypatch.setenv("RINGFLOW_DEVICE", env)
+    assert _demo.demo(device, out_dir=str(tmp_path)) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "As asked, running on the simulated H200" in out and "No usable GPU" not in out
 
 
 def test_plan_over_several_gpus(capsys):
