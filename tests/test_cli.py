@@ -285,6 +285,33 @@ def test_a_stdout_that_cannot_be_written_is_named(tmp_path, monkeypatch, capsys,
     assert code == 1
 
 
+def test_a_bench_whose_stdout_is_full_still_writes_its_results(tmp_path, monkeypatch, capsys):
+    """``ringflow bench --out DIR`` into a full disk: the tables, printed after the whole run,
+    failed before the results were written into DIR, and the run's results were lost."""
+    monkeypatch.setattr(sys, "stdout", FullStdout())
+    assert main(["bench", "--device", "sim", "--quick", "seed", "--out", str(tmp_path)]) == 1
+    (result,) = tmp_path.glob("bench-sim-*.json")
+    assert "ringflow_ms" in json.loads(result.read_text())["workloads"]["seed"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a POSIX pipe")
+def test_a_bench_piped_into_a_reader_that_went_away_still_writes_its_results(tmp_path):
+    """``ringflow bench --out DIR | head``: as for a full disk, the results were lost."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RINGFLOW_DEVICE", "RINGFLOW_DEBUG")}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    read, write = os.pipe()
+    os.close(read)  # the reader gone before the first line
+    try:
+        proc = subprocess.run([sys.executable, "-m", "ringflow", "bench", "--device", "sim", "--quick", "seed",
+                               "--out", str(tmp_path)], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
+                              env=env)
+    finally:
+        os.close(write)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    (result,) = tmp_path.glob("bench-sim-*.json")
+    assert "ringflow_ms" in json.loads(result.read_text())["workloads"]["seed"]
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_stdout_on_a_full_device_is_named_in_a_fresh_process():
     env = {k: v for k, v in os.environ.items() if k not in ("RINGFLOW_DEVICE", "RINGFLOW_DEBUG")}
