@@ -97,6 +97,7 @@ def bad_files(tmp_path_factory):
                 "nan_ts.json": '[{"ph": "X", "ts": NaN, "dur": 1, "name": "h2d"}]',
                 "bad_thread_name.json": '[{"ph": "M", "name": "thread_name", "tid": 1, "args": 3}]',
                 "bench_list.json": "[1]", "bench_rows_bad.json": '{"workloads": {"seed": {"rows": 5}}}',
+                "bench_workload_bad.json": '{"workloads": {"seed": 5}}',
                 "afile": "x", "deep.json": "[" * 100_000 + "]" * 100_000,
                 "deep_events.json": '{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}",
                 "long_number.json": '[{"ph": "X", "ts": 0, "dur": ' + "9" * 5000 + ', "name": "h2d"}]',
@@ -143,6 +144,9 @@ MISTAKES = [
     (["plan", "--compare", "{d}/corrupt.json"], "plan", "not JSON"),
     (["plan", "--compare", "{d}/bench_list.json"], "plan", "bench"),
     (["plan", "--compare", "{d}/bench_rows_bad.json"], "plan", "rows"),
+    # (it was said to have 'rows' that are not a list of tables, though it has no rows at all)
+    (["plan", "--compare", "{d}/bench_workload_bad.json"], "plan",
+     "--compare '{d}/bench_workload_bad.json': workload 'seed' is not a table (a JSON object holding its 'rows')"),
     (["plan", "--compare", "{d}"], "plan", "folder"),
     # (an empty name was taken for no --compare at all: the plan ran without the comparison asked for)
     (["plan", "--compare", ""], "plan", "argument --compare: an empty string is not a file name; give a bench JSON"),
