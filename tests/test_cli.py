@@ -97,6 +97,7 @@ def bad_files(tmp_path_factory):
                 "nan_ts.json": '[{"ph": "X", "ts": NaN, "dur": 1, "name": "h2d"}]',
                 "bad_thread_name.json": '[{"ph": "M", "name": "thread_name", "tid": 1, "args": 3}]',
                 "bench_list.json": "[1]", "bench_rows_bad.json": '{"workloads": {"seed": {"rows": 5}}}',
+                "bench_workload_bad.json": '{"workloads": {"seed": 5}}',
                 "afile": "x", "deep.json": "[" * 100_000 + "]" * 100_000,
                 "deep_events.json": '{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}",
                 "long_number.json": '[{"ph": "X", "ts": 0, "dur": ' + "9" * 5000 + ', "name": "h2d"}]',
@@ -143,6 +144,9 @@ MISTAKES = [
     (["plan", "--compare", "{d}/corrupt.json"], "plan", "not JSON"),
     (["plan", "--compare", "{d}/bench_list.json"], "plan", "bench"),
     (["plan", "--compare", "{d}/bench_rows_bad.json"], "plan", "rows"),
+    # (it was said to have 'rows' that are not a list of tables, though it has no rows at all)
+    (["plan", "--compare", "{d}/bench_workload_bad.json"], "plan",
+     "--compare '{d}/bench_workload_bad.json': workload 'seed' is not a table (a JSON object holding its 'rows')"),
     (["plan", "--compare", "{d}"], "plan", "folder"),
     # (an empty name was taken for no --compare at all: the plan ran without the comparison asked for)
     (["plan", "--compare", ""], "plan", "argument --compare: an empty string is not a file name; give a bench JSON"),
@@ -285,6 +289,33 @@ def test_a_stdout_that_cannot_be_written_is_named(tmp_path, monkeypatch, capsys,
     assert code == 1
 
 
+def test_a_bench_whose_stdout_is_full_still_writes_its_results(tmp_path, monkeypatch, capsys):
+    """``ringflow bench --out DIR`` into a full disk: the tables, printed after the whole run,
+    failed before the results were written into DIR, and the run's results were lost."""
+    monkeypatch.setattr(sys, "stdout", FullStdout())
+    assert main(["bench", "--device", "sim", "--quick", "seed", "--out", str(tmp_path)]) == 1
+    (result,) = tmp_path.glob("bench-sim-*.json")
+    assert "ringflow_ms" in json.loads(result.read_text())["workloads"]["seed"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a POSIX pipe")
+def test_a_bench_piped_into_a_reader_that_went_away_still_writes_its_results(tmp_path):
+    """``ringflow bench --out DIR | head``: as for a full disk, the results were lost."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RINGFLOW_DEVICE", "RINGFLOW_DEBUG")}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    read, write = os.pipe()
+    os.close(read)  # the reader gone before the first line
+    try:
+        proc = subprocess.run([sys.executable, "-m", "ringflow", "bench", "--device", "sim", "--quick", "seed",
+                               "--out", str(tmp_path)], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
+                              env=env)
+    finally:
+        os.close(write)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    (result,) = tmp_path.glob("bench-sim-*.json")
+    assert "ringflow_ms" in json.loads(result.read_text())["workloads"]["seed"]
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_stdout_on_a_full_device_is_named_in_a_fresh_process():
     env = {k: v for k, v in os.environ.items() if k not in ("RINGFLOW_DEVICE", "RINGFLOW_DEBUG")}
@@ -316,6 +347,28 @@ def test_help_or_version_on_a_full_device_fails_in_a_fresh_process(option):
         proc = subprocess.run([sys.executable, "-m", "ringflow", option], stdout=full, stderr=subprocess.PIPE,
                               text=True, timeout=120, env=env)
     check_one_line(proc.returncode, proc.stderr, None, "cannot write the output to standard output")
+    assert proc.returncode == 1
+
+
+@pytest.mark.parametrize("args, command", [(["plan", "--bytes", "1MiB"], "plan"), (["--version"], None)],
+                         ids=["plan", "version"])
+def test_a_closed_stdout_is_an_error(monkeypatch, capsys, args, command):
+    """A process started with its stdout closed (``ringflow plan >&-``) has ``sys.stdout`` None,
+    where every print is dropped: the command printed nothing and exited 0."""
+    monkeypatch.setattr(sys, "stdout", None)
+    code = main(args)
+    check_one_line(code, capsys.readouterr().err, command, "cannot write the output to standard output (Bad file "
+                   "descriptor); send it where it can be written")
+    assert code == 1 and sys.stdout is None
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="closes a POSIX file descriptor")
+def test_a_closed_stdout_is_an_error_in_a_fresh_process():
+    env = {k: v for k, v in os.environ.items() if k not in ("RINGFLOW_DEVICE", "RINGFLOW_DEBUG")}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "ringflow", "plan"], stderr=subprocess.PIPE, text=True, timeout=120,
+                          env=env, preexec_fn=lambda: os.close(1))
+    check_one_line(proc.returncode, proc.stderr, "plan", "cannot write the output to standard output")
     assert proc.returncode == 1
 
 
@@ -769,9 +822,28 @@ def test_demo_names_the_install_command_with_its_extra(tmp_path, capsys, monkeyp
     """The fallback reason holds "ringflow[cuda]": printed as text, not eaten as rich markup."""
     from ringflow import _demo
 
-    monkeypatch.setattr("ringflow.cuda_available", lambda: (False, "cuda.core is missing: pip install 'ringflow[cuda]'"))
-    _demo.demo("sim", out_dir=str(tmp_path))
+    missing = lambda: (False, "cuda.core is missing: pip install 'ringflow[cuda]'")  # noqa: E731
+    monkeypatch.setattr("ringflow.cuda_available", missing)
+    monkeypatch.setattr("ringflow._device.cuda_available", missing)
+    _demo.demo("auto", out_dir=str(tmp_path))
     assert "ringflow[cuda]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device, env", [("sim", None), (None, "sim")])
+def test_the_demo_asked_for_the_simulated_gpu_gives_no_reason_to_install_cuda(tmp_path, capsys, monkeypatch,
+                                                                                 device, env):
+    """--device sim (or RINGFLOW_DEVICE=sim) on a machine without a GPU: the demo said 'No usable
+    GPU (...) pip install ...' as if it had fallen back, where the simulated GPU was asked for."""
+    from ringflow import _demo
+
+    monkeypatch.setattr("ringflow.cuda_available", lambda: (False, "cuda.core is missing: pip install 'ringflow[cuda]'"))
+    if env is None:
+        monkeypatch.delenv("RINGFLOW_DEVICE", raising=False)
+    else:
+        monkeypatch.setenv("RINGFLOW_DEVICE", env)
+    assert _demo.demo(device, out_dir=str(tmp_path)) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "As asked, running on the simulated H200" in out and "No usable GPU" not in out
 
 
 def test_plan_over_several_gpus(capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import numpy as np
@@ -486,6 +487,20 @@ def test_the_simulated_profile_can_be_saved_as_a_starting_point(tmp_path, capsys
     capsys.readouterr()
     assert main(["doctor", "--device", "sim", "--save"]) == 2  # no GPU to cache a profile for
     assert "give a file name (--save FILE)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["unit", "my profile.json"])
+def test_the_plan_command_a_save_advises_plans_with_the_saved_file(tmp_path, monkeypatch, capsys, name):
+    """A file named as a built-in profile (``--save unit``) or with a space in its name: the
+    advised ``ringflow plan --profile unit`` planned with the built-in profile, not the file, and
+    ``--profile my profile.json`` was two arguments."""
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["doctor", "--device", "sim", "--save", name]) == 0
+    advice = re.search(r"plan with it: ringflow (plan --profile .*?), or ", capsys.readouterr().out).group(1)
+    assert main([*shlex.split(advice), "--bytes", "1MiB"]) == 0
+    assert f"on profile h200-pcie5 (from {os.path.join(os.curdir, name)})" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("args, env, named", [

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib.util
+import io
 import logging
 import math
 import os
@@ -498,6 +500,14 @@ class _NamedStdout:
         return getattr(self._stream, name)
 
 
+class _ClosedStdout(io.TextIOBase):
+    """``sys.stdout`` for a process started with its stdout closed (``>&-``), where Python sets
+    it to None and every print is dropped: each write fails as a write to a closed descriptor does."""
+
+    def write(self, text):
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+
 def _named(exc: OSError) -> OSError:
     """``exc`` (of its own type: a BrokenPipeError stays one) with the file name :data:`STDOUT`,
     where it has an errno and no file name."""
@@ -512,7 +522,8 @@ def _named(exc: OSError) -> OSError:
 def _stdout_for_the_command() -> Iterator[None]:
     """Within the block, print characters stdout's encoding cannot show as escapes (``\\u2014``)
     instead of failing, as Python's stderr does, and name stdout in an error writing it
-    (:class:`_NamedStdout`); stdout and its error handler are restored after."""
+    (:class:`_NamedStdout`), a closed one too (:class:`_ClosedStdout`); stdout and its error
+    handler are restored after."""
     # an ASCII or Latin-1 stdout (PYTHONIOENCODING, a POSIX locale without UTF-8, an old console)
     # cannot show a report's dashes and ellipses or a file's name: the first one failed the
     # command, after all its work
@@ -523,11 +534,11 @@ def _stdout_for_the_command() -> Iterator[None]:
             stream.reconfigure(errors="backslashreplace")
     except (AttributeError, ValueError, OSError):  # not a text stream that takes a new handler
         errors = None
-    named = sys.stdout = _NamedStdout(stream) if stream is not None else None
+    named = sys.stdout = _NamedStdout(stream if stream is not None else _ClosedStdout())
     try:
         yield
     finally:
-        if named is not None and sys.stdout is named:
+        if sys.stdout is named:
             sys.stdout = stream
         if errors == "strict":
             with contextlib.suppress(AttributeError, ValueError, OSError):

@@ -36,7 +36,7 @@ def demo(device: "str | None" = None, out_dir: str = "ringflow-demo") -> int:
     from ._bench.measure import fresh_random
     from ._bench.runner import quiet_gc, table
     from ._bench.workloads import inplace_pinned, pageable
-    from ._device import SimulatedFallbackWarning
+    from ._device import SimulatedFallbackWarning, parse_spec
     from ._pipeline.whole_array import stream_map_report
 
     console = Console()
@@ -45,9 +45,11 @@ def demo(device: "str | None" = None, out_dir: str = "ringflow-demo") -> int:
         dev = rf.device(device)
     quiet_gc()
     if dev.backend == "sim":
-        ok, reason = rf.cuda_available()
-        # the reason may hold brackets ("pip install 'ringflow[cuda]'"): not rich markup
-        why = "As asked, running" if ok else f"[yellow]No usable GPU ({escape(reason)}).[/] Running"
+        if parse_spec(device)[0] == "sim":
+            why = "As asked, running"
+        else:
+            # the reason may hold brackets ("pip install 'ringflow[cuda]'"): not rich markup
+            why = f"[yellow]No usable GPU ({escape(rf.cuda_available()[1])}).[/] Running"
         console.print(f"{why} on the simulated H200 (profile {dev.profile.name}): times below are virtual, "
                       "from measured H200 figures.")
     else:

@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import sys
 from typing import Any, Callable, Iterator
 
@@ -776,6 +777,17 @@ def save_without_path_problem(device: "str | None") -> "str | None":
             "profile there, a starting point to edit; the per-GPU cache is for measured GPUs")
 
 
+def _profile_argument(path: str) -> str:
+    """``path`` as ``ringflow plan --profile`` takes it to mean that file, quoted for a shell: a
+    bare file name gets ``./`` (``--profile unit`` names the built-in profile, and a name without
+    a separator is a file only while it exists in the folder the command runs in)."""
+    from ._device.hardware import PROFILES
+
+    if os.path.dirname(path) == "" or path in PROFILES:
+        path = os.path.join(os.curdir, path)
+    return shlex.quote(path)
+
+
 def _describe_error(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
@@ -794,13 +806,14 @@ def _save_profile(raw: dict[str, Any], kind: str, save: "str | bool") -> dict[st
         profile = get_profile(raw["sim_profile"]["name"])
         path = save_to(profile, save)  # a file name: doctor_command refused True for the simulated GPU
         return {"name": profile.name, "path": path,
-                "use": f"plan with it: ringflow plan --profile {path}, or ringflow.device('sim', profile=...)"}
+                "use": f"plan with it: ringflow plan --profile {_profile_argument(path)}, or "
+                       "ringflow.device('sim', profile=...)"}
     profile = profile_from_report(raw)
     cache = cached_profile_path(profile.gpu_name, profile.driver)
     path = save_to(profile, cache if save is True else save)
     if os.path.abspath(path) == os.path.abspath(cache):
         use = f"ringflow now plans with it on {profile.gpu_name} under driver {profile.driver}"
     else:
-        use = (f"plan with it: ringflow plan --profile {path}; for this GPU to use it by itself, save it to "
-               f"{cache} (ringflow doctor --save with no file name)")
+        use = (f"plan with it: ringflow plan --profile {_profile_argument(path)}; for this GPU to use it by itself, "
+               f"save it to {cache} (ringflow doctor --save with no file name)")
     return {"name": profile.name, "path": path, "use": use}

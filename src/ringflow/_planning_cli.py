@@ -96,7 +96,9 @@ def read_bench_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
                          "(write one with ringflow bench --out FOLDER)")
     out = []
     for name, w in workloads.items():
-        rows = w.get("rows", []) if isinstance(w, dict) else None
+        if not isinstance(w, dict):
+            raise ValueError(f"--compare {path!r}: workload {name!r} is not a table (a JSON object holding its 'rows')")
+        rows = w.get("rows", [])
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise ValueError(f"--compare {path!r}: workload {name!r} has 'rows' that are not a list of tables")
         out.extend((name, r) for r in rows)

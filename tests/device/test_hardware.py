@@ -101,6 +101,12 @@ def _doc(**changes):
     ({"model.host_copy_GBps": [[1, 5e-324]]}, "must be from 1e-06 to 1e+06"),
     ({"model.launch_overhead_s": 1e308}, "'model.launch_overhead_s' must be from 0 to 3600"),
     ({"model.h2d_curve": [[2 ** 63, 2.5]]}, "[0][0] (bytes) must be at most"),
+    # a whole number past a float's range is read as an infinity (_jsontext): it was refused
+    # as not a whole number, 'got number inf'
+    ({"model.sm_count": 10 ** 400}, "'model.sm_count' must be at most 4611686018427387904, got a number past a "
+                                     "float's range"),
+    ({"model.h2d_curve": [[10 ** 400, 2.5]]}, "[0][0] (bytes) must be at most 4611686018427387904"),
+    ({"model.total_memory": -10 ** 400}, "'model.total_memory' must be at least 1, got a number past a float's range"),
     # a curve is extrapolated below its first point (a smaller copy takes as long as the first
     # point's, fewer threads copy at its rate a thread): one far out made every copy on the
     # simulated GPU last billions of virtual seconds, simulated for hours of real time

@@ -81,14 +81,17 @@ def run_bench(device: str = "auto", workloads=WORKLOADS, *, quick: bool = False,
         if trace or plot:
             say("profiled trace of the seed shape")
             _trace_run(dev, trace, plot, quick)
+        # written before anything goes to stdout (the progress display's end writes there too):
+        # a stdout that cannot take it (| head, a full disk) must not lose the run's results
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+            path = os.path.join(out_dir, result_name(dev.backend, datetime.datetime.now(datetime.timezone.utc)))
+            write_whole(path, json.dumps(jsontext.plain(result), indent=1, default=_jsonable, allow_nan=False))
+            result["path"] = path
     for name, res in result["workloads"].items():
         console.print(table(res))
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, result_name(dev.backend, datetime.datetime.now(datetime.timezone.utc)))
-        write_whole(path, json.dumps(jsontext.plain(result), indent=1, default=_jsonable, allow_nan=False))
-        console.print(f"wrote {path}")
-        result["path"] = path
+        console.print(f"wrote {result['path']}")
     dev.close()
     return result
 

@@ -307,6 +307,9 @@ def _rate(value: Any, where: str) -> float:
 
 
 def _whole(value: Any, where: str, *, least: int) -> int:
+    if isinstance(value, float) and math.isinf(value):  # how the file's reader gives a number past a float's range
+        bound = f"at most {_WHOLE_MAX}" if value > 0 else f"at least {least}"
+        raise ProfileError(f"{where} must be {bound}, got a number past a float's range")
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ProfileError(f"{where} must be a whole number, got {_json_type(value)} {value!r:.60}")
     if value < least:
