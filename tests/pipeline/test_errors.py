@@ -5,6 +5,10 @@ release check both watch every run)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -12,6 +16,7 @@ import pytest
 import ringflow as rf
 from ringflow._errors import DeviceError, StageError
 from ringflow._pipeline.states import SlotState
+from tests.helpers.gpu_like import sticky_events_as_on_a_gpu
 from tests.helpers.pipeline_checks import (
     FAULTS,
     Harness,
@@ -254,6 +259,82 @@ def test_sticky_error_breaks_the_pipeline(after_steps):
     h.pipe.cancel()
     h.close()
     h.pipe.close()
+
+
+@pytest.mark.parametrize("slots", [2, rf.SlotCounts(1, 2, 1, 2)], ids=str)
+@pytest.mark.parametrize("after_steps", [0, 3, 5, 8, 12, 20])
+def test_sticky_error_breaks_the_pipeline_where_events_report_it_done(monkeypatch, after_steps, slots):
+    """On a GPU a query of an event after the context broke counts it done, the sticky error as
+    its ``error`` (the CUDA backend's events), though the work before it never ran; the simulated
+    GPU raises from the query. Either way the pipeline must break: every chunk not yet delivered
+    fails with the sticky error, none is delivered from a copy that never ran, and no chunk fails
+    as if its own compute had. Emulated here (tests/helpers/gpu_like.py)."""
+    sticky_events_as_on_a_gpu(monkeypatch)
+    h = Harness(seed=after_steps, slots=slots, chunk_bytes=512)
+    items = [h.item(k + 1, 30) for k in range(6)]
+    futs = [h.pipe.submit(it, timeout=0) for it in items]
+    for _ in range(after_steps):
+        h.pipe._step()
+    h.dev.inject_sticky_error()
+    for f in futs:
+        with contextlib.suppress(DeviceError):
+            f.result()
+    assert h.sched.broken is not None
+    h.check()  # every delivered chunk's payload is right
+    for f in futs:
+        kind, value = future_outcome(f)
+        assert kind == "value" or value is h.sched.broken, value
+    s = h.pipe.stats()
+    assert s.in_flight == 0 and s.balanced()
+    del futs, f, value
+    h.close()
+
+
+PIPELINE_AFTER_STICKY = textwrap.dedent(r'''
+    import os, sys
+    import numpy as np, ringflow as rf
+    from ringflow._errors import DeviceError
+    from ringflow._kernel import Kernel
+    kernel = Kernel(r"""extern "C" __global__ void add_one(const unsigned* x, unsigned* y, size_t n) {
+        size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+        if (i >= n) return;
+        if (x[i] == 0xDEADu) { unsigned* p = (unsigned*)0x10; *p = 1u; }
+        y[i] = x[i] + 1u; }""", "add_one")
+    dev = rf.device("cuda:0", array="dlpack")
+    pipe = rf.Pipeline(kernel, device=dev, chunk_bytes=1 << 16, on_error="continue")
+    items = [np.full(1 << 14, 10 * j, np.uint32) for j in range(16)]
+    items[6][5] = 0xDEAD
+    futs = []
+    for it in items:
+        try:
+            futs.append(pipe.submit(it))
+        except DeviceError as exc:  # refused once the pipeline has broken
+            futs.append(exc)
+    for j, f in enumerate(futs):
+        try:
+            if isinstance(f, DeviceError):
+                raise f
+            print("VALUE", j, bool(np.array_equal(f.result(timeout=60), items[j] + 1)))
+        except DeviceError as exc:
+            print("STICKY", j, exc.sticky)
+        except Exception as exc:
+            print("OTHER", j, type(exc).__name__, exc)
+    sys.stdout.flush()
+    os._exit(0)  # the context is dead: no clean-up at exit
+''')
+
+
+@pytest.mark.gpu
+def test_sticky_error_breaks_the_pipeline_on_a_gpu():
+    """The case above on a GPU, in a child process (a kernel's illegal address breaks the
+    context): each item is delivered right or fails with the sticky DeviceError, the faulting
+    one among those that fail (or is refused with it at submit, once the pipeline has broken);
+    none fails as a StageError of its own compute."""
+    out = subprocess.run([sys.executable, "-c", PIPELINE_AFTER_STICKY], capture_output=True, text=True, timeout=180)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 16, out.stdout + out.stderr
+    assert all(line.endswith(" True") and line.split()[0] in ("VALUE", "STICKY") for line in lines), out.stdout
+    assert "STICKY 6 True" in lines, out.stdout
 
 
 @pytest.mark.parametrize("after_steps", range(0, 40, 3))

@@ -751,6 +751,7 @@ class Scheduler:
                     if state in _STREAM_ORDERED:
                         stalled = (*stalled, state)
                     continue
+                _raise_if_broken(fence)
                 slot.fence = None
                 progressed = True
                 self._on_fence_done(ring, slot)
@@ -1354,7 +1355,11 @@ class Scheduler:
 
     # -- failure, cancellation, the end of a chunk ----------------------------------------------
     def _compute_failed(self, chunk: Chunk) -> bool:
-        """Check the compute event's error once (the sim reports a failed launch there)."""
+        """Check the compute event's error once (the sim reports a failed launch there).
+
+        Raises:
+            DeviceError: the event carries the device's sticky error (:func:`_raise_if_broken`).
+        """
         if chunk.state in (ChunkState.DRAINING,) or chunk.state.final:
             return True
         if chunk.members:
@@ -1365,6 +1370,7 @@ class Scheduler:
         err = event.error if event is not None and event.is_done else None
         if err is None:
             return False
+        _raise_if_broken(event)
         self._fail(chunk, "compute", err.__cause__ or err)
         return True
 
@@ -1878,6 +1884,22 @@ def _row_count(got: Any) -> Optional[int]:
         return operator.index(got)
     except Exception:  # noqa: BLE001 - whatever an integer subclass's __index__ raises: not a count
         return None
+
+
+def _raise_if_broken(event: Any) -> None:
+    """Raise the sticky device error that ``event`` (an event or host task seen done) carries.
+    A real GPU counts an event done once its context has broken, its :attr:`~Event.error` the
+    sticky error, though the work before it never ran (the simulated GPU raises from the query
+    instead): the fence's slot must not be taken as done with, nor its chunk as failed alone.
+
+    Raises:
+        DeviceError: the sticky error, as a new one naming the same failure (the event keeps
+            its own: raising that would tie this thread's frames to the event through its
+            traceback).
+    """
+    err = getattr(event, "error", None)
+    if isinstance(err, DeviceError) and err.sticky:
+        raise DeviceError(str(err), sticky=True) from err.__cause__
 
 
 def _returning(compute: Callable, box: list) -> Callable:
