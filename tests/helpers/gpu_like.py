@@ -9,7 +9,24 @@ from __future__ import annotations
 from typing import Any
 
 from ringflow._device.sim.device import SimDevice
-from ringflow._device.sim.stream import SimEvent
+from ringflow._device.sim.stream import SimEvent, SimStream
+
+
+def launch_raises_as_on_a_gpu(monkeypatch: Any, exc: BaseException, at: int) -> None:
+    """The ``at``-th launch (counting from 1, on any simulated stream) raises ``exc`` from the
+    launch itself, as a compute that raises does on a GPU, where it runs as it is launched (it
+    enqueues its kernels then); the simulated GPU runs it when the launch completes in virtual
+    time, and reports its exception through that completion. The other launches run as usual."""
+    real_launch = SimStream.launch
+    launches = []
+
+    def launch(self: SimStream, fn, *args, **kwargs):
+        launches.append(None)
+        if len(launches) == at:
+            raise exc
+        return real_launch(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(SimStream, "launch", launch)
 
 
 def sticky_events_as_on_a_gpu(monkeypatch: Any) -> None:

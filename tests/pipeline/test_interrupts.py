@@ -31,6 +31,7 @@ import ringflow as rf
 from ringflow._device.sim import charge
 from ringflow._errors import StageError
 from tests.helpers.pipeline_checks import Harness, check_chunk_error, check_result, future_outcome
+from tests.helpers.gpu_like import launch_raises_as_on_a_gpu
 from tests.helpers.sim import hold_copy
 from tests.helpers.interrupts import STALL_S, CtrlCWhileStalled, once_inside
 from tests.helpers.threads import JOIN_S, bounded, interrupt_main, join, stack_names, start
@@ -154,19 +155,8 @@ def test_an_interrupt_a_compute_raises_as_it_is_launched_fails_its_item_alone(mo
     thread: an interrupt it raises comes out of the launch itself rather than, as on the
     simulated GPU, out of the kernel's completion. It must fail its item, the future raising
     the very object, as there; not end the pipeline. Emulated here: the fourth launch raises."""
-    from ringflow._device.sim.stream import SimStream
-
     boom = exc_type("stop in the compute's launch")
-    launches = []
-    real_launch = SimStream.launch
-
-    def launch_on_a_gpu(self, fn, *args, **kwargs):
-        launches.append(fn)
-        if len(launches) == 4:
-            raise boom
-        return real_launch(self, fn, *args, **kwargs)
-
-    monkeypatch.setattr(SimStream, "launch", launch_on_a_gpu)
+    launch_raises_as_on_a_gpu(monkeypatch, boom, at=4)
     dev = rf.device("sim", seed=4, chaos=True, checked=True)
 
     def compute(x, y):
@@ -199,28 +189,18 @@ def test_an_interrupt_a_compute_raises_as_it_is_launched_is_raised_itself_by_str
     """The whole-array face of the case above: the call raises the very interrupt (never a
     StageError, which ``except Exception`` would swallow), leaves nothing live, and the device
     serves the next call."""
-    from ringflow._device.sim.stream import SimStream
-
     boom = exc_type("stop in the compute's launch")
-    launches = []
-    real_launch = SimStream.launch
-
-    def launch_on_a_gpu(self, fn, *args, **kwargs):
-        launches.append(fn)
-        if len(launches) == 3:
-            raise boom
-        return real_launch(self, fn, *args, **kwargs)
 
     def compute(x, y):
         y[...] = x * 3 + 1
 
     dev = rf.device("sim", seed=4, chaos=True, checked=True)
     x = np.arange(4096, dtype=np.float32)
-    monkeypatch.setattr(SimStream, "launch", launch_on_a_gpu)
-    with pytest.raises(exc_type) as caught:
-        rf.stream_map(compute, x, device=dev, chunk_bytes=2048, host=host)
+    with monkeypatch.context() as patched:
+        launch_raises_as_on_a_gpu(patched, boom, at=3)
+        with pytest.raises(exc_type) as caught:
+            rf.stream_map(compute, x, device=dev, chunk_bytes=2048, host=host)
     assert caught.value is boom
-    monkeypatch.setattr(SimStream, "launch", real_launch)
     np.testing.assert_array_equal(rf.stream_map(compute, x, device=dev, chunk_bytes=2048, host=host), x * 3 + 1)
     del caught
     boom.__traceback__ = None
