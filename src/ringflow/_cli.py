@@ -33,7 +33,7 @@ from ._errors import RingflowError
 from ._files import controls_escaped, is_special
 
 DEBUG_VAR = "RINGFLOW_DEBUG"
-_DEVICE_HELP = "auto, cuda, cuda:N or sim (default: $RINGFLOW_DEVICE, else auto)"
+_DEVICE_HELP = "auto, cuda, cuda:N, sim or sim:N (default: $RINGFLOW_DEVICE, else auto)"
 
 
 class UsageError(Exception):
@@ -150,8 +150,8 @@ def device_spec(text: str) -> str:
     try:
         parse_spec(text)
     except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use auto, cuda, cuda:N (N = GPU index 0, 1, ...) "
-                                         "or sim") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use auto, cuda, cuda:N (N = GPU index 0, 1, ...), "
+                                         "sim or sim:N") from None
     return text.strip()
 
 
@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main job: a short pageable and seed comparison, with a trace and PNG")
     p.add_argument("--device", type=device_spec, default=None, help=_DEVICE_HELP + "; without a usable GPU, "
                    "auto runs the simulated H200")
-    p.add_argument("--out", default="ringflow-demo", help="folder for the trace JSON and PNG (made if missing)")
+    p.add_argument("--out", default="ringflow-demo", help="folder for the trace JSON and PNG (made if missing; default: ringflow-demo)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("bench", help="named workloads against every baseline and the ideal bound")
@@ -406,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats")
     p.add_argument("--out", default=None, help="write the JSON results into this folder (e.g. bench/results)")
     p.add_argument("--trace", default=None, help="also write a Perfetto trace of a profiled run to this file")
-    p.add_argument("--plot", default=None, help="also write a PNG Gantt chart of that run to this file")
+    p.add_argument("--plot", default=None, help="also write a Gantt chart of that run to this file (PNG; the extension picks another "
+                   "format matplotlib writes, such as .svg or .pdf)")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("trace", help="summarise a saved Chrome/Perfetto trace")
