@@ -113,6 +113,32 @@ def test_a_row_count_of_a_hostile_int_subclass_fails_its_chunk_not_the_pipeline(
     assert ok.shape == (2,) and pipe.stats().failed == 1
 
 
+def test_a_row_count_returned_as_a_0d_array_is_refused_with_what_to_return_instead():
+    """A count computed on the device (``(x > 0).sum()`` with CuPy or torch) is a 0-d array, a
+    device scalar, not an int: reading it would wait for the kernel on the progress thread. The
+    error says to return ``int(...)`` of it."""
+    def counted(x, y):
+        y[...] = x
+        return np.array(3)  # a 0-d array, as CuPy's and torch's sums are
+
+    class NoShape:
+        @property
+        def shape(self):
+            raise RuntimeError("no shape")
+
+    def unshaped(x, y):
+        y[...] = x
+        return NoShape()
+
+    with rf.Pipeline(counted, device=rf.device("sim"), chunk_bytes=4096, fill="rows", on_error="continue") as pipe:
+        err = pipe.submit(np.ones(10, np.float32)).exception(timeout=10)
+    assert isinstance(err, rf.StageError) and err.stage == "compute"
+    assert "a 0-d array is not a count: return int(...) of it" in str(err.__cause__), err.__cause__
+    with rf.Pipeline(unshaped, device=rf.device("sim"), chunk_bytes=4096, fill="rows", on_error="continue") as pipe:
+        err = pipe.submit(np.ones(10, np.float32)).exception(timeout=10)  # its shape is not read past the raise
+    assert isinstance(err, rf.StageError) and "0-d" not in str(err.__cause__), err.__cause__
+
+
 def test_bad_fill_options_are_refused():
     with pytest.raises(ValueError, match="fill"):
         rf.Pipeline(positives, device=rf.device("sim"), chunk_bytes=4096, fill="bytes")

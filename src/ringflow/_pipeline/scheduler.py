@@ -1239,9 +1239,12 @@ class Scheduler:
         rows_max = chunk.out_shape[0] if chunk.out_shape else 0
         rows = _row_count(got)
         if rows is None or not 0 <= rows <= rows_max:
+            # a count summed on the device (CuPy, torch) is a 0-d array: int() of it, in the compute,
+            # waits for the kernel there rather than on the progress thread
+            hint = "; a 0-d array is not a count: return int(...) of it" if rows is None and _zero_d(got) else ""
             self._fail(chunk, "compute", ValueError(
                 f"with fill='rows' compute must return how many rows of y it filled, an int from 0 to {rows_max}; "
-                f"it returned {shown(got)}"))
+                f"it returned {shown(got)}{hint}"))
             return False
         chunk.out_shape = (rows,) + tuple(chunk.out_shape[1:])
         chunk.out_nbytes = math.prod(chunk.out_shape) * chunk.out_dtype.itemsize
@@ -1884,6 +1887,16 @@ def _row_count(got: Any) -> Optional[int]:
         return operator.index(got)
     except Exception:  # noqa: BLE001 - whatever an integer subclass's __index__ raises: not a count
         return None
+
+
+def _zero_d(got: Any) -> bool:
+    """Whether the compute's return value is a 0-d array (its ``shape`` an empty tuple); False
+    for anything whose ``shape`` cannot be read, which runs none of its code past that."""
+    try:
+        shape = getattr(got, "shape", None)
+    except Exception:  # noqa: BLE001 - the user's object: a property that raises is no shape
+        return False
+    return type(shape) is tuple and not shape
 
 
 def _raise_if_broken(event: Any) -> None:
