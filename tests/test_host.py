@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -373,3 +376,48 @@ def test_a_refused_shape_or_dtype_makes_no_default_device(monkeypatch, call):
     with pytest.raises((TypeError, ValueError)):
         call()
     assert _host._default_device is None
+
+
+_FORK_CHILD = """
+import os, sys, numpy as np, ringflow as rf
+os.environ["RINGFLOW_DEVICE"] = "sim"
+a = rf.host.empty(1000, np.float32)  # the default device's pool
+dev = rf.device("sim")
+b = rf.host.empty(1000, np.float32, device=dev)
+del b  # its return is queued, to be taken back at the pool's next call
+pid = os.fork()
+if pid == 0:
+    lines = []
+    for name, call in (("default empty", lambda: rf.host.empty(10, np.float32).shape),
+                       ("set_budget", lambda: rf.host.set_budget(1 << 20)),
+                       ("own device", lambda: rf.host.empty(10, np.float32, device=rf.device("sim")).shape)):
+        try:
+            lines.append(f"{name}: {call()}")
+        except Exception as exc:
+            lines.append(f"{name}: {type(exc).__name__}: {exc}")
+    sys.stdout.write("\\n".join(lines) + "\\n")
+    sys.stdout.flush()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("child status", status)
+print("parent", rf.host.empty(10, np.float32).shape, rf.host.stats(device=dev).cached_bytes)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+@pytest.mark.parametrize("call, expect", [
+    ("default empty", "default empty: (10,)"),
+    ("set_budget", "set_budget: None"),
+    ("own device", "own device: (10,)"),
+])
+def test_a_forked_child_uses_rf_host_with_devices_of_its_own(call, expect):
+    """The parent's devices refuse the forked child's calls. ``rf.host.empty()`` there used the
+    parent's default device, and ``rf.host.set_budget(n)`` the parent's pools, so both raised the
+    parent device's fork error; the child now gets a default device of its own, and a budget
+    for every pool of its own."""
+    run = subprocess.run([sys.executable, "-c", _FORK_CHILD], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"})
+    out = run.stdout
+    assert run.returncode == 0 and "child status 0" in out, out + run.stderr[-2000:]
+    assert f"{expect}\n" in out, out
+    assert "parent (10,) 4096" in out, out  # the parent's pools are as they were

@@ -27,6 +27,7 @@ which ``prepare`` fills and returns, so the stage copies nothing.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Optional, Sequence
 
@@ -43,6 +44,19 @@ __all__ = ["empty", "empty_like", "empty_slot", "buffer", "record_use", "collect
 
 _default_lock = threading.Lock()
 _default_device: Optional[Device] = None
+
+
+def _forget_default_in_child() -> None:
+    """After fork(), in the child: the default device is the parent's, which refuses the child's
+    calls, so the child's first call makes one of its own; the lock may have been held by a
+    parent's thread that is not in the child."""
+    global _default_device, _default_lock
+    _default_device = None
+    _default_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
+    os.register_at_fork(after_in_child=_forget_default_in_child)
 
 
 def _device(device: Any, who: str) -> Device:

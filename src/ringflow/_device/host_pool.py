@@ -779,6 +779,19 @@ _all_pools: "weakref.WeakSet[HostPool]" = weakref.WeakSet()
 _ATTR = "_ringflow_host_pool"  # the pool lives on its device: it is collected with it
 
 
+def _forget_pools_in_child() -> None:
+    """After fork(), in the child: the pools alive are the parent's devices' (whose calls the
+    child's are refused), so a budget set for every pool is set for the child's own only; the
+    registry's lock may have been held by a parent's thread that is not in the child."""
+    global _all_pools, _pools_lock
+    _all_pools = weakref.WeakSet()
+    _pools_lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
+    os.register_at_fork(after_in_child=_forget_pools_in_child)
+
+
 def pool_for(device: Device, *, create: bool = True) -> Optional[HostPool]:
     """The host pool of ``device`` (made on first use when ``create``; else None if none yet)."""
     if not isinstance(device, Device):
