@@ -756,3 +756,23 @@ def test_record_use_refuses_an_event_of_another_device():
         pool.record_use(pool.buffer_of(a), theirs)
     assert pool._block_of(a).events == []  # nothing recorded
     assert pool.record_use(a, dev.create_stream().record()) is True  # its own device's event is taken
+
+
+def test_a_closed_devices_pool_counts_nothing_once_its_arrays_are_dropped():
+    """The device's close took the pool's memory with it. Its arrays' returns were left queued,
+    so ``stats()`` counted their bytes in use, and ``live()`` their blocks, for good; the pool's
+    books now let go of a dropped array's block and of the cache, touching no device."""
+    dev = rf.device("sim")
+    pool = pool_for(dev)
+    kept, cached = pool.empty(1000, np.float32), pool.empty(5000, np.float32)
+    kept[:] = 1
+    del cached
+    pool.collect()
+    dev.close()
+    assert pool.stats().in_use_bytes == 4096  # an array still alive
+    kept[:] = 2  # still host memory on the simulated GPU
+    del kept
+    gc.collect()
+    s = pool.stats()
+    assert (s.held_bytes, s.cached_bytes, s.in_use_bytes, s.pending_bytes) == (0, 0, 0, 0), s
+    assert dev.live().pooled_host_buffers == 0 and not pool._returned

@@ -489,7 +489,8 @@ class HostPool:
         twice changes nothing), and every block this call claimed is pending again unless
         freed."""
         if getattr(self._device, "closed", False):
-            return 0  # the device took every block's memory with it: nothing can be checked or reused
+            self._forget_closed()
+            return 0
         # the blocks this call has marked checking and not freed: only these are its to mark
         # pending again (one it freed may be handed out, dropped and claimed by another thread
         # by then, checking again, but that thread's)
@@ -519,6 +520,30 @@ class HostPool:
                         if block.state == _CHECKING:  # not freed: pending again, for the next pass
                             block.state = _PENDING
         return freed
+
+    def _forget_closed(self) -> None:
+        """The device is closed and took every block's memory with it: nothing can be checked,
+        reused or freed, so dropped arrays' blocks, cached ones and pending ones leave the books
+        (with no device call). Blocks behind live arrays stay counted in use until dropped.
+        Idempotent: a KeyboardInterrupt part way leaves the rest for the next call."""
+        with self._lock:
+            while self._returned:
+                block, _, generation = self._returned[0]
+                if block.state == _IN_USE and block.generation == generation:
+                    self._forget(block)
+                self._returned.popleft()
+            for bucket in self._free.values():
+                while bucket:
+                    self._forget(bucket[-1])
+                    del bucket[-1]
+            for block in [b for b in self._pending if b.state == _PENDING]:  # checking: another call's
+                self._forget(block)
+                del self._pending[block]
+
+    def _forget(self, block: _Block) -> None:
+        """Take a block of a closed device out of the books. Under the lock."""
+        self._move(block, _RELEASED)
+        self._blocks.pop(block.key, None)
 
     def _settled(self, block: _Block, wait: bool, claimed: dict) -> bool:
         """Move a claimed (checking) pending block to the cache, and out of ``claimed``, if its
