@@ -10,7 +10,7 @@ import random
 import numpy as np
 
 from ringflow._trace.chrome import save_chrome
-from ringflow._trace.summary import LEGEND, read_spans
+from ringflow._trace.summary import LEGEND, read_process_spans
 from ringflow._trace.timeline import STAGES, ChunkRecord, Span, Timeline
 
 
@@ -35,8 +35,9 @@ def write_long_trace(path: str, chunks: int, *, seed: int = 0) -> str:
 
 def reference_summary(path: str) -> dict:
     """The summary of the trace at ``path`` as ``ringflow trace`` computed it with every span in
-    a list (:func:`read_spans`), the figures added up in the same order."""
-    spans = read_spans(path)
+    a list (:func:`read_process_spans`), the figures added up in the same order."""
+    pairs = read_process_spans(path)
+    spans = [s for _, s in pairs]
     out = {"file": path, "spans": len(spans), "chunks": 0, "wall_ms": 0.0, "stages": {}, "legend": dict(LEGEND)}
     if not spans:
         return out
@@ -45,7 +46,7 @@ def reference_summary(path: str) -> dict:
     by_name = collections.defaultdict(list)
     for s in spans:
         by_name[s.name].append(s)
-    out["chunks"] = len({s.chunk for s in spans if s.chunk is not None and s.name in STAGES})
+    out["chunks"] = len({(pid, s.chunk) for pid, s in pairs if s.chunk is not None and s.name in STAGES})
     out["wall_ms"] = wall * 1e3
     order = {s: i for i, s in enumerate(STAGES)}
     for name, group in sorted(by_name.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])):

@@ -883,3 +883,32 @@ def test_a_measured_job_over_two_devices_counts_the_tapered_chunks_its_later_cal
         job()
         job(profile=True)
         assert job.chunks == job.report().chunks == 18
+
+
+@pytest.mark.parametrize("path, error, match", [
+    (1, TypeError, "plot: path must be a file name"),  # open() would take it for stdout's descriptor
+    ("", FileNotFoundError, None),  # a path given is written, as Report.plot writes it, not skipped
+], ids=repr)
+def test_a_sharded_plot_path_that_is_not_a_file_name_is_refused_as_one_device_report_refuses_it(
+        path, error, match, capfd, monkeypatch):
+    pytest.importorskip("matplotlib")
+    _, report = rf.stream_map_report(f, contents((8, 4), 1), device=sims(2))
+    with pytest.raises(error, match=match):
+        report.reports[0].plot(path)
+    with pytest.raises(error, match=match):
+        report.plot(path)
+    assert capfd.readouterr().out == ""
+
+
+def test_a_sharded_plot_into_a_text_file_is_refused_before_drawing(monkeypatch):
+    pytest.importorskip("matplotlib")
+    import io
+
+    _, report = rf.stream_map_report(f, contents((8, 4), 1), device=sims(2))
+
+    def drawn(*args, **kwargs):
+        raise AssertionError("a chart was drawn for a file it cannot be written to")
+
+    monkeypatch.setattr(rf.Report, "plot", drawn)
+    with pytest.raises(TypeError, match="plot: path must be a file name .*or an open binary file"):
+        report.plot(io.StringIO())

@@ -279,3 +279,32 @@ def test_a_trace_it_refuses_is_refused_as_when_read_whole(tmp_path, monkeypatch,
     with pytest.raises(type(whole.value)) as streamed:
         summarise(str(path))
     assert str(streamed.value) == str(whole.value)
+
+
+def test_a_trace_of_several_processes_counts_each_process_chunks_and_names_its_own_threads(tmp_path):
+    """A sharded call's trace has a process per device, each with chunks 0, 1, ... and thread ids
+    1, 2, ... of its own: the summary counted chunk 0 of every device once, and named every
+    process's thread 2 after the last process's thread 2."""
+    events = [{"ph": "M", "pid": 1, "tid": 1, "name": "thread_name", "args": {"name": "cpu: prepare"}},
+              {"ph": "M", "pid": 1, "tid": 2, "name": "thread_name", "args": {"name": "cpu: prepare [1]"}},
+              {"ph": "M", "pid": 2, "tid": 1, "name": "thread_name", "args": {"name": "cpu: prepare"}},
+              {"ph": "M", "pid": 2, "tid": 2, "name": "thread_name", "args": {"name": "gpu: h2d stream"}}]
+    for pid, tid, cat, a, b, chunk in [(1, 1, "prepare", 0, 4, 0), (1, 2, "prepare", 1, 3, 1),
+                                       (2, 1, "prepare", 0, 2, 0), (2, 2, "h2d", 2, 3, 0)]:
+        events.append({"ph": "X", "pid": pid, "tid": tid, "name": f"{cat} #{chunk}", "cat": cat, "ts": a * 1e3,
+                       "dur": (b - a) * 1e3, "args": {"chunk": chunk}})
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert {s.track for s in read_spans(str(path)) if s.name == "prepare"} == {"cpu: prepare", "cpu: prepare [1]"}
+    info = summarise(str(path))
+    assert info == reference_summary(str(path))
+    assert info["chunks"] == 3 and info["stages"]["prepare"]["tracks"] == 3  # (two on one device, one on the other)
+
+
+def test_the_summary_of_a_sharded_call_counts_every_device_chunks(tmp_path):
+    import ringflow as rf
+
+    devs = [rf.device("sim", seed=i) for i in range(2)]
+    x = np.ones((256, 64), np.float32)
+    _, report = rf.stream_map_report(lambda a, b: np.copyto(b, a), x, device=devs, chunk_bytes=1 << 13)
+    assert summarise(report.save_trace(str(tmp_path / "t.json")))["chunks"] == report.chunks == 8

@@ -409,28 +409,34 @@ class ShardedReport:
         titled with its device and headline.
 
         Args:
-            path: where to save the figure (format from the extension); None saves nothing.
+            path: where to save the figure: a file name or an open binary file, its format from
+                the name's extension (PNG without one); None saves nothing.
 
         Returns:
             the ``matplotlib.figure.Figure``.
 
         Raises:
             RuntimeError: matplotlib is not installed.
+            TypeError: ``path`` is neither None, a file name nor an open binary file (said
+                before drawing).
             ValueError: ``path`` names a file type matplotlib cannot write (said before drawing).
+            OSError: the file cannot be written, or is a device, pipe or socket.
         """
+        if path is not None:
+            check_file_name(path, "plot", file_objects=True)
         try:
             from matplotlib.figure import Figure
         except ImportError as exc:
             raise RuntimeError("plot() needs matplotlib: pip install 'ringflow[plot]'") from exc
         from .._trace.plot import plot_format, save_figure
 
-        file_type = plot_format(path, "plot") if path else None
+        file_type = plot_format(path, "plot") if path is not None else None
         fig = Figure(figsize=(12, 3.2 * len(self.reports)), layout="constrained")
         axes = fig.subplots(len(self.reports), 1, squeeze=False)[:, 0]
         for ax, report, label in zip(axes, self.reports, self.devices):
             report.plot(ax=ax)
             ax.set_title(f"{label}: {report.headline()}", fontsize=9)
-        if path:
+        if path is not None:
             save_figure(fig, path, file_type)
         return fig
 

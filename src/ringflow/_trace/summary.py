@@ -70,7 +70,18 @@ def _json_kind(value: Any) -> str:
 
 
 def read_spans(path: str) -> list[Span]:
-    """The complete events of the Chrome trace at ``path`` as spans (seconds from its zero).
+    """The complete events of the Chrome trace at ``path`` as spans (seconds from its zero),
+    each on the track its process's thread is named.
+
+    Raises:
+        OSError, ValueError: as :func:`read_process_spans`.
+    """
+    return [span for _, span in read_process_spans(path)]
+
+
+def read_process_spans(path: str) -> list[tuple[Any, Span]]:
+    """:func:`read_spans` with the process (``pid``) of each span: ``(pid, span)`` pairs. Thread
+    ids are each process's own (a trace of several devices has a process per device).
 
     Raises:
         OSError: the file cannot be opened (missing, a folder, no permission).
@@ -113,7 +124,7 @@ def read_spans(path: str) -> list[Span]:
             args = e.get("args")
             if not isinstance(args, dict) or not isinstance(args.get("name"), str):
                 raise _fail(path, f"event {i} (a thread_name) has no args.name string")
-            names[_key(e.get("tid"))] = args["name"]
+            names[_key(e.get("pid")), _key(e.get("tid"))] = args["name"]
     out = []
     for i, e in enumerate(events):
         if e.get("ph") != "X":
@@ -132,13 +143,14 @@ def read_spans(path: str) -> list[Span]:
         name = e.get("cat", e.get("name"))
         if not isinstance(name, str):
             raise _fail(path, f"event {i} has no 'cat' or 'name' string")
-        tid = _key(e.get("tid"))
+        pid = _key(e.get("pid"))
         start = ts / 1e6
-        out.append(Span(names.get(tid, str(e.get("tid"))), name, start, start + dur / 1e6, chunk, args))
+        out.append((pid, Span(names.get((pid, _key(e.get("tid"))), str(e.get("tid"))), name, start,
+                              start + dur / 1e6, chunk, args)))
     return out
 
 
-def _key(tid: Any) -> Any:
+def _key(tid: Any) -> Any:  # (a pid as well)
     return tid if isinstance(tid, (int, str, float, type(None))) else json.dumps(tid, sort_keys=True)
 
 
@@ -154,7 +166,8 @@ class Figures:
         names, tracks: the distinct names and tracks.
         first, last: the smallest start and the largest end, as ``min`` and ``max`` of the
             spans give them (None without spans).
-        chunks: how many distinct chunks the spans of the five stages name.
+        chunks: how many distinct chunks the spans of the five stages name (a chunk index is
+            its process's own).
     """
 
     start: np.ndarray
@@ -180,17 +193,21 @@ class _Collect:
         self.name, self.tid = array.array("i"), array.array("i")
         self.name_of: dict = {}
         self.tid_of: dict = {}  # one entry per distinct thread id as written, for its track's name
-        self.tid_values: list = []
-        self.thread_names: dict = {}
-        self.chunks, self.big_chunks = array.array("q"), set()
+        self.tid_values: list = []  # (pid, tid) of each
+        self.thread_names: dict = {}  # (pid, tid) -> name, by _key
+        # a stage span's chunk index, and its process as an index into process_of
+        self.chunks, self.chunk_process, self.big_chunks = array.array("q"), array.array("i"), set()
+        self.process_of: dict = {}
         self.first = self.last = None
 
-    def add(self, track_key: Any, tid: Any, name: str, start: float, end: float, chunk: "int | None") -> None:
-        """One span; ``track_key`` tells its thread id from every other as written in the file."""
+    def add(self, track_key: Any, tid: Any, name: str, start: float, end: float, chunk: "int | None",
+            pid: Any = None) -> None:
+        """One span of process ``pid`` (by :func:`_key`) on its thread ``tid``; ``track_key`` tells
+        the thread from every other as written in the file."""
         at = self.tid_of.get(track_key)
         if at is None:
             at = self.tid_of[track_key] = len(self.tid_values)
-            self.tid_values.append(tid)
+            self.tid_values.append((pid, tid))
         self.tid.append(at)
         self.name.append(self.name_of.setdefault(name, len(self.name_of)))
         self.start.append(start)
@@ -201,21 +218,24 @@ class _Collect:
         if self.last is None or end > self.last:
             self.last = end
         if chunk is not None and name in STAGES:
+            process = self.process_of.setdefault(pid, len(self.process_of))
             if _INT64[0] <= chunk <= _INT64[1]:
                 self.chunks.append(chunk)
+                self.chunk_process.append(process)
             else:
-                self.big_chunks.add(chunk)
+                self.big_chunks.add((process, chunk))
 
     def figures(self) -> Figures:
         """What was gathered, each track named by its thread's name (the last one the file gives)."""
         track_of: dict = {}
-        per_tid = [track_of.setdefault(self.thread_names.get(_key(t), str(t)), len(track_of)) for t in self.tid_values]
+        per_tid = [track_of.setdefault(self.thread_names.get((p, _key(t)), str(t)), len(track_of))
+                   for p, t in self.tid_values]
         track = np.asarray(per_tid, dtype=np.intc)[_array(self.tid, np.intc)]
-        chunks = _array(self.chunks, np.int64)
+        chunks = np.column_stack((_array(self.chunk_process, np.intc).astype(np.int64), _array(self.chunks, np.int64)))
         return Figures(start=_array(self.start, np.float64), end=_array(self.end, np.float64),
                        name=_array(self.name, np.intc), track=track, names=list(self.name_of),
                        tracks=list(track_of), first=self.first, last=self.last,
-                       chunks=len(np.unique(chunks)) + len(self.big_chunks))
+                       chunks=len(np.unique(chunks, axis=0)) + len(self.big_chunks))
 
 
 def _array(values: "array.array", dtype: Any) -> np.ndarray:
@@ -246,8 +266,8 @@ def read_figures(path: str) -> Figures:
     except UnicodeDecodeError:
         pass  # (read whole, which names it)
     collect = _Collect()
-    for s in read_spans(path):  # an error raised here names what is wrong; a trace it takes is summarised
-        collect.add(s.track, s.track, s.name, s.start, s.end, s.chunk)
+    for pid, s in read_process_spans(path):  # an error raised here names what is wrong; a trace it takes is summarised
+        collect.add(s.track, s.track, s.name, s.start, s.end, s.chunk, pid)
     return collect.figures()
 
 
@@ -268,7 +288,7 @@ def _stream_figures(path: str) -> Figures:
                 args = e.get("args")
                 if not isinstance(args, dict) or not isinstance(args.get("name"), str):
                     raise _Unread
-                collect.thread_names[_key(e.get("tid"))] = args["name"]
+                collect.thread_names[_key(e.get("pid")), _key(e.get("tid"))] = args["name"]
             if ph != "X":
                 continue
             ts, dur = _number(e, "ts"), _number(e, "dur", 0.0)
@@ -288,8 +308,9 @@ def _stream_figures(path: str) -> Figures:
             # thread but is shown as written where the thread has no name
             kind = type(tid)
             key = (kind, tid) if kind in (int, str, float, bool, type(None)) else (kind, _key(tid), str(tid))
+            pid = _key(e.get("pid"))  # thread ids are each process's own
             start = ts / 1e6
-            collect.add(key, tid, name, start, start + dur / 1e6, chunk)
+            collect.add((pid, key), tid, name, start, start + dur / 1e6, chunk, pid)
     return collect.figures()
 
 
