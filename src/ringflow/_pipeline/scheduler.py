@@ -1120,7 +1120,7 @@ class Scheduler:
         """
         try:
             return sim_seconds_for(self._sim_compute, nbytes)
-        except (ValueError, KeyboardInterrupt, SystemExit) as err:
+        except BaseException as err:  # noqa: BLE001 - a ValueError naming sim_seconds, or an interrupt it raised
             raise StageError("compute", index, err) from err
 
     def _launch_members(self, chunk: Chunk, stream, out_slot: Slot, compute: Callable) -> None:

@@ -231,11 +231,15 @@ class _Collect:
         per_tid = [track_of.setdefault(self.thread_names.get((p, _key(t)), str(t)), len(track_of))
                    for p, t in self.tid_values]
         track = np.asarray(per_tid, dtype=np.intc)[_array(self.tid, np.intc)]
-        chunks = np.column_stack((_array(self.chunk_process, np.intc).astype(np.int64), _array(self.chunks, np.int64)))
+        chunks, process = _array(self.chunks, np.int64), _array(self.chunk_process, np.intc)
+        # distinct chunks of each process in turn: a trace of one device (most) is counted as
+        # one array, with no (process, chunk) pairs made for a trace of millions of spans
+        distinct = (len(np.unique(chunks)) if len(self.process_of) <= 1 else
+                    sum(len(np.unique(chunks[process == p])) for p in range(len(self.process_of))))
         return Figures(start=_array(self.start, np.float64), end=_array(self.end, np.float64),
                        name=_array(self.name, np.intc), track=track, names=list(self.name_of),
                        tracks=list(track_of), first=self.first, last=self.last,
-                       chunks=len(np.unique(chunks, axis=0)) + len(self.big_chunks))
+                       chunks=distinct + len(self.big_chunks))
 
 
 def _array(values: "array.array", dtype: Any) -> np.ndarray:
