@@ -102,7 +102,8 @@ def bad_files(tmp_path_factory):
                 "deep_events.json": '{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}",
                 "long_number.json": '[{"ph": "X", "ts": 0, "dur": ' + "9" * 5000 + ', "name": "h2d"}]',
                 # valid JSON, beyond a float's range: float arithmetic on it raised OverflowError
-                "beyond_float.json": '[{"ph": "X", "ts": 0, "dur": ' + "9" * 400 + ', "name": "h2d"}]'}
+                "beyond_float.json": '[{"ph": "X", "ts": 0, "dur": ' + "9" * 400 + ', "name": "h2d"}]',
+                "key_twice.json": '{"name": "a", "name": "b"}'}
     for name, text in contents.items():
         (d / name).write_text(text)
     (d / "binary.json").write_bytes(b"\xff\xfe\x00\x81garbage")
@@ -176,6 +177,8 @@ MISTAKES = [
     (["plan", "--compare", "{d}/deep.json"], "plan", "not JSON (arrays or objects nested too deeply"),
     (["plan", "--profile", "{d}/deep.json"], "plan", "not JSON (arrays or objects nested too deeply"),
     (["plan", "--profile", "{d}/long_number.json"], "plan", "not JSON (a number of 5000 digits"),
+    (["plan", "--profile", "{d}/key_twice.json"], "plan",
+     "hardware profile '{d}/key_twice.json': key 'name' appears more than once in one object; keep one"),
     (["trace"], "trace", "the following arguments are required: file"),
     (["trace", ""], "trace", "'': No such file"),
     (["doctor", "--device", "bogus"], "doctor", "argument --device: 'bogus' is not a device"),
