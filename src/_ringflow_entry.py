@@ -31,6 +31,8 @@ def main() -> int:
 def interrupted() -> int:
     """Say that the command was interrupted, as ``ringflow._cli.main`` does; returns the status."""
     command = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in COMMANDS else None
+    if sys.stderr is None:  # closed (2>&-): print(file=None) would write the line to stdout
+        return INTERRUPTED
     try:
         print(f"ringflow {command}: interrupted" if command else "ringflow: interrupted", file=sys.stderr)
     except (KeyboardInterrupt, OSError):  # pressed again, or stderr is gone: the status says it

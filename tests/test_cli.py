@@ -102,7 +102,8 @@ def bad_files(tmp_path_factory):
                 "deep_events.json": '{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}",
                 "long_number.json": '[{"ph": "X", "ts": 0, "dur": ' + "9" * 5000 + ', "name": "h2d"}]',
                 # valid JSON, beyond a float's range: float arithmetic on it raised OverflowError
-                "beyond_float.json": '[{"ph": "X", "ts": 0, "dur": ' + "9" * 400 + ', "name": "h2d"}]'}
+                "beyond_float.json": '[{"ph": "X", "ts": 0, "dur": ' + "9" * 400 + ', "name": "h2d"}]',
+                "key_twice.json": '{"name": "a", "name": "b"}'}
     for name, text in contents.items():
         (d / name).write_text(text)
     (d / "binary.json").write_bytes(b"\xff\xfe\x00\x81garbage")
@@ -176,6 +177,8 @@ MISTAKES = [
     (["plan", "--compare", "{d}/deep.json"], "plan", "not JSON (arrays or objects nested too deeply"),
     (["plan", "--profile", "{d}/deep.json"], "plan", "not JSON (arrays or objects nested too deeply"),
     (["plan", "--profile", "{d}/long_number.json"], "plan", "not JSON (a number of 5000 digits"),
+    (["plan", "--profile", "{d}/key_twice.json"], "plan",
+     "hardware profile '{d}/key_twice.json': key 'name' appears more than once in one object; keep one"),
     (["trace"], "trace", "the following arguments are required: file"),
     (["trace", ""], "trace", "'': No such file"),
     (["doctor", "--device", "bogus"], "doctor", "argument --device: 'bogus' is not a device"),
@@ -370,6 +373,72 @@ def test_a_closed_stdout_is_an_error_in_a_fresh_process():
                           env=env, preexec_fn=lambda: os.close(1))
     check_one_line(proc.returncode, proc.stderr, "plan", "cannot write the output to standard output")
     assert proc.returncode == 1
+
+
+@pytest.mark.parametrize("args, command, status, debug", [
+    (["plan", "--profile", "{d}/missing.json"], "plan", 1, False),
+    (["plan", "--profile", "{d}/missing.json"], "plan", 1, True),  # the traceback too
+    (["trace", "{d}/corrupt.json"], "trace", 1, False),
+    (["plan", "--bytes", "abc"], "plan", 2, False),
+], ids=["error", "error with traceback", "trace error", "usage"])
+def test_a_closed_stderr_keeps_errors_out_of_stdout(bad_files, monkeypatch, capsys, args, command, status, debug):
+    """A process started with its stderr closed (``ringflow plan 2>&-``) has ``sys.stderr`` None,
+    and ``print(file=None)`` writes to stdout: the error line landed in the command's output.
+    Nothing is left to say it on; the exit status does."""
+    monkeypatch.delenv("RINGFLOW_DEVICE", raising=False)
+    monkeypatch.setenv("RINGFLOW_DEBUG", "1" if debug else "0")
+    monkeypatch.setattr(sys, "stderr", None)
+    code = main([a.replace("{d}", str(bad_files)) for a in args])
+    out, _ = capsys.readouterr()
+    assert (code, out) == (status, ""), (code, out)
+    assert sys.stderr is None
+
+
+def test_a_closed_stderr_keeps_warning_lines_out_of_stdout(monkeypatch, capsys):
+    """The warning lines (a warning, a record of the library's logger) go where the error lines
+    go: not into the command's output."""
+    import logging
+    import warnings
+
+    import ringflow._cli as cli
+
+    def plan_that_warns(args):
+        warnings.warn("a warning of the command", RuntimeWarning)
+        logging.getLogger("ringflow").warning("a warning the library logs")
+        print("the output")
+        return 0
+
+    monkeypatch.setattr(cli, "_plan", plan_that_warns)
+    monkeypatch.setattr(sys, "stderr", None)
+    code = main(["plan"])
+    out, _ = capsys.readouterr()
+    assert (code, out) == (0, "the output\n"), (code, out)
+
+
+def test_a_closed_stderr_keeps_the_entry_points_interrupted_line_out_of_stdout(monkeypatch, capsys):
+    """A Ctrl-C before the command line is parsed is said by the entry point: not into stdout
+    either."""
+    import _ringflow_entry
+
+    import ringflow._cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    monkeypatch.setattr(sys, "argv", ["ringflow", "bench", "--quick"])
+    monkeypatch.setattr(sys, "stderr", None)
+    assert _ringflow_entry.main() == 130
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="closes a POSIX file descriptor")
+def test_a_closed_stderr_keeps_errors_out_of_stdout_in_a_fresh_process(bad_files):
+    env = {k: v for k, v in os.environ.items() if k not in ("RINGFLOW_DEVICE", "RINGFLOW_DEBUG")}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "ringflow", "plan", "--profile", str(bad_files / "missing.json")],
+                          stdout=subprocess.PIPE, text=True, timeout=120, env=env, preexec_fn=lambda: os.close(2))
+    assert (proc.returncode, proc.stdout) == (1, ""), (proc.returncode, proc.stdout)
 
 
 def test_usage_mistakes_exit_2():

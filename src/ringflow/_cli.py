@@ -10,7 +10,8 @@ A mistake on the command line or in a file it names is reported as one line on s
 * exit 130: interrupted (Ctrl-C).
 
 Anything else is a bug in ringflow: one line says so, and ``RINGFLOW_DEBUG=1`` shows the
-traceback.
+traceback. With stderr closed (``2>&-``) these lines are dropped, never written to stdout: the
+exit status alone tells.
 """
 
 from __future__ import annotations
@@ -509,6 +510,16 @@ class _ClosedStdout(io.TextIOBase):
         raise OSError(errno.EBADF, os.strerror(errno.EBADF))
 
 
+class _ClosedStderr(io.TextIOBase):
+    """``sys.stderr`` for a process started with its stderr closed (``2>&-``), where Python sets
+    it to None and ``print(..., file=None)`` writes to stdout: an error or warning line would land
+    in the command's output. Each write is dropped: there is nowhere left to say it, and the exit
+    status still tells."""
+
+    def write(self, text):
+        return len(text)
+
+
 def _named(exc: OSError) -> OSError:
     """``exc`` (of its own type: a BrokenPipeError stays one) with the file name :data:`STDOUT`,
     where it has an errno and no file name."""
@@ -546,6 +557,22 @@ def _stdout_for_the_command() -> Iterator[None]:
                 stream.reconfigure(errors=errors)
 
 
+@contextlib.contextmanager
+def _stderr_for_the_command() -> Iterator[None]:
+    """Within the block, a closed stderr (``sys.stderr`` None) is a :class:`_ClosedStderr`, so
+    that the error and warning lines, the traceback ``RINGFLOW_DEBUG`` asks for and argparse's
+    messages are dropped rather than printed to stdout; restored after."""
+    if sys.stderr is not None:
+        yield
+        return
+    closed = sys.stderr = _ClosedStderr()
+    try:
+        yield
+    finally:
+        if sys.stderr is closed:
+            sys.stderr = None
+
+
 def _traceback_if(debug: bool) -> None:
     """Print the exception being handled, with its traceback, when ``RINGFLOW_DEBUG`` asks."""
     if debug:
@@ -556,17 +583,18 @@ def _traceback_if(debug: bool) -> None:
 
 def main(argv: "list[str] | None" = None) -> int:
     """Run the command line; returns the exit status (see the module docstring)."""
-    parser = build_parser()
-    debug = os.environ.get(DEBUG_VAR, "").strip() not in ("", "0")
-    parsed: list = []
-    words = sys.argv[1:] if argv is None else argv
-    # a subcommand's help names it, as its errors do; the top-level parser takes only options
-    named = words[0] if words and words[0] in parser._ringflow_commands else None  # type: ignore[attr-defined]
-    status = _guarded(f"ringflow {named}" if named else "ringflow", debug, lambda: _parse(parser, argv, parsed))
-    if not parsed:
-        return status
-    args = parsed[0]
-    return _guarded(f"ringflow {args.command}", debug, lambda: args.func(args))
+    with _stderr_for_the_command():
+        parser = build_parser()
+        debug = os.environ.get(DEBUG_VAR, "").strip() not in ("", "0")
+        parsed: list = []
+        words = sys.argv[1:] if argv is None else argv
+        # a subcommand's help names it, as its errors do; the top-level parser takes only options
+        named = words[0] if words and words[0] in parser._ringflow_commands else None  # type: ignore[attr-defined]
+        status = _guarded(f"ringflow {named}" if named else "ringflow", debug, lambda: _parse(parser, argv, parsed))
+        if not parsed:
+            return status
+        args = parsed[0]
+        return _guarded(f"ringflow {args.command}", debug, lambda: args.func(args))
 
 
 def _parse(parser: argparse.ArgumentParser, argv: "list[str] | None", parsed: list) -> int:

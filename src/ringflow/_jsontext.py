@@ -6,6 +6,9 @@ made fit to write as JSON (:func:`plain`).
 than the interpreter's recursion limit (a RecursionError, which a caller would take for a bug)
 and an integer longer than Python converts (a ValueError whose advice, to raise the interpreter's
 limit, is not the user's to follow).
+
+It also keeps the last of two values an object gives one key, without a word: a reader that must
+not guess which was meant asks for ``unique_keys`` (:class:`DuplicateKeyError`).
 """
 
 from __future__ import annotations
@@ -20,23 +23,35 @@ NESTING = 512  # the depth a message points at; the parser itself gives up near 
 _LONG_INT = re.compile(r"-?\d{4000,}")
 
 
-def loads(text: "str | bytes") -> Any:
-    """``json.loads(text)``, every failure a :class:`json.JSONDecodeError`.
+class DuplicateKeyError(ValueError):
+    """An object of the JSON text gives :attr:`key` more than once."""
+
+    def __init__(self, key: str):
+        super().__init__(f"the key {key!r} appears more than once in one object")
+        self.key = key
+
+
+def loads(text: "str | bytes", *, unique_keys: bool = False) -> Any:
+    """``json.loads(text)``, every failure a :class:`json.JSONDecodeError`; with
+    ``unique_keys``, an object that gives a key twice is refused (``json.loads`` keeps the last
+    value).
 
     Raises:
         json.JSONDecodeError: not JSON, nested too deeply, or a number too long to convert;
             the message and position say which and where.
+        DuplicateKeyError: ``unique_keys`` and an object gives a key more than once (the first
+            such object the parser finishes; the error names the key).
         UnicodeDecodeError, TypeError: as :func:`json.loads` (bytes that are not text, or
             not a string at all).
     """
     try:
-        return json.loads(text, parse_int=_integer)
+        return json.loads(text, parse_int=_integer, object_pairs_hook=_unique if unique_keys else None)
     except RecursionError:
         doc = _as_text(text)
         raise json.JSONDecodeError(f"arrays or objects nested too deeply (more than {NESTING} levels)", doc,
                                    _deep_at(doc)) from None
     except ValueError as exc:
-        if isinstance(exc, json.JSONDecodeError):
+        if isinstance(exc, (json.JSONDecodeError, DuplicateKeyError)):
             raise
         doc = _as_text(text)
         found = _LONG_INT.search(doc)
@@ -75,6 +90,19 @@ def _integer(digits: str) -> "int | float":
         except OverflowError:
             return math.inf if value > 0 else -math.inf
     return value
+
+
+def _unique(pairs: list) -> dict:
+    """An object's ``(key, value)`` pairs as a dict, or :class:`DuplicateKeyError` for the first
+    key given again."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen: set = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKeyError(key)
+            seen.add(key)
+    return obj
 
 
 def _as_text(text: "str | bytes") -> str:

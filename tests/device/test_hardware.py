@@ -178,6 +178,27 @@ def test_a_file_that_is_no_profile_says_so(tmp_path, content, phrase):
     assert isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize("key", ["name", "duplex_GBps", "GTps"])
+def test_a_key_given_twice_is_refused_naming_it_and_the_file(tmp_path, key):
+    """JSON readers keep the last of two values of one key without a word: a profile edited by
+    hand with a field added rather than changed planned with whichever came last."""
+    text = MEASURED.to_json()
+    first = text.index(f'"{key}":')
+    line_end = text.index("\n", first)
+    doubled = text[:line_end] + "\n" + text[first:line_end] + text[line_end:]  # the line again, after itself
+    assert doubled.count(f'"{key}":') == 2 and json.loads(doubled)  # JSON all the same
+    path = tmp_path / "twice.json"
+    path.write_text(doubled)
+    for load in (lambda: get_profile(str(path)), lambda: rf.device("sim", profile=str(path))):
+        with pytest.raises(ProfileError) as info:
+            load()
+        message = str(info.value)
+        assert message.startswith(f"hardware profile {str(path)!r}: "), message
+        assert f"'{key}' appears more than once" in message and "keep one" in message, message
+    with pytest.raises(ProfileError, match=f"^p.json: key '{key}' appears more than once"):
+        HardwareProfile.from_json(doubled, source="p.json")
+
+
 def test_binary_missing_and_folder_files_are_refused(tmp_path):
     (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00\x81")
     with pytest.raises(ProfileError, match="not a text file"):

@@ -498,6 +498,33 @@ def test_pinned_buffers_must_be_the_memory_behind_x_and_out(dev, pinned, door, e
     assert np.array_equal(out, expected(data()))
 
 
+@pytest.mark.parametrize("engine", ["auto", "direct", "pipeline"])
+@pytest.mark.parametrize("door", WHOLE_ARRAY_DOORS)
+def test_pinned_buffers_of_another_device_are_refused_by_name(dev, door, engine):
+    """Another device's pinned memory cannot be copied from on this one: the call refuses it up
+    front, naming the argument and what to pass instead, rather than failing mid-call in a
+    stream operation that names a buffer and not the argument."""
+    other = unit_device()
+    mine = {name: dev.allocate_host(N * 4) for name in ("x", "out")}
+    theirs = {name: other.allocate_host(N * 4) for name in ("x", "out")}
+    for name in ("x", "out"):
+        theirs[name].view(np.float32)[:] = mine[name].view(np.float32)[:] = data()
+    cases = [("x_buffer", theirs["x"], mine["out"]), ("out_buffer", mine["x"], theirs["out"])]
+    try:
+        for name, x_buffer, out_buffer in cases:
+            x, out = x_buffer.view(np.float32), out_buffer.view(np.float32)
+            with pytest.raises(ValueError) as info:
+                call(door, dev, x, out, engine=engine, chunk_bytes=64, x_buffer=x_buffer, out_buffer=out_buffer)
+            message = str(info.value)
+            assert named(message) >= {name}, (name, message)
+            assert "another device" in message and "allocate_host" in message and "device=" in message, message
+        assert dev.live().host_buffers == len(mine) and other.live().host_buffers == len(theirs)
+    finally:
+        for buf in [*mine.values(), *theirs.values()]:
+            buf.close()
+    assert settle(other) == 0, f"left live on the buffers' device: {other.live()}"
+
+
 # -- 6. a MapJob dropped without close() ------------------------------------------------------------------------------
 @pytest.mark.parametrize("setting", ENGINE_SETTINGS)
 def test_mapjob_dropped_without_close_warns_and_releases(dev, setting):

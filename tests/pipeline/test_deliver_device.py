@@ -436,6 +436,43 @@ def test_a_wait_only_a_release_can_end_says_which_results_to_release(driver_warn
     pipe.close()
 
 
+def test_a_wait_only_a_release_can_end_is_also_a_runtime_warning(driver_warnings):
+    """The library's logger has only a NullHandler, so the log record alone reaches nobody who
+    has not set up logging: the same message comes as a RuntimeWarning (shown by Python's default
+    filters), once for the same held results."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pipe = _one_slot_pipeline(6)
+        held = pipe.submit(np.ones(4, np.float32)).result(timeout=10)
+        waiter = start(pipe.submit(np.ones(4, np.float32)).result)
+        assert driver_warnings.arrived.wait(JOIN_S), "no warning while a wait could only end by a release"
+        held.release()
+        (second,) = join([waiter], timeout=30)  # past the warning: its thread went on to compute it
+        second.release()
+        pipe.close()
+    shown = [w for w in seen if "not yet released" in str(w.message)]
+    assert len(shown) == 1, [str(w.message) for w in seen]
+    assert shown[0].category is RuntimeWarning
+    assert str(shown[0].message) == driver_warnings.records[0].getMessage()
+    assert "not yet released (chunks 0)" in str(shown[0].message) and "release" in str(shown[0].message)
+
+
+def test_the_held_results_warning_made_an_error_does_not_stop_the_pipeline(driver_warnings):
+    """Under ``-W error`` the warning is not raised on the progress thread (which would die of
+    it): the log record still says it, and the release lets the wait go on."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe = _one_slot_pipeline(6)
+        held = pipe.submit(np.ones(4, np.float32)).result(timeout=10)
+        waiter = start(pipe.submit(np.ones(4, np.float32)).result)
+        assert driver_warnings.arrived.wait(JOIN_S), "no warning while a wait could only end by a release"
+        held.release()
+        (second,) = join([waiter], timeout=30)
+        second.release()
+        pipe.close()
+    assert pipe.stats().delivered == 2 and pipe.stats().in_flight == 0
+
+
 def _ungated(pipe) -> None:
     """The simulated GPU's progress thread run as a real GPU's is: whenever there is work, with no
     record of who waits through a future (a done-callback, a waiter, an await)."""

@@ -248,13 +248,19 @@ class HardwareProfile:
         """A profile from :meth:`to_json`'s text; see :meth:`from_dict`.
 
         Raises:
-            ProfileError: the text is not JSON, or not a valid profile (the message says where).
+            ProfileError: the text is not JSON, gives a key twice in one object, or is not a
+                valid profile (the message says where).
         """
         try:
-            data = jsontext.loads(text)
+            data = jsontext.loads(text, unique_keys=True)
         except json.JSONDecodeError as exc:
             raise ProfileError(f"{source}: not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
                                "a hardware profile is the JSON file ringflow doctor --save writes") from None
+        except jsontext.DuplicateKeyError as exc:
+            # JSON readers keep one of the values and drop the other without a word: which was
+            # meant is the file's writer's to say
+            raise ProfileError(f"{source}: key '{controls_escaped(exc.key)}' appears more than once in one object; "
+                               "keep one of them, with the value you mean") from None
         except (UnicodeDecodeError, TypeError):
             raise ProfileError(f"{source}: not a text file; a hardware profile is the JSON file ringflow doctor "
                                "--save writes") from None

@@ -340,6 +340,12 @@ class Buffer(_ClosedOnExit):
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def owner(self) -> "Device | None":
+        """The device that allocated or registered this buffer, the only one whose streams may
+        use it; None where the backend does not say."""
+        return None
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{self!r} is closed; allocate a new buffer instead of reusing a closed one")

@@ -32,6 +32,7 @@ import contextlib
 import logging
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Optional
 
@@ -521,10 +522,11 @@ class _Driver:
                 pass  # done meanwhile (cancelled by its caller)
 
     def _warn_if_held(self, held: list, waiting: bool) -> None:
-        """Log a warning once waits have found the same device results holding every slot for
-        :data:`_HELD_WARN_S` (wall-clock) seconds in a row: a thread that waits for more results
-        while keeping these waits for ever unless another thread releases them. ``waiting``:
-        someone waits now (the clock restarts whenever nobody does)."""
+        """Log a warning, and issue it as a :class:`RuntimeWarning`, once waits have found the same
+        device results holding every slot for :data:`_HELD_WARN_S` (wall-clock) seconds in a row:
+        a thread that waits for more results while keeping these waits for ever unless another
+        thread releases them. ``waiting``: someone waits now (the clock restarts whenever nobody
+        does)."""
         key = tuple(held)
         now = time.monotonic()
         if not waiting:
@@ -542,11 +544,17 @@ class _Driver:
             return
         self._held_warned = True  # once for these results
         shown = ", ".join(map(str, held[:8])) + (", ..." if len(held) > 8 else "")
-        logger.warning(
-            "a wait on the pipeline has found every device slot held for %.0f s by results delivered on the "
-            "device and not yet released (chunks %s); nothing more can be computed until one is: release each "
-            "result once done with it (`with res as y:`, res.release(stream), or drop it), or cancel() the "
-            "pipeline", _HELD_WARN_S, shown)
+        message = (f"a wait on the pipeline has found every device slot held for {_HELD_WARN_S:.0f} s by results "
+                   f"delivered on the device and not yet released (chunks {shown}); nothing more can be computed "
+                   f"until one is: release each result once done with it (`with res as y:`, res.release(stream), "
+                   f"or drop it), or cancel() the pipeline")
+        logger.warning("%s", message)
+        # the library's logger has only a NullHandler: without a warning too, nobody who has not
+        # set up logging would learn why the wait never ends
+        try:
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        except Exception:  # noqa: BLE001 - warnings made errors (-W error): the driver must go on; the log has it
+            pass
 
     def _wait_for_release(self, longest: float) -> float:
         """Every slot is held by device results not yet released and a wait is on: only another

@@ -28,7 +28,7 @@ from .. import _plan as plan
 from .._device import device as make_device
 from .._device import device_label, device_list
 from .._device import host_pool
-from .._device.protocol import Device, HostBuffer, check_device_dtype, close_quietly
+from .._device.protocol import Device, HostBuffer, check_device_dtype, close_quietly, device_names
 from .._errors import StageError
 from .._testing import current as current_hooks
 from . import call_memo, warm
@@ -86,8 +86,9 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
         host: how ordinary host memory reaches the copy engines: ``"stage"`` copies each chunk
             through pinned rings on CPU workers; ``"register"`` pins ``x`` and ``out`` in place for
             the call; ``"auto"`` picks by the planner's model.
-        x_buffer: pinned memory whose bytes are ``x`` (``device.allocate_host`` or
-            ``device.register_host``); with ``out_buffer``, nothing is staged or registered.
+        x_buffer: pinned memory whose bytes are ``x`` (``allocate_host`` or ``register_host``
+            of the call's device; another device's is refused); with ``out_buffer``, nothing
+            is staged or registered.
             Found without asking for an ``x`` from :func:`ringflow.host.empty` of the call's
             device (unless ``host="stage"``), and then used in place even where ``out`` is
             registered.
@@ -604,7 +605,8 @@ class MapLayout:
         Raises:
             TypeError: ``x_buffer`` or ``out_buffer`` that is not a host buffer.
             ValueError: a row larger than a chunk, half a pair of pinned buffers, pinned buffers
-                without ``out`` or that are not ``x``'s and ``out``'s memory, or registration of
+                of another device than ``dev``, without ``out`` or that are not ``x``'s and
+                ``out``'s memory, or registration of
                 strided arrays, of another device's pool memory or of a view into pool memory
                 (``host="register"``).
         """
@@ -629,6 +631,14 @@ class MapLayout:
                 if not getattr(buf, "is_host", False):
                     raise TypeError(f"{name} must be a host buffer from device.allocate_host or device.register_host, "
                                     f"got {type(buf).__name__}")
+                owner = getattr(buf, "owner", None)
+                if owner is not None and owner is not dev:
+                    # only the device that pinned it may copy from it: its streams would refuse
+                    # it mid-call, in words that name a buffer and not the argument
+                    here, there = device_names(dev, owner)
+                    raise ValueError(f"{name} is pinned memory of another device: the call runs on {here}, the "
+                                     f"buffer is of {there}; pass a buffer from allocate_host or register_host of "
+                                     f"the call's device, or device= the buffer's device")
                 if not buf.holds(arr):
                     raise ValueError(f"{name} must be the pinned memory behind {name[:-7]} (C-contiguous, starting at "
                                      f"the buffer's first byte): make it with buffer.view(...) or register_host")

@@ -83,6 +83,17 @@ class Chain:
         s.copy(self.hout, self.dout)
 
 
+def test_each_buffer_names_the_device_that_made_it(dev):
+    """``owner``: the only device whose streams may use the buffer (what a call checks its
+    pinned-buffer arguments against)."""
+    other = unit_device()
+    registered = np.zeros(16, np.float32)
+    bufs = [dev.allocate_host(8), dev.register_host(registered), dev.allocate(8), other.allocate_host(8)]
+    assert [b.owner for b in bufs] == [dev, dev, dev, other] and bufs[0].owner is dev and bufs[3].owner is other
+    for b in bufs:
+        b.close()
+
+
 # -- the correct chain, and each hazard of the issue ---------------------------------------------------------------
 def test_three_stream_chain_round_trips_bit_exact(dev, x):
     c = Chain(dev, x)

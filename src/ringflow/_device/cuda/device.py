@@ -449,6 +449,11 @@ class ForeignDeviceBuffer(DeviceBuffer):
         self._ptr = ptr
         self._owner = owner
 
+    @property
+    def owner(self) -> "CudaDevice":
+        """The device the memory is on (``_owner`` is the framework's array that holds it)."""
+        return self._device
+
     def close(self, stream: Any = None) -> None:
         self._closed = True
         self._owner = None

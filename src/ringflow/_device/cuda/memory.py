@@ -54,6 +54,10 @@ class _CudaHostBuffer(HostBuffer):
         self._base: np.ndarray | None = base  # 1-D uint8 over the whole allocation
 
     @property
+    def owner(self) -> "CudaDevice":
+        return self._device
+
+    @property
     def ptr(self) -> int:
         """Address of the first byte (valid on the host and, with unified addressing, the device)."""
         self._check_open()
@@ -245,6 +249,10 @@ class CudaDeviceBuffer(DeviceBuffer):
         self._device = device
         self._ptr = int(self._cc.handle)
         self._finalizer = device._live.track(self, "device_buffers")
+
+    @property
+    def owner(self) -> "CudaDevice":
+        return self._device
 
     @property
     def ptr(self) -> int:

@@ -42,6 +42,10 @@ class _SimBufferMixin:
     _mem: np.ndarray
     label: str
 
+    @property
+    def owner(self) -> "SimDevice":
+        return self._dev
+
     def _access(self, kind: AccessKind, start: int, end: int, op: str, actor=None, tick: bool = True) -> None:
         self._dev._check_access(self, kind, start, end, op, actor=actor, tick=tick)
 
