@@ -12,6 +12,7 @@ def _cuda() -> tuple[bool, str]:
 
 
 def pytest_collection_modifyitems(config, items):
+    _group_for_workers(items)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return
@@ -21,6 +22,26 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason=f"no usable CUDA GPU: {reason}")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+# Tests that must not run beside one another when pytest-xdist spreads the suite over processes
+# (``-n auto --dist loadgroup``, the README's command): each group runs on one worker, in order.
+# GPU tests share the one GPU and some time it; Ray tests each start a local Ray instance, and two
+# at once on a small machine starve both.
+_SERIAL_GROUPS = (
+    ("gpu", lambda item: "gpu" in item.keywords),
+    ("ray", lambda item: item.path.name == "test_ray.py" or "_ray_" in item.name),  # the Ray example too
+)
+
+
+def _group_for_workers(items) -> None:
+    """Give each test of a serial group pytest-xdist's ``xdist_group`` marker (harmless without
+    pytest-xdist, and with it under any other ``--dist``)."""
+    for item in items:
+        for name, member in _SERIAL_GROUPS:
+            if member(item):
+                item.add_marker(pytest.mark.xdist_group(name))
+                break
 
 
 @pytest.fixture
