@@ -411,8 +411,8 @@ def test_the_gen4_profile_halves_the_link_and_keeps_the_rest():
     for name in ("launch_overhead_s", "copy_overhead_s", "event_overhead_s", "host_task_overhead_s"):
         assert getattr(g4, name) == pytest.approx(getattr(g5, name) * 1.25)
     for name in ("device_GBps", "kernel_min_s", "host_copy_GBps", "register_GBps", "register_fresh_GBps",
-                 "unregister_GBps", "first_touch_GBps", "async_engine_count", "sm_count", "compute_capability",
-                 "total_memory"):
+                 "unregister_GBps", "first_touch_GBps", "staging_GBps", "async_engine_count", "sm_count",
+                 "compute_capability", "total_memory"):
         assert getattr(g4, name) == getattr(g5, name), name
 
 

@@ -449,7 +449,8 @@ H200_PCIE5 = HardwareProfile(
     compute_capability=(9, 0),
     total_memory=141 * 10**9,
     pcie_link=(32.0, 16),  # PCIe Gen5 x16
-    staging_GBps=((1, 15.5),),  # one rate for any number of threads, as version 2 read it
+    # (threads, GB/s): the H200 host's own curve, measured by ringflow doctor --save on it
+    staging_GBps=((1, 2.76), (2, 5.13), (4, 9.09), (8, 12.4), (16, 16.9)),
 )
 
 # How much longer a host-side call takes on the host a Gen4 GPU sits in (see pcie4_x16).

@@ -2,6 +2,7 @@
 whose copy rate they split while declared copying at once, and whose pinned memory no two of them
 hold; a plain simulated GPU stands alone on a host of its own, timed exactly as before."""
 
+import dataclasses
 import gc
 
 import numpy as np
@@ -59,16 +60,21 @@ def test_named_sims_share_one_host_and_every_other_sim_has_its_own():
 # -- the rate each device gets ---------------------------------------------------------------------------------------
 def test_a_device_alone_on_its_host_is_charged_exactly_the_profiles_rate():
     nbytes = 64 * MiB
-    for dev in (rf.device("sim", checked=False), SimDevice(H200, checked=False)):
+    # a profile with no staging rate: its host copies are timed by the memcpy curve alone
+    memcpy_only = dataclasses.replace(plan.get_profile(H200), name="no-staging-rate", staging_GBps=None)
+    assert all(memcpy_only.staging_copy_rate(k) == memcpy_only.host_copy_rate(k) for k in (1, 2, 3, 4))
+    for dev in (rf.device("sim", checked=False), SimDevice(H200, checked=False), SimDevice(memcpy_only, checked=False)):
         p = dev.hardware
-        # the formulas before the host existed, bit for bit
-        assert host_copy_seconds(dev, nbytes) == nbytes / (p.host_copy_rate(python_copy_threads(nbytes)) * 1e9)
+        # the profile's rate for so many threads (HardwareProfile.staging_copy_rate: the memcpy
+        # curve, capped at twice the staging curve where the profile has one), bit for bit: no
+        # share of it taken; with no staging rate, the formulas before the host existed
+        assert host_copy_seconds(dev, nbytes) == nbytes / (p.staging_copy_rate(python_copy_threads(nbytes)) * 1e9)
         # a pool task copies at its share of the rate of the pool's tasks running as it starts:
         # alone, one thread's; the k-th of four started at once, k threads' share
         assert task_seconds(dev, 4, nbytes) == pytest.approx(
-            p.host_task_overhead_s + nbytes / (p.host_copy_rate(1) * 1e9), rel=1e-12)
+            p.host_task_overhead_s + nbytes / (p.staging_copy_rate(1) * 1e9), rel=1e-12)
         assert task_seconds(dev, 4, nbytes, tasks=4) == pytest.approx(
-            [p.host_task_overhead_s + nbytes / (p.host_copy_rate(k) / k * 1e9) for k in (1, 2, 3, 4)], rel=1e-12)
+            [p.host_task_overhead_s + nbytes / (p.staging_copy_rate(k) / k * 1e9) for k in (1, 2, 3, 4)], rel=1e-12)
 
 
 def test_a_device_gets_its_share_of_the_rate_while_others_are_declared_copying():
@@ -84,8 +90,9 @@ def test_a_device_gets_its_share_of_the_rate_while_others_are_declared_copying()
                 nbytes / (min(p.host_copy_rate(t + 4), 2 * p.staging_rate(t + 4)) * t / (t + 4) * 1e9))
             shared_task = task_seconds(a, 4, nbytes)
             # the task copies alone in its pool, beside the other device's 4 threads
-            assert shared_task == pytest.approx(p.host_task_overhead_s + nbytes / (p.host_copy_rate(5) / 5 * 1e9))
-            assert shared_task > 1.3 * alone_task  # 1 + 4 threads copy about 23 GB/s, not 10 + 21
+            assert shared_task == pytest.approx(
+                p.host_task_overhead_s + nbytes / (min(p.host_copy_rate(5), 2 * p.staging_rate(5)) / 5 * 1e9))
+            assert shared_task > 1.3 * alone_task  # 1 + 4 threads copy about 20 GB/s, not 5.5 + 18
             with a.sharing_host(16):  # a device's own declaration leaves its own rate alone
                 assert task_seconds(a, 4, nbytes) == pytest.approx(shared_task, rel=1e-12)
             with c.sharing_host(2), b.sharing_host(2):  # declarations add up

@@ -2,10 +2,12 @@
 
 GPUs of one host each have a link of their own, but every host copy (a worker staging a chunk
 into pinned memory, a thread copying an item) goes through the one host memory. The profile's
-host copy rate is a curve of the aggregate rate by thread count, so a device copying with ``t``
-threads while the other devices of its host copy with ``u`` in all gets its share of the rate
-for ``t + u`` threads: ``host_copy_rate(t + u) * t / (t + u)``. With ``u = 0`` that is
-``host_copy_rate(t)``, bit for bit: a device alone on its host is timed as it always was.
+rate for host copies beside the GPU's (``HardwareProfile.staging_copy_rate``: the memcpy curve,
+capped at twice the staging curve where the profile has one) is a curve of the aggregate rate
+by thread count, so a device copying with ``t`` threads while the other devices of its host
+copy with ``u`` in all gets its share of the rate for ``t + u`` threads:
+``staging_copy_rate(t + u) * t / (t + u)``. With ``u = 0`` that is ``staging_copy_rate(t)``,
+bit for bit: a device alone on its host is timed as it always was.
 
 Which devices copy at once is *declared*, not read off the clocks. Each simulated GPU keeps a
 virtual clock of its own (one clock for all would make the threads that drive different
