@@ -41,6 +41,20 @@ def test_diagnose_hotpath(tmp_path):
     assert r["requests"]["p99_ms"] > 0 and r["setup"]["parts_us"]
 
 
+def test_call_start(tmp_path):
+    """Both faces timed to their first copy, and the profile cut off there: nothing after the
+    first copy (the copies themselves, the wait for the last one) is in it."""
+    r = run_script(tmp_path, "call_start.py", "--mib", "16", "--chunk-mib", "1", "--calls", "3", "--top", "1000")
+    assert set(r["faces"]) == {"stream_map", "MapJob"}
+    for face, s in r["faces"].items():
+        assert s["copies_per_call"] == 32  # 16 chunks, one copy in and one out each
+        assert 0 < s["to_first_copy_us"]["median"] < s["call_ms"]["median"] * 1e3
+        functions = [row["function"] for row in s["before_first_copy_by_own_time"]]
+        assert not any("(sync)" in fn or "sim/stream.py" in fn and "(copy)" in fn for fn in functions), functions
+        top = "whole_array.py:52(stream_map)" if face == "stream_map" else "job.py"
+        assert any(top in fn for fn in functions), functions
+
+
 def test_diagnose_pageable(tmp_path):
     r = run_script(tmp_path, "diagnose_pageable.py", "--gib", "0.004", "--repeats", "1", "--no-floors",
                    "--trace", str(tmp_path / "trace.json"))

@@ -1,0 +1,122 @@
+"""What a warm whole-array call does before its first copy starts, on a real GPU.
+
+    python3 bench/call_start.py --device cuda:0 --out FILE [--mib 256] [--chunk-mib 16] [--calls 30]
+
+For ``stream_map`` and ``MapJob`` over the same pinned, in-place seed input (the direct engine,
+as ``ringflow bench``'s seed workload runs): per call, the host time from the call to the
+enqueueing of its first copy and the call's whole time (medians and ranges over ``--calls``
+warm calls); then a cProfile of the same calls cut off at each call's first copy, so that only
+the host work the GPU waits for is in it (functions by their own time per call). The copy
+engines idle for that time at the start of every call, where a hand-written program starts its
+first copy at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+from _script import header, pinned_random, write
+
+import ringflow as rf
+from ringflow._bench import kernels
+
+MiB = 1 << 20
+
+
+def first_copy_probe(dev):
+    """``(stamps, restore)``: every copy any stream of ``dev``'s kind enqueues appends its host
+    time to ``stamps`` (and calls ``stamps.on_first`` at a call's first copy) until ``restore()``."""
+    probe = dev.create_stream()
+    cls = type(probe)
+    probe.close()
+    original = cls.copy
+
+    class Stamps(list):
+        on_first = None
+
+    stamps = Stamps()
+
+    def copy(self, *args, **kwargs):
+        if not stamps and stamps.on_first is not None:
+            stamps.on_first()
+        stamps.append(time.perf_counter())
+        return original(self, *args, **kwargs)
+
+    cls.copy = copy
+    return stamps, lambda: setattr(cls, "copy", original)
+
+
+def spread(values: list) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--chunk-mib", type=int, default=16)
+    ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    dev = rf.device(args.device)
+    f = kernels.affine(64, numeric_iters=1 if dev.backend == "sim" else None)
+    hb, x = pinned_random(dev, args.mib)
+    chunk = args.chunk_mib * MiB
+    job = rf.MapJob(f, x, x, device=dev, chunk_bytes=chunk, x_buffer=hb, out_buffer=hb, inplace=True)
+
+    def stream_map():
+        rf.stream_map(f, x, x, device=dev, chunk_bytes=chunk, x_buffer=hb, out_buffer=hb, inplace=True)
+
+    out = {**header(dev.name if hasattr(dev, "name") else args.device), "device": args.device, "mib": args.mib,
+           "chunk_mib": args.chunk_mib, "calls": args.calls, "faces": {}}
+    stamps, restore = first_copy_probe(dev)
+    try:
+        for face, call in (("stream_map", stream_map), ("MapJob", job)):
+            for _ in range(5):  # warm: kernels loaded, pipelines and memo entries made
+                call()
+            to_first, whole = [], []
+            for _ in range(args.calls):
+                stamps.clear()
+                t0 = time.perf_counter()
+                call()
+                t1 = time.perf_counter()
+                to_first.append((stamps[0] - t0) * 1e6)
+                whole.append((t1 - t0) * 1e3)
+            prof = cProfile.Profile()
+            stamps.on_first = prof.disable
+            for _ in range(args.calls):
+                stamps.clear()
+                prof.enable()
+                call()
+                prof.disable()
+            stamps.on_first = None
+            stats = pstats.Stats(prof)
+            rows = sorted(((tt, nc, ct, func) for func, (_, nc, tt, ct, _) in stats.stats.items()), reverse=True)
+            out["faces"][face] = {
+                "to_first_copy_us": spread(to_first), "call_ms": spread(whole), "copies_per_call": len(stamps),
+                "before_first_copy_by_own_time": [
+                    {"function": f"{fn[0].rsplit('/src/', 1)[-1]}:{fn[1]}({fn[2]})", "calls_per_call": nc / args.calls,
+                     "own_us_per_call": tt / args.calls * 1e6, "cumulative_us_per_call": ct / args.calls * 1e6}
+                    for tt, nc, ct, fn in rows[:args.top]]}
+            s = out["faces"][face]
+            print(f"{face}: first copy after {s['to_first_copy_us']['median']:.1f} us (median; "
+                  f"{s['to_first_copy_us']['min']:.1f}-{s['to_first_copy_us']['max']:.1f}), call "
+                  f"{s['call_ms']['median']:.3f} ms", flush=True)
+            for r in s["before_first_copy_by_own_time"][:12]:
+                print(f"  {r['own_us_per_call']:8.1f} us own {r['cumulative_us_per_call']:8.1f} cum "
+                      f"{r['calls_per_call']:5.1f}x  {r['function']}", flush=True)
+    finally:
+        restore()
+        job.close()
+        rf.drop_warm_pipelines()
+        hb.close()
+    write(out, args.out)
+
+
+if __name__ == "__main__":
+    main()
