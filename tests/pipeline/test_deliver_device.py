@@ -439,20 +439,27 @@ def test_a_wait_only_a_release_can_end_says_which_results_to_release(driver_warn
     pipe.close()
 
 
+def _stall_until_warned_then_release(driver_warnings):
+    """A one-slot pipeline whose second result's wait can only end by a release, held until the
+    held-results warning arrives, then released; returns the closed pipeline."""
+    pipe = _one_slot_pipeline(6)
+    held = pipe.submit(np.ones(4, np.float32)).result(timeout=10)
+    waiter = start(pipe.submit(np.ones(4, np.float32)).result)
+    assert driver_warnings.arrived.wait(JOIN_S), "no warning while a wait could only end by a release"
+    held.release()
+    (second,) = join([waiter], timeout=30)  # past the warning: its thread went on to compute it
+    second.release()
+    pipe.close()
+    return pipe
+
+
 def test_a_wait_only_a_release_can_end_is_also_a_runtime_warning(driver_warnings):
     """The library's logger has only a NullHandler, so the log record alone reaches nobody who
     has not set up logging: the same message comes as a RuntimeWarning (shown by Python's default
     filters), once for the same held results."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        pipe = _one_slot_pipeline(6)
-        held = pipe.submit(np.ones(4, np.float32)).result(timeout=10)
-        waiter = start(pipe.submit(np.ones(4, np.float32)).result)
-        assert driver_warnings.arrived.wait(JOIN_S), "no warning while a wait could only end by a release"
-        held.release()
-        (second,) = join([waiter], timeout=30)  # past the warning: its thread went on to compute it
-        second.release()
-        pipe.close()
+        _stall_until_warned_then_release(driver_warnings)
     shown = [w for w in seen if "not yet released" in str(w.message)]
     assert len(shown) == 1, [str(w.message) for w in seen]
     assert shown[0].category is RuntimeWarning
@@ -465,14 +472,7 @@ def test_the_held_results_warning_made_an_error_does_not_stop_the_pipeline(drive
     it): the log record still says it, and the release lets the wait go on."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        pipe = _one_slot_pipeline(6)
-        held = pipe.submit(np.ones(4, np.float32)).result(timeout=10)
-        waiter = start(pipe.submit(np.ones(4, np.float32)).result)
-        assert driver_warnings.arrived.wait(JOIN_S), "no warning while a wait could only end by a release"
-        held.release()
-        (second,) = join([waiter], timeout=30)
-        second.release()
-        pipe.close()
+        pipe = _stall_until_warned_then_release(driver_warnings)
     assert pipe.stats().delivered == 2 and pipe.stats().in_flight == 0
 
 
