@@ -361,3 +361,50 @@ def test_a_compute_whose_cost_is_replaced_gets_an_engine_planned_for_the_new_cos
         hb_x.close()
         hb_y.close()
     assert lanes == [2, 1, 2]
+
+
+_FORK_WARM_STAGED = textwrap.dedent("""
+    import gc, os, signal, sys, warnings
+    import numpy as np
+    import ringflow as rf
+
+    def f(a, b):
+        b[...] = a * 2
+
+    x = np.arange(1 << 12, dtype=np.float32)
+    d = rf.device("sim")
+    for host in ("stage", "register"):  # a scheduled engine and a direct one parked
+        rf.stream_map(f, x, device=d, chunk_bytes=1 << 10, host=host)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gc.collect()  # the parent's engines, forgotten, close nothing of the parent's
+            y = rf.stream_map(f, x, device=rf.device("sim"), chunk_bytes=1 << 10, host="stage")
+            gc.collect()
+        sys.stdout.write(f"own device: {bool((y == x * 2).all())}\\n")
+        sys.stdout.write(f"warnings: {[str(w.message) for w in caught]}\\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert (rf.stream_map(f, x, device=d, chunk_bytes=1 << 10, host="stage") == x * 2).all()
+    print("child status", status)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_forked_child_forgets_the_parents_parked_engines_of_either_kind_touching_nothing():
+    """The cache holds engines, not pipelines: the child's fork hook asked each parked engine for
+    a method only a Pipeline has, failed on the first (an ignored AttributeError), and left the
+    parent's pipelines to the child's collector, which closed the parent's workers, rings and
+    streams from the child (a warning each). Every parked engine, scheduled or direct, is
+    forgotten, and the child says nothing."""
+    run = subprocess.run([sys.executable, "-c", _FORK_WARM_STAGED], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"})
+    out = run.stdout
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "child status 0" in out, out + run.stderr[-2000:]
+    assert "own device: True" in out and "warnings: []" in out, out
+    assert "Exception ignored" not in run.stderr and "Warning" not in run.stderr, run.stderr[-2000:]

@@ -126,15 +126,16 @@ WARM = WarmPipelines()
 
 
 def _forget_in_child() -> None:
-    """After fork(), in the child: the parked pipelines are the parent's (their threads are not
-    in the child, their device refuses it), so they are forgotten, touching nothing; the cache's
+    """After fork(), in the child: the parked engines are the parent's (their threads are not
+    in the child, their device refuses it), so each is forgotten, touching nothing (dropped
+    unforgotten, the collector would close the parent's pipelines from the child); the cache's
     lock may have been held by a parent's thread that is not in the child either. (Registered
     after :mod:`.reentry`'s count of forks, which each pipeline's forgetting reads.)"""
     WARM._lock = threading.Lock()
     MEMO.forget()  # its entries name the parent's devices
     parked, WARM._parked = WARM._parked, collections.OrderedDict()
-    for pipe, _ in parked.values():
-        pipe._forget_if_forked()
+    for engine, _ in parked.values():
+        engine.forget_forked()
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
