@@ -12,6 +12,9 @@ import os
 import pickle
 import signal
 import stat
+import subprocess
+import sys
+import textwrap
 import threading
 import warnings
 
@@ -912,3 +915,38 @@ def test_a_sharded_plot_into_a_text_file_is_refused_before_drawing(monkeypatch):
     monkeypatch.setattr(rf.Report, "plot", drawn)
     with pytest.raises(TypeError, match="plot: path must be a file name .*or an open binary file"):
         report.plot(io.StringIO())
+
+
+_FORK_SHARDS = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    import ringflow as rf
+
+    def f(a, b):
+        b[...] = a * 2
+
+    x = np.arange(1 << 14, dtype=np.float32)
+    assert (rf.stream_map(f, x, device=["sim:0", "sim:1"], chunk_bytes=1 << 12) == x * 2).all()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)  # a hang ends the child, and the parent reports its status
+        y = rf.stream_map(f, x, device=["sim:0", "sim:1"], chunk_bytes=1 << 12, keep_warm=False)
+        sys.stdout.write(f"child: {bool((y == x * 2).all())}\\n")
+        sys.stdout.flush()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert (rf.stream_map(f, x, device=["sim:0", "sim:1"], chunk_bytes=1 << 12) == x * 2).all()
+    print("child status", status)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_forked_child_runs_its_own_shards():
+    """The shard threads are shared by the process's calls and kept: a child forked after a call
+    over several devices inherited the pool without its threads, and the pool counted them idle,
+    so the child's first such call queued its shards for threads that do not exist and waited for
+    ever. The child starts a pool of its own."""
+    run = subprocess.run([sys.executable, "-c", _FORK_SHARDS], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "child status 0" in run.stdout and "child: True" in run.stdout, run.stdout + run.stderr[-2000:]
