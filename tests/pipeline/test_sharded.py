@@ -27,11 +27,13 @@ import ringflow as rf
 from ringflow import _device
 from ringflow import _plan as plan
 from ringflow._device.hardware import get_profile
+from ringflow._device.sim import host as sim_host
 from ringflow._errors import DeviceError, StageError
 from ringflow._pipeline import sharded, sizing
 from tests.helpers.hooks import engines
 from tests.helpers.interrupts import InterruptAt
 from tests.helpers.sim import named_sims
+from tests.helpers.threads import run_all
 
 MiB = 1 << 20
 
@@ -950,3 +952,36 @@ def test_a_forked_child_runs_its_own_shards():
                          env={**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"})
     assert run.returncode == 0, run.stderr[-2000:]
     assert "child status 0" in run.stdout and "child: True" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("host", ["register", "stage"])
+def test_two_calls_over_the_same_devices_at_once_both_return_their_results(monkeypatch, host):
+    """Two threads' calls over the same named devices, both declared copying before either ends:
+    with pinned memory a call declares no copy thread, and the first call to end took each
+    device's declaration away, so the second raised KeyError once its shards had all finished.
+    Both return their results."""
+    declared, lock, mine = threading.Event(), threading.Lock(), threading.local()
+    count = [0]
+    real = sim_host.SimHost.sharing
+
+    @contextlib.contextmanager
+    def counted(self, dev, threads):
+        with real(self, dev, threads):
+            with lock:
+                count[0] += 1
+                if count[0] == 4:  # both calls, each over both devices
+                    declared.set()
+            mine.entered = getattr(mine, "entered", 0) + 1
+            if mine.entered == 2:  # this call has declared both devices; no shard of it started yet
+                assert declared.wait(10), "the other call never declared its devices"
+            yield
+
+    monkeypatch.setattr(sim_host.SimHost, "sharing", counted)
+    with named_sims(46, 47, checked=True) as devs:
+        xs = [contents(1 << 12, seed) for seed in (1, 2)]
+        ys = run_all([lambda x=x: rf.stream_map(f, x, device=devs, chunk_bytes=1 << 12, host=host) for x in xs],
+                     timeout=30)
+        for x, y in zip(xs, ys):
+            assert np.array_equal(y, x * 2 + 1)
+        assert devs[0].host._declared == {}
+        assert_nothing_live(devs)
