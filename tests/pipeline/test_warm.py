@@ -2,10 +2,13 @@
 
 import gc
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import types
+import warnings
 import weakref
 
 import numpy as np
@@ -13,6 +16,7 @@ import pytest
 
 import ringflow as rf
 from tests.helpers.hooks import engines
+from tests.helpers.interrupts import InterruptAt
 from tests.helpers.threads import bounded
 from ringflow._errors import StageError
 from ringflow._pipeline import warm
@@ -408,3 +412,46 @@ def test_a_forked_child_forgets_the_parents_parked_engines_of_either_kind_touchi
     assert "child status 0" in out, out + run.stderr[-2000:]
     assert "own device: True" in out and "warnings: []" in out, out
     assert "Exception ignored" not in run.stderr and "Warning" not in run.stderr, run.stderr[-2000:]
+
+
+# the functions dropping the warm engines runs through: the cache's own, and with them each
+# engine's close (swept at points spread over it)
+_DROP_NAMES = ("drop_warm_pipelines", "drop", "_close")
+_CLOSE_NAMES = _DROP_NAMES + ("close", "close_quietly", "free_quietly", "settle", "_shut")
+
+
+@pytest.mark.parametrize("names, files, points", [(_DROP_NAMES, "/ringflow/_pipeline/warm.py", None),
+                                                  (_CLOSE_NAMES, "/ringflow/", 24)], ids=["cache", "closes"])
+def test_ctrl_c_anywhere_in_dropping_the_warm_engines_closes_each_or_leaves_it_parked(names, files, points):
+    """A Ctrl-C after the cache had let go of its engines and before each was closed left them to
+    the garbage collector (their streams and device rings collected unclosed, their pipelines'
+    finalisers closing the rest). Dropping is shielded: a Ctrl-C is raised once every engine
+    taken out is closed, and those not taken out stay parked for the next drop."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("sends SIGINT to the main thread under Python's default handler")
+    dev = rf.device("sim", seed=4, checked=True)
+    x = fresh(1 << 12, 4)
+
+    def park_two():  # a scheduled engine and a direct one
+        for host in ("stage", "register"):
+            np.testing.assert_array_equal(rf.stream_map(f, x, device=dev, chunk_bytes=1 << 11, host=host), x * 2 + 1)
+
+    park_two()
+    with InterruptAt(10 ** 9, names, files=(files,), sigint=True) as counting:
+        assert rf.drop_warm_pipelines() == 2
+    assert counting.seen > 20, counting.seen
+    sweep = range(counting.seen) if points is None else np.linspace(0, counting.seen - 1, points).astype(int)
+    for n in map(int, sweep):
+        park_two()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with InterruptAt(n, names, files=(files,), sigint=True) as at:
+                with pytest.raises(KeyboardInterrupt):
+                    rf.drop_warm_pipelines()
+            assert at.fired == 1, n
+            rf.drop_warm_pipelines()  # what the interrupted drop left parked
+            assert dev.live().total == 0, (n, dev.live())  # no collection in between
+            gc.collect()
+            assert not any(dev.collected_unclosed().values()), (n, at.functions[n], dev.collected_unclosed())
+        assert not [str(w.message) for w in seen], n

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Hashable, Optional
 
 from . import reentry  # noqa: F401 - its fork hook runs before this module's (see _forget_in_child)
 from .call_memo import MEMO
+from .sigint import shielded
 
 if TYPE_CHECKING:
     from .._device.protocol import Device
@@ -96,13 +97,18 @@ class WarmPipelines:
         :func:`~ringflow._device.device_label` does, if given); returns how many."""
         from .._device import device_label
 
-        MEMO.drop(device, label=label)  # the plans remembered for its calls go with them (call_memo.py)
-        with self._lock:
-            keys = [k for k, (p, _) in self._parked.items() if (device is None or p.device is device) and
-                    (label is None or device_label(p.device) == label)]
-            dropped = [self._parked.pop(k) for k in keys]
-        for p, t in dropped:
-            _close(p, t)
+        # shielded (sigint.py): a Ctrl-C between taking the engines out and closing the last
+        # would leave the rest to the garbage collector; it is raised once they are all closed
+        with shielded() as shield:
+            MEMO.drop(device, label=label)  # the plans remembered for its calls go with them (call_memo.py)
+            with self._lock:
+                keys = [k for k, (p, _) in self._parked.items() if (device is None or p.device is device) and
+                        (label is None or device_label(p.device) == label)]
+                dropped = [self._parked.pop(k) for k in keys]
+            if shield is not None:
+                shield.settle()
+            for p, t in dropped:
+                _close(p, t)
         return len(dropped)
 
     def __len__(self) -> int:
