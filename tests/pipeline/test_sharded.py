@@ -929,10 +929,16 @@ _FORK_SHARDS = textwrap.dedent("""
 
     x = np.arange(1 << 14, dtype=np.float32)
     assert (rf.stream_map(f, x, device=["sim:0", "sim:1"], chunk_bytes=1 << 12) == x * 2).all()
+    from ringflow._pipeline import sharded
+    from tests.helpers.threads import wait_until_idle
+    wait_until_idle(sharded._pool)  # the child inherits them counted idle
     pid = os.fork()
     if pid == 0:
         signal.alarm(10)  # a hang ends the child, and the parent reports its status
+        row = x.reshape(4, -1)[:1]  # one row: one shard for the pool, which one idle thread counted takes
+        one = rf.stream_map(f, row, device=["sim:0", "sim:1"], chunk_bytes=1 << 14, keep_warm=False)
         y = rf.stream_map(f, x, device=["sim:0", "sim:1"], chunk_bytes=1 << 12, keep_warm=False)
+        sys.stdout.write(f"one row: {bool((one == row * 2).all())}\\n")
         sys.stdout.write(f"child: {bool((y == x * 2).all())}\\n")
         sys.stdout.flush()
         os._exit(0)
@@ -952,6 +958,7 @@ def test_a_forked_child_runs_its_own_shards():
                          env={**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"})
     assert run.returncode == 0, run.stderr[-2000:]
     assert "child status 0" in run.stdout and "child: True" in run.stdout, run.stdout + run.stderr[-2000:]
+    assert "one row: True" in run.stdout, run.stdout
 
 
 @pytest.mark.parametrize("host", ["register", "stage"])
