@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -72,3 +76,40 @@ def test_a_device_checks_dtypes_by_the_rule_unless_its_backend_narrows_it(dtype,
         protocol.Device.check_dtype(device, "items", dtype)
     for taken in DEVICE_DTYPES:
         protocol.Device.check_dtype(device, "items", np.dtype(taken))
+
+
+_FORK_COPY = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    from ringflow._device.protocol import parallel_copy
+
+    src = np.arange(1 << 24, dtype=np.uint8)
+    dst = np.empty_like(src)
+    parallel_copy(dst, src, 4)  # starts the Python copy threads
+    from ringflow._device import protocol
+    from tests.helpers.threads import wait_until_idle
+    wait_until_idle(protocol._copy_pool)  # the child inherits them counted idle
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)  # a hang ends the child, and the parent reports its status
+        dst[:] = 0
+        parallel_copy(dst, src, 2)  # one part for the pool: one idle thread counted takes it
+        parallel_copy(dst, src, 4)
+        sys.stdout.write(f"child: {bool((dst == src).all())}\\n")
+        sys.stdout.flush()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("child status", status)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_forked_child_splits_copies_over_python_threads_of_its_own():
+    """Without the native copier the split copy runs on a process-wide pool of Python threads: a
+    child forked after a copy inherited the pool without its threads, counted idle, and its
+    first split copy waited for ever for parts queued to threads that do not exist. The child
+    starts a pool of its own."""
+    run = subprocess.run([sys.executable, "-c", _FORK_COPY], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "RINGFLOW_NATIVE_COPY": "0", "PYTHONWARNINGS": "ignore::DeprecationWarning"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "child status 0" in run.stdout and "child: True" in run.stdout, run.stdout + run.stderr[-2000:]

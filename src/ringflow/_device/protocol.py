@@ -229,6 +229,19 @@ def python_copy_threads(nbytes: int) -> int:
     return max(1, min(MAX_COPY_THREADS, nbytes // SPLIT_COPY_BYTES))
 
 
+def _forget_copy_threads_in_child() -> None:
+    """After fork(), in the child: the copy pool's threads are the parent's and are not in the
+    child, but the pool would count those that were idle as ready and queue the child's parts for
+    them, which nothing would ever run; the child starts a pool of its own. The lock may have
+    been held by a parent's thread that is not in the child either."""
+    global _copy_pool, _copy_pool_lock
+    _copy_pool, _copy_pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
+    os.register_at_fork(after_in_child=_forget_copy_threads_in_child)
+
+
 def parallel_copy(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
     """``np.copyto(dst, src)`` split along the flat C-order bytes over ``threads`` threads (the
     calling one among them): native threads where available, else Python threads; C-contiguous
