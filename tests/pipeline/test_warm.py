@@ -17,6 +17,7 @@ import pytest
 import ringflow as rf
 from tests.helpers.hooks import engines
 from tests.helpers.interrupts import InterruptAt
+from tests.helpers.sim import named_sims
 from tests.helpers.threads import bounded
 from ringflow._errors import StageError
 from ringflow._pipeline import warm
@@ -288,7 +289,7 @@ def test_a_named_spec_drops_the_warm_pipelines_of_the_device_it_names():
     assert rf.drop_warm_pipelines("sim:7") == 0 and _device._named_sims == made  # none made to find none
 
     closed = []
-    gpu = types.SimpleNamespace(backend="cuda", index=1, closed=True)  # no pipeline of it can run here
+    gpu = types.SimpleNamespace(backend="cuda", index=1, closed=False, observe=lambda token: None)
     warm.WARM._parked["gpu 1"] = (types.SimpleNamespace(device=gpu, close=lambda: closed.append(1)), None)
     assert rf.drop_warm_pipelines("cuda:0") == 0 and rf.drop_warm_pipelines("cuda:1") == 1 and closed == [1]
 
@@ -455,3 +456,21 @@ def test_ctrl_c_anywhere_in_dropping_the_warm_engines_closes_each_or_leaves_it_p
             gc.collect()
             assert not any(dev.collected_unclosed().values()), (n, at.functions[n], dev.collected_unclosed())
         assert not [str(w.message) for w in seen], n
+
+
+def test_dropping_a_named_devices_engines_also_drops_those_of_the_device_it_named_before():
+    """"sim:N" names a new device once the one it named is closed: dropping the warm engines of
+    "sim:N" then matched the new device only, and the engines parked on the closed one stayed
+    cached (with their rings' memory and the closed device) until evicted. Engines of a closed
+    device serve no call, and a drop discards them whatever it names."""
+    with named_sims(48) as (old,):
+        rf.stream_map(f, fresh(1 << 12, 1), device=old, chunk_bytes=1 << 11, host="stage")
+        assert len(warm.WARM) == 1
+    gone = weakref.ref(old)
+    del old
+    with named_sims(48) as (new,):
+        replaced = gone() is not None and gone() is not new  # (no assert's temporaries hold the old one)
+        assert replaced  # "sim:48" names another device now
+        assert rf.drop_warm_pipelines("sim:48") == 1 and len(warm.WARM) == 0
+    gc.collect()
+    assert gone() is None  # nothing of the closed device is kept

@@ -94,7 +94,8 @@ class WarmPipelines:
 
     def drop(self, device: "Device | None" = None, *, label: Optional[str] = None) -> int:
         """Close the parked pipelines (of ``device`` only, or of the device ``label`` names as
-        :func:`~ringflow._device.device_label` does, if given); returns how many."""
+        :func:`~ringflow._device.device_label` does, if given), and those of closed devices;
+        returns how many."""
         from .._device import device_label
 
         # shielded (sigint.py): a Ctrl-C between taking the engines out and closing the last
@@ -102,8 +103,10 @@ class WarmPipelines:
         with shielded() as shield:
             MEMO.drop(device, label=label)  # the plans remembered for its calls go with them (call_memo.py)
             with self._lock:
-                keys = [k for k, (p, _) in self._parked.items() if (device is None or p.device is device) and
-                        (label is None or device_label(p.device) == label)]
+                # engines of a closed device serve no call (and a name such as "sim:N" names a
+                # new device once it is closed): they go whatever is named
+                keys = [k for k, (p, _) in self._parked.items() if p.device.closed or (
+                        (device is None or p.device is device) and (label is None or device_label(p.device) == label))]
                 dropped = [self._parked.pop(k) for k in keys]
             if shield is not None:
                 shield.settle()
@@ -149,8 +152,9 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
 
 
 def drop_warm_pipelines(device: "Device | str | None" = None) -> int:
-    """Close the pipelines :func:`~ringflow.stream_map` keeps warm (for ``device``, or all) and
-    release their streams and memory; returns how many were closed. Call it before checking
+    """Close the pipelines :func:`~ringflow.stream_map` keeps warm (for ``device``, or all; those
+    of devices closed since go whatever is named) and release their streams and memory; returns
+    how many were closed. Call it before checking
     ``device.live()`` for leaks, or to hand their memory back early.
 
     ``device`` may be a device, or a spec naming one device for the whole process: ``"sim:N"``
