@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import types
 
 import numpy as np
 import pytest
@@ -10,6 +16,8 @@ import pytest
 from ringflow._device import protocol
 from tests.helpers import unit_device
 from tests.helpers.dtypes import DEVICE_DTYPES, NOT_DEVICE_DTYPES, NOT_DEVICE_IDS, refusal
+from tests.helpers.interrupts import InterruptAt
+from tests.helpers.threads import wait_until_idle
 
 
 @pytest.mark.parametrize("seconds,error", [(-1.0, ValueError), (math.nan, ValueError), (1e300, ValueError),
@@ -72,3 +80,92 @@ def test_a_device_checks_dtypes_by_the_rule_unless_its_backend_narrows_it(dtype,
         protocol.Device.check_dtype(device, "items", dtype)
     for taken in DEVICE_DTYPES:
         protocol.Device.check_dtype(device, "items", np.dtype(taken))
+
+
+_FORK_COPY = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    from ringflow._device.protocol import parallel_copy
+
+    src = np.arange(1 << 24, dtype=np.uint8)
+    dst = np.empty_like(src)
+    parallel_copy(dst, src, 4)  # starts the Python copy threads
+    from ringflow._device import protocol
+    from tests.helpers.threads import wait_until_idle
+    wait_until_idle(protocol._copy_pool)  # the child inherits them counted idle
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)  # a hang ends the child, and the parent reports its status
+        dst[:] = 0
+        parallel_copy(dst, src, 2)  # one part for the pool: one idle thread counted takes it
+        parallel_copy(dst, src, 4)
+        sys.stdout.write(f"child: {bool((dst == src).all())}\\n")
+        sys.stdout.flush()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("child status", status)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_forked_child_splits_copies_over_python_threads_of_its_own():
+    """Without the native copier the split copy runs on a process-wide pool of Python threads: a
+    child forked after a copy inherited the pool without its threads, counted idle, and its
+    first split copy waited for ever for parts queued to threads that do not exist. The child
+    starts a pool of its own."""
+    run = subprocess.run([sys.executable, "-c", _FORK_COPY], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "RINGFLOW_NATIVE_COPY": "0", "PYTHONWARNINGS": "ignore::DeprecationWarning"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "child status 0" in run.stdout and "child: True" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+def test_ctrl_c_anywhere_in_a_split_copy_leaves_no_part_writing_after_it(monkeypatch):
+    """Without the native copier a large copy is split over Python threads: a Ctrl-C while the
+    caller handed the parts out or waited for them raised at once, and the parts still queued or
+    running went on writing ``dst`` after the copy had raised (into memory its caller may hand
+    on: a pinned block taken back). Every part started is done before the interrupt
+    propagates, and none starts after it."""
+    from ringflow._device import native_copy
+
+    monkeypatch.setattr(native_copy, "_loaded", False)  # as where no compiler works
+    caller = threading.current_thread()
+    started, ended = [], []
+
+    def copyto(dst, src, **kw):  # the parts copied on the pool's threads are counted
+        pooled = threading.current_thread() is not caller
+        if pooled:
+            started.append(1)
+        np.copyto(dst, src, **kw)
+        if pooled:
+            ended.append(1)
+
+    monkeypatch.setattr(protocol, "np", types.SimpleNamespace(copyto=copyto, uint8=np.uint8,
+                                                              ascontiguousarray=np.ascontiguousarray))
+    src = np.arange(4 * protocol.SPLIT_COPY_BYTES, dtype=np.uint8)
+    dst = np.empty_like(src)
+    names = ("parallel_copy", "run_here", "settle")
+    files = ("/ringflow/_device/protocol.py",)
+    with InterruptAt(10 ** 9, names, files) as counting:
+        protocol.parallel_copy(dst, src, 4)
+    assert np.array_equal(dst, src) and counting.seen > 10, counting.seen
+    interrupted = 0
+    # (the parts the caller copies itself vary from call to call, and its instructions with them)
+    for n in range(2 * counting.seen):
+        dst[:] = 0
+        raised = False
+        with InterruptAt(n, names, files) as at:
+            try:
+                protocol.parallel_copy(dst, src, 4)
+            except KeyboardInterrupt:
+                raised = True
+        assert raised == bool(at.fired), n  # every Ctrl-C is raised, none lost
+        interrupted += raised
+        after = len(started)
+        assert after == len(ended), (n, at.functions[n])  # none still running
+        wait_until_idle(protocol._copy_pool)
+        assert len(started) == after, (n, at.functions[n])  # none started since
+        if not at.fired:
+            assert np.array_equal(dst, src), n  # the call ran to its end
+        protocol.parallel_copy(dst, src, 4)
+        assert np.array_equal(dst, src), n
+    assert interrupted > 10, interrupted

@@ -93,6 +93,23 @@ def stack_names(thread: threading.Thread) -> set:
     return names
 
 
+def wait_until_idle(executor: concurrent.futures.ThreadPoolExecutor, timeout: float = JOIN_S) -> None:
+    """Return once every thread ``executor`` has started has finished its work item and counts
+    itself idle (polled every 0.01 real seconds: a thread counts itself idle just after its
+    future is set, so a caller that saw the future done may still find it busy).
+
+    Raises:
+        Hang: they did not, within ``timeout`` real seconds.
+    """
+    tick = threading.Event()
+    for _ in range(int(timeout / 0.01)):
+        # (CPython's count of idle threads, and the threads started)
+        if executor._idle_semaphore._value >= len(executor._threads) > 0:
+            return
+        tick.wait(0.01)
+    raise Hang(f"the threads of {executor!r} were not all idle after {timeout} real seconds:\n" + all_stacks())
+
+
 def hold_progress_thread(fut: Any, timeout: float = JOIN_S) -> threading.Event:
     """Hold the thread that runs ``fut``'s done-callbacks (a pipeline's progress thread) in one
     until the returned event is set (or ``timeout`` real seconds pass); returns once it is held."""

@@ -12,6 +12,9 @@ import os
 import pickle
 import signal
 import stat
+import subprocess
+import sys
+import textwrap
 import threading
 import warnings
 
@@ -24,11 +27,13 @@ import ringflow as rf
 from ringflow import _device
 from ringflow import _plan as plan
 from ringflow._device.hardware import get_profile
+from ringflow._device.sim import host as sim_host
 from ringflow._errors import DeviceError, StageError
 from ringflow._pipeline import sharded, sizing
 from tests.helpers.hooks import engines
 from tests.helpers.interrupts import InterruptAt
 from tests.helpers.sim import named_sims
+from tests.helpers.threads import run_all
 
 MiB = 1 << 20
 
@@ -912,3 +917,78 @@ def test_a_sharded_plot_into_a_text_file_is_refused_before_drawing(monkeypatch):
     monkeypatch.setattr(rf.Report, "plot", drawn)
     with pytest.raises(TypeError, match="plot: path must be a file name .*or an open binary file"):
         report.plot(io.StringIO())
+
+
+_FORK_SHARDS = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    import ringflow as rf
+
+    def f(a, b):
+        b[...] = a * 2
+
+    x = np.arange(1 << 14, dtype=np.float32)
+    assert (rf.stream_map(f, x, device=["sim:0", "sim:1"], chunk_bytes=1 << 12) == x * 2).all()
+    from ringflow._pipeline import sharded
+    from tests.helpers.threads import wait_until_idle
+    wait_until_idle(sharded._pool)  # the child inherits them counted idle
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)  # a hang ends the child, and the parent reports its status
+        row = x.reshape(4, -1)[:1]  # one row: one shard for the pool, which one idle thread counted takes
+        one = rf.stream_map(f, row, device=["sim:0", "sim:1"], chunk_bytes=1 << 14, keep_warm=False)
+        y = rf.stream_map(f, x, device=["sim:0", "sim:1"], chunk_bytes=1 << 12, keep_warm=False)
+        sys.stdout.write(f"one row: {bool((one == row * 2).all())}\\n")
+        sys.stdout.write(f"child: {bool((y == x * 2).all())}\\n")
+        sys.stdout.flush()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert (rf.stream_map(f, x, device=["sim:0", "sim:1"], chunk_bytes=1 << 12) == x * 2).all()
+    print("child status", status)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_forked_child_runs_its_own_shards():
+    """The shard threads are shared by the process's calls and kept: a child forked after a call
+    over several devices inherited the pool without its threads, and the pool counted them idle,
+    so the child's first such call queued its shards for threads that do not exist and waited for
+    ever. The child starts a pool of its own."""
+    run = subprocess.run([sys.executable, "-c", _FORK_SHARDS], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "child status 0" in run.stdout and "child: True" in run.stdout, run.stdout + run.stderr[-2000:]
+    assert "one row: True" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("host", ["register", "stage"])
+def test_two_calls_over_the_same_devices_at_once_both_return_their_results(monkeypatch, host):
+    """Two threads' calls over the same named devices, both declared copying before either ends:
+    with pinned memory a call declares no copy thread, and the first call to end took each
+    device's declaration away, so the second raised KeyError once its shards had all finished.
+    Both return their results."""
+    declared, lock, mine = threading.Event(), threading.Lock(), threading.local()
+    count = [0]
+    real = sim_host.SimHost.sharing
+
+    @contextlib.contextmanager
+    def counted(self, dev, threads):
+        with real(self, dev, threads):
+            with lock:
+                count[0] += 1
+                if count[0] == 4:  # both calls, each over both devices
+                    declared.set()
+            mine.entered = getattr(mine, "entered", 0) + 1
+            if mine.entered == 2:  # this call has declared both devices; no shard of it started yet
+                assert declared.wait(10), "the other call never declared its devices"
+            yield
+
+    monkeypatch.setattr(sim_host.SimHost, "sharing", counted)
+    with named_sims(46, 47, checked=True) as devs:
+        xs = [contents(1 << 12, seed) for seed in (1, 2)]
+        ys = run_all([lambda x=x: rf.stream_map(f, x, device=devs, chunk_bytes=1 << 12, host=host) for x in xs],
+                     timeout=30)
+        for x, y in zip(xs, ys):
+            assert np.array_equal(y, x * 2 + 1)
+        assert devs[0].host._declared == {}
+        assert_nothing_live(devs)

@@ -229,6 +229,19 @@ def python_copy_threads(nbytes: int) -> int:
     return max(1, min(MAX_COPY_THREADS, nbytes // SPLIT_COPY_BYTES))
 
 
+def _forget_copy_threads_in_child() -> None:
+    """After fork(), in the child: the copy pool's threads are the parent's and are not in the
+    child, but the pool would count those that were idle as ready and queue the child's parts for
+    them, which nothing would ever run; the child starts a pool of its own. The lock may have
+    been held by a parent's thread that is not in the child either."""
+    global _copy_pool, _copy_pool_lock
+    _copy_pool, _copy_pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
+    os.register_at_fork(after_in_child=_forget_copy_threads_in_child)
+
+
 def parallel_copy(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
     """``np.copyto(dst, src)`` split along the flat C-order bytes over ``threads`` threads (the
     calling one among them): native threads where available, else Python threads; C-contiguous
@@ -249,11 +262,94 @@ def parallel_copy(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
                                                                    thread_name_prefix="ringflow-copy")
     d, s = dst.reshape(-1).view(np.uint8), np.ascontiguousarray(src).reshape(-1).view(np.uint8)
     step = -(-d.nbytes // threads)
-    parts = [(d[a:a + step], s[a:a + step]) for a in range(0, d.nbytes, step)]
-    futures = [_copy_pool.submit(np.copyto, a, b) for a, b in parts[1:]]
-    np.copyto(*parts[0])
-    for fut in futures:
-        fut.result()
+    job = _SplitCopy([(d[a:a + step], s[a:a + step]) for a in range(0, d.nbytes, step)])
+    try:
+        for _ in range(len(job.parts) - 1):
+            _copy_pool.submit(job.run_pooled)
+        job.run_here()
+    finally:
+        # also where a Ctrl-C stopped the caller: a part still queued or copying would write dst
+        # after this call had raised. The loop is here, not in a function called: an interrupt
+        # at that function's start would skip it
+        caught = None
+        while True:
+            try:
+                job.settle()
+                break
+            except BaseException as exc:  # noqa: BLE001 - raised once the parts are done
+                caught = caught or exc
+        if caught is not None:  # a Ctrl-C while settling is raised, never lost
+            try:
+                raise caught
+            finally:
+                del caught  # this frame is in its traceback
+    error, job.error = job.error, None  # (its traceback holds the job)
+    if error is not None:
+        raise error
+
+
+class _SplitCopy:
+    """The parts of one split copy, each claimed once, by a pool thread (:meth:`run_pooled`) or
+    the caller (:meth:`run_here`). A pool thread claims a part and counts it running in one step
+    under the lock, so the caller always knows which parts a pool thread may still be writing,
+    and a part nobody has claimed can be withdrawn (:meth:`settle`)."""
+
+    __slots__ = ("parts", "claimed", "running", "error", "lock", "gate")
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+        self.claimed = 0  # parts handed out so far, to anyone
+        self.running = 0  # parts pool threads are copying now
+        self.error: Optional[BaseException] = None  # the first a pool thread's part raised
+        self.lock = threading.Lock()
+        # released as the last running pool part ends; a plain lock (its acquire and release are
+        # single C calls), so that a Ctrl-C in the caller's wait leaves nothing half done
+        self.gate = threading.Lock()
+        self.gate.acquire()
+
+    def run_pooled(self) -> None:
+        """On a pool thread: copy parts until none is left to claim."""
+        while True:
+            with self.lock:
+                if self.claimed >= len(self.parts):
+                    return
+                part = self.parts[self.claimed]
+                self.claimed += 1
+                self.running += 1
+            try:
+                np.copyto(*part)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                with self.lock:
+                    if self.error is None:
+                        self.error = exc
+            finally:
+                with self.lock:
+                    self.running -= 1
+                    last = not self.running
+                if last:
+                    try:
+                        self.gate.release()
+                    except RuntimeError:  # released already: the caller has a wake pending
+                        pass
+
+    def run_here(self) -> None:
+        """On the caller's thread: copy parts until none is left to claim."""
+        while True:
+            with self.lock:
+                if self.claimed >= len(self.parts):
+                    return
+                part = self.parts[self.claimed]
+                self.claimed += 1
+            np.copyto(*part)
+
+    def settle(self) -> None:
+        """Withdraw the parts nobody has claimed and wait for those pool threads are copying."""
+        while True:
+            with self.lock:
+                self.claimed = len(self.parts)
+                if not self.running:
+                    return
+            self.gate.acquire()
 
 
 def close_quietly(obj: Any, what: str) -> None:

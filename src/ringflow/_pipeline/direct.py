@@ -599,6 +599,15 @@ class DirectSchedule:
         (it holds their slices). Returns whether it can serve another call."""
         return not self.closed and self._bound is None
 
+    def forget_forked(self) -> None:
+        """As :meth:`~ringflow._pipeline.engine.Engine.forget_forked`: the graph, rings and
+        streams are dropped unclosed (they are the parent's, and a close from here would free
+        the parent's memory or fail)."""
+        self._graph, self._rings = None, []
+        self._in_ready = [None] * len(getattr(self, "_in_ready", ()))
+        self._out_ready = [None] * len(getattr(self, "_out_ready", ()))
+        self.streams.all = []
+
     def close(self) -> None:
         """Free the device rings (stream-ordered after all the job's work) and the streams.
         Harmless twice; never raises."""

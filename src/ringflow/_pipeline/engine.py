@@ -76,6 +76,12 @@ class Engine(Protocol):
         """Release streams, rings and workers, stream-ordered after all work. Harmless twice;
         never raises."""
 
+    def forget_forked(self) -> None:
+        """In a child forked after the engine was made: closed from now on, touching nothing (its
+        threads are not in this process; its memory and device state are the parent's), so
+        that neither a close nor the collector releases the parent's resources from the child.
+        Never raises."""
+
 
 def why_not_direct(strategy: str, options: dict) -> Optional[str]:
     """Why a whole-array job with this host strategy and these options needs the scheduler, or

@@ -153,6 +153,13 @@ class ScheduledEngine:
         if pipe is not None:
             close_quietly(pipe, "pipeline")
 
+    def forget_forked(self) -> None:
+        """As :meth:`Engine.forget_forked`: the pipeline is forgotten (its finaliser too)."""
+        pipe, self.pipe = self.pipe, None
+        self._arrays = None
+        if pipe is not None:
+            pipe._forget_if_forked()
+
     @property
     def closed(self) -> bool:
         return self.pipe is None

@@ -34,6 +34,7 @@ import contextvars
 import dataclasses
 import functools
 import json
+import os
 import threading
 from typing import Any, Callable, Optional, Sequence
 
@@ -63,6 +64,19 @@ def _threads() -> concurrent.futures.ThreadPoolExecutor:
         if _pool is None:
             _pool = concurrent.futures.ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="ringflow-shard")
         return _pool
+
+
+def _forget_threads_in_child() -> None:
+    """After fork(), in the child: the pool's threads are the parent's and are not in the child,
+    but the pool would count those that were idle as ready and queue the child's shards for them,
+    which nothing would ever run; the child starts a pool of its own. The lock may have been held
+    by a parent's thread that is not in the child either."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
+    os.register_at_fork(after_in_child=_forget_threads_in_child)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Hashable, Optional
 
 from . import reentry  # noqa: F401 - its fork hook runs before this module's (see _forget_in_child)
 from .call_memo import MEMO
+from .sigint import shielded
 
 if TYPE_CHECKING:
     from .._device.protocol import Device
@@ -93,16 +94,24 @@ class WarmPipelines:
 
     def drop(self, device: "Device | None" = None, *, label: Optional[str] = None) -> int:
         """Close the parked pipelines (of ``device`` only, or of the device ``label`` names as
-        :func:`~ringflow._device.device_label` does, if given); returns how many."""
+        :func:`~ringflow._device.device_label` does, if given), and those of closed devices;
+        returns how many."""
         from .._device import device_label
 
-        MEMO.drop(device, label=label)  # the plans remembered for its calls go with them (call_memo.py)
-        with self._lock:
-            keys = [k for k, (p, _) in self._parked.items() if (device is None or p.device is device) and
-                    (label is None or device_label(p.device) == label)]
-            dropped = [self._parked.pop(k) for k in keys]
-        for p, t in dropped:
-            _close(p, t)
+        # shielded (sigint.py): a Ctrl-C between taking the engines out and closing the last
+        # would leave the rest to the garbage collector; it is raised once they are all closed
+        with shielded() as shield:
+            MEMO.drop(device, label=label)  # the plans remembered for its calls go with them (call_memo.py)
+            with self._lock:
+                # engines of a closed device serve no call (and a name such as "sim:N" names a
+                # new device once it is closed): they go whatever is named
+                keys = [k for k, (p, _) in self._parked.items() if p.device.closed or (
+                        (device is None or p.device is device) and (label is None or device_label(p.device) == label))]
+                dropped = [self._parked.pop(k) for k in keys]
+            if shield is not None:
+                shield.settle()
+            for p, t in dropped:
+                _close(p, t)
         return len(dropped)
 
     def __len__(self) -> int:
@@ -126,15 +135,16 @@ WARM = WarmPipelines()
 
 
 def _forget_in_child() -> None:
-    """After fork(), in the child: the parked pipelines are the parent's (their threads are not
-    in the child, their device refuses it), so they are forgotten, touching nothing; the cache's
+    """After fork(), in the child: the parked engines are the parent's (their threads are not
+    in the child, their device refuses it), so each is forgotten, touching nothing (dropped
+    unforgotten, the collector would close the parent's pipelines from the child); the cache's
     lock may have been held by a parent's thread that is not in the child either. (Registered
     after :mod:`.reentry`'s count of forks, which each pipeline's forgetting reads.)"""
     WARM._lock = threading.Lock()
     MEMO.forget()  # its entries name the parent's devices
     parked, WARM._parked = WARM._parked, collections.OrderedDict()
-    for pipe, _ in parked.values():
-        pipe._forget_if_forked()
+    for engine, _ in parked.values():
+        engine.forget_forked()
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
@@ -142,8 +152,9 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
 
 
 def drop_warm_pipelines(device: "Device | str | None" = None) -> int:
-    """Close the pipelines :func:`~ringflow.stream_map` keeps warm (for ``device``, or all) and
-    release their streams and memory; returns how many were closed. Call it before checking
+    """Close the pipelines :func:`~ringflow.stream_map` keeps warm (for ``device``, or all; those
+    of devices closed since go whatever is named) and release their streams and memory; returns
+    how many were closed. Call it before checking
     ``device.live()`` for leaks, or to hand their memory back early.
 
     ``device`` may be a device, or a spec naming one device for the whole process: ``"sim:N"``

@@ -112,6 +112,23 @@ def test_a_device_gets_its_share_of_the_rate_while_others_are_declared_copying()
                     pass
 
 
+def test_declarations_of_one_device_may_end_in_any_order_none_copying_included():
+    """Two jobs declared the same device at once, one with no copy threads (its host memory is
+    pinned): the first to end took the device's entry away with it, and the other's end raised
+    KeyError out of its call. Each declaration ends on its own, in any order."""
+    with named_sims(33, 34, checked=False) as (a, b):
+        host = a.host
+        for first, second in ((0, 0), (4, 0), (0, 4), (3, 3)):
+            one, two = b.sharing_host(first), b.sharing_host(second)
+            one.__enter__()
+            two.__enter__()
+            assert host.threads_besides(a) == first + second
+            one.__exit__(None, None, None)  # the first made ends first: not nested
+            assert host.threads_besides(a) == second
+            two.__exit__(None, None, None)
+            assert host.threads_besides(a) == 0 and b not in host._declared
+
+
 def test_a_real_gpus_declaration_does_nothing():
     # the CUDA device inherits the protocol's no-op: its host shares itself
     from ringflow._device.cuda.device import CudaDevice

@@ -80,6 +80,11 @@ class SimHost:
         """
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
             raise ValueError(f"sharing_host(threads): threads must be an int >= 0, got {threads!r}")
+        if not threads:
+            # declares nothing: an entry of 0 would be taken away by whichever declaration of
+            # this device ended first, and the others' ends would find none
+            yield
+            return
         with self._lock:
             self._declared[dev] = self._declared.get(dev, 0) + threads
         try:
