@@ -1194,3 +1194,16 @@ def test_the_checkers_clocks_forget_ended_host_threads():
     actors, entries = dev._checker.size()
     s.close()
     assert actors < 150 and entries < 150 * 150, (actors, entries)
+
+
+def test_a_closed_worker_pool_leaves_nothing_in_the_engine():
+    # every engine a device builds has a worker pool of its own, and a long-lived device builds
+    # thousands: a closed pool's lanes and count of busy ones must go with it
+    dev = unit_device()
+    before = (dict(dev._engine._capacity), dict(dev._engine._busy), len(dev._engine._queues))
+    for _ in range(50):
+        pool = dev.create_worker_pool(2)
+        pool.submit(lambda: None).sync()
+        pool.close()
+    after = (dict(dev._engine._capacity), dict(dev._engine._busy), len(dev._engine._queues))
+    assert after == before
