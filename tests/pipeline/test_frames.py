@@ -12,6 +12,7 @@ one device or several.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import types
@@ -274,3 +275,54 @@ def test_a_failure_held_by_the_caller_keeps_neither_its_input_nor_its_result(ent
     del info
     for dev in devs:
         dev.close()
+
+
+@pytest.mark.parametrize("failing_call", [1, 9], ids=["first chunk", "after some delivered"])
+@pytest.mark.parametrize("door", ["stream_map", "Pipeline.map", "Pipeline.amap"])
+def test_a_failure_held_by_the_caller_keeps_neither_the_pipeline_nor_its_items(door, failing_call):
+    """A map's generator frame stays in the traceback of the failure it raises (and of a whole-
+    array call's on the scheduler): a caller that keeps the error (to log it, or to retry
+    later) must keep neither the closed pipeline (its driver, scheduler and rings: on the
+    simulated GPU, a ring's bytes) nor the items it was given, nor the last result it handed
+    out, once it drops its own references, with the collector off."""
+    import weakref
+
+    from tests.helpers.hooks import engines
+
+    dev = rf.device("sim")
+    f = copy_failing_on_call(failing_call, ValueError("a bad chunk"))
+    with collector_off():
+        x = np.ones(ROWS, np.float32)
+        kept = {"x": weakref.ref(x)}
+        with pytest.raises(rf.StageError, match="a bad chunk") as info:
+            if door == "stream_map":
+                with engines(on=lambda p: kept.setdefault("pipeline", weakref.ref(p))):
+                    rf.stream_map(f, x, device=dev, chunk_bytes=CHUNK_BYTES, engine="pipeline", host="stage",
+                                  keep_warm=False)
+            else:
+                with rf.Pipeline(f, device=dev, chunk_bytes=CHUNK_BYTES) as pipe:
+                    kept["pipeline"] = weakref.ref(pipe)
+                    items = _Items(x[i:i + CHUNK_BYTES // 4] for i in range(0, ROWS, CHUNK_BYTES // 4))
+                    kept["items"] = weakref.ref(items)
+                    if door == "Pipeline.map":
+                        for result in pipe.map(items):
+                            kept["result"] = weakref.ref(result)
+                    else:
+                        async def amap():
+                            async for result in pipe.amap(items):
+                                kept["result"] = weakref.ref(result)
+                                del result  # (this frame is in the traceback too: the caller's own)
+
+                        asyncio.run(amap())
+        pipe = items = result = None  # (the raise skipped any del in the block)
+        del x
+        alive = [name for name, ref in kept.items() if ref() is not None]
+        assert alive == [], f"the failure held by the caller keeps {alive} alive"
+        assert isinstance(info.value, rf.StageError)  # (still held, and whole)
+    del info
+    rf.drop_warm_pipelines(dev)
+    dev.close()
+
+
+class _Items(list):
+    """A list of items a weak reference can follow."""

@@ -274,6 +274,33 @@ def test_dropping_the_warm_pipelines_of_something_not_a_device_is_refused(device
     assert rf.drop_warm_pipelines(dev) == 1
 
 
+@pytest.mark.parametrize("device", ["sim", None, ["sim"], ["sim", "sim"]], ids=repr)
+def test_a_call_on_a_device_made_for_it_keeps_no_engine_warm(device, monkeypatch):
+    """A spec such as "sim" or "cuda:0" (alone or in a list), and None, make a new device on
+    every call: an engine kept warm for it could never be taken again (its key names that
+    device), and only held its device, streams and rings, a full cache of them at a time."""
+    monkeypatch.setenv("RINGFLOW_DEVICE", "sim")
+    made = []
+    x = np.ones(1 << 12, np.float32)
+    for _ in range(3):
+        with engines(on=lambda p: made.append(weakref.ref(p.device))):
+            assert (rf.stream_map(f, x, device=device, chunk_bytes=1 << 12) == x * 2 + 1).all()
+    assert len(warm.WARM) == 0
+    gc.collect()
+    assert [ref() for ref in made] == [None] * len(made)
+
+
+def test_a_call_on_a_named_spec_keeps_its_engine_warm():
+    """"sim:N" names the same device on every call: its engine is kept, and the next call takes it."""
+    from tests.helpers.sim import named_sims
+
+    x = np.ones(1 << 12, np.float32)
+    with named_sims(0) as (dev,):
+        ran = [run(x, "sim:0", chunk_bytes=1 << 12)[1] for _ in range(2)]
+        assert ran[0] is ran[1] and len(warm.WARM) == 1
+        assert rf.drop_warm_pipelines(dev) == 1
+
+
 def test_a_named_spec_drops_the_warm_pipelines_of_the_device_it_names():
     """"sim:N" is the same device for every call naming it, and "cuda:N" the same GPU: refused
     as a spec that "makes a new device, which has none"."""

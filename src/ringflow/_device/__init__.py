@@ -313,6 +313,12 @@ def device_label(dev: Any) -> str:
     return repr(dev)
 
 
+def named_device(dev: Any) -> bool:
+    """Whether ``dev`` is a device the process keeps for every spec naming it (``"sim:N"``)."""
+    with _named_lock:
+        return any(named is dev for named, _ in _named_sims.values())
+
+
 def _is_many(value: Any) -> bool:
     return isinstance(value, (list, tuple)) or (isinstance(value, str) and value.strip() == ALL_GPUS)
 

@@ -534,6 +534,10 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
             window.remove(entry)
             yield value
             ending.pulled()
+    except BaseException:
+        # what this raises may be kept by the caller, and with it this frame: not the pipeline
+        pipe = None  # noqa: F841 - dropped, not read again
+        raise
     finally:
         # awaited: the loop runs on while the progress thread cancels them, and the map ends with
         # nothing of its own left running
@@ -549,6 +553,7 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
             # that failure, which would form a cycle through it
             window.clear()
             entry = fut = head = value = None  # noqa: F841 - dropped, not read again
+            items = source = item = carried = None  # noqa: F841 - nor the caller's items
     pipe._amap_stopped()
 
 

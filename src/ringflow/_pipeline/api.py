@@ -1094,9 +1094,11 @@ class Pipeline:
             # (and is an ancestor of the frames a stage ran in, on the simulated GPU): its locals
             # must not keep a failure, nor a chunk or future holding one, or the two would form
             # a cycle (keeping the pipeline, its chunks and their events until the cyclic
-            # collector runs)
+            # collector runs); nor, for a caller that keeps the failure, the pipeline (its rings),
+            # the caller's items or the last result handed out
             pending.clear()
-            chunk = entry = fut = error = None
+            chunk = entry = fut = error = value = None
+            self = d = s = source = items = item = carried = accepting = taken = hold = None  # noqa: F841
 
     def _drop_unwanted(self, pending: "collections.OrderedDict[int, Any]", wait: bool) -> None:
         """A map ends: cancel what it took and has not handed out (``pending``'s entries), and

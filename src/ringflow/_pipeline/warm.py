@@ -21,6 +21,9 @@ Lifetimes, and why:
 * At exit the cache closes what it holds, each ordered after its parking thread, before the
   pipelines' own finalisers run (those know nothing of the parking thread, and the simulated
   GPU's checker would see the close unordered with that thread's last writes).
+* Only a device a later call can name is parked for: one given as a device object, a pool
+  array's, or a named ``"sim:N"``. Any other spec, and None, make a new device on each call,
+  whose engine no later call could take (:func:`~.whole_array._named_again`).
 * At most ``capacity`` pipelines are parked per device, and ``capacity * MAX_DEVICES`` in
   all (least recently used are closed first): a call spread over several GPUs parks one per
   device. They hold their streams, device rings and pinned rings, which therefore count as

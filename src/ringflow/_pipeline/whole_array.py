@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import _plan as plan
 from .._device import device as make_device
-from .._device import device_label, device_list
+from .._device import device_label, device_list, named_device
 from .._device import host_pool
 from .._device.protocol import Device, HostBuffer, check_device_dtype, close_quietly, device_names
 from .._errors import StageError
@@ -198,9 +198,13 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
     if many is not None and len(many) > 1:  # the rows are split over the devices (one list of one is one)
         from .sharded import stream_map_sharded
 
+        given = list(device) if isinstance(device, (list, tuple)) else [None] * len(many)  # "cuda:all": made here
+        keep_warm = keep_warm and all(_named_again(g, d, x, out) for g, d in zip(given, many))
         return stream_map_sharded(f, x, out, fresh_out, many, opts.pop("chunk_bytes"), host, x_buffer, out_buffer,
                                   engine, keep_warm, profile, opts)
     dev = one_device(device, many, x, out, fresh_out)
+    given = device[0] if isinstance(device, (list, tuple)) else None if many else device  # (many: "cuda:all")
+    keep_warm = keep_warm and _named_again(given, dev, x, out)
     out, fresh_out, call = prepare_whole(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer,
                                          out_buffer, engine, keep_warm, opts)
     if memo is not None and memo[0] is dev and not call.replaced_out and _unpooled(x, given_out):
@@ -234,6 +238,17 @@ def _memo_key(f, x, out, device, x_buffer, out_buffer, args: tuple, options: dic
 
 
 _PLAIN = frozenset({int, float, str, bool, type(None)})  # types whose equal values are the same argument
+
+
+def _named_again(given: Any, dev: Device, x: np.ndarray, out: Optional[np.ndarray]) -> bool:
+    """Whether a later call can run on ``dev`` again, so that an engine kept warm for it can be
+    taken: ``dev`` was given as a device, is the device of ``x``'s or ``out``'s pool memory, or
+    is the process's simulated GPU a spec such as ``"sim:0"`` names. Any other spec, and None,
+    make a device for this call alone: an engine kept for it would never be taken (its key
+    names that device) and would only hold the device, its streams and its memory."""
+    if isinstance(given, Device) or named_device(dev):
+        return True
+    return given is None and (dev is host_pool.device_of(x) or (out is not None and dev is host_pool.device_of(out)))
 
 
 def _unpooled(x: np.ndarray, out: Optional[np.ndarray]) -> bool:

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ringflow import HazardError
+from ringflow._device.sim import hazard
 from ringflow._device.sim.hazard import Access, AccessKind, HappensBeforeChecker
 
 R, W, REL = AccessKind.READ, AccessKind.WRITE, AccessKind.RELEASE
@@ -473,13 +474,40 @@ class Oracle:
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(step_st, min_size=1, max_size=40))
 def test_checker_matches_brute_force_oracle(steps):
+    check_against_oracle(steps)
+
+
+# a stream closed and another made in its place (a new actor that knows nothing), with a sweep of
+# retired actors at every new one: forgetting them must change no verdict
+renew_st = st.tuples(st.just("renew"), st.sampled_from(ACTORS[:3]))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.one_of(step_st, renew_st, renew_st), min_size=1, max_size=50))
+def test_checker_with_retired_actors_matches_brute_force_oracle(steps):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hazard, "SWEEP_MIN", 1)
+        check_against_oracle(steps)
+
+
+def check_against_oracle(steps) -> None:
     c = HappensBeforeChecker()
     for a in ACTORS:
         c.add_actor(a, str(a))
     o = Oracle()
     events: list = []  # (vector clock snapshot, oracle known set)
+    current = {a: a for a in ACTORS}  # each slot's actor now (a renewed slot has a new one)
+    renewals = 0
     for step in steps:
         kind = step[0]
+        if kind == "renew":
+            slot = step[1]
+            c.retire(current[slot])
+            renewals += 1
+            current[slot] = (slot, renewals)
+            c.add_actor(current[slot], str(current[slot]))
+            o.known[slot] = set()
+            continue
         if kind in ("access", "launch", "release"):
             if kind == "access":
                 _, actor, k, buf, (lo, hi) = step
@@ -490,6 +518,7 @@ def test_checker_matches_brute_force_oracle(steps):
             else:
                 _, actor, buf = step
                 accesses = [(REL, buf, 0, SIZE)]
+            who = current[actor]  # the checker's actor; the oracle knows the slot
             op_id = o.op(actor)
             expect = False
             for (k, buf, lo, hi) in accesses:
@@ -497,32 +526,96 @@ def test_checker_matches_brute_force_oracle(steps):
                     expect = True
                     break
                 o.add(op_id, actor, k, buf, lo, hi)
-            c.tick(actor)
+            c.tick(who)
             if expect:
                 with pytest.raises(HazardError) as info:
                     for (k, buf, lo, hi) in accesses:
-                        c.access(actor, k, buf, str(buf), lo, hi, kind, tick=False)
+                        c.access(who, k, buf, str(buf), lo, hi, kind, tick=False)
                 err = info.value
                 # the pair it names really is unordered and conflicting
-                assert err.second.actor == actor and err.first.actor != actor
+                assert err.second.actor == who and err.first.actor != who
                 assert err.first.overlaps(err.second)
                 assert err.first.kind.writes or err.second.kind.writes
                 return
             for (k, buf, lo, hi) in accesses:
-                c.access(actor, k, buf, str(buf), lo, hi, kind, tick=False)
+                c.access(who, k, buf, str(buf), lo, hi, kind, tick=False)
             o.done(op_id, actor)
             if kind == "release":
                 o.history[accesses[0][1]] = []
         elif kind == "record":
             _, actor = step
-            c.tick(actor)
+            c.tick(current[actor])
             op_id = o.op(actor)
             o.done(op_id, actor)
-            events.append((c.snapshot(actor), frozenset(o.known[actor])))
+            events.append((c.snapshot(current[actor]), frozenset(o.known[actor])))
         else:
             _, actor, idx = step
             if not events:
                 continue
             snap, known = events[idx % len(events)]
-            c.merge(actor, snap)
+            c.merge(current[actor], snap)
             o.known[actor] |= known
+
+
+# -- retired actors ------------------------------------------------------------------------------
+def test_retired_actors_leave_every_clock_once_no_kept_access_is_theirs():
+    # a long-lived device sees actors come and go (each pipeline's streams, pools and threads):
+    # the clocks must hold the actors alive now, not every actor there ever was
+    c = HappensBeforeChecker()
+    c.add_actor("host", "host")
+    for i in range(2000):
+        s = stream(i)
+        c.add_actor(s, f"stream {i}")
+        c.merge(s, c.snapshot("host"))
+        c.access(s, W, f"b{i}", f"buffer {i}", 0, SIZE, "copy")
+        c.merge("host", c.snapshot(s))  # the host syncs the stream
+        c.access("host", REL, f"b{i}", f"buffer {i}", 0, SIZE, "free")
+        c.retire(s)
+    actors, entries = c.size()
+    assert actors < 200 and entries < 200 * 8, (actors, entries)
+
+
+def test_a_retired_actors_kept_access_still_conflicts():
+    # the write of a stream closed since is still in the buffer's history: an unordered read
+    # must still be caught, however many actors come and go before it
+    c = HappensBeforeChecker()
+    c.add_actor(stream(0), "stream 0")
+    c.access(stream(0), W, "b", "buffer b", 0, SIZE, "copy h2d")
+    c.retire(stream(0))
+    for i in range(1, 500):
+        c.add_actor(stream(i), f"stream {i}")
+        c.retire(stream(i))
+    c.add_actor(stream(500), "stream 500")
+    with pytest.raises(HazardError, match="copy h2d"):
+        c.access(stream(500), R, "b", "buffer b", 0, SIZE, "launch")
+    assert stream(0) not in c._clocks  # its own clock went; the others still know of its write
+
+
+def test_a_retired_actors_kept_access_stays_ordered_for_those_that_saw_it():
+    c = HappensBeforeChecker()
+    c.add_actor(stream(0), "stream 0")
+    c.access(stream(0), W, "b", "buffer b", 0, SIZE, "copy h2d")
+    c.add_actor(stream(1), "stream 1")
+    c.merge(stream(1), c.snapshot(stream(0)))  # stream 1 waited on stream 0's event
+    c.retire(stream(0))
+    for i in range(2, 500):
+        c.add_actor(stream(i), f"stream {i}")
+        c.retire(stream(i))
+    c.access(stream(1), R, "b", "buffer b", 0, SIZE, "launch")  # ordered: no error
+
+
+def test_an_event_of_a_retired_actor_still_orders_its_kept_access():
+    # stream 0 writes, records an event and is closed; the event is waited on only after its
+    # clock has been swept: the wait must still order stream 0's kept write
+    c = HappensBeforeChecker()
+    c.add_actor(stream(0), "stream 0")
+    c.tick(stream(0))
+    c.access(stream(0), W, "b", "buffer b", 0, SIZE, "copy h2d", tick=False)
+    event = c.snapshot(stream(0))
+    c.retire(stream(0))
+    for i in range(1, 500):
+        c.add_actor(stream(i), f"stream {i}")
+        c.retire(stream(i))
+    c.add_actor(stream(500), "stream 500")
+    c.merge(stream(500), event)
+    c.access(stream(500), R, "b", "buffer b", 0, SIZE, "launch")  # ordered: no error

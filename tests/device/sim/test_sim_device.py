@@ -1163,3 +1163,47 @@ def test_a_stream_collected_unclosed_is_no_longer_live(dev):
     assert dev.collected_unclosed() == {"host_buffers": 0, "device_buffers": 0, "streams": 1}
     buf.close()
     assert dev.live().total == 0
+
+
+def test_the_checkers_clocks_stay_bounded_over_many_pipelines():
+    # a notebook on one simulated GPU: every call a new compute (a lambda made there), so a new
+    # engine each time, with streams, a worker pool and threads of its own; the checker's clocks
+    # must keep only what is alive, or each call costs more memory and time than the last
+    dev = unit_device()
+    x = np.arange(256, dtype=np.float32)
+    for _ in range(80):
+        rf.stream_map(lambda a, b: b.__setitem__(..., a), x, device=dev, chunk_bytes=256)
+    actors, entries = dev._checker.size()
+    rf.drop_warm_pipelines(dev)
+    assert actors < 200 and entries < 200 * 40, (actors, entries)
+
+
+def test_the_checkers_clocks_forget_ended_host_threads():
+    # each host thread that touches the device is an actor of the checker: one that has ended
+    # makes no more accesses, so its clock goes
+    dev = unit_device()
+    s = dev.create_stream()
+
+    def sync_on_a_thread():
+        s.record().sync()
+
+    for _ in range(300):
+        t = threading.Thread(target=sync_on_a_thread)
+        t.start()
+        t.join()
+    actors, entries = dev._checker.size()
+    s.close()
+    assert actors < 150 and entries < 150 * 150, (actors, entries)
+
+
+def test_a_closed_worker_pool_leaves_nothing_in_the_engine():
+    # every engine a device builds has a worker pool of its own, and a long-lived device builds
+    # thousands: a closed pool's lanes and count of busy ones must go with it
+    dev = unit_device()
+    before = (dict(dev._engine._capacity), dict(dev._engine._busy), len(dev._engine._queues))
+    for _ in range(50):
+        pool = dev.create_worker_pool(2)
+        pool.submit(lambda: None).sync()
+        pool.close()
+    after = (dict(dev._engine._capacity), dict(dev._engine._busy), len(dev._engine._queues))
+    assert after == before

@@ -150,6 +150,22 @@ class _NullChecker:
     def forget(self, buffer):
         pass
 
+    def retire(self, actor):
+        pass
+
+
+class _RetireWhenCollected:
+    """Retires a host thread's checker actor when collected (its thread's locals go when the
+    thread ends)."""
+
+    __slots__ = ("retire", "actor")
+
+    def __init__(self, checker: Any, actor: Any):
+        self.retire, self.actor = checker.retire, actor
+
+    def __del__(self) -> None:
+        self.retire(self.actor)
+
 
 def check_sim_flags(seed: Any, chaos: Any, checked: Any) -> tuple[int, bool, bool]:
     """A simulated GPU's ``seed``, ``chaos`` and ``checked`` as a plain int and bools.
@@ -533,6 +549,7 @@ class SimDevice(Device):
         queue = self._stream_queues.pop(key, None)
         if queue is not None:
             self._engine.remove_queue(queue)
+            self._checker.retire(("stream", obj_id))  # it enqueues nothing more
 
     def _forget_collected(self) -> None:
         """Release the buffers and streams collected unclosed (the device's lock held): a real GPU
@@ -559,6 +576,8 @@ class SimDevice(Device):
             # new thread, which would then start out knowing all the ended one had seen
             actor = self._tls.host_actor = ("thread", next(self._host_threads))
             self._checker.add_actor(actor, f"host thread {threading.current_thread().name}")
+            # the thread's locals go when it ends, and with them this: its actor is retired
+            self._tls.retire_actor = _RetireWhenCollected(self._checker, actor)
         return actor
 
     def _tls_actor_override(self):

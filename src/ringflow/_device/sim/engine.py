@@ -60,6 +60,7 @@ class Queue:
         self.priority = 0  # a stream's priority: lower runs its kernels first (as in CUDA)
         self.pending: deque[Op] = deque()
         self.last: Optional[Op] = None  # most recently enqueued op (for stream order)
+        self.resource: Optional[str] = None  # the lanes its ops share (a worker pool's), if its own
 
     def __repr__(self) -> str:
         return f"Queue({self.name})"
@@ -88,12 +89,18 @@ class Engine:
             self._capacity[resource] = lanes
             self._busy[resource] = 0
             self._unordered_queues.add(q)
+            q.resource = resource
         return q
 
     def remove_queue(self, q: Queue) -> None:
         if q in self._queues and not q.pending:
             self._queues.remove(q)
             self._unordered_queues.discard(q)
+            # a long-lived device makes a pool per engine it builds: its lanes go with its queue
+            # (kept while an op of it still runs, whose end counts its lane free)
+            if q.resource is not None and not self._busy.get(q.resource):
+                self._capacity.pop(q.resource, None)
+                self._busy.pop(q.resource, None)
 
     # -- enqueue -------------------------------------------------------------------------
     def enqueue(self, op: Op) -> Op:

@@ -23,6 +23,7 @@ naming both accesses.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 from typing import Hashable
@@ -31,6 +32,7 @@ from ..._errors import HazardError
 
 Actor = Hashable
 VectorClock = dict  # Actor -> int
+SWEEP_MIN = 64  # new actors between two sweeps of retired ones, at least
 
 
 class AccessKind(enum.Enum):
@@ -78,9 +80,22 @@ class HappensBeforeChecker:
         self._names: dict[Actor, str] = {}
         self._history: dict[Hashable, list[Access]] = {}
         self.checked = 0  # accesses checked so far (tests assert the checker actually ran)
+        # Actors come and go on a long-lived device (each engine's streams, pools and threads),
+        # and every clock that learns of one gains its component: without forgetting retired
+        # ones, memory and the cost of each snapshot and merge grow with every actor there ever
+        # was. A sweep every max(SWEEP_MIN, live actors) new actors keeps its cost per actor
+        # proportional to the live clocks' size.
+        self._retiring: collections.deque = collections.deque()
+        self._retained: set = set()  # swept actors whose accesses are still kept
+        self._added = 0
+        self._sweep_after = SWEEP_MIN
 
     # -- actors and clocks -------------------------------------------------------------
     def add_actor(self, actor: Actor, name: str) -> None:
+        if actor not in self._clocks:
+            self._added += 1
+            if self._added >= self._sweep_after:
+                self._sweep()
         self._clocks.setdefault(actor, {actor: 0})
         self._names[actor] = name
 
@@ -110,16 +125,24 @@ class HappensBeforeChecker:
         if snapshot.get(actor, 0) < own:
             raise ValueError(f"{self._names.get(actor, actor)} cannot restart from a clock that has not seen its "
                              f"last operation (#{own}); its next program would be taken as ordered after it")
-        self._clocks[actor] = dict(snapshot)
-        self._clocks[actor][actor] = max(own, snapshot.get(actor, 0))
+        self._clocks[actor] = {actor: max(own, snapshot.get(actor, 0))}
+        self.merge(actor, snapshot)
 
     def has_seen(self, snapshot: VectorClock, actor: Actor) -> bool:
         """``snapshot`` has seen every operation ``actor`` has made so far."""
         return snapshot.get(actor, 0) >= self._clock(actor).get(actor, 0)
 
     def merge(self, actor: Actor, snapshot: VectorClock) -> None:
-        """``actor`` learns of everything ``snapshot`` has seen (a wait, sync or query)."""
-        merge_into(self._clock(actor), snapshot)
+        """``actor`` learns of everything ``snapshot`` has seen (a wait, sync or query), except
+        the components of actors swept since the snapshot was taken (no check reads them)."""
+        target, clocks, retained = self._clock(actor), self._clocks, self._retained
+        for other, n in snapshot.items():
+            have = target.get(other)
+            if have is None:
+                if other in clocks or other in retained:
+                    target[other] = n
+            elif have < n:
+                target[other] = n
 
     def happened_before(self, earlier: Access, later_actor: Actor) -> bool:
         return self._clock(later_actor).get(earlier.actor, 0) >= earlier.seq
@@ -163,3 +186,32 @@ class HappensBeforeChecker:
 
     def live_buffers(self) -> int:
         return len(self._history)
+
+    def retire(self, actor: Actor) -> None:
+        """``actor`` makes no more accesses (a closed stream or pool, an ended host thread): its
+        clock goes at the next sweep, and so does every clock's component for it once no kept
+        access is its. Only queues it, so it is safe from any thread and from a collector's
+        callback."""
+        self._retiring.append(actor)
+
+    def _sweep(self) -> None:
+        """Drop the retired actors' clocks, and from every clock the components of actors that
+        have no clock and no kept access (the only ones a later check reads). An event's
+        snapshot taken before a sweep can still carry those: :meth:`merge` leaves out the
+        components of actors with neither a clock nor a kept access."""
+        while self._retiring:
+            actor = self._retiring.popleft()
+            self._clocks.pop(actor, None)
+            self._names.pop(actor, None)
+        referenced = {a.actor for history in self._history.values() for a in history}
+        self._retained = referenced.difference(self._clocks)
+        keep = referenced.union(self._clocks)
+        for clock in self._clocks.values():
+            for actor in [a for a in clock if a not in keep]:
+                del clock[actor]
+        self._added = 0
+        self._sweep_after = max(SWEEP_MIN, len(self._clocks))
+
+    def size(self) -> tuple[int, int]:
+        """(actors with a clock, components in all their clocks)."""
+        return len(self._clocks), sum(len(clock) for clock in self._clocks.values())

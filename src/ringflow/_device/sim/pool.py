@@ -181,7 +181,15 @@ class SimWorkerPool(WorkerPool):
             # a dead context runs nothing more, and a closed device completed every task as it closed
             if dev._sticky is not None or dev.closed:
                 dev._engine.remove_queue(self._queue)
+                self._retire_actors()
                 return
             dev._block_until(lambda: not self._queue.pending and not dev._engine._busy[self._resource],
                              what="worker pool drain")
             dev._engine.remove_queue(self._queue)
+            self._retire_actors()
+
+    def _retire_actors(self) -> None:
+        """Its tasks have all run: their checker actors make no more accesses."""
+        for actor in self._actors:
+            self._dev._checker.retire(actor)
+        self._actors = []
