@@ -310,12 +310,9 @@ class _SplitCopy:
     def run_pooled(self) -> None:
         """On a pool thread: copy parts until none is left to claim."""
         while True:
-            with self.lock:
-                if self.claimed >= len(self.parts):
-                    return
-                part = self.parts[self.claimed]
-                self.claimed += 1
-                self.running += 1
+            part = self._claim(running=True)
+            if part is None:
+                return
             try:
                 np.copyto(*part)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
@@ -335,12 +332,23 @@ class _SplitCopy:
     def run_here(self) -> None:
         """On the caller's thread: copy parts until none is left to claim."""
         while True:
-            with self.lock:
-                if self.claimed >= len(self.parts):
-                    return
-                part = self.parts[self.claimed]
-                self.claimed += 1
+            part = self._claim(running=False)
+            if part is None:
+                return
             np.copyto(*part)
+
+    def _claim(self, running: bool) -> Optional[tuple]:
+        """The next unclaimed part, claimed (and, for a pool thread, counted ``running`` in the
+        same step under the lock, so :meth:`settle` never misses a part being written), or None
+        when every part is claimed or withdrawn."""
+        with self.lock:
+            if self.claimed >= len(self.parts):
+                return None
+            part = self.parts[self.claimed]
+            self.claimed += 1
+            if running:
+                self.running += 1
+            return part
 
     def settle(self) -> None:
         """Withdraw the parts nobody has claimed and wait for those pool threads are copying."""
