@@ -90,16 +90,23 @@ _FORK_COPY = textwrap.dedent("""
     src = np.arange(1 << 24, dtype=np.uint8)
     dst = np.empty_like(src)
     parallel_copy(dst, src, 4)  # starts the Python copy threads
+    import threading
     from ringflow._device import protocol
     from tests.helpers.threads import wait_until_idle
-    wait_until_idle(protocol._copy_pool)  # the child inherits them counted idle
+    # every thread the pool may have, started: the inherited pool then starts none in the child
+    every = threading.Barrier(protocol.MAX_COPY_THREADS)  # the pool's threads and this one
+    for _ in range(protocol.MAX_COPY_THREADS - 1):
+        protocol._COPY_THREADS.get().submit(every.wait, 10)
+    every.wait(10)
+    wait_until_idle(protocol._COPY_THREADS.get())  # the child inherits them counted idle
     pid = os.fork()
     if pid == 0:
         signal.alarm(10)  # a hang ends the child, and the parent reports its status
         dst[:] = 0
         parallel_copy(dst, src, 2)  # one part for the pool: one idle thread counted takes it
         parallel_copy(dst, src, 4)
-        sys.stdout.write(f"child: {bool((dst == src).all())}\\n")
+        copying = sum(t.name.startswith("ringflow-copy") for t in threading.enumerate())
+        sys.stdout.write(f"child: {bool((dst == src).all())}, copy threads {copying}\\n")
         sys.stdout.flush()
         os._exit(0)
     _, status = os.waitpid(pid, 0)
@@ -110,13 +117,17 @@ _FORK_COPY = textwrap.dedent("""
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
 def test_a_forked_child_splits_copies_over_python_threads_of_its_own():
     """Without the native copier the split copy runs on a process-wide pool of Python threads: a
-    child forked after a copy inherited the pool without its threads, counted idle, and its
-    first split copy waited for ever for parts queued to threads that do not exist. The child
-    starts a pool of its own."""
+    child forked after a copy inherited the pool without its threads, counted idle, and queued
+    its parts to threads that do not exist (its first split copy waited for ever, until the
+    caller took to copying the parts nobody had claimed: then it copied them all alone, and the
+    queue grew by a task per part that nothing would run). The child starts a pool of its own:
+    threads of its own copy."""
     run = subprocess.run([sys.executable, "-c", _FORK_COPY], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "RINGFLOW_NATIVE_COPY": "0", "PYTHONWARNINGS": "ignore::DeprecationWarning"})
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "child status 0" in run.stdout and "child: True" in run.stdout, run.stdout + run.stderr[-2000:]
+    assert "child status 0" in run.stdout and "child: True," in run.stdout, run.stdout + run.stderr[-2000:]
+    copying = int(run.stdout.split("copy threads ")[1].split()[0])
+    assert copying >= 1, run.stdout  # the child's own: the parent's are not in it
 
 
 def test_ctrl_c_anywhere_in_a_split_copy_leaves_no_part_writing_after_it(monkeypatch):
@@ -162,7 +173,7 @@ def test_ctrl_c_anywhere_in_a_split_copy_leaves_no_part_writing_after_it(monkeyp
         interrupted += raised
         after = len(started)
         assert after == len(ended), (n, at.functions[n])  # none still running
-        wait_until_idle(protocol._copy_pool)
+        wait_until_idle(protocol._COPY_THREADS.get())
         assert len(started) == after, (n, at.functions[n])  # none started since
         if not at.fired:
             assert np.array_equal(dst, src), n  # the call ran to its end

@@ -931,7 +931,7 @@ _FORK_SHARDS = textwrap.dedent("""
     assert (rf.stream_map(f, x, device=["sim:0", "sim:1"], chunk_bytes=1 << 12) == x * 2).all()
     from ringflow._pipeline import sharded
     from tests.helpers.threads import wait_until_idle
-    wait_until_idle(sharded._pool)  # the child inherits them counted idle
+    wait_until_idle(sharded._threads())  # the child inherits them counted idle
     pid = os.fork()
     if pid == 0:
         signal.alarm(10)  # a hang ends the child, and the parent reports its status

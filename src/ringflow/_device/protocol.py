@@ -31,6 +31,7 @@ import numpy as np
 
 from .._checks import MAX_WORKERS, as_dtype, check_count, check_native_byte_order, described
 from .._errors import CaptureError
+from .._shared_threads import SharedThreads
 from . import native_copy
 
 if TYPE_CHECKING:
@@ -209,8 +210,7 @@ SPLIT_COPY_BYTES = 4 << 20
 MAX_COPY_THREADS = 4
 NATIVE_SPLIT_BYTES = 128 << 10
 NATIVE_MAX_THREADS = max(1, min(16, (os.cpu_count() or 1) // 2))
-_copy_pool: "Any" = None
-_copy_pool_lock = threading.Lock()
+_COPY_THREADS = SharedThreads(MAX_COPY_THREADS - 1, "ringflow-copy")  # the caller copies a part too
 
 
 def copy_threads(nbytes: int) -> int:
@@ -229,19 +229,6 @@ def python_copy_threads(nbytes: int) -> int:
     return max(1, min(MAX_COPY_THREADS, nbytes // SPLIT_COPY_BYTES))
 
 
-def _forget_copy_threads_in_child() -> None:
-    """After fork(), in the child: the copy pool's threads are the parent's and are not in the
-    child, but the pool would count those that were idle as ready and queue the child's parts for
-    them, which nothing would ever run; the child starts a pool of its own. The lock may have
-    been held by a parent's thread that is not in the child either."""
-    global _copy_pool, _copy_pool_lock
-    _copy_pool, _copy_pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
-    os.register_at_fork(after_in_child=_forget_copy_threads_in_child)
-
-
 def parallel_copy(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
     """``np.copyto(dst, src)`` split along the flat C-order bytes over ``threads`` threads (the
     calling one among them): native threads where available, else Python threads; C-contiguous
@@ -252,20 +239,13 @@ def parallel_copy(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
         return
     if native_copy.copy(dst, src, threads):
         return
-    global _copy_pool
-    if _copy_pool is None:
-        with _copy_pool_lock:
-            if _copy_pool is None:
-                import concurrent.futures
-
-                _copy_pool = concurrent.futures.ThreadPoolExecutor(MAX_COPY_THREADS - 1,
-                                                                   thread_name_prefix="ringflow-copy")
+    pool = _COPY_THREADS.get()
     d, s = dst.reshape(-1).view(np.uint8), np.ascontiguousarray(src).reshape(-1).view(np.uint8)
     step = -(-d.nbytes // threads)
     job = _SplitCopy([(d[a:a + step], s[a:a + step]) for a in range(0, d.nbytes, step)])
     try:
         for _ in range(len(job.parts) - 1):
-            _copy_pool.submit(job.run_pooled)
+            pool.submit(job.run_pooled)
         job.run_here()
     finally:
         # also where a Ctrl-C stopped the caller: a part still queued or copying would write dst

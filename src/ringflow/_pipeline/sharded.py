@@ -34,8 +34,6 @@ import contextvars
 import dataclasses
 import functools
 import json
-import os
-import threading
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -47,6 +45,7 @@ from .._errors import DeviceError, LaunchError, OutOfMemoryError, StageError, de
 from .._files import check_file_name, write_whole
 from .engine import Arrays, choose_engine
 from .sigint import shielded
+from .._shared_threads import SharedThreads
 from .sizing import default_workers
 from .whole_array import MapLayout, run_whole
 
@@ -54,29 +53,11 @@ from .whole_array import MapLayout, run_whole
 # the simulated GPU's checker meets a bounded set of host threads. Bounded only as a guard: a
 # call's shards queue behind other calls' rather than fail when every thread is busy.
 _MAX_THREADS = 64
-_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-_pool_lock = threading.Lock()
+_SHARD_THREADS = SharedThreads(_MAX_THREADS, "ringflow-shard")
 
 
 def _threads() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="ringflow-shard")
-        return _pool
-
-
-def _forget_threads_in_child() -> None:
-    """After fork(), in the child: the pool's threads are the parent's and are not in the child,
-    but the pool would count those that were idle as ready and queue the child's shards for them,
-    which nothing would ever run; the child starts a pool of its own. The lock may have been held
-    by a parent's thread that is not in the child either."""
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
-    os.register_at_fork(after_in_child=_forget_threads_in_child)
+    return _SHARD_THREADS.get()
 
 
 @dataclasses.dataclass(frozen=True)

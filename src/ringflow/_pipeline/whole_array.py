@@ -195,16 +195,16 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
         return out, None
     keep_warm, profile = opts.pop("keep_warm"), opts.pop("profile")
     many = device_list(device)
+    # the devices as given, one for each of ``many`` ("cuda:all" gives none: they are made here)
+    given = list(device) if isinstance(device, (list, tuple)) else [None] * len(many) if many else [device]
     if many is not None and len(many) > 1:  # the rows are split over the devices (one list of one is one)
         from .sharded import stream_map_sharded
 
-        given = list(device) if isinstance(device, (list, tuple)) else [None] * len(many)  # "cuda:all": made here
         keep_warm = keep_warm and all(_named_again(g, d, x, out) for g, d in zip(given, many))
         return stream_map_sharded(f, x, out, fresh_out, many, opts.pop("chunk_bytes"), host, x_buffer, out_buffer,
                                   engine, keep_warm, profile, opts)
     dev = one_device(device, many, x, out, fresh_out)
-    given = device[0] if isinstance(device, (list, tuple)) else None if many else device  # (many: "cuda:all")
-    keep_warm = keep_warm and _named_again(given, dev, x, out)
+    keep_warm = keep_warm and _named_again(given[0], dev, x, out)
     out, fresh_out, call = prepare_whole(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer,
                                          out_buffer, engine, keep_warm, opts)
     if memo is not None and memo[0] is dev and not call.replaced_out and _unpooled(x, given_out):
