@@ -326,3 +326,136 @@ def test_a_failure_held_by_the_caller_keeps_neither_the_pipeline_nor_its_items(d
 
 class _Items(list):
     """A list of items a weak reference can follow."""
+
+
+
+def test_frames_of_another_threads_running_call_are_cleared_once_it_returns():
+    """On the simulated GPU a stage may run inside another thread's call (a caller's staging copy
+    or wait advanced virtual time): the failure's traceback reaches that thread's frames, still
+    running when the progress thread first clears them. :func:`forget_frames` says so, and a later
+    call, once that thread's call has returned, clears them (they held the call's arguments)."""
+    import threading
+    import weakref
+
+    from ringflow._pipeline.frames import forget_frames
+    from ringflow._pipeline.reentry import run_counted
+
+    class Owner:
+        running: dict = {}
+
+    class Item:
+        pass
+
+    failed, release = threading.Event(), threading.Event()
+    kept: list = []
+
+    def stage(item):  # a stage run inside another thread's ringflow call, which runs on after it failed
+        try:
+            raise ValueError("a bad chunk")
+        except ValueError as exc:
+            kept.append(exc)
+        failed.set()
+        release.wait(10)
+
+    item = Item()
+    item_ref = weakref.ref(item)
+    other = threading.Thread(target=run_counted, args=(Owner(), stage, item))
+    del item
+    with collector_off():
+        other.start()
+        assert failed.wait(10)
+        assert forget_frames(kept[0]) is True, "a caller still running on another thread is left for later"
+        release.set()
+        other.join(10)
+        assert forget_frames(kept[0]) is False, "nothing is left once that call returned"
+        other = None
+        assert item_ref() is None, "the returned call's frame keeps its argument"
+
+
+def test_a_finished_asubmit_keeps_neither_the_pipeline_nor_the_item_in_its_frame():
+    """On the simulated GPU a stage may run inside an ``asubmit``'s staging copy (which advances
+    virtual time): a failure's traceback then reaches the accepting coroutine's frame through
+    ``f_back``, and a frame outlives its coroutine with the locals it had. Held as such a traceback
+    holds it, that frame keeps neither the pipeline nor the item once the coroutine has finished."""
+    import sys
+    import weakref
+
+    dev = rf.device("sim")
+    frames: list = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "_asubmit_future" and frame not in frames:
+            frames.append(frame)
+
+    with collector_off():
+        x = np.ones(CHUNK_BYTES // 4, np.float32)
+        pipe = rf.Pipeline(copy_failing_on_call(0, ValueError()), device=dev, chunk_bytes=CHUNK_BYTES)
+        kept = {"x": weakref.ref(x), "pipeline": weakref.ref(pipe)}
+
+        async def one():
+            sys.setprofile(profile)
+            try:
+                return await pipe.asubmit(x)
+            finally:
+                sys.setprofile(None)
+
+        asyncio.run(one())
+        pipe.close()
+        pipe = x = None
+        assert frames, "the accepting coroutine ran"
+        alive = [name for name, ref in kept.items() if ref() is not None]
+        assert alive == [], f"the finished coroutine's frame keeps {alive} alive"
+    frames.clear()
+    dev.close()
+
+
+STOPPED_MAPS = {  # (devices, when the other item failed)
+    "one device, before the map": (1, "before"),  # the map's first submit is refused
+    "one device, during the map": (1, "during"),
+    # over two devices a part stopped before the map is passed over: the map goes on without it
+    "two devices, during the map": (2, "during"),  # the map's chunks on the stopped part are cancelled
+}
+
+
+@pytest.mark.parametrize("case", STOPPED_MAPS)
+@pytest.mark.parametrize("door", ["Pipeline.map", "Pipeline.amap"])
+def test_a_map_stopped_by_another_items_failure_keeps_nothing_in_what_it_raises(door, case):
+    """A map stopped by the failure of an item it did not take (another thread's submit) raises
+    that failure, or the refusal of a pipeline it stopped, from the map's own steps: their frames
+    are in that error's traceback, and must not keep the pipeline nor the map's items for a caller
+    that keeps the error, once the pipeline is closed and dropped (with the collector off)."""
+    import weakref
+
+    devices, when = STOPPED_MAPS[case]
+
+    devs = [rf.device("sim") for _ in range(devices)]
+    f = copy_failing_on_call(1, ValueError("a bad chunk"))
+    rows = CHUNK_BYTES // 4
+    with collector_off():
+        x = np.ones(8 * rows, np.float32)
+        kept = {"x": weakref.ref(x)}
+        with pytest.raises((rf.StageError, RuntimeError)) as info:
+            with rf.Pipeline(f, device=devs[0] if devices == 1 else devs, chunk_bytes=CHUNK_BYTES) as pipe:
+                kept["pipeline"] = weakref.ref(pipe)
+                bad = pipe.submit(np.ones(rows, np.float32))
+                if when == "before":
+                    bad.exception()
+                items = _Items(x[i:i + rows] for i in range(0, x.size, rows))
+                kept["items"] = weakref.ref(items)
+                if door == "Pipeline.map":
+                    for result in pipe.map(items):
+                        del result
+                else:
+                    async def amap():
+                        async for result in pipe.amap(items):
+                            del result
+
+                    asyncio.run(amap())
+        pipe = items = bad = None  # (the raise skipped any del in the block)
+        del x
+        alive = [name for name, ref in kept.items() if ref() is not None]
+        assert alive == [], f"the error held by the caller ({info.value!r}) keeps {alive} alive"
+    del info
+    for dev in devs:
+        rf.drop_warm_pipelines(dev)
+        dev.close()

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Callable
 
 from .chunk import NO_ROOM, ChunkFuture, cancel_unwanted, post_cancel
 from .delivered import DeviceResult
+from .frames import forget_own_frames
 from .validate import check_iterable
 
 logger = logging.getLogger(__name__)
@@ -460,7 +461,8 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
       stopped before (it may raise instead);
     * ``await _amap_failed(fut, err)``: :data:`SKIP`, :data:`STOP` or :data:`RAISE` for the
       head's chunk ``fut`` that raised ``err`` (it may raise instead);
-    * ``_amap_stopped()``: called after the clean-up of a map that stopped (it may raise).
+    * ``_amap_stopped()``: called after the clean-up of a map that stopped: the error to raise
+      then, or None.
 
     The clean-up, whatever ends the map: a pull in progress is stopped, and every chunk taken and
     not handed out is cancelled (awaited without blocking the loop: :meth:`CancelIfDropped.end`).
@@ -534,9 +536,11 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
             window.remove(entry)
             yield value
             ending.pulled()
-    except BaseException:
-        # what this raises may be kept by the caller, and with it this frame: not the pipeline
+    except BaseException as err:
+        # what this raises may be kept by the caller, and with it this frame: not the pipeline,
+        # nor in the frames of the steps that raised it (they have returned)
         pipe = None  # noqa: F841 - dropped, not read again
+        forget_own_frames(err)
         raise
     finally:
         # awaited: the loop runs on while the progress thread cancels them, and the map ends with
@@ -554,7 +558,10 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
             window.clear()
             entry = fut = head = value = None  # noqa: F841 - dropped, not read again
             items = source = item = carried = None  # noqa: F841 - nor the caller's items
-    pipe._amap_stopped()
+    stopped_by = pipe._amap_stopped()
+    pipe = None  # (as above: the frame of this raise)
+    if stopped_by is not None:
+        raise stopped_by
 
 
 # every async map not yet collected (weakly: a dropped one cancels its window in __del__)

@@ -37,6 +37,7 @@ from .aio import (NO_ROOM, RAISE, SKIP, STOP, CancelIfDropped, OffLoopSubmit, am
                   give_up_stranded, retrieve)
 from .chunk import Chunk, ChunkFuture, cancel_unwanted, post_cancel
 from .driver import CallerDriver, Hold, ProgressThread, ThreadEnded, resolve, warn_if_stalled
+from .frames import forget_own_frames
 from .config import PipelineConfig, SlotCounts
 from .sizing import DEFAULT_CHUNK_BYTES, default_workers, fit_pinned_budget, lent_slots, resolve_slots
 from .trees import ALIGN, Packed, flatten, host_views, is_spec, is_tree, pack_into, packed, unflatten
@@ -1082,8 +1083,11 @@ class Pipeline:
                     if s.first_error is not None and self.config.on_error == "raise":
                         raise s.first_error
                     return
-        except KeyboardInterrupt:
-            interrupted = True
+        except BaseException as err:
+            interrupted = isinstance(err, KeyboardInterrupt)
+            # the frames of this map's steps that raised it (a wait's, a submit's) have returned,
+            # and stay in the traceback of what the caller may keep: they keep nothing of it
+            forget_own_frames(err)
             raise
         finally:
             # the caller stopped early (a break, an error in its loop, Ctrl-C): what this map took
@@ -1217,52 +1221,61 @@ class Pipeline:
         # ``ending``: the amap the item is for, told of a chunk accepted there (close() may give
         # its window up before the loop runs the map again). ``wait`` False: as _submit_if_room,
         # NO_ROOM (nothing accepted) where there is no room, never waiting for capacity
-        timeout = check_timeout(timeout)
-        self._check_caller("asubmit()", awaited=True)
-        item = self._check_item(item)
-        s = self._sched
-        accepting = token = None
-        if s.has_capacity():  # a look without the lock: _accept_at_once decides again under the batch lock
-            accepting = self._accepting(item)  # the staging copy, on the loop's thread
-            fut = self._accept_at_once(accepting)
-            if fut is not None:
-                return fut
-            token = self.device.publish()  # the copy, handed to the executor's thread with the item
-        elif not wait:
-            return self._no_room()
-        # A cancelled await ends the wait for capacity of a submit running on the executor
-        # (gave_up: it then accepts nothing); an item accepted before that submit saw it is cancelled
-        off = OffLoopSubmit(ending)
-
-        def submit() -> "ChunkFuture | object | None":
-            try:
-                if accepting is None:
-                    fut = self._submit(item, timeout, off.gave_up)
-                else:
-                    self.device.observe(token)
-                    fut = (self._accept_staged(accepting, timeout, off.gave_up) if wait
-                           else self._accept_staged_if_room(accepting))
-            except _GaveUp:
-                return None  # (nobody awaits this any more)
-            return fut if fut is NO_ROOM else off.accepted(fut)
-
-        if ending is not None:
-            ending.accepting(self._driver)
         try:
-            fut = await asyncio.get_running_loop().run_in_executor(None, submit)
-            if fut is NO_ROOM and ending is not None:
-                ending.accepting(None)  # nothing was accepted for the map here
-            return fut
-        except BaseException:  # CancelledError mostly: the task awaiting asubmit gave up
-            fut = off.abandon()
-            if fut is not None:
-                post_cancel([fut])  # (not fut.cancel(): the loop's thread does not wait for the lock)
+            timeout = check_timeout(timeout)
+            self._check_caller("asubmit()", awaited=True)
+            item = self._check_item(item)
+            accepting = token = None
+            if self._sched.has_capacity():  # a look without the lock: _accept_at_once decides again under the batch lock
+                accepting = self._accepting(item)  # the staging copy, on the loop's thread
+                fut = self._accept_at_once(accepting)
+                if fut is not None:
+                    return fut
+                token = self.device.publish()  # the copy, handed to the executor's thread with the item
+            elif not wait:
+                return self._no_room()
+            # A cancelled await ends the wait for capacity of a submit running on the executor
+            # (gave_up: it then accepts nothing); an item accepted before that submit saw it is cancelled
+            off = OffLoopSubmit(ending)
+            submit = functools.partial(self._submit_off_loop, item, accepting, token, timeout, wait, off)
+            if ending is not None:
+                ending.accepting(self._driver)
+            try:
+                fut = await asyncio.get_running_loop().run_in_executor(None, submit)
+                if fut is NO_ROOM and ending is not None:
+                    ending.accepting(None)  # nothing was accepted for the map here
+                return fut
+            except BaseException:  # CancelledError mostly: the task awaiting asubmit gave up
+                fut = off.abandon()
+                if fut is not None:
+                    post_cancel([fut])  # (not fut.cancel(): the loop's thread does not wait for the lock)
+                else:
+                    # a submit waiting for capacity stops waiting: left to wait, it would hold the
+                    # executor's thread until capacity came, and asyncio.run, which joins that thread
+                    # as it ends, with it
+                    self._wake_waits()
+                raise
+        finally:
+            # on the simulated GPU a stage may run inside this coroutine's staging copy (it
+            # advances virtual time), so a failure's traceback reaches this frame, which outlives
+            # the coroutine with its locals: it must not keep the pipeline, nor the item
+            self = item = accepting = token = off = submit = fut = ending = None  # noqa: F841
+
+    def _submit_off_loop(self, item: Any, accepting: "dict | None", token: Any, timeout: Optional[float], wait: bool,
+                         off: OffLoopSubmit) -> "ChunkFuture | object | None":
+        """An asubmit's accepting, on the loop's executor: ``item`` submitted (``accepting`` None), or
+        accepted as :meth:`_accepting` made it ready (after ``token``, its staging copy). None where
+        the await was given up first (nothing accepted)."""
+        try:
+            if accepting is None:
+                fut = self._submit(item, timeout, off.gave_up)
             else:
-                # a submit waiting for capacity stops waiting: left to wait, it would hold the
-                # executor's thread until capacity came, and asyncio.run, which joins that thread
-                # as it ends, with it
-                self._wake_waits()
-            raise
+                self.device.observe(token)
+                fut = (self._accept_staged(accepting, timeout, off.gave_up) if wait
+                       else self._accept_staged_if_room(accepting))
+        except _GaveUp:
+            return None  # (nobody awaits this any more)
+        return fut if fut is NO_ROOM else off.accepted(fut)
 
     def _wake_waits(self) -> None:
         """Have the threads waiting on the pipeline look at what they wait for again, without
@@ -1366,9 +1379,10 @@ class Pipeline:
             return SKIP  # a failed chunk (whatever its stage raised) is skipped, as map does
         return RAISE
 
-    def _amap_stopped(self) -> None:
+    def _amap_stopped(self) -> Optional[BaseException]:
         if self._sched.first_error is not None and self.config.on_error == "raise":
-            raise self._sched.first_error
+            return self._sched.first_error
+        return None
 
     # -- ending ----------------------------------------------------------------------------------
     @shielded_call

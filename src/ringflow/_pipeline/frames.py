@@ -13,12 +13,19 @@ failure about to reach the caller, clears only those callers, leaving the traceb
 raises to its caller, clears those callers and the traceback's own frames that are ringflow's,
 so the failure keeps the user's frames but not the engine, its buffers or the call's arrays.
 None touches a frame still running, nor a caller outside ringflow.
+
+On the simulated GPU the call that advanced virtual time may be another thread's (a caller's
+staging copy, a caller's wait): its frames return only once that thread's call does, which may
+be after every later step of the progress thread. :func:`forget_frames` says when it stopped at
+such a frame, so the scheduler looks again until that thread has returned (a frame of the
+calling thread's own stack, such as the progress thread's loop, never returns while it looks).
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import sys
 import traceback
 from typing import Optional
 
@@ -26,15 +33,23 @@ _SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GE
 _OWN_CODE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # ringflow's package
 
 
-def forget_frames(exc: BaseException) -> None:
+def forget_frames(exc: BaseException) -> bool:
     """Clear the local variables of the frames ``exc``'s traceback passes through (its causes'
     too), and of the finished frames that called them: a failure kept for inspection then keeps
-    its message and traceback lines but not the chunk, its input or its events alive."""
+    its message and traceback lines but not the chunk, its input or its events alive.
+
+    Returns:
+        True where a caller of those frames is still running on another thread: its frames
+        (and their locals) are left, to be cleared by a later call once that thread's call has
+        returned; False where nothing is left that a later call could clear.
+    """
+    pending = False
     for one in _chain(exc):
         tb = one.__traceback__
         if tb is not None:
             traceback.clear_frames(tb)
-        _forget_callers_of(tb)
+        pending = _forget_callers_of(tb) or pending
+    return pending
 
 
 def forget_callers(exc: BaseException) -> None:
@@ -77,23 +92,38 @@ def _chain(exc: Optional[BaseException]):
         exc = exc.__cause__ or exc.__context__
 
 
-def _forget_callers_of(tb) -> None:
+def _forget_callers_of(tb) -> bool:
+    """:func:`_forget_callers` for each frame of ``tb``; True where one stopped at another thread's."""
+    pending = False
     while tb is not None:
-        _forget_callers(tb.tb_frame)
+        pending = _forget_callers(tb.tb_frame) or pending
         tb = tb.tb_next
+    return pending
 
 
-def _forget_callers(frame) -> None:
+def _forget_callers(frame) -> bool:
     """Clear the locals of ringflow's frames that called ``frame`` and have returned since. A
     traceback's frames keep their callers alive (``f_back``); on the simulated GPU a host task or
     kernel runs inside whatever scheduler call advanced virtual time, so those callers hold other
     chunks, slots and events. Stops at the first caller still running, outside ringflow (the
     user's frames are the user's), or of a generator or coroutine (clearing a suspended one would
-    close it)."""
+    close it). Returns True where it stopped at a caller running on another thread."""
     f = frame.f_back
     while f is not None and _is_own(f):
         try:
             f.clear()
         except RuntimeError:  # still running: so are its callers
-            return
+            return not _on_this_thread(f)
         f = f.f_back
+    return False
+
+
+def _on_this_thread(frame) -> bool:
+    """Whether ``frame`` is on the calling thread's stack (a running frame that is not, is another
+    thread's)."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False

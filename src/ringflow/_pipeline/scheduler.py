@@ -1781,10 +1781,11 @@ class Scheduler:
         self._forget_again = []
 
     def _forget_finished_frames(self) -> None:
-        """:func:`forget_frames` again for the failures of earlier steps (those steps have returned)."""
-        again, self._forget_again = self._forget_again, []
-        for exc in again:
-            forget_frames(exc)
+        """:func:`forget_frames` again for the failures of earlier steps (those steps have returned).
+        A failure whose stage ran inside another thread's call (on the simulated GPU, a caller's
+        staging copy or wait advanced virtual time) is looked at again at every step until that
+        call has returned, and once more at close."""
+        self._forget_again = [exc for exc in self._forget_again if forget_frames(exc)]
 
     # -- reuse by a later job (see ringflow._pipeline.warm) ---------------------------------------
     def idle(self) -> bool:

@@ -35,6 +35,7 @@ from .api import Pipeline, _GaveUp
 from .aio import NO_ROOM, RAISE, SKIP, STOP, CancelIfDropped, OffLoopSubmit, amap_window, follow
 from .chunk import cancel_unwanted, post_cancel
 from .driver import _POLL_S, WakeFlag
+from .frames import forget_own_frames
 from .sigint import checkpoint, shielded_call
 from .stats import PipelineStats
 from .validate import check_iterable, check_timeout, warn_if_elements_as_items
@@ -366,8 +367,9 @@ class SpreadPipeline(Pipeline):
                     raise
                 window.remove(fut)
                 yield value
-        except KeyboardInterrupt:
-            interrupted = True
+        except BaseException as err:
+            interrupted = isinstance(err, KeyboardInterrupt)
+            forget_own_frames(err)  # (as Pipeline._map: the steps that raised it have returned)
             raise
         finally:
             # the caller stopped early: the rest are not wanted (after a Ctrl-C, not waited for:
@@ -381,6 +383,7 @@ class SpreadPipeline(Pipeline):
                 # pinned block), nor a future or failure that would form a cycle with it
                 window.clear()
                 fut = value = failure = None  # noqa: F841 - dropped, not read again
+                self = source = items = carried = None  # noqa: F841 - nor the pipeline, nor the caller's items
 
     def amap(self, items: Any) -> AsyncIterator[Any]:
         """As :meth:`Pipeline.amap`, over every device, in submission order (``ordered=False``: as
@@ -423,10 +426,12 @@ class SpreadPipeline(Pipeline):
         await asyncio.get_running_loop().run_in_executor(None, self.cancel)
         if failure is err:
             return RAISE
+        # this coroutine's frame stays in the traceback of what it raises, which the caller may keep
+        self = fut = None  # noqa: F841 - dropped, not read again
         raise failure from failure.__cause__  # (as map: keep the user's exception)
 
-    def _amap_stopped(self) -> None:
-        pass
+    def _amap_stopped(self) -> Optional[BaseException]:
+        return None
 
     def _part_failure(self) -> Optional[BaseException]:
         """The failure that stopped a part (with ``on_error="raise"``), if one did."""
