@@ -566,3 +566,30 @@ def test_a_ctrl_c_anywhere_in_a_pipelines_set_up_leaves_no_progress_thread_runni
         fired += 1
         n += 1
     assert fired > 5  # the sweep reached the set-up's steps
+
+
+@pytest.mark.parametrize("devices", [1, 2], ids=["one device", "two devices"])
+def test_a_report_that_resets_starts_a_new_window_so_a_long_lived_profile_stays_bounded(devices):
+    """``report(reset=True)`` reports the chunks ended since the last reset and forgets them: a
+    profiled pipeline that serves for hours keeps only the records of its current window, and
+    each window's report covers its own chunks (its measured time and host time per chunk too)."""
+    devs = [sim(seed=k) for k in range(devices)]
+    rows = 1 << 12
+    with rf.Pipeline(f_copy, device=devs[0] if devices == 1 else devs, chunk_bytes=rows * 4, profile=True) as pipe:
+        ended = [0.0] * devices
+        for window in range(3):
+            x = np.arange(8 * rows, dtype=np.float32) + window
+            items = [x[i:i + rows] for i in range(0, x.size, rows)]
+            assert all(np.array_equal(got, want) for got, want in zip(pipe.map(items), items))
+            report = pipe.report(reset=True)
+            assert report.chunks == 8, f"window {window} reports its own chunks"
+            parts = report.reports if devices > 1 else [report]
+            assert all(part.timeline.start >= ended[k] for k, part in enumerate(parts) if part.chunks), \
+                "and no earlier window's (on each device's clock)"
+            ended = [max(ended[k], part.timeline.end) for k, part in enumerate(parts)]
+        left = pipe.report()
+        assert left.chunks == 0, "a reset forgets what it reported"
+        parts = left.reports if devices > 1 else [left]
+        assert not any(part.stall_s for part in parts), "and the stalls of that window"
+        with pytest.raises(TypeError, match="reset must be True or False"):
+            pipe.report(reset="yes")

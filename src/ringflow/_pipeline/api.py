@@ -1744,22 +1744,29 @@ class Pipeline:
             self._driver.wait_for(pred, timeout)
 
     @shielded_call
-    def report(self) -> Report:
+    def report(self, reset: bool = False) -> Report:
         """Stage times, bottleneck, ideal bound, efficiency, latency, stalls and memory of the
-        chunks finished so far.
+        chunks finished so far (since the last reset).
+
+        Args:
+            reset: also forget what this report covers (the finished chunks' records and the
+                stalls so far), so that the next report covers only what ends after it. A
+                pipeline that serves for a long time keeps a record for every chunk that
+                ended; reporting with ``reset=True`` now and then keeps that bounded. The
+                memory high-water marks are the pipeline's since it began.
 
         Raises:
             RuntimeError: the pipeline was not made with ``profile=True``.
+            TypeError: ``reset`` is not a bool.
         """
+        reset = check_flag("reset", reset)
         if self._recorder is None:
             raise RuntimeError("report() needs a pipeline made with profile=True")
         with self._driver.hold():
             # a copy: the recorder's timeline keeps growing as the run goes on, a report must not
-            live = self._recorder.timeline
-            timeline = Timeline(records=list(live.records), stalls=list(live.stalls), meta=dict(live.meta),
-                                host=list(live.host))
+            timeline, host_seconds = self._recorder.window(self._sched.host_seconds, reset)
             return Report.build(timeline, workers=self.config.workers, memory=memory_of(self._sched),
-                                host_seconds=self._sched.host_seconds)
+                                host_seconds=host_seconds)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -1802,6 +1809,7 @@ class _Recorder:
         self.timeline = Timeline(meta={"device": device.name, "chunk_bytes": chunk_bytes,
                                        "slots": counts.__dict__, "workers": workers})
         self.anchor = None
+        self.host_seconds_before = 0.0  # the scheduler's host time at the last reset (see window)
 
     def start(self, stream) -> None:
         self.anchor = Anchor(self.device, stream)
@@ -1817,6 +1825,20 @@ class _Recorder:
         end = self.device.now
         if end > start:
             self.timeline.stalls.append(Span(track, name, start, end))
+
+    def window(self, host_seconds: float, reset: bool) -> "tuple[Timeline, float]":
+        """A copy of what was recorded since the last reset, and the scheduler's host time since
+        then (``host_seconds``: its total so far); with ``reset``, that is forgotten here."""
+        live = self.timeline
+        copy = Timeline(records=list(live.records), stalls=list(live.stalls), meta=dict(live.meta),
+                        host=list(live.host))
+        spent = host_seconds - self.host_seconds_before
+        if reset:
+            live.records.clear()
+            live.stalls.clear()
+            live.host.clear()
+            self.host_seconds_before = host_seconds
+        return copy, spent
 
 
 def _abandon(driver, sched, procs) -> None:

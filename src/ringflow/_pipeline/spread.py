@@ -38,7 +38,7 @@ from .driver import _POLL_S, WakeFlag
 from .frames import forget_own_frames
 from .sigint import checkpoint, shielded_call
 from .stats import PipelineStats
-from .validate import check_iterable, check_timeout, warn_if_elements_as_items
+from .validate import check_flag, check_iterable, check_timeout, warn_if_elements_as_items
 
 
 class SpreadPipeline(Pipeline):
@@ -525,16 +525,21 @@ class SpreadPipeline(Pipeline):
     def failures(self) -> list[StageError]:
         return [f for p in self.parts for f in p.failures]
 
-    def report(self):
+    def report(self, reset: bool = False):
         """A :class:`~ringflow._pipeline.sharded.ShardedReport`: each device's report (one trace
         with a process per device); its ``rows`` are ``(0, chunks)`` of each device.
 
+        Args:
+            reset: as :meth:`Pipeline.report`, on every device.
+
         Raises:
             RuntimeError: the pipeline was not made with ``profile=True``.
+            TypeError: ``reset`` is not a bool.
         """
         from .sharded import ShardedReport
 
-        reports = [p.report() for p in self.parts]
+        reset = check_flag("reset", reset)
+        reports = [p.report(reset) for p in self.parts]
         start = min((r.timeline.start for r in reports if r.chunks), default=0.0)
         return ShardedReport(reports=tuple(reports), devices=tuple(device_label(d) for d in self.devices),
                              rows=tuple((0, r.chunks) for r in reports),
