@@ -421,3 +421,48 @@ def test_a_forked_child_uses_rf_host_with_devices_of_its_own(call, expect):
     assert run.returncode == 0 and "child status 0" in out, out + run.stderr[-2000:]
     assert f"{expect}\n" in out, out
     assert "parent (10,) 4096" in out, out  # the parent's pools are as they were
+
+
+def test_arrays_dropped_after_the_budget_is_lowered_below_in_use_are_freed_not_cached():
+    """``set_budget`` below the bytes in use leaves those blocks in use; dropping them must not
+    cache them above the budget: the pool holds at most its budget once they are taken back."""
+    dev = rf.device("sim")
+    arrays = [rf.host.empty(1 << 20, np.uint8, device=dev) for _ in range(4)]
+    rf.host.set_budget(3 << 19, device=dev)  # room for one of the four blocks
+    st = rf.host.stats(device=dev)
+    assert (st.in_use_bytes, st.cached_bytes) == (4 << 20, 0)
+    del arrays
+    st = rf.host.stats(device=dev)
+    assert st.in_use_bytes == 0 and st.pending_bytes == 0
+    assert st.cached_bytes + st.in_use_bytes + st.pending_bytes <= st.budget, st
+    assert st.cached_bytes == 1 << 20 and st.releases == 3  # the first one back fits; the rest are freed
+    assert dev.live().pooled_host_buffers == 1
+    again = rf.host.empty(1 << 20, np.uint8, device=dev)  # served from the block kept
+    assert rf.host.buffer(again) is not None and rf.host.stats(device=dev).hits == 1
+
+
+def test_a_block_dropped_over_the_budget_with_its_copy_pending_is_freed_only_once_the_copy_is_done():
+    """Over the budget, a dropped block whose device copy is still pending stays pending (neither
+    freed nor handed out) until the copy is done, and is freed then: the simulated GPU's checker
+    sees the free ordered after the copy."""
+    dev = rf.device("sim")
+    stream = dev.create_stream()
+    d = dev.allocate(1 << 20)
+    stream.launch(lambda a: a.fill(9), d.array(np.uint8, 1 << 20), sim_seconds=1.0)
+    result = rf.host.empty(1 << 20, np.uint8, device=dev)
+    buf = rf.host.buffer(result)
+    stream.copy(buf, d)
+    ev = stream.record()
+    assert rf.host.record_use(result, ev) is True
+    rf.host.set_budget(4096, device=dev)  # below the block in use
+    del result
+    st = rf.host.stats(device=dev)
+    assert (st.pending_bytes, st.cached_bytes, st.releases) == (1 << 20, 0, 0) and not buf.closed
+    assert rf.host.collect(device=dev) == 0 and not ev.is_done and not buf.closed
+    other = rf.host.empty(1 << 20, np.uint8, device=dev)  # over the budget: pageable, not the pending block
+    assert rf.host.buffer(other) is None
+    assert rf.host.collect(device=dev, wait=True) == 0  # freed, not made ready for reuse
+    st = rf.host.stats(device=dev)
+    assert ev.is_done and buf.closed
+    assert (st.pending_bytes, st.cached_bytes, st.in_use_bytes, st.releases) == (0, 0, 0, 1)
+    assert dev.live().pooled_host_buffers == 0

@@ -181,7 +181,8 @@ def collect(*, device: Optional[Device] = None, wait: bool = False) -> int:
         wait: block until every recorded operation on a dropped array is done.
 
     Returns:
-        Bytes made ready for reuse.
+        Bytes made ready for reuse (memory freed because the pool is over its budget
+        is not counted: it is given back to the system, not kept).
 
     Raises:
         TypeError: ``wait`` is not a bool, or ``device`` is not a Device or None.
@@ -215,7 +216,9 @@ def set_budget(nbytes: int, *, device: Optional[Device] = None) -> None:
         device: that device's pool only; None sets the budget of every pool, present and future.
 
     Cached memory beyond the new budget is freed at once; memory behind live arrays stays,
-    and later requests get pageable memory until they fit.
+    and later requests get pageable memory until they fit. While the pool holds more than the
+    budget, a dropped array's memory is freed (once every operation recorded on it is done)
+    rather than cached.
 
     Raises:
         TypeError, ValueError: ``nbytes`` is not a positive int.

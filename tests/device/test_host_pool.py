@@ -609,6 +609,38 @@ def test_ctrl_c_anywhere_in_taking_back_a_dropped_block_leaves_it_pending_or_fre
     assert n > 10  # the hook reached into the take-back
 
 
+@pytest.mark.parametrize("wait", [True, False])
+def test_ctrl_c_anywhere_in_taking_back_a_block_over_the_budget_leaves_it_pending_freed_or_cached(wait):
+    """A KeyboardInterrupt at any instruction of taking back a dropped block while the pool is
+    over its budget (which frees it instead of caching it): the block is left pending, freed and
+    out of the books, or back in the cache for a later release; counted once, never open but
+    uncounted, and never freed before its copy is done."""
+    n, finished = 0, False
+    while not finished:
+        dev = rf.device("sim")
+        pool = HostPool(dev)
+        a, buf, ev, keep = pending_copy(dev, pool, "d2h")
+        pool.set_budget(4096)
+        del a
+        hook, _ = call_interrupted_at(n, lambda: pool.collect(wait=wait),
+                                      {"collect", "_process", "_settled", "_over_budget", "_wait", "_is_done",
+                                       "_release_blocks", "_restore", "_observe"}, POOL_FILE)
+        finished = hook.fired == 0
+        where = (wait, n, hook.functions[n:n + 1])
+        assert buf.closed is (pool._blocks.get(id(buf)) is None), where
+        if not ev.is_done:
+            assert not buf.closed, where
+        ev.sync()
+        pool.collect()
+        st = pool.stats()
+        assert (st.pending_bytes, st.in_use_bytes) == (0, 0), (where, st)
+        assert st.held_bytes == sum(b.size for b in pool._blocks.values()), (where, st)
+        pool.release_cached()
+        assert buf.closed and pool.stats().held_bytes == 0 and dev.live().host_buffers == 0, where
+        n += 1
+    assert n > 10  # the hook reached into the take-back
+
+
 FREEING_SIZES = [size_class(4096 * (i + 1)) for i in range(3)]
 
 

@@ -180,3 +180,96 @@ def test_ctrl_c_anywhere_in_a_split_copy_leaves_no_part_writing_after_it(monkeyp
         protocol.parallel_copy(dst, src, 4)
         assert np.array_equal(dst, src), n
     assert interrupted > 10, interrupted
+
+
+# -- close callbacks (Device.on_close), shared by every backend ------------------------------------
+
+def _shell_cuda_device(calls: list):
+    """A ``CudaDevice`` with nothing behind it (no GPU here): just what its ``close`` touches, each
+    part recording the call, so that the CUDA backend's close is run on any machine."""
+    from ringflow._device.cuda.device import CudaDevice
+
+    dev = object.__new__(CudaDevice)
+    part = types.SimpleNamespace
+    dev.index, dev.name, dev._closed = 0, "shell", False
+    dev._ensure_current = lambda: None
+    dev._cc = part(sync=lambda: calls.append("sync"))
+    dev._pools, dev._executors, dev._idle_events, dev._idle_streams = [], {}, [], {}
+    dev._pinned_cache = part(clear=lambda: None)
+    dev._live = part(open_objects=lambda: [])
+    dev._internal_stream = part(close=lambda: calls.append("internal stream"))
+    return dev
+
+
+def _devices(calls: list) -> list:
+    return [("sim", unit_device()), ("cuda", _shell_cuda_device(calls))]
+
+
+@pytest.mark.parametrize("backend", ["sim", "cuda"])
+def test_close_callbacks_run_once_in_order_after_the_device_is_closed(backend):
+    calls: list = []
+    dev = dict(_devices(calls))[backend]
+    seen = []
+    dev.on_close(lambda d: seen.append(("first", d is dev, d.closed)))
+    dev.on_close(lambda d: seen.append(("second", d is dev, d.closed)))
+    cancel = dev.on_close(lambda d: seen.append("cancelled"))
+    cancel()
+    cancel()  # harmless twice
+    dev.close()
+    assert seen == [("first", True, True), ("second", True, True)]
+    dev.close()  # harmless twice, and runs none again
+    assert len(seen) == 2
+    dev.on_close(lambda d: seen.append("late"))  # on a closed device: at once
+    assert seen[-1] == "late"
+    if backend == "cuda":
+        assert calls == ["sync", "internal stream"]
+
+
+@pytest.mark.parametrize("backend", ["sim", "cuda"])
+def test_a_failing_close_callback_warns_and_neither_stops_the_others_nor_masks_the_callers_error(backend):
+    dev = dict(_devices([]))[backend]
+    seen = []
+
+    def broken(d):
+        raise KeyError("cache gone")
+
+    dev.on_close(broken)
+    dev.on_close(lambda d: seen.append("after"))
+    with pytest.warns(RuntimeWarning, match="close callback .* failed: KeyError"):
+        with pytest.raises(ValueError, match="the caller's"):
+            with dev:  # a with-block closes the device as it leaves, through close_quietly
+                raise ValueError("the caller's")
+    assert seen == ["after"] and dev.closed
+
+
+def test_on_close_refuses_what_it_cannot_call_and_keeps_nothing_of_the_device():
+    import gc
+    import weakref
+
+    dev = unit_device()
+    with pytest.raises(TypeError, match="on_close needs a callable, got int"):
+        dev.on_close(3)
+    ran = []
+    dev.on_close(ran.append)
+    gone = weakref.ref(dev)
+    del dev
+    gc.collect()
+    assert gone() is None and ran == []  # collected unclosed: nothing ran, and nothing kept it
+
+
+def test_a_close_callback_registered_while_another_thread_closes_runs_exactly_once():
+    for _ in range(20):
+        dev = unit_device()
+        ran = []
+        go = threading.Barrier(2)
+
+        def register():
+            go.wait()
+            dev.on_close(lambda d: ran.append(1))
+
+        t = threading.Thread(target=register)
+        t.start()
+        go.wait()
+        dev.close()
+        t.join()
+        assert ran == [1]

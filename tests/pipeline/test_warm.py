@@ -1,5 +1,6 @@
 """stream_map keeps its finished pipeline warm for the next call of the same shape."""
 
+import contextlib
 import gc
 import os
 import signal
@@ -18,7 +19,8 @@ import ringflow as rf
 from tests.helpers.hooks import engines
 from tests.helpers.interrupts import InterruptAt
 from tests.helpers.sim import named_sims
-from tests.helpers.threads import bounded
+from tests.helpers.threads import JOIN_S, bounded, join, start
+from ringflow._device.protocol import Device
 from ringflow._errors import StageError
 from ringflow._pipeline import warm
 
@@ -179,7 +181,14 @@ def test_a_broken_device_is_not_kept():
     assert len(warm.WARM) == 0
 
 
-def test_a_pipeline_of_a_closed_device_is_discarded():
+def no_close_callbacks(monkeypatch):
+    """Devices that never call the warm cache back at close, as for an engine parked while its
+    device was closing: the cache's own checks of a closed device are then all that drop it."""
+    monkeypatch.setattr(Device, "on_close", lambda self, callback: (lambda: None))
+
+
+def test_a_pipeline_of_a_closed_device_is_discarded(monkeypatch):
+    no_close_callbacks(monkeypatch)
     dev = rf.device("sim")
     x = fresh(4096, 0)
     rf.stream_map(f, x, device=dev, chunk_bytes=1024)
@@ -485,11 +494,13 @@ def test_ctrl_c_anywhere_in_dropping_the_warm_engines_closes_each_or_leaves_it_p
         assert not [str(w.message) for w in seen], n
 
 
-def test_dropping_a_named_devices_engines_also_drops_those_of_the_device_it_named_before():
+def test_dropping_a_named_devices_engines_also_drops_those_of_the_device_it_named_before(monkeypatch):
     """"sim:N" names a new device once the one it named is closed: dropping the warm engines of
     "sim:N" then matched the new device only, and the engines parked on the closed one stayed
     cached (with their rings' memory and the closed device) until evicted. Engines of a closed
-    device serve no call, and a drop discards them whatever it names."""
+    device serve no call, and a drop discards them whatever it names (closing a device drops its
+    engines itself; here it does not, so that the drop's own check is what drops them)."""
+    no_close_callbacks(monkeypatch)
     with named_sims(48) as (old,):
         rf.stream_map(f, fresh(1 << 12, 1), device=old, chunk_bytes=1 << 11, host="stage")
         assert len(warm.WARM) == 1
@@ -501,3 +512,109 @@ def test_dropping_a_named_devices_engines_also_drops_those_of_the_device_it_name
         assert rf.drop_warm_pipelines("sim:48") == 1 and len(warm.WARM) == 0
     gc.collect()
     assert gone() is None  # nothing of the closed device is kept
+
+
+@contextlib.contextmanager
+def collector_off():
+    """The cyclic collector off (what it already had to free collected first), back on after: an
+    engine that is gone is then gone by reference counting alone, not by a later collection."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def test_closing_a_device_drops_its_warm_engines_at_once():
+    """``dev.close()`` closes the engines kept warm for ``dev`` and takes them out of the cache
+    then, not at the next lookup; another device's engines stay."""
+    x = fresh(4096, 0)
+    dev, other = rf.device("sim"), rf.device("sim")
+    with collector_off():
+        _, pipe = run(x, dev, chunk_bytes=1024)
+        _, kept = run(x, other, chunk_bytes=1024)
+        assert len(warm.WARM) == 2 and not pipe._closed
+        ref = weakref.ref(pipe)
+        del pipe
+        dev.close()
+        assert len(warm.WARM) == 1 and ref() is None  # gone from the cache, and freed, at once
+        assert not kept._closed and rf.drop_warm_pipelines(other) == 1
+
+
+def test_closing_a_device_twice_drops_its_engines_once_and_raises_nothing():
+    x = fresh(4096, 0)
+    dev = rf.device("sim")
+    _, pipe = run(x, dev, chunk_bytes=1024)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dev.close()
+        dev.close()
+    assert len(warm.WARM) == 0 and pipe._closed
+
+
+def test_closing_a_device_from_inside_a_stage_neither_hangs_nor_leaves_engines():
+    """A compute that closes its own device while the call runs: the call ends (with the device's
+    error, or done), bounded in real time, and no engine of the device is left kept."""
+    x = fresh(4096, 0)
+    dev = rf.device("sim")
+    run(x, dev, chunk_bytes=2048)  # an engine kept warm for the device before
+    calls = []
+
+    def closing(a, b):
+        calls.append(1)
+        if len(calls) == 2:
+            dev.close()
+        b[:] = a * 2 + 1
+
+    def call():
+        try:
+            rf.stream_map(closing, x, device=dev, chunk_bytes=1024)
+        except (rf.DeviceError, rf.StageError, RuntimeError) as exc:
+            return exc
+        return None
+
+    (outcome,) = join([start(call)])
+    assert dev.closed and len(warm.WARM) == 0, outcome
+
+
+def test_closing_a_device_from_another_thread_while_a_call_runs_on_it():
+    """``dev.close()`` on one thread while a stream_map runs on ``dev`` on another: neither hangs
+    (bounded in real time), and no engine of the device is kept once both are done."""
+    x = fresh(1 << 16, 0)
+    dev = rf.device("sim", chaos=True, seed=4)
+    run(x, dev, chunk_bytes=4096)  # an engine kept warm for the device before
+    started = threading.Event()
+
+    def slow(a, b):
+        started.set()
+        b[:] = a * 2 + 1
+
+    def call():
+        try:
+            return rf.stream_map(slow, x, device=dev, chunk_bytes=1024)
+        except (rf.DeviceError, rf.StageError, RuntimeError) as exc:
+            return exc
+
+    runner = start(call)
+    assert started.wait(JOIN_S)
+    closer = start(dev.close)
+    join([runner, closer])
+    assert dev.closed and len(warm.WARM) == 0
+
+
+def test_a_named_sim_device_closed_drops_its_engines_and_the_name_makes_a_new_one():
+    x = fresh(4096, 0)
+    with named_sims(5) as (dev,):
+        run(x, "sim:5", chunk_bytes=1024)
+        assert len(warm.WARM) == 1
+        dev.close()
+        assert len(warm.WARM) == 0
+        again = rf.device("sim:5")
+        assert again is not dev and not again.closed
+        y, pipe = run(x, "sim:5", chunk_bytes=1024)
+        assert np.array_equal(y, x * 2 + 1) and pipe.device is again and len(warm.WARM) == 1
+        again.close()
+        assert len(warm.WARM) == 0

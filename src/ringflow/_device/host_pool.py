@@ -28,7 +28,9 @@ The design follows PyTorch's ``CachingHostAllocator``:
   the device refuses, gets an ordinary pageable numpy array instead, with one logged note per
   pool on the ``"ringflow"`` logger. Cached blocks are freed for a request only where that
   makes it fit: one larger than the budget less the memory in use and pending leaves the cache
-  as it is.
+  as it is. A budget lowered below the memory in use leaves those blocks with their arrays;
+  a dropped block taken back while the pool is over its budget is freed instead of cached,
+  once its recorded uses are done, like any cached block freed (:meth:`_settled`).
 
 Ordering on the simulated GPU: every hand-out takes a fresh checked host view of the block (a
 write and a read by the allocating thread), so a block handed out while a copy into it is
@@ -248,7 +250,7 @@ class HostPool:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             return None
-        self._process()
+        self._process(release=allocate)
         size = size_class(nbytes)
         # the block this hand-out holds, from the moment it leaves the cache (or is pinned) until
         # the caller has the array: a KeyboardInterrupt at any instruction in between puts it
@@ -481,13 +483,17 @@ class HostPool:
         """
         return self._process(wait=wait)
 
-    def _process(self, *, wait: bool = False) -> int:
+    def _process(self, *, wait: bool = False, release: bool = True) -> int:
         """Queue dropped arrays' blocks as pending and free those whose uses are done (waiting
-        with ``wait``); returns the bytes freed. A KeyboardInterrupt at any instruction (Ctrl-C
-        while ``collect(wait=True)`` waits, say) leaves every block it reached pending or free,
+        with ``wait``); returns the bytes freed for reuse. While the pool is over its budget a
+        block whose uses are done is released to the device instead (:meth:`_settled`); with
+        ``release=False`` (a caller that must not wait for a device free) such a block stays
+        pending for a later call. A KeyboardInterrupt at any instruction (Ctrl-C while
+        ``collect(wait=True)`` waits, say) leaves every block it reached pending or free,
         never stranded: a return is taken off its queue only once it is booked (booking one
-        twice changes nothing), and every block this call claimed is pending again unless
-        freed."""
+        twice changes nothing), every block this call claimed is pending again unless freed
+        or released, and a released block it did not get to close goes back to the cache
+        (:meth:`_restore`)."""
         if getattr(self._device, "closed", False):
             self._forget_closed()
             return 0
@@ -495,6 +501,7 @@ class HostPool:
         # pending again (one it freed may be handed out, dropped and claimed by another thread
         # by then, checking again, but that thread's)
         claimed: dict[_Block, None] = {}
+        released: list[_Block] = []  # taken back over the budget: closed here, not cached
         freed = 0
         try:
             with self._lock:
@@ -511,14 +518,20 @@ class HostPool:
                         claimed[block] = None  # before it is marked: the finally sees every mark
                         block.state = _CHECKING  # bytes stay counted as pending; another thread skips it
             for block in list(claimed):
-                if self._settled(block, wait, claimed):
+                if self._settled(block, wait, claimed, released if release else None):
                     freed += block.size
+            self._release_blocks(released)
         finally:
             if claimed:
                 with self._lock:
                     for block in claimed:
                         if block.state == _CHECKING:  # not freed: pending again, for the next pass
                             block.state = _PENDING
+            while released:  # interrupted before they were all closed
+                try:
+                    self._restore(released)
+                except KeyboardInterrupt:  # Ctrl-C again: it goes on with the blocks left
+                    pass
         return freed
 
     def _forget_closed(self) -> None:
@@ -545,11 +558,18 @@ class HostPool:
         self._move(block, _RELEASED)
         self._blocks.pop(block.key, None)
 
-    def _settled(self, block: _Block, wait: bool, claimed: dict) -> bool:
+    def _settled(self, block: _Block, wait: bool, claimed: dict, released: Optional[list]) -> bool:
         """Move a claimed (checking) pending block to the cache, and out of ``claimed``, if its
         recorded uses are all done (waiting for them with ``wait``); left checking and claimed
         otherwise, for :meth:`_process` to mark pending again. Outside the lock: event queries
-        are device calls."""
+        are device calls.
+
+        A block whose uses are done while the pool holds more than its budget (a budget lowered
+        below the memory in use) is not cached: it goes, uncounted, into ``released`` for the
+        caller to close (:meth:`_release_blocks`, ordered after those uses as every free is),
+        and True is not returned, since nothing became free for reuse. Where ``released`` is
+        None the caller may not free, and such a block stays claimed, pending until a call that
+        may."""
         with self._lock:
             events = list(block.events)
         if _HOLD_UNTIL_DONE:
@@ -558,6 +578,9 @@ class HostPool:
                     _wait(ev)
                 elif not _is_done(ev):
                     return False
+        with self._lock:
+            if self._over_budget(block, claimed, released):
+                return False
         self._observe(block)
         if getattr(self._device, "poison", False):
             # a checked simulated GPU: stale bytes read through a later array show up as 0xEE,
@@ -565,6 +588,9 @@ class HostPool:
             block.buffer.view(np.uint8, access="w").fill(POISON)
         token = self._device.publish()
         with self._lock:
+            # asked again: the budget may have been lowered by another thread since
+            if self._over_budget(block, claimed, released):
+                return False
             block.events.clear()
             block.tokens = self._device.fold_tokens([token])
             # from pending to the cache with no call in between, where a KeyboardInterrupt could
@@ -573,6 +599,22 @@ class HostPool:
             self._bytes[_FREE] += block.size
             block.state = _FREE
             self._free[block.size] += [block]
+            del self._pending[block]
+            del claimed[block]
+        return True
+
+    def _over_budget(self, block: _Block, claimed: dict, released: Optional[list]) -> bool:
+        """Whether the pool holds more than its budget (``block``, a claimed pending one whose
+        uses are done, counted): then it must not be cached, and goes out of pending, uncounted,
+        into ``released`` (left claimed where ``released`` is None). Under the lock."""
+        if self._held() <= self._budget:
+            return False
+        if released is not None:
+            # out of pending and into the caller's list with no call in between, where a
+            # KeyboardInterrupt could leave it counted but listed nowhere, or listed twice
+            self._bytes[_PENDING] -= block.size
+            block.state = _RELEASED
+            released += [block]
             del self._pending[block]
             del claimed[block]
         return True

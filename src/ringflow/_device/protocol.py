@@ -962,7 +962,84 @@ class Device(_ClosedOnExit):
     @abc.abstractmethod
     def close(self) -> None:
         """Synchronise and release the device's streams, pools and memory; every later call
-        raises. Harmless twice."""
+        raises. Harmless twice. Ends with :meth:`_run_close_callbacks` (every backend's close
+        does), once the device counts as closed."""
+
+    def on_close(self, callback: Callable[["Device"], Any]) -> Callable[[], None]:
+        """Call ``callback(device)`` once when this device closes, after it counts as closed, on
+        the thread that closes it; at once, on this thread, if it is closed already. For layers
+        above the device (a cache of objects built on it) to let go of what they keep for it.
+
+        The device holds ``callback`` until it runs or is cancelled: a callback should not hold
+        the device itself (it is passed in), or the two keep each other alive until the cyclic
+        collector frees them. A callback that raises gets a RuntimeWarning: closing never raises
+        over it, nor masks an error the caller is handling.
+
+        Args:
+            callback: called with the device; its result is ignored.
+
+        Returns:
+            A function that cancels the callback (harmless after it ran, or twice).
+
+        Raises:
+            TypeError: ``callback`` is not callable.
+        """
+        if not callable(callback):
+            raise TypeError(f"on_close needs a callable, got {type(callback).__name__}")
+        entry = [callback]  # its own list: cancelling removes this registration, not an equal one
+        with _close_callbacks_lock:
+            pending = None if self.__dict__.get("_close_callbacks_ran") else self.__dict__.setdefault(
+                "_close_callbacks", [])
+            if pending is not None:
+                pending.append(entry)
+        if pending is None:
+            _run_callback(self, callback)
+
+        def cancel() -> None:
+            with _close_callbacks_lock:
+                entry[:] = []  # a close that took the list already finds it empty
+                pending = self.__dict__.get("_close_callbacks")
+                if pending is not None and any(e is entry for e in pending):
+                    pending[:] = [e for e in pending if e is not entry]
+
+        return cancel
+
+    def _run_close_callbacks(self) -> None:
+        """Run the :meth:`on_close` callbacks, each once, in the order registered; later
+        registrations run at once. Called by every backend's :meth:`close` once the device counts
+        as closed, from the one place here so that both run them alike. Never raises (a failing
+        callback warns)."""
+        with _close_callbacks_lock:
+            self.__dict__["_close_callbacks_ran"] = True
+            entries = self.__dict__.pop("_close_callbacks", [])
+        for entry in entries:
+            if entry:  # not cancelled
+                _run_callback(self, entry[0])
+
+
+# Guards every device's close-callback list (registration is rare: a cache's first object for a
+# device). One lock for all devices, since a backend's __init__ need not call the base class's.
+_close_callbacks_lock = threading.Lock()
+
+
+def _forget_close_lock_in_child() -> None:
+    """After fork(), in the child: the lock may have been held by a parent's thread that is not
+    in the child, where the child's own devices must still register and close."""
+    global _close_callbacks_lock
+    _close_callbacks_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
+    os.register_at_fork(after_in_child=_forget_close_lock_in_child)
+
+
+def _run_callback(device: "Device", callback: Callable[["Device"], Any]) -> None:
+    """``callback(device)``; a failure becomes a warning, as :func:`close_quietly` makes one."""
+    try:
+        callback(device)
+    except Exception as exc:  # noqa: BLE001 - a device's close never raises over a callback
+        warnings.warn(f"a close callback of {device!r} failed: {type(exc).__name__}: {exc}", RuntimeWarning,
+                      stacklevel=3)
 
 
 def typed_view(raw: np.ndarray, dtype: Any, offset: int, count: int | None, access: str) -> np.ndarray:

@@ -27,8 +27,12 @@ Lifetimes, and why:
 * At most ``capacity`` pipelines are parked per device, and ``capacity * MAX_DEVICES`` in
   all (least recently used are closed first): a call spread over several GPUs parks one per
   device. They hold their streams, device rings and pinned rings, which therefore count as
-  live in ``device.live()`` until :func:`drop_warm_pipelines` (or eviction) closes them. A
-  pipeline parked on a device closed since is discarded when found.
+  live in ``device.live()`` until :func:`drop_warm_pipelines` (or eviction) closes them.
+* Closing a device drops its parked pipelines then: the cache registers with each device it
+  parks for (:meth:`~ringflow._device.protocol.Device.on_close`, once per device, with a
+  callback that holds nothing of the device), so none is kept for a closed device. A pipeline
+  parked on a device closed since is discarded when found all the same (one parked while the
+  device was closing is dropped by the registration, which runs at once on a closed device).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import collections
 import os
 import threading
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any, Hashable, Optional
 
 from . import reentry  # noqa: F401 - its fork hook runs before this module's (see _forget_in_child)
@@ -61,6 +66,8 @@ class WarmPipelines:
         # key -> (pipeline, the parking thread's hand-off token)
         self._parked: collections.OrderedDict[Hashable, tuple["Pipeline", Any]] = collections.OrderedDict()
         self._drop_at_exit = False
+        # devices whose close drops their parked pipelines (registered once each, see park)
+        self._watched: "weakref.WeakSet[Device]" = weakref.WeakSet()
 
     def take(self, key: Hashable) -> Optional["Pipeline"]:
         """The pipeline parked under ``key`` (removed from the cache), or None. The calling
@@ -92,8 +99,15 @@ class WarmPipelines:
                 evicted.append(self._parked.pop(k))
             while len(self._parked) > self.capacity * MAX_DEVICES:
                 evicted.append(self._parked.popitem(last=False)[1])
+            watch = pipe.device not in self._watched
+            if watch:
+                self._watched.add(pipe.device)
         for p, t in evicted:
             _close(p, t)
+        if watch:
+            # after the pipeline is parked and outside the lock: on a device closed meanwhile the
+            # callback runs at once, here, and drops it (taking the lock)
+            pipe.device.on_close(_device_closed)
 
     def drop(self, device: "Device | None" = None, *, label: Optional[str] = None) -> int:
         """Close the parked pipelines (of ``device`` only, or of the device ``label`` names as
@@ -121,6 +135,12 @@ class WarmPipelines:
         return len(self._parked)
 
 
+def _device_closed(device: "Device") -> None:
+    """A device closed: close what the cache keeps for it (its close callback; a module function,
+    so the device's list of callbacks holds nothing of the cache's but this)."""
+    WARM.drop(device)
+
+
 def _close(pipe: "Pipeline", token: Any) -> None:
     """Close a pipeline taken out of the cache, on this thread (ordered after the parking one)."""
     try:
@@ -144,6 +164,7 @@ def _forget_in_child() -> None:
     lock may have been held by a parent's thread that is not in the child either. (Registered
     after :mod:`.reentry`'s count of forks, which each pipeline's forgetting reads.)"""
     WARM._lock = threading.Lock()
+    WARM._watched = weakref.WeakSet()  # the parent's devices, which the child's calls cannot use
     MEMO.forget()  # its entries name the parent's devices
     parked, WARM._parked = WARM._parked, collections.OrderedDict()
     for engine, _ in parked.values():

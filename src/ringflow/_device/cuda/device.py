@@ -401,7 +401,7 @@ class CudaDevice(Device):
 
     def close(self) -> None:
         """Wait for the device's work, then close every buffer, stream and worker pool still
-        open. Harmless twice; failures become warnings."""
+        open, then run the :meth:`on_close` callbacks. Harmless twice; failures become warnings."""
         if self._closed:
             return
         try:
@@ -433,6 +433,7 @@ class CudaDevice(Device):
             self._internal_stream.close()
         except Exception as exc:  # noqa: BLE001
             warnings.warn(f"closing the internal stream failed: {exc}", RuntimeWarning, stacklevel=2)
+        self._run_close_callbacks()
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""

@@ -476,6 +476,7 @@ class SimDevice(Device):
         # allocate gets past _check_usable to add to these
         self._device_held.clear()
         self._device_bytes = 0
+        self._run_close_callbacks()
 
     # -- test hooks ----------------------------------------------------------------------------
     def inject_sticky_error(self, message: str = "simulated illegal address in a kernel") -> None:
