@@ -253,15 +253,23 @@ def test_mapjob_takes_the_pool_buffers():
             assert (job() == 2 * k + 1).all()
 
 
-def test_record_use_holds_memory_for_your_own_copies():
-    dev = rf.device("sim")
+def copy_pending_into_a_pooled_array(dev):
+    """A 1 MiB pool array of ``dev`` with a d2h into it enqueued behind a one-second kernel and
+    recorded with ``record_use``: ``(array, its buffer, the copy's stream, its event)``."""
     stream = dev.create_stream()
     d = dev.allocate(1 << 20)
     stream.launch(lambda a: a.fill(9), d.array(np.uint8, 1 << 20), sim_seconds=1.0)
     result = rf.host.empty(1 << 20, np.uint8, device=dev)
     buf = rf.host.buffer(result)
     stream.copy(buf, d)
-    assert rf.host.record_use(result, stream.record()) is True
+    ev = stream.record()
+    assert rf.host.record_use(result, ev) is True
+    return result, buf, stream, ev
+
+
+def test_record_use_holds_memory_for_your_own_copies():
+    dev = rf.device("sim")
+    result, buf, stream, _ = copy_pending_into_a_pooled_array(dev)
     del result
     assert rf.host.stats(device=dev).pending_bytes == 1 << 20
     other = rf.host.empty(1 << 20, np.uint8, device=dev)
@@ -446,14 +454,7 @@ def test_a_block_dropped_over_the_budget_with_its_copy_pending_is_freed_only_onc
     freed nor handed out) until the copy is done, and is freed then: the simulated GPU's checker
     sees the free ordered after the copy."""
     dev = rf.device("sim")
-    stream = dev.create_stream()
-    d = dev.allocate(1 << 20)
-    stream.launch(lambda a: a.fill(9), d.array(np.uint8, 1 << 20), sim_seconds=1.0)
-    result = rf.host.empty(1 << 20, np.uint8, device=dev)
-    buf = rf.host.buffer(result)
-    stream.copy(buf, d)
-    ev = stream.record()
-    assert rf.host.record_use(result, ev) is True
+    result, buf, _, ev = copy_pending_into_a_pooled_array(dev)
     rf.host.set_budget(4096, device=dev)  # below the block in use
     del result
     st = rf.host.stats(device=dev)

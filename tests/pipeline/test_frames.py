@@ -13,7 +13,6 @@ one device or several.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import types
 
@@ -22,6 +21,7 @@ import pytest
 
 import ringflow as rf
 from tests.helpers.pipeline_checks import copy_failing_on_call
+from tests.helpers.collector import collector_off
 
 ROWS = 1 << 20  # float32: 16 chunks of CHUNK_BYTES
 CHUNK_BYTES = 1 << 16
@@ -58,19 +58,6 @@ ENTRIES = {
     "MapJob registered (direct)": _map_job("direct", "register"),
     "MapJob over two devices": _map_job("auto", "register", ndev=2),
 }
-
-
-@contextlib.contextmanager
-def collector_off():
-    """The cyclic collector off (what it already had to free collected first), back on after."""
-    gc.collect()
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def left_for_the_collector() -> list[str]:

@@ -1,6 +1,5 @@
 """stream_map keeps its finished pipeline warm for the next call of the same shape."""
 
-import contextlib
 import gc
 import os
 import signal
@@ -20,6 +19,7 @@ from tests.helpers.hooks import engines
 from tests.helpers.interrupts import InterruptAt
 from tests.helpers.sim import named_sims
 from tests.helpers.threads import JOIN_S, bounded, join, start
+from tests.helpers.collector import collector_off
 from ringflow._device.protocol import Device
 from ringflow._errors import StageError
 from ringflow._pipeline import warm
@@ -512,20 +512,6 @@ def test_dropping_a_named_devices_engines_also_drops_those_of_the_device_it_name
         assert rf.drop_warm_pipelines("sim:48") == 1 and len(warm.WARM) == 0
     gc.collect()
     assert gone() is None  # nothing of the closed device is kept
-
-
-@contextlib.contextmanager
-def collector_off():
-    """The cyclic collector off (what it already had to free collected first), back on after: an
-    engine that is gone is then gone by reference counting alone, not by a later collection."""
-    gc.collect()
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def test_closing_a_device_drops_its_warm_engines_at_once():
