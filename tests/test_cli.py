@@ -271,6 +271,16 @@ def test_a_stdout_that_is_not_utf8_gets_the_report_with_what_it_cannot_show_esca
         assert shown in proc.stdout
 
 
+def test_a_posix_locale_stdout_gets_the_report_with_what_it_cannot_show_escaped():
+    """In the POSIX locale with UTF-8 mode off, Python's stdout is ASCII with the error handler
+    ``surrogateescape``, not ``strict``: it fails on a dash as a strict one does, and the
+    doctor's report failed at its title, after all its work."""
+    posix = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0", "PYTHONIOENCODING": ""}
+    proc = run_cli("doctor", "--device", "sim", env_extra=posix)
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+    assert "doctor \\u2014 simulated" in proc.stdout
+
+
 class FullStdout(io.StringIO):
     """A stdout on a full disk: every write fails as the OS's would."""
 
