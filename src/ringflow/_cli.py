@@ -188,8 +188,10 @@ def check_out_dir(path: str, option: str, writes: "tuple[str, ...]") -> str:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as exc:
-        raise UsageError(f"argument {option}: cannot write into {existing!r} to make folder {path!r} "
-                         f"({_describe(exc)})") from None
+        # the OS's words without the file's name: that is the probe's own, made up here
+        made = "" if os.path.abspath(path) == existing else f" to make folder {path!r}"
+        raise UsageError(f"argument {option}: cannot write into {existing!r}{made} "
+                         f"({exc.strerror or type(exc).__name__}); give another folder name") from None
     return path
 
 
