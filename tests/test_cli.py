@@ -251,6 +251,20 @@ IN_A_PROCESS = ["plan --bytes abc", "plan --workers 0", "plan --compare {d}/corr
                 "nosuchcommand"]
 
 
+@pytest.mark.parametrize("args, said", [
+    (["demo", "--device", "sim", "--out", "/proc/x"], "cannot write into '/proc' to make folder '/proc/x' ("),
+    (["bench", "--device", "sim", "--quick", "seed", "--out", "/proc"], "cannot write into '/proc' ("),
+], ids=["missing", "existing"])
+def test_a_folder_that_takes_no_file_is_named_with_what_to_change(capsys, args, said):
+    """A folder whose file system refuses a new file (/proc, a read-only mount): the line named
+    the made-up name of the probe file as if it were the problem, and said nothing to change."""
+    code = main(args)
+    err = capsys.readouterr().err
+    check_one_line(code, err, args[0], f"argument --out: {said}")
+    assert err.rstrip().endswith("); give another folder name"), err
+    assert "tmp" not in err, err
+
+
 @pytest.mark.parametrize("line", IN_A_PROCESS)
 def test_a_mistake_in_a_fresh_process(bad_files, line):
     (args, command, phrase), = [m for m in MISTAKES if " ".join(m[0]) == line]
@@ -269,6 +283,16 @@ def test_a_stdout_that_is_not_utf8_gets_the_report_with_what_it_cannot_show_esca
         proc = run_cli(*args, env_extra={"PYTHONIOENCODING": "ascii"})
         assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
         assert shown in proc.stdout
+
+
+def test_a_posix_locale_stdout_gets_the_report_with_what_it_cannot_show_escaped():
+    """In the POSIX locale with UTF-8 mode off, Python's stdout is ASCII with the error handler
+    ``surrogateescape``, not ``strict``: it fails on a dash as a strict one does, and the
+    doctor's report failed at its title, after all its work."""
+    posix = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0", "PYTHONIOENCODING": ""}
+    proc = run_cli("doctor", "--device", "sim", env_extra=posix)
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+    assert "doctor \\u2014 simulated" in proc.stdout
 
 
 class FullStdout(io.StringIO):

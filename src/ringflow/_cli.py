@@ -188,8 +188,10 @@ def check_out_dir(path: str, option: str, writes: "tuple[str, ...]") -> str:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as exc:
-        raise UsageError(f"argument {option}: cannot write into {existing!r} to make folder {path!r} "
-                         f"({_describe(exc)})") from None
+        # the OS's words without the file's name: that is the probe's own, made up here
+        made = "" if os.path.abspath(path) == existing else f" to make folder {path!r}"
+        raise UsageError(f"argument {option}: cannot write into {existing!r}{made} "
+                         f"({exc.strerror or type(exc).__name__}); give another folder name") from None
     return path
 
 
@@ -530,6 +532,10 @@ def _named(exc: OSError) -> OSError:
     return named
 
 
+# the error handlers of a text stream that fail on a character its encoding cannot show
+_FAILING_HANDLERS = ("strict", "surrogateescape")
+
+
 @contextlib.contextmanager
 def _stdout_for_the_command() -> Iterator[None]:
     """Within the block, print characters stdout's encoding cannot show as escapes (``\\u2014``)
@@ -538,11 +544,14 @@ def _stdout_for_the_command() -> Iterator[None]:
     handler are restored after."""
     # an ASCII or Latin-1 stdout (PYTHONIOENCODING, a POSIX locale without UTF-8, an old console)
     # cannot show a report's dashes and ellipses or a file's name: the first one failed the
-    # command, after all its work
+    # command, after all its work. Python gives such a stdout "surrogateescape" in the POSIX
+    # locale, which fails on them as "strict" does.
     stream = sys.stdout
     errors = getattr(stream, "errors", None)
+    if errors not in _FAILING_HANDLERS:
+        errors = None
     try:
-        if errors == "strict":
+        if errors is not None:
             stream.reconfigure(errors="backslashreplace")
     except (AttributeError, ValueError, OSError):  # not a text stream that takes a new handler
         errors = None
@@ -552,7 +561,7 @@ def _stdout_for_the_command() -> Iterator[None]:
     finally:
         if sys.stdout is named:
             sys.stdout = stream
-        if errors == "strict":
+        if errors is not None:
             with contextlib.suppress(AttributeError, ValueError, OSError):
                 stream.reconfigure(errors=errors)
 

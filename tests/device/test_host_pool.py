@@ -101,6 +101,11 @@ def test_a_string_dtype_without_a_length_is_one_character_long_and_pinned_as_num
     ((2, 1.5), np.float32, TypeError, "shape"),
     (True, np.float32, TypeError, "shape"),
     (None, np.float32, TypeError, "shape"),
+    # not sequences, as numpy.empty refuses them too: a set's order is its hashes', not the one
+    # written ({3, 2} made a (2, 3) array), a dict's dimensions would be its keys
+    ({3, 2}, np.float32, TypeError, "shape"),
+    ({2: 3}, np.float32, TypeError, "shape"),
+    (iter((2, 3)), np.float32, TypeError, "shape"),
     (4, object, TypeError, "Python objects"),
     (4, "not a dtype", TypeError, "dtype"),
     ((1,) * 65, np.float32, ValueError, r"shape \(1, 1, .*\) has 65 dimensions; numpy arrays have at most 64"),

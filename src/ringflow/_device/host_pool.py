@@ -49,6 +49,7 @@ behind a pooled array to copy it in place.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import logging
 import math
@@ -799,6 +800,10 @@ def check_shape_dtype(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
         shape = (shape,)
     if isinstance(shape, (str, bytes, bool, np.bool_)):
+        raise TypeError(bad)
+    # a sequence, as numpy.empty takes: a set iterates in its hashes' order, not the one written,
+    # and a dict over its keys
+    if isinstance(shape, collections.abc.Mapping) or not hasattr(type(shape), "__getitem__"):
         raise TypeError(bad)
     try:
         items = tuple(shape)
