@@ -176,11 +176,9 @@ def with_worker_slots(counts: SlotCounts, workers: int, chunk_bytes: int,
     A worker can only copy a chunk that holds a host slot. The plan's per-thread copy rate is
     measured with the threads alone; in a pipeline they contend with each other, with the
     copy engines and with page faults of a fresh output, so chunks stay in the CPU stages
-    longer than planned and a ring sized by the plan leaves workers idle. Measured on the H200
-    (1 GiB staged in and out, ``bench/tune_pageable.py``): 9/9 planned slots 91 ms, 16/16
-    slots 82 ms, against a host floor of 71 ms. The floor takes at most
-    ``WORKER_SLOTS_PINNED_CAP`` of pinned memory for both rings (large chunks get fewer slots:
-    a worker is busy longer with each)."""
+    longer than planned and a ring sized by the plan leaves workers idle (docs/design.md,
+    "CPU workers", has the runs). The floor takes at most ``WORKER_SLOTS_PINNED_CAP`` of pinned
+    memory for both rings (large chunks get fewer slots: a worker is busy longer with each)."""
     floor = min(fastest_copy_threads(profile, workers), max(1, WORKER_SLOTS_PINNED_CAP // (2 * chunk_bytes)))
     return dataclasses.replace(counts, host_in=max(counts.host_in, floor), host_out=max(counts.host_out, floor))
 

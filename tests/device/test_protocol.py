@@ -188,13 +188,14 @@ def _shell_cuda_device(calls: list):
     """A ``CudaDevice`` with nothing behind it (no GPU here): just what its ``close`` touches, each
     part recording the call, so that the CUDA backend's close is run on any machine."""
     from ringflow._device.cuda.device import CudaDevice
+    from ringflow._device.cuda.pool import WorkerThreads
 
     dev = object.__new__(CudaDevice)
     part = types.SimpleNamespace
     dev.index, dev.name, dev._closed = 0, "shell", False
     dev._ensure_current = lambda: None
     dev._cc = part(sync=lambda: calls.append("sync"))
-    dev._pools, dev._executors, dev._idle_events, dev._idle_streams = [], {}, [], {}
+    dev._pools, dev._threads, dev._idle_events, dev._idle_streams = [], WorkerThreads(), [], {}
     dev._pinned_cache = part(clear=lambda: None)
     dev._live = part(open_objects=lambda: [])
     dev._internal_stream = part(close=lambda: calls.append("internal stream"))

@@ -15,11 +15,10 @@ def iters_for(dev, chunk_bytes: int, ratio: float, repeats: int = 5, rounds: int
     that chunk's H2D copy; returns (iterations, kernel seconds, copy seconds), each time the
     median of ``repeats`` event-timed runs after a warm-up.
 
-    The kernel's time is a pass over memory plus a cost per iteration, and on the H200 one
-    iteration over a chunk costs about 1/2000 of its copy (1860 and 2038 iterations made the
-    balanced kernel as long as a copy in bench-h200-2026-11-30-run3.json and -run4.json), so a slope taken from a few
-    iterations is noise: instead the count is scaled by target/measured until the measured
-    time is within 3% of the target (two or three rounds)."""
+    The kernel's time is a pass over memory plus a cost per iteration, and one iteration costs
+    a small fraction of a chunk's copy (docs/design.md, "Calibration notes"), so a slope taken
+    from a few iterations is noise: instead the count is scaled by target/measured until the
+    measured time is within 3% of the target (two or three rounds)."""
     n = chunk_bytes // 4
     with _device_chunk(dev, chunk_bytes) as (s, d):
         hb = dev.allocate_host(n * 4)

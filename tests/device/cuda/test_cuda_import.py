@@ -91,14 +91,13 @@ def test_out_of_memory_is_a_memory_error_that_leaves_the_context_usable(monkeypa
 
 
 def test_thread_worker_pool_runs_tasks_without_a_gpu():
-    import concurrent.futures as cf
 
-    from ringflow._device.cuda.pool import ThreadWorkerPool
+    from ringflow._device.cuda.pool import ThreadWorkerPool, WorkerThreads
 
-    executor = cf.ThreadPoolExecutor(2)
+    threads = WorkerThreads()
     with pytest.raises(ValueError):
-        ThreadWorkerPool(0, executor)
-    pool = ThreadWorkerPool(2, executor)
+        ThreadWorkerPool(0, threads)
+    pool = ThreadWorkerPool(2, threads)
     ok = pool.submit(sum, [1, 2, 3])
     bad = pool.submit(lambda: 1 / 0)
     for task in (ok, bad):
@@ -113,13 +112,15 @@ def test_thread_worker_pool_runs_tasks_without_a_gpu():
     pool.close()
     with pytest.raises(RuntimeError, match="closed"):
         pool.submit(print)
-    # the threads belong to the executor (the device's): closing a pool leaves them running
-    again = ThreadWorkerPool(2, executor)
+    # the threads belong to the device's WorkerThreads: closing a pool leaves them running, for
+    # the next pool of its size
+    again = ThreadWorkerPool(2, threads)
+    assert again._executor is pool._executor
     task = again.submit(sum, [4])
     task.sync()
     assert task.result() == 4
     again.close()
-    executor.shutdown()
+    threads.shutdown()
 
 
 @pytest.mark.parametrize("module, cls, names", [("ringflow._device.cuda.stream", "CudaStream", ("owner", "closed")),

@@ -12,7 +12,6 @@ import threading
 import time
 import warnings
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -20,12 +19,12 @@ import numpy as np
 from ..._checks import check_wait_timeout
 from ..host_pool import without_pooled
 from ..protocol import (BufferSlice, Capabilities, Device, DeviceBuffer, LiveCounts, check_device_dtype, check_own_stream,
-                        check_priority, check_workers, close_quietly)
+                        check_priority, close_quietly)
 from ._lib import check, core, driver, translate
 from ._live import LiveRegistry
 from .arrays import resolve
 from .memory import CudaDeviceBuffer, PinnedCache, PinnedHostBuffer, RegisteredHostBuffer
-from .pool import CudaHostTask, ThreadWorkerPool
+from .pool import CudaHostTask, ThreadWorkerPool, WorkerThreads
 from .probe import probe
 from .stream import CudaStream
 
@@ -100,7 +99,7 @@ class CudaDevice(Device):
         # set by any host task of this device finishing (after its future is done): wait_any
         # waits on this one flag instead of registering a waiter on every pending future
         self._host_task_done = threading.Event()
-        self._executors: dict[int, ThreadPoolExecutor] = {}  # shared by pools of that size
+        self._threads = WorkerThreads()  # lent to one pool at a time
         self._pinned_cache = PinnedCache()
         # untimed CUDA events whose CudaEvent was collected, re-recorded by the next record()
         # (list append/pop are atomic under the GIL, so any thread may give or take)
@@ -237,12 +236,8 @@ class CudaDevice(Device):
 
     def create_worker_pool(self, workers: int) -> ThreadWorkerPool:
         self._check_open()
-        workers = check_workers(workers)
-        executor = self._executors.get(workers)
-        if executor is None:
-            executor = self._executors[workers] = ThreadPoolExecutor(max_workers=workers,
-                                                                     thread_name_prefix=f"ringflow-host{workers}")
-        pool = ThreadWorkerPool(workers, executor, on_close=self._pools.discard, on_task_done=self._host_task_done.set)
+        pool = ThreadWorkerPool(workers, self._threads, on_close=self._pools.discard,
+                                on_task_done=self._host_task_done.set)
         self._pools.add(pool)
         return pool
 
@@ -254,9 +249,8 @@ class CudaDevice(Device):
 
         Completions are polled: first for ``_WAIT_SPIN_S`` with a GIL-releasing yield between
         polls (a pipeline hands off every few hundred microseconds, and a sleeping poller adds
-        its sleep to every hand-off: measured on the H200, 20-200 us sleeps made a 16-chunk
-        pipeline 2.8x slower than its ideal), then with sleeps growing from 20 us to 200 us so
-        an idle wait does not burn a core."""
+        its sleep to every hand-off: docs/design.md, "Calibration notes"), then with sleeps
+        growing from 20 us to 200 us so an idle wait does not burn a core."""
         waitables = list(waitables)
         if not waitables:
             raise ValueError("wait_any needs at least one event or host task to wait for")
@@ -411,9 +405,7 @@ class CudaDevice(Device):
             warnings.warn(f"synchronising {self!r} before closing failed: {exc}", RuntimeWarning, stacklevel=2)
         for pool in list(self._pools):
             close_quietly(pool, "a worker pool")
-        for executor in self._executors.values():
-            executor.shutdown(wait=True)
-        self._executors.clear()
+        self._threads.shutdown()
         self._pinned_cache.clear()
         leftovers = self._live.open_objects()
         # Buffers first (their stream-ordered frees use the internal stream), then streams.

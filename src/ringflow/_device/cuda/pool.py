@@ -1,13 +1,17 @@
-"""CPU workers for the host stages, on a ThreadPoolExecutor.
+"""CPU workers for the host stages, on ThreadPoolExecutors.
 
 numpy copies release the GIL, so staging into pinned memory scales with threads. A task's
 effects are visible to a thread that has observed it done (``is_done``, ``sync`` or
 ``Device.wait_any``): completing a future and observing it go through one lock.
 
-The threads belong to the device, not to a pool: every :class:`ThreadWorkerPool` of the same
-size shares one executor that lives until the device closes. Measured on the H200, starting
-and joining 16 threads for each short pipeline cost ~16 ms per ``stream_map`` call (more than
-a 256 MiB transfer takes); a pool's ``close`` now only waits for its own tasks.
+The threads belong to the device (:class:`WorkerThreads`), lent to one pool at a time: each
+open :class:`ThreadWorkerPool` runs on an executor of its own, so two pipelines on one device
+never wait for each other's workers (as on the simulated GPU, where each pool has its lanes).
+A closed pool's executor, threads started, is kept for the next pool of its size, since
+starting and joining a pool's threads for each short call costs more than a small call's
+transfer (docs/design.md, "Worker threads"); at most :data:`IDLE_EXECUTORS_KEPT` are kept, the
+least recently used given back first (their idle threads end), so a device used with many
+``workers=`` values keeps a bounded number of threads.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 from ..protocol import HostTask, WorkerPool, check_workers
@@ -55,14 +60,86 @@ class CudaHostTask(HostTask):
         return f"<CudaHostTask {self._name} {state}>"
 
 
-class ThreadWorkerPool(WorkerPool):
-    """A view of a shared executor that tracks the tasks submitted through it."""
+IDLE_EXECUTORS_KEPT = 4  # executors of closed pools a device keeps for later pools
 
-    def __init__(self, workers: int, executor: cf.ThreadPoolExecutor,
+
+class WorkerThreads:
+    """A device's worker threads: an executor lent to each open pool (:meth:`take`), kept idle
+    once given back (:meth:`give_back`) for a later pool of its size, at most
+    :data:`IDLE_EXECUTORS_KEPT` of them. Safe from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lent: set[cf.ThreadPoolExecutor] = set()
+        self._idle: list[tuple[int, cf.ThreadPoolExecutor]] = []  # (size, executor), least recent first
+        self._closed = False
+
+    def take(self, workers: int) -> cf.ThreadPoolExecutor:
+        """An executor of ``workers`` threads for one pool alone: an idle one of that size, or a
+        new one.
+
+        Raises:
+            RuntimeError: after :meth:`shutdown`.
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the device's worker threads are shut down (the device is closed)")
+            for k, (size, executor) in enumerate(self._idle):
+                if size == workers:
+                    del self._idle[k]
+                    break
+            else:
+                executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"ringflow-host{workers}")
+            self._lent.add(executor)
+            return executor
+
+    def give_back(self, executor: cf.ThreadPoolExecutor, workers: int) -> None:
+        """A pool is done with ``executor`` (its tasks have ended): keep it idle, and give the
+        least recently used beyond :data:`IDLE_EXECUTORS_KEPT` back (their threads end once idle,
+        without waiting here). After :meth:`shutdown` it is shut down. Never raises."""
+        with self._lock:
+            if executor not in self._lent:
+                return  # given back already
+            self._lent.discard(executor)
+            if self._closed:
+                ended = [executor]
+            else:
+                self._idle.append((workers, executor))
+                ended = [ex for _, ex in self._idle[:-IDLE_EXECUTORS_KEPT]]
+                del self._idle[:-IDLE_EXECUTORS_KEPT]
+        for ex in ended:
+            ex.shutdown(wait=False)
+
+    def threads(self) -> int:
+        """The threads started by every executor, lent or idle (for tests and leak checks)."""
+        with self._lock:
+            executors = list(self._lent) + [ex for _, ex in self._idle]
+        return sum(len(ex._threads) for ex in executors)
+
+    def shutdown(self) -> None:
+        """Shut every executor down, waiting for their threads (the device closes): lent ones
+        too, whose pools have been closed first. Later :meth:`take` calls raise."""
+        with self._lock:
+            self._closed = True
+            executors = list(self._lent) + [ex for _, ex in self._idle]
+            self._lent.clear()
+            self._idle.clear()
+        for ex in executors:
+            ex.shutdown(wait=True)
+
+
+class ThreadWorkerPool(WorkerPool):
+    """A pool of ``workers`` threads lent by a device's :class:`WorkerThreads`, which tracks the
+    tasks submitted through it; closing it gives the threads back. A pool collected unclosed
+    gives them back as it goes."""
+
+    def __init__(self, workers: int, threads: WorkerThreads,
                  on_close: Callable[["ThreadWorkerPool"], None] | None = None,
                  on_task_done: Callable[[], None] | None = None):
         self.workers = check_workers(workers)
-        self._executor = executor
+        self._executor = threads.take(self.workers)
+        # once: at close, or when the pool is collected unclosed (it holds nothing of the pool)
+        self._give_back = weakref.finalize(self, threads.give_back, self._executor, self.workers)
         self._pending: set[cf.Future] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -90,13 +167,14 @@ class ThreadWorkerPool(WorkerPool):
             self._on_task_done()
 
     def close(self) -> None:
-        """Wait for the tasks submitted through this pool (the threads stay with the device).
-        Harmless twice."""
+        """Wait for the tasks submitted through this pool, then give its threads back to the
+        device (kept for a later pool). Harmless twice."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             pending = list(self._pending)
         cf.wait(pending)
+        self._give_back()
         if self._on_close is not None:
             self._on_close(self)

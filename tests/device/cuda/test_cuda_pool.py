@@ -1,0 +1,84 @@
+"""The CUDA backend's worker threads (src/ringflow/_device/cuda/pool.py), which need no GPU: each
+open pool runs on threads of its own, and a device keeps a bounded number of threads however
+many ``workers=`` values its pools asked for."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+
+from ringflow._device.cuda.pool import IDLE_EXECUTORS_KEPT, ThreadWorkerPool, WorkerThreads
+from tests.helpers.threads import JOIN_S
+
+
+def test_two_open_pools_of_one_size_each_run_their_own_workers():
+    """Two pipelines on one device, each with ``workers=2``, run four tasks at once (as on the
+    simulated GPU, where each pool has its own lanes): sharing one executor of two threads, the
+    four tasks below would wait for each other for ever."""
+    threads = WorkerThreads()
+    pools = [ThreadWorkerPool(2, threads) for _ in range(2)]
+    all_four = threading.Barrier(4, timeout=JOIN_S)
+    tasks = [pool.submit(all_four.wait) for pool in pools for _ in range(2)]
+    for task in tasks:
+        task.sync()
+        task.result()  # (a broken barrier raises here)
+    for pool in pools:
+        pool.close()
+    threads.shutdown()
+
+
+def test_a_device_keeps_a_bounded_number_of_threads_whatever_the_pool_sizes():
+    """Pools of 1..24 workers made and closed one after another leave at most
+    ``IDLE_EXECUTORS_KEPT`` idle executors, and their threads, not one executor per size."""
+    threads = WorkerThreads()
+    for workers in range(1, 25):
+        pool = ThreadWorkerPool(workers, threads)
+        done = threading.Barrier(workers, timeout=JOIN_S)  # every thread of the pool started
+        for task in [pool.submit(done.wait) for _ in range(workers)]:
+            task.sync()
+        pool.close()
+    kept = sum(range(24 - IDLE_EXECUTORS_KEPT + 1, 25))  # the last few sizes' threads, at most
+    assert threads.threads() <= kept
+    assert threads.threads() > 0, "the last pools' threads are kept for later pools"
+    threads.shutdown()
+    assert threads.threads() == 0
+
+
+def test_a_closed_pools_threads_serve_the_next_pool_of_its_size():
+    threads = WorkerThreads()
+    first = ThreadWorkerPool(3, threads)
+    executor = first._executor
+    first.close()
+    second = ThreadWorkerPool(3, threads)
+    assert second._executor is executor, "reused, not started again"
+    other = ThreadWorkerPool(3, threads)
+    assert other._executor is not executor, "but never lent to two open pools"
+    second.close()
+    other.close()
+    threads.shutdown()
+
+
+def test_a_pool_collected_unclosed_gives_its_threads_back():
+    threads = WorkerThreads()
+    pool = ThreadWorkerPool(2, threads)
+    executor = pool._executor
+    del pool
+    gc.collect()
+    again = ThreadWorkerPool(2, threads)
+    assert again._executor is executor
+    again.close()
+    threads.shutdown()
+
+
+def test_after_shutdown_no_pool_is_made_and_a_late_give_back_ends_its_threads():
+    threads = WorkerThreads()
+    pool = ThreadWorkerPool(2, threads)
+    task = pool.submit(sum, [1, 2])
+    task.sync()
+    threads.shutdown()  # (a device closes its pools first; this one is given back after)
+    pool.close()
+    assert pool._executor._shutdown
+    with pytest.raises(RuntimeError, match="shut down"):
+        ThreadWorkerPool(2, threads)
