@@ -467,3 +467,18 @@ def test_a_block_dropped_over_the_budget_with_its_copy_pending_is_freed_only_onc
     assert ev.is_done and buf.closed
     assert (st.pending_bytes, st.cached_bytes, st.in_use_bytes, st.releases) == (0, 0, 0, 1)
     assert dev.live().pooled_host_buffers == 0
+
+
+def test_empty_like_of_an_array_whose_device_closed_names_that_device_and_what_to_pass():
+    """``empty_like(a)`` takes ``a``'s device: once that device is closed the error says it is
+    ``a``'s, and that ``device=`` picks another (the device's own message named neither)."""
+    dev = rf.device("sim")
+    a = rf.host.empty(1024, np.float32, device=dev)
+    dev.close()
+    with pytest.raises(RuntimeError, match=r"empty_like: the device of `a` .* is closed; pass device="):
+        rf.host.empty_like(a)
+    other = rf.device("sim")
+    b = rf.host.empty_like(a, device=other)
+    assert (b.shape, b.dtype) == (a.shape, a.dtype) and rf.host.buffer(b) is not None
+    with pytest.raises(RuntimeError, match="closed"):
+        rf.host.empty(4, device=dev)  # (as documented: a closed device is refused)

@@ -99,6 +99,7 @@ def empty(shape: "int | Sequence[int]", dtype: Any = np.float64, *, device: Opti
     Raises:
         TypeError: a bad ``shape``, a dtype holding objects, or ``device`` that is not a Device.
         ValueError: a negative dimension, more than 64 dimensions, or a shape numpy cannot index.
+        RuntimeError: ``device`` is closed.
     """
     # checked before the default device is made: a refused call must leave nothing behind
     shape, dtype = check_shape_dtype(shape, dtype)
@@ -111,6 +112,8 @@ def empty_like(a: np.ndarray, dtype: Any = None, *, device: Optional[Device] = N
 
     Raises:
         TypeError: ``a`` is not a numpy array; otherwise as :func:`empty`.
+        RuntimeError: ``device`` is None and ``a``'s device is closed (pass ``device=``);
+            otherwise as :func:`empty`.
     """
     if not isinstance(a, np.ndarray):
         raise TypeError(f"ringflow.host.empty_like takes a numpy array, got {type(a).__name__}")
@@ -118,6 +121,9 @@ def empty_like(a: np.ndarray, dtype: Any = None, *, device: Optional[Device] = N
     if device is None:
         owner = owner_of(a)
         device = owner.pool.device if owner is not None else None
+        if getattr(device, "closed", False):
+            raise RuntimeError(f"ringflow.host.empty_like: the device of `a` ({device!r}) is closed; pass device= "
+                               f"to make the array on another device")
     return _pool(device, "empty_like").empty(shape, dtype)
 
 
