@@ -289,6 +289,18 @@ def test_a_failure_names_its_rows_whatever_the_id_column_holds(mapper_factory, i
     assert pickle.loads(pickle.dumps(info.value)).ids == named
 
 
+@pytest.mark.parametrize("frame", [False, True], ids=["dict", "DataFrame"])
+def test_an_id_column_the_batch_lacks_is_refused_by_name_before_any_work(mapper_factory, frame):
+    """A misspelt ``id_column`` would only show as failures that name no rows' ids, found when a
+    failure needs them: the batch is refused up front, naming the column and the batch's own."""
+    batch = {"a": np.arange(3000.0), "ident": np.arange(3000)}
+    if frame:
+        batch = pytest.importorskip("pandas").DataFrame(batch)
+    m = mapper_factory(affine, "a", id_column="id")
+    with pytest.raises(ValueError, match=r"the batch has no id_column 'id' \(it has \['a', 'ident'\]\); fix id_column="):
+        m(batch)
+
+
 @pytest.mark.parametrize("args, kwargs, message", [
     (("not callable",), {}, r"needs a callable f\(x, y\)"),
     ((lambda x: x * 2,), {}, r"RayMapper's first argument is called as f\(x, y\), and writes its result into y"),

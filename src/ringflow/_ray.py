@@ -162,8 +162,8 @@ class RayMapper:
                 (the first and last ``id_column`` values of those rows, or None); the
                 original is ``__cause__``. It pickles, so Ray reports it as the task's error.
             TypeError, ValueError: a batch that is neither kind, a missing or non-numeric
-                column, columns of different dtypes or shapes, or a column in non-native byte
-                order, without ``dtype``.
+                column (or no ``id_column``), columns of different dtypes or shapes, or a column
+                in non-native byte order, without ``dtype``.
             RuntimeError: the mapper is closed, or was closed while it mapped this batch.
 
         A column of arrays (a pandas tensor column, or one array object per row, every row of
@@ -178,6 +178,10 @@ class RayMapper:
         if not frame and not isinstance(batch, dict):
             raise TypeError(f"RayMapper takes a batch as a dict of numpy arrays (batch_format='numpy') or a "
                             f"pandas DataFrame (batch_format='pandas'), got {type(batch).__name__}")
+        if self.id_column is not None and self.id_column not in batch:
+            # found only when a failure named no ids: refused before any work instead
+            have = [str(c) for c in batch.keys()]
+            raise ValueError(f"RayMapper: the batch has no id_column {self.id_column!r} (it has {have}); fix id_column=")
         names = self.columns if self.columns is not None else tuple(batch.keys())
         if not names:
             raise ValueError("RayMapper got a batch with no columns; pass columns=[...] naming what to stream")
