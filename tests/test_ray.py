@@ -625,3 +625,12 @@ def test_a_closed_mapper_says_it_is_closed():
     m.close()
     with pytest.raises(RuntimeError, match=r"this RayMapper is closed.*make a new one"):
         m(numeric_batch(10))
+
+
+def test_a_masked_column_is_refused_by_name_not_streamed_without_its_mask(mapper_factory):
+    """A masked column (a direct caller's; Ray gives none) would stream its masked-out values as if
+    they were data, the mask dropped: it is refused, naming the column, as stream_map refuses a
+    masked ``x``."""
+    batch = {"a": np.ma.masked_array(np.arange(8.0), mask=[0, 1, 0, 0, 0, 0, 0, 1])}
+    with pytest.raises(TypeError, match=r"column 'a': a numpy masked array, whose mask ringflow would drop"):
+        mapper_factory(affine, "a")(batch)

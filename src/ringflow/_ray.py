@@ -23,7 +23,7 @@ from ._device import device as make_device
 from ._device.protocol import Device, close_quietly
 from ._errors import StageError, describe, unpicklable
 from ._pipeline.engine import choose_engine
-from ._pipeline.validate import COMPUTE_FORM, check_arity, check_options
+from ._pipeline.validate import COMPUTE_FORM, check_arity, check_not_masked, check_options
 from ._pipeline.warm import WARM
 from ._pipeline.whole_array import check_arrays, stream_map
 
@@ -251,6 +251,7 @@ class RayMapper:
                                 f"{batch[name].dtype} holds missing values, which have no numpy equivalent: fill "
                                 "them first (e.g. .fillna(0))")
             col = batch[name].to_numpy() if frame else batch[name]
+            check_not_masked(f"RayMapper: column {name!r}", col)
             if not isinstance(col, np.ndarray):
                 try:
                     col = np.asarray(col)
