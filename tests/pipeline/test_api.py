@@ -246,7 +246,7 @@ def test_slots_derived_by_the_planner():
         assert counts.host_in >= 1 and counts.device_in >= 1 and counts.device_out >= 1 and counts.host_out >= 1
         assert pipe.config.max_in_flight >= 1
         xs = [np.arange(1000, dtype=np.float64) + k for k in range(40)]
-        for x, y in zip(xs, pipe.map(xs)):
+        for x, y in zip(xs, pipe.map(xs), strict=True):
             assert np.array_equal(y, x * 3 + 1)
 
 

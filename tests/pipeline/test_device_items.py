@@ -37,7 +37,7 @@ def test_device_items_come_back_exact_under_chaos(seed):
     with rf.Pipeline(f, device=dev, chunk_bytes=4096, checked=True) as pipe:
         mixed = [arg if i % 2 else values[i] for i, (_, arg) in enumerate(made)]  # device and host items
         out = list(pipe.map(mixed))
-    for v, r in zip(values, out):
+    for v, r in zip(values, out, strict=True):
         np.testing.assert_array_equal(r, v * 2 + 1)
     for buf, _ in made:
         buf.close()

@@ -35,7 +35,7 @@ def test_only_the_filled_rows_come_back(sizes, seed, pooled):
     items = [rng.standard_normal(n).astype(np.float32) for n in sizes]
     with rf.Pipeline(positives, device=dev, chunk_bytes=4096, fill="rows", checked=True) as pipe:
         out = list(pipe.map(items))
-    for a, r in zip(items, out):
+    for a, r in zip(items, out, strict=True):
         np.testing.assert_array_equal(r, a[a > 0])
         assert r.dtype == np.float32
 

@@ -54,7 +54,7 @@ def test_every_host_kind_comes_back_exact(kind, how):
             async def go():
                 return [await pipe.asubmit(it) for it in items]
             out = asyncio.run(go())
-    for a, r in zip(arrays, out):
+    for a, r in zip(arrays, out, strict=True):
         np.testing.assert_array_equal(r, a * 2 + 1)
 
 

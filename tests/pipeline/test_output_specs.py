@@ -49,7 +49,7 @@ def test_random_output_specs_come_back_exact(specs, seed, budget, staged_by):
     with rf.Pipeline(spread, device=dev, chunk_bytes=1 << 19, output=lambda it: shapes[id(it)], prepare=prepare,
                      checked=True) as pipe:
         results = list(pipe.map(items))
-    for it, r in zip(items, results):
+    for it, r in zip(items, results, strict=True):
         shape, dtype = shapes[id(it)]
         assert r.shape == shape and r.dtype == dtype
         np.testing.assert_array_equal(r, expected(it, shape, dtype))

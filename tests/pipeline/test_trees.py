@@ -62,7 +62,7 @@ def test_random_pytrees_come_back_in_their_structure(specs, seed, path):
     with rf.Pipeline(doubled, device=dev, chunk_bytes=1 << 16, checked=True,
                      prepare=(lambda it: it) if path == "workers" else None) as pipe:
         out = list(pipe.map(items))
-    for it, r in zip(items, out):
+    for it, r in zip(items, out, strict=True):
         assert same_tree(it, r), (it, r)
 
 
@@ -93,7 +93,7 @@ def test_images_and_labels_in_scores_and_labels_out():
     spec = {"scores": ((4,), "float16"), "labels": ((4,), "int64")}
     with rf.Pipeline(classify, device=dev, chunk_bytes=4096, output=spec) as pipe:
         out = list(pipe.map(batches))
-    for b, r in zip(batches, out):
+    for b, r in zip(batches, out, strict=True):
         assert list(r) == ["scores", "labels"]
         np.testing.assert_array_equal(r["scores"], b["images"].reshape(4, -1).mean(axis=1).astype(np.float16))
         np.testing.assert_array_equal(r["labels"], b["labels"] + 1)
