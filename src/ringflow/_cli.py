@@ -365,6 +365,10 @@ def _demo(args: argparse.Namespace) -> int:
 def _trace(args: argparse.Namespace) -> int:
     from ._trace.summary import print_summary
 
+    if not args.file.strip():
+        # (the OS's words alone, "'': No such file or directory", say nothing to change)
+        raise UsageError("argument file: an empty string is not a file name; give a trace JSON written by "
+                         "Report.save_trace or ringflow bench --trace")
     return print_summary(args.file, json_out=args.json)
 
 
