@@ -1785,7 +1785,8 @@ class Scheduler:
         A failure whose stage ran inside another thread's call (on the simulated GPU, a caller's
         staging copy or wait advanced virtual time) is looked at again at every step until that
         call has returned, and once more at close."""
-        self._forget_again = [exc for exc in self._forget_again if forget_frames(exc)]
+        if self._forget_again:  # (every step: a new list only where there is something to look at)
+            self._forget_again = [exc for exc in self._forget_again if forget_frames(exc)]
 
     # -- reuse by a later job (see ringflow._pipeline.warm) ---------------------------------------
     def idle(self) -> bool:
