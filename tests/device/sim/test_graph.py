@@ -10,6 +10,7 @@ import pytest
 
 import ringflow as rf
 from ringflow._errors import CaptureError, HazardError, LaunchError
+from tests.helpers.interrupts import call_interrupted_at
 
 N = 256  # float32 per buffer
 
@@ -238,6 +239,28 @@ def test_capture_rules():
         b.end_capture()
     a.abort_capture()  # harmless with none in progress
     assert dev.live().streams == 2
+
+
+def test_an_interrupt_anywhere_in_joining_a_stream_leaves_nothing_capturing_once_aborted():
+    """An exception (Ctrl-C under a SIGINT handler of the process's own, say) at any instruction
+    of a stream's joining a capture, then the capture aborted, as MapJob(graph=True) aborts
+    one its enqueue pass left: no stream captures any more, so the thread may allocate and
+    every stream runs work again (a stream left joined refused both for good)."""
+    names, files = ("wait", "_wait_captured", "add"), ("/ringflow/_device/sim/",)
+    n = 0
+    while True:
+        dev, h, d, o, a, b = setup(chaos=False)
+        a.begin_capture()
+        event = a.record()
+        hook, _ = call_interrupted_at(n, lambda: b.wait(event), names, files)
+        a.abort_capture()
+        dev.allocate(64).close()
+        b.copy(d, h)
+        b.sync()
+        if not hook.fired:
+            break
+        n += 1
+    assert n > 3, n
 
 
 def test_two_captures_do_not_merge():
