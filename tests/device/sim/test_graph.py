@@ -263,6 +263,28 @@ def test_an_interrupt_anywhere_in_joining_a_stream_leaves_nothing_capturing_once
     assert n > 3, n
 
 
+def test_a_launch_interrupted_anywhere_leaves_the_launching_stream_after_what_it_enqueued():
+    """A graph's launch is one call, and a GPU runs all of it or none: one stopped by an
+    exception (Ctrl-C under a SIGINT handler of the process's own, say) at any instruction after
+    some of its work was enqueued on the graph's lanes still has the launching stream wait for
+    that work, so that syncing the stream, as a caller cleaning up does, orders it before the
+    buffers it touches are freed."""
+    names, files = ("launch", "copy", "wait", "record", "_enqueue", "_begin"), ("/ringflow/_device/sim/",)
+    n = 0
+    while True:
+        dev, h, d, o, a, b = setup(seed=n, chaos=False)
+        graph = capture_round_trip(a, b, h, d, o)
+        hook, _ = call_interrupted_at(n, lambda: graph.launch(a), names, files)
+        a.sync()
+        for buffer in (h, d, o):
+            buffer.close()  # a HazardError here: the lanes' work was not ordered before the free
+        graph.close()
+        if not hook.fired:
+            break
+        n += 1
+    assert n > 10, n
+
+
 def test_two_captures_do_not_merge():
     dev, h, d, o, a, b = setup()
     c = dev.create_stream()
