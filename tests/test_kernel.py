@@ -37,6 +37,22 @@ def test_reference_runs_on_numpy_arrays():
     assert k.__name__ == "saxpy" and "saxpy" in repr(k)
 
 
+def test_a_reference_returning_its_result_instead_of_writing_it_is_refused_as_a_launch_returns_nothing():
+    """A launch writes its outputs and returns nothing, so a reference that returns a new array
+    (leaving the output unwritten) is refused by name rather than handing its caller, on the
+    simulated GPU only, a result that a GPU never returns; one that returns the array it wrote
+    (np.multiply(x, a, out=y) does) is fine, and the call returns None either way, as a launch."""
+    x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+    k = Kernel(SAXPY, "saxpy", reference=lambda x, y, a: x * a)
+    with pytest.raises(TypeError, match=r"kernel 'saxpy': its reference returned a new ndarray.*in place"):
+        k(x, y, np.float32(2))
+    with pytest.raises(TypeError, match="returned a new"):
+        k.bind(np.float32(2))(x, y)
+    k = Kernel(SAXPY, "saxpy", reference=lambda x, y, a: np.multiply(x, a, out=y))
+    assert k(x, y, np.float32(2)) is None
+    np.testing.assert_array_equal(y, 2 * x)
+
+
 def test_bad_construction_and_calls():
     with pytest.raises(ValueError):
         Kernel("", "k")

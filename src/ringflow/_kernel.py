@@ -198,7 +198,9 @@ class Kernel:
         (:func:`~ringflow._device.protocol.check_device_dtype`) or a ``stream`` that is
         neither None, a ringflow stream nor a ``__cuda_stream__`` object, and
         ValueError for a strided array or, elementwise, one shorter than the first: on numpy
-        arrays too, before the reference runs, as a launch would. Called on the stand-in
+        arrays too, before the reference runs, as a launch would. Returns None, as a launch
+        does; a TypeError once it ran for a ``reference`` that returned a new array instead of
+        writing its outputs in place. Called on the stand-in
         arrays a simulated GPU's capture hands a launched callable, it is recorded, checked
         as a launch, and run by each launch of the graph."""
         tape = taped(args)
@@ -219,7 +221,14 @@ class Kernel:
                                 "pass reference=<numpy function> to Kernel(...)")
             self._check_like_a_launch(args)
             _check_stream(self.name, stream)
-            return self.reference(*args)
+            result = self.reference(*args)
+            # a launch writes its outputs and returns nothing: a reference returning a new array
+            # left them unwritten, and its caller would get a result only the simulated GPU gives
+            if result is not None and not any(result is a for a in args):
+                raise TypeError(f"kernel {self.name!r}: its reference returned a new {type(result).__name__} "
+                                "instead of writing its outputs in place, as a launch does (which returns "
+                                "nothing); write into the output arrays (np.multiply(x, a, out=y), y[...] = ...)")
+            return None
         # an argument that is no array at all (a list, a string, None) would otherwise read as
         # a device array: beside numpy arrays as "a mix", and alone as a launch that needs
         # cuda.core, which is not what is wrong (checked here, off the fast launch path)

@@ -10,6 +10,7 @@ import pytest
 
 import ringflow as rf
 from ringflow._errors import CaptureError, HazardError, LaunchError
+from tests.helpers.interrupts import call_interrupted_at
 
 N = 256  # float32 per buffer
 
@@ -238,6 +239,50 @@ def test_capture_rules():
         b.end_capture()
     a.abort_capture()  # harmless with none in progress
     assert dev.live().streams == 2
+
+
+def test_an_interrupt_anywhere_in_joining_a_stream_leaves_nothing_capturing_once_aborted():
+    """An exception (Ctrl-C under a SIGINT handler of the process's own, say) at any instruction
+    of a stream's joining a capture, then the capture aborted, as MapJob(graph=True) aborts
+    one its enqueue pass left: no stream captures any more, so the thread may allocate and
+    every stream runs work again (a stream left joined refused both for good)."""
+    names, files = ("wait", "_wait_captured", "add"), ("/ringflow/_device/sim/",)
+    n = 0
+    while True:
+        dev, h, d, o, a, b = setup(chaos=False)
+        a.begin_capture()
+        event = a.record()
+        hook, _ = call_interrupted_at(n, lambda: b.wait(event), names, files)
+        a.abort_capture()
+        dev.allocate(64).close()
+        b.copy(d, h)
+        b.sync()
+        if not hook.fired:
+            break
+        n += 1
+    assert n > 3, n
+
+
+def test_a_launch_interrupted_anywhere_leaves_the_launching_stream_after_what_it_enqueued():
+    """A graph's launch is one call, and a GPU runs all of it or none: one stopped by an
+    exception (Ctrl-C under a SIGINT handler of the process's own, say) at any instruction after
+    some of its work was enqueued on the graph's lanes still has the launching stream wait for
+    that work, so that syncing the stream, as a caller cleaning up does, orders it before the
+    buffers it touches are freed."""
+    names, files = ("launch", "copy", "wait", "record", "_enqueue", "_begin"), ("/ringflow/_device/sim/",)
+    n = 0
+    while True:
+        dev, h, d, o, a, b = setup(seed=n, chaos=False)
+        graph = capture_round_trip(a, b, h, d, o)
+        hook, _ = call_interrupted_at(n, lambda: graph.launch(a), names, files)
+        a.sync()
+        for buffer in (h, d, o):
+            buffer.close()  # a HazardError here: the lanes' work was not ordered before the free
+        graph.close()
+        if not hook.fired:
+            break
+        n += 1
+    assert n > 10, n
 
 
 def test_two_captures_do_not_merge():

@@ -149,15 +149,23 @@ class SimGraph(Graph):
                 for lane in self._lanes:
                     lane.wait(entry)
                 made: dict = {}
-                for index, method, args, kwargs, placeholder in self._calls:
-                    if method == "wait":
-                        args = (made[args[0]],)
-                    result = getattr(self._lanes[index], method)(*args, **kwargs)
-                    if placeholder is not None:
-                        made[placeholder] = result
-                ends = [lane.record() for lane in self._lanes]
-                for end in ends:
-                    stream.wait(end)
+                try:
+                    for index, method, args, kwargs, placeholder in self._calls:
+                        if method == "wait":
+                            args = (made[args[0]],)
+                        result = getattr(self._lanes[index], method)(*args, **kwargs)
+                        if placeholder is not None:
+                            made[placeholder] = result
+                    ends = [lane.record() for lane in self._lanes]
+                    for end in ends:
+                        stream.wait(end)
+                except BaseException:
+                    # stopped part way (an interrupt): a GPU's launch is all or nothing, so the
+                    # launching stream must still come after the work already on the lanes, or
+                    # syncing it, as a caller cleaning up does, would not cover that work
+                    for lane in self._lanes:
+                        stream.wait(lane.record())
+                    raise
                 stream._pass_on_errors(list(made.values()) + ends)
             self._last = made
 

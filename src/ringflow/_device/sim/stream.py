@@ -386,8 +386,10 @@ class SimStream(Stream):
     def _finish(self, capture: SimCapture) -> None:
         capture.ended = True
         capture.shadows.clear()  # the captured launches' shadow memory (tape.py)
-        for stream in capture.lanes:
-            self._dev._captures.pop(stream, None)
+        # every stream mapped to the capture, not only its lanes: a join stopped between the
+        # two (an interrupt in capture.wait) would leave its stream capturing for good
+        for stream in [s for s, c in self._dev._captures.items() if c is capture]:
+            del self._dev._captures[stream]
 
     def _pass_on_errors(self, events: list) -> None:
         """After a graph's lanes: the first error any of its ``events`` reported goes to this
