@@ -153,7 +153,9 @@ class MapJob:
         TypeError, ValueError: a bad argument (the message names it and what it accepts).
 
     A call that fails (a stage error, a broken device, Ctrl-C) closes the job and raises; so does
-    calling a closed job. ``out``'s contents after a failed call are unspecified. ``close()`` (or
+    calling a closed job. A Ctrl-C that finds no step of the call left to stop at (after its last
+    step, or during a graph's capture or replay, which run to their end) is raised as the call
+    returns, the job open and ``out`` complete (:attr:`closed` says which). ``out``'s contents after a failed call are unspecified. ``close()`` (or
     leaving a ``with`` block) releases the streams, rings and any registration; it never raises.
     A job dropped without ``close()`` is released by its finaliser, with a ResourceWarning.
     """
