@@ -498,3 +498,36 @@ def test_a_failed_chunk_of_a_compute_bound_job_carries_the_rows_it_held():
             job()
     a, b = info.value.rows
     assert a <= 1_500_000 < b and b - a <= 1 << 20, (a, b)  # (a whole chunk: 1 Mi rows)
+
+
+def test_a_ctrl_c_during_a_graph_replay_is_raised_as_the_call_returns_with_the_job_open_and_out_complete():
+    """A graph's replay runs to its end, as a GPU's graph launch does: a Ctrl-C (a real SIGINT)
+    at any instruction of it is raised as the call returns, the job left open (``closed`` False)
+    and ``out`` complete, and the next call runs as usual (docs/guide/mapjob.md)."""
+    dev = rf.device("sim")
+    x = rf.host.empty(1 << 16, np.float32, device=dev)
+    out = rf.host.empty_like(x)
+
+    def f(a, b):
+        np.multiply(a, 2, out=b)
+        b += 1
+
+    with rf.MapJob(f, x, out, host="register", graph=True, chunk_bytes=1 << 14) as job:
+        x[:] = 0
+        job()
+        job()
+        assert job.replays_graph
+        interrupted = 0
+        for n in range(0, 400, 13):
+            x[:] = n
+            try:
+                with InterruptAt(n, names=["launch"], files=["sim/graph.py"], sigint=True):
+                    job()
+            except KeyboardInterrupt:
+                interrupted += 1
+                assert not job.closed, f"a Ctrl-C at instruction {n} of the replay closed the job"
+                np.testing.assert_array_equal(out, 2 * n + 1)
+        assert interrupted > 5, "the replay was interrupted"
+        x[:] = 5
+        np.testing.assert_array_equal(job(), 11)
+    dev.close()
