@@ -580,7 +580,7 @@ def test_a_report_that_resets_starts_a_new_window_so_a_long_lived_profile_stays_
         for window in range(3):
             x = np.arange(8 * rows, dtype=np.float32) + window
             items = [x[i:i + rows] for i in range(0, x.size, rows)]
-            assert all(np.array_equal(got, want) for got, want in zip(pipe.map(items), items))
+            assert all(np.array_equal(got, want) for got, want in zip(pipe.map(items), items, strict=True))
             report = pipe.report(reset=True)
             assert report.chunks == 8, f"window {window} reports its own chunks"
             parts = report.reports if devices > 1 else [report]

@@ -145,7 +145,7 @@ def test_a_plain_array_may_be_changed_once_submit_returns_whatever_its_size_or_t
         else:
             results = list(pipe.map(overwritten_after_use()))
         chunks = pipe.scheduler.chunks_admitted
-    for r, x in zip(results, originals):
+    for r, x in zip(results, originals, strict=True):
         for got, want in zip(r if isinstance(x, tuple) else (r,), x if isinstance(x, tuple) else (x,)):
             assert np.array_equal(got, expected(want)) and got.shape == want.shape
     if room:
@@ -916,7 +916,7 @@ def test_map_puts_small_items_in_shared_chunks_and_hands_each_its_own_result(ord
         results = list(pipe.map(xs))
         chunks, stats = pipe.scheduler.chunks_admitted, pipe.stats()
     if ordered:
-        assert all(np.array_equal(r, expected(x)) and r.shape == x.shape for r, x in zip(results, xs))
+        assert all(np.array_equal(r, expected(x)) and r.shape == x.shape for r, x in zip(results, xs, strict=True))
     else:  # each result exactly once, in any order
         assert sorted(r.tobytes() for r in results) == sorted(expected(x).tobytes() for x in xs)
     assert chunks < len(xs) // 4
@@ -1057,7 +1057,7 @@ def test_chunks_of_one_item_each_lie_packed_in_their_slab(how):
         results = [fu.result() for fu in [pipe.submit(x) for x in xs]] if how == "submit" else list(pipe.map(xs))
         assert pipe.scheduler.chunks_admitted == len(xs)
         assert pipe.scheduler.space.slab_bytes == 4 * 4096
-    assert all(np.array_equal(r, expected(x)) for r, x in zip(results, xs))
+    assert all(np.array_equal(r, expected(x)) for r, x in zip(results, xs, strict=True))
     assert rf.host.stats(device=dev).allocations == 2
 
 

@@ -200,7 +200,7 @@ def _next_pipeline_runs_clean(dev, items: list, coalesce: bool) -> None:
     from the device's pool went back (the dead pipeline's blocks among them)."""
     second = rf.Pipeline(_affine, device=dev, chunk_bytes=4096, slots=2, checked=True, coalesce=coalesce)
     got = list(second.map(items))
-    assert all(np.array_equal(r, a * 3 + 1) for r, a in zip(got, items))
+    assert all(np.array_equal(r, a * 3 + 1) for r, a in zip(got, items, strict=True))
     bounded(second.close)
     del got
     gc.collect()
@@ -349,7 +349,7 @@ def test_on_the_simulated_gpu_a_thread_nobody_waits_on_does_not_spin(monkeypatch
     devices = [rf.device("sim", seed=k) for k in range(4)]
     with rf.Pipeline(_affine, device=devices, chunk_bytes=1 << 16) as pipe:
         got = list(pipe.map(items))
-    assert all(np.array_equal(r, a * 3 + 1) for r, a in zip(got, items))
+    assert all(np.array_equal(r, a * 3 + 1) for r, a in zip(got, items, strict=True))
     assert turns[0] < 20 * len(items), turns[0]
 
 

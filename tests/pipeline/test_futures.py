@@ -648,7 +648,7 @@ def test_the_event_loop_is_never_blocked(how):
     finally:
         release.set()
     assert ticks == list(range(5))
-    for r, a in zip(got, x):
+    for r, a in zip(got, x, strict=True):
         assert np.array_equal(r, a * 3 + 1)
     assert np.array_equal(first[1].result(), _items(2, base=5.0)[1] * 3 + 1)
     _closed_clean(dev, pipe)
@@ -676,7 +676,7 @@ def test_a_task_keeps_ticking_while_amap_runs():
         return got, between
 
     got, between = _run(main)
-    for r, a in zip(got, x):
+    for r, a in zip(got, x, strict=True):
         assert np.array_equal(r, a * 3 + 1)
     # the ticker ran while the results were awaited, not only before or after
     assert between[-1] > between[0]

@@ -71,7 +71,8 @@ def run_config(runner: str, slots: int, seed: int, guards=(), checker: bool = Tr
             with rf.Pipeline(f, device=dev, chunk_bytes=1 << 12, slots=slots, checked=True) as pipe:
                 results = list(pipe.map(items))
         pooled = sum(rf.host.buffer(r) is not None for r in results)  # at least the staged items'
-        return pooled >= len(items) // 2 and all(np.array_equal(r, a * 3 + 1) for r, a in zip(results, items))
+        return (pooled >= len(items) // 2 and len(results) == len(items)
+                and all(np.array_equal(r, a * 3 + 1) for r, a in zip(results, items)))
 
     def on_device():
         rng = np.random.default_rng(seed)
@@ -93,7 +94,7 @@ def run_config(runner: str, slots: int, seed: int, guards=(), checker: bool = Tr
                     got.append(out)
                 user.sync()
         user.close()
-        return all(np.array_equal(o, a * 3 + 1) for o, a in zip(got, items))
+        return len(got) == len(items) and all(np.array_equal(o, a * 3 + 1) for o, a in zip(got, items))
 
     def shared():
         a, b = X[:1000] + 0, X[1000:1700] + 0

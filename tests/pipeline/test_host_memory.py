@@ -104,7 +104,7 @@ def test_pinned_budget_caps_the_pinned_rings():
         c = pipe.config.slots
         assert (c.host_in + c.host_out) * chunk <= 5 * chunk and min(c.host_in, c.host_out) >= 1
         items = [np.random.default_rng(i).uniform(0.5, 1.5, chunk // 4).astype(np.float32) for i in range(40)]
-        assert all(np.array_equal(o, i * 2 + 1) for o, i in zip(pipe.map(items), items))
+        assert all(np.array_equal(o, i * 2 + 1) for o, i in zip(pipe.map(items), items, strict=True))
         pinned = sum(len(r) * r.chunk_bytes for r in pipe.scheduler.rings if r.buffer.is_host)
         assert pinned <= 5 * chunk
     with pytest.raises(ValueError, match="pinned_budget"):

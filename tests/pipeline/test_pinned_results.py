@@ -53,7 +53,7 @@ def test_without_room_in_the_pool_results_are_ordinary_arrays(dev, caplog):
     with caplog.at_level("WARNING", logger="ringflow"):
         with rf.Pipeline(f, device=dev, chunk_bytes=4096) as pipe:
             results = list(pipe.map(items))
-    assert all(np.array_equal(r, a * 2 + 1) for r, a in zip(results, items))
+    assert all(np.array_equal(r, a * 2 + 1) for r, a in zip(results, items, strict=True))
     assert all(rf.host.buffer(r) is None for r in results)
     # each item asked for a slab of shared chunks, then for a block of its own to go alone in
     assert rf.host.stats(device=dev).fallbacks == 2 * len(items)
@@ -67,7 +67,7 @@ def test_dropped_results_are_reused_so_pinned_memory_stays_flat(dev, how):
     try:
         with rf.Pipeline(f, device=dev, chunk_bytes=4096, slots=2) as pipe:
             if how == "map":
-                for a, r in zip(items, pipe.map(items)):
+                for a, r in zip(items, pipe.map(items), strict=True):
                     assert np.array_equal(r, a * 2 + 1)
                     del r  # the caller is done with it: its block goes back to the pool
             else:
@@ -344,7 +344,7 @@ def test_a_staged_run_reports_its_copies_as_prepare_and_no_run_beats_its_bound()
         t0 = dev.now
         out = list(pipe.map(items))
         wall = dev.now - t0
-    assert all(rf.host.buffer(o) is not None and np.array_equal(o, i * 2 + 1) for o, i in zip(out, items))
+    assert all(rf.host.buffer(o) is not None and np.array_equal(o, i * 2 + 1) for o, i in zip(out, items, strict=True))
     rep = pipe.report()
     spans = [s for s in rep.timeline.spans(lanes=False) if s.name.startswith("prepare")]
     # the unit profile copies 1 GB/s on one thread: each staging copy is charged to map()

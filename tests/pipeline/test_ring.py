@@ -247,7 +247,7 @@ def test_a_second_pipeline_whose_rings_do_not_fit_beside_the_first_names_chunk_b
     del info
     assert dev.live() == live  # the second's streams and rings are gone
     items = [np.full(1000, k, np.float32) for k in range(5)]
-    assert all((got == 2 * item).all() for got, item in zip(first.map(items), items))
+    assert all((got == 2 * item).all() for got, item in zip(first.map(items), items, strict=True))
     first.close()
     assert dev.live().total == 0
     with rf.Pipeline(_twice, device=dev, chunk_bytes=chunk, slots=3) as again:  # alone it fits

@@ -28,7 +28,7 @@ def profiled_run(n=10, chaos=False, seed=0, compute_s=0.5e-3):
     # them); plain arrays alone would be copied into pinned memory by map() on this thread
     with rf.Pipeline(f, device=dev, chunk_bytes=MB, workers=4, profile=True, slots=4, prepare=np.asarray) as pipe:
         out = list(pipe.map(items))
-    assert all(np.array_equal(o, i * 2 + 1) for o, i in zip(out, items))
+    assert all(np.array_equal(o, i * 2 + 1) for o, i in zip(out, items, strict=True))
     return pipe.report()
 
 

@@ -193,7 +193,7 @@ def test_a_pipeline_over_devices_of_one_host_shares_its_copy_rate():
         with rf.Pipeline(f, device=devs, chunk_bytes=8 * MiB, checked=False) as pipe:
             out = list(pipe.map(items))
             used = [p.stats().delivered for p in pipe.parts]
-        assert all(np.array_equal(r, a * 2 + 1) for a, r in zip(items, out)) and all(u > 0 for u in used)
+        assert all(np.array_equal(r, a * 2 + 1) for a, r in zip(items, out, strict=True)) and all(u > 0 for u in used)
         return max(d.now - s for d, s in zip(devs, start))
 
     apart = run([rf.device("sim", checked=False) for _ in range(2)])
