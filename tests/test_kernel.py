@@ -246,13 +246,20 @@ def test_an_array_shorter_than_the_first_is_named_by_its_position_and_length(on)
             k.__ringflow_launch__(None, 0, [1 << 20, np.float32(2), 2 << 20, 3 << 20, 4 << 20], [8, 8, 4, 2])
 
 
-@pytest.mark.parametrize("scalar", [np.float64(2), np.complex128(2), np.float32(2), np.int64(2), np.bool_(True)],
-                         ids=lambda s: type(s).__name__)
-def test_every_numeric_numpy_scalar_is_a_scalar_on_numpy_arrays(scalar):
+def saxpy_taking(c_type: str) -> str:
+    """:data:`SAXPY` with its scalar ``a`` of ``c_type``."""
+    return SAXPY.replace("float a", f"{c_type} a")
+
+
+@pytest.mark.parametrize("scalar, c_type", [(np.float64(2), "double"), (np.complex128(2), "cuDoubleComplex"),
+                                            (np.float32(2), "float"), (np.int64(2), "long long"),
+                                            (np.bool_(True), "bool")], ids=lambda s: type(s).__name__)
+def test_every_numeric_numpy_scalar_is_a_scalar_on_numpy_arrays(scalar, c_type):
     """np.float64 and np.complex128 subclass Python's float and complex: they were refused as
-    "Python float64" on the simulated GPU, though a launch on a GPU and bind take them."""
+    "Python float64" on the simulated GPU, though a launch on a GPU and bind take them (each
+    here to a kernel whose scalar parameter is of its C type)."""
     got = []
-    k = Kernel(SAXPY, "saxpy", reference=lambda x, y, a: got.append(a))
+    k = Kernel(saxpy_taking(c_type), "saxpy", reference=lambda x, y, a: got.append(a))
     k(np.zeros(4, np.float32), np.zeros(4, np.float32), scalar)
     k.bind(scalar)(np.zeros(4, np.float32), np.zeros(4, np.float32))
     assert got == [scalar, scalar]
@@ -531,15 +538,17 @@ def test_a_numpy_scalar_wider_than_a_launch_passes_is_refused_by_name(scalar):
     assert ran == []
 
 
-@pytest.mark.parametrize("scalar, sized", [(np.longlong(-3), np.int64), (np.ulonglong(3), np.uint64)],
+@pytest.mark.parametrize("scalar, sized, c_type", [(np.longlong(-3), np.int64, "long long"),
+                                                   (np.ulonglong(3), np.uint64, "unsigned long long")],
                          ids=["longlong", "ulonglong"])
-def test_a_long_long_is_passed_as_the_sized_integer_a_launch_takes(scalar, sized):
+def test_a_long_long_is_passed_as_the_sized_integer_a_launch_takes(scalar, sized, c_type):
     """np.longlong is a type of its own beside np.int64 (of the same bits), and cuda.core takes
     only the sized one: a launch refused it ("unsupported type") where the simulated GPU ran."""
     from ringflow._checks import launch_scalar
 
     got = []
-    Kernel(SAXPY, "saxpy", reference=lambda x, y, a: got.append(a)).bind(scalar)(np.zeros(4), np.zeros(4))
+    Kernel(saxpy_taking(c_type), "saxpy", reference=lambda x, y, a: got.append(a)).bind(scalar)(
+        np.zeros(4, np.float32), np.zeros(4, np.float32))
     assert type(got[0]) is sized and got[0] == scalar
     assert type(launch_scalar(scalar)) is sized and type(launch_scalar(np.float32(1))) is np.float32
 

@@ -60,6 +60,7 @@ from ._device.cuda.probe import INSTALL_HINT
 from ._device.protocol import Stream, check_device_dtype
 from ._device.sim.tape import taped
 from ._checks import check_count, check_flag, described, is_c_scalar, launch_scalar
+from ._kernel_signature import check_arguments, read_params
 
 __all__ = ["Kernel", "BoundKernel"]
 
@@ -129,6 +130,8 @@ class Kernel:
         self.elementwise = elementwise
         self.pointwise = pointwise
         self.options = options
+        # the parameters read from the source, checked on the simulated GPU (None: not readable)
+        self._params = read_params(source, name)
         self._compiled: dict[int, Any] = {}  # GPU index -> cuda.core Kernel
         self._configs: dict[int, Any] = {}  # element count -> cuda.core LaunchConfig
         self._lock = threading.Lock()
@@ -161,6 +164,7 @@ class Kernel:
             state: what :meth:`__getstate__` returned.
         """
         self.__dict__.update(state)
+        self._params = read_params(self.source, self.name)
         self._compiled = {}
         self._configs = {}
         self._lock = threading.Lock()
@@ -263,11 +267,14 @@ class Kernel:
 
     def _check_like_a_launch(self, args: tuple[Any, ...]) -> None:
         """Refuse the numpy arguments a launch on a GPU would refuse (a Python scalar, a strided
-        array, an array shorter than the first), so that what runs on the simulated GPU also
-        launches on a real one.
+        array, an array shorter than the first), or would misread (an array or scalar whose
+        dtype is not its parameter's type in the source, a count that does not match:
+        :mod:`ringflow._kernel_signature`), so that what runs on the simulated GPU also
+        launches, right, on a real one.
 
         Raises:
-            TypeError, ValueError: as :meth:`_launch` and :meth:`_enqueue` do.
+            TypeError, ValueError: as :meth:`_launch` and :meth:`_enqueue` do, and TypeError
+                for arguments that do not match the kernel's parameters.
         """
         sizes = []
         for i, a in enumerate(args):
@@ -281,6 +288,8 @@ class Kernel:
                                      "kernel arguments must be C-contiguous: use np.ascontiguousarray")
                 sizes.append(a.size)
         self._check_sizes(sizes, args)
+        if self._params is not None:
+            check_arguments(self.name, self._params, args)
 
     def _check_scalar(self, i: int, a: Any) -> None:
         """Refuse argument ``i`` when it is a scalar a launch cannot pass: a Python number, or a

@@ -1,0 +1,130 @@
+"""A kernel's C parameter list, read from its source, so that the simulated GPU refuses the
+arguments a GPU launch would misread: an array whose dtype is not the pointer's type, a scalar
+of another width than its parameter, an array where a value is taken or the other way round,
+or a count that does not match. On a GPU nothing checks these: a launch passes raw bytes, and a
+``float*`` handed a float64 array reads garbage without an error.
+
+Only what can be read for certain is checked. A source the reader cannot place (a template
+instantiation, a name defined by a macro or an ``#include``, overloads, a parameter of a type
+it does not know: a struct, a vector type such as ``float2``) checks nothing there, rather than
+refuse a kernel that compiles.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+
+# C type names (qualifiers removed, words in source order) -> the numpy dtypes whose bytes they read
+_C_TYPES: dict[str, frozenset] = {}
+
+
+def _types(dtypes: str, *names: str) -> None:
+    for name in names:
+        _C_TYPES[name] = frozenset(np.dtype(d) for d in dtypes.split())
+
+
+_types("float32", "float")
+_types("float64", "double")
+_types("float16", "__half", "half")
+_types("bool", "bool")
+_types("int8 uint8", "char")
+_types("int8", "signed char", "int8_t")
+_types("uint8", "unsigned char", "uint8_t")
+_types("int16", "short", "short int", "signed short", "signed short int", "int16_t")
+_types("uint16", "unsigned short", "unsigned short int", "uint16_t")
+_types("int32", "int", "signed", "signed int", "int32_t")
+_types("uint32", "unsigned", "unsigned int", "uint32_t")
+# (long is 64 bits on Linux, the one platform of the CUDA backend)
+_types("int64", "long", "long int", "signed long", "long long", "long long int", "signed long long", "int64_t",
+       "ptrdiff_t", "intptr_t")
+_types("uint64", "unsigned long", "unsigned long int", "unsigned long long", "unsigned long long int", "uint64_t",
+       "size_t", "uintptr_t")
+_types("complex64", "cuComplex", "cuFloatComplex")
+_types("complex128", "cuDoubleComplex")
+
+_QUALIFIERS = {"const", "volatile", "__restrict__", "__restrict", "restrict", "__grid_constant__"}
+_COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+
+
+class Param(NamedTuple):
+    """One parameter: its text in the source, whether it is a pointer, and the numpy dtypes its
+    (pointee) type reads (None: a type this module does not know, left unchecked)."""
+
+    text: str
+    pointer: bool
+    dtypes: Optional[frozenset]
+
+
+def read_params(source: str, name: str) -> Optional[tuple[Param, ...]]:
+    """The parameters of the ``__global__`` function ``name`` in ``source``; None where they
+    cannot be read for certain (see the module's doc)."""
+    if not re.fullmatch(r"[A-Za-z_]\w*", name):  # a template instantiation, a qualified name
+        return None
+    text = _COMMENTS.sub(" ", source)
+    found = re.findall(r"__global__\s+(?:__launch_bounds__\s*\([^()]*\)\s*)?void\s+"
+                       r"(?:__launch_bounds__\s*\([^()]*\)\s*)?" + re.escape(name) + r"\s*\(([^()]*)\)\s*\{", text)
+    if len(found) != 1:  # absent (a macro's, an include's) or overloaded
+        return None
+    body = found[0].strip()
+    if body in ("", "void"):
+        return ()
+    params = []
+    for part in body.split(","):
+        param = _param(part.strip())
+        if param is None:
+            return None
+        params.append(param)
+    return tuple(params)
+
+
+def _param(text: str) -> Optional[Param]:
+    if "[" in text or "&" in text or "<" in text or "=" in text:
+        return None  # an array parameter, a reference, a template argument, a default: not read here
+    stars = text.count("*")
+    if stars > 1:
+        return Param(text, True, None)  # a pointer to pointers: no array of ours is one
+    words = [w for w in text.replace("*", " ").split() if w not in _QUALIFIERS]
+    words = [w[5:] if w.startswith("std::") else w for w in words]
+    if not words:
+        return None
+    # the last word is the parameter's name unless the type alone is written (an unnamed parameter)
+    type_words = words if " ".join(words) in _C_TYPES else words[:-1]
+    if not type_words:
+        return None
+    return Param(text, stars == 1, _C_TYPES.get(" ".join(type_words)))
+
+
+def check_arguments(kernel: str, params: tuple[Param, ...], args: tuple[Any, ...]) -> None:
+    """Refuse ``args`` (numpy arrays and numpy scalars, as the simulated GPU passes them) that a
+    launch of ``kernel``, whose parameters are ``params`` (the trailing ``n`` among them), would
+    misread.
+
+    Raises:
+        TypeError: naming the argument, its dtype, the parameter's text, and what to pass.
+    """
+    if len(params) != len(args) + 1:
+        raise TypeError(f"kernel {kernel!r} takes {len(params)} parameters ({', '.join(p.text for p in params) or 'none'})"
+                        f": one for each of the {len(args)} arguments given, then size_t n (passed by the launch); "
+                        f"pass {max(0, len(params) - 1)} arguments, or change the kernel's parameters")
+    last = params[-1]
+    if last.pointer:
+        raise TypeError(f"kernel {kernel!r}: its last parameter ({last.text}) is a pointer, but a launch passes the "
+                        f"element count n there; add size_t n as the kernel's last parameter")
+    for i, (param, a) in enumerate(zip(params, args)):
+        array = isinstance(a, np.ndarray)
+        if param.pointer and not array:
+            raise TypeError(f"kernel {kernel!r}: argument {i} is a {np.asarray(a).dtype} scalar, but parameter {i} "
+                            f"({param.text}) is a pointer; pass an array there")
+        if not param.pointer and array:
+            raise TypeError(f"kernel {kernel!r}: argument {i} is an array, but parameter {i} ({param.text}) takes a "
+                            f"value; pass a numpy scalar there (e.g. np.float32(2.0))")
+        dtype = a.dtype if array else np.asarray(a).dtype
+        if param.dtypes is not None and dtype not in param.dtypes:
+            want = " or ".join(sorted(str(d) for d in param.dtypes))
+            what = "array" if array else "scalar"
+            raise TypeError(f"kernel {kernel!r}: argument {i} is a {dtype} {what}, but parameter {i} ({param.text}) "
+                            f"reads {want}, so a launch would misread its bytes; pass a {want} {what} (or change the "
+                            f"kernel)")

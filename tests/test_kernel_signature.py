@@ -1,0 +1,104 @@
+"""A kernel's C parameters read from its source (src/ringflow/_kernel_signature.py), and the
+simulated GPU refusing what a launch would misread."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ringflow import Kernel
+from ringflow._kernel_signature import read_params
+
+SAXPY = r"""
+// a comment naming another signature: __global__ void saxpy(double* x) {
+extern "C" __global__ void __launch_bounds__(256) saxpy(const float* __restrict__ x, float* y, float a, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        y[i] = a * x[i] + y[i];
+}
+"""
+
+
+def saxpy_ref(x, y, a):
+    y += a * x
+
+
+def test_the_parameters_are_read_with_their_types():
+    params = read_params(SAXPY, "saxpy")
+    assert [p.pointer for p in params] == [True, True, False, False]
+    assert [sorted(str(d) for d in p.dtypes) for p in params] == [["float32"], ["float32"], ["float32"], ["uint64"]]
+    assert params[0].text == "const float* __restrict__ x"
+    assert read_params('extern "C" __global__ void k() {}', "k") == ()
+    assert read_params('extern "C" __global__ void k(void) {}', "k") == ()
+    unnamed = read_params('extern "C" __global__ void k(const unsigned int*, unsigned long long) {}', "k")
+    assert [(p.pointer, sorted(str(d) for d in p.dtypes)) for p in unnamed] == [(True, ["uint32"]), (False, ["uint64"])]
+
+
+@pytest.mark.parametrize("source, name", [
+    ("template <typename T> __global__ void twice(const T* x, T* y, size_t n) {}", "twice<float>"),
+    ('#define NAME scale\nextern "C" __global__ void NAME(const float* x, float* y, size_t n) {}', "scale"),
+    ('__global__ void k(const float* x, size_t n) {}\n__global__ void k(const double* x, size_t n) {}', "k"),
+    ('extern "C" __global__ void k(const float (&x)[4], size_t n) {}', "k"),
+], ids=["template", "macro", "overloads", "reference"])
+def test_what_cannot_be_read_for_certain_checks_nothing(source, name):
+    assert read_params(source, name) is None
+
+
+def test_a_type_it_does_not_know_is_left_unchecked():
+    params = read_params('extern "C" __global__ void k(const float2* x, MyStruct s, float** p, const void* v, '
+                         'size_t n) {}', "k")
+    assert [p.dtypes for p in params[:4]] == [None, None, None, None]
+    k = Kernel('extern "C" __global__ void k(const float2* x, float2* y, size_t n) {}', "k",
+               reference=lambda x, y: y.__setitem__(Ellipsis, x))
+    k(np.zeros(4, np.complex64), np.zeros(4, np.complex64))  # float2 holds a complex64's bytes: runs
+
+
+@pytest.mark.parametrize("args, says", [
+    ((np.zeros(4), np.zeros(4, np.float32), np.float32(2)),
+     r"argument 0 is a float64 array, but parameter 0 \(const float\* __restrict__ x\) reads float32, so a launch "
+     r"would misread its bytes; pass a float32 array"),
+    ((np.zeros(4, np.float32), np.zeros(4, np.float32), np.float64(2)),
+     r"argument 2 is a float64 scalar, but parameter 2 \(float a\) reads float32"),
+    ((np.zeros(4, np.float32), np.zeros(4, np.float32), np.zeros(4, np.float32)),
+     r"argument 2 is an array, but parameter 2 \(float a\) takes a value; pass a numpy scalar"),
+    ((np.zeros(4, np.float32), np.float32(2), np.float32(2)),
+     r"argument 1 is a float32 scalar, but parameter 1 \(float\* y\) is a pointer; pass an array"),
+    ((np.zeros(4, np.float32), np.zeros(4, np.float32)),
+     r"takes 4 parameters .*: one for each of the 2 arguments given, then size_t n .*; pass 3 arguments"),
+    ((np.zeros(4, np.float32), np.zeros(4, np.float32), np.float32(2), np.float32(3)),
+     r"takes 4 parameters .*: one for each of the 4 arguments given"),
+], ids=["array dtype", "scalar width", "array for a value", "scalar for a pointer", "too few", "too many"])
+def test_on_the_simulated_gpu_what_a_launch_would_misread_is_refused_by_name(args, says):
+    """On a GPU these launch and read the wrong bytes (a float64 array read as floats, an 8-byte
+    scalar where 4 are read, the size_t n after it misplaced) or fail inside the kernel; the
+    simulated GPU refuses them naming the kernel, the argument and its parameter, before the
+    reference runs (which would often have taken them: numpy casts)."""
+    ran = []
+    k = Kernel(SAXPY, "saxpy", reference=lambda *a: ran.append(a))
+    with pytest.raises(TypeError, match=f"^kernel 'saxpy'.*{says}"):
+        k(*args)
+    if len(args) == 3 and isinstance(args[2], np.generic):  # (bind takes trailing scalars only)
+        with pytest.raises(TypeError, match=says):
+            k.bind(args[2])(*args[:2])
+    assert ran == []
+
+
+def test_a_kernel_without_n_last_is_refused_with_what_to_add():
+    k = Kernel('extern "C" __global__ void k(const float* x, float* y) {}', "k", reference=lambda x, y: None)
+    with pytest.raises(TypeError, match=r"takes 2 parameters"):
+        k(np.zeros(4, np.float32), np.zeros(4, np.float32))
+    k = Kernel('extern "C" __global__ void k(const float* x, float* y, float* z) {}', "k", reference=lambda *a: None)
+    with pytest.raises(TypeError, match=r"last parameter \(float\* z\) is a pointer, but a launch passes the "
+                                        r"element count n there; add size_t n"):
+        k(np.zeros(4, np.float32), np.zeros(4, np.float32))
+
+
+def test_matching_arguments_run_and_a_pickled_kernel_checks_the_same():
+    import pickle
+
+    k = Kernel(SAXPY, "saxpy", reference=saxpy_ref)
+    x, y = np.arange(4, dtype=np.float32), np.ones(4, np.float32)
+    k(x, y, np.float32(2))
+    np.testing.assert_array_equal(y, 2 * x + 1)
+    again = pickle.loads(pickle.dumps(k))
+    with pytest.raises(TypeError, match="argument 0 is a float64 array"):
+        again(np.zeros(4), y, np.float32(2))
