@@ -167,7 +167,7 @@ def test_containers_subclassing_tuple_list_or_dict_come_back_as_their_base_or_na
     assert type(got["ordered"]) is dict
     expected = {"rows": [a * 2 for a in item["rows"]], "pair": tuple(a * 2 for a in item["pair"]),
                 "named": _Named(*(a * 2 for a in item["named"])), "ordered": {"a": item["ordered"]["a"] * 2}}
-    for a, b in zip(trees.flatten(got)[0], trees.flatten(expected)[0]):
+    for a, b in zip(trees.flatten(got)[0], trees.flatten(expected)[0], strict=True):
         assert a.dtype == b.dtype and np.array_equal(a, b)
     with rf.Pipeline(first_leaves, device=dev, chunk_bytes=1 << 14, checked=True, output=spec) as pipe:
         scores, (labels,) = pipe.submit(item).result()
