@@ -224,3 +224,44 @@ def test_the_numpy_floor_in_pyproject_has_every_numpy_module_the_package_imports
     sources = (ROOT / "src" / "ringflow").rglob("*.py")
     if any("numpy.lib.array_utils" in p.read_text() for p in sources):
         assert floor is not None and int(floor.group(1)) >= 2, numpy
+
+
+def _python_blocks(page: str) -> list[str]:
+    """The ```python blocks of a page, in order, dedented to their fence."""
+    blocks = re.findall(r"^( *)```python\n(.*?)^\1```", (ROOT / page).read_text(), re.MULTILINE | re.DOTALL)
+    return ["\n".join(line[len(indent):] for line in body.splitlines()) for indent, body in blocks]
+
+
+def _block(page: str, start: str) -> str:
+    (block,) = [b for b in _python_blocks(page) if b.startswith(start)]
+    return block
+
+
+def _run_block(code: str, **names) -> dict:
+    """Runs a page's snippet on a simulated GPU, with ``names`` defined first (what the text
+    around it gives), and returns its namespace."""
+    import numpy as np
+
+    namespace = {"np": np, "rf": ringflow, **names}
+    exec(compile(code, "<snippet>", "exec"), namespace)
+    return namespace
+
+
+def test_the_pipeline_guides_output_snippet_takes_the_batch_it_describes():
+    """``scores`` is written for a (64, 3, 224, 224) uint8 batch: both pipelines the snippet
+    makes take one and give its (64, 3) float16 scores."""
+    import types
+
+    import numpy as np
+
+    made = []
+    dev = ringflow.device("sim")
+    rf = types.SimpleNamespace(Pipeline=lambda *a, **kw: made.append(ringflow.Pipeline(*a, device=dev, **kw)))
+    _run_block(_block("docs/guide/pipeline.md", "def scores(x, y):"), rf=rf)
+    assert len(made) == 2
+    batch = np.random.default_rng(0).integers(0, 256, (64, 3, 224, 224), dtype=np.uint8)
+    for pipe in made:
+        with pipe:
+            (result,) = pipe.map([batch])
+        assert result.shape == (64, 3) and result.dtype == np.float16
+        np.testing.assert_allclose(result, batch.reshape(64, 3, -1).mean(axis=2), rtol=1e-3)
