@@ -265,3 +265,46 @@ def test_the_pipeline_guides_output_snippet_takes_the_batch_it_describes():
             (result,) = pipe.map([batch])
         assert result.shape == (64, 3) and result.dtype == np.float16
         np.testing.assert_allclose(result, batch.reshape(64, 3, -1).mean(axis=2), rtol=1e-3)
+
+
+# (page, the start of its block, the callable the block's first call spells out)
+SIGNATURES = [
+    ("docs/guide/stream-map.md", "y = rf.stream_map(", "stream_map"),
+    ("docs/guide/mapjob.md", "with rf.MapJob(", "MapJob"),
+    ("docs/guide/pipeline.md", "with rf.Pipeline(", "Pipeline"),
+    ("docs/guide/kernel.md", "k = rf.Kernel(", "Kernel"),
+    ("docs/guide/pinned-memory.md", "x = rf.host.empty(", "host.empty"),
+]
+
+
+@pytest.mark.parametrize("page, start, name", SIGNATURES, ids=[s[2] for s in SIGNATURES])
+def test_the_signature_a_guide_opens_with_is_the_codes(page, start, name):
+    """The parameters, their kinds and defaults, as the guide's first block writes them."""
+    import ast
+    import inspect
+
+    import numpy as np
+
+    code = _python_blocks(page)[0]
+    assert code.startswith(start)
+    args = code[code.index("(") + 1:]
+    depth, end = 1, 0
+    while depth:
+        depth += {"(": 1, ")": -1}.get(args[end], 0)
+        end += 1
+    written = ast.parse(f"def _({args[:end - 1]}): pass").body[0].args
+    obj = ringflow
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    real = inspect.signature(obj).parameters
+
+    def described(arg, default, kind):
+        value = inspect.Parameter.empty if default is None else eval(ast.unparse(default), {"np": np})
+        return arg.arg, kind, value
+
+    positional = written.posonlyargs + written.args
+    defaults = [None] * (len(positional) - len(written.defaults)) + written.defaults
+    params = [described(a, d, inspect.Parameter.POSITIONAL_OR_KEYWORD) for a, d in zip(positional, defaults)]
+    params += [described(a, d, inspect.Parameter.KEYWORD_ONLY) for a, d in zip(written.kwonlyargs, written.kw_defaults)]
+    assert written.vararg is None and written.kwarg is None, f"{page}: the code takes no catch-all"
+    assert params == [(p.name, p.kind, p.default) for p in real.values()]
