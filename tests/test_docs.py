@@ -308,3 +308,20 @@ def test_the_signature_a_guide_opens_with_is_the_codes(page, start, name):
     params += [described(a, d, inspect.Parameter.KEYWORD_ONLY) for a, d in zip(written.kwonlyargs, written.kw_defaults)]
     assert written.vararg is None and written.kwarg is None, f"{page}: the code takes no catch-all"
     assert params == [(p.name, p.kind, p.default) for p in real.values()]
+
+
+@pytest.mark.filterwarnings("ignore::ringflow._device.SimulatedFallbackWarning")  # ("auto" without a GPU, as it says)
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
+def test_the_quick_start_runs_as_written(page):
+    """The first snippet a new user copies runs as it stands (``"auto"`` is the simulated GPU
+    here), and what it computes is what its comments say."""
+    import numpy as np
+
+    (code,) = [b for b in _python_blocks(page) if "import ringflow as rf" in b and "stream_map" in b]
+    namespace = _run_block(code)
+    x, y = namespace["x"], namespace["y"]
+    np.testing.assert_array_equal(y, x * 2 + 1)
+    np.testing.assert_array_equal(namespace["result"], namespace["requests"][-1] * 2 + 1)  # the map's last
+    if "fut" in namespace:
+        np.testing.assert_array_equal(namespace["fut"].result(), namespace["requests"][0] * 2 + 1)
+    namespace["dev"].close()

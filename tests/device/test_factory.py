@@ -133,6 +133,8 @@ def test_auto_fallback_warns_once_with_the_reason_and_logs_every_time(no_gpu, ca
     text = str(fallback[0].message)
     assert "cuda.core is not installed; pip install X" in text  # why
     assert "device('sim')" in text and "RINGFLOW_DEVICE=sim" in text  # how to silence it
+    # (the variable names the device of device() alone: an explicit device('auto') is not it)
+    assert "ringflow.device() with RINGFLOW_DEVICE=sim set" in text
     assert fallback[0].filename == __file__  # points at the caller's line, not ringflow's
     records = [r for r in caplog.records if r.name.startswith("ringflow") and "simulated GPU" in r.getMessage()]
     assert len(records) == 3 and all(r.levelno == logging.INFO for r in records)

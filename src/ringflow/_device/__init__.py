@@ -168,8 +168,8 @@ def _check_options(kind: str, options: dict, accepted: tuple[str, ...]) -> None:
 def _warn_fallback(reason: str) -> None:
     global _fallback_warned
     message = (f"ringflow.device('auto'): no usable CUDA GPU ({reason}); using the simulated GPU, whose times "
-               f"are virtual. To choose it without this warning, call ringflow.device('sim') or set "
-               f"{ENV_VAR}=sim")
+               f"are virtual. To choose it without this warning, call ringflow.device('sim'), or "
+               f"ringflow.device() with {ENV_VAR}=sim set")
     logger.info("%s", message)
     with _fallback_lock:
         if _fallback_warned:
