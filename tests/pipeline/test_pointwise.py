@@ -46,8 +46,11 @@ def items(n: int, seed: int = 0, max_elems: int = 40_000) -> list:
     return [rng.random(int(k)).astype(np.float32) for k in rng.integers(1, max_elems, n)]
 
 
-def run(compute, xs, seed=0, **options):
-    with rf.Pipeline(compute, device=rf.device("sim", seed=seed, chaos=True), chunk_bytes=1 << 20, checked=True,
+def run(compute, xs, seed=0, checked=True, **options):
+    """``xs`` submitted to a pipeline of ``compute`` on a chaotic simulated GPU; with ``checked``
+    (its default) each shared launch's pointwise promise is also tested, by running ``compute``
+    on each of its items alone (calls a test that counts launches must not see)."""
+    with rf.Pipeline(compute, device=rf.device("sim", seed=seed, chaos=True), chunk_bytes=1 << 20, checked=checked,
                      on_error="continue", **options) as pipe:
         futs = [pipe.submit(x) for x in xs]
         outcomes = [fu.exception() for fu in futs]
@@ -60,7 +63,8 @@ def run(compute, xs, seed=0, **options):
 def test_a_pointwise_kernel_runs_once_a_shared_chunk_and_each_item_gets_its_own_result(seed):
     ref = Counted()
     xs = items(200, seed=seed)
-    futs, outcomes, stats, chunks = run(rf.Kernel(SRC, "k", reference=ref, pointwise=True).bind(), xs, seed)
+    futs, outcomes, stats, chunks = run(rf.Kernel(SRC, "k", reference=ref, pointwise=True).bind(), xs, seed,
+                                        checked=False)
     assert all(e is None for e in outcomes)
     assert all(fu.result().shape == x.shape and np.array_equal(fu.result(), expected(x)) for fu, x in zip(futs, xs))
     assert chunks < len(xs) // 4  # the items shared chunks
@@ -99,7 +103,7 @@ def test_a_function_marked_pointwise_is_run_once_a_chunk_too():
 
     f.pointwise = True
     xs = items(200, seed=3)
-    futs, _, _, chunks = run(f, xs)
+    futs, _, _, chunks = run(f, xs, checked=False)
     assert all(np.array_equal(fu.result(), expected(x)) for fu, x in zip(futs, xs))
     assert len(calls) == chunks and sum(calls) >= sum(x.size for x in xs)
 
@@ -230,3 +234,37 @@ def test_an_item_taken_back_leaves_zeros_where_its_bytes_were():
     assert len(results) == len(xs) - 6 and all(np.array_equal(r, expected(x)) for x, r in results)
     assert any(s.size > 3000 for s in spans)
     assert all(only_items_and_zeros(s) for s in spans)  # no half-copied bytes
+
+
+@pytest.mark.parametrize("how", ["kernel", "function"])
+def test_checked_mode_on_the_simulated_gpu_catches_a_compute_that_breaks_its_pointwise_promise(how):
+    """A compute marked pointwise whose elements depend on their neighbours (here: each element
+    less the mean of the launch's) gives an item sharing a launch a result that depends on the
+    other items. With ``checked=True`` the simulated GPU runs each shared launch's items alone
+    too and fails those items, naming ``pointwise=True``; items launched alone are right."""
+    def centred(x, y):
+        np.subtract(x, x.mean(dtype=x.dtype), out=y)
+
+    if how == "kernel":
+        compute = rf.Kernel(ANY_DTYPE_SRC, "k", reference=centred, pointwise=True).bind()
+    else:
+        compute = centred
+        compute.pointwise = True
+    xs = items(120, seed=5)
+    futs, outcomes, stats, chunks = run(compute, xs)
+    assert chunks < len(xs) // 4, "items shared launches"
+    failed = [e for e in outcomes if e is not None]
+    assert failed and all(isinstance(e, rf.StageError) and "pointwise=True" in str(e.__cause__) for e in failed)
+    for fu, x, e in zip(futs, xs, outcomes, strict=True):
+        if e is None:
+            np.testing.assert_allclose(fu.result(), x - x.mean(dtype=x.dtype), rtol=1e-5)
+    assert stats.failed == len(failed) and stats.in_flight == 0
+
+
+def test_checked_mode_passes_a_compute_that_keeps_its_pointwise_promise():
+    ref = Counted()
+    xs = items(200, seed=7)
+    futs, outcomes, stats, chunks = run(rf.Kernel(SRC, "k", reference=ref, pointwise=True).bind(), xs)
+    assert all(e is None for e in outcomes) and chunks < len(xs) // 4
+    assert all(np.array_equal(fu.result(), expected(x)) for fu, x in zip(futs, xs, strict=True))
+    assert ref.calls > chunks, "each shared launch's items also ran alone"

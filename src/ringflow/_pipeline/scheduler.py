@@ -47,6 +47,7 @@ from .batch_space import BatchSpace, aligned
 from .chunk import MAX_MEMBERS, MEMBER_ALIGN, NO_ROOM, Chunk, ChunkFuture, Member
 from .config import PipelineConfig, refuse_unknown_guards
 from .frames import forget_frames
+from .pointwise_check import checked_pointwise
 from .reentry import StageOwner, generation, marked, run_stage
 from .ring import Ring, Slot, allocate_ring
 from .states import ChunkState, RingKind, SlotState
@@ -1136,8 +1137,14 @@ class Scheduler:
         for group, offset, nbytes, dtype, shape in self._launch_groups(chunk):
             x = BufferSlice(din.buffer, din.offset + offset, nbytes).array(dtype, shape)
             y = x if inplace else BufferSlice(dout.buffer, dout.offset + offset, nbytes).array(dtype, shape)
+            launched = compute
+            if self.config.checked and len(group) > 1:  # one launch over several items: its promise is tested
+                size = dtype.itemsize
+                launched = checked_pointwise(compute, [(m.index, (m.offset - offset) // size,
+                                                        (m.offset - offset + m.nbytes) // size) for m in group],
+                                             inplace=inplace)
             try:
-                launch_compute(stream, compute, x, y, inplace=inplace,
+                launch_compute(stream, launched, x, y, inplace=inplace,
                                sim_seconds=self._compute_seconds(nbytes, group[0].index), index=group[0].index)
             except StageError as err:
                 for m in group:
