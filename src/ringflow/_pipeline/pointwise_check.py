@@ -19,7 +19,8 @@ def checked_pointwise(compute: Callable, parts: Sequence[tuple[int, int, int]], 
     """``compute`` for one launch over items sharing a chunk, that, given numpy arrays (the
     simulated GPU), also runs it on each item alone and compares. ``parts``: each item's
     ``(index, start, end)`` in elements of the launch's flat arrays. Given other arrays (a GPU's)
-    it runs ``compute`` alone.
+    it runs ``compute`` alone, and a kernel's fast launch path, which a GPU takes instead of
+    calling it, is kept.
 
     The returned callable raises ValueError where an item's result in the shared launch is not
     its result alone (floats compared to a relative 1e-5, integers exactly), naming the item and
@@ -39,7 +40,10 @@ def checked_pointwise(compute: Callable, parts: Sequence[tuple[int, int, int]], 
                                  f"drop pointwise=True (checked mode on the simulated GPU found this)")
         return result
 
-    for name in ("__name__", "__qualname__", "sim_seconds", "pointwise"):
+    # a kernel's fast launch path is kept: a GPU takes it (the test needs numpy arrays: the
+    # simulated GPU calls ``run`` itself), so checked mode launches there as it did
+    for name in ("__name__", "__qualname__", "sim_seconds", "pointwise", "__ringflow_launch__",
+                 "_ringflow_writes_into_y"):
         if hasattr(compute, name):
             setattr(run, name, getattr(compute, name))
     return run
