@@ -102,3 +102,19 @@ def test_matching_arguments_run_and_a_pickled_kernel_checks_the_same():
     again = pickle.loads(pickle.dumps(k))
     with pytest.raises(TypeError, match="argument 0 is a float64 array"):
         again(np.zeros(4), y, np.float32(2))
+
+
+def test_a_read_only_array_where_the_kernel_writes_is_refused_by_name():
+    """numpy's own words ("output array is read-only") named neither the kernel nor the argument;
+    an input the kernel only reads (``const``) may be read-only."""
+    params = read_params(SAXPY, "saxpy")
+    assert [p.writes for p in params] == [False, True, False, False]
+    assert read_params('extern "C" __global__ void k(float const* x, float* const y, size_t n) {}', "k")[0].writes is False
+    k = Kernel(SAXPY, "saxpy", reference=saxpy_ref)
+    x, y = np.ones(4, np.float32), np.ones(4, np.float32)
+    x.flags.writeable = False
+    k(x, y, np.float32(2))  # a read-only input is fine
+    y.flags.writeable = False
+    with pytest.raises(TypeError, match=r"kernel 'saxpy': argument 1 is a read-only array, but parameter 1 \(float\* y\) "
+                                        r"points to memory the kernel may write"):
+        k(np.ones(4, np.float32), y, np.float32(2))

@@ -50,12 +50,14 @@ _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 
 
 class Param(NamedTuple):
-    """One parameter: its text in the source, whether it is a pointer, and the numpy dtypes its
-    (pointee) type reads (None: a type this module does not know, left unchecked)."""
+    """One parameter: its text in the source, whether it is a pointer, the numpy dtypes its
+    (pointee) type reads (None: a type this module does not know, left unchecked), and whether
+    it is a pointer to memory the kernel may write (not to ``const``)."""
 
     text: str
     pointer: bool
     dtypes: Optional[frozenset]
+    writes: bool = False
 
 
 def read_params(source: str, name: str) -> Optional[tuple[Param, ...]]:
@@ -86,6 +88,9 @@ def _param(text: str) -> Optional[Param]:
     stars = text.count("*")
     if stars > 1:
         return Param(text, True, None)  # a pointer to pointers: no array of ours is one
+    # "const float* x" and "float const* x" point to memory the kernel only reads ("float* const
+    # x" is a constant pointer to memory it may write)
+    writes = stars == 1 and "const" not in text.split("*")[0].split()
     words = [w for w in text.replace("*", " ").split() if w not in _QUALIFIERS]
     words = [w[5:] if w.startswith("std::") else w for w in words]
     if not words:
@@ -94,7 +99,7 @@ def _param(text: str) -> Optional[Param]:
     type_words = words if " ".join(words) in _C_TYPES else words[:-1]
     if not type_words:
         return None
-    return Param(text, stars == 1, _C_TYPES.get(" ".join(type_words)))
+    return Param(text, stars == 1, _C_TYPES.get(" ".join(type_words)), writes)
 
 
 def check_arguments(kernel: str, params: tuple[Param, ...], args: tuple[Any, ...]) -> None:
@@ -121,6 +126,9 @@ def check_arguments(kernel: str, params: tuple[Param, ...], args: tuple[Any, ...
         if not param.pointer and array:
             raise TypeError(f"kernel {kernel!r}: argument {i} is an array, but parameter {i} ({param.text}) takes a "
                             f"value; pass a numpy scalar there (e.g. np.float32(2.0))")
+        if param.writes and array and not a.flags.writeable:
+            raise TypeError(f"kernel {kernel!r}: argument {i} is a read-only array, but parameter {i} ({param.text}) "
+                            f"points to memory the kernel may write; pass a writable array (or declare it const)")
         dtype = a.dtype if array else np.asarray(a).dtype
         if param.dtypes is not None and dtype not in param.dtypes:
             want = " or ".join(sorted(str(d) for d in param.dtypes))
