@@ -326,6 +326,7 @@ def test_frames_of_another_threads_running_call_are_cleared_once_it_returns():
 
     from ringflow._pipeline.frames import forget_frames
     from ringflow._pipeline.reentry import run_counted
+    from ringflow._pipeline.scheduler import Scheduler
 
     class Owner:
         running: dict = {}
@@ -348,15 +349,22 @@ def test_frames_of_another_threads_running_call_are_cleared_once_it_returns():
     item_ref = weakref.ref(item)
     other = threading.Thread(target=run_counted, args=(Owner(), stage, item))
     del item
+    # the scheduler's list of failures to look at again, as its steps keep it
+    steps = types.SimpleNamespace(_forget_again=[])
     with collector_off():
         other.start()
         assert failed.wait(10)
         assert forget_frames(kept[0]) is True, "a caller still running on another thread is left for later"
+        steps._forget_again.append(kept[0])
+        Scheduler._forget_finished_frames(steps)  # a step while that call still runs
+        assert steps._forget_again == kept, "the scheduler looks again at its next step"
         release.set()
         other.join(10)
-        assert forget_frames(kept[0]) is False, "nothing is left once that call returned"
         other = None
+        Scheduler._forget_finished_frames(steps)  # a step once it has returned
+        assert steps._forget_again == []
         assert item_ref() is None, "the returned call's frame keeps its argument"
+        assert forget_frames(kept[0]) is False, "nothing is left once that call returned"
 
 
 def test_a_finished_asubmit_keeps_neither_the_pipeline_nor_the_item_in_its_frame():
