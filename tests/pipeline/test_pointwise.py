@@ -268,3 +268,33 @@ def test_checked_mode_passes_a_compute_that_keeps_its_pointwise_promise():
     assert all(e is None for e in outcomes) and chunks < len(xs) // 4
     assert all(np.array_equal(fu.result(), expected(x)) for fu, x in zip(futs, xs, strict=True))
     assert ref.calls > chunks, "each shared launch's items also ran alone"
+
+
+def small_then_big(seed: int) -> list:
+    """Items of a few thousand elements, and item 5 of seven: the one below ten elements."""
+    xs = items(120, seed=seed, max_elems=3000)
+    for i, x in enumerate(xs):
+        if x.size < 10:
+            xs[i] = np.concatenate([x, np.ones(10, np.float32)])
+    xs[5] = np.ones(7, np.float32)
+    return xs
+
+
+def test_checked_mode_fails_only_the_items_whose_results_differ():
+    """A compute that breaks its promise only for some items (here: one that scales an array of
+    fewer than ten elements by 3, others by 2, so only the small item's result alone differs)
+    fails those items alone; the items whose results alone are the same get them."""
+    def by_size(x, y):
+        np.multiply(x, np.float32(3 if x.size < 10 else 2), out=y)
+
+    by_size.pointwise = True
+    xs = small_then_big(seed=10)
+    futs, outcomes, stats, chunks = run(by_size, xs)
+    assert chunks < len(xs) // 4, "items shared launches"
+    failed = [i for i, e in enumerate(outcomes) if e is not None]
+    assert failed == [5]
+    assert isinstance(outcomes[5], rf.StageError) and "pointwise=True" in str(outcomes[5].__cause__)
+    assert "item 5" in str(outcomes[5].__cause__)
+    assert all(np.array_equal(fu.result(), x * np.float32(2)) for i, (fu, x) in enumerate(zip(futs, xs)) if i != 5)
+    assert stats.failed == 1 and stats.in_flight == 0
+
