@@ -298,3 +298,23 @@ def test_checked_mode_fails_only_the_items_whose_results_differ():
     assert all(np.array_equal(fu.result(), x * np.float32(2)) for i, (fu, x) in enumerate(zip(futs, xs)) if i != 5)
     assert stats.failed == 1 and stats.in_flight == 0
 
+
+def test_an_item_whose_compute_raises_only_when_run_alone_fails_alone():
+    """The check's own run of an item alone that raises fails that item, its cause naming
+    ``pointwise=True`` and the compute's error as its cause in turn; the other items of the
+    launch are not failed by it."""
+    def picky(x, y):
+        if x.size < 10:
+            raise ValueError("too few elements")
+        np.multiply(x, np.float32(2), out=y)
+
+    picky.pointwise = True
+    xs = small_then_big(seed=11)
+    futs, outcomes, stats, chunks = run(picky, xs)
+    assert chunks < len(xs) // 4, "items shared launches"
+    failed = [i for i, e in enumerate(outcomes) if e is not None]
+    assert failed == [5]
+    cause = outcomes[5].__cause__
+    assert "pointwise=True" in str(cause) and "too few elements" in str(cause.__cause__)
+    assert all(np.array_equal(fu.result(), x * np.float32(2)) for i, (fu, x) in enumerate(zip(futs, xs)) if i != 5)
+    assert stats.failed == 1 and stats.in_flight == 0

@@ -23,11 +23,13 @@ def checked_pointwise(compute: Callable, parts: Sequence[tuple[int, int, int]], 
     it runs ``compute`` alone, and a kernel's fast launch path, which a GPU takes instead of
     calling it, is kept.
 
-    The returned callable raises what ``compute`` raises over the whole launch. Where an item's
+    The returned callable raises what ``compute`` raises over the whole launch, and a
+    BaseException that is not an Exception (an interrupt) from a run alone. Where an item's
     result in the shared launch is not its result alone (floats compared to a relative 1e-5,
-    integers exactly), it calls ``broken(index, error)`` for that item, ``error`` a ValueError
-    naming the item and ``pointwise=True``, and returns normally: the other items' results
-    stand."""
+    integers exactly), or its run alone raises an Exception, it calls ``broken(index, error)``
+    for that item, ``error`` a ValueError naming the item and ``pointwise=True`` (with the
+    exception raised alone as its ``__cause__``), and returns normally: the other items'
+    results stand."""
     def run(x: Any, y: Any) -> Any:
         if not isinstance(x, np.ndarray):
             return compute(x, y)
@@ -35,7 +37,17 @@ def checked_pointwise(compute: Callable, parts: Sequence[tuple[int, int, int]], 
         result = compute(x, y)
         for index, start, end, alone_in in inputs:
             alone = alone_in if inplace else np.empty_like(alone_in)
-            compute(alone_in, alone)
+            try:
+                compute(alone_in, alone)
+            except Exception as err:  # noqa: BLE001 - the item's own failure, not its neighbours'
+                # the shared launch gave every item a result: one item's run alone raising
+                # says nothing of the others, and an interrupt stays an interrupt
+                error = ValueError(f"the compute was made with pointwise=True, and ran over item {index} alone "
+                                   f"(checked mode's test of that promise on the simulated GPU) it raised "
+                                   f"where the launch shared with other items did not: {err!r}")
+                error.__cause__ = err
+                broken(index, error)
+                continue
             if not _same(y[start:end], alone):
                 broken(index, ValueError(
                     f"the compute was made with pointwise=True, but item {index}'s result in a launch "
