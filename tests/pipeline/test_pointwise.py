@@ -11,6 +11,8 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import ringflow as rf
 
@@ -268,3 +270,180 @@ def test_checked_mode_passes_a_compute_that_keeps_its_pointwise_promise():
     assert all(e is None for e in outcomes) and chunks < len(xs) // 4
     assert all(np.array_equal(fu.result(), expected(x)) for fu, x in zip(futs, xs, strict=True))
     assert ref.calls > chunks, "each shared launch's items also ran alone"
+
+
+def small_then_big(seed: int) -> list:
+    """Items of a few thousand elements, and item 5 of seven: the one below ten elements."""
+    xs = items(120, seed=seed, max_elems=3000)
+    for i, x in enumerate(xs):
+        if x.size < 10:
+            xs[i] = np.concatenate([x, np.ones(10, np.float32)])
+    xs[5] = np.ones(7, np.float32)
+    return xs
+
+
+def test_checked_mode_fails_only_the_items_whose_results_differ():
+    """A compute that breaks its promise only for some items (here: one that scales an array of
+    fewer than ten elements by 3, others by 2, so only the small item's result alone differs)
+    fails those items alone; the items whose results alone are the same get them."""
+    def by_size(x, y):
+        np.multiply(x, np.float32(3 if x.size < 10 else 2), out=y)
+
+    by_size.pointwise = True
+    xs = small_then_big(seed=10)
+    futs, outcomes, stats, chunks = run(by_size, xs)
+    assert chunks < len(xs) // 4, "items shared launches"
+    failed = [i for i, e in enumerate(outcomes) if e is not None]
+    assert failed == [5]
+    assert isinstance(outcomes[5], rf.StageError) and "pointwise=True" in str(outcomes[5].__cause__)
+    assert "item 5" in str(outcomes[5].__cause__)
+    assert all(np.array_equal(fu.result(), x * np.float32(2)) for i, (fu, x) in enumerate(zip(futs, xs)) if i != 5)
+    assert stats.failed == 1 and stats.in_flight == 0
+
+
+def test_an_item_whose_compute_raises_only_when_run_alone_fails_alone():
+    """The check's own run of an item alone that raises fails that item, its cause naming
+    ``pointwise=True`` and the compute's error as its cause in turn; the other items of the
+    launch are not failed by it."""
+    def picky(x, y):
+        if x.size < 10:
+            raise ValueError("too few elements")
+        np.multiply(x, np.float32(2), out=y)
+
+    picky.pointwise = True
+    xs = small_then_big(seed=11)
+    futs, outcomes, stats, chunks = run(picky, xs)
+    assert chunks < len(xs) // 4, "items shared launches"
+    failed = [i for i, e in enumerate(outcomes) if e is not None]
+    assert failed == [5]
+    cause = outcomes[5].__cause__
+    assert "pointwise=True" in str(cause) and "too few elements" in str(cause.__cause__)
+    assert all(np.array_equal(fu.result(), x * np.float32(2)) for i, (fu, x) in enumerate(zip(futs, xs)) if i != 5)
+    assert stats.failed == 1 and stats.in_flight == 0
+
+
+# computes that keep the promise, each for the dtype kinds it applies to: floating point math
+# whose results numpy might round differently by position (a vector loop's body or its tail,
+# aligned or not), NaN and infinities (NaN is not equal to itself), signed zeros, integers that
+# wrap, and a cast to a narrower type and back
+def _float_math(x, y):
+    with np.errstate(all="ignore"):
+        y[...] = np.sin(x) * np.exp(np.tanh(x)) + np.sqrt(np.abs(x)) / x.dtype.type(3) - np.log(np.abs(x))
+
+
+def _cancelling(x, y):
+    with np.errstate(all="ignore"):
+        y[...] = np.sin(x) ** 2 + np.cos(x) ** 2 - x.dtype.type(1)
+
+
+def _power(x, y):
+    with np.errstate(all="ignore"):
+        y[...] = np.power(np.abs(x), x.dtype.type(1.7))
+
+
+def _negate(x, y):
+    np.negative(x, out=y)
+
+
+def _wrapping(x, y):
+    np.multiply(x, x, out=y)
+    y += x.dtype.type(7)
+
+
+def _logical(x, y):
+    np.logical_not(x, out=y)
+
+
+def _narrowed(x, y):
+    with np.errstate(all="ignore"):
+        y[...] = x.astype(np.float16 if x.dtype.kind == "f" else np.complex64).astype(x.dtype)
+
+
+POINTWISE_COMPUTES = {"f": [_float_math, _cancelling, _power, _negate, _narrowed],
+                      "c": [_float_math, _cancelling, _negate, _narrowed],
+                      "i": [_negate, _wrapping], "u": [_wrapping], "b": [_logical]}
+SHARED_DTYPES = [np.float16, np.float32, np.float64, np.complex64, np.complex128, np.int8, np.int32, np.int64,
+                 np.uint16, np.uint64, np.bool_]
+
+
+def _values(dtype: np.dtype, n: int, rng: np.random.Generator) -> np.ndarray:
+    if dtype.kind == "b":
+        return rng.random(n) < 0.5
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
+    special = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-300, 6e4])
+    x = np.where(rng.random(n) < 0.2, rng.choice(special, n), rng.uniform(-5, 5, n))
+    with np.errstate(all="ignore"):
+        x = x.astype(dtype)
+        if dtype.kind == "c":
+            x = x + 1j * np.where(rng.random(n) < 0.2, rng.choice(special, n), rng.uniform(-5, 5, n)).astype(dtype)
+    return x
+
+
+def same_bits_but_nan(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` hold the same bits, but for NaN, which matches NaN of any sign
+    and payload: numpy's complex math gives a NaN's sign bit by where the element lies in the
+    array (the same element of a complex64 array computed alone and inside a longer one)."""
+    if a.dtype.kind == "c":
+        a, b = a.view(a.real.dtype), b.view(b.real.dtype)
+    if a.dtype.kind == "f":
+        nan = np.isnan(a)
+        if not np.array_equal(nan, np.isnan(b)):
+            return False
+        a, b = a[~nan], b[~nan]
+    return a.tobytes() == b.tobytes()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(SHARED_DTYPES), which=st.integers(0, 4), seed=st.integers(0, 2**32 - 1),
+       sizes=st.lists(st.integers(1, 300), min_size=2, max_size=40))
+def test_checked_mode_passes_computes_that_keep_the_promise_whatever_the_sizes_dtypes_and_values(
+        dtype, which, seed, sizes):
+    """No false failure: a compute that keeps the promise passes checked mode over items of
+    every size from one element, at every offset a shared launch puts them, with NaN (of either
+    sign), infinities, signed zeros, subnormals and overflow in the values, for every dtype
+    items share launches in. Each item's result is its result alone, NaN where NaN, bit for
+    bit."""
+    dtype = np.dtype(dtype)
+    computes = POINTWISE_COMPUTES[dtype.kind]
+    f = computes[which % len(computes)]
+
+    def compute(x, y):
+        f(x, y)
+
+    compute.pointwise = True
+    rng = np.random.default_rng(seed)
+    xs = [_values(dtype, n, rng) for n in sizes]
+    futs, outcomes, stats, _ = run(compute, xs, seed=seed % 7)
+    assert all(e is None for e in outcomes), [e.__cause__ for e in outcomes if e is not None][:1]
+    for fu, x in zip(futs, xs, strict=True):
+        alone = np.empty_like(x)
+        f(x.copy(), alone)
+        assert same_bits_but_nan(fu.result(), alone)
+    assert stats.delivered == len(xs) and stats.in_flight == 0
+
+
+@pytest.mark.parametrize("name", ["cumsum", "reversed", "centred", "neighbour"])
+def test_checked_mode_fails_computes_marked_pointwise_that_are_not(name):
+    """The check still catches a compute that breaks the promise: a running sum, a reversal,
+    subtracting the mean, adding a neighbour: every item of a shared launch (a few thousand
+    elements each) fails, naming ``pointwise=True``."""
+    def compute(x, y):
+        if name == "cumsum":
+            np.cumsum(x, out=y)
+        elif name == "reversed":
+            y[...] = x[::-1].copy()
+        elif name == "centred":
+            y[...] = x - x.mean(dtype=x.dtype)
+        else:
+            y[...] = x + np.roll(x, 1)
+
+    compute.pointwise = True
+    xs = items(100, seed=12, max_elems=3000)
+    futs, outcomes, stats, chunks = run(compute, xs)
+    assert chunks < len(xs) // 4, "items shared launches"
+    failed = [e for e in outcomes if e is not None]
+    assert all(isinstance(e, rf.StageError) and "pointwise=True" in str(e.__cause__) for e in failed)
+    assert len(failed) >= len(xs) - chunks  # each shared launch's items but perhaps one alone
+    assert stats.failed == len(failed) and stats.in_flight == 0

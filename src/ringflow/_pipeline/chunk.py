@@ -420,9 +420,11 @@ class Member:
     (``offset``, ``nbytes``, aligned to :data:`MEMBER_ALIGN`), what they are (``shape``,
     ``dtype``; its result is the same bytes of the block once the d2h has written them), its own
     future and index, the event after its compute (its errors are its own), the error it failed
-    with, if any, and whether its submit raised with its take-back still to come (``withdrawn``)."""
+    with, if any, whether its submit raised with its take-back still to come (``withdrawn``),
+    and the error checked mode's pointwise test found in its result (``broken``: it fails
+    with it once its compute's event is done)."""
 
-    __slots__ = ("index", "future", "offset", "nbytes", "shape", "dtype", "event", "error", "withdrawn")
+    __slots__ = ("index", "future", "offset", "nbytes", "shape", "dtype", "event", "error", "withdrawn", "broken")
 
     def __init__(self, index: int, future: ChunkFuture, offset: int, shape: tuple, dtype: np.dtype, nbytes: int):
         self.index, self.future, self.offset = index, future, offset
@@ -430,6 +432,7 @@ class Member:
         self.event: Any = None
         self.error: Optional[BaseException] = None
         self.withdrawn = False
+        self.broken: Optional[Exception] = None
 
 
 MEMBER_ALIGN = 256  # each item of a shared chunk starts at a multiple of this many bytes

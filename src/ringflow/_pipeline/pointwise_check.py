@@ -15,16 +15,21 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 
-def checked_pointwise(compute: Callable, parts: Sequence[tuple[int, int, int]], *, inplace: bool) -> Callable:
+def checked_pointwise(compute: Callable, parts: Sequence[tuple[int, int, int]], *, inplace: bool,
+                      broken: Callable[[int, Exception], None]) -> Callable:
     """``compute`` for one launch over items sharing a chunk, that, given numpy arrays (the
     simulated GPU), also runs it on each item alone and compares. ``parts``: each item's
     ``(index, start, end)`` in elements of the launch's flat arrays. Given other arrays (a GPU's)
     it runs ``compute`` alone, and a kernel's fast launch path, which a GPU takes instead of
     calling it, is kept.
 
-    The returned callable raises ValueError where an item's result in the shared launch is not
-    its result alone (floats compared to a relative 1e-5, integers exactly), naming the item and
-    ``pointwise=True``."""
+    The returned callable raises what ``compute`` raises over the whole launch, and a
+    BaseException that is not an Exception (an interrupt) from a run alone. Where an item's
+    result in the shared launch is not its result alone (floats compared to a relative 1e-5,
+    integers exactly), or its run alone raises an Exception, it calls ``broken(index, error)``
+    for that item, ``error`` a ValueError naming the item and ``pointwise=True`` (with the
+    exception raised alone as its ``__cause__``), and returns normally: the other items'
+    results stand."""
     def run(x: Any, y: Any) -> Any:
         if not isinstance(x, np.ndarray):
             return compute(x, y)
@@ -32,12 +37,23 @@ def checked_pointwise(compute: Callable, parts: Sequence[tuple[int, int, int]], 
         result = compute(x, y)
         for index, start, end, alone_in in inputs:
             alone = alone_in if inplace else np.empty_like(alone_in)
-            compute(alone_in, alone)
+            try:
+                compute(alone_in, alone)
+            except Exception as err:  # noqa: BLE001 - the item's own failure, not its neighbours'
+                # the shared launch gave every item a result: one item's run alone raising
+                # says nothing of the others, and an interrupt stays an interrupt
+                error = ValueError(f"the compute was made with pointwise=True, and ran over item {index} alone "
+                                   f"(checked mode's test of that promise on the simulated GPU) it raised "
+                                   f"where the launch shared with other items did not: {err!r}")
+                error.__cause__ = err
+                broken(index, error)
+                continue
             if not _same(y[start:end], alone):
-                raise ValueError(f"the compute was made with pointwise=True, but item {index}'s result in a launch "
-                                 f"shared with other items differs from its result alone: each element of its output "
-                                 f"depends on more than the same element of its input (a sum, a sort, a stencil); "
-                                 f"drop pointwise=True (checked mode on the simulated GPU found this)")
+                broken(index, ValueError(
+                    f"the compute was made with pointwise=True, but item {index}'s result in a launch "
+                    f"shared with other items differs from its result alone: each element of its output "
+                    f"depends on more than the same element of its input (a sum, a sort, a stencil); "
+                    f"drop pointwise=True (checked mode on the simulated GPU found this)"))
         return result
 
     # a kernel's fast launch path is kept: a GPU takes it (the test needs numpy arrays: the

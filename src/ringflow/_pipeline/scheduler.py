@@ -1142,7 +1142,7 @@ class Scheduler:
                 size = dtype.itemsize
                 launched = checked_pointwise(compute, [(m.index, (m.offset - offset) // size,
                                                         (m.offset - offset + m.nbytes) // size) for m in group],
-                                             inplace=inplace)
+                                             inplace=inplace, broken=_mark_broken(group))
             try:
                 launch_compute(stream, launched, x, y, inplace=inplace,
                                sim_seconds=self._compute_seconds(nbytes, group[0].index), index=group[0].index)
@@ -1195,6 +1195,11 @@ class Scheduler:
             ev = m.event
             if ev is not None and m.error is None and ev.is_done and ev.error is not None:
                 self._member_failed(m, ev.error.__cause__ or ev.error)
+                failed = True
+            elif m.broken is not None and m.error is None and (ev is None or ev.is_done):
+                # checked mode's pointwise test found this item's result in the shared launch
+                # not its result alone: it fails alone, the launch's other items stand
+                self._member_failed(m, m.broken)
                 failed = True
         if failed and self.config.on_error == "raise":
             self.cancel_pending()
@@ -1906,6 +1911,19 @@ def _zero_d(got: Any) -> bool:
     except Exception:  # noqa: BLE001 - the user's object: a property that raises is no shape
         return False
     return type(shape) is tuple and not shape
+
+
+def _mark_broken(group: list) -> Callable[[int, Exception], None]:
+    """The ``broken`` callback of :func:`checked_pointwise` for a launch over ``group``: it keeps
+    the error on the item of that index, which :meth:`Scheduler._members_failed` fails with once
+    the launch's event is done (the check runs inside the launch, on the simulated GPU's clock,
+    where the scheduler's state is not changed)."""
+    by_index = {m.index: m for m in group}
+
+    def broken(index: int, error: Exception) -> None:
+        by_index[index].broken = error
+
+    return broken
 
 
 def _raise_if_broken(event: Any) -> None:
