@@ -118,3 +118,17 @@ def test_a_read_only_array_where_the_kernel_writes_is_refused_by_name():
     with pytest.raises(TypeError, match=r"kernel 'saxpy': argument 1 is a read-only array, but parameter 1 \(float\* y\) "
                                         r"points to memory the kernel may write"):
         k(np.ones(4, np.float32), y, np.float32(2))
+
+
+@pytest.mark.parametrize("source", [
+    '#define PTR float*\nextern "C" __global__ void k(const float* x, PTR y, size_t n) {}',
+    'typedef float* floatp;\nextern "C" __global__ void k(const float* x, floatp y, size_t n) {}',
+    '#define IN const float* __restrict__\nextern "C" __global__ void k(IN x, float* y, size_t n) {}',
+], ids=["macro", "typedef", "macro with qualifiers"])
+def test_a_type_name_it_does_not_know_may_name_a_pointer(source):
+    """A macro or a typedef may name a pointer type, written without a ``*``: a GPU launch
+    passes an array there, so the simulated GPU takes one too."""
+    k = Kernel(source, "k", reference=lambda x, y: y.__setitem__(Ellipsis, x))
+    x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+    k(x, y)
+    np.testing.assert_array_equal(y, x)

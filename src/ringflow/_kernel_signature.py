@@ -50,12 +50,14 @@ _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 
 
 class Param(NamedTuple):
-    """One parameter: its text in the source, whether it is a pointer, the numpy dtypes its
-    (pointee) type reads (None: a type this module does not know, left unchecked), and whether
-    it is a pointer to memory the kernel may write (not to ``const``)."""
+    """One parameter: its text in the source, whether it is a pointer (None: not known, for a
+    type this module does not know written without a ``*``, which a macro or a typedef may make
+    a pointer), the numpy dtypes its (pointee) type reads (None: a type this module does not
+    know, left unchecked), and whether it is a pointer to memory the kernel may write (not to
+    ``const``)."""
 
     text: str
-    pointer: bool
+    pointer: Optional[bool]
     dtypes: Optional[frozenset]
     writes: bool = False
 
@@ -99,7 +101,11 @@ def _param(text: str) -> Optional[Param]:
     type_words = words if " ".join(words) in _C_TYPES else words[:-1]
     if not type_words:
         return None
-    return Param(text, stars == 1, _C_TYPES.get(" ".join(type_words)), writes)
+    dtypes = _C_TYPES.get(" ".join(type_words))
+    # a name it does not know may be a macro's or a typedef's for a pointer type ("#define PTR
+    # float*", "typedef float* floatp"): whether such a parameter takes an array is not known
+    pointer = True if stars == 1 else (False if dtypes is not None else None)
+    return Param(text, pointer, dtypes, writes)
 
 
 def check_arguments(kernel: str, params: tuple[Param, ...], args: tuple[Any, ...]) -> None:
@@ -123,7 +129,7 @@ def check_arguments(kernel: str, params: tuple[Param, ...], args: tuple[Any, ...
         if param.pointer and not array:
             raise TypeError(f"kernel {kernel!r}: argument {i} is a {np.asarray(a).dtype} scalar, but parameter {i} "
                             f"({param.text}) is a pointer; pass an array there")
-        if not param.pointer and array:
+        if param.pointer is False and array:
             raise TypeError(f"kernel {kernel!r}: argument {i} is an array, but parameter {i} ({param.text}) takes a "
                             f"value; pass a numpy scalar there (e.g. np.float32(2.0))")
         if param.writes and array and not a.flags.writeable:
