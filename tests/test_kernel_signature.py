@@ -132,3 +132,18 @@ def test_a_type_name_it_does_not_know_may_name_a_pointer(source):
     x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
     k(x, y)
     np.testing.assert_array_equal(y, x)
+
+
+@pytest.mark.parametrize("source", [
+    'typedef const float cfloat;\nextern "C" __global__ void k(cfloat* x, float* y, size_t n) {}',
+    '#define IN_T const float\nextern "C" __global__ void k(IN_T* __restrict__ x, float* y, size_t n) {}',
+], ids=["typedef", "macro"])
+def test_a_pointer_to_a_type_it_does_not_know_may_point_to_const(source):
+    """A typedef or a macro may hold the ``const``: the kernel then only reads there, and a
+    read-only array is taken."""
+    assert read_params(source, "k")[0].writes is False
+    k = Kernel(source, "k", reference=lambda x, y: y.__setitem__(Ellipsis, x))
+    x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+    x.flags.writeable = False
+    k(x, y)
+    np.testing.assert_array_equal(y, x)

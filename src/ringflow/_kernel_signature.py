@@ -54,7 +54,8 @@ class Param(NamedTuple):
     type this module does not know written without a ``*``, which a macro or a typedef may make
     a pointer), the numpy dtypes its (pointee) type reads (None: a type this module does not
     know, left unchecked), and whether it is a pointer to memory the kernel may write (not to
-    ``const``)."""
+    ``const``; False too for a pointee type it does not know, whose typedef or macro may hold
+    the ``const``)."""
 
     text: str
     pointer: Optional[bool]
@@ -92,7 +93,7 @@ def _param(text: str) -> Optional[Param]:
         return Param(text, True, None)  # a pointer to pointers: no array of ours is one
     # "const float* x" and "float const* x" point to memory the kernel only reads ("float* const
     # x" is a constant pointer to memory it may write)
-    writes = stars == 1 and "const" not in text.split("*")[0].split()
+    const = "const" in text.split("*")[0].split()
     words = [w for w in text.replace("*", " ").split() if w not in _QUALIFIERS]
     words = [w[5:] if w.startswith("std::") else w for w in words]
     if not words:
@@ -105,6 +106,8 @@ def _param(text: str) -> Optional[Param]:
     # a name it does not know may be a macro's or a typedef's for a pointer type ("#define PTR
     # float*", "typedef float* floatp"): whether such a parameter takes an array is not known
     pointer = True if stars == 1 else (False if dtypes is not None else None)
+    # only a type it knows is known not to be const ("typedef const float cfloat" is)
+    writes = stars == 1 and not const and (dtypes is not None or type_words == ["void"])
     return Param(text, pointer, dtypes, writes)
 
 
