@@ -147,3 +147,15 @@ def test_a_pointer_to_a_type_it_does_not_know_may_point_to_const(source):
     x.flags.writeable = False
     k(x, y)
     np.testing.assert_array_equal(y, x)
+
+
+def test_a_parameter_list_with_preprocessor_lines_checks_nothing():
+    """Which parameters an ``#if`` keeps depends on macros (NVRTC's options may define them):
+    here ``a`` is compiled out, and a GPU launch of two arrays runs."""
+    source = ('extern "C" __global__ void k(const float* x, float* y,\n#ifdef WITH_SCALE\n    float a,\n#endif\n'
+              '    size_t n) {}')
+    assert read_params(source, "k") is None
+    k = Kernel(source, "k", reference=lambda x, y: y.__setitem__(Ellipsis, x))
+    x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+    k(x, y)
+    np.testing.assert_array_equal(y, x)

@@ -5,9 +5,10 @@ or a count that does not match. On a GPU nothing checks these: a launch passes r
 ``float*`` handed a float64 array reads garbage without an error.
 
 Only what can be read for certain is checked. A source the reader cannot place (a template
-instantiation, a name defined by a macro or an ``#include``, overloads, a parameter of a type
-it does not know: a struct, a vector type such as ``float2``) checks nothing there, rather than
-refuse a kernel that compiles.
+instantiation, a name defined by a macro or an ``#include``, overloads, a preprocessor line
+among the parameters, a parameter of a type it does not know: a struct, a vector type such as
+``float2``, a macro's or a typedef's name) checks nothing there, rather than refuse a kernel
+that compiles.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def read_params(source: str, name: str) -> Optional[tuple[Param, ...]]:
     if len(found) != 1:  # absent (a macro's, an include's) or overloaded
         return None
     body = found[0].strip()
+    if "#" in body:  # an #if among the parameters: which of them are compiled depends on macros
+        return None
     if body in ("", "void"):
         return ()
     params = []
