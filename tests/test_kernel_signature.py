@@ -159,3 +159,15 @@ def test_a_parameter_list_with_preprocessor_lines_checks_nothing():
     x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
     k(x, y)
     np.testing.assert_array_equal(y, x)
+
+
+def test_type_specifiers_are_read_in_any_order():
+    """C++ takes ``short unsigned`` for ``unsigned short``; written without a parameter's name,
+    such a type was read as its first word (``short``), and a uint16 scalar refused."""
+    params = read_params('extern "C" __global__ void k(float* y, short unsigned, int unsigned, long double, '
+                         'long unsigned int a, size_t n) {}', "k")
+    assert [p.dtypes and sorted(str(d) for d in p.dtypes) for p in params[1:5]] == [
+        ["uint16"], ["uint32"], None, ["uint64"]]
+    k = Kernel('extern "C" __global__ void k(float* y, short unsigned, size_t n) {}', "k",
+               reference=lambda y, s: None)
+    k(np.zeros(4, np.float32), np.uint16(3))

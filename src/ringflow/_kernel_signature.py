@@ -18,13 +18,20 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-# C type names (qualifiers removed, words in source order) -> the numpy dtypes whose bytes they read
+# C type names (qualifiers removed, as _type_key writes them) -> the numpy dtypes whose bytes they read
 _C_TYPES: dict[str, frozenset] = {}
+# the words of C's built-in types, which C++ takes in any order ("long unsigned int"), and none
+# of which names a parameter
+_TYPE_KEYWORDS = {"signed", "unsigned", "short", "long", "int", "char", "float", "double", "bool", "void"}
+
+
+def _type_key(words: list[str]) -> str:
+    return " ".join(sorted(words) if all(w in _TYPE_KEYWORDS for w in words) else words)
 
 
 def _types(dtypes: str, *names: str) -> None:
     for name in names:
-        _C_TYPES[name] = frozenset(np.dtype(d) for d in dtypes.split())
+        _C_TYPES[_type_key(name.split())] = frozenset(np.dtype(d) for d in dtypes.split())
 
 
 _types("float32", "float")
@@ -102,10 +109,10 @@ def _param(text: str) -> Optional[Param]:
     if not words:
         return None
     # the last word is the parameter's name unless the type alone is written (an unnamed parameter)
-    type_words = words if " ".join(words) in _C_TYPES else words[:-1]
+    type_words = words if words[-1] in _TYPE_KEYWORDS or _type_key(words) in _C_TYPES else words[:-1]
     if not type_words:
         return None
-    dtypes = _C_TYPES.get(" ".join(type_words))
+    dtypes = _C_TYPES.get(_type_key(type_words))
     # a name it does not know may be a macro's or a typedef's for a pointer type ("#define PTR
     # float*", "typedef float* floatp"): whether such a parameter takes an array is not known
     pointer = True if stars == 1 else (False if dtypes is not None else None)
