@@ -171,3 +171,19 @@ def test_type_specifiers_are_read_in_any_order():
     k = Kernel('extern "C" __global__ void k(float* y, short unsigned, size_t n) {}', "k",
                reference=lambda y, s: None)
     k(np.zeros(4, np.float32), np.uint16(3))
+
+
+def test_lines_joined_by_a_backslash_are_read_as_one():
+    """A backslash ending a line joins the next one to it before comments end: a ``//``
+    comment so ended takes the next line in (here a parameter a GPU does not compile), and a
+    parameter so split is read whole."""
+    source = ('extern "C" __global__ void k(const float* x, // out of use \\\n    float* old,\n'
+              '    float* \\\r\n    y, size_t n) {}')
+    params = read_params(source, "k")
+    assert [p.text for p in params] == ["const float* x", "float* y", "size_t n"]
+    k = Kernel(source, "k", reference=lambda x, y: y.__setitem__(Ellipsis, x))
+    x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+    k(x, y)
+    np.testing.assert_array_equal(y, x)
+    with pytest.raises(TypeError, match=r"argument 1 is a float64 array, but parameter 1 \(float\* y\) reads float32"):
+        k(x, np.zeros(4))

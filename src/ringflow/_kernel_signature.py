@@ -76,7 +76,9 @@ def read_params(source: str, name: str) -> Optional[tuple[Param, ...]]:
     cannot be read for certain (see the module's doc)."""
     if not re.fullmatch(r"[A-Za-z_]\w*", name):  # a template instantiation, a qualified name
         return None
-    text = _COMMENTS.sub(" ", source)
+    # a backslash ending a line joins the next to it before comments are read (a "//" comment
+    # so ended goes on over the next line)
+    text = _COMMENTS.sub(" ", re.sub(r"\\\r?\n", "", source))
     found = re.findall(r"__global__\s+(?:__launch_bounds__\s*\([^()]*\)\s*)?void\s+"
                        r"(?:__launch_bounds__\s*\([^()]*\)\s*)?" + re.escape(name) + r"\s*\(([^()]*)\)\s*\{", text)
     if len(found) != 1:  # absent (a macro's, an include's) or overloaded
@@ -88,7 +90,7 @@ def read_params(source: str, name: str) -> Optional[tuple[Param, ...]]:
         return ()
     params = []
     for part in body.split(","):
-        param = _param(part.strip())
+        param = _param(" ".join(part.split()))  # (its text on one line in messages)
         if param is None:
             return None
         params.append(param)
