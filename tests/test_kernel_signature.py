@@ -187,3 +187,15 @@ def test_lines_joined_by_a_backslash_are_read_as_one():
     np.testing.assert_array_equal(y, x)
     with pytest.raises(TypeError, match=r"argument 1 is a float64 array, but parameter 1 \(float\* y\) reads float32"):
         k(x, np.zeros(4))
+
+
+def test_a_second_definition_it_cannot_read_leaves_the_kernel_unchecked():
+    """The definition it reads may be the one compiled out: a GPU compiles the ``#else``
+    branch's, whose ``__launch_bounds__`` holds parentheses the reader does not take apart."""
+    source = ('#if 0\nextern "C" __global__ void k(const double* x, double* y, size_t n) {}\n#else\n'
+              'extern "C" __global__ void __launch_bounds__((256)) k(const float* x, float* y, size_t n) {}\n#endif')
+    assert read_params(source, "k") is None
+    k = Kernel(source, "k", reference=lambda x, y: y.__setitem__(Ellipsis, x))
+    x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+    k(x, y)
+    np.testing.assert_array_equal(y, x)

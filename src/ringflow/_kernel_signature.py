@@ -83,6 +83,11 @@ def read_params(source: str, name: str) -> Optional[tuple[Param, ...]]:
                        r"(?:__launch_bounds__\s*\([^()]*\)\s*)?" + re.escape(name) + r"\s*\(([^()]*)\)\s*\{", text)
     if len(found) != 1:  # absent (a macro's, an include's) or overloaded
         return None
+    # every definition of a __global__ function of this name, the ones the pattern above does not
+    # read too (parentheses in an attribute or a parameter): of two, the one read may be the one
+    # an #if leaves out
+    if len(re.findall(r"__global__\b[^;{}]*\b" + re.escape(name) + r"\s*\([^;{}]*\)\s*\{", text)) != 1:
+        return None
     body = found[0].strip()
     if "#" in body:  # an #if among the parameters: which of them are compiled depends on macros
         return None
