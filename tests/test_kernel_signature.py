@@ -118,3 +118,84 @@ def test_a_read_only_array_where_the_kernel_writes_is_refused_by_name():
     with pytest.raises(TypeError, match=r"kernel 'saxpy': argument 1 is a read-only array, but parameter 1 \(float\* y\) "
                                         r"points to memory the kernel may write"):
         k(np.ones(4, np.float32), y, np.float32(2))
+
+
+@pytest.mark.parametrize("source", [
+    '#define PTR float*\nextern "C" __global__ void k(const float* x, PTR y, size_t n) {}',
+    'typedef float* floatp;\nextern "C" __global__ void k(const float* x, floatp y, size_t n) {}',
+    '#define IN const float* __restrict__\nextern "C" __global__ void k(IN x, float* y, size_t n) {}',
+], ids=["macro", "typedef", "macro with qualifiers"])
+def test_a_type_name_it_does_not_know_may_name_a_pointer(source):
+    """A macro or a typedef may name a pointer type, written without a ``*``: a GPU launch
+    passes an array there, so the simulated GPU takes one too."""
+    k = Kernel(source, "k", reference=lambda x, y: y.__setitem__(Ellipsis, x))
+    x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+    k(x, y)
+    np.testing.assert_array_equal(y, x)
+
+
+@pytest.mark.parametrize("source", [
+    'typedef const float cfloat;\nextern "C" __global__ void k(cfloat* x, float* y, size_t n) {}',
+    '#define IN_T const float\nextern "C" __global__ void k(IN_T* __restrict__ x, float* y, size_t n) {}',
+], ids=["typedef", "macro"])
+def test_a_pointer_to_a_type_it_does_not_know_may_point_to_const(source):
+    """A typedef or a macro may hold the ``const``: the kernel then only reads there, and a
+    read-only array is taken."""
+    assert read_params(source, "k")[0].writes is False
+    k = Kernel(source, "k", reference=lambda x, y: y.__setitem__(Ellipsis, x))
+    x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+    x.flags.writeable = False
+    k(x, y)
+    np.testing.assert_array_equal(y, x)
+
+
+def test_a_parameter_list_with_preprocessor_lines_checks_nothing():
+    """Which parameters an ``#if`` keeps depends on macros (NVRTC's options may define them):
+    here ``a`` is compiled out, and a GPU launch of two arrays runs."""
+    source = ('extern "C" __global__ void k(const float* x, float* y,\n#ifdef WITH_SCALE\n    float a,\n#endif\n'
+              '    size_t n) {}')
+    assert read_params(source, "k") is None
+    k = Kernel(source, "k", reference=lambda x, y: y.__setitem__(Ellipsis, x))
+    x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+    k(x, y)
+    np.testing.assert_array_equal(y, x)
+
+
+def test_type_specifiers_are_read_in_any_order():
+    """C++ takes ``short unsigned`` for ``unsigned short``; written without a parameter's name,
+    such a type was read as its first word (``short``), and a uint16 scalar refused."""
+    params = read_params('extern "C" __global__ void k(float* y, short unsigned, int unsigned, long double, '
+                         'long unsigned int a, size_t n) {}', "k")
+    assert [p.dtypes and sorted(str(d) for d in p.dtypes) for p in params[1:5]] == [
+        ["uint16"], ["uint32"], None, ["uint64"]]
+    k = Kernel('extern "C" __global__ void k(float* y, short unsigned, size_t n) {}', "k",
+               reference=lambda y, s: None)
+    k(np.zeros(4, np.float32), np.uint16(3))
+
+
+def test_lines_joined_by_a_backslash_are_read_as_one():
+    """A backslash ending a line joins the next one to it before comments end: a ``//``
+    comment so ended takes the next line in (here a parameter a GPU does not compile), and a
+    parameter so split is read whole."""
+    source = ('extern "C" __global__ void k(const float* x, // out of use \\\n    float* old,\n'
+              '    float* \\\r\n    y, size_t n) {}')
+    params = read_params(source, "k")
+    assert [p.text for p in params] == ["const float* x", "float* y", "size_t n"]
+    k = Kernel(source, "k", reference=lambda x, y: y.__setitem__(Ellipsis, x))
+    x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+    k(x, y)
+    np.testing.assert_array_equal(y, x)
+    with pytest.raises(TypeError, match=r"argument 1 is a float64 array, but parameter 1 \(float\* y\) reads float32"):
+        k(x, np.zeros(4))
+
+
+def test_a_second_definition_it_cannot_read_leaves_the_kernel_unchecked():
+    """The definition it reads may be the one compiled out: a GPU compiles the ``#else``
+    branch's, whose ``__launch_bounds__`` holds parentheses the reader does not take apart."""
+    source = ('#if 0\nextern "C" __global__ void k(const double* x, double* y, size_t n) {}\n#else\n'
+              'extern "C" __global__ void __launch_bounds__((256)) k(const float* x, float* y, size_t n) {}\n#endif')
+    assert read_params(source, "k") is None
+    k = Kernel(source, "k", reference=lambda x, y: y.__setitem__(Ellipsis, x))
+    x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+    k(x, y)
+    np.testing.assert_array_equal(y, x)

@@ -5,9 +5,10 @@ or a count that does not match. On a GPU nothing checks these: a launch passes r
 ``float*`` handed a float64 array reads garbage without an error.
 
 Only what can be read for certain is checked. A source the reader cannot place (a template
-instantiation, a name defined by a macro or an ``#include``, overloads, a parameter of a type
-it does not know: a struct, a vector type such as ``float2``) checks nothing there, rather than
-refuse a kernel that compiles.
+instantiation, a name defined by a macro or an ``#include``, overloads, a preprocessor line
+among the parameters, a parameter of a type it does not know: a struct, a vector type such as
+``float2``, a macro's or a typedef's name) checks nothing there, rather than refuse a kernel
+that compiles.
 """
 
 from __future__ import annotations
@@ -17,13 +18,20 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-# C type names (qualifiers removed, words in source order) -> the numpy dtypes whose bytes they read
+# C type names (qualifiers removed, as _type_key writes them) -> the numpy dtypes whose bytes they read
 _C_TYPES: dict[str, frozenset] = {}
+# the words of C's built-in types, which C++ takes in any order ("long unsigned int"), and none
+# of which names a parameter
+_TYPE_KEYWORDS = {"signed", "unsigned", "short", "long", "int", "char", "float", "double", "bool", "void"}
+
+
+def _type_key(words: list[str]) -> str:
+    return " ".join(sorted(words) if all(w in _TYPE_KEYWORDS for w in words) else words)
 
 
 def _types(dtypes: str, *names: str) -> None:
     for name in names:
-        _C_TYPES[name] = frozenset(np.dtype(d) for d in dtypes.split())
+        _C_TYPES[_type_key(name.split())] = frozenset(np.dtype(d) for d in dtypes.split())
 
 
 _types("float32", "float")
@@ -50,12 +58,15 @@ _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 
 
 class Param(NamedTuple):
-    """One parameter: its text in the source, whether it is a pointer, the numpy dtypes its
-    (pointee) type reads (None: a type this module does not know, left unchecked), and whether
-    it is a pointer to memory the kernel may write (not to ``const``)."""
+    """One parameter: its text in the source, whether it is a pointer (None: not known, for a
+    type this module does not know written without a ``*``, which a macro or a typedef may make
+    a pointer), the numpy dtypes its (pointee) type reads (None: a type this module does not
+    know, left unchecked), and whether it is a pointer to memory the kernel may write (not to
+    ``const``; False too for a pointee type it does not know, whose typedef or macro may hold
+    the ``const``)."""
 
     text: str
-    pointer: bool
+    pointer: Optional[bool]
     dtypes: Optional[frozenset]
     writes: bool = False
 
@@ -65,17 +76,26 @@ def read_params(source: str, name: str) -> Optional[tuple[Param, ...]]:
     cannot be read for certain (see the module's doc)."""
     if not re.fullmatch(r"[A-Za-z_]\w*", name):  # a template instantiation, a qualified name
         return None
-    text = _COMMENTS.sub(" ", source)
+    # a backslash ending a line joins the next to it before comments are read (a "//" comment
+    # so ended goes on over the next line)
+    text = _COMMENTS.sub(" ", re.sub(r"\\\r?\n", "", source))
     found = re.findall(r"__global__\s+(?:__launch_bounds__\s*\([^()]*\)\s*)?void\s+"
                        r"(?:__launch_bounds__\s*\([^()]*\)\s*)?" + re.escape(name) + r"\s*\(([^()]*)\)\s*\{", text)
     if len(found) != 1:  # absent (a macro's, an include's) or overloaded
         return None
+    # every definition of a __global__ function of this name, the ones the pattern above does not
+    # read too (parentheses in an attribute or a parameter): of two, the one read may be the one
+    # an #if leaves out
+    if len(re.findall(r"__global__\b[^;{}]*\b" + re.escape(name) + r"\s*\([^;{}]*\)\s*\{", text)) != 1:
+        return None
     body = found[0].strip()
+    if "#" in body:  # an #if among the parameters: which of them are compiled depends on macros
+        return None
     if body in ("", "void"):
         return ()
     params = []
     for part in body.split(","):
-        param = _param(part.strip())
+        param = _param(" ".join(part.split()))  # (its text on one line in messages)
         if param is None:
             return None
         params.append(param)
@@ -90,16 +110,22 @@ def _param(text: str) -> Optional[Param]:
         return Param(text, True, None)  # a pointer to pointers: no array of ours is one
     # "const float* x" and "float const* x" point to memory the kernel only reads ("float* const
     # x" is a constant pointer to memory it may write)
-    writes = stars == 1 and "const" not in text.split("*")[0].split()
+    const = "const" in text.split("*")[0].split()
     words = [w for w in text.replace("*", " ").split() if w not in _QUALIFIERS]
     words = [w[5:] if w.startswith("std::") else w for w in words]
     if not words:
         return None
     # the last word is the parameter's name unless the type alone is written (an unnamed parameter)
-    type_words = words if " ".join(words) in _C_TYPES else words[:-1]
+    type_words = words if words[-1] in _TYPE_KEYWORDS or _type_key(words) in _C_TYPES else words[:-1]
     if not type_words:
         return None
-    return Param(text, stars == 1, _C_TYPES.get(" ".join(type_words)), writes)
+    dtypes = _C_TYPES.get(_type_key(type_words))
+    # a name it does not know may be a macro's or a typedef's for a pointer type ("#define PTR
+    # float*", "typedef float* floatp"): whether such a parameter takes an array is not known
+    pointer = True if stars == 1 else (False if dtypes is not None else None)
+    # only a type it knows is known not to be const ("typedef const float cfloat" is)
+    writes = stars == 1 and not const and (dtypes is not None or type_words == ["void"])
+    return Param(text, pointer, dtypes, writes)
 
 
 def check_arguments(kernel: str, params: tuple[Param, ...], args: tuple[Any, ...]) -> None:
@@ -123,7 +149,7 @@ def check_arguments(kernel: str, params: tuple[Param, ...], args: tuple[Any, ...
         if param.pointer and not array:
             raise TypeError(f"kernel {kernel!r}: argument {i} is a {np.asarray(a).dtype} scalar, but parameter {i} "
                             f"({param.text}) is a pointer; pass an array there")
-        if not param.pointer and array:
+        if param.pointer is False and array:
             raise TypeError(f"kernel {kernel!r}: argument {i} is an array, but parameter {i} ({param.text}) takes a "
                             f"value; pass a numpy scalar there (e.g. np.float32(2.0))")
         if param.writes and array and not a.flags.writeable:
