@@ -274,3 +274,42 @@ def test_a_close_callback_registered_while_another_thread_closes_runs_exactly_on
         dev.close()
         t.join()
         assert ran == [1]
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit], ids=["KeyboardInterrupt", "SystemExit"])
+@pytest.mark.parametrize("backend", ["sim", "cuda"])
+def test_a_close_callback_that_raises_a_base_exception_still_lets_every_other_callback_run(backend, stop):
+    """A Ctrl-C (or SystemExit) in one close callback is raised by close() once the others have
+    run: the list is taken as the device closes, so one skipped then would never run."""
+    dev = dict(_devices([]))[backend]
+    seen = []
+
+    def interrupted(d):
+        seen.append("interrupted")
+        raise stop()
+
+    dev.on_close(lambda d: seen.append("before"))
+    dev.on_close(interrupted)
+    dev.on_close(lambda d: seen.append("after"))
+    with pytest.raises(stop):
+        dev.close()
+    assert seen == ["before", "interrupted", "after"] and dev.closed
+    dev.close()  # harmless again, and runs none twice
+    assert seen == ["before", "interrupted", "after"]
+
+
+def test_a_ctrl_c_in_a_close_callback_still_drops_the_warm_engines_kept_for_the_device():
+    import ringflow as rf
+    from ringflow._pipeline.warm import WARM
+
+    dev = unit_device()
+
+    def interrupted(d):
+        raise KeyboardInterrupt
+
+    dev.on_close(interrupted)  # registered before the warm cache's own
+    rf.stream_map(lambda x, y: np.multiply(x, 2, out=y), np.arange(64.0), device=dev)
+    assert any(p.device is dev for p, _ in WARM._parked.values())
+    with pytest.raises(KeyboardInterrupt):
+        dev.close()
+    assert not any(p.device is dev for p, _ in WARM._parked.values()), "the cache let go of the closed device"

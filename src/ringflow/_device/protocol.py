@@ -972,8 +972,10 @@ class Device(_ClosedOnExit):
 
         The device holds ``callback`` until it runs or is cancelled: a callback should not hold
         the device itself (it is passed in), or the two keep each other alive until the cyclic
-        collector frees them. A callback that raises gets a RuntimeWarning: closing never raises
-        over it, nor masks an error the caller is handling.
+        collector frees them. A callback that raises an Exception gets a RuntimeWarning: closing
+        never raises over it, nor masks an error the caller is handling. One that raises a
+        KeyboardInterrupt or SystemExit has it raised by ``close()`` once every other callback
+        has run.
 
         Args:
             callback: called with the device; its result is ignored.
@@ -1007,14 +1009,32 @@ class Device(_ClosedOnExit):
     def _run_close_callbacks(self) -> None:
         """Run the :meth:`on_close` callbacks, each once, in the order registered; later
         registrations run at once. Called by every backend's :meth:`close` once the device counts
-        as closed, from the one place here so that both run them alike. Never raises (a failing
-        callback warns)."""
+        as closed, from the one place here so that both run them alike. A callback that raises an
+        Exception warns; one that raises a BaseException (KeyboardInterrupt, SystemExit) does not
+        stop the others.
+
+        Raises:
+            BaseException: the first one a callback raised that is not an Exception, once every
+                callback has run.
+        """
         with _close_callbacks_lock:
             self.__dict__["_close_callbacks_ran"] = True
             entries = self.__dict__.pop("_close_callbacks", [])
+        stop = None
         for entry in entries:
             if entry:  # not cancelled
-                _run_callback(self, entry[0])
+                try:
+                    _run_callback(self, entry[0])
+                except BaseException as exc:  # noqa: BLE001 - raised once the rest have run
+                    # the list is taken and no later close runs it: a Ctrl-C in one callback must
+                    # not leave the others (a cache's hold on the device's engines) never run
+                    if stop is None:
+                        stop = exc
+        if stop is not None:
+            try:
+                raise stop
+            finally:
+                stop = None  # the frame would otherwise keep the exception and its traceback
 
 
 # Guards every device's close-callback list (registration is rare: a cache's first object for a
