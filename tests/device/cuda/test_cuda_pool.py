@@ -143,3 +143,32 @@ def test_a_forked_child_is_refused_the_parents_worker_threads_and_closes_without
     for line in ("new pool: this device's worker threads belong to the process that made the device",
                  "lent pool: this device's worker threads belong to the process that made the device", "closed"):
         assert line in out, out
+
+
+def test_a_pool_closed_from_two_threads_at_once_returns_from_both_only_once_its_tasks_have_ended():
+    """The second close() returned at once while the first still waited for a running task."""
+    from tests.helpers.threads import join, stack_names, start
+
+    threads = WorkerThreads()
+    pool = ThreadWorkerPool(2, threads)
+    release = threading.Event()
+    task = pool.submit(release.wait, JOIN_S)
+    first = start(pool.close)
+
+    def second():
+        pool.close()
+        return task.is_done
+
+    tick = threading.Event()
+    for _ in range(int(JOIN_S / 0.001)):  # the first close waiting for the task: a place, not a time
+        if "wait" in stack_names(first.thread):
+            break
+        tick.wait(0.001)
+    other = start(second)
+    for _ in range(int(JOIN_S / 0.001)):
+        if other.done() or "wait" in stack_names(other.thread):
+            break
+        tick.wait(0.001)
+    release.set()
+    assert join([first, other]) == [None, True], "the second close returned before the task ended"
+    threads.shutdown()

@@ -198,7 +198,8 @@ class ThreadWorkerPool(WorkerPool):
 
     def close(self) -> None:
         """Wait for the tasks submitted through this pool, then give its threads back to the
-        device (kept for a later pool). Harmless twice. In a forked child it waits for nothing:
+        device (kept for a later pool). Harmless twice; a close while another thread's is
+        waiting waits for the tasks too. In a forked child it waits for nothing:
         the tasks and threads are the parent's, whose tasks never end here."""
         if self._threads.forked():
             self._closed = True
@@ -207,11 +208,14 @@ class ThreadWorkerPool(WorkerPool):
                 self._on_close(self)
             return
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
             pending = list(self._pending)
+            if self._closed:
+                again = True
+            else:
+                again, self._closed = False, True
         cf.wait(pending)
+        if again:
+            return  # (a close from another thread at once waits for the tasks as well, no more)
         self._give_back()
         if self._on_close is not None:
             self._on_close(self)
