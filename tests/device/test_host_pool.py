@@ -813,3 +813,51 @@ def test_a_closed_devices_pool_counts_nothing_once_its_arrays_are_dropped():
     s = pool.stats()
     assert (s.held_bytes, s.cached_bytes, s.in_use_bytes, s.pending_bytes) == (0, 0, 0, 0), s
     assert dev.live().pooled_host_buffers == 0 and not pool._returned
+
+
+def test_budgets_set_for_every_pool_from_two_threads_at_once_leave_every_pool_at_the_last_one(monkeypatch):
+    """``rf.host.set_budget(n)`` without a device from two threads: the first set the default,
+    then (held here as it applied it to the pools) the second set and applied its own, and the
+    first then applied its older one over it: the pools kept one budget, pools made later got
+    the other. Now the calls go one at a time."""
+    import linecache
+    import sys
+
+    dev = rf.device("sim")
+    pool = pool_for(dev)
+    saved = host_pool._default_budget  # restored after, with every pool's budget
+    before = saved or host_pool.default_budget()
+    entered, release = threading.Event(), threading.Event()
+    original = HostPool.set_budget
+
+    def held_once(self, nbytes):
+        if threading.current_thread().name == "first" and not entered.is_set():
+            entered.set()
+            release.wait(JOIN_S)
+        return original(self, nbytes)
+
+    monkeypatch.setattr(HostPool, "set_budget", held_once)
+    try:
+        first = start(rf.host.set_budget, 1 << 20, name="first")
+        assert entered.wait(JOIN_S)
+        second = start(rf.host.set_budget, 16 << 20, name="second")
+
+        def waiting_its_turn():  # blocked on a lock in set_default_budget (a place, not a time)
+            frame = sys._current_frames().get(second.thread.ident)
+            return frame is not None and frame.f_code.co_name == "set_default_budget" and \
+                "lock" in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+
+        tick = threading.Event()
+        for _ in range(int(JOIN_S / 0.001)):
+            if second.done() or waiting_its_turn():
+                break
+            tick.wait(0.001)
+        release.set()
+        join([first, second])
+        assert pool.stats().budget == host_pool._default_budget
+        assert pool_for(rf.device("sim")).stats().budget == host_pool._default_budget
+    finally:
+        release.set()
+        monkeypatch.undo()
+        host_pool.set_default_budget(before)
+        host_pool._default_budget = saved

@@ -274,3 +274,100 @@ def test_a_close_callback_registered_while_another_thread_closes_runs_exactly_on
         dev.close()
         t.join()
         assert ran == [1]
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit], ids=["KeyboardInterrupt", "SystemExit"])
+@pytest.mark.parametrize("backend", ["sim", "cuda"])
+def test_a_close_callback_that_raises_a_base_exception_still_lets_every_other_callback_run(backend, stop):
+    """A Ctrl-C (or SystemExit) in one close callback is raised by close() once the others have
+    run: the list is taken as the device closes, so one skipped then would never run."""
+    dev = dict(_devices([]))[backend]
+    seen = []
+
+    def interrupted(d):
+        seen.append("interrupted")
+        raise stop()
+
+    dev.on_close(lambda d: seen.append("before"))
+    dev.on_close(interrupted)
+    dev.on_close(lambda d: seen.append("after"))
+    with pytest.raises(stop):
+        dev.close()
+    assert seen == ["before", "interrupted", "after"] and dev.closed
+    dev.close()  # harmless again, and runs none twice
+    assert seen == ["before", "interrupted", "after"]
+
+
+def test_a_ctrl_c_in_a_close_callback_still_drops_the_warm_engines_kept_for_the_device():
+    import ringflow as rf
+    from ringflow._pipeline.warm import WARM
+
+    dev = unit_device()
+
+    def interrupted(d):
+        raise KeyboardInterrupt
+
+    dev.on_close(interrupted)  # registered before the warm cache's own
+    rf.stream_map(lambda x, y: np.multiply(x, 2, out=y), np.arange(64.0), device=dev)
+    assert any(p.device is dev for p, _ in WARM._parked.values())
+    with pytest.raises(KeyboardInterrupt):
+        dev.close()
+    assert not any(p.device is dev for p, _ in WARM._parked.values()), "the cache let go of the closed device"
+
+
+@pytest.mark.parametrize("backend", ["sim", "cuda"])
+def test_a_close_from_a_second_thread_returns_only_once_the_first_ones_callbacks_have_run(backend):
+    """Two threads close one device: the one that finds it closing already waits for the close
+    callbacks the other is running (so that, say, the warm engines are gone when it returns);
+    a callback that closes the device again does not wait for itself."""
+    from tests.helpers.threads import JOIN_S, join, stack_names, start
+
+    dev = dict(_devices([]))[backend]
+    order = []
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(d):
+        entered.set()
+        release.wait(JOIN_S)
+        d.close()  # again, from inside: returns at once
+        order.append("callback done")
+
+    def second():
+        dev.close()
+        order.append("second close returned")
+
+    dev.on_close(slow)
+    first = start(dev.close)
+    assert entered.wait(JOIN_S)
+    other = start(second)
+    # let the second close reach its wait (or, returning at once, end): a state seen, not a time
+    deadline = threading.Event()
+    for _ in range(int(JOIN_S / 0.001)):
+        if other.done() or "_run_close_callbacks" in stack_names(other.thread):
+            break
+        deadline.wait(0.001)
+    release.set()
+    join([first, other])
+    assert order == ["callback done", "second close returned"]
+
+
+def test_a_ctrl_c_anywhere_in_close_leaves_the_close_callbacks_to_the_next_close():
+    """A KeyboardInterrupt at any instruction of the simulated GPU's close: every callback has
+    run once the next close() returns, and none twice."""
+    n = 0
+    while True:
+        dev = unit_device()
+        ran = []
+        dev.on_close(ran.append)
+        with InterruptAt(n, ["close", "_run_close_callbacks"],
+                         files=("/ringflow/_device/sim/device.py", "/ringflow/_device/protocol.py")) as at:
+            try:
+                dev.close()
+            except KeyboardInterrupt:
+                pass
+        dev.close()
+        assert ran == [dev] and dev.closed, (n, at.functions[n:n + 1])
+        if not at.fired:
+            break
+        n += 1
+    assert n > 3

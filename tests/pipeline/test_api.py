@@ -3,6 +3,7 @@ variable sizes, zero-length and non-contiguous input), bad input, and backpressu
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 import warnings
@@ -593,3 +594,18 @@ def test_a_report_that_resets_starts_a_new_window_so_a_long_lived_profile_stays_
         assert not any(part.stall_s for part in parts), "and the stalls of that window"
         with pytest.raises(TypeError, match="reset must be True or False"):
             pipe.report(reset="yes")
+
+
+def test_a_reports_timeline_is_its_own_so_editing_it_changes_neither_the_pipeline_nor_later_reports():
+    """A report's timeline meta held the pipeline's own slot counts (the SlotCounts' attributes):
+    annotating a report changed ``pipe.config.slots`` and every later report."""
+    with rf.Pipeline(f_copy, device=sim(), chunk_bytes=CHUNK, profile=True) as pipe:
+        slots = dataclasses.replace(pipe.config.slots)
+        list(pipe.map([np.arange(64.0)] * 4))
+        report = pipe.report(reset=True)
+        want = dict(report.timeline.meta["slots"])
+        report.timeline.meta["slots"]["device_in"] = 99
+        report.timeline.meta["workers"] = -1
+        assert pipe.config.slots == slots
+        later = pipe.report()
+        assert later.timeline.meta["slots"] == want and later.timeline.meta["workers"] == pipe.config.workers

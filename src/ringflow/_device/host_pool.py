@@ -855,9 +855,10 @@ def _forget_pools_in_child() -> None:
     """After fork(), in the child: the pools alive are the parent's devices' (whose calls the
     child's are refused), so a budget set for every pool is set for the child's own only; the
     registry's lock may have been held by a parent's thread that is not in the child."""
-    global _all_pools, _pools_lock
+    global _all_pools, _pools_lock, _budget_lock
     _all_pools = weakref.WeakSet()
     _pools_lock = threading.RLock()
+    _budget_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
@@ -898,21 +899,27 @@ def pools() -> list[HostPool]:
 
 
 _default_budget: Optional[int] = None  # None: default_budget(); set_default_budget changes it
+# one set_default_budget at a time, from setting the default to the last pool's budget: two at
+# once could each set the default and then the pools in either order, leaving the pools a budget
+# other than the default that pools made later get
+_budget_lock = threading.Lock()
 
 
 def set_default_budget(nbytes: int) -> None:
-    """The budget of pools made from now on, and of every pool alive now.
+    """The budget of pools made from now on, and of every pool alive now. Calls from several
+    threads take effect one at a time, the pools left at the default of the last.
 
     Raises:
         TypeError, ValueError: ``nbytes`` is not a positive int.
     """
     global _default_budget
     nbytes = check_nbytes(nbytes, "ringflow.host.set_budget(nbytes)")  # called by ringflow.host.set_budget
-    with _pools_lock:
-        _default_budget = nbytes
-        alive = list(_all_pools)
-    for pool in alive:
-        pool.set_budget(nbytes)
+    with _budget_lock:
+        with _pools_lock:
+            _default_budget = nbytes
+            alive = list(_all_pools)
+        for pool in alive:
+            pool.set_budget(nbytes)
 
 
 def owner_of(array: np.ndarray) -> Optional[_Owner]:

@@ -972,8 +972,10 @@ class Device(_ClosedOnExit):
 
         The device holds ``callback`` until it runs or is cancelled: a callback should not hold
         the device itself (it is passed in), or the two keep each other alive until the cyclic
-        collector frees them. A callback that raises gets a RuntimeWarning: closing never raises
-        over it, nor masks an error the caller is handling.
+        collector frees them. A callback that raises an Exception gets a RuntimeWarning: closing
+        never raises over it, nor masks an error the caller is handling. One that raises a
+        KeyboardInterrupt or SystemExit has it raised by ``close()`` once every other callback
+        has run.
 
         Args:
             callback: called with the device; its result is ignored.
@@ -1007,35 +1009,98 @@ class Device(_ClosedOnExit):
     def _run_close_callbacks(self) -> None:
         """Run the :meth:`on_close` callbacks, each once, in the order registered; later
         registrations run at once. Called by every backend's :meth:`close` once the device counts
-        as closed, from the one place here so that both run them alike. Never raises (a failing
-        callback warns)."""
-        with _close_callbacks_lock:
-            self.__dict__["_close_callbacks_ran"] = True
-            entries = self.__dict__.pop("_close_callbacks", [])
-        for entry in entries:
-            if entry:  # not cancelled
-                _run_callback(self, entry[0])
+        as closed, from the one place here so that both run them alike, and again by a close
+        that finds the device closed: that call runs those a close stopped part way (a Ctrl-C)
+        left, or waits until another thread's close has run them (not where that thread is this
+        one: a callback that closes the device again). A callback that raises an Exception
+        warns; one that raises a BaseException (KeyboardInterrupt, SystemExit) does not stop the
+        others.
+
+        Raises:
+            BaseException: the first one a callback raised that is not an Exception, once every
+                callback has run.
+        """
+        me = (os.getpid(), threading.get_ident())
+        stop = None
+        while True:
+            taken, started = False, [False]  # (started: set by _run_callback as it calls it)
+            try:
+                with _close_callbacks_done:
+                    d = self.__dict__
+                    d["_close_callbacks_ran"] = True
+                    pending = d.setdefault("_close_callbacks", [])
+                    running = d.setdefault("_close_callbacks_running", {})  # thread -> callbacks it runs
+                    if not pending:
+                        # (a thread of another process is a parent's, not in this forked child)
+                        if not any(r != me and r[0] == me[0] for r in running):
+                            break
+                        _close_callbacks_done.wait()
+                        continue
+                    depth = running.get(me, 0) + 1
+                    # taken off the list and marked running with no call in between, where a
+                    # Ctrl-C would leave a callback neither listed nor run
+                    entry = pending[0]
+                    del pending[0]
+                    running[me] = depth
+                    taken = True
+                if entry:  # not cancelled
+                    _run_callback(self, entry[0], started)
+                else:
+                    started[0] = True
+            except BaseException as exc:  # noqa: BLE001 - raised once the rest have run
+                if not (taken and started[0]):
+                    # a Ctrl-C outside any callback (while waiting for another thread's close,
+                    # or before this one started: it goes back first on the list, below) stops
+                    # the close now, leaving the rest to the next close
+                    raise
+                # a Ctrl-C in one callback must not leave the others (a cache's hold on the
+                # device's engines) never run
+                if stop is None:
+                    stop = exc
+            finally:
+                if taken:
+                    with _close_callbacks_done:
+                        # no call until the mark is gone and a callback not started is listed again
+                        depth = running[me]
+                        if depth > 1:
+                            running[me] = depth - 1
+                        else:
+                            del running[me]
+                        if not started[0]:
+                            pending[:0] = [entry]
+                        _close_callbacks_done.notify_all()
+        if stop is not None:
+            try:
+                raise stop
+            finally:
+                stop = None  # the frame would otherwise keep the exception and its traceback
 
 
 # Guards every device's close-callback list (registration is rare: a cache's first object for a
 # device). One lock for all devices, since a backend's __init__ need not call the base class's.
+# A close that finds another thread running the callbacks waits on the condition for them.
 _close_callbacks_lock = threading.Lock()
+_close_callbacks_done = threading.Condition(_close_callbacks_lock)
 
 
 def _forget_close_lock_in_child() -> None:
     """After fork(), in the child: the lock may have been held by a parent's thread that is not
     in the child, where the child's own devices must still register and close."""
-    global _close_callbacks_lock
+    global _close_callbacks_lock, _close_callbacks_done
     _close_callbacks_lock = threading.Lock()
+    _close_callbacks_done = threading.Condition(_close_callbacks_lock)
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
     os.register_at_fork(after_in_child=_forget_close_lock_in_child)
 
 
-def _run_callback(device: "Device", callback: Callable[["Device"], Any]) -> None:
-    """``callback(device)``; a failure becomes a warning, as :func:`close_quietly` makes one."""
+def _run_callback(device: "Device", callback: Callable[["Device"], Any], started: Optional[list] = None) -> None:
+    """``callback(device)``; a failure becomes a warning, as :func:`close_quietly` makes one.
+    ``started``: a one-item list set True just before the call (with no call in between)."""
     try:
+        if started is not None:
+            started[0] = True
         callback(device)
     except Exception as exc:  # noqa: BLE001 - a device's close never raises over a callback
         warnings.warn(f"a close callback of {device!r} failed: {type(exc).__name__}: {exc}", RuntimeWarning,

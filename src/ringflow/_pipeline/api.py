@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy as copy_module
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -1807,7 +1809,7 @@ class _Recorder:
     def __init__(self, device: Device, chunk_bytes: int, counts: SlotCounts, workers: int):
         self.device = device
         self.timeline = Timeline(meta={"device": device.name, "chunk_bytes": chunk_bytes,
-                                       "slots": counts.__dict__, "workers": workers})
+                                       "slots": dataclasses.asdict(counts), "workers": workers})
         self.anchor = None
         self.host_seconds_before = 0.0  # the scheduler's host time at the last reset (see window)
 
@@ -1830,7 +1832,8 @@ class _Recorder:
         """A copy of what was recorded since the last reset, and the scheduler's host time since
         then (``host_seconds``: its total so far); with ``reset``, that is forgotten here."""
         live = self.timeline
-        copy = Timeline(records=list(live.records), stalls=list(live.stalls), meta=dict(live.meta),
+        # the meta's nested dicts copied too: a report the caller edits must not edit the next one
+        copy = Timeline(records=list(live.records), stalls=list(live.stalls), meta=copy_module.deepcopy(live.meta),
                         host=list(live.host))
         spent = host_seconds - self.host_seconds_before
         if reset:

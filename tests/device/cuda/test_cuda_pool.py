@@ -5,6 +5,10 @@ many ``workers=`` values its pools asked for."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -82,3 +86,89 @@ def test_after_shutdown_no_pool_is_made_and_a_late_give_back_ends_its_threads():
     assert pool._executor._shutdown
     with pytest.raises(RuntimeError, match="shut down"):
         ThreadWorkerPool(2, threads)
+
+
+_FORK_POOLS = textwrap.dedent("""
+    import concurrent.futures as cf, os, signal, sys, threading
+    from ringflow._device.cuda.pool import ThreadWorkerPool, WorkerThreads
+
+    threads = WorkerThreads()
+    idle = ThreadWorkerPool(2, threads)
+    for task in [idle.submit(sum, [1, 2]) for _ in range(4)]:
+        task.sync()
+    idle.close()  # its executor, threads started, kept for the next pool of two
+    lent = ThreadWorkerPool(3, threads)
+    lent.submit(sum, [1]).sync()
+    release = threading.Event()
+    running = lent.submit(release.wait, 60)  # running as the process forks: it never ends in the child
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)
+        lines = []
+        try:
+            task = ThreadWorkerPool(2, threads).submit(sum, [1, 2])
+            lines.append(f"new pool: ran {bool(cf.wait([task._future], timeout=5).done)}")
+        except RuntimeError as exc:
+            lines.append(f"new pool: {exc}")
+        try:
+            task = lent.submit(sum, [1])
+            lines.append(f"lent pool: ran {bool(cf.wait([task._future], timeout=5).done)}")
+        except RuntimeError as exc:
+            lines.append(f"lent pool: {exc}")
+        lent.close()
+        threads.shutdown()
+        lines.append("closed")
+        sys.stdout.write("\\n".join(lines) + "\\n")
+        sys.stdout.flush()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    release.set()
+    lent.close()
+    threads.shutdown()
+    print("child status", status)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_forked_child_is_refused_the_parents_worker_threads_and_closes_without_waiting_for_them():
+    """In a child forked after a device's worker threads started, a task given a pool of the
+    parent's threads never ran (the executor counted idle threads the child has not got) and
+    closing a pool waited for ever on a task running in the parent: the child is refused by
+    name, and closes without waiting."""
+    run = subprocess.run([sys.executable, "-c", _FORK_POOLS], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning",
+                              "PYTHONPATH": os.pathsep.join(sys.path)})
+    out = run.stdout
+    assert "child status 0" in out, out + run.stderr[-2000:]
+    for line in ("new pool: this device's worker threads belong to the process that made the device",
+                 "lent pool: this device's worker threads belong to the process that made the device", "closed"):
+        assert line in out, out
+
+
+def test_a_pool_closed_from_two_threads_at_once_returns_from_both_only_once_its_tasks_have_ended():
+    """The second close() returned at once while the first still waited for a running task."""
+    from tests.helpers.threads import join, stack_names, start
+
+    threads = WorkerThreads()
+    pool = ThreadWorkerPool(2, threads)
+    release = threading.Event()
+    task = pool.submit(release.wait, JOIN_S)
+    first = start(pool.close)
+
+    def second():
+        pool.close()
+        return task.is_done
+
+    tick = threading.Event()
+    for _ in range(int(JOIN_S / 0.001)):  # the first close waiting for the task: a place, not a time
+        if "wait" in stack_names(first.thread):
+            break
+        tick.wait(0.001)
+    other = start(second)
+    for _ in range(int(JOIN_S / 0.001)):
+        if other.done() or "wait" in stack_names(other.thread):
+            break
+        tick.wait(0.001)
+    release.set()
+    assert join([first, other]) == [None, True], "the second close returned before the task ended"
+    threads.shutdown()

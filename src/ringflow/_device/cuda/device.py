@@ -395,8 +395,11 @@ class CudaDevice(Device):
 
     def close(self) -> None:
         """Wait for the device's work, then close every buffer, stream and worker pool still
-        open, then run the :meth:`on_close` callbacks. Harmless twice; failures become warnings."""
+        open, then run the :meth:`on_close` callbacks. Harmless twice: a later close runs the
+        callbacks a Ctrl-C left, or waits for another thread's close to have run them. Failures
+        become warnings."""
         if self._closed:
+            self._run_close_callbacks()
             return
         try:
             self._ensure_current()

@@ -17,6 +17,7 @@ least recently used given back first (their idle threads end), so a device used 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import threading
 import time
 import weakref
@@ -62,6 +63,10 @@ class CudaHostTask(HostTask):
 
 IDLE_EXECUTORS_KEPT = 4  # executors of closed pools a device keeps for later pools
 
+_FORKED = ("this device's worker threads belong to the process that made the device, which this one was "
+           "forked from: they are not in this child. Make a device in the child (and start children with "
+           "the 'spawn' or 'forkserver' method where the parent has used CUDA)")
+
 
 class WorkerThreads:
     """A device's worker threads: an executor lent to each open pool (:meth:`take`), kept idle
@@ -73,14 +78,24 @@ class WorkerThreads:
         self._lent: set[cf.ThreadPoolExecutor] = set()
         self._idle: list[tuple[int, cf.ThreadPoolExecutor]] = []  # (size, executor), least recent first
         self._closed = False
+        self._pid = os.getpid()
+
+    def forked(self) -> bool:
+        """Whether this is a child forked after these threads were made: the executors, their
+        threads and the lock's holder are the parent's (an executor's idle count says threads
+        wait that are not here, so a task given it would never run)."""
+        return os.getpid() != self._pid
 
     def take(self, workers: int) -> cf.ThreadPoolExecutor:
         """An executor of ``workers`` threads for one pool alone: an idle one of that size, or a
         new one.
 
         Raises:
-            RuntimeError: after :meth:`shutdown`.
+            RuntimeError: after :meth:`shutdown`, or in a child forked after these threads were
+                made.
         """
+        if self.forked():
+            raise RuntimeError(_FORKED)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the device's worker threads are shut down (the device is closed)")
@@ -96,7 +111,10 @@ class WorkerThreads:
     def give_back(self, executor: cf.ThreadPoolExecutor, workers: int) -> None:
         """A pool is done with ``executor`` (its tasks have ended): keep it idle, and give the
         least recently used beyond :data:`IDLE_EXECUTORS_KEPT` back (their threads end once idle,
-        without waiting here). After :meth:`shutdown` it is shut down. Never raises."""
+        without waiting here). After :meth:`shutdown` it is shut down. In a forked child nothing
+        is done (the executors are the parent's). Never raises."""
+        if self.forked():
+            return
         with self._lock:
             if executor not in self._lent:
                 return  # given back already
@@ -118,7 +136,11 @@ class WorkerThreads:
 
     def shutdown(self) -> None:
         """Shut every executor down, waiting for their threads (the device closes): lent ones
-        too, whose pools have been closed first. Later :meth:`take` calls raise."""
+        too, whose pools have been closed first. Later :meth:`take` calls raise. In a forked child
+        it only marks them shut down (their threads are the parent's)."""
+        if self.forked():
+            self._closed = True
+            return
         with self._lock:
             self._closed = True
             executors = list(self._lent) + [ex for _, ex in self._idle]
@@ -137,6 +159,7 @@ class ThreadWorkerPool(WorkerPool):
                  on_close: Callable[["ThreadWorkerPool"], None] | None = None,
                  on_task_done: Callable[[], None] | None = None):
         self.workers = check_workers(workers)
+        self._threads = threads
         self._executor = threads.take(self.workers)
         # once: at close, or when the pool is collected unclosed (it holds nothing of the pool)
         self._give_back = weakref.finalize(self, threads.give_back, self._executor, self.workers)
@@ -147,9 +170,16 @@ class ThreadWorkerPool(WorkerPool):
         self._on_task_done = on_task_done  # called once each task's future is done
 
     def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0, sim_seconds: float | None = None) -> HostTask:
-        """Run ``fn(*args)`` on a worker thread; ``nbytes``/``sim_seconds`` only matter on the sim."""
+        """Run ``fn(*args)`` on a worker thread; ``nbytes``/``sim_seconds`` only matter on the sim.
+
+        Raises:
+            TypeError: ``fn`` is not callable.
+            RuntimeError: the pool is closed, or this is a child forked after it was made.
+        """
         if not callable(fn):
             raise TypeError(f"submit needs a callable, got {type(fn).__name__}")
+        if self._threads.forked():
+            raise RuntimeError(_FORKED)
         task = CudaHostTask(getattr(fn, "__qualname__", type(fn).__name__))
         with self._lock:
             if self._closed:
@@ -168,13 +198,24 @@ class ThreadWorkerPool(WorkerPool):
 
     def close(self) -> None:
         """Wait for the tasks submitted through this pool, then give its threads back to the
-        device (kept for a later pool). Harmless twice."""
-        with self._lock:
-            if self._closed:
-                return
+        device (kept for a later pool). Harmless twice; a close while another thread's is
+        waiting waits for the tasks too. In a forked child it waits for nothing:
+        the tasks and threads are the parent's, whose tasks never end here."""
+        if self._threads.forked():
             self._closed = True
+            self._give_back.detach()
+            if self._on_close is not None:
+                self._on_close(self)
+            return
+        with self._lock:
             pending = list(self._pending)
+            if self._closed:
+                again = True
+            else:
+                again, self._closed = False, True
         cf.wait(pending)
+        if again:
+            return  # (a close from another thread at once waits for the tasks as well, no more)
         self._give_back()
         if self._on_close is not None:
             self._on_close(self)

@@ -464,7 +464,11 @@ class SimDevice(Device):
             self._block_until(self._engine.idle, what="device synchronize")
 
     def close(self) -> None:
+        """Run the enqueued work, then release the device's memory and run the :meth:`on_close`
+        callbacks. Harmless twice: a later close runs the callbacks a Ctrl-C left, or waits for
+        another thread's close to have run them."""
         if self._closed:
+            self._run_close_callbacks()
             return
         try:
             self.synchronize()
