@@ -369,6 +369,22 @@ def test_a_device_object_is_refused_it_does_not_travel_to_actors():
     dev.close()
 
 
+@pytest.mark.parametrize("device, env", [
+    (["sim:0", "sim:1"], None), (("sim",), None), (3, None), ("cuda:all", None), (" cuda:all ", None),
+    (None, "cuda:all"),
+], ids=["list", "tuple", "int", "cuda:all", "spaced", "env"])
+def test_several_devices_or_no_spec_are_refused_naming_the_mappers_device(monkeypatch, device, env):
+    """A list of devices or 'cuda:all' (given, or from RINGFLOW_DEVICE) asks one actor for several
+    GPUs, where a mapper runs on one: refused naming RayMapper's device and saying how Ray gives
+    each actor its own GPU. The errors named ringflow.device(spec), which the caller never called,
+    and sent 'cuda:all' to stream_map's device=, which a mapper's caller cannot reach."""
+    if env is not None:
+        monkeypatch.setenv("RINGFLOW_DEVICE", env)
+    with pytest.raises((TypeError, ValueError), match=r"^RayMapper's device .*one device.*num_gpus=1") as info:
+        rf.RayMapper(affine, "a", device=device)
+    assert "ringflow.device(spec)" not in str(info.value) and "stream_map" not in str(info.value)
+
+
 def test_the_device_spec_comes_from_the_environment_when_not_given(monkeypatch):
     monkeypatch.setenv("RINGFLOW_DEVICE", "sim")
     m = rf.RayMapper(affine, "a", device=None, device_options={"profile": "h200-pcie5"})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
 import sys
 import weakref
 from typing import Any, Callable, Optional, Sequence
@@ -19,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ._checks import as_dtype
-from ._device import device as make_device
+from ._device import ALL_GPUS, ENV_VAR, device as make_device
 from ._device.protocol import Device, close_quietly
 from ._errors import StageError, describe, unpicklable
 from ._pipeline.engine import choose_engine
@@ -65,7 +66,8 @@ class RayMapper:
             each actor; None reads ``RINGFLOW_DEVICE`` there, else ``"auto"``. Under Ray
             ``num_gpus=1``, ``"auto"``/``"cuda"`` is the actor's own GPU (Ray sets
             ``CUDA_VISIBLE_DEVICES``); in an actor without one, ``"auto"`` gives the simulated
-            GPU (with a warning) and ``"cuda"`` raises.
+            GPU (with a warning) and ``"cuda"`` raises. A mapper runs on one device: a list of
+            them and ``"cuda:all"`` are refused (run one actor a GPU instead).
         device_options: keyword options for :func:`ringflow.device` (``profile``,
             ``seed``, ``array``, ...), as ``device`` takes them: ``"auto"`` takes all of
             these, ``"sim"`` refuses ``array`` (a GPU's option) and ``"cuda"`` takes only it.
@@ -114,6 +116,7 @@ class RayMapper:
             raise TypeError("RayMapper's device must be a spec string such as 'auto', 'cuda' or 'sim' (or None): "
                             "each Ray actor makes its own device from it, and a Device does not travel between "
                             "processes")
+        _check_one_device(device)
         if device_options is not None and not isinstance(device_options, dict):
             raise TypeError(f"device_options must be a dict of ringflow.device keyword options, got "
                             f"{type(device_options).__name__}")
@@ -357,6 +360,28 @@ class BatchStageError(StageError):
         # the message as it was made, whatever stands in for the cause
         return (type(self), (self.stage, self.index, self.rows, self.batch_rows, self.ids, self.id_column,
                              self.where, cause), {"args": self.args})
+
+
+def _check_one_device(device: Any) -> None:
+    """Refuse a ``device`` that names no single device for the actor: anything but a spec string
+    or None, and ``"cuda:all"`` (given, or read from ``RINGFLOW_DEVICE`` for None).
+
+    Raises:
+        TypeError: ``device`` is not a string (a list of devices included).
+        ValueError: ``device`` is ``"cuda:all"``, or is None where ``RINGFLOW_DEVICE`` is.
+    """
+    # (ringflow.device's own errors name its spec argument, which the mapper's caller never
+    # called, and send 'cuda:all' to stream_map, which the caller cannot reach through a mapper)
+    how = ("each Ray actor streams its batches on one device: ask Ray for one GPU an actor with num_gpus=1 "
+           "and pass 'auto' or 'cuda' (or None); to use several GPUs, run several actors "
+           "(compute=ray.data.ActorPoolStrategy(size=N))")
+    if device is not None and not isinstance(device, str):
+        raise TypeError(f"RayMapper's device must be one device spec string such as 'auto', 'cuda', 'cuda:0' or "
+                        f"'sim', or None; got {type(device).__name__} {device!r}: {how}")
+    spec, where = (device, "") if device is not None else (os.environ.get(ENV_VAR), f" (from {ENV_VAR})")
+    if isinstance(spec, str) and spec.strip() == ALL_GPUS:
+        raise ValueError(f"RayMapper's device is {spec.strip()!r}{where}, which names every GPU, but a mapper runs "
+                         f"on one device: {how}")
 
 
 def _release(dev: Device) -> None:

@@ -605,6 +605,33 @@ def test_the_same_device_object_twice_is_refused():
         rf.stream_map(f, np.ones(8, np.float32), device=[dev, rf.device("sim"), dev])
 
 
+@pytest.mark.parametrize("door", ["stream_map", "MapJob", "Pipeline"])
+@pytest.mark.parametrize("closed_at", [0, 1])
+def test_a_closed_device_in_a_list_is_refused_by_its_place_before_any_work(door, closed_at):
+    """A device closed before the call, in a list: refused as ``device[i]``, naming it, before any
+    work on the other devices (a shard on the open device used to run to its end, then the call
+    raised the closed device's own words, which say neither which item nor that it was given
+    closed)."""
+    devs = [rf.device("sim"), rf.device("sim")]
+    devs[closed_at].close()
+    ran = []
+
+    def counting(x, y):
+        ran.append(len(x))
+        y[...] = x * 2 + 1
+
+    x = np.ones(1 << 12, np.float32)
+    with pytest.raises(RuntimeError, match=rf"device\[{closed_at}\] \(<SimDevice[^)]*>\) is closed"):
+        if door == "stream_map":
+            rf.stream_map(counting, x, device=devs, chunk_bytes=1 << 10)
+        elif door == "MapJob":
+            rf.MapJob(counting, x, device=devs, chunk_bytes=1 << 10)
+        else:
+            rf.Pipeline(counting, device=devs)
+    assert ran == []
+    assert_nothing_live([devs[1 - closed_at]])
+
+
 def test_cuda_all_without_a_gpu_names_device(monkeypatch):
     monkeypatch.setattr(_device, "cuda_available", lambda: (False, "no driver"))
     with pytest.raises(_device.DeviceUnavailableError, match="device='cuda:all' is not usable: no driver"):

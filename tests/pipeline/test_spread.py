@@ -1033,3 +1033,36 @@ def test_a_map_that_raises_a_parts_failure_keeps_none_of_the_results_it_did_not_
     assert s.in_flight == 0 and s.balanced() and second.stats().delivered >= 2, s
     gc.collect()
     assert [dev.live().total for dev in devs] == [0, 0], [dev.live() for dev in devs]
+
+
+@pytest.mark.parametrize("on_error", ["raise", "continue"])
+def test_a_device_closed_under_a_spread_pipeline_fails_its_items_saying_so_not_as_a_ringflow_bug(on_error):
+    """Another thread closes one device while its part holds unfinished items: that part's items
+    fail with an error that says its device was closed under the pipeline (the caller's doing,
+    which the caller can change), not that ringflow has a bug; the other device's items are
+    delivered right, every item ends, and the pipeline's close reports the same error."""
+    devs = sims(2, 11)
+    items = items_of(16, 11)
+    pipe = rf.Pipeline(f, device=devs, chunk_bytes=4096, on_error=on_error)
+    futs = [pipe.submit(a) for a in items]
+    held = [fu for fu in futs if not fu.done()]
+    assert pipe.parts[1].stats().in_flight > 0  # (the simulated GPU runs nothing until someone waits)
+    devs[1].close()
+    errors = [fu.exception() for fu in futs]
+    with pytest.raises(RuntimeError) as closing:
+        pipe.close()
+    failed = [e for e in errors if e is not None]
+    assert failed and held
+    for err in failed + [closing.value]:
+        text = str(err)
+        assert "ringflow bug" not in text, text
+        assert "was closed while the pipeline ran" in text and "sim" in text, text
+    for a, fu, err in zip(items, futs, errors):
+        if err is None:
+            np.testing.assert_array_equal(fu.result(), a * 2 + 1)
+    assert pipe.parts[0].stats().delivered == pipe.parts[0].stats().accepted > 0
+    stats = pipe.stats()
+    assert stats.in_flight == 0 and stats.accepted == stats.delivered + stats.failed + stats.cancelled == 16
+    rf.drop_warm_pipelines()
+    gc.collect()
+    assert devs[0].live().total == 0

@@ -360,6 +360,7 @@ def devices(spec: Any, *, name: str = "device") -> list[Device]:
             device nor a string.
         ValueError: an empty list, an item that is no device spec (``"auto"`` too: name each
             GPU), the same device twice, or simulated and real GPUs mixed.
+        RuntimeError: an item is a device closed already (named by its place).
         DeviceUnavailableError: ``"cuda:all"`` or ``"cuda:N"`` where CUDA is not usable.
     """
     if isinstance(spec, str) and spec.strip() == ALL_GPUS:
@@ -393,6 +394,11 @@ def devices(spec: Any, *, name: str = "device") -> list[Device]:
         else:
             raise TypeError(f"{name}[{i}] must be a device or a device spec such as 'cuda:1' or 'sim:1', "
                             f"got {type(item).__name__} {item!r}")
+        if getattr(dev, "closed", False):  # (a device of another make may not say)
+            # refused before any device's work starts: a shard on an open device would run to its end
+            # first, then the call raise this device's own words, which name no item
+            raise RuntimeError(f"{name}[{i}] ({device_label(dev)}) is closed, and a closed device runs nothing: "
+                               f"pass an open device in its place (a new rf.device('sim'), or 'cuda:N' / 'sim:N')")
         for j, other in enumerate(out):
             if other is dev or (dev.backend == "cuda" and other.backend == "cuda"
                                 and getattr(dev, "index", None) == getattr(other, "index", -1)):

@@ -36,6 +36,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Optional
 
+from .._device import device_label
 from .._device.protocol import MAX_SIM_SECONDS
 from .._errors import DeviceError, HazardError
 from .reentry import run_counted, stalled_stage_calls
@@ -482,9 +483,17 @@ class _Driver:
         """What a thread waiting on the pipeline raises once its driver has died of
         :attr:`failure` (the caller chains it ``from`` that error). A hazard the simulated GPU's
         checker found may be the user's own ordering (a stream of their own, a result released
-        on the wrong stream), so it says what to change and stays a HazardError; anything else
+        on the wrong stream), so it says what to change and stays a HazardError; so does a device
+        that was closed while the pipeline ran (the caller's close, on any thread); anything else
         is a ringflow bug."""
         failure = self.failure
+        if getattr(self.device, "closed", False):
+            # every step after the close raises the device's own "closed" error: that is what
+            # stopped the pipeline, whatever it was doing at the time
+            return RuntimeError(
+                f"the pipeline's device {device_label(self.device)} was closed while the pipeline ran, so the "
+                f"items it had not finished failed ({failure!r}): close the pipeline (or wait for its results) "
+                "before closing its device")
         if isinstance(failure, HazardError):
             return HazardError(
                 f"the simulated GPU's checker stopped the pipeline: {failure}. If either access is your "
