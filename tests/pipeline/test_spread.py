@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import gc
 import signal
@@ -1066,3 +1067,45 @@ def test_a_device_closed_under_a_spread_pipeline_fails_its_items_saying_so_not_a
     rf.drop_warm_pipelines()
     gc.collect()
     assert devs[0].live().total == 0
+
+
+@pytest.mark.parametrize("face", ["submit", "asubmit"])
+def test_with_on_error_raise_a_failure_on_one_device_stops_every_device_for_submit(face):
+    """``on_error="raise"``: the first failure stops every device, as on one, for items handed over
+    one by one too (not only through a map, which cancels the pipeline itself). Device 1 holds an
+    item whose compute waits for a gate; the item that fails goes to device 0. Once its failure is
+    seen, an item offered next is refused (it went to device 1 and ran), and device 1's held item
+    ends cancelled, not delivered."""
+    gate = threading.Event()
+
+    def g(x, y):
+        if x[0] == 1.0:
+            gate.wait(JOIN_S)  # (the compute of device 1's item: the progress thread waits here)
+        if x[0] < 0:
+            raise ValueError("negative item")
+        y[...] = x * 2 + 1
+
+    pipe = rf.Pipeline(g, device=sims(2, 11), chunk_bytes=512, slots=2, on_error="raise")
+    held = pipe.parts[1].submit(np.ones(16))
+
+    async def failing_then_next():
+        with pytest.raises(rf.StageError, match="negative item"):
+            await pipe.asubmit(-np.ones(16))
+        with pytest.raises(RuntimeError, match="a failure stopped it"):
+            await pipe.asubmit(np.zeros(16))
+
+    try:
+        if face == "asubmit":
+            asyncio.run(failing_then_next())
+        else:
+            with pytest.raises(rf.StageError, match="negative item"):
+                pipe.submit(-np.ones(16)).result(timeout=JOIN_S)
+            with pytest.raises(RuntimeError, match="a failure stopped it"):
+                pipe.submit(np.zeros(16))
+    finally:
+        gate.set()
+    with pytest.raises(concurrent.futures.CancelledError):
+        held.result(timeout=JOIN_S)
+    pipe.close()
+    s = pipe.stats()
+    assert (s.accepted, s.failed, s.cancelled, s.in_flight) == (2, 1, 1, 0), s

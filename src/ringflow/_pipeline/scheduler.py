@@ -202,6 +202,9 @@ class Scheduler:
         self.broken: Optional[DeviceError] = None
         self.stopped_by: Optional[BaseException] = None  # what ended the driver (end_after_death)
         self.first_error: Optional[BaseException] = None
+        # called once a failure first stops the pipeline (on_error="raise"), on the progress thread
+        # with its lock held: a pipeline over several devices stops its other parts then
+        self.on_failure_stop: Optional[Callable[[], None]] = None
         # the most recent failures (a long run keeps a bounded number: memory stays flat)
         self.failures: collections.deque[StageError] = collections.deque(maxlen=MAX_KEPT_FAILURES)
         self.inbox: collections.deque[Chunk] = collections.deque()  # accepted by any thread, not yet admitted
@@ -1184,8 +1187,7 @@ class Scheduler:
         err = StageError("compute", m.index, exc)
         m.error = err if isinstance(exc, Exception) else exc
         self.failures.append(err)
-        if self.first_error is None:
-            self.first_error = m.error
+        self._first_failure(m.error)
 
     def _members_failed(self, chunk: Chunk) -> None:
         """Each item of a shared chunk whose compute event carries an error fails alone (the
@@ -1400,11 +1402,22 @@ class Scheduler:
         err = StageError(stage, chunk.index, exc)
         chunk.error = err if isinstance(exc, Exception) else exc
         self.failures.append(err)
-        if self.first_error is None:
-            self.first_error = chunk.error
+        self._first_failure(chunk.error)
         self._drain(chunk, ChunkState.FAILED)
         if self.config.on_error == "raise":
             self.cancel_pending()
+
+    def _first_failure(self, err: BaseException) -> None:
+        """Record ``err`` as :attr:`first_error` if none is yet; with ``on_error="raise"`` the first
+        one also calls :attr:`on_failure_stop` (the caller cancels this pipeline's pending work)."""
+        if self.first_error is not None:
+            return
+        self.first_error = err
+        if self.config.on_error == "raise" and self.on_failure_stop is not None:
+            try:
+                self.on_failure_stop()
+            except Exception:  # noqa: BLE001 - the other parts' cancel is best effort; this part stops all the same
+                logger.debug("stopping the other parts after a failure failed", exc_info=True)
 
     def _drain(self, chunk: Chunk, ending: ChunkState) -> None:
         """End ``chunk`` as ``ending`` once every slot it holds has seen its fence complete."""

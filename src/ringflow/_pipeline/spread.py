@@ -24,6 +24,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import threading
 import weakref
@@ -65,6 +66,11 @@ class SpreadPipeline(Pipeline):
         indices = itertools.count()
         for part in self.parts:
             part._sched.count_with(indices)
+            if part.config.on_error == "raise":
+                # the first failure of any part stops them all, as it stops one device, whatever
+                # took the item (a submit too, not only a map, which cancels the pipeline itself)
+                others = [weakref.ref(p) for p in self.parts if p is not part]
+                part._sched.on_failure_stop = functools.partial(_stop_parts, others)
         self.devices = list(devices)
         self.device = self.devices[0]
         self.config = self.parts[0].config
@@ -91,7 +97,8 @@ class SpreadPipeline(Pipeline):
         """
         with self._lock:
             turn = next(self._turn)
-        working = [p for p in self.parts if p._sched.broken is None and p._sched.accepting and p not in skip]
+        working = ([] if self._stopped_by_failure() else
+                   [p for p in self.parts if p._sched.broken is None and p._sched.accepting and p not in skip])
         if not working:
             broken = next((p._sched.broken for p in self.parts if p._sched.broken is not None), None)
             if broken is not None:
@@ -104,7 +111,14 @@ class SpreadPipeline(Pipeline):
         return sorted((working[(turn + k) % n] for k in range(n)), key=lambda p: p._sched.load())
 
     def _accepting(self) -> bool:
-        return any(p._sched.broken is None and p._sched.accepting for p in self.parts)
+        return not self._stopped_by_failure() and any(p._sched.broken is None and p._sched.accepting
+                                                      for p in self.parts)
+
+    def _stopped_by_failure(self) -> bool:
+        """Whether a part's failure stopped the pipeline (``on_error="raise"``): no part takes work
+        from then on, even one whose progress thread has not yet carried out the cancel the failure
+        handed it (:func:`_stop_parts`)."""
+        return self.config.on_error == "raise" and self._part_failure() is not None
 
     def _has_room(self) -> bool:
         """Whether a working part has room for another chunk now (a look without the parts' locks,
@@ -554,6 +568,21 @@ class SpreadPipeline(Pipeline):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<Pipeline {state} over {', '.join(device_label(d) for d in self.devices)}>"
+
+
+def _stop_parts(parts: "list[weakref.ref]") -> None:
+    """A part's failure stopped it (``on_error="raise"``; on its progress thread, its lock held):
+    hand a cancel of their pending work to each of the other ``parts`` (weakly held: a part's
+    scheduler does not keep the others alive), without waiting for their locks."""
+    for ref in parts:
+        part = ref()
+        if part is not None:
+            part._driver.post(part._sched.cancel_pending, _ignore)
+
+
+def _ignore(_command: Any) -> None:
+    """What is done once a part ran the cancel :func:`_stop_parts` handed it: nothing more (a part
+    that had ended ran none, having nothing left to cancel)."""
 
 
 def _head_ended(window: "collections.deque", ordered: bool) -> bool:
