@@ -1280,3 +1280,34 @@ def test_plan_takes_a_valid_profile_of_slow_host_calls(tmp_path, capsys):
     dataclasses.replace(H200_PCIE5, name="slow-enqueue", copy_overhead_s=60.0).save(path)
     assert main(["plan", "--bytes", "1MiB", "--profile", str(path)]) == 0, capsys.readouterr().err
     assert "slow-enqueue" in capsys.readouterr().out
+
+
+def test_the_files_the_demo_and_bench_wrote_are_named_as_written(tmp_path, monkeypatch, capsys):
+    """The demo's closing line ('trace: ... timeline: ...') and the bench's 'wrote ...' line
+    printed the --out folder's name as rich markup: a folder named 'a[/b]' ended the command, its
+    files written, with an internal error (MarkupError), and '[red]' vanished from the name shown;
+    the demo's no-PNG reason lost the extra in "pip install 'ringflow[plot]'"."""
+    import ringflow._bench.runner as runner
+    import ringflow._bench.workloads as workloads
+    from ringflow._trace.report import Report
+
+    # (the measured runs are not what is checked: stubbed, so that only the printing runs)
+    monkeypatch.setattr(workloads, "pageable", lambda *a, **k: {})
+    monkeypatch.setattr(workloads, "inplace_pinned", lambda *a, **k: {})
+    monkeypatch.setattr(runner, "run_workload", lambda *a, **k: {"workload": "seed"})
+    monkeypatch.setattr(runner, "table", lambda res: "")
+
+    def no_matplotlib(self, path):
+        raise RuntimeError("report.plot needs matplotlib: pip install 'ringflow[plot]'")
+
+    monkeypatch.setattr(Report, "plot", no_matplotlib)
+    for name in ("a[/b]", "x[red]y"):
+        out = tmp_path / name
+        assert main(["demo", "--device", "sim", "--out", str(out)]) == 0, capsys.readouterr().err
+        shown = "".join(capsys.readouterr().out.split())  # (a long line wraps)
+        assert f"trace:{out / 'trace.json'}" in shown, shown
+        assert "pipinstall'ringflow[plot]'" in shown, shown
+        assert main(["bench", "--device", "sim", "--quick", "seed", "--out", str(out)]) == 0, capsys.readouterr().err
+        (result,) = [p for p in os.listdir(out) if p.startswith("bench-sim")]
+        assert f"wrote{out / result}" in "".join(capsys.readouterr().out.split())
+        os.unlink(out / result)

@@ -15,7 +15,7 @@ import numpy as np
 import ringflow as rf
 
 from .. import _jsontext as jsontext
-from .._files import write_whole
+from .._files import printable, write_whole
 from .provenance import provenance
 from .workloads import WORKLOADS, run_workload
 
@@ -91,7 +91,7 @@ def run_bench(device: str = "auto", workloads=WORKLOADS, *, quick: bool = False,
     for name, res in result["workloads"].items():
         console.print(table(res))
     if out_dir:
-        console.print(f"wrote {result['path']}")
+        console.print(f"wrote {printable(result['path'])}")  # (a file's name: text, not rich markup)
     dev.close()
     return result
 
