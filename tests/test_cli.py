@@ -1311,3 +1311,32 @@ def test_the_files_the_demo_and_bench_wrote_are_named_as_written(tmp_path, monke
         (result,) = [p for p in os.listdir(out) if p.startswith("bench-sim")]
         assert f"wrote{out / result}" in "".join(capsys.readouterr().out.split())
         os.unlink(out / result)
+
+
+@pytest.mark.parametrize("where", ["a read-only folder", "a folder of /proc"])
+def test_a_writable_file_in_a_folder_that_takes_no_new_file_is_refused_before_any_work(tmp_path, monkeypatch,
+                                                                                         capsys, where):
+    """A file is written whole, through a new file beside it moved over it: an existing file that
+    could be written, in a folder that takes no new file, passed the check and failed only after
+    the whole run (for /proc/self/comm with 'No such file or directory', of a file that exists)."""
+    import ringflow._doctor as doctor
+
+    monkeypatch.setattr(doctor, "doctor_command", lambda **k: pytest.fail("the doctor ran"))
+    if where == "a folder of /proc":
+        path = "/proc/self/comm"  # (a regular file its owner may write, in a folder taking none)
+        if not (os.path.isfile(path) and os.access(path, os.W_OK)):
+            pytest.skip("no writable /proc/self/comm here")
+    else:
+        folder = tmp_path / "kept"
+        folder.mkdir()
+        path = str(folder / "report.json")
+        open(path, "w").close()
+        os.chmod(folder, 0o555)
+        try:
+            open(folder / "probe", "w").close()
+            pytest.skip("this user writes into read-only folders (root)")
+        except PermissionError:
+            pass
+    assert main(["doctor", "--device", "sim", "--output", path]) == 2
+    err = capsys.readouterr().err
+    assert f"argument --output: cannot write {path!r}: its folder {os.path.dirname(path)!r} takes no new file" in err, err

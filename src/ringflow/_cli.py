@@ -239,6 +239,14 @@ def out_file_problem(path: str) -> "tuple[str, str] | None":
     if os.path.isfile(path):
         if not os.access(path, os.W_OK):
             return f"cannot write {path!r} (Permission denied)", "give another file name"
+        # the file is written whole: a new file beside it, moved over it, so its folder must take one
+        folder = os.path.dirname(path) or os.curdir
+        try:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as exc:
+            return (f"cannot write {path!r}: its folder {folder!r} takes no new file "
+                    f"({exc.strerror or type(exc).__name__})", "give a file name in another folder")
         return None
     if path.endswith((os.sep, "/")):
         return f"{path!r} ends with a slash", "give a file name, not a folder"
