@@ -1340,3 +1340,28 @@ def test_a_writable_file_in_a_folder_that_takes_no_new_file_is_refused_before_an
     assert main(["doctor", "--device", "sim", "--output", path]) == 2
     err = capsys.readouterr().err
     assert f"argument --output: cannot write {path!r}: its folder {os.path.dirname(path)!r} takes no new file" in err, err
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+@pytest.mark.parametrize("option, env", [("cuda:1", None), (None, "cuda")], ids=["--device", "RINGFLOW_DEVICE"])
+def test_a_gpu_asked_for_and_not_usable_says_which_option_to_change(tmp_path, monkeypatch, capsys, command, option,
+                                                                    env):
+    """The library's message ends with advice for a Python caller, "Use device('sim') or
+    device('auto') instead": on the command line it names the setting the GPU came from and the
+    option to give instead."""
+    import ringflow._bench.runner as runner
+    import ringflow._demo as demo
+
+    monkeypatch.setattr("ringflow._device.cuda_available", lambda: (False, "no driver"))
+    monkeypatch.setattr(demo, "demo", lambda **k: rf.device(k["device"]) and 0)
+    monkeypatch.setattr(runner, "run_bench", lambda device, *a, **k: rf.device(device) and {"workloads": {}})
+    if env is None:
+        monkeypatch.delenv("RINGFLOW_DEVICE", raising=False)
+    else:
+        monkeypatch.setenv("RINGFLOW_DEVICE", env)
+    argv = [command, "--out", str(tmp_path)] + (["--device", option] if option else [])
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    named = f"--device {option}" if option else f"RINGFLOW_DEVICE={env}"
+    assert err == (f"ringflow {command}: error: device {option or env!r} ({named}) is not usable: no driver; "
+                   "use --device sim or --device auto (the simulated GPU where there is none)\n"), err
