@@ -1365,3 +1365,29 @@ def test_a_gpu_asked_for_and_not_usable_says_which_option_to_change(tmp_path, mo
     named = f"--device {option}" if option else f"RINGFLOW_DEVICE={env}"
     assert err == (f"ringflow {command}: error: device {option or env!r} ({named}) is not usable: no driver; "
                    "use --device sim or --device auto (the simulated GPU where there is none)\n"), err
+
+
+def test_two_benches_in_the_same_second_keep_both_results(tmp_path, monkeypatch, capsys):
+    """A result is named by the second its run ended: a second run ending in the same second
+    (two at once into one --out folder) replaced the first one's file, whose results were lost."""
+    import datetime
+    import types
+
+    import ringflow._bench.runner as runner
+
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2030, 1, 2, 3, 4, 5, tzinfo=tz)
+
+    monkeypatch.setattr(runner, "datetime", types.SimpleNamespace(datetime=Frozen, timezone=datetime.timezone))
+    monkeypatch.setattr(runner, "run_workload", lambda dev, name, **k: {"workload": name})
+    monkeypatch.setattr(runner, "table", lambda res: "")
+    for name in ("seed", "pageable", "requests"):
+        assert main(["bench", "--device", "sim", "--quick", name, "--out", str(tmp_path)]) == 0
+    files = sorted(os.listdir(tmp_path))
+    assert files == ["bench-sim-2030-01-02T030405-2.json", "bench-sim-2030-01-02T030405-3.json",
+                     "bench-sim-2030-01-02T030405.json"], files
+    kept = {next(iter(json.load(open(tmp_path / f))["workloads"])) for f in files}
+    assert kept == {"seed", "pageable", "requests"}
+    assert "wrote" in capsys.readouterr().out
