@@ -1391,3 +1391,17 @@ def test_two_benches_in_the_same_second_keep_both_results(tmp_path, monkeypatch,
     kept = {next(iter(json.load(open(tmp_path / f))["workloads"])) for f in files}
     assert kept == {"seed", "pageable", "requests"}
     assert "wrote" in capsys.readouterr().out
+
+
+def test_the_profile_doctor_saved_is_named_with_its_control_characters_escaped(tmp_path, capsys):
+    """'saved hardware profile ... to PATH' wrote the file's name as it was: an escape sequence in
+    it reached the terminal (colours, a cleared screen) and a line break split the line."""
+    import re
+
+    path = tmp_path / "p\x1b[31mX\nY.json"
+    assert main(["doctor", "--device", "sim", "--save", str(path)]) == 0
+    out = capsys.readouterr().out
+    line = out[out.index("ringflow doctor: saved hardware profile"):]
+    assert "p\\x1b[31mX\\nY.json" in line and line.count("\n") == 1, repr(line)
+    assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]", line), repr(line)
+    assert path.exists()
