@@ -1405,3 +1405,15 @@ def test_the_profile_doctor_saved_is_named_with_its_control_characters_escaped(t
     assert "p\\x1b[31mX\\nY.json" in line and line.count("\n") == 1, repr(line)
     assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]", line), repr(line)
     assert path.exists()
+
+
+def test_a_workload_named_twice_runs_once(monkeypatch, capsys):
+    """'ringflow bench seed seed' ran the seed workload twice, the first run's results replaced by
+    the second's and its time lost."""
+    import ringflow._bench.runner as runner
+
+    ran = []
+    monkeypatch.setattr(runner, "run_workload", lambda dev, name, **k: ran.append(name) or {"workload": name})
+    monkeypatch.setattr(runner, "table", lambda res: "")
+    assert main(["bench", "--device", "sim", "--quick", "seed", "pageable", "seed"]) == 0
+    assert ran == ["seed", "pageable"]

@@ -356,7 +356,8 @@ def _doctor(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from ._bench.workloads import BY_NAME_ONLY, WORKLOADS
 
-    names = args.workloads or list(WORKLOADS)
+    # each once, in the order first named: a second run would only replace the first's results
+    names = list(dict.fromkeys(args.workloads)) or list(WORKLOADS)
     unknown = sorted(set(names) - set(WORKLOADS + BY_NAME_ONLY))
     if unknown:
         raise UsageError(f"unknown workload(s) {', '.join(map(repr, unknown))}; choose from "
