@@ -1280,3 +1280,140 @@ def test_plan_takes_a_valid_profile_of_slow_host_calls(tmp_path, capsys):
     dataclasses.replace(H200_PCIE5, name="slow-enqueue", copy_overhead_s=60.0).save(path)
     assert main(["plan", "--bytes", "1MiB", "--profile", str(path)]) == 0, capsys.readouterr().err
     assert "slow-enqueue" in capsys.readouterr().out
+
+
+def test_the_files_the_demo_and_bench_wrote_are_named_as_written(tmp_path, monkeypatch, capsys):
+    """The demo's closing line ('trace: ... timeline: ...') and the bench's 'wrote ...' line
+    printed the --out folder's name as rich markup: a folder named 'a[/b]' ended the command, its
+    files written, with an internal error (MarkupError), and '[red]' vanished from the name shown;
+    the demo's no-PNG reason lost the extra in "pip install 'ringflow[plot]'"."""
+    import ringflow._bench.runner as runner
+    import ringflow._bench.workloads as workloads
+    from ringflow._trace.report import Report
+
+    # (the measured runs are not what is checked: stubbed, so that only the printing runs)
+    monkeypatch.setattr(workloads, "pageable", lambda *a, **k: {})
+    monkeypatch.setattr(workloads, "inplace_pinned", lambda *a, **k: {})
+    monkeypatch.setattr(runner, "run_workload", lambda *a, **k: {"workload": "seed"})
+    monkeypatch.setattr(runner, "table", lambda res: "")
+
+    def no_matplotlib(self, path):
+        raise RuntimeError("report.plot needs matplotlib: pip install 'ringflow[plot]'")
+
+    monkeypatch.setattr(Report, "plot", no_matplotlib)
+    for name in ("a[/b]", "x[red]y"):
+        out = tmp_path / name
+        assert main(["demo", "--device", "sim", "--out", str(out)]) == 0, capsys.readouterr().err
+        shown = "".join(capsys.readouterr().out.split())  # (a long line wraps)
+        assert f"trace:{out / 'trace.json'}" in shown, shown
+        assert "pipinstall'ringflow[plot]'" in shown, shown
+        assert main(["bench", "--device", "sim", "--quick", "seed", "--out", str(out)]) == 0, capsys.readouterr().err
+        (result,) = [p for p in os.listdir(out) if p.startswith("bench-sim")]
+        assert f"wrote{out / result}" in "".join(capsys.readouterr().out.split())
+        os.unlink(out / result)
+
+
+@pytest.mark.parametrize("where", ["a read-only folder", "a folder of /proc"])
+def test_a_writable_file_in_a_folder_that_takes_no_new_file_is_refused_before_any_work(tmp_path, monkeypatch,
+                                                                                         capsys, where):
+    """A file is written whole, through a new file beside it moved over it: an existing file that
+    could be written, in a folder that takes no new file, passed the check and failed only after
+    the whole run (for /proc/self/comm with 'No such file or directory', of a file that exists)."""
+    import ringflow._doctor as doctor
+
+    monkeypatch.setattr(doctor, "doctor_command", lambda **k: pytest.fail("the doctor ran"))
+    if where == "a folder of /proc":
+        path = "/proc/self/comm"  # (a regular file its owner may write, in a folder taking none)
+        if not (os.path.isfile(path) and os.access(path, os.W_OK)):
+            pytest.skip("no writable /proc/self/comm here")
+    else:
+        folder = tmp_path / "kept"
+        folder.mkdir()
+        path = str(folder / "report.json")
+        open(path, "w").close()
+        os.chmod(folder, 0o555)
+        try:
+            open(folder / "probe", "w").close()
+            pytest.skip("this user writes into read-only folders (root)")
+        except PermissionError:
+            pass
+    assert main(["doctor", "--device", "sim", "--output", path]) == 2
+    err = capsys.readouterr().err
+    assert f"argument --output: cannot write {path!r}: its folder {os.path.dirname(path)!r} takes no new file" in err, err
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+@pytest.mark.parametrize("option, env", [("cuda:1", None), (None, "cuda")], ids=["--device", "RINGFLOW_DEVICE"])
+def test_a_gpu_asked_for_and_not_usable_says_which_option_to_change(tmp_path, monkeypatch, capsys, command, option,
+                                                                    env):
+    """The library's message ends with advice for a Python caller, "Use device('sim') or
+    device('auto') instead": on the command line it names the setting the GPU came from and the
+    option to give instead."""
+    import ringflow._bench.runner as runner
+    import ringflow._demo as demo
+
+    monkeypatch.setattr("ringflow._device.cuda_available", lambda: (False, "no driver"))
+    monkeypatch.setattr(demo, "demo", lambda **k: rf.device(k["device"]) and 0)
+    monkeypatch.setattr(runner, "run_bench", lambda device, *a, **k: rf.device(device) and {"workloads": {}})
+    if env is None:
+        monkeypatch.delenv("RINGFLOW_DEVICE", raising=False)
+    else:
+        monkeypatch.setenv("RINGFLOW_DEVICE", env)
+    argv = [command, "--out", str(tmp_path)] + (["--device", option] if option else [])
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    named = f"--device {option}" if option else f"RINGFLOW_DEVICE={env}"
+    assert err == (f"ringflow {command}: error: device {option or env!r} ({named}) is not usable: no driver; "
+                   "use --device sim or --device auto (the simulated GPU where there is none)\n"), err
+
+
+def test_two_benches_in_the_same_second_keep_both_results(tmp_path, monkeypatch, capsys):
+    """A result is named by the second its run ended: a second run ending in the same second
+    (two at once into one --out folder) replaced the first one's file, whose results were lost."""
+    import datetime
+    import types
+
+    import ringflow._bench.runner as runner
+
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2030, 1, 2, 3, 4, 5, tzinfo=tz)
+
+    monkeypatch.setattr(runner, "datetime", types.SimpleNamespace(datetime=Frozen, timezone=datetime.timezone))
+    monkeypatch.setattr(runner, "run_workload", lambda dev, name, **k: {"workload": name})
+    monkeypatch.setattr(runner, "table", lambda res: "")
+    for name in ("seed", "pageable", "requests"):
+        assert main(["bench", "--device", "sim", "--quick", name, "--out", str(tmp_path)]) == 0
+    files = sorted(os.listdir(tmp_path))
+    assert files == ["bench-sim-2030-01-02T030405-2.json", "bench-sim-2030-01-02T030405-3.json",
+                     "bench-sim-2030-01-02T030405.json"], files
+    kept = {next(iter(json.load(open(tmp_path / f))["workloads"])) for f in files}
+    assert kept == {"seed", "pageable", "requests"}
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_the_profile_doctor_saved_is_named_with_its_control_characters_escaped(tmp_path, capsys):
+    """'saved hardware profile ... to PATH' wrote the file's name as it was: an escape sequence in
+    it reached the terminal (colours, a cleared screen) and a line break split the line."""
+    import re
+
+    path = tmp_path / "p\x1b[31mX\nY.json"
+    assert main(["doctor", "--device", "sim", "--save", str(path)]) == 0
+    out = capsys.readouterr().out
+    line = out[out.index("ringflow doctor: saved hardware profile"):]
+    assert "p\\x1b[31mX\\nY.json" in line and line.count("\n") == 1, repr(line)
+    assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]", line), repr(line)
+    assert path.exists()
+
+
+def test_a_workload_named_twice_runs_once(monkeypatch, capsys):
+    """'ringflow bench seed seed' ran the seed workload twice, the first run's results replaced by
+    the second's and its time lost."""
+    import ringflow._bench.runner as runner
+
+    ran = []
+    monkeypatch.setattr(runner, "run_workload", lambda dev, name, **k: ran.append(name) or {"workload": name})
+    monkeypatch.setattr(runner, "table", lambda res: "")
+    assert main(["bench", "--device", "sim", "--quick", "seed", "pageable", "seed"]) == 0
+    assert ran == ["seed", "pageable"]

@@ -239,6 +239,14 @@ def out_file_problem(path: str) -> "tuple[str, str] | None":
     if os.path.isfile(path):
         if not os.access(path, os.W_OK):
             return f"cannot write {path!r} (Permission denied)", "give another file name"
+        # the file is written whole: a new file beside it, moved over it, so its folder must take one
+        folder = os.path.dirname(path) or os.curdir
+        try:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as exc:
+            return (f"cannot write {path!r}: its folder {folder!r} takes no new file "
+                    f"({exc.strerror or type(exc).__name__})", "give a file name in another folder")
         return None
     if path.endswith((os.sep, "/")):
         return f"{path!r} ends with a slash", "give a file name, not a folder"
@@ -308,6 +316,27 @@ def _check_plot_type(path: str) -> None:
         raise UsageError(str(exc)) from None
 
 
+def check_gpu_usable(device: "str | None") -> None:
+    """Refuse ``device`` (a spec, or None for ``RINGFLOW_DEVICE``) where it names a CUDA GPU and
+    none is usable, with the option to give instead; the library's own message advises a Python
+    caller (``device('sim')``).
+
+    Raises:
+        DeviceUnavailableError: naming the device, the setting it came from and ``--device sim``.
+        TypeError, ValueError: ``device`` (or ``RINGFLOW_DEVICE``) is not a device spec.
+    """
+    from ._device import ENV_VAR, DeviceUnavailableError, cuda_available, parse_spec
+
+    if parse_spec(device)[0] != "cuda":
+        return
+    usable, reason = cuda_available()
+    if not usable:
+        given = device if device is not None else os.environ.get(ENV_VAR, "").strip()
+        named = f"--device {device}" if device is not None else f"{ENV_VAR}={given}"
+        raise DeviceUnavailableError(f"device {given!r} ({named}) is not usable: {reason}; use --device sim or "
+                                     "--device auto (the simulated GPU where there is none)")
+
+
 # -- the subcommands --------------------------------------------------------------------------------------------------
 def _doctor(args: argparse.Namespace) -> int:
     from ._doctor import doctor_command, save_without_path_problem
@@ -327,7 +356,8 @@ def _doctor(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from ._bench.workloads import BY_NAME_ONLY, WORKLOADS
 
-    names = args.workloads or list(WORKLOADS)
+    # each once, in the order first named: a second run would only replace the first's results
+    names = list(dict.fromkeys(args.workloads)) or list(WORKLOADS)
     unknown = sorted(set(names) - set(WORKLOADS + BY_NAME_ONLY))
     if unknown:
         raise UsageError(f"unknown workload(s) {', '.join(map(repr, unknown))}; choose from "
@@ -342,6 +372,7 @@ def _bench(args: argparse.Namespace) -> int:
         check_out_file(args.plot, "--plot")
         _check_plot_type(args.plot)
     check_distinct({"--out": args.out, "--trace": args.trace, "--plot": args.plot})
+    check_gpu_usable(args.device)
     from ._bench import runner
 
     res = runner.run_bench(args.device, names, quick=args.quick, out_dir=args.out, trace=args.trace, plot=args.plot)
@@ -359,6 +390,7 @@ def _demo(args: argparse.Namespace) -> int:
                 # what is wrong with the file; the change to make is to the folder option, not the file
                 raise UsageError(f"argument --out: the demo writes {name} into {args.out!r}, but {problem[0]}; "
                                  "give another folder")
+    check_gpu_usable(args.device)
     return demo(device=args.device, out_dir=args.out)
 
 

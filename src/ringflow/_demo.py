@@ -37,6 +37,7 @@ def demo(device: "str | None" = None, out_dir: str = "ringflow-demo") -> int:
     from ._bench.runner import quiet_gc, table
     from ._bench.workloads import inplace_pinned, pageable
     from ._device import SimulatedFallbackWarning, parse_spec
+    from ._files import printable
     from ._pipeline.whole_array import stream_map_report
 
     console = Console()
@@ -76,6 +77,7 @@ def demo(device: "str | None" = None, out_dir: str = "ringflow-demo") -> int:
         rep.plot(png)
     except RuntimeError as exc:  # matplotlib missing
         png = f"(no PNG: {exc})"
-    console.print(f"trace: {trace} (open in ui.perfetto.dev)   timeline: {png}")
+    # a file's name and the reason are text, not rich markup: "a[/b]" failed, "[red]" vanished
+    console.print(f"trace: {printable(trace)} (open in ui.perfetto.dev)   timeline: {printable(png)}")
     dev.close()
     return 0

@@ -28,7 +28,7 @@ import shlex
 import sys
 from typing import Any, Callable, Iterator
 
-from ._files import write_whole
+from ._files import controls_escaped, write_whole
 
 # Packet headers and flow control take roughly 10-15% of a PCIe link, so a healthy pinned copy
 # reaches a little under the link's rate; well below these shares, bandwidth is lost elsewhere
@@ -749,8 +749,10 @@ def doctor_command(json_out: bool = False, device: "str | None" = None, output: 
         return 1
     if save:
         saved = raw["profile"]
-        print(f"ringflow doctor: saved hardware profile {saved['name']} to {saved['path']}; {saved['use']}",
-              file=sys.stderr if json_out else sys.stdout)
+        # the file's name (and the profile's) is the user's text: a control character in it would
+        # reach the terminal as a control sequence or a line break
+        print(controls_escaped(f"ringflow doctor: saved hardware profile {saved['name']} to {saved['path']}; "
+                               f"{saved['use']}"), file=sys.stderr if json_out else sys.stdout)
     return 0
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import gc
 import json
 import os
@@ -15,18 +17,49 @@ import numpy as np
 import ringflow as rf
 
 from .. import _jsontext as jsontext
-from .._files import write_whole
+from .._files import printable, write_whole
 from .provenance import provenance
 from .workloads import WORKLOADS, run_workload
 
 
-def result_name(backend: str, when: datetime.datetime) -> str:
-    """The name of the JSON file a run on ``backend`` at ``when`` writes into its ``out_dir``."""
-    return f"bench-{backend}-{when.strftime('%Y-%m-%dT%H%M%S')}.json"
+def result_name(backend: str, when: datetime.datetime, n: int = 1) -> str:
+    """The name of the JSON file a run on ``backend`` at ``when`` writes into its ``out_dir``:
+    the ``n``-th of that second's runs there (``-2`` and on added after the first)."""
+    return f"bench-{backend}-{when.strftime('%Y-%m-%dT%H%M%S')}{'' if n == 1 else f'-{n}'}.json"
 
+
+RESULTS_PER_SECOND = 999  # the most runs one second's names tell apart in a folder
 
 # the longest of those names (a CUDA run's), which the command line checks its --out folder takes
-LONGEST_RESULT_NAME = result_name("cuda", datetime.datetime(2000, 1, 1))
+LONGEST_RESULT_NAME = result_name("cuda", datetime.datetime(2000, 1, 1), RESULTS_PER_SECOND)
+
+
+def write_new_result(out_dir: str, backend: str, when: datetime.datetime, text: str) -> str:
+    """Write ``text`` whole into ``out_dir`` under the first of :func:`result_name`'s names for
+    ``when`` that no file holds yet, taken before it is written, so that runs ending in the same
+    second (two at once into one folder) never replace each other's results.
+
+    Returns:
+        The path written.
+
+    Raises:
+        OSError: the file cannot be written (nothing is left behind), or all the second's names
+            are taken (EEXIST).
+    """
+    for n in range(1, RESULTS_PER_SECOND + 1):
+        path = os.path.join(out_dir, result_name(backend, when, n))
+        try:  # the name is taken (an empty file) before the contents go in whole
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except FileExistsError:
+            continue
+        try:
+            return write_whole(path, text)
+        except BaseException:  # a failed write, or Ctrl-C: the name taken is given back
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+    raise FileExistsError(errno.EEXIST, f"{RESULTS_PER_SECOND} results of this second are there already",
+                          os.path.join(out_dir, result_name(backend, when)))
 
 
 def environment(dev) -> dict[str, Any]:
@@ -85,13 +118,13 @@ def run_bench(device: str = "auto", workloads=WORKLOADS, *, quick: bool = False,
         # a stdout that cannot take it (| head, a full disk) must not lose the run's results
         if out_dir:
             os.makedirs(out_dir, exist_ok=True)
-            path = os.path.join(out_dir, result_name(dev.backend, datetime.datetime.now(datetime.timezone.utc)))
-            write_whole(path, json.dumps(jsontext.plain(result), indent=1, default=_jsonable, allow_nan=False))
-            result["path"] = path
+            result["path"] = write_new_result(
+                out_dir, dev.backend, datetime.datetime.now(datetime.timezone.utc),
+                json.dumps(jsontext.plain(result), indent=1, default=_jsonable, allow_nan=False))
     for name, res in result["workloads"].items():
         console.print(table(res))
     if out_dir:
-        console.print(f"wrote {result['path']}")
+        console.print(f"wrote {printable(result['path'])}")  # (a file's name: text, not rich markup)
     dev.close()
     return result
 
