@@ -87,3 +87,26 @@ def test_shards_stage_an_array_pinned_already():
             assert y is out and np.array_equal(out, x * 2 + 1)
         finally:
             holder.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("door", ["stream_map", "MapJob"])
+def test_on_a_gpu_register_refuses_pinned_memory_by_name_and_auto_stages_it(cuda_device, door):
+    """The driver's own refusal (CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED) is the one the
+    simulated GPU quotes: a GPU names ``x`` as the simulated GPU does, and ``"auto"`` stages."""
+    x, out = arrays(1 << 20)
+    holder = cuda_device.register_host(x)
+    try:
+        with pytest.raises(ValueError, match=r"host='register' cannot pin x: .*pinned already.*x_buffer="):
+            if door == "stream_map":
+                rf.stream_map(f, x, out, device=cuda_device, host="register")
+            else:
+                rf.MapJob(f, x, out, device=cuda_device, host="register")
+        if door == "stream_map":
+            y = rf.stream_map(f, x, out, device=cuda_device, host="auto", workers=1, keep_warm=False)
+        else:
+            with rf.MapJob(f, x, out, device=cuda_device, host="auto", workers=1) as job:
+                y = job()
+        assert y is out and np.array_equal(out, x * 2 + 1)
+    finally:
+        holder.close()
