@@ -34,7 +34,8 @@ from .engine import Arrays, Engine, choose_engine, make_engine
 from .frames import forget_own_frames
 from .reentry import check_process, generation, marked, refuse_from_stage, running_stage_of
 from .sigint import shielded
-from .whole_array import check_arrays, check_on_device, one_device, pinned_arrays, plan_layout, run_call
+from .whole_array import (PinnedAlready, check_arrays, check_on_device, one_device, pinned_arrays, plan_layout,
+                          run_call)
 from .validate import BoundArray, check_flag, check_options, check_unchanged
 
 logger = logging.getLogger(__name__)
@@ -235,6 +236,12 @@ class MapJob:
             self._held.registered, self._arrays = pinned_arrays(layout, x, out, fresh_out, x_buffer, out_buffer,
                                                                 pooled, opts.get("workers"))
             self._held.engine = make_engine(self.engine, f, layout, opts, self._arrays, bind=True)
+        except PinnedAlready:
+            self._held.release()
+            if host != "auto":
+                raise
+            # "auto" chose to register memory that something else pins already: staged instead
+            self._bind(f, x, out, fresh_out, dev, chunk_bytes, "stage", x_buffer, out_buffer, engine, opts)
         except BaseException:
             self._held.release()
             raise

@@ -29,7 +29,7 @@ from .._device import device as make_device
 from .._device import device_label, device_list, named_device
 from .._device import host_pool
 from .._device.protocol import Device, HostBuffer, check_device_dtype, close_quietly, device_names
-from .._errors import StageError
+from .._errors import DeviceError, StageError
 from .._testing import current as current_hooks
 from . import call_memo, warm
 from .call_memo import array_key, tagged
@@ -183,10 +183,14 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
         if kept is not None and not _closed(dev, x_buffer, out_buffer) and _unpooled(x, out):
             call = kept.prepared(dev, x_buffer, out_buffer)
             fresh_out = out is None
-            if fresh_out:
-                out = allocate_out(call.out_shape, call.out_dtype, "stream_map", output)
-            out, report, _ = run_prepared(f, x, out, fresh_out, call, profile)
-            return out, report
+            result = allocate_out(call.out_shape, call.out_dtype, "stream_map", output) if fresh_out else out
+            try:
+                result, report, _ = run_prepared(f, x, result, fresh_out, call, profile)
+                return result, report
+            except PinnedAlready:
+                if host != "auto":
+                    raise
+                # pinned since the kept call was planned: the full path plans it again
     given_out = out
     opts = check_options(chunk_bytes=chunk_bytes, allow_auto_chunk=True, keep_warm=keep_warm, profile=profile,
                          **_with_flag_defaults(options))
@@ -205,12 +209,21 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
                                   engine, keep_warm, profile, opts)
     dev = one_device(device, many, x, out, fresh_out)
     keep_warm = keep_warm and _named_again(given[0], dev, x, out)
-    out, fresh_out, call = prepare_whole(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer,
-                                         out_buffer, engine, keep_warm, opts)
+    chunk_bytes = opts.pop("chunk_bytes")
+    try:
+        result, fresh_result, call = prepare_whole(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer,
+                                                   engine, keep_warm, opts)
+        result, report, _ = run_prepared(f, x, result, fresh_result, call, profile)
+    except PinnedAlready:
+        if host != "auto":
+            raise
+        # not kept in the memo: the memory may be unpinned by the next call, which registers it again
+        result, report, _ = run_whole(f, x, out, fresh_out, dev, chunk_bytes, "stage", x_buffer, out_buffer, engine,
+                                      keep_warm, profile, opts)
+        return result, report
     if memo is not None and memo[0] is dev and not call.replaced_out and _unpooled(x, given_out):
         call_memo.MEMO.put(memo[1], memo[2], memo[3], KeptCall.of(call))
-    out, report, _ = run_prepared(f, x, out, fresh_out, call, profile)
-    return out, report
+    return result, report
 
 
 def _memo_key(f, x, out, device, x_buffer, out_buffer, args: tuple, options: dict) -> Optional[tuple]:
@@ -301,9 +314,17 @@ def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x
     chunks)``, ``chunks`` the chunks the call ran (a warm engine's may be tapered).
     ``pooled_out``: a fresh ``out`` may be replaced by a pool array (:data:`POOLED_OUT`); a shard
     of a call over several devices writes the caller's ``out`` and passes False."""
-    out, fresh_out, call = prepare_whole(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer, engine,
-                                         keep_warm, opts, pooled_out=pooled_out)
-    return run_prepared(f, x, out, fresh_out, call, profile)
+    try:
+        result, fresh_result, call = prepare_whole(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer,
+                                                   engine, keep_warm, opts, pooled_out=pooled_out)
+        return run_prepared(f, x, result, fresh_result, call, profile)
+    except PinnedAlready:
+        if host != "auto":
+            raise
+    # "auto" chose to register memory that something else pins already (an open MapJob, a
+    # register_host buffer): staging reads it wherever it is pinned
+    return run_whole(f, x, out, fresh_out, dev, chunk_bytes, "stage", x_buffer, out_buffer, engine, keep_warm,
+                     profile, opts, pooled_out=pooled_out)
 
 
 def prepare_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x_buffer, out_buffer,
@@ -768,16 +789,46 @@ def register(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool, worke
     that side: pinned memory cannot be pinned again."""
     if fresh_out:
         parallel_first_touch(out, workers or default_workers(dev))
-    registered = [dev.register_host(x)] if pinned[0] is None else []
+    registered = [_pin(dev, x, "x")] if pinned[0] is None else []
     try:
         # out=x[...] is x's memory: pinning it twice is an error on a real GPU (already registered)
         if pinned[1] is None and out is not x and not same_memory(x, out):
-            registered.append(dev.register_host(out))
+            registered.append(_pin(dev, out, "out"))
     except BaseException:
         for buf in registered:
             close_quietly(buf, "registration")
         raise
     return registered
+
+
+class PinnedAlready(ValueError):
+    """``host="register"`` (asked for, or chosen by ``"auto"``) met an array whose memory is
+    pinned already: by an open :class:`~ringflow.MapJob` that registered it, a buffer from
+    ``register_host``, or another device. A GPU refuses to pin memory twice; ``"auto"`` stages
+    such an array instead, and an explicit ``"register"`` raises this."""
+
+
+# the text both backends put in a refused registration of pinned memory: the CUDA driver's
+# error name, which the simulated GPU quotes
+_ALREADY_PINNED = "HOST_MEMORY_ALREADY_REGISTERED"
+
+
+def _pin(dev: Device, arr: np.ndarray, name: str) -> HostBuffer:
+    """``dev.register_host(arr)``, ``arr`` being the call's ``name`` (``"x"`` or ``"out"``).
+
+    Raises:
+        PinnedAlready: ``arr``'s memory is pinned already (naming ``name`` and what to pass).
+        DeviceError: any other refusal, as the device raised it.
+    """
+    try:
+        return dev.register_host(arr)
+    except DeviceError as err:
+        if err.sticky or _ALREADY_PINNED not in str(err):
+            raise
+        raise PinnedAlready(f"host='register' cannot pin {name}: its memory is pinned already, by an open MapJob "
+                            f"with host='register', a buffer from register_host, or another device ({err}); pass "
+                            f"that pinned buffer as {name}_buffer= (with the other side's), close what pins it "
+                            f"first, or use host='stage' (host='auto' stages it)") from None
 
 
 def parallel_first_touch(arr: np.ndarray, workers: int) -> None:

@@ -1,0 +1,112 @@
+"""Whole-array jobs (stream_map, MapJob) on arrays whose memory something else pins already."""
+
+import numpy as np
+import pytest
+
+import ringflow as rf
+
+
+def f(x, y):
+    y[...] = x * 2 + 1
+
+
+def arrays(n: int = 1 << 16) -> tuple:
+    x = np.arange(n, dtype=np.float32)
+    return x, np.empty_like(x)
+
+
+def test_auto_registers_these_arrays_when_nothing_pins_them():
+    # the precondition of the tests below: with one worker and a given out, "auto" registers
+    dev = rf.device("sim")
+    x, out = arrays()
+    with rf.MapJob(f, x, out, device=dev, workers=1) as job:
+        assert job.strategy == "register"
+
+
+@pytest.mark.parametrize("pinned_by", ["job", "register_host"])
+@pytest.mark.parametrize("side", ["x", "out"])
+def test_auto_stages_an_array_that_is_pinned_already(pinned_by, side):
+    dev = rf.device("sim")
+    x, out = arrays()
+    target = x if side == "x" else out
+    holder = (rf.MapJob(f, target, device=dev, host="register") if pinned_by == "job"
+              else dev.register_host(target))
+    try:
+        y = rf.stream_map(f, x, out, device=dev, workers=1)
+        assert y is out and np.array_equal(out, x * 2 + 1)
+        out[...] = 0
+        with rf.MapJob(f, x, out, device=dev, workers=1) as job:
+            assert job.strategy == "stage"
+            assert np.array_equal(job(), x * 2 + 1)
+    finally:
+        holder.close()
+
+
+@pytest.mark.parametrize("door", ["stream_map", "MapJob"])
+@pytest.mark.parametrize("side", ["x", "out"])
+def test_register_refuses_an_array_pinned_already_by_name(door, side):
+    dev = rf.device("sim")
+    x, out = arrays()
+    holder = dev.register_host(x if side == "x" else out)
+    try:
+        with pytest.raises(ValueError, match=rf"host='register' cannot pin {side}: .*pinned already.*"
+                                             rf"{side}_buffer=.*host='stage'"):
+            if door == "stream_map":
+                rf.stream_map(f, x, out, device=dev, host="register")
+            else:
+                rf.MapJob(f, x, out, device=dev, host="register")
+        # nothing of the refused call is left pinned: the other side can be pinned again
+        other = dev.register_host(out if side == "x" else x)
+        other.close()
+    finally:
+        holder.close()
+
+
+def test_a_repeated_call_stages_an_array_pinned_since_the_call_before():
+    # the second call has the first one's arguments, so it reuses the first call's plan (register)
+    dev = rf.device("sim")
+    x, out = arrays()
+    rf.stream_map(f, x, out, device=dev, workers=1)
+    with rf.MapJob(f, x, device=dev, host="register"):
+        out[...] = 0
+        assert np.array_equal(rf.stream_map(f, x, out, device=dev, workers=1), x * 2 + 1)
+        with pytest.raises(ValueError, match="host='register' cannot pin x"):
+            rf.stream_map(f, x, out, device=dev, workers=1, host="register")
+    out[...] = 0
+    assert np.array_equal(rf.stream_map(f, x, out, device=dev, workers=1), x * 2 + 1)
+
+
+def test_shards_stage_an_array_pinned_already():
+    from tests.helpers.sim import named_sims
+
+    with named_sims(0, 1) as devs:
+        x, out = arrays()
+        holder = devs[0].register_host(x)
+        try:
+            y = rf.stream_map(f, x, out, device=devs, workers=1)
+            assert y is out and np.array_equal(out, x * 2 + 1)
+        finally:
+            holder.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("door", ["stream_map", "MapJob"])
+def test_on_a_gpu_register_refuses_pinned_memory_by_name_and_auto_stages_it(cuda_device, door):
+    """The driver's own refusal (CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED) is the one the
+    simulated GPU quotes: a GPU names ``x`` as the simulated GPU does, and ``"auto"`` stages."""
+    x, out = arrays(1 << 20)
+    holder = cuda_device.register_host(x)
+    try:
+        with pytest.raises(ValueError, match=r"host='register' cannot pin x: .*pinned already.*x_buffer="):
+            if door == "stream_map":
+                rf.stream_map(f, x, out, device=cuda_device, host="register")
+            else:
+                rf.MapJob(f, x, out, device=cuda_device, host="register")
+        if door == "stream_map":
+            y = rf.stream_map(f, x, out, device=cuda_device, host="auto", workers=1, keep_warm=False)
+        else:
+            with rf.MapJob(f, x, out, device=cuda_device, host="auto", workers=1) as job:
+                y = job()
+        assert y is out and np.array_equal(out, x * 2 + 1)
+    finally:
+        holder.close()
