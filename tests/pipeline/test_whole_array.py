@@ -110,3 +110,15 @@ def test_on_a_gpu_register_refuses_pinned_memory_by_name_and_auto_stages_it(cuda
         assert y is out and np.array_equal(out, x * 2 + 1)
     finally:
         holder.close()
+
+
+@pytest.mark.parametrize("x", [np.float32(3), 3.0, 7], ids=["numpy scalar", "float", "int"])
+@pytest.mark.parametrize("door", ["stream_map", "MapJob"])
+def test_a_scalar_x_is_refused_with_advice_that_works(door, x):
+    """A scalar was told "convert with np.asarray(x)", which makes the 0-d array the next check
+    refuses: the advice now gives a 1-d array."""
+    call = rf.stream_map if door == "stream_map" else rf.MapJob
+    with pytest.raises(TypeError, match=r"np\.atleast_1d\(x\)") as info:
+        call(f, x, device="sim")
+    assert np.atleast_1d(x).ndim == 1
+    assert "np.asarray(x)" not in str(info.value)

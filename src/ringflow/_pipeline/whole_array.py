@@ -476,7 +476,9 @@ def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str, out
         raise TypeError(f"{who} needs a callable f(x, y) as its first argument, got {type(f).__name__}")
     check_arity(f"{who}'s first argument", f, 2, COMPUTE_FORM)
     if not isinstance(x, np.ndarray):
-        raise TypeError(f"{who} takes a numpy array x, got {type(x).__name__}; convert with np.asarray(x)")
+        # (np.asarray of a scalar is a 0-d array, which is refused below: the advice must give rows)
+        how = ("np.atleast_1d(x)" if isinstance(x, (np.generic, int, float, complex)) else "np.asarray(x)")
+        raise TypeError(f"{who} takes a numpy array x, got {type(x).__name__}; convert with {how}")
     check_not_masked("x", x)
     if x.ndim == 0:
         raise ValueError(f"{who} splits x along axis 0; pass an array with at least one dimension (x.reshape(1))")

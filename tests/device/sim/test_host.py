@@ -241,3 +241,20 @@ def test_no_host_memory_is_behind_buffers_of_two_devices_of_one_host():
     held = c.register_host(x)
     d.register_host(x).close()  # GPUs of separate hosts: nothing shared, nothing refused
     held.close()
+
+
+def test_pinning_memory_twice_says_what_to_do_in_whole_sentences():
+    """The refusal ended "or copy it into memory of this device's", a sentence cut off: it says
+    which buffer to use, and how to get memory this device may pin."""
+    dev = rf.device("sim")
+    x = np.zeros(1024, np.float32)
+    registered = dev.register_host(x)
+    try:
+        with pytest.raises(DeviceError) as info:
+            dev.register_host(x)
+        said = str(info.value)
+        assert not said.endswith("device's") and said.endswith(")")
+        assert "close" in said and "rf.host.empty_like" in said
+    finally:
+        registered.close()
+        dev.close()

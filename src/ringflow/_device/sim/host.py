@@ -133,7 +133,8 @@ class SimHost:
                         f"{min(b, end) - start}) of the array are pinned already, by {other!r} of "
                         f"{'this device' if other._dev is buf._dev else repr(other._dev) + ', another simulated GPU of this host'}; "
                         f"a GPU refuses to pin host memory twice (CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED): "
-                        f"use the pinned buffer already behind it, or copy it into memory of this device's")
+                        f"use the pinned buffer already behind it, close that buffer before pinning the array again, or "
+                        f"copy the data into an array this device pins (rf.host.empty_like(x, device=...))")
             key, gone = buf.id, self._gone
             self._pinned[key] = (weakref.ref(buf, lambda _: gone.append(key)), start, end)
 
