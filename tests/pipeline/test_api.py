@@ -609,3 +609,20 @@ def test_a_reports_timeline_is_its_own_so_editing_it_changes_neither_the_pipelin
         assert pipe.config.slots == slots
         later = pipe.report()
         assert later.timeline.meta["slots"] == want and later.timeline.meta["workers"] == pipe.config.workers
+
+
+@pytest.mark.parametrize("door", ["submit", "map"])
+def test_a_device_closed_under_an_idle_pipeline_is_named_by_the_next_call(door):
+    """The next call raised the device's own "this simulated device is closed; create a new
+    one", which does not say it is the pipeline's device; the pipeline still closes."""
+    dev = rf.device("sim")
+    pipe = rf.Pipeline(lambda x, y: np.multiply(x, 2, out=y), device=dev)
+    x = np.ones(256, np.float32)
+    assert np.array_equal(pipe.submit(x).result(), 2 * x)
+    dev.close()
+    with pytest.raises(RuntimeError, match=r"the pipeline's device \(.*\) is closed.*close the pipeline before"):
+        if door == "submit":
+            pipe.submit(x)
+        else:
+            next(iter(pipe.map([x])))
+    pipe.close()

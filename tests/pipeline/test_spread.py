@@ -1109,3 +1109,24 @@ def test_with_on_error_raise_a_failure_on_one_device_stops_every_device_for_subm
     pipe.close()
     s = pipe.stats()
     assert (s.accepted, s.failed, s.cancelled, s.in_flight) == (2, 1, 1, 0), s
+
+
+@pytest.mark.parametrize("on_error", ["raise", "continue"])
+@pytest.mark.parametrize("door", ["submit", "map"])
+def test_a_device_closed_under_an_idle_pipeline_is_named_by_the_next_call(door, on_error):
+    """A device closed while its pipeline waited for work made the next call raise the device's
+    own "this simulated device is closed; create a new one", which names neither the device nor
+    the pipeline; the pipeline still closes."""
+    d0, d1 = rf.device("sim"), rf.device("sim")
+    pipe = rf.Pipeline(f, device=[d0, d1], on_error=on_error)
+    xs = [np.full(256, i, np.float32) for i in range(6)]
+    assert [float(r[0]) for r in pipe.map(xs)] == [2.0 * i + 1 for i in range(6)]
+    d1.close()
+    with pytest.raises(RuntimeError, match=r"device 1 \(.*\) of this pipeline is closed.*close the pipeline before"):
+        if door == "submit":
+            pipe.submit(xs[0])
+        else:
+            next(iter(pipe.map(xs)))
+    pipe.close()
+    assert d0.live().total == 0, d0.live()
+    d0.close()

@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
-from .._device import device as make_device, device_list
+from .._device import device as make_device, device_label, device_list
 from .._device import host_pool
 from .._device.protocol import Device, check_device_dtype
 from .._errors import DeviceError, StageError, describe, shown, warn_quietly
@@ -390,6 +390,7 @@ class Pipeline:
         pipe._build(compute, stage_prepare=prepare, consume=consume, item_nbytes=item_nbytes,
                     host_in_buffer=host_in_buffer, host_out_buffer=host_out_buffer, max_chunks=max_chunks,
                     bulk=True, host_strides=host_strides, **options)
+        pipe._names_closed_device = False  # the job's caller made no pipeline: the device's own error speaks
         return pipe
 
     def _build(self, compute: Callable, *, device=None, user_prepare: Optional[Callable] = None,
@@ -1551,9 +1552,17 @@ class Pipeline:
         if self._recorder is not None:
             self._recorder.stop()
 
+    # a device closed under the pipeline is named by the next call (see _check_open)
+    _names_closed_device = True
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Pipeline is closed; create a new one to submit more work")
+        if self._names_closed_device and getattr(self.device, "closed", False):  # (another make may not say)
+            # (the device's own refusal, raised by the first step on it, names neither)
+            raise RuntimeError(f"the pipeline's device ({device_label(self.device)}) is closed, and a pipeline runs "
+                               f"its work there until it is closed: close the pipeline before its device, or make "
+                               f"a new pipeline on an open device")
 
     def _check_caller(self, call: str, opened: bool = True, awaited: bool = False) -> None:
         """Refuse ``call`` where the pipeline cannot serve it (:mod:`.reentry`): in a child forked

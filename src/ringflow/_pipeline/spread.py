@@ -510,6 +510,12 @@ class SpreadPipeline(Pipeline):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this pipeline is closed; create a new one")
+        closed = next((i for i, dev in enumerate(self.devices) if getattr(dev, "closed", False)), None)
+        if closed is not None:
+            # a part whose device is closed fails whatever it is given, with that device's own words
+            raise RuntimeError(f"device {closed} ({device_label(self.devices[closed])}) of this pipeline is closed, "
+                               f"and a pipeline runs its work on every one of its devices until it is closed: close "
+                               f"the pipeline before its devices, or make a new pipeline on open devices")
 
     def _check_caller(self, call: str, opened: bool = True, awaited: bool = False) -> None:
         """As :meth:`Pipeline._check_caller`, from a stage or the progress thread of any part: a
