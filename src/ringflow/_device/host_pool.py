@@ -817,6 +817,9 @@ def check_shape_dtype(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype
     bad = f"shape must be an int or a sequence of ints, got {shape!r}"
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
         shape = (shape,)
+    elif isinstance(shape, np.ndarray) and shape.ndim == 0 and shape.dtype.kind in "iu":
+        # an int to numpy.empty (it has __index__), though a sequence by its type: iterating fails
+        shape = (operator.index(shape),)
     if isinstance(shape, (str, bytes, bool, np.bool_)):
         raise TypeError(bad)
     # a sequence, as numpy.empty takes: a set iterates in its hashes' order, not the one written,
