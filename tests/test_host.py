@@ -386,6 +386,22 @@ def test_a_refused_shape_or_dtype_makes_no_default_device(monkeypatch, call):
     assert _host._default_device is None
 
 
+@pytest.mark.parametrize("shape, expect", [
+    (np.array(3), (3,)), (np.array(0, np.uint8), (0,)), (np.int64(3), (3,)), ((np.array(2), 3), (2, 3)),
+])
+def test_a_shape_numpy_empty_takes_as_an_int_is_taken(shape, expect):
+    """A 0-d integer array is an int to ``numpy.empty`` (it has ``__index__``), alone as well as
+    in a sequence."""
+    a = rf.host.empty(shape, np.float32, device=rf.device("sim"))
+    assert a.shape == expect == np.empty(shape, np.float32).shape
+
+
+def test_a_0d_array_that_is_no_int_is_still_refused_as_a_shape():
+    for shape in (np.array(2.0), np.array(True)):
+        with pytest.raises(TypeError, match="shape must be an int or a sequence of ints"):
+            rf.host.empty(shape, device=rf.device("sim"))
+
+
 _FORK_CHILD = """
 import os, sys, numpy as np, ringflow as rf
 os.environ["RINGFLOW_DEVICE"] = "sim"

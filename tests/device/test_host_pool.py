@@ -276,6 +276,22 @@ def test_over_budget_requests_fall_back_to_pageable_memory_noted_once(caplog):
     assert (s.fallbacks, s.allocations, s.in_use_bytes, s.budget) == (2, 1, 2 << 20, 3 << 20)
 
 
+def test_a_request_no_memory_holds_is_no_fallback_and_leaves_the_note_for_a_real_one(caplog):
+    """A request that raises MemoryError got no pageable memory: it is not counted as a fallback,
+    and the one note per pool still goes to the first request that does get pageable memory."""
+    pool = HostPool(rf.device("sim"), budget=1 << 20)
+    with caplog.at_level(logging.WARNING, logger="ringflow"):
+        for shape in [(2**40, 2**40), (1 << 62,)]:
+            with pytest.raises(MemoryError, match="smaller shape"):
+                pool.empty(shape, np.uint8)
+        assert pool.stats().fallbacks == 0
+        assert not [r for r in caplog.records if "pageable" in r.getMessage()]
+        b = pool.empty(2 << 20, np.uint8)
+    assert pool.buffer_of(b) is None and pool.stats().fallbacks == 1
+    notes = [r for r in caplog.records if "pageable" in r.getMessage()]
+    assert len(notes) == 1 and str(2 << 20) in notes[0].getMessage()
+
+
 def test_cached_blocks_are_freed_to_make_room_and_when_the_budget_shrinks():
     dev = rf.device("sim")
     pool = HostPool(dev, budget=4 << 20)

@@ -244,3 +244,22 @@ def test_a_lone_fast_first_chunk_and_loaded_later_ones_count_as_they_ran():
     assert rep.ideal_s == pytest.approx(max(pool, latency)) == pytest.approx(10 * ms)
     assert rep.bottleneck == "cpu (prepare+consume)"
     assert rep.efficiency <= 1.0
+
+
+@pytest.mark.parametrize("accepted", [[4.0], []], ids=["stall before the window's first chunk", "stalls only"])
+def test_a_window_whose_stall_began_before_its_first_chunk_starts_its_trace_at_that_stall(accepted):
+    """A report window (``report(reset=True)``) may hold a caller's stall that began before any of
+    its chunks was accepted (one whose chunk ended in the previous window), or stalls and no
+    chunk: its trace still counts from its earliest span, so no timestamp is negative and none
+    is a time since the device was made."""
+    from ringflow._trace.chrome import to_chrome
+    from ringflow._trace.timeline import ChunkRecord, Span, Timeline
+
+    records = [ChunkRecord(index=0, nbytes=8, final="delivered", accepted=a, ended=a + 1.0,
+                           stages={"compute": (a + 0.2, a + 0.5)}) for a in accepted]
+    stall = Span("stall: consumer", "consumer waiting for data", 2.0, 3.5)
+    trace = json.loads(json.dumps(to_chrome(Timeline(records=records, stalls=[stall]))))
+    ts = {e["name"]: e["ts"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert ts["consumer waiting for data"] == 0.0
+    if accepted:
+        assert ts["compute #0"] == pytest.approx(2.2e6)

@@ -232,15 +232,21 @@ class HostPool:
                 thread: a missing :meth:`record_use`, or a pool bug.
         """
         shape, dtype = check_shape_dtype(shape, dtype)
-        pinned = self.take(shape, dtype)
+        refused: list = []
+        pinned = self._take_pinned(shape, dtype, True, refused)
         if pinned is not None:
             return pinned
         try:
-            return np.empty(shape, dtype)
+            pageable = np.empty(shape, dtype)
         except (ValueError, MemoryError) as exc:  # numpy's words name neither the call nor the argument
             raise MemoryError(f"host.empty(shape={shape}, dtype={dtype}) cannot be allocated "
                               f"({math.prod(shape) * dtype.itemsize} bytes, over the pool's budget and then "
                               f"refused by numpy: {exc}); ask for a smaller shape") from None
+        # counted and noted only now: a request that raised got no pageable memory, and the one
+        # note per pool is kept for the first that does
+        if refused:
+            self._fallback(*refused)
+        return pageable
 
     def take(self, shape: tuple, dtype: np.dtype, *, allocate: bool = True) -> Optional[np.ndarray]:
         """As :meth:`empty` for a checked ``shape`` (a tuple of ints >= 0) and ``dtype`` (a numpy
@@ -248,6 +254,15 @@ class HostPool:
         uses its own staging ring); 0 bytes are never pinned (None). ``allocate=False`` takes only
         a cached block: no pinning or freeing (which may wait for the whole device) on the
         caller's thread."""
+        refused: list = []
+        pinned = self._take_pinned(shape, dtype, allocate, refused)
+        if refused:
+            self._fallback(*refused)
+        return pinned
+
+    def _take_pinned(self, shape: tuple, dtype: np.dtype, allocate: bool, refused: list) -> Optional[np.ndarray]:
+        """:meth:`take`, where a request the budget or the device refuses puts ``(size, why)``
+        into ``refused`` for the caller to count (:meth:`_fallback`) instead of counting it."""
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             return None
@@ -260,7 +275,7 @@ class HostPool:
         try:
             self._take(size, claim)
             if not claim and allocate:
-                self._allocate(size, claim)
+                self._allocate(size, claim, refused)
             if not claim:
                 return None
             return self._hand_out(claim[0], nbytes, shape, dtype)
@@ -335,10 +350,11 @@ class HostPool:
         dropped += [block]
         del bucket[-1]
 
-    def _allocate(self, size: int, claim: list) -> None:
+    def _allocate(self, size: int, claim: list, refused: list) -> None:
         """A new block of ``size`` bytes into ``claim``, cached blocks freed to make room for it
         where that makes it fit; nothing where it does not fit the budget even with the cache
-        freed (the cache then stays as it is), or the device refuses to pin it (fall back)."""
+        freed (the cache then stays as it is), or the device refuses to pin it: ``(size, why)``
+        into ``refused`` then."""
         reserved = False
         to_release: list[_Block] = []
         try:
@@ -353,7 +369,7 @@ class HostPool:
             if to_release:
                 self._release_blocks(to_release)
             if not reserved:
-                self._fallback(size, f"the pool's budget of {self._budget} bytes is taken")
+                refused[:] = [size, f"the pool's budget of {self._budget} bytes is taken"]
                 return
             try:
                 with self._device_lock:
@@ -369,7 +385,7 @@ class HostPool:
                 except (MemoryError, DeviceError) as exc2:
                     if isinstance(exc2, DeviceError) and exc2.sticky:
                         raise
-                    self._fallback(size, f"the device refused to pin {size} bytes ({type(exc2).__name__}: {exc2})")
+                    refused[:] = [size, f"the device refused to pin {size} bytes ({type(exc2).__name__}: {exc2})"]
                     return
             block = _Block(buffer, size)
             claim[:] = [block]  # no call in between: the claim holds it from here on
@@ -387,6 +403,8 @@ class HostPool:
                     self._reserved -= size
 
     def _fallback(self, size: int, why: str) -> None:
+        """Count a request answered without pinned memory (``why``: the budget or the device
+        refused a ``size``-byte block); the pool's first is noted on the logger."""
         with self._lock:
             self._counts["fallbacks"] += 1
             note, self._noted = not self._noted, True
@@ -799,6 +817,9 @@ def check_shape_dtype(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype
     bad = f"shape must be an int or a sequence of ints, got {shape!r}"
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
         shape = (shape,)
+    elif isinstance(shape, np.ndarray) and shape.ndim == 0 and shape.dtype.kind in "iu":
+        # an int to numpy.empty (it has __index__), though a sequence by its type: iterating fails
+        shape = (operator.index(shape),)
     if isinstance(shape, (str, bytes, bool, np.bool_)):
         raise TypeError(bad)
     # a sequence, as numpy.empty takes: a set iterates in its hashes' order, not the one written,

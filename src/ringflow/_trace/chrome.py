@@ -2,7 +2,8 @@
 
 One process, one track (thread) per stage and per stream, plus one per kind of stall. Every
 span is a complete event (``ph: "X"``) with microsecond ``ts``/``dur`` relative to the run's
-first accepted chunk, and ``args`` carrying the chunk index and bytes.
+first accepted chunk (or a stall that began before it: :attr:`Timeline.start`), and ``args``
+carrying the chunk index and bytes.
 """
 
 from __future__ import annotations

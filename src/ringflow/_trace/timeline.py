@@ -164,7 +164,11 @@ class Timeline:
 
     @property
     def start(self) -> float:
-        return min((r.accepted for r in self.records), default=0.0)
+        """Where the run's trace and chart count from: its first accepted chunk, or a stall or
+        host span that began before it (a window of a long-lived pipeline can hold a caller's
+        stall whose chunk ended in the previous window, or stalls and no chunk); 0.0 for nothing."""
+        return min([r.accepted for r in self.records] + [s.start for s in self.stalls] + [s.start for s in self.host],
+                   default=0.0)
 
     @property
     def end(self) -> float:
