@@ -660,3 +660,32 @@ def test_cancelling_one_future_stops_its_prepare_by_killing_its_worker_and_the_r
         threads.bounded(pipe.cancel, timeout=10)
         threads.bounded(pipe.close, timeout=10)
     assert segments.made and segments.left() == [] and dev.live().total == 0
+
+
+def test_a_structure_that_cannot_leave_its_worker_fails_its_item_alone_saying_so(dev):
+    """prepare returned a structure whose layout (here a named tuple type pickle cannot find by
+    its name) could not be pickled back: the worker's send raised, the worker died printing its
+    traceback, and the item failed as a crash would ("died (exit code 1) ... a crash in native
+    code"), a new worker started in its place. It fails saying what cannot travel back; the
+    worker serves the next items."""
+    def pairs(x, y):
+        for a, b in zip(x, y):
+            f(a, b)
+
+    with rf.Pipeline(pairs, device=dev, chunk_bytes=4096, prepare=pp.misnamed_on_3, processes=True, workers=1,
+                     on_error="continue") as pipe:
+        pids = pipe._procs.pids()
+        futs = [pipe.submit(i) for i in range(2, 6)]
+        outcomes = [fu.exception(timeout=30) for fu in futs]
+        failures = pipe.failures
+        assert pipe._procs.pids() == pids  # nothing ended its worker
+    assert [i for i, o in enumerate(outcomes) if o is not None] == [1]
+    assert [(e.stage, e.index) for e in failures] == [("prepare", 1)]
+    cause = failures[0].__cause__
+    assert type(cause) is TypeError, repr(cause)
+    assert "cannot be sent back from its worker process" in str(cause), str(cause)
+    assert "NotItsName" in str(cause) and "died" not in str(cause), str(cause)
+    for i, n in ((0, 2), (2, 4), (3, 5)):
+        x, y = futs[i].result()
+        assert np.array_equal(x, pp.ramp(n) * 2 + 1) and np.array_equal(y, pp.ramp(n + 1) * 2 + 1)
+    assert dev.live().total == 0

@@ -234,6 +234,8 @@ class ProcessPrepare:
             whatever ``prepare`` raised in the worker (TypeError/ValueError for an array that is
             not one or does not fit).
             TypeError: the item cannot be pickled, or its worker could not unpickle it.
+            TypeError: prepare returned a structure whose layout cannot be pickled back (a named
+                tuple type pickle cannot find by its name, a dict key that does not pickle).
             TypeError: an array of a dtype this device's arrays cannot hold
                 (:meth:`~ringflow._device.protocol.Device.check_dtype`).
             RuntimeError: the worker process died while preparing the item.
@@ -555,7 +557,23 @@ def _serve(conn: Any, name: str, prepare: bytes) -> None:
             task = conn.recv_bytes()  # (unpickled by _reply: an item that fails there fails alone)
         except (EOFError, OSError):  # the pipeline closed its end: no more tasks
             return
-        conn.send(_reply(task))
+        conn.send_bytes(_pickled_reply(_reply(task)))
+
+
+def _pickled_reply(reply: tuple) -> bytes:
+    """``reply`` pickled as ``Connection.send`` pickles it; where it cannot be (a structure
+    prepare returned whose layout holds a named tuple type or a dict key that pickle cannot
+    send), an error reply saying so, for the item alone: the worker, had its send raised, would
+    have died."""
+    try:
+        return ForkingPickler.dumps(reply)
+    except Exception as exc:  # noqa: BLE001 - what pickle raises varies (PicklingError, TypeError, ...)
+        text = "".join(traceback.format_exception(exc))
+        err = TypeError(f"prepare's result cannot be sent back from its worker process ({describe(exc)}); "
+                        "processes=True sends the layout of a tuple, list or dict of arrays back by pickle: "
+                        "a named tuple's type must be importable by the name it was made with, and dict keys "
+                        "must pickle (strings, numbers), or use processes=False")
+        return ForkingPickler.dumps(("error", err, text))
 
 
 def _attach(name: str, prepare: bytes) -> None:
