@@ -689,3 +689,45 @@ def test_a_structure_that_cannot_leave_its_worker_fails_its_item_alone_saying_so
         x, y = futs[i].result()
         assert np.array_equal(x, pp.ramp(n) * 2 + 1) and np.array_equal(y, pp.ramp(n + 1) * 2 + 1)
     assert dev.live().total == 0
+
+
+def test_cancelling_a_future_whose_prepare_has_yet_to_start_keeps_that_prepare_from_running(
+        dev, tmp_path, monkeypatch, segments):
+    """A future cancelled while its chunk's prepare had no worker yet (another prepare held the
+    only one) had no worker to kill: the cancel waited for the pipeline, whose next step ran that
+    prepare all the same, and a prepare that never returns held the cancel (and close()) for
+    ever. The cancel is now seen before that prepare starts: it never runs, the chunk ends
+    CANCELLED, nothing is killed and later items go on."""
+    first_ready, go = pp.Fifo(tmp_path, "first"), pp.Fifo(tmp_path, "go")
+    item, _ready = stuck_item(tmp_path)
+    pipe = rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.reports_then_waits, processes=True, workers=1)
+    sched = pipe.scheduler
+    asked = threading.Event()
+    real_stop = sched.stop_prepare
+
+    def stop_prepare(index):
+        try:
+            return real_stop(index)
+        finally:
+            asked.set()
+
+    monkeypatch.setattr(sched, "stop_prepare", stop_prepare)
+    try:
+        first = pipe.submit((1, first_ready.path, go.path))
+        waiter = awaited(first)
+        pid = int(first_ready.read_line())  # the only worker runs the first prepare now
+        queued = pipe.submit(item)
+        canceller = threads.start(queued.cancel)
+        assert asked.wait(10)  # (its prepare has yet to start: no worker can be killed for it)
+        go.write_line()
+        assert threads.join([canceller, waiter], timeout=10)[0] is True
+        assert np.array_equal(first.result(), pp.ramp(1) * 2 + 1) and queued.cancelled()
+        assert np.array_equal(pipe.submit(2).result(timeout=30), pp.ramp(2) * 2 + 1)
+        assert sched._procs.pids() == [pid]  # (nothing was killed: that prepare never ran)
+        s = pipe.stats()
+        assert (s.delivered, s.cancelled, s.failed, s.in_flight) == (2, 1, 0, 0)
+        threads.bounded(pipe.close, timeout=10)
+    finally:
+        threads.bounded(pipe.cancel, timeout=10)  # (the test failed: kills a prepare left running)
+        threads.bounded(pipe.close, timeout=10)
+    assert segments.made and segments.left() == [] and dev.live().total == 0

@@ -30,8 +30,10 @@ pool and fails every task in it, running or queued). So:
   with the worker: its thread returns only once the process is gone, so the slot is reused only
   after that;
 * :meth:`ProcessPrepare.stop_task` (what cancelling one chunk's future calls first, for the same
-  reason) kills only the worker whose task is that chunk's (:attr:`ProcessPrepare.task` names
-  it): that task raises PrepareStopped, and a new worker takes the killed one's place.
+  reason) kills only the worker whose task is that chunk's (:meth:`ProcessPrepare.name_task`
+  names it): that task raises PrepareStopped, and a new worker takes the killed one's place; a
+  task named but not yet given a worker raises PrepareStopped without one (the thread that
+  names a task looks for a stop asked before it, :meth:`.Scheduler.stop_prepare`).
 
 Ordering: the task is submitted, and waited for, by the scheduler's CPU worker thread that owns
 the slot's prepare (its checked view declares the write on the simulated GPU); the slot's h2d is
@@ -94,7 +96,7 @@ class _Worker:
     def __init__(self, ctx: Any, name: str, prepare: bytes):
         self.owner = os.getpid()  # a child forked from this process must never signal or join it
         self.ready = False  # its "ready" was read: it started (read before its first task's reply)
-        self.key: Any = None  # what its task now is for (ProcessPrepare.task.key: the chunk), or None
+        self.key: Any = None  # what its task now is for (ProcessPrepare.name_task: the chunk), or None
         self.stopped = False  # stop_task() killed it for its task: that task ends PrepareStopped
         conn, child = ctx.Pipe()
         try:
@@ -166,9 +168,11 @@ class ProcessPrepare:
         self._start_failures = 0  # workers that ended as they started since one was last ready
         self._broken: "RuntimeError | None" = None  # too many did: every task fails with this
         self.buffer: HostBuffer | None = None
-        # .key, set by the thread that calls this pool (the scheduler: the chunk whose prepare it
-        # runs), names its task for stop_task
+        # .key, set by name_task on the thread that calls this pool (the scheduler: the chunk
+        # whose prepare it runs), names its task for stop_task
         self.task = threading.local()
+        self._named: list = []  # the keys of the tasks named (name_task) and not yet ended
+        self._stop_asked: list = []  # those of _named that stop_task found no worker running
 
     def open(self) -> HostBuffer:
         """Make the shared block, register it with the device and start the workers; returns
@@ -249,9 +253,17 @@ class ProcessPrepare:
             raise TypeError(f"processes=True sends each item to a worker process, but this item cannot be pickled "
                             f"({describe(exc)}); submit items pickle can send (arrays, numbers, strings, paths, "
                             "objects of module-level classes), or use processes=False") from exc
+        key = getattr(self.task, "key", None)
         worker = self._take()
         with self._lock:
-            worker.key = getattr(self.task, "key", None)
+            # a stop asked for this task before it had a worker (stop_task found none to kill):
+            # it is not sent, and the worker, given nothing, is idle again
+            stopped = any(k is key for k in self._stop_asked)
+            if not stopped:
+                worker.key = key
+        if stopped:
+            self._put_back(worker, True)
+            raise PrepareStopped("this item's future was cancelled before its prepare started")
         settled = False  # the worker is between tasks again: it may serve the next one
         try:
             reply = self._run(worker, task)
@@ -406,11 +418,27 @@ class ProcessPrepare:
             if worker in self._all:
                 self._all.remove(worker)
 
+    def name_task(self, key: Any) -> None:
+        """Name the task the calling thread is about to run (:meth:`__call__`) ``key`` (the
+        scheduler's chunk), for :meth:`stop_task`, until :meth:`unname_task`. A stop asked for
+        ``key`` before this call is the caller's to look for once this has returned."""
+        self.task.key = key
+        with self._lock:
+            self._named.append(key)
+
+    def unname_task(self) -> None:
+        """End the name :meth:`name_task` gave the calling thread's task; never raises."""
+        key, self.task.key = getattr(self.task, "key", None), None
+        with self._lock:
+            self._named = [k for k in self._named if k is not key]
+            self._stop_asked = [k for k in self._stop_asked if k is not key]
+
     def stop_task(self, key: Any) -> bool:
-        """Kill the worker running the task for ``key`` (see :attr:`task`; a cancelled chunk),
-        if one is: that task raises :class:`~ringflow._errors.PrepareStopped` once the process is
-        gone, the worker is never given another task, and a new one takes its place. Takes no
-        lock but this pool's own. Returns whether one was killed; never raises.
+        """Kill the worker running the task for ``key`` (see :meth:`name_task`; a cancelled
+        chunk), if one is: that task raises :class:`~ringflow._errors.PrepareStopped` once the
+        process is gone, the worker is never given another task, and a new one takes its place.
+        A task named but not yet given a worker raises PrepareStopped instead of being sent.
+        Takes no lock but this pool's own. Returns whether a worker was killed; never raises.
 
         A worker whose task has ended no longer has the key (cleared before its reply is handed
         back, under this pool's lock), so this never kills a worker running another task."""
@@ -419,6 +447,8 @@ class ProcessPrepare:
         with self._lock:
             worker = next((w for w in self._all if w.key is key and not w.stopped), None)
             if worker is None:
+                if any(k is key for k in self._named) and not any(k is key for k in self._stop_asked):
+                    self._stop_asked.append(key)
                 return False
             worker.stopped = True  # (never idle again: the kill below cannot reach a later task)
         worker.kill()
