@@ -238,3 +238,21 @@ def misnamed_on_3(item: int):
     (a structure a worker process cannot send back), in a plain tuple for the others."""
     pair = (ramp(item), ramp(item + 1))
     return Misnamed(*pair) if item == 3 else pair
+
+
+def _with_a_thread_that_never_ends(prepare):
+    """``prepare``, after starting a thread that never ends and is no daemon (as some libraries
+    start one at import): the worker process that unpickles it cannot exit by itself."""
+    threading.Thread(target=threading.Event().wait, name="never-ends").start()
+    return prepare
+
+
+class KeepsItsWorkerFromExiting:
+    """:func:`ramp`, unpickled in each worker process as :func:`ramp` with a thread that never
+    ends started beside it: told to exit, a worker stays until it is killed."""
+
+    def __call__(self, item: int) -> np.ndarray:
+        return ramp(item)
+
+    def __reduce__(self):
+        return _with_a_thread_that_never_ends, (ramp,)

@@ -731,3 +731,26 @@ def test_cancelling_a_future_whose_prepare_has_yet_to_start_keeps_that_prepare_f
         threads.bounded(pipe.cancel, timeout=10)  # (the test failed: kills a prepare left running)
         threads.bounded(pipe.close, timeout=10)
     assert segments.made and segments.left() == [] and dev.live().total == 0
+
+
+def test_close_gives_workers_that_do_not_exit_one_grace_between_them(dev, monkeypatch, segments):
+    """Workers that do not exit once told to (a thread that is no daemon keeps each one) were
+    given the grace one after another: close() took the grace once a worker. They are given it
+    side by side, then killed together."""
+    from ringflow._pipeline import processes
+
+    monkeypatch.setattr(processes, "EXIT_GRACE_S", 1.0)
+    pipe = rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.KeepsItsWorkerFromExiting(), processes=True,
+                       workers=4)
+    try:
+        out = list(pipe.map(range(8)))
+        pids = pipe.scheduler._procs.pids()
+        start = time.monotonic()
+        threads.bounded(pipe.close, timeout=30)
+        took = time.monotonic() - start
+    finally:
+        threads.bounded(pipe.close, timeout=30)
+    assert all(np.array_equal(r, pp.ramp(i) * 2 + 1) for i, r in enumerate(out))
+    assert len(pids) == 4 and all(gone(p) for p in pids)
+    assert took < 3 * processes.EXIT_GRACE_S, took  # (one after another: 4 graces at least)
+    assert segments.made and segments.left() == [] and dev.live().total == 0

@@ -51,6 +51,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 import traceback
 import weakref
 from multiprocessing import shared_memory
@@ -523,15 +524,18 @@ def _reserve(shm: Any, nbytes: int) -> None:
 
 def _end_all(workers: list, grace: float) -> None:
     """End every worker of ``workers`` (:meth:`_Worker.end`), all told to exit first, so that
-    they exit side by side; never raises."""
+    they exit side by side, within one ``grace`` between them (each is waited for what is left
+    of it: workers that do not exit are killed together, not one grace after another); never
+    raises."""
     workers = list(workers)
     for worker in workers:
         try:
             worker.conn.close()
         except Exception:  # noqa: BLE001 - cleanup never raises
             pass
+    deadline = time.monotonic() + grace
     for worker in workers:
-        worker.end(grace)
+        worker.end(max(0.0, deadline - time.monotonic()))
 
 
 def _said_ready(worker: _Worker) -> bool:
