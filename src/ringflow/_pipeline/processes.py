@@ -256,17 +256,16 @@ class ProcessPrepare:
                             "objects of module-level classes), or use processes=False") from exc
         key = getattr(self.task, "key", None)
         worker = self._take()
-        with self._lock:
-            # a stop asked for this task before it had a worker (stop_task found none to kill):
-            # it is not sent, and the worker, given nothing, is idle again
-            stopped = any(k is key for k in self._stop_asked)
-            if not stopped:
-                worker.key = key
-        if stopped:
-            self._put_back(worker, True)
-            raise PrepareStopped("this item's future was cancelled before its prepare started")
         settled = False  # the worker is between tasks again: it may serve the next one
         try:
+            with self._lock:
+                # a stop asked for this task before it had a worker (stop_task found none to
+                # kill): it is not sent, and the worker, given nothing, is idle again
+                settled = any(k is key for k in self._stop_asked)
+                if not settled:
+                    worker.key = key
+            if settled:
+                raise PrepareStopped("this item's future was cancelled before its prepare started")
             reply = self._run(worker, task)
             settled = True
         finally:
