@@ -3,6 +3,7 @@ them by reference, so they cannot live inside a test."""
 
 from __future__ import annotations
 
+import collections
 import os
 import select
 import signal
@@ -225,3 +226,33 @@ def keeps_its_first_slot(item: int) -> np.ndarray:
     out = rf.host.empty_slot((8,), np.float32)
     out[:] = item
     return _KEPT.setdefault("first", out)
+
+
+# made under another name than the one it is bound to: pickle looks a class up by the name it was
+# made with, so it cannot pickle this one (a thread's prepare may return it all the same)
+Misnamed = collections.namedtuple("NotItsName", "x y")
+
+
+def misnamed_on_3(item: int):
+    """:func:`ramp` of ``item`` and of ``item + 1`` in a :data:`Misnamed` named tuple for item 3
+    (a structure a worker process cannot send back), in a plain tuple for the others."""
+    pair = (ramp(item), ramp(item + 1))
+    return Misnamed(*pair) if item == 3 else pair
+
+
+def _with_a_thread_that_never_ends(prepare):
+    """``prepare``, after starting a thread that never ends and is no daemon (as some libraries
+    start one at import): the worker process that unpickles it cannot exit by itself."""
+    threading.Thread(target=threading.Event().wait, name="never-ends").start()
+    return prepare
+
+
+class KeepsItsWorkerFromExiting:
+    """:func:`ramp`, unpickled in each worker process as :func:`ramp` with a thread that never
+    ends started beside it: told to exit, a worker stays until it is killed."""
+
+    def __call__(self, item: int) -> np.ndarray:
+        return ramp(item)
+
+    def __reduce__(self):
+        return _with_a_thread_that_never_ends, (ramp,)

@@ -660,3 +660,97 @@ def test_cancelling_one_future_stops_its_prepare_by_killing_its_worker_and_the_r
         threads.bounded(pipe.cancel, timeout=10)
         threads.bounded(pipe.close, timeout=10)
     assert segments.made and segments.left() == [] and dev.live().total == 0
+
+
+def test_a_structure_that_cannot_leave_its_worker_fails_its_item_alone_saying_so(dev):
+    """prepare returned a structure whose layout (here a named tuple type pickle cannot find by
+    its name) could not be pickled back: the worker's send raised, the worker died printing its
+    traceback, and the item failed as a crash would ("died (exit code 1) ... a crash in native
+    code"), a new worker started in its place. It fails saying what cannot travel back; the
+    worker serves the next items."""
+    def pairs(x, y):
+        for a, b in zip(x, y):
+            f(a, b)
+
+    with rf.Pipeline(pairs, device=dev, chunk_bytes=4096, prepare=pp.misnamed_on_3, processes=True, workers=1,
+                     on_error="continue") as pipe:
+        pids = pipe._procs.pids()
+        futs = [pipe.submit(i) for i in range(2, 6)]
+        outcomes = [fu.exception(timeout=30) for fu in futs]
+        failures = pipe.failures
+        assert pipe._procs.pids() == pids  # nothing ended its worker
+    assert [i for i, o in enumerate(outcomes) if o is not None] == [1]
+    assert [(e.stage, e.index) for e in failures] == [("prepare", 1)]
+    cause = failures[0].__cause__
+    assert type(cause) is TypeError, repr(cause)
+    assert "cannot be sent back from its worker process" in str(cause), str(cause)
+    assert "NotItsName" in str(cause) and "died" not in str(cause), str(cause)
+    for i, n in ((0, 2), (2, 4), (3, 5)):
+        x, y = futs[i].result()
+        assert np.array_equal(x, pp.ramp(n) * 2 + 1) and np.array_equal(y, pp.ramp(n + 1) * 2 + 1)
+    assert dev.live().total == 0
+
+
+def test_cancelling_a_future_whose_prepare_has_yet_to_start_keeps_that_prepare_from_running(
+        dev, tmp_path, monkeypatch, segments):
+    """A future cancelled while its chunk's prepare had no worker yet (another prepare held the
+    only one) had no worker to kill: the cancel waited for the pipeline, whose next step ran that
+    prepare all the same, and a prepare that never returns held the cancel (and close()) for
+    ever. The cancel is now seen before that prepare starts: it never runs, the chunk ends
+    CANCELLED, nothing is killed and later items go on."""
+    first_ready, go = pp.Fifo(tmp_path, "first"), pp.Fifo(tmp_path, "go")
+    item, _ready = stuck_item(tmp_path)
+    pipe = rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.reports_then_waits, processes=True, workers=1)
+    sched = pipe.scheduler
+    asked = threading.Event()
+    real_stop = sched.stop_prepare
+
+    def stop_prepare(index):
+        try:
+            return real_stop(index)
+        finally:
+            asked.set()
+
+    monkeypatch.setattr(sched, "stop_prepare", stop_prepare)
+    try:
+        first = pipe.submit((1, first_ready.path, go.path))
+        waiter = awaited(first)
+        pid = int(first_ready.read_line())  # the only worker runs the first prepare now
+        queued = pipe.submit(item)
+        canceller = threads.start(queued.cancel)
+        assert asked.wait(10)  # (its prepare has yet to start: no worker can be killed for it)
+        go.write_line()
+        assert threads.join([canceller, waiter], timeout=10)[0] is True
+        assert np.array_equal(first.result(), pp.ramp(1) * 2 + 1) and queued.cancelled()
+        assert np.array_equal(pipe.submit(2).result(timeout=30), pp.ramp(2) * 2 + 1)
+        assert sched._procs.pids() == [pid]  # (nothing was killed: that prepare never ran)
+        s = pipe.stats()
+        assert (s.delivered, s.cancelled, s.failed, s.in_flight) == (2, 1, 0, 0)
+        threads.bounded(pipe.close, timeout=10)
+    finally:
+        threads.bounded(pipe.cancel, timeout=10)  # (the test failed: kills a prepare left running)
+        threads.bounded(pipe.close, timeout=10)
+    assert segments.made and segments.left() == [] and dev.live().total == 0
+
+
+def test_close_gives_workers_that_do_not_exit_one_grace_between_them(dev, monkeypatch, segments):
+    """Workers that do not exit once told to (a thread that is no daemon keeps each one) were
+    given the grace one after another: close() took the grace once a worker. They are given it
+    side by side, then killed together."""
+    from ringflow._pipeline import processes
+
+    monkeypatch.setattr(processes, "EXIT_GRACE_S", 1.0)
+    pipe = rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.KeepsItsWorkerFromExiting(), processes=True,
+                       workers=4)
+    try:
+        out = list(pipe.map(range(8)))
+        pids = pipe.scheduler._procs.pids()
+        start = time.monotonic()
+        threads.bounded(pipe.close, timeout=30)
+        took = time.monotonic() - start
+    finally:
+        threads.bounded(pipe.close, timeout=30)
+    assert all(np.array_equal(r, pp.ramp(i) * 2 + 1) for i, r in enumerate(out))
+    assert len(pids) == 4 and all(gone(p) for p in pids)
+    assert took < 3 * processes.EXIT_GRACE_S, took  # (one after another: 4 graces at least)
+    assert segments.made and segments.left() == [] and dev.live().total == 0

@@ -199,6 +199,10 @@ def cancel_chunks(futures: "list[ChunkFuture]") -> list:
         for f in _stop_prepares(live):  # (ended CANCELLED by that alone, maybe, before the lock is had)
             outcome[id(f)] = True
         with shielded(), driver.hold() as hold:  # (a Ctrl-C gets out; the cancel is still carried out)
+            for f in live:
+                # ended CANCELLED since: a prepare stopped before it started (its chunk's
+                # stop_prepare), or another cancel, which a second cancel() reports as done
+                outcome[id(f)] = outcome[id(f)] or f.cancelled()
             live = [f for f in live if not f.done()]
             if not live:
                 continue
@@ -383,6 +387,9 @@ class Chunk:
     compute_event: Any = None
     d2h_event: Any = None
     in_map: bool = False  # a map() will hand out this chunk's result
+    # its future's cancel asked for its prepare to be stopped (processes=True): a prepare yet to
+    # start in a worker process never starts (Scheduler.stop_prepare)
+    stop_prepare: bool = False
     token: Any = None  # the accepting thread's hand-off token, observed when the chunk is admitted
     ending: Optional[ChunkState] = None  # FAILED or CANCELLED once draining
     error: Optional[BaseException] = None

@@ -30,8 +30,10 @@ pool and fails every task in it, running or queued). So:
   with the worker: its thread returns only once the process is gone, so the slot is reused only
   after that;
 * :meth:`ProcessPrepare.stop_task` (what cancelling one chunk's future calls first, for the same
-  reason) kills only the worker whose task is that chunk's (:attr:`ProcessPrepare.task` names
-  it): that task raises PrepareStopped, and a new worker takes the killed one's place.
+  reason) kills only the worker whose task is that chunk's (:meth:`ProcessPrepare.name_task`
+  names it): that task raises PrepareStopped, and a new worker takes the killed one's place; a
+  task named but not yet given a worker raises PrepareStopped without one (the thread that
+  names a task looks for a stop asked before it, :meth:`.Scheduler.stop_prepare`).
 
 Ordering: the task is submitted, and waited for, by the scheduler's CPU worker thread that owns
 the slot's prepare (its checked view declares the write on the simulated GPU); the slot's h2d is
@@ -49,6 +51,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 import traceback
 import weakref
 from multiprocessing import shared_memory
@@ -94,7 +97,7 @@ class _Worker:
     def __init__(self, ctx: Any, name: str, prepare: bytes):
         self.owner = os.getpid()  # a child forked from this process must never signal or join it
         self.ready = False  # its "ready" was read: it started (read before its first task's reply)
-        self.key: Any = None  # what its task now is for (ProcessPrepare.task.key: the chunk), or None
+        self.key: Any = None  # what its task now is for (ProcessPrepare.name_task: the chunk), or None
         self.stopped = False  # stop_task() killed it for its task: that task ends PrepareStopped
         conn, child = ctx.Pipe()
         try:
@@ -166,9 +169,11 @@ class ProcessPrepare:
         self._start_failures = 0  # workers that ended as they started since one was last ready
         self._broken: "RuntimeError | None" = None  # too many did: every task fails with this
         self.buffer: HostBuffer | None = None
-        # .key, set by the thread that calls this pool (the scheduler: the chunk whose prepare it
-        # runs), names its task for stop_task
+        # .key, set by name_task on the thread that calls this pool (the scheduler: the chunk
+        # whose prepare it runs), names its task for stop_task
         self.task = threading.local()
+        self._named: list = []  # the keys of the tasks named (name_task) and not yet ended
+        self._stop_asked: list = []  # those of _named that stop_task found no worker running
 
     def open(self) -> HostBuffer:
         """Make the shared block, register it with the device and start the workers; returns
@@ -234,6 +239,8 @@ class ProcessPrepare:
             whatever ``prepare`` raised in the worker (TypeError/ValueError for an array that is
             not one or does not fit).
             TypeError: the item cannot be pickled, or its worker could not unpickle it.
+            TypeError: prepare returned a structure whose layout cannot be pickled back (a named
+                tuple type pickle cannot find by its name, a dict key that does not pickle).
             TypeError: an array of a dtype this device's arrays cannot hold
                 (:meth:`~ringflow._device.protocol.Device.check_dtype`).
             RuntimeError: the worker process died while preparing the item.
@@ -247,11 +254,18 @@ class ProcessPrepare:
             raise TypeError(f"processes=True sends each item to a worker process, but this item cannot be pickled "
                             f"({describe(exc)}); submit items pickle can send (arrays, numbers, strings, paths, "
                             "objects of module-level classes), or use processes=False") from exc
+        key = getattr(self.task, "key", None)
         worker = self._take()
-        with self._lock:
-            worker.key = getattr(self.task, "key", None)
         settled = False  # the worker is between tasks again: it may serve the next one
         try:
+            with self._lock:
+                # a stop asked for this task before it had a worker (stop_task found none to
+                # kill): it is not sent, and the worker, given nothing, is idle again
+                settled = any(k is key for k in self._stop_asked)
+                if not settled:
+                    worker.key = key
+            if settled:
+                raise PrepareStopped("this item's future was cancelled before its prepare started")
             reply = self._run(worker, task)
             settled = True
         finally:
@@ -404,11 +418,27 @@ class ProcessPrepare:
             if worker in self._all:
                 self._all.remove(worker)
 
+    def name_task(self, key: Any) -> None:
+        """Name the task the calling thread is about to run (:meth:`__call__`) ``key`` (the
+        scheduler's chunk), for :meth:`stop_task`, until :meth:`unname_task`. A stop asked for
+        ``key`` before this call is the caller's to look for once this has returned."""
+        self.task.key = key
+        with self._lock:
+            self._named.append(key)
+
+    def unname_task(self) -> None:
+        """End the name :meth:`name_task` gave the calling thread's task; never raises."""
+        key, self.task.key = getattr(self.task, "key", None), None
+        with self._lock:
+            self._named = [k for k in self._named if k is not key]
+            self._stop_asked = [k for k in self._stop_asked if k is not key]
+
     def stop_task(self, key: Any) -> bool:
-        """Kill the worker running the task for ``key`` (see :attr:`task`; a cancelled chunk),
-        if one is: that task raises :class:`~ringflow._errors.PrepareStopped` once the process is
-        gone, the worker is never given another task, and a new one takes its place. Takes no
-        lock but this pool's own. Returns whether one was killed; never raises.
+        """Kill the worker running the task for ``key`` (see :meth:`name_task`; a cancelled
+        chunk), if one is: that task raises :class:`~ringflow._errors.PrepareStopped` once the
+        process is gone, the worker is never given another task, and a new one takes its place.
+        A task named but not yet given a worker raises PrepareStopped instead of being sent.
+        Takes no lock but this pool's own. Returns whether a worker was killed; never raises.
 
         A worker whose task has ended no longer has the key (cleared before its reply is handed
         back, under this pool's lock), so this never kills a worker running another task."""
@@ -417,6 +447,8 @@ class ProcessPrepare:
         with self._lock:
             worker = next((w for w in self._all if w.key is key and not w.stopped), None)
             if worker is None:
+                if any(k is key for k in self._named) and not any(k is key for k in self._stop_asked):
+                    self._stop_asked.append(key)
                 return False
             worker.stopped = True  # (never idle again: the kill below cannot reach a later task)
         worker.kill()
@@ -491,15 +523,18 @@ def _reserve(shm: Any, nbytes: int) -> None:
 
 def _end_all(workers: list, grace: float) -> None:
     """End every worker of ``workers`` (:meth:`_Worker.end`), all told to exit first, so that
-    they exit side by side; never raises."""
+    they exit side by side, within one ``grace`` between them (each is waited for what is left
+    of it: workers that do not exit are killed together, not one grace after another); never
+    raises."""
     workers = list(workers)
     for worker in workers:
         try:
             worker.conn.close()
         except Exception:  # noqa: BLE001 - cleanup never raises
             pass
+    deadline = time.monotonic() + grace
     for worker in workers:
-        worker.end(grace)
+        worker.end(max(0.0, deadline - time.monotonic()))
 
 
 def _said_ready(worker: _Worker) -> bool:
@@ -555,7 +590,23 @@ def _serve(conn: Any, name: str, prepare: bytes) -> None:
             task = conn.recv_bytes()  # (unpickled by _reply: an item that fails there fails alone)
         except (EOFError, OSError):  # the pipeline closed its end: no more tasks
             return
-        conn.send(_reply(task))
+        conn.send_bytes(_pickled_reply(_reply(task)))
+
+
+def _pickled_reply(reply: tuple) -> bytes:
+    """``reply`` pickled as ``Connection.send`` pickles it; where it cannot be (a structure
+    prepare returned whose layout holds a named tuple type or a dict key that pickle cannot
+    send), an error reply saying so, for the item alone: the worker, had its send raised, would
+    have died."""
+    try:
+        return ForkingPickler.dumps(reply)
+    except Exception as exc:  # noqa: BLE001 - what pickle raises varies (PicklingError, TypeError, ...)
+        text = "".join(traceback.format_exception(exc))
+        err = TypeError(f"prepare's result cannot be sent back from its worker process ({describe(exc)}); "
+                        "processes=True sends the layout of a tuple, list or dict of arrays back by pickle: "
+                        "a named tuple's type must be importable by the name it was made with, and dict keys "
+                        "must pickle (strings, numbers), or use processes=False")
+        return ForkingPickler.dumps(("error", err, text))
 
 
 def _attach(name: str, prepare: bytes) -> None:

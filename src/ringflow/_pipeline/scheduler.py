@@ -916,13 +916,16 @@ class Scheduler:
             where.buffer.view(np.uint8, offset=where.offset, count=where.nbytes, access="w")
         procs = self._procs
         if procs is not None:
-            procs.task.key = chunk  # (names the task: cancelling the chunk kills its worker)
+            procs.name_task(chunk)  # (cancelling the chunk kills its worker, or keeps it from being sent)
         try:
+            # named first, then looked at: a stop_prepare that found no name had set this before
+            if procs is not None and chunk.stop_prepare:
+                raise PrepareStopped("this item's future was cancelled before its prepare started")
             described = run_stage(self.stage_owner, "prepare", self.prepare, chunk.item, raw,  # (shape, dtype)[, packed layout]
                                   index=chunk.index)
         finally:
             if procs is not None:
-                procs.task.key = None
+                procs.unname_task()
         shape, dtype = described[0], np.dtype(described[1])
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > where.nbytes:
@@ -1600,12 +1603,23 @@ class Scheduler:
         driver's lock is taken, as ``Pipeline.cancel`` stops every prepare: on the simulated GPU a
         prepare runs on the thread that advances the device, holding its lock. Reads the chunk
         without the lock: a worker is killed only while its task is this chunk's
-        (:meth:`.ProcessPrepare.stop_task`). Returns whether a worker was killed; never raises."""
+        (:meth:`.ProcessPrepare.stop_task`). A prepare of the chunk not yet started (queued, or
+        the chunk still in the inbox) never starts: it raises PrepareStopped instead. Returns
+        whether a worker was killed; never raises."""
         procs = self._procs
         if procs is None:
             return False
         chunk = self.chunks.get(index)
-        return chunk is not None and chunk.state is ChunkState.PREPARING and procs.stop_task(chunk)
+        if chunk is None:  # (still in the inbox: admitted, it may start its prepare before the cancel)
+            with self.batch_lock:
+                chunk = next((c for c in self.inbox if c.index == index and c.members is None), None)
+        if chunk is None or chunk.state.final:
+            return False
+        # set before the pool is asked: a prepare not yet named there (queued, or about to start
+        # on the thread driving the simulated GPU, which the cancel waits for) sees it and never
+        # starts (_run_prepare)
+        chunk.stop_prepare = True
+        return chunk.state is ChunkState.PREPARING and procs.stop_task(chunk)
 
     def cancel_chunk(self, index: int) -> bool:
         """Cancel one accepted chunk (its future's ``cancel``); the rest go on. Returns False if
