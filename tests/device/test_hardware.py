@@ -604,3 +604,30 @@ def test_a_file_rewritten_in_place_with_its_size_and_time_kept_is_read_again(tmp
     assert (after.st_dev, after.st_ino, after.st_size, after.st_mtime_ns) == (
         before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns)
     assert hardware.load_profile(path) == other
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("kind", ["folder", "pipe"])
+def test_a_cached_entry_that_is_no_file_is_a_warning_that_says_to_remove_it(fresh_lookups, caplog, kind):
+    """A folder or a pipe at the cache path was warned about with "Run `ringflow doctor --save`
+    on this GPU to measure it again, or delete that file", after load_profile's own advice to give
+    a profile file inside the folder: doctor --save cannot write over either (it fails with "Is a
+    directory" or "not a regular file"), so the advice left the warning on every run."""
+    fresh_lookups.mkdir(parents=True)
+    path = fresh_lookups / "nvidia-h200-580.159.04.json"
+    if kind == "folder":
+        path.mkdir()
+    else:
+        os.mkfifo(path)
+    with caplog.at_level(logging.INFO, logger="ringflow"):
+        assert hardware.profile_for_gpu("NVIDIA H200") is H200_PCIE5
+        assert hardware.profile_for_gpu("NVIDIA H200") is H200_PCIE5
+    (text,) = _warnings(caplog)
+    assert str(path) in text and "not a file" in text and "remove it" in text, text
+    assert "inside it" not in text and "delete that file" not in text, text
+    with pytest.raises(OSError):
+        MEASURED.save(path)  # why removing it comes first
+

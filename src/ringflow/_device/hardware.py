@@ -31,6 +31,7 @@ import math
 import numbers
 import os
 import re
+import stat
 import threading
 from typing import Any, Optional
 
@@ -714,7 +715,8 @@ def profile_for_gpu(gpu_name: str, driver: "str | None" = None, *, device: Any =
     saved there; otherwise the ``h200-pcie5`` profile, with one note on the ``"ringflow"``
     logger. A cached file that cannot be used (not a valid profile, or one that records another
     GPU model, or another driver, than the one asked for) is logged as a warning, once while the
-    file is unchanged, and ``h200-pcie5`` used.
+    file is unchanged, and ``h200-pcie5`` used; so is a folder, device, pipe or socket at that
+    path, which the warning says to remove (``ringflow doctor --save`` cannot write over it).
 
     Args:
         gpu_name: the GPU's name as CUDA reports it ("NVIDIA H200").
@@ -727,9 +729,10 @@ def profile_for_gpu(gpu_name: str, driver: "str | None" = None, *, device: Any =
     driver = gpu_driver_version() if driver is None else driver
     path = cached_profile_path(gpu_name, driver)
     try:
-        state: "tuple | None" = _file_version(os.stat(path))
+        st: "os.stat_result | None" = os.stat(path)
     except OSError:
-        state = None
+        st = None
+    state = None if st is None else _file_version(st)
     key = (gpu_name, driver, path)
     with _for_gpu_lock:
         seen = _for_gpu.get(key)
@@ -753,6 +756,14 @@ def profile_for_gpu(gpu_name: str, driver: "str | None" = None, *, device: Any =
             logger.info("ringflow: no hardware profile cached for %s (driver %s) at %s; planning with the "
                         "h200-pcie5 profile. Run `ringflow doctor --save` once on this machine (or set %s=1) "
                         "to plan with this GPU's own figures", gpu_name, driver, path, CALIBRATE_VAR)
+            profile = H200_PCIE5
+        elif not stat.S_ISREG(st.st_mode):
+            # doctor --save replaces a file, and cannot replace a folder or a pipe: the advice for
+            # a bad file (measure again, or delete it) would leave this warning on every run
+            what = "a folder" if stat.S_ISDIR(st.st_mode) else "a device, pipe or socket"
+            logger.warning("ringflow: the cached hardware profile %r is not a file but %s, which `ringflow doctor "
+                           "--save` cannot write over; planning with the h200-pcie5 profile. To plan with this GPU's "
+                           "own figures, remove it, then run `ringflow doctor --save` on this GPU", path, what)
             profile = H200_PCIE5
         else:
             try:
