@@ -631,3 +631,31 @@ def test_a_cached_entry_that_is_no_file_is_a_warning_that_says_to_remove_it(fres
     with pytest.raises(OSError):
         MEASURED.save(path)  # why removing it comes first
 
+
+
+@pytest.mark.parametrize("kind", ["dangling", "loop"])
+def test_a_cached_link_that_leads_to_no_file_is_a_warning_not_a_missing_profile(fresh_lookups, caplog,
+                                                                                monkeypatch, kind):
+    """A symbolic link at the cache path that leads nowhere (its target deleted or on a share
+    not mounted) or round in a loop was taken for no cached profile: an INFO note that the
+    default logging hides, and with RINGFLOW_CALIBRATE=1 a measurement saved over the link."""
+    from ringflow import _doctor
+
+    fresh_lookups.mkdir(parents=True)
+    path = fresh_lookups / "nvidia-h200-580.159.04.json"
+    if kind == "dangling":
+        path.symlink_to(fresh_lookups / "gone.json")
+    else:
+        path.symlink_to(path)
+    calls = []
+    monkeypatch.setattr(_doctor, "calibrate", lambda dev, where: calls.append(where))
+    monkeypatch.setenv(hardware.CALIBRATE_VAR, "1")
+    with caplog.at_level(logging.INFO, logger="ringflow"):
+        assert hardware.profile_for_gpu("NVIDIA H200", device=object()) is H200_PCIE5
+        assert hardware.profile_for_gpu("NVIDIA H200", device=object()) is H200_PCIE5
+    (text,) = _warnings(caplog)
+    assert str(path) in text and "cannot read it" in text and "ringflow doctor --save" in text, text
+    assert calls == [] and path.is_symlink()  # the link is the user's: nothing measured over it
+    path.unlink()
+    MEASURED.save(path)  # what the warning says to do
+    assert hardware.profile_for_gpu("NVIDIA H200") == MEASURED

@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import datetime
+import errno
 import functools
 import json
 import logging
@@ -716,7 +717,9 @@ def profile_for_gpu(gpu_name: str, driver: "str | None" = None, *, device: Any =
     logger. A cached file that cannot be used (not a valid profile, or one that records another
     GPU model, or another driver, than the one asked for) is logged as a warning, once while the
     file is unchanged, and ``h200-pcie5`` used; so is a folder, device, pipe or socket at that
-    path, which the warning says to remove (``ringflow doctor --save`` cannot write over it).
+    path, which the warning says to remove (``ringflow doctor --save`` cannot write over it), and a
+    path that cannot be looked at (a symbolic link that leads to no file or loops), which is
+    neither measured over nor taken for a missing profile.
 
     Args:
         gpu_name: the GPU's name as CUDA reports it ("NVIDIA H200").
@@ -728,16 +731,34 @@ def profile_for_gpu(gpu_name: str, driver: "str | None" = None, *, device: Any =
     """
     driver = gpu_driver_version() if driver is None else driver
     path = cached_profile_path(gpu_name, driver)
+    unreadable: "OSError | None" = None
     try:
         st: "os.stat_result | None" = os.stat(path)
-    except OSError:
-        st = None
-    state = None if st is None else _file_version(st)
+    except OSError as exc:
+        st, unreadable = None, exc
+    # state None: nothing there. A symbolic link that leads to no file or loops, or a path this
+    # user cannot look into, is not that: it is the user's, not to be measured over or called missing
+    state: "tuple | None" = None if st is None else _file_version(st)
+    if unreadable is not None:
+        try:
+            link: "tuple | None" = _file_version(os.lstat(path))
+        except OSError:
+            link = None
+        if link is not None or unreadable.errno not in (errno.ENOENT, errno.ENOTDIR):
+            state = ("unreadable", unreadable.errno, link)
     key = (gpu_name, driver, path)
     with _for_gpu_lock:
         seen = _for_gpu.get(key)
         if seen is not None and seen[0] == state:
             return seen[1]
+        if unreadable is not None and state is not None:
+            reason = unreadable.strerror or type(unreadable).__name__
+            logger.warning("ringflow: the cached hardware profile %r: cannot read it (%s); planning with the "
+                           "h200-pcie5 profile. To plan with this GPU's own figures, mend or remove it (a symbolic "
+                           "link that leads to no file, or loops), then run `ringflow doctor --save` on this GPU",
+                           path, reason)
+            _for_gpu[key] = (state, H200_PCIE5)
+            return H200_PCIE5
         if state is None and device is not None and os.environ.get(CALIBRATE_VAR, "").strip() == "1":
             from .._doctor import calibrate
 
