@@ -662,3 +662,25 @@ def test_a_result_the_collector_releases_inside_a_close_or_a_release_never_waits
     done = subprocess.run([sys.executable, "-c", GC_SWEEP, mode, "60"], capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "swept 59" in done.stdout
+
+
+@pytest.mark.parametrize("taken", [False, True], ids=["first", "again"])
+def test_the_array_of_a_result_whose_device_was_closed_is_refused(taken):
+    """The device's memory went with its close: ``array`` handed out the slot all the same (on a
+    GPU, an array over freed memory that a later allocation may hold)."""
+    dev = rf.device("sim", seed=14, checked=True)
+    pipe = rf.Pipeline(f, device=dev, chunk_bytes=1024, deliver="device", slots=1)
+    res = pipe.submit(np.ones(4, np.float32)).result(timeout=10)
+    if taken:
+        res.array  # noqa: B018 - taken (and kept by the result) while the device was open
+    pipe.close()
+    dev.close()
+    with pytest.raises(RuntimeError, match=r"result 0's device .* was closed.*memory"):
+        _ = res.array
+    with pytest.raises(RuntimeError, match="was closed"):
+        with res:
+            pass
+    assert not res.released
+    res.release()
+    assert res.released
+
