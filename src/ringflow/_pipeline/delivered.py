@@ -98,7 +98,8 @@ class DeviceResult:
         """Hand the slot back once the work enqueued on ``stream`` so far is done (the GPU orders
         the reuse: this call does not wait). ``stream``: the stream the consumer's work on
         ``array`` runs on; None for the device's default stream (CuPy's and PyTorch's unless told
-        otherwise; on the simulated GPU, None orders after nothing). A second call does nothing.
+        otherwise; on the simulated GPU, None orders after nothing). A second call does nothing;
+        neither does ``stream`` once the device is closed (nothing runs on it any more).
 
         Raises:
             TypeError: ``stream`` is not a stream the device can record on.
@@ -106,7 +107,9 @@ class DeviceResult:
         with self._lock:
             if self._released:
                 return
-            event = self._device.record_on(stream)
+            # a closed device runs nothing more, so there is no work to order after (and no
+            # stream left to record on: recording raised, and the result stayed held)
+            event = None if self._device.closed else self._device.record_on(stream)
             self._released = True
             self._array = None
             self._finalizer.detach()
