@@ -662,3 +662,48 @@ def test_a_result_the_collector_releases_inside_a_close_or_a_release_never_waits
     done = subprocess.run([sys.executable, "-c", GC_SWEEP, mode, "60"], capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "swept 59" in done.stdout
+
+
+def _held_past_the_device(seed):
+    """A result still held once its pipeline and then its device were closed; returns it, with a
+    stream of that device on which the consumer read it."""
+    dev = rf.device("sim", seed=seed, checked=True)
+    user = dev.create_stream()
+    pipe = rf.Pipeline(f, device=dev, chunk_bytes=1024, deliver="device", slots=1)
+    res = pipe.submit(np.ones(4, np.float32)).result(timeout=10)
+    read_on(user, res)
+    pipe.close()  # the ring stays while the result is held
+    dev.close()  # its memory goes with the device
+    return res, user
+
+
+@pytest.mark.parametrize("taken", [False, True], ids=["first", "again"])
+def test_the_array_of_a_result_whose_device_was_closed_is_refused(taken):
+    """The device's memory went with its close: ``array`` handed out the slot all the same (on a
+    GPU, an array over freed memory that a later allocation may hold)."""
+    dev = rf.device("sim", seed=14, checked=True)
+    pipe = rf.Pipeline(f, device=dev, chunk_bytes=1024, deliver="device", slots=1)
+    res = pipe.submit(np.ones(4, np.float32)).result(timeout=10)
+    if taken:
+        res.array  # noqa: B018 - taken (and kept by the result) while the device was open
+    pipe.close()
+    dev.close()
+    with pytest.raises(RuntimeError, match=r"result 0's device .* was closed.*memory"):
+        _ = res.array
+    with pytest.raises(RuntimeError, match="was closed"):
+        with res:
+            pass
+    assert not res.released
+    res.release()
+    assert res.released
+
+
+@pytest.mark.parametrize("how", ["stream", "default"])
+def test_a_result_whose_device_was_closed_is_released_without_error(how):
+    """Nothing runs on a closed device, so its release has nothing to order after: it used to
+    record on the closed device (RuntimeError "this simulated device is closed" for a stream of
+    it), and the result stayed unreleased."""
+    res, user = _held_past_the_device(15)
+    res.release(stream=user if how == "stream" else None)
+    assert res.released and "released" in repr(res)
+    res.release(stream=user)  # twice: nothing

@@ -1130,3 +1130,30 @@ def test_a_device_closed_under_an_idle_pipeline_is_named_by_the_next_call(door, 
     pipe.close()
     assert d0.live().total == 0, d0.live()
     d0.close()
+
+
+@pytest.mark.parametrize("face", ["submit", "map"])
+def test_results_held_on_one_device_send_further_items_to_the_device_with_free_slots(face):
+    """One device-out slot on each of two devices; the consumer keeps the first result (its
+    device's only slot) and takes the rest one at a time, releasing each. The dispatcher counted
+    unfinished chunks only, not slots held by results: with both devices idle it sent items in
+    turn to the device whose slot is held, where they waited for a release that never came (the
+    held-results warning, then a TimeoutError), while the other device's slot stood free."""
+    devs = sims(2, 40)
+    with rf.Pipeline(f, device=devs, chunk_bytes=1024, deliver="device",
+                     slots=rf.SlotCounts(host_in=1, device_in=1, device_out=1, host_out=1)) as pipe:
+        kept = pipe.submit(np.full(4, -1, np.float32)).result(timeout=10)
+        items = [np.full(4, k, np.float32) for k in range(8)]
+        seen = []
+
+        def take():
+            results = (pipe.submit(a).result(timeout=10) for a in items) if face == "submit" else pipe.map(items)
+            for res in results:
+                seen.append(res._device)
+                res.release()
+
+        join([start(take)], timeout=JOIN_S)
+        assert len(seen) == 8 and kept._device not in seen, seen  # every item went where a slot was free
+        kept.release()
+    s = pipe.stats()
+    assert s.delivered == 9 and s.in_flight == 0 and s.balanced(), s

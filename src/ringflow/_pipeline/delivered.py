@@ -23,7 +23,7 @@ class DeviceResult:
     ``array`` is the result as ``compute`` wrote it: a CuPy or PyTorch array on a CUDA GPU (the
     framework the device uses), a launch argument on the simulated GPU; a tuple, list or dict
     of them for a result of several arrays (``shape`` and ``dtype`` are then None). It is valid until
-    :meth:`release`; use it as a context manager (``with res as y:``) to release on exit, or drop
+    :meth:`release`, or until its device is closed (its memory goes with it); use it as a context manager (``with res as y:``) to release on exit, or drop
     it: a collected result releases itself on the default stream. It cannot be pickled or
     copied (TypeError): copy its ``array`` instead.
 
@@ -62,13 +62,18 @@ class DeviceResult:
 
     @property
     def array(self) -> Any:
-        """The device array; raises RuntimeError once released (the slot may hold another result).
-        The calling thread is ordered after the compute that wrote it, whichever thread got the
-        result from its future (the caller may pass it on by means the simulated GPU's checker
-        cannot see)."""
+        """The device array; raises RuntimeError once released (the slot may hold another result)
+        or once its device is closed (its memory went with it). The calling thread is ordered
+        after the compute that wrote it, whichever thread got the result from its future (the
+        caller may pass it on by means the simulated GPU's checker cannot see)."""
         if self._released:
             raise RuntimeError(f"result {self.index} was released: its device memory now belongs to the pipeline "
                                "again; keep the result until your work on it is enqueued, then release it")
+        if self._device.closed:
+            # the close freed every buffer of the device, this slot's ring too: an array made
+            # now (or kept from before) would view memory a later allocation may hold
+            raise RuntimeError(f"result {self.index}'s device {self._device!r} was closed: its device memory went "
+                               "with it; use the result before closing its device")
         self._device.observe(self._token)
         if self._array is None:
             if isinstance(self._arg, tuple):
@@ -93,7 +98,8 @@ class DeviceResult:
         """Hand the slot back once the work enqueued on ``stream`` so far is done (the GPU orders
         the reuse: this call does not wait). ``stream``: the stream the consumer's work on
         ``array`` runs on; None for the device's default stream (CuPy's and PyTorch's unless told
-        otherwise; on the simulated GPU, None orders after nothing). A second call does nothing.
+        otherwise; on the simulated GPU, None orders after nothing). A second call does nothing;
+        neither does ``stream`` once the device is closed (nothing runs on it any more).
 
         Raises:
             TypeError: ``stream`` is not a stream the device can record on.
@@ -101,7 +107,9 @@ class DeviceResult:
         with self._lock:
             if self._released:
                 return
-            event = self._device.record_on(stream)
+            # a closed device runs nothing more, so there is no work to order after (and no
+            # stream left to record on: recording raised, and the result stayed held)
+            event = None if self._device.closed else self._device.record_on(stream)
             self._released = True
             self._array = None
             self._finalizer.detach()

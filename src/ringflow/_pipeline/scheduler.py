@@ -341,9 +341,11 @@ class Scheduler:
         return len(self.chunks)
 
     def load(self) -> int:
-        """The unfinished chunks, admitted or in the inbox: a look without the driver's lock, for a
-        dispatcher choosing where to send work (exact only at an instant it cannot hold)."""
-        return len(self.chunks) + len(self.inbox)
+        """The unfinished chunks, admitted or in the inbox, and the results delivered on the device
+        that are not yet released (each holds a slot the compute writes): a look without the
+        driver's lock, for a dispatcher choosing where to send work (exact only at an instant it
+        cannot hold)."""
+        return len(self.chunks) + len(self.inbox) + max(0, len(self.lent) - len(self.returns))
 
     def has_capacity(self) -> bool:
         return (self.accepting and len(self.chunks) + len(self.inbox) + self.unclaimed

@@ -3,7 +3,8 @@
 ``Pipeline(f, device=["cuda:0", "cuda:1"])`` (or ``"cuda:all"``, or ``["sim:0", "sim:1"]``) makes a
 :class:`SpreadPipeline`: an ordinary pipeline on each device (its own streams, rings, pinned
 memory and progress thread) and a dispatcher that sends each item to the one with the fewest
-unfinished chunks, skipping any whose device broke. ``map`` hands results back in submission
+unfinished chunks (and results delivered on the device not yet released), skipping any whose
+device broke, and any whose every slot is held by such results while another has a slot free. ``map`` hands results back in submission
 order (``ordered=False``: as they finish) whichever device ran them; ``stats`` adds the parts up;
 ``report`` gives one report with a trace per device.
 
@@ -84,12 +85,13 @@ class SpreadPipeline(Pipeline):
 
     # -- dispatch -------------------------------------------------------------------------------
     def _pick(self, skip: tuple = ()) -> Pipeline:
-        """The working part with the fewest unfinished chunks (ties: in turn), other than ``skip``."""
+        """The first of :meth:`_ranked` (the least loaded working part), other than ``skip``."""
         return self._ranked(skip)[0]
 
     def _ranked(self, skip: tuple = ()) -> list[Pipeline]:
-        """The working parts other than ``skip``, those with the fewest unfinished chunks first
-        (ties: in turn).
+        """The working parts other than ``skip``, those with the fewest unfinished chunks and
+        unreleased results delivered on the device first (ties: in turn); a part whose every slot
+        the compute writes is held by such results is left out while another is not.
 
         Raises:
             DeviceError: no part works, and one's device broke.
@@ -105,6 +107,11 @@ class SpreadPipeline(Pipeline):
                 raise broken
             stopped = next((p for p in self.parts if p._sched.first_error is not None), self.parts[0])
             raise stopped._sched.refusal()
+        # a part whose every slot the compute writes is held by results not yet released is left
+        # out while another works: an item sent there waits for a release, which may never come
+        # while its consumer waits for that item (the item waits for room on the others instead)
+        free = [p for p in working if not p._sched.held_by_results()]
+        working = free or working
         n = len(working)
         # (a look at each part's load without its lock, which its progress thread holds for a step;
         # sorted is stable: parts equally loaded stay in turn)
