@@ -33,7 +33,7 @@ from ringflow._pipeline import sharded, sizing
 from tests.helpers.hooks import engines
 from tests.helpers.interrupts import InterruptAt
 from tests.helpers.sim import named_sims
-from tests.helpers.threads import run_all
+from tests.helpers.threads import bounded, run_all
 
 MiB = 1 << 20
 
@@ -1019,3 +1019,36 @@ def test_two_calls_over_the_same_devices_at_once_both_return_their_results(monke
             assert np.array_equal(y, x * 2 + 1)
         assert devs[0].host._declared == {}
         assert_nothing_live(devs)
+
+
+@pytest.mark.parametrize("door", ["stream_map", "MapJob"])
+def test_a_compute_running_a_call_over_several_devices_of_its_own_never_waits_for_the_shard_threads(door, monkeypatch):
+    # the shards of every call queued on one shared, bounded pool of threads: a compute (run on
+    # a shard's thread) making a call over several devices queued that call's shards behind the
+    # outer call's, whose threads were all waiting for them, and the call hung for ever. A pool
+    # of two threads, as busy as the outer call's two shards keep it, shows the bound being met
+    pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="test-shard")
+    monkeypatch.setattr(sharded, "_threads", lambda: pool)
+    outer = [rf.device("sim", seed=s, checked=True) for s in (1, 2)]
+    inner = [rf.device("sim", seed=s, checked=True) for s in (3, 4)]
+    x = np.arange(1 << 12, dtype=np.float32)
+
+    def plus_one(a, b):
+        b[...] = a + 1
+
+    def f(a, b):
+        b[...] = rf.stream_map(plus_one, np.array(a), device=inner, chunk_bytes=1024) * 2
+
+    def call():
+        if door == "stream_map":
+            return rf.stream_map(f, x, device=outer, chunk_bytes=4096)
+        with rf.MapJob(f, x, device=outer, chunk_bytes=4096) as job:
+            return job().copy()
+
+    try:
+        np.testing.assert_array_equal(bounded(call, timeout=30), (x + 1) * 2)
+    finally:
+        pool.shutdown(wait=False)
+    rf.drop_warm_pipelines()
+    for dev in outer + inner:
+        assert dev.live().total == 0, dev.live()

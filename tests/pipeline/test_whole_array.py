@@ -122,3 +122,34 @@ def test_a_scalar_x_is_refused_with_advice_that_works(door, x):
         call(f, x, device="sim")
     assert np.atleast_1d(x).ndim == 1
     assert "np.asarray(x)" not in str(info.value)
+
+
+def test_register_refused_for_memory_another_threads_call_pins_names_that_call():
+    # the refusal named an open MapJob, a register_host buffer or another device, none of which
+    # the caller had made: the memory was pinned by a stream_map call running on another thread
+    from tests.helpers.hooks import engines
+    from tests.helpers.threads import start
+
+    dev = rf.device("sim", checked=True)
+    x = np.arange(1 << 12, dtype=np.float32)
+    refused: list = []
+
+    def f(a, b):
+        b[...] = a * 2
+
+    def other_call():
+        with pytest.raises(ValueError) as info:
+            rf.stream_map(f, x, device=dev, host="register", chunk_bytes=4096)
+        refused.append(str(info.value))
+
+    def while_pinned(_engine):  # the first call's arrays are registered now; it runs once this returns
+        if not refused:
+            start(other_call).result(timeout=60)
+
+    with engines(on=while_pinned):
+        y = rf.stream_map(f, x, device=dev, host="register", chunk_bytes=4096)
+    np.testing.assert_array_equal(y, x * 2)
+    assert len(refused) == 1
+    assert "a whole-array call in progress" in refused[0] and "host='stage'" in refused[0], refused[0]
+    rf.drop_warm_pipelines(dev)
+    assert dev.live().total == 0

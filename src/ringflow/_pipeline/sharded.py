@@ -34,6 +34,7 @@ import contextvars
 import dataclasses
 import functools
 import json
+import threading
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -58,6 +59,13 @@ _SHARD_THREADS = SharedThreads(_MAX_THREADS, "ringflow-shard")
 
 def _threads() -> concurrent.futures.ThreadPoolExecutor:
     return _SHARD_THREADS.get()
+
+
+# .running: this thread runs a shard now (set by _run_shard). A call over several devices made
+# from inside a shard (a compute running one of its own) waits for its shards while holding a
+# thread of the shared pool: queued there, behind shards whose threads all wait the same way,
+# they could never start, so such a call's shards get threads of their own (run_shards)
+_in_shard = threading.local()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +174,7 @@ def _run_shard(shard: Shard, works: list, caller_token: Any) -> Outcome:
     a failure's traceback: handed over in a list taken empty, ``work`` (which holds the call's
     arrays) is not kept there for as long as the caller keeps the failure."""
     work, dev, outcome = works.pop(), shard.device, Outcome()
+    _in_shard.running = True
     try:
         dev.observe(caller_token)  # ordered after everything the caller did on this device
         outcome.started = dev.now
@@ -176,6 +185,8 @@ def _run_shard(shard: Shard, works: list, caller_token: Any) -> Outcome:
             outcome.token = dev.publish()
     except BaseException as exc:  # noqa: BLE001 - every ending is reported to the caller, Ctrl-C included
         outcome.error = exc
+    finally:
+        _in_shard.running = False
     try:
         return outcome
     finally:
@@ -216,7 +227,22 @@ def run_shards(shards: Sequence[Shard], work: Callable[[Shard], Any],
     A second Ctrl-C is raised at once (one landing as a shard is handed to its thread is held
     until the shard's future is kept), and the shards are still settled before it propagates.
     ``undo``: called with the value of every shard that succeeded when the call raises anyway
-    (an interrupt), so that what the shards made is released rather than lost."""
+    (an interrupt), so that what the shards made is released rather than lost.
+
+    Called from inside a shard (a compute making a call over several devices of its own), the
+    shards run on threads started for this call, not on the shared pool."""
+    nested = getattr(_in_shard, "running", False)
+    pool = concurrent.futures.ThreadPoolExecutor(len(shards), "ringflow-shard-inner") if nested else _threads()
+    try:
+        return _run_on(pool, shards, work, undo)
+    finally:
+        if nested:
+            pool.shutdown(wait=False)  # every shard has ended: its threads exit as they find no work
+
+
+def _run_on(pool: concurrent.futures.ThreadPoolExecutor, shards: Sequence[Shard], work: Callable[[Shard], Any],
+            undo: Optional[Callable[[Any], None]]) -> list[Outcome]:
+    """:func:`run_shards` on the threads of ``pool``."""
     tokens = [s.device.publish() for s in shards]
     futures: list = []
     try:
@@ -233,7 +259,7 @@ def run_shards(shards: Sequence[Shard], work: Callable[[Shard], Any],
                     if shield is not None:
                         shield.holding += 1
                     try:
-                        futures.append(_threads().submit(ctx.run, _run_shard, shard, [work], token))
+                        futures.append(pool.submit(ctx.run, _run_shard, shard, [work], token))
                     finally:
                         if shield is not None:
                             shield.holding -= 1

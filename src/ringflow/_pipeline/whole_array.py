@@ -805,8 +805,8 @@ def register(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool, worke
 
 class PinnedAlready(ValueError):
     """``host="register"`` (asked for, or chosen by ``"auto"``) met an array whose memory is
-    pinned already: by an open :class:`~ringflow.MapJob` that registered it, a buffer from
-    ``register_host``, or another device. A GPU refuses to pin memory twice; ``"auto"`` stages
+    pinned already: by an open :class:`~ringflow.MapJob` that registered it, a whole-array call
+    in progress that registered it, a buffer from ``register_host``, or another device. A GPU refuses to pin memory twice; ``"auto"`` stages
     such an array instead, and an explicit ``"register"`` raises this."""
 
 
@@ -828,9 +828,11 @@ def _pin(dev: Device, arr: np.ndarray, name: str) -> HostBuffer:
         if err.sticky or _ALREADY_PINNED not in str(err):
             raise
         raise PinnedAlready(f"host='register' cannot pin {name}: its memory is pinned already, by an open MapJob "
-                            f"with host='register', a buffer from register_host, or another device ({err}); pass "
-                            f"that pinned buffer as {name}_buffer= (with the other side's), close what pins it "
-                            f"first, or use host='stage' (host='auto' stages it)") from None
+                            f"with host='register', a whole-array call in progress that registered it (on another "
+                            f"thread, or the call whose f this is), a buffer from register_host, or another device "
+                            f"({err}); pass that pinned buffer as {name}_buffer= (with the other side's), close "
+                            f"what pins it or let that call end first, or use host='stage' (host='auto' stages "
+                            f"it)") from None
 
 
 def parallel_first_touch(arr: np.ndarray, workers: int) -> None:
