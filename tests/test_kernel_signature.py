@@ -128,10 +128,7 @@ def test_a_read_only_array_where_the_kernel_writes_is_refused_by_name():
 def test_a_type_name_it_does_not_know_may_name_a_pointer(source):
     """A macro or a typedef may name a pointer type, written without a ``*``: a GPU launch
     passes an array there, so the simulated GPU takes one too."""
-    k = Kernel(source, "k", reference=lambda x, y: y.__setitem__(Ellipsis, x))
-    x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
-    k(x, y)
-    np.testing.assert_array_equal(y, x)
+    _copies_float32(source)
 
 
 @pytest.mark.parametrize("source", [
@@ -155,10 +152,7 @@ def test_a_parameter_list_with_preprocessor_lines_checks_nothing():
     source = ('extern "C" __global__ void k(const float* x, float* y,\n#ifdef WITH_SCALE\n    float a,\n#endif\n'
               '    size_t n) {}')
     assert read_params(source, "k") is None
-    k = Kernel(source, "k", reference=lambda x, y: y.__setitem__(Ellipsis, x))
-    x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
-    k(x, y)
-    np.testing.assert_array_equal(y, x)
+    _copies_float32(source)
 
 
 def test_type_specifiers_are_read_in_any_order():
@@ -181,12 +175,9 @@ def test_lines_joined_by_a_backslash_are_read_as_one():
               '    float* \\\r\n    y, size_t n) {}')
     params = read_params(source, "k")
     assert [p.text for p in params] == ["const float* x", "float* y", "size_t n"]
-    k = Kernel(source, "k", reference=lambda x, y: y.__setitem__(Ellipsis, x))
-    x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
-    k(x, y)
-    np.testing.assert_array_equal(y, x)
+    k = _copies_float32(source)
     with pytest.raises(TypeError, match=r"argument 1 is a float64 array, but parameter 1 \(float\* y\) reads float32"):
-        k(x, np.zeros(4))
+        k(np.zeros(4, np.float32), np.zeros(4))
 
 
 def test_a_second_definition_it_cannot_read_leaves_the_kernel_unchecked():
@@ -195,7 +186,14 @@ def test_a_second_definition_it_cannot_read_leaves_the_kernel_unchecked():
     source = ('#if 0\nextern "C" __global__ void k(const double* x, double* y, size_t n) {}\n#else\n'
               'extern "C" __global__ void __launch_bounds__((256)) k(const float* x, float* y, size_t n) {}\n#endif')
     assert read_params(source, "k") is None
+    _copies_float32(source)
+
+
+def _copies_float32(source: str) -> Kernel:
+    """A kernel ``k(x, y)`` of ``source`` whose reference copies ``x`` into ``y``, launched once on
+    float32 arrays (which it must take) and checked to have copied; returned for more calls."""
     k = Kernel(source, "k", reference=lambda x, y: y.__setitem__(Ellipsis, x))
     x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
     k(x, y)
     np.testing.assert_array_equal(y, x)
+    return k

@@ -290,15 +290,8 @@ def test_checked_mode_fails_only_the_items_whose_results_differ():
         np.multiply(x, np.float32(3 if x.size < 10 else 2), out=y)
 
     by_size.pointwise = True
-    xs = small_then_big(seed=10)
-    futs, outcomes, stats, chunks = run(by_size, xs)
-    assert chunks < len(xs) // 4, "items shared launches"
-    failed = [i for i, e in enumerate(outcomes) if e is not None]
-    assert failed == [5]
-    assert isinstance(outcomes[5], rf.StageError) and "pointwise=True" in str(outcomes[5].__cause__)
-    assert "item 5" in str(outcomes[5].__cause__)
-    assert all(np.array_equal(fu.result(), x * np.float32(2)) for i, (fu, x) in enumerate(zip(futs, xs)) if i != 5)
-    assert stats.failed == 1 and stats.in_flight == 0
+    cause = _fails_item_5_alone(by_size, seed=10)
+    assert "item 5" in str(cause)
 
 
 def test_an_item_whose_compute_raises_only_when_run_alone_fails_alone():
@@ -311,15 +304,8 @@ def test_an_item_whose_compute_raises_only_when_run_alone_fails_alone():
         np.multiply(x, np.float32(2), out=y)
 
     picky.pointwise = True
-    xs = small_then_big(seed=11)
-    futs, outcomes, stats, chunks = run(picky, xs)
-    assert chunks < len(xs) // 4, "items shared launches"
-    failed = [i for i, e in enumerate(outcomes) if e is not None]
-    assert failed == [5]
-    cause = outcomes[5].__cause__
+    cause = _fails_item_5_alone(picky, seed=11)
     assert "pointwise=True" in str(cause) and "too few elements" in str(cause.__cause__)
-    assert all(np.array_equal(fu.result(), x * np.float32(2)) for i, (fu, x) in enumerate(zip(futs, xs)) if i != 5)
-    assert stats.failed == 1 and stats.in_flight == 0
 
 
 # computes that keep the promise, each for the dtype kinds it applies to: floating point math
@@ -447,3 +433,19 @@ def test_checked_mode_fails_computes_marked_pointwise_that_are_not(name):
     assert all(isinstance(e, rf.StageError) and "pointwise=True" in str(e.__cause__) for e in failed)
     assert len(failed) >= len(xs) - chunks  # each shared launch's items but perhaps one alone
     assert stats.failed == len(failed) and stats.in_flight == 0
+
+
+def _fails_item_5_alone(compute, seed: int) -> BaseException:
+    """Run ``compute`` (marked pointwise) over :func:`small_then_big`'s items sharing launches in
+    checked mode, and check that item 5 alone failed, its cause naming ``pointwise=True``, while
+    every other item got twice its input; returns that cause."""
+    xs = small_then_big(seed=seed)
+    futs, outcomes, stats, chunks = run(compute, xs)
+    assert chunks < len(xs) // 4, "items shared launches"
+    failed = [i for i, e in enumerate(outcomes) if e is not None]
+    assert failed == [5]
+    assert isinstance(outcomes[5], rf.StageError) and "pointwise=True" in str(outcomes[5].__cause__)
+    assert all(np.array_equal(fu.result(), x * np.float32(2))
+               for i, (fu, x) in enumerate(zip(futs, xs, strict=True)) if i != 5)
+    assert stats.failed == 1 and stats.in_flight == 0
+    return outcomes[5].__cause__
