@@ -7,6 +7,8 @@ or into views and scratch arrays made outside them."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -269,6 +271,9 @@ def test_a_read_only_argument_refuses_a_write_while_captured():
     pytest.param(lambda x, y: np.copyto(y, x.reshape(3, 4).T.reshape(-1)), r"x\.reshape\(\) made a new",
                  id="a reshape that copies"),
     pytest.param(lambda x, y: np.divmod(x, 0.5, out=(y, None)), r"np\.divmod made a new", id="one of two outputs"),
+    pytest.param(lambda x, y: np.add(y, copy.copy(y), out=y), r"copy\.copy\(\) made a new shape \(12,\) float32",
+                 id="copy.copy"),
+    pytest.param(lambda x, y: np.add(x, copy.deepcopy(x), out=y), r"copy\.deepcopy\(\) made a new", id="copy.deepcopy"),
 ])
 def test_a_new_device_array_made_while_captured_abandons_the_capture(fn, match):
     """A temporary is device memory the framework's allocator hands out while the stream

@@ -320,6 +320,15 @@ class TapeArray(NDArrayOperatorsMixin):
                            f"on the host, or not an array); {tape.__name__} can use numpy operations, methods, "
                            f"indexing and {', '.join(sorted(_ATTRIBUTES))}")
 
+    def __copy__(self) -> Any:
+        # without it copy.copy would copy the stand-in, a second name for the same device array,
+        # where an array's copy is a new one: the callable's writes to it would land in the
+        # argument in every replay
+        return self._check().record(Method("copy"), (self,), {}, "copy.copy()")
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return self._check().record(Method("copy"), (self,), {}, "copy.deepcopy()")
+
     # -- the data on the host: what a capture cannot give ---------------------------------------
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         raise self._tape.refuse("np.asarray (or np.array) of a device array, a host array assigned from one, or "
