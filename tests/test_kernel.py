@@ -396,6 +396,29 @@ def test_kernel_as_compute_on_the_simulated_gpu():
     dev.close()
 
 
+@pytest.mark.parametrize("args, says", [
+    (lambda x, y: (x, y, [2.0]), r"argument 2 is list \[2\.0\].*np\.asarray"),
+    (lambda x, y: (x, y, None), "argument 2 is NoneType None"),
+    (lambda x, y: ([x], y, np.float32(2)), "argument 0 is list"),
+    (lambda x, y: (x, y, "a"), "argument 2 is str 'a'"),
+], ids=["list", "None", "list of an array", "str"])
+def test_a_kernel_called_while_a_simulated_gpu_captures_names_an_argument_that_is_no_array(args, says):
+    """As a call on numpy arrays does: a list or None among the stand-ins a capture hands the
+    launched callable is named as what it is, not as the scalar numpy would make of it."""
+    saxpy = make_saxpy()
+    n = 8
+    x, y = np.ones(n, np.float32), np.zeros(n, np.float32)
+    with pytest.raises(TypeError, match=f"kernel 'saxpy': {says}"):
+        saxpy(*args(x, y))
+    dev = rf.device("sim")
+    s, dx, dy = dev.create_stream(), dev.allocate(4 * n), dev.allocate(4 * n)
+    s.begin_capture()
+    with pytest.raises(TypeError, match=f"kernel 'saxpy': {says}"):
+        s.launch(lambda x, y: saxpy(*args(x, y)), dx.array(np.float32, n), dy.array(np.float32, n))
+    s.abort_capture()
+    dev.close()
+
+
 def _kinds():
     out = []
     for kind in ("cupy", "torch", "dlpack"):

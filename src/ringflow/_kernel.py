@@ -213,7 +213,7 @@ class Kernel:
                 raise TypeError(f"kernel {self.name!r} got arrays of the simulated GPU but has no reference; "
                                 "pass reference=<numpy function> to Kernel(...)")
             _check_stream(self.name, stream)
-            tape.record_call(self, args, {"stream": stream}, check=self._check_like_a_launch)
+            tape.record_call(self, args, {"stream": stream}, check=self._check_captured)
             return None
         arrays = [a for a in args if not isinstance(a, (np.generic, bool, int, float, complex))]
         if not arrays:
@@ -264,6 +264,19 @@ class Kernel:
         into device pointers and their element counts in ``sizes``: the fast path
         :meth:`ringflow._device.cuda.CudaStream.launch` takes for a kernel."""
         self._enqueue(cc_stream, device, kernel_args, sizes)
+
+    def _check_captured(self, args: tuple[Any, ...]) -> None:
+        """:meth:`_check_like_a_launch` for a call a simulated GPU's capture records, on its
+        arguments as they were then (a stand-in's shadow for each array).
+
+        Raises:
+            TypeError: first for an argument that is no array nor scalar (a list, None), as a
+                call on numpy arrays does, which the signature check would otherwise describe
+                as the scalar numpy makes of it; then as :meth:`_check_like_a_launch`.
+            ValueError: as :meth:`_check_like_a_launch`.
+        """
+        self._refuse_no_array(args)
+        self._check_like_a_launch(args)
 
     def _check_like_a_launch(self, args: tuple[Any, ...]) -> None:
         """Refuse the numpy arguments a launch on a GPU would refuse (a Python scalar, a strided
