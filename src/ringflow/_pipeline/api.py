@@ -390,7 +390,6 @@ class Pipeline:
         pipe._build(compute, stage_prepare=prepare, consume=consume, item_nbytes=item_nbytes,
                     host_in_buffer=host_in_buffer, host_out_buffer=host_out_buffer, max_chunks=max_chunks,
                     bulk=True, host_strides=host_strides, **options)
-        pipe._names_closed_device = False  # the job's caller made no pipeline: the device's own error speaks
         return pipe
 
     def _build(self, compute: Callable, *, device=None, user_prepare: Optional[Callable] = None,
@@ -488,6 +487,9 @@ class Pipeline:
         # a stream of items gets its results in pinned pool arrays (docs/design.md, "Pinned
         # staging and results"); a whole-array job has the caller's out or its own host-out ring
         self._pool = None if bulk else host_pool.pool_for(self.device)
+        # a device closed under the pipeline is named by the next call (_check_open); a
+        # whole-array job's caller made no pipeline, so there the device's own error speaks
+        self._names_closed_device = not bulk
         results = self._pool if deliver == "host" else None
         source_of = functools.partial(_pinned_source, self.device) if self._items_are_arrays else None
         self._recorder = _Recorder(self.device, chunk_bytes, counts, workers) if profile else None
@@ -1551,9 +1553,6 @@ class Pipeline:
         self._sched.close()
         if self._recorder is not None:
             self._recorder.stop()
-
-    # a device closed under the pipeline is named by the next call (see _check_open)
-    _names_closed_device = True
 
     def _check_open(self) -> None:
         if self._closed:
