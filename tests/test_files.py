@@ -21,6 +21,41 @@ def test_a_file_is_replaced_whole(tmp_path):
     assert path.read_text() == "new" and os.listdir(tmp_path) == ["r.json"]
 
 
+def test_the_contents_reach_the_disk_before_the_name_is_moved_over(tmp_path, monkeypatch):
+    """A crash (power loss) just after the move must not leave an empty or partial file under the
+    name: a file system may commit the rename before the data, unless the data is synced first."""
+    path = tmp_path / "r.json"
+    path.write_text("old")
+    steps = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        steps.append(("fsync", os.readlink(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else fd))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        steps.append(("replace", os.fspath(src)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    _files.write_whole(path, "new")
+    assert [s[0] for s in steps][:2] == ["fsync", "replace"], steps
+    assert steps[0][1] == steps[1][1] or not os.path.exists("/proc/self/fd")  # the temporary file's data
+    assert path.read_text() == "new"
+
+
+def test_a_file_system_that_cannot_sync_still_takes_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "r.json"
+
+    def fsync(fd):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    _files.write_whole(path, "new")
+    assert path.read_text() == "new" and os.listdir(tmp_path) == ["r.json"]
+
+
 @pytest.mark.parametrize("name", ["r\0.json", b"r\0.json"], ids=repr)
 def test_a_name_with_a_nul_byte_is_an_os_error_that_names_it(tmp_path, name):
     """open()'s bare ValueError, 'embedded null byte', escaped save_trace, plot and every other

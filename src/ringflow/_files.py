@@ -1,6 +1,7 @@
 """Files ringflow reads and writes for the user (a trace, bench results, a doctor report, a
-hardware profile). Each is written whole: a reader never sees half of one, and a write that fails
-(a full disk, Ctrl-C) leaves the file as it was and nothing beside it. A name that is a device,
+hardware profile). Each is written whole: a reader never sees half of one, a write that fails
+(a full disk, Ctrl-C) leaves the file as it was and nothing beside it, and the contents are on
+the disk before the name points at them. A name that is a device,
 pipe or socket is refused by every reader and writer alike (:func:`is_special`)."""
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ def write_whole(path: "str | os.PathLike", text: "str | bytes") -> str:
         binary = isinstance(text, bytes)
         with open(tmp, "wb" if binary else "w", encoding=None if binary else "utf-8") as fh:
             fh.write(text)
+            # the data reaches the disk before the name does: a file system may commit the
+            # rename first, and a crash between the two would leave an empty file under the name
+            fh.flush()
+            try:
+                os.fsync(fh.fileno())
+            except OSError as exc:  # a file system that cannot sync (some FUSE ones) still takes the file
+                if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+                    raise
         os.replace(tmp, path)
     except BaseException as exc:  # a failed write, or Ctrl-C: the temporary file goes too
         try:
