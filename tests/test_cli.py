@@ -114,6 +114,10 @@ def bad_files(tmp_path_factory):
 MISTAKES = [
     (["plan", "--bytes", "abc"], "plan", "argument --bytes: 'abc' is not a size (use e.g. 512MiB, 1GiB or 1073741824)"),
     (["plan", "--bytes", "-1"], "plan", "argument --bytes: '-1'"),
+    # (a negative size with a unit was taken for an option: "expected one argument", naming no value)
+    (["plan", "--bytes", "-1KiB"], "plan", "argument --bytes: '-1KiB'"),
+    (["plan", "--chunk", "-8MiB"], "plan", "argument --chunk: '-8MiB'"),
+    (["plan", "--bytes", "-.5GiB"], "plan", "argument --bytes: '-.5GiB'"),
     (["plan", "--bytes", "nan"], "plan", "argument --bytes: 'nan'"),
     (["plan", "--bytes", "inf"], "plan", "argument --bytes: 'inf'"),
     (["plan", "--bytes", "1e400"], "plan", "argument --bytes: '1e400'"),

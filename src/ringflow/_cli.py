@@ -632,7 +632,8 @@ def main(argv: "list[str] | None" = None) -> int:
         parser = build_parser()
         debug = os.environ.get(DEBUG_VAR, "").strip() not in ("", "0")
         parsed: list = []
-        words = sys.argv[1:] if argv is None else argv
+        words = _negatives_joined(sys.argv[1:] if argv is None else list(argv))
+        argv = words
         # a subcommand's help names it, as its errors do; the top-level parser takes only options
         named = words[0] if words and words[0] in parser._ringflow_commands else None  # type: ignore[attr-defined]
         status = _guarded(f"ringflow {named}" if named else "ringflow", debug, lambda: _parse(parser, argv, parsed))
@@ -640,6 +641,29 @@ def main(argv: "list[str] | None" = None) -> int:
             return status
         args = parsed[0]
         return _guarded(f"ringflow {args.command}", debug, lambda: args.func(args))
+
+
+def _negatives_joined(words: list) -> list:
+    """``words`` with each long option followed by a negative value (``--bytes -1KiB``) joined
+    into one word (``--bytes=-1KiB``): argparse takes a word that starts with ``-`` and is not a
+    plain number for an option, and says only "expected one argument", naming no value, where
+    the option's own check names the value and what it takes. No option of this command line is
+    spelt ``-`` and a digit."""
+    joined: list = []
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if (isinstance(word, str) and word.startswith("--") and "=" not in word and i + 1 < len(words)
+                and isinstance(words[i + 1], str) and _NEGATIVE.match(words[i + 1])):
+            joined.append(f"{word}={words[i + 1]}")
+            i += 2
+            continue
+        joined.append(word)
+        i += 1
+    return joined
+
+
+_NEGATIVE = re.compile(r"-\.?\d")
 
 
 def _parse(parser: argparse.ArgumentParser, argv: "list[str] | None", parsed: list) -> int:
