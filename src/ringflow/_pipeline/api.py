@@ -1736,6 +1736,7 @@ class Pipeline:
 
     @property
     def scheduler(self) -> Scheduler:
+        """The pipeline's scheduler (internal: its state for tests and diagnostics)."""
         return self._sched
 
     def _step(self) -> bool:
