@@ -100,7 +100,8 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
             call of the same shape; :func:`ringflow.drop_warm_pipelines` releases them.
         inplace: ``f`` gets the same device array as ``x`` and ``y`` (one device ring, not two).
         slots: slots per ring: None (planned), an int, or a :class:`ringflow.SlotCounts`.
-        workers: CPU threads for staging (None: one per core but one).
+        workers: CPU threads for staging (None: on a GPU one per core but one, at most 16; 4 on
+            the simulated GPU).
         checked: poison every released slot so a premature reuse gives a wrong result.
         on_error: ``"raise"`` stops at the first failed chunk; ``"continue"`` completes the
             others, then raises the first failure.
