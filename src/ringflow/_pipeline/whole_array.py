@@ -62,8 +62,8 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
         f: the compute, called as ``f(x, y)`` with device arrays (numpy on the simulated GPU, CuPy
             or PyTorch on a real one) of one chunk; it must write its result into ``y`` and return
             None. A ``sim_seconds`` attribute (seconds, or a function of the chunk's bytes) sets its
-            duration on the simulated GPU, and tells the planner its cost on any device (a
-            finite number >= 0, else a ValueError naming it). A call whose arguments are an
+            duration on the simulated GPU, and tells the planner its cost on any device (seconds
+            from 0 to 1e6, else a ValueError naming it). A call whose arguments are an
             earlier call's (the same ``f``, device object, buffers and options, and arrays of the
             same memory and layout) reuses that call's checks and plan; the attribute is read again
             when it is replaced, not when a function it names would now answer otherwise.
