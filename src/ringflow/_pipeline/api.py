@@ -1721,8 +1721,9 @@ class Pipeline:
     # -- introspection ---------------------------------------------------------------------------
     @shielded_call
     def stats(self) -> PipelineStats:
-        """Counts of accepted, delivered, failed, cancelled and in-flight chunks, taken at one
-        instant: ``accepted == delivered + failed + cancelled + in_flight``."""
+        """Counts of accepted, delivered, failed, cancelled and in-flight items (each item once,
+        whether or not it shares a chunk with others), taken at one instant:
+        ``accepted == delivered + failed + cancelled + in_flight``."""
         with self._driver.hold():
             return self._sched.stats()
 
