@@ -69,6 +69,7 @@ class SlotCounts:
 
     @property
     def pinned_slots(self) -> int:
+        """Slots of pinned host memory: ``host_in + host_out``."""
         return self.host_in + self.host_out
 
     def minus(self, ring: str) -> "SlotCounts":

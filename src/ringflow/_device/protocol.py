@@ -775,7 +775,7 @@ Waitable = "Event | HostTask"
 
 
 class Device(_ClosedOnExit):
-    """One GPU (or the simulated one). Made by :func:`ringflow._device`."""
+    """One GPU (or the simulated one). Made by :func:`ringflow.device`."""
 
     backend: str  # "cuda" or "sim"
     name: str
@@ -788,7 +788,10 @@ class Device(_ClosedOnExit):
 
     @property
     @abc.abstractmethod
-    def capabilities(self) -> Capabilities: ...
+    def capabilities(self) -> Capabilities:
+        """What the device can do: its name, backend, compute capability, SM count, copy
+        engines, whether kernels run concurrently, stream-ordered memory pools, stream
+        priorities, host registration, unified addressing and total memory (bytes)."""
 
     @property
     def hardware(self) -> "HardwareProfile":
@@ -957,6 +960,7 @@ class Device(_ClosedOnExit):
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` has run (every later call on the device raises)."""
         return bool(getattr(self, "_closed", False))
 
     @abc.abstractmethod

@@ -311,8 +311,9 @@ class Pipeline:
     count), so chunks lose the overlap of compute and copy back.
 
     ``like`` gives the results as another framework's arrays over the same memory: ``"torch"``
-    (host results as CPU tensors, device results as CUDA tensors) or ``"cupy"`` (device results);
-    None keeps numpy on the host and the device's framework on the device.
+    (host results as CPU tensors, device results as CUDA tensors), ``"cupy"`` (device results
+    only) or ``"numpy"`` (host results only; a ValueError otherwise); None keeps numpy on the
+    host and the device's framework on the device.
 
     ``coalesce`` (on by default) lets ``submit`` put small plain-array items in a chunk other
     items share: an item submitted while the pipeline is busy (the chunk before it not yet
@@ -332,7 +333,8 @@ class Pipeline:
     pool arrays, which it reads in place).
 
     ``slots`` (None: derived by :mod:`ringflow._plan`; an int for every ring; or a
-    :class:`SlotCounts`) and ``chunk_bytes`` (the slot size) bound pinned memory at
+    :class:`SlotCounts`) and ``chunk_bytes`` (the slot size in bytes, an int or a size such as
+    ``"8MiB"``; None for 8 MiB; not ``"auto"``, which is for whole arrays) bound pinned memory at
     ``(slots.host_in + slots.host_out) * chunk_bytes``, which ``pinned_budget`` (bytes) caps: planned
     slots shrink to fit it, explicit ones that do not fit are refused. At most ``max_in_flight`` accepted
     chunks are unfinished (including results a ``map`` has not handed out yet; items sharing a
@@ -362,10 +364,10 @@ class Pipeline:
 
     def __init__(self, compute: Callable, *, device: "Device | str | None" = None, prepare: Optional[Callable] = None,
                  consume: Optional[Callable] = None, slots: "int | SlotCounts | None" = None,
-                 chunk_bytes: Optional[int] = None, max_in_flight: Optional[int] = None, ordered: bool = True,
+                 chunk_bytes: "int | str | None" = None, max_in_flight: Optional[int] = None, ordered: bool = True,
                  on_error: str = "raise", profile: bool = False, workers: Optional[int] = None,
                  inplace: bool = False, checked: bool = False, item_nbytes: Optional[Callable] = None,
-                 pinned_budget: Optional[int] = None, output: "tuple | Callable | None" = None,
+                 pinned_budget: "int | str | None" = None, output: "tuple | Callable | None" = None,
                  deliver: str = "host", processes: bool = False, like: Optional[str] = None,
                  fill: Optional[str] = None, coalesce: bool = True):
         # every public call runs with Ctrl-C taken at its checkpoints only (sigint.py; docs/design.md,
@@ -1719,8 +1721,9 @@ class Pipeline:
     # -- introspection ---------------------------------------------------------------------------
     @shielded_call
     def stats(self) -> PipelineStats:
-        """Counts of accepted, delivered, failed, cancelled and in-flight chunks, taken at one
-        instant: ``accepted == delivered + failed + cancelled + in_flight``."""
+        """Counts of accepted, delivered, failed, cancelled and in-flight items (each item once,
+        whether or not it shares a chunk with others), taken at one instant:
+        ``accepted == delivered + failed + cancelled + in_flight``."""
         with self._driver.hold():
             return self._sched.stats()
 
@@ -1734,6 +1737,7 @@ class Pipeline:
 
     @property
     def scheduler(self) -> Scheduler:
+        """The pipeline's scheduler (internal: its state for tests and diagnostics)."""
         return self._sched
 
     def _step(self) -> bool:

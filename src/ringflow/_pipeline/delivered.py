@@ -91,6 +91,7 @@ class DeviceResult:
 
     @property
     def released(self) -> bool:
+        """Whether :meth:`release` has run (then, or once its device is closed, ``array`` raises)."""
         return self._released
 
     @shielded_call  # a Ctrl-C waits until the slot is handed back (raised as the call returns)

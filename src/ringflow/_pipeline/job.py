@@ -303,6 +303,8 @@ class MapJob:
 
     @property
     def closed(self) -> bool:
+        """Whether the job is closed: by :meth:`close`, or by a call that failed or was stopped by
+        Ctrl-C; a closed job refuses calls (RuntimeError)."""
         return self._held.engine is None
 
     @property

@@ -104,6 +104,7 @@ class ChunkState(enum.Enum):
 
     @property
     def final(self) -> bool:
+        """Whether the chunk has ended: delivered, failed or cancelled."""
         return self in (ChunkState.DELIVERED, ChunkState.FAILED, ChunkState.CANCELLED)
 
 

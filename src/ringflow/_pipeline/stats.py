@@ -7,8 +7,9 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class PipelineStats:
-    """A snapshot. At all times ``accepted == delivered + failed + cancelled + in_flight``;
-    after ``close()`` or ``cancel()`` returns, ``in_flight == 0``."""
+    """A snapshot of a pipeline's item counts (an item counts once, whether or not it shares a
+    chunk). At all times ``accepted == delivered + failed + cancelled + in_flight``; after
+    ``close()`` or ``cancel()`` returns, ``in_flight == 0``."""
 
     accepted: int
     delivered: int

@@ -62,8 +62,8 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
         f: the compute, called as ``f(x, y)`` with device arrays (numpy on the simulated GPU, CuPy
             or PyTorch on a real one) of one chunk; it must write its result into ``y`` and return
             None. A ``sim_seconds`` attribute (seconds, or a function of the chunk's bytes) sets its
-            duration on the simulated GPU, and tells the planner its cost on any device (a
-            finite number >= 0, else a ValueError naming it). A call whose arguments are an
+            duration on the simulated GPU, and tells the planner its cost on any device (seconds
+            from 0 to 1e6, else a ValueError naming it). A call whose arguments are an
             earlier call's (the same ``f``, device object, buffers and options, and arrays of the
             same memory and layout) reuses that call's checks and plan; the attribute is read again
             when it is replaced, not when a function it names would now answer otherwise.
@@ -100,7 +100,8 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
             call of the same shape; :func:`ringflow.drop_warm_pipelines` releases them.
         inplace: ``f`` gets the same device array as ``x`` and ``y`` (one device ring, not two).
         slots: slots per ring: None (planned), an int, or a :class:`ringflow.SlotCounts`.
-        workers: CPU threads for staging (None: one per core but one).
+        workers: CPU threads for staging (None: on a GPU one per core but one, at most 16; 4 on
+            the simulated GPU).
         checked: poison every released slot so a premature reuse gives a wrong result.
         on_error: ``"raise"`` stops at the first failed chunk; ``"continue"`` completes the
             others, then raises the first failure.

@@ -152,6 +152,34 @@ def bottleneck_of(records: Sequence[ChunkRecord], workers: int, compute_lanes: i
 
 @dataclasses.dataclass(repr=False)
 class Report:
+    """What a profiled run did: the figures below, its timeline (for :meth:`save_trace` and
+    :meth:`plot`), and ``print(report)`` as a table. Times are in seconds (virtual on the
+    simulated GPU); the figures cover the chunks that delivered.
+
+    Attributes:
+        timeline: every chunk's stage spans and the stalls, as recorded.
+        chunks: chunks that delivered.
+        bytes_in: bytes of input those chunks carried.
+        measured_s: first accepted chunk to last ended, seconds.
+        stage_median_s: per stage (``"prepare"``, ``"h2d"``, ``"compute"``, ``"d2h"``,
+            ``"consume"``), a chunk's median duration, seconds (0.0 for a stage that did not run).
+        stage_spread_s: per stage, the ``(p10, p90)`` of a chunk's duration, seconds.
+        workers: CPU worker lanes the ideal bound counts.
+        bottleneck: the resource with the most work per chunk over its lanes (``"h2d"``,
+            ``"compute"``, ``"d2h"``, ``"cpu (prepare+consume)"``; ``"none"`` without chunks).
+        ideal_s: the ideal bound, seconds: the least time the chunks' own stage times allow.
+        efficiency: ``ideal_s / measured_s`` (NaN when nothing was measured).
+        latency_s: a chunk's accepted-to-ended time at ``"p50"``, ``"p95"`` and ``"p99"``, seconds.
+        throughput_GBps: ``bytes_in / measured_s`` in GB/s (10^9 bytes a second).
+        stall_s: per kind of stall (a producer blocked, a stage waiting for a slot, ...), the
+            total seconds.
+        memory: bytes of pinned and device memory allocated and their high-water marks
+            (``"pinned allocated"``, ``"pinned high-water"``, ``"device allocated"``,
+            ``"device high-water"``).
+        host_overhead_per_chunk_s: the scheduler's (or the direct engine's enqueue) host time
+            per chunk, seconds.
+    """
+
     timeline: Timeline
     chunks: int
     bytes_in: int
