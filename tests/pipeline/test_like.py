@@ -14,6 +14,13 @@ def f(x, y):
     y[...] = x * 2 + 1
 
 
+def copy(x, y):
+    if isinstance(x, tuple):
+        y[0][...], y[1]["k"][...] = x[0], x[1]["k"]
+    else:
+        y[...] = x
+
+
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 
@@ -50,6 +57,8 @@ def test_like_torch_gives_tensors_over_the_pinned_results():
 
     with rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=4096, like="torch") as pipe:
         r = pipe.submit(np.arange(4, dtype=np.float32)).result()
+    with rf.Pipeline(copy, device=rf.device("sim"), chunk_bytes=4096, like="torch") as pipe:
         t = pipe.submit((np.ones(2, np.float32), {"k": np.zeros(3, np.int16)})).result()
     assert isinstance(r, torch.Tensor) and r.tolist() == [1.0, 3.0, 5.0, 7.0]
     assert isinstance(t[0], torch.Tensor) and isinstance(t[1]["k"], torch.Tensor)
+    assert t[0].tolist() == [1.0, 1.0] and t[1]["k"].tolist() == [0, 0, 0]
