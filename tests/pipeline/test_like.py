@@ -62,3 +62,18 @@ def test_like_torch_gives_tensors_over_the_pinned_results():
     assert isinstance(r, torch.Tensor) and r.tolist() == [1.0, 3.0, 5.0, 7.0]
     assert isinstance(t[0], torch.Tensor) and isinstance(t[1]["k"], torch.Tensor)
     assert t[0].tolist() == [1.0, 1.0] and t[1]["k"].tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+@pytest.mark.parametrize("dtype", list("?bBhHiIlLqQefdFD"))
+def test_like_torch_gives_a_tensor_for_every_device_dtype_however_numpy_spells_it(dtype, coalesce):
+    # numpy has two scalar types for one 64-bit dtype ('L' and 'Q' are both uint64 on Linux,
+    # equal as dtypes): PyTorch takes only one of each pair, by its type, not its size
+    torch = pytest.importorskip("torch")
+    x = np.arange(6).astype(dtype).reshape(2, 3)
+    with rf.Pipeline(copy, device=rf.device("sim"), chunk_bytes=4096, like="torch", coalesce=coalesce) as pipe:
+        r = pipe.submit(x).result(timeout=30)
+        packed = pipe.submit((x, {"k": x[:1]})).result(timeout=30)
+    assert isinstance(r, torch.Tensor) and tuple(r.shape) == (2, 3)
+    assert np.array_equal(r.numpy(), x) and r.numpy().dtype == x.dtype
+    assert isinstance(packed[1]["k"], torch.Tensor) and np.array_equal(packed[1]["k"].numpy(), x[:1])

@@ -26,8 +26,7 @@ def converter(like: Optional[str], deliver: str, backend: str) -> Optional[Calla
                              "choose like='numpy' or like='torch'")
         if like == "numpy":
             return None
-        torch = _import("torch", like)
-        return torch.from_numpy
+        return _host_tensor(_import("torch", like))
     if like == "numpy":
         raise ValueError("like='numpy' cannot hold results on the device; choose 'cupy' or 'torch', or "
                          "deliver='host'")
@@ -39,6 +38,19 @@ def converter(like: Optional[str], deliver: str, backend: str) -> Optional[Calla
         return cupy.asarray
     torch = _import("torch", like)
     return lambda a: torch.as_tensor(a, device="cuda")
+
+
+def _host_tensor(torch: Any) -> Callable[[Any], Any]:
+    """``torch.from_numpy`` over a result viewed as its dtype's own numpy type: numpy has two
+    scalar types for one 64-bit integer dtype (``np.ulonglong`` and ``np.ulong`` on Linux, equal
+    as dtypes), and PyTorch takes only one of each pair."""
+    import numpy as np
+
+    def convert(a: Any) -> Any:
+        own = np.dtype(a.dtype.str)  # the dtype's sized type: the one PyTorch knows
+        return torch.from_numpy(a if a.dtype.type is own.type else a.view(own))
+
+    return convert
 
 
 def _import(name: str, like: str) -> Any:
