@@ -77,3 +77,31 @@ def test_like_torch_gives_a_tensor_for_every_device_dtype_however_numpy_spells_i
     assert isinstance(r, torch.Tensor) and tuple(r.shape) == (2, 3)
     assert np.array_equal(r.numpy(), x) and r.numpy().dtype == x.dtype
     assert isinstance(packed[1]["k"], torch.Tensor) and np.array_equal(packed[1]["k"].numpy(), x[:1])
+
+
+@pytest.mark.parametrize("coalesce", [False])
+def test_like_torch_a_result_torch_refuses_fails_its_item_alone_by_name(monkeypatch, coalesce):
+    # an older PyTorch has no uint16 tensors: its from_numpy refuses them as this one does
+    torch = pytest.importorskip("torch")
+    from_numpy = torch.from_numpy
+
+    def old_from_numpy(a):
+        if a.dtype == np.uint16:
+            raise TypeError("can't convert np.ndarray of type numpy.uint16. The only supported types are: ...")
+        return from_numpy(a)
+
+    monkeypatch.setattr(torch, "from_numpy", old_from_numpy)
+    with rf.Pipeline(copy, device=rf.device("sim"), chunk_bytes=1 << 16, like="torch", coalesce=coalesce,
+                     on_error="continue") as pipe:
+        items = [np.full(100, i, np.uint16 if i % 3 == 1 else np.float32) for i in range(30)]
+        futs = [pipe.submit(x) for x in items]
+        for i, fut in enumerate(futs):
+            if i % 3 == 1:
+                with pytest.raises(rf.StageError) as info:
+                    fut.result(timeout=30)
+                assert "like='torch'" in str(info.value) and "uint16" in str(info.value)
+                assert "like unset" in str(info.value)
+            else:
+                assert fut.result(timeout=30).tolist() == [float(i)] * 100
+        assert pipe.submit(np.ones(3, np.float32)).result(timeout=30).tolist() == [1.0] * 3
+        assert pipe.stats().failed == 10

@@ -43,12 +43,18 @@ def converter(like: Optional[str], deliver: str, backend: str) -> Optional[Calla
 def _host_tensor(torch: Any) -> Callable[[Any], Any]:
     """``torch.from_numpy`` over a result viewed as its dtype's own numpy type: numpy has two
     scalar types for one 64-bit integer dtype (``np.ulonglong`` and ``np.ulong`` on Linux, equal
-    as dtypes), and PyTorch takes only one of each pair."""
+    as dtypes), and PyTorch takes only one of each pair. A result PyTorch refuses (unsigned
+    16-, 32- and 64-bit ones in older releases) raises TypeError naming ``like`` and the dtype."""
     import numpy as np
 
     def convert(a: Any) -> Any:
         own = np.dtype(a.dtype.str)  # the dtype's sized type: the one PyTorch knows
-        return torch.from_numpy(a if a.dtype.type is own.type else a.view(own))
+        try:
+            return torch.from_numpy(a if a.dtype.type is own.type else a.view(own))
+        except (TypeError, ValueError, RuntimeError) as exc:  # what from_numpy raises varies
+            raise TypeError(f"like='torch': a result of dtype {a.dtype} cannot be a tensor of this PyTorch "
+                            f"{torch.__version__} ({exc}); return a dtype it has from the compute, or leave like "
+                            f"unset and convert the numpy result yourself") from exc
 
     return convert
 
