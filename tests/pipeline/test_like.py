@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 
 import numpy as np
@@ -79,9 +80,8 @@ def test_like_torch_gives_a_tensor_for_every_device_dtype_however_numpy_spells_i
     assert isinstance(packed[1]["k"], torch.Tensor) and np.array_equal(packed[1]["k"].numpy(), x[:1])
 
 
-@pytest.mark.parametrize("coalesce", [False])
-def test_like_torch_a_result_torch_refuses_fails_its_item_alone_by_name(monkeypatch, coalesce):
-    # an older PyTorch has no uint16 tensors: its from_numpy refuses them as this one does
+def refuse_uint16(monkeypatch):
+    """torch.from_numpy refusing uint16 arrays, as an older PyTorch (which has no uint16 tensors) does."""
     torch = pytest.importorskip("torch")
     from_numpy = torch.from_numpy
 
@@ -91,6 +91,11 @@ def test_like_torch_a_result_torch_refuses_fails_its_item_alone_by_name(monkeypa
         return from_numpy(a)
 
     monkeypatch.setattr(torch, "from_numpy", old_from_numpy)
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_like_torch_a_result_torch_refuses_fails_its_item_alone_by_name(monkeypatch, coalesce):
+    refuse_uint16(monkeypatch)
     with rf.Pipeline(copy, device=rf.device("sim"), chunk_bytes=1 << 16, like="torch", coalesce=coalesce,
                      on_error="continue") as pipe:
         items = [np.full(100, i, np.uint16 if i % 3 == 1 else np.float32) for i in range(30)]
@@ -105,3 +110,29 @@ def test_like_torch_a_result_torch_refuses_fails_its_item_alone_by_name(monkeypa
                 assert fut.result(timeout=30).tolist() == [float(i)] * 100
         assert pipe.submit(np.ones(3, np.float32)).result(timeout=30).tolist() == [1.0] * 3
         assert pipe.stats().failed == 10
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_like_torch_a_result_torch_refuses_stops_the_pipeline_under_on_error_raise(monkeypatch, coalesce):
+    refuse_uint16(monkeypatch)
+    with rf.Pipeline(copy, device=rf.device("sim"), chunk_bytes=1 << 16, like="torch", coalesce=coalesce) as pipe:
+        futs = []
+        for i in range(30):
+            try:
+                futs.append(pipe.submit(np.full(100, i, np.uint16 if i == 5 else np.float32)))
+            except RuntimeError as err:  # the failure came first and stopped the pipeline
+                assert "no longer accepts work" in str(err)
+                break
+        ends = []
+        for fut in futs:  # every item ends: none is left waiting
+            try:
+                fut.result(timeout=30)
+                ends.append("delivered")
+            except rf.StageError as err:
+                assert "like='torch'" in str(err) and err.stage == "consume"
+                ends.append("failed")
+            except concurrent.futures.CancelledError:
+                ends.append("cancelled")
+        assert ends[5] == "failed" and ends.count("failed") == 1
+        with pytest.raises(RuntimeError, match="no longer accepts work"):
+            pipe.submit(np.ones(3, np.float32))
