@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import importlib.util
 
 import numpy as np
@@ -136,3 +137,22 @@ def test_like_torch_a_result_torch_refuses_stops_the_pipeline_under_on_error_rai
         assert ends[5] == "failed" and ends.count("failed") == 1
         with pytest.raises(RuntimeError, match="no longer accepts work"):
             pipe.submit(np.ones(3, np.float32))
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_like_torch_a_kept_tensor_holds_its_pool_block_until_dropped(coalesce):
+    torch = pytest.importorskip("torch")
+    dev = rf.device("sim")
+    with rf.Pipeline(f, device=dev, chunk_bytes=1 << 16, like="torch", coalesce=coalesce) as pipe:
+        kept = pipe.submit(np.full(1000, 3, np.float32)).result(timeout=30)
+        for _ in range(3):  # more work than the pool has blocks free: freed blocks are taken again
+            outs = [pipe.submit(np.full(1000, i, np.float32)).result(timeout=30) for i in range(40)]
+            assert kept.data_ptr() not in {o.data_ptr() for o in outs}
+            del outs
+            gc.collect()
+        assert isinstance(kept, torch.Tensor) and bool((kept == 7).all())
+        if not coalesce:  # (a shared chunk's slab is held by the pipeline's open slab too)
+            held = rf.host.stats(device=dev).in_use_bytes
+            del kept
+            gc.collect()
+            assert rf.host.stats(device=dev).in_use_bytes < held
