@@ -156,3 +156,22 @@ def test_like_torch_a_kept_tensor_holds_its_pool_block_until_dropped(coalesce):
             del kept
             gc.collect()
             assert rf.host.stats(device=dev).in_use_bytes < held
+
+
+@pytest.mark.parametrize("error", [ImportError("No module named 'torch'"),
+                                   OSError("libtorch_cpu.so: cannot open shared object file")])
+def test_like_torch_that_cannot_be_imported_is_named_at_construction(monkeypatch, error):
+    # (a broken install fails its import with an OSError from the loader, not an ImportError)
+    import builtins
+
+    real_import = builtins.__import__
+
+    def failing_import(name, *args, **kwargs):
+        if name == "torch":
+            raise error
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", failing_import)
+    with pytest.raises(ValueError, match=r"like='torch' needs torch, which cannot be imported here \(.*"
+                                         + str(error).split(":")[0]):
+        rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=4096, like="torch")

@@ -62,7 +62,7 @@ def _host_tensor(torch: Any) -> Callable[[Any], Any]:
 def _import(name: str, like: str) -> Any:
     try:
         return __import__(name)
-    except ImportError as exc:
+    except Exception as exc:  # noqa: BLE001 - a broken install fails its import with an OSError (a missing library)
         raise ValueError(f"like={like!r} needs {name}, which cannot be imported here ({exc}); install it "
                          f"or leave like unset") from None
 
