@@ -26,8 +26,7 @@ def converter(like: Optional[str], deliver: str, backend: str) -> Optional[Calla
                              "choose like='numpy' or like='torch'")
         if like == "numpy":
             return None
-        torch = _import("torch", like)
-        return torch.from_numpy
+        return _host_tensor(_import("torch", like))
     if like == "numpy":
         raise ValueError("like='numpy' cannot hold results on the device; choose 'cupy' or 'torch', or "
                          "deliver='host'")
@@ -41,10 +40,29 @@ def converter(like: Optional[str], deliver: str, backend: str) -> Optional[Calla
     return lambda a: torch.as_tensor(a, device="cuda")
 
 
+def _host_tensor(torch: Any) -> Callable[[Any], Any]:
+    """``torch.from_numpy`` over a result viewed as its dtype's own numpy type: numpy has two
+    scalar types for one 64-bit integer dtype (``np.ulonglong`` and ``np.ulong`` on Linux, equal
+    as dtypes), and PyTorch takes only one of each pair. A result PyTorch refuses (unsigned
+    16-, 32- and 64-bit ones in older releases) raises TypeError naming ``like`` and the dtype."""
+    import numpy as np
+
+    def convert(a: Any) -> Any:
+        own = np.dtype(a.dtype.str)  # the dtype's sized type: the one PyTorch knows
+        try:
+            return torch.from_numpy(a if a.dtype.type is own.type else a.view(own))
+        except (TypeError, ValueError, RuntimeError) as exc:  # what from_numpy raises varies
+            raise TypeError(f"like='torch': a result of dtype {a.dtype} cannot be a tensor of this PyTorch "
+                            f"{torch.__version__} ({exc}); return a dtype it has from the compute, or leave like "
+                            f"unset and convert the numpy result yourself") from exc
+
+    return convert
+
+
 def _import(name: str, like: str) -> Any:
     try:
         return __import__(name)
-    except ImportError as exc:
+    except Exception as exc:  # noqa: BLE001 - a broken install fails its import with an OSError (a missing library)
         raise ValueError(f"like={like!r} needs {name}, which cannot be imported here ({exc}); install it "
                          f"or leave like unset") from None
 

@@ -1184,12 +1184,13 @@ class Scheduler:
                 return [(live, start, end - start, dtype, ((end - start) // dtype.itemsize,))]
         return [([m], m.offset, m.nbytes, m.dtype, m.shape) for m in live]
 
-    def _member_failed(self, m: Member, exc: BaseException) -> None:
-        """An item of a shared chunk failed in its compute: it alone ends FAILED (its future
-        raises as :meth:`_fail` says); the chunk goes on for the others."""
+    def _member_failed(self, m: Member, exc: BaseException, stage: str = "compute") -> None:
+        """An item of a shared chunk failed in its compute (or, ``stage="consume"``, as its
+        result was converted for ``like``): it alone ends FAILED (its future raises as
+        :meth:`_fail` says); the chunk goes on for the others."""
         forget_frames(exc)
         self._forget_again.append(exc)
-        err = StageError("compute", m.index, exc)
+        err = StageError(stage, m.index, exc)
         m.error = err if isinstance(exc, Exception) else exc
         self.failures.append(err)
         self._first_failure(m.error)
@@ -1506,10 +1507,21 @@ class Scheduler:
                 self.counts["failed"] += 1
                 fut.set_exception(m.error)
             elif final is ChunkState.DELIVERED:
-                self.counts["delivered"] += 1
                 # the item's own bytes of the block: the view holds the slab, not the chunk
                 value = block[m.offset:m.offset + m.nbytes].view(m.dtype).reshape(m.shape)
-                fut.set_result(value if self.convert is None else convert_tree(value, self.convert))
+                if self.convert is not None:
+                    try:
+                        value = convert_tree(value, self.convert)
+                    except Exception as exc:  # noqa: BLE001 - like=: this item's result has no such array
+                        self._member_failed(m, exc, "consume")
+                        self.counts["failed"] += 1
+                        fut.set_exception(m.error)
+                        if self.config.on_error == "raise":
+                            self._cancel_after_step = True  # as a failed compute: once this step is done
+                        m.event = None
+                        continue
+                self.counts["delivered"] += 1
+                fut.set_result(value)
             elif final is ChunkState.FAILED:
                 self.counts["failed"] += 1
                 fut.set_exception(chunk.error)
