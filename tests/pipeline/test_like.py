@@ -175,3 +175,22 @@ def test_like_torch_that_cannot_be_imported_is_named_at_construction(monkeypatch
     with pytest.raises(ValueError, match=r"like='torch' needs torch, which cannot be imported here \(.*"
                                          + str(error).split(":")[0]):
         rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=4096, like="torch")
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_device_results_as_tensors_are_made_on_the_pipelines_own_gpu(monkeypatch, index):
+    """On a host of several GPUs a device result lives on the pipeline's GPU: torch.as_tensor(a,
+    device="cuda") makes the tensor on PyTorch's current GPU, copying a result of cuda:1 to cuda:0
+    when that is current on the converting thread. (CuPy takes the GPU of the memory itself.)"""
+    import sys
+    import types
+
+    from ringflow._pipeline.like import converter
+
+    calls = []
+    fake = types.ModuleType("torch")
+    fake.as_tensor = lambda a, device=None: calls.append(device) or a
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    convert = converter("torch", "device", types.SimpleNamespace(backend="cuda", index=index))
+    a = object()
+    assert convert(a) is a and calls == [f"cuda:{index}"]

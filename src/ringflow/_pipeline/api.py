@@ -495,7 +495,7 @@ class Pipeline:
         results = self._pool if deliver == "host" else None
         source_of = functools.partial(_pinned_source, self.device) if self._items_are_arrays else None
         self._recorder = _Recorder(self.device, chunk_bytes, counts, workers) if profile else None
-        convert = converter(like, deliver, self.device.backend)
+        convert = converter(like, deliver, self.device)
         try:
             self._sched = Scheduler(self.device, compute, prepare_stage, consume_stage, self.config,
                                     item_nbytes=item_nbytes or (lambda item: getattr(item, "nbytes", 0)),

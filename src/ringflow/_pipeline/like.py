@@ -7,9 +7,10 @@ from typing import Any, Callable, Optional
 LIKES = ("numpy", "torch", "cupy")
 
 
-def converter(like: Optional[str], deliver: str, backend: str) -> Optional[Callable[[Any], Any]]:
+def converter(like: Optional[str], deliver: str, device: Any) -> Optional[Callable[[Any], Any]]:
     """A function turning one result array into ``like``'s array over the same memory, or None
-    (results as they are: numpy on the host, the device's framework on the device).
+    (results as they are: numpy on the host, the device's framework on the device). A device
+    result becomes an array of ``device``'s own GPU, whichever GPU is current where it is made.
 
     Raises:
         ValueError: ``like`` is not one of :data:`LIKES`, does not fit ``deliver`` (CuPy arrays
@@ -30,14 +31,16 @@ def converter(like: Optional[str], deliver: str, backend: str) -> Optional[Calla
     if like == "numpy":
         raise ValueError("like='numpy' cannot hold results on the device; choose 'cupy' or 'torch', or "
                          "deliver='host'")
-    if backend != "cuda":
+    if device.backend != "cuda":
         raise ValueError(f"like={like!r} with deliver='device' needs a CUDA GPU; on the simulated GPU a "
                          "delivered array is a launch argument")
     if like == "cupy":
         cupy = _import("cupy", like)
         return cupy.asarray
     torch = _import("torch", like)
-    return lambda a: torch.as_tensor(a, device="cuda")
+    # by index: "cuda" is PyTorch's current GPU, and a result of another one would be copied there
+    where = f"cuda:{device.index}"
+    return lambda a: torch.as_tensor(a, device=where)
 
 
 def _host_tensor(torch: Any) -> Callable[[Any], Any]:
