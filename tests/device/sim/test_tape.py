@@ -8,6 +8,7 @@ or into views and scratch arrays made outside them."""
 from __future__ import annotations
 
 import copy
+import io
 
 import numpy as np
 import pytest
@@ -189,6 +190,11 @@ def test_a_host_array_the_callable_holds_is_used_as_it_is_at_each_launch():
     (lambda x: TABLE[(x * 10).astype(np.intp) % 10], "a host array indexed by device data"),
     (lambda x: np.allclose(x, 1), "gave the host a bool"),
     (lambda x: x in x, "membership"),
+    # writing the data out hands it to the host (the stand-in's shadow holds zeros, not the data)
+    (lambda x: np.save(io.BytesIO(), x), r"np.save, which writes the data out"),
+    (lambda x: np.savez(io.BytesIO(), a=x), r"np.savez, which writes the data out"),
+    (lambda x: np.savez_compressed(io.BytesIO(), x), r"np.savez_compressed, which writes the data out"),
+    (lambda x: np.savetxt(io.StringIO(), x), r"np.savetxt, which writes the data out"),
 ])
 def test_what_needs_the_data_on_the_host_abandons_the_capture(fn, match):
     dev = rf.device("sim")

@@ -16,8 +16,8 @@ other arguments as they were then; a launch of the graph replays those operation
 Each recorded operation is also done at once on shadow arrays (zero bytes for device memory, a
 copy for a host array), so that the callable sees its results' shapes and dtypes, which a GPU
 knows without the data. What needs the data itself on the host (a truth value, ``float()``,
-``.item()``, ``.tolist()``, ``np.asarray``, printing) would make a GPU synchronise, which a
-capture refuses; so would a result whose size depends on the data (a boolean mask,
+``.item()``, ``.tolist()``, ``np.asarray``, printing, writing it out with ``np.save``) would
+make a GPU synchronise, which a capture refuses; so would a result whose size depends on the data (a boolean mask,
 ``np.nonzero``): each raises a :class:`HostRead` and abandons the capture. A numpy array the
 callable holds from outside (scratch memory, weights) stands for device memory made outside
 it, as a CuPy array would be: a replay uses that array as it is then.
@@ -52,6 +52,8 @@ _METADATA = frozenset({"shape", "ndim", "size", "result_type", "iscomplexobj", "
 # numpy functions (and methods) whose result's size depends on the data
 _DATA_SIZED = frozenset({"nonzero", "flatnonzero", "argwhere", "unique", "unique_all", "unique_counts",
                          "unique_inverse", "unique_values", "extract", "trim_zeros", "bincount"})
+# numpy functions that write the data out on the host (a file, a stream)
+_HOST_WRITERS = frozenset({"save", "savez", "savez_compressed", "savetxt"})
 # methods that hand the data itself to the host
 _HOST_METHODS = frozenset({"item", "tolist", "tobytes", "tostring", "tofile", "dump", "dumps"})
 # attributes about the array, not its data
@@ -286,6 +288,8 @@ class TapeArray(NDArrayOperatorsMixin):
         what = f"np.{name}"
         if name in _DATA_SIZED or (name in ("compress", "extract") and stand_ins_in(args[:1])):
             raise tape.refuse(f"{what}, whose result's size depends on the data")
+        if name in _HOST_WRITERS:
+            raise tape.refuse(f"{what}, which writes the data out on the host")
         return tape.record(func, args, kwargs, what, metadata=name in _METADATA)
 
     def __getitem__(self, key: Any) -> Any:
