@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 
 import numpy as np
 import pytest
@@ -195,6 +196,8 @@ def test_a_host_array_the_callable_holds_is_used_as_it_is_at_each_launch():
     (lambda x: np.savez(io.BytesIO(), a=x), r"np.savez, which writes the data out"),
     (lambda x: np.savez_compressed(io.BytesIO(), x), r"np.savez_compressed, which writes the data out"),
     (lambda x: np.savetxt(io.StringIO(), x), r"np.savetxt, which writes the data out"),
+    (lambda x: pickle.dumps(x), "pickling"),
+    (lambda x: pickle.dumps([x], protocol=2), "pickling"),
 ])
 def test_what_needs_the_data_on_the_host_abandons_the_capture(fn, match):
     dev = rf.device("sim")

@@ -363,6 +363,13 @@ class TapeArray(NDArrayOperatorsMixin):
     def __contains__(self, value: Any) -> bool:
         raise self._tape.refuse("a membership test (in)")
 
+    # (without these, pickle would reach the tape's lock and fail with a message about that)
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise self._tape.refuse("pickling, which copies the data to the host")
+
+    def __reduce__(self) -> Any:
+        raise self._tape.refuse("pickling, which copies the data to the host")
+
 
 def taped(args: tuple) -> Optional[Tape]:
     """The tape of the first stand-in among ``args``, if any: a kernel called on stand-ins
