@@ -253,6 +253,19 @@ def test_a_stand_in_kept_past_the_capture_is_refused():
         x + 1
 
 
+@pytest.mark.parametrize("read", [np.asarray, float, int, bool, complex, str, "{}".format, pickle.dumps,
+                                  lambda x: 1 in x, lambda x: [0][x]])
+def test_a_stand_in_kept_past_the_capture_and_read_on_the_host_is_refused_as_kept(read):
+    kept = []
+    dev = rf.device("sim")
+    a, d = dev.create_stream(), dev.allocate(4)
+    a.begin_capture()
+    a.launch(kept.append, d.array(np.float32, 1))
+    a.end_capture()
+    with pytest.raises(CaptureError, match="kept past the capture"):
+        read(kept[0])
+
+
 def test_a_read_only_argument_refuses_a_write_while_captured():
     dev = rf.device("sim")
     a, d, e = dev.create_stream(), dev.allocate(4 * ROWS), dev.allocate(4 * ROWS)

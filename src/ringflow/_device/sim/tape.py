@@ -335,40 +335,40 @@ class TapeArray(NDArrayOperatorsMixin):
 
     # -- the data on the host: what a capture cannot give ---------------------------------------
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        raise self._tape.refuse("np.asarray (or np.array) of a device array, a host array assigned from one, or "
-                                "a list of device arrays where numpy takes one array (np.stack them first)")
+        raise self._check().refuse("np.asarray (or np.array) of a device array, a host array assigned from one, "
+                                   "or a list of device arrays where numpy takes one array (np.stack them first)")
 
     def __bool__(self) -> bool:
-        raise self._tape.refuse("a truth value (an if, a while, and, or, not)")
+        raise self._check().refuse("a truth value (an if, a while, and, or, not)")
 
     def __float__(self) -> float:
-        raise self._tape.refuse("float()")
+        raise self._check().refuse("float()")
 
     def __int__(self) -> int:
-        raise self._tape.refuse("int()")
+        raise self._check().refuse("int()")
 
     def __index__(self) -> int:
-        raise self._tape.refuse("an index or a size taken from device data (or a host array indexed by device data, "
-                                "which a GPU cannot do: index device arrays only)")
+        raise self._check().refuse("an index or a size taken from device data (or a host array indexed by device "
+                                   "data, which a GPU cannot do: index device arrays only)")
 
     def __complex__(self) -> complex:
-        raise self._tape.refuse("complex()")
+        raise self._check().refuse("complex()")
 
     def __str__(self) -> str:
-        raise self._tape.refuse("its values as text (print, str)")
+        raise self._check().refuse("its values as text (print, str)")
 
     def __format__(self, spec: str) -> str:
-        raise self._tape.refuse("its values as text (an f-string, format)")
+        raise self._check().refuse("its values as text (an f-string, format)")
 
     def __contains__(self, value: Any) -> bool:
-        raise self._tape.refuse("a membership test (in)")
+        raise self._check().refuse("a membership test (in)")
 
     # (without these, pickle would reach the tape's lock and fail with a message about that)
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise self._tape.refuse("pickling, which copies the data to the host")
+        raise self._check().refuse("pickling, which copies the data to the host")
 
     def __reduce__(self) -> Any:
-        raise self._tape.refuse("pickling, which copies the data to the host")
+        raise self._check().refuse("pickling, which copies the data to the host")
 
 
 def taped(args: tuple) -> Optional[Tape]:
