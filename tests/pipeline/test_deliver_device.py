@@ -291,8 +291,10 @@ def test_release_refuses_a_stream_of_another_device():
     with rf.Pipeline(f, device=dev, chunk_bytes=1024, deliver="device", slots=1) as pipe:
         results = []
         for res in pipe.map([np.ones(4, np.float32) * k for k in range(3)]):
-            with pytest.raises(TypeError, match="another device's stream"):
+            with pytest.raises(TypeError, match="another device's stream") as refused:
                 res.release(stream=other.create_stream())
+            # the two devices' labels are alike: the message says the stream's is another object
+            assert "another device object that is also" in str(refused.value)
             assert not res.released
             res.release(stream=dev.create_stream())
             results.append(res)

@@ -1186,6 +1186,7 @@ def check_own_stream(device: "Device", stream: Stream) -> Stream:
         TypeError: it queues another device's work (an event there cannot order this one's).
     """
     if stream.owner is not device:
-        raise TypeError(f"stream must be a stream of {device!r}, got one of {stream.owner!r}: an event on "
-                        "another device's stream cannot order this device's work")
+        here, there = device_names(device, stream.owner)
+        raise TypeError(f"stream must be a stream of {here}, got one of {there}: an event on another device's "
+                        "stream cannot order this device's work")
     return stream
