@@ -291,8 +291,10 @@ def test_release_refuses_a_stream_of_another_device():
     with rf.Pipeline(f, device=dev, chunk_bytes=1024, deliver="device", slots=1) as pipe:
         results = []
         for res in pipe.map([np.ones(4, np.float32) * k for k in range(3)]):
-            with pytest.raises(TypeError, match="another device's stream"):
+            with pytest.raises(TypeError, match="another device's stream") as refused:
                 res.release(stream=other.create_stream())
+            # the two devices' labels are alike: the message says the stream's is another object
+            assert "another device object that is also" in str(refused.value)
             assert not res.released
             res.release(stream=dev.create_stream())
             results.append(res)
@@ -335,6 +337,25 @@ def test_a_device_result_refuses_to_be_pickled_or_copied_and_says_what_to_copy(h
         with pytest.raises(TypeError, match=f"cannot be {what}"):
             how(res)  # released or not
     assert pipe.stats().in_flight == 0
+
+@pytest.mark.parametrize("read", [np.asarray, np.array, lambda a: np.array_equal(a, np.full(4, 3, np.float32)),
+                                  lambda a: np.testing.assert_array_equal(a, np.full(4, 3, np.float32))],
+                         ids=["asarray", "array", "array_equal", "assert_array_equal"])
+def test_a_device_result_read_as_a_host_array_on_the_simulated_gpu_says_how_to_read_it(read):
+    """On the simulated GPU a result's array is a launch argument: numpy would make a 0-d object
+    array of it (and compare that), where a GPU framework's array refuses to become a host array."""
+    dev = rf.device("sim")
+    with rf.Pipeline(f, device=dev, chunk_bytes=1024, deliver="device") as pipe:
+        res = pipe.submit(np.ones(4, np.float32)).result(timeout=30)
+        with pytest.raises(TypeError, match=r"simulated GPU.*stream\.launch\(.*reads="):
+            read(res.array)
+        user = dev.create_stream()
+        got = read_on(user, res)  # read as the message says
+        res.release(stream=user)
+        user.sync()
+        user.close()
+        np.testing.assert_array_equal(got, np.full(4, 3, np.float32))
+
 
 def _one_slot_pipeline(seed):
     return rf.Pipeline(f, device=rf.device("sim", seed=seed), chunk_bytes=1024, deliver="device",

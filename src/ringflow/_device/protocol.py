@@ -510,6 +510,25 @@ class ArrayArg:
     dtype: np.dtype
     shape: tuple[int, ...]
 
+    # numpy would make a 0-d object array holding this description (and compare that, silently
+    # unequal: np.array_equal gives False for an array it cannot read); a GPU framework's array
+    # refuses to become a host array too
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        raise TypeError(self._not_on_the_host())
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        raise TypeError(self._not_on_the_host())
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        raise TypeError(self._not_on_the_host())
+
+    def _not_on_the_host(self) -> str:
+        return (f"this is an array of the simulated GPU's device memory ({self.shape} {self.dtype}, a launch "
+                f"argument), not a host array: numpy cannot read it on the host. Read it in a launch on a stream, as "
+                f"a GPU's work would: stream.launch(fn, arg, reads=[arg]) calls fn with its data once the stream has "
+                f"run up to there (fn may copy it into a host array), then stream.sync(); on a GPU the framework's "
+                f"array is read with .get() (CuPy) or .cpu() (PyTorch)")
+
 
 def as_slice(obj: "Buffer | BufferSlice | ArrayArg") -> BufferSlice:
     if isinstance(obj, BufferSlice):
@@ -1171,6 +1190,7 @@ def check_own_stream(device: "Device", stream: Stream) -> Stream:
         TypeError: it queues another device's work (an event there cannot order this one's).
     """
     if stream.owner is not device:
-        raise TypeError(f"stream must be a stream of {device!r}, got one of {stream.owner!r}: an event on "
-                        "another device's stream cannot order this device's work")
+        here, there = device_names(device, stream.owner)
+        raise TypeError(f"stream must be a stream of {here}, got one of {there}: an event on another device's "
+                        "stream cannot order this device's work")
     return stream

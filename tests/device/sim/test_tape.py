@@ -8,6 +8,8 @@ or into views and scratch arrays made outside them."""
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 
 import numpy as np
 import pytest
@@ -189,6 +191,13 @@ def test_a_host_array_the_callable_holds_is_used_as_it_is_at_each_launch():
     (lambda x: TABLE[(x * 10).astype(np.intp) % 10], "a host array indexed by device data"),
     (lambda x: np.allclose(x, 1), "gave the host a bool"),
     (lambda x: x in x, "membership"),
+    # writing the data out hands it to the host (the stand-in's shadow holds zeros, not the data)
+    (lambda x: np.save(io.BytesIO(), x), r"np.save, which writes the data out"),
+    (lambda x: np.savez(io.BytesIO(), a=x), r"np.savez, which writes the data out"),
+    (lambda x: np.savez_compressed(io.BytesIO(), x), r"np.savez_compressed, which writes the data out"),
+    (lambda x: np.savetxt(io.StringIO(), x), r"np.savetxt, which writes the data out"),
+    (lambda x: pickle.dumps(x), "pickling"),
+    (lambda x: pickle.dumps([x], protocol=2), "pickling"),
 ])
 def test_what_needs_the_data_on_the_host_abandons_the_capture(fn, match):
     dev = rf.device("sim")
@@ -242,6 +251,19 @@ def test_a_stand_in_kept_past_the_capture_is_refused():
     assert x.shape == (ROWS,) and x.dtype == np.float32 and "captured launch" in repr(x)
     with pytest.raises(CaptureError, match="kept past the capture"):
         x + 1
+
+
+@pytest.mark.parametrize("read", [np.asarray, float, int, bool, complex, str, "{}".format, pickle.dumps,
+                                  lambda x: 1 in x, lambda x: [0][x]])
+def test_a_stand_in_kept_past_the_capture_and_read_on_the_host_is_refused_as_kept(read):
+    kept = []
+    dev = rf.device("sim")
+    a, d = dev.create_stream(), dev.allocate(4)
+    a.begin_capture()
+    a.launch(kept.append, d.array(np.float32, 1))
+    a.end_capture()
+    with pytest.raises(CaptureError, match="kept past the capture"):
+        read(kept[0])
 
 
 def test_a_read_only_argument_refuses_a_write_while_captured():

@@ -16,8 +16,8 @@ other arguments as they were then; a launch of the graph replays those operation
 Each recorded operation is also done at once on shadow arrays (zero bytes for device memory, a
 copy for a host array), so that the callable sees its results' shapes and dtypes, which a GPU
 knows without the data. What needs the data itself on the host (a truth value, ``float()``,
-``.item()``, ``.tolist()``, ``np.asarray``, printing) would make a GPU synchronise, which a
-capture refuses; so would a result whose size depends on the data (a boolean mask,
+``.item()``, ``.tolist()``, ``np.asarray``, printing, writing it out with ``np.save``) would
+make a GPU synchronise, which a capture refuses; so would a result whose size depends on the data (a boolean mask,
 ``np.nonzero``): each raises a :class:`HostRead` and abandons the capture. A numpy array the
 callable holds from outside (scratch memory, weights) stands for device memory made outside
 it, as a CuPy array would be: a replay uses that array as it is then.
@@ -52,6 +52,8 @@ _METADATA = frozenset({"shape", "ndim", "size", "result_type", "iscomplexobj", "
 # numpy functions (and methods) whose result's size depends on the data
 _DATA_SIZED = frozenset({"nonzero", "flatnonzero", "argwhere", "unique", "unique_all", "unique_counts",
                          "unique_inverse", "unique_values", "extract", "trim_zeros", "bincount"})
+# numpy functions that write the data out on the host (a file, a stream)
+_HOST_WRITERS = frozenset({"save", "savez", "savez_compressed", "savetxt"})
 # methods that hand the data itself to the host
 _HOST_METHODS = frozenset({"item", "tolist", "tobytes", "tostring", "tofile", "dump", "dumps"})
 # attributes about the array, not its data
@@ -286,6 +288,8 @@ class TapeArray(NDArrayOperatorsMixin):
         what = f"np.{name}"
         if name in _DATA_SIZED or (name in ("compress", "extract") and stand_ins_in(args[:1])):
             raise tape.refuse(f"{what}, whose result's size depends on the data")
+        if name in _HOST_WRITERS:
+            raise tape.refuse(f"{what}, which writes the data out on the host")
         return tape.record(func, args, kwargs, what, metadata=name in _METADATA)
 
     def __getitem__(self, key: Any) -> Any:
@@ -331,33 +335,40 @@ class TapeArray(NDArrayOperatorsMixin):
 
     # -- the data on the host: what a capture cannot give ---------------------------------------
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        raise self._tape.refuse("np.asarray (or np.array) of a device array, a host array assigned from one, or "
-                                "a list of device arrays where numpy takes one array (np.stack them first)")
+        raise self._check().refuse("np.asarray (or np.array) of a device array, a host array assigned from one, "
+                                   "or a list of device arrays where numpy takes one array (np.stack them first)")
 
     def __bool__(self) -> bool:
-        raise self._tape.refuse("a truth value (an if, a while, and, or, not)")
+        raise self._check().refuse("a truth value (an if, a while, and, or, not)")
 
     def __float__(self) -> float:
-        raise self._tape.refuse("float()")
+        raise self._check().refuse("float()")
 
     def __int__(self) -> int:
-        raise self._tape.refuse("int()")
+        raise self._check().refuse("int()")
 
     def __index__(self) -> int:
-        raise self._tape.refuse("an index or a size taken from device data (or a host array indexed by device data, "
-                                "which a GPU cannot do: index device arrays only)")
+        raise self._check().refuse("an index or a size taken from device data (or a host array indexed by device "
+                                   "data, which a GPU cannot do: index device arrays only)")
 
     def __complex__(self) -> complex:
-        raise self._tape.refuse("complex()")
+        raise self._check().refuse("complex()")
 
     def __str__(self) -> str:
-        raise self._tape.refuse("its values as text (print, str)")
+        raise self._check().refuse("its values as text (print, str)")
 
     def __format__(self, spec: str) -> str:
-        raise self._tape.refuse("its values as text (an f-string, format)")
+        raise self._check().refuse("its values as text (an f-string, format)")
 
     def __contains__(self, value: Any) -> bool:
-        raise self._tape.refuse("a membership test (in)")
+        raise self._check().refuse("a membership test (in)")
+
+    # (without these, pickle would reach the tape's lock and fail with a message about that)
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise self._check().refuse("pickling, which copies the data to the host")
+
+    def __reduce__(self) -> Any:
+        raise self._check().refuse("pickling, which copies the data to the host")
 
 
 def taped(args: tuple) -> Optional[Tape]:
