@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import ringflow as rf
 from ringflow._device import host_pool
 from ringflow._pipeline.chunk import NO_ROOM
+from ringflow._pipeline.states import ChunkState
 from tests.helpers.interrupts import InterruptAt
 from tests.helpers.sim import hold_copy
 from tests.helpers.stateful import machine_settings
@@ -222,6 +223,41 @@ def test_cancelling_one_item_of_a_shared_chunk_leaves_the_others(compute):
     assert futs[5].cancelled() and futs[6].cancelled()
     assert all(np.array_equal(r, expected(xs[i])) for i, r in results.items())
     assert (stats.delivered, stats.cancelled, stats.in_flight) == (38, 2, 0)
+
+
+def f_first_marked_pointwise(x, y):
+    """``f`` (which raises where the first element it is given is marked) with a pointwise promise:
+    a launch over several items runs, while checked mode's run over a marked item alone raises."""
+    f(x, y)
+
+
+f_first_marked_pointwise.pointwise = True
+
+
+@pytest.mark.parametrize("compute", [f, f_first_marked_pointwise])
+def test_an_item_cancelled_after_its_compute_was_launched_does_not_fail_or_stop_the_others(compute):
+    """An item of a shared chunk cancelled by its caller once the chunk's compute is enqueued,
+    whose compute then raises (its own launch, or checked mode's run of it alone): it ends
+    CANCELLED, as a chunk of its own does; its error is no failure, so with on_error="raise"
+    its neighbours still get their results and the pipeline still takes work."""
+    xs = [np.arange(100, dtype=np.float32) + 1000 * i for i in range(4)]
+    xs[2][0] = FAIL
+    with rf.Pipeline(compute, device=rf.device("sim", seed=3), chunk_bytes=1 << 16,
+                     checked=True) as pipe:
+        futs = [pipe.submit(x) for x in xs]
+        s = pipe.scheduler
+        while not any(c.state is ChunkState.ON_DEVICE for c in s.chunks.values()):
+            pipe._step()
+        (chunk,) = s.chunks.values()
+        assert len(chunk.members) == 4  # one shared chunk, its compute enqueued
+        assert futs[2].cancel() and futs[2].cancelled()
+        results = {i: futs[i].result() for i in (0, 1, 3)}
+        assert pipe.failures == []
+        again = pipe.submit(xs[0]).result()
+        stats = pipe.stats()
+    assert all(np.array_equal(r, expected(xs[i])) for i, r in results.items())
+    assert np.array_equal(again, expected(xs[0]))
+    assert (stats.delivered, stats.failed, stats.cancelled, stats.in_flight) == (4, 0, 1, 0)
 
 
 def test_a_chunk_waits_for_every_copy_into_it_before_it_moves():

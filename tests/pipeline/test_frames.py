@@ -454,3 +454,46 @@ def test_a_map_stopped_by_another_items_failure_keeps_nothing_in_what_it_raises(
     for dev in devs:
         rf.drop_warm_pipelines(dev)
         dev.close()
+
+
+def test_forgetting_a_kept_failure_never_closes_a_generator_it_was_raised_through():
+    """A kept failure can be raised on to a caller, which adds its frames to the traceback: an
+    interrupt a compute raised reaches an unordered ``amap`` as itself, and the map skips it
+    (``on_error="continue"``) and goes on. Clearing the frames of the kept failure later must leave
+    such a generator as it is: clearing a suspended generator's frame closes it (a sync one at
+    once; an async one through its event loop's finaliser, whose ``aclose()`` fails, logged as a
+    task exception never retrieved, while the generator awaits)."""
+    from ringflow._pipeline.frames import forget_frames
+
+    err = KeyboardInterrupt()
+
+    def through():
+        try:
+            raise err
+        except KeyboardInterrupt:
+            pass  # skipped, and the generator goes on
+        yield 1
+        yield 2
+
+    gen = through()
+    assert next(gen) == 1
+    forget_frames(err)
+    assert next(gen) == 2
+
+    async def async_through():
+        try:
+            raise err
+        except KeyboardInterrupt:
+            pass
+        yield 1
+        await asyncio.sleep(0)
+        yield 2
+
+    async def main():
+        agen = async_through()
+        assert await agen.__anext__() == 1
+        forget_frames(err)
+        await asyncio.sleep(0)  # (the loop's turn, where a finaliser's aclose() would run)
+        assert await agen.__anext__() == 2
+
+    asyncio.run(main())

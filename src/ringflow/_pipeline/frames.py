@@ -7,9 +7,10 @@ does. Where one of those is what keeps the exception (a failed event holds its l
 the two form a reference cycle that only the cyclic collector frees.
 
 :func:`forget_frames`, for a failure kept for inspection, clears the locals of every frame of its
-traceback and of ringflow's callers of them that have returned; :func:`forget_callers`, for a
-failure about to reach the caller, clears only those callers, leaving the traceback's own frames
-(the user's compute among them) as they are. :func:`forget_own_frames`, for a failure an engine
+traceback (but a generator's or coroutine's, which clearing would close) and of ringflow's
+callers of them that have returned; :func:`forget_callers`, for a failure about to reach the
+caller, clears only those callers, leaving the traceback's own frames (the user's compute among
+them) as they are. :func:`forget_own_frames`, for a failure an engine
 raises to its caller, clears those callers and the traceback's own frames that are ringflow's,
 so the failure keeps the user's frames but not the engine, its buffers or the call's arrays.
 None touches a frame still running, nor a caller outside ringflow.
@@ -26,7 +27,6 @@ from __future__ import annotations
 import inspect
 import os
 import sys
-import traceback
 from typing import Optional
 
 _SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
@@ -46,10 +46,23 @@ def forget_frames(exc: BaseException) -> bool:
     pending = False
     for one in _chain(exc):
         tb = one.__traceback__
-        if tb is not None:
-            traceback.clear_frames(tb)
+        _clear_finished(tb)
         pending = _forget_callers_of(tb) or pending
     return pending
+
+
+def _clear_finished(tb) -> None:
+    """Clear the locals of each frame of ``tb`` (as :func:`traceback.clear_frames`) but a
+    generator's or coroutine's: the failure may have been raised on through one that caught it
+    and goes on (a map skipping an interrupted item), and clearing a suspended one's frame would
+    close it."""
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_flags & _SUSPENDABLE:
+            try:
+                tb.tb_frame.clear()
+            except RuntimeError:  # still running
+                pass
+        tb = tb.tb_next
 
 
 def forget_callers(exc: BaseException) -> None:

@@ -1197,9 +1197,13 @@ class Scheduler:
 
     def _members_failed(self, chunk: Chunk) -> None:
         """Each item of a shared chunk whose compute event carries an error fails alone (the
-        chunk's compute has completed, so every item's event has)."""
+        chunk's compute has completed, so every item's event has). An item its caller cancelled
+        once its compute was enqueued has ended CANCELLED: what its compute raised is no failure,
+        as for a chunk of its own cancelled while it drains."""
         failed = False
         for m in chunk.members:
+            if m.future.done():
+                continue
             ev = m.event
             if ev is not None and m.error is None and ev.is_done and ev.error is not None:
                 self._member_failed(m, ev.error.__cause__ or ev.error)
