@@ -995,7 +995,9 @@ class Pipeline:
         loop over it), while input is left or items of its own are pending, first hands out the
         results that had ended, then raises ``concurrent.futures.CancelledError``: it never ends
         as if its input were used up. A map whose input was used up and whose every result was
-        handed out ends normally whatever comes after. To stop a map of your own, break out of
+        handed out ends normally whatever comes after; to tell, a map that had not yet reached
+        the end of its input asks it for one more item (which, if there is one, is not run, and
+        the map raises), so a source that blocks until its next item delays that end. To stop a map of your own, break out of
         its loop (or close its iterator): that raises nothing.
 
         Raises:
