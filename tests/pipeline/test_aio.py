@@ -392,12 +392,21 @@ class _LoopThread:
         self.loop.close()
 
 
-async def _release_the_rest(agen) -> int:
-    """Take what is left of an amap of device results, releasing each; returns how many."""
+async def _release_the_rest(agen, cut_by: "str | None" = None) -> int:
+    """Take what is left of an amap of device results, releasing each; returns how many. With
+    ``cut_by`` ("cancelled" or "closed"), the amap must then be cut short by that, saying it had
+    handed out one result more than this took (the one taken before)."""
     n = 0
-    async for result in agen:
-        result.release()
-        n += 1
+    try:
+        async for result in agen:
+            result.release()
+            n += 1
+    except concurrent.futures.CancelledError as err:
+        message = str(err)
+        assert cut_by is not None, message
+        assert f"cut short after handing out {n + 1} result" in message and f"the pipeline was {cut_by}" in message, message
+        return n
+    assert cut_by is None, "the amap ended as if its input were used up"
     return n
 
 
@@ -406,7 +415,8 @@ def test_cancel_then_close_ends_an_amap_its_consumer_stopped_pulling_on_a_live_l
     """The amap's loop runs on another thread, but its consumer stopped pulling: the results in
     its window hold the slots its other chunks wait for. close() waits for those (as for a map
     held unconsumed on another thread: the consumer may still take them); cancel() first ends
-    them without the consumer. The map, pulled again, hands out what was delivered and ends."""
+    them without the consumer. The map, pulled again, hands out what was delivered and is cut short
+    (its input is not used up)."""
     from tests.helpers.threads import bounded
 
     devices = [rf.device("sim", seed=51 + k, chaos=True) for k in range(n_devices)]
@@ -421,7 +431,7 @@ def test_cancel_then_close_ends_an_amap_its_consumer_stopped_pulling_on_a_live_l
             pipe.close()
 
         bounded(cancel_then_close, timeout=20.0)  # (a watchdog: fails, with every stack, should it hang)
-        handed_out = loop.run(_release_the_rest(agen))
+        handed_out = loop.run(_release_the_rest(agen, cut_by="cancelled"))
     finally:
         loop.stop()
     assert handed_out <= n_devices  # at most a delivered result a device: the rest were cancelled
@@ -431,7 +441,7 @@ def test_cancel_then_close_ends_an_amap_its_consumer_stopped_pulling_on_a_live_l
 def test_close_from_another_thread_waits_for_a_live_loops_amap_and_gives_nothing_up():
     """close() on another thread while the amap's consumer has stopped pulling: the amap's loop can
     still run it, so its window is not given up. Once the consumer pulls again close() returns,
-    and the amap has handed out every item it took."""
+    and the amap has handed out every item it took, then is cut short (its input is not used up)."""
     from tests.helpers.threads import start, join
 
     dev = rf.device("sim", seed=53, chaos=True)
@@ -441,7 +451,7 @@ def test_close_from_another_thread_waits_for_a_live_loops_amap_and_gives_nothing
     try:
         agen = loop.run(_take_one_and_stop(pipe, x))
         closing = start(pipe.close)
-        handed_out = loop.run(_release_the_rest(agen))
+        handed_out = loop.run(_release_the_rest(agen, cut_by="closed"))
         join([closing], timeout=20.0)
     finally:
         loop.stop()
@@ -787,16 +797,20 @@ def test_an_async_with_exit_gives_up_an_amap_its_own_task_left_unfinished(n_devi
 def test_an_async_with_exit_waits_for_an_amap_another_task_still_pulls(n_devices):
     """Another task on the same loop pulls an amap of the pipeline while the block is left: the exit
     does not block the loop, so that task goes on taking its results, and the close waits for
-    what the amap took (nothing is cancelled)."""
+    what the amap took (nothing is cancelled); the amap, its input not used up, is then cut short."""
     devices, device = _each_device(n_devices, 91)
     pipe = _held_slots_pipe(device)
     x = [np.arange(16.0) + 100 * k for k in range(12)]
 
     async def consumer(agen, got):
-        async for result in agen:
-            got.append(result.index)
-            result.release()
-            await asyncio.sleep(0)
+        try:
+            async for result in agen:
+                got.append(result.index)
+                result.release()
+                await asyncio.sleep(0)
+        except concurrent.futures.CancelledError as err:
+            return err
+        return None
 
     async def main():
         got: list = []
@@ -804,13 +818,17 @@ def test_an_async_with_exit_waits_for_an_amap_another_task_still_pulls(n_devices
             agen = pipe.amap(x)
             task = asyncio.create_task(consumer(agen, got))
             await _until(lambda: len(got) >= 1)
-        await task
-        return got
+        return got, await task
 
-    got = bounded(lambda: asyncio.run(main()), timeout=20.0)
+    got, cut = bounded(lambda: asyncio.run(main()), timeout=20.0)
     s = pipe.stats()
     assert s.cancelled == 0 and s.failed == 0 and s.in_flight == 0 and s.balanced(), s
     assert got == list(range(s.delivered)), (got, s)  # every item the amap took was handed out
+    if s.delivered < len(x):  # its input not used up: cut short by the close, saying so
+        assert cut is not None and f"after handing out {len(got)} result" in str(cut) \
+            and "the pipeline was closed" in str(cut), (cut, s)
+    else:
+        assert cut is None, cut
     for dev in devices:
         assert dev.live().total == 0, dev.live()
 

@@ -3,10 +3,12 @@ submit after close, garbage collection while running)."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import gc
 import logging
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -16,7 +18,8 @@ import ringflow as rf
 from ringflow._errors import DeviceError, StageError
 from ringflow._pipeline.states import ChunkState, SlotState
 from tests.helpers.pipeline_checks import Harness, check_result, future_outcome
-from tests.helpers.threads import JOIN_S, LogRecords, hold_progress_thread, join, pause_first_shared_copy, start
+from tests.helpers.threads import (JOIN_S, LogRecords, bounded, hold_progress_thread, join, pause_first_shared_copy,
+                                   start)
 
 SIZES = [40, 0, 64, 1, 17, 64, 33, 50]  # 8 chunks of int64 (a 64-element chunk fills a 512-byte slot)
 
@@ -192,22 +195,27 @@ def test_cancel_under_a_suspended_map(taken):
             next(gen)
         h.close()
         return
-    rest = list(gen)  # finished results already accepted may still come out, then the map ends
+    rest = []  # finished results already accepted may still come out, then the map is cut short
+    with pytest.raises(concurrent.futures.CancelledError, match="cut short"):
+        for value in gen:
+            rest.append(value)
     for value, item in zip(got + rest, items):
         check_result(value, item)
     assert len(got + rest) <= s.delivered
     h.close()
 
 
-def test_map_resumed_after_cancel_with_nothing_pending_ends():
+def test_map_resumed_after_cancel_with_nothing_pending_is_cut_short():
     # every accepted chunk was handed out, input remains, and the pipeline was cancelled: the
-    # map used to wait for a result that could never come ("this is a ringflow bug")
+    # map used to wait for a result that could never come ("this is a ringflow bug"), and then
+    # to end as if its input were used up
     h = Harness(seed=7, slots=1, chunk_bytes=512, max_in_flight=1)
     items = [h.item(k + 1, 30) for k in range(5)]
     gen = h.pipe.map(items)
     check_result(next(gen), items[0])
     h.pipe.cancel()
-    assert list(gen) == []
+    with pytest.raises(concurrent.futures.CancelledError, match="after handing out 1 result: the pipeline was cancelled"):
+        next(gen)
     h.close()
 
 
@@ -608,3 +616,125 @@ def test_an_ending_waiting_for_a_stage_that_does_not_return_says_so_once(monkeyp
     assert "cannot be stopped" in message and "make the stage return" in message, message
     pipe.close()
     assert all(f.done() for f in futs) and pipe.stats().in_flight == 0
+
+
+# -- a map cut short by a cancel or a close raises; it never ends as if its input were used up ------
+def _double(x, y):
+    y[...] = x * 2 + 1
+
+
+CUT_BY = ["cancel on another thread", "cancel in the loop over the map", "close on another thread"]
+
+
+def _cut_pipe(n_devices: int, seed: int, max_in_flight: int = 2):
+    devs = [rf.device("sim", chaos=True, seed=seed + k, checked=True) for k in range(n_devices)]
+    return rf.Pipeline(_double, device=devs[0] if n_devices == 1 else devs, chunk_bytes=512,
+                       max_in_flight=max_in_flight, checked=True)
+
+
+def _inputs(n: int) -> list:
+    return [np.arange(8, dtype=np.float32) + 10 * k for k in range(n)]
+
+
+def _takes_no_more(pipe) -> bool:
+    """Whether ``pipe`` takes no more work (over several devices, a close begun is enough)."""
+    return getattr(pipe, "parts", None) is not None and pipe._closed or \
+        all(not part._sched.accepting for part in pipe._each())
+
+
+class _Stopper:
+    """Stops ``pipe`` as ``how`` says (one of CUT_BY) when called, on the consumer's thread; a
+    close on another thread is waited for only until the pipeline takes no more work (it then
+    waits for the map, which is still to hand out its results): :meth:`join` waits for its end."""
+
+    def __init__(self, pipe, how: str):
+        self.pipe, self.how, self.closing = pipe, how, None
+
+    def __call__(self) -> None:
+        if self.how == "cancel on another thread":
+            join([start(self.pipe.cancel)])
+        elif self.how == "cancel in the loop over the map":
+            self.pipe.cancel()
+        else:
+            self.closing = start(self.pipe.close)
+            deadline = time.monotonic() + JOIN_S
+            while not _takes_no_more(self.pipe):
+                assert time.monotonic() < deadline, "close() never stopped admission"
+                time.sleep(0.001)
+
+    def join(self) -> None:
+        if self.closing is not None:
+            join([self.closing])
+        self.pipe.close()
+
+
+def _run_cut(pipe, face: str, items: list, taken: int, stop) -> tuple:
+    """Take ``taken`` results of ``pipe``'s ``face`` ("map" or "amap") over ``items``, call ``stop``,
+    then take the rest; returns (every result taken, what ended the map: None where it ended)."""
+    got: list = []
+
+    def take(result) -> None:
+        got.append(result)
+        if len(got) == taken:
+            stop()
+
+    try:
+        if face == "map":
+            for result in pipe.map(items):
+                take(result)
+        else:
+            async def consume():
+                async for result in pipe.amap(items):
+                    take(result)
+
+            asyncio.run(consume())
+    except BaseException as exc:  # noqa: BLE001 - returned for the test to judge
+        return got, exc
+    return got, None
+
+
+@pytest.mark.parametrize("how", CUT_BY)
+@pytest.mark.parametrize("face", ["map", "amap"])
+@pytest.mark.parametrize("n_devices", [1, 2])
+def test_a_map_cut_short_by_a_cancel_or_a_close_raises_after_the_results_that_had_ended(n_devices, face, how):
+    """``list(pipe.map(items))`` must never be short without a word: a map (or amap, on one device
+    or over two) still holding input when the pipeline is cancelled or closed under it hands out
+    the results that had ended, in order, then raises concurrent.futures.CancelledError saying
+    why, how many results it handed out, and what to do."""
+    pipe = _cut_pipe(n_devices, seed=31)
+    items = _inputs(40)
+    stopper = _Stopper(pipe, how)
+    got, err = bounded(lambda: _run_cut(pipe, face, items, 3, stopper))
+    stopper.join()
+    assert type(err) is concurrent.futures.CancelledError, repr(err)
+    assert not isinstance(err, asyncio.CancelledError)
+    message = str(err)
+    assert f"{face}() was cut short after handing out {len(got)} result" in message, message
+    assert ("closed" if how.startswith("close") else "cancelled") in message, message
+    assert "were not run: submit them to a new Pipeline" in message and "break out of its loop" in message, message
+    assert 3 <= len(got) < len(items)
+    for value, item in zip(got, items):
+        np.testing.assert_array_equal(value, item * 2 + 1)
+    s = pipe.stats()
+    assert s.in_flight == 0 and s.balanced() and len(got) <= s.delivered, s
+
+
+@pytest.mark.parametrize("how", CUT_BY)
+@pytest.mark.parametrize("face", ["map", "amap"])
+@pytest.mark.parametrize("n_devices", [1, 2])
+def test_a_map_whose_input_was_all_handed_out_ends_normally_after_a_cancel_or_a_close(n_devices, face, how):
+    """Every item's result handed out, then the pipeline is cancelled or closed before the map
+    is asked for more: it ends as its input did, raising nothing, whether or not it had seen the
+    end of its input before (here: not, with room for one item at a time)."""
+    for max_in_flight in (8, 1):
+        pipe = _cut_pipe(n_devices, seed=41, max_in_flight=max_in_flight)
+        items = _inputs(3)
+        stopper = _Stopper(pipe, how)
+        got, err = bounded(lambda: _run_cut(pipe, face, items, len(items), stopper))
+        stopper.join()
+        assert err is None, repr(err)
+        assert len(got) == len(items)
+        for value, item in zip(got, items):
+            np.testing.assert_array_equal(value, item * 2 + 1)
+        s = pipe.stats()
+        assert s.in_flight == 0 and s.balanced() and s.delivered == len(items), s

@@ -558,16 +558,21 @@ def test_amap_with_continue_skips_an_item_whose_stage_raised_keyboard_interrupt(
 
 
 def test_amap_ends_like_map_when_the_pipeline_is_cancelled():
-    """cancel() from another thread while an amap runs: the amap ends with a prefix of the results,
-    as map does, instead of raising the CancelledError of a chunk it did not cancel."""
+    """cancel() from another thread while an amap runs: the amap hands out a prefix of the results,
+    as map does, then raises the map's own concurrent.futures.CancelledError saying it was cut
+    short (not the asyncio CancelledError of a chunk it did not cancel, nor a quiet end)."""
     h = Harness(seed=14, chaos=True, checked=True, slots=2, max_in_flight=3, chunk_bytes=512)
     items = [h.item(i + 1, 8) for i in range(300)]
     canceller = CancelAfter(h.pipe, 2)
+    got: list = []
 
     async def main():
-        return [canceller.count(r) async for r in h.pipe.amap(items)]
+        async for r in h.pipe.amap(items):
+            got.append(canceller.count(r))
 
-    got = _run(main)
+    with pytest.raises(concurrent.futures.CancelledError, match="amap.. was cut short after handing out") as info:
+        _run(main)
+    assert f"handing out {len(got)} result" in str(info.value)
     join([canceller.thread])
     assert 2 <= len(got) < len(items)
     assert [r.tag for r in got] == [it.tag for it in items[:len(got)]]

@@ -242,8 +242,9 @@ def test_a_subclass_given_several_devices_says_it_runs_on_one():
 @pytest.mark.parametrize("on_error", ["raise", "continue"])
 def test_map_and_amap_end_alike_when_the_pipeline_is_cancelled_under_them(on_error):
     """A cancel from another thread (here the consumer of the fifth result) ends an ordered map
-    and an amap the same way: quietly after the results already out, never with the chunks'
-    CancelledError (which an asyncio caller would take for its own task's cancellation)."""
+    and an amap the same way: after the results already out, with the map's own
+    concurrent.futures.CancelledError saying it was cut short, never with asyncio's (which an
+    asyncio caller would take for its own task's cancellation)."""
     outcomes = {}
     for face in ("map", "amap"):
         devs = sims(2, 4)
@@ -256,15 +257,17 @@ def test_map_and_amap_end_alike_when_the_pipeline_is_cancelled_under_them(on_err
             if len(got) == 5:
                 threading.Thread(target=pipe.cancel).start()
 
-        if face == "map":
-            for r in pipe.map(items):
-                take(r)
-        else:
-            async def go():
-                async for r in pipe.amap(items):
+        with pytest.raises(concurrent.futures.CancelledError, match="cut short .* the pipeline was cancelled") as info:
+            if face == "map":
+                for r in pipe.map(items):
                     take(r)
+            else:
+                async def go():
+                    async for r in pipe.amap(items):
+                        take(r)
 
-            asyncio.run(go())
+                asyncio.run(go())
+        assert f"after handing out {len(got)} result" in str(info.value), (str(info.value), len(got))
         pipe.close()
         # in order; with on_error="continue" a cancelled item is skipped, so the results are the
         # expected ones with some left out
@@ -940,14 +943,14 @@ def test_a_cancelled_asubmit_waiting_for_room_on_every_device_accepts_nothing():
 
 
 @pytest.mark.parametrize("face", ["map", "amap"])
-def test_a_map_ends_quietly_with_what_it_took_once_close_begins_on_another_thread(face):
+def test_a_map_is_cut_short_after_what_it_took_once_close_begins_on_another_thread(face):
     """close() on another thread while a map over two devices runs: the parts stop taking work
     one after another, and here the first part's close waits (its progress thread is held), so
     the second still accepts. The map's next item found the pipeline closed and raised that
     RuntimeError, cancelling the item it had taken; the amap gave its items to the second part
-    after close() had begun. On one device close() stops admission at once and a map ends
-    quietly, handing out what it took: so do both now, and nothing is accepted after close()
-    began."""
+    after close() had begun. On one device close() stops admission at once and a map hands out
+    what it took, then is cut short (CancelledError): so do both now, and nothing is accepted
+    after close() began."""
     devs = sims(2, seed=9)
     pipe = rf.Pipeline(f, device=devs, chunk_bytes=256, max_in_flight=2)
     first, second = pipe.parts
@@ -968,10 +971,22 @@ def test_a_map_ends_quietly_with_what_it_took_once_close_begins_on_another_threa
             for k in range(1, 6):
                 yield np.full(4, float(k))
 
-        async def amap():
-            return [r async for r in pipe.amap(items())]
+        got: list = []
 
-        got = join([start(lambda: list(pipe.map(items())) if face == "map" else asyncio.run(amap()))])[0]
+        async def amap():
+            async for r in pipe.amap(items()):
+                got.append(r)
+
+        def run():
+            with pytest.raises(concurrent.futures.CancelledError, match="cut short after handing out 1 result: "
+                                                                         "the pipeline was closed"):
+                if face == "map":
+                    for r in pipe.map(items()):
+                        got.append(r)
+                else:
+                    asyncio.run(amap())
+
+        join([start(run)])
         accepted = pipe.stats().accepted
     finally:
         release.set()

@@ -210,6 +210,12 @@ class PipelineMachine(RuleBasedStateMachine):
                 assert self.cancelled or self.stopped_by_error()
                 self.map = None
                 return
+            except concurrent.futures.CancelledError as err:
+                # cut short by a cancel with input left or items pending: it says so, never ends quietly
+                assert started and m["stopped"] and self.cancelled, str(err)
+                assert f"map() was cut short after handing out {len(m['taken'])} result" in str(err), str(err)
+                self.map = None
+                return
             item = self.h.items.get(value.tag)
             assert item is not None and value.tag in m["pos_of"], f"map returned tag {value.tag} it was not given"
             assert value.tag not in m["taken"], f"map returned tag {value.tag} twice"
@@ -225,8 +231,9 @@ class PipelineMachine(RuleBasedStateMachine):
 
     def _map_ended(self, m):
         self.map = None
-        if m["stopped"] or self.cancelled or self.stopped_by_error() or self.sticky:
-            return  # the pipeline stopped under it: a prefix (or a subset) is all it owes
+        if self.stopped_by_error() or self.sticky:
+            return  # a failure stopped the pipeline under it: a prefix (or a subset) is all it owes
+        # a map a cancel cut short raises CancelledError (above): one that ended had handed out everything
         want = {it.tag for it in m["items"] if it.fault is None}
         assert m["taken"] == want, f"map ended with {sorted(want - m['taken'])} missing"
 
@@ -282,6 +289,8 @@ class PipelineMachine(RuleBasedStateMachine):
                     check_stage_error(err, self.h.chunks[err.index].item, err.index)
                 except DeviceError as err:
                     assert self.sticky and err.sticky
+                except concurrent.futures.CancelledError as err:  # input left: cut short, saying so
+                    assert "was cut short after handing out" in str(err), str(err)
             else:  # a map first iterated after close: like a submit after close
                 try:
                     next(m["gen"])

@@ -253,10 +253,15 @@ def test_cancel_while_a_map_runs_in_another_thread():
     items = [h.item(i + 1, (i * 5) % (ELEMS + 1)) for i in range(500)]
     canceller = CancelAfter(h.pipe, 2)
 
-    def mapper():
-        return [canceller.count(r) for r in h.pipe.map(items)]
+    got: list = []
 
-    got, _ = join([start(mapper), canceller.thread])
+    def mapper():
+        with pytest.raises(concurrent.futures.CancelledError, match="map.. was cut short after handing out") as info:
+            for r in h.pipe.map(items):
+                got.append(canceller.count(r))
+        assert f"handing out {len(got)} result" in str(info.value)
+
+    join([start(mapper), canceller.thread])
     assert 2 <= len(got) < len(items), "the map neither stopped at the cancel nor ran"
     assert [r.tag for r in got] == [it.tag for it in items[:len(got)]], "a cancelled map returned a non-prefix"
     for r in got:

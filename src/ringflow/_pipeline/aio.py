@@ -440,7 +440,7 @@ class CancelIfDropped:
 
 
 # what a pipeline's _amap_failed makes of a result that raised: skip it and go on, end the map
-# quietly, or raise what the result raised
+# as cut short (see _amap_stopped), or raise what the result raised
 SKIP, STOP, RAISE = "skip", "stop", "raise"
 
 
@@ -458,11 +458,12 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
       or None once the pipeline takes no more work (the map takes no more items);
     * ``_amap_out_of_work(exhausted, started, given_up)``, called once the window is empty and
       nothing more can be taken: True where the map ended with its input, False where it
-      stopped before (it may raise instead);
+      stopped before (it may raise instead): cut short, unless ``given_up``;
     * ``await _amap_failed(fut, err)``: :data:`SKIP`, :data:`STOP` or :data:`RAISE` for the
       head's chunk ``fut`` that raised ``err`` (it may raise instead);
-    * ``_amap_stopped()``: called after the clean-up of a map that stopped: the error to raise
-      then, or None.
+    * ``_amap_stopped(cut_short, handed_out)``: called after the clean-up of a map that stopped
+      (``cut_short``: by a cancel or a close, with input left or results of its own cancelled,
+      after handing out ``handed_out`` results): the error to raise then, or None.
 
     The clean-up, whatever ends the map: a pull in progress is stopped, and every chunk taken and
     not handed out is cancelled (awaited without blocking the loop: :meth:`CancelIfDropped.end`).
@@ -473,7 +474,8 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
     limit = pipe._amap_limit()
     source = Source(items)
     carried: list = []  # an item pulled that found no room: submitted before any other
-    exhausted = refused = started = False
+    exhausted = refused = started = cut_short = False
+    handed_out = 0
     try:
         while True:
             while (carried or not exhausted) and not refused and len(window) < limit and pipe._amap_takes_more():
@@ -506,6 +508,15 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
             if not window:
                 if pipe._amap_out_of_work(exhausted, started, ending.given_up):
                     return
+                if (not (carried or refused or ending.given_up or source.pulling())
+                        and pipe._amap_stopped(False, handed_out) is None):
+                    # the pipeline takes no more work (and no failure of it is to be raised): the
+                    # map ends as its input does where that is used up, and is cut short
+                    # otherwise (an item still there is not run; a pull in progress is not
+                    # waited for, but stopped)
+                    if not (await source.next([]))[0]:
+                        return
+                cut_short = not ending.given_up
                 break
             entry = await ending.next_out()
             if entry is None:
@@ -529,11 +540,13 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
                     window.remove(entry)
                     continue
                 if verdict is STOP:
+                    cut_short = True
                     break
                 raise  # the chunk's failure (finally cancels the rest of the window)
             if ending.given_up:
                 break  # close() took the window while this map could not run (give_up_stranded)
             window.remove(entry)
+            handed_out += 1
             yield value
             ending.pulled()
     except BaseException as err:
@@ -558,7 +571,7 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
             window.clear()
             entry = fut = head = value = None  # noqa: F841 - dropped, not read again
             items = source = item = carried = None  # noqa: F841 - nor the caller's items
-    stopped_by = pipe._amap_stopped()
+    stopped_by = pipe._amap_stopped(cut_short, handed_out)
     pipe = None  # (as above: the frame of this raise)
     if stopped_by is not None:
         raise stopped_by

@@ -47,7 +47,7 @@ from .like import converter
 from .validate import (COMPUTE_FORM, MAX_CHUNK_BYTES, as_host_array, check_arity, check_choice, check_flag,
                        check_iterable, check_not_masked, check_options, check_output_spec, check_timeout,
                        warn_if_elements_as_items)
-from .scheduler import Scheduler, check_fill_rows
+from .scheduler import Scheduler, check_fill_rows, map_cut_short
 from .reentry import (check_process, generation as reentry_generation, on_progress_thread, refuse_from_stage,
                       refuse_on_progress_thread)
 from .sigint import ShieldedIterator, interruptible_device_calls, shielded, shielded_call, try_lock
@@ -160,6 +160,15 @@ def _break_unless_broken(sched: Scheduler, err: DeviceError) -> None:
     accepting thread met, unless a step found the device broken first."""
     if sched.broken is None:
         sched.break_on(err)
+
+
+def _used_up(source: Iterator[Any]) -> bool:
+    """Whether ``source`` has no item left (one it still had is taken from it, and not run)."""
+    try:
+        next(source)
+    except StopIteration:
+        return True
+    return False
 
 
 def _never(*_args: Any) -> bool:
@@ -982,9 +991,22 @@ class Pipeline:
         StageError, or the original KeyboardInterrupt/SystemExit); with ``"continue"`` failed
         items are skipped (see :attr:`failures`).
 
+        A map cut short by :meth:`cancel` or :meth:`close` (from another thread, or from the
+        loop over it), while input is left or items of its own are pending, first hands out the
+        results that had ended, then raises ``concurrent.futures.CancelledError``: it never ends
+        as if its input were used up. A map whose input was used up and whose every result was
+        handed out ends normally whatever comes after; to tell, a map that had not yet reached
+        the end of its input asks it for one more item (which, if there is one, is not run, and
+        the map raises), so a source that blocks until its next item delays that end. To stop a map of your own, break out of
+        its loop (or close its iterator): that raises nothing.
+
         Raises:
-            RuntimeError: at once (not when iterated) on a closed pipeline.
+            RuntimeError: at once (not when iterated) on a closed pipeline; when first iterated,
+                where the pipeline took no more work by then.
             TypeError: at once, where ``items`` is not iterable.
+            concurrent.futures.CancelledError: when iterated, the map cut short by a cancel or a
+                close (the message says which, and how many results it had handed out); the
+                items it had not run were not run.
         """
         self._check_caller("map()")
         if self._items_are_arrays:
@@ -999,6 +1021,7 @@ class Pipeline:
         # sharing a chunk (_Shared: its future)
         pending: collections.OrderedDict[int, Any] = collections.OrderedDict()
         exhausted = started = interrupted = False
+        handed_out = 0  # results handed out (told by the error of a map cut short)
         carried: list = []  # an item pulled but not yet accepted: (item, what _accepting made, or _SHARES)
         # items sharing chunks hold no capacity once their chunk ended: the bytes of those this
         # map accepted and has not handed out are bounded instead, by what max_in_flight chunks hold
@@ -1068,17 +1091,27 @@ class Pipeline:
                                                      started, hold)
                             if outcome == "stop":
                                 return
-                            continue
-                        del pending[entry.index]
-                        if type(entry) is _Shared:
-                            held -= entry.nbytes
-                            state, value, error = entry.outcome()
                         else:
-                            s.unclaimed -= 1
-                            state, value, error = entry.state, entry.value, entry.error
+                            del pending[entry.index]
+                            if type(entry) is _Shared:
+                                held -= entry.nbytes
+                                state, value, error = entry.outcome()
+                            else:
+                                s.unclaimed -= 1
+                                state, value, error = entry.state, entry.value, entry.error
+                    if entry is None:
+                        if outcome == "cut":
+                            # the pipeline takes no more work and nothing of this map's is pending:
+                            # it ends as its input does where that is used up (looked at without
+                            # the lock: the iterator is user code), and is cut short otherwise
+                            if not carried and _used_up(source):
+                                return
+                            raise map_cut_short("map()", [s], handed_out)
+                        continue
                 broke = s.broken is not None and error is s.broken
                 self.device.observe(entry.future.token)
                 if state is ChunkState.DELIVERED:
+                    handed_out += 1
                     yield value
                 elif state is ChunkState.FAILED:
                     # with "continue" an item's own StageError is skipped even once the device
@@ -1090,7 +1123,7 @@ class Pipeline:
                     self._settle_after_error()
                     if s.first_error is not None and self.config.on_error == "raise":
                         raise s.first_error
-                    return
+                    raise map_cut_short("map()", [s], handed_out)
         except BaseException as err:
             interrupted = isinstance(err, KeyboardInterrupt)
             # the frames of this map's steps that raised it (a wait's, a submit's) have returned,
@@ -1145,7 +1178,9 @@ class Pipeline:
     def _map_wait(self, pending, needs_room: bool, started: bool, hold: Hold) -> Optional[str]:
         """Wait (lock held as ``hold``, which the wait may give up to a Ctrl-C) for the next result
         of a map, or, where ``needs_room`` (input is left that waits for capacity), for room to
-        take more; "stop" when nothing more can come."""
+        take more. None once there may be either; "stop" where nothing more can come and no
+        input is left; "cut" where input is left and the pipeline takes no more work (a cancel or
+        a close cut the map short)."""
         d, s = self._driver, self._sched
         if not pending and not needs_room:
             return "stop"
@@ -1158,7 +1193,7 @@ class Pipeline:
                 raise s.refusal()
             if s.first_error is not None and self.config.on_error == "raise":
                 raise s.first_error
-            return "stop"
+            return "cut"
         t0 = self.device.now
         # also stop waiting if the pipeline stops taking work meanwhile (a failure, a broken
         # device) while nothing of this map is pending: no capacity would ever come
@@ -1191,9 +1226,10 @@ class Pipeline:
             self._recorder.stall(track, name, start)
 
     def _settle_after_error(self) -> None:
-        """Before a map raises an item's failure (or returns on a cancel): with on_error="raise" the
-        pipeline's pending work is cancelled; then everything has ended. A progress thread that
-        has ended (the pipeline closed under the map) had nothing left to cancel."""
+        """Before a map raises an item's failure (or that it was cut short, on a cancel): with
+        on_error="raise" the pipeline's pending work is cancelled; then everything has ended. A
+        progress thread that has ended (the pipeline closed under the map) had nothing left to
+        cancel."""
         d, s = self._driver, self._sched
         with d.hold() as hold:
             if self.config.on_error == "raise":
@@ -1340,6 +1376,8 @@ class Pipeline:
         Raises:
             RuntimeError, StageError: as :meth:`map`; RuntimeError also as :meth:`asubmit`, on an
                 event loop run in one of this pipeline's done-callbacks.
+            concurrent.futures.CancelledError: as :meth:`map`, the amap cut short by a cancel or a
+                close (not asyncio.CancelledError, which stays the awaiting task's own).
         """
         if self._items_are_arrays:
             warn_if_elements_as_items(items, "Pipeline.amap()")  # (at the line that called amap)
@@ -1373,7 +1411,7 @@ class Pipeline:
             return True
         if given_up:
             return False  # close() took the window while this map could not run (aio.give_up_stranded)
-        # input is left but the pipeline takes no more work: end as map does
+        # input is left but the pipeline takes no more work: cut short, as map is
         if s.broken is not None:
             raise s.broken
         if not started:
@@ -1382,14 +1420,16 @@ class Pipeline:
 
     async def _amap_failed(self, fut: ChunkFuture, err: BaseException) -> str:
         if fut.cancelled():
-            return STOP  # the pipeline was cancelled, or a failure stopped it, under this map
+            return STOP  # the pipeline was cancelled, or a failure stopped it, under this map: cut short
         if self.config.on_error == "continue" and err is not self._sched.broken and fut.failed_with(err):
             return SKIP  # a failed chunk (whatever its stage raised) is skipped, as map does
         return RAISE
 
-    def _amap_stopped(self) -> Optional[BaseException]:
+    def _amap_stopped(self, cut_short: bool, handed_out: int) -> Optional[BaseException]:
         if self._sched.first_error is not None and self.config.on_error == "raise":
             return self._sched.first_error
+        if cut_short:
+            return map_cut_short("amap()", [self._sched], handed_out)
         return None
 
     # -- ending ----------------------------------------------------------------------------------
@@ -1410,6 +1450,15 @@ class Pipeline:
         Ctrl-C while this waits raises KeyboardInterrupt. A cancel already handed over is carried
         out all the same; one interrupted before that (while a stage held the pipeline) has
         cancelled nothing, and the pipeline takes work as before: call it again.
+
+        A :meth:`map` or :meth:`amap` running meanwhile (on another thread, or the caller's own
+        loop) hands out the results that had ended, then raises
+        ``concurrent.futures.CancelledError`` where input was left or its items were cancelled.
+        To stop a map of your own, break out of its loop instead.
+
+        Raises:
+            RuntimeError: called from inside one of the pipeline's own stages.
+            KeyboardInterrupt: Ctrl-C while this waits (above).
         """
         if self._closed:
             return
@@ -1439,6 +1488,8 @@ class Pipeline:
         ``deliver="device"``, results it has not handed out hold device slots its other chunks
         wait for: should its consumer have stopped pulling, this returns only once it pulls again.
         Call :meth:`cancel` first to end such work without the consumer: it never waits for one.
+        Such a map takes no more of its input: once it has handed out the results of the items
+        it had taken, it raises ``concurrent.futures.CancelledError`` where input was left.
 
         Finishing the accepted chunks includes waiting for a running ``prepare``, on a thread or
         in a worker process (``processes=True``): a ``prepare`` that never returns keeps this

@@ -27,6 +27,7 @@ each stream runs chunks in order.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -201,6 +202,9 @@ class Scheduler:
         self.accepting = True
         self.broken: Optional[DeviceError] = None
         self.stopped_by: Optional[BaseException] = None  # what ended the driver (end_after_death)
+        # what stopped admission at the caller's word: "cancelled" (a cancel, which outranks a
+        # close begun before it: it cancels what the close would have finished) or "closed"
+        self.stopped_how: Optional[str] = None
         self.first_error: Optional[BaseException] = None
         # called once a failure first stops the pipeline (on_error="raise"), on the progress thread
         # with its lock held: a pipeline over several devices stops its other parts then
@@ -1569,6 +1573,8 @@ class Scheduler:
 
     def stop_admission(self) -> None:
         """Take no more work; what was accepted (the inbox too) still runs to its end."""
+        if self.stopped_how is None:
+            self.stopped_how = "closed"
         self._refuse_more()
 
     def _refuse_more(self, broken: Optional[DeviceError] = None) -> None:
@@ -1583,6 +1589,7 @@ class Scheduler:
 
     def cancel_pending(self) -> None:
         """Stop admission; end not-yet-enqueued chunks CANCELLED at once; drain the rest."""
+        self.stopped_how = "cancelled"
         self._refuse_more()
         try:
             self._cancel_pending()
@@ -1892,6 +1899,27 @@ class Scheduler:
 
 
 MAX_KEPT_FAILURES = 1024
+
+
+def map_cut_short(call: str, scheds: "list[Scheduler]", handed_out: int) -> concurrent.futures.CancelledError:
+    """The error a map (``call``: "map()" or "amap()") raises when the pipeline stopped taking work
+    (``scheds``: its schedulers, one a device) while the map still had input left or items of its
+    own pending, once it has handed out the ``handed_out`` results that had ended: its caller
+    must not take the results it got for all of them. A concurrent.futures.CancelledError, as a
+    cancelled future's ``result()`` raises (not asyncio's, which an ``amap`` caller would take
+    for its own task's cancellation)."""
+    stopped_by = next((s.stopped_by for s in scheds if s.stopped_by is not None), None)
+    if stopped_by is not None:
+        why = f"the pipeline stopped ({stopped_by})"
+    elif any(s.stopped_how == "cancelled" for s in scheds):
+        why = "the pipeline was cancelled (cancel(), or a with block left by an error)"
+    else:
+        why = "the pipeline was closed by another caller (close() takes no more of a running map's input)"
+    results = "result" if handed_out == 1 else "results"
+    return concurrent.futures.CancelledError(
+        f"{call} was cut short after handing out {handed_out} {results}: {why}. The items it had not run "
+        "were not run: submit them to a new Pipeline. To stop a map of your own, break out of its loop "
+        "(or close its iterator) instead of cancelling the pipeline.")
 
 
 def check_fill_rows(several: bool, ndim: int, what: str) -> None:

@@ -38,6 +38,7 @@ from .aio import NO_ROOM, RAISE, SKIP, STOP, CancelIfDropped, OffLoopSubmit, ama
 from .chunk import cancel_unwanted, post_cancel
 from .driver import _POLL_S, WakeFlag
 from .frames import forget_own_frames
+from .scheduler import map_cut_short
 from .sigint import checkpoint, shielded_call
 from .stats import PipelineStats
 from .validate import check_flag, check_iterable, check_timeout, warn_if_elements_as_items
@@ -318,6 +319,8 @@ class SpreadPipeline(Pipeline):
         Raises:
             RuntimeError: at once (not when iterated) on a closed pipeline.
             TypeError: at once, where ``items`` is not iterable.
+            concurrent.futures.CancelledError: when iterated, the map cut short by a cancel or a
+                close, as on one device.
         """
         self._check_caller("map()")
         if self.parts[0]._items_are_arrays:
@@ -329,7 +332,8 @@ class SpreadPipeline(Pipeline):
         source = iter(items)
         window: collections.deque = collections.deque()
         carried: list = []  # an item pulled that no part had room for: submitted before any other
-        exhausted = started = interrupted = False
+        exhausted = started = interrupted = cut_short = False
+        handed_out = 0  # results handed out (told by the error of a map cut short)
         try:
             while True:
                 while (carried or not exhausted) and len(window) < limit:
@@ -354,12 +358,17 @@ class SpreadPipeline(Pipeline):
                     if fut is NO_ROOM:
                         break  # the item stays carried while a result is handed out
                     carried.clear()
-                    if fut is None:
-                        exhausted = True
+                    if fut is None:  # input is left: the map is cut short once its window is handed out
+                        exhausted = cut_short = True
                         break
                     window.append(fut)
                     started = True
                 if not window:
+                    if cut_short:
+                        if self._stopped_by_failure():  # a part's failure stopped it: raised, as on one device
+                            failure = self._part_failure()
+                            raise failure from failure.__cause__
+                        raise self._cut_short("map()", handed_out)
                     return
                 fut = window[0] if self.config.ordered else next(iter(concurrent.futures.wait(
                     window, return_when=concurrent.futures.FIRST_COMPLETED).done))
@@ -377,7 +386,7 @@ class SpreadPipeline(Pipeline):
                         # (from its own cause: 'from None' would clear the StageError's __cause__,
                         # the user's exception, for every reader of the part's failures)
                         raise failure from failure.__cause__
-                    return
+                    raise self._cut_short("map()", handed_out) from None
                 except BaseException as err:
                     if not fut.failed_with(err):
                         raise  # this caller's own (a Ctrl-C in its wait): finally cancels the window
@@ -387,6 +396,7 @@ class SpreadPipeline(Pipeline):
                     self.cancel()
                     raise
                 window.remove(fut)
+                handed_out += 1
                 yield value
         except BaseException as err:
             interrupted = isinstance(err, KeyboardInterrupt)
@@ -410,7 +420,12 @@ class SpreadPipeline(Pipeline):
         """As :meth:`Pipeline.amap`, over every device, in submission order (``ordered=False``: as
         they end, whichever device ran them), taking items and waiting for room as :meth:`map`
         does; a chunk cancelled
-        under it (the pipeline cancelled, or stopped by a failure) ends it as it ends :meth:`map`."""
+        under it (the pipeline cancelled, or stopped by a failure) ends it as it ends :meth:`map`.
+
+        Raises:
+            concurrent.futures.CancelledError: the amap cut short by a cancel or a close, as
+                :meth:`map` (and as on one device).
+        """
         if self.parts[0]._items_are_arrays:
             warn_if_elements_as_items(items, "Pipeline.amap()")  # (at the line that called amap)
         return amap_window(self, items)
@@ -429,7 +444,7 @@ class SpreadPipeline(Pipeline):
         return True  # (a part that stopped refuses the submit: see _amap_submit)
 
     def _amap_out_of_work(self, exhausted: bool, started: bool, given_up: bool) -> bool:
-        return True
+        return exhausted  # (input left: the pipeline took no more, see _amap_submit; or given up)
 
     async def _amap_failed(self, fut: Any, err: BaseException) -> str:
         if not (fut.cancelled() or fut.failed_with(err)):
@@ -451,8 +466,14 @@ class SpreadPipeline(Pipeline):
         self = fut = None  # noqa: F841 - dropped, not read again
         raise failure from failure.__cause__  # (as map: keep the user's exception)
 
-    def _amap_stopped(self) -> Optional[BaseException]:
-        return None
+    def _amap_stopped(self, cut_short: bool, handed_out: int) -> Optional[BaseException]:
+        if self._stopped_by_failure():
+            return self._part_failure()  # (as on one device: the failure that stopped the pipeline)
+        return self._cut_short("amap()", handed_out) if cut_short else None
+
+    def _cut_short(self, call: str, handed_out: int) -> BaseException:
+        """The error of a map cut short by a cancel or a close (:func:`.scheduler.map_cut_short`)."""
+        return map_cut_short(call, [part._sched for part in self.parts], handed_out)
 
     def _part_failure(self) -> Optional[BaseException]:
         """The failure that stopped a part (with ``on_error="raise"``), if one did."""
@@ -460,7 +481,8 @@ class SpreadPipeline(Pipeline):
 
     # -- ending and inspection -----------------------------------------------------------------
     def cancel(self) -> None:
-        """Cancel every part (see :meth:`Pipeline.cancel`)."""
+        """Cancel every part (see :meth:`Pipeline.cancel`: a map or amap running meanwhile is cut
+        short, raising ``concurrent.futures.CancelledError``)."""
         self._check_caller("cancel()", opened=False)
         for part in self.parts:
             part.cancel()
