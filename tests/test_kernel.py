@@ -631,3 +631,21 @@ def test_a_pickled_kernel_compiles_again_and_gives_the_same_result_on_the_gpu():
         assert copy._compiled  # compiled on its first launch
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got, np.float32(3) * x)
+
+
+@pytest.mark.parametrize("bounds", ["__launch_bounds__(128)", "__launch_bounds__( 128u , 2 )", "__launch_bounds__(0x80)"])
+def test_a_block_larger_than_the_kernels_launch_bounds_is_refused_as_a_gpu_launch_fails(bounds):
+    """A GPU refuses a launch with more threads per block than the kernel's __launch_bounds__
+    allows, so the simulated GPU must not run it: the kernel is refused when made, naming the
+    bound and the block to pass; a block within the bound, or a bound that is not a number
+    (a macro's), is taken."""
+    for where in ("before", "after"):
+        src = SCALE.replace("__global__ void", f"__global__ {bounds} void" if where == "before"
+                            else f"__global__ void {bounds}")
+        with pytest.raises(ValueError, match=r"block=256.*__launch_bounds__.*128.*block=128 or less"):
+            Kernel(src, "scale", reference=scale_ref)
+        k = Kernel(src, "scale", reference=scale_ref, block=128)
+        x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+        k(x, y, np.float32(2))
+        np.testing.assert_array_equal(y, 2 * x)
+    Kernel(SCALE.replace("__global__ void", "__global__ __launch_bounds__(MAX_THREADS) void"), "scale", block=1024)

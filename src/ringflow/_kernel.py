@@ -60,7 +60,7 @@ from ._device.cuda.probe import INSTALL_HINT
 from ._device.protocol import Stream, check_device_dtype
 from ._device.sim.tape import taped
 from ._checks import check_count, check_flag, described, is_c_scalar, launch_scalar
-from ._kernel_signature import check_arguments, read_params
+from ._kernel_signature import check_arguments, read_launch_bound, read_params
 
 __all__ = ["Kernel", "BoundKernel"]
 
@@ -92,7 +92,8 @@ class Kernel:
 
     Raises:
         ValueError: blank ``source`` or ``name``, a ``name`` holding source text (``{``, ``}``,
-            ``;`` or a line break: the two given the other way round), ``block`` out of range, ``pointwise``
+            ``;`` or a line break: the two given the other way round), ``block`` out of range or
+            above the kernel's ``__launch_bounds__`` (a GPU refuses such a launch), ``pointwise``
             without ``elementwise``, an option that is no ``ProgramOptions`` field (the
             message suggests the fields of a similar name), or ``arch``.
         TypeError: ``source`` or ``name`` not a str, ``reference`` not callable, ``block`` not
@@ -123,6 +124,12 @@ class Kernel:
         options = _check_options(options)
         if pointwise and not elementwise:
             raise ValueError("pointwise=True needs elementwise=True: a pointwise kernel's arrays all hold n elements")
+        bound = read_launch_bound(source, name)
+        if bound is not None and block > bound:
+            # a GPU refuses such a launch (too many resources requested), so the simulated GPU must not run it
+            raise ValueError(f"block={block} is more threads per block than kernel {name!r} allows by its "
+                             f"__launch_bounds__({bound}), so a launch on a GPU would fail; pass block={bound} or "
+                             f"less, or raise the bound")
         self.source = source
         self.name = name
         self.reference = reference

@@ -102,6 +102,24 @@ def read_params(source: str, name: str) -> Optional[tuple[Param, ...]]:
     return tuple(params)
 
 
+def read_launch_bound(source: str, name: str) -> Optional[int]:
+    """The most threads per block that the ``__launch_bounds__`` of the ``__global__`` function
+    ``name`` in ``source`` allows (its first argument); None where there is none, or where it
+    cannot be read for certain (a macro's value, an expression, a name :func:`read_params`
+    cannot place). A GPU refuses a launch of more threads per block than that."""
+    if not re.fullmatch(r"[A-Za-z_]\w*", name):
+        return None
+    text = _COMMENTS.sub(" ", re.sub(r"\\\r?\n", "", source))
+    found = re.findall(r"__global__\s+(?:__launch_bounds__\s*\(([^()]*)\)\s*)?void\s+"
+                       r"(?:__launch_bounds__\s*\(([^()]*)\)\s*)?" + re.escape(name) + r"\s*\([^()]*\)\s*\{", text)
+    if len(found) != 1 or len(re.findall(r"__global__\b[^;{}]*\b" + re.escape(name) + r"\s*\([^;{}]*\)\s*\{",
+                                          text)) != 1:
+        return None
+    bounds = found[0][0] or found[0][1]
+    literal = re.fullmatch(r"\s*(0[xX][0-9a-fA-F]+|[1-9]\d*)[uUlL]*\s*(?:,.*)?", bounds, re.S)
+    return int(literal.group(1), 0) if literal else None
+
+
 def _param(text: str) -> Optional[Param]:
     if "[" in text or "&" in text or "<" in text or "=" in text:
         return None  # an array parameter, a reference, a template argument, a default: not read here
