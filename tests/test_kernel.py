@@ -649,3 +649,28 @@ def test_a_block_larger_than_the_kernels_launch_bounds_is_refused_as_a_gpu_launc
         k(x, y, np.float32(2))
         np.testing.assert_array_equal(y, 2 * x)
     Kernel(SCALE.replace("__global__ void", "__global__ __launch_bounds__(MAX_THREADS) void"), "scale", block=1024)
+
+
+@pytest.mark.parametrize("arrays, says", [
+    (1, r"1 argument given and the 1 scalar bound by bind.*pass 2 arrays to the bound kernel"),
+    (3, r"3 arguments given and the 1 scalar bound by bind.*pass 2 arrays to the bound kernel"),
+], ids=["too few", "too many"])
+def test_a_bound_kernel_given_the_wrong_count_says_how_many_arrays_it_takes(arrays, says):
+    """A bound kernel is called with its arrays alone: a wrong count is told in those terms
+    (the scalars bind fixed counted apart), not as the count of the kernel's own arguments,
+    which would ask for one array per bound scalar too many; when capturing on the simulated
+    GPU too."""
+    bound = Kernel(SCALE, "scale", reference=scale_ref).bind(np.float32(2))
+    xs = [np.ones(8, np.float32) for _ in range(arrays)]
+    with pytest.raises(TypeError, match=says):
+        bound(*xs)
+    dev = rf.device("sim")
+    s, bufs = dev.create_stream(), [dev.allocate(32) for _ in range(arrays)]
+    s.begin_capture()
+    with pytest.raises(TypeError, match=says):
+        s.launch(bound, *[b.array(np.float32, 8) for b in bufs])
+    s.abort_capture()
+    dev.close()
+    # called unbound, the count is the kernel's own
+    with pytest.raises(TypeError, match=r"one for each of the 2 arguments given, then size_t n.*pass 3 arguments,"):
+        bound.kernel(np.ones(8, np.float32), np.ones(8, np.float32))

@@ -214,13 +214,19 @@ class Kernel:
         writing its outputs in place. Called on the stand-in
         arrays a simulated GPU's capture hands a launched callable, it is recorded, checked
         as a launch, and run by each launch of the graph."""
+        return self._call(args, stream, 0)
+
+    def _call(self, args: tuple[Any, ...], stream: Any, bound: int) -> Any:
+        """:meth:`__call__`, the last ``bound`` of ``args`` being scalars a :meth:`bind` fixed
+        (counted apart in the message for a wrong count)."""
         tape = taped(args)
         if tape is not None:  # called while a simulated GPU captures: each launch of the graph runs it
             if self.reference is None:
                 raise TypeError(f"kernel {self.name!r} got arrays of the simulated GPU but has no reference; "
                                 "pass reference=<numpy function> to Kernel(...)")
             _check_stream(self.name, stream)
-            tape.record_call(self, args, {"stream": stream}, check=self._check_captured)
+            tape.record_call(self, args, {"stream": stream},
+                             check=functools.partial(self._check_captured, bound=bound))
             return None
         arrays = [a for a in args if not isinstance(a, (np.generic, bool, int, float, complex))]
         if not arrays:
@@ -230,7 +236,7 @@ class Kernel:
             if self.reference is None:
                 raise TypeError(f"kernel {self.name!r} got numpy arrays (the simulated GPU) but has no reference; "
                                 "pass reference=<numpy function> to Kernel(...)")
-            self._check_like_a_launch(args)
+            self._check_like_a_launch(args, bound)
             _check_stream(self.name, stream)
             result = self.reference(*args)
             # a launch writes its outputs and returns nothing: a reference returning a new array
@@ -272,7 +278,7 @@ class Kernel:
         :meth:`ringflow._device.cuda.CudaStream.launch` takes for a kernel."""
         self._enqueue(cc_stream, device, kernel_args, sizes)
 
-    def _check_captured(self, args: tuple[Any, ...]) -> None:
+    def _check_captured(self, args: tuple[Any, ...], bound: int = 0) -> None:
         """:meth:`_check_like_a_launch` for a call a simulated GPU's capture records, on its
         arguments as they were then (a stand-in's shadow for each array).
 
@@ -283,9 +289,9 @@ class Kernel:
             ValueError: as :meth:`_check_like_a_launch`.
         """
         self._refuse_no_array(args)
-        self._check_like_a_launch(args)
+        self._check_like_a_launch(args, bound)
 
-    def _check_like_a_launch(self, args: tuple[Any, ...]) -> None:
+    def _check_like_a_launch(self, args: tuple[Any, ...], bound: int = 0) -> None:
         """Refuse the numpy arguments a launch on a GPU would refuse (a Python scalar, a strided
         array, an array shorter than the first), or would misread (an array or scalar whose
         dtype is not its parameter's type in the source, a count that does not match:
@@ -309,7 +315,7 @@ class Kernel:
                 sizes.append(a.size)
         self._check_sizes(sizes, args)
         if self._params is not None:
-            check_arguments(self.name, self._params, args)
+            check_arguments(self.name, self._params, args, bound)
 
     def _check_scalar(self, i: int, a: Any) -> None:
         """Refuse argument ``i`` when it is a scalar a launch cannot pass: a Python number, or a
@@ -392,7 +398,7 @@ class BoundKernel:
         self.__name__ = name or kernel.name
 
     def __call__(self, *arrays: Any, stream: Any = None) -> Any:
-        return self.kernel(*arrays, *self.scalars, stream=stream)
+        return self.kernel._call((*arrays, *self.scalars), stream, len(self.scalars))
 
     def __ringflow_launch__(self, cc_stream: Any, device: int, kernel_args: list, sizes: list) -> None:
         self.kernel._enqueue(cc_stream, device, [*kernel_args, *self.scalars], sizes)

@@ -146,18 +146,26 @@ def _param(text: str) -> Optional[Param]:
     return Param(text, pointer, dtypes, writes)
 
 
-def check_arguments(kernel: str, params: tuple[Param, ...], args: tuple[Any, ...]) -> None:
+def check_arguments(kernel: str, params: tuple[Param, ...], args: tuple[Any, ...], bound: int = 0) -> None:
     """Refuse ``args`` (numpy arrays and numpy scalars, as the simulated GPU passes them) that a
     launch of ``kernel``, whose parameters are ``params`` (the trailing ``n`` among them), would
-    misread.
+    misread. The last ``bound`` of ``args`` are the scalars a ``bind`` fixed, which a wrong
+    count's message counts apart from those the bound kernel was given.
 
     Raises:
         TypeError: naming the argument, its dtype, the parameter's text, and what to pass.
     """
     if len(params) != len(args) + 1:
-        raise TypeError(f"kernel {kernel!r} takes {len(params)} parameters ({', '.join(p.text for p in params) or 'none'})"
-                        f": one for each of the {len(args)} arguments given, then size_t n (passed by the launch); "
-                        f"pass {max(0, len(params) - 1)} arguments, or change the kernel's parameters")
+        takes = f"kernel {kernel!r} takes {len(params)} parameters ({', '.join(p.text for p in params) or 'none'})"
+        if bound:
+            given, want = len(args) - bound, len(params) - 1 - bound
+            advice = (f"pass {want} array{'s' * (want != 1)} to the bound kernel" if want >= 1
+                      else f"bind {max(0, len(params) - 2)} scalars at most (the bound kernel takes an array)")
+            raise TypeError(f"{takes}: one for each of the {given} argument{'s' * (given != 1)} given and the "
+                            f"{bound} scalar{'s' * (bound != 1)} bound by bind(...), then size_t n (passed by the "
+                            f"launch); {advice}, or change the kernel's parameters")
+        raise TypeError(f"{takes}: one for each of the {len(args)} arguments given, then size_t n (passed by the "
+                        f"launch); pass {max(0, len(params) - 1)} arguments, or change the kernel's parameters")
     last = params[-1]
     if last.pointer:
         raise TypeError(f"kernel {kernel!r}: its last parameter ({last.text}) is a pointer, but a launch passes the "
