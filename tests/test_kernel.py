@@ -674,3 +674,23 @@ def test_a_bound_kernel_given_the_wrong_count_says_how_many_arrays_it_takes(arra
     # called unbound, the count is the kernel's own
     with pytest.raises(TypeError, match=r"one for each of the 2 arguments given, then size_t n.*pass 3 arguments,"):
         bound.kernel(np.ones(8, np.float32), np.ones(8, np.float32))
+
+
+def test_a_bound_kernel_carries_the_sim_seconds_set_on_its_kernel():
+    """A compute callable's sim_seconds is its simulated duration: a kernel bound after one is
+    set on it keeps it (the simulated GPU would otherwise model the launch as free), one set on
+    the bound kernel wins, and a kernel without one gives a bound kernel without one."""
+    import pickle
+
+    k = Kernel(SCALE, "scale", reference=scale_ref)
+    assert not hasattr(k.bind(np.float32(2)), "sim_seconds")
+    k.sim_seconds = 0.25
+    bound = k.bind(np.float32(2))
+    assert bound.sim_seconds == 0.25
+    assert pickle.loads(pickle.dumps(bound)).sim_seconds == 0.25
+    bound.sim_seconds = 0.5
+    assert (bound.sim_seconds, k.sim_seconds) == (0.5, 0.25)
+    x = np.ones(1024, np.float32)
+    out, report = rf.stream_map_report(k.bind(np.float32(2)), x, device=rf.device("sim"), chunk_bytes=4096)
+    np.testing.assert_array_equal(out, 2 * x)
+    assert report.measured_s >= 0.25

@@ -382,7 +382,8 @@ class Kernel:
 
 class BoundKernel:
     """A :class:`Kernel` with its trailing scalar arguments fixed: ``f(*arrays)`` launches
-    ``kernel(*arrays, *scalars)``. Attributes such as ``sim_seconds`` may be set on it."""
+    ``kernel(*arrays, *scalars)``. Attributes such as ``sim_seconds`` may be set on it; without
+    one of its own it has its kernel's ``sim_seconds``, where that is set."""
 
     def __init__(self, kernel: Kernel, scalars: tuple, name: str | None = None):
         for v in scalars:
@@ -407,6 +408,13 @@ class BoundKernel:
     def pointwise(self) -> bool:
         """The kernel's ``pointwise`` promise (see :class:`Kernel`)."""
         return self.kernel.pointwise
+
+    def __getattr__(self, name: str) -> Any:
+        # (called only for what the bound kernel lacks: a sim_seconds set on it comes first)
+        kernel = self.__dict__.get("kernel")  # (absent while unpickling)
+        if name == "sim_seconds" and kernel is not None:
+            return kernel.sim_seconds
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         return f"<ringflow.BoundKernel {self.__name__} = {self.kernel.name}(*arrays, *{self.scalars})>"
