@@ -694,3 +694,21 @@ def test_a_bound_kernel_carries_the_sim_seconds_set_on_its_kernel():
     out, report = rf.stream_map_report(k.bind(np.float32(2)), x, device=rf.device("sim"), chunk_bytes=4096)
     np.testing.assert_array_equal(out, 2 * x)
     assert report.measured_s >= 0.25
+
+
+@pytest.mark.parametrize("reference", [
+    lambda x, y, a: np.multiply(x, a, out=y[...]),
+    lambda x, y, a: np.multiply(x, a, out=y.reshape(y.shape)),
+    lambda x, y, a: np.multiply(x.ravel(), a, out=y.ravel()),
+], ids=["y[...]", "reshape", "ravel"])
+def test_a_reference_returning_a_view_of_the_output_it_wrote_is_taken(reference):
+    """Writing through a view of an output (``out=y[...]``, as the refusal of a new array
+    suggests) writes it in place: the view it returns is not a new array, and the call runs,
+    alone and as a pipeline's compute."""
+    k = Kernel(SCALE, "scale", reference=reference)
+    x, y = np.arange(6, dtype=np.float32).reshape(2, 3), np.zeros((2, 3), np.float32)
+    assert k(x, y, np.float32(2)) is None
+    np.testing.assert_array_equal(y, 2 * x)
+    out = rf.stream_map(k.bind(np.float32(3)), np.ones((64, 4), np.float32), device=rf.device("sim"),
+                        chunk_bytes=256)
+    np.testing.assert_array_equal(out, np.full((64, 4), 3, np.float32))

@@ -241,7 +241,9 @@ class Kernel:
             result = self.reference(*args)
             # a launch writes its outputs and returns nothing: a reference returning a new array
             # left them unwritten, and its caller would get a result only the simulated GPU gives
-            if result is not None and not any(result is a for a in args):
+            # (one returning an argument, or a writable view of one, np.multiply(x, a, out=y[...]),
+            # wrote in place)
+            if result is not None and not any(result is a for a in args) and not _view_of(result, args):
                 raise TypeError(f"kernel {self.name!r}: its reference returned a new {type(result).__name__} "
                                 "instead of writing its outputs in place, as a launch does (which returns "
                                 "nothing); write into the output arrays (np.multiply(x, a, out=y), y[...] = ...)")
@@ -540,6 +542,13 @@ def _cuda() -> Any:
     import cuda.core
 
     return cuda.core
+
+
+def _view_of(result: Any, args: tuple[Any, ...]) -> bool:
+    """Whether ``result`` is a writable numpy view of memory of one of the arrays in ``args``
+    (what a reference returns that wrote an output through a view of it)."""
+    return (isinstance(result, np.ndarray) and result.flags.writeable and result.base is not None
+            and any(isinstance(a, np.ndarray) and np.may_share_memory(result, a) for a in args))
 
 
 def _framework(a: Any) -> "str | None":
