@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 import types
 
 import numpy as np
@@ -712,3 +713,28 @@ def test_a_reference_returning_a_view_of_the_output_it_wrote_is_taken(reference)
     out = rf.stream_map(k.bind(np.float32(3)), np.ones((64, 4), np.float32), device=rf.device("sim"),
                         chunk_bytes=256)
     np.testing.assert_array_equal(out, np.full((64, 4), 3, np.float32))
+
+
+@pytest.mark.parametrize("name, says", [
+    ("saxpi", "did you mean 'saxpy'"),
+    ("saxpi<float>", "did you mean 'saxpy'"),
+    ("scale", "its __global__ functions are 'saxpy'"),
+], ids=["typo", "template typo", "another"])
+def test_a_name_the_source_never_mentions_is_refused_as_a_gpu_cannot_compile_it(name, says):
+    """A name the source does not hold at all (a typo) compiles on no GPU, while the simulated
+    GPU ran the reference as if all were well: it is refused when the kernel is made, with the
+    source's __global__ functions of a similar name."""
+    with pytest.raises(ValueError, match=rf"kernel {re.escape(repr(name))} is not in the source.*{says}"):
+        Kernel(SAXPY, name, reference=saxpy_ref)
+    with pytest.raises(ValueError, match=rf"kernel {re.escape(repr(name))} is not in the source.*{says}"):
+        Kernel(SAXPY + f"\n// {name} comes later\n", name, reference=saxpy_ref)  # (a comment holds no function)
+
+
+@pytest.mark.parametrize("source, name", [
+    ('#include "kernels.cuh"\n', "saxpy"),
+    ('#define DEF(n, T) extern "C" __global__ void n##_##T(T* y, size_t m) {}\nDEF(fill, float)\n', "fill_float"),
+    ('#define DEF(n) extern "C" __global__ void n(float* y, size_t m) {}\nDEF(fill)\n', "fill"),
+    (SAXPY + "\n// a comment naming saxpy2\n", "saxpy"),
+], ids=["include", "token pasting", "macro", "comment"])
+def test_a_name_that_an_include_or_a_macro_may_make_is_taken(source, name):
+    Kernel(source, name, reference=saxpy_ref)

@@ -60,7 +60,7 @@ from ._device.cuda.probe import INSTALL_HINT
 from ._device.protocol import Stream, check_device_dtype
 from ._device.sim.tape import taped
 from ._checks import check_count, check_flag, described, is_c_scalar, launch_scalar
-from ._kernel_signature import check_arguments, read_launch_bound, read_params
+from ._kernel_signature import absent_name, check_arguments, read_launch_bound, read_params
 
 __all__ = ["Kernel", "BoundKernel"]
 
@@ -92,7 +92,8 @@ class Kernel:
 
     Raises:
         ValueError: blank ``source`` or ``name``, a ``name`` holding source text (``{``, ``}``,
-            ``;`` or a line break: the two given the other way round), ``block`` out of range or
+            ``;`` or a line break: the two given the other way round), a ``name`` that the
+            source never mentions (and no ``#include`` or macro may make), ``block`` out of range or
             above the kernel's ``__launch_bounds__`` (a GPU refuses such a launch), ``pointwise``
             without ``elementwise``, an option that is no ``ProgramOptions`` field (the
             message suggests the fields of a similar name), or ``arch``.
@@ -116,6 +117,13 @@ class Kernel:
         if any(c in name for c in "{};\n"):  # (no name expression holds these; source text does)
             raise ValueError(f"name {name!r:.60} looks like CUDA C++ source, not a function's name; the source comes "
                              f"first: Kernel(source, name, reference=...)")
+        defined = absent_name(source, name)
+        if defined is not None:  # (NVRTC finds no such name expression: a GPU cannot compile it)
+            close = difflib.get_close_matches(name.split("<")[0].strip(), defined, n=3)
+            hint = (f"did you mean {' or '.join(map(repr, close))}?" if close
+                    else f"its __global__ functions are {', '.join(map(repr, defined))}" if defined
+                    else "it defines no __global__ function")
+            raise ValueError(f"kernel {name!r} is not in the source, so no GPU could compile it; {hint}")
         if reference is not None and not callable(reference):
             raise TypeError("reference must be a callable that takes numpy arrays")
         block = check_count("block", block, minimum=1, maximum=1024, hint=" (threads per block)")

@@ -102,6 +102,21 @@ def read_params(source: str, name: str) -> Optional[tuple[Param, ...]]:
     return tuple(params)
 
 
+def absent_name(source: str, name: str) -> Optional[list[str]]:
+    """Where ``source`` certainly holds no function ``name`` (a name expression: its identifier,
+    before any template arguments, appears nowhere in the source outside comments, and no
+    ``#include`` or ``##`` token pasting may make it): the names of the ``__global__`` functions
+    the source does define, for a message. None where the name is there or may be made."""
+    words = re.findall(r"[A-Za-z_]\w*", name.split("<")[0])
+    if not words:
+        return None
+    text = _COMMENTS.sub(" ", re.sub(r"\\\r?\n", "", source))
+    if "#include" in text.replace(" ", "") or "##" in text or re.search(r"\b" + re.escape(words[-1]) + r"\b", text):
+        return None
+    text = re.sub(r"__launch_bounds__\s*\([^()]*\)", " ", text)
+    return sorted(set(re.findall(r"__global__\b[^;{}()]*?\b([A-Za-z_]\w*)\s*\(", text)))
+
+
 def read_launch_bound(source: str, name: str) -> Optional[int]:
     """The most threads per block that the ``__launch_bounds__`` of the ``__global__`` function
     ``name`` in ``source`` allows (its first argument); None where there is none, or where it
