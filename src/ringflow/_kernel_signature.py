@@ -185,6 +185,9 @@ def check_arguments(kernel: str, params: tuple[Param, ...], args: tuple[Any, ...
     if last.pointer:
         raise TypeError(f"kernel {kernel!r}: its last parameter ({last.text}) is a pointer, but a launch passes the "
                         f"element count n there; add size_t n as the kernel's last parameter")
+    if last.dtypes is not None and any(d.kind not in "iu" for d in last.dtypes):
+        raise TypeError(f"kernel {kernel!r}: its last parameter ({last.text}) is not an integer, but a launch passes "
+                        f"the element count n there as a size_t, which it would misread; declare it size_t n")
     for i, (param, a) in enumerate(zip(params, args)):
         array = isinstance(a, np.ndarray)
         if param.pointer and not array:
