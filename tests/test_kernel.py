@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 import types
 
 import numpy as np
@@ -631,3 +632,109 @@ def test_a_pickled_kernel_compiles_again_and_gives_the_same_result_on_the_gpu():
         assert copy._compiled  # compiled on its first launch
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got, np.float32(3) * x)
+
+
+@pytest.mark.parametrize("bounds", ["__launch_bounds__(128)", "__launch_bounds__( 128u , 2 )", "__launch_bounds__(0x80)"])
+def test_a_block_larger_than_the_kernels_launch_bounds_is_refused_as_a_gpu_launch_fails(bounds):
+    """A GPU refuses a launch with more threads per block than the kernel's __launch_bounds__
+    allows, so the simulated GPU must not run it: the kernel is refused when made, naming the
+    bound and the block to pass; a block within the bound, or a bound that is not a number
+    (a macro's), is taken."""
+    for where in ("before", "after"):
+        src = SCALE.replace("__global__ void", f"__global__ {bounds} void" if where == "before"
+                            else f"__global__ void {bounds}")
+        with pytest.raises(ValueError, match=r"block=256.*__launch_bounds__.*128.*block=128 or less"):
+            Kernel(src, "scale", reference=scale_ref)
+        k = Kernel(src, "scale", reference=scale_ref, block=128)
+        x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+        k(x, y, np.float32(2))
+        np.testing.assert_array_equal(y, 2 * x)
+    Kernel(SCALE.replace("__global__ void", "__global__ __launch_bounds__(MAX_THREADS) void"), "scale", block=1024)
+
+
+@pytest.mark.parametrize("arrays, says", [
+    (1, r"1 argument given and the 1 scalar bound by bind.*pass 2 arrays to the bound kernel"),
+    (3, r"3 arguments given and the 1 scalar bound by bind.*pass 2 arrays to the bound kernel"),
+], ids=["too few", "too many"])
+def test_a_bound_kernel_given_the_wrong_count_says_how_many_arrays_it_takes(arrays, says):
+    """A bound kernel is called with its arrays alone: a wrong count is told in those terms
+    (the scalars bind fixed counted apart), not as the count of the kernel's own arguments,
+    which would ask for one array per bound scalar too many; when capturing on the simulated
+    GPU too."""
+    bound = Kernel(SCALE, "scale", reference=scale_ref).bind(np.float32(2))
+    xs = [np.ones(8, np.float32) for _ in range(arrays)]
+    with pytest.raises(TypeError, match=says):
+        bound(*xs)
+    dev = rf.device("sim")
+    s, bufs = dev.create_stream(), [dev.allocate(32) for _ in range(arrays)]
+    s.begin_capture()
+    with pytest.raises(TypeError, match=says):
+        s.launch(bound, *[b.array(np.float32, 8) for b in bufs])
+    s.abort_capture()
+    dev.close()
+    # called unbound, the count is the kernel's own
+    with pytest.raises(TypeError, match=r"one for each of the 2 arguments given, then size_t n.*pass 3 arguments,"):
+        bound.kernel(np.ones(8, np.float32), np.ones(8, np.float32))
+
+
+def test_a_bound_kernel_carries_the_sim_seconds_set_on_its_kernel():
+    """A compute callable's sim_seconds is its simulated duration: a kernel bound after one is
+    set on it keeps it (the simulated GPU would otherwise model the launch as free), one set on
+    the bound kernel wins, and a kernel without one gives a bound kernel without one."""
+    import pickle
+
+    k = Kernel(SCALE, "scale", reference=scale_ref)
+    assert not hasattr(k.bind(np.float32(2)), "sim_seconds")
+    k.sim_seconds = 0.25
+    bound = k.bind(np.float32(2))
+    assert bound.sim_seconds == 0.25
+    assert pickle.loads(pickle.dumps(bound)).sim_seconds == 0.25
+    bound.sim_seconds = 0.5
+    assert (bound.sim_seconds, k.sim_seconds) == (0.5, 0.25)
+    x = np.ones(1024, np.float32)
+    out, report = rf.stream_map_report(k.bind(np.float32(2)), x, device=rf.device("sim"), chunk_bytes=4096)
+    np.testing.assert_array_equal(out, 2 * x)
+    assert report.measured_s >= 0.25
+
+
+@pytest.mark.parametrize("reference", [
+    lambda x, y, a: np.multiply(x, a, out=y[...]),
+    lambda x, y, a: np.multiply(x, a, out=y.reshape(y.shape)),
+    lambda x, y, a: np.multiply(x.ravel(), a, out=y.ravel()),
+], ids=["y[...]", "reshape", "ravel"])
+def test_a_reference_returning_a_view_of_the_output_it_wrote_is_taken(reference):
+    """Writing through a view of an output (``out=y[...]``, as the refusal of a new array
+    suggests) writes it in place: the view it returns is not a new array, and the call runs,
+    alone and as a pipeline's compute."""
+    k = Kernel(SCALE, "scale", reference=reference)
+    x, y = np.arange(6, dtype=np.float32).reshape(2, 3), np.zeros((2, 3), np.float32)
+    assert k(x, y, np.float32(2)) is None
+    np.testing.assert_array_equal(y, 2 * x)
+    out = rf.stream_map(k.bind(np.float32(3)), np.ones((64, 4), np.float32), device=rf.device("sim"),
+                        chunk_bytes=256)
+    np.testing.assert_array_equal(out, np.full((64, 4), 3, np.float32))
+
+
+@pytest.mark.parametrize("name, says", [
+    ("saxpi", "did you mean 'saxpy'"),
+    ("saxpi<float>", "did you mean 'saxpy'"),
+    ("scale", "its __global__ functions are 'saxpy'"),
+], ids=["typo", "template typo", "another"])
+def test_a_name_the_source_never_mentions_is_refused_as_a_gpu_cannot_compile_it(name, says):
+    """A name the source does not hold at all (a typo) compiles on no GPU, while the simulated
+    GPU ran the reference as if all were well: it is refused when the kernel is made, with the
+    source's __global__ functions of a similar name."""
+    with pytest.raises(ValueError, match=rf"kernel {re.escape(repr(name))} is not in the source.*{says}"):
+        Kernel(SAXPY, name, reference=saxpy_ref)
+    with pytest.raises(ValueError, match=rf"kernel {re.escape(repr(name))} is not in the source.*{says}"):
+        Kernel(SAXPY + f"\n// {name} comes later\n", name, reference=saxpy_ref)  # (a comment holds no function)
+
+
+@pytest.mark.parametrize("source, name", [
+    ('#include "kernels.cuh"\n', "saxpy"),
+    ('#define DEF(n, T) extern "C" __global__ void n##_##T(T* y, size_t m) {}\nDEF(fill, float)\n', "fill_float"),
+    ('#define DEF(n) extern "C" __global__ void n(float* y, size_t m) {}\nDEF(fill)\n', "fill"),
+    (SAXPY + "\n// a comment naming saxpy2\n", "saxpy"),
+], ids=["include", "token pasting", "macro", "comment"])
+def test_a_name_that_an_include_or_a_macro_may_make_is_taken(source, name):
+    Kernel(source, name, reference=saxpy_ref)

@@ -197,3 +197,23 @@ def _copies_float32(source: str) -> Kernel:
     k(x, y)
     np.testing.assert_array_equal(y, x)
     return k
+
+
+@pytest.mark.parametrize("last", ["float n", "double n", "bool n", "__half n"])
+def test_a_last_parameter_that_is_no_integer_is_refused_as_a_launch_passes_the_count_there(last):
+    """A launch passes the element count as a size_t in the last parameter: one of a float type
+    reads those bytes as another number, so the kernel loops over the wrong count on a GPU,
+    while the simulated GPU ran the reference over every element."""
+    k = Kernel(f'extern "C" __global__ void k(const float* x, float* y, {last}) {{}}', "k",
+               reference=lambda x, y: y.__setitem__(Ellipsis, x))
+    with pytest.raises(TypeError, match=rf"last parameter \({last}\) is not an integer.*declare it size_t n"):
+        k(np.ones(4, np.float32), np.zeros(4, np.float32))
+
+
+@pytest.mark.parametrize("last", ["size_t n", "unsigned long long n", "int n", "unsigned n", "Count n"])
+def test_a_last_parameter_of_an_integer_or_unknown_type_is_taken(last):
+    k = Kernel(f'extern "C" __global__ void k(const float* x, float* y, {last}) {{}}', "k",
+               reference=lambda x, y: y.__setitem__(Ellipsis, x))
+    y = np.zeros(4, np.float32)
+    k(np.ones(4, np.float32), y)
+    np.testing.assert_array_equal(y, 1)

@@ -60,7 +60,7 @@ from ._device.cuda.probe import INSTALL_HINT
 from ._device.protocol import Stream, check_device_dtype
 from ._device.sim.tape import taped
 from ._checks import check_count, check_flag, described, is_c_scalar, launch_scalar
-from ._kernel_signature import check_arguments, read_params
+from ._kernel_signature import absent_name, check_arguments, read_launch_bound, read_params
 
 __all__ = ["Kernel", "BoundKernel"]
 
@@ -92,7 +92,9 @@ class Kernel:
 
     Raises:
         ValueError: blank ``source`` or ``name``, a ``name`` holding source text (``{``, ``}``,
-            ``;`` or a line break: the two given the other way round), ``block`` out of range, ``pointwise``
+            ``;`` or a line break: the two given the other way round), a ``name`` that the
+            source never mentions (and no ``#include`` or macro may make), ``block`` out of range or
+            above the kernel's ``__launch_bounds__`` (a GPU refuses such a launch), ``pointwise``
             without ``elementwise``, an option that is no ``ProgramOptions`` field (the
             message suggests the fields of a similar name), or ``arch``.
         TypeError: ``source`` or ``name`` not a str, ``reference`` not callable, ``block`` not
@@ -115,6 +117,13 @@ class Kernel:
         if any(c in name for c in "{};\n"):  # (no name expression holds these; source text does)
             raise ValueError(f"name {name!r:.60} looks like CUDA C++ source, not a function's name; the source comes "
                              f"first: Kernel(source, name, reference=...)")
+        defined = absent_name(source, name)
+        if defined is not None:  # (NVRTC finds no such name expression: a GPU cannot compile it)
+            close = difflib.get_close_matches(name.split("<")[0].strip(), defined, n=3)
+            hint = (f"did you mean {' or '.join(map(repr, close))}?" if close
+                    else f"its __global__ functions are {', '.join(map(repr, defined))}" if defined
+                    else "it defines no __global__ function")
+            raise ValueError(f"kernel {name!r} is not in the source, so no GPU could compile it; {hint}")
         if reference is not None and not callable(reference):
             raise TypeError("reference must be a callable that takes numpy arrays")
         block = check_count("block", block, minimum=1, maximum=1024, hint=" (threads per block)")
@@ -123,6 +132,12 @@ class Kernel:
         options = _check_options(options)
         if pointwise and not elementwise:
             raise ValueError("pointwise=True needs elementwise=True: a pointwise kernel's arrays all hold n elements")
+        bound = read_launch_bound(source, name)
+        if bound is not None and block > bound:
+            # a GPU refuses such a launch (too many resources requested), so the simulated GPU must not run it
+            raise ValueError(f"block={block} is more threads per block than kernel {name!r} allows by its "
+                             f"__launch_bounds__({bound}), so a launch on a GPU would fail; pass block={bound} or "
+                             f"less, or raise the bound")
         self.source = source
         self.name = name
         self.reference = reference
@@ -207,13 +222,19 @@ class Kernel:
         writing its outputs in place. Called on the stand-in
         arrays a simulated GPU's capture hands a launched callable, it is recorded, checked
         as a launch, and run by each launch of the graph."""
+        return self._call(args, stream, 0)
+
+    def _call(self, args: tuple[Any, ...], stream: Any, bound: int) -> Any:
+        """:meth:`__call__`, the last ``bound`` of ``args`` being scalars a :meth:`bind` fixed
+        (counted apart in the message for a wrong count)."""
         tape = taped(args)
         if tape is not None:  # called while a simulated GPU captures: each launch of the graph runs it
             if self.reference is None:
                 raise TypeError(f"kernel {self.name!r} got arrays of the simulated GPU but has no reference; "
                                 "pass reference=<numpy function> to Kernel(...)")
             _check_stream(self.name, stream)
-            tape.record_call(self, args, {"stream": stream}, check=self._check_captured)
+            tape.record_call(self, args, {"stream": stream},
+                             check=functools.partial(self._check_captured, bound=bound))
             return None
         arrays = [a for a in args if not isinstance(a, (np.generic, bool, int, float, complex))]
         if not arrays:
@@ -223,12 +244,14 @@ class Kernel:
             if self.reference is None:
                 raise TypeError(f"kernel {self.name!r} got numpy arrays (the simulated GPU) but has no reference; "
                                 "pass reference=<numpy function> to Kernel(...)")
-            self._check_like_a_launch(args)
+            self._check_like_a_launch(args, bound)
             _check_stream(self.name, stream)
             result = self.reference(*args)
             # a launch writes its outputs and returns nothing: a reference returning a new array
             # left them unwritten, and its caller would get a result only the simulated GPU gives
-            if result is not None and not any(result is a for a in args):
+            # (one returning an argument, or a writable view of one, np.multiply(x, a, out=y[...]),
+            # wrote in place)
+            if result is not None and not any(result is a for a in args) and not _view_of(result, args):
                 raise TypeError(f"kernel {self.name!r}: its reference returned a new {type(result).__name__} "
                                 "instead of writing its outputs in place, as a launch does (which returns "
                                 "nothing); write into the output arrays (np.multiply(x, a, out=y), y[...] = ...)")
@@ -265,7 +288,7 @@ class Kernel:
         :meth:`ringflow._device.cuda.CudaStream.launch` takes for a kernel."""
         self._enqueue(cc_stream, device, kernel_args, sizes)
 
-    def _check_captured(self, args: tuple[Any, ...]) -> None:
+    def _check_captured(self, args: tuple[Any, ...], bound: int = 0) -> None:
         """:meth:`_check_like_a_launch` for a call a simulated GPU's capture records, on its
         arguments as they were then (a stand-in's shadow for each array).
 
@@ -276,9 +299,9 @@ class Kernel:
             ValueError: as :meth:`_check_like_a_launch`.
         """
         self._refuse_no_array(args)
-        self._check_like_a_launch(args)
+        self._check_like_a_launch(args, bound)
 
-    def _check_like_a_launch(self, args: tuple[Any, ...]) -> None:
+    def _check_like_a_launch(self, args: tuple[Any, ...], bound: int = 0) -> None:
         """Refuse the numpy arguments a launch on a GPU would refuse (a Python scalar, a strided
         array, an array shorter than the first), or would misread (an array or scalar whose
         dtype is not its parameter's type in the source, a count that does not match:
@@ -302,7 +325,7 @@ class Kernel:
                 sizes.append(a.size)
         self._check_sizes(sizes, args)
         if self._params is not None:
-            check_arguments(self.name, self._params, args)
+            check_arguments(self.name, self._params, args, bound)
 
     def _check_scalar(self, i: int, a: Any) -> None:
         """Refuse argument ``i`` when it is a scalar a launch cannot pass: a Python number, or a
@@ -369,7 +392,8 @@ class Kernel:
 
 class BoundKernel:
     """A :class:`Kernel` with its trailing scalar arguments fixed: ``f(*arrays)`` launches
-    ``kernel(*arrays, *scalars)``. Attributes such as ``sim_seconds`` may be set on it."""
+    ``kernel(*arrays, *scalars)``. Attributes such as ``sim_seconds`` may be set on it; without
+    one of its own it has its kernel's ``sim_seconds``, where that is set."""
 
     def __init__(self, kernel: Kernel, scalars: tuple, name: str | None = None):
         for v in scalars:
@@ -385,7 +409,7 @@ class BoundKernel:
         self.__name__ = name or kernel.name
 
     def __call__(self, *arrays: Any, stream: Any = None) -> Any:
-        return self.kernel(*arrays, *self.scalars, stream=stream)
+        return self.kernel._call((*arrays, *self.scalars), stream, len(self.scalars))
 
     def __ringflow_launch__(self, cc_stream: Any, device: int, kernel_args: list, sizes: list) -> None:
         self.kernel._enqueue(cc_stream, device, [*kernel_args, *self.scalars], sizes)
@@ -394,6 +418,13 @@ class BoundKernel:
     def pointwise(self) -> bool:
         """The kernel's ``pointwise`` promise (see :class:`Kernel`)."""
         return self.kernel.pointwise
+
+    def __getattr__(self, name: str) -> Any:
+        # (called only for what the bound kernel lacks: a sim_seconds set on it comes first)
+        kernel = self.__dict__.get("kernel")  # (absent while unpickling)
+        if name == "sim_seconds" and kernel is not None:
+            return kernel.sim_seconds
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         return f"<ringflow.BoundKernel {self.__name__} = {self.kernel.name}(*arrays, *{self.scalars})>"
@@ -519,6 +550,13 @@ def _cuda() -> Any:
     import cuda.core
 
     return cuda.core
+
+
+def _view_of(result: Any, args: tuple[Any, ...]) -> bool:
+    """Whether ``result`` is a writable numpy view of memory of one of the arrays in ``args``
+    (what a reference returns that wrote an output through a view of it)."""
+    return (isinstance(result, np.ndarray) and result.flags.writeable and result.base is not None
+            and any(isinstance(a, np.ndarray) and np.may_share_memory(result, a) for a in args))
 
 
 def _framework(a: Any) -> "str | None":

@@ -102,6 +102,39 @@ def read_params(source: str, name: str) -> Optional[tuple[Param, ...]]:
     return tuple(params)
 
 
+def absent_name(source: str, name: str) -> Optional[list[str]]:
+    """Where ``source`` certainly holds no function ``name`` (a name expression: its identifier,
+    before any template arguments, appears nowhere in the source outside comments, and no
+    ``#include`` or ``##`` token pasting may make it): the names of the ``__global__`` functions
+    the source does define, for a message. None where the name is there or may be made."""
+    words = re.findall(r"[A-Za-z_]\w*", name.split("<")[0])
+    if not words:
+        return None
+    text = _COMMENTS.sub(" ", re.sub(r"\\\r?\n", "", source))
+    if "#include" in text.replace(" ", "") or "##" in text or re.search(r"\b" + re.escape(words[-1]) + r"\b", text):
+        return None
+    text = re.sub(r"__launch_bounds__\s*\([^()]*\)", " ", text)
+    return sorted(set(re.findall(r"__global__\b[^;{}()]*?\b([A-Za-z_]\w*)\s*\(", text)))
+
+
+def read_launch_bound(source: str, name: str) -> Optional[int]:
+    """The most threads per block that the ``__launch_bounds__`` of the ``__global__`` function
+    ``name`` in ``source`` allows (its first argument); None where there is none, or where it
+    cannot be read for certain (a macro's value, an expression, a name :func:`read_params`
+    cannot place). A GPU refuses a launch of more threads per block than that."""
+    if not re.fullmatch(r"[A-Za-z_]\w*", name):
+        return None
+    text = _COMMENTS.sub(" ", re.sub(r"\\\r?\n", "", source))
+    found = re.findall(r"__global__\s+(?:__launch_bounds__\s*\(([^()]*)\)\s*)?void\s+"
+                       r"(?:__launch_bounds__\s*\(([^()]*)\)\s*)?" + re.escape(name) + r"\s*\([^()]*\)\s*\{", text)
+    if len(found) != 1 or len(re.findall(r"__global__\b[^;{}]*\b" + re.escape(name) + r"\s*\([^;{}]*\)\s*\{",
+                                          text)) != 1:
+        return None
+    bounds = found[0][0] or found[0][1]
+    literal = re.fullmatch(r"\s*(0[xX][0-9a-fA-F]+|[1-9]\d*)[uUlL]*\s*(?:,.*)?", bounds, re.S)
+    return int(literal.group(1), 0) if literal else None
+
+
 def _param(text: str) -> Optional[Param]:
     if "[" in text or "&" in text or "<" in text or "=" in text:
         return None  # an array parameter, a reference, a template argument, a default: not read here
@@ -128,22 +161,33 @@ def _param(text: str) -> Optional[Param]:
     return Param(text, pointer, dtypes, writes)
 
 
-def check_arguments(kernel: str, params: tuple[Param, ...], args: tuple[Any, ...]) -> None:
+def check_arguments(kernel: str, params: tuple[Param, ...], args: tuple[Any, ...], bound: int = 0) -> None:
     """Refuse ``args`` (numpy arrays and numpy scalars, as the simulated GPU passes them) that a
     launch of ``kernel``, whose parameters are ``params`` (the trailing ``n`` among them), would
-    misread.
+    misread. The last ``bound`` of ``args`` are the scalars a ``bind`` fixed, which a wrong
+    count's message counts apart from those the bound kernel was given.
 
     Raises:
         TypeError: naming the argument, its dtype, the parameter's text, and what to pass.
     """
     if len(params) != len(args) + 1:
-        raise TypeError(f"kernel {kernel!r} takes {len(params)} parameters ({', '.join(p.text for p in params) or 'none'})"
-                        f": one for each of the {len(args)} arguments given, then size_t n (passed by the launch); "
-                        f"pass {max(0, len(params) - 1)} arguments, or change the kernel's parameters")
+        takes = f"kernel {kernel!r} takes {len(params)} parameters ({', '.join(p.text for p in params) or 'none'})"
+        if bound:
+            given, want = len(args) - bound, len(params) - 1 - bound
+            advice = (f"pass {want} array{'s' * (want != 1)} to the bound kernel" if want >= 1
+                      else f"bind {max(0, len(params) - 2)} scalars at most (the bound kernel takes an array)")
+            raise TypeError(f"{takes}: one for each of the {given} argument{'s' * (given != 1)} given and the "
+                            f"{bound} scalar{'s' * (bound != 1)} bound by bind(...), then size_t n (passed by the "
+                            f"launch); {advice}, or change the kernel's parameters")
+        raise TypeError(f"{takes}: one for each of the {len(args)} arguments given, then size_t n (passed by the "
+                        f"launch); pass {max(0, len(params) - 1)} arguments, or change the kernel's parameters")
     last = params[-1]
     if last.pointer:
         raise TypeError(f"kernel {kernel!r}: its last parameter ({last.text}) is a pointer, but a launch passes the "
                         f"element count n there; add size_t n as the kernel's last parameter")
+    if last.dtypes is not None and any(d.kind not in "iu" for d in last.dtypes):
+        raise TypeError(f"kernel {kernel!r}: its last parameter ({last.text}) is not an integer, but a launch passes "
+                        f"the element count n there as a size_t, which it would misread; declare it size_t n")
     for i, (param, a) in enumerate(zip(params, args)):
         array = isinstance(a, np.ndarray)
         if param.pointer and not array:
