@@ -13,3 +13,21 @@ def own_pages(n: int, dtype=np.float32) -> np.ndarray:
     raw = np.zeros(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE + mmap.PAGESIZE - 1, np.uint8)
     start = -raw.ctypes.data % mmap.PAGESIZE
     return raw[start:start + nbytes].view(dtype)
+
+
+def check_pinning_within_a_page(device, refused) -> None:
+    """What a GPU's driver does, and the simulated GPU must: bytes pinned already are refused (as
+    ``refused``, an exception type), the rest of their page is pinned."""
+    page = mmap.PAGESIZE
+    base = own_pages(4 * page, np.uint8)
+    first = device.register_host(base[page:page + 100])
+    try:
+        device.register_host(base[page + 200:page + 300]).close()
+        try:
+            device.register_host(base[page + 50:page + 150]).close()
+        except refused as exc:
+            assert "HOST_MEMORY_ALREADY_REGISTERED" in str(exc), exc
+        else:
+            raise AssertionError("bytes pinned already were pinned again")
+    finally:
+        first.close()

@@ -17,6 +17,7 @@ import pytest
 import ringflow as rf
 from ringflow._errors import DeviceError, StageError
 from ringflow._pipeline.states import ChunkState, SlotState
+from tests.helpers.maps import take_each
 from tests.helpers.pipeline_checks import Harness, check_result, future_outcome
 from tests.helpers.threads import (JOIN_S, LogRecords, bounded, hold_progress_thread, join, pause_first_shared_copy,
                                    start)
@@ -679,15 +680,7 @@ def _run_cut(pipe, face: str, items: list, taken: int, stop) -> tuple:
             stop()
 
     try:
-        if face == "map":
-            for result in pipe.map(items):
-                take(result)
-        else:
-            async def consume():
-                async for result in pipe.amap(items):
-                    take(result)
-
-            asyncio.run(consume())
+        take_each(pipe, face, items, take)
     except BaseException as exc:  # noqa: BLE001 - returned for the test to judge
         return got, exc
     return got, None

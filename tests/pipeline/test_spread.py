@@ -15,6 +15,7 @@ import pytest
 
 import ringflow as rf
 from ringflow._pipeline.spread import SpreadPipeline
+from tests.helpers.maps import take_each
 from tests.helpers.pipeline_checks import check_map_refuses_not_iterable, take_all
 from tests.helpers.interrupts import CtrlCWhileStalled
 from tests.helpers.threads import JOIN_S, hold_progress_thread, join, stack_names, start
@@ -258,15 +259,7 @@ def test_map_and_amap_end_alike_when_the_pipeline_is_cancelled_under_them(on_err
                 threading.Thread(target=pipe.cancel).start()
 
         with pytest.raises(concurrent.futures.CancelledError, match="cut short .* the pipeline was cancelled") as info:
-            if face == "map":
-                for r in pipe.map(items):
-                    take(r)
-            else:
-                async def go():
-                    async for r in pipe.amap(items):
-                        take(r)
-
-                asyncio.run(go())
+            take_each(pipe, face, items, take)
         assert f"after handing out {len(got)} result" in str(info.value), (str(info.value), len(got))
         pipe.close()
         # in order; with on_error="continue" a cancelled item is skipped, so the results are the

@@ -8,7 +8,7 @@ import pytest
 import ringflow as rf
 from ringflow._device.cuda import CudaDevice
 from tests.helpers.dtypes import NOT_DEVICE_DTYPES, NOT_DEVICE_IDS, refusal
-from tests.helpers.pages import own_pages
+from tests.helpers.pages import check_pinning_within_a_page
 
 from .helpers_cuda import array_kinds
 
@@ -333,16 +333,6 @@ def test_memory_sharing_a_page_with_pinned_memory_is_pinned_and_only_pinned_byte
     """The driver refuses to pin bytes pinned already, not a page they share: two arrays side by
     side in one page (numpy's small arrays often are) are each pinned. The simulated GPU refuses
     the same ranges (tests/device/sim/test_host.py)."""
-    import mmap
-
     from ringflow._errors import DeviceError
 
-    page = mmap.PAGESIZE
-    base = own_pages(4 * page, np.uint8)
-    first = cuda_device.register_host(base[page:page + 100])
-    try:
-        cuda_device.register_host(base[page + 200:page + 300]).close()
-        with pytest.raises(DeviceError, match="HOST_MEMORY_ALREADY_REGISTERED"):
-            cuda_device.register_host(base[page + 50:page + 150])
-    finally:
-        first.close()
+    check_pinning_within_a_page(cuda_device, DeviceError)

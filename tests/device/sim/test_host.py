@@ -14,7 +14,7 @@ from ringflow._device.protocol import Device, python_copy_threads
 from ringflow._device.sim import SimDevice
 from ringflow._device.sim import host as sim_host
 from ringflow._errors import DeviceError
-from tests.helpers.pages import own_pages
+from tests.helpers.pages import check_pinning_within_a_page
 from tests.helpers.sim import named_sims
 
 MiB = 1 << 20
@@ -247,18 +247,10 @@ def test_no_host_memory_is_behind_buffers_of_two_devices_of_one_host():
 def test_memory_sharing_a_page_with_pinned_memory_is_pinned_and_only_pinned_bytes_are_refused():
     """As a GPU's driver does (tests/device/cuda/test_cuda_memory.py): bytes pinned already are
     refused, the rest of their page is not."""
-    import mmap
-
-    page = mmap.PAGESIZE
     dev = rf.device("sim")
-    base = own_pages(4 * page, np.uint8)
-    first = dev.register_host(base[page:page + 100])
     try:
-        dev.register_host(base[page + 200:page + 300]).close()
-        with pytest.raises(DeviceError, match="HOST_MEMORY_ALREADY_REGISTERED"):
-            dev.register_host(base[page + 50:page + 150])
+        check_pinning_within_a_page(dev, DeviceError)
     finally:
-        first.close()
         dev.close()
 
 
