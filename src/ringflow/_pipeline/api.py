@@ -1369,7 +1369,9 @@ class Pipeline:
         next item is awaited in a task of its own, and a result ready meanwhile is handed out
         (the pull goes on; it is cancelled when the map ends). :meth:`close` does not
         wait for an amap whose event loop cannot run meanwhile (closed, or the calling thread's):
-        what it took and has not handed out is cancelled, or dropped if delivered already. An
+        what it took and has not handed out is cancelled, or dropped if delivered already, and
+        the amap, run again, hands out nothing more: it is cut short (raises
+        ``concurrent.futures.CancelledError``) where it held items or its input was left. An
         amap whose loop runs on (on another thread) is waited for, as a :meth:`map` is, even where
         its consumer stopped pulling; :meth:`cancel` first ends its chunks without the consumer.
 
@@ -1405,12 +1407,10 @@ class Pipeline:
                 raise
             return None  # stopped meanwhile (cancelled, closed, a failure): as map, take no more
 
-    def _amap_out_of_work(self, exhausted: bool, started: bool, given_up: bool) -> bool:
+    def _amap_out_of_work(self, exhausted: bool, started: bool) -> bool:
         s = self._sched
         if exhausted:
             return True
-        if given_up:
-            return False  # close() took the window while this map could not run (aio.give_up_stranded)
         # input is left but the pipeline takes no more work: cut short, as map is
         if s.broken is not None:
             raise s.broken
@@ -1481,7 +1481,9 @@ class Pipeline:
         once it is closed). In a child forked from the process that made the pipeline, only
         forgets it (what it holds is the parent's). An :meth:`amap` whose event loop cannot run
         while this waits (the loop is closed, or it is the calling thread's) is not waited for:
-        what it took and has not handed out is cancelled, or, delivered already, dropped.
+        what it took and has not handed out is cancelled, or, delivered already, dropped; run
+        again, it raises ``concurrent.futures.CancelledError`` where it held items or its input
+        was left.
 
         A :meth:`map` or :meth:`amap` that can still run (its thread, or its loop on another
         thread) is waited for, as its consumer may still take its results. With

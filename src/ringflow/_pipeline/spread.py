@@ -443,8 +443,8 @@ class SpreadPipeline(Pipeline):
     def _amap_takes_more(self) -> bool:
         return True  # (a part that stopped refuses the submit: see _amap_submit)
 
-    def _amap_out_of_work(self, exhausted: bool, started: bool, given_up: bool) -> bool:
-        return exhausted  # (input left: the pipeline took no more, see _amap_submit; or given up)
+    def _amap_out_of_work(self, exhausted: bool, started: bool) -> bool:
+        return exhausted  # (input left: the pipeline took no more, see _amap_submit)
 
     async def _amap_failed(self, fut: Any, err: BaseException) -> str:
         if not (fut.cancelled() or fut.failed_with(err)):
