@@ -699,7 +699,8 @@ def test_a_map_cut_short_by_a_cancel_or_a_close_raises_after_the_results_that_ha
     the results that had ended, in order, then raises concurrent.futures.CancelledError saying
     why, how many results it handed out, and what to do. An amap closed on its own loop (close()
     takes the items it holds, as it cannot wait for it) is cut short too, not ended as if its
-    input were used up."""
+    input were used up. The message says the pipeline was closed "by another caller" only where
+    another thread closed it: not where the map's own consumer did, in the loop over it."""
     pipe = _cut_pipe(n_devices, seed=31)
     items = _inputs(40)
     stopper = _Stopper(pipe, how)
@@ -710,6 +711,10 @@ def test_a_map_cut_short_by_a_cancel_or_a_close_raises_after_the_results_that_ha
     message = str(err)
     assert f"{face}() was cut short after handing out {len(got)} result" in message, message
     assert ("closed" if how.startswith("close") else "cancelled") in message, message
+    if how.startswith("close"):
+        # "by another caller" only where another thread closed it, not the map's own consumer
+        assert "the pipeline was closed" in message, message
+        assert ("by another caller" in message) == (how == "close on another thread"), message
     assert "were not run: submit them to a new Pipeline" in message and "break out of its loop" in message, message
     assert 3 <= len(got) < len(items)
     for value, item in zip(got, items):

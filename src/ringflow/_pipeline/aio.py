@@ -466,9 +466,10 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
       input, False where it stopped before (it may raise instead): cut short;
     * ``await _amap_failed(fut, err)``: :data:`SKIP`, :data:`STOP` or :data:`RAISE` for the
       head's chunk ``fut`` that raised ``err`` (it may raise instead);
-    * ``_amap_stopped(cut_short, handed_out)``: called after the clean-up of a map that stopped
-      (``cut_short``: by a cancel or a close, with input left or results of its own cancelled,
-      after handing out ``handed_out`` results): the error to raise then, or None.
+    * ``_amap_stopped(cut_short, handed_out, own_close)``: called after the clean-up of a map
+      that stopped (``cut_short``: by a cancel or a close, with input left or results of its
+      own cancelled, after handing out ``handed_out`` results; ``own_close``: a close by the
+      map's own consumer gave its window up): the error to raise then, or None.
 
     A map whose window ``close()`` gave up while it could not run (:func:`give_up_stranded`,
     :func:`give_up_pulled_by`) hands out nothing more: it is cut short where the give-up took
@@ -589,7 +590,9 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
             window.clear()
             entry = fut = head = value = None  # noqa: F841 - dropped, not read again
             items = source = item = carried = None  # noqa: F841 - nor the caller's items
-    stopped_by = pipe._amap_stopped(cut_short, handed_out)
+    # a window given up was given up for the map's own consumer: its loop's thread closed the
+    # pipeline, or the task that pulls it left an async with block (give_up_pulled_by)
+    stopped_by = pipe._amap_stopped(cut_short, handed_out, ending.given_up)
     pipe = None  # (as above: the frame of this raise)
     if stopped_by is not None:
         raise stopped_by

@@ -24,6 +24,7 @@ import inspect
 import itertools
 import logging
 import math
+import threading
 import warnings
 import weakref
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Optional
@@ -1005,8 +1006,9 @@ class Pipeline:
                 where the pipeline took no more work by then.
             TypeError: at once, where ``items`` is not iterable.
             concurrent.futures.CancelledError: when iterated, the map cut short by a cancel or a
-                close (the message says which, and how many results it had handed out); the
-                items it had not run were not run.
+                close (the message says which, whether another thread closed the pipeline or
+                the loop over the map did, and how many results it had handed out); the items
+                it had not run were not run.
         """
         self._check_caller("map()")
         if self._items_are_arrays:
@@ -1425,11 +1427,11 @@ class Pipeline:
             return SKIP  # a failed chunk (whatever its stage raised) is skipped, as map does
         return RAISE
 
-    def _amap_stopped(self, cut_short: bool, handed_out: int) -> Optional[BaseException]:
+    def _amap_stopped(self, cut_short: bool, handed_out: int, own_close: bool = False) -> Optional[BaseException]:
         if self._sched.first_error is not None and self.config.on_error == "raise":
             return self._sched.first_error
         if cut_short:
-            return map_cut_short("amap()", [self._sched], handed_out)
+            return map_cut_short("amap()", [self._sched], handed_out, own_close)
         return None
 
     # -- ending ----------------------------------------------------------------------------------
@@ -1525,6 +1527,8 @@ class Pipeline:
                     if self._closed:
                         return
                     try:
+                        if s.closed_by is None:
+                            s.closed_by = threading.current_thread()  # (told by a map cut short: map_cut_short)
                         d.command(s.stop_admission, hold=hold)
                         # an amap whose event loop cannot run while this waits hands nothing out
                         # before close() returns: what it holds is given up rather than waited for

@@ -466,14 +466,14 @@ class SpreadPipeline(Pipeline):
         self = fut = None  # noqa: F841 - dropped, not read again
         raise failure from failure.__cause__  # (as map: keep the user's exception)
 
-    def _amap_stopped(self, cut_short: bool, handed_out: int) -> Optional[BaseException]:
+    def _amap_stopped(self, cut_short: bool, handed_out: int, own_close: bool = False) -> Optional[BaseException]:
         if self._stopped_by_failure():
             return self._part_failure()  # (as on one device: the failure that stopped the pipeline)
-        return self._cut_short("amap()", handed_out) if cut_short else None
+        return self._cut_short("amap()", handed_out, own_close) if cut_short else None
 
-    def _cut_short(self, call: str, handed_out: int) -> BaseException:
+    def _cut_short(self, call: str, handed_out: int, own_close: bool = False) -> BaseException:
         """The error of a map cut short by a cancel or a close (:func:`.scheduler.map_cut_short`)."""
-        return map_cut_short(call, [part._sched for part in self.parts], handed_out)
+        return map_cut_short(call, [part._sched for part in self.parts], handed_out, own_close)
 
     def _part_failure(self) -> Optional[BaseException]:
         """The failure that stopped a part (with ``on_error="raise"``), if one did."""
