@@ -232,15 +232,17 @@ def test_close_gives_up_an_amap_whose_loop_closed_while_it_is_still_referenced(n
 def test_close_on_the_thread_of_a_loop_left_open_gives_up_its_amap():
     """The loop is left open but not run again, and close() is called on its thread: the loop
     cannot run while close() waits, so close() gives the amap's window up as for a closed loop.
-    Run again afterwards, the amap ends quietly with nothing more."""
+    Run again afterwards, the amap hands out nothing more and, its input not used up, is cut
+    short: it raises concurrent.futures.CancelledError rather than end as if it were."""
     from tests.helpers.threads import bounded
 
     dev = rf.device("sim", seed=43, chaos=True)
     pipe = _held_slots_pipe(dev)
     x = [np.arange(16.0) + 100 * k for k in range(20)]
 
-    async def rest(agen):
-        return [r async for r in agen]
+    async def rest(agen, got):
+        async for r in agen:
+            got.append(r)
 
     def on_one_thread():
         loop = asyncio.new_event_loop()
@@ -248,7 +250,11 @@ def test_close_on_the_thread_of_a_loop_left_open_gives_up_its_amap():
             agen = loop.run_until_complete(_take_one_and_stop(pipe, x))
             pipe.close()
             _all_ended_and_nothing_live(pipe, [dev])
-            return loop.run_until_complete(rest(agen))
+            got: list = []
+            with pytest.raises(concurrent.futures.CancelledError,
+                               match="after handing out 1 result: the pipeline was closed"):
+                loop.run_until_complete(rest(agen, got))
+            return got
         finally:
             loop.close()
 
@@ -286,7 +292,8 @@ def test_close_gives_up_a_chunk_accepted_for_an_amap_before_its_window_holds_it(
     """The amap's item waits for capacity on the loop's executor; the loop stops, and the item
     is accepted meanwhile: the map has not put it in its window yet. close() on the loop's thread
     gives the window up, and the chunk accepted for it with it (its result released), rather than
-    leave it DELIVERED into a result nobody takes. Run again, the amap ends with nothing more."""
+    leave it DELIVERED into a result nobody takes. Run again, the amap hands out nothing more and,
+    its item taken and its input not used up, raises concurrent.futures.CancelledError."""
     from tests.helpers.threads import bounded
 
     devices = [rf.device("sim", seed=47 + k, chaos=True) for k in range(n_devices)]
@@ -315,7 +322,8 @@ def test_close_gives_up_a_chunk_accepted_for_an_amap_before_its_window_holds_it(
             assert taken.done()
             for dev in devices:
                 assert dev.live().total == 0, dev.live()
-            with pytest.raises(StopAsyncIteration):
+            with pytest.raises(concurrent.futures.CancelledError,
+                               match="after handing out 0 results: the pipeline was closed"):
                 loop.run_until_complete(step)
         finally:
             loop.close()
@@ -329,7 +337,8 @@ def test_close_gives_up_a_chunk_accepted_for_an_amap_before_its_window_holds_it(
 def test_close_gives_up_a_chunk_of_an_amap_accepted_as_close_gives_its_window_up(monkeypatch):
     """The chunk is accepted off the loop before close() runs, and the accepting thread tells the
     map only after close() gave the window up (and returned, the chunk having ended): it is given
-    up there, its result released."""
+    up there, its result released. Run again, the amap raises concurrent.futures.CancelledError
+    (its item taken, its input not used up)."""
     dev = rf.device("sim", seed=49, chaos=True)
     pipe = rf.Pipeline(lambda x, y: np.multiply(x, 3, out=y), device=dev, deliver="device", chunk_bytes=512,
                        slots=1, max_in_flight=1, checked=True)
@@ -361,7 +370,8 @@ def test_close_gives_up_a_chunk_of_an_amap_accepted_as_close_gives_its_window_up
             taken = executor.calls[0].result(timeout=JOIN_S)
             assert taken.done() and pipe.stats().balanced(), pipe.stats()
             assert dev.live().total == 0, dev.live()
-            with pytest.raises(StopAsyncIteration):
+            with pytest.raises(concurrent.futures.CancelledError,
+                               match="after handing out 0 results: the pipeline was closed"):
                 loop.run_until_complete(step)
         finally:
             closed.set()
@@ -774,7 +784,10 @@ def test_an_async_with_exit_gives_up_an_amap_its_own_task_left_unfinished(n_devi
     """The body stops pulling an amap it keeps (deliver="device": the results in its window hold
     the slots its other chunks wait for) and leaves the block: the task awaiting the exit is the
     amap's consumer, so nobody can pull it while the close waits. The exit gives its window up,
-    as close() on the loop's thread does, instead of waiting for it for ever."""
+    as close() on the loop's thread does, instead of waiting for it for ever. Pulled again, the
+    amap hands out nothing more and, its input not used up, raises
+    concurrent.futures.CancelledError, whose message does not say that another caller closed
+    the pipeline: the amap's own task did."""
     devices, device = _each_device(n_devices, 89)
     pipe = _held_slots_pipe(device)
     x = [np.arange(16.0) + 100 * k for k in range(40)]
@@ -785,7 +798,13 @@ def test_an_async_with_exit_gives_up_an_amap_its_own_task_left_unfinished(n_devi
             # `async for` leaves it: taken sooner, on a busy machine, the window could hold no
             # chunk waiting for a slot, and the exit had nothing to give up
             agen = await _take_one_and_stop(pipe, x)
-        rest = [r async for r in agen]  # the map ends at its next step with nothing more
+        rest: list = []
+        with pytest.raises(concurrent.futures.CancelledError,
+                           match="after handing out 1 result: the pipeline was closed") as cut:
+            async for r in agen:  # the map ends at its next step with nothing more, cut short
+                rest.append(r)
+        # closed by the task that pulls the amap (on the executor's thread): not another caller
+        assert "another caller" not in str(cut.value), cut.value
         return rest
 
     assert bounded(lambda: asyncio.run(main()), timeout=20.0) == []
@@ -826,7 +845,7 @@ def test_an_async_with_exit_waits_for_an_amap_another_task_still_pulls(n_devices
     assert got == list(range(s.delivered)), (got, s)  # every item the amap took was handed out
     if s.delivered < len(x):  # its input not used up: cut short by the close, saying so
         assert cut is not None and f"after handing out {len(got)} result" in str(cut) \
-            and "the pipeline was closed" in str(cut), (cut, s)
+            and "the pipeline was closed by another caller" in str(cut), (cut, s)
     else:
         assert cut is None, cut
     for dev in devices:

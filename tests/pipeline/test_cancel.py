@@ -624,7 +624,8 @@ def _double(x, y):
     y[...] = x * 2 + 1
 
 
-CUT_BY = ["cancel on another thread", "cancel in the loop over the map", "close on another thread"]
+CUT_BY = ["cancel on another thread", "cancel in the loop over the map", "close on another thread",
+          "close in the loop over the map"]
 
 
 def _cut_pipe(n_devices: int, seed: int, max_in_flight: int = 2):
@@ -656,6 +657,9 @@ class _Stopper:
             join([start(self.pipe.cancel)])
         elif self.how == "cancel in the loop over the map":
             self.pipe.cancel()
+        elif self.how == "close in the loop over the map":
+            # on an amap's own loop: close() cannot wait for the amap, and takes what it holds
+            self.pipe.close()
         else:
             self.closing = start(self.pipe.close)
             deadline = time.monotonic() + JOIN_S
@@ -693,7 +697,10 @@ def test_a_map_cut_short_by_a_cancel_or_a_close_raises_after_the_results_that_ha
     """``list(pipe.map(items))`` must never be short without a word: a map (or amap, on one device
     or over two) still holding input when the pipeline is cancelled or closed under it hands out
     the results that had ended, in order, then raises concurrent.futures.CancelledError saying
-    why, how many results it handed out, and what to do."""
+    why, how many results it handed out, and what to do. An amap closed on its own loop (close()
+    takes the items it holds, as it cannot wait for it) is cut short too, not ended as if its
+    input were used up. The message says the pipeline was closed "by another caller" only where
+    another thread closed it: not where the map's own consumer did, in the loop over it."""
     pipe = _cut_pipe(n_devices, seed=31)
     items = _inputs(40)
     stopper = _Stopper(pipe, how)
@@ -704,6 +711,10 @@ def test_a_map_cut_short_by_a_cancel_or_a_close_raises_after_the_results_that_ha
     message = str(err)
     assert f"{face}() was cut short after handing out {len(got)} result" in message, message
     assert ("closed" if how.startswith("close") else "cancelled") in message, message
+    if how.startswith("close"):
+        # "by another caller" only where another thread closed it, not the map's own consumer
+        assert "the pipeline was closed" in message, message
+        assert ("by another caller" in message) == (how == "close on another thread"), message
     assert "were not run: submit them to a new Pipeline" in message and "break out of its loop" in message, message
     assert 3 <= len(got) < len(items)
     for value, item in zip(got, items):

@@ -256,8 +256,8 @@ class CancelIfDropped:
     map puts its chunk in the window only once the loop runs it again: between the two the chunk
     is the map's all the same (:meth:`accepting`, :meth:`accepted`, :meth:`hold`)."""
 
-    __slots__ = ("window", "ordered", "ended", "loop", "thread", "given_up", "lock", "accepting_by", "unheld",
-                 "puller", "__weakref__")
+    __slots__ = ("window", "ordered", "ended", "loop", "thread", "given_up", "took", "lock", "accepting_by",
+                 "unheld", "puller", "__weakref__")
 
     def __init__(self, window: Any, ordered: bool = True):
         self.window = window
@@ -269,6 +269,7 @@ class CancelIfDropped:
             self.loop = None
         self.thread = threading.get_ident()  # the loop's thread (an async generator runs on it)
         self.given_up = False  # close() took the window (the map ends at its next step)
+        self.took = False  # the give-up took chunks of the map's: it is cut short (see amap_window)
         # the accepting thread and a give-up meet here: the one that comes second gives the chunk up
         self.lock = threading.Lock()
         self.accepting_by = None  # the driver accepting the map's next item off the loop's thread
@@ -313,6 +314,7 @@ class CancelIfDropped:
             if not self.given_up:
                 self.unheld = fut
                 return
+            self.took = True
         _give_up_chunks([fut])
 
     def hold(self, fut: ChunkFuture) -> bool:
@@ -413,9 +415,11 @@ class CancelIfDropped:
     def give_up(self) -> None:
         """Take the window from a map that cannot run (:meth:`stranded`: it does not run now
         either): its chunks not ended are cancelled, and results delivered into it are dropped,
-        device ones released, as each ends. The map, should its loop run it again, ends at its
-        next step with nothing more. A chunk accepted for it and not yet in the window goes with
-        it, now or as it is accepted (:meth:`accepted`)."""
+        device ones released, as each ends. The map, should its loop run it again, hands out
+        nothing more: it ends at its next step, cut short (``concurrent.futures.CancelledError``)
+        where this took items of its or its input was left (see :func:`amap_window`). A chunk
+        accepted for it and not yet in the window goes with it, now or as it is accepted
+        (:meth:`accepted`)."""
         with self.lock:
             window = self.window
             if window is None:
@@ -424,6 +428,7 @@ class CancelIfDropped:
             window.clear()
             unheld, self.unheld = self.unheld, None
             self.given_up = True
+            self.took = self.took or bool(taken) or unheld is not None
         _give_up_chunks([fut for fut, _ in taken] + ([unheld] if unheld is not None else []))
         for _, head in taken:
             if not head.get_loop().is_closed():  # (this is the loop's thread: see stranded)
@@ -456,14 +461,21 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
       there is room now, whether the pipeline still takes work (looks, without its lock);
     * ``await _amap_submit(item, started, ending, wait)``: the item's future, :data:`NO_ROOM`,
       or None once the pipeline takes no more work (the map takes no more items);
-    * ``_amap_out_of_work(exhausted, started, given_up)``, called once the window is empty and
-      nothing more can be taken: True where the map ended with its input, False where it
-      stopped before (it may raise instead): cut short, unless ``given_up``;
+    * ``_amap_out_of_work(exhausted, started)``, called once the window is empty and nothing
+      more can be taken (and the window was not given up): True where the map ended with its
+      input, False where it stopped before (it may raise instead): cut short;
     * ``await _amap_failed(fut, err)``: :data:`SKIP`, :data:`STOP` or :data:`RAISE` for the
       head's chunk ``fut`` that raised ``err`` (it may raise instead);
-    * ``_amap_stopped(cut_short, handed_out)``: called after the clean-up of a map that stopped
-      (``cut_short``: by a cancel or a close, with input left or results of its own cancelled,
-      after handing out ``handed_out`` results): the error to raise then, or None.
+    * ``_amap_stopped(cut_short, handed_out, own_close)``: called after the clean-up of a map
+      that stopped (``cut_short``: by a cancel or a close, with input left or results of its
+      own cancelled, after handing out ``handed_out`` results; ``own_close``: a close by the
+      map's own consumer gave its window up): the error to raise then, or None.
+
+    A map whose window ``close()`` gave up while it could not run (:func:`give_up_stranded`,
+    :func:`give_up_pulled_by`) hands out nothing more: it is cut short where the give-up took
+    items of its (in its window, or accepted for it), or its input was left (an item carried or
+    refused, a pull in progress, or, where it had not reached the end of its input, one more
+    item pulled, which is not run); otherwise it ends as its input did.
 
     The clean-up, whatever ends the map: a pull in progress is stopped, and every chunk taken and
     not handed out is cancelled (awaited without blocking the loop: :meth:`CancelIfDropped.end`).
@@ -506,9 +518,11 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
                 if not ending.hold(fut):
                     break  # the window was given up while the item was accepted off this loop
             if not window:
-                if pipe._amap_out_of_work(exhausted, started, ending.given_up):
+                if ending.given_up:
+                    break  # close() took the window while this map could not run (give_up_stranded)
+                if pipe._amap_out_of_work(exhausted, started):
                     return
-                if (not (carried or refused or ending.given_up or source.pulling())
+                if (not (carried or refused or source.pulling())
                         and pipe._amap_stopped(False, handed_out) is None):
                     # the pipeline takes no more work (and no failure of it is to be raised): the
                     # map ends as its input does where that is used up, and is cut short
@@ -516,7 +530,7 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
                     # waited for, but stopped)
                     if not (await source.next([]))[0]:
                         return
-                cut_short = not ending.given_up
+                cut_short = True
                 break
             entry = await ending.next_out()
             if entry is None:
@@ -549,6 +563,11 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
             handed_out += 1
             yield value
             ending.pulled()
+        if ending.given_up and not cut_short:
+            # close() took the window while this map could not run: cut short where that took
+            # items of the map's or input was left, as a map whose pipeline stopped under it is
+            cut_short = (ending.took or bool(carried) or refused or source.pulling()
+                         or (not exhausted and (await source.next([]))[0]))
     except BaseException as err:
         # what this raises may be kept by the caller, and with it this frame: not the pipeline,
         # nor in the frames of the steps that raised it (they have returned)
@@ -571,7 +590,9 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
             window.clear()
             entry = fut = head = value = None  # noqa: F841 - dropped, not read again
             items = source = item = carried = None  # noqa: F841 - nor the caller's items
-    stopped_by = pipe._amap_stopped(cut_short, handed_out)
+    # a window given up was given up for the map's own consumer: its loop's thread closed the
+    # pipeline, or the task that pulls it left an async with block (give_up_pulled_by)
+    stopped_by = pipe._amap_stopped(cut_short, handed_out, ending.given_up)
     pipe = None  # (as above: the frame of this raise)
     if stopped_by is not None:
         raise stopped_by

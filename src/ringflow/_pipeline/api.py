@@ -24,6 +24,7 @@ import inspect
 import itertools
 import logging
 import math
+import threading
 import warnings
 import weakref
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Optional
@@ -1005,8 +1006,9 @@ class Pipeline:
                 where the pipeline took no more work by then.
             TypeError: at once, where ``items`` is not iterable.
             concurrent.futures.CancelledError: when iterated, the map cut short by a cancel or a
-                close (the message says which, and how many results it had handed out); the
-                items it had not run were not run.
+                close (the message says which, whether another thread closed the pipeline or
+                the loop over the map did, and how many results it had handed out); the items
+                it had not run were not run.
         """
         self._check_caller("map()")
         if self._items_are_arrays:
@@ -1369,7 +1371,9 @@ class Pipeline:
         next item is awaited in a task of its own, and a result ready meanwhile is handed out
         (the pull goes on; it is cancelled when the map ends). :meth:`close` does not
         wait for an amap whose event loop cannot run meanwhile (closed, or the calling thread's):
-        what it took and has not handed out is cancelled, or dropped if delivered already. An
+        what it took and has not handed out is cancelled, or dropped if delivered already, and
+        the amap, run again, hands out nothing more: it is cut short (raises
+        ``concurrent.futures.CancelledError``) where it held items or its input was left. An
         amap whose loop runs on (on another thread) is waited for, as a :meth:`map` is, even where
         its consumer stopped pulling; :meth:`cancel` first ends its chunks without the consumer.
 
@@ -1405,12 +1409,10 @@ class Pipeline:
                 raise
             return None  # stopped meanwhile (cancelled, closed, a failure): as map, take no more
 
-    def _amap_out_of_work(self, exhausted: bool, started: bool, given_up: bool) -> bool:
+    def _amap_out_of_work(self, exhausted: bool, started: bool) -> bool:
         s = self._sched
         if exhausted:
             return True
-        if given_up:
-            return False  # close() took the window while this map could not run (aio.give_up_stranded)
         # input is left but the pipeline takes no more work: cut short, as map is
         if s.broken is not None:
             raise s.broken
@@ -1425,11 +1427,11 @@ class Pipeline:
             return SKIP  # a failed chunk (whatever its stage raised) is skipped, as map does
         return RAISE
 
-    def _amap_stopped(self, cut_short: bool, handed_out: int) -> Optional[BaseException]:
+    def _amap_stopped(self, cut_short: bool, handed_out: int, own_close: bool = False) -> Optional[BaseException]:
         if self._sched.first_error is not None and self.config.on_error == "raise":
             return self._sched.first_error
         if cut_short:
-            return map_cut_short("amap()", [self._sched], handed_out)
+            return map_cut_short("amap()", [self._sched], handed_out, own_close)
         return None
 
     # -- ending ----------------------------------------------------------------------------------
@@ -1481,7 +1483,9 @@ class Pipeline:
         once it is closed). In a child forked from the process that made the pipeline, only
         forgets it (what it holds is the parent's). An :meth:`amap` whose event loop cannot run
         while this waits (the loop is closed, or it is the calling thread's) is not waited for:
-        what it took and has not handed out is cancelled, or, delivered already, dropped.
+        what it took and has not handed out is cancelled, or, delivered already, dropped; run
+        again, it raises ``concurrent.futures.CancelledError`` where it held items or its input
+        was left.
 
         A :meth:`map` or :meth:`amap` that can still run (its thread, or its loop on another
         thread) is waited for, as its consumer may still take its results. With
@@ -1523,6 +1527,8 @@ class Pipeline:
                     if self._closed:
                         return
                     try:
+                        if s.closed_by is None:
+                            s.closed_by = threading.current_thread()  # (told by a map cut short: map_cut_short)
                         d.command(s.stop_admission, hold=hold)
                         # an amap whose event loop cannot run while this waits hands nothing out
                         # before close() returns: what it holds is given up rather than waited for

@@ -205,6 +205,7 @@ class Scheduler:
         # what stopped admission at the caller's word: "cancelled" (a cancel, which outranks a
         # close begun before it: it cancels what the close would have finished) or "closed"
         self.stopped_how: Optional[str] = None
+        self.closed_by: Optional[threading.Thread] = None  # the thread whose close() stopped admission
         self.first_error: Optional[BaseException] = None
         # called once a failure first stops the pipeline (on_error="raise"), on the progress thread
         # with its lock held: a pipeline over several devices stops its other parts then
@@ -1901,20 +1902,28 @@ class Scheduler:
 MAX_KEPT_FAILURES = 1024
 
 
-def map_cut_short(call: str, scheds: "list[Scheduler]", handed_out: int) -> concurrent.futures.CancelledError:
+def map_cut_short(call: str, scheds: "list[Scheduler]", handed_out: int,
+                  own_close: bool = False) -> concurrent.futures.CancelledError:
     """The error a map (``call``: "map()" or "amap()") raises when the pipeline stopped taking work
     (``scheds``: its schedulers, one a device) while the map still had input left or items of its
     own pending, once it has handed out the ``handed_out`` results that had ended: its caller
     must not take the results it got for all of them. A concurrent.futures.CancelledError, as a
     cancelled future's ``result()`` raises (not asyncio's, which an ``amap`` caller would take
-    for its own task's cancellation)."""
+    for its own task's cancellation).
+
+    Called on the map's consumer thread: a close is said to be another caller's unless
+    ``own_close`` (the map's own consumer closed it: an amap's window given up for it) or the
+    close() that stopped one of ``scheds`` ran on this thread (the loop over the map called it)."""
     stopped_by = next((s.stopped_by for s in scheds if s.stopped_by is not None), None)
     if stopped_by is not None:
         why = f"the pipeline stopped ({stopped_by})"
     elif any(s.stopped_how == "cancelled" for s in scheds):
         why = "the pipeline was cancelled (cancel(), or a with block left by an error)"
     else:
-        why = "the pipeline was closed by another caller (close() takes no more of a running map's input)"
+        here = threading.current_thread()
+        own = own_close or any(s.closed_by is here for s in scheds)
+        by = "" if own else " by another caller"
+        why = f"the pipeline was closed{by} (close() takes no more of a running map's input)"
     results = "result" if handed_out == 1 else "results"
     return concurrent.futures.CancelledError(
         f"{call} was cut short after handing out {handed_out} {results}: {why}. The items it had not run "

@@ -443,8 +443,8 @@ class SpreadPipeline(Pipeline):
     def _amap_takes_more(self) -> bool:
         return True  # (a part that stopped refuses the submit: see _amap_submit)
 
-    def _amap_out_of_work(self, exhausted: bool, started: bool, given_up: bool) -> bool:
-        return exhausted  # (input left: the pipeline took no more, see _amap_submit; or given up)
+    def _amap_out_of_work(self, exhausted: bool, started: bool) -> bool:
+        return exhausted  # (input left: the pipeline took no more, see _amap_submit)
 
     async def _amap_failed(self, fut: Any, err: BaseException) -> str:
         if not (fut.cancelled() or fut.failed_with(err)):
@@ -466,14 +466,14 @@ class SpreadPipeline(Pipeline):
         self = fut = None  # noqa: F841 - dropped, not read again
         raise failure from failure.__cause__  # (as map: keep the user's exception)
 
-    def _amap_stopped(self, cut_short: bool, handed_out: int) -> Optional[BaseException]:
+    def _amap_stopped(self, cut_short: bool, handed_out: int, own_close: bool = False) -> Optional[BaseException]:
         if self._stopped_by_failure():
             return self._part_failure()  # (as on one device: the failure that stopped the pipeline)
-        return self._cut_short("amap()", handed_out) if cut_short else None
+        return self._cut_short("amap()", handed_out, own_close) if cut_short else None
 
-    def _cut_short(self, call: str, handed_out: int) -> BaseException:
+    def _cut_short(self, call: str, handed_out: int, own_close: bool = False) -> BaseException:
         """The error of a map cut short by a cancel or a close (:func:`.scheduler.map_cut_short`)."""
-        return map_cut_short(call, [part._sched for part in self.parts], handed_out)
+        return map_cut_short(call, [part._sched for part in self.parts], handed_out, own_close)
 
     def _part_failure(self) -> Optional[BaseException]:
         """The failure that stopped a part (with ``on_error="raise"``), if one did."""
