@@ -11,6 +11,7 @@ import textwrap
 import threading
 import time
 import types
+import weakref
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from tests.helpers import process_prepare as pp
 from tests.helpers.dtypes import holding_no_uint16
 from tests.helpers.pipeline_checks import check_kept_slot_items
 from tests.helpers import threads
+from tests.helpers.collector import collector_off
 
 
 def f(x, y):
@@ -731,6 +733,66 @@ def test_cancelling_a_future_whose_prepare_has_yet_to_start_keeps_that_prepare_f
         threads.bounded(pipe.cancel, timeout=10)  # (the test failed: kills a prepare left running)
         threads.bounded(pipe.close, timeout=10)
     assert segments.made and segments.left() == [] and dev.live().total == 0
+
+
+def test_a_prepare_stopped_before_it_started_keeps_nothing_of_the_step_that_saw_it_alive(
+        dev, tmp_path, monkeypatch, segments):
+    """The PrepareStopped raised for a prepare cancelled before it started is kept by its host
+    task, and its traceback's frames (the task's run, holding the task) make a cycle of the two.
+    The traceback also reaches, through ``f_back``, the step that saw the task end, whose locals
+    held other chunks' slots and events: after close() an event stayed alive until the cyclic
+    collector happened to run (``dev.live()`` counted it, now and then, in a loaded run). Its
+    frames are now cleared as a failure's are: with the collector off, the error goes with its
+    task and nothing it reached stays alive."""
+    from ringflow._errors import PrepareStopped
+
+    first_ready, go = pp.Fifo(tmp_path, "first"), pp.Fifo(tmp_path, "go")
+    item, _ready = stuck_item(tmp_path)
+    stopped: list = []
+    with collector_off():
+        pipe = rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.reports_then_waits, processes=True,
+                           workers=1)
+        sched = pipe.scheduler
+        asked, seen_stopped = threading.Event(), threading.Event()
+        real_stop, real_drain = sched.stop_prepare, sched._drain
+
+        def stop_prepare(index):
+            try:
+                return real_stop(index)
+            finally:
+                asked.set()
+                # the cancel goes on once a step has seen the prepare task end PrepareStopped (it
+                # would otherwise end the chunk first, and the task's error would go unread)
+                seen_stopped.wait(10)
+
+        def drain(chunk, state):
+            seen = sys.exc_info()[1]  # (the scheduler drains the chunk while it handles the error)
+            if isinstance(seen, PrepareStopped):
+                stopped.append(weakref.ref(seen))
+                seen_stopped.set()
+            del seen
+            return real_drain(chunk, state)
+
+        monkeypatch.setattr(sched, "stop_prepare", stop_prepare)
+        monkeypatch.setattr(sched, "_drain", drain)
+        try:
+            first = pipe.submit((1, first_ready.path, go.path))
+            waiter = awaited(first)
+            first_ready.read_line()  # the only worker runs the first prepare now
+            queued = pipe.submit(item)
+            canceller = threads.start(queued.cancel)
+            assert asked.wait(10)  # (its prepare has yet to start)
+            go.write_line()
+            assert seen_stopped.wait(10)
+            threads.join([canceller, waiter], timeout=10)
+            assert np.array_equal(first.result(), pp.ramp(1) * 2 + 1) and queued.cancelled()
+            threads.bounded(pipe.close, timeout=10)
+        finally:
+            seen_stopped.set()
+            threads.bounded(pipe.cancel, timeout=10)
+            threads.bounded(pipe.close, timeout=10)
+        assert len(stopped) == 1 and stopped[0]() is None
+        assert segments.made and segments.left() == [] and dev.live().total == 0
 
 
 def test_close_gives_workers_that_do_not_exit_one_grace_between_them(dev, monkeypatch, segments):

@@ -951,7 +951,12 @@ class Scheduler:
             chunk.stamps["prepare"][1] = self.device.now
         try:
             chunk.shape, chunk.dtype, chunk.nbytes, tree = chunk.prepare_task.result()
-        except PrepareStopped:  # cancel() ended its worker process (processes.py) before cancelling the chunk
+        except PrepareStopped as exc:  # cancel() ended its worker process (processes.py) before cancelling the chunk
+            # kept by its task as a failure is (_fail), its traceback's frames and their callers
+            # (this step's, holding chunks, slots and events) are cleared: the task and its
+            # exception form a cycle that would keep them alive until the cyclic collector ran
+            forget_frames(exc)
+            self._forget_again.append(exc)
             self._drain(chunk, ChunkState.CANCELLED)
             return
         except BaseException as exc:  # noqa: BLE001 - the user's prepare failed for this chunk (Ctrl-C too)
