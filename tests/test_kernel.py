@@ -54,6 +54,27 @@ def test_a_reference_returning_its_result_instead_of_writing_it_is_refused_as_a_
     np.testing.assert_array_equal(y, 2 * x)
 
 
+@pytest.mark.parametrize("returned, says", [(True, "bool True"), (4, "int 4"), (np.int64(4), "int64 4")],
+                         ids=["bool", "count", "numpy count"])
+def test_a_reference_returning_a_value_after_writing_its_outputs_is_refused_for_what_it_returned(returned, says):
+    """A reference that writes its outputs and returns a flag or a count did write them: the
+    refusal names what it returned and the rule (a reference returns None, as a launch returns
+    nothing), without saying that it left its outputs unwritten."""
+    def reference(x, y, a):
+        np.multiply(x, a, out=y)
+        return returned
+
+    k = Kernel(SAXPY, "saxpy", reference=reference)
+    x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+    for call in (lambda: k(x, y, np.float32(2)), lambda: k.bind(np.float32(2))(x, y)):
+        with pytest.raises(TypeError, match=rf"kernel 'saxpy': its reference returned {says}\b") as info:
+            call()
+        message = str(info.value)
+        assert "must return None" in message and "a launch returns nothing" in message, message
+        assert "instead of writing" not in message, message
+    np.testing.assert_array_equal(y, 2 * x)
+
+
 def test_bad_construction_and_calls():
     with pytest.raises(ValueError):
         Kernel("", "k")

@@ -29,7 +29,8 @@ Calling convention, ``k(*args, stream=None)``:
   A grid-stride loop, as above, keeps the kernel right for any grid.
 * ``name`` may be an ``extern "C"`` function or a template instantiation such as
   ``"scale<float>"`` (it is passed to NVRTC as a name expression).
-* On numpy arrays ``reference(*args)`` runs and must write its outputs in place.
+* On numpy arrays ``reference(*args)`` runs and must write its outputs in place and return
+  None, as a launch returns nothing.
 * ``pointwise=True`` promises more than ``elementwise``: element ``i`` of every output is
   computed from element ``i`` of the inputs (and the scalars) alone, as in ``y = 2x + 1``, not
   in a sum, a sort or a stencil. A :class:`ringflow.Pipeline` then computes the items that
@@ -79,8 +80,8 @@ class Kernel:
         source: the CUDA C++ source text.
         name: the ``__global__`` function to launch (``extern "C"``, or a template
             instantiation such as ``"scale<float>"``).
-        reference: a numpy function of the same arguments that writes its outputs in place;
-            needed to run on the simulated GPU.
+        reference: a numpy function of the same arguments that writes its outputs in place
+            and returns None; needed to run on the simulated GPU.
         block: threads per block, 1 to 1024.
         elementwise: every array holds at least as many elements as the first (checked at
             each launch).
@@ -218,8 +219,8 @@ class Kernel:
         neither None, a ringflow stream nor a ``__cuda_stream__`` object, and
         ValueError for a strided array or, elementwise, one shorter than the first: on numpy
         arrays too, before the reference runs, as a launch would. Returns None, as a launch
-        does; a TypeError once it ran for a ``reference`` that returned a new array instead of
-        writing its outputs in place. Called on the stand-in
+        does; a TypeError once it ran for a ``reference`` that returned anything but None (or
+        an argument, or a view of one, that it wrote in place). Called on the stand-in
         arrays a simulated GPU's capture hands a launched callable, it is recorded, checked
         as a launch, and run by each launch of the graph."""
         return self._call(args, stream, 0)
@@ -247,14 +248,15 @@ class Kernel:
             self._check_like_a_launch(args, bound)
             _check_stream(self.name, stream)
             result = self.reference(*args)
-            # a launch writes its outputs and returns nothing: a reference returning a new array
-            # left them unwritten, and its caller would get a result only the simulated GPU gives
-            # (one returning an argument, or a writable view of one, np.multiply(x, a, out=y[...]),
-            # wrote in place)
+            # a launch writes its outputs and returns nothing, so a reference returns None: what
+            # else it returns (a new array, a flag, a count) is a result only the simulated GPU
+            # would give, and a new array may be the result it never wrote (one returning an
+            # argument, or a writable view of one, np.multiply(x, a, out=y[...]), wrote in place)
             if result is not None and not any(result is a for a in args) and not _view_of(result, args):
-                raise TypeError(f"kernel {self.name!r}: its reference returned a new {type(result).__name__} "
-                                "instead of writing its outputs in place, as a launch does (which returns "
-                                "nothing); write into the output arrays (np.multiply(x, a, out=y), y[...] = ...)")
+                raise TypeError(f"kernel {self.name!r}: its reference returned {_returned(result)}, but a launch "
+                                "returns nothing, so a reference must return None (or an output array it wrote "
+                                "in place); write the results into the output arrays (np.multiply(x, a, out=y), "
+                                "y[...] = ...) and return nothing")
             return None
         # an argument that is no array at all (a list, a string, None) would otherwise read as
         # a device array: beside numpy arrays as "a mix", and alone as a launch that needs
@@ -550,6 +552,15 @@ def _cuda() -> Any:
     import cuda.core
 
     return cuda.core
+
+
+def _returned(result: Any) -> str:
+    """What a reference returned, for the message refusing it: a new array by its type, any
+    other value by its type and value."""
+    if isinstance(result, np.ndarray):
+        return f"a new {type(result).__name__}"
+    shown = str(result) if isinstance(result, np.generic) else repr(result)  # (np.int64(4) as 4)
+    return f"{type(result).__name__} {shown:.40}"
 
 
 def _view_of(result: Any, args: tuple[Any, ...]) -> bool:
