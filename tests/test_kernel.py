@@ -718,6 +718,39 @@ def test_a_bound_kernel_carries_the_sim_seconds_set_on_its_kernel():
     assert report.measured_s >= 0.25
 
 
+def _writes_its_input(x, y, a):
+    x *= a  # x is const in the kernel: a launch would never write it
+    y[...] = x
+
+
+def _assigns_its_input(x, y, a):
+    x[...] = x * a
+    y[...] = x
+
+
+@pytest.mark.parametrize("reference", [_writes_its_input, _assigns_its_input], ids=["in place", "assignment"])
+def test_a_reference_writing_its_read_only_input_is_refused_naming_the_argument(reference):
+    """numpy's words ("output array is read-only", "assignment destination is read-only")
+    named neither the kernel nor the argument, inside a pipeline's StageError too, where the
+    input a kernel declares const is handed to it read-only: the message names the argument by
+    its position and parameter, and says to write only the outputs or declare it non-const."""
+    says = (r"kernel 'scale': its reference wrote into a read-only array.*argument 0 \(const float\* x\) is "
+            r"read-only.*write only the kernel's outputs.*non-const")
+    k = Kernel(SCALE, "scale", reference=reference)
+    x, y = np.ones(4, np.float32), np.zeros(4, np.float32)
+    x.flags.writeable = False
+    with pytest.raises(ValueError, match=says):
+        k(x, y, np.float32(2))
+    with pytest.raises(rf.StageError, match=says):
+        rf.stream_map(k.bind(np.float32(2)), np.ones((64, 4), np.float32), device=rf.device("sim"), chunk_bytes=256)
+    # the parameters of a template are not read: the argument is named by its position alone
+    template = Kernel("template <typename T> __global__ void scale(const T* x, T* y, T a, size_t n) {}",
+                      "scale<float>", reference=reference)
+    with pytest.raises(ValueError, match=r"kernel 'scale<float>': its reference wrote into a read-only array.*"
+                                         r"argument 0 is read-only"):
+        template(x, y, np.float32(2))
+
+
 @pytest.mark.parametrize("reference", [
     lambda x, y, a: np.multiply(x, a, out=y[...]),
     lambda x, y, a: np.multiply(x, a, out=y.reshape(y.shape)),

@@ -218,8 +218,9 @@ class Kernel:
         (:func:`~ringflow._device.protocol.check_device_dtype`) or a ``stream`` that is
         neither None, a ringflow stream nor a ``__cuda_stream__`` object, and
         ValueError for a strided array or, elementwise, one shorter than the first: on numpy
-        arrays too, before the reference runs, as a launch would. Returns None, as a launch
-        does; a TypeError once it ran for a ``reference`` that returned anything but None (or
+        arrays too, before the reference runs, as a launch would, and once it runs for a
+        ``reference`` that writes into a read-only argument (named, with its parameter where
+        the source gives it). Returns None, as a launch does; a TypeError once it ran for a ``reference`` that returned anything but None (or
         an argument, or a view of one, that it wrote in place). Called on the stand-in
         arrays a simulated GPU's capture hands a launched callable, it is recorded, checked
         as a launch, and run by each launch of the graph."""
@@ -247,7 +248,14 @@ class Kernel:
                                 "pass reference=<numpy function> to Kernel(...)")
             self._check_like_a_launch(args, bound)
             _check_stream(self.name, stream)
-            result = self.reference(*args)
+            try:
+                result = self.reference(*args)
+            except ValueError as exc:
+                # numpy's words ("assignment destination is read-only") name no argument
+                read_only = [i for i, a in enumerate(args) if isinstance(a, np.ndarray) and not a.flags.writeable]
+                if read_only and "read-only" in str(exc):
+                    raise ValueError(self._wrote_read_only(read_only, exc)) from exc
+                raise
             # a launch writes its outputs and returns nothing, so a reference returns None: what
             # else it returns (a new array, a flag, a count) is a result only the simulated GPU
             # would give, and a new array may be the result it never wrote (one returning an
@@ -265,6 +273,19 @@ class Kernel:
         if any(isinstance(a, np.ndarray) for a in arrays):
             raise TypeError(f"kernel {self.name!r} got a mix of numpy and device arrays; pass all device arrays")
         return self._launch(args, stream)
+
+    def _wrote_read_only(self, read_only: list[int], exc: BaseException) -> str:
+        """The message for a reference that failed writing a read-only array (numpy's error
+        ``exc``), naming the read-only arguments at positions ``read_only``, with their
+        parameters where the kernel's signature was read."""
+        params = self._params if self._params is not None and len(self._params) > max(read_only) + 1 else None
+        named = [f"{i} ({params[i].text})" if params is not None else str(i) for i in read_only]
+        which = (f"argument {named[0]} is" if len(named) == 1
+                 else f"arguments {', '.join(named[:-1])} and {named[-1]} are")
+        return (f"kernel {self.name!r}: its reference wrote into a read-only array (numpy: {exc}); {which} "
+                f"read-only; write only the kernel's outputs in the reference, or, where the kernel does write that "
+                f"argument, declare its parameter non-const (float* rather than const float*) and pass a writable "
+                f"array")
 
     def _refuse_no_array(self, args: tuple[Any, ...]) -> None:
         """Refuse the first argument that is neither a scalar, a numpy array nor a device array.
