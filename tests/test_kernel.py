@@ -54,6 +54,27 @@ def test_a_reference_returning_its_result_instead_of_writing_it_is_refused_as_a_
     np.testing.assert_array_equal(y, 2 * x)
 
 
+@pytest.mark.parametrize("returned, says", [(True, "bool True"), (4, "int 4"), (np.int64(4), "int64 4")],
+                         ids=["bool", "count", "numpy count"])
+def test_a_reference_returning_a_value_after_writing_its_outputs_is_refused_for_what_it_returned(returned, says):
+    """A reference that writes its outputs and returns a flag or a count did write them: the
+    refusal names what it returned and the rule (a reference returns None, as a launch returns
+    nothing), without saying that it left its outputs unwritten."""
+    def reference(x, y, a):
+        np.multiply(x, a, out=y)
+        return returned
+
+    k = Kernel(SAXPY, "saxpy", reference=reference)
+    x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+    for call in (lambda: k(x, y, np.float32(2)), lambda: k.bind(np.float32(2))(x, y)):
+        with pytest.raises(TypeError, match=rf"kernel 'saxpy': its reference returned {says}\b") as info:
+            call()
+        message = str(info.value)
+        assert "must return None" in message and "a launch returns nothing" in message, message
+        assert "instead of writing" not in message, message
+    np.testing.assert_array_equal(y, 2 * x)
+
+
 def test_bad_construction_and_calls():
     with pytest.raises(ValueError):
         Kernel("", "k")
@@ -695,6 +716,39 @@ def test_a_bound_kernel_carries_the_sim_seconds_set_on_its_kernel():
     out, report = rf.stream_map_report(k.bind(np.float32(2)), x, device=rf.device("sim"), chunk_bytes=4096)
     np.testing.assert_array_equal(out, 2 * x)
     assert report.measured_s >= 0.25
+
+
+def _writes_its_input(x, y, a):
+    x *= a  # x is const in the kernel: a launch would never write it
+    y[...] = x
+
+
+def _assigns_its_input(x, y, a):
+    x[...] = x * a
+    y[...] = x
+
+
+@pytest.mark.parametrize("reference", [_writes_its_input, _assigns_its_input], ids=["in place", "assignment"])
+def test_a_reference_writing_its_read_only_input_is_refused_naming_the_argument(reference):
+    """numpy's words ("output array is read-only", "assignment destination is read-only")
+    named neither the kernel nor the argument, inside a pipeline's StageError too, where the
+    input a kernel declares const is handed to it read-only: the message names the argument by
+    its position and parameter, and says to write only the outputs or declare it non-const."""
+    says = (r"kernel 'scale': its reference wrote into a read-only array.*argument 0 \(const float\* x\) is "
+            r"read-only.*write only the kernel's outputs.*non-const")
+    k = Kernel(SCALE, "scale", reference=reference)
+    x, y = np.ones(4, np.float32), np.zeros(4, np.float32)
+    x.flags.writeable = False
+    with pytest.raises(ValueError, match=says):
+        k(x, y, np.float32(2))
+    with pytest.raises(rf.StageError, match=says):
+        rf.stream_map(k.bind(np.float32(2)), np.ones((64, 4), np.float32), device=rf.device("sim"), chunk_bytes=256)
+    # the parameters of a template are not read: the argument is named by its position alone
+    template = Kernel("template <typename T> __global__ void scale(const T* x, T* y, T a, size_t n) {}",
+                      "scale<float>", reference=reference)
+    with pytest.raises(ValueError, match=r"kernel 'scale<float>': its reference wrote into a read-only array.*"
+                                         r"argument 0 is read-only"):
+        template(x, y, np.float32(2))
 
 
 @pytest.mark.parametrize("reference", [

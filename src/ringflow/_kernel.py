@@ -29,7 +29,8 @@ Calling convention, ``k(*args, stream=None)``:
   A grid-stride loop, as above, keeps the kernel right for any grid.
 * ``name`` may be an ``extern "C"`` function or a template instantiation such as
   ``"scale<float>"`` (it is passed to NVRTC as a name expression).
-* On numpy arrays ``reference(*args)`` runs and must write its outputs in place.
+* On numpy arrays ``reference(*args)`` runs and must write its outputs in place and return
+  None, as a launch returns nothing.
 * ``pointwise=True`` promises more than ``elementwise``: element ``i`` of every output is
   computed from element ``i`` of the inputs (and the scalars) alone, as in ``y = 2x + 1``, not
   in a sum, a sort or a stencil. A :class:`ringflow.Pipeline` then computes the items that
@@ -79,8 +80,8 @@ class Kernel:
         source: the CUDA C++ source text.
         name: the ``__global__`` function to launch (``extern "C"``, or a template
             instantiation such as ``"scale<float>"``).
-        reference: a numpy function of the same arguments that writes its outputs in place;
-            needed to run on the simulated GPU.
+        reference: a numpy function of the same arguments that writes its outputs in place
+            and returns None; needed to run on the simulated GPU.
         block: threads per block, 1 to 1024.
         elementwise: every array holds at least as many elements as the first (checked at
             each launch).
@@ -217,9 +218,10 @@ class Kernel:
         (:func:`~ringflow._device.protocol.check_device_dtype`) or a ``stream`` that is
         neither None, a ringflow stream nor a ``__cuda_stream__`` object, and
         ValueError for a strided array or, elementwise, one shorter than the first: on numpy
-        arrays too, before the reference runs, as a launch would. Returns None, as a launch
-        does; a TypeError once it ran for a ``reference`` that returned a new array instead of
-        writing its outputs in place. Called on the stand-in
+        arrays too, before the reference runs, as a launch would, and once it runs for a
+        ``reference`` that writes into a read-only argument (named, with its parameter where
+        the source gives it). Returns None, as a launch does; a TypeError once it ran for a ``reference`` that returned anything but None (or
+        an argument, or a view of one, that it wrote in place). Called on the stand-in
         arrays a simulated GPU's capture hands a launched callable, it is recorded, checked
         as a launch, and run by each launch of the graph."""
         return self._call(args, stream, 0)
@@ -246,15 +248,23 @@ class Kernel:
                                 "pass reference=<numpy function> to Kernel(...)")
             self._check_like_a_launch(args, bound)
             _check_stream(self.name, stream)
-            result = self.reference(*args)
-            # a launch writes its outputs and returns nothing: a reference returning a new array
-            # left them unwritten, and its caller would get a result only the simulated GPU gives
-            # (one returning an argument, or a writable view of one, np.multiply(x, a, out=y[...]),
-            # wrote in place)
+            try:
+                result = self.reference(*args)
+            except ValueError as exc:
+                # numpy's words ("assignment destination is read-only") name no argument
+                read_only = [i for i, a in enumerate(args) if isinstance(a, np.ndarray) and not a.flags.writeable]
+                if read_only and "read-only" in str(exc):
+                    raise ValueError(self._wrote_read_only(read_only, exc)) from exc
+                raise
+            # a launch writes its outputs and returns nothing, so a reference returns None: what
+            # else it returns (a new array, a flag, a count) is a result only the simulated GPU
+            # would give, and a new array may be the result it never wrote (one returning an
+            # argument, or a writable view of one, np.multiply(x, a, out=y[...]), wrote in place)
             if result is not None and not any(result is a for a in args) and not _view_of(result, args):
-                raise TypeError(f"kernel {self.name!r}: its reference returned a new {type(result).__name__} "
-                                "instead of writing its outputs in place, as a launch does (which returns "
-                                "nothing); write into the output arrays (np.multiply(x, a, out=y), y[...] = ...)")
+                raise TypeError(f"kernel {self.name!r}: its reference returned {_returned(result)}, but a launch "
+                                "returns nothing, so a reference must return None (or an output array it wrote "
+                                "in place); write the results into the output arrays (np.multiply(x, a, out=y), "
+                                "y[...] = ...) and return nothing")
             return None
         # an argument that is no array at all (a list, a string, None) would otherwise read as
         # a device array: beside numpy arrays as "a mix", and alone as a launch that needs
@@ -263,6 +273,19 @@ class Kernel:
         if any(isinstance(a, np.ndarray) for a in arrays):
             raise TypeError(f"kernel {self.name!r} got a mix of numpy and device arrays; pass all device arrays")
         return self._launch(args, stream)
+
+    def _wrote_read_only(self, read_only: list[int], exc: BaseException) -> str:
+        """The message for a reference that failed writing a read-only array (numpy's error
+        ``exc``), naming the read-only arguments at positions ``read_only``, with their
+        parameters where the kernel's signature was read."""
+        params = self._params if self._params is not None and len(self._params) > max(read_only) + 1 else None
+        named = [f"{i} ({params[i].text})" if params is not None else str(i) for i in read_only]
+        which = (f"argument {named[0]} is" if len(named) == 1
+                 else f"arguments {', '.join(named[:-1])} and {named[-1]} are")
+        return (f"kernel {self.name!r}: its reference wrote into a read-only array (numpy: {exc}); {which} "
+                f"read-only; write only the kernel's outputs in the reference, or, where the kernel does write that "
+                f"argument, declare its parameter non-const (float* rather than const float*) and pass a writable "
+                f"array")
 
     def _refuse_no_array(self, args: tuple[Any, ...]) -> None:
         """Refuse the first argument that is neither a scalar, a numpy array nor a device array.
@@ -550,6 +573,15 @@ def _cuda() -> Any:
     import cuda.core
 
     return cuda.core
+
+
+def _returned(result: Any) -> str:
+    """What a reference returned, for the message refusing it: a new array by its type, any
+    other value by its type and value."""
+    if isinstance(result, np.ndarray):
+        return f"a new {type(result).__name__}"
+    shown = str(result) if isinstance(result, np.generic) else repr(result)  # (np.int64(4) as 4)
+    return f"{type(result).__name__} {shown:.40}"
 
 
 def _view_of(result: Any, args: tuple[Any, ...]) -> bool:

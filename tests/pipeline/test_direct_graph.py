@@ -228,6 +228,26 @@ def test_a_compute_reading_its_data_on_the_host_is_captured_by_no_graph(caplog):
     assert "read device data on the host" in warned and "float()" in warned
 
 
+def test_a_compute_synchronising_the_device_while_captured_is_captured_by_no_graph(caplog):
+    """A compute that synchronises the device while its call is captured asks a GPU for what a
+    capture refuses (cudaErrorStreamCaptureUnsupported): on the simulated GPU too, logged with
+    the reason, and every call runs without a graph (and right). (Called uncaptured, a launched
+    callable is a kernel there, which must not block, so it synchronises only when captured.)"""
+    dev = rf.device("sim", seed=8, chaos=True)
+    x = data()
+    chunks = -(-x.nbytes // CHUNK)
+    calls = []
+
+    def synchronising(x, y):
+        calls.append(1)
+        f(x, y)
+        if len(calls) == chunks + 1:  # the capture's first call
+            dev.synchronize()
+
+    warned = _calls_with_no_graph_warned(caplog, x, dev, _is_f_of, fn=synchronising)
+    assert "synchronising the device while" in warned, warned
+
+
 def test_a_compute_making_a_temporary_is_captured_by_no_graph(caplog):
     """``x * 3`` makes a new device array, which a GPU's caching allocator hands out while the
     stream captures: a capture refuses it. On the simulated GPU too: logged, with what made the

@@ -144,6 +144,27 @@ def test_fn_reading_device_data_on_the_host_while_captured_abandons_the_capture(
         a.sync()
 
 
+@pytest.mark.parametrize("in_fn", [False, True], ids=["between calls", "inside a launched fn"])
+def test_synchronising_the_device_while_a_stream_captures_abandons_the_capture(in_fn):
+    """A GPU refuses to synchronise the device while one of its streams captures
+    (cudaErrorStreamCaptureUnsupported), from the capturing thread or from a launched
+    callable, which is host code there: the simulated GPU abandons the capture, naming why."""
+    dev, h, d, o, a, b = setup()
+    a.begin_capture()
+    a.copy(d, h)
+    says = r"capture abandoned: synchronising the device while .* captures"
+    with pytest.raises(CaptureError, match=says):
+        if in_fn:
+            a.launch(lambda x: dev.synchronize(), d.array(np.float32, N))
+        else:
+            dev.synchronize()
+    with pytest.raises(CaptureError, match=says):
+        a.end_capture()
+    a.copy(d, h)  # the stream runs work again, and the device synchronises
+    dev.synchronize()
+    assert not dev._captures
+
+
 def test_an_exception_from_fn_while_captured_comes_from_the_launch():
     """As on a GPU, where ``fn`` runs when the launch is made: its exception is raised there,
     and the capture goes on (it asked the GPU for nothing wrong)."""

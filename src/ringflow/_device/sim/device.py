@@ -40,7 +40,7 @@ from .host import SimHost
 from .memory import SimDeviceBuffer, SimHostBuffer
 from .pool import SimWorkerPool
 from ..hardware import HardwareProfile, get_profile
-from .graph import capturing_thread
+from .graph import SYNC_IN_CAPTURE, capturing_thread
 from .stream import SimEvent, SimStream
 
 
@@ -459,8 +459,18 @@ class SimDevice(Device):
             return dict(self._unclosed)
 
     def synchronize(self) -> None:
-        """Run every enqueued operation to completion (device-wide; tests and close only)."""
+        """Run every enqueued operation to completion (device-wide; tests and close only).
+
+        Raises:
+            CaptureError: called on a thread whose stream captures a graph (directly, or from a
+                callable launched while captured), which abandons the capture: a GPU refuses to
+                synchronise during a stream capture.
+        """
         with self._lock:
+            capture = capturing_thread(self)
+            if capture is not None:
+                raise capture.abandon(f"synchronising the device while {capture.origin.name} captures on this thread; "
+                                      f"{SYNC_IN_CAPTURE}")
             self._block_until(self._engine.idle, what="device synchronize")
 
     def close(self) -> None:

@@ -8,11 +8,12 @@ that record on the buffers' contents then, never the callable, so the host value
 frozen at the capture, as on a GPU. The rules:
 a stream joins by waiting on an event recorded during the capture, every joined stream must be
 joined back before the capture ends, and an event recorded during the capture may be waited on
-but never queried or synced. Breaking a rule abandons the capture, as the driver invalidates
-it. A launch replays the calls on streams private to the graph ("lanes", one per captured
-stream), so its work is ordered only by the captured waits and by the launching stream, as a
-real graph's nodes are, and every replayed access goes through the happens-before checker.
-The host pays one launch's overhead for the whole replay.
+but never queried or synced, and neither a capturing stream nor the device may be synchronised
+on the capturing thread (a launched callable included). Breaking a rule abandons the capture,
+as the driver invalidates it. A launch replays the calls on streams private to the graph
+("lanes", one per captured stream), so its work is ordered only by the captured waits and by
+the launching stream, as a real graph's nodes are, and every replayed access goes through the
+happens-before checker. The host pays one launch's overhead for the whole replay.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from ..protocol import Event, Graph
 if TYPE_CHECKING:
     from .device import SimDevice
     from .stream import SimStream
+
+
+# why a synchronisation abandons a capture, and what to do instead
+SYNC_IN_CAPTURE = ("a GPU refuses to synchronise during a stream capture (cudaErrorStreamCaptureUnsupported) and "
+                   "abandons it; synchronise before the capture begins or after it ends, never in a captured callable")
 
 
 class SimCapture:
