@@ -220,8 +220,9 @@ class Kernel:
         ValueError for a strided array or, elementwise, one shorter than the first: on numpy
         arrays too, before the reference runs, as a launch would, and once it runs for a
         ``reference`` that writes into a read-only argument (named, with its parameter where
-        the source gives it). Returns None, as a launch does; a TypeError once it ran for a ``reference`` that returned anything but None (or
-        an argument, or a view of one, that it wrote in place). Called on the stand-in
+        the source gives it). Returns None, as a launch does; a TypeError once it ran for a
+        ``reference`` that returned anything but None (or an argument, or a view of one, that it
+        wrote in place). Called on the stand-in
         arrays a simulated GPU's capture hands a launched callable, it is recorded, checked
         as a launch, and run by each launch of the graph."""
         return self._call(args, stream, 0)

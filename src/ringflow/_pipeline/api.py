@@ -998,8 +998,8 @@ class Pipeline:
         as if its input were used up. A map whose input was used up and whose every result was
         handed out ends normally whatever comes after; to tell, a map that had not yet reached
         the end of its input asks it for one more item (which, if there is one, is not run, and
-        the map raises), so a source that blocks until its next item delays that end. To stop a map of your own, break out of
-        its loop (or close its iterator): that raises nothing.
+        the map raises), so a source that blocks until its next item delays that end. To stop a
+        map of your own, break out of its loop (or close its iterator): that raises nothing.
 
         Raises:
             RuntimeError: at once (not when iterated) on a closed pipeline; when first iterated,

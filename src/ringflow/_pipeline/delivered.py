@@ -23,8 +23,9 @@ class DeviceResult:
     ``array`` is the result as ``compute`` wrote it: a CuPy or PyTorch array on a CUDA GPU (the
     framework the device uses), a launch argument on the simulated GPU; a tuple, list or dict
     of them for a result of several arrays (``shape`` and ``dtype`` are then None). It is valid until
-    :meth:`release`, or until its device is closed (its memory goes with it); use it as a context manager (``with res as y:``) to release on exit, or drop
-    it: a collected result releases itself on the default stream. It cannot be pickled or
+    :meth:`release`, or until its device is closed (its memory goes with it); use it as a
+    context manager (``with res as y:``) to release on exit, or drop it: a collected result
+    releases itself on the default stream. It cannot be pickled or
     copied (TypeError): copy its ``array`` instead.
 
     Attributes:

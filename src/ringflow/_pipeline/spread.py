@@ -4,9 +4,10 @@
 :class:`SpreadPipeline`: an ordinary pipeline on each device (its own streams, rings, pinned
 memory and progress thread) and a dispatcher that sends each item to the one with the fewest
 unfinished chunks (and results delivered on the device not yet released), skipping any whose
-device broke, and any whose every slot is held by such results while another has a slot free. ``map`` hands results back in submission
-order (``ordered=False``: as they finish) whichever device ran them; ``stats`` adds the parts up;
-``report`` gives one report with a trace per device.
+device broke, and any whose every slot is held by such results while another has a slot free.
+``map`` hands results back in submission order (``ordered=False``: as they finish) whichever
+device ran them; ``stats`` adds the parts up; ``report`` gives one report with a trace per
+device.
 
 A device that breaks (a sticky error) fails its own unfinished chunks; with
 ``on_error="continue"`` the others go on and new items go to the devices that still work; with
