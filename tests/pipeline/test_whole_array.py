@@ -153,3 +153,19 @@ def test_register_refused_for_memory_another_threads_call_pins_names_that_call()
     assert "a whole-array call in progress" in refused[0] and "host='stage'" in refused[0], refused[0]
     rf.drop_warm_pipelines(dev)
     assert dev.live().total == 0
+
+
+def test_a_call_staged_for_memory_pinned_already_is_not_remembered_and_the_next_registers(monkeypatch):
+    """The plan a call made where "auto" staged memory pinned already is not kept for later calls
+    with its arguments: once that memory is unpinned, the next call registers it and is kept."""
+    from ringflow._pipeline import call_memo
+
+    monkeypatch.setattr(call_memo, "MEMO", call_memo.CallMemo())
+    dev = rf.device("sim")
+    x, out = arrays()
+    with rf.MapJob(f, x, device=dev, host="register"):
+        assert np.array_equal(rf.stream_map(f, x, out, device=dev, workers=1), x * 2 + 1)
+        assert len(call_memo.MEMO) == 0
+    out[...] = 0
+    assert np.array_equal(rf.stream_map(f, x, out, device=dev, workers=1), x * 2 + 1)
+    assert len(call_memo.MEMO) == 1

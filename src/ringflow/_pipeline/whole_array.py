@@ -210,19 +210,12 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
                                   engine, keep_warm, profile, opts)
     dev = one_device(device, many, x, out, fresh_out)
     keep_warm = keep_warm and _named_again(given[0], dev, x, out)
-    chunk_bytes = opts.pop("chunk_bytes")
-    try:
-        result, fresh_result, call = prepare_whole(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer,
-                                                   engine, keep_warm, opts)
-        result, report, _ = run_prepared(f, x, result, fresh_result, call, profile)
-    except PinnedAlready:
-        if host != "auto":
-            raise
-        # not kept in the memo: the memory may be unpinned by the next call, which registers it again
-        result, report, _ = run_whole(f, x, out, fresh_out, dev, chunk_bytes, "stage", x_buffer, out_buffer, engine,
-                                      keep_warm, profile, opts)
-        return result, report
-    if memo is not None and memo[0] is dev and not call.replaced_out and _unpooled(x, given_out):
+    result, report, _, call = _run_whole_call(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer,
+                                              out_buffer, engine, keep_warm, profile, opts)
+    # a call staged in place of registering memory pinned already is not kept: the memory may be
+    # unpinned by the next call, which registers it again
+    if (call is not None and memo is not None and memo[0] is dev and not call.replaced_out
+            and _unpooled(x, given_out)):
         call_memo.MEMO.put(memo[1], memo[2], memo[3], KeptCall.of(call))
     return result, report
 
@@ -315,17 +308,25 @@ def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x
     chunks)``, ``chunks`` the chunks the call ran (a warm engine's may be tapered).
     ``pooled_out``: a fresh ``out`` may be replaced by a pool array (:data:`POOLED_OUT`); a shard
     of a call over several devices writes the caller's ``out`` and passes False."""
+    return _run_whole_call(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer, engine, keep_warm,
+                           profile, opts, pooled_out=pooled_out)[:3]
+
+
+def _run_whole_call(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x_buffer, out_buffer,
+                    engine: str, keep_warm: bool, profile: bool, opts: dict, *, pooled_out: bool = True) -> tuple:
+    """:func:`run_whole`'s ``(out, report, chunks)`` and the :class:`PreparedCall` it ran, or None
+    where ``"auto"`` met memory pinned already and staged it instead."""
     try:
         result, fresh_result, call = prepare_whole(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer,
                                                    engine, keep_warm, opts, pooled_out=pooled_out)
-        return run_prepared(f, x, result, fresh_result, call, profile)
+        return (*run_prepared(f, x, result, fresh_result, call, profile), call)
     except PinnedAlready:
         if host != "auto":
             raise
     # "auto" chose to register memory that something else pins already (an open MapJob, a
     # register_host buffer): staging reads it wherever it is pinned
-    return run_whole(f, x, out, fresh_out, dev, chunk_bytes, "stage", x_buffer, out_buffer, engine, keep_warm,
-                     profile, opts, pooled_out=pooled_out)
+    return (*run_whole(f, x, out, fresh_out, dev, chunk_bytes, "stage", x_buffer, out_buffer, engine, keep_warm,
+                       profile, opts, pooled_out=pooled_out), None)
 
 
 def prepare_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x_buffer, out_buffer,
@@ -807,8 +808,9 @@ def register(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool, worke
 class PinnedAlready(ValueError):
     """``host="register"`` (asked for, or chosen by ``"auto"``) met an array whose memory is
     pinned already: by an open :class:`~ringflow.MapJob` that registered it, a whole-array call
-    in progress that registered it, a buffer from ``register_host``, or another device. A GPU refuses to pin memory twice; ``"auto"`` stages
-    such an array instead, and an explicit ``"register"`` raises this."""
+    in progress that registered it, a buffer from ``register_host``, or another device. A GPU
+    refuses to pin memory twice; ``"auto"`` stages such an array instead, and an explicit
+    ``"register"`` raises this."""
 
 
 # the text both backends put in a refused registration of pinned memory: the CUDA driver's
