@@ -20,6 +20,7 @@ import ringflow as rf
 from ringflow._device import host_pool
 from ringflow._pipeline.chunk import NO_ROOM
 from ringflow._pipeline.states import ChunkState
+from tests.helpers.gpu_like import launch_raises_as_on_a_gpu
 from tests.helpers.interrupts import InterruptAt
 from tests.helpers.sim import hold_copy
 from tests.helpers.stateful import machine_settings
@@ -258,6 +259,32 @@ def test_an_item_cancelled_after_its_compute_was_launched_does_not_fail_or_stop_
     assert all(np.array_equal(r, expected(xs[i])) for i, r in results.items())
     assert np.array_equal(again, expected(xs[0]))
     assert (stats.delivered, stats.failed, stats.cancelled, stats.in_flight) == (4, 0, 1, 0)
+
+
+def test_an_item_whose_compute_failed_is_no_longer_cancelled_while_its_chunk_goes_on(monkeypatch):
+    """An item of a shared chunk whose compute raised as it was launched (as on a GPU) has failed:
+    its caller's cancel, while the chunk still runs for the others, returns False and its future
+    raises its error; it is counted failed once, and the pipeline's failures and counts agree.
+    (Cancelled, it would count as cancelled while ``failures`` listed its error.)"""
+    xs = [np.arange(100, dtype=np.float32) + 1000 * i for i in range(4)]
+    launch_raises_as_on_a_gpu(monkeypatch, ValueError("item 2's compute"), at=3)  # item i is launch i + 1
+    with rf.Pipeline(f, device=rf.device("sim", seed=3), chunk_bytes=1 << 16, on_error="continue") as pipe:
+        futs = [pipe.submit(x) for x in xs]
+        s = pipe.scheduler
+        while not any(c.state is ChunkState.ON_DEVICE for c in s.chunks.values()):
+            pipe._step()
+        (chunk,) = s.chunks.values()
+        assert [m.error is not None for m in chunk.members] == [False, False, True, False]
+        assert not futs[2].cancel() and not futs[2].cancelled()
+        assert futs[1].cancel()  # an item that has not failed still can be
+        err = futs[2].exception()
+        results = {i: futs[i].result() for i in (0, 3)}
+        stats = pipe.stats()
+        failures = list(pipe.failures)
+    assert isinstance(err, rf.StageError) and err.index == 2 and "item 2's compute" in str(err.__cause__)
+    assert failures == [err]
+    assert all(np.array_equal(r, expected(xs[i])) for i, r in results.items())
+    assert (stats.delivered, stats.failed, stats.cancelled, stats.in_flight) == (2, 1, 1, 0)
 
 
 def test_a_chunk_waits_for_every_copy_into_it_before_it_moves():

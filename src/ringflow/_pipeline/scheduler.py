@@ -1676,10 +1676,14 @@ class Scheduler:
     def _cancel_member(self, chunk: Chunk, index: int) -> bool:
         """Cancel one item of a shared chunk: the chunk itself is cancelled once no other item of it
         is still wanted; otherwise it goes on, and this item's part is not computed (if not yet
-        enqueued) and not delivered. False once the chunk is consuming, draining or ended."""
+        enqueued) and not delivered. False once the chunk is consuming, draining or ended, and
+        for an item whose own compute has failed already: it ends FAILED, its error among the
+        pipeline's failures (as a chunk of its own that failed cannot be cancelled)."""
         if chunk.state in (ChunkState.DRAINING, ChunkState.CONSUMING) or chunk.state.final:
             return False
         with self.batch_lock:  # an item may be joining it
+            if any(m.index == index and m.error is not None for m in chunk.members):
+                return False
             others_wanted = any(not m.future.done() for m in chunk.members if m.index != index)
         if others_wanted:
             return True  # the caller marks this item's future cancelled
