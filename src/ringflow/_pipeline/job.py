@@ -233,8 +233,8 @@ class MapJob:
                            "host strategy %r", self.engine, layout.strategy)
         try:
             # pinned for the job's life: later calls pay no registration and no first touch
-            self._held.registered, self._arrays = pinned_arrays(layout, x, out, fresh_out, x_buffer, out_buffer,
-                                                                pooled, opts.get("workers"))
+            self._held.registered, self._arrays = pinned_arrays(dev, layout.strategy, x, out, fresh_out, x_buffer,
+                                                                out_buffer, pooled, opts.get("workers"))
             self._held.engine = make_engine(self.engine, f, layout, opts, self._arrays, bind=True)
         except PinnedAlready:
             self._held.release()

@@ -94,9 +94,10 @@ class WarmPipelines:
             old = self._parked.pop(key, None)
             self._parked[key] = (pipe, token)
             evicted = [old] if old is not None else []
-            same = [k for k, (p, _) in self._parked.items() if p.device is pipe.device]
-            for k in same[:max(0, len(same) - self.capacity)]:
-                evicted.append(self._parked.pop(k))
+            if len(self._parked) > self.capacity:  # else no device can have more than capacity parked
+                same = [k for k, (p, _) in self._parked.items() if p.device is pipe.device]
+                for k in same[:max(0, len(same) - self.capacity)]:
+                    evicted.append(self._parked.pop(k))
             while len(self._parked) > self.capacity * MAX_DEVICES:
                 evicted.append(self._parked.popitem(last=False)[1])
             watch = pipe.device not in self._watched

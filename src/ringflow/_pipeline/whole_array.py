@@ -20,7 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 
@@ -232,7 +232,7 @@ def _memo_key(f, x, out, device, x_buffer, out_buffer, args: tuple, options: dic
     x_key = array_key(x)
     out_key = None if out is None else x_key if out is x else array_key(out)
     values = tuple(options.values())
-    if not all(type(v) in _PLAIN for v in values + args[:-1]):  # a SlotCounts of floats equals one of ints
+    if not _PLAIN.issuperset(map(type, values + args[:-1])):  # a SlotCounts of floats equals one of ints
         return None
     hooks = current_hooks()
     key = (id(f), id(device), id(x_buffer), id(out_buffer), id(hooks), x_key, out is x, out_key, args,
@@ -261,7 +261,7 @@ def _named_again(given: Any, dev: Device, x: np.ndarray, out: Optional[np.ndarra
 def _unpooled(x: np.ndarray, out: Optional[np.ndarray]) -> bool:
     """Whether neither ``x`` nor a given ``out`` is over any device's pool memory: a pool array is
     received on every call (its hand-off ordered, its buffer found), so the memo serves none."""
-    return host_pool.device_of(x) is None and (out is None or host_pool.device_of(out) is None)
+    return host_pool.device_of(x) is None and (out is None or out is x or host_pool.device_of(out) is None)
 
 
 def _closed(dev: Device, *buffers) -> bool:
@@ -282,14 +282,16 @@ def one_device(device: Any, many: "list | None", x: np.ndarray, out: np.ndarray,
     return make_device(device) if not isinstance(device, Device) else device
 
 
-@dataclasses.dataclass(frozen=True)
-class PreparedCall:
-    """A checked whole-array call on one device, ready to run: its layout, the engine options
-    and kind, the pinned buffers it uses (``pooled``: those found behind pool arrays), its warm
-    engine's key (None: not kept warm), the result's shape and dtype, and whether a fresh result
-    was replaced by a pool array. Holds no array (:class:`KeptCall` is how the memo keeps it)."""
+class PreparedCall(NamedTuple):
+    """A checked whole-array call on one device, ready to run: its device and layout (as
+    ``layout_fields``, :class:`MapLayout`'s fields after the device: a warm call that finds its
+    engine never builds the layout), the engine options and kind, the pinned buffers it uses
+    (``pooled``: those found behind pool arrays), its warm engine's key (None: not kept warm),
+    the result's shape and dtype, and whether a fresh result was replaced by a pool array. Holds
+    no array (:class:`KeptCall` is how the memo keeps it). A tuple: made on every warm call."""
 
-    layout: "MapLayout"
+    device: Device
+    layout_fields: tuple
     opts: dict
     kind: str
     warm_key: Optional[tuple]
@@ -299,6 +301,16 @@ class PreparedCall:
     out_shape: tuple
     out_dtype: np.dtype
     replaced_out: bool
+
+    @property
+    def layout(self) -> "MapLayout":
+        """The call's :class:`MapLayout` (made anew on each use)."""
+        return MapLayout(self.device, *self.layout_fields)
+
+    @property
+    def strategy(self) -> str:
+        """The layout's host strategy (without making the layout)."""
+        return self.layout_fields[_STRATEGY]
 
 
 def run_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: str, x_buffer, out_buffer, engine: str,
@@ -352,8 +364,8 @@ def prepare_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: st
         if opts_key is not None:
             key = ("map", id(layout.device), id(f), layout.key, kind, out is x,
                    tuple(None if b is None else b.nbytes for b in (x_buffer, out_buffer)), opts_key)
-    return out, fresh_out, PreparedCall(layout, opts, kind, key, x_buffer, out_buffer, pooled, out.shape, out.dtype,
-                                        replaced)
+    return out, fresh_out, PreparedCall(dev, layout.fields(), opts, kind, key, x_buffer, out_buffer, pooled, out.shape,
+                                        out.dtype, replaced)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,32 +384,28 @@ class KeptCall:
 
     @classmethod
     def of(cls, call: "PreparedCall") -> "KeptCall":
-        layout = call.layout
-        fields = tuple(getattr(layout, fld.name) for fld in dataclasses.fields(layout)[1:])
-        return cls(fields, call.opts, call.kind, call.warm_key, call.out_shape, call.out_dtype)
+        return cls(call.layout_fields, call.opts, call.kind, call.warm_key, call.out_shape, call.out_dtype)
 
     def prepared(self, dev: Device, x_buffer, out_buffer) -> "PreparedCall":
         """The call on ``dev`` with the caller's buffers."""
-        return PreparedCall(MapLayout(dev, *self.layout_fields), self.opts, self.kind, self.warm_key, x_buffer,
-                            out_buffer, (None, None), self.out_shape, self.out_dtype, False)
+        return PreparedCall(dev, self.layout_fields, self.opts, self.kind, self.warm_key, x_buffer, out_buffer,
+                            (None, None), self.out_shape, self.out_dtype, False)
 
 
 def run_prepared(f, x, out, fresh_out: bool, call: PreparedCall, profile: bool) -> tuple:
     """Run a :class:`PreparedCall` on ``x`` and ``out`` (the arrays it was prepared for, or ones
     of the same memory and layout); returns ``(out, report, chunks)`` as :func:`run_whole`."""
-    layout, opts = call.layout, dict(call.opts)  # the engine gets its own copy: a memo entry is shared
-    x_buffer, out_buffer = call.x_buffer, call.out_buffer
     # Ctrl-C is taken inside the call's steps only: never between taking an engine and parking
     # or closing it, nor while registrations are made or dropped (sigint.py)
     with shielded():
         registered: list = []
         try:
-            registered, arrays = pinned_arrays(layout, x, out, fresh_out, x_buffer, out_buffer, call.pooled,
-                                               opts.get("workers"))
+            registered, arrays = pinned_arrays(call.device, call.strategy, x, out, fresh_out, call.x_buffer,
+                                               call.out_buffer, call.pooled, call.opts.get("workers"))
             key = call.warm_key
             eng = warm.WARM.take(key) if key is not None else None
-            if eng is None:
-                eng = make_engine(call.kind, f, layout, opts, arrays)
+            if eng is None:  # the engine gets its own copy of the options: a memo entry is shared
+                eng = make_engine(call.kind, f, call.layout, dict(call.opts), arrays)
             chunks = eng.n_chunks  # before the call: a first call that finds the job compute-bound tapers the next
             run_call(eng, arrays, profile)
             report = eng.report() if profile else None
@@ -574,6 +582,10 @@ class MapLayout:
     compute_bound: Optional[bool] = None
     taper: tuple = ()
 
+    def fields(self) -> tuple:
+        """The layout's fields after the device, in order (``MapLayout(device, *fields)`` makes it again)."""
+        return tuple(getattr(self, fld.name) for fld in dataclasses.fields(self)[1:])
+
     @property
     def staged(self) -> tuple:
         """Which sides (input, result) go through pinned rings and a CPU copy."""
@@ -729,6 +741,9 @@ class MapLayout:
                    out.dtype, in_place, compute_bound=bound, taper=taper(rows, widest) if bound else ())
 
 
+_STRATEGY = [fld.name for fld in dataclasses.fields(MapLayout)[1:]].index("strategy")  # in MapLayout.fields()
+
+
 def check_on_device(dev: Device, x: np.ndarray, out: np.ndarray) -> None:
     """Refuse ``x``'s dtype, or the result's (``out``'s, where it is another), where ``dev``'s
     arrays cannot have it (:meth:`~ringflow._device.protocol.Device.check_dtype`: the rule
@@ -771,14 +786,14 @@ def pooled_buffers(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool,
     return host_pool.receive(x, dev), None if fresh_out else host_pool.receive(out, dev)
 
 
-def pinned_arrays(layout: MapLayout, x: np.ndarray, out: np.ndarray, fresh_out: bool, x_buffer, out_buffer,
+def pinned_arrays(dev: Device, strategy: str, x: np.ndarray, out: np.ndarray, fresh_out: bool, x_buffer, out_buffer,
                   pooled: tuple, workers: Optional[int]) -> tuple[list, Arrays]:
-    """The call's :class:`Arrays`, with ``x`` and ``out`` pinned in place where ``layout``
-    registers them (sides already in pool arrays, ``pooled``, are used as they are); returns the
-    registrations made (the caller closes them) and the arrays."""
-    if layout.strategy != "register":
+    """The call's :class:`Arrays`, with ``x`` and ``out`` pinned in place on ``dev`` where the
+    layout's ``strategy`` registers them (sides already in pool arrays, ``pooled``, are used as
+    they are); returns the registrations made (the caller closes them) and the arrays."""
+    if strategy != "register":
         return [], Arrays(x, out, x_buffer, out_buffer)
-    registered = register(layout.device, x, out, fresh_out, workers, pinned=pooled)
+    registered = register(dev, x, out, fresh_out, workers, pinned=pooled)
     mine = iter(registered)
     x_buffer = pooled[0] if pooled[0] is not None else next(mine)
     out_buffer = pooled[1] if pooled[1] is not None else next(mine, x_buffer)
