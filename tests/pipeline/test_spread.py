@@ -255,8 +255,10 @@ def test_map_and_amap_end_alike_when_the_pipeline_is_cancelled_under_them(on_err
 
         def take(r):
             got.append(r)
-            if len(got) == 5:
-                threading.Thread(target=pipe.cancel).start()
+            if len(got) == 5:  # joined: the cancel lands before the map could have run to its end
+                canceller = threading.Thread(target=pipe.cancel)
+                canceller.start()
+                canceller.join(60)
 
         with pytest.raises(concurrent.futures.CancelledError, match="cut short .* the pipeline was cancelled") as info:
             take_each(pipe, face, items, take)
