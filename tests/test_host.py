@@ -404,6 +404,7 @@ def test_a_0d_array_that_is_no_int_is_still_refused_as_a_shape():
 
 _FORK_CHILD = """
 import os, sys, numpy as np, ringflow as rf
+from tests.helpers.forks import leave_child
 os.environ["RINGFLOW_DEVICE"] = "sim"
 a = rf.host.empty(1000, np.float32)  # the default device's pool
 dev = rf.device("sim")
@@ -419,9 +420,7 @@ if pid == 0:
             lines.append(f"{name}: {call()}")
         except Exception as exc:
             lines.append(f"{name}: {type(exc).__name__}: {exc}")
-    sys.stdout.write("\\n".join(lines) + "\\n")
-    sys.stdout.flush()
-    os._exit(0)
+    leave_child(lines)
 _, status = os.waitpid(pid, 0)
 print("child status", status)
 print("parent", rf.host.empty(10, np.float32).shape, rf.host.stats(device=dev).cached_bytes)

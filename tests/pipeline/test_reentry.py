@@ -167,6 +167,7 @@ _FORK_CHILD = textwrap.dedent("""
     import os, signal, sys
     import numpy as np
     import ringflow as rf
+    from tests.helpers.forks import leave_child
 
     def f(x, y):
         y[...] = x * 2
@@ -196,9 +197,7 @@ _FORK_CHILD = textwrap.dedent("""
         job.close()
         spread.close()
         lines.append("closed")
-        sys.stdout.write("\\n".join(lines) + "\\n")
-        sys.stdout.flush()
-        os._exit(0)
+        leave_child(lines)
     _, status = os.waitpid(pid, 0)
     print("child status", status)
     assert list(pipe.submit(np.arange(4.0)).result(timeout=60)) == [0.0, 2.0, 4.0, 6.0]

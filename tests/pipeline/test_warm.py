@@ -334,6 +334,7 @@ _FORK_WARM = textwrap.dedent("""
     import os, signal, sys, warnings
     import numpy as np
     import ringflow as rf
+    from tests.helpers.forks import leave_child
 
     def f(a, b):
         b[...] = a * 2
@@ -356,9 +357,7 @@ _FORK_WARM = textwrap.dedent("""
         lines.append(f"warnings: {[str(w.message) for w in caught]}")
         y = rf.stream_map(f, x, device=rf.device("sim"), chunk_bytes=1 << 12)
         lines.append(f"own device: {bool((y == x * 2).all())}")
-        sys.stdout.write("\\n".join(lines) + "\\n")
-        sys.stdout.flush()
-        os._exit(0)
+        leave_child(lines)
     _, status = os.waitpid(pid, 0)
     assert (rf.stream_map(f, x, device=d, chunk_bytes=1 << 12) == x * 2).all()
     print("child status", status)

@@ -91,6 +91,7 @@ def test_after_shutdown_no_pool_is_made_and_a_late_give_back_ends_its_threads():
 _FORK_POOLS = textwrap.dedent("""
     import concurrent.futures as cf, os, signal, sys, threading
     from ringflow._device.cuda.pool import ThreadWorkerPool, WorkerThreads
+    from tests.helpers.forks import leave_child
 
     threads = WorkerThreads()
     idle = ThreadWorkerPool(2, threads)
@@ -118,9 +119,7 @@ _FORK_POOLS = textwrap.dedent("""
         lent.close()
         threads.shutdown()
         lines.append("closed")
-        sys.stdout.write("\\n".join(lines) + "\\n")
-        sys.stdout.flush()
-        os._exit(0)
+        leave_child(lines)
     _, status = os.waitpid(pid, 0)
     release.set()
     lent.close()

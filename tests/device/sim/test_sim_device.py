@@ -1078,6 +1078,7 @@ _FORK_CHILD = textwrap.dedent("""
     import os, signal, sys, threading
     import numpy as np
     import ringflow as rf
+    from tests.helpers.forks import leave_child
 
     d = rf.device("sim")
     named = rf.device("sim:3")
@@ -1105,9 +1106,7 @@ _FORK_CHILD = textwrap.dedent("""
         fresh = rf.device("sim:3")  # a named device of the child's own
         fresh.allocate(8).close()
         lines.append(f"named again: {'new' if fresh is not named else 'the parent'}")
-        sys.stdout.write("\\n".join(lines) + "\\n")
-        sys.stdout.flush()
-        os._exit(0)
+        leave_child(lines)
     _, status = os.waitpid(pid, 0)
     go.set()
     d.allocate(8).close()
