@@ -58,6 +58,28 @@ def test_a_repeated_call_is_planned_once_and_every_result_is_right(plans):
     assert len(plans) == 2
 
 
+def test_a_warm_call_that_finds_its_engine_builds_no_layout(monkeypatch):
+    """The layout is what a new engine is built from; a call served by the memo whose engine is
+    taken warm never reads it, so none is made."""
+    made = []
+
+    class Counted(whole_array.MapLayout):
+        def __init__(self, *a, **k):
+            made.append(None)
+            super().__init__(*a, **k)
+
+    dev = rf.device("sim", seed=1)
+    x = fresh(5000, 0)
+    out = np.empty_like(x)
+    rf.stream_map(f, x, out, device=dev, chunk_bytes=4096)
+    monkeypatch.setattr(whole_array, "MapLayout", Counted)
+    for i in range(3):
+        x[:] = fresh(5000, i)
+        rf.stream_map(f, x, out, device=dev, chunk_bytes=4096)
+        assert np.array_equal(out, x * 2 + 1)
+    assert made == []
+
+
 def test_pinned_buffers_and_in_place_calls_are_remembered_too(plans):
     dev = rf.device("sim", seed=2)
     hb = dev.allocate_host(1 << 16)
