@@ -159,6 +159,18 @@ def test_stream_map_overhead(tmp_path):
     assert {"stream_map after sleep", "MapJob after touch"} <= set(r["rows"])
 
 
+def test_capture_sync_probe(tmp_path):
+    """On the simulated GPU alone (no GPU side): only the device-wide synchronisation abandons a
+    capture; the other calls return and their captures end."""
+    r = run_script(tmp_path, "capture_sync_probe.py")
+    rows = r["rows"]["sim"]
+    assert r["rows"]["gpu"] is None and len(rows) == 5
+    for name, row in rows.items():
+        abandoned = name == "device synchronize"
+        assert row["call"].startswith("raised CaptureError" if abandoned else "returned"), (name, row)
+        assert row["end_capture"].startswith("raised CaptureError" if abandoned else "returned"), (name, row)
+
+
 def test_request_stalls(tmp_path):
     r = run_script(tmp_path, "request_stalls.py", "--count", "60", "--rounds", "1", "--sample")
     assert r["capacity_per_s"] > 0 and [lv["sampled"] for lv in r["rounds"]] == [False, True]
