@@ -152,7 +152,8 @@ class ChunkFuture(concurrent.futures.Future):
         """Cancel this chunk, not only the future: a chunk not yet on the device ends CANCELLED
         at once; one whose copies or kernel are enqueued stops there and ends CANCELLED once
         that work completes (its buffers are freed only then). The future is cancelled at once
-        either way. Returns False if the chunk's consumer is running or it has ended.
+        either way. Returns False if the chunk's consumer is running or it has ended, and for
+        an item sharing a chunk whose own compute has failed already (it ends FAILED).
 
         With ``processes=True``, a ``prepare`` of this chunk running in a worker process is
         stopped: that worker is killed (a new one takes its place for later items)."""
