@@ -1513,27 +1513,17 @@ class Scheduler:
             self._members.pop(m.index, None)
             fut = m.future
             fut.token = token
+            value = None
+            if final is ChunkState.DELIVERED and m.error is None and not fut.done():
+                value = self._member_result(block, m)  # (fails the item where like= cannot convert it)
             if fut.done():
                 # cancelled by its caller while the chunk went on for the others, or failed as
                 # the driver died while the chunk waited in the inbox (admit_after_death)
                 self.counts["cancelled" if fut.cancelled() else "failed"] += 1
-            elif m.error is not None:  # its own compute failed: its own error, however the chunk ended
+            elif m.error is not None:  # its own compute (or conversion) failed: its own error
                 self.counts["failed"] += 1
                 fut.set_exception(m.error)
             elif final is ChunkState.DELIVERED:
-                # the item's own bytes of the block: the view holds the slab, not the chunk
-                value = block[m.offset:m.offset + m.nbytes].view(m.dtype).reshape(m.shape)
-                if self.convert is not None:
-                    try:
-                        value = convert_tree(value, self.convert)
-                    except Exception as exc:  # noqa: BLE001 - like=: this item's result has no such array
-                        self._member_failed(m, exc, "consume")
-                        self.counts["failed"] += 1
-                        fut.set_exception(m.error)
-                        if self.config.on_error == "raise":
-                            self._cancel_after_step = True  # as a failed compute: once this step is done
-                        m.event = None
-                        continue
                 self.counts["delivered"] += 1
                 fut.set_result(value)
             elif final is ChunkState.FAILED:
@@ -1544,6 +1534,22 @@ class Scheduler:
                 fut._mark_cancelled()
             m.event = None
         chunk.members = []  # the futures hold the results; the ended chunk holds none of them
+
+    def _member_result(self, block: np.ndarray, m: Member) -> Any:
+        """An item's result in a delivered shared chunk: its own bytes of the block (the view
+        holds the slab, not the chunk), converted for ``like``. An item whose result has no such
+        array fails alone (``m.error``; with ``on_error="raise"`` the rest are cancelled once this
+        step is done, as for a failed compute) and gets None."""
+        value = block[m.offset:m.offset + m.nbytes].view(m.dtype).reshape(m.shape)
+        if self.convert is None:
+            return value
+        try:
+            return convert_tree(value, self.convert)
+        except Exception as exc:  # noqa: BLE001 - like=: this item's result has no such array
+            self._member_failed(m, exc, "consume")
+            if self.config.on_error == "raise":
+                self._cancel_after_step = True
+            return None
 
     def take_resolved(self) -> list:
         """Futures set since the last call whose done-callbacks wait to run outside the lock."""
