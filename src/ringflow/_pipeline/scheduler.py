@@ -952,11 +952,9 @@ class Scheduler:
         try:
             chunk.shape, chunk.dtype, chunk.nbytes, tree = chunk.prepare_task.result()
         except PrepareStopped as exc:  # cancel() ended its worker process (processes.py) before cancelling the chunk
-            # kept by its task as a failure is (_fail), its traceback's frames and their callers
-            # (this step's, holding chunks, slots and events) are cleared: the task and its
-            # exception form a cycle that would keep them alive until the cyclic collector ran
-            forget_frames(exc)
-            self._forget_again.append(exc)
+            # kept by its task as a failure is (_fail): the task and its exception form a cycle
+            # that would keep this step's frames (chunks, slots, events) until the collector ran
+            self._forget(exc)
             self._drain(chunk, ChunkState.CANCELLED)
             return
         except BaseException as exc:  # noqa: BLE001 - the user's prepare failed for this chunk (Ctrl-C too)
@@ -1198,8 +1196,7 @@ class Scheduler:
         """An item of a shared chunk failed in its compute (or, ``stage="consume"``, as its
         result was converted for ``like``): it alone ends FAILED (its future raises as
         :meth:`_fail` says); the chunk goes on for the others."""
-        forget_frames(exc)
-        self._forget_again.append(exc)
+        self._forget(exc)
         err = StageError(stage, m.index, exc)
         m.error = err if isinstance(exc, Exception) else exc
         self.failures.append(err)
@@ -1415,10 +1412,7 @@ class Scheduler:
         """End ``chunk`` FAILED: its future raises a StageError naming the stage (the original as
         ``__cause__``), or, for a BaseException that is not an Exception (KeyboardInterrupt,
         SystemExit), the original itself, so an interrupt stays an interrupt for the caller."""
-        forget_frames(exc)
-        # the scheduler's own frames in the traceback (the call that saw the failure, holding the
-        # chunk) are still running: their locals are cleared once they have returned
-        self._forget_again.append(exc)
+        self._forget(exc)
         err = StageError(stage, chunk.index, exc)
         chunk.error = err if isinstance(exc, Exception) else exc
         self.failures.append(err)
@@ -1859,6 +1853,14 @@ class Scheduler:
         self.failures.clear()
         self.first_error = None
         self._forget_again = []
+
+    def _forget(self, exc: BaseException) -> None:
+        """Clear the frames of a failure the pipeline keeps (:func:`forget_frames`): those that
+        have returned now, and the scheduler's own that are still running (the call that saw the
+        failure, holding the chunk) once they have returned (:meth:`_forget_finished_frames`):
+        always looked at again, since :func:`forget_frames` reports only other threads' frames."""
+        forget_frames(exc)
+        self._forget_again.append(exc)
 
     def _forget_finished_frames(self) -> None:
         """:func:`forget_frames` again for the failures of earlier steps (those steps have returned).
