@@ -366,10 +366,8 @@ class SpreadPipeline(Pipeline):
                     started = True
                 if not window:
                     if cut_short:
-                        if self._stopped_by_failure():  # a part's failure stopped it: raised, as on one device
-                            failure = self._part_failure()
-                            raise failure from failure.__cause__
-                        raise self._cut_short("map()", handed_out)
+                        err = self._stopped("map()", handed_out)
+                        raise err from err.__cause__
                     return
                 fut = window[0] if self.config.ordered else next(iter(concurrent.futures.wait(
                     window, return_when=concurrent.futures.FIRST_COMPLETED).done))
@@ -380,14 +378,13 @@ class SpreadPipeline(Pipeline):
                     if self.config.on_error == "continue":
                         continue
                     # the pipeline was cancelled under this map, or a part's failure stopped it
-                    # (and cancelled that part's other chunks): that failure is raised, as on one device
-                    failure = self._part_failure()
-                    if failure is not None:
+                    # (and cancelled that part's other chunks): that failure is raised, as on one
+                    # device, from its own cause ('from None' would clear the StageError's
+                    # __cause__, the user's exception, for every reader of the part's failures)
+                    err = self._stopped("map()", handed_out)
+                    if not isinstance(err, concurrent.futures.CancelledError):
                         self.cancel()
-                        # (from its own cause: 'from None' would clear the StageError's __cause__,
-                        # the user's exception, for every reader of the part's failures)
-                        raise failure from failure.__cause__
-                    raise self._cut_short("map()", handed_out) from None
+                    raise err from err.__cause__
                 except BaseException as err:
                     if not fut.failed_with(err):
                         raise  # this caller's own (a Ctrl-C in its wait): finally cancels the window
@@ -468,12 +465,14 @@ class SpreadPipeline(Pipeline):
         raise failure from failure.__cause__  # (as map: keep the user's exception)
 
     def _amap_stopped(self, cut_short: bool, handed_out: int, own_close: bool = False) -> Optional[BaseException]:
-        if self._stopped_by_failure():
-            return self._part_failure()  # (as on one device: the failure that stopped the pipeline)
-        return self._cut_short("amap()", handed_out, own_close) if cut_short else None
+        return self._stopped("amap()", handed_out, own_close) if cut_short or self._stopped_by_failure() else None
 
-    def _cut_short(self, call: str, handed_out: int, own_close: bool = False) -> BaseException:
-        """The error of a map cut short by a cancel or a close (:func:`.scheduler.map_cut_short`)."""
+    def _stopped(self, call: str, handed_out: int, own_close: bool = False) -> BaseException:
+        """What a map (``call``) that the pipeline stopped under raises: the failure that stopped
+        a part (with ``on_error="raise"``), as on one device; else that it was cut short by a
+        cancel or a close (:func:`.scheduler.map_cut_short`)."""
+        if self._stopped_by_failure():
+            return self._part_failure()
         return map_cut_short(call, [part._sched for part in self.parts], handed_out, own_close)
 
     def _part_failure(self) -> Optional[BaseException]:
