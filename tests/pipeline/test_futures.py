@@ -206,6 +206,37 @@ def test_a_done_callback_that_raises_is_logged_and_the_pipeline_carries_on(raise
     _closed_clean(dev, pipe)
 
 
+@pytest.mark.parametrize("coalesce", [False, True])
+@pytest.mark.parametrize("call", ["set_result", "set_exception", "set_running_or_notify_cancel"])
+def test_a_future_is_settled_by_its_pipeline_alone(call, coalesce):
+    """``set_result``, ``set_exception`` and ``set_running_or_notify_cancel`` are the executor's
+    side of a concurrent.futures.Future: called by the user on a chunk's future, they are refused
+    (naming the call), and the chunk still ends with its own result. Taken, the first two put the
+    caller's value in place of the chunk's, which stats() then counted FAILED with no failure
+    kept; the third left the future RUNNING, so that a cancel() returning True never settled it."""
+    dev, pipe = _pipe(12, coalesce=coalesce, max_in_flight=4)
+    x = _items(3)
+    futs = [pipe.submit(a) for a in x]
+    arg = {"set_result": ("not the chunk's",), "set_exception": (ValueError("not the chunk's"),)}.get(call, ())
+    with pytest.raises(RuntimeError, match=f"{call}.*settled by its pipeline"):
+        getattr(futs[1], call)(*arg)
+    assert not futs[1].running()
+    done, pending = concurrent.futures.wait(futs, timeout=JOIN_S)
+    assert not pending
+    for a, fut in zip(x, futs):
+        assert np.array_equal(fut.result(timeout=0), a * 3 + 1)
+    assert pipe.stats().delivered == 3 and pipe.failures == []
+    # a refused call leaves cancel() as it was: a pending future it cancels ends cancelled
+    more = pipe.submit(x[0])
+    with pytest.raises(RuntimeError, match="settled by its pipeline"):
+        more.set_running_or_notify_cancel()
+    if more.cancel():
+        assert more.cancelled()
+    concurrent.futures.wait([more], timeout=JOIN_S)
+    assert more.done()
+    _closed_clean(dev, pipe)
+
+
 # -- asyncio ----------------------------------------------------------------------------------------------
 def _run(coro_fn, timeout: float = JOIN_S):
     """``asyncio.run(coro_fn())`` on its own thread, bounded in real seconds (a blocked loop hangs)."""

@@ -180,7 +180,33 @@ class ChunkFuture(concurrent.futures.Future):
         if not self.done():  # (before the cancel: its callbacks may read the reason)
             self._cancel_reason = self._driver.sched.cancel_reason
         if concurrent.futures.Future.cancel(self):
-            self.set_running_or_notify_cancel()
+            concurrent.futures.Future.set_running_or_notify_cancel(self)
+
+    def _put_result(self, value: Any) -> None:
+        """End the future with the chunk's value (its pipeline's driver only: see set_result)."""
+        concurrent.futures.Future.set_result(self, value)
+
+    def _put_error(self, error: BaseException) -> None:
+        """End the future with the chunk's error (its pipeline's driver only: see set_exception)."""
+        concurrent.futures.Future.set_exception(self, error)
+
+    # concurrent.futures.Future's executor side: a chunk's future is settled by its pipeline alone.
+    # Taken from the caller, set_result/set_exception put its value in place of the chunk's (which
+    # the pipeline then counted as an item failed, with no failure kept), and
+    # set_running_or_notify_cancel left the future RUNNING, which no cancel can end.
+    def set_result(self, result: Any) -> None:
+        raise _settled_by_pipeline("set_result")
+
+    def set_exception(self, exception: Optional[BaseException]) -> None:
+        raise _settled_by_pipeline("set_exception")
+
+    def set_running_or_notify_cancel(self) -> bool:
+        raise _settled_by_pipeline("set_running_or_notify_cancel")
+
+
+def _settled_by_pipeline(call: str) -> RuntimeError:
+    return RuntimeError(f"{call}() cannot be called on a pipeline's future: it is settled by its pipeline alone, "
+                        "with the chunk's result or error; wait for it (result(), a done-callback), or cancel() it")
 
 
 def cancel_chunks(futures: "list[ChunkFuture]") -> list:

@@ -1487,9 +1487,9 @@ class Scheduler:
         if fut.done():  # cancelled by its caller while its enqueued work drained
             pass
         elif final is ChunkState.DELIVERED:
-            fut.set_result(chunk.value)
+            fut._put_result(chunk.value)
         elif final is ChunkState.FAILED:
-            fut.set_exception(chunk.error)
+            fut._put_error(chunk.error)
         else:
             fut._mark_cancelled()
         if chunk.members is not None:
@@ -1516,13 +1516,13 @@ class Scheduler:
                 self.counts["cancelled" if fut.cancelled() else "failed"] += 1
             elif m.error is not None:  # its own compute (or conversion) failed: its own error
                 self.counts["failed"] += 1
-                fut.set_exception(m.error)
+                fut._put_error(m.error)
             elif final is ChunkState.DELIVERED:
                 self.counts["delivered"] += 1
-                fut.set_result(value)
+                fut._put_result(value)
             elif final is ChunkState.FAILED:
                 self.counts["failed"] += 1
-                fut.set_exception(chunk.error)
+                fut._put_error(chunk.error)
             else:
                 self.counts["cancelled"] += 1
                 fut._mark_cancelled()
