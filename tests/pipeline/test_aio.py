@@ -624,6 +624,42 @@ def test_a_ctrl_c_raised_in_an_amap_loop_leaves_no_error_from_its_clean_up(deliv
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
 
 
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("n_devices", [1, 2])
+def test_a_keyboard_interrupt_from_an_async_source_is_raised_where_the_amap_is_iterated(raised, n_devices):
+    """A KeyboardInterrupt or SystemExit raised by an async source comes out of ``async for r in
+    pipe.amap(...)`` in the iterating task, as an async generator iterated directly raises it
+    there. The source is pulled in a task of its own, which asyncio lets such an error leave at
+    once: it stopped the loop, and the iterating task saw only the CancelledError that
+    ``asyncio.run`` then cancelled it with (its ``except KeyboardInterrupt`` never ran). The map's
+    chunks still end, and close() leaves nothing live."""
+    devices, device = _each_device(n_devices, 90)
+    pipe = rf.Pipeline(lambda x, y: np.multiply(x, 2, out=y), device=device, chunk_bytes=512, checked=True)
+    seen: list = []
+
+    async def source():
+        yield np.arange(8.0)
+        yield np.arange(8.0) + 1
+        raise raised("from the source")
+
+    async def main():
+        try:
+            async for r in pipe.amap(source()):
+                seen.append(float(r[1]))
+        except BaseException as exc:
+            seen.append(type(exc))
+            raise
+
+    with pytest.raises(raised, match="from the source"):
+        bounded(lambda: asyncio.run(main()))
+    assert seen[-1] is raised, seen
+    bounded(pipe.close, timeout=20.0)
+    s = pipe.stats()
+    assert s.in_flight == 0 and s.balanced(), s
+    gc.collect()
+    assert all(dev.live().total == 0 for dev in devices)
+
+
 # -- async with: __aexit__ closes (or, after an error, cancels) without blocking the loop --------------------------
 def _parts(pipe) -> list:
     return getattr(pipe, "parts", [pipe])

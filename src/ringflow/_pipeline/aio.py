@@ -159,6 +159,8 @@ class Source:
                 return False, None
         got = await self.pull  # (a cancellation of the awaiting task cancels the pull too)
         self.pull = None
+        if got[0] is _RAISED:
+            raise got[1]
         return got
 
     def pulling(self) -> bool:
@@ -185,13 +187,21 @@ class Source:
             await asyncio.wait((pull,))
 
 
+_RAISED = object()  # a pull's first value where the source raised KeyboardInterrupt or SystemExit (its second)
+
+
 async def _pull(iterator: Any) -> tuple:
     """An async source's next item as :meth:`Source.next` gives it (StopAsyncIteration is not
-    raised into a task: asyncio would take it for the end of a generator)."""
+    raised into a task: asyncio would take it for the end of a generator). A KeyboardInterrupt or
+    SystemExit the source raised is returned as ``(_RAISED, error)``, for :meth:`Source.next` to
+    raise in the task iterating the map, as iterating the source there would: raised in this task,
+    asyncio lets it out of the loop at once, and that task saw only a cancellation."""
     try:
         return True, await iterator.__anext__()
     except StopAsyncIteration:
         return False, None
+    except (KeyboardInterrupt, SystemExit) as exc:
+        return _RAISED, exc
 
 
 def retrieve(task: "asyncio.Future") -> None:

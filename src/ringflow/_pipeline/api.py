@@ -1369,8 +1369,9 @@ class Pipeline:
         not handed out it never waits for room (an item it pulled whose room another thread took
         meanwhile is submitted after a result is handed out). An async source's
         next item is awaited in a task of its own, and a result ready meanwhile is handed out
-        (the pull goes on; it is cancelled when the map ends). :meth:`close` does not
-        wait for an amap whose event loop cannot run meanwhile (closed, or the calling thread's):
+        (the pull goes on; it is cancelled when the map ends). What the source raises, a
+        KeyboardInterrupt or SystemExit too, is raised here, in the task iterating the map.
+        :meth:`close` does not wait for an amap whose event loop cannot run meanwhile (closed, or the calling thread's):
         what it took and has not handed out is cancelled, or dropped if delivered already, and
         the amap, run again, hands out nothing more: it is cut short (raises
         ``concurrent.futures.CancelledError``) where it held items or its input was left. An
