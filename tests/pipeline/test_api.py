@@ -3,8 +3,10 @@ variable sizes, zero-length and non-contiguous input), bad input, and backpressu
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
+import pickle
 import threading
 import warnings
 
@@ -626,3 +628,21 @@ def test_a_device_closed_under_an_idle_pipeline_is_named_by_the_next_call(door):
         else:
             next(iter(pipe.map([x])))
     pipe.close()
+
+
+@pytest.mark.parametrize("how", [pickle.dumps, copy.copy, copy.deepcopy], ids=["pickle", "copy", "deepcopy"])
+@pytest.mark.parametrize("devices", [1, 2], ids=["one device", "two devices"])
+def test_a_pipeline_refuses_to_be_pickled_or_copied_and_says_what_to_do(how, devices):
+    """A Pipeline owns a progress thread, streams and pinned memory: a copy was a second face on
+    the same scheduler (closing it closed the original, whose own close() then raised the
+    driver's ThreadEnded), and pickling failed on a lock with no word of the pipeline. Both are
+    refused with a TypeError that names the pipeline and what to do; the original works on."""
+    device = [sim(40), sim(41)] if devices == 2 else sim(40)
+    pipe = rf.Pipeline(f_affine, device=device, chunk_bytes=CHUNK)
+    with pytest.raises(TypeError, match="a Pipeline cannot be (pickled|copied).*any thread.*new Pipeline"):
+        how(pipe)
+    x = np.arange(16.0)
+    assert np.array_equal(pipe.submit(x).result(timeout=JOIN_S), x * 3 + 1)
+    pipe.close()
+    pipe.close()
+    assert pipe.stats().delivered == 1

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import gc
+import pickle
 import signal
 import threading
 import traceback
@@ -234,6 +236,20 @@ def test_a_future_is_settled_by_its_pipeline_alone(call, coalesce):
         assert more.cancelled()
     concurrent.futures.wait([more], timeout=JOIN_S)
     assert more.done()
+    _closed_clean(dev, pipe)
+
+
+@pytest.mark.parametrize("how", [pickle.dumps, copy.copy, copy.deepcopy], ids=["pickle", "copy", "deepcopy"])
+def test_a_future_refuses_to_be_pickled_or_copied(how):
+    """A copy of a chunk's future is no future the pipeline settles: it stayed pending for ever
+    (a wait on it never ended, close() included), and pickling failed on a lock with no word of
+    the future. Both are refused with a TypeError naming the future; the future itself ends."""
+    dev, pipe = _pipe(13)
+    x = _items(1)[0]
+    fut = pipe.submit(x)
+    with pytest.raises(TypeError, match="a pipeline's future cannot be (pickled|copied).*result"):
+        how(fut)
+    assert np.array_equal(fut.result(timeout=JOIN_S), x * 3 + 1)
     _closed_clean(dev, pipe)
 
 

@@ -353,6 +353,9 @@ class Pipeline:
     that it has not handed out). A ``max_in_flight`` whose chunks would hold more than 2**50
     bytes, more than any host has, is refused (ValueError): it would bound nothing.
 
+    A pipeline, and a future it returns, cannot be pickled or copied (TypeError): share the one
+    (its methods may be called from any thread), or make a new pipeline.
+
     Raises:
         TypeError, ValueError: a bad argument, or more than the compute given by position (the
             message names it and what to pass instead).
@@ -1841,6 +1844,20 @@ class Pipeline:
             return Report.build(timeline, workers=self.config.workers, memory=memory_of(self._sched),
                                 host_seconds=host_seconds)
 
+    # a copy would be a second face on the one scheduler and progress thread (closing either
+    # closes both), and a pickle cannot carry threads, streams or pinned memory to another process
+    def __reduce__(self) -> Any:
+        """Raises TypeError: a pipeline cannot be pickled (see :func:`_not_copied`)."""
+        raise TypeError(_not_copied("pickled"))
+
+    def __copy__(self) -> Any:
+        """Raises TypeError: a pipeline cannot be copied (see :func:`_not_copied`)."""
+        raise TypeError(_not_copied("copied"))
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """Raises TypeError: a pipeline cannot be copied (see :func:`_not_copied`)."""
+        raise TypeError(_not_copied("copied"))
+
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return (f"<Pipeline {state} on {self.device.name}: chunk_bytes={self.config.chunk_bytes}, "
@@ -1853,6 +1870,13 @@ Pipeline.__signature__ = inspect.signature(Pipeline.__init__).replace(  # type: 
     parameters=list(inspect.signature(Pipeline.__init__).parameters.values())[1:])
 
 _NAMES = itertools.count(1)
+
+
+def _not_copied(what: str) -> str:
+    """Why a :class:`Pipeline` cannot be ``what`` ("pickled", "copied"), and what to do instead."""
+    return (f"a Pipeline cannot be {what}: it owns a progress thread, device streams and pinned memory; share this "
+            "one (its methods may be called from any thread), or make a new Pipeline with the same arguments "
+            "(in another process, make it there)")
 
 
 class _released:

@@ -204,6 +204,23 @@ class ChunkFuture(concurrent.futures.Future):
         raise _settled_by_pipeline("set_running_or_notify_cancel")
 
 
+    # a copy is no future the pipeline settles (it would stay pending for ever), and a pickle
+    # cannot carry the chunk's pipeline to another process
+    def __reduce__(self) -> Any:
+        raise TypeError(_not_copied("pickled"))
+
+    def __copy__(self) -> Any:
+        raise TypeError(_not_copied("copied"))
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise TypeError(_not_copied("copied"))
+
+
+def _not_copied(what: str) -> str:
+    return (f"a pipeline's future cannot be {what}: only the future submit() returned is settled by its pipeline; "
+            "share that one, or take its result() and copy or pickle the result")
+
+
 def _settled_by_pipeline(call: str) -> RuntimeError:
     return RuntimeError(f"{call}() cannot be called on a pipeline's future: it is settled by its pipeline alone, "
                         "with the chunk's result or error; wait for it (result(), a done-callback), or cancel() it")
