@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import logging
 import sys
@@ -653,6 +654,37 @@ def test_a_keyboard_interrupt_from_an_async_source_is_raised_where_the_amap_is_i
     with pytest.raises(raised, match="from the source"):
         bounded(lambda: asyncio.run(main()))
     assert seen[-1] is raised, seen
+    bounded(pipe.close, timeout=20.0)
+    s = pipe.stats()
+    assert s.in_flight == 0 and s.balanced(), s
+    gc.collect()
+    assert all(dev.live().total == 0 for dev in devices)
+
+
+@pytest.mark.parametrize("n_devices", [1, 2])
+def test_a_keyboard_interrupt_an_async_source_raises_as_its_pull_is_stopped_is_not_lost(n_devices):
+    """The map's consumer stops (breaks out of ``async for``) while the source's next item is
+    pulled, and the source raises KeyboardInterrupt as that pull is cancelled (a Ctrl-C landing
+    in its code): it comes out of the map's clean-up, never dropped with the pull it ended."""
+    devices, device = _each_device(n_devices, 94)
+    pipe = rf.Pipeline(lambda x, y: np.multiply(x, 2, out=y), device=device, chunk_bytes=512, checked=True)
+
+    async def source():
+        yield np.arange(8.0)
+        try:
+            await asyncio.Event().wait()  # the next item never comes: the pull is cancelled
+        except asyncio.CancelledError:
+            raise KeyboardInterrupt("as the pull was stopped") from None
+        yield np.arange(8.0)
+
+    async def main():
+        async with contextlib.aclosing(pipe.amap(source())) as results:
+            async for _ in results:
+                await asyncio.sleep(0)  # the second pull starts
+                break
+
+    with pytest.raises(KeyboardInterrupt, match="as the pull was stopped"):
+        bounded(lambda: asyncio.run(main()))
     bounded(pipe.close, timeout=20.0)
     s = pipe.stats()
     assert s.in_flight == 0 and s.balanced(), s

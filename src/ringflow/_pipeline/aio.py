@@ -171,7 +171,8 @@ class Source:
         """The map ends: cancel a pull in progress and wait for it to end (the source's own
         clean-up runs before the map's ends), but not while the loop finalises its async
         generators (see :func:`_shutting_down`), nor where no loop runs the map (a generator
-        finalised outside one). Raises only a cancellation of the awaiting task."""
+        finalised outside one). Raises a cancellation of the awaiting task, and a
+        KeyboardInterrupt or SystemExit the source raised in the pull (never dropped with it)."""
         pull, self.pull = self.pull, None
         if pull is None:
             return
@@ -185,6 +186,8 @@ class Source:
             return
         if not _shutting_down(loop):
             await asyncio.wait((pull,))
+        if pull.done() and not pull.cancelled() and pull.exception() is None and pull.result()[0] is _RAISED:
+            raise pull.result()[1]
 
 
 _RAISED = object()  # a pull's first value where the source raised KeyboardInterrupt or SystemExit (its second)
