@@ -203,7 +203,6 @@ class ChunkFuture(concurrent.futures.Future):
     def set_running_or_notify_cancel(self) -> bool:
         raise _settled_by_pipeline("set_running_or_notify_cancel")
 
-
     # a copy is no future the pipeline settles (it would stay pending for ever), and a pickle
     # cannot carry the chunk's pipeline to another process
     def __reduce__(self) -> Any:

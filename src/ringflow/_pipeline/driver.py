@@ -526,7 +526,7 @@ class _Driver:
             err = self.died()
             err.__cause__ = self.failure
             try:
-                concurrent.futures.Future.set_exception(fut, err)
+                fut._put_error(err)
             except concurrent.futures.InvalidStateError:
                 pass  # done meanwhile (cancelled by its caller)
 
