@@ -727,7 +727,9 @@ class Pipeline:
                 capacity; None waits as long as it takes.
 
         Returns:
-            a :class:`concurrent.futures.Future` of the consumer's value.
+            a :class:`concurrent.futures.Future` of the consumer's value, settled by the pipeline
+            alone (its ``set_result``, ``set_exception`` and ``set_running_or_notify_cancel``
+            raise RuntimeError).
 
         Raises:
             TimeoutError: no capacity freed up within ``timeout``.
