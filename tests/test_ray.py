@@ -643,6 +643,30 @@ def test_a_closed_mapper_says_it_is_closed():
         m(numeric_batch(10))
 
 
+@pytest.mark.parametrize("how", ["close", "collected"])
+def test_a_mapper_on_a_named_simulated_gpu_leaves_that_device_open_for_the_process(how):
+    """``device="sim:N"`` names the process's N-th simulated GPU, which every other "sim:N" of the
+    process shares (a pipeline, another mapper): the mapper's close, or its collection, closed it
+    under them. The mapper lets go of it instead, and refuses batches once closed."""
+    dev = rf.device("sim:7")
+    try:
+        with rf.Pipeline(affine, device=dev) as pipe:
+            m = rf.RayMapper(affine, "a", device="sim:7", chunk_bytes=1024)
+            assert m.device is dev
+            m(numeric_batch(3000))
+            if how == "close":
+                m.close()
+                with pytest.raises(RuntimeError, match=r"this RayMapper is closed.*make a new one"):
+                    m(numeric_batch(10))
+            del m
+            gc.collect()
+            assert not dev.closed
+            np.testing.assert_array_equal(pipe.submit(np.ones(4, np.float32)).result(timeout=10),
+                                          np.full(4, 3, np.float32))
+    finally:
+        dev.close()
+
+
 def test_a_masked_column_is_refused_by_name_not_streamed_without_its_mask(mapper_factory):
     """A masked column (a direct caller's; Ray gives none) would stream its masked-out values as if
     they were data, the mask dropped: it is refused, naming the column, as stream_map refuses a

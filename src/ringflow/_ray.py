@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ._checks import as_dtype
-from ._device import ALL_GPUS, ENV_VAR, device as make_device
+from ._device import ALL_GPUS, ENV_VAR, device as make_device, named_device
 from ._device.protocol import Device, close_quietly
 from ._errors import StageError, describe, unpicklable
 from ._pipeline.engine import choose_engine
@@ -137,10 +137,12 @@ class RayMapper:
         choose_engine(engine, host, opts)
         self.options = options
         self.device = make_device(device, **(device_options or {}))
+        self._closed = False
         # Ray ends an actor by ending its process. Release the kept engines and the device then
         # (or when the mapper is collected) through close(), which finishes each engine first; an
-        # atexit hook registered now runs before the engines' own exit-time finalisers.
-        self._at_exit = functools.partial(_release, self.device)
+        # atexit hook registered now runs before the engines' own exit-time finalisers. A "sim:N"
+        # is the process's, shared with every other user of that name: it stays open.
+        self._at_exit = functools.partial(_release, self.device, close=not named_device(self.device))
         # collected unclosed, it also drops the exit-time hook, which would otherwise hold the
         # (closed) device until the process ends
         self._finalizer = weakref.finalize(self, _collected, self._at_exit)
@@ -174,7 +176,7 @@ class RayMapper:
         more than one dimension goes back as a tensor column (Ray Data's ``TensorArray``), or
         as one array per row where the input was.
         """
-        if self.device.closed:
+        if self._closed or self.device.closed:
             raise RuntimeError("this RayMapper is closed (close() released its device); make a new one to map "
                                "more batches")
         frame = _is_dataframe(batch)
@@ -214,9 +216,11 @@ class RayMapper:
         return {**batch, **results}
 
     def close(self) -> None:
-        """Release this mapper's kept engines and its device; harmless twice. It also runs when
-        the mapper is collected or the process exits (as a Ray actor's does)."""
+        """Release this mapper's kept engines and its device (a ``"sim:N"`` stays open: the process
+        keeps it for every user of that name); harmless twice. It also runs when the mapper is
+        collected or the process exits (as a Ray actor's does)."""
         if hasattr(self, "_at_exit"):
+            self._closed = True
             atexit.unregister(self._at_exit)
             self._finalizer()
 
@@ -384,11 +388,13 @@ def _check_one_device(device: Any) -> None:
                          f"on one device: {how}")
 
 
-def _release(dev: Device) -> None:
-    """Close ``dev``'s kept engines, then ``dev``; never raises."""
+def _release(dev: Device, close: bool = True) -> None:
+    """Close ``dev``'s kept engines, then ``dev`` where ``close`` (not a "sim:N" the process
+    shares); never raises."""
     if not dev.closed:
         WARM.drop(dev)
-        close_quietly(dev, "device")
+        if close:
+            close_quietly(dev, "device")
 
 
 def _collected(release: Callable[[], None]) -> None:
