@@ -55,6 +55,7 @@ from .sigint import ShieldedIterator, interruptible_device_calls, shielded, shie
 from .slot_array import check_in_its_slot, in_slot, run_offering
 from .states import ChunkState
 from .stats import PipelineStats
+from .uncopyable import Uncopyable
 from .._trace import nvtx
 from .._trace.report import Report, memory_of
 from .._trace.timeline import Anchor, Span, Timeline, record_chunk, stall_spans
@@ -278,7 +279,7 @@ def _pinned_source(device: Device, item: Any) -> Optional[tuple]:
     return where, item.shape, item.dtype
 
 
-class Pipeline:
+class Pipeline(Uncopyable):
     """Five overlapped stages with per-buffer ownership, backpressure and cancellation.
 
     ``compute(x, y)`` runs on the device with ``x`` the chunk's input and ``y`` an output of
@@ -1846,19 +1847,12 @@ class Pipeline:
             return Report.build(timeline, workers=self.config.workers, memory=memory_of(self._sched),
                                 host_seconds=host_seconds)
 
-    # a copy would be a second face on the one scheduler and progress thread (closing either
-    # closes both), and a pickle cannot carry threads, streams or pinned memory to another process
-    def __reduce__(self) -> Any:
-        """Raises TypeError: a pipeline cannot be pickled (see :func:`_not_copied`)."""
-        raise TypeError(_not_copied("pickled"))
-
-    def __copy__(self) -> Any:
-        """Raises TypeError: a pipeline cannot be copied (see :func:`_not_copied`)."""
-        raise TypeError(_not_copied("copied"))
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        """Raises TypeError: a pipeline cannot be copied (see :func:`_not_copied`)."""
-        raise TypeError(_not_copied("copied"))
+    def _not_copied(self, what: str) -> str:
+        # a copy would be a second face on the one scheduler and progress thread (closing either
+        # closes both), and a pickle cannot carry threads, streams or pinned memory to another process
+        return (f"a Pipeline cannot be {what}: it owns a progress thread, device streams and pinned memory; share "
+                "this one (its methods may be called from any thread), or make a new Pipeline with the same "
+                "arguments (in another process, make it there)")
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -1872,13 +1866,6 @@ Pipeline.__signature__ = inspect.signature(Pipeline.__init__).replace(  # type: 
     parameters=list(inspect.signature(Pipeline.__init__).parameters.values())[1:])
 
 _NAMES = itertools.count(1)
-
-
-def _not_copied(what: str) -> str:
-    """Why a :class:`Pipeline` cannot be ``what`` ("pickled", "copied"), and what to do instead."""
-    return (f"a Pipeline cannot be {what}: it owns a progress thread, device streams and pinned memory; share this "
-            "one (its methods may be called from any thread), or make a new Pipeline with the same arguments "
-            "(in another process, make it there)")
 
 
 class _released:

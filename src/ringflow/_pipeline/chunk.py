@@ -17,6 +17,7 @@ from .ring import Slot
 from .states import LEGAL_CHUNK_TRANSITIONS, ChunkState, check_chunk_transition
 from .reentry import check_process, refuse_from_stage
 from .sigint import shielded
+from .uncopyable import Uncopyable
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ _CANCELLED = frozenset((_b.CANCELLED, _b.CANCELLED_AND_NOTIFIED))
 _FINISHED, _RUNNING = _b.FINISHED, _b.RUNNING
 
 
-class ChunkFuture(concurrent.futures.Future):
+class ChunkFuture(Uncopyable, concurrent.futures.Future):
     """The :class:`concurrent.futures.Future` of one accepted chunk.
 
     Its result is set by the pipeline's driver (a progress thread of the pipeline's own, or, for a
@@ -203,21 +204,11 @@ class ChunkFuture(concurrent.futures.Future):
     def set_running_or_notify_cancel(self) -> bool:
         raise _settled_by_pipeline("set_running_or_notify_cancel")
 
-    # a copy is no future the pipeline settles (it would stay pending for ever), and a pickle
-    # cannot carry the chunk's pipeline to another process
-    def __reduce__(self) -> Any:
-        raise TypeError(_not_copied("pickled"))
-
-    def __copy__(self) -> Any:
-        raise TypeError(_not_copied("copied"))
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        raise TypeError(_not_copied("copied"))
-
-
-def _not_copied(what: str) -> str:
-    return (f"a pipeline's future cannot be {what}: only the future submit() returned is settled by its pipeline; "
-            "share that one, or take its result() and copy or pickle the result")
+    def _not_copied(self, what: str) -> str:
+        # a copy is no future the pipeline settles (it would stay pending for ever), and a pickle
+        # cannot carry the chunk's pipeline to another process
+        return (f"a pipeline's future cannot be {what}: only the future submit() returned is settled by its "
+                "pipeline; share that one, or take its result() and copy or pickle the result")
 
 
 def _settled_by_pipeline(call: str) -> RuntimeError:

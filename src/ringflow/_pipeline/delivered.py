@@ -15,9 +15,10 @@ import weakref
 from typing import Any
 
 from .sigint import shielded_call
+from .uncopyable import Uncopyable
 
 
-class DeviceResult:
+class DeviceResult(Uncopyable):
     """One result left on the device (``Pipeline(deliver="device")``).
 
     ``array`` is the result as ``compute`` wrote it: a CuPy or PyTorch array on a CUDA GPU (the
@@ -123,31 +124,17 @@ class DeviceResult:
     def __exit__(self, *exc_info: Any) -> None:
         self.release()
 
-    # a copy would be a second handle on the one lent slot (released twice, read after the
-    # other's release), and a pickle cannot carry device memory to another process
-    def __reduce__(self) -> Any:
-        """Raises TypeError: a lent slot cannot be pickled (see :func:`_not_copied`)."""
-        raise TypeError(_not_copied("pickled"))
-
-    def __copy__(self) -> Any:
-        """Raises TypeError: a lent slot cannot be copied (see :func:`_not_copied`)."""
-        raise TypeError(_not_copied("copied"))
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        """Raises TypeError: a lent slot cannot be copied (see :func:`_not_copied`)."""
-        raise TypeError(_not_copied("copied"))
+    def _not_copied(self, what: str) -> str:
+        # a copy would be a second handle on the one lent slot (released twice, read after the
+        # other's release), and a pickle cannot carry device memory to another process
+        return (f"a DeviceResult cannot be {what}: it is the pipeline's device slot, lent until release(), not an "
+                f"array of its own; copy its .array instead (on the device with CuPy's .copy() or torch's .clone(), "
+                f"to the host with .get() or .cpu(); each array of a tuple, list or dict) before releasing it, or "
+                f"make the pipeline with deliver='host' to get results in host memory")
 
     def __repr__(self) -> str:
         state = "released" if self._released else "on the device"
         return f"<DeviceResult {self.index} {self.dtype} {self.shape} {state}>"
-
-
-def _not_copied(what: str) -> str:
-    """Why a :class:`DeviceResult` cannot be ``what`` ("pickled", "copied"), and what to copy instead."""
-    return (f"a DeviceResult cannot be {what}: it is the pipeline's device slot, lent until release(), not an array "
-            f"of its own; copy its .array instead (on the device with CuPy's .copy() or torch's .clone(), to the "
-            f"host with .get() or .cpu(); each array of a tuple, list or dict) before releasing it, or make the "
-            f"pipeline with deliver='host' to get results in host memory")
 
 
 def _release_dropped(device: Any, give_back) -> None:
