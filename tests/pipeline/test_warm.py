@@ -403,6 +403,30 @@ def test_a_compute_whose_cost_is_replaced_gets_an_engine_planned_for_the_new_cos
     assert lanes == [2, 1, 2]
 
 
+@pytest.mark.parametrize("host", ["register", "stage"])
+def test_a_compute_whose_cost_is_replaced_runs_for_its_new_cost_on_a_warm_engine(host):
+    """A cost replaced by another that leaves the job as compute-bound as before (here never)
+    found the engine kept for the old cost: the direct engine lays each chunk's kernel time out
+    when it is made, so the warm call's kernels ran for the old cost, and the report said so."""
+    dev = rf.device("sim", seed=3)
+
+    def g(x, y):
+        y[:] = x * 2 + 1
+
+    x = fresh(1 << 20, 1)
+    costs = (1e-6, 1e-5, 3e-6, 1e-5)  # each well below a chunk's copy: not compute-bound
+    ran = []
+    for cost in costs:
+        g.sim_seconds = cost
+        y, rep = rf.stream_map_report(g, x, device=dev, chunk_bytes=1 << 20, host=host)
+        assert np.array_equal(y, x * 2 + 1)
+        ran.append(rep.stage_median_s["compute"])
+    assert ran == pytest.approx(costs, rel=1e-6)
+    g.sim_seconds = lambda n: n * 2e-12  # a function of the chunk's bytes: its own kernel time
+    _, rep = rf.stream_map_report(g, x, device=dev, chunk_bytes=1 << 20, host=host)
+    assert rep.stage_median_s["compute"] == pytest.approx((1 << 20) * 2e-12, rel=1e-6)
+
+
 _FORK_WARM_STAGED = textwrap.dedent("""
     import gc, os, signal, sys, warnings
     import numpy as np

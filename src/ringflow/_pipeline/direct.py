@@ -192,6 +192,7 @@ class DirectSchedule:
         dtype, out_dtype, out_chunk_bytes, n_in, n_out = self._shapes
         chunk_bytes, inplace, bound = self.chunk_bytes, self.inplace, self._bound
         sim = getattr(self.compute, "sim_seconds", None)
+        self._cost = sim  # held: a warm engine's key names a cost that is not a number by its id (cost_key)
         x_buffer = bound.x_buffer if bound is not None else None
         out_buffer = bound.out_buffer if bound is not None else None
         self.ops: list[ChunkOps] = []

@@ -363,9 +363,21 @@ def prepare_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: st
         opts_key = warm.options_key(opts)
         if opts_key is not None:
             key = ("map", id(layout.device), id(f), layout.key, kind, out is x,
-                   tuple(None if b is None else b.nbytes for b in (x_buffer, out_buffer)), opts_key)
+                   tuple(None if b is None else b.nbytes for b in (x_buffer, out_buffer)), opts_key, cost_key(f))
     return out, fresh_out, PreparedCall(dev, layout.fields(), opts, kind, key, x_buffer, out_buffer, pooled, out.shape,
                                         out.dtype, replaced)
+
+
+def cost_key(f: Callable) -> Any:
+    """``f``'s ``sim_seconds`` as a warm engine's key holds it: the direct engine lays each chunk's
+    kernel time out when it is made, so an engine made for one cost must not serve another. A
+    number is keyed by its value; anything else (a function of the chunk's bytes) by its identity,
+    which the direct engine holds while it lives (so no new object takes that identity), and the
+    scheduled engine, which reads the cost on every call, does not need."""
+    cost = getattr(f, "sim_seconds", None)
+    if isinstance(cost, (int, float, np.integer, np.floating)):
+        return float(cost)
+    return None if cost is None else (type(cost), id(cost))
 
 
 @dataclasses.dataclass(frozen=True)
