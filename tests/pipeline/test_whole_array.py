@@ -169,3 +169,52 @@ def test_a_call_staged_for_memory_pinned_already_is_not_remembered_and_the_next_
     out[...] = 0
     assert np.array_equal(rf.stream_map(f, x, out, device=dev, workers=1), x * 2 + 1)
     assert len(call_memo.MEMO) == 1
+
+
+@pytest.mark.parametrize("door", ["stream_map", "MapJob"])
+def test_a_closed_device_is_refused_as_the_device_argument(door):
+    """A device closed before the call raised the device's own "this simulated device is closed;
+    create a new one", which says neither that it is the ``device=`` given nor what to pass (a
+    closed device in a list is refused as ``device[i]``)."""
+    dev = rf.device("sim")
+    dev.close()
+    x = np.ones(1024, np.float32)
+    with pytest.raises(RuntimeError, match=r"device= \(<SimDevice[^)]*>\) is closed.*pass an open device"):
+        if door == "stream_map":
+            rf.stream_map(f, x, device=dev, chunk_bytes=1024)
+        else:
+            rf.MapJob(f, x, device=dev, chunk_bytes=1024)
+
+
+@pytest.mark.parametrize("device_given", [False, True])
+@pytest.mark.parametrize("door", ["stream_map", "MapJob"])
+@pytest.mark.parametrize("side", ["x", "out"])
+def test_a_pool_array_of_a_closed_device_is_refused_by_name(side, door, device_given):
+    """A pool array's memory goes with its device when the device closes (a GPU frees every
+    pinned allocation of its context). Named by no ``device=``, the call raised the device's own
+    "this simulated device is closed; create a new one", naming neither the array nor its pool;
+    on another device it read (or wrote) the array as if its memory were still there."""
+    old, dev = rf.device("sim"), rf.device("sim")
+    x, out = arrays(1024)
+    pooled = rf.host.empty(1024, np.float32, device=old)
+    if side == "x":
+        pooled[...] = x
+        x = pooled
+    else:
+        out = pooled
+    old.close()
+    ran = []
+
+    def counting(a, b):
+        ran.append(len(a))
+        b[...] = a * 2 + 1
+
+    options = {"device": dev} if device_given else {}
+    with pytest.raises(RuntimeError, match=rf"{side} is memory from ringflow.host of <SimDevice[^>]*>, which is "
+                                           rf"closed.*went with it"):
+        if door == "stream_map":
+            rf.stream_map(counting, x, out, chunk_bytes=1024, **options)
+        else:
+            rf.MapJob(counting, x, out, chunk_bytes=1024, **options)
+    assert ran == []
+    assert dev.live().host_buffers == 0

@@ -272,13 +272,21 @@ def _closed(dev: Device, *buffers) -> bool:
 def one_device(device: Any, many: "list | None", x: np.ndarray, out: np.ndarray, fresh_out: bool) -> Device:
     """The device a whole-array call on one device runs on: the one given (``many``: the list
     of one it was given as); for None, the device of ``x``'s :mod:`ringflow.host` pool, else of
-    ``out``'s, else the default one."""
+    ``out``'s, else the default one.
+
+    Raises:
+        RuntimeError: ``device`` is a closed device (naming it as the argument).
+    """
     if many is not None:
         device = many[0]
-    elif device is None:  # arrays from ringflow.host name their device
+    elif device is None:  # arrays from ringflow.host name their device (open: check_arrays refused others)
         device = host_pool.device_of(x)
         if device is None and not fresh_out:
             device = host_pool.device_of(out)
+    elif isinstance(device, Device) and device.closed:
+        # (its own words, raised later, say neither that it is the device given nor what to pass)
+        raise RuntimeError(f"device= ({device_label(device)}) is closed, and a closed device runs nothing: pass an "
+                           f"open device (a new rf.device('sim'), or 'cuda:N' / 'sim:N')")
     return make_device(device) if not isinstance(device, Device) else device
 
 
@@ -505,6 +513,7 @@ def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str, out
     if x.ndim == 0:
         raise ValueError(f"{who} splits x along axis 0; pass an array with at least one dimension (x.reshape(1))")
     check_device_dtype("x", x.dtype)
+    check_pool_open("x", x)
     check_choice("host", host, HOSTS)
     check_choice("engine", engine, ENGINES)
     shape, dtype = (x.shape, x.dtype) if output is None else whole_output(output, x, inplace)
@@ -520,8 +529,25 @@ def check_arrays(f: Any, x: Any, out: Any, host: Any, engine: Any, who: str, out
     if not out.flags.writeable:
         raise ValueError("out is read-only; pass a writeable array (or out=None to allocate one)")
     check_not_masked("out", out)
+    check_pool_open("out", out)
     check_out(x, out)
     return out, False
+
+
+def check_pool_open(name: str, arr: np.ndarray) -> None:
+    """Refuse an array from :mod:`ringflow.host` whose device is closed: a device's pinned memory
+    goes with it (a GPU frees every pinned allocation of its context), so the array's bytes are no
+    longer there to read or write, on that device or any other.
+
+    Raises:
+        RuntimeError: naming ``name``, its device and what to do.
+    """
+    owner = host_pool.device_of(arr)
+    if owner is not None and owner.closed:
+        raise RuntimeError(f"{name} is memory from ringflow.host of {device_label(owner)}, which is closed, and its "
+                           f"pinned memory went with it: {name} can no longer be read or written. Make {name} again "
+                           f"(ringflow.host.empty of an open device, or an ordinary numpy array), and close a device "
+                           f"only once its pool arrays are dropped")
 
 
 def allocate_out(shape: tuple, dtype: np.dtype, who: str, output: Any) -> np.ndarray:
