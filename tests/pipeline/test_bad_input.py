@@ -525,6 +525,30 @@ def test_pinned_buffers_of_another_device_are_refused_by_name(dev, door, engine)
     assert settle(other) == 0, f"left live on the buffers' device: {other.live()}"
 
 
+@pytest.mark.parametrize("engine", ["auto", "direct", "pipeline"])
+@pytest.mark.parametrize("door", WHOLE_ARRAY_DOORS)
+def test_closed_pinned_buffers_are_refused_by_name(dev, door, engine):
+    """A pinned buffer closed before the call raised the buffer's own "<pinned host buffer #N ...
+    closed> is closed; allocate a new buffer", which says neither which argument it is (two
+    buffers of one size are told apart by a number the caller never saw) nor that its view, the
+    array passed with it, went with it."""
+    for name in ("x_buffer", "out_buffer"):
+        bufs = {side: dev.allocate_host(N * 4) for side in ("x", "out")}
+        x, out = bufs["x"].view(np.float32), bufs["out"].view(np.float32)
+        x[:] = data()
+        try:
+            call(door, dev, x, out, engine=engine, chunk_bytes=64, x_buffer=bufs["x"], out_buffer=bufs["out"])
+            bufs[name[:-7]].close()  # (after a call: a stream_map's next call has its plan remembered)
+            with pytest.raises(RuntimeError) as info:
+                call(door, dev, x, out, engine=engine, chunk_bytes=64, x_buffer=bufs["x"], out_buffer=bufs["out"])
+            message = str(info.value)
+            assert named(message) >= {name} and "is closed" in message and "allocate_host" in message, message
+        finally:
+            for buf in bufs.values():
+                buf.close()
+    assert settle(dev) == 0
+
+
 # -- 6. a MapJob dropped without close() ------------------------------------------------------------------------------
 @pytest.mark.parametrize("setting", ENGINE_SETTINGS)
 def test_mapjob_dropped_without_close_warns_and_releases(dev, setting):

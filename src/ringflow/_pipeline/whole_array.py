@@ -694,6 +694,7 @@ class MapLayout:
 
         Raises:
             TypeError: ``x_buffer`` or ``out_buffer`` that is not a host buffer.
+            RuntimeError: ``x_buffer`` or ``out_buffer`` closed.
             ValueError: a row larger than a chunk, half a pair of pinned buffers, pinned buffers
                 of another device than ``dev``, without ``out`` or that are not ``x``'s and
                 ``out``'s memory, or registration of
@@ -721,6 +722,11 @@ class MapLayout:
                 if not getattr(buf, "is_host", False):
                     raise TypeError(f"{name} must be a host buffer from device.allocate_host or device.register_host, "
                                     f"got {type(buf).__name__}")
+                if buf.closed:  # (its own words name a buffer number the caller never saw, not the argument)
+                    arr_name = name[:-7]
+                    raise RuntimeError(f"{name} ({buf!r}) is closed, and its memory went with it, {arr_name} (a view of "
+                                       f"it) included; pass a buffer open for the whole call (allocate_host or "
+                                       f"register_host) and make {arr_name} from it")
                 owner = getattr(buf, "owner", None)
                 if owner is not None and owner is not dev:
                     # only the device that pinned it may copy from it: its streams would refuse
