@@ -1,9 +1,14 @@
 """Whole-array jobs (stream_map, MapJob) on arrays whose memory something else pins already."""
 
+import gc
+import re
+import warnings
+
 import numpy as np
 import pytest
 
 import ringflow as rf
+from tests.helpers.threads import bounded
 
 
 def f(x, y):
@@ -218,3 +223,44 @@ def test_a_pool_array_of_a_closed_device_is_refused_by_name(side, door, device_g
             rf.MapJob(counting, x, out, chunk_bytes=1024, **options)
     assert ran == []
     assert dev.live().host_buffers == 0
+
+
+@pytest.mark.parametrize("door", ["stream_map-stage", "stream_map-register", "stream_map-two-devices", "MapJob",
+                                  "MapJob-two-devices"])
+def test_a_whole_array_call_from_inside_work_its_device_runs_is_refused_before_any_work(door):
+    """The simulated GPU runs a compute as it advances, where nothing may wait for it; a
+    whole-array call made there on the same device waits for it all the same. On one device
+    the call failed part way ("a host task on the simulated GPU must not block"), its clean-up
+    could not wait either, and the registrations it had made stayed pinned for good, with a
+    RuntimeWarning for each; over several devices, one of them the compute's, it waited for ever
+    (a shard's thread waited for the device the compute's thread held). Now it is refused up
+    front, naming the device, and nothing is left behind."""
+    dev, other = rf.device("sim"), rf.device("sim")
+    devices = [dev, other] if door.endswith("two-devices") else dev
+    small = np.arange(1024, dtype=np.float32)
+    job = (rf.MapJob(f, small, device=devices, chunk_bytes=1024, host="register" if devices is dev else "auto")
+           if door.startswith("MapJob") else None)
+
+    def nested(a, b):
+        b[...] = a * 2 + 1
+        if job is not None:
+            job()
+        else:
+            rf.stream_map(f, small, device=devices, chunk_bytes=1024,
+                          host="register" if door == "stream_map-register" else "auto")
+
+    x = np.arange(1 << 12, dtype=np.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(rf.StageError) as info:
+            bounded(lambda: rf.stream_map(nested, x, device=dev, chunk_bytes=4096, host="stage"))
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert re.search(r"from inside work that <SimDevice[^>]*> runs", str(info.value.__cause__)), info.value.__cause__
+    assert caught == [], [str(w.message) for w in caught]
+    del info
+    if job is not None:  # refused before the job did anything: it is open and runs as before
+        assert not job.closed and np.array_equal(job(), small * 2 + 1)
+        job.close()
+    rf.drop_warm_pipelines()
+    gc.collect()
+    assert dev.live().total == 0 and other.live().total == 0, (dev.live(), other.live())

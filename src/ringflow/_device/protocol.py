@@ -977,6 +977,13 @@ class Device(_ClosedOnExit):
     def live(self) -> LiveCounts:
         """Buffers, streams and events handed out and not yet released."""
 
+    def runs_caller(self) -> bool:
+        """Whether the calling thread runs inside this device's own work, where a call that waits
+        for the device would wait for the work it runs in: the simulated GPU runs a kernel (a
+        compute) and a host task as it advances, and no call made there may wait for it. False
+        on a real GPU, where a compute runs on a host thread that only enqueues its kernels."""
+        return False
+
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` has run (every later call on the device raises)."""

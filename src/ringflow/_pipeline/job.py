@@ -35,7 +35,7 @@ from .frames import forget_own_frames
 from .reentry import check_process, generation, marked, refuse_from_stage, running_stage_of
 from .sigint import shielded
 from .whole_array import (PinnedAlready, check_arrays, check_on_device, one_device, pinned_arrays, plan_layout,
-                          run_call)
+                          refuse_inside, run_call)
 from .validate import BoundArray, check_flag, check_options, check_unchanged
 
 logger = logging.getLogger(__name__)
@@ -330,8 +330,9 @@ class MapJob:
 
         Raises:
             TypeError: arrays were given (write new contents into ``job.x`` instead).
-            RuntimeError: the job is closed; ``f`` calls it (from within this call); or the
-                job was made in a parent of this (forked) process.
+            RuntimeError: the job is closed; ``f`` calls it (from within this call); it is called
+                from inside work one of its devices runs (a compute on the simulated GPU: the job
+                stays open); or the job was made in a parent of this (forked) process.
             ValueError: ``x`` or ``out`` changed other than in its contents since the job was made
                 (reshaped, retyped, moved by ``resize``, or ``out`` made read-only); the job
                 stays open.
@@ -357,6 +358,7 @@ class MapJob:
         check_process(self._made_in, "MapJob")
         # before the lock: over several devices f runs on a shard's thread while this call holds it
         refuse_from_stage(self._token, "MapJob()", kind="job")
+        refuse_inside(self.device if isinstance(self.device, tuple) else (self.device,), "MapJob()")
         with shielded(), self._lock:  # Ctrl-C is taken inside the call's steps only (sigint.py)
             self._take_turn()
             engine = self._held.engine

@@ -205,6 +205,7 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
     if many is not None and len(many) > 1:  # the rows are split over the devices (one list of one is one)
         from .sharded import stream_map_sharded
 
+        refuse_inside(many, "stream_map")
         keep_warm = keep_warm and all(_named_again(g, d, x, out) for g, d in zip(given, many))
         return stream_map_sharded(f, x, out, fresh_out, many, opts.pop("chunk_bytes"), host, x_buffer, out_buffer,
                                   engine, keep_warm, profile, opts)
@@ -415,6 +416,7 @@ class KeptCall:
 def run_prepared(f, x, out, fresh_out: bool, call: PreparedCall, profile: bool) -> tuple:
     """Run a :class:`PreparedCall` on ``x`` and ``out`` (the arrays it was prepared for, or ones
     of the same memory and layout); returns ``(out, report, chunks)`` as :func:`run_whole`."""
+    refuse_inside((call.device,), "stream_map")
     # Ctrl-C is taken inside the call's steps only: never between taking an engine and parking
     # or closing it, nor while registrations are made or dropped (sigint.py)
     with shielded():
@@ -437,6 +439,24 @@ def run_prepared(f, x, out, fresh_out: bool, call: PreparedCall, profile: bool) 
             for buf in registered:
                 close_quietly(buf, "registration")
     return out, report, chunks
+
+
+def refuse_inside(devices, who: str) -> None:
+    """Refuse a whole-array call (``who``) made from inside work one of ``devices`` runs
+    (:meth:`~ringflow._device.protocol.Device.runs_caller`: a compute on the simulated GPU): the
+    call waits for that device, which cannot go on until the work the call runs in returns. It
+    would fail part way with its clean-up unable to wait (and leave its registrations pinned),
+    or, over several devices, wait for ever for a shard on the device this thread holds.
+
+    Raises:
+        RuntimeError: naming the call and the device.
+    """
+    for dev in devices:
+        if dev.runs_caller():
+            raise RuntimeError(f"{who} was called from inside work that {device_label(dev)} runs (a compute or host "
+                               f"task, which the simulated GPU runs as it advances, where nothing may wait for it): "
+                               f"the call would wait for the device running it. Make the call once that work has "
+                               f"returned (after the call whose f this is), or on another device")
 
 
 def _with_flag_defaults(options: dict) -> dict:

@@ -403,6 +403,20 @@ class SimDevice(Device):
                 self._checker_merge(w._snapshot if isinstance(w, SimEvent) else w._end_clock)
             return done
 
+    def runs_caller(self) -> bool:
+        # the thread that advances the engine holds the lock (re-entrant) throughout: one that
+        # cannot take it at once runs none of this device's work; a forked child's lock raises,
+        # and the child's next device call says so
+        try:
+            if not self._lock.acquire(False):
+                return False
+        except RuntimeError:
+            return False
+        try:
+            return self._in_engine
+        finally:
+            self._lock.release()
+
     def sleep(self, seconds: float) -> None:
         seconds = check_seconds(seconds, "sleep(seconds)")
         with self._lock:
