@@ -470,6 +470,27 @@ def test_a_jobs_arrays_cannot_be_replaced(which):
     assert dev.live().total == 0
 
 
+@pytest.mark.parametrize("how", ["pickle", "copy", "deepcopy"])
+def test_a_job_cannot_be_pickled_or_copied_and_says_what_to_do(how):
+    """A job holds its device's streams, rings and registrations over its arrays, in this
+    process. Pickling one failed on its compute, in words that named a ringflow module ("attribute
+    lookup f on ringflow._pipeline.reentry failed"), or on a lock; ``copy.copy`` made a second
+    job sharing the first's engine, so that closing (or collecting) either closed the other under
+    it. Each is refused naming the job and what to make instead; the job goes on."""
+    import copy
+    import pickle
+
+    dev = rf.device("sim")
+    x = np.arange(10, dtype=np.float32)
+    with rf.MapJob(f, x, device=dev) as job:
+        act = {"pickle": lambda: pickle.dumps(job), "copy": lambda: copy.copy(job),
+               "deepcopy": lambda: copy.deepcopy(job)}[how]
+        with pytest.raises(TypeError, match=r"a MapJob cannot be (pickled|copied).*make a MapJob"):
+            act()
+        np.testing.assert_array_equal(job(), x * 2 + 1)
+    assert dev.live().total == 0
+
+
 def test_a_call_given_an_array_says_how_a_job_takes_new_contents():
     """job() runs over the x the job was made with; job(new_x), the usual first try, is refused
     with a message that says to write the contents into job.x (or call stream_map)."""

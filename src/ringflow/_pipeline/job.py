@@ -106,6 +106,14 @@ def _fixed_array(name: str, doc: str) -> property:
     return property(get, refuse, doc=doc)
 
 
+def _not_copied(what: str) -> str:
+    """Why a :class:`MapJob` cannot be ``what`` ("pickled", "copied"), and what to do instead."""
+    return (f"a MapJob cannot be {what}: it holds its device's streams and memory, and any registration of its "
+            f"arrays, in this process, and a second job over the same arrays would share them; make a MapJob of "
+            f"its own where it is needed (rf.MapJob(f, x, ...), in the other process for a pickle), or pass f and "
+            f"x themselves")
+
+
 def _collected(held: _Held, what: str) -> None:
     if held.left():
         warn_quietly(f"{what} was garbage-collected without close(); its streams, device memory and "
@@ -458,6 +466,20 @@ class MapJob:
 
     def __enter__(self) -> "MapJob":
         return self
+
+    # a job holds its device's streams, rings and registrations over its arrays, in this process:
+    # a pickle cannot carry them, and a copy would share them (closing either closes the other)
+    def __reduce__(self) -> Any:
+        """Raises TypeError: a job cannot be pickled (see :func:`_not_copied`)."""
+        raise TypeError(_not_copied("pickled"))
+
+    def __copy__(self) -> Any:
+        """Raises TypeError: a job cannot be copied (see :func:`_not_copied`)."""
+        raise TypeError(_not_copied("copied"))
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """Raises TypeError: a job cannot be copied (see :func:`_not_copied`)."""
+        raise TypeError(_not_copied("copied"))
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
