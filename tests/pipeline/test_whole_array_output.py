@@ -121,6 +121,20 @@ def test_a_larger_result_sets_the_rows_of_a_chunk():
         np.testing.assert_array_equal(job(), np.zeros((1024, 16)))
 
 
+@pytest.mark.parametrize("door", ["stream_map", "MapJob"])
+def test_a_result_row_larger_than_a_chunk_says_to_shrink_the_row_of_output(door):
+    """A result row wider than ``chunk_bytes`` was refused with "raise chunk_bytes ... or reshape
+    x": x's rows fit, and reshaping x does not narrow the result's rows, which ``output`` sets."""
+    x = np.zeros((16, 4), np.float32)  # 16-byte rows
+    spec = ((16, 64), "float64")  # 512-byte rows of the result
+    with pytest.raises(ValueError, match=r"one row of the result along axis 0 is 512 bytes but chunk_bytes is 256; "
+                                         r"raise chunk_bytes to at least 512 or give output= fewer bytes a row"):
+        if door == "stream_map":
+            rf.stream_map(by_rows, x, device=rf.device("sim"), chunk_bytes=256, output=spec)
+        else:
+            rf.MapJob(by_rows, x, device=rf.device("sim"), chunk_bytes=256, output=spec)
+
+
 @pytest.mark.parametrize("output, error, match", [
     (lambda item: ((1,), "float32"), TypeError, "one \\(shape, dtype\\) pair for the whole result"),
     (((99, 2), "float32"), ValueError, "must start with x's rows \\(100\\)"),

@@ -796,9 +796,10 @@ class MapLayout:
             chunk_bytes = chunk_bytes // row_bytes * widest if widest > row_bytes else chunk_bytes
         slot = chunk_bytes if chunk_bytes is not None else max(DEFAULT_CHUNK_BYTES, widest)
         if widest > slot:
-            what = "x" if row_bytes >= out_row_bytes else "the result"
+            what, narrower = (("x", "reshape x") if row_bytes >= out_row_bytes else
+                              ("the result", "give output= fewer bytes a row"))
             raise ValueError(f"one row of {what} along axis 0 is {widest} bytes but chunk_bytes is {slot}; "
-                             f"raise chunk_bytes to at least {widest} or reshape x")
+                             f"raise chunk_bytes to at least {widest} or {narrower}")
         rows = min(max(1, slot // widest), x.shape[0])  # a chunk is never larger than the array
         bound = planned_compute_bound(dev, f, rows * row_bytes, rows * out_row_bytes)
         return cls(dev, row_bytes, rows, x.shape[0], x.shape[1:], x.dtype, strategy, out_row_bytes, out.shape[1:],
