@@ -34,6 +34,7 @@ from .engine import Arrays, Engine, choose_engine, make_engine
 from .frames import forget_own_frames
 from .reentry import check_process, generation, marked, refuse_from_stage, running_stage_of
 from .sigint import shielded
+from .uncopyable import Uncopyable
 from .whole_array import (PinnedAlready, check_arrays, check_on_device, one_device, pinned_arrays, plan_layout,
                           refuse_inside, run_call)
 from .validate import BoundArray, check_flag, check_options, check_unchanged
@@ -106,14 +107,6 @@ def _fixed_array(name: str, doc: str) -> property:
     return property(get, refuse, doc=doc)
 
 
-def _not_copied(what: str) -> str:
-    """Why a :class:`MapJob` cannot be ``what`` ("pickled", "copied"), and what to do instead."""
-    return (f"a MapJob cannot be {what}: it holds its device's streams and memory, and any registration of its "
-            f"arrays, in this process, and a second job over the same arrays would share them; make a MapJob of "
-            f"its own where it is needed (rf.MapJob(f, x, ...), in the other process for a pickle), or pass f and "
-            f"x themselves")
-
-
 def _collected(held: _Held, what: str) -> None:
     if held.left():
         warn_quietly(f"{what} was garbage-collected without close(); its streams, device memory and "
@@ -121,7 +114,7 @@ def _collected(held: _Held, what: str) -> None:
     held.release()
 
 
-class MapJob:
+class MapJob(Uncopyable):
     """``f(x_chunk, y_chunk)`` over ``x`` into ``out``, as :func:`~ringflow.stream_map` with the
     same arguments, set up once; each call runs the whole array again.
 
@@ -467,19 +460,13 @@ class MapJob:
     def __enter__(self) -> "MapJob":
         return self
 
-    # a job holds its device's streams, rings and registrations over its arrays, in this process:
-    # a pickle cannot carry them, and a copy would share them (closing either closes the other)
-    def __reduce__(self) -> Any:
-        """Raises TypeError: a job cannot be pickled (see :func:`_not_copied`)."""
-        raise TypeError(_not_copied("pickled"))
-
-    def __copy__(self) -> Any:
-        """Raises TypeError: a job cannot be copied (see :func:`_not_copied`)."""
-        raise TypeError(_not_copied("copied"))
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        """Raises TypeError: a job cannot be copied (see :func:`_not_copied`)."""
-        raise TypeError(_not_copied("copied"))
+    def _not_copied(self, what: str) -> str:
+        # a job holds its device's streams, rings and registrations over its arrays, in this
+        # process: a pickle cannot carry them, and a copy would share them (closing either closes the other)
+        return (f"a MapJob cannot be {what}: it holds its device's streams and memory, and any registration of its "
+                f"arrays, in this process, and a second job over the same arrays would share them; make a MapJob "
+                f"of its own where it is needed (rf.MapJob(f, x, ...), in the other process for a pickle), or pass "
+                f"f and x themselves")
 
     def __exit__(self, *exc: Any) -> None:
         self.close()

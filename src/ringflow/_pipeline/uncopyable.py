@@ -1,4 +1,4 @@
-"""One handle on what a process owns (a pipeline, a chunk's future, a lent device slot) refuses to
+"""One handle on what a process owns (a pipeline, a chunk's future, a lent device slot, a job) refuses to
 be copied or pickled: a copy would be a second handle on the one thing (closed, settled or
 released by either), and a pickle cannot carry threads, streams or device memory to another
 process."""
