@@ -256,3 +256,38 @@ class KeepsItsWorkerFromExiting:
 
     def __reduce__(self):
         return _with_a_thread_that_never_ends, (ramp,)
+
+
+def _made_here(name: str, source: str):
+    """The module ``name``, made from ``source`` in this process the first time it is asked for
+    and registered in ``sys.modules``: its classes pickle here by their module's name, but a
+    process that did not make it (the pipeline's) cannot import that name to unpickle them."""
+    import sys
+    import types
+
+    module = sys.modules.get(name)
+    if module is None:
+        module = types.ModuleType(name)
+        exec(source, module.__dict__)  # noqa: S102 - a fixed class definition, the test's own
+        sys.modules[name] = module
+    return module
+
+
+def raises_a_class_of_its_worker_on_3(item: int) -> np.ndarray:
+    """Item 3 raises an exception whose class only its worker process has (made there at run
+    time): it pickles and unpickles there, but the pipeline's process cannot unpickle it."""
+    if item == 3:
+        module = _made_here("ringflow_test_worker_only_errors", "class OnlyInTheWorker(Exception):\n    pass\n")
+        raise module.OnlyInTheWorker("item 3 is broken")
+    return ramp(item)
+
+
+def returns_a_class_of_its_worker_on_3(item: int):
+    """:func:`ramp` of ``item`` and of ``item + 1``: in a named tuple whose type only its worker
+    process has (made there at run time) for item 3, in a plain tuple for the others."""
+    pair = (ramp(item), ramp(item + 1))
+    if item != 3:
+        return pair
+    module = _made_here("ringflow_test_worker_only_pairs",
+                        "import collections\nPair = collections.namedtuple('Pair', 'x y')\n")
+    return module.Pair(*pair)

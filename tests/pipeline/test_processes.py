@@ -693,6 +693,41 @@ def test_a_structure_that_cannot_leave_its_worker_fails_its_item_alone_saying_so
     assert dev.live().total == 0
 
 
+@pytest.mark.parametrize("prepare", [pp.raises_a_class_of_its_worker_on_3, pp.returns_a_class_of_its_worker_on_3])
+def test_a_reply_the_pipelines_process_cannot_unpickle_fails_its_item_alone_saying_so(dev, prepare):
+    """What prepare raised, or the layout of what it returned, pickled and unpickled in its
+    worker (so the worker sent it) but could not be unpickled in the pipeline's process (a
+    class made in the worker at run time): the item failed with pickle's bare error
+    (ModuleNotFoundError naming a module the user never wrote to import), and its worker, whose
+    reply had been read whole, was ended and replaced. It fails saying what could not be read
+    back; the worker serves the next items."""
+    def pairs(x, y):
+        for a, b in zip(x, y):
+            f(a, b)
+
+    compute = pairs if prepare is pp.returns_a_class_of_its_worker_on_3 else f
+    with rf.Pipeline(compute, device=dev, chunk_bytes=4096, prepare=prepare, processes=True, workers=1,
+                     on_error="continue") as pipe:
+        pids = pipe._procs.pids()
+        futs = [pipe.submit(i) for i in range(2, 6)]
+        outcomes = [fu.exception(timeout=30) for fu in futs]
+        failures = pipe.failures
+        assert pipe._procs.pids() == pids  # nothing ended its worker
+    assert [i for i, o in enumerate(outcomes) if o is not None] == [1]
+    assert [(e.stage, e.index) for e in failures] == [("prepare", 1)]
+    cause = failures[0].__cause__
+    assert type(cause) is TypeError, repr(cause)
+    assert "cannot be unpickled in the pipeline's process" in str(cause), str(cause)
+    assert "ringflow_test_worker_only" in str(cause) and "processes=False" in str(cause), str(cause)
+    for i, n in ((0, 2), (2, 4), (3, 5)):
+        if compute is f:
+            assert np.array_equal(futs[i].result(), pp.ramp(n) * 2 + 1)
+        else:
+            x, y = futs[i].result()
+            assert np.array_equal(x, pp.ramp(n) * 2 + 1) and np.array_equal(y, pp.ramp(n + 1) * 2 + 1)
+    assert dev.live().total == 0
+
+
 def test_cancelling_a_future_whose_prepare_has_yet_to_start_keeps_that_prepare_from_running(
         dev, tmp_path, monkeypatch, segments):
     """A future cancelled while its chunk's prepare had no worker yet (another prepare held the

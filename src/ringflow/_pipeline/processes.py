@@ -241,6 +241,8 @@ class ProcessPrepare:
             TypeError: the item cannot be pickled, or its worker could not unpickle it.
             TypeError: prepare returned a structure whose layout cannot be pickled back (a named
                 tuple type pickle cannot find by its name, a dict key that does not pickle).
+            TypeError: what prepare raised or returned cannot be unpickled in this process (a class
+                only its worker has).
             TypeError: an array of a dtype this device's arrays cannot hold
                 (:meth:`~ringflow._device.protocol.Device.check_dtype`).
             RuntimeError: the worker process died while preparing the item.
@@ -328,7 +330,8 @@ class ProcessPrepare:
         return self._receive(worker)
 
     def _receive(self, worker: _Worker) -> Any:
-        """The next message from ``worker``.
+        """The next message from ``worker``; an error reply (see :func:`_reply`) where it was read
+        whole but cannot be unpickled here (the worker is between tasks all the same).
 
         Raises:
             RuntimeError, PrepareStopped: the worker ended first (:meth:`_died`).
@@ -337,9 +340,21 @@ class ProcessPrepare:
         if worker.conn not in ready:
             raise self._died(worker)
         try:
-            return worker.conn.recv()
+            data = worker.conn.recv_bytes()
         except (EOFError, ConnectionResetError):
             raise self._died(worker) from None
+        try:
+            return ForkingPickler.loads(data)
+        except Exception as exc:  # noqa: BLE001 - what unpickling raises varies (ModuleNotFoundError, ...)
+            # the worker checked that it unpickles there; a class only the worker has (one made there at
+            # run time, a module imported there alone) cannot be found here
+            text = ("the worker's traceback came in the reply, so it is lost; unpickling the reply here raised:\n"
+                    + "".join(traceback.format_exception(exc)))
+            return "error", TypeError(
+                f"prepare's reply from its worker process cannot be unpickled in the pipeline's process "
+                f"({describe(exc)}): what prepare raised, or the layout of the tuple, list or dict it returned, "
+                "holds a class this process cannot import by the name it was made with; make it importable "
+                "here (defined in a module both processes import), or use processes=False"), text
 
     def _died(self, worker: _Worker) -> Exception:
         """The error for the item whose worker has ended (reaped here): PrepareStopped where
