@@ -291,3 +291,17 @@ def returns_a_class_of_its_worker_on_3(item: int):
     module = _made_here("ringflow_test_worker_only_pairs",
                         "import collections\nPair = collections.namedtuple('Pair', 'x y')\n")
     return module.Pair(*pair)
+
+
+class RebuiltAsAnInt(Exception):
+    """Pickles and unpickles, but as the int 5, not as an exception (its ``__reduce__`` says so)."""
+
+    def __reduce__(self):
+        return int, (5,)
+
+
+def fails_on_5_rebuilt_as_an_int(item: int) -> np.ndarray:
+    """Item 5 raises an exception that comes back from a worker process as an int."""
+    if item == 5:
+        raise RebuiltAsAnInt("item 5 is broken")
+    return ramp(item)

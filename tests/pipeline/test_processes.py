@@ -314,6 +314,23 @@ def test_an_error_that_cannot_leave_its_worker_fails_its_chunk_alone(dev, prepar
     assert dev.live().total == 0
 
 
+def test_an_error_that_comes_back_as_no_exception_fails_its_chunk_alone_saying_so(dev):
+    """An exception whose pickle rebuilds something else (an int) came back from its worker as
+    that, and the item failed with ringflow's own AttributeError ('int' object has no attribute
+    '__cause__'). It fails saying what came back; the worker's traceback is its cause."""
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.fails_on_5_rebuilt_as_an_int, processes=True,
+                     workers=2, on_error="continue") as pipe:
+        out = list(pipe.map(range(8)))
+        failures = pipe.failures
+    assert len(out) == 7
+    assert [(e.stage, e.index) for e in failures] == [("prepare", 5)]
+    cause = failures[0].__cause__
+    assert type(cause) is TypeError, repr(cause)
+    assert "came back from its worker process as int" in str(cause), str(cause)
+    assert "RebuiltAsAnInt: item 5 is broken" in str(cause.__cause__), repr(cause.__cause__)
+    assert dev.live().total == 0
+
+
 def test_an_item_that_cannot_reach_its_worker_fails_alone_saying_so(dev):
     """An item that pickled but did not unpickle in its worker ended that worker: its
     traceback was printed, the item failed as if the worker had crashed ("died (exit code 1)

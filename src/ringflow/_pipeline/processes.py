@@ -274,6 +274,11 @@ class ProcessPrepare:
             self._put_back(worker, settled)
         if reply[0] != "ok":
             exc = reply[1]
+            if not isinstance(exc, BaseException):  # (an exception whose __reduce__ rebuilds something else)
+                exc = TypeError(f"prepare raised an exception that came back from its worker process as "
+                                f"{type(exc).__name__} {exc!r:.60}, not an exception: its class's __reduce__ rebuilds "
+                                "something else; make it rebuild the exception (its traceback in the worker is this "
+                                "error's cause)")
             exc.__cause__ = _RemoteTraceback(reply[2])
             raise exc
         described = (reply[1][0], np.dtype(reply[1][1])) + tuple(reply[1][2:])
