@@ -21,6 +21,50 @@ def test_a_file_is_replaced_whole(tmp_path):
     assert path.read_text() == "new" and os.listdir(tmp_path) == ["r.json"]
 
 
+def test_a_file_replaced_keeps_its_permissions(tmp_path):
+    """The new contents went in under the process's default mode: a private file (0600) became
+    one every user could read, and a read-only one became writable."""
+    for mode in (0o600, 0o640, 0o444):
+        path = tmp_path / f"r{mode:o}.json"
+        path.write_text("old")
+        os.chmod(path, mode)
+        _files.write_whole(path, "new")
+        assert path.read_text() == "new" and stat.S_IMODE(os.stat(path).st_mode) == mode
+    assert sorted(os.listdir(tmp_path)) == ["r444.json", "r600.json", "r640.json"]
+
+
+def test_a_file_this_process_may_not_write_is_refused_and_left_as_it_was(tmp_path, monkeypatch):
+    """A file whose permissions keep this process from writing it (as open() for writing would
+    find) was replaced all the same: moving a new file over a name needs leave to write its
+    folder only."""
+    path = tmp_path / "r.json"
+    path.write_text("old")
+    os.chmod(path, 0o444)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if os.fspath(p) == str(path) and mode == os.W_OK
+                        else real_access(p, mode, **kw))  # (as for a user who is not root)
+    with pytest.raises(PermissionError, match="read-only") as info:
+        _files.write_whole(path, "new")
+    assert info.value.filename == str(path)
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["r.json"]
+
+
+def test_a_symbolic_link_is_written_through_not_replaced(tmp_path):
+    """The link was replaced by a regular file, and the file it points to kept the old contents."""
+    (tmp_path / "runs").mkdir()
+    target = tmp_path / "runs" / "r.json"
+    target.write_text("old")
+    link = tmp_path / "latest.json"
+    link.symlink_to(os.path.join("runs", "r.json"))
+    assert _files.write_whole(link, "new") == str(link)
+    assert link.is_symlink() and target.read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == ["latest.json", "runs"] and os.listdir(tmp_path / "runs") == ["r.json"]
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(os.path.join("runs", "new.json"))
+    _files.write_whole(dangling, "made")
+    assert dangling.is_symlink() and (tmp_path / "runs" / "new.json").read_text() == "made"
+
+
 def test_the_contents_reach_the_disk_before_the_name_is_moved_over(tmp_path, monkeypatch):
     """A crash (power loss) just after the move must not leave an empty or partial file under the
     name: a file system may commit the rename before the data, unless the data is synced first."""

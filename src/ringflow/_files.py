@@ -10,6 +10,7 @@ import errno
 import io
 import os
 import re
+import stat
 import threading
 from typing import Any
 
@@ -34,7 +35,8 @@ def check_file_name(path: Any, where: str, *, file_objects: bool = False) -> Non
 
 def write_whole(path: "str | os.PathLike", text: "str | bytes") -> str:
     """Write ``text`` (a str as UTF-8, or bytes as they are) to a file beside ``path``, then move
-    it over ``path``.
+    it over ``path``. The file replaced keeps its permissions, and a symbolic link is written
+    through (the file it names gets the contents; the link stays).
 
     Returns:
         ``path`` as a string.
@@ -42,6 +44,8 @@ def write_whole(path: "str | os.PathLike", text: "str | bytes") -> str:
     Raises:
         OSError: the file cannot be written, or ``path`` names a device, pipe or socket
             (:func:`is_special`); the error names ``path``.
+        PermissionError: ``path`` is a file this process may not write (read-only), as ``open``
+            would find it; it is left as it was.
     """
     path = os.fsdecode(path)
     if "\0" in path:  # open() would say only "embedded null byte", naming no file
@@ -49,10 +53,21 @@ def write_whole(path: "str | os.PathLike", text: "str | bytes") -> str:
     if is_special(path):  # replaced by a regular file otherwise: a pipe, or as root /dev/null
         raise OSError(errno.EINVAL, "not a regular file (a device, pipe or socket); give the name of a "
                       "regular file to write", path)
-    tmp = _temporary_name(path)
+    # moving a new file over a name needs leave to write its folder only: the name's own file
+    # decides as it would for open(), and gives the new one its mode (a private file stays private)
+    target = os.path.realpath(path) if os.path.islink(path) else path
+    mode = None
+    if os.path.isfile(target):
+        if not os.access(target, os.W_OK):
+            raise PermissionError(errno.EACCES, "the file is read-only (its permissions keep this process from "
+                                  "writing it); make it writable, or give another name", path)
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    tmp = _temporary_name(target)
     try:
         binary = isinstance(text, bytes)
         with open(tmp, "wb" if binary else "w", encoding=None if binary else "utf-8") as fh:
+            if mode is not None:
+                os.chmod(tmp, mode)
             fh.write(text)
             # the data reaches the disk before the name does: a file system may commit the
             # rename first, and a crash between the two would leave an empty file under the name
@@ -62,7 +77,7 @@ def write_whole(path: "str | os.PathLike", text: "str | bytes") -> str:
             except OSError as exc:  # a file system that cannot sync (some FUSE ones) still takes the file
                 if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
                     raise
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException as exc:  # a failed write, or Ctrl-C: the temporary file goes too
         try:
             os.unlink(tmp)
