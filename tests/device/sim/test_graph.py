@@ -5,6 +5,8 @@ and a failure inside it is reported where it happened."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -163,6 +165,41 @@ def test_synchronising_the_device_while_a_stream_captures_abandons_the_capture(i
     a.copy(d, h)  # the stream runs work again, and the device synchronises
     dev.synchronize()
     assert not dev._captures
+
+
+def test_synchronising_another_stream_on_the_capturing_thread_abandons_the_capture():
+    """A GPU refuses a stream synchronisation from the thread whose capture is in progress, even of
+    a stream that is not capturing (thread-local capture: a potentially unsafe call there), and
+    the capture is invalidated; from another thread, and an event recorded before the capture,
+    may be synchronised: the simulated GPU does the same."""
+    dev, h, d, o, a, b = setup()
+    b.copy(d, h)
+    before = b.record()
+    a.begin_capture()
+    a.copy(o, d)
+    before.sync()  # (recorded before the capture began: allowed)
+    assert before.is_done
+    with pytest.raises(CaptureError, match=r"capture abandoned: synchronising .* while .* captures on this thread"):
+        b.sync()
+    with pytest.raises(CaptureError, match="abandoned"):
+        a.end_capture()
+    a.begin_capture()
+    a.copy(o, d)
+    errors = []
+
+    def other_thread():
+        try:
+            b.sync()
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            errors.append(exc)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join()
+    assert not errors
+    graph = a.end_capture()  # the other thread's sync left the capture whole
+    graph.launch(a)
+    a.sync()
 
 
 def test_an_exception_from_fn_while_captured_comes_from_the_launch():

@@ -15,7 +15,7 @@ from ..._errors import CaptureError, LaunchError, describe
 from ..protocol import (ArrayArg, Buffer, BufferSlice, Event, Stream, as_slice, check_event_device, check_seconds,
                         copy_extent)
 from .engine import Op
-from .graph import CapturedEvent, SimCapture, SimGraph
+from .graph import SYNC_IN_CAPTURE, CapturedEvent, SimCapture, SimGraph, capturing_thread
 from .hazard import AccessKind
 from .tape import HostRead, Tape
 
@@ -345,6 +345,12 @@ class SimStream(Stream):
             capture = self._capture()
             if capture is not None:
                 raise capture.abandon(f"synchronising {self.name}, which is capturing")
+            # a stream that is not capturing, from the thread whose capture is in progress: a GPU
+            # refuses that too (thread-local capture), where another thread may
+            capture = capturing_thread(self._dev)
+            if capture is not None:
+                raise capture.abandon(f"synchronising {self.name} while {capture.origin.name} captures on this thread; "
+                                      f"{SYNC_IN_CAPTURE}")
         try:
             self.record().sync()
         finally:
