@@ -128,6 +128,11 @@ def reports_then_waits(item) -> np.ndarray:
     return ramp(n)
 
 
+# real seconds a worker is given to report before the test calls it a hang: long, since a worker
+# process starting on a loaded 2-CPU machine may take seconds (a passing test never waits it out)
+HANG_S = 60.0
+
+
 class Fifo:
     """A named pipe under ``folder`` that the test reads (a worker reports on it) or writes (a
     worker waits on it), with a timeout, so a test that fails does not hang."""
@@ -136,7 +141,7 @@ class Fifo:
         self.path = str(folder / name)
         os.mkfifo(self.path)
 
-    def read_line(self, timeout: float = 10.0) -> str:
+    def read_line(self, timeout: float = HANG_S) -> str:
         """The first line a worker writes (opening it for writing blocks the worker until now).
 
         Raises:
@@ -158,7 +163,7 @@ class Fifo:
         finally:
             os.close(fd)
 
-    def write_line(self, text: str = "go", timeout: float = 10.0) -> None:
+    def write_line(self, text: str = "go", timeout: float = HANG_S) -> None:
         """Write one line for a worker waiting on the FIFO (its reader).
 
         Raises:

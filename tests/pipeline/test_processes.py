@@ -519,7 +519,7 @@ def test_a_worker_that_dies_leaves_the_item_running_in_another_alone(dev, tmp_pa
         with pytest.raises(RuntimeError, match=r"worker process .* died \(exit code 7\)"):
             procs("die", slots[1])
         go.write_line()
-        shape, dtype = threads.join([waiting], timeout=10)[0]
+        shape, dtype = threads.join([waiting])[0]
         assert np.array_equal(slots[0][:dtype.itemsize * shape[0]].view(dtype), pp.ramp(6))
         shape, dtype = procs(9, slots[2])  # served by the worker started in the dead one's place
         assert np.array_equal(slots[2][:dtype.itemsize * shape[0]].view(dtype), pp.ramp(9))
