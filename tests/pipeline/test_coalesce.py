@@ -171,6 +171,32 @@ def test_a_pool_array_over_4_mib_given_to_submit_is_read_in_place_not_copied_int
     assert chunks == 2  # the large pool array alone; the plain arrays and the small pool array share
 
 
+@pytest.mark.parametrize("how", ["submit", "submit_if_room"])
+def test_a_small_pool_array_given_to_submit_is_copied_where_the_pool_has_no_room_for_shared_chunks(how):
+    """A pool array of up to 4 MiB given to ``submit`` is copied before ``submit`` returns (into
+    a shared chunk), so the caller may change it at once. Where the pool has no room for a slab of
+    shared chunks the item goes alone, and it was then read in place: a change made once
+    ``submit`` returned, before the chunk's h2d, reached the item's result. It is copied there too.
+    The driver's lock is held across the submit and the change, so no h2d runs between them."""
+    dev = rf.device("sim", seed=9)
+    rf.host.set_budget(1 << 20, device=dev)  # room for the item, its copy and its result; none for a 4 MiB slab
+    x = rf.host.empty((1000,), np.float32, device=dev)
+    x[...] = np.random.default_rng(9).random(1000)
+    want = expected(x)
+    with rf.Pipeline(f, device=dev, chunk_bytes=1 << 20, checked=True) as pipe:
+        pipe.submit(np.zeros(4, np.float32)).result()  # warm: no chunk is open
+
+        def submit_then_change():
+            fut = pipe.submit(x) if how == "submit" else pipe._submit_if_room(x)
+            x[...] = -1  # the caller may reuse its array once submit returned
+            return fut
+
+        came_back, fx = _run_while_the_driver_s_lock_is_held(pipe, submit_then_change)
+        assert came_back, "submit waited for the driver's lock though the pipeline had room"
+        assert np.array_equal(fx.result(timeout=60), want)
+    assert rf.host.stats(device=dev).in_use_bytes < 4 << 20  # no slab was taken: the item went alone
+
+
 def test_shapes_dtypes_and_odd_strides_keep_their_own_layout():
     rng = np.random.default_rng(3)
     xs = [rng.random((3, 5)).astype(np.float32), rng.random(7).astype(np.float64),

@@ -602,7 +602,7 @@ class Pipeline(Uncopyable):
                              f"{self.config.chunk_bytes} bytes; {grow_slots(nbytes, '')}")
         return spec
 
-    def _accepting(self, item: Any) -> dict:
+    def _accepting(self, item: Any, copy: bool = False) -> dict:
         """What the accepting thread prepares for ``item`` before taking the lock: its output spec,
         its pinned staging copy (or, where the pool has no room, a copy in ordinary memory, the
         item from then on: a plain array is copied before ``submit`` returns either way), and a
@@ -610,10 +610,12 @@ class Pipeline(Uncopyable):
         otherwise, or no staging copy) (keyword arguments of :meth:`Scheduler.accept`, the item
         among them). Nothing of the item is accepted yet: on the main thread in a shielded call,
         a Ctrl-C while a device call here waits for the simulated GPU's lock (a stage another
-        thread runs keeps it) is raised there (:class:`.sigint.interruptible_device_calls`)."""
+        thread runs keeps it) is raised there (:class:`.sigint.interruptible_device_calls`).
+        ``copy``: a pool array is copied too, not read in place (one ``submit`` promised to copy,
+        as a shared chunk would have, where the pool had no room for shared chunks)."""
         with interruptible_device_calls():
             try:
-                return self._accepting_here(item)
+                return self._accepting_here(item, copy)
             except DeviceError as err:
                 self._break_on_sticky(err)
                 raise
@@ -626,7 +628,7 @@ class Pipeline(Uncopyable):
         if err.sticky and self._sched.broken is None:
             self._driver.post(functools.partial(_break_unless_broken, self._sched, err), _never)
 
-    def _accepting_here(self, item: Any) -> dict:
+    def _accepting_here(self, item: Any, copy: bool = False) -> dict:
         out_spec = self._output_spec(item)
         found = self.device.device_source(item) if self._items_are_arrays else None
         if found is not None:  # a device array: read in place after its producer's stream
@@ -642,7 +644,7 @@ class Pipeline(Uncopyable):
                 result = self._pool.take(*want)
             return {"item": item, "out_spec": out_spec, "result": result, "on_device": (where, shape, np.dtype(dtype)),
                     "source_ready": self.device.record_on(stream)}
-        in_place = self._read_in_place(item)  # one pool lookup an item
+        in_place = not copy and self._read_in_place(item)  # one pool lookup an item
         staged, staged_at, in_tree = (None if in_place else self._staged_copy(item)) or (None, None, None)
         if staged is None and self._items_are_arrays and not in_place:
             # the pool had no room: a CPU worker copies the item into a slot later, so the copy
@@ -752,11 +754,13 @@ class Pipeline(Uncopyable):
         Raises:
             _GaveUp: ``gave_up()`` held before the item was accepted; as :meth:`submit` otherwise.
         """
-        if self._shares_chunk(item):
+        shares = self._shares_chunk(item)
+        if shares:
             fut = self._submit_shared(item, timeout, gave_up=gave_up)
             if fut is not None:
                 return fut
-        return self._accept_staged(self._accepting(item), timeout, gave_up)
+        # (no room in the pool for shared chunks: a pool array goes alone, still copied, as submit says)
+        return self._accept_staged(self._accepting(item, copy=shares), timeout, gave_up)
 
     @shielded_call
     def _submit_if_room(self, item: Any) -> "ChunkFuture | object":
@@ -773,7 +777,8 @@ class Pipeline(Uncopyable):
         """
         self._check_caller("submit()")
         item = self._check_item(item)
-        if self._shares_chunk(item):
+        shares = self._shares_chunk(item)
+        if shares:
             fut = self._submit_shared(item, None, wait=False)
             if fut is NO_ROOM:
                 return self._no_room()
@@ -781,7 +786,7 @@ class Pipeline(Uncopyable):
                 return fut
         if not self._sched.has_capacity():  # a look without the lock: no staging copy of an item with no room
             return self._no_room()
-        return self._accept_staged_if_room(self._accepting(item))
+        return self._accept_staged_if_room(self._accepting(item, copy=shares))
 
     @shielded_call
     def _accept_staged_if_room(self, accepting: dict) -> "ChunkFuture | object":
