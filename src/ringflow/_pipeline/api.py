@@ -290,9 +290,9 @@ class Pipeline(Uncopyable):
     result, valid during the call (default: the result itself). Without ``prepare``, ``submit``
     and ``map`` copy each array into pinned memory from :mod:`ringflow.host`'s pool on the
     calling thread, so the caller may reuse its array once ``submit`` returns (an array from that
-    pool is read in place by ``map``, and by ``submit`` above 4 MiB, so it must be left unchanged
-    until its result is handed out, while ``submit`` copies a smaller one into the chunk it
-    shares), and the result comes back in pinned memory, which goes
+    pool is read in place by ``map``, and by ``submit`` above 4 MiB or where ``coalesce`` does not
+    apply, so it must be left unchanged until its result is handed out, while ``submit`` copies a
+    smaller one where ``coalesce`` applies), and the result comes back in pinned memory, which goes
     back to the pool once dropped; where the pool has no room, the item is copied into ordinary
     memory instead (a CPU worker then copies it into a slot) and results are new numpy arrays.
     A compute callable may carry a ``sim_seconds`` attribute (seconds, or a function of the
