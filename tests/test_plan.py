@@ -771,6 +771,25 @@ def test_an_auto_chunk_fits_the_device_rings_in_the_profiles_memory():
     np.testing.assert_array_equal(rf.stream_map(f, x, device=dev, chunk_bytes="auto"), x * 2)
 
 
+def test_an_auto_chunk_fits_the_pinned_budget():
+    """chunk_bytes="auto" with a pinned_budget: the chunk was planned without the budget (4 MiB
+    for a 64 MiB job), and the call then failed saying to lower chunk_bytes, which the caller left
+    to the planner. A budget no planned chunk fits is refused naming pinned_budget."""
+    dev = rf.device("sim")
+
+    def f(x, y):
+        y[...] = x + 1
+
+    x = np.arange(16 * MiB, dtype=np.float32)  # 64 MiB
+    np.testing.assert_array_equal(rf.stream_map(f, x, device=dev, chunk_bytes="auto", host="stage",
+                                                pinned_budget="1MiB"), x + 1)
+    with rf.MapJob(f, x, device=dev, chunk_bytes="auto", host="stage", pinned_budget=MiB) as job:
+        assert 2 * job.chunk_bytes <= MiB
+        np.testing.assert_array_equal(job(), x + 1)
+    with pytest.raises(ValueError, match="fit a pinned_budget of 1024 bytes; raise pinned_budget"):
+        rf.stream_map(f, x, device=dev, chunk_bytes="auto", host="stage", pinned_budget=1024)
+
+
 def test_staging_is_predicted_no_faster_than_the_hosts_memory_allows():
     """The stages' copies, the fresh output's first touch and the GPU's copies share the host's
     memory: with many workers the per-stage model, which charged each copy only its share of the

@@ -607,6 +607,7 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_
     if not rows and too_large:  # none fits: the smallest, whose allocation then says what is missing
         rows = [min(too_large)]
     if not rows:
-        raise ValueError(f"no chunk size fits a pinned budget of {pinned_budget} bytes; raise the budget")
+        raise ValueError(f"no chunk size's planned pinned rings fit a pinned_budget of {pinned_budget} bytes; raise "
+                         "pinned_budget, or give chunk_bytes (planned rings then shrink to fit the budget)")
     best = min(rows, key=lambda r: (r[2], -r[0]))
     return ChunkChoice(best[0], best[1], best[2], tuple(rows))

@@ -789,8 +789,10 @@ class MapLayout:
         if chunk_bytes == "auto":
             sim = getattr(f, "sim_seconds", None)
             per_byte = sim_seconds_for(sim, 1 << 20) / (1 << 20) if callable(sim) else 0.0
+            staged = strategy == "stage"  # (a budget bounds the staging rings only)
             chunk_bytes = plan.choose_chunk_bytes(dev.hardware, x.nbytes, compute_s_per_byte=per_byte, align=row_bytes,
-                                                  workers=workers, host_stages=strategy == "stage",
+                                                  workers=workers, host_stages=staged,
+                                                  pinned_budget=options.get("pinned_budget") if staged else None,
                                                   out_ratio=out_row_bytes / row_bytes if row_bytes else 1.0
                                                   ).chunk_bytes
             chunk_bytes = chunk_bytes // row_bytes * widest if widest > row_bytes else chunk_bytes
