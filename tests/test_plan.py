@@ -790,6 +790,28 @@ def test_an_auto_chunk_fits_the_pinned_budget():
         rf.stream_map(f, x, device=dev, chunk_bytes="auto", host="stage", pinned_budget=1024)
 
 
+@pytest.mark.parametrize("cost", [5e-3, lambda nbytes: 5e-3, lambda nbytes: 1e-3 + nbytes * 1e-11],
+                         ids=["seconds", "constant-function", "affine-function"])
+def test_an_auto_chunk_counts_a_computes_cost_per_launch(cost):
+    """A compute whose sim_seconds is a cost per launch (seconds, or a function with a fixed
+    part): chunk_bytes="auto" planned it as no compute at all (a number) or as a cost per byte (a
+    function, read at one size), chose small chunks, and ran several times slower than the
+    largest chunks that paid the cost fewer times."""
+    dev = rf.device("sim")
+
+    def f(x, y):
+        y[...] = x
+
+    f.sim_seconds = cost
+    x = np.zeros(128 * MiB, np.uint8)
+    seconds = {}
+    for chunk in ("auto", MiB, 8 * MiB, 32 * MiB):
+        start = dev.now
+        rf.stream_map(f, x, device=dev, chunk_bytes=chunk)
+        seconds[chunk] = dev.now - start
+    assert seconds["auto"] <= 1.25 * min(seconds.values())
+
+
 def test_staging_is_predicted_no_faster_than_the_hosts_memory_allows():
     """The stages' copies, the fresh output's first touch and the GPU's copies share the host's
     memory: with many workers the per-stage model, which charged each copy only its share of the

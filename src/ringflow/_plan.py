@@ -452,7 +452,8 @@ def queued_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, co
 
 def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_bytes: int, *,
                     compute_s_per_byte: float = 0.0, workers: int = 1,
-                    host_stages: bool = True, out_ratio: float = 1.0) -> tuple[StageTimes, float]:
+                    host_stages: bool = True, out_ratio: float = 1.0,
+                    compute_s_per_chunk: float = 0.0) -> tuple[StageTimes, float]:
     """(per-chunk stage times, predicted wall seconds) of streaming ``total_bytes`` in chunks of
     ``chunk_bytes``: the bound of the five stages (:func:`queued_stage_times`) plus the host's
     time per chunk as a sixth resource (it overlaps the GPU until it becomes the bottleneck with
@@ -461,11 +462,12 @@ def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     prediction is about :func:`staging_floor_seconds` at the least. With
     ``host_stages=False`` the copy engines use the caller's pinned memory (no staging: the
     direct engine). ``out_ratio``: result bytes per input byte (the copy back and the consume
-    move that many)."""
+    move that many). A chunk's kernel takes ``compute_s_per_chunk`` plus ``compute_s_per_byte``
+    for each of its input bytes."""
     p = get_profile(profile)
     n = -(-total_bytes // chunk_bytes)
-    t = queued_stage_times(p, chunk_bytes, compute=compute_s_per_byte * chunk_bytes, workers=workers,
-                           out_ratio=out_ratio, scheduler=host_seconds_per_chunk(p, host_stages))
+    t = queued_stage_times(p, chunk_bytes, compute=compute_s_per_chunk + compute_s_per_byte * chunk_bytes,
+                           workers=workers, out_ratio=out_ratio, scheduler=host_seconds_per_chunk(p, host_stages))
     if not host_stages:
         t = dataclasses.replace(t, prepare=p.host_task_overhead_s, consume=p.host_task_overhead_s)
     return t, predicted_total(t, n)
@@ -557,7 +559,8 @@ class ChunkChoice:
 
 def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *, compute_s_per_byte: float = 0.0,
                        workers: int = 1, host_stages: bool = True, pinned_budget: Optional[int] = None,
-                       align: int = 1, candidates: Optional[list] = None, out_ratio: float = 1.0) -> ChunkChoice:
+                       align: int = 1, candidates: Optional[list] = None, out_ratio: float = 1.0,
+                       compute_s_per_chunk: float = 0.0) -> ChunkChoice:
     """The chunk size (of the input) minimising the predicted wall time of ``total_bytes`` of
     input, whose results are ``out_ratio`` bytes per input byte.
 
@@ -566,7 +569,8 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *, co
     stage alone) a large share. Each candidate is predicted as ``predicted_total`` over its chunk
     count plus the per-chunk scheduling cost; the planned slots must fit ``pinned_budget``, and
     the device rings (with their slack) the profile's ``total_memory`` where any candidate's do.
-    ``host_stages=False`` when the copy engines read the caller's pinned memory directly.
+    ``host_stages=False`` when the copy engines read the caller's pinned memory directly. A
+    chunk's kernel takes ``compute_s_per_chunk`` plus ``compute_s_per_byte`` per input byte.
     """
     if total_bytes <= 0:
         raise ValueError("total_bytes must be positive")
@@ -576,12 +580,13 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *, co
     # read on every call, so a profile saved again is planned from what it holds now.
     return _choose_chunk_bytes(get_profile(profile), int(total_bytes), float(compute_s_per_byte), int(workers),
                                bool(host_stages), pinned_budget, int(align),
-                               tuple(candidates) if candidates else None, float(out_ratio))
+                               tuple(candidates) if candidates else None, float(out_ratio),
+                               float(compute_s_per_chunk))
 
 
 @functools.lru_cache(maxsize=256)
 def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_stages, pinned_budget, align,
-                        candidates, out_ratio) -> ChunkChoice:
+                        candidates, out_ratio, compute_s_per_chunk) -> ChunkChoice:
     cands = candidates or [1 << k for k in range(16, 29)]
     rows, too_large = [], []
     seen = set()
@@ -592,7 +597,8 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_
         seen.add(c)
         n = -(-total_bytes // c)
         t, predicted = predict_seconds(profile, total_bytes, c, compute_s_per_byte=compute_s_per_byte,
-                                       workers=workers, host_stages=host_stages, out_ratio=out_ratio)
+                                       workers=workers, host_stages=host_stages, out_ratio=out_ratio,
+                                       compute_s_per_chunk=compute_s_per_chunk)
         plan = plan_slots(t)
         slot = c * max(1.0, out_ratio)  # a slot holds a chunk's input or its result
         if pinned_budget is not None and host_stages and (plan.slots.host_in + plan.slots.host_out) * slot > pinned_budget:

@@ -787,11 +787,10 @@ class MapLayout:
                                  f"'stage', or pass an array from rf.host.empty")
         widest = max(row_bytes, out_row_bytes)  # a slot holds a chunk's input and, apart, its result
         if chunk_bytes == "auto":
-            sim = getattr(f, "sim_seconds", None)
-            per_byte = sim_seconds_for(sim, 1 << 20) / (1 << 20) if callable(sim) else 0.0
+            per_chunk, per_byte = compute_cost(getattr(f, "sim_seconds", None))
             staged = strategy == "stage"  # (a budget bounds the staging rings only)
             chunk_bytes = plan.choose_chunk_bytes(dev.hardware, x.nbytes, compute_s_per_byte=per_byte, align=row_bytes,
-                                                  workers=workers, host_stages=staged,
+                                                  compute_s_per_chunk=per_chunk, workers=workers, host_stages=staged,
                                                   pinned_budget=options.get("pinned_budget") if staged else None,
                                                   out_ratio=out_row_bytes / row_bytes if row_bytes else 1.0
                                                   ).chunk_bytes
@@ -806,6 +805,22 @@ class MapLayout:
         bound = planned_compute_bound(dev, f, rows * row_bytes, rows * out_row_bytes)
         return cls(dev, row_bytes, rows, x.shape[0], x.shape[1:], x.dtype, strategy, out_row_bytes, out.shape[1:],
                    out.dtype, in_place, compute_bound=bound, taper=taper(rows, widest) if bound else ())
+
+
+def compute_cost(sim) -> tuple[float, float]:
+    """(seconds per launch, seconds per input byte) of a compute's ``sim_seconds`` for the chunk
+    planner: a number is a cost per launch, whatever the chunk; a function of a chunk's bytes is
+    read at 1 and 2 MiB, and taken as the line through both (a fixed part and a part per byte,
+    neither below 0); (0, 0) without one.
+
+    Raises:
+        ValueError: as :func:`~ringflow._pipeline.stages.sim_seconds_for`.
+    """
+    if sim is None:
+        return 0.0, 0.0
+    one, two = sim_seconds_for(sim, 1 << 20), sim_seconds_for(sim, 2 << 20)
+    per_byte = max(0.0, two - one) / (1 << 20)
+    return max(0.0, one - per_byte * (1 << 20)), per_byte
 
 
 _STRATEGY = [fld.name for fld in dataclasses.fields(MapLayout)[1:]].index("strategy")  # in MapLayout.fields()
