@@ -4,6 +4,7 @@ monkeypatched probe."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import warnings
@@ -244,6 +245,28 @@ def test_a_named_simulated_gpu_takes_its_options_again_as_defaults_or_spelled_ou
             rf.device("sim:42", seed=3)  # chaos=False by default: another device
     finally:
         other.close()
+
+
+def test_a_named_simulated_gpu_made_from_a_profile_file_is_compared_by_the_profile_it_was_made_with(tmp_path):
+    """A named simulated GPU made from a profile file, asked for again once the file changed: the
+    options were compared by reading the file again, so the same path gave the device planning
+    with the old profile without a word, the profile it holds was refused as another, and a file
+    since removed failed the lookup."""
+    from ringflow._device import hardware
+
+    path = tmp_path / "p.json"
+    hardware.H200_PCIE5.save(path)
+    first = rf.device("sim:44", profile=str(path))
+    try:
+        dataclasses.replace(hardware.UNIT_TEST, name="changed").save(path)
+        with pytest.raises(ValueError, match="sim:44.*exists already.*'h200-pcie5' that file held then"):
+            rf.device("sim:44", profile=str(path))
+        assert rf.device("sim:44", profile="h200-pcie5") is first
+        path.unlink()
+        assert rf.device("sim:44", seed=0) is first
+        assert first.profile == hardware.H200_PCIE5
+    finally:
+        first.close()
 
 
 @pytest.mark.parametrize("option,value,error,says", [

@@ -267,8 +267,13 @@ def _named_sim(index: int, options: dict) -> Device:
         entry = _named_sims.get(index)
         if entry is not None and not entry[0].closed:
             dev, made_with = entry
-            if options and _sim_settings(options) != _sim_settings(made_with):
-                raise ValueError(f"device 'sim:{index}' exists already, made with options {made_with or 'none'}; "
+            # compared with the profile it was made with, not a profile file's contents now
+            made = {**_sim_settings({k: v for k, v in made_with.items() if k != "profile"}), "profile": dev.profile}
+            if options and _sim_settings(options) != made:
+                note = ""
+                if isinstance(options.get("profile"), str) and made_with.get("profile") == options["profile"]:
+                    note = f" (the profile {dev.profile.name!r} that file held then; it holds another now)"
+                raise ValueError(f"device 'sim:{index}' exists already, made with options {made_with or 'none'}{note}; "
                                  f"a named simulated GPU keeps the options it was made with: pass none (or the same), "
                                  f"or make an independent one with device('sim', **options)")
             return dev
