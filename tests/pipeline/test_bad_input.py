@@ -142,6 +142,18 @@ def test_pinned_budget_binds_only_staging_memory_on_both_engines(dev, door, sett
         assert got[0] == "ok" and np.array_equal(got[1], expected(data())), got
 
 
+def test_a_pinned_budget_in_pebibytes_is_read_as_a_size():
+    """A pinned_budget in PiB (up to one PiB, its largest) was refused as no size at all, and one
+    above it was told to be written as a size, not to be smaller."""
+    from ringflow._pipeline.validate import MAX_HOST_BYTES, check_bytes
+
+    assert check_bytes("pinned_budget", "0.5PiB", maximum=MAX_HOST_BYTES) == 1 << 49
+    assert check_bytes("pinned_budget", "1 pib", maximum=MAX_HOST_BYTES) == 1 << 50
+    assert check_bytes("pinned_budget", "1PB", maximum=MAX_HOST_BYTES) == 10 ** 15
+    with pytest.raises(ValueError, match=r"pinned_budget must be at most 1125899906842624 bytes, got 9007199254740992"):
+        check_bytes("pinned_budget", "8PiB", maximum=MAX_HOST_BYTES)
+
+
 def test_direct_engine_refusals_name_engine_and_the_reason(dev):
     for options, reason in (({"host": "stage"}, "host='stage'"), ({"host": "register", "on_error": "continue"},
                                                                    "on_error='continue'")):

@@ -30,7 +30,8 @@ MAX_CHUNK_BYTES = 1 << 40  # 1 TiB: larger than any GPU's memory, so surely a mi
 MAX_HOST_BYTES = 1 << 50
 MAX_COMPUTE_STREAMS = 16
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10 ** 3, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30, "t": 1 << 40, "tb": 10 ** 12, "tib": 1 << 40}
+          "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30, "t": 1 << 40, "tb": 10 ** 12, "tib": 1 << 40,
+          "p": 1 << 50, "pb": 10 ** 15, "pib": 1 << 50}  # (a pinned_budget goes up to a PiB)
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
