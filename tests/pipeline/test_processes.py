@@ -296,19 +296,27 @@ def test_a_device_with_no_room_for_the_rings_starts_no_worker_and_pins_nothing(m
     assert segments.made == []  # (made after the device rings)
 
 
+def _item_5_fails_alone(dev, prepare, n: int, cause_type: type) -> BaseException:
+    """``range(n)`` mapped through a two-worker pipeline (``on_error="continue"``) whose
+    ``prepare`` fails item 5: the cause of that failure, of ``cause_type``, once every other item
+    was handed out and it alone failed."""
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=prepare, processes=True, workers=2,
+                     on_error="continue") as pipe:
+        out = list(pipe.map(range(n)))
+        failures = pipe.failures
+    assert len(out) == n - 1
+    assert [(e.stage, e.index) for e in failures] == [("prepare", 5)]
+    cause = failures[0].__cause__
+    assert type(cause) is cause_type, repr(cause)
+    return cause
+
+
 @pytest.mark.parametrize("prepare, kind", [(pp.fails_on_5_unpicklably, "NeedsTwoArguments"),
                                            (pp.fails_on_5_with_a_lambda, "HoldsALambda")])
 def test_an_error_that_cannot_leave_its_worker_fails_its_chunk_alone(dev, prepare, kind):
     # one that pickled but did not unpickle broke the process pool: every later item failed
     # with BrokenProcessPool; one that did not pickle came back as pickle's own AttributeError
-    with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=prepare, processes=True, workers=2,
-                     on_error="continue") as pipe:
-        out = list(pipe.map(range(12)))
-        failures = pipe.failures
-    assert len(out) == 11
-    assert [(e.stage, e.index) for e in failures] == [("prepare", 5)]
-    cause = failures[0].__cause__
-    assert type(cause) is RuntimeError, repr(cause)
+    cause = _item_5_fails_alone(dev, prepare, 12, RuntimeError)
     assert str(cause).startswith(f"prepare raised {kind}: item 5 is broken (")
     assert "cannot be sent back from its worker process" in str(cause)
     assert dev.live().total == 0
@@ -318,14 +326,7 @@ def test_an_error_that_comes_back_as_no_exception_fails_its_chunk_alone_saying_s
     """An exception whose pickle rebuilds something else (an int) came back from its worker as
     that, and the item failed with ringflow's own AttributeError ('int' object has no attribute
     '__cause__'). It fails saying what came back; the worker's traceback is its cause."""
-    with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.fails_on_5_rebuilt_as_an_int, processes=True,
-                     workers=2, on_error="continue") as pipe:
-        out = list(pipe.map(range(8)))
-        failures = pipe.failures
-    assert len(out) == 7
-    assert [(e.stage, e.index) for e in failures] == [("prepare", 5)]
-    cause = failures[0].__cause__
-    assert type(cause) is TypeError, repr(cause)
+    cause = _item_5_fails_alone(dev, pp.fails_on_5_rebuilt_as_an_int, 8, TypeError)
     assert "came back from its worker process as int" in str(cause), str(cause)
     assert "RebuiltAsAnInt: item 5 is broken" in str(cause.__cause__), repr(cause.__cause__)
     assert dev.live().total == 0
@@ -681,17 +682,16 @@ def test_cancelling_one_future_stops_its_prepare_by_killing_its_worker_and_the_r
     assert segments.made and segments.left() == [] and dev.live().total == 0
 
 
-def test_a_structure_that_cannot_leave_its_worker_fails_its_item_alone_saying_so(dev):
-    """prepare returned a structure whose layout (here a named tuple type pickle cannot find by
-    its name) could not be pickled back: the worker's send raised, the worker died printing its
-    traceback, and the item failed as a crash would ("died (exit code 1) ... a crash in native
-    code"), a new worker started in its place. It fails saying what cannot travel back; the
-    worker serves the next items."""
-    def pairs(x, y):
-        for a, b in zip(x, y):
-            f(a, b)
+def _pairs(x, y):
+    for a, b in zip(x, y):
+        f(a, b)
 
-    with rf.Pipeline(pairs, device=dev, chunk_bytes=4096, prepare=pp.misnamed_on_3, processes=True, workers=1,
+
+def _item_1_fails_alone(dev, prepare, compute) -> tuple:
+    """Items 2..5 through a one-worker pipeline (``on_error="continue"``) whose ``prepare`` fails
+    the second: ``(futures, the TypeError its failure was caused by)``, once the pipeline closed
+    with its worker never ended and only that item failed."""
+    with rf.Pipeline(compute, device=dev, chunk_bytes=4096, prepare=prepare, processes=True, workers=1,
                      on_error="continue") as pipe:
         pids = pipe._procs.pids()
         futs = [pipe.submit(i) for i in range(2, 6)]
@@ -702,6 +702,16 @@ def test_a_structure_that_cannot_leave_its_worker_fails_its_item_alone_saying_so
     assert [(e.stage, e.index) for e in failures] == [("prepare", 1)]
     cause = failures[0].__cause__
     assert type(cause) is TypeError, repr(cause)
+    return futs, cause
+
+
+def test_a_structure_that_cannot_leave_its_worker_fails_its_item_alone_saying_so(dev):
+    """prepare returned a structure whose layout (here a named tuple type pickle cannot find by
+    its name) could not be pickled back: the worker's send raised, the worker died printing its
+    traceback, and the item failed as a crash would ("died (exit code 1) ... a crash in native
+    code"), a new worker started in its place. It fails saying what cannot travel back; the
+    worker serves the next items."""
+    futs, cause = _item_1_fails_alone(dev, pp.misnamed_on_3, _pairs)
     assert "cannot be sent back from its worker process" in str(cause), str(cause)
     assert "NotItsName" in str(cause) and "died" not in str(cause), str(cause)
     for i, n in ((0, 2), (2, 4), (3, 5)):
@@ -718,22 +728,8 @@ def test_a_reply_the_pipelines_process_cannot_unpickle_fails_its_item_alone_sayi
     (ModuleNotFoundError naming a module the user never wrote to import), and its worker, whose
     reply had been read whole, was ended and replaced. It fails saying what could not be read
     back; the worker serves the next items."""
-    def pairs(x, y):
-        for a, b in zip(x, y):
-            f(a, b)
-
-    compute = pairs if prepare is pp.returns_a_class_of_its_worker_on_3 else f
-    with rf.Pipeline(compute, device=dev, chunk_bytes=4096, prepare=prepare, processes=True, workers=1,
-                     on_error="continue") as pipe:
-        pids = pipe._procs.pids()
-        futs = [pipe.submit(i) for i in range(2, 6)]
-        outcomes = [fu.exception(timeout=30) for fu in futs]
-        failures = pipe.failures
-        assert pipe._procs.pids() == pids  # nothing ended its worker
-    assert [i for i, o in enumerate(outcomes) if o is not None] == [1]
-    assert [(e.stage, e.index) for e in failures] == [("prepare", 1)]
-    cause = failures[0].__cause__
-    assert type(cause) is TypeError, repr(cause)
+    compute = _pairs if prepare is pp.returns_a_class_of_its_worker_on_3 else f
+    futs, cause = _item_1_fails_alone(dev, prepare, compute)
     assert "cannot be unpickled in the pipeline's process" in str(cause), str(cause)
     assert "ringflow_test_worker_only" in str(cause) and "processes=False" in str(cause), str(cause)
     for i, n in ((0, 2), (2, 4), (3, 5)):
