@@ -552,3 +552,40 @@ def test_a_ctrl_c_during_a_graph_replay_is_raised_as_the_call_returns_with_the_j
         x[:] = 5
         np.testing.assert_array_equal(job(), 11)
     dev.close()
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("side", ["x", "out"])
+def test_a_job_over_a_pool_array_of_another_device_that_closed_since_is_refused_by_name(side, devices):
+    """A pool array's memory goes with its device (a GPU frees every pinned allocation of its
+    context). A job made on another device over such an array went on reading (or writing) it
+    after that device closed, as if its memory were still there; each call now refuses, naming
+    the array, and runs nothing."""
+    old = rf.device("sim")
+    devs = [rf.device("sim") for _ in range(devices)]
+    n = 1024
+    x, out = np.arange(n, dtype=np.float32), np.zeros(n, np.float32)
+    pooled = rf.host.empty(n, np.float32, device=old)
+    if side == "x":
+        pooled[...] = x
+        x = pooled
+    else:
+        out = pooled
+    ran = []
+
+    def counting(a, b):
+        ran.append(len(a))
+        b[...] = a * 2 + 1
+
+    job = rf.MapJob(counting, x, out, device=devs[0] if devices == 1 else devs, chunk_bytes=1024)
+    try:
+        assert np.array_equal(job(), np.arange(n, dtype=np.float32) * 2 + 1)
+        ran.clear()
+        old.close()
+        with pytest.raises(RuntimeError, match=rf"{side} is memory from ringflow.host of <SimDevice[^>]*>, which "
+                                               rf"is closed.*went with it"):
+            job()
+        assert ran == []
+    finally:
+        job.close()
+    assert all(d.live().total == 0 for d in devs)

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .._device import device_list
+from .._device import device_list, host_pool
 from .._device.protocol import Device, close_quietly
 from .._errors import warn_quietly
 from .engine import Arrays, Engine, choose_engine, make_engine
@@ -35,8 +35,8 @@ from .frames import forget_own_frames
 from .reentry import check_process, generation, marked, refuse_from_stage, running_stage_of
 from .sigint import shielded
 from .uncopyable import Uncopyable
-from .whole_array import (PinnedAlready, check_arrays, check_on_device, one_device, pinned_arrays, plan_layout,
-                          refuse_inside, run_call)
+from .whole_array import (PinnedAlready, check_arrays, check_on_device, check_pool_open, one_device, pinned_arrays,
+                          plan_layout, refuse_inside, run_call)
 from .validate import BoundArray, check_flag, check_options, check_unchanged
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,19 @@ def _fixed_array(name: str, doc: str) -> property:
         _refuse_replacing(name)
 
     return property(get, refuse, doc=doc)
+
+
+def _other_pools(x: np.ndarray, out: np.ndarray, devices: Any) -> tuple:
+    """``(name, device)`` for ``x`` and ``out`` where it is :mod:`ringflow.host` memory of a device
+    the job does not run on: that device may close while the job lives, and its memory goes with it
+    (a closed device of the job's own says so itself)."""
+    mine = devices if isinstance(devices, tuple) else (devices,)
+    found = []
+    for name, arr in (("x", x), ("out", out)):
+        owner = host_pool.device_of(arr)
+        if owner is not None and all(owner is not dev for dev in mine):
+            found.append((name, owner))
+    return tuple(found)
 
 
 def _collected(held: _Held, what: str) -> None:
@@ -208,6 +221,7 @@ class MapJob(Uncopyable):
                     dev = one_device(device, many, x, out, fresh_out)
                     self._bind(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer, out_buffer,
                                engine, opts)
+                self._other_pools = _other_pools(x, out, self.device)
                 self._finalizer = weakref.finalize(self, _collected, self._held, repr(self))
                 self._hand_over()  # the first call, on any thread, comes after the set-up (and what it took in)
         except BaseException:
@@ -261,6 +275,7 @@ class MapJob(Uncopyable):
         job._x, job._out = x, out
         job._arrays_bound = BoundArray(x), BoundArray(out)
         job._bind(f, x, out, fresh_out, dev, chunk_bytes, host, None, None, engine, opts)
+        job._other_pools = _other_pools(x, out, dev)
         job._finalizer = weakref.finalize(job, _collected, job._held, repr(job))
         job._hand_over()
         return job
@@ -333,7 +348,9 @@ class MapJob(Uncopyable):
             TypeError: arrays were given (write new contents into ``job.x`` instead).
             RuntimeError: the job is closed; ``f`` calls it (from within this call); it is called
                 from inside work one of its devices runs (a compute on the simulated GPU: the job
-                stays open); or the job was made in a parent of this (forked) process.
+                stays open); ``x`` or ``out`` is :mod:`ringflow.host` memory of another device,
+                closed since (its memory went with it; the job stays open); or the job was made in
+                a parent of this (forked) process.
             ValueError: ``x`` or ``out`` changed other than in its contents since the job was made
                 (reshaped, retyped, moved by ``resize``, or ``out`` made read-only); the job
                 stays open.
@@ -384,9 +401,14 @@ class MapJob(Uncopyable):
 
         Raises:
             ValueError: naming ``x`` or ``out`` (:func:`check_unchanged`).
+            RuntimeError: ``x`` or ``out`` is pool memory of another device, closed since
+                (:func:`check_pool_open`).
         """
         check_unchanged("x", self.x, self._arrays_bound[0])
         check_unchanged("out", self.out, self._arrays_bound[1], writeable=True)
+        for name, owner in self._other_pools:
+            if owner.closed:
+                check_pool_open(name, getattr(self, name))
 
     def close(self) -> None:
         """Close the engine (streams, rings, workers) and drop the registrations, after the call
