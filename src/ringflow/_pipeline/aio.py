@@ -159,9 +159,7 @@ class Source:
                 return False, None
         got = await self.pull  # (a cancellation of the awaiting task cancels the pull too)
         self.pull = None
-        if got[0] is _RAISED:
-            raise got[1]
-        return got
+        return _unwrapped(got)
 
     def pulling(self) -> bool:
         """Whether a pull is in progress (a ``(False, None)`` of :meth:`next` then means the head ended)."""
@@ -186,11 +184,19 @@ class Source:
             return
         if not _shutting_down(loop):
             await asyncio.wait((pull,))
-        if pull.done() and not pull.cancelled() and pull.exception() is None and pull.result()[0] is _RAISED:
-            raise pull.result()[1]
+        if pull.done() and not pull.cancelled() and pull.exception() is None:
+            _unwrapped(pull.result())
 
 
 _RAISED = object()  # a pull's first value where the source raised KeyboardInterrupt or SystemExit (its second)
+
+
+def _unwrapped(got: tuple) -> tuple:
+    """A pull's ``(took, item)``; raises the KeyboardInterrupt or SystemExit the source raised
+    in it (see :func:`_pull`)."""
+    if got[0] is _RAISED:
+        raise got[1]
+    return got
 
 
 async def _pull(iterator: Any) -> tuple:

@@ -183,13 +183,10 @@ class ChunkFuture(Uncopyable, concurrent.futures.Future):
         if concurrent.futures.Future.cancel(self):
             concurrent.futures.Future.set_running_or_notify_cancel(self)
 
-    def _put_result(self, value: Any) -> None:
-        """End the future with the chunk's value (its pipeline's driver only: see set_result)."""
-        concurrent.futures.Future.set_result(self, value)
-
-    def _put_error(self, error: BaseException) -> None:
-        """End the future with the chunk's error (its pipeline's driver only: see set_exception)."""
-        concurrent.futures.Future.set_exception(self, error)
+    # how its pipeline's driver ends the future, with the chunk's value or error (the executor
+    # side's own calls, under names of the driver's: no frame of ours on the per-chunk path)
+    _put_result = concurrent.futures.Future.set_result
+    _put_error = concurrent.futures.Future.set_exception
 
     # concurrent.futures.Future's executor side: a chunk's future is settled by its pipeline alone.
     # Taken from the caller, set_result/set_exception put its value in place of the chunk's (which

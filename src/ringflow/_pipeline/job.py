@@ -107,15 +107,14 @@ def _fixed_array(name: str, doc: str) -> property:
     return property(get, refuse, doc=doc)
 
 
-def _other_pools(x: np.ndarray, out: np.ndarray, devices: Any) -> tuple:
+def _other_pools(x: np.ndarray, out: np.ndarray, devices: tuple) -> tuple:
     """``(name, device)`` for ``x`` and ``out`` where it is :mod:`ringflow.host` memory of a device
-    the job does not run on: that device may close while the job lives, and its memory goes with it
-    (a closed device of the job's own says so itself)."""
-    mine = devices if isinstance(devices, tuple) else (devices,)
+    not among the job's ``devices``: that device may close while the job lives, and its memory
+    goes with it (a closed device of the job's own says so itself)."""
     found = []
     for name, arr in (("x", x), ("out", out)):
         owner = host_pool.device_of(arr)
-        if owner is not None and all(owner is not dev for dev in mine):
+        if owner is not None and all(owner is not dev for dev in devices):
             found.append((name, owner))
     return tuple(found)
 
@@ -221,7 +220,7 @@ class MapJob(Uncopyable):
                     dev = one_device(device, many, x, out, fresh_out)
                     self._bind(f, x, out, fresh_out, dev, opts.pop("chunk_bytes"), host, x_buffer, out_buffer,
                                engine, opts)
-                self._other_pools = _other_pools(x, out, self.device)
+                self._note_devices(x, out)
                 self._finalizer = weakref.finalize(self, _collected, self._held, repr(self))
                 self._hand_over()  # the first call, on any thread, comes after the set-up (and what it took in)
         except BaseException:
@@ -275,7 +274,7 @@ class MapJob(Uncopyable):
         job._x, job._out = x, out
         job._arrays_bound = BoundArray(x), BoundArray(out)
         job._bind(f, x, out, fresh_out, dev, chunk_bytes, host, None, None, engine, opts)
-        job._other_pools = _other_pools(x, out, dev)
+        job._note_devices(x, out)
         job._finalizer = weakref.finalize(job, _collected, job._held, repr(job))
         job._hand_over()
         return job
@@ -376,7 +375,7 @@ class MapJob(Uncopyable):
         check_process(self._made_in, "MapJob")
         # before the lock: over several devices f runs on a shard's thread while this call holds it
         refuse_from_stage(self._token, "MapJob()", kind="job")
-        refuse_inside(self.device if isinstance(self.device, tuple) else (self.device,), "MapJob()")
+        refuse_inside(self._devices, "MapJob()")
         with shielded(), self._lock:  # Ctrl-C is taken inside the call's steps only (sigint.py)
             self._take_turn()
             engine = self._held.engine
@@ -394,6 +393,13 @@ class MapJob(Uncopyable):
                     self._release()
                 self._hand_over()
         return self.out
+
+    def _note_devices(self, x: np.ndarray, out: np.ndarray) -> None:
+        """Once the job is bound: the devices it runs on (``_devices``, one or a shard's each),
+        and the other devices whose pool memory ``x`` or ``out`` is (``_other_pools``), which
+        each call looks at."""
+        self._devices = self.device if isinstance(self.device, tuple) else (self.device,)
+        self._other_pools = _other_pools(x, out, self._devices)
 
     def _check_arrays(self) -> None:
         """Refuse a call on arrays that changed other than in their contents since the job was
