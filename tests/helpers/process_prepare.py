@@ -310,3 +310,17 @@ def fails_on_5_rebuilt_as_an_int(item: int) -> np.ndarray:
     if item == 5:
         raise RebuiltAsAnInt("item 5 is broken")
     return ramp(item)
+
+
+def reports_its_pid_then_hangs(item) -> np.ndarray:
+    """An int: :func:`ramp` of it. A ``(folder, how)`` pair: makes an empty file named by the
+    worker's pid in ``folder``, then never returns: ``"sleep"`` waits in a call that lets go of
+    the GIL, ``"spin"`` loops in Python."""
+    if isinstance(item, int):
+        return ramp(item)
+    folder, how = item
+    os.close(os.open(os.path.join(folder, str(os.getpid())), os.O_CREAT | os.O_WRONLY, 0o600))
+    if how == "sleep":
+        threading.Event().wait()
+    while True:
+        pass

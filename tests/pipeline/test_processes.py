@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import subprocess
@@ -582,6 +583,105 @@ def test_a_forked_child_that_exits_leaves_the_parents_workers_alone(tmp_path):
     assert "child status 0" in out and "worker state S" in out, out + run.stderr[-3000:]
     assert "result True" in out and "parent ok" in out, out + run.stderr[-3000:]
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
+
+
+# -- the pipeline's process killed ----------------------------------------------------------------
+
+_KILLED_WITH_BUSY_WORKERS = textwrap.dedent("""
+    import json, os, pathlib, sys, threading, time
+    from multiprocessing import forkserver, resource_tracker
+    import ringflow as rf
+    from tests.helpers import process_prepare as pp
+
+    def f(x, y):
+        y[...] = x * 2 + 1
+
+    folder = pathlib.Path(sys.argv[1])
+    pipes = []
+    # a pipeline for each (a prepare on the simulated GPU runs in the device's lock): in each, one
+    # worker busy for good and one idle
+    for how in ("sleep", "spin"):
+        pipe = rf.Pipeline(f, device=rf.device("sim"), chunk_bytes=4096, prepare=pp.reports_its_pid_then_hangs,
+                           processes=True, workers=2)
+        fut = pipe.submit((str(folder / "busy"), how))
+        threading.Thread(target=fut.exception, daemon=True).start()  # (the simulated GPU moves while waited on)
+        pipes.append(pipe)
+    info = {"workers": [p for pipe in pipes for p in pipe.scheduler._procs.pids()],
+            "forkserver": forkserver._forkserver._forkserver_pid, "tracker": resource_tracker._resource_tracker._pid,
+            "blocks": [pipe.scheduler._procs._shm.name for pipe in pipes]}
+    (folder / "info.tmp").write_text(json.dumps(info))
+    os.replace(folder / "info.tmp", folder / "info.json")
+    time.sleep(600)  # until the test kills this process
+""")
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is no zombie (one that ended, not yet reaped, holds no
+    memory and runs nothing; an orphan's is reaped by init, which in a container may never do it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def until(check, timeout: float) -> bool:
+    """Whether ``check()`` came true within ``timeout`` real seconds (asked every 50 ms)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads processes from /proc")
+def test_workers_end_when_the_pipelines_process_is_killed(tmp_path):
+    """The pipeline's process killed by SIGKILL (no clean-up runs: the OOM killer, a job
+    scheduler) left its workers running a prepare alive: they ran on, holding their memory, until
+    the prepare returned (for ever, for one that never does). An idle worker ended (its pipe
+    closed), but the forkserver and the resource tracker stayed as long as any worker did (each
+    worker holds their pipes), and so did the shared block. Every worker ends at once, busy in a
+    call that lets go of the GIL or in a Python loop, and the rest goes with them."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    (tmp_path / "busy").mkdir()
+    info_path = tmp_path / "info.json"
+    with open(tmp_path / "out", "w") as out:
+        parent = subprocess.Popen([sys.executable, "-c", _KILLED_WITH_BUSY_WORKERS, str(tmp_path)], cwd=root,
+                                  env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    started = []
+    try:
+        ok = until(lambda: (info_path.exists() and len(os.listdir(tmp_path / "busy")) == 2) or parent.poll() is not None,
+                   pp.HANG_S)
+        assert ok and parent.poll() is None, (tmp_path / "out").read_text()[-3000:]
+        info = json.loads(info_path.read_text())
+        busy = sorted(int(name) for name in os.listdir(tmp_path / "busy"))
+        started = info["workers"] + [info["forkserver"], info["tracker"]]
+        assert len(info["workers"]) == 4 and set(busy) <= set(info["workers"]), (info, busy)
+        assert all(running(p) for p in started), started
+        parent.kill()  # (not reaped until the end: its pid, which names the test's process group, stays taken)
+
+        def left() -> list:
+            return [p for p in started if running(p)]
+
+        blocks = [os.path.join("/dev/shm", name.lstrip("/")) for name in info["blocks"]]
+        assert until(lambda: not left(), 20), (f"still running 20 s after the pipeline's process was killed: "
+                                               f"{left()} of workers {info['workers']} (busy {busy}), forkserver "
+                                               f"{info['forkserver']}, resource tracker {info['tracker']}")
+        assert until(lambda: not any(os.path.exists(b) for b in blocks), 10), blocks
+    finally:
+        # (the test failed: nothing of it outlives the run) every process it started is in the
+        # group it made, named by the pid of its first process, not yet reaped, so no other
+        # process can have that id: a pid of `started` may have been taken by another since
+        try:
+            os.killpg(parent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        parent.kill()
+        parent.wait(10)
 
 
 def test_a_worker_started_as_cancel_stops_the_pool_is_stopped_too(dev, tmp_path, monkeypatch):

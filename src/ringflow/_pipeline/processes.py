@@ -14,6 +14,15 @@ array's shape and dtype. The workers run from a ``forkserver``: a clean process,
 any of them, that forks each worker (forking the pipeline's own process, whose threads may hold
 locks, could deadlock a child).
 
+The workers end with the pipeline's process, however it ends. Killed by SIGKILL (the OOM killer,
+a job scheduler), that process runs no clean-up, and a worker in the middle of a prepare does not
+read its task pipe, so that pipe closing does not end it. Each worker has a lifeline as well: a
+pipe whose write end only the pipeline's process holds (it never writes to it), and a thread that
+waits on the read end and ends the worker (``os._exit``) once it reads end of file
+(:func:`_end_with`). The forkserver and multiprocessing's resource tracker (which then unlinks the
+block) end once no worker holds their pipes. A prepare in a native call that holds the GIL ends
+once that call returns (the thread needs the GIL to end the process).
+
 Each worker has a pipe of its own and runs one task at a time, taken by the CPU worker thread
 that waits for it (not a shared ``ProcessPoolExecutor``, where one worker that dies breaks the
 pool and fails every task in it, running or queued). So:
@@ -90,9 +99,11 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
 
 
 class _Worker:
-    """One worker process and the pipeline's end of its pipe."""
+    """One worker process, the pipeline's end of its pipe, and the write end of its lifeline
+    (see :func:`_end_with`), which nothing is ever written to: it closes with the pipeline's
+    process, however that ends, and the worker then ends too."""
 
-    __slots__ = ("process", "conn", "owner", "ready", "key", "stopped")
+    __slots__ = ("process", "conn", "lifeline", "owner", "ready", "key", "stopped")
 
     def __init__(self, ctx: Any, name: str, prepare: bytes):
         self.owner = os.getpid()  # a child forked from this process must never signal or join it
@@ -100,15 +111,19 @@ class _Worker:
         self.key: Any = None  # what its task now is for (ProcessPrepare.name_task: the chunk), or None
         self.stopped = False  # stop_task() killed it for its task: that task ends PrepareStopped
         conn, child = ctx.Pipe()
+        watched, lifeline = ctx.Pipe(duplex=False)
         try:
-            self.process = ctx.Process(target=_serve, args=(child, name, prepare), name="ringflow-prepare")
+            self.process = ctx.Process(target=_serve, args=(child, name, prepare, watched), name="ringflow-prepare")
             self.process.start()
         except BaseException:
             conn.close()
+            lifeline.close()
             raise
         finally:
-            child.close()  # (the worker has its own copy of it now)
+            child.close()  # (the worker has its own copies of these now)
+            watched.close()
         self.conn = conn
+        self.lifeline = lifeline
 
     @property
     def pid(self) -> "int | None":
@@ -132,11 +147,13 @@ class _Worker:
         try:
             self.conn.close()
             if os.getpid() != self.owner:
+                self.lifeline.close()
                 return
             self.process.join(grace)
             if self.process.exitcode is None:
                 self.kill()
                 self.process.join()
+            self.lifeline.close()  # (after its exit: closed first, it would cut short an exit under way)
         except Exception:  # noqa: BLE001 - cleanup never raises
             pass
 
@@ -590,9 +607,33 @@ class _RemoteTraceback(Exception):
         return f'\n"""\n{self.tb}"""'
 
 
-def _serve(conn: Any, name: str, prepare: bytes) -> None:
-    """A worker's body: attach the block and take the prepare callable, then answer tasks one at
-    a time until the pipe closes."""
+def _end_with(lifeline: Any) -> None:
+    """In a worker, as it starts: a daemon thread that ends the process (``os._exit``) once the
+    read end ``lifeline`` reads end of file, when its write end, the pipeline's process's alone,
+    closes (:meth:`_Worker.end`, after the worker has exited, or the pipeline's process ending,
+    SIGKILL included). The worker's parent is the forkserver, not the pipeline's process, and
+    the forkserver outlives that process as long as any worker does, so neither a parent-death
+    signal nor a pipe read between tasks reaches a worker running a prepare. A pipe, unlike a
+    process id, cannot name a new process that took the old one's id. The thread waits in a
+    read that lets go of the GIL: nothing per task. Never raises."""
+    def watch() -> None:
+        try:
+            while os.read(lifeline.fileno(), 1):  # (nothing is written: only end of file returns)
+                pass
+        except (OSError, ValueError):  # closed here (by the prepare, say): nothing to watch
+            return
+        os._exit(1)
+
+    try:
+        threading.Thread(target=watch, name="ringflow-lifeline", daemon=True).start()
+    except Exception:  # noqa: BLE001 - no thread to be had: the worker then ends only as its task pipe closes
+        pass
+
+
+def _serve(conn: Any, name: str, prepare: bytes, lifeline: Any) -> None:
+    """A worker's body: watch ``lifeline`` (:func:`_end_with`), attach the block and take the
+    prepare callable, then answer tasks one at a time until the pipe closes."""
+    _end_with(lifeline)  # (first: attaching, or importing what prepare needs, may hang too)
     # Ctrl-C at a terminal signals the whole foreground process group: the pipeline's process
     # handles it (cancelling, closing, which ends the workers); a worker taking it would print a
     # KeyboardInterrupt traceback and die, failing the item it was preparing
