@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -609,6 +610,11 @@ _KILLED_WITH_BUSY_WORKERS = textwrap.dedent("""
     info = {"workers": [p for pipe in pipes for p in pipe.scheduler._procs.pids()],
             "forkserver": forkserver._forkserver._forkserver_pid, "tracker": resource_tracker._resource_tracker._pid,
             "blocks": [pipe.scheduler._procs._shm.name for pipe in pipes]}
+    if sys.argv[2] == "fork":  # a child forked from this process, left running after it
+        info["child"] = os.fork()
+        if info["child"] == 0:
+            time.sleep(600)  # until the test kills this process
+            os._exit(0)
     (folder / "info.tmp").write_text(json.dumps(info))
     os.replace(folder / "info.tmp", folder / "info.json")
     time.sleep(600)  # until the test kills this process
@@ -644,38 +650,62 @@ def test_workers_end_when_the_pipelines_process_is_killed(tmp_path):
     closed), but the forkserver and the resource tracker stayed as long as any worker did (each
     worker holds their pipes), and so did the shared block. Every worker ends at once, busy in a
     call that lets go of the GIL or in a Python loop, and the rest goes with them."""
+    with killed_with_busy_workers(tmp_path, fork=False) as info:
+        started = info["workers"] + [info["forkserver"], info["tracker"]]
+        blocks = [os.path.join("/dev/shm", name.lstrip("/")) for name in info["blocks"]]
+        assert until(lambda: not running_of(started), 20), (
+            f"still running 20 s after the pipeline's process was killed: {running_of(started)} of workers "
+            f"{info['workers']} (busy {info['busy']}), forkserver {info['forkserver']}, resource tracker "
+            f"{info['tracker']}")
+        assert until(lambda: not any(os.path.exists(b) for b in blocks), 10), blocks
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(os, "fork"), reason="fork() and /proc")
+def test_workers_end_when_the_pipelines_process_is_killed_leaving_a_forked_child(tmp_path):
+    """A child forked from the pipeline's process has a copy of each worker's lifeline: left
+    running after the pipeline's process was killed, it kept every worker alive, busy or idle.
+    It closes its copies as it is forked, so the workers end as they do without it (the child
+    still holds multiprocessing's own pipes: the forkserver and the resource tracker wait for it)."""
+    with killed_with_busy_workers(tmp_path, fork=True) as info:
+        assert until(lambda: not running_of(info["workers"]), 20), (
+            f"still running 20 s after the pipeline's process was killed: {running_of(info['workers'])} of workers "
+            f"{info['workers']} (busy {info['busy']})")
+        assert running(info["child"])
+
+
+def running_of(pids: list) -> list:
+    """Those of ``pids`` that are :func:`running`."""
+    return [p for p in pids if running(p)]
+
+
+@contextlib.contextmanager
+def killed_with_busy_workers(tmp_path, fork: bool):
+    """Runs :data:`_KILLED_WITH_BUSY_WORKERS` in a process of its own group, waits until both
+    prepares run, SIGKILLs that process, and gives what it wrote (``busy``: the pids of the
+    workers running a prepare), under ``info``; at the end kills every process of the group."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "src"),
                                                         os.environ.get("PYTHONPATH", "")])}
     (tmp_path / "busy").mkdir()
     info_path = tmp_path / "info.json"
     with open(tmp_path / "out", "w") as out:
-        parent = subprocess.Popen([sys.executable, "-c", _KILLED_WITH_BUSY_WORKERS, str(tmp_path)], cwd=root,
-                                  env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    started = []
+        parent = subprocess.Popen([sys.executable, "-c", _KILLED_WITH_BUSY_WORKERS, str(tmp_path),
+                                   "fork" if fork else "-"], cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
     try:
         ok = until(lambda: (info_path.exists() and len(os.listdir(tmp_path / "busy")) == 2) or parent.poll() is not None,
                    pp.HANG_S)
         assert ok and parent.poll() is None, (tmp_path / "out").read_text()[-3000:]
         info = json.loads(info_path.read_text())
-        busy = sorted(int(name) for name in os.listdir(tmp_path / "busy"))
-        started = info["workers"] + [info["forkserver"], info["tracker"]]
-        assert len(info["workers"]) == 4 and set(busy) <= set(info["workers"]), (info, busy)
-        assert all(running(p) for p in started), started
+        info["busy"] = sorted(int(name) for name in os.listdir(tmp_path / "busy"))
+        assert len(info["workers"]) == 4 and set(info["busy"]) <= set(info["workers"]), info
+        assert all(running(p) for p in info["workers"] + [info["forkserver"], info["tracker"]]), info
         parent.kill()  # (not reaped until the end: its pid, which names the test's process group, stays taken)
-
-        def left() -> list:
-            return [p for p in started if running(p)]
-
-        blocks = [os.path.join("/dev/shm", name.lstrip("/")) for name in info["blocks"]]
-        assert until(lambda: not left(), 20), (f"still running 20 s after the pipeline's process was killed: "
-                                               f"{left()} of workers {info['workers']} (busy {busy}), forkserver "
-                                               f"{info['forkserver']}, resource tracker {info['tracker']}")
-        assert until(lambda: not any(os.path.exists(b) for b in blocks), 10), blocks
+        yield info
     finally:
         # (the test failed: nothing of it outlives the run) every process it started is in the
         # group it made, named by the pid of its first process, not yet reaped, so no other
-        # process can have that id: a pid of `started` may have been taken by another since
+        # process can have that id: a pid in `info` may have been taken by another since
         try:
             os.killpg(parent.pid, signal.SIGKILL)
         except ProcessLookupError:

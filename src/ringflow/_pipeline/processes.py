@@ -19,9 +19,11 @@ a job scheduler), that process runs no clean-up, and a worker in the middle of a
 read its task pipe, so that pipe closing does not end it. Each worker has a lifeline as well: a
 pipe whose write end only the pipeline's process holds (it never writes to it), and a thread that
 waits on the read end and ends the worker (``os._exit``) once it reads end of file
-(:func:`_end_with`). The forkserver and multiprocessing's resource tracker (which then unlinks the
-block) end once no worker holds their pipes. A prepare in a native call that holds the GIL ends
-once that call returns (the thread needs the GIL to end the process).
+(:func:`_end_with`); a child forked from the pipeline's process closes its copies of the write
+ends as it is forked, so that one left running does not keep the workers alive. The forkserver
+and multiprocessing's resource tracker (which then unlinks the block) end once no process holds
+their pipes. A prepare in a native call that holds the GIL ends once that call returns (the
+thread needs the GIL to end the process).
 
 Each worker has a pipe of its own and runs one task at a time, taken by the CPU worker thread
 that waits for it (not a shared ``ProcessPoolExecutor``, where one worker that dies breaks the
@@ -84,14 +86,24 @@ _POOLS: "weakref.WeakSet[ProcessPrepare]" = weakref.WeakSet()  # every pool open
 def _disown_in_child() -> None:
     """In a child forked from a process with worker processes: forget them, so that the child's
     exit, which runs multiprocessing's at-exit join of its children, does not try to join the
-    parent's (an AssertionError traceback, 'can only join a child process'). Never raises."""
+    parent's (an AssertionError traceback, 'can only join a child process'), and close the
+    child's copies of their lifelines (:func:`_end_with`), so that a child left running does not
+    keep them alive once the parent has gone. Never raises."""
+    try:
+        workers = [worker for pool in list(_POOLS) for worker in list(pool._all)]
+    except Exception:  # noqa: BLE001 - at fork: nothing may fail there
+        return
     try:
         children = multiprocessing.process._children  # (multiprocessing's own set of the children to join)
-        for pool in list(_POOLS):
-            for worker in list(pool._all):
-                children.discard(worker.process)
+        for worker in workers:
+            children.discard(worker.process)
     except Exception:  # noqa: BLE001 - at fork: nothing may fail there
         pass
+    for worker in workers:
+        try:
+            worker.lifeline.close()
+        except Exception:  # noqa: BLE001 - at fork: nothing may fail there
+            pass
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
