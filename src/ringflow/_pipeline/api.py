@@ -314,7 +314,10 @@ class Pipeline(Uncopyable):
     (shared memory); ``prepare`` and the items must then be picklable (a module-level function),
     as for a DataLoader's workers. A worker that dies fails only the item it was preparing (a
     RuntimeError with its exit code or signal) and is replaced; :meth:`cancel` kills the workers
-    still running a ``prepare`` (see :meth:`cancel` and :meth:`close`).
+    still running a ``prepare`` (see :meth:`cancel` and :meth:`close`). The workers end with the
+    pipeline's process however it ends, SIGKILL included (no clean-up runs there): a worker
+    running a ``prepare`` ends then too, once no native call holds its GIL, and a child forked
+    from that process and left running does not keep them alive.
 
     ``fill="rows"``: the compute returns how many rows (along axis 0) of ``y`` it filled, an int;
     only those come back, and the result has that many rows (``output`` is then an upper bound:
