@@ -7,6 +7,7 @@ Every test checks results bit for bit; the hazard checker runs in checked mode."
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import gc
 import threading
@@ -195,6 +196,49 @@ def test_a_small_pool_array_given_to_submit_is_copied_where_the_pool_has_no_room
         assert came_back, "submit waited for the driver's lock though the pipeline had room"
         assert np.array_equal(fx.result(timeout=60), want)
     assert rf.host.stats(device=dev).in_use_bytes < 4 << 20  # no slab was taken: the item went alone
+
+
+@pytest.mark.parametrize("how", ["asubmit", "amap"])
+@pytest.mark.parametrize("room", [True, False])
+def test_a_small_pool_array_given_to_asubmit_is_copied_as_submit_copies_it(room, how):
+    """``asubmit`` (and ``amap``, through it) accepts a pool array of up to 4 MiB as ``submit``
+    does: copied before it is accepted (into a shared chunk, or into a chunk of its own where the
+    pool has no room for a slab of shared chunks), so a change made to it once it was accepted
+    does not reach its result. It was read in place: such a change, made before the chunk's h2d,
+    came back in the result. The item is accepted in the task's first step, on the loop's thread,
+    while another thread keeps the driver's lock, so no h2d runs before the change."""
+    dev = rf.device("sim", seed=9)
+    if not room:
+        rf.host.set_budget(1 << 20, device=dev)  # room for the item, its copy and its result; none for a 4 MiB slab
+    x = rf.host.empty((1000,), np.float32, device=dev)
+    x[...] = np.random.default_rng(9).random(1000)
+    want = expected(x)
+    changed = threading.Event()
+    with rf.Pipeline(f, device=dev, chunk_bytes=1 << 20, checked=True) as pipe:
+        pipe.submit(np.zeros(4, np.float32)).result()  # warm: no chunk is open
+
+        async def start_then_change():
+            before = pipe.scheduler.inbox_news
+            if how == "asubmit":
+                task = asyncio.ensure_future(pipe.asubmit(x))
+            else:
+                results = pipe.amap([x])
+                task = asyncio.ensure_future(results.__anext__())
+            await asyncio.sleep(0)  # the task's first step: the item accepted (the pipeline has room)
+            assert pipe.scheduler.inbox_news > before and not task.done()
+            x[...] = -1  # changed once accepted, before its chunk's h2d (the driver's lock is kept)
+            changed.set()
+            got = await task
+            if how == "amap":
+                await results.aclose()
+            return got
+
+        came_back, got = _run_while_the_driver_s_lock_is_held(pipe, lambda: asyncio.run(start_then_change()),
+                                                              reached=changed.is_set)
+        assert came_back, f"{how} waited for the driver's lock though the pipeline had room"
+        assert np.array_equal(got, want)
+    if not room:
+        assert rf.host.stats(device=dev).in_use_bytes < 4 << 20  # no slab was taken: the item went alone
 
 
 def test_shapes_dtypes_and_odd_strides_keep_their_own_layout():

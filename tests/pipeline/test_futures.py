@@ -934,7 +934,9 @@ def test_a_cancelled_task_does_not_wait_for_the_pipelines_lock(how, devices, dev
 
 # what asubmit runs on the loop's thread: its own code, the asyncio future that follows the chunk's,
 # the future's methods, and the lock and event code under them
-ASUBMIT_NAMES = ("asubmit", "_asubmit_future", "_accept_at_once", "_accept_if_room", "_accepting", "_staged_copy", "accept", "_finds_no_room",
+ASUBMIT_NAMES = ("asubmit", "_asubmit_future", "_submit", "_shares_chunk", "_submit_shared", "join_open_batch",
+                 "open_new_batch", "_add_member", "add_slab", "member_written", "_take_back", "_no_room",
+                 "_accept_staged_if_room", "_accept_if_room", "_accepting", "_staged_copy", "accept", "_finds_no_room",
                  "follow", "settle", "_copy_outcome", "add_done_callback", "_add_callback", "done", "add_interest",
                  "__enter__", "__exit__", "acquire", "release", "_is_owned", "notify", "notify_all", "set")
 ASUBMIT_FILES = ("/ringflow/_pipeline/", "threading.py", "asyncio/futures.py", "concurrent/futures/_base.py")

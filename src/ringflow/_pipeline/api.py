@@ -292,7 +292,8 @@ class Pipeline(Uncopyable):
     calling thread, so the caller may reuse its array once ``submit`` returns (an array from that
     pool is read in place by ``map``, and by ``submit`` above 4 MiB or where ``coalesce`` does not
     apply, so it must be left unchanged until its result is handed out, while ``submit`` copies a
-    smaller one where ``coalesce`` applies), and the result comes back in pinned memory, which goes
+    smaller one where ``coalesce`` applies; ``asubmit`` and ``amap`` accept items as ``submit``
+    does), and the result comes back in pinned memory, which goes
     back to the pool once dropped; where the pool has no room, the item is copied into ordinary
     memory instead (a CPU worker then copies it into a slot) and results are new numpy arrays.
     A compute callable may carry a ``sim_seconds`` attribute (seconds, or a function of the
@@ -329,10 +330,10 @@ class Pipeline(Uncopyable):
     only) or ``"numpy"`` (host results only; a ValueError otherwise); None keeps numpy on the
     host and the device's framework on the device.
 
-    ``coalesce`` (on by default) lets ``submit`` put small plain-array items in a chunk other
-    items share: an item submitted while the pipeline is busy (the chunk before it not yet
-    taken in, or waiting for a slot) is copied into that chunk's pinned block (each item aligned
-    to 256 bytes) instead of starting its own, so the chunk moves with one copy in and one set of
+    ``coalesce`` (on by default) lets ``submit`` (and ``asubmit``, ``amap``) put small plain-array
+    items in a chunk other items share: an item submitted while the pipeline is busy (the chunk
+    before it not yet taken in, or waiting for a slot) is copied into that chunk's pinned block
+    (each item aligned to 256 bytes) instead of starting its own, so the chunk moves with one copy in and one set of
     slots, events and stage changes. ``compute`` still runs once per item, on that item's own
     part of the slots, with its own shape and dtype, unless it is pointwise (its ``pointwise``
     attribute is True, as for ``rf.Kernel(..., pointwise=True)``: each output element from the
@@ -746,24 +747,36 @@ class Pipeline(Uncopyable):
         self._check_caller("submit()")
         return self._submit(self._check_item(item), timeout)
 
-    def _submit(self, item: Any, timeout: Optional[float], gave_up: Optional[Callable[[], bool]] = None
-                ) -> ChunkFuture:
-        """:meth:`submit` of a checked item.
+    def _submit(self, item: Any, timeout: Optional[float], gave_up: Optional[Callable[[], bool]] = None,
+                wait: bool = True) -> "ChunkFuture | object":
+        """:meth:`submit` of a checked item: where it goes (a shared chunk, or a chunk of its own)
+        and what is copied of it, decided here alone for ``submit``, ``asubmit`` (and ``amap``)
+        and the no-wait submit of a pipeline over several devices.
 
         Args:
             gave_up: for an asubmit's accepting on the loop's executor: whether the task awaiting
                 it gave up, which ends its wait for capacity (None: it waits as long as it takes).
+            wait: False: never wait for capacity, nor for the driver's lock (which a step holds),
+                as :meth:`_submit_if_room`: :data:`NO_ROOM` where there is no room now (nothing
+                of the item was accepted).
 
         Raises:
-            _GaveUp: ``gave_up()`` held before the item was accepted; as :meth:`submit` otherwise.
+            _GaveUp: ``gave_up()`` held before the item was accepted; as :meth:`submit` otherwise
+                (with ``wait`` False, as :meth:`_submit_if_room`).
         """
         shares = self._shares_chunk(item)
         if shares:
-            fut = self._submit_shared(item, timeout, gave_up=gave_up)
+            fut = self._submit_shared(item, timeout, wait=wait, gave_up=gave_up)
+            if fut is NO_ROOM:
+                return self._no_room()
             if fut is not None:
                 return fut
         # (no room in the pool for shared chunks: a pool array goes alone, still copied, as submit says)
-        return self._accept_staged(self._accepting(item, copy=shares), timeout, gave_up)
+        if wait:
+            return self._accept_staged(self._accepting(item, copy=shares), timeout, gave_up)
+        if not self._sched.has_capacity():  # a look without the lock: no staging copy of an item with no room
+            return self._no_room()
+        return self._accept_staged_if_room(self._accepting(item, copy=shares))
 
     @shielded_call
     def _submit_if_room(self, item: Any) -> "ChunkFuture | object":
@@ -779,17 +792,7 @@ class Pipeline(Uncopyable):
             TypeError, ValueError: as :meth:`submit`.
         """
         self._check_caller("submit()")
-        item = self._check_item(item)
-        shares = self._shares_chunk(item)
-        if shares:
-            fut = self._submit_shared(item, None, wait=False)
-            if fut is NO_ROOM:
-                return self._no_room()
-            if fut is not None:
-                return fut
-        if not self._sched.has_capacity():  # a look without the lock: no staging copy of an item with no room
-            return self._no_room()
-        return self._accept_staged_if_room(self._accepting(item, copy=shares))
+        return self._submit(self._check_item(item), None, wait=False)
 
     @shielded_call
     def _accept_staged_if_room(self, accepting: dict) -> "ChunkFuture | object":
@@ -1258,7 +1261,11 @@ class Pipeline(Uncopyable):
     # -- asyncio --------------------------------------------------------------------------------
     async def asubmit(self, item: Any, timeout: Optional[float] = None) -> Any:
         """``await pipe.asubmit(item)``: :meth:`submit` without blocking the event loop, then the
-        consumer's value. Waiting for capacity happens on the loop's default executor. Cancelling
+        consumer's value. The item is accepted as :meth:`submit` accepts it (the same code): what
+        ``submit`` copies (a plain array; a pool array of up to 4 MiB where ``coalesce`` applies) is
+        copied before it is accepted, so a change made to it once accepted does not reach its
+        result; what ``submit`` reads in place must be left unchanged until the await ends.
+        Waiting for capacity happens on the loop's default executor. Cancelling
         the awaiting task cancels the item as ``cancel()`` on the future :meth:`submit` returns
         does; where its submit was still waiting for capacity, that submit stops waiting and
         accepts nothing (no executor thread is left waiting, which ``asyncio.run`` would join).
@@ -1285,26 +1292,21 @@ class Pipeline(Uncopyable):
             timeout = check_timeout(timeout)
             self._check_caller("asubmit()", awaited=True)
             item = self._check_item(item)
-            accepting = token = None
-            if self._sched.has_capacity():  # a look without the lock: _accept_at_once decides again under the batch lock
-                accepting = self._accepting(item)  # the staging copy, on the loop's thread
-                fut = self._accept_at_once(accepting)
-                if fut is not None:
-                    return fut
-                token = self.device.publish()  # the copy, handed to the executor's thread with the item
-            elif not wait:
-                return self._no_room()
+            # first where there is room now, on the loop's thread: accepted as submit accepts it
+            # (_submit decides where it goes and what is copied of it), or nothing of it accepted
+            # (shielded as the other calls are, sigint.py: a Ctrl-C inside the batch lock's code)
+            with shielded():
+                fut = self._submit(item, None, wait=False)
+            if fut is not NO_ROOM or not wait:
+                return fut
             # A cancelled await ends the wait for capacity of a submit running on the executor
             # (gave_up: it then accepts nothing); an item accepted before that submit saw it is cancelled
             off = OffLoopSubmit(ending)
-            submit = functools.partial(self._submit_off_loop, item, accepting, token, timeout, wait, off)
+            submit = functools.partial(self._submit_off_loop, item, timeout, off)
             if ending is not None:
                 ending.accepting(self._driver)
             try:
-                fut = await asyncio.get_running_loop().run_in_executor(None, submit)
-                if fut is NO_ROOM and ending is not None:
-                    ending.accepting(None)  # nothing was accepted for the map here
-                return fut
+                return await asyncio.get_running_loop().run_in_executor(None, submit)
             except BaseException:  # CancelledError mostly: the task awaiting asubmit gave up
                 fut = off.abandon()
                 if fut is not None:
@@ -1316,26 +1318,20 @@ class Pipeline(Uncopyable):
                     self._wake_waits()
                 raise
         finally:
-            # on the simulated GPU a stage may run inside this coroutine's staging copy (it
+            # on the simulated GPU a stage may run inside this coroutine's copy of the item (it
             # advances virtual time), so a failure's traceback reaches this frame, which outlives
             # the coroutine with its locals: it must not keep the pipeline, nor the item
-            self = item = accepting = token = off = submit = fut = ending = None  # noqa: F841
+            self = item = off = submit = fut = ending = None  # noqa: F841
 
-    def _submit_off_loop(self, item: Any, accepting: "dict | None", token: Any, timeout: Optional[float], wait: bool,
-                         off: OffLoopSubmit) -> "ChunkFuture | object | None":
-        """An asubmit's accepting, on the loop's executor: ``item`` submitted (``accepting`` None), or
-        accepted as :meth:`_accepting` made it ready (after ``token``, its staging copy). None where
-        the await was given up first (nothing accepted)."""
+    def _submit_off_loop(self, item: Any, timeout: Optional[float], off: OffLoopSubmit) -> "ChunkFuture | None":
+        """An asubmit's accepting, on the loop's executor, where the pipeline had no room on the
+        loop's thread: ``item`` submitted (:meth:`_submit`, waiting for capacity). None where the
+        await was given up first (nothing accepted)."""
         try:
-            if accepting is None:
-                fut = self._submit(item, timeout, off.gave_up)
-            else:
-                self.device.observe(token)
-                fut = (self._accept_staged(accepting, timeout, off.gave_up) if wait
-                       else self._accept_staged_if_room(accepting))
+            fut = self._submit(item, timeout, off.gave_up)
         except _GaveUp:
             return None  # (nobody awaits this any more)
-        return fut if fut is NO_ROOM else off.accepted(fut)
+        return off.accepted(fut)
 
     def _wake_waits(self) -> None:
         """Have the threads waiting on the pipeline look at what they wait for again, without
@@ -1345,18 +1341,6 @@ class Pipeline(Uncopyable):
             self._driver.post(_never, _never)
         except Exception as exc:  # noqa: BLE001 - clean-up: a driver that ended wakes its waiters itself
             logger.debug("waking the pipeline's waits failed: %r", exc)
-
-    def _accept_at_once(self, accepting: dict) -> Optional[ChunkFuture]:
-        """Accept an item :meth:`_accepting` made ready, if the pipeline has room this instant;
-        None otherwise (nothing accepted). Takes no driver's lock (:meth:`Scheduler.accept`).
-
-        Raises:
-            DeviceError, RuntimeError: as :meth:`submit`.
-        """
-        # shielded as the other calls are (sigint.py): a Ctrl-C inside the batch lock's threading code
-        with shielded():
-            chunk = self._accept_if_room(accepting)
-            return None if chunk is NO_ROOM else chunk.future
 
     @shielded_call
     def _accept_staged(self, accepting: dict, timeout: Optional[float],
@@ -1378,7 +1362,8 @@ class Pipeline(Uncopyable):
     def amap(self, items: "Iterable[Any] | AsyncIterator[Any]") -> AsyncIterator[Any]:
         """``async for r in pipe.amap(items)``: the results of ``items`` (a sync or async iterable)
         in input order (``ordered=False``: each as it ends), as :meth:`map` gives them, without
-        blocking the event loop. At most
+        blocking the event loop; each item is accepted as :meth:`asubmit` (so :meth:`submit`)
+        accepts it, a pool array of up to 4 MiB copied where ``map`` reads it in place. At most
         ``max_in_flight`` items are taken ahead of the results handed out; while it holds results
         not handed out it never waits for room (an item it pulled whose room another thread took
         meanwhile is submitted after a result is handed out). An async source's
