@@ -1005,6 +1005,16 @@ class Pipeline(Uncopyable):
         frees up. Several threads may each run a map on one pipeline; each gets its own items'
         results.
 
+        An item is pulled only where the map has room for it: with ``max_in_flight`` items of
+        chunks of their own accepted and not handed out, it waits for a result first, so a map
+        stopped after ``k`` results (a break, a close of its iterator) has asked its input for at
+        most ``k + max_in_flight - 1`` items (``k + max_in_flight`` where a failure raised after
+        ``k`` results stopped it). Items sharing chunks are bounded by their bytes instead (see
+        ``coalesce``): none is pulled while those held fill ``max_in_flight * chunk_bytes``, but
+        whether the next item's bytes pass that bound is known only once it is pulled: such an
+        item (as one whose room another thread's submit took first) is held back until a result
+        is handed out, and a map stopped meanwhile never runs it.
+
         With ``on_error="raise"`` the first failure cancels the rest and is raised here (once, as
         StageError, or the original KeyboardInterrupt/SystemExit); with ``"continue"`` failed
         items are skipped (see :attr:`failures`).
@@ -1055,6 +1065,12 @@ class Pipeline(Uncopyable):
                         # whole step: the look only decides whether to pull input, and the
                         # accepting call below decides again under the batch lock
                         if not (s.has_capacity() or s.open_batch is not None):
+                            break
+                        if held >= held_limit:
+                            # no item that shares a chunk fits the bytes held (each has some): the
+                            # next waits for a result to be handed out, unpulled, so a map stopped
+                            # then has not asked its input for an item it could not take
+                            needs_room = False
                             break
                         try:
                             item = next(source)
@@ -1364,9 +1380,11 @@ class Pipeline(Uncopyable):
         in input order (``ordered=False``: each as it ends), as :meth:`map` gives them, without
         blocking the event loop; each item is accepted as :meth:`asubmit` (so :meth:`submit`)
         accepts it, a pool array of up to 4 MiB copied where ``map`` reads it in place. At most
-        ``max_in_flight`` items are taken ahead of the results handed out; while it holds results
-        not handed out it never waits for room (an item it pulled whose room another thread took
-        meanwhile is submitted after a result is handed out). An async source's
+        ``max_in_flight`` items are taken ahead of the results handed out, that handed out among
+        them (an amap stopped after ``k`` results has pulled at most ``k + max_in_flight - 1``;
+        one cut short by a cancel or a close may then ask for one more, as :meth:`map` does);
+        while it holds results not handed out it never waits for room (an item it pulled whose
+        room another thread took meanwhile is submitted after a result is handed out). An async source's
         next item is awaited in a task of its own, and a result ready meanwhile is handed out
         (the pull goes on; it is cancelled when the map ends). What the source raises, a
         KeyboardInterrupt or SystemExit too, is raised here, in the task iterating the map.
