@@ -608,8 +608,12 @@ def test_an_ending_waiting_for_a_stage_that_does_not_return_says_so_once(monkeyp
     finally:
         release.set()
         logger.removeHandler(records)
-    assert len(records.records) == 1, [r.getMessage() for r in records.records]  # once for that call
-    record = records.records[0]
+    messages = [r.getMessage() for r in records.records]
+    # once for that call; another stage call that ran past the test's short threshold on a loaded
+    # host is named in a warning of its own, never again
+    named = [r for r in records.records if f"{stage} of item 1 (running for " in r.getMessage()]
+    assert len(named) == 1 and len(set(messages)) == len(messages), messages
+    record = named[0]
     message = record.getMessage()
     call = {"close": "close()", "cancel": "cancel()", "with-error": "leaving the with block"}[ending]
     assert record.levelno == logging.WARNING and record.name.startswith("ringflow"), record
