@@ -181,3 +181,51 @@ def test_a_map_cut_short_with_nothing_pending_asks_its_input_for_one_more_item(k
     assert [r[0] for r in got] == [2 * i + 1 for i in range(k)]
     assert source.pulled == k + 1
     assert stats.accepted == k
+
+
+@pytest.mark.parametrize("how", ["break", "close"])
+@pytest.mark.parametrize("max_in_flight", [1, 2])
+@pytest.mark.parametrize("k", [1, 2, 5])
+@pytest.mark.parametrize("face", ["amap", "amap-async"])
+def test_an_amap_of_items_sharing_chunks_stopped_early_pulled_no_item_past_its_bytes(face, k, max_in_flight, how):
+    """``amap`` bounds items sharing chunks as ``map`` does, by their bytes held (accepted, not
+    handed out): ``max_in_flight * chunk_bytes``, here ``4 * max_in_flight`` items of 1 KiB. It
+    hands a ready result out before it pulls, so stopped after ``k`` results it has pulled at
+    most ``k + 4 * max_in_flight - 1``, and never an item past that."""
+    window = k + 4 * max_in_flight - 1
+    source = Counted(limit=window, elems=256)
+    with rf.Pipeline(f, device=rf.device("sim", seed=k), chunk_bytes=1 << 12, max_in_flight=max_in_flight,
+                     checked=True) as pipe:
+        got = _take(pipe, face, source, k, how)
+    assert [r[0] for r in got] == [2 * i + 1 for i in range(k)]
+    assert k <= source.pulled <= window
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_an_amap_of_small_items_runs_as_far_ahead_as_map(ordered):
+    """Items sharing chunks hold no capacity once their chunk ended: a window of ``max_in_flight``
+    items (not bytes) kept a few small items in flight, each chunk shared by few of them, so an
+    ``amap`` of many small items ran in many more chunks, and slower, than ``map`` of the same.
+    Both bound such items by their bytes: the same chunks, near the same simulated time."""
+    def g(x, y):
+        y[...] = x * 2
+
+    g.sim_seconds = 5e-6
+    items = [np.full(1024, i, np.float32) for i in range(1500)]
+    runs = {}
+    for face in ("map", "amap"):
+        dev = rf.device("sim", seed=1)
+        with rf.Pipeline(g, device=dev, chunk_bytes=1 << 18, ordered=ordered, checked=True) as pipe:
+            start = dev.now
+            if face == "map":
+                out = list(pipe.map(items))
+            else:
+                async def main():
+                    return [r async for r in pipe.amap(items)]
+
+                out = asyncio.run(main())
+            runs[face] = (dev.now - start, pipe.scheduler.chunks_admitted)
+        assert sorted(r[0] for r in out) == [2 * i for i in range(len(items))]
+    (map_s, map_chunks), (amap_s, amap_chunks) = runs["map"], runs["amap"]
+    assert amap_chunks <= 1.25 * map_chunks, runs
+    assert amap_s <= 1.05 * map_s, runs

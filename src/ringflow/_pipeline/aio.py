@@ -269,19 +269,22 @@ class CancelIfDropped:
     ever. Collected, the map cancels its window here. Still referenced, it is not collected, so
     ``close()`` gives its window up (:func:`give_up_stranded`) when its loop cannot run while
     ``close()`` waits: the loop is closed, or it is the loop of the thread calling ``close()``.
-    ``window``: the map's deque of (chunk future, asyncio future), ended by :meth:`end`.
+    ``window``: the map's chunk futures, each mapped to its asyncio future, in the order they were
+    accepted (an ``OrderedDict``: a result handed out, the window's first or, unordered, any, goes
+    in constant time), ended by :meth:`end`. An entry is a ``(chunk future, asyncio future)`` pair.
 
     An item whose accepting waits on the loop's executor is accepted on another thread, and the
     map puts its chunk in the window only once the loop runs it again: between the two the chunk
     is the map's all the same (:meth:`accepting`, :meth:`accepted`, :meth:`hold`)."""
 
-    __slots__ = ("window", "ordered", "ended", "loop", "thread", "given_up", "took", "lock", "accepting_by",
+    __slots__ = ("window", "ordered", "ended", "waiter", "loop", "thread", "given_up", "took", "lock", "accepting_by",
                  "unheld", "puller", "__weakref__")
 
     def __init__(self, window: Any, ordered: bool = True):
         self.window = window
         self.ordered = ordered  # False: results handed out as they end (see next_out)
         self.ended: collections.deque = collections.deque()  # unordered: entries in the order they ended
+        self.waiter: "asyncio.Future | None" = None  # unordered: ends as the next entry ends (see handing_out)
         try:
             self.loop = asyncio.get_running_loop()
         except RuntimeError:  # driven by hand, outside any loop: nothing for close() to judge by
@@ -346,18 +349,33 @@ class CancelIfDropped:
             # unordered, the entry is recorded as ended in the very callback that settles its head
             # (follow), so the heads end on this thread in the order their chunks ended, and no
             # head is ever seen done without its entry in ``ended`` (see next_out)
-            on_settled = None if self.ordered else (lambda: self.ended.append(entry))
+            on_settled = None if self.ordered else (lambda: self._ended(entry))
             entry = (fut, follow(fut, on_settled))
-            self.window.append(entry)
+            self.window[fut] = entry[1]
         return not given_up
 
+    def _ended(self, entry: tuple) -> None:
+        """Unordered, on the loop's thread: ``entry``'s chunk ended (recorded in the callback that
+        settles its head); a wait for the next to end is over."""
+        self.ended.append(entry)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     def handing_out(self) -> "list[asyncio.Future]":
-        """The asyncio futures of the window whose end hands a result out: the first's, or,
-        unordered (results as they end, as ``map`` gives them), every one's."""
+        """The asyncio futures whose end hands a result out: the window's first's, or, unordered
+        (results as they end, as ``map`` gives them), one that ends as soon as any entry has ended
+        (the window may hold many entries: none is looked at one by one)."""
         window = self.window
         if not window:
             return []
-        return [window[0][1]] if self.ordered else [head for _, head in window]
+        if self.ordered:
+            return [next(iter(window.values()))]
+        if self.ended:
+            return [self.ended[0][1]]
+        if self.waiter is None or self.waiter.done():
+            self.waiter = asyncio.get_running_loop().create_future()
+        return [self.waiter]
 
     def ready(self) -> bool:
         """Whether the map has a result to hand out now: one of :meth:`handing_out`'s entries has
@@ -367,8 +385,9 @@ class CancelIfDropped:
         window = self.window
         if not window:
             return False
-        entries = (window[0],) if self.ordered else window
-        return any(fut.done() or head.done() for fut, head in entries)
+        fut, head = next(iter(window.items()))
+        # (unordered: the first accepted, whose chunk mostly ends first, stands for the others)
+        return fut.done() or head.done() or bool(self.ended)
 
     async def next_out(self) -> "tuple | None":
         """The window's entry to hand out next: ordered, its first (the caller awaits its end);
@@ -377,17 +396,16 @@ class CancelIfDropped:
         cancels none of the futures."""
         window = self.window
         if self.ordered or not window:
-            return window[0] if window else None
-        heads = self.handing_out()
-        if not any(head.done() for head in heads):
-            await asyncio.wait(heads, return_when=asyncio.FIRST_COMPLETED)
+            return next(iter(window.items())) if window else None
+        if not self.ended:
+            await asyncio.wait(self.handing_out())
         while self.ended:
             entry = self.ended.popleft()
-            if any(held is entry for held in window):  # (one skipped or given up is gone)
+            if window.get(entry[0]) is entry[1]:  # (one skipped or given up is gone)
                 return entry
         # not reached while the window's heads end only through follow (each is in ``ended`` as
         # soon as it is done); kept for a head ended otherwise
-        return next((entry for entry in window if entry[1].done()), None)
+        return next((entry for entry in window.items() if entry[1].done()), None)
 
     def holds(self, driver: Any) -> bool:
         """Whether the map holds chunks of ``driver``'s pipeline, or may be about to: in its
@@ -396,7 +414,7 @@ class CancelIfDropped:
             unheld, by = self.unheld, self.accepting_by
             return (by is driver or (isinstance(by, tuple) and any(d is driver for d in by))
                     or (unheld is not None and unheld._driver is driver)
-                    or any(fut._driver is driver for fut, _ in self.window or ()))
+                    or any(fut._driver is driver for fut in self.window or ()))
 
     async def end(self) -> None:
         """The map's clean-up: cancel what it took and has not handed out (awaited, without
@@ -410,9 +428,9 @@ class CancelIfDropped:
             self.accepting_by = self.unheld = None
         self.ended.clear()  # (unordered: entries that ended and were not handed out)
         try:
-            await cancel_unwanted_soon([fut for fut, _ in window or ()])
+            await cancel_unwanted_soon(list(window or ()))
         finally:
-            for _, head in window or ():
+            for head in (window or {}).values():
                 if not head.get_loop().is_closed():  # (a clean-up the closing loop cut short: see _shutting_down)
                     head.cancel()  # (nobody awaits it: its outcome is not to be logged as unretrieved)
 
@@ -443,7 +461,7 @@ class CancelIfDropped:
             window = self.window
             if window is None:
                 return
-            taken = list(window)
+            taken = list(window.items())
             window.clear()
             unheld, self.unheld = self.unheld, None
             self.given_up = True
@@ -452,10 +470,13 @@ class CancelIfDropped:
         for _, head in taken:
             if not head.get_loop().is_closed():  # (this is the loop's thread: see stranded)
                 head.cancel()
+        waiter = self.waiter
+        if waiter is not None and not waiter.done() and not waiter.get_loop().is_closed():
+            waiter.set_result(None)  # (an unordered map waiting for an entry to end goes on: none will)
 
     def __del__(self) -> None:
         window, self.window = self.window, None
-        futures = [fut for fut, _ in window or ()] + ([self.unheld] if self.unheld is not None else [])
+        futures = list(window or ()) + ([self.unheld] if self.unheld is not None else [])
         if futures:
             try:
                 post_cancel(futures)  # (never waits: this may run on any thread)
@@ -476,8 +497,11 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
     asked of ``pipe``:
 
     * ``_amap_begin()``: the checks made as the map starts (it may raise);
-    * ``_amap_limit()``, ``_amap_room()``, ``_amap_takes_more()``: the window's size, whether
-      there is room now, whether the pipeline still takes work (looks, without its lock);
+    * ``_amap_limit()``, ``_amap_room()``, ``_amap_takes_more()``: the window's size in items of
+      chunks of their own, whether there is room now, whether the pipeline still takes work
+      (looks, without its lock);
+    * ``_amap_byte_limit()``, ``_amap_shared_bytes(item)``: an ordered window's bound on the bytes
+      of its items that share chunks, and the bytes ``item`` holds there (0: a chunk of its own);
     * ``await _amap_submit(item, started, ending, wait)``: the item's future, :data:`NO_ROOM`,
       or None once the pipeline takes no more work (the map takes no more items);
     * ``_amap_out_of_work(exhausted, started)``, called once the window is empty and nothing
@@ -500,16 +524,22 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
     not handed out is cancelled (awaited without blocking the loop: :meth:`CancelIfDropped.end`).
     """
     pipe._amap_begin()
-    window: collections.deque = collections.deque()  # (chunk future, its asyncio future), in order
+    window: collections.OrderedDict = collections.OrderedDict()  # chunk future -> its asyncio future, in order
     ending = CancelIfDropped(window, pipe.config.ordered)
     limit = pipe._amap_limit()
+    # items sharing chunks hold no capacity once their chunk ended: the map bounds the bytes of
+    # those it holds (accepted, not handed out) instead, as map does, so that they fill chunks
+    byte_limit = pipe._amap_byte_limit()
+    held = 0  # the bytes of the window's items that share chunks
+    shared: dict = {}  # their chunk futures -> their bytes (the rest count against ``limit``)
     source = Source(items)
     carried: list = []  # an item pulled that found no room: submitted before any other
     exhausted = refused = started = cut_short = False
     handed_out = 0
     try:
         while True:
-            while (carried or not exhausted) and not refused and len(window) < limit and pipe._amap_takes_more():
+            while ((carried or not exhausted) and not refused and len(window) - len(shared) < limit
+                   and (not shared or held < byte_limit) and pipe._amap_takes_more()):
                 if window and (ending.ready() or (not carried and not pipe._amap_room())):
                     # hand the head out before waiting for room: with results on the device, room
                     # comes only once results are released, and a result still in a window (this
@@ -523,6 +553,11 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
                         exhausted = not source.pulling()
                         break
                     carried.append(item)
+                nbytes = pipe._amap_shared_bytes(carried[0]) if byte_limit else 0
+                if nbytes and held and held + nbytes > byte_limit:
+                    # (held: a result is in the window; its chunk ends before later ones) the
+                    # item stays carried while a result is handed out
+                    break
                 # with results in the window, only where there is room now: the room seen before
                 # the pull may have been taken since by another thread's submit, and a wait for it
                 # could last until this map's results were released
@@ -536,6 +571,9 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
                 started = True
                 if not ending.hold(fut):
                     break  # the window was given up while the item was accepted off this loop
+                if nbytes:
+                    shared[fut] = nbytes
+                    held += nbytes
             if not window:
                 if ending.given_up:
                     break  # close() took the window while this map could not run (give_up_stranded)
@@ -570,7 +608,8 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
                     break  # close() took the window while this map could not run (give_up_stranded)
                 verdict = await pipe._amap_failed(fut, err)
                 if verdict is SKIP:
-                    window.remove(entry)
+                    del window[fut]
+                    held -= shared.pop(fut, 0)
                     continue
                 if verdict is STOP:
                     cut_short = True
@@ -578,7 +617,8 @@ async def amap_window(pipe: Any, items: Any) -> AsyncIterator[Any]:
                 raise  # the chunk's failure (finally cancels the rest of the window)
             if ending.given_up:
                 break  # close() took the window while this map could not run (give_up_stranded)
-            window.remove(entry)
+            del window[fut]
+            held -= shared.pop(fut, 0)
             handed_out += 1
             yield value
             ending.pulled()

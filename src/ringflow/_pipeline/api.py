@@ -1380,9 +1380,11 @@ class Pipeline(Uncopyable):
         in input order (``ordered=False``: each as it ends), as :meth:`map` gives them, without
         blocking the event loop; each item is accepted as :meth:`asubmit` (so :meth:`submit`)
         accepts it, a pool array of up to 4 MiB copied where ``map`` reads it in place. At most
-        ``max_in_flight`` items are taken ahead of the results handed out, that handed out among
-        them (an amap stopped after ``k`` results has pulled at most ``k + max_in_flight - 1``;
-        one cut short by a cancel or a close may then ask for one more, as :meth:`map` does);
+        ``max_in_flight`` items of chunks of their own are taken ahead of the results handed out,
+        that handed out among them (an amap stopped after ``k`` results has pulled at most
+        ``k + max_in_flight - 1``; one cut short by a cancel or a close may then ask for one
+        more, as :meth:`map` does); items that share chunks are bounded as :meth:`map` bounds
+        them, by their bytes (``max_in_flight * chunk_bytes``), so that they fill chunks;
         while it holds results not handed out it never waits for room (an item it pulled whose
         room another thread took meanwhile is submitted after a result is handed out). An async source's
         next item is awaited in a task of its own, and a result ready meanwhile is handed out
@@ -1412,8 +1414,14 @@ class Pipeline(Uncopyable):
     def _amap_limit(self) -> int:
         return self.config.max_in_flight
 
+    def _amap_byte_limit(self) -> int:
+        return self.config.max_in_flight * self.config.chunk_bytes  # (as map bounds them)
+
+    def _amap_shared_bytes(self, item: Any) -> int:
+        return item.nbytes if self._shares_chunk(item) else 0
+
     def _amap_room(self) -> bool:
-        return self._sched.has_capacity()
+        return self._sched.has_capacity() or self._sched.open_batch is not None  # (as map looks)
 
     def _amap_takes_more(self) -> bool:
         return self._sched.accepting

@@ -435,6 +435,12 @@ class SpreadPipeline(Pipeline):
     def _amap_limit(self) -> int:
         return sum(p.config.max_in_flight for p in self.parts)
 
+    def _amap_byte_limit(self) -> int:
+        return sum(p._amap_byte_limit() for p in self.parts)
+
+    def _amap_shared_bytes(self, item: Any) -> int:
+        return self.parts[0]._amap_shared_bytes(item)  # (the parts share their options)
+
     def _amap_room(self) -> bool:
         return self._has_room()
 
