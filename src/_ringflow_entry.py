@@ -23,13 +23,26 @@ def main() -> int:
     try:
         from ringflow._cli import main as run
 
-        return run()
+        status = run()
     except KeyboardInterrupt:
         return interrupted()
+    if status == INTERRUPTED:  # (said by ringflow._cli, which caught the Ctrl-C)
+        _forget_unhandled_interrupt()
+    return status
+
+
+def _forget_unhandled_interrupt() -> None:
+    """Clear CPython's mark of a KeyboardInterrupt left unhandled, which a Ctrl-C raised inside
+    code that ``exec`` or ``eval`` ran from a string sets (dataclasses and namedtuple make
+    their methods so, as a module is imported) even where a caller then handles it: ``python -m``
+    checks the mark as it exits and, set, kills itself with SIGINT rather than exit with the
+    status asked for. Each run of a string clears the mark as it starts; this one sets nothing."""
+    exec("pass")
 
 
 def interrupted() -> int:
     """Say that the command was interrupted, as ``ringflow._cli.main`` does; returns the status."""
+    _forget_unhandled_interrupt()
     command = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in COMMANDS else None
     if sys.stderr is None:  # closed (2>&-): print(file=None) would write the line to stdout
         return INTERRUPTED

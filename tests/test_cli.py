@@ -796,6 +796,33 @@ def test_ctrl_c_while_the_command_imports_is_one_line_and_status_130(tmp_path, m
     assert proc.stdout == ""
 
 
+# The same Ctrl-C, raised inside code that exec() runs from a string, as dataclasses and
+# namedtuple do while a module is imported: CPython then marks the interrupt unhandled for the
+# whole process, and ``python -m`` ends by killing itself with SIGINT, whatever status it exits with.
+_CTRL_C_IN_EXEC_ON_IMPORT = """import os, signal
+exec("os.kill(os.getpid(), signal.SIGINT)\\nfor _ in range(10 ** 7):\\n    pass\\n")
+raise AssertionError("SIGINT did not interrupt the import")
+"""
+
+
+# numpy: the package's import (its __init__ exits); argparse: the entry point's import of the
+# command line; decimal: while the command line is parsed (--bytes is read), inside _cli.main
+@pytest.mark.parametrize("module", ["numpy", "argparse", "decimal"])
+def test_ctrl_c_inside_execd_code_is_still_status_130_under_python_m(tmp_path, module):
+    """A Ctrl-C that landed in code run by exec() from a string left CPython's "unhandled
+    KeyboardInterrupt" mark set: ``python -m ringflow`` said it was interrupted and then died of
+    SIGINT (status -2 to a Python caller) instead of exiting 130."""
+    fake = tmp_path / "fake"
+    (fake / module).mkdir(parents=True)
+    (fake / module / "__init__.py").write_text(_CTRL_C_IN_EXEC_ON_IMPORT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RINGFLOW_DEVICE", "RINGFLOW_DEBUG")}
+    env["PYTHONPATH"] = os.pathsep.join([str(fake), SRC])
+    proc = subprocess.run([sys.executable, "-m", "ringflow", "plan"], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=tmp_path)
+    assert proc.returncode == 130 and proc.stderr == "ringflow plan: interrupted\n", (proc.returncode, proc.stderr)
+    assert proc.stdout == ""
+
+
 @pytest.mark.parametrize("options, module", [
     (["-m", "ringflow", "plan"], "ringflow"),
     (["-mringflow", "plan"], "ringflow"),
