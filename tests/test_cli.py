@@ -673,6 +673,33 @@ def test_ctrl_c_inside_a_simulated_launch_stops_the_bench(monkeypatch, capsys, i
     assert err == ["ringflow bench: interrupted"], err
 
 
+def _launch_interrupted(*args, **kwargs):
+    """What the simulated GPU raises when a launched function got the Ctrl-C."""
+    err = rf.LaunchError("launch affine_iter_64 on stream 39 failed: KeyboardInterrupt: ")
+    err.__cause__ = KeyboardInterrupt()
+    raise err
+
+
+def test_ctrl_c_inside_a_simulated_launch_stops_the_demo(tmp_path, monkeypatch, capsys):
+    """The demo has no runner of its own to look behind the simulated GPU's LaunchError: a Ctrl-C
+    during its seed workload was 'error: launch ... failed: KeyboardInterrupt:' and exit 1."""
+    import ringflow._bench.workloads as workloads
+
+    monkeypatch.setattr(workloads, "inplace_pinned", _launch_interrupted)
+    monkeypatch.delenv("RINGFLOW_DEBUG", raising=False)
+    assert main(["demo", "--device", "sim", "--out", str(tmp_path / "demo")]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["ringflow demo: interrupted"]
+
+
+def test_a_ctrl_c_behind_any_commands_error_is_an_interrupt(monkeypatch, capsys):
+    import ringflow._cli as cli
+
+    monkeypatch.setattr(cli, "_plan", _launch_interrupted)
+    monkeypatch.delenv("RINGFLOW_DEBUG", raising=False)
+    assert main(["plan"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["ringflow plan: interrupted"]
+
+
 @pytest.mark.parametrize("exc, code, phrase", [
     (KeyError("boom"), 1, "internal error"),
     (ModuleNotFoundError("No module named 'rich'", name="rich"), 1, "'rich' cannot be imported"),

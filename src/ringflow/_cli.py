@@ -30,7 +30,7 @@ import tempfile
 import warnings
 from typing import Callable, Iterator, NoReturn
 
-from ._errors import RingflowError
+from ._errors import RingflowError, interrupt_behind
 from ._files import controls_escaped, is_special
 
 DEBUG_VAR = "RINGFLOW_DEBUG"
@@ -694,7 +694,13 @@ def _guarded(prog: str, debug: bool, work: "Callable[[], int]") -> int:
     docstring); warnings are lines too, and an error writing stdout is named as one."""
     try:
         with _warnings_as_lines(prog), _stdout_for_the_command():
-            return work()
+            try:
+                return work()
+            except Exception as exc:  # a Ctrl-C the simulated GPU reported as a launch's error is a Ctrl-C
+                interrupt = interrupt_behind(exc)
+                if interrupt is None:
+                    raise
+                raise interrupt from None
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

@@ -22,6 +22,18 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
+def interrupt_behind(exc: BaseException) -> "BaseException | None":
+    """The KeyboardInterrupt or SystemExit ``exc`` stands for, if any, found along its causes:
+    the simulated GPU runs a launched function later, inside another call, and reports what it
+    raised, Ctrl-C included, as that call's LaunchError (its cause)."""
+    seen = 0
+    while exc is not None and seen < 16:
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            return exc
+        exc, seen = exc.__cause__, seen + 1
+    return None
+
+
 def shown(value: object, width: int = 80) -> str:
     """``repr(value)`` cut to ``width`` characters, for a message about the user's ``value``;
     never raises (a broken ``__repr__`` shows as ``<Type object: repr() raised Error>``)."""

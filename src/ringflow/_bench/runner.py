@@ -17,6 +17,7 @@ import numpy as np
 import ringflow as rf
 
 from .. import _jsontext as jsontext
+from .._errors import interrupt_behind
 from .._files import printable, write_whole
 from .provenance import provenance
 from .workloads import WORKLOADS, run_workload
@@ -107,7 +108,7 @@ def run_bench(device: str = "auto", workloads=WORKLOADS, *, quick: bool = False,
             try:
                 result["workloads"][name] = run_workload(dev, name, quick=quick, progress=say)
             except Exception as exc:  # noqa: BLE001 - one failed workload must not hide the others
-                interrupt = _interrupt_behind(exc)
+                interrupt = interrupt_behind(exc)
                 if interrupt is not None:  # Ctrl-C inside a simulated launch, reported through its event
                     raise interrupt from None
                 result["workloads"][name] = {"workload": name, "error": f"{type(exc).__name__}: {exc}"}
@@ -216,13 +217,3 @@ def table(res: dict[str, Any]):
     return t
 
 
-def _interrupt_behind(exc: BaseException) -> "BaseException | None":
-    """The KeyboardInterrupt or SystemExit a workload's error stands for, if any: the simulated
-    GPU runs a launched function later, inside another call, and reports what it raised, Ctrl-C
-    included, as that call's LaunchError (its cause)."""
-    seen = 0
-    while exc is not None and seen < 16:
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            return exc
-        exc, seen = exc.__cause__, seen + 1
-    return None
