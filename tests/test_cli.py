@@ -159,7 +159,10 @@ MISTAKES = [
     (["plan", "--compare", "{d}/missing.json"], "plan",
      "--compare '{d}/missing.json': cannot read it (No such file or directory); give a bench JSON"),
     (["plan", "--nosuchopt"], "plan", "unrecognized arguments: --nosuchopt"),
-    (["trace", "{d}/missing.json"], "trace", "missing.json"),
+    # (it said only "'{d}/missing.json': No such file or directory": neither the argument nor the change)
+    (["trace", "{d}/missing.json"], "trace", "argument file: cannot read '{d}/missing.json' (No such file or "
+     "directory); give a trace JSON written by Report.save_trace or ringflow bench --trace"),
+    (["trace", "{d}/missing/t.json"], "trace", "argument file: cannot read '{d}/missing/t.json' (No such file"),
     (["trace", "{d}/empty.json"], "trace", "empty"),
     (["trace", "{d}/blank.json"], "trace", "empty"),
     (["trace", "{d}/corrupt.json"], "trace", "not JSON"),
@@ -274,7 +277,7 @@ def test_a_folder_that_takes_no_file_is_named_with_what_to_change(capsys, args, 
 def test_a_mistake_in_a_fresh_process(bad_files, line):
     (args, command, phrase), = [m for m in MISTAKES if " ".join(m[0]) == line]
     proc = run_cli(*[a.replace("{d}", str(bad_files)) for a in args])
-    check_one_line(proc.returncode, proc.stderr, command, phrase)
+    check_one_line(proc.returncode, proc.stderr, command, phrase.replace("{d}", str(bad_files)))
 
 
 def test_a_stdout_that_is_not_utf8_gets_the_report_with_what_it_cannot_show_escaped(tmp_path):

@@ -401,7 +401,14 @@ def _trace(args: argparse.Namespace) -> int:
         # (the OS's words alone, "'': No such file or directory", say nothing to change)
         raise UsageError("argument file: an empty string is not a file name; give a trace JSON written by "
                          "Report.save_trace or ringflow bench --trace")
-    return print_summary(args.file, json_out=args.json)
+    try:
+        return print_summary(args.file, json_out=args.json)
+    except OSError as exc:
+        if exc.filename != args.file or getattr(exc, "ringflow_stdout", False):
+            raise
+        # missing, unreadable: the OS's words alone name neither the argument nor the fix
+        raise ValueError(f"argument file: cannot read {args.file!r} ({exc.strerror or type(exc).__name__}); give a "
+                         "trace JSON written by Report.save_trace or ringflow bench --trace") from None
 
 
 def _plan(args: argparse.Namespace) -> int:
