@@ -275,6 +275,28 @@ def test_the_pipeline_guides_output_snippet_takes_the_batch_it_describes():
         np.testing.assert_allclose(result, batch.reshape(64, 3, -1).mean(axis=2), rtol=1e-3)
 
 
+def test_the_pipeline_guides_spec_per_item_takes_batches_of_any_length():
+    """The second pipeline of the snippet makes its output spec from each item (``len(b)``
+    rows), which is for batches of different lengths; ``scores`` reshaped every batch to 64
+    rows, so any other length failed in compute."""
+    import types
+
+    import numpy as np
+
+    made = []
+    dev = ringflow.device("sim")
+    rf = types.SimpleNamespace(Pipeline=lambda *a, **kw: made.append(ringflow.Pipeline(*a, device=dev, **kw)))
+    _run_block(_block("docs/guide/pipeline.md", "def scores(x, y):"), rf=rf)
+    made[0].close()
+    rng = np.random.default_rng(1)
+    batches = [rng.integers(0, 256, (n, 3, 224, 224), dtype=np.uint8) for n in (40, 64, 1)]
+    with made[1] as pipe:
+        results = list(pipe.map(batches))
+    for batch, result in zip(batches, results):
+        assert result.shape == (len(batch), 3) and result.dtype == np.float16
+        np.testing.assert_allclose(result, batch.reshape(len(batch), 3, -1).mean(axis=2), rtol=1e-3)
+
+
 # (page, the start of its block, the callable the block's first call spells out)
 SIGNATURES = [
     ("docs/guide/stream-map.md", "y = rf.stream_map(", "stream_map"),
