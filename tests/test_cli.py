@@ -976,6 +976,28 @@ def test_plan_accepts_the_size_forms(capsys):
     assert main(["plan", "--bytes", "64MiB", "--workers", "1", "--compute-ms-per-gib", "0.5"]) == 0
 
 
+def test_a_file_named_like_a_negative_number_is_read_after_a_flag_or_double_dash(tmp_path, monkeypatch, capsys):
+    """A negative value after an option was joined to it (``--bytes=-1KiB``) whatever the option:
+    ``ringflow trace -- -5`` became ``--=-5`` ("ambiguous option ... could match --help,
+    --version") and ``ringflow trace --json -5`` became ``--json=-5`` ("ignored explicit
+    argument"), where both name the file ``-5``."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RINGFLOW_DEBUG", raising=False)
+    (tmp_path / "-5").write_text('[{"ph": "X", "ts": 0, "dur": 5, "name": "h2d", "tid": 1, "pid": 1}]')
+    assert main(["trace", "--", "-5"]) == 0
+    assert "-5: 0 chunks" in capsys.readouterr().out
+    assert main(["trace", "--json", "-5"]) == 0
+    assert json.loads(capsys.readouterr().out)["spans"] == 1
+    # a flag takes no value: the word is what follows it, a workload here
+    assert main(["bench", "--quick", "-5"]) == 2
+    assert "unknown workload(s) '-5'" in capsys.readouterr().err
+    # an option that takes a value still gets the negative one, also when abbreviated
+    assert main(["plan", "--byt", "-1KiB"]) == 2
+    assert "argument --bytes: '-1KiB'" in capsys.readouterr().err
+    assert main(["plan", "--pinned", "--chunk", "-1KiB"]) == 2
+    assert "argument --chunk: '-1KiB'" in capsys.readouterr().err
+
+
 def test_demo_names_the_install_command_with_its_extra(tmp_path, capsys, monkeypatch):
     """The fallback reason holds "ringflow[cuda]": printed as text, not eaten as rich markup."""
     from ringflow import _demo

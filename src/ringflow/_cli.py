@@ -639,7 +639,7 @@ def main(argv: "list[str] | None" = None) -> int:
         parser = build_parser()
         debug = os.environ.get(DEBUG_VAR, "").strip() not in ("", "0")
         parsed: list = []
-        words = _negatives_joined(sys.argv[1:] if argv is None else list(argv))
+        words = _negatives_joined(sys.argv[1:] if argv is None else list(argv), parser)
         argv = words
         # a subcommand's help names it, as its errors do; the top-level parser takes only options
         named = words[0] if words and words[0] in parser._ringflow_commands else None  # type: ignore[attr-defined]
@@ -650,17 +650,23 @@ def main(argv: "list[str] | None" = None) -> int:
         return _guarded(f"ringflow {args.command}", debug, lambda: args.func(args))
 
 
-def _negatives_joined(words: list) -> list:
-    """``words`` with each long option followed by a negative value (``--bytes -1KiB``) joined
-    into one word (``--bytes=-1KiB``): argparse takes a word that starts with ``-`` and is not a
-    plain number for an option, and says only "expected one argument", naming no value, where
-    the option's own check names the value and what it takes. No option of this command line is
-    spelt ``-`` and a digit."""
+def _negatives_joined(words: list, parser: argparse.ArgumentParser) -> list:
+    """``words`` with each long option that takes a value followed by a negative value
+    (``--bytes -1KiB``) joined into one word (``--bytes=-1KiB``): argparse takes a word that
+    starts with ``-`` and is not a plain number for an option, and says only "expected one
+    argument", naming no value, where the option's own check names the value and what it takes.
+    No option of this command line is spelt ``-`` and a digit. A flag (``--json``) is left
+    alone, as is everything after ``--``: the word after either is a file's or a workload's
+    name (``ringflow trace -- -5``)."""
+    takes_value = _options_taking_a_value(parser, words[0] if words else None)
     joined: list = []
     i = 0
     while i < len(words):
         word = words[i]
-        if (isinstance(word, str) and word.startswith("--") and "=" not in word and i + 1 < len(words)
+        if word == "--":  # the end of the options: the rest are as written
+            joined.extend(words[i:])
+            break
+        if (isinstance(word, str) and "=" not in word and takes_value(word) and i + 1 < len(words)
                 and isinstance(words[i + 1], str) and _NEGATIVE.match(words[i + 1])):
             joined.append(f"{word}={words[i + 1]}")
             i += 2
@@ -668,6 +674,27 @@ def _negatives_joined(words: list) -> list:
         joined.append(word)
         i += 1
     return joined
+
+
+def _options_taking_a_value(parser: argparse.ArgumentParser, command: object) -> "Callable[[str], bool]":
+    """Whether a word names a long option of ``parser`` or of its subcommand ``command`` that
+    takes a value: spelt whole, or cut short as argparse reads it (the start of one option only)."""
+    commands = parser._ringflow_commands  # type: ignore[attr-defined]
+    parsers = [parser] + ([commands[command]] if isinstance(command, str) and command in commands else [])
+    options = {}
+    for p in parsers:
+        for action in p._actions:
+            for name in action.option_strings:
+                if name.startswith("--"):
+                    options[name] = action.nargs != 0
+    def takes_value(word: str) -> bool:
+        if not word.startswith("--") or word == "--":
+            return False
+        if word in options:
+            return options[word]
+        starting = [name for name in options if name.startswith(word)]
+        return len(starting) == 1 and options[starting[0]]
+    return takes_value
 
 
 _NEGATIVE = re.compile(r"-\.?\d")
