@@ -694,6 +694,27 @@ def test_ctrl_c_inside_a_simulated_launch_stops_the_demo(tmp_path, monkeypatch, 
     assert capsys.readouterr().err.strip().splitlines() == ["ringflow demo: interrupted"]
 
 
+def test_a_demo_interrupted_in_its_profiled_run_leaves_no_folder_behind(tmp_path, monkeypatch, capsys):
+    """The demo made its --out folder (and any missing above it) before the profiled run: a
+    Ctrl-C there left empty folders behind, with nothing written into them."""
+    import ringflow._bench.workloads as workloads
+    import ringflow._pipeline.whole_array as whole_array
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def quick(dev, **kwargs):  # the comparisons before the profiled run are not what is tested
+        return {"workload": "quick", "rows": []}
+
+    monkeypatch.setattr(workloads, "pageable", quick)
+    monkeypatch.setattr(workloads, "inplace_pinned", quick)
+    monkeypatch.setattr(whole_array, "stream_map_report", interrupted)
+    monkeypatch.delenv("RINGFLOW_DEBUG", raising=False)
+    assert main(["demo", "--device", "sim", "--out", str(tmp_path / "new" / "demo")]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["ringflow demo: interrupted"]
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_ctrl_c_behind_any_commands_error_is_an_interrupt(monkeypatch, capsys):
     import ringflow._cli as cli
 

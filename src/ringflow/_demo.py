@@ -64,13 +64,14 @@ def demo(device: "str | None" = None, out_dir: str = "ringflow-demo") -> int:
         res = inplace_pinned(dev, name="seed", size_bytes=(32 if sim else 256) * MiB, iters=64, repeats=3,
                              chunk_counts=(8, 32))
     console.print(table(res))
-    os.makedirs(out_dir, exist_ok=True)
     x = fresh_random((16 if sim else 256) * MiB // 4, seed=7)
     y, rep = stream_map_report(kernels.scale_shift(), x, device=dev, chunk_bytes=(1 if sim else 16) * MiB)
     if not np.array_equal(y, x * np.float32(2) + np.float32(1)):
         console.print("[red]the profiled run's output is wrong[/]")
         return 1
     console.print(rep.table())
+    # made only now, with the files to go in it: an interrupted run leaves no empty folders behind
+    os.makedirs(out_dir, exist_ok=True)
     trace = rep.save_trace(os.path.join(out_dir, TRACE_FILE))
     png = os.path.join(out_dir, PLOT_FILE)
     try:
