@@ -1497,6 +1497,35 @@ def test_two_benches_in_the_same_second_keep_both_results(tmp_path, monkeypatch,
     assert "wrote" in capsys.readouterr().out
 
 
+def test_a_bench_result_name_never_holds_less_than_the_whole_result(tmp_path, monkeypatch):
+    """The result's name was taken by an empty file before its contents went in: a reader of
+    the folder (a plan --compare of the newest result, a run beside it) saw an empty result
+    meanwhile, and a process killed then left one behind. The name now appears with the whole
+    contents, still first come first served among runs of the same second."""
+    import datetime
+
+    import ringflow._bench.runner as runner
+    import ringflow._files as files
+
+    seen = []
+    real_fsync = os.fsync
+
+    def fsync(fd):  # the contents are going to the disk: what do the result names hold now?
+        seen.extend((name, os.path.getsize(tmp_path / name)) for name in os.listdir(tmp_path)
+                    if name.startswith("bench-"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(files.os, "fsync", fsync)
+    when = datetime.datetime(2030, 1, 2, 3, 4, 5)
+    first = runner.write_new_result(str(tmp_path), "sim", when, '{"run": 1}')
+    second = runner.write_new_result(str(tmp_path), "sim", when, '{"run": 2}')
+    assert os.path.basename(first) == "bench-sim-2030-01-02T030405.json"
+    assert os.path.basename(second) == "bench-sim-2030-01-02T030405-2.json"
+    assert json.load(open(first)) == {"run": 1} and json.load(open(second)) == {"run": 2}
+    assert all(size > 0 for _, size in seen), seen
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(second), os.path.basename(first)]
+
+
 def test_the_profile_doctor_saved_is_named_with_its_control_characters_escaped(tmp_path, capsys):
     """'saved hardware profile ... to PATH' wrote the file's name as it was: an escape sequence in
     it reached the terminal (colours, a cleared screen) and a line break split the line."""

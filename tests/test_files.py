@@ -218,3 +218,33 @@ def test_two_threads_writing_one_name_at_once_both_succeed(tmp_path, monkeypatch
 ])
 def test_printable_writes_control_characters_as_escapes(name, shown):
     assert _files.printable(name) == shown
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["hard links", "no hard links"])
+def test_write_new_takes_the_first_free_name_and_leaves_nothing_else(tmp_path, monkeypatch, links):
+    """:func:`_files.write_new` writes under the first name no file holds, on a file system with
+    hard links or without, and leaves no temporary file; with every name taken it says so."""
+    import errno
+
+    if not links:
+        def no_link(src, dst):
+            raise OSError(errno.EPERM, "Operation not permitted")
+
+        monkeypatch.setattr(_files.os, "link", no_link)
+    names = [str(tmp_path / f"r{n}.json") for n in (1, 2)]
+    assert _files.write_new(names, "one") == names[0]
+    assert _files.write_new(names, b"two") == names[1]
+    with pytest.raises(FileExistsError):
+        _files.write_new(names, "three")
+    assert sorted(os.listdir(tmp_path)) == ["r1.json", "r2.json"]
+    assert open(names[0]).read() == "one" and open(names[1]).read() == "two"
+
+
+def test_write_new_interrupted_leaves_nothing(tmp_path, monkeypatch):
+    def interrupted(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_files.os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _files.write_new([str(tmp_path / "r.json")], "x")
+    assert os.listdir(tmp_path) == []

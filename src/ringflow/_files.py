@@ -12,7 +12,7 @@ import os
 import re
 import stat
 import threading
-from typing import Any
+from typing import Any, Iterable
 
 
 def check_file_name(path: Any, where: str, *, file_objects: bool = False) -> None:
@@ -64,19 +64,7 @@ def write_whole(path: "str | os.PathLike", text: "str | bytes") -> str:
         mode = stat.S_IMODE(os.stat(target).st_mode)
     tmp = _temporary_name(target)
     try:
-        binary = isinstance(text, bytes)
-        with open(tmp, "wb" if binary else "w", encoding=None if binary else "utf-8") as fh:
-            if mode is not None:
-                os.chmod(tmp, mode)
-            fh.write(text)
-            # the data reaches the disk before the name does: a file system may commit the
-            # rename first, and a crash between the two would leave an empty file under the name
-            fh.flush()
-            try:
-                os.fsync(fh.fileno())
-            except OSError as exc:  # a file system that cannot sync (some FUSE ones) still takes the file
-                if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-                    raise
+        _write_synced(tmp, text, mode)
         os.replace(tmp, target)
     except BaseException as exc:  # a failed write, or Ctrl-C: the temporary file goes too
         try:
@@ -87,6 +75,85 @@ def write_whole(path: "str | os.PathLike", text: "str | bytes") -> str:
             raise OSError(exc.errno, exc.strerror, path) from None
         raise
     return path
+
+
+def write_new(paths: "Iterable[str]", text: "str | bytes") -> str:
+    """Write ``text`` (as :func:`write_whole` does) under the first of ``paths`` (names in one
+    folder) that no file holds yet, first come first served among writers at once. The name
+    appears with the whole contents: they go to a file beside it first, which then gets the name
+    by a hard link, refused where the name is taken. Where the file system has no hard links,
+    the name is taken by an empty file first and the contents moved over it.
+
+    Returns:
+        The path written.
+
+    Raises:
+        FileExistsError: every one of ``paths`` is taken (naming the first).
+        OSError: the file cannot be written (nothing is left behind; the error names the path).
+    """
+    paths = [os.fsdecode(p) for p in paths]
+    tmp = _temporary_name(paths[0])
+    try:
+        try:
+            _write_synced(tmp, text, None)
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, paths[0]) from None
+        for i, path in enumerate(paths):
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                if exc.errno in _NO_LINKS:
+                    return _write_new_without_links(paths[i:], text)
+                raise OSError(exc.errno, exc.strerror, path) from None
+            return path
+    finally:  # a failed write, or Ctrl-C, or the contents now under their name: the temporary name goes
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+    raise FileExistsError(errno.EEXIST, "every name is taken", paths[0])
+
+
+# what os.link raises on a file system without hard links (FAT, some FUSE and network ones)
+_NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK)
+
+
+def _write_new_without_links(paths: "list[str]", text: "str | bytes") -> str:
+    """:func:`write_new` where no hard link can be made: each name is taken by an empty file
+    (refused where it is taken) before the contents are moved over it whole."""
+    for path in paths:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except FileExistsError:
+            continue
+        try:
+            return write_whole(path, text)
+        except BaseException:  # a failed write, or Ctrl-C: the name taken is given back
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            raise
+    raise FileExistsError(errno.EEXIST, "every name is taken", paths[0])
+
+
+def _write_synced(tmp: str, text: "str | bytes", mode: "int | None") -> None:
+    """Write ``text`` (a str as UTF-8) to the new file ``tmp`` (given ``mode``, where not None)
+    and have it on the disk before any name points at it: a file system may commit a rename or
+    a link first, and a crash between the two would leave an empty file under the name."""
+    binary = isinstance(text, bytes)
+    with open(tmp, "wb" if binary else "w", encoding=None if binary else "utf-8") as fh:
+        if mode is not None:
+            os.chmod(tmp, mode)
+        fh.write(text)
+        fh.flush()
+        try:
+            os.fsync(fh.fileno())
+        except OSError as exc:  # a file system that cannot sync (some FUSE ones) still takes the file
+            if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
 
 
 def _temporary_name(path: str) -> str:

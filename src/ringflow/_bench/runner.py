@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import errno
 import gc
@@ -18,7 +17,7 @@ import ringflow as rf
 
 from .. import _jsontext as jsontext
 from .._errors import interrupt_behind
-from .._files import printable, write_whole
+from .._files import printable, write_new
 from .provenance import provenance
 from .workloads import WORKLOADS, run_workload
 
@@ -37,8 +36,9 @@ LONGEST_RESULT_NAME = result_name("cuda", datetime.datetime(2000, 1, 1), RESULTS
 
 def write_new_result(out_dir: str, backend: str, when: datetime.datetime, text: str) -> str:
     """Write ``text`` whole into ``out_dir`` under the first of :func:`result_name`'s names for
-    ``when`` that no file holds yet, taken before it is written, so that runs ending in the same
-    second (two at once into one folder) never replace each other's results.
+    ``when`` that no file holds yet (:func:`ringflow._files.write_new`: the name appears with
+    the whole contents), so that runs ending in the same second (two at once into one folder)
+    never replace each other's results.
 
     Returns:
         The path written.
@@ -47,20 +47,12 @@ def write_new_result(out_dir: str, backend: str, when: datetime.datetime, text: 
         OSError: the file cannot be written (nothing is left behind), or all the second's names
             are taken (EEXIST).
     """
-    for n in range(1, RESULTS_PER_SECOND + 1):
-        path = os.path.join(out_dir, result_name(backend, when, n))
-        try:  # the name is taken (an empty file) before the contents go in whole
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-        except FileExistsError:
-            continue
-        try:
-            return write_whole(path, text)
-        except BaseException:  # a failed write, or Ctrl-C: the name taken is given back
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise
-    raise FileExistsError(errno.EEXIST, f"{RESULTS_PER_SECOND} results of this second are there already",
-                          os.path.join(out_dir, result_name(backend, when)))
+    names = [os.path.join(out_dir, result_name(backend, when, n)) for n in range(1, RESULTS_PER_SECOND + 1)]
+    try:
+        return write_new(names, text)
+    except FileExistsError:
+        raise FileExistsError(errno.EEXIST, f"{RESULTS_PER_SECOND} results of this second are there already",
+                              names[0]) from None
 
 
 def environment(dev) -> dict[str, Any]:
