@@ -1373,6 +1373,37 @@ def test_the_librarys_logged_warnings_are_one_stderr_line_each(monkeypatch, caps
     assert logging.getLogger("ringflow").handlers == before
 
 
+_OTHER_LIBRARY_WARNS = """import logging, sys
+import ringflow._cli as cli
+
+def logs(args):
+    logging.getLogger("matplotlib.backends.backend_ps").warning("The PostScript backend does not support "
+                                                                "transparency;\\npartially transparent")
+    logging.getLogger("other").info("not shown")
+    return 0
+
+cli._plan = logs
+status = cli.main(["plan"])
+logging.getLogger("other").warning("after the command")
+sys.exit(status)
+"""
+
+
+def test_another_librarys_logged_warning_is_one_stderr_line_too():
+    """A library the command uses that logs a warning with no handler set up (matplotlib, for a
+    chart written as .eps) reached stderr through Python's last-resort handler: a bare line,
+    without the command's name, split where the message holds a line break. While the command
+    runs it is one ``ringflow <cmd>: warning: ...`` line; after, Python's handler is back."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RINGFLOW_DEVICE", "RINGFLOW_DEBUG")}
+    env["PYTHONPATH"] = SRC
+    proc = subprocess.run([sys.executable, "-c", _OTHER_LIBRARY_WARNS], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "ringflow plan: warning: The PostScript backend does not support transparency; partially transparent",
+        "after the command"], proc.stderr
+
+
 def test_plan_takes_a_valid_profile_of_slow_host_calls(tmp_path, capsys):
     """Every field of the profile is in range (a copy takes a minute to enqueue): the plan is
     printed, with no ring asked for more slots than a ring may have."""

@@ -483,19 +483,25 @@ def _warnings_as_lines(prog: str) -> Iterator[None]:
     """Show each warning, and each record of the ``"ringflow"`` logger at WARNING or above (from
     any thread: the library logs a fallback it took, a setting it could not use), as one stderr
     line, ``<prog>: warning: <message>``. The library's logger has only a NullHandler, so without
-    this its warnings reached no one on the command line."""
+    this its warnings reached no one on the command line. A record of another library's logger
+    that finds no handler (matplotlib's, say), which Python's last-resort handler would write
+    bare, is such a line too."""
     def show(message, category, filename, lineno, file=None, line=None):
         print(f"{prog}: warning: {_one_line(message)}", file=sys.stderr)
 
     handler = _LineHandler(prog)
     library = logging.getLogger("ringflow")
     library.addHandler(handler)
+    last_resort = logging.lastResort
+    logging.lastResort = handler
     try:
         with warnings.catch_warnings():
             warnings.showwarning = show
             yield
     finally:
         library.removeHandler(handler)
+        if logging.lastResort is handler:
+            logging.lastResort = last_resort
 
 
 class _LineHandler(logging.Handler):
