@@ -1328,6 +1328,38 @@ def test_a_demo_folder_whose_name_reads_like_advice_is_named_whole(tmp_path, mon
                    f"{str(out / name)!r} {what}; give another folder\n"), err
 
 
+def test_runs_checking_the_same_output_file_at_once_do_not_refuse_each_other(tmp_path):
+    """Two demos started at once into one folder (or two benches given one --trace) check the
+    same new file name; the check makes the very name and removes it. A run checking while the
+    other's probe was there was refused: 'File exists', 'is not a regular file' (gone between two
+    looks) or 'Permission denied' (gone before its permissions were read)."""
+    import threading
+
+    from ringflow._cli import out_file_problem
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads take turns often: the races show within a few thousand checks
+    path = str(tmp_path / "trace.json")
+    problems = []
+
+    def check():
+        for _ in range(3000):
+            problem = out_file_problem(path)
+            if problem is not None:
+                problems.append(problem[0])
+
+    try:
+        threads = [threading.Thread(target=check) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert problems == [], sorted(set(problems))
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("make, says", [
     (lambda d: "", "argument --trace: an empty string is not a file name; give a file name"),
     (lambda d: d, "argument --trace: {d!r} is a folder; give a file name inside it"),

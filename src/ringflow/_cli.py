@@ -25,13 +25,14 @@ import logging
 import math
 import os
 import re
+import stat
 import sys
 import tempfile
 import warnings
 from typing import Callable, Iterator, NoReturn
 
 from ._errors import RingflowError, interrupt_behind
-from ._files import controls_escaped, is_special
+from ._files import controls_escaped
 
 DEBUG_VAR = "RINGFLOW_DEBUG"
 _DEVICE_HELP = "auto, cuda, cuda:N, sim or sim:N (default: $RINGFLOW_DEVICE, else auto)"
@@ -232,13 +233,29 @@ def out_file_problem(path: str) -> "tuple[str, str] | None":
     """
     if not path.strip():
         return "an empty string is not a file name", "give a file name"
-    if os.path.isdir(path):
+    # one look at what the name holds: a run beside this one checking the same name makes it and
+    # removes it, so two looks could each see another state (a file, then none)
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        st = None  # missing (or beyond a missing folder, a file, a link to nothing): checked below
+    if st is not None and stat.S_ISDIR(st.st_mode):
         return f"{path!r} is a folder", "give a file name inside it"
-    if is_special(path):
+    if st is not None and not stat.S_ISREG(st.st_mode):
         return f"{path!r} is not a regular file", "give the name of a file to write"
-    if os.path.isfile(path):
-        if not os.access(path, os.W_OK):
-            return f"cannot write {path!r} (Permission denied)", "give another file name"
+    if st is not None:
+        # opened for writing (and closed unchanged) rather than asked about: the error says both
+        # whether this process may write it and whether it is gone since (non-blocking: in case
+        # it became a pipe meanwhile)
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        except FileNotFoundError:  # removed since the look: another run's check of the same new name
+            st = None
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                return f"cannot write {path!r} ({exc.strerror})", "give another file name"
+            return f"cannot write {path!r} ({_describe(exc)})", "give another file name"
+    if st is not None:
         # the file is written whole: a new file beside it, moved over it, so its folder must take one
         folder = os.path.dirname(path) or os.curdir
         try:
@@ -262,6 +279,8 @@ def out_file_problem(path: str) -> "tuple[str, str] | None":
     try:  # the very name, made and removed: a name too long, say, is found now, not after the run
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         os.unlink(path)
+    except FileExistsError:  # made meanwhile (another run's check of the same name): a name the folder takes
+        return None
     except OSError as exc:
         return f"cannot write {path!r} ({_describe(exc)})", "give another file name"
     return None
