@@ -1613,3 +1613,25 @@ def test_a_workload_named_twice_runs_once(monkeypatch, capsys):
     monkeypatch.setattr(runner, "table", lambda res: "")
     assert main(["bench", "--device", "sim", "--quick", "seed", "pageable", "seed"]) == 0
     assert ran == ["seed", "pageable"]
+
+
+def test_workloads_may_be_named_on_both_sides_of_an_option(monkeypatch, capsys):
+    """'ringflow bench seed --quick balanced' said 'unrecognized arguments: balanced', a
+    workload it knows: argparse fills a list of positional words once, from the first run of
+    them, and left the words after an option over. They are the same list."""
+    import ringflow._bench.runner as runner
+
+    ran = []
+    monkeypatch.setattr(runner, "run_workload", lambda dev, name, **k: ran.append(name) or {"workload": name})
+    monkeypatch.setattr(runner, "table", lambda res: "")
+    monkeypatch.delenv("RINGFLOW_DEBUG", raising=False)
+    assert main(["bench", "seed", "--device", "sim", "pageable", "--quick", "requests", "seed"]) == 0
+    assert ran == ["seed", "pageable", "requests"]
+    # an unknown workload after an option is named as one; an unknown option still is one
+    assert main(["bench", "seed", "--quick", "nosuch"]) == 2
+    assert "unknown workload(s) 'nosuch'" in capsys.readouterr().err
+    assert main(["bench", "seed", "--quick", "--nosuch", "balanced"]) == 2
+    assert capsys.readouterr().err == "ringflow bench: error: unrecognized arguments: --nosuch balanced\n"
+    # a command without such a list still refuses a word it does not take
+    assert main(["trace", "a.json", "--json", "b.json"]) == 2
+    assert "unrecognized arguments: b.json" in capsys.readouterr().err

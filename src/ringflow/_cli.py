@@ -730,9 +730,12 @@ def _parse(parser: argparse.ArgumentParser, argv: "list[str] | None", parsed: li
     exit status where there is none to run (help, the version, a usage error, no command)."""
     try:
         args, extra = parser.parse_known_args(argv)
+        commands = parser._ringflow_commands  # type: ignore[attr-defined]
+        command = commands.get(getattr(args, "command", None))
+        if extra and command is not None:
+            extra = _more_positional_words(command, args, extra)
         if extra:  # reported by the subcommand's parser, so the message names the subcommand
-            commands = parser._ringflow_commands  # type: ignore[attr-defined]
-            (commands.get(getattr(args, "command", None)) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
+            (command or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # --help, --version, or a one-line usage error already printed
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     if getattr(args, "func", None) is None:
@@ -740,6 +743,25 @@ def _parse(parser: argparse.ArgumentParser, argv: "list[str] | None", parsed: li
         return 2
     parsed.append(args)
     return 0
+
+
+def _more_positional_words(command: argparse.ArgumentParser, args: argparse.Namespace, extra: list) -> list:
+    """``extra`` (the words the parser left over) less those that belong to ``command``'s list of
+    positional words (bench's workloads), which are added to it: argparse fills such a list from
+    the first run of positional words only, and left ``balanced`` in ``bench seed --quick
+    balanced`` over, as if unknown. Everything after an unknown option stays with it."""
+    lists = [a for a in command._actions if not a.option_strings and a.nargs == "*"]
+    if len(lists) != 1:
+        return extra
+    dest = lists[0].dest
+    words, rest = [], []
+    for i, word in enumerate(extra):
+        if isinstance(word, str) and word.startswith("-") and not _NEGATIVE.match(word):
+            rest = extra[i:]
+            break
+        words.append(word)
+    setattr(args, dest, list(getattr(args, dest) or []) + words)
+    return rest
 
 
 # what to install for a module that would not import: the extra that brings it, where one does
