@@ -28,7 +28,24 @@ def main() -> int:
         return interrupted()
     if status == INTERRUPTED:  # (said by ringflow._cli, which caught the Ctrl-C)
         _forget_unhandled_interrupt()
+    _quiet_interrupts_at_exit()
     return status
+
+
+def _quiet_interrupts_at_exit() -> None:
+    """From now on (the command has ended; the process exits), a Ctrl-C that cuts short a
+    clean-up run at exit (an ``atexit`` callback, a weakref finalizer, the wait for threads)
+    prints nothing: Python reports it as an exception it ignored, with a traceback, and a second
+    Ctrl-C, pressed while the first ends the command, often lands there. Other such exceptions
+    are reported as before."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def _forget_unhandled_interrupt() -> None:
@@ -43,6 +60,7 @@ def _forget_unhandled_interrupt() -> None:
 def interrupted() -> int:
     """Say that the command was interrupted, as ``ringflow._cli.main`` does; returns the status."""
     _forget_unhandled_interrupt()
+    _quiet_interrupts_at_exit()
     command = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in COMMANDS else None
     if sys.stderr is None:  # closed (2>&-): print(file=None) would write the line to stdout
         return INTERRUPTED

@@ -1635,3 +1635,31 @@ def test_workloads_may_be_named_on_both_sides_of_an_option(monkeypatch, capsys):
     # a command without such a list still refuses a word it does not take
     assert main(["trace", "a.json", "--json", "b.json"]) == 2
     assert "unrecognized arguments: b.json" in capsys.readouterr().err
+
+
+_CTRL_C_AT_EXIT = """import atexit, os, signal, sys
+
+def late():  # a clean-up at exit (a device closing, a finalizer) that a second Ctrl-C cuts short
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(10 ** 7):
+        pass
+    raise AssertionError("SIGINT did not interrupt the clean-up")
+
+atexit.register(late)
+sys.argv = ["ringflow", "plan", "--bytes", "1MiB"]
+from _ringflow_entry import main
+sys.exit(main())
+"""
+
+
+def test_a_ctrl_c_while_the_command_exits_shows_no_traceback(tmp_path):
+    """A second Ctrl-C (a user pressing it twice) often lands while the process exits, in a
+    clean-up registered with atexit or a weakref finalizer: Python printed 'Exception ignored in
+    atexit callback' and a traceback. The clean-up is still cut short; nothing is printed."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RINGFLOW_DEVICE", "RINGFLOW_DEBUG")}
+    env["PYTHONPATH"] = SRC
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_AT_EXIT], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=tmp_path)
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+    assert proc.stderr == "" and proc.returncode == 0, (proc.returncode, proc.stderr)
+    assert "predicted total" in proc.stdout
