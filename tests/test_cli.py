@@ -1627,6 +1627,9 @@ def test_workloads_may_be_named_on_both_sides_of_an_option(monkeypatch, capsys):
     monkeypatch.delenv("RINGFLOW_DEBUG", raising=False)
     assert main(["bench", "seed", "--device", "sim", "pageable", "--quick", "requests", "seed"]) == 0
     assert ran == ["seed", "pageable", "requests"]
+    ran.clear()
+    assert main(["bench", "seed", "--device", "sim", "--quick", "--", "balanced"]) == 0  # (-- ends the options)
+    assert ran == ["seed", "balanced"]
     # an unknown workload after an option is named as one; an unknown option still is one
     assert main(["bench", "seed", "--quick", "nosuch"]) == 2
     assert "unknown workload(s) 'nosuch'" in capsys.readouterr().err

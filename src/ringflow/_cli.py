@@ -749,13 +749,17 @@ def _more_positional_words(command: argparse.ArgumentParser, args: argparse.Name
     """``extra`` (the words the parser left over) less those that belong to ``command``'s list of
     positional words (bench's workloads), which are added to it: argparse fills such a list from
     the first run of positional words only, and left ``balanced`` in ``bench seed --quick
-    balanced`` over, as if unknown. Everything after an unknown option stays with it."""
+    balanced`` over, as if unknown. Everything after ``--`` is such a word; everything after an
+    unknown option stays with it."""
     lists = [a for a in command._actions if not a.option_strings and a.nargs == "*"]
     if len(lists) != 1:
         return extra
     dest = lists[0].dest
     words, rest = [], []
     for i, word in enumerate(extra):
+        if word == "--":  # the end of the options: the rest are positional words
+            words.extend(extra[i + 1:])
+            break
         if isinstance(word, str) and word.startswith("-") and not _NEGATIVE.match(word):
             rest = extra[i:]
             break
