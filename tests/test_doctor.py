@@ -745,3 +745,25 @@ def test_doctor_command_refuses_save_true_on_the_simulated_gpu_before_collecting
     monkeypatch.setattr(doctor, "_collect", lambda *a, **k: pytest.fail("collected"))
     with pytest.raises(ValueError, match=r"--save: the device is the simulated GPU \(--device sim\); give a file"):
         doctor.doctor_command(device="sim", save=True)
+
+
+def test_a_measurement_that_is_not_a_number_is_written_as_strict_json(fake_gpu, monkeypatch, tmp_path, capsys):
+    """A figure the GPU's run gave as NaN or infinite (a copy timed at zero, an overlap of
+    nothing) was printed as the bare words ``NaN``/``Infinity``, which strict JSON readers
+    refuse: it is null, in the printed report and in the file."""
+    import json
+
+    import ringflow._device.cuda.measure as measure_mod
+
+    monkeypatch.setattr(measure_mod, "measure",
+                        lambda dev, repeats: fake_measurements(h2d=float("nan"), duplex=float("inf"), overlap=float("nan")))
+    out = tmp_path / "doctor.json"
+    assert doctor.doctor_command(json_out=True, device="cuda:0", output=str(out)) == 0
+    printed = capsys.readouterr().out
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda word: pytest.fail(f"{word} in the JSON"))
+
+    for report in (strict(printed), strict(out.read_text())):
+        assert report["measurements"]["h2d_pinned"]["GBps"] is None
+        assert report["measurements"]["duplex_pinned"]["GBps"] is None

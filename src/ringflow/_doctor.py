@@ -29,6 +29,7 @@ import sys
 from typing import Any, Callable, Iterator
 
 from ._files import controls_escaped, write_whole
+from ._jsontext import plain
 
 # Packet headers and flow control take roughly 10-15% of a PCIe link, so a healthy pinned copy
 # reaches a little under the link's rate; well below these shares, bandwidth is lost elsewhere
@@ -731,7 +732,8 @@ def doctor_command(json_out: bool = False, device: "str | None" = None, output: 
         except (ValueError, OSError) as exc:
             problem = _describe_error(exc)
     report = rounded(raw)
-    text = json.dumps(report, indent=2, default=str)
+    # a figure that is not a number (a copy timed at zero) is null: strict JSON readers refuse NaN
+    text = json.dumps(plain(report), indent=2, default=str, allow_nan=False)
     if output:
         write_whole(output, text + "\n")
     if json_out:
