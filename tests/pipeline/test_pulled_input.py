@@ -206,7 +206,7 @@ def test_an_amap_of_small_items_runs_as_far_ahead_as_map(ordered):
     """Items sharing chunks hold no capacity once their chunk ended: a window of ``max_in_flight``
     items (not bytes) kept a few small items in flight, each chunk shared by few of them, so an
     ``amap`` of many small items ran in many more chunks, and slower, than ``map`` of the same.
-    Both bound such items by their bytes: the same chunks, near the same simulated time."""
+    Both bound such items by their bytes: about the same chunks, near the same simulated time."""
     def g(x, y):
         y[...] = x * 2
 
@@ -227,5 +227,7 @@ def test_an_amap_of_small_items_runs_as_far_ahead_as_map(ordered):
             runs[face] = (dev.now - start, pipe.scheduler.chunks_admitted)
         assert sorted(r[0] for r in out) == [2 * i for i in range(len(items))]
     (map_s, map_chunks), (amap_s, amap_chunks) = runs["map"], runs["amap"]
-    assert amap_chunks <= 1.25 * map_chunks, runs
-    assert amap_s <= 1.05 * map_s, runs
+    # (how many items join a chunk while it is open depends on when the loop's thread runs
+    # against the progress thread's: bounded by count, 4.8x the chunks and 1.22x the time)
+    assert amap_chunks <= 2 * map_chunks, runs
+    assert amap_s <= 1.1 * map_s, runs
