@@ -478,6 +478,40 @@ def test_a_simulated_run_on_the_gen4_profile_agrees_with_the_plan(ms_per_mib):
     assert choice.predicted_s > 1.9 * h200.predicted_s  # link-bound: about twice as long on half the link
 
 
+def test_an_uncosted_compute_is_planned_at_what_the_simulated_gpu_charges_a_launch():
+    """A compute with no ``sim_seconds`` was planned as free, while the simulated GPU charges each
+    launch at least the profile's ``kernel_min_s``. On a profile whose shortest kernel is 1 ms,
+    64 MiB in place from pinned memory (one compute stream: no measured taper) took what the
+    plan predicts within 10%, with ``chunk_bytes="auto"`` and with 1 MiB chunks, and the plan of
+    1 MiB chunks charges the 1 ms per chunk."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-kernels", kernel_min_s=1e-3)
+    total = 64 * MiB
+    dev = rf.device("sim", profile=p, checked=False)
+    buf = dev.allocate_host(total)
+    x = buf.view(np.float32)
+
+    def f(a, b):  # no sim_seconds
+        pass
+
+    def measured(chunk_bytes):
+        kwargs = dict(device=dev, chunk_bytes=chunk_bytes, x_buffer=buf, out_buffer=buf, inplace=True,
+                      compute_streams=1)
+        rf.stream_map(f, x, x, **kwargs)  # warm
+        return rf.stream_map_report(f, x, x, **kwargs)[1]
+
+    choice = plan.choose_chunk_bytes(p, total, host_stages=False, align=4, compute_s_per_byte=None,
+                                     compute_s_per_chunk=None)
+    report = measured("auto")
+    assert report.chunks == total // choice.chunk_bytes
+    assert report.measured_s == pytest.approx(choice.predicted_s, rel=0.10)
+    t, predicted = plan.predict_seconds(p, total, MiB, host_stages=False, compute_s_per_byte=None,
+                                        compute_s_per_chunk=None)
+    assert t.compute >= p.kernel_min_s and predicted >= 64 * p.kernel_min_s
+    assert measured(MiB).measured_s == pytest.approx(predicted, rel=0.10)
+    # a declared cost of 0 s is a free kernel, on the simulated GPU and in the plan
+    assert plan.predict_seconds(p, total, MiB, host_stages=False)[0].compute == p.launch_overhead_s
+
+
 def test_predict_devices_splits_the_links_and_shares_the_host():
     # pinned data: each GPU moves its share over its own link, nothing shared on the host
     pinned = plan.predict_devices("h200-pcie5", 256 * MiB, 8 * MiB, 2, compute_s_per_byte=5e-3 / (1 << 30),

@@ -319,8 +319,9 @@ def model_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, com
     """Per-chunk stage times predicted by a profile.
 
     Copies use the bandwidth-by-size curve; when both directions run (the steady state) they
-    share the link's duplex bandwidth. ``compute`` defaults to a memory-bound pass over input and
-    output; ``prepare``/``consume`` default to one memcpy of the chunk at the per-thread host copy
+    share the link's duplex bandwidth. ``compute`` defaults to what the simulated GPU charges a
+    kernel that declares no cost (``HardwareProfile.kernel_seconds`` of the input and output
+    bytes: a memory-bound pass, at least the profile's shortest kernel); ``prepare``/``consume`` default to one memcpy of the chunk at the per-thread host copy
     rate of the pool's threads that copy at once: of ``workers``, those that the copies, the
     kernel and ``scheduler`` (the host's seconds per chunk) keep busy (:func:`copying_threads`;
     all of them when either host stage is given).
@@ -338,7 +339,7 @@ def model_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, com
     scale = min(1.0, p.duplex_GBps * 1e9 / (r_h + r_d))
     h2d, d2h = n_in / (r_h * scale), n_out / (r_d * scale)
     if compute is None:
-        compute = max(p.kernel_min_s, (n_in + n_out) / (p.device_GBps * 1e9))
+        compute = p.kernel_seconds(n_in + n_out)
     busy = workers
     if prepare is None and consume is None:  # both copies modelled: idle workers take no share
         busy = copying_threads(p, n_in, n_out, workers, max(h2d, compute, d2h, scheduler))
@@ -419,11 +420,12 @@ def host_seconds_per_chunk(profile: "str | HardwareProfile", host_stages: bool) 
     return SCHEDULER_S_PER_CHUNK + 2 * SCHEDULER_S_PER_HOST_TASK if host_stages else DIRECT_S_PER_CHUNK
 
 
-def queued_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, compute: float, workers: int,
-                       out_ratio: float = 1.0, scheduler: float = 0.0) -> StageTimes:
+def queued_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, compute: Optional[float],
+                       workers: int, out_ratio: float = 1.0, scheduler: float = 0.0) -> StageTimes:
     """Per-chunk stage times of a long run of chunks: copies at the link's streaming rate
-    (shared when both directions run) plus :data:`QUEUED_COPY_OVERHEAD_S`, kernels plus the
-    profile's launch overhead (each waits on an event from another stream); host stages as in
+    (shared when both directions run) plus :data:`QUEUED_COPY_OVERHEAD_S`, kernels (``compute``
+    seconds; None: a compute of no declared cost, timed as :func:`model_stage_times` times it)
+    plus the profile's launch overhead (each waits on an event from another stream); host stages as in
     :func:`model_stage_times`, for the workers that these copies, the kernel and ``scheduler``
     (the host's seconds per chunk) keep busy. ``out_ratio``: a chunk's result bytes per input
     byte."""
@@ -436,7 +438,7 @@ def queued_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, co
     # look for the copying threads, which the queued times decide)
     t = model_stage_times(p, chunk_bytes, compute=compute, workers=workers, out_bytes=out_bytes, prepare=0.0,
                           consume=0.0, scheduler=scheduler)
-    scheduler = t.scheduler  # (at least the hand-off: see model_stage_times)
+    scheduler, compute = t.scheduler, t.compute  # (at least the hand-off; a compute of no cost: as modelled)
     h2d, d2h = chunk_bytes / (peak_h * share), out_bytes / (peak_d * share)
     if out_ratio != 1.0:  # the shorter direction ends first; the other then has the link to itself
         if h2d > d2h:
@@ -451,9 +453,9 @@ def queued_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, co
 
 
 def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_bytes: int, *,
-                    compute_s_per_byte: float = 0.0, workers: int = 1,
+                    compute_s_per_byte: Optional[float] = 0.0, workers: int = 1,
                     host_stages: bool = True, out_ratio: float = 1.0,
-                    compute_s_per_chunk: float = 0.0) -> tuple[StageTimes, float]:
+                    compute_s_per_chunk: Optional[float] = 0.0) -> tuple[StageTimes, float]:
     """(per-chunk stage times, predicted wall seconds) of streaming ``total_bytes`` in chunks of
     ``chunk_bytes``: the bound of the five stages (:func:`queued_stage_times`) plus the host's
     time per chunk as a sixth resource (it overlaps the GPU until it becomes the bottleneck with
@@ -463,14 +465,25 @@ def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     ``host_stages=False`` the copy engines use the caller's pinned memory (no staging: the
     direct engine). ``out_ratio``: result bytes per input byte (the copy back and the consume
     move that many). A chunk's kernel takes ``compute_s_per_chunk`` plus ``compute_s_per_byte``
-    for each of its input bytes."""
+    for each of its input bytes; with both None the compute declares no cost (no ``sim_seconds``),
+    and its kernel takes what the simulated GPU charges such a launch
+    (``HardwareProfile.kernel_seconds`` of the chunk's input and result bytes)."""
     p = get_profile(profile)
     n = -(-total_bytes // chunk_bytes)
-    t = queued_stage_times(p, chunk_bytes, compute=compute_s_per_chunk + compute_s_per_byte * chunk_bytes,
+    t = queued_stage_times(p, chunk_bytes, compute=kernel_cost(compute_s_per_chunk, compute_s_per_byte, chunk_bytes),
                            workers=workers, out_ratio=out_ratio, scheduler=host_seconds_per_chunk(p, host_stages))
     if not host_stages:
         t = dataclasses.replace(t, prepare=p.host_task_overhead_s, consume=p.host_task_overhead_s)
     return t, predicted_total(t, n)
+
+
+def kernel_cost(per_chunk: Optional[float], per_byte: Optional[float], chunk_bytes: int) -> Optional[float]:
+    """A chunk's kernel seconds from a compute's declared cost: ``per_chunk`` plus ``per_byte``
+    for each of its ``chunk_bytes`` input bytes, either None read as 0; None when both are None
+    (the compute declares no cost: the model then times its kernel as the simulated GPU does)."""
+    if per_chunk is None and per_byte is None:
+        return None
+    return (per_chunk or 0.0) + (per_byte or 0.0) * chunk_bytes
 
 
 def staging_floor_seconds(profile: "str | HardwareProfile", in_bytes: int, out_bytes: int) -> float:
@@ -557,10 +570,10 @@ class ChunkChoice:
                 f"{self.predicted_s * 1e3:.3f} ms")
 
 
-def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *, compute_s_per_byte: float = 0.0,
-                       workers: int = 1, host_stages: bool = True, pinned_budget: Optional[int] = None,
-                       align: int = 1, candidates: Optional[list] = None, out_ratio: float = 1.0,
-                       compute_s_per_chunk: float = 0.0) -> ChunkChoice:
+def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *,
+                       compute_s_per_byte: Optional[float] = 0.0, workers: int = 1, host_stages: bool = True,
+                       pinned_budget: Optional[int] = None, align: int = 1, candidates: Optional[list] = None,
+                       out_ratio: float = 1.0, compute_s_per_chunk: Optional[float] = 0.0) -> ChunkChoice:
     """The chunk size (of the input) minimising the predicted wall time of ``total_bytes`` of
     input, whose results are ``out_ratio`` bytes per input byte.
 
@@ -570,7 +583,8 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *, co
     count plus the per-chunk scheduling cost; the planned slots must fit ``pinned_budget``, and
     the device rings (with their slack) the profile's ``total_memory`` where any candidate's do.
     ``host_stages=False`` when the copy engines read the caller's pinned memory directly. A
-    chunk's kernel takes ``compute_s_per_chunk`` plus ``compute_s_per_byte`` per input byte.
+    chunk's kernel takes ``compute_s_per_chunk`` plus ``compute_s_per_byte`` per input byte (both
+    None: a compute of no declared cost, timed as :func:`predict_seconds` times it).
     """
     if total_bytes <= 0:
         raise ValueError("total_bytes must be positive")
@@ -578,10 +592,14 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *, co
     # candidates, too much Python to pay on every stream_map(chunk_bytes="auto"). A profile is
     # remembered by its values (a GPU's measured profile is an object, not a name), and a file is
     # read on every call, so a profile saved again is planned from what it holds now.
-    return _choose_chunk_bytes(get_profile(profile), int(total_bytes), float(compute_s_per_byte), int(workers),
-                               bool(host_stages), pinned_budget, int(align),
+    return _choose_chunk_bytes(get_profile(profile), int(total_bytes), _seconds_or_none(compute_s_per_byte),
+                               int(workers), bool(host_stages), pinned_budget, int(align),
                                tuple(candidates) if candidates else None, float(out_ratio),
-                               float(compute_s_per_chunk))
+                               _seconds_or_none(compute_s_per_chunk))
+
+
+def _seconds_or_none(value: Optional[float]) -> Optional[float]:
+    return None if value is None else float(value)
 
 
 @functools.lru_cache(maxsize=256)

@@ -165,6 +165,12 @@ class HardwareProfile:
         """GB/s of first writes to fresh pages with ``threads`` threads (all threads together)."""
         return _interp_loglog(self.first_touch_GBps, max(1, threads))
 
+    def kernel_seconds(self, touched_bytes: int) -> float:
+        """Seconds a kernel that declares no cost of its own (no ``sim_seconds``) takes on the device:
+        its bytes read plus written at ``device_GBps`` (a memory-bound pass), and at least
+        ``kernel_min_s``. The simulated GPU charges a launch this, and the planner plans it."""
+        return max(self.kernel_min_s, touched_bytes / (self.device_GBps * 1e9))
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -807,17 +807,18 @@ class MapLayout:
                    out.dtype, in_place, compute_bound=bound, taper=taper(rows, widest) if bound else ())
 
 
-def compute_cost(sim) -> tuple[float, float]:
+def compute_cost(sim) -> "tuple[float, float] | tuple[None, None]":
     """(seconds per launch, seconds per input byte) of a compute's ``sim_seconds`` for the chunk
     planner: a number is a cost per launch, whatever the chunk; a function of a chunk's bytes is
     read at 1 and 2 MiB, and taken as the line through both (a fixed part and a part per byte,
-    neither below 0); (0, 0) without one.
+    neither below 0); (None, None) without one (the planner then times the kernel as the
+    simulated GPU times a launch of no declared cost).
 
     Raises:
         ValueError: as :func:`~ringflow._pipeline.stages.sim_seconds_for`.
     """
     if sim is None:
-        return 0.0, 0.0
+        return None, None
     one, two = sim_seconds_for(sim, 1 << 20), sim_seconds_for(sim, 2 << 20)
     # (the line's value at 0 is 2 * one - two: exactly 0 for a cost of seconds a byte times bytes)
     return max(0.0, 2 * one - two), max(0.0, two - one) / (1 << 20)

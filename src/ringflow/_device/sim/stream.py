@@ -305,7 +305,7 @@ class SimStream(Stream):
             sl.buffer._access(AccessKind.WRITE, sl.offset, sl.offset + sl.nbytes, op_name, actor=self.actor, tick=False)
             touched += sl.nbytes
         p = self._dev.profile
-        seconds = sim_seconds if sim_seconds is not None else max(p.kernel_min_s, touched / (p.device_GBps * 1e9))
+        seconds = sim_seconds if sim_seconds is not None else p.kernel_seconds(touched)
 
         def run(op: Op) -> None:
             nonlocal args
