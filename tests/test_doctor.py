@@ -478,6 +478,52 @@ def test_plan_refuses_a_profile_with_a_bad_field(tmp_path, capsys):
     assert "'model.duplex_GBps' must be a finite number more than 0, got -1.0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value, phrase", [
+    (0, "must be at least 1, got 0"), (-1, "must be at least 1, got -1"),
+    (float("nan"), "must be a whole number, got number nan"), ("1GiB", "must be a whole number, got string '1GiB'"),
+    (1.5, "must be a whole number, got number 1.5"), (True, "must be a whole number, got boolean True"),
+])
+def test_plan_refuses_a_profile_whose_total_memory_is_not_a_byte_count(tmp_path, capsys, value, phrase):
+    from ringflow._device.hardware import H200_PCIE5
+
+    data = json.loads(H200_PCIE5.to_json())
+    data["model"]["total_memory"] = value
+    path = tmp_path / "memory.json"
+    path.write_text(json.dumps(data))
+    assert main(["plan", "--profile", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ringflow plan: error: "), err
+    assert f"'model.total_memory' {phrase}" in err[0] and "memory.json" in err[0]
+
+
+def test_plan_on_a_profile_of_little_device_memory_plans_only_rings_that_fit(tmp_path, capsys):
+    """A profile of 1 KiB of device memory is a valid profile: `plan` printed 64 KiB chunks,
+    whose device rings cannot be allocated there, and took any --chunk. It plans chunks whose
+    rings fit, refuses a --chunk whose rings do not (naming --chunk and total_memory), and a
+    device too small for any chunk's rings is refused naming chunk_bytes and total_memory; one
+    line each, exit 1, never a traceback."""
+    import dataclasses
+
+    from ringflow import _plan as plan
+    from ringflow._device.hardware import H200_PCIE5
+
+    path = tmp_path / "tiny.json"
+    tiny = dataclasses.replace(H200_PCIE5, name="tiny", total_memory=1 << 10)
+    tiny.save(path)
+    assert main(["plan", "--bytes", "64MiB", "--profile", str(path)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    chunk = plan.choose_chunk_bytes(tiny, 64 << 20, workers=8).chunk_bytes
+    assert 6 * chunk <= 1 << 10 and f"in chunks of {chunk / 2**20:g} MiB" in out
+    assert main(["plan", "--bytes", "64MiB", "--chunk", "8MiB", "--profile", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ringflow plan: error: --chunk 8388608 bytes: "), err
+    assert "total_memory of 1024 bytes" in err[0] and "--chunk auto" in err[0]
+    dataclasses.replace(tiny, total_memory=1).save(path)
+    assert main(["plan", "--bytes", "64MiB", "--profile", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "chunk_bytes of 1 bytes" in err[0] and "total_memory of 1 bytes" in err[0], err
+
+
 def test_the_simulated_profile_can_be_saved_as_a_starting_point(tmp_path, capsys):
     from ringflow._device.hardware import H200_PCIE5, load_profile
 

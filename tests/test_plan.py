@@ -805,6 +805,35 @@ def test_an_auto_chunk_fits_the_device_rings_in_the_profiles_memory():
     np.testing.assert_array_equal(rf.stream_map(f, x, device=dev, chunk_bytes="auto"), x * 2)
 
 
+@pytest.mark.parametrize("total_memory", [1 << 10, 4000, 100])
+def test_an_auto_chunk_is_planned_within_a_small_device_memory(total_memory):
+    """A profile of a GPU with 1 KiB of memory (or less): no candidate chunk's device rings fit,
+    and the planner chose the smallest candidate, 64 KiB, whose rings need 384 KiB. It plans only
+    what fits now: smaller chunks, the largest whose rings fit."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="tiny-memory", total_memory=total_memory)
+    total = 64 * MiB
+    for out_ratio in (1.0, 0.5, 2.0):
+        choice = plan.choose_chunk_bytes(p, total, workers=4, out_ratio=out_ratio)
+        c, n = choice.chunk_bytes, choice.chunks
+        assert 3 * c * (1 + out_ratio) <= total_memory, (out_ratio, c)  # three slots a device ring
+        t, _ = plan.predict_seconds(p, total, c, workers=4, out_ratio=out_ratio)
+        need = plan.device_ring_bytes(plan.plan_slots(t).slots, c, n, out_ratio=out_ratio)
+        assert need <= total_memory < 2 * need, (out_ratio, c)  # (the next candidate up would not fit)
+
+
+@pytest.mark.parametrize("total_memory, align, total", [(1, 1, 64 * MiB), (5, 1, 3), (1000, 256, 64 * MiB)])
+def test_a_device_memory_no_chunk_fits_is_refused_naming_chunk_bytes_and_total_memory(total_memory, align, total):
+    """A device whose memory holds no ring of the smallest chunk (one byte, or one row of
+    ``align`` bytes) is refused by the planner, naming chunk_bytes and total_memory, rather than
+    planned a chunk that cannot be allocated; given candidates that all fail are refused too."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="no-memory", total_memory=total_memory)
+    with pytest.raises(ValueError, match=r"chunk_bytes .*total_memory of %d bytes" % total_memory):
+        plan.choose_chunk_bytes(p, total, align=align)
+    roomy = dataclasses.replace(p, total_memory=64 * MiB)
+    with pytest.raises(ValueError, match=r"chunk_bytes .*total_memory of %d bytes" % (64 * MiB)):
+        plan.choose_chunk_bytes(roomy, 1 << 30, candidates=[16 * MiB, 32 * MiB])
+
+
 def test_an_auto_chunk_fits_the_pinned_budget():
     """chunk_bytes="auto" with a pinned_budget: the chunk was planned without the budget (4 MiB
     for a 64 MiB job), and the call then failed saying to lower chunk_bytes, which the caller left

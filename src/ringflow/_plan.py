@@ -165,6 +165,21 @@ def with_device_slack(counts: SlotCounts, *, inplace: bool) -> SlotCounts:
     return dataclasses.replace(counts, device_in=max(counts.device_in, 3), device_out=max(counts.device_out, 3))
 
 
+def device_ring_slots(counts: SlotCounts, chunks: int) -> tuple[int, int]:
+    """(device-in, device-out) slots a job of ``chunks`` chunks planned at ``counts`` allocates:
+    each ring with its slack (:func:`with_device_slack`), none above ``chunks`` slots."""
+    ring = with_device_slack(counts, inplace=False)
+    return min(chunks, ring.device_in), min(chunks, ring.device_out)
+
+
+def device_ring_bytes(counts: SlotCounts, chunk_bytes: int, chunks: int, *, out_ratio: float = 1.0) -> float:
+    """Bytes of device memory the device rings of :func:`device_ring_slots` take: a device-in
+    slot holds a chunk of ``chunk_bytes``, a device-out slot its result (``out_ratio`` bytes per
+    input byte)."""
+    din, dout = device_ring_slots(counts, chunks)
+    return din * chunk_bytes + dout * chunk_bytes * out_ratio
+
+
 WORKER_SLOTS_PINNED_CAP = 256 << 20  # pinned bytes the one-slot-per-worker floor may take
 
 
@@ -581,10 +596,18 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *,
     times; large chunks leave the pipeline's fill and drain (the first chunk traverses every
     stage alone) a large share. Each candidate is predicted as ``predicted_total`` over its chunk
     count plus the per-chunk scheduling cost; the planned slots must fit ``pinned_budget``, and
-    the device rings (with their slack) the profile's ``total_memory`` where any candidate's do.
+    the device rings (with their slack: :func:`device_ring_bytes`) the profile's ``total_memory``.
+    When no candidate's device rings fit, smaller chunks are tried, halving (whole multiples of
+    ``align``, a row's bytes), and the largest that fits is chosen (``candidates`` given: none).
     ``host_stages=False`` when the copy engines read the caller's pinned memory directly. A
     chunk's kernel takes ``compute_s_per_chunk`` plus ``compute_s_per_byte`` per input byte (both
     None: a compute of no declared cost, timed as :func:`predict_seconds` times it).
+
+    Raises:
+        ValueError: ``total_bytes`` is not positive; no chunk's planned pinned rings fit
+            ``pinned_budget``; or the device rings of no chunk (down to ``align`` bytes, or of no
+            given candidate) fit the profile's ``total_memory`` (the message names chunk_bytes
+            and total_memory).
     """
     if total_bytes <= 0:
         raise ValueError("total_bytes must be positive")
@@ -606,12 +629,12 @@ def _seconds_or_none(value: Optional[float]) -> Optional[float]:
 def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_stages, pinned_budget, align,
                         candidates, out_ratio, compute_s_per_chunk) -> ChunkChoice:
     cands = candidates or [1 << k for k in range(16, 29)]
-    rows, too_large = [], []
+    rows, too_large = [], []  # too_large: (chunk, its device rings' bytes, their slots) fitting no device
     seen = set()
-    for c in cands:
-        c = max(align, (min(c, total_bytes) // align) * align)
+
+    def consider(c: int) -> None:
         if c in seen:  # candidates above the total all become the total: predict and list it once
-            continue
+            return
         seen.add(c)
         n = -(-total_bytes // c)
         t, predicted = predict_seconds(profile, total_bytes, c, compute_s_per_byte=compute_s_per_byte,
@@ -620,16 +643,33 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_
         plan = plan_slots(t)
         slot = c * max(1.0, out_ratio)  # a slot holds a chunk's input or its result
         if pinned_budget is not None and host_stages and (plan.slots.host_in + plan.slots.host_out) * slot > pinned_budget:
-            continue
-        rows.append((c, n, predicted))
+            return
         # the device rings (with their slack, no more slots than chunks) must fit the device's
         # memory: a chunk whose rings cannot be allocated is no choice
-        ring = with_device_slack(plan.slots, inplace=False)
-        device = min(n, ring.device_in) * c + min(n, ring.device_out) * c * out_ratio
+        device = device_ring_bytes(plan.slots, c, n, out_ratio=out_ratio)
         if device > profile.total_memory:
-            too_large.append(rows.pop())
-    if not rows and too_large:  # none fits: the smallest, whose allocation then says what is missing
-        rows = [min(too_large)]
+            too_large.append((c, device, device_ring_slots(plan.slots, n)))
+            return
+        rows.append((c, n, predicted))
+
+    for c in cands:
+        consider(max(align, (min(c, total_bytes) // align) * align))
+    if not rows and too_large and candidates is None:
+        # no candidate's rings fit the device: smaller chunks (halving, whole rows), the largest that fits
+        c = min(seen)
+        while not rows and c > align:
+            c = max(align, c // 2 // align * align)
+            consider(c)
+    if not rows and too_large:
+        c, need, (din, dout) = min(too_large)
+        what = " (the smallest candidate)" if candidates is not None else (
+            " (one row, the smallest)" if c == align > 1 else " (the smallest)")
+        fix = ("give smaller candidates, or leave them to the planner" if candidates is not None else
+               "plan for a device with more memory (a hardware profile of a larger total_memory)"
+               + (", or rows of fewer bytes" if c == align > 1 else ""))
+        raise ValueError(f"no chunk fits the device's memory: chunk_bytes of {c} bytes{what} needs {need:.0f} bytes "
+                         f"of device rings ({din} device-in and {dout} device-out slots), more than the hardware "
+                         f"profile's total_memory of {profile.total_memory} bytes; {fix}")
     if not rows:
         raise ValueError(f"no chunk size's planned pinned rings fit a pinned_budget of {pinned_budget} bytes; raise "
                          "pinned_budget, or give chunk_bytes (planned rings then shrink to fit the budget)")

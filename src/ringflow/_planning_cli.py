@@ -119,6 +119,8 @@ def plan_command(args) -> int:
         ValueError: the ``--compare`` file cannot be read or is not a bench result.
         ValueError: ``--profile`` names no built-in profile, or a file that is not a valid
             profile (:class:`~ringflow._device.hardware.ProfileError`, naming the field).
+        ValueError: the device rings of ``--chunk`` do not fit the profile's ``total_memory``, or
+            with ``--chunk auto`` those of no chunk do (naming chunk_bytes and total_memory).
     """
     from rich.console import Console
     from rich.table import Table
@@ -146,6 +148,12 @@ def plan_command(args) -> int:
     slots = plan.plan_slots(t)
     # a whole array's pipeline keeps no more slots in a ring than it has chunks (resolve_slots)
     slots = dataclasses.replace(slots, slots=plan.cap_slots(slots.slots, n))
+    need = plan.device_ring_bytes(slots.slots, chunk, n)
+    if need > profile.total_memory:  # (a chosen chunk's rings fit: choose_chunk_bytes saw to it)
+        din, dout = plan.device_ring_slots(slots.slots, n)
+        raise ValueError(f"--chunk {chunk} bytes: its device rings ({din} device-in and {dout} device-out slots) "
+                         f"need {need:.0f} bytes, more than the total_memory of {profile.total_memory} bytes of "
+                         f"profile {profile.name}{where}; give a smaller --chunk, or --chunk auto to plan one that fits")
     console = Console()
     # names from the profile and the bench file are the user's text, not markup
     table = Table(title=printable(f"{_human(total)} in chunks of {chunk / 2**20:g} MiB x {n} on profile "
