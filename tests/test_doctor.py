@@ -497,11 +497,10 @@ def test_plan_refuses_a_profile_whose_total_memory_is_not_a_byte_count(tmp_path,
 
 
 def test_plan_on_a_profile_of_little_device_memory_plans_only_rings_that_fit(tmp_path, capsys):
-    """A profile of 1 KiB of device memory is a valid profile: `plan` printed 64 KiB chunks,
-    whose device rings cannot be allocated there, and took any --chunk. It plans chunks whose
-    rings fit, refuses a --chunk whose rings do not (naming --chunk and total_memory), and a
-    device too small for any chunk's rings is refused naming chunk_bytes and total_memory; one
-    line each, exit 1, never a traceback."""
+    """A profile of 1 KiB of device memory is a valid profile. `plan` plans chunks whose device
+    rings fit there (not 64 KiB chunks, whose rings need 384 KiB), refuses a --chunk whose rings
+    do not (naming --chunk and total_memory), and refuses a device too small for any chunk's
+    rings naming chunk_bytes and total_memory; one line each, exit 1, never a traceback."""
     import dataclasses
 
     from ringflow import _plan as plan

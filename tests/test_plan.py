@@ -479,11 +479,11 @@ def test_a_simulated_run_on_the_gen4_profile_agrees_with_the_plan(ms_per_mib):
 
 
 def test_an_uncosted_compute_is_planned_at_what_the_simulated_gpu_charges_a_launch():
-    """A compute with no ``sim_seconds`` was planned as free, while the simulated GPU charges each
-    launch at least the profile's ``kernel_min_s``. On a profile whose shortest kernel is 1 ms,
-    64 MiB in place from pinned memory (one compute stream: no measured taper) took what the
-    plan predicts within 10%, with ``chunk_bytes="auto"`` and with 1 MiB chunks, and the plan of
-    1 MiB chunks charges the 1 ms per chunk."""
+    """A compute with no ``sim_seconds`` is planned at what the simulated GPU charges each of its
+    launches (at least the profile's ``kernel_min_s``), not as free. On a profile whose shortest
+    kernel is 1 ms, 64 MiB in place from pinned memory (one compute stream: no measured taper)
+    takes what the plan predicts within 10%, with ``chunk_bytes="auto"`` and with 1 MiB chunks,
+    and the plan of 1 MiB chunks charges the 1 ms per chunk."""
     p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-kernels", kernel_min_s=1e-3)
     total = 64 * MiB
     dev = rf.device("sim", profile=p, checked=False)
@@ -807,9 +807,9 @@ def test_an_auto_chunk_fits_the_device_rings_in_the_profiles_memory():
 
 @pytest.mark.parametrize("total_memory", [1 << 10, 4000, 100])
 def test_an_auto_chunk_is_planned_within_a_small_device_memory(total_memory):
-    """A profile of a GPU with 1 KiB of memory (or less): no candidate chunk's device rings fit,
-    and the planner chose the smallest candidate, 64 KiB, whose rings need 384 KiB. It plans only
-    what fits now: smaller chunks, the largest whose rings fit."""
+    """A profile of a GPU with 1 KiB of memory (or less): no candidate chunk's device rings fit
+    (the smallest candidate's, 64 KiB, need 384 KiB). The planner plans only what fits: smaller
+    chunks, the largest whose rings fit, not a chunk that cannot be allocated."""
     p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="tiny-memory", total_memory=total_memory)
     total = 64 * MiB
     for out_ratio in (1.0, 0.5, 2.0):
