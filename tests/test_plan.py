@@ -653,6 +653,41 @@ def test_a_simulated_host_stages_at_its_profiles_curve_as_the_plan_says():
     assert seen[1] > 1.3 * seen[2] > 1.3 ** 2 * seen[4] and seen[8] < 0.85 * seen[4]
 
 
+def staged_job_report(profile, x, chunk_bytes, workers):
+    """The report of a profiled call of a staged MapJob (ordinary memory in and out) on a new
+    simulated GPU of ``profile``, after one call unprofiled."""
+    dev = rf.device("sim", profile=profile, checked=False)
+    try:
+        with rf.MapJob(lambda a, b: None, x, device=dev, chunk_bytes=chunk_bytes, workers=workers,
+                       host="stage") as job:
+            job()
+            job(profile=True)
+            return job.report()
+    finally:
+        dev.close()
+
+
+@pytest.mark.parametrize("measured_host_s", [None, 1e-3], ids=["fit", "profile's"])
+def test_a_staged_job_of_small_chunks_takes_the_schedulers_host_time_the_plan_charges(measured_host_s):
+    """64 chunks of 64 KiB staged in and out: the planner charges each the scheduler's host time
+    (host_seconds_per_chunk: the profile's staged_chunk_host_s, or the fit), which bounds the
+    job. The simulated GPU spends the same time per chunk, as the planner counts it (a resource
+    of one lane beside the stages), so the simulated time is the planned one within 10% (without
+    it, a fraction of that), the same on every run; the report's bound counts that host time and
+    names the scheduler as the bottleneck."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="staged-host", staged_chunk_host_s=measured_host_s)
+    x = np.random.default_rng(0).random(MiB, dtype=np.float32)  # 4 MiB
+    chunk = 64 << 10
+    t, predicted = plan.predict_seconds(p, x.nbytes, chunk, workers=4)
+    assert t.bottleneck == "scheduler (host)" and t.scheduler == plan.host_seconds_per_chunk(p, True)
+    report = staged_job_report(p, x, chunk, 4)
+    assert report.chunks == 64
+    assert report.measured_s == pytest.approx(predicted, rel=0.10)
+    assert staged_job_report(p, x, chunk, 4).measured_s == report.measured_s  # deterministic
+    assert report.bottleneck == "scheduler (host)"
+    assert 0.8 < report.efficiency <= 1.0 + 1e-9, report.headline()
+
+
 def test_a_simulated_pool_larger_than_the_work_copies_as_fast_as_the_work_allows():
     """The simulated worker pool charges a copy at its share of the rate of the tasks running as
     it starts, so a pool of 64 takes what a pool with one worker per chunk of the job takes (32:

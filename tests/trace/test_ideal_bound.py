@@ -7,6 +7,7 @@ copying 1 MB in 1 ms. A stage served by W workers may run W chunks at once, so a
 that lets chunks pass a CPU stage only one interval apart after a first chunk overshoots.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -145,6 +146,26 @@ def test_host_stages_run_inline_count_on_the_scheduler_thread_not_the_pool():
     # on a pool of 4: 8 chunks x 2 s / 4 workers; inline, one thread does all 16 s
     assert ideal_seconds(pooled, 4) == pytest.approx(max(16 / 4, 2 * 1.0 + 1.3))
     assert ideal_seconds(inline, 4) == pytest.approx(16.0)
+
+
+def test_the_schedulers_host_work_counts_as_a_resource_of_one_lane_before_what_waits_for_it():
+    """Four chunks of 0.1 s stages, all accepted at 0, each consume waiting for 1 s of the
+    scheduler's host work for its chunk (the simulated GPU's model of a staged chunk's host
+    time, one chunk's after another's): no run beats 4 x 1 s and the last consume after it,
+    4.1 s, which the stages alone put at 0.8 s; the scheduler is the bottleneck, and its host
+    work a span of its own in the trace."""
+    recs = []
+    for i in range(4):
+        stages = {s: (0.1 * k, 0.1 * (k + 1)) for k, s in enumerate(STAGES[:-1])}
+        stages["consume"] = (i + 1.0, i + 1.1)
+        recs.append(ChunkRecord(index=i, nbytes=1, final="delivered", accepted=0.0, ended=i + 1.1, stages=stages,
+                                scheduler=(float(i), i + 1.0)))
+    assert ideal_seconds([dataclasses.replace(r, scheduler=None) for r in recs], 1) == pytest.approx(0.8)
+    assert ideal_seconds(recs, 1) == pytest.approx(4 * 1.0 + 0.1)
+    rep = Report.build(Timeline(records=recs), workers=1, memory={}, host_seconds=0.0)
+    assert rep.bottleneck == "scheduler (host)" and rep.efficiency == pytest.approx(1.0)
+    spans = [s for s in Timeline(records=recs).spans() if s.name == "scheduler"]
+    assert [(s.track, s.chunk, s.duration) for s in spans] == [("cpu: scheduler", i, 1.0) for i in range(4)]
 
 
 def test_report_uses_the_bound_and_names_the_busiest_resource():

@@ -781,9 +781,27 @@ class WorkerPool(_ClosedOnExit):
     workers: int
 
     @abc.abstractmethod
-    def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0, sim_seconds: float | None = None) -> HostTask:
+    def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0, sim_seconds: float | None = None,
+               after: Any = None) -> HostTask:
         """Run ``fn(*args)`` on a worker. ``nbytes`` (bytes the job copies) and ``sim_seconds``
-        set its duration on the simulated GPU's virtual clock; a real pool ignores both."""
+        set its duration on the simulated GPU's virtual clock, and ``after`` (what
+        :meth:`host_work` returned, or None) host work it starts after; a real pool ignores all
+        three."""
+
+    def host_work(self, seconds: float) -> Any:
+        """Host work of ``seconds`` that a model says the pool's submitter does (the scheduler's
+        time per staged chunk, ``ringflow._plan.host_seconds_per_chunk``), for :meth:`submit`'s
+        ``after``. A real pool returns None: its host spends its own time. The simulated pool
+        runs it on a lane of the submitter's own, one piece after another, beside everything
+        else (the submitter is not held meanwhile), and returns a token whose ``span`` is the
+        ``(start, end)`` of that virtual time once it is done.
+
+        Raises:
+            TypeError: ``seconds`` is not a real number.
+            ValueError: ``seconds`` is negative, NaN or more than :data:`MAX_SIM_SECONDS`.
+        """
+        check_seconds(seconds, "host_work(seconds)")
+        return None
 
     @abc.abstractmethod
     def close(self) -> None:

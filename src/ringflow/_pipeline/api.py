@@ -402,14 +402,15 @@ class Pipeline(Uncopyable):
     @classmethod
     def _for_whole_array(cls, compute: Callable, *, prepare: Callable, consume: Callable, item_nbytes: Callable,
                          host_in_buffer, host_out_buffer, max_chunks: int, host_strides: tuple = (None, None),
-                         **options: Any) -> "Pipeline":
+                         host_s_per_chunk: Optional[float] = None, **options: Any) -> "Pipeline":
         """A pipeline for a whole-array job (:mod:`.scheduled`): its stage callbacks describe or
         stage rows of the caller's arrays, and its host rings may be the caller's pinned memory
-        (chunk i of each at ``i *`` its stride in ``host_strides``)."""
+        (chunk i of each at ``i *`` its stride in ``host_strides``). ``host_s_per_chunk``: the
+        scheduler's host seconds per chunk, charged on the simulated GPU (see :class:`Scheduler`)."""
         pipe = object.__new__(cls)
         pipe._build(compute, stage_prepare=prepare, consume=consume, item_nbytes=item_nbytes,
                     host_in_buffer=host_in_buffer, host_out_buffer=host_out_buffer, max_chunks=max_chunks,
-                    bulk=True, host_strides=host_strides, **options)
+                    bulk=True, host_strides=host_strides, host_s_per_chunk=host_s_per_chunk, **options)
         return pipe
 
     def _build(self, compute: Callable, *, device=None, user_prepare: Optional[Callable] = None,
@@ -419,7 +420,8 @@ class Pipeline(Uncopyable):
                item_nbytes=None, pinned_budget=None, host_in_buffer=None, host_out_buffer=None,
                max_chunks: Optional[int] = None, bulk: bool = False, output=None, deliver: str = "host",
                processes: bool = False, like: Optional[str] = None, fill: Optional[str] = None,
-               host_strides: tuple = (None, None), coalesce: bool = False) -> None:
+               host_strides: tuple = (None, None), coalesce: bool = False,
+               host_s_per_chunk: Optional[float] = None) -> None:
         self._closed = True  # until built: a finaliser or close() on a half-built pipeline does nothing
         self._procs = None  # processes=True: the prepare processes (ProcessPrepare)
         if not callable(compute):
@@ -521,7 +523,8 @@ class Pipeline(Uncopyable):
                                     host_in_buffer=host_in_buffer, host_out_buffer=host_out_buffer,
                                     results=results, source_of=source_of,
                                     host_in_memory=procs.open if procs else None, procs=procs,
-                                    convert=convert, host_strides=host_strides)
+                                    convert=convert, host_strides=host_strides,
+                                    host_s_per_chunk=host_s_per_chunk)
         except BaseException:
             if procs is not None:
                 procs.close()

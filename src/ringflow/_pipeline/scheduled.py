@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from .. import _plan as plan
 from .._device.protocol import close_quietly
 from .api import Pipeline
 from .engine import Arrays
@@ -75,8 +76,11 @@ class ScheduledEngine:
 
             def output(item):
                 return (item[1] - item[0],) + out_tail, out_dtype
+        # a staged job's chunks cost the scheduler the host time the planner charges them (its
+        # predict_seconds with host_stages): the simulated GPU spends it too (WorkerPool.host_work)
+        host_s = plan.host_seconds_per_chunk(layout.device.hardware, True) if any(layout.staged) else None
         pipe = Pipeline._for_whole_array(self.f, prepare=prepare, consume=consume, item_nbytes=item_nbytes,
-                                         host_in_buffer=host_in, host_out_buffer=host_out,
+                                         host_in_buffer=host_in, host_out_buffer=host_out, host_s_per_chunk=host_s,
                                          max_chunks=layout.n_chunks, device=layout.device,
                                          chunk_bytes=layout.chunk_bytes, profile=profile, output=output,
                                          host_strides=(layout.in_chunk_bytes, layout.out_chunk_bytes),

@@ -108,7 +108,7 @@ class Scheduler:
                  on_chunk_end: Optional[Callable[[Chunk], None]] = None, host_in_buffer=None, host_out_buffer=None,
                  results=None, source_of: Optional[SourceOf] = None, host_in_memory=None,
                  convert: Optional[Callable[[Any], Any]] = None, host_strides: tuple = (None, None),
-                 procs: Optional[ProcessPrepare] = None):
+                 procs: Optional[ProcessPrepare] = None, host_s_per_chunk: Optional[float] = None):
         """``host_in_buffer``/``host_out_buffer``: the caller's pinned or registered memory holding
         every chunk's input / receiving every chunk's output back to back (chunk i at
         ``i * stride``: ``host_strides`` for input and output, each ``chunk_bytes`` when None).
@@ -133,7 +133,17 @@ class Scheduler:
         array over the same memory). ``procs``: with ``processes=True``, the prepare processes
         (:class:`~.processes.ProcessPrepare`, which ``prepare`` calls): a cancel of a chunk
         kills the worker running its prepare (:meth:`stop_prepare`), and the scheduler owns
-        them: they close once the rings are released (never raising)."""
+        them: they close once the rings are released (never raising).
+
+        ``host_s_per_chunk``: the host seconds the planner charges the scheduler for each chunk
+        (a staged whole-array job's: ``_plan.host_seconds_per_chunk``): each chunk's, from its
+        admission, is host work of the pool's submitter (``WorkerPool.host_work``) that the
+        chunk's last pool task (its consume, or its prepare where the result is not staged) comes
+        after. The simulated GPU runs it on a lane of its own, one chunk's after another's, as the
+        planner counts it: a resource beside the stages, one chunk at a time, which bounds a run
+        only where it is the slowest (the first tasks of a run are not held back by it, so the
+        workers start together, as the planner has them). A real GPU's host spends its own time.
+        None: no such work."""
         hooks = current_hooks()
         guard_off = refuse_unknown_guards(hooks.guards_off, GUARDS)
         slot_hook = hooks.slot_hook
@@ -163,6 +173,7 @@ class Scheduler:
         self._guard_off = guard_off
         self._on_chunk_end = on_chunk_end
         self._sim_compute = getattr(compute, "sim_seconds", None)
+        self._host_s_per_chunk = host_s_per_chunk
         self._profile = config.profile  # timing events recorded (start marks are recorded only then)
 
         self._rings: list[Ring] = []
@@ -643,6 +654,8 @@ class Scheduler:
                 self._end(chunk, ChunkState.FAILED)
                 continue
             self._accepted_q.append(chunk)
+            if self._host_s_per_chunk is not None:
+                chunk.host_work = self.pool.host_work(self._host_s_per_chunk)
             admitted = True
         return admitted
 
@@ -885,7 +898,9 @@ class Scheduler:
                 self._on_prepared(chunk, failing="item_nbytes")
                 progressed = True
                 continue
-            chunk.prepare_task = self.pool.submit(self._run_prepare, chunk, slot.where, nbytes=nbytes)
+            # (the scheduler's host work for the chunk comes before its last pool task: see __init__)
+            chunk.prepare_task = self.pool.submit(self._run_prepare, chunk, slot.where, nbytes=nbytes,
+                                                  after=chunk.host_work if self.host_out.external else None)
             slot.fence = chunk.prepare_task
             self._h2d_q.append(chunk)
             progressed = True
@@ -987,7 +1002,8 @@ class Scheduler:
             chunk.consume_task = _InlineTask(self.device, self._run_consume, chunk, slot.where)
             self._on_consumed(chunk)
             return
-        chunk.consume_task = self.pool.submit(self._run_consume, chunk, slot.where, nbytes=chunk.out_nbytes)
+        chunk.consume_task = self.pool.submit(self._run_consume, chunk, slot.where, nbytes=chunk.out_nbytes,
+                                              after=chunk.host_work)
         if "host_out.release_after_consume" in self._guard_off:
             self._free(self.host_out, slot)  # the fault under test: freed (poisoned) while the consumer reads
             chunk.host_out = None

@@ -32,6 +32,7 @@ from .timeline import GPU_STAGES, STAGES, ChunkRecord, Timeline
 
 CPU_POOL = "cpu (prepare+consume)"
 CPU_INLINE = "cpu inline (prepare+consume)"
+SCHEDULER = "scheduler (host)"  # the scheduler's host work per chunk (ChunkRecord.scheduler), as the planner names it
 
 
 def _pct(values, q) -> float:
@@ -100,7 +101,10 @@ def ideal_seconds(records: Sequence[ChunkRecord], workers: int, compute_lanes: i
       (or the ``ceil(2n / lanes)`` shortest pieces).
 
     Copies taken while the other direction ran shared the link, and their times say so. The
-    scheduler's own host time is not counted (it is not a stage span).
+    scheduler's host work for a chunk (``ChunkRecord.scheduler``: the simulated GPU's model of its
+    time per staged chunk) is a resource of one lane too, after the chunk was accepted and before
+    those of its stages that start once it is done; the scheduler's other host time is not
+    counted (it is no span).
 
     Args:
         records: the run's delivered chunks; a stage missing from a record takes no time.
@@ -121,6 +125,11 @@ def ideal_seconds(records: Sequence[ChunkRecord], workers: int, compute_lanes: i
         d = {s: _duration(r, s) for s in STAGES}
         latency = sum(d.values())
         bound = max(bound, latency)
+        if r.scheduler is not None:  # the stages that waited for it follow it, one after another
+            lanes[SCHEDULER] = 1
+            after = sum(d[s] for s in STAGES if s in r.stages and r.stages[s][0] >= r.scheduler[1])
+            pieces.setdefault(SCHEDULER, {}).setdefault("scheduler", []).append(
+                (max(0.0, r.scheduler[1] - r.scheduler[0]), 0.0, after))
         before = 0.0
         for stage in STAGES:
             if stage in r.stages:
@@ -143,6 +152,8 @@ def bottleneck_of(records: Sequence[ChunkRecord], workers: int, compute_lanes: i
     workers = max(1, int(workers))
     load = {"h2d": 0.0, "compute": 0.0, "d2h": 0.0, CPU_POOL: 0.0}
     for r in records:
+        if r.scheduler is not None:
+            load[SCHEDULER] = load.get(SCHEDULER, 0.0) + max(0.0, r.scheduler[1] - r.scheduler[0])
         for stage in r.stages:
             if stage in STAGES:
                 res, n_lanes = _resource(r, stage, workers, compute_lanes)
@@ -166,7 +177,8 @@ class Report:
         stage_spread_s: per stage, the ``(p10, p90)`` of a chunk's duration, seconds.
         workers: CPU worker lanes the ideal bound counts.
         bottleneck: the resource with the most work per chunk over its lanes (``"h2d"``,
-            ``"compute"``, ``"d2h"``, ``"cpu (prepare+consume)"``; ``"none"`` without chunks).
+            ``"compute"``, ``"d2h"``, ``"cpu (prepare+consume)"``, ``"scheduler (host)"`` where the
+            scheduler's host work per chunk was recorded; ``"none"`` without chunks).
         ideal_s: the ideal bound, seconds: the least time the chunks' own stage times allow.
         efficiency: ``ideal_s / measured_s`` (NaN when nothing was measured).
         latency_s: a chunk's accepted-to-ended time at ``"p50"``, ``"p95"`` and ``"p99"``, seconds.

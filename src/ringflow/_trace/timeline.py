@@ -51,6 +51,9 @@ class ChunkRecord:
     stages: dict  # stage -> (start, end)
     # the host stages that ran on the worker pool; the others ran inline on the scheduler's thread
     pooled: tuple = ("prepare", "consume")
+    # (start, end) of the scheduler's host work for this chunk, which its pool tasks came after
+    # (WorkerPool.host_work: the simulated GPU's model of its time per staged chunk), or None
+    scheduler: Optional[tuple] = None
 
     @property
     def latency(self) -> float:
@@ -110,7 +113,7 @@ def record_chunk(chunk, anchor: Optional[Anchor]) -> ChunkRecord:
                 stages[stage] = span
     return ChunkRecord(index=chunk.index, nbytes=chunk.nbytes, final=_final(chunk),
                        accepted=st.get("accepted", 0.0), ended=st.get("ended", 0.0), stages=stages,
-                       pooled=tuple(pooled))
+                       pooled=tuple(pooled), scheduler=getattr(chunk.host_work, "span", None))
 
 
 def _final(chunk) -> str:
@@ -160,6 +163,8 @@ class Timeline:
                 if stage in r.stages:
                     a, b = r.stages[stage]
                     out.append(Span(TRACKS[stage], stage, a, b, r.index, {"bytes": r.nbytes}))
+            if r.scheduler is not None:
+                out.append(Span(SCHEDULER_TRACK, "scheduler", *r.scheduler, r.index))
         return out + list(self.host) + list(self.stalls)
 
     @property
@@ -184,6 +189,8 @@ TRACKS = {"prepare": "cpu: prepare", "h2d": "gpu: h2d stream", "compute": "gpu: 
           "d2h": "gpu: d2h stream", "consume": "cpu: consume"}
 # the direct engine's host work: enqueueing a chunk's operations (it has no prepare or consume)
 ENQUEUE_TRACK = "cpu: enqueue"
+# the scheduler's host work for a chunk (ChunkRecord.scheduler)
+SCHEDULER_TRACK = "cpu: scheduler"
 
 
 def assign_lanes(spans: list[Span]) -> list[Span]:
@@ -208,5 +215,5 @@ def track_sort_key(track: str):
     """Stage tracks in pipeline order (each with its lanes), then every other track by name."""
     base = track.split(" [")[0]
     lane = int(track.split(" [")[1].rstrip("]")) if " [" in track else 0
-    order = [TRACKS["prepare"], ENQUEUE_TRACK] + [TRACKS[s] for s in STAGES[1:]]
+    order = [SCHEDULER_TRACK, TRACKS["prepare"], ENQUEUE_TRACK] + [TRACKS[s] for s in STAGES[1:]]
     return (order.index(base) if base in order else len(order), base, lane)

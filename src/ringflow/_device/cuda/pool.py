@@ -169,8 +169,9 @@ class ThreadWorkerPool(WorkerPool):
         self._on_close = on_close
         self._on_task_done = on_task_done  # called once each task's future is done
 
-    def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0, sim_seconds: float | None = None) -> HostTask:
-        """Run ``fn(*args)`` on a worker thread; ``nbytes``/``sim_seconds`` only matter on the sim.
+    def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0, sim_seconds: float | None = None,
+               after: Any = None) -> HostTask:
+        """Run ``fn(*args)`` on a worker thread; ``nbytes``/``sim_seconds``/``after`` only matter on the sim.
 
         Raises:
             TypeError: ``fn`` is not callable.

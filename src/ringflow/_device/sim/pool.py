@@ -9,6 +9,12 @@ the pool's tasks running at that instant, itself included (the device's share of
 rate, :class:`~.host.SimHost`; fixed when the task starts), plus whatever the callable charged
 with :func:`charge`. A worker with nothing to do takes no share: a pool larger than the work
 offered to it copies as fast as the tasks it actually runs allow, as real threads do.
+
+:meth:`SimWorkerPool.host_work` stands for host work of the pool's submitter that a model
+counts (the scheduler's time per staged chunk, a resource of its own beside the stages in the
+planner's model): an op of that many seconds on a lane of the pool's own, one after another,
+which the submitting thread does not wait for; a task submitted ``after`` it starts once it is
+done.
 """
 
 from __future__ import annotations
@@ -36,6 +42,21 @@ def charge(seconds: float) -> None:
     task = getattr(_current, "task", None)
     if task is not None:
         task._charged += seconds
+
+
+class SimHostWork:
+    """Host work of a pool's submitter on the simulated clock (:meth:`SimWorkerPool.host_work`)."""
+
+    __slots__ = ("op",)
+
+    def __init__(self, op: Op):
+        self.op = op
+
+    @property
+    def span(self) -> "tuple[float, float] | None":
+        """(start, end) of its virtual time once done, else None."""
+        op = self.op
+        return None if op.done_at is None else (op.started_at, op.done_at)
 
 
 class SimHostTask(HostTask):
@@ -130,6 +151,9 @@ class SimWorkerPool(WorkerPool):
         self.actor_prefix = f"pool{self.id}"
         self._resource = f"host pool {self.id}"
         self._queue = dev._engine.add_queue(self._resource, resource=self._resource, lanes=workers)
+        # the submitter's host work (host_work): one lane, in the order it is given
+        self._host_resource = f"{self._resource} submitter"
+        self._host_queue = dev._engine.add_queue(self._host_resource, resource=self._host_resource, lanes=1)
         self._free_lanes = list(range(workers - 1, -1, -1))
         # The checker's actors for this pool's tasks. A task takes one whose previous task its
         # submitter has seen finish (so the two really are ordered), else a new one: a task
@@ -151,7 +175,16 @@ class SimWorkerPool(WorkerPool):
         self._running_actors.add(actor)
         return actor
 
-    def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0, sim_seconds: float | None = None) -> SimHostTask:
+    def host_work(self, seconds: float) -> SimHostWork:
+        seconds = check_seconds(seconds, "host_work(seconds)")
+        with self._dev._lock:
+            if self._closed:
+                raise RuntimeError("this worker pool is closed; create a new one")
+            return SimHostWork(self._dev._engine.enqueue(Op(self._host_queue, "submitter's host work",
+                                                            resource=self._host_resource, seconds=seconds)))
+
+    def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0, sim_seconds: float | None = None,
+               after: "SimHostWork | None" = None) -> SimHostTask:
         dev = self._dev
         with dev._lock:
             if self._closed:
@@ -163,12 +196,15 @@ class SimWorkerPool(WorkerPool):
             nbytes = int(nbytes)
             if sim_seconds is not None:
                 sim_seconds = check_seconds(sim_seconds, "submit sim_seconds")
+            if after is not None and not (isinstance(after, SimHostWork) and after.op.queue is self._host_queue):
+                raise ValueError(f"submit after= takes what this pool's host_work returned, got {after!r}")
             dev._host_api()
             snapshot = dev._checker.snapshot(dev._actor())
             dev._checker.tick(dev._actor())
             task = SimHostTask(self, fn, args, sim_seconds, nbytes, snapshot)
             task.op = dev._engine.enqueue(Op(self._queue, f"host task {getattr(fn, '__name__', 'fn')}",
                                              resource=self._resource, seconds=0.0,
+                                             deps=[] if after is None or after.op.done else [after.op],
                                              on_start=task._run, on_complete=task._done))
             return task
 
@@ -181,11 +217,14 @@ class SimWorkerPool(WorkerPool):
             # a dead context runs nothing more, and a closed device completed every task as it closed
             if dev._sticky is not None or dev.closed:
                 dev._engine.remove_queue(self._queue)
+                dev._engine.remove_queue(self._host_queue)
                 self._retire_actors()
                 return
-            dev._block_until(lambda: not self._queue.pending and not dev._engine._busy[self._resource],
-                             what="worker pool drain")
+            busy = dev._engine._busy
+            dev._block_until(lambda: not self._queue.pending and not busy[self._resource] and not
+                             self._host_queue.pending and not busy[self._host_resource], what="worker pool drain")
             dev._engine.remove_queue(self._queue)
+            dev._engine.remove_queue(self._host_queue)
             self._retire_actors()
 
     def _retire_actors(self) -> None:
