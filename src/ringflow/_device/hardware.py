@@ -508,7 +508,9 @@ def pcie4_x16(base: HardwareProfile = H200_PCIE5) -> HardwareProfile:
 PCIE4_X16 = pcie4_x16()
 
 # A small, round-numbered profile for tests whose expected values are computed by hand:
-# 1 GB/s copies of any size, 2 GB/s when both directions run, no host overheads.
+# 1 GB/s copies of any size, 2 GB/s when both directions run, no launch, copy, event or host-task
+# overheads. It has no measured host time per chunk, so the planner, and the simulated GPU's
+# staged whole-array jobs, charge the scheduler the built-in fit (_plan.host_seconds_per_chunk).
 UNIT_TEST = HardwareProfile(
     name="unit",
     h2d_curve=((1, 1.0), (1 << 40, 1.0)),
