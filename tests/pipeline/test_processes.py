@@ -673,6 +673,37 @@ def test_workers_end_when_the_pipelines_process_is_killed_leaving_a_forked_child
         assert running(info["child"])
 
 
+@pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="no fork() here")
+def test_a_child_forked_while_a_worker_starts_closes_that_workers_lifeline(dev, monkeypatch, segments):
+    """A fork on another thread while a worker was being started (its lifeline made, the worker
+    not yet in its pool's list) left the child a copy of that worker's lifeline, which would
+    keep the worker alive as long as the child once the pipeline's process was killed. Every
+    lifeline's write end is closed in a forked child, a worker's still starting too."""
+    import multiprocessing.context
+
+    real_start = multiprocessing.context.ForkServerProcess.start
+    closed_in_child = []
+
+    def start(process):
+        if not closed_in_child:
+            fd = sys._getframe(1).f_locals["lifeline"].fileno()  # (_Worker.__init__'s write end)
+            pid = os.fork()
+            if pid == 0:  # the child: is its copy of that end closed?
+                try:
+                    os.fstat(fd)
+                except OSError:
+                    os._exit(0)
+                os._exit(1)
+            closed_in_child.append(os.waitpid(pid, 0)[1] == 0)
+        return real_start(process)
+
+    monkeypatch.setattr(multiprocessing.context.ForkServerProcess, "start", start)
+    with rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.ramp, processes=True, workers=1) as pipe:
+        out = list(pipe.map(range(2)))
+    assert all(np.array_equal(r, pp.ramp(i) * 2 + 1) for i, r in enumerate(out))
+    assert closed_in_child == [True]
+
+
 def running_of(pids: list) -> list:
     """Those of ``pids`` that are :func:`running`."""
     return [p for p in pids if running(p)]

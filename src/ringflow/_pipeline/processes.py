@@ -81,6 +81,9 @@ EXIT_GRACE_S = 5.0  # how long a worker told to exit (its pipe closed) has befor
 # same way each time, and a new one for every item would print its error for every item
 START_FAILURES = 3
 _POOLS: "weakref.WeakSet[ProcessPrepare]" = weakref.WeakSet()  # every pool opened in this process
+# the write end of every worker's lifeline that this process holds, from the moment it is made (a
+# worker still starting is in no pool's list yet): a forked child closes its copies of them all
+_LIFELINES: set = set()
 
 
 def _disown_in_child() -> None:
@@ -88,26 +91,35 @@ def _disown_in_child() -> None:
     exit, which runs multiprocessing's at-exit join of its children, does not try to join the
     parent's (an AssertionError traceback, 'can only join a child process'), and close the
     child's copies of their lifelines (:func:`_end_with`), so that a child left running does not
-    keep them alive once the parent has gone. Never raises."""
+    keep them alive once the parent has gone (those of workers still starting on another thread
+    as the fork came too: :data:`_LIFELINES`). Never raises."""
+    try:
+        lifelines = list(_LIFELINES)
+        _LIFELINES.clear()
+    except Exception:  # noqa: BLE001 - at fork: nothing may fail there
+        lifelines = []
+    for lifeline in lifelines:
+        try:
+            lifeline.close()
+        except Exception:  # noqa: BLE001 - at fork: nothing may fail there
+            pass
     try:
         workers = [worker for pool in list(_POOLS) for worker in list(pool._all)]
-    except Exception:  # noqa: BLE001 - at fork: nothing may fail there
-        return
-    try:
         children = multiprocessing.process._children  # (multiprocessing's own set of the children to join)
         for worker in workers:
             children.discard(worker.process)
     except Exception:  # noqa: BLE001 - at fork: nothing may fail there
         pass
-    for worker in workers:
-        try:
-            worker.lifeline.close()
-        except Exception:  # noqa: BLE001 - at fork: nothing may fail there
-            pass
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork()
     os.register_at_fork(after_in_child=_disown_in_child)
+
+
+def _cut(lifeline: Any) -> None:
+    """Close a lifeline's write end and forget it (:data:`_LIFELINES`)."""
+    _LIFELINES.discard(lifeline)
+    lifeline.close()
 
 
 class _Worker:
@@ -124,12 +136,13 @@ class _Worker:
         self.stopped = False  # stop_task() killed it for its task: that task ends PrepareStopped
         conn, child = ctx.Pipe()
         watched, lifeline = ctx.Pipe(duplex=False)
+        _LIFELINES.add(lifeline)  # (before the start: a fork meanwhile closes the child's copy)
         try:
             self.process = ctx.Process(target=_serve, args=(child, name, prepare, watched), name="ringflow-prepare")
             self.process.start()
         except BaseException:
             conn.close()
-            lifeline.close()
+            _cut(lifeline)
             raise
         finally:
             child.close()  # (the worker has its own copies of these now)
@@ -159,13 +172,13 @@ class _Worker:
         try:
             self.conn.close()
             if os.getpid() != self.owner:
-                self.lifeline.close()
+                _cut(self.lifeline)
                 return
             self.process.join(grace)
             if self.process.exitcode is None:
                 self.kill()
                 self.process.join()
-            self.lifeline.close()  # (after its exit: closed first, it would cut short an exit under way)
+            _cut(self.lifeline)  # (after its exit: closed first, it would cut short an exit under way)
         except Exception:  # noqa: BLE001 - cleanup never raises
             pass
 
