@@ -688,6 +688,24 @@ def test_a_staged_job_of_small_chunks_takes_the_schedulers_host_time_the_plan_ch
     assert 0.8 < report.efficiency <= 1.0 + 1e-9, report.headline()
 
 
+def test_a_pool_that_does_not_model_host_work_is_never_asked_for_it(monkeypatch):
+    """A real GPU's worker pool spends no time for ``host_work`` (its host spends its own): the
+    scheduler asks such a pool for none, so a staged chunk pays no call for it, and the run takes
+    what it takes without that time (on the simulated GPU told so: the stages' time alone)."""
+    from ringflow._device.sim.pool import SimWorkerPool
+
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="staged-host", staged_chunk_host_s=400e-6)
+    x = np.random.default_rng(0).random(MiB, dtype=np.float32)
+    modelled = staged_job_report(p, x, 64 << 10, 4).measured_s
+    asked = []
+    real = SimWorkerPool.host_work
+    monkeypatch.setattr(SimWorkerPool, "models_host_work", False)
+    monkeypatch.setattr(SimWorkerPool, "host_work", lambda self, seconds: asked.append(seconds) or real(self, seconds))
+    report = staged_job_report(p, x, 64 << 10, 4)
+    assert asked == [] and report.chunks == 64
+    assert report.measured_s < modelled / 2
+
+
 def test_a_simulated_pool_larger_than_the_work_copies_as_fast_as_the_work_allows():
     """The simulated worker pool charges a copy at its share of the rate of the tasks running as
     it starts, so a pool of 64 takes what a pool with one worker per chunk of the job takes (32:

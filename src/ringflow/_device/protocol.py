@@ -779,6 +779,9 @@ class WorkerPool(_ClosedOnExit):
     """CPU workers for the host stages (staging copies release the GIL, so threads scale)."""
 
     workers: int
+    # whether host_work stands for time the pool spends (the simulated GPU's): a real host spends its
+    # own, and a caller then asks for none (nothing per chunk on a real GPU's scheduler)
+    models_host_work: bool = False
 
     @abc.abstractmethod
     def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0, sim_seconds: float | None = None,

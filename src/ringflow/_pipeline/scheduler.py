@@ -201,6 +201,8 @@ class Scheduler:
             self._rings = [ring for ring in (self.host_in, self.dev_in, self.dev_out, self.host_out)
                            if ring is not None]
             self.pool = device.create_worker_pool(config.workers)
+            if not self.pool.models_host_work:  # a real host spends the time itself: nothing to ask per chunk
+                self._host_s_per_chunk = None
         except BaseException:
             self._release_resources()
             raise

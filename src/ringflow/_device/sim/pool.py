@@ -143,6 +143,8 @@ class SimHostTask(HostTask):
 
 
 class SimWorkerPool(WorkerPool):
+    models_host_work = True  # (host_work runs on the virtual clock)
+
     def __init__(self, dev: "SimDevice", workers: int):
         workers = check_workers(workers)
         self._dev = dev
