@@ -1067,7 +1067,7 @@ class Pipeline(Uncopyable):
                         # read without the driver's lock, which the progress thread holds for a
                         # whole step: the look only decides whether to pull input, and the
                         # accepting call below decides again under the batch lock
-                        if not (s.has_capacity() or s.open_batch is not None):
+                        if not self._room_now():
                             break
                         if held >= held_limit:
                             # no item that shares a chunk fits the bytes held (each has some): the
@@ -1423,8 +1423,14 @@ class Pipeline(Uncopyable):
     def _amap_shared_bytes(self, item: Any) -> int:
         return item.nbytes if self._shares_chunk(item) else 0
 
-    def _amap_room(self) -> bool:
-        return self._sched.has_capacity() or self._sched.open_batch is not None  # (as map looks)
+    def _room_now(self) -> bool:
+        """Whether an item may find room now (a look without the lock, which only decides whether
+        to pull input; the accepting call decides again): capacity for a chunk of its own, or a
+        shared chunk still taking items."""
+        s = self._sched
+        return s.has_capacity() or s.open_batch is not None
+
+    _amap_room = _room_now  # (amap_window's look: as map's)
 
     def _amap_takes_more(self) -> bool:
         return self._sched.accepting
