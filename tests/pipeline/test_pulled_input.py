@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import ringflow as rf
+from tests.helpers.maps import take_each
 
 FAIL = -5.0  # an item whose first element is this makes the compute raise
 
@@ -216,14 +217,8 @@ def test_an_amap_of_small_items_runs_as_far_ahead_as_map(ordered):
     for face in ("map", "amap"):
         dev = rf.device("sim", seed=1)
         with rf.Pipeline(g, device=dev, chunk_bytes=1 << 18, ordered=ordered, checked=True) as pipe:
-            start = dev.now
-            if face == "map":
-                out = list(pipe.map(items))
-            else:
-                async def main():
-                    return [r async for r in pipe.amap(items)]
-
-                out = asyncio.run(main())
+            start, out = dev.now, []
+            take_each(pipe, face, items, out.append)
             runs[face] = (dev.now - start, pipe.scheduler.chunks_admitted)
         assert sorted(r[0] for r in out) == [2 * i for i in range(len(items))]
     (map_s, map_chunks), (amap_s, amap_chunks) = runs["map"], runs["amap"]
