@@ -137,6 +137,16 @@ MISTAKES = [
     (["plan", "--workers", "-3"], "plan", "argument --workers: '-3'"),
     (["plan", "--workers", "x"], "plan", "argument --workers: 'x'"),
     (["plan", "--workers", "2.5"], "plan", "argument --workers: '2.5'"),
+    # int() and float() read these as 10, 3 and 12; a number on the command line is ASCII digits only
+    (["plan", "--workers", "1_0"], "plan", "argument --workers: '1_0' is not a whole number of workers (use e.g. "),
+    (["plan", "--workers", "\u0663"], "plan", "argument --workers: '\u0663' is not a whole number of workers"),
+    (["plan", "--workers", "+3"], "plan", "argument --workers: '+3' is not a whole number of workers"),
+    (["plan", "--devices", "\uff11\uff12"], "plan", "argument --devices: '\uff11\uff12' is not a whole number of GPUs"),
+    (["plan", "--compute-ms-per-gib", "1_0"], "plan", "argument --compute-ms-per-gib: '1_0' is not a number of "
+     "milliseconds (use e.g. "),
+    (["plan", "--compute-ms-per-gib", "\u0663"], "plan", "argument --compute-ms-per-gib: '\u0663' is not a number"),
+    (["plan", "--bytes", "\u0663MiB"], "plan", "argument --bytes: '\u0663MiB' is not a size (use e.g. "),
+    (["plan", "--chunk", "\uff11\uff12MiB"], "plan", "argument --chunk: '\uff11\uff12MiB' is not a size"),
     (["plan", "--chunk", "abc"], "plan", "argument --chunk: 'abc' is not a size"),
     (["plan", "--chunk", "0"], "plan", "argument --chunk"),
     (["plan", "--chunk", "-5"], "plan", "argument --chunk"),
@@ -997,6 +1007,39 @@ def test_plan_accepts_the_size_forms(capsys):
     assert main(["plan", "--bytes", "64MiB", "--workers", "1", "--compute-ms-per-gib", "0.5"]) == 0
 
 
+@pytest.mark.parametrize("option, value", [("--workers", "1_0"), ("--devices", "\u0663"), ("--workers", "\uff11\uff12"),
+                                           ("--compute-ms-per-gib", "1_0"), ("--compute-ms-per-gib", "\u0663.5"),
+                                           ("--bytes", "\u0663GiB")])
+def test_a_number_that_is_not_ascii_digits_is_a_usage_error(capsys, option, value):
+    """int(), float() and decimal.Decimal read digits grouped by '_' and any script's digits;
+    a number on the command line is ASCII digits only, anything else a usage error (exit 2)."""
+    assert main(["plan", option, value]) == 2
+    check_one_line(2, capsys.readouterr().err, "plan", f"argument {option}: {value!r} is not a ")
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@example(text="1_0")
+@example(text="\u0663")
+@example(text=" 8 ")
+@given(text=st.text(max_size=6) | st.from_regex(r"\s*[-+]?\d{1,5}\s*", fullmatch=True))
+def test_a_count_option_takes_ascii_digits_in_its_range_only(text):
+    """Any text: the number it writes in ASCII digits (the spaces around them dropped) where
+    that is 1 to 1024 workers, else an ArgumentTypeError that says what to type."""
+    import argparse
+
+    from ringflow._cli import workers
+
+    plain = text.strip()
+    want = int(plain) if plain.isascii() and plain.isdigit() and 1 <= int(plain) <= 1024 else None
+    try:
+        got = workers(text)
+    except argparse.ArgumentTypeError as exc:
+        assert want is None, (text, str(exc))
+        assert "(use e.g. 1, 8 or 16)" in str(exc) or "give 1 to 1024" in str(exc), (text, str(exc))
+    else:
+        assert got == want and type(got) is int, text
+
+
 def test_a_file_named_like_a_negative_number_is_read_after_a_flag_or_double_dash(tmp_path, monkeypatch, capsys):
     """A negative value after an option was joined to it (``--bytes=-1KiB``) whatever the option:
     ``ringflow trace -- -5`` became ``--=-5`` ("ambiguous option ... could match --help,
@@ -1197,7 +1240,7 @@ def _size_and_value(draw_digits, exponent, unit):
 @example(digits="1", exponent=10 ** 19, unit="")  # (exponents past what decimal.Decimal holds)
 @example(digits="0.0", exponent=10 ** 19, unit="KiB")
 @example(digits="2.5", exponent=-10 ** 19, unit="PiB")
-@given(digits=st.from_regex(r"\d{1,25}(\.\d{0,25})?|\.\d{1,25}", fullmatch=True),
+@given(digits=st.from_regex(r"[0-9]{1,25}(\.[0-9]{0,25})?|\.[0-9]{1,25}", fullmatch=True),
        exponent=st.none() | st.integers(-60, 60) | st.integers(-10 ** 22, 10 ** 22),
        unit=st.sampled_from(["", "B", " KiB", "k", "MiB", "mb", "G", "gib ", "TB", "tib", "P", "PiB", "pb"]))
 def test_a_size_is_read_exactly_or_refused_as_a_size(digits, exponent, unit):

@@ -105,11 +105,29 @@ def chunk_size(text: str) -> "int | str":
     return "auto" if str(text).strip().lower() == "auto" else size(text)
 
 
+def _ascii_number(text: str, *, whole: bool) -> str:
+    """``text`` without the spaces around it, where it is a number written in ASCII: digits with
+    an optional leading ``-`` (which each option's range then refuses by name) and, unless
+    ``whole``, a point and an exponent (:data:`ringflow._planning_cli.NUMBER`). int() and float()
+    take more than a command line means: ``1_0``, ``+3``, other scripts' digits (``٣``, ``１２``),
+    and float() ``nan`` and ``inf``.
+
+    Raises:
+        ValueError: anything else.
+    """
+    from ._planning_cli import NUMBER
+
+    plain = str(text).strip()
+    if not re.fullmatch(r"-?[0-9]+" if whole else rf"-?{NUMBER}", plain):
+        raise ValueError(f"{text!r} is not a number written in ASCII digits")
+    return plain
+
+
 def _count_of(what: str, most: int, example: str):
     """An argparse type: a whole number of ``what``, 1 .. ``most``."""
     def count(text: str) -> int:
         try:
-            n = int(str(text).strip())
+            n = int(_ascii_number(text, whole=True))
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of {what} (use e.g. {example})") from None
         if not 1 <= n <= most:
@@ -126,7 +144,7 @@ gpus = _count_of("GPUs", 64, "1, 2 or 8")  # GPUs of one host
 def ms_per_gib(text: str) -> float:
     """Milliseconds of kernel time per GiB: a finite number, 0 .. 1e9."""
     try:
-        value = float(str(text).strip())
+        value = float(_ascii_number(text, whole=False))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of milliseconds (use e.g. 0, 2.5 or 40)") from None
     if not math.isfinite(value) or not 0 <= value <= 1e9:

@@ -15,7 +15,10 @@ from ._files import is_special, printable, too_large
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
           "t": 1 << 40, "tib": 1 << 40, "p": 1 << 50, "pib": 1 << 50, "kb": 10**3, "mb": 10**6, "gb": 10**9,
           "tb": 10**12, "pb": 10**15}
-_SIZE = re.compile(r"\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*")
+# a number as the command line takes one: ASCII digits, a point, an exponent (\d, int() and float() take any
+# script's digits too, such as '٣' or '１２', and int() and float() digits grouped by '_')
+NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
+_SIZE = re.compile(rf"\s*({NUMBER})\s*([a-zA-Z]*)\s*")
 MAX_BYTES = 1 << 53  # 8 PiB: far beyond any host's memory, and exact as a float
 SIZE_HINT = "use e.g. 512MiB, 1GiB or 1073741824"
 
