@@ -1169,6 +1169,29 @@ def test_a_file_too_large_for_memory_is_named_not_called_a_bug(command, tmp_path
     assert "huge.json" in err and "too large" in err and "bytes" in err, err
 
 
+@pytest.mark.parametrize("command", ["trace", "trace read whole", "plan"])
+def test_a_file_saved_with_a_byte_order_mark_is_read_as_without_it(command, tmp_path, capsys):
+    """An editor that saves UTF-8 with a byte order mark first (Notepad, PowerShell) left a trace
+    or bench JSON refused as "not JSON (Unexpected UTF-8 BOM (decode using utf-8-sig) ...)",
+    advice for a programmer; a hardware profile is read with one, and so are these."""
+    text = {"plan": '{"workloads": {"seed": {"rows": [{"name": "ringflow", "chunk_bytes": 1048576, '
+                    '"predicted_ms": 1, "ms_median": 2}]}}}',
+            "trace read whole": '{"traceEvents": [], "traceEvents": [{"ph": "X", "ts": 0, "dur": 5, "cat": "h2d"}]}',
+            "trace": '[{"ph": "X", "ts": 0, "dur": 5, "cat": "h2d"}, {"ph": "X", "ts": 2, "dur": 5, "cat": "compute"}]'}
+    outputs = []
+    for name, bom in (("plain.json", b""), ("bommed.json", b"\xef\xbb\xbf")):
+        path = tmp_path / name
+        path.write_bytes(bom + text[command].encode("utf-8"))
+        argv = (["plan", "--bytes", "64MiB", "--compare", str(path)] if command == "plan"
+                else ["trace", "--json", str(path)])
+        assert main(argv) == 0, capsys.readouterr().err
+        out, err = capsys.readouterr()
+        assert err == ""
+        outputs.append(out.replace(str(path), "FILE"))
+    assert outputs[0] == outputs[1]
+    assert ("predicted 1.000 ms, measured 2.000 ms" if command == "plan" else '"h2d"') in outputs[1], outputs[1]
+
+
 def test_running_out_of_memory_is_an_error_not_a_bug(monkeypatch, capsys):
     import ringflow._bench.runner as runner
 

@@ -20,6 +20,9 @@ import re
 from typing import Any
 
 NESTING = 512  # the depth a message points at; the parser itself gives up near the recursion limit
+# how such a file is decoded: UTF-8, a byte order mark first (which some editors write) skipped; json.loads
+# refuses one as part of the text, with advice for a programmer ("decode using utf-8-sig")
+ENCODING = "utf-8-sig"
 _LONG_INT = re.compile(r"-?\d{4000,}")
 
 

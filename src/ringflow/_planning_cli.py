@@ -79,7 +79,7 @@ def read_bench_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
     if is_special(path):
         raise ValueError(f"--compare {path!r} is not a regular file; give a bench JSON from ringflow bench --out")
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(path, encoding=jsontext.ENCODING) as fh:
             data = jsontext.loads(fh.read())
     except IsADirectoryError:
         raise ValueError(f"--compare {path!r} is a folder; give a bench JSON file inside it") from None

@@ -258,7 +258,7 @@ def test_the_summary_is_the_one_of_every_span_read_whole(tmp_path, monkeypatch, 
 
 @pytest.mark.parametrize("read_chars", [None, 5])
 @pytest.mark.parametrize("text", [
-    "", " \n\t", "\u00a0", "\ufeff[]", "{", "[", "[1", "[{}", "[{},]", "[{}] x", "[{}]]", "{}", '{"a": 1}',
+    "", " \n\t", "\u00a0", "[\ufeff]", " \ufeff[]", "{", "[", "[1", "[{}", "[{},]", "[{}] x", "[{}]]", "{}", '{"a": 1}',
     '{"traceEvents": []', '{"traceEvents": [], }', '{"traceEvents": {}}', '{"traceEvents": 5}', "5", '"x"',
     "null", '{"traceEvents": [], "traceEvents": [5]}', "[5]",
     '[{"ph": "X", "ts": 1, "dur": 1}]', '[{"ph": "X", "ts": 1, "dur": 1, "name": "h2d"}, 5]',
@@ -279,6 +279,21 @@ def test_a_trace_it_refuses_is_refused_as_when_read_whole(tmp_path, monkeypatch,
     with pytest.raises(type(whole.value)) as streamed:
         summarise(str(path))
     assert str(streamed.value) == str(whole.value)
+
+
+@pytest.mark.parametrize("read_chars", [None, 1, 5])
+def test_a_trace_saved_with_a_byte_order_mark_is_read_as_without_it(tmp_path, monkeypatch, read_chars):
+    """A byte order mark first (some editors save UTF-8 with one) is not the JSON's: the trace was
+    refused as "not JSON (Unexpected UTF-8 BOM (decode using utf-8-sig) ...)". Only a mark that
+    starts the file is skipped; one after it is still not JSON (the list above)."""
+    if read_chars is not None:
+        monkeypatch.setattr(summary, "READ_CHARS", read_chars)
+    plain = write_trace(tmp_path / "plain.json", [(1, "h2d", 0, 2, 0), (2, "compute", 1, 3, 0)],
+                        names={1: "gpu: h2d stream", 2: "gpu: compute stream"})
+    bommed = tmp_path / "bommed.json"
+    bommed.write_bytes(b"\xef\xbb\xbf" + open(plain, "rb").read())
+    assert read_spans(str(bommed)) == read_spans(plain)
+    assert summarise(str(bommed)) == dict(summarise(plain), file=str(bommed))
 
 
 def test_a_trace_of_several_processes_counts_each_process_chunks_and_names_its_own_threads(tmp_path):

@@ -51,6 +51,15 @@ def test_report_ideal_bound_matches_hand_computation():
     assert rep.memory["pinned allocated"] == 8 * MB  # 4 host-in + 4 host-out slots of 1 MB
 
 
+def test_load_spans_reads_a_trace_saved_with_a_byte_order_mark(tmp_path):
+    """Some editors save UTF-8 with a byte order mark first; json.load refused the file ("Unexpected
+    UTF-8 BOM"), where ringflow's other readers of a JSON file skip the mark."""
+    path = profiled_run().save_trace(str(tmp_path / "t.json"))
+    bommed = tmp_path / "bommed.json"
+    bommed.write_bytes(b"\xef\xbb\xbf" + open(path, "rb").read())
+    assert load_spans(str(bommed)) == load_spans(path)
+
+
 def test_chrome_trace_is_valid_and_every_chunk_has_five_spans_in_stage_order(tmp_path):
     rep = profiled_run(chaos=True, seed=3)
     path = rep.save_trace(str(tmp_path / "t.json"))

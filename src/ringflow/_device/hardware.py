@@ -603,8 +603,7 @@ def load_profile(path: "str | os.PathLike") -> HardwareProfile:
     except OSError as exc:
         raise ProfileError(f"hardware profile {path!r}: cannot read it ({exc.strerror or type(exc).__name__})") from None
     try:
-        # (a byte order mark, which some editors put first in a UTF-8 file, is not the JSON's)
-        text = raw.decode("utf-8-sig")
+        text = raw.decode(jsontext.ENCODING)
     except UnicodeDecodeError:
         raise ProfileError(f"hardware profile {path!r}: not a text file; a hardware profile is the JSON file "
                            "ringflow doctor --save writes") from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .. import _jsontext as jsontext
 from .._files import check_file_name, write_whole
 from .timeline import Span, Timeline, track_sort_key
 
@@ -48,7 +49,7 @@ def save_chrome(timeline: Timeline, path: str, **kw: Any) -> str:
 
 def load_spans(path: str) -> list[Span]:
     """Read the complete events of a Chrome trace back as spans (seconds from the start)."""
-    with open(path) as fh:
+    with open(path, encoding=jsontext.ENCODING) as fh:
         data = json.load(fh)
     events = data["traceEvents"] if isinstance(data, dict) else data
     names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}

@@ -93,7 +93,7 @@ def read_process_spans(path: str) -> list[tuple[Any, Span]]:
     if is_special(path):
         raise _fail(path, "it is not a regular file")
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(path, encoding=jsontext.ENCODING) as fh:
             text = fh.read()
         if not text.strip():
             raise _fail(path, "the file is empty")
@@ -283,7 +283,7 @@ def _stream_figures(path: str) -> Figures:
         OSError, UnicodeDecodeError, MemoryError: reading the file.
     """
     collect = _Collect()
-    with open(path, encoding="utf-8") as fh:
+    with open(path, encoding=jsontext.ENCODING) as fh:
         for e in _trace_events(_Text(fh)):
             if not isinstance(e, dict):
                 raise _Unread
