@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -1360,6 +1361,43 @@ def test_plan_shows_no_ring_with_more_slots_than_chunks(capsys):
         out = capsys.readouterr().out
         shown = [int(m) for m in re.findall(r"slots \w+\s+│?\s*(\d+) \(lifetime", out)]
         assert len(shown) == 4 and max(shown) <= chunks, (argv, shown, out)
+
+
+@pytest.mark.parametrize("argv, host", [
+    (["--bytes", "64MiB", "--chunk", "1MiB", "--workers", "6"], "stage"),
+    (["--bytes", "3MiB", "--chunk", "1MiB", "--workers", "8", "--compute-ms-per-gib", "50"], "stage"),
+    (["--bytes", "64MiB", "--chunk", "256KiB", "--workers", "4", "--pinned"], "register"),
+], ids=["staged", "staged-few-chunks", "pinned-copy-groups"])
+def test_plan_shows_the_slots_stream_map_allocates(capsys, argv, host):
+    """The slot counts the plan prints are the rings stream_map allocates for the same job on the
+    simulated GPU of the same profile: the plan printed the counts the lifetimes need, without the
+    device rings' slack, a staging slot per worker or the direct engine's rings of whole copy groups."""
+    import re
+
+    from tests.helpers.hooks import engines
+
+    assert main(["plan", *argv]) == 0
+    out = capsys.readouterr().out
+    shown = dict(re.findall(r"slots (\w+)\s+│?\s*(\d+) \(lifetime", out))
+    opt = dict(zip(argv[::2], argv[1::2]))
+    total, chunk = rf._planning_cli.parse_bytes(opt["--bytes"]), rf._planning_cli.parse_bytes(opt["--chunk"])
+    per_byte = float(opt.get("--compute-ms-per-gib", 0)) * 1e-3 / (1 << 30)
+
+    def f(x, y):
+        y[:] = x
+
+    f.sim_seconds = lambda nbytes: per_byte * nbytes
+    seen = []
+    with engines(on=seen.append):
+        rf.stream_map(f, np.ones(total // 4, np.float32), device=rf.device("sim", checked=False), chunk_bytes=chunk,
+                      workers=int(opt["--workers"]), host=host, keep_warm=False)
+    if host == "register":  # the direct engine: each device ring one buffer of its slots (no host rings)
+        allocated = {ring: getattr(seen[0], ring).nbytes // chunk for ring in ("dev_in", "dev_out")}
+    else:
+        allocated = {ring: len(getattr(seen[0].scheduler, ring).slots) for ring in
+                     ("host_in", "dev_in", "dev_out", "host_out")}
+    allocated = {ring.replace("dev_", "device_"): count for ring, count in allocated.items()}
+    assert {ring: int(shown[ring]) for ring in allocated} == allocated, out
 
 
 def test_plan_shows_how_many_workers_copy_at_once(capsys):

@@ -130,6 +130,7 @@ def plan_command(args) -> int:
 
     from . import _plan as plan
     from ._device.hardware import PROFILES, get_profile
+    from ._pipeline.sizing import copy_group, planned_slots
 
     # read once: the planner is then given the profile itself, never the file again
     profile = get_profile(args.profile)
@@ -151,6 +152,12 @@ def plan_command(args) -> int:
     slots = plan.plan_slots(t)
     # a whole array's pipeline keeps no more slots in a ring than it has chunks (resolve_slots)
     slots = dataclasses.replace(slots, slots=plan.cap_slots(slots.slots, n))
+    # what stream_map's pipeline allocates for this job: planned by its own functions, so the two cannot differ
+    # (the device rings' slack, a staging slot per worker; pinned data: rings of whole copy groups)
+    allocated = planned_slots(profile, chunk, False, args.workers, plan.kernel_cost(0.0, per_byte, chunk),
+                              external=(args.pinned, args.pinned), bulk=True, max_chunks=n)
+    if args.pinned:
+        allocated = copy_group(profile, chunk, n, allocated, planned=True, inplace=False)[1]
     need = plan.device_ring_bytes(slots.slots, chunk, n)
     if need > profile.total_memory:  # (a chosen chunk's rings fit: choose_chunk_bytes saw to it)
         din, dout = plan.device_ring_slots(slots.slots, n)
@@ -169,7 +176,10 @@ def plan_command(args) -> int:
     if not args.pinned:
         table.add_row("workers copying at once", f"{t.workers} of {args.workers}")
     for ring in ("host_in", "device_in", "device_out", "host_out"):
-        table.add_row(f"slots {ring}", f"{getattr(slots.slots, ring)} (lifetime {slots.lifetimes.get(ring, 0) * 1e3:.3f} ms)")
+        # the slots allocated, and those the ring's lifetime needs at the bottleneck interval where they differ
+        count, wanted = getattr(allocated, ring), getattr(slots.slots, ring)
+        table.add_row(f"slots {ring}", f"{count} (lifetime {slots.lifetimes.get(ring, 0) * 1e3:.3f} ms"
+                      + (f"; {wanted} at the interval)" if wanted != count else ")"))
     measured = profile.direct_chunk_host_s if args.pinned else profile.staged_chunk_host_s
     # (the fit: the H200's host, the built-in profiles' and older files')
     table.add_row("host time per chunk from", "this profile" if measured is not None else "the planner's fit")

@@ -436,7 +436,7 @@ def test_kernels_of_chunks_in_different_slots_run_on_streams_of_their_own(slots,
 def test_copy_groups_follow_the_copy_curve_and_fit_the_rings():
     from ringflow._pipeline.sizing import copy_group
 
-    dev = rf.device("sim")
+    dev = rf.device("sim").hardware
     planned = rf.SlotCounts(4, 3, 3, 4)
     big = copy_group(dev, 64 << 20, 100, planned, planned=True, inplace=False)
     assert big == (1, planned)  # a big chunk moves alone
@@ -444,7 +444,7 @@ def test_copy_groups_follow_the_copy_curve_and_fit_the_rings():
     assert group > 1 and slots.device_in % group == 0 and slots.device_out % group == 0
     assert slots.device_in >= 4 * group and (slots.host_in, slots.host_out) == (4, 4)
     # a slower link's curve flattens later: bigger groups for the same chunk
-    slow, _ = copy_group(rf.device("sim", profile="pcie4-x16"), 256 << 10, 1000, planned, planned=True,
+    slow, _ = copy_group(rf.device("sim", profile="pcie4-x16").hardware, 256 << 10, 1000, planned, planned=True,
                          inplace=False)
     assert slow >= group
     assert copy_group(dev, 256 << 10, 64, planned, planned=True, inplace=True)[0] == 4  # sixteen groups at least

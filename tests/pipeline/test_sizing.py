@@ -305,7 +305,7 @@ def test_random_measured_jobs_stay_bit_exact_when_later_calls_taper(rows, cols, 
 def test_copy_groups_of_many_tiny_chunks_keep_rings_a_slot_counts_can_hold():
     """Planned rings grow to hold whole copy groups; with chunks of a few bytes a group holds
     many thousands of them, and the rings a SlotCounts can hold bound the group instead."""
-    dev = rf.device("sim")
+    dev = rf.device("sim").hardware
     group, slots = sizing.copy_group(dev, 64, 10 ** 7, plan.SlotCounts(3, 3, 3, 3), planned=True, inplace=False)
     assert group > 1 and slots.device_in % group == 0 and slots.device_out % group == 0
     assert max(slots.device_in, slots.device_out) <= plan.MAX_SLOTS

@@ -231,7 +231,7 @@ class DirectSchedule:
         """The direct engine for a whole-array ``layout`` (its chunks, the planned device rings)."""
         inplace = bool(options.get("inplace", False))
         chunks, out_chunks = _byte_ranges(layout)
-        group, slots = copy_group(layout.device, layout.chunk_bytes, layout.n_chunks,
+        group, slots = copy_group(layout.device.hardware, layout.chunk_bytes, layout.n_chunks,
                                   layout.slots(f, options, external=True), planned=options.get("slots") is None,
                                   inplace=inplace)
         measure = options.get("compute_streams") is None and group == 1 and layout.compute_bound is None

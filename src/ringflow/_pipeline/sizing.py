@@ -26,16 +26,9 @@ PREPARE_SLOTS_PINNED_CAP = 512 << 20
 def resolve_slots(device: Device, slots, chunk_bytes: int, inplace: bool, workers: int, compute: Callable,
                   external=(False, False), bulk: bool = False, max_chunks: Optional[int] = None,
                   user_prepare: bool = False) -> SlotCounts:
-    """The slot counts: given, or planned from modelled stage times (device rings with slack).
-    ``bulk`` (a whole array, stream_map): staging rings also get a slot per worker, for
-    throughput; a stream of requests keeps the planned rings, whose shorter queues keep
-    latency down. A job of known length (``max_chunks``, a whole array) never gets more slots in a
-    ring than it has chunks, unless ``slots`` says so. ``user_prepare``: the items go through the
-    caller's ``prepare``, whose cost the model cannot know and which varies from item to item:
-    the host-in ring gets two slots per worker (:data:`PREPARE_SLOTS_PER_WORKER`), so a worker
-    starts its next item while its last one waits its turn behind a slower one (results go out
-    in order), as a DataLoader's ``prefetch_factor=2`` does; at most
-    :data:`PREPARE_SLOTS_PINNED_CAP` bytes of them, never fewer than two."""
+    """The slot counts: given, or planned (:func:`planned_slots`) for the device's hardware model and
+    the compute's cost (its ``sim_seconds``). ``slots`` given as counts are kept as they are, even
+    above ``max_chunks``."""
     if isinstance(slots, SlotCounts):
         return slots
     if isinstance(slots, bool):
@@ -44,10 +37,27 @@ def resolve_slots(device: Device, slots, chunk_bytes: int, inplace: bool, worker
         return SlotCounts(slots, slots, 0 if inplace else slots, slots)
     if slots is not None:
         raise TypeError(f"slots must be None, an int or a SlotCounts, got {type(slots).__name__}")
-    profile = device.hardware
     guess = sim_seconds_for(getattr(compute, "sim_seconds", None), chunk_bytes)
-    times = plan.model_stage_times(profile, chunk_bytes, compute=guess, workers=workers)
-    if guess is None:  # unknown compute: plan for one as long as a copy (a balanced pipeline)
+    return planned_slots(device.hardware, chunk_bytes, inplace, workers, guess, external=external, bulk=bulk,
+                         max_chunks=max_chunks, user_prepare=user_prepare)
+
+
+def planned_slots(profile: "str | plan.HardwareProfile", chunk_bytes: int, inplace: bool, workers: int,
+                  compute_s: Optional[float], external=(False, False), bulk: bool = False,
+                  max_chunks: Optional[int] = None, user_prepare: bool = False) -> SlotCounts:
+    """The slot counts a pipeline plans from modelled stage times on ``profile`` (device rings
+    with slack), for a kernel of ``compute_s`` seconds a chunk (None: unknown).
+    ``bulk`` (a whole array, stream_map): staging rings also get a slot per worker, for
+    throughput; a stream of requests keeps the planned rings, whose shorter queues keep
+    latency down. A job of known length (``max_chunks``, a whole array) never gets more slots in a
+    ring than it has chunks. ``user_prepare``: the items go through the
+    caller's ``prepare``, whose cost the model cannot know and which varies from item to item:
+    the host-in ring gets two slots per worker (:data:`PREPARE_SLOTS_PER_WORKER`), so a worker
+    starts its next item while its last one waits its turn behind a slower one (results go out
+    in order), as a DataLoader's ``prefetch_factor=2`` does; at most
+    :data:`PREPARE_SLOTS_PINNED_CAP` bytes of them, never fewer than two."""
+    times = plan.model_stage_times(profile, chunk_bytes, compute=compute_s, workers=workers)
+    if compute_s is None:  # unknown compute: plan for one as long as a copy (a balanced pipeline)
         times = dataclasses.replace(times, compute=max(times.compute, times.h2d))
     # the caller's pinned memory: prepare and consume only describe the chunk
     overhead = plan.get_profile(profile).host_task_overhead_s
@@ -129,16 +139,17 @@ RING_GROUPS = 4  # a planned ring holds a group copying in, one computing, one c
 GROUP_COMPUTE_STREAMS = 4  # planned compute streams for grouped chunks, at most
 
 
-def copy_group(device: Device, chunk_bytes: int, n_chunks: int, slots: SlotCounts, *, planned: bool,
-               inplace: bool) -> tuple[int, SlotCounts]:
+def copy_group(profile: "str | plan.HardwareProfile", chunk_bytes: int, n_chunks: int, slots: SlotCounts, *,
+               planned: bool, inplace: bool) -> tuple[int, SlotCounts]:
     """How many consecutive chunks the direct engine moves with one copy each way, and the device
     rings that allows. Every copy costs the copy engine a fixed time, which the hardware
     profile's copy curve shows as a lower rate for small copies: chunks are grouped up to the
     smallest copy the curve moves at :data:`COPY_RATE_SHARE` of its best rate, leaving at least
     :data:`MIN_COPY_GROUPS` groups. A group's slots follow one another in the ring, so a ring
     holds a whole number of groups: ``planned`` rings grow to :data:`RING_GROUPS` groups; given
-    rings keep their size and the group shrinks until two fit."""
-    profile = plan.get_profile(device.hardware)
+    rings keep their size and the group shrinks until two fit. ``profile``: the device's hardware
+    model (``Device.hardware``)."""
+    profile = plan.get_profile(profile)
     curve = profile.h2d_curve
     best = profile.copy_GBps("h2d", curve[-1][0])
     enough = next((size for size, _ in curve if profile.copy_GBps("h2d", size) >= COPY_RATE_SHARE * best),
