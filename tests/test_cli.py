@@ -1095,6 +1095,11 @@ def test_plan_over_several_gpus(capsys):
     assert main(["plan", "--bytes", "1GiB", "--devices", "2"]) == 0
     out = capsys.readouterr().out
     assert "on 2 GPUs of this host" in out and "the host's shared copies" in out
+    assert "each GPU's share alone (512 MiB)" in out
+    # more GPUs than the job has bytes: a shard holds a row, so only as many GPUs as bytes get one
+    assert main(["plan", "--bytes", "10", "--devices", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "on 10 of 64 GPUs of this host" in out and "on 64 GPUs" not in out, out
     assert main(["plan", "--bytes", "1GiB", "--devices", "0"]) == 2
     assert "devices" in capsys.readouterr().err
 

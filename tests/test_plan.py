@@ -512,6 +512,20 @@ def test_an_uncosted_compute_is_planned_at_what_the_simulated_gpu_charges_a_laun
     assert plan.predict_seconds(p, total, MiB, host_stages=False)[0].compute == p.launch_overhead_s
 
 
+def test_predict_devices_counts_the_devices_the_shards_give_work():
+    """A job over several devices splits its rows (sharded.split_rows): a job of 3 chunks still
+    gives all 64 devices a share, smaller than a chunk; a job of fewer bytes than devices (a row
+    is a byte at least) gives no more devices work than it has bytes, and the others' workers copy
+    nothing. The prediction counted all 64 devices there (and their workers in its host floor)."""
+    from ringflow._pipeline.sharded import split_rows
+
+    three = plan.predict_devices("h200-pcie5", 3 * MiB, MiB, 64, workers=8)
+    assert three.devices == len(split_rows(3 * MiB, 64, MiB)) == 64 and three.share_bytes == 3 * MiB // 64
+    tiny = plan.predict_devices("h200-pcie5", 10, 10, 64, workers=8)
+    assert tiny.devices == len(split_rows(10, 64, 10)) == 10 and tiny.share_bytes == 1
+    assert tiny == plan.predict_devices("h200-pcie5", 10, 10, 10, workers=8)
+
+
 def test_predict_devices_splits_the_links_and_shares_the_host():
     # pinned data: each GPU moves its share over its own link, nothing shared on the host
     pinned = plan.predict_devices("h200-pcie5", 256 * MiB, 8 * MiB, 2, compute_s_per_byte=5e-3 / (1 << 30),

@@ -518,7 +518,9 @@ class DevicesPrediction:
     """What several GPUs of one host should take for one whole-array job (see :func:`predict_devices`).
 
     Attributes:
-        devices: how many GPUs.
+        devices: how many GPUs get work: those asked for, at most one a byte of the job (a shard
+            holds a row at least, so no more GPUs than rows get one).
+        share_bytes: the bytes of each GPU's share (the last may be fewer).
         per_device_s: one GPU's time for its share of the rows, as if alone (s).
         host_floor_s: the time the host's shared memory and CPUs need for the job's host work
             with every worker of every GPU (s); 0 when nothing is staged.
@@ -527,6 +529,7 @@ class DevicesPrediction:
     """
 
     devices: int
+    share_bytes: int
     per_device_s: float
     host_floor_s: float
     predicted_s: float
@@ -547,19 +550,25 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     copy at most at the profile's ``staging_copy_rate`` for that many threads (so the whole job
     takes at least :func:`staging_floor_seconds`). The prediction is the larger of the two.
 
+    A whole-array job over several devices splits its rows, not its chunks (a GPU's shard may be
+    one chunk smaller than ``chunk_bytes``), and gives no device an empty shard: with more devices
+    than bytes (a row is a byte at least) only as many as there are bytes get work, and only their
+    workers copy.
+
     Raises:
         ValueError: ``devices`` is not an int >= 1.
     """
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be an int >= 1, got {devices!r}")
     p = get_profile(profile)
+    devices = min(devices, total_bytes)  # (as the shards' split_rows: no more parts than rows)
     share = -(-total_bytes // devices)
     _, per_device = predict_seconds(p, share, min(chunk_bytes, share), compute_s_per_byte=compute_s_per_byte,
                                     workers=workers, host_stages=host_stages)
     _, one = predict_seconds(p, total_bytes, chunk_bytes, compute_s_per_byte=compute_s_per_byte, workers=workers,
                              host_stages=host_stages)
     floor = 2 * total_bytes / (p.staging_copy_rate(workers * devices) * 1e9) if host_stages else 0.0
-    return DevicesPrediction(devices, per_device, floor, max(per_device, floor), one)
+    return DevicesPrediction(devices, share, per_device, floor, max(per_device, floor), one)
 
 
 def predicted_total(times: StageTimes, n: int) -> float:

@@ -191,8 +191,11 @@ def plan_command(args) -> int:
     if devices > 1:
         many = plan.predict_devices(profile, total, chunk, devices, compute_s_per_byte=per_byte,
                                     workers=args.workers, host_stages=not args.pinned)
-        table.add_row(f"on {devices} GPUs of this host", f"{many.predicted_s * 1e3:.3f} ms ({many.speedup:.2f}x one)")
-        table.add_row("  each GPU's share alone", f"{many.per_device_s * 1e3:.3f} ms")
+        # the rows are split, not the chunks: a GPU's share may be less than a chunk; no more GPUs than bytes get one
+        on = (f"on {devices} GPUs of this host" if many.devices == devices else
+              f"on {many.devices} of {devices} GPUs of this host (a shard needs a byte)")
+        table.add_row(on, f"{many.predicted_s * 1e3:.3f} ms ({many.speedup:.2f}x one)")
+        table.add_row(f"  each GPU's share alone ({_human(many.share_bytes)})", f"{many.per_device_s * 1e3:.3f} ms")
         table.add_row("  the host's shared copies", f"{many.host_floor_s * 1e3:.3f} ms")
     console.print(table)
     if profile.gpu_name:
