@@ -104,6 +104,10 @@ def launch_compute(stream: Stream, compute: Callable, x: Any, y: Any, *, inplace
     (``(x_tree, y_tree)``, see :mod:`.trees`), ``x`` and ``y`` are lists of leaf arguments and
     compute gets each structure rebuilt from them.
 
+    The launch names ``x`` read and ``y`` written; in place, ``x`` both: the kernel reads each
+    byte and writes it back. A compute of no declared cost then takes on the simulated GPU what
+    the planner gives it, ``HardwareProfile.kernel_seconds`` of the chunk's input and result bytes.
+
     Raises:
         StageError: the compute failed while being enqueued, or the device refused the launch
             (not sticky); ``__cause__`` is the original error. A KeyboardInterrupt or SystemExit
@@ -116,7 +120,7 @@ def launch_compute(stream: Stream, compute: Callable, x: Any, y: Any, *, inplace
         if trees is not None:
             _launch_trees(stream, compute, x, y, trees, inplace=inplace, sim_seconds=sim_seconds)
         elif inplace:
-            stream.launch(compute, x, x, writes=[x], sim_seconds=sim_seconds)
+            stream.launch(compute, x, x, reads=[x], writes=[x], sim_seconds=sim_seconds)
         else:
             stream.launch(compute, x, y, reads=[x], writes=[y], sim_seconds=sim_seconds)
     except DeviceError as err:
@@ -147,7 +151,7 @@ def _launch_trees(stream: Stream, compute: Callable, xs: list, ys: list, trees: 
             x = unflatten(x_tree, arrays)
             return compute(x, x)
 
-        stream.launch(each, *xs, writes=xs, sim_seconds=sim_seconds)
+        stream.launch(each, *xs, reads=xs, writes=xs, sim_seconds=sim_seconds)
         return
 
     def both(*arrays):
