@@ -3,6 +3,7 @@ compute streams and tapered chunks they get, and what that buys on the simulated
 
 from __future__ import annotations
 
+import dataclasses
 from unittest import mock
 
 import numpy as np
@@ -83,6 +84,16 @@ def test_the_taper_halves_the_chunk_down_to_its_floor_at_most_four_times():
     assert sizing.taper(MiB // row, row) == (MiB // 8,)
     assert sizing.taper(MiB // 2 // row, row) == ()  # half of it would be under the floor
     assert sizing.taper(1, 64 * MiB) == ()  # one row a chunk cannot be halved
+
+
+def test_the_taper_cuts_no_chunk_whose_kernel_would_fall_below_the_shortest_kernel():
+    """A whole chunk's kernel of 8 ms, 1 ms the shortest kernel: a chunk of an eighth of the rows takes
+    that 1 ms in proportion, a sixteenth would take it too, for half the bytes."""
+    row = 4
+    rows = 8 * MiB // row
+    assert sizing.taper(rows, row, kernel_s=8e-3, kernel_min_s=1e-3) == (rows >> 3, rows >> 2, rows >> 1)
+    assert sizing.taper(rows, row, kernel_s=1e-3, kernel_min_s=1e-3) == ()  # the whole chunk's kernel is at the floor
+    assert sizing.taper(rows, row, kernel_s=8e-3, kernel_min_s=0.0) == sizing.taper(rows, row)
 
 
 # -- compute-bound ----------------------------------------------------------------------------------
@@ -277,6 +288,33 @@ def test_a_measured_compute_bound_job_runs_its_later_calls_tapered_and_faster():
             plain = _second_call_seconds(dev, x)
     ends = 2 * (_copy_s(4 * MiB) - _copy_s(MiB // 2))
     assert plain - tapered >= 0.5 * ends, (plain, tapered, ends)
+
+
+def _measured_second_call(profile, total: int, taper: bool) -> tuple[float, int]:
+    """(virtual seconds, chunks) of the second call of a MapJob whose compute declares no cost
+    (the first call times a chunk's kernel), ``taper`` False: with no halving allowed."""
+    dev = rf.device("sim", profile=profile, checked=False)
+    x = rf.host.empty(total // 4, np.float32, device=dev)
+    x[:] = 1
+    with mock.patch.object(sizing, "TAPER_STEPS", sizing.TAPER_STEPS if taper else 0), \
+            rf.MapJob(unknown, x, rf.host.empty_like(x), device=dev, chunk_bytes=4 * MiB) as job:
+        job()  # measures
+        assert job._held.engine.measured_compute_bound
+        t0 = dev.now
+        job()
+        return dev.now - t0, job.chunks
+
+
+def test_a_measured_job_whose_kernels_take_the_shortest_kernel_is_not_tapered():
+    """A compute of no declared cost on a profile whose shortest kernel is 1 ms: every kernel takes
+    that 1 ms (a chunk's bytes need far less), far above a 4 MiB copy, so the job is compute-bound.
+    Halving a chunk leaves its kernel at 1 ms: the taper would add kernels and shorten none, so the
+    later calls run the whole chunks, no slower than without a taper."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-kernels", kernel_min_s=1e-3)
+    tapered, chunks = _measured_second_call(p, 64 * MiB, True)
+    plain, whole = _measured_second_call(p, 64 * MiB, False)
+    assert chunks == whole == 16
+    assert tapered <= plain
 
 
 @settings(max_examples=30, deadline=None)

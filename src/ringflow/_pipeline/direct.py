@@ -40,6 +40,7 @@ import dataclasses
 import logging
 from typing import Any, Callable, Optional, Sequence
 
+from .. import _plan as plan
 from .._device.protocol import BufferSlice, Device, close_quietly, free_quietly
 from .._errors import LaunchError, StageError, describe
 from .._testing import current as current_hooks
@@ -128,7 +129,7 @@ class DirectSchedule:
                  bound: Optional[Arrays] = None, compute_streams: int = 1,
                  out_chunks: Optional[Sequence[tuple[int, int, tuple]]] = None, out_dtype: Any = None,
                  out_chunk_bytes: Optional[int] = None, graph: bool = False, copy_group: int = 1,
-                 measure_compute: bool = False, tapered: Optional[tuple] = None):
+                 measure_compute: bool = False, tapered: Optional[Callable[[float], Optional[tuple]]] = None):
         if out_chunks is None:
             out_chunks, out_dtype, out_chunk_bytes = chunks, dtype, chunk_bytes
         if inplace and (list(out_chunks) != list(chunks) or out_dtype != dtype):
@@ -177,8 +178,9 @@ class DirectSchedule:
             self._out_ready: list = [None] * n_out
             self._bound = bound
             self._shapes = (dtype, out_dtype, out_chunk_bytes, n_in, n_out)
-            # measure_compute: the chunks to run instead, as ``(chunks, out_chunks)``, once the first
-            # call has found the job compute-bound (a taper: the rings are the same)
+            # measure_compute: the chunks to run instead, as ``(chunks, out_chunks)`` of the measured
+            # kernel's seconds, once the first call has found the job compute-bound (a taper: the rings
+            # are the same)
             self._tapered = tapered if self._measure_pending else None
             self._lay_out(chunks, out_chunks, copy_group)
         except BaseException:
@@ -235,14 +237,20 @@ class DirectSchedule:
                                   layout.slots(f, options, external=True), planned=options.get("slots") is None,
                                   inplace=inplace)
         measure = options.get("compute_streams") is None and group == 1 and layout.compute_bound is None
-        # what a taper would make of the layout, for a first call that finds the job compute-bound
-        head = taper(layout.rows, max(layout.row_bytes, layout.out_row_bytes)) if measure else ()
-        tapered = _byte_ranges(dataclasses.replace(layout, taper=head)) if head else None
+
+        def tapered(kernel_s: float) -> Optional[tuple]:
+            """What a taper makes of the layout for a first call that finds the job compute-bound, a
+            whole chunk's kernel taking ``kernel_s``; None where it cuts no chunk."""
+            head = taper(layout.rows, max(layout.row_bytes, layout.out_row_bytes), kernel_s=kernel_s,
+                         kernel_min_s=plan.get_profile(layout.device.hardware).kernel_min_s)
+            ranges = _byte_ranges(dataclasses.replace(layout, taper=head)) if head else None
+            return ranges if ranges != (chunks, out_chunks) else None
+
         return cls(layout.device, f, chunks, layout.dtype, chunk_bytes=layout.in_chunk_bytes,
                    slots=slots, inplace=inplace, copy_group=group,
                    checked=bool(options.get("checked", False)), bound=bound,
                    compute_streams=compute_streams_for(options.get("compute_streams"), group, layout.compute_bound),
-                   measure_compute=measure, tapered=tapered if tapered != (chunks, out_chunks) else None,
+                   measure_compute=measure, tapered=tapered if measure else None,
                    out_chunks=out_chunks,
                    out_dtype=layout.out_dtype, out_chunk_bytes=layout.out_chunk_bytes,
                    graph=bool(options.get("graph", False)))
@@ -357,11 +365,13 @@ class DirectSchedule:
         def seconds(stage: str) -> float:
             return events[stage + ".end"].elapsed_since(events[stage + ".start"])
 
-        bound = is_compute_bound(seconds("compute"), seconds("h2d"), seconds("d2h"))
+        kernel_s = seconds("compute")
+        bound = is_compute_bound(kernel_s, seconds("h2d"), seconds("d2h"))
         self.measured_compute_bound = bound
         self.compute_streams = min(len(self.streams.computes), COMPUTE_BOUND_STREAMS) if bound else 1
-        if bound and self._tapered is not None:
-            self._lay_out(*self._tapered, 1)
+        tapered = self._tapered(kernel_s) if bound and self._tapered is not None else None
+        if tapered is not None:
+            self._lay_out(*tapered, 1)
         self._tapered = None
         logger.debug("direct engine: the measured chunk was %scompute-bound; %d compute stream(s) from now on",
                      "" if bound else "not ", self.compute_streams)

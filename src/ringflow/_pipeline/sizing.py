@@ -228,10 +228,13 @@ def _copy_seconds(profile, in_bytes: int, out_bytes: int) -> tuple[float, float]
     return hit[1], hit[2]
 
 
-def taper(rows: int, row_bytes: int) -> tuple[int, ...]:
+def taper(rows: int, row_bytes: int, *, kernel_s: Optional[float] = None, kernel_min_s: float = 0.0) -> tuple[int, ...]:
     """The rows of a compute-bound job's first chunks, ascending (its last ones mirror them):
     ``rows`` halved up to :data:`TAPER_STEPS` times, none below :data:`TAPER_MIN_BYTES`; empty
-    when no halving fits.
+    when no halving fits. With ``kernel_s`` (the seconds a chunk of ``rows`` takes to compute),
+    none whose kernel, in proportion to its rows, would take less than ``kernel_min_s`` (the
+    profile's shortest kernel): a kernel at that floor takes no less for fewer bytes, so such a
+    chunk would shorten nothing and add a kernel of the floor's length.
 
     Why: a compute-bound job's kernels cannot start before the first chunk is in, nor can the
     last result leave before the last kernel ends; those two copies and the last kernel overlap
@@ -239,7 +242,8 @@ def taper(rows: int, row_bytes: int) -> tuple[int, ...]:
     per-chunk costs of the rest as they were."""
     head = []
     r = rows // 2
-    while len(head) < TAPER_STEPS and r >= 1 and r * row_bytes >= TAPER_MIN_BYTES:
+    while (len(head) < TAPER_STEPS and r >= 1 and r * row_bytes >= TAPER_MIN_BYTES
+           and (kernel_s is None or r * kernel_s >= rows * kernel_min_s)):
         head.append(r)
         r //= 2
     return tuple(head[::-1])
