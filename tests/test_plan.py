@@ -702,6 +702,38 @@ def test_a_staged_job_of_small_chunks_takes_the_schedulers_host_time_the_plan_ch
     assert 0.8 < report.efficiency <= 1.0 + 1e-9, report.headline()
 
 
+def test_a_staged_chunk_among_near_ties_is_the_one_a_loaded_scheduler_does_not_bound():
+    """128 MiB staged with two workers on the h200-pcie5 profile: 2 and 4 MiB chunks are predicted
+    within PREDICTION_TIE of each other, 2 MiB the faster. The planner takes 4 MiB, the size that
+    stays fastest with the scheduler's time per chunk HOST_LOAD_MARGIN times the profile's. On a
+    simulated GPU whose scheduler takes 1.5 times the profile's time per chunk (workers copying
+    beside it slow it so), the chosen size runs at least a tenth faster than the fastest-predicted
+    one; at the profile's own time it is no slower than the tie allows."""
+    p = plan.get_profile("h200-pcie5")
+    total, workers = 128 * MiB, 2
+    choice = plan.choose_chunk_bytes(p, total, workers=workers)
+    fastest = min(choice.table, key=lambda row: (row[2], -row[0]))
+    assert (fastest[0], choice.chunk_bytes) == (2 * MiB, 4 * MiB)
+    assert fastest[2] < choice.predicted_s <= (1 + plan.PREDICTION_TIE) * fastest[2]
+    x = np.zeros(total // 4, np.float32)
+    loaded = dataclasses.replace(p, name="loaded", staged_chunk_host_s=1.5 * plan.host_seconds_per_chunk(p, True))
+    chosen_s = staged_job_report(loaded, x, choice.chunk_bytes, workers).measured_s
+    assert chosen_s < 0.9 * staged_job_report(loaded, x, fastest[0], workers).measured_s
+    chosen_s = staged_job_report(p, x, choice.chunk_bytes, workers).measured_s
+    assert chosen_s <= (1 + plan.PREDICTION_TIE) * staged_job_report(p, x, fastest[0], workers).measured_s
+
+
+@pytest.mark.parametrize("per_byte", [0.0, 1e-12])
+def test_a_job_on_pinned_memory_takes_the_fastest_predicted_chunk(per_byte):
+    """The direct engine has no workers copying beside it: a job on pinned memory takes the chunk
+    predicted fastest, even among near ties (64 MiB on the h200-pcie5 profile: 4 and 8 MiB)."""
+    choice = plan.choose_chunk_bytes("h200-pcie5", 64 * MiB, host_stages=False, compute_s_per_byte=per_byte)
+    fastest = min(choice.table, key=lambda row: (row[2], -row[0]))
+    near = [row[0] for row in choice.table if row[2] <= (1 + plan.PREDICTION_TIE) * fastest[2]]
+    assert sorted(near) == [4 * MiB, 8 * MiB]
+    assert choice.chunk_bytes == fastest[0] == 4 * MiB
+
+
 def test_a_pool_that_does_not_model_host_work_is_never_asked_for_it(monkeypatch):
     """A real GPU's worker pool spends no time for ``host_work`` (its host spends its own): the
     scheduler asks such a pool for none, so a staged chunk pays no call for it, and the run takes

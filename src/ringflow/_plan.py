@@ -417,6 +417,16 @@ SCHEDULER_S_PER_HOST_TASK = 138e-6
 # A job whose copy engines use the caller's memory in place runs on the direct engine, whose host
 # cost is its enqueueing.
 DIRECT_S_PER_CHUNK = 60e-6
+# Choosing a staged chunk among near ties. Candidates predicted within PREDICTION_TIE of the
+# fastest are ones the model cannot tell apart: its staged predictions miss by more than that on
+# real hosts. Among them the planner takes the one that stays fastest if the scheduler's time per
+# chunk is HOST_LOAD_MARGIN times the profile's. The profile measures that time with small chunks
+# and few workers copying; with large chunks and many workers the workers' copies slow the
+# scheduler's own Python (docs/performance.md, "The scheduler under load"), so of two sizes the
+# model calls equal, the one with fewer chunks is the one a loaded scheduler does not bound. The
+# direct engine has no workers copying beside it, and keeps the fastest prediction.
+PREDICTION_TIE = 0.02
+HOST_LOAD_MARGIN = 2.0
 # Copies queued back to back on a copy engine, as a pipeline queues them, stream at the link's
 # rate and lose a small fixed cost each -- unlike one copy timed alone, which the profile's
 # bandwidth-by-size curve describes (launch latency included).
@@ -683,4 +693,15 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_
         raise ValueError(f"no chunk size's planned pinned rings fit a pinned_budget of {pinned_budget} bytes; raise "
                          "pinned_budget, or give chunk_bytes (planned rings then shrink to fit the budget)")
     best = min(rows, key=lambda r: (r[2], -r[0]))
+    near = [r for r in rows if r[2] <= best[2] * (1 + PREDICTION_TIE)]
+    if host_stages and len(near) > 1:  # (see "Choosing a staged chunk among near ties")
+        loaded = dataclasses.replace(profile, staged_chunk_host_s=HOST_LOAD_MARGIN * host_seconds_per_chunk(profile, True))
+
+        def under_load(row: tuple) -> tuple:
+            _, seconds = predict_seconds(loaded, total_bytes, row[0], compute_s_per_byte=compute_s_per_byte,
+                                         workers=workers, host_stages=True, out_ratio=out_ratio,
+                                         compute_s_per_chunk=compute_s_per_chunk)
+            return seconds, row[2], -row[0]
+
+        best = min(near, key=under_load)
     return ChunkChoice(best[0], best[1], best[2], tuple(rows))
