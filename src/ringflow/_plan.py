@@ -422,7 +422,7 @@ DIRECT_S_PER_CHUNK = 60e-6
 # real hosts. Among them the planner takes the one that stays fastest if the scheduler's time per
 # chunk is HOST_LOAD_MARGIN times the profile's. The profile measures that time with small chunks
 # and few workers copying; with large chunks and many workers the workers' copies slow the
-# scheduler's own Python (docs/performance.md, "The scheduler under load"), so of two sizes the
+# scheduler's own Python (docs/performance.md, "a staged chunk among near ties"), so of two sizes the
 # model calls equal, the one with fewer chunks is the one a loaded scheduler does not bound. The
 # direct engine has no workers copying beside it, and keeps the fastest prediction.
 PREDICTION_TIE = 0.02
@@ -695,7 +695,8 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_
     best = min(rows, key=lambda r: (r[2], -r[0]))
     near = [r for r in rows if r[2] <= best[2] * (1 + PREDICTION_TIE)]
     if host_stages and len(near) > 1:  # (see "Choosing a staged chunk among near ties")
-        loaded = dataclasses.replace(profile, staged_chunk_host_s=HOST_LOAD_MARGIN * host_seconds_per_chunk(profile, True))
+        loaded = dataclasses.replace(profile,
+                                     staged_chunk_host_s=HOST_LOAD_MARGIN * host_seconds_per_chunk(profile, True))
 
         def under_load(row: tuple) -> tuple:
             _, seconds = predict_seconds(loaded, total_bytes, row[0], compute_s_per_byte=compute_s_per_byte,
