@@ -153,6 +153,10 @@ MISTAKES = [
     (["plan", "--chunk", "-5"], "plan", "argument --chunk"),
     (["plan", "--compute-ms-per-gib", "x"], "plan", "argument --compute-ms-per-gib: 'x'"),
     (["plan", "--compute-ms-per-gib", "-1"], "plan", "argument --compute-ms-per-gib: '-1'"),
+    # (a word of "-" and a letter was taken for an option: "expected one argument", naming no value)
+    (["plan", "--compute-ms-per-gib", "-inf"], "plan", "argument --compute-ms-per-gib: '-inf' is not a number"),
+    (["plan", "--compute-ms-per-gib", "-NaN"], "plan", "argument --compute-ms-per-gib: '-NaN' is not a number"),
+    (["plan", "--bytes", "-Infinity"], "plan", "argument --bytes: '-Infinity'"),
     (["plan", "--compute-ms-per-gib", "nan"], "plan", "argument --compute-ms-per-gib: 'nan'"),
     (["plan", "--compute-ms-per-gib", "inf"], "plan", "argument --compute-ms-per-gib: 'inf'"),
     (["plan", "--profile", "nope"], "plan", "argument --profile: unknown sim profile 'nope'"),

@@ -697,8 +697,9 @@ def _negatives_joined(words: list, parser: argparse.ArgumentParser) -> list:
     """``words`` with each long option that takes a value followed by a negative value
     (``--bytes -1KiB``) joined into one word (``--bytes=-1KiB``): argparse takes a word that
     starts with ``-`` and is not a plain number for an option, and says only "expected one
-    argument", naming no value, where the option's own check names the value and what it takes.
-    No option of this command line is spelt ``-`` and a digit. A flag (``--json``) is left
+    argument", naming no value, where the option's own check names the value and what it takes
+    (``-inf`` and ``-nan`` as well). No option of this command line is spelt ``-`` and a digit,
+    ``-i`` or ``-n``. A flag (``--json``) is left
     alone, as is everything after ``--``: the word after either is a file's or a workload's
     name (``ringflow trace -- -5``)."""
     takes_value = _options_taking_a_value(parser, words[0] if words else None)
@@ -740,7 +741,7 @@ def _options_taking_a_value(parser: argparse.ArgumentParser, command: object) ->
     return takes_value
 
 
-_NEGATIVE = re.compile(r"-\.?\d")
+_NEGATIVE = re.compile(r"-(?:\.?\d|inf|nan)", re.IGNORECASE)  # a negative number, or what float() reads as one
 
 
 def _parse(parser: argparse.ArgumentParser, argv: "list[str] | None", parsed: list) -> int:
