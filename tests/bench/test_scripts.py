@@ -255,6 +255,13 @@ def test_map_small_items(tmp_path):
     assert small["map"]["chunks"] < small["map-alone"]["chunks"] and small["map_over_alone"] > 0
 
 
+def test_few_chunks(tmp_path):
+    r = run_script(tmp_path, "few_chunks.py", "--chunk-mib", "1", "--chunks", "2,64", "--rounds", "1")
+    assert r["correct"] is True and [row["chunks"] for row in r["rows"]] == [2, 64]
+    few, many = r["rows"]
+    assert 0 < few["simulated_ms"] < many["simulated_ms"] and 0 < few["predicted_ms"] < many["predicted_ms"]
+
+
 def test_pyspy_summary(tmp_path):
     """The py-spy summary splits samples by thread, leaves out the pool's first pinning, and
     sorts a native profile's submitting-thread samples into what the C frames show."""
