@@ -262,6 +262,13 @@ def test_few_chunks(tmp_path):
     assert 0 < few["simulated_ms"] < many["simulated_ms"] and 0 < few["predicted_ms"] < many["predicted_ms"]
 
 
+def test_diagnose_staged_call(tmp_path):
+    r = run_script(tmp_path, "diagnose_staged_call.py", "--shapes", "1x2", "--calls", "2")
+    (row,) = r["rows"]
+    assert row["chunks"] == 2 and len(row["wall_ms"]) == 2 and row["report"]["chunks"] == 2
+    assert {"h2d", "d2h", "prepare", "consume"} <= {span[1] for span in row["spans"]}
+
+
 def test_pyspy_summary(tmp_path):
     """The py-spy summary splits samples by thread, leaves out the pool's first pinning, and
     sorts a native profile's submitting-thread samples into what the C frames show."""
