@@ -1108,6 +1108,38 @@ def test_plan_over_several_gpus(capsys):
     assert "devices" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("size, devices", [("16MiB", 2), ("64MiB", 8)])
+def test_plan_over_several_gpus_cuts_each_share_in_the_chunk_its_shard_uses(capsys, size, devices):
+    """With --chunk auto each shard of a whole-array job plans its chunk for its own share (sharded.plan_shards):
+    the plan predicted each GPU's share with the chunk chosen for the whole job. The share's row names the chunk a
+    simulated job over as many GPUs cuts each shard in, and its time is predict_seconds of the share in it."""
+    import re
+
+    from ringflow import _plan as plan
+    from ringflow._planning_cli import _human, parse_bytes
+
+    total = parse_bytes(size)
+    assert main(["plan", "--bytes", size, "--devices", str(devices), "--chunk", "auto"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    row = re.search(r"each GPU's share alone \(([^)]*)\)\s*│?\s*([\d.]+) ms(.*?)│", out)
+    assert row, out
+
+    def f(x, y):
+        y[:] = x
+
+    f.sim_seconds = 0.0  # the plan's kernel: --compute-ms-per-gib 0
+    devs = [rf.device("sim", checked=False) for _ in range(devices)]
+    x = np.arange(total, dtype=np.uint8)
+    y, report = rf.stream_map_report(f, x, device=devs, chunk_bytes="auto", workers=8, host="stage", keep_warm=False)
+    assert np.array_equal(y, x)
+    (used,) = {max(r.nbytes for r in shard.timeline.records) for shard in report.reports}
+    share = -(-total // devices)
+    assert used != plan.choose_chunk_bytes("h200-pcie5", total, workers=8).chunk_bytes  # not the whole job's chunk
+    _, per_device = plan.predict_seconds("h200-pcie5", share, used, workers=8)
+    assert row.group(1) == _human(share) and row.group(2) == f"{per_device * 1e3:.3f}", out
+    assert row.group(3).strip() == f"in {-(-share // used)} chunks of {_human(used)}", out
+
+
 def test_plan_with_a_chunk_larger_than_the_bytes_plans_one_chunk_of_them(capsys):
     """A whole array is never cut in chunks larger than itself: 1 MiB with --chunk 8MiB is one
     chunk of 1 MiB, predicted as such (it was predicted as moving 8 MiB, five times as long)."""

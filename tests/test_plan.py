@@ -526,6 +526,30 @@ def test_predict_devices_counts_the_devices_the_shards_give_work():
     assert tiny == plan.predict_devices("h200-pcie5", 10, 10, 10, workers=8)
 
 
+def test_predict_devices_with_an_auto_chunk_cuts_each_share_as_its_shard_does():
+    """With chunk_bytes="auto" each share is cut in the chunk a job over as many devices plans for a shard
+    (sharded.plan_shards: choose_chunk_bytes of the share's bytes), not in the whole job's chunk, and the
+    one-GPU time is the whole job's in its own chunk."""
+    from ringflow._pipeline import sharded
+
+    def f(x, y):
+        y[:] = x
+
+    f.sim_seconds = 0.0
+    total = 1 << 30
+    x = np.zeros(total, np.uint8)  # (never touched: planned, not run)
+    shards = sharded.plan_shards(f, x, x, False, [rf.device("sim", checked=False) for _ in range(8)], "auto",
+                                 "stage", "auto", {"workers": 8})
+    (used,) = {s.chunk_bytes for s in shards}
+    whole = plan.choose_chunk_bytes("h200-pcie5", total, workers=8).chunk_bytes
+    assert used < whole
+    many = plan.predict_devices("h200-pcie5", total, "auto", 8, workers=8)
+    assert many.share_chunk_bytes == used
+    assert many.per_device_s == plan.predict_seconds("h200-pcie5", total // 8, used, workers=8)[1]
+    assert many.one_device_s == plan.predict_seconds("h200-pcie5", total, whole, workers=8)[1]
+    assert plan.predict_devices("h200-pcie5", total, 8 * MiB, 8, workers=8).share_chunk_bytes == 8 * MiB
+
+
 def test_predict_devices_splits_the_links_and_shares_the_host():
     # pinned data: each GPU moves its share over its own link, nothing shared on the host
     pinned = plan.predict_devices("h200-pcie5", 256 * MiB, 8 * MiB, 2, compute_s_per_byte=5e-3 / (1 << 30),

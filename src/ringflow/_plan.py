@@ -531,6 +531,7 @@ class DevicesPrediction:
         devices: how many GPUs get work: those asked for, at most one a byte of the job (a shard
             holds a row at least, so no more GPUs than rows get one).
         share_bytes: the bytes of each GPU's share (the last may be fewer).
+        share_chunk_bytes: the chunk each GPU's share is cut in (at most the share).
         per_device_s: one GPU's time for its share of the rows, as if alone (s).
         host_floor_s: the time the host's shared memory and CPUs need for the job's host work
             with every worker of every GPU (s); 0 when nothing is staged.
@@ -544,13 +545,14 @@ class DevicesPrediction:
     host_floor_s: float
     predicted_s: float
     one_device_s: float
+    share_chunk_bytes: int
 
     @property
     def speedup(self) -> float:
         return self.one_device_s / self.predicted_s if self.predicted_s > 0 else float("inf")
 
 
-def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_bytes: int, devices: int, *,
+def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_bytes: "int | str", devices: int, *,
                     compute_s_per_byte: float = 0.0, workers: int = 1, host_stages: bool = True) -> DevicesPrediction:
     """The time ``devices`` GPUs of one host should take for a job of ``total_bytes`` split evenly.
 
@@ -563,7 +565,10 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     A whole-array job over several devices splits its rows, not its chunks (a GPU's shard may be
     one chunk smaller than ``chunk_bytes``), and gives no device an empty shard: with more devices
     than bytes (a row is a byte at least) only as many as there are bytes get work, and only their
-    workers copy.
+    workers copy. ``chunk_bytes="auto"``: each share is cut in the chunk :func:`choose_chunk_bytes`
+    picks for the share's bytes, as a whole-array job over several devices plans one for a
+    shard's share (``sharded.plan_shards``), and the job on one GPU in the chunk it picks for
+    the whole job.
 
     Raises:
         ValueError: ``devices`` is not an int >= 1.
@@ -573,12 +578,20 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     p = get_profile(profile)
     devices = min(devices, total_bytes)  # (as the shards' split_rows: no more parts than rows)
     share = -(-total_bytes // devices)
-    _, per_device = predict_seconds(p, share, min(chunk_bytes, share), compute_s_per_byte=compute_s_per_byte,
+    if chunk_bytes == "auto":
+        def chunk_for(nbytes: int) -> int:
+            return choose_chunk_bytes(p, nbytes, compute_s_per_byte=compute_s_per_byte, workers=workers,
+                                      host_stages=host_stages).chunk_bytes
+
+        chunk_bytes, share_chunk = chunk_for(total_bytes), chunk_for(share)
+    else:
+        share_chunk = min(chunk_bytes, share)
+    _, per_device = predict_seconds(p, share, share_chunk, compute_s_per_byte=compute_s_per_byte,
                                     workers=workers, host_stages=host_stages)
     _, one = predict_seconds(p, total_bytes, chunk_bytes, compute_s_per_byte=compute_s_per_byte, workers=workers,
                              host_stages=host_stages)
     floor = 2 * total_bytes / (p.staging_copy_rate(workers * devices) * 1e9) if host_stages else 0.0
-    return DevicesPrediction(devices, share, per_device, floor, max(per_device, floor), one)
+    return DevicesPrediction(devices, share, per_device, floor, max(per_device, floor), one, share_chunk)
 
 
 def predicted_total(times: StageTimes, n: int) -> float:

@@ -189,13 +189,16 @@ def plan_command(args) -> int:
         table.add_row("host memory floor", f"{floor * 1e3:.3f} ms")
     devices = getattr(args, "devices", 1) or 1
     if devices > 1:
-        many = plan.predict_devices(profile, total, chunk, devices, compute_s_per_byte=per_byte,
-                                    workers=args.workers, host_stages=not args.pinned)
+        # with --chunk auto each shard plans its chunk for its own share, as a job over several devices does
+        many = plan.predict_devices(profile, total, "auto" if choice is not None else chunk, devices,
+                                    compute_s_per_byte=per_byte, workers=args.workers, host_stages=not args.pinned)
         # the rows are split, not the chunks: a GPU's share may be less than a chunk; no more GPUs than bytes get one
         on = (f"on {devices} GPUs of this host" if many.devices == devices else
               f"on {many.devices} of {devices} GPUs of this host (a shard needs a byte)")
         table.add_row(on, f"{many.predicted_s * 1e3:.3f} ms ({many.speedup:.2f}x one)")
-        table.add_row(f"  each GPU's share alone ({_human(many.share_bytes)})", f"{many.per_device_s * 1e3:.3f} ms")
+        table.add_row(f"  each GPU's share alone ({_human(many.share_bytes)})",
+                      f"{many.per_device_s * 1e3:.3f} ms in {-(-many.share_bytes // many.share_chunk_bytes)} chunks "
+                      f"of {_human(many.share_chunk_bytes)}")
         table.add_row("  the host's shared copies", f"{many.host_floor_s * 1e3:.3f} ms")
     console.print(table)
     if profile.gpu_name:
