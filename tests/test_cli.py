@@ -1441,6 +1441,54 @@ def test_plan_shows_the_slots_stream_map_allocates(capsys, argv, host):
     assert {ring: int(shown[ring]) for ring in allocated} == allocated, out
 
 
+def test_plan_refuses_pinned_chunks_whose_rings_of_whole_copy_groups_do_not_fit(tmp_path, capsys):
+    """Small pinned chunks are moved in copy groups, and the device rings grow to whole groups (sizing.copy_group):
+    64 slots each way of 256 KiB, where the rings before grouping (3 slots each way) take 1.5 MiB. The plan checked
+    the rings before grouping against total_memory and printed the grown ones: on a GPU of 16 MiB it planned a job
+    whose rings stream_map cannot allocate. It refuses it, naming the slots it prints."""
+    import dataclasses
+
+    from ringflow import _plan as plan
+    from ringflow._pipeline.sizing import copy_group, planned_slots
+
+    total, chunk, mem = 64 << 20, 256 << 10, 16 << 20
+    small = dataclasses.replace(plan.get_profile("h200-pcie5"), name="small-memory", total_memory=mem)
+    n = total // chunk
+    t, _ = plan.predict_seconds(small, total, chunk, workers=4, host_stages=False)
+    assert plan.device_ring_bytes(plan.cap_slots(plan.plan_slots(t).slots, n), chunk, n) <= mem  # before grouping
+    grouped = copy_group(small, chunk, n, planned_slots(small, chunk, False, 4, plan.kernel_cost(0.0, 0.0, chunk),
+                                                        external=(True, True), bulk=True, max_chunks=n),
+                         planned=True, inplace=False)[1]
+    assert (grouped.device_in + grouped.device_out) * chunk > mem
+
+    def f(x, y):
+        y[:] = x
+
+    f.sim_seconds = 0.0
+    x = np.ones(total, np.uint8)
+    with pytest.raises(rf.OutOfMemoryError):  # what stream_map does with them
+        rf.stream_map(f, x, device=rf.device("sim", profile=small, checked=False), chunk_bytes=chunk, workers=4,
+                      host="register", keep_warm=False)
+    path = tmp_path / "small-memory.json"
+    small.save(path)
+    argv = ["plan", "--bytes", "64MiB", "--chunk", "256KiB", "--workers", "4", "--pinned", "--profile", str(path)]
+    assert main(argv) != 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"({grouped.device_in} device-in and {grouped.device_out} device-out slots)" in err, err
+    assert f"total_memory of {mem} bytes" in err, err
+    # --chunk auto plans its chunk without the groups (as stream_map's chunk_bytes="auto" does: it fails too)
+    with pytest.raises(rf.OutOfMemoryError):
+        rf.stream_map(f, x, device=rf.device("sim", profile=small, checked=False), chunk_bytes="auto", workers=4,
+                      host="register", keep_warm=False)
+    assert main([*argv[:4], "auto", *argv[5:]]) != 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--chunk auto planned" in err and "copy groups" in err and "--chunk auto to plan" not in err, err
+    roomy = tmp_path / "roomy.json"
+    dataclasses.replace(small, total_memory=2 * (grouped.device_in + grouped.device_out) * chunk).save(roomy)
+    assert main([*argv[:-1], str(roomy)]) == 0, capsys.readouterr().err
+    assert f"slots device_in │ {grouped.device_in} (lifetime" in " ".join(capsys.readouterr().out.split())
+
+
 def test_plan_shows_how_many_workers_copy_at_once(capsys):
     """Past the workers the pipeline keeps busy, more change neither the plan nor its time; the
     table says how many copy at once."""

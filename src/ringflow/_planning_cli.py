@@ -123,7 +123,8 @@ def plan_command(args) -> int:
         ValueError: ``--profile`` names no built-in profile, or a file that is not a valid
             profile (:class:`~ringflow._device.hardware.ProfileError`, naming the field).
         ValueError: the device rings of ``--chunk`` do not fit the profile's ``total_memory``, or
-            with ``--chunk auto`` those of no chunk do (naming chunk_bytes and total_memory).
+            with ``--chunk auto`` those of no chunk do (naming chunk_bytes and total_memory); the
+            rings checked are those allocated (with ``--pinned``: grown to whole copy groups).
     """
     from rich.console import Console
     from rich.table import Table
@@ -158,12 +159,18 @@ def plan_command(args) -> int:
                               external=(args.pinned, args.pinned), bulk=True, max_chunks=n)
     if args.pinned:
         allocated = copy_group(profile, chunk, n, allocated, planned=True, inplace=False)[1]
-    need = plan.device_ring_bytes(slots.slots, chunk, n)
-    if need > profile.total_memory:  # (a chosen chunk's rings fit: choose_chunk_bytes saw to it)
-        din, dout = plan.device_ring_slots(slots.slots, n)
-        raise ValueError(f"--chunk {chunk} bytes: its device rings ({din} device-in and {dout} device-out slots) "
+    # the device rings checked are those allocated and printed (pinned data: grown to whole copy groups)
+    din, dout = allocated.device_in, allocated.device_out
+    need = (din + dout) * chunk
+    if need > profile.total_memory:
+        # (--chunk auto: choose_chunk_bytes fits the rings it plans, which copy groups of small pinned chunks then grow)
+        what, fix = ((f"--chunk {chunk} bytes", "give a smaller --chunk, or --chunk auto to plan one that fits")
+                     if choice is None else
+                     (f"--chunk auto planned {chunk} bytes", "--chunk auto does not count the rings' growth to "
+                      "whole copy groups of small pinned chunks; give a --chunk whose rings fit"))
+        raise ValueError(f"{what}: its device rings ({din} device-in and {dout} device-out slots) "
                          f"need {need:.0f} bytes, more than the total_memory of {profile.total_memory} bytes of "
-                         f"profile {profile.name}{where}; give a smaller --chunk, or --chunk auto to plan one that fits")
+                         f"profile {profile.name}{where}; {fix}")
     console = Console()
     # names from the profile and the bench file are the user's text, not markup
     table = Table(title=printable(f"{_human(total)} in chunks of {chunk / 2**20:g} MiB x {n} on profile "
