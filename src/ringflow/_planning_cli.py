@@ -162,15 +162,10 @@ def plan_command(args) -> int:
     # the device rings checked are those allocated and printed (pinned data: grown to whole copy groups)
     din, dout = allocated.device_in, allocated.device_out
     need = (din + dout) * chunk
-    if need > profile.total_memory:
-        # (--chunk auto: choose_chunk_bytes fits the rings it plans, which copy groups of small pinned chunks then grow)
-        what, fix = ((f"--chunk {chunk} bytes", "give a smaller --chunk, or --chunk auto to plan one that fits")
-                     if choice is None else
-                     (f"--chunk auto planned {chunk} bytes", "--chunk auto does not count the rings' growth to "
-                      "whole copy groups of small pinned chunks; give a --chunk whose rings fit"))
-        raise ValueError(f"{what}: its device rings ({din} device-in and {dout} device-out slots) "
+    if need > profile.total_memory:  # (a chosen chunk's rings fit: choose_chunk_bytes and copy_group see to it)
+        raise ValueError(f"--chunk {chunk} bytes: its device rings ({din} device-in and {dout} device-out slots) "
                          f"need {need:.0f} bytes, more than the total_memory of {profile.total_memory} bytes of "
-                         f"profile {profile.name}{where}; {fix}")
+                         f"profile {profile.name}{where}; give a smaller --chunk, or --chunk auto to plan one that fits")
     console = Console()
     # names from the profile and the bench file are the user's text, not markup
     table = Table(title=printable(f"{_human(total)} in chunks of {chunk / 2**20:g} MiB x {n} on profile "

@@ -146,8 +146,9 @@ def copy_group(profile: "str | plan.HardwareProfile", chunk_bytes: int, n_chunks
     profile's copy curve shows as a lower rate for small copies: chunks are grouped up to the
     smallest copy the curve moves at :data:`COPY_RATE_SHARE` of its best rate, leaving at least
     :data:`MIN_COPY_GROUPS` groups. A group's slots follow one another in the ring, so a ring
-    holds a whole number of groups: ``planned`` rings grow to :data:`RING_GROUPS` groups; given
-    rings keep their size and the group shrinks until two fit. ``profile``: the device's hardware
+    holds a whole number of groups: ``planned`` rings grow to :data:`RING_GROUPS` groups, with
+    fewer chunks a group where those rings would not fit the profile's ``total_memory`` (no
+    group: the rings as planned); given rings keep their size and the group shrinks until two fit. ``profile``: the device's hardware
     model (``Device.hardware``)."""
     profile = plan.get_profile(profile)
     curve = profile.h2d_curve
@@ -160,8 +161,15 @@ def copy_group(profile: "str | plan.HardwareProfile", chunk_bytes: int, n_chunks
         return 1, slots
     rings = [slots.device_in] + ([] if inplace else [slots.device_out])
     if planned:
-        grown = [max(n, RING_GROUPS * group) for n in rings]
-        grown = [-(-n // group) * group for n in grown]
+        # the grown rings must fit the device's memory, as the planned ones do (choose_chunk_bytes):
+        # where they would not, fewer chunks a group
+        while True:
+            grown = [-(-max(n, RING_GROUPS * group) // group) * group for n in rings]
+            if (sum(grown) + (slots.device_out if inplace else 0)) * chunk_bytes <= profile.total_memory:
+                break
+            group -= 1
+            if group <= 1:
+                return 1, slots
         return group, dataclasses.replace(slots, device_in=grown[0],
                                           device_out=slots.device_out if inplace else grown[1])
     while group > 1 and any(n % group or n < 2 * group for n in rings):
