@@ -336,8 +336,9 @@ def model_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, com
     Copies use the bandwidth-by-size curve; when both directions run (the steady state) they
     share the link's duplex bandwidth. ``compute`` defaults to what the simulated GPU charges a
     kernel that declares no cost (``HardwareProfile.kernel_seconds`` of the input and output
-    bytes: a memory-bound pass, at least the profile's shortest kernel); ``prepare``/``consume`` default to one memcpy of the chunk at the per-thread host copy
-    rate of the pool's threads that copy at once: of ``workers``, those that the copies, the
+    bytes: a memory-bound pass, at least the profile's shortest kernel); ``prepare``/``consume``
+    default to one memcpy of the chunk at the per-thread host copy rate of the pool's threads
+    that copy at once: of ``workers``, those that the copies, the
     kernel and ``scheduler`` (the host's seconds per chunk) keep busy (:func:`copying_threads`;
     all of them when either host stage is given).
 

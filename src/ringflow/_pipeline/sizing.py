@@ -148,8 +148,8 @@ def copy_group(profile: "str | plan.HardwareProfile", chunk_bytes: int, n_chunks
     :data:`MIN_COPY_GROUPS` groups. A group's slots follow one another in the ring, so a ring
     holds a whole number of groups: ``planned`` rings grow to :data:`RING_GROUPS` groups, with
     fewer chunks a group where those rings would not fit the profile's ``total_memory`` (no
-    group: the rings as planned); given rings keep their size and the group shrinks until two fit. ``profile``: the device's hardware
-    model (``Device.hardware``)."""
+    group: the rings as planned); given rings keep their size and the group shrinks until two
+    fit. ``profile``: the device's hardware model (``Device.hardware``)."""
     profile = plan.get_profile(profile)
     curve = profile.h2d_curve
     best = profile.copy_GBps("h2d", curve[-1][0])
@@ -236,7 +236,8 @@ def _copy_seconds(profile, in_bytes: int, out_bytes: int) -> tuple[float, float]
     return hit[1], hit[2]
 
 
-def taper(rows: int, row_bytes: int, *, kernel_s: Optional[float] = None, kernel_min_s: float = 0.0) -> tuple[int, ...]:
+def taper(rows: int, row_bytes: int, *, kernel_s: Optional[float] = None,
+          kernel_min_s: float = 0.0) -> tuple[int, ...]:
     """The rows of a compute-bound job's first chunks, ascending (its last ones mirror them):
     ``rows`` halved up to :data:`TAPER_STEPS` times, none below :data:`TAPER_MIN_BYTES`; empty
     when no halving fits. With ``kernel_s`` (the seconds a chunk of ``rows`` takes to compute),
