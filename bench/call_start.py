@@ -1,4 +1,5 @@
-"""What a warm whole-array call does before its first copy starts, on a real GPU.
+"""What a warm whole-array call does before its first copy starts and after its last copy ends,
+on a real GPU.
 
     python3 bench/call_start.py --device cuda:0 --out FILE [--mib 256] [--chunk-mib 16] [--calls 30]
 
@@ -8,7 +9,9 @@ enqueueing of its first copy and the call's whole time (medians and ranges over 
 warm calls); then a cProfile of the same calls cut off at each call's first copy, so that only
 the host work the GPU waits for is in it (functions by their own time per call). The copy
 engines idle for that time at the start of every call, where a hand-written program starts its
-first copy at once.
+first copy at once. The same for the call's tail: the host time from the return of its last
+wait for the GPU (an event's ``sync``) to the call's return, and a cProfile of only that part;
+calls made back to back leave the GPU idle for it too.
 """
 
 from __future__ import annotations
@@ -50,6 +53,41 @@ def first_copy_probe(dev):
     return stamps, lambda: setattr(cls, "copy", original)
 
 
+def last_sync_probe(dev):
+    """``(ends, restore)``: every ``sync`` of an event of ``dev``'s kind appends the host time it
+    returned at to ``ends`` (and calls ``ends.on_sync`` then) until ``restore()``."""
+    stream = dev.create_stream()
+    event = stream.record()
+    event.sync()
+    cls = type(event)
+    stream.close()
+    original = cls.sync
+
+    class Ends(list):
+        on_sync = None
+
+    ends = Ends()
+
+    def sync(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        ends.append(time.perf_counter())
+        if ends.on_sync is not None:
+            ends.on_sync()
+        return result
+
+    cls.sync = sync
+    return ends, lambda: setattr(cls, "sync", original)
+
+
+def by_own_time(prof: cProfile.Profile, calls: int, top: int) -> list:
+    """The functions a profile saw, by their own time per call, the ``top`` first."""
+    stats = pstats.Stats(prof)
+    rows = sorted(((tt, nc, ct, func) for func, (_, nc, tt, ct, _) in stats.stats.items()), reverse=True)
+    return [{"function": f"{fn[0].rsplit('/src/', 1)[-1]}:{fn[1]}({fn[2]})", "calls_per_call": nc / calls,
+             "own_us_per_call": tt / calls * 1e6, "cumulative_us_per_call": ct / calls * 1e6}
+            for tt, nc, ct, fn in rows[:top]]
+
+
 def spread(values: list) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -75,18 +113,21 @@ def main() -> None:
     out = {**header(dev.name if hasattr(dev, "name") else args.device), "device": args.device, "mib": args.mib,
            "chunk_mib": args.chunk_mib, "calls": args.calls, "faces": {}}
     stamps, restore = first_copy_probe(dev)
+    ends, restore_sync = last_sync_probe(dev)
     try:
         for face, call in (("stream_map", stream_map), ("MapJob", job)):
             for _ in range(5):  # warm: kernels loaded, pipelines and memo entries made
                 call()
-            to_first, whole = [], []
+            to_first, whole, tail = [], [], []
             for _ in range(args.calls):
                 stamps.clear()
+                ends.clear()
                 t0 = time.perf_counter()
                 call()
                 t1 = time.perf_counter()
                 to_first.append((stamps[0] - t0) * 1e6)
                 whole.append((t1 - t0) * 1e3)
+                tail.append((t1 - ends[-1]) * 1e6)
             prof = cProfile.Profile()
             stamps.on_first = prof.disable
             for _ in range(args.calls):
@@ -95,22 +136,31 @@ def main() -> None:
                 call()
                 prof.disable()
             stamps.on_first = None
-            stats = pstats.Stats(prof)
-            rows = sorted(((tt, nc, ct, func) for func, (_, nc, tt, ct, _) in stats.stats.items()), reverse=True)
+            after = cProfile.Profile()  # from the call's last wait for the GPU to its return
+            ends.on_sync = after.enable
+            for _ in range(args.calls):
+                stamps.clear()
+                call()
+                after.disable()
+            ends.on_sync = None
             out["faces"][face] = {
-                "to_first_copy_us": spread(to_first), "call_ms": spread(whole), "copies_per_call": len(stamps),
-                "before_first_copy_by_own_time": [
-                    {"function": f"{fn[0].rsplit('/src/', 1)[-1]}:{fn[1]}({fn[2]})", "calls_per_call": nc / args.calls,
-                     "own_us_per_call": tt / args.calls * 1e6, "cumulative_us_per_call": ct / args.calls * 1e6}
-                    for tt, nc, ct, fn in rows[:args.top]]}
+                "to_first_copy_us": spread(to_first), "after_last_sync_us": spread(tail), "call_ms": spread(whole),
+                "copies_per_call": len(stamps),
+                "before_first_copy_by_own_time": by_own_time(prof, args.calls, args.top),
+                "after_last_sync_by_own_time": by_own_time(after, args.calls, args.top)}
             s = out["faces"][face]
             print(f"{face}: first copy after {s['to_first_copy_us']['median']:.1f} us (median; "
-                  f"{s['to_first_copy_us']['min']:.1f}-{s['to_first_copy_us']['max']:.1f}), call "
+                  f"{s['to_first_copy_us']['min']:.1f}-{s['to_first_copy_us']['max']:.1f}), returned "
+                  f"{s['after_last_sync_us']['median']:.1f} us after its last sync "
+                  f"({s['after_last_sync_us']['min']:.1f}-{s['after_last_sync_us']['max']:.1f}), call "
                   f"{s['call_ms']['median']:.3f} ms", flush=True)
-            for r in s["before_first_copy_by_own_time"][:12]:
-                print(f"  {r['own_us_per_call']:8.1f} us own {r['cumulative_us_per_call']:8.1f} cum "
-                      f"{r['calls_per_call']:5.1f}x  {r['function']}", flush=True)
+            for part in ("before_first_copy_by_own_time", "after_last_sync_by_own_time"):
+                print(f" {part}:", flush=True)
+                for r in s[part][:12]:
+                    print(f"  {r['own_us_per_call']:8.1f} us own {r['cumulative_us_per_call']:8.1f} cum "
+                          f"{r['calls_per_call']:5.1f}x  {r['function']}", flush=True)
     finally:
+        restore_sync()
         restore()
         job.close()
         rf.drop_warm_pipelines()

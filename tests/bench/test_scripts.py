@@ -53,6 +53,11 @@ def test_call_start(tmp_path):
         assert not any("(sync)" in fn or "sim/stream.py" in fn and "(copy)" in fn for fn in functions), functions
         top = "whole_array.py:52(stream_map)" if face == "stream_map" else "job.py"
         assert any(top in fn for fn in functions), functions
+        # the tail: from the last sync's return to the call's, and only that part profiled
+        assert 0 < s["after_last_sync_us"]["median"] < s["call_ms"]["median"] * 1e3
+        tail = [row["function"] for row in s["after_last_sync_by_own_time"]]
+        assert not any("(copy)" in fn or "(launch)" in fn for fn in tail), tail
+        assert any("(park)" in fn for fn in tail) if face == "stream_map" else any("job.py" in fn for fn in tail), tail
 
 
 def test_diagnose_pageable(tmp_path):
