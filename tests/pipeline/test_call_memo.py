@@ -135,7 +135,7 @@ def test_what_changes_a_call_is_checked_and_planned_anew(plans, change):
         def g(a, b):
             b[:] = a * 2 + 1
         rf.stream_map(g, x, out, **kw)
-        g.sim_seconds = 1.0  # a compute-bound job: its ends are tapered
+        g.sim_seconds = 1.0  # a compute-bound job: two compute streams
         want = x * 2 + 1
     elif change == "strided x":
         x = fresh(8192, 2)[::2]  # not contiguous: staged, not registered
@@ -329,7 +329,7 @@ def _replay(calls, memo_on: bool) -> list:
           "ints": np.arange(4096, dtype=np.int32)}
     given_out, locked_out = np.empty(4096, np.float32), np.empty(4096, np.float32)
     locked_out.flags.writeable = False
-    _timed.sim_seconds = 1e-3  # compute-bound: tapered ends
+    _timed.sim_seconds = 1e-3  # compute-bound: two compute lanes
     got = []
     previous = None
     try:
@@ -340,7 +340,7 @@ def _replay(calls, memo_on: bool) -> list:
             previous = spec
             if spec["before"] == "toggle read-only out":
                 given_out.flags.writeable = not given_out.flags.writeable
-            elif spec["before"] == "replace sim_seconds":  # a cost now far below a copy's: not tapered
+            elif spec["before"] == "replace sim_seconds":  # a cost now far below a copy's: one compute lane
                 _timed.sim_seconds = 1e-9 if _timed.sim_seconds == 1e-3 else 1e-3
             f = {"double": _double, "minus": _minus, "timed": _timed}[spec["f"]]
             x = xs[spec["x"]]

@@ -38,12 +38,14 @@ heavy.sim_seconds = lambda nbytes: 3 * _copy_s(4 * MiB) * nbytes / (4 * MiB)
 light.sim_seconds = lambda nbytes: _copy_s(nbytes)
 
 
-def slow(x, y):  # 0.2 ms a chunk: compute-bound at any chunk size up to a few MiB
+def slow(x, y):  # 1 us a byte: compute-bound for any chunk of two taper floors (lowered to 64 bytes) or more
     np.multiply(x, 2, out=y)
     y += 1
 
 
-slow.sim_seconds = 200e-6
+# in proportion to the bytes, so that a shorter chunk has a shorter kernel (a cost given as a number
+# is the same for any chunk, and such a compute is not tapered)
+slow.sim_seconds = lambda nbytes: nbytes * 1e-6
 
 
 def unknown(x, y):  # no cost the planner can read
@@ -187,6 +189,42 @@ def test_a_tapered_run_never_beats_its_ideal_bound():
     np.testing.assert_array_equal(y, x * 2 + 1)
     assert rep.chunks == 3 + 6 + 1 + 3  # 3.5 MiB at each end, six whole chunks and 1 MiB between
     assert 0 < rep.ideal_s <= rep.measured_s
+
+
+def _report_and_seconds(f, dev_x):
+    """``(report, virtual seconds)`` of a planned direct-engine stream_map of ``f`` over ``x``
+    in 4 MiB chunks, its result checked."""
+    dev, x = dev_x
+    t0 = dev.now
+    y, rep = stream_map_report(f, x, rf.host.empty_like(x), device=dev, chunk_bytes=4 * MiB, engine="direct",
+                               keep_warm=False)
+    seconds = dev.now - t0
+    np.testing.assert_array_equal(y, x * 2 + 1)
+    return rep, seconds
+
+
+def test_a_compute_of_fixed_cost_is_not_tapered_and_runs_no_slower_for_it():
+    """A number as ``sim_seconds`` is the kernel's time for any chunk: a shorter chunk's kernel
+    takes as long as a whole one's, so a taper would add kernels and shorten none. The job is
+    still compute-bound (two compute streams) but runs whole chunks, in no more time on the
+    simulated clock than with the taper it would have had; a cost in proportion to the bytes,
+    the same for a whole chunk, still tapers."""
+    def fixed(x, y):
+        np.multiply(x, 2, out=y)
+        y += 1
+
+    fixed.sim_seconds = 3 * _copy_s(4 * MiB)  # heavy's whole chunk, for a chunk of any size
+    x = _pinned(64 * MiB, 9)
+    plain, plain_s = _report_and_seconds(fixed, x)
+    assert plain.chunks == 16 and plain.timeline.meta["compute_lanes"] == 2
+    with _job(fixed, x) as job:
+        assert job.chunks == 16 and job._held.engine.compute_streams == 2
+    with mock.patch.object(whole_array, "fixed_cost", return_value=False):  # the taper it would have had
+        tapered, tapered_s = _report_and_seconds(fixed, x)
+    assert tapered.chunks == 3 + 14 + 1 + 3
+    assert plain_s < tapered_s, (plain_s, tapered_s)
+    per_byte, _ = _report_and_seconds(heavy, x)
+    assert per_byte.chunks == 3 + 14 + 1 + 3 and per_byte.timeline.meta["compute_lanes"] == 2
 
 
 # -- measured on first use --------------------------------------------------------------------------

@@ -217,6 +217,13 @@ def planned_compute_bound(device: Device, compute: Callable, in_bytes: int, out_
     return is_compute_bound(kernel, *_copy_seconds(device.hardware, in_bytes, out_bytes))
 
 
+def fixed_cost(compute: Callable) -> bool:
+    """Whether the compute declares one kernel time for a chunk of any size: its ``sim_seconds``
+    is a number, not a function of the chunk's bytes (False without a cost)."""
+    cost = getattr(compute, "sim_seconds", None)
+    return cost is not None and not callable(cost)
+
+
 # (id(profile), in bytes, out bytes) -> (profile, h2d s, d2h s): every stream_map call plans its
 # layout, and the copy model's curve lookups cost more than the rest of that plan
 _COPY_SECONDS: dict = {}
@@ -248,7 +255,8 @@ def taper(rows: int, row_bytes: int, *, kernel_s: Optional[float] = None,
     Why: a compute-bound job's kernels cannot start before the first chunk is in, nor can the
     last result leave before the last kernel ends; those two copies and the last kernel overlap
     nothing else. Short chunks at the ends shorten them; whole chunks between keep the
-    per-chunk costs of the rest as they were."""
+    per-chunk costs of the rest as they were. A compute whose declared cost is one time for any
+    chunk (:func:`fixed_cost`) is not tapered at all: no shorter chunk has a shorter kernel."""
     head = []
     r = rows // 2
     while (len(head) < TAPER_STEPS and r >= 1 and r * row_bytes >= TAPER_MIN_BYTES

@@ -36,7 +36,8 @@ from .call_memo import array_key, tagged
 from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine
 from .frames import forget_own_frames
 from .sigint import shielded
-from .sizing import DEFAULT_CHUNK_BYTES, chunk_sizes, default_workers, planned_compute_bound, resolve_slots, taper
+from .sizing import (DEFAULT_CHUNK_BYTES, chunk_sizes, default_workers, fixed_cost, planned_compute_bound,
+                     resolve_slots, taper)
 from .stages import sim_seconds_for
 from .validate import (COMPUTE_FORM, check_arity, check_choice, check_not_masked, check_options,
                        check_out, check_output_spec, same_memory)
@@ -82,7 +83,7 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
             from :func:`ringflow.host.empty` are staged. See the multi-GPU guide.
         chunk_bytes: bytes per chunk (an int or a size such as ``"8MiB"``), ``"auto"`` to let the
             planner choose, or None for 8 MiB. Never larger than the array needs. A
-            compute-bound job's first and last chunks are shorter (see ``compute_streams``).
+            compute-bound job's first and last chunks may be shorter (see ``compute_streams``).
         host: how ordinary host memory reaches the copy engines: ``"stage"`` copies each chunk
             through pinned rings on CPU workers; ``"register"`` pins ``x`` and ``out`` in place for
             the call; ``"auto"`` picks by the planner's model.
@@ -110,10 +111,12 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
             device slots), so kernels of several chunks may run side by side. None (planned):
             where small chunks share a copy (copy groups), one per chunk of a group up to four,
             since their kernels are short and start together; for a compute-bound job (a
-            chunk's kernel at least twice its longer copy) two, and its first and last chunks
-            are tapered; else one. The kernel's time comes from ``f.sim_seconds`` when ``f``
-            states it, else the direct engine times one chunk of its first call and plans the
-            later ones (docs/design.md, "Compute-bound jobs"). The scheduled engine uses one.
+            chunk's kernel at least twice its longer copy) two; else one. A compute-bound job's
+            first and last chunks are also tapered (shorter), unless ``f.sim_seconds`` is a
+            number: that is its kernel's time for a chunk of any size, which a shorter chunk would
+            not shorten. The kernel's time comes from ``f.sim_seconds`` when ``f`` states it, else
+            the direct engine times one chunk of its first call and plans the later ones
+            (docs/design.md, "Compute-bound jobs"). The scheduled engine uses one stream.
         profile: time every stage (use :func:`stream_map_report` to get the report).
         output: the result's ``(shape, dtype)`` when it is not shaped as ``x``: the same rows
             (``shape[0] == len(x)``), any row shape and dtype, e.g. ``((n, 10), "float16")`` for
@@ -618,13 +621,14 @@ def whole_output(output: Any, x: np.ndarray, inplace: bool) -> tuple:
 @dataclasses.dataclass(frozen=True)
 class MapLayout:
     """How a whole-array job is cut and moved: chunks of ``rows`` rows over ``length`` rows (the
-    last may be shorter, and a compute-bound job's first and last ones are: ``taper`` gives the
-    first ones' rows, see :func:`~ringflow._pipeline.sizing.taper`); a row of ``x`` is ``row_bytes`` (``tail`` of ``dtype``), a row of the
-    result ``out_row_bytes`` (``out_tail`` of ``out_dtype``); and the host strategy ("stage",
-    "register" or "pinned"). When staging, ``in_place`` names the sides (input, result) that are
-    pinned pool arrays already: the copy engines use those in place and only the other side is
-    staged. ``compute_bound``: whether the compute's known cost makes the job compute-bound
-    (None: not known; :func:`~ringflow._pipeline.sizing.planned_compute_bound`)."""
+    last may be shorter, and a compute-bound job's first and last ones may be: ``taper`` gives the
+    first ones' rows, see :func:`~ringflow._pipeline.sizing.taper`); a row of ``x`` is
+    ``row_bytes`` (``tail`` of ``dtype``), a row of the result ``out_row_bytes`` (``out_tail`` of
+    ``out_dtype``); and the host strategy ("stage", "register" or "pinned"). When staging,
+    ``in_place`` names the sides (input, result) that are pinned pool arrays already: the copy
+    engines use those in place and only the other side is staged. ``compute_bound``: whether the
+    compute's known cost makes the job compute-bound (None: not known;
+    :func:`~ringflow._pipeline.sizing.planned_compute_bound`)."""
 
     device: Device
     row_bytes: int
@@ -803,8 +807,11 @@ class MapLayout:
                              f"raise chunk_bytes to at least {widest} or {narrower}")
         rows = min(max(1, slot // widest), x.shape[0])  # a chunk is never larger than the array
         bound = planned_compute_bound(dev, f, rows * row_bytes, rows * out_row_bytes)
+        # a taper shortens the ends only where a shorter chunk has a shorter kernel: a cost given as
+        # a number is the same for any chunk, so a taper would add kernels of that length and shorten none
+        head = taper(rows, widest) if bound and not fixed_cost(f) else ()
         return cls(dev, row_bytes, rows, x.shape[0], x.shape[1:], x.dtype, strategy, out_row_bytes, out.shape[1:],
-                   out.dtype, in_place, compute_bound=bound, taper=taper(rows, widest) if bound else ())
+                   out.dtype, in_place, compute_bound=bound, taper=head)
 
 
 def compute_cost(sim) -> "tuple[float, float] | tuple[None, None]":
