@@ -34,3 +34,68 @@ def test_a_duplicate_key_is_not_taken_for_a_number_too_long_to_read():
     text = '[{"a": 1, "a": 2}, ' + "1" * 5000 + ']'
     with pytest.raises(jsontext.DuplicateKeyError, match="'a'"):
         jsontext.loads(text, unique_keys=True)
+
+
+BOM = "\ufeff"
+
+
+@pytest.mark.parametrize("text, marks", [
+    (BOM + '{"a": 1}', "two"),  # what a file of two marks reads as: the first is skipped
+    (BOM * 2 + "[]", "3"),
+    ((BOM * 2 + "[]").encode("utf-8"), "two"),  # bytes: json.loads skips the first mark itself
+])
+def test_a_text_left_with_a_byte_order_mark_says_to_remove_the_extra_one(text, marks):
+    """json.loads refused it as "Unexpected UTF-8 BOM (decode using utf-8-sig)", advice for the
+    program that read the file, not for the user who can edit it."""
+    with pytest.raises(json.JSONDecodeError) as info:
+        jsontext.loads(text)
+    assert info.value.msg.startswith(f"the file starts with {marks} byte order marks"), info.value.msg
+    assert "remove the extra byte order mark" in info.value.msg
+    assert "utf-8-sig" not in info.value.msg
+    assert (info.value.lineno, info.value.colno) == (1, 1)
+
+
+def test_bytes_with_one_byte_order_mark_and_marks_inside_the_json_are_read_as_before():
+    assert jsontext.loads((BOM + '{"a": 1}').encode("utf-8")) == {"a": 1}
+    assert jsontext.loads('["' + BOM + '"]') == [BOM]
+    with pytest.raises(json.JSONDecodeError, match="Expecting value"):  # a mark after a space is not at the start
+        jsontext.loads(" " + BOM + "[]")
+
+
+def test_a_trace_read_back_as_spans_says_to_remove_the_extra_byte_order_mark(tmp_path):
+    from ringflow._trace import load_spans
+
+    path = tmp_path / "twice.json"
+    path.write_bytes(b"\xef\xbb\xbf" * 2 + b'[{"ph": "X", "ts": 0, "dur": 5, "cat": "h2d", "tid": 1}]')
+    with pytest.raises(json.JSONDecodeError, match="two byte order marks.*remove the extra byte order mark"):
+        load_spans(str(path))
+
+
+def _bench_json() -> str:
+    return ('{"workloads": {"seed": {"rows": [{"name": "ringflow", "chunk_bytes": 1048576, "predicted_ms": 1, '
+            '"ms_median": 2}]}}}')
+
+
+@pytest.mark.parametrize("command", ["trace", "plan --compare", "plan --profile"])
+def test_a_file_with_two_byte_order_marks_is_named_on_one_line_with_what_to_remove(command, tmp_path, capsys):
+    """Every command that reads a JSON file the user names: one error line that names the file
+    and says to remove the extra mark, no traceback, and exit 1, as for any other file the
+    command cannot use (docs/cli.md keeps 2 for a mistake on the command line itself)."""
+    from ringflow._cli import main
+    from ringflow._device.hardware import H200_PCIE5
+
+    text = {"trace": '[{"ph": "X", "ts": 0, "dur": 5, "cat": "h2d"}]', "plan --compare": _bench_json(),
+            "plan --profile": H200_PCIE5.to_json()}[command]
+    path = tmp_path / "twice.json"
+    path.write_bytes(b"\xef\xbb\xbf" * 2 + text.encode("utf-8"))
+    argv = {"trace": ["trace", str(path)], "plan --compare": ["plan", "--bytes", "64MiB", "--compare", str(path)],
+            "plan --profile": ["plan", "--bytes", "64MiB", "--profile", str(path)]}[command]
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"ringflow {command.split()[0]}: error: "), err
+    assert str(path) in err and "two byte order marks" in err and "remove the extra byte order mark" in err, err
+    assert "utf-8-sig" not in err and "BOM" not in err, err
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))  # one mark: read as without it
+    assert main(argv) == 0, capsys.readouterr().err

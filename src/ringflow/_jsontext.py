@@ -7,6 +7,9 @@ than the interpreter's recursion limit (a RecursionError, which a caller would t
 and an integer longer than Python converts (a ValueError whose advice, to raise the interpreter's
 limit, is not the user's to follow).
 
+A file that starts with two byte order marks keeps one after :data:`ENCODING` skips the first, which
+:func:`json.loads` refuses with advice for a programmer; :func:`loads` says what to remove.
+
 It also keeps the last of two values an object gives one key, without a word: a reader that must
 not guess which was meant asks for ``unique_keys`` (:class:`DuplicateKeyError`).
 """
@@ -23,6 +26,8 @@ NESTING = 512  # the depth a message points at; the parser itself gives up near 
 # how such a file is decoded: UTF-8, a byte order mark first (which some editors write) skipped; json.loads
 # refuses one as part of the text, with advice for a programmer ("decode using utf-8-sig")
 ENCODING = "utf-8-sig"
+_BOM = "\ufeff"
+_BOM_BYTES = _BOM.encode("utf-8")
 _LONG_INT = re.compile(r"-?\d{4000,}")
 
 
@@ -39,14 +44,26 @@ def loads(text: "str | bytes", *, unique_keys: bool = False) -> Any:
     ``unique_keys``, an object that gives a key twice is refused (``json.loads`` keeps the last
     value).
 
+    ``text`` is what a file read with :data:`ENCODING` gives (its first byte order mark skipped),
+    or the file's bytes.
+
     Raises:
-        json.JSONDecodeError: not JSON, nested too deeply, or a number too long to convert;
-            the message and position say which and where.
+        json.JSONDecodeError: not JSON, nested too deeply, a number too long to convert, or a
+            byte order mark left at the start (the file began with two or more; the message says
+            to remove the extra one); the message and position say which and where.
         DuplicateKeyError: ``unique_keys`` and an object gives a key more than once (the first
             such object the parser finishes; the error names the key).
         UnicodeDecodeError, TypeError: as :func:`json.loads` (bytes that are not text, or
             not a string at all).
     """
+    extra = _extra_marks(text)
+    if extra:
+        # json.loads says "Unexpected UTF-8 BOM (decode using utf-8-sig)": advice for the
+        # program that decoded the file, when what the user can do is edit the file
+        marks = "two" if extra == 1 else str(extra + 1)
+        raise json.JSONDecodeError(f"the file starts with {marks} byte order marks, where one at most "
+                                   f"belongs; remove the extra byte order mark{'s' if extra > 1 else ''}",
+                                   _as_text(text), 0)
     try:
         return json.loads(text, parse_int=_integer, object_pairs_hook=_unique if unique_keys else None)
     except RecursionError:
@@ -106,6 +123,21 @@ def _unique(pairs: list) -> dict:
                 raise DuplicateKeyError(key)
             seen.add(key)
     return obj
+
+
+def _extra_marks(text: "str | bytes") -> int:
+    """How many byte order marks start ``text`` beyond the one that a file's decoding skips: all
+    those of a text (already decoded), all but the first of bytes (``json.loads`` skips that one)."""
+    if isinstance(text, str):
+        mark, skipped = _BOM, 0
+    elif isinstance(text, (bytes, bytearray)):
+        mark, skipped = _BOM_BYTES, 1
+    else:
+        return 0
+    n = 0
+    while text.startswith(mark, n * len(mark)):
+        n += 1
+    return max(0, n - skipped)
 
 
 def _as_text(text: "str | bytes") -> str:

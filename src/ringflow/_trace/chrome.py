@@ -48,9 +48,14 @@ def save_chrome(timeline: Timeline, path: str, **kw: Any) -> str:
 
 
 def load_spans(path: str) -> list[Span]:
-    """Read the complete events of a Chrome trace back as spans (seconds from the start)."""
+    """Read the complete events of a Chrome trace back as spans (seconds from the start).
+
+    Raises:
+        json.JSONDecodeError: the file is not JSON, or starts with more than one byte order mark
+            (:func:`ringflow._jsontext.loads`; the message says which).
+    """
     with open(path, encoding=jsontext.ENCODING) as fh:
-        data = json.load(fh)
+        data = jsontext.loads(fh.read())
     events = data["traceEvents"] if isinstance(data, dict) else data
     names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
     out = []
