@@ -385,3 +385,128 @@ def test_copy_groups_of_many_tiny_chunks_keep_rings_a_slot_counts_can_hold():
     group, slots = sizing.copy_group(dev, 64, 10 ** 7, plan.SlotCounts(3, 3, 3, 3), planned=True, inplace=False)
     assert group > 1 and slots.device_in % group == 0 and slots.device_out % group == 0
     assert max(slots.device_in, slots.device_out) <= plan.MAX_SLOTS
+
+
+# -- a result of other bytes than its input ---------------------------------------------------------
+def _planned_from_times(profile, in_bytes: int, out_bytes: int, workers: int, compute_s: float) -> plan.SlotCounts:
+    """The rings planned from the modelled stage times of a chunk of ``in_bytes`` in and ``out_bytes`` out."""
+    times = plan.model_stage_times(profile, in_bytes, compute=compute_s, workers=workers, out_bytes=out_bytes)
+    return plan.with_device_slack(plan.plan_slots(times).slots, inplace=False)
+
+
+def test_the_slot_plan_models_the_copy_back_and_consume_at_the_results_bytes():
+    """A result of a sixteenth of its input's bytes copies back and is consumed in a fraction of
+    the input's times: the rings are planned from those times (model_stage_times given the
+    result's bytes), not from a copy back as long as the copy in."""
+    small = sizing.planned_slots("h200-pcie5", MiB, False, 8, 0.0, out_bytes=MiB // 16)
+    assert small == _planned_from_times("h200-pcie5", MiB, MiB // 16, 8, 0.0)
+    same = sizing.planned_slots("h200-pcie5", MiB, False, 8, 0.0)
+    assert same == _planned_from_times("h200-pcie5", MiB, MiB, 8, 0.0)
+    assert small.host_out < same.host_out  # a shorter consume holds a host-out slot less long
+    # the default is a result of the input's bytes
+    assert sizing.planned_slots("h200-pcie5", MiB, False, 8, 0.0, out_bytes=MiB) == same
+
+
+@pytest.mark.parametrize("out_cols, chunk", [(16, MiB), (1024, 256 << 10)], ids=["small-result", "large-result"])
+def test_a_whole_array_job_plans_its_rings_for_its_results_bytes(out_cols, chunk):
+    """stream_map with output= of fewer (or more) bytes a row than x: the pipeline's rings are
+    planned from a chunk's input bytes in and its result's bytes out. They were planned as if
+    the result were as large as the slot (the larger of the two) both ways."""
+    from tests.helpers.hooks import engines
+
+    rows, cols = 4096, 256  # float32 rows of 1 KiB in; a slot holds the wider of a row in and a row out
+
+    def f(x, y):
+        y[:] = x[:, :1]
+
+    f.sim_seconds = 0.0
+    x = np.ones((rows, cols), np.float32)
+    seen = []
+    with engines(on=seen.append):
+        y = rf.stream_map(f, x, device=rf.device("sim", checked=False), chunk_bytes=chunk, workers=2, host="stage",
+                          output=((x.shape[0], out_cols), np.float32), keep_warm=False)
+    assert np.array_equal(y, np.broadcast_to(x[:, :1], y.shape))
+    in_row, out_row = cols * 4, out_cols * 4
+    per_chunk = chunk // max(in_row, out_row)
+    n = -(-x.shape[0] // per_chunk)
+    hardware = rf.device("sim").hardware
+    as_if_same = sizing.planned_slots(hardware, chunk, False, 2, 0.0, bulk=True, max_chunks=n)
+    assert seen[0].config.slots != as_if_same
+    want = sizing.planned_slots(hardware, per_chunk * in_row, False, 2, 0.0, bulk=True, max_chunks=n,
+                                out_bytes=per_chunk * out_row)
+    assert seen[0].config.slots == want
+
+
+def _small_memory(mem: int):
+    return dataclasses.replace(plan.get_profile("h200-pcie5"), name="small-memory", total_memory=mem)
+
+
+def test_copy_groups_fit_the_devices_memory_with_the_results_own_bytes():
+    """The direct engine's device-out slots hold a chunk's result: a group refused because its
+    rings of input-sized results would not fit the device is allowed where the results are
+    small, and one that fits with input-sized results is refused where they are larger."""
+    chunk, n = 256 << 10, 256
+    planned = plan.SlotCounts(3, 3, 3, 3)
+    big, _ = sizing.copy_group("h200-pcie5", chunk, n, planned, planned=True, inplace=False)
+    # room for the device-in ring grown to whole groups of that size and little more
+    mem = 4 * big * chunk + 4 * big * chunk // 16
+    same, rings = sizing.copy_group(_small_memory(mem), chunk, n, planned, planned=True, inplace=False)
+    assert same < big and (rings.device_in + rings.device_out) * chunk <= mem
+    small, rings = sizing.copy_group(_small_memory(mem), chunk, n, planned, planned=True, inplace=False,
+                                     out_bytes=chunk // 16)
+    assert small == big and rings.device_in * chunk + rings.device_out * chunk // 16 <= mem
+    # results four times the input's bytes: rings of input-sized results would fit, these do not
+    mem = 8 * big * chunk
+    wide, rings = sizing.copy_group(_small_memory(mem), chunk, n, planned, planned=True, inplace=False)
+    assert wide == big
+    large, rings = sizing.copy_group(_small_memory(mem), chunk, n, planned, planned=True, inplace=False,
+                                     out_bytes=4 * chunk)
+    assert large < big and rings.device_in * chunk + rings.device_out * 4 * chunk <= mem
+
+
+def test_the_direct_engine_groups_small_results_within_the_devices_memory():
+    """stream_map of pinned data (the direct engine) whose result is a sixteenth of its input:
+    its copy groups are checked against the device's memory with result-sized device-out slots,
+    as the engine allocates them. Checked with input-sized ones, the groups were cut smaller."""
+    from tests.helpers.hooks import engines
+
+    chunk, n = 256 << 10, 256
+    planned = plan.SlotCounts(3, 3, 3, 3)
+    big, _ = sizing.copy_group("h200-pcie5", chunk, n, planned, planned=True, inplace=False)
+    profile = _small_memory(4 * big * chunk + 4 * big * chunk // 16)
+
+    def f(x, y):
+        y[:] = x[:, :16]
+
+    f.sim_seconds = 0.0
+    x = np.arange(n * chunk // 4, dtype=np.float32).reshape(-1, 256)
+    seen = []
+    with engines(on=seen.append):
+        y = rf.stream_map(f, x, device=rf.device("sim", profile=profile, checked=False), chunk_bytes=chunk, workers=4,
+                          host="register", output=((x.shape[0], 16), np.float32), keep_warm=False)
+    assert np.array_equal(y, x[:, :16])
+    (engine,) = seen
+    assert engine.copy_group == big
+    slots = sizing.planned_slots(profile, chunk, False, 4, 0.0, external=(True, True), bulk=True, max_chunks=n,
+                                 out_bytes=chunk // 16)
+    group, rings = sizing.copy_group(profile, chunk, n, slots, planned=True, inplace=False, out_bytes=chunk // 16)
+    assert group == big
+    assert engine.dev_in.nbytes + engine.dev_out.nbytes == rings.device_in * chunk + rings.device_out * chunk // 16
+    assert engine.dev_in.nbytes + engine.dev_out.nbytes <= profile.total_memory
+
+
+def test_a_pipeline_with_an_output_spec_plans_its_rings_for_the_specs_bytes():
+    """ringflow.Pipeline with one output= (shape, dtype) for every item: its results' bytes are
+    known, and the rings are planned for them coming back (items are planned at a slot's bytes)."""
+    def f(x, y):
+        y[:] = x[:16]
+
+    f.sim_seconds = 0.0
+    hardware = rf.device("sim").hardware
+    with rf.Pipeline(f, device=rf.device("sim", checked=False), chunk_bytes=MiB, workers=8,
+                     output=((16,), np.float32)) as pipe:
+        got = pipe.config.slots
+        (y,) = list(pipe.map([np.arange(MiB // 4, dtype=np.float32)]))
+    assert np.array_equal(y, np.arange(16, dtype=np.float32))
+    assert got != sizing.planned_slots(hardware, MiB, False, 8, 0.0)
+    assert got == sizing.planned_slots(hardware, MiB, False, 8, 0.0, out_bytes=64)

@@ -233,6 +233,14 @@ def tree_layout(item: Any, chunk_bytes: int, where: str = "items",
     return arrays, layout
 
 
+def spec_nbytes(spec: Any) -> int:
+    """The bytes of a checked output spec (:func:`output_tree`'s): its packed arrays' or its array's."""
+    if isinstance(spec, Packed):
+        return spec.nbytes
+    shape, dtype = spec
+    return math.prod(shape) * dtype.itemsize
+
+
 def spec_dtypes(spec: Any) -> list:
     """The dtype of each array of a checked output spec (:func:`output_tree`'s)."""
     if isinstance(spec, Packed):
@@ -402,15 +410,19 @@ class Pipeline(Uncopyable):
     @classmethod
     def _for_whole_array(cls, compute: Callable, *, prepare: Callable, consume: Callable, item_nbytes: Callable,
                          host_in_buffer, host_out_buffer, max_chunks: int, host_strides: tuple = (None, None),
-                         host_s_per_chunk: Optional[float] = None, **options: Any) -> "Pipeline":
+                         host_s_per_chunk: Optional[float] = None, planned_bytes: tuple = (None, None),
+                         **options: Any) -> "Pipeline":
         """A pipeline for a whole-array job (:mod:`.scheduled`): its stage callbacks describe or
         stage rows of the caller's arrays, and its host rings may be the caller's pinned memory
         (chunk i of each at ``i *`` its stride in ``host_strides``). ``host_s_per_chunk``: the
-        scheduler's host seconds per chunk, charged on the simulated GPU (see :class:`Scheduler`)."""
+        scheduler's host seconds per chunk, charged on the simulated GPU (see :class:`Scheduler`).
+        ``planned_bytes``: a whole chunk's (input, result) bytes, which the slot plan models
+        (None: a slot's, ``chunk_bytes``)."""
         pipe = object.__new__(cls)
         pipe._build(compute, stage_prepare=prepare, consume=consume, item_nbytes=item_nbytes,
                     host_in_buffer=host_in_buffer, host_out_buffer=host_out_buffer, max_chunks=max_chunks,
-                    bulk=True, host_strides=host_strides, host_s_per_chunk=host_s_per_chunk, **options)
+                    bulk=True, host_strides=host_strides, host_s_per_chunk=host_s_per_chunk,
+                    planned_bytes=planned_bytes, **options)
         return pipe
 
     def _build(self, compute: Callable, *, device=None, user_prepare: Optional[Callable] = None,
@@ -421,7 +433,7 @@ class Pipeline(Uncopyable):
                max_chunks: Optional[int] = None, bulk: bool = False, output=None, deliver: str = "host",
                processes: bool = False, like: Optional[str] = None, fill: Optional[str] = None,
                host_strides: tuple = (None, None), coalesce: bool = False,
-               host_s_per_chunk: Optional[float] = None) -> None:
+               host_s_per_chunk: Optional[float] = None, planned_bytes: tuple = (None, None)) -> None:
         self._closed = True  # until built: a finaliser or close() on a half-built pipeline does nothing
         self._procs = None  # processes=True: the prepare processes (ProcessPrepare)
         if not callable(compute):
@@ -476,9 +488,14 @@ class Pipeline(Uncopyable):
         chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         if workers is None:
             workers = default_workers(self.device, bulk=bulk)
-        counts = resolve_slots(self.device, slots, chunk_bytes, inplace, workers, compute,
+        # the slots are planned for a chunk's input and result bytes where they are known: a
+        # whole-array job's, or an output spec's for every item (a slot's bytes stand for the rest)
+        in_bytes, out_bytes = planned_bytes
+        if out_bytes is None and output is not None and not callable(output):
+            out_bytes = min(spec_nbytes(output), chunk_bytes)  # (a larger one fails each item: no plan for it)
+        counts = resolve_slots(self.device, slots, in_bytes or chunk_bytes, inplace, workers, compute,
                                external=(host_in_buffer is not None, host_out_buffer is not None), bulk=bulk,
-                               max_chunks=max_chunks, user_prepare=user_prepare is not None)
+                               max_chunks=max_chunks, user_prepare=user_prepare is not None, out_bytes=out_bytes)
         if deliver == "device" and slots is None:
             counts = lent_slots(counts, inplace)
         if pinned_budget is not None:
@@ -599,11 +616,8 @@ class Pipeline(Uncopyable):
                 self.device.check_dtype("output(item)", dtype)
             if self.config.fill == "rows":
                 check_fill_output(spec, "output(item)")
-        if isinstance(spec, Packed):
-            nbytes, what = spec.nbytes, f"{len(spec.leaves)} arrays packed"
-        else:
-            shape, dtype = spec
-            nbytes, what = math.prod(shape) * dtype.itemsize, f"shape {shape}, {dtype}"
+        nbytes = spec_nbytes(spec)
+        what = f"{len(spec.leaves)} arrays packed" if isinstance(spec, Packed) else f"shape {spec[0]}, {spec[1]}"
         if nbytes > self.config.chunk_bytes:
             raise ValueError(f"an output of {nbytes} bytes ({what}) does not fit a slot of "
                              f"{self.config.chunk_bytes} bytes; {grow_slots(nbytes, '')}")

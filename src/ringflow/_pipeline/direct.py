@@ -233,9 +233,10 @@ class DirectSchedule:
         """The direct engine for a whole-array ``layout`` (its chunks, the planned device rings)."""
         inplace = bool(options.get("inplace", False))
         chunks, out_chunks = _byte_ranges(layout)
-        group, slots = copy_group(layout.device.hardware, layout.chunk_bytes, layout.n_chunks,
+        # the device rings' slots are a chunk's input and its result's bytes (as allocated below)
+        group, slots = copy_group(layout.device.hardware, layout.in_chunk_bytes, layout.n_chunks,
                                   layout.slots(f, options, external=True), planned=options.get("slots") is None,
-                                  inplace=inplace)
+                                  inplace=inplace, out_bytes=layout.out_chunk_bytes)
         measure = options.get("compute_streams") is None and group == 1 and layout.compute_bound is None
 
         def tapered(kernel_s: float) -> Optional[tuple]:

@@ -84,6 +84,7 @@ class ScheduledEngine:
                                          max_chunks=layout.n_chunks, device=layout.device,
                                          chunk_bytes=layout.chunk_bytes, profile=profile, output=output,
                                          host_strides=(layout.in_chunk_bytes, layout.out_chunk_bytes),
+                                         planned_bytes=(layout.in_chunk_bytes, layout.out_chunk_bytes),
                                          **self.options)
         self._arrays = arrays
         return pipe

@@ -25,10 +25,15 @@ PREPARE_SLOTS_PINNED_CAP = 512 << 20
 
 def resolve_slots(device: Device, slots, chunk_bytes: int, inplace: bool, workers: int, compute: Callable,
                   external=(False, False), bulk: bool = False, max_chunks: Optional[int] = None,
-                  user_prepare: bool = False) -> SlotCounts:
+                  user_prepare: bool = False, out_bytes: Optional[int] = None) -> SlotCounts:
     """The slot counts: given, or planned (:func:`planned_slots`) for the device's hardware model and
-    the compute's cost (its ``sim_seconds``). ``slots`` given as counts are kept as they are, even
-    above ``max_chunks``."""
+    the compute's cost (its ``sim_seconds`` for a chunk of ``chunk_bytes``). ``slots`` given as
+    counts are kept as they are, even above ``max_chunks``. ``out_bytes``: a chunk's result
+    bytes, where the caller knows them (None: as many as its input's, ``chunk_bytes``).
+
+    Raises:
+        TypeError: ``slots`` is not None, an int or a SlotCounts.
+    """
     if isinstance(slots, SlotCounts):
         return slots
     if isinstance(slots, bool):
@@ -39,14 +44,19 @@ def resolve_slots(device: Device, slots, chunk_bytes: int, inplace: bool, worker
         raise TypeError(f"slots must be None, an int or a SlotCounts, got {type(slots).__name__}")
     guess = sim_seconds_for(getattr(compute, "sim_seconds", None), chunk_bytes)
     return planned_slots(device.hardware, chunk_bytes, inplace, workers, guess, external=external, bulk=bulk,
-                         max_chunks=max_chunks, user_prepare=user_prepare)
+                         max_chunks=max_chunks, user_prepare=user_prepare, out_bytes=out_bytes)
 
 
 def planned_slots(profile: "str | plan.HardwareProfile", chunk_bytes: int, inplace: bool, workers: int,
                   compute_s: Optional[float], external=(False, False), bulk: bool = False,
-                  max_chunks: Optional[int] = None, user_prepare: bool = False) -> SlotCounts:
+                  max_chunks: Optional[int] = None, user_prepare: bool = False,
+                  out_bytes: Optional[int] = None) -> SlotCounts:
     """The slot counts a pipeline plans from modelled stage times on ``profile`` (device rings
-    with slack), for a kernel of ``compute_s`` seconds a chunk (None: unknown).
+    with slack), for chunks of ``chunk_bytes`` in whose results are ``out_bytes`` (None: as
+    many as the input's), and a kernel of ``compute_s`` seconds a chunk (None: unknown). The
+    copy in and prepare are modelled at the input's bytes, the copy back and consume at the
+    result's; a staging slot holds either, so the pinned bytes the host rings may take are
+    counted at the larger of the two (the scheduler allocates every slot at that size).
     ``bulk`` (a whole array, stream_map): staging rings also get a slot per worker, for
     throughput; a stream of requests keeps the planned rings, whose shorter queues keep
     latency down. A job of known length (``max_chunks``, a whole array) never gets more slots in a
@@ -56,7 +66,10 @@ def planned_slots(profile: "str | plan.HardwareProfile", chunk_bytes: int, inpla
     starts its next item while its last one waits its turn behind a slower one (results go out
     in order), as a DataLoader's ``prefetch_factor=2`` does; at most
     :data:`PREPARE_SLOTS_PINNED_CAP` bytes of them, never fewer than two."""
-    times = plan.model_stage_times(profile, chunk_bytes, compute=compute_s, workers=workers)
+    if out_bytes is not None:  # a result of no bytes is modelled as one: the copy model's rates are per size
+        out_bytes = max(1, out_bytes)
+    slot = max(chunk_bytes, out_bytes or 0)
+    times = plan.model_stage_times(profile, chunk_bytes, compute=compute_s, workers=workers, out_bytes=out_bytes)
     if compute_s is None:  # unknown compute: plan for one as long as a copy (a balanced pipeline)
         times = dataclasses.replace(times, compute=max(times.compute, times.h2d))
     # the caller's pinned memory: prepare and consume only describe the chunk
@@ -67,9 +80,9 @@ def planned_slots(profile: "str | plan.HardwareProfile", chunk_bytes: int, inpla
         times = dataclasses.replace(times, consume=overhead)
     counts = plan.with_device_slack(plan.plan_slots(times, inplace=inplace).slots, inplace=inplace)
     if bulk and not external[0] and not external[1]:  # both host rings are staging rings
-        counts = plan.with_worker_slots(counts, workers, chunk_bytes, profile)
+        counts = plan.with_worker_slots(counts, workers, slot, profile)
     if user_prepare:
-        floor = min(PREPARE_SLOTS_PER_WORKER * workers, max(2, PREPARE_SLOTS_PINNED_CAP // chunk_bytes))
+        floor = min(PREPARE_SLOTS_PER_WORKER * workers, max(2, PREPARE_SLOTS_PINNED_CAP // slot))
         counts = dataclasses.replace(counts, host_in=max(counts.host_in, floor))
     if max_chunks is not None:
         counts = plan.cap_slots(counts, max_chunks)
@@ -140,7 +153,7 @@ GROUP_COMPUTE_STREAMS = 4  # planned compute streams for grouped chunks, at most
 
 
 def copy_group(profile: "str | plan.HardwareProfile", chunk_bytes: int, n_chunks: int, slots: SlotCounts, *,
-               planned: bool, inplace: bool) -> tuple[int, SlotCounts]:
+               planned: bool, inplace: bool, out_bytes: Optional[int] = None) -> tuple[int, SlotCounts]:
     """How many consecutive chunks the direct engine moves with one copy each way, and the device
     rings that allows. Every copy costs the copy engine a fixed time, which the hardware
     profile's copy curve shows as a lower rate for small copies: chunks are grouped up to the
@@ -149,14 +162,18 @@ def copy_group(profile: "str | plan.HardwareProfile", chunk_bytes: int, n_chunks
     holds a whole number of groups: ``planned`` rings grow to :data:`RING_GROUPS` groups, with
     fewer chunks a group where those rings would not fit the profile's ``total_memory`` (no
     group: the rings as planned); given rings keep their size and the group shrinks until two
-    fit. ``profile``: the device's hardware model (``Device.hardware``)."""
+    fit. ``profile``: the device's hardware model (``Device.hardware``). A device-in slot holds
+    a chunk's ``chunk_bytes``, a device-out slot its result's ``out_bytes`` (None: as many), as
+    the direct engine allocates them; the group is sized by the larger of the two copies."""
     profile = plan.get_profile(profile)
+    out_bytes = chunk_bytes if out_bytes is None or inplace else out_bytes  # (in place: the result is the input)
     curve = profile.h2d_curve
     best = profile.copy_GBps("h2d", curve[-1][0])
     enough = next((size for size, _ in curve if profile.copy_GBps("h2d", size) >= COPY_RATE_SHARE * best),
                   curve[-1][0])
     # (a planned ring grows to RING_GROUPS groups, which must stay within a SlotCounts' range)
-    group = min(max(1, enough // max(1, chunk_bytes)), -(-n_chunks // MIN_COPY_GROUPS), plan.MAX_SLOTS // RING_GROUPS)
+    group = min(max(1, enough // max(1, chunk_bytes, out_bytes)), -(-n_chunks // MIN_COPY_GROUPS),
+                plan.MAX_SLOTS // RING_GROUPS)
     if group <= 1:
         return 1, slots
     rings = [slots.device_in] + ([] if inplace else [slots.device_out])
@@ -165,7 +182,8 @@ def copy_group(profile: "str | plan.HardwareProfile", chunk_bytes: int, n_chunks
         # where they would not, fewer chunks a group
         while True:
             grown = [-(-max(n, RING_GROUPS * group) // group) * group for n in rings]
-            if (sum(grown) + (slots.device_out if inplace else 0)) * chunk_bytes <= profile.total_memory:
+            need = grown[0] * chunk_bytes + (slots.device_out * chunk_bytes if inplace else grown[1] * out_bytes)
+            if need <= profile.total_memory:
                 break
             group -= 1
             if group <= 1:

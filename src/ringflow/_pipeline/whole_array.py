@@ -705,10 +705,11 @@ class MapLayout:
         return options
 
     def slots(self, f: Callable, options: dict, *, external: bool) -> "plan.SlotCounts":
-        """The ring sizes for this job (``external``: the copy engines use the caller's memory)."""
-        return resolve_slots(self.device, options.get("slots"), self.chunk_bytes, bool(options.get("inplace")),
+        """The ring sizes for this job (``external``: the copy engines use the caller's memory),
+        planned for a chunk's input bytes in and its result's bytes out."""
+        return resolve_slots(self.device, options.get("slots"), self.in_chunk_bytes, bool(options.get("inplace")),
                              options.get("workers") or 1, f, external=(external, external), bulk=True,
-                             max_chunks=self.n_chunks)
+                             max_chunks=self.n_chunks, out_bytes=self.out_chunk_bytes)
 
     @classmethod
     def plan(cls, f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, dev: Device, chunk_bytes,
