@@ -104,10 +104,16 @@ def lent_slots(counts: SlotCounts, inplace: bool) -> SlotCounts:
 
 
 def fit_pinned_budget(counts: SlotCounts, chunk_bytes: int, budget: int, *, explicit: bool) -> SlotCounts:
-    """Slot counts whose pinned rings (host-in + host-out) fit ``budget`` bytes.
+    """Slot counts whose pinned rings (host-in + host-out) fit ``budget`` bytes, each slot of
+    ``chunk_bytes``: the scheduler allocates a host-out slot as large as a host-in slot, whatever
+    a result's bytes, so a smaller result takes no fewer pinned bytes.
 
     Planned counts shrink, the larger ring first (the pipeline then runs below its bottleneck
-    rate, never above its memory); counts the caller gave explicitly are refused instead."""
+    rate, never above its memory); counts the caller gave explicitly are refused instead.
+
+    Raises:
+        ValueError: explicit counts that do not fit, or a budget below one slot each way.
+    """
     def pinned(c: SlotCounts) -> int:
         return (c.host_in + c.host_out) * chunk_bytes
 
