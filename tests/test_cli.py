@@ -16,6 +16,8 @@ import ringflow
 import ringflow as rf
 from ringflow._cli import main
 
+MiB = 1 << 20
+
 
 def test_demo_runs_on_the_simulated_gpu(tmp_path, capsys):
     pytest.importorskip("matplotlib")
@@ -134,6 +136,8 @@ MISTAKES = [
      "1 byte"),
     (["plan", "--chunk", "0.0e9999999999999999999KiB"], "plan", "argument --chunk: '0.0e9999999999999999999KiB' is "
      "less than 1 byte"),
+    (["plan", "--bytes", "1000", "--row-bytes", "3"], "plan", "argument --row-bytes: --bytes 1000 is not a whole "
+     "number of rows of 3 bytes"),
     (["plan", "--workers", "0"], "plan", "argument --workers: '0'"),
     (["plan", "--workers", "-3"], "plan", "argument --workers: '-3'"),
     (["plan", "--workers", "x"], "plan", "argument --workers: 'x'"),
@@ -267,7 +271,8 @@ def test_a_mistake_is_one_stderr_line_and_a_non_zero_exit(bad_files, monkeypatch
 
 
 # one of each kind of mistake, run as a user would: a fresh interpreter, its real stderr
-IN_A_PROCESS = ["plan --bytes abc", "plan --workers 0", "plan --compare {d}/corrupt.json", "trace {d}/missing.json",
+IN_A_PROCESS = ["plan --bytes abc", "plan --workers 0", "plan --bytes 1000 --row-bytes 3",
+                "plan --compare {d}/corrupt.json", "trace {d}/missing.json",
                 "trace {d}/empty.json", "trace {d}/corrupt.json", "trace {d}/events_int.json", "doctor --device bogus",
                 "doctor --device cuda:7", "demo --device cuda:7", "demo --device sim --out {d}/afile/sub",
                 "bench --device bogus seed", "bench nosuchworkload", "doctor --device sim --output /proc/x/doctor.json",
@@ -1106,6 +1111,70 @@ def test_plan_over_several_gpus(capsys):
     assert "on 10 of 64 GPUs of this host" in out and "on 64 GPUs" not in out, out
     assert main(["plan", "--bytes", "1GiB", "--devices", "0"]) == 2
     assert "devices" in capsys.readouterr().err
+
+
+def test_plan_over_several_gpus_splits_whole_rows(capsys):
+    """--row-bytes: the rows are split, so 3 rows of 1 MiB give 3 of 4 GPUs a row each (a split of
+    bytes gave all 4 a share of 768 KiB), as stream_map over 4 simulated GPUs runs such a job."""
+    from ringflow import _plan as plan
+
+    assert main(["plan", "--bytes", "3MiB", "--row-bytes", "1MiB", "--chunk", "1MiB", "--devices", "4"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "on 3 of 4 GPUs of this host (a shard" in out and "needs a row)" in out, out
+    assert "each GPU's share alone (1 MiB)" in out and "in 1 chunks of 1 MiB" in out, out
+    assert "3 rows of 1 MiB" in out, out
+    many = plan.predict_devices("h200-pcie5", 3 * MiB, MiB, 4, workers=8, row_bytes=MiB)
+    assert f"{many.per_device_s * 1e3:.3f} ms in 1 chunks" in out, out
+
+    def f(x, y):
+        y[:] = x
+
+    f.sim_seconds = 0.0
+    x = np.ones((3, MiB // 4), np.float32)
+    y, report = rf.stream_map_report(f, x, device=[rf.device("sim", checked=False) for _ in range(4)],
+                                     chunk_bytes=MiB, host="stage", keep_warm=False)
+    assert np.array_equal(y, x) and len(report.reports) == many.devices == 3
+    # a row of a byte (the default) is the plan as before
+    assert main(["plan", "--bytes", "3MiB", "--chunk", "1MiB", "--devices", "4"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["plan", "--bytes", "3MiB", "--row-bytes", "1", "--chunk", "1MiB", "--devices", "4"]) == 0
+    assert capsys.readouterr().out == plain and "on 4 GPUs of this host" in plain
+
+
+@pytest.mark.parametrize("argv, phrase", [
+    (["--row-bytes", "0"], "argument --row-bytes: '0' is less than 1 byte"),
+    (["--row-bytes", "-4"], "argument --row-bytes: '-4' is negative"),
+    (["--row-bytes", "2.5"], "argument --row-bytes: '2.5' is not a whole number of bytes"),
+    (["--row-bytes", "1.5e0"], "argument --row-bytes: '1.5e0' is not a whole number of bytes"),
+    (["--row-bytes", "abc"], "argument --row-bytes: 'abc' is not a size"),
+    (["--row-bytes", "\u0663"], "argument --row-bytes: '\u0663' is not a size"),
+    (["--bytes", "1000", "--row-bytes", "3"],
+     "argument --row-bytes: --bytes 1000 is not a whole number of rows of 3 bytes"),
+    (["--bytes", "1KiB", "--row-bytes", "2KiB"],
+     "argument --row-bytes: --bytes 1024 is not a whole number of rows of 2048 bytes"),
+    (["--bytes", "4MiB", "--row-bytes", "1MiB", "--chunk", "512KiB"],
+     "argument --chunk: 524288 bytes is smaller than a row (--row-bytes 1048576)"),
+], ids=["zero", "negative", "fraction", "fraction-exponent", "word", "not-ascii", "not-whole-rows", "row-over-total",
+        "chunk-below-a-row"])
+def test_plan_refuses_a_bad_row_size_naming_the_option(capsys, monkeypatch, argv, phrase):
+    """A row size that is no whole, positive number of bytes, or that does not cut --bytes (or
+    fit --chunk) in whole rows, is a usage error: one line naming the option, exit status 2."""
+    monkeypatch.delenv("RINGFLOW_DEBUG", raising=False)
+    assert main(["plan", *argv]) == 2
+    check_one_line(2, capsys.readouterr().err, "plan", phrase)
+
+
+def test_plan_takes_a_row_size_with_a_unit_and_plans_whole_rows(capsys):
+    """--row-bytes takes a size as --bytes does (1.5KiB is 1536 bytes, a whole number); the
+    chosen chunk is a whole number of rows, as stream_map plans one."""
+    import re
+
+    from ringflow import _plan as plan
+
+    assert main(["plan", "--bytes", "96MiB", "--row-bytes", "1.5KiB", "--workers", "4"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    chosen = plan.choose_chunk_bytes("h200-pcie5", 96 * MiB, workers=4, align=1536).chunk_bytes
+    assert chosen % 1536 == 0 and re.search(rf"in chunks of {chosen / MiB:g} MiB x {-(-96 * MiB // chosen)}", out), out
 
 
 @pytest.mark.parametrize("size, devices", [("16MiB", 2), ("64MiB", 8)])

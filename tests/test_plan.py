@@ -526,6 +526,62 @@ def test_predict_devices_counts_the_devices_the_shards_give_work():
     assert tiny == plan.predict_devices("h200-pcie5", 10, 10, 10, workers=8)
 
 
+def test_predict_devices_splits_whole_rows_as_the_shards_do():
+    """A job over several devices splits its rows (sharded.split_rows): 3 rows of 1 MiB over 4
+    devices give 3 devices a row each, where a byte's split gave all 4 devices 768 KiB; and a
+    share is a whole number of rows (10 rows of 3 bytes over 4 devices: 3 rows, 9 bytes)."""
+    from ringflow._pipeline.sharded import split_rows
+
+    three = plan.predict_devices("h200-pcie5", 3 * MiB, MiB, 4, workers=8, row_bytes=MiB)
+    assert three.devices == len(split_rows(3, 4, 1)) == 3
+    assert three.share_bytes == three.share_chunk_bytes == MiB
+    assert three.per_device_s == plan.predict_seconds("h200-pcie5", MiB, MiB, workers=8)[1]
+    assert three.host_floor_s == plan.predict_devices("h200-pcie5", 3 * MiB, MiB, 3, workers=8).host_floor_s
+    odd = plan.predict_devices("h200-pcie5", 30, 30, 4, row_bytes=3)
+    assert odd.devices == 4 and odd.share_bytes == 9 and odd.share_chunk_bytes == 9
+    # a given chunk is cut to whole rows, as stream_map cuts it (2 rows of 3 bytes of a 7-byte chunk)
+    assert plan.predict_devices("h200-pcie5", 30, 7, 2, row_bytes=3).share_chunk_bytes == 6
+    # a row of a byte (the default): the split as before
+    assert (plan.predict_devices("h200-pcie5", 3 * MiB, MiB, 4, workers=8)
+            == plan.predict_devices("h200-pcie5", 3 * MiB, MiB, 4, workers=8, row_bytes=1))
+    assert plan.predict_devices("h200-pcie5", 3 * MiB, MiB, 4, workers=8).share_bytes == 3 * MiB // 4
+
+
+@pytest.mark.parametrize("kwargs, phrase", [
+    ({"row_bytes": 0}, "row_bytes must be an int >= 1, got 0"),
+    ({"row_bytes": -3}, "row_bytes must be an int >= 1, got -3"),
+    ({"row_bytes": 2.5}, "row_bytes must be an int >= 1, got 2.5"),
+    ({"row_bytes": True}, "row_bytes must be an int >= 1, got True"),
+    ({"row_bytes": 7}, "total_bytes (3145728) is not a whole number of rows of row_bytes (7)"),
+    ({"row_bytes": 4 * MiB}, "total_bytes (3145728) is not a whole number of rows of row_bytes (4194304)"),
+    ({"row_bytes": MiB, "chunk_bytes": MiB // 2}, "chunk_bytes (524288) is smaller than a row (row_bytes 1048576)"),
+])
+def test_predict_devices_refuses_a_row_size_that_cannot_cut_the_job(kwargs, phrase):
+    chunk = kwargs.pop("chunk_bytes", MiB)
+    with pytest.raises(ValueError) as err:
+        plan.predict_devices("h200-pcie5", 3 * MiB, chunk, 4, **kwargs)
+    assert phrase in str(err.value)
+
+
+def test_predict_devices_with_an_auto_chunk_cuts_each_share_in_whole_rows_as_its_shard_does():
+    """Rows of 3000 bytes: each shard's chunk is planned in whole rows (choose_chunk_bytes with
+    the row as its alignment, as MapLayout plans it), and the prediction cuts each share in it."""
+    from ringflow._pipeline import sharded
+
+    def f(x, y):
+        y[:] = x
+
+    f.sim_seconds = 0.0
+    row, rows = 3000, 1 << 16
+    x = np.zeros((rows, row), np.uint8)  # (never touched: planned, not run)
+    shards = sharded.plan_shards(f, x, x, False, [rf.device("sim", checked=False) for _ in range(8)], "auto",
+                                 "stage", "auto", {"workers": 8})
+    (used,) = {s.chunk_bytes for s in shards}
+    many = plan.predict_devices("h200-pcie5", rows * row, "auto", 8, workers=8, row_bytes=row)
+    assert many.share_chunk_bytes == used and used % row == 0
+    assert many.share_bytes == rows // 8 * row
+
+
 def test_predict_devices_with_an_auto_chunk_cuts_each_share_as_its_shard_does():
     """With chunk_bytes="auto" each share is cut in the chunk a job over as many devices plans for a shard
     (sharded.plan_shards: choose_chunk_bytes of the share's bytes), not in the whole job's chunk, and the

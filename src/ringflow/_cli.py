@@ -100,6 +100,25 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+ROW_HINT = "use e.g. 4, 1KiB or 4096: the bytes of one row of the array"
+
+
+def row_size(text: str) -> int:
+    """The bytes of a row: a :func:`size` that is a whole number of bytes (``1.5KiB`` is 1536;
+    ``2.5`` is refused, not rounded down to 2: a row of an array is whole bytes).
+
+    Raises:
+        argparse.ArgumentTypeError: not a size, negative, below 1 byte, above 8 PiB, or not a
+            whole number of bytes.
+    """
+    from ._planning_cli import parse_bytes
+
+    try:
+        return parse_bytes(text, whole=True, hint=ROW_HINT)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def chunk_size(text: str) -> "int | str":
     """``auto`` or a :func:`size`."""
     return "auto" if str(text).strip().lower() == "auto" else size(text)
@@ -455,6 +474,15 @@ def _plan(args: argparse.Namespace) -> int:
         # (else taken for no --compare: the plan would run without the comparison asked for)
         raise UsageError("argument --compare: an empty string is not a file name; give a bench JSON from "
                          "ringflow bench --out")
+    # (each option is checked alone by its type; these are checked together: an array is whole
+    # rows, and stream_map refuses a chunk smaller than a row)
+    row = args.row_bytes
+    if args.bytes % row:
+        raise UsageError(f"argument --row-bytes: --bytes {args.bytes} is not a whole number of rows of {row} bytes; "
+                         "give the bytes of a row of the array, and --bytes a multiple of it")
+    if args.chunk != "auto" and args.chunk < row:
+        raise UsageError(f"argument --chunk: {args.chunk} bytes is smaller than a row (--row-bytes {row}); give a "
+                         "chunk of a row at least, or --chunk auto")
     return plan_command(args)
 
 
@@ -506,6 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pinned", action="store_true", help="data already in pinned memory (no staging)")
     p.add_argument("--devices", type=gpus, default=1,
                    help="also predict the job split over this many GPUs of one host (default 1)")
+    p.add_argument("--row-bytes", type=row_size, default=1,
+                   help="bytes of one row of the array (e.g. 4KiB; default 1): chunks and each GPU's share are "
+                        "whole rows; --bytes must be a multiple of it")
     p.add_argument("--profile", type=sim_profile, default="h200-pcie5",
                    help="the hardware profile to predict with: a name (h200-pcie5, pcie4-x16) or a profile JSON "
                         "file from ringflow doctor --save (default h200-pcie5)")

@@ -529,10 +529,10 @@ class DevicesPrediction:
     """What several GPUs of one host should take for one whole-array job (see :func:`predict_devices`).
 
     Attributes:
-        devices: how many GPUs get work: those asked for, at most one a byte of the job (a shard
+        devices: how many GPUs get work: those asked for, at most one a row of the job (a shard
             holds a row at least, so no more GPUs than rows get one).
-        share_bytes: the bytes of each GPU's share (the last may be fewer).
-        share_chunk_bytes: the chunk each GPU's share is cut in (at most the share).
+        share_bytes: the bytes of each GPU's share, a whole number of rows (the last may be fewer).
+        share_chunk_bytes: the chunk each GPU's share is cut in (whole rows, at most the share).
         per_device_s: one GPU's time for its share of the rows, as if alone (s).
         host_floor_s: the time the host's shared memory and CPUs need for the job's host work
             with every worker of every GPU (s); 0 when nothing is staged.
@@ -554,8 +554,10 @@ class DevicesPrediction:
 
 
 def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_bytes: "int | str", devices: int, *,
-                    compute_s_per_byte: float = 0.0, workers: int = 1, host_stages: bool = True) -> DevicesPrediction:
-    """The time ``devices`` GPUs of one host should take for a job of ``total_bytes`` split evenly.
+                    compute_s_per_byte: float = 0.0, workers: int = 1, host_stages: bool = True,
+                    row_bytes: int = 1) -> DevicesPrediction:
+    """The time ``devices`` GPUs of one host should take for a job of ``total_bytes`` in rows of
+    ``row_bytes``, its rows split evenly.
 
     Each GPU has its own link, streams and workers, so each shard takes what one GPU takes for its
     share (:func:`predict_seconds`). The host's memory and CPUs are shared: a staged job copies
@@ -564,28 +566,43 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     takes at least :func:`staging_floor_seconds`). The prediction is the larger of the two.
 
     A whole-array job over several devices splits its rows, not its chunks (a GPU's shard may be
-    one chunk smaller than ``chunk_bytes``), and gives no device an empty shard: with more devices
-    than bytes (a row is a byte at least) only as many as there are bytes get work, and only their
-    workers copy. ``chunk_bytes="auto"``: each share is cut in the chunk :func:`choose_chunk_bytes`
-    picks for the share's bytes, as a whole-array job over several devices plans one for a
-    shard's share (``sharded.plan_shards``), and the job on one GPU in the chunk it picks for
-    the whole job.
+    one chunk smaller than ``chunk_bytes``), and gives no device an empty shard: a share is
+    ``ceil(rows / devices)`` whole rows, and with more devices than rows only as many as there
+    are rows get work, and only their workers copy. A chunk is whole rows too: a given
+    ``chunk_bytes`` is cut down to whole rows, as stream_map cuts it. ``chunk_bytes="auto"``:
+    each share is cut in the chunk :func:`choose_chunk_bytes` picks (in whole rows) for the
+    share's bytes, as a whole-array job over several devices plans one for a shard's share
+    (``sharded.plan_shards``), and the job on one GPU in the chunk it picks for the whole job.
+    ``row_bytes``: the bytes of a row (of the input, along the axis the job is cut on); the
+    default, a row of a byte, splits the job's bytes.
 
     Raises:
-        ValueError: ``devices`` is not an int >= 1.
+        ValueError: ``devices`` or ``row_bytes`` is not an int >= 1, ``total_bytes`` is not a
+            whole number of rows, or a given ``chunk_bytes`` is smaller than a row (each message
+            names the argument).
     """
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be an int >= 1, got {devices!r}")
+    if isinstance(row_bytes, bool) or not isinstance(row_bytes, int) or row_bytes < 1:
+        raise ValueError(f"row_bytes must be an int >= 1, got {row_bytes!r}")
+    if total_bytes % row_bytes:
+        raise ValueError(f"total_bytes ({total_bytes}) is not a whole number of rows of row_bytes ({row_bytes}); "
+                         "an array's bytes are its rows'")
+    if chunk_bytes != "auto" and chunk_bytes < row_bytes:
+        raise ValueError(f"chunk_bytes ({chunk_bytes}) is smaller than a row (row_bytes {row_bytes}); a chunk holds "
+                         "a row at least")
     p = get_profile(profile)
-    devices = min(devices, total_bytes)  # (as the shards' split_rows: no more parts than rows)
-    share = -(-total_bytes // devices)
+    rows = total_bytes // row_bytes
+    devices = min(devices, rows)  # (as the shards' split_rows: no more parts than rows)
+    share = -(-rows // devices) * row_bytes
     if chunk_bytes == "auto":
         def chunk_for(nbytes: int) -> int:
             return choose_chunk_bytes(p, nbytes, compute_s_per_byte=compute_s_per_byte, workers=workers,
-                                      host_stages=host_stages).chunk_bytes
+                                      host_stages=host_stages, align=row_bytes).chunk_bytes
 
         chunk_bytes, share_chunk = chunk_for(total_bytes), chunk_for(share)
     else:
+        chunk_bytes = chunk_bytes // row_bytes * row_bytes
         share_chunk = min(chunk_bytes, share)
     _, per_device = predict_seconds(p, share, share_chunk, compute_s_per_byte=compute_s_per_byte,
                                     workers=workers, host_stages=host_stages)

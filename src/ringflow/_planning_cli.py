@@ -23,24 +23,30 @@ MAX_BYTES = 1 << 53  # 8 PiB: far beyond any host's memory, and exact as a float
 SIZE_HINT = "use e.g. 512MiB, 1GiB or 1073741824"
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, *, whole: bool = False, hint: str = SIZE_HINT) -> int:
     """A byte count written as a number with an optional unit: B, KiB, MiB, GiB, TiB, PiB
     (K, M, G, T, P mean the same), kB, MB, GB, TB, PB; any case; ``1e6`` and ``1.5GiB`` too.
+    ``whole``: a count that is not a whole number of bytes is refused rather than rounded down.
+    ``hint``: the examples the messages end with.
 
     Returns:
         The size in bytes, fractions of a byte rounded down: 1 .. 8 PiB.
 
     Raises:
-        ValueError: not a size, less than 1 byte or more than 8 PiB (the message says which).
+        ValueError: not a size, negative, less than 1 byte, more than 8 PiB, or (``whole``) not a
+            whole number of bytes (the message says which).
     """
     m = _SIZE.fullmatch(str(text))
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size ({SIZE_HINT})")
+        plain = str(text).strip()
+        if plain.startswith("-") and _SIZE.fullmatch(plain[1:]):  # (the sign is all that is wrong)
+            raise ValueError(f"{text!r} is negative; give at least 1 byte ({hint})")
+        raise ValueError(f"{text!r} is not a size ({hint})")
     # exact decimal arithmetic: a float would round sizes just above the maximum down into range
     number = _decimal(m.group(1))
     if number > MAX_BYTES:  # a unit only makes it larger; checked first, so no huge power is built
-        raise ValueError(f"{text!r} is too large; sizes go up to 8 PiB ({SIZE_HINT})")
+        raise ValueError(f"{text!r} is too large; sizes go up to 8 PiB ({hint})")
     if number.adjusted() < -20:  # below a byte in any unit (the largest is 2**50 < 1e16)
         value = decimal.Decimal(0)
     else:
@@ -49,9 +55,11 @@ def parse_bytes(text: str) -> int:
             ctx.traps[decimal.Inexact] = True
             value = number * _UNITS[unit]
     if value > MAX_BYTES:
-        raise ValueError(f"{text!r} is too large; sizes go up to 8 PiB ({SIZE_HINT})")
+        raise ValueError(f"{text!r} is too large; sizes go up to 8 PiB ({hint})")
     if value < 1:
-        raise ValueError(f"{text!r} is less than 1 byte; give at least 1 byte ({SIZE_HINT})")
+        raise ValueError(f"{text!r} is less than 1 byte; give at least 1 byte ({hint})")
+    if whole and value != int(value):
+        raise ValueError(f"{text!r} is not a whole number of bytes ({hint})")
     return int(value)
 
 
@@ -125,6 +133,11 @@ def plan_command(args) -> int:
         ValueError: the device rings of ``--chunk`` do not fit the profile's ``total_memory``, or
             with ``--chunk auto`` those of no chunk do (naming chunk_bytes and total_memory); the
             rings checked are those allocated (with ``--pinned``: grown to whole copy groups).
+        ValueError: ``--bytes`` is not a whole number of rows of ``--row-bytes``, or ``--chunk``
+            is smaller than a row (the command line refuses both before this is called).
+
+    A chunk is whole rows of ``--row-bytes`` (a given ``--chunk`` is cut down to whole rows, as
+    stream_map cuts it), and so is each GPU's share with ``--devices``.
     """
     from rich.console import Console
     from rich.table import Table
@@ -139,13 +152,20 @@ def plan_command(args) -> int:
     total = args.bytes if isinstance(args.bytes, int) else parse_bytes(args.bytes)
     compare = read_bench_rows(args.compare) if args.compare is not None else []
     per_byte = args.compute_ms_per_gib * 1e-3 / (1 << 30)
+    row = getattr(args, "row_bytes", 1) or 1
+    if total % row:
+        raise ValueError(f"--bytes {total} is not a whole number of rows of --row-bytes {row}")
     if args.chunk == "auto":
         choice = plan.choose_chunk_bytes(profile, total, compute_s_per_byte=per_byte, workers=args.workers,
-                                         host_stages=not args.pinned)
+                                         host_stages=not args.pinned, align=row)
         chunk = choice.chunk_bytes
     else:
-        # a whole array is never cut in chunks larger than itself (as stream_map and MapJob cut it)
-        chunk = min(total, args.chunk if isinstance(args.chunk, int) else parse_bytes(args.chunk))
+        # a whole array is never cut in chunks larger than itself, and a chunk is whole rows (as
+        # stream_map and MapJob cut it)
+        given = args.chunk if isinstance(args.chunk, int) else parse_bytes(args.chunk)
+        if given < row:
+            raise ValueError(f"--chunk {given} bytes is smaller than a row (--row-bytes {row})")
+        chunk = min(total, given // row * row)
         choice = None
     t, predicted = plan.predict_seconds(profile, total, chunk, compute_s_per_byte=per_byte,
                                         workers=args.workers, host_stages=not args.pinned)
@@ -168,7 +188,8 @@ def plan_command(args) -> int:
                          f"profile {profile.name}{where}; give a smaller --chunk, or --chunk auto to plan one that fits")
     console = Console()
     # names from the profile and the bench file are the user's text, not markup
-    table = Table(title=printable(f"{_human(total)} in chunks of {chunk / 2**20:g} MiB x {n} on profile "
+    rows = f" ({total // row} rows of {_human(row)})" if row > 1 else ""
+    table = Table(title=printable(f"{_human(total)}{rows} in chunks of {chunk / 2**20:g} MiB x {n} on profile "
                                f"{profile.name}{where}"))
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -193,10 +214,11 @@ def plan_command(args) -> int:
     if devices > 1:
         # with --chunk auto each shard plans its chunk for its own share, as a job over several devices does
         many = plan.predict_devices(profile, total, "auto" if choice is not None else chunk, devices,
-                                    compute_s_per_byte=per_byte, workers=args.workers, host_stages=not args.pinned)
-        # the rows are split, not the chunks: a GPU's share may be less than a chunk; no more GPUs than bytes get one
+                                    compute_s_per_byte=per_byte, workers=args.workers, host_stages=not args.pinned,
+                                    row_bytes=row)
+        # the rows are split, not the chunks: a GPU's share may be less than a chunk; no more GPUs than rows get one
         on = (f"on {devices} GPUs of this host" if many.devices == devices else
-              f"on {many.devices} of {devices} GPUs of this host (a shard needs a byte)")
+              f"on {many.devices} of {devices} GPUs of this host (a shard needs a {'row' if row > 1 else 'byte'})")
         table.add_row(on, f"{many.predicted_s * 1e3:.3f} ms ({many.speedup:.2f}x one)")
         table.add_row(f"  each GPU's share alone ({_human(many.share_bytes)})",
                       f"{many.per_device_s * 1e3:.3f} ms in {-(-many.share_bytes // many.share_chunk_bytes)} chunks "
