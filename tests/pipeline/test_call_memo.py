@@ -6,6 +6,8 @@ import weakref
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import ringflow as rf
 from ringflow._pipeline import call_memo, whole_array
@@ -287,8 +289,6 @@ def test_threads_sharing_remembered_plans_get_their_own_results():
 
 # -- the memo changes nothing but the time: the same calls with and without it ------------------
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 
 def _double(a, b):
@@ -374,3 +374,39 @@ def test_calls_end_alike_with_and_without_the_memo(calls):
             assert a[1].dtype == b[1].dtype and np.array_equal(a[1], b[1]) and a[2] == b[2]
         else:
             assert a[1:] == b[1:]
+
+
+# -- the key of an array ---------------------------------------------------------------------------------------------
+@given(st.integers(1, 64), st.integers(0, 7), st.integers(1, 3), st.sampled_from(["int8", "float32", "complex128"]),
+       st.booleans(), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_an_arrays_key_reads_the_address_the_array_interface_gives(n, start, step, dtype, transpose, read_only):
+    """The address a key holds is ``__array_interface__``'s for arrays and views of every kind:
+    at an offset, strided, transposed, read-only, of any item size."""
+    base = np.zeros((n, 3), dtype)
+    view = base[start:][::step]
+    view = view.T if transpose else view
+    if read_only:
+        view.flags.writeable = False
+    address, readonly = view.__array_interface__["data"]
+    assert call_memo.array_key(view) == (address, not readonly, view.shape, view.strides, view.dtype)
+
+
+def test_a_reader_that_misreads_an_address_is_not_used():
+    """The fast address reader is used only where it gives the interface's answer: one that reads
+    the wrong field, or raises, gives way to ``__array_interface__``."""
+    assert call_memo.checked_reader(lambda a: a.__array_interface__["data"][0]) is not call_memo._interface_address
+
+    def raises(a):
+        raise OSError("cannot read")
+
+    for wrong in (lambda a: 0, lambda a: a.__array_interface__["data"][0] + 8, raises):
+        assert call_memo.checked_reader(wrong) is call_memo._interface_address
+
+
+def test_a_report_refuses_an_option_stream_map_does_not_take():
+    x = fresh(1024, 1)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['bogus'\]"):
+        rf.stream_map_report(f, x, device=rf.device("sim"), bogus=1)
+    y, report = rf.stream_map_report(f, x, device=rf.device("sim"), chunk_bytes=1024)
+    assert np.array_equal(y, x * 2 + 1) and report.chunks == 4

@@ -841,10 +841,10 @@ class Device(_ClosedOnExit):
         H200 profile with a note on the ``"ringflow"`` logger (see
         :func:`ringflow._device.hardware.profile_for_gpu`; ``RINGFLOW_CALIBRATE=1`` measures
         it on first use instead)."""
-        from .hardware import profile_for_gpu
-
         cached = getattr(self, "_hardware", None)  # looked up once per device object: the planner asks on every call
         if cached is None:
+            from .hardware import profile_for_gpu  # (imported here once: an import statement costs every call)
+
             cached = self._hardware = profile_for_gpu(self.name, device=self)
         return cached
 

@@ -137,10 +137,10 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
         DeviceError: the device broke (over several devices: a new error naming it).
     """
     try:
-        return _stream_map(f, x, out, device=device, chunk_bytes=chunk_bytes, host=host, x_buffer=x_buffer,
-                           out_buffer=out_buffer, engine=engine, keep_warm=keep_warm, inplace=inplace, slots=slots,
-                           workers=workers, checked=checked, on_error=on_error, pinned_budget=pinned_budget,
-                           compute_streams=compute_streams, profile=profile, output=output)[0]
+        # the options by position, in OPTIONS' order: a warm call passes them on without a dict
+        return _stream_map(f, x, out, device, x_buffer, out_buffer,
+                           (chunk_bytes, host, engine, keep_warm, profile, output, inplace, slots, workers, checked,
+                            on_error, pinned_budget, compute_streams))[0]
     except BaseException as exc:
         # the error's traceback holds this frame and ringflow's below it: a caller keeping the
         # error keeps neither the arrays of the call nor the result made for it (frames.py)
@@ -166,24 +166,37 @@ def stream_map_report(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = No
     if options.get("profile", True) is not True:
         raise ValueError(f"stream_map_report always profiles (profile={options['profile']!r} was given); leave "
                          "profile= out, or call stream_map for a call without a report")
+    unknown = set(options) - _NAMES
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}")
     options["profile"] = True
     try:
-        return _stream_map(f, x, out, **options)
+        return _stream_map(f, x, out, options.get("device"), options.get("x_buffer"), options.get("out_buffer"),
+                           tuple(options.get(name, default) for name, default in OPTIONS))
     except BaseException as exc:
         forget_own_frames(exc)  # as stream_map
         del f, x, out, options
         raise
 
 
-def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buffer=None, out_buffer=None,
-                engine="auto", keep_warm=True, profile=False, output=None, **options) -> tuple:
+# A whole-array call's options after its arrays, device and buffers, with their defaults, in the
+# order stream_map passes them on (``values`` below): the memo's key lists them so.
+OPTIONS = (("chunk_bytes", None), ("host", "auto"), ("engine", "auto"), ("keep_warm", True), ("profile", False),
+           ("output", None), ("inplace", False), ("slots", None), ("workers", None), ("checked", False),
+           ("on_error", "raise"), ("pinned_budget", None), ("compute_streams", None))
+_OUTPUT = 5  # output's place in OPTIONS: the one option that is not a plain value
+_NAMES = frozenset([name for name, _ in OPTIONS] + ["device", "x_buffer", "out_buffer"])
+
+
+def _stream_map(f, x, out, device, x_buffer, out_buffer, values: tuple) -> tuple:
+    """:func:`stream_map`'s call, its options ``values`` in :data:`OPTIONS`' order; returns
+    ``(out, report)``."""
     # a warm call with an earlier call's arguments reuses its checks and plan (call_memo.py)
-    memo = _memo_key(f, x, out, device, x_buffer, out_buffer,
-                     (chunk_bytes, host, engine, keep_warm, profile, None if output is None else tagged(output)),
-                     options)
+    chunk_bytes, host, engine, keep_warm, profile, output = values[:_OUTPUT + 1]
+    memo = _memo_key(f, x, out, device, x_buffer, out_buffer, values)
     if memo is not None:
-        dev, key, objects, values = memo
-        kept = call_memo.MEMO.get(key, objects, values)
+        dev, key, objects, read = memo
+        kept = call_memo.MEMO.get(key, objects, read)
         if kept is not None and not _closed(dev, x_buffer, out_buffer) and _unpooled(x, out):
             call = kept.prepared(dev, x_buffer, out_buffer)
             fresh_out = out is None
@@ -197,7 +210,7 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
                 # pinned since the kept call was planned: the full path plans it again
     given_out = out
     opts = check_options(chunk_bytes=chunk_bytes, allow_auto_chunk=True, keep_warm=keep_warm, profile=profile,
-                         **_with_flag_defaults(options))
+                         **{name: value for (name, _), value in zip(OPTIONS[_OUTPUT + 1:], values[_OUTPUT + 1:])})
     out, fresh_out = check_arrays(f, x, out, host, engine, "stream_map", output, opts["inplace"])
     if x.shape[0] == 0 or x.size == 0:
         return out, None
@@ -224,23 +237,25 @@ def _stream_map(f, x, out, *, device=None, chunk_bytes=None, host="auto", x_buff
     return result, report
 
 
-def _memo_key(f, x, out, device, x_buffer, out_buffer, args: tuple, options: dict) -> Optional[tuple]:
+def _memo_key(f, x, out, device, x_buffer, out_buffer, values: tuple) -> Optional[tuple]:
     """``(device, key, objects, values)`` for :data:`call_memo.MEMO`, or None for a call the memo
     does not serve: arrays that are not plain numpy arrays, an empty ``x``, arguments that cannot be
     keyed, or a device not given as a device object (a spec or None makes a new device on every
-    call, which the full path does once)."""
+    call, which the full path does once). ``values``: the call's options in :data:`OPTIONS`' order."""
     if type(x) is not np.ndarray or (out is not None and type(out) is not np.ndarray) or x.size == 0:
         return None
     if not isinstance(device, Device):
         return None
+    output = values[_OUTPUT]
+    plain = values[:_OUTPUT] + values[_OUTPUT + 1:]
+    types = tuple(map(type, plain))
+    if not _PLAIN.issuperset(types):  # a SlotCounts of floats equals one of ints
+        return None
     x_key = array_key(x)
     out_key = None if out is None else x_key if out is x else array_key(out)
-    values = tuple(options.values())
-    if not _PLAIN.issuperset(map(type, values + args[:-1])):  # a SlotCounts of floats equals one of ints
-        return None
     hooks = current_hooks()
-    key = (id(f), id(device), id(x_buffer), id(out_buffer), id(hooks), x_key, out is x, out_key, args,
-           tuple(map(type, args)), tuple(options), values, tuple(map(type, values)), POOLED_OUT)
+    key = (id(f), id(device), id(x_buffer), id(out_buffer), id(hooks), x_key, out is x, out_key, plain, types,
+           None if output is None else tagged(output), POOLED_OUT)
     try:
         hash(key)
     except TypeError:
@@ -460,15 +475,6 @@ def refuse_inside(devices, who: str) -> None:
                                f"task, which the simulated GPU runs as it advances, where nothing may wait for it): "
                                f"the call would wait for the device running it. Make the call once that work has "
                                f"returned (after the call whose f this is), or on another device")
-
-
-def _with_flag_defaults(options: dict) -> dict:
-    """The boolean options a whole-array job takes, defaulted (``inplace``, ``checked``)."""
-    unknown = set(options) - {"inplace", "checked", "slots", "workers", "on_error", "pinned_budget",
-                              "compute_streams"}
-    if unknown:
-        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}")
-    return {"inplace": False, "checked": False, **options}
 
 
 def run_call(engine: Engine, arrays: Arrays, profile: bool) -> None:
