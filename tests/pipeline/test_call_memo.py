@@ -410,3 +410,31 @@ def test_a_report_refuses_an_option_stream_map_does_not_take():
         rf.stream_map_report(f, x, device=rf.device("sim"), bogus=1)
     y, report = rf.stream_map_report(f, x, device=rf.device("sim"), chunk_bytes=1024)
     assert np.array_equal(y, x * 2 + 1) and report.chunks == 4
+
+
+def test_a_warm_call_looks_its_arrays_up_in_the_pools_once(monkeypatch):
+    """A warm call on ordinary arrays asks the host pools about ``x`` and ``out`` once (whether
+    the memo serves it), not again when the call ends: arrays known not to be pool memory leave
+    no hand-off. A MapJob asks once for the job, not per call."""
+    from ringflow._device import host_pool
+
+    dev = rf.device("sim")
+    x = fresh(4096, 1)
+    out = np.empty_like(x)
+    job = rf.MapJob(f, x, out, device=dev, chunk_bytes=4096)
+    rf.stream_map(f, x, out, device=dev, chunk_bytes=4096)
+    asked = []
+    real = host_pool.device_of
+
+    def counted(arr):
+        asked.append(arr)
+        return real(arr)
+
+    monkeypatch.setattr(host_pool, "device_of", counted)
+    rf.stream_map(f, x, out, device=dev, chunk_bytes=4096)
+    assert len(asked) == 2 and np.array_equal(out, x * 2 + 1)
+    asked.clear()
+    out[:] = 0
+    job()
+    job.close()
+    assert asked == [] and np.array_equal(out, x * 2 + 1)

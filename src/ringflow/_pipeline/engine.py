@@ -28,12 +28,15 @@ ENGINES = ("auto", "direct", "pipeline")
 @dataclasses.dataclass(frozen=True)
 class Arrays:
     """The arrays of one call: ``x`` and ``out``, and the pinned memory behind them where the copy
-    engines use them in place (None when staging)."""
+    engines use them in place (None when staging). ``pooled``: whether either may be
+    :mod:`ringflow.host` pool memory, whose next user a call orders after itself (False: known
+    to be neither, so a call leaves no hand-off for them)."""
 
     x: np.ndarray
     out: np.ndarray
     x_buffer: Any = None
     out_buffer: Any = None
+    pooled: bool = True
 
 
 class Engine(Protocol):

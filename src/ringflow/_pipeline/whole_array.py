@@ -202,7 +202,8 @@ def _stream_map(f, x, out, device, x_buffer, out_buffer, values: tuple) -> tuple
             fresh_out = out is None
             result = allocate_out(call.out_shape, call.out_dtype, "stream_map", output) if fresh_out else out
             try:
-                result, report, _ = run_prepared(f, x, result, fresh_out, call, profile)
+                # (_unpooled said so of x and a given out; a fresh result is a new numpy array)
+                result, report, _ = run_prepared(f, x, result, fresh_out, call, profile, unpooled=True)
                 return result, report
             except PinnedAlready:
                 if host != "auto":
@@ -431,9 +432,10 @@ class KeptCall:
                             (None, None), self.out_shape, self.out_dtype, False)
 
 
-def run_prepared(f, x, out, fresh_out: bool, call: PreparedCall, profile: bool) -> tuple:
+def run_prepared(f, x, out, fresh_out: bool, call: PreparedCall, profile: bool, *, unpooled: bool = False) -> tuple:
     """Run a :class:`PreparedCall` on ``x`` and ``out`` (the arrays it was prepared for, or ones
-    of the same memory and layout); returns ``(out, report, chunks)`` as :func:`run_whole`."""
+    of the same memory and layout); returns ``(out, report, chunks)`` as :func:`run_whole`.
+    ``unpooled``: neither array is pool memory (:func:`pinned_arrays`)."""
     refuse_inside((call.device,), "stream_map")
     # Ctrl-C is taken inside the call's steps only: never between taking an engine and parking
     # or closing it, nor while registrations are made or dropped (sigint.py)
@@ -441,7 +443,8 @@ def run_prepared(f, x, out, fresh_out: bool, call: PreparedCall, profile: bool) 
         registered: list = []
         try:
             registered, arrays = pinned_arrays(call.device, call.strategy, x, out, fresh_out, call.x_buffer,
-                                               call.out_buffer, call.pooled, call.opts.get("workers"))
+                                               call.out_buffer, call.pooled, call.opts.get("workers"),
+                                               unpooled=unpooled)
             key = call.warm_key
             eng = warm.WARM.take(key) if key is not None else None
             if eng is None:  # the engine gets its own copy of the options: a memo entry is shared
@@ -507,7 +510,10 @@ def run_call(engine: Engine, arrays: Arrays, profile: bool) -> None:
 def _leave_tokens(arrays: Arrays) -> None:
     """After a call (its copies all complete, or settled after a failure): whoever drops a pool
     array the call read or wrote in place, on any thread, hands its block on ordered after this
-    thread, which saw them complete. Never raises (it runs after a failed call too)."""
+    thread, which saw them complete. Nothing for arrays known not to be pool memory. Never
+    raises (it runs after a failed call too)."""
+    if not arrays.pooled:
+        return
     for arr in (arrays.x, arrays.out):
         try:
             owner_device = host_pool.device_of(arr)
@@ -884,17 +890,19 @@ def pooled_buffers(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool,
 
 
 def pinned_arrays(dev: Device, strategy: str, x: np.ndarray, out: np.ndarray, fresh_out: bool, x_buffer, out_buffer,
-                  pooled: tuple, workers: Optional[int]) -> tuple[list, Arrays]:
+                  pooled: tuple, workers: Optional[int], *, unpooled: bool = False) -> tuple[list, Arrays]:
     """The call's :class:`Arrays`, with ``x`` and ``out`` pinned in place on ``dev`` where the
     layout's ``strategy`` registers them (sides already in pool arrays, ``pooled``, are used as
-    they are); returns the registrations made (the caller closes them) and the arrays."""
+    they are); returns the registrations made (the caller closes them) and the arrays.
+    ``unpooled``: the caller knows neither array is pool memory (else it is looked up)."""
+    pool = not unpooled and not _unpooled(x, out)
     if strategy != "register":
-        return [], Arrays(x, out, x_buffer, out_buffer)
+        return [], Arrays(x, out, x_buffer, out_buffer, pool)
     registered = register(dev, x, out, fresh_out, workers, pinned=pooled)
     mine = iter(registered)
     x_buffer = pooled[0] if pooled[0] is not None else next(mine)
     out_buffer = pooled[1] if pooled[1] is not None else next(mine, x_buffer)
-    return registered, Arrays(x, out, x_buffer, out_buffer)
+    return registered, Arrays(x, out, x_buffer, out_buffer, pool)
 
 
 def register(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool, workers: Optional[int],
