@@ -1011,17 +1011,27 @@ def test_close_gives_workers_that_do_not_exit_one_grace_between_them(dev, monkey
     from ringflow._pipeline import processes
 
     monkeypatch.setattr(processes, "EXIT_GRACE_S", 1.0)
+    given = []  # the grace each worker was given, as close gave it
+    end = processes._Worker.end
+
+    def recorded(worker, grace):
+        given.append(grace)
+        return end(worker, grace)
+
     pipe = rf.Pipeline(f, device=dev, chunk_bytes=4096, prepare=pp.KeepsItsWorkerFromExiting(), processes=True,
                        workers=4)
     try:
         out = list(pipe.map(range(8)))
         pids = pipe.scheduler._procs.pids()
-        start = time.monotonic()
+        monkeypatch.setattr(processes._Worker, "end", recorded)
         threads.bounded(pipe.close, timeout=30)
-        took = time.monotonic() - start
     finally:
         threads.bounded(pipe.close, timeout=30)
     assert all(np.array_equal(r, pp.ramp(i) * 2 + 1) for i, r in enumerate(out))
     assert len(pids) == 4 and all(gone(p) for p in pids)
-    assert took < 3 * processes.EXIT_GRACE_S, took  # (one after another: 4 graces at least)
+    # each was given what was left of one grace: the first waited it out (its worker does not exit),
+    # the others had what remained of it; one after another, each would have had a whole grace.
+    # (Counted in the graces given, not in the time close took: a slow machine only shortens them.)
+    real = [g for g in given if g > 0]
+    assert len(given) >= 4 and sum(real) <= processes.EXIT_GRACE_S + 1e-6, given
     assert segments.made and segments.left() == [] and dev.live().total == 0
