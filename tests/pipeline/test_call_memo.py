@@ -438,3 +438,40 @@ def test_a_warm_call_looks_its_arrays_up_in_the_pools_once(monkeypatch):
     job()
     job.close()
     assert asked == [] and np.array_equal(out, x * 2 + 1)
+
+
+class Scaler:
+    """A model whose compute is a method: ``stream_map(model.step, x)`` looks the method up anew
+    on every call."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def step(self, x, y):
+        y[:] = x * self.k
+
+
+def test_a_method_given_as_the_compute_is_planned_once_and_kept_warm_for_its_own_object(plans, monkeypatch):
+    """``model.step`` is a new bound method on every lookup: the calls of one model's method share
+    one plan and one warm engine, another model's method gets its own, each runs on its own
+    object (its state as it is at the call), and neither the memo nor a dropped engine keeps a
+    model alive."""
+    made = []
+    real = whole_array.make_engine
+    monkeypatch.setattr(whole_array, "make_engine", lambda *a, **k: made.append(1) or real(*a, **k))
+    dev = rf.device("sim")
+    x = fresh(4096, 1)
+    two, three = Scaler(2), Scaler(3)
+    for _ in range(4):
+        assert np.array_equal(rf.stream_map(two.step, x, device=dev, chunk_bytes=4096), x * 2)
+        assert np.array_equal(rf.stream_map(three.step, x, device=dev, chunk_bytes=4096), x * 3)
+    assert len(plans) == 2 and len(made) == 2
+    two.k = 5  # the object's state at the call, through the engine kept for its method
+    assert np.array_equal(rf.stream_map(two.step, x, device=dev, chunk_bytes=4096), x * 5)
+    assert len(plans) == 2 and len(made) == 2
+    gone = weakref.ref(two)
+    del two
+    plans.clear()  # (the fixture keeps what it counted: the methods, and their objects)
+    rf.drop_warm_pipelines()
+    gc.collect()
+    assert gone() is None

@@ -8,7 +8,8 @@ caches hold the call's copies rather than that Python, so it runs several times 
 when timed alone (docs/performance.md). A ``MapJob`` does it once; a ``stream_map`` call whose
 arguments match an earlier successful one's reuses that call's outcome instead.
 
-"The same arguments" is everything that work reads: the compute, the device (given as a device
+"The same arguments" is everything that work reads: the compute (a method such as ``model.step``,
+looked up anew for each call, by its function and its object), the device (given as a device
 object: a spec or None makes a new device on each call), each array's
 address, shape, strides and dtype, the pinned buffers, every option (each compared with its
 type, so ``8`` never stands in for ``8.0`` or ``True``), the compute's ``sim_seconds`` and the
@@ -24,11 +25,24 @@ from __future__ import annotations
 
 import threading
 import weakref
+from types import MethodType
 from typing import Any, Callable, Hashable, Optional
 
 import numpy as np
 
 CAPACITY = 32
+
+
+def compute_identity(f: Any) -> tuple:
+    """``(key, objects)``: what identifies the compute ``f`` from one call to the next, and the
+    objects that key names by identity. A bound method (``model.step``) is a new object each time
+    it is looked up, so its function and the object it is bound to identify it; any other
+    callable is itself. Whoever keeps the key keeps the objects alive, or checks them by weak
+    reference, so that an identity is never another object's."""
+    if type(f) is MethodType:
+        func, owner = f.__func__, f.__self__
+        return ("method", id(func), id(owner)), (func, owner)
+    return id(f), (f,)
 
 
 def tagged(value: Any) -> Any:

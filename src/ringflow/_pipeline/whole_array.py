@@ -32,7 +32,7 @@ from .._device.protocol import Device, HostBuffer, check_device_dtype, close_qui
 from .._errors import DeviceError, StageError
 from .._testing import current as current_hooks
 from . import call_memo, warm
-from .call_memo import array_key, tagged
+from .call_memo import array_key, compute_identity, tagged
 from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine
 from .frames import forget_own_frames
 from .sigint import shielded
@@ -98,7 +98,9 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
             ``out`` in place; ``"pipeline"`` runs it on the scheduler (as staging and
             ``on_error="continue"`` always do); ``"auto"`` picks direct wherever it can.
         keep_warm: keep the call's engine (streams, device rings; never the arrays) for the next
-            call of the same shape; :func:`ringflow.drop_warm_pipelines` releases them.
+            call of the same shape and compute (a method such as ``model.step``: of the same
+            object); it holds ``f`` (and a method's object) until
+            :func:`ringflow.drop_warm_pipelines` releases it, or newer engines take its place.
         inplace: ``f`` gets the same device array as ``x`` and ``y`` (one device ring, not two).
         slots: slots per ring: None (planned), an int, or a :class:`ringflow.SlotCounts`.
         workers: CPU threads for staging (None: on a GPU one per core but one, at most 16; 4 on
@@ -255,13 +257,15 @@ def _memo_key(f, x, out, device, x_buffer, out_buffer, values: tuple) -> Optiona
     x_key = array_key(x)
     out_key = None if out is None else x_key if out is x else array_key(out)
     hooks = current_hooks()
-    key = (id(f), id(device), id(x_buffer), id(out_buffer), id(hooks), x_key, out is x, out_key, plain, types,
+    compute, computes = compute_identity(f)
+    key = (compute, id(device), id(x_buffer), id(out_buffer), id(hooks), x_key, out is x, out_key, plain, types,
            None if output is None else tagged(output), POOLED_OUT)
     try:
         hash(key)
     except TypeError:
         return None
-    return device, key, (f, device, x_buffer, out_buffer, hooks), (getattr(f, "sim_seconds", None), device.hardware)
+    return (device, key, (*computes, device, x_buffer, out_buffer, hooks),
+            (getattr(f, "sim_seconds", None), device.hardware))
 
 
 _PLAIN = frozenset({int, float, str, bool, type(None)})  # types whose equal values are the same argument
@@ -390,7 +394,8 @@ def prepare_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: st
     if keep_warm and not opts.get("checked"):
         opts_key = warm.options_key(opts)
         if opts_key is not None:
-            key = ("map", id(layout.device), id(f), layout.key, kind, out is x,
+            # (the engine holds f, and with it what its identity names: model.step's model too)
+            key = ("map", id(layout.device), compute_identity(f)[0], layout.key, kind, out is x,
                    tuple(None if b is None else b.nbytes for b in (x_buffer, out_buffer)), opts_key, cost_key(f))
     return out, fresh_out, PreparedCall(dev, layout.fields(), opts, kind, key, x_buffer, out_buffer, pooled, out.shape,
                                         out.dtype, replaced)
