@@ -1000,6 +1000,54 @@ def test_an_auto_chunk_is_planned_within_a_small_device_memory(total_memory):
         assert need <= total_memory < 2 * need, (out_ratio, c)  # (the next candidate up would not fit)
 
 
+def _scheduler_ring_bytes(profile, chunk: int, n: int, out_ratio: float, workers: int) -> int:
+    """The device rings the scheduler allocates for a staged whole-array job of ``n`` chunks of
+    ``chunk`` input bytes: its planned slots (sizing.planned_slots, as stream_map plans them),
+    every slot of a ring as large as a chunk's input or its result, whichever is larger."""
+    from ringflow._pipeline.sizing import planned_slots
+
+    out = round(chunk * out_ratio)
+    slots = planned_slots(profile, chunk, False, workers, plan.kernel_cost(0.0, 0.0, chunk), bulk=True,
+                          max_chunks=n, out_bytes=out)
+    return (slots.device_in + slots.device_out) * max(chunk, out)
+
+
+@pytest.mark.parametrize("mem", [16 * MiB, 32 * MiB])
+def test_a_staged_chunk_with_a_larger_result_fits_the_rings_the_scheduler_allocates(mem):
+    """A staged job (host_stages=True) whose result is four times its input: the scheduler makes
+    every device slot as large as a chunk's result, device-in slots too. The planner counted the
+    device-in slots at the input's bytes, as the direct engine allocates them, and chose a chunk
+    whose real rings did not fit total_memory. The direct choice is the one it was."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="small-memory", total_memory=mem)
+    total = 256 * MiB
+    choice = plan.choose_chunk_bytes(p, total, workers=4, out_ratio=4.0, host_stages=True)
+    assert _scheduler_ring_bytes(p, choice.chunk_bytes, choice.chunks, 4.0, 4) <= mem, choice.chunk_bytes
+    t, _ = plan.predict_seconds(p, total, choice.chunk_bytes, workers=4, out_ratio=4.0)
+    counts = plan.plan_slots(t).slots
+    assert plan.device_ring_bytes(counts, choice.chunk_bytes, choice.chunks, out_ratio=4.0, host_stages=True) <= mem
+    # the direct engine's rings: device-in slots of the input's bytes, as before
+    direct = plan.choose_chunk_bytes(p, total, workers=4, out_ratio=4.0, host_stages=False)
+    assert direct.chunk_bytes == {16 * MiB: MiB, 32 * MiB: 2 * MiB}[mem]
+    din, dout = plan.device_ring_slots(counts, choice.chunks)
+    assert plan.device_ring_bytes(counts, MiB, 4, out_ratio=4.0) == din * MiB + dout * 4 * MiB
+
+
+def test_stream_map_stages_a_larger_result_in_an_auto_chunk_whose_rings_fit_the_device():
+    """stream_map(host="stage", chunk_bytes="auto") of a result four times its input on a GPU of
+    2 MiB: the planner's chunk had device rings of result-sized slots past the device's memory,
+    and the call raised OutOfMemoryError allocating the device-out ring."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="small-memory", total_memory=2 * MiB)
+
+    def f(x, y):
+        y[:] = np.repeat(x, 4, axis=1)
+
+    f.sim_seconds = 0.0
+    x = np.arange(MiB // 4, dtype=np.float32).reshape(-1, 16)
+    y = rf.stream_map(f, x, device=rf.device("sim", profile=p, checked=False), chunk_bytes="auto", workers=4,
+                      host="stage", output=((x.shape[0], 64), np.float32), keep_warm=False)
+    np.testing.assert_array_equal(y, np.repeat(x, 4, axis=1))
+
+
 @pytest.mark.parametrize("total_memory, align, total", [(1, 1, 64 * MiB), (5, 1, 3), (1000, 256, 64 * MiB)])
 def test_a_device_memory_no_chunk_fits_is_refused_naming_chunk_bytes_and_total_memory(total_memory, align, total):
     """A device whose memory holds no ring of the smallest chunk (one byte, or one row of

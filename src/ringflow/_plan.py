@@ -172,11 +172,20 @@ def device_ring_slots(counts: SlotCounts, chunks: int) -> tuple[int, int]:
     return min(chunks, ring.device_in), min(chunks, ring.device_out)
 
 
-def device_ring_bytes(counts: SlotCounts, chunk_bytes: int, chunks: int, *, out_ratio: float = 1.0) -> float:
-    """Bytes of device memory the device rings of :func:`device_ring_slots` take: a device-in
-    slot holds a chunk of ``chunk_bytes``, a device-out slot its result (``out_ratio`` bytes per
-    input byte)."""
+def device_ring_bytes(counts: SlotCounts, chunk_bytes: int, chunks: int, *, out_ratio: float = 1.0,
+                      host_stages: bool = False) -> float:
+    """Bytes of device memory the device rings of :func:`device_ring_slots` take, as the engine
+    that runs the job allocates them.
+
+    The direct engine (``host_stages=False``: the copy engines use the caller's pinned memory)
+    gives a device-in slot a chunk of ``chunk_bytes`` and a device-out slot its result
+    (``out_ratio`` bytes per input byte). The scheduler, which runs a staged job
+    (``host_stages=True``), makes every slot of its rings one size, the larger of a chunk's
+    input and its result, so with a larger result its device-in slots are that large too.
+    """
     din, dout = device_ring_slots(counts, chunks)
+    if host_stages:
+        return (din + dout) * chunk_bytes * max(1.0, out_ratio)
     return din * chunk_bytes + dout * chunk_bytes * out_ratio
 
 
@@ -646,7 +655,8 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *,
     times; large chunks leave the pipeline's fill and drain (the first chunk traverses every
     stage alone) a large share. Each candidate is predicted as ``predicted_total`` over its chunk
     count plus the per-chunk scheduling cost; the planned slots must fit ``pinned_budget``, and
-    the device rings (with their slack: :func:`device_ring_bytes`) the profile's ``total_memory``.
+    the device rings (with their slack: :func:`device_ring_bytes`, at the slot sizes of the
+    engine ``host_stages`` picks) the profile's ``total_memory``.
     When no candidate's device rings fit, smaller chunks are tried, halving (whole multiples of
     ``align``, a row's bytes), and the largest that fits is chosen (``candidates`` given: none).
     ``host_stages=False`` when the copy engines read the caller's pinned memory directly. A
@@ -694,9 +704,10 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_
         slot = c * max(1.0, out_ratio)  # a slot holds a chunk's input or its result
         if pinned_budget is not None and host_stages and (plan.slots.host_in + plan.slots.host_out) * slot > pinned_budget:
             return
-        # the device rings (with their slack, no more slots than chunks) must fit the device's
-        # memory: a chunk whose rings cannot be allocated is no choice
-        device = device_ring_bytes(plan.slots, c, n, out_ratio=out_ratio)
+        # the device rings (with their slack, no more slots than chunks), at the slot sizes of the
+        # engine that runs the job, must fit the device's memory: a chunk whose rings cannot be
+        # allocated is no choice
+        device = device_ring_bytes(plan.slots, c, n, out_ratio=out_ratio, host_stages=host_stages)
         if device > profile.total_memory:
             too_large.append((c, device, device_ring_slots(plan.slots, n)))
             return
