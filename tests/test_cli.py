@@ -1177,6 +1177,101 @@ def test_plan_takes_a_row_size_with_a_unit_and_plans_whole_rows(capsys):
     assert chosen % 1536 == 0 and re.search(rf"in chunks of {chosen / MiB:g} MiB x {-(-96 * MiB // chosen)}", out), out
 
 
+def _plan_out(capsys, argv) -> str:
+    assert main(["plan", *argv]) == 0, capsys.readouterr().err
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_plan_with_a_result_size_predicts_its_copy_back_and_slots(capsys):
+    """--out-row-bytes: a result four times its input. The copy back, the consume and the slots are
+    planned for the result's bytes (predict_seconds and planned_slots with them), and a given
+    --chunk is cut into rows of the wider side, as stream_map cuts it: the plan assumed a result
+    as large as the input."""
+    from ringflow import _plan as plan
+    from ringflow._pipeline.sizing import planned_slots
+
+    argv = ["--bytes", "64MiB", "--row-bytes", "1KiB", "--chunk", "1MiB", "--workers", "4"]
+    same, out = _plan_out(capsys, argv), _plan_out(capsys, argv + ["--out-row-bytes", "4KiB"])
+    chunk, total = 256 << 10, 64 * MiB  # 1 MiB holds 256 result rows of 4 KiB
+    n = total // chunk
+    assert f"in chunks of {chunk / MiB:g} MiB x {n}" in out, out
+    assert "result │ 256 MiB (4 KiB a row)" in out, out
+    t, predicted = plan.predict_seconds("h200-pcie5", total, chunk, workers=4, out_ratio=4.0)
+    t1, _ = plan.predict_seconds("h200-pcie5", total, chunk, workers=4)
+    assert f"d2h per chunk │ {t.d2h * 1e3:.4f} ms" in out, out
+    assert f"d2h per chunk │ {t1.d2h * 1e3:.4f} ms" not in out and t1.d2h < t.d2h, out
+    assert f"consume per chunk │ {t.consume * 1e3:.4f} ms" in out, out
+    assert f"predicted total │ {predicted * 1e3:.3f} ms" in out, out
+    slots = planned_slots("h200-pcie5", chunk, False, 4, plan.kernel_cost(0.0, 0.0, chunk), bulk=True, max_chunks=n,
+                          out_bytes=4 * chunk)
+    for ring in ("host_in", "device_in", "device_out", "host_out"):
+        assert f"slots {ring} │ {getattr(slots, ring)} (lifetime" in out, (ring, out)
+    assert out != same
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_plan_with_a_result_size_chooses_the_chunk_the_planner_does(capsys, pinned):
+    """--chunk auto with --out-row-bytes picks what choose_chunk_bytes picks for that result
+    (out_ratio), and the line for several GPUs predicts with it too."""
+    from ringflow import _plan as plan
+
+    flag = ["--pinned"] if pinned else []
+    out = _plan_out(capsys, ["--bytes", "256MiB", "--row-bytes", "2KiB", "--out-row-bytes", "8KiB", "--workers", "4",
+                             "--devices", "2", *flag])
+    total = 256 * MiB
+    choice = plan.choose_chunk_bytes("h200-pcie5", total, workers=4, align=2048, out_ratio=4.0, host_stages=not pinned)
+    assert choice.chunk_bytes != plan.choose_chunk_bytes("h200-pcie5", total, workers=4, align=2048,
+                                                         host_stages=not pinned).chunk_bytes or pinned
+    assert f"in chunks of {choice.chunk_bytes / MiB:g} MiB x {choice.chunks}" in out, out
+    many = plan.predict_devices("h200-pcie5", total, "auto", 2, workers=4, host_stages=not pinned, row_bytes=2048,
+                                out_ratio=4.0)
+    assert f"on 2 GPUs of this host │ {many.predicted_s * 1e3:.3f} ms" in out, out
+
+
+def test_plan_checks_the_device_rings_at_the_result_size_of_the_engine(tmp_path, capsys, monkeypatch):
+    """The memory check of a given --chunk counts the rings the engine allocates: staged, every
+    slot as large as a chunk's result; pinned, device-in slots of the input. --chunk auto plans a
+    chunk whose staged rings fit."""
+    import dataclasses
+
+    from ringflow import _plan as plan
+
+    monkeypatch.delenv("RINGFLOW_DEBUG", raising=False)
+    mem = 16 * MiB
+    path = tmp_path / "small.json"
+    dataclasses.replace(plan.get_profile("h200-pcie5"), name="small", total_memory=mem).save(path)
+    # 1536 rows a chunk: 1.5 MiB in, 6 MiB out; staged 6 slots of 6 MiB, pinned 3 of 1.5 and 3 of 6
+    argv = ["plan", "--bytes", "96MiB", "--row-bytes", "1KiB", "--out-row-bytes", "4KiB", "--chunk", "6MiB",
+            "--workers", "4", "--profile", str(path)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "3 device-in and 3 device-out slots" in err and f"total_memory of {mem} bytes" in err, err
+    assert main(argv[:-6] + ["--chunk", "auto", "--workers", "4", "--profile", str(path)]) == 0
+    assert main(argv + ["--pinned"]) == 1  # (pinned: 22.5 MiB, past the memory too)
+    capsys.readouterr()
+    assert main(argv[:-6] + ["--chunk", "3MiB", "--workers", "4", "--profile", str(path), "--pinned"]) == 0, \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, phrase", [
+    (["--row-bytes", "4", "--out-row-bytes", "0"], "argument --out-row-bytes: '0' is less than 1 byte"),
+    (["--row-bytes", "4", "--out-row-bytes", "-4"], "argument --out-row-bytes: '-4' is negative"),
+    (["--row-bytes", "4", "--out-row-bytes", "2.5"], "argument --out-row-bytes: '2.5' is not a whole number of bytes"),
+    (["--row-bytes", "4", "--out-row-bytes", "abc"], "argument --out-row-bytes: 'abc' is not a size"),
+    (["--row-bytes", "4", "--out-row-bytes", "\u0663"], "argument --out-row-bytes: '\u0663' is not a size"),
+    (["--bytes", "1MiB", "--out-row-bytes", "4"], "argument --out-row-bytes: give --row-bytes too"),
+    (["--bytes", "4MiB", "--row-bytes", "1KiB", "--out-row-bytes", "1MiB", "--chunk", "512KiB"],
+     "argument --chunk: 524288 bytes is smaller than a row of the result (--out-row-bytes 1048576)"),
+], ids=["zero", "negative", "fraction", "word", "not-ascii", "without-row-bytes", "chunk-below-a-result-row"])
+def test_plan_refuses_a_bad_result_row_size_naming_the_option(capsys, monkeypatch, argv, phrase):
+    """A result row size that is no whole, positive number of bytes, one given without the input's
+    row (--row-bytes), or one larger than --chunk, is a usage error: one line naming the option,
+    exit status 2."""
+    monkeypatch.delenv("RINGFLOW_DEBUG", raising=False)
+    assert main(["plan", *argv]) == 2
+    check_one_line(2, capsys.readouterr().err, "plan", phrase)
+
+
 @pytest.mark.parametrize("size, devices", [("16MiB", 2), ("64MiB", 8)])
 def test_plan_over_several_gpus_cuts_each_share_in_the_chunk_its_shard_uses(capsys, size, devices):
     """With --chunk auto each shard of a whole-array job plans its chunk for its own share (sharded.plan_shards):

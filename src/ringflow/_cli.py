@@ -119,6 +119,23 @@ def row_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+OUT_ROW_HINT = "use e.g. 4, 1KiB or 4096: the bytes of the result for one row of the array"
+
+
+def out_row_size(text: str) -> int:
+    """The result's bytes for one row of the input: a :func:`row_size` with its own examples.
+
+    Raises:
+        argparse.ArgumentTypeError: as :func:`row_size`.
+    """
+    from ._planning_cli import parse_bytes
+
+    try:
+        return parse_bytes(text, whole=True, hint=OUT_ROW_HINT)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def chunk_size(text: str) -> "int | str":
     """``auto`` or a :func:`size`."""
     return "auto" if str(text).strip().lower() == "auto" else size(text)
@@ -476,13 +493,22 @@ def _plan(args: argparse.Namespace) -> int:
                          "ringflow bench --out")
     # (each option is checked alone by its type; these are checked together: an array is whole
     # rows, and stream_map refuses a chunk smaller than a row)
-    row = args.row_bytes
+    row, out_row = args.row_bytes or 1, args.out_row_bytes
+    if out_row is not None and args.row_bytes is None:
+        # a result's bytes a row mean nothing without the row: a default of a byte would read
+        # "--out-row-bytes 4KiB" as 4 KiB of result for every byte of input
+        raise UsageError(f"argument --out-row-bytes: give --row-bytes too, the bytes of the row of the array that "
+                         f"makes {out_row} bytes of result (--row-bytes 1 for {out_row} bytes a byte of input)")
     if args.bytes % row:
         raise UsageError(f"argument --row-bytes: --bytes {args.bytes} is not a whole number of rows of {row} bytes; "
                          "give the bytes of a row of the array, and --bytes a multiple of it")
     if args.chunk != "auto" and args.chunk < row:
         raise UsageError(f"argument --chunk: {args.chunk} bytes is smaller than a row (--row-bytes {row}); give a "
                          "chunk of a row at least, or --chunk auto")
+    if args.chunk != "auto" and out_row is not None and args.chunk < out_row:
+        # (stream_map refuses it too: a chunk's slot holds a row of the result at least)
+        raise UsageError(f"argument --chunk: {args.chunk} bytes is smaller than a row of the result (--out-row-bytes "
+                         f"{out_row}); give a chunk of a result row at least, or --chunk auto")
     return plan_command(args)
 
 
@@ -534,9 +560,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pinned", action="store_true", help="data already in pinned memory (no staging)")
     p.add_argument("--devices", type=gpus, default=1,
                    help="also predict the job split over this many GPUs of one host (default 1)")
-    p.add_argument("--row-bytes", type=row_size, default=1,
+    p.add_argument("--row-bytes", type=row_size, default=None,
                    help="bytes of one row of the array (e.g. 4KiB; default 1): chunks and each GPU's share are "
                         "whole rows; --bytes must be a multiple of it")
+    p.add_argument("--out-row-bytes", type=out_row_size, default=None,
+                   help="bytes of the result for one row of the array (e.g. 16KiB; needs --row-bytes; default: "
+                        "as many as the row's): the copy back, the consume and the rings are planned for them")
     p.add_argument("--profile", type=sim_profile, default="h200-pcie5",
                    help="the hardware profile to predict with: a name (h200-pcie5, pcie4-x16) or a profile JSON "
                         "file from ringflow doctor --save (default h200-pcie5)")

@@ -564,7 +564,7 @@ class DevicesPrediction:
 
 def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_bytes: "int | str", devices: int, *,
                     compute_s_per_byte: float = 0.0, workers: int = 1, host_stages: bool = True,
-                    row_bytes: int = 1) -> DevicesPrediction:
+                    row_bytes: int = 1, out_ratio: float = 1.0) -> DevicesPrediction:
     """The time ``devices`` GPUs of one host should take for a job of ``total_bytes`` in rows of
     ``row_bytes``, its rows split evenly.
 
@@ -573,6 +573,8 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     every byte twice on the host (in to pinned, out of it), and all the GPUs' workers together
     copy at most at the profile's ``staging_copy_rate`` for that many threads (so the whole job
     takes at least :func:`staging_floor_seconds`). The prediction is the larger of the two.
+    ``out_ratio``: the result's bytes per input byte (the copies back, the consumes, the host's
+    copies out and the chunk choice count them); ``chunk_bytes`` and the shares are the input's.
 
     A whole-array job over several devices splits its rows, not its chunks (a GPU's shard may be
     one chunk smaller than ``chunk_bytes``), and gives no device an empty shard: a share is
@@ -607,17 +609,19 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     if chunk_bytes == "auto":
         def chunk_for(nbytes: int) -> int:
             return choose_chunk_bytes(p, nbytes, compute_s_per_byte=compute_s_per_byte, workers=workers,
-                                      host_stages=host_stages, align=row_bytes).chunk_bytes
+                                      host_stages=host_stages, align=row_bytes, out_ratio=out_ratio).chunk_bytes
 
         chunk_bytes, share_chunk = chunk_for(total_bytes), chunk_for(share)
     else:
         chunk_bytes = chunk_bytes // row_bytes * row_bytes
         share_chunk = min(chunk_bytes, share)
     _, per_device = predict_seconds(p, share, share_chunk, compute_s_per_byte=compute_s_per_byte,
-                                    workers=workers, host_stages=host_stages)
+                                    workers=workers, host_stages=host_stages, out_ratio=out_ratio)
     _, one = predict_seconds(p, total_bytes, chunk_bytes, compute_s_per_byte=compute_s_per_byte, workers=workers,
-                             host_stages=host_stages)
-    floor = 2 * total_bytes / (p.staging_copy_rate(workers * devices) * 1e9) if host_stages else 0.0
+                             host_stages=host_stages, out_ratio=out_ratio)
+    # the host copies each input byte into pinned memory and each result byte out of it
+    host_bytes = total_bytes * (1 + out_ratio)
+    floor = host_bytes / (p.staging_copy_rate(workers * devices) * 1e9) if host_stages else 0.0
     return DevicesPrediction(devices, share, per_device, floor, max(per_device, floor), one, share_chunk)
 
 

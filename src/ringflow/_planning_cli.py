@@ -134,10 +134,16 @@ def plan_command(args) -> int:
             with ``--chunk auto`` those of no chunk do (naming chunk_bytes and total_memory); the
             rings checked are those allocated (with ``--pinned``: grown to whole copy groups).
         ValueError: ``--bytes`` is not a whole number of rows of ``--row-bytes``, or ``--chunk``
-            is smaller than a row (the command line refuses both before this is called).
+            is smaller than a row of the input or of the result (the command line refuses these
+            before this is called).
 
-    A chunk is whole rows of ``--row-bytes`` (a given ``--chunk`` is cut down to whole rows, as
-    stream_map cuts it), and so is each GPU's share with ``--devices``.
+    A chunk is whole rows of ``--row-bytes`` (a given ``--chunk`` is cut down to whole rows of
+    the wider of the input and the result, as stream_map cuts it), and so is each GPU's share
+    with ``--devices``. ``--out-row-bytes``: the result's bytes for a row of the input (None: as
+    many); every prediction printed, the chunk choice and the memory check count them, the
+    device rings at the slot sizes of the engine that runs the job (staged: every slot as large
+    as the larger of a chunk's input and result; ``--pinned``: device-in slots of the input,
+    device-out slots of the result).
     """
     from rich.console import Console
     from rich.table import Table
@@ -153,22 +159,28 @@ def plan_command(args) -> int:
     compare = read_bench_rows(args.compare) if args.compare is not None else []
     per_byte = args.compute_ms_per_gib * 1e-3 / (1 << 30)
     row = getattr(args, "row_bytes", 1) or 1
+    out_row = getattr(args, "out_row_bytes", None) or row
+    out_ratio = out_row / row  # (a chunk of whole rows makes exactly out_ratio times its bytes)
     if total % row:
         raise ValueError(f"--bytes {total} is not a whole number of rows of --row-bytes {row}")
     if args.chunk == "auto":
         choice = plan.choose_chunk_bytes(profile, total, compute_s_per_byte=per_byte, workers=args.workers,
-                                         host_stages=not args.pinned, align=row)
+                                         host_stages=not args.pinned, align=row, out_ratio=out_ratio)
         chunk = choice.chunk_bytes
     else:
         # a whole array is never cut in chunks larger than itself, and a chunk is whole rows (as
-        # stream_map and MapJob cut it)
+        # stream_map and MapJob cut it: a given chunk bounds a slot, which holds the input's
+        # rows and, apart, the result's, so it is cut in rows of the wider of the two)
         given = args.chunk if isinstance(args.chunk, int) else parse_bytes(args.chunk)
         if given < row:
             raise ValueError(f"--chunk {given} bytes is smaller than a row (--row-bytes {row})")
-        chunk = min(total, given // row * row)
+        if given < out_row:
+            raise ValueError(f"--chunk {given} bytes is smaller than a row of the result (--out-row-bytes {out_row})")
+        chunk = min(total, given // max(row, out_row) * row)
         choice = None
+    out_total, out_chunk = total // row * out_row, chunk // row * out_row
     t, predicted = plan.predict_seconds(profile, total, chunk, compute_s_per_byte=per_byte,
-                                        workers=args.workers, host_stages=not args.pinned)
+                                        workers=args.workers, host_stages=not args.pinned, out_ratio=out_ratio)
     n = -(-total // chunk)
     slots = plan.plan_slots(t)
     # a whole array's pipeline keeps no more slots in a ring than it has chunks (resolve_slots)
@@ -176,12 +188,14 @@ def plan_command(args) -> int:
     # what stream_map's pipeline allocates for this job: planned by its own functions, so the two cannot differ
     # (the device rings' slack, a staging slot per worker; pinned data: rings of whole copy groups)
     allocated = planned_slots(profile, chunk, False, args.workers, plan.kernel_cost(0.0, per_byte, chunk),
-                              external=(args.pinned, args.pinned), bulk=True, max_chunks=n)
+                              external=(args.pinned, args.pinned), bulk=True, max_chunks=n, out_bytes=out_chunk)
     if args.pinned:
-        allocated = copy_group(profile, chunk, n, allocated, planned=True, inplace=False)[1]
-    # the device rings checked are those allocated and printed (pinned data: grown to whole copy groups)
+        allocated = copy_group(profile, chunk, n, allocated, planned=True, inplace=False, out_bytes=out_chunk)[1]
+    # the device rings checked are those allocated and printed (pinned data: grown to whole copy groups), at the
+    # slot sizes of the engine that runs the job: the direct engine's device-in slots hold the input and its
+    # device-out slots the result; the scheduler makes every slot as large as the larger of the two
     din, dout = allocated.device_in, allocated.device_out
-    need = (din + dout) * chunk
+    need = din * chunk + dout * out_chunk if args.pinned else (din + dout) * max(chunk, out_chunk)
     if need > profile.total_memory:  # (a chosen chunk's rings fit: choose_chunk_bytes and copy_group see to it)
         raise ValueError(f"--chunk {chunk} bytes: its device rings ({din} device-in and {dout} device-out slots) "
                          f"need {need:.0f} bytes, more than the total_memory of {profile.total_memory} bytes of "
@@ -193,6 +207,8 @@ def plan_command(args) -> int:
                                f"{profile.name}{where}"))
     table.add_column("what")
     table.add_column("value", justify="right")
+    if out_row != row:
+        table.add_row("result", f"{_human(out_total)} ({_human(out_row)} a row)")
     for stage, sec in t.as_dict().items():
         table.add_row(f"{stage} per chunk", f"{sec * 1e3:.4f} ms")
     table.add_row("bottleneck", slots.bottleneck)
@@ -208,14 +224,14 @@ def plan_command(args) -> int:
     table.add_row("host time per chunk from", "this profile" if measured is not None else "the planner's fit")
     table.add_row("predicted total", f"{predicted * 1e3:.3f} ms")
     if not args.pinned and profile.staging_GBps is not None:
-        floor = plan.staging_floor_seconds(profile, total, total)
+        floor = plan.staging_floor_seconds(profile, total, out_total)
         table.add_row("host memory floor", f"{floor * 1e3:.3f} ms")
     devices = getattr(args, "devices", 1) or 1
     if devices > 1:
         # with --chunk auto each shard plans its chunk for its own share, as a job over several devices does
         many = plan.predict_devices(profile, total, "auto" if choice is not None else chunk, devices,
                                     compute_s_per_byte=per_byte, workers=args.workers, host_stages=not args.pinned,
-                                    row_bytes=row)
+                                    row_bytes=row, out_ratio=out_ratio)
         # the rows are split, not the chunks: a GPU's share may be less than a chunk; no more GPUs than rows get one
         on = (f"on {devices} GPUs of this host" if many.devices == devices else
               f"on {many.devices} of {devices} GPUs of this host (a shard needs a {'row' if row > 1 else 'byte'})")
