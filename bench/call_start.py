@@ -30,53 +30,53 @@ from ringflow._bench import kernels
 MiB = 1 << 20
 
 
+class Stamps(list):
+    """Host times a probed method stamped (:func:`stamp_method`); ``hook``, when set, is called
+    at every stamp."""
+
+    hook = None
+
+
+def stamp_method(cls, name: str, *, after: bool):
+    """``(stamps, restore)``: every call of ``cls.name`` appends the host time to ``stamps``, as
+    it is called or (``after``) as it returns, and calls ``stamps.hook`` then, until
+    ``restore()``."""
+    original = getattr(cls, name)
+    stamps = Stamps()
+
+    def stamp() -> None:
+        stamps.append(time.perf_counter())
+        if stamps.hook is not None:
+            stamps.hook()
+
+    def probed(self, *args, **kwargs):
+        if not after:
+            stamp()
+        result = original(self, *args, **kwargs)
+        if after:
+            stamp()
+        return result
+
+    setattr(cls, name, probed)
+    return stamps, lambda: setattr(cls, name, original)
+
+
 def first_copy_probe(dev):
-    """``(stamps, restore)``: every copy any stream of ``dev``'s kind enqueues appends its host
-    time to ``stamps`` (and calls ``stamps.on_first`` at a call's first copy) until ``restore()``."""
+    """Stamps of every copy a stream of ``dev``'s kind enqueues, as it is enqueued."""
     probe = dev.create_stream()
     cls = type(probe)
     probe.close()
-    original = cls.copy
-
-    class Stamps(list):
-        on_first = None
-
-    stamps = Stamps()
-
-    def copy(self, *args, **kwargs):
-        if not stamps and stamps.on_first is not None:
-            stamps.on_first()
-        stamps.append(time.perf_counter())
-        return original(self, *args, **kwargs)
-
-    cls.copy = copy
-    return stamps, lambda: setattr(cls, "copy", original)
+    return stamp_method(cls, "copy", after=False)
 
 
 def last_sync_probe(dev):
-    """``(ends, restore)``: every ``sync`` of an event of ``dev``'s kind appends the host time it
-    returned at to ``ends`` (and calls ``ends.on_sync`` then) until ``restore()``."""
+    """Stamps of every event ``sync`` of ``dev``'s kind, as it returns."""
     stream = dev.create_stream()
     event = stream.record()
     event.sync()
     cls = type(event)
     stream.close()
-    original = cls.sync
-
-    class Ends(list):
-        on_sync = None
-
-    ends = Ends()
-
-    def sync(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        ends.append(time.perf_counter())
-        if ends.on_sync is not None:
-            ends.on_sync()
-        return result
-
-    cls.sync = sync
-    return ends, lambda: setattr(cls, "sync", original)
+    return stamp_method(cls, "sync", after=True)
 
 
 def by_own_time(prof: cProfile.Profile, calls: int, top: int) -> list:
@@ -129,20 +129,20 @@ def main() -> None:
                 whole.append((t1 - t0) * 1e3)
                 tail.append((t1 - ends[-1]) * 1e6)
             prof = cProfile.Profile()
-            stamps.on_first = prof.disable
+            stamps.hook = prof.disable  # at the call's first copy (later ones: already off)
             for _ in range(args.calls):
                 stamps.clear()
                 prof.enable()
                 call()
                 prof.disable()
-            stamps.on_first = None
+            stamps.hook = None
             after = cProfile.Profile()  # from the call's last wait for the GPU to its return
-            ends.on_sync = after.enable
+            ends.hook = after.enable
             for _ in range(args.calls):
                 stamps.clear()
                 call()
                 after.disable()
-            ends.on_sync = None
+            ends.hook = None
             out["faces"][face] = {
                 "to_first_copy_us": spread(to_first), "after_last_sync_us": spread(tail), "call_ms": spread(whole),
                 "copies_per_call": len(stamps),
