@@ -162,6 +162,7 @@ def test_stream_map_overhead(tmp_path):
     r = run_script(tmp_path, "stream_map_overhead.py", "--calls", "50", "--before", "none,sleep,spin,touch")
     assert 0 < r["rows"]["MapJob"]["median_us"] and 0 < r["rows"]["stream_map"]["median_us"]
     assert {"stream_map after sleep", "MapJob after touch"} <= set(r["rows"])
+    assert 0 < r["rows"]["stream_map"]["least_block_us"] and "least_block_us" not in r["rows"]["MapJob after touch"]
 
 
 def test_capture_sync_probe(tmp_path):
