@@ -172,21 +172,28 @@ def device_ring_slots(counts: SlotCounts, chunks: int) -> tuple[int, int]:
     return min(chunks, ring.device_in), min(chunks, ring.device_out)
 
 
-def device_ring_bytes(counts: SlotCounts, chunk_bytes: int, chunks: int, *, out_ratio: float = 1.0,
-                      host_stages: bool = False) -> float:
-    """Bytes of device memory the device rings of :func:`device_ring_slots` take, as the engine
-    that runs the job allocates them.
+def device_slot_bytes(in_bytes: float, out_bytes: float, *, host_stages: bool) -> tuple[float, float]:
+    """``(device-in, device-out)`` bytes of a slot, as the engine that runs the job allocates them,
+    for chunks of ``in_bytes`` whose results are ``out_bytes``.
 
     The direct engine (``host_stages=False``: the copy engines use the caller's pinned memory)
-    gives a device-in slot a chunk of ``chunk_bytes`` and a device-out slot its result
-    (``out_ratio`` bytes per input byte). The scheduler, which runs a staged job
-    (``host_stages=True``), makes every slot of its rings one size, the larger of a chunk's
-    input and its result, so with a larger result its device-in slots are that large too.
-    """
-    din, dout = device_ring_slots(counts, chunks)
+    gives a device-in slot a chunk's input and a device-out slot its result. The scheduler, which
+    runs a staged job (``host_stages=True``), makes every slot of its rings one size, the larger
+    of the two, so with a larger result its device-in slots are that large too."""
     if host_stages:
-        return (din + dout) * chunk_bytes * max(1.0, out_ratio)
-    return din * chunk_bytes + dout * chunk_bytes * out_ratio
+        slot = max(in_bytes, out_bytes)
+        return slot, slot
+    return in_bytes, out_bytes
+
+
+def device_ring_bytes(counts: SlotCounts, chunk_bytes: int, chunks: int, *, out_ratio: float = 1.0,
+                      host_stages: bool = False) -> float:
+    """Bytes of device memory the device rings of :func:`device_ring_slots` take, each slot as
+    :func:`device_slot_bytes` says for chunks of ``chunk_bytes`` and results of ``out_ratio``
+    bytes per input byte."""
+    din, dout = device_ring_slots(counts, chunks)
+    in_slot, out_slot = device_slot_bytes(chunk_bytes, chunk_bytes * out_ratio, host_stages=host_stages)
+    return din * in_slot + dout * out_slot
 
 
 WORKER_SLOTS_PINNED_CAP = 256 << 20  # pinned bytes the one-slot-per-worker floor may take

@@ -192,10 +192,10 @@ def plan_command(args) -> int:
     if args.pinned:
         allocated = copy_group(profile, chunk, n, allocated, planned=True, inplace=False, out_bytes=out_chunk)[1]
     # the device rings checked are those allocated and printed (pinned data: grown to whole copy groups), at the
-    # slot sizes of the engine that runs the job: the direct engine's device-in slots hold the input and its
-    # device-out slots the result; the scheduler makes every slot as large as the larger of the two
+    # slot sizes of the engine that runs the job (device_slot_bytes)
     din, dout = allocated.device_in, allocated.device_out
-    need = din * chunk + dout * out_chunk if args.pinned else (din + dout) * max(chunk, out_chunk)
+    in_slot, out_slot = plan.device_slot_bytes(chunk, out_chunk, host_stages=not args.pinned)
+    need = din * in_slot + dout * out_slot
     if need > profile.total_memory:  # (a chosen chunk's rings fit: choose_chunk_bytes and copy_group see to it)
         raise ValueError(f"--chunk {chunk} bytes: its device rings ({din} device-in and {dout} device-out slots) "
                          f"need {need:.0f} bytes, more than the total_memory of {profile.total_memory} bytes of "
