@@ -100,40 +100,24 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-ROW_HINT = "use e.g. 4, 1KiB or 4096: the bytes of one row of the array"
+def _whole_size(hint: str):
+    """An argparse type: a :func:`size` that is a whole number of bytes (``1.5KiB`` is 1536;
+    ``2.5`` is refused, not rounded down to 2: a row of an array is whole bytes), its errors
+    ending with ``hint``; raises argparse.ArgumentTypeError for not a size, negative, below 1
+    byte, above 8 PiB, or not a whole number of bytes."""
+    def whole_size(text: str) -> int:
+        from ._planning_cli import parse_bytes
+
+        try:
+            return parse_bytes(text, whole=True, hint=hint)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return whole_size
 
 
-def row_size(text: str) -> int:
-    """The bytes of a row: a :func:`size` that is a whole number of bytes (``1.5KiB`` is 1536;
-    ``2.5`` is refused, not rounded down to 2: a row of an array is whole bytes).
-
-    Raises:
-        argparse.ArgumentTypeError: not a size, negative, below 1 byte, above 8 PiB, or not a
-            whole number of bytes.
-    """
-    from ._planning_cli import parse_bytes
-
-    try:
-        return parse_bytes(text, whole=True, hint=ROW_HINT)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-OUT_ROW_HINT = "use e.g. 4, 1KiB or 4096: the bytes of the result for one row of the array"
-
-
-def out_row_size(text: str) -> int:
-    """The result's bytes for one row of the input: a :func:`row_size` with its own examples.
-
-    Raises:
-        argparse.ArgumentTypeError: as :func:`row_size`.
-    """
-    from ._planning_cli import parse_bytes
-
-    try:
-        return parse_bytes(text, whole=True, hint=OUT_ROW_HINT)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+row_size = _whole_size("use e.g. 4, 1KiB or 4096: the bytes of one row of the array")
+out_row_size = _whole_size("use e.g. 4, 1KiB or 4096: the bytes of the result for one row of the array")
 
 
 def chunk_size(text: str) -> "int | str":
