@@ -4,6 +4,11 @@ Each resource registers itself once; its count drops exactly once, when it is cl
 the caller never closed it, when it is garbage-collected (``weakref.finalize`` runs either
 way and only once). Open closeable resources are also kept in a weak set so that
 ``Device.close()`` can close what the caller forgot.
+
+Events are counted apart: a call records one or more per chunk, so each is counted by a token
+in :attr:`LiveRegistry.event_tokens`, appended when it is made and popped when it goes. A
+list's ``append`` and ``pop`` are each one atomic operation, so the count needs neither a lock
+nor a Python-level call per event.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class LiveRegistry:
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(KINDS, 0)
         self._open: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self.event_tokens: list = []  # one per live event (see the module docstring)
 
     def track(self, obj: Any, kind: str, cleanup: Callable[[], None] | None = None,
               closeable: bool = True) -> weakref.finalize:
@@ -36,16 +42,6 @@ class LiveRegistry:
         fin = weakref.finalize(obj, self._release, kind, cleanup)
         fin.atexit = False  # at interpreter exit the process (and its CUDA context) goes anyway
         return fin
-
-    def add(self, kind: str) -> None:
-        """Count one more live ``kind`` whose owner calls :meth:`drop` exactly once itself (events:
-        cheaper than a finalizer per object on the hot path)."""
-        with self._lock:
-            self._counts[kind] += 1
-
-    def drop(self, kind: str) -> None:
-        with self._lock:
-            self._counts[kind] -= 1
 
     def forget(self, obj: Any) -> None:
         with self._lock:
@@ -68,4 +64,4 @@ class LiveRegistry:
 
     def counts(self) -> LiveCounts:
         with self._lock:
-            return LiveCounts(**self._counts)
+            return LiveCounts(**{**self._counts, "events": len(self.event_tokens)})

@@ -34,7 +34,6 @@ _WAIT_SPIN_S = 0.005  # wait_any first polls with a yield between polls for this
 _WAIT_FIRST_SLEEP_S = 20e-6  # ... then sleeps, from this ...
 _WAIT_MAX_SLEEP_S = 200e-6   # ... to this, so a completion is seen within ~0.2 ms
 _IDLE_STREAMS_MAX = 16  # closed streams kept per priority for reuse
-_IDLE_EVENTS_MAX = 4096  # untimed events kept for reuse (a pipeline holds a few per slot)
 
 
 _THREAD = threading.local()  # .current: the index of the GPU whose context is current on this thread
@@ -125,12 +124,6 @@ class CudaDevice(Device):
                 self._device_mr = self._cc.memory_resource  # synchronous cuMemAlloc fallback
 
     # -- internals -----------------------------------------------------------------------------
-    def _take_idle_event(self) -> Any:
-        try:
-            return self._idle_events.pop()
-        except IndexError:
-            return None
-
     def _take_idle_stream(self, priority: int) -> Any:
         """A closed stream of ``priority`` with nothing left to run, or None. A stream still
         running a closed owner's work is never handed on: the new owner's work would queue
@@ -155,10 +148,6 @@ class CudaDevice(Device):
             return False
         idle.append(cc_stream)
         return True
-
-    def _recycle_event(self, cc_event: Any) -> None:
-        if not self._closed and len(self._idle_events) < _IDLE_EVENTS_MAX:
-            self._idle_events.append(cc_event)
 
     def _ensure_current(self) -> None:
         # the current context is the thread's, shared by every device object: another GPU's calls

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from .device import CudaDevice
 
 
+IDLE_EVENTS_MAX = 4096  # untimed CUDA events a device keeps for reuse (a pipeline holds a few per slot)
+
+
 class CudaEvent(Event):
     """A recorded cuda.core event. A sticky device error seen while querying it makes it done,
     with :attr:`error` set, so pollers notice; :meth:`sync` raises it."""
@@ -42,7 +45,7 @@ class CudaEvent(Event):
         self._done = False  # once True it stays True: completion cannot be undone
         # counted live until closed or collected; one per recorded event, so no finalizer object
         self._counted = True
-        device._live.add("events")
+        device._live.event_tokens.append(None)
 
     @property
     def stream_name(self) -> str:
@@ -55,17 +58,26 @@ class CudaEvent(Event):
     def _uncount(self) -> None:
         if self._counted:
             self._counted = False
-            self._device._live.drop("events")
+            self._device._live.event_tokens.pop()
 
     def __del__(self) -> None:
         # The last reference is gone, so nothing can query or wait on this event again: an
         # untimed CUDA event goes back to the device for a later record (re-recording overwrites
         # its captured work; waits enqueued earlier keep the state they captured). Never raises.
+        # A call drops its events together as it returns, so all of this is written out here,
+        # with no further Python call per event. The device's close empties the idle list.
         try:
-            cc, self._cc = self._cc, None
-            if cc is not None and not self.timing and self._error is None:
-                self._device._recycle_event(cc)
-            self._uncount()
+            cc = self._cc
+            dev = self._device
+            if cc is not None:
+                self._cc = None
+                if not self.timing and self._error is None:
+                    idle = dev._idle_events
+                    if len(idle) < IDLE_EVENTS_MAX and not dev._closed:
+                        idle.append(cc)
+            if self._counted:
+                self._counted = False
+                dev._live.event_tokens.pop()
         except Exception:  # noqa: BLE001 - a finaliser must not raise
             pass
 
@@ -194,12 +206,22 @@ class CudaStream(Stream):
             self._check_open()
         dev = self._device
         dev._ensure_current()
-        reuse = dev._take_idle_event() if not timing else None
-        with translate(lambda: f"recording an event on {self!r}"):
+        reuse = None
+        if not timing:
+            try:  # one pop, not a test then a pop: another thread may take the last one between
+                reuse = dev._idle_events.pop()
+            except IndexError:
+                pass
+        try:  # recorded per chunk and stage: translate's work, without a context manager per record
             if reuse is not None:
                 ev = self._cc.record(event=reuse)
             else:
                 ev = self._cc.record(options=_event_options(bool(timing)))
+        except Exception as exc:  # noqa: BLE001 - re-raised, as a DeviceError when it is the device's
+            err = as_device_error(lambda: f"recording an event on {self!r}", exc)
+            if err is None:
+                raise
+            raise err from exc
         return CudaEvent(dev, ev, bool(timing), self)
 
     def wait(self, event: Event) -> None:
@@ -218,8 +240,13 @@ class CudaStream(Stream):
         if cc_event is None:
             raise RuntimeError(f"{event!r} is closed")
         self._device._ensure_current()
-        with translate(lambda: f"making {self!r} wait for {event!r}"):
+        try:  # as in record: translate's work without its context manager
             self._cc.wait(cc_event)
+        except Exception as exc:  # noqa: BLE001 - re-raised, as a DeviceError when it is the device's
+            err = as_device_error(lambda: f"making {self!r} wait for {event!r}", exc)
+            if err is None:
+                raise
+            raise err from exc
 
     def copy(self, dst: Buffer | BufferSlice, src: Buffer | BufferSlice, nbytes: int | None = None) -> None:
         """Enqueue a copy in any direction (host<->device, device<->device, host<->host between
