@@ -477,3 +477,44 @@ def test_an_engine_whose_layout_fails_frees_its_streams_and_rings(how):
     del x, out
     gc.collect()
     assert dev.live().total == 0, dev.live()
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("checked", [False, True])
+def test_a_warm_call_starts_its_first_copy_without_waiting_on_slots_its_last_sync_saw_done(inplace, checked):
+    """After a call's last sync every slot's last use is done, so the next call's first pass
+    through the rings enqueues no wait (the first would delay its first copy); a checked call's
+    poison fills run on a stream of their own, which that sync does not cover, so it keeps them."""
+    dev = rf.device("sim", seed=4, chaos=True)
+    x = contents(8)
+    expected = x * 3 + 1
+    with rf.MapJob(f, x, x if inplace else None, device=dev, chunk_bytes=CHUNK, host="register",
+                   checked=checked) as job:
+        schedule = job._held.engine
+        h2d = schedule.streams.h2d
+        seen = []
+
+        def logging(name):
+            op = getattr(h2d, name)
+
+            def logged(*a, **kw):
+                seen.append(name)
+                return op(*a, **kw)
+
+            setattr(h2d, name, logged)
+
+        logging("wait")
+        logging("copy")
+        x0 = x.copy()
+        for call in range(3):
+            x[...] = x0
+            seen.clear()
+            y = job()
+            assert np.array_equal(y, expected)
+            slots = len(schedule._in_ready)
+            first_pass = seen[:seen.index("copy", 0) + 1] if call else None
+            if call and not checked:
+                assert first_pass == ["copy"], seen
+                assert seen.count("wait") <= schedule.n_chunks - slots, (seen, slots)
+            elif call:
+                assert first_pass[0] == "wait", seen

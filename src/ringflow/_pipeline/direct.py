@@ -326,6 +326,7 @@ class DirectSchedule:
         except BaseException:
             self.streams.settle()  # nothing enqueued may still touch the host memory when the caller sees this
             raise
+        self._forget_done_slots()
         if profile:
             self._timeline = self._timeline_of(*stamps)
         failure = self._failure(compute_events)
@@ -342,6 +343,17 @@ class DirectSchedule:
         if measured is not None:
             self._plan_compute_streams(measured)
         self._warmed = True
+
+    def _forget_done_slots(self) -> None:
+        """After a call's last sync: forget its slots' events, all of which are done, so that the
+        next call's first pass through the rings waits for none (a wait costs a driver call, and
+        the first one delays the call's first copy). Every slot's last use is a copy out on the
+        copy-out stream, or a compute that stream waited for before its copies out, so the last
+        sync saw them all complete; a poison fill (checked mode) runs on a stream of its own and
+        is kept, as are all of them while a guard is off (the checker's tests need the waits)."""
+        if self.streams.poison is None and not self._guard_off:
+            self._in_ready = [None] * len(self._in_ready)
+            self._out_ready = [None] * len(self._out_ready)
 
     @property
     def n_chunks(self) -> int:
