@@ -227,6 +227,48 @@ def test_a_compute_of_fixed_cost_is_not_tapered_and_runs_no_slower_for_it():
     assert per_byte.chunks == 3 + 14 + 1 + 3 and per_byte.timeline.meta["compute_lanes"] == 2
 
 
+def _doubled(x, y):
+    np.multiply(x, 2, out=y)
+    y += 1
+
+
+def _raises_below_a_whole_chunk(nbytes: int) -> float:
+    if nbytes < 4 * MiB:
+        raise RuntimeError("no cost for a short chunk")
+    return 1e-3
+
+
+@pytest.mark.parametrize("cost, fixed", [
+    (None, False), (1e-3, True), (lambda nbytes: 1e-3, True), (lambda nbytes: 1e-3 + 0 * nbytes, True),
+    (lambda nbytes: nbytes * 1e-9, False), (lambda nbytes: 1e-3 + nbytes * 1e-12, False),
+    (_raises_below_a_whole_chunk, False), (lambda nbytes: float("nan") if nbytes < 4 * MiB else 1e-3, False)],
+    ids=["none", "seconds", "constant-function", "constant-expression", "per-byte", "affine", "raises-at-half",
+         "refused-at-half"])
+def test_a_cost_is_fixed_when_a_chunk_and_half_of_it_take_the_same_time(cost, fixed):
+    """A number is one time for any chunk; a function counts as one when it gives a chunk of the
+    bytes asked about and one of half as many the same seconds (the first halving a taper makes).
+    A function that raises, or gives no valid seconds, at either size is not known to be fixed."""
+    f = mock.Mock(spec=["sim_seconds"], sim_seconds=cost)
+    assert sizing.fixed_cost(f, 4 * MiB) is fixed
+    if callable(cost):
+        assert sizing.fixed_cost(f, 1) is False  # one byte cannot be halved: no second size to compare
+
+
+def test_a_compute_whose_cost_function_returns_one_time_is_not_tapered():
+    """A ``sim_seconds`` function that returns the same seconds for any chunk is a fixed cost, as
+    a number is: its job is compute-bound (two compute streams) but runs whole chunks, no taper."""
+    def fixed(x, y):
+        _doubled(x, y)
+
+    seconds = 3 * _copy_s(4 * MiB)
+    fixed.sim_seconds = lambda nbytes: seconds
+    x = _pinned(64 * MiB, 9)
+    rep, _ = _report_and_seconds(fixed, x)
+    assert rep.chunks == 16 and rep.timeline.meta["compute_lanes"] == 2
+    with _job(fixed, x) as job:
+        assert job.chunks == 16 and job._held.engine.compute_streams == 2
+
+
 # -- measured on first use --------------------------------------------------------------------------
 @pytest.mark.parametrize("f, bound", [(heavy, True), (light, False)])
 def test_an_unknown_cost_is_measured_on_the_first_call_and_plans_the_later_ones(f, bound):

@@ -241,11 +241,24 @@ def planned_compute_bound(device: Device, compute: Callable, in_bytes: int, out_
     return is_compute_bound(kernel, *_copy_seconds(device.hardware, in_bytes, out_bytes))
 
 
-def fixed_cost(compute: Callable) -> bool:
-    """Whether the compute declares one kernel time for a chunk of any size: its ``sim_seconds``
-    is a number, not a function of the chunk's bytes (False without a cost)."""
+def fixed_cost(compute: Callable, nbytes: int) -> bool:
+    """Whether the compute declares one kernel time for chunks of ``nbytes`` and shorter: its
+    ``sim_seconds`` is a number, or a function of a chunk's bytes that returns the same seconds
+    for ``nbytes`` and for half as many (rounded down: about the first halving a :func:`taper` makes).
+    False without a cost, for ``nbytes`` below 2 (no second size to compare), and where the
+    function raises or returns no valid seconds at either size (the job's own reads of it report
+    that). A function is called at most twice; an interrupt it raises propagates."""
     cost = getattr(compute, "sim_seconds", None)
-    return cost is not None and not callable(cost)
+    if cost is None or not callable(cost):
+        return cost is not None
+    if nbytes < 2:
+        return False
+    # two sizes, not a proof: a function equal at a chunk and at its half gains nothing from the
+    # first halving, and a taper's later halvings are shorter still
+    try:
+        return sim_seconds_for(cost, nbytes) == sim_seconds_for(cost, nbytes // 2)
+    except ValueError:  # (sim_seconds_for's: the function raised, or gave no seconds)
+        return False
 
 
 # (id(profile), in bytes, out bytes) -> (profile, h2d s, d2h s): every stream_map call plans its
@@ -279,8 +292,9 @@ def taper(rows: int, row_bytes: int, *, kernel_s: Optional[float] = None,
     Why: a compute-bound job's kernels cannot start before the first chunk is in, nor can the
     last result leave before the last kernel ends; those two copies and the last kernel overlap
     nothing else. Short chunks at the ends shorten them; whole chunks between keep the
-    per-chunk costs of the rest as they were. A compute whose declared cost is one time for any
-    chunk (:func:`fixed_cost`) is not tapered at all: no shorter chunk has a shorter kernel."""
+    per-chunk costs of the rest as they were. A compute whose declared cost is one time for a
+    chunk and for half of it (:func:`fixed_cost`) is not tapered at all: no shorter chunk has a
+    shorter kernel."""
     head = []
     r = rows // 2
     while (len(head) < TAPER_STEPS and r >= 1 and r * row_bytes >= TAPER_MIN_BYTES
