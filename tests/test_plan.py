@@ -1048,6 +1048,27 @@ def test_stream_map_stages_a_larger_result_in_an_auto_chunk_whose_rings_fit_the_
     np.testing.assert_array_equal(y, np.repeat(x, 4, axis=1))
 
 
+def test_a_tapered_auto_chunk_allocates_no_more_device_slots_than_the_planner_checked():
+    """A compute-bound job of two 1 MiB chunks on a GPU of 4 MiB: the planner checked device rings
+    of two slots each way (no ring gets more slots than the job has chunks), and the direct
+    engine tapered the job into three chunks and gave each ring three slots, past the device's
+    memory (OutOfMemoryError). The rings keep the planned chunks' slots; the taper stays."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="small-memory", total_memory=4 * MiB)
+    dev = rf.device("sim", profile=p, checked=False)
+
+    def f(x, y):
+        np.multiply(x, 2, out=y)
+
+    f.sim_seconds = lambda nbytes: nbytes * 1e-8  # a kernel far longer than its copies: compute-bound
+    x = rf.host.empty(2 * MiB // 4, np.float32, device=dev)
+    x[:] = np.arange(x.size)
+    choice = plan.choose_chunk_bytes(p, x.nbytes, compute_s_per_byte=1e-8, host_stages=False)
+    assert choice.chunks == 2
+    y, report = rf.stream_map_report(f, x, rf.host.empty_like(x), device=dev, chunk_bytes="auto", keep_warm=False)
+    np.testing.assert_array_equal(y, x * 2)
+    assert report.chunks == 3  # half a chunk, a whole one, half a chunk
+
+
 @pytest.mark.parametrize("total_memory, align, total", [(1, 1, 64 * MiB), (5, 1, 3), (1000, 256, 64 * MiB)])
 def test_a_device_memory_no_chunk_fits_is_refused_naming_chunk_bytes_and_total_memory(total_memory, align, total):
     """A device whose memory holds no ring of the smallest chunk (one byte, or one row of

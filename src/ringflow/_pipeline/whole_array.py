@@ -724,10 +724,13 @@ class MapLayout:
 
     def slots(self, f: Callable, options: dict, *, external: bool) -> "plan.SlotCounts":
         """The ring sizes for this job (``external``: the copy engines use the caller's memory),
-        planned for a chunk's input bytes in and its result's bytes out."""
+        planned for a chunk's input bytes in and its result's bytes out, no ring with more slots
+        than the job has chunks before a taper (its short end chunks reuse those slots)."""
+        # (the untapered count: the planner checked the device rings of that many chunks against
+        # the device's memory, and a taper's extra short chunks reuse those slots)
         return resolve_slots(self.device, options.get("slots"), self.in_chunk_bytes, bool(options.get("inplace")),
                              options.get("workers") or 1, f, external=(external, external), bulk=True,
-                             max_chunks=self.n_chunks, out_bytes=self.out_chunk_bytes)
+                             max_chunks=-(-self.length // self.rows), out_bytes=self.out_chunk_bytes)
 
     @classmethod
     def plan(cls, f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, dev: Device, chunk_bytes,
