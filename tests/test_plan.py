@@ -1069,6 +1069,40 @@ def test_a_tapered_auto_chunk_allocates_no_more_device_slots_than_the_planner_ch
     assert report.chunks == 3  # half a chunk, a whole one, half a chunk
 
 
+@pytest.mark.parametrize("options", [{"engine": "pipeline"}, {"on_error": "continue"}],
+                         ids=["engine-pipeline", "on-error-continue"])
+def test_an_auto_chunk_the_scheduler_runs_unstaged_fits_its_device_rings(options):
+    """host="register" with a result four times its input on a GPU of 2 MiB, run by the scheduler
+    (asked for, or needed by on_error="continue"): the planner checked the direct engine's rings
+    (device-in slots of the input's bytes), the scheduler made every slot the result's size, and
+    the call raised OutOfMemoryError allocating the device-out ring."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="small-memory", total_memory=2 * MiB)
+
+    def f(x, y):
+        y[:] = np.repeat(x, 4, axis=1)
+
+    f.sim_seconds = 0.0
+    x = np.arange(MiB // 4, dtype=np.float32).reshape(-1, 16)
+    y = rf.stream_map(f, x, device=rf.device("sim", profile=p, checked=False), chunk_bytes="auto", workers=4,
+                      host="register", output=((x.shape[0], 64), np.float32), keep_warm=False, **options)
+    np.testing.assert_array_equal(y, np.repeat(x, 4, axis=1))
+
+
+def test_choose_chunk_bytes_checks_the_schedulers_rings_for_an_unstaged_job_it_runs():
+    """``scheduler=True`` with ``host_stages=False``: the time is the unstaged job's, the device
+    rings those of the scheduler (every slot the larger of a chunk's input and result)."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="small-memory", total_memory=16 * MiB)
+    total = 256 * MiB
+    choice = plan.choose_chunk_bytes(p, total, workers=4, out_ratio=4.0, host_stages=False, scheduler=True)
+    t, _ = plan.predict_seconds(p, total, choice.chunk_bytes, workers=4, out_ratio=4.0, host_stages=False)
+    counts = plan.plan_slots(t).slots
+    need = plan.device_ring_bytes(counts, choice.chunk_bytes, choice.chunks, out_ratio=4.0, host_stages=True)
+    assert need <= p.total_memory < 2 * need
+    direct = plan.choose_chunk_bytes(p, total, workers=4, out_ratio=4.0, host_stages=False)
+    assert direct.chunk_bytes > choice.chunk_bytes
+    assert direct == plan.choose_chunk_bytes(p, total, workers=4, out_ratio=4.0, host_stages=False, scheduler=False)
+
+
 @pytest.mark.parametrize("total_memory, align, total", [(1, 1, 64 * MiB), (5, 1, 3), (1000, 256, 64 * MiB)])
 def test_a_device_memory_no_chunk_fits_is_refused_naming_chunk_bytes_and_total_memory(total_memory, align, total):
     """A device whose memory holds no ring of the smallest chunk (one byte, or one row of

@@ -658,7 +658,8 @@ class ChunkChoice:
 def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *,
                        compute_s_per_byte: Optional[float] = 0.0, workers: int = 1, host_stages: bool = True,
                        pinned_budget: Optional[int] = None, align: int = 1, candidates: Optional[list] = None,
-                       out_ratio: float = 1.0, compute_s_per_chunk: Optional[float] = 0.0) -> ChunkChoice:
+                       out_ratio: float = 1.0, compute_s_per_chunk: Optional[float] = 0.0,
+                       scheduler: Optional[bool] = None) -> ChunkChoice:
     """The chunk size (of the input) minimising the predicted wall time of ``total_bytes`` of
     input, whose results are ``out_ratio`` bytes per input byte.
 
@@ -667,7 +668,9 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *,
     stage alone) a large share. Each candidate is predicted as ``predicted_total`` over its chunk
     count plus the per-chunk scheduling cost; the planned slots must fit ``pinned_budget``, and
     the device rings (with their slack: :func:`device_ring_bytes`, at the slot sizes of the
-    engine ``host_stages`` picks) the profile's ``total_memory``.
+    engine that runs the job) the profile's ``total_memory``. ``scheduler``: whether the
+    scheduler runs the job (every device slot the larger of a chunk's input and result), as it
+    runs every staged job and, asked to, an unstaged one; None: as ``host_stages`` says.
     When no candidate's device rings fit, smaller chunks are tried, halving (whole multiples of
     ``align``, a row's bytes), and the largest that fits is chosen (``candidates`` given: none).
     ``host_stages=False`` when the copy engines read the caller's pinned memory directly. A
@@ -689,7 +692,8 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *,
     return _choose_chunk_bytes(get_profile(profile), int(total_bytes), _seconds_or_none(compute_s_per_byte),
                                int(workers), bool(host_stages), pinned_budget, int(align),
                                tuple(candidates) if candidates else None, float(out_ratio),
-                               _seconds_or_none(compute_s_per_chunk))
+                               _seconds_or_none(compute_s_per_chunk),
+                               bool(host_stages) if scheduler is None else bool(scheduler))
 
 
 def _seconds_or_none(value: Optional[float]) -> Optional[float]:
@@ -698,7 +702,7 @@ def _seconds_or_none(value: Optional[float]) -> Optional[float]:
 
 @functools.lru_cache(maxsize=256)
 def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_stages, pinned_budget, align,
-                        candidates, out_ratio, compute_s_per_chunk) -> ChunkChoice:
+                        candidates, out_ratio, compute_s_per_chunk, scheduler) -> ChunkChoice:
     cands = candidates or [1 << k for k in range(16, 29)]
     rows, too_large = [], []  # too_large: (chunk, its device rings' bytes, their slots) fitting no device
     seen = set()
@@ -718,7 +722,7 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_
         # the device rings (with their slack, no more slots than chunks), at the slot sizes of the
         # engine that runs the job, must fit the device's memory: a chunk whose rings cannot be
         # allocated is no choice
-        device = device_ring_bytes(plan.slots, c, n, out_ratio=out_ratio, host_stages=host_stages)
+        device = device_ring_bytes(plan.slots, c, n, out_ratio=out_ratio, host_stages=scheduler)
         if device > profile.total_memory:
             too_large.append((c, device, device_ring_slots(plan.slots, n)))
             return

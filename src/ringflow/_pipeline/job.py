@@ -236,7 +236,7 @@ class MapJob(Uncopyable):
         :mod:`ringflow.host` are pinned already and used as they are) and build its engine."""
         check_on_device(dev, x, out)
         layout, x_buffer, out_buffer, pooled = plan_layout(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer,
-                                                           out_buffer, opts)
+                                                           out_buffer, opts, engine=engine)
         self._layout = layout
         self.device = layout.device
         opts = layout.engine_options(opts)

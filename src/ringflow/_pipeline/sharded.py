@@ -125,7 +125,8 @@ def plan_shards(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, de
     """
     n = x.shape[0]
     share = -(-n // min(len(devices), n))
-    probe = MapLayout.plan(f, x[:share], out[:share], fresh_out, devices[0], chunk_bytes, host, None, None, opts)
+    probe = MapLayout.plan(f, x[:share], out[:share], fresh_out, devices[0], chunk_bytes, host, None, None, opts,
+                           engine=engine)
     choose_engine(engine, probe.strategy, probe.engine_options(opts))  # refused once, not once per shard
     shards = []
     for i, (a, b) in enumerate(split_rows(n, len(devices), probe.rows)):

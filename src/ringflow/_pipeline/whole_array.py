@@ -33,7 +33,7 @@ from .._errors import DeviceError, StageError
 from .._testing import current as current_hooks
 from . import call_memo, warm
 from .call_memo import array_key, compute_identity, tagged
-from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine
+from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine, why_not_direct
 from .frames import forget_own_frames
 from .sigint import shielded
 from .sizing import (DEFAULT_CHUNK_BYTES, chunk_sizes, default_workers, fixed_cost, planned_compute_bound,
@@ -388,7 +388,7 @@ def prepare_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: st
         out, replaced = host_pool.pool_for(dev).empty(out.shape, out.dtype), True
         fresh_out = host_pool.buffer_behind(out, dev) is None  # a pageable fallback is still untouched
     layout, x_buffer, out_buffer, pooled = plan_layout(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer,
-                                                       out_buffer, opts)
+                                                       out_buffer, opts, engine=engine)
     opts = layout.engine_options(opts)
     kind = choose_engine(engine, layout.strategy, opts)
     key = None
@@ -734,9 +734,12 @@ class MapLayout:
 
     @classmethod
     def plan(cls, f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, dev: Device, chunk_bytes,
-             host: str, x_buffer, out_buffer, options: dict, pinned: tuple = (None, None)) -> "MapLayout":
+             host: str, x_buffer, out_buffer, options: dict, pinned: tuple = (None, None), *,
+             engine: str = "auto") -> "MapLayout":
         """Lay out a non-empty whole-array job. ``pinned``: the pinned buffers already behind
         ``x`` and ``out`` (pool arrays, :func:`pooled_buffers`), which registering need not pin.
+        ``engine``: the engine asked for (as :func:`choose_engine` takes it); an ``"auto"``
+        chunk's device rings are checked at the slot sizes of the engine that will run the job.
 
         Raises:
             TypeError: ``x_buffer`` or ``out_buffer`` that is not a host buffer.
@@ -815,11 +818,14 @@ class MapLayout:
         if chunk_bytes == "auto":
             per_chunk, per_byte = compute_cost(getattr(f, "sim_seconds", None))
             staged = strategy == "stage"  # (a budget bounds the staging rings only)
+            # the scheduler runs some unstaged jobs too (engine="pipeline", on_error="continue"),
+            # and its device slots are all the larger of a chunk's input and result
+            scheduled = engine == "pipeline" or why_not_direct(strategy, options) is not None
             chunk_bytes = plan.choose_chunk_bytes(dev.hardware, x.nbytes, compute_s_per_byte=per_byte, align=row_bytes,
                                                   compute_s_per_chunk=per_chunk, workers=workers, host_stages=staged,
                                                   pinned_budget=options.get("pinned_budget") if staged else None,
-                                                  out_ratio=out_row_bytes / row_bytes if row_bytes else 1.0
-                                                  ).chunk_bytes
+                                                  out_ratio=out_row_bytes / row_bytes if row_bytes else 1.0,
+                                                  scheduler=scheduled).chunk_bytes
             chunk_bytes = chunk_bytes // row_bytes * widest if widest > row_bytes else chunk_bytes
         slot = chunk_bytes if chunk_bytes is not None else max(DEFAULT_CHUNK_BYTES, widest)
         if widest > slot:
@@ -871,8 +877,8 @@ def check_on_device(dev: Device, x: np.ndarray, out: np.ndarray) -> None:
 
 
 def plan_layout(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, dev: Device, chunk_bytes, host: str,
-                x_buffer, out_buffer, opts: dict) -> tuple:
-    """:meth:`MapLayout.plan` for arrays that may come from ``dev``'s host pool: returns
+                x_buffer, out_buffer, opts: dict, *, engine: str = "auto") -> tuple:
+    """:meth:`MapLayout.plan` (``engine`` passed on) for arrays that may come from ``dev``'s host pool: returns
     ``(layout, x_buffer, out_buffer, pooled)``, the buffers being the pool's where both arrays
     are pool arrays (used in place), and ``pooled`` the pool buffers found behind each (for
     :func:`pinned_arrays`).
@@ -883,7 +889,8 @@ def plan_layout(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, de
     pooled = pooled_buffers(dev, x, out, fresh_out, host, x_buffer, out_buffer)
     if None not in pooled:
         x_buffer, out_buffer = pooled
-    layout = MapLayout.plan(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer, opts, pooled)
+    layout = MapLayout.plan(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer, opts, pooled,
+                            engine=engine)
     if any(layout.in_place):  # one side a pool array, used in place; the other staged
         x_buffer, out_buffer = pooled
     return layout, x_buffer, out_buffer, pooled
