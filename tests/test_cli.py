@@ -1253,6 +1253,24 @@ def test_plan_checks_the_device_rings_at_the_result_size_of_the_engine(tmp_path,
         capsys.readouterr().err
 
 
+def test_plan_checks_the_schedulers_device_slots_at_their_256_byte_boundaries(tmp_path, capsys, monkeypatch):
+    """A staged 180-byte chunk on a GPU of 1100 bytes: 3 + 3 slots packed would take 1080 bytes,
+    but the scheduler starts each slot on a 256-byte boundary (1384 bytes, as stream_map
+    allocates them): the plan refuses the chunk; pinned (the direct engine packs its slots) it fits."""
+    import dataclasses
+
+    from ringflow import _plan as plan
+
+    monkeypatch.delenv("RINGFLOW_DEBUG", raising=False)
+    path = tmp_path / "tiny.json"
+    dataclasses.replace(plan.get_profile("h200-pcie5"), name="tiny", total_memory=1100).save(path)
+    argv = ["plan", "--bytes", "12000", "--row-bytes", "12", "--chunk", "180", "--workers", "4", "--profile", str(path)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "need 1384 bytes" in err and "total_memory of 1100 bytes" in err, err
+    assert main(argv + ["--pinned"]) == 0, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, phrase", [
     (["--row-bytes", "4", "--out-row-bytes", "0"], "argument --out-row-bytes: '0' is less than 1 byte"),
     (["--row-bytes", "4", "--out-row-bytes", "-4"], "argument --out-row-bytes: '-4' is negative"),

@@ -500,7 +500,10 @@ def test_plan_on_a_profile_of_little_device_memory_plans_only_rings_that_fit(tmp
     """A profile of 1 KiB of device memory is a valid profile. `plan` plans chunks whose device
     rings fit there (not 64 KiB chunks, whose rings need 384 KiB), refuses a --chunk whose rings
     do not (naming --chunk and total_memory), and refuses a device too small for any chunk's
-    rings naming chunk_bytes and total_memory; one line each, exit 1, never a traceback."""
+    rings naming chunk_bytes and total_memory; one line each, exit 1, never a traceback. The
+    chunks that fit 1 KiB are pinned ones (the direct engine packs its slots): staged, the
+    scheduler starts each slot on a 256-byte boundary, and no chunk's rings fit (1026 bytes at
+    the least)."""
     import dataclasses
 
     from ringflow import _plan as plan
@@ -509,10 +512,13 @@ def test_plan_on_a_profile_of_little_device_memory_plans_only_rings_that_fit(tmp
     path = tmp_path / "tiny.json"
     tiny = dataclasses.replace(H200_PCIE5, name="tiny", total_memory=1 << 10)
     tiny.save(path)
-    assert main(["plan", "--bytes", "64MiB", "--profile", str(path)]) == 0, capsys.readouterr().err
+    assert main(["plan", "--bytes", "64MiB", "--pinned", "--profile", str(path)]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
-    chunk = plan.choose_chunk_bytes(tiny, 64 << 20, workers=8).chunk_bytes
+    chunk = plan.choose_chunk_bytes(tiny, 64 << 20, workers=8, host_stages=False).chunk_bytes
     assert 6 * chunk <= 1 << 10 and f"in chunks of {chunk / 2**20:g} MiB" in out
+    assert main(["plan", "--bytes", "64MiB", "--profile", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "chunk_bytes of 1 bytes" in err[0] and "total_memory of 1024 bytes" in err[0], err
     assert main(["plan", "--bytes", "64MiB", "--chunk", "8MiB", "--profile", str(path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ringflow plan: error: --chunk 8388608 bytes: "), err

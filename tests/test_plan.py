@@ -988,16 +988,27 @@ def test_an_auto_chunk_fits_the_device_rings_in_the_profiles_memory():
 def test_an_auto_chunk_is_planned_within_a_small_device_memory(total_memory):
     """A profile of a GPU with 1 KiB of memory (or less): no candidate chunk's device rings fit
     (the smallest candidate's, 64 KiB, need 384 KiB). The planner plans only what fits: smaller
-    chunks, the largest whose rings fit, not a chunk that cannot be allocated."""
+    chunks, the largest whose rings fit, not a chunk that cannot be allocated. The rings checked
+    are the direct engine's (``host_stages=False``), whose slots are packed; the scheduler's,
+    each slot on a 256-byte boundary, hold no chunk in 1 KiB (1026 bytes for chunks of a byte)."""
     p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="tiny-memory", total_memory=total_memory)
     total = 64 * MiB
     for out_ratio in (1.0, 0.5, 2.0):
-        choice = plan.choose_chunk_bytes(p, total, workers=4, out_ratio=out_ratio)
+        choice = plan.choose_chunk_bytes(p, total, workers=4, out_ratio=out_ratio, host_stages=False)
         c, n = choice.chunk_bytes, choice.chunks
         assert 3 * c * (1 + out_ratio) <= total_memory, (out_ratio, c)  # three slots a device ring
-        t, _ = plan.predict_seconds(p, total, c, workers=4, out_ratio=out_ratio)
+        t, _ = plan.predict_seconds(p, total, c, workers=4, out_ratio=out_ratio, host_stages=False)
         need = plan.device_ring_bytes(plan.plan_slots(t).slots, c, n, out_ratio=out_ratio)
         assert need <= total_memory < 2 * need, (out_ratio, c)  # (the next candidate up would not fit)
+        if total_memory < 2 * (2 * plan.SCHEDULER_SLOT_ALIGN + 1):
+            with pytest.raises(ValueError, match=r"chunk_bytes .*total_memory of %d bytes" % total_memory):
+                plan.choose_chunk_bytes(p, total, workers=4, out_ratio=out_ratio)
+            continue
+        staged = plan.choose_chunk_bytes(p, total, workers=4, out_ratio=out_ratio)
+        t, _ = plan.predict_seconds(p, total, staged.chunk_bytes, workers=4, out_ratio=out_ratio)
+        need = plan.device_ring_bytes(plan.plan_slots(t).slots, staged.chunk_bytes, staged.chunks,
+                                      out_ratio=out_ratio, host_stages=True)
+        assert need <= total_memory, (out_ratio, staged.chunk_bytes)
 
 
 def _scheduler_ring_bytes(profile, chunk: int, n: int, out_ratio: float, workers: int) -> int:
@@ -1101,6 +1112,42 @@ def test_choose_chunk_bytes_checks_the_schedulers_rings_for_an_unstaged_job_it_r
     direct = plan.choose_chunk_bytes(p, total, workers=4, out_ratio=4.0, host_stages=False)
     assert direct.chunk_bytes > choice.chunk_bytes
     assert direct == plan.choose_chunk_bytes(p, total, workers=4, out_ratio=4.0, host_stages=False, scheduler=False)
+
+
+@pytest.mark.parametrize("count, slot", [(1, 180), (3, 180), (3, 256), (4, 257), (3, 7), (2, 1 << 20)])
+def test_the_device_ring_bytes_are_what_the_engines_allocate(count, slot):
+    """The scheduler starts each device slot on a 256-byte boundary (its rings take more than
+    ``count * slot`` bytes for a slot of another size); the direct engine packs its slots."""
+    from ringflow._pipeline.batch_space import aligned
+    from ringflow._pipeline.ring import allocate_ring
+    from ringflow._pipeline.states import RingKind
+
+    asked = []
+    allocate_ring(asked.append, RingKind.DEVICE_IN, slot, count, aligned(slot))  # the scheduler's
+    allocate_ring(asked.append, RingKind.DEVICE_IN, slot, count)  # the direct engine's
+    assert asked == [plan.ring_bytes(count, slot, host_stages=True), plan.ring_bytes(count, slot, host_stages=False)]
+    assert plan.ring_bytes(0, slot, host_stages=True) == 0
+    counts = plan.SlotCounts(1, 3, 3, 1)
+    # the planner's rings: each of the three-slot rings at the result's size (the larger), aligned
+    ring = plan.ring_bytes(3, 2 * slot, host_stages=True)
+    assert plan.device_ring_bytes(counts, slot, 100, out_ratio=2.0, host_stages=True) == 2 * ring
+    assert plan.device_ring_bytes(counts, slot, 100, out_ratio=2.0) == 3 * slot + 3 * 2 * slot
+
+
+def test_a_staged_auto_chunk_on_a_tiny_device_fits_the_schedulers_aligned_slots():
+    """A GPU of 1100 bytes, rows of 12 bytes, staged: the planner counted 3 + 3 device slots of
+    180 bytes (1080 bytes), but the scheduler starts each slot on a 256-byte boundary (1384
+    bytes) and the call raised OutOfMemoryError allocating the device-out ring."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="tiny-memory", total_memory=1100)
+
+    def f(x, y):
+        y[:] = x * 2
+
+    f.sim_seconds = 0.0
+    x = np.arange(3000, dtype=np.float32).reshape(-1, 3)
+    y = rf.stream_map(f, x, device=rf.device("sim", profile=p, checked=False), chunk_bytes="auto", workers=4,
+                      host="stage", keep_warm=False)
+    np.testing.assert_array_equal(y, x * 2)
 
 
 @pytest.mark.parametrize("total_memory, align, total", [(1, 1, 64 * MiB), (5, 1, 3), (1000, 256, 64 * MiB)])

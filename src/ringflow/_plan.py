@@ -186,14 +186,32 @@ def device_slot_bytes(in_bytes: float, out_bytes: float, *, host_stages: bool) -
     return in_bytes, out_bytes
 
 
+# The scheduler starts each of its device slots on a multiple of this many bytes, whatever a
+# slot's size (a GPU kernel reads an array only from an address aligned to its dtype); the
+# direct engine's slots are whole rows of the caller's arrays, packed one after another.
+SCHEDULER_SLOT_ALIGN = 256
+
+
+def ring_bytes(count: int, slot_bytes: float, *, host_stages: bool) -> float:
+    """Bytes of device memory one ring of ``count`` slots of ``slot_bytes`` takes, as the engine
+    that runs the job allocates it: the direct engine (``host_stages=False``) packs its slots,
+    ``count * slot_bytes``; the scheduler starts each slot on a multiple of
+    :data:`SCHEDULER_SLOT_ALIGN` bytes, the last ending at its own bytes. 0 for no slots."""
+    if count <= 0:
+        return 0
+    if not host_stages:
+        return count * slot_bytes
+    return (count - 1) * (-(-slot_bytes // SCHEDULER_SLOT_ALIGN) * SCHEDULER_SLOT_ALIGN) + slot_bytes
+
+
 def device_ring_bytes(counts: SlotCounts, chunk_bytes: int, chunks: int, *, out_ratio: float = 1.0,
                       host_stages: bool = False) -> float:
     """Bytes of device memory the device rings of :func:`device_ring_slots` take, each slot as
     :func:`device_slot_bytes` says for chunks of ``chunk_bytes`` and results of ``out_ratio``
-    bytes per input byte."""
+    bytes per input byte, each ring laid out as :func:`ring_bytes` says."""
     din, dout = device_ring_slots(counts, chunks)
     in_slot, out_slot = device_slot_bytes(chunk_bytes, chunk_bytes * out_ratio, host_stages=host_stages)
-    return din * in_slot + dout * out_slot
+    return ring_bytes(din, in_slot, host_stages=host_stages) + ring_bytes(dout, out_slot, host_stages=host_stages)
 
 
 WORKER_SLOTS_PINNED_CAP = 256 << 20  # pinned bytes the one-slot-per-worker floor may take

@@ -192,10 +192,11 @@ def plan_command(args) -> int:
     if args.pinned:
         allocated = copy_group(profile, chunk, n, allocated, planned=True, inplace=False, out_bytes=out_chunk)[1]
     # the device rings checked are those allocated and printed (pinned data: grown to whole copy groups), at the
-    # slot sizes of the engine that runs the job (device_slot_bytes)
+    # slot sizes and layout of the engine that runs the job (device_slot_bytes, ring_bytes)
     din, dout = allocated.device_in, allocated.device_out
     in_slot, out_slot = plan.device_slot_bytes(chunk, out_chunk, host_stages=not args.pinned)
-    need = din * in_slot + dout * out_slot
+    need = (plan.ring_bytes(din, in_slot, host_stages=not args.pinned)
+            + plan.ring_bytes(dout, out_slot, host_stages=not args.pinned))
     if need > profile.total_memory:  # (a chosen chunk's rings fit: choose_chunk_bytes and copy_group see to it)
         raise ValueError(f"--chunk {chunk} bytes: its device rings ({din} device-in and {dout} device-out slots) "
                          f"need {need:.0f} bytes, more than the total_memory of {profile.total_memory} bytes of "
