@@ -606,6 +606,31 @@ def test_predict_devices_with_an_auto_chunk_cuts_each_share_as_its_shard_does():
     assert plan.predict_devices("h200-pcie5", total, 8 * MiB, 8, workers=8).share_chunk_bytes == 8 * MiB
 
 
+@pytest.mark.parametrize("chunk", ["auto", 4 * MiB])
+def test_predict_devices_cuts_a_share_of_a_larger_result_in_its_shards_rows(chunk):
+    """Rows of 4 KiB whose results are four times larger, over 4 devices: each share is cut in the
+    rows each shard plans (stream_map's chunk_bytes bounds a slot, so a given one holds a quarter
+    of its bytes of input; predict_devices takes the input's bytes of a chunk), and each share's
+    copies back count the result's bytes."""
+    from ringflow._pipeline import sharded
+
+    def f(x, y):
+        y[:] = 0
+
+    f.sim_seconds = 0.0
+    row, rows = 4096, 1 << 14
+    x = np.zeros((rows, row), np.uint8)  # (never touched: planned, not run)
+    out = np.zeros((rows, 4 * row), np.uint8)
+    devs = [rf.device("sim", checked=False) for _ in range(4)]
+    shards = sharded.plan_shards(f, x, out, False, devs, chunk, "stage", "auto", {"workers": 8})
+    (used,) = {s.rows for s in shards}
+    given = chunk if chunk == "auto" else chunk // (4 * row) * row
+    many = plan.predict_devices("h200-pcie5", rows * row, given, 4, workers=8, row_bytes=row, out_ratio=4.0)
+    assert many.share_chunk_bytes == used * row and many.share_bytes == rows // 4 * row
+    assert many.per_device_s == plan.predict_seconds("h200-pcie5", many.share_bytes, used * row, workers=8,
+                                                     out_ratio=4.0)[1]
+
+
 def test_predict_devices_splits_the_links_and_shares_the_host():
     # pinned data: each GPU moves its share over its own link, nothing shared on the host
     pinned = plan.predict_devices("h200-pcie5", 256 * MiB, 8 * MiB, 2, compute_s_per_byte=5e-3 / (1 << 30),

@@ -605,7 +605,10 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     one chunk smaller than ``chunk_bytes``), and gives no device an empty shard: a share is
     ``ceil(rows / devices)`` whole rows, and with more devices than rows only as many as there
     are rows get work, and only their workers copy. A chunk is whole rows too: a given
-    ``chunk_bytes`` is cut down to whole rows, as stream_map cuts it. ``chunk_bytes="auto"``:
+    ``chunk_bytes`` (the input's bytes of a chunk) is cut down to whole rows of ``row_bytes``.
+    stream_map's ``chunk_bytes`` bounds a slot instead, cut in rows of the wider of a row and its
+    result: for a result larger than its input pass that job's input bytes of a chunk,
+    ``chunk_bytes // out_row_bytes * row_bytes`` (as ``ringflow plan`` does). ``chunk_bytes="auto"``:
     each share is cut in the chunk :func:`choose_chunk_bytes` picks (in whole rows) for the
     share's bytes, as a whole-array job over several devices plans one for a shard's share
     (``sharded.plan_shards``), and the job on one GPU in the chunk it picks for the whole job.
