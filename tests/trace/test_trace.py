@@ -272,3 +272,34 @@ def test_a_window_whose_stall_began_before_its_first_chunk_starts_its_trace_at_t
     assert ts["consumer waiting for data"] == 0.0
     if accepted:
         assert ts["compute #0"] == pytest.approx(2.2e6)
+
+
+@pytest.mark.parametrize("text, what", [
+    ("", "the file is empty"),
+    ("{not json", "not JSON"),
+    ('{"events": []}', "'traceEvents'"),
+    ("5", "a JSON number"),
+    ('[{"ph": "X", "dur": 5, "cat": "h2d", "tid": 1}]', "event 0 has no numeric 'ts'"),
+    ('[{"ph": "X", "ts": 0, "dur": 5, "tid": 1}]', "event 0 has no 'cat' or 'name' string"),
+    ('[{"ph": "M", "name": "thread_name", "tid": 1}]', "event 0 (a thread_name) has no args.name string"),
+    ("[7]", "event 0 is not a JSON object"),
+])
+def test_load_spans_names_the_file_and_what_is_wrong_with_it(tmp_path, text, what):
+    """A file that is not a usable trace is one ValueError that names the file, what is wrong
+    and where a trace comes from (a KeyError 'ts' or a TypeError named neither)."""
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        load_spans(str(path))
+    msg = str(info.value)
+    assert msg.startswith(f"{path} is not a Chrome trace: ") and what in msg, msg
+    assert "Report.save_trace" in msg, msg
+
+
+def test_load_spans_of_a_file_it_cannot_open_names_the_file_and_what_to_give(tmp_path):
+    missing = tmp_path / "missing.json"
+    with pytest.raises(FileNotFoundError) as info:
+        load_spans(str(missing))
+    assert info.value.filename == str(missing) and "Report.save_trace" in str(info.value), info.value
+    with pytest.raises(ValueError, match=f"{tmp_path} is a folder; give the trace JSON file inside it"):
+        load_spans(str(tmp_path))

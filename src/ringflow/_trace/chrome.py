@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .. import _jsontext as jsontext
 from .._files import check_file_name, write_whole
+from .summary import read_spans
 from .timeline import Span, Timeline, track_sort_key
 
 
@@ -48,21 +48,22 @@ def save_chrome(timeline: Timeline, path: str, **kw: Any) -> str:
 
 
 def load_spans(path: str) -> list[Span]:
-    """Read the complete events of a Chrome trace back as spans (seconds from the start).
+    """Read the complete events of the Chrome trace at ``path`` back as spans (seconds from its zero),
+    each on the track its process's thread is named (:func:`ringflow._trace.summary.read_spans`).
 
     Raises:
-        json.JSONDecodeError: the file is not JSON, or starts with more than one byte order mark
-            (:func:`ringflow._jsontext.loads`; the message says which).
+        ValueError: ``path`` is a folder, or a file that is empty, not UTF-8 JSON (a byte order mark
+            too many among the reasons), or not shaped like a Chrome trace; the message names the file,
+            the first event that is wrong and where a trace comes from.
+        OSError: the file cannot be opened (missing, no permission); the error names the file and
+            says to give a trace written by :meth:`Report.save_trace`.
     """
-    with open(path, encoding=jsontext.ENCODING) as fh:
-        data = jsontext.loads(fh.read())
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    out = []
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        start = float(e["ts"]) / 1e6
-        out.append(Span(names.get(e.get("tid"), str(e.get("tid"))), e.get("cat", e["name"]), start,
-                        start + float(e.get("dur", 0.0)) / 1e6, e.get("args", {}).get("chunk"), e.get("args", {})))
-    return out
+    # one reader checks a trace, so that this and ringflow trace refuse a file in the same words
+    try:
+        return read_spans(path)
+    except OSError as exc:
+        if exc.filename != path or exc.errno is None:
+            raise
+        # the OS's words alone say nothing to change; OSError(errno, ...) keeps the subclass (FileNotFoundError)
+        raise OSError(exc.errno, f"{exc.strerror}; give a trace JSON written by Report.save_trace or "
+                      "ringflow bench --trace", path) from None
