@@ -56,6 +56,20 @@ def test_a_text_left_with_a_byte_order_mark_says_to_remove_the_extra_one(text, m
     assert (info.value.lineno, info.value.colno) == (1, 1)
 
 
+@pytest.mark.parametrize("marks, found", [(1, "one byte order mark, where none belongs; remove it"),
+                                           (2, "two byte order marks, where none belongs; remove them"),
+                                           (3, "3 byte order marks")])
+def test_a_str_that_is_the_text_itself_counts_the_marks_it_holds(marks, found):
+    """No decoding skipped a mark of such a str: one mark is one found, not "two"."""
+    with pytest.raises(json.JSONDecodeError) as info:
+        jsontext.loads(BOM * marks + "[]", decoded_file=False)
+    assert info.value.msg.startswith(f"the text starts with {found}"), info.value.msg
+    assert (info.value.lineno, info.value.colno) == (1, 1)
+    # bytes are a file's, whatever decoded_file says: json.loads skips their first mark
+    with pytest.raises(json.JSONDecodeError, match="the file starts with two byte order marks"):
+        jsontext.loads((BOM * 2 + "[]").encode("utf-8"), decoded_file=False)
+
+
 def test_bytes_with_one_byte_order_mark_and_marks_inside_the_json_are_read_as_before():
     assert jsontext.loads((BOM + '{"a": 1}').encode("utf-8")) == {"a": 1}
     assert jsontext.loads('["' + BOM + '"]') == [BOM]

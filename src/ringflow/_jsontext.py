@@ -39,18 +39,20 @@ class DuplicateKeyError(ValueError):
         self.key = key
 
 
-def loads(text: "str | bytes", *, unique_keys: bool = False) -> Any:
+def loads(text: "str | bytes", *, unique_keys: bool = False, decoded_file: bool = True) -> Any:
     """``json.loads(text)``, every failure a :class:`json.JSONDecodeError`; with
     ``unique_keys``, an object that gives a key twice is refused (``json.loads`` keeps the last
     value).
 
     ``text`` is what a file read with :data:`ENCODING` gives (its first byte order mark skipped),
-    or the file's bytes.
+    or the file's bytes; with ``decoded_file`` False, a str is the JSON text itself (no decoding
+    skipped a mark), so a message about the marks it starts with counts those of the text.
 
     Raises:
         json.JSONDecodeError: not JSON, nested too deeply, a number too long to convert, or a
-            byte order mark left at the start (the file began with two or more; the message says
-            to remove the extra one); the message and position say which and where.
+            byte order mark left at the start (the file began with two or more, or a str that is
+            the text itself with one or more; the message says how many and to remove them); the
+            message and position say which and where.
         DuplicateKeyError: ``unique_keys`` and an object gives a key more than once (the first
             such object the parser finishes; the error names the key).
         UnicodeDecodeError, TypeError: as :func:`json.loads` (bytes that are not text, or
@@ -60,9 +62,7 @@ def loads(text: "str | bytes", *, unique_keys: bool = False) -> Any:
     if extra:
         # json.loads says "Unexpected UTF-8 BOM (decode using utf-8-sig)": advice for the
         # program that decoded the file, when what the user can do is edit the file
-        marks = "two" if extra == 1 else str(extra + 1)
-        raise json.JSONDecodeError(f"the file starts with {marks} byte order marks, where one at most "
-                                   f"belongs; remove the extra byte order mark{'s' if extra > 1 else ''}",
+        raise json.JSONDecodeError(_marks_message(extra, itself=isinstance(text, str) and not decoded_file),
                                    _as_text(text), 0)
     try:
         return json.loads(text, parse_int=_integer, object_pairs_hook=_unique if unique_keys else None)
@@ -138,6 +138,21 @@ def _extra_marks(text: "str | bytes") -> int:
     while text.startswith(mark, n * len(mark)):
         n += 1
     return max(0, n - skipped)
+
+
+def _marks_message(extra: int, *, itself: bool) -> str:
+    """What to say of a text that starts with ``extra`` byte order marks more than belong: a str
+    that is the JSON text itself (``itself``) takes none, so each is one it holds; a file
+    takes one, which its decoding skipped (a str) or ``json.loads`` skips (bytes)."""
+    if itself:
+        found = "one byte order mark" if extra == 1 else f"{_count(extra)} byte order marks"
+        return f"the text starts with {found}, where none belongs; remove {'it' if extra == 1 else 'them'}"
+    return (f"the file starts with {_count(extra + 1)} byte order marks, where one at most belongs; "
+            f"remove the extra byte order mark{'s' if extra > 1 else ''}")
+
+
+def _count(n: int) -> str:
+    return "two" if n == 2 else str(n)
 
 
 def _as_text(text: "str | bytes") -> str:

@@ -503,6 +503,20 @@ def test_a_profile_saved_with_a_byte_order_mark_is_read(tmp_path):
     assert get_profile(str(path)) == MEASURED
 
 
+@pytest.mark.parametrize("marks, found", [(1, "one byte order mark"), (2, "two byte order marks")])
+def test_a_profile_text_that_starts_with_byte_order_marks_is_refused_saying_how_many(marks, found, tmp_path):
+    """A str given to from_json is the text itself, no decoding having skipped a mark: the
+    message counts the marks it holds (one was called "two"), where a file's counts the file's."""
+    with pytest.raises(ProfileError) as info:
+        HardwareProfile.from_json("\ufeff" * marks + MEASURED.to_json(), source="p")
+    assert f"the text starts with {found}" in str(info.value), info.value
+    path = tmp_path / "marks.json"
+    path.write_bytes(b"\xef\xbb\xbf" * (marks + 1) + MEASURED.to_json().encode("utf-8"))
+    with pytest.raises(ProfileError) as info:
+        hardware.load_profile(path)
+    assert f"the file starts with {['two', '3'][marks - 1]} byte order marks" in str(info.value), info.value
+
+
 def test_a_profile_of_schema_version_1_is_read_without_a_staging_rate():
     """Version 1 files were written before the staging rate was measured: read, with none."""
     data = hardware.H200_PCIE5.to_dict()

@@ -255,12 +255,25 @@ class HardwareProfile:
     def from_json(cls, text: "str | bytes", *, source: str = "hardware profile") -> "HardwareProfile":
         """A profile from :meth:`to_json`'s text; see :meth:`from_dict`.
 
+        A str is the JSON text itself: a byte order mark at its start is refused, saying how many
+        it holds (bytes may start with one, as a file may).
+
         Raises:
             ProfileError: the text is not JSON, gives a key twice in one object, or is not a
                 valid profile (the message says where).
         """
+        return cls._from_text(text, source=source, decoded_file=False)
+
+    @classmethod
+    def _from_text(cls, text: "str | bytes", *, source: str, decoded_file: bool) -> "HardwareProfile":
+        """:meth:`from_json`; with ``decoded_file``, a str is a file's text as :data:`jsontext.ENCODING`
+        decodes it (its first byte order mark skipped), so a message about marks counts the file's.
+
+        Raises:
+            ProfileError: as :meth:`from_json`.
+        """
         try:
-            data = jsontext.loads(text, unique_keys=True)
+            data = jsontext.loads(text, unique_keys=True, decoded_file=decoded_file)
         except json.JSONDecodeError as exc:
             raise ProfileError(f"{source}: not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
                                "a hardware profile is the JSON file ringflow doctor --save writes") from None
@@ -607,7 +620,7 @@ def load_profile(path: "str | os.PathLike") -> HardwareProfile:
     except UnicodeDecodeError:
         raise ProfileError(f"hardware profile {path!r}: not a text file; a hardware profile is the JSON file "
                            "ringflow doctor --save writes") from None
-    profile = HardwareProfile.from_json(text, source=f"hardware profile {path!r}")
+    profile = HardwareProfile._from_text(text, source=f"hardware profile {path!r}", decoded_file=True)
     with _loaded_lock:
         _loaded[real] = (version, profile)
     return profile
