@@ -1319,3 +1319,22 @@ def test_no_staged_prediction_beats_the_hosts_staging_floor(staging, copy, total
     _, predicted = plan.predict_seconds(p, total, chunk, workers=workers, out_ratio=out_ratio)
     floor = plan.staging_floor_seconds(p, total, max(1, round(chunk * out_ratio)) * -(-total // chunk))
     assert predicted >= floor * (1 - 1e-9)
+
+
+def test_choose_chunk_bytes_counts_host_out_slots_at_the_results_bytes():
+    """A staged job whose results are a small part of its input: the pinned budget counts each
+    host-out slot at a result's bytes (its stride in the ring), as the scheduler allocates it, and
+    each host-in slot at a chunk's."""
+    chunk, ratio = 1 << 20, 1 / 256
+    t, _ = plan.predict_seconds("h200-pcie5", 1 << 30, chunk, workers=16, out_ratio=ratio)
+    slots = plan.plan_slots(t).slots
+    need = slots.host_in * chunk + slots.host_out * 4096
+    choice = plan.choose_chunk_bytes("h200-pcie5", 1 << 30, workers=16, pinned_budget=need, out_ratio=ratio,
+                                     candidates=[chunk])
+    assert choice.chunk_bytes == chunk
+    with pytest.raises(ValueError, match="pinned_budget"):
+        plan.choose_chunk_bytes("h200-pcie5", 1 << 30, workers=16, pinned_budget=need - 1, out_ratio=ratio,
+                                candidates=[chunk])
+    # the slots of a result start RESULT_SLOT_ALIGN apart; a result no smaller than a chunk takes a chunk's slot
+    assert plan.host_out_slot(chunk, 4096) == (4096, 4096) and plan.host_out_slot(chunk, 100) == (100, 256)
+    assert plan.host_out_slot(chunk, None) == plan.host_out_slot(chunk, 2 * chunk) == (chunk, chunk)

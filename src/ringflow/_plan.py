@@ -214,6 +214,21 @@ def device_ring_bytes(counts: SlotCounts, chunk_bytes: int, chunks: int, *, out_
     return ring_bytes(din, in_slot, host_stages=host_stages) + ring_bytes(dout, out_slot, host_stages=host_stages)
 
 
+RESULT_SLOT_ALIGN = 256  # where each result-sized host-out slot starts: a packed result's leaves stay aligned
+
+
+def host_out_slot(chunk_bytes: int, out_bytes: "int | None") -> tuple[int, int]:
+    """``(bytes, stride)`` of a host-out slot as the scheduler allocates its ring for chunks of
+    ``chunk_bytes`` whose results are ``out_bytes`` at most, where every result's bytes are known
+    before the job starts (None: not known): a chunk's bytes where the result is no smaller or
+    not known, else the result's (at least 1), the slots :data:`RESULT_SLOT_ALIGN` apart (never
+    farther than a chunk). The stride is what each slot counts against a pinned budget."""
+    if out_bytes is None or out_bytes >= chunk_bytes:
+        return chunk_bytes, chunk_bytes
+    n = max(1, out_bytes)
+    return n, min(chunk_bytes, -(-n // RESULT_SLOT_ALIGN) * RESULT_SLOT_ALIGN)
+
+
 WORKER_SLOTS_PINNED_CAP = 256 << 20  # pinned bytes the one-slot-per-worker floor may take
 
 
@@ -737,8 +752,10 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_
                                        workers=workers, host_stages=host_stages, out_ratio=out_ratio,
                                        compute_s_per_chunk=compute_s_per_chunk)
         plan = plan_slots(t)
-        slot = c * max(1.0, out_ratio)  # a slot holds a chunk's input or its result
-        if pinned_budget is not None and host_stages and (plan.slots.host_in + plan.slots.host_out) * slot > pinned_budget:
+        # a host-in slot holds a chunk's input or its result (the larger), a host-out slot the result
+        slot = c * max(1.0, out_ratio)
+        pinned = plan.slots.host_in * slot + plan.slots.host_out * host_out_slot(slot, round(c * out_ratio))[1]
+        if pinned_budget is not None and host_stages and pinned > pinned_budget:
             return
         # the device rings (with their slack, no more slots than chunks), at the slot sizes of the
         # engine that runs the job, must fit the device's memory: a chunk whose rings cannot be

@@ -200,3 +200,35 @@ def test_what_no_slot_can_hold_is_not_told_to_raise_chunk_bytes_beyond_its_limit
             make(pipe)
         assert "raise chunk_bytes" not in str(caught.value)
         assert pipe.stats().accepted == 0
+
+
+
+def _pinned_ring_bytes(pipe) -> dict:
+    """The pinned bytes each host ring of ``pipe`` allocated, by ring kind."""
+    return {r.kind.value: r.buffer.nbytes for r in pipe.scheduler.rings if r.buffer.is_host and not r.external}
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_a_fixed_output_smaller_than_a_chunk_gets_host_out_slots_of_its_bytes(pooled):
+    """A reduction's results are a small part of its chunks: its host-out slots hold a result's
+    bytes, not a chunk's, and every result is still exact where the checked mode poisons each slot
+    freed (without the pool, every result goes through a host-out slot)."""
+    dev = rf.device("sim", checked=True)
+    if not pooled:
+        rf.host.set_budget(1, device=dev)
+    chunk, spec = 1 << 16, ((16,), np.dtype(np.float32))
+    items = [np.random.default_rng(i).uniform(-2, 2, chunk // 4).astype(np.float32) for i in range(12)]
+    with rf.Pipeline(spread, device=dev, chunk_bytes=chunk, output=spec, checked=True, slots=3) as pipe:
+        assert _pinned_ring_bytes(pipe) == {"host-in": 3 * chunk, "host-out": 2 * 256 + 64}
+        assert pipe.scheduler.host_out.chunk_bytes == 64
+        got = list(pipe.map(items))
+    assert all(np.array_equal(g, expected(i, *spec)) for g, i in zip(got, items, strict=True))
+
+
+def test_pinned_budget_counts_host_out_slots_at_a_fixed_outputs_bytes():
+    """Three host-in slots of a chunk and three host-out slots of a result fit a budget that three
+    chunks each way would not."""
+    chunk, spec = 1 << 16, ((16,), "float32")
+    with rf.Pipeline(spread, device=rf.device("sim"), chunk_bytes=chunk, output=spec, slots=3,
+                     pinned_budget=3 * chunk + 3 * 256) as pipe:
+        assert pipe.config.slots.host_out == 3

@@ -236,3 +236,28 @@ def test_stream_map_report_refuses_to_be_told_not_to_profile(profile):
     """``stream_map_report`` always profiles: ``profile=False`` was dropped without a word."""
     with pytest.raises(ValueError, match=r"stream_map_report always profiles.*leave profile= out.*stream_map"):
         rf.stream_map_report(by_rows, np.ones((4, 2), np.float32), device=rf.device("sim"), profile=profile)
+
+
+def test_a_staged_reduction_pins_host_out_slots_of_a_results_bytes(monkeypatch):
+    """stream_map on the scheduler, staged, with results of 4 bytes a row for 1 KiB of input: the
+    host-out ring is three slots of a chunk's result, not of its input, and the results are exact
+    where the checked mode poisons every slot freed."""
+    dev = rf.device("sim", checked=True)
+    pinned = []
+    allocate_host = dev.allocate_host
+
+    def counted(nbytes):
+        pinned.append(nbytes)
+        return allocate_host(nbytes)
+
+    monkeypatch.setattr(dev, "allocate_host", counted)
+    x = np.random.default_rng(5).uniform(-1, 1, (4096, 256)).astype(np.float32)
+
+    def row_sums(x, y):
+        y[:] = x.sum(axis=1)
+
+    chunk = 1 << 20  # 1024 rows in, 4 KiB of results out
+    y = rf.stream_map(row_sums, x, device=dev, chunk_bytes=chunk, output=((4096,), np.float32), host="stage",
+                      engine="pipeline", slots=3, checked=True, keep_warm=False)
+    assert pinned == [3 * chunk, 3 * 4096]
+    np.testing.assert_array_equal(y, np.concatenate([x[i:i + 1024].sum(axis=1) for i in range(0, 4096, 1024)]))

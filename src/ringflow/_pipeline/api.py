@@ -358,11 +358,12 @@ class Pipeline(Uncopyable):
     ``slots`` (None: derived by :mod:`ringflow._plan`; an int for every ring; or a
     :class:`SlotCounts`) and ``chunk_bytes`` (the slot size in bytes, an int or a size such as
     ``"8MiB"``; None for 8 MiB; not ``"auto"``, which is for whole arrays) bound pinned memory at
-    ``(slots.host_in + slots.host_out) * chunk_bytes``, which ``pinned_budget`` (bytes) caps: planned
-    slots shrink to fit it, explicit ones that do not fit are refused. At most ``max_in_flight`` accepted
-    chunks are unfinished (including results a ``map`` has not handed out yet; items sharing a
-    chunk count once); ``submit`` blocks while that many are, and ``map`` pulls input only as
-    capacity frees up (and holds at most ``max_in_flight * chunk_bytes`` of items sharing chunks
+    ``(slots.host_in + slots.host_out) * chunk_bytes`` (with a fixed ``output`` smaller than a chunk,
+    each host-out slot holds that output's bytes instead, rounded up to 256), which ``pinned_budget``
+    (bytes) caps: planned slots shrink to fit it, explicit ones that do not fit are refused. At most
+    ``max_in_flight`` accepted chunks are unfinished (including results a ``map`` has not handed
+    out yet; items sharing a chunk count once); ``submit`` blocks while that many are, and ``map``
+    pulls input only as capacity frees up (and holds at most ``max_in_flight * chunk_bytes`` of items sharing chunks
     that it has not handed out). A ``max_in_flight`` whose chunks would hold more than 2**50
     bytes, more than any host has, is refused (ValueError): it would bound nothing.
 
@@ -499,12 +500,14 @@ class Pipeline(Uncopyable):
         if deliver == "device" and slots is None:
             counts = lent_slots(counts, inplace)
         if pinned_budget is not None:
-            counts = fit_pinned_budget(counts, chunk_bytes, pinned_budget, explicit=slots is not None)
+            counts = fit_pinned_budget(counts, chunk_bytes, pinned_budget, explicit=slots is not None,
+                                       out_bytes=out_bytes)
         if max_in_flight is None:
             max_in_flight = counts.host_in + counts.device_in + counts.device_out + counts.host_out
         self.config = PipelineConfig(chunk_bytes=chunk_bytes, slots=counts, max_in_flight=max_in_flight,
                                      workers=workers, inplace=inplace, ordered=ordered, on_error=on_error,
-                                     profile=profile, checked=checked, deliver=deliver, fill=fill)
+                                     profile=profile, checked=checked, deliver=deliver, fill=fill,
+                                     out_bytes=out_bytes)
         procs = None
         if processes:
             from .processes import ProcessPrepare

@@ -43,6 +43,7 @@ import numpy as np
 from .._device.host_pool import buffer_behind, hand_off, slice_behind
 from .._device.protocol import BufferSlice, Device
 from .._errors import DeviceError, PrepareStopped, StageError, describe, shown
+from .._plan import host_out_slot
 from .._testing import current as current_hooks
 from .batch_space import BatchSpace, aligned
 from .chunk import MAX_MEMBERS, MEMBER_ALIGN, NO_ROOM, Chunk, ChunkFuture, Member
@@ -266,8 +267,9 @@ class Scheduler:
         self.cancel_reason: Optional[str] = None
 
     # -- set-up and tear-down ------------------------------------------------------------------
-    def _ring(self, kind, buffer, count, hook, external: bool = False, stride: Optional[int] = None) -> Ring:
-        ring = Ring(kind, buffer, count, self.config.chunk_bytes, hook, external=external, stride=stride)
+    def _ring(self, kind, buffer, count, hook, external: bool = False, stride: Optional[int] = None,
+              slot_bytes: Optional[int] = None) -> Ring:
+        ring = Ring(kind, buffer, count, slot_bytes or self.config.chunk_bytes, hook, external=external, stride=stride)
         self._rings.append(ring)
         return ring
 
@@ -287,7 +289,11 @@ class Scheduler:
                 memory = memory()
             return self._ring(kind, memory, count, hook)
         if external_buffer is None:
-            return self._ring(kind, allocate_ring(self.device.allocate_host, kind, n, count), count, hook)
+            stride = n
+            if kind is RingKind.HOST_OUT:  # results known to be smaller than a chunk take no more pinned memory
+                n, stride = host_out_slot(n, self.config.out_bytes)
+            return self._ring(kind, allocate_ring(self.device.allocate_host, kind, n, count, stride), count, hook,
+                              stride=stride, slot_bytes=n)
         stride = self._host_strides[0 if kind is RingKind.HOST_IN else 1] or n
         ring = Ring(kind, external_buffer, -(-external_buffer.nbytes // stride), stride, hook, external=True)
         self._rings.append(ring)

@@ -55,8 +55,10 @@ def planned_slots(profile: "str | plan.HardwareProfile", chunk_bytes: int, inpla
     with slack), for chunks of ``chunk_bytes`` in whose results are ``out_bytes`` (None: as
     many as the input's), and a kernel of ``compute_s`` seconds a chunk (None: unknown). The
     copy in and prepare are modelled at the input's bytes, the copy back and consume at the
-    result's; a staging slot holds either, so the pinned bytes the host rings may take are
-    counted at the larger of the two (the scheduler allocates every slot at that size).
+    result's; a host-in slot holds either, so the pinned bytes the host rings may take are
+    counted at the larger of the two for both rings (the scheduler allocates host-in slots at
+    that size, and host-out slots at the result's where it is smaller: :func:`plan.host_out_slot`,
+    so this errs on the side of fewer slots).
     ``bulk`` (a whole array, stream_map): staging rings also get a slot per worker, for
     throughput; a stream of requests keeps the planned rings, whose shorter queues keep
     latency down. A job of known length (``max_chunks``, a whole array) never gets more slots in a
@@ -103,10 +105,11 @@ def lent_slots(counts: SlotCounts, inplace: bool) -> SlotCounts:
     return dataclasses.replace(counts, device_out=counts.device_out + LENT_SLACK, host_out=1)
 
 
-def fit_pinned_budget(counts: SlotCounts, chunk_bytes: int, budget: int, *, explicit: bool) -> SlotCounts:
-    """Slot counts whose pinned rings (host-in + host-out) fit ``budget`` bytes, each slot of
-    ``chunk_bytes``: the scheduler allocates a host-out slot as large as a host-in slot, whatever
-    a result's bytes, so a smaller result takes no fewer pinned bytes.
+def fit_pinned_budget(counts: SlotCounts, chunk_bytes: int, budget: int, *, explicit: bool,
+                      out_bytes: Optional[int] = None) -> SlotCounts:
+    """Slot counts whose pinned rings (host-in + host-out) fit ``budget`` bytes, each host-in slot
+    of ``chunk_bytes`` and each host-out slot as the scheduler allocates it for results of
+    ``out_bytes`` known up front (None: not known, a chunk's bytes; :func:`plan.host_out_slot`).
 
     Planned counts shrink, the larger ring first (the pipeline then runs below its bottleneck
     rate, never above its memory); counts the caller gave explicitly are refused instead.
@@ -114,14 +117,18 @@ def fit_pinned_budget(counts: SlotCounts, chunk_bytes: int, budget: int, *, expl
     Raises:
         ValueError: explicit counts that do not fit, or a budget below one slot each way.
     """
+    out_slot = plan.host_out_slot(chunk_bytes, out_bytes)[1]
+
     def pinned(c: SlotCounts) -> int:
-        return (c.host_in + c.host_out) * chunk_bytes
+        return c.host_in * chunk_bytes + c.host_out * out_slot
 
     if pinned(counts) <= budget:
         return counts
-    if explicit or 2 * chunk_bytes > budget:
+    if explicit or chunk_bytes + out_slot > budget:
+        sizes = (f"slots of {chunk_bytes} bytes" if out_slot == chunk_bytes else
+                 f"slots of {chunk_bytes} and {out_slot} bytes")
         raise ValueError(f"the pinned rings need {pinned(counts)} bytes ({counts.host_in} host-in + {counts.host_out} "
-                         f"host-out slots of {chunk_bytes} bytes) but pinned_budget is {budget}; raise pinned_budget, "
+                         f"host-out {sizes}) but pinned_budget is {budget}; raise pinned_budget, "
                          "lower chunk_bytes, or give fewer slots")
     while pinned(counts) > budget:
         ring = "host_in" if counts.host_in >= counts.host_out else "host_out"
