@@ -1025,7 +1025,7 @@ def test_an_auto_chunk_is_planned_within_a_small_device_memory(total_memory):
         t, _ = plan.predict_seconds(p, total, c, workers=4, out_ratio=out_ratio, host_stages=False)
         need = plan.device_ring_bytes(plan.plan_slots(t).slots, c, n, out_ratio=out_ratio)
         assert need <= total_memory < 2 * need, (out_ratio, c)  # (the next candidate up would not fit)
-        if total_memory < 2 * (2 * plan.SCHEDULER_SLOT_ALIGN + 1):
+        if total_memory < 2 * (2 * plan.SLOT_ALIGN + 1):
             with pytest.raises(ValueError, match=r"chunk_bytes .*total_memory of %d bytes" % total_memory):
                 plan.choose_chunk_bytes(p, total, workers=4, out_ratio=out_ratio)
             continue
@@ -1335,6 +1335,6 @@ def test_choose_chunk_bytes_counts_host_out_slots_at_the_results_bytes():
     with pytest.raises(ValueError, match="pinned_budget"):
         plan.choose_chunk_bytes("h200-pcie5", 1 << 30, workers=16, pinned_budget=need - 1, out_ratio=ratio,
                                 candidates=[chunk])
-    # the slots of a result start RESULT_SLOT_ALIGN apart; a result no smaller than a chunk takes a chunk's slot
+    # the slots of a result start SLOT_ALIGN apart; a result no smaller than a chunk takes a chunk's slot
     assert plan.host_out_slot(chunk, 4096) == (4096, 4096) and plan.host_out_slot(chunk, 100) == (100, 256)
     assert plan.host_out_slot(chunk, None) == plan.host_out_slot(chunk, 2 * chunk) == (chunk, chunk)

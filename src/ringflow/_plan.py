@@ -186,22 +186,28 @@ def device_slot_bytes(in_bytes: float, out_bytes: float, *, host_stages: bool) -
     return in_bytes, out_bytes
 
 
-# The scheduler starts each of its device slots on a multiple of this many bytes, whatever a
-# slot's size (a GPU kernel reads an array only from an address aligned to its dtype); the
-# direct engine's slots are whole rows of the caller's arrays, packed one after another.
-SCHEDULER_SLOT_ALIGN = 256
+# The scheduler starts each of its device slots, each result-sized host-out slot and each item
+# sharing a chunk on a multiple of this many bytes, whatever their sizes (a GPU kernel reads an
+# array only from an address aligned to its dtype, and a packed result's leaves stay aligned);
+# the direct engine's slots are whole rows of the caller's arrays, packed one after another.
+SLOT_ALIGN = 256
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of :data:`SLOT_ALIGN`."""
+    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
 def ring_bytes(count: int, slot_bytes: float, *, host_stages: bool) -> float:
     """Bytes of device memory one ring of ``count`` slots of ``slot_bytes`` takes, as the engine
     that runs the job allocates it: the direct engine (``host_stages=False``) packs its slots,
     ``count * slot_bytes``; the scheduler starts each slot on a multiple of
-    :data:`SCHEDULER_SLOT_ALIGN` bytes, the last ending at its own bytes. 0 for no slots."""
+    :data:`SLOT_ALIGN` bytes, the last ending at its own bytes. 0 for no slots."""
     if count <= 0:
         return 0
     if not host_stages:
         return count * slot_bytes
-    return (count - 1) * (-(-slot_bytes // SCHEDULER_SLOT_ALIGN) * SCHEDULER_SLOT_ALIGN) + slot_bytes
+    return (count - 1) * aligned(math.ceil(slot_bytes)) + slot_bytes
 
 
 def device_ring_bytes(counts: SlotCounts, chunk_bytes: int, chunks: int, *, out_ratio: float = 1.0,
@@ -214,19 +220,16 @@ def device_ring_bytes(counts: SlotCounts, chunk_bytes: int, chunks: int, *, out_
     return ring_bytes(din, in_slot, host_stages=host_stages) + ring_bytes(dout, out_slot, host_stages=host_stages)
 
 
-RESULT_SLOT_ALIGN = 256  # where each result-sized host-out slot starts: a packed result's leaves stay aligned
-
-
 def host_out_slot(chunk_bytes: int, out_bytes: "int | None") -> tuple[int, int]:
     """``(bytes, stride)`` of a host-out slot as the scheduler allocates its ring for chunks of
     ``chunk_bytes`` whose results are ``out_bytes`` at most, where every result's bytes are known
     before the job starts (None: not known): a chunk's bytes where the result is no smaller or
-    not known, else the result's (at least 1), the slots :data:`RESULT_SLOT_ALIGN` apart (never
+    not known, else the result's (at least 1), the slots :data:`SLOT_ALIGN` apart (never
     farther than a chunk). The stride is what each slot counts against a pinned budget."""
     if out_bytes is None or out_bytes >= chunk_bytes:
         return chunk_bytes, chunk_bytes
     n = max(1, out_bytes)
-    return n, min(chunk_bytes, -(-n // RESULT_SLOT_ALIGN) * RESULT_SLOT_ALIGN)
+    return n, min(chunk_bytes, aligned(n))
 
 
 WORKER_SLOTS_PINNED_CAP = 256 << 20  # pinned bytes the one-slot-per-worker floor may take

@@ -35,7 +35,7 @@ from .._device import device as make_device, device_label, device_list
 from .._device import host_pool
 from .._device.protocol import Device, check_device_dtype
 from .._errors import DeviceError, StageError, describe, shown, warn_quietly
-from .batch_space import aligned
+from .._plan import aligned
 from .aio import (NO_ROOM, RAISE, SKIP, STOP, CancelIfDropped, OffLoopSubmit, amap_window, follow, give_up_pulled_by,
                   give_up_stranded, retrieve)
 from .chunk import Chunk, ChunkFuture, cancel_unwanted, post_cancel

@@ -22,14 +22,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .chunk import MEMBER_ALIGN
+from .._plan import aligned
 
 SLAB_CHUNKS = 4  # a slab holds this many full chunks
-
-
-def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to a multiple of :data:`MEMBER_ALIGN`."""
-    return -(-nbytes // MEMBER_ALIGN) * MEMBER_ALIGN
 
 
 class BatchSpace:

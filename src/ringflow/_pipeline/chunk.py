@@ -456,7 +456,7 @@ class Chunk:
 
 class Member:
     """One item of a chunk that several items share: where its bytes lie in the chunk's block
-    (``offset``, ``nbytes``, aligned to :data:`MEMBER_ALIGN`), what they are (``shape``,
+    (``offset``, ``nbytes``, aligned to :data:`ringflow._plan.SLOT_ALIGN`), what they are (``shape``,
     ``dtype``; its result is the same bytes of the block once the d2h has written them), its own
     future and index, the event after its compute (its errors are its own), the error it failed
     with, if any, whether its submit raised with its take-back still to come (``withdrawn``),
@@ -474,7 +474,6 @@ class Member:
         self.broken: Optional[Exception] = None
 
 
-MEMBER_ALIGN = 256  # each item of a shared chunk starts at a multiple of this many bytes
 # at most this many items share a chunk: a chunk's latency grows with its launches
 MAX_MEMBERS = 64
 

@@ -43,10 +43,10 @@ import numpy as np
 from .._device.host_pool import buffer_behind, hand_off, slice_behind
 from .._device.protocol import BufferSlice, Device
 from .._errors import DeviceError, PrepareStopped, StageError, describe, shown
-from .._plan import host_out_slot
+from .._plan import SLOT_ALIGN, aligned, host_out_slot
 from .._testing import current as current_hooks
-from .batch_space import BatchSpace, aligned
-from .chunk import MAX_MEMBERS, MEMBER_ALIGN, NO_ROOM, Chunk, ChunkFuture, Member
+from .batch_space import BatchSpace
+from .chunk import MAX_MEMBERS, NO_ROOM, Chunk, ChunkFuture, Member
 from .config import PipelineConfig, refuse_unknown_guards
 from .frames import forget_frames
 from .pointwise_check import checked_pointwise
@@ -274,7 +274,7 @@ class Scheduler:
         return ring
 
     def _device_ring(self, kind, count, hook) -> Ring:
-        # each device slot starts on a MEMBER_ALIGN boundary whatever chunk_bytes is: a slot at
+        # each device slot starts on a SLOT_ALIGN boundary whatever chunk_bytes is: a slot at
         # i * chunk_bytes (chunk_bytes=1001) would hand compute float32 arrays at odd addresses,
         # which numpy reads and a GPU kernel cannot (a misaligned-address error breaks the device)
         n = self.config.chunk_bytes
@@ -1201,7 +1201,7 @@ class Scheduler:
     def _launch_groups(self, chunk: Chunk) -> list:
         """``(items, offset, nbytes, dtype, shape)`` a launch, over the chunk's items not
         cancelled: one an item, in its own shape; or, for a pointwise compute and at least two
-        items of one dtype whose size divides :data:`MEMBER_ALIGN`, one over them all, a flat
+        items of one dtype whose size divides :data:`SLOT_ALIGN`, one over them all, a flat
         array from the lowest offset to the highest item's end.
 
         That span covers the gaps between items (alignment, cancelled items): a pointwise
@@ -1211,7 +1211,7 @@ class Scheduler:
         live = [m for m in chunk.members if not m.future.done()]
         if self._pointwise and len(live) > 1:
             dtype = live[0].dtype
-            if all(m.dtype == dtype for m in live) and MEMBER_ALIGN % dtype.itemsize == 0:
+            if all(m.dtype == dtype for m in live) and SLOT_ALIGN % dtype.itemsize == 0:
                 start, end = min(m.offset for m in live), max(m.offset + m.nbytes for m in live)
                 return [(live, start, end - start, dtype, ((end - start) // dtype.itemsize,))]
         return [([m], m.offset, m.nbytes, m.dtype, m.shape) for m in live]
