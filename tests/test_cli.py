@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import ringflow
 import ringflow as rf
 from ringflow._cli import main
+from tests.helpers.threads import racing
 
 MiB = 1 << 20
 
@@ -1703,12 +1704,8 @@ def test_runs_checking_the_same_output_file_at_once_do_not_refuse_each_other(tmp
     same new file name; the check makes the very name and removes it. A run checking while the
     other's probe was there was refused: 'File exists', 'is not a regular file' (gone between two
     looks) or 'Permission denied' (gone before its permissions were read)."""
-    import threading
-
     from ringflow._cli import out_file_problem
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # the threads take turns often: the races show within a few thousand checks
     path = str(tmp_path / "trace.json")
     problems = []
 
@@ -1718,14 +1715,7 @@ def test_runs_checking_the_same_output_file_at_once_do_not_refuse_each_other(tmp
             if problem is not None:
                 problems.append(problem[0])
 
-    try:
-        threads = [threading.Thread(target=check) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
+    racing(check, 2)
     assert problems == [], sorted(set(problems))
     assert os.listdir(tmp_path) == []
 

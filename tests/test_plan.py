@@ -1068,9 +1068,14 @@ def test_a_staged_chunk_with_a_larger_result_fits_the_rings_the_scheduler_alloca
     assert plan.device_ring_bytes(counts, MiB, 4, out_ratio=4.0) == din * MiB + dout * 4 * MiB
 
 
-def test_stream_map_stages_a_larger_result_in_an_auto_chunk_whose_rings_fit_the_device():
-    """stream_map(host="stage", chunk_bytes="auto") of a result four times its input on a GPU of
-    2 MiB: the planner's chunk had device rings of result-sized slots past the device's memory,
+@pytest.mark.parametrize("host, options", [("stage", {}), ("register", {"engine": "pipeline"}),
+                                           ("register", {"on_error": "continue"})],
+                         ids=["staged", "engine-pipeline", "on-error-continue"])
+def test_an_auto_chunk_of_a_larger_result_on_the_scheduler_fits_its_device_rings(host, options):
+    """stream_map(chunk_bytes="auto") of a result four times its input on a GPU of 2 MiB, run by the
+    scheduler: staged, or registered and run there as asked (engine="pipeline") or needed
+    (on_error="continue"). The planner checked device rings of the input's bytes (the direct
+    engine's, for registered memory) or no more than the device's memory for result-sized slots,
     and the call raised OutOfMemoryError allocating the device-out ring."""
     p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="small-memory", total_memory=2 * MiB)
 
@@ -1080,7 +1085,7 @@ def test_stream_map_stages_a_larger_result_in_an_auto_chunk_whose_rings_fit_the_
     f.sim_seconds = 0.0
     x = np.arange(MiB // 4, dtype=np.float32).reshape(-1, 16)
     y = rf.stream_map(f, x, device=rf.device("sim", profile=p, checked=False), chunk_bytes="auto", workers=4,
-                      host="stage", output=((x.shape[0], 64), np.float32), keep_warm=False)
+                      host=host, output=((x.shape[0], 64), np.float32), keep_warm=False, **options)
     np.testing.assert_array_equal(y, np.repeat(x, 4, axis=1))
 
 
@@ -1103,25 +1108,6 @@ def test_a_tapered_auto_chunk_allocates_no_more_device_slots_than_the_planner_ch
     y, report = rf.stream_map_report(f, x, rf.host.empty_like(x), device=dev, chunk_bytes="auto", keep_warm=False)
     np.testing.assert_array_equal(y, x * 2)
     assert report.chunks == 3  # half a chunk, a whole one, half a chunk
-
-
-@pytest.mark.parametrize("options", [{"engine": "pipeline"}, {"on_error": "continue"}],
-                         ids=["engine-pipeline", "on-error-continue"])
-def test_an_auto_chunk_the_scheduler_runs_unstaged_fits_its_device_rings(options):
-    """host="register" with a result four times its input on a GPU of 2 MiB, run by the scheduler
-    (asked for, or needed by on_error="continue"): the planner checked the direct engine's rings
-    (device-in slots of the input's bytes), the scheduler made every slot the result's size, and
-    the call raised OutOfMemoryError allocating the device-out ring."""
-    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="small-memory", total_memory=2 * MiB)
-
-    def f(x, y):
-        y[:] = np.repeat(x, 4, axis=1)
-
-    f.sim_seconds = 0.0
-    x = np.arange(MiB // 4, dtype=np.float32).reshape(-1, 16)
-    y = rf.stream_map(f, x, device=rf.device("sim", profile=p, checked=False), chunk_bytes="auto", workers=4,
-                      host="register", output=((x.shape[0], 64), np.float32), keep_warm=False, **options)
-    np.testing.assert_array_equal(y, np.repeat(x, 4, axis=1))
 
 
 def test_choose_chunk_bytes_checks_the_schedulers_rings_for_an_unstaged_job_it_runs():

@@ -13,6 +13,7 @@ import logging
 import os
 import resource
 import signal
+import sys
 import threading
 import traceback
 from typing import Any, Callable, Iterable, Optional
@@ -64,6 +65,18 @@ def join(futs: Iterable[concurrent.futures.Future], timeout: float = JOIN_S) -> 
 def run_all(fns: Iterable[Callable[[], Any]], timeout: float = JOIN_S) -> list:
     """Start every ``fn`` on its own thread at once and :func:`join` them."""
     return join([start(fn, name=f"test-worker-{k}") for k, fn in enumerate(fns)], timeout)
+
+
+def racing(fn: Callable[[], Any], threads: int, timeout: float = JOIN_S) -> list:
+    """:func:`run_all` of ``threads`` copies of ``fn`` started together, the interpreter switching
+    between threads as often as it allows meanwhile, so that races show within a few thousand
+    steps; the switch interval is restored however they end."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        return run_all([fn] * threads, timeout)
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def bounded(fn: Callable[[], Any], timeout: float = JOIN_S) -> Any:

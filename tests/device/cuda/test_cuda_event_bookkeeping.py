@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import sys
-import threading
 import types
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from ringflow import DeviceError
 from ringflow._device.cuda._live import LiveRegistry
 from ringflow._device.cuda.stream import IDLE_EVENTS_MAX, CudaEvent
+from tests.helpers.threads import racing
 
 
 def _shell_device():
@@ -88,25 +88,14 @@ def test_dropping_an_event_makes_no_further_python_call():
 
 def test_events_made_and_dropped_from_many_threads_at_once_are_counted_exactly():
     dev = _shell_device()
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
-    start = threading.Barrier(4)
 
     def churn():
-        start.wait()
         for _ in range(3000):
             held = [_event(dev) for _ in range(3)]
             held[1].close()
             del held
 
-    try:
-        threads = [threading.Thread(target=churn) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
+    racing(churn, 4)
     gc.collect()
     assert dev._live.counts().events == 0
 
@@ -140,25 +129,22 @@ def _shell_stream(dev, cc):
 
 
 @pytest.mark.parametrize("op", ["record", "wait"])
-def test_record_and_wait_report_a_cuda_error_as_a_device_error_naming_the_operation(monkeypatch, op):
+@pytest.mark.parametrize("error, expected", [
+    (_CUDAError("CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access"), DeviceError),
+    (KeyError("not the device's"), KeyError)], ids=["cuda-error", "other-error"])
+def test_record_and_wait_report_a_cuda_error_as_a_device_error_and_pass_any_other_on(monkeypatch, op, error, expected):
+    """A CUDA error becomes a DeviceError naming the operation (sticky for a broken context, the
+    CUDA error its cause); any other error passes on unchanged."""
     from ringflow._device.cuda import _lib
 
     monkeypatch.setattr(_lib, "cuda_errors", lambda: (_CUDAError,))
     dev = _shell_device()
-    stream = _shell_stream(dev, _FailingStream(_CUDAError("CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access")))
+    stream = _shell_stream(dev, _FailingStream(error))
     pending = _event(dev)
-    with pytest.raises(DeviceError, match="recording an event on" if op == "record" else "wait for") as info:
+    with pytest.raises(expected) as info:
         stream.record() if op == "record" else stream.wait(pending)
-    assert info.value.sticky and isinstance(info.value.__cause__, _CUDAError)
-
-
-@pytest.mark.parametrize("op", ["record", "wait"])
-def test_record_and_wait_pass_any_other_error_on_unchanged(monkeypatch, op):
-    from ringflow._device.cuda import _lib
-
-    monkeypatch.setattr(_lib, "cuda_errors", lambda: (_CUDAError,))
-    dev = _shell_device()
-    stream = _shell_stream(dev, _FailingStream(KeyError("not the device's")))
-    pending = _event(dev)
-    with pytest.raises(KeyError, match="not the device's"):
-        stream.record() if op == "record" else stream.wait(pending)
+    if expected is DeviceError:
+        assert ("recording an event on" if op == "record" else "wait for") in str(info.value)
+        assert info.value.sticky and info.value.__cause__ is error
+    else:
+        assert info.value is error
