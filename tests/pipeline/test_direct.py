@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 from unittest import mock
 
 import numpy as np
@@ -484,7 +485,9 @@ def test_an_engine_whose_layout_fails_frees_its_streams_and_rings(how):
 def test_a_warm_call_starts_its_first_copy_without_waiting_on_slots_its_last_sync_saw_done(inplace, checked):
     """After a call's last sync every slot's last use is done, so the next call's first pass
     through the rings enqueues no wait (the first would delay its first copy); a checked call's
-    poison fills run on a stream of their own, which that sync does not cover, so it keeps them."""
+    poison fills run on a stream of their own, which that sync does not cover, so it keeps them.
+    The events forgotten are dropped once the next call's first copy is enqueued: neither in the
+    tail of the call that recorded them nor before that copy."""
     dev = rf.device("sim", seed=4, chaos=True)
     x = contents(8)
     expected = x * 3 + 1
@@ -493,12 +496,14 @@ def test_a_warm_call_starts_its_first_copy_without_waiting_on_slots_its_last_syn
         schedule = job._held.engine
         h2d = schedule.streams.h2d
         seen = []
+        previous: list = []  # weak references to the slots' events as the last call left them
 
         def logging(name):
             op = getattr(h2d, name)
 
             def logged(*a, **kw):
-                seen.append(name)
+                alive = sum(ref() is not None for ref in previous)
+                seen.append(name if name == "wait" else (name, alive))
                 return op(*a, **kw)
 
             setattr(h2d, name, logged)
@@ -512,9 +517,15 @@ def test_a_warm_call_starts_its_first_copy_without_waiting_on_slots_its_last_syn
             y = job()
             assert np.array_equal(y, expected)
             slots = len(schedule._in_ready)
-            first_pass = seen[:seen.index("copy", 0) + 1] if call else None
+            copies = [op for op in seen if op != "wait"]
+            first_pass = seen[:seen.index(copies[0]) + 1]
             if call and not checked:
-                assert first_pass == ["copy"], seen
+                assert first_pass == [("copy", len(previous))], seen  # no wait, and none dropped yet
+                assert copies[1][1] == 0, seen  # all dropped once the first copy was on its way
                 assert seen.count("wait") <= schedule.n_chunks - slots, (seen, slots)
             elif call:
                 assert first_pass[0] == "wait", seen
+            held = {id(e): e for e in schedule._in_ready + schedule._out_ready if e is not None}
+            previous = [weakref.ref(e) for e in held.values()]
+            del held
+            assert previous and all(ref() is not None for ref in previous)  # kept past the call's return

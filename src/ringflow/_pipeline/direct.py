@@ -176,6 +176,7 @@ class DirectSchedule:
             # the event each device slot's next owner waits on (its last use, or the poison fill after it)
             self._in_ready: list = [None] * n_in
             self._out_ready: list = [None] * n_out
+            self._slots_seen_done = False  # whether the last call's sync saw every one of those events done
             self._bound = bound
             self._shapes = (dtype, out_dtype, out_chunk_bytes, n_in, n_out)
             # measure_compute: the chunks to run instead, as ``(chunks, out_chunks)`` of the measured
@@ -308,6 +309,7 @@ class DirectSchedule:
         self._timeline = None
         t0 = self.device.now
         measured = None
+        seen_done = self._forget_done_slots()
         try:
             if profile:
                 compute_events, stamps = self._enqueue_profiled(host)
@@ -319,6 +321,7 @@ class DirectSchedule:
                     checkpoint()  # a Ctrl-C stops the call between chunks (sigint.py)
                     events = [{} for _ in group.ops] if i == middle else None
                     compute_events.extend(self._enqueue(group, *host(group), events))
+                    seen_done = None  # noqa: F841 - dropped once the first copy is on its way, not before it
                     if events is not None:
                         measured = events[0]
             self.enqueue_seconds = self.device.now - t0
@@ -326,7 +329,9 @@ class DirectSchedule:
         except BaseException:
             self.streams.settle()  # nothing enqueued may still touch the host memory when the caller sees this
             raise
-        self._forget_done_slots()
+        # every slot's last use precedes that sync (see _forget_done_slots), but the events are
+        # dropped by the next call, after its first copy: here they would lengthen this call's tail
+        self._slots_seen_done = self.streams.poison is None and not self._guard_off
         if profile:
             self._timeline = self._timeline_of(*stamps)
         failure = self._failure(compute_events)
@@ -344,16 +349,23 @@ class DirectSchedule:
             self._plan_compute_streams(measured)
         self._warmed = True
 
-    def _forget_done_slots(self) -> None:
-        """After a call's last sync: forget its slots' events, all of which are done, so that the
-        next call's first pass through the rings waits for none (a wait costs a driver call, and
-        the first one delays the call's first copy). Every slot's last use is a copy out on the
-        copy-out stream, or a compute that stream waited for before its copies out, so the last
-        sync saw them all complete; a poison fill (checked mode) runs on a stream of its own and
-        is kept, as are all of them while a guard is off (the checker's tests need the waits)."""
-        if self.streams.poison is None and not self._guard_off:
-            self._in_ready = [None] * len(self._in_ready)
-            self._out_ready = [None] * len(self._out_ready)
+    def _forget_done_slots(self) -> Optional[tuple]:
+        """At the start of a call: forget the slots' events where the last call's sync saw them
+        all done, so that this call's first pass through the rings waits for none (a wait costs a
+        driver call, and the first one delays the call's first copy). Returns the lists forgotten
+        (None: none), for the caller to drop once its first copy is enqueued.
+
+        Every slot's last use is a copy out on the copy-out stream, or a compute that stream
+        waited for before its copies out, so a call's last sync sees them all complete. A poison
+        fill (checked mode) runs on a stream of its own and is kept, as are all of them while a
+        guard is off (the checker's tests need the waits)."""
+        if not self._slots_seen_done:
+            return None
+        self._slots_seen_done = False
+        forgotten = self._in_ready, self._out_ready
+        self._in_ready = [None] * len(self._in_ready)
+        self._out_ready = [None] * len(self._out_ready)
+        return forgotten
 
     @property
     def n_chunks(self) -> int:
@@ -451,6 +463,7 @@ class DirectSchedule:
     def _join_slots(self, origin):
         """Make ``origin`` wait for every slot's last use; returns an event after those waits
         (None when no slot has been used), and forgets the slots' events."""
+        self._slots_seen_done = False  # (the lists are replaced below)
         pending = [e for e in self._in_ready + self._out_ready if e is not None]
         for event in dict.fromkeys(pending):
             origin.wait(event)
