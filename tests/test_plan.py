@@ -1039,21 +1039,22 @@ def test_an_auto_chunk_is_planned_within_a_small_device_memory(total_memory):
 def _scheduler_ring_bytes(profile, chunk: int, n: int, out_ratio: float, workers: int) -> int:
     """The device rings the scheduler allocates for a staged whole-array job of ``n`` chunks of
     ``chunk`` input bytes: its planned slots (sizing.planned_slots, as stream_map plans them),
-    every slot of a ring as large as a chunk's input or its result, whichever is larger."""
+    each device-in slot a chunk's input and each device-out slot its result, each slot on a
+    256-byte boundary (as allocate_ring is asked for them)."""
+    from ringflow._pipeline.batch_space import aligned
     from ringflow._pipeline.sizing import planned_slots
 
     out = round(chunk * out_ratio)
     slots = planned_slots(profile, chunk, False, workers, plan.kernel_cost(0.0, 0.0, chunk), bulk=True,
                           max_chunks=n, out_bytes=out)
-    return (slots.device_in + slots.device_out) * max(chunk, out)
+    return ((slots.device_in - 1) * aligned(chunk) + chunk) + ((slots.device_out - 1) * aligned(out) + out)
 
 
 @pytest.mark.parametrize("mem", [16 * MiB, 32 * MiB])
 def test_a_staged_chunk_with_a_larger_result_fits_the_rings_the_scheduler_allocates(mem):
-    """A staged job (host_stages=True) whose result is four times its input: the scheduler makes
-    every device slot as large as a chunk's result, device-in slots too. The planner counted the
-    device-in slots at the input's bytes, as the direct engine allocates them, and chose a chunk
-    whose real rings did not fit total_memory. The direct choice is the one it was."""
+    """A staged job (host_stages=True) whose result is four times its input: the chunk chosen has
+    device rings, as the scheduler allocates them (device-in slots of a chunk's input, device-out
+    slots of its result), that fit total_memory. The direct choice is the one it was."""
     p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="small-memory", total_memory=mem)
     total = 256 * MiB
     choice = plan.choose_chunk_bytes(p, total, workers=4, out_ratio=4.0, host_stages=True)
@@ -1112,17 +1113,19 @@ def test_a_tapered_auto_chunk_allocates_no_more_device_slots_than_the_planner_ch
 
 def test_choose_chunk_bytes_checks_the_schedulers_rings_for_an_unstaged_job_it_runs():
     """``scheduler=True`` with ``host_stages=False``: the time is the unstaged job's, the device
-    rings those of the scheduler (every slot the larger of a chunk's input and result)."""
-    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="small-memory", total_memory=16 * MiB)
-    total = 256 * MiB
-    choice = plan.choose_chunk_bytes(p, total, workers=4, out_ratio=4.0, host_stages=False, scheduler=True)
+    rings those of the scheduler, each slot on a 256-byte boundary: on a GPU of 1100 bytes, rows
+    of 12 bytes whose results are 48 take the direct engine's packed rings in larger chunks."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="tiny-memory", total_memory=1100)
+    total = 12 * 1000
+    choice = plan.choose_chunk_bytes(p, total, workers=4, out_ratio=4.0, host_stages=False, scheduler=True, align=12)
     t, _ = plan.predict_seconds(p, total, choice.chunk_bytes, workers=4, out_ratio=4.0, host_stages=False)
     counts = plan.plan_slots(t).slots
     need = plan.device_ring_bytes(counts, choice.chunk_bytes, choice.chunks, out_ratio=4.0, host_stages=True)
     assert need <= p.total_memory < 2 * need
-    direct = plan.choose_chunk_bytes(p, total, workers=4, out_ratio=4.0, host_stages=False)
+    direct = plan.choose_chunk_bytes(p, total, workers=4, out_ratio=4.0, host_stages=False, align=12)
     assert direct.chunk_bytes > choice.chunk_bytes
-    assert direct == plan.choose_chunk_bytes(p, total, workers=4, out_ratio=4.0, host_stages=False, scheduler=False)
+    assert direct == plan.choose_chunk_bytes(p, total, workers=4, out_ratio=4.0, host_stages=False, scheduler=False,
+                                             align=12)
 
 
 @pytest.mark.parametrize("count, slot", [(1, 180), (3, 180), (3, 256), (4, 257), (3, 7), (2, 1 << 20)])
@@ -1139,9 +1142,9 @@ def test_the_device_ring_bytes_are_what_the_engines_allocate(count, slot):
     assert asked == [plan.ring_bytes(count, slot, host_stages=True), plan.ring_bytes(count, slot, host_stages=False)]
     assert plan.ring_bytes(0, slot, host_stages=True) == 0
     counts = plan.SlotCounts(1, 3, 3, 1)
-    # the planner's rings: each of the three-slot rings at the result's size (the larger), aligned
-    ring = plan.ring_bytes(3, 2 * slot, host_stages=True)
-    assert plan.device_ring_bytes(counts, slot, 100, out_ratio=2.0, host_stages=True) == 2 * ring
+    # the planner's rings: three device-in slots of the input's bytes, three device-out slots of the result's, aligned
+    rings = plan.ring_bytes(3, slot, host_stages=True) + plan.ring_bytes(3, 2 * slot, host_stages=True)
+    assert plan.device_ring_bytes(counts, slot, 100, out_ratio=2.0, host_stages=True) == rings
     assert plan.device_ring_bytes(counts, slot, 100, out_ratio=2.0) == 3 * slot + 3 * 2 * slot
 
 
@@ -1324,3 +1327,49 @@ def test_choose_chunk_bytes_counts_host_out_slots_at_the_results_bytes():
     # the slots of a result start SLOT_ALIGN apart; a result no smaller than a chunk takes a chunk's slot
     assert plan.host_out_slot(chunk, 4096) == (4096, 4096) and plan.host_out_slot(chunk, 100) == (100, 256)
     assert plan.host_out_slot(chunk, None) == plan.host_out_slot(chunk, 2 * chunk) == (chunk, chunk)
+
+
+def _device_allocations(monkeypatch, dev) -> list:
+    """The bytes of each device allocation ``dev`` makes from here on, in order."""
+    asked = []
+    allocate = dev.allocate
+
+    def counted(nbytes, *args, **kwargs):
+        asked.append(nbytes)
+        return allocate(nbytes, *args, **kwargs)
+
+    monkeypatch.setattr(dev, "allocate", counted)
+    return asked
+
+
+@pytest.mark.parametrize("out_row", [4, 4096], ids=["reduction", "wider"])
+def test_device_ring_bytes_are_what_the_scheduler_allocates_for_a_staged_job(monkeypatch, out_row):
+    """A staged whole-array job on the scheduler whose result row is far narrower (a reduction)
+    or wider than its input row of 1 KiB: device_ring_bytes(host_stages=True), for its slots,
+    its chunks of input and its result's bytes per input byte, is what the scheduler allocates
+    for its device rings."""
+    dev = rf.device("sim")
+    asked = _device_allocations(monkeypatch, dev)
+    x = np.ones((1024, 256), np.float32)
+
+    def f(x, y):
+        y[:] = x.sum(axis=1) if out_row == 4 else np.repeat(x, 4, axis=1)
+
+    spec = ((1024,), np.float32) if out_row == 4 else ((1024, 1024), np.float32)
+    chunk = 256 << 10  # reduction: 256 rows in, 1 KiB out; wider: 64 rows, 64 KiB in, 256 KiB out
+    rf.stream_map(f, x, device=dev, chunk_bytes=chunk, output=spec, host="stage", engine="pipeline", slots=3,
+                  keep_warm=False)
+    rows = chunk // max(1024, out_row)
+    need = plan.device_ring_bytes(plan.SlotCounts(3, 3, 3, 3), rows * 1024, -(-1024 // rows), out_ratio=out_row / 1024,
+                                  host_stages=True)
+    assert sum(asked) == need
+
+
+def test_device_ring_bytes_are_what_the_scheduler_allocates_for_a_fixed_output():
+    """A Pipeline whose every result is 64 bytes, in chunks of 64 KiB: device_ring_bytes at that
+    ratio is what its device rings take."""
+    dev = rf.device("sim")
+    with rf.Pipeline(lambda x, y: None, device=dev, chunk_bytes=1 << 16, output=((16,), "float32"), slots=3):
+        allocated = dev.memory_in_use
+    assert allocated == plan.device_ring_bytes(plan.SlotCounts(3, 3, 3, 3), 1 << 16, 100, out_ratio=64 / (1 << 16),
+                                               host_stages=True)

@@ -176,13 +176,14 @@ def device_slot_bytes(in_bytes: float, out_bytes: float, *, host_stages: bool) -
     """``(device-in, device-out)`` bytes of a slot, as the engine that runs the job allocates them,
     for chunks of ``in_bytes`` whose results are ``out_bytes``.
 
-    The direct engine (``host_stages=False``: the copy engines use the caller's pinned memory)
-    gives a device-in slot a chunk's input and a device-out slot its result. The scheduler, which
-    runs a staged job (``host_stages=True``), makes every slot of its rings one size, the larger
-    of the two, so with a larger result its device-in slots are that large too."""
+    Either engine gives a device-in slot a chunk's input and a device-out slot its result: the
+    direct engine (``host_stages=False``: the copy engines use the caller's pinned memory) as they
+    are, the scheduler (``host_stages=True``, which runs a staged job) at least one byte each
+    (:func:`scheduler_device_slot`, for a whole-array job, whose chunks' input and result bytes are
+    both known up front). The engines lay their rings out otherwise (:func:`ring_bytes`). Neither
+    holds for an in-place compute, whose one ring's slots hold a chunk."""
     if host_stages:
-        slot = max(in_bytes, out_bytes)
-        return slot, slot
+        return max(1, in_bytes), max(1, out_bytes)
     return in_bytes, out_bytes
 
 
@@ -218,6 +219,18 @@ def device_ring_bytes(counts: SlotCounts, chunk_bytes: int, chunks: int, *, out_
     din, dout = device_ring_slots(counts, chunks)
     in_slot, out_slot = device_slot_bytes(chunk_bytes, chunk_bytes * out_ratio, host_stages=host_stages)
     return ring_bytes(din, in_slot, host_stages=host_stages) + ring_bytes(dout, out_slot, host_stages=host_stages)
+
+
+def scheduler_device_slot(chunk_bytes: int, nbytes: "int | None") -> int:
+    """Bytes of a slot of one of the scheduler's device rings (device-in or device-out) for chunks
+    of ``chunk_bytes`` whose data in that ring (a chunk's input, or its result) is ``nbytes`` at most,
+    where every chunk's is known before the job starts (None: not known): ``nbytes`` where smaller
+    than a chunk (at least 1), else ``chunk_bytes``. Each slot starts :func:`aligned` of that after
+    the last one's start (:func:`ring_bytes`). An in-place ring's slot holds a chunk's input and its
+    result, so it is ``chunk_bytes`` whatever either is."""
+    if nbytes is None or nbytes >= chunk_bytes:
+        return chunk_bytes
+    return max(1, nbytes)
 
 
 def host_out_slot(chunk_bytes: int, out_bytes: "int | None") -> tuple[int, int]:
@@ -708,8 +721,9 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *,
     count plus the per-chunk scheduling cost; the planned slots must fit ``pinned_budget``, and
     the device rings (with their slack: :func:`device_ring_bytes`, at the slot sizes of the
     engine that runs the job) the profile's ``total_memory``. ``scheduler``: whether the
-    scheduler runs the job (every device slot the larger of a chunk's input and result), as it
-    runs every staged job and, asked to, an unstaged one; None: as ``host_stages`` says.
+    scheduler runs the job (each device slot on a :data:`SLOT_ALIGN` boundary:
+    :func:`device_slot_bytes` and :func:`ring_bytes`), as it runs every staged job and, asked to,
+    an unstaged one; None: as ``host_stages`` says.
     When no candidate's device rings fit, smaller chunks are tried, halving (whole multiples of
     ``align``, a row's bytes), and the largest that fits is chosen (``candidates`` given: none).
     ``host_stages=False`` when the copy engines read the caller's pinned memory directly. A

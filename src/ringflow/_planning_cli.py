@@ -141,9 +141,8 @@ def plan_command(args) -> int:
     the wider of the input and the result, as stream_map cuts it), and so is each GPU's share
     with ``--devices``. ``--out-row-bytes``: the result's bytes for a row of the input (None: as
     many); every prediction printed, the chunk choice and the memory check count them, the
-    device rings at the slot sizes of the engine that runs the job (staged: every slot as large
-    as the larger of a chunk's input and result; ``--pinned``: device-in slots of the input,
-    device-out slots of the result).
+    device rings as the engine that runs the job allocates them (device-in slots of the input,
+    device-out slots of the result; staged, each on a 256-byte boundary; ``--pinned``, packed).
     """
     from rich.console import Console
     from rich.table import Table

@@ -728,3 +728,32 @@ def test_a_result_whose_device_was_closed_is_released_without_error(how):
     res.release(stream=user if how == "stream" else None)
     assert res.released and "released" in repr(res)
     res.release(stream=user)  # twice: nothing
+
+
+def test_results_of_a_fixed_output_are_lent_from_device_out_slots_of_their_bytes():
+    """A reduction delivered on the device: each device-out slot holds a result's bytes (each on a
+    256-byte boundary), not a chunk's, and each result lent from one is exact while several are
+    held and released out of order, the checked mode poisoning every slot freed."""
+    dev = rf.device("sim", chaos=True, seed=9, checked=True)
+    user = dev.create_stream()
+
+    def sums(x, y):
+        y[...] = x.reshape(4, -1).sum(axis=1)
+
+    items = [np.arange(64, dtype=np.float32) + k for k in range(20)]
+    got, held = {}, []
+    with rf.Pipeline(sums, device=dev, chunk_bytes=4096, deliver="device", output=((4,), "float32"), checked=True,
+                     slots=rf.SlotCounts(host_in=2, device_in=2, device_out=3, host_out=1)) as pipe:
+        ring = pipe.scheduler.dev_out
+        assert (ring.chunk_bytes, ring.stride, ring.buffer.nbytes) == (16, 256, 2 * 256 + 16)
+        for res in pipe.map(items):
+            got[res.index] = read_on(user, res)
+            held.append(res)
+            if len(held) == 2:
+                held.pop(1).release(stream=user)
+        for res in held:
+            res.release(stream=user)
+        user.sync()
+    user.close()
+    for k, it in enumerate(items):
+        np.testing.assert_array_equal(got[k], it.reshape(4, -1).sum(axis=1))

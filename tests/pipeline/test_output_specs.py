@@ -232,3 +232,44 @@ def test_pinned_budget_counts_host_out_slots_at_a_fixed_outputs_bytes():
     with rf.Pipeline(spread, device=rf.device("sim"), chunk_bytes=chunk, output=spec, slots=3,
                      pinned_budget=3 * chunk + 3 * 256) as pipe:
         assert pipe.config.slots.host_out == 3
+
+
+def _device_ring_bytes(pipe) -> dict:
+    """The device bytes each device ring of ``pipe`` allocated, by ring kind."""
+    return {r.kind.value: r.buffer.nbytes for r in pipe.scheduler.rings if not r.buffer.is_host}
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_fixed_output_smaller_than_a_chunk_gets_device_out_slots_of_its_bytes(packed):
+    """A reduction's results are a small part of its chunks: its device-out slots hold a result's
+    bytes, each on a 256-byte boundary, and its device-in slots a chunk's; every result is still
+    exact where the checked mode poisons each slot freed (a slot too small, or a result written at
+    another slot's bytes, would show here)."""
+    dev = rf.device("sim", checked=True)
+    chunk = 1 << 16
+    spec = {"a": ((16,), np.dtype(np.float32)), "b": ((3,), np.dtype(np.int16))} if packed else \
+        ((16,), np.dtype(np.float32))
+
+    def reduce(x, y):
+        leaves = [y["a"], y["b"]] if packed else [y]
+        for k, leaf in enumerate(leaves):
+            leaf[...] = (x.reshape(leaf.size, -1).sum(axis=1) + k).reshape(leaf.shape).astype(leaf.dtype)
+
+    items = [np.random.default_rng(i).integers(-4, 4, chunk // 4 - 16 * i).astype(np.float32) for i in range(12)]
+    items = [it[:it.size // 48 * 48] for it in items]  # whole rows for either leaf
+    with rf.Pipeline(reduce, device=dev, chunk_bytes=chunk, output=spec, checked=True, slots=3) as pipe:
+        out_bytes, stride = (256 + 6, 512) if packed else (64, 256)  # (a packed leaf starts 256 bytes after the last)
+        assert pipe.config.out_bytes == out_bytes
+        assert _device_ring_bytes(pipe) == {"device-in": 3 * chunk, "device-out": 2 * stride + out_bytes}
+        assert dev.memory_in_use == 3 * chunk + 2 * stride + out_bytes
+        got = list(pipe.map(items))
+    for g, it in zip(got, items, strict=True):
+        want = {}
+        for k, (name, (shape, dtype)) in enumerate(sorted(spec.items()) if packed else [("", spec)]):
+            want[name] = (it.reshape(int(np.prod(shape)), -1).sum(axis=1) + k).reshape(shape).astype(dtype)
+        if packed:
+            assert set(g) == {"a", "b"}
+            for name in want:
+                np.testing.assert_array_equal(g[name], want[name])
+        else:
+            np.testing.assert_array_equal(g, want[""])

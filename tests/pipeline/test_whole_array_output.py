@@ -261,3 +261,63 @@ def test_a_staged_reduction_pins_host_out_slots_of_a_results_bytes(monkeypatch):
                       engine="pipeline", slots=3, checked=True, keep_warm=False)
     assert pinned == [3 * chunk, 3 * 4096]
     np.testing.assert_array_equal(y, np.concatenate([x[i:i + 1024].sum(axis=1) for i in range(0, 4096, 1024)]))
+
+
+def _counting_allocations(monkeypatch, dev) -> list:
+    """The bytes of each device allocation ``dev`` makes from here on, in order."""
+    asked = []
+    allocate = dev.allocate
+
+    def counted(nbytes, *args, **kwargs):
+        asked.append(nbytes)
+        return allocate(nbytes, *args, **kwargs)
+
+    monkeypatch.setattr(dev, "allocate", counted)
+    return asked
+
+
+def test_a_staged_reduction_allocates_device_out_slots_of_a_results_bytes(monkeypatch):
+    """stream_map on the scheduler, staged, with results of 4 bytes a row for 1 KiB of input: the
+    device-out ring is three slots of a chunk's result, the device-in ring three of its input, and
+    the results are exact where the checked mode poisons every slot freed."""
+    dev = rf.device("sim", checked=True)
+    asked = _counting_allocations(monkeypatch, dev)
+    x = np.random.default_rng(5).integers(-8, 8, (4096, 256)).astype(np.float32)
+
+    def row_sums(x, y):
+        y[:] = x.sum(axis=1)
+
+    chunk = 1 << 20  # 1024 rows in, 4 KiB of results out
+    y = rf.stream_map(row_sums, x, device=dev, chunk_bytes=chunk, output=((4096,), np.float32), host="stage",
+                      engine="pipeline", slots=3, checked=True, keep_warm=False)
+    assert asked == [3 * chunk, 3 * 4096]
+    np.testing.assert_array_equal(y, x.sum(axis=1))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_staged_job_with_a_wider_result_allocates_device_in_slots_of_an_inputs_bytes(monkeypatch, inplace):
+    """A result row four times its input row, on the scheduler: each device-in slot holds a chunk's
+    input, each device-out slot its result, and the results are exact where the checked mode
+    poisons every slot freed. In place (the result is the input, shaped as it), the one device
+    ring's slots hold a chunk."""
+    dev = rf.device("sim", checked=True)
+    asked = _counting_allocations(monkeypatch, dev)
+    x = np.random.default_rng(6).integers(-8, 8, (512, 16)).astype(np.float32)
+    if inplace:
+        def f(x, y):
+            np.multiply(x, 3, out=y)
+
+        y = rf.stream_map(f, x, device=dev, chunk_bytes=8192, host="stage", engine="pipeline", slots=3,
+                          checked=True, keep_warm=False, inplace=True)
+        assert asked == [3 * 8192]
+        np.testing.assert_array_equal(y, x * 3)
+        return
+
+    def f(x, y):
+        y[:] = np.repeat(x, 4, axis=1)
+
+    chunk = 8192  # 32 rows: 2 KiB in, 8 KiB out
+    y = rf.stream_map(f, x, device=dev, chunk_bytes=chunk, output=((512, 64), np.float32), host="stage",
+                      engine="pipeline", slots=3, checked=True, keep_warm=False)
+    assert asked == [3 * 2048, 3 * chunk]
+    np.testing.assert_array_equal(y, np.repeat(x, 4, axis=1))

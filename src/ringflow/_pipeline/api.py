@@ -507,7 +507,7 @@ class Pipeline(Uncopyable):
         self.config = PipelineConfig(chunk_bytes=chunk_bytes, slots=counts, max_in_flight=max_in_flight,
                                      workers=workers, inplace=inplace, ordered=ordered, on_error=on_error,
                                      profile=profile, checked=checked, deliver=deliver, fill=fill,
-                                     out_bytes=out_bytes)
+                                     out_bytes=out_bytes, in_bytes=in_bytes)
         procs = None
         if processes:
             from .processes import ProcessPrepare

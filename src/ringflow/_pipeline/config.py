@@ -32,8 +32,12 @@ class PipelineConfig:
     deliver: str = "host"  # "device": results stay in their device slot, lent to the consumer
     fill: Optional[str] = None  # "rows": compute returns how many rows of y it filled
     # a chunk's result bytes at most, where known before the first item (a fixed output spec, a
-    # whole-array job): the host-out slots are sized by them (_plan.host_out_slot); None: chunk_bytes
+    # whole-array job): the host-out and device-out slots are sized by them (_plan.host_out_slot,
+    # _plan.scheduler_device_slot); None: chunk_bytes
     out_bytes: Optional[int] = None
+    # a chunk's input bytes at most, where known before the first item (a whole-array job): the
+    # device-in slots of a compute not in place are sized by them; None: chunk_bytes
+    in_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.on_error not in ("raise", "continue"):
@@ -47,6 +51,8 @@ class PipelineConfig:
             raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
         if self.out_bytes is not None and self.out_bytes < 0:
             raise ValueError(f"out_bytes must be None or >= 0, got {self.out_bytes}")
+        if self.in_bytes is not None and self.in_bytes < 0:
+            raise ValueError(f"in_bytes must be None or >= 0, got {self.in_bytes}")
         if self.inplace and self.slots.device_out != 0:
             raise ValueError("in-place compute uses no device-out ring; leave slots.device_out at 0")
         if not self.inplace and self.slots.device_out < 1:

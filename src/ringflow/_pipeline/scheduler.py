@@ -43,7 +43,7 @@ import numpy as np
 from .._device.host_pool import buffer_behind, hand_off, slice_behind
 from .._device.protocol import BufferSlice, Device
 from .._errors import DeviceError, PrepareStopped, StageError, describe, shown
-from .._plan import SLOT_ALIGN, aligned, host_out_slot
+from .._plan import SLOT_ALIGN, aligned, host_out_slot, scheduler_device_slot
 from .._testing import current as current_hooks
 from .batch_space import BatchSpace
 from .chunk import MAX_MEMBERS, NO_ROOM, Chunk, ChunkFuture, Member
@@ -190,12 +190,12 @@ class Scheduler:
             c = config.slots
             # the device rings first: a ring the GPU has no room for fails before any host memory
             # is pinned for a pipeline that cannot run
-            if config.inplace:
-                self.dev_in = self._device_ring(RingKind.DEVICE_INPLACE, c.device_in, slot_hook)
+            if config.inplace:  # its slots hold a chunk's input and then its result: a chunk's bytes
+                self.dev_in = self._device_ring(RingKind.DEVICE_INPLACE, c.device_in, slot_hook, None)
                 self.dev_out = None
-            else:
-                self.dev_in = self._device_ring(RingKind.DEVICE_IN, c.device_in, slot_hook)
-                self.dev_out = self._device_ring(RingKind.DEVICE_OUT, c.device_out, slot_hook)
+            else:  # nothing but the h2d writes a device-in slot, nothing but the compute a device-out one
+                self.dev_in = self._device_ring(RingKind.DEVICE_IN, c.device_in, slot_hook, config.in_bytes)
+                self.dev_out = self._device_ring(RingKind.DEVICE_OUT, c.device_out, slot_hook, config.out_bytes)
             self.host_in = self._host_ring(RingKind.HOST_IN, host_in_buffer, c.host_in, slot_hook)
             self.host_out = self._host_ring(RingKind.HOST_OUT, host_out_buffer, c.host_out, slot_hook)
             # listed in a chunk's order through them, as fences are observed and slots drained
@@ -273,13 +273,16 @@ class Scheduler:
         self._rings.append(ring)
         return ring
 
-    def _device_ring(self, kind, count, hook) -> Ring:
-        # each device slot starts on a SLOT_ALIGN boundary whatever chunk_bytes is: a slot at
-        # i * chunk_bytes (chunk_bytes=1001) would hand compute float32 arrays at odd addresses,
-        # which numpy reads and a GPU kernel cannot (a misaligned-address error breaks the device)
-        n = self.config.chunk_bytes
+    def _device_ring(self, kind, count, hook, nbytes: Optional[int]) -> Ring:
+        # a slot holds what every chunk puts in this ring where that is known up front (nbytes: a
+        # reduction's results take a small part of a chunk's bytes), else a chunk's bytes.
+        # Each device slot starts on a SLOT_ALIGN boundary whatever its bytes are: a slot at
+        # i * 1001 bytes would hand compute float32 arrays at odd addresses, which numpy reads
+        # and a GPU kernel cannot (a misaligned-address error breaks the device)
+        n = scheduler_device_slot(self.config.chunk_bytes, nbytes)
         stride = aligned(n)
-        return self._ring(kind, allocate_ring(self.device.allocate, kind, n, count, stride), count, hook, stride=stride)
+        return self._ring(kind, allocate_ring(self.device.allocate, kind, n, count, stride), count, hook,
+                          stride=stride, slot_bytes=n)
 
     def _host_ring(self, kind, external_buffer, count, hook) -> Ring:
         n = self.config.chunk_bytes

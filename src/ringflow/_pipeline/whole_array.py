@@ -688,7 +688,8 @@ class MapLayout:
 
     @property
     def chunk_bytes(self) -> int:
-        """A slot's bytes: the larger of a chunk's input and its result."""
+        """A host-in slot's bytes: the larger of a chunk's input and its result (the pipeline's
+        ``chunk_bytes``; its device-in and device-out slots hold the input and the result)."""
         return max(self.in_chunk_bytes, self.out_chunk_bytes)
 
     @property
@@ -819,7 +820,7 @@ class MapLayout:
             per_chunk, per_byte = compute_cost(getattr(f, "sim_seconds", None))
             staged = strategy == "stage"  # (a budget bounds the staging rings only)
             # the scheduler runs some unstaged jobs too (engine="pipeline", on_error="continue"),
-            # and its device slots are all the larger of a chunk's input and result
+            # and starts each of its device slots on a 256-byte boundary
             scheduled = engine == "pipeline" or why_not_direct(strategy, options) is not None
             chunk_bytes = plan.choose_chunk_bytes(dev.hardware, x.nbytes, compute_s_per_byte=per_byte, align=row_bytes,
                                                   compute_s_per_chunk=per_chunk, workers=workers, host_stages=staged,
