@@ -303,3 +303,21 @@ def test_load_spans_of_a_file_it_cannot_open_names_the_file_and_what_to_give(tmp
     assert info.value.filename == str(missing) and "Report.save_trace" in str(info.value), info.value
     with pytest.raises(ValueError, match=f"{tmp_path} is a folder; give the trace JSON file inside it"):
         load_spans(str(tmp_path))
+
+
+@pytest.mark.parametrize("chunk, output", [(1001, None), (1 << 16, ((16,), "float32"))],
+                         ids=["unaligned-chunk", "small-output"])
+def test_report_memory_allocated_is_what_the_rings_allocated(chunk, output):
+    """The report's allocated bytes are those the rings took: each device slot starts on a 256-byte
+    boundary (a chunk of 1001 bytes takes 1024 but the last), and a small fixed output's device-out
+    and host-out slots hold its bytes, 256 apart; counting each ring as its slots times their bytes
+    gave other figures."""
+    dev = rf.device("sim")
+    rf.host.set_budget(1, device=dev)  # no pool: nothing pinned beside the rings
+    with rf.Pipeline(lambda x, y: None, device=dev, chunk_bytes=chunk, output=output, slots=3, profile=True) as pipe:
+        device = dev.memory_in_use
+        pinned = sum(r.buffer.nbytes for r in pipe.scheduler.rings if r.buffer.is_host)
+        list(pipe.map([np.ones(chunk // 4, np.float32)] * 4))
+    memory = pipe.report().memory
+    assert (memory["device allocated"], memory["pinned allocated"]) == (device, pinned)
+    assert device == (2 * 1024 + 1001) * 2 if output is None else 3 * chunk + 2 * 256 + 64

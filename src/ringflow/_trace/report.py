@@ -347,12 +347,13 @@ class Report:
 
 
 def memory_of(scheduler) -> dict[str, int]:
-    """Pinned and device bytes allocated by the rings, and their high-water marks in use."""
+    """Pinned and device bytes allocated by the rings (each ring's buffer, whose slots may lie
+    farther apart than their bytes), and the most bytes of their slots in use at once."""
     pinned = device = pinned_hw = device_hw = 0
     for ring in scheduler.rings:
         if ring.external:  # the caller's registered memory, not ours
             continue
-        size = len(ring) * ring.chunk_bytes
+        size = ring.buffer.nbytes
         hw = ring.high_water * ring.chunk_bytes
         if ring.buffer.is_host:
             pinned, pinned_hw = pinned + size, pinned_hw + hw
