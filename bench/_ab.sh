@@ -2,7 +2,9 @@
 # then ROUNDS rounds of the base and this tree, one after the other, each run a process of its
 # own. Define ab_run (called as `ab_run VARIANT ROUND SRC`, VARIANT "base" or "this", SRC the
 # folder to put first on PYTHONPATH), then call `ab_rounds ROUNDS BASE_TAR`; the runs write
-# under $AB_WORK, which the summary reads.
+# under $AB_WORK, which the summary reads. With PIN set (a CPU list: "2,3"), each run is pinned to
+# those CPUs ($AB_PIN before its command): runs of one host otherwise differ by where they land.
+AB_PIN=${PIN:+taskset -c $PIN}
 ab_rounds() {
   local rounds=$1 base_tar=$2 r v
   AB_WORK=$(mktemp -d)

@@ -15,7 +15,7 @@ LOG="$OUT/ab-log.txt"
 source "$(dirname "$0")/_ab.sh"
 ab_run() {  # VARIANT ROUND SRC
   echo "== round $2, $1" | tee -a "$LOG"
-  PYTHONPATH=$3 timeout 120 python3 bench/call_start.py --device "$DEVICE" --calls "${CALLS:-40}" $START_ARGS \
+  PYTHONPATH=$3 timeout 120 $AB_PIN python3 bench/call_start.py --device "$DEVICE" --calls "${CALLS:-40}" $START_ARGS \
     --out "$AB_WORK/start-$1-$2.json" 2>&1 | tail -4 | cut -c1-300 | tee -a "$LOG"
 }
 ab_rounds "$ROUNDS" "$BASE_TAR"

@@ -17,9 +17,9 @@ LOG="$OUT/ab-log.txt"
 source "$(dirname "$0")/_ab.sh"
 ab_run() {  # VARIANT ROUND SRC
   echo "== round $2, $1" | tee -a "$LOG"
-  PYTHONPATH=$3 timeout 120 python3 bench/diagnose_stream_map_gap.py --device "$DEVICE" --workloads seed,compute-bound \
+  PYTHONPATH=$3 timeout 120 $AB_PIN python3 bench/diagnose_stream_map_gap.py --device "$DEVICE" --workloads seed,compute-bound \
     --chunk-mib 8 --calls 21 $GAP_ARGS --out "$AB_WORK/gap-$1-$2.json" 2>&1 | tail -2 | tee -a "$LOG"
-  PYTHONPATH=$3 timeout 200 python3 bench/cpp_rounds.py --device "$DEVICE" --rounds 2 $ROUNDS_ARGS \
+  PYTHONPATH=$3 timeout 200 $AB_PIN python3 bench/cpp_rounds.py --device "$DEVICE" --rounds 2 $ROUNDS_ARGS \
     --out "$AB_WORK/rounds-$1-$2.json" 2>&1 | tail -6 | tee -a "$LOG"
 }
 ab_rounds "$ROUNDS" "$BASE_TAR"
