@@ -1373,3 +1373,20 @@ def test_device_ring_bytes_are_what_the_scheduler_allocates_for_a_fixed_output()
         allocated = dev.memory_in_use
     assert allocated == plan.device_ring_bytes(plan.SlotCounts(3, 3, 3, 3), 1 << 16, 100, out_ratio=64 / (1 << 16),
                                                host_stages=True)
+
+
+def test_a_chunk_of_wider_results_counts_host_in_slots_of_its_input_against_the_pinned_budget():
+    """Results 4x a chunk's input: a host-in slot holds only the input, so the planner counts it
+    at the input's bytes (as the scheduler allocates it: plan.host_in_slot) and a host-out slot at
+    the result's; a pinned_budget of exactly those rings is accepted, a byte less is refused."""
+    chunk, total = 4 * MiB, 256 * MiB
+    t, _ = plan.predict_seconds("h200-pcie5", total, chunk, workers=16, out_ratio=4.0)
+    slots = plan.plan_slots(t).slots
+    assert slots.host_in >= 1 and plan.host_in_slot(4 * chunk, chunk) == (chunk, chunk)
+    need = slots.host_in * chunk + slots.host_out * 4 * chunk
+    got = plan.choose_chunk_bytes("h200-pcie5", total, workers=16, out_ratio=4.0, pinned_budget=need,
+                                  candidates=[chunk])
+    assert got.chunk_bytes == chunk
+    with pytest.raises(ValueError, match="fit a pinned_budget of %d bytes" % (need - 1)):
+        plan.choose_chunk_bytes("h200-pcie5", total, workers=16, out_ratio=4.0, pinned_budget=need - 1,
+                                candidates=[chunk])

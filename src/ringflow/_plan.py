@@ -245,6 +245,17 @@ def host_out_slot(chunk_bytes: int, out_bytes: "int | None") -> tuple[int, int]:
     return n, min(chunk_bytes, aligned(n))
 
 
+def host_in_slot(chunk_bytes: int, in_bytes: "int | None", inplace: bool = False) -> tuple[int, int]:
+    """``(bytes, stride)`` of a host-in slot as the scheduler allocates its ring for chunks of
+    ``chunk_bytes`` whose inputs are ``in_bytes`` at most, where every input's bytes are known
+    before the job starts (None: not known): only the input is staged into a host-in slot, so a
+    slot holds the input's bytes where smaller than a chunk (at least 1), the slots
+    :data:`SLOT_ALIGN` apart (never farther than a chunk); a chunk's bytes where the input is no
+    smaller, not known, or the compute is in place (``inplace``). The stride is what each slot
+    counts against a pinned budget."""
+    return host_out_slot(chunk_bytes, None if inplace else in_bytes)
+
+
 WORKER_SLOTS_PINNED_CAP = 256 << 20  # pinned bytes the one-slot-per-worker floor may take
 
 
@@ -718,7 +729,9 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *,
     Small chunks copy slowly (the bandwidth-by-size curve) and pay the per-chunk host cost many
     times; large chunks leave the pipeline's fill and drain (the first chunk traverses every
     stage alone) a large share. Each candidate is predicted as ``predicted_total`` over its chunk
-    count plus the per-chunk scheduling cost; the planned slots must fit ``pinned_budget``, and
+    count plus the per-chunk scheduling cost; the planned slots must fit ``pinned_budget`` (each
+    host-in slot counted at a chunk's input bytes, each host-out slot at its result's, as the
+    scheduler allocates them: :func:`host_in_slot`, :func:`host_out_slot`), and
     the device rings (with their slack: :func:`device_ring_bytes`, at the slot sizes of the
     engine that runs the job) the profile's ``total_memory``. ``scheduler``: whether the
     scheduler runs the job (each device slot on a :data:`SLOT_ALIGN` boundary:
@@ -769,9 +782,11 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_
                                        workers=workers, host_stages=host_stages, out_ratio=out_ratio,
                                        compute_s_per_chunk=compute_s_per_chunk)
         plan = plan_slots(t)
-        # a host-in slot holds a chunk's input or its result (the larger), a host-out slot the result
+        # each host slot at its stride as the scheduler allocates it in slots of the larger of a
+        # chunk's input and result: host-in holds the input alone, host-out the result
         slot = c * max(1.0, out_ratio)
-        pinned = plan.slots.host_in * slot + plan.slots.host_out * host_out_slot(slot, round(c * out_ratio))[1]
+        pinned = (plan.slots.host_in * host_in_slot(slot, c)[1]
+                  + plan.slots.host_out * host_out_slot(slot, round(c * out_ratio))[1])
         if pinned_budget is not None and host_stages and pinned > pinned_budget:
             return
         # the device rings (with their slack, no more slots than chunks), at the slot sizes of the

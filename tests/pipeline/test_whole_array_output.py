@@ -321,3 +321,66 @@ def test_a_staged_job_with_a_wider_result_allocates_device_in_slots_of_an_inputs
                       engine="pipeline", slots=3, checked=True, keep_warm=False)
     assert asked == [3 * 2048, 3 * chunk]
     np.testing.assert_array_equal(y, np.repeat(x, 4, axis=1))
+
+
+def _counting_pinned(monkeypatch, dev) -> list:
+    """The bytes of each pinned host allocation ``dev`` makes from here on, in order."""
+    pinned = []
+    allocate_host = dev.allocate_host
+
+    def counted(nbytes):
+        pinned.append(nbytes)
+        return allocate_host(nbytes)
+
+    monkeypatch.setattr(dev, "allocate_host", counted)
+    return pinned
+
+
+def _widen(x, y):
+    y[:] = np.repeat(x, 4, axis=1) * 3
+
+
+def test_a_staged_widening_pins_host_in_slots_of_an_inputs_bytes(monkeypatch):
+    """stream_map on the scheduler, staged, with results 4x a chunk's input: only the input is
+    staged into a host-in slot, so the host-in ring is three slots of a chunk's input and the
+    host-out ring three of its result; the results are exact where the checked mode poisons every
+    slot freed."""
+    dev = rf.device("sim", checked=True)
+    pinned = _counting_pinned(monkeypatch, dev)
+    x = np.random.default_rng(7).integers(-8, 8, (4096, 16)).astype(np.float32)
+    chunk = 1 << 16  # 256 rows: 16 KiB in, 64 KiB of results out
+    y = rf.stream_map(_widen, x, device=dev, chunk_bytes=chunk, output=((4096, 64), np.float32), host="stage",
+                      engine="pipeline", slots=3, checked=True, keep_warm=False)
+    assert pinned == [3 * (chunk // 4), 3 * chunk]
+    np.testing.assert_array_equal(y, np.repeat(x, 4, axis=1) * 3)
+
+
+def test_a_staged_widening_fits_a_pinned_budget_of_its_input_sized_host_in_ring(monkeypatch):
+    """A pinned_budget that holds three input-sized host-in slots and three result-sized host-out
+    slots, and no more, runs the 4x-widening job with the slots given, pinning what it counted."""
+    dev = rf.device("sim", checked=True)
+    pinned = _counting_pinned(monkeypatch, dev)
+    x = np.random.default_rng(8).integers(-8, 8, (4096, 16)).astype(np.float32)
+    chunk = 1 << 16
+    budget = 3 * (chunk // 4) + 3 * chunk
+    y = rf.stream_map(_widen, x, device=dev, chunk_bytes=chunk, output=((4096, 64), np.float32), host="stage",
+                      engine="pipeline", slots=3, checked=True, keep_warm=False, pinned_budget=budget)
+    assert sum(pinned) == budget
+    np.testing.assert_array_equal(y, np.repeat(x, 4, axis=1) * 3)
+
+
+def test_an_in_place_staged_job_keeps_host_in_slots_of_a_chunk(monkeypatch):
+    """An in-place staged job's host-in slots stay a chunk's bytes (the input and the result are
+    the same size there), and its results are exact in the checked mode."""
+    dev = rf.device("sim", checked=True)
+    pinned = _counting_pinned(monkeypatch, dev)
+    x = np.random.default_rng(9).integers(-8, 8, (4096, 16)).astype(np.float32)
+
+    def triple(x, y):
+        y[...] = x * 3
+
+    chunk = 1 << 14
+    y = rf.stream_map(triple, x, device=dev, chunk_bytes=chunk, host="stage", engine="pipeline",
+                      slots=rf.SlotCounts(3, 3, 0, 3), inplace=True, checked=True, keep_warm=False)
+    assert pinned == [3 * chunk, 3 * chunk]
+    np.testing.assert_array_equal(y, x * 3)

@@ -501,7 +501,7 @@ class Pipeline(Uncopyable):
             counts = lent_slots(counts, inplace)
         if pinned_budget is not None:
             counts = fit_pinned_budget(counts, chunk_bytes, pinned_budget, explicit=slots is not None,
-                                       out_bytes=out_bytes)
+                                       out_bytes=out_bytes, in_bytes=in_bytes, inplace=inplace)
         if max_in_flight is None:
             max_in_flight = counts.host_in + counts.device_in + counts.device_out + counts.host_out
         self.config = PipelineConfig(chunk_bytes=chunk_bytes, slots=counts, max_in_flight=max_in_flight,

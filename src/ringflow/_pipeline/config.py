@@ -36,7 +36,8 @@ class PipelineConfig:
     # _plan.scheduler_device_slot); None: chunk_bytes
     out_bytes: Optional[int] = None
     # a chunk's input bytes at most, where known before the first item (a whole-array job): the
-    # device-in slots of a compute not in place are sized by them; None: chunk_bytes
+    # device-in and host-in slots of a compute not in place are sized by them (_plan.scheduler_device_slot,
+    # _plan.host_in_slot); None: chunk_bytes
     in_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:

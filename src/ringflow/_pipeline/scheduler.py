@@ -43,7 +43,7 @@ import numpy as np
 from .._device.host_pool import buffer_behind, hand_off, slice_behind
 from .._device.protocol import BufferSlice, Device
 from .._errors import DeviceError, PrepareStopped, StageError, describe, shown
-from .._plan import SLOT_ALIGN, aligned, host_out_slot, scheduler_device_slot
+from .._plan import SLOT_ALIGN, aligned, host_in_slot, host_out_slot, scheduler_device_slot
 from .._testing import current as current_hooks
 from .batch_space import BatchSpace
 from .chunk import MAX_MEMBERS, NO_ROOM, Chunk, ChunkFuture, Member
@@ -292,9 +292,13 @@ class Scheduler:
                 memory = memory()
             return self._ring(kind, memory, count, hook)
         if external_buffer is None:
-            stride = n
-            if kind is RingKind.HOST_OUT:  # results known to be smaller than a chunk take no more pinned memory
+            # a ring holds only what goes in it where its bytes are known up front: the result in
+            # host-out, and in host-in the input alone unless the compute is in place (the D2H
+            # then writes host-out, never host-in, so a wider result needs no room there)
+            if kind is RingKind.HOST_OUT:
                 n, stride = host_out_slot(n, self.config.out_bytes)
+            else:
+                n, stride = host_in_slot(n, self.config.in_bytes, self.config.inplace)
             return self._ring(kind, allocate_ring(self.device.allocate_host, kind, n, count, stride), count, hook,
                               stride=stride, slot_bytes=n)
         stride = self._host_strides[0 if kind is RingKind.HOST_IN else 1] or n

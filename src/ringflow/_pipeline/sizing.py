@@ -106,10 +106,13 @@ def lent_slots(counts: SlotCounts, inplace: bool) -> SlotCounts:
 
 
 def fit_pinned_budget(counts: SlotCounts, chunk_bytes: int, budget: int, *, explicit: bool,
-                      out_bytes: Optional[int] = None) -> SlotCounts:
-    """Slot counts whose pinned rings (host-in + host-out) fit ``budget`` bytes, each host-in slot
-    of ``chunk_bytes`` and each host-out slot as the scheduler allocates it for results of
-    ``out_bytes`` known up front (None: not known, a chunk's bytes; :func:`plan.host_out_slot`).
+                      out_bytes: Optional[int] = None, in_bytes: Optional[int] = None,
+                      inplace: bool = False) -> SlotCounts:
+    """Slot counts whose pinned rings (host-in + host-out) fit ``budget`` bytes, each slot
+    counted at its stride as the scheduler allocates it: a host-in slot for inputs of
+    ``in_bytes`` known up front (None: not known, or ``inplace``: a chunk's bytes;
+    :func:`plan.host_in_slot`), a host-out slot for results of ``out_bytes`` (None: not known,
+    a chunk's bytes; :func:`plan.host_out_slot`).
 
     Planned counts shrink, the larger ring first (the pipeline then runs below its bottleneck
     rate, never above its memory); counts the caller gave explicitly are refused instead.
@@ -117,16 +120,17 @@ def fit_pinned_budget(counts: SlotCounts, chunk_bytes: int, budget: int, *, expl
     Raises:
         ValueError: explicit counts that do not fit, or a budget below one slot each way.
     """
+    in_slot = plan.host_in_slot(chunk_bytes, in_bytes, inplace)[1]
     out_slot = plan.host_out_slot(chunk_bytes, out_bytes)[1]
 
     def pinned(c: SlotCounts) -> int:
-        return c.host_in * chunk_bytes + c.host_out * out_slot
+        return c.host_in * in_slot + c.host_out * out_slot
 
     if pinned(counts) <= budget:
         return counts
-    if explicit or chunk_bytes + out_slot > budget:
-        sizes = (f"slots of {chunk_bytes} bytes" if out_slot == chunk_bytes else
-                 f"slots of {chunk_bytes} and {out_slot} bytes")
+    if explicit or in_slot + out_slot > budget:
+        sizes = (f"slots of {in_slot} bytes" if out_slot == in_slot else
+                 f"slots of {in_slot} and {out_slot} bytes")
         raise ValueError(f"the pinned rings need {pinned(counts)} bytes ({counts.host_in} host-in + {counts.host_out} "
                          f"host-out {sizes}) but pinned_budget is {budget}; raise pinned_budget, "
                          "lower chunk_bytes, or give fewer slots")
