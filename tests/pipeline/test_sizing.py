@@ -552,3 +552,19 @@ def test_a_pipeline_with_an_output_spec_plans_its_rings_for_the_specs_bytes():
     assert np.array_equal(y, np.arange(16, dtype=np.float32))
     assert got != sizing.planned_slots(hardware, MiB, False, 8, 0.0)
     assert got == sizing.planned_slots(hardware, MiB, False, 8, 0.0, out_bytes=64)
+
+
+def test_the_planned_pinned_caps_count_host_in_slots_of_a_chunks_input():
+    """Results 4x a chunk's input: a host-in slot is allocated at the input's bytes
+    (plan.host_in_slot), so the pinned caps of the planned floors count it so. The slot per worker
+    (two rings under WORKER_SLOTS_PINNED_CAP) and the prepare's two slots per worker (host-in
+    alone under PREPARE_SLOTS_PINNED_CAP) each get the slots those bytes allow; in place, a host-in
+    slot is a whole chunk's bytes and the floors stay as they were."""
+    cap_pair = plan.WORKER_SLOTS_PINNED_CAP // (16 * MiB + 64 * MiB)
+    bulk = sizing.planned_slots("h200-pcie5", 16 * MiB, False, 4, 0.0, bulk=True, out_bytes=64 * MiB)
+    assert cap_pair == 3 and bulk.host_in == 3 and bulk.host_out >= 3
+    floor = min(sizing.PREPARE_SLOTS_PER_WORKER * 4, sizing.PREPARE_SLOTS_PINNED_CAP // (64 * MiB))
+    fed = sizing.planned_slots("h200-pcie5", 64 * MiB, False, 4, 0.0, user_prepare=True, out_bytes=256 * MiB)
+    assert floor == 8 and fed.host_in == 8
+    in_place = sizing.planned_slots("h200-pcie5", 64 * MiB, True, 4, 0.0, user_prepare=True, out_bytes=256 * MiB)
+    assert in_place.host_in == 2  # PREPARE_SLOTS_PINNED_CAP holds two slots of 256 MiB

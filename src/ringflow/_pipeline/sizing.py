@@ -55,10 +55,10 @@ def planned_slots(profile: "str | plan.HardwareProfile", chunk_bytes: int, inpla
     with slack), for chunks of ``chunk_bytes`` in whose results are ``out_bytes`` (None: as
     many as the input's), and a kernel of ``compute_s`` seconds a chunk (None: unknown). The
     copy in and prepare are modelled at the input's bytes, the copy back and consume at the
-    result's; a host-in slot holds either, so the pinned bytes the host rings may take are
-    counted at the larger of the two for both rings (the scheduler allocates host-in slots at
-    that size, and host-out slots at the result's where it is smaller: :func:`plan.host_out_slot`,
-    so this errs on the side of fewer slots).
+    result's. The pinned caps below count each host slot at its stride as the scheduler allocates
+    it in slots of the larger of the two: a host-in slot at the input's bytes
+    (:func:`plan.host_in_slot`; in place, ``inplace``, at the larger), a host-out slot at the
+    result's (:func:`plan.host_out_slot`).
     ``bulk`` (a whole array, stream_map): staging rings also get a slot per worker, for
     throughput; a stream of requests keeps the planned rings, whose shorter queues keep
     latency down. A job of known length (``max_chunks``, a whole array) never gets more slots in a
@@ -67,7 +67,7 @@ def planned_slots(profile: "str | plan.HardwareProfile", chunk_bytes: int, inpla
     the host-in ring gets two slots per worker (:data:`PREPARE_SLOTS_PER_WORKER`), so a worker
     starts its next item while its last one waits its turn behind a slower one (results go out
     in order), as a DataLoader's ``prefetch_factor=2`` does; at most
-    :data:`PREPARE_SLOTS_PINNED_CAP` bytes of them, never fewer than two."""
+    :data:`PREPARE_SLOTS_PINNED_CAP` bytes of host-in slots, never fewer than two."""
     if out_bytes is not None:  # a result of no bytes is modelled as one: the copy model's rates are per size
         out_bytes = max(1, out_bytes)
     slot = max(chunk_bytes, out_bytes or 0)
@@ -81,10 +81,13 @@ def planned_slots(profile: "str | plan.HardwareProfile", chunk_bytes: int, inpla
     if external[1]:
         times = dataclasses.replace(times, consume=overhead)
     counts = plan.with_device_slack(plan.plan_slots(times, inplace=inplace).slots, inplace=inplace)
+    in_slot = plan.host_in_slot(slot, chunk_bytes, inplace)[1]
     if bulk and not external[0] and not external[1]:  # both host rings are staging rings
-        counts = plan.with_worker_slots(counts, workers, slot, profile)
+        # with_worker_slots caps a pair of slots of its chunk_bytes: the mean of the two strides
+        pair = in_slot + plan.host_out_slot(slot, out_bytes)[1]
+        counts = plan.with_worker_slots(counts, workers, -(-pair // 2), profile)
     if user_prepare:
-        floor = min(PREPARE_SLOTS_PER_WORKER * workers, max(2, PREPARE_SLOTS_PINNED_CAP // slot))
+        floor = min(PREPARE_SLOTS_PER_WORKER * workers, max(2, PREPARE_SLOTS_PINNED_CAP // in_slot))
         counts = dataclasses.replace(counts, host_in=max(counts.host_in, floor))
     if max_chunks is not None:
         counts = plan.cap_slots(counts, max_chunks)
