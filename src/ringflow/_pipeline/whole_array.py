@@ -688,8 +688,9 @@ class MapLayout:
 
     @property
     def chunk_bytes(self) -> int:
-        """A host-in slot's bytes: the larger of a chunk's input and its result (the pipeline's
-        ``chunk_bytes``; its device-in and device-out slots hold the input and the result)."""
+        """The pipeline's ``chunk_bytes``: the larger of a chunk's input and its result (its
+        host-in and device-in slots hold the input, an in-place job's a whole chunk; its
+        device-out and host-out slots hold the result)."""
         return max(self.in_chunk_bytes, self.out_chunk_bytes)
 
     @property
