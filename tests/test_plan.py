@@ -1390,3 +1390,45 @@ def test_a_chunk_of_wider_results_counts_host_in_slots_of_its_input_against_the_
     with pytest.raises(ValueError, match="fit a pinned_budget of %d bytes" % (need - 1)):
         plan.choose_chunk_bytes("h200-pcie5", total, workers=16, out_ratio=4.0, pinned_budget=need - 1,
                                 candidates=[chunk])
+
+
+def test_an_in_place_jobs_device_rings_count_its_one_ring():
+    """An in-place compute allocates one device ring, of a chunk's bytes a slot and at least
+    four slots (with_device_slack), and no device-out ring: device_ring_slots and device_ring_bytes
+    count that ring alone, at the layout of the engine that runs the job."""
+    counts = plan.SlotCounts(3, 2, 0, 3)
+    assert plan.device_ring_slots(counts, 100, inplace=True) == (4, 0)
+    assert plan.device_ring_slots(counts, 3, inplace=True) == (3, 0)
+    for staged in (True, False):
+        assert plan.device_ring_bytes(counts, MiB + 1, 100, host_stages=staged, inplace=True) == \
+            plan.ring_bytes(4, MiB + 1, host_stages=staged)
+
+
+def test_an_auto_chunk_of_an_in_place_job_fits_the_device_by_its_one_ring():
+    """chunk_bytes="auto" for an in-place job: a device whose memory holds the one in-place ring
+    of the chunk's planned slots, and not a device-in and a device-out ring, takes that chunk;
+    planned as a compute not in place, the same chunk fits no device ring."""
+    chunk, total = 4 * MiB, 256 * MiB
+    t, _ = plan.predict_seconds("h200-pcie5", total, chunk, workers=4)
+    din = plan.with_device_slack(plan.plan_slots(t, inplace=True).slots, inplace=True).device_in
+    one = plan.ring_bytes(din, chunk, host_stages=True)
+    assert one < plan.device_ring_bytes(plan.plan_slots(t).slots, chunk, total // chunk, host_stages=True)
+    tight = dataclasses.replace(plan.get_profile("h200-pcie5"), total_memory=int(one))
+    got = plan.choose_chunk_bytes(tight, total, workers=4, candidates=[chunk], inplace=True)
+    assert got.chunk_bytes == chunk
+    with pytest.raises(ValueError, match="no chunk fits the device's memory"):
+        plan.choose_chunk_bytes(tight, total, workers=4, candidates=[chunk])
+
+
+def test_an_in_place_auto_chunk_job_is_exact_in_the_checked_mode():
+    """stream_map(inplace=True, chunk_bytes="auto"), staged on the scheduler: the chunk planned for
+    one in-place device ring gives exact results where every released slot is poisoned."""
+    dev = rf.device("sim", checked=True)
+    x = np.arange(1 << 22, dtype=np.float32)
+
+    def double(x, y):
+        y[...] = x * 2
+
+    y = rf.stream_map(double, x.copy(), device=dev, chunk_bytes="auto", host="stage", engine="pipeline",
+                      inplace=True, checked=True, keep_warm=False)
+    np.testing.assert_array_equal(y, x * 2)

@@ -165,11 +165,12 @@ def with_device_slack(counts: SlotCounts, *, inplace: bool) -> SlotCounts:
     return dataclasses.replace(counts, device_in=max(counts.device_in, 3), device_out=max(counts.device_out, 3))
 
 
-def device_ring_slots(counts: SlotCounts, chunks: int) -> tuple[int, int]:
+def device_ring_slots(counts: SlotCounts, chunks: int, *, inplace: bool = False) -> tuple[int, int]:
     """(device-in, device-out) slots a job of ``chunks`` chunks planned at ``counts`` allocates:
-    each ring with its slack (:func:`with_device_slack`), none above ``chunks`` slots."""
-    ring = with_device_slack(counts, inplace=False)
-    return min(chunks, ring.device_in), min(chunks, ring.device_out)
+    each ring with its slack (:func:`with_device_slack`), none above ``chunks`` slots. An
+    in-place compute (``inplace``) allocates its one ring as device-in and no device-out slot."""
+    ring = with_device_slack(counts, inplace=inplace)
+    return min(chunks, ring.device_in), 0 if inplace else min(chunks, ring.device_out)
 
 
 def device_slot_bytes(in_bytes: float, out_bytes: float, *, host_stages: bool) -> tuple[float, float]:
@@ -212,11 +213,14 @@ def ring_bytes(count: int, slot_bytes: float, *, host_stages: bool) -> float:
 
 
 def device_ring_bytes(counts: SlotCounts, chunk_bytes: int, chunks: int, *, out_ratio: float = 1.0,
-                      host_stages: bool = False) -> float:
+                      host_stages: bool = False, inplace: bool = False) -> float:
     """Bytes of device memory the device rings of :func:`device_ring_slots` take, each slot as
     :func:`device_slot_bytes` says for chunks of ``chunk_bytes`` and results of ``out_ratio``
-    bytes per input byte, each ring laid out as :func:`ring_bytes` says."""
-    din, dout = device_ring_slots(counts, chunks)
+    bytes per input byte, each ring laid out as :func:`ring_bytes` says. An in-place compute
+    (``inplace``) counts its one ring, each slot the larger of a chunk's input and result."""
+    din, dout = device_ring_slots(counts, chunks, inplace=inplace)
+    if inplace:
+        return ring_bytes(din, chunk_bytes * max(1.0, out_ratio), host_stages=host_stages)
     in_slot, out_slot = device_slot_bytes(chunk_bytes, chunk_bytes * out_ratio, host_stages=host_stages)
     return ring_bytes(din, in_slot, host_stages=host_stages) + ring_bytes(dout, out_slot, host_stages=host_stages)
 
@@ -722,7 +726,7 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *,
                        compute_s_per_byte: Optional[float] = 0.0, workers: int = 1, host_stages: bool = True,
                        pinned_budget: Optional[int] = None, align: int = 1, candidates: Optional[list] = None,
                        out_ratio: float = 1.0, compute_s_per_chunk: Optional[float] = 0.0,
-                       scheduler: Optional[bool] = None) -> ChunkChoice:
+                       scheduler: Optional[bool] = None, inplace: bool = False) -> ChunkChoice:
     """The chunk size (of the input) minimising the predicted wall time of ``total_bytes`` of
     input, whose results are ``out_ratio`` bytes per input byte.
 
@@ -736,7 +740,8 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *,
     engine that runs the job) the profile's ``total_memory``. ``scheduler``: whether the
     scheduler runs the job (each device slot on a :data:`SLOT_ALIGN` boundary:
     :func:`device_slot_bytes` and :func:`ring_bytes`), as it runs every staged job and, asked to,
-    an unstaged one; None: as ``host_stages`` says.
+    an unstaged one; None: as ``host_stages`` says. ``inplace``: the compute writes its result
+    over its input, so slots are planned for one device ring (:func:`device_ring_bytes`).
     When no candidate's device rings fit, smaller chunks are tried, halving (whole multiples of
     ``align``, a row's bytes), and the largest that fits is chosen (``candidates`` given: none).
     ``host_stages=False`` when the copy engines read the caller's pinned memory directly. A
@@ -759,7 +764,7 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *,
                                int(workers), bool(host_stages), pinned_budget, int(align),
                                tuple(candidates) if candidates else None, float(out_ratio),
                                _seconds_or_none(compute_s_per_chunk),
-                               bool(host_stages) if scheduler is None else bool(scheduler))
+                               bool(host_stages) if scheduler is None else bool(scheduler), bool(inplace))
 
 
 def _seconds_or_none(value: Optional[float]) -> Optional[float]:
@@ -768,7 +773,7 @@ def _seconds_or_none(value: Optional[float]) -> Optional[float]:
 
 @functools.lru_cache(maxsize=256)
 def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_stages, pinned_budget, align,
-                        candidates, out_ratio, compute_s_per_chunk, scheduler) -> ChunkChoice:
+                        candidates, out_ratio, compute_s_per_chunk, scheduler, inplace=False) -> ChunkChoice:
     cands = candidates or [1 << k for k in range(16, 29)]
     rows, too_large = [], []  # too_large: (chunk, its device rings' bytes, their slots) fitting no device
     seen = set()
@@ -781,7 +786,7 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_
         t, predicted = predict_seconds(profile, total_bytes, c, compute_s_per_byte=compute_s_per_byte,
                                        workers=workers, host_stages=host_stages, out_ratio=out_ratio,
                                        compute_s_per_chunk=compute_s_per_chunk)
-        plan = plan_slots(t)
+        plan = plan_slots(t, inplace=inplace)
         # each host slot at its stride as the scheduler allocates it in slots of the larger of a
         # chunk's input and result: host-in holds the input alone, host-out the result
         slot = c * max(1.0, out_ratio)
@@ -792,9 +797,9 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_
         # the device rings (with their slack, no more slots than chunks), at the slot sizes of the
         # engine that runs the job, must fit the device's memory: a chunk whose rings cannot be
         # allocated is no choice
-        device = device_ring_bytes(plan.slots, c, n, out_ratio=out_ratio, host_stages=scheduler)
+        device = device_ring_bytes(plan.slots, c, n, out_ratio=out_ratio, host_stages=scheduler, inplace=inplace)
         if device > profile.total_memory:
-            too_large.append((c, device, device_ring_slots(plan.slots, n)))
+            too_large.append((c, device, device_ring_slots(plan.slots, n, inplace=inplace)))
             return
         rows.append((c, n, predicted))
 

@@ -827,7 +827,8 @@ class MapLayout:
                                                   compute_s_per_chunk=per_chunk, workers=workers, host_stages=staged,
                                                   pinned_budget=options.get("pinned_budget") if staged else None,
                                                   out_ratio=out_row_bytes / row_bytes if row_bytes else 1.0,
-                                                  scheduler=scheduled).chunk_bytes
+                                                  scheduler=scheduled,
+                                                  inplace=bool(options.get("inplace"))).chunk_bytes
             chunk_bytes = chunk_bytes // row_bytes * widest if widest > row_bytes else chunk_bytes
         slot = chunk_bytes if chunk_bytes is not None else max(DEFAULT_CHUNK_BYTES, widest)
         if widest > slot:
