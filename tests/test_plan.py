@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import ringflow as rf
 from tests.helpers.hooks import engines
+from tests.helpers.sim import counting_allocations
 from ringflow import _plan as plan
 from ringflow._device.sim import charge
 
@@ -1329,19 +1330,6 @@ def test_choose_chunk_bytes_counts_host_out_slots_at_the_results_bytes():
     assert plan.host_out_slot(chunk, None) == plan.host_out_slot(chunk, 2 * chunk) == (chunk, chunk)
 
 
-def _device_allocations(monkeypatch, dev) -> list:
-    """The bytes of each device allocation ``dev`` makes from here on, in order."""
-    asked = []
-    allocate = dev.allocate
-
-    def counted(nbytes, *args, **kwargs):
-        asked.append(nbytes)
-        return allocate(nbytes, *args, **kwargs)
-
-    monkeypatch.setattr(dev, "allocate", counted)
-    return asked
-
-
 @pytest.mark.parametrize("out_row", [4, 4096], ids=["reduction", "wider"])
 def test_device_ring_bytes_are_what_the_scheduler_allocates_for_a_staged_job(monkeypatch, out_row):
     """A staged whole-array job on the scheduler whose result row is far narrower (a reduction)
@@ -1349,7 +1337,7 @@ def test_device_ring_bytes_are_what_the_scheduler_allocates_for_a_staged_job(mon
     its chunks of input and its result's bytes per input byte, is what the scheduler allocates
     for its device rings."""
     dev = rf.device("sim")
-    asked = _device_allocations(monkeypatch, dev)
+    asked = counting_allocations(monkeypatch, dev)
     x = np.ones((1024, 256), np.float32)
 
     def f(x, y):

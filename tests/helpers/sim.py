@@ -102,3 +102,17 @@ def hold_copy(dev, item: np.ndarray) -> "tuple[Any, Any]":
 
     dev.host_copy = held
     return started, release
+
+
+def counting_allocations(monkeypatch, dev, method: str = "allocate") -> list:
+    """The bytes of each allocation ``dev`` makes from here on through ``method`` (``"allocate"``:
+    device memory; ``"allocate_host"``: pinned host memory), in order."""
+    asked = []
+    allocate = getattr(dev, method)
+
+    def counted(nbytes, *args, **kwargs):
+        asked.append(nbytes)
+        return allocate(nbytes, *args, **kwargs)
+
+    monkeypatch.setattr(dev, method, counted)
+    return asked

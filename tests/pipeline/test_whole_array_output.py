@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import ringflow as rf
 from ringflow import _plan as plan
+from tests.helpers.sim import counting_allocations
 
 
 def by_rows(x, y):
@@ -238,50 +239,14 @@ def test_stream_map_report_refuses_to_be_told_not_to_profile(profile):
         rf.stream_map_report(by_rows, np.ones((4, 2), np.float32), device=rf.device("sim"), profile=profile)
 
 
-def test_a_staged_reduction_pins_host_out_slots_of_a_results_bytes(monkeypatch):
+def test_a_staged_reduction_allocates_out_slots_of_a_results_bytes(monkeypatch):
     """stream_map on the scheduler, staged, with results of 4 bytes a row for 1 KiB of input: the
-    host-out ring is three slots of a chunk's result, not of its input, and the results are exact
-    where the checked mode poisons every slot freed."""
+    host-out and device-out rings are three slots of a chunk's result, the host-in and device-in
+    rings three of its input, and the results are exact where the checked mode poisons every
+    slot freed."""
     dev = rf.device("sim", checked=True)
-    pinned = []
-    allocate_host = dev.allocate_host
-
-    def counted(nbytes):
-        pinned.append(nbytes)
-        return allocate_host(nbytes)
-
-    monkeypatch.setattr(dev, "allocate_host", counted)
-    x = np.random.default_rng(5).uniform(-1, 1, (4096, 256)).astype(np.float32)
-
-    def row_sums(x, y):
-        y[:] = x.sum(axis=1)
-
-    chunk = 1 << 20  # 1024 rows in, 4 KiB of results out
-    y = rf.stream_map(row_sums, x, device=dev, chunk_bytes=chunk, output=((4096,), np.float32), host="stage",
-                      engine="pipeline", slots=3, checked=True, keep_warm=False)
-    assert pinned == [3 * chunk, 3 * 4096]
-    np.testing.assert_array_equal(y, np.concatenate([x[i:i + 1024].sum(axis=1) for i in range(0, 4096, 1024)]))
-
-
-def _counting_allocations(monkeypatch, dev) -> list:
-    """The bytes of each device allocation ``dev`` makes from here on, in order."""
-    asked = []
-    allocate = dev.allocate
-
-    def counted(nbytes, *args, **kwargs):
-        asked.append(nbytes)
-        return allocate(nbytes, *args, **kwargs)
-
-    monkeypatch.setattr(dev, "allocate", counted)
-    return asked
-
-
-def test_a_staged_reduction_allocates_device_out_slots_of_a_results_bytes(monkeypatch):
-    """stream_map on the scheduler, staged, with results of 4 bytes a row for 1 KiB of input: the
-    device-out ring is three slots of a chunk's result, the device-in ring three of its input, and
-    the results are exact where the checked mode poisons every slot freed."""
-    dev = rf.device("sim", checked=True)
-    asked = _counting_allocations(monkeypatch, dev)
+    pinned = counting_allocations(monkeypatch, dev, "allocate_host")
+    asked = counting_allocations(monkeypatch, dev)
     x = np.random.default_rng(5).integers(-8, 8, (4096, 256)).astype(np.float32)
 
     def row_sums(x, y):
@@ -290,7 +255,7 @@ def test_a_staged_reduction_allocates_device_out_slots_of_a_results_bytes(monkey
     chunk = 1 << 20  # 1024 rows in, 4 KiB of results out
     y = rf.stream_map(row_sums, x, device=dev, chunk_bytes=chunk, output=((4096,), np.float32), host="stage",
                       engine="pipeline", slots=3, checked=True, keep_warm=False)
-    assert asked == [3 * chunk, 3 * 4096]
+    assert pinned == [3 * chunk, 3 * 4096] and asked == [3 * chunk, 3 * 4096]
     np.testing.assert_array_equal(y, x.sum(axis=1))
 
 
@@ -301,7 +266,7 @@ def test_a_staged_job_with_a_wider_result_allocates_device_in_slots_of_an_inputs
     poisons every slot freed. In place (the result is the input, shaped as it), the one device
     ring's slots hold a chunk."""
     dev = rf.device("sim", checked=True)
-    asked = _counting_allocations(monkeypatch, dev)
+    asked = counting_allocations(monkeypatch, dev)
     x = np.random.default_rng(6).integers(-8, 8, (512, 16)).astype(np.float32)
     if inplace:
         def f(x, y):
@@ -323,19 +288,6 @@ def test_a_staged_job_with_a_wider_result_allocates_device_in_slots_of_an_inputs
     np.testing.assert_array_equal(y, np.repeat(x, 4, axis=1))
 
 
-def _counting_pinned(monkeypatch, dev) -> list:
-    """The bytes of each pinned host allocation ``dev`` makes from here on, in order."""
-    pinned = []
-    allocate_host = dev.allocate_host
-
-    def counted(nbytes):
-        pinned.append(nbytes)
-        return allocate_host(nbytes)
-
-    monkeypatch.setattr(dev, "allocate_host", counted)
-    return pinned
-
-
 def _widen(x, y):
     y[:] = np.repeat(x, 4, axis=1) * 3
 
@@ -346,7 +298,7 @@ def test_a_staged_widening_pins_host_in_slots_of_an_inputs_bytes(monkeypatch):
     host-out ring three of its result; the results are exact where the checked mode poisons every
     slot freed."""
     dev = rf.device("sim", checked=True)
-    pinned = _counting_pinned(monkeypatch, dev)
+    pinned = counting_allocations(monkeypatch, dev, "allocate_host")
     x = np.random.default_rng(7).integers(-8, 8, (4096, 16)).astype(np.float32)
     chunk = 1 << 16  # 256 rows: 16 KiB in, 64 KiB of results out
     y = rf.stream_map(_widen, x, device=dev, chunk_bytes=chunk, output=((4096, 64), np.float32), host="stage",
@@ -359,7 +311,7 @@ def test_a_staged_widening_fits_a_pinned_budget_of_its_input_sized_host_in_ring(
     """A pinned_budget that holds three input-sized host-in slots and three result-sized host-out
     slots, and no more, runs the 4x-widening job with the slots given, pinning what it counted."""
     dev = rf.device("sim", checked=True)
-    pinned = _counting_pinned(monkeypatch, dev)
+    pinned = counting_allocations(monkeypatch, dev, "allocate_host")
     x = np.random.default_rng(8).integers(-8, 8, (4096, 16)).astype(np.float32)
     chunk = 1 << 16
     budget = 3 * (chunk // 4) + 3 * chunk
@@ -373,7 +325,7 @@ def test_an_in_place_staged_job_keeps_host_in_slots_of_a_chunk(monkeypatch):
     """An in-place staged job's host-in slots stay a chunk's bytes (the input and the result are
     the same size there), and its results are exact in the checked mode."""
     dev = rf.device("sim", checked=True)
-    pinned = _counting_pinned(monkeypatch, dev)
+    pinned = counting_allocations(monkeypatch, dev, "allocate_host")
     x = np.random.default_rng(9).integers(-8, 8, (4096, 16)).astype(np.float32)
 
     def triple(x, y):
