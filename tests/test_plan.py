@@ -513,28 +513,42 @@ def test_an_uncosted_compute_is_planned_at_what_the_simulated_gpu_charges_a_laun
     assert plan.predict_seconds(p, total, MiB, host_stages=False)[0].compute == p.launch_overhead_s
 
 
+@settings(max_examples=300, deadline=None)
+@given(length=st.integers(1, 5000), parts=st.integers(1, 9), rows=st.integers(1, 700))
+def test_the_split_covers_every_row_once_balanced_by_rows(length, parts, rows):
+    shards = plan.split_rows(length, parts, rows)
+    assert len(shards) == min(parts, length)
+    assert shards[0][0] == 0 and shards[-1][1] == length
+    assert all(a < b for a, b in shards) and all(b == c for (_, b), (c, _) in zip(shards, shards[1:]))
+    even = length / len(shards)
+    assert all(abs((b - a) - even) <= 2 * (rows // 8) + 1 for a, b in shards)  # each boundary moved by an eighth at most
+
+
+def test_shards_are_whole_chunks_where_balance_allows():
+    assert plan.split_rows(1024, 2, 64) == [(0, 512), (512, 1024)]
+    assert plan.split_rows(1030, 2, 64) == [(0, 512), (512, 1030)]  # 3 rows off: on the chunk boundary
+    assert plan.split_rows(1100, 2, 64) == [(0, 550), (550, 1100)]  # 38 rows off: balance wins
+    assert plan.split_rows(3, 4, 64) == [(0, 1), (1, 2), (2, 3)]  # fewer rows than devices
+
+
 def test_predict_devices_counts_the_devices_the_shards_give_work():
-    """A job over several devices splits its rows (sharded.split_rows): a job of 3 chunks still
+    """A job over several devices splits its rows (split_rows): a job of 3 chunks still
     gives all 64 devices a share, smaller than a chunk; a job of fewer bytes than devices (a row
     is a byte at least) gives no more devices work than it has bytes, and the others' workers copy
     nothing. The prediction counted all 64 devices there (and their workers in its host floor)."""
-    from ringflow._pipeline.sharded import split_rows
-
     three = plan.predict_devices("h200-pcie5", 3 * MiB, MiB, 64, workers=8)
-    assert three.devices == len(split_rows(3 * MiB, 64, MiB)) == 64 and three.share_bytes == 3 * MiB // 64
+    assert three.devices == len(plan.split_rows(3 * MiB, 64, MiB)) == 64 and three.share_bytes == 3 * MiB // 64
     tiny = plan.predict_devices("h200-pcie5", 10, 10, 64, workers=8)
-    assert tiny.devices == len(split_rows(10, 64, 10)) == 10 and tiny.share_bytes == 1
+    assert tiny.devices == len(plan.split_rows(10, 64, 10)) == 10 and tiny.share_bytes == 1
     assert tiny == plan.predict_devices("h200-pcie5", 10, 10, 10, workers=8)
 
 
 def test_predict_devices_splits_whole_rows_as_the_shards_do():
-    """A job over several devices splits its rows (sharded.split_rows): 3 rows of 1 MiB over 4
+    """A job over several devices splits its rows (split_rows): 3 rows of 1 MiB over 4
     devices give 3 devices a row each, where a byte's split gave all 4 devices 768 KiB; and a
     share is a whole number of rows (10 rows of 3 bytes over 4 devices: 3 rows, 9 bytes)."""
-    from ringflow._pipeline.sharded import split_rows
-
     three = plan.predict_devices("h200-pcie5", 3 * MiB, MiB, 4, workers=8, row_bytes=MiB)
-    assert three.devices == len(split_rows(3, 4, 1)) == 3
+    assert three.devices == len(plan.split_rows(3, 4, 1)) == 3
     assert three.share_bytes == three.share_chunk_bytes == MiB
     assert three.per_device_s == plan.predict_seconds("h200-pcie5", MiB, MiB, workers=8)[1]
     assert three.host_floor_s == plan.predict_devices("h200-pcie5", 3 * MiB, MiB, 3, workers=8).host_floor_s
@@ -546,6 +560,18 @@ def test_predict_devices_splits_whole_rows_as_the_shards_do():
     assert (plan.predict_devices("h200-pcie5", 3 * MiB, MiB, 4, workers=8)
             == plan.predict_devices("h200-pcie5", 3 * MiB, MiB, 4, workers=8, row_bytes=1))
     assert plan.predict_devices("h200-pcie5", 3 * MiB, MiB, 4, workers=8).share_bytes == 3 * MiB // 4
+
+
+def test_predict_devices_predicts_the_largest_shard_the_split_makes():
+    """The shards' boundaries snap to a chunk's edge when it is within an eighth of a chunk
+    (split_rows): 1030 rows over two devices in chunks of 64 rows give shards of 512 and 518 rows,
+    and the job takes as long as the larger. The prediction took the even share, 515 rows."""
+    row = 4096
+    split = plan.split_rows(1030, 2, 64)
+    assert split == [(0, 512), (512, 1030)]
+    many = plan.predict_devices("h200-pcie5", 1030 * row, 64 * row, 2, workers=8, row_bytes=row)
+    assert many.share_bytes == 518 * row and many.share_chunk_bytes == 64 * row
+    assert many.per_device_s == plan.predict_seconds("h200-pcie5", 518 * row, 64 * row, workers=8)[1]
 
 
 @pytest.mark.parametrize("kwargs, phrase", [
@@ -566,7 +592,8 @@ def test_predict_devices_refuses_a_row_size_that_cannot_cut_the_job(kwargs, phra
 
 def test_predict_devices_with_an_auto_chunk_cuts_each_share_in_whole_rows_as_its_shard_does():
     """Rows of 3000 bytes: each shard's chunk is planned in whole rows (choose_chunk_bytes with
-    the row as its alignment, as MapLayout plans it), and the prediction cuts each share in it."""
+    the row as its alignment, as MapLayout plans it), and the prediction cuts each share in it and
+    predicts the largest shard the split makes."""
     from ringflow._pipeline import sharded
 
     def f(x, y):
@@ -580,7 +607,8 @@ def test_predict_devices_with_an_auto_chunk_cuts_each_share_in_whole_rows_as_its
     (used,) = {s.chunk_bytes for s in shards}
     many = plan.predict_devices("h200-pcie5", rows * row, "auto", 8, workers=8, row_bytes=row)
     assert many.share_chunk_bytes == used and used % row == 0
-    assert many.share_bytes == rows // 8 * row
+    # the largest shard, whose boundaries moved to a chunk's edge (the even share is 8192 rows)
+    assert many.share_bytes == max(s.stop - s.start for s in shards) * row == 8218 * row
 
 
 def test_predict_devices_with_an_auto_chunk_cuts_each_share_as_its_shard_does():

@@ -604,6 +604,23 @@ def staging_floor_seconds(profile: "str | HardwareProfile", in_bytes: int, out_b
     return (in_bytes + out_bytes) / 2 / (rate * 1e9)
 
 
+def split_rows(length: int, parts: int, rows: int) -> list[tuple[int, int]]:
+    """``min(parts, length)`` contiguous ``(start, stop)`` ranges covering ``range(length)``,
+    balanced by rows: each boundary is the even split's rounded, moved to the nearest multiple of
+    ``rows`` (a chunk boundary) when that is at most an eighth of a chunk away and every shard
+    holds at least one chunk; so no shard gets a short chunk that balance does not call for."""
+    parts = max(1, min(parts, length))
+    snap = length >= parts * rows  # every shard at least one whole chunk
+    tolerance = rows // 8
+    bounds = [0]
+    for i in range(1, parts):
+        target = (i * length + parts // 2) // parts
+        nearest = (target + rows // 2) // rows * rows
+        bounds.append(nearest if snap and abs(nearest - target) <= tolerance else target)
+    bounds.append(length)
+    return list(zip(bounds, bounds[1:]))
+
+
 @dataclasses.dataclass(frozen=True)
 class DevicesPrediction:
     """What several GPUs of one host should take for one whole-array job (see :func:`predict_devices`).
@@ -611,7 +628,8 @@ class DevicesPrediction:
     Attributes:
         devices: how many GPUs get work: those asked for, at most one a row of the job (a shard
             holds a row at least, so no more GPUs than rows get one).
-        share_bytes: the bytes of each GPU's share, a whole number of rows (the last may be fewer).
+        share_bytes: the bytes of the largest GPU's share, a whole number of rows: the even share,
+            or a little more where the split moved a boundary to a chunk's edge (:func:`split_rows`).
         share_chunk_bytes: the chunk each GPU's share is cut in (whole rows, at most the share).
         per_device_s: one GPU's time for its share of the rows, as if alone (s).
         host_floor_s: the time the host's shared memory and CPUs need for the job's host work
@@ -637,10 +655,11 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
                     compute_s_per_byte: float = 0.0, workers: int = 1, host_stages: bool = True,
                     row_bytes: int = 1, out_ratio: float = 1.0) -> DevicesPrediction:
     """The time ``devices`` GPUs of one host should take for a job of ``total_bytes`` in rows of
-    ``row_bytes``, its rows split evenly.
+    ``row_bytes``, its rows split as the shards split them (:func:`split_rows`: evenly, each
+    boundary moved to a chunk's edge where one is within an eighth of a chunk).
 
     Each GPU has its own link, streams and workers, so each shard takes what one GPU takes for its
-    share (:func:`predict_seconds`). The host's memory and CPUs are shared: a staged job copies
+    share (:func:`predict_seconds`), and the job what its largest share takes. The host's memory and CPUs are shared: a staged job copies
     every byte twice on the host (in to pinned, out of it), and all the GPUs' workers together
     copy at most at the profile's ``staging_copy_rate`` for that many threads (so the whole job
     takes at least :func:`staging_floor_seconds`). The prediction is the larger of the two.
@@ -689,6 +708,9 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     else:
         chunk_bytes = chunk_bytes // row_bytes * row_bytes
         share_chunk = min(chunk_bytes, share)
+    # the shards' boundaries move to a chunk's edge where one is near (split_rows): the job takes
+    # as long as its largest shard, which may be a little more than the even share
+    share = max(b - a for a, b in split_rows(rows, devices, share_chunk // row_bytes)) * row_bytes
     _, per_device = predict_seconds(p, share, share_chunk, compute_s_per_byte=compute_s_per_byte,
                                     workers=workers, host_stages=host_stages, out_ratio=out_ratio)
     _, one = predict_seconds(p, total_bytes, chunk_bytes, compute_s_per_byte=compute_s_per_byte, workers=workers,

@@ -20,8 +20,6 @@ import warnings
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import ringflow as rf
 from ringflow import _device
@@ -59,25 +57,6 @@ def assert_nothing_live(devs):
 
 def test_the_module_example_runs():
     assert doctest.testmod(sharded).failed == 0
-
-
-# -- the split -------------------------------------------------------------------------------------------------------
-@settings(max_examples=300, deadline=None)
-@given(length=st.integers(1, 5000), parts=st.integers(1, 9), rows=st.integers(1, 700))
-def test_the_split_covers_every_row_once_balanced_by_rows(length, parts, rows):
-    shards = sharded.split_rows(length, parts, rows)
-    assert len(shards) == min(parts, length)
-    assert shards[0][0] == 0 and shards[-1][1] == length
-    assert all(a < b for a, b in shards) and all(b == c for (_, b), (c, _) in zip(shards, shards[1:]))
-    even = length / len(shards)
-    assert all(abs((b - a) - even) <= 2 * (rows // 8) + 1 for a, b in shards)  # each boundary moved by an eighth at most
-
-
-def test_shards_are_whole_chunks_where_balance_allows():
-    assert sharded.split_rows(1024, 2, 64) == [(0, 512), (512, 1024)]
-    assert sharded.split_rows(1030, 2, 64) == [(0, 512), (512, 1030)]  # 3 rows off: on the chunk boundary
-    assert sharded.split_rows(1100, 2, 64) == [(0, 550), (550, 1100)]  # 38 rows off: balance wins
-    assert sharded.split_rows(3, 4, 64) == [(0, 1), (1, 2), (2, 3)]  # fewer rows than devices
 
 
 # -- results ---------------------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from .._device import device_label, host_pool
 from .._device.protocol import Device
 from .._errors import DeviceError, LaunchError, OutOfMemoryError, StageError, describe
 from .._files import check_file_name, write_whole
+from .._plan import split_rows
 from .engine import Arrays, choose_engine
 from .sigint import shielded
 from .._shared_threads import SharedThreads
@@ -94,23 +95,6 @@ class Shard:
         """The rows of the whole array that this shard's chunk ``k`` covers, planned untapered."""
         a = self.start + k * self.rows
         return a, min(a + self.rows, self.stop)
-
-
-def split_rows(length: int, parts: int, rows: int) -> list[tuple[int, int]]:
-    """``min(parts, length)`` contiguous ``(start, stop)`` ranges covering ``range(length)``,
-    balanced by rows: each boundary is the even split's rounded, moved to the nearest multiple of
-    ``rows`` (a chunk boundary) when that is at most an eighth of a chunk away and every shard
-    holds at least one chunk; so no shard gets a short chunk that balance does not call for."""
-    parts = max(1, min(parts, length))
-    snap = length >= parts * rows  # every shard at least one whole chunk
-    tolerance = rows // 8
-    bounds = [0]
-    for i in range(1, parts):
-        target = (i * length + parts // 2) // parts
-        nearest = (target + rows // 2) // rows * rows
-        bounds.append(nearest if snap and abs(nearest - target) <= tolerance else target)
-    bounds.append(length)
-    return list(zip(bounds, bounds[1:]))
 
 
 def plan_shards(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, devices: Sequence[Device], chunk_bytes,
