@@ -180,7 +180,7 @@ def device_slot_bytes(in_bytes: float, out_bytes: float, *, host_stages: bool) -
     Either engine gives a device-in slot a chunk's input and a device-out slot its result: the
     direct engine (``host_stages=False``: the copy engines use the caller's pinned memory) as they
     are, the scheduler (``host_stages=True``, which runs a staged job) at least one byte each
-    (:func:`scheduler_device_slot`, for a whole-array job, whose chunks' input and result bytes are
+    (:func:`scheduler_slot`, for a whole-array job, whose chunks' input and result bytes are
     both known up front). The engines lay their rings out otherwise (:func:`ring_bytes`). Neither
     holds for an in-place compute, whose one ring's slots hold a chunk."""
     if host_stages:
@@ -225,13 +225,13 @@ def device_ring_bytes(counts: SlotCounts, chunk_bytes: int, chunks: int, *, out_
     return ring_bytes(din, in_slot, host_stages=host_stages) + ring_bytes(dout, out_slot, host_stages=host_stages)
 
 
-def scheduler_device_slot(chunk_bytes: int, nbytes: "int | None") -> int:
-    """Bytes of a slot of one of the scheduler's device rings (device-in or device-out) for chunks
-    of ``chunk_bytes`` whose data in that ring (a chunk's input, or its result) is ``nbytes`` at most,
-    where every chunk's is known before the job starts (None: not known): ``nbytes`` where smaller
-    than a chunk (at least 1), else ``chunk_bytes``. Each slot starts :func:`aligned` of that after
-    the last one's start (:func:`ring_bytes`). An in-place ring's slot holds a chunk's input and its
-    result, so it is ``chunk_bytes`` whatever either is."""
+def scheduler_slot(chunk_bytes: int, nbytes: "int | None") -> int:
+    """Bytes of a slot of one of the scheduler's rings for chunks of ``chunk_bytes`` whose data in
+    that ring (a chunk's input, or its result) is ``nbytes`` at most, where every chunk's is known
+    before the job starts (None: not known): ``nbytes`` where smaller than a chunk (at least 1),
+    else ``chunk_bytes``. A device ring's slots start :func:`aligned` of that apart
+    (:func:`ring_bytes`), a host ring's as :func:`host_out_slot` says. An in-place ring's slot holds
+    a chunk's input and its result, so it is ``chunk_bytes`` whatever either is."""
     if nbytes is None or nbytes >= chunk_bytes:
         return chunk_bytes
     return max(1, nbytes)
@@ -243,10 +243,8 @@ def host_out_slot(chunk_bytes: int, out_bytes: "int | None") -> tuple[int, int]:
     before the job starts (None: not known): a chunk's bytes where the result is no smaller or
     not known, else the result's (at least 1), the slots :data:`SLOT_ALIGN` apart (never
     farther than a chunk). The stride is what each slot counts against a pinned budget."""
-    if out_bytes is None or out_bytes >= chunk_bytes:
-        return chunk_bytes, chunk_bytes
-    n = max(1, out_bytes)
-    return n, min(chunk_bytes, aligned(n))
+    n = scheduler_slot(chunk_bytes, out_bytes)
+    return n, n if n == chunk_bytes else min(chunk_bytes, aligned(n))
 
 
 def host_in_slot(chunk_bytes: int, in_bytes: "int | None", inplace: bool = False) -> tuple[int, int]:
@@ -659,8 +657,9 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     boundary moved to a chunk's edge where one is within an eighth of a chunk).
 
     Each GPU has its own link, streams and workers, so each shard takes what one GPU takes for its
-    share (:func:`predict_seconds`), and the job what its largest share takes. The host's memory and CPUs are shared: a staged job copies
-    every byte twice on the host (in to pinned, out of it), and all the GPUs' workers together
+    share (:func:`predict_seconds`), and the job what its largest share takes. The host's memory
+    and CPUs are shared: a staged job copies every byte twice on the host (in to pinned, out of
+    it), and all the GPUs' workers together
     copy at most at the profile's ``staging_copy_rate`` for that many threads (so the whole job
     takes at least :func:`staging_floor_seconds`). The prediction is the larger of the two.
     ``out_ratio``: the result's bytes per input byte (the copies back, the consumes, the host's
@@ -668,7 +667,7 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
 
     A whole-array job over several devices splits its rows, not its chunks (a GPU's shard may be
     one chunk smaller than ``chunk_bytes``), and gives no device an empty shard: a share is
-    ``ceil(rows / devices)`` whole rows, and with more devices than rows only as many as there
+    about ``rows / devices`` whole rows, and with more devices than rows only as many as there
     are rows get work, and only their workers copy. A chunk is whole rows too: a given
     ``chunk_bytes`` (the input's bytes of a chunk) is cut down to whole rows of ``row_bytes``.
     stream_map's ``chunk_bytes`` bounds a slot instead, cut in rows of the wider of a row and its

@@ -33,10 +33,10 @@ class PipelineConfig:
     fill: Optional[str] = None  # "rows": compute returns how many rows of y it filled
     # a chunk's result bytes at most, where known before the first item (a fixed output spec, a
     # whole-array job): the host-out and device-out slots are sized by them (_plan.host_out_slot,
-    # _plan.scheduler_device_slot); None: chunk_bytes
+    # _plan.scheduler_slot); None: chunk_bytes
     out_bytes: Optional[int] = None
     # a chunk's input bytes at most, where known before the first item (a whole-array job): the
-    # device-in and host-in slots of a compute not in place are sized by them (_plan.scheduler_device_slot,
+    # device-in and host-in slots of a compute not in place are sized by them (_plan.scheduler_slot,
     # _plan.host_in_slot); None: chunk_bytes
     in_bytes: Optional[int] = None
 

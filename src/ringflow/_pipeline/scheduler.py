@@ -43,7 +43,7 @@ import numpy as np
 from .._device.host_pool import buffer_behind, hand_off, slice_behind
 from .._device.protocol import BufferSlice, Device
 from .._errors import DeviceError, PrepareStopped, StageError, describe, shown
-from .._plan import SLOT_ALIGN, aligned, host_in_slot, host_out_slot, scheduler_device_slot
+from .._plan import SLOT_ALIGN, aligned, host_in_slot, host_out_slot, scheduler_slot
 from .._testing import current as current_hooks
 from .batch_space import BatchSpace
 from .chunk import MAX_MEMBERS, NO_ROOM, Chunk, ChunkFuture, Member
@@ -279,7 +279,7 @@ class Scheduler:
         # Each device slot starts on a SLOT_ALIGN boundary whatever its bytes are: a slot at
         # i * 1001 bytes would hand compute float32 arrays at odd addresses, which numpy reads
         # and a GPU kernel cannot (a misaligned-address error breaks the device)
-        n = scheduler_device_slot(self.config.chunk_bytes, nbytes)
+        n = scheduler_slot(self.config.chunk_bytes, nbytes)
         stride = aligned(n)
         return self._ring(kind, allocate_ring(self.device.allocate, kind, n, count, stride), count, hook,
                           stride=stride, slot_bytes=n)
