@@ -475,3 +475,17 @@ def test_a_method_given_as_the_compute_is_planned_once_and_kept_warm_for_its_own
     rf.drop_warm_pipelines()
     gc.collect()
     assert gone() is None
+
+
+def test_a_call_whose_key_cannot_be_hashed_runs_unremembered(plans):
+    # a shape given as a numpy array is an output spec the call takes and no dict key can hold
+    dev = rf.device("sim", seed=2)
+    x = fresh(4000, 3)
+
+    def g(a, b):
+        b[:] = a[:, None] * 2 + 1
+
+    for _ in range(2):
+        y = rf.stream_map(g, x, device=dev, chunk_bytes=4096, output=(np.array([4000, 2]), "f4"))
+        assert np.array_equal(y, np.repeat(x[:, None] * 2 + 1, 2, axis=1))
+    assert len(plans) == 2 and len(call_memo.MEMO) == 0

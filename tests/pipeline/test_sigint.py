@@ -19,6 +19,7 @@ import pytest
 
 import ringflow as rf
 from ringflow._pipeline import sigint, warm
+from ringflow._testing import inject
 from tests.helpers.interrupts import InterruptAt
 from tests.helpers.threads import bounded
 
@@ -163,6 +164,44 @@ def test_a_compute_raising_an_interrupt_with_on_error_continue_raises_it_itself(
         assert caught.value is boom
         del caught
     rf.drop_warm_pipelines(dev)
+    gc.collect()
+    assert dev.live().total == 0
+
+
+@pytest.mark.parametrize("door", ["stream_map", "MapJob"])
+def test_a_failed_call_settles_with_checkpoints_quiet(door):
+    """A compute that fails on the direct engine: the engine is settled with the call's shield
+    settling, so a Ctrl-C recorded before the failure waits until everything is settled and is
+    raised as the call returns, the failure as its context."""
+    _need_sigint()
+    dev = rf.device("sim", seed=8, chaos=True, checked=True)
+    x = np.arange(4096, dtype=np.float32)
+    settling = []
+
+    def failing(x, y):
+        if x[0] == 2048:
+            signal.raise_signal(signal.SIGINT)  # recorded by the shield: the call is between checkpoints
+            raise ValueError("the compute failed")
+        y[...] = x * 2 + 1
+
+    def watch(engine):
+        fail = engine.fail
+
+        def watched(exc):
+            settling.append(sigint._active is not None and sigint._active.settling)
+            return fail(exc)
+
+        engine.fail = watched
+
+    with inject(on_engine=watch), pytest.raises(KeyboardInterrupt) as caught:
+        if door == "stream_map":
+            rf.stream_map(failing, x, device=dev, chunk_bytes=4096, host="register", keep_warm=False)
+        else:
+            with rf.MapJob(failing, x, device=dev, chunk_bytes=4096, host="register") as job:
+                job()
+    assert settling == [True]
+    assert isinstance(caught.value.__context__, rf.StageError)
+    del caught
     gc.collect()
     assert dev.live().total == 0
 

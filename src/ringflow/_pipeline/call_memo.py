@@ -119,8 +119,12 @@ class CallMemo:
 
     def get(self, key: Hashable, objects: tuple, values: tuple) -> Any:
         """The outcome stored under ``key`` if ``objects`` are the very objects it was stored
-        with (None standing for none) and ``values`` the same objects; else None."""
-        entry = self._entries.get(key)  # one dict lookup: atomic, no lock needed to read
+        with (None standing for none) and ``values`` the same objects; else None (an unhashable
+        ``key`` included)."""
+        try:
+            entry = self._entries.get(key)  # one dict lookup: atomic, no lock needed to read
+        except TypeError:  # unhashable: nothing is stored under it (put keeps none)
+            return None
         if entry is None:
             return None
         refs, stored_values, outcome = entry
@@ -135,8 +139,10 @@ class CallMemo:
     def put(self, key: Hashable, objects: tuple, values: tuple, outcome: Any) -> None:
         """Remember ``outcome`` under ``key`` (nothing if an object cannot be weakly referenced);
         ``values`` are held weakly where they can be (a ``sim_seconds`` function may close over
-        anything), else as they are (numbers). Past :attr:`capacity` entries the oldest go."""
+        anything), else as they are (numbers). Past :attr:`capacity` entries the oldest go.
+        Nothing is kept under an unhashable ``key``."""
         try:
+            hash(key)
             refs = tuple(None if obj is None else weakref.ref(obj) for obj in objects)
         except TypeError:
             return

@@ -376,14 +376,14 @@ class MapJob(Uncopyable):
         # before the lock: over several devices f runs on a shard's thread while this call holds it
         refuse_from_stage(self._token, "MapJob()", kind="job")
         refuse_inside(self._devices, "MapJob()")
-        with shielded(), self._lock:  # Ctrl-C is taken inside the call's steps only (sigint.py)
+        with shielded() as shield, self._lock:  # Ctrl-C is taken inside the call's steps only (sigint.py)
             self._take_turn()
             engine = self._held.engine
             if engine is None:
                 raise RuntimeError("this MapJob is closed; create a new one")
             self._check_arrays()
             try:
-                run_call(engine, self._arrays, profile)
+                run_call(engine, self._arrays, profile, shield)
             except BaseException:
                 self._held.engine = None  # run_call closed it
                 self._release()

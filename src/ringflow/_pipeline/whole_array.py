@@ -35,7 +35,7 @@ from . import call_memo, warm
 from .call_memo import array_key, compute_identity, tagged
 from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine, why_not_direct
 from .frames import forget_own_frames
-from .sigint import shielded
+from .sigint import Shield, shielded
 from .sizing import (DEFAULT_CHUNK_BYTES, chunk_sizes, default_workers, fixed_cost, planned_compute_bound,
                      resolve_slots, taper)
 from .stages import sim_seconds_for
@@ -243,8 +243,8 @@ def _stream_map(f, x, out, device, x_buffer, out_buffer, values: tuple) -> tuple
 
 def _memo_key(f, x, out, device, x_buffer, out_buffer, values: tuple) -> Optional[tuple]:
     """``(device, key, objects, values)`` for :data:`call_memo.MEMO`, or None for a call the memo
-    does not serve: arrays that are not plain numpy arrays, an empty ``x``, arguments that cannot be
-    keyed, or a device not given as a device object (a spec or None makes a new device on every
+    does not serve: arrays that are not plain numpy arrays, an empty ``x``, options of other types
+    than plain values, or a device not given as a device object (a spec or None makes a new device on every
     call, which the full path does once). ``values``: the call's options in :data:`OPTIONS`' order."""
     if type(x) is not np.ndarray or (out is not None and type(out) is not np.ndarray) or x.size == 0:
         return None
@@ -259,12 +259,10 @@ def _memo_key(f, x, out, device, x_buffer, out_buffer, values: tuple) -> Optiona
     out_key = None if out is None else x_key if out is x else array_key(out)
     hooks = current_hooks()
     compute, computes = compute_identity(f)
+    # (not hashed here: an unhashable key, an output spec holding a list say, is one the memo
+    # finds nothing under and keeps nothing under)
     key = (compute, id(device), id(x_buffer), id(out_buffer), id(hooks), x_key, out is x, out_key, plain, types,
            None if output is None else tagged(output), POOLED_OUT)
-    try:
-        hash(key)
-    except TypeError:
-        return None
     return (device, key, (*computes, device, x_buffer, out_buffer, hooks),
             (getattr(f, "sim_seconds", None), device.hardware))
 
@@ -289,9 +287,9 @@ def _unpooled(x: np.ndarray, out: Optional[np.ndarray]) -> bool:
     return host_pool.device_of(x) is None and (out is None or out is x or host_pool.device_of(out) is None)
 
 
-def _closed(dev: Device, *buffers) -> bool:
+def _closed(dev: Device, x_buffer: Optional[HostBuffer], out_buffer: Optional[HostBuffer]) -> bool:
     """Whether ``dev`` or a given buffer was closed since (the full path then says so)."""
-    return dev.closed or any(b is not None and b.closed for b in buffers)
+    return dev.closed or (x_buffer is not None and x_buffer.closed) or (out_buffer is not None and out_buffer.closed)
 
 
 def one_device(device: Any, many: "list | None", x: np.ndarray, out: np.ndarray, fresh_out: bool) -> Device:
@@ -445,7 +443,7 @@ def run_prepared(f, x, out, fresh_out: bool, call: PreparedCall, profile: bool, 
     refuse_inside((call.device,), "stream_map")
     # Ctrl-C is taken inside the call's steps only: never between taking an engine and parking
     # or closing it, nor while registrations are made or dropped (sigint.py)
-    with shielded():
+    with shielded() as shield:
         registered: list = []
         try:
             registered, arrays = pinned_arrays(call.device, call.strategy, x, out, fresh_out, call.x_buffer,
@@ -456,7 +454,7 @@ def run_prepared(f, x, out, fresh_out: bool, call: PreparedCall, profile: bool, 
             if eng is None:  # the engine gets its own copy of the options: a memo entry is shared
                 eng = make_engine(call.kind, f, call.layout, dict(call.opts), arrays)
             chunks = eng.n_chunks  # before the call: a first call that finds the job compute-bound tapers the next
-            run_call(eng, arrays, profile)
+            run_call(eng, arrays, profile, shield)
             report = eng.report() if profile else None
             if key is not None and eng.park():
                 warm.WARM.park(key, eng)
@@ -486,9 +484,10 @@ def refuse_inside(devices, who: str) -> None:
                                f"returned (after the call whose f this is), or on another device")
 
 
-def run_call(engine: Engine, arrays: Arrays, profile: bool) -> None:
-    """One call of a whole-array job on ``engine``; if it raises (any BaseException, Ctrl-C
-    included) the engine is settled and closed first, so nothing still touches the arrays.
+def run_call(engine: Engine, arrays: Arrays, profile: bool, shield: Optional[Shield]) -> None:
+    """One call of a whole-array job on ``engine``, made inside a :func:`shielded` block whose
+    shield is ``shield`` (None where the call is left alone); if it raises (any BaseException,
+    Ctrl-C included) the engine is settled and closed first, so nothing still touches the arrays.
     Ctrl-C is taken only between steps, and not while settling (see sigint.py). A StageError
     raised gets its ``rows`` from the engine that ran the chunks: a compute-bound job's chunks
     are tapered (planned, or measured by a first call), so its index times the rows of a chunk
@@ -496,21 +495,20 @@ def run_call(engine: Engine, arrays: Arrays, profile: bool) -> None:
     hooks = current_hooks()
     if hooks.on_engine is not None:
         hooks.on_engine(engine)
-    with shielded() as shield:
-        try:
-            engine.run(arrays, profile=profile)
-        except BaseException as exc:
-            if shield is not None:
-                shield.settle()
-            engine.fail(exc)  # settled and closed; never masks exc
-            if isinstance(exc, StageError) and exc.rows is None:
-                try:
-                    exc.rows = engine.chunk_rows(exc.index)
-                except Exception:  # noqa: BLE001 - rows not known are None, never the call's error
-                    pass
-            raise
-        finally:
-            _leave_tokens(arrays)
+    try:
+        engine.run(arrays, profile=profile)
+    except BaseException as exc:
+        if shield is not None:
+            shield.settle()
+        engine.fail(exc)  # settled and closed; never masks exc
+        if isinstance(exc, StageError) and exc.rows is None:
+            try:
+                exc.rows = engine.chunk_rows(exc.index)
+            except Exception:  # noqa: BLE001 - rows not known are None, never the call's error
+                pass
+        raise
+    finally:
+        _leave_tokens(arrays)
 
 
 def _leave_tokens(arrays: Arrays) -> None:
