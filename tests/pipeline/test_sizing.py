@@ -238,20 +238,37 @@ def _raises_below_a_whole_chunk(nbytes: int) -> float:
     return 1e-3
 
 
+def _shorter_below_half_a_chunk(nbytes: int) -> float:
+    return 1e-3 if nbytes >= 2 * MiB else 1e-4
+
+
 @pytest.mark.parametrize("cost, fixed", [
     (None, False), (1e-3, True), (lambda nbytes: 1e-3, True), (lambda nbytes: 1e-3 + 0 * nbytes, True),
     (lambda nbytes: nbytes * 1e-9, False), (lambda nbytes: 1e-3 + nbytes * 1e-12, False),
-    (_raises_below_a_whole_chunk, False), (lambda nbytes: float("nan") if nbytes < 4 * MiB else 1e-3, False)],
-    ids=["none", "seconds", "constant-function", "constant-expression", "per-byte", "affine", "raises-at-half",
-         "refused-at-half"])
-def test_a_cost_is_fixed_when_a_chunk_and_half_of_it_take_the_same_time(cost, fixed):
+    (_raises_below_a_whole_chunk, False), (lambda nbytes: float("nan") if nbytes < 4 * MiB else 1e-3, False),
+    (_shorter_below_half_a_chunk, False)],
+    ids=["none", "seconds", "constant-function", "constant-expression", "per-byte", "affine", "raises-short",
+         "refused-short", "same-at-half-shorter-below"])
+def test_a_cost_is_fixed_when_a_chunk_and_the_shortest_taper_chunk_take_the_same_time(cost, fixed):
     """A number is one time for any chunk; a function counts as one when it gives a chunk of the
-    bytes asked about and one of half as many the same seconds (the first halving a taper makes).
-    A function that raises, or gives no valid seconds, at either size is not known to be fixed."""
+    bytes asked about and the taper's shortest chunk the same seconds: one that gives half a
+    chunk a whole one's time but less to shorter chunks is tapered. A function that raises, or
+    gives no valid seconds, at either size is not known to be fixed."""
     f = mock.Mock(spec=["sim_seconds"], sim_seconds=cost)
-    assert sizing.fixed_cost(f, 4 * MiB) is fixed
-    if callable(cost):
-        assert sizing.fixed_cost(f, 1) is False  # one byte cannot be halved: no second size to compare
+    assert sizing.fixed_cost(f, 4 * MiB, MiB // 2) is fixed
+    if callable(cost):  # no shorter chunk: nothing to compare
+        assert sizing.fixed_cost(f, 4 * MiB, 4 * MiB) is False and sizing.fixed_cost(f, 1, 0) is False
+
+
+def test_a_cost_the_same_for_half_a_chunk_but_shorter_below_is_tapered():
+    """The taper's shortest chunks have shorter kernels than whole ones, though its first halving
+    does not: the job is tapered, and its result right."""
+    def stepped(x, y):
+        _doubled(x, y)
+
+    stepped.sim_seconds = lambda nbytes: 3 * _copy_s(4 * MiB) * (1.0 if nbytes >= 2 * MiB else nbytes / (4 * MiB))
+    rep, _ = _report_and_seconds(stepped, _pinned(64 * MiB, 10))
+    assert rep.chunks == 3 + 14 + 1 + 3 and rep.timeline.meta["compute_lanes"] == 2
 
 
 def test_a_compute_whose_cost_function_returns_one_time_is_not_tapered():

@@ -255,22 +255,21 @@ def planned_compute_bound(device: Device, compute: Callable, in_bytes: int, out_
     return is_compute_bound(kernel, *_copy_seconds(device.hardware, in_bytes, out_bytes))
 
 
-def fixed_cost(compute: Callable, nbytes: int) -> bool:
-    """Whether the compute declares one kernel time for chunks of ``nbytes`` and shorter: its
-    ``sim_seconds`` is a number, or a function of a chunk's bytes that returns the same seconds
-    for ``nbytes`` and for half as many (rounded down: about the first halving a :func:`taper` makes).
-    False without a cost, for ``nbytes`` below 2 (no second size to compare), and where the
+def fixed_cost(compute: Callable, nbytes: int, shortest: int) -> bool:
+    """Whether the compute declares one kernel time for chunks from ``shortest`` bytes (the
+    shortest chunk a :func:`taper` would make) to ``nbytes``: its ``sim_seconds`` is a number, or
+    a function of a chunk's bytes that returns the same seconds at both sizes (a cost that does
+    not fall as a chunk grows is then the same for every chunk between). False without a cost,
+    where ``shortest`` is not below ``nbytes`` (no shorter chunk to compare), and where the
     function raises or returns no valid seconds at either size (the job's own reads of it report
     that). A function is called at most twice; an interrupt it raises propagates."""
     cost = getattr(compute, "sim_seconds", None)
     if cost is None or not callable(cost):
         return cost is not None
-    if nbytes < 2:
+    if not 0 < shortest < nbytes:
         return False
-    # two sizes, not a proof: a function equal at a chunk and at its half gains nothing from the
-    # first halving, and a taper's later halvings are shorter still
     try:
-        return sim_seconds_for(cost, nbytes) == sim_seconds_for(cost, nbytes // 2)
+        return sim_seconds_for(cost, nbytes) == sim_seconds_for(cost, shortest)
     except ValueError:  # (sim_seconds_for's: the function raised, or gave no seconds)
         return False
 
@@ -307,8 +306,8 @@ def taper(rows: int, row_bytes: int, *, kernel_s: Optional[float] = None,
     last result leave before the last kernel ends; those two copies and the last kernel overlap
     nothing else. Short chunks at the ends shorten them; whole chunks between keep the
     per-chunk costs of the rest as they were. A compute whose declared cost is one time for a
-    chunk and for half of it (:func:`fixed_cost`) is not tapered at all: no shorter chunk has a
-    shorter kernel."""
+    chunk and for the taper's shortest chunk (:func:`fixed_cost`) is not tapered at all: no shorter
+    chunk has a shorter kernel."""
     head = []
     r = rows // 2
     while (len(head) < TAPER_STEPS and r >= 1 and r * row_bytes >= TAPER_MIN_BYTES

@@ -115,8 +115,9 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
             since their kernels are short and start together; for a compute-bound job (a
             chunk's kernel at least twice its longer copy) two; else one. A compute-bound job's
             first and last chunks are also tapered (shorter), unless ``f.sim_seconds`` is a
-            number, or a function that returns the same seconds for a chunk and for half of it:
-            that is its kernel's time for a shorter chunk too, which a taper would not shorten.
+            number, or a function that returns the same seconds for a chunk and for the taper's
+            shortest chunk: that is its kernel's time for a shorter chunk too, which a taper would
+            not shorten.
             The kernel's time comes from ``f.sim_seconds`` when ``f`` states it, else
             the direct engine times one chunk of its first call and plans the later ones
             (docs/design.md, "Compute-bound jobs"). The scheduled engine uses one stream.
@@ -837,9 +838,11 @@ class MapLayout:
         rows = min(max(1, slot // widest), x.shape[0])  # a chunk is never larger than the array
         bound = planned_compute_bound(dev, f, rows * row_bytes, rows * out_row_bytes)
         # a taper shortens the ends only where a shorter chunk has a shorter kernel: a fixed cost (a
-        # number, or a function that gives a half chunk a whole one's time) is the same for a short
-        # chunk, so a taper would add kernels of that length and shorten none
-        head = taper(rows, widest) if bound and not fixed_cost(f, rows * row_bytes) else ()
+        # number, or a function that gives the taper's shortest chunk a whole one's time) is the
+        # same for a short chunk, so a taper would add kernels of that length and shorten none
+        head = taper(rows, widest) if bound else ()
+        if head and fixed_cost(f, rows * row_bytes, head[0] * row_bytes):
+            head = ()
         return cls(dev, row_bytes, rows, x.shape[0], x.shape[1:], x.dtype, strategy, out_row_bytes, out.shape[1:],
                    out.dtype, in_place, compute_bound=bound, taper=head)
 
