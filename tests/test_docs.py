@@ -80,6 +80,16 @@ def test_headline_figures_are_the_measured_ones(page, start, ours, ref, digits):
     assert cells[3] == f"{ours / ref:.2f}"
 
 
+def test_the_table_of_every_run_against_the_cpp_program_is_the_results():
+    from ringflow._bench.rounds import rounds_table
+
+    text = (DOCS / "performance.md").read_text()
+    after = text.split("## Every run against the C++ program", 1)[1].splitlines()
+    start = next(i for i, line in enumerate(after) if line.startswith("|"))
+    end = next(i for i in range(start, len(after)) if not after[i].startswith("|"))
+    assert "\n".join(after[start:end]) == rounds_table(RESULTS)
+
+
 def _feed(file: str) -> tuple[float, float]:
     """ringflow's ms a batch with worker processes, and the DataLoader's."""
     rows = json.loads((RESULTS / file).read_text())["workloads"]["feed"]["rows"]
