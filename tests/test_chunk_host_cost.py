@@ -37,9 +37,21 @@ def test_the_median_of_the_pairs_is_kept_and_a_figure_is_never_below_zero(monkey
     assert chunk_host_cost._per_chunk(slower_short_call, 1) > 0
 
 
-def test_both_engines_are_measured_and_nothing_is_left_on_the_device():
+def test_every_engine_is_measured_and_nothing_is_left_on_the_device(monkeypatch):
     """The measurement runs in the user's process when a GPU is calibrated on first use: it keeps
-    no engine warm (their streams, events and device memory would stay until the process ends)."""
+    no engine warm (their streams, events and device memory would stay until the process ends).
+    Three figures: the scheduler staging pageable arrays, the scheduler on pinned buffers
+    (engine="pipeline") and the direct engine on the same buffers."""
+    from ringflow import _pipeline
+
+    calls = []
+    real = _pipeline.stream_map
+
+    def recorded(f, x, out, **kw):
+        calls.append((kw.get("host"), kw.get("engine"), kw.get("x_buffer") is not None, kw.get("keep_warm")))
+        return real(f, x, out, **kw)
+
+    monkeypatch.setattr(_pipeline, "stream_map", recorded)
     dev = rf.device("sim")
     try:
         got = chunk_host_cost.chunk_host_seconds(dev, repeats=1)
@@ -48,8 +60,10 @@ def test_both_engines_are_measured_and_nothing_is_left_on_the_device():
         assert live.pooled_host_buffers == 0  # nothing kept in ringflow.host's pool either
     finally:
         dev.close()
-    assert set(got) == {"staged", "direct"}
+    assert set(got) == {"staged", "scheduled", "direct"}
     assert all(0 < s < 0.1 for s in got.values()), got
+    assert set(calls) == {("stage", None, False, False), (None, "pipeline", True, False),
+                          (None, "direct", True, False)}
 
 
 def test_wrong_results_are_an_error_not_a_figure(monkeypatch):
@@ -63,9 +77,10 @@ def test_wrong_results_are_an_error_not_a_figure(monkeypatch):
         dev.close()
 
 
-def test_the_direct_engine_is_timed_on_pinned_memory_whatever_the_pool_hands_out(monkeypatch):
+def test_the_pinned_engines_are_timed_on_pinned_memory_whatever_the_pool_hands_out(monkeypatch):
     """ringflow.host's pool hands out pageable memory once its budget is spent: the direct engine
-    could not run on that, and doctor --save failed at its last step."""
+    could not run on that, and doctor --save failed at its last step; the scheduler's unstaged
+    figure is taken on the same pinned buffers."""
     import numpy as np
 
     from ringflow import _host
@@ -73,7 +88,8 @@ def test_the_direct_engine_is_timed_on_pinned_memory_whatever_the_pool_hands_out
     monkeypatch.setattr(_host, "empty", lambda shape, dtype=np.float64, *, device=None: np.empty(shape, dtype))
     dev = rf.device("sim")
     try:
-        assert chunk_host_cost.chunk_host_seconds(dev, repeats=1)["direct"] > 0
+        got = chunk_host_cost.chunk_host_seconds(dev, repeats=1)
+        assert got["direct"] > 0 and got["scheduled"] > 0
     finally:
         dev.close()
 

@@ -346,6 +346,7 @@ def test_gpu_calibration_measures_every_figure_of_a_profile(tmp_path):
     assert [t for t, _ in profile.staging_GBps] == [t for t, _ in profile.host_copy_GBps]
     assert all(0.1 < rate < profile.host_copy_rate(t) for t, rate in profile.staging_GBps)
     assert 0 < profile.direct_chunk_host_s < profile.staged_chunk_host_s < 0.05  # seconds a chunk
+    assert 0 < profile.scheduled_chunk_host_s < 0.05
 
 
 # -- saving a hardware profile (--save), with fake measurements ---------------------------------------------------------
@@ -358,7 +359,7 @@ def fake_model_measurements():
             "staging_GBps": [[1, 2.9], [4, 8.2], [8, 12.1], [16, 13.9]], "seconds": 2.5}
 
 
-FAKE_CHUNK_HOST_SECONDS = {"staged": 512.5e-6, "direct": 71.25e-6}
+FAKE_CHUNK_HOST_SECONDS = {"staged": 512.5e-6, "scheduled": 164.25e-6, "direct": 71.25e-6}
 
 
 class FullCudaDevice(FakeCudaDevice):
@@ -405,8 +406,10 @@ def test_save_writes_a_profile_of_the_measurements_that_round_trips(fake_calibra
     assert p.duplex_GBps == 101.14 and p.pageable_h2d_GBps == 15.91234
     assert p.launch_overhead_s == 6.5e-6 and p.host_copy_GBps == ((1, 9.8), (4, 20.5), (8, 30.9), (16, 40.2))
     assert p.first_touch_GBps == ((1, 3.7), (16, 30.5)) and p.device_GBps == 4012.34
-    assert (p.staged_chunk_host_s, p.direct_chunk_host_s) == (512.5e-6, 71.25e-6)
+    assert (p.staged_chunk_host_s, p.scheduled_chunk_host_s, p.direct_chunk_host_s) == (512.5e-6, 164.25e-6, 71.25e-6)
     assert re.search(r"staged_chunk_host_s +│ 513 µs", out) and re.search(r"direct_chunk_host_s +│ 71.2 µs", out)
+    assert re.search(r"scheduled_chunk_host_s +│ 164 µs", out)
+    assert json.loads(path.read_text())["model"]["scheduled_chunk_host_s"] == 164.25e-6  # the file holds it
     assert (p.sm_count, p.async_engine_count, p.compute_capability, p.total_memory) == (132, 3, (9, 0), 150 * 10**9)
     assert not fake_calibration.exists()  # a path was given: the cache is left alone
 
@@ -598,7 +601,8 @@ def test_a_report_without_the_model_measurements_makes_no_profile():
     with pytest.raises(ValueError, match="real GPU"):
         doctor.profile_from_report(doctor.collect("sim"))
     report["model_measurements"] = dict(fake_model_measurements(), register_GBps=-3.0,  # a failed measurement
-                                        staged_chunk_host_s=5e-4, direct_chunk_host_s=7e-5)
+                                        staged_chunk_host_s=5e-4, direct_chunk_host_s=7e-5,
+                                        scheduled_chunk_host_s=1.6e-4)
     report["capabilities"] = FullCudaDevice().capabilities.as_dict()
     with pytest.raises(ValueError, match="register_GBps must be a finite number more than 0"):
         doctor.profile_from_report(report)

@@ -1141,13 +1141,15 @@ def test_a_tapered_auto_chunk_allocates_no_more_device_slots_than_the_planner_ch
 
 
 def test_choose_chunk_bytes_checks_the_schedulers_rings_for_an_unstaged_job_it_runs():
-    """``scheduler=True`` with ``host_stages=False``: the time is the unstaged job's, the device
-    rings those of the scheduler, each slot on a 256-byte boundary: on a GPU of 1100 bytes, rows
-    of 12 bytes whose results are 48 take the direct engine's packed rings in larger chunks."""
+    """``scheduler=True`` with ``host_stages=False``: the time is the unstaged job's on the
+    scheduler, the device rings those of the scheduler, each slot on a 256-byte boundary: on a GPU
+    of 1100 bytes, rows of 12 bytes whose results are 48 take the direct engine's packed rings in
+    larger chunks."""
     p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="tiny-memory", total_memory=1100)
     total = 12 * 1000
     choice = plan.choose_chunk_bytes(p, total, workers=4, out_ratio=4.0, host_stages=False, scheduler=True, align=12)
-    t, _ = plan.predict_seconds(p, total, choice.chunk_bytes, workers=4, out_ratio=4.0, host_stages=False)
+    t, _ = plan.predict_seconds(p, total, choice.chunk_bytes, workers=4, out_ratio=4.0, host_stages=False,
+                                scheduler=True)
     counts = plan.plan_slots(t).slots
     need = plan.device_ring_bytes(counts, choice.chunk_bytes, choice.chunks, out_ratio=4.0, host_stages=True)
     assert need <= p.total_memory < 2 * need
@@ -1155,6 +1157,80 @@ def test_choose_chunk_bytes_checks_the_schedulers_rings_for_an_unstaged_job_it_r
     assert direct.chunk_bytes > choice.chunk_bytes
     assert direct == plan.choose_chunk_bytes(p, total, workers=4, out_ratio=4.0, host_stages=False, scheduler=False,
                                              align=12)
+
+
+def test_an_unstaged_job_the_scheduler_runs_is_predicted_with_the_schedulers_time_per_chunk():
+    """engine="pipeline", or on_error="continue", on pinned memory: the scheduler runs the job
+    unstaged, and its host time per chunk (``scheduled_chunk_host_s``, else
+    ``SCHEDULER_S_PER_CHUNK``) bounds a run of small chunks, not the direct engine's enqueueing.
+    A profile whose scheduler is slow lengthens that prediction by its chunks times the figure,
+    and leaves the direct engine's prediction as it was."""
+    base = plan.get_profile("h200-pcie5")
+    slow = dataclasses.replace(base, name="slow-scheduler", scheduled_chunk_host_s=1e-3)
+    total, chunk = 64 * MiB, 64 << 10
+    chunks = total // chunk
+    t, scheduled = plan.predict_seconds(slow, total, chunk, host_stages=False, scheduler=True)
+    assert t.scheduler == 1e-3 and t.bottleneck == "scheduler (host)"
+    assert scheduled == pytest.approx(chunks * 1e-3, rel=0.01)
+    direct = plan.predict_seconds(base, total, chunk, host_stages=False)
+    assert plan.predict_seconds(slow, total, chunk, host_stages=False) == direct
+    assert plan.predict_seconds(slow, total, chunk, host_stages=False, scheduler=False) == direct
+    assert direct[0].scheduler == plan.DIRECT_S_PER_CHUNK
+    # without a measured figure, the scheduler's fit, with no pool hand-offs
+    fit, _ = plan.predict_seconds(base, total, chunk, host_stages=False, scheduler=True)
+    assert fit.scheduler == plan.SCHEDULER_S_PER_CHUNK
+    # the chunk choice weighs the same figure: fewer, larger chunks than the direct engine's
+    on_direct = plan.choose_chunk_bytes(slow, 16 * MiB, host_stages=False)
+    on_scheduler = plan.choose_chunk_bytes(slow, 16 * MiB, host_stages=False, scheduler=True)
+    assert on_scheduler.chunks < on_direct.chunks
+    assert dict((c, s) for c, _, s in on_scheduler.table)[64 << 10] == pytest.approx(256 * 1e-3, rel=0.01)
+    many = plan.predict_devices(slow, total, chunk, 2, host_stages=False, scheduler=True)
+    assert many.one_device_s == scheduled and many.per_device_s == pytest.approx(scheduled / 2, rel=0.01)
+
+
+def test_the_host_time_per_chunk_is_that_of_the_engine_and_its_staging():
+    """Three cases, each the profile's measured figure or the planner's fit: the scheduler
+    staging, the scheduler unstaged, the direct engine. Only the scheduler stages."""
+    base = plan.get_profile("h200-pcie5")
+    assert plan.host_seconds_per_chunk(base, True) == pytest.approx(
+        plan.SCHEDULER_S_PER_CHUNK + 2 * plan.SCHEDULER_S_PER_HOST_TASK)
+    assert plan.host_seconds_per_chunk(base, True, scheduler=True) == plan.host_seconds_per_chunk(base, True)
+    assert plan.host_seconds_per_chunk(base, False, scheduler=True) == plan.SCHEDULER_S_PER_CHUNK
+    assert plan.host_seconds_per_chunk(base, False) == plan.DIRECT_S_PER_CHUNK
+    assert plan.host_seconds_per_chunk(base, False, scheduler=False) == plan.DIRECT_S_PER_CHUNK
+    measured = dataclasses.replace(base, name="measured", staged_chunk_host_s=5e-4, scheduled_chunk_host_s=2e-4,
+                                   direct_chunk_host_s=7e-5)
+    assert [plan.host_seconds_per_chunk(measured, stages, scheduler=runs)
+            for stages, runs in ((True, None), (False, True), (False, None))] == [5e-4, 2e-4, 7e-5]
+    with pytest.raises(ValueError, match="only the scheduler stages"):
+        plan.host_seconds_per_chunk(base, True, scheduler=False)
+    with pytest.raises(ValueError, match="only the scheduler stages"):
+        plan.predict_seconds(base, MiB, MiB, host_stages=True, scheduler=False)
+    with pytest.raises(ValueError, match="only the scheduler stages"):
+        plan.choose_chunk_bytes(base, MiB, host_stages=True, scheduler=False)
+
+
+@pytest.mark.parametrize("options", [{"engine": "pipeline"}, {"on_error": "continue"}],
+                         ids=["engine-pipeline", "on-error-continue"])
+def test_stream_map_plans_an_unstaged_job_on_the_scheduler_with_its_time_per_chunk(options):
+    """stream_map(chunk_bytes="auto") of pinned memory that the scheduler runs: the chunk is the
+    one planned with the scheduler's time per chunk, fewer chunks than the direct engine's where
+    that time is long."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-scheduler", scheduled_chunk_host_s=1e-3)
+    dev = rf.device("sim", profile=p)
+
+    def f(x, y):
+        np.multiply(x, 2, out=y)
+
+    f.sim_seconds = 0.0
+    x = rf.host.empty(16 * MiB // 4, np.float32, device=dev)
+    x[:] = np.arange(x.size)
+    want = plan.choose_chunk_bytes(p, x.nbytes, host_stages=False, scheduler=True, align=4)
+    assert want.chunks < plan.choose_chunk_bytes(p, x.nbytes, host_stages=False, align=4).chunks
+    y, report = rf.stream_map_report(f, x, rf.host.empty_like(x), device=dev, chunk_bytes="auto", keep_warm=False,
+                                     **options)
+    np.testing.assert_array_equal(y, x * 2)
+    assert report.chunks == want.chunks
 
 
 @pytest.mark.parametrize("count, slot", [(1, 180), (3, 180), (3, 256), (4, 257), (3, 7), (2, 1 << 20)])

@@ -1,10 +1,11 @@
-"""The host's time per chunk of ringflow's two engines, measured on a device.
+"""The host's time per chunk of ringflow's engines, measured on a device.
 
 A long run of small chunks is bound by the host, not the GPU: the scheduled engine's enqueues,
-event queries and hand-offs to its CPU workers when it stages, or the direct engine's
-enqueueing when the copy engines use the caller's pinned memory. The planner counts that time
-as a resource of its own (``_plan.host_seconds_per_chunk``), and how long it is depends on the
-host's CPU, not the GPU. ``ringflow doctor --save`` measures it here and writes it into the
+event queries and hand-offs to its CPU workers when it stages, the same engine's enqueues and
+event queries when it runs a job on the caller's pinned memory (``engine="pipeline"``), or the
+direct engine's enqueueing on that memory. The planner counts that time as a resource of its
+own (``_plan.host_seconds_per_chunk``), and how long it is depends on the host's CPU, not the
+GPU. ``ringflow doctor --save`` measures it here and writes it into the
 hardware profile, so each machine plans with its own figure.
 
 Each figure is the difference between two calls over the same small chunks, one five times as
@@ -54,9 +55,11 @@ def chunk_host_seconds(dev: Any, *, repeats: int = 3) -> dict[str, float]:
         repeats: timed pairs of calls per engine (the median is kept); at least 1.
 
     Returns:
-        ``{"staged": s, "direct": s}``: ``staged`` for ordinary (pageable) numpy arrays staged
-        through pinned rings by the scheduled engine and its CPU workers (``host="stage"``),
-        ``direct`` for pinned arrays the direct engine hands to the copy engines in place.
+        ``{"staged": s, "scheduled": s, "direct": s}``: ``staged`` for ordinary (pageable) numpy
+        arrays staged through pinned rings by the scheduled engine and its CPU workers
+        (``host="stage"``), ``scheduled`` for pinned arrays the scheduled engine hands to the copy
+        engines in place (``engine="pipeline"``), ``direct`` for pinned arrays the direct engine
+        hands to them in place. Each is more than 0.
 
     Raises:
         ValueError: ``repeats`` is below 1.
@@ -84,13 +87,16 @@ def chunk_host_seconds(dev: Any, *, repeats: int = 3) -> dict[str, float]:
             stream_map(_copy, x[:chunks * per_chunk], y[:chunks * per_chunk], device=dev, chunk_bytes=CHUNK_BYTES,
                        host="stage", keep_warm=False)
 
-        def direct(chunks: int) -> None:
-            # (fresh views each call: a buffer's view is a host access at the moment it is taken)
-            stream_map(_copy, x_buffer.view(np.float32, count=chunks * per_chunk),
-                       y_buffer.view(np.float32, count=chunks * per_chunk), device=dev, chunk_bytes=CHUNK_BYTES,
-                       x_buffer=x_buffer, out_buffer=y_buffer, engine="direct", keep_warm=False)
+        def pinned(engine: str) -> Callable[[int], None]:
+            def run(chunks: int) -> None:
+                # (fresh views each call: a buffer's view is a host access at the moment it is taken)
+                stream_map(_copy, x_buffer.view(np.float32, count=chunks * per_chunk),
+                           y_buffer.view(np.float32, count=chunks * per_chunk), device=dev, chunk_bytes=CHUNK_BYTES,
+                           x_buffer=x_buffer, out_buffer=y_buffer, engine=engine, keep_warm=False)
+            return run
 
-        result = {"staged": _per_chunk(staged, repeats), "direct": _per_chunk(direct, repeats)}
+        result = {"staged": _per_chunk(staged, repeats), "scheduled": _per_chunk(pinned("pipeline"), repeats),
+                  "direct": _per_chunk(pinned("direct"), repeats)}
         if not (np.array_equal(y, x) and np.array_equal(y_buffer.view(np.float32, access="r"), x)):
             raise RuntimeError("the host-time measurement's chunks came back different from what went in: "
                                "this GPU or its driver is not copying correctly; run ringflow doctor to check it")

@@ -399,6 +399,7 @@ def _measure_gpu(dev, *, repeats: int, say: Callable[[str], None], model: bool) 
         say(f"measuring the host's time per chunk of ringflow's engines on {dev.name}")
         per_chunk = chunk_host_seconds(dev, repeats=max(3, repeats // 2))
         mm["staged_chunk_host_s"], mm["direct_chunk_host_s"] = per_chunk["staged"], per_chunk["direct"]
+        mm["scheduled_chunk_host_s"] = per_chunk["scheduled"]
     return out
 
 
@@ -456,6 +457,7 @@ def profile_from_report(report: dict[str, Any]):
             staging_GBps=mm["staging_GBps"],
             staged_chunk_host_s=mm["staged_chunk_host_s"],
             direct_chunk_host_s=mm["direct_chunk_host_s"],
+            scheduled_chunk_host_s=mm["scheduled_chunk_host_s"],
             async_engine_count=caps["async_engine_count"],
             sm_count=caps["sm_count"],
             compute_capability=tuple(caps["compute_capability"]),

@@ -487,8 +487,10 @@ def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbyte
 
 # The host's costs per chunk, parameters of the chunk-size model. Each was fitted to profiled runs
 # on the H200; docs/design.md ("Calibration notes") gives the runs and the fits. A profile that
-# measured its host's time per chunk replaces the first three (host_seconds_per_chunk).
-# The scheduler's time per chunk: enqueues, event queries, pool hand-offs.
+# measured its host's time per chunk of an engine replaces that engine's fit (host_seconds_per_chunk).
+# The scheduler's time per chunk: enqueues, event queries, pool hand-offs. It is the whole of the
+# scheduler's cost for a job it runs unstaged (engine="pipeline", or on_error="continue", on pinned
+# memory).
 SCHEDULER_S_PER_CHUNK = 140e-6
 # Each CPU stage a chunk runs on the worker pool (staging's copy in and copy out) adds a hand-off
 # to a worker and back, and its completion, to the scheduler's time per chunk.
@@ -512,16 +514,40 @@ HOST_LOAD_MARGIN = 2.0
 QUEUED_COPY_OVERHEAD_S = 8e-6
 
 
-def host_seconds_per_chunk(profile: "str | HardwareProfile", host_stages: bool) -> float:
-    """The host's time per chunk (seconds): the scheduler's, with two pool tasks, when staging;
-    the direct engine's enqueueing without. The profile's measured figure where it has one
-    (``staged_chunk_host_s``, ``direct_chunk_host_s``: ``ringflow doctor --save``), else the
-    fit above."""
+def host_seconds_per_chunk(profile: "str | HardwareProfile", host_stages: bool, *,
+                           scheduler: Optional[bool] = None) -> float:
+    """The host's time per chunk (seconds) of the engine that runs a job, which the prediction
+    counts as a resource of its own.
+
+    Three cases: the scheduler staging (``host_stages``: its enqueues, event queries and the
+    hand-offs of two pool tasks), the scheduler not staging (``scheduler`` without
+    ``host_stages``: ``engine="pipeline"``, or ``on_error="continue"``, on pinned memory; its
+    enqueues and event queries), and the direct engine (neither: its enqueueing). Each is the
+    profile's measured figure where it has one (``staged_chunk_host_s``,
+    ``scheduled_chunk_host_s``, ``direct_chunk_host_s``: ``ringflow doctor --save``), else the
+    fit above (``SCHEDULER_S_PER_CHUNK + 2 * SCHEDULER_S_PER_HOST_TASK``,
+    ``SCHEDULER_S_PER_CHUNK``, ``DIRECT_S_PER_CHUNK``).
+
+    Args:
+        profile: a profile, or its name or file.
+        host_stages: whether the job stages its arrays through pinned rings on the host.
+        scheduler: whether the scheduler runs the job; None: as ``host_stages`` says (the
+            scheduler runs every staged job, the direct engine an unstaged one by default).
+
+    Raises:
+        ValueError: ``host_stages`` with ``scheduler=False`` (only the scheduler stages).
+    """
+    scheduled = host_stages if scheduler is None else bool(scheduler)
+    if host_stages and not scheduled:
+        raise ValueError("host_stages=True needs scheduler=True or None: only the scheduler stages a job")
     p = get_profile(profile)
-    measured = p.staged_chunk_host_s if host_stages else p.direct_chunk_host_s
-    if measured is not None:
-        return measured
-    return SCHEDULER_S_PER_CHUNK + 2 * SCHEDULER_S_PER_HOST_TASK if host_stages else DIRECT_S_PER_CHUNK
+    if host_stages:
+        measured, fit = p.staged_chunk_host_s, SCHEDULER_S_PER_CHUNK + 2 * SCHEDULER_S_PER_HOST_TASK
+    elif scheduled:
+        measured, fit = p.scheduled_chunk_host_s, SCHEDULER_S_PER_CHUNK
+    else:
+        measured, fit = p.direct_chunk_host_s, DIRECT_S_PER_CHUNK
+    return fit if measured is None else measured
 
 
 def queued_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, compute: Optional[float],
@@ -559,23 +585,31 @@ def queued_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, co
 def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_bytes: int, *,
                     compute_s_per_byte: Optional[float] = 0.0, workers: int = 1,
                     host_stages: bool = True, out_ratio: float = 1.0,
-                    compute_s_per_chunk: Optional[float] = 0.0) -> tuple[StageTimes, float]:
+                    compute_s_per_chunk: Optional[float] = 0.0,
+                    scheduler: Optional[bool] = None) -> tuple[StageTimes, float]:
     """(per-chunk stage times, predicted wall seconds) of streaming ``total_bytes`` in chunks of
     ``chunk_bytes``: the bound of the five stages (:func:`queued_stage_times`) plus the host's
     time per chunk as a sixth resource (it overlaps the GPU until it becomes the bottleneck with
     small chunks). The host stages copy at the profile's ``staging_copy_rate`` (their copies,
     the fresh output's first touch and the GPU's copies share the host's memory), so a staged
     prediction is about :func:`staging_floor_seconds` at the least. With
-    ``host_stages=False`` the copy engines use the caller's pinned memory (no staging: the
+    ``host_stages=False`` the copy engines use the caller's pinned memory (no staging).
+    ``scheduler``: whether the scheduler runs the job, which sets the host's time per chunk
+    (:func:`host_seconds_per_chunk`); None: as ``host_stages`` says (an unstaged job on the
     direct engine). ``out_ratio``: result bytes per input byte (the copy back and the consume
     move that many). A chunk's kernel takes ``compute_s_per_chunk`` plus ``compute_s_per_byte``
     for each of its input bytes; with both None the compute declares no cost (no ``sim_seconds``),
     and its kernel takes what the simulated GPU charges such a launch
-    (``HardwareProfile.kernel_seconds`` of the chunk's input and result bytes)."""
+    (``HardwareProfile.kernel_seconds`` of the chunk's input and result bytes).
+
+    Raises:
+        ValueError: ``host_stages`` with ``scheduler=False`` (only the scheduler stages).
+    """
     p = get_profile(profile)
     n = -(-total_bytes // chunk_bytes)
     t = queued_stage_times(p, chunk_bytes, compute=kernel_cost(compute_s_per_chunk, compute_s_per_byte, chunk_bytes),
-                           workers=workers, out_ratio=out_ratio, scheduler=host_seconds_per_chunk(p, host_stages))
+                           workers=workers, out_ratio=out_ratio,
+                           scheduler=host_seconds_per_chunk(p, host_stages, scheduler=scheduler))
     if not host_stages:
         t = dataclasses.replace(t, prepare=p.host_task_overhead_s, consume=p.host_task_overhead_s)
     return t, predicted_total(t, n)
@@ -651,7 +685,8 @@ class DevicesPrediction:
 
 def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_bytes: "int | str", devices: int, *,
                     compute_s_per_byte: float = 0.0, workers: int = 1, host_stages: bool = True,
-                    row_bytes: int = 1, out_ratio: float = 1.0) -> DevicesPrediction:
+                    row_bytes: int = 1, out_ratio: float = 1.0,
+                    scheduler: Optional[bool] = None) -> DevicesPrediction:
     """The time ``devices`` GPUs of one host should take for a job of ``total_bytes`` in rows of
     ``row_bytes``, its rows split as the shards split them (:func:`split_rows`: evenly, each
     boundary moved to a chunk's edge where one is within an eighth of a chunk).
@@ -677,12 +712,13 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     share's bytes, as a whole-array job over several devices plans one for a shard's share
     (``sharded.plan_shards``), and the job on one GPU in the chunk it picks for the whole job.
     ``row_bytes``: the bytes of a row (of the input, along the axis the job is cut on); the
-    default, a row of a byte, splits the job's bytes.
+    default, a row of a byte, splits the job's bytes. ``scheduler``: whether the scheduler runs
+    each shard (as :func:`predict_seconds` takes it); None: as ``host_stages`` says.
 
     Raises:
         ValueError: ``devices`` or ``row_bytes`` is not an int >= 1, ``total_bytes`` is not a
-            whole number of rows, or a given ``chunk_bytes`` is smaller than a row (each message
-            names the argument).
+            whole number of rows, a given ``chunk_bytes`` is smaller than a row (each message
+            names the argument), or ``host_stages`` with ``scheduler=False``.
     """
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be an int >= 1, got {devices!r}")
@@ -701,7 +737,8 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     if chunk_bytes == "auto":
         def chunk_for(nbytes: int) -> int:
             return choose_chunk_bytes(p, nbytes, compute_s_per_byte=compute_s_per_byte, workers=workers,
-                                      host_stages=host_stages, align=row_bytes, out_ratio=out_ratio).chunk_bytes
+                                      host_stages=host_stages, align=row_bytes, out_ratio=out_ratio,
+                                      scheduler=scheduler).chunk_bytes
 
         chunk_bytes, share_chunk = chunk_for(total_bytes), chunk_for(share)
     else:
@@ -711,9 +748,9 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     # as long as its largest shard, which may be a little more than the even share
     share = max(b - a for a, b in split_rows(rows, devices, share_chunk // row_bytes)) * row_bytes
     _, per_device = predict_seconds(p, share, share_chunk, compute_s_per_byte=compute_s_per_byte,
-                                    workers=workers, host_stages=host_stages, out_ratio=out_ratio)
+                                    workers=workers, host_stages=host_stages, out_ratio=out_ratio, scheduler=scheduler)
     _, one = predict_seconds(p, total_bytes, chunk_bytes, compute_s_per_byte=compute_s_per_byte, workers=workers,
-                             host_stages=host_stages, out_ratio=out_ratio)
+                             host_stages=host_stages, out_ratio=out_ratio, scheduler=scheduler)
     # the host copies each input byte into pinned memory and each result byte out of it
     host_bytes = total_bytes * (1 + out_ratio)
     floor = host_bytes / (p.staging_copy_rate(workers * devices) * 1e9) if host_stages else 0.0
@@ -760,8 +797,9 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *,
     the device rings (with their slack: :func:`device_ring_bytes`, at the slot sizes of the
     engine that runs the job) the profile's ``total_memory``. ``scheduler``: whether the
     scheduler runs the job (each device slot on a :data:`SLOT_ALIGN` boundary:
-    :func:`device_slot_bytes` and :func:`ring_bytes`), as it runs every staged job and, asked to,
-    an unstaged one; None: as ``host_stages`` says. ``inplace``: the compute writes its result
+    :func:`device_slot_bytes` and :func:`ring_bytes`; the host's time per chunk the scheduler's:
+    :func:`host_seconds_per_chunk`), as it runs every staged job and, asked to, an unstaged one;
+    None: as ``host_stages`` says. ``inplace``: the compute writes its result
     over its input, so slots are planned for one device ring (:func:`device_ring_bytes`).
     When no candidate's device rings fit, smaller chunks are tried, halving (whole multiples of
     ``align``, a row's bytes), and the largest that fits is chosen (``candidates`` given: none).
@@ -770,7 +808,8 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *,
     None: a compute of no declared cost, timed as :func:`predict_seconds` times it).
 
     Raises:
-        ValueError: ``total_bytes`` is not positive; no chunk's planned pinned rings fit
+        ValueError: ``total_bytes`` is not positive; ``host_stages`` with ``scheduler=False``
+            (only the scheduler stages); no chunk's planned pinned rings fit
             ``pinned_budget``; or the device rings of no chunk (down to ``align`` bytes, or of no
             given candidate) fit the profile's ``total_memory`` (the message names chunk_bytes
             and total_memory).
@@ -806,7 +845,7 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_
         n = -(-total_bytes // c)
         t, predicted = predict_seconds(profile, total_bytes, c, compute_s_per_byte=compute_s_per_byte,
                                        workers=workers, host_stages=host_stages, out_ratio=out_ratio,
-                                       compute_s_per_chunk=compute_s_per_chunk)
+                                       compute_s_per_chunk=compute_s_per_chunk, scheduler=scheduler)
         plan = plan_slots(t, inplace=inplace)
         # each host slot at its stride as the scheduler allocates it in slots of the larger of a
         # chunk's input and result: host-in holds the input alone, host-out the result

@@ -20,7 +20,7 @@ from ringflow._device.protocol import Device
 MEASURED = dataclasses.replace(H200_PCIE5, name="nvidia-h200-580.159.04", gpu_name="NVIDIA H200",
                                driver="580.159.04", measured_at="2026-12-01T09:30:00+00:00",
                                launch_overhead_s=6.5e-6, host_copy_GBps=((1, 9.5), (2, 15.0)),
-                               staged_chunk_host_s=455e-6, direct_chunk_host_s=52e-6)
+                               staged_chunk_host_s=455e-6, direct_chunk_host_s=52e-6, scheduled_chunk_host_s=131e-6)
 
 
 @pytest.fixture
@@ -128,6 +128,8 @@ def _doc(**changes):
     ({"model.staged_chunk_host_s": "400us"}, "'model.staged_chunk_host_s' must be a number, got string"),
     ({"model.direct_chunk_host_s": float("nan")}, "'model.direct_chunk_host_s' must be a finite number"),
     ({"model.staged_chunk_host_s": 1e9}, "'model.staged_chunk_host_s' must be from 0 to 3600"),
+    ({"model.scheduled_chunk_host_s": 0}, "'model.scheduled_chunk_host_s' must be a finite number more than 0"),
+    ({"model.scheduled_chunk_host_s": "140us"}, "'model.scheduled_chunk_host_s' must be a number, got string"),
     ({"machine.pcie_link": "gen5"}, "'machine.pcie_link' must be null or an object"),
     ({"machine.pcie_link": {"GTps": 32.0}}, "missing field(s) machine.pcie_link.width"),
     # a PCIe link runs at most 128 GT/s a lane (PCIe 7.0), over 1 to 32 lanes in the widths PCIe has
@@ -145,7 +147,7 @@ def _doc(**changes):
     ({"date": "yesterday"}, "'date' must be an ISO 8601 date"),
     ({"name": ""}, "'name' must be a non-empty string"),
     ({"model": [1, 2]}, "'model' must be a JSON object"),
-    ({"schema_version": 5}, "written by a newer ringflow (schema_version 5"),
+    ({"schema_version": 6}, "written by a newer ringflow (schema_version 6"),
     ({"schema_version": "1"}, "'schema_version' must be a whole number"),
     ({"schema": "something-else"}, "not a hardware profile ('schema' is 'something-else'"),
 ])
@@ -522,6 +524,7 @@ def test_a_profile_of_schema_version_1_is_read_without_a_staging_rate():
     data = hardware.H200_PCIE5.to_dict()
     data["schema_version"] = 1
     del data["model"]["staging_GBps"], data["model"]["staged_chunk_host_s"], data["model"]["direct_chunk_host_s"]
+    del data["model"]["scheduled_chunk_host_s"]
     p = HardwareProfile.from_dict(data)
     assert p.staging_GBps is None
     assert dataclasses.replace(p, staging_GBps=hardware.H200_PCIE5.staging_GBps) == hardware.H200_PCIE5
@@ -537,7 +540,8 @@ def test_a_profile_of_schema_version_2_is_read_with_its_one_staging_rate_for_any
     data = hardware.H200_PCIE5.to_dict()
     data["schema_version"] = 2
     data["model"]["staging_GBps"] = 13.4
-    del data["model"]["staged_chunk_host_s"], data["model"]["direct_chunk_host_s"]
+    for field in ("staged_chunk_host_s", "direct_chunk_host_s", "scheduled_chunk_host_s"):
+        del data["model"][field]
     p = HardwareProfile.from_dict(data)
     assert p.staging_GBps == ((1, 13.4),)
     assert [p.staging_rate(t) for t in (1, 4, 16, 64)] == [13.4] * 4
@@ -555,7 +559,8 @@ def test_a_profile_of_schema_version_2_is_read_with_its_one_staging_rate_for_any
 def test_a_profile_of_schema_version_3_holds_its_staging_curve_or_null():
     data = hardware.H200_PCIE5.to_dict()
     data["schema_version"] = 3
-    del data["model"]["staged_chunk_host_s"], data["model"]["direct_chunk_host_s"]
+    for field in ("staged_chunk_host_s", "direct_chunk_host_s", "scheduled_chunk_host_s"):
+        del data["model"][field]
     assert data["model"]["staging_GBps"] == [list(p) for p in hardware.H200_PCIE5.staging_GBps]
     assert HardwareProfile.from_dict(data) == hardware.H200_PCIE5
     data["model"]["staging_GBps"] = None  # not measured: said so
@@ -569,9 +574,10 @@ def test_a_profile_of_schema_version_4_holds_the_hosts_time_per_chunk_or_null():
     """Version 4 added the host's measured time per chunk of each engine; a file of version 3 is
     read with it unknown (the planner then uses its fit), and one of version 4 must say it."""
     data = MEASURED.to_dict()
-    assert data["schema_version"] == 4 == hardware.SCHEMA_VERSION
+    data["schema_version"] = 4
+    del data["model"]["scheduled_chunk_host_s"]
     assert (data["model"]["staged_chunk_host_s"], data["model"]["direct_chunk_host_s"]) == (455e-6, 52e-6)
-    assert HardwareProfile.from_dict(data) == MEASURED
+    assert HardwareProfile.from_dict(data) == dataclasses.replace(MEASURED, scheduled_chunk_host_s=None)
     assert H200_PCIE5.to_dict()["model"]["staged_chunk_host_s"] is None  # built in: the planner's fit
     older = json.loads(json.dumps(data))
     older["schema_version"] = 3
@@ -580,9 +586,38 @@ def test_a_profile_of_schema_version_4_holds_the_hosts_time_per_chunk_or_null():
     del older["model"]["staged_chunk_host_s"], older["model"]["direct_chunk_host_s"]
     read = HardwareProfile.from_dict(older)
     assert (read.staged_chunk_host_s, read.direct_chunk_host_s) == (None, None)
-    assert read == dataclasses.replace(MEASURED, staged_chunk_host_s=None, direct_chunk_host_s=None)
+    assert read == dataclasses.replace(MEASURED, staged_chunk_host_s=None, direct_chunk_host_s=None,
+                                       scheduled_chunk_host_s=None)
     del data["model"]["direct_chunk_host_s"]
     with pytest.raises(ProfileError, match=r"missing field\(s\) model.direct_chunk_host_s"):
+        HardwareProfile.from_dict(data)
+
+
+def test_a_profile_of_schema_version_5_holds_the_schedulers_unstaged_time_per_chunk_or_null(tmp_path):
+    """Version 5 added the scheduler's time per chunk on pinned memory (scheduled_chunk_host_s); a
+    file of version 4 is read with it unknown, planned with the scheduler's fit, its other
+    measured figures kept; one of version 5 must say it."""
+    from ringflow import _plan as plan
+
+    data = MEASURED.to_dict()
+    assert data["schema_version"] == 5 == hardware.SCHEMA_VERSION
+    assert data["model"]["scheduled_chunk_host_s"] == 131e-6
+    assert HardwareProfile.from_dict(data) == MEASURED
+    assert H200_PCIE5.to_dict()["model"]["scheduled_chunk_host_s"] is None  # built in: the planner's fit
+    older = json.loads(json.dumps(data))
+    older["schema_version"] = 4
+    with pytest.raises(ProfileError, match=r"unknown field\(s\) model.scheduled_chunk_host_s"):
+        HardwareProfile.from_dict(older)
+    del older["model"]["scheduled_chunk_host_s"]
+    path = tmp_path / "v4.json"
+    path.write_text(json.dumps(older))
+    read = hardware.load_profile(path)
+    assert read == dataclasses.replace(MEASURED, scheduled_chunk_host_s=None)
+    assert plan.host_seconds_per_chunk(read, False, scheduler=True) == plan.SCHEDULER_S_PER_CHUNK
+    assert plan.host_seconds_per_chunk(read, False) == 52e-6 and plan.host_seconds_per_chunk(read, True) == 455e-6
+    assert plan.host_seconds_per_chunk(MEASURED, False, scheduler=True) == 131e-6
+    del data["model"]["scheduled_chunk_host_s"]
+    with pytest.raises(ProfileError, match=r"missing field\(s\) model.scheduled_chunk_host_s"):
         HardwareProfile.from_dict(data)
 
 

@@ -3,9 +3,9 @@
 A :class:`HardwareProfile` holds pinned copy bandwidth by size in each direction, both
 directions at once, pageable copies, device memory, launch / copy / event overheads, host copy
 rates by thread count, host registration and first-touch rates, the host's time per chunk of
-ringflow's two engines where it was measured, and the device's counts. A copy
-of ``n`` bytes takes ``n / bandwidth(n)``, the bandwidth read off the bandwidth-by-size curve
-(log-log interpolation), so small copies are as slow as measured.
+ringflow's engines (the scheduler staging or not, the direct engine) where it was measured, and
+the device's counts. A copy of ``n`` bytes takes ``n / bandwidth(n)``, the bandwidth read off
+the bandwidth-by-size curve (log-log interpolation), so small copies are as slow as measured.
 
 Profiles come from three places:
 
@@ -46,9 +46,9 @@ logger = logging.getLogger("ringflow")
 
 SCHEMA = "ringflow-hardware-profile"
 # 2 added staging_GBps (one rate, the most threads'; read as that rate for any number of threads);
-# 3 made it a curve by threads; 4 added staged_chunk_host_s and direct_chunk_host_s. A file of an
-# older version is read with the fields it lacks unknown (None).
-SCHEMA_VERSION = 4
+# 3 made it a curve by threads; 4 added staged_chunk_host_s and direct_chunk_host_s; 5 added
+# scheduled_chunk_host_s. A file of an older version is read with the fields it lacks unknown (None).
+SCHEMA_VERSION = 5
 CALIBRATE_VAR = "RINGFLOW_CALIBRATE"  # "1": measure a GPU with no cached profile on first use
 
 
@@ -77,8 +77,9 @@ PCIE_WIDTHS = (1, 2, 4, 8, 12, 16, 32)  # the link widths (lanes) PCIe has
 _MACHINE = ("gpu_name", "driver", "pcie_link")  # where it was measured: the JSON's "machine"
 _META = ("name", "measured_at") + _MACHINE
 # model fields that a file of an older schema version does not hold: {field: first version}
-_SINCE = {"staging_GBps": 2, "staged_chunk_host_s": 4, "direct_chunk_host_s": 4}
-_MEASURED_SECONDS = ("staged_chunk_host_s", "direct_chunk_host_s")  # seconds > 0, or None
+_SINCE = {"staging_GBps": 2, "staged_chunk_host_s": 4, "direct_chunk_host_s": 4, "scheduled_chunk_host_s": 5}
+# seconds > 0, or None
+_MEASURED_SECONDS = ("staged_chunk_host_s", "scheduled_chunk_host_s", "direct_chunk_host_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +120,12 @@ class HardwareProfile:
     staging_GBps: Optional[tuple[tuple[int, float], ...]] = None
     # The host's seconds per chunk of a long run of small chunks through ringflow's engines: the
     # scheduled engine staging pageable memory (its enqueues, event queries and hand-offs to CPU
-    # workers), and the direct engine on pinned memory (its enqueueing). The CPU's speed sets
-    # them, not the GPU's. None: not measured (the planner then uses its own fit).
+    # workers), the scheduled engine on pinned memory (engine="pipeline": its enqueues and event
+    # queries, no hand-offs), and the direct engine on pinned memory (its enqueueing). The CPU's
+    # speed sets them, not the GPU's. None: not measured (the planner then uses its own fit).
     staged_chunk_host_s: Optional[float] = None
     direct_chunk_host_s: Optional[float] = None
+    scheduled_chunk_host_s: Optional[float] = None
     pcie_link: "tuple[float, int] | None" = None  # (GT/s per lane, lanes) of the GPU's host link, if known
     gpu_name: Optional[str] = None  # the GPU it was measured on (None for a model)
     driver: Optional[str] = None  # that GPU's driver version
@@ -522,8 +525,8 @@ PCIE4_X16 = pcie4_x16()
 
 # A small, round-numbered profile for tests whose expected values are computed by hand:
 # 1 GB/s copies of any size, 2 GB/s when both directions run, no launch, copy, event or host-task
-# overheads. It has no measured host time per chunk, so the planner, and the simulated GPU's
-# staged whole-array jobs, charge the scheduler the built-in fit (_plan.host_seconds_per_chunk).
+# overheads. It has no measured host time per chunk, so the planner charges each engine its built-in
+# fit, and the simulated GPU's staged whole-array jobs the scheduler's (_plan.host_seconds_per_chunk).
 UNIT_TEST = HardwareProfile(
     name="unit",
     h2d_curve=((1, 1.0), (1 << 40, 1.0)),
