@@ -1229,6 +1229,72 @@ def test_plan_with_a_result_size_chooses_the_chunk_the_planner_does(capsys, pinn
     assert f"on 2 GPUs of this host │ {many.predicted_s * 1e3:.3f} ms" in out, out
 
 
+
+@pytest.mark.parametrize("measured", [None, 1e-3], ids=["the-fit", "measured"])
+def test_plan_pinned_on_the_scheduler_predicts_with_its_host_time_per_chunk(tmp_path, capsys, measured):
+    """--pinned --engine pipeline: the scheduler runs the pinned job, so its host time per chunk is
+    the scheduler's unstaged one (the profile's scheduled_chunk_host_s, else SCHEDULER_S_PER_CHUNK),
+    larger than the direct engine's, and the total, the chunk --chunk auto picks, its candidates and
+    the line for several GPUs are predicted with it (scheduler=True)."""
+    import dataclasses
+
+    from ringflow import _plan as plan
+
+    # the direct engine's figure differs from the scheduler's either way: using it is seen
+    profile = dataclasses.replace(plan.get_profile("h200-pcie5"), name="hosts", scheduled_chunk_host_s=measured,
+                                  direct_chunk_host_s=None if measured is None else 7e-5)
+    path = tmp_path / "hosts.json"
+    profile.save(path)
+    total, chunk = 256 * MiB, MiB
+    argv = ["--bytes", "256MiB", "--workers", "4", "--pinned", "--profile", str(path)]
+    direct = _plan_out(capsys, argv + ["--chunk", "1MiB"])
+    sched = _plan_out(capsys, argv + ["--chunk", "1MiB", "--engine", "pipeline"])
+    host = plan.SCHEDULER_S_PER_CHUNK if measured is None else measured
+    direct_host = plan.host_seconds_per_chunk(profile, False)
+    assert direct_host < host
+    assert f"host time per chunk │ {host * 1e3:.4f} ms" in sched, sched
+    assert f"host time per chunk │ {direct_host * 1e3:.4f} ms" in direct, direct
+    source = "the planner's fit" if measured is None else "this profile (scheduled_chunk_host_s)"
+    assert f"host time per chunk from │ {source}" in sched, sched
+    assert "engine │ pipeline (the scheduler)" in sched and "engine │ direct" in direct, (sched, direct)
+    _, predicted = plan.predict_seconds(profile, total, chunk, workers=4, host_stages=False, scheduler=True)
+    _, on_direct = plan.predict_seconds(profile, total, chunk, workers=4, host_stages=False)
+    assert on_direct < predicted
+    assert f"predicted total │ {predicted * 1e3:.3f} ms" in sched, sched
+    assert f"predicted total │ {on_direct * 1e3:.3f} ms" in direct, direct
+    # --chunk auto and --devices: the scheduler's choice, its candidates, its split over two GPUs
+    auto = _plan_out(capsys, argv + ["--devices", "2", "--engine", "pipeline"])
+    choice = plan.choose_chunk_bytes(profile, total, workers=4, host_stages=False, scheduler=True)
+    assert choice.table != plan.choose_chunk_bytes(profile, total, workers=4, host_stages=False).table
+    assert f"in chunks of {choice.chunk_bytes / MiB:g} MiB x {choice.chunks}" in auto, auto
+    assert "candidates: " + ", ".join(f"{c / MiB:g} MiB: {s * 1e3:.2f} ms" for c, _, s in choice.table) in auto, auto
+    many = plan.predict_devices(profile, total, "auto", 2, workers=4, host_stages=False, scheduler=True)
+    assert f"on 2 GPUs of this host │ {many.predicted_s * 1e3:.3f} ms" in auto, auto
+
+
+def test_plan_engine_direct_needs_pinned_data(capsys, monkeypatch):
+    """--engine direct without --pinned: the direct engine runs only pinned data, so it is a
+    one-line usage error naming --engine (exit status 2); with --pinned it is the default's plan."""
+    monkeypatch.delenv("RINGFLOW_DEBUG", raising=False)
+    code = main(["plan", "--bytes", "64MiB", "--engine", "direct"])
+    check_one_line(code, capsys.readouterr().err, "plan",
+                   "argument --engine: the direct engine needs pinned data; pass --pinned, or --engine pipeline "
+                   "or auto")
+    assert code == 2
+    argv = ["--bytes", "64MiB", "--chunk", "1MiB", "--pinned"]
+    assert _plan_out(capsys, argv + ["--engine", "direct"]) == _plan_out(capsys, argv)
+
+
+@pytest.mark.parametrize("argv", [["--bytes", "64MiB"], ["--bytes", "64MiB", "--chunk", "1MiB", "--devices", "2"]],
+                         ids=["auto-chunk", "given-chunk"])
+def test_plan_engine_pipeline_without_pinned_is_the_default(capsys, argv):
+    """Staged data always runs on the scheduler: --engine pipeline (or auto) without --pinned
+    prints the default's plan."""
+    default = _plan_out(capsys, argv)
+    assert _plan_out(capsys, argv + ["--engine", "pipeline"]) == default
+    assert _plan_out(capsys, argv + ["--engine", "auto"]) == default
+    assert "engine │ pipeline (the scheduler)" in default, default
+
 def test_plan_checks_the_device_rings_at_the_result_size_of_the_engine(tmp_path, capsys, monkeypatch):
     """The memory check of a given --chunk counts the rings the engine allocates: staged, every
     slot as large as a chunk's result; pinned, device-in slots of the input. --chunk auto plans a
@@ -1270,6 +1336,10 @@ def test_plan_checks_the_schedulers_device_slots_at_their_256_byte_boundaries(tm
     err = capsys.readouterr().err
     assert "need 1384 bytes" in err and "total_memory of 1100 bytes" in err, err
     assert main(argv + ["--pinned"]) == 0, capsys.readouterr().err
+    # pinned, but run by the scheduler (engine="pipeline"): its slots on 256-byte boundaries again
+    assert main(argv + ["--pinned", "--engine", "pipeline"]) == 1
+    err = capsys.readouterr().err
+    assert "3 device-in and 3 device-out slots" in err and "need 1384 bytes" in err, err
 
 
 @pytest.mark.parametrize("argv, phrase", [
@@ -1591,7 +1661,9 @@ def test_plan_shows_no_ring_with_more_slots_than_chunks(capsys):
     (["--bytes", "64MiB", "--chunk", "1MiB", "--workers", "6"], "stage"),
     (["--bytes", "3MiB", "--chunk", "1MiB", "--workers", "8", "--compute-ms-per-gib", "50"], "stage"),
     (["--bytes", "64MiB", "--chunk", "256KiB", "--workers", "4", "--pinned"], "register"),
-], ids=["staged", "staged-few-chunks", "pinned-copy-groups"])
+    # (flags last: the options are read in pairs below)
+    (["--bytes", "64MiB", "--chunk", "256KiB", "--workers", "4", "--engine", "pipeline", "--pinned"], "register"),
+], ids=["staged", "staged-few-chunks", "pinned-copy-groups", "pinned-on-the-scheduler"])
 def test_plan_shows_the_slots_stream_map_allocates(capsys, argv, host):
     """The slot counts the plan prints are the rings stream_map allocates for the same job on the
     simulated GPU of the same profile: the plan printed the counts the lifetimes need, without the
@@ -1614,8 +1686,10 @@ def test_plan_shows_the_slots_stream_map_allocates(capsys, argv, host):
     seen = []
     with engines(on=seen.append):
         rf.stream_map(f, np.ones(total // 4, np.float32), device=rf.device("sim", checked=False), chunk_bytes=chunk,
-                      workers=int(opt["--workers"]), host=host, keep_warm=False)
-    if host == "register":  # the direct engine: each device ring one buffer of its slots (no host rings)
+                      workers=int(opt["--workers"]), host=host, keep_warm=False, engine=opt.get("--engine", "auto"))
+    if opt.get("--engine") == "pipeline":  # the scheduler on the caller's memory: its device rings alone
+        allocated = {ring: len(getattr(seen[0].scheduler, ring).slots) for ring in ("dev_in", "dev_out")}
+    elif host == "register":  # the direct engine: each device ring one buffer of its slots (no host rings)
         allocated = {ring: getattr(seen[0], ring).nbytes // chunk for ring in ("dev_in", "dev_out")}
     else:
         allocated = {ring: len(getattr(seen[0].scheduler, ring).slots) for ring in

@@ -486,6 +486,10 @@ def _plan(args: argparse.Namespace) -> int:
     if args.bytes % row:
         raise UsageError(f"argument --row-bytes: --bytes {args.bytes} is not a whole number of rows of {row} bytes; "
                          "give the bytes of a row of the array, and --bytes a multiple of it")
+    if args.engine == "direct" and not args.pinned:
+        # (staged data is copied through pinned rings on CPU workers, which only the scheduler does)
+        raise UsageError("argument --engine: the direct engine needs pinned data; pass --pinned, or --engine "
+                         "pipeline or auto")
     if args.chunk != "auto" and args.chunk < row:
         raise UsageError(f"argument --chunk: {args.chunk} bytes is smaller than a row (--row-bytes {row}); give a "
                          "chunk of a row at least, or --chunk auto")
@@ -542,6 +546,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-ms-per-gib", type=ms_per_gib, default=0.0, help="kernel time per GiB of input, ms")
     p.add_argument("--workers", type=workers, default=8, help="CPU workers for prepare/consume (default 8)")
     p.add_argument("--pinned", action="store_true", help="data already in pinned memory (no staging)")
+    p.add_argument("--engine", choices=("auto", "direct", "pipeline"), default="auto",
+                   help="the engine that runs the job: auto (default) as stream_map picks it, staged data on "
+                        "the scheduler and --pinned data on the direct engine; pipeline runs --pinned data on the "
+                        "scheduler too, as engine='pipeline' or on_error='continue' does; direct needs --pinned")
     p.add_argument("--devices", type=gpus, default=1,
                    help="also predict the job split over this many GPUs of one host (default 1)")
     p.add_argument("--row-bytes", type=row_size, default=None,

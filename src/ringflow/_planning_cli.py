@@ -132,7 +132,10 @@ def plan_command(args) -> int:
             profile (:class:`~ringflow._device.hardware.ProfileError`, naming the field).
         ValueError: the device rings of ``--chunk`` do not fit the profile's ``total_memory``, or
             with ``--chunk auto`` those of no chunk do (naming chunk_bytes and total_memory); the
-            rings checked are those allocated (with ``--pinned``: grown to whole copy groups).
+            rings checked are those allocated (``--pinned`` on the direct engine: grown to whole
+            copy groups).
+        ValueError: ``--engine direct`` without ``--pinned`` (the command line refuses it before
+            this is called).
         ValueError: ``--bytes`` is not a whole number of rows of ``--row-bytes``, or ``--chunk``
             is smaller than a row of the input or of the result (the command line refuses these
             before this is called).
@@ -142,7 +145,15 @@ def plan_command(args) -> int:
     with ``--devices``. ``--out-row-bytes``: the result's bytes for a row of the input (None: as
     many); every prediction printed, the chunk choice and the memory check count them, the
     device rings as the engine that runs the job allocates them (device-in slots of the input,
-    device-out slots of the result; staged, each on a 256-byte boundary; ``--pinned``, packed).
+    device-out slots of the result; on the scheduler each on a 256-byte boundary; on the direct
+    engine packed, in rings of whole copy groups).
+
+    ``--engine`` (``args.engine``; missing: ``"auto"``): the engine that runs the job. Staged data
+    always runs on the scheduler; ``--pinned`` data on the direct engine (``"auto"``,
+    ``"direct"``) or on the scheduler (``"pipeline"``, as ``stream_map(..., engine="pipeline")``
+    or ``on_error="continue"`` runs it: the scheduler's host time per chunk unstaged, its device
+    rings as it allocates them over the caller's pinned memory). Every figure printed, the chunk
+    choice and the memory check are that engine's.
     """
     from rich.console import Console
     from rich.table import Table
@@ -155,6 +166,12 @@ def plan_command(args) -> int:
     profile = get_profile(args.profile)
     where = "" if isinstance(args.profile, str) and args.profile in PROFILES else f" (from {args.profile})"
     total = args.bytes if isinstance(args.bytes, int) else parse_bytes(args.bytes)
+    engine = getattr(args, "engine", None) or "auto"
+    if engine == "direct" and not args.pinned:
+        raise ValueError("--engine direct needs pinned data; pass --pinned, or --engine pipeline or auto")
+    staged = not args.pinned
+    # the scheduler runs every staged job and, asked to, a pinned one; the direct engine the other pinned ones
+    scheduled = staged or engine == "pipeline"
     compare = read_bench_rows(args.compare) if args.compare is not None else []
     per_byte = args.compute_ms_per_gib * 1e-3 / (1 << 30)
     row = getattr(args, "row_bytes", 1) or 1
@@ -164,7 +181,7 @@ def plan_command(args) -> int:
         raise ValueError(f"--bytes {total} is not a whole number of rows of --row-bytes {row}")
     if args.chunk == "auto":
         choice = plan.choose_chunk_bytes(profile, total, compute_s_per_byte=per_byte, workers=args.workers,
-                                         host_stages=not args.pinned, align=row, out_ratio=out_ratio)
+                                         host_stages=staged, align=row, out_ratio=out_ratio, scheduler=scheduled)
         chunk = choice.chunk_bytes
     else:
         # a whole array is never cut in chunks larger than itself, and a chunk is whole rows (as
@@ -178,24 +195,25 @@ def plan_command(args) -> int:
         chunk = min(total, given // max(row, out_row) * row)
         choice = None
     out_total, out_chunk = total // row * out_row, chunk // row * out_row
-    t, predicted = plan.predict_seconds(profile, total, chunk, compute_s_per_byte=per_byte,
-                                        workers=args.workers, host_stages=not args.pinned, out_ratio=out_ratio)
+    t, predicted = plan.predict_seconds(profile, total, chunk, compute_s_per_byte=per_byte, workers=args.workers,
+                                        host_stages=staged, out_ratio=out_ratio, scheduler=scheduled)
     n = -(-total // chunk)
     slots = plan.plan_slots(t)
     # a whole array's pipeline keeps no more slots in a ring than it has chunks (resolve_slots)
     slots = dataclasses.replace(slots, slots=plan.cap_slots(slots.slots, n))
-    # what stream_map's pipeline allocates for this job: planned by its own functions, so the two cannot differ
-    # (the device rings' slack, a staging slot per worker; pinned data: rings of whole copy groups)
+    # what stream_map's engine allocates for this job: planned by its own functions, so the two cannot differ
+    # (the device rings' slack, a staging slot per worker; pinned data: host rings of the caller's memory, and
+    # on the direct engine device rings of whole copy groups, which the scheduler never groups)
     allocated = planned_slots(profile, chunk, False, args.workers, plan.kernel_cost(0.0, per_byte, chunk),
                               external=(args.pinned, args.pinned), bulk=True, max_chunks=n, out_bytes=out_chunk)
-    if args.pinned:
+    if not scheduled:
         allocated = copy_group(profile, chunk, n, allocated, planned=True, inplace=False, out_bytes=out_chunk)[1]
-    # the device rings checked are those allocated and printed (pinned data: grown to whole copy groups), at the
-    # slot sizes and layout of the engine that runs the job (device_slot_bytes, ring_bytes)
+    # the device rings checked are those allocated and printed, at the slot sizes and layout of the engine that
+    # runs the job (device_slot_bytes, ring_bytes: the scheduler's slots on 256-byte boundaries, the direct
+    # engine's packed)
     din, dout = allocated.device_in, allocated.device_out
-    in_slot, out_slot = plan.device_slot_bytes(chunk, out_chunk, host_stages=not args.pinned)
-    need = (plan.ring_bytes(din, in_slot, host_stages=not args.pinned)
-            + plan.ring_bytes(dout, out_slot, host_stages=not args.pinned))
+    in_slot, out_slot = plan.device_slot_bytes(chunk, out_chunk, host_stages=scheduled)
+    need = plan.ring_bytes(din, in_slot, host_stages=scheduled) + plan.ring_bytes(dout, out_slot, host_stages=scheduled)
     if need > profile.total_memory:  # (a chosen chunk's rings fit: choose_chunk_bytes and copy_group see to it)
         raise ValueError(f"--chunk {chunk} bytes: its device rings ({din} device-in and {dout} device-out slots) "
                          f"need {need:.0f} bytes, more than the total_memory of {profile.total_memory} bytes of "
@@ -207,31 +225,35 @@ def plan_command(args) -> int:
                                f"{profile.name}{where}"))
     table.add_column("what")
     table.add_column("value", justify="right")
+    table.add_row("engine", "pipeline (the scheduler)" if scheduled else "direct")
     if out_row != row:
         table.add_row("result", f"{_human(out_total)} ({_human(out_row)} a row)")
     for stage, sec in t.as_dict().items():
         table.add_row(f"{stage} per chunk", f"{sec * 1e3:.4f} ms")
     table.add_row("bottleneck", slots.bottleneck)
-    if not args.pinned:
+    if staged:
         table.add_row("workers copying at once", f"{t.workers} of {args.workers}")
     for ring in ("host_in", "device_in", "device_out", "host_out"):
         # the slots allocated, and those the ring's lifetime needs at the bottleneck interval where they differ
         count, wanted = getattr(allocated, ring), getattr(slots.slots, ring)
         table.add_row(f"slots {ring}", f"{count} (lifetime {slots.lifetimes.get(ring, 0) * 1e3:.3f} ms"
                       + (f"; {wanted} at the interval)" if wanted != count else ")"))
-    measured = profile.direct_chunk_host_s if args.pinned else profile.staged_chunk_host_s
+    # the host's time per chunk of the engine that runs the job (host_seconds_per_chunk), and where it came from
+    field = "staged_chunk_host_s" if staged else "scheduled_chunk_host_s" if scheduled else "direct_chunk_host_s"
+    table.add_row("host time per chunk", f"{t.scheduler * 1e3:.4f} ms")
     # (the fit: the H200's host, the built-in profiles' and older files')
-    table.add_row("host time per chunk from", "this profile" if measured is not None else "the planner's fit")
+    table.add_row("host time per chunk from", f"this profile ({field})" if getattr(profile, field) is not None
+                  else "the planner's fit")
     table.add_row("predicted total", f"{predicted * 1e3:.3f} ms")
-    if not args.pinned and profile.staging_GBps is not None:
+    if staged and profile.staging_GBps is not None:
         floor = plan.staging_floor_seconds(profile, total, out_total)
         table.add_row("host memory floor", f"{floor * 1e3:.3f} ms")
     devices = getattr(args, "devices", 1) or 1
     if devices > 1:
         # with --chunk auto each shard plans its chunk for its own share, as a job over several devices does
         many = plan.predict_devices(profile, total, "auto" if choice is not None else chunk, devices,
-                                    compute_s_per_byte=per_byte, workers=args.workers, host_stages=not args.pinned,
-                                    row_bytes=row, out_ratio=out_ratio)
+                                    compute_s_per_byte=per_byte, workers=args.workers, host_stages=staged,
+                                    row_bytes=row, out_ratio=out_ratio, scheduler=scheduled)
         # the rows are split, not the chunks: a GPU's share may be less than a chunk; no more GPUs than rows get one
         on = (f"on {devices} GPUs of this host" if many.devices == devices else
               f"on {many.devices} of {devices} GPUs of this host (a shard needs a {'row' if row > 1 else 'byte'})")
