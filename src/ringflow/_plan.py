@@ -537,17 +537,27 @@ def host_seconds_per_chunk(profile: "str | HardwareProfile", host_stages: bool, 
     Raises:
         ValueError: ``host_stages`` with ``scheduler=False`` (only the scheduler stages).
     """
+    field, fit = host_time_source(host_stages, scheduler)
+    measured = getattr(get_profile(profile), field)
+    return fit if measured is None else measured
+
+
+def host_time_source(host_stages: bool, scheduler: Optional[bool] = None) -> tuple[str, float]:
+    """``(field, fit)`` behind :func:`host_seconds_per_chunk` for the engine that runs a job (its
+    arguments as there): the :class:`HardwareProfile` field holding that engine's measured host
+    time per chunk, and the fit (seconds) used where the profile has none.
+
+    Raises:
+        ValueError: ``host_stages`` with ``scheduler=False`` (only the scheduler stages).
+    """
     scheduled = host_stages if scheduler is None else bool(scheduler)
     if host_stages and not scheduled:
         raise ValueError("host_stages=True needs scheduler=True or None: only the scheduler stages a job")
-    p = get_profile(profile)
     if host_stages:
-        measured, fit = p.staged_chunk_host_s, SCHEDULER_S_PER_CHUNK + 2 * SCHEDULER_S_PER_HOST_TASK
-    elif scheduled:
-        measured, fit = p.scheduled_chunk_host_s, SCHEDULER_S_PER_CHUNK
-    else:
-        measured, fit = p.direct_chunk_host_s, DIRECT_S_PER_CHUNK
-    return fit if measured is None else measured
+        return "staged_chunk_host_s", SCHEDULER_S_PER_CHUNK + 2 * SCHEDULER_S_PER_HOST_TASK
+    if scheduled:
+        return "scheduled_chunk_host_s", SCHEDULER_S_PER_CHUNK
+    return "direct_chunk_host_s", DIRECT_S_PER_CHUNK
 
 
 def queued_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, compute: Optional[float],

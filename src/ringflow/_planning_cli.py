@@ -239,7 +239,7 @@ def plan_command(args) -> int:
         table.add_row(f"slots {ring}", f"{count} (lifetime {slots.lifetimes.get(ring, 0) * 1e3:.3f} ms"
                       + (f"; {wanted} at the interval)" if wanted != count else ")"))
     # the host's time per chunk of the engine that runs the job (host_seconds_per_chunk), and where it came from
-    field = "staged_chunk_host_s" if staged else "scheduled_chunk_host_s" if scheduled else "direct_chunk_host_s"
+    field = plan.host_time_source(staged, scheduled)[0]
     table.add_row("host time per chunk", f"{t.scheduler * 1e3:.4f} ms")
     # (the fit: the H200's host, the built-in profiles' and older files')
     table.add_row("host time per chunk from", f"this profile ({field})" if getattr(profile, field) is not None
