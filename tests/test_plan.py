@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import ringflow as rf
 from tests.helpers.hooks import engines
+from tests.helpers.one_side import one_side_profile
 from tests.helpers.sim import counting_allocations
 from ringflow import _plan as plan
 from ringflow._device.sim import charge
@@ -1524,3 +1525,159 @@ def test_an_in_place_auto_chunk_job_is_exact_in_the_checked_mode():
     y = rf.stream_map(double, x.copy(), device=dev, chunk_bytes="auto", host="stage", engine="pipeline",
                       inplace=True, checked=True, keep_warm=False)
     np.testing.assert_array_equal(y, x * 2)
+
+
+# -- one side staged: host_stages as a pair (input staged, result staged) ----------------------------------------------
+
+ONE_SIDE = [(True, False), (False, True)]
+
+
+@pytest.mark.parametrize("sides", ONE_SIDE, ids=["input-staged", "result-staged"])
+def test_a_one_side_staged_prediction_lies_between_unstaged_and_two_sides_and_is_its_pieces(sides):
+    """Small chunks, host time binding: staging one side is predicted strictly between the
+    scheduler's unstaged job and the job staging both, and its stage times are the model's own
+    pieces: one host copy (the staged side's), one unstaged side (a task's overhead), and one
+    pool hand-off in the scheduler's time per chunk (the midpoint of the measured figures)."""
+    p = one_side_profile()
+    total, chunk, workers = 16 * MiB, 64 << 10, 4
+    t, one = plan.predict_seconds(p, total, chunk, workers=workers, host_stages=sides)
+    _, none = plan.predict_seconds(p, total, chunk, workers=workers, host_stages=False, scheduler=True)
+    t_both, both = plan.predict_seconds(p, total, chunk, workers=workers, host_stages=True)
+    assert t_both.bottleneck == "scheduler (host)" and t.bottleneck == "scheduler (host)"
+    assert none < one < both
+    assert t.scheduler == pytest.approx(p.scheduled_chunk_host_s + (p.staged_chunk_host_s
+                                                                    - p.scheduled_chunk_host_s) / 2)
+    copy = plan.host_stage_seconds(p, chunk, t.workers)
+    staged_stage, unstaged_stage = (t.prepare, t.consume) if sides[0] else (t.consume, t.prepare)
+    assert staged_stage == pytest.approx(copy) and unstaged_stage == p.host_task_overhead_s
+    assert one == pytest.approx(plan.predicted_total(t, total // chunk))
+    # the same pair as a bool where both sides agree: exactly as before
+    assert plan.predict_seconds(p, total, chunk, workers=workers, host_stages=(True, True)) == (t_both, both)
+    assert plan.predict_seconds(p, total, chunk, workers=workers, host_stages=(False, False)) == \
+        plan.predict_seconds(p, total, chunk, workers=workers, host_stages=False)
+
+
+def test_a_one_side_staged_job_copies_one_side_on_the_host():
+    """Host copies binding (one worker, large chunks, no scheduler cost to speak of): a job
+    staging one side spends one chunk's copy per chunk on the pool, not two."""
+    p = plan.get_profile("h200-pcie5")
+    total, chunk = 256 * MiB, 8 * MiB
+    t, one = plan.predict_seconds(p, total, chunk, workers=1, host_stages=(True, False))
+    t_both, both = plan.predict_seconds(p, total, chunk, workers=1, host_stages=True)
+    assert t_both.bottleneck == "cpu (prepare+consume)"
+    assert t.prepare == pytest.approx(plan.host_stage_seconds(p, chunk, t.workers))
+    assert t.consume == p.host_task_overhead_s
+    assert one < both
+
+
+def test_the_host_time_per_chunk_of_one_staged_side():
+    """One staged side adds one pool hand-off to the scheduler's time per chunk, not two: the
+    fit's, the midpoint of the measured staged and unstaged figures, or one measured figure less
+    or plus the fit's hand-off. A bool, or a pair whose sides agree, gives what a bool gave."""
+    base = plan.get_profile("h200-pcie5")
+    fit_one = plan.SCHEDULER_S_PER_CHUNK + plan.SCHEDULER_S_PER_HOST_TASK
+    for sides in ONE_SIDE:
+        assert plan.host_seconds_per_chunk(base, sides) == pytest.approx(fit_one)
+        assert plan.host_seconds_per_chunk(base, sides, scheduler=True) == pytest.approx(fit_one)
+        measured = one_side_profile(5e-4, 2e-4)
+        assert plan.host_seconds_per_chunk(measured, sides) == pytest.approx(2e-4 + (5e-4 - 2e-4) / 2)
+        staged_only = one_side_profile(5e-4, None)
+        assert plan.host_seconds_per_chunk(staged_only, sides) == pytest.approx(5e-4 - plan.SCHEDULER_S_PER_HOST_TASK)
+        # a staged figure under two of the fit's hand-offs: less one would leave less than half of it
+        assert plan.host_seconds_per_chunk(one_side_profile(2e-4, None), sides) == pytest.approx(1e-4)
+        scheduled_only = one_side_profile(None, 2e-4)
+        assert plan.host_seconds_per_chunk(scheduled_only, sides) == pytest.approx(
+            2e-4 + plan.SCHEDULER_S_PER_HOST_TASK)
+        with pytest.raises(ValueError, match="only the scheduler stages"):
+            plan.host_seconds_per_chunk(base, sides, scheduler=False)
+    # the bool cases, as before
+    assert plan.host_seconds_per_chunk(base, True) == pytest.approx(
+        plan.SCHEDULER_S_PER_CHUNK + 2 * plan.SCHEDULER_S_PER_HOST_TASK)
+    assert plan.host_seconds_per_chunk(base, False) == plan.DIRECT_S_PER_CHUNK
+    assert plan.host_seconds_per_chunk(base, False, scheduler=True) == plan.SCHEDULER_S_PER_CHUNK
+    measured = dataclasses.replace(one_side_profile(5e-4, 2e-4), direct_chunk_host_s=7e-5)
+    for stages, runs, want in ((True, None, 5e-4), (False, True, 2e-4), (False, None, 7e-5)):
+        assert plan.host_seconds_per_chunk(measured, stages, scheduler=runs) == want
+        pair = (stages, stages)
+        assert plan.host_seconds_per_chunk(measured, pair, scheduler=runs) == want
+        assert plan.host_time_source(pair, runs) == plan.host_time_source(stages, runs)
+    # where a one-side figure comes from: both fields, and the one-hand-off fit
+    assert plan.host_time_source((True, False)) == (("staged_chunk_host_s", "scheduled_chunk_host_s"), fit_one)
+    assert plan.host_time_source((False, True), True) == plan.host_time_source((True, False))
+
+
+@pytest.mark.parametrize("bad", ["stage", (True, True, False), (True,), None, 1, (1, 0), [True, False]],
+                         ids=["string", "three", "one", "none", "int", "int-pair", "list"])
+def test_host_stages_that_is_neither_a_bool_nor_a_pair_of_bools_is_refused(bad):
+    """host_stages is a bool (both sides or none) or a pair of bools (input, result): anything
+    else is refused by every planning function, naming host_stages."""
+    p = plan.get_profile("h200-pcie5")
+    with pytest.raises(ValueError, match="host_stages"):
+        plan.staged_sides(bad)
+    with pytest.raises(ValueError, match="host_stages"):
+        plan.predict_seconds(p, 16 * MiB, MiB, host_stages=bad)
+    with pytest.raises(ValueError, match="host_stages"):
+        plan.choose_chunk_bytes(p, 16 * MiB, host_stages=bad)
+    with pytest.raises(ValueError, match="host_stages"):
+        plan.predict_devices(p, 16 * MiB, MiB, 2, host_stages=bad)
+    with pytest.raises(ValueError, match="host_stages"):
+        plan.host_seconds_per_chunk(p, bad)
+    with pytest.raises(ValueError, match="host_stages"):
+        plan.host_time_source(bad)
+
+
+def test_staged_sides_reads_a_bool_or_a_pair():
+    assert plan.staged_sides(True) == (True, True) and plan.staged_sides(False) == (False, False)
+    assert plan.staged_sides((True, False)) == (True, False) and plan.staged_sides((False, True)) == (False, True)
+
+
+@pytest.mark.parametrize("sides", ONE_SIDE, ids=["input-staged", "result-staged"])
+def test_one_staged_side_copies_on_as_many_threads_as_its_copy_needs(sides):
+    """The copying threads of a job staging one side count that side's copy alone: with input
+    and result of the same bytes, one side's copy keeps up with a pace where both sides' keep up
+    with twice that pace (each side a task's overhead and a chunk's bytes)."""
+    p = plan.get_profile("h200-pcie5")
+    for pace in (50e-6, 200e-6, 400e-6, 1e-3):
+        one = plan.copying_threads(p, 8 * MiB, 8 * MiB, 16, pace, host_stages=sides)
+        assert one == plan.copying_threads(p, 8 * MiB, 8 * MiB, 16, 2 * pace)
+        assert one <= plan.copying_threads(p, 8 * MiB, 8 * MiB, 16, pace)
+    assert plan.copying_threads(p, 8 * MiB, 8 * MiB, 16, 300e-6, host_stages=True) == \
+        plan.copying_threads(p, 8 * MiB, 8 * MiB, 16, 300e-6)
+
+
+@pytest.mark.parametrize("sides", ONE_SIDE, ids=["input-staged", "result-staged"])
+def test_a_one_side_chunk_choice_counts_the_staged_ring_against_the_pinned_budget(sides):
+    """choose_chunk_bytes with one staged side: each candidate is predicted for that side
+    (predict_seconds with the pair), and only the staged ring's slots count against
+    pinned_budget: a budget below what the two rings of a chunk take, and above one ring's."""
+    p = plan.get_profile("h200-pcie5")
+    total, chunk, workers = 256 * MiB, 4 * MiB, 4
+    choice = plan.choose_chunk_bytes(p, total, workers=workers, host_stages=sides, candidates=[chunk])
+    t, predicted = plan.predict_seconds(p, total, chunk, workers=workers, host_stages=sides)
+    assert choice.predicted_s == predicted
+    slots = plan.plan_slots(t).slots
+    ring = (slots.host_in if sides[0] else slots.host_out) * chunk
+    assert ring < slots.pinned_slots * chunk
+    got = plan.choose_chunk_bytes(p, total, workers=workers, host_stages=sides, candidates=[chunk],
+                                  pinned_budget=ring)
+    assert got.chunk_bytes == chunk
+    with pytest.raises(ValueError, match="pinned_budget"):
+        plan.choose_chunk_bytes(p, total, workers=workers, host_stages=sides, candidates=[chunk],
+                                pinned_budget=ring - 1)
+
+
+def test_a_one_side_job_over_several_gpus_floors_at_its_staged_bytes():
+    """predict_devices: the host's shared copies of a job staging one side move that side's
+    bytes alone."""
+    p = plan.get_profile("h200-pcie5")
+    total, workers = 1 << 30, 4
+    both = plan.predict_devices(p, total, 8 * MiB, 4, workers=workers, host_stages=True, out_ratio=2.0)
+    rate = p.staging_copy_rate(workers * 4) * 1e9
+    assert both.host_floor_s == pytest.approx(total * 3 / rate)
+    x_only = plan.predict_devices(p, total, 8 * MiB, 4, workers=workers, host_stages=(True, False), out_ratio=2.0)
+    out_only = plan.predict_devices(p, total, 8 * MiB, 4, workers=workers, host_stages=(False, True), out_ratio=2.0)
+    assert x_only.host_floor_s == pytest.approx(total / rate)
+    assert out_only.host_floor_s == pytest.approx(2 * total / rate)
+    assert x_only.per_device_s == plan.predict_seconds(p, x_only.share_bytes, x_only.share_chunk_bytes,
+                                                       workers=workers, host_stages=(True, False),
+                                                       out_ratio=2.0)[1]

@@ -331,6 +331,27 @@ def ideal_total(times: StageTimes, n: int) -> float:
     return bound
 
 
+# host_stages of a planning function: a bool (both sides staged, or neither) or (input staged, result staged)
+HostStages = bool | tuple[bool, bool]
+
+
+def staged_sides(host_stages: HostStages) -> tuple[bool, bool]:
+    """``(input staged, result staged)`` of a planning function's ``host_stages``: a bool stages
+    both sides or neither; a pair of bools names each side (a job whose one side is the caller's
+    pinned memory, used in place, and whose other is staged through a pinned ring).
+
+    Raises:
+        ValueError: ``host_stages`` is neither a bool nor a tuple of two bools (naming it).
+    """
+    if isinstance(host_stages, bool):
+        return host_stages, host_stages
+    if (isinstance(host_stages, tuple) and len(host_stages) == 2
+            and all(isinstance(side, bool) for side in host_stages)):
+        return host_stages[0], host_stages[1]
+    raise ValueError(f"host_stages must be a bool (both sides staged, or neither) or a pair of bools (input staged, "
+                     f"result staged), got {host_stages!r}")
+
+
 def host_stage_seconds(profile: "str | HardwareProfile", nbytes: int, threads: int) -> float:
     """Seconds one host task takes to copy ``nbytes`` while ``threads`` threads copy at once
     (itself included): its scheduling cost plus the bytes at its share of the host copy rate."""
@@ -366,7 +387,7 @@ def _fastest_copy_threads(p: HardwareProfile, workers: int, *, staged: bool = Fa
 
 
 def copying_threads(profile: "str | HardwareProfile", in_bytes: int, out_bytes: int, workers: int,
-                    pace: float) -> int:
+                    pace: float, *, host_stages: HostStages = True) -> int:
     """How many of a pool's ``workers`` threads copy at once in a long run of chunks.
 
     A worker takes a chunk's copy in or copy out only when the pipeline has one for it, and the
@@ -383,15 +404,26 @@ def copying_threads(profile: "str | HardwareProfile", in_bytes: int, out_bytes: 
     each copy slower, and the staging rings, sized from these times, hold no more chunks than
     that.
 
+    ``host_stages``: the sides staged (:func:`staged_sides`): only a staged side's copy is a
+    worker's task; a side used in place is none. With neither side staged, both are counted
+    (the count a job staging both would have: the pool then copies nothing either way).
+
     The search halves the range, which assumes the host's aggregate copy rate does not fall as
     threads are added (the profile's curves are measured that way; where a measured curve dips,
     the answer is a count that keeps up, not always the fewest).
+
+    Raises:
+        ValueError: ``host_stages`` that :func:`staged_sides` refuses.
     """
     p = get_profile(profile)
+    sides = staged_sides(host_stages)
+    if not any(sides):
+        sides = (True, True)
     most = max(fastest_copy_threads(p, workers), fastest_staging_threads(p, workers))
-    nbytes, tasks = in_bytes + out_bytes, 2 * p.host_task_overhead_s
+    nbytes = in_bytes * sides[0] + out_bytes * sides[1]
+    tasks = sum(sides) * p.host_task_overhead_s
 
-    def keeps_up(threads: int) -> bool:  # the chunk's two host_stage_seconds, over the threads
+    def keeps_up(threads: int) -> bool:  # the chunk's host_stage_seconds of its staged sides, over the threads
         return (tasks + nbytes * threads / (p.staging_copy_rate(threads) * 1e9)) / threads <= pace
 
     if not keeps_up(most):
@@ -514,62 +546,101 @@ HOST_LOAD_MARGIN = 2.0
 QUEUED_COPY_OVERHEAD_S = 8e-6
 
 
-def host_seconds_per_chunk(profile: "str | HardwareProfile", host_stages: bool, *,
+def host_seconds_per_chunk(profile: "str | HardwareProfile", host_stages: HostStages, *,
                            scheduler: Optional[bool] = None) -> float:
     """The host's time per chunk (seconds) of the engine that runs a job, which the prediction
     counts as a resource of its own.
 
-    Three cases: the scheduler staging (``host_stages``: its enqueues, event queries and the
-    hand-offs of two pool tasks), the scheduler not staging (``scheduler`` without
-    ``host_stages``: ``engine="pipeline"``, or ``on_error="continue"``, on pinned memory; its
-    enqueues and event queries), and the direct engine (neither: its enqueueing). Each is the
-    profile's measured figure where it has one (``staged_chunk_host_s``,
+    Four cases: the scheduler staging both sides (``host_stages`` true: its enqueues, event
+    queries and the hand-offs of two pool tasks), the scheduler staging one side (``host_stages``
+    a pair with one side true: one pool task's hand-off), the scheduler not staging (``scheduler``
+    without ``host_stages``: ``engine="pipeline"``, or ``on_error="continue"``, on pinned memory;
+    its enqueues and event queries), and the direct engine (neither: its enqueueing). Each whole
+    case is the profile's measured figure where it has one (``staged_chunk_host_s``,
     ``scheduled_chunk_host_s``, ``direct_chunk_host_s``: ``ringflow doctor --save``), else the
     fit above (``SCHEDULER_S_PER_CHUNK + 2 * SCHEDULER_S_PER_HOST_TASK``,
     ``SCHEDULER_S_PER_CHUNK``, ``DIRECT_S_PER_CHUNK``).
 
+    No field holds the one-side case: each staged side adds one hand-off to the unstaged
+    scheduler's time, so it is the midpoint ``scheduled + (staged - scheduled) / 2`` of
+    ``staged_chunk_host_s`` and ``scheduled_chunk_host_s`` where the profile measured both;
+    ``staged_chunk_host_s - SCHEDULER_S_PER_HOST_TASK`` (at least half of it) where it measured
+    only that; ``scheduled_chunk_host_s + SCHEDULER_S_PER_HOST_TASK`` where only that; else the
+    fit ``SCHEDULER_S_PER_CHUNK + SCHEDULER_S_PER_HOST_TASK``.
+
     Args:
         profile: a profile, or its name or file.
-        host_stages: whether the job stages its arrays through pinned rings on the host.
+        host_stages: whether the job stages its arrays through pinned rings on the host: a bool
+            (both sides, or neither) or a pair ``(input, result)`` (:func:`staged_sides`).
         scheduler: whether the scheduler runs the job; None: as ``host_stages`` says (the
-            scheduler runs every staged job, the direct engine an unstaged one by default).
+            scheduler runs every job that stages a side, the direct engine an unstaged one by default).
 
     Raises:
-        ValueError: ``host_stages`` with ``scheduler=False`` (only the scheduler stages).
+        ValueError: ``host_stages`` staging a side with ``scheduler=False`` (only the scheduler
+            stages), or not a bool or a pair of bools.
     """
     field, fit = host_time_source(host_stages, scheduler)
-    measured = getattr(get_profile(profile), field)
-    return fit if measured is None else measured
+    p = get_profile(profile)
+    if isinstance(field, str):
+        measured = getattr(p, field)
+        return fit if measured is None else measured
+    staged, scheduled = (getattr(p, name) for name in field)
+    if staged is not None and scheduled is not None:
+        return scheduled + (staged - scheduled) / 2
+    if staged is not None:
+        # the fit's hand-off is its host's; on a host whose whole staged figure is under two of
+        # them it would take away more than one hand-off costs there
+        return max(staged - SCHEDULER_S_PER_HOST_TASK, staged / 2)
+    if scheduled is not None:
+        return scheduled + SCHEDULER_S_PER_HOST_TASK
+    return fit
 
 
-def host_time_source(host_stages: bool, scheduler: Optional[bool] = None) -> tuple[str, float]:
+# the profile fields a one-side job's host time per chunk is derived from (host_seconds_per_chunk)
+ONE_SIDE_HOST_FIELDS = ("staged_chunk_host_s", "scheduled_chunk_host_s")
+
+
+def host_time_source(host_stages: HostStages,
+                     scheduler: Optional[bool] = None) -> tuple["str | tuple[str, str]", float]:
     """``(field, fit)`` behind :func:`host_seconds_per_chunk` for the engine that runs a job (its
     arguments as there): the :class:`HardwareProfile` field holding that engine's measured host
-    time per chunk, and the fit (seconds) used where the profile has none.
+    time per chunk, and the fit (seconds) used where the profile has none. For a job staging one
+    side, ``field`` is the pair :data:`ONE_SIDE_HOST_FIELDS` (``staged_chunk_host_s``,
+    ``scheduled_chunk_host_s``) that its figure is derived from (:func:`host_seconds_per_chunk`
+    says how), and ``fit`` is the fit of one hand-off.
 
     Raises:
-        ValueError: ``host_stages`` with ``scheduler=False`` (only the scheduler stages).
+        ValueError: ``host_stages`` staging a side with ``scheduler=False`` (only the scheduler
+            stages), or not a bool or a pair of bools.
     """
-    scheduled = host_stages if scheduler is None else bool(scheduler)
-    if host_stages and not scheduled:
-        raise ValueError("host_stages=True needs scheduler=True or None: only the scheduler stages a job")
-    if host_stages:
+    sides = staged_sides(host_stages)
+    scheduled = any(sides) if scheduler is None else bool(scheduler)
+    if any(sides) and not scheduled:
+        raise ValueError(f"host_stages={host_stages!r} needs scheduler=True or None: only the scheduler stages a job")
+    if all(sides):
         return "staged_chunk_host_s", SCHEDULER_S_PER_CHUNK + 2 * SCHEDULER_S_PER_HOST_TASK
+    if any(sides):
+        return ONE_SIDE_HOST_FIELDS, SCHEDULER_S_PER_CHUNK + SCHEDULER_S_PER_HOST_TASK
     if scheduled:
         return "scheduled_chunk_host_s", SCHEDULER_S_PER_CHUNK
     return "direct_chunk_host_s", DIRECT_S_PER_CHUNK
 
 
 def queued_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, compute: Optional[float],
-                       workers: int, out_ratio: float = 1.0, scheduler: float = 0.0) -> StageTimes:
+                       workers: int, out_ratio: float = 1.0, scheduler: float = 0.0,
+                       host_stages: HostStages = True) -> StageTimes:
     """Per-chunk stage times of a long run of chunks: copies at the link's streaming rate
     (shared when both directions run) plus :data:`QUEUED_COPY_OVERHEAD_S`, kernels (``compute``
     seconds; None: a compute of no declared cost, timed as :func:`model_stage_times` times it)
     plus the profile's launch overhead (each waits on an event from another stream); host stages as in
     :func:`model_stage_times`, for the workers that these copies, the kernel and ``scheduler``
     (the host's seconds per chunk) keep busy. ``out_ratio``: a chunk's result bytes per input
-    byte."""
+    byte. ``host_stages``: the sides staged (:func:`staged_sides`); one side staged copies that
+    side alone (on as many threads as its copy keeps busy: :func:`copying_threads`), and the
+    other costs a host task's overhead, as an unstaged side does in :func:`predict_seconds`.
+    Neither side staged: both are timed as copies (:func:`predict_seconds` replaces them)."""
     p = get_profile(profile)
+    sides = staged_sides(host_stages)
     peak_h = p.copy_GBps("h2d", p.h2d_curve[-1][0]) * 1e9
     peak_d = p.copy_GBps("d2h", p.d2h_curve[-1][0]) * 1e9
     share = min(1.0, p.duplex_GBps * 1e9 / (peak_h + peak_d))
@@ -586,15 +657,18 @@ def queued_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, co
         else:
             d2h = h2d + (out_bytes - peak_d * share * h2d) / peak_d
     h2d, d2h, compute = h2d + QUEUED_COPY_OVERHEAD_S, d2h + QUEUED_COPY_OVERHEAD_S, compute + p.launch_overhead_s
-    busy = copying_threads(p, chunk_bytes, out_bytes, workers, max(h2d, compute, d2h, scheduler))
+    busy = copying_threads(p, chunk_bytes, out_bytes, workers, max(h2d, compute, d2h, scheduler),
+                           host_stages=sides)
+    one_side = any(sides) and not all(sides)
+    prepare = p.host_task_overhead_s if one_side and not sides[0] else host_stage_seconds(p, chunk_bytes, busy)
+    consume = p.host_task_overhead_s if one_side and not sides[1] else host_stage_seconds(p, out_bytes, busy)
     return dataclasses.replace(t, h2d=h2d, d2h=d2h, compute=compute, scheduler=scheduler, workers=busy,
-                               prepare=host_stage_seconds(p, chunk_bytes, busy),
-                               consume=host_stage_seconds(p, out_bytes, busy))
+                               prepare=prepare, consume=consume)
 
 
 def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_bytes: int, *,
                     compute_s_per_byte: Optional[float] = 0.0, workers: int = 1,
-                    host_stages: bool = True, out_ratio: float = 1.0,
+                    host_stages: HostStages = True, out_ratio: float = 1.0,
                     compute_s_per_chunk: Optional[float] = 0.0,
                     scheduler: Optional[bool] = None) -> tuple[StageTimes, float]:
     """(per-chunk stage times, predicted wall seconds) of streaming ``total_bytes`` in chunks of
@@ -603,7 +677,10 @@ def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     small chunks). The host stages copy at the profile's ``staging_copy_rate`` (their copies,
     the fresh output's first touch and the GPU's copies share the host's memory), so a staged
     prediction is about :func:`staging_floor_seconds` at the least. With
-    ``host_stages=False`` the copy engines use the caller's pinned memory (no staging).
+    ``host_stages=False`` the copy engines use the caller's pinned memory (no staging); a pair
+    ``(input, result)`` of bools stages only the sides it names (:func:`staged_sides`): the other
+    is the caller's pinned memory, used in place, and costs a host task's overhead, and the
+    scheduler's time per chunk has one pool hand-off (:func:`host_seconds_per_chunk`).
     ``scheduler``: whether the scheduler runs the job, which sets the host's time per chunk
     (:func:`host_seconds_per_chunk`); None: as ``host_stages`` says (an unstaged job on the
     direct engine). ``out_ratio``: result bytes per input byte (the copy back and the consume
@@ -613,14 +690,16 @@ def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     (``HardwareProfile.kernel_seconds`` of the chunk's input and result bytes).
 
     Raises:
-        ValueError: ``host_stages`` with ``scheduler=False`` (only the scheduler stages).
+        ValueError: ``host_stages`` staging a side with ``scheduler=False`` (only the scheduler
+            stages), or not a bool or a pair of bools.
     """
     p = get_profile(profile)
+    sides = staged_sides(host_stages)
     n = -(-total_bytes // chunk_bytes)
     t = queued_stage_times(p, chunk_bytes, compute=kernel_cost(compute_s_per_chunk, compute_s_per_byte, chunk_bytes),
                            workers=workers, out_ratio=out_ratio,
-                           scheduler=host_seconds_per_chunk(p, host_stages, scheduler=scheduler))
-    if not host_stages:
+                           scheduler=host_seconds_per_chunk(p, sides, scheduler=scheduler), host_stages=sides)
+    if not any(sides):
         t = dataclasses.replace(t, prepare=p.host_task_overhead_s, consume=p.host_task_overhead_s)
     return t, predicted_total(t, n)
 
@@ -639,7 +718,8 @@ def staging_floor_seconds(profile: "str | HardwareProfile", in_bytes: int, out_b
     (seconds), whatever the pipeline and however many threads copy: the profile's fastest
     staging rate (``HardwareProfile.staging_floor_rate``) counts the bytes of one direction
     while as many move the other way, so the two directions' mean is charged at it. 0 where the
-    profile has no such figure (written before it was measured)."""
+    profile has no such figure (written before it was measured). A side not staged (the
+    caller's pinned memory, used in place) moves no bytes on the host: pass 0 for it."""
     rate = get_profile(profile).staging_floor_rate()
     if rate is None:
         return 0.0
@@ -694,7 +774,7 @@ class DevicesPrediction:
 
 
 def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_bytes: "int | str", devices: int, *,
-                    compute_s_per_byte: float = 0.0, workers: int = 1, host_stages: bool = True,
+                    compute_s_per_byte: float = 0.0, workers: int = 1, host_stages: HostStages = True,
                     row_bytes: int = 1, out_ratio: float = 1.0,
                     scheduler: Optional[bool] = None) -> DevicesPrediction:
     """The time ``devices`` GPUs of one host should take for a job of ``total_bytes`` in rows of
@@ -707,6 +787,8 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     it), and all the GPUs' workers together
     copy at most at the profile's ``staging_copy_rate`` for that many threads (so the whole job
     takes at least :func:`staging_floor_seconds`). The prediction is the larger of the two.
+    ``host_stages``: a bool, or a pair ``(input, result)`` staging only the sides it names
+    (:func:`staged_sides`): the host then copies only those sides' bytes.
     ``out_ratio``: the result's bytes per input byte (the copies back, the consumes, the host's
     copies out and the chunk choice count them); ``chunk_bytes`` and the shares are the input's.
 
@@ -728,8 +810,10 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     Raises:
         ValueError: ``devices`` or ``row_bytes`` is not an int >= 1, ``total_bytes`` is not a
             whole number of rows, a given ``chunk_bytes`` is smaller than a row (each message
-            names the argument), or ``host_stages`` with ``scheduler=False``.
+            names the argument), ``host_stages`` staging a side with ``scheduler=False``, or
+            ``host_stages`` not a bool or a pair of bools.
     """
+    sides = staged_sides(host_stages)
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be an int >= 1, got {devices!r}")
     if isinstance(row_bytes, bool) or not isinstance(row_bytes, int) or row_bytes < 1:
@@ -747,7 +831,7 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     if chunk_bytes == "auto":
         def chunk_for(nbytes: int) -> int:
             return choose_chunk_bytes(p, nbytes, compute_s_per_byte=compute_s_per_byte, workers=workers,
-                                      host_stages=host_stages, align=row_bytes, out_ratio=out_ratio,
+                                      host_stages=sides, align=row_bytes, out_ratio=out_ratio,
                                       scheduler=scheduler).chunk_bytes
 
         chunk_bytes, share_chunk = chunk_for(total_bytes), chunk_for(share)
@@ -758,12 +842,12 @@ def predict_devices(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     # as long as its largest shard, which may be a little more than the even share
     share = max(b - a for a, b in split_rows(rows, devices, share_chunk // row_bytes)) * row_bytes
     _, per_device = predict_seconds(p, share, share_chunk, compute_s_per_byte=compute_s_per_byte,
-                                    workers=workers, host_stages=host_stages, out_ratio=out_ratio, scheduler=scheduler)
+                                    workers=workers, host_stages=sides, out_ratio=out_ratio, scheduler=scheduler)
     _, one = predict_seconds(p, total_bytes, chunk_bytes, compute_s_per_byte=compute_s_per_byte, workers=workers,
-                             host_stages=host_stages, out_ratio=out_ratio, scheduler=scheduler)
-    # the host copies each input byte into pinned memory and each result byte out of it
-    host_bytes = total_bytes * (1 + out_ratio)
-    floor = host_bytes / (p.staging_copy_rate(workers * devices) * 1e9) if host_stages else 0.0
+                             host_stages=sides, out_ratio=out_ratio, scheduler=scheduler)
+    # the host copies each staged input byte into pinned memory and each staged result byte out of it
+    host_bytes = total_bytes * (sides[0] + out_ratio * sides[1])
+    floor = host_bytes / (p.staging_copy_rate(workers * devices) * 1e9) if any(sides) else 0.0
     return DevicesPrediction(devices, share, per_device, floor, max(per_device, floor), one, share_chunk)
 
 
@@ -791,7 +875,7 @@ class ChunkChoice:
 
 
 def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *,
-                       compute_s_per_byte: Optional[float] = 0.0, workers: int = 1, host_stages: bool = True,
+                       compute_s_per_byte: Optional[float] = 0.0, workers: int = 1, host_stages: HostStages = True,
                        pinned_budget: Optional[int] = None, align: int = 1, candidates: Optional[list] = None,
                        out_ratio: float = 1.0, compute_s_per_chunk: Optional[float] = 0.0,
                        scheduler: Optional[bool] = None, inplace: bool = False) -> ChunkChoice:
@@ -813,17 +897,21 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *,
     over its input, so slots are planned for one device ring (:func:`device_ring_bytes`).
     When no candidate's device rings fit, smaller chunks are tried, halving (whole multiples of
     ``align``, a row's bytes), and the largest that fits is chosen (``candidates`` given: none).
-    ``host_stages=False`` when the copy engines read the caller's pinned memory directly. A
+    ``host_stages=False`` when the copy engines read the caller's pinned memory directly; a pair
+    ``(input, result)`` when only the sides it names are staged (:func:`staged_sides`), each
+    candidate predicted so and only the staged sides' rings counted against ``pinned_budget``. A
     chunk's kernel takes ``compute_s_per_chunk`` plus ``compute_s_per_byte`` per input byte (both
     None: a compute of no declared cost, timed as :func:`predict_seconds` times it).
 
     Raises:
-        ValueError: ``total_bytes`` is not positive; ``host_stages`` with ``scheduler=False``
-            (only the scheduler stages); no chunk's planned pinned rings fit
+        ValueError: ``total_bytes`` is not positive; ``host_stages`` not a bool or a pair of
+            bools, or staging a side with ``scheduler=False`` (only the scheduler stages); no
+            chunk's planned pinned rings fit
             ``pinned_budget``; or the device rings of no chunk (down to ``align`` bytes, or of no
             given candidate) fit the profile's ``total_memory`` (the message names chunk_bytes
             and total_memory).
     """
+    sides = staged_sides(host_stages)
     if total_bytes <= 0:
         raise ValueError("total_bytes must be positive")
     # the answer depends only on the profile's values and these arguments: a call evaluates 13
@@ -831,10 +919,10 @@ def choose_chunk_bytes(profile: "str | HardwareProfile", total_bytes: int, *,
     # remembered by its values (a GPU's measured profile is an object, not a name), and a file is
     # read on every call, so a profile saved again is planned from what it holds now.
     return _choose_chunk_bytes(get_profile(profile), int(total_bytes), _seconds_or_none(compute_s_per_byte),
-                               int(workers), bool(host_stages), pinned_budget, int(align),
+                               int(workers), sides, pinned_budget, int(align),
                                tuple(candidates) if candidates else None, float(out_ratio),
                                _seconds_or_none(compute_s_per_chunk),
-                               bool(host_stages) if scheduler is None else bool(scheduler), bool(inplace))
+                               any(sides) if scheduler is None else bool(scheduler), bool(inplace))
 
 
 def _seconds_or_none(value: Optional[float]) -> Optional[float]:
@@ -842,7 +930,7 @@ def _seconds_or_none(value: Optional[float]) -> Optional[float]:
 
 
 @functools.lru_cache(maxsize=256)
-def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_stages, pinned_budget, align,
+def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, sides, pinned_budget, align,
                         candidates, out_ratio, compute_s_per_chunk, scheduler, inplace=False) -> ChunkChoice:
     cands = candidates or [1 << k for k in range(16, 29)]
     rows, too_large = [], []  # too_large: (chunk, its device rings' bytes, their slots) fitting no device
@@ -854,15 +942,16 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_
         seen.add(c)
         n = -(-total_bytes // c)
         t, predicted = predict_seconds(profile, total_bytes, c, compute_s_per_byte=compute_s_per_byte,
-                                       workers=workers, host_stages=host_stages, out_ratio=out_ratio,
+                                       workers=workers, host_stages=sides, out_ratio=out_ratio,
                                        compute_s_per_chunk=compute_s_per_chunk, scheduler=scheduler)
         plan = plan_slots(t, inplace=inplace)
         # each host slot at its stride as the scheduler allocates it in slots of the larger of a
-        # chunk's input and result: host-in holds the input alone, host-out the result
+        # chunk's input and result: host-in holds the input alone, host-out the result. A side
+        # not staged has no pinned ring of its own: its host ring is the caller's memory
         slot = c * max(1.0, out_ratio)
-        pinned = (plan.slots.host_in * host_in_slot(slot, c)[1]
-                  + plan.slots.host_out * host_out_slot(slot, round(c * out_ratio))[1])
-        if pinned_budget is not None and host_stages and pinned > pinned_budget:
+        pinned = (sides[0] * plan.slots.host_in * host_in_slot(slot, c)[1]
+                  + sides[1] * plan.slots.host_out * host_out_slot(slot, round(c * out_ratio))[1])
+        if pinned_budget is not None and any(sides) and pinned > pinned_budget:
             return
         # the device rings (with their slack, no more slots than chunks), at the slot sizes of the
         # engine that runs the job, must fit the device's memory: a chunk whose rings cannot be
@@ -896,13 +985,15 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, host_
                          "pinned_budget, or give chunk_bytes (planned rings then shrink to fit the budget)")
     best = min(rows, key=lambda r: (r[2], -r[0]))
     near = [r for r in rows if r[2] <= best[2] * (1 + PREDICTION_TIE)]
-    if host_stages and len(near) > 1:  # (see "Choosing a staged chunk among near ties")
-        loaded = dataclasses.replace(profile,
-                                     staged_chunk_host_s=HOST_LOAD_MARGIN * host_seconds_per_chunk(profile, True))
+    if any(sides) and len(near) > 1:  # (see "Choosing a staged chunk among near ties")
+        # both fields a staged figure may come from, so that a one-side job's (their midpoint) is
+        # the margin times its own too
+        margin = HOST_LOAD_MARGIN * host_seconds_per_chunk(profile, sides)
+        loaded = dataclasses.replace(profile, staged_chunk_host_s=margin, scheduled_chunk_host_s=margin)
 
         def under_load(row: tuple) -> tuple:
             _, seconds = predict_seconds(loaded, total_bytes, row[0], compute_s_per_byte=compute_s_per_byte,
-                                         workers=workers, host_stages=True, out_ratio=out_ratio,
+                                         workers=workers, host_stages=sides, out_ratio=out_ratio,
                                          compute_s_per_chunk=compute_s_per_chunk)
             return seconds, row[2], -row[0]
 
