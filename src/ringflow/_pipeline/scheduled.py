@@ -78,7 +78,7 @@ class ScheduledEngine:
                 return (item[1] - item[0],) + out_tail, out_dtype
         # a staged job's chunks cost the scheduler the host time the planner charges them (its
         # predict_seconds with host_stages): the simulated GPU spends it too (WorkerPool.host_work)
-        host_s = plan.host_seconds_per_chunk(layout.device.hardware, True) if any(layout.staged) else None
+        host_s = plan.host_seconds_per_chunk(layout.device.hardware, layout.staged) if any(layout.staged) else None
         pipe = Pipeline._for_whole_array(self.f, prepare=prepare, consume=consume, item_nbytes=item_nbytes,
                                          host_in_buffer=host_in, host_out_buffer=host_out, host_s_per_chunk=host_s,
                                          max_chunks=layout.n_chunks, device=layout.device,

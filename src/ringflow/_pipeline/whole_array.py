@@ -668,8 +668,7 @@ class MapLayout:
     @property
     def staged(self) -> tuple:
         """Which sides (input, result) go through pinned rings and a CPU copy."""
-        stage = self.strategy == "stage"
-        return stage and not self.in_place[0], stage and not self.in_place[1]
+        return staged_sides(self.strategy, self.in_place)
 
     @property
     def n_chunks(self) -> int:
@@ -818,13 +817,16 @@ class MapLayout:
         widest = max(row_bytes, out_row_bytes)  # a slot holds a chunk's input and, apart, its result
         if chunk_bytes == "auto":
             per_chunk, per_byte = compute_cost(getattr(f, "sim_seconds", None))
-            staged = strategy == "stage"  # (a budget bounds the staging rings only)
+            # the sides staged (the layout's staged): a side already pinned is used in place,
+            # costing the host no copy and the scheduler no pool task
+            staged = staged_sides(strategy, in_place)
             # the scheduler runs some unstaged jobs too (engine="pipeline", on_error="continue"),
             # and starts each of its device slots on a 256-byte boundary
             scheduled = engine == "pipeline" or why_not_direct(strategy, options) is not None
             chunk_bytes = plan.choose_chunk_bytes(dev.hardware, x.nbytes, compute_s_per_byte=per_byte, align=row_bytes,
                                                   compute_s_per_chunk=per_chunk, workers=workers, host_stages=staged,
-                                                  pinned_budget=options.get("pinned_budget") if staged else None,
+                                                  # (a budget bounds the staging rings only)
+                                                  pinned_budget=options.get("pinned_budget") if any(staged) else None,
                                                   out_ratio=out_row_bytes / row_bytes if row_bytes else 1.0,
                                                   scheduler=scheduled,
                                                   inplace=bool(options.get("inplace"))).chunk_bytes
@@ -845,6 +847,14 @@ class MapLayout:
             head = ()
         return cls(dev, row_bytes, rows, x.shape[0], x.shape[1:], x.dtype, strategy, out_row_bytes, out.shape[1:],
                    out.dtype, in_place, compute_bound=bound, taper=head)
+
+
+def staged_sides(strategy: str, in_place: tuple) -> tuple[bool, bool]:
+    """Which sides (input, result) a job of host ``strategy`` stages through pinned rings and a
+    CPU copy: under ``"stage"`` those not used in place (``in_place``: the sides that are pinned
+    pool arrays already); none under another strategy."""
+    stage = strategy == "stage"
+    return stage and not in_place[0], stage and not in_place[1]
 
 
 def compute_cost(sim) -> "tuple[float, float] | tuple[None, None]":
