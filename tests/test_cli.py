@@ -1272,6 +1272,34 @@ def test_plan_pinned_on_the_scheduler_predicts_with_its_host_time_per_chunk(tmp_
     assert f"on 2 GPUs of this host │ {many.predicted_s * 1e3:.3f} ms" in auto, auto
 
 
+def test_plan_says_where_the_host_time_per_chunk_of_each_job_comes_from():
+    """The source row of ringflow plan names the profile field behind the host's time per chunk,
+    or the planner's fit; for a job staging one side (not one --pinned can describe: it pins
+    both sides or neither) the fields that figure is derived from, as host_seconds_per_chunk
+    derives it."""
+    import dataclasses
+
+    from ringflow import _plan as plan
+    from ringflow._planning_cli import host_time_from
+    from tests.helpers.one_side import one_side_profile
+
+    base = plan.get_profile("h200-pcie5")
+    assert host_time_from(base, True, True) == "the planner's fit"
+    measured = dataclasses.replace(one_side_profile(5e-4, 2e-4), direct_chunk_host_s=7e-5)
+    assert host_time_from(measured, True, True) == "this profile (staged_chunk_host_s)"
+    assert host_time_from(measured, False, True) == "this profile (scheduled_chunk_host_s)"
+    assert host_time_from(measured, False, False) == "this profile (direct_chunk_host_s)"
+    for sides in ((True, False), (False, True)):
+        assert host_time_from(base, sides, True) == "the planner's fit"
+        assert host_time_from(measured, sides, True) == \
+            "this profile (midpoint of staged_chunk_host_s and scheduled_chunk_host_s: one side staged)"
+        assert host_time_from(one_side_profile(5e-4, None), sides, True) == \
+            ("this profile (staged_chunk_host_s less the planner's fit of a pool hand-off, at least half of it: "
+             "one side staged)")
+        assert host_time_from(one_side_profile(None, 2e-4), sides, True) == \
+            "this profile (scheduled_chunk_host_s plus the planner's fit of a pool hand-off: one side staged)"
+
+
 def test_plan_engine_direct_needs_pinned_data(capsys, monkeypatch):
     """--engine direct without --pinned: the direct engine runs only pinned data, so it is a
     one-line usage error naming --engine (exit status 2); with --pinned it is the default's plan."""

@@ -239,11 +239,8 @@ def plan_command(args) -> int:
         table.add_row(f"slots {ring}", f"{count} (lifetime {slots.lifetimes.get(ring, 0) * 1e3:.3f} ms"
                       + (f"; {wanted} at the interval)" if wanted != count else ")"))
     # the host's time per chunk of the engine that runs the job (host_seconds_per_chunk), and where it came from
-    field = plan.host_time_source(staged, scheduled)[0]
     table.add_row("host time per chunk", f"{t.scheduler * 1e3:.4f} ms")
-    # (the fit: the H200's host, the built-in profiles' and older files')
-    table.add_row("host time per chunk from", f"this profile ({field})" if getattr(profile, field) is not None
-                  else "the planner's fit")
+    table.add_row("host time per chunk from", host_time_from(profile, staged, scheduled))
     table.add_row("predicted total", f"{predicted * 1e3:.3f} ms")
     if staged and profile.staging_GBps is not None:
         floor = plan.staging_floor_seconds(profile, total, out_total)
@@ -274,6 +271,28 @@ def plan_command(args) -> int:
             console.print(printable(f"{name} {row.get('name', '?')}: predicted {row['predicted_ms']:.3f} ms, measured "
                                  f"{row['ms_median']:.3f} ms, error {err * 100:+.1f}%"))
     return 0
+
+
+def host_time_from(profile, host_stages, scheduled: bool) -> str:
+    """Where the host's time per chunk of a job (``_plan.host_seconds_per_chunk``, its arguments
+    as there) comes from, in the words ``ringflow plan`` prints: a field of ``profile``, the
+    fields a job staging one side derives it from, or the planner's fit (the H200's host: the
+    built-in profiles' and older files')."""
+    from . import _plan as plan
+
+    field, _ = plan.host_time_source(host_stages, scheduled)
+    if isinstance(field, str):
+        return f"this profile ({field})" if getattr(profile, field) is not None else "the planner's fit"
+    staged_field, scheduled_field = field
+    staged, unstaged = (getattr(profile, name) is not None for name in field)
+    if staged and unstaged:
+        return f"this profile (midpoint of {staged_field} and {scheduled_field}: one side staged)"
+    if staged:
+        return (f"this profile ({staged_field} less the planner's fit of a pool hand-off, at least half of it: "
+                "one side staged)")
+    if unstaged:
+        return f"this profile ({scheduled_field} plus the planner's fit of a pool hand-off: one side staged)"
+    return "the planner's fit"
 
 
 def _human(n: int) -> str:
