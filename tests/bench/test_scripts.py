@@ -424,3 +424,20 @@ def test_scheduler_load(tmp_path):
         (1, 64 << 10), (2, 64 << 10), (1, 256 << 10), (2, 256 << 10)]
     assert all(row["scheduler_us_per_chunk_median"] > 0 and row["wall_ms_median"] > 0 for row in r["rows"])
     assert all(row["planned_host_us_per_chunk"] == pytest.approx(416.0) for row in r["rows"])  # the fit
+
+
+def test_sides_check(tmp_path):
+    """Every case runs and is checked; the one-side staged rows carry both predictions (one side
+    below both sides), the free choices record what the layout chose."""
+    r = run_script(tmp_path, "sides_check.py", "--mib", "4", "--chunks-kib", "256", "--rounds", "1")
+    assert r["correct"] is True
+    cases = {(row["case"], row["chunk_bytes"]) for row in r["rows"]}
+    assert len(cases) == len(r["rows"]) == 8 * 2
+    for row in r["rows"]:
+        assert row["median_ms"] > 0
+        if row["case"] == "stage in, out pinned":
+            assert row["predicted_ms"] < row["predicted_both_staged_ms"]
+        if row["case"].startswith("auto"):
+            assert row["host_choice"] in ("stage", "register")
+        else:
+            assert row["host_choice"] is None
