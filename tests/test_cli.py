@@ -1274,9 +1274,8 @@ def test_plan_pinned_on_the_scheduler_predicts_with_its_host_time_per_chunk(tmp_
 
 def test_plan_says_where_the_host_time_per_chunk_of_each_job_comes_from():
     """The source row of ringflow plan names the profile field behind the host's time per chunk,
-    or the planner's fit; for a job staging one side (not one --pinned can describe: it pins
-    both sides or neither) the fields that figure is derived from, as host_seconds_per_chunk
-    derives it."""
+    or the planner's fit; for a job staging one side (--pinned in or out) the fields that figure
+    is derived from, as host_seconds_per_chunk derives it."""
     import dataclasses
 
     from ringflow import _plan as plan
@@ -1306,11 +1305,52 @@ def test_plan_engine_direct_needs_pinned_data(capsys, monkeypatch):
     monkeypatch.delenv("RINGFLOW_DEBUG", raising=False)
     code = main(["plan", "--bytes", "64MiB", "--engine", "direct"])
     check_one_line(code, capsys.readouterr().err, "plan",
-                   "argument --engine: the direct engine needs pinned data; pass --pinned, or --engine pipeline "
-                   "or auto")
+                   "argument --engine: the direct engine needs pinned data on both sides; pass --pinned, or "
+                   "--engine pipeline or auto")
     assert code == 2
+    for side in ("in", "out"):  # one side pinned: the other is staged, which only the scheduler does
+        code = main(["plan", "--bytes", "64MiB", "--pinned", side, "--engine", "direct"])
+        check_one_line(code, capsys.readouterr().err, "plan", "the direct engine needs pinned data on both sides")
+        assert code == 2
     argv = ["--bytes", "64MiB", "--chunk", "1MiB", "--pinned"]
     assert _plan_out(capsys, argv + ["--engine", "direct"]) == _plan_out(capsys, argv)
+    assert _plan_out(capsys, argv + ["both"]) == _plan_out(capsys, argv)
+
+
+@pytest.mark.parametrize("side", ["in", "out"])
+def test_plan_with_one_side_pinned_stages_the_other(tmp_path, capsys, side):
+    """--pinned in (or out): that side is the caller's pinned memory, used in place, and only the
+    other is staged: the chunk, the total, the staging floor and the host time per chunk are the
+    planner's for that pair of sides (host_stages), the pinned side has no host ring of its own,
+    and the plan differs from staging both sides and from staging neither."""
+    import dataclasses
+
+    from ringflow import _plan as plan
+
+    staged = (side == "out", side == "in")
+    profile = dataclasses.replace(plan.get_profile("h200-pcie5"), name="hosts", staged_chunk_host_s=5e-4,
+                                  scheduled_chunk_host_s=2e-4)
+    path = tmp_path / "hosts.json"
+    profile.save(path)
+    total = 256 * MiB
+    argv = ["--bytes", "256MiB", "--workers", "4", "--profile", str(path)]
+    out = _plan_out(capsys, argv + ["--pinned", side])
+    choice = plan.choose_chunk_bytes(profile, total, workers=4, host_stages=staged)
+    assert f"in chunks of {choice.chunk_bytes / MiB:g} MiB x {choice.chunks}" in out, out
+    t, predicted = plan.predict_seconds(profile, total, choice.chunk_bytes, workers=4, host_stages=staged)
+    assert f"predicted total │ {predicted * 1e3:.3f} ms" in out, out
+    assert f"host time per chunk │ {t.scheduler * 1e3:.4f} ms" in out, out
+    assert t.scheduler == pytest.approx(3.5e-4)  # the midpoint: one pool hand-off, not two
+    assert "engine │ pipeline (the scheduler)" in out, out
+    pinned_ring, staged_ring = ("host_in", "host_out") if side == "in" else ("host_out", "host_in")
+    assert f"slots {pinned_ring} │ none: the caller's pinned memory, in place" in out, out
+    assert f"slots {staged_ring} │ none" not in out and f"slots {staged_ring} │ " in out, out
+    floor = plan.staging_floor_seconds(profile, total * staged[0], total * staged[1])
+    assert f"host memory floor │ {floor * 1e3:.3f} ms" in out, out
+    both = _plan_out(capsys, argv)
+    neither = _plan_out(capsys, argv + ["--pinned"])
+    assert out != both and out != neither
+    assert "staged │ input and result" in both and "staged │ nothing (both pinned)" in neither
 
 
 @pytest.mark.parametrize("argv", [["--bytes", "64MiB"], ["--bytes", "64MiB", "--chunk", "1MiB", "--devices", "2"]],

@@ -486,10 +486,10 @@ def _plan(args: argparse.Namespace) -> int:
     if args.bytes % row:
         raise UsageError(f"argument --row-bytes: --bytes {args.bytes} is not a whole number of rows of {row} bytes; "
                          "give the bytes of a row of the array, and --bytes a multiple of it")
-    if args.engine == "direct" and not args.pinned:
+    if args.engine == "direct" and args.pinned != "both":
         # (staged data is copied through pinned rings on CPU workers, which only the scheduler does)
-        raise UsageError("argument --engine: the direct engine needs pinned data; pass --pinned, or --engine "
-                         "pipeline or auto")
+        raise UsageError("argument --engine: the direct engine needs pinned data on both sides; pass --pinned, or "
+                         "--engine pipeline or auto")
     if args.chunk != "auto" and args.chunk < row:
         raise UsageError(f"argument --chunk: {args.chunk} bytes is smaller than a row (--row-bytes {row}); give a "
                          "chunk of a row at least, or --chunk auto")
@@ -545,7 +545,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=chunk_size, default="auto", help="chunk size (e.g. 8MiB) or auto (default)")
     p.add_argument("--compute-ms-per-gib", type=ms_per_gib, default=0.0, help="kernel time per GiB of input, ms")
     p.add_argument("--workers", type=workers, default=8, help="CPU workers for prepare/consume (default 8)")
-    p.add_argument("--pinned", action="store_true", help="data already in pinned memory (no staging)")
+    p.add_argument("--pinned", nargs="?", choices=("in", "out", "both"), const="both", default=None,
+                   help="data already in pinned memory, used in place: both sides (--pinned alone: no staging), "
+                        "or only the input (in) or the result (out), the other side staged")
     p.add_argument("--engine", choices=("auto", "direct", "pipeline"), default="auto",
                    help="the engine that runs the job: auto (default) as stream_map picks it, staged data on "
                         "the scheduler and --pinned data on the direct engine; pipeline runs --pinned data on the "

@@ -134,8 +134,8 @@ def plan_command(args) -> int:
             with ``--chunk auto`` those of no chunk do (naming chunk_bytes and total_memory); the
             rings checked are those allocated (``--pinned`` on the direct engine: grown to whole
             copy groups).
-        ValueError: ``--engine direct`` without ``--pinned`` (the command line refuses it before
-            this is called).
+        ValueError: ``--engine direct`` without both sides ``--pinned`` (the command line refuses
+            it before this is called).
         ValueError: ``--bytes`` is not a whole number of rows of ``--row-bytes``, or ``--chunk``
             is smaller than a row of the input or of the result (the command line refuses these
             before this is called).
@@ -154,6 +154,12 @@ def plan_command(args) -> int:
     or ``on_error="continue"`` runs it: the scheduler's host time per chunk unstaged, its device
     rings as it allocates them over the caller's pinned memory). Every figure printed, the chunk
     choice and the memory check are that engine's.
+
+    ``--pinned`` (``args.pinned``): ``"both"`` (or True), ``"in"``, ``"out"`` or None: the sides
+    that are the caller's pinned memory, used in place. The others are staged, and the planner is
+    given that pair of sides (``host_stages``): one side staged costs one host copy and one pool
+    hand-off a chunk, and only its ring counts as pinned memory; a pinned side's host ring is
+    printed as none of its own.
     """
     from rich.console import Console
     from rich.table import Table
@@ -167,11 +173,14 @@ def plan_command(args) -> int:
     where = "" if isinstance(args.profile, str) and args.profile in PROFILES else f" (from {args.profile})"
     total = args.bytes if isinstance(args.bytes, int) else parse_bytes(args.bytes)
     engine = getattr(args, "engine", None) or "auto"
-    if engine == "direct" and not args.pinned:
-        raise ValueError("--engine direct needs pinned data; pass --pinned, or --engine pipeline or auto")
-    staged = not args.pinned
-    # the scheduler runs every staged job and, asked to, a pinned one; the direct engine the other pinned ones
-    scheduled = staged or engine == "pipeline"
+    pinned = pinned_sides(args.pinned)
+    if engine == "direct" and not all(pinned):
+        raise ValueError("--engine direct needs pinned data on both sides; pass --pinned, or --engine pipeline or auto")
+    # the sides staged through pinned rings (host_stages of the planner): those not pinned already
+    staged = (not pinned[0], not pinned[1])
+    # the scheduler runs every job that stages a side and, asked to, a pinned one; the direct engine the
+    # other pinned ones
+    scheduled = any(staged) or engine == "pipeline"
     compare = read_bench_rows(args.compare) if args.compare is not None else []
     per_byte = args.compute_ms_per_gib * 1e-3 / (1 << 30)
     row = getattr(args, "row_bytes", 1) or 1
@@ -205,7 +214,7 @@ def plan_command(args) -> int:
     # (the device rings' slack, a staging slot per worker; pinned data: host rings of the caller's memory, and
     # on the direct engine device rings of whole copy groups, which the scheduler never groups)
     allocated = planned_slots(profile, chunk, False, args.workers, plan.kernel_cost(0.0, per_byte, chunk),
-                              external=(args.pinned, args.pinned), bulk=True, max_chunks=n, out_bytes=out_chunk)
+                              external=pinned, bulk=True, max_chunks=n, out_bytes=out_chunk)
     if not scheduled:
         allocated = copy_group(profile, chunk, n, allocated, planned=True, inplace=False, out_bytes=out_chunk)[1]
     # the device rings checked are those allocated and printed, at the slot sizes and layout of the engine that
@@ -226,14 +235,20 @@ def plan_command(args) -> int:
     table.add_column("what")
     table.add_column("value", justify="right")
     table.add_row("engine", "pipeline (the scheduler)" if scheduled else "direct")
+    table.add_row("staged", {(True, True): "input and result", (True, False): "input (the result pinned)",
+                             (False, True): "result (the input pinned)", (False, False): "nothing (both pinned)"}[staged])
     if out_row != row:
         table.add_row("result", f"{_human(out_total)} ({_human(out_row)} a row)")
     for stage, sec in t.as_dict().items():
         table.add_row(f"{stage} per chunk", f"{sec * 1e3:.4f} ms")
     table.add_row("bottleneck", slots.bottleneck)
-    if staged:
+    if any(staged):
         table.add_row("workers copying at once", f"{t.workers} of {args.workers}")
     for ring in ("host_in", "device_in", "device_out", "host_out"):
+        if ring in HOST_RINGS and pinned[HOST_RINGS.index(ring)]:
+            # no pinned ring of its own: the copy engines use the caller's memory in place
+            table.add_row(f"slots {ring}", "none: the caller's pinned memory, in place")
+            continue
         # the slots allocated, and those the ring's lifetime needs at the bottleneck interval where they differ
         count, wanted = getattr(allocated, ring), getattr(slots.slots, ring)
         table.add_row(f"slots {ring}", f"{count} (lifetime {slots.lifetimes.get(ring, 0) * 1e3:.3f} ms"
@@ -242,8 +257,8 @@ def plan_command(args) -> int:
     table.add_row("host time per chunk", f"{t.scheduler * 1e3:.4f} ms")
     table.add_row("host time per chunk from", host_time_from(profile, staged, scheduled))
     table.add_row("predicted total", f"{predicted * 1e3:.3f} ms")
-    if staged and profile.staging_GBps is not None:
-        floor = plan.staging_floor_seconds(profile, total, out_total)
+    if any(staged) and profile.staging_GBps is not None:
+        floor = plan.staging_floor_seconds(profile, total * staged[0], out_total * staged[1])
         table.add_row("host memory floor", f"{floor * 1e3:.3f} ms")
     devices = getattr(args, "devices", 1) or 1
     if devices > 1:
@@ -271,6 +286,18 @@ def plan_command(args) -> int:
             console.print(printable(f"{name} {row.get('name', '?')}: predicted {row['predicted_ms']:.3f} ms, measured "
                                  f"{row['ms_median']:.3f} ms, error {err * 100:+.1f}%"))
     return 0
+
+
+# the host rings, input side first (as pinned_sides and the planner's host_stages pair name the sides)
+HOST_RINGS = ("host_in", "host_out")
+
+
+def pinned_sides(pinned: "str | bool | None") -> tuple[bool, bool]:
+    """``(input pinned, result pinned)`` of ``--pinned``: ``"both"`` (or True: the flag alone),
+    ``"in"``, ``"out"``, or None/False (neither: both sides staged)."""
+    if pinned is True or pinned == "both":
+        return True, True
+    return pinned == "in", pinned == "out"
 
 
 def host_time_from(profile, host_stages, scheduled: bool) -> str:
