@@ -16,6 +16,7 @@ from ringflow._device import host_pool
 from ringflow._pipeline import whole_array
 from tests.helpers.hooks import engines
 from tests.helpers.threads import join, start
+from tests.helpers.one_side import slow_registration
 
 
 def f(x, y):
@@ -145,9 +146,9 @@ def test_one_pooled_side_is_used_in_place_and_only_the_other_is_registered(poole
 @pytest.mark.parametrize("seed", range(3))
 def test_one_pooled_side_is_used_in_place_and_only_the_other_is_staged(pooled, seed, layouts):
     """A pool array on one side and ordinary memory on the other: where staging beats registering
-    (chunks of 4 MiB, 16 workers), only the ordinary side goes through a pinned ring and a CPU
+    (a host that registers slowly), only the ordinary side goes through a pinned ring and a CPU
     copy; the copy engines read or write the pool array in place. Checked under chaos."""
-    dev = rf.device("sim", chaos=True, seed=seed)
+    dev = rf.device("sim", chaos=True, seed=seed, profile=slow_registration("h200-pcie5"))
     data = np.random.default_rng(seed).uniform(0.5, 1.5, 3 << 20).astype(np.float32)
     x = rf.host.empty_like(data, device=dev) if pooled == "x" else data.copy()
     x[:] = data
@@ -162,7 +163,7 @@ def test_one_pooled_side_is_used_in_place_and_only_the_other_is_staged(pooled, s
 
 
 def test_a_mapjob_with_one_pooled_side_stages_only_the_other_call_after_call():
-    dev = rf.device("sim", chaos=True, seed=6)
+    dev = rf.device("sim", chaos=True, seed=6, profile=slow_registration("h200-pcie5"))
     x = np.empty(3 << 20, np.float32)
     out = rf.host.empty_like(x, device=dev)
     with rf.MapJob(f, x, out, device=dev, chunk_bytes=4 << 20, workers=16) as job:

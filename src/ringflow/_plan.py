@@ -483,37 +483,70 @@ def model_stage_times(profile: "str | HardwareProfile", chunk_bytes: int, *, com
 
 @dataclasses.dataclass(frozen=True)
 class HostStrategy:
-    """How an ordinary (pageable) numpy source and destination reach the copy engines."""
+    """How an ordinary (pageable) numpy source and destination reach the copy engines: the
+    choice, and each strategy's predicted time for the whole job (seconds)."""
 
     choice: str  # "stage" or "register"
     stage_s: float
     register_s: float
 
     def describe(self) -> str:
-        return (f"{self.choice}: staging through the pinned ring ~{self.stage_s * 1e3:.1f} ms of host work, "
+        return (f"{self.choice}: staging through the pinned rings ~{self.stage_s * 1e3:.1f} ms, "
                 f"registering in place ~{self.register_s * 1e3:.1f} ms")
 
 
 def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbytes_out: int, *, workers: int,
-                         out_is_fresh: bool, pinned: tuple = (False, False), chunks: int = 0) -> HostStrategy:
-    """Stage or register, by the profile's measured host costs.
+                         out_is_fresh: bool, pinned: tuple = (False, False), chunk_bytes: Optional[int] = None,
+                         compute_s_per_byte: Optional[float] = 0.0, compute_s_per_chunk: Optional[float] = 0.0,
+                         scheduler: bool = False, align: int = 1) -> HostStrategy:
+    """Stage or register, whichever the profile predicts the faster for the whole job.
 
-    Staging costs a memcpy pass on ``workers`` threads for each side (in, then out; a fresh
-    output is first-touched by that copy). Registering costs a registration of each array (a
-    fresh output first-touched in parallel first, since registering it faults its pages in one
-    thread), its unregistration, and nothing per chunk. A side already pinned (``pinned``:
-    input, output) costs nothing either way: the copy engines use it in place. Both then move the
-    same bytes on the link. Staging also needs the scheduler, whose host time per chunk exceeds
-    the direct engine's: over ``chunks`` chunks that difference counts against staging (it
-    decides where little is left to copy, as when one side is pinned and the other small).
+    Staging runs on the scheduler, its workers copying each side not already pinned through a
+    pinned ring: :func:`predict_seconds` with those sides staged (``host_stages``), which counts
+    the host copies and the scheduler's host time per chunk. Registering pins each such side in
+    place before the job (a fresh output first-touched in parallel first, since registering it
+    faults its pages in one thread) and unpins it after, and runs the job unstaged in between:
+    the registration and unregistration at the profile's rates, plus :func:`predict_seconds`
+    unstaged. A side already pinned (``pinned``: input, output) is used in place either way.
+    With neither side left to pin, both predictions are 0 and the choice is ``"stage"`` (nothing
+    is staged).
+
+    Args:
+        profile: a profile, or its name or file.
+        nbytes_in: the input's bytes.
+        nbytes_out: the result's bytes.
+        workers: the CPU workers that copy (staging) and first-touch (registering).
+        out_is_fresh: whether the result is a new array (registering first-touches it).
+        pinned: whether the input and the result are pinned memory already.
+        chunk_bytes: the job's chunk (bytes); None: each strategy at the chunk
+            :func:`choose_chunk_bytes` picks for it (``chunk_bytes="auto"``).
+        compute_s_per_byte: the kernel's seconds per input byte, as :func:`predict_seconds` takes it.
+        compute_s_per_chunk: the kernel's seconds per launch, as :func:`predict_seconds` takes it.
+        scheduler: whether the scheduler runs the registered job too (``engine="pipeline"`` or
+            ``on_error="continue"``); a staged one always runs on it.
+        align: the bytes a chunk is a whole multiple of (a row), as :func:`choose_chunk_bytes` takes it.
     """
     p = get_profile(profile)
-    copy_rate = p.host_copy_rate(workers) * 1e9
-    to_pin = (0 if pinned[0] else nbytes_in) + (0 if pinned[1] else nbytes_out)
-    stage = to_pin / copy_rate + chunks * (SCHEDULER_S_PER_CHUNK - DIRECT_S_PER_CHUNK)
+    sides = (not pinned[0], not pinned[1])
+    to_pin = nbytes_in * sides[0] + nbytes_out * sides[1]
+    if not to_pin:
+        return HostStrategy("stage", 0.0, 0.0)
+    out_ratio = nbytes_out / nbytes_in if nbytes_in else 1.0
+    costs = dict(compute_s_per_byte=compute_s_per_byte, compute_s_per_chunk=compute_s_per_chunk, workers=workers,
+                 out_ratio=out_ratio)
+
+    def run_seconds(host_stages: HostStages, on_scheduler: bool) -> float:
+        if chunk_bytes is None:
+            return choose_chunk_bytes(p, nbytes_in, host_stages=host_stages, scheduler=on_scheduler, align=align,
+                                      **costs).predicted_s
+        return predict_seconds(p, nbytes_in, chunk_bytes, host_stages=host_stages, scheduler=on_scheduler,
+                               **costs)[1]
+
+    stage = run_seconds(sides, True)
     register = to_pin / (p.register_GBps * 1e9) + to_pin / (p.unregister_GBps * 1e9)
-    if out_is_fresh and not pinned[1]:
+    if out_is_fresh and sides[1]:
         register += nbytes_out / (p.first_touch_rate(workers) * 1e9)
+    register += run_seconds(False, scheduler)
     return HostStrategy("register" if register < stage else "stage", stage, register)
 
 

@@ -21,6 +21,14 @@ def one_side_profile(staged_s: "float | None" = 1e-3, scheduled_s: "float | None
                                scheduled_chunk_host_s=scheduled_s)
 
 
+def slow_registration(profile):
+    """``profile`` on a host whose registering and unregistering run at 0.5 GB/s (an IOMMU or a
+    virtual machine's): there the planner stages an ordinary side rather than registering it,
+    even for jobs of a few chunks, where on the built-in profiles registering is predicted faster."""
+    return dataclasses.replace(plan.get_profile(profile), name=f"{plan.get_profile(profile).name}-slow-registration",
+                               register_GBps=0.5, unregister_GBps=0.5)
+
+
 def one_side_arrays(dev, data: np.ndarray, pinned: str) -> tuple[np.ndarray, np.ndarray]:
     """``(x, out)`` holding ``data`` in and room for a result of its shape out, the side named
     ``pinned`` (``"x"`` or ``"out"``) an array from ``rf.host.empty_like`` on ``dev``, the other

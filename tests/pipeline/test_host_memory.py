@@ -7,7 +7,7 @@ import pytest
 
 import ringflow as rf
 from tests.helpers.hooks import engines
-from tests.helpers.one_side import SIDES, one_side_arrays, one_side_profile
+from tests.helpers.one_side import SIDES, one_side_arrays, one_side_profile, slow_registration
 from ringflow import _plan as plan
 
 
@@ -145,9 +145,9 @@ def test_a_job_staging_one_side_is_planned_and_simulated_with_one_sides_host_tim
     the model charges in full). In 4 MiB chunks, where the scheduler's host time bounds the job,
     the simulated GPU spends the one-side figure per chunk and the run takes what
     predict_seconds with the pair says, within 10%."""
-    p = one_side_profile(1e-3, 4e-4)
+    p = slow_registration(one_side_profile(1e-3, 4e-4))  # (staging the ordinary side beats registering it)
     sides = SIDES[pinned]
-    total, workers = 128 << 20, 8  # (enough workers that staging the ordinary side beats registering it)
+    total, workers = 128 << 20, 8
     dev = rf.device("sim", profile=p, checked=False)
 
     def g(a, b):
@@ -184,4 +184,37 @@ def test_a_job_staging_one_side_is_planned_and_simulated_with_one_sides_host_tim
         assert report.measured_s == pytest.approx(one_s, rel=0.10)
         assert abs(report.measured_s - one_s) < abs(report.measured_s - both_s)
     finally:
+        dev.close()
+
+
+def test_auto_stages_or_registers_as_predicted_at_the_calls_chunk(monkeypatch):
+    """host="auto" on a host whose staged chunks cost the scheduler 627 µs each: 64 MiB of
+    pageable memory in 1 MiB chunks is registered (staging 64 chunks would be bound by that
+    host time), in 8 MiB chunks and with chunk_bytes="auto" staged; each call's choice is
+    choose_host_strategy's at that chunk, and every result is right."""
+    import dataclasses
+
+    from ringflow._pipeline import whole_array
+
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-staged-chunks", staged_chunk_host_s=627e-6,
+                            scheduled_chunk_host_s=209e-6, direct_chunk_host_s=68e-6)
+    dev = rf.device("sim", profile=p)
+    seen = []
+    layout_plan = whole_array.MapLayout.plan
+    monkeypatch.setattr(whole_array.MapLayout, "plan", lambda *a, **k: seen.append(layout_plan(*a, **k)) or seen[-1])
+
+    def g(a, b):
+        np.multiply(a, 2, out=b)
+
+    g.sim_seconds = 0.0
+    x = np.arange(16 << 20, dtype=np.float32)
+    try:
+        for chunk, want in ((1 << 20, "register"), (8 << 20, "stage"), ("auto", "stage")):
+            assert np.array_equal(rf.stream_map(g, x, device=dev, chunk_bytes=chunk, workers=4), x * 2)
+            expected = plan.choose_host_strategy(p, x.nbytes, x.nbytes, workers=4, out_is_fresh=True, align=4,
+                                                 chunk_bytes=None if chunk == "auto" else chunk,
+                                                 compute_s_per_byte=0.0, compute_s_per_chunk=0.0)
+            assert seen[-1].strategy == expected.choice == want, (chunk, expected)
+    finally:
+        rf.drop_warm_pipelines(dev)
         dev.close()

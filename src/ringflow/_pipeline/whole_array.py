@@ -789,13 +789,16 @@ class MapLayout:
                                      f"the buffer's first byte): make it with buffer.view(...) or register_host")
             strategy = "pinned"
         elif host == "auto":
-            # with one side pinned, staging the other competes with registering it on the direct
-            # engine, where the scheduler's cost per chunk decides a small side ("auto" is sized later)
+            # staging and registering, each predicted as a whole run: a staged run of small chunks
+            # is bound by the scheduler's host time per chunk, a registered one pays the pinning first
             pinned_sides = tuple(b is not None for b in pinned)
-            guess = chunk_bytes if isinstance(chunk_bytes, int) else DEFAULT_CHUNK_BYTES
-            chunks = -(-max(x.nbytes, out.nbytes) // guess) if any(pinned_sides) else 0
-            strategy = plan.choose_host_strategy(dev.hardware, x.nbytes, out.nbytes, workers=workers,
-                                                 out_is_fresh=fresh_out, pinned=pinned_sides, chunks=chunks).choice
+            per_chunk, per_byte = compute_cost(getattr(f, "sim_seconds", None))
+            # each strategy predicted at the job's chunk, or at its own best chunk for "auto"
+            chunk = None if chunk_bytes == "auto" else chunk_bytes if chunk_bytes is not None else DEFAULT_CHUNK_BYTES
+            strategy = plan.choose_host_strategy(
+                dev.hardware, x.nbytes, out.nbytes, workers=workers, out_is_fresh=fresh_out, pinned=pinned_sides,
+                chunk_bytes=chunk, compute_s_per_byte=per_byte, compute_s_per_chunk=per_chunk, align=row_bytes,
+                scheduler=engine == "pipeline" or why_not_direct("register", options) is not None).choice
             strategy = strategy if contiguous and not any(pinned_views) else "stage"
             if strategy == "stage":  # a side already pinned is used in place; only the other is staged
                 in_place = pinned_sides
