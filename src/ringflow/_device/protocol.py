@@ -654,7 +654,9 @@ class Stream(_ClosedOnExit):
 
     @abc.abstractmethod
     def wait(self, event: Event) -> None:
-        """Make later work on this stream wait for ``event``; the host does not block.
+        """Make later work on this stream wait for ``event``; the host does not block. On a
+        device whose worker pools model host work (``WorkerPool.models_host_work``) ``event`` may
+        also be what :meth:`WorkerPool.host_work` returned: later work waits for that host work.
 
         Raises:
             TypeError: ``event`` is not an event of this backend.
@@ -793,11 +795,11 @@ class WorkerPool(_ClosedOnExit):
 
     def host_work(self, seconds: float) -> Any:
         """Host work of ``seconds`` that a model says the pool's submitter does (the scheduler's
-        time per staged chunk, ``ringflow._plan.host_seconds_per_chunk``), for :meth:`submit`'s
-        ``after``. A real pool returns None: its host spends its own time. The simulated pool
-        runs it on a lane of the submitter's own, one piece after another, beside everything
-        else (the submitter is not held meanwhile), and returns a token whose ``span`` is the
-        ``(start, end)`` of that virtual time once it is done.
+        time per chunk, ``ringflow._plan.host_seconds_per_chunk``), for :meth:`submit`'s ``after``
+        or a stream's :meth:`Stream.wait`. A real pool returns None: its host spends its own
+        time. The simulated pool runs it on a lane of the submitter's own, one piece after
+        another, beside everything else (the submitter is not held meanwhile), and returns a
+        token whose ``span`` is the ``(start, end)`` of that virtual time once it is done.
 
         Raises:
             TypeError: ``seconds`` is not a real number.

@@ -310,6 +310,36 @@ def test_wait_any_mixes_events_and_tasks():
     assert dev.now == pytest.approx(1e-3)
 
 
+def test_a_stream_waiting_for_the_submitters_host_work_starts_its_next_work_once_it_is_done():
+    """The pool's host work runs one piece after another on a lane of its own; a stream told to
+    wait for a piece runs its later work once that piece is done, without holding the host (the
+    wait is no device call: the unit profile's host calls cost nothing anyway, and the host's
+    clock does not move) and without ordering anything for the checker (the work touches no
+    memory). A piece already done adds no wait."""
+    dev = unit_device()
+    pool = dev.create_worker_pool(2)
+    tl = Timeline(dev)
+    s = dev.create_stream()
+    h, d = dev.allocate_host(MB), dev.allocate(MB)
+    first, second = pool.host_work(2e-3), pool.host_work(3e-3)
+    s.wait(second)
+    s.copy(d, h)
+    assert dev.now == 0.0  # not held
+    s.sync()
+    (copy,) = tl.of("copy h2d")
+    assert first.span == pytest.approx((0.0, 2e-3)) and second.span == pytest.approx((2e-3, 5e-3))
+    assert copy.started_at == pytest.approx(5e-3) and dev.now == pytest.approx(6e-3)
+    waits = len(tl.of("wait"))
+    s.wait(first)  # done: nothing to wait for
+    s.copy(d, h)
+    s.sync()
+    assert len(tl.of("wait")) == waits and dev.now == pytest.approx(7e-3)
+    other = unit_device()
+    with pytest.raises(ValueError, match="another device"):
+        other.create_stream().wait(pool.host_work(1e-3))
+    pool.close()
+
+
 # -- stream priorities ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("chaos", [False, True])
 def test_a_higher_priority_streams_kernel_runs_first_when_both_wait(chaos):

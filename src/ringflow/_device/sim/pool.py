@@ -11,10 +11,11 @@ with :func:`charge`. A worker with nothing to do takes no share: a pool larger t
 offered to it copies as fast as the tasks it actually runs allow, as real threads do.
 
 :meth:`SimWorkerPool.host_work` stands for host work of the pool's submitter that a model
-counts (the scheduler's time per staged chunk, a resource of its own beside the stages in the
+counts (the scheduler's time per chunk, a resource of its own beside the stages in the
 planner's model): an op of that many seconds on a lane of the pool's own, one after another,
-which the submitting thread does not wait for; a task submitted ``after`` it starts once it is
-done.
+which the submitting thread does not wait for; a task submitted ``after`` it, or a stream's
+later work once the stream waits for it (:meth:`SimStream.wait <.stream.SimStream.wait>`),
+starts once it is done.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ def charge(seconds: float) -> None:
 class SimHostWork:
     """Host work of a pool's submitter on the simulated clock (:meth:`SimWorkerPool.host_work`)."""
 
-    __slots__ = ("op",)
+    __slots__ = ("op", "dev")
 
-    def __init__(self, op: Op):
+    def __init__(self, op: Op, dev: "SimDevice"):
         self.op = op
+        self.dev = dev
 
     @property
     def span(self) -> "tuple[float, float] | None":
@@ -183,7 +185,8 @@ class SimWorkerPool(WorkerPool):
             if self._closed:
                 raise RuntimeError("this worker pool is closed; create a new one")
             return SimHostWork(self._dev._engine.enqueue(Op(self._host_queue, "submitter's host work",
-                                                            resource=self._host_resource, seconds=seconds)))
+                                                            resource=self._host_resource, seconds=seconds)),
+                               self._dev)
 
     def submit(self, fn: Callable[..., Any], *args: Any, nbytes: int = 0, sim_seconds: float | None = None,
                after: "SimHostWork | None" = None) -> SimHostTask:

@@ -17,6 +17,7 @@ from ..protocol import (ArrayArg, Buffer, BufferSlice, Event, Stream, as_slice, 
 from .engine import Op
 from .graph import SYNC_IN_CAPTURE, CapturedEvent, SimCapture, SimGraph, capturing_thread
 from .hazard import AccessKind
+from .pool import SimHostWork
 from .tape import HostRead, Tape
 
 if TYPE_CHECKING:
@@ -146,7 +147,10 @@ class SimStream(Stream):
             op = self._enqueue("event record", on_complete=take_error)
             return self._dev._new_event(op, snapshot, timing, self.name)
 
-    def wait(self, event: Event) -> None:
+    def wait(self, event: "Event | SimHostWork") -> None:
+        if isinstance(event, SimHostWork):
+            self._wait_host_work(event)
+            return
         if isinstance(event, CapturedEvent):
             # (checked outside the device's lock: its message takes the lock of the named devices)
             check_event_device(self, event, event.capture.dev)
@@ -165,6 +169,23 @@ class SimStream(Stream):
             self._dev._checker.merge(self.actor, event._snapshot)
             if not event._op.done:
                 self._enqueue("wait", deps=[event._op])
+
+    def _wait_host_work(self, work: SimHostWork) -> None:
+        """Later work on this stream starts once the submitter's host work ``work`` is done
+        (:meth:`SimWorkerPool.host_work <.pool.SimWorkerPool.host_work>`). It stands for time the
+        submitting thread spends before it enqueues that work, not for a device call: the host is
+        charged nothing for it, and the checker gains no order (the work touches no memory)."""
+        if work.dev is not self._dev:
+            raise ValueError(f"{self.name} was given host work of another device; a stream can only wait for "
+                             "host work of its own device's worker pools")
+        with self._dev._lock:
+            capture = self._capture()
+            if capture is not None:
+                raise capture.abandon(f"{self.name} waited for host work outside the capture")
+            self._check_open()
+            self._dev._host_api()  # (a broken context refuses it, as any call; it costs nothing)
+            if not work.op.done:
+                self._enqueue("wait for host work", deps=[work.op])
 
     def _wait_captured(self, event: CapturedEvent) -> None:
         """Wait for an event recorded during a capture: joins this stream to that capture."""
