@@ -501,6 +501,32 @@ def test_two_simulated_gpus_predict_at_least_1_9x_one_on_the_seed_workload(host_
     assert predicted.speedup >= 1.9 and predicted.host_floor_s == 0
 
 
+def test_an_unstaged_scheduled_job_over_two_gpus_takes_each_shards_scheduler_time_the_plan_charges():
+    """8 MiB registered in place over two simulated GPUs, in 64 KiB chunks, on a profile whose
+    scheduler takes 1 ms a chunk: engine="pipeline" runs each shard on the scheduler unstaged, and
+    each shard's chunks cost it that time, as predict_devices charges them (within 10%); on the
+    direct engine the figure is no cost."""
+    slow = dataclasses.replace(get_profile("h200-pcie5"), name="slow-scheduler", scheduled_chunk_host_s=1e-3)
+
+    def double(a, b):
+        np.multiply(a, 2, out=b)
+
+    double.sim_seconds = 0.0
+    x = np.arange(2 * MiB, dtype=np.float32)
+    chunk = 64 << 10
+    wall = {}
+    for engine in ("pipeline", "direct"):
+        with named_sims(43, 44, profile=slow):
+            y, report = rf.stream_map_report(double, x, device=["sim:43", "sim:44"], chunk_bytes=chunk,
+                                             host="register", engine=engine, keep_warm=False)
+            assert np.array_equal(y, x * 2) and [r.chunks for r in report.reports] == [64, 64]
+            wall[engine] = [r.measured_s for r in report.reports]
+    predicted = plan.predict_devices(slow, x.nbytes, chunk, 2, host_stages=False, scheduler=True).predicted_s
+    assert min(wall["pipeline"]) >= 64 * 1e-3
+    assert max(wall["pipeline"]) == pytest.approx(predicted, rel=0.10)
+    assert max(wall["direct"]) < 64 * 1e-3 / 4
+
+
 def test_shards_declare_their_host_copies_while_they_run():
     seen = []
     with named_sims(40, 41, checked=False) as devs:

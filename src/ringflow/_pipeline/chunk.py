@@ -414,7 +414,8 @@ class Chunk:
     result_buffer: Any = None  # the pinned buffer behind ``result``
     prepare_task: Any = None
     consume_task: Any = None
-    host_work: Any = None  # the scheduler's host work for it, which its pool tasks come after (or None)
+    # the scheduler's host work for it, which its last pool task (or, with none, its copy in) comes after; or None
+    host_work: Any = None
     h2d_event: Any = None
     compute_event: Any = None
     d2h_event: Any = None

@@ -26,7 +26,13 @@ from .stages import is_interrupt
 
 class ScheduledEngine:
     """A whole-array job on a :class:`~ringflow.Pipeline` built for its layout. Its stage
-    callbacks are bound to one call's arrays at a time; a parked engine holds none."""
+    callbacks are bound to one call's arrays at a time; a parked engine holds none.
+
+    On the simulated GPU each chunk costs the scheduler the host time per chunk that the planner
+    charges the job (``_plan.host_seconds_per_chunk`` with ``scheduler=True``: the staged
+    figure where a side is staged, else the unstaged one), as host work of its worker pool that
+    the chunk's last pool task, or where it has none its copy in, comes after (see
+    :class:`~.scheduler.Scheduler`). A real GPU's host spends its own."""
 
     def __init__(self, f: Callable, layout, options: dict, arrays: Arrays):
         self.f = f
@@ -76,9 +82,10 @@ class ScheduledEngine:
 
             def output(item):
                 return (item[1] - item[0],) + out_tail, out_dtype
-        # a staged job's chunks cost the scheduler the host time the planner charges them (its
-        # predict_seconds with host_stages): the simulated GPU spends it too (WorkerPool.host_work)
-        host_s = plan.host_seconds_per_chunk(layout.device.hardware, layout.staged) if any(layout.staged) else None
+        # the chunks cost the scheduler the host time the planner charges them (its predict_seconds
+        # with the sides staged and scheduler=True, staged or not): the simulated GPU spends it too
+        # (WorkerPool.host_work)
+        host_s = plan.host_seconds_per_chunk(layout.device.hardware, layout.staged, scheduler=True)
         pipe = Pipeline._for_whole_array(self.f, prepare=prepare, consume=consume, item_nbytes=item_nbytes,
                                          host_in_buffer=host_in, host_out_buffer=host_out, host_s_per_chunk=host_s,
                                          max_chunks=layout.n_chunks, device=layout.device,

@@ -137,14 +137,17 @@ class Scheduler:
         them: they close once the rings are released (never raising).
 
         ``host_s_per_chunk``: the host seconds the planner charges the scheduler for each chunk
-        (a staged whole-array job's: ``_plan.host_seconds_per_chunk``): each chunk's, from its
-        admission, is host work of the pool's submitter (``WorkerPool.host_work``) that the
+        of a whole-array job (``_plan.host_seconds_per_chunk``, staged or not): each chunk's, from
+        its admission, is host work of the pool's submitter (``WorkerPool.host_work``) that the
         chunk's last pool task (its consume, or its prepare where the result is not staged) comes
-        after. The simulated GPU runs it on a lane of its own, one chunk's after another's, as the
-        planner counts it: a resource beside the stages, one chunk at a time, which bounds a run
-        only where it is the slowest (the first tasks of a run are not held back by it, so the
-        workers start together, as the planner has them). A real GPU's host spends its own time.
-        None: no such work."""
+        after; a chunk with no pool task (neither side staged: its prepare only describes it and
+        its consume does nothing, both inline) has its copy in wait for it instead, as a real
+        scheduler enqueues that copy only once it has done the chunk's host work. The simulated
+        GPU runs it on a lane of its own, one chunk's after another's, as the planner counts it:
+        a resource beside the stages, one chunk at a time, which bounds a run only where it is
+        the slowest (a staged run's first tasks are not held back by it, so the workers start
+        together, as the planner has them). A real GPU's host spends its own time. None: no such
+        work."""
         hooks = current_hooks()
         guard_off = refuse_unknown_guards(hooks.guards_off, GUARDS)
         slot_hook = hooks.slot_hook
@@ -1083,6 +1086,11 @@ class Scheduler:
             self._wait_ready(s, slot, "h2d.wait_slot_ready")
             if chunk.source_ready is not None:  # a device array item: after its producer's work
                 s.wait(chunk.source_ready)
+            if chunk.host_work is not None and self.host_in.external and self.host_out.external:
+                # no pool task of the chunk can come after the scheduler's host work for it (its
+                # prepare and consume run inline): its copy in does, as a real scheduler enqueues
+                # that copy only once it has done that work (see __init__)
+                s.wait(chunk.host_work)
             n = chunk.nbytes
             if self._profile:
                 self._mark(chunk, s, "h2d", start=True)

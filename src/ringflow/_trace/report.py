@@ -102,7 +102,7 @@ def ideal_seconds(records: Sequence[ChunkRecord], workers: int, compute_lanes: i
 
     Copies taken while the other direction ran shared the link, and their times say so. The
     scheduler's host work for a chunk (``ChunkRecord.scheduler``: the simulated GPU's model of its
-    time per staged chunk) is a resource of one lane too, after the chunk was accepted and before
+    time per chunk) is a resource of one lane too, after the chunk was accepted and before
     those of its stages that start once it is done; the scheduler's other host time is not
     counted (it is no span).
 

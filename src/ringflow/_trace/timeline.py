@@ -51,8 +51,9 @@ class ChunkRecord:
     stages: dict  # stage -> (start, end)
     # the host stages that ran on the worker pool; the others ran inline on the scheduler's thread
     pooled: tuple = ("prepare", "consume")
-    # (start, end) of the scheduler's host work for this chunk, which its pool tasks came after
-    # (WorkerPool.host_work: the simulated GPU's model of its time per staged chunk), or None
+    # (start, end) of the scheduler's host work for this chunk, which its last pool task (or, with
+    # none, its copy in) came after (WorkerPool.host_work: the simulated GPU's model of its time
+    # per chunk), or None
     scheduler: Optional[tuple] = None
 
     @property
