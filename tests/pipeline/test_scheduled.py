@@ -101,3 +101,18 @@ def test_an_unstaged_chunks_copy_in_comes_after_its_host_work_under_chaos(seed, 
         assert dev.checks > 0
     finally:
         dev.close()
+
+
+def test_a_pool_that_does_not_model_host_work_gives_an_unstaged_job_none(monkeypatch):
+    """A real GPU's worker pool spends no time for ``host_work`` (its host spends its own): the
+    scheduler asks such a pool for none, and no chunk's copy in waits for any (on the simulated
+    GPU told so, the run takes the stages' time alone)."""
+    from ringflow._device.sim.pool import SimWorkerPool
+
+    asked = []
+    real = SimWorkerPool.host_work
+    monkeypatch.setattr(SimWorkerPool, "models_host_work", False)
+    monkeypatch.setattr(SimWorkerPool, "host_work", lambda self, seconds: asked.append(seconds) or real(self, seconds))
+    report = pinned_report(4 * MiB, engine="pipeline")
+    assert asked == [] and report.chunks == 64
+    assert report.measured_s < 64 * HOST_S / 4

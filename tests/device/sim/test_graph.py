@@ -271,6 +271,15 @@ def test_capture_rules():
     a.copy(d, h)
     a.sync()
 
+    # the pool submitter's host work is not part of the capture either
+    pool = dev.create_worker_pool(1)
+    a.begin_capture()
+    with pytest.raises(CaptureError, match="host work outside the capture"):
+        a.wait(pool.host_work(1e-6))
+    with pytest.raises(CaptureError, match="outside the capture"):
+        a.end_capture()
+    pool.close()
+
     a.begin_capture()
     captured = a.record()
     with pytest.raises(CaptureError, match="querying"):
