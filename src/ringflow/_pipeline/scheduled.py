@@ -29,8 +29,8 @@ class ScheduledEngine:
     callbacks are bound to one call's arrays at a time; a parked engine holds none.
 
     On the simulated GPU each chunk costs the scheduler the host time per chunk that the planner
-    charges the job (``_plan.host_seconds_per_chunk`` with ``scheduler=True``: the staged
-    figure where a side is staged, else the unstaged one), as host work of its worker pool that
+    charges the job (``_plan.host_seconds_per_chunk`` with ``scheduler=True``: the figure for
+    the sides it stages, one or both, else the unstaged one), as host work of its worker pool that
     the chunk's last pool task, or where it has none its copy in, comes after (see
     :class:`~.scheduler.Scheduler`). A real GPU's host spends its own."""
 
