@@ -1,8 +1,8 @@
 """The planner's per-side staging and the scheduler's unstaged host time, against the GPU.
 
-A float32 array (``--mib``, y = 2x + 1) through ``stream_map`` with ``--workers`` CPU workers, at
-each chunk size of ``--chunks-kib`` and at ``chunk_bytes="auto"``, in rounds that visit every
-setting in turn (round 0 warms up and is not kept; medians over the rest):
+A float32 array (``--mib``, a fraction for arrays under a MiB; y = 2x + 1) through ``stream_map``
+with ``--workers`` CPU workers, at each chunk of ``--chunks`` (KiB, ``auto``, or ``default``: no
+``chunk_bytes``), in rounds that visit every setting in turn (round 0 warms up and is not kept; medians over the rest):
 
 * ``stage both``: pageable x and a fresh pageable result, ``host="stage"``;
 * ``register both``: the same arrays, ``host="register"``; ``auto both``: ``host="auto"``;
@@ -18,6 +18,7 @@ the one-side rows, what a prediction staging both sides gives (the model before 
 apart). Every result is checked against numpy.
 
     PYTHONPATH=src python3 bench/sides_check.py --device cuda:0 --out FILE
+    PYTHONPATH=src python3 bench/sides_check.py --device cuda:0 --mib 0.0625 --chunks default,auto --rounds 20
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ringflow._bench import kernels  # noqa: E402
 from ringflow._bench.measure import fresh_random  # noqa: E402
 from ringflow._bench.runner import environment  # noqa: E402
 from ringflow._pipeline import call_memo, whole_array  # noqa: E402
+from ringflow._pipeline.sizing import DEFAULT_CHUNK_BYTES  # noqa: E402
 from _script import header, write  # noqa: E402
 
 KiB = 1 << 10
@@ -75,17 +77,17 @@ class HostChoice:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--mib", type=float, default=256)
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--chunks-kib", default="256,1024,8192")
+    ap.add_argument("--chunks", default="256,1024,8192,auto")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = rf.device(args.device)
     profile = dev.hardware
     f = kernels.scale_shift()
-    n = args.mib * (1 << 20) // 4
-    chunks = [int(c) * KiB for c in args.chunks_kib.split(",")] + ["auto"]
+    n = int(args.mib * (1 << 20)) // 4
+    chunks = [c if c == "auto" else None if c == "default" else int(c) * KiB for c in args.chunks.split(",")]
     choice = HostChoice()
     whole_array.plan.choose_host_strategy = choice
     settings = [(case, c) for case in CASES for c in chunks]
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
         row = {"case": name, "chunk_bytes": c, "median_ms": statistics.median(s) * 1e3,
                "min_ms": min(s) * 1e3, "max_ms": max(s) * 1e3, "host_choice": auto_choice.get((name, c))}
         if sides is not None:
-            size = c if c != "auto" else plan.choose_chunk_bytes(
+            size = min(n * 4, c or DEFAULT_CHUNK_BYTES) if c != "auto" else plan.choose_chunk_bytes(
                 profile, n * 4, workers=args.workers, host_stages=sides, scheduler=scheduler, align=4).chunk_bytes
             _, predicted = plan.predict_seconds(profile, n * 4, size, workers=args.workers, host_stages=sides,
                                                 scheduler=scheduler)
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
                 row["predicted_both_staged_ms"] = both * 1e3
         rows.append(row)
         extra = "".join(f"  {k} {row[k]:.2f}" for k in ("predicted_ms", "predicted_both_staged_ms") if k in row)
-        print(f"{name:24s} chunk {str(c):>8s}: {row['median_ms']:8.2f} ms [{row['min_ms']:.2f}, "
+        print(f"{name:24s} chunk {str(c or 'default'):>8s}: {row['median_ms']:8.2f} ms [{row['min_ms']:.2f}, "
               f"{row['max_ms']:.2f}]{extra}{'  chose ' + row['host_choice'] if row['host_choice'] else ''}",
               flush=True)
     out = {**header(environment(dev)), "bytes": n * 4, "workers": args.workers, "rounds": args.rounds,

@@ -429,10 +429,14 @@ def test_scheduler_load(tmp_path):
 def test_sides_check(tmp_path):
     """Every case runs and is checked; the one-side staged rows carry both predictions (one side
     below both sides), the free choices record what the layout chose."""
-    r = run_script(tmp_path, "sides_check.py", "--mib", "4", "--chunks-kib", "256", "--rounds", "1")
+    r = run_script(tmp_path, "sides_check.py", "--mib", "4", "--chunks", "256,auto", "--rounds", "1")
     assert r["correct"] is True
     cases = {(row["case"], row["chunk_bytes"]) for row in r["rows"]}
     assert len(cases) == len(r["rows"]) == 8 * 2
+    small = run_script(tmp_path, "sides_check.py", "--mib", "0.0625", "--chunks", "default", "--rounds", "1")
+    assert small["correct"] is True and small["bytes"] == 64 << 10
+    assert {row["chunk_bytes"] for row in small["rows"]} == {None}
+    assert all(row.get("planned_chunk_bytes", 64 << 10) == 64 << 10 for row in small["rows"])
     for row in r["rows"]:
         assert row["median_ms"] > 0
         if row["case"] == "stage in, out pinned":
