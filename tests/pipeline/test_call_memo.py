@@ -415,14 +415,16 @@ def test_a_report_refuses_an_option_stream_map_does_not_take():
 def test_a_warm_call_looks_its_arrays_up_in_the_pools_once(monkeypatch):
     """A warm call on ordinary arrays asks the host pools about ``x`` and ``out`` once (whether
     the memo serves it), not again when the call ends: arrays known not to be pool memory leave
-    no hand-off. A MapJob asks once for the job, not per call."""
+    no hand-off. A MapJob asks once for the job, not per call. (Staged: a call that "auto"
+    would have registered finds the arrays pinned by the job, stages them instead and, since the
+    job may unpin them before the next call, is not remembered.)"""
     from ringflow._device import host_pool
 
     dev = rf.device("sim")
     x = fresh(4096, 1)
     out = np.empty_like(x)
     job = rf.MapJob(f, x, out, device=dev, chunk_bytes=4096)
-    rf.stream_map(f, x, out, device=dev, chunk_bytes=4096)
+    rf.stream_map(f, x, out, device=dev, chunk_bytes=4096, host="stage")
     asked = []
     real = host_pool.device_of
 
@@ -431,7 +433,7 @@ def test_a_warm_call_looks_its_arrays_up_in_the_pools_once(monkeypatch):
         return real(arr)
 
     monkeypatch.setattr(host_pool, "device_of", counted)
-    rf.stream_map(f, x, out, device=dev, chunk_bytes=4096)
+    rf.stream_map(f, x, out, device=dev, chunk_bytes=4096, host="stage")
     assert len(asked) == 2 and np.array_equal(out, x * 2 + 1)
     asked.clear()
     out[:] = 0

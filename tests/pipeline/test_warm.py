@@ -37,7 +37,9 @@ def empty_cache():
 
 
 def run(x, dev, **kw):
-    """stream_map returning (result, the pipeline that ran it)."""
+    """stream_map returning (result, the pipeline that ran it); staged unless ``host`` says
+    otherwise (the scheduler's pipeline, whatever "auto" would pick for these small arrays)."""
+    kw.setdefault("host", "stage")
     seen = {}
     with engines(on=lambda p: seen.setdefault("pipe", p)):
         y = rf.stream_map(f, x, device=dev, **kw)
@@ -91,14 +93,17 @@ def test_keep_warm_false_closes_the_pipeline():
 
 
 def test_profiled_and_checked_calls_are_not_kept():
+    """On the scheduler (staged) a profiled call runs on a pipeline of its own, not kept; a
+    checked call is never kept (the direct engine's profiled calls time one pass of the same
+    engine, which stays warm)."""
     dev = rf.device("sim")
     x = fresh(1000, 0)
-    rf.stream_map(f, x, device=dev, chunk_bytes=1024, checked=True)
-    rf.stream_map(f, x, device=dev, chunk_bytes=1024)
+    rf.stream_map(f, x, device=dev, chunk_bytes=1024, checked=True, host="stage")
+    rf.stream_map(f, x, device=dev, chunk_bytes=1024, host="stage")
     assert rf.drop_warm_pipelines(dev) == 1  # only the plain call's
     from ringflow._pipeline.whole_array import stream_map_report
 
-    stream_map_report(f, x, device=dev, chunk_bytes=1024)
+    stream_map_report(f, x, device=dev, chunk_bytes=1024, host="stage")
     assert len(warm.WARM) == 0
 
 
@@ -171,13 +176,18 @@ def test_a_failed_call_is_not_kept_and_the_next_one_works():
     assert dev.live().total == 0
 
 
-def test_a_broken_device_is_not_kept():
+@pytest.mark.parametrize("host", ["stage", "register", "auto"])
+def test_a_broken_device_is_not_kept(host):
+    """A call on a device broken since the last (a sticky error) raises it, and the engines kept
+    for that device go: taken and closed by a staged call, dropped by a registering one, whose
+    registration fails before it takes an engine."""
     dev = rf.device("sim")
     x = fresh(4096, 0)
-    rf.stream_map(f, x, device=dev, chunk_bytes=1024)
+    rf.stream_map(f, x, device=dev, chunk_bytes=1024, host=host)
+    assert len(warm.WARM) == 1
     dev.inject_sticky_error()
     with pytest.raises(rf.DeviceError):
-        rf.stream_map(f, x, device=dev, chunk_bytes=1024)
+        rf.stream_map(f, x, device=dev, chunk_bytes=1024, host=host)
     assert len(warm.WARM) == 0
 
 

@@ -461,6 +461,12 @@ def run_prepared(f, x, out, fresh_out: bool, call: PreparedCall, profile: bool, 
                 warm.WARM.park(key, eng)
             else:
                 eng.close()
+        except DeviceError as exc:
+            # a broken device (a sticky error) fails a registering call before it takes an
+            # engine: the engines kept for the device go now, as a taken one goes when it fails
+            if exc.sticky:
+                warm.WARM.drop(call.device)
+            raise
         finally:
             for buf in registered:
                 close_quietly(buf, "registration")
