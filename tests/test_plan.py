@@ -699,7 +699,7 @@ def test_a_side_already_pinned_is_neither_staged_nor_registered():
 
 def test_the_host_strategy_is_the_run_predicted_faster_at_the_jobs_chunk():
     """Staging costs the scheduler its host time per chunk, which bounds a run of small chunks:
-    on a host whose staged chunks cost 627 µs each (an H100 host's measured figures), 256 MiB of
+    on a host whose staged chunks cost the scheduler 627 µs each, 256 MiB of
     pageable memory in 1 MiB chunks is registered (a staged run would take 256 x 627 µs), in
     8 MiB chunks staged; with no chunk given each strategy is predicted at its own best chunk."""
     p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-staged-chunks", staged_chunk_host_s=627e-6,
