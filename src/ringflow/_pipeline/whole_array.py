@@ -767,6 +767,7 @@ class MapLayout:
         pinned_views = tuple(buf is None and host_pool.device_of(arr) is not None
                              for arr, buf in ((x, pinned[0]), (out, None if fresh_out else pinned[1])))
         workers = options.get("workers") or default_workers(dev)
+        cost = None  # the compute's declared cost (compute_cost), read once where it is planned with
         if (x_buffer is None) != (out_buffer is None):
             raise ValueError("pass both x_buffer and out_buffer (the pinned memory behind x and out), or neither")
         if x_buffer is not None and fresh_out:
@@ -798,7 +799,7 @@ class MapLayout:
             # staging and registering, each predicted as a whole run: a staged run of small chunks
             # is bound by the scheduler's host time per chunk, a registered one pays the pinning first
             pinned_sides = tuple(b is not None for b in pinned)
-            per_chunk, per_byte = compute_cost(getattr(f, "sim_seconds", None))
+            per_chunk, per_byte = cost = compute_cost(getattr(f, "sim_seconds", None))
             # each strategy predicted at the job's chunk, or at its own best chunk for "auto"
             chunk = None if chunk_bytes == "auto" else chunk_bytes if chunk_bytes is not None else DEFAULT_CHUNK_BYTES
             strategy = plan.choose_host_strategy(
@@ -825,7 +826,7 @@ class MapLayout:
                                  f"'stage', or pass an array from rf.host.empty")
         widest = max(row_bytes, out_row_bytes)  # a slot holds a chunk's input and, apart, its result
         if chunk_bytes == "auto":
-            per_chunk, per_byte = compute_cost(getattr(f, "sim_seconds", None))
+            per_chunk, per_byte = cost if cost is not None else compute_cost(getattr(f, "sim_seconds", None))
             # the sides staged (the layout's staged): a side already pinned is used in place,
             # costing the host no copy and the scheduler no pool task
             staged = staged_sides(strategy, in_place)
