@@ -59,7 +59,7 @@ CASES = (
 
 class HostChoice:
     """``choose_host_strategy`` as the whole-array layout calls it: forced to staging while
-    ``force`` is set; the last choice it returned is kept."""
+    ``force`` is set; the last strategy it returned (its choice and both predictions) is kept."""
 
     def __init__(self):
         self.real = whole_array.plan.choose_host_strategy
@@ -70,7 +70,7 @@ class HostChoice:
         choice = self.real(*args, **kwargs)
         if self.force:
             choice = plan.HostStrategy("stage", choice.stage_s, choice.register_s)
-        self.last = choice.choice
+        self.last = choice
         return choice
 
 
@@ -123,7 +123,11 @@ def main(argv=None) -> int:
     for (name, _, _, host, engine, sides, scheduler), c in settings:
         s = samples[(name, c)]
         row = {"case": name, "chunk_bytes": c, "median_ms": statistics.median(s) * 1e3,
-               "min_ms": min(s) * 1e3, "max_ms": max(s) * 1e3, "host_choice": auto_choice.get((name, c))}
+               "min_ms": min(s) * 1e3, "max_ms": max(s) * 1e3, "host_choice": None}
+        strategy = auto_choice.get((name, c))
+        if strategy is not None:  # what host="auto" predicted for either strategy, fixed costs included
+            row.update(host_choice=strategy.choice, predicted_stage_ms=strategy.stage_s * 1e3,
+                       predicted_register_ms=strategy.register_s * 1e3)
         if sides is not None:
             size = min(n * 4, c or DEFAULT_CHUNK_BYTES) if c != "auto" else plan.choose_chunk_bytes(
                 profile, n * 4, workers=args.workers, host_stages=sides, scheduler=scheduler, align=4).chunk_bytes
@@ -135,7 +139,8 @@ def main(argv=None) -> int:
                 _, both = plan.predict_seconds(profile, n * 4, size, workers=args.workers, host_stages=True)
                 row["predicted_both_staged_ms"] = both * 1e3
         rows.append(row)
-        extra = "".join(f"  {k} {row[k]:.2f}" for k in ("predicted_ms", "predicted_both_staged_ms") if k in row)
+        extra = "".join(f"  {k} {row[k]:.2f}" for k in ("predicted_ms", "predicted_both_staged_ms",
+                                                         "predicted_stage_ms", "predicted_register_ms") if k in row)
         print(f"{name:24s} chunk {str(c or 'default'):>8s}: {row['median_ms']:8.2f} ms [{row['min_ms']:.2f}, "
               f"{row['max_ms']:.2f}]{extra}{'  chose ' + row['host_choice'] if row['host_choice'] else ''}",
               flush=True)

@@ -354,7 +354,7 @@ def fake_model_measurements():
     return {"bytes": 256 << 20, "threads": [1, 4, 8, 16], "device_GBps": 4012.34, "kernel_min_s": 2.1e-6,
             "launch_overhead_s": 6.5e-6, "copy_overhead_s": 3.2e-6, "event_overhead_s": 1.1e-6,
             "host_task_overhead_s": 4.4e-6, "host_copy_GBps": [[1, 9.8], [4, 20.5], [8, 30.9], [16, 40.2]],
-            "register_GBps": 30.1, "register_fresh_GBps": 7.5, "unregister_GBps": 50.2,
+            "register_GBps": 30.1, "register_fresh_GBps": 7.5, "unregister_GBps": 50.2, "register_call_s": 23.5e-6,
             "first_touch_GBps": [[1, 3.7], [16, 30.5]],
             "staging_GBps": [[1, 2.9], [4, 8.2], [8, 12.1], [16, 13.9]], "seconds": 2.5}
 
@@ -409,6 +409,7 @@ def test_save_writes_a_profile_of_the_measurements_that_round_trips(fake_calibra
     assert (p.staged_chunk_host_s, p.scheduled_chunk_host_s, p.direct_chunk_host_s) == (512.5e-6, 164.25e-6, 71.25e-6)
     assert re.search(r"staged_chunk_host_s +│ 513 µs", out) and re.search(r"direct_chunk_host_s +│ 71.2 µs", out)
     assert re.search(r"scheduled_chunk_host_s +│ 164 µs", out)
+    assert p.register_call_s == 23.5e-6 and re.search(r"register_call_s +│ 23.5 µs", out)
     assert json.loads(path.read_text())["model"]["scheduled_chunk_host_s"] == 164.25e-6  # the file holds it
     assert (p.sm_count, p.async_engine_count, p.compute_capability, p.total_memory) == (132, 3, (9, 0), 150 * 10**9)
     assert not fake_calibration.exists()  # a path was given: the cache is left alone
@@ -627,8 +628,9 @@ def test_measure_model_reads_back_the_simulated_gpus_figures():
         assert m[name] == pytest.approx(getattr(p, name), rel=1e-9), name
     assert m["threads"] == [1, 2] and [t for t, _ in m["host_copy_GBps"]] == [1, 2]
     assert [t for t, _ in m["first_touch_GBps"]] == [1, 2]
-    for key in ("register_GBps", "register_fresh_GBps", "unregister_GBps"):
+    for key in ("register_GBps", "register_fresh_GBps", "unregister_GBps", "register_call_s"):
         assert m[key] > 0  # the host's own work, on the host clock
+    assert m["register_call_s"] < 0.01
     assert all(rate > 0 for _, rate in m["host_copy_GBps"] + m["first_touch_GBps"])
     # the host's copies, with the device's in virtual time beside them, on each thread count timed
     assert [t for t, _ in m["staging_GBps"]] == [1, 2] and all(rate > 0 for _, rate in m["staging_GBps"])

@@ -16,7 +16,7 @@ from ringflow import _plan as plan
 from ringflow._device.sim import charge
 
 MB = 10**6
-MiB = 1 << 20
+KiB, MiB = 1 << 10, 1 << 20
 
 
 def steady_interval(profile, chunk, slots, *, compute_s, workers, consume_extra_s=0.0, n=60, inplace=False):
@@ -718,6 +718,43 @@ def test_the_host_strategy_is_the_run_predicted_faster_at_the_jobs_chunk():
     assert sched.register_s - small.register_s == pytest.approx(
         plan.predict_seconds(p, total, MiB, workers=4, host_stages=False, scheduler=True)[1]
         - plan.predict_seconds(p, total, MiB, workers=4, host_stages=False)[1])
+
+
+def test_a_registrations_fixed_cost_is_paid_once_a_side_and_decides_a_small_array():
+    """Each side registered pays the profile's ``register_call_s`` once, whatever its size: on a
+    host whose staged chunk costs the scheduler 627 µs, a one-chunk 64 KiB job registers when a
+    registration costs its bytes alone, and stages when each costs 500 µs more (twice that over
+    both sides against one staged chunk); a 256 MiB job in 1 MiB chunks registers either way."""
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-staged-chunks", staged_chunk_host_s=627e-6,
+                            scheduled_chunk_host_s=209e-6, direct_chunk_host_s=68e-6)
+    costly = dataclasses.replace(p, register_call_s=500e-6)
+    small = dict(workers=4, out_is_fresh=True, chunk_bytes=64 * KiB)
+    assert plan.choose_host_strategy(p, 64 * KiB, 64 * KiB, **small).choice == "register"
+    both = plan.choose_host_strategy(costly, 64 * KiB, 64 * KiB, **small)
+    assert both.choice == "stage"
+    assert both.register_s - plan.choose_host_strategy(p, 64 * KiB, 64 * KiB, **small).register_s == (
+        pytest.approx(2 * 500e-6))
+    one = plan.choose_host_strategy(costly, 64 * KiB, 64 * KiB, pinned=(True, False), **small)
+    assert one.register_s - plan.choose_host_strategy(p, 64 * KiB, 64 * KiB, pinned=(True, False),
+                                                      **small).register_s == pytest.approx(500e-6)
+    assert plan.choose_host_strategy(costly, 64 * KiB, 64 * KiB, pinned=(True, True), **small).register_s == 0
+    large = plan.choose_host_strategy(costly, 256 * MiB, 256 * MiB, workers=4, out_is_fresh=True, chunk_bytes=MiB)
+    assert large.choice == "register"
+
+
+@pytest.mark.parametrize("host_stages", [True, (True, False), False])
+def test_a_chunk_larger_than_the_data_is_predicted_as_the_one_chunk_the_data_makes(host_stages):
+    """An array smaller than the job's chunk runs as one chunk of its own size: the call's 8 MiB
+    default chunk over 64 KiB is predicted as a 64 KiB chunk, by itself and within the host
+    strategy's choice."""
+    p = plan.get_profile("h200-pcie5")
+    scheduler = host_stages is not False
+    small = plan.predict_seconds(p, 64 * KiB, 64 * KiB, workers=4, host_stages=host_stages, scheduler=scheduler)
+    assert plan.predict_seconds(p, 64 * KiB, 8 * MiB, workers=4, host_stages=host_stages,
+                                scheduler=scheduler) == small
+    at_default = plan.choose_host_strategy(p, 64 * KiB, 64 * KiB, workers=4, out_is_fresh=True, chunk_bytes=8 * MiB)
+    assert at_default == plan.choose_host_strategy(p, 64 * KiB, 64 * KiB, workers=4, out_is_fresh=True,
+                                                   chunk_bytes=64 * KiB)
 
 
 def test_a_job_over_a_pool_array_registers_only_its_result():

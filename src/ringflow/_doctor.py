@@ -458,6 +458,7 @@ def profile_from_report(report: dict[str, Any]):
             staged_chunk_host_s=mm["staged_chunk_host_s"],
             direct_chunk_host_s=mm["direct_chunk_host_s"],
             scheduled_chunk_host_s=mm["scheduled_chunk_host_s"],
+            register_call_s=mm.get("register_call_s"),
             async_engine_count=caps["async_engine_count"],
             sm_count=caps["sm_count"],
             compute_capability=tuple(caps["compute_capability"]),

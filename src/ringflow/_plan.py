@@ -506,10 +506,10 @@ def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbyte
     the host copies and the scheduler's host time per chunk. Registering pins each such side in
     place before the job (a fresh output first-touched in parallel first, since registering it
     faults its pages in one thread) and unpins it after, and runs the job unstaged in between:
-    the registration and unregistration at the profile's rates, plus :func:`predict_seconds`
-    unstaged. A side already pinned (``pinned``: input, output) is used in place either way.
-    With neither side left to pin, both predictions are 0 and the choice is ``"stage"`` (nothing
-    is staged).
+    the registration and unregistration at the profile's rates and its fixed cost per array
+    (``register_call_s``, where measured), plus :func:`predict_seconds` unstaged. A side
+    already pinned (``pinned``: input, output) is used in place either way. With neither side
+    left to pin, both predictions are 0 and the choice is ``"stage"`` (nothing is staged).
 
     Args:
         profile: a profile, or its name or file.
@@ -544,6 +544,7 @@ def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbyte
 
     stage = run_seconds(sides, True)
     register = to_pin / (p.register_GBps * 1e9) + to_pin / (p.unregister_GBps * 1e9)
+    register += (p.register_call_s or 0.0) * sum(sides)
     if out_is_fresh and sides[1]:
         register += nbytes_out / (p.first_touch_rate(workers) * 1e9)
     register += run_seconds(False, scheduler)
@@ -705,9 +706,9 @@ def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_by
                     compute_s_per_chunk: Optional[float] = 0.0,
                     scheduler: Optional[bool] = None) -> tuple[StageTimes, float]:
     """(per-chunk stage times, predicted wall seconds) of streaming ``total_bytes`` in chunks of
-    ``chunk_bytes``: the bound of the five stages (:func:`queued_stage_times`) plus the host's
-    time per chunk as a sixth resource (it overlaps the GPU until it becomes the bottleneck with
-    small chunks). The host stages copy at the profile's ``staging_copy_rate`` (their copies,
+    ``chunk_bytes`` (a chunk over ``total_bytes`` is one of ``total_bytes``): the bound of the
+    five stages (:func:`queued_stage_times`) plus the host's time per chunk as a sixth resource
+    (it overlaps the GPU until it becomes the bottleneck with small chunks). The host stages copy at the profile's ``staging_copy_rate`` (their copies,
     the fresh output's first touch and the GPU's copies share the host's memory), so a staged
     prediction is about :func:`staging_floor_seconds` at the least. With
     ``host_stages=False`` the copy engines use the caller's pinned memory (no staging); a pair
@@ -728,6 +729,8 @@ def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     """
     p = get_profile(profile)
     sides = staged_sides(host_stages)
+    if 0 < total_bytes < chunk_bytes:  # the data makes one chunk of its own size
+        chunk_bytes = total_bytes
     n = -(-total_bytes // chunk_bytes)
     t = queued_stage_times(p, chunk_bytes, compute=kernel_cost(compute_s_per_chunk, compute_s_per_byte, chunk_bytes),
                            workers=workers, out_ratio=out_ratio,

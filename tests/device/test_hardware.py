@@ -20,7 +20,8 @@ from ringflow._device.protocol import Device
 MEASURED = dataclasses.replace(H200_PCIE5, name="nvidia-h200-580.159.04", gpu_name="NVIDIA H200",
                                driver="580.159.04", measured_at="2026-12-01T09:30:00+00:00",
                                launch_overhead_s=6.5e-6, host_copy_GBps=((1, 9.5), (2, 15.0)),
-                               staged_chunk_host_s=455e-6, direct_chunk_host_s=52e-6, scheduled_chunk_host_s=131e-6)
+                               staged_chunk_host_s=455e-6, direct_chunk_host_s=52e-6, scheduled_chunk_host_s=131e-6,
+                               register_call_s=24e-6)
 
 
 @pytest.fixture
@@ -147,7 +148,7 @@ def _doc(**changes):
     ({"date": "yesterday"}, "'date' must be an ISO 8601 date"),
     ({"name": ""}, "'name' must be a non-empty string"),
     ({"model": [1, 2]}, "'model' must be a JSON object"),
-    ({"schema_version": 6}, "written by a newer ringflow (schema_version 6"),
+    ({"schema_version": 7}, "written by a newer ringflow (schema_version 7"),
     ({"schema_version": "1"}, "'schema_version' must be a whole number"),
     ({"schema": "something-else"}, "not a hardware profile ('schema' is 'something-else'"),
 ])
@@ -524,7 +525,7 @@ def test_a_profile_of_schema_version_1_is_read_without_a_staging_rate():
     data = hardware.H200_PCIE5.to_dict()
     data["schema_version"] = 1
     del data["model"]["staging_GBps"], data["model"]["staged_chunk_host_s"], data["model"]["direct_chunk_host_s"]
-    del data["model"]["scheduled_chunk_host_s"]
+    del data["model"]["scheduled_chunk_host_s"], data["model"]["register_call_s"]
     p = HardwareProfile.from_dict(data)
     assert p.staging_GBps is None
     assert dataclasses.replace(p, staging_GBps=hardware.H200_PCIE5.staging_GBps) == hardware.H200_PCIE5
@@ -540,7 +541,7 @@ def test_a_profile_of_schema_version_2_is_read_with_its_one_staging_rate_for_any
     data = hardware.H200_PCIE5.to_dict()
     data["schema_version"] = 2
     data["model"]["staging_GBps"] = 13.4
-    for field in ("staged_chunk_host_s", "direct_chunk_host_s", "scheduled_chunk_host_s"):
+    for field in ("staged_chunk_host_s", "direct_chunk_host_s", "scheduled_chunk_host_s", "register_call_s"):
         del data["model"][field]
     p = HardwareProfile.from_dict(data)
     assert p.staging_GBps == ((1, 13.4),)
@@ -559,7 +560,7 @@ def test_a_profile_of_schema_version_2_is_read_with_its_one_staging_rate_for_any
 def test_a_profile_of_schema_version_3_holds_its_staging_curve_or_null():
     data = hardware.H200_PCIE5.to_dict()
     data["schema_version"] = 3
-    for field in ("staged_chunk_host_s", "direct_chunk_host_s", "scheduled_chunk_host_s"):
+    for field in ("staged_chunk_host_s", "direct_chunk_host_s", "scheduled_chunk_host_s", "register_call_s"):
         del data["model"][field]
     assert data["model"]["staging_GBps"] == [list(p) for p in hardware.H200_PCIE5.staging_GBps]
     assert HardwareProfile.from_dict(data) == hardware.H200_PCIE5
@@ -575,9 +576,10 @@ def test_a_profile_of_schema_version_4_holds_the_hosts_time_per_chunk_or_null():
     read with it unknown (the planner then uses its fit), and one of version 4 must say it."""
     data = MEASURED.to_dict()
     data["schema_version"] = 4
-    del data["model"]["scheduled_chunk_host_s"]
+    del data["model"]["scheduled_chunk_host_s"], data["model"]["register_call_s"]
     assert (data["model"]["staged_chunk_host_s"], data["model"]["direct_chunk_host_s"]) == (455e-6, 52e-6)
-    assert HardwareProfile.from_dict(data) == dataclasses.replace(MEASURED, scheduled_chunk_host_s=None)
+    assert HardwareProfile.from_dict(data) == dataclasses.replace(MEASURED, scheduled_chunk_host_s=None,
+                                                                  register_call_s=None)
     assert H200_PCIE5.to_dict()["model"]["staged_chunk_host_s"] is None  # built in: the planner's fit
     older = json.loads(json.dumps(data))
     older["schema_version"] = 3
@@ -587,7 +589,7 @@ def test_a_profile_of_schema_version_4_holds_the_hosts_time_per_chunk_or_null():
     read = HardwareProfile.from_dict(older)
     assert (read.staged_chunk_host_s, read.direct_chunk_host_s) == (None, None)
     assert read == dataclasses.replace(MEASURED, staged_chunk_host_s=None, direct_chunk_host_s=None,
-                                       scheduled_chunk_host_s=None)
+                                       scheduled_chunk_host_s=None, register_call_s=None)
     del data["model"]["direct_chunk_host_s"]
     with pytest.raises(ProfileError, match=r"missing field\(s\) model.direct_chunk_host_s"):
         HardwareProfile.from_dict(data)
@@ -600,9 +602,10 @@ def test_a_profile_of_schema_version_5_holds_the_schedulers_unstaged_time_per_ch
     from ringflow import _plan as plan
 
     data = MEASURED.to_dict()
-    assert data["schema_version"] == 5 == hardware.SCHEMA_VERSION
+    data["schema_version"] = 5
+    del data["model"]["register_call_s"]
     assert data["model"]["scheduled_chunk_host_s"] == 131e-6
-    assert HardwareProfile.from_dict(data) == MEASURED
+    assert HardwareProfile.from_dict(data) == dataclasses.replace(MEASURED, register_call_s=None)
     assert H200_PCIE5.to_dict()["model"]["scheduled_chunk_host_s"] is None  # built in: the planner's fit
     older = json.loads(json.dumps(data))
     older["schema_version"] = 4
@@ -612,12 +615,46 @@ def test_a_profile_of_schema_version_5_holds_the_schedulers_unstaged_time_per_ch
     path = tmp_path / "v4.json"
     path.write_text(json.dumps(older))
     read = hardware.load_profile(path)
-    assert read == dataclasses.replace(MEASURED, scheduled_chunk_host_s=None)
+    assert read == dataclasses.replace(MEASURED, scheduled_chunk_host_s=None, register_call_s=None)
     assert plan.host_seconds_per_chunk(read, False, scheduler=True) == plan.SCHEDULER_S_PER_CHUNK
     assert plan.host_seconds_per_chunk(read, False) == 52e-6 and plan.host_seconds_per_chunk(read, True) == 455e-6
     assert plan.host_seconds_per_chunk(MEASURED, False, scheduler=True) == 131e-6
     del data["model"]["scheduled_chunk_host_s"]
     with pytest.raises(ProfileError, match=r"missing field\(s\) model.scheduled_chunk_host_s"):
+        HardwareProfile.from_dict(data)
+
+
+def test_a_profile_of_schema_version_6_holds_the_fixed_cost_of_a_registration_or_null():
+    """Version 6 added a registration's fixed cost (register_call_s); a file of version 5 is read
+    with it unknown, so the planner counts registration by its bytes alone, as before; one of
+    version 6 must say it."""
+    from ringflow import _plan as plan
+
+    data = MEASURED.to_dict()
+    assert data["schema_version"] == 6 == hardware.SCHEMA_VERSION
+    assert data["model"]["register_call_s"] == 24e-6
+    assert HardwareProfile.from_dict(data) == MEASURED
+    assert H200_PCIE5.to_dict()["model"]["register_call_s"] is None  # built in: not measured
+    older = json.loads(json.dumps(data))
+    older["schema_version"] = 5
+    with pytest.raises(ProfileError, match=r"unknown field\(s\) model.register_call_s"):
+        HardwareProfile.from_dict(older)
+    del older["model"]["register_call_s"]
+    read = HardwareProfile.from_dict(older)
+    assert read == dataclasses.replace(MEASURED, register_call_s=None)
+    job = dict(workers=4, out_is_fresh=False, chunk_bytes=64 << 10)
+    both = plan.choose_host_strategy(MEASURED, 64 << 10, 64 << 10, **job)
+    assert both.register_s - plan.choose_host_strategy(read, 64 << 10, 64 << 10, **job).register_s == (
+        pytest.approx(2 * 24e-6))  # one registration a side
+    one = plan.choose_host_strategy(MEASURED, 64 << 10, 64 << 10, pinned=(True, False), **job)
+    assert one.register_s - plan.choose_host_strategy(read, 64 << 10, 64 << 10, pinned=(True, False),
+                                                      **job).register_s == pytest.approx(24e-6)
+    for bad, says in ((0, "a finite number more than 0"), ("24us", "a number, got string")):
+        data["model"]["register_call_s"] = bad
+        with pytest.raises(ProfileError, match=f"'model.register_call_s' must be {says}"):
+            HardwareProfile.from_dict(data)
+    del data["model"]["register_call_s"]
+    with pytest.raises(ProfileError, match=r"missing field\(s\) model.register_call_s"):
         HardwareProfile.from_dict(data)
 
 

@@ -47,8 +47,9 @@ logger = logging.getLogger("ringflow")
 SCHEMA = "ringflow-hardware-profile"
 # 2 added staging_GBps (one rate, the most threads'; read as that rate for any number of threads);
 # 3 made it a curve by threads; 4 added staged_chunk_host_s and direct_chunk_host_s; 5 added
-# scheduled_chunk_host_s. A file of an older version is read with the fields it lacks unknown (None).
-SCHEMA_VERSION = 5
+# scheduled_chunk_host_s; 6 added register_call_s. A file of an older version is read with the
+# fields it lacks unknown (None).
+SCHEMA_VERSION = 6
 CALIBRATE_VAR = "RINGFLOW_CALIBRATE"  # "1": measure a GPU with no cached profile on first use
 
 
@@ -77,9 +78,10 @@ PCIE_WIDTHS = (1, 2, 4, 8, 12, 16, 32)  # the link widths (lanes) PCIe has
 _MACHINE = ("gpu_name", "driver", "pcie_link")  # where it was measured: the JSON's "machine"
 _META = ("name", "measured_at") + _MACHINE
 # model fields that a file of an older schema version does not hold: {field: first version}
-_SINCE = {"staging_GBps": 2, "staged_chunk_host_s": 4, "direct_chunk_host_s": 4, "scheduled_chunk_host_s": 5}
+_SINCE = {"staging_GBps": 2, "staged_chunk_host_s": 4, "direct_chunk_host_s": 4, "scheduled_chunk_host_s": 5,
+          "register_call_s": 6}
 # seconds > 0, or None
-_MEASURED_SECONDS = ("staged_chunk_host_s", "scheduled_chunk_host_s", "direct_chunk_host_s")
+_MEASURED_SECONDS = ("staged_chunk_host_s", "scheduled_chunk_host_s", "direct_chunk_host_s", "register_call_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +128,10 @@ class HardwareProfile:
     staged_chunk_host_s: Optional[float] = None
     direct_chunk_host_s: Optional[float] = None
     scheduled_chunk_host_s: Optional[float] = None
+    # The host's seconds to register one page in place and unregister it: what a registration
+    # costs beyond its bytes at register_GBps and unregister_GBps, paid once per array pinned.
+    # None: not measured (the planner then counts registration by its bytes alone).
+    register_call_s: Optional[float] = None
     pcie_link: "tuple[float, int] | None" = None  # (GT/s per lane, lanes) of the GPU's host link, if known
     gpu_name: Optional[str] = None  # the GPU it was measured on (None for a model)
     driver: Optional[str] = None  # that GPU's driver version

@@ -201,6 +201,30 @@ def thread_counts(cpus: "int | None") -> tuple[int, ...]:
     return tuple(sorted({t for t in HOST_THREADS if t <= cpus} | {cpus}))
 
 
+def register_call_seconds(dev: Any, *, calls: int = 200, repeats: int = 5) -> float:
+    """Host seconds to register one touched page of pageable memory in place and unregister it
+    (``dev.register_host`` and the buffer's ``close``): the fixed cost of pinning an array, which
+    the bytes-per-second rates leave out. The median over ``repeats`` passes of ``calls`` pairs
+    (each pair of a pass on a page of its own), after a warm-up pass; > 0 on any device.
+
+    Args:
+        dev: the device (any backend).
+        calls: register-unregister pairs a pass.
+        repeats: passes timed.
+    """
+    page = 4 * KiB
+    memory = np.ones((calls + 1) * page, np.uint8)  # touched, so no pair faults pages in
+    skip = (-memory.ctypes.data) % page  # the first page boundary in the allocation
+    pages = [memory[skip + i * page: skip + (i + 1) * page] for i in range(calls)]
+    passes = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        for one in pages:
+            dev.register_host(one).close()
+        passes.append((time.perf_counter() - t0) / calls)
+    return max(statistics.median(passes[1:]), 1e-9)
+
+
 def measure_model(dev: Any, *, nbytes: int = 256 * MiB, staging_bytes: int = 1024 * MiB, repeats: int = 5,
                   calls: int = 200, cpus: "int | None" = None,
                   kernel: "Callable[[Any, float], None] | None" = None) -> dict[str, Any]:
@@ -217,6 +241,8 @@ def measure_model(dev: Any, *, nbytes: int = 256 * MiB, staging_bytes: int = 102
       pageable memory into pinned memory, for :func:`thread_counts`;
     * ``register_GBps``, ``register_fresh_GBps``, ``unregister_GBps``: pinning ``nbytes`` of
       touched and of never-touched pageable memory in place, and unpinning it;
+    * ``register_call_s``: pinning one touched page in place and unpinning it
+      (:func:`register_call_seconds`), a registration's cost beyond its bytes;
     * ``first_touch_GBps``: ``[threads, GB/s]`` of the first write to ``nbytes`` of fresh
       pages, on one thread and on the most threads timed;
     * ``staging_GBps``: ``[threads, GB/s]`` of the staged path's memory work at once, in bytes
@@ -355,6 +381,7 @@ def measure_model(dev: Any, *, nbytes: int = 256 * MiB, staging_bytes: int = 102
         res["register_GBps"] = _rate(nbytes, reg)
         res["register_fresh_GBps"] = _rate(nbytes, reg_fresh)
         res["unregister_GBps"] = _rate(nbytes, unreg)
+        res["register_call_s"] = register_call_seconds(dev, calls=calls, repeats=repeats)
 
         res["first_touch_GBps"] = []
         for t in sorted({1, threads[-1]}):
