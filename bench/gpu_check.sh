@@ -10,10 +10,15 @@
 #                                   the staging measurement's splits with 2 threads, doctor --save (into
 #                                   this GPU's cache, so the sweep plans with it), the path by workers,
 #                                   the scheduler's own time per chunk by chunk size and workers
+#   bash bench/gpu_check.sh sides     doctor --save (into this GPU's cache), then stage, register and host="auto"
+#                                   against the planner (bench/sides_check.py) on 64 KiB, 1 MiB and 16 MiB arrays
+#                                   at the default and the auto chunk, and on 256 MiB at 1 MiB, 8 MiB and auto
+#   bash bench/gpu_check.sh rounds    ringflow against the C++ program in interleaved rounds (bench/cpp_rounds.py)
 # $OUT gets: log.txt, pipeline_stress.json, threads.json, phases.json (check); bench-cuda-*.json, trace.json,
 # timeline.png, profile.txt, map_small_items.json, request_costs.json (bench); requests_runs.json (the
 # runs' JSON in one list), stalls.json, stalls_pinned.json (requests); staging_t2.json, the saved
-# profile (its cache name), workers_sweep.json, scheduler_load.json (staging).
+# profile (its cache name), workers_sweep.json, scheduler_load.json (staging); the saved profile and
+# sides.json (the runs' JSON in one list: sides); cpp_rounds.json (rounds).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/ringflow-out}; mkdir -p "$OUT"
@@ -41,6 +46,21 @@ elif [ "$part" = staging ]; then
   timeout 200 python3 bench/workers_sweep.py --device ${DEVICE:-cuda:0} --workers 1,2,4,8,16 --rounds 2 --out "$OUT/workers_sweep.json" 2>&1 | tail -11 | tee -a "$LOG"
   echo "== the scheduler's own time per staged chunk, by chunk size and workers" | tee -a "$LOG"
   timeout 150 python3 bench/scheduler_load.py --device ${DEVICE:-cuda:0} --workers 4,8,12,15,16 --chunks-kib 64,8192 --rounds 2 --out "$OUT/scheduler_load.json" 2>&1 | tee -a "$LOG"
+elif [ "$part" = sides ]; then
+  echo "== doctor --save" | tee -a "$LOG"
+  ( time timeout 120 python3 -m ringflow doctor --save ) 2>&1 | grep -E "chunk_host|register|saved|real" | tee -a "$LOG"
+  cp "$(python3 -c 'from ringflow._device.hardware import cache_dir; print(cache_dir())')"/*.json "$OUT/"
+  mkdir -p "$OUT/sides"
+  for mib in 0.0625 1 16; do
+    echo "== stage, register and auto: $mib MiB" | tee -a "$LOG"
+    timeout 90 python3 bench/sides_check.py --device ${DEVICE:-cuda:0} --mib $mib --workers 4 --chunks default,auto --rounds 10 --out "$OUT/sides/$mib.json" 2>&1 | tail -17 | tee -a "$LOG"
+  done
+  echo "== stage, register and auto: 256 MiB" | tee -a "$LOG"
+  timeout 200 python3 bench/sides_check.py --device ${DEVICE:-cuda:0} --mib 256 --workers 4 --chunks 1024,8192,auto --rounds 3 --out "$OUT/sides/256.json" 2>&1 | tail -25 | tee -a "$LOG"
+  python3 -c 'import glob, json, sys; runs = [json.load(open(p)) for p in sorted(glob.glob(sys.argv[1] + "/*.json"))]; json.dump(runs, open(sys.argv[2], "w"), indent=1)' "$OUT/sides" "$OUT/sides.json" && rm -r "$OUT/sides"
+elif [ "$part" = rounds ]; then
+  echo "== against the C++ program, interleaved rounds" | tee -a "$LOG"
+  timeout 500 python3 bench/cpp_rounds.py --device ${DEVICE:-cuda:0} --rounds ${ROUNDS:-5} --out "$OUT/cpp_rounds.json" 2>&1 | tail -25 | tee -a "$LOG"
 elif [ "$part" = requests ]; then
   mkdir -p "$OUT/runs"
   for i in $(seq "${RUNS:-6}"); do
