@@ -1129,7 +1129,7 @@ def test_an_auto_chunk_is_planned_within_a_small_device_memory(total_memory):
         staged = plan.choose_chunk_bytes(p, total, workers=4, out_ratio=out_ratio)
         t, _ = plan.predict_seconds(p, total, staged.chunk_bytes, workers=4, out_ratio=out_ratio)
         need = plan.device_ring_bytes(plan.plan_slots(t).slots, staged.chunk_bytes, staged.chunks,
-                                      out_ratio=out_ratio, host_stages=True)
+                                      out_ratio=out_ratio, scheduler=True)
         assert need <= total_memory, (out_ratio, staged.chunk_bytes)
 
 
@@ -1158,7 +1158,7 @@ def test_a_staged_chunk_with_a_larger_result_fits_the_rings_the_scheduler_alloca
     assert _scheduler_ring_bytes(p, choice.chunk_bytes, choice.chunks, 4.0, 4) <= mem, choice.chunk_bytes
     t, _ = plan.predict_seconds(p, total, choice.chunk_bytes, workers=4, out_ratio=4.0)
     counts = plan.plan_slots(t).slots
-    assert plan.device_ring_bytes(counts, choice.chunk_bytes, choice.chunks, out_ratio=4.0, host_stages=True) <= mem
+    assert plan.device_ring_bytes(counts, choice.chunk_bytes, choice.chunks, out_ratio=4.0, scheduler=True) <= mem
     # the direct engine's rings: device-in slots of the input's bytes, as before
     direct = plan.choose_chunk_bytes(p, total, workers=4, out_ratio=4.0, host_stages=False)
     assert direct.chunk_bytes == {16 * MiB: MiB, 32 * MiB: 2 * MiB}[mem]
@@ -1219,7 +1219,7 @@ def test_choose_chunk_bytes_checks_the_schedulers_rings_for_an_unstaged_job_it_r
     t, _ = plan.predict_seconds(p, total, choice.chunk_bytes, workers=4, out_ratio=4.0, host_stages=False,
                                 scheduler=True)
     counts = plan.plan_slots(t).slots
-    need = plan.device_ring_bytes(counts, choice.chunk_bytes, choice.chunks, out_ratio=4.0, host_stages=True)
+    need = plan.device_ring_bytes(counts, choice.chunk_bytes, choice.chunks, out_ratio=4.0, scheduler=True)
     assert need <= p.total_memory < 2 * need
     direct = plan.choose_chunk_bytes(p, total, workers=4, out_ratio=4.0, host_stages=False, align=12)
     assert direct.chunk_bytes > choice.chunk_bytes
@@ -1312,12 +1312,12 @@ def test_the_device_ring_bytes_are_what_the_engines_allocate(count, slot):
     asked = []
     allocate_ring(asked.append, RingKind.DEVICE_IN, slot, count, aligned(slot))  # the scheduler's
     allocate_ring(asked.append, RingKind.DEVICE_IN, slot, count)  # the direct engine's
-    assert asked == [plan.ring_bytes(count, slot, host_stages=True), plan.ring_bytes(count, slot, host_stages=False)]
-    assert plan.ring_bytes(0, slot, host_stages=True) == 0
+    assert asked == [plan.ring_bytes(count, slot, scheduler=True), plan.ring_bytes(count, slot, scheduler=False)]
+    assert plan.ring_bytes(0, slot, scheduler=True) == 0
     counts = plan.SlotCounts(1, 3, 3, 1)
     # the planner's rings: three device-in slots of the input's bytes, three device-out slots of the result's, aligned
-    rings = plan.ring_bytes(3, slot, host_stages=True) + plan.ring_bytes(3, 2 * slot, host_stages=True)
-    assert plan.device_ring_bytes(counts, slot, 100, out_ratio=2.0, host_stages=True) == rings
+    rings = plan.ring_bytes(3, slot, scheduler=True) + plan.ring_bytes(3, 2 * slot, scheduler=True)
+    assert plan.device_ring_bytes(counts, slot, 100, out_ratio=2.0, scheduler=True) == rings
     assert plan.device_ring_bytes(counts, slot, 100, out_ratio=2.0) == 3 * slot + 3 * 2 * slot
 
 
@@ -1505,7 +1505,7 @@ def test_choose_chunk_bytes_counts_host_out_slots_at_the_results_bytes():
 @pytest.mark.parametrize("out_row", [4, 4096], ids=["reduction", "wider"])
 def test_device_ring_bytes_are_what_the_scheduler_allocates_for_a_staged_job(monkeypatch, out_row):
     """A staged whole-array job on the scheduler whose result row is far narrower (a reduction)
-    or wider than its input row of 1 KiB: device_ring_bytes(host_stages=True), for its slots,
+    or wider than its input row of 1 KiB: device_ring_bytes(scheduler=True), for its slots,
     its chunks of input and its result's bytes per input byte, is what the scheduler allocates
     for its device rings."""
     dev = rf.device("sim")
@@ -1521,7 +1521,7 @@ def test_device_ring_bytes_are_what_the_scheduler_allocates_for_a_staged_job(mon
                   keep_warm=False)
     rows = chunk // max(1024, out_row)
     need = plan.device_ring_bytes(plan.SlotCounts(3, 3, 3, 3), rows * 1024, -(-1024 // rows), out_ratio=out_row / 1024,
-                                  host_stages=True)
+                                  scheduler=True)
     assert sum(asked) == need
 
 
@@ -1532,7 +1532,7 @@ def test_device_ring_bytes_are_what_the_scheduler_allocates_for_a_fixed_output()
     with rf.Pipeline(lambda x, y: None, device=dev, chunk_bytes=1 << 16, output=((16,), "float32"), slots=3):
         allocated = dev.memory_in_use
     assert allocated == plan.device_ring_bytes(plan.SlotCounts(3, 3, 3, 3), 1 << 16, 100, out_ratio=64 / (1 << 16),
-                                               host_stages=True)
+                                               scheduler=True)
 
 
 def test_a_chunk_of_wider_results_counts_host_in_slots_of_its_input_against_the_pinned_budget():
@@ -1560,8 +1560,8 @@ def test_an_in_place_jobs_device_rings_count_its_one_ring():
     assert plan.device_ring_slots(counts, 100, inplace=True) == (4, 0)
     assert plan.device_ring_slots(counts, 3, inplace=True) == (3, 0)
     for staged in (True, False):
-        assert plan.device_ring_bytes(counts, MiB + 1, 100, host_stages=staged, inplace=True) == \
-            plan.ring_bytes(4, MiB + 1, host_stages=staged)
+        assert plan.device_ring_bytes(counts, MiB + 1, 100, scheduler=staged, inplace=True) == \
+            plan.ring_bytes(4, MiB + 1, scheduler=staged)
 
 
 def test_an_auto_chunk_of_an_in_place_job_fits_the_device_by_its_one_ring():
@@ -1571,8 +1571,8 @@ def test_an_auto_chunk_of_an_in_place_job_fits_the_device_by_its_one_ring():
     chunk, total = 4 * MiB, 256 * MiB
     t, _ = plan.predict_seconds("h200-pcie5", total, chunk, workers=4)
     din = plan.with_device_slack(plan.plan_slots(t, inplace=True).slots, inplace=True).device_in
-    one = plan.ring_bytes(din, chunk, host_stages=True)
-    assert one < plan.device_ring_bytes(plan.plan_slots(t).slots, chunk, total // chunk, host_stages=True)
+    one = plan.ring_bytes(din, chunk, scheduler=True)
+    assert one < plan.device_ring_bytes(plan.plan_slots(t).slots, chunk, total // chunk, scheduler=True)
     tight = dataclasses.replace(plan.get_profile("h200-pcie5"), total_memory=int(one))
     got = plan.choose_chunk_bytes(tight, total, workers=4, candidates=[chunk], inplace=True)
     assert got.chunk_bytes == chunk

@@ -173,17 +173,17 @@ def device_ring_slots(counts: SlotCounts, chunks: int, *, inplace: bool = False)
     return min(chunks, ring.device_in), 0 if inplace else min(chunks, ring.device_out)
 
 
-def device_slot_bytes(in_bytes: float, out_bytes: float, *, host_stages: bool) -> tuple[float, float]:
+def device_slot_bytes(in_bytes: float, out_bytes: float, *, scheduler: bool) -> tuple[float, float]:
     """``(device-in, device-out)`` bytes of a slot, as the engine that runs the job allocates them,
     for chunks of ``in_bytes`` whose results are ``out_bytes``.
 
     Either engine gives a device-in slot a chunk's input and a device-out slot its result: the
-    direct engine (``host_stages=False``: the copy engines use the caller's pinned memory) as they
-    are, the scheduler (``host_stages=True``, which runs a staged job) at least one byte each
-    (:func:`scheduler_slot`, for a whole-array job, whose chunks' input and result bytes are
+    direct engine (``scheduler=False``) as they are, the scheduler (``scheduler=True``: a staged
+    job, or ``engine="pipeline"`` or ``on_error="continue"`` on pinned memory) at least one byte
+    each (:func:`scheduler_slot`, for a whole-array job, whose chunks' input and result bytes are
     both known up front). The engines lay their rings out otherwise (:func:`ring_bytes`). Neither
     holds for an in-place compute, whose one ring's slots hold a chunk."""
-    if host_stages:
+    if scheduler:
         return max(1, in_bytes), max(1, out_bytes)
     return in_bytes, out_bytes
 
@@ -200,29 +200,30 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
-def ring_bytes(count: int, slot_bytes: float, *, host_stages: bool) -> float:
+def ring_bytes(count: int, slot_bytes: float, *, scheduler: bool) -> float:
     """Bytes of device memory one ring of ``count`` slots of ``slot_bytes`` takes, as the engine
-    that runs the job allocates it: the direct engine (``host_stages=False``) packs its slots,
+    that runs the job allocates it: the direct engine (``scheduler=False``) packs its slots,
     ``count * slot_bytes``; the scheduler starts each slot on a multiple of
     :data:`SLOT_ALIGN` bytes, the last ending at its own bytes. 0 for no slots."""
     if count <= 0:
         return 0
-    if not host_stages:
+    if not scheduler:
         return count * slot_bytes
     return (count - 1) * aligned(math.ceil(slot_bytes)) + slot_bytes
 
 
 def device_ring_bytes(counts: SlotCounts, chunk_bytes: int, chunks: int, *, out_ratio: float = 1.0,
-                      host_stages: bool = False, inplace: bool = False) -> float:
-    """Bytes of device memory the device rings of :func:`device_ring_slots` take, each slot as
+                      scheduler: bool = False, inplace: bool = False) -> float:
+    """Bytes of device memory the device rings of :func:`device_ring_slots` take, on the engine
+    ``scheduler`` says (the scheduler, or the direct engine), each slot as
     :func:`device_slot_bytes` says for chunks of ``chunk_bytes`` and results of ``out_ratio``
     bytes per input byte, each ring laid out as :func:`ring_bytes` says. An in-place compute
     (``inplace``) counts its one ring, each slot the larger of a chunk's input and result."""
     din, dout = device_ring_slots(counts, chunks, inplace=inplace)
     if inplace:
-        return ring_bytes(din, chunk_bytes * max(1.0, out_ratio), host_stages=host_stages)
-    in_slot, out_slot = device_slot_bytes(chunk_bytes, chunk_bytes * out_ratio, host_stages=host_stages)
-    return ring_bytes(din, in_slot, host_stages=host_stages) + ring_bytes(dout, out_slot, host_stages=host_stages)
+        return ring_bytes(din, chunk_bytes * max(1.0, out_ratio), scheduler=scheduler)
+    in_slot, out_slot = device_slot_bytes(chunk_bytes, chunk_bytes * out_ratio, scheduler=scheduler)
+    return ring_bytes(din, in_slot, scheduler=scheduler) + ring_bytes(dout, out_slot, scheduler=scheduler)
 
 
 def scheduler_slot(chunk_bytes: int, nbytes: "int | None") -> int:
@@ -992,7 +993,7 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, sides
         # the device rings (with their slack, no more slots than chunks), at the slot sizes of the
         # engine that runs the job, must fit the device's memory: a chunk whose rings cannot be
         # allocated is no choice
-        device = device_ring_bytes(plan.slots, c, n, out_ratio=out_ratio, host_stages=scheduler, inplace=inplace)
+        device = device_ring_bytes(plan.slots, c, n, out_ratio=out_ratio, scheduler=scheduler, inplace=inplace)
         if device > profile.total_memory:
             too_large.append((c, device, device_ring_slots(plan.slots, n, inplace=inplace)))
             return

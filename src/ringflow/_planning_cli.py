@@ -221,8 +221,8 @@ def plan_command(args) -> int:
     # runs the job (device_slot_bytes, ring_bytes: the scheduler's slots on 256-byte boundaries, the direct
     # engine's packed)
     din, dout = allocated.device_in, allocated.device_out
-    in_slot, out_slot = plan.device_slot_bytes(chunk, out_chunk, host_stages=scheduled)
-    need = plan.ring_bytes(din, in_slot, host_stages=scheduled) + plan.ring_bytes(dout, out_slot, host_stages=scheduled)
+    in_slot, out_slot = plan.device_slot_bytes(chunk, out_chunk, scheduler=scheduled)
+    need = plan.ring_bytes(din, in_slot, scheduler=scheduled) + plan.ring_bytes(dout, out_slot, scheduler=scheduled)
     if need > profile.total_memory:  # (a chosen chunk's rings fit: choose_chunk_bytes and copy_group see to it)
         raise ValueError(f"--chunk {chunk} bytes: its device rings ({din} device-in and {dout} device-out slots) "
                          f"need {need:.0f} bytes, more than the total_memory of {profile.total_memory} bytes of "
