@@ -166,7 +166,8 @@ def test_a_mapjob_with_one_pooled_side_stages_only_the_other_call_after_call():
     dev = rf.device("sim", chaos=True, seed=6, profile=slow_registration("h200-pcie5"))
     x = np.empty(3 << 20, np.float32)
     out = rf.host.empty_like(x, device=dev)
-    with rf.MapJob(f, x, out, device=dev, chunk_bytes=4 << 20, workers=16) as job:
+    # a pinned budget under x's 12 MiB: host="auto" stages x rather than pin it for the job's life
+    with rf.MapJob(f, x, out, device=dev, chunk_bytes=4 << 20, workers=16, pinned_budget=8 << 20) as job:
         assert (job.strategy, job.engine) == ("stage", "pipeline")
         for k in range(3):
             x[:] = np.random.default_rng(k).uniform(0.5, 1.5, x.size)

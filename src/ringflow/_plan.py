@@ -499,8 +499,9 @@ class HostStrategy:
 def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbytes_out: int, *, workers: int,
                          out_is_fresh: bool, pinned: tuple = (False, False), chunk_bytes: Optional[int] = None,
                          compute_s_per_byte: Optional[float] = 0.0, compute_s_per_chunk: Optional[float] = 0.0,
-                         scheduler: bool = False, align: int = 1) -> HostStrategy:
-    """Stage or register, whichever the profile predicts the faster for the whole job.
+                         scheduler: bool = False, align: int = 1, pins_once: bool = False) -> HostStrategy:
+    """Stage or register, whichever the profile predicts the faster for the whole job, or with
+    ``pins_once`` for each call of a job that pins its arrays once for all its calls.
 
     Staging runs on the scheduler, its workers copying each side not already pinned through a
     pinned ring: :func:`predict_seconds` with those sides staged (``host_stages``), which counts
@@ -511,6 +512,11 @@ def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbyte
     (``register_call_s``, where measured), plus :func:`predict_seconds` unstaged. A side
     already pinned (``pinned``: input, output) is used in place either way. With neither side
     left to pin, both predictions are 0 and the choice is ``"stage"`` (nothing is staged).
+
+    A job called again and again over the same arrays (a ``MapJob``) registers them once, when it
+    is set up, as a staged one allocates its rings once: with ``pins_once`` the pinning,
+    unpinning and first touch are that set-up, left out as the rings' allocation is, and the
+    choice is the faster call (``register_s`` is the unstaged run alone).
 
     Args:
         profile: a profile, or its name or file.
@@ -526,6 +532,7 @@ def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbyte
         scheduler: whether the scheduler runs the registered job too (``engine="pipeline"`` or
             ``on_error="continue"``); a staged one always runs on it.
         align: the bytes a chunk is a whole multiple of (a row), as :func:`choose_chunk_bytes` takes it.
+        pins_once: whether the registration serves every call of a job (``MapJob``) rather than one.
     """
     p = get_profile(profile)
     sides = (not pinned[0], not pinned[1])
@@ -544,11 +551,12 @@ def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbyte
                                **costs)[1]
 
     stage = run_seconds(sides, True)
-    register = to_pin / (p.register_GBps * 1e9) + to_pin / (p.unregister_GBps * 1e9)
-    register += (p.register_call_s or 0.0) * sum(sides)
-    if out_is_fresh and sides[1]:
-        register += nbytes_out / (p.first_touch_rate(workers) * 1e9)
-    register += run_seconds(False, scheduler)
+    register = run_seconds(False, scheduler)
+    if not pins_once:
+        register += to_pin / (p.register_GBps * 1e9) + to_pin / (p.unregister_GBps * 1e9)
+        register += (p.register_call_s or 0.0) * sum(sides)
+        if out_is_fresh and sides[1]:
+            register += nbytes_out / (p.first_touch_rate(workers) * 1e9)
     return HostStrategy("register" if register < stage else "stage", stage, register)
 
 

@@ -218,3 +218,45 @@ def test_auto_stages_or_registers_as_predicted_at_the_calls_chunk(monkeypatch):
     finally:
         rf.drop_warm_pipelines(dev)
         dev.close()
+
+
+def test_a_mapjob_weighs_one_call_and_pinned_budget_bounds_what_auto_registers(monkeypatch):
+    """On a host whose staged chunk costs the scheduler 627 µs, 64 MiB in 8 MiB chunks: stream_map
+    stages (its one call would pay the pinning), a MapJob registers (it pins once for all its
+    calls); a pinned_budget below the 128 MiB to pin makes either stage, one at it lets the job
+    register; in 1 MiB chunks stream_map registers, but not past a budget. Every result is
+    right."""
+    import dataclasses
+
+    from ringflow._pipeline import whole_array
+
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-staged-chunks", staged_chunk_host_s=627e-6,
+                            scheduled_chunk_host_s=209e-6, direct_chunk_host_s=68e-6)
+    dev = rf.device("sim", profile=p)
+    seen = []
+    layout_plan = whole_array.MapLayout.plan
+    monkeypatch.setattr(whole_array.MapLayout, "plan", lambda *a, **k: seen.append(layout_plan(*a, **k)) or seen[-1])
+
+    def g(a, b):
+        np.multiply(a, 2, out=b)
+
+    g.sim_seconds = 0.0
+    x = np.arange(16 << 20, dtype=np.float32)
+    try:
+        for chunk, budget, want in ((8 << 20, None, "stage"), (1 << 20, None, "register"),
+                                    (1 << 20, (128 << 20) - 1, "stage")):
+            assert np.array_equal(rf.stream_map(g, x, device=dev, chunk_bytes=chunk, workers=4, keep_warm=False,
+                                                pinned_budget=budget), x * 2)
+            assert seen[-1].strategy == want, (chunk, budget)
+        for budget, want in ((None, "register"), (128 << 20, "register"), ((128 << 20) - 1, "stage")):
+            with rf.MapJob(g, x, device=dev, chunk_bytes=8 << 20, workers=4, pinned_budget=budget) as job:
+                assert job.strategy == want, budget
+                assert np.array_equal(job(), x * 2) and np.array_equal(job(), x * 2)
+        # one side from rf.host.empty: only the other is to pin, and counts against the budget
+        out = rf.host.empty(x.shape, x.dtype, device=dev)
+        with rf.MapJob(g, x, out, device=dev, chunk_bytes=8 << 20, workers=4, pinned_budget=64 << 20) as job:
+            assert job.strategy == "register" and np.array_equal(job(), x * 2)
+        del out
+    finally:
+        rf.drop_warm_pipelines(dev)
+        dev.close()

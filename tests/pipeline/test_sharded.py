@@ -1057,3 +1057,30 @@ def test_a_compute_running_a_call_over_several_devices_of_its_own_never_waits_fo
     rf.drop_warm_pipelines()
     for dev in outer + inner:
         assert dev.live().total == 0, dev.live()
+
+
+def test_a_mapjob_over_two_gpus_weighs_one_call_on_every_shard(monkeypatch):
+    """A job's shards each pin once for all its calls: 64 MiB in 8 MiB chunks over two simulated
+    GPUs whose staged chunk costs the scheduler 627 µs registers on both, where stream_map of the
+    same arrays stages."""
+    slow = dataclasses.replace(get_profile("h200-pcie5"), name="slow-staged-chunks", staged_chunk_host_s=627e-6,
+                               scheduled_chunk_host_s=209e-6, direct_chunk_host_s=68e-6)
+
+    def double(a, b):
+        np.multiply(a, 2, out=b)
+
+    from ringflow._pipeline import whole_array
+
+    seen = []
+    layout_plan = whole_array.MapLayout.plan
+    monkeypatch.setattr(whole_array.MapLayout, "plan", lambda *a, **k: seen.append(layout_plan(*a, **k)) or seen[-1])
+    double.sim_seconds = 0.0
+    x = np.arange(32 * MiB // 4 * 2, dtype=np.float32)  # 64 MiB: 32 MiB a shard
+    with named_sims(45, 46, profile=slow):
+        with rf.MapJob(double, x, device=["sim:45", "sim:46"], chunk_bytes=8 * MiB, workers=4) as job:
+            assert job.strategy == "register"
+            assert np.array_equal(job(), x * 2)
+        del seen[:]
+        y = rf.stream_map(double, x, device=["sim:45", "sim:46"], chunk_bytes=8 * MiB, workers=4, keep_warm=False)
+        assert np.array_equal(y, x * 2)
+        assert [layout.strategy for layout in seen] == ["stage"] * 3  # the probe, then each shard

@@ -132,7 +132,10 @@ class MapJob(Uncopyable):
 
     Every argument means what it means for :func:`~ringflow.stream_map` (``x`` must have at least
     one element); ``profile`` and ``keep_warm`` are not taken here: a job is profiled per call
-    (``job(profile=True)``) and keeps its engine for its own life.
+    (``job(profile=True)``) and keeps its engine for its own life. A job that registers its
+    arrays pins them once, at set-up, for all its calls, so ``host="auto"`` registers where one
+    registered call is predicted faster than one staged call: the pinning is set-up, as the
+    staged rings' allocation is (``stream_map`` weighs it within its one call).
 
     Over several devices (``device=`` a list, or ``"cuda:all"``) the job holds a single-device
     job per shard of rows, set up at once on every device, and each call runs them side by side;
@@ -235,8 +238,9 @@ class MapJob(Uncopyable):
         """Lay the job out on ``dev``, pin its arrays (``host="register"``; arrays from
         :mod:`ringflow.host` are pinned already and used as they are) and build its engine."""
         check_on_device(dev, x, out)
+        # the job pins its arrays once for all its calls: host="auto" weighs one call
         layout, x_buffer, out_buffer, pooled = plan_layout(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer,
-                                                           out_buffer, opts, engine=engine)
+                                                           out_buffer, opts, engine=engine, pins_once=True)
         self._layout = layout
         self.device = layout.device
         opts = layout.engine_options(opts)

@@ -98,10 +98,11 @@ class Shard:
 
 
 def plan_shards(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, devices: Sequence[Device], chunk_bytes,
-                host: str, engine: str, opts: dict) -> list[Shard]:
+                host: str, engine: str, opts: dict, *, pins_once: bool = False) -> list[Shard]:
     """Cut a non-empty job into shards, one per device (fewer when ``x`` has fewer rows than
     there are devices; the devices left over get nothing). Every shard is cut into chunks of the
     same rows, planned once for a shard's share of the array (``chunk_bytes="auto"`` included).
+    ``pins_once``: as :meth:`MapLayout.plan` takes it (true for a ``MapJob``'s shards).
 
     Raises:
         ValueError: as :meth:`MapLayout.plan` (a row larger than a chunk, registration of
@@ -110,7 +111,7 @@ def plan_shards(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, de
     n = x.shape[0]
     share = -(-n // min(len(devices), n))
     probe = MapLayout.plan(f, x[:share], out[:share], fresh_out, devices[0], chunk_bytes, host, None, None, opts,
-                           engine=engine)
+                           engine=engine, pins_once=pins_once)
     choose_engine(engine, probe.strategy, probe.engine_options(opts))  # refused once, not once per shard
     shards = []
     for i, (a, b) in enumerate(split_rows(n, len(devices), probe.rows)):
@@ -566,7 +567,7 @@ class ShardedJob:
                 settled and the ones made closed first).
         """
         host = host_for_shards(x, out, fresh_out, host, x_buffer, out_buffer)
-        shards = plan_shards(f, x, out, fresh_out, devices, chunk_bytes, host, engine, opts)
+        shards = plan_shards(f, x, out, fresh_out, devices, chunk_bytes, host, engine, opts, pins_once=True)
 
         outcomes = run_shards(shards, functools.partial(_make_part, part, f, x, out, fresh_out, host, engine, opts),
                               undo=_close_part)

@@ -108,7 +108,8 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
         checked: poison every released slot so a premature reuse gives a wrong result.
         on_error: ``"raise"`` stops at the first failed chunk; ``"continue"`` completes the
             others, then raises the first failure.
-        pinned_budget: bytes of pinned staging memory at most.
+        pinned_budget: bytes of pinned staging memory at most; with ``host="auto"`` also the
+            most bytes it registers (it stages arrays larger than that).
         compute_streams: streams the direct engine spreads kernels over (chunks in different
             device slots), so kernels of several chunks may run side by side. None (planned):
             where small chunks share a copy (copy groups), one per chunk of a group up to four,
@@ -741,11 +742,15 @@ class MapLayout:
     @classmethod
     def plan(cls, f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, dev: Device, chunk_bytes,
              host: str, x_buffer, out_buffer, options: dict, pinned: tuple = (None, None), *,
-             engine: str = "auto") -> "MapLayout":
+             engine: str = "auto", pins_once: bool = False) -> "MapLayout":
         """Lay out a non-empty whole-array job. ``pinned``: the pinned buffers already behind
         ``x`` and ``out`` (pool arrays, :func:`pooled_buffers`), which registering need not pin.
         ``engine``: the engine asked for (as :func:`choose_engine` takes it); an ``"auto"``
         chunk's device rings are checked at the slot sizes of the engine that will run the job.
+        ``pins_once``: whether the job registers once for many calls (a ``MapJob``), which
+        ``host="auto"`` weighs by one call (:func:`~ringflow._plan.choose_host_strategy`).
+        ``host="auto"`` registers no more bytes than ``options["pinned_budget"]`` where one is
+        given: it stages instead.
 
         Raises:
             TypeError: ``x_buffer`` or ``out_buffer`` that is not a host buffer.
@@ -805,8 +810,14 @@ class MapLayout:
             strategy = plan.choose_host_strategy(
                 dev.hardware, x.nbytes, out.nbytes, workers=workers, out_is_fresh=fresh_out, pinned=pinned_sides,
                 chunk_bytes=chunk, compute_s_per_byte=per_byte, compute_s_per_chunk=per_chunk, align=row_bytes,
-                scheduler=engine == "pipeline" or why_not_direct("register", options) is not None).choice
-            strategy = strategy if contiguous and not any(pinned_views) else "stage"
+                scheduler=engine == "pipeline" or why_not_direct("register", options) is not None,
+                pins_once=pins_once).choice
+            budget = options.get("pinned_budget")
+            # registering pins the whole of each side not pinned already: a budget for pinned
+            # memory bounds it as it bounds the staged rings
+            to_pin = x.nbytes * (not pinned_sides[0]) + out.nbytes * (not pinned_sides[1])
+            within = budget is None or to_pin <= budget
+            strategy = strategy if contiguous and not any(pinned_views) and within else "stage"
             if strategy == "stage":  # a side already pinned is used in place; only the other is staged
                 in_place = pinned_sides
         else:
@@ -901,8 +912,8 @@ def check_on_device(dev: Device, x: np.ndarray, out: np.ndarray) -> None:
 
 
 def plan_layout(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, dev: Device, chunk_bytes, host: str,
-                x_buffer, out_buffer, opts: dict, *, engine: str = "auto") -> tuple:
-    """:meth:`MapLayout.plan` (``engine`` passed on) for arrays that may come from ``dev``'s host pool: returns
+                x_buffer, out_buffer, opts: dict, *, engine: str = "auto", pins_once: bool = False) -> tuple:
+    """:meth:`MapLayout.plan` (``engine`` and ``pins_once`` passed on) for arrays that may come from ``dev``'s host pool: returns
     ``(layout, x_buffer, out_buffer, pooled)``, the buffers being the pool's where both arrays
     are pool arrays (used in place), and ``pooled`` the pool buffers found behind each (for
     :func:`pinned_arrays`).
@@ -914,7 +925,7 @@ def plan_layout(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, de
     if None not in pooled:
         x_buffer, out_buffer = pooled
     layout = MapLayout.plan(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer, opts, pooled,
-                            engine=engine)
+                            engine=engine, pins_once=pins_once)
     if any(layout.in_place):  # one side a pool array, used in place; the other staged
         x_buffer, out_buffer = pooled
     return layout, x_buffer, out_buffer, pooled
