@@ -313,11 +313,12 @@ def test_a_stdout_that_is_not_utf8_gets_the_report_with_what_it_cannot_show_esca
     """An ASCII stdout (PYTHONIOENCODING, a POSIX locale without UTF-8, an old console) cannot
     show every character a report prints (a dash, an ellipsis, a file's name): the command
     failed at the first one, after all its work, with only an encoding error to show."""
-    profile = tmp_path / "profil-\u00fc\u20ac.json"  # its name is printed in the plan's title
-    assert run_cli("doctor", "--device", "sim", "--save", str(profile)).returncode == 0
+    # its name is printed in the plan's title; relative, so that no long folder folds the title's line
+    profile = "profil-\u00fc\u20ac.json"
+    assert run_cli("doctor", "--device", "sim", "--save", profile, cwd=tmp_path).returncode == 0
     for args, shown in ((["doctor", "--device", "sim"], "simulated"),
-                        (["plan", "--bytes", "1MiB", "--profile", str(profile)], "profil-\\xfc\\u20ac.json")):
-        proc = run_cli(*args, env_extra={"PYTHONIOENCODING": "ascii"})
+                        (["plan", "--bytes", "1MiB", "--profile", profile], "profil-\\xfc\\u20ac.json")):
+        proc = run_cli(*args, env_extra={"PYTHONIOENCODING": "ascii"}, cwd=tmp_path)
         assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
         assert shown in proc.stdout
 
@@ -1325,6 +1326,37 @@ def test_plan_engine_direct_needs_pinned_data(capsys, monkeypatch):
     assert _plan_out(capsys, argv + ["both"]) == _plan_out(capsys, argv)
 
 
+
+@pytest.mark.parametrize("pinned", [None, "in", "out"])
+def test_plan_says_what_host_auto_does_for_a_call_and_for_a_mapjob(tmp_path, capsys, pinned):
+    """Where a side is ordinary memory, the plan says what host="auto" picks and both predictions:
+    for a call (stream_map, the pinning within it) and for a MapJob's call (its arrays pinned
+    once). On a host whose staged chunk costs the scheduler 627 µs, 64 MiB in 8 MiB chunks with
+    both sides ordinary stages for a call and registers for a job; with both sides pinned there is
+    nothing to choose and no such row."""
+    import dataclasses
+
+    from ringflow import _plan as plan
+
+    profile = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-staged-chunks",
+                                  staged_chunk_host_s=627e-6, scheduled_chunk_host_s=209e-6, direct_chunk_host_s=68e-6)
+    path = tmp_path / "slow.json"
+    profile.save(path)
+    argv = ["--bytes", "64MiB", "--chunk", "8MiB", "--workers", "4", "--profile", str(path)]
+    out = _plan_out(capsys, argv + ([] if pinned is None else ["--pinned", pinned]))
+    sides = (pinned == "in", pinned == "out")
+    for what, pins_once in (("a call", False), ("a MapJob's call", True)):
+        s = plan.choose_host_strategy(profile, 64 * MiB, 64 * MiB, workers=4, out_is_fresh=True, pinned=sides,
+                                      chunk_bytes=8 * MiB, pins_once=pins_once)
+        want = f"host='auto', {what} │ {s.choice}: staged {s.stage_s * 1e3:.3f}, registered {s.register_s * 1e3:.3f} ms"
+        assert want in out, out
+    if pinned is None:
+        assert "a call │ stage:" in out and "a MapJob's call │ register:" in out, out
+    auto = _plan_out(capsys, argv[:2] + argv[4:])  # --chunk auto: each strategy at its own best chunk
+    s = plan.choose_host_strategy(profile, 64 * MiB, 64 * MiB, workers=4, out_is_fresh=True, pins_once=True)
+    assert f"a MapJob's call │ {s.choice}: staged {s.stage_s * 1e3:.3f}, registered {s.register_s * 1e3:.3f}" in auto
+    assert "host='auto'" not in _plan_out(capsys, argv + ["--pinned"])
+
 @pytest.mark.parametrize("side", ["in", "out"])
 def test_plan_with_one_side_pinned_stages_the_other(tmp_path, capsys, side):
     """--pinned in (or out): that side is the caller's pinned memory, used in place, and only the
@@ -1367,9 +1399,13 @@ def test_plan_engine_pipeline_without_pinned_is_the_default(capsys, argv):
     """Staged data always runs on the scheduler: --engine pipeline (or auto) without --pinned
     prints the default's plan."""
     default = _plan_out(capsys, argv)
-    assert _plan_out(capsys, argv + ["--engine", "pipeline"]) == default
     assert _plan_out(capsys, argv + ["--engine", "auto"]) == default
     assert "engine │ pipeline (the scheduler)" in default, default
+    # the staged plan is the same; only host="auto"'s registered run is the scheduler's too
+    pipeline = _plan_out(capsys, argv + ["--engine", "pipeline"])
+    staged_part = default.index("host='auto', a call")
+    assert pipeline[:staged_part] == default[:staged_part]
+    assert pipeline[staged_part:] != default[staged_part:]
 
 def test_plan_checks_the_device_rings_at_the_result_size_of_the_engine(tmp_path, capsys, monkeypatch):
     """The memory check of a given --chunk counts the rings the engine allocates: staged, every

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import decimal
+import functools
 import json
 import math
 import re
@@ -260,6 +261,14 @@ def plan_command(args) -> int:
     if any(staged) and profile.staging_GBps is not None:
         floor = plan.staging_floor_seconds(profile, total * staged[0], out_total * staged[1])
         table.add_row("host memory floor", f"{floor * 1e3:.3f} ms")
+    if any(staged):
+        # what host="auto" would do with such ordinary memory: a call pins around itself, a job once
+        strategy = functools.partial(plan.choose_host_strategy, profile, total, out_total, workers=args.workers,
+                                     out_is_fresh=True, pinned=pinned, chunk_bytes=None if choice is not None else chunk,
+                                     compute_s_per_byte=per_byte, scheduler=engine == "pipeline", align=row)
+        for what, pins_once in (("host='auto', a call", False), ("host='auto', a MapJob's call", True)):
+            s = strategy(pins_once=pins_once)
+            table.add_row(what, f"{s.choice}: staged {s.stage_s * 1e3:.3f}, registered {s.register_s * 1e3:.3f} ms")
     devices = getattr(args, "devices", 1) or 1
     if devices > 1:
         # with --chunk auto each shard plans its chunk for its own share, as a job over several devices does
