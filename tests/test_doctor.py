@@ -347,6 +347,10 @@ def test_gpu_calibration_measures_every_figure_of_a_profile(tmp_path):
     assert all(0.1 < rate < profile.host_copy_rate(t) for t, rate in profile.staging_GBps)
     assert 0 < profile.direct_chunk_host_s < profile.staged_chunk_host_s < 0.05  # seconds a chunk
     assert 0 < profile.scheduled_chunk_host_s < 0.05
+    # a page's registration and unregistration: a driver call each way, well under a millisecond,
+    # and more than a page's bytes at the registration rates
+    page = 4096 / (profile.register_GBps * 1e9) + 4096 / (profile.unregister_GBps * 1e9)
+    assert page < profile.register_call_s < 1e-3
 
 
 # -- saving a hardware profile (--save), with fake measurements ---------------------------------------------------------
