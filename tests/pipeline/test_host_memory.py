@@ -260,3 +260,48 @@ def test_a_mapjob_weighs_one_call_and_pinned_budget_bounds_what_auto_registers(m
     finally:
         rf.drop_warm_pipelines(dev)
         dev.close()
+
+
+@pytest.mark.parametrize("refused", ["x", "out"])
+def test_auto_stages_what_the_host_cannot_pin_and_register_says_which_array(monkeypatch, refused):
+    """A registration the host refuses for want of pinnable memory (an out-of-memory from the
+    driver): host="auto" stages instead, for a call and for a MapJob, with the right result and
+    nothing left pinned; host="register" raises an OutOfMemoryError naming the array and what to
+    pass."""
+    import dataclasses
+
+    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-staged-chunks", staged_chunk_host_s=627e-6,
+                            scheduled_chunk_host_s=209e-6, direct_chunk_host_s=68e-6)
+    dev = rf.device("sim", profile=p)
+    real = dev.register_host
+    tried = []
+
+    def refuse_one(arr):
+        tried.append(arr.nbytes)
+        if len(tried) == (1 if refused == "x" else 2):
+            raise rf.OutOfMemoryError("simulated: cuMemHostRegister failed: CUDA_ERROR_OUT_OF_MEMORY")
+        return real(arr)
+
+    monkeypatch.setattr(dev, "register_host", refuse_one)
+
+    def g(a, b):
+        np.multiply(a, 2, out=b)
+
+    g.sim_seconds = 0.0
+    x = np.arange(1 << 20, dtype=np.float32)
+    try:
+        kw = dict(device=dev, chunk_bytes=64 << 10, workers=4, keep_warm=False)
+        assert np.array_equal(rf.stream_map(g, x, **kw), x * 2)
+        assert tried and dev.live().host_buffers == 0
+        del tried[:]
+        with rf.MapJob(g, x, device=dev, chunk_bytes=64 << 10, workers=4) as job:
+            assert job.strategy == "stage" and tried
+            assert np.array_equal(job(), x * 2)
+        assert dev.live().host_buffers == 0
+        del tried[:]
+        with pytest.raises(rf.OutOfMemoryError, match=f"host='register' cannot pin {refused} .*host='stage'"):
+            rf.stream_map(g, x, host="register", **kw)
+        assert dev.live().host_buffers == 0
+    finally:
+        rf.drop_warm_pipelines(dev)
+        dev.close()

@@ -35,7 +35,7 @@ from .frames import forget_own_frames
 from .reentry import check_process, generation, marked, refuse_from_stage, running_stage_of
 from .sigint import shielded
 from .uncopyable import Uncopyable
-from .whole_array import (PinnedAlready, check_arrays, check_on_device, check_pool_open, one_device, pinned_arrays,
+from .whole_array import (STAGE_INSTEAD, check_arrays, check_on_device, check_pool_open, one_device, pinned_arrays,
                           plan_layout, refuse_inside, run_call)
 from .validate import BoundArray, check_flag, check_options, check_unchanged
 
@@ -254,11 +254,12 @@ class MapJob(Uncopyable):
             self._held.registered, self._arrays = pinned_arrays(dev, layout.strategy, x, out, fresh_out, x_buffer,
                                                                 out_buffer, pooled, opts.get("workers"))
             self._held.engine = make_engine(self.engine, f, layout, opts, self._arrays, bind=True)
-        except PinnedAlready:
+        except STAGE_INSTEAD:
             self._held.release()
             if host != "auto":
                 raise
-            # "auto" chose to register memory that something else pins already: staged instead
+            # "auto" chose to register memory that something else pins already, or that the host
+            # could not pin: staged instead
             self._bind(f, x, out, fresh_out, dev, chunk_bytes, "stage", x_buffer, out_buffer, engine, opts)
         except BaseException:
             self._held.release()

@@ -29,7 +29,7 @@ from .._device import device as make_device
 from .._device import device_label, device_list, named_device
 from .._device import host_pool
 from .._device.protocol import Device, HostBuffer, check_device_dtype, close_quietly, device_names
-from .._errors import DeviceError, StageError
+from .._errors import DeviceError, OutOfMemoryError, StageError
 from .._testing import current as current_hooks
 from . import call_memo, warm
 from .call_memo import array_key, compute_identity, tagged
@@ -210,10 +210,10 @@ def _stream_map(f, x, out, device, x_buffer, out_buffer, values: tuple) -> tuple
                 # (_unpooled said so of x and a given out; a fresh result is a new numpy array)
                 result, report, _ = run_prepared(f, x, result, fresh_out, call, profile, unpooled=True)
                 return result, report
-            except PinnedAlready:
+            except STAGE_INSTEAD:
                 if host != "auto":
                     raise
-                # pinned since the kept call was planned: the full path plans it again
+                # pinned since the kept call was planned (or not pinnable now): the full path plans it again
     given_out = out
     opts = check_options(chunk_bytes=chunk_bytes, allow_auto_chunk=True, keep_warm=keep_warm, profile=profile,
                          **{name: value for (name, _), value in zip(OPTIONS[_OUTPUT + 1:], values[_OUTPUT + 1:])})
@@ -365,11 +365,11 @@ def _run_whole_call(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: 
         result, fresh_result, call = prepare_whole(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer,
                                                    engine, keep_warm, opts, pooled_out=pooled_out)
         return (*run_prepared(f, x, result, fresh_result, call, profile), call)
-    except PinnedAlready:
+    except STAGE_INSTEAD:
         if host != "auto":
             raise
     # "auto" chose to register memory that something else pins already (an open MapJob, a
-    # register_host buffer): staging reads it wherever it is pinned
+    # register_host buffer), or that the host could not pin: staging copies it through its rings
     return (*run_whole(f, x, out, fresh_out, dev, chunk_bytes, "stage", x_buffer, out_buffer, engine, keep_warm,
                        profile, opts, pooled_out=pooled_out), None)
 
@@ -985,6 +985,16 @@ class PinnedAlready(ValueError):
     ``"register"`` raises this."""
 
 
+class PinningRefused(OutOfMemoryError):
+    """``host="register"`` (asked for, or chosen by ``"auto"``) met an array that the host could
+    not pin: the driver ran out of memory to lock it in place. ``"auto"`` stages such an array
+    instead (staging pins only its rings), and an explicit ``"register"`` raises this, naming
+    the array."""
+
+
+# what "auto" meets while registering and answers by staging the arrays instead
+STAGE_INSTEAD = (PinnedAlready, PinningRefused)
+
 # the text both backends put in a refused registration of pinned memory: the CUDA driver's
 # error name, which the simulated GPU quotes
 _ALREADY_PINNED = "HOST_MEMORY_ALREADY_REGISTERED"
@@ -995,10 +1005,16 @@ def _pin(dev: Device, arr: np.ndarray, name: str) -> HostBuffer:
 
     Raises:
         PinnedAlready: ``arr``'s memory is pinned already (naming ``name`` and what to pass).
+        PinningRefused: the host had no memory to pin ``arr`` (naming ``name`` and what to pass).
         DeviceError: any other refusal, as the device raised it.
     """
     try:
         return dev.register_host(arr)
+    except OutOfMemoryError as err:
+        raise PinningRefused(f"host='register' cannot pin {name} ({arr.nbytes} bytes): the host refused to pin "
+                             f"that much memory ({err}); use host='stage', which pins only its rings (bounded "
+                             f"by pinned_budget), or host='auto', which stages what it cannot pin, or free "
+                             f"pinned memory first") from None
     except DeviceError as err:
         if err.sticky or _ALREADY_PINNED not in str(err):
             raise
