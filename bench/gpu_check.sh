@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything this repo checks and times on the GPU; results under $OUT. Three parts, so that each
+# Everything this repo checks and times on the GPU; results under $OUT. In parts, so that each
 # fits one device call (10 minutes):
 #   bash bench/gpu_check.sh check   pytest -m gpu, 10k-chunk stress, 8 threads x 10k requests, demo, phases
 #   bash bench/gpu_check.sh bench   ringflow bench (all workloads, trace, PNG), host profile, small arrays
@@ -12,7 +12,8 @@
 #                                   the scheduler's own time per chunk by chunk size and workers
 #   bash bench/gpu_check.sh sides     doctor --save (into this GPU's cache), then stage, register and host="auto"
 #                                   against the planner (bench/sides_check.py) on 64 KiB, 1 MiB and 16 MiB arrays
-#                                   at the default and the auto chunk, and on 256 MiB at 1 MiB, 8 MiB and auto
+#                                   at the default and the auto chunk, and on 256 MiB at 1 MiB, 8 MiB and auto;
+#                                   a MapJob's choice, set-up and calls beside them
 #   bash bench/gpu_check.sh rounds    ringflow against the C++ program in interleaved rounds (bench/cpp_rounds.py)
 # $OUT gets: log.txt, pipeline_stress.json, threads.json, phases.json (check); bench-cuda-*.json, trace.json,
 # timeline.png, profile.txt, map_small_items.json, request_costs.json (bench); requests_runs.json (the
@@ -53,10 +54,10 @@ elif [ "$part" = sides ]; then
   mkdir -p "$OUT/sides"
   for mib in 0.0625 1 16; do
     echo "== stage, register and auto: $mib MiB" | tee -a "$LOG"
-    timeout 90 python3 bench/sides_check.py --device ${DEVICE:-cuda:0} --mib $mib --workers 4 --chunks default,auto --rounds 10 --out "$OUT/sides/$mib.json" 2>&1 | tail -17 | tee -a "$LOG"
+    timeout 90 python3 bench/sides_check.py --device ${DEVICE:-cuda:0} --mib $mib --workers 4 --chunks default,auto --rounds 10 --out "$OUT/sides/$mib.json" 2>&1 | tail -19 | tee -a "$LOG"
   done
   echo "== stage, register and auto: 256 MiB" | tee -a "$LOG"
-  timeout 200 python3 bench/sides_check.py --device ${DEVICE:-cuda:0} --mib 256 --workers 4 --chunks 1024,8192,auto --rounds 3 --out "$OUT/sides/256.json" 2>&1 | tail -25 | tee -a "$LOG"
+  timeout 200 python3 bench/sides_check.py --device ${DEVICE:-cuda:0} --mib 256 --workers 4 --chunks 1024,8192,auto --rounds 3 --out "$OUT/sides/256.json" 2>&1 | tail -28 | tee -a "$LOG"
   python3 -c 'import glob, json, sys; runs = [json.load(open(p)) for p in sorted(glob.glob(sys.argv[1] + "/*.json"))]; json.dump(runs, open(sys.argv[2], "w"), indent=1)' "$OUT/sides" "$OUT/sides.json" && rm -r "$OUT/sides"
 elif [ "$part" = rounds ]; then
   echo "== against the C++ program, interleaved rounds" | tee -a "$LOG"

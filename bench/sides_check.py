@@ -11,7 +11,10 @@ with ``--workers`` CPU workers, at each chunk of ``--chunks`` (KiB, ``auto``, or
 * ``auto in, out pinned``: the same arrays, ``host="auto"`` (its choice is recorded);
 * ``register in, out pinned``: the same arrays, ``host="register"``;
 * ``pinned, scheduler``: ``rf.host.empty`` x and result, ``engine="pipeline"`` (unstaged);
-* ``pinned, direct``: the same on the direct engine.
+* ``pinned, direct``: the same on the direct engine;
+* ``MapJob auto both``: a ``MapJob`` over pageable x and a fresh result, ``host="auto"``, which
+  weighs one call (its arrays pinned once): its choice and both predictions a call, its set-up
+  time, and the median of ``--rounds`` calls after its first (``job_rows`` in the JSON).
 
 Each staged or scheduled row carries ``_plan.predict_seconds`` for the sides it stages and, for
 the one-side rows, what a prediction staging both sides gives (the model before it told the sides
@@ -144,8 +147,34 @@ def main(argv=None) -> int:
         print(f"{name:24s} chunk {str(c or 'default'):>8s}: {row['median_ms']:8.2f} ms [{row['min_ms']:.2f}, "
               f"{row['max_ms']:.2f}]{extra}{'  chose ' + row['host_choice'] if row['host_choice'] else ''}",
               flush=True)
+    job_rows = []
+    for c in chunks:
+        x = fresh_random(n, seed=args.rounds + 1)
+        want = x * np.float32(2) + np.float32(1)
+        call_memo.MEMO.drop()
+        t0 = time.perf_counter()
+        with rf.MapJob(f, x, device=dev, workers=args.workers, chunk_bytes=c) as job:
+            setup = time.perf_counter() - t0
+            strategy = choice.last
+            correct = correct and bool(np.array_equal(job(), want))  # the first call, not kept
+            times = []
+            for _ in range(max(1, args.rounds)):
+                t0 = time.perf_counter()
+                y = job()
+                times.append(time.perf_counter() - t0)
+            correct = correct and bool(np.array_equal(y, want))
+            row = {"case": "MapJob auto both", "chunk_bytes": c, "strategy": job.strategy, "engine": job.engine,
+                   "setup_ms": setup * 1e3, "median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3,
+                   "max_ms": max(times) * 1e3, "predicted_stage_ms": strategy.stage_s * 1e3,
+                   "predicted_register_ms": strategy.register_s * 1e3}
+        job_rows.append(row)
+        print(f"{row['case']:24s} chunk {str(c or 'default'):>8s}: {row['median_ms']:8.2f} ms a call [{row['min_ms']:.2f}, "
+              f"{row['max_ms']:.2f}]  set-up {row['setup_ms']:.2f} ms  predicted_stage_ms "
+              f"{row['predicted_stage_ms']:.2f}  predicted_register_ms {row['predicted_register_ms']:.2f}  chose "
+              f"{row['strategy']}", flush=True)
+        del x, y, want
     out = {**header(environment(dev)), "bytes": n * 4, "workers": args.workers, "rounds": args.rounds,
-           "profile": profile.name, "correct": correct, "rows": rows}
+           "profile": profile.name, "correct": correct, "rows": rows, "job_rows": job_rows}
     print("correct:", correct, flush=True)
     write(out, args.out)
     return 0 if correct else 1

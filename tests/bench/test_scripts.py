@@ -437,6 +437,13 @@ def test_sides_check(tmp_path):
     assert small["correct"] is True and small["bytes"] == 64 << 10
     assert {row["chunk_bytes"] for row in small["rows"]} == {None}
     assert all(row.get("planned_chunk_bytes", 64 << 10) == 64 << 10 for row in small["rows"])
+    # a MapJob weighs one call: its registered prediction is the run alone, below a call's
+    auto = {row["chunk_bytes"]: row for row in r["rows"] if row["case"] == "auto both"}
+    assert [row["chunk_bytes"] for row in r["job_rows"]] == [256 << 10, "auto"]
+    for row in r["job_rows"]:
+        assert row["strategy"] in ("stage", "register") and row["median_ms"] > 0 and row["setup_ms"] > 0
+        assert row["predicted_register_ms"] < auto[row["chunk_bytes"]]["predicted_register_ms"]
+        assert row["predicted_stage_ms"] == pytest.approx(auto[row["chunk_bytes"]]["predicted_stage_ms"])
     for row in r["rows"]:
         assert row["median_ms"] > 0
         if row["case"] == "stage in, out pinned":
