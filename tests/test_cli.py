@@ -16,6 +16,7 @@ import ringflow
 import ringflow as rf
 from ringflow._cli import main
 from tests.helpers.threads import racing
+from tests.helpers.host_strategy import slow_staged_chunks
 
 MiB = 1 << 20
 
@@ -1334,12 +1335,10 @@ def test_plan_says_what_host_auto_does_for_a_call_and_for_a_mapjob(tmp_path, cap
     once). On a host whose staged chunk costs the scheduler 627 µs, 64 MiB in 8 MiB chunks with
     both sides ordinary stages for a call and registers for a job; with both sides pinned there is
     nothing to choose and no such row."""
-    import dataclasses
 
     from ringflow import _plan as plan
 
-    profile = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-staged-chunks",
-                                  staged_chunk_host_s=627e-6, scheduled_chunk_host_s=209e-6, direct_chunk_host_s=68e-6)
+    profile = slow_staged_chunks()
     path = tmp_path / "slow.json"
     profile.save(path)
     argv = ["--bytes", "64MiB", "--chunk", "8MiB", "--workers", "4", "--profile", str(path)]

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import ringflow as rf
 from tests.helpers.hooks import engines
+from tests.helpers.host_strategy import slow_staged_chunks
 from tests.helpers.one_side import one_side_profile
 from tests.helpers.sim import counting_allocations
 from ringflow import _plan as plan
@@ -702,8 +703,7 @@ def test_the_host_strategy_is_the_run_predicted_faster_at_the_jobs_chunk():
     on a host whose staged chunks cost the scheduler 627 µs each, 256 MiB of
     pageable memory in 1 MiB chunks is registered (a staged run would take 256 x 627 µs), in
     8 MiB chunks staged; with no chunk given each strategy is predicted at its own best chunk."""
-    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-staged-chunks", staged_chunk_host_s=627e-6,
-                            scheduled_chunk_host_s=209e-6, direct_chunk_host_s=68e-6)
+    p = slow_staged_chunks()
     total = 256 * MiB
     small = plan.choose_host_strategy(p, total, total, workers=4, out_is_fresh=True, chunk_bytes=MiB)
     assert small.choice == "register" and small.stage_s >= 256 * 627e-6
@@ -726,8 +726,7 @@ def test_a_job_that_pins_once_weighs_one_call():
     left out. On a host whose staged chunk costs the scheduler 627 µs, 64 MiB in 8 MiB chunks
     stages for one call (13.1 ms of pinning to save 9.5) and registers for a job (1.7 ms a call
     against 11.2)."""
-    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-staged-chunks", staged_chunk_host_s=627e-6,
-                            scheduled_chunk_host_s=209e-6, direct_chunk_host_s=68e-6, register_call_s=30e-6)
+    p = slow_staged_chunks(register_call_s=30e-6)
     total = 64 * MiB
     job = dict(workers=4, out_is_fresh=True, chunk_bytes=8 * MiB, align=4)
     each = plan.choose_host_strategy(p, total, total, **job)
@@ -751,8 +750,7 @@ def test_a_registrations_fixed_cost_is_paid_once_a_side_and_decides_a_small_arra
     host whose staged chunk costs the scheduler 627 µs, a one-chunk 64 KiB job registers when a
     registration costs its bytes alone, and stages when each costs 500 µs more (twice that over
     both sides against one staged chunk); a 256 MiB job in 1 MiB chunks registers either way."""
-    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-staged-chunks", staged_chunk_host_s=627e-6,
-                            scheduled_chunk_host_s=209e-6, direct_chunk_host_s=68e-6)
+    p = slow_staged_chunks()
     costly = dataclasses.replace(p, register_call_s=500e-6)
     small = dict(workers=4, out_is_fresh=True, chunk_bytes=64 * KiB)
     assert plan.choose_host_strategy(p, 64 * KiB, 64 * KiB, **small).choice == "register"

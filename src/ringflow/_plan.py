@@ -717,13 +717,14 @@ def predict_seconds(profile: "str | HardwareProfile", total_bytes: int, chunk_by
     """(per-chunk stage times, predicted wall seconds) of streaming ``total_bytes`` in chunks of
     ``chunk_bytes`` (a chunk over ``total_bytes`` is one of ``total_bytes``): the bound of the
     five stages (:func:`queued_stage_times`) plus the host's time per chunk as a sixth resource
-    (it overlaps the GPU until it becomes the bottleneck with small chunks). The host stages copy at the profile's ``staging_copy_rate`` (their copies,
-    the fresh output's first touch and the GPU's copies share the host's memory), so a staged
-    prediction is about :func:`staging_floor_seconds` at the least. With
-    ``host_stages=False`` the copy engines use the caller's pinned memory (no staging); a pair
-    ``(input, result)`` of bools stages only the sides it names (:func:`staged_sides`): the other
-    is the caller's pinned memory, used in place, and costs a host task's overhead, and the
-    scheduler's time per chunk has one pool hand-off (:func:`host_seconds_per_chunk`).
+    (it overlaps the GPU until it becomes the bottleneck with small chunks). The host stages
+    copy at the profile's ``staging_copy_rate`` (their copies, the fresh output's first touch
+    and the GPU's copies share the host's memory), so a staged prediction is about
+    :func:`staging_floor_seconds` at the least. With ``host_stages=False`` the copy engines use
+    the caller's pinned memory (no staging); a pair ``(input, result)`` of bools stages only the
+    sides it names (:func:`staged_sides`): the other is the caller's pinned memory, used in
+    place, and costs a host task's overhead, and the scheduler's time per chunk has one pool
+    hand-off (:func:`host_seconds_per_chunk`).
     ``scheduler``: whether the scheduler runs the job, which sets the host's time per chunk
     (:func:`host_seconds_per_chunk`); None: as ``host_stages`` says (an unstaged job on the
     direct engine). ``out_ratio``: result bytes per input byte (the copy back and the consume

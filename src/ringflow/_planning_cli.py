@@ -264,8 +264,8 @@ def plan_command(args) -> int:
     if any(staged):
         # what host="auto" would do with such ordinary memory: a call pins around itself, a job once
         strategy = functools.partial(plan.choose_host_strategy, profile, total, out_total, workers=args.workers,
-                                     out_is_fresh=True, pinned=pinned, chunk_bytes=None if choice is not None else chunk,
-                                     compute_s_per_byte=per_byte, scheduler=engine == "pipeline", align=row)
+                                     out_is_fresh=True, pinned=pinned, compute_s_per_byte=per_byte, align=row,
+                                     chunk_bytes=None if choice is not None else chunk, scheduler=engine == "pipeline")
         for what, pins_once in (("host='auto', a call", False), ("host='auto', a MapJob's call", True)):
             s = strategy(pins_once=pins_once)
             table.add_row(what, f"{s.choice}: staged {s.stage_s * 1e3:.3f}, registered {s.register_s * 1e3:.3f} ms")

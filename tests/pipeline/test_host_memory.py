@@ -7,6 +7,7 @@ import pytest
 
 import ringflow as rf
 from tests.helpers.hooks import engines
+from tests.helpers.host_strategy import layouts_planned, slow_staged_chunks
 from tests.helpers.one_side import SIDES, one_side_arrays, one_side_profile, slow_registration
 from ringflow import _plan as plan
 
@@ -192,16 +193,9 @@ def test_auto_stages_or_registers_as_predicted_at_the_calls_chunk(monkeypatch):
     pageable memory in 1 MiB chunks is registered (staging 64 chunks would be bound by that
     host time), in 8 MiB chunks and with chunk_bytes="auto" staged; each call's choice is
     choose_host_strategy's at that chunk, and every result is right."""
-    import dataclasses
-
-    from ringflow._pipeline import whole_array
-
-    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-staged-chunks", staged_chunk_host_s=627e-6,
-                            scheduled_chunk_host_s=209e-6, direct_chunk_host_s=68e-6)
+    p = slow_staged_chunks()
     dev = rf.device("sim", profile=p)
-    seen = []
-    layout_plan = whole_array.MapLayout.plan
-    monkeypatch.setattr(whole_array.MapLayout, "plan", lambda *a, **k: seen.append(layout_plan(*a, **k)) or seen[-1])
+    seen = layouts_planned(monkeypatch)
 
     def g(a, b):
         np.multiply(a, 2, out=b)
@@ -226,16 +220,9 @@ def test_a_mapjob_weighs_one_call_and_pinned_budget_bounds_what_auto_registers(m
     calls); a pinned_budget below the 128 MiB to pin makes either stage, one at it lets the job
     register; in 1 MiB chunks stream_map registers, but not past a budget. Every result is
     right."""
-    import dataclasses
-
-    from ringflow._pipeline import whole_array
-
-    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-staged-chunks", staged_chunk_host_s=627e-6,
-                            scheduled_chunk_host_s=209e-6, direct_chunk_host_s=68e-6)
+    p = slow_staged_chunks()
     dev = rf.device("sim", profile=p)
-    seen = []
-    layout_plan = whole_array.MapLayout.plan
-    monkeypatch.setattr(whole_array.MapLayout, "plan", lambda *a, **k: seen.append(layout_plan(*a, **k)) or seen[-1])
+    seen = layouts_planned(monkeypatch)
 
     def g(a, b):
         np.multiply(a, 2, out=b)
@@ -268,11 +255,7 @@ def test_auto_stages_what_the_host_cannot_pin_and_register_says_which_array(monk
     driver): host="auto" stages instead, for a call and for a MapJob, with the right result and
     nothing left pinned; host="register" raises an OutOfMemoryError naming the array and what to
     pass."""
-    import dataclasses
-
-    p = dataclasses.replace(plan.get_profile("h200-pcie5"), name="slow-staged-chunks", staged_chunk_host_s=627e-6,
-                            scheduled_chunk_host_s=209e-6, direct_chunk_host_s=68e-6)
-    dev = rf.device("sim", profile=p)
+    dev = rf.device("sim", profile=slow_staged_chunks())
     real = dev.register_host
     tried = []
 

@@ -29,6 +29,7 @@ from ringflow._device.sim import host as sim_host
 from ringflow._errors import DeviceError, StageError
 from ringflow._pipeline import sharded, sizing
 from tests.helpers.hooks import engines
+from tests.helpers.host_strategy import layouts_planned, slow_staged_chunks
 from tests.helpers.interrupts import InterruptAt
 from tests.helpers.sim import named_sims
 from tests.helpers.threads import bounded, run_all
@@ -1063,18 +1064,13 @@ def test_a_mapjob_over_two_gpus_weighs_one_call_on_every_shard(monkeypatch):
     """A job's shards each pin once for all its calls: 64 MiB in 8 MiB chunks over two simulated
     GPUs whose staged chunk costs the scheduler 627 µs registers on both, where stream_map of the
     same arrays stages."""
-    slow = dataclasses.replace(get_profile("h200-pcie5"), name="slow-staged-chunks", staged_chunk_host_s=627e-6,
-                               scheduled_chunk_host_s=209e-6, direct_chunk_host_s=68e-6)
+    slow = slow_staged_chunks()
 
     def double(a, b):
         np.multiply(a, 2, out=b)
 
-    from ringflow._pipeline import whole_array
-
-    seen = []
-    layout_plan = whole_array.MapLayout.plan
-    monkeypatch.setattr(whole_array.MapLayout, "plan", lambda *a, **k: seen.append(layout_plan(*a, **k)) or seen[-1])
     double.sim_seconds = 0.0
+    seen = layouts_planned(monkeypatch)
     x = np.arange(32 * MiB // 4 * 2, dtype=np.float32)  # 64 MiB: 32 MiB a shard
     with named_sims(45, 46, profile=slow):
         with rf.MapJob(double, x, device=["sim:45", "sim:46"], chunk_bytes=8 * MiB, workers=4) as job:

@@ -913,10 +913,10 @@ def check_on_device(dev: Device, x: np.ndarray, out: np.ndarray) -> None:
 
 def plan_layout(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, dev: Device, chunk_bytes, host: str,
                 x_buffer, out_buffer, opts: dict, *, engine: str = "auto", pins_once: bool = False) -> tuple:
-    """:meth:`MapLayout.plan` (``engine`` and ``pins_once`` passed on) for arrays that may come from ``dev``'s host pool: returns
-    ``(layout, x_buffer, out_buffer, pooled)``, the buffers being the pool's where both arrays
-    are pool arrays (used in place), and ``pooled`` the pool buffers found behind each (for
-    :func:`pinned_arrays`).
+    """:meth:`MapLayout.plan` (``engine`` and ``pins_once`` passed on) for arrays that may come
+    from ``dev``'s host pool: returns ``(layout, x_buffer, out_buffer, pooled)``, the buffers
+    being the pool's where both arrays are pool arrays (used in place), and ``pooled`` the pool
+    buffers found behind each (for :func:`pinned_arrays`).
 
     Raises:
         as :meth:`MapLayout.plan`.
