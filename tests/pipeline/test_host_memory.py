@@ -136,6 +136,13 @@ def test_a_short_stream_map_takes_no_more_slots_than_chunks():
     rf.drop_warm_pipelines(dev)
 
 
+def double(a, b):
+    np.multiply(a, 2, out=b)
+
+
+double.sim_seconds = 0.0  # a kernel of no time: the job turns on the host's costs alone
+
+
 @pytest.mark.parametrize("pinned", ["x", "out"])
 def test_a_job_staging_one_side_is_planned_and_simulated_with_one_sides_host_time(pinned):
     """stream_map of an ordinary array and a ringflow.host array: only the ordinary side is
@@ -150,11 +157,6 @@ def test_a_job_staging_one_side_is_planned_and_simulated_with_one_sides_host_tim
     sides = SIDES[pinned]
     total, workers = 128 << 20, 8
     dev = rf.device("sim", profile=p, checked=False)
-
-    def g(a, b):
-        np.multiply(a, 2, out=b)
-
-    g.sim_seconds = 0.0
     data = np.arange(total // 4, dtype=np.float32)
     x, out = one_side_arrays(dev, data, pinned)
     cost = dict(workers=workers, compute_s_per_chunk=0.0, compute_s_per_byte=0.0)
@@ -165,7 +167,7 @@ def test_a_job_staging_one_side_is_planned_and_simulated_with_one_sides_host_tim
     def run(chunk_bytes):
         """(report, one-side prediction, two-side prediction) of a call in chunks of ``chunk_bytes``."""
         with engines() as seen:
-            y, report = rf.stream_map_report(g, x, out=out, device=dev, chunk_bytes=chunk_bytes, workers=workers,
+            y, report = rf.stream_map_report(double, x, out=out, device=dev, chunk_bytes=chunk_bytes, workers=workers,
                                              keep_warm=False)
         assert y is out and np.array_equal(y, data * 2)
         sched = seen[0].scheduler  # the pinned side's host ring is the caller's memory: only the other is staged
@@ -197,14 +199,10 @@ def test_auto_stages_or_registers_as_predicted_at_the_calls_chunk(monkeypatch):
     dev = rf.device("sim", profile=p)
     seen = layouts_planned(monkeypatch)
 
-    def g(a, b):
-        np.multiply(a, 2, out=b)
-
-    g.sim_seconds = 0.0
     x = np.arange(16 << 20, dtype=np.float32)
     try:
         for chunk, want in ((1 << 20, "register"), (8 << 20, "stage"), ("auto", "stage")):
-            assert np.array_equal(rf.stream_map(g, x, device=dev, chunk_bytes=chunk, workers=4), x * 2)
+            assert np.array_equal(rf.stream_map(double, x, device=dev, chunk_bytes=chunk, workers=4), x * 2)
             expected = plan.choose_host_strategy(p, x.nbytes, x.nbytes, workers=4, out_is_fresh=True, align=4,
                                                  chunk_bytes=None if chunk == "auto" else chunk,
                                                  compute_s_per_byte=0.0, compute_s_per_chunk=0.0)
@@ -224,24 +222,20 @@ def test_a_mapjob_weighs_one_call_and_pinned_budget_bounds_what_auto_registers(m
     dev = rf.device("sim", profile=p)
     seen = layouts_planned(monkeypatch)
 
-    def g(a, b):
-        np.multiply(a, 2, out=b)
-
-    g.sim_seconds = 0.0
     x = np.arange(16 << 20, dtype=np.float32)
     try:
         for chunk, budget, want in ((8 << 20, None, "stage"), (1 << 20, None, "register"),
                                     (1 << 20, (128 << 20) - 1, "stage")):
-            assert np.array_equal(rf.stream_map(g, x, device=dev, chunk_bytes=chunk, workers=4, keep_warm=False,
+            assert np.array_equal(rf.stream_map(double, x, device=dev, chunk_bytes=chunk, workers=4, keep_warm=False,
                                                 pinned_budget=budget), x * 2)
             assert seen[-1].strategy == want, (chunk, budget)
         for budget, want in ((None, "register"), (128 << 20, "register"), ((128 << 20) - 1, "stage")):
-            with rf.MapJob(g, x, device=dev, chunk_bytes=8 << 20, workers=4, pinned_budget=budget) as job:
+            with rf.MapJob(double, x, device=dev, chunk_bytes=8 << 20, workers=4, pinned_budget=budget) as job:
                 assert job.strategy == want, budget
                 assert np.array_equal(job(), x * 2) and np.array_equal(job(), x * 2)
         # one side from rf.host.empty: only the other is to pin, and counts against the budget
         out = rf.host.empty(x.shape, x.dtype, device=dev)
-        with rf.MapJob(g, x, out, device=dev, chunk_bytes=8 << 20, workers=4, pinned_budget=64 << 20) as job:
+        with rf.MapJob(double, x, out, device=dev, chunk_bytes=8 << 20, workers=4, pinned_budget=64 << 20) as job:
             assert job.strategy == "register" and np.array_equal(job(), x * 2)
         del out
     finally:
@@ -267,23 +261,19 @@ def test_auto_stages_what_the_host_cannot_pin_and_register_says_which_array(monk
 
     monkeypatch.setattr(dev, "register_host", refuse_one)
 
-    def g(a, b):
-        np.multiply(a, 2, out=b)
-
-    g.sim_seconds = 0.0
     x = np.arange(1 << 20, dtype=np.float32)
     try:
         kw = dict(device=dev, chunk_bytes=64 << 10, workers=4, keep_warm=False)
-        assert np.array_equal(rf.stream_map(g, x, **kw), x * 2)
+        assert np.array_equal(rf.stream_map(double, x, **kw), x * 2)
         assert tried and dev.live().host_buffers == 0
         del tried[:]
-        with rf.MapJob(g, x, device=dev, chunk_bytes=64 << 10, workers=4) as job:
+        with rf.MapJob(double, x, device=dev, chunk_bytes=64 << 10, workers=4) as job:
             assert job.strategy == "stage" and tried
             assert np.array_equal(job(), x * 2)
         assert dev.live().host_buffers == 0
         del tried[:]
         with pytest.raises(rf.OutOfMemoryError, match=f"host='register' cannot pin {refused} .*host='stage'"):
-            rf.stream_map(g, x, host="register", **kw)
+            rf.stream_map(double, x, host="register", **kw)
         assert dev.live().host_buffers == 0
     finally:
         rf.drop_warm_pipelines(dev)
