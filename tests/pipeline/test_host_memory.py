@@ -278,3 +278,45 @@ def test_auto_stages_what_the_host_cannot_pin_and_register_says_which_array(monk
     finally:
         rf.drop_warm_pipelines(dev)
         dev.close()
+
+
+@pytest.mark.parametrize("total,chunk", [(64 << 20, 1 << 20), (256 << 10, 256 << 10)],
+                         ids=["64MiB-1MiB", "256KiB-one-chunk"])
+def test_auto_picks_the_strategy_the_simulated_gpu_runs_faster(monkeypatch, total, chunk):
+    """The simulated GPU charges a staged call the scheduler's host time per chunk, and a
+    registered one its pinning and unpinning (their bytes at the profile's rates and the fixed
+    cost per array): the staged call takes about what choose_host_strategy predicts (within 15%),
+    the registered call the same run on pinned buffers plus the pinning the planner counts, and
+    host="auto" takes the strategy that ran faster. The result is given (touched already), so no
+    first touch is charged that the simulated clock does not see."""
+    p = slow_staged_chunks(register_call_s=1e-3)
+    dev = rf.device("sim", profile=p)
+    seen = layouts_planned(monkeypatch)
+    x = np.arange(total // 4, dtype=np.float32)
+    out = np.zeros_like(x)
+    kw = dict(device=dev, chunk_bytes=chunk, workers=4)
+    hx, hout = dev.allocate_host(x.nbytes), dev.allocate_host(out.nbytes)
+    px, pout = hx.view(np.float32), hout.view(np.float32)
+    px[:] = x
+    try:
+        took = {}
+        for host, args in (("stage", (x, out)), ("register", (x, out)), ("pinned", (px, pout))):
+            more = dict(x_buffer=hx, out_buffer=hout) if host == "pinned" else dict(host=host)
+            rf.stream_map(double, *args, **kw, **more)  # its engine made and kept warm
+            t0 = dev.now
+            assert rf.stream_map(double, *args, **kw, **more) is args[1] and np.array_equal(args[1], x * 2)
+            took[host] = dev.now - t0
+        predicted = plan.choose_host_strategy(p, total, total, workers=4, out_is_fresh=False, chunk_bytes=chunk,
+                                              align=4, compute_s_per_byte=0.0, compute_s_per_chunk=0.0)
+        pinning = 2 * total / (p.register_GBps * 1e9) + 2 * total / (p.unregister_GBps * 1e9) + 2 * 1e-3
+        assert took["stage"] == pytest.approx(predicted.stage_s, rel=0.15), (took, predicted)
+        assert took["register"] - took["pinned"] == pytest.approx(pinning, rel=0.02), (took, pinning)
+        out[:] = 0
+        assert rf.stream_map(double, x, out, **kw) is out and np.array_equal(out, x * 2)
+        assert seen[-1].strategy == predicted.choice == min(("stage", "register"), key=took.get), (took, predicted)
+    finally:
+        del px, pout
+        hx.close()
+        hout.close()
+        rf.drop_warm_pipelines(dev)
+        dev.close()

@@ -376,3 +376,24 @@ def test_timing_events_add_nothing_to_a_span_on_the_simulated_gpu():
     t0 = dev.now
     assert dev.timing_floor(s) == 0.0
     assert dev.now == t0  # nothing recorded, no virtual time spent
+
+
+@pytest.mark.parametrize("call_s", [None, 1e-3])
+def test_registering_and_unregistering_take_their_bytes_at_the_profiles_rates_and_the_fixed_cost(call_s):
+    """Pinning an array in place advances the clock by its bytes at register_GBps and half the
+    fixed cost per array (register_call_s, none where not measured); unpinning it by its bytes
+    at unregister_GBps and the other half. Allocating pinned memory costs no such time."""
+    p = dataclasses.replace(H200_PCIE5, name="rates", register_GBps=2.0, unregister_GBps=4.0, register_call_s=call_s)
+    dev = rf.device("sim", profile=p)
+    arr = np.ones(8 << 20, np.uint8)
+    half = (call_s or 0.0) / 2
+    t0 = dev.now
+    buf = dev.register_host(arr)
+    assert dev.now - t0 == pytest.approx((8 << 20) / 2e9 + half, rel=1e-9)
+    t0 = dev.now
+    buf.close()
+    assert dev.now - t0 == pytest.approx((8 << 20) / 4e9 + half, rel=1e-9)
+    t0 = dev.now
+    dev.allocate_host(8 << 20).close()
+    assert dev.now == t0
+    dev.close()
