@@ -745,6 +745,21 @@ def test_a_job_that_pins_once_weighs_one_call():
                                                                          host_stages=(False, True))[1]
 
 
+def test_an_in_place_job_registers_its_one_array_once():
+    """out=x: registering pins the one array once (its bytes and one fixed cost), while staging
+    still copies it in and out."""
+    p = slow_staged_chunks(register_call_s=1e-3)
+    total = 64 * MiB
+    job = dict(workers=4, out_is_fresh=False, chunk_bytes=MiB, align=4)
+    apart = plan.choose_host_strategy(p, total, total, **job)
+    shared = plan.choose_host_strategy(p, total, total, same_memory=True, **job)
+    assert shared.stage_s == apart.stage_s
+    assert apart.register_s - shared.register_s == pytest.approx(
+        total / (p.register_GBps * 1e9) + total / (p.unregister_GBps * 1e9) + 1e-3)
+    assert plan.choose_host_strategy(p, total, total, same_memory=True, pins_once=True, **job).register_s == (
+        plan.predict_seconds(p, total, MiB, workers=4, host_stages=False)[1])
+
+
 def test_a_registrations_fixed_cost_is_paid_once_a_side_and_decides_a_small_array():
     """Each side registered pays the profile's ``register_call_s`` once, whatever its size: on a
     host whose staged chunk costs the scheduler 627 µs, a one-chunk 64 KiB job registers when a

@@ -499,7 +499,8 @@ class HostStrategy:
 def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbytes_out: int, *, workers: int,
                          out_is_fresh: bool, pinned: tuple = (False, False), chunk_bytes: Optional[int] = None,
                          compute_s_per_byte: Optional[float] = 0.0, compute_s_per_chunk: Optional[float] = 0.0,
-                         scheduler: bool = False, align: int = 1, pins_once: bool = False) -> HostStrategy:
+                         scheduler: bool = False, align: int = 1, pins_once: bool = False,
+                         same_memory: bool = False) -> HostStrategy:
     """Stage or register, whichever the profile predicts the faster for the whole job, or with
     ``pins_once`` for each call of a job that pins its arrays once for all its calls.
 
@@ -533,12 +534,17 @@ def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbyte
             ``on_error="continue"``); a staged one always runs on it.
         align: the bytes a chunk is a whole multiple of (a row), as :func:`choose_chunk_bytes` takes it.
         pins_once: whether the registration serves every call of a job (``MapJob``) rather than one.
+        same_memory: whether the result is the input's memory (``out=x``): registering pins it once,
+            staging still copies it in and out.
     """
     p = get_profile(profile)
     sides = (not pinned[0], not pinned[1])
     to_pin = nbytes_in * sides[0] + nbytes_out * sides[1]
     if not to_pin:
         return HostStrategy("stage", 0.0, 0.0)
+    # the arrays to register: one where the result is the input's memory
+    registrations = 1 if same_memory else sum(sides)
+    pin_bytes = nbytes_in if same_memory else to_pin
     out_ratio = nbytes_out / nbytes_in if nbytes_in else 1.0
     costs = dict(compute_s_per_byte=compute_s_per_byte, compute_s_per_chunk=compute_s_per_chunk, workers=workers,
                  out_ratio=out_ratio)
@@ -553,8 +559,8 @@ def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbyte
     stage = run_seconds(sides, True)
     register = run_seconds(False, scheduler)
     if not pins_once:
-        register += to_pin / (p.register_GBps * 1e9) + to_pin / (p.unregister_GBps * 1e9)
-        register += (p.register_call_s or 0.0) * sum(sides)
+        register += pin_bytes / (p.register_GBps * 1e9) + pin_bytes / (p.unregister_GBps * 1e9)
+        register += (p.register_call_s or 0.0) * registrations
         if out_is_fresh and sides[1]:
             register += nbytes_out / (p.first_touch_rate(workers) * 1e9)
     return HostStrategy("register" if register < stage else "stage", stage, register)

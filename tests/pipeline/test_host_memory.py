@@ -233,6 +233,10 @@ def test_a_mapjob_weighs_one_call_and_pinned_budget_bounds_what_auto_registers(m
             with rf.MapJob(double, x, device=dev, chunk_bytes=8 << 20, workers=4, pinned_budget=budget) as job:
                 assert job.strategy == want, budget
                 assert np.array_equal(job(), x * 2) and np.array_equal(job(), x * 2)
+        # in place (out=x): one array to pin, counted once against the budget
+        y = x.copy()
+        with rf.MapJob(double, y, y, device=dev, chunk_bytes=8 << 20, workers=4, pinned_budget=64 << 20) as job:
+            assert job.strategy == "register" and np.array_equal(job(), x * 2)
         # one side from rf.host.empty: only the other is to pin, and counts against the budget
         out = rf.host.empty(x.shape, x.dtype, device=dev)
         with rf.MapJob(double, x, out, device=dev, chunk_bytes=8 << 20, workers=4, pinned_budget=64 << 20) as job:

@@ -804,6 +804,7 @@ class MapLayout:
             # staging and registering, each predicted as a whole run: a staged run of small chunks
             # is bound by the scheduler's host time per chunk, a registered one pays the pinning first
             pinned_sides = tuple(b is not None for b in pinned)
+            shared = out is x or same_memory(x, out)  # registering pins the one array once
             per_chunk, per_byte = cost = compute_cost(getattr(f, "sim_seconds", None))
             # each strategy predicted at the job's chunk, or at its own best chunk for "auto"
             chunk = None if chunk_bytes == "auto" else chunk_bytes if chunk_bytes is not None else DEFAULT_CHUNK_BYTES
@@ -811,11 +812,11 @@ class MapLayout:
                 dev.hardware, x.nbytes, out.nbytes, workers=workers, out_is_fresh=fresh_out, pinned=pinned_sides,
                 chunk_bytes=chunk, compute_s_per_byte=per_byte, compute_s_per_chunk=per_chunk, align=row_bytes,
                 scheduler=engine == "pipeline" or why_not_direct("register", options) is not None,
-                pins_once=pins_once).choice
+                pins_once=pins_once, same_memory=shared).choice
             budget = options.get("pinned_budget")
-            # registering pins the whole of each side not pinned already: a budget for pinned
-            # memory bounds it as it bounds the staged rings
-            to_pin = x.nbytes * (not pinned_sides[0]) + out.nbytes * (not pinned_sides[1])
+            # registering pins the whole of each side not pinned already (out=x once): a budget
+            # for pinned memory bounds it as it bounds the staged rings
+            to_pin = x.nbytes * (not pinned_sides[0]) + out.nbytes * (not pinned_sides[1] and not shared)
             within = budget is None or to_pin <= budget
             strategy = strategy if contiguous and not any(pinned_views) and within else "stage"
             if strategy == "stage":  # a side already pinned is used in place; only the other is staged
