@@ -724,8 +724,8 @@ def test_a_job_that_pins_once_weighs_one_call():
     """A job that registers once for all its calls (pins_once, a MapJob) compares one call: the
     unstaged run against the staged one, the pinning, unpinning, first touch and fixed cost
     left out. On a host whose staged chunk costs the scheduler 627 µs, 64 MiB in 8 MiB chunks
-    stages for one call (13.1 ms of pinning to save 9.5) and registers for a job (1.7 ms a call
-    against 11.2)."""
+    stages for one call (13.1 ms of pinning and first touch to save 9.5) and registers for a
+    job (1.7 ms a call against 11.2)."""
     p = slow_staged_chunks(register_call_s=30e-6)
     total = 64 * MiB
     job = dict(workers=4, out_is_fresh=True, chunk_bytes=8 * MiB, align=4)
