@@ -324,3 +324,22 @@ def test_auto_picks_the_strategy_the_simulated_gpu_runs_faster(monkeypatch, tota
         hout.close()
         rf.drop_warm_pipelines(dev)
         dev.close()
+
+
+def test_an_in_place_call_weighs_one_registration(monkeypatch):
+    """out=x pins one array: on a host whose registration costs 0.4 ms a call beyond its bytes, a
+    one-chunk call of 256 KiB in place registers (one registration beats one staged chunk's
+    host time), where the same call into a separate result stages (two would not)."""
+    dev = rf.device("sim", profile=slow_staged_chunks(register_call_s=0.4e-3))
+    seen = layouts_planned(monkeypatch)
+    x = np.arange(64 << 10, dtype=np.float32)
+    try:
+        out = np.zeros_like(x)
+        assert rf.stream_map(double, x, out, device=dev, workers=4) is out and np.array_equal(out, x * 2)
+        assert seen[-1].strategy == "stage"
+        y = x.copy()
+        assert rf.stream_map(double, y, y, device=dev, workers=4) is y and np.array_equal(y, x * 2)
+        assert seen[-1].strategy == "register"
+    finally:
+        rf.drop_warm_pipelines(dev)
+        dev.close()
