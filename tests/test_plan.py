@@ -760,6 +760,23 @@ def test_an_in_place_job_registers_its_one_array_once():
         plan.predict_seconds(p, total, MiB, workers=4, host_stages=False)[1])
 
 
+def test_a_pinned_budget_below_the_arrays_to_register_stages_them():
+    """Registering pins each array whole: with a pinned_budget below their bytes the choice is
+    staging, the predictions unchanged; at their bytes it registers; an in-place array counts
+    once."""
+    p = slow_staged_chunks()
+    total = 64 * MiB
+    job = dict(workers=4, out_is_fresh=False, chunk_bytes=MiB, align=4)
+    free = plan.choose_host_strategy(p, total, total, **job)
+    assert free.choice == "register"
+    assert plan.choose_host_strategy(p, total, total, pinned_budget=2 * total, **job) == free
+    bounded = plan.choose_host_strategy(p, total, total, pinned_budget=2 * total - 1, **job)
+    assert bounded == plan.HostStrategy("stage", free.stage_s, free.register_s)
+    assert plan.choose_host_strategy(p, total, total, pinned_budget=total, same_memory=True, **job).choice == "register"
+    assert plan.choose_host_strategy(p, total, total, pinned_budget=total, pinned=(True, False), **job).choice == (
+        "register")
+
+
 def test_a_registrations_fixed_cost_is_paid_once_a_side_and_decides_a_small_array():
     """Each side registered pays the profile's ``register_call_s`` once, whatever its size: on a
     host whose staged chunk costs the scheduler 627 µs, a one-chunk 64 KiB job registers when a

@@ -500,7 +500,7 @@ def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbyte
                          out_is_fresh: bool, pinned: tuple = (False, False), chunk_bytes: Optional[int] = None,
                          compute_s_per_byte: Optional[float] = 0.0, compute_s_per_chunk: Optional[float] = 0.0,
                          scheduler: bool = False, align: int = 1, pins_once: bool = False,
-                         same_memory: bool = False) -> HostStrategy:
+                         same_memory: bool = False, pinned_budget: Optional[int] = None) -> HostStrategy:
     """Stage or register, whichever the profile predicts the faster for the whole job, or with
     ``pins_once`` for each call of a job that pins its arrays once for all its calls.
 
@@ -536,15 +536,16 @@ def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbyte
         pins_once: whether the registration serves every call of a job (``MapJob``) rather than one.
         same_memory: whether the result is the input's memory (``out=x``): registering pins it once,
             staging still copies it in and out.
+        pinned_budget: the most bytes of pinned memory the job may take (None: no bound): where
+            registering would pin more, the choice is ``"stage"``, whatever the predictions.
     """
     p = get_profile(profile)
     sides = (not pinned[0], not pinned[1])
     to_pin = nbytes_in * sides[0] + nbytes_out * sides[1]
     if not to_pin:
         return HostStrategy("stage", 0.0, 0.0)
-    # the arrays to register: one where the result is the input's memory
-    registrations = 1 if same_memory else sum(sides)
-    pin_bytes = nbytes_in if same_memory else to_pin
+    # the arrays to register (their bytes): one where the result is the input's memory
+    arrays = (nbytes_in,) if same_memory else tuple(n for n, side in zip((nbytes_in, nbytes_out), sides) if side)
     out_ratio = nbytes_out / nbytes_in if nbytes_in else 1.0
     costs = dict(compute_s_per_byte=compute_s_per_byte, compute_s_per_chunk=compute_s_per_chunk, workers=workers,
                  out_ratio=out_ratio)
@@ -559,11 +560,12 @@ def choose_host_strategy(profile: "str | HardwareProfile", nbytes_in: int, nbyte
     stage = run_seconds(sides, True)
     register = run_seconds(False, scheduler)
     if not pins_once:
-        register += pin_bytes / (p.register_GBps * 1e9) + pin_bytes / (p.unregister_GBps * 1e9)
-        register += (p.register_call_s or 0.0) * registrations
+        register += sum(p.register_seconds(n) + p.unregister_seconds(n) for n in arrays)
         if out_is_fresh and sides[1]:
             register += nbytes_out / (p.first_touch_rate(workers) * 1e9)
-    return HostStrategy("register" if register < stage else "stage", stage, register)
+    # registering pins the whole of each array: a budget for pinned memory bounds it as it bounds the rings
+    within = pinned_budget is None or sum(arrays) <= pinned_budget
+    return HostStrategy("register" if register < stage and within else "stage", stage, register)
 
 
 # The host's costs per chunk, parameters of the chunk-size model. Each was fitted to profiled runs

@@ -170,6 +170,16 @@ class HardwareProfile:
         (the fastest point of ``staging_GBps``; None where the profile has no such figure)."""
         return None if self.staging_GBps is None else max(rate for _, rate in self.staging_GBps)
 
+    def register_seconds(self, nbytes: int) -> float:
+        """Host seconds to pin ``nbytes`` of touched memory in place (one array): its bytes at
+        ``register_GBps`` and half of ``register_call_s`` (the other half is the unpinning's)."""
+        return nbytes / (self.register_GBps * 1e9) + (self.register_call_s or 0.0) / 2
+
+    def unregister_seconds(self, nbytes: int) -> float:
+        """Host seconds to unpin an array of ``nbytes``: its bytes at ``unregister_GBps`` and the
+        other half of ``register_call_s``."""
+        return nbytes / (self.unregister_GBps * 1e9) + (self.register_call_s or 0.0) / 2
+
     def first_touch_rate(self, threads: int) -> float:
         """GB/s of first writes to fresh pages with ``threads`` threads (all threads together)."""
         return _interp_loglog(self.first_touch_GBps, max(1, threads))

@@ -812,13 +812,8 @@ class MapLayout:
                 dev.hardware, x.nbytes, out.nbytes, workers=workers, out_is_fresh=fresh_out, pinned=pinned_sides,
                 chunk_bytes=chunk, compute_s_per_byte=per_byte, compute_s_per_chunk=per_chunk, align=row_bytes,
                 scheduler=engine == "pipeline" or why_not_direct("register", options) is not None,
-                pins_once=pins_once, same_memory=shared).choice
-            budget = options.get("pinned_budget")
-            # registering pins the whole of each side not pinned already (out=x once): a budget
-            # for pinned memory bounds it as it bounds the staged rings
-            to_pin = x.nbytes * (not pinned_sides[0]) + out.nbytes * (not pinned_sides[1] and not shared)
-            within = budget is None or to_pin <= budget
-            strategy = strategy if contiguous and not any(pinned_views) and within else "stage"
+                pins_once=pins_once, same_memory=shared, pinned_budget=options.get("pinned_budget")).choice
+            strategy = strategy if contiguous and not any(pinned_views) else "stage"
             if strategy == "stage":  # a side already pinned is used in place; only the other is staged
                 in_place = pinned_sides
         else:

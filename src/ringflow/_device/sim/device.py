@@ -287,9 +287,7 @@ class SimDevice(Device):
             buf = SimHostBuffer(self, nbytes, array)
             self.host.pin(buf)  # may raise DeviceError: memory another device of the host pinned
             self._hold(buf, "host_buffers")
-            # pinning takes the host its bytes at the profile's rate, and half a registration's
-            # fixed cost (the other half is the unregistration's, at close)
-            self._host_api(nbytes / (self.profile.register_GBps * 1e9) + (self.profile.register_call_s or 0.0) / 2)
+            self._host_api(self.profile.register_seconds(nbytes))  # (its unpinning is charged at close)
             return buf
 
     def allocate(self, nbytes: int, stream: SimStream | None = None) -> SimDeviceBuffer:

@@ -101,10 +101,8 @@ class SimHostBuffer(_SimBufferMixin, HostBuffer):
             if self._dev.poison and not self.registered:
                 self._mem.fill(RELEASED)
             if self.registered and self._dev._sticky is None and not self._dev.closed:
-                # unpinning takes the host its bytes at the profile's rate and the other half of a
-                # registration's fixed cost (a broken context's unpinning is not on the clock)
-                p = self._dev.profile
-                self._dev._host_api(self.nbytes / (p.unregister_GBps * 1e9) + (p.register_call_s or 0.0) / 2)
+                # (a broken context's unpinning is not on the clock)
+                self._dev._host_api(self._dev.profile.unregister_seconds(self.nbytes))
 
 
 class SimDeviceBuffer(_SimBufferMixin, DeviceBuffer):
