@@ -1356,6 +1356,21 @@ def test_plan_says_what_host_auto_does_for_a_call_and_for_a_mapjob(tmp_path, cap
     assert f"a MapJob's call │ {s.choice}: staged {s.stage_s * 1e3:.3f}, registered {s.register_s * 1e3:.3f}" in auto
     assert "host='auto'" not in _plan_out(capsys, argv + ["--pinned"])
 
+
+def test_plan_says_when_host_auto_stages_for_want_of_a_pinned_budget(tmp_path, capsys, monkeypatch):
+    """On a host of 256 MiB, whose quarter is less than the 128 MiB a job of 64 MiB would pin, the
+    plan's row for a MapJob's call says it stages although registering is faster, and why."""
+    from ringflow._device import host_pool
+
+    path = tmp_path / "slow.json"
+    slow_staged_chunks().save(path)
+    argv = ["--bytes", "64MiB", "--chunk", "8MiB", "--workers", "4", "--profile", str(path)]
+    monkeypatch.setattr(host_pool, "physical_memory", lambda: 256 * MiB)
+    out = _plan_out(capsys, argv)
+    assert "a MapJob's call │ stage:" in out, out
+    flat = " ".join(out.replace("│", " ").split())  # the row's cell wraps over lines
+    assert "would pin more than auto's bound on this host, 64 MiB: a pinned_budget raises it" in flat, out
+
 @pytest.mark.parametrize("side", ["in", "out"])
 def test_plan_with_one_side_pinned_stages_the_other(tmp_path, capsys, side):
     """--pinned in (or out): that side is the caller's pinned memory, used in place, and only the

@@ -167,7 +167,7 @@ def plan_command(args) -> int:
 
     from . import _plan as plan
     from ._device.hardware import PROFILES, get_profile
-    from ._pipeline.sizing import copy_group, planned_slots
+    from ._pipeline.sizing import copy_group, default_register_budget, planned_slots
 
     # read once: the planner is then given the profile itself, never the file again
     profile = get_profile(args.profile)
@@ -262,13 +262,19 @@ def plan_command(args) -> int:
         floor = plan.staging_floor_seconds(profile, total * staged[0], out_total * staged[1])
         table.add_row("host memory floor", f"{floor * 1e3:.3f} ms")
     if any(staged):
-        # what host="auto" would do with such ordinary memory: a call pins around itself, a job once
+        # what host="auto" would do with such ordinary memory: a call pins around itself, a job once,
+        # and neither more than auto's default bound on this host (no pinned_budget is planned here)
+        bound = default_register_budget()
         strategy = functools.partial(plan.choose_host_strategy, profile, total, out_total, workers=args.workers,
                                      out_is_fresh=True, pinned=pinned, compute_s_per_byte=per_byte, align=row,
-                                     chunk_bytes=None if choice is not None else chunk, scheduler=engine == "pipeline")
+                                     chunk_bytes=None if choice is not None else chunk, scheduler=engine == "pipeline",
+                                     pinned_budget=bound)
         for what, pins_once in (("host='auto', a call", False), ("host='auto', a MapJob's call", True)):
             s = strategy(pins_once=pins_once)
-            table.add_row(what, f"{s.choice}: staged {s.stage_s * 1e3:.3f}, registered {s.register_s * 1e3:.3f} ms")
+            over = (f" (registering is faster but would pin more than auto's bound on this host, {_human(bound)}: "
+                    f"a pinned_budget raises it)" if s.choice == "stage" and s.register_s < s.stage_s else "")
+            table.add_row(what, f"{s.choice}: staged {s.stage_s * 1e3:.3f}, registered {s.register_s * 1e3:.3f} ms"
+                          + over)
     devices = getattr(args, "devices", 1) or 1
     if devices > 1:
         # with --chunk auto each shard plans its chunk for its own share, as a job over several devices does

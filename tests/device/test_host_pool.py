@@ -4,6 +4,7 @@ happens-before checker sees every hand-out of a block (a checked host view) and 
 from __future__ import annotations
 
 import gc
+import os
 import logging
 import threading
 import weakref
@@ -877,3 +878,15 @@ def test_budgets_set_for_every_pool_from_two_threads_at_once_leave_every_pool_at
         monkeypatch.undo()
         host_pool.set_default_budget(before)
         host_pool._default_budget = saved
+
+
+def test_physical_memory_and_the_default_budget_where_the_system_does_not_say(monkeypatch):
+    """physical_memory() is the host's bytes (a page size times the pages); where sysconf raises
+    or reports nothing it is None, and the pool's default budget is then 4 GiB."""
+    ram = host_pool.physical_memory()
+    assert isinstance(ram, int) and ram > 0 and ram % os.sysconf("SC_PAGE_SIZE") == 0
+    assert host_pool.default_budget() == min(4 << 30, ram // 4)
+    for broken in (lambda name: (_ for _ in ()).throw(ValueError(name)), lambda name: -1):
+        monkeypatch.setattr(os, "sysconf", broken)
+        assert host_pool.physical_memory() is None
+        assert host_pool.default_budget() == 4 << 30

@@ -247,6 +247,40 @@ def test_a_mapjob_weighs_one_call_and_pinned_budget_bounds_what_auto_registers(m
         dev.close()
 
 
+def test_with_no_pinned_budget_auto_registers_at_most_a_quarter_of_the_hosts_memory(monkeypatch):
+    """With no pinned_budget, host="auto" takes a quarter of the host's physical memory (4 GiB
+    where it cannot be read) as the most it registers: the 128 MiB that a MapJob of 64 MiB, and a
+    call in 1 MiB chunks, would pin are registered on a host of four times that and staged on
+    one a page smaller. A pinned_budget given replaces the default, and host="register" pins what
+    it is told. Every result is right."""
+    from ringflow._device import host_pool
+    from ringflow._pipeline.sizing import default_register_budget
+
+    to_pin = 128 << 20
+    dev = rf.device("sim", profile=slow_staged_chunks())
+    seen = layouts_planned(monkeypatch)
+    x = np.arange(16 << 20, dtype=np.float32)
+    try:
+        for ram, want in ((4 * to_pin, "register"), (4 * to_pin - 4096, "stage"), (None, "register")):
+            monkeypatch.setattr(host_pool, "physical_memory", lambda: ram)
+            assert default_register_budget() == (4 << 30 if ram is None else ram // 4)
+            with rf.MapJob(double, x, device=dev, chunk_bytes=8 << 20, workers=4) as job:
+                assert job.strategy == want, ram
+                assert np.array_equal(job(), x * 2)
+            assert np.array_equal(rf.stream_map(double, x, device=dev, chunk_bytes=1 << 20, workers=4,
+                                                keep_warm=False), x * 2)
+            assert seen[-1].strategy == want, ram
+        monkeypatch.setattr(host_pool, "physical_memory", lambda: 4 * to_pin - 4096)
+        with rf.MapJob(double, x, device=dev, chunk_bytes=8 << 20, workers=4, pinned_budget=to_pin) as job:
+            assert job.strategy == "register" and np.array_equal(job(), x * 2)
+        with rf.MapJob(double, x, device=dev, chunk_bytes=8 << 20, workers=4, host="register") as job:
+            assert job.strategy == "register" and np.array_equal(job(), x * 2)
+        assert dev.live().host_buffers == 0
+    finally:
+        rf.drop_warm_pipelines(dev)
+        dev.close()
+
+
 @pytest.mark.parametrize("refused", ["x", "out"])
 def test_auto_stages_what_the_host_cannot_pin_and_register_says_which_array(monkeypatch, refused):
     """A registration the host refuses for want of pinnable memory (an out-of-memory from the

@@ -77,14 +77,20 @@ _PRUNE_AT = 16  # events kept per block before done ones are dropped
 _HOLD_UNTIL_DONE = True
 
 
+def physical_memory() -> Optional[int]:
+    """The host's physical memory (bytes), or None where the system does not say."""
+    try:
+        page, pages = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return page * pages if page > 0 and pages > 0 else None  # (-1: the system does not know)
+
+
 def default_budget() -> int:
     """The pinned bytes a new pool may hold: a quarter of physical memory, at most 4 GiB (4 GiB
     where the size of physical memory is unknown)."""
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return 4 << 30
-    return max(SMALL_BYTES, min(4 << 30, ram // 4))
+    ram = physical_memory()
+    return 4 << 30 if ram is None else max(SMALL_BYTES, min(4 << 30, ram // 4))
 
 
 def size_class(nbytes: int) -> int:

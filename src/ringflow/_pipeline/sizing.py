@@ -9,11 +9,20 @@ import os
 from typing import Callable, Optional
 
 from .. import _plan as plan
+from .._device import host_pool
 from .._device.protocol import Device
 from .._plan import SlotCounts
 from .stages import sim_seconds_for
 
 DEFAULT_CHUNK_BYTES = 8 << 20
+
+# Note (why host="auto" has a default bound): registering pins a whole array, and a MapJob keeps
+# it pinned for the job's life, where staging pins only its rings. Pinned pages cannot be paged
+# out or moved, so a process that pins most of the host's memory leaves the rest of the system to
+# the out-of-memory killer. An explicit host="register" pins what it is told; host="auto" is
+# the library's own choice, so without a pinned_budget it registers at most a quarter of
+# physical memory for one call or job on one device, and stages larger arrays.
+AUTO_REGISTER_SHARE = 4  # host="auto" registers at most 1/AUTO_REGISTER_SHARE of physical memory
 
 
 # Host-in slots per CPU worker for a user's prepare, and the pinned bytes they may take. One slot
@@ -326,3 +335,18 @@ def chunk_sizes(length: int, rows: int, head: tuple[int, ...] = ()) -> list[int]
         return [rows] * (length // rows) + ([length % rows] if length % rows else [])
     middle = length - 2 * sum(head)
     return [*head, *[rows] * (middle // rows), *([middle % rows] if middle % rows else []), *head[::-1]]
+
+
+def default_register_budget() -> int:
+    """The most bytes ``host="auto"`` registers for one call or job on one device where no
+    ``pinned_budget`` is given: a quarter of the host's physical memory (4 GiB where the system
+    does not say how much it has)."""
+    ram = host_pool.physical_memory()
+    return 4 << 30 if ram is None else ram // AUTO_REGISTER_SHARE
+
+
+def register_budget(options: dict) -> int:
+    """The most bytes ``host="auto"`` registers for a call or job of ``options``: its
+    ``pinned_budget``, else :func:`default_register_budget`."""
+    budget = options.get("pinned_budget")
+    return default_register_budget() if budget is None else budget

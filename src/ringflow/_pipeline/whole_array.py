@@ -37,7 +37,7 @@ from .engine import ENGINES, Arrays, Engine, choose_engine, make_engine, why_not
 from .frames import forget_own_frames
 from .sigint import Shield, shielded
 from .sizing import (DEFAULT_CHUNK_BYTES, chunk_sizes, default_workers, fixed_cost, planned_compute_bound,
-                     resolve_slots, taper)
+                     register_budget, resolve_slots, taper)
 from .stages import sim_seconds_for
 from .validate import (COMPUTE_FORM, check_arity, check_choice, check_not_masked, check_options,
                        check_out, check_output_spec, same_memory)
@@ -109,7 +109,8 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
         on_error: ``"raise"`` stops at the first failed chunk; ``"continue"`` completes the
             others, then raises the first failure.
         pinned_budget: bytes of pinned staging memory at most; with ``host="auto"`` also the
-            most bytes it registers (it stages arrays larger than that).
+            most bytes it registers (it stages arrays larger than that). None: no bound on the
+            rings, and auto registers at most a quarter of physical memory.
         compute_streams: streams the direct engine spreads kernels over (chunks in different
             device slots), so kernels of several chunks may run side by side. None (planned):
             where small chunks share a copy (copy groups), one per chunk of a group up to four,
@@ -812,7 +813,7 @@ class MapLayout:
                 dev.hardware, x.nbytes, out.nbytes, workers=workers, out_is_fresh=fresh_out, pinned=pinned_sides,
                 chunk_bytes=chunk, compute_s_per_byte=per_byte, compute_s_per_chunk=per_chunk, align=row_bytes,
                 scheduler=engine == "pipeline" or why_not_direct("register", options) is not None,
-                pins_once=pins_once, same_memory=shared, pinned_budget=options.get("pinned_budget")).choice
+                pins_once=pins_once, same_memory=shared, pinned_budget=register_budget(options)).choice
             strategy = strategy if contiguous and not any(pinned_views) else "stage"
             if strategy == "stage":  # a side already pinned is used in place; only the other is staged
                 in_place = pinned_sides
