@@ -428,9 +428,12 @@ def test_scheduler_load(tmp_path):
 
 def test_sides_check(tmp_path):
     """Every case runs and is checked; the one-side staged rows carry both predictions (one side
-    below both sides), the free choices record what the layout chose."""
-    r = run_script(tmp_path, "sides_check.py", "--mib", "4", "--chunks", "256,auto", "--rounds", "1")
+    below both sides), the free choices record what the layout chose. Every timed call found its
+    engine warm: sixteen settings, none evicting another's."""
+    r = run_script(tmp_path, "sides_check.py", "--mib", "4", "--chunks", "256,auto", "--rounds", "2")
     assert r["correct"] is True
+    assert [row["warm_calls"] for row in r["rows"]] == [2] * 16
+    assert all(row["first_ms"] > 0 for row in r["rows"])
     cases = {(row["case"], row["chunk_bytes"]) for row in r["rows"]}
     assert len(cases) == len(r["rows"]) == 8 * 2
     small = run_script(tmp_path, "sides_check.py", "--mib", "0.0625", "--chunks", "default", "--rounds", "1")
