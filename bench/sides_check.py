@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     warm.WARM.capacity = max(warm.WARM.capacity, len(settings))
     taken: list = []
     take = warm.WARM.take
-    warm.WARM.take = lambda key: taken.append(take(key)) or taken[-1]
+    warm.WARM.take = lambda *args: taken.append(take(*args)) or taken[-1]
     auto_choice: dict = {}
     pinned_x = rf.host.empty(n, np.float32, device=dev)
     pinned_out = rf.host.empty(n, np.float32, device=dev)

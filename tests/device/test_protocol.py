@@ -309,10 +309,10 @@ def test_a_ctrl_c_in_a_close_callback_still_drops_the_warm_engines_kept_for_the_
 
     dev.on_close(interrupted)  # registered before the warm cache's own
     rf.stream_map(lambda x, y: np.multiply(x, 2, out=y), np.arange(64.0), device=dev)
-    assert any(p.device is dev for p, _ in WARM._parked.values())
+    assert any(p.device is dev for p, *_ in WARM._parked.values())
     with pytest.raises(KeyboardInterrupt):
         dev.close()
-    assert not any(p.device is dev for p, _ in WARM._parked.values()), "the cache let go of the closed device"
+    assert not any(p.device is dev for p, *_ in WARM._parked.values()), "the cache let go of the closed device"
 
 
 @pytest.mark.parametrize("backend", ["sim", "cuda"])

@@ -275,7 +275,7 @@ def test_stream_map_runs_pinned_and_registered_jobs_directly_and_keeps_the_sched
         want = x * 3 + 1
         y = rf.stream_map(f, x, x, device=dev, chunk_bytes=CHUNK, x_buffer=hb, out_buffer=hb, inplace=True)
         np.testing.assert_array_equal(y, want)
-        ((parked, _),) = warm.WARM._parked.values()
+        ((parked, *_),) = warm.WARM._parked.values()
         assert isinstance(parked, direct.DirectSchedule)
         assert all(g.host_in is None and g.host_out is None for g in parked.groups)  # no slice of the caller's
         seen.append(parked)
@@ -318,7 +318,7 @@ def test_stream_map_engine_option():
     for engine in ("pipeline", "direct", "auto"):
         np.testing.assert_array_equal(rf.stream_map(f, x, device=dev, chunk_bytes=CHUNK, host="register",
                                                     engine=engine), x * 3 + 1)
-    kinds = sorted(type(e).__name__ for e, _ in warm.WARM._parked.values())
+    kinds = sorted(type(e).__name__ for e, *_ in warm.WARM._parked.values())
     assert kinds == ["DirectSchedule", "ScheduledEngine"]  # auto reused the direct one
     with pytest.raises(ValueError, match="engine='direct' cannot run this job: host='stage'"):
         rf.stream_map(f, x, device=dev, chunk_bytes=CHUNK, host="stage", engine="direct")

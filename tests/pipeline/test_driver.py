@@ -395,7 +395,7 @@ def test_a_whole_array_call_whose_scheduler_step_dies_fails_clearly_and_hands_no
     (pipe,) = seen
     stats = pipe.stats()
     assert stats.in_flight == 0 and stats.failed == stats.accepted > 0 and stats.balanced(), stats
-    assert len(warm.WARM) == 0 or all(p is not pipe for p, _ in warm.WARM._parked.values())
+    assert len(warm.WARM) == 0 or all(p is not pipe for p, *_ in warm.WARM._parked.values())
     seen.clear()
     pipe = x = out = None  # (the closures above read these names)
     gc.collect()

@@ -203,7 +203,7 @@ def test_a_pipeline_of_a_closed_device_is_discarded(monkeypatch):
     x = fresh(4096, 0)
     rf.stream_map(f, x, device=dev, chunk_bytes=1024)
     dev.close()
-    assert warm.WARM.take(next(iter(warm.WARM._parked))) is None
+    assert warm.WARM.take(next(iter(warm.WARM._parked)), f) is None
     dev2 = rf.device("sim")
     assert np.array_equal(rf.stream_map(f, x, device=dev2, chunk_bytes=1024), x * 2 + 1)
 
@@ -336,7 +336,8 @@ def test_a_named_spec_drops_the_warm_pipelines_of_the_device_it_names():
 
     closed = []
     gpu = types.SimpleNamespace(backend="cuda", index=1, closed=False, observe=lambda token: None)
-    warm.WARM._parked["gpu 1"] = (types.SimpleNamespace(device=gpu, close=lambda: closed.append(1)), None)
+    warm.WARM._parked["gpu 1"] = (types.SimpleNamespace(device=gpu, close=lambda: closed.append(1)), None,
+                                   warm.ComputeRelay(f))
     assert rf.drop_warm_pipelines("cuda:0") == 0 and rf.drop_warm_pipelines("cuda:1") == 1 and closed == [1]
 
 
@@ -637,3 +638,55 @@ def test_a_named_sim_device_closed_drops_its_engines_and_the_name_makes_a_new_on
         assert np.array_equal(y, x * 2 + 1) and pipe.device is again and len(warm.WARM) == 1
         again.close()
         assert len(warm.WARM) == 0
+
+
+class Model:
+    """A compute that is a method of an object holding state (a model and its weights)."""
+
+    def __init__(self, k):
+        self.k = np.float32(k)
+
+    def step(self, x, y):
+        np.multiply(x, self.k, out=y)
+
+    __call__ = step
+
+
+@pytest.mark.parametrize("host,engine", [("stage", "auto"), ("register", "auto"), ("register", "pipeline")],
+                         ids=["scheduled-staged", "direct", "scheduled-registered"])
+def test_a_parked_engine_keeps_no_compute_alive_and_is_closed_once_its_compute_is_collected(host, engine):
+    """A warm engine holds its compute only while a call runs: after a call of model.step, or of
+    a callable object, dropping the caller's last reference collects the model though its engine
+    is parked; that engine is closed at the cache's next use, its device resources released. A
+    compute kept alive keeps its engine warm call after call, every result right."""
+    dev = rf.device("sim")
+    x = fresh(1 << 14, 0)
+    kw = dict(device=dev, host=host, engine=engine, chunk_bytes=1 << 12)
+    model = Model(2)
+    collected = weakref.ref(model)
+    seen = []
+    with engines(on=seen.append):
+        assert np.array_equal(rf.stream_map(model.step, x, **kw), x * 2)
+        assert np.array_equal(rf.stream_map(model.step, x, **kw), x * 2)
+    assert seen[0] is seen[1] and len(warm.WARM) == 1  # the second call took the parked engine
+    del model
+    gc.collect()
+    assert collected() is None, "the parked engine kept the compute alive"
+    held = dev.live().total
+    assert held > 0  # the dead compute's engine is parked until the cache is next used
+    other = Model(3)
+    assert np.array_equal(rf.stream_map(other.step, x, **kw), x * 3)
+    assert len(warm.WARM) == 1  # other's engine alone: the dead compute's was closed
+    assert rf.drop_warm_pipelines(dev) == 1 and dev.live().total == 0
+    for kind in ("method", "callable object", "ufunc"):  # a ufunc cannot be weakly referenced
+        compute = np.negative if kind == "ufunc" else Model(4)
+        ref = None if kind == "ufunc" else weakref.ref(compute)
+        fn = compute.step if kind == "method" else compute
+        assert np.array_equal(rf.stream_map(fn, x, **kw), -x if kind == "ufunc" else x * 4)
+        del fn, compute
+        gc.collect()
+        assert ref is None or ref() is None, kind
+    assert len(warm.WARM) == 1  # the ufunc's engine is kept (and keeps it); the collected model's is closed
+    assert np.array_equal(rf.stream_map(np.negative, x, **kw), -x) and len(warm.WARM) == 1
+    rf.drop_warm_pipelines(dev)
+    assert dev.live().total == 0

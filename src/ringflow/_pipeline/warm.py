@@ -17,7 +17,10 @@ Lifetimes, and why:
   GPU's checker orders the next call, on any thread, after the last.
 * Parking forgets the job: the stage callbacks (closures over the caller's arrays) and the
   caller's memory behind external rings are dropped, so a parked pipeline never keeps the
-  caller's arrays alive.
+  caller's arrays alive. Nor does it keep the compute (:class:`ComputeRelay`): an engine made
+  for the cache calls a relay whose target is the caller's ``f`` only while a call runs, and
+  once the objects ``f``'s identity names are collected, the engine is closed at the cache's
+  next use.
 * At exit the cache closes what it holds, each ordered after its parking thread, before the
   pipelines' own finalisers run (those know nothing of the parking thread, and the simulated
   GPU's checker would see the close unordered with that thread's last writes).
@@ -43,7 +46,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Hashable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional
 
 from . import reentry  # noqa: F401 - its fork hook runs before this module's (see _forget_in_child)
 from .call_memo import MEMO
@@ -57,45 +60,131 @@ DEFAULT_CAPACITY = 2
 MAX_DEVICES = 8  # devices kept warm at once (a host's GPUs); beyond, the least recently used go
 
 
+class ComputeRelay:
+    """The compute as an engine made for the cache calls it: ``target(x, y)``.
+
+    Note (why a parked engine holds no compute): an engine built on the caller's ``f`` would
+    keep ``f`` alive for as long as it is parked, and with it whatever ``f`` holds: the object
+    of a bound method (``model.step``'s model, its weights on the GPU), a closure's variables.
+    The engine calls this relay instead. Its ``target`` is the caller's compute while a call
+    runs, and None while the engine is parked; the call that takes the engine back sets it to its
+    own ``f``, which the cache's key says is the same object. While parked, the relay watches
+    the objects of ``f``'s identity (:func:`~.call_memo.compute_identity`) by weak reference:
+    once one is collected, a new object may take its identity, so the engine serves no later
+    call and the cache closes it at its next use. An object that cannot be weakly referenced
+    (a numpy ufunc) is held instead, as a module holds it anyway.
+
+    What the engine reads of a compute is read through the relay: ``sim_seconds`` and
+    ``pointwise`` from the target of the moment; a kernel's fast launch path
+    (``__ringflow_launch__``), where the compute has one when the engine is made, calls the
+    target's.
+    """
+
+    def __init__(self, f: Callable):
+        self.target: Optional[Callable] = f
+        self.__name__ = getattr(f, "__name__", type(f).__name__)
+        self.__qualname__ = getattr(f, "__qualname__", self.__name__)
+        if getattr(f, "_ringflow_writes_into_y", False):
+            self._ringflow_writes_into_y = True
+        if getattr(f, "__ringflow_launch__", None) is not None:
+            self.__ringflow_launch__ = self._launch
+        self._held: tuple = ()  # while parked: weak references to f's identity, or the objects
+
+    def __call__(self, x: Any, y: Any) -> Any:
+        return self.target(x, y)
+
+    def _launch(self, *args: Any, **kwargs: Any) -> Any:
+        return self.target.__ringflow_launch__(*args, **kwargs)
+
+    @property
+    def sim_seconds(self) -> Any:
+        return getattr(self.target, "sim_seconds", None)
+
+    @property
+    def pointwise(self) -> Any:
+        return getattr(self.target, "pointwise", False)
+
+    def park(self, identity: tuple, collected: Callable[[], None]) -> None:
+        """Let go of the target, watching the objects ``identity`` names: ``collected()`` is
+        called (from the collector, on any thread: it must take no lock) when one of them goes."""
+        held = []
+        for obj in identity:
+            try:
+                held.append(weakref.ref(obj, lambda _ref: collected()))
+            except TypeError:
+                held.append(obj)
+        self._held, self.target = tuple(held), None
+
+    def bind(self, f: Callable) -> None:
+        """Call ``f`` from now on (a call took the engine)."""
+        self.target, self._held = f, ()
+
+    def collected(self) -> bool:
+        """Whether an object the parked relay watches has been collected."""
+        return any(type(h) is weakref.ref and h() is None for h in self._held)
+
+
 class WarmPipelines:
     """A small LRU of parked pipelines, keyed by everything that shapes one."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY):
         self.capacity = capacity
         self._lock = threading.Lock()
-        # key -> (pipeline, the parking thread's hand-off token)
-        self._parked: collections.OrderedDict[Hashable, tuple["Pipeline", Any]] = collections.OrderedDict()
+        # key -> (pipeline, the parking thread's hand-off token, its compute relay)
+        self._parked: collections.OrderedDict[Hashable, tuple["Pipeline", Any, ComputeRelay]] = (
+            collections.OrderedDict())
+        # keys whose compute was collected while parked (appended by the collector, which must
+        # not take the lock: it may run inside it)
+        self._collected: collections.deque = collections.deque()
         self._drop_at_exit = False
         # devices whose close drops their parked pipelines (registered once each, see park)
         self._watched: "weakref.WeakSet[Device]" = weakref.WeakSet()
 
-    def take(self, key: Hashable) -> Optional["Pipeline"]:
-        """The pipeline parked under ``key`` (removed from the cache), or None. The calling
-        thread is ordered after the thread that parked it."""
+    def take(self, key: Hashable, f: Callable) -> "Optional[tuple[Pipeline, ComputeRelay]]":
+        """The pipeline parked under ``key`` (removed from the cache) and its relay, now calling
+        ``f``; or None. The calling thread is ordered after the thread that parked it."""
         with self._lock:
-            pipe, token = self._parked.pop(key, (None, None))
+            gone = self._forget_collected()
+            pipe, token, relay = self._parked.pop(key, (None, None, None))
+        for entry in gone:
+            _close(*entry[:2])
         if pipe is None:
             return None
         if pipe.device.closed:
             _close(pipe, token)
             return None
         pipe.device.observe(token)
-        return pipe
+        relay.bind(f)
+        return pipe, relay
 
-    def park(self, key: Hashable, pipe: "Pipeline") -> None:
-        """Keep ``pipe`` (idle, already forgotten its job) for a later :meth:`take`."""
+    def _forget_collected(self) -> list:
+        """Take out the entries whose compute was collected (under the lock); returns them."""
+        gone = []
+        while self._collected:
+            key = self._collected.popleft()
+            entry = self._parked.get(key)
+            if entry is not None and entry[2].collected():  # (not an entry parked since, under the key)
+                gone.append(self._parked.pop(key))
+        return gone
+
+    def park(self, key: Hashable, pipe: "Pipeline", relay: ComputeRelay, identity: tuple) -> None:
+        """Keep ``pipe`` (idle, already forgotten its job) for a later :meth:`take`; its
+        ``relay`` lets go of the compute and watches the objects of its ``identity``."""
         token = pipe.device.publish()
+        collected = self._collected
+        relay.park(identity, lambda: collected.append(key))
         with self._lock:
             if not self._drop_at_exit:
                 # registered after the first pipeline's finaliser, so it runs before them all
                 # (atexit runs the last registered first)
                 atexit.register(self.drop)
                 self._drop_at_exit = True
+            evicted = self._forget_collected()
             old = self._parked.pop(key, None)
-            self._parked[key] = (pipe, token)
-            evicted = [old] if old is not None else []
+            self._parked[key] = (pipe, token, relay)
+            evicted += [old] if old is not None else []
             if len(self._parked) > self.capacity:  # else no device can have more than capacity parked
-                same = [k for k, (p, _) in self._parked.items() if p.device is pipe.device]
+                same = [k for k, (p, *_) in self._parked.items() if p.device is pipe.device]
                 for k in same[:max(0, len(same) - self.capacity)]:
                     evicted.append(self._parked.pop(k))
             while len(self._parked) > self.capacity * MAX_DEVICES:
@@ -103,7 +192,7 @@ class WarmPipelines:
             watch = pipe.device not in self._watched
             if watch:
                 self._watched.add(pipe.device)
-        for p, t in evicted:
+        for p, t, _ in evicted:
             _close(p, t)
         if watch:
             # after the pipeline is parked and outside the lock: on a device closed meanwhile the
@@ -123,12 +212,13 @@ class WarmPipelines:
             with self._lock:
                 # engines of a closed device serve no call (and a name such as "sim:N" names a
                 # new device once it is closed): they go whatever is named
-                keys = [k for k, (p, _) in self._parked.items() if p.device.closed or (
+                gone = self._forget_collected()  # (closed too, but not counted: no one named them)
+                keys = [k for k, (p, *_) in self._parked.items() if p.device.closed or (
                         (device is None or p.device is device) and (label is None or device_label(p.device) == label))]
                 dropped = [self._parked.pop(k) for k in keys]
             if shield is not None:
                 shield.settle()
-            for p, t in dropped:
+            for p, t, *_ in gone + dropped:
                 _close(p, t)
         return len(dropped)
 
@@ -168,7 +258,8 @@ def _forget_in_child() -> None:
     WARM._watched = weakref.WeakSet()  # the parent's devices, which the child's calls cannot use
     MEMO.forget()  # its entries name the parent's devices
     parked, WARM._parked = WARM._parked, collections.OrderedDict()
-    for engine, _ in parked.values():
+    WARM._collected = collections.deque()
+    for engine, *_ in parked.values():
         engine.forget_forked()
 
 

@@ -396,7 +396,7 @@ def prepare_whole(f, x, out, fresh_out: bool, dev: Device, chunk_bytes, host: st
     if keep_warm and not opts.get("checked"):
         opts_key = warm.options_key(opts)
         if opts_key is not None:
-            # (the engine holds f, and with it what its identity names: model.step's model too)
+            # (a parked engine holds no f: the cache watches what its identity names, warm.py)
             key = ("map", id(layout.device), compute_identity(f)[0], layout.key, kind, out is x,
                    tuple(None if b is None else b.nbytes for b in (x_buffer, out_buffer)), opts_key, cost_key(f))
     return out, fresh_out, PreparedCall(dev, layout.fields(), opts, kind, key, x_buffer, out_buffer, pooled, out.shape,
@@ -453,14 +453,18 @@ def run_prepared(f, x, out, fresh_out: bool, call: PreparedCall, profile: bool, 
                                                call.out_buffer, call.pooled, call.opts.get("workers"),
                                                unpooled=unpooled)
             key = call.warm_key
-            eng = warm.WARM.take(key) if key is not None else None
-            if eng is None:  # the engine gets its own copy of the options: a memo entry is shared
-                eng = make_engine(call.kind, f, call.layout, dict(call.opts), arrays)
+            taken = warm.WARM.take(key, f) if key is not None else None
+            if taken is not None:
+                eng, relay = taken
+            else:  # an engine that may be kept calls a relay, which a parked engine empties (warm.py)
+                relay = warm.ComputeRelay(f) if key is not None else None
+                # (the engine gets its own copy of the options: a memo entry is shared)
+                eng = make_engine(call.kind, relay or f, call.layout, dict(call.opts), arrays)
             chunks = eng.n_chunks  # before the call: a first call that finds the job compute-bound tapers the next
             run_call(eng, arrays, profile, shield)
             report = eng.report() if profile else None
             if key is not None and eng.park():
-                warm.WARM.park(key, eng)
+                warm.WARM.park(key, eng, relay, compute_identity(f)[1])
             else:
                 eng.close()
         except DeviceError as exc:
