@@ -690,3 +690,32 @@ def test_a_parked_engine_keeps_no_compute_alive_and_is_closed_once_its_compute_i
     assert np.array_equal(rf.stream_map(np.negative, x, **kw), -x) and len(warm.WARM) == 1
     rf.drop_warm_pipelines(dev)
     assert dev.live().total == 0
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_parked_engine_lets_a_models_device_memory_go(cuda_device):
+    """A model whose weights live on the GPU: after its method ran through stream_map (kept
+    warm), dropping the model frees its 64 MiB of device memory (CuPy's pool no longer counts it
+    used), and the next call closes the dead model's engine."""
+    import cupy
+
+    class Weights:
+        def __init__(self):
+            self.w = cupy.full(16 << 20, 2, dtype=cupy.float32)
+
+        def step(self, x, y):
+            cupy.multiply(x, self.w[:x.size], out=y)
+
+    pool = cupy.get_default_memory_pool()
+    x = fresh(1 << 20, 0)
+    model = Weights()
+    ref, held = weakref.ref(model), pool.used_bytes()
+    for _ in range(2):
+        assert np.array_equal(rf.stream_map(model.step, x, device=cuda_device, chunk_bytes=1 << 20), x * 2)
+    assert len(warm.WARM) == 1
+    del model
+    gc.collect()
+    assert ref() is None and pool.used_bytes() <= held - (64 << 20)
+    assert np.array_equal(rf.stream_map(f, x, device=cuda_device, chunk_bytes=1 << 20), x * 2 + 1)
+    assert len(warm.WARM) == 1
+    rf.drop_warm_pipelines(cuda_device)
