@@ -719,3 +719,30 @@ def test_on_a_gpu_a_parked_engine_lets_a_models_device_memory_go(cuda_device):
     assert np.array_equal(rf.stream_map(f, x, device=cuda_device, chunk_bytes=1 << 20), x * 2 + 1)
     assert len(warm.WARM) == 1
     rf.drop_warm_pipelines(cuda_device)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_threads_whose_computes_are_collected_between_calls_get_their_own_results_and_leak_nothing(seed):
+    """Four threads on one device, each calling stream_map with the method of a new model every
+    time (so computes are collected while their engines are parked, often with a new model at a
+    freed one's address, and the collector runs on any thread): every result is its own
+    model's, the cache never holds more than its capacity, and once it is dropped nothing of
+    the device is live."""
+    dev = rf.device("sim", seed=seed, chaos=True)
+
+    def worker(t):
+        rng = np.random.default_rng(seed * 10 + t)
+        for i in range(12):
+            x = rng.uniform(0.5, 1.5, 2048).astype(np.float32)
+            k = 1 + (t * 12 + i) % 5
+            y = rf.stream_map(Model(k).step, x, device=dev, chunk_bytes=2048, host=("stage", "register")[i % 2])
+            np.testing.assert_array_equal(y, x * np.float32(k))
+            if i % 3 == 0:
+                gc.collect()
+            assert len(warm.WARM) <= warm.WARM.capacity
+        return True
+
+    assert join([start(worker, t) for t in range(4)]) == [True] * 4
+    gc.collect()
+    rf.drop_warm_pipelines(dev)
+    assert len(warm.WARM) == 0 and dev.live().total == 0
