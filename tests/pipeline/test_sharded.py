@@ -1080,3 +1080,24 @@ def test_a_mapjob_over_two_gpus_weighs_one_call_on_every_shard(monkeypatch):
         y = rf.stream_map(double, x, device=["sim:45", "sim:46"], chunk_bytes=8 * MiB, workers=4, keep_warm=False)
         assert np.array_equal(y, x * 2)
         assert [layout.strategy for layout in seen] == ["stage"] * 3  # the probe, then each shard
+
+
+def test_host_auto_bounds_what_each_device_registers_by_a_quarter_of_the_hosts_memory(monkeypatch):
+    """With no pinned_budget, host="auto"'s default bound is per device, as a budget is: a MapJob
+    of 64 MiB over two simulated GPUs pins 64 MiB on each (its rows of x and of the result), so
+    it registers on a host of four times that and stages on one a page smaller."""
+    from ringflow._device import host_pool
+
+    def double(a, b):
+        np.multiply(a, 2, out=b)
+
+    double.sim_seconds = 0.0
+    seen = layouts_planned(monkeypatch)
+    x = np.arange(32 * MiB // 4 * 2, dtype=np.float32)  # 64 MiB: 32 MiB a shard, 64 MiB to pin on each
+    with named_sims(47, 48, profile=slow_staged_chunks()):
+        for ram, want in ((4 * 64 * MiB, "register"), (4 * 64 * MiB - 4096, "stage")):
+            monkeypatch.setattr(host_pool, "physical_memory", lambda: ram)
+            del seen[:]
+            with rf.MapJob(double, x, device=["sim:47", "sim:48"], chunk_bytes=8 * MiB, workers=4) as job:
+                assert job.strategy == want and np.array_equal(job(), x * 2)
+            assert [layout.strategy for layout in seen] == [want] * 3, ram  # the probe, then each shard
