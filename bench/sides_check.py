@@ -162,7 +162,8 @@ def main(argv=None) -> int:
         extra = "".join(f"  {k} {row[k]:.2f}" for k in ("predicted_ms", "predicted_both_staged_ms",
                                                          "predicted_stage_ms", "predicted_register_ms") if k in row)
         print(f"{name:24s} chunk {str(c or 'default'):>8s}: {row['median_ms']:8.2f} ms [{row['min_ms']:.2f}, "
-              f"{row['max_ms']:.2f}]{extra}{'  chose ' + row['host_choice'] if row['host_choice'] else ''}",
+              f"{row['max_ms']:.2f}]  first {row['first_ms']:.2f}{extra}"
+              f"{'  chose ' + row['host_choice'] if row['host_choice'] else ''}",
               flush=True)
     job_rows = []
     for c in chunks:
