@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import ringflow as rf
@@ -40,8 +41,10 @@ def test_the_median_of_the_pairs_is_kept_and_a_figure_is_never_below_zero(monkey
 def test_every_engine_is_measured_and_nothing_is_left_on_the_device(monkeypatch):
     """The measurement runs in the user's process when a GPU is calibrated on first use: it keeps
     no engine warm (their streams, events and device memory would stay until the process ends).
-    Three figures: the scheduler staging pageable arrays, the scheduler on pinned buffers
-    (engine="pipeline") and the direct engine on the same buffers."""
+    Four figures: the scheduler staging pageable arrays, the scheduler staging a pageable input
+    into a ringflow.host result (host="auto" held to staging by a budget under the input's
+    bytes), the scheduler on pinned buffers (engine="pipeline") and the direct engine on the
+    same buffers."""
     from ringflow import _pipeline
 
     calls = []
@@ -60,10 +63,28 @@ def test_every_engine_is_measured_and_nothing_is_left_on_the_device(monkeypatch)
         assert live.pooled_host_buffers == 0  # nothing kept in ringflow.host's pool either
     finally:
         dev.close()
-    assert set(got) == {"staged", "scheduled", "direct"}
+    assert set(got) == {"staged", "one_side", "scheduled", "direct"}
     assert all(0 < s < 0.1 for s in got.values()), got
-    assert set(calls) == {("stage", None, False, False), (None, "pipeline", True, False),
+    assert set(calls) == {("stage", None, False, False), ("auto", None, False, False), (None, "pipeline", True, False),
                           (None, "direct", True, False)}
+
+
+def test_the_one_side_figure_is_timed_with_the_input_alone_staged(monkeypatch):
+    """The one-side calls run the scheduler with the input staged and the result used in place
+    (the layout's staged sides), and their figure is None where the pool cannot give pinned
+    memory (its result would be staged too)."""
+    from ringflow._device.host_pool import HostPool
+    from tests.helpers.host_strategy import layouts_planned
+
+    seen = layouts_planned(monkeypatch)
+    dev = rf.device("sim")
+    try:
+        chunk_host_cost.chunk_host_seconds(dev, repeats=1)
+        assert {layout.staged for layout in seen if layout.strategy == "stage"} == {(True, True), (True, False)}
+        monkeypatch.setattr(HostPool, "empty", lambda self, shape, dtype: np.empty(shape, dtype))
+        assert chunk_host_cost.chunk_host_seconds(dev, repeats=1)["one_side"] is None
+    finally:
+        dev.close()
 
 
 def test_wrong_results_are_an_error_not_a_figure(monkeypatch):

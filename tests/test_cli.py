@@ -1307,6 +1307,8 @@ def test_plan_says_where_the_host_time_per_chunk_of_each_job_comes_from():
              "one side staged)")
         assert host_time_from(one_side_profile(None, 2e-4), sides, True) == \
             "this profile (scheduled_chunk_host_s plus the planner's fit of a pool hand-off: one side staged)"
+        one_side = dataclasses.replace(measured, one_side_chunk_host_s=4e-4)
+        assert host_time_from(one_side, sides, True) == "this profile (one_side_chunk_host_s)"
 
 
 def test_plan_engine_direct_needs_pinned_data(capsys, monkeypatch):

@@ -346,7 +346,7 @@ def test_gpu_calibration_measures_every_figure_of_a_profile(tmp_path):
     assert [t for t, _ in profile.staging_GBps] == [t for t, _ in profile.host_copy_GBps]
     assert all(0.1 < rate < profile.host_copy_rate(t) for t, rate in profile.staging_GBps)
     assert 0 < profile.direct_chunk_host_s < profile.staged_chunk_host_s < 0.05  # seconds a chunk
-    assert 0 < profile.scheduled_chunk_host_s < 0.05
+    assert 0 < profile.scheduled_chunk_host_s < 0.05 and 0 < profile.one_side_chunk_host_s < 0.05
     # a page's registration and unregistration: a driver call each way, well under a millisecond,
     # and more than a page's bytes at the registration rates
     page = 4096 / (profile.register_GBps * 1e9) + 4096 / (profile.unregister_GBps * 1e9)
@@ -363,7 +363,7 @@ def fake_model_measurements():
             "staging_GBps": [[1, 2.9], [4, 8.2], [8, 12.1], [16, 13.9]], "seconds": 2.5}
 
 
-FAKE_CHUNK_HOST_SECONDS = {"staged": 512.5e-6, "scheduled": 164.25e-6, "direct": 71.25e-6}
+FAKE_CHUNK_HOST_SECONDS = {"staged": 512.5e-6, "one_side": 402.5e-6, "scheduled": 164.25e-6, "direct": 71.25e-6}
 
 
 class FullCudaDevice(FakeCudaDevice):
@@ -413,6 +413,7 @@ def test_save_writes_a_profile_of_the_measurements_that_round_trips(fake_calibra
     assert (p.staged_chunk_host_s, p.scheduled_chunk_host_s, p.direct_chunk_host_s) == (512.5e-6, 164.25e-6, 71.25e-6)
     assert re.search(r"staged_chunk_host_s +│ 513 µs", out) and re.search(r"direct_chunk_host_s +│ 71.2 µs", out)
     assert re.search(r"scheduled_chunk_host_s +│ 164 µs", out)
+    assert p.one_side_chunk_host_s == 402.5e-6 and re.search(r"one_side_chunk_host_s +│ 403 µs", out)
     assert p.register_call_s == 23.5e-6 and re.search(r"register_call_s +│ 23.5 µs", out)
     assert json.loads(path.read_text())["model"]["scheduled_chunk_host_s"] == 164.25e-6  # the file holds it
     assert (p.sm_count, p.async_engine_count, p.compute_capability, p.total_memory) == (132, 3, (9, 0), 150 * 10**9)

@@ -1804,3 +1804,19 @@ def test_a_one_side_job_over_several_gpus_floors_at_its_staged_bytes():
     assert x_only.per_device_s == plan.predict_seconds(p, x_only.share_bytes, x_only.share_chunk_bytes,
                                                        workers=workers, host_stages=(True, False),
                                                        out_ratio=2.0)[1]
+
+
+def test_a_measured_one_side_figure_plans_as_the_same_figure_derived():
+    """A profile that measured the one-side host time per chunk plans a one-side job as one whose
+    figure is derived to the same value (the midpoint of its staged and unstaged figures), near
+    ties included: the chosen chunk and its prediction agree for every size and worker count."""
+    derived = one_side_profile(5e-4, 2e-4)  # one side: 3.5e-4 a chunk
+    measured = dataclasses.replace(one_side_profile(9e-4, 1e-4),
+                                   one_side_chunk_host_s=plan.host_seconds_per_chunk(derived, (True, False)))
+    for sides in ONE_SIDE:
+        assert plan.host_seconds_per_chunk(measured, sides) == plan.host_seconds_per_chunk(derived, sides)
+        for total in (16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB):
+            for workers in (1, 4, 8):
+                a = plan.choose_chunk_bytes(derived, total, workers=workers, host_stages=sides)
+                b = plan.choose_chunk_bytes(measured, total, workers=workers, host_stages=sides)
+                assert (a.chunk_bytes, a.predicted_s) == (b.chunk_bytes, pytest.approx(b.predicted_s)), (total, workers)

@@ -55,16 +55,20 @@ def chunk_host_seconds(dev: Any, *, repeats: int = 3) -> dict[str, float]:
         repeats: timed pairs of calls per engine (the median is kept); at least 1.
 
     Returns:
-        ``{"staged": s, "scheduled": s, "direct": s}``: ``staged`` for ordinary (pageable) numpy
-        arrays staged through pinned rings by the scheduled engine and its CPU workers
-        (``host="stage"``), ``scheduled`` for pinned arrays the scheduled engine hands to the copy
-        engines in place (``engine="pipeline"``), ``direct`` for pinned arrays the direct engine
-        hands to them in place. Each is more than 0.
+        ``{"staged": s, "one_side": s, "scheduled": s, "direct": s}``: ``staged`` for ordinary
+        (pageable) numpy arrays staged through pinned rings by the scheduled engine and its CPU
+        workers (``host="stage"``), ``one_side`` for an ordinary input staged so into a result of
+        :mod:`ringflow.host` memory used in place (``host="auto"`` held to staging by a
+        ``pinned_budget`` under the input's bytes; None where the pool could not give pinned
+        memory), ``scheduled`` for pinned arrays the scheduled engine hands to the copy engines
+        in place (``engine="pipeline"``), ``direct`` for pinned arrays the direct engine hands to
+        them in place. Each figure is more than 0.
 
     Raises:
         ValueError: ``repeats`` is below 1.
         RuntimeError: the results differ from the inputs (the device copied wrongly).
     """
+    from ._device import host_pool
     from ._device.protocol import close_quietly
     from ._pipeline import stream_map
 
@@ -95,9 +99,23 @@ def chunk_host_seconds(dev: Any, *, repeats: int = 3) -> dict[str, float]:
                            x_buffer=x_buffer, out_buffer=y_buffer, engine=engine, keep_warm=False)
             return run
 
-        result = {"staged": _per_chunk(staged, repeats), "scheduled": _per_chunk(pinned("pipeline"), repeats),
-                  "direct": _per_chunk(pinned("direct"), repeats)}
-        if not (np.array_equal(y, x) and np.array_equal(y_buffer.view(np.float32, access="r"), x)):
+        # the result in ringflow.host memory, used in place; the input ordinary memory, which a
+        # budget under its bytes keeps host="auto" from registering: it is staged alone. (Held in
+        # a list, emptied once measured, so that the pool can take the block back.)
+        pooled = [host_pool.pool_for(dev).empty(x.shape, x.dtype)]
+        one_side_ok = host_pool.buffer_behind(pooled[0], dev) is not None
+
+        def one_side(chunks: int) -> None:
+            stream_map(_copy, x[:chunks * per_chunk], pooled[0][:chunks * per_chunk], device=dev,
+                       chunk_bytes=CHUNK_BYTES, host="auto", pinned_budget=chunks * CHUNK_BYTES - 1, keep_warm=False)
+
+        result = {"staged": _per_chunk(staged, repeats),
+                  "one_side": _per_chunk(one_side, repeats) if one_side_ok else None,
+                  "scheduled": _per_chunk(pinned("pipeline"), repeats), "direct": _per_chunk(pinned("direct"), repeats)}
+        one_side_right = not one_side_ok or np.array_equal(pooled[0], x)
+        pooled.clear()
+        host_pool.pool_for(dev).release_cached()  # (the measurement leaves nothing in the pool either)
+        if not (one_side_right and np.array_equal(y, x) and np.array_equal(y_buffer.view(np.float32, access="r"), x)):
             raise RuntimeError("the host-time measurement's chunks came back different from what went in: "
                                "this GPU or its driver is not copying correctly; run ringflow doctor to check it")
     finally:

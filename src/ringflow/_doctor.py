@@ -400,6 +400,7 @@ def _measure_gpu(dev, *, repeats: int, say: Callable[[str], None], model: bool) 
         per_chunk = chunk_host_seconds(dev, repeats=max(3, repeats // 2))
         mm["staged_chunk_host_s"], mm["direct_chunk_host_s"] = per_chunk["staged"], per_chunk["direct"]
         mm["scheduled_chunk_host_s"] = per_chunk["scheduled"]
+        mm["one_side_chunk_host_s"] = per_chunk["one_side"]
     return out
 
 
@@ -459,6 +460,7 @@ def profile_from_report(report: dict[str, Any]):
             direct_chunk_host_s=mm["direct_chunk_host_s"],
             scheduled_chunk_host_s=mm["scheduled_chunk_host_s"],
             register_call_s=mm.get("register_call_s"),
+            one_side_chunk_host_s=mm.get("one_side_chunk_host_s"),
             async_engine_count=caps["async_engine_count"],
             sm_count=caps["sm_count"],
             compute_capability=tuple(caps["compute_capability"]),

@@ -612,8 +612,9 @@ def host_seconds_per_chunk(profile: "str | HardwareProfile", host_stages: HostSt
     fit above (``SCHEDULER_S_PER_CHUNK + 2 * SCHEDULER_S_PER_HOST_TASK``,
     ``SCHEDULER_S_PER_CHUNK``, ``DIRECT_S_PER_CHUNK``).
 
-    No field holds the one-side case: each staged side adds one hand-off to the unstaged
-    scheduler's time, so it is the midpoint ``scheduled + (staged - scheduled) / 2`` of
+    The one-side case is the profile's ``one_side_chunk_host_s`` where it measured it. Else it
+    is derived: each staged side adds one hand-off to the unstaged scheduler's time, so it is the
+    midpoint ``scheduled + (staged - scheduled) / 2`` of
     ``staged_chunk_host_s`` and ``scheduled_chunk_host_s`` where the profile measured both;
     ``staged_chunk_host_s - SCHEDULER_S_PER_HOST_TASK`` (at least half of it) where it measured
     only that; ``scheduled_chunk_host_s + SCHEDULER_S_PER_HOST_TASK`` where only that; else the
@@ -635,6 +636,8 @@ def host_seconds_per_chunk(profile: "str | HardwareProfile", host_stages: HostSt
     if isinstance(field, str):
         measured = getattr(p, field)
         return fit if measured is None else measured
+    if p.one_side_chunk_host_s is not None:
+        return p.one_side_chunk_host_s
     staged, scheduled = (getattr(p, name) for name in field)
     if staged is not None and scheduled is not None:
         return scheduled + (staged - scheduled) / 2
@@ -1040,10 +1043,11 @@ def _choose_chunk_bytes(profile, total_bytes, compute_s_per_byte, workers, sides
     best = min(rows, key=lambda r: (r[2], -r[0]))
     near = [r for r in rows if r[2] <= best[2] * (1 + PREDICTION_TIE)]
     if any(sides) and len(near) > 1:  # (see "Choosing a staged chunk among near ties")
-        # both fields a staged figure may come from, so that a one-side job's (their midpoint) is
-        # the margin times its own too
+        # every field a staged figure may come from, so that a one-side job's (measured, or the
+        # midpoint of the other two) is the margin times its own too
         margin = HOST_LOAD_MARGIN * host_seconds_per_chunk(profile, sides)
-        loaded = dataclasses.replace(profile, staged_chunk_host_s=margin, scheduled_chunk_host_s=margin)
+        loaded = dataclasses.replace(profile, staged_chunk_host_s=margin, scheduled_chunk_host_s=margin,
+                                     one_side_chunk_host_s=margin)
 
         def under_load(row: tuple) -> tuple:
             _, seconds = predict_seconds(loaded, total_bytes, row[0], compute_s_per_byte=compute_s_per_byte,

@@ -325,6 +325,8 @@ def host_time_from(profile, host_stages, scheduled: bool) -> str:
     field, _ = plan.host_time_source(host_stages, scheduled)
     if isinstance(field, str):
         return f"this profile ({field})" if getattr(profile, field) is not None else "the planner's fit"
+    if profile.one_side_chunk_host_s is not None:
+        return "this profile (one_side_chunk_host_s)"
     staged_field, scheduled_field = field
     staged, unstaged = (getattr(profile, name) is not None for name in field)
     if staged and unstaged:

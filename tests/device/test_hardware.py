@@ -148,7 +148,7 @@ def _doc(**changes):
     ({"date": "yesterday"}, "'date' must be an ISO 8601 date"),
     ({"name": ""}, "'name' must be a non-empty string"),
     ({"model": [1, 2]}, "'model' must be a JSON object"),
-    ({"schema_version": 7}, "written by a newer ringflow (schema_version 7"),
+    ({"schema_version": 8}, "written by a newer ringflow (schema_version 8"),
     ({"schema_version": "1"}, "'schema_version' must be a whole number"),
     ({"schema": "something-else"}, "not a hardware profile ('schema' is 'something-else'"),
 ])
@@ -525,7 +525,7 @@ def test_a_profile_of_schema_version_1_is_read_without_a_staging_rate():
     data = hardware.H200_PCIE5.to_dict()
     data["schema_version"] = 1
     del data["model"]["staging_GBps"], data["model"]["staged_chunk_host_s"], data["model"]["direct_chunk_host_s"]
-    del data["model"]["scheduled_chunk_host_s"], data["model"]["register_call_s"]
+    del data["model"]["scheduled_chunk_host_s"], data["model"]["register_call_s"], data["model"]["one_side_chunk_host_s"]
     p = HardwareProfile.from_dict(data)
     assert p.staging_GBps is None
     assert dataclasses.replace(p, staging_GBps=hardware.H200_PCIE5.staging_GBps) == hardware.H200_PCIE5
@@ -541,7 +541,8 @@ def test_a_profile_of_schema_version_2_is_read_with_its_one_staging_rate_for_any
     data = hardware.H200_PCIE5.to_dict()
     data["schema_version"] = 2
     data["model"]["staging_GBps"] = 13.4
-    for field in ("staged_chunk_host_s", "direct_chunk_host_s", "scheduled_chunk_host_s", "register_call_s"):
+    for field in ("staged_chunk_host_s", "direct_chunk_host_s", "scheduled_chunk_host_s", "register_call_s",
+                  "one_side_chunk_host_s"):
         del data["model"][field]
     p = HardwareProfile.from_dict(data)
     assert p.staging_GBps == ((1, 13.4),)
@@ -560,7 +561,8 @@ def test_a_profile_of_schema_version_2_is_read_with_its_one_staging_rate_for_any
 def test_a_profile_of_schema_version_3_holds_its_staging_curve_or_null():
     data = hardware.H200_PCIE5.to_dict()
     data["schema_version"] = 3
-    for field in ("staged_chunk_host_s", "direct_chunk_host_s", "scheduled_chunk_host_s", "register_call_s"):
+    for field in ("staged_chunk_host_s", "direct_chunk_host_s", "scheduled_chunk_host_s", "register_call_s",
+                  "one_side_chunk_host_s"):
         del data["model"][field]
     assert data["model"]["staging_GBps"] == [list(p) for p in hardware.H200_PCIE5.staging_GBps]
     assert HardwareProfile.from_dict(data) == hardware.H200_PCIE5
@@ -576,7 +578,7 @@ def test_a_profile_of_schema_version_4_holds_the_hosts_time_per_chunk_or_null():
     read with it unknown (the planner then uses its fit), and one of version 4 must say it."""
     data = MEASURED.to_dict()
     data["schema_version"] = 4
-    del data["model"]["scheduled_chunk_host_s"], data["model"]["register_call_s"]
+    del data["model"]["scheduled_chunk_host_s"], data["model"]["register_call_s"], data["model"]["one_side_chunk_host_s"]
     assert (data["model"]["staged_chunk_host_s"], data["model"]["direct_chunk_host_s"]) == (455e-6, 52e-6)
     assert HardwareProfile.from_dict(data) == dataclasses.replace(MEASURED, scheduled_chunk_host_s=None,
                                                                   register_call_s=None)
@@ -603,7 +605,7 @@ def test_a_profile_of_schema_version_5_holds_the_schedulers_unstaged_time_per_ch
 
     data = MEASURED.to_dict()
     data["schema_version"] = 5
-    del data["model"]["register_call_s"]
+    del data["model"]["register_call_s"], data["model"]["one_side_chunk_host_s"]
     assert data["model"]["scheduled_chunk_host_s"] == 131e-6
     assert HardwareProfile.from_dict(data) == dataclasses.replace(MEASURED, register_call_s=None)
     assert H200_PCIE5.to_dict()["model"]["scheduled_chunk_host_s"] is None  # built in: the planner's fit
@@ -631,12 +633,13 @@ def test_a_profile_of_schema_version_6_holds_the_fixed_cost_of_a_registration_or
     from ringflow import _plan as plan
 
     data = MEASURED.to_dict()
-    assert data["schema_version"] == 6 == hardware.SCHEMA_VERSION
+    assert data["schema_version"] == hardware.SCHEMA_VERSION
     assert data["model"]["register_call_s"] == 24e-6
     assert HardwareProfile.from_dict(data) == MEASURED
     assert H200_PCIE5.to_dict()["model"]["register_call_s"] is None  # built in: not measured
     older = json.loads(json.dumps(data))
     older["schema_version"] = 5
+    del older["model"]["one_side_chunk_host_s"]  # (version 7's)
     with pytest.raises(ProfileError, match=r"unknown field\(s\) model.register_call_s"):
         HardwareProfile.from_dict(older)
     del older["model"]["register_call_s"]
@@ -745,3 +748,32 @@ def test_a_cached_link_that_leads_to_no_file_is_a_warning_not_a_missing_profile(
     path.unlink()
     MEASURED.save(path)  # what the warning says to do
     assert hardware.profile_for_gpu("NVIDIA H200") == MEASURED
+
+
+def test_a_profile_of_schema_version_7_holds_the_one_side_host_time_or_null():
+    """Version 7 added the scheduler's host time per chunk staging one side
+    (one_side_chunk_host_s); a file of version 6 is read with it unknown, and the planner derives
+    the one-side figure from the staged and unstaged ones as before; where it is measured, the
+    planner takes it, for either side."""
+    from ringflow import _plan as plan
+
+    data = MEASURED.to_dict()
+    assert data["schema_version"] == 7 == hardware.SCHEMA_VERSION
+    assert data["model"]["one_side_chunk_host_s"] is None and H200_PCIE5.to_dict()["model"]["one_side_chunk_host_s"] is None
+    measured = dataclasses.replace(MEASURED, one_side_chunk_host_s=402e-6)
+    data = measured.to_dict()
+    assert data["model"]["one_side_chunk_host_s"] == 402e-6 and HardwareProfile.from_dict(data) == measured
+    older = json.loads(json.dumps(data))
+    older["schema_version"] = 6
+    with pytest.raises(ProfileError, match=r"unknown field\(s\) model.one_side_chunk_host_s"):
+        HardwareProfile.from_dict(older)
+    del older["model"]["one_side_chunk_host_s"]
+    assert HardwareProfile.from_dict(older) == MEASURED
+    for sides in ((True, False), (False, True)):
+        assert plan.host_seconds_per_chunk(measured, sides) == 402e-6
+        assert plan.host_seconds_per_chunk(MEASURED, sides) == pytest.approx(
+            (MEASURED.staged_chunk_host_s + MEASURED.scheduled_chunk_host_s) / 2)
+    for bad, says in ((0, "a finite number more than 0"), ("402us", "a number, got string")):
+        data["model"]["one_side_chunk_host_s"] = bad
+        with pytest.raises(ProfileError, match=f"'model.one_side_chunk_host_s' must be {says}"):
+            HardwareProfile.from_dict(data)

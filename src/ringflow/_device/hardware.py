@@ -47,9 +47,9 @@ logger = logging.getLogger("ringflow")
 SCHEMA = "ringflow-hardware-profile"
 # 2 added staging_GBps (one rate, the most threads'; read as that rate for any number of threads);
 # 3 made it a curve by threads; 4 added staged_chunk_host_s and direct_chunk_host_s; 5 added
-# scheduled_chunk_host_s; 6 added register_call_s. A file of an older version is read with the
-# fields it lacks unknown (None).
-SCHEMA_VERSION = 6
+# scheduled_chunk_host_s; 6 added register_call_s; 7 added one_side_chunk_host_s. A file of an
+# older version is read with the fields it lacks unknown (None).
+SCHEMA_VERSION = 7
 CALIBRATE_VAR = "RINGFLOW_CALIBRATE"  # "1": measure a GPU with no cached profile on first use
 
 
@@ -79,9 +79,10 @@ _MACHINE = ("gpu_name", "driver", "pcie_link")  # where it was measured: the JSO
 _META = ("name", "measured_at") + _MACHINE
 # model fields that a file of an older schema version does not hold: {field: first version}
 _SINCE = {"staging_GBps": 2, "staged_chunk_host_s": 4, "direct_chunk_host_s": 4, "scheduled_chunk_host_s": 5,
-          "register_call_s": 6}
+          "register_call_s": 6, "one_side_chunk_host_s": 7}
 # seconds > 0, or None
-_MEASURED_SECONDS = ("staged_chunk_host_s", "scheduled_chunk_host_s", "direct_chunk_host_s", "register_call_s")
+_MEASURED_SECONDS = ("staged_chunk_host_s", "scheduled_chunk_host_s", "direct_chunk_host_s", "register_call_s",
+                     "one_side_chunk_host_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +129,10 @@ class HardwareProfile:
     staged_chunk_host_s: Optional[float] = None
     direct_chunk_host_s: Optional[float] = None
     scheduled_chunk_host_s: Optional[float] = None
+    # The same for the scheduled engine staging one side, the other pinned memory it uses in
+    # place: one pool task a chunk, whose cost between the unstaged and the staged figures
+    # differs from host to host. None: not measured (the planner derives it from the two).
+    one_side_chunk_host_s: Optional[float] = None
     # The host's seconds to register one page in place and unregister it: what a registration
     # costs beyond its bytes at register_GBps and unregister_GBps, paid once per array pinned.
     # None: not measured (the planner then counts registration by its bytes alone).
