@@ -754,8 +754,8 @@ class MapLayout:
         chunk's device rings are checked at the slot sizes of the engine that will run the job.
         ``pins_once``: whether the job registers once for many calls (a ``MapJob``), which
         ``host="auto"`` weighs by one call (:func:`~ringflow._plan.choose_host_strategy`).
-        ``host="auto"`` registers no more bytes than ``options["pinned_budget"]`` where one is
-        given: it stages instead.
+        ``host="auto"`` registers no more bytes than ``options["pinned_budget"]``, or without one
+        than :func:`~.sizing.default_register_budget`: it stages instead.
 
         Raises:
             TypeError: ``x_buffer`` or ``out_buffer`` that is not a host buffer.
