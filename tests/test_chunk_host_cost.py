@@ -119,3 +119,22 @@ def test_the_pinned_engines_are_timed_on_pinned_memory_whatever_the_pool_hands_o
 def test_repeats_below_one_are_refused(repeats):
     with pytest.raises(ValueError, match="repeats must be 1 or more"):
         chunk_host_cost.chunk_host_seconds(None, repeats=repeats)
+
+
+def test_blocks_the_caller_keeps_in_the_pool_stay_cached():
+    """The measurement runs at a device's first use, inside a user's run: blocks the user's
+    arrays left cached in ringflow.host's pool stay there (a later array of that size reuses one
+    instead of pinning anew)."""
+    from ringflow._device import host_pool
+
+    dev = rf.device("sim")
+    try:
+        pool = host_pool.pool_for(dev)
+        kept = pool.empty((1 << 16,), np.float32)
+        del kept  # its block goes back to the pool's cache
+        cached = pool.stats().cached_bytes
+        assert cached > 0
+        chunk_host_cost.chunk_host_seconds(dev, repeats=1)
+        assert pool.stats().cached_bytes >= cached
+    finally:
+        dev.close()

@@ -102,7 +102,11 @@ def chunk_host_seconds(dev: Any, *, repeats: int = 3) -> dict[str, float]:
         # the result in ringflow.host memory, used in place; the input ordinary memory, which a
         # budget under its bytes keeps host="auto" from registering: it is staged alone. (Held in
         # a list, emptied once measured, so that the pool can take the block back.)
-        pooled = [host_pool.pool_for(dev).empty(x.shape, x.dtype)]
+        pool = host_pool.pool_for(dev)
+        # a pool that already caches blocks is the caller's to keep: the measurement frees the
+        # cache only where it made it (the first use of a device calibrates inside a user's run)
+        cached_before = pool.stats().cached_bytes
+        pooled = [pool.empty(x.shape, x.dtype)]
         one_side_ok = host_pool.buffer_behind(pooled[0], dev) is not None
 
         def one_side(chunks: int) -> None:
@@ -114,7 +118,8 @@ def chunk_host_seconds(dev: Any, *, repeats: int = 3) -> dict[str, float]:
                   "scheduled": _per_chunk(pinned("pipeline"), repeats), "direct": _per_chunk(pinned("direct"), repeats)}
         one_side_right = not one_side_ok or np.array_equal(pooled[0], x)
         pooled.clear()
-        host_pool.pool_for(dev).release_cached()  # (the measurement leaves nothing in the pool either)
+        if cached_before == 0:
+            pool.release_cached()  # (the measurement leaves nothing in the pool either)
         if not (one_side_right and np.array_equal(y, x) and np.array_equal(y_buffer.view(np.float32, access="r"), x)):
             raise RuntimeError("the host-time measurement's chunks came back different from what went in: "
                                "this GPU or its driver is not copying correctly; run ringflow doctor to check it")
