@@ -631,23 +631,36 @@ def host_seconds_per_chunk(profile: "str | HardwareProfile", host_stages: HostSt
         ValueError: ``host_stages`` staging a side with ``scheduler=False`` (only the scheduler
             stages), or not a bool or a pair of bools.
     """
+    return host_time_per_chunk(profile, host_stages, scheduler=scheduler)[0]
+
+
+def host_time_per_chunk(profile: "str | HardwareProfile", host_stages: HostStages, *,
+                        scheduler: Optional[bool] = None) -> tuple[float, Optional[str]]:
+    """``(seconds, source)``: :func:`host_seconds_per_chunk` (its arguments as there) and where
+    that figure comes from: the profile field it is (``"staged_chunk_host_s"``, ...), for a job
+    staging one side without ``one_side_chunk_host_s`` how it is derived (``"midpoint"``,
+    ``"staged less a hand-off"``, ``"scheduled plus a hand-off"``), or None for the fit.
+
+    Raises:
+        as :func:`host_seconds_per_chunk`.
+    """
     field, fit = host_time_source(host_stages, scheduler)
     p = get_profile(profile)
     if isinstance(field, str):
         measured = getattr(p, field)
-        return fit if measured is None else measured
+        return (fit, None) if measured is None else (measured, field)
     if p.one_side_chunk_host_s is not None:
-        return p.one_side_chunk_host_s
+        return p.one_side_chunk_host_s, "one_side_chunk_host_s"
     staged, scheduled = (getattr(p, name) for name in field)
     if staged is not None and scheduled is not None:
-        return scheduled + (staged - scheduled) / 2
+        return scheduled + (staged - scheduled) / 2, "midpoint"
     if staged is not None:
         # the fit's hand-off is its host's; on a host whose whole staged figure is under two of
         # them it would take away more than one hand-off costs there
-        return max(staged - SCHEDULER_S_PER_HOST_TASK, staged / 2)
+        return max(staged - SCHEDULER_S_PER_HOST_TASK, staged / 2), "staged less a hand-off"
     if scheduled is not None:
-        return scheduled + SCHEDULER_S_PER_HOST_TASK
-    return fit
+        return scheduled + SCHEDULER_S_PER_HOST_TASK, "scheduled plus a hand-off"
+    return fit, None
 
 
 # the profile fields a one-side job's host time per chunk is derived from (host_seconds_per_chunk)

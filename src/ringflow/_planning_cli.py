@@ -315,6 +315,15 @@ def pinned_sides(pinned: "str | bool | None") -> tuple[bool, bool]:
     return pinned == "in", pinned == "out"
 
 
+# how a one-side job's host time per chunk is derived (_plan.host_time_per_chunk's sources), in
+# ringflow plan's words
+_DERIVED = {
+    "midpoint": "midpoint of staged_chunk_host_s and scheduled_chunk_host_s",
+    "staged less a hand-off": "staged_chunk_host_s less the planner's fit of a pool hand-off, at least half of it",
+    "scheduled plus a hand-off": "scheduled_chunk_host_s plus the planner's fit of a pool hand-off",
+}
+
+
 def host_time_from(profile, host_stages, scheduled: bool) -> str:
     """Where the host's time per chunk of a job (``_plan.host_seconds_per_chunk``, its arguments
     as there) comes from, in the words ``ringflow plan`` prints: a field of ``profile``, the
@@ -322,21 +331,12 @@ def host_time_from(profile, host_stages, scheduled: bool) -> str:
     built-in profiles' and older files')."""
     from . import _plan as plan
 
-    field, _ = plan.host_time_source(host_stages, scheduled)
-    if isinstance(field, str):
-        return f"this profile ({field})" if getattr(profile, field) is not None else "the planner's fit"
-    if profile.one_side_chunk_host_s is not None:
-        return "this profile (one_side_chunk_host_s)"
-    staged_field, scheduled_field = field
-    staged, unstaged = (getattr(profile, name) is not None for name in field)
-    if staged and unstaged:
-        return f"this profile (midpoint of {staged_field} and {scheduled_field}: one side staged)"
-    if staged:
-        return (f"this profile ({staged_field} less the planner's fit of a pool hand-off, at least half of it: "
-                "one side staged)")
-    if unstaged:
-        return f"this profile ({scheduled_field} plus the planner's fit of a pool hand-off: one side staged)"
-    return "the planner's fit"
+    _, source = plan.host_time_per_chunk(profile, host_stages, scheduler=scheduled)
+    if source is None:
+        return "the planner's fit"
+    if source in _DERIVED:
+        return f"this profile ({_DERIVED[source]}: one side staged)"
+    return f"this profile ({source})"
 
 
 def _human(n: int) -> str:
