@@ -86,11 +86,16 @@ def physical_memory() -> Optional[int]:
     return page * pages if page > 0 and pages > 0 else None  # (-1: the system does not know)
 
 
-def default_budget() -> int:
-    """The pinned bytes a new pool may hold: a quarter of physical memory, at most 4 GiB (4 GiB
-    where the size of physical memory is unknown)."""
+def quarter_of_memory() -> int:
+    """A quarter of the host's physical memory (bytes), what pinned memory of ringflow's own may
+    take by default: 4 GiB where the system does not say how much it has."""
     ram = physical_memory()
-    return 4 << 30 if ram is None else max(SMALL_BYTES, min(4 << 30, ram // 4))
+    return 4 << 30 if ram is None else ram // 4
+
+
+def default_budget() -> int:
+    """The pinned bytes a new pool may hold: :func:`quarter_of_memory`, at most 4 GiB."""
+    return max(SMALL_BYTES, min(4 << 30, quarter_of_memory()))
 
 
 def size_class(nbytes: int) -> int:

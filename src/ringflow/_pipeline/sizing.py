@@ -22,7 +22,6 @@ DEFAULT_CHUNK_BYTES = 8 << 20
 # the out-of-memory killer. An explicit host="register" pins what it is told; host="auto" is
 # the library's own choice, so without a pinned_budget it registers at most a quarter of
 # physical memory for one call or job on one device, and stages larger arrays.
-AUTO_REGISTER_SHARE = 4  # host="auto" registers at most 1/AUTO_REGISTER_SHARE of physical memory
 
 
 # Host-in slots per CPU worker for a user's prepare, and the pinned bytes they may take. One slot
@@ -341,8 +340,7 @@ def default_register_budget() -> int:
     """The most bytes ``host="auto"`` registers for one call or job on one device where no
     ``pinned_budget`` is given: a quarter of the host's physical memory (4 GiB where the system
     does not say how much it has)."""
-    ram = host_pool.physical_memory()
-    return 4 << 30 if ram is None else ram // AUTO_REGISTER_SHARE
+    return host_pool.quarter_of_memory()
 
 
 def register_budget(options: dict) -> int:
