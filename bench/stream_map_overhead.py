@@ -5,9 +5,12 @@ chunks, in place; medians and p10 of ``--calls`` calls, in µs, and with nothing
 the least mean of nine blocks of a ninth of them (``least_block_us``). With ``--before``, each call
 follows something that a real call's wait for the GPU may look like to the CPU: nothing
 (``none``), 5 ms asleep (``sleep``), 5 ms spinning (``spin``), or 16 MiB read through the caches
-(``touch``, as the copies' traffic may evict the caller's working set).
+(``touch``, as the copies' traffic may evict the caller's working set). ``--memory``: the array
+is a registered buffer passed as ``x_buffer`` (``pinned``), or an array from ``ringflow.host``
+found behind the array on every call (``pool``: rows named ``pool stream_map``, ``pool MapJob``).
 
     python3 bench/stream_map_overhead.py --device sim --out FILE [--calls 2000] [--before none,sleep,spin,touch]
+        [--memory pinned,pool]
 """
 
 from __future__ import annotations
@@ -44,23 +47,40 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="sim")
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--before", default="none")
+    ap.add_argument("--memory", default="pinned")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = rf.device(args.device)
-    hb, x = pinned_random(dev, 64)
+    rows = {}
+    for memory in args.memory.split(","):
+        _time_calls(dev, memory, args, rows)
+    write({**header(dev.name), "calls": args.calls, "rows": rows}, args.out)
+    return 0
+
+
+def _time_calls(dev, memory: str, args, rows: dict) -> None:
+    """Time both faces' calls on 64 MiB of ``memory`` (``pinned`` or ``pool``) into ``rows``."""
+    if memory == "pinned":
+        hb, x = pinned_random(dev, 64)
+        kw = dict(device=dev, chunk_bytes=8 << 20, x_buffer=hb, out_buffer=hb, inplace=True)
+    elif memory == "pool":
+        hb, x = None, rf.host.empty(16 << 20, np.float32, device=dev)
+        x[:] = np.random.default_rng(0).random(x.size, dtype=np.float32)
+        kw = dict(device=dev, chunk_bytes=8 << 20, inplace=True)
+    else:
+        raise SystemExit(f"--memory takes pinned and pool, got {memory!r}")
+    prefix = "" if memory == "pinned" else f"{memory} "
 
     def f(a, b):
         b[...] = a
 
     f.sim_seconds = 1e-6
-    kw = dict(device=dev, chunk_bytes=8 << 20, x_buffer=hb, out_buffer=hb, inplace=True)
     rf.stream_map(f, x, x, **kw)  # the engine made and parked warm
     job = rf.MapJob(f, x, x, **kw)
     job()
     run = direct.DirectSchedule.run
     direct.DirectSchedule.run = lambda self, arrays=None, *, profile=False: None
     gc.freeze()
-    rows = {}
     befores = {"none": lambda: None, "sleep": lambda: time.sleep(5e-3), "spin": lambda: _spin(5e-3),
                "touch": lambda: int(big.sum())}
     big = np.ones(16 << 20, np.uint8)
@@ -77,7 +97,7 @@ def main(argv=None) -> int:
                     call()
                     times.append(time.perf_counter() - t0)
                 times.sort()
-                key = name if before == "none" else f"{name} after {before}"
+                key = prefix + (name if before == "none" else f"{name} after {before}")
                 rows[key] = {"median_us": times[len(times) // 2] * 1e6, "p10_us": times[len(times) // 10] * 1e6}
                 if before == "none":  # the least of nine blocks' mean: what a busy machine's spikes leave alone
                     rows[key]["least_block_us"] = min(_block_mean(call, max(1, calls // 9)) for _ in range(9)) * 1e6
@@ -86,9 +106,8 @@ def main(argv=None) -> int:
         direct.DirectSchedule.run = run
         gc.unfreeze()
     job.close()
-    hb.close()
-    write({**header(dev.name), "calls": args.calls, "rows": rows}, args.out)
-    return 0
+    if hb is not None:
+        hb.close()
 
 
 if __name__ == "__main__":

@@ -158,15 +158,73 @@ def test_what_changes_a_call_is_checked_and_planned_anew(plans, change):
     assert len(plans) == before + 1
 
 
-def test_pool_arrays_are_received_on_every_call(plans):
-    dev = rf.device("sim", seed=5)
+def test_calls_on_pool_arrays_are_served_and_receive_their_arrays_every_time(plans, monkeypatch):
+    from ringflow._device import host_pool
+
+    received = []
+    real = host_pool.receive
+
+    def counted(arr, dev):
+        received.append(arr)
+        return real(arr, dev)
+
+    monkeypatch.setattr(host_pool, "receive", counted)
+    dev = rf.device("sim", seed=5, chaos=True, checked=True)
     x = rf.host.empty((4096,), np.float32, device=dev)
-    x[:] = fresh(4096, 3)
-    for _ in range(3):
-        y = rf.stream_map(f, x, device=dev, chunk_bytes=4096)
-        assert np.array_equal(y, x * 2 + 1)
-    assert len(plans) == 3
-    assert len(call_memo.MEMO) == 0
+    out = rf.host.empty((4096,), np.float32, device=dev)
+    for k in range(3):
+        x[:] = fresh(4096, k)
+        for y in (rf.stream_map(f, x, device=dev, chunk_bytes=4096), rf.stream_map(f, x, out, device=dev)):
+            assert np.array_equal(y, x * 2 + 1)
+    assert len(plans) == 2  # each kind of call planned once
+    served = [a for a in received if a is x or a is out]
+    assert len(served) >= 3 * 3  # x each call, out each call that has it
+
+
+def test_pool_arrays_made_on_another_thread_are_ordered_after_their_hand_out_on_a_served_call(plans):
+    """The pool hands each array out on the thread that asked; the call that takes it in on
+    another (passed on by a join, which the checker cannot see) must be ordered after that
+    hand-out, served by the memo or not (a dropped array's block comes back at the same address,
+    so most calls after the first are served)."""
+    dev = rf.device("sim", seed=7, chaos=True, checked=True)
+
+    def made(k):
+        x = rf.host.empty((2048,), np.float32, device=dev)
+        x[:] = fresh(2048, k)
+        return x, rf.host.empty((2048,), np.float32, device=dev)
+
+    places = set()
+    for k in range(6):
+        ((x, out),) = join([start(lambda k=k: made(k))])
+        places.add((x.ctypes.data, out.ctypes.data))
+        assert rf.stream_map(f, x, out, device=dev, chunk_bytes=4096) is out
+        assert np.array_equal(out, x * 2 + 1)
+        del x, out
+    assert len(plans) == len(places) < 6  # planned once for each place the pool gave the arrays
+
+
+def test_ordinary_memory_at_a_pool_arrays_address_is_planned_as_ordinary_memory(plans):
+    """An array over a pool array's memory that is not a view of it (through a memoryview) has
+    the same address, shape, strides and dtype, but no pool buffer behind it: a plan made for
+    the pool array (its buffers used in place) must not serve it, nor the other way round."""
+    dev = rf.device("sim", seed=8, checked=True)
+    x = rf.host.empty((4096,), np.float32, device=dev)
+    out = rf.host.empty((4096,), np.float32, device=dev)
+    x[:] = fresh(4096, 1)
+    x_alias = np.frombuffer(memoryview(x), np.float32)
+    out_alias = np.frombuffer(memoryview(out), np.float32)
+    assert x_alias.ctypes.data == x.ctypes.data and host_pool_device(x_alias) is None
+    for a, b in ((x, out), (x_alias, out_alias), (x, out), (x_alias, out_alias)):
+        out[:] = 0
+        assert rf.stream_map(f, a, b, device=dev, chunk_bytes=4096) is b
+        assert np.array_equal(out, x * 2 + 1)
+    assert len(plans) >= 4  # each alternation plans anew (the memo holds one entry per key)
+
+
+def host_pool_device(arr):
+    from ringflow._device import host_pool
+
+    return host_pool.device_of(arr)
 
 
 def test_the_memo_keeps_neither_the_compute_nor_the_arrays_alive():

@@ -15,8 +15,9 @@ address, shape, strides and dtype, the pinned buffers, every option (each compar
 type, so ``8`` never stands in for ``8.0`` or ``True``), the compute's ``sim_seconds`` and the
 device's hardware profile (by identity: replacing either plans anew), and the test hooks in
 force. What can change without changing those is checked again on every call: whether ``x`` or
-``out`` is pool memory (calls on pool arrays are never served: each receives its arrays), a
-pinned buffer or the device closed since. Entries hold no reference to the compute, the arrays,
+``out`` is pool memory and the bytes of the pool buffer behind each (a served call still receives
+its pool arrays, ordering it after their hand-out, and uses the buffers it finds), a pinned
+buffer or the device closed since. Entries hold no reference to the compute, the arrays,
 the buffers, the hooks or the device (weak references confirm that an ``id`` still names the
 same object), are bounded in number, and go when their device's warm engines are dropped.
 """

@@ -202,20 +202,22 @@ def _stream_map(f, x, out, device, x_buffer, out_buffer, values: tuple) -> tuple
     memo = _memo_key(f, x, out, device, x_buffer, out_buffer, values)
     if memo is not None:
         dev, key, objects, read = memo
+        # pool arrays are received on every call (ordered after their hand-off), served or not
+        pooled, pattern = pool_sides(dev, x, out, host, x_buffer, out_buffer)
         kept = call_memo.MEMO.get(key, objects, read)
-        if kept is not None and not _closed(dev, x_buffer, out_buffer) and _unpooled(x, out):
-            call = kept.prepared(dev, x_buffer, out_buffer)
+        if kept is not None and kept.pool_pattern == pattern and not _closed(dev, x_buffer, out_buffer):
+            call = kept.prepared(dev, x_buffer, out_buffer, pooled)
             fresh_out = out is None
             result = allocate_out(call.out_shape, call.out_dtype, "stream_map", output) if fresh_out else out
             try:
-                # (_unpooled said so of x and a given out; a fresh result is a new numpy array)
-                result, report, _ = run_prepared(f, x, result, fresh_out, call, profile, unpooled=True)
+                # (a fresh result is a new numpy array: KeptCall keeps no call whose result was replaced)
+                result, report, _ = run_prepared(f, x, result, fresh_out, call, profile,
+                                                 unpooled=all(side is None for side in pattern))
                 return result, report
             except STAGE_INSTEAD:
                 if host != "auto":
                     raise
                 # pinned since the kept call was planned (or not pinnable now): the full path plans it again
-    given_out = out
     opts = check_options(chunk_bytes=chunk_bytes, allow_auto_chunk=True, keep_warm=keep_warm, profile=profile,
                          **{name: value for (name, _), value in zip(OPTIONS[_OUTPUT + 1:], values[_OUTPUT + 1:])})
     out, fresh_out = check_arrays(f, x, out, host, engine, "stream_map", output, opts["inplace"])
@@ -238,9 +240,8 @@ def _stream_map(f, x, out, device, x_buffer, out_buffer, values: tuple) -> tuple
                                               out_buffer, engine, keep_warm, profile, opts)
     # a call staged in place of registering memory pinned already is not kept: the memory may be
     # unpinned by the next call, which registers it again
-    if (call is not None and memo is not None and memo[0] is dev and not call.replaced_out
-            and _unpooled(x, given_out)):
-        call_memo.MEMO.put(memo[1], memo[2], memo[3], KeptCall.of(call))
+    if call is not None and memo is not None and memo[0] is dev and not call.replaced_out:
+        call_memo.MEMO.put(memo[1], memo[2], memo[3], KeptCall.of(call, pattern))
     return result, report
 
 
@@ -284,9 +285,24 @@ def _named_again(given: Any, dev: Device, x: np.ndarray, out: Optional[np.ndarra
     return given is None and (dev is host_pool.device_of(x) or (out is not None and dev is host_pool.device_of(out)))
 
 
+def pool_sides(dev: Device, x: np.ndarray, out: Optional[np.ndarray], host: str, x_buffer, out_buffer) -> tuple:
+    """``(pooled, pattern)`` of a call on ``dev`` whose result is ``out`` (None: a fresh one):
+    the pool buffers :func:`pooled_buffers` finds behind ``x`` and ``out`` (received: the calling
+    thread ordered after their hand-off), and what of them its plan reads, which a memo entry must
+    match: for each side, None where it is memory of no pool, else a 1-tuple of the bytes of the
+    buffer used in place (None where there is none: another device's pool memory, or a view from
+    another byte than its block's first)."""
+    owners = (host_pool.device_of(x), None if out is None else host_pool.device_of(out))
+    if owners == (None, None):  # (ordinary arrays: nothing to receive)
+        return (None, None), (None, None)
+    pooled = pooled_buffers(dev, x, out, out is None, host, x_buffer, out_buffer)
+    return pooled, tuple(None if owner is None else (None if buf is None else buf.nbytes,)
+                         for owner, buf in zip(owners, pooled))
+
+
 def _unpooled(x: np.ndarray, out: Optional[np.ndarray]) -> bool:
-    """Whether neither ``x`` nor a given ``out`` is over any device's pool memory: a pool array is
-    received on every call (its hand-off ordered, its buffer found), so the memo serves none."""
+    """Whether neither ``x`` nor a given ``out`` is over any device's pool memory (a call on pool
+    arrays hands them off when it ends)."""
     return host_pool.device_of(x) is None and (out is None or out is x or host_pool.device_of(out) is None)
 
 
@@ -417,10 +433,11 @@ def cost_key(f: Callable) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class KeptCall:
-    """A :class:`PreparedCall` as :data:`call_memo.MEMO` keeps it: without its device or the
-    caller's buffers (an entry must not keep either alive: a device dropped by its caller goes,
-    as a collected RayMapper's must), which each call that it serves gives again. Only calls
-    with no pool array are kept (``pooled`` is then none)."""
+    """A :class:`PreparedCall` as :data:`call_memo.MEMO` keeps it: without its device, the
+    caller's buffers or the pool buffers behind its arrays (an entry must not keep any alive: a
+    device dropped by its caller goes, as a collected RayMapper's must), which each call that it
+    serves gives again; with ``pool_pattern``, what the plan read of its pool arrays
+    (:func:`pool_sides`), which a call it serves must match."""
 
     layout_fields: tuple  # MapLayout's fields after the device
     opts: dict
@@ -428,15 +445,20 @@ class KeptCall:
     warm_key: Optional[tuple]
     out_shape: tuple
     out_dtype: np.dtype
+    pool_pattern: tuple
 
     @classmethod
-    def of(cls, call: "PreparedCall") -> "KeptCall":
-        return cls(call.layout_fields, call.opts, call.kind, call.warm_key, call.out_shape, call.out_dtype)
+    def of(cls, call: "PreparedCall", pool_pattern: tuple) -> "KeptCall":
+        return cls(call.layout_fields, call.opts, call.kind, call.warm_key, call.out_shape, call.out_dtype,
+                   pool_pattern)
 
-    def prepared(self, dev: Device, x_buffer, out_buffer) -> "PreparedCall":
-        """The call on ``dev`` with the caller's buffers."""
+    def prepared(self, dev: Device, x_buffer, out_buffer, pooled: tuple) -> "PreparedCall":
+        """The call on ``dev`` with the caller's buffers and the pool buffers ``pooled`` behind
+        its arrays (used as :func:`plan_layout` uses them)."""
+        if None not in pooled or any(self.layout_fields[_IN_PLACE]):
+            x_buffer, out_buffer = pooled
         return PreparedCall(dev, self.layout_fields, self.opts, self.kind, self.warm_key, x_buffer, out_buffer,
-                            (None, None), self.out_shape, self.out_dtype, False)
+                            pooled, self.out_shape, self.out_dtype, False)
 
 
 def run_prepared(f, x, out, fresh_out: bool, call: PreparedCall, profile: bool, *, unpooled: bool = False) -> tuple:
@@ -896,7 +918,8 @@ def compute_cost(sim) -> "tuple[float, float] | tuple[None, None]":
     return max(0.0, 2 * one - two), max(0.0, two - one) / (1 << 20)
 
 
-_STRATEGY = [fld.name for fld in dataclasses.fields(MapLayout)[1:]].index("strategy")  # in MapLayout.fields()
+_STRATEGY, _IN_PLACE = ([fld.name for fld in dataclasses.fields(MapLayout)[1:]].index(name)  # in MapLayout.fields()
+                         for name in ("strategy", "in_place"))
 
 
 def check_on_device(dev: Device, x: np.ndarray, out: np.ndarray) -> None:
