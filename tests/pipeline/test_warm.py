@@ -21,7 +21,7 @@ from tests.helpers.sim import named_sims
 from tests.helpers.threads import JOIN_S, bounded, join, start
 from tests.helpers.collector import collector_off
 from ringflow._device.protocol import Device
-from ringflow._errors import StageError
+from ringflow._errors import OutOfMemoryError, StageError
 from ringflow._pipeline import warm
 
 
@@ -212,11 +212,82 @@ def test_least_recently_used_is_closed_beyond_capacity():
     dev = rf.device("sim")
     x = fresh(4096, 0)
     firsts = []
-    for cb in (512, 1024, 2048):
+    for cb in (256, 512, 1024, 2048, 4096):
         _, p = run(x, dev, chunk_bytes=cb)
         firsts.append(p)
-    assert len(warm.WARM) == warm.DEFAULT_CAPACITY == 2
-    assert firsts[0]._closed and not firsts[1]._closed and not firsts[2]._closed
+    assert len(warm.WARM) == warm.DEFAULT_CAPACITY == 4
+    assert firsts[0]._closed and not any(p._closed for p in firsts[1:])
+
+
+def test_the_engines_kept_for_a_device_hold_at_most_their_share_of_its_memory_and_the_hosts(monkeypatch):
+    """Beyond the count, the parked engines of one device are bounded in bytes (pinned and
+    device, each on its own): the least recently used go first, and the newest stays whatever
+    its size."""
+    dev = rf.device("sim")
+    x = fresh(1 << 16, 0)
+    sizes = {}
+    for cb in (4096, 8192, 16384):
+        _, p = run(x, dev, chunk_bytes=cb)
+        sizes[cb] = p
+    held = {cb: warm_held(p) for cb, p in sizes.items()}
+    assert all(pinned > 0 and device > 0 for pinned, device in held.values())
+    rf.drop_warm_pipelines()
+    for side in (0, 1):
+        # room for the two larger engines' bytes on this side, not for all three
+        room = held[8192][side] + held[16384][side]
+        bound = [1 << 60, 1 << 60]
+        bound[side] = room
+        monkeypatch.setattr(warm, "parked_bytes_bound", lambda device, bound=tuple(bound): bound)
+        kept = [run(x, dev, chunk_bytes=cb)[1] for cb in (4096, 8192, 16384)]
+        assert [p._closed for p in kept] == [True, False, False], side
+        monkeypatch.setattr(warm, "parked_bytes_bound", lambda device: (1, 1))
+        _, last = run(x, dev, chunk_bytes=2048)
+        assert all(p._closed for p in kept) and not last._closed and len(warm.WARM) == 1
+        rf.drop_warm_pipelines()
+    assert dev.live().total == 0
+
+
+def warm_held(pipe):
+    """The bytes the parked engine of ``pipe`` was kept with (pinned, device)."""
+    (held,) = [entry[3] for entry in warm.WARM._parked.values() if getattr(entry[0], "pipe", None) is pipe]
+    return held
+
+
+def test_the_default_bound_is_a_sixteenth_of_the_devices_memory_and_of_the_hosts(monkeypatch):
+    from ringflow._device import host_pool
+
+    monkeypatch.setattr(host_pool, "physical_memory", lambda: 64 << 30)
+    dev = rf.device("sim")
+    assert warm.parked_bytes_bound(dev) == (4 << 30, dev.hardware.total_memory // 16)
+    monkeypatch.setattr(host_pool, "physical_memory", lambda: None)
+    assert warm.parked_bytes_bound(dev)[0] == 1 << 30
+
+
+@pytest.mark.parametrize("host", ["stage", "register"])
+def test_a_call_that_finds_no_memory_for_its_engine_closes_the_kept_ones_and_runs(host):
+    """Memory the cache holds never makes a call fail: a device whose memory the parked engines
+    fill builds a new call's engine once they are closed (a profile of little device memory)."""
+    import dataclasses
+
+    from ringflow import _plan as plan
+
+    small = dataclasses.replace(plan.get_profile("h200-pcie5"), total_memory=96 << 10)
+    dev = rf.device("sim", profile=small)
+    x = fresh(1 << 14, 3)
+    _, first = run(x, dev, chunk_bytes=16384, host=host, slots=2)
+    assert not is_closed(first) and dev.live().device_buffers > 0
+    with pytest.raises(OutOfMemoryError):
+        dev.allocate(96 << 10)  # the parked engine holds device memory
+    y, second = run(x, dev, chunk_bytes=8192, host=host, slots=4)
+    assert np.array_equal(y, x * 2 + 1) and is_closed(first) and not is_closed(second)
+    out = np.empty_like(x)
+    with rf.MapJob(f, x, out, device=dev, chunk_bytes=8192, host=host, slots=4) as job:  # a job as well
+        assert job() is out and np.array_equal(out, x * 2 + 1) and is_closed(second)
+
+
+def is_closed(engine) -> bool:
+    """Whether a pipeline (the scheduled engine's) or a direct schedule is closed."""
+    return engine._closed if isinstance(engine, rf.Pipeline) else engine.closed
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -337,7 +408,7 @@ def test_a_named_spec_drops_the_warm_pipelines_of_the_device_it_names():
     closed = []
     gpu = types.SimpleNamespace(backend="cuda", index=1, closed=False, observe=lambda token: None)
     warm.WARM._parked["gpu 1"] = (types.SimpleNamespace(device=gpu, close=lambda: closed.append(1)), None,
-                                   warm.ComputeRelay(f))
+                                   warm.ComputeRelay(f), (0, 0))
     assert rf.drop_warm_pipelines("cuda:0") == 0 and rf.drop_warm_pipelines("cuda:1") == 1 and closed == [1]
 
 

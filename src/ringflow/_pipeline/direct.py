@@ -614,7 +614,7 @@ class DirectSchedule:
         """
         if self._timeline is None:
             raise RuntimeError("no profiled call to report; run with profile=True first")
-        device_bytes = sum(ring.nbytes for ring in self._rings)
+        device_bytes = self.held_bytes()[1]
         memory = {"pinned allocated": 0, "pinned high-water": 0, "device allocated": device_bytes,
                   "device high-water": device_bytes}
         return Report.build(self._timeline, workers=1, memory=memory,
@@ -635,6 +635,11 @@ class DirectSchedule:
         """Forget the finished call; a schedule bound to arrays at construction is never kept
         (it holds their slices). Returns whether it can serve another call."""
         return not self.closed and self._bound is None
+
+    def held_bytes(self) -> tuple[int, int]:
+        """As :meth:`~ringflow._pipeline.engine.Engine.held_bytes`: the device rings (the host
+        side is the caller's pinned memory)."""
+        return 0, sum(ring.nbytes for ring in self._rings)
 
     def forget_forked(self) -> None:
         """As :meth:`~ringflow._pipeline.engine.Engine.forget_forked`: the graph, rings and

@@ -75,6 +75,11 @@ class Engine(Protocol):
         """Forget the finished call (no reference to its arrays is kept) and say whether the engine
         can serve another call as it is."""
 
+    def held_bytes(self) -> tuple[int, int]:
+        """``(pinned, device)``: the bytes of pinned host memory and of device memory the engine
+        holds between calls (its rings; the caller's memory used in place is not counted);
+        ``(0, 0)`` once closed."""
+
     def close(self) -> None:
         """Release streams, rings and workers, stream-ordered after all work. Harmless twice;
         never raises."""

@@ -30,6 +30,7 @@ import numpy as np
 from .._device import device_list, host_pool
 from .._device.protocol import Device, close_quietly
 from .._errors import warn_quietly
+from . import warm
 from .engine import Arrays, Engine, choose_engine, make_engine
 from .frames import forget_own_frames
 from .reentry import check_process, generation, marked, refuse_from_stage, running_stage_of
@@ -253,7 +254,8 @@ class MapJob(Uncopyable):
             # pinned for the job's life: later calls pay no registration and no first touch
             self._held.registered, self._arrays = pinned_arrays(dev, layout.strategy, x, out, fresh_out, x_buffer,
                                                                 out_buffer, pooled, opts.get("workers"))
-            self._held.engine = make_engine(self.engine, f, layout, opts, self._arrays, bind=True)
+            self._held.engine = warm.with_room(dev, lambda: make_engine(self.engine, f, layout, opts, self._arrays,
+                                                                        bind=True))
         except STAGE_INSTEAD:
             self._held.release()
             if host != "auto":

@@ -19,6 +19,7 @@ import numpy as np
 
 from .. import _plan as plan
 from .._device.protocol import close_quietly
+from .._trace.report import memory_of
 from .api import Pipeline
 from .engine import Arrays
 from .stages import is_interrupt
@@ -157,6 +158,14 @@ class ScheduledEngine:
         """Forget the call's arrays; True if the pipeline can serve another call as it is."""
         self._arrays = None
         return self.pipe is not None and self.pipe._park()
+
+    def held_bytes(self) -> tuple[int, int]:
+        """As :meth:`~.engine.Engine.held_bytes`: the pipeline's rings of its own."""
+        pipe = self.pipe
+        if pipe is None:
+            return 0, 0
+        memory = memory_of(pipe._sched)
+        return memory["pinned allocated"], memory["device allocated"]
 
     def close(self) -> None:
         """Close the pipeline (streams, rings, workers); harmless twice; never raises."""

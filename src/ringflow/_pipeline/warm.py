@@ -31,6 +31,12 @@ Lifetimes, and why:
   all (least recently used are closed first): a call spread over several GPUs parks one per
   device. They hold their streams, device rings and pinned rings, which therefore count as
   live in ``device.live()`` until :func:`drop_warm_pipelines` (or eviction) closes them.
+* What the pipelines parked for one device hold is bounded in bytes too: at most a
+  ``PARKED_SHARE``-th of the device's memory and of the host's (:func:`parked_bytes_bound`),
+  the least recently used closed first; the one parked last stays whatever its size (its call
+  held as much). A call or a ``MapJob`` that cannot build its engine for want of memory closes
+  the engines parked for its device and builds it once more (:func:`with_room`), so memory the
+  cache holds never makes a call fail.
 * Closing a device drops its parked pipelines then: the cache registers with each device it
   parks for (:meth:`~ringflow._device.protocol.Device.on_close`, once per device, with a
   callback that holds nothing of the device), so none is kept for a closed device. A pipeline
@@ -56,8 +62,20 @@ if TYPE_CHECKING:
     from .._device.protocol import Device
     from .api import Pipeline
 
-DEFAULT_CAPACITY = 2
+DEFAULT_CAPACITY = 4
 MAX_DEVICES = 8  # devices kept warm at once (a host's GPUs); beyond, the least recently used go
+# the parked engines of one device hold at most this share of its memory and of the host's
+PARKED_SHARE = 16
+
+
+def parked_bytes_bound(device: "Device") -> tuple[int, int]:
+    """``(pinned, device)``: the most bytes of pinned host memory and of device memory the
+    engines parked for ``device`` may hold: a :data:`PARKED_SHARE`-th of the host's physical
+    memory (a quarter of the share ``host_pool.quarter_of_memory`` takes) and of the device's
+    ``total_memory``."""
+    from .._device import host_pool
+
+    return host_pool.quarter_of_memory() * 4 // PARKED_SHARE, device.hardware.total_memory // PARKED_SHARE
 
 
 class ComputeRelay:
@@ -130,8 +148,8 @@ class WarmPipelines:
     def __init__(self, capacity: int = DEFAULT_CAPACITY):
         self.capacity = capacity
         self._lock = threading.Lock()
-        # key -> (pipeline, the parking thread's hand-off token, its compute relay)
-        self._parked: collections.OrderedDict[Hashable, tuple["Pipeline", Any, ComputeRelay]] = (
+        # key -> (pipeline, the parking thread's hand-off token, its compute relay, its held bytes)
+        self._parked: collections.OrderedDict[Hashable, tuple["Pipeline", Any, ComputeRelay, tuple[int, int]]] = (
             collections.OrderedDict())
         # keys whose compute was collected while parked (appended by the collector, which must
         # not take the lock: it may run inside it)
@@ -145,7 +163,7 @@ class WarmPipelines:
         ``f``; or None. The calling thread is ordered after the thread that parked it."""
         with self._lock:
             gone = self._forget_collected()
-            pipe, token, relay = self._parked.pop(key, (None, None, None))
+            pipe, token, relay, _ = self._parked.pop(key, (None, None, None, None))
         for entry in gone:
             _close(*entry[:2])
         if pipe is None:
@@ -173,6 +191,7 @@ class WarmPipelines:
         token = pipe.device.publish()
         collected = self._collected
         relay.park(identity, lambda: collected.append(key))
+        held, bound = pipe.held_bytes(), parked_bytes_bound(pipe.device)
         with self._lock:
             if not self._drop_at_exit:
                 # registered after the first pipeline's finaliser, so it runs before them all
@@ -181,23 +200,34 @@ class WarmPipelines:
                 self._drop_at_exit = True
             evicted = self._forget_collected()
             old = self._parked.pop(key, None)
-            self._parked[key] = (pipe, token, relay)
+            self._parked[key] = (pipe, token, relay, held)
             evicted += [old] if old is not None else []
-            if len(self._parked) > self.capacity:  # else no device can have more than capacity parked
-                same = [k for k, (p, *_) in self._parked.items() if p.device is pipe.device]
-                for k in same[:max(0, len(same) - self.capacity)]:
-                    evicted.append(self._parked.pop(k))
+            evicted += self._over_bounds(pipe.device, bound)
             while len(self._parked) > self.capacity * MAX_DEVICES:
                 evicted.append(self._parked.popitem(last=False)[1])
             watch = pipe.device not in self._watched
             if watch:
                 self._watched.add(pipe.device)
-        for p, t, _ in evicted:
+        for p, t, *_ in evicted:
             _close(p, t)
         if watch:
             # after the pipeline is parked and outside the lock: on a device closed meanwhile the
             # callback runs at once, here, and drops it (taking the lock)
             pipe.device.on_close(_device_closed)
+
+    def _over_bounds(self, device: "Device", bound: tuple[int, int]) -> list:
+        """Take out the least recently used entries of ``device`` while it has more than
+        :attr:`capacity` or they hold more bytes than ``bound`` (:func:`parked_bytes_bound`),
+        keeping the newest; returns them. Under the lock."""
+        same = [k for k, (p, *_) in self._parked.items() if p.device is device]  # oldest first
+        pinned = sum(self._parked[k][3][0] for k in same)
+        device_bytes = sum(self._parked[k][3][1] for k in same)
+        gone = []
+        while len(same) > 1 and (len(same) > self.capacity or pinned > bound[0] or device_bytes > bound[1]):
+            entry = self._parked.pop(same.pop(0))
+            pinned, device_bytes = pinned - entry[3][0], device_bytes - entry[3][1]
+            gone.append(entry)
+        return gone
 
     def drop(self, device: "Device | None" = None, *, label: Optional[str] = None) -> int:
         """Close the parked pipelines (of ``device`` only, or of the device ``label`` names as
@@ -224,6 +254,24 @@ class WarmPipelines:
 
     def __len__(self) -> int:
         return len(self._parked)
+
+
+def with_room(device: "Device", build: Callable[[], Any]) -> Any:
+    """``build()`` (an engine for ``device``); where the device has no memory left for it, once
+    more after closing the engines kept for the device: what the cache holds never makes a call
+    or a job fail.
+
+    Raises:
+        OutOfMemoryError: no memory for it even with none kept for the device.
+    """
+    from .._errors import OutOfMemoryError
+
+    try:
+        return build()
+    except OutOfMemoryError:
+        if not WARM.drop(device):
+            raise
+    return build()
 
 
 def _device_closed(device: "Device") -> None:

@@ -481,7 +481,8 @@ def run_prepared(f, x, out, fresh_out: bool, call: PreparedCall, profile: bool, 
             else:  # an engine that may be kept calls a relay, which a parked engine empties (warm.py)
                 relay = warm.ComputeRelay(f) if key is not None else None
                 # (the engine gets its own copy of the options: a memo entry is shared)
-                eng = make_engine(call.kind, relay or f, call.layout, dict(call.opts), arrays)
+                eng = warm.with_room(call.device, lambda: make_engine(call.kind, relay or f, call.layout,
+                                                                      dict(call.opts), arrays))
             chunks = eng.n_chunks  # before the call: a first call that finds the job compute-bound tapers the next
             run_call(eng, arrays, profile, shield)
             report = eng.report() if profile else None
