@@ -248,9 +248,9 @@ def test_the_engines_kept_for_a_device_hold_at_most_their_share_of_its_memory_an
 
 
 def warm_held(pipe):
-    """The bytes the parked engine of ``pipe`` was kept with (pinned, device)."""
-    (held,) = [entry[3] for entry in warm.WARM._parked.values() if getattr(entry[0], "pipe", None) is pipe]
-    return held
+    """The bytes the parked engine of ``pipe`` holds (pinned, device)."""
+    (engine,) = [entry[0] for entry in warm.WARM._parked.values() if getattr(entry[0], "pipe", None) is pipe]
+    return engine.held_bytes()
 
 
 def test_the_default_bound_is_a_sixteenth_of_the_devices_memory_and_of_the_hosts(monkeypatch):
@@ -408,7 +408,7 @@ def test_a_named_spec_drops_the_warm_pipelines_of_the_device_it_names():
     closed = []
     gpu = types.SimpleNamespace(backend="cuda", index=1, closed=False, observe=lambda token: None)
     warm.WARM._parked["gpu 1"] = (types.SimpleNamespace(device=gpu, close=lambda: closed.append(1)), None,
-                                   warm.ComputeRelay(f), (0, 0))
+                                   warm.ComputeRelay(f))
     assert rf.drop_warm_pipelines("cuda:0") == 0 and rf.drop_warm_pipelines("cuda:1") == 1 and closed == [1]
 
 

@@ -148,8 +148,8 @@ class WarmPipelines:
     def __init__(self, capacity: int = DEFAULT_CAPACITY):
         self.capacity = capacity
         self._lock = threading.Lock()
-        # key -> (pipeline, the parking thread's hand-off token, its compute relay, its held bytes)
-        self._parked: collections.OrderedDict[Hashable, tuple["Pipeline", Any, ComputeRelay, tuple[int, int]]] = (
+        # key -> (pipeline, the parking thread's hand-off token, its compute relay)
+        self._parked: collections.OrderedDict[Hashable, tuple["Pipeline", Any, ComputeRelay]] = (
             collections.OrderedDict())
         # keys whose compute was collected while parked (appended by the collector, which must
         # not take the lock: it may run inside it)
@@ -163,7 +163,7 @@ class WarmPipelines:
         ``f``; or None. The calling thread is ordered after the thread that parked it."""
         with self._lock:
             gone = self._forget_collected()
-            pipe, token, relay, _ = self._parked.pop(key, (None, None, None, None))
+            pipe, token, relay = self._parked.pop(key, (None, None, None))
         for entry in gone:
             _close(*entry[:2])
         if pipe is None:
@@ -191,7 +191,6 @@ class WarmPipelines:
         token = pipe.device.publish()
         collected = self._collected
         relay.park(identity, lambda: collected.append(key))
-        held, bound = pipe.held_bytes(), parked_bytes_bound(pipe.device)
         with self._lock:
             if not self._drop_at_exit:
                 # registered after the first pipeline's finaliser, so it runs before them all
@@ -200,9 +199,10 @@ class WarmPipelines:
                 self._drop_at_exit = True
             evicted = self._forget_collected()
             old = self._parked.pop(key, None)
-            self._parked[key] = (pipe, token, relay, held)
+            self._parked[key] = (pipe, token, relay)
             evicted += [old] if old is not None else []
-            evicted += self._over_bounds(pipe.device, bound)
+            if len(self._parked) > 1:  # (else the newest, which stays, is all there is)
+                evicted += self._over_bounds(pipe.device)
             while len(self._parked) > self.capacity * MAX_DEVICES:
                 evicted.append(self._parked.popitem(last=False)[1])
             watch = pipe.device not in self._watched
@@ -215,18 +215,21 @@ class WarmPipelines:
             # callback runs at once, here, and drops it (taking the lock)
             pipe.device.on_close(_device_closed)
 
-    def _over_bounds(self, device: "Device", bound: tuple[int, int]) -> list:
+    def _over_bounds(self, device: "Device") -> list:
         """Take out the least recently used entries of ``device`` while it has more than
-        :attr:`capacity` or they hold more bytes than ``bound`` (:func:`parked_bytes_bound`),
-        keeping the newest; returns them. Under the lock."""
+        :attr:`capacity` or they hold more bytes than :func:`parked_bytes_bound`, keeping the
+        newest; returns them. Under the lock."""
         same = [k for k, (p, *_) in self._parked.items() if p.device is device]  # oldest first
-        pinned = sum(self._parked[k][3][0] for k in same)
-        device_bytes = sum(self._parked[k][3][1] for k in same)
+        if len(same) < 2:  # (the newest stays: no bound to read)
+            return []
+        bound = parked_bytes_bound(device)
+        held = [self._parked[k][0].held_bytes() for k in same]  # (what a parked engine holds stays)
+        pinned, device_bytes = sum(h[0] for h in held), sum(h[1] for h in held)
         gone = []
         while len(same) > 1 and (len(same) > self.capacity or pinned > bound[0] or device_bytes > bound[1]):
-            entry = self._parked.pop(same.pop(0))
-            pinned, device_bytes = pinned - entry[3][0], device_bytes - entry[3][1]
-            gone.append(entry)
+            gone.append(self._parked.pop(same.pop(0)))
+            pinned, device_bytes = pinned - held[0][0], device_bytes - held[0][1]
+            del held[0]
         return gone
 
     def drop(self, device: "Device | None" = None, *, label: Optional[str] = None) -> int:
