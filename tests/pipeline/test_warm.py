@@ -817,3 +817,23 @@ def test_threads_whose_computes_are_collected_between_calls_get_their_own_result
     gc.collect()
     rf.drop_warm_pipelines(dev)
     assert len(warm.WARM) == 0 and dev.live().total == 0
+
+
+def test_a_call_that_finds_no_memory_even_with_nothing_kept_fails_naming_it_and_leaks_nothing():
+    import dataclasses
+
+    from ringflow import _plan as plan
+
+    small = dataclasses.replace(plan.get_profile("h200-pcie5"), total_memory=96 << 10)
+    dev = rf.device("sim", profile=small)
+    x = fresh(1 << 14, 4)
+    _, first = run(x, dev, chunk_bytes=16384, slots=2)
+    hog = dev.allocate(32 << 10)  # the user's own: with the kept engine's rings, the device is full
+    with pytest.raises(OutOfMemoryError, match="cannot allocate the device-(in|out) ring"):
+        run(x, dev, chunk_bytes=16384, slots=4)
+    assert is_closed(first) and len(warm.WARM) == 0  # closed to make room, which was not enough
+    hog.close()
+    live = dev.live()
+    assert (live.device_buffers, live.host_buffers, live.streams) == (0, 0, 0)
+    y, _ = run(x, dev, chunk_bytes=16384, slots=2)
+    assert np.array_equal(y, x * 2 + 1)
