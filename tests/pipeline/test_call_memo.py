@@ -549,3 +549,25 @@ def test_a_call_whose_key_cannot_be_hashed_runs_unremembered(plans):
         y = rf.stream_map(g, x, device=dev, chunk_bytes=4096, output=(np.array([4000, 2]), "f4"))
         assert np.array_equal(y, np.repeat(x[:, None] * 2 + 1, 2, axis=1))
     assert len(plans) == 2 and len(call_memo.MEMO) == 0
+
+
+@pytest.mark.parametrize("side", ["x", "out"])
+def test_a_served_call_refuses_a_pool_array_whose_device_closed_since(plans, side):
+    """Another device's pool array is staged (planned once, then served); once that device is
+    closed its pinned memory is gone, and a call that the memo would serve must refuse it as the
+    full path does, not copy from or into freed memory."""
+    dev, other = rf.device("sim", seed=9), rf.device("sim", seed=10)
+    pooled = rf.host.empty((4096,), np.float32, device=other)
+    plain = fresh(4096, 2)
+    if side == "x":
+        pooled[:] = plain
+        x, out = pooled, np.empty_like(plain)
+    else:
+        x, out = plain, pooled
+    for _ in range(2):
+        assert rf.stream_map(f, x, out, device=dev, chunk_bytes=4096) is out
+        assert np.array_equal(out, x * 2 + 1)
+    assert len(plans) == 1
+    other.close()
+    with pytest.raises(RuntimeError, match=f"{side} is memory from ringflow.host of .*, which is closed"):
+        rf.stream_map(f, x, out, device=dev, chunk_bytes=4096)

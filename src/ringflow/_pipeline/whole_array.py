@@ -291,10 +291,14 @@ def pool_sides(dev: Device, x: np.ndarray, out: Optional[np.ndarray], host: str,
     thread ordered after their hand-off), and what of them its plan reads, which a memo entry must
     match: for each side, None where it is memory of no pool, else a 1-tuple of the bytes of the
     buffer used in place (None where there is none: another device's pool memory, or a view from
-    another byte than its block's first)."""
+    another byte than its block's first); the pattern is None where a pool array's device is
+    closed (no entry matches it)."""
     owners = (host_pool.device_of(x), None if out is None else host_pool.device_of(out))
     if owners == (None, None):  # (ordinary arrays: nothing to receive)
         return (None, None), (None, None)
+    if any(owner is not None and owner.closed for owner in owners):
+        # its pinned memory went with the device: no plan serves it (the full path refuses it)
+        return (None, None), None
     pooled = pooled_buffers(dev, x, out, out is None, host, x_buffer, out_buffer)
     return pooled, tuple(None if owner is None else (None if buf is None else buf.nbytes,)
                          for owner, buf in zip(owners, pooled))
