@@ -165,6 +165,23 @@ def test_stream_map_overhead(tmp_path):
     assert 0 < r["rows"]["stream_map"]["least_block_us"] and "least_block_us" not in r["rows"]["MapJob after touch"]
 
 
+def test_stream_map_overhead_on_pool_memory(tmp_path):
+    r = run_script(tmp_path, "stream_map_overhead.py", "--calls", "50", "--memory", "pinned,pool")
+    assert {"stream_map", "MapJob", "pool stream_map", "pool MapJob"} == set(r["rows"])
+    assert all(row["median_us"] > 0 for row in r["rows"].values())
+
+
+def test_warm_capacity(tmp_path):
+    """Three jobs in turn: a cache of two builds an engine on every timed call, one of four none."""
+    r = run_script(tmp_path, "warm_capacity.py", "--mib", "0.0625", "--capacities", "2,4", "--rounds", "2")
+    rows = {(row["host"], row["capacity"]): row for row in r["rows"]}
+    assert set(rows) == {(host, c) for host in ("stage", "register") for c in (2, 4)}
+    for host in ("stage", "register"):
+        assert rows[host, 2]["engines_built"] == rows[host, 2]["calls"] == 6
+        assert rows[host, 4]["engines_built"] == 0
+    assert all(row["correct"] and row["median_ms"] > 0 for row in rows.values())
+
+
 def test_capture_sync_probe(tmp_path):
     """On the simulated GPU alone (no GPU side): as on a GPU, synchronising another stream on the
     capturing thread abandons the capture (as the device-wide synchronisation does); an event

@@ -71,7 +71,7 @@ PARKED_SHARE = 16
 def parked_bytes_bound(device: "Device") -> tuple[int, int]:
     """``(pinned, device)``: the most bytes of pinned host memory and of device memory the
     engines parked for ``device`` may hold: a :data:`PARKED_SHARE`-th of the host's physical
-    memory (a quarter of the share ``host_pool.quarter_of_memory`` takes) and of the device's
+    memory (1 GiB where the system does not say how much it has) and of the device's
     ``total_memory``."""
     from .._device import host_pool
 

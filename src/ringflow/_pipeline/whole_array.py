@@ -97,10 +97,11 @@ def stream_map(f: Callable, x: np.ndarray, out: Optional[np.ndarray] = None, *, 
         engine: ``"direct"`` enqueues the call in one pass where the copy engines use ``x`` and
             ``out`` in place; ``"pipeline"`` runs it on the scheduler (as staging and
             ``on_error="continue"`` always do); ``"auto"`` picks direct wherever it can.
-        keep_warm: keep the call's engine (streams, device rings; never the arrays) for the next
-            call of the same shape and compute (a method such as ``model.step``: of the same
-            object); it holds ``f`` (and a method's object) until
-            :func:`ringflow.drop_warm_pipelines` releases it, or newer engines take its place.
+        keep_warm: keep the call's engine (streams, device rings; never the arrays, nor ``f``
+            or a method's object) for the next call of the same shape and compute (a method such
+            as ``model.step``: of the same object), until :func:`ringflow.drop_warm_pipelines`
+            closes it, ``f`` is collected, or newer engines take its place (at most four a
+            device, bounded in bytes).
         inplace: ``f`` gets the same device array as ``x`` and ``y`` (one device ring, not two).
         slots: slots per ring: None (planned), an int, or a :class:`ringflow.SlotCounts`.
         workers: CPU threads for staging (None: on a GPU one per core but one, at most 16; 4 on
