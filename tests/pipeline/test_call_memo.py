@@ -180,6 +180,10 @@ def test_calls_on_pool_arrays_are_served_and_receive_their_arrays_every_time(pla
     assert len(plans) == 2  # each kind of call planned once
     served = [a for a in received if a is x or a is out]
     assert len(served) >= 3 * 3  # x each call, out each call that has it
+    rf.stream_map(f, x, x, device=dev, inplace=True)
+    received.clear()
+    rf.stream_map(f, x, x, device=dev, inplace=True)  # served
+    assert len(received) == 1 and received[0] is x  # in place: received once
 
 
 def test_pool_arrays_made_on_another_thread_are_ordered_after_their_hand_out_on_a_served_call(plans):

@@ -968,7 +968,8 @@ def pooled_buffers(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool,
     asked for staging."""
     if x_buffer is not None or out_buffer is not None or host == "stage":
         return None, None
-    return host_pool.receive(x, dev), None if fresh_out else host_pool.receive(out, dev)
+    x_pooled = host_pool.receive(x, dev)
+    return x_pooled, None if fresh_out else x_pooled if out is x else host_pool.receive(out, dev)
 
 
 def pinned_arrays(dev: Device, strategy: str, x: np.ndarray, out: np.ndarray, fresh_out: bool, x_buffer, out_buffer,
