@@ -15,11 +15,14 @@
 #                                   at the default and the auto chunk, and on 256 MiB at 1 MiB, 8 MiB and auto;
 #                                   a MapJob's choice, set-up and calls beside them
 #   bash bench/gpu_check.sh rounds    ringflow against the C++ program in interleaved rounds (bench/cpp_rounds.py)
+#   bash bench/gpu_check.sh warm      a warm call's time outside its engine on a registered buffer and on a pool
+#                                   array (bench/stream_map_overhead.py), and three jobs in turn with a warm cache
+#                                   of two and of four engines (bench/warm_capacity.py)
 # $OUT gets: log.txt, pipeline_stress.json, threads.json, phases.json (check); bench-cuda-*.json, trace.json,
 # timeline.png, profile.txt, map_small_items.json, request_costs.json (bench); requests_runs.json (the
 # runs' JSON in one list), stalls.json, stalls_pinned.json (requests); staging_t2.json, the saved
 # profile (its cache name), workers_sweep.json, scheduler_load.json (staging); the saved profile and
-# sides.json (the runs' JSON in one list: sides); cpp_rounds.json (rounds).
+# sides.json (the runs' JSON in one list: sides); cpp_rounds.json (rounds); overhead.json, warm_capacity.json (warm).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/ringflow-out}; mkdir -p "$OUT"
@@ -62,6 +65,11 @@ elif [ "$part" = sides ]; then
 elif [ "$part" = rounds ]; then
   echo "== against the C++ program, interleaved rounds" | tee -a "$LOG"
   timeout 500 python3 bench/cpp_rounds.py --device ${DEVICE:-cuda:0} --rounds ${ROUNDS:-5} --out "$OUT/cpp_rounds.json" 2>&1 | tail -25 | tee -a "$LOG"
+elif [ "$part" = warm ]; then
+  echo "== a warm call outside its engine: registered buffer and pool array" | tee -a "$LOG"
+  timeout 120 python3 bench/stream_map_overhead.py --device ${DEVICE:-cuda:0} --calls 2000 --memory pinned,pool --out "$OUT/overhead.json" 2>&1 | cut -c1-200 | tee -a "$LOG"
+  echo "== three jobs in turn, a warm cache of two and of four engines" | tee -a "$LOG"
+  timeout 200 python3 bench/warm_capacity.py --device ${DEVICE:-cuda:0} --mib 0.25,4,64 --capacities 2,4 --rounds 8 --out "$OUT/warm_capacity.json" 2>&1 | cut -c1-200 | tee -a "$LOG"
 elif [ "$part" = requests ]; then
   mkdir -p "$OUT/runs"
   for i in $(seq "${RUNS:-6}"); do
