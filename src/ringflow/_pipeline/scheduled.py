@@ -164,7 +164,7 @@ class ScheduledEngine:
         pipe = self.pipe
         if pipe is None:
             return 0, 0
-        memory = memory_of(pipe._sched)
+        memory = memory_of(pipe.scheduler)
         return memory["pinned allocated"], memory["device allocated"]
 
     def close(self) -> None:

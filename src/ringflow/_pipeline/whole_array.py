@@ -460,10 +460,9 @@ class KeptCall:
     def prepared(self, dev: Device, x_buffer, out_buffer, pooled: tuple) -> "PreparedCall":
         """The call on ``dev`` with the caller's buffers and the pool buffers ``pooled`` behind
         its arrays (used as :func:`plan_layout` uses them)."""
-        if None not in pooled or any(self.layout_fields[_IN_PLACE]):
-            x_buffer, out_buffer = pooled
-        return PreparedCall(dev, self.layout_fields, self.opts, self.kind, self.warm_key, x_buffer, out_buffer,
-                            pooled, self.out_shape, self.out_dtype, False)
+        return PreparedCall(dev, self.layout_fields, self.opts, self.kind, self.warm_key,
+                            *buffers_in_use(x_buffer, out_buffer, pooled, self.layout_fields[_IN_PLACE]), pooled,
+                            self.out_shape, self.out_dtype, False)
 
 
 def run_prepared(f, x, out, fresh_out: bool, call: PreparedCall, profile: bool, *, unpooled: bool = False) -> tuple:
@@ -952,13 +951,18 @@ def plan_layout(f: Callable, x: np.ndarray, out: np.ndarray, fresh_out: bool, de
         as :meth:`MapLayout.plan`.
     """
     pooled = pooled_buffers(dev, x, out, fresh_out, host, x_buffer, out_buffer)
-    if None not in pooled:
-        x_buffer, out_buffer = pooled
-    layout = MapLayout.plan(f, x, out, fresh_out, dev, chunk_bytes, host, x_buffer, out_buffer, opts, pooled,
+    layout = MapLayout.plan(f, x, out, fresh_out, dev, chunk_bytes, host,
+                            *buffers_in_use(x_buffer, out_buffer, pooled, (False, False)), opts, pooled,
                             engine=engine, pins_once=pins_once)
-    if any(layout.in_place):  # one side a pool array, used in place; the other staged
-        x_buffer, out_buffer = pooled
-    return layout, x_buffer, out_buffer, pooled
+    return (layout, *buffers_in_use(x_buffer, out_buffer, pooled, layout.in_place), pooled)
+
+
+def buffers_in_use(x_buffer, out_buffer, pooled: tuple, in_place: tuple) -> tuple:
+    """The pinned buffers a whole-array job hands its engine: the pool buffers ``pooled`` behind
+    ``x`` and ``out`` where both are pool arrays (both used in place), or where the layout uses
+    one side in place (``in_place``; the other staged); else the caller's ``x_buffer`` and
+    ``out_buffer``."""
+    return pooled if None not in pooled or any(in_place) else (x_buffer, out_buffer)
 
 
 def pooled_buffers(dev: Device, x: np.ndarray, out: np.ndarray, fresh_out: bool, host: str, x_buffer,
